@@ -1,0 +1,24 @@
+"""tpdiag: why does TP=4 not match TP=1? Finds the first divergent op, names the cause, confirms it.
+
+`import tpdiag` is cheap: torch and everything heavy load on first use of an attribute.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Target": ("tpdiag.models.target", "Target"),
+    "capture": ("tpdiag.capture", "capture"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(mod), attr)
+    raise AttributeError(f"module 'tpdiag' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "Target", "capture"]

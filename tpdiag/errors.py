@@ -1,0 +1,30 @@
+"""Typed errors. The library raises these; only the CLI turns them into messages and exit codes."""
+from __future__ import annotations
+
+
+class TpdiagError(Exception):
+    """Base class. `exit_code` follows DESIGN.md: 2 bad input / inconclusive, 3 environment."""
+
+    exit_code = 2
+
+
+class BadInput(TpdiagError):
+    """A value the user gave cannot be used (a spec, a degree list, a dtype, a path)."""
+
+    exit_code = 2
+
+
+class Inconclusive(TpdiagError):
+    """The evidence is incomplete or corrupt: a world failed, a record is missing or edited."""
+
+    exit_code = 2
+
+
+class NotComparable(Inconclusive):
+    """Two captures that cannot be compared (different model, shapes, seeds, dtypes)."""
+
+
+class EnvironmentProblem(TpdiagError):
+    """A backend or device that is not available here."""
+
+    exit_code = 3
