@@ -1,0 +1,173 @@
+"""Command-line wiring. The library raises typed errors; only this file prints and picks exit codes."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from tpdiag.errors import TpdiagError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Find the first op whose output changes with the tensor-parallel degree.")
+
+_DEBUG = {"on": False}
+
+Format = Annotated[str, typer.Option("--format", help="text or json")]
+Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _fail(e: BaseException) -> None:
+    if _DEBUG["on"]:
+        import traceback
+
+        traceback.print_exception(e)
+    code = e.exit_code if isinstance(e, TpdiagError) else 2
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    _console(stderr=True).print(f"[bold red]error:[/] {msg}", markup=True, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _check_format(fmt: str) -> str:
+    from tpdiag.config import FORMATS, parse_choice
+
+    return parse_choice("--format", fmt, FORMATS)
+
+
+@app.command()
+def compare(
+    model: Annotated[str, typer.Option(help="tiny-llama | hf:DIR | py:FILE.py:FUNC")] = "tiny-llama",
+    tp: Annotated[str, typer.Option(help="degrees, the first is the reference")] = "1,2,4,8",
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    backward: Annotated[bool, typer.Option("--backward/--forward-only")] = True,
+    steps: Annotated[int, typer.Option(help="optimizer steps")] = 1,
+    fix: Annotated[str, typer.Option(help="NAME[,NAME] | all | auto | none")] = "none",
+    confirm: Annotated[bool, typer.Option("--confirm/--no-confirm")] = True,
+    granularity: Annotated[str, typer.Option(help="module | op | auto")] = "module",
+    out: Annotated[Optional[str], typer.Option(help="run directory (default runs/DATE)")] = None,
+    timeout: Annotated[float, typer.Option(help="seconds per TP world")] = 300.0,
+    seed: Annotated[int, typer.Option(help="seed for weights and batch")] = 1234,
+    variant: Annotated[str, typer.Option(help="plan variant (stock | stable)")] = "stock",
+    fmt: Format = "text",
+    fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence")] = False,
+    debug: Debug = False,
+) -> None:
+    """Run the model at each TP degree and find the first op that differs from the reference."""
+    _DEBUG["on"] = debug
+    try:
+        from tpdiag.config import DEVICES, DTYPES, GRANULARITIES, CompareConfig, parse_choice, parse_degrees
+        from tpdiag.fixes.registry import resolve
+
+        fmt = _check_format(fmt)
+        fix_mode = fix.strip().lower()
+        fixes = () if fix_mode in ("auto", "none") else resolve(fix_mode)
+        cfg = CompareConfig(
+            model=model, degrees=parse_degrees(tp), dtype=parse_choice("--dtype", dtype, DTYPES),
+            device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps,
+            fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
+            confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
+            out=out or "", timeout=timeout, seed=seed, variant=variant)
+        from tpdiag.runner.compare import run_compare, validate
+
+        validate(cfg)
+        if fmt == "text":
+            from tpdiag.cli_render import progress
+
+            with progress(_console(stderr=True), cfg) as on_status:
+                summary = run_compare(cfg, on_status)
+        else:
+            summary = run_compare(cfg)
+    except TpdiagError as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        _console(stderr=True).print("interrupted")
+        raise typer.Exit(130)
+    _emit_summary(summary, fmt)
+    _exit_for(summary, fail_on_divergence)
+
+
+def _emit_summary(summary: dict, fmt: str) -> None:
+    if fmt == "json":
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+    else:
+        from tpdiag.cli_render import summary_tables
+
+        summary_tables(_console(), summary)
+
+
+def _exit_for(summary: dict, fail_on_divergence: bool) -> None:
+    if summary["status"] == "inconclusive":
+        raise typer.Exit(2)
+    if fail_on_divergence and summary["status"] == "divergent":
+        raise typer.Exit(1)
+
+
+@app.command()
+def fixes(fmt: Format = "text") -> None:
+    """The fix catalogue: name, what it fixes, cost."""
+    from tpdiag.fixes.registry import catalogue
+
+    try:
+        fmt = _check_format(fmt)
+    except TpdiagError as e:
+        _fail(e)
+    rows = [f.to_dict() for f in catalogue().values()]
+    if fmt == "json":
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    from rich.table import Table
+
+    t = Table(title="tpdiag fixes")
+    for c in ("fix", "removes cause", "replaces", "cost", "available"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["name"], ", ".join(r["fixes"]), ", ".join(r["ops"]), r["cost"],
+                  "yes" if r["available"] else "not yet")
+    _console().print(t)
+
+
+@app.command()
+def doctor(fmt: Format = "text") -> None:
+    """Backend, devices, determinism-relevant environment, versions."""
+    from tpdiag.doctor import collect
+
+    try:
+        fmt = _check_format(fmt)
+    except TpdiagError as e:
+        _fail(e)
+    info = collect()
+    if fmt == "json":
+        sys.stdout.write(json.dumps(info, indent=2) + "\n")
+        return
+    from rich.table import Table
+
+    t = Table(title="tpdiag doctor", show_header=False)
+    for k, v in info.items():
+        t.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+    _console().print(t)
+
+
+def main() -> None:
+    try:
+        app()
+    except SystemExit:
+        raise
+    except BaseException as e:  # last resort: never a bare traceback without --debug
+        if isinstance(e, KeyboardInterrupt):
+            sys.exit(130)
+        if _DEBUG["on"]:
+            raise
+        sys.stderr.write(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Rich rendering for the CLI (the only place besides cli.py that touches rich)."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+
+@contextmanager
+def progress(console, cfg):
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from tpdiag.config import degree_labels
+
+    labels = degree_labels(cfg.degrees)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=False) as p:
+        tasks = {lab: p.add_task(f"TP={lab}{' (reference)' if i == 0 else ''}: waiting", total=1)
+                 for i, lab in enumerate(labels)}
+        tasks["diff"] = p.add_task("diff: waiting", total=1)
+        started = {}
+
+        def on_status(label: str, status: str) -> None:
+            t = tasks.get(label)
+            if t is None:
+                return
+            name = "diff" if label == "diff" else f"TP={label}"
+            if status == "running":
+                started[label] = time.perf_counter()
+                p.update(t, description=f"{name}: running")
+            else:
+                dt = time.perf_counter() - started.get(label, time.perf_counter())
+                mark = "[green]done[/]" if status == "ok" else "[red]FAILED[/]"
+                p.update(t, description=f"{name}: {mark} ({dt:.1f} s)", completed=1)
+
+        yield on_status
+
+
+def _fmt(x, spec=".2e"):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def summary_tables(console, summary: dict) -> None:
+    from rich.table import Table
+
+    status = summary["status"]
+    color = {"bitwise": "green", "divergent": "yellow", "inconclusive": "red"}.get(status, "white")
+    console.print(f"[bold]verdict:[/] [{color}]{status}[/] (reference TP={summary['reference_label']})")
+    t = Table(show_lines=False, pad_edge=False)
+    t.add_column("TP", no_wrap=True)
+    t.add_column("status", no_wrap=True)
+    t.add_column("first divergence", overflow="fold", ratio=3)
+    t.add_column("cause", overflow="fold", ratio=2)
+    t.add_column("max abs / bound", no_wrap=True)
+    t.add_column("ULP", no_wrap=True)
+    t.add_column("logprob err", no_wrap=True)
+    for label, d in summary["degrees"].items():
+        if d["status"] == "failed":
+            t.add_row(label, "[red]failed[/]", d.get("error", ""), "-", "-", "-", "-")
+            continue
+        fd = d.get("first_divergence") or {}
+        lp = d.get("logprobs") or {}
+        st = "[green]bitwise[/]" if d["status"] == "bitwise" else "[yellow]divergent[/]"
+        where = "-"
+        if fd:
+            where = f"{fd['phase']}: {fd['module']}" + (f" :: {fd['op']}" if fd.get("op") else "")
+            if fd["kind"] not in ("out",):
+                where += f" ({fd['kind']} {fd['name']})"
+        err = f"{_fmt(fd.get('max_abs'))} / {_fmt(fd.get('bound'))}" if fd else "-"
+        lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"
+                 if lp.get("max_abs") is not None else "-")
+        t.add_row(label, st, where, fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
+    console.print(t)
+    for label, d in summary["degrees"].items():
+        for f in d.get("findings") or []:
+            console.print(f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({f['kind']} "
+                          f"{f['name']}): {f['cause']}, max abs {_fmt(f['max_abs'])}"
+                          + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else ""))
+        conf = d.get("confirmation")
+        if conf:
+            console.print(f"TP={label}: fix [bold]{conf.get('fix')}[/] -> {conf.get('verdict')}"
+                          + (f"; first divergence now {conf['first_divergence_after']['module']}"
+                             if conf.get("first_divergence_after") else ""))
+    if summary.get("error"):
+        console.print(f"[red]{summary['error']}[/]")
+    if summary.get("run_dir"):
+        console.print(f"run directory: {summary['run_dir']}  (tpdiag report {summary['run_dir']})")

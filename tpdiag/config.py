@@ -1,0 +1,120 @@
+"""Run configuration: frozen, validated, serialisable (`to_dict`) so every record shows its provenance."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from tpdiag.errors import BadInput
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+GRANULARITIES = ("module", "op", "auto")
+FORMATS = ("text", "json")
+
+
+def parse_degrees(text: str) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8). The first is the reference; repeats are allowed (self-baseline)."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or any(p == "" for p in parts):
+        raise BadInput(f"--tp {text!r}: expected a comma-separated list of positive integers, e.g. 1,2,4,8")
+    out = []
+    for p in parts:
+        try:
+            n = int(p)
+        except ValueError:
+            raise BadInput(f"--tp {text!r}: {p!r} is not an integer; expected e.g. 1,2,4,8") from None
+        if n < 1:
+            raise BadInput(f"--tp {text!r}: degree {n} must be >= 1")
+        out.append(n)
+    if len(out) < 2:
+        raise BadInput(f"--tp {text!r}: need at least two degrees (a reference and one to compare), e.g. 1,2")
+    return tuple(out)
+
+
+def parse_choice(option: str, value: str, choices: tuple[str, ...]) -> str:
+    v = str(value).strip().lower()
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    v = aliases.get(v, v) if choices is DTYPES else v
+    if v not in choices:
+        raise BadInput(f"{option} {value!r}: expected one of {', '.join(choices)}")
+    return v
+
+
+def degree_labels(degrees: tuple[int, ...]) -> list[str]:
+    """Directory/summary labels: 'tp2'; a repeated degree gets a suffix ('tp1-2') so runs never collide."""
+    seen: dict[int, int] = {}
+    labels = []
+    for d in degrees:
+        seen[d] = seen.get(d, 0) + 1
+        labels.append(str(d) if seen[d] == 1 else f"{d}-{seen[d]}")
+    return labels
+
+
+@dataclass(frozen=True)
+class WorldConfig:
+    """Everything one TP world needs; crosses the process boundary as a plain dict."""
+
+    model: str
+    degree: int
+    label: str
+    out_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    backward: bool = True
+    steps: int = 1
+    seed: int = 1234
+    batch_size: int = 2
+    seq_len: int = 16
+    lr: float = 1e-2
+    clip_norm: float | None = 1.0
+    fixes: tuple[str, ...] = ()
+    granularity: str = "module"
+    variant: str = "stock"
+    probes: bool = True
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fixes"] = list(self.fixes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WorldConfig":
+        d = dict(d)
+        d["fixes"] = tuple(d.get("fixes", ()))
+        return cls(**d)
+
+    def with_(self, **kw) -> "WorldConfig":
+        return replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    model: str = "tiny-llama"
+    degrees: tuple[int, ...] = (1, 2, 4, 8)
+    dtype: str = "float32"
+    device: str = "auto"
+    backward: bool = True
+    steps: int = 1
+    fixes: tuple[str, ...] = ()
+    fix_mode: str = "none"  # none | explicit | all | auto
+    confirm: bool = True
+    granularity: str = "module"
+    out: str = ""
+    timeout: float = 300.0
+    seed: int = 1234
+    batch_size: int = 2
+    seq_len: int = 16
+    variant: str = "stock"
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["degrees"] = list(self.degrees)
+        d["fixes"] = list(self.fixes)
+        return d
+
+    def world(self, degree: int, label: str, out_dir: str, device: str, **kw) -> WorldConfig:
+        return WorldConfig(model=self.model, degree=degree, label=label, out_dir=out_dir,
+                           dtype=self.dtype, device=device, backward=self.backward,
+                           steps=self.steps, seed=self.seed, batch_size=self.batch_size,
+                           seq_len=self.seq_len, fixes=self.fixes, granularity=self.granularity,
+                           variant=self.variant, **kw)

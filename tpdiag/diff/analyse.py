@@ -1,0 +1,109 @@
+"""Turn a run directory's per-degree records into summary.json (schema 1) and diff.csv."""
+from __future__ import annotations
+
+import csv
+import io as _io
+import os
+
+from tpdiag import io
+from tpdiag.diff.engine import ROW_FIELDS, diff_degree
+from tpdiag.diff.locate import add_bounds, locate, logprob_stats
+from tpdiag.errors import Inconclusive
+from tpdiag.probes.store import RecordSet
+
+SCHEMA = 1
+
+
+def _styles(*recsets: RecordSet) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for rs in recsets:
+        for m in rs.events:
+            if m.get("style") is not None or m["module"] not in out:
+                out[m["module"]] = m.get("style")
+    return out
+
+
+def _scalar(rs: RecordSet, kind: str, step: int = 0):
+    m = next((e for e in rs.events if e["kind"] == kind and e["step"] == step), None)
+    if m is None:
+        return None
+    t = rs.tensor(m)
+    return float(t.flatten()[0].double()) if t.numel() else None
+
+
+def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, list[dict]]:
+    dd = diff_degree(ref, other, label)
+    add_bounds(dd, int(other.world.get("degree", 1)))
+    loc = locate(dd, _styles(ref, other))
+    divergent = any(not r["bitwise"] or r.get("rank_consistent") is False for r in dd.rows)
+    if dd.missing or dd.unmatched:
+        divergent = True
+    entry = {
+        "status": "divergent" if divergent else "bitwise",
+        "first_divergence": loc["first_divergence"],
+        "findings": loc["findings"],
+        "logprobs": logprob_stats(dd),
+        "loss": {"reference": _scalar(ref, "loss"), "value": _scalar(other, "loss")},
+        "grad_norm": {"reference": _scalar(ref, "grad_norm"), "value": _scalar(other, "grad_norm")},
+        "n_records": len(dd.rows),
+        "n_divergent": sum(not r["bitwise"] for r in dd.rows),
+        "unmatched": dd.unmatched[:50],
+        "missing": dd.missing[:50],
+        "confirmation": None,
+    }
+    if entry["loss"]["reference"] is not None and entry["loss"]["value"] is not None:
+        entry["loss"]["abs_diff"] = abs(entry["loss"]["value"] - entry["loss"]["reference"])
+    return entry, dd.rows
+
+
+def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[str, str],
+                reference_degree: int) -> dict:
+    """labels: every non-reference label; failed: {label: error} for worlds that did not finish."""
+    degrees: dict[str, dict] = {}
+    all_rows: list[dict] = []
+    ref = None
+    ref_error = failed.get(reference)
+    if ref_error is None:
+        try:
+            ref = RecordSet(os.path.join(run_dir, f"tp{reference}"))
+        except Inconclusive as e:
+            ref_error = str(e)
+    for label in labels:
+        if ref_error is not None:
+            degrees[label] = {"status": "failed", "error": f"reference TP={reference} failed: {ref_error}"}
+            continue
+        if label in failed:
+            degrees[label] = {"status": "failed", "error": failed[label]}
+            continue
+        try:
+            other = RecordSet(os.path.join(run_dir, f"tp{label}"))
+            entry, rows = analyse_degree(ref, other, label)
+        except Inconclusive as e:
+            degrees[label] = {"status": "failed", "error": str(e)}
+            continue
+        degrees[label] = entry
+        all_rows.extend(rows)
+    statuses = [d["status"] for d in degrees.values()]
+    if ref_error is not None or "failed" in statuses or not statuses:
+        status = "inconclusive"
+    elif "divergent" in statuses:
+        status = "divergent"
+    else:
+        status = "bitwise"
+    summary = {"schema": SCHEMA, "status": status, "reference": reference_degree,
+               "reference_label": reference, "degrees": degrees}
+    if ref_error is not None:
+        summary["error"] = f"reference TP={reference} failed: {ref_error}"
+    write_csv(os.path.join(run_dir, "diff.csv"), all_rows)
+    io.write_json(os.path.join(run_dir, "summary.json"), summary)
+    return summary
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    buf = _io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=ROW_FIELDS, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: (r.get(k) if not isinstance(r.get(k), list) else "x".join(map(str, r[k])))
+                    for k in ROW_FIELDS})
+    io.write_bytes(path, buf.getvalue().encode())

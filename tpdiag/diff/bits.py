@@ -1,0 +1,99 @@
+"""Bit-level comparison: raw-bit equality, ULP distance per dtype, abs/rel error, mismatch fraction.
+
+Raw bits, not torch.equal: -0.0 vs +0.0 and different NaN payloads are differences, and NaN
+equals NaN when the bits are the same.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+_INT_VIEW = {
+    torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+    torch.float16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8,
+}
+# unit roundoff u = 2^-p (p = significand bits incl. the implicit one)
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53, torch.bfloat16: 2.0 ** -8,
+                 torch.float16: 2.0 ** -11}
+
+
+@dataclass(frozen=True)
+class Compare:
+    bitwise: bool
+    numel: int
+    mismatches: int
+    max_abs: float
+    max_rel: float
+    max_ulp: int | None  # None: not a float dtype, or NaN/Inf pattern differs
+    nan_mismatch: bool
+
+    @property
+    def mismatch_fraction(self) -> float:
+        return self.mismatches / self.numel if self.numel else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mismatch_fraction"] = self.mismatch_fraction
+        return d
+
+
+def raw_bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    if t.dtype in _INT_VIEW:
+        return t.view(_INT_VIEW[t.dtype])
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw_bits(a), raw_bits(b))
+
+
+def ordered_int(t: torch.Tensor) -> torch.Tensor:
+    """Map float bits to integers whose order is the float order (±0 both map to 0)."""
+    bits = raw_bits(t).to(torch.int64)
+    width = torch.finfo(t.dtype).bits
+    sign = 1 << (width - 1)
+    mag = bits & (sign - 1)
+    return torch.where(bits < 0, -mag, mag) if width == 64 else torch.where((bits & sign) != 0, -mag, mag)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Number of representable values between a and b, elementwise (int64)."""
+    return (ordered_int(a) - ordered_int(b)).abs()
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> Compare:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"cannot compare {a.dtype}{list(a.shape)} with {b.dtype}{list(b.shape)}")
+    n = a.numel()
+    ra, rb = raw_bits(a), raw_bits(b)
+    diff = ra != rb
+    mism = int(diff.sum())
+    if mism == 0:
+        return Compare(True, n, 0, 0.0, 0.0, 0 if a.is_floating_point() else None, False)
+    if not a.is_floating_point():
+        d = (a.to(torch.float64) - b.to(torch.float64)).abs()
+        return Compare(False, n, mism, float(d.max()), float((d / b.to(torch.float64).abs().clamp_min(1)).max()),
+                       None, False)
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    nan_a, nan_b = torch.isnan(a64), torch.isnan(b64)
+    nan_mismatch = bool((nan_a != nan_b).any())
+    both = ~(nan_a | nan_b)
+    d = (a64 - b64).abs()
+    d = torch.where(both, d, torch.zeros_like(d))
+    inf_pattern = bool(((torch.isinf(a64) | torch.isinf(b64)) & (a64 != b64) & both).any())
+    finite_d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))
+    max_abs = float("inf") if inf_pattern else float(finite_d.max())
+    rel = finite_d / b64.abs().where(both, torch.ones_like(b64)).clamp_min(torch.finfo(a.dtype).tiny)
+    max_rel = float("inf") if inf_pattern else float(rel.max())
+    if nan_mismatch:
+        max_ulp = None
+    else:
+        u = ulp_distance(a, b)
+        # NaN vs NaN with different payloads: count as a mismatch, not as an ULP distance.
+        u = torch.where(both, u, torch.zeros_like(u))
+        max_ulp = int(u.max())
+    return Compare(False, n, mism, max_abs, max_rel, max_ulp, nan_mismatch)

@@ -1,0 +1,60 @@
+"""Rounding-error bounds: how far two correct but differently-ordered computations may drift.
+
+For y = x W^T with K-length dot products, classical analysis (Higham, Thm 3.5) gives
+|fl(x.w) - x.w| <= gamma_K * |x|.|w|, gamma_K = K u / (1 - K u). Two runs may each be off by
+that much, plus whatever difference they were fed (propagated exactly through |W|):
+    |y_N - y_1| <= |dx| |W_N|^T + |x_1| |dW|^T + gamma_K (|x_1||W_1|^T + |x_N||W_N|^T)
+                   + (T+1) u_out |x_N||W_N|^T + u_out (|y_1| + |y_N|)
+The (T+1) u_out term covers TP=T rounding partial sums to the output dtype before the all-reduce.
+A difference inside the bound is a reordering; far outside, the result is wrong (a sharding bug).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpdiag.diff.bits import UNIT_ROUNDOFF
+
+
+def gamma(n: int, u: float) -> float:
+    nu = n * u
+    return nu / (1.0 - nu) if nu < 1 else float("inf")
+
+
+@dataclass(frozen=True)
+class BoundCheck:
+    bound: float        # the bound at the element that comes closest to (or furthest past) it
+    ratio: float        # max |dy| / bound; > 1 means beyond the bound
+    beyond: bool
+
+    def to_dict(self) -> dict:
+        return {"bound": self.bound, "ratio": self.ratio, "beyond": self.beyond}
+
+
+def linear_bound(x1, xn, w1, wn, y1, yn, world: int, b1=None, bn=None) -> torch.Tensor:
+    """Elementwise bound on |yn - y1| for y = x W^T (+ b); all tensors whole (gathered)."""
+    out_dtype = yn.dtype
+    f = torch.float64
+    u_acc = UNIT_ROUNDOFF[torch.float64 if out_dtype == torch.float64 else torch.float32]
+    u_out = UNIT_ROUNDOFF.get(out_dtype, u_acc)
+    x1, xn, w1, wn, y1, yn = (t.to(f) for t in (x1, xn, w1, wn, y1, yn))
+    k = x1.shape[-1]
+    ax1, axn, aw1, awn = x1.abs(), xn.abs(), w1.abs(), wn.abs()
+    mag_n = axn @ awn.T
+    bound = (xn - x1).abs() @ awn.T + ax1 @ (wn - w1).abs().T
+    bound = bound + gamma(k, u_acc) * (ax1 @ aw1.T + mag_n)
+    bound = bound + (world + 1) * u_out * mag_n + u_out * (y1.abs() + yn.abs())
+    if b1 is not None and bn is not None:
+        bound = bound + (bn.to(f) - b1.to(f)).abs()
+    return bound
+
+
+def check(y1: torch.Tensor, yn: torch.Tensor, bound: torch.Tensor) -> BoundCheck:
+    d = (yn.to(torch.float64) - y1.to(torch.float64)).abs()
+    d = torch.where(torch.isnan(d), torch.full_like(d, float("inf")), d)
+    ratio = d / bound.clamp_min(torch.finfo(torch.float64).tiny)
+    ratio = torch.where(d == 0, torch.zeros_like(ratio), ratio)
+    i = int(ratio.argmax())
+    r = float(ratio.flatten()[i])
+    return BoundCheck(float(bound.flatten()[i]), r, r > 1.0)

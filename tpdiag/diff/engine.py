@@ -1,0 +1,89 @@
+"""Compare every record of one degree against the reference, in execution order."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tpdiag.diff import bits
+from tpdiag.diff.layout import Assembled, assemble, full_shape_guess
+from tpdiag.errors import NotComparable
+from tpdiag.probes.store import RecordSet
+
+ROW_FIELDS = ["degree", "idx", "key", "step", "phase", "module", "kind", "call", "name", "cls",
+              "style", "layout", "dtype", "shape", "bitwise", "rank_consistent", "max_abs",
+              "max_rel", "max_ulp", "mismatch_fraction", "bound", "beyond_bound"]
+
+
+@dataclass
+class DegreeDiff:
+    label: str
+    rows: list[dict]
+    unmatched: list[str]             # keys present at this degree only
+    missing: list[str]               # keys present at the reference only
+    tensors: dict = field(default_factory=dict)  # key -> (ref_full, other_full), for bounds/plots
+
+
+def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
+    g = full_shape_guess(meta)
+    if g is None and other_meta is not None:
+        g = full_shape_guess(other_meta)
+    return g
+
+
+def _assemble_pair(rm: dict, rt: torch.Tensor, om: dict, ot: torch.Tensor):
+    ra = assemble(rm, rt, _full_hint(rm, om))
+    oa = assemble(om, ot, _full_hint(om, rm) if ra.full is None else list(ra.full.shape))
+    if ra.full is None and oa.full is not None:
+        ra = assemble(rm, rt, list(oa.full.shape))
+    return ra, oa
+
+
+def _pair_tensors(ra: Assembled, oa: Assembled):
+    if ra.full is not None and oa.full is not None:
+        return ra.full, oa.full
+    if ra.shards is not None and oa.shards is not None and len(ra.shards) == len(oa.shards):
+        return torch.stack(ra.shards), torch.stack(oa.shards)
+    raise NotComparable("layouts cannot be matched")
+
+
+def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> DegreeDiff:
+    """keep(meta) -> bool: which assembled pairs to keep in memory (for bounds and plots)."""
+    rows, unmatched = [], []
+    tensors = {}
+    seen = set()
+    for om in other.events:
+        key = om["key"]
+        rm = ref.by_key.get(key)
+        if rm is None:
+            unmatched.append(key)
+            continue
+        seen.add(key)
+        try:
+            ra, oa = _assemble_pair(rm, ref.tensor(rm), om, other.tensor(om))
+            a, b = _pair_tensors(ra, oa)
+        except NotComparable as e:
+            raise NotComparable(f"TP={label}: {e}") from None
+        row = {k: om.get(k) for k in ("idx", "key", "step", "phase", "module", "kind", "call", "name",
+                                     "cls", "style", "dtype")}
+        row["degree"] = label
+        row["layout"] = oa.layout
+        row["shape"] = list(b.shape)
+        row["rank_consistent"] = oa.rank_consistent
+        row["consumers"] = om.get("consumers")
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise NotComparable(f"TP={label}: {key}: {a.dtype}{list(a.shape)} at the reference vs "
+                                f"{b.dtype}{list(b.shape)}")
+        c = bits.compare(b, a)
+        row.update(bitwise=c.bitwise, max_abs=c.max_abs, max_rel=c.max_rel, max_ulp=c.max_ulp,
+                   mismatch_fraction=c.mismatch_fraction, bound=None, beyond_bound=None)
+        if oa.rank_consistent is False:
+            row["rank_max_abs"] = max(
+                float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())
+                if s.is_floating_point() else float(not torch.equal(s, oa.shards[0]))
+                for s in oa.shards)
+        rows.append(row)
+        if keep is None or keep(om):
+            tensors[key] = (a, b)
+    missing = [m["key"] for m in ref.events if m["key"] not in seen]
+    return DegreeDiff(label, rows, unmatched, missing, tensors)

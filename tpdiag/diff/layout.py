@@ -1,0 +1,88 @@
+"""Rebuild whole tensors from stored shards: DTensor placement first, else the shape ratio.
+
+Hugging Face TP and unplanned modules inside a sharded region (act_fn, q_norm) emit local
+shards with no marker; exactly one dimension shrinks by the world size, which identifies it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpdiag.errors import NotComparable
+
+
+@dataclass
+class Assembled:
+    full: torch.Tensor | None    # None when only shard-wise comparison is possible
+    shards: list[torch.Tensor] | None
+    layout: str                  # replicate | shard:D | partial | stacked
+    rank_consistent: bool | None  # None: not a replica, nothing to check
+
+
+def local_shape(meta: dict) -> list[int]:
+    return list(meta["local_shape"])
+
+
+def full_shape_guess(meta: dict) -> list[int] | None:
+    """The full shape when it follows from the record alone, else None."""
+    shape = local_shape(meta)
+    p, n = meta.get("placement"), meta.get("world", 1)
+    if n == 1 or meta.get("stored") == "single" and p in (None, "replicate"):
+        return shape
+    if p and p.startswith("shard:"):
+        d = int(p.split(":")[1])
+        shape[d] *= n
+        return shape
+    if p in ("replicate", "partial"):
+        return shape
+    return None
+
+
+def _shard_dim(local: list[int], full: list[int], n: int) -> int | None:
+    if len(local) != len(full):
+        return None
+    dims = [d for d in range(len(full)) if local[d] != full[d]]
+    if len(dims) == 1 and local[dims[0]] * n == full[dims[0]]:
+        return dims[0]
+    return None
+
+
+def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> Assembled:
+    n = meta.get("world", 1)
+    p = meta.get("placement")
+    local = local_shape(meta)
+    if n == 1:
+        return Assembled(stored, None, "replicate", None)
+    if meta["stored"] == "single":
+        shards = None
+        if p and p.startswith("shard:"):
+            d = int(p.split(":")[1])
+            return Assembled(torch.cat([stored] * n, dim=d), None, p, None)
+        if full_hint is None or list(full_hint) == local:
+            return Assembled(stored, None, p or "replicate", True)
+        d = _shard_dim(local, list(full_hint), n)
+        if d is None:
+            raise NotComparable(f"{meta['key']}: shape {local} at TP={n} cannot be gathered into "
+                                f"{list(full_hint)}")
+        return Assembled(torch.cat([stored] * n, dim=d), shards, f"shard:{d}", None)
+    shards = list(stored.unbind(0))
+    if p and p.startswith("shard:"):
+        return Assembled(torch.cat(shards, dim=int(p.split(":")[1])), shards, p, None)
+    if p == "partial":
+        total = shards[0].to(torch.float64)
+        for s in shards[1:]:
+            total = total + s.to(torch.float64)
+        return Assembled(total.to(stored.dtype), shards, "partial", None)
+    if p == "replicate":
+        return Assembled(shards[0], shards, "replicate", False)
+    if full_hint is not None:
+        if list(full_hint) == local:
+            # Same shape at every rank yet different bits: a replica that is not replicated.
+            return Assembled(shards[0], shards, "replicate", False)
+        d = _shard_dim(local, list(full_hint), n)
+        if d is not None:
+            return Assembled(torch.cat(shards, dim=d), shards, f"shard:{d}", None)
+        raise NotComparable(f"{meta['key']}: shards of shape {local} at TP={n} cannot be gathered "
+                            f"into {list(full_hint)}")
+    return Assembled(None, shards, "stacked", None)

@@ -1,0 +1,142 @@
+"""Find the first divergence, name its cause, and list every finding (beyond bound / inconsistent).
+
+Rule: walking records in execution order, the first record that differs from the reference is
+the root cause - every record it consumed came earlier and was bitwise equal. Its cause is read
+from its layout and op kind, and from its size against a rounding bound.
+"""
+from __future__ import annotations
+
+import torch
+
+from tpdiag.diff import bits, bounds
+from tpdiag.diff.engine import DegreeDiff
+
+CAUSES = ("row-parallel-reduction", "shape-dependent-gemm", "vocab-parallel-softmax",
+          "column-parallel-dgrad", "norm-weight-grad", "grad-norm", "collective-nondeterminism",
+          "rank-inconsistent-replica", "sharding-bug", "unknown")
+NORM_CLASSES = ("RMSNorm", "LayerNorm", "LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm",
+                "MistralRMSNorm", "GemmaRMSNorm")
+EMBED_CLASSES = ("Embedding", "VocabParallelEmbedding")
+LINEAR_CLASSES = ("Linear",)
+
+
+def _param_key(step: int, module: str, name: str) -> str:
+    if step == 0:
+        return f"s0/init/{module}/param_init#0/{name}"
+    return f"s{step - 1}/optimizer/{module}/param#0/{name}"
+
+
+def add_bounds(dd: DegreeDiff, world: int) -> None:
+    """Attach a rounding bound to every Linear forward output (the ops where a bug would hide)."""
+    for row in dd.rows:
+        if row["phase"] != "forward" or row["kind"] != "out" or row["cls"] not in LINEAR_CLASSES:
+            continue
+        k = row["key"]
+        xk = f"s{row['step']}/forward/{row['module']}/in#{row['call']}/0"
+        wk = _param_key(row["step"], row["module"], "weight")
+        bk = _param_key(row["step"], row["module"], "bias")
+        if k not in dd.tensors or xk not in dd.tensors or wk not in dd.tensors:
+            continue
+        y1, yn = dd.tensors[k]
+        x1, xn = dd.tensors[xk]
+        w1, wn = dd.tensors[wk]
+        b1, bn = dd.tensors.get(bk, (None, None))
+        if x1.shape[-1] != w1.shape[-1] or y1.shape != yn.shape:
+            continue
+        b = bounds.linear_bound(x1, xn, w1, wn, y1, yn, world, b1, bn)
+        if b.shape != y1.shape:
+            continue
+        chk = bounds.check(y1, yn, b)
+        row["bound"] = chk.bound
+        row["bound_ratio"] = chk.ratio
+        row["beyond_bound"] = chk.beyond
+
+
+def classify(row: dict) -> str:
+    if row.get("rank_consistent") is False:
+        return "rank-inconsistent-replica"
+    if row.get("beyond_bound"):
+        return "sharding-bug"
+    phase, kind, style, cls = row["phase"], row["kind"], row.get("style"), row.get("cls")
+    if phase == "init":
+        return "sharding-bug"  # weights or batch differ before anything ran
+    if phase == "forward":
+        if kind == "out":
+            if style == "rowwise":
+                return "sharding-bug" if cls in EMBED_CLASSES else "row-parallel-reduction"
+            if style in ("colwise", "colwise-gathered"):
+                return "shape-dependent-gemm"
+            if cls in EMBED_CLASSES:
+                return "sharding-bug"
+        return "unknown"
+    if phase == "loss":
+        return "vocab-parallel-softmax" if kind in ("logprobs", "loss") else "unknown"
+    if phase == "backward":
+        if kind == "grad_out":
+            styles = row.get("consumer_styles") or []
+            if any(s in ("colwise", "colwise-gathered") for s in styles):
+                return "column-parallel-dgrad"
+            if any(s == "rowwise" for s in styles):
+                return "shape-dependent-gemm"
+            return "unknown"
+        if kind == "param_grad":
+            if cls in NORM_CLASSES:
+                return "norm-weight-grad"
+            if style in ("colwise", "rowwise", "colwise-gathered"):
+                return "shape-dependent-gemm"
+        return "unknown"
+    if phase == "optimizer":
+        return "grad-norm" if kind == "grad_norm" else "unknown"
+    return "unknown"
+
+
+def _describe(row: dict) -> dict:
+    out = {"phase": row["phase"], "module": row["module"], "op": None, "kind": row["kind"],
+           "name": row["name"], "step": row["step"], "key": row["key"],
+           "cause": classify(row), "root_cause": True,
+           "max_abs": row["max_abs"], "max_ulp": row["max_ulp"],
+           "mismatch_fraction": row["mismatch_fraction"], "bound": row.get("bound"),
+           "style": row.get("style")}
+    if row["kind"] == "in":
+        parent = row["module"].rpartition(".")[0] or "model"
+        out["module"] = parent
+        out["detail"] = (f"the input of {row['module']} differs although every earlier record was "
+                         f"bitwise equal: the first difference is in unprobed code of {parent} "
+                         "(use --granularity op to name the op)")
+    else:
+        out["detail"] = "every input it consumed was bitwise equal; its output is not"
+    return out
+
+
+def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
+    for row in dd.rows:
+        if row["kind"] == "grad_out":
+            row["consumer_styles"] = [style_of_module.get(c) for c in (row.get("consumers") or [])]
+    first = next((r for r in dd.rows if not r["bitwise"] or r.get("rank_consistent") is False), None)
+    findings = []
+    for r in dd.rows:
+        if r.get("beyond_bound") or r.get("rank_consistent") is False:
+            f = {"phase": r["phase"], "module": r["module"], "op": None, "kind": r["kind"],
+                 "name": r["name"], "step": r["step"], "cause": classify(r),
+                 "max_abs": r.get("rank_max_abs", r["max_abs"]) if r.get("rank_consistent") is False
+                 else r["max_abs"], "bound": r.get("bound")}
+            findings.append(f)
+    return {"first_divergence": _describe(first) if first else None, "findings": findings}
+
+
+def logprob_stats(dd: DegreeDiff) -> dict | None:
+    key = next((r["key"] for r in dd.rows if r["kind"] == "logprobs" and r["step"] == 0), None)
+    lab = next((r["key"] for r in dd.rows if r["kind"] == "batch" and r["name"] == "labels"), None)
+    if key is None or key not in dd.tensors:
+        return None
+    a, b = dd.tensors[key]
+    bitwise = bits.bitwise_equal(a, b)
+    a, b = a.to(torch.float64).flatten(), b.to(torch.float64).flatten()
+    mask = torch.ones_like(a, dtype=torch.bool)
+    if lab in dd.tensors:
+        mask = dd.tensors[lab][0].flatten() != -100
+    d = (b - a).abs()[mask]
+    return {"bitwise": bitwise, "max_abs": float(d.max()) if d.numel() else 0.0,
+            "mean_abs": float(d.mean()) if d.numel() else 0.0,
+            "token_mult_prob_error": float(torch.exp(d).mean()) if d.numel() else 1.0,
+            "tokens": int(mask.sum())}

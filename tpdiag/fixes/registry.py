@@ -1,0 +1,73 @@
+"""The fix catalogue: {name: Fix}. Each fix is a context manager that restores in `finally`."""
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+from tpdiag.errors import BadInput
+
+
+@dataclass(frozen=True)
+class Fix:
+    name: str
+    fixes: tuple[str, ...]  # causes it removes
+    ops: tuple[str, ...]    # ops / layouts it replaces
+    cost: str
+    install: Callable | None = None  # (model, plan, world) -> context manager
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "fixes": list(self.fixes), "ops": list(self.ops),
+                "cost": self.cost, "available": self.install is not None}
+
+
+FIXES: dict[str, Fix] = {}
+
+
+def register(fix: Fix) -> Fix:
+    FIXES[fix.name] = fix
+    return fix
+
+
+def _load_catalogue() -> None:
+    from tpdiag.fixes import catalogue  # noqa: F401  (registers on import)
+
+
+def catalogue() -> dict[str, Fix]:
+    _load_catalogue()
+    return FIXES
+
+
+def fix_for_cause(cause: str) -> str | None:
+    for f in catalogue().values():
+        if cause in f.fixes:
+            return f.name
+    return None
+
+
+def resolve(names) -> tuple[str, ...]:
+    """'all' -> every available fix; 'a,b' -> validated names. Unknown names are BadInput."""
+    cat = catalogue()
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    names = list(names)
+    if names in (["none"], []):
+        return ()
+    if names == ["all"]:
+        return tuple(n for n, f in cat.items() if f.install is not None)
+    for n in names:
+        if n not in cat:
+            raise BadInput(f"--fix {n!r}: unknown fix; expected all, auto, none or any of "
+                           f"{', '.join(cat)}")
+        if cat[n].install is None:
+            raise BadInput(f"--fix {n!r}: not available in this build yet")
+    return tuple(names)
+
+
+@contextmanager
+def apply_fixes(names, model, plan, world: int):
+    cat = catalogue()
+    with ExitStack() as stack:
+        for n in names:
+            stack.enter_context(cat[n].install(model=model, plan=plan, world=world))
+        yield

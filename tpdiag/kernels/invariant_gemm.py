@@ -1,0 +1,496 @@
+"""invariant-gemm: a shape- and batch-invariant GEMM (the ``invariant-gemm`` fix).
+
+Why: cuBLAS and CPU BLAS pick their tiling, split-K and kernel by shape. A column-parallel
+linear at TP=N multiplies by a weight with N/TP columns, and a micro-batch has fewer rows
+than the full batch, so the same dot product can be summed in a different order than at
+TP=1 although no communication is involved (BACKGROUND.md, cause 2). This module computes
+``C = A @ B`` so that the bits of ``C[m, n]`` depend only on ``A[m, :]``, ``B[:, n]`` and
+``K`` -- never on ``M``, ``N``, the row's position in the batch or the column's position in
+the shard:
+
+* ``triton_mm``: a persistent Triton kernel with fixed tiles per dtype (and device, never
+  per shape), no split-K, the K loop always walked from 0 upwards in BLOCK_K steps into an
+  fp32 accumulator, fp32 operands multiplied with full-precision IEEE fp32 (no TF32).
+* ``cpu_mm``: pure torch on the CPU, no BLAS: fp32 products and a fixed pairwise tree over
+  K, built only from elementwise multiplies and adds (each output element is one scalar
+  expression whose shape does not depend on M or N).
+* ``reference_mm``: float64 reference.
+* ``invariant_mm`` / ``invariant_addmm`` / ``invariant_linear``: the dispatchers the fix
+  installs.
+
+Triton is imported lazily (``_triton()``), so this module imports, and the CPU path runs,
+without Triton. The kernels are written as plain functions at the top of the file (their
+annotations stay strings via ``from __future__ import annotations``) and are wrapped with
+``triton.jit`` on first use. ``TPDIAG_TRITON_CPU=1`` routes CPU tensors through the Triton
+interpreter (``TRITON_INTERPRET=1`` is then set before Triton is imported).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Optional
+
+import torch
+
+# Bound by _triton(): the kernels below resolve ``tl`` and their helpers from this module's
+# globals when Triton compiles (or interprets) them.
+triton = None
+tl = None
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels (wrapped with triton.jit by _triton())
+# --------------------------------------------------------------------------------------
+def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
+    # Grouped ("super-grouping") tile order: GROUP_M tile-rows share B tiles in L2.
+    # Which program computes a tile, and when, never changes what the tile computes.
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+def _invariant_mm_kernel(
+    a_ptr, b_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Persistent C = A @ B with pointer loads (any strides, any alignment).
+
+    Each program walks tiles start_pid, start_pid + NUM_SMS, ...; every tile accumulates
+    K in BLOCK_K steps, always in the same order, into an fp32 accumulator. Out-of-range
+    rows/columns load a valid row/column (index 0) and are masked on the store, so a
+    row's or column's result never depends on what else shares its tile.
+    """
+    start_pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    offs_k_base = tl.arange(0, BLOCK_K)
+    # A separate counter for the epilogue (the Triton tutorial's work-around for
+    # pipelining a value used in both prologue and epilogue).
+    tile_id_c = start_pid - NUM_SMS
+
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+        offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_bn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_am = tl.where(offs_am < M, offs_am, 0)
+        offs_bn = tl.where(offs_bn < N, offs_bn, 0)
+        offs_am = tl.max_contiguous(tl.multiple_of(offs_am, BLOCK_M), BLOCK_M)
+        offs_bn = tl.max_contiguous(tl.multiple_of(offs_bn, BLOCK_N), BLOCK_N)
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            offs_k = ki * BLOCK_K + offs_k_base
+            a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
+            b_ptrs = b_ptr + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                # Zero padding past K: adds exact zeros, same for every shape with this K.
+                a = tl.load(a_ptrs, mask=offs_k_base[None, :] < K - ki * BLOCK_K, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k_base[:, None] < K - ki * BLOCK_K, other=0.0)
+            if UPCAST:  # interpreter only: its dot mis-reads bf16 (see triton_mm)
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+        tile_id_c += NUM_SMS
+        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + stride_cm * offs_cm[:, None] + stride_cn * offs_cn[None, :]
+        c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _invariant_mm_tma_kernel(
+    a_desc, b_desc, c_desc, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    A_T: tl.constexpr, B_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Persistent C = A @ B with TMA tensor descriptors (Hopper+; same tiles and K order).
+
+    A_T: the descriptor holds A^T ([K, M], A column-major); B_T: it holds B^T ([N, K], e.g.
+    a linear's weight). TMA zero-fills out-of-range rows/columns/K and clips the store.
+    """
+    start_pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    tile_id_c = start_pid - NUM_SMS
+
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            if A_T:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_T:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            if UPCAST:  # interpreter only: its dot mis-reads bf16 (see triton_mm)
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+        tile_id_c += NUM_SMS
+        pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+_JIT_FUNCTIONS = ("_tile_coords", "_invariant_mm_kernel", "_invariant_mm_tma_kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton():
+    """Import Triton once and wrap the kernels above with ``triton.jit``."""
+    global triton, tl
+    if os.environ.get("TPDIAG_TRITON_CPU") == "1":
+        import sys
+
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "TPDIAG_TRITON_CPU=1 needs the Triton interpreter, but triton was already "
+                "imported without TRITON_INTERPRET=1; set TRITON_INTERPRET=1 before importing triton")
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton as _triton_mod
+        import triton.language as _tl
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError("invariant-gemm's Triton path needs triton (pip install 'tpdiag[triton]'); "
+                           "the CPU path (cpu_mm) works without it") from e
+    triton, tl = _triton_mod, _tl
+    g = globals()
+    for name in _JIT_FUNCTIONS:
+        fn = g[name]
+        fn = getattr(fn, "fn", fn)  # idempotent if already wrapped
+        if name == "_tile_coords":
+            g[name] = triton.jit(fn)
+        else:
+            # M and N are never specialised (value 1, divisibility): the compiled kernel,
+            # hence every dot instruction, is the same for every M and N.
+            g[name] = triton.jit(fn, do_not_specialize=["M", "N"])
+    return triton
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# --------------------------------------------------------------------------------------
+# Tile configurations: fixed per (device kind, dtype); may depend on K, never on M or N.
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = False        # TMA descriptors (Hopper+); same tiles and K order either way
+    flatten: bool = False    # tl.range(flatten=...) of the persistent tile loop
+    warp_specialize: bool = False  # tl.range(warp_specialize=...), TMA kernel only
+
+
+# Chosen from the sweep in benchmarks/bench_invariant_gemm.py (docs/benchmarks.md). Any
+# fixed config is invariant; two different configs give different bits (different BLOCK_K
+# = different summation order), so these must not change silently between runs.
+CUDA_CONFIGS = {
+    torch.bfloat16: GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True),
+    torch.float16: GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True),
+    # fp32 uses IEEE fp32 FMA (no tensor cores): a register-blocked tile.
+    torch.float32: GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3, tma=False),
+}
+# Pre-Hopper GPUs (no TMA, less shared memory). Depends on the device, not on the shape.
+CUDA_CONFIGS_PRE_HOPPER = {
+    torch.bfloat16: GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
+    torch.float16: GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
+    torch.float32: GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+}
+# Under the Triton interpreter (CPU tensors): each tl.dot runs as a numpy matmul of one
+# fixed tile shape. Smaller tiles keep the interpreter fast.
+INTERPRETER_CONFIGS = {
+    torch.bfloat16: GemmConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1),
+    torch.float16: GemmConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1),
+    torch.float32: GemmConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1),
+}
+_INTERPRETER_NUM_SMS = 4
+
+_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def default_config(dtype: torch.dtype, device: torch.device, K: Optional[int] = None) -> GemmConfig:
+    """The fixed config for ``dtype`` on ``device``. ``K`` is accepted (a config may depend
+    on K, which fixes the reduction length anyway) but no shipped config uses it."""
+    del K
+    if device.type != "cuda":
+        return INTERPRETER_CONFIGS[dtype]
+    major, _ = torch.cuda.get_device_capability(device)
+    return (CUDA_CONFIGS if major >= 9 else CUDA_CONFIGS_PRE_HOPPER)[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"{name}: expected 2-D A [M, K] and B [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{name}: inner dimensions differ: A {tuple(a.shape)} @ B {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name}: A and B must share a dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{name}: A and B are on different devices ({a.device}, {b.device})")
+
+
+# --------------------------------------------------------------------------------------
+# Triton wrapper
+# --------------------------------------------------------------------------------------
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a 16-byte aligned base, one unit stride and 16-byte aligned other stride."""
+    es = t.element_size()
+    if t.data_ptr() % 16:
+        return False
+    s0, s1 = t.stride()
+    if s1 == 1 and (s0 * es) % 16 == 0:
+        return True
+    if s0 == 1 and (s1 * es) % 16 == 0 and t.shape[1] > 1:
+        return True
+    return False
+
+
+def _padded_empty(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised [rows, cols] view whose row stride is a multiple of 16 bytes."""
+    pad = 16 // torch.empty((), dtype=dtype).element_size()
+    ld = -(-max(cols, 1) // pad) * pad
+    return torch.empty((rows, ld), dtype=dtype, device=device)[:, :cols]
+
+
+def _tma_operand(t: torch.Tensor):
+    """Return (2-D tensor with last stride 1, transposed?) for a descriptor, copying into a
+    16-byte aligned padded buffer when the layout does not allow TMA. A copy moves bits
+    only, so the result is the same whether or not it was needed."""
+    if not _tma_ok(t):
+        buf = _padded_empty(t.shape[0], t.shape[1], t.dtype, t.device)
+        buf.copy_(t)
+        t = buf
+    if t.stride(1) == 1:
+        return t, False
+    return t.t(), True
+
+
+def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None,
+              config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """C = A @ B with the persistent invariant Triton kernel.
+
+    a: [M, K], b: [K, N], any strides, fp32 / bf16 / fp16 (same dtype), CUDA tensors, or
+    CPU tensors under ``TRITON_INTERPRET=1``. Returns [M, N] in ``out_dtype`` (default: the
+    input dtype; fp32 returns the unrounded accumulator, used by addmm/linear epilogues).
+    ``config`` overrides the fixed per-dtype tiles (benchmarks, tests); a different config
+    gives different (still invariant) bits.
+    """
+    _check(a, b, "triton_mm")
+    if a.dtype not in _SUPPORTED:
+        raise TypeError(f"triton_mm: dtype {a.dtype} not supported; use float32, bfloat16 or float16")
+    _triton()
+    M, K = a.shape
+    N = b.shape[1]
+    out_dtype = out_dtype or a.dtype
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        return c.zero_()
+    cfg = config or default_config(a.dtype, a.device, K)
+    if a.device.type == "cuda":
+        num_sms = _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())
+        use_tma = cfg.tma and torch.cuda.get_device_capability(a.device)[0] >= 9
+    else:
+        if not _interpreting():
+            raise RuntimeError("triton_mm on CPU tensors needs the Triton interpreter "
+                               "(TRITON_INTERPRET=1 or TPDIAG_TRITON_CPU=1 before triton is imported)")
+        num_sms = _INTERPRETER_NUM_SMS
+        use_tma = cfg.tma
+    num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    grid = (min(num_sms, num_tiles),)
+    # IEEE fp32 for fp32 operands (TF32 would change the numerics TP=1 is compared with);
+    # the flag has no effect on bf16/fp16 operands, whose products are exact in fp32.
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    # The interpreter's tl.dot hands bf16 (stored as raw 16-bit integers in numpy) to
+    # np.matmul as integers; upcast to fp32 first, exact for bf16 (8-bit significands, so
+    # each product is exact in fp32) and the same fp32 accumulation.
+    upcast = a.device.type != "cuda" and a.dtype == torch.bfloat16
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  NUM_SMS=num_sms, DOT_PRECISION=precision, FLATTEN=cfg.flatten, UPCAST=upcast,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        at, a_t = _tma_operand(a)
+        bt, b_t = _tma_operand(b)
+        # N * elsize not 16-byte aligned: the kernel writes into a padded buffer.
+        ct = c if _tma_ok(c) else _padded_empty(M, N, out_dtype, a.device)
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        a_desc = TensorDescriptor(at, list(at.shape), list(at.stride()), [bk, bm] if a_t else [bm, bk])
+        b_desc = TensorDescriptor(bt, list(bt.shape), list(bt.stride()), [bn, bk] if b_t else [bk, bn])
+        c_desc = TensorDescriptor(ct, list(ct.shape), list(ct.stride()), [bm, bn])
+        _invariant_mm_tma_kernel[grid](a_desc, b_desc, c_desc, M, N, K, A_T=a_t, B_T=b_t,
+                                       WARP_SPECIALIZE=cfg.warp_specialize, **common)
+        if ct is not c:
+            c.copy_(ct)
+    else:
+        _invariant_mm_kernel[grid](
+            a, b, c, M, N, K,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+            EVEN_K=(K % cfg.block_k == 0), **common)
+    return c
+
+
+# --------------------------------------------------------------------------------------
+# CPU path: pure torch, invariant by construction
+# --------------------------------------------------------------------------------------
+# Elements of the [rows, K, cols] product block materialised at once (fp32: 32 MiB).
+_CPU_CHUNK_ELEMS = 1 << 23
+
+
+def _tree_sum_k(p: torch.Tensor) -> torch.Tensor:
+    """Pairwise-sum p [m, K, n] over dim 1 in a fixed tree that depends only on K.
+
+    Level by level: an odd trailing element is carried up unchanged, the rest are added
+    in adjacent pairs (p[2i] + p[2i+1]). Every output element is therefore one fixed
+    expression tree of scalar fp32 additions; torch's elementwise add rounds each of them
+    exactly once (IEEE round-to-nearest) whatever the tensor's shape, strides or
+    vectorisation, so the bits cannot depend on m, n or on the position in the block.
+    """
+    while p.shape[1] > 1:
+        k = p.shape[1]
+        even = k - (k % 2)
+        s = p[:, 0:even:2] + p[:, 1:even:2]
+        if k % 2:
+            s = torch.cat([s, p[:, even:]], dim=1)
+        p = s
+    return p[:, 0]
+
+
+def cpu_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """C = A @ B on the CPU without BLAS, row- and column-invariant by construction.
+
+    For each output element: the K products a[m,k] * b[k,n] are formed in fp32 (exact for
+    bf16/fp16 inputs: 8+8 or 11+11 significant bits fit in fp32's 24; one IEEE rounding
+    for fp32 inputs) and summed by ``_tree_sum_k``'s pairwise tree, which depends only on
+    K. Only elementwise multiplies and adds are used -- no matmul, so no BLAS kernel whose
+    blocking or split-K depends on the shape, and no fused multiply-add whose use could
+    differ between a vectorised body and a scalar tail. Chunking over rows and columns only
+    bounds memory: an element's expression is the same in every chunk. float64 inputs are
+    summed in float64 the same way. Cost is O(M*N*K) elementwise work (far slower than
+    BLAS): meant for the small models tpdiag runs on CPU.
+    """
+    _check(a, b, "cpu_mm")
+    if a.dtype not in _SUPPORTED + (torch.float64,):
+        raise TypeError(f"cpu_mm: dtype {a.dtype} not supported; use float32, bfloat16, float16 or float64")
+    M, K = a.shape
+    N = b.shape[1]
+    out_dtype = out_dtype or a.dtype
+    acc_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    af = a.to(acc_dtype)
+    bf = b.to(acc_dtype)
+    # Column chunk first (so a wide N still fits), then as many rows as the budget allows.
+    cols = max(1, min(N, _CPU_CHUNK_ELEMS // K))
+    rows = max(1, min(M, _CPU_CHUNK_ELEMS // (K * cols)))
+    for n0 in range(0, N, cols):
+        bc = bf[:, n0:n0 + cols].unsqueeze(0)                          # [1, K, n]
+        for m0 in range(0, M, rows):
+            p = af[m0:m0 + rows].unsqueeze(2) * bc                     # [m, K, n] products
+            out[m0:m0 + rows, n0:n0 + cols] = _tree_sum_k(p)           # one rounding to out_dtype
+    return out
+
+
+def reference_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float64 reference (accuracy checks only; returns float64)."""
+    _check(a, b, "reference_mm")
+    return a.double() @ b.double()
+
+
+# --------------------------------------------------------------------------------------
+# Dispatchers (what the invariant-gemm fix installs)
+# --------------------------------------------------------------------------------------
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    if a.device.type == "cuda":
+        return triton_mm(a, b, out_dtype=out_dtype)
+    if a.device.type == "cpu":
+        if os.environ.get("TPDIAG_TRITON_CPU") == "1":
+            return triton_mm(a, b, out_dtype=out_dtype)
+        return cpu_mm(a, b, out_dtype=out_dtype)
+    raise ValueError(f"invariant_mm: device {a.device} not supported; use cuda or cpu")
+
+
+def invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A @ B, batch- and column-shard-invariant: CUDA -> triton_mm, CPU -> cpu_mm
+    (or the Triton interpreter when TPDIAG_TRITON_CPU=1)."""
+    _check(a, b, "invariant_mm")
+    return _mm(a, b, None)
+
+
+def invariant_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    """beta * bias + alpha * (A @ B), like torch.addmm: the product stays in fp32 and the
+    epilogue (elementwise, so invariant) rounds once to the input dtype. As in torch,
+    beta == 0 ignores bias (NaN/inf in it do not propagate)."""
+    _check(a, b, "invariant_addmm")
+    acc = _mm(a, b, torch.float32 if a.dtype != torch.float64 else torch.float64)
+    if alpha != 1:
+        acc = acc * alpha
+    if beta != 0:
+        bias_f = bias.to(acc.dtype)
+        acc = acc + (bias_f if beta == 1 else bias_f * beta)
+    return acc.to(a.dtype)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) on the invariant GEMM: x [..., K], weight [N, K], bias [N].
+
+    The leading dims are flattened into rows (a view when x allows it; a copy moves bits
+    only), so a token's output does not depend on how many tokens share the batch."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"invariant_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} "
+                         "do not match (expected x [..., K], weight [N, K])")
+    x2 = x.reshape(-1, x.shape[-1])
+    if bias is None:
+        out = invariant_mm(x2, weight.t())
+    else:
+        out = invariant_addmm(bias, x2, weight.t())
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+__all__ = [
+    "GemmConfig", "CUDA_CONFIGS", "default_config", "triton_mm", "cpu_mm", "reference_mm",
+    "invariant_mm", "invariant_addmm", "invariant_linear",
+]

@@ -1,0 +1,69 @@
+"""TP plans as plain tables {fqn pattern: ParallelStyle} (torchtitan style), with named variants."""
+from __future__ import annotations
+
+import fnmatch
+
+VARIANTS = ("stock", "stable")
+
+
+def llama_plan(variant: str = "stock") -> dict:
+    """The Llama plan for the built-in model's module names.
+
+    stock : q/k/v, w1/w3 column-parallel; wo, w2 row-parallel (partial sums all-reduced);
+            vocab-parallel embedding; LM head column-parallel with vocab-sharded logits.
+    stable: NeMo RL's "numerically stable" plan: wo and w2 become column-parallel over their
+            output with the input gathered first, so no cross-rank add happens (but the GEMM
+            shapes still change with TP).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if variant not in VARIANTS:
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"plan variant {variant!r}: expected one of {', '.join(VARIANTS)}")
+    if variant == "stable":
+        def out_proj():
+            return ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
+    else:
+        def out_proj():
+            return RowwiseParallel()
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": out_proj(),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": out_proj(),
+        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def style_of(fqn: str, plan: dict) -> str | None:
+    """The plan's style for a module, as a short label: 'colwise', 'rowwise', 'embedding', ...
+
+    An input-gathering ColwiseParallel (the 'stable' out-projection) is labelled 'colwise-gathered'.
+    """
+    for pattern, style in plan.items():
+        if fnmatch.fnmatchcase(fqn, pattern):
+            return style_label(style)
+    return None
+
+
+def style_label(style) -> str:
+    name = type(style).__name__
+    if name == "ColwiseParallel":
+        inp = getattr(style, "input_layouts", None)
+        inp = inp[0] if isinstance(inp, tuple) and inp else inp
+        if inp is not None and type(inp).__name__ == "Shard":
+            return "colwise-gathered"
+        return "colwise"
+    if name == "RowwiseParallel":
+        return "rowwise"
+    if name == "SequenceParallel":
+        return "sequence"
+    if name == "PrepareModuleInput" or name == "PrepareModuleOutput":
+        return "prepare"
+    return name.lower()

@@ -1,0 +1,120 @@
+"""Model specs: `tiny-llama` (and other presets), `hf:DIR`, `py:FILE.py:FUNC` / `py:pkg.mod:FUNC`."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+from tpdiag.errors import BadInput
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # builtin | hf | py
+    value: str
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "value": self.value}
+
+
+def parse_spec(spec: str) -> ModelSpec:
+    from tpdiag.models.tiny_llama import PRESETS
+
+    spec = str(spec).strip()
+    if spec in PRESETS:
+        return ModelSpec("builtin", spec)
+    if spec.startswith("hf:"):
+        path = spec[3:]
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise BadInput(f"--model {spec!r}: no config.json in {path!r}; expected hf:DIR of a "
+                           "local Hugging Face model directory")
+        return ModelSpec("hf", os.path.abspath(path))
+    if spec.startswith("py:"):
+        body = spec[3:]
+        src, sep, func = body.rpartition(":")
+        if not sep or not src or not func.isidentifier():
+            raise BadInput(f"--model {spec!r}: expected py:FILE.py:FUNC or py:package.module:FUNC")
+        if src.endswith(".py"):
+            if not os.path.isfile(src):
+                raise BadInput(f"--model {spec!r}: file {src!r} not found")
+            src = os.path.abspath(src)
+        return ModelSpec("py", f"{src}:{func}")
+    raise BadInput(f"--model {spec!r}: unknown model; expected one of {', '.join(PRESETS)}, "
+                   "hf:DIR or py:FILE.py:FUNC")
+
+
+def _load_py_func(value: str):
+    src, _, func = value.rpartition(":")
+    try:
+        if src.endswith(".py"):
+            name = "tpdiag_user_" + os.path.splitext(os.path.basename(src))[0]
+            mspec = importlib.util.spec_from_file_location(name, src)
+            mod = importlib.util.module_from_spec(mspec)
+            mspec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(src)
+    except BadInput:
+        raise
+    except Exception as e:  # user code: any failure is a bad spec, reported in one line
+        raise BadInput(f"--model py:{value}: importing {src!r} failed: {type(e).__name__}: {e}") from e
+    fn = getattr(mod, func, None)
+    if not callable(fn):
+        raise BadInput(f"--model py:{value}: {src!r} has no callable {func!r}")
+    return fn
+
+
+def load_target(spec: ModelSpec, variant: str = "stock"):
+    """Build the full, unsharded Target. Callers seed the RNG first (identical weights everywhere)."""
+    from tpdiag.models.target import Target
+
+    if spec.kind == "builtin":
+        from tpdiag.models import tiny_llama
+        from tpdiag.models.plans import llama_plan
+
+        model = tiny_llama.build(spec.value)
+        return Target(model=model, plan=llama_plan(variant), vocab_size=model.cfg.vocab_size,
+                      divisors=model.cfg.divisors())
+    if spec.kind == "py":
+        t = _load_py_func(spec.value)()
+        if not isinstance(t, Target):
+            raise BadInput(f"--model py:{spec.value}: returned {type(t).__name__}, expected tpdiag.Target")
+        if variant != "stock":
+            if variant not in t.variants:
+                raise BadInput(f"plan variant {variant!r}: this target offers "
+                               f"{', '.join(['stock', *t.variants]) }")
+            t.plan = t.variants[variant]
+        return t
+    if spec.kind == "hf":
+        from tpdiag.models.hf import load_hf_target
+
+        return load_hf_target(spec.value, variant)
+    raise BadInput(f"unknown model kind {spec.kind!r}")
+
+
+def model_divisors(spec: ModelSpec) -> dict[str, int]:
+    """Dimensions every TP degree must divide, read without building the model where possible."""
+    if spec.kind == "builtin":
+        from tpdiag.models.tiny_llama import PRESETS, LlamaConfig
+
+        return LlamaConfig(**PRESETS[spec.value]).divisors()
+    if spec.kind == "hf":
+        with open(os.path.join(spec.value, "config.json")) as f:
+            cfg = json.load(f)
+        cfg = cfg.get("text_config", cfg)
+        out = {}
+        for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+            if isinstance(cfg.get(key), int):
+                out[key] = cfg[key]
+        return out
+    return {}
+
+
+def check_degrees(spec: ModelSpec, degrees, divisors: dict[str, int] | None = None) -> None:
+    divs = model_divisors(spec) if divisors is None else divisors
+    for d in degrees:
+        bad = [f"{k}={v}" for k, v in divs.items() if v % d]
+        if bad:
+            raise BadInput(f"--tp {d}: does not divide {', '.join(bad)}; valid degrees for this model "
+                           f"divide all of {', '.join(f'{k}={v}' for k, v in divs.items())}")

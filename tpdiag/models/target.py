@@ -1,0 +1,21 @@
+"""The `Target` contract for `py:` models (DESIGN.md): a full model, its TP plan, and how to feed it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Target:
+    model: nn.Module
+    plan: dict[str, Any]  # {fqn or fqn-with-wildcards: ParallelStyle}
+    vocab_size: int
+    inputs: Callable[[torch.Generator], Any] | None = None
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Plan variants a target may offer ({"stock": plan, "stable": plan}); `plan` is the default.
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Largest degree the model can be split into (heads, kv heads, vocab, ffn); None: unknown.
+    divisors: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,162 @@
+"""Built-in `tiny-llama`: a Llama-style causal LM small enough for TP=8 on a 2-core CPU.
+
+Vocab-parallel embedding, RMSNorm, RoPE, grouped-query attention (kv heads < heads), SwiGLU,
+untied LM head whose logits stay vocab-sharded for a vocab-parallel loss. Attention and MLP
+read the head/ffn count from the local shard's shape, so the same code runs at every TP.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# gpt-fast style presets: {name: kwargs}
+PRESETS: dict[str, dict] = {
+    # head_dim 16 keeps every column shard >= 16 wide at TP=8: on x86 CPU BLAS an 8-column
+    # GEMM takes another kernel path and is not bitwise equal to a column slice of the full one.
+    "tiny-llama": dict(vocab_size=512, dim=256, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=512),
+    "small-llama": dict(vocab_size=4096, dim=512, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=1408),
+}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 512
+    dim: int = 256
+    n_layers: int = 2
+    n_heads: int = 16
+    n_kv_heads: int = 8
+    ffn_dim: int = 512
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def divisors(self) -> dict[str, int]:
+        """Every dimension TP splits; a degree must divide all of them."""
+        return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+                "vocab_size": self.vocab_size, "ffn_dim": self.ffn_dim}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    # x: [B, S, H, D]; rotate interleaved pairs. float32 math so bf16 runs round once.
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, S, _ = x.shape
+        # Local head counts come from the shard's shape: the same code at every TP degree.
+        q = self.wq(x).view(B, S, -1, self.head_dim)
+        k = self.wk(x).view(B, S, -1, self.head_dim)
+        v = self.wv(x).view(B, S, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = q.shape[2] // k.shape[2]
+        k = k.repeat_interleave(rep, dim=2)
+        v = v.repeat_interleave(rep, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        # Seeded full-model init on every rank, before sharding: identical weights at every TP.
+        std = 0.02
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                # Not exactly one, so a wrong norm-weight shard is visible.
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                nn.init.normal_(p, std=std if "wo" not in name and "w2" not in name
+                                else std / math.sqrt(2 * self.cfg.n_layers))
+
+    def forward(self, input_ids):
+        S = input_ids.shape[1]
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def build(preset: str = "tiny-llama", **overrides) -> TinyLlama:
+    kwargs = dict(PRESETS[preset])
+    kwargs.update(overrides)
+    return TinyLlama(LlamaConfig(**kwargs))

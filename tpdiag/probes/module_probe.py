@@ -1,0 +1,110 @@
+"""Module-level probes: forward inputs/outputs, output grads, parameter grads.
+
+Hooks observe only: no tensor is replaced and no autograd node is inserted, so the probed run
+computes exactly what the unprobed run computes (grads of a tensor used by several modules
+are accumulated in the same order). Everything registered is removed on exit.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from tpdiag.probes.recorder import Recorder
+
+
+@contextmanager
+def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
+                  backward: bool = True, include: set[str] | None = None):
+    from tpdiag.models.plans import style_of
+
+    handles = []
+    names = {m: (n or "model") for n, m in model.named_modules()}
+    styles = {n: style_of(n, plan or {}) for n in names.values()}
+    classes = {n: type(m).__name__ for m, n in names.items()}
+    # Which modules consumed each output: a grad_out is computed by its consumers' backward.
+    from torch.utils.weak import WeakTensorKeyDictionary
+
+    producer = WeakTensorKeyDictionary()
+
+    def wanted(name: str) -> bool:
+        return include is None or name in include
+
+    def pre_hook(mod, args, kwargs):
+        name = names[mod]
+        call = rec.call_index(name)
+        mod._tpdiag_call = call  # pairs this call's outputs with its inputs
+        flat, _ = tree_flatten((args, kwargs))
+        for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
+            rec.add("in", name, str(i), t, call=call, style=styles[name], cls=classes[name])
+            src = producer.get(t)
+            if src is not None and not name.startswith(src["module"] + ".") and src["module"] != "model":
+                src.setdefault("consumers", []).append(name)
+        return None
+
+    def fwd_hook(mod, args, kwargs, out):
+        name = names[mod]
+        call = getattr(mod, "_tpdiag_call", 0)
+        flat, _ = tree_flatten(out)
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        for i, t in enumerate(tensors):
+            meta = rec.add("out", name, str(i), t, call=call, style=styles[name], cls=classes[name])
+            if meta is not None:
+                producer[t] = meta
+            if backward and t.requires_grad and t.grad_fn is not None:
+                handles.append(t.register_hook(_grad_hook(rec, name, str(i), call, styles[name],
+                                                          classes[name], meta)))
+        return None
+
+    for mod, name in names.items():
+        if not wanted(name):
+            continue
+        # prepend: see the input as the previous module produced it, before a TP style's
+        # own pre-hook converts it to a DTensor.
+        handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
+        handles.append(mod.register_forward_hook(fwd_hook, with_kwargs=True))
+    if backward:
+        for pname, p in model.named_parameters():
+            mname, _, short = pname.rpartition(".")
+            mname = mname or "model"
+            if not wanted(mname) or not p.requires_grad:
+                continue
+            handles.append(p.register_post_accumulate_grad_hook(
+                _param_grad_hook(rec, mname, short, styles.get(mname), classes.get(mname))))
+    try:
+        yield rec
+    finally:
+        for h in handles:
+            h.remove()
+        for mod in names:
+            if hasattr(mod, "_tpdiag_call"):
+                del mod._tpdiag_call
+
+
+def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_meta):
+    def hook(g):
+        m = rec.add("grad_out", name, idx, g, call=call, phase="backward", style=style, cls=cls)
+        if m is not None and fwd_meta is not None:
+            m["consumers"] = sorted(set(fwd_meta.get("consumers", [])))
+        return None
+
+    return hook
+
+
+def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
+    def hook(p):
+        rec.add("param_grad", mname, short, p.grad, phase="backward", style=style, cls=cls)
+
+    return hook
+
+
+def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None = None) -> None:
+    from tpdiag.models.plans import style_of
+
+    mods = dict(model.named_modules())
+    for pname, p in model.named_parameters():
+        mname, _, short = pname.rpartition(".")
+        cls = type(mods.get(mname, model)).__name__
+        rec.add(kind, mname or "model", short, p, style=style_of(mname, plan or {}), cls=cls)

@@ -1,0 +1,124 @@
+"""`tpdiag compare`: validate, run one world per degree, diff against the reference, write RUN_DIR."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+from tpdiag import __version__, io
+from tpdiag.config import CompareConfig, degree_labels
+from tpdiag.errors import BadInput, EnvironmentProblem
+
+
+def resolve_device(device: str, degrees) -> str:
+    import torch
+
+    need = max(degrees)
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= need else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise EnvironmentProblem("--device cuda: no CUDA device is available here; use --device cpu")
+        if torch.cuda.device_count() < need:
+            raise EnvironmentProblem(f"--device cuda: TP={need} needs {need} GPUs, "
+                                     f"{torch.cuda.device_count()} visible")
+        import torch.distributed as dist
+
+        if not dist.is_nccl_available():
+            raise EnvironmentProblem("--device cuda: this torch build has no NCCL")
+    else:
+        import torch.distributed as dist
+
+        if not dist.is_gloo_available():
+            raise EnvironmentProblem("--device cpu: this torch build has no gloo backend")
+    return device
+
+
+def validate(cfg: CompareConfig) -> None:
+    """Everything checkable before a world starts: bad input costs nothing."""
+    from tpdiag.models.spec import check_degrees, parse_spec
+
+    spec = parse_spec(cfg.model)
+    check_degrees(spec, cfg.degrees)
+    if cfg.steps < 1:
+        raise BadInput(f"--steps {cfg.steps}: must be >= 1")
+    if cfg.timeout <= 0:
+        raise BadInput(f"--timeout {cfg.timeout:g}: must be > 0 seconds")
+    if cfg.dtype == "float16" and cfg.device == "cpu":
+        pass  # allowed; slow but correct
+    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise BadInput(f"--out {cfg.out!r}: exists and is not a directory")
+
+
+def versions(device: str) -> dict:
+    import torch
+
+    v = {"tpdiag": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except Exception:
+        v["triton"] = None
+    v["cuda"] = torch.version.cuda
+    if device == "cuda":
+        try:
+            v["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            v["nccl"] = None
+    return v
+
+
+def device_info(device: str) -> dict:
+    import torch
+
+    info = {"type": device, "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count()}
+    if device == "cuda":
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def default_out() -> str:
+    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+
+
+def run_compare(cfg: CompareConfig, on_status=None) -> dict:
+    from tpdiag.diff.analyse import analyse_run
+    from tpdiag.runner.determinism import numerics_env
+    from tpdiag.runner.launch import run_world
+
+    validate(cfg)
+    device = resolve_device(cfg.device, cfg.degrees)
+    out = cfg.out or default_out()
+    os.makedirs(out, exist_ok=True)
+    labels = degree_labels(cfg.degrees)
+    backend = "nccl" if device == "cuda" else "gloo"
+    manifest = {
+        "schema": 1, "tool": "tpdiag compare", "versions": versions(device),
+        "device": device_info(device), "backend": backend, "model": cfg.model, "dtype": cfg.dtype,
+        "seed": cfg.seed, "degrees": list(cfg.degrees), "labels": labels, "reference": labels[0],
+        "fixes": list(cfg.fixes), "config": cfg.to_dict(), "env": numerics_env(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "worlds": {},
+    }
+    io.write_json(os.path.join(out, "manifest.json"), manifest)
+    failed: dict[str, str] = {}
+    t0 = time.perf_counter()
+    for degree, label in zip(cfg.degrees, labels):
+        wcfg = cfg.world(degree, label, os.path.join(out, f"tp{label}"), device)
+        res = run_world(wcfg, cfg.timeout, on_status)
+        manifest["worlds"][label] = {"degree": degree, "status": res.status, "wall_s": round(res.wall_s, 3),
+                                     "error": res.error}
+        if res.status != "ok":
+            failed[label] = res.error
+        io.write_json(os.path.join(out, "manifest.json"), manifest)
+    if on_status:
+        on_status("diff", "running")
+    summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0])
+    manifest["wall_s"] = round(time.perf_counter() - t0, 3)
+    manifest["status"] = summary["status"]
+    io.write_json(os.path.join(out, "manifest.json"), manifest)
+    if on_status:
+        on_status("diff", "ok")
+    summary["run_dir"] = out
+    return summary

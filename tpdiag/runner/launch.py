@@ -1,0 +1,129 @@
+"""Launch one TP world as local processes and watch it: completion markers, errors, timeout.
+
+The parent owns the rendezvous store (bound to port 0, so two compares never collide) and
+kills every rank it started, whatever happens - no orphan processes.
+"""
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from tpdiag.config import WorldConfig
+from tpdiag.runner.determinism import RANK_ENV
+
+_PRELOAD = ["torch", "torch.distributed.tensor.parallel", "tpdiag.runner.worker",
+            "tpdiag.runner.step", "tpdiag.models.tiny_llama"]
+
+
+@dataclass
+class WorldResult:
+    label: str
+    degree: int
+    status: str  # ok | failed
+    out_dir: str
+    wall_s: float
+    error: str | None = None
+    rank_errors: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _context():
+    for k, v in RANK_ENV.items():
+        os.environ.setdefault(k, v)  # inherited by the fork server, so by every rank
+    method = os.environ.get("TPDIAG_START_METHOD", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # Ranks fork from a server that has imported torch once: start-up is ~0.1 s, not ~2 s.
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tpdiag import io
+    from tpdiag.runner import worker
+
+    world = cfg.degree
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    for stale in glob.glob(os.path.join(cfg.out_dir, "rank*.*")):
+        os.unlink(stale)
+    t0 = time.perf_counter()
+    store = dist.TCPStore("127.0.0.1", 0, world_size=world + 1, is_master=True,
+                          wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    ctx = _context()
+    procs = [ctx.Process(target=worker.main, name=f"tpdiag-tp{world}-rank{r}",
+                         args=(r, world, "127.0.0.1", store.port, cfg.to_dict(), timeout_s))
+             for r in range(world)]
+    if on_status:
+        on_status(cfg.label, "running")
+    result = None
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while result is None:
+            done = [os.path.exists(worker.marker(cfg.out_dir, r, "done")) for r in range(world)]
+            errs = {r: worker.marker(cfg.out_dir, r, "error") for r in range(world)}
+            errs = {r: p for r, p in errs.items() if os.path.exists(p)}
+            if all(done):
+                result = WorldResult(cfg.label, world, "ok", cfg.out_dir, time.perf_counter() - t0)
+                break
+            if errs:
+                time.sleep(0.2)  # let sibling ranks that fail for the same reason report too
+                rank_errors = {}
+                for r, path in errs.items():
+                    try:
+                        e = io.read_json(path)
+                        rank_errors[r] = f"{e['type']}: {e['message']}"
+                    except Exception:
+                        rank_errors[r] = "error marker unreadable"
+                first = min(rank_errors)
+                result = WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
+                                     error=f"rank {first} raised {rank_errors[first]}",
+                                     rank_errors=rank_errors)
+                break
+            dead = [r for r, p in enumerate(procs)
+                    if p.exitcode is not None and not done[r] and r not in errs]
+            if dead:
+                time.sleep(0.3)  # an error marker may still be landing
+                if any(os.path.exists(worker.marker(cfg.out_dir, r, "error")) for r in dead):
+                    continue
+                r = dead[0]
+                code = procs[r].exitcode
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                result = WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
+                                     error=f"rank {r} died ({how}) before finishing its work")
+                break
+            if time.monotonic() > deadline:
+                pending = [r for r in range(world) if not done[r]]
+                result = WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
+                                     error=f"timed out after {timeout_s:g} s; ranks not done: {pending}")
+                break
+            time.sleep(0.02)
+    finally:
+        _reap(procs)
+        del store
+    if on_status:
+        on_status(cfg.label, result.status)
+    io.write_json(os.path.join(cfg.out_dir, "result.json"), result.to_dict())
+    return result
+
+
+def _reap(procs, grace_s: float = 3.0) -> None:
+    end = time.monotonic() + grace_s
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.kill()
+            p.join(5)

@@ -1,0 +1,150 @@
+"""One TP world's work on one rank: build, shard, run forward/logprobs/loss/backward/optimizer."""
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack, nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from tpdiag.config import WorldConfig
+from tpdiag.probes.recorder import Recorder
+
+IGNORE = -100
+
+
+def build_model(cfg: WorldConfig, device: torch.device, world: int):
+    from tpdiag.models.spec import load_target, parse_spec
+
+    torch.manual_seed(cfg.seed)
+    target = load_target(parse_spec(cfg.model), cfg.variant)
+    model = target.model.to(device=device, dtype=getattr(torch, cfg.dtype))
+    if world > 1 and target.plan:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        mesh = init_device_mesh(device.type, (world,))
+        parallelize_module(model, mesh, target.plan)
+    return target, model
+
+
+def make_batch(cfg: WorldConfig, target, device):
+    """The same batch on every rank and degree: drawn from a generator seeded by cfg.seed."""
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    if target.inputs is not None:
+        batch = target.inputs(g)
+    else:
+        batch = torch.randint(0, target.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)
+    if isinstance(batch, torch.Tensor):
+        batch = {"input_ids": batch}
+    batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    labels = batch.pop("labels", None)
+    if labels is None:
+        ids = batch["input_ids"]
+        # Next-token labels; the last position has none and is ignored.
+        labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
+    return batch, labels
+
+
+def logits_of(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    raise TypeError(f"cannot find logits in model output of type {type(out).__name__}")
+
+
+def default_loss(logits, labels):
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE)
+
+
+def token_logprobs(logits, labels):
+    """log p(label) per token; the vocab-parallel log-softmax runs on sharded logits."""
+    lp = -F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE,
+                          reduction="none")
+    return lp
+
+
+def grad_norm_and_clip(params, max_norm: float | None):
+    """Global L2 norm of all grads (sharded ones reduced across ranks), clip if asked."""
+    from torch.distributed.tensor import DTensor
+
+    norms = []
+    for p in params:
+        if p.grad is None:
+            continue
+        n = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if max_norm is not None and norms:
+        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return total
+
+
+def loss_context(world: int):
+    if world > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return nullcontext()
+
+
+def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder,
+        fix_stack: ExitStack | None = None) -> dict:
+    from tpdiag.probes.module_probe import module_probes, record_params
+
+    timings = {}
+    t0 = time.perf_counter()
+    target, model = build_model(cfg, device, world)
+    batch, labels = make_batch(cfg, target, device)
+    loss_fn = target.loss or default_loss
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=False) if cfg.backward else None
+    timings["build_s"] = time.perf_counter() - t0
+
+    with ExitStack() as stack:
+        if fix_stack is not None:
+            stack.enter_context(fix_stack)
+        from tpdiag.fixes.registry import apply_fixes
+
+        stack.enter_context(apply_fixes(cfg.fixes, model=model, plan=target.plan, world=world))
+        if cfg.probes:
+            stack.enter_context(module_probes(model, rec, plan=target.plan, backward=cfg.backward))
+        rec.phase = "init"
+        for k, v in batch.items():
+            rec.add("batch", "model", k, v)
+        rec.add("batch", "model", "labels", labels)
+        record_params(rec, model, "param_init", target.plan)
+        t1 = time.perf_counter()
+        for step in range(cfg.steps):
+            rec.step = step
+            rec.phase = "forward"
+            out = model(**batch)
+            logits = logits_of(out)
+            rec.phase = "loss"
+            with loss_context(world):
+                with torch.no_grad():
+                    lp = token_logprobs(logits.detach(), labels)
+                rec.add("logprobs", "model", "logprobs", lp)
+                loss = loss_fn(logits, labels)
+                rec.add("loss", "model", "loss", loss)
+                if cfg.backward:
+                    rec.phase = "backward"
+                    loss.backward()
+            if cfg.backward:
+                rec.phase = "optimizer"
+                params = list(model.parameters())
+                total = grad_norm_and_clip(params, cfg.clip_norm)
+                rec.add("grad_norm", "model", "total", total)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                record_params(rec, model, "param", target.plan)
+            del out, logits, loss
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        timings["steps_s"] = time.perf_counter() - t1
+    return timings

@@ -1,0 +1,94 @@
+"""Entry point of one rank. Writes its completion marker only after all its work is on disk.
+
+A world's result is complete when every rank wrote `rankR.done` - not when every exit code is
+0: on torch 2.13 + gloo a rank can abort at teardown after finishing its work.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+
+def marker(out_dir: str, rank: int, what: str) -> str:
+    return os.path.join(out_dir, f"rank{rank}.{what}")
+
+
+def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s: float) -> None:
+    from tpdiag import io
+    from tpdiag.config import WorldConfig
+
+    cfg = WorldConfig.from_dict(cfg_dict)
+    os.environ["TPDIAG_RANK"] = str(rank)
+    try:
+        _run(rank, world, host, port, cfg, timeout_s)
+        io.write_json(marker(cfg.out_dir, rank, "done"), {"rank": rank, "time": time.time()})
+    except BaseException as e:  # noqa: BLE001 - every failure must leave evidence on disk
+        io.write_json(marker(cfg.out_dir, rank, "error"), {
+            "rank": rank, "type": type(e).__name__, "message": str(e).splitlines()[0] if str(e) else "",
+            "traceback": traceback.format_exc(),
+        })
+        sys.stderr.flush()
+        os._exit(1)
+    # Skip interpreter teardown: gloo/NCCL destructors are where ranks abort or hang.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tpdiag.probes import store
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.runner import determinism
+    from tpdiag.runner.gather import gather_records
+    from tpdiag.runner.step import run
+
+    determinism.setup(cfg.seed, cfg.device)
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    tcp = dist.TCPStore(host, port, world_size=world + 1, is_master=False,
+                        timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=tcp, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s),
+                            **({"device_id": device} if backend == "nccl" else {}))
+    _fault_injection(rank, world)
+    rec = Recorder()
+    t0 = time.perf_counter()
+    timings = run(cfg, device, world, rec)
+    t1 = time.perf_counter()
+    stored = gather_records(rec.records, device)
+    timings["gather_s"] = time.perf_counter() - t1
+    if rank == 0:
+        store.write(cfg.out_dir, stored, {
+            "degree": world, "label": cfg.label, "backend": backend, "device": str(device),
+            "config": cfg.to_dict(), "timings": timings, "n_records": len(stored),
+            "total_s": time.perf_counter() - t0,
+        })
+    dist.barrier()
+
+
+def _fault_injection(rank: int, world: int) -> None:
+    """Test hook: TPDIAG_FAULT='raise:R@N' ('exit', 'hang') breaks rank R of the TP=N world."""
+    spec = os.environ.get("TPDIAG_FAULT", "")
+    if not spec:
+        return
+    what, _, where = spec.partition(":")
+    r, _, n = where.partition("@")
+    if (r and int(r) != rank) or (n and int(n) != world):
+        return
+    if what == "raise":
+        raise RuntimeError(f"injected fault on rank {rank}")
+    if what == "exit":
+        os._exit(7)
+    if what == "hang":
+        time.sleep(10_000)
