@@ -19,12 +19,12 @@ def parse_degrees(text: str) -> tuple[int, ...]:
     out = []
     for p in parts:
         try:
-            n = int(p)
+            out.append(int(p))
         except ValueError:
             raise BadInput(f"--tp {text!r}: {p!r} is not an integer; expected e.g. 1,2,4,8") from None
+    for n in out:
         if n < 1:
             raise BadInput(f"--tp {text!r}: degree {n} must be >= 1")
-        out.append(n)
     if len(out) < 2:
         raise BadInput(f"--tp {text!r}: need at least two degrees (a reference and one to compare), e.g. 1,2")
     return tuple(out)

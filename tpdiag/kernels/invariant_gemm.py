@@ -119,7 +119,7 @@ def _invariant_mm_tma_kernel(
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     A_T: tl.constexpr, B_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
 ):
     """Persistent C = A @ B with TMA tensor descriptors (Hopper+; same tiles and K order).
 
@@ -156,7 +156,15 @@ def _invariant_mm_tma_kernel(
 
         tile_id_c += NUM_SMS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+        if EPILOGUE_SUBTILE:
+            # Store in two [BLOCK_M, BLOCK_N // 2] halves: halves the shared-memory staging
+            # (needed for an fp32 output of a bf16 product). Same values, same bits.
+            acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            acc0, acc1 = tl.split(acc3)
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc0.to(c_desc.dtype))
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], acc1.to(c_desc.dtype))
+        else:
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
 _JIT_FUNCTIONS = ("_tile_coords", "_invariant_mm_kernel", "_invariant_mm_tma_kernel")
@@ -214,12 +222,16 @@ class GemmConfig:
     warp_specialize: bool = False  # tl.range(warp_specialize=...), TMA kernel only
 
 
-# Chosen from the sweep in benchmarks/bench_invariant_gemm.py (docs/benchmarks.md). Any
-# fixed config is invariant; two different configs give different bits (different BLOCK_K
-# = different summation order), so these must not change silently between runs.
+# Chosen from the sweep in benchmarks/bench_invariant_gemm.py on an H200 (docs/benchmarks.md):
+# bf16 128x256x64, GROUP_M 16, 8 warps, 3 stages, TMA: 98-101% of cuBLAS at Llama-3-8B
+# shapes (pointer loads: 77%; 4 stages do not fit in shared memory; flatten / warp
+# specialisation / GROUP_M 8 or 32: no gain). fp32 (IEEE, FMA): 128x128x32, 84% of cuBLAS;
+# TMA was within noise, so the pointer kernel (no aligned copies) is kept. Any fixed config
+# is invariant; two different configs give different bits (different BLOCK_K = different
+# summation order), so these must not change silently between runs.
 CUDA_CONFIGS = {
-    torch.bfloat16: GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True),
-    torch.float16: GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True),
+    torch.bfloat16: GemmConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True),
+    torch.float16: GemmConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True),
     # fp32 uses IEEE fp32 FMA (no tensor cores): a register-blocked tile.
     torch.float32: GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3, tma=False),
 }
@@ -325,6 +337,10 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
         return c
     if K == 0:
         return c.zero_()
+    if a.device.type != "cuda" and out_dtype == torch.bfloat16:
+        # The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even.
+        # Keep the kernel's fp32 result and round it in torch (round-to-nearest-even).
+        return triton_mm(a, b, out_dtype=torch.float32, config=config).to(torch.bfloat16)
     cfg = config or default_config(a.dtype, a.device, K)
     if a.device.type == "cuda":
         num_sms = _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())
@@ -357,9 +373,13 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         a_desc = TensorDescriptor(at, list(at.shape), list(at.stride()), [bk, bm] if a_t else [bm, bk])
         b_desc = TensorDescriptor(bt, list(bt.shape), list(bt.stride()), [bn, bk] if b_t else [bk, bn])
-        c_desc = TensorDescriptor(ct, list(ct.shape), list(ct.stride()), [bm, bn])
+        # A wider output (fp32 accumulator out of a bf16/fp16 product, for addmm/linear
+        # epilogues) is staged in two halves so the tile still fits in shared memory.
+        subtile = c.element_size() > a.element_size()
+        c_desc = TensorDescriptor(ct, list(ct.shape), list(ct.stride()), [bm, bn // 2 if subtile else bn])
         _invariant_mm_tma_kernel[grid](a_desc, b_desc, c_desc, M, N, K, A_T=a_t, B_T=b_t,
-                                       WARP_SPECIALIZE=cfg.warp_specialize, **common)
+                                       WARP_SPECIALIZE=cfg.warp_specialize, EPILOGUE_SUBTILE=subtile,
+                                       **common)
         if ct is not c:
             c.copy_(ct)
     else:

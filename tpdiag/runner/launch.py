@@ -76,32 +76,12 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
             if all(done):
                 result = WorldResult(cfg.label, world, "ok", cfg.out_dir, time.perf_counter() - t0)
                 break
-            if errs:
-                time.sleep(0.2)  # let sibling ranks that fail for the same reason report too
-                rank_errors = {}
-                for r, path in errs.items():
-                    try:
-                        e = io.read_json(path)
-                        rank_errors[r] = f"{e['type']}: {e['message']}"
-                    except Exception:
-                        rank_errors[r] = "error marker unreadable"
-                first = min(rank_errors)
-                result = WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
-                                     error=f"rank {first} raised {rank_errors[first]}",
-                                     rank_errors=rank_errors)
-                break
             dead = [r for r, p in enumerate(procs)
                     if p.exitcode is not None and not done[r] and r not in errs]
-            if dead:
-                time.sleep(0.3)  # an error marker may still be landing
-                if any(os.path.exists(worker.marker(cfg.out_dir, r, "error")) for r in dead):
-                    continue
-                r = dead[0]
-                code = procs[r].exitcode
-                how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                result = WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
-                                     error=f"rank {r} died ({how}) before finishing its work")
-                break
+            if errs or dead:
+                result = _failure(cfg, procs, world, t0)
+                if result is not None:
+                    break
             if time.monotonic() > deadline:
                 pending = [r for r in range(world) if not done[r]]
                 result = WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
@@ -115,6 +95,43 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
         on_status(cfg.label, result.status)
     io.write_json(os.path.join(cfg.out_dir, "result.json"), result.to_dict())
     return result
+
+
+_PEER_LOST = ("Connection closed", "Connection reset", "remote worker", "Broken pipe",
+              "NCCL communicator was aborted", "ProcessGroupNCCL")
+
+
+def _failure(cfg: WorldConfig, procs, world: int, t0: float) -> WorldResult | None:
+    """Name the rank that failed first: a rank that died without a word outranks the ranks
+    that then lost their peer, and an error of its own outranks 'connection closed'."""
+    from tpdiag import io
+    from tpdiag.runner import worker
+
+    time.sleep(0.5)  # siblings failing for the same reason report meanwhile
+    rank_errors, silent = {}, []
+    for r, p in enumerate(procs):
+        path = worker.marker(cfg.out_dir, r, "error")
+        if os.path.exists(path):
+            try:
+                e = io.read_json(path)
+                rank_errors[r] = f"{e['type']}: {e['message']}"
+            except Exception:
+                rank_errors[r] = "error marker unreadable"
+        elif p.exitcode is not None and not os.path.exists(worker.marker(cfg.out_dir, r, "done")):
+            silent.append(r)
+    if not rank_errors and not silent:
+        return None
+    if silent:
+        r = silent[0]
+        code = procs[r].exitcode
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        error = f"rank {r} died ({how}) before finishing its work"
+    else:
+        own = [r for r, m in rank_errors.items() if not any(k in m for k in _PEER_LOST)]
+        r = min(own) if own else min(rank_errors)
+        error = f"rank {r} raised {rank_errors[r]}"
+    return WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
+                       error=error, rank_errors=rank_errors)
 
 
 def _reap(procs, grace_s: float = 3.0) -> None:

@@ -1,0 +1,25 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, env=None, timeout=600):
+    """Run the real console entry point in a subprocess (as a user would)."""
+    e = dict(os.environ)
+    e.update(env or {})
+    e.setdefault("COLUMNS", "160")
+    return subprocess.run([sys.executable, "-m", "tpdiag.cli", *args], capture_output=True, text=True,
+                          env=e, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="session")
+def stock_run(tmp_path_factory):
+    """ONE real compare of the built-in model at TP=1,2,4,8 (gloo), shared by every test that reads it."""
+    out = tmp_path_factory.mktemp("stock") / "run"
+    p = run_cli("compare", "--tp", "1,2,4,8", "--out", str(out), "--no-confirm")
+    assert p.returncode == 0, p.stderr + p.stdout
+    return out

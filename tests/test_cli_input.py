@@ -1,0 +1,29 @@
+"""Bad input: one clear line, exit 2, before any world starts."""
+import pytest
+from typer.testing import CliRunner
+
+from tpdiag.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tp", "3"], "need at least two degrees"),
+    (["--tp", "1,3"], "--tp 3: does not divide"),
+    (["--tp", "0,x"], "is not an integer"),
+    (["--tp", "1,0"], "must be >= 1"),
+    (["--model", "nope"], "unknown model"),
+    (["--model", "hf:/does/not/exist"], "no config.json"),
+    (["--model", "py:missing.py:f"], "not found"),
+    (["--dtype", "float13"], "expected one of float32, bfloat16, float16"),
+    (["--fix", "magic"], "unknown fix"),
+    (["--steps", "0"], "must be >= 1"),
+    (["--format", "xml"], "expected one of text, json"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
+    r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r"), *args])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "r").exists()  # nothing started, nothing written

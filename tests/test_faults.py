@@ -1,0 +1,31 @@
+"""A rank that raises, dies or hangs fails its own degree; the others still report; exit 2."""
+import json
+
+from conftest import run_cli
+
+
+def test_raising_rank_fails_only_its_degree(tmp_path):
+    p = run_cli("compare", "--tp", "1,2,4", "--out", str(tmp_path / "r"), "--format", "json",
+                env={"TPDIAG_FAULT": "raise:1@2"})
+    assert p.returncode == 2, p.stderr
+    s = json.loads(p.stdout)
+    assert s["status"] == "inconclusive"
+    assert s["degrees"]["2"]["status"] == "failed"
+    assert "rank 1 raised RuntimeError: injected fault" in s["degrees"]["2"]["error"]
+    assert s["degrees"]["4"]["status"] == "divergent"
+
+
+def test_hung_rank_times_out(tmp_path):
+    p = run_cli("compare", "--tp", "1,2", "--out", str(tmp_path / "r"), "--format", "json",
+                "--timeout", "15", env={"TPDIAG_FAULT": "hang:0@2"})
+    assert p.returncode == 2, p.stderr
+    d = json.loads(p.stdout)["degrees"]["2"]
+    assert d["status"] == "failed" and "timed out" in d["error"]
+
+
+def test_dying_rank_is_reported(tmp_path):
+    p = run_cli("compare", "--tp", "1,2", "--out", str(tmp_path / "r"), "--format", "json",
+                env={"TPDIAG_FAULT": "exit:1@2"})
+    assert p.returncode == 2
+    d = json.loads(p.stdout)["degrees"]["2"]
+    assert d["status"] == "failed" and "rank 1 died (exit code 7)" in d["error"]
