@@ -1,18 +1,44 @@
-"""Registers the fixes DESIGN.md names. A fix without an implementation yet has install=None."""
+"""Registers the fixes DESIGN.md names. A fix without an implementation has install=None."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+from tpdiag.fixes import state
 from tpdiag.fixes.registry import Fix, register
+
+
+def _linear(flag):
+    def install(model, plan, world):
+        from tpdiag.fixes.linear import linear_fix
+
+        return linear_fix(flag, model, plan, world)
+
+    return install
+
+
+def _flag(name):
+    # The runner reads these flags where it computes the loss / grad norm itself.
+    def install(model, plan, world):
+        return state.flag(name)
+
+    return install
+
 
 register(Fix("tp-invariant-linear", ("row-parallel-reduction", "column-parallel-dgrad"),
              ("RowwiseParallel forward", "ColwiseParallel dgrad"),
-             "one K-reduction order at every TP"))
-register(Fix("invariant-gemm", ("shape-dependent-gemm",), ("aten::mm", "aten::addmm"),
-             "fixed-tile GEMM, no split-K"))
-register(Fix("invariant-vocab-softmax", ("vocab-parallel-softmax",), ("vocab-parallel cross-entropy",),
-             "one all-gather of per-shard exp-sums"))
-register(Fix("invariant-norm-grad", ("norm-weight-grad",), ("RMSNorm weight grad",),
-             "all-gather per-token terms"))
-register(Fix("invariant-grad-norm", ("grad-norm",), ("global grad norm",),
-             "float64 norm, power-of-two clip coefficient"))
+             "fp32 partials per fixed K group + one tree all-gather of [tokens, N] per layer "
+             "(no weight all-gather)", _linear("tp-invariant-linear")))
+register(Fix("invariant-gemm", ("shape-dependent-gemm",), ("ColwiseParallel forward/wgrad",),
+             "column GEMMs in fixed N blocks: same GEMM shapes at every TP",
+             _linear("invariant-gemm")))
+register(Fix("invariant-vocab-softmax", ("vocab-parallel-softmax",),
+             ("vocab-parallel log-softmax / cross-entropy",),
+             "exp-sums per fixed vocab group, one tree all-gather of [tokens] floats",
+             _flag("invariant-vocab-softmax")))
+register(Fix("invariant-grad-norm", ("grad-norm",), ("global grad norm + clip",),
+             "grads gathered whole, float64 norm, power-of-two clip coefficient",
+             _flag("invariant-grad-norm")))
+register(Fix("invariant-norm-grad", ("norm-weight-grad",), ("RMSNorm weight grad under SP",),
+             "not built yet: the built-in model has no sequence parallelism", None))
 register(Fix("deterministic-collectives", ("collective-nondeterminism",), ("all_reduce",),
-             "fixed-order reduction"))
+             "not built yet", None))

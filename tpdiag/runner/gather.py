@@ -58,8 +58,8 @@ def gather_records(records: list[tuple[dict, torch.Tensor]], device: torch.devic
         shards_b = [g[off:off + n] for g in gathered]
         off += n
         equal = all(torch.equal(shards_b[0], s) for s in shards_b[1:])
-        shards = [s.view(t.dtype).reshape(t.shape) if t.dim() else s.view(t.dtype).reshape(())
-                  for s in shards_b]
+        # clone: a slice of the byte buffer need not be aligned for the element type
+        shards = [s.clone().view(t.dtype).reshape(t.shape) for s in shards_b]
         if equal:
             out.append(({**m, "stored": "single", "ranks_equal": True, "world": world}, shards[0].clone()))
         else:

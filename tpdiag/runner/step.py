@@ -86,6 +86,22 @@ def grad_norm_and_clip(params, max_norm: float | None):
     return total
 
 
+def _numerics(target):
+    """The loss, logprob and grad-norm functions, swapped for invariant ones by their fixes."""
+    from tpdiag.fixes import state
+
+    loss_fn, logprob_fn, norm_fn = target.loss or default_loss, token_logprobs, grad_norm_and_clip
+    if state.active("invariant-vocab-softmax") and target.loss is None:
+        from tpdiag.kernels import tree, vocab_ce
+
+        g = tree.n_groups()
+        loss_fn = lambda lo, lab: vocab_ce.cross_entropy(lo, lab, g)  # noqa: E731
+        logprob_fn = lambda lo, lab: vocab_ce.token_logprobs(lo, lab, g)  # noqa: E731
+    if state.active("invariant-grad-norm"):
+        from tpdiag.kernels.grad_norm import grad_norm_and_clip as norm_fn
+    return loss_fn, logprob_fn, norm_fn
+
+
 def loss_context(world: int):
     if world > 1:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -102,7 +118,6 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder,
     t0 = time.perf_counter()
     target, model = build_model(cfg, device, world)
     batch, labels = make_batch(cfg, target, device)
-    loss_fn = target.loss or default_loss
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=False) if cfg.backward else None
     timings["build_s"] = time.perf_counter() - t0
 
@@ -112,6 +127,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder,
         from tpdiag.fixes.registry import apply_fixes
 
         stack.enter_context(apply_fixes(cfg.fixes, model=model, plan=target.plan, world=world))
+        loss_fn, logprob_fn, norm_fn = _numerics(target)
         if cfg.probes:
             stack.enter_context(module_probes(model, rec, plan=target.plan, backward=cfg.backward))
         rec.phase = "init"
@@ -128,7 +144,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder,
             rec.phase = "loss"
             with loss_context(world):
                 with torch.no_grad():
-                    lp = token_logprobs(logits.detach(), labels)
+                    lp = logprob_fn(logits.detach(), labels)
                 rec.add("logprobs", "model", "logprobs", lp)
                 loss = loss_fn(logits, labels)
                 rec.add("loss", "model", "loss", loss)
@@ -138,7 +154,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder,
             if cfg.backward:
                 rec.phase = "optimizer"
                 params = list(model.parameters())
-                total = grad_norm_and_clip(params, cfg.clip_norm)
+                total = norm_fn(params, cfg.clip_norm)
                 rec.add("grad_norm", "model", "total", total)
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -1,0 +1,118 @@
+"""TP-invariant linear layers: one reduction order and one GEMM shape per group at every TP.
+
+Row-parallel (weight [N, K] split on K): each rank computes fp32 partial products for its K
+groups, reduces them as a subtree and the tree is finished across ranks (kernels/tree.py).
+Rounding happens once, after the whole sum - a bf16 partial rounded before an all-reduce can
+never match TP=1. Backward GEMMs run per K group, so their shapes are TP-independent too.
+
+Column-parallel (weight split on N): forward in fixed N blocks (shape-invariant GEMMs,
+`invariant-gemm`), dgrad dX = sum_n dY[:, n] W[n, :] as an N-group tree across ranks
+(`tp-invariant-linear`), wgrad per N block.
+
+Both take LOCAL shards and the group range this rank owns; TP=1 is the same code with all
+groups local, so TP=1 itself follows the canonical order when a fix is on.
+"""
+from __future__ import annotations
+
+import torch
+
+from tpdiag.kernels.tree import tree_all_reduce, tree_sum
+
+
+def _mm(a, b):
+    return torch.matmul(a, b)
+
+
+class RowLinearPartial(torch.autograd.Function):
+    """x_local [..., K_r], w_local [N, K_r] -> fp32 subtree root [..., N] over `groups` K groups."""
+
+    @staticmethod
+    def forward(ctx, x, w, groups: int):
+        ctx.save_for_backward(x, w)
+        ctx.groups = groups
+        xs = x.float().chunk(groups, dim=-1)
+        ws = w.float().chunk(groups, dim=-1)
+        return tree_sum([_mm(xg.contiguous(), wg.t().contiguous()) for xg, wg in zip(xs, ws)])
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        groups = ctx.groups
+        g = g.float().contiguous()
+        ws = w.float().chunk(groups, dim=-1)
+        xs = x.float().chunk(groups, dim=-1)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.cat([_mm(g, wg.contiguous()) for wg in ws], dim=-1).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            g2 = g.reshape(-1, g.shape[-1]).t().contiguous()
+            dw = torch.cat([_mm(g2, xg.reshape(-1, xg.shape[-1]).contiguous()) for xg in xs],
+                           dim=-1).to(w.dtype)
+        return dx, dw, None
+
+
+def row_parallel_linear(x, w, bias, local_groups: int):
+    """Whole output, replicated on every rank, identical at every TP."""
+    y = tree_all_reduce(RowLinearPartial.apply(x, w, local_groups)).to(x.dtype)
+    return y + bias if bias is not None else y
+
+
+class ColLinear(torch.autograd.Function):
+    """x [..., K] replicated, w_local [N_r, K] -> y_local [..., N_r].
+
+    blocked: forward/wgrad in `local_groups` fixed N blocks (shape-invariant GEMMs).
+    tree_dgrad: dX as a tree over N groups finished across ranks (replaces the all-reduce).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, local_groups: int, blocked: bool, tree_dgrad: bool):
+        ctx.save_for_backward(x, w)
+        ctx.cfg = (local_groups, blocked, tree_dgrad)
+        if blocked:
+            return torch.cat([_mm(x, wg.t().contiguous()) for wg in w.chunk(local_groups, 0)], dim=-1)
+        return _mm(x, w.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        local_groups, blocked, tree_dgrad = ctx.cfg
+        g = g.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            if tree_dgrad:
+                gs = g.float().chunk(local_groups, dim=-1)
+                ws = w.float().chunk(local_groups, dim=0)
+                part = tree_sum([_mm(gg.contiguous(), wg.contiguous()) for gg, wg in zip(gs, ws)])
+                dx = tree_all_reduce(part).to(x.dtype)
+            else:
+                dx = _all_reduce_sum(_mm(g, w))
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            g2 = g.reshape(-1, g.shape[-1])
+            if blocked:
+                dw = torch.cat([_mm(gg.t().contiguous(), x2) for gg in g2.chunk(local_groups, -1)], 0)
+            else:
+                dw = _mm(g2.t(), x2)
+        return dx, dw, None, None, None
+
+
+def _all_reduce_sum(t):
+    """The stock dgrad reduction (what the fix replaces), for the blocked-only configuration."""
+    from tpdiag.kernels.tree import world_size
+
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+    return t
+
+
+def col_parallel_linear(x, w, bias, local_groups: int, blocked: bool, tree_dgrad: bool):
+    y = ColLinear.apply(x, w, local_groups, blocked, tree_dgrad)
+    return y + bias if bias is not None else y
+
+
+def reference_linear(x, w, bias=None):
+    """float64 reference."""
+    y = x.double() @ w.double().t()
+    return y + bias.double() if bias is not None else y

@@ -1,0 +1,83 @@
+"""TP-invariant vocab-parallel log-softmax / cross-entropy.
+
+The max and the target logit are exact under any all-reduce (a max; one nonzero plus zeros).
+The sum of exp(logit - max) is not: each rank's partial sum and the all-reduce order change
+with TP. Here the vocab is cut into fixed global groups, each summed by one reduction of the
+same shape at every TP, and the groups are added by one tree across ranks (kernels/tree.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from tpdiag.kernels.tree import rank, tree_all_reduce, tree_sum, world_size
+
+IGNORE = -100
+
+
+def _all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+    if world_size() == 1:
+        return t
+    import torch.distributed as dist
+
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return t
+
+
+class VocabParallelLogProb(torch.autograd.Function):
+    """logits_local [T, V_r] -> log p(label) [T] in fp32 (0 where label == IGNORE)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, local_groups: int):
+        l = logits.float()
+        v_r = l.shape[-1]
+        start = rank() * v_r
+        m = _all_reduce(l.max(dim=-1).values.contiguous(), "max")
+        e = torch.exp(l - m[:, None])
+        parts = [eg.contiguous().sum(dim=-1) for eg in e.chunk(local_groups, dim=-1)]
+        s = tree_all_reduce(tree_sum(parts))
+        lse = m + torch.log(s)
+        valid = labels != IGNORE
+        local = (labels >= start) & (labels < start + v_r) & valid
+        idx = torch.where(local, labels - start, torch.zeros_like(labels))
+        tgt = torch.where(local, l.gather(-1, idx[:, None]).squeeze(-1), torch.zeros_like(lse))
+        tgt = _all_reduce(tgt.contiguous(), "sum")
+        lp = torch.where(valid, tgt - lse, torch.zeros_like(lse))
+        ctx.save_for_backward(l, lse, idx, local, valid)
+        ctx.dtype = logits.dtype
+        return lp
+
+    @staticmethod
+    def backward(ctx, g):
+        l, lse, idx, local, valid = ctx.saved_tensors
+        g = torch.where(valid, g.float(), torch.zeros_like(g.float()))
+        p = torch.exp(l - lse[:, None])
+        onehot = torch.zeros_like(p)
+        onehot.scatter_(-1, idx[:, None], local[:, None].float())
+        d = g[:, None] * (onehot - p)
+        return d.to(ctx.dtype), None, None
+
+
+def token_logprobs(logits, labels, groups: int):
+    """logits: [..., V] plain tensor (TP=1) or vocab-sharded DTensor; returns [N] fp32."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        logits = logits.to_local()
+    w = world_size()
+    lo = logits.reshape(-1, logits.shape[-1])
+    return VocabParallelLogProb.apply(lo, labels.reshape(-1), groups // w)
+
+
+def cross_entropy(logits, labels, groups: int):
+    """Mean NLL over valid tokens: the token sum has the same shape at every TP."""
+    lp = token_logprobs(logits, labels, groups)
+    n = (labels.reshape(-1) != IGNORE).sum().clamp_min(1)
+    return -(lp.sum() / n).to(logits.dtype)
+
+
+def reference_logprobs(logits_full: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """float64 reference on whole logits."""
+    lo = logits_full.reshape(-1, logits_full.shape[-1]).double()
+    lab = labels.reshape(-1)
+    lp = torch.log_softmax(lo, -1).gather(-1, lab.clamp_min(0)[:, None]).squeeze(-1)
+    return torch.where(lab != IGNORE, lp, torch.zeros_like(lp))

@@ -1,0 +1,223 @@
+"""`hf:DIR`: a local Hugging Face causal LM, sharded by transformers' own TP styles.
+
+The model is built whole on every rank (safetensors weights if the directory has them, else a
+random init from the RNG the runner seeded: the same weights at every degree), then the runner's
+`parallelize_module(model, mesh, target.plan)` shards it. The plan is the model's own `tp_plan`
+(the config's `base_model_tp_plan` prefixed with the base model's name, plus the head's
+`_tp_plan`: what `from_pretrained(tp_plan="auto")` applies), with each style name mapped to the
+very `TensorParallelLayer` object transformers registers for it and wrapped as a torch
+`ParallelStyle`. So the numerics tpdiag diagnoses are transformers' TP, not a re-implementation,
+while weights are still initialised on the full model before sharding (transformers' own
+TP loading initialises per shard, which would give different random weights per degree).
+
+transformers is imported lazily: `import tpdiag` stays cheap.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+from tpdiag.errors import BadInput, EnvironmentProblem
+
+# tpdiag reads a style's layout from its class name (tpdiag.models.plans.style_label), so each
+# wrapper class carries the torch name of the layout the transformers style implements.
+_LAYOUT_NAMES = {
+    "ColwiseParallel": "ColwiseParallel",
+    "PackedColwiseParallel": "ColwiseParallel",
+    "RowwiseParallel": "RowwiseParallel",
+    "PackedRowwiseParallel": "RowwiseParallel",
+    "SequenceParallel": "SequenceParallel",
+}
+_CLASSES: dict[str, type] = {}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise EnvironmentProblem("--model hf:DIR needs transformers; install it with "
+                                 "pip install 'transformers>=5,<6' (or tpdiag[hf])") from None
+    major = int(transformers.__version__.split(".")[0])
+    if major < 5:
+        raise EnvironmentProblem(f"--model hf:DIR needs transformers>=5 (its DTensor TP styles); "
+                                 f"found {transformers.__version__}")
+    return transformers
+
+
+def _layout_name(hf_style) -> str:
+    cls = type(hf_style).__name__
+    if cls == "EmbeddingParallel":
+        # shard_dim 0 is the vocab-parallel embedding: torch calls that RowwiseParallel.
+        return "RowwiseParallel" if getattr(hf_style, "shard_dim", 0) == 0 else "ColwiseParallel"
+    return _LAYOUT_NAMES.get(cls, cls)
+
+
+def hf_style(name: str, param_styles: dict[str, str] | None = None):
+    """A torch ParallelStyle applying transformers' registered style `name` (None: params only)."""
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    layout = _layout_name(ALL_PARALLEL_STYLES[name]) if name else "HFParamStyle"
+    cls = _CLASSES.get(layout)
+    if cls is None:
+        cls = type(layout, (_HFStyle, ParallelStyle), {"__module__": __name__})
+        _CLASSES[layout] = cls
+    return cls(name, param_styles or {})
+
+
+class _HFStyle:
+    """Apply one transformers TP style to a module, as `apply_tensor_parallelism` does."""
+
+    def __init__(self, name: str | None, param_styles: dict[str, str]):
+        self.hf_name = name
+        self.param_styles = dict(param_styles)
+        inner = self._style(name) if name else None
+        # Exposed for tpdiag's layout labels ('colwise' vs 'colwise-gathered').
+        self.input_layouts = getattr(inner, "input_layouts", None)
+        self.output_layouts = getattr(inner, "output_layouts", None)
+
+    @staticmethod
+    def _style(name: str):
+        from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+        return ALL_PARALLEL_STYLES[name]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(hf={self.hf_name!r})"
+
+    def _apply(self, module, mesh):
+        for pname, _ in list(module.named_parameters(recurse=False)):
+            sname = self.param_styles.get(pname, self.hf_name)
+            if sname is None:
+                continue
+            style = self._style(sname)
+            style.validate_param(module, pname, mesh, parameter_name=pname)
+            # transformers shards with src_data_rank=None: each rank keeps its slice of its own
+            # full copy. Every rank built the same full weights, so that is the shard of TP=1's.
+            style.shard_param(module, pname, mesh)
+        if self.hf_name == "replicated_with_grad_allreduce":
+            _grad_allreduce_now(module, mesh)
+        elif self.hf_name is not None:
+            self._style(self.hf_name).install_forward(module, mesh)
+        module._is_hooked = True
+        return module
+
+
+def _grad_allreduce_now(module, mesh) -> None:
+    """transformers' ReplicatedWithGradAllReduce, with its grad hooks registered now.
+
+    transformers registers the all-reduce of a per-head norm's (q_norm/k_norm) weight grad at
+    the first forward, i.e. after tpdiag's probes - so the probe would record the rank-partial
+    grad, a false rank-inconsistent replica. Registered here, before any probe, the reduction
+    (the same single all_reduce) runs first and the probe sees the grad the optimizer uses.
+    """
+    import torch.distributed as dist
+
+    group = mesh.get_group()
+
+    def reduce(p):
+        dist.all_reduce(p.grad, group=group)
+
+    for p in module.parameters(recurse=False):
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(reduce)
+
+
+def tp_plan_of(model) -> dict:
+    """The model's transformers TP plan {fqn pattern: style name} as torch ParallelStyles.
+
+    Module entries map to a style; entries naming a parameter ('...experts.gate_up_proj')
+    are folded into their module's entry, since parallelize_module addresses modules only.
+    """
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    generic_modules = {_generic(n) for n, _ in model.named_modules()}
+    modules: dict[str, str | None] = {}
+    params: dict[str, dict[str, str]] = {}
+    for key, style in plan.items():
+        if key in generic_modules:
+            modules[key] = style
+            continue
+        owner, _, pname = key.rpartition(".")
+        if owner in generic_modules or (owner == "" and pname):
+            params.setdefault(owner, {})[pname] = style
+        # else: a rule that matches nothing in this model; transformers only warns about those
+    out = {}
+    for key in sorted(set(modules) | set(params), key=lambda k: list(plan).index(k)
+                      if k in plan else len(plan)):
+        out[key] = hf_style(modules.get(key), params.get(key))
+    return out
+
+
+def _generic(name: str) -> str:
+    # Layer numbers become '*', as in transformers' plans ('model.layers.*.mlp.up_proj').
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def divisors_of(config) -> dict[str, int]:
+    """Dimensions a degree must divide: heads (HF attention reads local head counts from the
+    shard's shape) and vocab/intermediate (gather needs equal shards on every rank)."""
+    c = text_config(config)
+    out = {}
+    for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+        v = getattr(c, key, None)
+        if isinstance(v, int):
+            out[key] = v
+    return out
+
+
+def load_model(path: str):
+    """The whole model: safetensors weights if present, else a seeded random init."""
+    _transformers()
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any config problem is a bad spec, in one line
+        raise BadInput(f"--model hf:{path}: config.json not usable by transformers: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    # No KV cache (training step, and a cache would read global head counts) and no dropout.
+    config.use_cache = False
+    tc = text_config(config)
+    for key in ("attention_dropout", "hidden_dropout", "dropout"):
+        if hasattr(tc, key):
+            setattr(tc, key, 0.0)
+    has_st = bool(glob.glob(os.path.join(path, "*.safetensors")))
+    pickled = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
+    try:
+        if has_st:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                         use_safetensors=True)
+        elif pickled:
+            raise BadInput(f"--model hf:{path}: weights are pickled ({os.path.basename(pickled[0])}); "
+                           "tpdiag loads safetensors only - convert them, or remove them for a random init")
+        else:
+            # The runner seeded the RNG: the full model's init is the same on every rank/degree.
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except BadInput:
+        raise
+    except ValueError as e:
+        raise BadInput(f"--model hf:{path}: not a causal LM transformers can build: "
+                       f"{str(e).splitlines()[0]}") from None
+    model.train()
+    return model
+
+
+def load_hf_target(path: str, variant: str = "stock"):
+    from tpdiag.models.target import Target
+
+    if variant != "stock":
+        raise BadInput(f"plan variant {variant!r}: hf: models offer only 'stock' "
+                       "(the config's own base_model_tp_plan)")
+    model = load_model(path)
+    plan = tp_plan_of(model)
+    if not plan:
+        raise BadInput(f"--model hf:{path}: {type(model).__name__} has no tensor-parallel plan "
+                       "(no base_model_tp_plan in its config); it cannot run at TP > 1")
+    tc = text_config(model.config)
+    return Target(model=model, plan=plan, vocab_size=int(tc.vocab_size), divisors=divisors_of(tc))
