@@ -23,3 +23,12 @@ def stock_run(tmp_path_factory):
     p = run_cli("compare", "--tp", "1,2,4,8", "--out", str(out), "--no-confirm")
     assert p.returncode == 0, p.stderr + p.stdout
     return out
+
+
+@pytest.fixture(scope="session")
+def tp12_run(tmp_path_factory):
+    """ONE real compare at TP=1,2 shared by the report and gate tests; tests edit copies, never this."""
+    out = tmp_path_factory.mktemp("tp12") / "run"
+    p = run_cli("compare", "--tp", "1,2", "--out", str(out), "--no-confirm", "--format", "json")
+    assert p.returncode == 0, p.stderr + p.stdout
+    return out

@@ -75,16 +75,21 @@ def compare(
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
             out=out or "", timeout=timeout, seed=seed, variant=variant)
-        from tpdiag.runner.compare import run_compare, validate
+        from tpdiag.runner.compare import default_out, validate
+        from tpdiag.runner.session import compare_session
 
         validate(cfg)
+        if not cfg.out:
+            from dataclasses import replace
+
+            cfg = replace(cfg, out=default_out())
         if fmt == "text":
             from tpdiag.cli_render import progress
 
             with progress(_console(stderr=True), cfg) as on_status:
-                summary = run_compare(cfg, on_status)
+                summary = compare_session(cfg, on_status)
         else:
-            summary = run_compare(cfg)
+            summary = compare_session(cfg)
     except TpdiagError as e:
         _fail(e)
     except KeyboardInterrupt:
@@ -153,6 +158,61 @@ def doctor(fmt: Format = "text") -> None:
     for k, v in info.items():
         t.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
     _console().print(t)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[str, typer.Argument(help="a run directory written by tpdiag compare")],
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="HTML file (default RUN_DIR/report.html)")] = None,
+    debug: Debug = False,
+) -> None:
+    """Write one self-contained HTML report (verdict, plots, tables) for a run directory."""
+    _DEBUG["on"] = debug
+    try:
+        from tpdiag.reports.html import write_report
+
+        path = write_report(run_dir, output)
+    except TpdiagError as e:
+        _fail(e)
+    _console().print(f"report: {path}", soft_wrap=True)
+
+
+@app.command()
+def gate(
+    run_dir: Annotated[str, typer.Argument(help="a run directory written by tpdiag compare")],
+    policy: Annotated[Optional[str], typer.Option(help="policy TOML (default: nothing may diverge)")] = None,
+    junit: Annotated[Optional[str], typer.Option(help="write JUnit XML here, one testcase per degree")] = None,
+    fmt: Format = "text",
+    debug: Debug = False,
+) -> None:
+    """Exit 0 when nothing diverges beyond the policy, 1 when something does, 2 on incomplete evidence."""
+    _DEBUG["on"] = debug
+    import os
+
+    from tpdiag import gate as gate_lib
+
+    try:
+        fmt = _check_format(fmt)
+        result = gate_lib.evaluate(run_dir, gate_lib.load_policy(policy))
+        if junit:
+            from tpdiag import io
+
+            try:
+                io.write_bytes(junit, gate_lib.junit_xml(result))
+            except OSError as e:
+                from tpdiag.errors import BadInput
+
+                raise BadInput(f"--junit {junit!r}: cannot write ({e.strerror})") from None
+    except TpdiagError as e:
+        _fail(e)
+    if fmt == "json":
+        sys.stdout.write(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    else:
+        sys.stdout.write("\n".join(result.lines()) + "\n")
+    note = gate_lib.github_annotation(result)
+    if note and os.environ.get("GITHUB_ACTIONS") == "true":
+        sys.stdout.write(note + "\n")
+    raise typer.Exit(result.exit_code)
 
 
 def main() -> None:

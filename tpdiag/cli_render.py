@@ -22,6 +22,13 @@ def progress(console, cfg):
         def on_status(label: str, status: str) -> None:
             t = tasks.get(label)
             if t is None:
+                if label in ("confirm", "auto"):
+                    key = f"{label}:{status}"
+                    if key not in tasks:
+                        tasks[key] = p.add_task(f"{label}: {status}", total=None)
+                    for k, tid in tasks.items():
+                        if k.startswith(label + ":") and k != key:
+                            p.update(tid, total=1, completed=1)
                 return
             name = "diff" if label == "diff" else f"TP={label}"
             if status == "running":
@@ -81,9 +88,19 @@ def summary_tables(console, summary: dict) -> None:
                           + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else ""))
         conf = d.get("confirmation")
         if conf:
-            console.print(f"TP={label}: fix [bold]{conf.get('fix')}[/] -> {conf.get('verdict')}"
-                          + (f"; first divergence now {conf['first_divergence_after']['module']}"
-                             if conf.get("first_divergence_after") else ""))
+            after = conf.get("first_divergence_after")
+            console.print(f"TP={label}: fix [bold]{conf.get('fix')}[/] -> {conf.get('verdict')}; "
+                          + (f"first divergence moves to {after['phase']} {after['module']} "
+                             f"({after['kind']} {after['name']}, {after['cause']})" if after
+                             else "no divergence left" if conf.get("verdict") == "confirmed"
+                             else conf.get("reason", "")))
+    for rnd in summary.get("fix_chain") or []:
+        firsts = ", ".join(f"TP={lab}: {fd['cause']} at {fd['module']}" for lab, fd in
+                           rnd["first_divergence"].items() if fd) or "-"
+        console.print(f"fix chain round {rnd['round']} ({', '.join(rnd['fixes']) or 'stock'}): "
+                      f"{rnd['status']}; {firsts}" + (f" ({rnd['stopped']})" if rnd.get("stopped") else ""))
+    if summary.get("status_after_fixes"):
+        console.print(f"[bold]after fixes:[/] {summary['status_after_fixes']}")
     if summary.get("error"):
         console.print(f"[red]{summary['error']}[/]")
     if summary.get("run_dir"):

@@ -78,6 +78,10 @@ def classify(row: dict) -> str:
                 return "column-parallel-dgrad"
             if any(s == "rowwise" for s in styles):
                 return "shape-dependent-gemm"
+            if not row.get("consumers") and style in ("colwise", "colwise-gathered"):
+                # a column-parallel output no module consumed: the vocab-sharded logits, whose
+                # grad comes from the vocab-parallel loss backward
+                return "vocab-parallel-softmax"
             return "unknown"
         if kind == "param_grad":
             if cls in NORM_CLASSES:
@@ -92,7 +96,7 @@ def classify(row: dict) -> str:
 
 def _describe(row: dict) -> dict:
     out = {"phase": row["phase"], "module": row["module"], "op": None, "kind": row["kind"],
-           "name": row["name"], "step": row["step"], "key": row["key"],
+           "name": row["name"], "step": row["step"], "key": row["key"], "idx": row["idx"],
            "cause": classify(row), "root_cause": True,
            "max_abs": row["max_abs"], "max_ulp": row["max_ulp"],
            "mismatch_fraction": row["mismatch_fraction"], "bound": row.get("bound"),

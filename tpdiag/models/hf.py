@@ -53,7 +53,7 @@ def _layout_name(hf_style) -> str:
     return _LAYOUT_NAMES.get(cls, cls)
 
 
-def hf_style(name: str, param_styles: dict[str, str] | None = None):
+def hf_style(name: str | None, param_styles: dict[str, str] | None = None, tied: dict | None = None):
     """A torch ParallelStyle applying transformers' registered style `name` (None: params only)."""
     from torch.distributed.tensor.parallel.style import ParallelStyle
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
@@ -63,15 +63,16 @@ def hf_style(name: str, param_styles: dict[str, str] | None = None):
     if cls is None:
         cls = type(layout, (_HFStyle, ParallelStyle), {"__module__": __name__})
         _CLASSES[layout] = cls
-    return cls(name, param_styles or {})
+    return cls(name, param_styles or {}, tied)
 
 
 class _HFStyle:
     """Apply one transformers TP style to a module, as `apply_tensor_parallelism` does."""
 
-    def __init__(self, name: str | None, param_styles: dict[str, str]):
+    def __init__(self, name: str | None, param_styles: dict[str, str], tied: dict | None = None):
         self.hf_name = name
         self.param_styles = dict(param_styles)
+        self.tied = {} if tied is None else tied  # shared by a plan's styles: {id(param): (param, shard)}
         inner = self._style(name) if name else None
         # Exposed for tpdiag's layout labels ('colwise' vs 'colwise-gathered').
         self.input_layouts = getattr(inner, "input_layouts", None)
@@ -91,11 +92,13 @@ class _HFStyle:
             sname = self.param_styles.get(pname, self.hf_name)
             if sname is None:
                 continue
+            orig = module._parameters[pname]
             style = self._style(sname)
             style.validate_param(module, pname, mesh, parameter_name=pname)
             # transformers shards with src_data_rank=None: each rank keeps its slice of its own
             # full copy. Every rank built the same full weights, so that is the shard of TP=1's.
             style.shard_param(module, pname, mesh)
+            self._keep_tied(module, pname, orig)
         if self.hf_name == "replicated_with_grad_allreduce":
             _grad_allreduce_now(module, mesh)
         elif self.hf_name is not None:
@@ -103,6 +106,26 @@ class _HFStyle:
         module._is_hooked = True
         return module
 
+    def _keep_tied(self, module, pname: str, orig) -> None:
+        """A weight shared by two modules (tied embedding and LM head) stays one parameter.
+
+        Sharding replaces a module's parameter; done twice it would silently untie the weights,
+        so TP > 1 would train two tensors where TP = 1 trains one. transformers re-ties after
+        sharding; here the second module gets the first module's sharded parameter, provided
+        both styles shard it the same way.
+        """
+        new = module._parameters[pname]
+        if new is orig:
+            return
+        seen = self.tied.get(id(orig))
+        if seen is None:
+            self.tied[id(orig)] = (orig, new)  # orig kept alive: its id stays unique
+            return
+        first = seen[1]
+        if getattr(first, "placements", None) != getattr(new, "placements", None):
+            raise BadInput(f"tied weight {pname!r} of {type(module).__name__} is sharded two ways "
+                           f"({first.placements} and {new.placements}) by the model's TP plan")
+        module._parameters[pname] = first
 
 def _grad_allreduce_now(module, mesh) -> None:
     """transformers' ReplicatedWithGradAllReduce, with its grad hooks registered now.
@@ -132,21 +155,17 @@ def tp_plan_of(model) -> dict:
     """
     plan = dict(getattr(model, "tp_plan", None) or {})
     generic_modules = {_generic(n) for n, _ in model.named_modules()}
-    modules: dict[str, str | None] = {}
-    params: dict[str, dict[str, str]] = {}
+    entries: dict[str, list] = {}  # module pattern -> [module style, {param: style}], plan order
     for key, style in plan.items():
         if key in generic_modules:
-            modules[key] = style
+            entries.setdefault(key, [None, {}])[0] = style
             continue
         owner, _, pname = key.rpartition(".")
-        if owner in generic_modules or (owner == "" and pname):
-            params.setdefault(owner, {})[pname] = style
+        if owner in generic_modules:
+            entries.setdefault(owner, [None, {}])[1][pname] = style
         # else: a rule that matches nothing in this model; transformers only warns about those
-    out = {}
-    for key in sorted(set(modules) | set(params), key=lambda k: list(plan).index(k)
-                      if k in plan else len(plan)):
-        out[key] = hf_style(modules.get(key), params.get(key))
-    return out
+    tied: dict = {}
+    return {key: hf_style(style, params, tied) for key, (style, params) in entries.items()}
 
 
 def _generic(name: str) -> str:

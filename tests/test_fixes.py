@@ -1,0 +1,61 @@
+"""--fix all makes the built-in model bitwise TP-invariant; every fix is necessary (negative controls)."""
+import json
+
+import pytest
+
+from conftest import run_cli
+
+ALL = ("tp-invariant-linear", "invariant-vocab-softmax", "invariant-grad-norm")
+
+
+def compare(tmp_path, *args):
+    p = run_cli("compare", "--out", str(tmp_path / "r"), "--format", "json", "--no-confirm", *args)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fix_all_is_bitwise_at_every_degree(tmp_path, dtype):
+    s = compare(tmp_path, "--tp", "1,2,4,8", "--dtype", dtype, "--fix", "all")
+    assert s["status"] == "bitwise", json.dumps(s["degrees"], indent=1)[:2000]
+    for d in s["degrees"].values():
+        # every record: forward, logprobs, loss, every grad, params after the step
+        assert d["n_divergent"] == 0 and d["n_records"] > 150
+        assert d["logprobs"]["bitwise"] and d["logprobs"]["token_mult_prob_error"] == 1.0
+
+
+@pytest.mark.parametrize("dropped,cause,kind", [
+    ("tp-invariant-linear", "row-parallel-reduction", "out"),
+    ("invariant-vocab-softmax", "vocab-parallel-softmax", "logprobs"),
+    ("invariant-grad-norm", "grad-norm", "grad_norm"),
+])
+def test_each_fix_is_necessary(tmp_path, dropped, cause, kind):
+    rest = ",".join(f for f in ALL if f != dropped)
+    s = compare(tmp_path, "--tp", "1,8", "--fix", rest)
+    fd = s["degrees"]["8"]["first_divergence"]
+    assert s["status"] == "divergent" and fd["cause"] == cause and fd["kind"] == kind, fd
+
+
+def test_confirm_moves_the_first_divergence(tmp_path):
+    p = run_cli("compare", "--tp", "1,4", "--out", str(tmp_path / "r"), "--format", "json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)["degrees"]["4"]
+    conf = d["confirmation"]
+    assert d["first_divergence"]["cause"] == "row-parallel-reduction"
+    assert conf["fix"] == "tp-invariant-linear" and conf["verdict"] == "confirmed"
+    after = conf["first_divergence_after"]
+    assert after is None or after["idx"] > d["first_divergence"]["idx"]
+    on_disk = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert on_disk["degrees"]["4"]["confirmation"]["verdict"] == "confirmed"
+
+
+def test_fix_auto_chain_ends_bitwise(tmp_path):
+    p = run_cli("compare", "--tp", "1,8", "--fix", "auto", "--out", str(tmp_path / "r"), "--format", "json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    chain = s["fix_chain"]
+    assert chain[0]["fixes"] == [] and chain[0]["status"] == "divergent"
+    assert chain[-1]["status"] == "bitwise" and s["status_after_fixes"] == "bitwise"
+    causes = [fd["cause"] for r in chain[:-1] for fd in r["first_divergence"].values() if fd]
+    assert causes == ["row-parallel-reduction", "vocab-parallel-softmax", "grad-norm"]
+    assert set(chain[-1]["fixes"]) == set(ALL)

@@ -1,0 +1,401 @@
+"""`tpdiag gate`: pass/fail a run directory against a divergence policy, failing closed.
+
+`evaluate(run_dir, policy)` is the library entry (compare can reuse it). It first verifies the
+evidence - every degree's records are re-read and re-diffed and must agree with diff.csv and
+summary.json - because a gate that trusts an edited or truncated capture can pass a broken model.
+Any doubt about the evidence is exit 2, never a pass.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from tpdiag.errors import BadInput, Inconclusive
+
+PHASES = ("init", "forward", "loss", "backward", "optimizer")
+_TOP_KEYS = {"allow_causes", "budgets", "degrees", "phases", "description"}
+_BUDGET_KEYS = {"max_ulp", "max_abs", "phases"}
+
+
+@dataclass(frozen=True)
+class Budget:
+    glob: str
+    max_ulp: int | None = None
+    max_abs: float | None = None
+    phases: tuple[str, ...] | None = None
+
+    def covers(self, row: dict) -> bool:
+        return fnmatch.fnmatchcase(row["module"], self.glob) and (self.phases is None or row["phase"] in self.phases)
+
+    def within(self, row: dict) -> bool:
+        # A limit on ULP cannot be met by a record without an ULP distance (NaN pattern, integer): fail closed.
+        if self.max_ulp is not None and (row["max_ulp"] is None or row["max_ulp"] > self.max_ulp):
+            return False
+        return self.max_abs is None or (row["max_abs"] is not None and row["max_abs"] <= self.max_abs)
+
+    def describe(self) -> str:
+        lim = [f"max_ulp {self.max_ulp}" if self.max_ulp is not None else "",
+               f"max_abs {self.max_abs:g}" if self.max_abs is not None else ""]
+        return f"budget {self.glob!r} ({', '.join(x for x in lim if x)})"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Default: nothing may diverge, every degree and phase is gated."""
+
+    allow_causes: tuple[str, ...] = ()
+    budgets: tuple[Budget, ...] = ()
+    degrees: tuple[str, ...] | None = None
+    phases: tuple[str, ...] | None = None
+    source: str = "default (nothing may diverge)"
+
+    def budget_for(self, row: dict) -> Budget | None:
+        return next((b for b in self.budgets if b.covers(row)), None)
+
+
+def _str_list(path: str, key: str, v, allowed=None) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v):
+        raise BadInput(f"--policy {path}: {key} must be a list, e.g. {key} = [\"...\"]")
+    out = tuple(str(x) for x in v)
+    bad = [x for x in out if allowed is not None and x not in allowed]
+    if bad:
+        raise BadInput(f"--policy {path}: {key} has {bad[0]!r}; expected any of {', '.join(allowed)}")
+    return out
+
+
+def _budget(path: str, glob: str, t) -> Budget:
+    if not isinstance(t, dict):
+        raise BadInput(f"--policy {path}: budgets.{glob!r} must be a table with max_ulp and/or max_abs")
+    extra = set(t) - _BUDGET_KEYS
+    if extra:
+        raise BadInput(f"--policy {path}: budgets.{glob!r} has unknown key {sorted(extra)[0]!r}; "
+                       f"expected {', '.join(sorted(_BUDGET_KEYS))}")
+    if "max_ulp" not in t and "max_abs" not in t:
+        raise BadInput(f"--policy {path}: budgets.{glob!r} needs max_ulp and/or max_abs")
+    ulp, mabs = t.get("max_ulp"), t.get("max_abs")
+    if ulp is not None and (isinstance(ulp, bool) or not isinstance(ulp, int) or ulp < 0):
+        raise BadInput(f"--policy {path}: budgets.{glob!r}.max_ulp {ulp!r}: expected an integer >= 0")
+    if mabs is not None and (isinstance(mabs, bool) or not isinstance(mabs, (int, float)) or mabs < 0):
+        raise BadInput(f"--policy {path}: budgets.{glob!r}.max_abs {mabs!r}: expected a number >= 0")
+    phases = _str_list(path, f"budgets.{glob!r}.phases", t["phases"], PHASES) if "phases" in t else None
+    return Budget(glob, ulp, float(mabs) if mabs is not None else None, phases)
+
+
+def load_policy(path: str | None) -> Policy:
+    if not path:
+        return Policy()
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise BadInput(f"--policy {path}: reading TOML needs Python 3.11+ or the tomli package") from None
+    from tpdiag.diff.locate import CAUSES
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise BadInput(f"--policy {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BadInput(f"--policy {path}: not valid TOML ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"--policy {path}: unreadable ({e})") from None
+    extra = set(data) - _TOP_KEYS
+    if extra:
+        raise BadInput(f"--policy {path}: unknown key {sorted(extra)[0]!r}; expected {', '.join(sorted(_TOP_KEYS))}")
+    budgets = data.get("budgets", {})
+    if not isinstance(budgets, dict):
+        raise BadInput(f"--policy {path}: budgets must be tables, e.g. [budgets.\"layers.*.wo\"] max_ulp = 64")
+    return Policy(
+        allow_causes=_str_list(path, "allow_causes", data.get("allow_causes", []), CAUSES),
+        budgets=tuple(_budget(path, g, t) for g, t in budgets.items()),
+        degrees=_str_list(path, "degrees", data["degrees"]) if "degrees" in data else None,
+        phases=_str_list(path, "phases", data["phases"], PHASES) if "phases" in data else None,
+        source=path)
+
+
+@dataclass
+class Violation:
+    degree: str
+    phase: str
+    module: str
+    op: str | None
+    kind: str
+    name: str
+    cause: str
+    max_ulp: int | None
+    max_abs: float | None
+    reason: str
+    key: str = ""
+
+    def line(self) -> str:
+        ulp = "-" if self.max_ulp is None else str(self.max_ulp)
+        mabs = "-" if self.max_abs is None else f"{self.max_abs:.3g}"
+        return (f"TP={self.degree}: module {self.module}, op {self.op or '-'}, phase {self.phase}, record "
+                f"{self.kind} {self.name}, cause {self.cause} (max ULP {ulp}, max abs {mabs}): {self.reason}")
+
+
+@dataclass
+class DegreeResult:
+    label: str
+    status: str            # pass | fail | error | skipped
+    checked: int = 0       # divergent records judged against the policy
+    violations: list[Violation] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class GateResult:
+    run_dir: str
+    policy: Policy
+    reference: str | None = None
+    degrees: dict[str, DegreeResult] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # evidence problems: exit 2
+
+    @property
+    def status(self) -> str:
+        if self.problems:
+            return "inconclusive"
+        return "fail" if any(d.violations for d in self.degrees.values()) else "pass"
+
+    @property
+    def exit_code(self) -> int:
+        return {"pass": 0, "fail": 1, "inconclusive": 2}[self.status]
+
+    @property
+    def first_violation(self) -> Violation | None:
+        return next((d.violations[0] for d in self.degrees.values() if d.violations), None)
+
+    def lines(self) -> list[str]:
+        head = {"pass": "PASS - nothing diverges beyond policy",
+                "fail": f"FAIL - first divergent op beyond policy: {self.first_violation.line() if self.first_violation else ''}",
+                "inconclusive": f"INCONCLUSIVE - {self.problems[0] if self.problems else ''}"}[self.status]
+        out = [f"gate: {head}", f"policy: {self.policy.source}"]
+        out += [f"evidence: {p}" for p in self.problems[1:]]
+        for d in self.degrees.values():
+            what = {"pass": f"pass ({d.checked} divergent records within policy)" if d.checked else "pass (bitwise)",
+                    "skipped": "not gated by the policy", "error": f"error: {d.error}",
+                    "fail": f"fail ({len(d.violations)} records beyond policy)"}[d.status]
+            out.append(f"TP={d.label}: {what}")
+            out += [f"  {v.line()}" for v in d.violations[:5]]
+        return out
+
+    def to_dict(self) -> dict:
+        return {"status": self.status, "exit_code": self.exit_code, "run_dir": self.run_dir,
+                "reference": self.reference, "policy": asdict(self.policy), "problems": self.problems,
+                "first_violation": asdict(self.first_violation) if self.first_violation else None,
+                "degrees": {k: asdict(v) for k, v in self.degrees.items()}}
+
+
+def _verify_records(run_dir: str, ref: str, labels: list[str], csv_rows: dict[str, list[dict]]) -> dict[str, str]:
+    """Re-read every tensor and re-diff it; {label: problem} where the records disagree with diff.csv."""
+    from tpdiag.diff.engine import diff_degree
+    from tpdiag.probes.store import RecordSet
+
+    try:
+        ref_rs = RecordSet(os.path.join(run_dir, f"tp{ref}"))
+    except Inconclusive as e:
+        return {lab: f"reference TP={ref}: {e}" for lab in labels}
+    problems = {}
+    for lab in labels:
+        try:
+            dd = diff_degree(ref_rs, RecordSet(os.path.join(run_dir, f"tp{lab}")), lab, keep=lambda m: False)
+        except Inconclusive as e:
+            problems[lab] = str(e).splitlines()[0]
+            continue
+        want = {r["key"]: r for r in csv_rows.get(lab, [])}
+        got = {r["key"]: r for r in dd.rows}
+        if set(want) != set(got):
+            k = sorted(set(want) ^ set(got))[0]
+            problems[lab] = f"records and diff.csv list different records (first {k})"
+            continue
+        # Floats survive the CSV round trip exactly (repr), so plain equality is the right test. Without
+        # per-record hashes an edit that leaves all five metrics unchanged cannot be seen here.
+        metrics = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction")
+        for k, r in got.items():
+            if any(r[m] != want[k][m] for m in metrics):
+                problems[lab] = f"record {k} does not match diff.csv (records or diff.csv edited after the run)"
+                break
+    return problems
+
+
+def _check_summary(lab: str, d: dict, rows: list[dict]) -> str | None:
+    div_rows = [r for r in rows if r["bitwise"] is False or r["rank_consistent"] is False]
+    if d.get("status") == "bitwise" and div_rows:
+        return f"summary.json says bitwise but diff.csv has {len(div_rows)} divergent records"
+    fd = d.get("first_divergence")
+    if fd and fd.get("key") and div_rows and div_rows[0]["key"] != fd["key"]:
+        return f"summary.json first divergence {fd['key']} is not the first divergent record {div_rows[0]['key']}"
+    if d.get("status") == "divergent" and not div_rows and not (d.get("missing") or d.get("unmatched")):
+        return "summary.json says divergent but diff.csv has no divergent record"
+    return None
+
+
+def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
+    fd = d.get("first_divergence") or {}
+    root_cause = fd.get("cause") or "unknown"
+    findings = {(f.get("step"), f.get("phase"), f.get("module"), f.get("kind"), f.get("name")): f.get("cause")
+                for f in d.get("findings") or []}
+    res = DegreeResult(lab, "pass")
+    first_seen = False
+    for r in rows:
+        if policy.phases is not None and r["phase"] not in policy.phases:
+            continue
+        if r["bitwise"] is not False and r["rank_consistent"] is not False:
+            continue
+        res.checked += 1
+        finding = findings.get((r["step"], r["phase"], r["module"], r["kind"], r["name"]))
+        cause = finding or root_cause
+        is_first, first_seen = not first_seen, True
+        budget = policy.budget_for(r)
+        # The first divergent record and every finding are judged by cause or budget; later records only
+        # inherit the first one's difference, so only an explicit budget judges them.
+        if finding:
+            ok = cause in policy.allow_causes and (budget is None or budget.within(r))
+            why = (f"finding beyond bound; {budget.describe()} exceeded" if budget and cause in policy.allow_causes
+                   else "finding (beyond its rounding bound or rank-inconsistent) and cause not in allow_causes")
+        elif budget is not None:
+            ok, why = budget.within(r), f"{budget.describe()} exceeded"
+        elif is_first:
+            ok, why = cause in policy.allow_causes, "cause not in allow_causes and no budget covers this module"
+        else:
+            ok, why = True, ""
+        if not ok:
+            module = fd.get("module", r["module"]) if r["key"] == fd.get("key") else r["module"]
+            res.violations.append(Violation(lab, r["phase"], module, fd.get("op") if r["key"] == fd.get("key") else None,
+                                            r["kind"], r["name"], cause, r["max_ulp"], r["max_abs"], why, r["key"]))
+    structural = d.get("missing") or d.get("unmatched")
+    if structural and not any(r["bitwise"] is False or r["rank_consistent"] is False for r in rows):
+        # Divergent only because records exist at one degree and not the other: no cause can allow that.
+        k = structural[0]
+        res.violations.append(Violation(lab, "-", k, None, "-", "-", "unknown", None, None,
+                                        "the degrees recorded different sets of records"))
+    res.status = "fail" if res.violations else "pass"
+    return res
+
+
+def _degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others: list[str],
+                   by_label: dict[str, list[dict]]) -> dict[str, str]:
+    """{label: why this degree's evidence cannot be trusted}; the reference's problems spread to all."""
+    degrees = {str(k): v for k, v in summary["degrees"].items()}
+    worlds = manifest.get("worlds")
+    errors: dict[str, str] = {}
+    if isinstance(worlds, dict):
+        for lab in [ref, *others]:
+            w = worlds.get(lab) or {}
+            if w.get("status") != "ok":
+                errors[lab] = f"world {w.get('status', 'missing from manifest.json')}: {w.get('error') or 'no error recorded'}"
+    if ref in errors:
+        return {lab: f"reference TP={ref} {errors[ref]}" for lab in others}
+    for lab in others:
+        if lab in errors:
+            continue
+        if lab not in degrees:
+            errors[lab] = "listed in manifest.json, absent from summary.json"
+        elif degrees[lab].get("status") == "failed":
+            errors[lab] = f"failed: {degrees[lab].get('error')}"
+    errors.update(_verify_records(run_dir, ref, [lab for lab in others if lab not in errors], by_label))
+    for lab in others:
+        if lab not in errors:
+            bad = _check_summary(lab, degrees[lab], by_label[lab])
+            if bad:
+                errors[lab] = bad
+    return errors
+
+
+def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
+    """Never raises on bad evidence: problems land in GateResult.problems (exit 2) so JUnit still gets written."""
+    from tpdiag import io
+    from tpdiag.reports.rundir import read_rows
+
+    policy = policy or Policy()
+    res = GateResult(os.path.abspath(run_dir), policy)
+    if not os.path.isdir(run_dir):
+        res.problems.append(f"RUN_DIR {run_dir!r}: not a directory")
+        return res
+    try:
+        manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
+        summary = io.read_json(os.path.join(run_dir, "summary.json"))
+        labels = [str(x) for x in manifest["labels"]]
+        ref = str(manifest["reference"])
+        degrees = {str(k): v for k, v in summary["degrees"].items()}
+    except Inconclusive as e:
+        res.problems.append(str(e).splitlines()[0])
+        return res
+    except (KeyError, TypeError, AttributeError) as e:
+        res.problems.append(f"{run_dir}: manifest.json or summary.json lacks {e} (not a complete tpdiag run)")
+        return res
+    res.reference = ref
+    others = [lab for lab in labels if lab != ref]
+    if not others:
+        res.problems.append("manifest.json lists no degree besides the reference: nothing was compared")
+    if summary.get("schema") != 1:
+        res.problems.append(f"summary.json schema {summary.get('schema')!r}: this tpdiag reads schema 1")
+    for lab in policy.degrees or ():
+        if lab not in others:
+            res.problems.append(f"policy gates TP={lab} but the run compared only TP={', '.join(others) or 'none'}")
+    try:
+        rows = read_rows(os.path.join(run_dir, "diff.csv"))
+    except Inconclusive as e:
+        res.problems.append(str(e).splitlines()[0])
+        rows = []
+    by_label = {lab: [r for r in rows if r["degree"] == lab] for lab in others}
+    errors = _degree_errors(run_dir, manifest, summary, ref, others, by_label)
+    for lab in others:
+        if lab in errors:
+            res.degrees[lab] = DegreeResult(lab, "error", error=errors[lab])
+            res.problems.append(f"TP={lab}: {errors[lab]}")
+        elif policy.degrees is not None and lab not in policy.degrees:
+            res.degrees[lab] = DegreeResult(lab, "skipped")
+        else:
+            res.degrees[lab] = _judge(lab, degrees[lab], by_label[lab], policy)
+    # Normally a failed degree explains an inconclusive summary; with no such degree it stands on its own.
+    if summary.get("status") not in ("bitwise", "divergent") and not errors:
+        res.problems.append(f"summary.json status is {summary.get('status')}: {summary.get('error') or 'no reason given'}")
+    return res
+
+
+def junit_xml(res: GateResult) -> bytes:
+    """One testcase per compared degree; evidence problems are <error>, policy violations <failure>."""
+    import xml.etree.ElementTree as ET
+
+    suite = ET.Element("testsuite", name="tpdiag gate", timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    run_level = [p for p in res.problems if not any(p.startswith(f"TP={lab}:") for lab in res.degrees)]
+    cases = res.degrees or {"run": DegreeResult("run", "error", error=res.problems[0] if res.problems else "")}
+    counts = {"failures": 0, "errors": 0, "skipped": 0}
+    for lab, d in cases.items():
+        name = f"TP={lab} vs TP={res.reference}" if lab != "run" else "run directory"
+        case = ET.SubElement(suite, "testcase", classname="tpdiag.gate", name=name)
+        if d.status == "error" or (run_level and lab != "run"):
+            msg = d.error or run_level[0]
+            ET.SubElement(case, "error", message=msg, type="inconclusive").text = "\n".join(
+                ([d.error] if d.error else []) + run_level)
+            counts["errors"] += 1
+        elif d.violations:
+            ET.SubElement(case, "failure", message=d.violations[0].line(), type=d.violations[0].cause).text = \
+                "\n".join(v.line() for v in d.violations)
+            counts["failures"] += 1
+        elif d.status == "skipped":
+            ET.SubElement(case, "skipped", message="not gated by the policy")
+            counts["skipped"] += 1
+    suite.set("tests", str(len(cases)))
+    for k, v in counts.items():
+        suite.set(k, str(v))
+    root = ET.Element("testsuites")
+    root.append(suite)
+    return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="utf-8")
+
+
+def github_annotation(res: GateResult) -> str | None:
+    """A workflow command that GitHub Actions shows on the run page; % and newlines must be escaped."""
+    if res.status == "pass":
+        return None
+    v = res.first_violation
+    msg = (f"first divergent op beyond policy: {v.line()}" if res.status == "fail"
+           else f"inconclusive evidence: {res.problems[0]}")
+    msg = msg.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    return f"::error title=tpdiag::{msg}"

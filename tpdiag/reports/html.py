@@ -1,0 +1,211 @@
+"""`tpdiag report`: one self-contained HTML file from a run directory.
+
+Self-contained means no network at view time: figures are PNG data URIs, CSS and the table
+sorting script are inline. The page works without JavaScript (tables are just unsorted).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from tpdiag import io
+from tpdiag.errors import BadInput
+from tpdiag.reports import words
+from tpdiag.reports.rundir import load_run
+
+# Beyond this many rows per degree the records table keeps every divergent row first and
+# drops bitwise ones: the browser stays responsive and diff.csv holds the complete list.
+MAX_RECORD_ROWS = 3000
+OPEN_MODULE_TABLE = 60  # module tables longer than this start collapsed
+def _is_div(r: dict) -> bool:
+    return r["bitwise"] is False or r["rank_consistent"] is False
+
+
+def _cell(v) -> str:
+    if isinstance(v, dict):
+        if "module" in v:
+            return f"{v.get('phase', '')} {v['module']}".strip()
+        return ", ".join(f"{k}={_cell(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return ", ".join(_cell(x) for x in v)
+    return words.fmt(v)
+
+
+def table_of(obj) -> dict | None:
+    """Any list of dicts or dict of lists (fix_chain, steps) as {"cols": [...], "rows": [[...]]}."""
+    if isinstance(obj, dict) and obj and all(isinstance(v, list) for v in obj.values()):
+        n = max(len(v) for v in obj.values())
+        obj = [{k: (v[i] if i < len(v) else None) for k, v in obj.items()} for i in range(n)]
+    if isinstance(obj, dict):
+        obj = [obj]
+    if not isinstance(obj, list) or not obj:
+        return None
+    cols: list[str] = []
+    for item in obj:
+        for k in (item if isinstance(item, dict) else {"value": item}):
+            if k not in cols:
+                cols.append(k)
+    rows = [[_cell((item if isinstance(item, dict) else {"value": item}).get(c)) for c in cols] for item in obj]
+    return {"cols": cols, "rows": rows}
+
+
+def _fix_of(cause: str):
+    try:
+        from tpdiag.fixes.registry import catalogue, fix_for_cause
+
+        name = fix_for_cause(cause)
+        return name, bool(name and catalogue()[name].install is not None)
+    except Exception:  # the catalogue is advice only; a report must render without it
+        return None, False
+
+
+def _series(rows: list[dict], fd: dict | None) -> dict:
+    first_key = (fd or {}).get("key")
+    pos = next((i for i, r in enumerate(rows) if r["key"] == first_key), None)
+    if pos is None:
+        pos = next((i for i, r in enumerate(rows) if _is_div(r)), None)
+    name = (fd or {}).get("module") or (rows[pos]["module"] if pos is not None else "")
+    return {"phases": [r["phase"] for r in rows], "ulp": [r["max_ulp"] for r in rows],
+            "abs": [r["max_abs"] for r in rows], "first": pos, "first_name": name}
+
+
+def _modules(by_label: dict[str, list[dict]]) -> list[dict]:
+    """One entry per module in first-execution order: worst ULP/abs per degree and first divergent phase."""
+    order: dict[str, dict] = {}
+    for label, rows in by_label.items():
+        for r in rows:
+            m = order.setdefault(r["module"], {"module": r["module"], "cls": r.get("cls") or "",
+                                               "style": r.get("style") or "", "ulp": {}, "abs": {},
+                                               "n_div": 0, "first_phase": {}})
+            if r.get("style"):
+                m["style"] = r["style"]
+            if r["max_ulp"] is not None:
+                m["ulp"][label] = max(m["ulp"].get(label, 0), r["max_ulp"])
+            m["ulp"].setdefault(label, 0)
+            m["abs"][label] = max(m["abs"].get(label, 0.0), r["max_abs"] or 0.0)
+            if _is_div(r):
+                m["n_div"] += 1
+                m["first_phase"].setdefault(label, r["phase"])
+    # Parameters are recorded at init in declaration order; the forward pass is the order a
+    # reader follows, so modules sort by their first forward record, the rest after them.
+    fwd: dict[str, int] = {}
+    for rows in by_label.values():
+        for i, r in enumerate(rows):
+            if r["phase"] == "forward":
+                fwd.setdefault(r["module"], i)
+        break
+    return sorted(order.values(), key=lambda m: fwd.get(m["module"], len(fwd) + 10 ** 9))
+
+
+def _record_rows(rows: list[dict], first_key: str | None) -> tuple[list[dict], bool]:
+    if len(rows) <= MAX_RECORD_ROWS:
+        keep = rows
+    else:
+        div = [r for r in rows if _is_div(r)][:MAX_RECORD_ROWS]
+        rest = [r for r in rows if not _is_div(r)][:MAX_RECORD_ROWS - len(div)]
+        chosen = {id(r) for r in div + rest}
+        keep = [r for r in rows if id(r) in chosen]
+    return [dict(r, div=_is_div(r), first=r["key"] == first_key) for r in keep], len(keep) < len(rows)
+
+
+def _per_step(labels: list[str], ref: str, ev: dict) -> tuple[dict | None, str | None]:
+    from tpdiag.reports import plots
+
+    steps = sorted({s for lab in [ref, *labels] for s in (ev.get(lab) or {}).get("loss", {}) or {}})
+    if len(steps) < 2:  # one step is already in the summary's loss / grad norm table
+        return None, None
+    cols, rows = ["step"], []
+    series: dict[str, dict[str, list]] = {"loss": {}, "grad norm": {}}
+    for kind, title in (("loss", "loss"), ("grad_norm", "grad norm")):
+        for lab in [ref, *labels]:
+            vals = (ev.get(lab) or {}).get(kind) or {}
+            if vals:
+                series[title][f"TP={lab}"] = [vals.get(s) for s in steps]
+    for title, lines in series.items():
+        cols += list(f"{title} {k}" for k in lines)
+    for i, s in enumerate(steps):
+        rows.append([str(s)] + [words.fmt(ys[i], ".9g") for lines in series.values() for ys in lines.values()])
+    return {"cols": cols, "rows": rows}, plots.per_step(steps, series, f"TP={ref}")
+
+
+def build_context(run_dir: str) -> dict:
+    from tpdiag.reports import evidence, plots
+
+    manifest, summary, rows = load_run(run_dir)
+    ref = str(summary.get("reference_label") or manifest.get("reference") or summary.get("reference"))
+    degrees = {str(k): v for k, v in summary["degrees"].items()}
+    labels = list(degrees)
+    by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] if r["idx"] is not None else 0)
+                for lab in labels}
+    ok = [lab for lab in labels if degrees[lab].get("status") != "failed"]
+    fds = {lab: degrees[lab].get("first_divergence") for lab in labels}
+    ev = evidence.load(run_dir, ref, ok, {lab: (fds[lab] or {}).get("key") for lab in ok}) if ok else {}
+    verdicts = [dict(words.verdict(lab, ref, degrees[lab], _fix_of), label=lab,
+                     records_error=(ev.get(lab) or {}).get("error")) for lab in labels]
+    modules = _modules({lab: by_label[lab] for lab in ok})
+    plotted = [lab for lab in ok if by_label[lab]]
+    figures = {
+        "divergence": plots.divergence_by_record({lab: _series(by_label[lab], fds[lab]) for lab in plotted}),
+        "heatmap": plots.module_heatmap(plotted, [m["module"] for m in modules],
+                                        [[m["ulp"].get(lab) for m in modules] for lab in plotted],
+                                        {lab: (fds[lab] or {}).get("module") for lab in plotted}),
+        "ulp": plots.ulp_histogram({lab: (ev.get(lab) or {}).get("ulp") for lab in ok},
+                                   {lab: words.where(fds[lab]) if fds[lab] else "" for lab in ok}),
+        "logprobs": plots.logprob_tokens({lab: (ev.get(lab) or {}).get("logprobs") for lab in ok},
+                                         {lab: (degrees[lab].get("logprobs") or {}).get("token_mult_prob_error")
+                                          for lab in ok}),
+    }
+    steps_table, figures["per_step"] = _per_step(ok, ref, ev)
+    return {
+        "run_dir": os.path.abspath(run_dir), "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "status": summary.get("status", "unknown"), "error": summary.get("error"), "ref": ref,
+        "manifest": manifest, "labels": labels, "ok_labels": ok, "degrees": degrees, "verdicts": verdicts,
+        "figures": figures, "modules": modules, "open_modules": len(modules) <= OPEN_MODULE_TABLE,
+        "records": {lab: _record_rows(by_label[lab], (fds[lab] or {}).get("key")) for lab in ok},
+        "n_rows": {lab: len(by_label[lab]) for lab in labels},
+        "steps_table": steps_table,
+        "summary_steps": {lab: table_of(degrees[lab].get("steps")) for lab in labels if degrees[lab].get("steps")},
+        "fix_chains": {lab: table_of(degrees[lab].get("fix_chain")) for lab in labels if degrees[lab].get("fix_chain")},
+        "run_fix_chain": table_of(summary.get("fix_chain")) if summary.get("fix_chain") else None,
+        "manifest_json": json.dumps(manifest, indent=2, default=str),
+        "summary_json": json.dumps(summary, indent=2, default=str),
+    }
+
+
+def _env():
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("tpdiag.reports", "templates"),
+                             autoescape=jinja2.select_autoescape(["html"]), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.filters["f"] = words.fmt
+    env.filters["pct"] = lambda x: "-" if x is None else f"{100 * x:.1f}%"
+    env.filters["code"] = _code
+    return env
+
+
+def _code(text: str):
+    """`backticks` in verdict sentences become <code>; everything else stays escaped."""
+    from markupsafe import Markup, escape
+
+    parts = str(text).split("`")
+    return Markup("".join(str(escape(p)) if i % 2 == 0 else f"<code>{escape(p)}</code>"
+                          for i, p in enumerate(parts)))
+
+
+def render(run_dir: str) -> str:
+    return _env().get_template("report.html").render(**build_context(run_dir))
+
+
+def write_report(run_dir: str, out: str | None = None) -> str:
+    """Render RUN_DIR and write it atomically; returns the path written (default RUN_DIR/report.html)."""
+    path = out or os.path.join(run_dir, "report.html")
+    if os.path.isdir(path):
+        raise BadInput(f"-o {path!r}: is a directory; expected a file name such as report.html")
+    html = render(run_dir)
+    try:
+        io.write_bytes(path, html.encode("utf-8"))
+    except OSError as e:
+        raise BadInput(f"-o {path!r}: cannot write ({e.strerror})") from None
+    return path

@@ -1,0 +1,52 @@
+"""Read a run directory's verdict files (manifest.json, summary.json, diff.csv) for report and gate."""
+from __future__ import annotations
+
+import csv
+import os
+
+from tpdiag import io
+from tpdiag.errors import BadInput, Inconclusive
+
+_INT = ("idx", "step", "call", "max_ulp")
+_FLOAT = ("max_abs", "max_rel", "mismatch_fraction", "bound")
+_BOOL = ("bitwise", "rank_consistent", "beyond_bound")
+
+
+def _parse_row(r: dict) -> dict:
+    out = dict(r)
+    for k in _INT:
+        out[k] = int(float(r[k])) if r.get(k) not in (None, "") else None
+    for k in _FLOAT:
+        out[k] = float(r[k]) if r.get(k) not in (None, "") else None
+    for k in _BOOL:
+        out[k] = {"True": True, "False": False}.get(r.get(k))
+    return out
+
+
+def read_rows(path: str) -> list[dict]:
+    """diff.csv as typed dicts; a missing or malformed file is Inconclusive, never half-read."""
+    from tpdiag.diff.engine import ROW_FIELDS
+
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in ROW_FIELDS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise Inconclusive(f"{path}: not a tpdiag diff.csv (missing columns {', '.join(missing[:4])})")
+            return [_parse_row(r) for r in reader]
+    except FileNotFoundError:
+        raise Inconclusive(f"{path}: missing") from None
+    except (ValueError, KeyError, UnicodeDecodeError, csv.Error) as e:
+        raise Inconclusive(f"{path}: corrupt ({e})") from None
+
+
+def load_run(run_dir: str) -> tuple[dict, dict, list[dict]]:
+    if not os.path.isdir(run_dir):
+        raise BadInput(f"RUN_DIR {run_dir!r}: not a directory; expected the --out directory of tpdiag compare")
+    manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
+    summary = io.read_json(os.path.join(run_dir, "summary.json"))
+    if not isinstance(summary, dict) or not isinstance(summary.get("degrees"), dict):
+        raise Inconclusive(f"{os.path.join(run_dir, 'summary.json')}: no 'degrees' table (not a tpdiag summary)")
+    if not isinstance(manifest, dict):
+        raise Inconclusive(f"{os.path.join(run_dir, 'manifest.json')}: not a JSON object")
+    return manifest, summary, read_rows(os.path.join(run_dir, "diff.csv"))

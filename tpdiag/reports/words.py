@@ -1,0 +1,123 @@
+"""Plain-language verdicts: what differs, why, and what the user can do about it."""
+from __future__ import annotations
+
+# One sentence per stable cause label (DESIGN.md): the mechanism, so the user knows where to look.
+WHY = {
+    "row-parallel-reduction": "a row-parallel layer computes partial sums over its K shard and all-reduces "
+                              "them, so TP changes the order of the K summation",
+    "shape-dependent-gemm": "a column-parallel GEMM ran on a narrower shard and the GEMM kernel chose a "
+                            "different tiling or split-K for that shape; no communication is involved",
+    "vocab-parallel-softmax": "the loss and logprobs reduce max and sum-of-exp over vocabulary shards in a "
+                              "different order than one full softmax",
+    "column-parallel-dgrad": "the input gradient of a column-parallel layer is a sum over output shards, "
+                             "all-reduced across ranks in a different order",
+    "norm-weight-grad": "the weight gradient of a replicated norm sums per-token terms that are split "
+                        "across ranks",
+    "grad-norm": "the global gradient norm sums per-shard squared norms in a different order, so the clip "
+                 "coefficient differs",
+    "collective-nondeterminism": "the reference does not reproduce itself: a collective or kernel is "
+                                 "nondeterministic (check `tpdiag doctor`)",
+    "rank-inconsistent-replica": "a tensor that must be identical on every rank differs between ranks of "
+                                 "one world (a missing broadcast or all-reduce, or a nondeterministic kernel)",
+    "sharding-bug": "the difference is far beyond the rounding bound of a reordered sum: a wrong result "
+                    "(wrong shard, missing or doubled reduction, wrong scale), not a reordering",
+    "unknown": "tpdiag cannot name the cause from the layout alone",
+}
+
+ACTION = {
+    "rank-inconsistent-replica": "Find which rank's copy is wrong: the replica must be written by the same "
+                                 "code on every rank (broadcast it, or make the kernel deterministic).",
+    "sharding-bug": "Check this module's entry in the TP plan (input/output layouts, which dimension is "
+                    "sharded, whether a reduction is missing) - no numerical fix applies to a wrong result.",
+    "unknown": "Rerun with `--granularity op` to name the op inside the module.",
+}
+
+KIND_WORDS = {"out": "output", "in": "input", "grad_out": "output gradient", "param_grad": "weight gradient",
+              "param": "parameter after the optimizer step", "param_init": "initial parameter",
+              "logprobs": "logprobs", "loss": "loss", "grad_norm": "gradient norm", "batch": "batch"}
+
+
+def fmt(x, spec: str = ".3g") -> str:
+    if x is None or x == "":
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return format(x, spec)
+    return str(x)
+
+
+def where(fd: dict) -> str:
+    what = KIND_WORDS.get(fd.get("kind"), fd.get("kind") or "record")
+    name = fd.get("name")
+    if name not in (None, "0", "total", fd.get("kind")):
+        what += f" {name}"
+    op = f" (op {fd['op']})" if fd.get("op") else ""
+    return f"the {what} of {fd.get('module')}{op} in the {fd.get('phase')} pass of step {fd.get('step', 0)}"
+
+
+def size_sentence(fd: dict) -> str:
+    parts = [f"max |difference| {fmt(fd.get('max_abs'))}"]
+    if fd.get("max_ulp") is not None:
+        parts.append(f"{fmt(fd['max_ulp'])} ULP")
+    if fd.get("mismatch_fraction") is not None:
+        parts.append(f"{100 * fd['mismatch_fraction']:.1f}% of elements differ")
+    s = ", ".join(parts) + "."
+    bound, mabs = fd.get("bound"), fd.get("max_abs")
+    if bound and mabs is not None:
+        ratio = mabs / bound
+        if ratio <= 1:
+            s += (f" That is {100 * ratio:.2g}% of the rounding bound {fmt(bound)} of a reordered sum:"
+                  " a different summation order, not a wrong result.")
+        else:
+            s += f" That is {ratio:.3g}x the rounding bound {fmt(bound)}: a wrong result, not a reordering."
+    else:
+        s += " No rounding bound is computed for this kind of record."
+    return s
+
+
+def action(cause: str, confirmation: dict | None, fix: str | None, fix_available: bool) -> str:
+    if confirmation and confirmation.get("fix"):
+        v = confirmation.get("verdict")
+        after = confirmation.get("first_divergence_after")
+        if v == "confirmed":
+            s = (f"Confirmed: with `--fix {confirmation['fix']}` this record becomes bitwise equal"
+                 + (f"; the first divergence moves to {after.get('module')} ({after.get('phase')})."
+                    if isinstance(after, dict) else " and nothing diverges any more."))
+            return s
+        if v == "not-confirmed":
+            return (f"Not confirmed: `--fix {confirmation['fix']}` did not make this record bitwise equal, "
+                    "so the cause label may be wrong - rerun with `--granularity op`.")
+    if cause in ACTION:
+        return ACTION[cause]
+    if fix:
+        avail = "" if fix_available else " (not implemented in this build yet)"
+        return (f"To make this degree bitwise equal to the reference, rerun with `--fix {fix}`{avail}; "
+                f"to accept it in CI, put \"{cause}\" in `allow_causes` of a `tpdiag gate` policy.")
+    return "No fix in the catalogue removes this cause."
+
+
+def verdict(label: str, ref: str, d: dict, fix_of) -> dict:
+    """One degree's verdict: {"status", "headline", "why", "size", "action", "findings"}."""
+    st = d.get("status")
+    if st == "failed":
+        return {"status": "failed", "headline": f"TP={label} could not be compared: {d.get('error', 'no error recorded')}",
+                "why": "", "size": "", "action": "Fix the failure and rerun; nothing is concluded for this degree.",
+                "findings": []}
+    fd = d.get("first_divergence")
+    if st == "bitwise" or not fd:
+        return {"status": st or "unknown", "headline": f"TP={label} is bitwise equal to TP={ref} in every record.",
+                "why": "", "size": "", "action": "", "findings": []}
+    cause = fd.get("cause") or "unknown"
+    fix, available = fix_of(cause)
+    detail = fd.get("detail") or ""
+    why = f"Cause: {cause} - {WHY.get(cause, WHY['unknown'])}."
+    if detail:
+        why += f" {detail[:1].upper()}{detail[1:]}."
+    findings = [f"{f.get('phase')} {f.get('module')} ({KIND_WORDS.get(f.get('kind'), f.get('kind'))}): "
+                f"{f.get('cause')}, max |difference| {fmt(f.get('max_abs'))}"
+                + (f" > bound {fmt(f.get('bound'))}" if f.get("bound") else "")
+                for f in d.get("findings") or []]
+    return {"status": st, "headline": f"TP={label} first differs from TP={ref} at {where(fd)}.",
+            "why": why, "size": size_sentence(fd), "action": action(cause, d.get("confirmation"), fix, available),
+            "findings": findings}

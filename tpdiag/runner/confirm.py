@@ -1,0 +1,112 @@
+"""Confirm a located cause by swapping in its fix and running again; `--fix auto` chains this.
+
+A cause is confirmed when, with its fix on (at the reference too: a fix defines the canonical
+order), the record that diverged first becomes bitwise equal and the first divergence moves
+later or disappears. Each rerun lives in its own sub-directory with its own summary.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from tpdiag.config import CompareConfig, degree_labels
+
+
+def _sub(cfg: CompareConfig, out: str, degrees, fixes) -> dict:
+    from tpdiag.runner.compare import run_compare
+
+    sub = replace(cfg, out=out, degrees=tuple(degrees), fixes=tuple(fixes), fix_mode="explicit",
+                  confirm=False)
+    return run_compare(sub)
+
+
+def _key_bitwise(run_dir: str, label: str, key: str) -> bool | None:
+    import csv
+
+    path = os.path.join(run_dir, "diff.csv")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r["degree"] == label and r["key"] == key:
+                return r["bitwise"] == "True"
+    return None
+
+
+def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | None = None,
+            force_fix: str | None = None, on_status=None) -> dict:
+    """Adds degrees[N].confirmation to `summary` (in place) and returns it."""
+    from tpdiag.fixes.registry import catalogue, fix_for_cause
+
+    labels = degree_labels(cfg.degrees)
+    ref_degree = cfg.degrees[0]
+    plan: dict[str, list[tuple[str, int]]] = {}
+    for label, degree in zip(labels[1:], cfg.degrees[1:]):
+        d = summary["degrees"].get(label, {})
+        if only_label and label != only_label:
+            continue
+        if d.get("status") != "divergent" or not d.get("first_divergence"):
+            continue
+        cause = d["first_divergence"]["cause"]
+        fix = force_fix or fix_for_cause(cause)
+        if fix is None or catalogue()[fix].install is None or fix in cfg.fixes:
+            d["confirmation"] = {"fix": fix, "verdict": "no-fix", "first_divergence_after": None,
+                                 "reason": f"no available fix for cause {cause!r}"
+                                 if fix not in cfg.fixes else f"{fix} was already on"}
+            continue
+        plan.setdefault(fix, []).append((label, degree))
+    for fix, members in plan.items():
+        if on_status:
+            on_status("confirm", f"{fix}")
+        out = os.path.join(run_dir, "confirm", fix)
+        sub = _sub(cfg, out, [ref_degree] + [deg for _, deg in members], list(cfg.fixes) + [fix])
+        sub_labels = degree_labels(tuple([ref_degree] + [deg for _, deg in members]))[1:]
+        for (label, _), sub_label in zip(members, sub_labels):
+            before = summary["degrees"][label]["first_divergence"]
+            after_entry = sub["degrees"].get(sub_label, {})
+            if after_entry.get("status") == "failed":
+                summary["degrees"][label]["confirmation"] = {
+                    "fix": fix, "verdict": "not-confirmed", "first_divergence_after": None,
+                    "reason": f"rerun failed: {after_entry.get('error')}", "run_dir": out}
+                continue
+            after = after_entry.get("first_divergence")
+            now_equal = _key_bitwise(out, sub_label, before["key"])
+            moved = after is None or after["idx"] > before["idx"]
+            verdict = "confirmed" if (now_equal and moved) else "not-confirmed"
+            summary["degrees"][label]["confirmation"] = {
+                "fix": fix, "verdict": verdict, "first_divergence_after": after,
+                "status_after": after_entry.get("status"), "run_dir": out}
+    return summary
+
+
+def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int = 6) -> dict:
+    """Apply fixes for the located causes until bitwise or no fix applies; returns the last
+    round's summary with `fix_chain` (one entry per round) attached."""
+    from tpdiag.fixes.registry import catalogue, fix_for_cause
+
+    fixes: list[str] = list(cfg.fixes)
+    chain = []
+    summary = None
+    for i in range(max_rounds):
+        if on_status:
+            on_status("auto", f"round {i}: {', '.join(fixes) or 'stock'}")
+        out = run_dir if i == 0 else os.path.join(run_dir, "auto", f"round{i}")
+        summary = _sub(cfg, out, cfg.degrees, fixes)
+        firsts = {lab: (d.get("first_divergence") or {}) for lab, d in summary["degrees"].items()}
+        chain.append({"round": i, "fixes": list(fixes), "status": summary["status"], "run_dir": out,
+                      "first_divergence": {lab: ({"module": f.get("module"), "phase": f.get("phase"),
+                                                  "kind": f.get("kind"), "cause": f.get("cause")}
+                                                 if f else None) for lab, f in firsts.items()}})
+        if summary["status"] != "divergent":
+            break
+        new = []
+        for f in firsts.values():
+            fx = fix_for_cause(f.get("cause", "")) if f else None
+            if fx and fx not in fixes and fx not in new and catalogue()[fx].install is not None:
+                new.append(fx)
+        if not new:
+            chain[-1]["stopped"] = "no available fix for the remaining causes"
+            break
+        fixes += new
+    summary["fix_chain"] = chain
+    return summary

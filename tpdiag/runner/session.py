@@ -1,0 +1,27 @@
+"""What `tpdiag compare` does end to end: the compare, then confirmation or the auto fix chain."""
+from __future__ import annotations
+
+import os
+
+from tpdiag import io
+from tpdiag.config import CompareConfig
+
+
+def compare_session(cfg: CompareConfig, on_status=None) -> dict:
+    from tpdiag.runner.compare import run_compare
+    from tpdiag.runner.confirm import auto_chain, confirm
+
+    if cfg.fix_mode == "auto":
+        summary = auto_chain(cfg, cfg.out, on_status)
+        first = io.read_json(os.path.join(cfg.out, "summary.json"))
+        first["fix_chain"] = summary["fix_chain"]
+        first["status_after_fixes"] = summary["status"]
+        io.write_json(os.path.join(cfg.out, "summary.json"), first)
+        first["run_dir"] = cfg.out
+        return first
+    summary = run_compare(cfg, on_status)
+    if cfg.confirm and summary["status"] == "divergent":
+        summary = confirm(cfg, summary, cfg.out, on_status=on_status)
+        out = {k: v for k, v in summary.items() if k != "run_dir"}
+        io.write_json(os.path.join(cfg.out, "summary.json"), out)
+    return summary
