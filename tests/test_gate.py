@@ -97,19 +97,31 @@ def test_missing_degree_is_inconclusive(run):
     assert "TP=2" in p.stdout.splitlines()[0]
 
 
-def test_edited_records_are_inconclusive(run):
-    # Flip one bit of the first stored tensor (an initial weight, bitwise equal in the run): the re-diff
-    # no longer matches diff.csv.
+def _flip_first_tensor_bit(path):
+    """Flip one bit of the first stored tensor (the batch or an initial weight: bitwise equal in the run)."""
     import struct
 
-    path = run / "tp2" / "records.safetensors"
     data = bytearray(path.read_bytes())
-    header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
     first = min(v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
-    data[8 + struct.unpack("<Q", data[:8])[0] + first + 3] ^= 0x01
+    data[8 + n + first + 3] ^= 0x01
     path.write_bytes(bytes(data))
+
+
+def test_edited_records_are_inconclusive(run):
+    _flip_first_tensor_bit(run / "tp2" / "records.safetensors")
     res = evaluate(str(run), load_policy(None))
     assert res.exit_code == 2 and "does not match diff.csv" in res.problems[0]
+
+
+def test_edited_reference_rerun_is_inconclusive(run, tmp_path):
+    base = (json.loads((run / "summary.json").read_text()).get("baseline") or {}).get("label")
+    if not base:
+        pytest.skip("this compare ran without a reference rerun")
+    _flip_first_tensor_bit(run / f"tp{base}" / "records.safetensors")
+    res = evaluate(str(run), load_policy(_policy(tmp_path, 'allow_causes = ["row-parallel-reduction"]\n')))
+    assert res.exit_code == 2 and "reference rerun" in res.problems[0]
 
 
 @pytest.mark.parametrize("damage", ["summary-missing", "summary-inconclusive", "summary-edited",

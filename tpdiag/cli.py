@@ -56,6 +56,8 @@ def compare(
     timeout: Annotated[float, typer.Option(help="seconds per TP world")] = 300.0,
     seed: Annotated[int, typer.Option(help="seed for weights and batch")] = 1234,
     variant: Annotated[str, typer.Option(help="plan variant (stock | stable)")] = "stock",
+    baseline: Annotated[bool, typer.Option("--baseline/--no-baseline",
+                                           help="rerun the reference against itself first")] = True,
     fmt: Format = "text",
     fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence")] = False,
     debug: Debug = False,
@@ -74,7 +76,7 @@ def compare(
             device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps,
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
-            out=out or "", timeout=timeout, seed=seed, variant=variant)
+            out=out or "", timeout=timeout, seed=seed, variant=variant, baseline=baseline)
         from tpdiag.runner.compare import default_out, validate
         from tpdiag.runner.session import compare_session
 
@@ -190,6 +192,7 @@ def gate(
     import os
 
     from tpdiag import gate as gate_lib
+    from tpdiag.reports.junit import github_annotation, junit_xml
 
     try:
         fmt = _check_format(fmt)
@@ -198,7 +201,7 @@ def gate(
             from tpdiag import io
 
             try:
-                io.write_bytes(junit, gate_lib.junit_xml(result))
+                io.write_bytes(junit, junit_xml(result))
             except OSError as e:
                 from tpdiag.errors import BadInput
 
@@ -209,10 +212,32 @@ def gate(
         sys.stdout.write(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
     else:
         sys.stdout.write("\n".join(result.lines()) + "\n")
-    note = gate_lib.github_annotation(result)
+    note = github_annotation(result)
     if note and os.environ.get("GITHUB_ACTIONS") == "true":
         sys.stdout.write(note + "\n")
     raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def diff(
+    run_a: Annotated[str, typer.Argument(help="reference capture (tpdiag.capture out=DIR)")],
+    run_b: Annotated[str, typer.Argument(help="capture to compare against it")],
+    out: Annotated[Optional[str], typer.Option(help="where to write (default RUN_B/../diff-DATE)")] = None,
+    fmt: Format = "text",
+    fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence")] = False,
+    debug: Debug = False,
+) -> None:
+    """Compare two in-process captures (any launcher) with compare's analysis."""
+    _DEBUG["on"] = debug
+    try:
+        fmt = _check_format(fmt)
+        from tpdiag.diff.runs import diff_runs
+
+        summary = diff_runs(run_a, run_b, out)
+    except TpdiagError as e:
+        _fail(e)
+    _emit_summary(summary, fmt)
+    _exit_for(summary, fail_on_divergence)
 
 
 def main() -> None:

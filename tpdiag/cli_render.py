@@ -56,6 +56,10 @@ def summary_tables(console, summary: dict) -> None:
     status = summary["status"]
     color = {"bitwise": "green", "divergent": "yellow", "inconclusive": "red"}.get(status, "white")
     console.print(f"[bold]verdict:[/] [{color}]{status}[/] (reference TP={summary['reference_label']})")
+    base = summary.get("baseline")
+    if base is not None:
+        console.print("baseline: reference rerun is " + ("[green]bitwise reproducible[/]" if base["reproducible"]
+                      else f"[red]NOT reproducible[/] ({base.get('cause')})"))
     t = Table(show_lines=False, pad_edge=False)
     t.add_column("TP", no_wrap=True)
     t.add_column("status", no_wrap=True)

@@ -70,6 +70,7 @@ class WorldConfig:
     granularity: str = "module"
     variant: str = "stock"
     probes: bool = True
+    selfcheck: bool = True
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -104,6 +105,7 @@ class CompareConfig:
     batch_size: int = 2
     seq_len: int = 16
     variant: str = "stock"
+    baseline: bool = True  # rerun the reference against itself before blaming TP
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:

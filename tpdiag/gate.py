@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import time
 from dataclasses import asdict, dataclass, field
 
 from tpdiag.errors import BadInput, Inconclusive
@@ -191,8 +190,12 @@ class GateResult:
                 "degrees": {k: asdict(v) for k, v in self.degrees.items()}}
 
 
-def _verify_records(run_dir: str, ref: str, labels: list[str], csv_rows: dict[str, list[dict]]) -> dict[str, str]:
-    """Re-read every tensor and re-diff it; {label: problem} where the records disagree with diff.csv."""
+def _verify_records(run_dir: str, ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
+                    base: str | None = None) -> dict[str, str]:
+    """Re-read every tensor and re-diff it; {label: problem} where the records disagree with diff.csv.
+
+    base: the label of a reference rerun that summary.json calls reproducible; it must still be.
+    """
     from tpdiag.diff.engine import diff_degree
     from tpdiag.probes.store import RecordSet
 
@@ -220,6 +223,13 @@ def _verify_records(run_dir: str, ref: str, labels: list[str], csv_rows: dict[st
             if any(r[m] != want[k][m] for m in metrics):
                 problems[lab] = f"record {k} does not match diff.csv (records or diff.csv edited after the run)"
                 break
+    if base:
+        try:
+            dd = diff_degree(ref_rs, RecordSet(os.path.join(run_dir, f"tp{base}")), base, keep=lambda m: False)
+            if dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows):
+                problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
+        except Inconclusive as e:
+            problems[base] = str(e).splitlines()[0]
     return problems
 
 
@@ -298,7 +308,9 @@ def _degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others
             errors[lab] = "listed in manifest.json, absent from summary.json"
         elif degrees[lab].get("status") == "failed":
             errors[lab] = f"failed: {degrees[lab].get('error')}"
-    errors.update(_verify_records(run_dir, ref, [lab for lab in others if lab not in errors], by_label))
+    base = summary.get("baseline") or {}
+    base_label = str(base["label"]) if base.get("reproducible") and base.get("label") else None
+    errors.update(_verify_records(run_dir, ref, [lab for lab in others if lab not in errors], by_label, base_label))
     for lab in others:
         if lab not in errors:
             bad = _check_summary(lab, degrees[lab], by_label[lab])
@@ -345,6 +357,8 @@ def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
         rows = []
     by_label = {lab: [r for r in rows if r["degree"] == lab] for lab in others}
     errors = _degree_errors(run_dir, manifest, summary, ref, others, by_label)
+    for lab in set(errors) - set(others):
+        res.problems.append(f"reference rerun TP={lab}: {errors.pop(lab)}")
     for lab in others:
         if lab in errors:
             res.degrees[lab] = DegreeResult(lab, "error", error=errors[lab])
@@ -357,45 +371,3 @@ def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
     if summary.get("status") not in ("bitwise", "divergent") and not errors:
         res.problems.append(f"summary.json status is {summary.get('status')}: {summary.get('error') or 'no reason given'}")
     return res
-
-
-def junit_xml(res: GateResult) -> bytes:
-    """One testcase per compared degree; evidence problems are <error>, policy violations <failure>."""
-    import xml.etree.ElementTree as ET
-
-    suite = ET.Element("testsuite", name="tpdiag gate", timestamp=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    run_level = [p for p in res.problems if not any(p.startswith(f"TP={lab}:") for lab in res.degrees)]
-    cases = res.degrees or {"run": DegreeResult("run", "error", error=res.problems[0] if res.problems else "")}
-    counts = {"failures": 0, "errors": 0, "skipped": 0}
-    for lab, d in cases.items():
-        name = f"TP={lab} vs TP={res.reference}" if lab != "run" else "run directory"
-        case = ET.SubElement(suite, "testcase", classname="tpdiag.gate", name=name)
-        if d.status == "error" or (run_level and lab != "run"):
-            msg = d.error or run_level[0]
-            ET.SubElement(case, "error", message=msg, type="inconclusive").text = "\n".join(
-                ([d.error] if d.error else []) + run_level)
-            counts["errors"] += 1
-        elif d.violations:
-            ET.SubElement(case, "failure", message=d.violations[0].line(), type=d.violations[0].cause).text = \
-                "\n".join(v.line() for v in d.violations)
-            counts["failures"] += 1
-        elif d.status == "skipped":
-            ET.SubElement(case, "skipped", message="not gated by the policy")
-            counts["skipped"] += 1
-    suite.set("tests", str(len(cases)))
-    for k, v in counts.items():
-        suite.set(k, str(v))
-    root = ET.Element("testsuites")
-    root.append(suite)
-    return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="utf-8")
-
-
-def github_annotation(res: GateResult) -> str | None:
-    """A workflow command that GitHub Actions shows on the run page; % and newlines must be escaped."""
-    if res.status == "pass":
-        return None
-    v = res.first_violation
-    msg = (f"first divergent op beyond policy: {v.line()}" if res.status == "fail"
-           else f"inconclusive evidence: {res.problems[0]}")
-    msg = msg.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-    return f"::error title=tpdiag::{msg}"

@@ -53,11 +53,58 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, 
     }
     if entry["loss"]["reference"] is not None and entry["loss"]["value"] is not None:
         entry["loss"]["abs_diff"] = abs(entry["loss"]["value"] - entry["loss"]["reference"])
+    steps = step_drift(dd)
+    if len(steps) > 1:
+        entry["steps"] = steps
+        entry["first_divergent_step"] = next((s["step"] for s in steps if not s["bitwise"]), None)
+    for rs, who in ((other, f"TP={label}"), (ref, "the reference")):
+        sc = rs.world.get("probe_selfcheck")
+        if sc is not None and not sc.get("equal"):
+            entry["status"] = "failed"
+            entry["error"] = (f"probes changed the numerics of {who} (first mismatch "
+                              f"{sc.get('first_mismatch')}): results are not evidence")
     return entry, dd.rows
 
 
+def _baseline(run_dir, ref, label, failed, degree) -> dict:
+    if label in failed:
+        return {"reproducible": False, "cause": "unknown", "error": failed[label]}
+    try:
+        again = RecordSet(os.path.join(run_dir, f"tp{label}"))
+        entry, _ = analyse_degree(ref, again, label)
+    except Inconclusive as e:
+        return {"reproducible": False, "cause": "unknown", "error": str(e)}
+    ok = entry["status"] == "bitwise"
+    out = {"reproducible": ok, "label": label}
+    if not ok:
+        fd = entry.get("first_divergence")
+        out["first_divergence"] = fd
+        out["cause"] = "collective-nondeterminism" if degree > 1 else "nondeterministic-kernel"
+        if fd:
+            fd["cause"] = "collective-nondeterminism" if degree > 1 else "unknown"
+    return out
+
+
+def step_drift(dd) -> list[dict]:
+    """Per optimizer step: loss, grad norm and parameter drift against the reference."""
+    import torch
+
+    out = {}
+    for r in dd.rows:
+        s = out.setdefault(r["step"], {"step": r["step"], "bitwise": True, "param_max_abs": 0.0})
+        if r["phase"] != "init" and not r["bitwise"]:
+            s["bitwise"] = False
+        if r["kind"] in ("loss", "grad_norm") and r["key"] in dd.tensors:
+            a, b = dd.tensors[r["key"]]
+            s[f"{r['kind']}_reference"] = float(a.double().flatten()[0])
+            s[r["kind"]] = float(b.double().flatten()[0])
+        if r["kind"] == "param":
+            s["param_max_abs"] = max(s["param_max_abs"], r["max_abs"] or 0.0)
+    return [out[k] for k in sorted(out)]
+
+
 def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[str, str],
-                reference_degree: int) -> dict:
+                reference_degree: int, baseline: str | None = None) -> dict:
     """labels: every non-reference label; failed: {label: error} for worlds that did not finish."""
     degrees: dict[str, dict] = {}
     all_rows: list[dict] = []
@@ -83,6 +130,9 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
             continue
         degrees[label] = entry
         all_rows.extend(rows)
+    base = None
+    if baseline is not None and ref is not None:
+        base = _baseline(run_dir, ref, baseline, failed, reference_degree)
     statuses = [d["status"] for d in degrees.values()]
     if ref_error is not None or "failed" in statuses or not statuses:
         status = "inconclusive"
@@ -92,6 +142,15 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         status = "bitwise"
     summary = {"schema": SCHEMA, "status": status, "reference": reference_degree,
                "reference_label": reference, "degrees": degrees}
+    if base is not None:
+        summary["baseline"] = base
+        if not base["reproducible"]:
+            # Noise at a fixed degree is reported first and TP is not blamed for it.
+            summary["status"] = "inconclusive"
+            summary["error"] = (f"the reference TP={reference_degree} does not reproduce itself "
+                                f"({base.get('cause')}): first difference at "
+                                f"{(base.get('first_divergence') or {}).get('module')}; "
+                                "differences between degrees cannot be attributed to TP")
     if ref_error is not None:
         summary["error"] = f"reference TP={reference} failed: {ref_error}"
     write_csv(os.path.join(run_dir, "diff.csv"), all_rows)

@@ -100,6 +100,7 @@ def _describe(row: dict) -> dict:
            "cause": classify(row), "root_cause": True,
            "max_abs": row["max_abs"], "max_ulp": row["max_ulp"],
            "mismatch_fraction": row["mismatch_fraction"], "bound": row.get("bound"),
+           "bound_ratio": row.get("bound_ratio"),
            "style": row.get("style")}
     if row["kind"] == "in":
         parent = row["module"].rpartition(".")[0] or "model"
@@ -123,7 +124,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             f = {"phase": r["phase"], "module": r["module"], "op": None, "kind": r["kind"],
                  "name": r["name"], "step": r["step"], "cause": classify(r),
                  "max_abs": r.get("rank_max_abs", r["max_abs"]) if r.get("rank_consistent") is False
-                 else r["max_abs"], "bound": r.get("bound")}
+                 else r["max_abs"], "bound": r.get("bound"), "bound_ratio": r.get("bound_ratio")}
             findings.append(f)
     return {"first_divergence": _describe(first) if first else None, "findings": findings}
 

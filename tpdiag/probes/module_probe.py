@@ -6,6 +6,7 @@ are accumulated in the same order). Everything registered is removed on exit.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -44,8 +45,12 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 src.setdefault("consumers", []).append(name)
         return None
 
+    perturb = os.environ.get("TPDIAG_TEST_PERTURB_PROBE")  # fault injection for the self-check
+
     def fwd_hook(mod, args, kwargs, out):
         name = names[mod]
+        if perturb == name and isinstance(out, torch.Tensor):
+            out = out * (1 + 2.0 ** -10)
         call = getattr(mod, "_tpdiag_call", 0)
         flat, _ = tree_flatten(out)
         tensors = [x for x in flat if isinstance(x, torch.Tensor)]
@@ -56,7 +61,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             if backward and t.requires_grad and t.grad_fn is not None:
                 handles.append(t.register_hook(_grad_hook(rec, name, str(i), call, styles[name],
                                                           classes[name], meta)))
-        return None
+        return out if perturb == name else None
 
     for mod, name in names.items():
         if not wanted(name):

@@ -144,7 +144,8 @@ def build_context(run_dir: str) -> dict:
     verdicts = [dict(words.verdict(lab, ref, degrees[lab], _fix_of), label=lab,
                      records_error=(ev.get(lab) or {}).get("error")) for lab in labels]
     modules = _modules({lab: by_label[lab] for lab in ok})
-    plotted = [lab for lab in ok if by_label[lab]]
+    # Nothing to place on a log scale when every record is bitwise: the verdict says it in words.
+    plotted = [lab for lab in ok if any(_is_div(r) for r in by_label[lab])]
     figures = {
         "divergence": plots.divergence_by_record({lab: _series(by_label[lab], fds[lab]) for lab in plotted}),
         "heatmap": plots.module_heatmap(plotted, [m["module"] for m in modules],
@@ -160,6 +161,7 @@ def build_context(run_dir: str) -> dict:
     return {
         "run_dir": os.path.abspath(run_dir), "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
         "status": summary.get("status", "unknown"), "error": summary.get("error"), "ref": ref,
+        "baseline": summary.get("baseline"), "status_after_fixes": summary.get("status_after_fixes"),
         "manifest": manifest, "labels": labels, "ok_labels": ok, "degrees": degrees, "verdicts": verdicts,
         "figures": figures, "modules": modules, "open_modules": len(modules) <= OPEN_MODULE_TABLE,
         "records": {lab: _record_rows(by_label[lab], (fds[lab] or {}).get("key")) for lab in ok},

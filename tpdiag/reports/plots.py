@@ -59,27 +59,31 @@ def divergence_by_record(series: dict[str, dict]) -> str | None:
     first_phases = next(iter(series.values()))["phases"]
     _phase_bands(ax_u, first_phases, label=True)
     _phase_bands(ax_a, first_phases, label=False)
+    drawn = 0
     for color, (label, s) in zip(_colors(len(series)), series.items()):
-        for ax, key, floor in ((ax_u, "ulp", 0.5), (ax_a, "abs", None)):
+        # The first divergence is named in the legend, not annotated: with many degrees the first
+        # divergences sit close together and annotations would overprint each other.
+        name = f"TP={label}" + (f" (first: {s['first_name']})" if s["first"] is not None else "")
+        for ax, key in ((ax_u, "ulp"), (ax_a, "abs")):
             ys = s[key]
             xs_div = [i for i, y in enumerate(ys) if y and y > 0]
-            ax.plot(xs_div, [ys[i] for i in xs_div], ".", ms=3.5, color=color, label=f"TP={label}")
+            drawn += len(xs_div)
+            ax.plot(xs_div, [ys[i] for i in xs_div], ".", ms=3.5, color=color, label=name)
             if s["first"] is not None and ys[s["first"]]:
                 ax.plot([s["first"]], [ys[s["first"]]], marker="*", ms=15, color=color, mec="#c00", mew=1.2,
                         zorder=5, ls="none")
+            if s["first"] is not None:
                 ax.axvline(s["first"], color=color, ls="--", lw=0.8)
-        if s["first"] is not None:
-            ax_u.annotate(f"TP={label} first: {s['first_name']}", xy=(s["first"], 1), xycoords=("data", "axes fraction"),
-                          xytext=(4, -12 - 12 * list(series).index(label)), textcoords="offset points",
-                          fontsize=8, color=color)
-    ax_u.set_yscale("log")
-    ax_a.set_yscale("log")
+    if drawn:  # log of nothing is an error in matplotlib, and there is nothing to scale
+        ax_u.set_yscale("log")
+        ax_a.set_yscale("log")
     ax_u.set_ylabel("max ULP (log)")
     ax_a.set_ylabel("max |difference| (log)")
     ax_a.set_xlabel("record, in execution order (bitwise-equal records are not drawn)")
-    ax_u.legend(loc="upper left", fontsize=8, ncol=min(4, len(series)), framealpha=0.9,
-                bbox_to_anchor=(0, 0.82))
-    if not any(line.get_xdata().size for line in ax_u.lines):
+    handles, names = ax_u.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, loc="outside upper center", fontsize=8, ncol=min(3, len(series)), markerscale=2)
+    if not drawn:
         ax_u.text(0.5, 0.5, "every record is bitwise equal", transform=ax_u.transAxes, ha="center")
     return _png(fig)
 

@@ -104,7 +104,12 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     io.write_json(os.path.join(out, "manifest.json"), manifest)
     failed: dict[str, str] = {}
     t0 = time.perf_counter()
-    for degree, label in zip(cfg.degrees, labels):
+    worlds = list(zip(cfg.degrees, labels))
+    base_label = None
+    if cfg.baseline and cfg.degrees.count(cfg.degrees[0]) == 1:
+        base_label = f"{labels[0]}-base"
+        worlds.insert(1, (cfg.degrees[0], base_label))
+    for degree, label in worlds:
         wcfg = cfg.world(degree, label, os.path.join(out, f"tp{label}"), device)
         res = run_world(wcfg, cfg.timeout, on_status)
         manifest["worlds"][label] = {"degree": degree, "status": res.status, "wall_s": round(res.wall_s, 3),
@@ -114,7 +119,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         io.write_json(os.path.join(out, "manifest.json"), manifest)
     if on_status:
         on_status("diff", "running")
-    summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0])
+    summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label)
     manifest["wall_s"] = round(time.perf_counter() - t0, 3)
     manifest["status"] = summary["status"]
     io.write_json(os.path.join(out, "manifest.json"), manifest)

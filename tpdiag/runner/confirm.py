@@ -16,7 +16,7 @@ def _sub(cfg: CompareConfig, out: str, degrees, fixes) -> dict:
     from tpdiag.runner.compare import run_compare
 
     sub = replace(cfg, out=out, degrees=tuple(degrees), fixes=tuple(fixes), fix_mode="explicit",
-                  confirm=False)
+                  confirm=False, baseline=False)
     return run_compare(sub)
 
 

@@ -23,9 +23,25 @@ def build_model(cfg: WorldConfig, device: torch.device, world: int):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
+        _check_plan(model, target.plan)
         mesh = init_device_mesh(device.type, (world,))
         parallelize_module(model, mesh, target.plan)
     return target, model
+
+
+def _check_plan(model, plan: dict) -> None:
+    import fnmatch
+
+    from tpdiag.errors import BadInput
+
+    names = [n for n, _ in model.named_modules()]
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise BadInput(f"plan entry {pattern!r} matches no module of the model")
+    for n in names:
+        hits = [p for p in plan if fnmatch.fnmatchcase(n, p)]
+        if len(hits) > 1:
+            raise BadInput(f"plan entries {hits[0]!r} and {hits[1]!r} both match module {n!r}")
 
 
 def make_batch(cfg: WorldConfig, target, device):
@@ -142,6 +158,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder,
             out = model(**batch)
             logits = logits_of(out)
             rec.phase = "loss"
+            rec.add("logits", "model", "logits", logits)
             with loss_context(world):
                 with torch.no_grad():
                     lp = logprob_fn(logits.detach(), labels)

@@ -62,9 +62,16 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
                             timeout=timedelta(seconds=timeout_s),
                             **({"device_id": device} if backend == "nccl" else {}))
     _fault_injection(rank, world)
-    rec = Recorder()
     t0 = time.perf_counter()
+    selfcheck = None
+    if cfg.selfcheck:
+        # The same step with no probes: what the model computes when nobody watches.
+        bare = Recorder()
+        run(cfg.with_(probes=False), device, world, bare)
+    rec = Recorder()
     timings = run(cfg, device, world, rec)
+    if cfg.selfcheck:
+        selfcheck = _probe_selfcheck(bare, rec, device)
     t1 = time.perf_counter()
     stored = gather_records(rec.records, device)
     timings["gather_s"] = time.perf_counter() - t1
@@ -72,9 +79,28 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
         store.write(cfg.out_dir, stored, {
             "degree": world, "label": cfg.label, "backend": backend, "device": str(device),
             "config": cfg.to_dict(), "timings": timings, "n_records": len(stored),
+            "probe_selfcheck": selfcheck,
             "total_s": time.perf_counter() - t0,
         })
     dist.barrier()
+
+
+def _probe_selfcheck(bare, probed, device) -> dict:
+    """Final logits, logprobs, loss, grad norm and updated params, probes on vs off, bitwise,
+    on every rank (local shards); the verdict is the AND over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from tpdiag.diff.bits import bitwise_equal
+
+    kinds = {"logits", "logprobs", "loss", "grad_norm", "param"}
+    want = {m["key"]: t for m, t in bare.records if m["kind"] in kinds}
+    have = {m["key"]: t for m, t in probed.records if m["kind"] in kinds}
+    bad = sorted(k for k in want if k not in have or not bitwise_equal(want[k], have[k]))
+    flag = torch.tensor([0 if bad else 1], dtype=torch.int32, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return {"equal": bool(flag.item()), "checked": len(want), "first_mismatch": bad[0] if bad else None}
 
 
 def _fault_injection(rank: int, world: int) -> None:

@@ -1,0 +1,57 @@
+"""Precise diagnosis on planted cases: a sharding bug behind a reordering, run-to-run noise,
+probes that would change numerics, multi-step drift."""
+import json
+
+from conftest import run_cli
+
+
+def compare(tmp_path, *args, env=None, code=0):
+    p = run_cli("compare", "--out", str(tmp_path / "r"), "--format", "json", "--no-confirm", *args, env=env)
+    assert p.returncode == code, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_sharding_bug_downstream_of_a_reordering_is_a_finding(tmp_path):
+    s = compare(tmp_path, "--model", "py:tests/models/buggy.py:target", "--tp", "1,2", "--no-baseline")
+    d = s["degrees"]["2"]
+    # the first divergence is the harmless layer-0 reordering ...
+    assert d["first_divergence"]["cause"] == "row-parallel-reduction"
+    assert d["first_divergence"]["module"].startswith("layers.0.")
+    # ... and the real bug is still named, with its bound
+    bugs = [f for f in d["findings"] if f["cause"] == "sharding-bug"]
+    assert [f["module"] for f in bugs] == ["layers.1.feed_forward.w2"], d["findings"]
+    assert bugs[0]["bound_ratio"] > 10  # |diff| / bound at the worst element
+
+
+def test_nondeterministic_reference_is_reported_before_blaming_tp(tmp_path):
+    s = compare(tmp_path, "--model", "py:tests/models/nondeterministic.py:target", "--tp", "1,2", code=2)
+    assert s["status"] == "inconclusive"
+    assert s["baseline"]["reproducible"] is False
+    assert s["baseline"]["first_divergence"]["module"] == "layers.0.ffn_norm"
+    assert "does not reproduce itself" in s["error"]
+
+
+def test_stock_baseline_is_reproducible_and_probes_do_not_change_numerics(stock_run):
+    s = json.loads((stock_run / "summary.json").read_text())
+    assert s["baseline"]["reproducible"] is True
+    for label in ("1", "1-base", "2", "4", "8"):
+        w = json.loads((stock_run / f"tp{label}" / "world.json").read_text())
+        assert w["probe_selfcheck"]["equal"] is True and w["probe_selfcheck"]["checked"] > 20
+
+
+def test_probe_that_changes_numerics_makes_the_run_inconclusive(tmp_path):
+    s = compare(tmp_path, "--tp", "1,2", "--no-baseline", code=2,
+                env={"TPDIAG_TEST_PERTURB_PROBE": "layers.0.attention.wq"})
+    assert s["status"] == "inconclusive"
+    assert "probes changed the numerics" in s["degrees"]["2"]["error"]
+
+
+def test_steps_report_drift_and_fixes_hold_for_every_step(tmp_path):
+    s = compare(tmp_path, "--tp", "1,2", "--steps", "3", "--no-baseline")
+    d = s["degrees"]["2"]
+    assert [x["step"] for x in d["steps"]] == [0, 1, 2] and d["first_divergent_step"] == 0
+    assert d["steps"][2]["loss"] != d["steps"][2]["loss_reference"]
+    s = compare(tmp_path, "--tp", "1,2", "--steps", "3", "--fix", "all", "--no-baseline")
+    d = s["degrees"]["2"]
+    assert s["status"] == "bitwise" and d["first_divergent_step"] is None
+    assert all(x["bitwise"] and x["loss"] == x["loss_reference"] for x in d["steps"])

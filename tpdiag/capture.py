@@ -1,0 +1,385 @@
+"""In-process capture: `with tpdiag.capture(model, out=DIR) as cap:` around your own step.
+
+For models tpdiag cannot build (Megatron, NeMo, torchtitan, an RL trainer), under your own
+launcher (torchrun, SLURM, several nodes). The same probes as `tpdiag compare` record every
+module's inputs, outputs and gradients; on exit the shards go to the TP group's rank 0 in one
+collective and DIR gets exactly the layout of a compare's `tp{N}/` directory (events.jsonl,
+records.safetensors, world.json) plus manifest.json, written last, whose model fingerprint
+lets `tpdiag diff RUN_A RUN_B` refuse captures that cannot be compared.
+
+    with tpdiag.capture(model, out="runs/tp2", plan=plan, seed=1234) as cap:
+        cap.batch(input_ids=ids, labels=labels)
+        logits = model(ids)
+        cap.logprobs(token_logprobs)
+        loss = loss_fn(logits, labels); cap.loss(loss)
+        loss.backward(); opt.step()
+        cap.params()          # parameters after the optimizer step
+
+The probes only observe (no tensor replaced, no autograd node added): the step computes the
+same bits with and without the capture.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+import sys
+import time
+import types
+from collections import Counter
+from contextlib import ExitStack
+
+import torch
+
+from tpdiag.errors import BadInput
+
+SCHEMA = 1
+TOOL = "tpdiag.capture"
+MANIFEST = "manifest.json"
+
+# String plans (transformers' tp_plan names or tpdiag's labels) -> the torch style whose label
+# tpdiag's classifier reads. Used for labels only: a capture never applies a plan.
+_STYLE_WORDS = {
+    "colwise": "colwise", "colwise_rep": "colwise", "colwise_gather_output": "colwise",
+    "packed_colwise": "colwise", "embedding_colwise": "colwise",
+    "colwise-gathered": "colwise-gathered",
+    "rowwise": "rowwise", "rowwise_rep": "rowwise", "rowwise_split_input": "rowwise",
+    "packed_rowwise": "rowwise", "embedding_rowwise": "rowwise",
+    "sequence": "sequence", "sequence_parallel": "sequence",
+}
+
+
+def capture(model: torch.nn.Module, out: str, plan: dict | None = None,
+            layouts: dict[str, str] | None = None, *, group=None, seed: int | None = None,
+            modules: list[str] | None = None, backward: bool = True,
+            params: bool = True) -> "Capture":
+    """Record `model` while the `with` block runs; write the capture to `out` on exit.
+
+    plan     {fqn glob: ParallelStyle or style name ('colwise', 'rowwise', transformers'
+             names)}: labels the layouts for cause classification. Pass what you sharded with.
+    layouts  {glob: 'shard:D' | 'replicate'} for plain tensors with no DTensor placement: a glob
+             matches a module name (its outputs and their grads) or 'module.param' (a param).
+             Unlisted plain shards are inferred from the shape against the reference.
+    group    the TP group: None (the default group), a ProcessGroup or a 1-D DeviceMesh. Only
+             the TP group that holds global rank 0 records; other ranks run unprobed.
+    seed     the seed your weights and batch came from (checked by `tpdiag diff`).
+    modules  globs of module names to probe (default: all); params: record parameters.
+    """
+    return Capture(model, out, plan=plan, layouts=layouts, group=group, seed=seed,
+                   modules=modules, backward=backward, params=params)
+
+
+class Capture:
+    def __init__(self, model, out, *, plan=None, layouts=None, group=None, seed=None,
+                 modules=None, backward=True, params=True):
+        if not isinstance(model, torch.nn.Module):
+            raise BadInput(f"capture(model=...): expected a torch.nn.Module, got {type(model).__name__}")
+        if not out:
+            raise BadInput("capture(out=...): a run directory is required")
+        self.model, self.out = model, str(out)
+        self.plan = _style_plan(plan or {})
+        self.layouts = {k: _check_layout(k, v) for k, v in (layouts or {}).items()}
+        self.group = _group_of(group)
+        self.seed, self.backward, self.with_params = seed, backward, params
+        self.module_globs = list(modules) if modules else None
+        self.rec = None
+        self._stack: ExitStack | None = None
+        self.active = False
+
+    # -- the with block --------------------------------------------------------------------
+    def __enter__(self) -> "Capture":
+        from tpdiag.probes.module_probe import module_probes, record_params
+        from tpdiag.probes.recorder import Recorder
+
+        import torch.distributed as dist
+
+        self.active = _records_here(self.group)
+        if not self.active:
+            return self
+        self.degree = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        self.group_rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        if self.group_rank == 0:
+            # An earlier capture in DIR must not pass for this one if this one is interrupted.
+            try:
+                os.unlink(os.path.join(self.out, MANIFEST))
+            except FileNotFoundError:
+                pass
+        self.fingerprint = fingerprint(self.model, self.layouts, self.degree)
+        self.rec = Recorder()
+        self.t0 = time.perf_counter()
+        self._stack = ExitStack()
+        include = _included(self.model, self.module_globs)
+        self._stack.enter_context(module_probes(self.model, self.rec, plan=self.plan,
+                                                backward=self.backward, include=include))
+        if self.with_params:
+            record_params(self.rec, self.model, "param_init", self.plan)
+        self.rec.phase = "forward"
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self.active:
+            return False
+        self._stack.close()  # probes removed whatever happens
+        if exc_type is not None:
+            return False  # no gather: a peer may be gone; no manifest: DIR is not a capture
+        self._finish()
+        return False
+
+    # -- what the user records -------------------------------------------------------------
+    def batch(self, **tensors: torch.Tensor) -> None:
+        """The step's inputs (token ids, labels, masks): recorded as compare records its batch."""
+        for name, t in tensors.items():
+            self._add("batch", name, t, "init")
+
+    def logprobs(self, t: torch.Tensor) -> None:
+        """Per-token log-probabilities of the labels (the numbers RL compares across engines)."""
+        self._add("logprobs", "logprobs", t, "loss")
+
+    def loss(self, t: torch.Tensor) -> None:
+        self._add("loss", "loss", t, "loss")
+
+    def grad_norm(self, t: torch.Tensor) -> None:
+        self._add("grad_norm", "total", t, "optimizer")
+
+    def params(self) -> None:
+        """Parameters as they are now: call after the optimizer step."""
+        if self.active:
+            from tpdiag.probes.module_probe import record_params
+
+            phase, self.rec.phase = self.rec.phase, "optimizer"
+            record_params(self.rec, self.model, "param", self.plan)
+            self.rec.phase = phase
+
+    def next_step(self) -> None:
+        """Start the next training step (records are keyed by step)."""
+        if self.active:
+            self.rec.step += 1
+            self.rec.phase = "forward"
+
+    def _add(self, kind: str, name: str, t, phase: str) -> None:
+        if not self.active:
+            return
+        if not isinstance(t, torch.Tensor):
+            raise BadInput(f"cap.{kind}(...): expected a tensor, got {type(t).__name__}")
+        with torch.no_grad():
+            self.rec.add(kind, "model", name, t.detach(), phase=phase)
+
+    # -- on exit -----------------------------------------------------------------------------
+    def _finish(self) -> None:
+        import torch.distributed as dist
+
+        from tpdiag import io
+        from tpdiag.probes import store
+
+        _apply_layouts(self.rec.records, self.layouts)
+        device = _collective_device(self.group)
+        t1 = time.perf_counter()
+        stored = gather_in_group(self.rec.records, device, self.group)
+        if self.group_rank != 0:
+            return
+        backend = dist.get_backend(self.group) if dist.is_initialized() else None
+        timings = {"capture_s": round(t1 - self.t0, 3), "gather_s": round(time.perf_counter() - t1, 3)}
+        store.write(self.out, stored, {
+            "degree": self.degree, "label": str(self.degree), "backend": backend,
+            "device": str(device), "tool": TOOL, "timings": timings, "n_records": len(stored),
+            "config": self._config(),
+        })
+        io.write_json(os.path.join(self.out, MANIFEST), self._manifest(backend, device, timings))
+
+    def _config(self) -> dict:
+        return {"seed": self.seed, "backward": self.backward, "params": self.with_params,
+                "modules": self.module_globs, "steps": self.rec.step + 1}
+
+    def _manifest(self, backend, device, timings) -> dict:
+        from tpdiag.runner.compare import versions
+        from tpdiag.runner.determinism import numerics_env
+
+        import torch.distributed as dist
+
+        dtypes = Counter(p["dtype"] for p in self.fingerprint["params"].values())
+        return {
+            "schema": SCHEMA, "tool": TOOL, "complete": True,
+            "versions": versions("cuda" if device.type == "cuda" else "cpu"),
+            "backend": backend, "device": str(device), "degree": self.degree,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "seed": self.seed, "dtype": dtypes.most_common(1)[0][0] if dtypes else None,
+            "config": self._config(), "layouts": self.layouts,
+            "plan": {k: _label(v) for k, v in self.plan.items()},
+            "model": {"class": type(self.model).__name__, "fingerprint": self.fingerprint},
+            "env": numerics_env(), "timings": timings, "argv": sys.argv,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+
+# -- layouts, plans, groups ---------------------------------------------------------------------
+def _check_layout(key: str, value: str) -> str:
+    v = str(value).strip().lower()
+    if v == "replicate":
+        return v
+    if v.startswith("shard:"):
+        try:
+            int(v.split(":", 1)[1])
+            return v
+        except ValueError:
+            pass
+    raise BadInput(f"capture(layouts={{{key!r}: {value!r}}}): expected 'shard:D' or 'replicate'")
+
+
+def _style_plan(plan: dict) -> dict:
+    out = {}
+    for k, v in plan.items():
+        if isinstance(v, str):
+            word = _STYLE_WORDS.get(v.strip().lower())
+            if word is not None:
+                out[k] = _style_for(word)
+        else:
+            out[k] = v
+    return out
+
+
+def _style_for(word: str):
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel,
+            "colwise-gathered": lambda: ColwiseParallel(input_layouts=Shard(-1))}[word]()
+
+
+def _label(style) -> str | None:
+    from tpdiag.models.plans import style_label
+
+    return style_label(style)
+
+
+def _group_of(group):
+    if group is None:
+        return None
+    if type(group).__name__ == "DeviceMesh":
+        if group.ndim != 1:
+            raise BadInput(f"capture(group=mesh): the mesh has {group.ndim} dims; pass the TP "
+                           "dimension, e.g. mesh['tp']")
+        return group.get_group()
+    return group
+
+
+def _records_here(group) -> bool:
+    """Whether this rank records: every rank of the default group, else the ranks of the one
+    TP group that holds global rank 0 (one capture per job, not one per data-parallel replica)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or group is None:
+        return True
+    ranks = dist.get_process_group_ranks(group)
+    return dist.get_rank() in ranks and 0 in ranks
+
+
+def _collective_device(group) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _included(model, globs) -> set[str] | None:
+    if not globs:
+        return None
+    names = {(n or "model") for n, _ in model.named_modules()}
+    return {n for n in names if any(fnmatch.fnmatchcase(n, g) for g in globs)}
+
+
+def _layout_for(meta: dict, layouts: dict[str, str]) -> str | None:
+    if meta["kind"] in ("out", "grad_out"):
+        name = meta["module"]
+    elif meta["kind"] in ("param_init", "param", "param_grad"):
+        name = f"{meta['module']}.{meta['name']}"
+    else:
+        return None
+    for pattern, layout in layouts.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return layout
+    return None
+
+
+def _apply_layouts(records, layouts: dict[str, str]) -> None:
+    """Give plain-tensor records the user's layout (a DTensor's own placement always wins)."""
+    if not layouts:
+        return
+    for meta, t in records:
+        if meta.get("placement") is not None:
+            continue
+        lay = _layout_for(meta, layouts)
+        if lay and lay.startswith("shard:") and t.dim():
+            lay = f"shard:{int(lay.split(':')[1]) % t.dim()}"
+        if lay:
+            meta["placement"] = lay
+
+
+def fingerprint(model, layouts: dict[str, str], degree: int) -> dict:
+    """Param names, global shapes (DTensor, or a plain shard with a layout) and dtypes."""
+    from torch.distributed.tensor import DTensor
+
+    params = {}
+    for name, p in model.named_parameters():
+        shape, local = list(p.shape), False
+        if not isinstance(p, DTensor):
+            mname, _, short = name.rpartition(".")
+            lay = _layout_for({"kind": "param", "module": mname or "model", "name": short}, layouts)
+            if lay and lay.startswith("shard:") and p.dim():
+                shape[int(lay.split(":")[1]) % p.dim()] *= degree
+            elif lay != "replicate":
+                local = degree > 1  # a plain tensor at TP > 1 may be a shard: shape is local
+        params[name] = {"shape": shape, "dtype": str(p.dtype).replace("torch.", ""), "local": local}
+    return {"n_params": len(params), "params": params}
+
+
+def gather_in_group(records, device, group):
+    """tpdiag.runner.gather.gather_records, on a given process group (rank 0 of the group gets
+    everything). The default group goes through gather_records itself; a subgroup repeats its
+    protocol here because gather_records takes no group (fold this in when it does)."""
+    import torch.distributed as dist
+
+    from tpdiag.errors import Inconclusive
+    from tpdiag.runner.gather import _as_bytes, _stream_signature, gather_records
+
+    if group is None or not dist.is_initialized() or group == dist.group.WORLD:
+        return gather_records(records, device)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    metas = [m for m, _ in records]
+    parts = [_as_bytes(t) for _, t in records]
+    sizes = [p.numel() for p in parts]
+    sig = torch.tensor([_stream_signature(metas), sum(sizes)], dtype=torch.int64, device=device)
+    sigs = [torch.empty_like(sig) for _ in range(world)]
+    dist.all_gather(sigs, sig, group=group)
+    if any(not torch.equal(s, sigs[0]) for s in sigs):
+        raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
+                           "dtypes per rank); the model is not SPMD under this plan")
+    buf = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
+    dist.gather(buf, gathered, group=group, group_dst=0)
+    if rank != 0:
+        return None
+    gathered = [g.cpu() for g in gathered]
+    out, off = [], 0
+    for (m, t), n in zip(records, sizes):
+        raw = [g[off:off + n] for g in gathered]
+        off += n
+        shards = [r.view(t.dtype).reshape(t.shape) for r in raw]
+        # Equal means equal bytes (so -0.0 vs +0.0 and NaN payloads count), as in gather_records.
+        if all(torch.equal(raw[0], r) for r in raw[1:]):
+            out.append(({**m, "stored": "single", "ranks_equal": True, "world": world}, shards[0].clone()))
+        else:
+            out.append(({**m, "stored": "stacked", "ranks_equal": False, "world": world},
+                        torch.stack(shards)))
+    return out
+
+
+class _CallableModule(types.ModuleType):
+    """`tpdiag.capture(...)` must work although importing this module makes `tpdiag.capture`
+    the module itself (the import system sets the package attribute): calling the module
+    calls `capture`."""
+
+    def __call__(self, *args, **kwargs):
+        return capture(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

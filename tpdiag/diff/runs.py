@@ -1,0 +1,126 @@
+"""`tpdiag diff RUN_A RUN_B`: compare two in-process captures with compare's own analysis.
+
+RUN_A is the reference. Two captures are compared only when they can be: the same model
+(parameter names, shapes up to sharding, dtypes), the same seed and the same capture options.
+Anything else is refused with one line naming the first mismatch (NotComparable, exit 2) -
+a diff of different models would name a 'first divergence' that is no divergence at all.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from tpdiag import io
+from tpdiag.errors import Inconclusive, NotComparable
+
+CAPTURE_TOOL = "tpdiag.capture"
+
+
+def read_capture(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise Inconclusive(f"{path}: not a directory; expected a capture written by tpdiag.capture")
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.isfile(mpath):
+        raise Inconclusive(f"{path}: no manifest.json - not a capture, or an interrupted one "
+                           "(the manifest is written last)")
+    m = io.read_json(mpath)
+    if m.get("tool") != CAPTURE_TOOL or not m.get("complete"):
+        raise Inconclusive(f"{mpath}: not a complete tpdiag.capture manifest")
+    return m
+
+
+def _fmt_shape(s) -> str:
+    return "[" + ",".join(map(str, s)) + "]"
+
+
+def _full_sizes(p: dict, degree: int, d: int) -> set[int]:
+    n = p["shape"][d]
+    # A plain tensor of unknown layout at TP > 1 is either replicated or this dim's shard.
+    return {n, n * degree} if p.get("local") else {n}
+
+
+def _shape_mismatch(pa: dict, pb: dict, da: int, db: int) -> bool:
+    if len(pa["shape"]) != len(pb["shape"]):
+        return True
+    return any(not (_full_sizes(pa, da, d) & _full_sizes(pb, db, d)) for d in range(len(pa["shape"])))
+
+
+def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN_B") -> None:
+    """Raise NotComparable naming the first difference that makes a diff meaningless."""
+    def refuse(what: str, va, vb):
+        raise NotComparable(f"captures not comparable: {what}: {va} in {name_a} vs {vb} in {name_b}")
+
+    if a.get("schema") != b.get("schema"):
+        refuse("capture schema", a.get("schema"), b.get("schema"))
+    ca, cb = a["model"]["class"], b["model"]["class"]
+    if ca != cb:
+        refuse("model class", ca, cb)
+    fa, fb = a["model"]["fingerprint"]["params"], b["model"]["fingerprint"]["params"]
+    na, nb = list(fa), list(fb)
+    if na != nb:
+        missing = next((n for n in na if n not in fb), None)
+        extra = next((n for n in nb if n not in fa), None)
+        if missing is not None:
+            refuse("parameter", repr(missing), "absent")
+        if extra is not None:
+            refuse("parameter", "absent", repr(extra))
+        i = next(i for i, (x, y) in enumerate(zip(na, nb)) if x != y)
+        refuse(f"parameter #{i}", repr(na[i]), repr(nb[i]))
+    da, db = int(a.get("degree", 1)), int(b.get("degree", 1))
+    for n in na:
+        if fa[n]["dtype"] != fb[n]["dtype"]:
+            refuse(f"dtype of {n}", fa[n]["dtype"], fb[n]["dtype"])
+        if _shape_mismatch(fa[n], fb[n], da, db):
+            refuse(f"shape of {n}", _fmt_shape(fa[n]["shape"]) + f" (TP={da})",
+                   _fmt_shape(fb[n]["shape"]) + f" (TP={db})")
+    if a.get("seed") != b.get("seed"):
+        refuse("seed", a.get("seed", "not given"), b.get("seed", "not given"))
+    if a.get("dtype") != b.get("dtype"):
+        refuse("dtype", a.get("dtype"), b.get("dtype"))
+    for key in ("backward", "params", "modules", "steps"):
+        va, vb = a.get("config", {}).get(key), b.get("config", {}).get(key)
+        if va != vb:
+            refuse(f"capture option {key}", va, vb)
+
+
+def default_out(run_b: str) -> str:
+    parent = os.path.dirname(os.path.abspath(run_b.rstrip(os.sep)))
+    return os.path.join(parent, "diff-" + time.strftime("%Y%m%d-%H%M%S"))
+
+
+def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
+    """Analyse capture B against reference capture A; write summary.json, diff.csv and
+    manifest.json into `out`. Returns the summary (schema 1, as `tpdiag compare` writes it)."""
+    from tpdiag.config import degree_labels
+    from tpdiag.diff.analyse import SCHEMA, analyse_degree, write_csv
+    from tpdiag.probes.store import RecordSet
+    from tpdiag.runner.compare import versions
+
+    ma, mb = read_capture(run_a), read_capture(run_b)
+    check_comparable(ma, mb, run_a, run_b)
+    da, db = int(ma["degree"]), int(mb["degree"])
+    ref_label, label = degree_labels((da, db))
+    ref, other = RecordSet(run_a), RecordSet(run_b)
+    entry, rows = analyse_degree(ref, other, label)
+    summary = {"schema": SCHEMA, "status": entry["status"], "reference": da,
+               "reference_label": ref_label, "degrees": {label: entry},
+               "runs": {"reference": os.path.abspath(run_a), label: os.path.abspath(run_b)}}
+    out = out or default_out(run_b)
+    os.makedirs(out, exist_ok=True)
+    write_csv(os.path.join(out, "diff.csv"), rows)
+    io.write_json(os.path.join(out, "summary.json"), summary)
+    io.write_json(os.path.join(out, "manifest.json"), {
+        "schema": 1, "tool": "tpdiag diff", "versions": versions("cpu"),
+        "runs": {ref_label: os.path.abspath(run_a), label: os.path.abspath(run_b)},
+        "degrees": [da, db], "labels": [ref_label, label], "reference": ref_label,
+        "seed": ma.get("seed"), "dtype": ma.get("dtype"), "model": ma["model"]["class"],
+        "captures": {ref_label: _brief(ma), label: _brief(mb)}, "status": summary["status"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+    summary["run_dir"] = out
+    return summary
+
+
+def _brief(m: dict) -> dict:
+    return {k: m.get(k) for k in ("degree", "world_size", "backend", "device", "versions", "env",
+                                  "created", "config")}
