@@ -4,6 +4,9 @@
     torchrun --standalone --nproc-per-node 2 examples/capture_torchrun.py --out runs/cap-tp2
     tpdiag diff runs/cap-tp1 runs/cap-tp2
 
+With --dp D the world is a D x (world/D) mesh ("dp", "tp"): TP runs inside each "tp" row and
+the capture records the TP group that holds rank 0 (pass group=mesh["tp"]).
+
 The model here is tpdiag's tiny Llama so the script runs anywhere; put your own model, plan,
 batch and loss in its place. What matters is the same weights (one seed, full model, then
 shard), the same batch, and `tpdiag.capture` around the step.
@@ -34,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="capture directory")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = dp x tp)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -55,24 +59,34 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = tiny_llama.build("tiny-llama").to(device)  # the FULL model, identical on every rank
     plan = llama_plan()
+    if args.dp < 1 or world % args.dp:
+        raise SystemExit(f"--dp {args.dp}: must divide the world size {world}")
+    tp = world // args.dp
+    tp_mesh = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (args.dp, tp), mesh_dim_names=("dp", "tp"))
+        tp_mesh = mesh["tp"]
+    if tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(model, init_device_mesh(device.type, (world,)), plan)
+        parallelize_module(model, tp_mesh, plan)
 
     g = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=g).to(device)
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], dim=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    if world > 1:
+    if tp > 1:
         from torch.distributed.tensor.parallel import loss_parallel
 
         loss_ctx = loss_parallel()  # the logits are vocab-sharded DTensors
     else:
         loss_ctx = nullcontext()
 
-    with tpdiag.capture(model, out=args.out, plan=plan, layouts=LAYOUTS, seed=args.seed) as cap:
+    # (A real data-parallel job would also all-reduce grads across "dp" before the step.)
+    with tpdiag.capture(model, out=args.out, plan=plan, layouts=LAYOUTS, seed=args.seed,
+                        group=tp_mesh) as cap:
         cap.batch(input_ids=ids, labels=labels)
         logits = model(ids)
         with loss_ctx:
@@ -88,7 +102,7 @@ def main() -> None:
         cap.params()
 
     if dist.get_rank() == 0:
-        print(f"capture written to {args.out} (TP={world})")
+        print(f"capture written to {args.out} (TP={tp}, DP={args.dp})")
     dist.destroy_process_group()
 
 

@@ -15,10 +15,10 @@ EXAMPLE = os.path.join(ROOT, "examples", "capture_torchrun.py")
 ROW_PARALLEL = ("layers.0.attention.wo", "layers.0.feed_forward.w2")
 
 
-def torchrun(nproc: int, out) -> None:
+def torchrun(nproc: int, out, *args) -> None:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(nproc), EXAMPLE, "--out", str(out)],
+                        "--nproc-per-node", str(nproc), EXAMPLE, "--out", str(out), *args],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
@@ -76,29 +76,45 @@ def test_capture_against_itself_is_bitwise_default_out(captures):
     assert os.path.basename(s["run_dir"]).startswith("diff-")
 
 
-def _edited_copy(src, dst, edit):
-    shutil.copytree(src, dst)
-    m = json.loads((dst / "manifest.json").read_text())
-    edit(m)
-    (dst / "manifest.json").write_text(json.dumps(m))
-    return dst
-
-
-@pytest.mark.parametrize("edit,needle", [
-    (lambda m: m.update(seed=99), "seed: 1234"),
-    (lambda m: m["model"]["fingerprint"]["params"]["output.weight"].update(shape=[500, 256]),
-     "shape of output.weight"),
-    (lambda m: m["model"]["fingerprint"]["params"]["norm.weight"].update(dtype="bfloat16"),
-     "dtype of norm.weight"),
-    (lambda m: m["model"]["fingerprint"]["params"].pop("norm.weight"), "parameter: 'norm.weight'"),
-])
-def test_mismatched_captures_are_refused(captures, tmp_path, edit, needle):
-    other = _edited_copy(captures / "tp2", tmp_path / "other", edit)
+def test_mismatched_seed_is_refused_in_one_line(captures, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(captures / "tp2", other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["seed"] = 99
+    (other / "manifest.json").write_text(json.dumps(m))
     p = run_cli("diff", str(captures / "tp1"), str(other), "--out", str(tmp_path / "d"))
     lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr + p.stdout
-    assert "captures not comparable" in lines[0] and needle in lines[0], lines[0]
+    assert "captures not comparable: seed: 1234" in lines[0] and "99" in lines[0], lines[0]
     assert not (tmp_path / "d").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda fp: fp["output.weight"].update(shape=[500, 256]), "shape of output.weight"),
+    (lambda fp: fp["norm.weight"].update(dtype="bfloat16"), "dtype of norm.weight"),
+    (lambda fp: fp.pop("norm.weight"), "parameter: 'norm.weight'"),
+])
+def test_mismatched_fingerprint_names_the_first_mismatch(captures, edit, needle):
+    from tpdiag.diff.runs import check_comparable, read_capture
+    from tpdiag.errors import NotComparable
+
+    a, b = read_capture(str(captures / "tp1")), read_capture(str(captures / "tp2"))
+    check_comparable(a, b)  # the real pair is comparable (shapes equal up to sharding)
+    edit(b["model"]["fingerprint"]["params"])
+    with pytest.raises(NotComparable, match=needle):
+        check_comparable(a, b)
+
+
+def test_tp_group_of_a_dp_by_tp_mesh(captures, tmp_path):
+    """4 ranks as DP=2 x TP=2: the TP group holding rank 0 records (a subgroup, gathered in that
+    group); its capture is bitwise the TP=2 capture."""
+    torchrun(4, tmp_path / "dp2", "--dp", "2")
+    m = json.loads((tmp_path / "dp2" / "manifest.json").read_text())
+    assert m["degree"] == 2 and m["world_size"] == 4
+    p = run_cli("diff", str(captures / "tp2"), str(tmp_path / "dp2"), "--out", str(tmp_path / "d"),
+                "--format", "json", "--fail-on-divergence")
+    assert p.returncode == 0, p.stderr + p.stdout
+    assert json.loads(p.stdout)["status"] == "bitwise"
 
 
 def test_incomplete_capture_is_refused(captures, tmp_path):

@@ -100,7 +100,8 @@ def test_hundreds_of_modules_without_records(tmp_path):
     deg = {"status": "divergent", "first_divergence": fd, "findings": [], "confirmation": None}
     (run / "summary.json").write_text(json.dumps({"schema": 1, "status": "divergent", "reference": 1,
                                                   "reference_label": "1", "degrees": {"2": deg, "4": deg}}))
-    (run / "manifest.json").write_text(json.dumps({"model": "synthetic", "labels": ["1", "2", "4"], "reference": "1"}))
+    manifest = {"model": "synthetic", "labels": ["1", "2", "4"], "reference": "1"}
+    (run / "manifest.json").write_text(json.dumps(manifest))
     html = open(write_report(str(run))).read()
     assert "Records could not be read back" in html
     assert f"showing {MAX_RECORD_ROWS}" in html
@@ -114,8 +115,8 @@ def _chromium():
 @pytest.mark.skipif(not _chromium(), reason="chromium not installed (CI installs it: apt-get install -y chromium)")
 def test_report_in_headless_chromium(report, tp12_run, tmp_path):
     args = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-            "--enable-logging=stderr", "--v=0", "--window-size=1280,900"]
+            "--disable-component-update", "--disable-sync", "--no-first-run",
+            f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0", "--window-size=1280,900"]
     url = f"file://{report}"
     shot = tmp_path / "shot.png"
     p = subprocess.run(args + [f"--screenshot={shot}", url], capture_output=True, text=True, timeout=120)

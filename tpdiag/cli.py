@@ -55,6 +55,8 @@ def compare(
     out: Annotated[Optional[str], typer.Option(help="run directory (default runs/DATE)")] = None,
     timeout: Annotated[float, typer.Option(help="seconds per TP world")] = 300.0,
     seed: Annotated[int, typer.Option(help="seed for weights and batch")] = 1234,
+    batch_size: Annotated[int, typer.Option(help="sequences per batch")] = 2,
+    seq_len: Annotated[int, typer.Option(help="tokens per sequence")] = 16,
     variant: Annotated[str, typer.Option(help="plan variant (stock | stable)")] = "stock",
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline",
                                            help="rerun the reference against itself first")] = True,
@@ -76,7 +78,8 @@ def compare(
             device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps,
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
-            out=out or "", timeout=timeout, seed=seed, variant=variant, baseline=baseline)
+            out=out or "", timeout=timeout, seed=seed, variant=variant, baseline=baseline,
+            batch_size=batch_size, seq_len=seq_len)
         from tpdiag.runner.compare import default_out, validate
         from tpdiag.runner.session import compare_session
 
@@ -165,7 +168,8 @@ def doctor(fmt: Format = "text") -> None:
 @app.command()
 def report(
     run_dir: Annotated[str, typer.Argument(help="a run directory written by tpdiag compare")],
-    output: Annotated[Optional[str], typer.Option("-o", "--output", help="HTML file (default RUN_DIR/report.html)")] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output",
+                                                  help="HTML file (default RUN_DIR/report.html)")] = None,
     debug: Debug = False,
 ) -> None:
     """Write one self-contained HTML report (verdict, plots, tables) for a run directory."""

@@ -170,8 +170,9 @@ class GateResult:
         return next((d.violations[0] for d in self.degrees.values() if d.violations), None)
 
     def lines(self) -> list[str]:
+        first = self.first_violation.line() if self.first_violation else ""
         head = {"pass": "PASS - nothing diverges beyond policy",
-                "fail": f"FAIL - first divergent op beyond policy: {self.first_violation.line() if self.first_violation else ''}",
+                "fail": f"FAIL - first divergent op beyond policy: {first}",
                 "inconclusive": f"INCONCLUSIVE - {self.problems[0] if self.problems else ''}"}[self.status]
         out = [f"gate: {head}", f"policy: {self.policy.source}"]
         out += [f"evidence: {p}" for p in self.problems[1:]]
@@ -275,9 +276,12 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
         else:
             ok, why = True, ""
         if not ok:
-            module = fd.get("module", r["module"]) if r["key"] == fd.get("key") else r["module"]
-            res.violations.append(Violation(lab, r["phase"], module, fd.get("op") if r["key"] == fd.get("key") else None,
-                                            r["kind"], r["name"], cause, r["max_ulp"], r["max_abs"], why, r["key"]))
+            # The summary names the root record's module and op better than the row (an unprobed
+            # parent for an input record, the op at op granularity).
+            root = r["key"] == fd.get("key")
+            res.violations.append(Violation(lab, r["phase"], fd.get("module", r["module"]) if root else r["module"],
+                                            fd.get("op") if root else None, r["kind"], r["name"], cause,
+                                            r["max_ulp"], r["max_abs"], why, r["key"]))
     structural = d.get("missing") or d.get("unmatched")
     if structural and not any(r["bitwise"] is False or r["rank_consistent"] is False for r in rows):
         # Divergent only because records exist at one degree and not the other: no cause can allow that.
@@ -298,7 +302,8 @@ def _degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others
         for lab in [ref, *others]:
             w = worlds.get(lab) or {}
             if w.get("status") != "ok":
-                errors[lab] = f"world {w.get('status', 'missing from manifest.json')}: {w.get('error') or 'no error recorded'}"
+                status = w.get("status", "missing from manifest.json")
+                errors[lab] = f"world {status}: {w.get('error') or 'no error recorded'}"
     if ref in errors:
         return {lab: f"reference TP={ref} {errors[ref]}" for lab in others}
     for lab in others:
@@ -332,9 +337,10 @@ def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
     try:
         manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
         summary = io.read_json(os.path.join(run_dir, "summary.json"))
-        labels = [str(x) for x in manifest["labels"]]
-        ref = str(manifest["reference"])
         degrees = {str(k): v for k, v in summary["degrees"].items()}
+        # compare's manifest lists the degrees; a run dir from another writer may only have the summary.
+        ref = str(manifest.get("reference") or summary["reference_label"])
+        labels = [str(x) for x in manifest.get("labels") or [ref, *degrees]]
     except Inconclusive as e:
         res.problems.append(str(e).splitlines()[0])
         return res
@@ -369,5 +375,6 @@ def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
             res.degrees[lab] = _judge(lab, degrees[lab], by_label[lab], policy)
     # Normally a failed degree explains an inconclusive summary; with no such degree it stands on its own.
     if summary.get("status") not in ("bitwise", "divergent") and not errors:
-        res.problems.append(f"summary.json status is {summary.get('status')}: {summary.get('error') or 'no reason given'}")
+        why = summary.get("error") or "no reason given"
+        res.problems.append(f"summary.json status is {summary.get('status')}: {why}")
     return res

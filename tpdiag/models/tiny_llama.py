@@ -19,6 +19,8 @@ PRESETS: dict[str, dict] = {
     # GEMM takes another kernel path and is not bitwise equal to a column slice of the full one.
     "tiny-llama": dict(vocab_size=512, dim=256, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=512),
     "small-llama": dict(vocab_size=4096, dim=512, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=1408),
+    # GPU-sized: the shapes of BACKGROUND.md's H200 measurement (d=1024, ffn=4096), fewer layers.
+    "medium-llama": dict(vocab_size=8192, dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=4096),
 }
 
 

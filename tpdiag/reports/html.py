@@ -18,6 +18,8 @@ from tpdiag.reports.rundir import load_run
 # drops bitwise ones: the browser stays responsive and diff.csv holds the complete list.
 MAX_RECORD_ROWS = 3000
 OPEN_MODULE_TABLE = 60  # module tables longer than this start collapsed
+
+
 def _is_div(r: dict) -> bool:
     return r["bitwise"] is False or r["rank_consistent"] is False
 
@@ -80,21 +82,19 @@ def _modules(by_label: dict[str, list[dict]]) -> list[dict]:
                                                "n_div": 0, "first_phase": {}})
             if r.get("style"):
                 m["style"] = r["style"]
-            if r["max_ulp"] is not None:
-                m["ulp"][label] = max(m["ulp"].get(label, 0), r["max_ulp"])
-            m["ulp"].setdefault(label, 0)
+            # Integer records have no ULP distance; a differing one still has to show as divergent.
+            ulp = r["max_ulp"] if r["max_ulp"] is not None else int(_is_div(r))
+            m["ulp"][label] = max(m["ulp"].get(label, 0), ulp)
             m["abs"][label] = max(m["abs"].get(label, 0.0), r["max_abs"] or 0.0)
             if _is_div(r):
                 m["n_div"] += 1
                 m["first_phase"].setdefault(label, r["phase"])
     # Parameters are recorded at init in declaration order; the forward pass is the order a
-    # reader follows, so modules sort by their first forward record, the rest after them.
+    # reader follows, so modules sort by their first forward record (at the first degree), the rest after.
     fwd: dict[str, int] = {}
-    for rows in by_label.values():
-        for i, r in enumerate(rows):
-            if r["phase"] == "forward":
-                fwd.setdefault(r["module"], i)
-        break
+    for i, r in enumerate(next(iter(by_label.values()), [])):
+        if r["phase"] == "forward":
+            fwd.setdefault(r["module"], i)
     return sorted(order.values(), key=lambda m: fwd.get(m["module"], len(fwd) + 10 ** 9))
 
 
@@ -136,8 +136,7 @@ def build_context(run_dir: str) -> dict:
     ref = str(summary.get("reference_label") or manifest.get("reference") or summary.get("reference"))
     degrees = {str(k): v for k, v in summary["degrees"].items()}
     labels = list(degrees)
-    by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] if r["idx"] is not None else 0)
-                for lab in labels}
+    by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in labels}
     ok = [lab for lab in labels if degrees[lab].get("status") != "failed"]
     fds = {lab: degrees[lab].get("first_divergence") for lab in labels}
     ev = evidence.load(run_dir, ref, ok, {lab: (fds[lab] or {}).get("key") for lab in ok}) if ok else {}
@@ -168,7 +167,7 @@ def build_context(run_dir: str) -> dict:
         "n_rows": {lab: len(by_label[lab]) for lab in labels},
         "steps_table": steps_table,
         "summary_steps": {lab: table_of(degrees[lab].get("steps")) for lab in labels if degrees[lab].get("steps")},
-        "fix_chains": {lab: table_of(degrees[lab].get("fix_chain")) for lab in labels if degrees[lab].get("fix_chain")},
+        "fix_chains": {lab: table_of(degrees[lab]["fix_chain"]) for lab in labels if degrees[lab].get("fix_chain")},
         "run_fix_chain": table_of(summary.get("fix_chain")) if summary.get("fix_chain") else None,
         "manifest_json": json.dumps(manifest, indent=2, default=str),
         "summary_json": json.dumps(summary, indent=2, default=str),

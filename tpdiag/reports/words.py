@@ -101,7 +101,8 @@ def verdict(label: str, ref: str, d: dict, fix_of) -> dict:
     """One degree's verdict: {"status", "headline", "why", "size", "action", "findings"}."""
     st = d.get("status")
     if st == "failed":
-        return {"status": "failed", "headline": f"TP={label} could not be compared: {d.get('error', 'no error recorded')}",
+        why = d.get("error", "no error recorded")
+        return {"status": "failed", "headline": f"TP={label} could not be compared: {why}",
                 "why": "", "size": "", "action": "Fix the failure and rerun; nothing is concluded for this degree.",
                 "findings": []}
     fd = d.get("first_divergence")

@@ -44,8 +44,8 @@ def validate(cfg: CompareConfig) -> None:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
     if cfg.timeout <= 0:
         raise BadInput(f"--timeout {cfg.timeout:g}: must be > 0 seconds")
-    if cfg.dtype == "float16" and cfg.device == "cpu":
-        pass  # allowed; slow but correct
+    if cfg.batch_size < 1 or cfg.seq_len < 2:
+        raise BadInput(f"--batch-size {cfg.batch_size} / --seq-len {cfg.seq_len}: need >= 1 and >= 2")
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise BadInput(f"--out {cfg.out!r}: exists and is not a directory")
 
