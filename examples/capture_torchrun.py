@@ -89,6 +89,7 @@ def main() -> None:
                         group=tp_mesh) as cap:
         cap.batch(input_ids=ids, labels=labels)
         logits = model(ids)
+        cap.logits(logits)
         with loss_ctx:
             with torch.no_grad():
                 lp = -F.cross_entropy(logits.detach().flatten(0, -2), labels.flatten(),

@@ -87,10 +87,10 @@ class Capture:
 
     # -- the with block --------------------------------------------------------------------
     def __enter__(self) -> "Capture":
+        import torch.distributed as dist
+
         from tpdiag.probes.module_probe import module_probes, record_params
         from tpdiag.probes.recorder import Recorder
-
-        import torch.distributed as dist
 
         self.active = _records_here(self.group)
         if not self.active:
@@ -129,6 +129,10 @@ class Capture:
         """The step's inputs (token ids, labels, masks): recorded as compare records its batch."""
         for name, t in tensors.items():
             self._add("batch", name, t, "init")
+
+    def logits(self, t: torch.Tensor) -> None:
+        """The model's final logits (a vocab-sharded DTensor is gathered like any record)."""
+        self._add("logits", "logits", t, "loss")
 
     def logprobs(self, t: torch.Tensor) -> None:
         """Per-token log-probabilities of the labels (the numbers RL compares across engines)."""
@@ -190,10 +194,10 @@ class Capture:
                 "modules": self.module_globs, "steps": self.rec.step + 1}
 
     def _manifest(self, backend, device, timings) -> dict:
+        import torch.distributed as dist
+
         from tpdiag.runner.compare import versions
         from tpdiag.runner.determinism import numerics_env
-
-        import torch.distributed as dist
 
         dtypes = Counter(p["dtype"] for p in self.fingerprint["params"].values())
         return {

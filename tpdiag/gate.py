@@ -191,7 +191,7 @@ class GateResult:
                 "degrees": {k: asdict(v) for k, v in self.degrees.items()}}
 
 
-def _verify_records(run_dir: str, ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
+def _verify_records(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
                     base: str | None = None) -> dict[str, str]:
     """Re-read every tensor and re-diff it; {label: problem} where the records disagree with diff.csv.
 
@@ -201,13 +201,13 @@ def _verify_records(run_dir: str, ref: str, labels: list[str], csv_rows: dict[st
     from tpdiag.probes.store import RecordSet
 
     try:
-        ref_rs = RecordSet(os.path.join(run_dir, f"tp{ref}"))
+        ref_rs = RecordSet(dirs[ref])
     except Inconclusive as e:
         return {lab: f"reference TP={ref}: {e}" for lab in labels}
     problems = {}
     for lab in labels:
         try:
-            dd = diff_degree(ref_rs, RecordSet(os.path.join(run_dir, f"tp{lab}")), lab, keep=lambda m: False)
+            dd = diff_degree(ref_rs, RecordSet(dirs[lab]), lab, keep=lambda m: False)
         except Inconclusive as e:
             problems[lab] = str(e).splitlines()[0]
             continue
@@ -226,7 +226,7 @@ def _verify_records(run_dir: str, ref: str, labels: list[str], csv_rows: dict[st
                 break
     if base:
         try:
-            dd = diff_degree(ref_rs, RecordSet(os.path.join(run_dir, f"tp{base}")), base, keep=lambda m: False)
+            dd = diff_degree(ref_rs, RecordSet(dirs[base]), base, keep=lambda m: False)
             if dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows):
                 problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
         except Inconclusive as e:
@@ -315,7 +315,10 @@ def _degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others
             errors[lab] = f"failed: {degrees[lab].get('error')}"
     base = summary.get("baseline") or {}
     base_label = str(base["label"]) if base.get("reproducible") and base.get("label") else None
-    errors.update(_verify_records(run_dir, ref, [lab for lab in others if lab not in errors], by_label, base_label))
+    from tpdiag.reports.rundir import records_dir
+
+    dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *others, *([base_label] if base_label else [])]}
+    errors.update(_verify_records(dirs, ref, [lab for lab in others if lab not in errors], by_label, base_label))
     for lab in others:
         if lab not in errors:
             bad = _check_summary(lab, degrees[lab], by_label[lab])
@@ -351,6 +354,8 @@ def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
     others = [lab for lab in labels if lab != ref]
     if not others:
         res.problems.append("manifest.json lists no degree besides the reference: nothing was compared")
+    for lab in sorted(set(degrees) - set(others)):
+        res.problems.append(f"summary.json has TP={lab}, which manifest.json does not list")
     if summary.get("schema") != 1:
         res.problems.append(f"summary.json schema {summary.get('schema')!r}: this tpdiag reads schema 1")
     for lab in policy.degrees or ():

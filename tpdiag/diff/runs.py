@@ -74,7 +74,7 @@ def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN
             refuse(f"shape of {n}", _fmt_shape(fa[n]["shape"]) + f" (TP={da})",
                    _fmt_shape(fb[n]["shape"]) + f" (TP={db})")
     if a.get("seed") != b.get("seed"):
-        refuse("seed", a.get("seed", "not given"), b.get("seed", "not given"))
+        refuse("seed", *("not given" if m.get("seed") is None else m["seed"] for m in (a, b)))
     if a.get("dtype") != b.get("dtype"):
         refuse("dtype", a.get("dtype"), b.get("dtype"))
     for key in ("backward", "params", "modules", "steps"):

@@ -127,6 +127,7 @@ class _HFStyle:
                            f"({first.placements} and {new.placements}) by the model's TP plan")
         module._parameters[pname] = first
 
+
 def _grad_allreduce_now(module, mesh) -> None:
     """transformers' ReplicatedWithGradAllReduce, with its grad hooks registered now.
 
@@ -191,16 +192,20 @@ def divisors_of(config) -> dict[str, int]:
 
 def load_model(path: str):
     """The whole model: safetensors weights if present, else a seeded random init."""
-    _transformers()
+    transformers = _transformers()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # Every rank loads: no progress bars or load reports in the compare's terminal.
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any config problem is a bad spec, in one line
         raise BadInput(f"--model hf:{path}: config.json not usable by transformers: "
                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    # No KV cache (training step, and a cache would read global head counts) and no dropout.
+    # One training step: no KV cache to build, and no dropout (its RNG draws would differ
+    # with the local shapes at each degree).
     config.use_cache = False
     tc = text_config(config)
     for key in ("attention_dropout", "hidden_dropout", "dropout"):
@@ -211,7 +216,7 @@ def load_model(path: str):
     try:
         if has_st:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
-                                                         use_safetensors=True)
+                                                         use_safetensors=True, local_files_only=True)
         elif pickled:
             raise BadInput(f"--model hf:{path}: weights are pickled ({os.path.basename(pickled[0])}); "
                            "tpdiag loads safetensors only - convert them, or remove them for a random init")

@@ -5,8 +5,6 @@ assembled: re-diffing every record would repeat `compare`'s work and hold the wh
 """
 from __future__ import annotations
 
-import os
-
 from tpdiag.errors import Inconclusive, NotComparable
 from tpdiag.probes.store import RecordSet
 
@@ -61,7 +59,7 @@ def _logprob_series(dd, lp_key: str | None, lab_key: str | None) -> dict | None:
     return {"diff": (b - a).tolist(), "mask": mask, "seq_len": seq}
 
 
-def load(run_dir: str, reference: str, labels: list[str], first_keys: dict[str, str | None]) -> dict:
+def load(dirs: dict[str, str], reference: str, labels: list[str], first_keys: dict[str, str | None]) -> dict:
     """{label: {"ulp": ..., "logprobs": ..., "loss": {step: v}, "grad_norm": ..., "error": str|None}}.
 
     A degree whose records cannot be read gets an "error" and nothing else: the report still
@@ -71,7 +69,7 @@ def load(run_dir: str, reference: str, labels: list[str], first_keys: dict[str, 
 
     out: dict[str, dict] = {}
     try:
-        ref = RecordSet(os.path.join(run_dir, f"tp{reference}"))
+        ref = RecordSet(dirs[reference])
         ref_steps = {"loss": _scalars(ref, "loss"), "grad_norm": _scalars(ref, "grad_norm")}
     except Inconclusive as e:
         return {lab: {"error": f"reference records: {e}"} for lab in [reference, *labels]}
@@ -79,7 +77,7 @@ def load(run_dir: str, reference: str, labels: list[str], first_keys: dict[str, 
     for label in labels:
         entry: dict = {"error": None, "ulp": None, "logprobs": None}
         try:
-            other = RecordSet(os.path.join(run_dir, f"tp{label}"))
+            other = RecordSet(dirs[label])
             lp = next((m["key"] for m in other.events if m["kind"] == "logprobs" and m["step"] == 0), None)
             lab = next((m["key"] for m in other.events if m["kind"] == "batch" and m["name"] == "labels"), None)
             first = first_keys.get(label)

@@ -12,7 +12,7 @@ import time
 from tpdiag import io
 from tpdiag.errors import BadInput
 from tpdiag.reports import words
-from tpdiag.reports.rundir import load_run
+from tpdiag.reports.rundir import load_run, records_dir
 
 # Beyond this many rows per degree the records table keeps every divergent row first and
 # drops bitwise ones: the browser stays responsive and diff.csv holds the complete list.
@@ -139,7 +139,8 @@ def build_context(run_dir: str) -> dict:
     by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in labels}
     ok = [lab for lab in labels if degrees[lab].get("status") != "failed"]
     fds = {lab: degrees[lab].get("first_divergence") for lab in labels}
-    ev = evidence.load(run_dir, ref, ok, {lab: (fds[lab] or {}).get("key") for lab in ok}) if ok else {}
+    dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *labels]}
+    ev = evidence.load(dirs, ref, ok, {lab: (fds[lab] or {}).get("key") for lab in ok}) if ok else {}
     verdicts = [dict(words.verdict(lab, ref, degrees[lab], _fix_of), label=lab,
                      records_error=(ev.get(lab) or {}).get("error")) for lab in labels]
     modules = _modules({lab: by_label[lab] for lab in ok})

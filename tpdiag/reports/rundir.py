@@ -40,6 +40,14 @@ def read_rows(path: str) -> list[dict]:
         raise Inconclusive(f"{path}: corrupt ({e})") from None
 
 
+def records_dir(run_dir: str, manifest: dict, label: str) -> str:
+    """Where a degree's records live: RUN_DIR/tp{label} for compare, the capture itself for `tpdiag diff`."""
+    runs = manifest.get("runs") if isinstance(manifest, dict) else None
+    if isinstance(runs, dict) and isinstance(runs.get(label), str):
+        return runs[label]
+    return os.path.join(run_dir, f"tp{label}")
+
+
 def load_run(run_dir: str) -> tuple[dict, dict, list[dict]]:
     if not os.path.isdir(run_dir):
         raise BadInput(f"RUN_DIR {run_dir!r}: not a directory; expected the --out directory of tpdiag compare")
