@@ -99,7 +99,8 @@ def test_tied_embedding_stays_tied_after_sharding():
 
     from tpdiag.models.hf import load_hf_target
 
-    assert not dist.is_initialized()
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this test process")
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:

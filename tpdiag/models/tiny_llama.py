@@ -21,6 +21,8 @@ PRESETS: dict[str, dict] = {
     "small-llama": dict(vocab_size=4096, dim=512, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=1408),
     # GPU-sized: the shapes of BACKGROUND.md's H200 measurement (d=1024, ffn=4096), fewer layers.
     "medium-llama": dict(vocab_size=8192, dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=4096),
+    # ~0.9B parameters, for the fix-cost benchmark on GPUs.
+    "llama-1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=5632),
 }
 
 
@@ -34,7 +36,7 @@ class LlamaConfig:
     ffn_dim: int = 512
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    max_seq_len: int = 256
+    max_seq_len: int = 4096
 
     @property
     def head_dim(self) -> int:
