@@ -120,6 +120,47 @@ def _exit_for(summary: dict, fail_on_divergence: bool) -> None:
         raise typer.Exit(1)
 
 
+@app.command(name="confirm")
+def confirm_cmd(
+    run_dir: Annotated[str, typer.Argument(help="a run directory written by tpdiag compare")],
+    degree: Annotated[Optional[str], typer.Option(help="only this degree label")] = None,
+    fix: Annotated[Optional[str], typer.Option(help="swap in this fix instead of the cause's own")] = None,
+    fmt: Format = "text",
+    debug: Debug = False,
+) -> None:
+    """Rerun a compare's divergent degrees with the fix for their located cause."""
+    _DEBUG["on"] = debug
+    try:
+        import os
+
+        from tpdiag import io
+        from tpdiag.config import CompareConfig
+        from tpdiag.errors import BadInput
+        from tpdiag.fixes.registry import resolve
+        from tpdiag.runner.confirm import confirm
+
+        fmt = _check_format(fmt)
+        manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
+        summary = io.read_json(os.path.join(run_dir, "summary.json"))
+        c = dict(manifest.get("config") or {})
+        if not c:
+            raise BadInput(f"{run_dir}: not a tpdiag compare run directory (no config in manifest.json)")
+        c["degrees"], c["fixes"] = tuple(c["degrees"]), tuple(c.get("fixes", ()))
+        cfg = CompareConfig(**c)
+        if degree is not None and degree not in summary.get("degrees", {}):
+            raise BadInput(f"--degree {degree}: not in this run; expected one of "
+                           f"{', '.join(summary.get('degrees', {}))}")
+        if fix is not None:
+            (fix,) = resolve(fix)
+        summary = confirm(cfg, summary, run_dir, only_label=degree, force_fix=fix)
+        io.write_json(os.path.join(run_dir, "summary.json"), summary)
+    except TpdiagError as e:
+        _fail(e)
+    summary["run_dir"] = run_dir
+    _emit_summary(summary, fmt)
+    _exit_for(summary, False)
+
+
 @app.command()
 def fixes(fmt: Format = "text") -> None:
     """The fix catalogue: name, what it fixes, cost."""

@@ -40,10 +40,20 @@ def validate(cfg: CompareConfig) -> None:
 
     spec = parse_spec(cfg.model)
     check_degrees(spec, cfg.degrees)
+    linear = {"tp-invariant-linear", "invariant-gemm"} & set(cfg.fixes)
+    if spec.kind == "hf" and (linear or cfg.fix_mode == "auto"):
+        # transformers' TP styles reduce in their own hooks around the module (forward
+        # all-reduce, backward dgrad all-reduce); a wrapped forward would be reduced twice.
+        raise BadInput(f"--fix {','.join(sorted(linear)) or 'auto'}: the linear fixes do not support "
+                       "hf: models yet; use --fix invariant-vocab-softmax,invariant-grad-norm or a "
+                       "py: target with torch ParallelStyles")
     if cfg.steps < 1:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
     if cfg.timeout <= 0:
         raise BadInput(f"--timeout {cfg.timeout:g}: must be > 0 seconds")
+    if cfg.granularity == "op":
+        raise BadInput("--granularity op: per-op records are not built yet; use module "
+                       "(auto currently records modules)")
     if cfg.batch_size < 1 or cfg.seq_len < 2:
         raise BadInput(f"--batch-size {cfg.batch_size} / --seq-len {cfg.seq_len}: need >= 1 and >= 2")
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
