@@ -58,6 +58,9 @@ def compare(
     batch_size: Annotated[int, typer.Option(help="sequences per batch")] = 2,
     seq_len: Annotated[int, typer.Option(help="tokens per sequence")] = 16,
     variant: Annotated[str, typer.Option(help="plan variant (stock | stable)")] = "stock",
+    variants: Annotated[Optional[str], typer.Option(
+        help="mitigation matrix: run each of these at every degree, e.g. "
+             "stock,stable,fix:all,stable+fix:tp-invariant-linear")] = None,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline",
                                            help="rerun the reference against itself first")] = True,
     fmt: Format = "text",
@@ -88,6 +91,8 @@ def compare(
             from dataclasses import replace
 
             cfg = replace(cfg, out=default_out())
+        if variants is not None:
+            return _compare_matrix(cfg, variants, variant, fmt, fail_on_divergence)
         if fmt == "text":
             from tpdiag.cli_render import progress
 
@@ -101,6 +106,41 @@ def compare(
         _console(stderr=True).print("interrupted")
         raise typer.Exit(130)
     _emit_summary(summary, fmt)
+    _exit_for(summary, fail_on_divergence)
+
+
+def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergence: bool) -> None:
+    """`compare --variants`: every variant at every degree (tpdiag/runner/matrix.py)."""
+    try:
+        from tpdiag.errors import BadInput
+        from tpdiag.runner.matrix import parse_variants, run_matrix
+
+        if cfg.fix_mode != "none":
+            raise BadInput(f"--fix {cfg.fix_mode if cfg.fix_mode != 'explicit' else ','.join(cfg.fixes)} "
+                           "with --variants: name fixes in the variants instead, e.g. --variants stock,fix:all")
+        if variant != "stock":
+            raise BadInput(f"--variant {variant} with --variants: name the plan in the variants instead, "
+                           "e.g. --variants stock,stable")
+        vs = parse_variants(variants, cfg)
+        if fmt == "text":
+            from tpdiag.cli_render import progress
+
+            with progress(_console(stderr=True), cfg) as on_status:
+                summary = run_matrix(cfg, vs, on_status)
+        else:
+            summary = run_matrix(cfg, vs)
+    except TpdiagError as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        _console(stderr=True).print("interrupted")
+        raise typer.Exit(130)
+    _emit_summary(summary, fmt)
+    if fmt == "text":
+        from tpdiag.cli_render import matrix_table
+
+        matrix_table(_console(), summary["matrix"])
+    if summary["matrix"]["status"] == "inconclusive":
+        raise typer.Exit(2)
     _exit_for(summary, fail_on_divergence)
 
 

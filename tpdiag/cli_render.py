@@ -22,7 +22,7 @@ def progress(console, cfg):
         def on_status(label: str, status: str) -> None:
             t = tasks.get(label)
             if t is None:
-                if label in ("confirm", "auto"):
+                if label in ("confirm", "auto", "variant"):
                     key = f"{label}:{status}"
                     if key not in tasks:
                         tasks[key] = p.add_task(f"{label}: {status}", total=None)
@@ -109,3 +109,48 @@ def summary_tables(console, summary: dict) -> None:
         console.print(f"[red]{summary['error']}[/]")
     if summary.get("run_dir"):
         console.print(f"run directory: {summary['run_dir']}  (tpdiag report {summary['run_dir']})")
+
+
+_SHORT_CAUSE = {"row-parallel-reduction": "row-par-reduce", "vocab-parallel-softmax": "vocab-softmax",
+                "shape-dependent-gemm": "shape-gemm", "column-parallel-dgrad": "col-par-dgrad"}
+
+
+def matrix_table(console, matrix: dict) -> None:
+    """The mitigation matrix (compare --variants): one row per variant, one column per degree."""
+    from rich.table import Table
+
+    ref = matrix["reference"]
+    t = Table(title=f"mitigation matrix (each variant against its own TP={ref})", show_lines=True,
+              pad_edge=False)
+    t.add_column("variant", no_wrap=True)
+    for lab in matrix["degrees"]:
+        t.add_column(f"TP={lab}" + (" (reference)" if lab == ref else ""), overflow="fold")
+    for name in matrix["variants"]:
+        row = [name]
+        for lab in matrix["degrees"]:
+            c = matrix["cells"][name][lab]
+            st = c["status"]
+            color = {"bitwise": "green", "divergent": "yellow", "failed": "red"}.get(st, "cyan")
+            lines = [f"[{color}]{st}[/]"]
+            if st == "failed":
+                lines.append(str(c.get("error") or "")[:80])
+            fd = c.get("first_divergence")
+            if fd:
+                lines.append(f"{fd['phase']} {fd['module']} ({fd['kind']})")
+                lines.append(_SHORT_CAUSE.get(fd["cause"], fd["cause"]))
+            if st in ("bitwise", "divergent"):
+                tm = c.get("token_mult_prob_error")
+                lines.append(f"logprob {_fmt(c.get('logprob_max_abs'))}"
+                             + (f" x{tm:.7f}" if tm is not None and not c.get("logprobs_bitwise") else ""))
+                lines.append(f"loss diff {_fmt(c.get('loss_abs_diff'))}")
+            if c.get("step_s") is not None:
+                rel = c.get("step_time_vs_stock")
+                lines.append(f"step {c['step_s']:.3f} s" + (f" (x{rel:.2f})" if rel is not None else ""))
+            row.append("\n".join(lines))
+        t.add_row(*row)
+    console.print(t)
+    console.print("step time: one measured optimizer step with probes on, relative to stock at the same "
+                  "degree; small-model numbers, noisy on a shared machine")
+    bad = {n: r.get("error") for n, r in matrix.get("runs", {}).items() if r.get("error")}
+    for n, e in bad.items():
+        console.print(f"[red]{n}[/]: {e}")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpdiag.diff import bits
-from tpdiag.diff.layout import Assembled, assemble, full_shape_guess
+from tpdiag.diff.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess
 from tpdiag.errors import NotComparable
 from tpdiag.probes.store import RecordSet
 
@@ -28,6 +28,8 @@ def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
     g = full_shape_guess(meta)
     if g is None and other_meta is not None:
         g = full_shape_guess(other_meta)
+    if g is None and other_meta is not None:
+        g = full_shape_from_pair(meta, other_meta)
     return g
 
 

@@ -39,6 +39,21 @@ def full_shape_guess(meta: dict) -> list[int] | None:
     return None
 
 
+def full_shape_from_pair(a: dict, b: dict) -> list[int] | None:
+    """Both sides sharded with no marker (a reference at TP > 1, e.g. --tp 4,2): the full shape
+    follows when exactly one dimension differs and local * world agrees on both sides."""
+    la, lb = local_shape(a), local_shape(b)
+    na, nb = a.get("world", 1), b.get("world", 1)
+    if len(la) != len(lb) or na == nb:
+        return None
+    dims = [d for d in range(len(la)) if la[d] != lb[d]]
+    if len(dims) == 1 and la[dims[0]] * na == lb[dims[0]] * nb:
+        full = list(la)
+        full[dims[0]] *= na
+        return full
+    return None
+
+
 def _shard_dim(local: list[int], full: list[int], n: int) -> int | None:
     if len(local) != len(full):
         return None

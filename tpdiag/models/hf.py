@@ -42,6 +42,12 @@ def _transformers():
     if major < 5:
         raise EnvironmentProblem(f"--model hf:DIR needs transformers>=5 (its DTensor TP styles); "
                                  f"found {transformers.__version__}")
+    try:
+        import transformers.distributed.parallel_utils  # noqa: F401
+    except ImportError:
+        # seen with 5.17 on the GPU machines; 5.23 has it
+        raise EnvironmentProblem(f"--model hf:DIR needs transformers.distributed.parallel_utils "
+                                 f"(transformers 5.23 has it); found {transformers.__version__}") from None
     return transformers
 
 

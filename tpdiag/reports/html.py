@@ -158,6 +158,8 @@ def build_context(run_dir: str) -> dict:
                                           for lab in ok}),
     }
     steps_table, figures["per_step"] = _per_step(ok, ref, ev)
+    matrix = summary.get("matrix") if isinstance(summary.get("matrix"), dict) else None
+    figures["matrix"] = plots.mitigation_matrix(matrix) if matrix else None
     return {
         "run_dir": os.path.abspath(run_dir), "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
         "status": summary.get("status", "unknown"), "error": summary.get("error"), "ref": ref,
@@ -170,6 +172,7 @@ def build_context(run_dir: str) -> dict:
         "summary_steps": {lab: table_of(degrees[lab].get("steps")) for lab in labels if degrees[lab].get("steps")},
         "fix_chains": {lab: table_of(degrees[lab]["fix_chain"]) for lab in labels if degrees[lab].get("fix_chain")},
         "run_fix_chain": table_of(summary.get("fix_chain")) if summary.get("fix_chain") else None,
+        "matrix": matrix,
         "manifest_json": json.dumps(manifest, indent=2, default=str),
         "summary_json": json.dumps(summary, indent=2, default=str),
     }

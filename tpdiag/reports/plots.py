@@ -213,3 +213,47 @@ def per_step(steps: list[int], series: dict[str, dict[str, list[float | None]]],
     diff_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     diff_ax.set_xlabel("optimizer step")
     return _png(fig)
+
+
+def mitigation_matrix(matrix: dict) -> str | None:
+    """Logprob max |difference| per variant x degree (compare --variants), log scale.
+
+    A bitwise cell has nothing to place on a log axis: it is drawn as a green check at the floor
+    of the axis; a failed cell as a red cross there. The reference degree is left out (it is each
+    variant's own reference)."""
+    labels = [lab for lab in matrix.get("degrees", []) if lab != matrix.get("reference")]
+    names = list(matrix.get("variants", []))
+    cells = matrix.get("cells", {})
+    if not labels or not names:
+        return None
+    vals = [[(cells.get(n, {}).get(lab) or {}) for lab in labels] for n in names]
+    pos = [c["logprob_max_abs"] for row in vals for c in row
+           if c.get("status") in ("bitwise", "divergent") and (c.get("logprob_max_abs") or 0) > 0]
+    floor = min(pos) / 20 if pos else 1e-9
+    top = max(pos) * 5 if pos else 1e-6
+    fig, (ax,) = _figure(min(12.0, max(7.0, 2.5 + 0.45 * len(labels) * len(names))), 4.0)
+    width = 0.8 / len(names)
+    for k, (color, name, row) in enumerate(zip(_colors(len(names)), names, vals)):
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(labels))]
+        ys = [c.get("logprob_max_abs") if c.get("status") == "divergent" and (c.get("logprob_max_abs") or 0) > 0
+              else float("nan") for c in row]
+        ax.bar(xs, [y - floor if y == y else 0.0 for y in ys], bottom=floor, width=width, color=color, label=name)
+        for x, c in zip(xs, row):
+            st = c.get("status")
+            if st in ("bitwise", "divergent") and not (c.get("logprob_max_abs") or 0) > 0:
+                # nothing to draw on a log axis: say it in words, in the variant's colour
+                text, tcolor = ("bitwise" if st == "bitwise" else "logprobs equal"), color
+            elif st in ("bitwise", "divergent"):
+                continue
+            else:
+                text, tcolor = "failed", "#c0262d"
+            ax.text(x, floor * 1.3, text, rotation=90, ha="center", va="bottom", fontsize=8,
+                    color=tcolor, fontweight="bold")
+    ax.set_yscale("log")
+    ax.set_ylim(floor, top)
+    ax.set_xlim(-0.5, len(labels) - 0.5)
+    ax.set_xticks(range(len(labels)), [f"TP={lab}" for lab in labels])
+    ax.set_ylabel("logprob max |difference| (log)")
+    ax.set_xlabel(f"degree (each variant against its own TP={matrix.get('reference')})")
+    ax.legend(fontsize=8, ncol=min(3, len(names)))
+    return _png(fig)
