@@ -22,6 +22,7 @@ class DegreeDiff:
     unmatched: list[str]             # keys present at this degree only
     missing: list[str]               # keys present at the reference only
     tensors: dict = field(default_factory=dict)  # key -> (ref_full, other_full), for bounds/plots
+    uncompared: list = field(default_factory=list)  # op records with no reference value (metas)
 
 
 def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
@@ -51,7 +52,7 @@ def _pair_tensors(ra: Assembled, oa: Assembled):
 
 def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> DegreeDiff:
     """keep(meta) -> bool: which assembled pairs to keep in memory (for bounds and plots)."""
-    rows, unmatched = [], []
+    rows, unmatched, uncompared = [], [], []
     tensors = {}
     seen = set()
     for om in other.events:
@@ -59,12 +60,26 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
         rm = ref.by_key.get(key)
         if rm is None:
             unmatched.append(key)
+            if om["kind"] == "op":
+                uncompared.append({**om, "why": "only at this degree"})
             continue
         seen.add(key)
+        if "partial" in (om.get("placement"), rm.get("placement")):
+            # an unreduced partial sum (a DTensor op before its all-reduce) is not a value of
+            # the reference's computation; its reduced result is compared where it appears
+            uncompared.append({**om, "why": "unreduced partial sum"})
+            continue
         try:
             ra, oa = _assemble_pair(rm, ref.tensor(rm), om, other.tensor(om))
             a, b = _pair_tensors(ra, oa)
+            if om["kind"] == "op" and (a.shape != b.shape or a.dtype != b.dtype):
+                raise NotComparable("shapes differ")
         except NotComparable as e:
+            if om["kind"] == "op":
+                # op sequences differ between degrees (fixes, redistributes): an op whose
+                # occurrence lines up with a different reference op is left uncompared
+                uncompared.append({**om, "why": "no reference op of the same shape"})
+                continue
             raise NotComparable(f"TP={label}: {e}") from None
         row = {k: om.get(k) for k in ("idx", "key", "step", "phase", "module", "kind", "call", "name",
                                      "cls", "style", "dtype")}
@@ -88,4 +103,4 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
         if keep is None or keep(om):
             tensors[key] = (a, b)
     missing = [m["key"] for m in ref.events if m["key"] not in seen]
-    return DegreeDiff(label, rows, unmatched, missing, tensors)
+    return DegreeDiff(label, rows, unmatched, missing, tensors, uncompared)

@@ -117,7 +117,9 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
     for row in dd.rows:
         if row["kind"] == "grad_out":
             row["consumer_styles"] = [style_of_module.get(c) for c in (row.get("consumers") or [])]
-    first = next((r for r in dd.rows if not r["bitwise"] or r.get("rank_consistent") is False), None)
+    diverged = [r for r in dd.rows if not r["bitwise"] or r.get("rank_consistent") is False]
+    first = next((r for r in diverged if r["kind"] != "op"), None) or next(iter(diverged), None)
+    op_row = _first_op(dd, first) if first is not None and first["kind"] != "op" else None
     findings = []
     for r in dd.rows:
         if r.get("beyond_bound") or r.get("rank_consistent") is False:
@@ -126,7 +128,39 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
                  "max_abs": r.get("rank_max_abs", r["max_abs"]) if r.get("rank_consistent") is False
                  else r["max_abs"], "bound": r.get("bound"), "bound_ratio": r.get("bound_ratio")}
             findings.append(f)
-    return {"first_divergence": _describe(first) if first else None, "findings": findings}
+    fd = _describe(first) if first else None
+    if fd is not None and op_row is not None:
+        fd["op"] = op_row["name"].rsplit("#", 1)[0]
+        fd["op_record"] = op_row["key"]
+        if "why" in op_row:
+            # every op the reference also ran was bitwise equal up to here: the difference
+            # enters through an op that exists only at this degree (a collective)
+            fd["op_detail"] = (f"{fd['op']} ({op_row['why']}); every op shared with the reference "
+                               "before it was bitwise equal")
+        else:
+            fd["op_max_abs"] = op_row["max_abs"]
+    elif fd is not None and first["kind"] == "op":
+        fd["op"] = first["name"].rsplit("#", 1)[0]
+    return {"first_divergence": fd, "findings": findings}
+
+
+def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
+    """The op that produced the difference: the first divergent op recorded between the
+    previous module record and `first` (a module record is written after its ops); failing
+    that, the first op in that window that has no reference value (a TP-only collective)."""
+    rows = dd.rows
+    i = rows.index(first)
+    j = i - 1
+    while j >= 0 and rows[j]["kind"] == "op":
+        j -= 1
+    lo = rows[j]["idx"] if j >= 0 else -1
+    window = rows[j + 1:i]
+    hit = next((r for r in window if not r["bitwise"]), None)
+    if hit is not None:
+        return hit
+    extra = sorted((m for m in dd.uncompared if lo < m["idx"] < first["idx"]
+                    and m["why"] == "only at this degree"), key=lambda m: m["idx"])
+    return extra[0] if extra else None
 
 
 def logprob_stats(dd: DegreeDiff) -> dict | None:

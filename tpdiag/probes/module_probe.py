@@ -37,6 +37,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         name = names[mod]
         call = rec.call_index(name)
         mod._tpdiag_call = call  # pairs this call's outputs with its inputs
+        rec.stack.append(name)
         flat, _ = tree_flatten((args, kwargs))
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
             rec.add("in", name, str(i), t, call=call, style=styles[name], cls=classes[name])
@@ -49,6 +50,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
 
     def fwd_hook(mod, args, kwargs, out):
         name = names[mod]
+        if rec.stack and rec.stack[-1] == name:
+            rec.stack.pop()
         if perturb == name and isinstance(out, torch.Tensor):
             out = out * (1 + 2.0 ** -10)
         call = getattr(mod, "_tpdiag_call", 0)

@@ -41,6 +41,7 @@ class Recorder:
     records: list[tuple[dict, torch.Tensor]] = field(default_factory=list)
     _calls: dict = field(default_factory=dict)
     enabled: bool = True
+    stack: list = field(default_factory=list)  # modules whose forward is running (op attribution)
 
     def call_index(self, module: str) -> int:
         key = (self.step, self.phase, module)

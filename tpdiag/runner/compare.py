@@ -51,9 +51,6 @@ def validate(cfg: CompareConfig) -> None:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
     if cfg.timeout <= 0:
         raise BadInput(f"--timeout {cfg.timeout:g}: must be > 0 seconds")
-    if cfg.granularity == "op":
-        raise BadInput("--granularity op: per-op records are not built yet; use module "
-                       "(auto currently records modules)")
     if cfg.batch_size < 1 or cfg.seq_len < 2:
         raise BadInput(f"--batch-size {cfg.batch_size} / --seq-len {cfg.seq_len}: need >= 1 and >= 2")
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):

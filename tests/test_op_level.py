@@ -1,0 +1,50 @@
+"""--granularity op: the first divergence names the op, also when op sequences differ."""
+import json
+
+import torch
+
+from conftest import run_cli
+
+
+def compare(tmp_path, *args):
+    p = run_cli("compare", "--out", str(tmp_path / "r"), "--format", "json", "--granularity", "op",
+                "--no-baseline", *args)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_row_parallel_divergence_enters_through_the_all_reduce(tmp_path):
+    s = compare(tmp_path, "--tp", "1,4", "--no-confirm")
+    fd = s["degrees"]["4"]["first_divergence"]
+    assert fd["module"] in ("layers.0.attention.wo", "layers.0.feed_forward.w2")
+    assert fd["op"] == "_c10d_functional::all_reduce" and "only at this degree" in fd["op_detail"]
+    w = json.loads((tmp_path / "r" / "tp4" / "world.json").read_text())
+    assert w["probe_selfcheck"]["equal"]  # the dispatch mode observes only
+
+
+def test_backward_divergence_is_named_at_op_level(tmp_path):
+    s = compare(tmp_path, "--tp", "1,4", "--no-confirm", "--fix", "tp-invariant-linear")
+    fd = s["degrees"]["4"]["first_divergence"]
+    assert fd["phase"] == "backward" and fd["module"] == "output" and fd["kind"] == "grad_out"
+    assert fd["op"] == "aten::nll_loss_backward" and fd["cause"] == "vocab-parallel-softmax"
+
+
+def _cpu_blas_is_shape_dependent() -> bool:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 128, generator=g), torch.randn(64, 128, generator=g)
+    return not torch.equal((x @ w.t())[:, :8], x @ w[:8].t())
+
+
+def test_shape_dependent_gemm_on_cpu_is_found_and_confirmed(tmp_path):
+    s = compare(tmp_path, "--model", "py:tests/models/narrow.py:target", "--tp", "1,8")
+    d = s["degrees"]["8"]
+    fd = d["first_divergence"]
+    if _cpu_blas_is_shape_dependent():
+        # 8-column shards of k/v take another BLAS kernel than the full GEMM
+        assert fd["module"] in ("layers.0.attention.wk", "layers.0.attention.wv")
+        assert fd["op"] == "aten::mm" and fd["cause"] == "shape-dependent-gemm"
+        conf = d["confirmation"]
+        assert conf["fix"] == "invariant-gemm" and conf["verdict"] == "confirmed"
+    else:
+        assert fd["cause"] != "shape-dependent-gemm"

@@ -1,0 +1,48 @@
+"""Per-op records: a TorchDispatchMode that records the output of every compute op.
+
+Ops are attributed to the innermost module whose forward is running (forward), else to the
+phase (loss, backward, optimizer), and named by op and occurrence within that module, so the
+alignment survives extra ops at TP > 1 (collectives, redistributes): those are simply keys the
+reference lacks. Under DTensor the mode sees DTensor-level ops (local shard + placement) and the
+functional collectives that redistributions issue. It only observes: outputs are returned as is.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from tpdiag.probes.recorder import Recorder
+
+# Metadata and aliasing ops produce no new numbers; recording them only adds noise.
+_SKIP = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select",
+         "detach", "alias", "split", "split_with_sizes", "unsqueeze", "squeeze", "as_strided",
+         "unbind", "chunk", "clone", "_to_copy", "empty_like", "zeros_like", "ones_like",
+         "empty", "zeros", "ones", "full", "fill_", "lift_fresh", "arange", "new_empty",
+         "new_zeros", "copy_", "is_same_size", "_has_compatible_shallow_copy_type", "view_as",
+         "contiguous", "zero_", "resize_", "set_", "_local_scalar_dense"}
+
+
+class OpProbe(TorchDispatchMode):
+    def __init__(self, rec: Recorder):
+        super().__init__()
+        self.rec = rec
+        self.occ: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _SKIP or not self.rec.enabled:
+            return out
+        rec = self.rec
+        module = rec.stack[-1] if (rec.phase == "forward" and rec.stack) else rec.phase
+        ns = getattr(func, "namespace", "aten")
+        op = f"{ns}::{name}"
+        key = (rec.step, rec.phase, module, op)
+        k = self.occ.get(key, 0)
+        self.occ[key] = k + 1
+        flat, _ = tree_flatten(out)
+        for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
+            if t.is_floating_point():
+                rec.add("op", module, f"{op}#{k}.{i}", t)
+        return out
