@@ -33,7 +33,9 @@ def _scalar(rs: RecordSet, kind: str, step: int = 0):
 
 def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, list[dict]]:
     dd = diff_degree(ref, other, label)
-    add_bounds(dd, int(other.world.get("degree", 1)))
+    # A reference at TP=R > 1 rounds its own R partial sums too: its share joins the bound.
+    ref_degree = int(ref.world.get("degree", 1))
+    add_bounds(dd, int(other.world.get("degree", 1)) + (ref_degree if ref_degree > 1 else 0))
     loc = locate(dd, _styles(ref, other))
     divergent = any(not r["bitwise"] or r.get("rank_consistent") is False for r in dd.rows)
     if [k for k in dd.missing + dd.unmatched if "/op#" not in k]:

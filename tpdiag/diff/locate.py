@@ -43,6 +43,9 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         b1, bn = dd.tensors.get(bk, (None, None))
         if x1.shape[-1] != w1.shape[-1] or y1.shape != yn.shape:
             continue
+        if (xn.shape != x1.shape or wn.shape != w1.shape or x1.shape[:-1] != y1.shape[:-1]
+                or w1.shape[0] != y1.shape[-1]):
+            continue  # not whole tensors (e.g. stacked shards of two same-degree TP>1 worlds)
         b = bounds.linear_bound(x1, xn, w1, wn, y1, yn, world, b1, bn)
         if b.shape != y1.shape:
             continue
@@ -159,7 +162,8 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
     if hit is not None:
         return hit
     extra = sorted((m for m in dd.uncompared if lo < m["idx"] < first["idx"]
-                    and m["why"] == "only at this degree"), key=lambda m: m["idx"])
+                    and m["why"] in ("only at this degree", "collective output before wait_tensor")),
+                   key=lambda m: m["idx"])
     return extra[0] if extra else None
 
 

@@ -38,7 +38,14 @@ register(Fix("invariant-vocab-softmax", ("vocab-parallel-softmax",),
 register(Fix("invariant-grad-norm", ("grad-norm",), ("global grad norm + clip",),
              "grads gathered whole, float64 norm, power-of-two clip coefficient",
              _flag("invariant-grad-norm")))
-register(Fix("invariant-norm-grad", ("norm-weight-grad",), ("RMSNorm weight grad under SP",),
-             "not built yet: the built-in model has no sequence parallelism", None))
+def _norm(model, plan, world):
+    from tpdiag.fixes.norm import norm_fix
+
+    return norm_fix(model, plan, world)
+
+
+register(Fix("invariant-norm-grad", ("norm-weight-grad",), ("RMSNorm under SequenceParallel",),
+             "weight-grad sums per fixed sequence group, one tree all-gather of [hidden] per norm",
+             _norm))
 register(Fix("deterministic-collectives", ("collective-nondeterminism",), ("all_reduce",),
              "not built yet", None))

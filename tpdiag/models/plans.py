@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 
-VARIANTS = ("stock", "stable")
+VARIANTS = ("stock", "stable", "sp")
 
 
 def llama_plan(variant: str = "stock") -> dict:
@@ -14,9 +14,16 @@ def llama_plan(variant: str = "stock") -> dict:
     stable: NeMo RL's "numerically stable" plan: wo and w2 become column-parallel over their
             output with the input gathered first, so no cross-rank add happens (but the GEMM
             shapes still change with TP).
+    sp    : stock plus sequence parallelism (torchtitan's layout): the residual stream and the
+            norms are sharded on the sequence, wo/w2 reduce-scatter into it, attention and MLP
+            all-gather it. A norm's weight grad is then a sum over token shards reduced across
+            ranks (cause `norm-weight-grad`).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if variant == "sp":
+        return _llama_sp_plan()
 
     if variant not in VARIANTS:
         from tpdiag.errors import BadInput
@@ -38,6 +45,34 @@ def llama_plan(variant: str = "stock") -> dict:
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "layers.*.feed_forward.w2": out_proj(),
         "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def _llama_sp_plan() -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                  use_local_output=False),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                 desired_input_layouts=(Replicate(), None, None),
+                                                 use_local_output=True),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                    desired_input_layouts=(Replicate(),),
+                                                    use_local_output=True),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
 
 

@@ -103,7 +103,13 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
 
 def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
     def hook(p):
-        rec.add("param_grad", mname, short, p.grad, phase="backward", style=style, cls=cls)
+        g = p.grad
+        if getattr(g, "placements", None) and any(pl.is_partial() for pl in g.placements):
+            # A replicated weight under sequence parallelism accumulates an unreduced (Partial)
+            # grad; DTensor reduces it later, in the optimizer. Record the reduced value: the
+            # same all-reduce, on a copy, in the same order on every rank.
+            g = g.full_tensor()
+        rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
 
     return hook
 
