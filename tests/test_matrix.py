@@ -91,12 +91,13 @@ def test_text_table_and_report(matrix_run, tmp_path):
 
 
 def test_non_one_reference(tmp_path):
-    """--tp 4,2: TP=2 against a sharded TP=4 reference (both sides gathered by shape ratio)."""
-    p = run_cli("compare", "--tp", "4,2", "--no-confirm", "--no-baseline", "--out", str(tmp_path / "r"),
-                "--format", "json")
+    """--tp 4,2: TP=2 against a sharded TP=4 reference (both sides gathered by shape ratio), and
+    the baseline TP=4 rerun against TP=4 (unmarked shards of one degree compared shard by shard)."""
+    p = run_cli("compare", "--tp", "4,2", "--no-confirm", "--out", str(tmp_path / "r"), "--format", "json")
     assert p.returncode == 0, p.stderr + p.stdout
     s = json.loads(p.stdout)
     assert s["reference"] == 4 and s["reference_label"] == "4"
+    assert s["baseline"]["reproducible"] is True
     d = s["degrees"]["2"]
     assert d["status"] in ("bitwise", "divergent"), d
     assert d["n_records"] > 0 and d["unmatched"] == [] and d["missing"] == []

@@ -48,3 +48,16 @@ def test_shape_dependent_gemm_on_cpu_is_found_and_confirmed(tmp_path):
         assert conf["fix"] == "invariant-gemm" and conf["verdict"] == "confirmed"
     else:
         assert fd["cause"] != "shape-dependent-gemm"
+
+
+def test_auto_records_ops_only_inside_the_first_divergent_module(tmp_path):
+    p = run_cli("compare", "--out", str(tmp_path / "r"), "--format", "json", "--granularity", "auto",
+                "--no-baseline", "--no-confirm", "--tp", "1,4")
+    assert p.returncode == 0, p.stderr
+    fd = json.loads(p.stdout)["degrees"]["4"]["first_divergence"]
+    assert fd["op"] == "_c10d_functional::all_reduce"
+    # pass 1 kept no ops; pass 2 kept only the ops of that one module
+    assert '"kind": "op"' not in (tmp_path / "r" / "tp4" / "events.jsonl").read_text()
+    ops = [line for line in (tmp_path / "r" / "ops" / "tp4" / "events.jsonl").read_text().splitlines()
+           if '"kind": "op"' in line]
+    assert 0 < len(ops) < 20 and all(fd["module"] in line for line in ops)

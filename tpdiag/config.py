@@ -71,16 +71,19 @@ class WorldConfig:
     variant: str = "stock"
     probes: bool = True
     selfcheck: bool = True
+    op_include: tuple[str, ...] = ()  # with granularity op: only ops inside these modules/phases
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["fixes"] = list(self.fixes)
+        d["op_include"] = list(self.op_include)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorldConfig":
         d = dict(d)
         d["fixes"] = tuple(d.get("fixes", ()))
+        d["op_include"] = tuple(d.get("op_include", ()))
         return cls(**d)
 
     def with_(self, **kw) -> "WorldConfig":
@@ -106,12 +109,14 @@ class CompareConfig:
     seq_len: int = 16
     variant: str = "stock"
     baseline: bool = True  # rerun the reference against itself before blaming TP
+    op_include: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["degrees"] = list(self.degrees)
         d["fixes"] = list(self.fixes)
+        d["op_include"] = list(self.op_include)
         return d
 
     def world(self, degree: int, label: str, out_dir: str, device: str, **kw) -> WorldConfig:
@@ -119,4 +124,4 @@ class CompareConfig:
                            dtype=self.dtype, device=device, backward=self.backward,
                            steps=self.steps, seed=self.seed, batch_size=self.batch_size,
                            seq_len=self.seq_len, fixes=self.fixes, granularity=self.granularity,
-                           variant=self.variant, **kw)
+                           variant=self.variant, op_include=self.op_include, **kw)

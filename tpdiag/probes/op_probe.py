@@ -24,10 +24,17 @@ _SKIP = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice",
 
 
 class OpProbe(TorchDispatchMode):
-    def __init__(self, rec: Recorder):
+    def __init__(self, rec: Recorder, include: set[str] | None = None):
         super().__init__()
         self.rec = rec
         self.occ: dict = {}
+        # `--granularity auto`: ops only inside the first divergent module (or phase)
+        self.include = include
+
+    def _wanted(self, module: str) -> bool:
+        if self.include is None:
+            return True
+        return any(module == m or module.startswith(m + ".") for m in self.include)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -36,6 +43,8 @@ class OpProbe(TorchDispatchMode):
             return out
         rec = self.rec
         module = rec.stack[-1] if (rec.phase == "forward" and rec.stack) else rec.phase
+        if not self._wanted(module):
+            return out
         ns = getattr(func, "namespace", "aten")
         op = f"{ns}::{name}"
         key = (rec.step, rec.phase, module, op)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from tpdiag import io
 from tpdiag.config import CompareConfig
@@ -19,7 +20,14 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
         io.write_json(os.path.join(cfg.out, "summary.json"), first)
         first["run_dir"] = cfg.out
         return first
-    summary = run_compare(cfg, on_status)
+    summary = run_compare(replace(cfg, granularity="module") if cfg.granularity == "auto" else cfg,
+                          on_status)
+    if cfg.granularity == "auto" and summary["status"] == "divergent":
+        from tpdiag.runner.drill import drill_down
+
+        summary = drill_down(cfg, summary, cfg.out, on_status)
+        io.write_json(os.path.join(cfg.out, "summary.json"),
+                      {k: v for k, v in summary.items() if k != "run_dir"})
     if cfg.confirm and summary["status"] == "divergent":
         summary = confirm(cfg, summary, cfg.out, on_status=on_status)
         out = {k: v for k, v in summary.items() if k != "run_dir"}

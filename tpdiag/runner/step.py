@@ -146,10 +146,10 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder,
         loss_fn, logprob_fn, norm_fn = _numerics(target)
         if cfg.probes:
             stack.enter_context(module_probes(model, rec, plan=target.plan, backward=cfg.backward))
-            if cfg.granularity in ("op", "auto"):
+            if cfg.granularity == "op":
                 from tpdiag.probes.op_probe import OpProbe
 
-                stack.enter_context(OpProbe(rec))
+                stack.enter_context(OpProbe(rec, include=set(cfg.op_include) or None))
         rec.phase = "init"
         for k, v in batch.items():
             rec.add("batch", "model", k, v)
