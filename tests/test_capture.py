@@ -20,7 +20,14 @@ def torchrun(nproc: int, out, *args) -> None:
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", str(nproc), EXAMPLE, "--out", str(out), *args],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    if p.returncode != 0:
+        # torch 2.13 + gloo: a rank can abort at interpreter teardown ("terminate called without
+        # an active exception", SIGABRT) after its work is done. The evidence decides: the
+        # capture must be complete (its manifest is written last, atomically); a rank that died
+        # before that is a real failure and fails here.
+        manifest = out / "manifest.json"
+        assert "terminate called without an active exception" in p.stderr and manifest.is_file() \
+            and json.loads(manifest.read_text()).get("complete") is True, p.stdout[-3000:] + p.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,16 @@ Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
 
 
 def _console(stderr: bool = False):
+    import os
+    import sys
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    # Piped into a CI log there is no terminal width: rich's 80 columns would cut the table's
+    # numbers off. Use a wide one unless COLUMNS says otherwise.
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 200
+    return Console(stderr=stderr, highlight=False, width=width)
 
 
 def _fail(e: BaseException) -> None:
@@ -35,6 +42,23 @@ def _fail(e: BaseException) -> None:
     raise typer.Exit(code)
 
 
+# Raised deep inside the readers by a hand-edited or foreign run directory (valid JSON of the
+# wrong shape): reported as inconclusive evidence in one line, not as a crash.
+_MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, ArithmeticError)
+
+
+def _malformed(where: str, e: BaseException):
+    from tpdiag.errors import Inconclusive
+
+    if _DEBUG["on"]:
+        import traceback
+
+        traceback.print_exception(e)
+    what = str(e).splitlines()[0][:200] if str(e) else ""
+    return Inconclusive(f"{where}: malformed run directory ({type(e).__name__}: {what}); "
+                        "not a complete, unedited tpdiag run")
+
+
 def _check_format(fmt: str) -> str:
     from tpdiag.config import FORMATS, parse_choice
 
@@ -43,7 +67,8 @@ def _check_format(fmt: str) -> str:
 
 @app.command()
 def compare(
-    model: Annotated[str, typer.Option(help="tiny-llama | hf:DIR | py:FILE.py:FUNC")] = "tiny-llama",
+    model: Annotated[str, typer.Option(help="tiny-llama | medium-llama | llama-1b | hf:DIR | "
+                                            "py:FILE.py:FUNC")] = "tiny-llama",
     tp: Annotated[str, typer.Option(help="degrees, the first is the reference")] = "1,2,4,8",
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
@@ -216,11 +241,14 @@ def fixes(fmt: Format = "text") -> None:
         return
     from rich.table import Table
 
+    from rich.markup import escape
+
     t = Table(title="tpdiag fixes")
-    for c in ("fix", "removes cause", "replaces", "cost", "available"):
+    t.add_column("fix", no_wrap=True)  # the name a user types after --fix: never cut
+    for c in ("removes cause", "replaces", "cost", "available"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["name"], ", ".join(r["fixes"]), ", ".join(r["ops"]), r["cost"],
+        t.add_row(r["name"], ", ".join(r["fixes"]), escape(", ".join(r["ops"])), escape(r["cost"]),
                   "yes" if r["available"] else "not yet")
     _console().print(t)
 
@@ -261,6 +289,8 @@ def report(
         path = write_report(run_dir, output)
     except TpdiagError as e:
         _fail(e)
+    except _MALFORMED as e:
+        _fail(_malformed(run_dir, e))
     _console().print(f"report: {path}", soft_wrap=True)
 
 
@@ -321,13 +351,34 @@ def diff(
         summary = diff_runs(run_a, run_b, out)
     except TpdiagError as e:
         _fail(e)
+    except _MALFORMED as e:
+        _fail(_malformed(f"{run_a} / {run_b}", e))
     _emit_summary(summary, fmt)
     _exit_for(summary, fail_on_divergence)
 
 
 def main() -> None:
+    import click
+
     try:
-        app()
+        # standalone_mode=False: click's usage errors come here (one line, below), not as
+        # click's multi-line usage box.
+        rv = app(standalone_mode=False)
+        sys.exit(rv if isinstance(rv, int) else 0)
+    except click.exceptions.NoArgsIsHelpError as e:
+        e.show()
+        sys.exit(2)
+    except click.UsageError as e:
+        msg = " ".join(e.format_message().split())
+        hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        sys.stderr.write(f"error: {msg}{hint}\n")
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        sys.stderr.write(f"error: {' '.join(e.format_message().split())}\n")
+        sys.exit(e.exit_code)
+    except click.Abort:
+        sys.stderr.write("aborted\n")
+        sys.exit(130)
     except SystemExit:
         raise
     except BaseException as e:  # last resort: never a bare traceback without --debug

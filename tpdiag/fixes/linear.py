@@ -4,13 +4,24 @@ No model code is edited: the plan says which Linear is row- or column-parallel (
 so the reference follows the same canonical order), and the wrapper calls the grouped kernels
 on the local shards. Both linear fixes share one wrapper; each sets its own flag, and the
 wrappers are removed when the last of them exits (in `finally`).
+
+Two kinds of plans are handled:
+- torch ParallelStyles (parallelize_module): their hooks stay; the wrapper takes the DTensor
+  input the style prepared and returns a DTensor (Replicate / Shard(-1)) the output hook accepts.
+- transformers' styles (`hf:` models): they replace `module.forward` with a function that
+  redistributes around the Linear; the wrapper replaces that function, takes the plain local
+  input, and reproduces its output layout itself (a replicated row-parallel result, a local
+  column shard, or the gathered columns of `colwise_rep`), with the reductions done in tree order.
 """
 from __future__ import annotations
 
+import fnmatch
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
+from tpdiag.errors import BadInput
 from tpdiag.fixes import state
 from tpdiag.kernels import tree
 from tpdiag.kernels.grouped_linear import col_parallel_linear, row_parallel_linear
@@ -19,14 +30,22 @@ TREE = "tp-invariant-linear"
 BLOCKED = "invariant-gemm"
 
 
+def _style_obj(name: str, plan: dict):
+    for pattern, style in (plan or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return style
+    return None
+
+
 def _targets(model: nn.Module, plan: dict):
-    from tpdiag.models.plans import style_of
+    from tpdiag.models.plans import style_label
 
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear):
-            style = style_of(name, plan or {})
+            obj = _style_obj(name, plan)
+            style = style_label(obj) if obj is not None else None
             if style in ("rowwise", "colwise", "colwise-gathered"):
-                yield name, mod, style
+                yield name, mod, style, obj
 
 
 def _local(t):
@@ -35,33 +54,73 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _wrap(name: str, mod: nn.Linear, style: str, world: int):
+class _GatherColumns(torch.autograd.Function):
+    """All-gather column shards into the whole output (exact); backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, y):
+        w = tree.world_size()
+        ctx.width = y.shape[-1]
+        if w == 1:
+            return y.clone()
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(y) for _ in range(w)]
+        dist.all_gather(parts, y.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        r = tree.rank() if tree.world_size() > 1 else 0
+        return g[..., r * ctx.width:(r + 1) * ctx.width].contiguous()
+
+
+def _hf_output(name: str, style: str, obj) -> str:
+    """What the transformers style hands on: 'local' (column shard) or 'full'."""
+    out = getattr(obj, "output_layouts", None)
+    inp = getattr(obj, "input_layouts", None)
+    kind = lambda p: type(p).__name__ if p is not None else None  # noqa: E731
+    if style == "rowwise":
+        if kind(out) not in (None, "Replicate"):
+            raise BadInput(f"--fix {TREE}: {name}: row-parallel output layout {out} not supported")
+        return "full"
+    if kind(inp) not in (None, "Replicate"):
+        raise BadInput(f"--fix {TREE}: {name}: column-parallel input layout {inp} not supported")
+    return "full" if kind(out) == "Replicate" else "local"
+
+
+def _wrap(name: str, mod: nn.Linear, style: str, obj, world: int):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    own = mod.__dict__.get("forward")  # a forward the TP style installed (transformers)
     orig = mod.forward
+    hf = own is not None and type(obj).__module__.endswith("models.hf")
+    hf_out = _hf_output(name, style, obj) if hf else None
     dim = mod.in_features if style == "rowwise" else mod.out_features
     groups = tree.check(dim, world, f"{name} ({style}, {'in' if style == 'rowwise' else 'out'}"
                                     f"_features)")
     local_groups = groups // world
 
-    def forward(x):
+    def forward(x, *args, **kwargs):
         use_tree, use_blocked = state.active(TREE), state.active(BLOCKED)
         w = mod.weight
-        is_d = isinstance(w, DTensor)
+        is_d = isinstance(w, DTensor) and not hf
         xl, wl = _local(x), _local(w)
         bl = _local(mod.bias) if mod.bias is not None else None
         if style == "rowwise":
             if not use_tree:
-                return orig(x)
+                return orig(x, *args, **kwargs)
             y = row_parallel_linear(xl, wl, bl, local_groups)
             return DTensor.from_local(y, w.device_mesh, [Replicate()], run_check=False) if is_d else y
         if not (use_tree or use_blocked):
-            return orig(x)
+            return orig(x, *args, **kwargs)
         y = col_parallel_linear(xl, wl, bl, local_groups, blocked=use_blocked, tree_dgrad=use_tree)
-        return DTensor.from_local(y, w.device_mesh, [Shard(y.dim() - 1)], run_check=False) if is_d else y
+        if is_d:
+            return DTensor.from_local(y, w.device_mesh, [Shard(y.dim() - 1)], run_check=False)
+        return _GatherColumns.apply(y) if hf_out == "full" else y
 
     mod.forward = forward
-    return orig
+    return own
 
 
 @contextmanager
@@ -70,15 +129,16 @@ def linear_fix(flag_name: str, model: nn.Module, plan: dict, world: int):
     saved = []
     try:
         if owner:
-            for name, mod, style in _targets(model, plan):
-                saved.append((mod, _wrap(name, mod, style, world)))
+            for name, mod, style, obj in _targets(model, plan):
+                saved.append((mod, _wrap(name, mod, style, obj, world)))
             model._tpdiag_linear_wrapped = True
         with state.flag(flag_name):
             yield
     finally:
         if owner:
-            for mod, orig in saved:
-                # the instance attribute shadowed the class method; removing it restores it
-                if "forward" in mod.__dict__:
-                    del mod.forward
+            for mod, own in saved:
+                if own is not None:
+                    mod.forward = own  # the TP style's own forward comes back
+                else:
+                    mod.__dict__.pop("forward", None)  # the class forward shows through again
             model.__dict__.pop("_tpdiag_linear_wrapped", None)

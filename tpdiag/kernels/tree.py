@@ -11,6 +11,7 @@ is finished in rank order. The sum is therefore the same tree at every TP: bitwi
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -47,16 +48,29 @@ def _group():
     return dist.group.WORLD if dist.is_initialized() else None
 
 
+_LOCAL = [0]
+
+
+@contextmanager
+def local_only():
+    """Compute as one rank: for tensors every rank already holds whole (replicated logits)."""
+    _LOCAL[0] += 1
+    try:
+        yield
+    finally:
+        _LOCAL[0] -= 1
+
+
 def world_size() -> int:
     import torch.distributed as dist
 
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size() if dist.is_initialized() and not _LOCAL[0] else 1
 
 
 def rank() -> int:
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank() if dist.is_initialized() and not _LOCAL[0] else 0
 
 
 class TreeAllReduce(torch.autograd.Function):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.kernels.tree import rank, tree_all_reduce, tree_sum, world_size
+from tpdiag.kernels.tree import local_only, rank, tree_all_reduce, tree_sum, world_size
 
 IGNORE = -100
 
@@ -57,20 +57,24 @@ class VocabParallelLogProb(torch.autograd.Function):
         return d.to(ctx.dtype), None, None
 
 
-def token_logprobs(logits, labels, groups: int):
-    """logits: [..., V] plain tensor (TP=1) or vocab-sharded DTensor; returns [N] fp32."""
+def token_logprobs(logits, labels, groups: int, vocab_size: int | None = None):
+    """logits: [..., V] plain tensor (TP=1 or replicated) or vocab-sharded DTensor / local shard;
+    returns [N] fp32."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(logits, DTensor):
         logits = logits.to_local()
-    w = world_size()
     lo = logits.reshape(-1, logits.shape[-1])
-    return VocabParallelLogProb.apply(lo, labels.reshape(-1), groups // w)
+    if vocab_size is not None and lo.shape[-1] == vocab_size:
+        # every rank holds the whole vocab (a gathered LM head): one rank's computation
+        with local_only():
+            return VocabParallelLogProb.apply(lo, labels.reshape(-1), groups)
+    return VocabParallelLogProb.apply(lo, labels.reshape(-1), groups // world_size())
 
 
-def cross_entropy(logits, labels, groups: int):
+def cross_entropy(logits, labels, groups: int, vocab_size: int | None = None):
     """Mean NLL over valid tokens: the token sum has the same shape at every TP."""
-    lp = token_logprobs(logits, labels, groups)
+    lp = token_logprobs(logits, labels, groups, vocab_size)
     n = (labels.reshape(-1) != IGNORE).sum().clamp_min(1)
     return -(lp.sum() / n).to(logits.dtype)
 

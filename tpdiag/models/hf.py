@@ -147,7 +147,12 @@ def _grad_allreduce_now(module, mesh) -> None:
     group = mesh.get_group()
 
     def reduce(p):
-        dist.all_reduce(p.grad, group=group)
+        from tpdiag.fixes import state
+
+        # under invariant-norm-grad the norm's own backward already summed the heads of
+        # every rank in tree order; reducing again would count them TP times
+        if not state.active("invariant-norm-grad"):
+            dist.all_reduce(p.grad, group=group)
 
     for p in module.parameters(recurse=False):
         if p.requires_grad:

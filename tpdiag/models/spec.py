@@ -112,9 +112,13 @@ def model_divisors(spec: ModelSpec) -> dict[str, int]:
 
 
 def check_degrees(spec: ModelSpec, degrees, divisors: dict[str, int] | None = None) -> None:
+    import math
+
     divs = model_divisors(spec) if divisors is None else divisors
     for d in degrees:
         bad = [f"{k}={v}" for k, v in divs.items() if v % d]
         if bad:
-            raise BadInput(f"--tp {d}: does not divide {', '.join(bad)}; valid degrees for this model "
-                           f"divide all of {', '.join(f'{k}={v}' for k, v in divs.items())}")
+            g = math.gcd(*divs.values())
+            valid = [n for n in range(1, min(g, 64) + 1) if g % n == 0]
+            raise BadInput(f"--tp {d}: does not divide {', '.join(bad)}; valid degrees for this model: "
+                           f"{', '.join(map(str, valid))}")

@@ -40,13 +40,6 @@ def validate(cfg: CompareConfig) -> None:
 
     spec = parse_spec(cfg.model)
     check_degrees(spec, cfg.degrees)
-    linear = {"tp-invariant-linear", "invariant-gemm"} & set(cfg.fixes)
-    if spec.kind == "hf" and (linear or cfg.fix_mode == "auto"):
-        # transformers' TP styles reduce in their own hooks around the module (forward
-        # all-reduce, backward dgrad all-reduce); a wrapped forward would be reduced twice.
-        raise BadInput(f"--fix {','.join(sorted(linear)) or 'auto'}: the linear fixes do not support "
-                       "hf: models yet; use --fix invariant-vocab-softmax,invariant-grad-norm or a "
-                       "py: target with torch ParallelStyles")
     if cfg.steps < 1:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
     if cfg.timeout <= 0:

@@ -6,8 +6,11 @@ kills every rank it started, whatever happens - no orphan processes.
 from __future__ import annotations
 
 import glob
+import math
 import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -32,14 +35,16 @@ class WorldResult:
         return asdict(self)
 
 
-def _context():
+def _context(model: str = ""):
     for k, v in RANK_ENV.items():
         os.environ.setdefault(k, v)  # inherited by the fork server, so by every rank
     method = os.environ.get("TPDIAG_START_METHOD", "forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
         # Ranks fork from a server that has imported torch once: start-up is ~0.1 s, not ~2 s.
-        ctx.set_forkserver_preload(_PRELOAD)
+        # (The server starts with the first world, so this is fixed for the process's life.)
+        extra = ["transformers", "tpdiag.models.hf"] if model.startswith("hf:") else []
+        ctx.set_forkserver_preload(_PRELOAD + extra)
     return ctx
 
 
@@ -52,19 +57,28 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
     from tpdiag.runner import worker
 
     world = cfg.degree
+    try:
+        if not math.isfinite(timeout_s) or timeout_s <= 0:
+            raise ValueError
+        timedelta(seconds=timeout_s)
+    except (ValueError, OverflowError, TypeError):
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"--timeout {timeout_s!r}: expected a finite number of seconds > 0") from None
     os.makedirs(cfg.out_dir, exist_ok=True)
     for stale in glob.glob(os.path.join(cfg.out_dir, "rank*.*")):
         os.unlink(stale)
     t0 = time.perf_counter()
     store = dist.TCPStore("127.0.0.1", 0, world_size=world + 1, is_master=True,
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    ctx = _context()
+    ctx = _context(cfg.model)
     procs = [ctx.Process(target=worker.main, name=f"tpdiag-tp{world}-rank{r}",
                          args=(r, world, "127.0.0.1", store.port, cfg.to_dict(), timeout_s))
              for r in range(world)]
     if on_status:
         on_status(cfg.label, "running")
     result = None
+    old_term = _terminate_as_interrupt()
     try:
         for p in procs:
             p.start()
@@ -89,7 +103,10 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
                 break
             time.sleep(0.02)
     finally:
-        _reap(procs)
+        # Interrupted (Ctrl-C, SIGTERM) or failed: no grace, the ranks are killed now.
+        _reap(procs, grace_s=3.0 if result is not None else 0.0)
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
         del store
     if on_status:
         on_status(cfg.label, result.status)
@@ -134,13 +151,34 @@ def _failure(cfg: WorldConfig, procs, world: int, t0: float) -> WorldResult | No
                        error=error, rank_errors=rank_errors)
 
 
+def _terminate_as_interrupt():
+    """SIGTERM (kill, a CI job's cancel, a batch system) would end the parent at once, skipping
+    every `finally` - and leave its ranks running. Raise KeyboardInterrupt instead, so the ranks
+    are killed and the CLI reports 'interrupted'. Returns the previous handler (None: not set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt("terminated (SIGTERM)")
+
+    try:
+        return signal.signal(signal.SIGTERM, on_term)
+    except (ValueError, OSError):
+        return None
+
+
 def _reap(procs, grace_s: float = 3.0) -> None:
-    end = time.monotonic() + grace_s
-    for p in procs:
-        if p.pid is None:
-            continue
-        p.join(max(0.0, end - time.monotonic()))
-    for p in procs:
-        if p.pid is not None and p.is_alive():
-            p.kill()
-            p.join(5)
+    try:
+        end = time.monotonic() + grace_s
+        for p in procs:
+            if p.pid is None or grace_s <= 0:
+                continue
+            p.join(max(0.0, end - time.monotonic()))
+    finally:
+        # Kill before waiting on anything, so a second Ctrl-C during the joins leaves no rank behind.
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join(5)

@@ -110,9 +110,9 @@ def _numerics(target):
     if state.active("invariant-vocab-softmax") and target.loss is None:
         from tpdiag.kernels import tree, vocab_ce
 
-        g = tree.n_groups()
-        loss_fn = lambda lo, lab: vocab_ce.cross_entropy(lo, lab, g)  # noqa: E731
-        logprob_fn = lambda lo, lab: vocab_ce.token_logprobs(lo, lab, g)  # noqa: E731
+        g, v = tree.n_groups(), target.vocab_size
+        loss_fn = lambda lo, lab: vocab_ce.cross_entropy(lo, lab, g, v)  # noqa: E731
+        logprob_fn = lambda lo, lab: vocab_ce.token_logprobs(lo, lab, g, v)  # noqa: E731
     if state.active("invariant-grad-norm"):
         from tpdiag.kernels.grad_norm import grad_norm_and_clip as norm_fn
     return loss_fn, logprob_fn, norm_fn

@@ -1,0 +1,33 @@
+"""--fix all on transformers models: bitwise across TP; the per-head q/k norm's weight grad is
+found as norm-weight-grad and fixed by invariant-norm-grad (negative control)."""
+import json
+
+import pytest
+
+from conftest import run_cli
+from hf_configs import write_tiny
+
+pytest.importorskip("transformers", minversion="5")
+
+
+def compare(tmp_path, model_dir, *args):
+    p = run_cli("compare", "--model", model_dir, "--out", str(tmp_path / "r"), "--format", "json",
+                "--no-baseline", *args)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_hf_llama_fix_all_bitwise_bf16(tmp_path):
+    s = compare(tmp_path, write_tiny("llama", tmp_path / "llama"), "--tp", "1,2,4", "--dtype", "bfloat16",
+                "--fix", "all", "--no-confirm")
+    assert s["status"] == "bitwise", json.dumps(s["degrees"])[:1500]
+
+
+def test_hf_qwen3_qk_norm_grad_found_and_fixed(tmp_path):
+    rest = "tp-invariant-linear,invariant-gemm,invariant-vocab-softmax,invariant-grad-norm"
+    s = compare(tmp_path, write_tiny("qwen3", tmp_path / "qwen3"), "--tp", "1,2", "--fix", rest)
+    d = s["degrees"]["2"]
+    fd = d["first_divergence"]
+    assert fd["cause"] == "norm-weight-grad" and fd["module"].endswith(("q_norm", "k_norm")), fd
+    assert d["confirmation"]["fix"] == "invariant-norm-grad"
+    assert d["confirmation"]["verdict"] == "confirmed" and d["confirmation"]["status_after"] == "bitwise"
