@@ -142,7 +142,9 @@ def matrix_table(console, matrix: dict) -> None:
                 tm = c.get("token_mult_prob_error")
                 lines.append(f"logprob {_fmt(c.get('logprob_max_abs'))}"
                              + (f" x{tm:.7f}" if tm is not None and not c.get("logprobs_bitwise") else ""))
-                lines.append(f"loss diff {_fmt(c.get('loss_abs_diff'))}")
+                lines.append(f"loss diff {_fmt(c.get('loss_abs_diff'))}"
+                             + (f", last step {_fmt(c['loss_abs_diff_last_step'])}"
+                                if c.get("loss_abs_diff_last_step") is not None else ""))
             if c.get("step_s") is not None:
                 rel = c.get("step_time_vs_stock")
                 lines.append(f"step {c['step_s']:.3f} s" + (f" (x{rel:.2f})" if rel is not None else ""))

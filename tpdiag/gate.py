@@ -185,10 +185,14 @@ class GateResult:
         return out
 
     def to_dict(self) -> dict:
-        return {"status": self.status, "exit_code": self.exit_code, "run_dir": self.run_dir,
-                "reference": self.reference, "policy": asdict(self.policy), "problems": self.problems,
-                "first_violation": asdict(self.first_violation) if self.first_violation else None,
-                "degrees": {k: asdict(v) for k, v in self.degrees.items()}}
+        from tpdiag.io import json_safe
+
+        # json_safe: an Inf/NaN max_abs must not become a bare Infinity token in --format json.
+        return json_safe({
+            "status": self.status, "exit_code": self.exit_code, "run_dir": self.run_dir,
+            "reference": self.reference, "policy": asdict(self.policy), "problems": self.problems,
+            "first_violation": asdict(self.first_violation) if self.first_violation else None,
+            "degrees": {k: asdict(v) for k, v in self.degrees.items()}})
 
 
 def _verify_records(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
@@ -219,7 +223,10 @@ def _verify_records(dirs: dict[str, str], ref: str, labels: list[str], csv_rows:
             continue
         # Floats survive the CSV round trip exactly (repr), so plain equality is the right test. Without
         # per-record hashes an edit that leaves all five metrics unchanged cannot be seen here.
-        metrics = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction")
+        # The identity fields and rank_consistent too: the policy matches budgets by module/phase and
+        # judges rank-inconsistent replicas from these columns, so an edited row must not pass for another.
+        metrics = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
+                   "step", "phase", "module", "kind", "call", "name")
         for k, r in got.items():
             if any(r[m] != want[k][m] for m in metrics):
                 problems[lab] = f"record {k} does not match diff.csv (records or diff.csv edited after the run)"
@@ -327,18 +334,42 @@ def _degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others
     return errors
 
 
+# What malformed (hand-edited, bit-flipped, foreign) JSON/CSV/records raise deep in the readers and
+# the re-diff: the gate turns them into an evidence problem (exit 2), never a crash or a pass.
+_MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, ArithmeticError, RuntimeError)
+
+
 def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
     """Never raises on bad evidence: problems land in GateResult.problems (exit 2) so JUnit still gets written."""
-    from tpdiag import io
-    from tpdiag.reports.rundir import read_rows
-
     policy = policy or Policy()
+    try:
+        return _evaluate(run_dir, policy)
+    except Inconclusive as e:
+        res = GateResult(os.path.abspath(run_dir), policy)
+        res.problems.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return res
+    except _MALFORMED as e:
+        res = GateResult(os.path.abspath(run_dir), policy)
+        what = str(e).splitlines()[0][:200] if str(e) else ""
+        res.problems.append(f"{run_dir}: malformed run directory ({type(e).__name__}: {what}); "
+                            "not a complete, unedited tpdiag run")
+        return res
+
+
+def _evaluate(run_dir: str, policy: Policy) -> GateResult:
+    from tpdiag import io
+    from tpdiag.reports.rundir import incomplete, read_rows
+
     res = GateResult(os.path.abspath(run_dir), policy)
     if not os.path.isdir(run_dir):
         res.problems.append(f"RUN_DIR {run_dir!r}: not a directory")
         return res
     try:
         manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
+        why = incomplete(run_dir, manifest)
+        if why:
+            res.problems.append(why)
+            return res
         summary = io.read_json(os.path.join(run_dir, "summary.json"))
         degrees = {str(k): v for k, v in summary["degrees"].items()}
         # compare's manifest lists the degrees; a run dir from another writer may only have the summary.

@@ -12,10 +12,28 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+class WriteError(Inconclusive, OSError):
+    """A file could not be written (disk full, read-only, no permission): the run cannot be
+    complete. Nothing half-written is left under the target name. Also an OSError, so callers
+    that handle OSError keep working; `errno`/`strerror` are the original's."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "write failed"
+
+
+def _write_error(path: str, e: OSError) -> WriteError:
+    err = WriteError(f"{path}: cannot write ({e.strerror or e})")
+    err.errno, err.strerror = e.errno, e.strerror
+    return err
+
+
 def _atomic(path: str, write) -> None:
     d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    except OSError as e:
+        raise _write_error(path, e) from None
     try:
         os.chmod(tmp, 0o644 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
@@ -23,11 +41,13 @@ def _atomic(path: str, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and not isinstance(e, WriteError):
+            raise _write_error(path, e) from None
         raise
 
 
@@ -35,12 +55,18 @@ def write_bytes(path: str, data: bytes) -> None:
     _atomic(path, lambda f: f.write(data))
 
 
+def dumps(obj, **kw) -> str:
+    """Strict JSON (RFC 8259): NaN/Infinity become the strings "NaN"/"Infinity"/"-Infinity"
+    (bare NaN tokens break jq, JavaScript and strict parsers); read_json turns them back."""
+    return json.dumps(json_safe(obj), allow_nan=False, default=_json_default, **kw)
+
+
 def write_json(path: str, obj) -> None:
-    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n").encode())
+    write_bytes(path, (dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
 def write_jsonl(path: str, rows) -> None:
-    write_bytes(path, "".join(json.dumps(r, default=_json_default) + "\n" for r in rows).encode())
+    write_bytes(path, "".join(dumps(r) + "\n" for r in rows).encode())
 
 
 def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) -> None:
@@ -52,27 +78,68 @@ def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) ->
 
 def read_json(path: str):
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f, object_hook=_restore)
     except FileNotFoundError:
         raise Inconclusive(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Inconclusive(f"{path}: corrupt JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise Inconclusive(f"{path}: corrupt JSON ({_brief(e)})") from None
+    except OSError as e:  # a directory, no permission, an I/O error
+        raise Inconclusive(f"{path}: unreadable ({e.strerror or e})") from None
 
 
 def read_jsonl(path: str) -> list:
     try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line, object_hook=_restore) for line in f if line.strip()]
     except FileNotFoundError:
         raise Inconclusive(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Inconclusive(f"{path}: corrupt JSON lines ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise Inconclusive(f"{path}: corrupt JSON lines ({_brief(e)})") from None
+    except OSError as e:
+        raise Inconclusive(f"{path}: unreadable ({e.strerror or e})") from None
+
+
+def _brief(e: BaseException) -> str:
+    # UnicodeDecodeError's message quotes the whole undecodable object: keep one short line.
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 at byte {e.start}"
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+_NONFINITE = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def json_safe(o):
+    """A copy of `o` (dicts, lists, scalars) with NaN/Infinity floats as strings: strict JSON."""
+    if isinstance(o, float):
+        if o != o:
+            return "NaN"
+        if o in (float("inf"), float("-inf")):
+            return "Infinity" if o > 0 else "-Infinity"
+        return o
+    if isinstance(o, dict):
+        return {k: json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_safe(v) for v in o]
+    return o
+
+
+def _restore_value(v):
+    if isinstance(v, str):
+        return _NONFINITE.get(v, v)
+    if isinstance(v, list):
+        return [_restore_value(x) for x in v]
+    return v
+
+
+def _restore(d: dict) -> dict:
+    return {k: _restore_value(v) for k, v in d.items()}
 
 
 def _json_default(o):
     if hasattr(o, "to_dict"):
-        return o.to_dict()
+        return json_safe(o.to_dict())
     if isinstance(o, (set, tuple)):
-        return list(o)
+        return json_safe(list(o))
     return str(o)

@@ -19,9 +19,15 @@ class RMSNormSP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps: float, local_groups: int, group_dim: int = 1):
-        xf = x.float()
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        y = (xf * r).type_as(x)
+        # The per-token mean over the hidden dim is computed group by group: every call has
+        # the shape of one global group at every TP. A GPU row reduction over [S/4, D] rows
+        # may pick another kernel than over [S, D] (seen on H200 at TP=4, fp32).
+        def rstd(xg):
+            return torch.rsqrt(xg.float().pow(2).mean(-1, keepdim=True) + eps)
+
+        r = torch.cat([rstd(xg.contiguous()) for xg in x.chunk(local_groups, dim=group_dim)],
+                      dim=group_dim)
+        y = (x.float() * r).type_as(x)
         ctx.save_for_backward(x, w, r)
         ctx.local_groups = local_groups
         ctx.group_dim = group_dim
@@ -36,7 +42,11 @@ class RMSNormSP(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             gy = (g * w).float()
-            dx = (r * (gy - xhat * (gy * xhat).mean(-1, keepdim=True))).to(x.dtype)
+            k = ctx.local_groups
+            gd = ctx.group_dim
+            dots = torch.cat([(a.contiguous() * b.contiguous()).mean(-1, keepdim=True)
+                              for a, b in zip(gy.chunk(k, dim=gd), xhat.chunk(k, dim=gd))], dim=gd)
+            dx = (r * (gy - xhat * dots)).to(x.dtype)
         if ctx.needs_input_grad[1]:
             terms = g.float() * y.float()
             dims = tuple(range(terms.dim() - 1))

@@ -10,6 +10,7 @@ from tpdiag.errors import Inconclusive
 
 EVENTS = "events.jsonl"
 TENSORS = "records.safetensors"
+MAX_DEGREE = 1024  # sanity bound on world.json's degree: shards are rebuilt by repeating/concatenating
 
 
 def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dict) -> None:
@@ -21,13 +22,62 @@ def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dic
     io.write_json(os.path.join(out_dir, "world.json"), world_meta)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# The fields every reader relies on (tpdiag/probes/recorder.py writes them, gather adds
+# stored/world): checked once here so an edited events.jsonl is Inconclusive, not a KeyError
+# or a wrong comparison somewhere downstream.
+_STR_FIELDS = ("key", "phase", "module", "kind", "name", "dtype")
+_OPT_STR_FIELDS = ("placement", "style", "cls")
+
+
+def _check_event(m, line: int, path: str) -> None:
+    def bad(what: str):
+        raise Inconclusive(f"{path}: line {line}: {what} (edited or not a tpdiag record index)")
+
+    if not isinstance(m, dict):
+        bad(f"a {type(m).__name__}, expected a JSON object")
+    for k in ("idx", "step", "call"):
+        if not _is_int(m.get(k)) or m[k] < 0:
+            bad(f"{k} {m.get(k)!r} is not an integer >= 0")
+    for k in _STR_FIELDS:
+        if not isinstance(m.get(k), str):
+            bad(f"{k} {m.get(k)!r} is not a string")
+    for k in _OPT_STR_FIELDS:
+        if m.get(k) is not None and not isinstance(m[k], str):
+            bad(f"{k} {m[k]!r} is not a string")
+    shape = m.get("local_shape")
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        bad(f"local_shape {shape!r} is not a list of sizes")
+    if "world" in m and (not _is_int(m["world"]) or m["world"] < 1):
+        bad(f"world {m['world']!r} is not an integer >= 1")
+    if m.get("stored", "single") not in ("single", "stacked"):
+        bad(f"stored {m.get('stored')!r} is not 'single' or 'stacked'")
+    if m.get("stored") == "stacked" and m.get("world", 1) < 2:
+        bad("a stacked record of a world of one rank")
+
+
 class RecordSet:
     """Read side. Tensors load lazily; a truncated or edited file is Inconclusive, never misread."""
 
     def __init__(self, out_dir: str):
         self.dir = out_dir
-        self.events = io.read_jsonl(os.path.join(out_dir, EVENTS))
+        epath = os.path.join(out_dir, EVENTS)
+        self.events = io.read_jsonl(epath)
         self.world = io.read_json(os.path.join(out_dir, "world.json"))
+        if not isinstance(self.world, dict):
+            raise Inconclusive(f"{os.path.join(out_dir, 'world.json')}: not a JSON object")
+        degree = self.world.get("degree", 1)
+        if not _is_int(degree) or not 1 <= degree <= MAX_DEGREE:
+            raise Inconclusive(f"{os.path.join(out_dir, 'world.json')}: degree {degree!r} is not "
+                               f"an integer in 1..{MAX_DEGREE}")
+        for i, m in enumerate(self.events):
+            _check_event(m, i + 1, epath)
+            if m.get("world", degree) != degree:
+                raise Inconclusive(f"{epath}: line {i + 1}: world {m['world']!r} but world.json says "
+                                   f"degree {degree} (edited or mismatched files)")
         path = os.path.join(out_dir, TENSORS)
         if not os.path.isfile(path):
             raise Inconclusive(f"{path}: missing")
@@ -37,15 +87,33 @@ class RecordSet:
             self._f = safe_open(path, framework="pt")
             keys = set(self._f.keys())
         except Exception as e:
-            raise Inconclusive(f"{path}: unreadable or truncated safetensors ({e})") from None
+            raise Inconclusive(f"{path}: unreadable or truncated safetensors ({_line(e)})") from None
         missing = [str(m["idx"]) for m in self.events if str(m["idx"]) not in keys]
         if missing:
             raise Inconclusive(f"{path}: {len(missing)} records listed in {EVENTS} are missing "
                                f"(first: {missing[0]})")
-        self.by_key = {m["key"]: m for m in self.events}
+        self.by_key = {}
+        for m in self.events:
+            if m["key"] in self.by_key:
+                raise Inconclusive(f"{epath}: record {m['key']} listed twice")
+            self.by_key[m["key"]] = m
 
     def tensor(self, meta: dict) -> torch.Tensor:
         try:
-            return self._f.get_tensor(str(meta["idx"]))
+            t = self._f.get_tensor(str(meta["idx"]))
         except Exception as e:
-            raise Inconclusive(f"{self.dir}: record {meta['key']} unreadable ({e})") from None
+            raise Inconclusive(f"{self.dir}: record {meta['key']} unreadable ({_line(e)})") from None
+        # The stored tensor must be what the index says it is: an edited header or index that
+        # points a record at another tensor is caught here, not compared as if it were the record.
+        want = list(meta["local_shape"])
+        if meta.get("stored") == "stacked":
+            want = [meta["world"], *want]
+        if str(t.dtype).replace("torch.", "") != meta["dtype"] or list(t.shape) != want:
+            raise Inconclusive(f"{self.dir}: record {meta['key']} is stored as "
+                               f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}, its index says "
+                               f"{meta['dtype']}{want} (edited or mismatched files)")
+        return t
+
+
+def _line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__

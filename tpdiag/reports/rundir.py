@@ -36,8 +36,23 @@ def read_rows(path: str) -> list[dict]:
             return [_parse_row(r) for r in reader]
     except FileNotFoundError:
         raise Inconclusive(f"{path}: missing") from None
-    except (ValueError, KeyError, UnicodeDecodeError, csv.Error) as e:
-        raise Inconclusive(f"{path}: corrupt ({e})") from None
+    except (ValueError, KeyError, UnicodeDecodeError, csv.Error, OverflowError) as e:
+        what = f"not UTF-8 at byte {e.start}" if isinstance(e, UnicodeDecodeError) else str(e).splitlines()[0][:200]
+        raise Inconclusive(f"{path}: corrupt ({what})") from None
+    except OSError as e:  # a directory, no permission, an I/O error
+        raise Inconclusive(f"{path}: unreadable ({e.strerror or e})") from None
+
+
+def incomplete(run_dir: str, manifest) -> str | None:
+    """Why a compare's run directory is not a finished run, or None. `tpdiag compare` writes
+    manifest.json first and gives it its final `status` last: without one the compare was
+    interrupted, killed or is still running, and any summary.json there is from an earlier run."""
+    if isinstance(manifest, dict) and manifest.get("tool") == "tpdiag compare" and "status" not in manifest:
+        worlds = manifest.get("worlds") if isinstance(manifest.get("worlds"), dict) else {}
+        done = ", ".join(f"TP={k} {(v or {}).get('status') if isinstance(v, dict) else v}" for k, v in worlds.items())
+        return (f"{run_dir}: incomplete run - the compare did not finish (interrupted, killed or still "
+                f"running; worlds finished: {done or 'none'})")
+    return None
 
 
 def records_dir(run_dir: str, manifest: dict, label: str) -> str:
@@ -52,6 +67,9 @@ def load_run(run_dir: str) -> tuple[dict, dict, list[dict]]:
     if not os.path.isdir(run_dir):
         raise BadInput(f"RUN_DIR {run_dir!r}: not a directory; expected the --out directory of tpdiag compare")
     manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
+    why = incomplete(run_dir, manifest)
+    if why:
+        raise Inconclusive(why)
     summary = io.read_json(os.path.join(run_dir, "summary.json"))
     if not isinstance(summary, dict) or not isinstance(summary.get("degrees"), dict):
         raise Inconclusive(f"{os.path.join(run_dir, 'summary.json')}: no 'degrees' table (not a tpdiag summary)")

@@ -126,8 +126,11 @@ def parse_variants(text: str, cfg: CompareConfig) -> list[Variant]:
 
 
 def _sub_cfg(cfg: CompareConfig, v: Variant, out: str, baseline: bool) -> CompareConfig:
+    # --granularity auto's op drill-down belongs to a single compare (session.py); the matrix
+    # cells locate at module level (op stays op).
+    gran = "module" if cfg.granularity == "auto" else cfg.granularity
     return replace(cfg, out=out, variant=v.plan, fixes=v.fixes, fix_mode=v.fix_mode,
-                   confirm=False, baseline=baseline)
+                   confirm=False, baseline=baseline, granularity=gran)
 
 
 def _step_s(run_dir: str, label: str) -> float | None:
@@ -170,6 +173,10 @@ def _cell(summary: dict, label: str, ref_label: str, run_dir: str) -> dict:
                 token_mult_prob_error=lp.get("token_mult_prob_error"), loss=loss.get("value"),
                 loss_abs_diff=loss.get("abs_diff"), n_divergent=d.get("n_divergent"),
                 findings=len(d.get("findings") or []))
+    last = (d.get("steps") or [{}])[-1]
+    if len(d.get("steps") or []) > 1 and last.get("loss") is not None and last.get("loss_reference") is not None:
+        # --steps N: the step-0 loss often agrees while later steps drift apart
+        cell["loss_abs_diff_last_step"] = abs(last["loss"] - last["loss_reference"])
     return cell
 
 

@@ -20,22 +20,48 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
     from tpdiag import io
     from tpdiag.config import WorldConfig
 
+    _die_with_parent()
     cfg = WorldConfig.from_dict(cfg_dict)
     os.environ["TPDIAG_RANK"] = str(rank)
     try:
         _run(rank, world, host, port, cfg, timeout_s)
         io.write_json(marker(cfg.out_dir, rank, "done"), {"rank": rank, "time": time.time()})
     except BaseException as e:  # noqa: BLE001 - every failure must leave evidence on disk
-        io.write_json(marker(cfg.out_dir, rank, "error"), {
-            "rank": rank, "type": type(e).__name__, "message": str(e).splitlines()[0] if str(e) else "",
-            "traceback": traceback.format_exc(),
-        })
+        message = str(e).splitlines()[0] if str(e) else ""
+        try:
+            io.write_json(marker(cfg.out_dir, rank, "error"), {
+                "rank": rank, "type": type(e).__name__, "message": message,
+                "traceback": traceback.format_exc(),
+            })
+        except BaseException as e2:  # noqa: BLE001 - disk full or gone: one line, no traceback
+            sys.stderr.write(f"tpdiag: rank {rank} of TP={world}: {type(e).__name__}: {message} "
+                             f"(its error marker could not be written: {e2})\n")
         sys.stderr.flush()
         os._exit(1)
     # Skip interpreter teardown: gloo/NCCL destructors are where ranks abort or hang.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the process that started this rank dies (the fork server, which
+    itself exits with the compare). A compare killed with SIGKILL, or crashing, then leaves no
+    rank behind - a hung one included. Elsewhere a no-op: the launcher's reaping still applies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        parent = os.getppid()
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+    except Exception:  # noqa: BLE001 - best effort
+        pass
 
 
 def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> None:
