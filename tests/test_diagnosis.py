@@ -55,3 +55,28 @@ def test_steps_report_drift_and_fixes_hold_for_every_step(tmp_path):
     d = s["degrees"]["2"]
     assert s["status"] == "bitwise" and d["first_divergent_step"] is None
     assert all(x["bitwise"] and x["loss"] == x["loss_reference"] for x in d["steps"])
+
+
+def test_wrong_loss_at_tp2_is_a_sharding_bug_not_a_reordering(tmp_path):
+    s = compare(tmp_path, "--model", "py:tests/models/loss_bug.py:target", "--tp", "1,2", "--no-baseline")
+    d = s["degrees"]["2"]
+    bugs = [f for f in d["findings"] if f["kind"] == "loss"]
+    assert bugs and bugs[0]["cause"] == "sharding-bug", d["findings"]
+    assert abs(d["loss"]["abs_diff"] - 0.6931471805599453) < 1e-5  # log(2)
+    # the logprobs themselves are only reordered: within their bound, not a finding
+    assert not [f for f in d["findings"] if f["kind"] == "logprobs"]
+
+
+def test_stock_logprob_and_grad_norm_differences_are_within_their_bounds(stock_run):
+    s = json.loads((stock_run / "summary.json").read_text())
+    assert all(d["findings"] == [] for d in s["degrees"].values())
+
+
+def test_rank_inconsistent_replica_points_at_the_module(tmp_path):
+    s = compare(tmp_path, "--model", "py:tests/models/rank_noise.py:target", "--tp", "1,2")
+    assert s["baseline"]["reproducible"] is True  # deterministic per rank, so not noise
+    d = s["degrees"]["2"]
+    fd = d["first_divergence"]
+    assert fd["module"] == "layers.0.ffn_norm" and fd["cause"] == "rank-inconsistent-replica", fd
+    f = [x for x in d["findings"] if x["cause"] == "rank-inconsistent-replica"]
+    assert f and f[0]["module"] == "layers.0.ffn_norm" and f[0]["max_abs"] > 1e-4

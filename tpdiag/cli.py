@@ -171,7 +171,9 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
 
 def _emit_summary(summary: dict, fmt: str) -> None:
     if fmt == "json":
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        from tpdiag import io
+
+        sys.stdout.write(io.dumps(summary, indent=2) + "\n")  # strict JSON: no bare NaN
     else:
         from tpdiag.cli_render import summary_tables
 

@@ -58,3 +58,41 @@ def check(y1: torch.Tensor, yn: torch.Tensor, bound: torch.Tensor) -> BoundCheck
     i = int(ratio.argmax())
     r = float(ratio.flatten()[i])
     return BoundCheck(float(bound.flatten()[i]), r, r > 1.0)
+
+
+def logprob_bound(logits1, logitsn, lp1, lpn) -> torch.Tensor:
+    """Per-token bound on |lp_N - lp_1| for lp = logit[label] - logsumexp(logits).
+
+    logsumexp is 1-Lipschitz in the max-norm of its input and the target logit moves by at most
+    the same amount, so a logits difference d moves lp by <= 2d. Rounding: a sum of V positive
+    terms (gamma_V) and an exp/log each side, in fp32.
+    """
+    f = torch.float64
+    v = logits1.shape[-1]
+    l1 = logits1.reshape(-1, v).to(f)
+    ln = logitsn.reshape(-1, v).to(f)
+    d = (ln - l1).abs().amax(-1)
+    u = UNIT_ROUNDOFF[torch.float32]
+    a, b = lp1.reshape(-1).to(f), lpn.reshape(-1).to(f)
+    return 2 * d + 2 * gamma(v, u) + 4 * u * (1 + a.abs() + b.abs())
+
+
+def mean_bound(elem_bound: torch.Tensor, y1: float, yn: float, n: int) -> float:
+    """Bound on the difference of two means of n terms each within elem_bound of each other."""
+    u = UNIT_ROUNDOFF[torch.float32]
+    return float(elem_bound.mean()) + gamma(n, u) * (abs(y1) + abs(yn)) + u * (abs(y1) + abs(yn))
+
+
+def norm_bound(grads1: list, gradsn: list, total1: float, totaln: float) -> float:
+    """|norm_N - norm_1| <= ||g_N - g_1||_2 (triangle inequality) + each side's rounding of a
+    sum of squares over n elements (gamma_n, relative) and the square root."""
+    f = torch.float64
+    diff2 = sum(float(((b.to(f) - a.to(f)) ** 2).sum()) for a, b in zip(grads1, gradsn))
+    import math
+
+    n = sum(a.numel() for a in grads1)
+    u = UNIT_ROUNDOFF[torch.float32]
+    # torch sums long vectors pairwise/cascaded (CPU) or by trees (GPU): the error grows with
+    # log2(n), not n; the worst-case gamma_n over a million grads would hide a 5% error
+    depth = math.ceil(math.log2(max(n, 2))) + 1
+    return diff2 ** 0.5 + (gamma(depth, u) + 2 * u) * (abs(total1) + abs(totaln))

@@ -53,6 +53,49 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         row["bound"] = chk.bound
         row["bound_ratio"] = chk.ratio
         row["beyond_bound"] = chk.beyond
+    _loss_bounds(dd)
+    # NaN/Inf where the reference has a finite value (or the reverse) is no rounding: a wrong
+    # result. Its first appearance is the finding; everything after merely inherits it.
+    first_nonfinite = next((r for r in dd.rows if r.get("nonfinite_mismatch")), None)
+    if first_nonfinite is not None:
+        first_nonfinite["beyond_bound"] = True
+        first_nonfinite["bound_ratio"] = float("inf")
+
+
+def _set(row: dict, bound: float, diff: float) -> None:
+    row["bound"] = bound
+    row["bound_ratio"] = diff / bound if bound > 0 else (0.0 if diff == 0 else float("inf"))
+    row["beyond_bound"] = diff > bound
+
+
+def _loss_bounds(dd: DegreeDiff) -> None:
+    """Bounds for the logprobs and the loss (from the logits) and for the grad norm (from the
+    grads): a loss that is wrong at TP > 1 (a log(TP) offset, a local vocab size) is a finding,
+    not a 'vocab-parallel-softmax' reordering. Assumes a cross-entropy-like loss."""
+    by_step: dict = {}
+    for row in dd.rows:
+        by_step.setdefault(row["step"], []).append(row)
+    for step, rows in by_step.items():
+        lk = f"s{step}/loss/model/logits#0/logits"
+        lp_row = next((r for r in rows if r["kind"] == "logprobs"), None)
+        if lk in dd.tensors and lp_row is not None and lp_row["key"] in dd.tensors:
+            (l1, ln), (p1, pn) = dd.tensors[lk], dd.tensors[lp_row["key"]]
+            if l1.shape == ln.shape and p1.numel() == l1.numel() // l1.shape[-1]:
+                eb = bounds.logprob_bound(l1, ln, p1, pn)
+                d = (pn.double().reshape(-1) - p1.double().reshape(-1)).abs()
+                chk = bounds.check(p1.reshape(-1), pn.reshape(-1), eb)
+                _set(lp_row, chk.bound, float(d.flatten()[int((d / eb).argmax())]))
+                lp_row["bound_ratio"], lp_row["beyond_bound"] = chk.ratio, chk.beyond
+                loss_row = next((r for r in rows if r["kind"] == "loss"), None)
+                if loss_row is not None and loss_row["key"] in dd.tensors:
+                    a, b = (float(t.double().reshape(-1)[0]) for t in dd.tensors[loss_row["key"]])
+                    _set(loss_row, bounds.mean_bound(eb, a, b, p1.numel()), abs(b - a))
+        gn = next((r for r in rows if r["kind"] == "grad_norm"), None)
+        if gn is not None and gn["key"] in dd.tensors:
+            pairs = [dd.tensors[r["key"]] for r in rows if r["kind"] == "param_grad" and r["key"] in dd.tensors]
+            if pairs and all(a.shape == b.shape for a, b in pairs):
+                a, b = (float(t.double().reshape(-1)[0]) for t in dd.tensors[gn["key"]])
+                _set(gn, bounds.norm_bound([p[0] for p in pairs], [p[1] for p in pairs], a, b), abs(b - a))
 
 
 def classify(row: dict) -> str:

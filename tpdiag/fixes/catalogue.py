@@ -47,5 +47,12 @@ def _norm(model, plan, world):
 register(Fix("invariant-norm-grad", ("norm-weight-grad",), ("RMSNorm under SequenceParallel",),
              "weight-grad sums per fixed sequence group, one tree all-gather of [hidden] per norm",
              _norm))
-register(Fix("deterministic-collectives", ("collective-nondeterminism",), ("all_reduce",),
-             "not built yet", None))
+def _det(model, plan, world):
+    from tpdiag.kernels.det_collectives import deterministic_all_reduce
+
+    return deterministic_all_reduce()
+
+
+register(Fix("deterministic-collectives", ("collective-nondeterminism",),
+             ("_c10d_functional::all_reduce (DTensor Partial -> Replicate)",),
+             "all-gather + rank-ordered sum: deterministic at a fixed TP, not TP-invariant", _det))

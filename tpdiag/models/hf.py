@@ -211,7 +211,7 @@ def load_model(path: str):
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - any config problem is a bad spec, in one line
         raise BadInput(f"--model hf:{path}: config.json not usable by transformers: "
                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -227,13 +227,14 @@ def load_model(path: str):
     try:
         if has_st:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                         trust_remote_code=False,
                                                          use_safetensors=True, local_files_only=True)
         elif pickled:
             raise BadInput(f"--model hf:{path}: weights are pickled ({os.path.basename(pickled[0])}); "
                            "tpdiag loads safetensors only - convert them, or remove them for a random init")
         else:
             # The runner seeded the RNG: the full model's init is the same on every rank/degree.
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     except BadInput:
         raise
     except ValueError as e:

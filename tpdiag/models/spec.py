@@ -100,8 +100,14 @@ def model_divisors(spec: ModelSpec) -> dict[str, int]:
 
         return LlamaConfig(**PRESETS[spec.value]).divisors()
     if spec.kind == "hf":
-        with open(os.path.join(spec.value, "config.json")) as f:
-            cfg = json.load(f)
+        path = os.path.join(spec.value, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadInput(f"--model hf:{spec.value}: config.json unreadable ({type(e).__name__})") from None
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("text_config", cfg), dict):
+            raise BadInput(f"--model hf:{spec.value}: config.json is not a JSON object")
         cfg = cfg.get("text_config", cfg)
         out = {}
         for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):

@@ -42,8 +42,17 @@ def validate(cfg: CompareConfig) -> None:
     check_degrees(spec, cfg.degrees)
     if cfg.steps < 1:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
-    if cfg.timeout <= 0:
-        raise BadInput(f"--timeout {cfg.timeout:g}: must be > 0 seconds")
+    import math
+
+    if not math.isfinite(cfg.timeout) or cfg.timeout <= 0 or cfg.timeout > 7 * 86400:
+        raise BadInput(f"--timeout {cfg.timeout:g}: must be a number of seconds in (0, 604800]")
+    if spec.kind == "builtin":
+        from tpdiag.models.plans import VARIANTS
+
+        if cfg.variant not in VARIANTS:
+            raise BadInput(f"--variant {cfg.variant!r}: expected one of {', '.join(VARIANTS)}")
+    if not 0 <= cfg.seed < 2 ** 63:
+        raise BadInput(f"--seed {cfg.seed}: must be in [0, 2**63)")
     if cfg.batch_size < 1 or cfg.seq_len < 2:
         raise BadInput(f"--batch-size {cfg.batch_size} / --seq-len {cfg.seq_len}: need >= 1 and >= 2")
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):

@@ -73,7 +73,7 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     ctx = _context(cfg.model)
     procs = [ctx.Process(target=worker.main, name=f"tpdiag-tp{world}-rank{r}",
-                         args=(r, world, "127.0.0.1", store.port, cfg.to_dict(), timeout_s))
+                         args=(r, world, "127.0.0.1", store.port, cfg.to_dict(), timeout_s, os.getpid()))
              for r in range(world)]
     if on_status:
         on_status(cfg.label, "running")
@@ -81,7 +81,7 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
     old_term = _terminate_as_interrupt()
     try:
         for p in procs:
-            p.start()
+            _start(ctx, p)
         deadline = time.monotonic() + timeout_s
         while result is None:
             done = [os.path.exists(worker.marker(cfg.out_dir, r, "done")) for r in range(world)]
@@ -149,6 +149,24 @@ def _failure(cfg: WorldConfig, procs, world: int, t0: float) -> WorldResult | No
         error = f"rank {r} raised {rank_errors[r]}"
     return WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
                        error=error, rank_errors=rank_errors)
+
+
+def _start(ctx, p) -> None:
+    """p.start() with SIGINT/SIGTERM held back: interrupted half-way, a rank could be running
+    without the launcher knowing its pid (so nobody would kill it). The signal is delivered
+    right after, when the rank is known and the launcher's `finally` reaps it."""
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()  # spawned with signals unblocked: its ranks inherit its mask
+    main_thread = threading.current_thread() is threading.main_thread()
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main_thread else None
+    try:
+        p.start()
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _terminate_as_interrupt():

@@ -16,11 +16,12 @@ def marker(out_dir: str, rank: int, what: str) -> str:
     return os.path.join(out_dir, f"rank{rank}.{what}")
 
 
-def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s: float) -> None:
+def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s: float,
+         launcher_pid: int | None = None) -> None:
     from tpdiag import io
     from tpdiag.config import WorldConfig
 
-    _die_with_parent()
+    _watch_launcher(launcher_pid)
     cfg = WorldConfig.from_dict(cfg_dict)
     os.environ["TPDIAG_RANK"] = str(rank)
     try:
@@ -44,24 +45,49 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
     os._exit(0)
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the process that started this rank dies (the fork server, which
-    itself exits with the compare). A compare killed with SIGKILL, or crashing, then leaves no
-    rank behind - a hung one included. Elsewhere a no-op: the launcher's reaping still applies."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-        import signal
+def _watch_launcher(pid: int | None) -> None:
+    """Exit as soon as the process that launched this world is gone (killed with SIGKILL,
+    crashed, or interrupted while starting this rank, before it learned the rank's pid).
 
-        parent = os.getppid()
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-    except Exception:  # noqa: BLE001 - best effort
-        pass
+    Not the parent: ranks are children of the fork server, and every rank holds the fork
+    server's 'alive' pipe, so the server outlives the launcher for as long as any rank lives.
+    A daemon thread polls the launcher's /proc entry (start time included: pids are reused)."""
+    import signal
+    import threading
+
+    # The launcher blocks SIGINT/SIGTERM while it starts a rank; a rank forked then inherits that.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    if not pid:
+        return
+    born = _start_time(pid)
+    if born is None:  # gone before this rank even started
+        os._exit(1)
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            if _start_time(pid) != born:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="tpdiag-launcher-watch", daemon=True).start()
+
+
+def _start_time(pid: int):
+    """The process's start time (None: gone or a zombie); without /proc, whether it exists."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return "alive"
+        except ProcessLookupError:
+            return None
+        except OSError:
+            return "alive"
 
 
 def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> None:
