@@ -107,7 +107,9 @@ def test_cpu_chunking_does_not_change_bits(monkeypatch):
     """Chunks over rows/columns only bound memory: a tiny budget gives the same bits."""
     a, b = operands(M, K, N, torch.float32)
     full = ig.cpu_mm(a, b)
-    monkeypatch.setattr(ig, "_CPU_CHUNK_ELEMS", 3 * K)
+    import tpdiag.kernels.invariant_gemm_cpu as igc
+
+    monkeypatch.setattr(igc, "_CPU_CHUNK_ELEMS", 3 * K)
     assert_bitwise(ig.cpu_mm(a, b), full, "tiny chunks")
 
 
