@@ -41,6 +41,7 @@ class Recorder:
     records: list[tuple[dict, torch.Tensor]] = field(default_factory=list)
     _calls: dict = field(default_factory=dict)
     enabled: bool = True
+    hash: bool = True
     stack: list = field(default_factory=list)  # modules whose forward is running (op attribution)
 
     def call_index(self, module: str) -> int:
@@ -66,6 +67,10 @@ class Recorder:
             "dtype": str(local.dtype).replace("torch.", ""), "local_shape": list(local.shape),
         }
         meta["key"] = record_key(meta)
+        if self.hash:
+            from tpdiag.probes.hashing import tensor_hash
+
+            meta["hash"] = tensor_hash(local)  # this rank's shard, computed on its device
         self.records.append((meta, local))
         return meta
 

@@ -112,6 +112,13 @@ class RecordSet:
             raise Inconclusive(f"{self.dir}: record {meta['key']} is stored as "
                                f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}, its index says "
                                f"{meta['dtype']}{want} (edited or mismatched files)")
+        want_hash = meta.get("stored_hash")
+        if want_hash is not None:
+            from tpdiag.probes.hashing import tensor_hash
+
+            if tensor_hash(t) != want_hash:
+                raise Inconclusive(f"{self.dir}: record {meta['key']} does not match its hash "
+                                   "(the tensor file was edited after the run)")
         return t
 
 

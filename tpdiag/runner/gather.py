@@ -35,7 +35,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor]], device: torch.devic
         out = []
         for m, t in records:
             out.append(({**m, "stored": "single", "ranks_equal": True, "world": 1}, t))
-        return out
+        return _with_stored_hash(out)
 
     parts = [_as_bytes(t) for _, t in records]
     sizes = [p.numel() for p in parts]
@@ -65,4 +65,11 @@ def gather_records(records: list[tuple[dict, torch.Tensor]], device: torch.devic
         else:
             out.append(({**m, "stored": "stacked", "ranks_equal": False, "world": world},
                         torch.stack(shards)))
-    return out
+    return _with_stored_hash(out)
+
+
+def _with_stored_hash(out):
+    """The hash of exactly what goes to disk: RecordSet checks it on every read."""
+    from tpdiag.probes.hashing import tensor_hash
+
+    return [({**m, "stored_hash": tensor_hash(t)}, t) for m, t in out]
