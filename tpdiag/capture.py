@@ -178,8 +178,20 @@ class Capture:
         device = _collective_device(self.group)
         t1 = time.perf_counter()
         stored = gather_in_group(self.rec.records, device, self.group)
-        if self.group_rank != 0:
-            return
+        if self.group_rank == 0:
+            self._write(stored, device, t1)
+        if dist.is_initialized():
+            # Nobody leaves before the capture is on disk: a launcher like torchrun tears the
+            # whole job down when one rank dies (gloo ranks can abort at interpreter exit), and
+            # must not kill the writer half-way.
+            dist.barrier(group=self.group)
+
+    def _write(self, stored, device, t1) -> None:
+        import torch.distributed as dist
+
+        from tpdiag import io
+        from tpdiag.probes import store
+
         backend = dist.get_backend(self.group) if dist.is_initialized() else None
         timings = {"capture_s": round(t1 - self.t0, 3), "gather_s": round(time.perf_counter() - t1, 3)}
         store.write(self.out, stored, {
