@@ -171,13 +171,12 @@ class Capture:
     def _finish(self) -> None:
         import torch.distributed as dist
 
-        from tpdiag import io
-        from tpdiag.probes import store
+        from tpdiag.runner.gather import gather_records
 
         _apply_layouts(self.rec.records, self.layouts)
         device = _collective_device(self.group)
         t1 = time.perf_counter()
-        stored = gather_in_group(self.rec.records, device, self.group)
+        stored = gather_records(self.rec.records, device, self.group)
         if self.group_rank == 0:
             self._write(stored, device, t1)
         if dist.is_initialized():
@@ -346,47 +345,6 @@ def fingerprint(model, layouts: dict[str, str], degree: int) -> dict:
                 local = degree > 1  # a plain tensor at TP > 1 may be a shard: shape is local
         params[name] = {"shape": shape, "dtype": str(p.dtype).replace("torch.", ""), "local": local}
     return {"n_params": len(params), "params": params}
-
-
-def gather_in_group(records, device, group):
-    """tpdiag.runner.gather.gather_records, on a given process group (rank 0 of the group gets
-    everything). The default group goes through gather_records itself; a subgroup repeats its
-    protocol here because gather_records takes no group (fold this in when it does)."""
-    import torch.distributed as dist
-
-    from tpdiag.errors import Inconclusive
-    from tpdiag.runner.gather import _as_bytes, _stream_signature, gather_records
-
-    if group is None or not dist.is_initialized() or group == dist.group.WORLD:
-        return gather_records(records, device)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    metas = [m for m, _ in records]
-    parts = [_as_bytes(t) for _, t in records]
-    sizes = [p.numel() for p in parts]
-    sig = torch.tensor([_stream_signature(metas), sum(sizes)], dtype=torch.int64, device=device)
-    sigs = [torch.empty_like(sig) for _ in range(world)]
-    dist.all_gather(sigs, sig, group=group)
-    if any(not torch.equal(s, sigs[0]) for s in sigs):
-        raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
-                           "dtypes per rank); the model is not SPMD under this plan")
-    buf = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
-    dist.gather(buf, gathered, group=group, group_dst=0)
-    if rank != 0:
-        return None
-    gathered = [g.cpu() for g in gathered]
-    out, off = [], 0
-    for (m, t), n in zip(records, sizes):
-        raw = [g[off:off + n] for g in gathered]
-        off += n
-        shards = [r.view(t.dtype).reshape(t.shape) for r in raw]
-        # Equal means equal bytes (so -0.0 vs +0.0 and NaN payloads count), as in gather_records.
-        if all(torch.equal(raw[0], r) for r in raw[1:]):
-            out.append(({**m, "stored": "single", "ranks_equal": True, "world": world}, shards[0].clone()))
-        else:
-            out.append(({**m, "stored": "stacked", "ranks_equal": False, "world": world},
-                        torch.stack(shards)))
-    return out
 
 
 class _CallableModule(types.ModuleType):

@@ -89,8 +89,6 @@ def _baseline(run_dir, ref, label, failed, degree) -> dict:
 
 def step_drift(dd) -> list[dict]:
     """Per optimizer step: loss, grad norm and parameter drift against the reference."""
-    import torch
-
     out = {}
     for r in dd.rows:
         s = out.setdefault(r["step"], {"step": r["step"], "bitwise": True, "param_max_abs": 0.0})

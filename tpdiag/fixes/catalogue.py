@@ -1,8 +1,6 @@
 """Registers the fixes DESIGN.md names. A fix without an implementation has install=None."""
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 from tpdiag.fixes import state
 from tpdiag.fixes.registry import Fix, register
 

@@ -25,6 +25,7 @@ from tpdiag.errors import BadInput
 from tpdiag.fixes import state
 from tpdiag.kernels import tree
 from tpdiag.kernels.grouped_linear import col_parallel_linear, row_parallel_linear
+from tpdiag.probes.recorder import local_of as _local
 
 TREE = "tp-invariant-linear"
 BLOCKED = "invariant-gemm"
@@ -46,12 +47,6 @@ def _targets(model: nn.Module, plan: dict):
             style = style_label(obj) if obj is not None else None
             if style in ("rowwise", "colwise", "colwise-gathered"):
                 yield name, mod, style, obj
-
-
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _GatherColumns(torch.autograd.Function):

@@ -25,12 +25,13 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def gather_records(records: list[tuple[dict, torch.Tensor]], device: torch.device):
-    """Returns, on rank 0, [(meta, stored_tensor)] with meta['stored'] in {'single','stacked'};
-    on other ranks None. Raises Inconclusive if the ranks recorded different streams."""
+def gather_records(records: list[tuple[dict, torch.Tensor]], device: torch.device, group=None):
+    """Returns, on rank 0 of `group` (default: the world), [(meta, stored_tensor)] with
+    meta['stored'] in {'single','stacked'}; on other ranks None. Raises Inconclusive if the
+    ranks recorded different streams."""
     metas = [m for m, _ in records]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
     if world == 1:
         out = []
         for m, t in records:
@@ -42,13 +43,16 @@ def gather_records(records: list[tuple[dict, torch.Tensor]], device: torch.devic
     total = sum(sizes)
     sig = torch.tensor([_stream_signature(metas), total], dtype=torch.int64, device=device)
     sigs = [torch.empty_like(sig) for _ in range(world)]
-    dist.all_gather(sigs, sig)
+    dist.all_gather(sigs, sig, group=group)
     if any(not torch.equal(s, sigs[0]) for s in sigs):
         raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
                            "dtypes per rank); the model is not SPMD under this plan")
     buf = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
     gathered = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
-    dist.gather(buf, gathered, dst=0)
+    if group is None:
+        dist.gather(buf, gathered, dst=0)
+    else:
+        dist.gather(buf, gathered, group=group, group_dst=0)
     if rank != 0:
         return None
     gathered = [g.cpu() for g in gathered]

@@ -126,8 +126,7 @@ def loss_context(world: int):
     return nullcontext()
 
 
-def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder,
-        fix_stack: ExitStack | None = None) -> dict:
+def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> dict:
     from tpdiag.probes.module_probe import module_probes, record_params
 
     timings = {}
@@ -138,8 +137,6 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder,
     timings["build_s"] = time.perf_counter() - t0
 
     with ExitStack() as stack:
-        if fix_stack is not None:
-            stack.enter_context(fix_stack)
         from tpdiag.fixes.registry import apply_fixes
 
         stack.enter_context(apply_fixes(cfg.fixes, model=model, plan=target.plan, world=world))
