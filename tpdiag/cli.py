@@ -77,6 +77,9 @@ def compare(
     fix: Annotated[str, typer.Option(help="NAME[,NAME] | all | auto | none")] = "none",
     confirm: Annotated[bool, typer.Option("--confirm/--no-confirm")] = True,
     granularity: Annotated[str, typer.Option(help="module | op | auto")] = "module",
+    capture: Annotated[str, typer.Option(
+        help="full (every record whole) | hash (hashes + statistics on the device, whole values "
+             "for the first divergence only, in a second pass) | auto (hash above 100M params)")] = "auto",
     out: Annotated[Optional[str], typer.Option(help="run directory (default runs/DATE)")] = None,
     timeout: Annotated[float, typer.Option(help="seconds per TP world")] = 300.0,
     seed: Annotated[int, typer.Option(help="seed for weights and batch")] = 1234,
@@ -95,7 +98,8 @@ def compare(
     """Run the model at each TP degree and find the first op that differs from the reference."""
     _DEBUG["on"] = debug
     try:
-        from tpdiag.config import DEVICES, DTYPES, GRANULARITIES, CompareConfig, parse_choice, parse_degrees
+        from tpdiag.config import (CAPTURES, DEVICES, DTYPES, GRANULARITIES, CompareConfig, parse_choice,
+                                   parse_degrees)
         from tpdiag.fixes.registry import resolve
 
         fmt = _check_format(fmt)
@@ -106,7 +110,7 @@ def compare(
             device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps,
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
-            out=out or "", timeout=timeout, seed=seed, variant=variant, baseline=baseline,
+            capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout, seed=seed, variant=variant, baseline=baseline,
             batch_size=batch_size, seq_len=seq_len)
         from tpdiag.runner.compare import default_out, validate
         from tpdiag.runner.session import compare_session

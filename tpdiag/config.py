@@ -8,6 +8,9 @@ from tpdiag.errors import BadInput
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 GRANULARITIES = ("module", "op", "auto")
+CAPTURES = ("auto", "full", "hash")
+# --capture auto: hash-first above this many parameters (whole records of a 1B model are GBs)
+AUTO_HASH_PARAMS = 100_000_000
 FORMATS = ("text", "json")
 
 
@@ -72,11 +75,15 @@ class WorldConfig:
     probes: bool = True
     selfcheck: bool = True
     op_include: tuple[str, ...] = ()  # with granularity op: only ops inside these modules/phases
+    capture: str = "full"              # full | hash | auto (by parameter count)
+    module_include: tuple[str, ...] = ()  # probe only these modules (a second, full pass)
+    ref_dir: str = ""                  # the reference's records: whole shapes for hash mode
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["fixes"] = list(self.fixes)
         d["op_include"] = list(self.op_include)
+        d["module_include"] = list(self.module_include)
         return d
 
     @classmethod
@@ -84,6 +91,7 @@ class WorldConfig:
         d = dict(d)
         d["fixes"] = tuple(d.get("fixes", ()))
         d["op_include"] = tuple(d.get("op_include", ()))
+        d["module_include"] = tuple(d.get("module_include", ()))
         return cls(**d)
 
     def with_(self, **kw) -> "WorldConfig":
@@ -110,6 +118,8 @@ class CompareConfig:
     variant: str = "stock"
     baseline: bool = True  # rerun the reference against itself before blaming TP
     op_include: tuple[str, ...] = ()
+    capture: str = "auto"
+    module_include: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -117,6 +127,7 @@ class CompareConfig:
         d["degrees"] = list(self.degrees)
         d["fixes"] = list(self.fixes)
         d["op_include"] = list(self.op_include)
+        d["module_include"] = list(self.module_include)
         return d
 
     def world(self, degree: int, label: str, out_dir: str, device: str, **kw) -> WorldConfig:
@@ -124,4 +135,5 @@ class CompareConfig:
                            dtype=self.dtype, device=device, backward=self.backward,
                            steps=self.steps, seed=self.seed, batch_size=self.batch_size,
                            seq_len=self.seq_len, fixes=self.fixes, granularity=self.granularity,
-                           variant=self.variant, op_include=self.op_include, **kw)
+                           variant=self.variant, op_include=self.op_include,
+                           capture=self.capture, module_include=self.module_include, **kw)

@@ -142,6 +142,8 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         status = "bitwise"
     summary = {"schema": SCHEMA, "status": status, "reference": reference_degree,
                "reference_label": reference, "degrees": degrees}
+    if ref is not None:
+        summary["capture"] = ref.world.get("capture", "full")
     if base is not None:
         summary["baseline"] = base
         if not base["reproducible"]:

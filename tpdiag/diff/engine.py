@@ -54,6 +54,34 @@ def _in_flight(op_name: str) -> bool:
     return op_name.startswith("_c10d_functional::") and not op_name.startswith("_c10d_functional::wait_tensor")
 
 
+def _hash_row(rm: dict, om: dict, label: str):
+    """(row, None) comparing two hash-mode records by their whole-tensor hashes, or (None, why)."""
+    if rm.get("stored") != om.get("stored"):
+        return None, "captured as a hash at one side only"
+    if rm.get("full_hash") is None or om.get("full_hash") is None:
+        return None, "shard layout unknown in hash mode"
+    if rm["dtype"] != om["dtype"] or rm["full_shape"] != om["full_shape"]:
+        if om["kind"] == "op":
+            return None, "no reference op of the same shape"
+        raise NotComparable(f"TP={label}: {om['key']}: {rm['dtype']}{rm['full_shape']} at the "
+                            f"reference vs {om['dtype']}{om['full_shape']}")
+    row = {k: om.get(k) for k in ("idx", "key", "step", "phase", "module", "kind", "call", "name",
+                                 "cls", "style", "dtype")}
+    sa, sb = rm["stats"], om["stats"]
+    layout = om.get("hash_layout")
+    row.update(degree=label, layout=layout, shape=list(om["full_shape"]), hash_only=True,
+               rank_consistent=(om.get("ranks_equal") if om.get("world", 1) > 1
+                                and not (layout or "").startswith("shard:") else None),
+               consumers=om.get("consumers"), bitwise=rm["full_hash"] == om["full_hash"],
+               max_abs=None, max_rel=None, max_ulp=None, mismatch_fraction=None, bound=None,
+               beyond_bound=None, nonfinite_mismatch=sa["nonfinite"] != sb["nonfinite"])
+    if not row["bitwise"]:
+        na, nb = sa["sumsq"] ** 0.5, sb["sumsq"] ** 0.5
+        # |(|b| - |a|)| / |a| <= |b - a| / |a|: a lower bound on the relative error, from statistics
+        row["norm_rel_diff"] = abs(nb - na) / na if na > 0 else (0.0 if nb == 0 else float("inf"))
+    return row, None
+
+
 def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> DegreeDiff:
     """keep(meta) -> bool: which assembled pairs to keep in memory (for bounds and plots)."""
     rows, unmatched, uncompared = [], [], []
@@ -77,6 +105,13 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
             # a functional collective's output before its wait_tensor holds the rank's own
             # partial (only a TP>1 reference has the key at all); wait_tensor's is compared
             uncompared.append({**om, "why": "collective output before wait_tensor"})
+            continue
+        if "hash" in (om.get("stored"), rm.get("stored")):
+            row, why = _hash_row(rm, om, label)
+            if row is None:
+                uncompared.append({**om, "why": why})
+            else:
+                rows.append(row)
             continue
         try:
             ra, oa = _assemble_pair(rm, ref.tensor(rm), om, other.tensor(om))

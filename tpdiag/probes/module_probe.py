@@ -114,11 +114,14 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
     return hook
 
 
-def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None = None) -> None:
+def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None = None,
+                  include: set[str] | None = None) -> None:
     from tpdiag.models.plans import style_of
 
     mods = dict(model.named_modules())
     for pname, p in model.named_parameters():
         mname, _, short = pname.rpartition(".")
+        if include is not None and (mname or "model") not in include:
+            continue
         cls = type(mods.get(mname, model)).__name__
         rec.add(kind, mname or "model", short, p, style=style_of(mname, plan or {}), cls=cls)

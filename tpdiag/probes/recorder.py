@@ -2,6 +2,11 @@
 
 A record is (meta, tensor). DTensors are stored as their local shard plus the placement, so
 the gather step can rebuild the whole tensor without a collective inside a hook.
+
+Hash mode (hash-first capture) keeps no tensor: each record's order-aware lanes and float64
+statistics are computed on the device from the shard and its place in the whole tensor, and the
+tensor is released at once - no copy, no host transfer, nothing that keeps the autograd graph
+alive. Only the small outputs every summary reads (batch, logprobs, loss, grad norm) stay whole.
 """
 from __future__ import annotations
 
@@ -34,15 +39,26 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+# Kept whole even in hash mode: small, and every summary reads them (logprob error, loss drift).
+KEEP_WHOLE = ("batch", "logprobs", "loss", "grad_norm")
+
+
 @dataclass
 class Recorder:
     step: int = 0
     phase: str = "init"
-    records: list[tuple[dict, torch.Tensor]] = field(default_factory=list)
+    records: list[tuple[dict, torch.Tensor | None]] = field(default_factory=list)
     _calls: dict = field(default_factory=dict)
     enabled: bool = True
     hash: bool = True
     stack: list = field(default_factory=list)  # modules whose forward is running (op attribution)
+    mode: str = "full"                          # full | hash
+    world: int = 1
+    rank: int = 0
+    # hash mode at TP > 1: each record's whole shape at the reference (TP=1), which says where
+    # an unmarked shard (a plain local tensor) sits in the whole tensor
+    ref_shapes: dict = field(default_factory=dict)
+    lanes: list = field(default_factory=list)   # hash mode: per record (ints, floats), or None
 
     def call_index(self, module: str) -> int:
         key = (self.step, self.phase, module)
@@ -58,8 +74,10 @@ class Recorder:
         phase = phase or self.phase
         placement = layout if layout is not None else placement_label(t)
         local = local_of(t).detach()
-        # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
-        local = local.clone(memory_format=torch.contiguous_format)
+        hashed = self.mode == "hash" and kind not in KEEP_WHOLE
+        if not hashed:
+            # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
+            local = local.clone(memory_format=torch.contiguous_format)
         meta = {
             "idx": len(self.records), "step": self.step, "phase": phase, "module": module,
             "kind": kind, "call": call, "name": name, "placement": placement, "style": style,
@@ -67,12 +85,48 @@ class Recorder:
             "dtype": str(local.dtype).replace("torch.", ""), "local_shape": list(local.shape),
         }
         meta["key"] = record_key(meta)
+        if hashed:
+            from tpdiag.kernels.record_hash import shard_lanes
+
+            layout_, full, dim, size, offset = self._hash_layout(t, local, meta["key"])
+            meta["hash_layout"], meta["full_shape"] = layout_, full
+            self.lanes.append(shard_lanes(local, dim, size, offset))
+            self.records.append((meta, None))
+            return meta
         if self.hash:
             from tpdiag.probes.hashing import tensor_hash
 
             meta["hash"] = tensor_hash(local)  # this rank's shard, computed on its device
+        self.lanes.append(None)
         self.records.append((meta, local))
         return meta
+
+    def _hash_layout(self, t, local, key):
+        """(layout, whole shape, shard dim, whole size of that dim, this rank's offset)."""
+        from torch.distributed.tensor import DTensor
+
+        shape = list(local.shape)
+        if isinstance(t, DTensor):
+            p = placement_label(t)
+            if p and p.startswith("shard:"):
+                d = int(p.split(":")[1])
+                size, n = t.shape[d], t.device_mesh.size()
+                chunk = -(-size // n)  # torch.chunk's split, which Shard uses
+                offset = min(t.device_mesh.get_local_rank() * chunk, size)
+                return p, list(t.shape), d, size, offset
+            return p, list(t.shape), None, None, 0
+        if self.world == 1:
+            return "replicate", shape, None, None, 0
+        full = self.ref_shapes.get(key)
+        if full is None:
+            return "unknown", shape, None, None, 0
+        if list(full) == shape:
+            return "replicate", shape, None, None, 0
+        dims = [d for d in range(len(shape)) if len(full) == len(shape) and shape[d] != full[d]]
+        if len(dims) == 1 and shape[dims[0]] * self.world == full[dims[0]]:
+            d = dims[0]
+            return f"shard:{d}", list(full), d, full[d], self.rank * shape[d]
+        return "unknown", shape, None, None, 0
 
 
 def record_key(meta: dict) -> str:

@@ -15,7 +15,7 @@ MAX_DEGREE = 1024  # sanity bound on world.json's degree: shards are rebuilt by 
 
 def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {str(m["idx"]): t.contiguous() for m, t in stored}
+    tensors = {str(m["idx"]): t.contiguous() for m, t in stored if t is not None}
     # Tensors first, index last: an index that exists always points at complete tensors.
     io.write_safetensors(os.path.join(out_dir, TENSORS), tensors, metadata={"schema": "1"})
     io.write_jsonl(os.path.join(out_dir, EVENTS), [m for m, _ in stored])
@@ -53,8 +53,21 @@ def _check_event(m, line: int, path: str) -> None:
         bad(f"local_shape {shape!r} is not a list of sizes")
     if "world" in m and (not _is_int(m["world"]) or m["world"] < 1):
         bad(f"world {m['world']!r} is not an integer >= 1")
-    if m.get("stored", "single") not in ("single", "stacked"):
-        bad(f"stored {m.get('stored')!r} is not 'single' or 'stacked'")
+    if m.get("stored", "single") not in ("single", "stacked", "hash"):
+        bad(f"stored {m.get('stored')!r} is not 'single', 'stacked' or 'hash'")
+    if m.get("stored") == "hash":
+        h = m.get("full_hash")
+        if h is not None and not (isinstance(h, str) and len(h) == 16
+                                  and all(c in "0123456789abcdef" for c in h)):
+            bad(f"full_hash {h!r} is not 16 hex digits")
+        full = m.get("full_shape")
+        if not isinstance(full, list) or not all(_is_int(n) and n >= 0 for n in full):
+            bad(f"full_shape {full!r} is not a list of sizes")
+        stats = m.get("stats")
+        if h is not None and (not isinstance(stats, dict) or not all(
+                isinstance(stats.get(k), (int, float)) and not isinstance(stats.get(k), bool)
+                for k in ("nonfinite", "sum", "sumsq", "absmax"))):
+            bad(f"stats {stats!r} are not the four numbers nonfinite/sum/sumsq/absmax")
     if m.get("stored") == "stacked" and m.get("world", 1) < 2:
         bad("a stacked record of a world of one rank")
 
@@ -88,7 +101,8 @@ class RecordSet:
             keys = set(self._f.keys())
         except Exception as e:
             raise Inconclusive(f"{path}: unreadable or truncated safetensors ({_line(e)})") from None
-        missing = [str(m["idx"]) for m in self.events if str(m["idx"]) not in keys]
+        missing = [str(m["idx"]) for m in self.events
+                   if m.get("stored") != "hash" and str(m["idx"]) not in keys]
         if missing:
             raise Inconclusive(f"{path}: {len(missing)} records listed in {EVENTS} are missing "
                                f"(first: {missing[0]})")
@@ -98,7 +112,14 @@ class RecordSet:
                 raise Inconclusive(f"{epath}: record {m['key']} listed twice")
             self.by_key[m["key"]] = m
 
+    @property
+    def hash_only(self) -> bool:
+        return any(m.get("stored") == "hash" for m in self.events)
+
     def tensor(self, meta: dict) -> torch.Tensor:
+        if meta.get("stored") == "hash":
+            raise Inconclusive(f"{self.dir}: record {meta['key']} was captured as a hash only "
+                               "(--capture hash); rerun with --capture full for its values")
         try:
             t = self._f.get_tensor(str(meta["idx"]))
         except Exception as e:

@@ -55,6 +55,10 @@ def validate(cfg: CompareConfig) -> None:
         raise BadInput(f"--seed {cfg.seed}: must be in [0, 2**63)")
     if cfg.batch_size < 1 or cfg.seq_len < 2:
         raise BadInput(f"--batch-size {cfg.batch_size} / --seq-len {cfg.seq_len}: need >= 1 and >= 2")
+    from tpdiag.config import CAPTURES
+
+    if cfg.capture not in CAPTURES:
+        raise BadInput(f"--capture {cfg.capture!r}: expected one of {', '.join(CAPTURES)}")
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise BadInput(f"--out {cfg.out!r}: exists and is not a directory")
 
@@ -119,7 +123,8 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         base_label = f"{labels[0]}-base"
         worlds.insert(1, (cfg.degrees[0], base_label))
     for degree, label in worlds:
-        wcfg = cfg.world(degree, label, os.path.join(out, f"tp{label}"), device)
+        ref_dir = os.path.join(out, f"tp{labels[0]}") if label != labels[0] else ""
+        wcfg = cfg.world(degree, label, os.path.join(out, f"tp{label}"), device, ref_dir=ref_dir)
         res = run_world(wcfg, cfg.timeout, on_status)
         manifest["worlds"][label] = {"degree": degree, "status": res.status, "wall_s": round(res.wall_s, 3),
                                      "error": res.error}

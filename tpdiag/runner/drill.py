@@ -1,9 +1,14 @@
-"""`--granularity auto`: find the first divergent module cheaply, then record ops only there.
+"""The second pass: whole values and ops only where the first pass found the first divergence.
 
-Pass 1 records modules only. Pass 2 reruns the reference and the divergent degrees with the op
-probe restricted to the first divergent module (its parent for a divergent input; the whole
-phase for a backward or loss divergence, whose ops are attributed to the phase), and copies the
-op it names into pass 1's first divergence. Large models stay cheap: one module's ops are kept.
+Pass 1 is cheap: modules only (`--granularity auto`) and/or hashes only (`--capture hash`).
+Pass 2 reruns the reference and the divergent degrees and records just the located region:
+  - after a hash-first pass, the whole tensors of the first divergent record's module (its
+    inputs, outputs, grads and parameters) - enough for max |diff|, ULPs, the rounding bound
+    and the cause - with everything else off;
+  - for `--granularity auto`, the ops of the first divergent module (its parent for a divergent
+    input; the whole phase for a backward or loss divergence, whose ops are attributed to the
+    phase; after a hash pass only forward scopes, a phase's ops being as large as the model).
+It copies what it measured into pass 1's first divergence. Large models stay cheap.
 """
 from __future__ import annotations
 
@@ -12,11 +17,19 @@ from dataclasses import replace
 
 from tpdiag.config import CompareConfig, degree_labels
 
+_VALUES = ("max_abs", "max_ulp", "mismatch_fraction", "bound", "bound_ratio", "cause")
+_OPS = ("op", "op_record", "op_detail", "op_max_abs")
+
 
 def _scope(fd: dict) -> str:
     if fd["phase"] != "forward":
         return fd["phase"]
     return fd["module"]
+
+
+def _record_module(fd: dict) -> str:
+    # key = s{step}/{phase}/{module}/{kind}#{call}/{name}; module names contain no '/'
+    return fd["key"].split("/")[2]
 
 
 def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) -> dict:
@@ -27,21 +40,46 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                if (summary["degrees"].get(lab) or {}).get("first_divergence")]
     if not targets:
         return summary
-    scopes = sorted({_scope(summary["degrees"][lab]["first_divergence"]) for lab, _ in targets})
+    hashed = summary.get("capture") == "hash"
+    fds = [summary["degrees"][lab]["first_divergence"] for lab, _ in targets]
+    scopes = sorted({_scope(fd) for fd in fds})
+    if hashed:
+        scopes = [s for s in scopes if s not in ("init", "loss", "backward", "optimizer")]
+    ops = cfg.granularity in ("auto", "op") and bool(scopes)
+    if not hashed and not ops:
+        return summary
+    modules = sorted({m for fd in fds for m in (_record_module(fd), fd["module"])}) if hashed else []
     if on_status:
-        on_status("ops", ", ".join(scopes))
-    out = os.path.join(run_dir, "ops")
+        on_status("values" if hashed else "ops", ", ".join(modules or scopes))
+    out = os.path.join(run_dir, "region" if hashed else "ops")
     degrees = (cfg.degrees[0],) + tuple(d for _, d in targets)
-    sub = run_compare(replace(cfg, out=out, degrees=degrees, granularity="op", op_include=tuple(scopes),
-                              confirm=False, baseline=False, fix_mode="explicit"))
+    sub = run_compare(replace(
+        cfg, out=out, degrees=degrees, confirm=False, baseline=False, fix_mode="explicit",
+        capture="full" if hashed else cfg.capture, module_include=tuple(modules),
+        granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ()))
     for (label, _), sub_label in zip(targets, degree_labels(degrees)[1:]):
-        fd = summary["degrees"][label]["first_divergence"]
-        sfd = (sub["degrees"].get(sub_label) or {}).get("first_divergence") or {}
-        if sfd.get("key") == fd["key"] and sfd.get("op"):
-            for k in ("op", "op_record", "op_detail", "op_max_abs"):
+        entry = summary["degrees"][label]
+        fd = entry["first_divergence"]
+        sub_entry = sub["degrees"].get(sub_label) or {}
+        sfd = sub_entry.get("first_divergence") or {}
+        if sfd.get("key") != fd["key"]:
+            fd["op_detail" if not hashed else "values_detail"] = (
+                f"the {'full-capture' if hashed else 'op-level'} rerun of this region did not "
+                f"reproduce this first divergence ({sub_entry.get('status', 'failed')})")
+            continue
+        if hashed:
+            for k in _VALUES:
+                if k in sfd:
+                    fd[k] = sfd[k]
+            fd["values_run_dir"] = out
+            seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
+            entry["findings"] += [{**f, "from": "region rerun"} for f in sub_entry.get("findings", [])
+                                  if (f["phase"], f["module"], f["kind"], f["name"]) not in seen]
+        if ops and sfd.get("op"):
+            for k in _OPS:
                 if k in sfd:
                     fd[k] = sfd[k]
             fd["op_run_dir"] = out
-        else:
-            fd["op_detail"] = "op-level rerun did not reproduce this first divergence"
+        elif ops and not fd.get("op"):
+            fd["op_detail"] = "op-level rerun did not name an op for this first divergence"
     return summary

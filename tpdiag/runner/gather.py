@@ -25,20 +25,26 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def gather_records(records: list[tuple[dict, torch.Tensor]], device: torch.device, group=None):
+def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torch.device,
+                   group=None, lanes: list | None = None):
     """Returns, on rank 0 of `group` (default: the world), [(meta, stored_tensor)] with
-    meta['stored'] in {'single','stacked'}; on other ranks None. Raises Inconclusive if the
-    ranks recorded different streams."""
+    meta['stored'] in {'single','stacked','hash'}; on other ranks None. Raises Inconclusive if
+    the ranks recorded different streams. A hash-mode record (tensor None, its lanes in
+    `lanes`) is stored as its whole-tensor hash and statistics, composed from every rank's share."""
     metas = [m for m, _ in records]
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     if world == 1:
+        hashed = _gather_lanes(records, lanes, device, group, 1, 0)
         out = []
         for m, t in records:
-            out.append(({**m, "stored": "single", "ranks_equal": True, "world": 1}, t))
+            if t is None:
+                out.append((_hash_meta(m, hashed[m["idx"]], 1), None))
+            else:
+                out.append(({**m, "stored": "single", "ranks_equal": True, "world": 1}, t))
         return _with_stored_hash(out)
 
-    parts = [_as_bytes(t) for _, t in records]
+    parts = [_as_bytes(t) for _, t in records if t is not None]
     sizes = [p.numel() for p in parts]
     total = sum(sizes)
     sig = torch.tensor([_stream_signature(metas), total], dtype=torch.int64, device=device)
@@ -47,6 +53,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor]], device: torch.devic
     if any(not torch.equal(s, sigs[0]) for s in sigs):
         raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
                            "dtypes per rank); the model is not SPMD under this plan")
+    hashed = _gather_lanes(records, lanes, device, group, world, rank)
     buf = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
     gathered = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
     if group is None:
@@ -58,7 +65,13 @@ def gather_records(records: list[tuple[dict, torch.Tensor]], device: torch.devic
     gathered = [g.cpu() for g in gathered]
     out = []
     off = 0
-    for (m, t), n in zip(records, sizes):
+    sizes = iter(sizes)
+    for m, t in records:
+        if t is None:
+            if hashed is not None:
+                out.append((_hash_meta(m, hashed[m["idx"]], world), None))
+            continue
+        n = next(sizes)
         shards_b = [g[off:off + n] for g in gathered]
         off += n
         equal = all(torch.equal(shards_b[0], s) for s in shards_b[1:])
@@ -76,4 +89,55 @@ def _with_stored_hash(out):
     """The hash of exactly what goes to disk: RecordSet checks it on every read."""
     from tpdiag.probes.hashing import tensor_hash
 
-    return [({**m, "stored_hash": tensor_hash(t)}, t) for m, t in out]
+    return [({**m, "stored_hash": tensor_hash(t)}, t) if t is not None else (m, t) for m, t in out]
+
+
+def _gather_lanes(records, lanes, device, group, world, rank):
+    """{idx: [(ints, floats) per rank]} on rank 0 for the hash-mode records (two collectives,
+    one host sync); None elsewhere."""
+    idxs = [m["idx"] for m, t in records if t is None]
+    if not idxs:
+        return {}
+    by_idx = {m["idx"]: lanes[i] for i, (m, t) in enumerate(records) if t is None}
+    ints = torch.stack([by_idx[i][0] for i in idxs]).to(device)
+    floats = torch.stack([by_idx[i][1] for i in idxs]).to(device)
+    if world > 1:
+        gi = [torch.empty_like(ints) for _ in range(world)] if rank == 0 else None
+        gf = [torch.empty_like(floats) for _ in range(world)] if rank == 0 else None
+        kw = {"group": group, "group_dst": 0} if group is not None else {"dst": 0}
+        dist.gather(ints, gi, **kw)
+        dist.gather(floats, gf, **kw)
+        if rank != 0:
+            return None
+    else:
+        gi, gf = [ints], [floats]
+    gi = [g.cpu().tolist() for g in gi]
+    gf = [g.cpu().tolist() for g in gf]
+    return {i: [(gi[r][j], gf[r][j]) for r in range(len(gi))] for j, i in enumerate(idxs)}
+
+
+def _hash_meta(m: dict, shares: list, world: int) -> dict:
+    from tpdiag.probes.hashing import compose, hash_of_lanes
+
+    layout = m.get("hash_layout")
+    equal = all(s == shares[0] for s in shares[1:])
+    out = {**m, "stored": "hash", "world": world}
+    if layout and layout.startswith("shard:"):
+        ints, floats = compose(shares, "sum")
+        out["ranks_equal"] = None
+    elif layout == "partial" or (layout == "unknown" and not equal):
+        # an unreduced partial sum, or shards whose place in the whole tensor is unknown (no
+        # reference shape): per-rank hashes only, nothing to compare
+        out.update(ranks_equal=equal, full_hash=None,
+                   rank_hashes=[hash_of_lanes(s[0][0], s[0][1], m["dtype"], m["local_shape"])
+                                for s in shares])
+        return out
+    else:
+        ints, floats = compose(shares, "first")
+        out["ranks_equal"] = equal
+        if not equal:
+            out["rank_hashes"] = [hash_of_lanes(s[0][0], s[0][1], m["dtype"], m["full_shape"])
+                                  for s in shares]
+    out["full_hash"] = hash_of_lanes(ints[0], ints[1], m["dtype"], m["full_shape"])
+    out["stats"] = {"nonfinite": ints[2], "sum": floats[0], "sumsq": floats[1], "absmax": floats[2]}
+    return out

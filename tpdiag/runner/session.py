@@ -22,7 +22,8 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
         return first
     summary = run_compare(replace(cfg, granularity="module") if cfg.granularity == "auto" else cfg,
                           on_status)
-    if cfg.granularity == "auto" and summary["status"] == "divergent":
+    if summary["status"] == "divergent" and (cfg.granularity == "auto"
+                                             or summary.get("capture") == "hash"):
         from tpdiag.runner.drill import drill_down
 
         summary = drill_down(cfg, summary, cfg.out, on_status)

@@ -118,6 +118,17 @@ def _numerics(target):
     return loss_fn, logprob_fn, norm_fn
 
 
+def capture_mode(capture: str, model) -> str:
+    """'full' or 'hash'; 'auto' hashes models above AUTO_HASH_PARAMS (counted whole: a
+    DTensor parameter's numel is its global size, so every degree decides the same)."""
+    if capture != "auto":
+        return capture
+    from tpdiag.config import AUTO_HASH_PARAMS
+
+    n = sum(p.numel() for p in model.parameters())
+    return "hash" if n > AUTO_HASH_PARAMS else "full"
+
+
 def loss_context(world: int):
     if world > 1:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -132,6 +143,10 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
     timings = {}
     t0 = time.perf_counter()
     target, model = build_model(cfg, device, world)
+    rec.mode = capture_mode(cfg.capture, model)
+    rec.world = world
+    rec.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    include = set(cfg.module_include) or None
     batch, labels = make_batch(cfg, target, device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=False) if cfg.backward else None
     timings["build_s"] = time.perf_counter() - t0
@@ -142,7 +157,8 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
         stack.enter_context(apply_fixes(cfg.fixes, model=model, plan=target.plan, world=world))
         loss_fn, logprob_fn, norm_fn = _numerics(target)
         if cfg.probes:
-            stack.enter_context(module_probes(model, rec, plan=target.plan, backward=cfg.backward))
+            stack.enter_context(module_probes(model, rec, plan=target.plan, backward=cfg.backward,
+                                              include=include))
             if cfg.granularity == "op":
                 from tpdiag.probes.op_probe import OpProbe
 
@@ -151,7 +167,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
         for k, v in batch.items():
             rec.add("batch", "model", k, v)
         rec.add("batch", "model", "labels", labels)
-        record_params(rec, model, "param_init", target.plan)
+        record_params(rec, model, "param_init", target.plan, include)
         t1 = time.perf_counter()
         for step in range(cfg.steps):
             rec.step = step
@@ -176,7 +192,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
                 rec.add("grad_norm", "model", "total", total)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                record_params(rec, model, "param", target.plan)
+                record_params(rec, model, "param", target.plan, include)
             del out, logits, loss
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -116,21 +116,27 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     _fault_injection(rank, world)
     t0 = time.perf_counter()
     selfcheck = None
+    ref_shapes = _ref_shapes(cfg, world)
     if cfg.selfcheck:
         # The same step with no probes: what the model computes when nobody watches.
-        bare = Recorder()
+        bare = Recorder(ref_shapes=ref_shapes)
         run(cfg.with_(probes=False), device, world, bare)
-    rec = Recorder()
+    rec = Recorder(ref_shapes=ref_shapes)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     timings = run(cfg, device, world, rec)
+    if device.type == "cuda":
+        timings["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
     if cfg.selfcheck:
         selfcheck = _probe_selfcheck(bare, rec, device)
     t1 = time.perf_counter()
-    stored = gather_records(rec.records, device)
+    stored = gather_records(rec.records, device, lanes=rec.lanes)
     timings["gather_s"] = time.perf_counter() - t1
     if rank == 0:
         store.write(cfg.out_dir, stored, {
             "degree": world, "label": cfg.label, "backend": backend, "device": str(device),
             "config": cfg.to_dict(), "timings": timings, "n_records": len(stored),
+            "capture": rec.mode,
             "probe_selfcheck": selfcheck,
             "total_s": time.perf_counter() - t0,
         })
@@ -146,13 +152,37 @@ def _probe_selfcheck(bare, probed, device) -> dict:
     from tpdiag.diff.bits import bitwise_equal
 
     kinds = {"logits", "logprobs", "loss", "grad_norm", "param"}
-    want = {m["key"]: t for m, t in bare.records if m["kind"] in kinds}
-    have = {m["key"]: t for m, t in probed.records if m["kind"] in kinds}
+
+    def values(r):
+        # hash mode keeps no tensor: its lanes (whole-tensor position hash) stand for it
+        return {m["key"]: (t if t is not None else lanes[0])
+                for (m, t), lanes in zip(r.records, r.lanes) if m["kind"] in kinds}
+
+    want, have = values(bare), values(probed)
     bad = sorted(k for k in want if k not in have or not bitwise_equal(want[k], have[k]))
     flag = torch.tensor([0 if bad else 1], dtype=torch.int32, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return {"equal": bool(flag.item()), "checked": len(want), "first_mismatch": bad[0] if bad else None}
+
+
+def _ref_shapes(cfg, world: int) -> dict:
+    """Whole shapes of the reference's records, when it ran at TP=1: where hash mode places an
+    unmarked shard (a plain local tensor) in the whole tensor."""
+    import json
+
+    if world == 1 or not cfg.ref_dir or cfg.capture == "full":
+        return {}
+    try:
+        from tpdiag import io
+
+        if io.read_json(os.path.join(cfg.ref_dir, "world.json")).get("degree") != 1:
+            return {}
+        with open(os.path.join(cfg.ref_dir, "events.jsonl")) as f:
+            events = [json.loads(line) for line in f if line.strip()]
+        return {m["key"]: m.get("full_shape") or m["local_shape"] for m in events}
+    except Exception:  # a failed or missing reference: DTensor placements still place shards
+        return {}
 
 
 def _fault_injection(rank: int, world: int) -> None:

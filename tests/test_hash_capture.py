@@ -1,0 +1,157 @@
+"""Hash-first capture (`--capture hash`): shard lanes add up to the whole tensor's, the Triton
+kernel and the torch path agree bit for bit, a hash run finds what a full run finds, and the
+recorder keeps no tensor (so no device memory, no host copy, no autograd graph) in hash mode."""
+import json
+import os
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from tpdiag.kernels import record_hash as rh
+
+
+def _lanes_of_shards(full, dim, n):
+    tot = torch.zeros(3, dtype=torch.int64)
+    off = 0
+    for part in full.chunk(n, dim=dim):
+        ints, _ = rh.lanes_torch(part.contiguous(), *rh.slab(part.shape, dim, full.shape[dim], off))
+        tot += ints
+        off += part.shape[dim]
+    return int(tot[0]) & rh.M32, int(tot[1]) & rh.M32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                   torch.float64, torch.bool])
+def test_shard_lanes_add_up_to_the_whole_tensor(dtype):
+    full = (torch.randn(4, 6, 8) * 5).to(dtype)
+    want = rh.reference_lanes(full)  # plain-Python definition
+    ints, _ = rh.lanes_torch(full, *rh.slab(full.shape, None, None, 0))
+    assert (int(ints[0]), int(ints[1])) == want
+    for dim in range(3):
+        for n in (2, 4):
+            assert _lanes_of_shards(full, dim, n) == want, (dim, n)
+
+
+def test_lanes_see_one_bit_and_a_swap():
+    full = torch.randn(64, 32)
+    base = rh.reference_lanes(full)
+    flipped = full.clone()
+    flipped.view(torch.int32)[3, 5] ^= 1
+    swapped = full.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert rh.reference_lanes(flipped)[0] != base[0]  # one element: lane a always changes
+    assert rh.reference_lanes(swapped) != base
+    # a shard placed at the wrong offset is another tensor
+    part = full[:32]
+    ints, _ = rh.lanes_torch(part, *rh.slab(part.shape, 0, 64, 32))
+    ints2, _ = rh.lanes_torch(part, *rh.slab(part.shape, 0, 64, 0))
+    assert not torch.equal(ints, ints2)
+
+
+def test_triton_kernel_matches_the_torch_path_bit_for_bit():
+    """The CUDA kernel, through the Triton interpreter (a subprocess: the interpreter flag must
+    be set before Triton is imported)."""
+    code = r"""
+import torch
+from tpdiag.kernels import record_hash as rh
+rh._triton()
+torch.manual_seed(0)
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    full = torch.randn(3, 10, 1100).to(dt)  # a slab longer than one block
+    full[0, 0, 0] = float("nan"); full[1, 2, 3] = float("inf")
+    for dim in (None, 0, 1, 2):
+        parts = [full] if dim is None else list(full.chunk(2, dim=dim))
+        off = 0
+        for p in parts:
+            p = p.contiguous()
+            args = rh.slab(p.shape, dim, None if dim is None else full.shape[dim], off)
+            ia, fa = rh.lanes_torch(p, *args)
+            ib, fb = rh.triton_lanes(p, *args)
+            assert torch.equal(ia, ib), (dt, dim, ia, ib)
+            assert torch.allclose(fa, fb, rtol=1e-5), (dt, dim, fa, fb)
+            off += 0 if dim is None else p.shape[dim]
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+
+
+def test_hash_mode_keeps_no_tensor_and_no_graph():
+    from tpdiag.config import WorldConfig
+    from tpdiag.probes.recorder import KEEP_WHOLE, Recorder
+    from tpdiag.runner import step
+
+    cfg = WorldConfig(model="tiny-llama", degree=1, label="1", out_dir="", capture="hash")
+    rec = Recorder()
+    seen = []
+    orig = rec.add
+
+    def add(kind, module, name, t, **kw):
+        if kind == "out" and isinstance(t, torch.Tensor):
+            seen.append(weakref.ref(t))
+        return orig(kind, module, name, t, **kw)
+
+    rec.add = add
+    step.run(cfg, torch.device("cpu"), 1, rec)
+    kept = [m["kind"] for m, t in rec.records if t is not None]
+    assert rec.mode == "hash" and len(rec.records) > 100
+    assert set(kept) <= set(KEEP_WHOLE), set(kept)
+    assert all(t is None for m, t in rec.records if m["kind"] in ("out", "param", "grad_out"))
+    # the activations the probes saw are gone: nothing of the recorder holds them or their graph
+    assert seen and all(r() is None for r in seen)
+
+
+def test_hash_run_finds_what_the_full_run_finds(stock_run, tmp_path):
+    out = tmp_path / "h"
+    p = run_cli("compare", "--tp", "1,2,4,8", "--capture", "hash", "--out", str(out), "--no-confirm",
+                "--format", "json")
+    assert p.returncode == 0, p.stderr
+    h = json.loads(p.stdout)
+    full = json.loads((stock_run / "summary.json").read_text())
+    assert h["capture"] == "hash" and full["capture"] == "full"
+    ev = [json.loads(x) for x in (out / "tp2" / "events.jsonl").read_text().splitlines()]
+    assert sum(m["stored"] == "hash" for m in ev) > 100
+    # every record compared in both runs has the same bitwise verdict (both kinds occur)
+    import csv
+
+    def verdicts(d):
+        with open(d / "diff.csv") as f:
+            return {(r["degree"], r["key"]): r["bitwise"] for r in csv.DictReader(f)}
+
+    vh, vf = verdicts(out), verdicts(stock_run)
+    both = set(vh) & set(vf)
+    assert len(both) > 400
+    assert {vh[k] for k in both} == {"True", "False"}
+    assert [k for k in both if vh[k] != vf[k]] == []
+    for label in ("2", "4", "8"):
+        a, b = h["degrees"][label], full["degrees"][label]
+        assert a["status"] == b["status"] == "divergent"
+        fa, fb = a["first_divergence"], b["first_divergence"]
+        # the region pass measured the located record with whole tensors
+        for k in ("key", "module", "cause", "max_abs", "max_ulp", "mismatch_fraction", "bound"):
+            assert fa[k] == fb[k], (label, k, fa[k], fb[k])
+        assert fa["values_run_dir"].endswith("region")
+        assert a["logprobs"] == b["logprobs"]
+
+
+def test_hash_mode_names_a_rank_inconsistent_replica(tmp_path):
+    p = run_cli("compare", "--model", "py:tests/models/rank_noise.py:target", "--tp", "1,2",
+                "--capture", "hash", "--no-baseline", "--no-confirm", "--out", str(tmp_path / "r"),
+                "--format", "json")
+    assert p.returncode == 0, p.stderr
+    fd = json.loads(p.stdout)["degrees"]["2"]["first_divergence"]
+    assert fd["module"] == "layers.0.ffn_norm" and fd["cause"] == "rank-inconsistent-replica", fd
+
+
+def test_fix_all_is_bitwise_in_hash_mode(tmp_path):
+    """The negative control is the stock hash run above (divergent at every degree)."""
+    p = run_cli("compare", "--tp", "1,2,4", "--capture", "hash", "--fix", "all", "--no-baseline",
+                "--out", str(tmp_path / "r"), "--format", "json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["status"] == "bitwise" and s["capture"] == "hash", s

@@ -1,0 +1,235 @@
+"""Record hashing for hash-first capture: order-aware lanes and float64 statistics of a tensor
+SHARD that add up to those of the WHOLE tensor, computed where the shard lives.
+
+Definition (for the whole tensor; a shard computes its share from its elements' GLOBAL
+indices). Each element's raw bits w (zero-extended to 32 bits; 64-bit elements are two 32-bit
+words, so indices count words) and its row-major index k (mod 2**32) give
+
+    x = fmix32(w * C1 + k * C2)        (mod 2**32: for fixed k a bijection of w)
+    y = (x ^ (x >> 15)) * C5
+    lane_a = sum(x) mod 2**32,  lane_b = sum(y) mod 2**32
+
+Sums are associative and commutative, so the shares of the shards add up to the lanes of the
+gathered tensor without gathering it, in any order, on any device. One changed element always
+changes lane_a (a bijection: its term changes and nothing else does); two or more escape both
+lanes with probability about 2**-64. Statistics: the count of non-finite values, the sum and sum
+of squares of the finite ones and their max |x| - fp32 within a block, float64 across blocks.
+
+A shard is described by its slab layout: view the local tensor as [A, L, B] around the sharded
+dim d (A = prod(local[:d]), L = local[d], B = prod(local[d+1:])); local (a, l, b) is global
+a * (F * B) + (o + l) * B + b for the full size F of dim d and this rank's offset o. Within one
+slab `a` the global indices are contiguous, so the kernel needs no division per element.
+
+Layout: `_hash_kernel` (Triton, CUDA; 16- and 32-bit floats), `lanes_torch` (every dtype and
+device: the CPU path, same lanes bit for bit), `shard_lanes` (dispatch).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+triton = None
+tl = None
+
+C1, C2, C3, C4, C5 = 0x9E3779B1, 0x85EBCA77, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F
+M32 = 0xFFFFFFFF
+BLOCK, ITERS = 1024, 4   # elements per program: BLOCK * ITERS (fixed: the lanes do not depend on it)
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernel (wrapped with triton.jit by _triton())
+# --------------------------------------------------------------------------------------
+def _hash_kernel(w_ptr, out_i_ptr, out_f_ptr, SLAB, F_B, O_B, N_CHUNKS,
+                 WIDTH: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                 ITERS: tl.constexpr):
+    pid = tl.program_id(0)
+    a = pid // N_CHUNKS
+    c = pid % N_CHUNKS
+    slab0 = a.to(tl.int64) * SLAB             # local offset of this slab
+    gbase = a.to(tl.int64) * F_B + O_B        # global index of the slab's first element
+    acc_a = tl.zeros([BLOCK], dtype=tl.uint32)
+    acc_b = tl.zeros([BLOCK], dtype=tl.uint32)
+    acc_s = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_q = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_m = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_n = tl.zeros([BLOCK], dtype=tl.int32)
+    c1 = tl.full([BLOCK], 0x9E3779B1, tl.uint32)
+    c2 = tl.full([BLOCK], 0x85EBCA77, tl.uint32)
+    c3 = tl.full([BLOCK], 0x85EBCA6B, tl.uint32)
+    c4 = tl.full([BLOCK], 0xC2B2AE35, tl.uint32)
+    c5 = tl.full([BLOCK], 0x27D4EB2F, tl.uint32)
+    for it in tl.static_range(ITERS):
+        j = (c * ITERS + it).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = j < SLAB
+        raw = tl.load(w_ptr + slab0 + j, mask=mask, other=0)
+        if WIDTH == 16:
+            w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+        else:
+            w = raw.to(tl.uint32, bitcast=True)
+        k = ((gbase + j) & 0xFFFFFFFF).to(tl.uint32)
+        x = w * c1 + k * c2
+        x = x ^ (x >> 16)
+        x = x * c3
+        x = x ^ (x >> 13)
+        x = x * c4
+        x = x ^ (x >> 16)
+        y = (x ^ (x >> 15)) * c5
+        zero = tl.zeros([BLOCK], dtype=tl.uint32)
+        acc_a += tl.where(mask, x, zero)
+        acc_b += tl.where(mask, y, zero)
+        if WIDTH == 32:
+            v = raw.to(tl.float32, bitcast=True)
+        elif IS_BF16:
+            v = raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        else:
+            v = raw.to(tl.float16, bitcast=True).to(tl.float32)
+        fin = (v == v) & (tl.abs(v) < float("inf")) & mask
+        vf = tl.where(fin, v, 0.0)
+        acc_s += vf
+        acc_q += vf * vf
+        acc_m = tl.maximum(acc_m, tl.abs(vf))
+        acc_n += tl.where(mask & (~fin), 1, 0)
+    tl.store(out_i_ptr + pid * 3 + 0, tl.sum(acc_a.to(tl.int64), axis=0))
+    tl.store(out_i_ptr + pid * 3 + 1, tl.sum(acc_b.to(tl.int64), axis=0))
+    tl.store(out_i_ptr + pid * 3 + 2, tl.sum(acc_n.to(tl.int64), axis=0))
+    tl.store(out_f_ptr + pid * 3 + 0, tl.sum(acc_s, axis=0).to(tl.float64))
+    tl.store(out_f_ptr + pid * 3 + 1, tl.sum(acc_q, axis=0).to(tl.float64))
+    tl.store(out_f_ptr + pid * 3 + 2, tl.max(acc_m, axis=0).to(tl.float64))
+
+
+@functools.lru_cache(maxsize=1)
+def _triton():
+    global triton, tl
+    import triton as _t
+    import triton.language as _tl
+
+    triton, tl = _t, _tl
+    globals()["_hash_kernel"] = _t.jit(_hash_kernel)
+    return _t
+
+
+def _available() -> bool:
+    try:
+        _triton()
+        return True
+    except Exception:
+        return False
+
+
+# --------------------------------------------------------------------------------------
+# torch wrappers
+# --------------------------------------------------------------------------------------
+_TRITON_T = {torch.float32: (32, torch.int32), torch.bfloat16: (16, torch.int16),
+             torch.float16: (16, torch.int16)}
+
+
+def slab(local_shape, dim: int | None, full: int | None, offset: int) -> tuple[int, int, int, int, int]:
+    """(A, L, B, F, o) of a shard of `local_shape` split on `dim` (None: a whole tensor)."""
+    shape = list(local_shape) or [1]
+    if dim is None:
+        n = 1
+        for s in shape:
+            n *= s
+        return 1, n, 1, n, 0
+    a = 1
+    for s in shape[:dim]:
+        a *= s
+    b = 1
+    for s in shape[dim + 1:]:
+        b *= s
+    return a, shape[dim], b, full, offset
+
+
+def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int):
+    width, iview = _TRITON_T[t.dtype]
+    t = t.contiguous()
+    words = t.view(iview)
+    slab_n = L * b
+    n_chunks = max(1, -(-slab_n // (BLOCK * ITERS)))
+    n_prog = a * n_chunks
+    out_i = torch.empty((n_prog, 3), dtype=torch.int64, device=t.device)
+    out_f = torch.empty((n_prog, 3), dtype=torch.float64, device=t.device)
+    _hash_kernel[(n_prog,)](words, out_i, out_f, slab_n, F * b, o * b, n_chunks,
+                            WIDTH=width, IS_BF16=t.dtype == torch.bfloat16, BLOCK=BLOCK, ITERS=ITERS, num_warps=4)
+    ints = out_i.sum(0)
+    ints[:2] &= M32
+    floats = torch.stack([out_f[:, 0].sum(), out_f[:, 1].sum(), out_f[:, 2].max()])
+    return ints, floats
+
+
+def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor's raw bits as int64 words in [0, 2**32), flat; and words per element."""
+    t = t.contiguous().reshape(-1)
+    size = t.element_size()
+    if t.dtype == torch.bool or size == 1:
+        return t.view(torch.uint8).to(torch.int64), 1
+    if size == 2:
+        return t.view(torch.int16).to(torch.int64) & 0xFFFF, 1
+    if size == 4:
+        return t.view(torch.int32).to(torch.int64) & M32, 1
+    if size == 8:
+        return t.view(torch.int32).to(torch.int64) & M32, 2
+    raise TypeError(f"cannot hash dtype {t.dtype}")
+
+
+def _stats_torch(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.bool:
+        v = t.to(torch.float64)
+    elif t.is_complex():
+        v = torch.view_as_real(t).to(torch.float64)
+    else:
+        v = t.to(torch.float64)
+    fin = torch.isfinite(v)
+    vf = torch.where(fin, v, torch.zeros_like(v))
+    if vf.numel() == 0:
+        return torch.zeros(3, dtype=torch.float64, device=t.device), torch.zeros((), dtype=torch.int64,
+                                                                                 device=t.device)
+    return (torch.stack([vf.sum(), (vf * vf).sum(), vf.abs().max()]),
+            (~fin).sum().to(torch.int64))
+
+
+def lanes_torch(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int):
+    """The lanes and statistics of one shard, with torch integer ops (any dtype, any device)."""
+    w, per = _words(t)
+    L_w, b_w, F_w, o_w = (L * per, b, F * per, o * per) if b == 1 else (L, b * per, F, o)
+    slab_n = L_w * b_w
+    j = torch.arange(w.numel(), device=w.device, dtype=torch.int64)
+    k = (j // slab_n) * (F_w * b_w) + o_w * b_w + (j % slab_n) if slab_n else j
+    k = k & M32
+    # int64 products wrap mod 2**64; their low 32 bits are the uint32 products
+    x = (w * C1 + k * C2) & M32
+    x = x ^ (x >> 16)
+    x = (x * C3) & M32
+    x = x ^ (x >> 13)
+    x = (x * C4) & M32
+    x = x ^ (x >> 16)
+    y = ((x ^ (x >> 15)) * C5) & M32
+    floats, nonfinite = _stats_torch(t)
+    ints = torch.stack([x.sum() & M32, y.sum() & M32, nonfinite])
+    return ints, floats
+
+
+def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None, offset: int = 0):
+    """(ints [lane_a, lane_b, nonfinite] int64, floats [sum, sumsq, absmax] float64), on t's
+    device, without a host sync. dim/full/offset place the shard in the whole tensor."""
+    a, L, b, F, o = slab(t.shape, dim, full, offset)
+    if t.is_cuda and t.dtype in _TRITON_T and t.numel() and _available():
+        return triton_lanes(t, a, L, b, F, o)
+    return lanes_torch(t, a, L, b, F, o)
+
+
+def reference_lanes(full: torch.Tensor) -> tuple[int, int]:
+    """Plain-Python lanes of a whole tensor (slow; tests only)."""
+    w, _ = _words(full.cpu())
+    la = lb = 0
+    for k, v in enumerate(w.tolist()):
+        x = (v * C1 + (k & M32) * C2) & M32
+        x ^= x >> 16
+        x = (x * C3) & M32
+        x ^= x >> 13
+        x = (x * C4) & M32
+        x ^= x >> 16
+        la = (la + x) & M32
+        lb = (lb + (((x ^ (x >> 15)) * C5) & M32)) & M32
+    return la, lb
