@@ -10,6 +10,7 @@ tests can fail. The only skip: triton not installed (interpreter tests).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -194,6 +195,20 @@ def test_cpu_linear_and_addmm(dtype):
     assert not torch.isnan(ig.invariant_addmm(nan_bias, x2, w.t(), beta=0)).any()  # beta=0 ignores bias
 
 
+def test_config_fp32_precision_defaults_to_ieee():
+    """fp32_precision is a fixed per-dtype config field: every shipped config keeps IEEE
+    fp32 (tf32x3 only after a GPU measurement), it round-trips, and typos are refused."""
+    for table in (ig.CUDA_CONFIGS, ig.CUDA_CONFIGS_PRE_HOPPER, ig.INTERPRETER_CONFIGS):
+        assert all(c.fp32_precision == "ieee" for c in table.values())
+    base = ig.default_config(torch.float32, torch.device("cpu"))
+    t3 = dataclasses.replace(base, fp32_precision="tf32x3")
+    assert t3.fp32_precision == "tf32x3" and t3 != base
+    assert ig.GemmConfig(**dataclasses.asdict(t3)) == t3
+    for bad in ("tf32", "TF32x3", "bf16x3"):
+        with pytest.raises(ValueError, match="fp32_precision"):
+            dataclasses.replace(base, fp32_precision=bad)
+
+
 def test_bad_inputs_are_clear():
     a, b = operands(4, 8, 6, torch.float32)
     with pytest.raises(ValueError, match="inner dimensions"):
@@ -273,6 +288,20 @@ _INTERP_SCRIPT = textwrap.dedent("""
     full = shape_dep(a, b)
     res["negative rows"] = [same(shape_dep(a[i:j], b), full[i:j]) for i, j in [(0, 1), (3, 20), (5, 6)]]
     res["negative same-config"] = same(ig.triton_mm(a, b, config=small_k, out_dtype=torch.float32), full)
+    if dtype == torch.float32:
+        # tf32x3 through the TMA kernel with the halved epilogue: the field reaches tl.dot
+        # (the interpreter runs it as IEEE fp32; the GPU speed/accuracy is measured by
+        # benchmarks/bench_invariant_gemm.py --sweep), invariant, and the halved store
+        # writes the same bits as the full-tile store.
+        t3 = dataclasses.replace(base, tma=True, epilogue_subtile=True, fp32_precision="tf32x3")
+        f3 = ig.triton_mm(a, b, config=t3)
+        res["tf32x3"] = [same(ig.triton_mm(a[3:40], b, config=t3), f3[3:40]),
+                         same(ig.triton_mm(a, b[:, 16:32], config=t3), f3[:, 16:32]),
+                         same(ig.triton_mm(a, b, config=dataclasses.replace(t3, epilogue_subtile=False)), f3),
+                         ((f3.double() - ig.reference_mm(a, b)).norm() / ig.reference_mm(a, b).norm()).item() < 1e-5]
+    else:  # other dtypes ignore fp32_precision
+        res["tf32x3"] = [same(ig.triton_mm(a, b, config=dataclasses.replace(base, fp32_precision="tf32x3")),
+                              ig.triton_mm(a, b, config=base))]
     res["negative control positive"] = same(ig.triton_mm(a[3:20], b, config=base, out_dtype=torch.float32),
                                             ig.triton_mm(a, b, config=base, out_dtype=torch.float32)[3:20])
     print("RESULT " + json.dumps(res))
@@ -318,6 +347,13 @@ def test_triton_column_major_a(interp, kernel):
     row-invariant and computes the same product."""
     _, res = interp
     assert all(res[f"{kernel} layouts"]), res[f"{kernel} layouts"]
+
+
+def test_triton_tf32x3_config(interp):
+    """fp32: a tf32x3 config runs (TMA kernel, halved epilogue), is invariant and accurate
+    under the interpreter; bf16: fp32_precision changes nothing."""
+    _, res = interp
+    assert all(res["tf32x3"]), res["tf32x3"]
 
 
 def test_triton_negative_control(interp):

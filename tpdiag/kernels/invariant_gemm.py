@@ -10,7 +10,9 @@ the shard:
 
 * ``triton_mm``: a persistent Triton kernel with fixed tiles per dtype (and device, never
   per shape), no split-K, the K loop always walked from 0 upwards in BLOCK_K steps into an
-  fp32 accumulator, fp32 operands multiplied with full-precision IEEE fp32 (no TF32).
+  fp32 accumulator; fp32 operands multiplied in IEEE fp32 on the FMA units (shipped), or,
+  per config (``GemmConfig.fp32_precision="tf32x3"``), with the 3xTF32 split product on
+  tensor cores. Either is one fixed per-dtype choice, so either is invariant.
 * ``cpu_mm``: pure torch on the CPU, no BLAS: fp32 products and a fixed pairwise tree over
   K, built only from elementwise multiplies and adds (each output element is one scalar
   expression whose shape does not depend on M or N).
@@ -220,15 +222,28 @@ class GemmConfig:
     tma: bool = False        # TMA descriptors (Hopper+); same tiles and K order either way
     flatten: bool = False    # tl.range(flatten=...) of the persistent tile loop
     warp_specialize: bool = False  # tl.range(warp_specialize=...), TMA kernel only
+    epilogue_subtile: bool = False  # TMA kernel: store C in two halves (less shared memory)
+    # fp32 operands only: "ieee" (FMA units) or "tf32x3" (3xTF32 split product on tensor
+    # cores, ~fp32 accuracy). Fixed per dtype like the tiles; other dtypes ignore it.
+    fp32_precision: str = "ieee"
+
+    def __post_init__(self):
+        if self.fp32_precision not in FP32_PRECISIONS:
+            raise ValueError(f"GemmConfig.fp32_precision must be one of {FP32_PRECISIONS}, got {self.fp32_precision!r}")
+
+
+FP32_PRECISIONS = ("ieee", "tf32x3")
 
 
 # Chosen from the sweep in benchmarks/bench_invariant_gemm.py on an H200 (docs/benchmarks.md):
 # bf16 128x256x64, GROUP_M 16, 8 warps, 3 stages, TMA: 98-101% of cuBLAS at Llama-3-8B
 # shapes (pointer loads: 77%; 4 stages do not fit in shared memory; flatten / warp
 # specialisation / GROUP_M 8 or 32: no gain). fp32 (IEEE, FMA): 128x128x32, 84% of cuBLAS;
-# TMA was within noise, so the pointer kernel (no aligned copies) is kept. Any fixed config
-# is invariant; two different configs give different bits (different BLOCK_K = different
-# summation order), so these must not change silently between runs.
+# TMA was within noise, so the pointer kernel (no aligned copies) is kept. fp32_precision
+# stays "ieee" until a GPU sweep shows tf32x3 both faster and as accurate as cuBLAS fp32
+# (rel. error vs float64). Any fixed config is invariant; two different configs give
+# different bits (different BLOCK_K or precision = different arithmetic), so these must
+# not change silently between runs.
 CUDA_CONFIGS = {
     torch.bfloat16: GemmConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True),
     torch.float16: GemmConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True),
@@ -353,9 +368,10 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
         use_tma = cfg.tma
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     grid = (min(num_sms, num_tiles),)
-    # IEEE fp32 for fp32 operands (TF32 would change the numerics TP=1 is compared with);
-    # the flag has no effect on bf16/fp16 operands, whose products are exact in fp32.
-    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    # fp32 operands: the config's fixed fp32_precision ("ieee" FMA or "tf32x3"; never plain
+    # TF32, which is not fp32-class). The interpreter ignores it (its dot is a numpy fp32
+    # matmul). The flag has no effect on bf16/fp16 operands, whose products are exact in fp32.
+    precision = cfg.fp32_precision if a.dtype == torch.float32 else "tf32"
     # The interpreter's tl.dot hands bf16 (stored as raw 16-bit integers in numpy) to
     # np.matmul as integers; upcast to fp32 first, exact for bf16 (8-bit significands, so
     # each product is exact in fp32) and the same fp32 accumulation.
@@ -374,8 +390,9 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
         a_desc = TensorDescriptor(at, list(at.shape), list(at.stride()), [bk, bm] if a_t else [bm, bk])
         b_desc = TensorDescriptor(bt, list(bt.shape), list(bt.stride()), [bn, bk] if b_t else [bk, bn])
         # A wider output (fp32 accumulator out of a bf16/fp16 product, for addmm/linear
-        # epilogues) is staged in two halves so the tile still fits in shared memory.
-        subtile = c.element_size() > a.element_size()
+        # epilogues) is staged in two halves so the tile still fits in shared memory; a
+        # config may ask for that always (same bits either way).
+        subtile = c.element_size() > a.element_size() or cfg.epilogue_subtile
         c_desc = TensorDescriptor(ct, list(ct.shape), list(ct.stride()), [bm, bn // 2 if subtile else bn])
         _invariant_mm_tma_kernel[grid](a_desc, b_desc, c_desc, M, N, K, A_T=a_t, B_T=b_t,
                                        WARP_SPECIALIZE=cfg.warp_specialize, EPILOGUE_SUBTILE=subtile,
@@ -446,6 +463,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 
 __all__ = [
-    "GemmConfig", "CUDA_CONFIGS", "default_config", "triton_mm", "cpu_mm", "reference_mm",
+    "GemmConfig", "FP32_PRECISIONS", "CUDA_CONFIGS", "default_config", "triton_mm", "cpu_mm", "reference_mm",
     "invariant_mm", "invariant_addmm", "invariant_linear",
 ]

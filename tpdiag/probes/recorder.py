@@ -10,6 +10,7 @@ alive. Only the small outputs every summary reads (batch, logprobs, loss, grad n
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -90,16 +91,26 @@ class Recorder:
 
             layout_, full, dim, size, offset = self._hash_layout(t, local, meta["key"])
             meta["hash_layout"], meta["full_shape"] = layout_, full
-            self.lanes.append(shard_lanes(local, dim, size, offset))
+            with self._paused():  # the hash's own torch ops are not records (op probe)
+                self.lanes.append(shard_lanes(local, dim, size, offset))
             self.records.append((meta, None))
             return meta
         if self.hash:
             from tpdiag.probes.hashing import tensor_hash
 
-            meta["hash"] = tensor_hash(local)  # this rank's shard, computed on its device
+            with self._paused():
+                meta["hash"] = tensor_hash(local)  # this rank's shard, computed on its device
         self.lanes.append(None)
         self.records.append((meta, local))
         return meta
+
+    @contextmanager
+    def _paused(self):
+        was, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = was
 
     def _hash_layout(self, t, local, key):
         """(layout, whole shape, shard dim, whole size of that dim, this rank's offset)."""

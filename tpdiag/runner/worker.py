@@ -104,6 +104,9 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     if cfg.device == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
+        frac = os.environ.get("TPDIAG_CUDA_MEM_FRACTION")  # fault injection: a real OOM on a big GPU
+        if frac:
+            torch.cuda.set_per_process_memory_fraction(float(frac), device)
         backend = "nccl"
     else:
         device = torch.device("cpu")

@@ -1,0 +1,192 @@
+"""What the probes cost: step time and peak memory with probes off, in hash mode and in full
+mode, and the record hash's throughput against the device's memory bandwidth.
+
+  PYTHONPATH=. python benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 2048
+  PYTHONPATH=. python benchmarks/bench_probes.py hash
+  PYTHONPATH=. python benchmarks/bench_probes.py diff RUN_DIR
+
+`overhead`: one training step (forward, loss, backward, clip, AdamW - tpdiag's own step,
+runner/step.py) of one model built once, on one device (TP=1), with every module probed
+(forward in/out, output grads, parameter grads, parameters before and after). Modes alternate
+in rounds after a warm-up round; medians reported. Peak memory is torch's max allocated over
+the step and the records it leaves behind. The records are then gathered as compare would
+(to host, composed), timed separately.
+`hash`: kernels/record_hash.shard_lanes on 1 GiB tensors (whole, and as a last-dim shard),
+against torch.sum (a read-only pass: the achievable read bandwidth) and the spec bandwidth.
+`diff`: analyse one stored run directory again and report bytes compared per second.
+Results go to stdout and, with --out DIR, DIR/probes_*.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+MODES = ("none", "hash", "full")
+
+
+def overhead(args) -> dict:
+    import torch
+
+    from tpdiag.config import WorldConfig
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.runner import determinism, step
+    from tpdiag.runner.gather import gather_records
+
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    determinism.setup(0, dev_type)
+    dev = torch.device(dev_type, 0) if dev_type == "cuda" else torch.device("cpu")
+    base = WorldConfig(model=args.model, degree=1, label="1", out_dir="", dtype=args.dtype,
+                       device=dev_type, batch_size=args.batch, seq_len=args.seq, selfcheck=False)
+    built = step.build_model(base, dev, 1)
+    step.build_model = lambda cfg, device, world: built  # one model for every mode and round
+    nparams = sum(p.numel() for p in built[1].parameters())
+    res = {m: {"step_s": [], "peak_bytes": [], "gather_s": [], "records": 0, "kept_bytes": 0}
+           for m in MODES}
+
+    def once(mode: str, keep: bool):
+        rec = Recorder()
+        if mode == "none":
+            rec.enabled = False
+        cfg = base.with_(probes=mode != "none", capture="hash" if mode == "none" else mode)
+        if dev_type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        t = step.run(cfg, dev, 1, rec)
+        peak = torch.cuda.max_memory_allocated(dev) if dev_type == "cuda" else 0
+        t0 = time.perf_counter()
+        stored = gather_records(rec.records, dev, lanes=rec.lanes)
+        gather_s = time.perf_counter() - t0
+        if keep:
+            r = res[mode]
+            r["step_s"].append(t["steps_s"])
+            r["peak_bytes"].append(peak)
+            r["gather_s"].append(gather_s)
+            r["records"] = len(stored)
+            r["kept_bytes"] = sum(x.numel() * x.element_size() for _, x in stored if x is not None)
+        del rec, stored
+
+    for m in MODES:  # warm-up: kernels compiled, allocator grown
+        once(m, False)
+    for _ in range(args.rounds):
+        for m in MODES:
+            once(m, True)
+    out = {"model": args.model, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
+           "params": nparams, "device": _device_name(), "rounds": args.rounds, "modes": {}}
+    none_t = statistics.median(res["none"]["step_s"])
+    none_m = statistics.median(res["none"]["peak_bytes"]) or 1
+    for m in MODES:
+        r = res[m]
+        st, pk = statistics.median(r["step_s"]), statistics.median(r["peak_bytes"])
+        out["modes"][m] = {"step_ms": 1e3 * st, "step_spread_ms": 1e3 * (max(r["step_s"]) - min(r["step_s"])),
+                           "time_ratio": st / none_t, "peak_gib": pk / 2**30,
+                           "mem_overhead": pk / none_m - 1, "gather_ms": 1e3 * statistics.median(r["gather_s"]),
+                           "records": r["records"], "kept_mib": r["kept_bytes"] / 2**20}
+    lines = [f"overhead: {out['device']}, {args.model} ({nparams / 1e9:.2f}B params) {args.dtype}, "
+             f"batch {args.batch} x seq {args.seq}, TP=1, median of {args.rounds} rounds",
+             "| probes | step ms (spread) | x no probes | peak GiB | memory vs no probes | gather ms | records | kept whole MiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m, r in out["modes"].items():
+        lines.append(f"| {m} | {r['step_ms']:.1f} ({r['step_spread_ms']:.1f}) | {r['time_ratio']:.2f}x | "
+                     f"{r['peak_gib']:.2f} | {100 * r['mem_overhead']:+.1f}% | {r['gather_ms']:.1f} | "
+                     f"{r['records']} | {r['kept_mib']:.1f} |")
+    print("\n".join(lines))
+    return out
+
+
+def hash_throughput(args) -> dict:
+    import torch
+
+    from tpdiag.kernels.record_hash import shard_lanes
+
+    dev = torch.device("cuda")
+    peak = args.peak_gbs
+    rows = []
+
+    def bench(fn):
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=200) / 1e3
+
+    for dt in (torch.bfloat16, torch.float32):
+        n = (1 << 30) // torch.tensor([], dtype=dt).element_size()
+        x = torch.randn(n // 8192, 8192, device=dev, dtype=dt)
+        nbytes = x.numel() * x.element_size()
+        t_sum = bench(lambda: x.sum(dtype=torch.float32))
+        t_hash = bench(lambda: shard_lanes(x))
+        # a last-dim shard (rank 1 of 4): one slab per row, the offset applied per slab
+        t_shard = bench(lambda: shard_lanes(x, 1, 4 * 8192, 8192))
+        for what, t in (("torch.sum (read once)", t_sum), ("record hash, whole", t_hash),
+                        ("record hash, last-dim shard", t_shard)):
+            rows.append({"dtype": str(dt).replace("torch.", ""), "what": what, "ms": 1e3 * t,
+                         "gbs": nbytes / t / 1e9, "of_peak": nbytes / t / 1e9 / peak,
+                         "of_sum": t_sum / t})
+        del x
+        torch.cuda.empty_cache()
+    lines = [f"hash throughput: {_device_name()}, 1 GiB tensors, spec bandwidth {peak:.0f} GB/s",
+             "| dtype | what | ms | GB/s | of spec bandwidth | of torch.sum's |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['what']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
+                     f"{100 * r['of_peak']:.0f}% | {100 * r['of_sum']:.0f}% |")
+    print("\n".join(lines))
+    return {"device": _device_name(), "peak_gbs": peak, "rows": rows}
+
+
+def diff_throughput(args) -> dict:
+    from tpdiag.diff.analyse import analyse_degree
+    from tpdiag.probes.store import RecordSet
+
+    run = args.run_dir
+    man = json.load(open(os.path.join(run, "manifest.json")))
+    labels = man["labels"]
+    ref = RecordSet(os.path.join(run, f"tp{labels[0]}"))
+    rows = []
+    for lab in labels[1:]:
+        d = os.path.join(run, f"tp{lab}")
+        nbytes = sum(os.path.getsize(os.path.join(x, "records.safetensors"))
+                     for x in (d, os.path.join(run, f"tp{labels[0]}")))
+        t0 = time.perf_counter()
+        entry, rws = analyse_degree(ref, RecordSet(d), lab)
+        t = time.perf_counter() - t0
+        rows.append({"degree": lab, "records": len(rws), "mib": nbytes / 2**20, "s": t,
+                     "mib_s": nbytes / 2**20 / t, "records_s": len(rws) / t})
+    lines = [f"diff throughput: {run} ({man.get('model')}, {man.get('dtype')}), host {os.cpu_count()} CPUs",
+             "| degree | records | MiB compared (both sides) | s | MiB/s | records/s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['degree']} | {r['records']} | {r['mib']:.0f} | {r['s']:.2f} | {r['mib_s']:.0f} | "
+                     f"{r['records_s']:.0f} |")
+    print("\n".join(lines))
+    return {"run": run, "rows": rows}
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("overhead", "hash", "diff"))
+    ap.add_argument("run_dir", nargs="?")
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    res = {"overhead": overhead, "hash": hash_throughput, "diff": diff_throughput}[args.what](args)
+    if args.out:
+        name = f"probes_{args.what}_{args.model}_{args.dtype}.json" if args.what == "overhead" else f"probes_{args.what}.json"
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
