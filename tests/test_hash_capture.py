@@ -15,11 +15,11 @@ from tpdiag.kernels import record_hash as rh
 
 
 def _lanes_of_shards(full, dim, n):
-    tot = torch.zeros(3, dtype=torch.int64)
+    tot = torch.zeros(2, dtype=torch.int64)
     off = 0
     for part in full.chunk(n, dim=dim):
         ints, _ = rh.lanes_torch(part.contiguous(), *rh.slab(part.shape, dim, full.shape[dim], off))
-        tot += ints
+        tot[:2] += ints[:2]
         off += part.shape[dim]
     return int(tot[0]) & rh.M32, int(tot[1]) & rh.M32
 
@@ -71,7 +71,9 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
             args = rh.slab(p.shape, dim, None if dim is None else full.shape[dim], off)
             ia, fa = rh.lanes_torch(p, *args)
             ib, fb = rh.triton_lanes(p, *args)
-            assert torch.equal(ia, ib), (dt, dim, ia, ib)
+            ia[:2] &= rh.M32
+            ib[:2] &= rh.M32
+            assert torch.equal(ia, ib), (dt, dim, ia, ib)  # lanes, non-finite count, max |x|
             assert torch.allclose(fa, fb, rtol=1e-5), (dt, dim, fa, fb)
             off += 0 if dim is None else p.shape[dim]
 print("ok")

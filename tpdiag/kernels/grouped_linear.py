@@ -17,9 +17,19 @@ from __future__ import annotations
 import torch
 
 from tpdiag.kernels.tree import tree_all_reduce, tree_sum
+from tpdiag.kernels.vocab_ce_triton import triton_path
 
 
 def _mm(a, b):
+    """One tp-invariant-linear group GEMM. Its shape is the same at every TP, so cuBLAS / CPU BLAS
+    already give the same bits; on CUDA (or TPDIAG_TRITON_CPU=1) it runs invariant-gemm's Triton
+    kernel instead, whose bits do not depend on the shape at all (fixed tiles per dtype, K walked
+    in order, no split-K): the same bits at every TP, whatever cuBLAS's heuristics pick."""
+    if triton_path(a) and a.dtype == b.dtype:
+        from tpdiag.kernels.invariant_gemm import triton_mm
+
+        out = triton_mm(a.reshape(-1, a.shape[-1]), b)
+        return out.reshape(*a.shape[:-1], b.shape[-1])
     return torch.matmul(a, b)
 
 
@@ -69,8 +79,11 @@ class ColLinear(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.cfg = (local_groups, blocked, tree_dgrad)
         if blocked:
-            return torch.cat([_mm(x, wg.t().contiguous()) for wg in w.chunk(local_groups, 0)], dim=-1)
-        return _mm(x, w.t())
+            # invariant-gemm's fixed N blocks (same GEMM shape at every TP) stay on torch.matmul:
+            # only tp-invariant-linear's group GEMMs take the Triton kernel (_mm).
+            return torch.cat([torch.matmul(x, wg.t().contiguous()) for wg in w.chunk(local_groups, 0)],
+                             dim=-1)
+        return torch.matmul(x, w.t())  # stock (unblocked) GEMM: what invariant-gemm replaces
 
     @staticmethod
     def backward(ctx, g):
@@ -85,14 +98,15 @@ class ColLinear(torch.autograd.Function):
                 part = tree_sum([_mm(gg.contiguous(), wg.contiguous()) for gg, wg in zip(gs, ws)])
                 dx = tree_all_reduce(part).to(x.dtype)
             else:
-                dx = _all_reduce_sum(_mm(g, w))
+                dx = _all_reduce_sum(torch.matmul(g, w))  # stock dgrad
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
             g2 = g.reshape(-1, g.shape[-1])
             if blocked:
-                dw = torch.cat([_mm(gg.t().contiguous(), x2) for gg in g2.chunk(local_groups, -1)], 0)
+                dw = torch.cat([torch.matmul(gg.t().contiguous(), x2)
+                                for gg in g2.chunk(local_groups, -1)], 0)
             else:
-                dw = _mm(g2.t(), x2)
+                dw = torch.matmul(g2.t(), x2)  # stock wgrad
         return dx, dw, None, None, None
 
 

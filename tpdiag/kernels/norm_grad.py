@@ -5,11 +5,14 @@ per-rank partial sums reduced across ranks: its order changes with TP. Here the 
 into fixed global groups, each summed by one reduction of the same shape at every TP, and the
 groups are added by one fp32 tree across ranks (kernels/tree.py). The input grad is per token
 (a reduction over the hidden dim only) and is computed by the same ops at every TP.
+On CUDA the row means and the per-group dgamma sums are Triton kernels (norm_grad_triton.py);
+on the CPU, torch ops. Each path is TP-invariant in its own fixed order.
 """
 from __future__ import annotations
 
 import torch
 
+from tpdiag.kernels import norm_grad_triton as ngt
 from tpdiag.kernels.tree import tree_all_reduce, tree_sum
 
 
@@ -25,8 +28,13 @@ class RMSNormSP(torch.autograd.Function):
         def rstd(xg):
             return torch.rsqrt(xg.float().pow(2).mean(-1, keepdim=True) + eps)
 
-        r = torch.cat([rstd(xg.contiguous()) for xg in x.chunk(local_groups, dim=group_dim)],
-                      dim=group_dim)
+        if ngt.triton_path(x):
+            # One program per row walks D in fixed steps: a row's bits never depend on the
+            # other rows of the call, so no per-group calls are needed.
+            r = ngt.row_rstd(x, eps)
+        else:
+            r = torch.cat([rstd(xg.contiguous()) for xg in x.chunk(local_groups, dim=group_dim)],
+                          dim=group_dim)
         y = (x.float() * r).type_as(x)
         ctx.save_for_backward(x, w, r)
         ctx.local_groups = local_groups
@@ -40,18 +48,24 @@ class RMSNormSP(torch.autograd.Function):
         xhat = xf * r
         y = xhat.type_as(x)
         dx = dw = None
+        k = ctx.local_groups
+        gd = ctx.group_dim
+        use_triton = ngt.triton_path(x) and ngt.triton_path(g)
         if ctx.needs_input_grad[0]:
             gy = (g * w).float()
-            k = ctx.local_groups
-            gd = ctx.group_dim
-            dots = torch.cat([(a.contiguous() * b.contiguous()).mean(-1, keepdim=True)
-                              for a, b in zip(gy.chunk(k, dim=gd), xhat.chunk(k, dim=gd))], dim=gd)
+            if use_triton:
+                dots = ngt.row_dot_mean(gy, xhat)
+            else:
+                dots = torch.cat([(a.contiguous() * b.contiguous()).mean(-1, keepdim=True)
+                                  for a, b in zip(gy.chunk(k, dim=gd), xhat.chunk(k, dim=gd))], dim=gd)
             dx = (r * (gy - xhat * dots)).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            terms = g.float() * y.float()
-            dims = tuple(range(terms.dim() - 1))
-            parts = [t.contiguous().sum(dim=dims)
-                     for t in terms.chunk(ctx.local_groups, dim=ctx.group_dim)]
+            if use_triton:
+                parts = list(ngt.group_col_sums(g, y, k, gd).unbind(0))
+            else:
+                terms = g.float() * y.float()
+                dims = tuple(range(terms.dim() - 1))
+                parts = [t.contiguous().sum(dim=dims) for t in terms.chunk(k, dim=gd)]
             dw = tree_all_reduce(tree_sum(parts)).to(w.dtype)
         return dx, dw, None, None, None
 

@@ -5,15 +5,18 @@ Definition (for the whole tensor; a shard computes its share from its elements' 
 indices). Each element's raw bits w (zero-extended to 32 bits; 64-bit elements are two 32-bit
 words, so indices count words) and its row-major index k (mod 2**32) give
 
-    x = fmix32(w * C1 + k * C2)        (mod 2**32: for fixed k a bijection of w)
-    y = (x ^ (x >> 15)) * C5
-    lane_a = sum(x) mod 2**32,  lane_b = sum(y) mod 2**32
+    x = w * C1 + k * C2;  x ^= x >> 16;  x *= C3;  x ^= x >> 15     (all mod 2**32)
+    lane_a = sum(x) mod 2**32,  lane_b = sum(x * x) mod 2**32
+
+Every step is a bijection of x (odd multiply, xorshift), so for fixed k, x is a bijection of w.
 
 Sums are associative and commutative, so the shares of the shards add up to the lanes of the
 gathered tensor without gathering it, in any order, on any device. One changed element always
-changes lane_a (a bijection: its term changes and nothing else does); two or more escape both
-lanes with probability about 2**-64. Statistics: the count of non-finite values, the sum and sum
-of squares of the finite ones and their max |x| - fp32 within a block, float64 across blocks.
+changes lane_a (its term changes and nothing else does); two or more escape both lanes with
+probability about 2**-64 for unstructured changes. The mix is short on purpose (half of murmur's
+fmix32, a square for the second lane): the kernel must keep up with HBM, and integer throughput
+is what limits it. Statistics: the count of non-finite values, the sum and sum of squares of the
+finite ones and their max |x| - fp32 within a block, float64 across blocks.
 
 A shard is described by its slab layout: view the local tensor as [A, L, B] around the sharded
 dim d (A = prod(local[:d]), L = local[d], B = prod(local[d+1:])); local (a, l, b) is global
@@ -32,7 +35,7 @@ import torch
 triton = None
 tl = None
 
-C1, C2, C3, C4, C5 = 0x9E3779B1, 0x85EBCA77, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F
+C1, C2, C3 = 0x9E3779B1, 0x85EBCA77, 0x85EBCA6B
 M32 = 0xFFFFFFFF
 BLOCK, ITERS = 1024, 4   # elements per program: BLOCK * ITERS (fixed: the lanes do not depend on it)
 
@@ -40,62 +43,67 @@ BLOCK, ITERS = 1024, 4   # elements per program: BLOCK * ITERS (fixed: the lanes
 # --------------------------------------------------------------------------------------
 # Triton kernel (wrapped with triton.jit by _triton())
 # --------------------------------------------------------------------------------------
-def _hash_kernel(w_ptr, out_i_ptr, out_f_ptr, SLAB, F_B, O_B, N_CHUNKS,
+def _hash_kernel(w_ptr, ints_ptr, floats_ptr, SLAB, F_B, O_B, N_CHUNKS,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
                  ITERS: tl.constexpr):
+    """One program: ITERS blocks of one slab. Its shares go into the record's row with
+    atomics - integer adds (the lanes, the non-finite count) and an integer max (max |x| as
+    the bits of a non-negative float64, which order like the values) are exact in any order;
+    the two float sums are statistics, not evidence, and may vary in their last bits."""
     pid = tl.program_id(0)
     a = pid // N_CHUNKS
     c = pid % N_CHUNKS
     slab0 = a.to(tl.int64) * SLAB             # local offset of this slab
     gbase = a.to(tl.int64) * F_B + O_B        # global index of the slab's first element
+    ar = tl.arange(0, BLOCK)
+    # k * C2 = kb * C2 + ar * C2 (mod 2**32): one add per element for the position
+    ar_c2 = ar.to(tl.uint32) * tl.full([BLOCK], 0x85EBCA77, tl.uint32)
+    c1 = tl.full([BLOCK], 0x9E3779B1, tl.uint32)
+    c3 = tl.full([BLOCK], 0x85EBCA6B, tl.uint32)
     acc_a = tl.zeros([BLOCK], dtype=tl.uint32)
     acc_b = tl.zeros([BLOCK], dtype=tl.uint32)
     acc_s = tl.zeros([BLOCK], dtype=tl.float32)
     acc_q = tl.zeros([BLOCK], dtype=tl.float32)
     acc_m = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_n = tl.zeros([BLOCK], dtype=tl.int32)
-    c1 = tl.full([BLOCK], 0x9E3779B1, tl.uint32)
-    c2 = tl.full([BLOCK], 0x85EBCA77, tl.uint32)
-    c3 = tl.full([BLOCK], 0x85EBCA6B, tl.uint32)
-    c4 = tl.full([BLOCK], 0xC2B2AE35, tl.uint32)
-    c5 = tl.full([BLOCK], 0x27D4EB2F, tl.uint32)
+    acc_n = tl.zeros([BLOCK], dtype=tl.float32)
     for it in tl.static_range(ITERS):
-        j = (c * ITERS + it).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        j0 = (c * ITERS + it).to(tl.int64) * BLOCK
+        # the block's first position times C2, mod 2**32, as a scalar (int64: no wrap surprises)
+        kbc2 = ((((gbase + j0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
+        j = j0 + ar
         mask = j < SLAB
         raw = tl.load(w_ptr + slab0 + j, mask=mask, other=0)
         if WIDTH == 16:
             w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
         else:
             w = raw.to(tl.uint32, bitcast=True)
-        k = ((gbase + j) & 0xFFFFFFFF).to(tl.uint32)
-        x = w * c1 + k * c2
+        x = w * c1 + (ar_c2 + kbc2)
         x = x ^ (x >> 16)
         x = x * c3
-        x = x ^ (x >> 13)
-        x = x * c4
-        x = x ^ (x >> 16)
-        y = (x ^ (x >> 15)) * c5
-        zero = tl.zeros([BLOCK], dtype=tl.uint32)
-        acc_a += tl.where(mask, x, zero)
-        acc_b += tl.where(mask, y, zero)
+        x = x ^ (x >> 15)
+        x = tl.where(mask, x, tl.zeros([BLOCK], dtype=tl.uint32))
+        acc_a += x
+        acc_b += x * x  # zero where masked, as x is
         if WIDTH == 32:
             v = raw.to(tl.float32, bitcast=True)
         elif IS_BF16:
             v = raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
         else:
             v = raw.to(tl.float16, bitcast=True).to(tl.float32)
-        fin = (v == v) & (tl.abs(v) < float("inf")) & mask
-        vf = tl.where(fin, v, 0.0)
+        av = tl.abs(v)
+        fin = av <= 3.4028234663852886e38     # false for NaN and +-inf
+        vf = tl.where(fin, v, 0.0)            # masked lanes loaded 0: finite, add nothing
         acc_s += vf
         acc_q += vf * vf
-        acc_m = tl.maximum(acc_m, tl.abs(vf))
-        acc_n += tl.where(mask & (~fin), 1, 0)
-    tl.store(out_i_ptr + pid * 3 + 0, tl.sum(acc_a.to(tl.int64), axis=0))
-    tl.store(out_i_ptr + pid * 3 + 1, tl.sum(acc_b.to(tl.int64), axis=0))
-    tl.store(out_i_ptr + pid * 3 + 2, tl.sum(acc_n.to(tl.int64), axis=0))
-    tl.store(out_f_ptr + pid * 3 + 0, tl.sum(acc_s, axis=0).to(tl.float64))
-    tl.store(out_f_ptr + pid * 3 + 1, tl.sum(acc_q, axis=0).to(tl.float64))
-    tl.store(out_f_ptr + pid * 3 + 2, tl.max(acc_m, axis=0).to(tl.float64))
+        acc_m = tl.maximum(acc_m, tl.where(fin, av, 0.0))
+        acc_n += tl.where(fin | (~mask), 0.0, 1.0)
+    row_i = ints_ptr
+    tl.atomic_add(row_i + 0, tl.sum(acc_a.to(tl.int64), axis=0))
+    tl.atomic_add(row_i + 1, tl.sum(acc_b.to(tl.int64), axis=0))
+    tl.atomic_add(row_i + 2, tl.sum(acc_n, axis=0).to(tl.int64))
+    tl.atomic_max(row_i + 3, tl.max(acc_m, axis=0).to(tl.float64).to(tl.int64, bitcast=True))
+    tl.atomic_add(floats_ptr + 0, tl.sum(acc_s, axis=0).to(tl.float64))
+    tl.atomic_add(floats_ptr + 1, tl.sum(acc_q, axis=0).to(tl.float64))
 
 
 @functools.lru_cache(maxsize=1)
@@ -141,21 +149,20 @@ def slab(local_shape, dim: int | None, full: int | None, offset: int) -> tuple[i
     return a, shape[dim], b, full, offset
 
 
-def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int):
+def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None):
+    """One launch: the shard's lanes and statistics into `out` = (ints [4] int64, floats [2]
+    float64), zeroed rows of a HashBuffer (allocated here when None)."""
     width, iview = _TRITON_T[t.dtype]
-    t = t.contiguous()
-    words = t.view(iview)
+    words = t.contiguous().view(iview)
     slab_n = L * b
     n_chunks = max(1, -(-slab_n // (BLOCK * ITERS)))
-    n_prog = a * n_chunks
-    out_i = torch.empty((n_prog, 3), dtype=torch.int64, device=t.device)
-    out_f = torch.empty((n_prog, 3), dtype=torch.float64, device=t.device)
-    _hash_kernel[(n_prog,)](words, out_i, out_f, slab_n, F * b, o * b, n_chunks,
-                            WIDTH=width, IS_BF16=t.dtype == torch.bfloat16, BLOCK=BLOCK, ITERS=ITERS, num_warps=4)
-    ints = out_i.sum(0)
-    ints[:2] &= M32
-    floats = torch.stack([out_f[:, 0].sum(), out_f[:, 1].sum(), out_f[:, 2].max()])
-    return ints, floats
+    if out is None:
+        out = (torch.zeros(4, dtype=torch.int64, device=t.device),
+               torch.zeros(2, dtype=torch.float64, device=t.device))
+    _hash_kernel[(a * n_chunks,)](words, out[0], out[1], slab_n, F * b, o * b, n_chunks,
+                                  WIDTH=width, IS_BF16=t.dtype == torch.bfloat16, BLOCK=BLOCK,
+                                  ITERS=ITERS, num_warps=4)
+    return out
 
 
 def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -173,7 +180,7 @@ def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     raise TypeError(f"cannot hash dtype {t.dtype}")
 
 
-def _stats_torch(t: torch.Tensor) -> torch.Tensor:
+def _stats_torch(t: torch.Tensor):
     if t.dtype == torch.bool:
         v = t.to(torch.float64)
     elif t.is_complex():
@@ -182,41 +189,68 @@ def _stats_torch(t: torch.Tensor) -> torch.Tensor:
         v = t.to(torch.float64)
     fin = torch.isfinite(v)
     vf = torch.where(fin, v, torch.zeros_like(v))
-    if vf.numel() == 0:
-        return torch.zeros(3, dtype=torch.float64, device=t.device), torch.zeros((), dtype=torch.int64,
-                                                                                 device=t.device)
-    return (torch.stack([vf.sum(), (vf * vf).sum(), vf.abs().max()]),
-            (~fin).sum().to(torch.int64))
+    absmax = vf.abs().max() if vf.numel() else torch.zeros((), dtype=torch.float64, device=t.device)
+    return (~fin).sum().to(torch.int64), absmax, torch.stack([vf.sum(), (vf * vf).sum()])
 
 
-def lanes_torch(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int):
-    """The lanes and statistics of one shard, with torch integer ops (any dtype, any device)."""
+def lanes_torch(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None):
+    """The same row as triton_lanes, with torch integer ops (any dtype, any device)."""
     w, per = _words(t)
     L_w, b_w, F_w, o_w = (L * per, b, F * per, o * per) if b == 1 else (L, b * per, F, o)
     slab_n = L_w * b_w
     j = torch.arange(w.numel(), device=w.device, dtype=torch.int64)
     k = (j // slab_n) * (F_w * b_w) + o_w * b_w + (j % slab_n) if slab_n else j
-    k = k & M32
-    # int64 products wrap mod 2**64; their low 32 bits are the uint32 products
-    x = (w * C1 + k * C2) & M32
+    x = (w * C1 + (k & M32) * C2) & M32  # int64 products wrap; their low 32 bits are uint32's
     x = x ^ (x >> 16)
     x = (x * C3) & M32
-    x = x ^ (x >> 13)
-    x = (x * C4) & M32
-    x = x ^ (x >> 16)
-    y = ((x ^ (x >> 15)) * C5) & M32
-    floats, nonfinite = _stats_torch(t)
-    ints = torch.stack([x.sum() & M32, y.sum() & M32, nonfinite])
-    return ints, floats
+    x = x ^ (x >> 15)
+    nonfinite, absmax, sums = _stats_torch(t)
+    absmax_bits = absmax.reshape(1).view(torch.int64)[0]
+    ints = torch.stack([x.sum() & M32, (x * x).sum() & M32, nonfinite, absmax_bits])
+    if out is None:
+        return ints, sums
+    out[0].copy_(ints)
+    out[1].copy_(sums)
+    return out
 
 
-def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None, offset: int = 0):
-    """(ints [lane_a, lane_b, nonfinite] int64, floats [sum, sumsq, absmax] float64), on t's
-    device, without a host sync. dim/full/offset place the shard in the whole tensor."""
+def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None, offset: int = 0,
+                out=None):
+    """(ints [lane_a, lane_b, nonfinite, absmax as float64 bits] int64 - lanes not yet reduced
+    mod 2**32 -, floats [sum, sumsq] float64), on t's device, without a host sync. dim/full/
+    offset place the shard in the whole tensor; `out`: a HashBuffer row to fill (zeroed)."""
     a, L, b, F, o = slab(t.shape, dim, full, offset)
     if t.is_cuda and t.dtype in _TRITON_T and t.numel() and _available():
-        return triton_lanes(t, a, L, b, F, o)
-    return lanes_torch(t, a, L, b, F, o)
+        return triton_lanes(t, a, L, b, F, o, out)
+    return lanes_torch(t, a, L, b, F, o, out)
+
+
+class HashBuffer:
+    """Rows for every hashed record of a run, on one device, zeroed in chunks: one kernel
+    launch per record and one host transfer for the whole run."""
+
+    CHUNK = 4096
+
+    def __init__(self, device):
+        self.device = device
+        self.ints: list[torch.Tensor] = []
+        self.floats: list[torch.Tensor] = []
+        self.n = 0
+
+    def row(self):
+        i, r = divmod(self.n, self.CHUNK)
+        if i == len(self.ints):
+            self.ints.append(torch.zeros((self.CHUNK, 4), dtype=torch.int64, device=self.device))
+            self.floats.append(torch.zeros((self.CHUNK, 2), dtype=torch.float64, device=self.device))
+        self.n += 1
+        return self.n - 1, (self.ints[i][r], self.floats[i][r])
+
+    def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.ints:
+            return (torch.zeros((0, 4), dtype=torch.int64, device=self.device),
+                    torch.zeros((0, 2), dtype=torch.float64, device=self.device))
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return torch.cat(self.ints)[idx], torch.cat(self.floats)[idx]
 
 
 def reference_lanes(full: torch.Tensor) -> tuple[int, int]:
@@ -227,9 +261,7 @@ def reference_lanes(full: torch.Tensor) -> tuple[int, int]:
         x = (v * C1 + (k & M32) * C2) & M32
         x ^= x >> 16
         x = (x * C3) & M32
-        x ^= x >> 13
-        x = (x * C4) & M32
-        x ^= x >> 16
+        x ^= x >> 15
         la = (la + x) & M32
-        lb = (lb + (((x ^ (x >> 15)) * C5) & M32)) & M32
+        lb = (lb + x * x) & M32
     return la, lb

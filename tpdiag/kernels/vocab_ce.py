@@ -4,11 +4,13 @@ The max and the target logit are exact under any all-reduce (a max; one nonzero 
 The sum of exp(logit - max) is not: each rank's partial sum and the all-reduce order change
 with TP. Here the vocab is cut into fixed global groups, each summed by one reduction of the
 same shape at every TP, and the groups are added by one tree across ranks (kernels/tree.py).
+On CUDA the per-group sums are one Triton kernel (vocab_ce_triton.py); on the CPU, torch ops.
 """
 from __future__ import annotations
 
 import torch
 
+from tpdiag.kernels import vocab_ce_triton
 from tpdiag.kernels.tree import local_only, rank, tree_all_reduce, tree_sum, world_size
 
 IGNORE = -100
@@ -23,6 +25,21 @@ def _all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
     return t
 
 
+def torch_group_exp_sums(l: torch.Tensor, m: torch.Tensor, groups: int) -> list[torch.Tensor]:
+    """The torch (CPU) path: one reduction per group, each of the same shape at every TP."""
+    e = torch.exp(l - m[:, None])
+    return [eg.contiguous().sum(dim=-1) for eg in e.chunk(groups, dim=-1)]
+
+
+def group_exp_sums(logits, l, m, groups: int) -> list[torch.Tensor]:
+    """Per-group sums of exp(l - m), [T] each. CUDA (or TPDIAG_TRITON_CPU=1): the Triton kernel,
+    which reads the logits in their own dtype and never materialises exp(l - m); both paths
+    are TP-invariant, each with its own (fixed) order, so a run must not mix them."""
+    if vocab_ce_triton.triton_path(logits):
+        return list(vocab_ce_triton.group_exp_sums(logits, m, groups).unbind(0))
+    return torch_group_exp_sums(l, m, groups)
+
+
 class VocabParallelLogProb(torch.autograd.Function):
     """logits_local [T, V_r] -> log p(label) [T] in fp32 (0 where label == IGNORE)."""
 
@@ -32,9 +49,7 @@ class VocabParallelLogProb(torch.autograd.Function):
         v_r = l.shape[-1]
         start = rank() * v_r
         m = _all_reduce(l.max(dim=-1).values.contiguous(), "max")
-        e = torch.exp(l - m[:, None])
-        parts = [eg.contiguous().sum(dim=-1) for eg in e.chunk(local_groups, dim=-1)]
-        s = tree_all_reduce(tree_sum(parts))
+        s = tree_all_reduce(tree_sum(group_exp_sums(logits, l, m, local_groups)))
         lse = m + torch.log(s)
         valid = labels != IGNORE
         local = (labels >= start) & (labels < start + v_r) & valid

@@ -59,7 +59,8 @@ class Recorder:
     # hash mode at TP > 1: each record's whole shape at the reference (TP=1), which says where
     # an unmarked shard (a plain local tensor) sits in the whole tensor
     ref_shapes: dict = field(default_factory=dict)
-    lanes: list = field(default_factory=list)   # hash mode: per record (ints, floats), or None
+    lanes: list = field(default_factory=list)   # hash mode: per record its HashBuffer row, or None
+    hashbuf: object = None
 
     def call_index(self, module: str) -> int:
         key = (self.step, self.phase, module)
@@ -91,8 +92,14 @@ class Recorder:
 
             layout_, full, dim, size, offset = self._hash_layout(t, local, meta["key"])
             meta["hash_layout"], meta["full_shape"] = layout_, full
+            if self.hashbuf is None:
+                from tpdiag.kernels.record_hash import HashBuffer
+
+                self.hashbuf = HashBuffer(local.device)
+            slot, row = self.hashbuf.row()
             with self._paused():  # the hash's own torch ops are not records (op probe)
-                self.lanes.append(shard_lanes(local, dim, size, offset))
+                shard_lanes(local, dim, size, offset, out=row)
+            self.lanes.append(slot)
             self.records.append((meta, None))
             return meta
         if self.hash:

@@ -26,16 +26,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torch.device,
-                   group=None, lanes: list | None = None):
+                   group=None, lanes: list | None = None, hashbuf=None):
     """Returns, on rank 0 of `group` (default: the world), [(meta, stored_tensor)] with
     meta['stored'] in {'single','stacked','hash'}; on other ranks None. Raises Inconclusive if
     the ranks recorded different streams. A hash-mode record (tensor None, its lanes in
-    `lanes`) is stored as its whole-tensor hash and statistics, composed from every rank's share."""
+    `lanes`, rows of `hashbuf`) is stored as its whole-tensor hash and statistics, composed from every rank's share."""
     metas = [m for m, _ in records]
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     if world == 1:
-        hashed = _gather_lanes(records, lanes, device, group, 1, 0)
+        hashed = _gather_lanes(records, lanes, hashbuf, device, group, 1, 0)
         out = []
         for m, t in records:
             if t is None:
@@ -53,7 +53,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     if any(not torch.equal(s, sigs[0]) for s in sigs):
         raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
                            "dtypes per rank); the model is not SPMD under this plan")
-    hashed = _gather_lanes(records, lanes, device, group, world, rank)
+    hashed = _gather_lanes(records, lanes, hashbuf, device, group, world, rank)
     buf = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
     gathered = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
     if group is None:
@@ -92,15 +92,17 @@ def _with_stored_hash(out):
     return [({**m, "stored_hash": tensor_hash(t)}, t) if t is not None else (m, t) for m, t in out]
 
 
-def _gather_lanes(records, lanes, device, group, world, rank):
+def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
     """{idx: [(ints, floats) per rank]} on rank 0 for the hash-mode records (two collectives,
-    one host sync); None elsewhere."""
+    one host sync); None elsewhere. ints = [lane_a, lane_b, nonfinite], floats = [sum, sumsq,
+    absmax]."""
+    import struct
+
     idxs = [m["idx"] for m, t in records if t is None]
     if not idxs:
         return {}
-    by_idx = {m["idx"]: lanes[i] for i, (m, t) in enumerate(records) if t is None}
-    ints = torch.stack([by_idx[i][0] for i in idxs]).to(device)
-    floats = torch.stack([by_idx[i][1] for i in idxs]).to(device)
+    ints, floats = hashbuf.take([lanes[i] for i, (m, t) in enumerate(records) if t is None])
+    ints, floats = ints.to(device), floats.to(device)
     if world > 1:
         gi = [torch.empty_like(ints) for _ in range(world)] if rank == 0 else None
         gf = [torch.empty_like(floats) for _ in range(world)] if rank == 0 else None
@@ -113,14 +115,20 @@ def _gather_lanes(records, lanes, device, group, world, rank):
         gi, gf = [ints], [floats]
     gi = [g.cpu().tolist() for g in gi]
     gf = [g.cpu().tolist() for g in gf]
-    return {i: [(gi[r][j], gf[r][j]) for r in range(len(gi))] for j, i in enumerate(idxs)}
+
+    def share(i, f):
+        absmax = struct.unpack("<d", struct.pack("<q", i[3]))[0]  # float64 bits -> value
+        return [i[0] & 0xFFFFFFFF, i[1] & 0xFFFFFFFF, i[2]], [f[0], f[1], absmax]
+
+    return {i: [share(gi[r][j], gf[r][j]) for r in range(len(gi))] for j, i in enumerate(idxs)}
 
 
 def _hash_meta(m: dict, shares: list, world: int) -> dict:
     from tpdiag.probes.hashing import compose, hash_of_lanes
 
     layout = m.get("hash_layout")
-    equal = all(s == shares[0] for s in shares[1:])
+    # the integer lanes cover every bit; the float sums (atomics) may differ in their last bits
+    equal = all(s[0] == shares[0][0] for s in shares[1:])
     out = {**m, "stored": "hash", "world": world}
     if layout and layout.startswith("shard:"):
         ints, floats = compose(shares, "sum")

@@ -133,7 +133,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     if cfg.selfcheck:
         selfcheck = _probe_selfcheck(bare, rec, device)
     t1 = time.perf_counter()
-    stored = gather_records(rec.records, device, lanes=rec.lanes)
+    stored = gather_records(rec.records, device, lanes=rec.lanes, hashbuf=rec.hashbuf)
     timings["gather_s"] = time.perf_counter() - t1
     if rank == 0:
         store.write(cfg.out_dir, stored, {
@@ -157,9 +157,11 @@ def _probe_selfcheck(bare, probed, device) -> dict:
     kinds = {"logits", "logprobs", "loss", "grad_norm", "param"}
 
     def values(r):
-        # hash mode keeps no tensor: its lanes (whole-tensor position hash) stand for it
-        return {m["key"]: (t if t is not None else lanes[0])
-                for (m, t), lanes in zip(r.records, r.lanes) if m["kind"] in kinds}
+        # hash mode keeps no tensor: its integer lanes (exact; the float sums are not) stand for it
+        rows = [s for s in r.lanes if s is not None]
+        ints = dict(zip(rows, r.hashbuf.take(rows)[0])) if rows else {}
+        return {m["key"]: (t if t is not None else ints[slot])
+                for (m, t), slot in zip(r.records, r.lanes) if m["kind"] in kinds}
 
     want, have = values(bare), values(probed)
     bad = sorted(k for k in want if k not in have or not bitwise_equal(want[k], have[k]))
