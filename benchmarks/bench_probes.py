@@ -58,7 +58,7 @@ def overhead(args) -> dict:
         t = step.run(cfg, dev, 1, rec)
         peak = torch.cuda.max_memory_allocated(dev) if dev_type == "cuda" else 0
         t0 = time.perf_counter()
-        stored = gather_records(rec.records, dev, lanes=rec.lanes)
+        stored = gather_records(rec.records, dev, lanes=rec.lanes, hashbuf=rec.hashbuf)
         gather_s = time.perf_counter() - t0
         if keep:
             r = res[mode]

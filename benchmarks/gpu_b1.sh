@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# 4-GPU batch 1: record hash on CUDA (bits, throughput, probe overhead), the tree fixes' Triton
+# kernels (bits, speed), and `--fix all` bitwise at TP=1,2,4 with those kernels.
+set -u
+source benchmarks/gpu_setup.sh
+{
+echo "## record hash on CUDA: Triton kernel vs torch path (bits)"
+python3 - <<'PY'
+import torch
+from tpdiag.kernels import record_hash as rh
+rh._triton()
+torch.manual_seed(0)
+bad = 0
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    full = torch.randn(8, 300, 4100, device="cuda").to(dt)
+    full[0, 0, 0] = float("nan"); full[1, 2, 3] = float("inf")
+    whole, _ = rh.lanes_torch(full, *rh.slab(full.shape, None, None, 0))
+    for dim in (None, 0, 1, 2):
+        parts = [full] if dim is None else list(full.chunk(4, dim=dim))
+        off, tot = 0, torch.zeros(2, dtype=torch.int64)
+        for p in parts:
+            p = p.contiguous()
+            args = rh.slab(p.shape, dim, None if dim is None else full.shape[dim], off)
+            ia, fa = rh.lanes_torch(p, *args)
+            ib, fb = rh.triton_lanes(p, *args)
+            ia[:2] &= rh.M32; ib[:2] &= rh.M32
+            bad += int(not torch.equal(ia, ib))
+            tot += ib[:2].cpu()
+            off += 0 if dim is None else p.shape[dim]
+        ok = bool(((tot & rh.M32) == (whole[:2].cpu() & rh.M32)).all())
+        bad += int(not ok)
+        print(f"- {dt} shards on dim {dim}: kernel == torch per shard and shares add up to the whole: {ok}")
+print(f"mismatches: {bad}")
+PY
+echo
+python3 benchmarks/bench_probes.py hash
+echo
+python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 2048 --batch 1 --rounds 3
+echo
+python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 4096 --batch 2 --rounds 3
+} > "$OUT/probes.md" 2>&1
+timeout 200 python3 benchmarks/gpu_tree_kernels.py --out "$OUT" > "$OUT/tree_stdout.txt" 2>&1
+echo "tree rc=$?" >> "$OUT/tree_stdout.txt"
+mkdir -p /tmp/m
+{
+echo "| run | status | per degree | worlds |"
+echo "|---|---|---|---|"
+for spec in "tiny-fp32-fix:--dtype float32" "tiny-bf16-fix:--dtype bfloat16" "med-fp32-fix:--model medium-llama --dtype float32 --seq-len 256 --batch-size 4" "med-bf16-fix:--model medium-llama --dtype bfloat16 --seq-len 256 --batch-size 4"; do
+  n=${spec%%:*}; a=${spec#*:}
+  timeout 150 python3 -m tpdiag.cli compare --device cuda --tp 1,2,4 --fix all --no-confirm --out /tmp/m/$n --format json $a >/tmp/m/$n.json 2>/tmp/m/$n.err
+  show $n /tmp/m
+done
+} > "$OUT/fixall.md" 2>&1
+rm -f "$OUT"/probes_overhead_llama-1b_bfloat16.json
+cat "$OUT/probes.md" | tail -40; tail -30 "$OUT/tree_kernels.md" 2>/dev/null; cat "$OUT/fixall.md"

@@ -1,0 +1,30 @@
+# sourced by the GPU batch scripts: wheels carried in .whl (no network there), NVLS off
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,driver_version --format=csv > "$OUT/gpu.txt"
+# one line per compare: status and first divergence per degree
+show() {
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+name, d = sys.argv[1], sys.argv[2]
+try:
+    s = json.load(open(f"{d}/{name}.json"))
+except Exception:
+    print(f"| {name} | no summary | {open(f'{d}/{name}.err').read()[-400:]!r} |"); sys.exit()
+cells = []
+for lab, v in s["degrees"].items():
+    fd = v.get("first_divergence") or {}
+    c = v.get("confirmation") or {}
+    cells.append(f"TP={lab}: {v['status']}" + (f" {fd['phase']}:{fd['module']}({fd['kind']}) op={fd.get('op')} {fd['cause']} max_abs={fd.get('max_abs')}" if fd else "")
+                 + (f" confirm[{c.get('fix')}]={c.get('verdict')}" if c else "") + (f" ERR {v.get('error')}" if v.get('error') else ""))
+m = json.load(open(f"{d}/{name}/manifest.json"))
+walls = {k: w.get("wall_s") for k, w in m.get("worlds", {}).items()}
+print(f"| {name} | {s['status']} ({s.get('capture')}) | " + " ; ".join(cells) + f" | worlds wall s {walls} |")
+PY
+}
