@@ -43,18 +43,16 @@ BLOCK, ITERS = 1024, 4   # elements per program: BLOCK * ITERS (fixed: the lanes
 # --------------------------------------------------------------------------------------
 # Triton kernel (wrapped with triton.jit by _triton())
 # --------------------------------------------------------------------------------------
-def _hash_kernel(w_ptr, ints_ptr, floats_ptr, SLAB, F_B, O_B, N_CHUNKS,
+def _hash_kernel(w_ptr, ints_ptr, floats_ptr, SLAB, F_B, O_B, N_CHUNKS, TOTAL, NPROG,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
                  ITERS: tl.constexpr):
-    """One program: ITERS blocks of one slab. Its shares go into the record's row with
+    """A program hashes chunks of ITERS blocks of one slab each. Its shares go into the record's row with
     atomics - integer adds (the lanes, the non-finite count) and an integer max (max |x| as
     the bits of a non-negative float64, which order like the values) are exact in any order;
-    the two float sums are statistics, not evidence, and may vary in their last bits."""
+    the two float sums are statistics, not evidence, and may vary in their last bits.
+    Persistent: NPROG programs stride over the TOTAL chunks, so a record costs a few hundred
+    atomics on its row, not one per chunk (contention on one address serialises them)."""
     pid = tl.program_id(0)
-    a = pid // N_CHUNKS
-    c = pid % N_CHUNKS
-    slab0 = a.to(tl.int64) * SLAB             # local offset of this slab
-    gbase = a.to(tl.int64) * F_B + O_B        # global index of the slab's first element
     ar = tl.arange(0, BLOCK)
     # k * C2 = kb * C2 + ar * C2 (mod 2**32): one add per element for the position
     ar_c2 = ar.to(tl.uint32) * tl.full([BLOCK], 0x85EBCA77, tl.uint32)
@@ -66,37 +64,41 @@ def _hash_kernel(w_ptr, ints_ptr, floats_ptr, SLAB, F_B, O_B, N_CHUNKS,
     acc_q = tl.zeros([BLOCK], dtype=tl.float32)
     acc_m = tl.zeros([BLOCK], dtype=tl.float32)
     acc_n = tl.zeros([BLOCK], dtype=tl.float32)
-    for it in tl.static_range(ITERS):
-        j0 = (c * ITERS + it).to(tl.int64) * BLOCK
-        # the block's first position times C2, mod 2**32, as a scalar (int64: no wrap surprises)
-        kbc2 = ((((gbase + j0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
-        j = j0 + ar
-        mask = j < SLAB
-        raw = tl.load(w_ptr + slab0 + j, mask=mask, other=0)
-        if WIDTH == 16:
-            w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
-        else:
-            w = raw.to(tl.uint32, bitcast=True)
-        x = w * c1 + (ar_c2 + kbc2)
-        x = x ^ (x >> 16)
-        x = x * c3
-        x = x ^ (x >> 15)
-        x = tl.where(mask, x, tl.zeros([BLOCK], dtype=tl.uint32))
-        acc_a += x
-        acc_b += x * x  # zero where masked, as x is
-        if WIDTH == 32:
-            v = raw.to(tl.float32, bitcast=True)
-        elif IS_BF16:
-            v = raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
-        else:
-            v = raw.to(tl.float16, bitcast=True).to(tl.float32)
-        av = tl.abs(v)
-        fin = av <= 3.4028234663852886e38     # false for NaN and +-inf
-        vf = tl.where(fin, v, 0.0)            # masked lanes loaded 0: finite, add nothing
-        acc_s += vf
-        acc_q += vf * vf
-        acc_m = tl.maximum(acc_m, tl.where(fin, av, 0.0))
-        acc_n += tl.where(fin | (~mask), 0.0, 1.0)
+    for chunk in range(pid, TOTAL, NPROG):
+        a = chunk // N_CHUNKS
+        c = chunk % N_CHUNKS
+        slab0 = a.to(tl.int64) * SLAB             # local offset of this slab
+        gbase = a.to(tl.int64) * F_B + O_B        # global index of the slab's first element
+        for it in tl.static_range(ITERS):
+            j0 = (c * ITERS + it).to(tl.int64) * BLOCK
+            # the block's first position times C2, mod 2**32, as a scalar (int64: no wrap surprises)
+            kbc2 = ((((gbase + j0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
+            mask = ar < tl.minimum(SLAB - j0, BLOCK).to(tl.int32)
+            raw = tl.load(w_ptr + (slab0 + j0) + ar, mask=mask, other=0)
+            if WIDTH == 16:
+                w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+            else:
+                w = raw.to(tl.uint32, bitcast=True)
+            x = w * c1 + (ar_c2 + kbc2)
+            x = x ^ (x >> 16)
+            x = x * c3
+            x = x ^ (x >> 15)
+            x = tl.where(mask, x, tl.zeros([BLOCK], dtype=tl.uint32))
+            acc_a += x
+            acc_b += x * x  # zero where masked, as x is
+            if WIDTH == 32:
+                v = raw.to(tl.float32, bitcast=True)
+            elif IS_BF16:
+                v = raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
+            else:
+                v = raw.to(tl.float16, bitcast=True).to(tl.float32)
+            av = tl.abs(v)
+            fin = av <= 3.4028234663852886e38     # false for NaN and +-inf
+            vf = tl.where(fin, v, 0.0)            # masked lanes loaded 0: finite, add nothing
+            acc_s += vf
+            acc_q += vf * vf
+            acc_m = tl.maximum(acc_m, tl.where(fin, av, 0.0))
+            acc_n += tl.where(fin | (~mask), 0.0, 1.0)
     row_i = ints_ptr
     tl.atomic_add(row_i + 0, tl.sum(acc_a.to(tl.int64), axis=0))
     tl.atomic_add(row_i + 1, tl.sum(acc_b.to(tl.int64), axis=0))
@@ -159,10 +161,19 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     if out is None:
         out = (torch.zeros(4, dtype=torch.int64, device=t.device),
                torch.zeros(2, dtype=torch.float64, device=t.device))
-    _hash_kernel[(a * n_chunks,)](words, out[0], out[1], slab_n, F * b, o * b, n_chunks,
-                                  WIDTH=width, IS_BF16=t.dtype == torch.bfloat16, BLOCK=BLOCK,
-                                  ITERS=ITERS, num_warps=4)
+    total = a * n_chunks
+    nprog = min(total, 4 * _sm_count(t.device))
+    _hash_kernel[(nprog,)](words, out[0], out[1], slab_n, F * b, o * b, n_chunks, total, nprog,
+                           WIDTH=width, IS_BF16=t.dtype == torch.bfloat16, BLOCK=BLOCK,
+                           ITERS=ITERS, num_warps=4)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
