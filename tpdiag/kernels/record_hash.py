@@ -29,6 +29,7 @@ device: the CPU path, same lanes bit for bit), `shard_lanes` (dispatch).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -130,6 +131,7 @@ def _available() -> bool:
 # --------------------------------------------------------------------------------------
 # torch wrappers
 # --------------------------------------------------------------------------------------
+_TORCH_ONLY = os.environ.get("TPDIAG_HASH_TORCH") == "1"  # bisecting: the torch path on CUDA too
 _TRITON_T = {torch.float32: (32, torch.int32), torch.bfloat16: (16, torch.int16),
              torch.float16: (16, torch.int16)}
 
@@ -231,7 +233,15 @@ def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None
     mod 2**32 -, floats [sum, sumsq] float64), on t's device, without a host sync. dim/full/
     offset place the shard in the whole tensor; `out`: a HashBuffer row to fill (zeroed)."""
     a, L, b, F, o = slab(t.shape, dim, full, offset)
-    if t.is_cuda and t.dtype in _TRITON_T and t.numel() and _available():
+    if type(t) is not torch.Tensor:
+        # A functional collective's result (AsyncCollectiveTensor, what DTensor.to_local() can
+        # return right after a redistribute) is a wrapper with no storage of its own: a raw
+        # pointer handed to a kernel is not its data (an illegal access on an H200). Wait for it.
+        wait = getattr(t, "wait", None)
+        t = wait() if callable(wait) else t
+        if type(t) is not torch.Tensor:
+            return lanes_torch(t, a, L, b, F, o, out)  # other subclasses: through torch dispatch
+    if t.is_cuda and t.dtype in _TRITON_T and t.numel() and not _TORCH_ONLY and _available():
         return triton_lanes(t, a, L, b, F, o, out)
     return lanes_torch(t, a, L, b, F, o, out)
 
