@@ -43,7 +43,7 @@ def test_probe_that_changes_numerics_makes_the_run_inconclusive(tmp_path):
     s = compare(tmp_path, "--tp", "1,2", "--no-baseline", code=2,
                 env={"TPDIAG_TEST_PERTURB_PROBE": "layers.0.attention.wq"})
     assert s["status"] == "inconclusive"
-    assert "probes changed the numerics" in s["degrees"]["2"]["error"]
+    assert "the probes changed its numerics" in s["degrees"]["2"]["error"]
 
 
 def test_steps_report_drift_and_fixes_hold_for_every_step(tmp_path):

@@ -63,8 +63,9 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, 
         sc = rs.world.get("probe_selfcheck")
         if sc is not None and not sc.get("equal"):
             entry["status"] = "failed"
-            entry["error"] = (f"probes changed the numerics of {who} (first mismatch "
-                              f"{sc.get('first_mismatch')}): results are not evidence")
+            entry["error"] = (f"the probed and the unprobed run of {who} differ (first mismatch "
+                              f"{sc.get('first_mismatch')}): the probes changed its numerics or "
+                              "the step is not deterministic run to run; results are not evidence")
     return entry, dd.rows
 
 

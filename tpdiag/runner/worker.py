@@ -29,6 +29,9 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
         io.write_json(marker(cfg.out_dir, rank, "done"), {"rank": rank, "time": time.time()})
     except BaseException as e:  # noqa: BLE001 - every failure must leave evidence on disk
         message = str(e).splitlines()[0] if str(e) else ""
+        if "does not have a deterministic implementation" in message:
+            message = (message.split(", but you set")[0] + " in deterministic mode; to run it "
+                       "anyway (its results may then differ run to run) set TPDIAG_DETERMINISM=warn")
         try:
             io.write_json(marker(cfg.out_dir, rank, "error"), {
                 "rank": rank, "type": type(e).__name__, "message": message,
