@@ -157,3 +157,20 @@ def test_fix_all_is_bitwise_in_hash_mode(tmp_path):
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert s["status"] == "bitwise" and s["capture"] == "hash", s
+
+
+def test_hash_mode_still_finds_a_sharding_bug_behind_a_reordering(tmp_path):
+    """The planted bug of tests/models/buggy.py (layer 1's row-parallel output rescaled), behind
+    a harmless layer-0 reordering: the hash pass only sees that layer 1's w2 output moved far
+    more than its input; the region pass bound-checks it with whole tensors."""
+    p = run_cli("compare", "--model", "py:tests/models/buggy.py:target", "--tp", "1,2",
+                "--capture", "hash", "--no-baseline", "--no-confirm", "--out", str(tmp_path / "r"),
+                "--format", "json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)["degrees"]["2"]
+    assert d["first_divergence"]["cause"] == "row-parallel-reduction"
+    assert d["first_divergence"]["module"].startswith("layers.0.")
+    assert "layers.1.feed_forward.w2" in d["suspects"]
+    bugs = [f for f in d["findings"] if f["cause"] == "sharding-bug"]
+    assert [f["module"] for f in bugs] == ["layers.1.feed_forward.w2"], d["findings"]
+    assert bugs[0]["bound_ratio"] > 10 and bugs[0]["from"] == "region rerun"

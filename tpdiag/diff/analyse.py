@@ -55,6 +55,9 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, 
     }
     if entry["loss"]["reference"] is not None and entry["loss"]["value"] is not None:
         entry["loss"]["abs_diff"] = abs(entry["loss"]["value"] - entry["loss"]["reference"])
+    suspects = hash_suspects(dd.rows)
+    if suspects:
+        entry["suspects"] = suspects
     steps = step_drift(dd)
     if len(steps) > 1:
         entry["steps"] = steps
@@ -86,6 +89,30 @@ def _baseline(run_dir, ref, label, failed, degree) -> dict:
         if fd:
             fd["cause"] = "collective-nondeterminism" if degree > 1 else "unknown"
     return out
+
+
+# A hash-only record has no values to bound-check. Its norm still says how much it moved: a
+# module whose output moved far more than its input (relative L2 norm difference, a lower bound
+# on the relative error) is worth a look with whole tensors. This only picks modules for the
+# region pass; the finding itself comes from the rounding bound there.
+SUSPECT_MIN, SUSPECT_RATIO, MAX_SUSPECTS = 1e-3, 100.0, 8
+
+
+def hash_suspects(rows: list[dict]) -> list[str]:
+    by_key = {r["key"]: r for r in rows}
+    scored = []
+    for r in rows:
+        if not r.get("hash_only") or r["bitwise"] or r["phase"] != "forward" or r["kind"] != "out":
+            continue
+        out = r.get("norm_rel_diff") or 0.0
+        src = by_key.get(f"s{r['step']}/forward/{r['module']}/in#{r['call']}/0")
+        if src is None:
+            continue
+        inp = 0.0 if src["bitwise"] else (src.get("norm_rel_diff") or 0.0)
+        if out > SUSPECT_MIN and out > SUSPECT_RATIO * inp:
+            scored.append((out / inp if inp > 0 else float("inf"), r["module"]))
+    scored.sort(key=lambda x: -x[0])
+    return sorted({m for _, m in scored[:MAX_SUSPECTS]})
 
 
 def step_drift(dd) -> list[dict]:

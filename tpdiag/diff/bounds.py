@@ -65,7 +65,8 @@ def logprob_bound(logits1, logitsn, lp1, lpn) -> torch.Tensor:
 
     logsumexp is 1-Lipschitz in the max-norm of its input and the target logit moves by at most
     the same amount, so a logits difference d moves lp by <= 2d. Rounding: a sum of V positive
-    terms (gamma_V) and an exp/log each side, in fp32.
+    terms (gamma_V) and an exp/log each side, in fp32; then each side's rounding of its result
+    to the logprobs' own dtype (a bf16 logprob near -6 is a multiple of 2**-5).
     """
     f = torch.float64
     v = logits1.shape[-1]
@@ -73,14 +74,18 @@ def logprob_bound(logits1, logitsn, lp1, lpn) -> torch.Tensor:
     ln = logitsn.reshape(-1, v).to(f)
     d = (ln - l1).abs().amax(-1)
     u = UNIT_ROUNDOFF[torch.float32]
+    u_out = UNIT_ROUNDOFF.get(lp1.dtype, u) if lp1.dtype != torch.float64 else 0.0
     a, b = lp1.reshape(-1).to(f), lpn.reshape(-1).to(f)
-    return 2 * d + 2 * gamma(v, u) + 4 * u * (1 + a.abs() + b.abs())
+    return 2 * d + 2 * gamma(v, u) + 4 * u * (1 + a.abs() + b.abs()) + u_out * (a.abs() + b.abs())
 
 
-def mean_bound(elem_bound: torch.Tensor, y1: float, yn: float, n: int) -> float:
-    """Bound on the difference of two means of n terms each within elem_bound of each other."""
+def mean_bound(elem_bound: torch.Tensor, y1: float, yn: float, n: int,
+               out_dtype: torch.dtype = torch.float32) -> float:
+    """Bound on the difference of two means of n terms each within elem_bound of each other,
+    each side's mean rounded to out_dtype."""
     u = UNIT_ROUNDOFF[torch.float32]
-    return float(elem_bound.mean()) + gamma(n, u) * (abs(y1) + abs(yn)) + u * (abs(y1) + abs(yn))
+    u_out = max(u, UNIT_ROUNDOFF.get(out_dtype, u))
+    return float(elem_bound.mean()) + gamma(n, u) * (abs(y1) + abs(yn)) + u_out * (abs(y1) + abs(yn))
 
 
 def norm_bound(grads1: list, gradsn: list, total1: float, totaln: float) -> float:

@@ -88,8 +88,9 @@ def _loss_bounds(dd: DegreeDiff) -> None:
                 lp_row["bound_ratio"], lp_row["beyond_bound"] = chk.ratio, chk.beyond
                 loss_row = next((r for r in rows if r["kind"] == "loss"), None)
                 if loss_row is not None and loss_row["key"] in dd.tensors:
-                    a, b = (float(t.double().reshape(-1)[0]) for t in dd.tensors[loss_row["key"]])
-                    _set(loss_row, bounds.mean_bound(eb, a, b, p1.numel()), abs(b - a))
+                    la, lb = dd.tensors[loss_row["key"]]
+                    a, b = (float(t.double().reshape(-1)[0]) for t in (la, lb))
+                    _set(loss_row, bounds.mean_bound(eb, a, b, p1.numel(), la.dtype), abs(b - a))
         gn = next((r for r in rows if r["kind"] == "grad_norm"), None)
         if gn is not None and gn["key"] in dd.tensors:
             pairs = [dd.tensors[r["key"]] for r in rows if r["kind"] == "param_grad" and r["key"] in dd.tensors]

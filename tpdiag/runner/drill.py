@@ -4,7 +4,8 @@ Pass 1 is cheap: modules only (`--granularity auto`) and/or hashes only (`--capt
 Pass 2 reruns the reference and the divergent degrees and records just the located region:
   - after a hash-first pass, the whole tensors of the first divergent record's module (its
     inputs, outputs, grads and parameters) - enough for max |diff|, ULPs, the rounding bound
-    and the cause - with everything else off;
+    and the cause - and of the "suspects" (modules whose output moved far more than their
+    input, by norm), whose bound checks then give the findings; everything else off;
   - for `--granularity auto`, the ops of the first divergent module (its parent for a divergent
     input; the whole phase for a backward or loss divergence, whose ops are attributed to the
     phase; after a hash pass only forward scopes, a phase's ops being as large as the model).
@@ -48,7 +49,10 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     ops = cfg.granularity in ("auto", "op") and bool(scopes)
     if not hashed and not ops:
         return summary
-    modules = sorted({m for fd in fds for m in (_record_module(fd), fd["module"])}) if hashed else []
+    modules = []
+    if hashed:
+        suspects = {m for lab, _ in targets for m in summary["degrees"][lab].get("suspects", [])}
+        modules = sorted({m for fd in fds for m in (_record_module(fd), fd["module"])} | suspects)
     if on_status:
         on_status("values" if hashed else "ops", ", ".join(modules or scopes))
     out = os.path.join(run_dir, "region" if hashed else "ops")
