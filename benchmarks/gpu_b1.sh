@@ -5,33 +5,7 @@ set -u
 source benchmarks/gpu_setup.sh
 {
 echo "## record hash on CUDA: Triton kernel vs torch path (bits)"
-python3 - <<'PY'
-import torch
-from tpdiag.kernels import record_hash as rh
-rh._triton()
-torch.manual_seed(0)
-bad = 0
-for dt in (torch.float32, torch.bfloat16, torch.float16):
-    full = torch.randn(8, 300, 4100, device="cuda").to(dt)
-    full[0, 0, 0] = float("nan"); full[1, 2, 3] = float("inf")
-    whole, _ = rh.lanes_torch(full, *rh.slab(full.shape, None, None, 0))
-    for dim in (None, 0, 1, 2):
-        parts = [full] if dim is None else list(full.chunk(4, dim=dim))
-        off, tot = 0, torch.zeros(2, dtype=torch.int64)
-        for p in parts:
-            p = p.contiguous()
-            args = rh.slab(p.shape, dim, None if dim is None else full.shape[dim], off)
-            ia, fa = rh.lanes_torch(p, *args)
-            ib, fb = rh.triton_lanes(p, *args)
-            ia[:2] &= rh.M32; ib[:2] &= rh.M32
-            bad += int(not torch.equal(ia, ib))
-            tot += ib[:2].cpu()
-            off += 0 if dim is None else p.shape[dim]
-        ok = bool(((tot & rh.M32) == (whole[:2].cpu() & rh.M32)).all())
-        bad += int(not ok)
-        print(f"- {dt} shards on dim {dim}: kernel == torch per shard and shares add up to the whole: {ok}")
-print(f"mismatches: {bad}")
-PY
+python3 benchmarks/check_record_hash.py
 echo
 python3 benchmarks/bench_probes.py hash
 echo

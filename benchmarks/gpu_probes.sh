@@ -2,43 +2,10 @@
 # One-GPU batch (nvidia-h200): the record hash on CUDA (bits vs the torch path, throughput),
 # probe overhead on a ~1B model, and the fp32 invariant-gemm sweep. Results under $OUT.
 set -u
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,driver_version --format=csv > "$OUT/gpu.txt"
+source benchmarks/gpu_setup.sh
 {
 echo "## record hash on CUDA: Triton kernel vs torch path (bits)"
-python3 - <<'PY'
-import torch
-from tpdiag.kernels import record_hash as rh
-torch.manual_seed(0)
-bad = 0
-for dt in (torch.float32, torch.bfloat16, torch.float16):
-    full = torch.randn(8, 300, 4100, device="cuda").to(dt)
-    full[0, 0, 0] = float("nan"); full[1, 2, 3] = float("inf")
-    for dim in (None, 0, 1, 2):
-        parts = [full] if dim is None else list(full.chunk(4, dim=dim))
-        off = 0
-        tot_t = torch.zeros(3, dtype=torch.int64); tot_k = torch.zeros(3, dtype=torch.int64)
-        for p in parts:
-            p = p.contiguous()
-            args = rh.slab(p.shape, dim, None if dim is None else full.shape[dim], off)
-            ia, fa = rh.lanes_torch(p, *args)
-            ib, fb = rh.triton_lanes(p, *args)
-            tot_t += ia.cpu(); tot_k += ib.cpu()
-            bad += int(not torch.equal(ia, ib))
-            off += 0 if dim is None else p.shape[dim]
-        whole, _ = rh.lanes_torch(full, *rh.slab(full.shape, None, None, 0))
-        ok = (tot_k[0] & rh.M32) == whole[0].cpu() and (tot_k[1] & rh.M32) == whole[1].cpu()
-        bad += int(not ok)
-        print(f"- {dt} shards on dim {dim}: kernel == torch per shard, shares add up to the whole: {ok}")
-print(f"mismatches: {bad}")
-PY
+python3 benchmarks/check_record_hash.py
 echo
 python3 benchmarks/bench_probes.py hash
 echo

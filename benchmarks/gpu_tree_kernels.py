@@ -103,6 +103,13 @@ def main():
         finally:
             vt.triton_path, nt.triton_path, gl.triton_path = saved
 
+    def timed_paths(name, fn):
+        """The same call timed on the Triton path and on the torch path it replaces."""
+        with torch_path():
+            t_torch = bench(fn)
+        t_tri = bench(fn)
+        timings.append(dict(op=name, triton_ms=t_tri, torch_ms=t_torch, speedup=t_torch / t_tri))
+
     def rank_order(parts):
         acc = parts[0]
         for p in parts[1:]:
@@ -147,11 +154,7 @@ def main():
                   lambda: vt.group_exp_sums(sh, m, G // tp),
                   lambda: vocab_ce.torch_group_exp_sums(shf, m, G // tp))
         fwd = lambda: vocab_ce.token_logprobs(lo, lab, G)  # noqa: E731
-        with torch_path():
-            t_torch = bench(fwd)
-        t_tri = bench(fwd)
-        timings.append(dict(op=f"vocab {dn} token_logprobs forward, TP=1", triton_ms=t_tri, torch_ms=t_torch,
-                            speedup=t_torch / t_tri))
+        timed_paths(f"vocab {dn} token_logprobs forward, TP=1", fwd)
 
     def norm_section(dn, dt):
         D = shp["D"]
@@ -213,11 +216,7 @@ def main():
             xb.grad = wb.grad = None
             ng.RMSNormSP.apply(xb, wb, 1e-5, G, 1).backward(gy.float())
 
-        with torch_path():
-            t_torch = bench(rms_step)
-        t_tri = bench(rms_step)
-        timings.append(dict(op=f"norm {dn} RMSNormSP fwd+bwd (1, {T}, {D})", triton_ms=t_tri, torch_ms=t_torch,
-                            speedup=t_torch / t_tri))
+        timed_paths(f"norm {dn} RMSNormSP fwd+bwd (1, {T}, {D})", rms_step)
 
     def linear_section(dn, dt):
         K, N = shp["K"], shp["N"]
@@ -256,11 +255,7 @@ def main():
             douts[world] = tree.tree_sum(parts) if world > 1 else parts[0]
         check(f"linear {dn}: column tree dgrad at TP=2/4/8 == TP=1", sum(ndiff(douts[wd], douts[1]) for wd in TPS))
         fwd = lambda: gl.RowLinearPartial.apply(xl, wl, G)  # noqa: E731
-        with torch_path():
-            t_torch = bench(fwd)
-        t_tri = bench(fwd)
-        timings.append(dict(op=f"linear {dn} RowLinearPartial fwd, 8 groups, [{T},{K}]x[{K},{N}]",
-                            triton_ms=t_tri, torch_ms=t_torch, speedup=t_torch / t_tri))
+        timed_paths(f"linear {dn} RowLinearPartial fwd, 8 groups, [{T},{K}]x[{K},{N}]", fwd)
 
     # One function per fix: its big tensors are freed when it returns.
     for dn in args.dtypes.split(","):

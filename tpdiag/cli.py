@@ -110,8 +110,8 @@ def compare(
             device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps,
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
-            capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout, seed=seed, variant=variant, baseline=baseline,
-            batch_size=batch_size, seq_len=seq_len)
+            capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
+            seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len)
         from tpdiag.runner.compare import default_out, validate
         from tpdiag.runner.session import compare_session
 

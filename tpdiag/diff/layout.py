@@ -54,7 +54,7 @@ def full_shape_from_pair(a: dict, b: dict) -> list[int] | None:
     return None
 
 
-def _shard_dim(local: list[int], full: list[int], n: int) -> int | None:
+def shard_dim(local: list[int], full: list[int], n: int) -> int | None:
     if len(local) != len(full):
         return None
     dims = [d for d in range(len(full)) if local[d] != full[d]]
@@ -76,7 +76,7 @@ def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> A
             return Assembled(torch.cat([stored] * n, dim=d), None, p, None)
         if full_hint is None or list(full_hint) == local:
             return Assembled(stored, None, p or "replicate", True)
-        d = _shard_dim(local, list(full_hint), n)
+        d = shard_dim(local, list(full_hint), n)
         if d is None:
             raise NotComparable(f"{meta['key']}: shape {local} at TP={n} cannot be gathered into "
                                 f"{list(full_hint)}")
@@ -95,7 +95,7 @@ def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> A
         if list(full_hint) == local:
             # Same shape at every rank yet different bits: a replica that is not replicated.
             return Assembled(shards[0], shards, "replicate", False)
-        d = _shard_dim(local, list(full_hint), n)
+        d = shard_dim(local, list(full_hint), n)
         if d is not None:
             return Assembled(torch.cat(shards, dim=d), shards, f"shard:{d}", None)
         raise NotComparable(f"{meta['key']}: shards of shape {local} at TP={n} cannot be gathered "

@@ -90,7 +90,8 @@ class Recorder:
         if hashed:
             from tpdiag.kernels.record_hash import shard_lanes
 
-            layout_, full, dim, size, offset = self._hash_layout(t, local, meta["key"])
+            layout_, full, dim, size, offset = self._hash_layout(
+                t, local, meta["key"], placement if layout is None else placement_label(t))
             meta["hash_layout"], meta["full_shape"] = layout_, full
             if self.hashbuf is None:
                 from tpdiag.kernels.record_hash import HashBuffer
@@ -119,14 +120,12 @@ class Recorder:
         finally:
             self.enabled = was
 
-    def _hash_layout(self, t, local, key):
-        """(layout, whole shape, shard dim, whole size of that dim, this rank's offset)."""
-        from torch.distributed.tensor import DTensor
-
+    def _hash_layout(self, t, local, key, p):
+        """(layout, whole shape, shard dim, whole size of that dim, this rank's offset);
+        p: t's placement label (None for a plain tensor)."""
         shape = list(local.shape)
-        if isinstance(t, DTensor):
-            p = placement_label(t)
-            if p and p.startswith("shard:"):
+        if p is not None:  # a DTensor: its placement says where the shard sits
+            if p.startswith("shard:"):
                 d = int(p.split(":")[1])
                 size, n = t.shape[d], t.device_mesh.size()
                 chunk = -(-size // n)  # torch.chunk's split, which Shard uses
@@ -140,11 +139,12 @@ class Recorder:
             return "unknown", shape, None, None, 0
         if list(full) == shape:
             return "replicate", shape, None, None, 0
-        dims = [d for d in range(len(shape)) if len(full) == len(shape) and shape[d] != full[d]]
-        if len(dims) == 1 and shape[dims[0]] * self.world == full[dims[0]]:
-            d = dims[0]
-            return f"shard:{d}", list(full), d, full[d], self.rank * shape[d]
-        return "unknown", shape, None, None, 0
+        from tpdiag.diff.layout import shard_dim
+
+        d = shard_dim(shape, list(full), self.world)
+        if d is None:
+            return "unknown", shape, None, None, 0
+        return f"shard:{d}", list(full), d, full[d], self.rank * shape[d]
 
 
 def record_key(meta: dict) -> str:

@@ -29,8 +29,9 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
                    group=None, lanes: list | None = None, hashbuf=None):
     """Returns, on rank 0 of `group` (default: the world), [(meta, stored_tensor)] with
     meta['stored'] in {'single','stacked','hash'}; on other ranks None. Raises Inconclusive if
-    the ranks recorded different streams. A hash-mode record (tensor None, its lanes in
-    `lanes`, rows of `hashbuf`) is stored as its whole-tensor hash and statistics, composed from every rank's share."""
+    the ranks recorded different streams. A hash-mode record (tensor None; lanes[i] its row of
+    `hashbuf`) is stored as its whole-tensor hash and statistics, composed from every rank's
+    share."""
     metas = [m for m, _ in records]
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -130,22 +131,23 @@ def _hash_meta(m: dict, shares: list, world: int) -> dict:
     # the integer lanes cover every bit; the float sums (atomics) may differ in their last bits
     equal = all(s[0] == shares[0][0] for s in shares[1:])
     out = {**m, "stored": "hash", "world": world}
+
+    def per_rank(shape):
+        return [hash_of_lanes(s[0][0], s[0][1], m["dtype"], shape) for s in shares]
+
     if layout and layout.startswith("shard:"):
         ints, floats = compose(shares, "sum")
         out["ranks_equal"] = None
     elif layout == "partial" or (layout == "unknown" and not equal):
         # an unreduced partial sum, or shards whose place in the whole tensor is unknown (no
         # reference shape): per-rank hashes only, nothing to compare
-        out.update(ranks_equal=equal, full_hash=None,
-                   rank_hashes=[hash_of_lanes(s[0][0], s[0][1], m["dtype"], m["local_shape"])
-                                for s in shares])
+        out.update(ranks_equal=equal, full_hash=None, rank_hashes=per_rank(m["local_shape"]))
         return out
     else:
         ints, floats = compose(shares, "first")
         out["ranks_equal"] = equal
         if not equal:
-            out["rank_hashes"] = [hash_of_lanes(s[0][0], s[0][1], m["dtype"], m["full_shape"])
-                                  for s in shares]
+            out["rank_hashes"] = per_rank(m["full_shape"])
     out["full_hash"] = hash_of_lanes(ints[0], ints[1], m["dtype"], m["full_shape"])
     out["stats"] = {"nonfinite": ints[2], "sum": floats[0], "sumsq": floats[1], "absmax": floats[2]}
     return out

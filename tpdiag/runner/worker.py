@@ -177,17 +177,15 @@ def _probe_selfcheck(bare, probed, device) -> dict:
 def _ref_shapes(cfg, world: int) -> dict:
     """Whole shapes of the reference's records, when it ran at TP=1: where hash mode places an
     unmarked shard (a plain local tensor) in the whole tensor."""
-    import json
-
     if world == 1 or not cfg.ref_dir or cfg.capture == "full":
         return {}
     try:
         from tpdiag import io
+        from tpdiag.probes.store import EVENTS
 
         if io.read_json(os.path.join(cfg.ref_dir, "world.json")).get("degree") != 1:
             return {}
-        with open(os.path.join(cfg.ref_dir, "events.jsonl")) as f:
-            events = [json.loads(line) for line in f if line.strip()]
+        events = io.read_jsonl(os.path.join(cfg.ref_dir, EVENTS))
         return {m["key"]: m.get("full_shape") or m["local_shape"] for m in events}
     except Exception:  # a failed or missing reference: DTensor placements still place shards
         return {}

@@ -1,0 +1,71 @@
+"""invariant-gemm's tile configurations: fixed per (device kind, dtype); may depend on K,
+never on M or N - a config that changed with the shape would change the bits with it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    tma: bool = False        # TMA descriptors (Hopper+); same tiles and K order either way
+    flatten: bool = False    # tl.range(flatten=...) of the persistent tile loop
+    warp_specialize: bool = False  # tl.range(warp_specialize=...), TMA kernel only
+    epilogue_subtile: bool = False  # TMA kernel: store C in two halves (less shared memory)
+    # fp32 operands only: "ieee" (FMA units) or "tf32x3" (3xTF32 split product on tensor
+    # cores, ~fp32 accuracy). Fixed per dtype like the tiles; other dtypes ignore it.
+    fp32_precision: str = "ieee"
+
+    def __post_init__(self):
+        if self.fp32_precision not in FP32_PRECISIONS:
+            raise ValueError(f"GemmConfig.fp32_precision must be one of {FP32_PRECISIONS}, got {self.fp32_precision!r}")
+
+
+FP32_PRECISIONS = ("ieee", "tf32x3")
+
+
+# Chosen from the sweep in benchmarks/bench_invariant_gemm.py on an H200 (docs/benchmarks.md):
+# bf16 128x256x64, GROUP_M 16, 8 warps, 3 stages, TMA: 98-101% of cuBLAS at Llama-3-8B
+# shapes (pointer loads: 77%; 4 stages do not fit in shared memory; flatten / warp
+# specialisation / GROUP_M 8 or 32: no gain). fp32 (IEEE, FMA): 128x128x32, 84% of cuBLAS;
+# TMA was within noise, so the pointer kernel (no aligned copies) is kept. fp32_precision
+# stays "ieee" until a GPU sweep shows tf32x3 both faster and as accurate as cuBLAS fp32
+# (rel. error vs float64). Any fixed config is invariant; two different configs give
+# different bits (different BLOCK_K or precision = different arithmetic), so these must
+# not change silently between runs.
+CUDA_CONFIGS = {
+    torch.bfloat16: GemmConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True),
+    torch.float16: GemmConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True),
+    # fp32 uses IEEE fp32 FMA (no tensor cores): a register-blocked tile.
+    torch.float32: GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3, tma=False),
+}
+# Pre-Hopper GPUs (no TMA, less shared memory). Depends on the device, not on the shape.
+CUDA_CONFIGS_PRE_HOPPER = {
+    torch.bfloat16: GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
+    torch.float16: GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
+    torch.float32: GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+}
+# Under the Triton interpreter (CPU tensors): each tl.dot runs as a numpy matmul of one
+# fixed tile shape. Smaller tiles keep the interpreter fast.
+INTERPRETER_CONFIGS = {
+    torch.bfloat16: GemmConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1),
+    torch.float16: GemmConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1),
+    torch.float32: GemmConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1),
+}
+
+def default_config(dtype: torch.dtype, device: torch.device, K: Optional[int] = None) -> GemmConfig:
+    """The fixed config for ``dtype`` on ``device``. ``K`` is accepted (a config may depend
+    on K, which fixes the reduction length anyway) but no shipped config uses it."""
+    del K
+    if device.type != "cuda":
+        return INTERPRETER_CONFIGS[dtype]
+    major, _ = torch.cuda.get_device_capability(device)
+    return (CUDA_CONFIGS if major >= 9 else CUDA_CONFIGS_PRE_HOPPER)[dtype]
