@@ -2,7 +2,9 @@
 mode, and the record hash's throughput against the device's memory bandwidth.
 
   PYTHONPATH=. python benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 2048
-  PYTHONPATH=. python benchmarks/bench_probes.py hash
+  PYTHONPATH=. python benchmarks/bench_probes.py hash          # or hash-sweep: launch shapes side by side
+  PYTHONPATH=. python benchmarks/bench_probes.py launch        # host time per hashed record, by layer
+  PYTHONPATH=. python benchmarks/bench_probes.py profile --model llama-1b --seq 2048   # cProfile, one step
   PYTHONPATH=. python benchmarks/bench_probes.py diff RUN_DIR
 
 `overhead`: one training step (forward, loss, backward, clip, AdamW - tpdiag's own step,
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -135,6 +138,142 @@ def hash_throughput(args) -> dict:
     return {"device": _device_name(), "peak_gbs": peak, "rows": rows}
 
 
+# launch shapes tried by `hash --sweep` (block, iters, waves, warps); the first is shipped
+HASH_SWEEP = [(1024, 8, 4, 4), (1024, 4, 4, 4), (2048, 4, 4, 8), (1024, 4, 16, 4)]
+# (an H200 sweep before the narrow tiles stacked their ITERS over rows also tried (1024, 4, 8, 4),
+# (2048, 2, 8, 8), (4096, 2, 4, 8), (2048, 4, 8, 4), (512, 8, 8, 4): none better on whole tensors)
+
+
+def hash_sweep(args) -> dict:
+    """Launch shapes of the record-hash kernel side by side on 1 GiB tensors: whole, and
+    last-dim shards 2048 and 512 wide (one slab per row: the narrow [R, CB] tiles)."""
+    import torch
+
+    from tpdiag.kernels import record_hash as rh
+
+    rh._triton()
+    dev = torch.device("cuda")
+    peak = args.peak_gbs
+    rows = []
+
+    def bench(fn):
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100) / 1e3
+
+    for dt in (torch.bfloat16, torch.float32):
+        n = (1 << 30) // torch.tensor([], dtype=dt).element_size()
+        for label, cols, ways in (("whole", 8192, None), ("shard 2048 wide", 2048, 4), ("shard 512 wide", 512, 16)):
+            x = torch.randn(n // cols, cols, device=dev, dtype=dt)
+            args_ = rh.slab(x.shape, None if ways is None else 1, None if ways is None else cols * ways,
+                            0 if ways is None else cols)
+            nbytes = x.numel() * x.element_size()
+            t_sum = bench(lambda: x.sum(dtype=torch.float32))
+            ref = None
+            for shape in HASH_SWEEP:
+                b, it, wv, wp = shape
+                fn = lambda: rh.triton_lanes(x, *args_, block=b, iters=it, waves=wv, warps=wp)  # noqa: E731
+                lanes = fn()[0][:2] & rh.M32
+                ref = lanes if ref is None else ref
+                t = bench(fn)
+                rows.append({"dtype": str(dt).replace("torch.", ""), "tensor": label, "shape": shape,
+                             "gbs": nbytes / t / 1e9, "of_peak": nbytes / t / 1e9 / peak, "of_sum": t_sum / t,
+                             "same_lanes": bool(torch.equal(lanes, ref))})
+            del x
+            torch.cuda.empty_cache()
+    lines = [f"hash launch-shape sweep: {_device_name()}, 1 GiB tensors, spec bandwidth {peak:.0f} GB/s",
+             "| dtype | tensor | block, iters, waves/SM, warps | GB/s | of spec | of torch.sum's | lanes = first shape's |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['tensor']} | {r['shape']} | {r['gbs']:.0f} | {100 * r['of_peak']:.0f}% | "
+                     f"{100 * r['of_sum']:.0f}% | {r['same_lanes']} |")
+    print("\n".join(lines))
+    return {"device": _device_name(), "peak_gbs": peak, "rows": rows}
+
+
+def launch_cost(args) -> dict:
+    """Host time per hashed record (no sync inside the loop; the device work is tiny), by layer:
+    the raw kernel launch, triton_lanes, shard_lanes, and Recorder.add in hash mode."""
+    import torch
+
+    from tpdiag.kernels import record_hash as rh
+    from tpdiag.probes.recorder import Recorder
+
+    rh._triton()
+    dev = torch.device("cuda")
+    x = torch.randn(16, 2048, device=dev, dtype=torch.bfloat16)
+    buf = rh.HashBuffer(dev)
+    n = 2000
+
+    def per_call(fn):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t) / n
+        torch.cuda.synchronize()
+        return 1e6 * host
+
+    a, L, b, F, o = rh.slab(x.shape, None, None, 0)
+    words = x.view(torch.int16)
+    ints = torch.zeros(64, 4, dtype=torch.int64, device=dev)
+    floats = torch.zeros(64, 2, dtype=torch.float64, device=dev)
+    r, cb, row_iters, n_row, n_col, even = rh.plan(a, L * b)
+    nprog = min(n_row * n_col, rh.WAVES * rh._sm_count(dev))
+    raw = lambda: rh._hash_kernel[(nprog,)](words, ints, floats, 0, a, L * b, F * b, o * b, n_col, n_row * n_col,  # noqa: E731
+                                             nprog, WIDTH=16, IS_BF16=True, R=r, CB=cb, ITERS=rh.ITERS,
+                                             ROW_ITERS=row_iters, EVEN=even, num_warps=rh.WARPS)
+    rec = Recorder(mode="hash")
+    res = {"raw kernel launch": per_call(raw),
+           "triton_lanes": per_call(lambda: rh.triton_lanes(x, a, L, b, F, o, (ints, floats, 0))),
+           "shard_lanes": per_call(lambda: rh.shard_lanes(x, out=(ints, floats, 0))),
+           "HashBuffer.row + shard_lanes": per_call(lambda: rh.shard_lanes(x, out=buf.row()[1])),
+           "Recorder.add (hash mode)": per_call(lambda: rec.add("output", "layers.0.mlp", "out", x))}
+    lines = [f"host time per hashed record: {_device_name()}, CPU {platform.processor() or platform.machine()}, "
+             f"bf16 [16, 2048], {n} calls", "| layer | us per call |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in res.items()]
+    print("\n".join(lines))
+    return res
+
+
+def profile_step(args) -> dict:
+    """cProfile of one hash-mode training step (TP=1): where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from tpdiag.config import WorldConfig
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.runner import determinism, step
+
+    determinism.setup(0, "cuda")
+    dev = torch.device("cuda", 0)
+    cfg = WorldConfig(model=args.model, degree=1, label="1", out_dir="", dtype=args.dtype, device="cuda",
+                      batch_size=args.batch, seq_len=args.seq, selfcheck=False, capture="hash")
+    built = step.build_model(cfg, dev, 1)
+    step.build_model = lambda cfg, device, world: built
+    for _ in range(2):
+        step.run(cfg, dev, 1, Recorder())
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    rec = Recorder()
+    t = time.perf_counter()
+    prof.enable()
+    step.run(cfg, dev, 1, rec)
+    torch.cuda.synchronize()
+    prof.disable()
+    wall = time.perf_counter() - t
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    print(f"profile: {args.model} {args.dtype} batch {args.batch} seq {args.seq}, hash mode, "
+          f"{len(rec.records)} records, step {1e3 * wall:.1f} ms under cProfile")
+    print(s.getvalue())
+    return {"records": len(rec.records), "wall_s": wall}
+
+
 def diff_throughput(args) -> dict:
     from tpdiag.diff.analyse import analyse_degree
     from tpdiag.probes.store import RecordSet
@@ -170,7 +309,7 @@ def _device_name() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("overhead", "hash", "diff"))
+    ap.add_argument("what", choices=("overhead", "hash", "hash-sweep", "launch", "profile", "diff"))
     ap.add_argument("run_dir", nargs="?")
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--dtype", default="bfloat16")
@@ -180,9 +319,10 @@ def main() -> int:
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
-    res = {"overhead": overhead, "hash": hash_throughput, "diff": diff_throughput}[args.what](args)
+    res = {"overhead": overhead, "hash": hash_throughput, "hash-sweep": hash_sweep, "launch": launch_cost,
+           "profile": profile_step, "diff": diff_throughput}[args.what](args)
     if args.out:
-        name = f"probes_{args.what}_{args.model}_{args.dtype}.json" if args.what == "overhead" else f"probes_{args.what}.json"
+        name = f"probes_{args.what}_{args.model}_{args.dtype}.json" if args.what in ("overhead", "profile") else f"probes_{args.what}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(res, f, indent=1)
     return 0

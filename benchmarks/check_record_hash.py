@@ -14,27 +14,29 @@ def main() -> int:
     rh._triton()
     torch.manual_seed(0)
     bad = 0
-    for dt in (torch.float32, torch.bfloat16, torch.float16):
-        full = torch.randn(8, 300, 4100, device="cuda").to(dt)
-        full[0, 0, 0] = float("nan")
-        full[1, 2, 3] = float("inf")
-        whole, _ = rh.lanes_torch(full, *rh.slab(full.shape, None, None, 0))
-        for dim in (None, 0, 1, 2):
-            parts = [full] if dim is None else list(full.chunk(4, dim=dim))
-            off, tot = 0, torch.zeros(2, dtype=torch.int64)
-            for p in parts:
-                p = p.contiguous()
-                args = rh.slab(p.shape, dim, None if dim is None else full.shape[dim], off)
-                ia, _ = rh.lanes_torch(p, *args)
-                ib, _ = rh.triton_lanes(p, *args)
-                ia[:2] &= rh.M32
-                ib[:2] &= rh.M32
-                bad += int(not torch.equal(ia, ib))
-                tot += ib[:2].cpu()
-                off += 0 if dim is None else p.shape[dim]
-            ok = bool(((tot & rh.M32) == (whole[:2].cpu() & rh.M32)).all())
-            bad += int(not ok)
-            print(f"- {dt} shards on dim {dim}: kernel == torch per shard and shares add up to the whole: {ok}")
+    # (8, 300, 4100): masked tails; (16, 64, 2048) in 16: 128-wide shards, no masks ([R, CB] tiles)
+    for shape, ways in (((8, 300, 4100), 4), ((16, 64, 2048), 16)):
+        for dt in (torch.float32, torch.bfloat16, torch.float16):
+            full = torch.randn(*shape, device="cuda").to(dt)
+            full[0, 0, 0] = float("nan")
+            full[1, 2, 3] = float("inf")
+            whole, _ = rh.lanes_torch(full, *rh.slab(full.shape, None, None, 0))
+            for dim in (None, 0, 1, 2):
+                parts = [full] if dim is None else list(full.chunk(ways, dim=dim))
+                off, tot = 0, torch.zeros(2, dtype=torch.int64)
+                for p in parts:
+                    p = p.contiguous()
+                    args = rh.slab(p.shape, dim, None if dim is None else full.shape[dim], off)
+                    ia, _ = rh.lanes_torch(p, *args)
+                    ib, _ = rh.triton_lanes(p, *args)
+                    ia[:2] &= rh.M32
+                    ib[:2] &= rh.M32
+                    bad += int(not torch.equal(ia, ib))
+                    tot += ib[:2].cpu()
+                    off += 0 if dim is None else p.shape[dim]
+                ok = bool(((tot & rh.M32) == (whole[:2].cpu() & rh.M32)).all())
+                bad += int(not ok)
+                print(f"- {shape} {dt} {ways if dim is not None else 1} shards on dim {dim}: kernel == torch per shard and shares add up to the whole: {ok}")
     print(f"mismatches: {bad}")
     return 1 if bad else 0
 

@@ -60,22 +60,36 @@ import torch
 from tpdiag.kernels import record_hash as rh
 rh._triton()
 torch.manual_seed(0)
-for dt in (torch.float32, torch.bfloat16, torch.float16):
-    full = torch.randn(3, 10, 1100).to(dt)  # a slab longer than one block
-    full[0, 0, 0] = float("nan"); full[1, 2, 3] = float("inf")
-    for dim in (None, 0, 1, 2):
-        parts = [full] if dim is None else list(full.chunk(2, dim=dim))
-        off = 0
-        for p in parts:
-            p = p.contiguous()
-            args = rh.slab(p.shape, dim, None if dim is None else full.shape[dim], off)
-            ia, fa = rh.lanes_torch(p, *args)
-            ib, fb = rh.triton_lanes(p, *args)
-            ia[:2] &= rh.M32
-            ib[:2] &= rh.M32
-            assert torch.equal(ia, ib), (dt, dim, ia, ib)  # lanes, non-finite count, max |x|
-            assert torch.allclose(fa, fb, rtol=1e-5), (dt, dim, fa, fb)
-            off += 0 if dim is None else p.shape[dim]
+paths = set()
+# [3, 10, 1100]: slabs longer than a block, masked tails, narrow [R, CB] tiles for last-dim
+# shards; [4, 8, 1024]: every chunk full (no masks), also for its 512- and 16-wide shards
+for shape, ways in (((3, 10, 1100), 2), ((4, 8, 1024), 2), ((4, 8, 64), 4)):
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        full = torch.randn(*shape).to(dt)
+        full[0, 0, 0] = float("nan"); full[1, 2, 3] = float("inf")
+        for dim in (None, 0, 1, 2):
+            parts = [full] if dim is None else list(full.chunk(ways, dim=dim))
+            off = 0
+            for p in parts:
+                p = p.contiguous()
+                args = rh.slab(p.shape, dim, None if dim is None else full.shape[dim], off)
+                pl = rh.plan(args[0], args[1] * args[2])
+                paths.add(pl[:3] + pl[5:])
+                ia, fa = rh.lanes_torch(p, *args)
+                ib, fb = rh.triton_lanes(p, *args)
+                # another launch shape, into row 2 of a buffer chunk: the same lanes
+                slot = (torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.float64), 2)
+                rh.triton_lanes(p, *args, out=slot, block=256, iters=2, waves=1)
+                ic = slot[0][2].clone()
+                for i in (ia, ib, ic):
+                    i[:2] &= rh.M32
+                assert torch.equal(ia, ib), (dt, dim, ia, ib)  # lanes, non-finite count, max |x|
+                assert torch.equal(ia, ic), (dt, dim, ia, ic)
+                assert not slot[0][:2].any()
+                assert torch.allclose(fa, fb, rtol=1e-5), (dt, dim, fa, fb)
+                off += 0 if dim is None else p.shape[dim]
+# both kernel paths (masked / EVEN) and 1-D and narrow tiles were exercised
+assert {p[3] for p in paths} == {True, False} and len({p[:2] for p in paths}) >= 4, paths
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)

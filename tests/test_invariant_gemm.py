@@ -195,16 +195,18 @@ def test_cpu_linear_and_addmm(dtype):
     assert not torch.isnan(ig.invariant_addmm(nan_bias, x2, w.t(), beta=0)).any()  # beta=0 ignores bias
 
 
-def test_config_fp32_precision_defaults_to_ieee():
-    """fp32_precision is a fixed per-dtype config field: every shipped config keeps IEEE
-    fp32 (tf32x3 only after a GPU measurement), it round-trips, and typos are refused."""
-    for table in (ig.CUDA_CONFIGS, ig.CUDA_CONFIGS_PRE_HOPPER, ig.INTERPRETER_CONFIGS):
+def test_config_fp32_precision_defaults():
+    """fp32_precision is a fixed per-dtype config field: Hopper's fp32 is the pre-split bf16x6
+    kernel (measured on an H200: faster and more accurate than cuBLAS fp32), pre-Hopper and
+    the interpreter keep IEEE fp32; it round-trips, and typos are refused."""
+    for table in (ig.CUDA_CONFIGS_PRE_HOPPER, ig.INTERPRETER_CONFIGS):
         assert all(c.fp32_precision == "ieee" for c in table.values())
+    assert ig.CUDA_CONFIGS[torch.float32].fp32_precision == "bf16x6" and ig.CUDA_CONFIGS[torch.float32].tma
     base = ig.default_config(torch.float32, torch.device("cpu"))
     t3 = dataclasses.replace(base, fp32_precision="tf32x3")
     assert t3.fp32_precision == "tf32x3" and t3 != base
     assert ig.GemmConfig(**dataclasses.asdict(t3)) == t3
-    for bad in ("tf32", "TF32x3", "bf16x3"):
+    for bad in ("tf32", "TF32x3", "bf16x3", "BF16x6"):
         with pytest.raises(ValueError, match="fp32_precision"):
             dataclasses.replace(base, fp32_precision=bad)
 
@@ -299,6 +301,22 @@ _INTERP_SCRIPT = textwrap.dedent("""
                          same(ig.triton_mm(a, b[:, 16:32], config=t3), f3[:, 16:32]),
                          same(ig.triton_mm(a, b, config=dataclasses.replace(t3, epilogue_subtile=False)), f3),
                          ((f3.double() - ig.reference_mm(a, b)).norm() / ig.reference_mm(a, b).norm()).item() < 1e-5]
+        # The pre-split bf16 pieces (split_gemm.py): the Hopper fp32 default is bf16x6. K=100
+        # is not a multiple of 8, so the pieces' padded-K path runs too.
+        from tpdiag.kernels import split_gemm as sg
+
+        for prec in ("bf16x6", "bf16x9"):
+            sc = dataclasses.replace(base, tma=True, epilogue_subtile=True, fp32_precision=prec)
+            checks(prec, lambda x, y, sc=sc: ig.triton_mm(x, y, config=sc))
+        # the Triton split kernel (what CUDA runs) gives the torch split's bits
+        pieces = tuple(torch.empty(a.shape, dtype=torch.bfloat16) for _ in range(3))
+        sg._triton()
+        sg._split_kernel[(2,)](a.contiguous().view(torch.int32), *pieces, a.numel(), BLOCK=4096)
+        res["split kernel"] = [torch.equal(p.view(torch.int16), q.view(torch.int16))
+                               for p, q in zip(pieces, sg.split_bf16_torch(a))]
+        s6 = dataclasses.replace(base, tma=True, epilogue_subtile=True, fp32_precision="bf16x6")
+        res["bf16x6 != bf16x9"] = not same(ig.triton_mm(a, b, config=s6),
+                                           ig.triton_mm(a, b, config=dataclasses.replace(s6, fp32_precision="bf16x9")))
     else:  # other dtypes ignore fp32_precision
         res["tf32x3"] = [same(ig.triton_mm(a, b, config=dataclasses.replace(base, fp32_precision="tf32x3")),
                               ig.triton_mm(a, b, config=base))]
@@ -354,6 +372,41 @@ def test_triton_tf32x3_config(interp):
     under the interpreter; bf16: fp32_precision changes nothing."""
     _, res = interp
     assert all(res["tf32x3"]), res["tf32x3"]
+
+
+@pytest.mark.parametrize("prec", ["bf16x6", "bf16x9"])
+def test_triton_split_bf16_configs(interp, prec):
+    """fp32 from pre-split bf16 pieces (the Hopper default): row-, column- and weight-shard
+    invariant, as accurate as fp32 (the interpreter's dots are exact fp32 matmuls of the
+    pieces); the split kernel gives the torch split's bits; the terms kept change the bits."""
+    dt, res = interp
+    if dt != "fp32":
+        pytest.skip("fp32 operands only")
+    assert all(res[f"{prec} rows"]), res[f"{prec} rows"]
+    for tp in (2, 4, 8):
+        assert all(res[f"{prec} cols {tp}"]) and all(res[f"{prec} wcols {tp}"]), tp
+    assert res[f"{prec} err"] < 1e-6, res[f"{prec} err"]
+    assert all(res["split kernel"]), res["split kernel"]
+    assert res["bf16x6 != bf16x9"]
+
+
+def test_split_pieces_are_exact():
+    """x = x0 + x1 + x2 exactly for every finite fp32 (incl. FLT_MAX, which round-to-nearest
+    would overflow), each piece a bf16; inf/NaN stay in x0."""
+    from tpdiag.kernels.split_gemm import split_bf16_torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * torch.logspace(-30, 30, 4096)
+    x[:4] = torch.tensor([3.4028234663852886e38, -3.4028234663852886e38, 1.1754943508222875e-38, -0.0])
+    x[4:7] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    p = split_bf16_torch(x)
+    assert all(q.dtype == torch.bfloat16 for q in p)
+    s = p[0].float() + p[1].float() + p[2].float()
+    fin = torch.isfinite(x)
+    assert torch.equal(s[fin], x[fin])  # values (the sum of -0.0's pieces is +0.0: same product)
+    assert torch.equal(s[4:6], x[4:6]) and torch.isnan(s[6])
+    # truncation, not rounding: |x0| <= |x| (no overflow near FLT_MAX)
+    assert bool((p[0].float().abs() <= x.abs())[fin].all())
 
 
 def test_triton_negative_control(interp):

@@ -305,6 +305,10 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
                                "(TRITON_INTERPRET=1 or TPDIAG_TRITON_CPU=1 before triton is imported)")
         num_sms = _INTERPRETER_NUM_SMS
         use_tma = cfg.tma
+    if a.dtype == torch.float32 and cfg.fp32_precision in ("bf16x6", "bf16x9"):
+        from tpdiag.kernels.split_gemm import split_mm
+
+        return split_mm(a, b, cfg, out_dtype, num_sms, upcast=a.device.type != "cuda")
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     grid = (min(num_sms, num_tiles),)
     # fp32 operands: the config's fixed fp32_precision ("ieee" FMA or "tf32x3"; never plain

@@ -20,8 +20,9 @@ class GemmConfig:
     flatten: bool = False    # tl.range(flatten=...) of the persistent tile loop
     warp_specialize: bool = False  # tl.range(warp_specialize=...), TMA kernel only
     epilogue_subtile: bool = False  # TMA kernel: store C in two halves (less shared memory)
-    # fp32 operands only: "ieee" (FMA units) or "tf32x3" (3xTF32 split product on tensor
-    # cores, ~fp32 accuracy). Fixed per dtype like the tiles; other dtypes ignore it.
+    # fp32 operands only: "ieee" (FMA units), "tf32x3" (3xTF32 split product on tensor
+    # cores, ~fp32 accuracy) or "bf16x6"/"bf16x9" (pre-split bf16 pieces, split_gemm.py).
+    # Fixed per dtype like the tiles; other dtypes ignore it.
     fp32_precision: str = "ieee"
 
     def __post_init__(self):
@@ -29,23 +30,28 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.fp32_precision must be one of {FP32_PRECISIONS}, got {self.fp32_precision!r}")
 
 
-FP32_PRECISIONS = ("ieee", "tf32x3")
+# "bf16x6" / "bf16x9": operands split into three bf16 pieces beforehand, six or nine
+# tensor-core dots per K step (kernels/split_gemm.py; TMA, Hopper+).
+FP32_PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x9")
 
 
 # Chosen from the sweep in benchmarks/bench_invariant_gemm.py on an H200 (docs/benchmarks.md):
 # bf16 128x256x64, GROUP_M 16, 8 warps, 3 stages, TMA: 98-101% of cuBLAS at Llama-3-8B
 # shapes (pointer loads: 77%; 4 stages do not fit in shared memory; flatten / warp
 # specialisation / GROUP_M 8 or 32: no gain). fp32 (IEEE, FMA): 128x128x32, 84% of cuBLAS;
-# TMA was within noise, so the pointer kernel (no aligned copies) is kept. fp32_precision
-# stays "ieee" until a GPU sweep shows tf32x3 both faster and as accurate as cuBLAS fp32
-# (rel. error vs float64). Any fixed config is invariant; two different configs give
+# tf32x3 (in-register split): 72%, so Hopper's fp32 is the pre-split bf16x6 kernel (below).
+# Any fixed config is invariant; two different configs give
 # different bits (different BLOCK_K or precision = different arithmetic), so these must
 # not change silently between runs.
 CUDA_CONFIGS = {
     torch.bfloat16: GemmConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True),
     torch.float16: GemmConfig(128, 256, 64, group_m=16, num_warps=8, num_stages=3, tma=True),
-    # fp32 uses IEEE fp32 FMA (no tensor cores): a register-blocked tile.
-    torch.float32: GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3, tma=False),
+    # fp32: operands pre-split into three bf16 pieces, six tensor-core dots per K step, each
+    # K step's partial sum added on the FMA units (split_gemm.py): 156% of cuBLAS fp32 at
+    # 4096^3 and 5x more accurate (2.3e-7 vs 1.15e-6 rel. error) on an H200; the IEEE FMA
+    # tile (128x128x32 w8 s3 pointer, 84%) stays in CUDA_CONFIGS_PRE_HOPPER.
+    torch.float32: GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3, tma=True,
+                              epilogue_subtile=True, fp32_precision="bf16x6"),
 }
 # Pre-Hopper GPUs (no TMA, less shared memory). Depends on the device, not on the shape.
 CUDA_CONFIGS_PRE_HOPPER = {

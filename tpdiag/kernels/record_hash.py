@@ -38,75 +38,90 @@ tl = None
 
 C1, C2, C3 = 0x9E3779B1, 0x85EBCA77, 0x85EBCA6B
 M32 = 0xFFFFFFFF
-BLOCK, ITERS = 1024, 4   # elements per program: BLOCK * ITERS (fixed: the lanes do not depend on it)
+# Launch shape (none of it changes the lanes; the float sums may differ in their last bits).
+# A chunk is CHUNK = BLOCK * ITERS elements: ITERS blocks along one slab, or for slabs narrower
+# than a chunk (a last-dim shard: one slab per row) a [R, CB] tile of R slabs, so that a
+# 512-wide shard does not leave 7/8 of the lanes masked. WAVES: programs per SM.
+BLOCK, ITERS, WAVES, WARPS = 1024, 8, 4, 4   # H200 sweep: docs/scale.md
 
 
 # --------------------------------------------------------------------------------------
 # Triton kernel (wrapped with triton.jit by _triton())
 # --------------------------------------------------------------------------------------
-def _hash_kernel(w_ptr, ints_ptr, floats_ptr, SLAB, F_B, O_B, N_CHUNKS, TOTAL, NPROG,
-                 WIDTH: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
-                 ITERS: tl.constexpr):
-    """A program hashes chunks of ITERS blocks of one slab each. Its shares go into the record's row with
-    atomics - integer adds (the lanes, the non-finite count) and an integer max (max |x| as
-    the bits of a non-negative float64, which order like the values) are exact in any order;
-    the two float sums are statistics, not evidence, and may vary in their last bits.
-    Persistent: NPROG programs stride over the TOTAL chunks, so a record costs a few hundred
-    atomics on its row, not one per chunk (contention on one address serialises them)."""
+def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
+                 WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
+                 ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
+    """A program hashes chunks - ITERS tiles of R slabs x CB elements, side by side along the
+    slabs, or for narrow slabs (ROW_ITERS) stacked over them - and adds its shares to
+    row ROW of the record buffer with atomics: integer adds (the lanes, the non-finite count)
+    and an integer max (max |x| as the bits of a non-negative float64, which order like the
+    values) are exact in any order; the two float sums are statistics, not evidence, and may
+    vary in their last bits. Persistent: NPROG programs stride over the TOTAL chunks, so a
+    record costs a few hundred atomics on its row, not one per chunk (contention on one
+    address serialises them). EVEN: every chunk is full, no masks (the common case)."""
     pid = tl.program_id(0)
-    ar = tl.arange(0, BLOCK)
-    # k * C2 = kb * C2 + ar * C2 (mod 2**32): one add per element for the position
-    ar_c2 = ar.to(tl.uint32) * tl.full([BLOCK], 0x85EBCA77, tl.uint32)
-    c1 = tl.full([BLOCK], 0x9E3779B1, tl.uint32)
-    c3 = tl.full([BLOCK], 0x85EBCA6B, tl.uint32)
-    acc_a = tl.zeros([BLOCK], dtype=tl.uint32)
-    acc_b = tl.zeros([BLOCK], dtype=tl.uint32)
-    acc_s = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_q = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_m = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_n = tl.zeros([BLOCK], dtype=tl.float32)
+    rr = tl.arange(0, R)
+    cc = tl.arange(0, CB)
+    # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element for the position
+    cc_c2 = (cc.to(tl.uint32) * tl.full([CB], 0x85EBCA77, tl.uint32))[None, :]
+    c1 = tl.full([R, CB], 0x9E3779B1, tl.uint32)
+    c3 = tl.full([R, CB], 0x85EBCA6B, tl.uint32)
+    acc_a = tl.zeros([R, CB], dtype=tl.uint32)
+    acc_b = tl.zeros([R, CB], dtype=tl.uint32)
+    acc_s = tl.zeros([R, CB], dtype=tl.float32)
+    acc_q = tl.zeros([R, CB], dtype=tl.float32)
+    acc_m = tl.zeros([R, CB], dtype=tl.float32)
+    acc_n = tl.zeros([R, CB], dtype=tl.int32)
     for chunk in range(pid, TOTAL, NPROG):
-        a = chunk // N_CHUNKS
-        c = chunk % N_CHUNKS
-        slab0 = a.to(tl.int64) * SLAB             # local offset of this slab
-        gbase = a.to(tl.int64) * F_B + O_B        # global index of the slab's first element
+        rg = (chunk // N_COL).to(tl.int64)
+        cg = (chunk % N_COL).to(tl.int64)
         for it in tl.static_range(ITERS):
-            j0 = (c * ITERS + it).to(tl.int64) * BLOCK
-            # the block's first position times C2, mod 2**32, as a scalar (int64: no wrap surprises)
-            kbc2 = ((((gbase + j0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
-            mask = ar < tl.minimum(SLAB - j0, BLOCK).to(tl.int32)
-            raw = tl.load(w_ptr + (slab0 + j0) + ar, mask=mask, other=0)
+            if ROW_ITERS:
+                rows = (rg * ITERS + it) * R + rr          # slab indices a
+                col0 = cg * CB
+            else:
+                rows = rg * R + rr
+                col0 = (cg * ITERS + it) * CB
+            # each row's first position times C2, mod 2**32 (int64: no wrap surprises)
+            kc2 = ((((rows * F_B + O_B + col0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
+            ptrs = w_ptr + (rows * SLAB + col0)[:, None] + cc[None, :]
+            if EVEN:
+                raw = tl.load(ptrs)
+            else:
+                mask = (rows < A)[:, None] & ((col0 + cc) < SLAB)[None, :]
+                raw = tl.load(ptrs, mask=mask, other=0)  # 0 is finite: adds to no statistic
             if WIDTH == 16:
                 w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
             else:
                 w = raw.to(tl.uint32, bitcast=True)
-            x = w * c1 + (ar_c2 + kbc2)
+            x = w * c1 + (cc_c2 + kc2[:, None])
             x = x ^ (x >> 16)
             x = x * c3
             x = x ^ (x >> 15)
-            x = tl.where(mask, x, tl.zeros([BLOCK], dtype=tl.uint32))
+            if not EVEN:
+                x = tl.where(mask, x, tl.zeros([R, CB], dtype=tl.uint32))
             acc_a += x
-            acc_b += x * x  # zero where masked, as x is
+            acc_b += x * x
             if WIDTH == 32:
                 v = raw.to(tl.float32, bitcast=True)
             elif IS_BF16:
                 v = raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
             else:
                 v = raw.to(tl.float16, bitcast=True).to(tl.float32)
-            av = tl.abs(v)
-            fin = av <= 3.4028234663852886e38     # false for NaN and +-inf
-            vf = tl.where(fin, v, 0.0)            # masked lanes loaded 0: finite, add nothing
+            fin = tl.abs(v) <= 3.4028234663852886e38     # false for NaN and +-inf
+            vf = tl.where(fin, v, 0.0)
             acc_s += vf
             acc_q += vf * vf
-            acc_m = tl.maximum(acc_m, tl.where(fin, av, 0.0))
-            acc_n += tl.where(fin | (~mask), 0.0, 1.0)
-    row_i = ints_ptr
-    tl.atomic_add(row_i + 0, tl.sum(acc_a.to(tl.int64), axis=0))
-    tl.atomic_add(row_i + 1, tl.sum(acc_b.to(tl.int64), axis=0))
-    tl.atomic_add(row_i + 2, tl.sum(acc_n, axis=0).to(tl.int64))
-    tl.atomic_max(row_i + 3, tl.max(acc_m, axis=0).to(tl.float64).to(tl.int64, bitcast=True))
-    tl.atomic_add(floats_ptr + 0, tl.sum(acc_s, axis=0).to(tl.float64))
-    tl.atomic_add(floats_ptr + 1, tl.sum(acc_q, axis=0).to(tl.float64))
+            acc_m = tl.maximum(acc_m, tl.abs(vf))
+            acc_n += tl.where(fin, 0, 1)
+    row_i = ints_ptr + ROW * 4
+    row_f = floats_ptr + ROW * 2
+    tl.atomic_add(row_i + 0, tl.sum(tl.sum(acc_a.to(tl.int64), axis=1), axis=0))
+    tl.atomic_add(row_i + 1, tl.sum(tl.sum(acc_b.to(tl.int64), axis=1), axis=0))
+    tl.atomic_add(row_i + 2, tl.sum(tl.sum(acc_n, axis=1), axis=0).to(tl.int64))
+    tl.atomic_max(row_i + 3, tl.max(tl.max(acc_m, axis=1), axis=0).to(tl.float64).to(tl.int64, bitcast=True))
+    tl.atomic_add(row_f + 0, tl.sum(tl.sum(acc_s, axis=1), axis=0).to(tl.float64))
+    tl.atomic_add(row_f + 1, tl.sum(tl.sum(acc_q, axis=1), axis=0).to(tl.float64))
 
 
 @functools.lru_cache(maxsize=1)
@@ -116,7 +131,11 @@ def _triton():
     import triton.language as _tl
 
     triton, tl = _t, _tl
-    globals()["_hash_kernel"] = _t.jit(_hash_kernel)
+    # Only SLAB is specialised (its divisibility by 16 lets loads vectorise): the other
+    # integers change from record to record, and each new specialisation is a compile
+    # (~0.5 s) plus per-launch key work.
+    globals()["_hash_kernel"] = _t.jit(_hash_kernel, do_not_specialize=[
+        "ROW", "A", "F_B", "O_B", "N_COL", "TOTAL", "NPROG"])
     return _t
 
 
@@ -153,21 +172,39 @@ def slab(local_shape, dim: int | None, full: int | None, offset: int) -> tuple[i
     return a, shape[dim], b, full, offset
 
 
-def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None):
-    """One launch: the shard's lanes and statistics into `out` = (ints [4] int64, floats [2]
-    float64), zeroed rows of a HashBuffer (allocated here when None)."""
+def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[int, int, bool, int, int, bool]:
+    """(R, CB, ROW_ITERS, row groups, column groups, EVEN) for `a` slabs of `slab_n` elements:
+    a tile is R x CB = block elements (registers), a chunk `iters` tiles."""
+    if slab_n >= block * iters:
+        r, cb, row_iters = 1, block, False
+        n_row, n_col = a, -(-slab_n // (block * iters))
+        even = slab_n % (block * iters) == 0
+    else:
+        cb = min(block, max(16, 1 << (max(slab_n, 1) - 1).bit_length()))
+        r, row_iters = block // cb, True
+        n_row, n_col = -(-a // (r * iters)), -(-slab_n // cb)
+        even = slab_n % cb == 0 and a % (r * iters) == 0
+    return r, cb, row_iters, n_row, max(1, n_col), even
+
+
+def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None, *,
+                 block: int = BLOCK, iters: int = ITERS, waves: int = WAVES, warps: int = WARPS):
+    """One launch: the shard's lanes and statistics into `out` - (ints [4] int64, floats [2]
+    float64) or (ints [n, 4], floats [n, 2], row), zeroed - allocated here when None.
+    block / iters / waves / warps: launch shape (benchmarks); the lanes never depend on it."""
     width, iview = _TRITON_T[t.dtype]
     words = t.contiguous().view(iview)
-    slab_n = L * b
-    n_chunks = max(1, -(-slab_n // (BLOCK * ITERS)))
     if out is None:
         out = (torch.zeros(4, dtype=torch.int64, device=t.device),
                torch.zeros(2, dtype=torch.float64, device=t.device))
-    total = a * n_chunks
-    nprog = min(total, 4 * _sm_count(t.device))
-    _hash_kernel[(nprog,)](words, out[0], out[1], slab_n, F * b, o * b, n_chunks, total, nprog,
-                           WIDTH=width, IS_BF16=t.dtype == torch.bfloat16, BLOCK=BLOCK,
-                           ITERS=ITERS, num_warps=4)
+    ints, floats, row = out if len(out) == 3 else (out[0], out[1], 0)
+    slab_n = L * b
+    r, cb, row_iters, n_row, n_col, even = plan(a, slab_n, block, iters)
+    total = n_row * n_col
+    nprog = min(total, waves * _sm_count(t.device))
+    _hash_kernel[(nprog,)](words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
+                           WIDTH=width, IS_BF16=t.dtype == torch.bfloat16, R=r, CB=cb, ITERS=iters,
+                           ROW_ITERS=row_iters, EVEN=even, num_warps=warps)
     return out
 
 
@@ -222,8 +259,12 @@ def lanes_torch(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=Non
     ints = torch.stack([x.sum() & M32, (x * x).sum() & M32, nonfinite, absmax_bits])
     if out is None:
         return ints, sums
-    out[0].copy_(ints)
-    out[1].copy_(sums)
+    if len(out) == 3:  # a HashBuffer slot
+        out[0][out[2]].copy_(ints)
+        out[1][out[2]].copy_(sums)
+    else:
+        out[0].copy_(ints)
+        out[1].copy_(sums)
     return out
 
 
@@ -231,7 +272,8 @@ def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None
                 out=None):
     """(ints [lane_a, lane_b, nonfinite, absmax as float64 bits] int64 - lanes not yet reduced
     mod 2**32 -, floats [sum, sumsq] float64), on t's device, without a host sync. dim/full/
-    offset place the shard in the whole tensor; `out`: a HashBuffer row to fill (zeroed)."""
+    offset place the shard in the whole tensor; `out`: where to add them (zeroed) - a HashBuffer
+    slot (ints [n, 4], floats [n, 2], row) or a pair of rows (ints [4], floats [2])."""
     a, L, b, F, o = slab(t.shape, dim, full, offset)
     if type(t) is not torch.Tensor:
         # A functional collective's result (AsyncCollectiveTensor, what DTensor.to_local() can
@@ -264,7 +306,9 @@ class HashBuffer:
             self.ints.append(torch.zeros((self.CHUNK, 4), dtype=torch.int64, device=self.device))
             self.floats.append(torch.zeros((self.CHUNK, 2), dtype=torch.float64, device=self.device))
         self.n += 1
-        return self.n - 1, (self.ints[i][r], self.floats[i][r])
+        # (chunk, chunk, row): the kernel offsets into the chunk itself - no row views to
+        # build per record (host time is what the probes cost on small steps)
+        return self.n - 1, (self.ints[i], self.floats[i], r)
 
     def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.ints:
