@@ -3,6 +3,7 @@ never on M or N - a config that changed with the shape would change the bits wit
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -74,4 +75,8 @@ def default_config(dtype: torch.dtype, device: torch.device, K: Optional[int] = 
     if device.type != "cuda":
         return INTERPRETER_CONFIGS[dtype]
     major, _ = torch.cuda.get_device_capability(device)
+    if dtype == torch.float32 and os.environ.get("TPDIAG_FP32_GEMM") == "ieee":
+        # IEEE fp32 on the FMA units everywhere (other bits than the Hopper default; set it
+        # for every degree of a comparison - the worlds inherit the environment)
+        return CUDA_CONFIGS_PRE_HOPPER[dtype]
     return (CUDA_CONFIGS if major >= 9 else CUDA_CONFIGS_PRE_HOPPER)[dtype]
