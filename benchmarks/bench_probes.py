@@ -109,10 +109,7 @@ def hash_throughput(args) -> dict:
     peak = args.peak_gbs
     rows = []
 
-    def bench(fn):
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=200) / 1e3
+    bench = lambda fn: _seconds(fn, rep=200)  # noqa: E731
 
     for dt in (torch.bfloat16, torch.float32):
         n = (1 << 30) // torch.tensor([], dtype=dt).element_size()
@@ -156,10 +153,7 @@ def hash_sweep(args) -> dict:
     peak = args.peak_gbs
     rows = []
 
-    def bench(fn):
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=100) / 1e3
+    bench = lambda fn: _seconds(fn, rep=100)  # noqa: E731
 
     for dt in (torch.bfloat16, torch.float32):
         n = (1 << 30) // torch.tensor([], dtype=dt).element_size()
@@ -299,6 +293,13 @@ def diff_throughput(args) -> dict:
                      f"{r['records_s']:.0f} |")
     print("\n".join(lines))
     return {"run": run, "rows": rows}
+
+
+def _seconds(fn, rep: int) -> float:
+    """Median seconds of fn (triton.testing.do_bench, L2 flushed per rep)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=rep) / 1e3
 
 
 def _device_name() -> str:

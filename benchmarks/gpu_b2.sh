@@ -7,9 +7,7 @@ source benchmarks/gpu_setup.sh
 {
 python3 benchmarks/bench_probes.py hash
 echo
-python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 2048 --batch 1 --rounds 3
-echo
-python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 4096 --batch 2 --rounds 3
+overhead_1b 3
 } > "$OUT/probes.md" 2>&1
 rm -f "$OUT"/probes_overhead_*.json
 timeout $((570 - SECONDS)) python3 benchmarks/bench_fix_cost.py --tp 2,4 --iters 5 > "$OUT/fix_cost.md" 2>&1

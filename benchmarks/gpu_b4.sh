@@ -12,9 +12,7 @@ python3 benchmarks/bench_probes.py hash-sweep
 echo
 python3 benchmarks/bench_probes.py launch
 echo
-python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 2048 --batch 1 --rounds 3
-echo
-python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 4096 --batch 2 --rounds 3
+overhead_1b 3
 } > "$OUT/probes.md" 2>&1
 timeout 120 python3 benchmarks/bench_probes.py profile --model llama-1b --dtype bfloat16 --seq 2048 --batch 1 > "$OUT/profile.txt" 2>&1
 timeout 200 python3 benchmarks/gpu_tree_kernels.py --out "$OUT" > "$OUT/tree_stdout.txt" 2>&1

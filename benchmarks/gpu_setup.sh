@@ -28,3 +28,9 @@ walls = {k: w.get("wall_s") for k, w in m.get("worlds", {}).items()}
 print(f"| {name} | {s['status']} ({s.get('capture')}) | " + " ; ".join(cells) + f" | worlds wall s {walls} |")
 PY
 }
+# probe overhead on llama-1b bf16 at the small and the larger step (docs/scale.md); $1: rounds
+overhead_1b() {
+  python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 2048 --batch 1 --rounds "${1:-3}"
+  echo
+  python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 4096 --batch 2 --rounds "${1:-3}"
+}

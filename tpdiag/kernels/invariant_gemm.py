@@ -157,18 +157,23 @@ def _invariant_mm_tma_kernel(
 
         tile_id_c += NUM_SMS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
-        if EPILOGUE_SUBTILE:
-            # Store in two [BLOCK_M, BLOCK_N // 2] halves: halves the shared-memory staging
-            # (needed for an fp32 output of a bf16 product). Same values, same bits.
-            acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-            acc0, acc1 = tl.split(acc3)
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc0.to(c_desc.dtype))
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], acc1.to(c_desc.dtype))
-        else:
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+        _store_tile(c_desc, acc, pid_m, pid_n, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
 
 
-_JIT_FUNCTIONS = ("_tile_coords", "_invariant_mm_kernel", "_invariant_mm_tma_kernel")
+def _store_tile(c_desc, acc, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                EPILOGUE_SUBTILE: tl.constexpr):
+    if EPILOGUE_SUBTILE:
+        # Store in two [BLOCK_M, BLOCK_N // 2] halves: halves the shared-memory staging
+        # (needed for an fp32 output of a bf16 product). Same values, same bits.
+        acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        acc0, acc1 = tl.split(acc3)
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc0.to(c_desc.dtype))
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], acc1.to(c_desc.dtype))
+    else:
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+_JIT_FUNCTIONS = ("_tile_coords", "_store_tile", "_invariant_mm_kernel", "_invariant_mm_tma_kernel")
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,7 +199,7 @@ def _triton():
     for name in _JIT_FUNCTIONS:
         fn = g[name]
         fn = getattr(fn, "fn", fn)  # idempotent if already wrapped
-        if name == "_tile_coords":
+        if name in ("_tile_coords", "_store_tile"):
             g[name] = triton.jit(fn)
         else:
             # M and N are never specialised (value 1, divisibility): the compiled kernel,

@@ -60,6 +60,8 @@ CUDA_CONFIGS_PRE_HOPPER = {
     torch.float16: GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
     torch.float32: GemmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
 }
+# The IEEE fp32 FMA tile: pre-Hopper's fp32, TPDIAG_FP32_GEMM=ieee, tp-invariant-linear's groups.
+IEEE_FP32_CONFIG = CUDA_CONFIGS_PRE_HOPPER[torch.float32]
 # Under the Triton interpreter (CPU tensors): each tl.dot runs as a numpy matmul of one
 # fixed tile shape. Smaller tiles keep the interpreter fast.
 INTERPRETER_CONFIGS = {
@@ -78,5 +80,5 @@ def default_config(dtype: torch.dtype, device: torch.device, K: Optional[int] = 
     if dtype == torch.float32 and os.environ.get("TPDIAG_FP32_GEMM") == "ieee":
         # IEEE fp32 on the FMA units everywhere (other bits than the Hopper default; set it
         # for every degree of a comparison - the worlds inherit the environment)
-        return CUDA_CONFIGS_PRE_HOPPER[dtype]
+        return IEEE_FP32_CONFIG
     return (CUDA_CONFIGS if major >= 9 else CUDA_CONFIGS_PRE_HOPPER)[dtype]

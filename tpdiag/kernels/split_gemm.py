@@ -105,13 +105,7 @@ def _split_mm_tma_kernel(
 
         tile_id_c += NUM_SMS
         pid_m, pid_n = _tile_coords(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
-        if EPILOGUE_SUBTILE:
-            acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-            acc0, acc1 = tl.split(acc3)
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc0.to(c_desc.dtype))
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], acc1.to(c_desc.dtype))
-        else:
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+        _store_tile(c_desc, acc, pid_m, pid_n, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -119,10 +113,10 @@ def _triton():
     global triton, tl
     from tpdiag.kernels import invariant_gemm as ig
 
-    ig._triton()  # the interpreter switch, and the shared _tile_coords
+    ig._triton()  # the interpreter switch, and the shared _tile_coords / _store_tile
     triton, tl = ig.triton, ig.tl
     g = globals()
-    g["_tile_coords"] = ig._tile_coords
+    g["_tile_coords"], g["_store_tile"] = ig._tile_coords, ig._store_tile
     g["_split_kernel"] = triton.jit(_split_kernel)
     # M and N never specialised: one compiled kernel (the same dots) for every shape
     g["_split_mm_tma_kernel"] = triton.jit(_split_mm_tma_kernel, do_not_specialize=["M", "N"])
