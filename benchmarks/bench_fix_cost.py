@@ -52,20 +52,35 @@ def worker(rank, world, port, args, q):
             torch.cuda.synchronize()
             return time.perf_counter() - t
 
-    times = {"stock": [], "fix-all": []}
+    # --each: every fix alone too (its own share of the cost), in the same rounds
+    configs = {"stock": (), "fix-all": FIXES}
+    if args.each:
+        configs.update({f: (f,) for f in FIXES})
+    times = {k: [] for k in configs}
     for _ in range(2):
-        step(())
-        step(FIXES)
+        for fixes in configs.values():
+            step(fixes)
     for _ in range(args.iters):
-        times["stock"].append(step(()))
-        times["fix-all"].append(step(FIXES))
+        for k, fixes in configs.items():
+            times[k].append(step(fixes))
     peak = torch.cuda.max_memory_allocated(dev) / 2**30
+    if args.profile:
+        # where the fix step's extra time goes: device kernels by total time, rank 0
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, fixes in (("stock", ()), ("fix-all", FIXES)):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step(fixes)
+            if rank == 0:
+                print(f"== profile TP={world} {name} ==")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile))
     if rank == 0:
         q.put({"tp": world, "stock_ms": 1e3 * statistics.median(times["stock"]),
                "fix_ms": 1e3 * statistics.median(times["fix-all"]),
                "stock_spread_ms": 1e3 * (max(times["stock"]) - min(times["stock"])),
                "fix_spread_ms": 1e3 * (max(times["fix-all"]) - min(times["fix-all"])),
-               "peak_gib": peak, "params_per_rank": nparams})
+               "peak_gib": peak, "params_per_rank": nparams,
+               "each_ms": {k: 1e3 * statistics.median(v) for k, v in times.items() if k in FIXES}})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -81,6 +96,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--each", action="store_true", help="also time every fix alone")
+    ap.add_argument("--profile", type=int, default=0, help="print the top N device ops of one step each")
     args = ap.parse_args()
     rows = []
     for i, tp in enumerate(int(x) for x in args.tp.split(",")):
@@ -97,6 +114,9 @@ def main():
         lines.append(f"| {r['tp']} | {r['stock_ms']:.1f} (spread {r['stock_spread_ms']:.1f}) | "
                      f"{r['fix_ms']:.1f} (spread {r['fix_spread_ms']:.1f}) | "
                      f"{100 * (r['fix_ms'] / r['stock_ms'] - 1):+.0f}% | {r['peak_gib']:.1f} |")
+    for r in rows:
+        for k, v in r["each_ms"].items():
+            lines.append(f"| {r['tp']} | {k} alone | {v:.1f} | {100 * (v / r['stock_ms'] - 1):+.0f}% | |")
     print("\n".join(lines))
     out = os.environ.get("OUT")
     if out:

@@ -47,14 +47,20 @@ def overhead(args) -> dict:
     built = step.build_model(base, dev, 1)
     step.build_model = lambda cfg, device, world: built  # one model for every mode and round
     nparams = sum(p.numel() for p in built[1].parameters())
+    modes = args.modes.split(",")
     res = {m: {"step_s": [], "peak_bytes": [], "gather_s": [], "records": 0, "kept_bytes": 0}
-           for m in MODES}
+           for m in modes}
+
+    from tpdiag.kernels import record_hash as rh
 
     def once(mode: str, keep: bool):
         rec = Recorder()
         if mode == "none":
             rec.enabled = False
-        cfg = base.with_(probes=mode != "none", capture="hash" if mode == "none" else mode)
+        # hash-jit: hash mode with every record launched through Triton's JIT dispatch (A/B of
+        # the cached direct launch)
+        rh._FAST[0] = mode != "hash-jit"
+        cfg = base.with_(probes=mode != "none", capture="hash" if mode in ("none", "hash-jit") else mode)
         if dev_type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
@@ -72,16 +78,16 @@ def overhead(args) -> dict:
             r["kept_bytes"] = sum(x.numel() * x.element_size() for _, x in stored if x is not None)
         del rec, stored
 
-    for m in MODES:  # warm-up: kernels compiled, allocator grown
+    for m in modes:  # warm-up: kernels compiled, allocator grown
         once(m, False)
     for _ in range(args.rounds):
-        for m in MODES:
+        for m in modes:
             once(m, True)
     out = {"model": args.model, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
            "params": nparams, "device": _device_name(), "rounds": args.rounds, "modes": {}}
     none_t = statistics.median(res["none"]["step_s"])
     none_m = statistics.median(res["none"]["peak_bytes"]) or 1
-    for m in MODES:
+    for m in modes:
         r = res[m]
         st, pk = statistics.median(r["step_s"]), statistics.median(r["peak_bytes"])
         out["modes"][m] = {"step_ms": 1e3 * st, "step_spread_ms": 1e3 * (max(r["step_s"]) - min(r["step_s"])),
@@ -219,11 +225,15 @@ def launch_cost(args) -> dict:
                                              nprog, WIDTH=16, IS_BF16=True, R=r, CB=cb, ITERS=rh.ITERS,
                                              ROW_ITERS=row_iters, EVEN=even, num_warps=rh.WARPS)
     rec = Recorder(mode="hash")
-    res = {"raw kernel launch": per_call(raw),
-           "triton_lanes": per_call(lambda: rh.triton_lanes(x, a, L, b, F, o, (ints, floats, 0))),
-           "shard_lanes": per_call(lambda: rh.shard_lanes(x, out=(ints, floats, 0))),
-           "HashBuffer.row + shard_lanes": per_call(lambda: rh.shard_lanes(x, out=buf.row()[1])),
-           "Recorder.add (hash mode)": per_call(lambda: rec.add("output", "layers.0.mlp", "out", x))}
+    res = {"raw kernel launch (Triton JIT dispatch)": per_call(raw)}
+    for fast in (False, True):
+        rh._FAST[0] = fast
+        how = "direct launch" if fast else "JIT dispatch"
+        res[f"triton_lanes ({how})"] = per_call(lambda: rh.triton_lanes(x, a, L, b, F, o, (ints, floats, 0)))
+        res[f"shard_lanes ({how})"] = per_call(lambda: rh.shard_lanes(x, out=(ints, floats, 0)))
+        res[f"HashBuffer.add ({how})"] = per_call(lambda: buf.add(x))
+        res[f"Recorder.add, hash mode ({how})"] = per_call(lambda: rec.add("output", "layers.0.mlp", "out", x))
+    rh._FAST[0] = True
     lines = [f"host time per hashed record: {_device_name()}, CPU {platform.processor() or platform.machine()}, "
              f"bf16 [16, 2048], {n} calls", "| layer | us per call |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in res.items()]
@@ -317,6 +327,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="overhead: comma list of none, hash, hash-jit (hash, launched through "
+                         "Triton's JIT dispatch), full")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()

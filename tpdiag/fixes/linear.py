@@ -58,11 +58,8 @@ class _GatherColumns(torch.autograd.Function):
         ctx.width = y.shape[-1]
         if w == 1:
             return y.clone()
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(y) for _ in range(w)]
-        dist.all_gather(parts, y.contiguous())
-        return torch.cat(parts, dim=-1)
+        parts = tree.all_gather_stacked(y)
+        return parts.movedim(0, -2).reshape(*y.shape[:-1], w * y.shape[-1])
 
     @staticmethod
     def backward(ctx, g):

@@ -46,7 +46,7 @@ class RowLinearPartial(torch.autograd.Function):
     def forward(ctx, x, w, groups: int):
         ctx.save_for_backward(x, w)
         ctx.groups = groups
-        if triton_path(x) and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+        if _tensor_cores(x, w):
             # 16-bit operands on tensor cores with an fp32 result: their products are exact in
             # fp32 and the sum is fp32 - the same as upcasting first, in another fixed order -
             # at tensor-core speed instead of fp32 FMA (measured 0.84x of cuBLAS upcast)
@@ -66,10 +66,26 @@ class RowLinearPartial(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         groups = ctx.groups
+        dx = dw = None
+        if _tensor_cores(x, w):
+            # Neither backward GEMM reduces over K (dgrad reduces over N, wgrad over tokens):
+            # the K groups are only output columns, and invariant-gemm's bits per column do not
+            # depend on how many columns one call computes, so one call per rank gives the
+            # group GEMMs' bits at any TP. 16-bit operands, fp32 accumulation, one rounding -
+            # instead of upcasting to fp32 FMA GEMMs (the fix step's largest cost on an H200).
+            # g is the fp32 upcast of the 16-bit grad of y.to(x.dtype) (row_parallel_linear),
+            # so casting it back is exact.
+            from tpdiag.kernels.invariant_gemm import triton_mm
+
+            g16 = g.to(x.dtype).reshape(-1, g.shape[-1])
+            if ctx.needs_input_grad[0]:
+                dx = triton_mm(g16, w).reshape(*x.shape)
+            if ctx.needs_input_grad[1]:
+                dw = triton_mm(g16.t(), x.reshape(-1, x.shape[-1])).to(w.dtype)
+            return dx, dw, None
         g = g.float().contiguous()
         ws = w.float().chunk(groups, dim=-1)
         xs = x.float().chunk(groups, dim=-1)
-        dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = torch.cat([_mm(g, wg.contiguous()) for wg in ws], dim=-1).to(x.dtype)
         if ctx.needs_input_grad[1]:
@@ -77,6 +93,11 @@ class RowLinearPartial(torch.autograd.Function):
             dw = torch.cat([_mm(g2, xg.reshape(-1, xg.shape[-1]).contiguous()) for xg in xs],
                            dim=-1).to(w.dtype)
         return dx, dw, None
+
+
+def _tensor_cores(x, w) -> bool:
+    """16-bit operands on the Triton path: their products are exact in fp32."""
+    return triton_path(x) and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
 
 
 def row_parallel_linear(x, w, bias, local_groups: int):
@@ -96,9 +117,16 @@ class ColLinear(torch.autograd.Function):
     def forward(ctx, x, w, local_groups: int, blocked: bool, tree_dgrad: bool):
         ctx.save_for_backward(x, w)
         ctx.cfg = (local_groups, blocked, tree_dgrad)
+        if blocked and triton_path(x) and x.dtype == w.dtype:
+            # invariant-gemm's kernel: its bits per output column do not depend on how many
+            # columns one call computes, so one call over the local shard gives the fixed
+            # blocks' bits at every TP - one launch, no weight copies, no concatenation.
+            from tpdiag.kernels.invariant_gemm import triton_mm
+
+            return triton_mm(x.reshape(-1, x.shape[-1]), w.t()).reshape(*x.shape[:-1], w.shape[0])
         if blocked:
-            # invariant-gemm's fixed N blocks (same GEMM shape at every TP) stay on torch.matmul:
-            # only tp-invariant-linear's group GEMMs take the Triton kernel (_mm).
+            # off the Triton path: fixed N blocks, the same GEMM shape at every TP (CPU BLAS /
+            # cuBLAS choose by shape, so equal shapes give equal bits)
             return torch.cat([torch.matmul(x, wg.t().contiguous()) for wg in w.chunk(local_groups, 0)],
                              dim=-1)
         return torch.matmul(x, w.t())  # stock (unblocked) GEMM: what invariant-gemm replaces
@@ -110,7 +138,16 @@ class ColLinear(torch.autograd.Function):
         g = g.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            if tree_dgrad:
+            if tree_dgrad and _tensor_cores(g, w):
+                # group partials of 16-bit operands on tensor cores, fp32 out (exact products);
+                # contiguous: one pointer alignment, so one compiled variant, at every TP
+                from tpdiag.kernels.invariant_gemm import triton_mm
+
+                g2 = g.reshape(-1, g.shape[-1])
+                parts = [triton_mm(gg.contiguous(), wg, out_dtype=torch.float32)
+                         for gg, wg in zip(g2.chunk(local_groups, dim=-1), w.chunk(local_groups, dim=0))]
+                dx = tree_all_reduce(tree_sum(parts).reshape(*g.shape[:-1], w.shape[1])).to(x.dtype)
+            elif tree_dgrad:
                 gs = g.float().chunk(local_groups, dim=-1)
                 ws = w.float().chunk(local_groups, dim=0)
                 part = tree_sum([_mm(gg.contiguous(), wg.contiguous()) for gg, wg in zip(gs, ws)])
@@ -120,7 +157,11 @@ class ColLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
             g2 = g.reshape(-1, g.shape[-1])
-            if blocked:
+            if blocked and triton_path(x) and x.dtype == w.dtype:
+                from tpdiag.kernels.invariant_gemm import triton_mm
+
+                dw = triton_mm(g2.t(), x2)  # output rows: the same bits at any shard height
+            elif blocked:
                 dw = torch.cat([torch.matmul(gg.t().contiguous(), x2)
                                 for gg in g2.chunk(local_groups, -1)], 0)
             else:

@@ -202,10 +202,36 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     r, cb, row_iters, n_row, n_col, even = plan(a, slab_n, block, iters)
     total = n_row * n_col
     nprog = min(total, waves * _sm_count(t.device))
-    _hash_kernel[(nprog,)](words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
-                           WIDTH=width, IS_BF16=t.dtype == torch.bfloat16, R=r, CB=cb, ITERS=iters,
-                           ROW_ITERS=row_iters, EVEN=even, num_warps=warps)
+    args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
+            width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even)
+    _launch(args, nprog, warps, t.device)
     return out
+
+
+# Launch without Triton's generic Python path. A record's hash is one small kernel and a step
+# has ~1000 records; on an H200 host Triton's dispatch (bind, specialise, key, look up) was
+# 16.6 us of Recorder.add's 30.8 us - the probes' host time is what a small step pays. The
+# kernel compiled for a key is launched directly; the key holds everything Triton specialises
+# on for these arguments: the constexprs, num_warps, the device, the words pointer's 16-byte
+# alignment (the row buffers are torch allocations, always aligned), SLAB (the one specialised
+# integer: == 1, % 16) and whether every integer fits in int32 (its argument type).
+_COMPILED: dict = {}
+_FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
+
+
+def _launch(args, nprog: int, warps: int, device) -> None:
+    words, slab_n = args[0], args[5]
+    small = max(args[3:11]) < 2**31
+    key = (device.index, args[11:], warps, words.data_ptr() % 16 == 0, slab_n == 1,
+           slab_n % 16 == 0, small)
+    k = _COMPILED.get(key) if _FAST[0] else None
+    if k is not None:
+        k[(nprog, 1, 1)](*args, stream=torch._C._cuda_getCurrentRawStream(device.index))
+        return
+    k = _hash_kernel[(nprog,)](*args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14],
+                               ITERS=args[15], ROW_ITERS=args[16], EVEN=args[17], num_warps=warps)
+    if _FAST[0] and device.type == "cuda" and hasattr(k, "__getitem__"):
+        _COMPILED[key] = k
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,6 +335,13 @@ class HashBuffer:
         # (chunk, chunk, row): the kernel offsets into the chunk itself - no row views to
         # build per record (host time is what the probes cost on small steps)
         return self.n - 1, (self.ints[i], self.floats[i], r)
+
+    def add(self, t: torch.Tensor, dim: int | None = None, full: int | None = None,
+            offset: int = 0) -> int:
+        """Hash a shard into a fresh row; returns the row's slot."""
+        slot, row = self.row()
+        shard_lanes(t, dim, full, offset, out=row)
+        return slot
 
     def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.ints:

@@ -42,6 +42,35 @@ def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0]
 
 
+def tree_sum_stacked(t: torch.Tensor) -> torch.Tensor:
+    """tree_sum of t's leading-dim slices (a power of two), one add per tree level: the same
+    adjacent pairs, so the same bits as tree_sum(list(t))."""
+    n = t.shape[0]
+    if n == 0 or n & (n - 1):
+        raise ValueError(f"tree_sum needs a power-of-two count, got {n}")
+    while t.shape[0] > 1:
+        t = t[0::2] + t[1::2]
+    return t[0]
+
+
+def all_gather_stacked(t: torch.Tensor) -> torch.Tensor:
+    """[world, *t.shape]: every rank's t in rank order (one collective into one buffer, no
+    per-rank copies out of it)."""
+    w = world_size()
+    out = torch.empty(w * t.numel(), dtype=t.dtype, device=t.device)
+    all_gather_flat(out, t.contiguous().reshape(-1), _group())
+    return out.view(w, *t.shape)
+
+
+def all_gather_flat(out: torch.Tensor, flat: torch.Tensor, group) -> None:
+    """Every rank's 1-D `flat`, concatenated in rank order into `out` (gloo takes only the
+    concatenated form; torch 2.13 renamed the call)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, flat, group=group)
+
+
 def _group():
     import torch.distributed as dist
 
@@ -85,11 +114,7 @@ class TreeAllReduce(torch.autograd.Function):
         w = world_size()
         if w == 1:
             return part.clone()
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(part) for _ in range(w)]
-        dist.all_gather(parts, part.contiguous(), group=_group())
-        return tree_sum(parts)
+        return tree_sum_stacked(all_gather_stacked(part))
 
     @staticmethod
     def backward(ctx, grad):

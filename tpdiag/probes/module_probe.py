@@ -38,8 +38,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         call = rec.call_index(name)
         mod._tpdiag_call = call  # pairs this call's outputs with its inputs
         rec.stack.append(name)
-        flat, _ = tree_flatten((args, kwargs))
-        for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
+        for i, t in enumerate(_tensors(args, kwargs)):
             rec.add("in", name, str(i), t, call=call, style=styles[name], cls=classes[name])
             src = producer.get(t)
             if src is not None and not name.startswith(src["module"] + ".") and src["module"] != "model":
@@ -55,9 +54,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         if perturb == name and isinstance(out, torch.Tensor):
             out = out * (1 + 2.0 ** -10)
         call = getattr(mod, "_tpdiag_call", 0)
-        flat, _ = tree_flatten(out)
-        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-        for i, t in enumerate(tensors):
+        for i, t in enumerate(_tensors(out)):
             meta = rec.add("out", name, str(i), t, call=call, style=styles[name], cls=classes[name])
             if meta is not None:
                 producer[t] = meta
@@ -89,6 +86,17 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         for mod in names:
             if hasattr(mod, "_tpdiag_call"):
                 del mod._tpdiag_call
+
+
+def _tensors(args, kwargs=None) -> list:
+    """The tensors among a hook's arguments or outputs, in pytree order (flat tuples of
+    tensors, the common case, without flattening: hooks run per module call)."""
+    if type(args) is torch.Tensor:
+        return [args]
+    if not kwargs and type(args) is tuple and all(type(a) is torch.Tensor for a in args):
+        return list(args)
+    flat, _ = tree_flatten((args, kwargs) if kwargs is not None else args)
+    return [x for x in flat if isinstance(x, torch.Tensor)]
 
 
 def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_meta):

@@ -18,11 +18,21 @@ import torch
 PHASES = ("init", "forward", "loss", "backward", "optimizer")
 
 
+_DTENSOR: list = []
+
+
+def _dtensor_cls():
+    # cached: an import statement per record is measurable host time on a ~1000-record step
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
+
+
 def placement_label(t) -> str | None:
     """'shard:D', 'replicate' or 'partial' for a 1-D-mesh DTensor; None for a plain tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor):
+    if type(t) is torch.Tensor or not isinstance(t, _dtensor_cls()):
         return None
     (p,) = t.placements[:1] or (None,)
     if p is None:
@@ -35,9 +45,19 @@ def placement_label(t) -> str | None:
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+    if type(t) is torch.Tensor:
+        return t
+    return t.to_local() if isinstance(t, _dtensor_cls()) else t
 
-    return t.to_local() if isinstance(t, DTensor) else t
+
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(dtype) -> str:
+    n = _DTYPE_NAMES.get(dtype)
+    if n is None:
+        n = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return n
 
 
 # Kept whole even in hash mode: small, and every summary reads them (logprob error, loss drift).
@@ -74,7 +94,8 @@ class Recorder:
         if not self.enabled or not isinstance(t, torch.Tensor):
             return None
         phase = phase or self.phase
-        placement = layout if layout is not None else placement_label(t)
+        label = placement_label(t)
+        placement = layout if layout is not None else label
         local = local_of(t).detach()
         hashed = self.mode == "hash" and kind not in KEEP_WHOLE
         if not hashed:
@@ -83,23 +104,22 @@ class Recorder:
         meta = {
             "idx": len(self.records), "step": self.step, "phase": phase, "module": module,
             "kind": kind, "call": call, "name": name, "placement": placement, "style": style,
-            "cls": cls,
-            "dtype": str(local.dtype).replace("torch.", ""), "local_shape": list(local.shape),
+            "cls": cls, "dtype": dtype_name(local.dtype), "local_shape": list(local.shape),
         }
         meta["key"] = record_key(meta)
         if hashed:
-            from tpdiag.kernels.record_hash import shard_lanes
-
-            layout_, full, dim, size, offset = self._hash_layout(
-                t, local, meta["key"], placement if layout is None else placement_label(t))
+            layout_, full, dim, size, offset = self._hash_layout(t, local, meta["key"], label)
             meta["hash_layout"], meta["full_shape"] = layout_, full
             if self.hashbuf is None:
                 from tpdiag.kernels.record_hash import HashBuffer
 
                 self.hashbuf = HashBuffer(local.device)
-            slot, row = self.hashbuf.row()
-            with self._paused():  # the hash's own torch ops are not records (op probe)
-                shard_lanes(local, dim, size, offset, out=row)
+            # the hash's own torch ops are not records (op probe); no contextmanager: host time
+            self.enabled = False
+            try:
+                slot = self.hashbuf.add(local, dim, size, offset)
+            finally:
+                self.enabled = True
             self.lanes.append(slot)
             self.records.append((meta, None))
             return meta
