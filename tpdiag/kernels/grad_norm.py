@@ -5,8 +5,8 @@ squares over its shard and the all-reduce adds shards in a TP-dependent order. H
 is gathered whole (an exact concatenation), its float64 norm taken by one reduction of the same
 shape at every TP, the per-grad norms combined in parameter order, and the clip coefficient
 rounded down to a power of two, so the scaling itself is exact (Megatron's recipe plus the
-gather). The gather is one collective for all sharded grads (per dtype): ~150 grads of a 1B
-model gathered one by one cost ~30 ms of host time per step on an H200 pair.
+gather). The gather is one collective per bucket of grads: ~150 grads of a 1B model gathered one
+by one cost ~30 ms of host time per step on an H200 pair.
 """
 from __future__ import annotations
 
@@ -25,45 +25,60 @@ def _shard_dim(g) -> int | None:
     return d if g.shape[d] % n == 0 and local.shape[d] * n == g.shape[d] else None
 
 
-def whole_grads(grads: list) -> list[torch.Tensor]:
-    """Every grad as its whole tensor (exact), evenly sharded DTensors gathered together."""
+# Grads gathered per bucket of this many local bytes: one collective per bucket instead of one
+# per grad, and the whole tensors of one bucket alive at a time (peak memory stays bounded).
+BUCKET_BYTES = 256 * 2**20
+
+
+def whole_grads(grads: list):
+    """Yield (index, whole grad) for every grad (exact; evenly sharded DTensors gathered in
+    buckets, one collective each); order within a bucket follows the grads' order."""
     from torch.distributed.tensor import DTensor
 
-    out: list = [None] * len(grads)
-    batches: dict = {}
+    pending: dict = {}
     for i, g in enumerate(grads):
         if not isinstance(g, DTensor):
-            out[i] = g
+            yield i, g
             continue
         d = _shard_dim(g)
         if d is None:
-            out[i] = g.full_tensor()
-        else:
-            batches.setdefault((g.dtype, g.device_mesh), []).append((i, d))
-    for (dtype, mesh), items in batches.items():
-        from tpdiag.kernels.tree import all_gather_flat
+            yield i, g.full_tensor()
+            continue
+        key = (g.dtype, g.device_mesh)
+        bucket = pending.setdefault(key, [0, []])
+        bucket[1].append((i, d, g.to_local()))
+        bucket[0] += bucket[1][-1][2].numel() * g.element_size()
+        if bucket[0] >= BUCKET_BYTES:
+            yield from _gathered(key[1], bucket[1])
+            del pending[key]
+    for (_, mesh), (_, items) in pending.items():
+        yield from _gathered(mesh, items)
 
-        n = mesh.size()
-        locals_ = [grads[i].to_local() for i, _ in items]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
-        gathered = torch.empty(n * flat.numel(), dtype=dtype, device=flat.device)
-        all_gather_flat(gathered, flat, mesh.get_group())
-        per_rank = gathered.view(n, flat.numel())
-        off = 0
-        for (i, d), t in zip(items, locals_):
-            parts = per_rank[:, off:off + t.numel()].reshape(n, *t.shape)
-            off += t.numel()
-            # rank r's shard is the r-th slice along d: move the rank axis next to d and merge
-            whole = parts.movedim(0, d).reshape(*t.shape[:d], n * t.shape[d], *t.shape[d + 1:])
-            out[i] = whole
-    return out
+
+def _gathered(mesh, items):
+    from tpdiag.kernels.tree import all_gather_flat
+
+    n = mesh.size()
+    flat = torch.cat([t.reshape(-1) for _, _, t in items])
+    gathered = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+    all_gather_flat(gathered, flat, mesh.get_group())
+    del flat
+    per_rank = gathered.view(n, -1)
+    off = 0
+    for i, d, t in items:
+        parts = per_rank[:, off:off + t.numel()].reshape(n, *t.shape)
+        off += t.numel()
+        # rank r's shard is the r-th slice along d: move the rank axis next to d and merge
+        yield i, parts.movedim(0, d).reshape(*t.shape[:d], n * t.shape[d], *t.shape[d + 1:])
 
 
 def grad_norm(params) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in whole_grads(grads)]
+    norms: list = [None] * len(grads)
+    for i, g in whole_grads(grads):
+        norms[i] = torch.linalg.vector_norm(g.detach(), dtype=torch.float64)
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
