@@ -27,7 +27,7 @@ register(Fix("tp-invariant-linear", ("row-parallel-reduction", "column-parallel-
              "fp32 partials per fixed K group + one tree all-gather of [tokens, N] per layer "
              "(no weight all-gather)", _linear("tp-invariant-linear")))
 register(Fix("invariant-gemm", ("shape-dependent-gemm",), ("ColwiseParallel forward/wgrad",),
-             "column GEMMs in fixed N blocks: same GEMM shapes at every TP",
+             "column GEMMs whose bits do not depend on the shard: the invariant Triton GEMM (CUDA), fixed N blocks of one shape (CPU)",
              _linear("invariant-gemm")))
 register(Fix("invariant-vocab-softmax", ("vocab-parallel-softmax",),
              ("vocab-parallel log-softmax / cross-entropy",),

@@ -3,11 +3,12 @@
 Row-parallel (weight [N, K] split on K): each rank computes fp32 partial products for its K
 groups, reduces them as a subtree and the tree is finished across ranks (kernels/tree.py).
 Rounding happens once, after the whole sum - a bf16 partial rounded before an all-reduce can
-never match TP=1. Backward GEMMs run per K group, so their shapes are TP-independent too.
+never match TP=1. Backward GEMMs reduce over N or tokens, not K: per K group on CPU, one
+invariant Triton GEMM per rank on CUDA (its bits per output column do not depend on the shard).
 
-Column-parallel (weight split on N): forward in fixed N blocks (shape-invariant GEMMs,
-`invariant-gemm`), dgrad dX = sum_n dY[:, n] W[n, :] as an N-group tree across ranks
-(`tp-invariant-linear`), wgrad per N block.
+Column-parallel (weight split on N): forward and wgrad with shape-invariant bits
+(`invariant-gemm`: one call of the invariant Triton GEMM on CUDA, fixed N blocks of one shape on
+CPU), dgrad dX = sum_n dY[:, n] W[n, :] as an N-group tree across ranks (`tp-invariant-linear`).
 
 Both take LOCAL shards and the group range this rank owns; TP=1 is the same code with all
 groups local, so TP=1 itself follows the canonical order when a fix is on.
@@ -109,7 +110,8 @@ def row_parallel_linear(x, w, bias, local_groups: int):
 class ColLinear(torch.autograd.Function):
     """x [..., K] replicated, w_local [N_r, K] -> y_local [..., N_r].
 
-    blocked: forward/wgrad in `local_groups` fixed N blocks (shape-invariant GEMMs).
+    blocked: forward/wgrad with shape-invariant bits (invariant Triton GEMM, or `local_groups`
+    fixed N blocks off the Triton path).
     tree_dgrad: dX as a tree over N groups finished across ranks (replaces the all-reduce).
     """
 
