@@ -4,6 +4,8 @@ One training step = forward, vocab-parallel loss, backward, grad-norm clip, Adam
 this measures what a user pays for running with the fixes on. Stock and fixed are timed in
 the same world, alternating, medians of CUDA-synchronised steps after warm-up.
 Run on a lent multi-GPU machine:  python3 benchmarks/bench_fix_cost.py --tp 2,4
+  --each: every fix alone too, in the same rounds; --profile N: the top N ops of one stock and one
+  fixed step under torch.profiler (rank 0).
 """
 from __future__ import annotations
 

@@ -212,9 +212,9 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
 # has ~1000 records; on an H200 host Triton's dispatch (bind, specialise, key, look up) was
 # 16.6 us of Recorder.add's 30.8 us - the probes' host time is what a small step pays. The
 # kernel compiled for a key is launched directly; the key holds everything Triton specialises
-# on for these arguments: the constexprs, num_warps, the device, the words pointer's 16-byte
-# alignment (the row buffers are torch allocations, always aligned), SLAB (the one specialised
-# integer: == 1, % 16) and whether every integer fits in int32 (its argument type).
+# on for these arguments: the constexprs, num_warps, the device, each pointer's 16-byte
+# alignment, SLAB (the one specialised integer: == 1, % 16) and whether every integer fits in
+# int32 (its argument type).
 _COMPILED: dict = {}
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
@@ -222,8 +222,8 @@ _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 def _launch(args, nprog: int, warps: int, device) -> None:
     words, slab_n = args[0], args[5]
     small = max(args[3:11]) < 2**31
-    key = (device.index, args[11:], warps, words.data_ptr() % 16 == 0, slab_n == 1,
-           slab_n % 16 == 0, small)
+    key = (device.index, args[11:], warps, words.data_ptr() % 16 == 0, args[1].data_ptr() % 16 == 0,
+           args[2].data_ptr() % 16 == 0, slab_n == 1, slab_n % 16 == 0, small)
     k = _COMPILED.get(key) if _FAST[0] else None
     if k is not None:
         k[(nprog, 1, 1)](*args, stream=torch._C._cuda_getCurrentRawStream(device.index))
