@@ -11,18 +11,13 @@ echo "fix cost rc=$?"; tail -5 "$OUT/fix_cost.md"
 CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 \
   --seq 2048 --batch 1 --rounds 5 --modes none,hash,hash-jit,full > "$OUT/overhead.md" 2>&1
 echo "overhead rc=$?"; tail -7 "$OUT/overhead.md"
-mkdir -p /tmp/m
 {
 echo "| run | status | per degree | worlds |"
 echo "|---|---|---|---|"
 for spec in "tiny-bf16-fix:--dtype bfloat16 --fix all --no-confirm" \
             "med-bf16-fix:--model medium-llama --dtype bfloat16 --seq-len 256 --batch-size 4 --fix all --no-confirm" \
             "tiny-fp32-fix:--dtype float32 --fix all --no-confirm" "tiny-bf16-stock:--dtype bfloat16"; do
-  n=${spec%%:*}; a=${spec#*:}
-  left=$((590 - SECONDS)); [ $left -lt 30 ] && { echo "$n: skipped (time)"; continue; }
-  s0=$SECONDS
-  timeout $left python3 -m tpdiag.cli compare --device cuda --tp 1,2 --out /tmp/m/$n --format json $a >/tmp/m/$n.json 2>/tmp/m/$n.err
-  echo "$n rc=$? wall $((SECONDS - s0)) s"; show $n /tmp/m
+  run_cmp "${spec%%:*}" 1,2 $((590 - SECONDS)) ${spec#*:}
 done
 } > "$OUT/compare.md" 2>&1
 cat "$OUT/compare.md"

@@ -3,17 +3,10 @@
 # bitwise at TP=1,2,4 (tiny bf16, medium-llama fp32 with a longer limit), fix cost at TP=2 and 4.
 set -u
 source benchmarks/gpu_setup.sh
-mkdir -p /tmp/m
-run_cmp() {  # name, limit s, args...
-  n=$1; lim=$2; shift 2
-  s0=$SECONDS
-  timeout $lim python3 -m tpdiag.cli compare --device cuda --tp 1,2,4 --out /tmp/m/$n --format json "$@" >/tmp/m/$n.json 2>/tmp/m/$n.err
-  echo "| $n | rc=$? wall $((SECONDS - s0)) s |"; show $n /tmp/m
-}
 { echo "| run | status | per degree | worlds |"; echo "|---|---|---|---|"
-  run_cmp tiny-bf16-fix 90 --dtype bfloat16 --fix all --no-confirm; } > "$OUT/compare.md" 2>&1
+  run_cmp tiny-bf16-fix 1,2,4 90 --dtype bfloat16 --fix all --no-confirm; } > "$OUT/compare.md" 2>&1
 timeout 200 python3 benchmarks/bench_fix_cost.py --tp 2,4 --iters 9 > "$OUT/fix_cost.md" 2>&1
 echo "fix cost rc=$?" >> "$OUT/compare.md"
-run_cmp med-fp32-fix $((585 - SECONDS)) --model medium-llama --dtype float32 --seq-len 256 --batch-size 4 --fix all --no-confirm >> "$OUT/compare.md" 2>&1
+run_cmp med-fp32-fix 1,2,4 $((585 - SECONDS)) --model medium-llama --dtype float32 --seq-len 256 --batch-size 4 --fix all --no-confirm >> "$OUT/compare.md" 2>&1
 tail -c 1500 /tmp/m/med-fp32-fix.err > "$OUT/med_fp32_err_tail.txt" 2>/dev/null
 cat "$OUT/compare.md"; grep "^|" "$OUT/fix_cost.md"

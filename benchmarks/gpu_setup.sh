@@ -34,3 +34,13 @@ overhead_1b() {
   echo
   python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 4096 --batch 2 --rounds "${1:-3}"
 }
+# one compare and its summary line: run_cmp NAME DEGREES LIMIT_S compare-args...
+# (a limit under 30 s skips it: the batch's 10-minute budget is spent)
+run_cmp() {
+  local n=$1 tp=$2 lim=$3; shift 3
+  [ "$lim" -lt 30 ] && { echo "| $n | skipped (time) |"; return; }
+  local s0=$SECONDS
+  mkdir -p /tmp/m
+  timeout "$lim" python3 -m tpdiag.cli compare --device cuda --tp "$tp" --out /tmp/m/$n --format json "$@" >/tmp/m/$n.json 2>/tmp/m/$n.err
+  echo "| $n | rc=$? wall $((SECONDS - s0)) s |"; show $n /tmp/m
+}

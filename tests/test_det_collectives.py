@@ -4,7 +4,8 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import gloo_world
 
 
 def _worker(rank, world, port, q):
@@ -42,15 +43,7 @@ def _worker(rank, world, port, q):
 
 
 def test_rank_ordered_all_reduce_and_restore():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(4, port, q), nprocs=4, start_method="spawn")
-    r = q.get(timeout=60)
+    r = gloo_world(_worker, 4)
     assert r["det_is_ordered"] and r["max_ok"] and r["stock_restored"]
     # negative control: gloo's own all-reduce adds in another order on this data
     assert not r["stock_is_ordered"]

@@ -2,12 +2,19 @@
 back whole and bit-exact (Shard(0), Shard(1), uneven -> full_tensor, replicated), across bucket
 boundaries, and the norm is the same bits as on one process holding the whole grads."""
 import os
-import socket
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import gloo_world
+
+
+def _wholes():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(8, 6, generator=gen), torch.randn(6, 10, generator=gen).bfloat16(),
+            torch.randn(4, 8, generator=gen), torch.randn(5, 3, generator=gen),
+            torch.randn(7, generator=gen)]
 
 
 def _worker(rank, world, port, q):
@@ -20,10 +27,7 @@ def _worker(rank, world, port, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    gen = torch.Generator().manual_seed(0)
-    wholes = [torch.randn(8, 6, generator=gen), torch.randn(6, 10, generator=gen).bfloat16(),
-              torch.randn(4, 8, generator=gen), torch.randn(5, 3, generator=gen),
-              torch.randn(7, generator=gen)]
+    wholes = _wholes()
     places = [Shard(0), Shard(1), Shard(1), Shard(0), Replicate()]  # (5, 3) on dim 0: uneven
     grads = [distribute_tensor(w, mesh, [p]) for w, p in zip(wholes, places)]
     gn.BUCKET_BYTES = 100   # several buckets, one grad larger than a bucket
@@ -41,17 +45,7 @@ def _worker(rank, world, port, q):
 def test_bucketed_gather_is_exact_and_norm_matches_one_process():
     from tpdiag.kernels import grad_norm as gn
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(2, port, q), nprocs=2, start_method="spawn")
-    r = q.get(timeout=60)
+    r = gloo_world(_worker, 2)
     assert all(r["exact"]), r["exact"]
-    gen = torch.Generator().manual_seed(0)
-    wholes = [torch.randn(8, 6, generator=gen), torch.randn(6, 10, generator=gen).bfloat16(),
-              torch.randn(4, 8, generator=gen), torch.randn(5, 3, generator=gen),
-              torch.randn(7, generator=gen)]
-    one = gn.grad_norm([SimpleNamespace(grad=w) for w in wholes])
+    one = gn.grad_norm([SimpleNamespace(grad=w) for w in _wholes()])
     assert torch.tensor(r["norm"], dtype=torch.float64).view(torch.int64) == one.view(torch.int64)

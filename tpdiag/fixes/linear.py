@@ -58,8 +58,7 @@ class _GatherColumns(torch.autograd.Function):
         ctx.width = y.shape[-1]
         if w == 1:
             return y.clone()
-        parts = tree.all_gather_stacked(y)
-        return parts.movedim(0, -2).reshape(*y.shape[:-1], w * y.shape[-1])
+        return tree.cat_stacked(tree.all_gather_stacked(y), -1)
 
     @staticmethod
     def backward(ctx, g):

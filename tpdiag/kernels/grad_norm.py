@@ -15,14 +15,14 @@ import math
 import torch
 
 
-def _shard_dim(g) -> int | None:
-    """The dim an evenly sharded 1-D-mesh DTensor is split on; None otherwise."""
+def _even_shard(g) -> tuple[int | None, torch.Tensor]:
+    """(the dim an evenly sharded 1-D-mesh DTensor is split on, or None; its local shard)."""
+    local = g.to_local()
     if len(g.placements) != 1 or not g.placements[0].is_shard():
-        return None
+        return None, local
     d = g.placements[0].dim % g.ndim
     n = g.device_mesh.size()
-    local = g.to_local()
-    return d if g.shape[d] % n == 0 and local.shape[d] * n == g.shape[d] else None
+    return (d if local.shape[d] * n == g.shape[d] else None), local
 
 
 # Grads gathered per bucket of this many local bytes: one collective per bucket instead of one
@@ -40,14 +40,14 @@ def whole_grads(grads: list):
         if not isinstance(g, DTensor):
             yield i, g
             continue
-        d = _shard_dim(g)
+        d, local = _even_shard(g)
         if d is None:
             yield i, g.full_tensor()
             continue
         key = (g.dtype, g.device_mesh)
         bucket = pending.setdefault(key, [0, []])
-        bucket[1].append((i, d, g.to_local()))
-        bucket[0] += bucket[1][-1][2].numel() * g.element_size()
+        bucket[1].append((i, d, local))
+        bucket[0] += local.numel() * local.element_size()
         if bucket[0] >= BUCKET_BYTES:
             yield from _gathered(key[1], bucket[1])
             del pending[key]
@@ -56,7 +56,7 @@ def whole_grads(grads: list):
 
 
 def _gathered(mesh, items):
-    from tpdiag.kernels.tree import all_gather_flat
+    from tpdiag.kernels.tree import all_gather_flat, cat_stacked
 
     n = mesh.size()
     flat = torch.cat([t.reshape(-1) for _, _, t in items])
@@ -66,10 +66,8 @@ def _gathered(mesh, items):
     per_rank = gathered.view(n, -1)
     off = 0
     for i, d, t in items:
-        parts = per_rank[:, off:off + t.numel()].reshape(n, *t.shape)
+        yield i, cat_stacked(per_rank[:, off:off + t.numel()].reshape(n, *t.shape), d)
         off += t.numel()
-        # rank r's shard is the r-th slice along d: move the rank axis next to d and merge
-        yield i, parts.movedim(0, d).reshape(*t.shape[:d], n * t.shape[d], *t.shape[d + 1:])
 
 
 def grad_norm(params) -> torch.Tensor:

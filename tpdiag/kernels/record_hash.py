@@ -326,7 +326,9 @@ class HashBuffer:
         self.floats: list[torch.Tensor] = []
         self.n = 0
 
-    def row(self):
+    def add(self, t: torch.Tensor, dim: int | None = None, full: int | None = None,
+            offset: int = 0) -> int:
+        """Hash a shard into a fresh row; returns the row's slot."""
         i, r = divmod(self.n, self.CHUNK)
         if i == len(self.ints):
             self.ints.append(torch.zeros((self.CHUNK, 4), dtype=torch.int64, device=self.device))
@@ -334,14 +336,8 @@ class HashBuffer:
         self.n += 1
         # (chunk, chunk, row): the kernel offsets into the chunk itself - no row views to
         # build per record (host time is what the probes cost on small steps)
-        return self.n - 1, (self.ints[i], self.floats[i], r)
-
-    def add(self, t: torch.Tensor, dim: int | None = None, full: int | None = None,
-            offset: int = 0) -> int:
-        """Hash a shard into a fresh row; returns the row's slot."""
-        slot, row = self.row()
-        shard_lanes(t, dim, full, offset, out=row)
-        return slot
+        shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
+        return self.n - 1
 
     def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.ints:

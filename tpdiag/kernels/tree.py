@@ -62,6 +62,14 @@ def all_gather_stacked(t: torch.Tensor) -> torch.Tensor:
     return out.view(w, *t.shape)
 
 
+def cat_stacked(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.cat(list(parts), dim) for rank parts [world, *shape]: rank r's shard becomes the
+    r-th slice along `dim` (one copy; a view when dim is 0)."""
+    n, shape = parts.shape[0], list(parts.shape[1:])
+    d = dim % len(shape)
+    return parts.movedim(0, d).reshape(*shape[:d], n * shape[d], *shape[d + 1:])
+
+
 def all_gather_flat(out: torch.Tensor, flat: torch.Tensor, group) -> None:
     """Every rank's 1-D `flat`, concatenated in rank order into `out` (gloo takes only the
     concatenated form; torch 2.13 renamed the call)."""
