@@ -53,14 +53,18 @@ def overhead(args) -> dict:
 
     from tpdiag.kernels import record_hash as rh
 
+    batch = os.environ.get("TPDIAG_HASH_BATCH", "64")
+
     def once(mode: str, keep: bool):
         rec = Recorder()
         if mode == "none":
             rec.enabled = False
-        # hash-jit: hash mode with every record launched through Triton's JIT dispatch (A/B of
-        # the cached direct launch)
+        # A/B of how hash mode launches, side by side in the same rounds: hash = records queued,
+        # many per launch; hash-each = a launch per record, at once (the cached direct launch);
+        # hash-jit = a launch per record through Triton's JIT dispatch
         rh._FAST[0] = mode != "hash-jit"
-        cfg = base.with_(probes=mode != "none", capture="hash" if mode in ("none", "hash-jit") else mode)
+        os.environ["TPDIAG_HASH_BATCH"] = "1" if mode in ("hash-each", "hash-jit") else batch
+        cfg = base.with_(probes=mode != "none", capture="full" if mode == "full" else "hash")
         if dev_type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
@@ -197,12 +201,12 @@ def launch_cost(args) -> dict:
     import torch
 
     from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels.hash_buffer import HashBuffer
     from tpdiag.probes.recorder import Recorder
 
     rh._triton()
     dev = torch.device("cuda")
     x = torch.randn(16, 2048, device=dev, dtype=torch.bfloat16)
-    buf = rh.HashBuffer(dev)
     n = 2000
 
     def per_call(fn):
@@ -224,15 +228,22 @@ def launch_cost(args) -> dict:
     raw = lambda: rh._hash_kernel[(nprog,)](words, ints, floats, 0, a, L * b, F * b, o * b, n_col, n_row * n_col,  # noqa: E731
                                              nprog, WIDTH=16, IS_BF16=True, R=r, CB=cb, ITERS=rh.ITERS,
                                              ROW_ITERS=row_iters, EVEN=even, num_warps=rh.WARPS)
-    rec = Recorder(mode="hash")
     res = {"raw kernel launch (Triton JIT dispatch)": per_call(raw)}
     for fast in (False, True):
         rh._FAST[0] = fast
         how = "direct launch" if fast else "JIT dispatch"
         res[f"triton_lanes ({how})"] = per_call(lambda: rh.triton_lanes(x, a, L, b, F, o, (ints, floats, 0)))
         res[f"shard_lanes ({how})"] = per_call(lambda: rh.shard_lanes(x, out=(ints, floats, 0)))
+    for batch, how in ((1, "a launch per record"), (64, "queued, 64 per launch")):
+        buf = HashBuffer(dev, batch=batch)
         res[f"HashBuffer.add ({how})"] = per_call(lambda: buf.add(x))
-        res[f"Recorder.add, hash mode ({how})"] = per_call(lambda: rec.add("output", "layers.0.mlp", "out", x))
+        os.environ["TPDIAG_HASH_BATCH"] = str(batch)
+        rec = Recorder(mode="hash")
+        # a fresh view per call: another tensor object, hashed (the same object again is not)
+        res[f"Recorder.add, hash mode ({how})"] = per_call(
+            lambda: rec.add("out", "layers.0.mlp", "0", x.view(16, 2048)))
+    res["Recorder.add, the same tensor again"] = per_call(lambda: rec.add("in", "layers.0.mlp.w2", "0", x))
+    os.environ.pop("TPDIAG_HASH_BATCH")
     rh._FAST[0] = True
     lines = [f"host time per hashed record: {_device_name()}, CPU {platform.processor() or platform.machine()}, "
              f"bf16 [16, 2048], {n} calls", "| layer | us per call |", "|---|---|"]
@@ -328,7 +339,8 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES),
-                    help="overhead: comma list of none, hash, hash-jit (hash, launched through "
+                    help="overhead: comma list of none, hash (records queued, many per launch), "
+                         "hash-each (a launch per record), hash-jit (a launch per record through "
                          "Triton's JIT dispatch), full")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--out", default=os.environ.get("OUT"))

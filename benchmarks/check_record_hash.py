@@ -1,5 +1,6 @@
 """On a CUDA GPU: the record-hash Triton kernel against the torch path, bit for bit, and the
-shards' lanes adding up to the whole tensor's (fp32 / bf16 / fp16, NaN and Inf included).
+shards' lanes adding up to the whole tensor's (fp32 / bf16 / fp16, NaN and Inf included); every
+shard also queued in a HashBuffer (many records per launch: _hash_batch_kernel) - same rows.
 
   PYTHONPATH=. python benchmarks/check_record_hash.py      # exit 1 on any mismatch
 """
@@ -8,12 +9,15 @@ import sys
 import torch
 
 from tpdiag.kernels import record_hash as rh
+from tpdiag.kernels.hash_buffer import HashBuffer
 
 
 def main() -> int:
     rh._triton()
     torch.manual_seed(0)
     bad = 0
+    buf = HashBuffer(torch.device("cuda"), batch=7)
+    queued = []  # (slot, torch-path ints)
     # (8, 300, 4100): masked tails; (16, 64, 2048) in 16: 128-wide shards, no masks ([R, CB] tiles)
     for shape, ways in (((8, 300, 4100), 4), ((16, 64, 2048), 16)):
         for dt in (torch.float32, torch.bfloat16, torch.float16):
@@ -37,13 +41,23 @@ def main() -> int:
                     ic[:2] &= rh.M32
                     bad += int(not torch.equal(ia, ib)) + int(not torch.equal(ia, ic))
                     tot += ib[:2].cpu()
+                    queued.append((buf.add(p, *args_of(dim, full, off)), ia))
                     off += 0 if dim is None else p.shape[dim]
                 ok = bool(((tot & rh.M32) == (whole[:2].cpu() & rh.M32)).all())
                 bad += int(not ok)
                 print(f"- {shape} {dt} {ways if dim is not None else 1} shards on dim {dim}: kernel == torch per shard and shares add up to the whole: {ok}")
+    ints, _ = buf.take([s for s, _ in queued])
+    ints[:, :2] &= rh.M32
+    qbad = sum(int(not torch.equal(ints[i].cpu(), ia.cpu())) for i, (_, ia) in enumerate(queued))
+    print(f"queued (batch of 7 per launch): {len(queued)} records, {qbad} differ from the torch path; stale {len(buf.stale)}")
+    bad += qbad + len(buf.stale)
     print(f"direct launches cached: {len(rh._COMPILED)} specialisations")
     print(f"mismatches: {bad}")
     return 1 if bad else 0
+
+
+def args_of(dim, full, off):
+    return (None, None, 0) if dim is None else (dim, full.shape[dim], off)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,21 @@ def run_cli(*args, env=None, timeout=600):
                           env=e, timeout=timeout, cwd=ROOT)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def gloo_world(worker, world: int, timeout: float = 60):
     """Run worker(rank, world, port, queue) in a real `world`-process spawn world on a free
     port; returns what rank 0 put on the queue."""
-    import socket
-
     import torch.multiprocessing as mp
 
     q = mp.get_context("spawn").Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.start_processes(worker, args=(world, port, q), nprocs=world, start_method="spawn")
     return q.get(timeout=timeout)
 

@@ -59,6 +59,8 @@ def _hash_row(rm: dict, om: dict, label: str):
     if rm.get("stored") != om.get("stored"):
         return None, "captured as a hash at one side only"
     if rm.get("full_hash") is None or om.get("full_hash") is None:
+        if "stale" in (rm.get("hash_layout"), om.get("hash_layout")):
+            return None, "changed in place before its queued hash ran (TPDIAG_HASH_BATCH=1 hashes at once)"
         return None, "shard layout unknown in hash mode"
     if rm["dtype"] != om["dtype"] or rm["full_shape"] != om["full_shape"]:
         if om["kind"] == "op":

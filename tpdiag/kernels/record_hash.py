@@ -23,8 +23,10 @@ dim d (A = prod(local[:d]), L = local[d], B = prod(local[d+1:])); local (a, l, b
 a * (F * B) + (o + l) * B + b for the full size F of dim d and this rank's offset o. Within one
 slab `a` the global indices are contiguous, so the kernel needs no division per element.
 
-Layout: `_hash_kernel` (Triton, CUDA; 16- and 32-bit floats), `lanes_torch` (every dtype and
-device: the CPU path, same lanes bit for bit), `shard_lanes` (dispatch).
+Layout: `_hash_kernel` (Triton, CUDA; 16- and 32-bit floats; `_hash_batch_kernel`: many records
+in one launch), `lanes_torch` (every dtype and device: the CPU path, same lanes bit for bit),
+`shard_lanes` (dispatch), `batch_entry` / `batch_launch` (the batched launch; HashBuffer in
+kernels/hash_buffer.py queues records for it).
 """
 from __future__ import annotations
 
@@ -51,6 +53,40 @@ BLOCK, ITERS, WAVES, WARPS = 1024, 8, 4, 4   # H200 sweep: docs/scale.md
 def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                  ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
+    """One record: its chunks over NPROG persistent programs (see _hash_chunks)."""
+    _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
+                 tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN)
+
+
+def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
+                       WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
+                       ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
+                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr):
+    """Many records in one launch (grid: NPROG x records), each described by a row of `table`
+    (int64: data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL). The records of one launch share
+    the constexprs; ALIGNED / SLAB16 restore what the one-record kernel gets from Triton's
+    specialisation (16-byte aligned data, SLAB % 16 == 0: vector loads)."""
+    rec = table_ptr + tl.program_id(1).to(tl.int64) * 8
+    pid = tl.program_id(0)
+    TOTAL = tl.load(rec + 7)
+    if pid < TOTAL:  # a small record uses fewer programs than the launch has
+        if WIDTH == 16:
+            w_ptr = tl.load(rec).to(tl.pointer_type(tl.int16))
+        else:
+            w_ptr = tl.load(rec).to(tl.pointer_type(tl.int32))
+        if ALIGNED:
+            w_ptr = tl.multiple_of(w_ptr, 16)
+        SLAB = tl.load(rec + 3)
+        if SLAB16:
+            SLAB = tl.multiple_of(SLAB, 16)
+        _hash_chunks(w_ptr, ints_ptr, floats_ptr, tl.load(rec + 1), tl.load(rec + 2), SLAB,
+                     tl.load(rec + 4), tl.load(rec + 5), tl.load(rec + 6), TOTAL, NPROG, pid,
+                     WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN)
+
+
+def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG, pid,
+                 WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
+                 ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
     """A program hashes chunks - ITERS tiles of R slabs x CB elements, side by side along the
     slabs, or for narrow slabs (ROW_ITERS) stacked over them - and adds its shares to
     row ROW of the record buffer with atomics: integer adds (the lanes, the non-finite count)
@@ -59,7 +95,6 @@ def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     vary in their last bits. Persistent: NPROG programs stride over the TOTAL chunks, so a
     record costs a few hundred atomics on its row, not one per chunk (contention on one
     address serialises them). EVEN: every chunk is full, no masks (the common case)."""
-    pid = tl.program_id(0)
     rr = tl.arange(0, R)
     cc = tl.arange(0, CB)
     # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element for the position
@@ -134,8 +169,11 @@ def _triton():
     # Only SLAB is specialised (its divisibility by 16 lets loads vectorise): the other
     # integers change from record to record, and each new specialisation is a compile
     # (~0.5 s) plus per-launch key work.
-    globals()["_hash_kernel"] = _t.jit(_hash_kernel, do_not_specialize=[
+    g = globals()
+    g["_hash_chunks"] = _t.jit(_hash_chunks)
+    g["_hash_kernel"] = _t.jit(_hash_kernel, do_not_specialize=[
         "ROW", "A", "F_B", "O_B", "N_COL", "TOTAL", "NPROG"])
+    g["_hash_batch_kernel"] = _t.jit(_hash_batch_kernel, do_not_specialize=["NPROG"])
     return _t
 
 
@@ -301,50 +339,62 @@ def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None
     offset place the shard in the whole tensor; `out`: where to add them (zeroed) - a HashBuffer
     slot (ints [n, 4], floats [n, 2], row) or a pair of rows (ints [4], floats [2])."""
     a, L, b, F, o = slab(t.shape, dim, full, offset)
-    if type(t) is not torch.Tensor:
-        # A functional collective's result (AsyncCollectiveTensor, what DTensor.to_local() can
-        # return right after a redistribute) is a wrapper with no storage of its own: a raw
-        # pointer handed to a kernel is not its data (an illegal access on an H200). Wait for it.
-        wait = getattr(t, "wait", None)
-        t = wait() if callable(wait) else t
-        if type(t) is not torch.Tensor:
-            return lanes_torch(t, a, L, b, F, o, out)  # other subclasses: through torch dispatch
-    if t.is_cuda and t.dtype in _TRITON_T and t.numel() and not _TORCH_ONLY and _available():
+    t = plain(t)
+    if triton_ok(t):
         return triton_lanes(t, a, L, b, F, o, out)
     return lanes_torch(t, a, L, b, F, o, out)
 
 
-class HashBuffer:
-    """Rows for every hashed record of a run, on one device, zeroed in chunks: one kernel
-    launch per record and one host transfer for the whole run."""
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """t with storage of its own. A functional collective's result (AsyncCollectiveTensor,
+    what DTensor.to_local() can return right after a redistribute) is a wrapper with none: a raw
+    pointer handed to a kernel is not its data (an illegal access on an H200). Wait for it."""
+    if type(t) is not torch.Tensor:
+        wait = getattr(t, "wait", None)
+        t = wait() if callable(wait) else t
+    return t
 
-    CHUNK = 4096
 
-    def __init__(self, device):
-        self.device = device
-        self.ints: list[torch.Tensor] = []
-        self.floats: list[torch.Tensor] = []
-        self.n = 0
+def triton_ok(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels take t (other subclasses go through torch dispatch)."""
+    return (type(t) is torch.Tensor and t.is_cuda and t.dtype in _TRITON_T and t.numel() > 0
+            and not _TORCH_ONLY and _available())
 
-    def add(self, t: torch.Tensor, dim: int | None = None, full: int | None = None,
-            offset: int = 0) -> int:
-        """Hash a shard into a fresh row; returns the row's slot."""
-        i, r = divmod(self.n, self.CHUNK)
-        if i == len(self.ints):
-            self.ints.append(torch.zeros((self.CHUNK, 4), dtype=torch.int64, device=self.device))
-            self.floats.append(torch.zeros((self.CHUNK, 2), dtype=torch.float64, device=self.device))
-        self.n += 1
-        # (chunk, chunk, row): the kernel offsets into the chunk itself - no row views to
-        # build per record (host time is what the probes cost on small steps)
-        shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
-        return self.n - 1
 
-    def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.ints:
-            return (torch.zeros((0, 4), dtype=torch.int64, device=self.device),
-                    torch.zeros((0, 2), dtype=torch.float64, device=self.device))
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return torch.cat(self.ints)[idx], torch.cat(self.floats)[idx]
+# --------------------------------------------------------------------------------------
+# Many records, one launch (kernels/hash_buffer.py queues them)
+# --------------------------------------------------------------------------------------
+TABLE_COLS = 8  # data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL
+
+
+def batch_entry(t: torch.Tensor, dim, full, offset, row: int, *, block: int = BLOCK,
+                iters: int = ITERS):
+    """(launch key, raw words, table row) of one record for _hash_batch_kernel. The words
+    must stay alive, unmodified, until the launch (the caller checks their _version)."""
+    a, L, b, F, o = slab(t.shape, dim, full, offset)
+    width, iview = _TRITON_T[t.dtype]
+    words = t.contiguous().view(iview)
+    slab_n = L * b
+    r, cb, row_iters, n_row, n_col, even = plan(a, slab_n, block, iters)
+    ptr = words.data_ptr()
+    key = (width, t.dtype == torch.bfloat16, r, cb, row_iters, even, ptr % 16 == 0, slab_n % 16 == 0)
+    return key, words, [ptr, row, a, slab_n, F * b, o * b, n_col, n_row * n_col]
+
+
+def batch_launch(key, rows: list, ints: torch.Tensor, floats: torch.Tensor, *,
+                 iters: int = ITERS, waves: int = WAVES, warps: int = WARPS) -> None:
+    """One launch for records that share `key` (batch_entry), into rows of (ints, floats)."""
+    width, is_bf16, r, cb, row_iters, even, aligned, slab16 = key
+    table = torch.tensor([v for row in rows for v in row], dtype=torch.int64)
+    dev = ints.device
+    if dev.type == "cuda":
+        # pinned + non_blocking: a pageable copy would wait for the stream, stalling the host
+        # behind the GPU - the very thing deferring the launches is for
+        table = table.pin_memory().to(dev, non_blocking=True)
+    nprog = min(max(row[7] for row in rows), waves * _sm_count(dev))
+    _hash_batch_kernel[(nprog, len(rows))](table, ints, floats, nprog, WIDTH=width, IS_BF16=is_bf16,
+                                           R=r, CB=cb, ITERS=iters, ROW_ITERS=row_iters, EVEN=even,
+                                           ALIGNED=aligned, SLAB16=slab16, num_warps=warps)
 
 
 def reference_lanes(full: torch.Tensor) -> tuple[int, int]:

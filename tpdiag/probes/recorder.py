@@ -10,6 +10,7 @@ alive. Only the small outputs every summary reads (batch, logprobs, loss, grad n
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -81,6 +82,10 @@ class Recorder:
     ref_shapes: dict = field(default_factory=dict)
     lanes: list = field(default_factory=list)   # hash mode: per record its HashBuffer row, or None
     hashbuf: object = None
+    # hash mode: id(tensor) -> (weakref, version, layout, slot) of the last record of that tensor.
+    # A module's input is usually another's output, nested modules share outputs: the same
+    # tensor, unchanged, under several keys is hashed once (its row shared).
+    _hashed: dict = field(default_factory=dict)
 
     def call_index(self, module: str) -> int:
         key = (self.step, self.phase, module)
@@ -110,16 +115,15 @@ class Recorder:
         if hashed:
             layout_, full, dim, size, offset = self._hash_layout(t, local, meta["key"], label)
             meta["hash_layout"], meta["full_shape"] = layout_, full
-            if self.hashbuf is None:
-                from tpdiag.kernels.record_hash import HashBuffer
-
-                self.hashbuf = HashBuffer(local.device)
-            # the hash's own torch ops are not records (op probe); no contextmanager: host time
-            self.enabled = False
-            try:
-                slot = self.hashbuf.add(local, dim, size, offset)
-            finally:
-                self.enabled = True
+            where = (dim, size, offset, full)
+            # both counters: an in-place op on a DTensor bumps the wrapper's, not its local's
+            version = (t._version, local._version)
+            seen = self._hashed.get(id(t))
+            if seen is not None and seen[0]() is t and seen[1] == version and seen[2] == where:
+                slot = seen[3]
+            else:
+                slot = self._hash(local, dim, size, offset, t)
+                self._hashed[id(t)] = (weakref.ref(t), version, where, slot)
             self.lanes.append(slot)
             self.records.append((meta, None))
             return meta
@@ -131,6 +135,23 @@ class Recorder:
         self.lanes.append(None)
         self.records.append((meta, local))
         return meta
+
+    def _hash(self, local, dim, size, offset, owner) -> int:
+        if self.hashbuf is None:
+            from tpdiag.kernels.hash_buffer import HashBuffer
+
+            self.hashbuf = HashBuffer(local.device)
+        # the hash's own torch ops are not records (op probe); no contextmanager: host time
+        self.enabled = False
+        try:
+            return self.hashbuf.add(local, dim, size, offset, owner)
+        finally:
+            self.enabled = True
+
+    def flush(self) -> None:
+        """Hash every queued record now (kernels/hash_buffer.py)."""
+        if self.hashbuf is not None:
+            self.hashbuf.flush()
 
     @contextmanager
     def _paused(self):
@@ -170,3 +191,18 @@ class Recorder:
 def record_key(meta: dict) -> str:
     """Alignment key across degrees: same model, same step/phase/module/call/name."""
     return f"s{meta['step']}/{meta['phase']}/{meta['module']}/{meta['kind']}#{meta['call']}/{meta['name']}"
+
+
+def _get_phase(self) -> str:
+    return self._phase
+
+
+def _set_phase(self, phase: str) -> None:
+    # A new phase may change recorded tensors in place (the optimizer phase clips grads, steps
+    # params): queued hashes run first.
+    if self.__dict__.get("hashbuf") is not None:
+        self.hashbuf.flush()
+    self._phase = phase
+
+
+Recorder.phase = property(_get_phase, _set_phase)  # after @dataclass: its __init__ sets it

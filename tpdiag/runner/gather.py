@@ -127,10 +127,16 @@ def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
 def _hash_meta(m: dict, shares: list, world: int) -> dict:
     from tpdiag.probes.hashing import compose, hash_of_lanes
 
+    from tpdiag.kernels.hash_buffer import STALE
+
     layout = m.get("hash_layout")
+    out = {**m, "stored": "hash", "world": world}
+    if any(s[0][2] == STALE for s in shares):
+        # changed in place between the record and its (queued) hash: no evidence either way
+        out.update(hash_layout="stale", ranks_equal=None, full_hash=None)
+        return out
     # the integer lanes cover every bit; the float sums (atomics) may differ in their last bits
     equal = all(s[0] == shares[0][0] for s in shares[1:])
-    out = {**m, "stored": "hash", "world": world}
 
     def per_rank(shape):
         return [hash_of_lanes(s[0][0], s[0][1], m["dtype"], shape) for s in shares]

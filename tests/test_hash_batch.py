@@ -1,0 +1,128 @@
+"""Hash mode's queued records (kernels/hash_buffer.py): many records hashed in one launch give
+exactly the rows one launch per record gives; a tensor changed in place before its queued hash
+ran is marked stale, never hashed as its new value; a phase change flushes the queue first; the
+same unchanged tensor recorded twice is hashed once. Through the Triton interpreter (a
+subprocess: the flag must be set before Triton is imported)."""
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, free_port
+
+CODE = r"""
+import torch
+from tpdiag.kernels import record_hash as rh
+from tpdiag.kernels import hash_buffer as hb
+from tpdiag.probes.recorder import Recorder
+
+rh._triton()
+# the CPU tensors of the interpreter stand in for CUDA ones
+rh.triton_ok = lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T and t.numel() > 0
+torch.manual_seed(0)
+
+def want(t, dim=None, full=None, off=0):
+    ints, _ = rh.lanes_torch(t, *rh.slab(t.shape, dim, full, off))
+    ints[:2] &= rh.M32
+    return ints
+
+# 1. a mix of launch keys (widths, tiles, masks, alignment), queued 5 at a time
+cases = []
+for shape in ((3, 10, 1100), (4, 8, 1024), (4, 8, 64), (7,)):
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        full = torch.randn(*shape).to(dt)
+        full.view(-1)[0] = float("nan")
+        for dim in [None] + list(range(len(shape))):
+            if dim is None:
+                cases.append((full, None, None, 0))
+                continue
+            off = 0
+            for p in full.chunk(2, dim=dim):
+                cases.append((p.contiguous(), dim, full.shape[dim], off))
+                off += p.shape[dim]
+# one record at an odd address (not 16-byte aligned: the ALIGNED=False kernel)
+base = torch.randn(1 + 4096)
+cases.append((base[1:], None, None, 0))
+buf = hb.HashBuffer(torch.device("cpu"), batch=5)
+slots = [buf.add(t, d, f, o) for t, d, f, o in cases]
+assert buf.queued < 5
+ints, floats = buf.take(slots)
+keys = set()
+for (t, d, f, o), got in zip(cases, ints):
+    got = got.clone(); got[:2] &= rh.M32
+    assert torch.equal(got, want(t, d, f, o)), (t.dtype, t.shape, d)
+    keys.add(rh.batch_entry(t, d, f, o, 0)[0])
+assert len(keys) >= 6 and {k[6] for k in keys} == {True, False}, keys
+assert not buf.stale
+
+# 2. changed in place before the queued hash ran: stale, not the new value's hash
+buf = hb.HashBuffer(torch.device("cpu"), batch=64)
+a = torch.randn(64, 32)
+b = torch.randn(32, 64).t()            # not contiguous: queued as a copy, safe
+sa, sb = buf.add(a), buf.add(b)
+wa, wb = want(a), want(b.contiguous())
+a.mul_(2); b.mul_(2)
+ints, _ = buf.take([sa, sb])
+assert int(ints[0][2]) == hb.STALE and buf.stale == [sa]
+got = ints[1].clone(); got[:2] &= rh.M32
+assert torch.equal(got, wb)
+
+# 3. a phase change flushes: a grad clipped in place after the backward phase keeps its hash
+for phase_change in (True, False):
+    rec = Recorder(mode="hash")
+    rec.phase = "backward"
+    g = torch.randn(128, 16)
+    w0 = want(g)
+    rec.add("param_grad", "layers.0.w", "weight", g)
+    if phase_change:
+        rec.phase = "optimizer"
+    g.mul_(0.5)  # what clipping does
+    ints, _ = rec.hashbuf.take(rec.lanes)
+    got = ints[0].clone(); got[:2] &= rh.M32
+    if phase_change:
+        assert torch.equal(got, w0)
+    else:
+        assert int(ints[0][2]) == hb.STALE  # the negative control: caught, not misread
+
+# 4. the same unchanged tensor under two keys: one row; changed in place: a new row
+rec = Recorder(mode="hash")
+rec.phase = "forward"
+x = torch.randn(16, 32)
+rec.add("out", "layers.0.attention_norm", "0", x)
+rec.add("in", "layers.0.attention.wq", "0", x)
+rec.add("in", "layers.0.attention.wk", "0", x.clone())
+x.add_(1)
+rec.add("in", "layers.0.attention.wv", "0", x)
+assert rec.lanes[0] == rec.lanes[1] and len(set(rec.lanes)) == 3, rec.lanes
+ints, _ = rec.hashbuf.take(rec.lanes)
+assert int(ints[0][2]) == hb.STALE  # queued before x.add_: stale, and so is its shared row
+got = ints[3].clone(); got[:2] &= rh.M32
+assert torch.equal(got, want(x))
+
+# 5. a DTensor changed in place bumps its own version counter, not its local tensor's: watched
+# for the queue's stale check and for the one-hash-per-tensor reuse
+import os
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+p = distribute_tensor(torch.randn(8, 64), init_device_mesh("cpu", (1,)), [Shard(0)])
+rec = Recorder(mode="hash")
+rec.phase = "optimizer"
+rec.add("param", "tok_embeddings", "weight", p)
+p.mul_(2)
+rec.add("param", "tok_embeddings", "weight", p)
+assert rec.lanes[0] != rec.lanes[1], rec.lanes
+ints, _ = rec.hashbuf.take(rec.lanes)
+assert int(ints[0][2]) == hb.STALE
+got = ints[1].clone(); got[:2] &= rh.M32
+assert torch.equal(got, want(p.to_local()))
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_batched_hash_equals_one_launch_per_record_and_catches_inplace_changes():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, PORT=str(free_port()))
+    p = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]

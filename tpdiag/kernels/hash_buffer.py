@@ -1,0 +1,107 @@
+"""Where hash mode's records go: a row of lanes and statistics per record, on the device, and
+the queue that hashes many records in one launch.
+
+A step has ~1000 records and the host time to launch one small kernel each was most of what the
+probes cost (bench_probes.py overhead). So a record whose tensor the Triton kernel takes is
+queued - a reference to its words, their version counter, a row of launch parameters - and the
+queue is hashed in one launch per kind of record (shared constexprs) when it holds BATCH records
+or CAP_BYTES of tensors, when the recorder's phase changes, and before any row is read.
+
+Deferring is exact only if the tensor is unchanged until the launch. Holding the reference keeps
+its memory from being reused; an in-place update shows in its version counter, checked at the
+launch: such a record is not hashed but marked STALE (no evidence, never a false match).
+tpdiag's step moves to a new phase before it changes recorded tensors in place (gradient
+clipping, the optimizer), which flushes the queue first. TPDIAG_HASH_BATCH=1: one launch per
+record, at once.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tpdiag.kernels import record_hash as rh
+
+
+
+def batch_size() -> int:
+    """Records per launch: TPDIAG_HASH_BATCH (default 64; 1 = a launch per record)."""
+    v = os.environ.get("TPDIAG_HASH_BATCH", "").strip() or "64"
+    if not v.isdigit() or int(v) < 1:
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"TPDIAG_HASH_BATCH={v!r}: expected a positive integer")
+    return int(v)
+
+# bounds the memory the queue keeps alive (most queued tensors are alive anyway: activations
+# saved for backward)
+CAP_BYTES = 256 << 20
+STALE = -1  # in a row's non-finite count: the tensor changed in place before it was hashed
+
+
+class HashBuffer:
+    """Rows for every hashed record of a run, on one device, zeroed in chunks; one host
+    transfer for the whole run."""
+
+    CHUNK = 4096
+
+    def __init__(self, device, batch: int | None = None):
+        self.device = device
+        self.batch = batch_size() if batch is None else batch
+        self.ints: list[torch.Tensor] = []
+        self.floats: list[torch.Tensor] = []
+        self.n = 0
+        self.queue: dict = {}  # (chunk, key) -> [(words, version, owner, version, table row)]
+        self.queued = 0
+        self.queued_bytes = 0
+        self.stale: list[int] = []  # slots
+
+    def add(self, t: torch.Tensor, dim: int | None = None, full: int | None = None,
+            offset: int = 0, owner: torch.Tensor | None = None) -> int:
+        """Hash a shard into a fresh row (now, or queued); returns the row's slot. owner: the
+        tensor t is the local shard of (a DTensor), whose version counter is watched too - an
+        in-place op on a DTensor bumps its counter, not its local tensor's."""
+        i, r = divmod(self.n, self.CHUNK)
+        if i == len(self.ints):
+            self.ints.append(torch.zeros((self.CHUNK, 4), dtype=torch.int64, device=self.device))
+            self.floats.append(torch.zeros((self.CHUNK, 2), dtype=torch.float64, device=self.device))
+        self.n += 1
+        t = rh.plain(t)
+        if self.batch > 1 and rh.triton_ok(t):
+            key, words, row = rh.batch_entry(t, dim, full, offset, r)
+            # a non-contiguous t was copied (words): the copy cannot change
+            owner = (owner if owner is not None else t) if t.is_contiguous() else words
+            self.queue.setdefault((i, key), []).append(
+                (words, words._version, owner, owner._version, row))
+            self.queued += 1
+            self.queued_bytes += words.numel() * words.element_size()
+            if self.queued >= self.batch or self.queued_bytes >= CAP_BYTES:
+                self.flush()
+        else:
+            # (chunk, chunk, row): the kernel offsets into the chunk itself
+            rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
+        return self.n - 1
+
+    def flush(self) -> None:
+        """Hash every queued record: one launch per (chunk, launch key)."""
+        if not self.queued:
+            return
+        queue, self.queue, self.queued, self.queued_bytes = self.queue, {}, 0, 0
+        for (i, key), items in queue.items():
+            rows = []
+            for words, version, owner, owner_version, row in items:
+                if words._version != version or owner._version != owner_version:
+                    self.ints[i][row[1], 2] = STALE
+                    self.stale.append(i * self.CHUNK + row[1])
+                else:
+                    rows.append(row)
+            if rows:
+                rh.batch_launch(key, rows, self.ints[i], self.floats[i])
+
+    def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.flush()
+        if not self.ints:
+            return (torch.zeros((0, 4), dtype=torch.int64, device=self.device),
+                    torch.zeros((0, 2), dtype=torch.float64, device=self.device))
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return torch.cat(self.ints)[idx], torch.cat(self.floats)[idx]
