@@ -27,3 +27,13 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
     assert len(lines) == 1 and needle in lines[0], r.output
     assert "Traceback" not in r.output
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "99999"])
+def test_bad_hash_batch_env_is_one_line_exit_2(value, tmp_path, monkeypatch):
+    monkeypatch.setenv("TPDIAG_HASH_BATCH", value)
+    r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "TPDIAG_HASH_BATCH" in lines[0], r.output
+    assert not (tmp_path / "r").exists()

@@ -51,7 +51,7 @@ for (t, d, f, o), got in zip(cases, ints):
     got = got.clone(); got[:2] &= rh.M32
     assert torch.equal(got, want(t, d, f, o)), (t.dtype, t.shape, d)
     keys.add(rh.batch_entry(t, d, f, o, 0)[0])
-assert len(keys) >= 6 and {k[6] for k in keys} == {True, False}, keys
+assert len(keys) >= 6 and {k[7] for k in keys} == {True, False}, keys
 assert not buf.stale
 
 # 2. changed in place before the queued hash ran: stale, not the new value's hash

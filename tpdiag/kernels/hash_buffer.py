@@ -27,15 +27,16 @@ from tpdiag.kernels import record_hash as rh
 def batch_size() -> int:
     """Records per launch: TPDIAG_HASH_BATCH (default 64; 1 = a launch per record)."""
     v = os.environ.get("TPDIAG_HASH_BATCH", "").strip() or "64"
-    if not v.isdigit() or int(v) < 1:
+    if not v.isdigit() or not 1 <= int(v) <= 4096:
         from tpdiag.errors import BadInput
 
-        raise BadInput(f"TPDIAG_HASH_BATCH={v!r}: expected a positive integer")
+        raise BadInput(f"TPDIAG_HASH_BATCH={v!r}: expected an integer from 1 to 4096")
     return int(v)
 
 # bounds the memory the queue keeps alive (most queued tensors are alive anyway: activations
 # saved for backward)
 CAP_BYTES = 256 << 20
+RING = 16  # launch tables in flight
 STALE = -1  # in a row's non-finite count: the tensor changed in place before it was hashed
 
 
@@ -55,6 +56,8 @@ class HashBuffer:
         self.queued = 0
         self.queued_bytes = 0
         self.stale: list[int] = []  # slots
+        self._ring = None  # launch tables (see _table)
+        self._slot = 0
 
     def add(self, t: torch.Tensor, dim: int | None = None, full: int | None = None,
             offset: int = 0, owner: torch.Tensor | None = None) -> int:
@@ -96,7 +99,32 @@ class HashBuffer:
                 else:
                     rows.append(row)
             if rows:
-                rh.batch_launch(key, rows, self.ints[i], self.floats[i])
+                nprog = rh.batch_nprog(max(row[7] for row in rows), self.device)
+                rh.batch_launch(key, self._table(rows), len(rows), nprog, self.ints[i], self.floats[i])
+
+    def _table(self, rows: list) -> torch.Tensor:
+        """The launch's table on the device. On CUDA through a ring of pinned host rows and
+        device rows, copied without blocking: a pageable copy would wait for the stream (the
+        host stalled behind the GPU, what queueing is for), a fresh pinned tensor per launch
+        costs an allocation; a ring slot is reused once the copy that used it is done."""
+        flat = [v for row in rows for v in row]
+        if self.device.type != "cuda":
+            return torch.tensor(flat, dtype=torch.int64)
+        if self._ring is None:
+            width = max(self.batch, 1) * rh.TABLE_COLS
+            host = torch.zeros((RING, width), dtype=torch.int64).pin_memory()
+            self._ring = (host, host.numpy(), torch.zeros((RING, width), dtype=torch.int64, device=self.device),
+                          [None] * RING)
+        host, host_np, dev, events = self._ring
+        slot, self._slot = self._slot, (self._slot + 1) % RING
+        if events[slot] is not None:
+            events[slot].synchronize()  # long done by the time the ring comes round
+        n = len(flat)
+        host_np[slot, :n] = flat
+        dev[slot, :n].copy_(host[slot, :n], non_blocking=True)
+        ev = events[slot] = events[slot] or torch.cuda.Event()
+        ev.record()
+        return dev[slot, :n]
 
     def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         self.flush()

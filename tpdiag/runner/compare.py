@@ -46,6 +46,9 @@ def validate(cfg: CompareConfig) -> None:
 
     if not math.isfinite(cfg.timeout) or cfg.timeout <= 0 or cfg.timeout > 7 * 86400:
         raise BadInput(f"--timeout {cfg.timeout:g}: must be a number of seconds in (0, 604800]")
+    from tpdiag.kernels.hash_buffer import batch_size
+
+    batch_size()  # TPDIAG_HASH_BATCH, read by every world's recorder
     if spec.kind == "builtin":
         from tpdiag.models.plans import VARIANTS
 
