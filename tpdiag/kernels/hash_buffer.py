@@ -22,6 +22,11 @@ import torch
 
 from tpdiag.kernels import record_hash as rh
 
+# bounds the memory the queue keeps alive (most queued tensors are alive anyway: activations
+# saved for backward)
+CAP_BYTES = 256 << 20
+RING = 16  # launch tables in flight
+STALE = -1  # in a row's non-finite count: the tensor changed in place before it was hashed
 
 
 def batch_size() -> int:
@@ -32,12 +37,6 @@ def batch_size() -> int:
 
         raise BadInput(f"TPDIAG_HASH_BATCH={v!r}: expected an integer from 1 to 4096")
     return int(v)
-
-# bounds the memory the queue keeps alive (most queued tensors are alive anyway: activations
-# saved for backward)
-CAP_BYTES = 256 << 20
-RING = 16  # launch tables in flight
-STALE = -1  # in a row's non-finite count: the tensor changed in place before it was hashed
 
 
 class HashBuffer:
