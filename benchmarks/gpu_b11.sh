@@ -6,19 +6,8 @@
 # TP=1,2 on NCCL.
 set -u
 source benchmarks/gpu_setup.sh
-timeout 120 python3 benchmarks/check_record_hash.py > "$OUT/check_hash.txt" 2>&1; echo "check hash rc=$?"; tail -4 "$OUT/check_hash.txt"
-timeout 120 python3 benchmarks/bench_probes.py launch > "$OUT/launch.md" 2>&1; echo "launch rc=$?"; tail -12 "$OUT/launch.md"
-{
-for i in 1 2 3; do
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 \
-    --seq 2048 --batch 1 --rounds 7 --modes none,hash,hash-each
-  echo "run $i rc=$?"; echo
-done
-CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 \
-  --seq 4096 --batch 2 --rounds 7 --modes none,hash,hash-each
-echo "bs2 rc=$?"
-} > "$OUT/overhead.md" 2>&1
-grep -E "^\||rc=|overhead:" "$OUT/overhead.md" | grep -v "|---" | tail -30
+hash_checks
+overhead_ab none,hash,hash-each "" 7
 {
 echo "| run | status | per degree | worlds |"
 echo "|---|---|---|---|"

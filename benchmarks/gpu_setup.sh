@@ -44,3 +44,24 @@ run_cmp() {
   timeout "$lim" python3 -m tpdiag.cli compare --device cuda --tp "$tp" --out /tmp/m/$n --format json "$@" >/tmp/m/$n.json 2>/tmp/m/$n.err
   echo "| $n | rc=$? wall $((SECONDS - s0)) s |"; show $n /tmp/m
 }
+# the record hash bit for bit against the torch path, then its host time per record
+hash_checks() {
+  timeout 120 python3 benchmarks/check_record_hash.py > "$OUT/check_hash.txt" 2>&1; echo "check hash rc=$?"; tail -4 "$OUT/check_hash.txt"
+  timeout 120 python3 benchmarks/bench_probes.py launch > "$OUT/launch.md" 2>&1; echo "launch rc=$?"; tail -12 "$OUT/launch.md"
+}
+# hash-mode overhead A/B on llama-1b bf16, one GPU, into $OUT/overhead.md: three runs (7 rounds)
+# at batch 1 x seq 2048, one at batch 2 x seq 4096. $1: modes; $2: extra modes of the first run;
+# $3: rounds of the batch-2 run
+overhead_ab() {
+  {
+  for i in 1 2 3; do
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 \
+      --seq 2048 --batch 1 --rounds 7 --modes "$1$([ $i = 1 ] && echo "$2")"
+    echo "run $i rc=$?"; echo
+  done
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 \
+    --seq 4096 --batch 2 --rounds "$3" --modes "$1"
+  echo "bs2 rc=$?"
+  } > "$OUT/overhead.md" 2>&1
+  grep -E "^\||rc=|overhead:" "$OUT/overhead.md" | grep -v "|---" | tail -30
+}

@@ -35,10 +35,11 @@ import os
 
 import torch
 
+from tpdiag.kernels.record_hash_ref import C1, C2, C3, M32, lanes_torch, reference_lanes  # noqa: F401
+
 triton = None
 tl = None
 
-from tpdiag.kernels.record_hash_ref import C1, C2, C3, M32, lanes_torch, reference_lanes  # noqa: F401
 # Launch shape (none of it changes the lanes; the float sums may differ in their last bits).
 # A chunk is CHUNK = BLOCK * ITERS elements: ITERS blocks along one slab, or for slabs narrower
 # than a chunk (a last-dim shard: one slab per row) a [R, CB] tile of R slabs, so that a
@@ -259,14 +260,22 @@ _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 def _launch(args, nprog: int, warps: int, device) -> None:
     words, slab_n = args[0], args[5]
     small = max(args[3:11]) < 2**31
-    key = (device.index, args[11:], warps, words.data_ptr() % 16 == 0, args[1].data_ptr() % 16 == 0,
-           args[2].data_ptr() % 16 == 0, slab_n == 1, slab_n % 16 == 0, small)
+    key = ("one", device.index, args[11:], warps, words.data_ptr() % 16 == 0,
+           args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0, slab_n == 1,
+           slab_n % 16 == 0, small)
+    _direct(key, (nprog, 1, 1), args, device, lambda: _hash_kernel[(nprog,)](
+        *args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14], ITERS=args[15],
+        ROW_ITERS=args[16], EVEN=args[17], num_warps=warps))
+
+
+def _direct(key, grid, args, device, jit_launch) -> None:
+    """Launch the kernel compiled for `key` directly; the first time, through Triton's JIT
+    (jit_launch), keeping what it compiled."""
     k = _COMPILED.get(key) if _FAST[0] else None
     if k is not None:
-        k[(nprog, 1, 1)](*args, stream=torch._C._cuda_getCurrentRawStream(device.index))
+        k[grid](*args, stream=torch._C._cuda_getCurrentRawStream(device.index))
         return
-    k = _hash_kernel[(nprog,)](*args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14],
-                               ITERS=args[15], ROW_ITERS=args[16], EVEN=args[17], num_warps=warps)
+    k = jit_launch()
     if _FAST[0] and device.type == "cuda" and hasattr(k, "__getitem__"):
         _COMPILED[key] = k
 
@@ -340,17 +349,11 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
     width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
     args = (table, ints, floats, nprog, width, is_bf16, r, cb, ITERS, row_iters, even, aligned, slab16)
     dev = ints.device
-    ck = (dev.index, key, warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
+    ck = ("batch", dev.index, key, warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
           floats.data_ptr() % 16 == 0)
-    k = _COMPILED.get(ck) if _FAST[0] else None
-    if k is not None:  # the cached direct launch (see _launch)
-        k[(nprog, n, 1)](*args, stream=torch._C._cuda_getCurrentRawStream(dev.index))
-        return
-    k = _hash_batch_kernel[(nprog, n)](*args[:4], WIDTH=width, IS_BF16=is_bf16, R=r, CB=cb,
-                                       ITERS=ITERS, ROW_ITERS=row_iters, EVEN=even,
-                                       ALIGNED=aligned, SLAB16=slab16, num_warps=warps)
-    if _FAST[0] and dev.type == "cuda" and hasattr(k, "__getitem__"):
-        _COMPILED[ck] = k
+    _direct(ck, (nprog, n, 1), args, dev, lambda: _hash_batch_kernel[(nprog, n)](
+        *args[:4], WIDTH=width, IS_BF16=is_bf16, R=r, CB=cb, ITERS=ITERS, ROW_ITERS=row_iters,
+        EVEN=even, ALIGNED=aligned, SLAB16=slab16, num_warps=warps))
 
 
 def batch_nprog(total_max: int, device) -> int:

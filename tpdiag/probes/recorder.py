@@ -148,11 +148,6 @@ class Recorder:
         finally:
             self.enabled = True
 
-    def flush(self) -> None:
-        """Hash every queued record now (kernels/hash_buffer.py)."""
-        if self.hashbuf is not None:
-            self.hashbuf.flush()
-
     @contextmanager
     def _paused(self):
         was, self.enabled = self.enabled, False

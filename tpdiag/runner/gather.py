@@ -125,9 +125,8 @@ def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
 
 
 def _hash_meta(m: dict, shares: list, world: int) -> dict:
-    from tpdiag.probes.hashing import compose, hash_of_lanes
-
     from tpdiag.kernels.hash_buffer import STALE
+    from tpdiag.probes.hashing import compose, hash_of_lanes
 
     layout = m.get("hash_layout")
     out = {**m, "stored": "hash", "world": world}
