@@ -48,17 +48,14 @@ class RowLinearPartial(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.groups = groups
         if _tensor_cores(x, w):
-            # 16-bit operands on tensor cores with an fp32 result: their products are exact in
-            # fp32 and the sum is fp32 - the same as upcasting first, in another fixed order -
-            # at tensor-core speed instead of fp32 FMA (measured 0.84x of cuBLAS upcast)
-            from tpdiag.kernels.invariant_gemm import triton_mm
+            # 16-bit operands on tensor cores: their products are exact in fp32 and every group
+            # is summed in fp32 - the same as upcasting first, in another fixed order - and the
+            # groups' tree is finished in registers (tree_gemm.py): one fp32 subtree root per
+            # rank instead of one fp32 [tokens, N] tensor per group
+            from tpdiag.kernels.tree_gemm import tree_mm
 
-            k = x.shape[-1] // groups
             x2 = x.reshape(-1, x.shape[-1])
-            parts = [triton_mm(x2[:, i * k:(i + 1) * k], w[:, i * k:(i + 1) * k].t(),
-                               out_dtype=torch.float32).reshape(*x.shape[:-1], w.shape[0])
-                     for i in range(groups)]
-            return tree_sum(parts)
+            return tree_mm(x2, w.t(), groups).reshape(*x.shape[:-1], w.shape[0])
         xs = x.float().chunk(groups, dim=-1)
         ws = w.float().chunk(groups, dim=-1)
         return tree_sum([_mm(xg.contiguous(), wg.t().contiguous()) for xg, wg in zip(xs, ws)])
@@ -103,7 +100,7 @@ def _tensor_cores(x, w) -> bool:
 
 def row_parallel_linear(x, w, bias, local_groups: int):
     """Whole output, replicated on every rank, identical at every TP."""
-    y = tree_all_reduce(RowLinearPartial.apply(x, w, local_groups)).to(x.dtype)
+    y = tree_all_reduce(RowLinearPartial.apply(x, w, local_groups), x.dtype)
     return y + bias if bias is not None else y
 
 
@@ -141,19 +138,16 @@ class ColLinear(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if tree_dgrad and _tensor_cores(g, w):
-                # group partials of 16-bit operands on tensor cores, fp32 out (exact products);
-                # contiguous: one pointer alignment, so one compiled variant, at every TP
-                from tpdiag.kernels.invariant_gemm import triton_mm
+                # the N groups' tree of 16-bit products on tensor cores, in registers (fp32)
+                from tpdiag.kernels.tree_gemm import tree_mm
 
-                g2 = g.reshape(-1, g.shape[-1])
-                parts = [triton_mm(gg.contiguous(), wg, out_dtype=torch.float32)
-                         for gg, wg in zip(g2.chunk(local_groups, dim=-1), w.chunk(local_groups, dim=0))]
-                dx = tree_all_reduce(tree_sum(parts).reshape(*g.shape[:-1], w.shape[1])).to(x.dtype)
+                part = tree_mm(g.reshape(-1, g.shape[-1]), w, local_groups)
+                dx = tree_all_reduce(part.reshape(*g.shape[:-1], w.shape[1]), x.dtype)
             elif tree_dgrad:
                 gs = g.float().chunk(local_groups, dim=-1)
                 ws = w.float().chunk(local_groups, dim=0)
                 part = tree_sum([_mm(gg.contiguous(), wg.contiguous()) for gg, wg in zip(gs, ws)])
-                dx = tree_all_reduce(part).to(x.dtype)
+                dx = tree_all_reduce(part, x.dtype)
             else:
                 dx = _all_reduce_sum(torch.matmul(g, w))  # stock dgrad
         if ctx.needs_input_grad[1]:

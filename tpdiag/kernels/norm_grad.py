@@ -66,7 +66,7 @@ class RMSNormSP(torch.autograd.Function):
                 terms = g.float() * y.float()
                 dims = tuple(range(terms.dim() - 1))
                 parts = [t.contiguous().sum(dim=dims) for t in terms.chunk(k, dim=gd)]
-            dw = tree_all_reduce(tree_sum(parts)).to(w.dtype)
+            dw = tree_all_reduce(tree_sum(parts), w.dtype)
         return dx, dw, None, None, None
 
 

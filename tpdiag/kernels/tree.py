@@ -110,27 +110,57 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() and not _LOCAL[0] else 0
 
 
+def tree_reduce_scattered(part: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The top of the tree for every element, computed where it is owned.
+
+    Elementwise, this is tree_sum_stacked(all_gather_stacked(part)) - the same adjacent pairs in
+    rank order, so the same bits - but each rank sums only its 1/world of the elements: an
+    all-to-all of fp32 slices (a fixed-order reduce-scatter), the rank's tree, one rounding to
+    `out_dtype`, then an all-gather of the rounded result. Bytes received per rank: (w-1)/w of the
+    fp32 partial plus (w-1)/w of the result, instead of (w-1) whole fp32 partials - at TP=4 and a
+    bf16 result 4.5 instead of 12 bytes per output element (a stock bf16 ring all-reduce: ~3).
+    """
+    import torch.distributed as dist
+
+    w = world_size()
+    out_dtype = out_dtype or part.dtype
+    flat = part.contiguous().reshape(-1)
+    n = flat.numel()
+    chunk = -(-n // w)
+    if chunk * w != n:
+        flat = torch.nn.functional.pad(flat, (0, chunk * w - n))
+    recv = torch.empty_like(flat)
+    dist.all_to_all_single(recv, flat, group=_group())
+    mine = tree_sum_stacked(recv.view(w, chunk)).to(out_dtype)
+    out = torch.empty(w * chunk, dtype=out_dtype, device=part.device)
+    all_gather_flat(out, mine, _group())
+    return out[:n].view(part.shape)
+
+
 class TreeAllReduce(torch.autograd.Function):
-    """Sum of every rank's subtree root, finished as the top of one tree (rank order).
+    """Sum of every rank's subtree root, finished as the top of one tree (rank order), rounded
+    once to `out_dtype` (default: the partial's dtype).
 
     Backward: d(sum)/d(part) = 1, and the incoming grad is replicated, so each rank's part
-    simply receives it - no communication, nothing reordered.
+    simply receives it (upcast back to the partial's dtype: exact) - no communication, nothing
+    reordered.
     """
 
     @staticmethod
-    def forward(ctx, part: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, part: torch.Tensor, out_dtype=None) -> torch.Tensor:
+        ctx.part_dtype = part.dtype
         w = world_size()
         if w == 1:
-            return part.clone()
-        return tree_sum_stacked(all_gather_stacked(part))
+            return part.to(out_dtype) if out_dtype not in (None, part.dtype) else part.clone()
+        return tree_reduce_scattered(part, out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad.to(ctx.part_dtype), None
 
 
-def tree_all_reduce(part: torch.Tensor) -> torch.Tensor:
-    return TreeAllReduce.apply(part)
+def tree_all_reduce(part: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return TreeAllReduce.apply(part, out_dtype)
 
 
 def reference_sum(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""One GEMM whose K is cut into `groups` equal ranges, summed as a balanced tree in registers.
+
+Why: tp-invariant-linear reduces K (row-parallel forward) and N (column-parallel dgrad) as a
+tree of fixed global groups whose subtrees are the rank shards (kernels/tree.py). Computed as
+one GEMM per group, every group writes an fp32 [tokens, N] tensor that the tree then reads back:
+at batch 8 x seq 4096 those partials, not the arithmetic, were the fix's cost. Here each output
+tile accumulates group g's K range into its own fp32 accumulator (K walked upwards in BLOCK_K
+steps from the group's start, the same steps at every TP) and combines the accumulators in the
+fixed pairing ((g0+g1)+(g2+g3))+... before anything is stored: one fp32 [M, N] subtree root
+per rank, no per-group tensors, and the bits of every group sum and every tree node do not
+depend on how many groups one call holds - so the rank's subtree root is the same node of the
+same tree at every power-of-two TP.
+
+Tiles are fixed per dtype and device (never per shape: another BLOCK_K is other arithmetic).
+The CPU (non-Triton) path stays in grouped_linear.py; `reference_tree_mm` is the float64
+reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+triton = None
+tl = None
+
+
+def _group_acc(a_ptr, b_ptr, offs_m, offs_n, k0, KG, stride_am, stride_ak, stride_bk, stride_bn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    # one group's K range [k0, k0 + KG) into a fresh fp32 accumulator, BLOCK_K steps upwards
+    offs_kb = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(0, tl.cdiv(KG, BLOCK_K)):
+        offs_k = k0 + ki * BLOCK_K + offs_kb
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            # zeros past the group's end: exact, and the same at every TP (KG is global)
+            a = tl.load(a_ptrs, mask=offs_kb[None, :] < KG - ki * BLOCK_K, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_kb[:, None] < KG - ki * BLOCK_K, other=0.0)
+        if UPCAST:  # interpreter only: its dot mis-reads bf16 (as in invariant_gemm)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+def _tree_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, KG,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                    GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # out-of-range rows/columns read row/column 0 and are masked at the store: a row's bits
+    # never depend on what shares its tile
+    offs_m = tl.where(offs_m < M, offs_m, 0)
+    offs_n = tl.where(offs_n < N, offs_n, 0)
+    # the fixed pairing; at most log2(GROUPS) + 1 accumulators live at once
+    s = _group_acc(a_ptr, b_ptr, offs_m, offs_n, 0, KG, stride_am, stride_ak, stride_bk,
+                   stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+    if GROUPS >= 2:
+        s = s + _group_acc(a_ptr, b_ptr, offs_m, offs_n, KG, KG, stride_am, stride_ak,
+                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+    if GROUPS >= 4:
+        s23 = _group_acc(a_ptr, b_ptr, offs_m, offs_n, 2 * KG, KG, stride_am, stride_ak,
+                         stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+        s23 = s23 + _group_acc(a_ptr, b_ptr, offs_m, offs_n, 3 * KG, KG, stride_am, stride_ak,
+                               stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+        s = s + s23
+    if GROUPS == 8:
+        s45 = _group_acc(a_ptr, b_ptr, offs_m, offs_n, 4 * KG, KG, stride_am, stride_ak,
+                         stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+        s45 = s45 + _group_acc(a_ptr, b_ptr, offs_m, offs_n, 5 * KG, KG, stride_am, stride_ak,
+                               stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+        s67 = _group_acc(a_ptr, b_ptr, offs_m, offs_n, 6 * KG, KG, stride_am, stride_ak,
+                         stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+        s67 = s67 + _group_acc(a_ptr, b_ptr, offs_m, offs_n, 7 * KG, KG, stride_am, stride_ak,
+                               stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+        s = s + (s45 + s67)
+    offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    tl.store(c_ptrs, s, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    global triton, tl
+    import triton as _triton
+    import triton.language as _tl
+
+    triton, tl = _triton, _tl
+    group_acc = _triton.jit(_group_acc)
+    globals()["_group_acc"] = group_acc
+    return _triton.jit(_tree_mm_kernel)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per dtype; 128 x 64 so that the up to four
+# live fp32 accumulators of an 8-group tile fit in registers at 8 warps (32 each per thread)
+_CUDA_TILES = {torch.bfloat16: (128, 64, 64, 8, 3), torch.float16: (128, 64, 64, 8, 3)}
+_INTERPRETER_TILES = (16, 16, 16, 4, 1)
+
+
+def supported(a: torch.Tensor, b: torch.Tensor, groups: int) -> bool:
+    return (a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+            and groups in (1, 2, 4, 8) and a.shape[-1] % groups == 0)
+
+
+def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int) -> torch.Tensor:
+    """fp32 [M, N]: the balanced tree over `groups` equal K ranges of a [M, K] @ b [K, N]
+    (16-bit operands: their products are exact in fp32; each group summed in fp32)."""
+    if not supported(a, b, groups):
+        raise ValueError(f"tree_mm: 16-bit a, b of one dtype and 1/2/4/8 groups dividing K; got "
+                         f"{a.dtype}/{b.dtype}, K={a.shape[-1]}, groups={groups}")
+    kernel = _kernels()
+    M, K = a.shape
+    N = b.shape[1]
+    kg = K // groups
+    if a.is_cuda:
+        bm, bn, bk, warps, stages = _CUDA_TILES[a.dtype]
+        upcast = False
+    else:
+        bm, bn, bk, warps, stages = _INTERPRETER_TILES
+        upcast = True
+    c = torch.empty(M, N, dtype=torch.float32, device=a.device)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    kernel[grid](a, b, c, M, N, kg, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                 c.stride(0), c.stride(1), GROUPS=groups, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                 EVEN_K=kg % bk == 0, UPCAST=upcast, num_warps=warps, num_stages=stages)
+    return c
+
+
+def reference_tree_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float64 reference: what the tree approximates."""
+    return a.double() @ b.double()
