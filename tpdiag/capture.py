@@ -189,7 +189,7 @@ class Capture:
         import torch.distributed as dist
 
         from tpdiag import io
-        from tpdiag.probes import store
+        from tpdiag.records import store
 
         backend = dist.get_backend(self.group) if dist.is_initialized() else None
         timings = {"capture_s": round(t1 - self.t0, 3), "gather_s": round(time.perf_counter() - t1, 3)}

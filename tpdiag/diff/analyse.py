@@ -6,10 +6,11 @@ import io as _io
 import os
 
 from tpdiag import io
-from tpdiag.diff.engine import ROW_FIELDS, diff_degree
+from tpdiag.diff.engine import diff_degree
 from tpdiag.diff.locate import add_bounds, locate, logprob_stats
 from tpdiag.errors import Inconclusive
-from tpdiag.probes.store import RecordSet
+from tpdiag.records.rundir import ROW_FIELDS
+from tpdiag.records.store import RecordSet
 
 SCHEMA = 1
 

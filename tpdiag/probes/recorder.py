@@ -128,7 +128,7 @@ class Recorder:
             self.records.append((meta, None))
             return meta
         if self.hash:
-            from tpdiag.probes.hashing import tensor_hash
+            from tpdiag.records.hashing import tensor_hash
 
             with self._paused():
                 meta["hash"] = tensor_hash(local)  # this rank's shard, computed on its device
@@ -175,7 +175,7 @@ class Recorder:
             return "unknown", shape, None, None, 0
         if list(full) == shape:
             return "replicate", shape, None, None, 0
-        from tpdiag.diff.layout import shard_dim
+        from tpdiag.records.layout import shard_dim
 
         d = shard_dim(shape, list(full), self.world)
         if d is None:

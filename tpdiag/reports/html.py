@@ -12,7 +12,7 @@ import time
 from tpdiag import io
 from tpdiag.errors import BadInput
 from tpdiag.reports import words
-from tpdiag.reports.rundir import load_run, records_dir
+from tpdiag.records.rundir import load_run, records_dir
 
 # Beyond this many rows per degree the records table keeps every divergent row first and
 # drops bitwise ones: the browser stays responsive and diff.csv holds the complete list.

@@ -97,7 +97,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     import torch
     import torch.distributed as dist
 
-    from tpdiag.probes import store
+    from tpdiag.records import store
     from tpdiag.probes.recorder import Recorder
     from tpdiag.runner import determinism
     from tpdiag.runner.gather import gather_records
@@ -185,7 +185,7 @@ def _ref_shapes(cfg, world: int) -> dict:
         return {}
     try:
         from tpdiag import io
-        from tpdiag.probes.store import EVENTS
+        from tpdiag.records.store import EVENTS
 
         if io.read_json(os.path.join(cfg.ref_dir, "world.json")).get("degree") != 1:
             return {}

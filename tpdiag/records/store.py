@@ -135,7 +135,7 @@ class RecordSet:
                                f"{meta['dtype']}{want} (edited or mismatched files)")
         want_hash = meta.get("stored_hash")
         if want_hash is not None:
-            from tpdiag.probes.hashing import tensor_hash
+            from tpdiag.records.hashing import tensor_hash
 
             if tensor_hash(t) != want_hash:
                 raise Inconclusive(f"{self.dir}: record {meta['key']} does not match its hash "
