@@ -207,7 +207,7 @@ class Capture:
     def _manifest(self, backend, device, timings) -> dict:
         import torch.distributed as dist
 
-        from tpdiag.runner.compare import versions
+        from tpdiag.records.provenance import versions
         from tpdiag.runner.determinism import numerics_env
 
         dtypes = Counter(p["dtype"] for p in self.fingerprint["params"].values())
@@ -260,7 +260,7 @@ def _style_for(word: str):
 
 
 def _label(style) -> str | None:
-    from tpdiag.models.plans import style_label
+    from tpdiag.records.styles import style_label
 
     return style_label(style)
 

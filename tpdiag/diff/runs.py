@@ -94,7 +94,7 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     from tpdiag.config import degree_labels
     from tpdiag.diff.analyse import SCHEMA, analyse_degree, write_csv
     from tpdiag.records.store import RecordSet
-    from tpdiag.runner.compare import versions
+    from tpdiag.records.provenance import versions
 
     ma, mb = read_capture(run_a), read_capture(run_b)
     check_comparable(ma, mb, run_a, run_b)

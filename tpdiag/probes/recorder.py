@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpdiag.dtensors import local_of
+
 PHASES = ("init", "forward", "loss", "backward", "optimizer")
 
 
@@ -43,12 +45,6 @@ def placement_label(t) -> str | None:
     if p.is_partial():
         return "partial"
     return "replicate"
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    if type(t) is torch.Tensor:
-        return t
-    return t.to_local() if isinstance(t, _dtensor_cls()) else t
 
 
 _DTYPE_NAMES: dict = {}
