@@ -291,7 +291,7 @@ def profile_step(args) -> dict:
 
 def diff_throughput(args) -> dict:
     from tpdiag.diff.analyse import analyse_degree
-    from tpdiag.probes.store import RecordSet
+    from tpdiag.records.store import RecordSet
 
     run = args.run_dir
     man = json.load(open(os.path.join(run, "manifest.json")))

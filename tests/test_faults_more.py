@@ -249,7 +249,7 @@ def test_inf_and_nan_activations_are_a_divergence_in_strict_json(pair):
         strict_json((out / f).read_text())
     for line in (out / "tp2" / "events.jsonl").read_text().splitlines():
         strict_json(line)
-    from tpdiag.reports.rundir import read_rows
+    from tpdiag.records.rundir import read_rows
 
     rows = {r["key"]: r for r in read_rows(str(out / "diff.csv"))}
     assert rows[fd["key"]]["max_abs"] == float("inf") and rows[fd["key"]]["bitwise"] is False
@@ -328,8 +328,8 @@ def test_disk_full_in_process_leaves_nothing_half_written(tmp_path, monkeypatch)
 
     from tpdiag import io
     from tpdiag.errors import Inconclusive
-    from tpdiag.probes import store
-    from tpdiag.probes.store import RecordSet
+    from tpdiag.records import store
+    from tpdiag.records.store import RecordSet
 
     target = tmp_path / "summary.json"
     io.write_json(str(target), {"status": "old"})
@@ -469,7 +469,7 @@ def test_stale_summary_of_an_earlier_run_is_not_trusted(plain_copy):
 def test_truncated_or_edited_records_are_inconclusive(plain_copy, damage):
     from tpdiag.cli import app
     from tpdiag.errors import Inconclusive
-    from tpdiag.probes.store import RecordSet
+    from tpdiag.records.store import RecordSet
 
     tp2 = plain_copy / "tp2"
     st = tp2 / "records.safetensors"
@@ -593,7 +593,7 @@ def test_run_directory_files_are_never_unpickled(plain_copy, tmp_path):
 
     from tpdiag.cli import app
     from tpdiag.errors import Inconclusive
-    from tpdiag.probes.store import RecordSet
+    from tpdiag.records.store import RecordSet
 
     marker = tmp_path / "UNPICKLED"
     tp2 = plain_copy / "tp2"

@@ -349,7 +349,7 @@ def _typed_or_result(fn, *a):
 def test_readers_fail_typed_and_gate_never_passes_damaged_evidence(data, base):
     from tpdiag import io
     from tpdiag.gate import evaluate
-    from tpdiag.probes.store import RecordSet
+    from tpdiag.records.store import RecordSet
 
     root, files, verdict = base
     name, kind, rnd, value, drop = data.draw(damage(files))

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tpdiag.errors import Inconclusive
-from tpdiag.probes.hashing import tensor_hash
+from tpdiag.records.hashing import tensor_hash
 
 
 def test_hash_is_the_same_in_another_process():
-    code = "import torch; from tpdiag.probes.hashing import tensor_hash as h; print(h(torch.arange(12.).reshape(3, 4)))"
+    code = "import torch; from tpdiag.records.hashing import tensor_hash as h; print(h(torch.arange(12.).reshape(3, 4)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == tensor_hash(torch.arange(12.).reshape(3, 4))
 
@@ -33,7 +33,7 @@ def test_hash_sees_one_ulp_order_and_sign_of_zero(dtype):
 def test_edited_record_is_refused(stock_run, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from tpdiag.probes.store import RecordSet
+    from tpdiag.records.store import RecordSet
 
     d = tmp_path / "tp2"
     shutil.copytree(stock_run / "tp2", d)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tpdiag.diff.layout import assemble
+from tpdiag.records.layout import assemble
 from tpdiag.errors import NotComparable
 
 

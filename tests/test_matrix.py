@@ -147,7 +147,7 @@ def test_parse_variants():
 
 
 def test_full_shape_from_two_sharded_sides():
-    from tpdiag.diff.layout import full_shape_from_pair
+    from tpdiag.records.layout import full_shape_from_pair
 
     a = {"local_shape": [2, 16, 64], "world": 4}
     b = {"local_shape": [2, 16, 128], "world": 2}

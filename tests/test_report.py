@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from conftest import run_cli
 
-from tpdiag.diff.engine import ROW_FIELDS
+from tpdiag.records.rundir import ROW_FIELDS
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Target": ("tpdiag.models.target", "Target"),
     "capture": ("tpdiag.capture", "capture"),
+    "load": ("tpdiag.records.frames", "load"),
 }
 
 
@@ -21,4 +22,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tpdiag' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "Target", "capture"]
+__all__ = ["__version__", "Target", "capture", "load"]

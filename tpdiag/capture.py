@@ -189,7 +189,7 @@ class Capture:
         import torch.distributed as dist
 
         from tpdiag import io
-        from tpdiag.probes import store
+        from tpdiag.records import store
 
         backend = dist.get_backend(self.group) if dist.is_initialized() else None
         timings = {"capture_s": round(t1 - self.t0, 3), "gather_s": round(time.perf_counter() - t1, 3)}
@@ -207,7 +207,7 @@ class Capture:
     def _manifest(self, backend, device, timings) -> dict:
         import torch.distributed as dist
 
-        from tpdiag.runner.compare import versions
+        from tpdiag.records.provenance import versions
         from tpdiag.runner.determinism import numerics_env
 
         dtypes = Counter(p["dtype"] for p in self.fingerprint["params"].values())
@@ -260,7 +260,7 @@ def _style_for(word: str):
 
 
 def _label(style) -> str | None:
-    from tpdiag.models.plans import style_label
+    from tpdiag.records.styles import style_label
 
     return style_label(style)
 

@@ -313,7 +313,8 @@ def gate(
     import os
 
     from tpdiag import gate as gate_lib
-    from tpdiag.reports.junit import github_annotation, junit_xml
+    from tpdiag.gate.annotations import github_annotation
+    from tpdiag.gate.junit import junit_xml
 
     try:
         fmt = _check_format(fmt)

@@ -9,7 +9,7 @@ def collect() -> dict:
     import torch
     import torch.distributed as dist
 
-    from tpdiag.runner.compare import versions
+    from tpdiag.records.provenance import versions
     from tpdiag.runner.determinism import numerics_env
 
     cuda = torch.cuda.is_available()

@@ -1,15 +1,13 @@
 """Turn a run directory's per-degree records into summary.json (schema 1) and diff.csv."""
 from __future__ import annotations
 
-import csv
-import io as _io
 import os
 
 from tpdiag import io
-from tpdiag.diff.engine import ROW_FIELDS, diff_degree
+from tpdiag.diff.engine import diff_degree
 from tpdiag.diff.locate import add_bounds, locate, logprob_stats
 from tpdiag.errors import Inconclusive
-from tpdiag.probes.store import RecordSet
+from tpdiag.records.store import RecordSet
 
 SCHEMA = 1
 
@@ -189,10 +187,7 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
-    buf = _io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=ROW_FIELDS, extrasaction="ignore")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: (r.get(k) if not isinstance(r.get(k), list) else "x".join(map(str, r[k])))
-                    for k in ROW_FIELDS})
-    io.write_bytes(path, buf.getvalue().encode())
+    """diff.csv, written from the same records frame `tpdiag.load` and the report read."""
+    from tpdiag.records.frames import records_frame, write_diff_csv
+
+    write_diff_csv(path, records_frame(rows))

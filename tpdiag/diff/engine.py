@@ -6,13 +6,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tpdiag.diff import bits
-from tpdiag.diff.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess
 from tpdiag.errors import NotComparable
-from tpdiag.probes.store import RecordSet
-
-ROW_FIELDS = ["degree", "idx", "key", "step", "phase", "module", "kind", "call", "name", "cls",
-              "style", "layout", "dtype", "shape", "bitwise", "rank_consistent", "max_abs",
-              "max_rel", "max_ulp", "mismatch_fraction", "bound", "beyond_bound"]
+from tpdiag.records.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess
+from tpdiag.records.store import RecordSet
 
 
 @dataclass

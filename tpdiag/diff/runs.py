@@ -93,8 +93,8 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     manifest.json into `out`. Returns the summary (schema 1, as `tpdiag compare` writes it)."""
     from tpdiag.config import degree_labels
     from tpdiag.diff.analyse import SCHEMA, analyse_degree, write_csv
-    from tpdiag.probes.store import RecordSet
-    from tpdiag.runner.compare import versions
+    from tpdiag.records.store import RecordSet
+    from tpdiag.records.provenance import versions
 
     ma, mb = read_capture(run_a), read_capture(run_b)
     check_comparable(ma, mb, run_a, run_b)

@@ -1,8 +1,31 @@
-"""Registers the fixes DESIGN.md names. A fix without an implementation has install=None."""
+"""The fixes DESIGN.md names, as {name: Fix}. A fix without an implementation has install=None."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from tpdiag.fixes import state
-from tpdiag.fixes.registry import Fix, register
+
+
+@dataclass(frozen=True)
+class Fix:
+    name: str
+    fixes: tuple[str, ...]  # causes it removes
+    ops: tuple[str, ...]    # ops / layouts it replaces
+    cost: str
+    install: Callable | None = None  # (model, plan, world) -> context manager
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "fixes": list(self.fixes), "ops": list(self.ops),
+                "cost": self.cost, "available": self.install is not None}
+
+
+FIXES: dict[str, Fix] = {}
+
+
+def register(fix: Fix) -> Fix:
+    FIXES[fix.name] = fix
+    return fix
 
 
 def _linear(flag):

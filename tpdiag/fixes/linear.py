@@ -21,11 +21,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from tpdiag.dtensors import local_of as _local
 from tpdiag.errors import BadInput
 from tpdiag.fixes import state
 from tpdiag.kernels import tree
 from tpdiag.kernels.grouped_linear import col_parallel_linear, row_parallel_linear
-from tpdiag.probes.recorder import local_of as _local
 
 TREE = "tp-invariant-linear"
 BLOCKED = "invariant-gemm"
@@ -39,7 +39,7 @@ def _style_obj(name: str, plan: dict):
 
 
 def _targets(model: nn.Module, plan: dict):
-    from tpdiag.models.plans import style_label
+    from tpdiag.records.styles import style_label
 
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear):

@@ -27,7 +27,7 @@ def _eps(mod) -> float | None:
 def norm_fix(model: nn.Module, plan: dict, world: int):
     from torch.distributed.tensor import DTensor, Shard
 
-    from tpdiag.models.plans import style_of
+    from tpdiag.records.styles import style_of
 
     wrapped = []
     try:

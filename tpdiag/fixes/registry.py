@@ -1,40 +1,14 @@
-"""The fix catalogue: {name: Fix}. Each fix is a context manager that restores in `finally`."""
+"""Looking fixes up and applying them. Each fix is a context manager that restores in `finally`;
+the entries themselves are in catalogue.py."""
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from typing import Callable
 
 from tpdiag.errors import BadInput
-
-
-@dataclass(frozen=True)
-class Fix:
-    name: str
-    fixes: tuple[str, ...]  # causes it removes
-    ops: tuple[str, ...]    # ops / layouts it replaces
-    cost: str
-    install: Callable | None = None  # (model, plan, world) -> context manager
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "fixes": list(self.fixes), "ops": list(self.ops),
-                "cost": self.cost, "available": self.install is not None}
-
-
-FIXES: dict[str, Fix] = {}
-
-
-def register(fix: Fix) -> Fix:
-    FIXES[fix.name] = fix
-    return fix
-
-
-def _load_catalogue() -> None:
-    from tpdiag.fixes import catalogue  # noqa: F401  (registers on import)
+from tpdiag.fixes.catalogue import FIXES, Fix
 
 
 def catalogue() -> dict[str, Fix]:
-    _load_catalogue()
     return FIXES
 
 

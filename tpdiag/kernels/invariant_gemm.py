@@ -34,26 +34,21 @@ from typing import Optional
 
 import torch
 
-# Bound by _triton(): the kernels below resolve ``tl`` and their helpers from this module's
-# globals when Triton compiles (or interprets) them.
+from tpdiag.kernels import gemm_common
+from tpdiag.kernels.gemm_common import _SUPPORTED, _check, _interpreting, _padded_empty, _tma_ok, import_triton
+
+# Bound by _triton(): the kernels below resolve ``tl`` and the shared tile helpers
+# (gemm_common._tile_coords / _store_tile) from this module's globals when Triton compiles
+# (or interprets) them.
 triton = None
 tl = None
+_tile_coords = None
+_store_tile = None
 
 
 # --------------------------------------------------------------------------------------
 # Triton kernels (wrapped with triton.jit by _triton())
 # --------------------------------------------------------------------------------------
-def _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
-    # Grouped ("super-grouping") tile order: GROUP_M tile-rows share B tiles in L2.
-    # Which program computes a tile, and when, never changes what the tile computes.
-    group_id = tile_id // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile_id % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
-
-
 def _invariant_mm_kernel(
     a_ptr, b_ptr, c_ptr, M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -160,56 +155,25 @@ def _invariant_mm_tma_kernel(
         _store_tile(c_desc, acc, pid_m, pid_n, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
 
 
-def _store_tile(c_desc, acc, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                EPILOGUE_SUBTILE: tl.constexpr):
-    if EPILOGUE_SUBTILE:
-        # Store in two [BLOCK_M, BLOCK_N // 2] halves: halves the shared-memory staging
-        # (needed for an fp32 output of a bf16 product). Same values, same bits.
-        acc3 = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-        acc0, acc1 = tl.split(acc3)
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc0.to(c_desc.dtype))
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], acc1.to(c_desc.dtype))
-    else:
-        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
-
-
-_JIT_FUNCTIONS = ("_tile_coords", "_store_tile", "_invariant_mm_kernel", "_invariant_mm_tma_kernel")
+_JIT_FUNCTIONS = ("_invariant_mm_kernel", "_invariant_mm_tma_kernel")
 
 
 @functools.lru_cache(maxsize=None)
 def _triton():
-    """Import Triton once and wrap the kernels above with ``triton.jit``."""
-    global triton, tl
-    if os.environ.get("TPDIAG_TRITON_CPU") == "1":
-        import sys
-
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(
-                "TPDIAG_TRITON_CPU=1 needs the Triton interpreter, but triton was already "
-                "imported without TRITON_INTERPRET=1; set TRITON_INTERPRET=1 before importing triton")
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton as _triton_mod
-        import triton.language as _tl
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError("invariant-gemm's Triton path needs triton (pip install 'tpdiag[triton]'); "
-                           "the CPU path (cpu_mm) works without it") from e
-    triton, tl = _triton_mod, _tl
+    """Import Triton once (gemm_common's importer) and wrap the kernels above with ``triton.jit``."""
+    global triton, tl, _tile_coords, _store_tile
+    triton = import_triton()
+    tl = triton.language
+    # The kernels call the shared tile helpers through this module's globals.
+    _tile_coords, _store_tile = gemm_common._tile_coords, gemm_common._store_tile
     g = globals()
     for name in _JIT_FUNCTIONS:
         fn = g[name]
         fn = getattr(fn, "fn", fn)  # idempotent if already wrapped
-        if name in ("_tile_coords", "_store_tile"):
-            g[name] = triton.jit(fn)
-        else:
-            # M and N are never specialised (value 1, divisibility): the compiled kernel,
-            # hence every dot instruction, is the same for every M and N.
-            g[name] = triton.jit(fn, do_not_specialize=["M", "N"])
+        # M and N are never specialised (value 1, divisibility): the compiled kernel,
+        # hence every dot instruction, is the same for every M and N.
+        g[name] = triton.jit(fn, do_not_specialize=["M", "N"])
     return triton
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # Tile configurations (fixed per device kind and dtype): invariant_gemm_config.py
@@ -219,48 +183,15 @@ from tpdiag.kernels.invariant_gemm_config import (  # noqa: E402,F401  (re-expor
 
 _INTERPRETER_NUM_SMS = 4
 
-_SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
-
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _check(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
-    if a.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"{name}: expected 2-D A [M, K] and B [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"{name}: inner dimensions differ: A {tuple(a.shape)} @ B {tuple(b.shape)}")
-    if a.dtype != b.dtype:
-        raise TypeError(f"{name}: A and B must share a dtype, got {a.dtype} and {b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"{name}: A and B are on different devices ({a.device}, {b.device})")
-
-
 # --------------------------------------------------------------------------------------
 # Triton wrapper
 # --------------------------------------------------------------------------------------
-def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA needs a 16-byte aligned base, one unit stride and 16-byte aligned other stride."""
-    es = t.element_size()
-    if t.data_ptr() % 16:
-        return False
-    s0, s1 = t.stride()
-    if s1 == 1 and (s0 * es) % 16 == 0:
-        return True
-    if s0 == 1 and (s1 * es) % 16 == 0 and t.shape[1] > 1:
-        return True
-    return False
-
-
-def _padded_empty(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """An uninitialised [rows, cols] view whose row stride is a multiple of 16 bytes."""
-    pad = 16 // torch.empty((), dtype=dtype).element_size()
-    ld = -(-max(cols, 1) // pad) * pad
-    return torch.empty((rows, ld), dtype=dtype, device=device)[:, :cols]
-
-
 def _tma_operand(t: torch.Tensor):
     """Return (2-D tensor with last stride 1, transposed?) for a descriptor, copying into a
     16-byte aligned padded buffer when the layout does not allow TMA. A copy moves bits

@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from tpdiag.kernels.gemm_common import _SUPPORTED, _check
+
 # --------------------------------------------------------------------------------------
 # CPU path: pure torch, invariant by construction
 # --------------------------------------------------------------------------------------
@@ -45,9 +47,6 @@ def cpu_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dtype]
     summed in float64 the same way. Cost is O(M*N*K) elementwise work (far slower than
     BLAS): meant for the small models tpdiag runs on CPU.
     """
-    # shared input validation (imported here: no import cycle at load)
-    from tpdiag.kernels.invariant_gemm import _SUPPORTED, _check
-
     _check(a, b, "cpu_mm")
     if a.dtype not in _SUPPORTED + (torch.float64,):
         raise TypeError(f"cpu_mm: dtype {a.dtype} not supported; use float32, bfloat16, float16 or float64")
@@ -75,7 +74,5 @@ def cpu_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dtype]
 
 def reference_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """float64 reference (accuracy checks only; returns float64)."""
-    from tpdiag.kernels.invariant_gemm import _check
-
     _check(a, b, "reference_mm")
     return a.double() @ b.double()

@@ -107,10 +107,10 @@ _JIT = {
 
 @functools.lru_cache(maxsize=None)
 def _triton():
-    """Import Triton (invariant-gemm's importer: same TPDIAG_TRITON_CPU handling) and wrap the
+    """Import Triton (gemm_common's importer: same TPDIAG_TRITON_CPU handling) and wrap the
     kernels; the sizes that vary with TP or T are never specialised (value 1, divisibility)."""
     global triton, tl
-    from tpdiag.kernels.invariant_gemm import _triton as _import_triton
+    from tpdiag.kernels.gemm_common import import_triton as _import_triton
 
     triton = _import_triton()
     tl = triton.language

@@ -27,6 +27,9 @@ import functools
 
 import torch
 
+from tpdiag.kernels import gemm_common
+from tpdiag.kernels.gemm_common import _padded_empty, _tma_ok
+
 triton = None
 tl = None
 
@@ -111,12 +114,10 @@ def _split_mm_tma_kernel(
 @functools.lru_cache(maxsize=1)
 def _triton():
     global triton, tl
-    from tpdiag.kernels import invariant_gemm as ig
-
-    ig._triton()  # the interpreter switch, and the shared _tile_coords / _store_tile
-    triton, tl = ig.triton, ig.tl
+    triton = gemm_common.import_triton()  # the interpreter switch, and the shared _tile_coords / _store_tile
+    tl = triton.language
     g = globals()
-    g["_tile_coords"], g["_store_tile"] = ig._tile_coords, ig._store_tile
+    g["_tile_coords"], g["_store_tile"] = gemm_common._tile_coords, gemm_common._store_tile
     g["_split_kernel"] = triton.jit(_split_kernel)
     # M and N never specialised: one compiled kernel (the same dots) for every shape
     g["_split_mm_tma_kernel"] = triton.jit(_split_mm_tma_kernel, do_not_specialize=["M", "N"])
@@ -156,8 +157,6 @@ def split_mm(a: torch.Tensor, b: torch.Tensor, cfg, out_dtype: torch.dtype, num_
              upcast: bool = False, promote: bool = True) -> torch.Tensor:
     """C = A @ B for fp32 A [M, K], B [K, N] with cfg.fp32_precision in SPLIT_PRECISIONS."""
     from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from tpdiag.kernels.invariant_gemm import _padded_empty, _tma_ok
 
     _triton()
     M, K = a.shape

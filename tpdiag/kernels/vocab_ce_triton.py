@@ -60,11 +60,11 @@ _JIT_FUNCTIONS = ("_group_exp_sum_kernel",)
 
 @functools.lru_cache(maxsize=None)
 def _triton():
-    """Import Triton (through invariant-gemm's importer: same TPDIAG_TRITON_CPU handling) and
+    """Import Triton (through gemm_common's importer: same TPDIAG_TRITON_CPU handling) and
     wrap the kernel. Rows and groups per call are never specialised (value 1, divisibility):
     the compiled kernel is the same for every T and every TP degree."""
     global triton, tl
-    from tpdiag.kernels.invariant_gemm import _triton as _import_triton
+    from tpdiag.kernels.gemm_common import import_triton as _import_triton
 
     triton = _import_triton()
     tl = triton.language

@@ -20,7 +20,7 @@ import re
 
 from tpdiag.errors import BadInput, EnvironmentProblem
 
-# tpdiag reads a style's layout from its class name (tpdiag.models.plans.style_label), so each
+# tpdiag reads a style's layout from its class name (tpdiag.records.styles.style_label), so each
 # wrapper class carries the torch name of the layout the transformers style implements.
 _LAYOUT_NAMES = {
     "ColwiseParallel": "ColwiseParallel",

@@ -1,8 +1,6 @@
 """TP plans as plain tables {fqn pattern: ParallelStyle} (torchtitan style), with named variants."""
 from __future__ import annotations
 
-import fnmatch
-
 VARIANTS = ("stock", "stable", "sp")
 
 
@@ -74,31 +72,3 @@ def _llama_sp_plan() -> dict:
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
-
-
-def style_of(fqn: str, plan: dict) -> str | None:
-    """The plan's style for a module, as a short label: 'colwise', 'rowwise', 'embedding', ...
-
-    An input-gathering ColwiseParallel (the 'stable' out-projection) is labelled 'colwise-gathered'.
-    """
-    for pattern, style in plan.items():
-        if fnmatch.fnmatchcase(fqn, pattern):
-            return style_label(style)
-    return None
-
-
-def style_label(style) -> str:
-    name = type(style).__name__
-    if name == "ColwiseParallel":
-        inp = getattr(style, "input_layouts", None)
-        inp = inp[0] if isinstance(inp, tuple) and inp else inp
-        if inp is not None and type(inp).__name__ == "Shard":
-            return "colwise-gathered"
-        return "colwise"
-    if name == "RowwiseParallel":
-        return "rowwise"
-    if name == "SequenceParallel":
-        return "sequence"
-    if name == "PrepareModuleInput" or name == "PrepareModuleOutput":
-        return "prepare"
-    return name.lower()

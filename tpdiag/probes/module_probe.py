@@ -19,7 +19,7 @@ from tpdiag.probes.recorder import Recorder
 @contextmanager
 def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                   backward: bool = True, include: set[str] | None = None):
-    from tpdiag.models.plans import style_of
+    from tpdiag.records.styles import style_of
 
     handles = []
     names = {m: (n or "model") for n, m in model.named_modules()}
@@ -123,7 +123,7 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
 
 def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None = None,
                   include: set[str] | None = None) -> None:
-    from tpdiag.models.plans import style_of
+    from tpdiag.records.styles import style_of
 
     mods = dict(model.named_modules())
     for pname, p in model.named_parameters():

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpdiag.dtensors import local_of
+
 PHASES = ("init", "forward", "loss", "backward", "optimizer")
 
 
@@ -43,12 +45,6 @@ def placement_label(t) -> str | None:
     if p.is_partial():
         return "partial"
     return "replicate"
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    if type(t) is torch.Tensor:
-        return t
-    return t.to_local() if isinstance(t, _dtensor_cls()) else t
 
 
 _DTYPE_NAMES: dict = {}
@@ -128,7 +124,7 @@ class Recorder:
             self.records.append((meta, None))
             return meta
         if self.hash:
-            from tpdiag.probes.hashing import tensor_hash
+            from tpdiag.records.hashing import tensor_hash
 
             with self._paused():
                 meta["hash"] = tensor_hash(local)  # this rank's shard, computed on its device
@@ -175,7 +171,7 @@ class Recorder:
             return "unknown", shape, None, None, 0
         if list(full) == shape:
             return "replicate", shape, None, None, 0
-        from tpdiag.diff.layout import shard_dim
+        from tpdiag.records.layout import shard_dim
 
         d = shard_dim(shape, list(full), self.world)
         if d is None:

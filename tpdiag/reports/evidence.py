@@ -6,7 +6,7 @@ assembled: re-diffing every record would repeat `compare`'s work and hold the wh
 from __future__ import annotations
 
 from tpdiag.errors import Inconclusive, NotComparable
-from tpdiag.probes.store import RecordSet
+from tpdiag.records.store import RecordSet
 
 
 class _Subset:

@@ -11,8 +11,9 @@ import time
 
 from tpdiag import io
 from tpdiag.errors import BadInput
+from tpdiag.records.frames import load, rows_of
+from tpdiag.records.rundir import records_dir
 from tpdiag.reports import words
-from tpdiag.reports.rundir import load_run, records_dir
 
 # Beyond this many rows per degree the records table keeps every divergent row first and
 # drops bitwise ones: the browser stays responsive and diff.csv holds the complete list.
@@ -132,8 +133,10 @@ def _per_step(labels: list[str], ref: str, ev: dict) -> tuple[dict | None, str |
 def build_context(run_dir: str) -> dict:
     from tpdiag.reports import evidence, plots
 
-    manifest, summary, rows = load_run(run_dir)
-    ref = str(summary.get("reference_label") or manifest.get("reference") or summary.get("reference"))
+    # The tables below render the frames `tpdiag.load` returns (diff.csv is written from the same records frame).
+    run = load(run_dir)
+    manifest, summary, ref = run.manifest, run.summary, run.reference
+    rows = rows_of(run.records)
     degrees = {str(k): v for k, v in summary["degrees"].items()}
     labels = list(degrees)
     by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in labels}
@@ -169,7 +172,8 @@ def build_context(run_dir: str) -> dict:
         "records": {lab: _record_rows(by_label[lab], (fds[lab] or {}).get("key")) for lab in ok},
         "n_rows": {lab: len(by_label[lab]) for lab in labels},
         "steps_table": steps_table,
-        "summary_steps": {lab: table_of(degrees[lab].get("steps")) for lab in labels if degrees[lab].get("steps")},
+        "summary_steps": {lab: table_of(rows_of(run.steps[run.steps["degree"] == lab].drop(columns="degree")))
+                          for lab in labels if degrees[lab].get("steps")},
         "fix_chains": {lab: table_of(degrees[lab]["fix_chain"]) for lab in labels if degrees[lab].get("fix_chain")},
         "run_fix_chain": table_of(summary.get("fix_chain")) if summary.get("fix_chain") else None,
         "matrix": matrix,

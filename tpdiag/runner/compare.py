@@ -5,9 +5,10 @@ import os
 import platform
 import time
 
-from tpdiag import __version__, io
+from tpdiag import io
 from tpdiag.config import CompareConfig, degree_labels
 from tpdiag.errors import BadInput, EnvironmentProblem
+from tpdiag.records.provenance import versions
 
 
 def resolve_device(device: str, degrees) -> str:
@@ -64,25 +65,6 @@ def validate(cfg: CompareConfig) -> None:
         raise BadInput(f"--capture {cfg.capture!r}: expected one of {', '.join(CAPTURES)}")
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise BadInput(f"--out {cfg.out!r}: exists and is not a directory")
-
-
-def versions(device: str) -> dict:
-    import torch
-
-    v = {"tpdiag": __version__, "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import triton
-
-        v["triton"] = triton.__version__
-    except Exception:
-        v["triton"] = None
-    v["cuda"] = torch.version.cuda
-    if device == "cuda":
-        try:
-            v["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:
-            v["nccl"] = None
-    return v
 
 
 def device_info(device: str) -> dict:

@@ -21,15 +21,14 @@ def _sub(cfg: CompareConfig, out: str, degrees, fixes) -> dict:
 
 
 def _key_bitwise(run_dir: str, label: str, key: str) -> bool | None:
-    import csv
+    from tpdiag.records.rundir import read_rows
 
     path = os.path.join(run_dir, "diff.csv")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        for r in csv.DictReader(f):
-            if r["degree"] == label and r["key"] == key:
-                return r["bitwise"] == "True"
+    for r in read_rows(path):
+        if r["degree"] == label and r["key"] == key:
+            return r["bitwise"] is True
     return None
 
 

@@ -88,7 +88,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
 
 def _with_stored_hash(out):
     """The hash of exactly what goes to disk: RecordSet checks it on every read."""
-    from tpdiag.probes.hashing import tensor_hash
+    from tpdiag.records.hashing import tensor_hash
 
     return [({**m, "stored_hash": tensor_hash(t)}, t) if t is not None else (m, t) for m, t in out]
 
@@ -126,7 +126,7 @@ def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
 
 def _hash_meta(m: dict, shares: list, world: int) -> dict:
     from tpdiag.kernels.hash_buffer import STALE
-    from tpdiag.probes.hashing import compose, hash_of_lanes
+    from tpdiag.records.hashing import compose, hash_of_lanes
 
     layout = m.get("hash_layout")
     out = {**m, "stored": "hash", "world": world}

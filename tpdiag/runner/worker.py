@@ -97,7 +97,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     import torch
     import torch.distributed as dist
 
-    from tpdiag.probes import store
+    from tpdiag.records import store
     from tpdiag.probes.recorder import Recorder
     from tpdiag.runner import determinism
     from tpdiag.runner.gather import gather_records
@@ -184,12 +184,11 @@ def _ref_shapes(cfg, world: int) -> dict:
     if world == 1 or not cfg.ref_dir or cfg.capture == "full":
         return {}
     try:
-        from tpdiag import io
-        from tpdiag.probes.store import EVENTS
+        from tpdiag.records.store import read_index
 
-        if io.read_json(os.path.join(cfg.ref_dir, "world.json")).get("degree") != 1:
+        world_meta, events = read_index(cfg.ref_dir)
+        if world_meta.get("degree") != 1:
             return {}
-        events = io.read_jsonl(os.path.join(cfg.ref_dir, EVENTS))
         return {m["key"]: m.get("full_shape") or m["local_shape"] for m in events}
     except Exception:  # a failed or missing reference: DTensor placements still place shards
         return {}

@@ -1,9 +1,9 @@
-"""CI outputs of `tpdiag gate`: JUnit XML (one testcase per degree) and a GitHub Actions annotation."""
+"""`tpdiag gate --junit`: JUnit XML, one testcase per compared degree."""
 from __future__ import annotations
 
 import time
 
-from tpdiag.gate import DegreeResult, GateResult
+from tpdiag.gate.verdict import DegreeResult, GateResult
 
 
 def junit_xml(res: GateResult) -> bytes:
@@ -35,14 +35,3 @@ def junit_xml(res: GateResult) -> bytes:
     root = ET.Element("testsuites")
     root.append(suite)
     return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="utf-8")
-
-
-def github_annotation(res: GateResult) -> str | None:
-    """A workflow command that GitHub Actions shows on the run page; % and newlines must be escaped."""
-    if res.status == "pass":
-        return None
-    v = res.first_violation
-    msg = (f"first divergent op beyond policy: {v.line()}" if res.status == "fail"
-           else f"inconclusive evidence: {res.problems[0]}")
-    msg = msg.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
-    return f"::error title=tpdiag::{msg}"

@@ -7,6 +7,11 @@ import os
 from tpdiag import io
 from tpdiag.errors import BadInput, Inconclusive
 
+# diff.csv's columns, in order: the diff engine writes one row per compared record and degree.
+ROW_FIELDS = ["degree", "idx", "key", "step", "phase", "module", "kind", "call", "name", "cls",
+              "style", "layout", "dtype", "shape", "bitwise", "rank_consistent", "max_abs",
+              "max_rel", "max_ulp", "mismatch_fraction", "bound", "beyond_bound"]
+
 _INT = ("idx", "step", "call", "max_ulp")
 _FLOAT = ("max_abs", "max_rel", "mismatch_fraction", "bound")
 _BOOL = ("bitwise", "rank_consistent", "beyond_bound")
@@ -25,8 +30,6 @@ def _parse_row(r: dict) -> dict:
 
 def read_rows(path: str) -> list[dict]:
     """diff.csv as typed dicts; a missing or malformed file is Inconclusive, never half-read."""
-    from tpdiag.diff.engine import ROW_FIELDS
-
     try:
         with open(path, newline="") as f:
             reader = csv.DictReader(f)

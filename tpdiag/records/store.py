@@ -72,6 +72,18 @@ def _check_event(m, line: int, path: str) -> None:
         bad("a stacked record of a world of one rank")
 
 
+def read_index(out_dir: str) -> tuple[dict, list[dict]]:
+    """world.json and the checked events.jsonl of a degree, without opening its tensors."""
+    epath = os.path.join(out_dir, EVENTS)
+    world = io.read_json(os.path.join(out_dir, "world.json"))
+    if not isinstance(world, dict):
+        raise Inconclusive(f"{os.path.join(out_dir, 'world.json')}: not a JSON object")
+    events = io.read_jsonl(epath)
+    for i, m in enumerate(events):
+        _check_event(m, i + 1, epath)
+    return world, events
+
+
 class RecordSet:
     """Read side. Tensors load lazily; a truncated or edited file is Inconclusive, never misread."""
 
@@ -135,7 +147,7 @@ class RecordSet:
                                f"{meta['dtype']}{want} (edited or mismatched files)")
         want_hash = meta.get("stored_hash")
         if want_hash is not None:
-            from tpdiag.probes.hashing import tensor_hash
+            from tpdiag.records.hashing import tensor_hash
 
             if tensor_hash(t) != want_hash:
                 raise Inconclusive(f"{self.dir}: record {meta['key']} does not match its hash "

@@ -1,0 +1,110 @@
+"""`tpdiag gate`'s divergence policy: a TOML file read into a frozen Policy (default: nothing may diverge)."""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from tpdiag.errors import BadInput
+
+PHASES = ("init", "forward", "loss", "backward", "optimizer")
+_TOP_KEYS = {"allow_causes", "budgets", "degrees", "phases", "description"}
+_BUDGET_KEYS = {"max_ulp", "max_abs", "phases"}
+
+
+@dataclass(frozen=True)
+class Budget:
+    glob: str
+    max_ulp: int | None = None
+    max_abs: float | None = None
+    phases: tuple[str, ...] | None = None
+
+    def covers(self, row: dict) -> bool:
+        return fnmatch.fnmatchcase(row["module"], self.glob) and (self.phases is None or row["phase"] in self.phases)
+
+    def within(self, row: dict) -> bool:
+        # A limit on ULP cannot be met by a record without an ULP distance (NaN pattern, integer): fail closed.
+        if self.max_ulp is not None and (row["max_ulp"] is None or row["max_ulp"] > self.max_ulp):
+            return False
+        return self.max_abs is None or (row["max_abs"] is not None and row["max_abs"] <= self.max_abs)
+
+    def describe(self) -> str:
+        lim = [f"max_ulp {self.max_ulp}" if self.max_ulp is not None else "",
+               f"max_abs {self.max_abs:g}" if self.max_abs is not None else ""]
+        return f"budget {self.glob!r} ({', '.join(x for x in lim if x)})"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Default: nothing may diverge, every degree and phase is gated."""
+
+    allow_causes: tuple[str, ...] = ()
+    budgets: tuple[Budget, ...] = ()
+    degrees: tuple[str, ...] | None = None
+    phases: tuple[str, ...] | None = None
+    source: str = "default (nothing may diverge)"
+
+    def budget_for(self, row: dict) -> Budget | None:
+        return next((b for b in self.budgets if b.covers(row)), None)
+
+
+def _str_list(path: str, key: str, v, allowed=None) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v):
+        raise BadInput(f"--policy {path}: {key} must be a list, e.g. {key} = [\"...\"]")
+    out = tuple(str(x) for x in v)
+    bad = [x for x in out if allowed is not None and x not in allowed]
+    if bad:
+        raise BadInput(f"--policy {path}: {key} has {bad[0]!r}; expected any of {', '.join(allowed)}")
+    return out
+
+
+def _budget(path: str, glob: str, t) -> Budget:
+    if not isinstance(t, dict):
+        raise BadInput(f"--policy {path}: budgets.{glob!r} must be a table with max_ulp and/or max_abs")
+    extra = set(t) - _BUDGET_KEYS
+    if extra:
+        raise BadInput(f"--policy {path}: budgets.{glob!r} has unknown key {sorted(extra)[0]!r}; "
+                       f"expected {', '.join(sorted(_BUDGET_KEYS))}")
+    if "max_ulp" not in t and "max_abs" not in t:
+        raise BadInput(f"--policy {path}: budgets.{glob!r} needs max_ulp and/or max_abs")
+    ulp, mabs = t.get("max_ulp"), t.get("max_abs")
+    if ulp is not None and (isinstance(ulp, bool) or not isinstance(ulp, int) or ulp < 0):
+        raise BadInput(f"--policy {path}: budgets.{glob!r}.max_ulp {ulp!r}: expected an integer >= 0")
+    if mabs is not None and (isinstance(mabs, bool) or not isinstance(mabs, (int, float)) or mabs < 0):
+        raise BadInput(f"--policy {path}: budgets.{glob!r}.max_abs {mabs!r}: expected a number >= 0")
+    phases = _str_list(path, f"budgets.{glob!r}.phases", t["phases"], PHASES) if "phases" in t else None
+    return Budget(glob, ulp, float(mabs) if mabs is not None else None, phases)
+
+
+def load_policy(path: str | None) -> Policy:
+    if not path:
+        return Policy()
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise BadInput(f"--policy {path}: reading TOML needs Python 3.11+ or the tomli package") from None
+    from tpdiag.diff.locate import CAUSES
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise BadInput(f"--policy {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BadInput(f"--policy {path}: not valid TOML ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"--policy {path}: unreadable ({e})") from None
+    extra = set(data) - _TOP_KEYS
+    if extra:
+        raise BadInput(f"--policy {path}: unknown key {sorted(extra)[0]!r}; expected {', '.join(sorted(_TOP_KEYS))}")
+    budgets = data.get("budgets", {})
+    if not isinstance(budgets, dict):
+        raise BadInput(f"--policy {path}: budgets must be tables, e.g. [budgets.\"layers.*.wo\"] max_ulp = 64")
+    return Policy(
+        allow_causes=_str_list(path, "allow_causes", data.get("allow_causes", []), CAUSES),
+        budgets=tuple(_budget(path, g, t) for g, t in budgets.items()),
+        degrees=_str_list(path, "degrees", data["degrees"]) if "degrees" in data else None,
+        phases=_str_list(path, "phases", data["phases"], PHASES) if "phases" in data else None,
+        source=path)
