@@ -1,5 +1,7 @@
 """`python -m benchmarks [--results PATH] [--no-record] <job> [job args]`, `--list`,
-`--ingest FILE`. Exit codes: the job's (0 done, 1 a check failed), 2 unknown job or bad
+`--ingest FILE`. Environment: TPDIAG_BENCH_RESULTS (= --results), TPDIAG_BENCH_NO_RECORD=1
+(= --no-record), TPDIAG_GIT_COMMIT (the commit recorded where the copy has no .git), OUT (each
+line is also appended to $OUT/results.jsonl). Exit codes: the job's (0 done, 1 a check failed), 2 unknown job or bad
 arguments, 3 the job cannot run here (needs CUDA; module not in this checkout)."""
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def main(argv: list[str]) -> int:
     from benchmarks import record
 
     results = os.environ.get("TPDIAG_BENCH_RESULTS")
-    write, ingest = True, None
+    write, ingest = os.environ.get("TPDIAG_BENCH_NO_RECORD") != "1", None
     i = 0
     while i < len(argv) and argv[i].startswith("-"):
         a, val = argv[i], None
@@ -74,6 +76,11 @@ def main(argv: list[str]) -> int:
     if i >= len(argv):
         print(f"benchmarks: no job given; {USAGE}", file=sys.stderr)
         return 2
+    # the suite's child jobs inherit where (and whether) to record
+    if results:
+        os.environ["TPDIAG_BENCH_RESULTS"] = results
+    if not write:
+        os.environ["TPDIAG_BENCH_NO_RECORD"] = "1"
     name, args = argv[i], argv[i + 1:]
     if name not in JOBS:
         print(f"benchmarks: unknown job {name!r}; jobs: {', '.join(JOBS)}", file=sys.stderr)
