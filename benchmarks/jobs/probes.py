@@ -367,7 +367,11 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="dense bf16 peak TFLOP/s of one device for MFU (default: 989.4 on H100/H200, else no MFU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="overhead on tiny-llama fp32, batch 1 x seq 16, 1 round (the code path, on CPU too)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.model, args.dtype, args.batch, args.seq, args.rounds = "tiny-llama", "float32", 1, 16, 1
     if args.what == "diff" and not args.run_dir:
         ap.error("diff needs RUN_DIR")
     if args.what == "overhead" and "none" not in args.modes.split(","):

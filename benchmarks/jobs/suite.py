@@ -36,7 +36,7 @@ PRESETS = {
     # 4 GPUs: the fix cost at TP=2,4 (both sizes) and llama-1b compare at TP=1,2,4
     "gpu4": ["fix-cost --tp 2,4", "compare-1b --tp 1,2,4"],
     # CPU: every job's code path at tiny size (CUDA-only jobs must say so and exit 3)
-    "smoke": ["probes overhead --model tiny-llama --dtype float32 --batch 1 --seq 16 --rounds 1",
+    "smoke": ["probes overhead --smoke",
               "fix-cost --smoke --tp 1,2 --sizes 1x16 --iters 1 --warmup 1 --no-each",
               "compare --smoke", "tree-kernels --smoke --dtypes fp32", "gemm --smoke --dtypes fp32 --inv-dtypes fp32",
               "record-hash", "split-gemm", "probes hash"],
