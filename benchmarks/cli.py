@@ -100,6 +100,8 @@ def main(argv: list[str]) -> int:
         print(f"benchmarks {name}: {e}", file=sys.stderr)
         return 3
     except SystemExit as e:  # argparse: bad arguments (2) or --help (0)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
         return e.code if isinstance(e.code, int) else 2
     wall = time.perf_counter() - t0
     if figures is None:

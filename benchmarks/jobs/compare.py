@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.proc import run_group
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_HF = os.path.join(ROOT, "examples", "make_tiny_hf.py")
 MED = ["--model", "medium-llama", "--seq-len", "256", "--batch-size", "4"]
@@ -167,11 +169,7 @@ def main(argv: list[str]) -> dict:
         err_path = run_dir + ".err"
         t0 = time.monotonic()
         with open(run_dir + ".json", "w") as so, open(err_path, "w") as se:
-            try:
-                rc = subprocess.run(cmd, stdout=so, stderr=se, env={**os.environ, **env}, cwd=ROOT,
-                                    timeout=limit).returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
+            rc = run_group(cmd, limit, stdout=so, stderr=se, env={**os.environ, **env}, cwd=ROOT)[0]
         row = summary_row(name, rc, time.monotonic() - t0, run_dir, err_path)
         row["args"] = " ".join(cargs)
         rows.append(row)

@@ -211,8 +211,10 @@ def main(argv: list[str]) -> dict:
 
         require_cuda("fix-cost", "--smoke runs its code path on CPU (gloo)")
         if max(args.tps) > torch.cuda.device_count():
-            raise SystemExit(f"benchmarks fix-cost: --tp {args.tp} needs {max(args.tps)} GPUs, "
-                             f"{torch.cuda.device_count()} here")
+            from benchmarks.errors import JobUnavailable
+
+            raise JobUnavailable(f"fix-cost --tp {args.tp} needs {max(args.tps)} GPUs, "
+                                 f"{torch.cuda.device_count()} here")
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
     peak = peak_flops(gpu, args.peak_tflops)
     rows, port = [], 29600

@@ -21,14 +21,18 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
+
+from benchmarks.proc import run_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESETS = {
     # one GPU (nvidia-h100-x1 / nvidia-h200): hash bits and costs, probe overhead with MFU, kernels
     "gpu1": ["record-hash", "probes launch", "probes hash",
              "probes overhead --model llama-1b --dtype bfloat16 --batch 1 --seq 2048 --rounds 5",
-             "probes overhead --model llama-1b --dtype bfloat16 --batch 8 --seq 4096 --rounds 3",
+             # full mode keeps every activation: at the GPU-bound size only hash is compared
+             "probes overhead --model llama-1b --dtype bfloat16 --batch 8 --seq 4096 --rounds 3 --modes none,hash",
              "tree-kernels", "gemm"],
     # 2 GPUs: the fix cost at TP=2 (both sizes), --fix all bitwise at TP=1,2, llama-1b compare
     "gpu2": ["fix-cost --tp 2", "compare --set fix-all --tp 1,2 --only tiny-bfloat16-fix,med-float32-fix",
@@ -106,19 +110,17 @@ def main(argv: list[str]) -> dict:
             continue
         print(f"== [{i}] {line} (limit {limit} s)", flush=True)
         t0 = time.monotonic()
-        try:
-            p = subprocess.run([sys.executable, "-m", "benchmarks", *words], cwd=ROOT, env={**env, **job_env},
-                               capture_output=True, text=True, timeout=limit)
-            rc, text = p.returncode, p.stdout + p.stderr
-        except subprocess.TimeoutExpired as e:
-            rc = 124
-            text = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")) \
-                + ((e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")) \
-                + f"\n[suite] timed out after {limit} s"
+        # streamed to the log as it runs: a device call cut off at its limit keeps what was printed
+        log = os.path.join(logs, f"{i:02d}-{name}.log") if logs else os.path.join(
+            tempfile.gettempdir(), f"benchmarks-suite-{os.getpid()}-{i:02d}.log")
+        with open(log, "w") as f:
+            rc, _, _ = run_group([sys.executable, "-m", "benchmarks", *words], limit, cwd=ROOT,
+                                 env={**env, **job_env}, stdout=f, stderr=subprocess.STDOUT)
+        with open(log) as f:
+            text = f.read()
+        if rc == 124:
+            text += f"\n[suite] killed after {limit} s"
         wall = time.monotonic() - t0
-        if logs:
-            with open(os.path.join(logs, f"{i:02d}-{name}.log"), "w") as f:
-                f.write(text)
         tail = "\n".join(text.rstrip().splitlines()[-25:])
         print(tail)
         print(f"== [{i}] rc={rc} wall {wall:.1f} s", flush=True)
