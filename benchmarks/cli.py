@@ -1,8 +1,9 @@
 """`python -m benchmarks [--results PATH] [--no-record] <job> [job args]`, `--list`,
 `--ingest FILE`. Environment: TPDIAG_BENCH_RESULTS (= --results), TPDIAG_BENCH_NO_RECORD=1
 (= --no-record), TPDIAG_GIT_COMMIT (the commit recorded where the copy has no .git), OUT (each
-line is also appended to $OUT/results.jsonl). Exit codes: the job's (0 done, 1 a check failed), 2 unknown job or bad
-arguments, 3 the job cannot run here (needs CUDA; module not in this checkout)."""
+line is also appended to $OUT/results.jsonl). Exit codes: the job's (0 done, 1 a check
+failed), 2 unknown job or bad arguments, 3 the job cannot run here (needs CUDA, more GPUs, or a
+module not in this checkout)."""
 from __future__ import annotations
 
 import importlib
@@ -27,7 +28,7 @@ def load(name: str):
     try:
         return importlib.import_module(job.module)
     except ModuleNotFoundError as e:
-        if e.name and job.module.startswith(e.name) or e.name == job.module:
+        if e.name == job.module:  # not a missing dependency inside the module: that is a real error
             raise JobUnavailable(f"job {name!r} is registered but its module {job.module} is not in this "
                                  "checkout") from None
         raise
