@@ -293,7 +293,7 @@ _INTERP_SCRIPT = textwrap.dedent("""
     if dtype == torch.float32:
         # tf32x3 through the TMA kernel with the halved epilogue: the field reaches tl.dot
         # (the interpreter runs it as IEEE fp32; the GPU speed/accuracy is measured by
-        # benchmarks/bench_invariant_gemm.py --sweep), invariant, and the halved store
+        # python -m benchmarks gemm --sweep), invariant, and the halved store
         # writes the same bits as the full-tile store.
         t3 = dataclasses.replace(base, tma=True, epilogue_subtile=True, fp32_precision="tf32x3")
         f3 = ig.triton_mm(a, b, config=t3)

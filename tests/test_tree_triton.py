@@ -341,12 +341,12 @@ def test_linear_groups_on_triton_mm(interp, dt):
 
 
 def test_gpu_script_smoke(tmp_path):
-    """benchmarks/gpu_tree_kernels.py's checks, on tiny shapes under the interpreter (fp32 only)."""
+    """`python -m benchmarks tree-kernels`'s checks, on tiny shapes under the interpreter (fp32 only)."""
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_tree_kernels.py"), "--smoke",
+    p = subprocess.run([sys.executable, "-m", "benchmarks", "--no-record", "tree-kernels", "--smoke",
                         "--dtypes", "fp32", "--out", str(tmp_path)], capture_output=True, text=True,
-                       env=_env(), timeout=300)
+                       env=_env(), cwd=ROOT, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     rep = json.loads((tmp_path / "tree_kernels.json").read_text())
     assert rep["ok"] and len(rep["checks"]) > 20

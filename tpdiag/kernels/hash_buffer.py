@@ -2,7 +2,7 @@
 the queue that hashes many records in one launch.
 
 A step has ~1000 records and the host time to launch one small kernel each was most of what the
-probes cost (bench_probes.py overhead). So a record whose tensor the Triton kernel takes is
+probes cost (`python -m benchmarks probes overhead`). So a record whose tensor the Triton kernel takes is
 queued - a reference to its words, their version counter, a row of launch parameters - and the
 queue is hashed in one launch per kind of record (shared constexprs) when it holds BATCH records
 or CAP_BYTES of tensors, when the recorder's phase changes, and before any row is read.

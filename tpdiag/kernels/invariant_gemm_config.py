@@ -36,7 +36,7 @@ class GemmConfig:
 FP32_PRECISIONS = ("ieee", "tf32x3", "bf16x6", "bf16x9")
 
 
-# Chosen from the sweep in benchmarks/bench_invariant_gemm.py on an H200 (docs/benchmarks.md):
+# Chosen from the sweep in `python -m benchmarks gemm --sweep` on an H200 (docs/benchmarks.md):
 # bf16 128x256x64, GROUP_M 16, 8 warps, 3 stages, TMA: 98-101% of cuBLAS at Llama-3-8B
 # shapes (pointer loads: 77%; 4 stages do not fit in shared memory; flatten / warp
 # specialisation / GROUP_M 8 or 32: no gain). fp32 (IEEE, FMA): 128x128x32, 84% of cuBLAS;

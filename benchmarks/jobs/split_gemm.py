@@ -4,21 +4,28 @@
   - split_mm bf16x6 / bf16x9 with and without PROMOTE (per-K-step partial sums added on FMA units)
 and the time of each split_mm variant against cuBLAS fp32 at 4096^3.
 
-  PYTHONPATH=. python benchmarks/check_split_gemm.py
+  python -m benchmarks split-gemm        # CUDA only (exit 3 without)
 """
-import torch
-from triton.testing import do_bench
+import argparse
 
-from tpdiag.kernels import invariant_gemm as ig
-from tpdiag.kernels import split_gemm as sg
-from tpdiag.kernels.invariant_gemm_config import GemmConfig
+from benchmarks.errors import require_cuda
 
 
 def rel(c, ref):
     return ((c.double() - ref).norm() / ref.norm()).item()
 
 
-def main():
+def main(argv: list[str]) -> dict:
+    argparse.ArgumentParser(prog="benchmarks split-gemm", description=__doc__.splitlines()[0]).parse_args(argv)
+    require_cuda("split-gemm")
+    import torch
+    from triton.testing import do_bench
+
+    from tpdiag.kernels import invariant_gemm as ig
+    from tpdiag.kernels import split_gemm as sg
+    from tpdiag.kernels.invariant_gemm_config import GemmConfig
+
+    fig = {"shape": "4096^3", "variants": []}
     torch.manual_seed(0)
     M = K = N = 4096
     a = torch.randn(M, K, device="cuda")
@@ -35,7 +42,9 @@ def main():
     exact = torch.equal(pk[0].float() + pk[1].float() + pk[2].float(), a)
     print(f"split: Triton kernel == torch split: {same}; x0 + x1 + x2 == x exactly: {exact}")
     t_cublas = do_bench(lambda: torch.matmul(a, b), warmup=25, rep=100)
-    print(f"cuBLAS fp32: rel err {rel(torch.matmul(a, b), ref):.2e}, {t_cublas:.3f} ms")
+    e_cublas = rel(torch.matmul(a, b), ref)
+    print(f"cuBLAS fp32: rel err {e_cublas:.2e}, {t_cublas:.3f} ms")
+    fig.update(split_kernel_equals_torch=same, split_exact=exact, cublas_ms=t_cublas, cublas_rel_err=e_cublas)
     for prec in ("bf16x6", "bf16x9"):
         for promote in (False, True):
             cfg = GemmConfig(128, 128, 32, 8, 8, 3, tma=True, epilogue_subtile=True, fp32_precision=prec)
@@ -45,7 +54,7 @@ def main():
             inv = torch.equal(sg.split_mm(a[3:100], b, cfg, torch.float32, ig._num_sms(0), promote=promote), c[3:100])
             print(f"split_mm {prec} promote={promote}: rel err {rel(c, ref):.2e}, {t:.3f} ms = "
                   f"{100 * t_cublas / t:.0f}% of cuBLAS, rows 3:100 bitwise: {inv}")
-
-
-if __name__ == "__main__":
-    main()
+            fig["variants"].append({"precision": prec, "promote": promote, "rel_err": rel(c, ref), "ms": t,
+                                    "of_cublas": t_cublas / t, "rows_bitwise": inv})
+    fig["ok"] = same and exact and all(v["rows_bitwise"] for v in fig["variants"])
+    return fig

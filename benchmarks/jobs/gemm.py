@@ -1,11 +1,11 @@
 """invariant-gemm vs cuBLAS: speed, accuracy and invariance, in one run.
 
-    PYTHONPATH=. python benchmarks/bench_invariant_gemm.py            # CUDA: table with shipped configs
-    PYTHONPATH=. python benchmarks/bench_invariant_gemm.py --sweep    # also time candidate tile configs
-    PYTHONPATH=. python benchmarks/bench_invariant_gemm.py --smoke    # CPU, Triton interpreter, tiny shapes
-    PYTHONPATH=. python benchmarks/bench_invariant_gemm.py --smoke --sweep    # + the sweep, as a dry run
+    python -m benchmarks gemm            # CUDA: table with shipped configs
+    python -m benchmarks gemm --sweep    # also time candidate tile configs
+    python -m benchmarks gemm --smoke    # CPU, Triton interpreter, tiny shapes
+    python -m benchmarks gemm --smoke --sweep    # + the sweep, as a dry run
     # fp32 only, IEEE FMA vs 3xTF32 candidates (~2.5-4 min on an H200):
-    PYTHONPATH=. python benchmarks/bench_invariant_gemm.py --sweep --dtypes fp32 --inv-dtypes fp32
+    python -m benchmarks gemm --sweep --dtypes fp32 --inv-dtypes fp32
 
 For bf16 and fp32 (TF32 off for cuBLAS, allow_tf32=False; the kernel's fp32 precision is its
 config's: IEEE fp32 FMA as shipped, or 3xTF32 "tf32x3" for sweep candidates) it reports the
@@ -31,11 +31,7 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
-
-if "--smoke" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the triton import
 
 import torch
 
@@ -159,20 +155,23 @@ def summarize(inv: dict) -> str:
     return "yes (all %d checks)" % n if not bad else "NO: %d/%d differ (%s)" % (len(bad), n, ", ".join(bad))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def main(argv: list[str]) -> dict:
+    p = argparse.ArgumentParser(prog="benchmarks gemm", description=__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="also time the candidate configs in SWEEP")
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes (no timings worth reading)")
     p.add_argument("--dtypes", default="bf16,fp32", help="dtypes timed")
     p.add_argument("--inv-dtypes", default="bf16,fp32,fp16", help="dtypes checked for invariance")
     p.add_argument("--b-layout", choices=("kn", "nk"), default="kn",
                    help="timed B: kn = row-major [K, N]; nk = W.t() with W [N, K] (a linear's weight)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     smoke = args.smoke
-    if not smoke and not torch.cuda.is_available():
-        print("bench_invariant_gemm: CUDA is not available (use --smoke for a CPU interpreter dry run)")
-        return 3
+    if smoke:  # before triton is imported (python -m benchmarks sets it before this module too)
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        from benchmarks.errors import require_cuda
+
+        require_cuda("gemm", "--smoke runs it on CPU under the Triton interpreter")
     dev = torch.device("cpu" if smoke else "cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -427,8 +426,10 @@ def main() -> int:
     out(f"triton_mm (shipped configs) invariant on every check: {ok}")
     for g, v in best_ok.items():
         out(f"triton_mm (sweep's best {g} config) invariant on every check: {v}")
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"ok": ok, "device": gpu, "configs": results["configs"],
+            "speed": results["speed"],
+            "invariant": {k: v["all"] if isinstance(v, dict) else v for k, v in results["invariance"].items()},
+            "linear": results.get("linear"), "best_invariant": best_ok,
+            "sweep": [{"dtype": r["dtype"], "config": r["config"], "geomean": r.get("geomean"),
+                       "ok": r.get("ok"), "failed": r.get("failed")} for r in results.get("sweep", [])],
+            "chosen_configs": results.get("chosen_configs")}

@@ -10,11 +10,11 @@ must have the same bits. Accuracy against the float64 references; the stock redu
 per rank over its whole shard, ranks added in order) are reported as a control, not asserted.
 Timing: Triton path vs the torch path that runs without it (medians, triton.testing.do_bench).
 
-    PYTHONPATH=. python benchmarks/gpu_tree_kernels.py --out DIR            # one GPU, < 2 min
-    PYTHONPATH=. python benchmarks/gpu_tree_kernels.py --smoke --out DIR    # CPU, interpreter
+    python -m benchmarks tree-kernels [--out DIR]            # one GPU, < 2 min
+    python -m benchmarks tree-kernels --smoke [--out DIR]    # CPU, interpreter
 
-Writes DIR/tree_kernels.md and DIR/tree_kernels.json; exits 1 if an invariance or accuracy
-check fails.
+Writes DIR/tree_kernels.md and DIR/tree_kernels.json (DIR: --out, else $OUT, else only
+stdout); exits 1 if an invariance or accuracy check fails.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import time
 
 G = 8  # TPDIAG_TREE_GROUPS default: the largest TP the tree supports
@@ -31,26 +30,28 @@ TPS = (2, 4, 8)
 RTOL = 1e-5  # float64 accuracy bar for the fp32 sums (the GPU's exp / rsqrt are approximate)
 
 
-def parse():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="directory for tree_kernels.md / .json")
+def parse(argv):
+    p = argparse.ArgumentParser(prog="benchmarks tree-kernels", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT"), help="directory for tree_kernels.md / .json")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     p.add_argument("--dtypes", default="bf16,fp32")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def main():
-    args = parse()
-    if args.smoke:  # before torch / triton are imported
+def main(argv: list[str]) -> dict:
+    args = parse(argv)
+    if args.smoke:  # before triton is imported (python -m benchmarks sets them before this module)
         os.environ.update(TPDIAG_TRITON_CPU="1", TRITON_INTERPRET="1")
     import torch
+
+    from benchmarks.errors import require_cuda
 
     from tpdiag.kernels import grouped_linear as gl, norm_grad as ng, norm_grad_triton as nt
     from tpdiag.kernels import tree, vocab_ce, vocab_ce_triton as vt
 
     dev = torch.device("cpu" if args.smoke else "cuda")
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit("no CUDA device (use --smoke for the CPU interpreter run)")
+    if not args.smoke:
+        require_cuda("tree-kernels", "--smoke runs it on CPU under the Triton interpreter")
     shp = (dict(T=16, V=G * 24, D=32, heads=16, hd=8, K=256, N=48) if args.smoke else
            dict(T=4096, V=128256, D=4096, heads=32, hd=128, K=4096, N=4096))
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -268,13 +269,16 @@ def main():
     report = dict(device=dev_name, torch=torch.__version__, shapes=shp, groups=G, smoke=args.smoke,
                   checks=checks, timings=timings, ok=all(c["ok"] is not False for c in checks))
     write(args.out, report)
-    return 0 if report["ok"] else 1
+    return {"ok": report["ok"], "device": dev_name, "shapes": shp, "checks": len(checks),
+            "failed": [c["check"] for c in checks if c["ok"] is False],
+            "timings": {t["op"]: {"triton_ms": t["triton_ms"], "torch_ms": t["torch_ms"]} for t in timings}}
 
 
-def write(out: str, report: dict) -> None:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "tree_kernels.json"), "w") as f:
-        json.dump(report, f, indent=1)
+def write(out: str | None, report: dict) -> None:
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "tree_kernels.json"), "w") as f:
+            json.dump(report, f, indent=1)
     lines = [f"# Tree-fix Triton kernels on {report['device']}", "",
              f"torch {report['torch']}, shapes {report['shapes']}, {report['groups']} groups, "
              f"overall: {'PASS' if report['ok'] else 'FAIL'}", ""]
@@ -293,10 +297,7 @@ def write(out: str, report: dict) -> None:
     for t in report["timings"]:
         lines.append(f"| {t['op']} | {t['triton_ms']:.3f} | {t['torch_ms']:.3f} | {t['speedup']:.2f}x |")
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out, "tree_kernels.md"), "w") as f:
-        f.write(text)
+    if out:
+        with open(os.path.join(out, "tree_kernels.md"), "w") as f:
+            f.write(text)
     print(text)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,17 +2,21 @@
 shards' lanes adding up to the whole tensor's (fp32 / bf16 / fp16, NaN and Inf included); every
 shard also queued in a HashBuffer (many records per launch: _hash_batch_kernel) - same rows.
 
-  PYTHONPATH=. python benchmarks/check_record_hash.py      # exit 1 on any mismatch
+  python -m benchmarks record-hash      # exit 1 on any mismatch; CUDA only (exit 3 without)
 """
-import sys
+import argparse
 
-import torch
-
-from tpdiag.kernels import record_hash as rh
-from tpdiag.kernels.hash_buffer import HashBuffer
+from benchmarks.errors import require_cuda
 
 
-def main() -> int:
+def main(argv: list[str]) -> dict:
+    argparse.ArgumentParser(prog="benchmarks record-hash", description=__doc__.splitlines()[0]).parse_args(argv)
+    require_cuda("record-hash", "the torch path is checked on CPU by tests/test_hashing.py")
+    import torch
+
+    from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels.hash_buffer import HashBuffer
+
     rh._triton()
     torch.manual_seed(0)
     bad = 0
@@ -53,12 +57,9 @@ def main() -> int:
     bad += qbad + len(buf.stale)
     print(f"direct launches cached: {len(rh._COMPILED)} specialisations")
     print(f"mismatches: {bad}")
-    return 1 if bad else 0
+    return {"records_queued": len(queued), "queued_mismatches": qbad, "stale": len(buf.stale),
+            "direct_launch_specialisations": len(rh._COMPILED), "mismatches": bad, "ok": bad == 0}
 
 
 def args_of(dim, full, off):
     return (None, None, 0) if dim is None else (dim, full.shape[dim], off)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,22 +1,26 @@
 """What the probes cost: step time and peak memory with probes off, in hash mode and in full
 mode, and the record hash's throughput against the device's memory bandwidth.
 
-  PYTHONPATH=. python benchmarks/bench_probes.py overhead --model llama-1b --dtype bfloat16 --seq 2048
-  PYTHONPATH=. python benchmarks/bench_probes.py hash          # or hash-sweep: launch shapes side by side
-  PYTHONPATH=. python benchmarks/bench_probes.py launch        # host time per hashed record, by layer
-  PYTHONPATH=. python benchmarks/bench_probes.py profile --model llama-1b --seq 2048   # cProfile, one step
-  PYTHONPATH=. python benchmarks/bench_probes.py diff RUN_DIR
+  python -m benchmarks probes overhead --model llama-1b --dtype bfloat16 --seq 2048
+  python -m benchmarks probes overhead --model tiny-llama --dtype float32 --batch 1 --seq 16 --rounds 1  # CPU
+  python -m benchmarks probes hash          # or hash-sweep: launch shapes side by side (CUDA)
+  python -m benchmarks probes launch        # host time per hashed record, by layer (CUDA)
+  python -m benchmarks probes profile --model llama-1b --seq 2048   # cProfile, one step (CUDA)
+  python -m benchmarks probes diff RUN_DIR
 
 `overhead`: one training step (forward, loss, backward, clip, AdamW - tpdiag's own step,
 runner/step.py) of one model built once, on one device (TP=1), with every module probed
 (forward in/out, output grads, parameter grads, parameters before and after). Modes alternate
 in rounds after a warm-up round; medians reported. Peak memory is torch's max allocated over
 the step and the records it leaves behind. The records are then gathered as compare would
-(to host, composed), timed separately.
+(to host, composed), timed separately. Beside the ratios: the MFU of the unprobed step
+(benchmarks/mfu.py: model FLOPs 6 * N * tokens + causal attention 6 * layers * seq^2 * hidden *
+batch, over the GPU's dense bf16 peak; --peak-tflops for other devices).
 `hash`: kernels/record_hash.shard_lanes on 1 GiB tensors (whole, and as a last-dim shard),
 against torch.sum (a read-only pass: the achievable read bandwidth) and the spec bandwidth.
 `diff`: analyse one stored run directory again and report bytes compared per second.
-Results go to stdout and, with --out DIR, DIR/probes_*.json.
+Results go to stdout and, with --out DIR, DIR/probes_*.json. overhead and diff run on CPU too;
+the others need CUDA (exit 3 without).
 """
 from __future__ import annotations
 
@@ -25,8 +29,10 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
+
+from benchmarks.errors import require_cuda
+from benchmarks.mfu import fmt, mfu, peak_flops, step_flops
 
 MODES = ("none", "hash", "full")
 
@@ -87,30 +93,38 @@ def overhead(args) -> dict:
     for _ in range(args.rounds):
         for m in modes:
             once(m, True)
-    out = {"model": args.model, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
-           "params": nparams, "device": _device_name(), "rounds": args.rounds, "modes": {}}
     none_t = statistics.median(res["none"]["step_s"])
+    flops = step_flops(args.model, args.batch, args.seq)
+    peak = peak_flops(_device_name() if dev_type == "cuda" else None, args.peak_tflops)
+    none_mfu = mfu(flops, none_t, 1, peak)
+    out = {"model": args.model, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
+           "params": nparams, "device": _device_name(), "rounds": args.rounds, "step_flops": flops,
+           "peak_flops": peak, "mfu_no_probes": none_mfu, "modes": {}}
     none_m = statistics.median(res["none"]["peak_bytes"]) or 1
     for m in modes:
         r = res[m]
         st, pk = statistics.median(r["step_s"]), statistics.median(r["peak_bytes"])
         out["modes"][m] = {"step_ms": 1e3 * st, "step_spread_ms": 1e3 * (max(r["step_s"]) - min(r["step_s"])),
                            "time_ratio": st / none_t, "peak_gib": pk / 2**30,
-                           "mem_overhead": pk / none_m - 1, "gather_ms": 1e3 * statistics.median(r["gather_s"]),
+                           "mem_overhead": pk / none_m - 1 if dev_type == "cuda" else None, "gather_ms": 1e3 * statistics.median(r["gather_s"]),
                            "records": r["records"], "kept_mib": r["kept_bytes"] / 2**20}
     lines = [f"overhead: {out['device']}, {args.model} ({nparams / 1e9:.2f}B params) {args.dtype}, "
-             f"batch {args.batch} x seq {args.seq}, TP=1, median of {args.rounds} rounds",
-             "| probes | step ms (spread) | x no probes | peak GiB | memory vs no probes | gather ms | records | kept whole MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"batch {args.batch} x seq {args.seq}, TP=1, median of {args.rounds} rounds; "
+             f"MFU of the unprobed step {fmt(none_mfu)}",
+             "| probes | step ms (spread) | x no probes | MFU no probes | peak GiB | memory vs no probes | gather ms | "
+             "records | kept whole MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m, r in out["modes"].items():
         lines.append(f"| {m} | {r['step_ms']:.1f} ({r['step_spread_ms']:.1f}) | {r['time_ratio']:.2f}x | "
-                     f"{r['peak_gib']:.2f} | {100 * r['mem_overhead']:+.1f}% | {r['gather_ms']:.1f} | "
+                     f"{fmt(none_mfu)} | "
+                     f"{r['peak_gib']:.2f} | {_pct(r['mem_overhead'])} | {r['gather_ms']:.1f} | "
                      f"{r['records']} | {r['kept_mib']:.1f} |")
     print("\n".join(lines))
     return out
 
 
 def hash_throughput(args) -> dict:
+    require_cuda("probes hash")
     import torch
 
     from tpdiag.kernels.record_hash import shard_lanes
@@ -154,6 +168,7 @@ HASH_SWEEP = [(1024, 8, 4, 4), (1024, 4, 4, 4), (2048, 4, 4, 8), (1024, 4, 16, 4
 def hash_sweep(args) -> dict:
     """Launch shapes of the record-hash kernel side by side on 1 GiB tensors: whole, and
     last-dim shards 2048 and 512 wide (one slab per row: the narrow [R, CB] tiles)."""
+    require_cuda("probes hash-sweep")
     import torch
 
     from tpdiag.kernels import record_hash as rh
@@ -198,6 +213,7 @@ def hash_sweep(args) -> dict:
 def launch_cost(args) -> dict:
     """Host time per hashed record (no sync inside the loop; the device work is tiny), by layer:
     the raw kernel launch, triton_lanes, shard_lanes, and Recorder.add in hash mode."""
+    require_cuda("probes launch")
     import torch
 
     from tpdiag.kernels import record_hash as rh
@@ -254,6 +270,7 @@ def launch_cost(args) -> dict:
 
 def profile_step(args) -> dict:
     """cProfile of one hash-mode training step (TP=1): where the host time goes."""
+    require_cuda("probes profile")
     import cProfile
     import io
     import pstats
@@ -316,6 +333,10 @@ def diff_throughput(args) -> dict:
     return {"run": run, "rows": rows}
 
 
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
 def _seconds(fn, rep: int) -> float:
     """Median seconds of fn (triton.testing.do_bench, L2 flushed per rep)."""
     from triton.testing import do_bench
@@ -329,8 +350,8 @@ def _device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="benchmarks probes", description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("overhead", "hash", "hash-sweep", "launch", "profile", "diff"))
     ap.add_argument("run_dir", nargs="?")
     ap.add_argument("--model", default="llama-1b")
@@ -343,16 +364,22 @@ def main() -> int:
                          "hash-each (a launch per record), hash-jit (a launch per record through "
                          "Triton's JIT dispatch), full")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="dense bf16 peak TFLOP/s of one device for MFU (default: 989.4 on H100/H200, else no MFU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true",
+                    help="overhead on tiny-llama fp32, batch 1 x seq 16, 1 round (the code path, on CPU too)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.model, args.dtype, args.batch, args.seq, args.rounds = "tiny-llama", "float32", 1, 16, 1
+    if args.what == "diff" and not args.run_dir:
+        ap.error("diff needs RUN_DIR")
+    if args.what == "overhead" and "none" not in args.modes.split(","):
+        ap.error("--modes must include none (the ratios are against it)")
     res = {"overhead": overhead, "hash": hash_throughput, "hash-sweep": hash_sweep, "launch": launch_cost,
            "profile": profile_step, "diff": diff_throughput}[args.what](args)
     if args.out:
         name = f"probes_{args.what}_{args.model}_{args.dtype}.json" if args.what in ("overhead", "profile") else f"probes_{args.what}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(res, f, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"what": args.what, **res}

@@ -1,0 +1,186 @@
+"""`tpdiag compare` runs on the device machine, one summary row each: exit code, wall time,
+verdict, per degree the first divergence (phase:module(kind), op, cause, max_abs), the
+confirmation and the worlds' wall times. Named sets of runs (--set):
+
+  1b       llama-1b bf16, batch 1 x seq 2048, default flow (auto capture, reference rerun,
+           region pass, confirmation; strict determinism) - `compare-1b`
+  1b-op    llama-1b, --granularity auto: the op drill-down of a divergence (TP=1,4)
+  matrix   tiny / medium-llama x fp32 / bf16 x stock / --fix all (docs/gpu.md's matrix)
+  fix-all  --fix all --no-confirm, tiny and medium-llama, fp32 and bf16: bitwise expected
+  hash     --capture hash: medium bf16 stock, tiny bf16 and medium fp32 with --fix all
+  hf       tiny hf: Llama and Qwen3 (examples/make_tiny_hf.py), fp32 and bf16
+  more     sequence parallelism, hf: with --fix all, --granularity auto
+  oom      llama-1b fp32 under TPDIAG_CUDA_MEM_FRACTION=0.07: a real CUDA OOM, reported cleanly
+  smoke    tiny-llama fp32 on CPU (gloo), no baseline/confirmation: the job's code path
+
+    python -m benchmarks compare-1b [--tp 1,2,4]
+    python -m benchmarks compare --set matrix --tp 1,2,4
+    python -m benchmarks compare --smoke                 # = --set smoke --device cpu --tp 1,2
+
+Run directories go under --work (default /tmp/bench-compare); with $OUT set, each run's
+summary.json / manifest.json and the tail of its stderr are copied to $OUT/compare/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from benchmarks.proc import run_group
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_HF = os.path.join(ROOT, "examples", "make_tiny_hf.py")
+MED = ["--model", "medium-llama", "--seq-len", "256", "--batch-size", "4"]
+L1B = ["--model", "llama-1b", "--dtype", "bfloat16", "--seq-len", "2048", "--batch-size", "1"]
+
+# set -> [(name, compare args, extra env, seconds)]; tp None: the set's --tp
+SETS: dict[str, list[tuple]] = {
+    "1b": [("l1b", L1B, {}, 420)],
+    "1b-op": [("l1b-op", L1B + ["--granularity", "auto", "--no-confirm", "--no-baseline"], {}, 420)],
+    "matrix": [(f"{m}-{dt}{'-fix' if fix else ''}", (["--dtype", dt] + (MED if m == "med" else [])
+                                                     + (["--fix", "all"] if fix else [])), {}, 240)
+               for m in ("tiny", "med") for fix in (False, True) for dt in ("float32", "bfloat16")],
+    "fix-all": [(f"{m}-{dt}-fix", ["--dtype", dt, "--fix", "all", "--no-confirm"] + (MED if m == "med" else []),
+                 {}, 240) for m in ("tiny", "med") for dt in ("float32", "bfloat16")],
+    "hash": [("med-bf16-hash", MED + ["--dtype", "bfloat16", "--capture", "hash"], {}, 200),
+             ("tiny-bf16-fix-hash", ["--dtype", "bfloat16", "--fix", "all", "--capture", "hash", "--no-confirm"],
+              {}, 150),
+             ("med-fp32-fix-hash", MED + ["--dtype", "float32", "--fix", "all", "--capture", "hash", "--no-confirm"],
+              {}, 240)],
+    "hf": [(f"hf-{m}-{dt}", ["--model", f"hf:/tmp/hf-{m}", "--dtype", dt, "--no-confirm"], {}, 200)
+           for m in ("llama", "qwen3") for dt in ("float32", "bfloat16")],
+    "more": [("sp-fp32-fix", ["--variant", "sp", "--dtype", "float32", "--fix", "all", "--no-confirm"], {}, 200),
+             ("sp-bf16", ["--variant", "sp", "--dtype", "bfloat16", "--no-baseline"], {}, 200),
+             ("hf-llama-bf16-fix", ["--model", "hf:/tmp/hf-llama", "--dtype", "bfloat16", "--fix", "all",
+                                    "--no-confirm"], {}, 200),
+             ("hf-qwen3-fp32-fix", ["--model", "hf:/tmp/hf-qwen3", "--dtype", "float32", "--fix", "all",
+                                    "--no-confirm"], {}, 200),
+             ("med-fp32-auto", MED + ["--granularity", "auto", "--no-confirm", "--no-baseline"], {}, 200),
+             ("med-bf16-auto", MED + ["--dtype", "bfloat16", "--granularity", "auto", "--no-confirm",
+                                      "--no-baseline"], {}, 200)],
+    "oom": [("oom", ["--model", "llama-1b", "--dtype", "float32", "--seq-len", "1024", "--batch-size", "1",
+                     "--no-confirm", "--no-baseline"], {"TPDIAG_CUDA_MEM_FRACTION": "0.07"}, 100)],
+    "smoke": [("smoke-fp32", ["--dtype", "float32", "--no-baseline", "--no-confirm"], {}, 240)],
+}
+DEFAULT_TP = {"1b-op": "1,4", "oom": "4,2,1", "smoke": "1,2"}
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="benchmarks compare", description=__doc__.splitlines()[0])
+    p.add_argument("--set", dest="set_", choices=sorted(SETS), default="matrix")
+    p.add_argument("--tp", default=None, help="degrees (default 1,2,4; 1b-op 1,4; oom 4,2,1; smoke 1,2)")
+    p.add_argument("--only", default=None, help="comma list of run names within the set")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--work", default="/tmp/bench-compare", help="directory for the run directories")
+    p.add_argument("--budget", type=int, default=0,
+                   help="seconds for the whole set (0: none); a run that would get under 30 s is skipped")
+    p.add_argument("--smoke", action="store_true", help="= --set smoke --device cpu (gloo), TP=1,2")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.set_, args.device = "smoke", "cpu"
+    args.tp = args.tp or DEFAULT_TP.get(args.set_, "1,2,4")
+    runs = SETS[args.set_]
+    if args.only:
+        names = args.only.split(",")
+        unknown = [n for n in names if n not in {r[0] for r in runs}]
+        if unknown:
+            p.error(f"--only {','.join(unknown)}: not in set {args.set_} ({', '.join(r[0] for r in runs)})")
+        runs = [r for r in runs if r[0] in names]
+    args.runs = runs
+    return args
+
+
+def summary_row(name: str, rc: int, wall: float, run_dir: str, err_path: str) -> dict:
+    row = {"run": name, "rc": rc, "wall_s": round(wall, 1)}
+    try:
+        s = json.load(open(os.path.join(run_dir, "summary.json")))
+    except (OSError, ValueError):
+        try:
+            tail = open(err_path).read()[-400:]
+        except OSError:
+            tail = ""
+        row["error"] = " ".join(tail.split())[-300:] or "no summary.json"
+        return row
+    row.update(status=s.get("status"), capture=s.get("capture"),
+               baseline_reproducible=(s.get("baseline") or {}).get("reproducible"))
+    degrees = {}
+    for lab, d in (s.get("degrees") or {}).items():
+        fd = d.get("first_divergence") or {}
+        c = d.get("confirmation") or {}
+        lp = d.get("logprobs") or {}
+        degrees[lab] = {k: v for k, v in {
+            "status": d.get("status"),
+            "first": f"{fd.get('phase')}:{fd.get('module')}({fd.get('kind')})" if fd else None,
+            "op": fd.get("op"), "cause": fd.get("cause"), "max_abs": fd.get("max_abs"),
+            "confirm": f"{c.get('fix')}={c.get('verdict')}" if c else None,
+            "logprob_max_abs": lp.get("max_abs"), "error": d.get("error")}.items() if v is not None}
+    row["degrees"] = degrees
+    try:
+        m = json.load(open(os.path.join(run_dir, "manifest.json")))
+        row["worlds_wall_s"] = {k: w.get("wall_s") for k, w in (m.get("worlds") or {}).items()}
+    except (OSError, ValueError):
+        pass
+    return row
+
+
+def line(r: dict) -> str:
+    if "error" in r and "degrees" not in r:
+        return f"| {r['run']} | rc={r['rc']} | {r['wall_s']} s | no summary: {r['error']} |"
+    cells = []
+    for lab, d in r["degrees"].items():
+        cells.append(f"TP={lab}: {d.get('status')}" + (f" {d['first']} op={d.get('op')} {d.get('cause')} "
+                                                       f"max_abs={d.get('max_abs')}" if "first" in d else "")
+                     + (f" confirm[{d['confirm']}]" if "confirm" in d else "")
+                     + (f" ERR {d['error']}" if "error" in d else ""))
+    return (f"| {r['run']} | rc={r['rc']} | {r['wall_s']} s | {r.get('status')} ({r.get('capture')}) | "
+            + " ; ".join(cells) + f" | {r.get('worlds_wall_s')} |")
+
+
+def main(argv: list[str]) -> dict:
+    args = parse(argv)
+    if args.device == "cuda":
+        from benchmarks.errors import require_cuda
+
+        require_cuda("compare", "--smoke (or --device cpu) runs it on CPU with gloo")
+    if any(a.startswith("hf:") for r in args.runs for a in r[1]):
+        for m in ("llama", "qwen3"):
+            subprocess.run([sys.executable, TINY_HF, m, f"/tmp/hf-{m}"], check=True, capture_output=True)
+    os.makedirs(args.work, exist_ok=True)
+    out = os.environ.get("OUT")
+    t_start = time.monotonic()
+    rows = []
+    print(f"compare --set {args.set_} --tp {args.tp} --device {args.device}")
+    print("| run | rc | wall | status (capture) | per degree | worlds wall s |\n|---|---|---|---|---|---|")
+    for name, cargs, env, limit in args.runs:
+        if args.budget:
+            limit = min(limit, int(args.budget - (time.monotonic() - t_start)))
+            if limit < 30:
+                rows.append({"run": name, "rc": None, "wall_s": 0, "error": "skipped (budget spent)"})
+                print(f"| {name} | skipped (budget spent) |")
+                continue
+        run_dir = os.path.join(args.work, name)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [sys.executable, "-m", "tpdiag.cli", "compare", "--device", args.device, "--tp", args.tp,
+               "--out", run_dir, "--format", "json", *cargs]
+        err_path = run_dir + ".err"
+        t0 = time.monotonic()
+        with open(run_dir + ".json", "w") as so, open(err_path, "w") as se:
+            rc = run_group(cmd, limit, stdout=so, stderr=se, env={**os.environ, **env}, cwd=ROOT)[0]
+        row = summary_row(name, rc, time.monotonic() - t0, run_dir, err_path)
+        row["args"] = " ".join(cargs)
+        rows.append(row)
+        print(line(row), flush=True)
+        if out:
+            d = os.path.join(out, "compare")
+            os.makedirs(d, exist_ok=True)
+            for f in ("summary.json", "manifest.json"):
+                if os.path.exists(os.path.join(run_dir, f)):
+                    shutil.copy(os.path.join(run_dir, f), os.path.join(d, f"{name}_{f}"))
+            with open(err_path) as f_err, open(os.path.join(d, f"{name}_err_tail.txt"), "w") as f_out:
+                f_out.write(f_err.read()[-1500:])
+    return {"set": args.set_, "tp": args.tp, "device": args.device, "runs": rows,
+            "ok": all(r["rc"] == 0 for r in rows)}

@@ -1,0 +1,251 @@
+"""What the fixes cost: one training step of a ~0.9B Llama (the `llama-1b` preset) with every fix
+alone and all together, against stock, at TP=2 and TP=4 and two sizes.
+
+One training step = forward, vocab-parallel loss, backward, grad-norm clip, AdamW (foreach off).
+No probes: this is what a user pays for running with the fixes on. Every configuration (stock,
+each fix alone, all fixes) runs in the same world, interleaved: each round runs every
+configuration once, in an order rotated by one per round, so drift in clocks or host load hits
+all of them alike. Per configuration: median ms of the timed rounds (device-synchronised) and
+the spread (max - min); "x stock" is the median over rounds of (configuration / stock in the
+same round), with its range. Beside every ratio: the stock step's MFU (benchmarks/mfu.py:
+model FLOPs = 6 * matmul params * tokens + causal attention 6 * layers * seq^2 * hidden * batch,
+over TP x the GPU's dense bf16 peak, 989.4 TFLOP/s on H100 / H200, else --peak-tflops).
+
+Sizes: batch 8 x seq 4096 (GPU-bound: the device, not the host's launches, sets the pace) and
+batch 1 x seq 2048 (the earlier sessions' size, host-bound), each in its own worlds.
+
+    python -m benchmarks fix-cost                          # TP=2,4; 8x4096 and 1x2048; 5 rounds
+    python -m benchmarks fix-cost --tp 2 --sizes 1x2048 --iters 7 --profile 30
+    python -m benchmarks fix-cost --batch 1 --seq 2048     # one size (--batch / --seq: one size)
+    python -m benchmarks fix-cost --smoke                  # CPU, gloo, tiny-llama: the code path only
+
+A world that fails (e.g. out of memory at the larger size) is reported as a row with its error;
+the other worlds still run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from benchmarks.mfu import fmt, mfu, peak_flops, step_flops
+
+FIXES = ("tp-invariant-linear", "invariant-gemm", "invariant-vocab-softmax", "invariant-grad-norm")
+SIZES = "8x4096,1x2048"
+
+
+def configs(each: bool) -> dict[str, tuple[str, ...]]:
+    c = {"stock": ()}
+    if each:
+        c.update({f: (f,) for f in FIXES})
+    c["all fixes"] = FIXES
+    return c
+
+
+def worker(rank, world, port, args, size, q):
+    import torch
+    import torch.distributed as dist
+
+    from tpdiag.config import WorldConfig
+    from tpdiag.fixes.registry import apply_fixes
+    from tpdiag.runner import determinism
+    from tpdiag.runner.step import _numerics, build_model, loss_context, make_batch
+
+    cuda = args.device == "cuda"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    determinism.setup(0, args.device)
+    if cuda:
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    batch_size, seq = size
+    cfg = WorldConfig(model=args.model, degree=world, label=str(world), out_dir="/tmp/x",
+                      dtype=args.dtype, device=args.device, batch_size=batch_size, seq_len=seq)
+    target, model = build_model(cfg, dev, world)
+    batch, labels = make_batch(cfg, target, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(fixes):
+        with apply_fixes(fixes, model=model, plan=target.plan, world=world):
+            loss_fn, _, norm_fn = _numerics(target)
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(dev)
+            t = time.perf_counter()
+            logits = model(**batch)
+            with loss_context(world):
+                loss = loss_fn(logits, labels)
+                loss.backward()
+            norm_fn(list(model.parameters()), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            return time.perf_counter() - t
+
+    cfgs = configs(args.each)
+    names = list(cfgs)
+    times = {k: [] for k in cfgs}
+    peak = {k: 0 for k in cfgs}
+    for _ in range(args.warmup):
+        for fixes in cfgs.values():
+            step(fixes)
+    for r in range(args.iters):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            times[k].append(step(cfgs[k]))
+            if cuda:
+                peak[k] = max(peak[k], torch.cuda.max_memory_allocated(dev))
+    if args.profile:
+        # where a step's device time goes, stock vs all fixes (rank 0)
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        for name in ("stock", "all fixes"):
+            with profile(activities=acts) as prof:
+                step(cfgs[name])
+            if rank == 0:
+                print(f"== profile TP={world} batch {batch_size} x seq {seq}: {name} ==")
+                print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
+                                                row_limit=args.profile))
+    if rank == 0:
+        q.put({"times_s": times, "peak_bytes": peak})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(tp: int, port: int, args, size) -> dict:
+    """One world of tp ranks; its rank 0's timings, or {"error": one line}."""
+    import torch.multiprocessing as mp
+
+    q = mp.get_context("spawn").Queue()
+    ctx = mp.start_processes(worker, args=(tp, port, args, size, q), nprocs=tp, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + args.world_timeout
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                return {"error": f"timed out after {args.world_timeout} s"}
+    except Exception as e:  # a rank raised (e.g. CUDA OOM) or died: the others were ended
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        return {"error": (lines[-1] if lines else type(e).__name__)[:300]}
+    return q.get(timeout=30)
+
+
+def summarize(raw: dict, tp: int, size, flops, peak) -> dict:
+    t = raw["times_s"]
+    stock = t["stock"]
+    stock_med = statistics.median(stock)
+    rows = {}
+    for k, v in t.items():
+        ratios = [a / b for a, b in zip(v, stock)]  # the same round's stock step
+        rows[k] = {"ms": 1e3 * statistics.median(v), "spread_ms": 1e3 * (max(v) - min(v)),
+                   "x_stock": statistics.median(ratios), "x_stock_min": min(ratios), "x_stock_max": max(ratios),
+                   "peak_gib": raw["peak_bytes"][k] / 2**30, "rounds": len(v)}
+    return {"tp": tp, "batch": size[0], "seq": size[1], "stock_mfu": mfu(flops, stock_med, tp, peak),
+            "configs": rows}
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.split(","):
+        b, _, s = part.strip().lower().partition("x")
+        if not (b.isdigit() and s.isdigit()) or int(b) < 1 or int(s) < 1:
+            raise argparse.ArgumentTypeError(f"size {part!r}: expected BATCHxSEQ, e.g. 8x4096")
+        out.append((int(b), int(s)))
+    return out
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="benchmarks fix-cost", description=__doc__.splitlines()[0])
+    p.add_argument("--tp", default="2,4", help="TP degrees, one world each (default 2,4)")
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--sizes", type=parse_sizes, default=None,
+                   help=f"BATCHxSEQ list, each in its own worlds (default {SIZES})")
+    p.add_argument("--batch", type=int, default=None, help="one size only: this batch (default 8)")
+    p.add_argument("--seq", type=int, default=None, help="one size only: this sequence length (default 4096)")
+    p.add_argument("--iters", type=int, default=5, help="timed rounds (every configuration once per round)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    p.add_argument("--each", action=argparse.BooleanOptionalAction, default=True,
+                   help="every fix alone too, in the same rounds (default on; --no-each: stock vs all)")
+    p.add_argument("--profile", type=int, default=0, help="print the top N ops of one stock and one all-fixes step")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense bf16 peak TFLOP/s of one GPU for MFU (default: 989.4 on H100/H200, else no MFU)")
+    p.add_argument("--world-timeout", type=int, default=400, help="seconds one world may take")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, gloo, tiny-llama fp32, TP=1,2, sizes 1x16 and 2x16, 2 rounds: the code path only")
+    args = p.parse_args(argv)
+    if args.batch is not None or args.seq is not None:
+        if args.sizes is not None:
+            p.error("give --sizes or --batch/--seq, not both")
+        args.sizes = [(args.batch or 8, args.seq or 4096)]
+    if args.smoke:
+        args.model, args.dtype, args.device = "tiny-llama", "float32", "cpu"
+        args.tp = args.tp if "--tp" in argv else "1,2"
+        args.sizes = args.sizes or [(1, 16), (2, 16)]
+        args.iters = args.iters if "--iters" in argv else 2
+        args.warmup = args.warmup if "--warmup" in argv else 1
+    else:
+        args.device = "cuda"
+    args.sizes = args.sizes or parse_sizes(SIZES)
+    try:
+        args.tps = [int(x) for x in args.tp.split(",")]
+    except ValueError:
+        p.error(f"--tp {args.tp!r}: expected a comma list of integers, e.g. 2,4")
+    return args
+
+
+def main(argv: list[str]) -> dict:
+    args = parse(argv)
+    import torch
+
+    if args.device == "cuda":
+        from benchmarks.errors import require_cuda
+
+        require_cuda("fix-cost", "--smoke runs its code path on CPU (gloo)")
+        if max(args.tps) > torch.cuda.device_count():
+            from benchmarks.errors import JobUnavailable
+
+            raise JobUnavailable(f"fix-cost --tp {args.tp} needs {max(args.tps)} GPUs, "
+                                 f"{torch.cuda.device_count()} here")
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
+    peak = peak_flops(gpu, args.peak_tflops)
+    rows, port = [], 29600
+    for size in args.sizes:
+        flops = step_flops(args.model, *size)
+        for tp in args.tps:
+            raw = run_world(tp, port, args, size)
+            port += 1
+            if "error" in raw:
+                rows.append({"tp": tp, "batch": size[0], "seq": size[1], "error": raw["error"]})
+            else:
+                rows.append(summarize(raw, tp, size, flops, peak))
+    where = f"{torch.cuda.device_count()}x {gpu}" if gpu else "CPU (gloo; smoke: timings say nothing)"
+    lines = [f"fix cost: {where}, torch {torch.__version__}, model {args.model} {args.dtype}, "
+             f"{args.iters} interleaved rounds after {args.warmup} warm-up, peak {fmt_peak(peak)}",
+             "| TP | batch x seq | configuration | ms/step median (spread) | x stock, median (range) | "
+             "stock MFU | peak GiB (rank 0) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['tp']} | {r['batch']} x {r['seq']} "
+        if "error" in r:
+            lines.append(head + f"| - | failed: {r['error']} | | | |")
+            continue
+        for k, c in r["configs"].items():
+            ratio = "1 (reference)" if k == "stock" else (
+                f"{c['x_stock']:.2f}x ({c['x_stock_min']:.2f}-{c['x_stock_max']:.2f})")
+            lines.append(head + f"| {k} | {c['ms']:.1f} ({c['spread_ms']:.1f}) | {ratio} | {fmt(r['stock_mfu'])} | "
+                         f"{c['peak_gib']:.1f} |")
+    print("\n".join(lines))
+    return {"model": args.model, "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
+            "peak_flops": peak, "rows": rows, "ok": not any("error" in r for r in rows)}
+
+
+def fmt_peak(peak) -> str:
+    return "unknown (no MFU)" if not peak else f"{peak / 1e12:.1f} TFLOP/s per device"

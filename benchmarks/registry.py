@@ -1,0 +1,47 @@
+"""The jobs, by name. Modules are imported only when their job runs, so a job can be
+registered before its module lands (its run then says so in one line)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+INTERP = {"TRITON_INTERPRET": "1"}
+
+
+@dataclass(frozen=True)
+class Job:
+    module: str
+    summary: str
+    needs: str  # what it runs on: "CUDA", "CUDA, --smoke on CPU", "CPU or CUDA", ...
+    prefix: tuple[str, ...] = ()  # arguments put before the user's (a preset of a shared module)
+    smoke_env: dict = field(default_factory=dict)  # set under --smoke before the module is imported
+
+    def to_dict(self) -> dict:
+        return {"module": self.module, "summary": self.summary, "needs": self.needs,
+                "prefix": list(self.prefix)}
+
+
+JOBS: dict[str, Job] = {
+    "fix-cost": Job("benchmarks.jobs.fix_cost",
+                    "llama-1b training step, every fix alone and all together vs stock, interleaved; "
+                    "batch 8 x seq 4096 and 1 x 2048; MFU", "CUDA >= 2 GPUs (NCCL); --smoke on CPU (gloo)"),
+    "gemm": Job("benchmarks.jobs.gemm", "invariant-gemm (triton_mm) vs cuBLAS: speed, accuracy, bitwise "
+                "invariance; --sweep tile configs", "CUDA; --smoke on CPU (Triton interpreter)", smoke_env=INTERP),
+    "probes": Job("benchmarks.jobs.probes", "probe cost: overhead (none/hash/full step time, memory, MFU), "
+                  "hash, hash-sweep, launch, profile, diff RUN_DIR", "overhead/diff: CPU or CUDA; others CUDA"),
+    "tree-kernels": Job("benchmarks.jobs.tree_kernels", "tree fixes' Triton kernels: bitwise TP invariance, "
+                        "float64 accuracy, speed vs torch path", "CUDA; --smoke on CPU (Triton interpreter)",
+                        smoke_env={"TRITON_INTERPRET": "1", "TPDIAG_TRITON_CPU": "1"}),
+    "record-hash": Job("benchmarks.jobs.record_hash", "record-hash Triton kernel == torch path bit for bit, "
+                       "shards add up, queued HashBuffer launches", "CUDA"),
+    "split-gemm": Job("benchmarks.jobs.split_gemm", "pre-split bf16x6/bf16x9 fp32 GEMM: error sources and "
+                      "speed vs cuBLAS fp32 at 4096^3", "CUDA"),
+    "compare": Job("benchmarks.jobs.compare", "`tpdiag compare` runs, one summary row each (--set 1b, "
+                   "matrix, fix-all, hf, more; wall time, verdict, first divergence)",
+                   "CUDA (NCCL); --smoke on CPU (gloo)"),
+    "compare-1b": Job("benchmarks.jobs.compare", "`tpdiag compare` on llama-1b bf16 batch 1 x seq 2048, "
+                      "default flow (= compare --set 1b)", "CUDA (NCCL), one GPU per degree",
+                      prefix=("--set", "1b")),
+    "attention": Job("benchmarks.attention", "attention fix benchmark", "see the job's --help"),
+    "suite": Job("benchmarks.jobs.suite", "several jobs in one device call (NCCL_NVLS_ENABLE=0, wheels "
+                 "from .whl, per-job time limits, logs and results under $OUT)", "whatever its jobs need"),
+}

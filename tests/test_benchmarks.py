@@ -1,0 +1,104 @@
+"""The benchmark entry point on CPU: job list, one tiny job recorded as a JSON line, the errors
+(unknown job, module not in the checkout, needs CUDA), and the MFU formula's parameter count."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED = {"date", "host", "machine", "gpu", "torch", "triton", "cuda", "commit", "job", "args", "figures"}
+
+
+def bench(*args, env=None, timeout=120):
+    e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("OUT", "TPDIAG_BENCH_RESULTS", "TPDIAG_BENCH_NO_RECORD"):
+        e.pop(k, None)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_list_names_every_job():
+    from benchmarks.registry import JOBS
+
+    p = bench("--list")
+    assert p.returncode == 0, p.stderr
+    listed = {ln.split()[0] for ln in p.stdout.splitlines() if ln.strip()}
+    assert listed == set(JOBS)
+    assert {"fix-cost", "gemm", "probes", "tree-kernels", "record-hash", "split-gemm", "compare-1b",
+            "attention", "suite"} <= listed
+
+
+def test_tiny_job_appends_one_json_line(tmp_path):
+    results, out = tmp_path / "r.jsonl", tmp_path / "out"
+    out.mkdir()
+    results.write_text('{"earlier": 1}\n')  # history is appended to, never rewritten
+    args = ("probes", "overhead", "--model", "tiny-llama", "--dtype", "float32", "--batch", "1", "--seq", "8",
+            "--rounds", "1", "--modes", "none,hash", "--peak-tflops", "0.01")
+    p = bench("--results", str(results), *args, env={"OUT": str(out), "TPDIAG_GIT_COMMIT": "abc123"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "| none |" in p.stdout and "| hash |" in p.stdout  # the table
+    lines = results.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0]) == {"earlier": 1}
+    rec = json.loads(lines[1])
+    assert REQUIRED <= set(rec), REQUIRED - set(rec)
+    assert rec["job"] == "probes" and rec["args"] == list(args[1:]) and rec["commit"] == "abc123"
+    assert rec["torch"] == torch.__version__
+    fig = rec["figures"]
+    assert set(fig["modes"]) == {"none", "hash"} and fig["modes"]["hash"]["records"] > 0
+    # MFU of the unprobed step = model FLOPs / (step s * peak), from the recorded figures
+    none_s = fig["modes"]["none"]["step_ms"] / 1e3
+    assert fig["mfu_no_probes"] == pytest.approx(fig["step_flops"] / (none_s * 0.01e12))
+    # the same line for the device machine's $OUT
+    assert (out / "results.jsonl").read_text().splitlines() == [lines[1]]
+
+
+def test_unknown_job_is_one_line_exit_2():
+    p = bench("no-such-job")
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1 and "no-such-job" in p.stderr and "fix-cost" in p.stderr
+
+
+def test_registered_job_without_module_is_one_line_exit_3(monkeypatch, capsys):
+    from benchmarks import cli, registry
+
+    monkeypatch.setitem(registry.JOBS, "later", registry.Job("benchmarks.not_written_yet", "x", "CPU"))
+    assert cli.main(["--no-record", "later"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "benchmarks.not_written_yet" in err[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_only_job_says_needs_cuda_exit_3():
+    p = bench("record-hash")
+    assert p.returncode == 3
+    assert p.stderr.strip().splitlines() == ["benchmarks: record-hash needs CUDA (no CUDA device here); "
+                                             "the torch path is checked on CPU by tests/test_hashing.py"]
+
+
+def test_mfu_params_are_the_models_linear_weights():
+    from benchmarks.mfu import preset_dims, step_flops
+    from tpdiag.models.spec import load_target, parse_spec
+
+    model = load_target(parse_spec("tiny-llama")).model
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    dims = preset_dims("tiny-llama")
+    assert dims["matmul_params"] == linear
+    b, s = 2, 64
+    assert step_flops("tiny-llama", b, s) == 6 * linear * b * s + 6 * dims["layers"] * s * s * dims["hidden"] * b
+
+
+def test_ingest_appends_only_new_lines(tmp_path):
+    from benchmarks.record import ingest
+
+    dst, src = tmp_path / "hist.jsonl", tmp_path / "new.jsonl"
+    dst.write_text('{"a": 1}\n')
+    src.write_text('{"a": 1}\n{"b": 2}\n')
+    assert ingest(str(src), str(dst)) == 1
+    assert ingest(str(src), str(dst)) == 0
+    assert dst.read_text() == '{"a": 1}\n{"b": 2}\n'
