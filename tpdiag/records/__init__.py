@@ -1,11 +1,13 @@
 """The record format: what a run writes and every reader reads.
 
-store.py   a degree's records (events.jsonl + records.safetensors): the event schema, `RecordSet`
-hashing.py the record hash (hash-first capture and the stored-tensor check)
-layout.py  the shard rules: whole tensors rebuilt from stored shards
-rundir.py  a run directory: completion marker, manifest, summary.json, diff.csv
-styles.py  a TP plan's ParallelStyle as the short label records carry
+store.py      a degree's records (events.jsonl + records.safetensors): the event schema, `RecordSet`
+hashing.py    the record hash (hash-first capture and the stored-tensor check)
+layout.py     the shard rules: whole tensors rebuilt from stored shards
+styles.py     a TP plan's ParallelStyle as the short label records carry
+rundir.py     a run directory: completion marker, manifest, summary.json, diff.csv's columns and reader
+frames.py     a run directory as pandas DataFrames (`tpdiag.load`); diff.csv is written from its records frame
+provenance.py the versions every manifest carries
 
 Probes write through it; diff, gate and reports read through it. Nothing here imports probes,
-diff or runner, and this file imports nothing (torch loads only with store/layout).
+diff or runner, and this file imports nothing (torch loads with store/layout, pandas with frames).
 """
