@@ -7,15 +7,21 @@ from typing import Annotated, Optional
 
 import typer
 
+from tpdiag import cli_help as H
 from tpdiag.errors import TpdiagError
 
+# Help piped to a file or a pager is click's plain text: rich's boxes at 80 columns cut the
+# choice lists off mid-word.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode="rich" if sys.stdout.isatty() else None,
                   help="Find the first op whose output changes with the tensor-parallel degree.")
 
 _DEBUG = {"on": False}
 
-Format = Annotated[str, typer.Option("--format", help="text or json")]
+Format = Annotated[str, typer.Option("--format", help=f"{H.choice('FORMATS')}: json is the machine-readable summary")]
 Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
+FAIL_HELP = "exit 1 when any degree diverges (default: exit 0 with a divergent verdict; see tpdiag gate)"
+QUIET_HELP = "no progress display (it is never shown when stderr is not a terminal)"
 
 
 def _console(stderr: bool = False):
@@ -67,16 +73,19 @@ def _check_format(fmt: str) -> str:
 
 @app.command()
 def compare(
-    model: Annotated[str, typer.Option(help="tiny-llama | medium-llama | llama-1b | hf:DIR | "
-                                            "py:FILE.py:FUNC")] = "tiny-llama",
+    model: Annotated[str, typer.Option(help=H.model())] = "tiny-llama",
     tp: Annotated[str, typer.Option(help="degrees, the first is the reference")] = "1,2,4,8",
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
-    backward: Annotated[bool, typer.Option("--backward/--forward-only")] = True,
-    steps: Annotated[int, typer.Option(help="optimizer steps")] = 1,
-    fix: Annotated[str, typer.Option(help="NAME[,NAME] | all | auto | none")] = "none",
-    confirm: Annotated[bool, typer.Option("--confirm/--no-confirm")] = True,
-    granularity: Annotated[str, typer.Option(help="module | op | auto")] = "module",
+    dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
+    device: Annotated[str, typer.Option(help=f"{H.choice('DEVICES')} (auto: cuda with NCCL when enough GPUs, else cpu with gloo)")] = "auto",
+    backward: Annotated[bool, typer.Option("--backward/--forward-only",
+                                           help="also run the backward pass and the optimizer step "
+                                                "(gradients, grad norm, updated parameters)")] = True,
+    steps: Annotated[int, typer.Option(help="training steps (forward, backward, optimizer) recorded at each degree")] = 1,
+    fix: Annotated[str, typer.Option(help=H.fix())] = "none",
+    confirm: Annotated[bool, typer.Option("--confirm/--no-confirm",
+                                          help="rerun each divergent degree with the fix for its located "
+                                               "cause to confirm it")] = True,
+    granularity: Annotated[str, typer.Option(help=f"{H.choice('GRANULARITIES')} (op: every compute op; auto: modules first, then ops inside the first divergent module)")] = "module",
     capture: Annotated[str, typer.Option(
         help="full (every record whole) | hash (hashes + statistics on the device, whole values "
              "for the first divergence only, in a second pass) | auto (hash above 100M params)")] = "auto",
@@ -85,14 +94,13 @@ def compare(
     seed: Annotated[int, typer.Option(help="seed for weights and batch")] = 1234,
     batch_size: Annotated[int, typer.Option(help="sequences per batch")] = 2,
     seq_len: Annotated[int, typer.Option(help="tokens per sequence")] = 16,
-    variant: Annotated[str, typer.Option(help="plan variant (stock | stable)")] = "stock",
-    variants: Annotated[Optional[str], typer.Option(
-        help="mitigation matrix: run each of these at every degree, e.g. "
-             "stock,stable,fix:all,stable+fix:tp-invariant-linear")] = None,
+    variant: Annotated[str, typer.Option(help=H.variant())] = "stock",
+    variants: Annotated[Optional[str], typer.Option(help=H.variants())] = None,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline",
                                            help="rerun the reference against itself first")] = True,
     fmt: Format = "text",
-    fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence")] = False,
+    fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence", help=FAIL_HELP)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     debug: Debug = False,
 ) -> None:
     """Run the model at each TP degree and find the first op that differs from the reference."""
@@ -121,11 +129,11 @@ def compare(
 
             cfg = replace(cfg, out=default_out())
         if variants is not None:
-            return _compare_matrix(cfg, variants, variant, fmt, fail_on_divergence)
+            return _compare_matrix(cfg, variants, variant, fmt, fail_on_divergence, quiet)
         if fmt == "text":
             from tpdiag.cli_render import progress
 
-            with progress(_console(stderr=True), cfg) as on_status:
+            with progress(_console(stderr=True), cfg, quiet) as on_status:
                 summary = compare_session(cfg, on_status)
         else:
             summary = compare_session(cfg)
@@ -138,7 +146,8 @@ def compare(
     _exit_for(summary, fail_on_divergence)
 
 
-def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergence: bool) -> None:
+def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergence: bool,
+                    quiet: bool = False) -> None:
     """`compare --variants`: every variant at every degree (tpdiag/runner/matrix.py)."""
     try:
         from tpdiag.errors import BadInput
@@ -154,7 +163,7 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
         if fmt == "text":
             from tpdiag.cli_render import progress
 
-            with progress(_console(stderr=True), cfg) as on_status:
+            with progress(_console(stderr=True), cfg, quiet) as on_status:
                 summary = run_matrix(cfg, vs, on_status)
         else:
             summary = run_matrix(cfg, vs)
@@ -245,18 +254,9 @@ def fixes(fmt: Format = "text") -> None:
     if fmt == "json":
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
-    from rich.table import Table
+    from tpdiag.cli_render import fixes_table
 
-    from rich.markup import escape
-
-    t = Table(title="tpdiag fixes")
-    t.add_column("fix", no_wrap=True)  # the name a user types after --fix: never cut
-    for c in ("removes cause", "replaces", "cost", "available"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r["name"], ", ".join(r["fixes"]), escape(", ".join(r["ops"])), escape(r["cost"]),
-                  "yes" if r["available"] else "not yet")
-    _console().print(t)
+    fixes_table(_console(), rows)
 
 
 @app.command()
@@ -272,12 +272,10 @@ def doctor(fmt: Format = "text") -> None:
     if fmt == "json":
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
         return
-    from rich.table import Table
+    from tpdiag.cli_render import doctor_report
+    from tpdiag.doctor import assess
 
-    t = Table(title="tpdiag doctor", show_header=False)
-    for k, v in info.items():
-        t.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
-    _console().print(t)
+    doctor_report(_console(), assess(info))
 
 
 @app.command()
@@ -345,7 +343,7 @@ def diff(
     run_b: Annotated[str, typer.Argument(help="capture to compare against it")],
     out: Annotated[Optional[str], typer.Option(help="where to write (default RUN_B/../diff-DATE)")] = None,
     fmt: Format = "text",
-    fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence")] = False,
+    fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence", help=FAIL_HELP)] = False,
     debug: Debug = False,
 ) -> None:
     """Compare two in-process captures (any launcher) with compare's analysis."""
