@@ -219,3 +219,14 @@ def doctor_report(console, checks: list) -> None:
     bad = sum(c.verdict not in color for c in checks)
     console.print(f"doctor: {bad} setting(s) will make results non-reproducible" if bad
                   else "doctor: nothing here makes results non-reproducible")
+
+
+def render_text(summary: dict, width: int = 200) -> str:
+    """The text `tpdiag compare` prints for this summary into a file or a pipe (no terminal)."""
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    summary_tables(Console(file=buf, width=width, highlight=False), summary)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"
