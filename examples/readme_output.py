@@ -35,7 +35,8 @@ def block(stored: dict) -> str:
             f"{m['date']}, torch {m['torch']}). It runs one world per degree, a rerun of the reference and "
             "one confirmation rerun per divergent degree, one after another, so it grows "
             "with the number of degrees and with whatever else the machine is running: on this "
-            "project's shared 2-core machine the same command has taken from about 26 s to 57 s.\n")
+            "project's 2-core machine the same command took 25.7 s when the machine was otherwise idle, "
+            "and 57 s to over 3 minutes while other test suites shared its two cores.\n")
 
 
 def splice(readme: str, text: str) -> str:

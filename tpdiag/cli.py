@@ -208,7 +208,9 @@ def confirm_cmd(
     fmt: Format = "text",
     debug: Debug = False,
 ) -> None:
-    """Rerun a compare's divergent degrees with the fix for their located cause."""
+    """Rerun a compare's divergent degrees with the fix for their located cause.
+
+    RUN_DIR: the --out directory of a tpdiag compare run."""
     _DEBUG["on"] = debug
     try:
         import os
@@ -219,7 +221,10 @@ def confirm_cmd(
         from tpdiag.fixes.registry import resolve
         from tpdiag.runner.confirm import confirm
 
+        from tpdiag.rundir_check import require_run_dir
+
         fmt = _check_format(fmt)
+        require_run_dir(run_dir)
         manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
         summary = io.read_json(os.path.join(run_dir, "summary.json"))
         c = dict(manifest.get("config") or {})
@@ -285,7 +290,9 @@ def report(
                                                   help="HTML file (default RUN_DIR/report.html)")] = None,
     debug: Debug = False,
 ) -> None:
-    """Write one self-contained HTML report (verdict, plots, tables) for a run directory."""
+    """Write one self-contained HTML report (verdict, plots, tables) for a run directory.
+
+    RUN_DIR: the --out directory of a tpdiag compare run."""
     _DEBUG["on"] = debug
     try:
         from tpdiag.reports.html import write_report
@@ -301,12 +308,16 @@ def report(
 @app.command()
 def gate(
     run_dir: Annotated[str, typer.Argument(help="a run directory written by tpdiag compare")],
-    policy: Annotated[Optional[str], typer.Option(help="policy TOML (default: nothing may diverge)")] = None,
+    policy: Annotated[Optional[str], typer.Option(
+        help="policy TOML: allowed causes, per-module ULP/abs budgets, gated degrees and phases "
+             "(default: nothing may diverge); format in docs/ci.md")] = None,
     junit: Annotated[Optional[str], typer.Option(help="write JUnit XML here, one testcase per degree")] = None,
     fmt: Format = "text",
     debug: Debug = False,
 ) -> None:
-    """Exit 0 when nothing diverges beyond the policy, 1 when something does, 2 on incomplete evidence."""
+    """Exit 0 when nothing diverges beyond the policy, 1 when something does, 2 on incomplete evidence.
+
+    RUN_DIR: the --out directory of a tpdiag compare run. The policy file's format: docs/ci.md."""
     _DEBUG["on"] = debug
     import os
 
@@ -346,7 +357,10 @@ def diff(
     fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence", help=FAIL_HELP)] = False,
     debug: Debug = False,
 ) -> None:
-    """Compare two in-process captures (any launcher) with compare's analysis."""
+    """Compare two in-process captures (any launcher) with compare's analysis.
+
+    RUN_A: the reference capture, RUN_B: the capture compared with it - directories written by
+    tpdiag.capture(model, out=DIR) (docs/capture.md)."""
     _DEBUG["on"] = debug
     try:
         fmt = _check_format(fmt)
