@@ -8,7 +8,7 @@ PRESETS: dict[str, dict] = {
     # GEMM takes another kernel path and is not bitwise equal to a column slice of the full one.
     "tiny-llama": dict(vocab_size=512, dim=256, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=512),
     "small-llama": dict(vocab_size=4096, dim=512, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=1408),
-    # GPU-sized: the d=1024, ffn=4096 shapes of the H200 measurements in docs/gpu.md, fewer layers.
+    # GPU-sized (d=1024, ffn=4096: the shapes of an early H200 measurement), fewer layers.
     "medium-llama": dict(vocab_size=8192, dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=4096),
     # ~0.9B parameters, for the fix-cost benchmark on GPUs.
     "llama-1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=5632),
