@@ -170,10 +170,10 @@ class GateResult:
         return next((d.violations[0] for d in self.degrees.values() if d.violations), None)
 
     def lines(self) -> list[str]:
-        # Each violation is printed once, under its degree; the headline only says where to look.
+        # Each violation is printed once: the first in the headline, the others under their degree.
         first = self.first_violation
         head = {"pass": "PASS - nothing diverges beyond policy",
-                "fail": "FAIL - records diverge beyond policy; the first in execution order is marked 'first:'",
+                "fail": f"FAIL - first divergent op beyond policy: {first.line() if first else ''}",
                 "inconclusive": f"INCONCLUSIVE - {self.problems[0] if self.problems else ''}"}[self.status]
         how = ("allow causes or per-module budgets with --policy FILE.toml" if self.policy.source == Policy.source
                else "format")
@@ -182,9 +182,10 @@ class GateResult:
         for d in self.degrees.values():
             what = {"pass": f"pass ({d.checked} divergent records within policy)" if d.checked else "pass (bitwise)",
                     "skipped": "not gated by the policy", "error": f"error: {d.error}",
-                    "fail": f"fail ({len(d.violations)} records beyond policy)"}[d.status]
+                    "fail": f"fail ({len(d.violations)} records beyond policy"
+                            + ("; the first is in the headline)" if first in d.violations else ")")}[d.status]
             out.append(f"TP={d.label}: {what}")
-            out += [f"  {'first: ' if v is first else ''}{v.line()}" for v in d.violations[:5]]
+            out += [f"  {v.line()}" for v in d.violations[:5] if v is not first]
         return out
 
     def to_dict(self) -> dict:
