@@ -183,3 +183,20 @@ def test_docs_index_links_every_page_and_nothing_cites_missing_files():
         assert "BACKGROUND.md" not in text, path
         for link in re.findall(r"\]\(([^)#]+\.md)\)", text):
             assert os.path.isfile(os.path.join(os.path.dirname(path), link)), (path, link)
+
+
+def test_progress_shows_on_a_terminal_only():
+    import io
+
+    from rich.console import Console
+
+    from tpdiag.cli_render import progress
+    from tpdiag.config import CompareConfig
+
+    cfg = CompareConfig(degrees=(1, 2))
+    for terminal, quiet, shown in ((True, False, True), (True, True, False), (False, False, False)):
+        buf = io.StringIO()
+        with progress(Console(file=buf, force_terminal=terminal, width=100), cfg, quiet) as on_status:
+            on_status("2", "running")
+            on_status("2", "ok")
+        assert ("TP=2" in buf.getvalue()) == shown, (terminal, quiet, buf.getvalue())

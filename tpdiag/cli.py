@@ -203,8 +203,10 @@ def _exit_for(summary: dict, fail_on_divergence: bool) -> None:
 @app.command(name="confirm")
 def confirm_cmd(
     run_dir: Annotated[str, typer.Argument(help="a run directory written by tpdiag compare")],
-    degree: Annotated[Optional[str], typer.Option(help="only this degree label")] = None,
-    fix: Annotated[Optional[str], typer.Option(help="swap in this fix instead of the cause's own")] = None,
+    degree: Annotated[Optional[str], typer.Option(help="only this degree label (as in summary.json: 2, or 1-2 "
+                                                       "for a rerun)")] = None,
+    fix: Annotated[Optional[str], typer.Option(help="swap in this fix instead of the cause's own: one of "
+                                                    + ", ".join(H.fix_names()))] = None,
     fmt: Format = "text",
     debug: Debug = False,
 ) -> None:
