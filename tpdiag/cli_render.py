@@ -11,6 +11,16 @@ def _box(console, box):
     return box if console.is_terminal else None
 
 
+def _print_table(console, table) -> None:
+    """A table; off a terminal without the padding rich adds to the right of every line."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    with console.capture() as cap:
+        console.print(table)
+    console.file.write("".join(line.rstrip() + "\n" for line in cap.get().splitlines()))
+
+
 @contextmanager
 def progress(console, cfg, quiet: bool = False):
     """Live per-world status on a terminal; nothing at all with --quiet or when stderr is a
@@ -113,7 +123,7 @@ def summary_tables(console, summary: dict) -> None:
         lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"
                  if lp.get("max_abs") is not None else "-")
         t.add_row(label, st, where(fd) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
-    console.print(t)
+    _print_table(console, t)
     for label, d in summary["degrees"].items():
         for f in d.get("findings") or []:
             console.print(f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({f['kind']} "
@@ -182,7 +192,7 @@ def matrix_table(console, matrix: dict) -> None:
         t.add_row(*row)
         if plain:  # no rule lines between variants without a box: a blank row instead
             t.add_row(*[""] * (1 + len(matrix["degrees"])))
-    console.print(t)
+    _print_table(console, t)
     console.print("step time: one measured optimizer step with probes on, relative to stock at the same "
                   "degree; small-model numbers, noisy on a shared machine")
     bad = {n: r.get("error") for n, r in matrix.get("runs", {}).items() if r.get("error")}
@@ -202,7 +212,7 @@ def fixes_table(console, rows: list[dict]) -> None:
     for r in rows:
         t.add_row(r["name"], ", ".join(r["fixes"]), escape(", ".join(r["ops"])), escape(r["cost"]),
                   "yes" if r["available"] else "not yet")
-    console.print(t)
+    _print_table(console, t)
     console.print("what each cause and fix means: docs/causes.md")
 
 
