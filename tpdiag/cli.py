@@ -18,7 +18,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 _DEBUG = {"on": False}
 
-Format = Annotated[str, typer.Option("--format", help=f"{H.choice('FORMATS')}: json is the machine-readable summary")]
+Format = Annotated[str, typer.Option("--format",
+                                      help=f"{H.choice('FORMATS')}: json is the machine-readable summary")]
 Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
 FAIL_HELP = "exit 1 when any degree diverges (default: exit 0 with a divergent verdict; see tpdiag gate)"
 QUIET_HELP = "no progress display (it is never shown when stderr is not a terminal)"
@@ -76,16 +77,20 @@ def compare(
     model: Annotated[str, typer.Option(help=H.model())] = "tiny-llama",
     tp: Annotated[str, typer.Option(help="degrees, the first is the reference")] = "1,2,4,8",
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
-    device: Annotated[str, typer.Option(help=f"{H.choice('DEVICES')} (auto: cuda with NCCL when enough GPUs, else cpu with gloo)")] = "auto",
+    device: Annotated[str, typer.Option(help=f"{H.choice('DEVICES')} (auto: cuda with NCCL when enough GPUs, "
+                                             "else cpu with gloo)")] = "auto",
     backward: Annotated[bool, typer.Option("--backward/--forward-only",
                                            help="also run the backward pass and the optimizer step "
                                                 "(gradients, grad norm, updated parameters)")] = True,
-    steps: Annotated[int, typer.Option(help="training steps (forward, backward, optimizer) recorded at each degree")] = 1,
+    steps: Annotated[int, typer.Option(help="training steps (forward, backward, optimizer) recorded at "
+                                            "each degree")] = 1,
     fix: Annotated[str, typer.Option(help=H.fix())] = "none",
     confirm: Annotated[bool, typer.Option("--confirm/--no-confirm",
                                           help="rerun each divergent degree with the fix for its located "
                                                "cause to confirm it")] = True,
-    granularity: Annotated[str, typer.Option(help=f"{H.choice('GRANULARITIES')} (op: every compute op; auto: modules first, then ops inside the first divergent module)")] = "module",
+    granularity: Annotated[str, typer.Option(help=f"{H.choice('GRANULARITIES')} (op: every compute op; auto: "
+                                                  "modules first, then ops inside the first divergent "
+                                                  "module)")] = "module",
     capture: Annotated[str, typer.Option(
         help="full (every record whole) | hash (hashes + statistics on the device, whole values "
              "for the first divergence only, in a second pass) | auto (hash above 100M params)")] = "auto",
@@ -221,9 +226,8 @@ def confirm_cmd(
         from tpdiag.config import CompareConfig
         from tpdiag.errors import BadInput
         from tpdiag.fixes.registry import resolve
-        from tpdiag.runner.confirm import confirm
-
         from tpdiag.rundir_check import require_run_dir
+        from tpdiag.runner.confirm import confirm
 
         fmt = _check_format(fmt)
         require_run_dir(run_dir)

@@ -62,10 +62,11 @@ def assess(info: dict) -> list[Check]:
     out.append(Check("gloo (CPU worlds)", "available" if info.get("gloo") else "missing",
                      OK if info.get("gloo") else INFO, "" if info.get("gloo") else "compare --device cpu cannot run"))
     gpus = info.get("gpus") or []
-    out.append(Check("cuda", f"{len(gpus)} GPU(s): {', '.join(gpus)}" if info.get("cuda_available") else "not available",
-                     INFO, "" if info.get("cuda_available") else "compare runs on the CPU with gloo"))
+    cuda = f"{len(gpus)} GPU(s): {', '.join(gpus)}" if info.get("cuda_available") else "not available"
+    out.append(Check("cuda", cuda, INFO, "" if info.get("cuda_available") else "compare runs on the CPU with gloo"))
     out.append(Check("nccl (GPU worlds)", "available" if info.get("nccl") else "missing", INFO))
-    out.append(Check("TF32 matmul in this process", str(info.get("tf32_matmul")), OK if not info.get("tf32_matmul") else INFO,
+    tf32 = info.get("tf32_matmul")
+    out.append(Check("TF32 matmul in this process", str(tf32), INFO if tf32 else OK,
                      "tpdiag turns TF32 off in its own worlds; a job of yours with it on rounds fp32 GEMMs "
                      "to TF32"))
     det = info.get("deterministic_algorithms")
