@@ -7,15 +7,22 @@ from typing import Annotated, Optional
 
 import typer
 
+from tpdiag import cli_help as H
 from tpdiag.errors import TpdiagError
 
+# Help piped to a file or a pager is click's plain text: rich's boxes at 80 columns cut the
+# choice lists off mid-word.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode="rich" if sys.stdout.isatty() else None,
                   help="Find the first op whose output changes with the tensor-parallel degree.")
 
 _DEBUG = {"on": False}
 
-Format = Annotated[str, typer.Option("--format", help="text or json")]
+Format = Annotated[str, typer.Option("--format",
+                                      help=f"{H.choice('FORMATS')}: json is the machine-readable summary")]
 Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
+FAIL_HELP = "exit 1 when any degree diverges (default: exit 0 with a divergent verdict; see tpdiag gate)"
+QUIET_HELP = "no progress display (it is never shown when stderr is not a terminal)"
 
 
 def _console(stderr: bool = False):
@@ -67,16 +74,23 @@ def _check_format(fmt: str) -> str:
 
 @app.command()
 def compare(
-    model: Annotated[str, typer.Option(help="tiny-llama | medium-llama | llama-1b | hf:DIR | "
-                                            "py:FILE.py:FUNC")] = "tiny-llama",
+    model: Annotated[str, typer.Option(help=H.model())] = "tiny-llama",
     tp: Annotated[str, typer.Option(help="degrees, the first is the reference")] = "1,2,4,8",
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
-    backward: Annotated[bool, typer.Option("--backward/--forward-only")] = True,
-    steps: Annotated[int, typer.Option(help="optimizer steps")] = 1,
-    fix: Annotated[str, typer.Option(help="NAME[,NAME] | all | auto | none")] = "none",
-    confirm: Annotated[bool, typer.Option("--confirm/--no-confirm")] = True,
-    granularity: Annotated[str, typer.Option(help="module | op | auto")] = "module",
+    dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
+    device: Annotated[str, typer.Option(help=f"{H.choice('DEVICES')} (auto: cuda with NCCL when enough GPUs, "
+                                             "else cpu with gloo)")] = "auto",
+    backward: Annotated[bool, typer.Option("--backward/--forward-only",
+                                           help="also run the backward pass and the optimizer step "
+                                                "(gradients, grad norm, updated parameters)")] = True,
+    steps: Annotated[int, typer.Option(help="training steps (forward, backward, optimizer) recorded at "
+                                            "each degree")] = 1,
+    fix: Annotated[str, typer.Option(help=H.fix())] = "none",
+    confirm: Annotated[bool, typer.Option("--confirm/--no-confirm",
+                                          help="rerun each divergent degree with the fix for its located "
+                                               "cause to confirm it")] = True,
+    granularity: Annotated[str, typer.Option(help=f"{H.choice('GRANULARITIES')} (op: every compute op; auto: "
+                                                  "modules first, then ops inside the first divergent "
+                                                  "module)")] = "module",
     capture: Annotated[str, typer.Option(
         help="full (every record whole) | hash (hashes + statistics on the device, whole values "
              "for the first divergence only, in a second pass) | auto (hash above 100M params)")] = "auto",
@@ -85,14 +99,13 @@ def compare(
     seed: Annotated[int, typer.Option(help="seed for weights and batch")] = 1234,
     batch_size: Annotated[int, typer.Option(help="sequences per batch")] = 2,
     seq_len: Annotated[int, typer.Option(help="tokens per sequence")] = 16,
-    variant: Annotated[str, typer.Option(help="plan variant (stock | stable)")] = "stock",
-    variants: Annotated[Optional[str], typer.Option(
-        help="mitigation matrix: run each of these at every degree, e.g. "
-             "stock,stable,fix:all,stable+fix:tp-invariant-linear")] = None,
+    variant: Annotated[str, typer.Option(help=H.variant())] = "stock",
+    variants: Annotated[Optional[str], typer.Option(help=H.variants())] = None,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline",
                                            help="rerun the reference against itself first")] = True,
     fmt: Format = "text",
-    fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence")] = False,
+    fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence", help=FAIL_HELP)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     debug: Debug = False,
 ) -> None:
     """Run the model at each TP degree and find the first op that differs from the reference."""
@@ -121,11 +134,11 @@ def compare(
 
             cfg = replace(cfg, out=default_out())
         if variants is not None:
-            return _compare_matrix(cfg, variants, variant, fmt, fail_on_divergence)
+            return _compare_matrix(cfg, variants, variant, fmt, fail_on_divergence, quiet)
         if fmt == "text":
             from tpdiag.cli_render import progress
 
-            with progress(_console(stderr=True), cfg) as on_status:
+            with progress(_console(stderr=True), cfg, quiet) as on_status:
                 summary = compare_session(cfg, on_status)
         else:
             summary = compare_session(cfg)
@@ -138,7 +151,8 @@ def compare(
     _exit_for(summary, fail_on_divergence)
 
 
-def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergence: bool) -> None:
+def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergence: bool,
+                    quiet: bool = False) -> None:
     """`compare --variants`: every variant at every degree (tpdiag/runner/matrix.py)."""
     try:
         from tpdiag.errors import BadInput
@@ -154,7 +168,7 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
         if fmt == "text":
             from tpdiag.cli_render import progress
 
-            with progress(_console(stderr=True), cfg) as on_status:
+            with progress(_console(stderr=True), cfg, quiet) as on_status:
                 summary = run_matrix(cfg, vs, on_status)
         else:
             summary = run_matrix(cfg, vs)
@@ -194,12 +208,16 @@ def _exit_for(summary: dict, fail_on_divergence: bool) -> None:
 @app.command(name="confirm")
 def confirm_cmd(
     run_dir: Annotated[str, typer.Argument(help="a run directory written by tpdiag compare")],
-    degree: Annotated[Optional[str], typer.Option(help="only this degree label")] = None,
-    fix: Annotated[Optional[str], typer.Option(help="swap in this fix instead of the cause's own")] = None,
+    degree: Annotated[Optional[str], typer.Option(help="only this degree label (as in summary.json: 2, or 1-2 "
+                                                       "for a rerun)")] = None,
+    fix: Annotated[Optional[str], typer.Option(help="swap in this fix instead of the cause's own: one of "
+                                                    + ", ".join(H.fix_names()))] = None,
     fmt: Format = "text",
     debug: Debug = False,
 ) -> None:
-    """Rerun a compare's divergent degrees with the fix for their located cause."""
+    """Rerun a compare's divergent degrees with the fix for their located cause.
+
+    RUN_DIR: the --out directory of a tpdiag compare run."""
     _DEBUG["on"] = debug
     try:
         import os
@@ -208,9 +226,11 @@ def confirm_cmd(
         from tpdiag.config import CompareConfig
         from tpdiag.errors import BadInput
         from tpdiag.fixes.registry import resolve
+        from tpdiag.rundir_check import require_run_dir
         from tpdiag.runner.confirm import confirm
 
         fmt = _check_format(fmt)
+        require_run_dir(run_dir)
         manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
         summary = io.read_json(os.path.join(run_dir, "summary.json"))
         c = dict(manifest.get("config") or {})
@@ -245,18 +265,9 @@ def fixes(fmt: Format = "text") -> None:
     if fmt == "json":
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
-    from rich.table import Table
+    from tpdiag.cli_render import fixes_table
 
-    from rich.markup import escape
-
-    t = Table(title="tpdiag fixes")
-    t.add_column("fix", no_wrap=True)  # the name a user types after --fix: never cut
-    for c in ("removes cause", "replaces", "cost", "available"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r["name"], ", ".join(r["fixes"]), escape(", ".join(r["ops"])), escape(r["cost"]),
-                  "yes" if r["available"] else "not yet")
-    _console().print(t)
+    fixes_table(_console(), rows)
 
 
 @app.command()
@@ -272,12 +283,10 @@ def doctor(fmt: Format = "text") -> None:
     if fmt == "json":
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
         return
-    from rich.table import Table
+    from tpdiag.cli_render import doctor_report
+    from tpdiag.doctor import assess
 
-    t = Table(title="tpdiag doctor", show_header=False)
-    for k, v in info.items():
-        t.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
-    _console().print(t)
+    doctor_report(_console(), assess(info))
 
 
 @app.command()
@@ -287,7 +296,9 @@ def report(
                                                   help="HTML file (default RUN_DIR/report.html)")] = None,
     debug: Debug = False,
 ) -> None:
-    """Write one self-contained HTML report (verdict, plots, tables) for a run directory."""
+    """Write one self-contained HTML report (verdict, plots, tables) for a run directory.
+
+    RUN_DIR: the --out directory of a tpdiag compare run."""
     _DEBUG["on"] = debug
     try:
         from tpdiag.reports.html import write_report
@@ -303,12 +314,16 @@ def report(
 @app.command()
 def gate(
     run_dir: Annotated[str, typer.Argument(help="a run directory written by tpdiag compare")],
-    policy: Annotated[Optional[str], typer.Option(help="policy TOML (default: nothing may diverge)")] = None,
+    policy: Annotated[Optional[str], typer.Option(
+        help="policy TOML: allowed causes, per-module ULP/abs budgets, gated degrees and phases "
+             "(default: nothing may diverge); format in docs/ci.md")] = None,
     junit: Annotated[Optional[str], typer.Option(help="write JUnit XML here, one testcase per degree")] = None,
     fmt: Format = "text",
     debug: Debug = False,
 ) -> None:
-    """Exit 0 when nothing diverges beyond the policy, 1 when something does, 2 on incomplete evidence."""
+    """Exit 0 when nothing diverges beyond the policy, 1 when something does, 2 on incomplete evidence.
+
+    RUN_DIR: the --out directory of a tpdiag compare run. The policy file's format: docs/ci.md."""
     _DEBUG["on"] = debug
     import os
 
@@ -346,10 +361,13 @@ def diff(
     run_b: Annotated[str, typer.Argument(help="capture to compare against it")],
     out: Annotated[Optional[str], typer.Option(help="where to write (default RUN_B/../diff-DATE)")] = None,
     fmt: Format = "text",
-    fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence")] = False,
+    fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence", help=FAIL_HELP)] = False,
     debug: Debug = False,
 ) -> None:
-    """Compare two in-process captures (any launcher) with compare's analysis."""
+    """Compare two in-process captures (any launcher) with compare's analysis.
+
+    RUN_A: the reference capture, RUN_B: the capture compared with it - directories written by
+    tpdiag.capture(model, out=DIR) (docs/capture.md)."""
     _DEBUG["on"] = debug
     try:
         fmt = _check_format(fmt)

@@ -5,8 +5,29 @@ import time
 from contextlib import contextmanager
 
 
+def _box(console, box):
+    """Box drawing on a terminal only: a file or a pipe gets plain columns (and rich already
+    drops colour codes there), so CI logs and `> out.txt` read like the README."""
+    return box if console.is_terminal else None
+
+
+def _print_table(console, table) -> None:
+    """A table; off a terminal without the padding rich adds to the right of every line."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    with console.capture() as cap:
+        console.print(table)
+    console.file.write("".join(line.rstrip() + "\n" for line in cap.get().splitlines()))
+
+
 @contextmanager
-def progress(console, cfg):
+def progress(console, cfg, quiet: bool = False):
+    """Live per-world status on a terminal; nothing at all with --quiet or when stderr is a
+    file or a pipe (a spinner there leaves control lines and a stale last frame)."""
+    if quiet or not console.is_terminal:
+        yield lambda label, status: None
+        return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from tpdiag.config import degree_labels
@@ -50,17 +71,40 @@ def _fmt(x, spec=".2e"):
     return str(x)
 
 
+def where(fd: dict) -> str:
+    """A record in words: 'forward: layers.0.attention.wo', 'loss: logprobs', 'backward: output (grad_out 0)'."""
+    phase, module, kind, name = fd.get("phase"), fd.get("module"), fd.get("kind"), fd.get("name")
+    if module == "model":  # whole-model records (logprobs, loss, grad norm) have no module of their own
+        text = f"{phase}: {name if name == kind or not kind else f'{kind} {name}'}"
+    else:
+        text = f"{phase}: {module}" + (f" :: {fd['op']}" if fd.get("op") else "")
+        if kind not in ("out", None):
+            text += f" ({kind})" if name in (kind, None, "") else f" ({kind} {name})"
+    return text
+
+
+def ran(summary: dict) -> str | None:
+    steps = summary.get("steps")
+    if steps is None:
+        return None
+    what = "forward, backward and optimizer step" if summary.get("backward", True) else "forward only"
+    return f"ran: {steps} step{'s' if steps != 1 else ''} at each degree ({what})"
+
+
 def summary_tables(console, summary: dict) -> None:
+    from rich import box
     from rich.table import Table
 
     status = summary["status"]
     color = {"bitwise": "green", "divergent": "yellow", "inconclusive": "red"}.get(status, "white")
     console.print(f"[bold]verdict:[/] [{color}]{status}[/] (reference TP={summary['reference_label']})")
     base = summary.get("baseline")
+    if ran(summary):
+        console.print(ran(summary))
     if base is not None:
         console.print("baseline: reference rerun is " + ("[green]bitwise reproducible[/]" if base["reproducible"]
                       else f"[red]NOT reproducible[/] ({base.get('cause')})"))
-    t = Table(show_lines=False, pad_edge=False)
+    t = Table(show_lines=False, pad_edge=False, box=_box(console, box.HEAVY_HEAD))
     t.add_column("TP", no_wrap=True)
     t.add_column("status", no_wrap=True)
     t.add_column("first divergence", overflow="fold", min_width=30)
@@ -75,16 +119,11 @@ def summary_tables(console, summary: dict) -> None:
         fd = d.get("first_divergence") or {}
         lp = d.get("logprobs") or {}
         st = "[green]bitwise[/]" if d["status"] == "bitwise" else "[yellow]divergent[/]"
-        where = "-"
-        if fd:
-            where = f"{fd['phase']}: {fd['module']}" + (f" :: {fd['op']}" if fd.get("op") else "")
-            if fd["kind"] not in ("out",):
-                where += f" ({fd['kind']} {fd['name']})"
         err = f"{_fmt(fd.get('max_abs'))} / {_fmt(fd.get('bound'))}" if fd else "-"
         lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"
                  if lp.get("max_abs") is not None else "-")
-        t.add_row(label, st, where, fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
-    console.print(t)
+        t.add_row(label, st, where(fd) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
+    _print_table(console, t)
     for label, d in summary["degrees"].items():
         for f in d.get("findings") or []:
             console.print(f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({f['kind']} "
@@ -94,8 +133,7 @@ def summary_tables(console, summary: dict) -> None:
         if conf:
             after = conf.get("first_divergence_after")
             console.print(f"TP={label}: fix [bold]{conf.get('fix')}[/] -> {conf.get('verdict')}; "
-                          + (f"first divergence moves to {after['phase']} {after['module']} "
-                             f"({after['kind']} {after['name']}, {after['cause']})" if after
+                          + (f"first divergence moves to {where(after)} ({after['cause']})" if after
                              else "no divergence left" if conf.get("verdict") == "confirmed"
                              else conf.get("reason", "")))
     for rnd in summary.get("fix_chain") or []:
@@ -117,11 +155,13 @@ _SHORT_CAUSE = {"row-parallel-reduction": "row-par-reduce", "vocab-parallel-soft
 
 def matrix_table(console, matrix: dict) -> None:
     """The mitigation matrix (compare --variants): one row per variant, one column per degree."""
+    from rich import box
     from rich.table import Table
 
     ref = matrix["reference"]
+    plain = not console.is_terminal
     t = Table(title=f"mitigation matrix (each variant against its own TP={ref})", show_lines=True,
-              pad_edge=False)
+              pad_edge=False, box=_box(console, box.HEAVY_HEAD), title_justify="left")
     t.add_column("variant", no_wrap=True)
     for lab in matrix["degrees"]:
         t.add_column(f"TP={lab}" + (" (reference)" if lab == ref else ""), overflow="fold")
@@ -150,9 +190,53 @@ def matrix_table(console, matrix: dict) -> None:
                 lines.append(f"step {c['step_s']:.3f} s" + (f" (x{rel:.2f})" if rel is not None else ""))
             row.append("\n".join(lines))
         t.add_row(*row)
-    console.print(t)
+        if plain:  # no rule lines between variants without a box: a blank row instead
+            t.add_row(*[""] * (1 + len(matrix["degrees"])))
+    _print_table(console, t)
     console.print("step time: one measured optimizer step with probes on, relative to stock at the same "
                   "degree; small-model numbers, noisy on a shared machine")
     bad = {n: r.get("error") for n, r in matrix.get("runs", {}).items() if r.get("error")}
     for n, e in bad.items():
         console.print(f"[red]{n}[/]: {e}")
+
+
+def fixes_table(console, rows: list[dict]) -> None:
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title="tpdiag fixes", box=_box(console, box.HEAVY_HEAD), pad_edge=False, title_justify="left")
+    t.add_column("fix", no_wrap=True)  # the name a user types after --fix: never cut
+    for c in ("removes cause", "replaces", "cost", "available"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["name"], ", ".join(r["fixes"]), escape(", ".join(r["ops"])), escape(r["cost"]),
+                  "yes" if r["available"] else "not yet")
+    _print_table(console, t)
+    console.print("what each cause and fix means: docs/causes.md")
+
+
+def doctor_report(console, checks: list) -> None:
+    """One line per check: name, value, verdict (ok / will make results non-reproducible / informational)."""
+    from rich.markup import escape
+
+    color = {"ok": "green", "informational": "cyan"}
+    wn = max(len(c.name) for c in checks)
+    for c in checks:
+        col = color.get(c.verdict, "red")
+        console.print(f"{c.name:<{wn}}  [{col}]{c.verdict}[/]: {escape(c.value)}"
+                      + (f" - {escape(c.why)}" if c.why else ""), soft_wrap=True)
+    bad = sum(c.verdict not in color for c in checks)
+    console.print(f"doctor: {bad} setting(s) will make results non-reproducible" if bad
+                  else "doctor: nothing here makes results non-reproducible")
+
+
+def render_text(summary: dict, width: int = 200) -> str:
+    """The text `tpdiag compare` prints for this summary into a file or a pipe (no terminal)."""
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    summary_tables(Console(file=buf, width=width, highlight=False), summary)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"

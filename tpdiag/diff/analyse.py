@@ -170,6 +170,10 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
                "reference_label": reference, "degrees": degrees}
     if ref is not None:
         summary["capture"] = ref.world.get("capture", "full")
+        wc = ref.world.get("config") or {}
+        # What ran at every degree, so a reader of the verdict knows how much was compared.
+        summary["steps"] = wc.get("steps", 1)
+        summary["backward"] = wc.get("backward", True)
     if base is not None:
         summary["baseline"] = base
         if not base["reproducible"]:

@@ -18,12 +18,18 @@ CAPTURE_TOOL = "tpdiag.capture"
 
 def read_capture(path: str) -> dict:
     if not os.path.isdir(path):
-        raise Inconclusive(f"{path}: not a directory; expected a capture written by tpdiag.capture")
+        raise Inconclusive(f"{path}: not a directory; expected a capture directory made by "
+                           "tpdiag.capture(model, out=DIR)")
     mpath = os.path.join(path, "manifest.json")
     if not os.path.isfile(mpath):
-        raise Inconclusive(f"{path}: no manifest.json - not a capture, or an interrupted one "
+        raise Inconclusive(f"{path}: not a capture directory (no manifest.json); make one with "
+                           "tpdiag.capture(model, out=DIR) in your job - or it was interrupted "
                            "(the manifest is written last)")
     m = io.read_json(mpath)
+    if isinstance(m, dict) and m.get("tool") == "tpdiag compare":
+        raise Inconclusive(f"{path}: a tpdiag compare run directory, not a capture; tpdiag diff compares "
+                           "two captures made with tpdiag.capture(model, out=DIR) (read a compare run "
+                           "with tpdiag report or tpdiag gate)")
     if m.get("tool") != CAPTURE_TOOL or not m.get("complete"):
         raise Inconclusive(f"{mpath}: not a complete tpdiag.capture manifest")
     return m

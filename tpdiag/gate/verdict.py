@@ -67,18 +67,22 @@ class GateResult:
         return next((d.violations[0] for d in self.degrees.values() if d.violations), None)
 
     def lines(self) -> list[str]:
-        first = self.first_violation.line() if self.first_violation else ""
+        # Each violation is printed once: the first in the headline, the others under their degree.
+        first = self.first_violation
         head = {"pass": "PASS - nothing diverges beyond policy",
-                "fail": f"FAIL - first divergent op beyond policy: {first}",
+                "fail": f"FAIL - first divergent op beyond policy: {first.line() if first else ''}",
                 "inconclusive": f"INCONCLUSIVE - {self.problems[0] if self.problems else ''}"}[self.status]
-        out = [f"gate: {head}", f"policy: {self.policy.source}"]
+        how = ("allow causes or per-module budgets with --policy FILE.toml" if self.policy.source == Policy.source
+               else "format")
+        out = [f"gate: {head}", f"policy: {self.policy.source} ({how}: docs/ci.md, 'The policy file')"]
         out += [f"evidence: {p}" for p in self.problems[1:]]
         for d in self.degrees.values():
             what = {"pass": f"pass ({d.checked} divergent records within policy)" if d.checked else "pass (bitwise)",
                     "skipped": "not gated by the policy", "error": f"error: {d.error}",
-                    "fail": f"fail ({len(d.violations)} records beyond policy)"}[d.status]
+                    "fail": f"fail ({len(d.violations)} records beyond policy"
+                            + ("; the first is in the headline)" if first in d.violations else ")")}[d.status]
             out.append(f"TP={d.label}: {what}")
-            out += [f"  {v.line()}" for v in d.violations[:5]]
+            out += [f"  {v.line()}" for v in d.violations[:5] if v is not first]
         return out
 
     def to_dict(self) -> dict:
@@ -258,8 +262,12 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
     from tpdiag.records.rundir import incomplete, read_rows
 
     res = GateResult(os.path.abspath(run_dir), policy)
-    if not os.path.isdir(run_dir):
-        res.problems.append(f"RUN_DIR {run_dir!r}: not a directory")
+    from tpdiag.rundir_check import require_run_dir
+
+    try:
+        require_run_dir(run_dir)
+    except BadInput as e:
+        res.problems.append(str(e))
         return res
     try:
         manifest = io.read_json(os.path.join(run_dir, "manifest.json"))

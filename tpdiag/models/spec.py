@@ -20,7 +20,7 @@ class ModelSpec:
 
 
 def parse_spec(spec: str) -> ModelSpec:
-    from tpdiag.models.tiny_llama import PRESETS
+    from tpdiag.models.presets import PRESETS
 
     spec = str(spec).strip()
     if spec in PRESETS:
@@ -96,7 +96,8 @@ def load_target(spec: ModelSpec, variant: str = "stock"):
 def model_divisors(spec: ModelSpec) -> dict[str, int]:
     """Dimensions every TP degree must divide, read without building the model where possible."""
     if spec.kind == "builtin":
-        from tpdiag.models.tiny_llama import PRESETS, LlamaConfig
+        from tpdiag.models.presets import PRESETS
+        from tpdiag.models.tiny_llama import LlamaConfig
 
         return LlamaConfig(**PRESETS[spec.value]).divisors()
     if spec.kind == "hf":

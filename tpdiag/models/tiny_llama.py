@@ -13,17 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# gpt-fast style presets: {name: kwargs}
-PRESETS: dict[str, dict] = {
-    # head_dim 16 keeps every column shard >= 16 wide at TP=8: on x86 CPU BLAS an 8-column
-    # GEMM takes another kernel path and is not bitwise equal to a column slice of the full one.
-    "tiny-llama": dict(vocab_size=512, dim=256, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=512),
-    "small-llama": dict(vocab_size=4096, dim=512, n_layers=4, n_heads=16, n_kv_heads=8, ffn_dim=1408),
-    # GPU-sized: the shapes of BACKGROUND.md's H200 measurement (d=1024, ffn=4096), fewer layers.
-    "medium-llama": dict(vocab_size=8192, dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, ffn_dim=4096),
-    # ~0.9B parameters, for the fix-cost benchmark on GPUs.
-    "llama-1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=5632),
-}
+from tpdiag.models.presets import PRESETS  # noqa: F401  (kept importable from here)
 
 
 @dataclass(frozen=True)

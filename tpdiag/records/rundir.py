@@ -5,7 +5,7 @@ import csv
 import os
 
 from tpdiag import io
-from tpdiag.errors import BadInput, Inconclusive
+from tpdiag.errors import Inconclusive
 
 # diff.csv's columns, in order: the diff engine writes one row per compared record and degree.
 ROW_FIELDS = ["degree", "idx", "key", "step", "phase", "module", "kind", "call", "name", "cls",
@@ -67,8 +67,9 @@ def records_dir(run_dir: str, manifest: dict, label: str) -> str:
 
 
 def load_run(run_dir: str) -> tuple[dict, dict, list[dict]]:
-    if not os.path.isdir(run_dir):
-        raise BadInput(f"RUN_DIR {run_dir!r}: not a directory; expected the --out directory of tpdiag compare")
+    from tpdiag.rundir_check import require_run_dir
+
+    require_run_dir(run_dir)
     manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
     why = incomplete(run_dir, manifest)
     if why:
