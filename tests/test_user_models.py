@@ -89,7 +89,7 @@ def test_user_exception_names_its_file_and_line(tmp_path_factory):
 
 
 @pytest.mark.parametrize("spec,tp,needle", [
-    (f"py:{MODEL}:target_no_plan", "1,2", "the Target's plan is empty"),
+    (f"py:{MODEL}:target_bad_plan", "1,2", "plan entry 'blocks.*.fc1' matches no module"),
     (f"py:{MODEL}:target", "1,3", "--tp 3: does not divide embed vocab=128"),
     ("hf:{stablelm}", "1,2", "stablelm has no tensor-parallel plan"),
     ("hf:{gpt_oss}", "1,2", "gpt_oss has no tensor-parallel plan"),

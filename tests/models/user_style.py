@@ -8,7 +8,7 @@ DTensor), `target_head_only` (only the head is split, its output gathered: the f
 loss are TP-invariant, the first difference is the head's dgrad into the final norm),
 `target_local_loss` (a user loss written for local shards, checking it gets them),
 `target_bad_loss` (a user loss that indexes local shards with global labels: IndexError at
-TP > 1), `target_no_plan` (an empty plan).
+TP > 1), `target_bad_plan` (a plan entry naming no module).
 """
 import torch
 import torch.distributed as dist
@@ -102,5 +102,7 @@ def target_bad_loss():
     return t
 
 
-def target_no_plan():
-    return tpdiag.Target(model=UserLM(), plan={}, vocab_size=VOCAB)
+def target_bad_plan():
+    t = target()
+    t.plan["blocks.*.fc1"] = t.plan.pop("block.fc1")  # a typo: no module is called blocks.N
+    return t

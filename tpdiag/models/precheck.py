@@ -3,10 +3,11 @@
 - hf:DIR: transformers' `base_model_tp_plan` for the config (read in the parent; no weights).
   With none, TP > 1 would shard nothing but the LM head (or nothing at all): a "TP=2" run that
   splits only the head is not the model at TP=2, so it is refused rather than reported.
-- py:: the Target is built on the meta device (no memory, no init) to read its plan: an empty
-  plan, a plan entry matching no module, or a degree not dividing a dimension the plan shards
-  (a column-parallel Linear's outputs, a row-parallel one's inputs, an embedding's vocab) or
-  one the Target lists in `divisors`.
+- py:: the Target is built on the meta device (no memory, no init) to read its plan: a plan
+  entry matching no module, or a degree not dividing a dimension the plan shards (a
+  column-parallel Linear's outputs, a row-parallel one's inputs, an embedding's vocab) or one
+  the Target lists in `divisors`. A py: plan is the user's own, so an empty one or one that
+  splits only the head is run as given (an empty plan is the replicated control: bitwise equal).
 """
 from __future__ import annotations
 
@@ -86,9 +87,6 @@ def check_plan(spec, degrees, variant: str = "stock") -> None:
     t = _py_target(spec, variant)
     if t is None:
         return
-    if not t.plan:
-        raise BadInput(f"--model py:{spec.value}: the Target's plan is empty, so TP={tp[0]} would "
-                       "split nothing; give Target.plan {module pattern: ParallelStyle}")
     names = [n for n, _ in t.model.named_modules()]
     for pattern in t.plan:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
