@@ -72,10 +72,12 @@ def test_llama_final_norm_is_linked_to_the_head_through_its_slice(llama):
 
     for label in DEGREES:
         events = [json.loads(x) for x in open(llama[2] / f"tp{label}" / "events.jsonl")]
-        norm = next(e for e in events if e["key"] == "s0/backward/model.norm/grad_out#0/0")
+        by_key = {e["key"]: e for e in events}
+        norm = by_key["s0/backward/model.norm/grad_out#0/0"]
         assert norm["consumers"] == ["lm_head"], norm
-        row = {**norm, "consumer_styles": ["colwise"]}
-        assert classify(row) == "column-parallel-dgrad"
+        # the head's style as recorded: the cause locate() names should this grad diverge first
+        head_style = by_key["s0/forward/lm_head/out#0/0"]["style"]
+        assert classify({**norm, "consumer_styles": [head_style]}) == "column-parallel-dgrad"
 
 
 def test_qwen3_first_divergence_and_head_norms(qwen3):
