@@ -22,7 +22,7 @@ def _compare(tmp_path_factory, kind):
     assert p.returncode == 0, p.stderr + p.stdout
     with open(out / "diff.csv") as f:
         rows = list(csv.DictReader(f))
-    return json.loads((out / "summary.json").read_text()), rows
+    return json.loads((out / "summary.json").read_text()), rows, out
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +62,26 @@ def _check_run(summary, rows, extra_bitwise=()):
 
 
 def test_llama_first_divergence(llama):
-    _check_run(*llama)
+    _check_run(*llama[:2])
+
+
+def test_llama_final_norm_is_linked_to_the_head_through_its_slice(llama):
+    # LlamaForCausalLM feeds lm_head `hidden_states[:, slice, :]`, a view of model.norm's
+    # output: the link makes the norm's grad_out the head's column-parallel dgrad, not unknown
+    from tpdiag.diff.locate import classify
+
+    for label in DEGREES:
+        events = [json.loads(x) for x in open(llama[2] / f"tp{label}" / "events.jsonl")]
+        by_key = {e["key"]: e for e in events}
+        norm = by_key["s0/backward/model.norm/grad_out#0/0"]
+        assert norm["consumers"] == ["lm_head"], norm
+        # the head's style as recorded: the cause locate() names should this grad diverge first
+        head_style = by_key["s0/forward/lm_head/out#0/0"]["style"]
+        assert classify({**norm, "consumer_styles": [head_style]}) == "column-parallel-dgrad"
 
 
 def test_qwen3_first_divergence_and_head_norms(qwen3):
-    summary, rows = qwen3
+    summary, rows, _ = qwen3
     _check_run(summary, rows, extra_bitwise=("q_norm", "k_norm"))
     for label in DEGREES:
         # q_norm/k_norm weight grads are all-reduced before tpdiag records them: the replica is

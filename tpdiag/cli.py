@@ -148,7 +148,19 @@ def compare(
         _console(stderr=True).print("interrupted")
         raise typer.Exit(130)
     _emit_summary(summary, fmt)
+    if debug:
+        _rank_tracebacks(summary.get("run_dir"))
     _exit_for(summary, fail_on_divergence)
+
+
+def _rank_tracebacks(run_dir: str | None) -> None:
+    """--debug: each failed rank's own traceback (saved in tpN/rankR.error), on stderr."""
+    if not run_dir:
+        return
+    from tpdiag.runner.rank_errors import rank_tracebacks
+
+    for label, rank, tb in rank_tracebacks(run_dir):
+        sys.stderr.write(f"--- TP={label} rank {rank} traceback ---\n{tb.rstrip()}\n")
 
 
 def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergence: bool,

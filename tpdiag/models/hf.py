@@ -194,7 +194,8 @@ def divisors_of(config) -> dict[str, int]:
     shard's shape) and vocab/intermediate (gather needs equal shards on every rank)."""
     c = text_config(config)
     out = {}
-    for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+    for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
+                "intermediate_size"):
         v = getattr(c, key, None)
         if isinstance(v, int):
             out[key] = v

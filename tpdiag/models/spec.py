@@ -111,7 +111,8 @@ def model_divisors(spec: ModelSpec) -> dict[str, int]:
             raise BadInput(f"--model hf:{spec.value}: config.json is not a JSON object")
         cfg = cfg.get("text_config", cfg)
         out = {}
-        for key in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+        for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
+                "intermediate_size"):
             if isinstance(cfg.get(key), int):
                 out[key] = cfg[key]
         return out

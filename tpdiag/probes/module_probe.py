@@ -28,6 +28,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
     # Which modules consumed each output: a grad_out is computed by its consumers' backward.
     from torch.utils.weak import WeakTensorKeyDictionary
 
+    # Keyed by the tensor and by its storage's base tensor, each to the records of every module
+    # that returned it (a parent returning its child's output, HF's LlamaModel returning its
+    # final norm's): a consumer that reads a view (`hidden[:, -k:]` before a causal LM head,
+    # a reshape) is linked to the modules whose output it views.
     producer = WeakTensorKeyDictionary()
     # this call's index per module, pairing its outputs with its inputs (a plain dict: an
     # attribute set on the module goes through nn.Module.__setattr__, ~10 us per call)
@@ -42,9 +46,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         rec.stack.append(name)
         for i, t in enumerate(_tensors(args, kwargs)):
             rec.add("in", name, str(i), t, call=call, style=styles[name], cls=classes[name])
-            src = producer.get(t)
-            if src is not None and not name.startswith(src["module"] + ".") and src["module"] != "model":
-                src.setdefault("consumers", []).append(name)
+            for src in _producers(producer, t):
+                if not name.startswith(src["module"] + ".") and src["module"] != "model":
+                    src.setdefault("consumers", []).append(name)
         return None
 
     perturb = os.environ.get("TPDIAG_TEST_PERTURB_PROBE")  # fault injection for the self-check
@@ -59,7 +63,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         for i, t in enumerate(_tensors(out)):
             meta = rec.add("out", name, str(i), t, call=call, style=styles[name], cls=classes[name])
             if meta is not None:
-                producer[t] = meta
+                _add_producer(producer, t, meta)
             if backward and t.requires_grad and t.grad_fn is not None:
                 handles.append(t.register_hook(_grad_hook(rec, name, str(i), call, styles[name],
                                                           classes[name], meta)))
@@ -85,6 +89,31 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
     finally:
         for h in handles:
             h.remove()
+
+
+def _root(t: torch.Tensor) -> torch.Tensor | None:
+    # a view's _base is the tensor owning the storage (never itself a view)
+    return getattr(t, "_base", None)
+
+
+def _add_producer(producer, t: torch.Tensor, meta: dict) -> None:
+    for key in (t, _root(t)):
+        if key is None:
+            continue
+        metas = producer.get(key)
+        if metas is None:
+            producer[key] = [meta]
+        elif meta not in metas:
+            metas.append(meta)
+
+
+def _producers(producer, t: torch.Tensor) -> list:
+    """The records of the modules whose output `t` is, or is a view of (the same storage)."""
+    own = producer.get(t)
+    if own is not None:
+        return own
+    root = _root(t)
+    return producer.get(root, []) if root is not None else []
 
 
 def _tensors(args, kwargs=None) -> list:

@@ -41,6 +41,9 @@ def validate(cfg: CompareConfig) -> None:
 
     spec = parse_spec(cfg.model)
     check_degrees(spec, cfg.degrees)
+    from tpdiag.models.precheck import check_plan
+
+    check_plan(spec, cfg.degrees, cfg.variant)
     if cfg.steps < 1:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
     import math

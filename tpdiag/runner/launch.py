@@ -123,15 +123,18 @@ def _failure(cfg: WorldConfig, procs, world: int, t0: float) -> WorldResult | No
     that then lost their peer, and an error of its own outranks 'connection closed'."""
     from tpdiag import io
     from tpdiag.runner import worker
+    from tpdiag.runner.rank_errors import describe
 
     time.sleep(0.5)  # siblings failing for the same reason report meanwhile
-    rank_errors, silent = {}, []
+    rank_errors, silent, in_user_code = {}, [], set()
     for r, p in enumerate(procs):
         path = worker.marker(cfg.out_dir, r, "error")
         if os.path.exists(path):
             try:
                 e = io.read_json(path)
-                rank_errors[r] = f"{e['type']}: {e['message']}"
+                rank_errors[r] = describe(e)
+                if e.get("where"):
+                    in_user_code.add(r)
             except Exception:
                 rank_errors[r] = "error marker unreadable"
         elif p.exitcode is not None and not os.path.exists(worker.marker(cfg.out_dir, r, "done")):
@@ -146,7 +149,8 @@ def _failure(cfg: WorldConfig, procs, world: int, t0: float) -> WorldResult | No
     else:
         own = [r for r, m in rank_errors.items() if not any(k in m for k in _PEER_LOST)]
         r = min(own) if own else min(rank_errors)
-        error = f"rank {r} raised {rank_errors[r]}"
+        # 'rank 0: IndexError at my_model.py:42 in forward: ...' when the user's code raised
+        error = f"rank {r}{':' if r in in_user_code else ' raised'} {rank_errors[r]}"
     return WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
                        error=error, rank_errors=rank_errors)
 

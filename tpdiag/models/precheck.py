@@ -1,0 +1,100 @@
+"""Refuse, before any world starts, a model that TP cannot split the way it is asked to.
+
+- hf:DIR: transformers' `base_model_tp_plan` for the config (read in the parent; no weights).
+  With none, TP > 1 would shard nothing but the LM head (or nothing at all): a "TP=2" run that
+  splits only the head is not the model at TP=2, so it is refused rather than reported.
+- py:: the Target is built on the meta device (no memory, no init) to read its plan: a plan
+  entry matching no module, or a degree not dividing a dimension the plan shards (a
+  column-parallel Linear's outputs, a row-parallel one's inputs, an embedding's vocab) or one
+  the Target lists in `divisors`. A py: plan is the user's own, so an empty one or one that
+  splits only the head is run as given (an empty plan is the replicated control: bitwise equal).
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+
+from tpdiag.errors import BadInput
+
+
+@functools.lru_cache(maxsize=8)
+def hf_base_plan(path: str) -> tuple[str, dict | None]:
+    """(model_type, base_model_tp_plan or None) of a hf:DIR, from transformers' config class."""
+    from tpdiag.models.hf import _transformers
+
+    _transformers()
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 - the world reports an unusable config in its own words
+        return "", {}
+    plans = [getattr(config, "base_model_tp_plan", None)]
+    if hasattr(config, "get_text_config"):
+        plans.append(getattr(config.get_text_config(), "base_model_tp_plan", None))
+    plan = next((p for p in plans if p), None)
+    return str(getattr(config, "model_type", "")), plan
+
+
+def _py_target(spec, variant: str):
+    import torch
+
+    from tpdiag.models.spec import load_target
+
+    try:
+        with torch.device("meta"):
+            return load_target(spec, variant)
+    except BadInput:
+        raise
+    except Exception:  # noqa: BLE001 - code that cannot build on meta: the world checks instead
+        return None
+
+
+def _sharded_dims(model, plan: dict) -> dict[str, int]:
+    """{'<module> <what>': size} of every dimension the plan splits across ranks."""
+    import torch
+
+    out = {}
+    for name, mod in model.named_modules():
+        style = next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), None)
+        w = getattr(mod, "weight", None)
+        if style is None or w is None or getattr(w, "ndim", 0) != 2:
+            continue
+        kind = type(style).__name__
+        is_embed = isinstance(mod, torch.nn.Embedding)
+        if kind == "ColwiseParallel":
+            out[f"{name} {'embedding dim' if is_embed else 'out_features'}"] = int(w.shape[1 if is_embed else 0])
+        elif kind == "RowwiseParallel":
+            out[f"{name} {'vocab' if is_embed else 'in_features'}"] = int(w.shape[0 if is_embed else 1])
+    return out
+
+
+def check_plan(spec, degrees, variant: str = "stock") -> None:
+    """Raise BadInput if some degree > 1 cannot split this model (see the module docstring)."""
+    tp = [d for d in degrees if d > 1]
+    if not tp:
+        return
+    if spec.kind == "hf":
+        model_type, plan = hf_base_plan(spec.value)
+        if model_type and not plan:
+            raise BadInput(f"--model hf:{spec.value}: {model_type} has no tensor-parallel plan in "
+                           "transformers (no base_model_tp_plan; at most the LM head would be split), "
+                           f"so TP={tp[0]} would not be the model at TP={tp[0]}; give it a plan as a "
+                           "py: target (docs/models.md)")
+        return
+    if spec.kind != "py":
+        return
+    t = _py_target(spec, variant)
+    if t is None:
+        return
+    names = [n for n, _ in t.model.named_modules()]
+    for pattern in t.plan:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise BadInput(f"--model py:{spec.value}: plan entry {pattern!r} matches no module of "
+                           "the model")
+    dims = {**_sharded_dims(t.model, t.plan), **dict(t.divisors or {})}
+    for d in tp:
+        bad = [f"{k}={v}" for k, v in dims.items() if v % d]
+        if bad:
+            raise BadInput(f"--tp {d}: does not divide {', '.join(bad[:3])}"
+                           f"{' (and more)' if len(bad) > 3 else ''} of py:{spec.value}")

@@ -1,0 +1,61 @@
+"""Logits that come back as unmarked local vocab shards, made whole for tpdiag's own numerics.
+
+torch's `ColwiseParallel()` defaults to `use_local_output=True`: each rank's head returns its
+plain local slice of the vocab, with nothing saying so. tpdiag's logprobs, loss and records need
+the whole vocab, so such a shard is re-marked as a vocab-sharded DTensor (`from_local`, no copy,
+no collective: the same bits, now with their placement) - read from the plan's style for the
+module that produced them, else from the shape (local vocab x TP = the model's vocab). A user
+loss still receives the plain local shard it was written for.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+
+
+def _head_of(model, plan: dict, vocab: int):
+    """(module name, mesh) of a plan entry that leaves vocab-sharded plain outputs: a
+    ColwiseParallel with use_local_output and a Shard(-1) output over a weight of `vocab` rows."""
+    from torch.distributed.tensor import DTensor
+
+    for name, mod in model.named_modules():
+        style = next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), None)
+        if style is None or type(style).__name__ != "ColwiseParallel":
+            continue
+        if not getattr(style, "use_local_output", False):
+            continue
+        out = getattr(style, "output_layouts", None)
+        out = out[0] if isinstance(out, tuple) and out else out
+        if out is None or not out.is_shard() or out.dim not in (-1,):
+            continue
+        w = getattr(mod, "weight", None)
+        if isinstance(w, DTensor) and w.shape[0] == vocab:
+            return name, w.device_mesh
+    return None, None
+
+
+def _any_mesh(model):
+    from torch.distributed.tensor import DTensor
+
+    return next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+
+
+def whole_vocab(logits, model, plan: dict, vocab: int, world: int):
+    """(logits for tpdiag, rule): `logits` as a vocab-sharded DTensor when they are a plain
+    local shard of the vocab (rule 'plan:<module>' or 'shape'), else unchanged (rule None)."""
+    if world <= 1 or type(logits) is not torch.Tensor or logits.ndim < 2:
+        return logits, None
+    n = logits.shape[-1]
+    if n == vocab or n * world != vocab:
+        return logits, None
+    name, mesh = _head_of(model, plan or {}, vocab)
+    rule = f"plan:{name}" if name is not None else "shape"
+    if mesh is None:
+        mesh = _any_mesh(model)
+    if mesh is None:
+        return logits, None
+    from torch.distributed.tensor import DTensor, Shard
+
+    # the rank order of the mesh is the vocab order of ColwiseParallel's weight shards
+    return DTensor.from_local(logits, mesh, [Shard(logits.ndim - 1)], run_check=False), rule
