@@ -8,9 +8,16 @@ its buggy twin (run forward-only: the in-place collectives have no autograd):
                             bias on every rank before the all-reduce (N x bias at TP=N)
   gather / gather_bug       column-parallel linear whose shards are all-gathered; the bug
                             concatenates them in reverse rank order
+  gather_dim_bug            the same, concatenated on the wrong dim and reshaped back
   scaled / scaled_bug       row-parallel projection scaled by 1/sqrt(fan-in); the bug uses
                             the local fan-in K/N instead of the global K (Megatron's
                             label-smoothing bug: a local size where the global one belongs)
+  split_gather_bug          a column shard (own module, no communication) and a separate,
+                            parameter-free all-gather module that reverses the rank order
+  good                      every correct layer above in one model (row, gather, scaled,
+                            split + gather): none may be called a sharding bug
+  bugs                      every bug above in one model, as parallel branches of the same
+                            input, so each is judged on its own in one world
 """
 import torch
 import torch.distributed as dist
@@ -65,24 +72,61 @@ class GatheredColumnLinear(nn.Module):
             return y
         parts = [torch.empty_like(y) for _ in range(n)]
         dist.all_gather(parts, y.contiguous())
+        if self.bug == "dim":
+            return torch.cat(parts, dim=-2).reshape(*y.shape[:-1], n * m)
         if self.bug:
             parts = parts[::-1]
         return torch.cat(parts, dim=-1)
 
 
+class ColumnShard(nn.Module):
+    """This rank's output columns of x W^T: a plain local shard, no communication."""
+
+    def __init__(self, din, dout):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dout, din) / din ** 0.5)
+
+    def forward(self, x):
+        r, n = _rank_world()
+        m = self.weight.shape[0] // n
+        return x @ self.weight[r * m:(r + 1) * m].t()
+
+
+class GatherLast(nn.Module):
+    """Hand-written all-gather of the last dim; no parameters."""
+
+    def __init__(self, bug=False):
+        super().__init__()
+        self.bug = bug
+
+    def forward(self, y):
+        r, n = _rank_world()
+        if n == 1:
+            return y
+        parts = [torch.empty_like(y) for _ in range(n)]
+        dist.all_gather(parts, y.contiguous())
+        return torch.cat(parts[::-1] if self.bug else parts, dim=-1)
+
+
 class LM(nn.Module):
-    def __init__(self, layer: nn.Module):
+    def __init__(self, *layers: nn.Module, branches=False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.proj = layer
+        self.layers = nn.ModuleList(layers)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.branches = branches
 
     def forward(self, input_ids):
-        return self.head(self.proj(self.embed(input_ids)))
+        h = self.embed(input_ids)
+        if self.branches:  # every layer reads the same (bitwise equal) input: judged apart
+            return self.head(h + sum(layer(h) for layer in self.layers))
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
 
 
-def _target(layer):
-    model = LM(layer)
+def _target(*layers, branches=False):
+    model = LM(*layers, branches=branches)
     return tpdiag.Target(model=model, plan={}, vocab_size=VOCAB,
                          inputs=lambda g: torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
 
@@ -109,3 +153,24 @@ def scaled():
 
 def scaled_bug():
     return _target(RowParallelLinear(DIM, DIM, scaled="local"))
+
+
+def gather_dim_bug():
+    return _target(GatheredColumnLinear(DIM, DIM, bug="dim"))
+
+
+def split_gather_bug():
+    return _target(nn.Sequential(ColumnShard(DIM, DIM), GatherLast(bug=True)))
+
+
+def good():
+    return _target(RowParallelLinear(DIM, DIM), GatheredColumnLinear(DIM, DIM),
+                   RowParallelLinear(DIM, DIM, scaled="global"),
+                   nn.Sequential(ColumnShard(DIM, DIM), GatherLast()))
+
+
+def bugs():
+    return _target(RowParallelLinear(DIM, DIM, bug=True), GatheredColumnLinear(DIM, DIM, bug=True),
+                   GatheredColumnLinear(DIM, DIM, bug="dim"),
+                   RowParallelLinear(DIM, DIM, scaled="local"),
+                   nn.Sequential(ColumnShard(DIM, DIM), GatherLast(bug=True)), branches=True)
