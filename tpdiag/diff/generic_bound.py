@@ -23,9 +23,12 @@ parameters differ by, propagated exactly through the linear map (|c|(|dx||W| + |
 A copy has no reduction: |c||dx| plus each side's rounding of the scaling.
 Fitting c adds an error of order u/sqrt(numel) relative to |c|, far inside the extra gamma term.
 How far from tight: gamma_K S is the worst case; rounding errors of random sign grow like
-sqrt(K) u S, so for the K of 64-4096 seen in practice the bound sits ~8-60x above a typical
-reordering (on the CPU test models: ratios 1e-3..1e-1), while a wrong bias, a permuted gather or
-a sqrt(N) scale is 1e3-1e6x beyond it. A model the reference does not fit gives no bound:
+sqrt(K) u S, not K u S. Measured (tests/test_generic_bound.py, K=512, TP=2,4,8, partials summed
+in three orders): fp32 reorderings reach 0.2-0.4% of the bound, bf16 6-9% (there the bf16
+rounding of each partial, u_bf16 S, dominates and S ~ sqrt(K) |y|); the hand-written CPU models
+of tests/test_handwritten_tp.py 2-3%. A wrong bias, a permuted gather or a sqrt(N) scale lands
+1e3-1e7x beyond it in fp32, but only a few times beyond in bf16 at K=512: there a bug of the
+size of y itself is close to what bf16 partials may legitimately lose. A model the reference does not fit gives no bound:
 the module computes something else (a nonlinearity, attention) and the cause stays `unknown`,
 with `why` saying so.
 """
