@@ -28,9 +28,12 @@ in three orders): fp32 reorderings reach 0.2-0.4% of the bound, bf16 6-9% (there
 rounding of each partial, u_bf16 S, dominates and S ~ sqrt(K) |y|); the hand-written CPU models
 of tests/test_handwritten_tp.py 2-3%. A wrong bias, a permuted gather or a sqrt(N) scale lands
 1e3-1e7x beyond it in fp32, but only a few times beyond in bf16 at K=512: there a bug of the
-size of y itself is close to what bf16 partials may legitimately lose. A model the reference does not fit gives no bound:
-the module computes something else (a nonlinearity, attention) and the cause stays `unknown`,
-with `why` saying so.
+size of y itself is close to what bf16 partials may legitimately lose.
+A model the reference does not fit gives no bound: the module computes something else (a
+nonlinearity, attention) and the cause stays `unknown`, with `why` saying so.
+The one assumption a fit cannot check: c is a constant of the module. A scale computed from
+the data by a reduction longer than K (y = z / ||z|| over the whole tensor) fits the reference
+too, and its own reordering is not in the bound.
 """
 from __future__ import annotations
 
@@ -192,6 +195,10 @@ def add_generic_bounds(dd, world: int) -> None:
         y1, yn = dd.tensors[row["key"]]
         if not y1.is_floating_point() or y1.shape != yn.shape or y1.dtype != yn.dtype:
             row["cause_why"] = "its output is not a floating tensor of one shape at both sides"
+            continue
+        if not _inputs(dd, row):
+            row["cause_why"] = ("its inputs were not recorded whole (hash capture, or the module "
+                                "takes no tensor), so no rounding bound could be derived")
             continue
         best = None
         for desc, bound, k in _candidates(dd, row, world):
