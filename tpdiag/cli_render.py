@@ -125,6 +125,9 @@ def summary_tables(console, summary: dict) -> None:
         t.add_row(label, st, where(fd) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
     _print_table(console, t)
     for label, d in summary["degrees"].items():
+        fd = d.get("first_divergence") or {}
+        if fd.get("why"):
+            console.print(f"TP={label}: cause {fd['cause']}: {fd['why']}")
         for f in d.get("findings") or []:
             console.print(f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({f['kind']} "
                           f"{f['name']}): {f['cause']}, max abs {_fmt(f['max_abs'])}"

@@ -86,6 +86,10 @@ def _baseline(run_dir, ref, label, failed, degree) -> dict:
         out["cause"] = "collective-nondeterminism" if degree > 1 else "nondeterministic-kernel"
         if fd:
             fd["cause"] = "collective-nondeterminism" if degree > 1 else "unknown"
+            fd.pop("why", None)
+            if degree == 1:
+                fd["why"] = ("the reference TP=1 does not reproduce itself: a kernel is "
+                             "nondeterministic run to run, which no TP layout explains")
     return out
 
 

@@ -47,6 +47,10 @@ def _pair_tensors(ra: Assembled, oa: Assembled):
 
 
 def _in_flight(op_name: str) -> bool:
+    if op_name.startswith("c10d::"):
+        # an in-place collective of user code (dist.all_reduce): the op returns before its work
+        # completes, so the recorded copy holds the rank's partial or the result, by timing
+        return True
     return op_name.startswith("_c10d_functional::") and not op_name.startswith("_c10d_functional::wait_tensor")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds
+from tpdiag.diff import bits, bounds, generic_bound
 from tpdiag.diff.engine import DegreeDiff
 
 CAUSES = ("row-parallel-reduction", "shape-dependent-gemm", "vocab-parallel-softmax",
@@ -53,6 +53,7 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         row["bound"] = chk.bound
         row["bound_ratio"] = chk.ratio
         row["beyond_bound"] = chk.beyond
+    generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
     _loss_bounds(dd)
     # NaN/Inf where the reference has a finite value (or the reverse) is no rounding: a wrong
     # result. Its first appearance is the finding; everything after merely inherits it.
@@ -115,6 +116,7 @@ def classify(row: dict) -> str:
                 return "shape-dependent-gemm"
             if cls in EMBED_CLASSES:
                 return "sharding-bug"
+            return row.get("generic_cause") or "unknown"
         return "unknown"
     if phase == "loss":
         return "vocab-parallel-softmax" if kind in ("logprobs", "loss") else "unknown"
@@ -149,6 +151,7 @@ def _describe(row: dict) -> dict:
            "mismatch_fraction": row["mismatch_fraction"], "bound": row.get("bound"),
            "bound_ratio": row.get("bound_ratio"),
            "style": row.get("style")}
+    _explain(out, row)
     if row["kind"] == "in":
         parent = row["module"].rpartition(".")[0] or "model"
         out["module"] = parent
@@ -158,6 +161,13 @@ def _describe(row: dict) -> dict:
     else:
         out["detail"] = "every input it consumed was bitwise equal; its output is not"
     return out
+
+
+def _explain(out: dict, row: dict) -> None:
+    if row.get("bound_model"):
+        out["bound_model"] = row["bound_model"]
+    if out["cause"] == "unknown":
+        out["why"] = generic_bound.why_unknown(row)
 
 
 def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
@@ -174,6 +184,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
                  "name": r["name"], "step": r["step"], "cause": classify(r),
                  "max_abs": r.get("rank_max_abs", r["max_abs"]) if r.get("rank_consistent") is False
                  else r["max_abs"], "bound": r.get("bound"), "bound_ratio": r.get("bound_ratio")}
+            _explain(f, r)
             findings.append(f)
     fd = _describe(first) if first else None
     if fd is not None and op_row is not None:
@@ -203,12 +214,14 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
     lo = rows[j]["idx"] if j >= 0 else -1
     window = rows[j + 1:i]
     hit = next((r for r in window if not r["bitwise"]), None)
-    if hit is not None:
-        return hit
     extra = sorted((m for m in dd.uncompared if lo < m["idx"] < first["idx"]
                     and m["why"] in ("only at this degree", "collective output before wait_tensor")),
                    key=lambda m: m["idx"])
-    return extra[0] if extra else None
+    if extra and (hit is None or extra[0]["idx"] < hit["idx"] and extra[0]["name"].startswith("c10d::")):
+        # a hand-written in-place collective ran before the first differing shared op: the
+        # difference entered through it (its own output is not comparable)
+        return extra[0]
+    return hit
 
 
 def logprob_stats(dd: DegreeDiff) -> dict | None:

@@ -27,8 +27,10 @@ WHY = {
 ACTION = {
     "rank-inconsistent-replica": "Find which rank's copy is wrong: the replica must be written by the same "
                                  "code on every rank (broadcast it, or make the kernel deterministic).",
-    "sharding-bug": "Check this module's entry in the TP plan (input/output layouts, which dimension is "
-                    "sharded, whether a reduction is missing) - no numerical fix applies to a wrong result.",
+    "sharding-bug": "Check this module's entry in the TP plan, or its hand-written collectives (input/output "
+                    "layouts, which dimension is sharded, the order of gathered shards, whether a "
+                    "reduction is missing or a bias or scale is applied per rank) - no numerical fix "
+                    "applies to a wrong result.",
     "unknown": "Rerun with `--granularity op` to name the op inside the module.",
 }
 
@@ -112,7 +114,7 @@ def verdict(label: str, ref: str, d: dict, fix_of) -> dict:
     cause = fd.get("cause") or "unknown"
     fix, available = fix_of(cause)
     detail = fd.get("detail") or ""
-    why = f"Cause: {cause} - {WHY.get(cause, WHY['unknown'])}."
+    why = f"Cause: {cause} - {fd.get('why') if cause == 'unknown' and fd.get('why') else WHY.get(cause, WHY['unknown'])}."
     if detail:
         why += f" {detail[:1].upper()}{detail[1:]}."
     findings = [f"{f.get('phase')} {f.get('module')} ({KIND_WORDS.get(f.get('kind'), f.get('kind'))}): "

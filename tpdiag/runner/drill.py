@@ -79,6 +79,12 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
             entry["findings"] += [{**f, "from": "region rerun"} for f in sub_entry.get("findings", [])
                                   if (f["phase"], f["module"], f["kind"], f["name"]) not in seen]
+        if ops and fd.get("cause") == "unknown" and sfd.get("cause"):
+            # the rerun saw the module's ops, which name the reordering inside a generic bound
+            fd["cause"] = sfd["cause"]
+            fd.pop("why", None)
+            if "why" in sfd:
+                fd["why"] = sfd["why"]
         if ops and sfd.get("op"):
             for k in _OPS:
                 if k in sfd:
