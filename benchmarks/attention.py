@@ -33,6 +33,7 @@ def _parse(argv):
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--sweep", action="store_true", help="time candidate tile configs of the Triton kernels")
+    p.add_argument("--keep-config", action="store_true", help="after --sweep, time the shipped tiles anyway")
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     p.add_argument("--no-checks", action="store_true", help="timings only")
     p.add_argument("--json", default=None)
@@ -153,37 +154,53 @@ def _time(torch, f, q, k, v, do) -> tuple[float, float]:
 
 
 def _sweep(torch, q, k, v, do, causal) -> dict:
+    """Time candidate tiles: forward; then the dk/dv pass (dq tiles fixed), then the dq pass
+    (best dk/dv tiles). Returns the timings and the best AttnConfig's fields."""
     from triton.testing import do_bench
 
     from tpdiag.kernels import attention_triton as at
 
     base = at.CONFIGS[q.dtype]
     sc = 1.0 / math.sqrt(q.shape[-1])
-    fwd_c = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4),
-             (128, 32, 4, 3), (256, 64, 8, 3)]
-    bwd_c = [(32, 128, 4, 3, 128, 32, 4, 3), (64, 128, 8, 3, 128, 64, 8, 3), (32, 64, 4, 3, 64, 32, 4, 3),
-             (64, 64, 4, 3, 64, 64, 4, 3), (32, 128, 8, 2, 128, 32, 8, 2), (64, 128, 4, 2, 128, 64, 4, 2),
-             (16, 128, 4, 3, 128, 16, 4, 3)]
-    res = {"fwd": [], "bwd": []}
+    fwd_c = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 128, 8, 3),
+             (128, 128, 8, 4), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 4, 4)]
+    kv_c = [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3),
+            (64, 128, 4, 3), (16, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 2)]
+    q_c = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3),
+           (128, 64, 4, 3), (64, 16, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2)]
+    res = {"fwd": [], "kv": [], "q": []}
+
+    def bench(fn):
+        try:
+            return do_bench(fn, warmup=25, rep=150, return_mode="median")
+        except Exception as e:  # a config that does not compile (shared memory) is skipped
+            return f"failed: {type(e).__name__}"
+
+    def best(rows):
+        ok = [r for r in rows if isinstance(r["ms"], float)]
+        return min(ok, key=lambda r: r["ms"])["cfg"]
+
     for c in fwd_c:
         cfg = dataclasses.replace(base, fwd_m=c[0], fwd_n=c[1], fwd_warps=c[2], fwd_stages=c[3])
-        try:
-            ms = do_bench(lambda: at.forward(q, k, v, causal, sc, cfg), warmup=25, rep=150, return_mode="median")
-        except Exception as e:  # a config that does not compile (shared memory) is skipped
-            ms = f"failed: {type(e).__name__}"
-        res["fwd"].append({"cfg": c, "ms": ms})
-        print("sweep fwd", c, ms, flush=True)
+        res["fwd"].append({"cfg": c, "ms": bench(lambda: at.forward(q, k, v, causal, sc, cfg))})
+        print("sweep fwd", res["fwd"][-1], flush=True)
+    f = best(res["fwd"])
+    base = dataclasses.replace(base, fwd_m=f[0], fwd_n=f[1], fwd_warps=f[2], fwd_stages=f[3])
     o, lse = at.forward(q, k, v, causal, sc, base)
-    for c in bwd_c:
-        cfg = dataclasses.replace(base, kv_m=c[0], kv_n=c[1], kv_warps=c[2], kv_stages=c[3],
-                                  q_m=c[4], q_n=c[5], q_warps=c[6], q_stages=c[7])
-        try:
-            ms = do_bench(lambda: at.backward(do, q, k, v, o, lse, causal, sc, cfg), warmup=25, rep=150,
-                          return_mode="median")
-        except Exception as e:
-            ms = f"failed: {type(e).__name__}"
-        res["bwd"].append({"cfg": c, "ms": ms})
-        print("sweep bwd", c, ms, flush=True)
+    for c in kv_c:
+        cfg = dataclasses.replace(base, kv_m=c[0], kv_n=c[1], kv_warps=c[2], kv_stages=c[3])
+        res["kv"].append({"cfg": c, "ms": bench(lambda: at.backward(do, q, k, v, o, lse, causal, sc, cfg))})
+        print("sweep bwd (dk/dv tiles)", res["kv"][-1], flush=True)
+    c = best(res["kv"])
+    base = dataclasses.replace(base, kv_m=c[0], kv_n=c[1], kv_warps=c[2], kv_stages=c[3])
+    for c in q_c:
+        cfg = dataclasses.replace(base, q_m=c[0], q_n=c[1], q_warps=c[2], q_stages=c[3])
+        res["q"].append({"cfg": c, "ms": bench(lambda: at.backward(do, q, k, v, o, lse, causal, sc, cfg))})
+        print("sweep bwd (dq tiles)", res["q"][-1], flush=True)
+    c = best(res["q"])
+    base = dataclasses.replace(base, q_m=c[0], q_n=c[1], q_warps=c[2], q_stages=c[3])
+    res["best"] = base.to_dict()
+    print("sweep best", res["best"], flush=True)
     return res
 
 
@@ -212,6 +229,15 @@ def main(argv=None) -> dict:
     result = {"meta": meta, "backends": {}}
     if args.sweep:
         result["sweep"] = _sweep(torch, q, k, v, do, not args.no_causal)
+        if not args.keep_config:
+            # the table below then times the best tiles found here (say so where it is reported)
+            from tpdiag.kernels import attention_triton as at
+
+            at.CONFIGS[dtype] = at.AttnConfig(**result["sweep"]["best"])
+    from tpdiag.kernels import attention_triton as _at
+
+    result["invariant_config"] = _at.CONFIGS[dtype].to_dict()
+    print("invariant-triton tiles", result["invariant_config"], flush=True)
     for name, f in _backends(args, torch, F).items():
         row = {}
         try:
@@ -229,6 +255,19 @@ def main(argv=None) -> dict:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         result["backends"][name] = row
         print(name, json.dumps(row), flush=True)
+    # the same kernels called directly, without autograd: how much of fwd+bwd is the Function
+    try:
+        from triton.testing import do_bench
+
+        sc = 1.0 / math.sqrt(D)
+
+        def direct():
+            o, lse = _at.forward(q, k, v, not args.no_causal, sc)
+            _at.backward(do, q, k, v, o, lse, not args.no_causal, sc)
+        result["invariant_direct_fwdbwd_ms"] = do_bench(direct, warmup=50, rep=300, return_mode="median")
+        print("invariant-triton direct fwd+bwd (no autograd) ms", result["invariant_direct_fwdbwd_ms"], flush=True)
+    except Exception as e:
+        print("direct timing failed:", type(e).__name__, e, flush=True)
     if not args.no_checks:
         # the shipped kernel at GQA and fp32 too (checks only, smaller shapes)
         from tpdiag.kernels.attention import invariant_sdpa
