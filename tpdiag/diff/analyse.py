@@ -7,7 +7,7 @@ import os
 
 from tpdiag import io
 from tpdiag.diff.engine import ROW_FIELDS, diff_degree
-from tpdiag.diff.locate import add_bounds, locate, logprob_stats
+from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats
 from tpdiag.errors import Inconclusive
 from tpdiag.probes.store import RecordSet
 
@@ -85,9 +85,9 @@ def _baseline(run_dir, ref, label, failed, degree) -> dict:
     if not ok:
         fd = entry.get("first_divergence")
         out["first_divergence"] = fd
-        out["cause"] = "collective-nondeterminism" if degree > 1 else "nondeterministic-kernel"
+        out["cause"] = baseline_cause(fd, degree)
         if fd:
-            fd["cause"] = "collective-nondeterminism" if degree > 1 else "unknown"
+            fd["cause"] = out["cause"]
     return out
 
 

@@ -25,30 +25,75 @@ def use_triton(q: torch.Tensor, mask) -> bool:
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
+_OPS = None
+
+
+def _ops():
+    """Register the kernels as torch custom ops (once): a TorchDispatchMode (tpdiag's op probe)
+    then sees one op per call with the whole head shard as its output, not the per-head ops
+    inside, which hold other heads at other TP degrees."""
+    global _OPS
+    if _OPS is not None:
+        return _OPS
+    lib = "tpdiag"
+
+    def fwd_torch(q, k, v, mask, causal, scale):
+        return attention_torch.forward(q, k, v, mask, causal, scale)
+
+    def bwd_torch(do, q, k, v, mask, causal, scale):
+        return attention_torch.backward(do, q, k, v, mask, causal, scale)
+
+    def fwd_triton(q, k, v, causal, scale, cfg):
+        from tpdiag.kernels import attention_triton
+
+        return attention_triton.forward(q, k, v, causal, scale, attention_triton.AttnConfig(*cfg))
+
+    def bwd_triton(do, q, k, v, o, lse, causal, scale, cfg):
+        from tpdiag.kernels import attention_triton
+
+        return attention_triton.backward(do, q, k, v, o, lse, causal, scale, attention_triton.AttnConfig(*cfg))
+
+    cl = torch.library.custom_op
+    _OPS = {
+        "fwd_torch": cl(f"{lib}::inv_attn_fwd_torch", fwd_torch, mutates_args=(),
+                        schema="(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor"),
+        "bwd_torch": cl(f"{lib}::inv_attn_bwd_torch", bwd_torch, mutates_args=(),
+                        schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale)"
+                               " -> (Tensor, Tensor, Tensor)"),
+        "fwd_triton": cl(f"{lib}::inv_attn_fwd_triton", fwd_triton, mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, bool causal, float scale, int[] cfg) -> (Tensor, Tensor)"),
+        "bwd_triton": cl(f"{lib}::inv_attn_bwd_triton", bwd_triton, mutates_args=(),
+                         schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, "
+                                "float scale, int[] cfg) -> (Tensor, Tensor, Tensor)"),
+    }
+    return _OPS
+
+
 class _Attn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, triton_cfg):
+        ops = _ops()
         if triton_cfg is not None:
-            from tpdiag.kernels import attention_triton
-
-            o, lse = attention_triton.forward(q, k, v, causal, scale, triton_cfg)
+            cfg = list(triton_cfg.to_dict().values())
+            o, lse = ops["fwd_triton"](q, k, v, causal, scale, cfg)
             ctx.save_for_backward(q, k, v, o, lse)
+            ctx.cfg = cfg
         else:
-            o = attention_torch.forward(q, k, v, mask, causal, scale)
+            o = ops["fwd_torch"](q, k, v, mask, causal, scale)
             ctx.save_for_backward(q, k, v)
-        ctx.mask, ctx.causal, ctx.scale, ctx.cfg = mask, causal, scale, triton_cfg
+            ctx.cfg = None
+        ctx.mask, ctx.causal, ctx.scale = mask, causal, scale
         return o
 
     @staticmethod
     def backward(ctx, do):
+        ops = _ops()
         if ctx.cfg is not None:
-            from tpdiag.kernels import attention_triton
-
             q, k, v, o, lse = ctx.saved_tensors
-            dq, dk, dv = attention_triton.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.cfg)
+            dq, dk, dv = ops["bwd_triton"](do.contiguous(), q, k, v, o, lse, ctx.causal, ctx.scale, ctx.cfg)
         else:
             q, k, v = ctx.saved_tensors
-            dq, dk, dv = attention_torch.backward(do, q, k, v, ctx.mask, ctx.causal, ctx.scale)
+            dq, dk, dv = ops["bwd_torch"](do, q, k, v, ctx.mask, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None, None
 
 
