@@ -251,3 +251,60 @@ def test_cli_locates_planted_attention_kernel_and_confirms(tmp_path):
     conf = d["confirmation"]
     assert conf["fix"] == "invariant-attention" and conf["verdict"] == "confirmed", conf
     assert conf["first_divergence_after"] is None and conf.get("status_after") == "bitwise", conf
+
+
+def test_cause_labels():
+    from tpdiag.diff.locate import CAUSES, attention_op, baseline_cause
+
+    assert {"attention-kernel", "nondeterministic-kernel"} <= set(CAUSES)
+    for op in ("aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_cudnn_attention_backward",
+               "aten::_efficient_attention_forward", "higher_order::flex_attention",
+               "aten::_scaled_dot_product_flash_attention_for_cpu"):
+        assert attention_op(op), op
+    assert not attention_op("aten::mm") and not attention_op(None)
+    # a non-reproducible reference: an op that is no collective is a kernel, at any degree
+    assert baseline_cause({"op": "aten::_scaled_dot_product_flash_attention_backward"}, 2) == "nondeterministic-kernel"
+    assert baseline_cause({"op": "_c10d_functional::all_reduce"}, 2) == "collective-nondeterminism"
+    assert baseline_cause({"op": None}, 1) == "nondeterministic-kernel"
+    assert baseline_cause({"op": None}, 2) == "collective-nondeterminism"
+
+
+DTENSOR_SCRIPT = r"""
+import os, torch, torch.distributed as dist, torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from tpdiag.errors import BadInput
+from tpdiag.fixes.attention import invariant_attention
+from tpdiag.kernels.attention import invariant_sdpa
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+q, k, v = (torch.randn(2, 4, 8, 8) for _ in range(3))
+ref = invariant_sdpa(q, k, v, is_causal=True)
+ok = True
+with invariant_attention():
+    for pl in ([Shard(1)], [Replicate()]):
+        dq, dk, dv = (DTensor.from_local(t, mesh, pl) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+        ok = ok and isinstance(o, DTensor) and tuple(o.placements) == tuple(pl) and torch.equal(o.to_local(), ref)
+    try:
+        F.scaled_dot_product_attention(DTensor.from_local(q, mesh, [Shard(2)]), DTensor.from_local(k, mesh, [Shard(2)]),
+                                       DTensor.from_local(v, mesh, [Shard(2)]), is_causal=True)
+        ok = False
+    except BadInput as e:
+        ok = ok and "placements" in str(e)
+dist.destroy_process_group()
+print("RESULT", ok)
+"""
+
+
+def test_dtensor_inputs_run_on_local_shards():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=ROOT, PORT=str(port))
+    p = subprocess.run([sys.executable, "-c", DTENSOR_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert "RESULT True" in p.stdout, (p.stdout[-1000:], p.stderr[-2000:])
