@@ -243,7 +243,7 @@ def test_cli_locates_planted_attention_kernel_and_confirms(tmp_path):
     without invariant-attention it diverges), and confirm with invariant-attention is bitwise."""
     others = ",".join(n for n in resolve("all") if n != "invariant-attention")
     s = compare(tmp_path, "--model", "py:tests/models/planted_attention.py:target", "--tp", "1,2",
-                "--granularity", "op", "--fix", others)
+                "--granularity", "auto", "--fix", others)
     d = s["degrees"]["2"]
     fd = d["first_divergence"]
     assert s["status"] == "divergent" and fd["cause"] == "attention-kernel", fd
