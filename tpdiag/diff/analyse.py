@@ -5,7 +5,7 @@ import os
 
 from tpdiag import io
 from tpdiag.diff.engine import diff_degree
-from tpdiag.diff.locate import add_bounds, locate, logprob_stats
+from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats
 from tpdiag.errors import Inconclusive
 from tpdiag.records.store import RecordSet
 
@@ -83,12 +83,12 @@ def _baseline(run_dir, ref, label, failed, degree) -> dict:
     if not ok:
         fd = entry.get("first_divergence")
         out["first_divergence"] = fd
-        out["cause"] = "collective-nondeterminism" if degree > 1 else "nondeterministic-kernel"
+        out["cause"] = baseline_cause(fd, degree)
         if fd:
-            fd["cause"] = "collective-nondeterminism" if degree > 1 else "unknown"
+            fd["cause"] = out["cause"]
             fd.pop("why", None)
-            if degree == 1:
-                fd["why"] = ("the reference TP=1 does not reproduce itself: a kernel is "
+            if out["cause"] == "nondeterministic-kernel":
+                fd["why"] = ("the reference does not reproduce itself: a kernel is "
                              "nondeterministic run to run, which no TP layout explains")
     return out
 

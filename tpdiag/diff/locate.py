@@ -13,7 +13,25 @@ from tpdiag.diff.engine import DegreeDiff
 
 CAUSES = ("row-parallel-reduction", "shape-dependent-gemm", "vocab-parallel-softmax",
           "column-parallel-dgrad", "norm-weight-grad", "grad-norm", "collective-nondeterminism",
-          "rank-inconsistent-replica", "sharding-bug", "unknown")
+          "rank-inconsistent-replica", "sharding-bug", "unknown", "attention-kernel",
+          "nondeterministic-kernel")
+# an op whose name holds one of these is an attention kernel (SDPA backends, FlexAttention)
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention",
+                 "flex_attention")
+COLLECTIVE_OPS = ("c10d", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def attention_op(op: str | None) -> bool:
+    return bool(op) and any(a in op for a in ATTENTION_OPS)
+
+
+def baseline_cause(fd: dict | None, degree: int) -> str:
+    """Why the reference rerun differs from itself: a collective (only at TP > 1), or else an
+    op/kernel - the first non-reproducible record is an op that is no collective, or TP=1."""
+    op = (fd or {}).get("op")
+    if op and not any(c in op for c in COLLECTIVE_OPS):
+        return "nondeterministic-kernel"
+    return "collective-nondeterminism" if degree > 1 else "nondeterministic-kernel"
 NORM_CLASSES = ("RMSNorm", "LayerNorm", "LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm",
                 "MistralRMSNorm", "GemmaRMSNorm")
 EMBED_CLASSES = ("Embedding", "VocabParallelEmbedding")
@@ -199,6 +217,10 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             fd["op_max_abs"] = op_row["max_abs"]
     elif fd is not None and first["kind"] == "op":
         fd["op"] = first["name"].rsplit("#", 1)[0]
+    if (fd is not None and attention_op(fd["op"]) and not first.get("beyond_bound")
+            and fd["cause"] != "rank-inconsistent-replica"):
+        # the difference enters in an attention kernel whose inputs were bitwise equal
+        fd["cause"] = "attention-kernel"
     return {"first_divergence": fd, "findings": findings}
 
 

@@ -77,3 +77,15 @@ def _det(model, plan, world):
 register(Fix("deterministic-collectives", ("collective-nondeterminism",),
              ("_c10d_functional::all_reduce (DTensor Partial -> Replicate)",),
              "all-gather + rank-ordered sum: deterministic at a fixed TP, not TP-invariant", _det))
+
+
+def _attention(model, plan, world):
+    from tpdiag.fixes.attention import attention_fix
+
+    return attention_fix(model, plan, world)
+
+
+register(Fix("invariant-attention", ("attention-kernel",), ("F.scaled_dot_product_attention",),
+             "own attention kernels, fixed tiles, no split-KV, separate dq pass (no atomics): Triton on "
+             "CUDA; per-(batch, head) fp32 torch loop on the CPU or with an explicit mask (slow)",
+             _attention))

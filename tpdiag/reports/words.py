@@ -21,6 +21,11 @@ WHY = {
                                  "one world (a missing broadcast or all-reduce, or a nondeterministic kernel)",
     "sharding-bug": "the difference is far beyond the rounding bound of a reordered sum: a wrong result "
                     "(wrong shard, missing or doubled reduction, wrong scale), not a reordering",
+    "attention-kernel": "an attention kernel (scaled-dot-product / flash / efficient / cuDNN / flex) gave other "
+                        "bits for bitwise-equal inputs: its result depends on the heads or batch per call, or "
+                        "its backward is not deterministic",
+    "nondeterministic-kernel": "the reference does not reproduce itself and the first difference is an op, "
+                               "not a collective: a nondeterministic kernel (atomics, split reductions)",
     "unknown": "tpdiag cannot name the cause from the layout alone",
 }
 

@@ -90,6 +90,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                 if k in sfd:
                     fd[k] = sfd[k]
             fd["op_run_dir"] = out
+            if sfd.get("cause") == "attention-kernel":  # a cause only the op's name can tell
+                fd["cause"] = sfd["cause"]
         elif ops and not fd.get("op"):
             fd["op_detail"] = "op-level rerun did not name an op for this first divergence"
     return summary

@@ -1,0 +1,80 @@
+"""The invariant-attention fix: every F.scaled_dot_product_attention call made while the fix is
+on runs tpdiag's invariant attention (tpdiag/kernels/attention.py).
+
+Installed as a TorchFunctionMode, so it catches the call however the caller reached it (the
+built-in models, transformers' sdpa_attention_forward, a py: model's own call) without
+editing model code. DTensor q/k/v (all sharded on the head dim, or all replicated, on one
+mesh) run on their local shards - attention is independent per head - and are wrapped back
+with the same placements; any other DTensor layout is refused in one line.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from tpdiag.errors import BadInput
+
+SDPA = F.scaled_dot_product_attention
+_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _bind(args, kwargs) -> dict:
+    bound = dict(zip(_NAMES, args))
+    for k, v in kwargs.items():
+        if k not in _NAMES:
+            raise BadInput(f"invariant-attention: scaled_dot_product_attention argument {k!r} is not supported")
+        bound[k] = v
+    return bound
+
+
+def _local(bound: dict):
+    """DTensor q/k/v -> (local q/k/v, a function that wraps the output back)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    qkv = [bound[n] for n in ("query", "key", "value")]
+    isd = [isinstance(t, DTensor) for t in qkv]
+    mask = bound.get("attn_mask")
+    if not any(isd) and not isinstance(mask, DTensor):
+        return None
+    if not all(isd) or isinstance(mask, DTensor):
+        raise BadInput("invariant-attention: q/k/v must be all DTensors or all plain tensors, and a DTensor "
+                       "attn_mask is not supported")
+    pl = qkv[0].placements
+    ok = all(t.placements == pl and t.device_mesh == qkv[0].device_mesh for t in qkv)
+    if not ok or not all(p == Replicate() or p == Shard(1) for p in pl):
+        raise BadInput(f"invariant-attention: DTensor q/k/v placements {[t.placements for t in qkv]} are not "
+                       "supported (all Shard(1) on heads or all Replicate, on one mesh)")
+    for n, t in zip(("query", "key", "value"), qkv):
+        bound[n] = t.to_local()
+    mesh = qkv[0].device_mesh
+    return lambda o: DTensor.from_local(o, mesh, pl, run_check=False)
+
+
+class InvariantSDPAMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not SDPA:
+            return func(*args, **kwargs)
+        from tpdiag.kernels.attention import invariant_sdpa
+
+        bound = _bind(args, kwargs)
+        wrap = _local(bound)
+        out = invariant_sdpa(**bound)
+        return wrap(out) if wrap is not None else out
+
+
+@contextmanager
+def invariant_attention():
+    mode = InvariantSDPAMode()
+    mode.__enter__()
+    try:
+        yield mode
+    finally:
+        mode.__exit__(None, None, None)
+
+
+def attention_fix(model=None, plan=None, world: int = 1):
+    return invariant_attention()
