@@ -50,7 +50,7 @@ def worker(rank, world, port, args, size, q):
     from tpdiag.config import WorldConfig
     from tpdiag.fixes.registry import apply_fixes
     from tpdiag.runner import determinism
-    from tpdiag.runner.step import _numerics, build_model, loss_context, make_batch
+    from tpdiag.runner.step import _numerics, build_model, forward_call, loss_context, make_batch
 
     cuda = args.device == "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -67,6 +67,7 @@ def worker(rank, world, port, args, size, q):
                       dtype=args.dtype, device=args.device, batch_size=batch_size, seq_len=seq)
     target, model = build_model(cfg, dev, world)
     batch, labels = make_batch(cfg, target, dev)
+    fargs, fkwargs = forward_call(model, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -77,7 +78,7 @@ def worker(rank, world, port, args, size, q):
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
             t = time.perf_counter()
-            logits = model(**batch)
+            logits = model(*fargs, **fkwargs)
             with loss_context(world):
                 loss = loss_fn(logits, labels)
                 loss.backward()
