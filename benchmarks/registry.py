@@ -33,6 +33,8 @@ JOBS: dict[str, Job] = {
                         smoke_env={"TRITON_INTERPRET": "1", "TPDIAG_TRITON_CPU": "1"}),
     "record-hash": Job("benchmarks.jobs.record_hash", "record-hash Triton kernel == torch path bit for bit, "
                        "shards add up, queued HashBuffer launches", "CUDA"),
+    "tree-gemm": Job("benchmarks.jobs.tree_gemm", "tp-invariant-linear's group GEMM: tree_mm tiles vs "
+                     "per-group invariant-gemm vs cuBLAS, llama-1b TP=2 shapes", "CUDA"),
     "split-gemm": Job("benchmarks.jobs.split_gemm", "pre-split bf16x6/bf16x9 fp32 GEMM: error sources and "
                       "speed vs cuBLAS fp32 at 4096^3", "CUDA"),
     "compare": Job("benchmarks.jobs.compare", "`tpdiag compare` runs, one summary row each (--set 1b, "

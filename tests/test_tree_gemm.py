@@ -20,12 +20,13 @@ def _bits(t):
     return t.view(torch.int32)
 
 
+@pytest.mark.parametrize("even", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_tree_mm_subtrees_compose(dtype):
+def test_tree_mm_subtrees_compose(dtype, even):
     gen = torch.Generator().manual_seed(0)
     # M, N not tile multiples; groups of 24 = a masked tail in the interpreter's BLOCK_K 16, and
     # on a GPU (BLOCK_K 64) groups of 96
-    kg = 96 if CUDA else 24
+    kg = (128 if even else 96) if CUDA else (32 if even else 24)  # even: groups of whole BLOCK_Ks
     M, N, K = (300, 200, 8 * kg) if CUDA else (20, 24, 8 * kg)
     dev = "cuda" if CUDA else "cpu"
     a = (torch.randn(M, K, generator=gen) * 4).to(dtype).to(dev)

@@ -33,6 +33,8 @@ def _group_acc(a_ptr, b_ptr, offs_m, offs_n, k0, KG, stride_am, stride_ak, strid
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ki in range(0, tl.cdiv(KG, BLOCK_K)):
         offs_k = k0 + ki * BLOCK_K + offs_kb
+        if EVEN_K:  # group starts are multiples of BLOCK_K: vectorised loads along K
+            offs_k = tl.max_contiguous(tl.multiple_of(offs_k, BLOCK_K), BLOCK_K)
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
         if EVEN_K:
@@ -53,14 +55,19 @@ def _tree_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, KG,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # column tiles vary fastest: the programs in flight share one row block of A (read from HBM
+    # once) and all of B (weights: small enough to stay in L2). Which program computes a tile,
+    # and when, never changes what it computes.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # out-of-range rows/columns read row/column 0 and are masked at the store: a row's bits
     # never depend on what shares its tile
     offs_m = tl.where(offs_m < M, offs_m, 0)
     offs_n = tl.where(offs_n < N, offs_n, 0)
+    offs_m = tl.max_contiguous(tl.multiple_of(offs_m, BLOCK_M), BLOCK_M)
+    offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     # the fixed pairing; at most log2(GROUPS) + 1 accumulators live at once
     s = _group_acc(a_ptr, b_ptr, offs_m, offs_n, 0, KG, stride_am, stride_ak, stride_bk,
                    stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
@@ -112,9 +119,11 @@ def supported(a: torch.Tensor, b: torch.Tensor, groups: int) -> bool:
             and groups in (1, 2, 4, 8) and a.shape[-1] % groups == 0)
 
 
-def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int) -> torch.Tensor:
+def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles: tuple | None = None) -> torch.Tensor:
     """fp32 [M, N]: the balanced tree over `groups` equal K ranges of a [M, K] @ b [K, N]
-    (16-bit operands: their products are exact in fp32; each group summed in fp32)."""
+    (16-bit operands: their products are exact in fp32; each group summed in fp32). `tiles`
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) is for the benchmark's sweep only: other tiles,
+    other bits."""
     if not supported(a, b, groups):
         raise ValueError(f"tree_mm: 16-bit a, b of one dtype and 1/2/4/8 groups dividing K; got "
                          f"{a.dtype}/{b.dtype}, K={a.shape[-1]}, groups={groups}")
@@ -123,13 +132,13 @@ def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int) -> torch.Tensor:
     N = b.shape[1]
     kg = K // groups
     if a.is_cuda:
-        bm, bn, bk, warps, stages = _CUDA_TILES[a.dtype]
+        bm, bn, bk, warps, stages = tiles or _CUDA_TILES[a.dtype]
         upcast = False
     else:
         bm, bn, bk, warps, stages = _INTERPRETER_TILES
         upcast = True
     c = torch.empty(M, N, dtype=torch.float32, device=a.device)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
     kernel[grid](a, b, c, M, N, kg, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                  c.stride(0), c.stride(1), GROUPS=groups, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                  EVEN_K=kg % bk == 0, UPCAST=upcast, num_warps=warps, num_stages=stages)
