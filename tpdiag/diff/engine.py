@@ -73,7 +73,7 @@ def _hash_row(rm: dict, om: dict, label: str):
     layout = om.get("hash_layout")
     row.update(degree=label, layout=layout, shape=list(om["full_shape"]), hash_only=True,
                rank_consistent=(om.get("ranks_equal") if om.get("world", 1) > 1
-                                and not (layout or "").startswith("shard:") else None),
+                                and not (layout or "").startswith(("shard:", "strided:")) else None),
                consumers=om.get("consumers"), bitwise=rm["full_hash"] == om["full_hash"],
                max_abs=None, max_rel=None, max_ulp=None, mismatch_fraction=None, bound=None,
                beyond_bound=None, nonfinite_mismatch=sa["nonfinite"] != sb["nonfinite"])
@@ -98,7 +98,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
                 uncompared.append({**om, "why": "only at this degree"})
             continue
         seen.add(key)
-        if "partial" in (om.get("placement"), rm.get("placement")):
+        if any((p or "").startswith("partial") for p in (om.get("placement"), rm.get("placement"))):
             # an unreduced partial sum (a DTensor op before its all-reduce) is not a value of
             # the reference's computation; its reduced result is compared where it appears
             uncompared.append({**om, "why": "unreduced partial sum"})

@@ -102,7 +102,7 @@ def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
     idxs = [m["idx"] for m, t in records if t is None]
     if not idxs:
         return {}
-    ints, floats = hashbuf.take([lanes[i] for i, (m, t) in enumerate(records) if t is None])
+    ints, floats = _take(hashbuf, [lanes[i] for i, (m, t) in enumerate(records) if t is None])
     ints, floats = ints.to(device), floats.to(device)
     if world > 1:
         gi = [torch.empty_like(ints) for _ in range(world)] if rank == 0 else None
@@ -124,6 +124,28 @@ def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
     return {i: [share(gi[r][j], gf[r][j]) for r in range(len(gi))] for j, i in enumerate(idxs)}
 
 
+def _take(hashbuf, slots: list):
+    """hashbuf.take, where a slot may be a tuple of rows (a _StridedShard's pieces, each hashed
+    at its own offset): the pieces' lanes, counts and sums add up, their absmax is the max
+    (compared as float64 bit patterns: order-preserving for values >= 0)."""
+    if not any(isinstance(s, tuple) for s in slots):
+        return hashbuf.take(slots)
+    flat = [x for s in slots for x in (s if isinstance(s, tuple) else (s,))]
+    ints, floats = hashbuf.take(flat)
+    out_i, out_f, at = [], [], 0
+    for s in slots:
+        k = len(s) if isinstance(s, tuple) else 1
+        i, f = ints[at:at + k], floats[at:at + k]
+        at += k
+        lanes = i[:, :3].sum(0)
+        lanes[:2] &= 0xFFFFFFFF
+        if bool((i[:, 2] < 0).any()):  # a stale piece (STALE) makes the whole record stale
+            lanes[2] = i[:, 2].min()
+        out_i.append(torch.cat([lanes, i[:, 3].amax(0, keepdim=True)]))
+        out_f.append(f.sum(0))
+    return torch.stack(out_i), torch.stack(out_f)
+
+
 def _hash_meta(m: dict, shares: list, world: int) -> dict:
     from tpdiag.kernels.hash_buffer import STALE
     from tpdiag.probes.hashing import compose, hash_of_lanes
@@ -140,10 +162,10 @@ def _hash_meta(m: dict, shares: list, world: int) -> dict:
     def per_rank(shape):
         return [hash_of_lanes(s[0][0], s[0][1], m["dtype"], shape) for s in shares]
 
-    if layout and layout.startswith("shard:"):
+    if layout and layout.startswith(("shard:", "strided:")):
         ints, floats = compose(shares, "sum")
         out["ranks_equal"] = None
-    elif layout == "partial" or (layout == "unknown" and not equal):
+    elif (layout or "").startswith("partial") or (layout == "unknown" and not equal):
         # an unreduced partial sum, or shards whose place in the whole tensor is unknown (no
         # reference shape): per-rank hashes only, nothing to compare
         out.update(ranks_equal=equal, full_hash=None, rank_hashes=per_rank(m["local_shape"]))
