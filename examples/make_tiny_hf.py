@@ -43,6 +43,29 @@ CONFIGS = {
               "rms_norm_eps": 1e-6, "attention_bias": False, "use_sliding_window": False},
 }
 
+# MoE: 4 experts, top-2, expert width 64 (16 per rank at TP=4), 4 query/kv heads of 16.
+_MOE = {**_COMMON, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "head_dim": 16, "intermediate_size": 128, "vocab_size": 128, "num_experts_per_tok": 2}
+CONFIGS.update({
+    "qwen3_moe": {**_MOE, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "rms_norm_eps": 1e-6, "num_experts": 4, "moe_intermediate_size": 64,
+                  "decoder_sparse_step": 1, "norm_topk_prob": True, "use_sliding_window": False},
+    "mixtral": {**_MOE, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "rms_norm_eps": 1e-5, "num_local_experts": 4, "intermediate_size": 64},
+    # layer 0 dense (first_k_dense_replace), layer 1 MoE with a shared expert; MLA attention
+    # is unplanned (replicated) in transformers' plan
+    "deepseek_v3": {**_MOE, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                    "rms_norm_eps": 1e-6, "n_routed_experts": 4, "n_shared_experts": 1,
+                    "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 1,
+                    "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 16, "rope_interleave": True},
+    # no base_model_tp_plan in transformers 5.23: GPT_OSS_TP_PLAN below, written into config.json
+    "gpt_oss": {**_MOE, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                "rms_norm_eps": 1e-5, "num_local_experts": 4, "intermediate_size": 64,
+                "experts_per_token": 2, "sliding_window": 16, "layer_types":
+                ["sliding_attention", "full_attention"], "attention_bias": True},
+})
+
 
 def write_tiny(kind: str, out_dir: str, **overrides) -> str:
     """Write `out_dir/config.json` for a tiny `kind` model; returns out_dir."""
