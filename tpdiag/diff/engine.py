@@ -84,6 +84,12 @@ def _hash_row(rm: dict, om: dict, label: str):
     return row, None
 
 
+def _after_flip(rows: list[dict]) -> bool:
+    from tpdiag.diff.router import flipped
+
+    return any(flipped(r) for r in rows)
+
+
 def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> DegreeDiff:
     """keep(meta) -> bool: which assembled pairs to keep in memory (for bounds and plots)."""
     rows, unmatched, uncompared = [], [], []
@@ -126,6 +132,9 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
                 # occurrence lines up with a different reference op is left uncompared
                 uncompared.append({**om, "why": "no reference op of the same shape"})
                 continue
+            if _after_flip(rows):
+                uncompared.append({**om, "why": "after a router flip: expert token counts differ"})
+                continue
             raise NotComparable(f"TP={label}: {e}") from None
         row = {k: om.get(k) for k in ("idx", "key", "step", "phase", "module", "kind", "call", "name",
                                      "cls", "style", "dtype")}
@@ -134,6 +143,9 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
         row["shape"] = list(b.shape)
         row["rank_consistent"] = oa.rank_consistent
         row["consumers"] = om.get("consumers")
+        if (a.shape != b.shape or a.dtype != b.dtype) and _after_flip(rows):
+            uncompared.append({**om, "why": "after a router flip: expert token counts differ"})
+            continue
         if a.shape != b.shape or a.dtype != b.dtype:
             raise NotComparable(f"TP={label}: {key}: {a.dtype}{list(a.shape)} at the reference vs "
                                 f"{b.dtype}{list(b.shape)}")
