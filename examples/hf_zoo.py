@@ -85,7 +85,7 @@ def degrees_for(heads: dict) -> list[int]:
     return out
 
 
-def run_one(model_type: str, work: str, limit: float) -> dict:
+def run_one(model_type: str, work: str, limit: float, max_degree: int = 4) -> dict:
     mdir = os.path.join(work, "models", model_type)
     rdir = os.path.join(work, "runs", model_type)
     row = {"model_type": model_type}
@@ -94,7 +94,7 @@ def run_one(model_type: str, work: str, limit: float) -> dict:
     except Exception as e:  # noqa: BLE001 - any config failure is a row of the table
         row.update(result="config-error", detail=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return row
-    degs = degrees_for(heads)
+    degs = [d for d in degrees_for(heads) if d <= max_degree]
     row["degrees"] = degs
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.time()

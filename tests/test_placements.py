@@ -51,6 +51,11 @@ def _worker(rank, world, port, q):
         rec.add("out", f"partial-{op}", "0", d)
         fulls[f"partial-{op}"] = (None, d.full_tensor(), d.placements)
     out = gather_records(rec.records, torch.device("cpu"))
+    # hash mode: each shard hashed in place (a _StridedShard piece by piece), composed on rank 0
+    hrec = Recorder(world=world, rank=rank, mode="hash")
+    for name, make, shape in CASES:
+        hrec.add("out", name, "0", distribute_tensor(fulls[name][0], mesh, [make(pt)]))
+    hashed = gather_records(hrec.records, torch.device("cpu"), lanes=hrec.lanes, hashbuf=hrec.hashbuf)
     # uneven Shard: torch allows it; tpdiag's gather needs equal shards and says so (typed)
     rec2 = Recorder(world=world, rank=rank)
     rec2.add("out", "uneven", "0", distribute_tensor(torch.randn(5, 2, generator=g), mesh, [pt.Shard(0)]))
@@ -70,6 +75,16 @@ def _worker(rank, world, port, q):
                 and torch.equal(a.full.view(torch.int32), ft.view(torch.int32)),
                 # a negative control: rank 0's piece alone (what 'replicate' would have taken)
                 "rank0_only_equal": torch.equal(stored[0] if meta["stored"] == "stacked" else stored, ft)}
+        from tpdiag.kernels.hash_buffer import HashBuffer
+        from tpdiag.probes.hashing import hash_of_lanes
+
+        for meta, _ in hashed:
+            whole = fulls[meta["module"]][0]
+            buf = HashBuffer(torch.device("cpu"))
+            row = buf.take([buf.add(whole)])[0][0].tolist()
+            want = hash_of_lanes(row[0] & 0xFFFFFFFF, row[1] & 0xFFFFFFFF, meta["dtype"], list(whole.shape))
+            res[meta["module"]]["hash_equal"] = meta["full_hash"] == want
+            res[meta["module"]]["hash_layout"] = meta["hash_layout"]
         q.put({"res": res, "uneven": uneven})
     dist.barrier()
     dist.destroy_process_group()
@@ -89,6 +104,9 @@ def test_every_placement_gathers_bitwise_to_full_tensor(gathered):
     assert res["strided1x2"]["label"] == "strided:1:2" and res["strided0x3"]["label"] == "strided:0:3"
     assert res["shard-neg"]["label"] == "shard:2" and res["strided-sf1"]["label"] == "shard:0"
     assert res["partial-sum"]["label"] == "partial" and res["partial-max"]["label"] == "partial:max"
+    for name, _, _ in CASES:  # hash mode: the composed whole-tensor hash is the unsharded one
+        assert res[name]["hash_equal"], (name, res[name])
+    assert res["strided1x3"]["hash_layout"] == "strided:1:3"
     # negative control: the strided shards are not rank 0's piece (the old 'replicate' reading)
     for name in ("strided1x2", "strided0x3", "strided1x3"):
         assert not res[name]["rank0_only_equal"], name

@@ -225,6 +225,33 @@ class Recorder:
         return f"shard:{d}", list(full), d, full[d], self.rank * shape[d]
 
 
+def take_lanes(hashbuf, slots: list):
+    """hashbuf.take, where a slot may be a tuple of rows (a _StridedShard's pieces, each hashed
+    at its own offset): the pieces' lanes, counts and sums add up, their absmax is the max
+    (compared as float64 bit patterns: order-preserving for values >= 0)."""
+    if not any(isinstance(s, tuple) for s in slots):
+        return hashbuf.take(slots)
+    flat = [x for s in slots for x in (s if isinstance(s, tuple) else (s,))]
+    ints, floats = hashbuf.take(flat)
+    out_i, out_f, at = [], [], 0
+    for s in slots:
+        k = len(s) if isinstance(s, tuple) else 1
+        i, f = ints[at:at + k], floats[at:at + k]
+        at += k
+        lanes = i[:, :3].sum(0)
+        lanes[:2] &= 0xFFFFFFFF
+        if bool((i[:, 2] < 0).any()):  # a stale piece (STALE) makes the whole record stale
+            lanes[2] = i[:, 2].min()
+        out_i.append(torch.cat([lanes, i[:, 3].amax(0, keepdim=True)]))
+        out_f.append(f.sum(0))
+    return torch.stack(out_i), torch.stack(out_f)
+
+
+def is_stale(slot, stale) -> bool:
+    """slot: a row or a tuple of rows (take_lanes); stale: the buffer's stale rows."""
+    return any(s in stale for s in slot) if isinstance(slot, tuple) else slot in stale
+
+
 def record_key(meta: dict) -> str:
     """Alignment key across degrees: same model, same step/phase/module/call/name."""
     return f"s{meta['step']}/{meta['phase']}/{meta['module']}/{meta['kind']}#{meta['call']}/{meta['name']}"

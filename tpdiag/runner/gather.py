@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tpdiag.errors import Inconclusive
+from tpdiag.probes.recorder import take_lanes
 
 
 def _stream_signature(metas: list[dict]) -> int:
@@ -102,7 +103,7 @@ def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
     idxs = [m["idx"] for m, t in records if t is None]
     if not idxs:
         return {}
-    ints, floats = _take(hashbuf, [lanes[i] for i, (m, t) in enumerate(records) if t is None])
+    ints, floats = take_lanes(hashbuf, [lanes[i] for i, (m, t) in enumerate(records) if t is None])
     ints, floats = ints.to(device), floats.to(device)
     if world > 1:
         gi = [torch.empty_like(ints) for _ in range(world)] if rank == 0 else None
@@ -122,28 +123,6 @@ def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
         return [i[0] & 0xFFFFFFFF, i[1] & 0xFFFFFFFF, i[2]], [f[0], f[1], absmax]
 
     return {i: [share(gi[r][j], gf[r][j]) for r in range(len(gi))] for j, i in enumerate(idxs)}
-
-
-def _take(hashbuf, slots: list):
-    """hashbuf.take, where a slot may be a tuple of rows (a _StridedShard's pieces, each hashed
-    at its own offset): the pieces' lanes, counts and sums add up, their absmax is the max
-    (compared as float64 bit patterns: order-preserving for values >= 0)."""
-    if not any(isinstance(s, tuple) for s in slots):
-        return hashbuf.take(slots)
-    flat = [x for s in slots for x in (s if isinstance(s, tuple) else (s,))]
-    ints, floats = hashbuf.take(flat)
-    out_i, out_f, at = [], [], 0
-    for s in slots:
-        k = len(s) if isinstance(s, tuple) else 1
-        i, f = ints[at:at + k], floats[at:at + k]
-        at += k
-        lanes = i[:, :3].sum(0)
-        lanes[:2] &= 0xFFFFFFFF
-        if bool((i[:, 2] < 0).any()):  # a stale piece (STALE) makes the whole record stale
-            lanes[2] = i[:, 2].min()
-        out_i.append(torch.cat([lanes, i[:, 3].amax(0, keepdim=True)]))
-        out_f.append(f.sum(0))
-    return torch.stack(out_i), torch.stack(out_f)
 
 
 def _hash_meta(m: dict, shares: list, world: int) -> dict:
