@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -121,9 +122,24 @@ def run_one(model_type: str, work: str, limit: float, max_degree: int = 4) -> di
                           "findings": sorted({x["cause"] for x in d.get("findings", [])})}
         row["per_degree"] = per
     else:
-        lines = [ln for ln in (p.stderr or p.stdout).strip().splitlines() if ln.strip()]
-        row.update(result="error", detail=(lines[-1] if lines else f"exit {p.returncode}")[:200])
+        os.makedirs(rdir, exist_ok=True)
+        with open(os.path.join(rdir, "stderr.txt"), "w") as f:
+            f.write(p.stderr + p.stdout)
+        row.update(result="error", detail=_error_line(p.stderr + "\n" + p.stdout, p.returncode))
     return row
+
+
+def _error_line(text: str, code: int) -> str:
+    """tpdiag's one-line error, else the exception line of a traceback (a tpdiag bug: errors
+    should be one line), else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.lower().startswith("error"):
+            return ln[:220]
+    exc = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", ln)]
+    if exc:
+        return f"traceback: {exc[-1][:200]}"
+    return (lines[-1] if lines else f"exit {code}")[:220]
 
 
 def _cell(row: dict, label: str) -> str:
