@@ -56,13 +56,32 @@ def architectures() -> list[str]:
             continue
         if getattr(cls, "base_model_tp_plan", None):
             out.append(mt)
-    return out
+    return out + [m for m in SUPPLIED if m not in out]
+
+
+# Architectures with no plan in transformers whose plan tpdiag's examples supply (a
+# `base_model_tp_plan` key in config.json): built from examples/make_tiny_hf.py's config.
+SUPPLIED = ("gpt_oss",)
+
+
+def _make_tiny():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "tpdiag_example_make_tiny_hf", os.path.join(ROOT, "examples", "make_tiny_hf.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def tiny_config(model_type: str, out_dir: str) -> dict:
     """Write out_dir/config.json; returns the head counts a degree must divide."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if model_type in SUPPLIED:
+        cfg = _make_tiny().CONFIGS[model_type]
+        _make_tiny().write_tiny(model_type, out_dir)
+        return {k: cfg[k] for k in ("num_attention_heads", "num_key_value_heads")}
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     kw = {k: v for k, v in TINY.items() if k in defaults}
@@ -86,7 +105,8 @@ def degrees_for(heads: dict) -> list[int]:
     return out
 
 
-def run_one(model_type: str, work: str, limit: float, max_degree: int = 4) -> dict:
+def run_one(model_type: str, work: str, limit: float, max_degree: int = 4,
+            extra: tuple = ()) -> dict:
     mdir = os.path.join(work, "models", model_type)
     rdir = os.path.join(work, "runs", model_type)
     row = {"model_type": model_type}
@@ -102,7 +122,7 @@ def run_one(model_type: str, work: str, limit: float, max_degree: int = 4) -> di
     try:
         p = subprocess.run([sys.executable, "-m", "tpdiag.cli", "compare", "--model", f"hf:{mdir}",
                             "--tp", ",".join(map(str, degs)), "--out", rdir, "--no-confirm",
-                            "--format", "json", "--timeout", str(int(limit))],
+                            "--format", "json", "--timeout", str(int(limit)), *extra],
                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=limit + 60)
     except subprocess.TimeoutExpired:
         row.update(result="timeout", detail=f"over {limit:.0f} s", seconds=round(time.time() - t0))
@@ -158,6 +178,8 @@ def table(rows: list[dict], meta: str) -> str:
     out = [meta, "", "| architecture | result | TP=2 | TP=4 | s |", "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["model_type"]):
         res = r["result"]
+        if r["model_type"] in SUPPLIED:
+            r = {**r, "model_type": f"{r['model_type']} (plan supplied: examples/make_tiny_hf.py)"}
         if res in ("error", "config-error", "timeout"):
             out.append(f"| {r['model_type']} | {res} | {r.get('detail', '').replace('|', '/')} | | "
                        f"{r.get('seconds', '')} |")
