@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -85,6 +86,8 @@ def tiny_config(model_type: str, out_dir: str) -> dict:
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     kw = {k: v for k, v in TINY.items() if k in defaults}
+    if "qk_rope_head_dim" in kw and "head_dim" in kw:
+        kw["head_dim"] = kw["qk_rope_head_dim"]  # MLA: the rotary part is the head_dim rope sees
     lt = defaults.get("layer_types")
     if isinstance(lt, list) and lt:
         kw["layer_types"] = (lt * 2)[: TINY["num_hidden_layers"]]
@@ -117,6 +120,7 @@ def run_one(model_type: str, work: str, limit: float, max_degree: int = 4,
         return row
     degs = [d for d in degrees_for(heads) if d <= max_degree]
     row["degrees"] = degs
+    shutil.rmtree(rdir, ignore_errors=True)  # never read an older run's summary
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.time()
     try:
@@ -129,24 +133,33 @@ def run_one(model_type: str, work: str, limit: float, max_degree: int = 4,
         return row
     row["seconds"] = round(time.time() - t0, 1)
     row["exit"] = p.returncode
-    summ = os.path.join(rdir, "summary.json")
-    if p.returncode in (0, 1) and os.path.exists(summ):
-        with open(summ) as f:
-            s = json.load(f)
-        row["result"] = s["status"]
-        per = {}
-        for label, d in s.get("degrees", {}).items():
-            fd = d.get("first_divergence") or {}
-            per[label] = {"status": d.get("status"), "module": fd.get("module"),
-                          "cause": fd.get("cause"),
-                          "findings": sorted({x["cause"] for x in d.get("findings", [])})}
-        row["per_degree"] = per
-    else:
-        os.makedirs(rdir, exist_ok=True)
-        with open(os.path.join(rdir, "stderr.txt"), "w") as f:
-            f.write(p.stderr + p.stdout)
-        row.update(result="error", detail=_error_line(p.stderr + "\n" + p.stdout, p.returncode))
+    if read_summary(row, rdir):
+        return row
+    os.makedirs(rdir, exist_ok=True)
+    with open(os.path.join(rdir, "stderr.txt"), "w") as f:
+        f.write(p.stderr + p.stdout)
+    row.update(result="error", detail=_error_line(p.stderr + "\n" + p.stdout, p.returncode))
     return row
+
+
+def read_summary(row: dict, rdir: str) -> bool:
+    """Fill row from rdir/summary.json (an inconclusive run writes one too, with its error)."""
+    summ = os.path.join(rdir, "summary.json")
+    if not os.path.exists(summ):
+        return False
+    with open(summ) as f:
+        s = json.load(f)
+    row["result"] = s["status"]
+    if s.get("error"):
+        row["detail"] = s["error"][:220]
+    per = {}
+    for label, d in s.get("degrees", {}).items():
+        fd = d.get("first_divergence") or {}
+        per[label] = {"status": d.get("status"), "module": fd.get("module"), "cause": fd.get("cause"),
+                      "findings": sorted({x["cause"] for x in d.get("findings", [])}),
+                      "error": (d.get("error") or "")[:200]}
+    row["per_degree"] = per
+    return True
 
 
 def _error_line(text: str, code: int) -> str:
@@ -168,6 +181,8 @@ def _cell(row: dict, label: str) -> str:
         return "-"
     if d["status"] == "bitwise":
         return "bitwise"
+    if d["status"] == "failed":
+        return f"failed: {d.get('error', '')}".replace("|", "/")
     s = f"{d['status']}: {d['cause']} at `{d['module']}`"
     if d["findings"]:
         s += f"; findings: {', '.join(d['findings'])}"
@@ -180,7 +195,7 @@ def table(rows: list[dict], meta: str) -> str:
         res = r["result"]
         if r["model_type"] in SUPPLIED:
             r = {**r, "model_type": f"{r['model_type']} (plan supplied: examples/make_tiny_hf.py)"}
-        if res in ("error", "config-error", "timeout"):
+        if res in ("error", "config-error", "timeout", "inconclusive"):
             out.append(f"| {r['model_type']} | {res} | {r.get('detail', '').replace('|', '/')} | | "
                        f"{r.get('seconds', '')} |")
             continue

@@ -58,7 +58,8 @@ CONFIGS.update({
                     "rms_norm_eps": 1e-6, "n_routed_experts": 4, "n_shared_experts": 1,
                     "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 1,
                     "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-                    "qk_nope_head_dim": 8, "v_head_dim": 16, "rope_interleave": True},
+                    "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8,
+                    "rope_interleave": True},
     # no base_model_tp_plan in transformers 5.23: GPT_OSS_TP_PLAN below, written into config.json
     "gpt_oss": {**_MOE, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
                 "rms_norm_eps": 1e-5, "num_local_experts": 4, "intermediate_size": 64,
