@@ -19,6 +19,9 @@ WHY = {
                                  "nondeterministic (check `tpdiag doctor`)",
     "rank-inconsistent-replica": "a tensor that must be identical on every rank differs between ranks of "
                                  "one world (a missing broadcast or all-reduce, or a nondeterministic kernel)",
+    "router-flip": "an MoE router's top-k chose other experts for some tokens because its input differed "
+                   "within rounding upstream (a near-tie between the k-th and (k+1)-th score): a "
+                   "consequence of the first divergence, not a bug in the router",
     "sharding-bug": "the difference is far beyond the rounding bound of a reordered sum: a wrong result "
                     "(wrong shard, missing or doubled reduction, wrong scale), not a reordering",
     "unknown": "tpdiag cannot name the cause from the layout alone",
@@ -29,6 +32,8 @@ ACTION = {
                                  "code on every rank (broadcast it, or make the kernel deterministic).",
     "sharding-bug": "Check this module's entry in the TP plan (input/output layouts, which dimension is "
                     "sharded, whether a reduction is missing) - no numerical fix applies to a wrong result.",
+    "router-flip": "Fix the root cause upstream (the first divergence); a TP-invariant path up to the "
+                   "router keeps every expert choice.",
     "unknown": "Rerun with `--granularity op` to name the op inside the module.",
 }
 
