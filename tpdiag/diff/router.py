@@ -69,11 +69,15 @@ def analyse(dd, first_divergence: dict | None) -> list[dict]:
     """One finding per MoE block whose expert choice differs, in execution order."""
     out, seen_blocks = [], set()
     for row in dd.rows:
-        if not flipped(row) or row["key"] not in dd.tensors:
+        if not flipped(row):
             continue
         block = (row["step"], row.get("call"), _block(row["module"]))
         if block in seen_blocks:
             continue  # the router's output and the experts' input are the same choice
+        if row["key"] not in dd.tensors:  # hash capture: the choice changed, not known where
+            seen_blocks.add(block)
+            out.append(_hash_only(row, first_divergence))
+            continue
         a, b = dd.tensors[row["key"]]
         if a.dim() == 0 or a.shape != b.shape:
             continue
@@ -117,6 +121,21 @@ def analyse(dd, first_divergence: dict | None) -> list[dict]:
             f["cause"] = "unknown"
         out.append(f)
     return out
+
+
+def _hash_only(row: dict, first_divergence: dict | None) -> dict:
+    f = {"phase": row["phase"], "module": row["module"], "op": None, "kind": row["kind"],
+         "name": row["name"], "step": row["step"], "key": row["key"], "idx": row["idx"],
+         "cause": "router-flip", "root_cause": False, "max_abs": None, "bound": None,
+         "bound_ratio": None, "tokens": None, "experts": None, "margin": None,
+         "detail": "the expert choice differs (hash capture: which tokens is not recorded; "
+                   "rerun with --capture full for tokens, experts and margins)"}
+    if first_divergence is not None and first_divergence.get("key") != row["key"]:
+        f["root"] = {"key": first_divergence.get("key"), "module": first_divergence.get("module"),
+                     "cause": first_divergence.get("cause")}
+    else:
+        f["cause"] = "unknown"
+    return f
 
 
 def relabel_after(findings: list[dict], idxs: list[int], flips: list[dict]) -> None:
