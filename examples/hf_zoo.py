@@ -190,7 +190,8 @@ def _cell(row: dict, label: str) -> str:
 
 
 def table(rows: list[dict], meta: str) -> str:
-    out = [meta, "", "| architecture | result | TP=2 | TP=4 | s |", "|---|---|---|---|---|"]
+    out = [meta, "", "| architecture | result | TP=2 | TP=4 | wall s (whole compare, shared machine) |",
+           "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["model_type"]):
         res = r["result"]
         if r["model_type"] in SUPPLIED:
