@@ -86,6 +86,10 @@ def tiny_config(model_type: str, out_dir: str) -> dict:
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     kw = {k: v for k, v in TINY.items() if k in defaults}
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        v = defaults.get(key)
+        if isinstance(v, int) and v >= TINY["vocab_size"]:
+            kw[key] = 0  # a special token id past the tiny vocab (an embedding padding_idx assert)
     if "qk_rope_head_dim" in kw and "head_dim" in kw:
         kw["head_dim"] = kw["qk_rope_head_dim"]  # MLA: the rotary part is the head_dim rope sees
     lt = defaults.get("layer_types")
