@@ -201,7 +201,9 @@ def table(rows: list[dict], meta: str) -> str:
         if r["model_type"] in SUPPLIED:
             r = {**r, "model_type": f"{r['model_type']} (plan supplied: examples/make_tiny_hf.py)"}
         if res in ("error", "config-error", "timeout", "inconclusive"):
-            out.append(f"| {r['model_type']} | {res} | {r.get('detail', '').replace('|', '/')} | | "
+            detail = r.get("detail") or next((f"TP={k} {d['status']}: {d['error']}" for k, d in
+                                              r.get("per_degree", {}).items() if d.get("error")), "")
+            out.append(f"| {r['model_type']} | {res} | {detail.replace('|', '/')} | | "
                        f"{r.get('seconds', '')} |")
             continue
         t4 = _cell(r, "4") if 4 in r.get("degrees", []) else "(heads)"
