@@ -43,6 +43,49 @@ CONFIGS = {
               "rms_norm_eps": 1e-6, "attention_bias": False, "use_sliding_window": False},
 }
 
+# MoE: 4 experts, top-2, expert width 64 (16 per rank at TP=4), 4 query/kv heads of 16.
+_MOE = {**_COMMON, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "head_dim": 16, "intermediate_size": 128, "vocab_size": 128, "num_experts_per_tok": 2}
+CONFIGS.update({
+    "qwen3_moe": {**_MOE, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "rms_norm_eps": 1e-6, "num_experts": 4, "moe_intermediate_size": 64,
+                  "decoder_sparse_step": 1, "norm_topk_prob": True, "use_sliding_window": False},
+    "mixtral": {**_MOE, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "rms_norm_eps": 1e-5, "num_local_experts": 4, "intermediate_size": 64},
+    # layer 0 dense (first_k_dense_replace), layer 1 MoE with a shared expert; MLA attention
+    # is unplanned (replicated) in transformers' plan
+    "deepseek_v3": {**_MOE, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                    "rms_norm_eps": 1e-6, "n_routed_experts": 4, "n_shared_experts": 1,
+                    "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 1,
+                    "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8,
+                    "rope_interleave": True},
+    # no base_model_tp_plan in transformers 5.23: GPT_OSS_TP_PLAN below, written into config.json
+    "gpt_oss": {**_MOE, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                "rms_norm_eps": 1e-5, "num_local_experts": 4, "intermediate_size": 64,
+                "experts_per_token": 2, "sliding_window": 16, "layer_types":
+                ["sliding_attention", "full_attention"], "attention_bias": True},
+})
+
+# transformers 5.23's GptOssConfig has no base_model_tp_plan. A `base_model_tp_plan` key in
+# config.json is read by transformers (a config attribute) and so by tpdiag's hf: loader.
+# gpt_oss packs gate/up INTERLEAVED on the last dim of gate_up_proj [E, H, 2I] ([..., ::2] is
+# gate): an even contiguous chunk of that dim (Shard(-1), what 'rowwise' does to a non-'bias'
+# param) keeps every (gate, up) pair on one rank. down_proj [E, I, H] is cut on I (Shard(1),
+# 'colwise'). The attention sinks are per head: cut like the heads, with the attention module
+# running on local params. Caveat: down_proj_bias stays whole on every rank and
+# moe_tp_experts sums the ranks' outputs, so a non-zero down_proj_bias is counted TP times
+# (transformers initialises it to zero; trained weights would show it as a sharding-bug).
+GPT_OSS_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.self_attn": "local_params", "layers.*.self_attn.sinks": "colwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+    "layers.*.mlp.experts.gate_up_proj": "rowwise", "layers.*.mlp.experts.gate_up_proj_bias": "rowwise",
+    "layers.*.mlp.experts.down_proj": "colwise",
+}
+CONFIGS["gpt_oss"]["base_model_tp_plan"] = GPT_OSS_TP_PLAN
+
 
 def write_tiny(kind: str, out_dir: str, **overrides) -> str:
     """Write `out_dir/config.json` for a tiny `kind` model; returns out_dir."""

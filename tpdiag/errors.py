@@ -24,6 +24,10 @@ class NotComparable(Inconclusive):
     """Two captures that cannot be compared (different model, shapes, seeds, dtypes)."""
 
 
+class UnsupportedLayout(Inconclusive):
+    """A DTensor placement tpdiag does not know how to gather into the whole tensor."""
+
+
 class EnvironmentProblem(TpdiagError):
     """A backend or device that is not available here."""
 

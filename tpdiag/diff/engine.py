@@ -73,7 +73,7 @@ def _hash_row(rm: dict, om: dict, label: str):
     layout = om.get("hash_layout")
     row.update(degree=label, layout=layout, shape=list(om["full_shape"]), hash_only=True,
                rank_consistent=(om.get("ranks_equal") if om.get("world", 1) > 1
-                                and not (layout or "").startswith("shard:") else None),
+                                and not (layout or "").startswith(("shard:", "strided:")) else None),
                consumers=om.get("consumers"), bitwise=rm["full_hash"] == om["full_hash"],
                max_abs=None, max_rel=None, max_ulp=None, mismatch_fraction=None, bound=None,
                beyond_bound=None, nonfinite_mismatch=sa["nonfinite"] != sb["nonfinite"])
@@ -82,6 +82,12 @@ def _hash_row(rm: dict, om: dict, label: str):
         # |(|b| - |a|)| / |a| <= |b - a| / |a|: a lower bound on the relative error, from statistics
         row["norm_rel_diff"] = abs(nb - na) / na if na > 0 else (0.0 if nb == 0 else float("inf"))
     return row, None
+
+
+def _after_flip(rows: list[dict]) -> bool:
+    from tpdiag.diff.router import flipped
+
+    return any(flipped(r) for r in rows)
 
 
 def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> DegreeDiff:
@@ -98,7 +104,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
                 uncompared.append({**om, "why": "only at this degree"})
             continue
         seen.add(key)
-        if "partial" in (om.get("placement"), rm.get("placement")):
+        if any((p or "").startswith("partial") for p in (om.get("placement"), rm.get("placement"))):
             # an unreduced partial sum (a DTensor op before its all-reduce) is not a value of
             # the reference's computation; its reduced result is compared where it appears
             uncompared.append({**om, "why": "unreduced partial sum"})
@@ -109,7 +115,12 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
             uncompared.append({**om, "why": "collective output before wait_tensor"})
             continue
         if "hash" in (om.get("stored"), rm.get("stored")):
-            row, why = _hash_row(rm, om, label)
+            try:
+                row, why = _hash_row(rm, om, label)
+            except NotComparable:
+                if not _after_flip(rows):
+                    raise
+                row, why = None, "after a router flip: expert token counts differ"
             if row is None:
                 uncompared.append({**om, "why": why})
             else:
@@ -126,6 +137,9 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
                 # occurrence lines up with a different reference op is left uncompared
                 uncompared.append({**om, "why": "no reference op of the same shape"})
                 continue
+            if _after_flip(rows):
+                uncompared.append({**om, "why": "after a router flip: expert token counts differ"})
+                continue
             raise NotComparable(f"TP={label}: {e}") from None
         row = {k: om.get(k) for k in ("idx", "key", "step", "phase", "module", "kind", "call", "name",
                                      "cls", "style", "dtype")}
@@ -134,6 +148,9 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
         row["shape"] = list(b.shape)
         row["rank_consistent"] = oa.rank_consistent
         row["consumers"] = om.get("consumers")
+        if (a.shape != b.shape or a.dtype != b.dtype) and _after_flip(rows):
+            uncompared.append({**om, "why": "after a router flip: expert token counts differ"})
+            continue
         if a.shape != b.shape or a.dtype != b.dtype:
             raise NotComparable(f"TP={label}: {key}: {a.dtype}{list(a.shape)} at the reference vs "
                                 f"{b.dtype}{list(b.shape)}")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds, generic_bound
+from tpdiag.diff import bits, bounds, generic_bound, router
 from tpdiag.diff.engine import DegreeDiff
 
 CAUSES = ("row-parallel-reduction", "shape-dependent-gemm", "vocab-parallel-softmax",
           "column-parallel-dgrad", "norm-weight-grad", "grad-norm", "collective-nondeterminism",
-          "rank-inconsistent-replica", "sharding-bug", "unknown", "attention-kernel",
+          "rank-inconsistent-replica", "router-flip", "sharding-bug", "unknown", "attention-kernel",
           "nondeterministic-kernel")
 # an op whose name holds one of these is an attention kernel (SDPA backends, FlexAttention)
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention",
@@ -134,6 +134,10 @@ def classify(row: dict) -> str:
                 return "shape-dependent-gemm"
             if cls in EMBED_CLASSES:
                 return "sharding-bug"
+            if style == "moeexpertsparallel":
+                # transformers' moe_tp_experts: each rank ran its slice of every expert (down_proj
+                # cut on its input dim) and the partial outputs are all-reduced
+                return "row-parallel-reduction"
             return row.get("generic_cause") or "unknown"
         return "unknown"
     if phase == "loss":
@@ -195,9 +199,10 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
     diverged = [r for r in dd.rows if not r["bitwise"] or r.get("rank_consistent") is False]
     first = next((r for r in diverged if r["kind"] != "op"), None) or next(iter(diverged), None)
     op_row = _first_op(dd, first) if first is not None and first["kind"] != "op" else None
-    findings = []
+    findings, fidx = [], []
     for r in dd.rows:
         if r.get("beyond_bound") or r.get("rank_consistent") is False:
+            fidx.append(r["idx"])
             f = {"phase": r["phase"], "module": r["module"], "op": None, "kind": r["kind"],
                  "name": r["name"], "step": r["step"], "cause": classify(r),
                  "max_abs": r.get("rank_max_abs", r["max_abs"]) if r.get("rank_consistent") is False
@@ -205,6 +210,13 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             _explain(f, r)
             findings.append(f)
     fd = _describe(first) if first else None
+    flips = router.analyse(dd, fd)
+    if flips:
+        router.relabel_after(findings, fidx, flips)
+        order = sorted(range(len(findings) + len(flips)),
+                       key=lambda j: fidx[j] if j < len(findings) else flips[j - len(findings)]["idx"])
+        both = findings + flips
+        findings = [both[j] for j in order]
     if fd is not None and op_row is not None:
         fd["op"] = op_row["name"].rsplit("#", 1)[0]
         fd["op_record"] = op_row["key"]

@@ -34,17 +34,41 @@ def _dtensor_cls():
 
 
 def placement_label(t) -> str | None:
-    """'shard:D', 'replicate' or 'partial' for a 1-D-mesh DTensor; None for a plain tensor."""
+    """The layout label of a 1-D-mesh DTensor ('shard:D', 'strided:D:S', 'replicate', 'partial'
+    or 'partial:OP'); None for a plain tensor. A placement tpdiag cannot gather is an error:
+    reading it as a replica would take one rank's piece for the whole tensor."""
     if type(t) is torch.Tensor or not isinstance(t, _dtensor_cls()):
         return None
     (p,) = t.placements[:1] or (None,)
     if p is None:
         return "replicate"
-    if p.is_shard():
-        return f"shard:{p.dim % t.ndim}"
-    if p.is_partial():
-        return "partial"
-    return "replicate"
+    return label_of_placement(p, t.ndim)
+
+
+_PLACEMENTS: list = []
+
+
+def label_of_placement(p, ndim: int) -> str:
+    if not _PLACEMENTS:  # cached, as _dtensor_cls
+        from torch.distributed.tensor import placement_types as pt
+
+        _PLACEMENTS.extend((pt.Partial, pt.Replicate, pt.Shard, pt._StridedShard))
+    Partial, Replicate, Shard, _StridedShard = _PLACEMENTS
+    if isinstance(p, _StridedShard):
+        # is_shard() is False for it (torch 2.13): transformers' packed_colwise expert weights
+        s = int(p.split_factor)
+        return f"shard:{p.dim % ndim}" if s == 1 else f"strided:{p.dim % ndim}:{s}"
+    if type(p) is Shard:
+        return f"shard:{p.dim % ndim}"
+    if isinstance(p, Partial):
+        op = str(getattr(p, "reduce_op", "sum"))
+        return "partial" if op == "sum" else f"partial:{op}"
+    if type(p) is Replicate:
+        return "replicate"
+    from tpdiag.errors import UnsupportedLayout
+
+    raise UnsupportedLayout(f"DTensor placement {p!r} ({type(p).__name__}) is not one tpdiag can "
+                            "gather (known: Shard, _StridedShard, Replicate, Partial)")
 
 
 _DTYPE_NAMES: dict = {}
@@ -117,6 +141,8 @@ class Recorder:
             seen = self._hashed.get(id(t))
             if seen is not None and seen[0]() is t and seen[1] == version and seen[2] == where:
                 slot = seen[3]
+            elif layout_.startswith("strided:"):
+                slot = self._hash_strided(t, local, layout_)
             else:
                 slot = self._hash(local, dim, size, offset, t)
                 self._hashed[id(t)] = (weakref.ref(t), version, where, slot)
@@ -144,6 +170,20 @@ class Recorder:
         finally:
             self.enabled = True
 
+    def _hash_strided(self, t, local, layout: str) -> tuple:
+        """A _StridedShard holds, along its dim, the rank's chunk of each of `s` blocks: one hash
+        row per chunk, each at its own offset in the whole tensor (the lanes add up)."""
+        from tpdiag.records.layout import strided_pieces
+
+        _, d, s = layout.split(":")
+        d, s = int(d), int(s)
+        size, n, r = t.shape[d], t.device_mesh.size(), t.device_mesh.get_local_rank()
+        slots, at = [], 0
+        for offset, length in strided_pieces(size, n, s, r):
+            slots.append(self._hash(local.narrow(d, at, length), d, size, offset, t))
+            at += length
+        return tuple(slots)
+
     @contextmanager
     def _paused(self):
         was, self.enabled = self.enabled, False
@@ -163,6 +203,8 @@ class Recorder:
                 chunk = -(-size // n)  # torch.chunk's split, which Shard uses
                 offset = min(t.device_mesh.get_local_rank() * chunk, size)
                 return p, list(t.shape), d, size, offset
+            if p.startswith("strided:"):
+                return p, list(t.shape), int(p.split(":")[1]), None, 0  # pieces: _hash_strided
             return p, list(t.shape), None, None, 0
         if self.world == 1:
             return "replicate", shape, None, None, 0
@@ -177,6 +219,33 @@ class Recorder:
         if d is None:
             return "unknown", shape, None, None, 0
         return f"shard:{d}", list(full), d, full[d], self.rank * shape[d]
+
+
+def take_lanes(hashbuf, slots: list):
+    """hashbuf.take, where a slot may be a tuple of rows (a _StridedShard's pieces, each hashed
+    at its own offset): the pieces' lanes, counts and sums add up, their absmax is the max
+    (compared as float64 bit patterns: order-preserving for values >= 0)."""
+    if not any(isinstance(s, tuple) for s in slots):
+        return hashbuf.take(slots)
+    flat = [x for s in slots for x in (s if isinstance(s, tuple) else (s,))]
+    ints, floats = hashbuf.take(flat)
+    out_i, out_f, at = [], [], 0
+    for s in slots:
+        k = len(s) if isinstance(s, tuple) else 1
+        i, f = ints[at:at + k], floats[at:at + k]
+        at += k
+        lanes = i[:, :3].sum(0)
+        lanes[:2] &= 0xFFFFFFFF
+        if bool((i[:, 2] < 0).any()):  # a stale piece (STALE) makes the whole record stale
+            lanes[2] = i[:, 2].min()
+        out_i.append(torch.cat([lanes, i[:, 3].amax(0, keepdim=True)]))
+        out_f.append(f.sum(0))
+    return torch.stack(out_i), torch.stack(out_f)
+
+
+def is_stale(slot, stale) -> bool:
+    """slot: a row or a tuple of rows (take_lanes); stale: the buffer's stale rows."""
+    return any(s in stale for s in slot) if isinstance(slot, tuple) else slot in stale
 
 
 def record_key(meta: dict) -> str:

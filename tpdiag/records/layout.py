@@ -30,13 +30,53 @@ def full_shape_guess(meta: dict) -> list[int] | None:
     p, n = meta.get("placement"), meta.get("world", 1)
     if n == 1 or meta.get("stored") == "single" and p in (None, "replicate"):
         return shape
-    if p and p.startswith("shard:"):
+    if p and p.startswith(("shard:", "strided:")):
         d = int(p.split(":")[1])
         shape[d] *= n
         return shape
-    if p in ("replicate", "partial"):
+    if p == "replicate" or (p or "").startswith("partial"):
         return shape
     return None
+
+
+def strided_pieces(size: int, n: int, s: int, r: int) -> list[tuple[int, int]]:
+    """(offset, length) along the dim of rank r's pieces of a _StridedShard(split_factor=s) over
+    n ranks: the whole dim is s equal blocks (e.g. gate | up of a packed expert weight) and rank r
+    holds the r-th 1/n chunk of each, in block order - what torch's full_tensor() inverts
+    (checked against it in a real gloo world: tests/test_placements.py). torch 2.13 refuses a
+    size that s * n does not divide, so no uneven rule is guessed here."""
+    if size % (s * n):
+        raise NotComparable(f"a _StridedShard(split_factor={s}) dim of size {size} over {n} ranks "
+                            "is uneven; torch cannot build or gather it either")
+    block, chunk = size // s, size // (s * n)
+    return [(j * block + r * chunk, chunk) for j in range(s)]
+
+
+def unstride(shards: list[torch.Tensor], d: int, s: int) -> torch.Tensor:
+    """The whole tensor from every rank's _StridedShard local piece, rank order."""
+    n = len(shards)
+    chunk = shards[0].shape[d] // s
+    return torch.cat([sh.narrow(d, j * chunk, chunk) for j in range(s) for sh in shards[:n]], dim=d)
+
+
+def _strided(p: str) -> tuple[int, int]:
+    _, d, s = p.split(":")
+    return int(d), int(s)
+
+
+def _reduce_partial(p: str, shards: list[torch.Tensor], dtype) -> torch.Tensor:
+    op = p.partition(":")[2] or "sum"
+    if op in ("max", "min"):
+        st = torch.stack(shards)
+        return st.amax(0) if op == "max" else st.amin(0)
+    total = shards[0].to(torch.float64)
+    for sh in shards[1:]:
+        total = total + sh.to(torch.float64)
+    if op == "avg":
+        total = total / len(shards)
+    elif op != "sum":
+        raise NotComparable(f"partial placement with reduce op {op!r} cannot be gathered")
+    return total.to(dtype)
 
 
 def full_shape_from_pair(a: dict, b: dict) -> list[int] | None:
@@ -74,6 +114,10 @@ def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> A
         if p and p.startswith("shard:"):
             d = int(p.split(":")[1])
             return Assembled(torch.cat([stored] * n, dim=d), None, p, None)
+        if p and p.startswith("strided:"):
+            return Assembled(unstride([stored] * n, *_strided(p)), None, p, None)
+        if p and p.startswith("partial"):
+            return Assembled(_reduce_partial(p, [stored] * n, stored.dtype), None, p, None)
         if full_hint is None or list(full_hint) == local:
             return Assembled(stored, None, p or "replicate", True)
         d = shard_dim(local, list(full_hint), n)
@@ -84,11 +128,10 @@ def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> A
     shards = list(stored.unbind(0))
     if p and p.startswith("shard:"):
         return Assembled(torch.cat(shards, dim=int(p.split(":")[1])), shards, p, None)
-    if p == "partial":
-        total = shards[0].to(torch.float64)
-        for s in shards[1:]:
-            total = total + s.to(torch.float64)
-        return Assembled(total.to(stored.dtype), shards, "partial", None)
+    if p and p.startswith("strided:"):
+        return Assembled(unstride(shards, *_strided(p)), shards, p, None)
+    if p and p.startswith("partial"):
+        return Assembled(_reduce_partial(p, shards, stored.dtype), shards, p, None)
     if p == "replicate":
         return Assembled(shards[0], shards, "replicate", False)
     if full_hint is not None:

@@ -19,6 +19,9 @@ WHY = {
                                  "nondeterministic (check `tpdiag doctor`)",
     "rank-inconsistent-replica": "a tensor that must be identical on every rank differs between ranks of "
                                  "one world (a missing broadcast or all-reduce, or a nondeterministic kernel)",
+    "router-flip": "an MoE router's top-k chose other experts for some tokens because its input differed "
+                   "within rounding upstream (a near-tie between the k-th and (k+1)-th score): a "
+                   "consequence of the first divergence, not a bug in the router",
     "sharding-bug": "the difference is far beyond the rounding bound of a reordered sum: a wrong result "
                     "(wrong shard, missing or doubled reduction, wrong scale), not a reordering",
     "attention-kernel": "an attention kernel (scaled-dot-product / flash / efficient / cuDNN / flex) gave other "
@@ -36,6 +39,8 @@ ACTION = {
                     "layouts, which dimension is sharded, the order of gathered shards, whether a "
                     "reduction is missing or a bias or scale is applied per rank) - no numerical fix "
                     "applies to a wrong result.",
+    "router-flip": "Fix the root cause upstream (the first divergence); a TP-invariant path up to the "
+                   "router keeps every expert choice.",
     "unknown": "Rerun with `--granularity op` to name the op inside the module.",
 }
 

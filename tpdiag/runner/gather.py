@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tpdiag.errors import Inconclusive
+from tpdiag.probes.recorder import take_lanes
 
 
 def _stream_signature(metas: list[dict]) -> int:
@@ -102,7 +103,7 @@ def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
     idxs = [m["idx"] for m, t in records if t is None]
     if not idxs:
         return {}
-    ints, floats = hashbuf.take([lanes[i] for i, (m, t) in enumerate(records) if t is None])
+    ints, floats = take_lanes(hashbuf, [lanes[i] for i, (m, t) in enumerate(records) if t is None])
     ints, floats = ints.to(device), floats.to(device)
     if world > 1:
         gi = [torch.empty_like(ints) for _ in range(world)] if rank == 0 else None
@@ -140,10 +141,10 @@ def _hash_meta(m: dict, shares: list, world: int) -> dict:
     def per_rank(shape):
         return [hash_of_lanes(s[0][0], s[0][1], m["dtype"], shape) for s in shares]
 
-    if layout and layout.startswith("shard:"):
+    if layout and layout.startswith(("shard:", "strided:")):
         ints, floats = compose(shares, "sum")
         out["ranks_equal"] = None
-    elif layout == "partial" or (layout == "unknown" and not equal):
+    elif (layout or "").startswith("partial") or (layout == "unknown" and not equal):
         # an unreduced partial sum, or shards whose place in the whole tensor is unknown (no
         # reference shape): per-rank hashes only, nothing to compare
         out.update(ranks_equal=equal, full_hash=None, rank_hashes=per_rank(m["local_shape"]))

@@ -158,19 +158,20 @@ def _probe_selfcheck(bare, probed, device) -> dict:
     import torch.distributed as dist
 
     from tpdiag.diff.bits import bitwise_equal
+    from tpdiag.probes.recorder import is_stale, take_lanes
 
     kinds = {"logits", "logprobs", "loss", "grad_norm", "param"}
 
     def values(r):
         # hash mode keeps no tensor: its integer lanes (exact; the float sums are not) stand for it
         rows = [s for s in r.lanes if s is not None]
-        ints = dict(zip(rows, r.hashbuf.take(rows)[0])) if rows else {}
+        ints = dict(zip(rows, take_lanes(r.hashbuf, rows)[0])) if rows else {}
         # a stale row (changed in place before its queued hash) proves nothing: left out, so
         # its key counts as a mismatch (take() flushed the queue: the stale list is complete)
         stale = set(r.hashbuf.stale) if rows else set()
         return {m["key"]: (t if t is not None else ints[slot])
                 for (m, t), slot in zip(r.records, r.lanes)
-                if m["kind"] in kinds and slot not in stale}
+                if m["kind"] in kinds and not is_stale(slot, stale)}
 
     want, have = values(bare), values(probed)
     bad = sorted(k for k in want if k not in have or not bitwise_equal(want[k], have[k]))

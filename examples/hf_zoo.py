@@ -1,0 +1,265 @@
+"""Run `tpdiag compare` over every transformers causal-LM architecture that has a TP plan.
+
+    python examples/hf_zoo.py --work /tmp/zoo                 # all, resumable
+    python examples/hf_zoo.py --work /tmp/zoo --only llama,qwen3_moe
+    python examples/hf_zoo.py --work /tmp/zoo --table docs/models.md   # rewrite the table only
+
+Architectures: every model type of transformers' causal-LM auto mapping whose config class has a
+`base_model_tp_plan`. Each gets a tiny random config (2 layers, hidden 64, 4 heads of 16, vocab
+128, 4 experts top-2 where it is an MoE; only keys its config class knows are set), written as a
+config-only `hf:DIR` (tpdiag's seeded random init), and one compare at TP=1,2 - and 4 where the
+heads allow - with a per-model time limit. Results go to WORK/results.jsonl as they come (a rerun
+skips what is there); `--table FILE` writes the markdown table between the zoo markers of FILE.
+Only what actually ran is in the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEGIN, END = "<!-- zoo:begin -->", "<!-- zoo:end -->"
+
+# Applied where the config class has the key (its default instance's to_dict()).
+TINY = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 128,
+    "max_position_embeddings": 256, "use_cache": False, "attention_dropout": 0.0,
+    "hidden_dropout": 0.0, "dropout": 0.0,
+    # MoE
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "experts_per_token": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
+    "decoder_sparse_step": 1, "moe_layer_freq": 1,
+    # MLA (deepseek-style attention)
+    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "sliding_window": 64,
+}
+
+
+def architectures() -> list[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            cls = CONFIG_MAPPING[mt]
+        except (KeyError, ValueError, ImportError):
+            continue
+        if getattr(cls, "base_model_tp_plan", None):
+            out.append(mt)
+    return out + [m for m in SUPPLIED if m not in out]
+
+
+# Architectures with no plan in transformers whose plan tpdiag's examples supply (a
+# `base_model_tp_plan` key in config.json): built from examples/make_tiny_hf.py's config.
+SUPPLIED = ("gpt_oss",)
+
+
+def _make_tiny():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "tpdiag_example_make_tiny_hf", os.path.join(ROOT, "examples", "make_tiny_hf.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def tiny_config(model_type: str, out_dir: str) -> dict:
+    """Write out_dir/config.json; returns the head counts a degree must divide."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type in SUPPLIED:
+        cfg = _make_tiny().CONFIGS[model_type]
+        _make_tiny().write_tiny(model_type, out_dir)
+        return {k: cfg[k] for k in ("num_attention_heads", "num_key_value_heads")}
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    kw = {k: v for k, v in TINY.items() if k in defaults}
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        v = defaults.get(key)
+        if isinstance(v, int) and v >= TINY["vocab_size"]:
+            kw[key] = 0  # a special token id past the tiny vocab (an embedding padding_idx assert)
+    if "qk_rope_head_dim" in kw and "head_dim" in kw:
+        kw["head_dim"] = kw["qk_rope_head_dim"]  # MLA: the rotary part is the head_dim rope sees
+    lt = defaults.get("layer_types")
+    if isinstance(lt, list) and lt:
+        kw["layer_types"] = (lt * 2)[: TINY["num_hidden_layers"]]
+    cfg = cls(**kw)
+    if getattr(cfg, "text_config", None) is not None and hasattr(cfg, "get_text_config"):
+        pass  # composite configs are built as they come; the text part keeps its defaults
+    os.makedirs(out_dir, exist_ok=True)
+    cfg.save_pretrained(out_dir)
+    tc = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return {k: getattr(tc, k) for k in ("num_attention_heads", "num_key_value_heads")
+            if isinstance(getattr(tc, k, None), int)}
+
+
+def degrees_for(heads: dict) -> list[int]:
+    out = [1, 2]
+    if all(v % 4 == 0 for v in heads.values()):
+        out.append(4)
+    return out
+
+
+def run_one(model_type: str, work: str, limit: float, max_degree: int = 4,
+            extra: tuple = ()) -> dict:
+    mdir = os.path.join(work, "models", model_type)
+    rdir = os.path.join(work, "runs", model_type)
+    row = {"model_type": model_type}
+    try:
+        heads = tiny_config(model_type, mdir)
+    except Exception as e:  # noqa: BLE001 - any config failure is a row of the table
+        row.update(result="config-error", detail=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        return row
+    degs = [d for d in degrees_for(heads) if d <= max_degree]
+    row["degrees"] = degs
+    shutil.rmtree(rdir, ignore_errors=True)  # never read an older run's summary
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.time()
+    try:
+        p = subprocess.run([sys.executable, "-m", "tpdiag.cli", "compare", "--model", f"hf:{mdir}",
+                            "--tp", ",".join(map(str, degs)), "--out", rdir, "--no-confirm",
+                            "--format", "json", "--timeout", str(int(limit)), *extra],
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=limit + 60)
+    except subprocess.TimeoutExpired:
+        row.update(result="timeout", detail=f"over {limit:.0f} s", seconds=round(time.time() - t0))
+        return row
+    row["seconds"] = round(time.time() - t0, 1)
+    row["exit"] = p.returncode
+    if read_summary(row, rdir):
+        return row
+    os.makedirs(rdir, exist_ok=True)
+    with open(os.path.join(rdir, "stderr.txt"), "w") as f:
+        f.write(p.stderr + p.stdout)
+    row.update(result="error", detail=_error_line(p.stderr + "\n" + p.stdout, p.returncode))
+    return row
+
+
+def read_summary(row: dict, rdir: str) -> bool:
+    """Fill row from rdir/summary.json (an inconclusive run writes one too, with its error)."""
+    summ = os.path.join(rdir, "summary.json")
+    if not os.path.exists(summ):
+        return False
+    with open(summ) as f:
+        s = json.load(f)
+    row["result"] = s["status"]
+    if s.get("error"):
+        row["detail"] = s["error"][:220]
+    per = {}
+    for label, d in s.get("degrees", {}).items():
+        fd = d.get("first_divergence") or {}
+        per[label] = {"status": d.get("status"), "module": fd.get("module"), "cause": fd.get("cause"),
+                      "findings": sorted({x["cause"] for x in d.get("findings", [])}),
+                      "error": (d.get("error") or "")[:200]}
+    row["per_degree"] = per
+    return True
+
+
+def _error_line(text: str, code: int) -> str:
+    """tpdiag's one-line error, else the exception line of a traceback (a tpdiag bug: errors
+    should be one line), else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.lower().startswith("error"):
+            return ln[:220]
+    exc = [ln for ln in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", ln)]
+    if exc:
+        return f"traceback: {exc[-1][:200]}"
+    return (lines[-1] if lines else f"exit {code}")[:220]
+
+
+def _cell(row: dict, label: str) -> str:
+    d = row.get("per_degree", {}).get(label)
+    if d is None:
+        return "-"
+    if d["status"] == "bitwise":
+        return "bitwise"
+    if d["status"] == "failed":
+        return f"failed: {d.get('error', '')}".replace("|", "/")
+    s = f"{d['status']}: {d['cause']} at `{d['module']}`"
+    if d["findings"]:
+        s += f"; findings: {', '.join(d['findings'])}"
+    return s
+
+
+def table(rows: list[dict], meta: str) -> str:
+    out = [meta, "", "| architecture | result | TP=2 | TP=4 | wall s (whole compare, shared machine) |",
+           "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["model_type"]):
+        res = r["result"]
+        if r["model_type"] in SUPPLIED:
+            r = {**r, "model_type": f"{r['model_type']} (plan supplied: examples/make_tiny_hf.py)"}
+        if res in ("error", "config-error", "timeout", "inconclusive"):
+            detail = r.get("detail") or next((f"TP={k} {d['status']}: {d['error']}" for k, d in
+                                              r.get("per_degree", {}).items() if d.get("error")), "")
+            out.append(f"| {r['model_type']} | {res} | {detail.replace('|', '/')} | | "
+                       f"{r.get('seconds', '')} |")
+            continue
+        t4 = _cell(r, "4") if 4 in r.get("degrees", []) else "(heads)"
+        out.append(f"| {r['model_type']} | {res} | {_cell(r, '2')} | {t4} | {r.get('seconds', '')} |")
+    return "\n".join(out) + "\n"
+
+
+def write_table(path: str, rows: list[dict], meta: str) -> None:
+    with open(path) as f:
+        text = f.read()
+    block = f"{BEGIN}\n{table(rows, meta)}{END}"
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def load_rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True, help="models, runs and results.jsonl go here")
+    ap.add_argument("--only", default="", help="comma-separated model types (default: all)")
+    ap.add_argument("--limit", type=float, default=240.0, help="seconds per model")
+    ap.add_argument("--table", default="", help="write the markdown table into this file")
+    ap.add_argument("--no-run", action="store_true", help="only write the table from results")
+    args = ap.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    res_path = os.path.join(args.work, "results.jsonl")
+    rows = load_rows(res_path)
+    done = {r["model_type"] for r in rows}
+    if not args.no_run:
+        todo = [m for m in (args.only.split(",") if args.only else architectures()) if m not in done]
+        for mt in todo:
+            row = run_one(mt, args.work, args.limit)
+            print(json.dumps(row), flush=True)
+            with open(res_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            rows.append(row)
+    if args.table:
+        import torch
+        import transformers
+
+        meta = (f"Ran {time.strftime('%Y-%m-%d', time.gmtime(os.path.getmtime(res_path)))} with "
+                f"`examples/hf_zoo.py`: torch {torch.__version__}, transformers "
+                f"{transformers.__version__}, CPU gloo fp32, {platform.machine()} "
+                f"({os.cpu_count()} cores, shared), per-model limit {args.limit:.0f} s.")
+        write_table(args.table, rows, meta)
+
+
+if __name__ == "__main__":
+    main()

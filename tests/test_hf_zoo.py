@@ -1,0 +1,40 @@
+"""examples/hf_zoo.py over a representative handful, TP=1,2 in real gloo worlds: dense llama,
+per-head norms qwen3, MoE qwen3_moe (packed experts: torch _StridedShard weights)."""
+import csv
+import importlib.util
+import os
+
+import pytest
+
+pytest.importorskip("transformers", minversion="5")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("tpdiag_example_hf_zoo",
+                                               os.path.join(ROOT, "examples", "hf_zoo.py"))
+zoo = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(zoo)
+
+
+def test_zoo_handful_llama_qwen3_qwen3_moe(tmp_path):
+    rows = {m: zoo.run_one(m, str(tmp_path), limit=300, max_degree=2,
+                            extra=("--no-baseline",))
+            for m in ("llama", "qwen3", "qwen3_moe")}
+    for m, r in rows.items():
+        assert r["result"] == "divergent" and r["degrees"] == [1, 2], (m, r)
+        d = r["per_degree"]["2"]
+        # CPU fp32: the first difference is layer 0's row-parallel o_proj reduction, and nothing
+        # is beyond a rounding bound (before the fix for _StridedShard, qwen3_moe was inconclusive)
+        assert (d["cause"], d["module"]) == ("row-parallel-reduction",
+                                             "model.layers.0.self_attn.o_proj"), (m, d)
+        assert d["findings"] == [], (m, d)
+    with open(tmp_path / "runs" / "qwen3_moe" / "diff.csv") as f:
+        moe = {r["key"]: r for r in csv.DictReader(f) if r["degree"] == "2"}
+    gu = moe["s0/init/model.layers.0.mlp.experts/param_init#0/gate_up_proj"]
+    assert gu["layout"] == "strided:1:2" and gu["bitwise"] == "True", gu
+    # router scores and expert choice are records (the router-flip analysis reads them)
+    idx = moe["s0/forward/model.layers.0.mlp.gate/out#0/2"]
+    assert idx["dtype"] == "int64" and idx["shape"].endswith("x2")
+    assert moe["s0/forward/model.layers.0.mlp.experts/in#0/1"]["dtype"] == "int64"
+    assert moe["s0/forward/model.layers.0.mlp.gate/out#0/0"]["dtype"] == "float32"
+    md = zoo.table(list(rows.values()), "meta")
+    assert "| qwen3_moe | divergent | divergent: row-parallel-reduction at " in md
