@@ -238,7 +238,7 @@ def confirm_cmd(
         from tpdiag.config import CompareConfig
         from tpdiag.errors import BadInput
         from tpdiag.fixes.registry import resolve
-        from tpdiag.rundir_check import require_run_dir
+        from tpdiag.records.check import require_run_dir
         from tpdiag.runner.confirm import confirm
 
         fmt = _check_format(fmt)

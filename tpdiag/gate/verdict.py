@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from tpdiag.errors import Inconclusive
+from tpdiag.errors import BadInput, Inconclusive
 from tpdiag.gate.policy import Policy
 
 
@@ -262,7 +262,7 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
     from tpdiag.records.rundir import incomplete, read_rows
 
     res = GateResult(os.path.abspath(run_dir), policy)
-    from tpdiag.rundir_check import require_run_dir
+    from tpdiag.records.check import require_run_dir
 
     try:
         require_run_dir(run_dir)

@@ -67,7 +67,7 @@ def records_dir(run_dir: str, manifest: dict, label: str) -> str:
 
 
 def load_run(run_dir: str) -> tuple[dict, dict, list[dict]]:
-    from tpdiag.rundir_check import require_run_dir
+    from tpdiag.records.check import require_run_dir
 
     require_run_dir(run_dir)
     manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
