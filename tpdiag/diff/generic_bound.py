@@ -164,11 +164,13 @@ def _candidates(dd, row: dict, world: int):
 def mark_unreduced_partials(dd) -> None:
     """Hand-written row-parallel code computes plain per-rank partial sums (no DTensor marks
     them `partial`): an op output of one shape at every rank, different bits per rank, inside
-    a module that later runs a reducing collective at this degree. It is no value of the
-    reference's computation and no replica either - left uncompared, as DTensor partials are."""
+    a module that later runs a collective at this degree. It is no value of the reference's
+    computation and no replica either - left uncompared, as DTensor partials are. Any collective
+    marks it, not only reducing ones: the TP-invariant fixes finish their trees with an
+    all-to-all and an all-gather (kernels/tree.py), and what a rank sends is its own data."""
     reduce_at = {}
     for m in dd.uncompared:
-        if m.get("kind") == "op" and _is_reducing(m["name"]):
+        if m.get("kind") == "op" and m["name"].startswith(("c10d::", "_c10d_functional::")):
             k = (m["step"], m["phase"], m["module"])
             reduce_at[k] = max(reduce_at.get(k, -1), m["idx"])
     if not reduce_at:
