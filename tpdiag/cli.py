@@ -239,12 +239,13 @@ def confirm_cmd(
         from tpdiag.errors import BadInput
         from tpdiag.fixes.registry import resolve
         from tpdiag.records.check import require_run_dir
+        from tpdiag.records.rundir import read_manifest, read_summary
         from tpdiag.runner.confirm import confirm
 
         fmt = _check_format(fmt)
         require_run_dir(run_dir)
-        manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
-        summary = io.read_json(os.path.join(run_dir, "summary.json"))
+        manifest = read_manifest(run_dir)
+        summary = read_summary(run_dir)
         c = dict(manifest.get("config") or {})
         if not c:
             raise BadInput(f"{run_dir}: not a tpdiag compare run directory (no config in manifest.json)")

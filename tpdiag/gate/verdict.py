@@ -258,8 +258,7 @@ def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
 
 
 def _evaluate(run_dir: str, policy: Policy) -> GateResult:
-    from tpdiag import io
-    from tpdiag.records.rundir import incomplete, read_rows
+    from tpdiag.records.rundir import incomplete, read_manifest, read_rows, read_summary
 
     res = GateResult(os.path.abspath(run_dir), policy)
     from tpdiag.records.check import require_run_dir
@@ -270,12 +269,12 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
         res.problems.append(str(e))
         return res
     try:
-        manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
+        manifest = read_manifest(run_dir)
         why = incomplete(run_dir, manifest)
         if why:
             res.problems.append(why)
             return res
-        summary = io.read_json(os.path.join(run_dir, "summary.json"))
+        summary = read_summary(run_dir)
         degrees = {str(k): v for k, v in summary["degrees"].items()}
         # compare's manifest lists the degrees; a run dir from another writer may only have the summary.
         ref = str(manifest.get("reference") or summary["reference_label"])

@@ -17,6 +17,16 @@ _FLOAT = ("max_abs", "max_rel", "mismatch_fraction", "bound")
 _BOOL = ("bitwise", "rank_consistent", "beyond_bound")
 
 
+def read_manifest(run_dir: str) -> dict:
+    """manifest.json: versions, config, degrees, per-world status (written first by compare)."""
+    return io.read_json(os.path.join(run_dir, "manifest.json"))
+
+
+def read_summary(run_dir: str) -> dict:
+    """summary.json: the verdict (schema 1)."""
+    return io.read_json(os.path.join(run_dir, "summary.json"))
+
+
 def _parse_row(r: dict) -> dict:
     out = dict(r)
     for k in _INT:

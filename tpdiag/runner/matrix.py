@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from tpdiag import io
 from tpdiag.config import CompareConfig, degree_labels
 from tpdiag.errors import BadInput, Inconclusive
+from tpdiag.records.rundir import read_manifest
 
 SYNTAX = "PLAN, fix:NAME[+NAME], fix:all or PLAN+fix:..., e.g. stock,stable,fix:all,stable+fix:all"
 
@@ -244,7 +245,7 @@ def run_matrix(cfg: CompareConfig, variants: list[Variant], on_status=None) -> d
     summary = {k: v for k, v in summaries[primary.name].items() if k != "run_dir"}
     summary["matrix"] = matrix
     p_dir = dirs[primary.name]
-    manifest = io.read_json(os.path.join(p_dir, "manifest.json"))
+    manifest = read_manifest(p_dir)
     manifest["matrix_of"] = primary.name
     manifest["variants"] = {v.name: dict(v.to_dict(), run_dir=os.path.relpath(dirs[v.name], run_dir))
                             for v in variants}

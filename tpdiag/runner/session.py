@@ -5,6 +5,7 @@ import os
 from dataclasses import replace
 
 from tpdiag import io
+from tpdiag.records.rundir import read_summary
 from tpdiag.config import CompareConfig
 
 
@@ -14,7 +15,7 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
 
     if cfg.fix_mode == "auto":
         summary = auto_chain(cfg, cfg.out, on_status)
-        first = io.read_json(os.path.join(cfg.out, "summary.json"))
+        first = read_summary(cfg.out)
         first["fix_chain"] = summary["fix_chain"]
         first["status_after_fixes"] = summary["status"]
         io.write_json(os.path.join(cfg.out, "summary.json"), first)
