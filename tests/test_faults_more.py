@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -287,7 +288,9 @@ def test_oom_at_one_degree_fails_only_that_degree(targets, tmp_path):
     assert s["status"] == "inconclusive"
     d2 = s["degrees"]["2"]
     assert d2["status"] == "failed"
-    assert d2["error"].startswith("rank 0 raised OutOfMemoryError: CUDA out of memory"), d2["error"]
+    # the user's file:line where their code raised (issue 18: one line naming the frame)
+    assert re.match(r"rank 0: OutOfMemoryError at \S*fault_targets\.py:\d+ in forward: CUDA out of memory",
+                    d2["error"]), d2["error"]
     assert s["degrees"]["1-2"]["status"] == "bitwise"  # the other degree's result is kept
     assert_no_orphans(tag)
     from tpdiag.gate import evaluate
