@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
