@@ -98,7 +98,7 @@ def test_diff_on_non_captures_names_tpdiag_capture(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "manifest.json").write_text(json.dumps({"schema": 1, "tool": "tpdiag compare"}))
     _one_line(runner.invoke(app, ["diff", str(tmp_path / "run"), str(tmp_path / "run")]), 2,
-              "a tpdiag compare run directory, not a capture", "tpdiag.capture(model, out=DIR)")
+              "a tpdiag compare run directory: name one of its degrees", "RUN_DIR/tpN")
 
 
 def test_gate_prints_each_violation_once_and_points_to_the_policy_doc():

@@ -370,17 +370,19 @@ def gate(
 
 @app.command()
 def diff(
-    run_a: Annotated[str, typer.Argument(help="reference capture (tpdiag.capture out=DIR)")],
-    run_b: Annotated[str, typer.Argument(help="capture to compare against it")],
+    run_a: Annotated[str, typer.Argument(help="the reference: a capture (tpdiag.capture out=DIR) "
+                                         "or one degree of a compare run (RUN_DIR/tpN)")],
+    run_b: Annotated[str, typer.Argument(help="the capture or compare degree to compare with it")],
     out: Annotated[Optional[str], typer.Option(help="where to write (default RUN_B/../diff-DATE)")] = None,
     fmt: Format = "text",
     fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence", help=FAIL_HELP)] = False,
     debug: Debug = False,
 ) -> None:
-    """Compare two in-process captures (any launcher) with compare's analysis.
+    """Compare two captures, or one degree of two compare runs, with compare's analysis.
 
-    RUN_A: the reference capture, RUN_B: the capture compared with it - directories written by
-    tpdiag.capture(model, out=DIR) (docs/capture.md)."""
+    RUN_A: the reference, RUN_B: compared with it - directories written by
+    tpdiag.capture(model, out=DIR) (docs/capture.md), or RUN_DIR/tpN of two `tpdiag compare`
+    runs made on different machines (docs/cross-machine.md)."""
     _DEBUG["on"] = debug
     try:
         fmt = _check_format(fmt)

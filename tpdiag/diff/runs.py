@@ -1,6 +1,10 @@
-"""`tpdiag diff RUN_A RUN_B`: compare two in-process captures with compare's own analysis.
+"""`tpdiag diff RUN_A RUN_B`: compare two captures with compare's own analysis.
 
-RUN_A is the reference. Two captures are compared only when they can be: the same model
+Each side is an in-process capture (tpdiag.capture(model, out=DIR)) or one degree of a
+`tpdiag compare` run (RUN_DIR/tpN): the second is how a user diffs the same run made on two
+machines (an H100 and an H200, two driver or library versions) - docs/cross-machine.md.
+
+RUN_A is the reference. Two sides are compared only when they can be: the same model
 (parameter names, shapes up to sharding, dtypes), the same seed and the same capture options.
 Anything else is refused with one line naming the first mismatch (NotComparable, exit 2) -
 a diff of different models would name a 'first divergence' that is no divergence at all.
@@ -16,20 +20,76 @@ from tpdiag.errors import Inconclusive, NotComparable
 CAPTURE_TOOL = "tpdiag.capture"
 
 
+# What decides a compare world's numerics, beside the model: the runs must agree on all of it
+# (the device, backend and library versions are what a cross-machine diff is about).
+COMPARE_KEYS = ("dtype", "seed", "batch_size", "seq_len", "steps", "backward", "lr", "clip_norm",
+                "fixes", "variant", "granularity", "op_include", "module_include")
+
+
+def read_side(path: str) -> dict:
+    """A capture's manifest, or a compare run's degree directory (RUN_DIR/tpN) as one."""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "manifest.json")) \
+            and os.path.isfile(os.path.join(path, "world.json")):
+        return read_compare_degree(path)
+    return read_capture(path)
+
+
+def read_compare_degree(path: str) -> dict:
+    from tpdiag.records.rundir import read_manifest
+
+    parent = os.path.dirname(os.path.abspath(path.rstrip(os.sep)))
+    w = io.read_json(os.path.join(path, "world.json"))
+    if not isinstance(w, dict) or not isinstance(w.get("config"), dict):
+        raise Inconclusive(f"{path}/world.json: not a tpdiag compare world")
+    ranks = int(w.get("degree", 1))
+    undone = [r for r in range(ranks) if not os.path.isfile(os.path.join(path, f"rank{r}.done"))]
+    if undone:
+        raise Inconclusive(f"{path}: rank {undone[0]} did not finish this world; rerun the compare")
+    try:
+        m = read_manifest(parent)
+    except Exception:  # noqa: BLE001 - a copied-out degree dir: its own world.json still says enough
+        m = {}
+    cfg = w["config"]
+    model = str(cfg.get("model", ""))
+    kind, _, value = model.partition(":") if model.startswith(("hf:", "py:")) else ("builtin", "", model)
+    # hf:/py: paths differ across machines: the directory's or file's name stands for the model
+    name = model if kind == "builtin" else f"{kind}:{os.path.basename(value.split(':')[0].rstrip(os.sep))}"
+    return {"tool": "tpdiag compare", "kind": "compare-degree", "degree": ranks,
+            "world_size": ranks, "seed": cfg.get("seed"), "dtype": cfg.get("dtype"),
+            "model": {"class": name}, "capture": w.get("capture"), "config": cfg,
+            "device": w.get("device"), "backend": w.get("backend"),
+            "versions": m.get("versions"), "env": m.get("env"), "created": m.get("started")}
+
+
+def check_compare_comparable(a: dict, b: dict, name_a: str, name_b: str) -> None:
+    def refuse(what: str, va, vb):
+        raise NotComparable(f"runs not comparable: {what}: {va} in {name_a} vs {vb} in {name_b}")
+
+    if a["model"]["class"] != b["model"]["class"]:
+        refuse("model", a["model"]["class"], b["model"]["class"])
+    if a.get("capture") != b.get("capture"):
+        refuse("capture mode", a.get("capture"), b.get("capture"))
+    for key in COMPARE_KEYS:
+        va, vb = a["config"].get(key), b["config"].get(key)
+        if va != vb:
+            refuse(key, va, vb)
+
+
 def read_capture(path: str) -> dict:
     if not os.path.isdir(path):
         raise Inconclusive(f"{path}: not a directory; expected a capture directory made by "
                            "tpdiag.capture(model, out=DIR)")
     mpath = os.path.join(path, "manifest.json")
     if not os.path.isfile(mpath):
-        raise Inconclusive(f"{path}: not a capture directory (no manifest.json); make one with "
-                           "tpdiag.capture(model, out=DIR) in your job - or it was interrupted "
-                           "(the manifest is written last)")
+        raise Inconclusive(f"{path}: not a capture directory (no manifest.json) nor a compare "
+                           "degree (RUN_DIR/tpN); make one with tpdiag.capture(model, out=DIR) in "
+                           "your job - or it was interrupted (the manifest is written last)")
     m = io.read_json(mpath)
     if isinstance(m, dict) and m.get("tool") == "tpdiag compare":
-        raise Inconclusive(f"{path}: a tpdiag compare run directory, not a capture; tpdiag diff compares "
-                           "two captures made with tpdiag.capture(model, out=DIR) (read a compare run "
-                           "with tpdiag report or tpdiag gate)")
+        tps = ", ".join(os.path.join(path, "tp" + str(lab)) for lab in m.get("labels") or ())
+        raise Inconclusive(f"{path}: a tpdiag compare run directory: name one of its degrees "
+                           f"({tps or 'RUN_DIR/tpN'}); tpdiag diff compares a degree of one run with "
+                           "a degree of another, or two tpdiag.capture directories")
     if m.get("tool") != CAPTURE_TOOL or not m.get("complete"):
         raise Inconclusive(f"{mpath}: not a complete tpdiag.capture manifest")
     return m
@@ -91,6 +151,8 @@ def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN
 
 def default_out(run_b: str) -> str:
     parent = os.path.dirname(os.path.abspath(run_b.rstrip(os.sep)))
+    if os.path.isfile(os.path.join(run_b, "world.json")) and os.path.isfile(os.path.join(parent, "manifest.json")):
+        parent = os.path.dirname(parent)  # beside the compare run, not inside it
     return os.path.join(parent, "diff-" + time.strftime("%Y%m%d-%H%M%S"))
 
 
@@ -102,8 +164,16 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     from tpdiag.records.store import RecordSet
     from tpdiag.records.provenance import versions
 
-    ma, mb = read_capture(run_a), read_capture(run_b)
-    check_comparable(ma, mb, run_a, run_b)
+    ma, mb = read_side(run_a), read_side(run_b)
+    kinds = {m.get("kind", "capture") for m in (ma, mb)}
+    if len(kinds) > 1:
+        raise NotComparable(f"not comparable: {run_a} is a {ma.get('kind', 'capture')} and {run_b} a "
+                            f"{mb.get('kind', 'capture')} (their records are keyed differently); "
+                            "diff two compare degrees (RUN_DIR/tpN) or two captures")
+    if kinds == {"compare-degree"}:
+        check_compare_comparable(ma, mb, run_a, run_b)
+    else:
+        check_comparable(ma, mb, run_a, run_b)
     da, db = int(ma["degree"]), int(mb["degree"])
     ref_label, label = degree_labels((da, db))
     ref, other = RecordSet(run_a), RecordSet(run_b)
@@ -112,6 +182,10 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
                "reference_label": ref_label, "degrees": {label: entry},
                "runs": {"reference": os.path.abspath(run_a), label: os.path.abspath(run_b)}}
     out = out or default_out(run_b)
+    if os.path.abspath(out) in {os.path.abspath(run_a), os.path.abspath(run_b)}:
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"--out {out!r}: is one of the two inputs; name a new directory")
     os.makedirs(out, exist_ok=True)
     write_csv(os.path.join(out, "diff.csv"), rows)
     io.write_json(os.path.join(out, "summary.json"), summary)
