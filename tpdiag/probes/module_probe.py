@@ -7,6 +7,7 @@ are accumulated in the same order). Everything registered is removed on exit.
 from __future__ import annotations
 
 import os
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -26,13 +27,13 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
     styles = {n: style_of(n, plan or {}) for n in names.values()}
     classes = {n: type(m).__name__ for m, n in names.items()}
     # Which modules consumed each output: a grad_out is computed by its consumers' backward.
-    from torch.utils.weak import WeakTensorKeyDictionary
-
     # Keyed by the tensor and by its storage's base tensor, each to the records of every module
     # that returned it (a parent returning its child's output, HF's LlamaModel returning its
     # final norm's): a consumer that reads a view (`hidden[:, -k:]` before a causal LM head,
-    # a reshape) is linked to the modules whose output it views.
-    producer = WeakTensorKeyDictionary()
+    # a reshape) is linked to the modules whose output it views. id(tensor) -> (weakref, metas):
+    # a WeakTensorKeyDictionary builds a Python key object per lookup, ~3 lookups per module
+    # call (host time per record); the weakref tells a live entry from a dead tensor's id reused.
+    producer: dict = {}
     # this call's index per module, pairing its outputs with its inputs (a plain dict: an
     # attribute set on the module goes through nn.Module.__setattr__, ~10 us per call)
     calls: dict = {}
@@ -100,20 +101,23 @@ def _add_producer(producer, t: torch.Tensor, meta: dict) -> None:
     for key in (t, _root(t)):
         if key is None:
             continue
-        metas = producer.get(key)
-        if metas is None:
-            producer[key] = [meta]
-        elif meta not in metas:
-            metas.append(meta)
+        hit = producer.get(id(key))
+        if hit is None or hit[0]() is not key:
+            producer[id(key)] = (weakref.ref(key), [meta])
+        elif not any(m is meta for m in hit[1]):
+            hit[1].append(meta)
 
 
 def _producers(producer, t: torch.Tensor) -> list:
     """The records of the modules whose output `t` is, or is a view of (the same storage)."""
-    own = producer.get(t)
-    if own is not None:
-        return own
+    hit = producer.get(id(t))
+    if hit is not None and hit[0]() is t:
+        return hit[1]
     root = _root(t)
-    return producer.get(root, []) if root is not None else []
+    if root is None:
+        return []
+    hit = producer.get(id(root))
+    return hit[1] if hit is not None and hit[0]() is root else []
 
 
 def _tensors(args, kwargs=None) -> list:

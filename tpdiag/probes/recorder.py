@@ -108,7 +108,7 @@ class Recorder:
     _hashed: dict = field(default_factory=dict)
 
     def call_index(self, module: str) -> int:
-        key = (self.step, self.phase, module)
+        key = (self.step, self._phase, module)
         n = self._calls.get(key, 0)
         self._calls[key] = n + 1
         return n
@@ -118,22 +118,30 @@ class Recorder:
             cls: str | None = None) -> dict | None:
         if not self.enabled or not isinstance(t, torch.Tensor):
             return None
-        phase = phase or self.phase
-        label = placement_label(t)
+        phase = phase or self._phase
+        # host time per record is what a small step pays for its probes (~1000 records): the
+        # plain-tensor case skips the DTensor checks, the key is built from locals
+        if type(t) is torch.Tensor:
+            label, local = None, t.detach()
+        else:
+            label = placement_label(t)
+            local = local_of(t).detach()
         placement = layout if layout is not None else label
-        local = local_of(t).detach()
         hashed = self.mode == "hash" and kind not in KEEP_WHOLE
         if not hashed:
             # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
             local = local.clone(memory_format=torch.contiguous_format)
+        step = self.step
+        dtype = local.dtype
+        dname = _DTYPE_NAMES.get(dtype) or dtype_name(dtype)
+        key = f"s{step}/{phase}/{module}/{kind}#{call}/{name}"  # = record_key(meta)
         meta = {
-            "idx": len(self.records), "step": self.step, "phase": phase, "module": module,
+            "idx": len(self.records), "step": step, "phase": phase, "module": module,
             "kind": kind, "call": call, "name": name, "placement": placement, "style": style,
-            "cls": cls, "dtype": dtype_name(local.dtype), "local_shape": list(local.shape),
+            "cls": cls, "dtype": dname, "local_shape": list(local.shape), "key": key,
         }
-        meta["key"] = record_key(meta)
         if hashed:
-            layout_, full, dim, size, offset = self._hash_layout(t, local, meta["key"], label)
+            layout_, full, dim, size, offset = self._hash_layout(t, local, key, label)
             meta["hash_layout"], meta["full_shape"] = layout_, full
             where = (dim, size, offset, full)
             # both counters: an in-place op on a DTensor bumps the wrapper's, not its local's
