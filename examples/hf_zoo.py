@@ -116,7 +116,7 @@ def run_one(model_type: str, work: str, limit: float, max_degree: int = 4,
             extra: tuple = ()) -> dict:
     mdir = os.path.join(work, "models", model_type)
     rdir = os.path.join(work, "runs", model_type)
-    row = {"model_type": model_type}
+    row = {"model_type": model_type, "commit": _commit()}
     try:
         heads = tiny_config(model_type, mdir)
     except Exception as e:  # noqa: BLE001 - any config failure is a row of the table
@@ -127,11 +127,14 @@ def run_one(model_type: str, work: str, limit: float, max_degree: int = 4,
     shutil.rmtree(rdir, ignore_errors=True)  # never read an older run's summary
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.time()
+    # limit 0: no limit (a world still needs some timeout: a day stands for none)
+    world_limit = limit if limit > 0 else 86400.0
     try:
         p = subprocess.run([sys.executable, "-m", "tpdiag.cli", "compare", "--model", f"hf:{mdir}",
                             "--tp", ",".join(map(str, degs)), "--out", rdir, "--no-confirm",
-                            "--format", "json", "--timeout", str(int(limit)), *extra],
-                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=limit + 60)
+                            "--format", "json", "--timeout", str(int(world_limit)), *extra],
+                           capture_output=True, text=True, cwd=ROOT, env=env,
+                           timeout=world_limit + 60)
     except subprocess.TimeoutExpired:
         row.update(result="timeout", detail=f"over {limit:.0f} s", seconds=round(time.time() - t0))
         return row
@@ -144,6 +147,19 @@ def run_one(model_type: str, work: str, limit: float, max_degree: int = 4,
         f.write(p.stderr + p.stdout)
     row.update(result="error", detail=_error_line(p.stderr + "\n" + p.stdout, p.returncode))
     return row
+
+
+def _commit() -> str:
+    """The commit the row ran at (TPDIAG_GIT_COMMIT wins, as in tpdiag's manifest)."""
+    env = os.environ.get("TPDIAG_GIT_COMMIT")
+    if env:
+        return env[:7]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=ROOT, timeout=10)
+        return out.stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def read_summary(row: dict, rdir: str) -> bool:
@@ -234,7 +250,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="models, runs and results.jsonl go here")
     ap.add_argument("--only", default="", help="comma-separated model types (default: all)")
-    ap.add_argument("--limit", type=float, default=240.0, help="seconds per model")
+    ap.add_argument("--limit", type=float, default=240.0, help="seconds per model (0: none)")
     ap.add_argument("--table", default="", help="write the markdown table into this file")
     ap.add_argument("--no-run", action="store_true", help="only write the table from results")
     args = ap.parse_args()
