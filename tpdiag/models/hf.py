@@ -79,6 +79,10 @@ def hf_style(name: str | None, param_styles: dict[str, str] | None = None, tied:
 # Styles that read the model's text config from the module they apply to; transformers'
 # apply_tensor_parallelism sets `module.config` for these before installing the forward.
 _NEEDS_CONFIG = ("mla_kv_a_proj",)  # splits kv_a_proj's output at qk_rope_head_dim
+# Styles that all-reduce their output's gradient (part of it) inside the module's own backward:
+# the grad at the module's output is each rank's partial (mla_kv_a_proj: the rope columns, read
+# by every rank's local heads), so tpdiag records it as a partial, not a replica.
+_OUTPUT_GRAD_PARTIAL = ("mla_kv_a_proj",)
 
 
 class _HFStyle:
@@ -88,6 +92,7 @@ class _HFStyle:
                  config=None):
         self.hf_name = name
         self.config = config
+        self.output_grad_partial = name in _OUTPUT_GRAD_PARTIAL
         self.param_styles = dict(param_styles)
         self.tied = {} if tied is None else tied  # shared by a plan's styles: {id(param): (param, shard)}
         inner = self._style(name) if name else None
