@@ -84,6 +84,25 @@ def tiny_config(model_type: str, out_dir: str) -> dict:
         _make_tiny().write_tiny(model_type, out_dir)
         return {k: cfg[k] for k in ("num_attention_heads", "num_key_value_heads")}
     cls = CONFIG_MAPPING[model_type]
+    kw = _tiny_kw(cls)
+    # composite configs (llama4: text + vision, phi4_multimodal: audio + vision): every part
+    # tiny, or the default vision/audio towers alone are ~1B parameters per rank
+    for key, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if isinstance(sub, type):
+            try:
+                kw[key] = _tiny_kw(sub)
+            except Exception:  # noqa: BLE001 - a part that cannot be built alone keeps its defaults
+                pass
+    cfg = cls(**kw)
+    os.makedirs(out_dir, exist_ok=True)
+    cfg.save_pretrained(out_dir)
+    tc = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return {k: getattr(tc, k) for k in ("num_attention_heads", "num_key_value_heads")
+            if isinstance(getattr(tc, k, None), int)}
+
+
+def _tiny_kw(cls) -> dict:
+    """TINY's keys that this config class knows, with its special tokens inside the vocab."""
     defaults = cls().to_dict()
     kw = {k: v for k, v in TINY.items() if k in defaults}
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -95,14 +114,23 @@ def tiny_config(model_type: str, out_dir: str) -> dict:
     lt = defaults.get("layer_types")
     if isinstance(lt, list) and lt:
         kw["layer_types"] = (lt * 2)[: TINY["num_hidden_layers"]]
-    cfg = cls(**kw)
-    if getattr(cfg, "text_config", None) is not None and hasattr(cfg, "get_text_config"):
-        pass  # composite configs are built as they come; the text part keeps its defaults
-    os.makedirs(out_dir, exist_ok=True)
-    cfg.save_pretrained(out_dir)
-    tc = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return {k: getattr(tc, k) for k in ("num_attention_heads", "num_key_value_heads")
-            if isinstance(getattr(tc, k, None), int)}
+    return kw
+
+
+# A "tiny" config that still builds a big model (a part whose size TINY's keys do not reach)
+# is not run: 4 ranks of it could exhaust the shared machine's memory.
+MAX_PARAMS = 20_000_000
+
+
+def param_count(out_dir: str) -> int:
+    """Parameters of the causal LM the config in out_dir builds (on the meta device: no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(out_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
 
 
 def degrees_for(heads: dict) -> list[int]:
@@ -122,6 +150,17 @@ def run_one(model_type: str, work: str, limit: float, max_degree: int = 4,
     except Exception as e:  # noqa: BLE001 - any config failure is a row of the table
         row.update(result="config-error", detail=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return row
+    try:
+        n = param_count(mdir)
+    except Exception as e:  # noqa: BLE001 - the compare reports an unbuildable model in its words
+        n = None
+        row["param_count_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    if n is not None:
+        row["params"] = n
+        if n > MAX_PARAMS:
+            row.update(result="config-error", detail=f"the tiny config still builds {n / 1e6:.0f}M "
+                       f"parameters (limit {MAX_PARAMS / 1e6:.0f}M): some part keeps its full size")
+            return row
     degs = [d for d in degrees_for(heads) if d <= max_degree]
     row["degrees"] = degs
     shutil.rmtree(rdir, ignore_errors=True)  # never read an older run's summary
