@@ -233,7 +233,14 @@ def _kernel_path(dd, row: dict, y1, yn) -> bool:
     True when that judged the row (named, or left unknown with its reason)."""
     from tpdiag.diff import kernel_path
 
-    got = kernel_path.judge(y1, yn, _inputs(dd, row), _params(dd, row))
+    m = row["module"]
+    params = _params(dd, row)
+    if any(r["module"].startswith(m + ".") for r in dd.rows) or any(
+            a.dim() >= 2 for a, _ in params.values()):
+        # a module with children or a weight matrix may reduce, or run a collective, in its
+        # own code: equal inputs do not make it one kernel on another shape
+        return False
+    got = kernel_path.judge(y1, yn, _inputs(dd, row), params)
     if got is None:
         return False
     if "why" in got:

@@ -1,6 +1,10 @@
 """`shape-dependent-kernel`: a module with no layout whose output moved although every input and
 parameter it has is bitwise equal to the reference's, by a few ULP.
 
+Only for a leaf module whose own parameters are at most vectors (an activation, XIELU's scalar
+alphas, a per-head norm's weight): a module with children or a weight matrix may reduce or run
+a collective in its own code, where equal inputs prove nothing about one kernel.
+
 A deterministic kernel given the same values computes the same function; if its bits still
 differ, it took another code path, and what picks the path is the shape and strides of the
 rank's local tensor. Seen on CPU (AVX-512, torch 2.13): an elementwise activation (SiLU of an

@@ -55,6 +55,32 @@ def user_frame(exc: BaseException) -> str | None:
     return found
 
 
+def _short(path: str) -> str:
+    """A library file as 'torch/...' or 'transformers/...' (the part after site-packages)."""
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return _shown(path)
+
+
+def silent_where(exc: BaseException) -> str:
+    """For an exception with no message (a bare `assert`/`raise AssertionError` in a library):
+    where it was raised, and the innermost model frame that led there, so the one line still
+    says something ('at torch/.../placement_types.py:1703 in _reduce_value, from
+    transformers/models/inkling/modeling_inkling.py:114 in forward')."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "(no message)"
+    last = frames[-1]
+    out = f"(no message) at {_short(last.filename)}:{last.lineno} in {last.name}"
+    model = [f for f in frames[:-1] if f"{os.sep}models{os.sep}" in f.filename
+             and "transformers" in f.filename]
+    if model:
+        m = model[-1]
+        out += f", from {_short(m.filename)}:{m.lineno} in {m.name}"
+    return out
+
+
 def describe(err: dict) -> str:
     """One line for a rank's error marker: 'TYPE at FILE:LINE in FUNC: message' when the
     error came from the user's code, else 'TYPE: message'."""

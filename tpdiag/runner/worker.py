@@ -33,7 +33,10 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
             message = (message.split(", but you set")[0] + " in deterministic mode; to run it "
                        "anyway (its results may then differ run to run) set TPDIAG_DETERMINISM=warn")
         try:
-            from tpdiag.runner.rank_errors import user_frame
+            from tpdiag.runner.rank_errors import silent_where, user_frame
+
+            if not message:
+                message = silent_where(e)
 
             io.write_json(marker(cfg.out_dir, rank, "error"), {
                 "rank": rank, "type": type(e).__name__, "message": message,
