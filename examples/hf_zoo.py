@@ -38,6 +38,7 @@ TINY = {
     "experts_per_token": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
     "decoder_sparse_step": 1, "moe_layer_freq": 1,
+    "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "zero_expert_num": 1,  # longcat_flash
     # MLA (deepseek-style attention)
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 16,
