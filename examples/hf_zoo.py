@@ -39,10 +39,23 @@ TINY = {
     "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
     "decoder_sparse_step": 1, "moe_layer_freq": 1,
     "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "zero_expert_num": 1,  # longcat_flash
+    "num_experts_per_token": 2, "num_expert_group": 1, "linear_head_dim": 16,   # kimi_linear,
+    "linear_num_heads": 4,                                                      # bailing_hybrid
     # MLA (deepseek-style attention)
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 16,
     "sliding_window": 64,
+}
+
+
+# Per-architecture keys where the generic tiny config does not build (each seen failing at TP=1).
+OVERRIDES = {
+    "mimo_v2_flash": {"num_key_value_heads": 2},  # its sliding-window layers double the kv heads
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
+    "cohere_compass_text": {  # rope parameters are looked up per layer type
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 128,
+                     "hidden_size_per_layer_input": 16, "laurel_rank": 8},
 }
 
 
@@ -85,7 +98,7 @@ def tiny_config(model_type: str, out_dir: str) -> dict:
         _make_tiny().write_tiny(model_type, out_dir)
         return {k: cfg[k] for k in ("num_attention_heads", "num_key_value_heads")}
     cls = CONFIG_MAPPING[model_type]
-    kw = _tiny_kw(cls)
+    kw = {**_tiny_kw(cls), **OVERRIDES.get(model_type, {})}
     # composite configs (llama4: text + vision, phi4_multimodal: audio + vision): every part
     # tiny, or the default vision/audio towers alone are ~1B parameters per rank
     for key, sub in (getattr(cls, "sub_configs", None) or {}).items():
