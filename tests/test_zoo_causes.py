@@ -102,3 +102,27 @@ def test_rank_partial_replica_says_its_copies_sum_to_the_reference():
     plain = locate(DegreeDiff("2", [_grad_row(1, "backward", "param_grad", "m", "w"),
                                     _grad_row(2, "optimizer", "param", "m", "w")], [], [], {}), {})
     assert all("detail" not in f and "after" not in f for f in plain["findings"])
+
+
+def test_a_library_error_names_the_hf_model_line_that_led_to_it():
+    # llama4_text at TP=2 fails inside torch autograd (an in-place add on a TP style's output)
+    # and inkling_text inside a DTensor Partial reduction with an empty message: the one line
+    # must name the model's own line (and, when the message is empty, where it was raised)
+    from tpdiag.runner.rank_errors import describe, library_where
+
+    model = "/x/site-packages/transformers/models/fake/modeling_fake.py"
+    lib = "/x/site-packages/torch/distributed/tensor/placement_types.py"
+    ns: dict = {}
+    exec(compile("def _reduce_value():\n    raise AssertionError\n", lib, "exec"), ns)
+    exec(compile("def forward(f):\n    f()\n", model, "exec"), ns)
+    try:
+        ns["forward"](ns["_reduce_value"])
+    except AssertionError as e:
+        msg, where = library_where(e, "")
+    assert msg == "(no message) at torch/distributed/tensor/placement_types.py:2 in _reduce_value"
+    assert where == "transformers/models/fake/modeling_fake.py:2 in forward"
+    line = describe({"type": "AssertionError", "message": msg, "where": None, "model_where": where})
+    assert line.startswith("AssertionError (from transformers/models/fake/modeling_fake.py:2 in forward): "
+                           "(no message) at torch/"), line
+    # no model frame: the plain form, unchanged
+    assert describe({"type": "RuntimeError", "message": "injected fault"}) == "RuntimeError: injected fault"
