@@ -59,6 +59,10 @@ OVERRIDES = {
 }
 
 
+# What a row that is not a clean result is, as investigated (docs/models.md, zoo notes).
+NOTES: dict[str, str] = {}
+
+
 def architectures() -> list[str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -263,20 +267,21 @@ def _cell(row: dict, label: str) -> str:
 
 
 def table(rows: list[dict], meta: str) -> str:
-    out = [meta, "", "| architecture | result | TP=2 | TP=4 | wall s (whole compare, shared machine) |",
-           "|---|---|---|---|---|"]
+    out = [meta, "", "| architecture | result | TP=2 | TP=4 | what it is | commit | wall s (whole compare, "
+                     "shared machine) |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["model_type"]):
         res = r["result"]
+        note = NOTES.get(r["model_type"], "").replace("|", "/")
+        tail = f"| {note} | {r.get('commit', '?')} | {r.get('seconds', '')} |"
         if r["model_type"] in SUPPLIED:
             r = {**r, "model_type": f"{r['model_type']} (plan supplied: examples/make_tiny_hf.py)"}
         if res in ("error", "config-error", "timeout", "inconclusive"):
             detail = r.get("detail") or next((f"TP={k} {d['status']}: {d['error']}" for k, d in
                                               r.get("per_degree", {}).items() if d.get("error")), "")
-            out.append(f"| {r['model_type']} | {res} | {detail.replace('|', '/')} | | "
-                       f"{r.get('seconds', '')} |")
+            out.append(f"| {r['model_type']} | {res} | {detail.replace('|', '/')} | {tail}")
             continue
         t4 = _cell(r, "4") if 4 in r.get("degrees", []) else "(heads)"
-        out.append(f"| {r['model_type']} | {res} | {_cell(r, '2')} | {t4} | {r.get('seconds', '')} |")
+        out.append(f"| {r['model_type']} | {res} | {_cell(r, '2')} | {t4} {tail}")
     return "\n".join(out) + "\n"
 
 
@@ -323,10 +328,11 @@ def main() -> None:
         import torch
         import transformers
 
+        limit = f"per-model limit {args.limit:.0f} s" if args.limit > 0 else "no per-model limit"
         meta = (f"Ran {time.strftime('%Y-%m-%d', time.gmtime(os.path.getmtime(res_path)))} with "
                 f"`examples/hf_zoo.py`: torch {torch.__version__}, transformers "
                 f"{transformers.__version__}, CPU gloo fp32, {platform.machine()} "
-                f"({os.cpu_count()} cores, shared), per-model limit {args.limit:.0f} s.")
+                f"({os.cpu_count()} cores, shared), {limit}; each row at the commit it names.")
         write_table(args.table, rows, meta)
 
 
