@@ -38,11 +38,29 @@ TINY = {
     "experts_per_token": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
     "decoder_sparse_step": 1, "moe_layer_freq": 1,
+    "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "zero_expert_num": 1,  # longcat_flash
+    "num_experts_per_token": 2, "num_expert_group": 1, "linear_head_dim": 16,   # kimi_linear,
+    "linear_num_heads": 4,                                                      # bailing_hybrid
     # MLA (deepseek-style attention)
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 16,
     "sliding_window": 64,
 }
+
+
+# Per-architecture keys where the generic tiny config does not build (each seen failing at TP=1).
+OVERRIDES = {
+    "mimo_v2_flash": {"num_key_value_heads": 2},  # its sliding-window layers double the kv heads
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
+    "cohere_compass_text": {  # rope parameters are looked up per layer type
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 128,
+                     "hidden_size_per_layer_input": 16, "laurel_rank": 8},
+}
+
+
+# What a row that is not a clean result is, as investigated (docs/models.md, zoo notes).
+NOTES: dict[str, str] = {}
 
 
 def architectures() -> list[str]:
@@ -84,6 +102,25 @@ def tiny_config(model_type: str, out_dir: str) -> dict:
         _make_tiny().write_tiny(model_type, out_dir)
         return {k: cfg[k] for k in ("num_attention_heads", "num_key_value_heads")}
     cls = CONFIG_MAPPING[model_type]
+    kw = {**_tiny_kw(cls), **OVERRIDES.get(model_type, {})}
+    # composite configs (llama4: text + vision, phi4_multimodal: audio + vision): every part
+    # tiny, or the default vision/audio towers alone are ~1B parameters per rank
+    for key, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if isinstance(sub, type):
+            try:
+                kw[key] = _tiny_kw(sub)
+            except Exception:  # noqa: BLE001 - a part that cannot be built alone keeps its defaults
+                pass
+    cfg = cls(**kw)
+    os.makedirs(out_dir, exist_ok=True)
+    cfg.save_pretrained(out_dir)
+    tc = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return {k: getattr(tc, k) for k in ("num_attention_heads", "num_key_value_heads")
+            if isinstance(getattr(tc, k, None), int)}
+
+
+def _tiny_kw(cls) -> dict:
+    """TINY's keys that this config class knows, with its special tokens inside the vocab."""
     defaults = cls().to_dict()
     kw = {k: v for k, v in TINY.items() if k in defaults}
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -95,14 +132,23 @@ def tiny_config(model_type: str, out_dir: str) -> dict:
     lt = defaults.get("layer_types")
     if isinstance(lt, list) and lt:
         kw["layer_types"] = (lt * 2)[: TINY["num_hidden_layers"]]
-    cfg = cls(**kw)
-    if getattr(cfg, "text_config", None) is not None and hasattr(cfg, "get_text_config"):
-        pass  # composite configs are built as they come; the text part keeps its defaults
-    os.makedirs(out_dir, exist_ok=True)
-    cfg.save_pretrained(out_dir)
-    tc = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return {k: getattr(tc, k) for k in ("num_attention_heads", "num_key_value_heads")
-            if isinstance(getattr(tc, k, None), int)}
+    return kw
+
+
+# A "tiny" config that still builds a big model (a part whose size TINY's keys do not reach)
+# is not run: 4 ranks of it could exhaust the shared machine's memory.
+MAX_PARAMS = 20_000_000
+
+
+def param_count(out_dir: str) -> int:
+    """Parameters of the causal LM the config in out_dir builds (on the meta device: no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(out_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
 
 
 def degrees_for(heads: dict) -> list[int]:
@@ -116,22 +162,36 @@ def run_one(model_type: str, work: str, limit: float, max_degree: int = 4,
             extra: tuple = ()) -> dict:
     mdir = os.path.join(work, "models", model_type)
     rdir = os.path.join(work, "runs", model_type)
-    row = {"model_type": model_type}
+    row = {"model_type": model_type, "commit": _commit()}
     try:
         heads = tiny_config(model_type, mdir)
     except Exception as e:  # noqa: BLE001 - any config failure is a row of the table
         row.update(result="config-error", detail=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return row
+    try:
+        n = param_count(mdir)
+    except Exception as e:  # noqa: BLE001 - the compare reports an unbuildable model in its words
+        n = None
+        row["param_count_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    if n is not None:
+        row["params"] = n
+        if n > MAX_PARAMS:
+            row.update(result="config-error", detail=f"the tiny config still builds {n / 1e6:.0f}M "
+                       f"parameters (limit {MAX_PARAMS / 1e6:.0f}M): some part keeps its full size")
+            return row
     degs = [d for d in degrees_for(heads) if d <= max_degree]
     row["degrees"] = degs
     shutil.rmtree(rdir, ignore_errors=True)  # never read an older run's summary
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.time()
+    # limit 0: no limit (a world still needs some timeout: a day stands for none)
+    world_limit = limit if limit > 0 else 86400.0
     try:
         p = subprocess.run([sys.executable, "-m", "tpdiag.cli", "compare", "--model", f"hf:{mdir}",
                             "--tp", ",".join(map(str, degs)), "--out", rdir, "--no-confirm",
-                            "--format", "json", "--timeout", str(int(limit)), *extra],
-                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=limit + 60)
+                            "--format", "json", "--timeout", str(int(world_limit)), *extra],
+                           capture_output=True, text=True, cwd=ROOT, env=env,
+                           timeout=world_limit + 60)
     except subprocess.TimeoutExpired:
         row.update(result="timeout", detail=f"over {limit:.0f} s", seconds=round(time.time() - t0))
         return row
@@ -144,6 +204,19 @@ def run_one(model_type: str, work: str, limit: float, max_degree: int = 4,
         f.write(p.stderr + p.stdout)
     row.update(result="error", detail=_error_line(p.stderr + "\n" + p.stdout, p.returncode))
     return row
+
+
+def _commit() -> str:
+    """The commit the row ran at (TPDIAG_GIT_COMMIT wins, as in tpdiag's manifest)."""
+    env = os.environ.get("TPDIAG_GIT_COMMIT")
+    if env:
+        return env[:7]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=ROOT, timeout=10)
+        return out.stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def read_summary(row: dict, rdir: str) -> bool:
@@ -194,20 +267,21 @@ def _cell(row: dict, label: str) -> str:
 
 
 def table(rows: list[dict], meta: str) -> str:
-    out = [meta, "", "| architecture | result | TP=2 | TP=4 | wall s (whole compare, shared machine) |",
-           "|---|---|---|---|---|"]
+    out = [meta, "", "| architecture | result | TP=2 | TP=4 | what it is | commit | wall s (whole compare, "
+                     "shared machine) |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["model_type"]):
         res = r["result"]
+        note = NOTES.get(r["model_type"], "").replace("|", "/")
+        tail = f"| {note} | {r.get('commit', '?')} | {r.get('seconds', '')} |"
         if r["model_type"] in SUPPLIED:
             r = {**r, "model_type": f"{r['model_type']} (plan supplied: examples/make_tiny_hf.py)"}
         if res in ("error", "config-error", "timeout", "inconclusive"):
             detail = r.get("detail") or next((f"TP={k} {d['status']}: {d['error']}" for k, d in
                                               r.get("per_degree", {}).items() if d.get("error")), "")
-            out.append(f"| {r['model_type']} | {res} | {detail.replace('|', '/')} | | "
-                       f"{r.get('seconds', '')} |")
+            out.append(f"| {r['model_type']} | {res} | {detail.replace('|', '/')} | {tail}")
             continue
         t4 = _cell(r, "4") if 4 in r.get("degrees", []) else "(heads)"
-        out.append(f"| {r['model_type']} | {res} | {_cell(r, '2')} | {t4} | {r.get('seconds', '')} |")
+        out.append(f"| {r['model_type']} | {res} | {_cell(r, '2')} | {t4} {tail}")
     return "\n".join(out) + "\n"
 
 
@@ -234,7 +308,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="models, runs and results.jsonl go here")
     ap.add_argument("--only", default="", help="comma-separated model types (default: all)")
-    ap.add_argument("--limit", type=float, default=240.0, help="seconds per model")
+    ap.add_argument("--limit", type=float, default=240.0, help="seconds per model (0: none)")
     ap.add_argument("--table", default="", help="write the markdown table into this file")
     ap.add_argument("--no-run", action="store_true", help="only write the table from results")
     args = ap.parse_args()
@@ -254,10 +328,11 @@ def main() -> None:
         import torch
         import transformers
 
+        limit = f"per-model limit {args.limit:.0f} s" if args.limit > 0 else "no per-model limit"
         meta = (f"Ran {time.strftime('%Y-%m-%d', time.gmtime(os.path.getmtime(res_path)))} with "
                 f"`examples/hf_zoo.py`: torch {torch.__version__}, transformers "
                 f"{transformers.__version__}, CPU gloo fp32, {platform.machine()} "
-                f"({os.cpu_count()} cores, shared), per-model limit {args.limit:.0f} s.")
+                f"({os.cpu_count()} cores, shared), {limit}; each row at the commit it names.")
         write_table(args.table, rows, meta)
 
 

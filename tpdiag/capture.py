@@ -76,6 +76,7 @@ class Capture:
         if not out:
             raise BadInput("capture(out=...): a run directory is required")
         self.model, self.out = model, str(out)
+        self.raw_plan = dict(plan or {})
         self.plan = _style_plan(plan or {})
         self.layouts = {k: _check_layout(k, v) for k, v in (layouts or {}).items()}
         self.group = _group_of(group)
@@ -97,6 +98,7 @@ class Capture:
             return self
         self.degree = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.group_rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        self._check_plan()
         if self.group_rank == 0:
             # An earlier capture in DIR must not pass for this one if this one is interrupted.
             try:
@@ -114,6 +116,17 @@ class Capture:
             record_params(self.rec, self.model, "param_init", self.plan)
         self.rec.phase = "forward"
         return self
+
+    def _check_plan(self) -> None:
+        """compare's pre-launch plan checks (models/precheck.py), before anything is recorded:
+        every rank raises the same one-line BadInput, so no peer waits in a collective."""
+        from tpdiag.models.precheck import check_model_plan
+
+        # the raw keys (a style name tpdiag has no label for still names a module), the
+        # torch styles where known (they say which dimension is split)
+        check_model_plan(self.model, {**self.raw_plan, **self.plan}, [self.degree],
+                         "capture(plan=...)", "the captured model", params=True,
+                         global_only=True, flag="TP group size")
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self.active:

@@ -153,14 +153,15 @@ def compare(
     _exit_for(summary, fail_on_divergence)
 
 
-def _rank_tracebacks(run_dir: str | None) -> None:
+def _rank_tracebacks(run_dir: str | None, variant: str | None = None) -> None:
     """--debug: each failed rank's own traceback (saved in tpN/rankR.error), on stderr."""
     if not run_dir:
         return
     from tpdiag.runner.rank_errors import rank_tracebacks
 
+    where = f"variant {variant} " if variant is not None else ""
     for label, rank, tb in rank_tracebacks(run_dir):
-        sys.stderr.write(f"--- TP={label} rank {rank} traceback ---\n{tb.rstrip()}\n")
+        sys.stderr.write(f"--- {where}TP={label} rank {rank} traceback ---\n{tb.rstrip()}\n")
 
 
 def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergence: bool,
@@ -194,6 +195,11 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
         from tpdiag.cli_render import matrix_table
 
         matrix_table(_console(), summary["matrix"])
+    if _DEBUG["on"]:
+        import os
+
+        for name, r in summary["matrix"]["runs"].items():
+            _rank_tracebacks(os.path.join(summary["run_dir"], r["run_dir"]), name)
     if summary["matrix"]["status"] == "inconclusive":
         raise typer.Exit(2)
     _exit_for(summary, fail_on_divergence)

@@ -84,6 +84,22 @@ def _hash_row(rm: dict, om: dict, label: str):
     return row, None
 
 
+def _partial_sum(row: dict, ref: torch.Tensor, copies: list) -> None:
+    """A replica whose ranks' copies add up to the reference is a rank-partial sum that was
+    never all-reduced (a replicated parameter updated from activations that are sharded, its
+    grad summed over each rank's columns only). Marked when the sum over ranks is at least
+    1000x closer to the reference than the copy furthest from it: a wrong replica of any other
+    kind does not sum to the reference."""
+    if not ref.is_floating_point() or any(c.shape != ref.shape for c in copies) or len(copies) < 2:
+        return
+    r = ref.to(torch.float64)
+    off = max(float((c.to(torch.float64) - r).abs().max()) for c in copies)
+    total = torch.stack([c.to(torch.float64) for c in copies]).sum(0)
+    sum_off = float((total - r).abs().max())
+    if off > 0 and sum_off * 1000 <= off:
+        row["rank_partial_sum"] = {"sum_max_abs": sum_off, "copy_max_abs": off}
+
+
 def _after_flip(rows: list[dict]) -> bool:
     from tpdiag.diff.router import flipped
 
@@ -163,6 +179,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
                 float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())
                 if s.is_floating_point() else float(not torch.equal(s, oa.shards[0]))
                 for s in oa.shards)
+            _partial_sum(row, a, oa.shards)
         rows.append(row)
         if keep is None or keep(om):
             tensors[key] = (a, b)

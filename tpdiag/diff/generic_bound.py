@@ -210,6 +210,8 @@ def add_generic_bounds(dd, world: int) -> None:
             # exceeded
             if best is None or chk.ratio < best[1].ratio:
                 best = (desc, chk, k)
+        if best is None and _kernel_path(dd, row, y1, yn):
+            continue
         if best is None:
             row["cause_why"] = (
                 f"no rounding model fits its reference output: it is neither a scaled copy of an "
@@ -224,6 +226,32 @@ def add_generic_bounds(dd, world: int) -> None:
             row["generic_cause"] = cause
             if why:
                 row["cause_why"] = why
+
+
+def _kernel_path(dd, row: dict, y1, yn) -> bool:
+    """Equal inputs and parameters, a few ULP apart: `shape-dependent-kernel` (kernel_path.py).
+    True when that judged the row (named, or left unknown with its reason)."""
+    from tpdiag.diff import kernel_path
+
+    m = row["module"]
+    params = _params(dd, row)
+    if any(r["module"].startswith(m + ".") for r in dd.rows) or any(
+            a.dim() >= 2 for a, _ in params.values()):
+        # a module with children or a weight matrix may reduce, or run a collective, in its
+        # own code: equal inputs do not make it one kernel on another shape
+        return False
+    got = kernel_path.judge(y1, yn, _inputs(dd, row), params)
+    if got is None:
+        return False
+    if "why" in got:
+        row["cause_why"] = got["why"]
+        return True
+    chk = check(y1, yn, got["bound"])
+    row["bound"], row["bound_ratio"], row["beyond_bound"] = chk.bound, chk.ratio, chk.beyond
+    row["bound_model"] = (f"y = f(x), inputs and parameters bitwise equal: one kernel on another "
+                          f"local shape, within {kernel_path.PATH_ULPS} ULP")
+    row["generic_cause"] = "shape-dependent-kernel"
+    return True
 
 
 def _module_ops(dd, row: dict) -> list[tuple[str, str | None]]:

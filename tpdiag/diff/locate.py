@@ -14,7 +14,7 @@ from tpdiag.diff.engine import DegreeDiff
 CAUSES = ("row-parallel-reduction", "shape-dependent-gemm", "vocab-parallel-softmax",
           "column-parallel-dgrad", "norm-weight-grad", "grad-norm", "collective-nondeterminism",
           "rank-inconsistent-replica", "router-flip", "sharding-bug", "unknown", "attention-kernel",
-          "nondeterministic-kernel")
+          "nondeterministic-kernel", "shape-dependent-kernel")
 # an op whose name holds one of these is an attention kernel (SDPA backends, FlexAttention)
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention",
                  "flex_attention")
@@ -192,6 +192,27 @@ def _explain(out: dict, row: dict) -> None:
         out["why"] = generic_bound.why_unknown(row)
 
 
+def _partial_detail(f: dict, row: dict, earlier: list[dict]) -> None:
+    """Say what a rank-inconsistent replica is when its ranks' copies sum to the reference
+    (engine._partial_sum), and point the replicas it desynchronised later in that step to it."""
+    ps = row.get("rank_partial_sum")
+    if ps is not None:
+        f["partial_sum"] = True
+        f["key"] = row["key"]
+        f["detail"] = (f"the ranks' copies of this replica add up to the reference's value (the sum "
+                       f"is off by {ps['sum_max_abs']:.2e}, a single copy by up to "
+                       f"{ps['copy_max_abs']:.2e}): each rank holds its own partial sum and the plan "
+                       "never all-reduces it")
+        return
+    if f["cause"] != "rank-inconsistent-replica" or f["phase"] != "optimizer":
+        return  # the optimizer step reads every grad; a backward record does not read grads
+    root = next((e for e in earlier if e.get("partial_sum") and e["step"] == f["step"]), None)
+    if root is not None:
+        f["after"] = root["key"]
+        f["detail"] = (f"follows the never-reduced partial {root['kind']} of {root['module']} "
+                       f"({root['name']}): the ranks stepped from different values")
+
+
 def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
     for row in dd.rows:
         if row["kind"] == "grad_out":
@@ -208,6 +229,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
                  "max_abs": r.get("rank_max_abs", r["max_abs"]) if r.get("rank_consistent") is False
                  else r["max_abs"], "bound": r.get("bound"), "bound_ratio": r.get("bound_ratio")}
             _explain(f, r)
+            _partial_detail(f, r, findings)
             findings.append(f)
     fd = _describe(first) if first else None
     flips = router.analyse(dd, fd)

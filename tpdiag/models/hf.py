@@ -59,8 +59,12 @@ def _layout_name(hf_style) -> str:
     return _LAYOUT_NAMES.get(cls, cls)
 
 
-def hf_style(name: str | None, param_styles: dict[str, str] | None = None, tied: dict | None = None):
-    """A torch ParallelStyle applying transformers' registered style `name` (None: params only)."""
+def hf_style(name: str | None, param_styles: dict[str, str] | None = None, tied: dict | None = None,
+             config=None):
+    """A torch ParallelStyle applying transformers' registered style `name` (None: params only).
+
+    `config`: the model's text config, which some styles read from the module they shard.
+    """
     from torch.distributed.tensor.parallel.style import ParallelStyle
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
@@ -69,14 +73,26 @@ def hf_style(name: str | None, param_styles: dict[str, str] | None = None, tied:
     if cls is None:
         cls = type(layout, (_HFStyle, ParallelStyle), {"__module__": __name__})
         _CLASSES[layout] = cls
-    return cls(name, param_styles or {}, tied)
+    return cls(name, param_styles or {}, tied, config)
+
+
+# Styles that read the model's text config from the module they apply to; transformers'
+# apply_tensor_parallelism sets `module.config` for these before installing the forward.
+_NEEDS_CONFIG = ("mla_kv_a_proj",)  # splits kv_a_proj's output at qk_rope_head_dim
+# Styles that all-reduce their output's gradient (part of it) inside the module's own backward:
+# the grad at the module's output is each rank's partial (mla_kv_a_proj: the rope columns, read
+# by every rank's local heads), so tpdiag records it as a partial, not a replica.
+_OUTPUT_GRAD_PARTIAL = ("mla_kv_a_proj",)
 
 
 class _HFStyle:
     """Apply one transformers TP style to a module, as `apply_tensor_parallelism` does."""
 
-    def __init__(self, name: str | None, param_styles: dict[str, str], tied: dict | None = None):
+    def __init__(self, name: str | None, param_styles: dict[str, str], tied: dict | None = None,
+                 config=None):
         self.hf_name = name
+        self.config = config
+        self.output_grad_partial = name in _OUTPUT_GRAD_PARTIAL
         self.param_styles = dict(param_styles)
         self.tied = {} if tied is None else tied  # shared by a plan's styles: {id(param): (param, shard)}
         inner = self._style(name) if name else None
@@ -108,6 +124,11 @@ class _HFStyle:
         if self.hf_name == "replicated_with_grad_allreduce":
             _grad_allreduce_now(module, mesh)
         elif self.hf_name is not None:
+            if self.hf_name in _NEEDS_CONFIG:
+                if self.config is None:
+                    raise BadInput(f"transformers style {self.hf_name!r} on {type(module).__name__} "
+                                   "needs the model's config (build the plan with tp_plan_of(model))")
+                module.config = self.config
             self._style(self.hf_name).install_forward(module, mesh)
         module._is_hooked = True
         return module
@@ -177,7 +198,8 @@ def tp_plan_of(model) -> dict:
             entries.setdefault(owner, [None, {}])[1][pname] = style
         # else: a rule that matches nothing in this model; transformers only warns about those
     tied: dict = {}
-    return {key: hf_style(style, params, tied) for key, (style, params) in entries.items()}
+    config = text_config(model.config) if getattr(model, "config", None) is not None else None
+    return {key: hf_style(style, params, tied, config) for key, (style, params) in entries.items()}
 
 
 def _generic(name: str) -> str:

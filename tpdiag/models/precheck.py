@@ -8,6 +8,10 @@
   column-parallel Linear's outputs, a row-parallel one's inputs, an embedding's vocab) or one
   the Target lists in `divisors`. A py: plan is the user's own, so an empty one or one that
   splits only the head is run as given (an empty plan is the replicated control: bitwise equal).
+- tpdiag.capture(model, plan=...): the same plan checks when the capture starts, before anything
+  is recorded (check_model_plan): entries ('module' or 'module.param' globs) that match nothing,
+  and a TP group size that does not divide a dimension a DTensor weight is split along. The user
+  sharded the model (a capture applies no plan), so there is no "no plan" refusal there.
 """
 from __future__ import annotations
 
@@ -50,8 +54,11 @@ def _py_target(spec, variant: str):
         return None
 
 
-def _sharded_dims(model, plan: dict) -> dict[str, int]:
-    """{'<module> <what>': size} of every dimension the plan splits across ranks."""
+def _sharded_dims(model, plan: dict, global_only: bool = False) -> dict[str, int]:
+    """{'<module> <what>': size} of every dimension the plan splits across ranks.
+
+    global_only: read only weights whose whole shape is known (DTensors, or a model not yet
+    sharded); a plain weight of an already-sharded model holds the local shape."""
     import torch
 
     out = {}
@@ -59,6 +66,8 @@ def _sharded_dims(model, plan: dict) -> dict[str, int]:
         style = next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), None)
         w = getattr(mod, "weight", None)
         if style is None or w is None or getattr(w, "ndim", 0) != 2:
+            continue
+        if global_only and not hasattr(w, "placements"):
             continue
         kind = type(style).__name__
         is_embed = isinstance(mod, torch.nn.Embedding)
@@ -87,14 +96,26 @@ def check_plan(spec, degrees, variant: str = "stock") -> None:
     t = _py_target(spec, variant)
     if t is None:
         return
-    names = [n for n, _ in t.model.named_modules()]
-    for pattern in t.plan:
+    check_model_plan(t.model, t.plan, tp, f"--model py:{spec.value}", f"py:{spec.value}",
+                     t.divisors)
+
+
+def check_model_plan(model, plan: dict, degrees, who: str, of: str, divisors: dict | None = None,
+                     params: bool = False, global_only: bool = False, flag: str = "--tp") -> None:
+    """Refuse a plan entry that matches no module (params: or no 'module.param') and a degree
+    that does not divide a dimension the plan shards, in one line each. who/of name the model
+    in the messages ('--model py:F:T' / 'py:F:T'); flag names the degree's source."""
+    names = [n for n, _ in model.named_modules()]
+    if params:
+        names += [n for n, _ in model.named_parameters()]
+    for pattern in plan:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            raise BadInput(f"--model py:{spec.value}: plan entry {pattern!r} matches no module of "
-                           "the model")
-    dims = {**_sharded_dims(t.model, t.plan), **dict(t.divisors or {})}
-    for d in tp:
+            raise BadInput(f"{who}: plan entry {pattern!r} matches no module of the model")
+    dims = {**_sharded_dims(model, plan, global_only), **dict(divisors or {})}
+    for d in degrees:
+        if d <= 1:
+            continue
         bad = [f"{k}={v}" for k, v in dims.items() if v % d]
         if bad:
-            raise BadInput(f"--tp {d}: does not divide {', '.join(bad[:3])}"
-                           f"{' (and more)' if len(bad) > 3 else ''} of py:{spec.value}")
+            raise BadInput(f"{flag} {d}: does not divide {', '.join(bad[:3])}"
+                           f"{' (and more)' if len(bad) > 3 else ''} of {of}")

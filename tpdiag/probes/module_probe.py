@@ -20,11 +20,13 @@ from tpdiag.probes.recorder import Recorder
 @contextmanager
 def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                   backward: bool = True, include: set[str] | None = None):
-    from tpdiag.records.styles import style_of
+    from tpdiag.records.styles import output_grad_partial, style_of
 
     handles = []
     names = {m: (n or "model") for n, m in model.named_modules()}
     styles = {n: style_of(n, plan or {}) for n in names.values()}
+    # modules whose output grad is reduced inside their own backward: recorded as partials
+    partial_grad = {n for n in names.values() if output_grad_partial(n, plan or {})}
     classes = {n: type(m).__name__ for m, n in names.items()}
     # Which modules consumed each output: a grad_out is computed by its consumers' backward.
     # Keyed by the tensor and by its storage's base tensor, each to the records of every module
@@ -67,7 +69,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 _add_producer(producer, t, meta)
             if backward and t.requires_grad and t.grad_fn is not None:
                 handles.append(t.register_hook(_grad_hook(rec, name, str(i), call, styles[name],
-                                                          classes[name], meta)))
+                                                          classes[name], meta,
+                                                          name in partial_grad)))
         return out if perturb == name else None
 
     for mod, name in names.items():
@@ -131,9 +134,11 @@ def _tensors(args, kwargs=None) -> list:
     return [x for x in flat if isinstance(x, torch.Tensor)]
 
 
-def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_meta):
+def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_meta,
+               partial: bool = False):
     def hook(g):
-        m = rec.add("grad_out", name, idx, g, call=call, phase="backward", style=style, cls=cls)
+        m = rec.add("grad_out", name, idx, g, call=call, phase="backward", style=style, cls=cls,
+                    layout="partial" if partial else None)
         if m is not None and fwd_meta is not None:
             m["consumers"] = sorted(set(fwd_meta.get("consumers", [])))
         return None

@@ -34,3 +34,16 @@ def style_label(style) -> str:
     if name == "PrepareModuleInput" or name == "PrepareModuleOutput":
         return "prepare"
     return name.lower()
+
+
+def output_grad_partial(fqn: str, plan: dict) -> bool:
+    """Whether the plan's style for `fqn` all-reduces its output's gradient inside the module.
+
+    Then the gradient arriving at the module's output is each rank's unreduced partial (e.g.
+    transformers' `mla_kv_a_proj`: the rope columns feed every rank's local heads and are summed
+    over ranks only in the module's own backward), not a replica.
+    """
+    for pattern, style in plan.items():
+        if fnmatch.fnmatchcase(fqn, pattern):
+            return bool(getattr(style, "output_grad_partial", False))
+    return False

@@ -7,6 +7,10 @@ WHY = {
                               "them, so TP changes the order of the K summation",
     "shape-dependent-gemm": "a column-parallel GEMM ran on a narrower shard and the GEMM kernel chose a "
                             "different tiling or split-K for that shape; no communication is involved",
+    "shape-dependent-kernel": "a kernel that is no GEMM (an elementwise activation, ...) gave other bits for "
+                              "bitwise-equal inputs and parameters: it took another code path for the rank's "
+                              "narrower local shape (on CPU a vectorised body vs a scalar tail); no "
+                              "communication is involved",
     "vocab-parallel-softmax": "the loss and logprobs reduce max and sum-of-exp over vocabulary shards in a "
                               "different order than one full softmax",
     "column-parallel-dgrad": "the input gradient of a column-parallel layer is a sum over output shards, "
@@ -130,6 +134,7 @@ def verdict(label: str, ref: str, d: dict, fix_of) -> dict:
     findings = [f"{f.get('phase')} {f.get('module')} ({KIND_WORDS.get(f.get('kind'), f.get('kind'))}): "
                 f"{f.get('cause')}, max |difference| {fmt(f.get('max_abs'))}"
                 + (f" > bound {fmt(f.get('bound'))}" if f.get("bound") else "")
+                + (f" ({f['detail']})" if f.get("partial_sum") else "")
                 for f in d.get("findings") or []]
     return {"status": st, "headline": f"TP={label} first differs from TP={ref} at {where(fd)}.",
             "why": why, "size": size_sentence(fd), "action": action(cause, d.get("confirmation"), fix, available),

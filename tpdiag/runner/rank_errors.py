@@ -55,11 +55,44 @@ def user_frame(exc: BaseException) -> str | None:
     return found
 
 
+def _short(path: str) -> str:
+    """A library file as 'torch/...' or 'transformers/...' (the part after site-packages)."""
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return _shown(path)
+
+
+def _model_frame(frames) -> str | None:
+    """The innermost frame in a transformers model file ('transformers/models/X/modeling_X.py')."""
+    model = [f for f in frames if f"{os.sep}models{os.sep}" in f.filename and "transformers" in f.filename]
+    if not model:
+        return None
+    m = model[-1]
+    return f"{_short(m.filename)}:{m.lineno} in {m.name}"
+
+
+def library_where(exc: BaseException, message: str) -> tuple[str, str | None]:
+    """(message, model frame) of an exception raised in library code (no user frame): an
+    empty message (a bare `assert` in torch) becomes where it was raised; the model frame is
+    the innermost Hugging Face model line that led there - a model that cannot run under its
+    own TP plan fails inside torch, and the model's line is what says why."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return message or "(no message)", None
+    if not message:
+        last = frames[-1]
+        message = f"(no message) at {_short(last.filename)}:{last.lineno} in {last.name}"
+    return message, _model_frame(frames)
+
+
 def describe(err: dict) -> str:
     """One line for a rank's error marker: 'TYPE at FILE:LINE in FUNC: message' when the
-    error came from the user's code, else 'TYPE: message'."""
-    where = err.get("where")
-    head = f"{err['type']} at {where}" if where else err["type"]
+    error came from the user's code, 'TYPE (from transformers/models/.../modeling_X.py:LINE in
+    FUNC): message' when a Hugging Face model's code led to it, else 'TYPE: message'."""
+    where, model = err.get("where"), err.get("model_where")
+    head = (f"{err['type']} at {where}" if where else
+            f"{err['type']} (from {model})" if model else err["type"])
     return f"{head}: {err['message']}"
 
 

@@ -33,11 +33,14 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
             message = (message.split(", but you set")[0] + " in deterministic mode; to run it "
                        "anyway (its results may then differ run to run) set TPDIAG_DETERMINISM=warn")
         try:
-            from tpdiag.runner.rank_errors import user_frame
+            from tpdiag.runner.rank_errors import library_where, user_frame
 
+            where, model_where = user_frame(e), None
+            if where is None:
+                message, model_where = library_where(e, message)
             io.write_json(marker(cfg.out_dir, rank, "error"), {
                 "rank": rank, "type": type(e).__name__, "message": message,
-                "where": user_frame(e), "traceback": traceback.format_exc(),
+                "where": where, "model_where": model_where, "traceback": traceback.format_exc(),
             })
         except BaseException as e2:  # noqa: BLE001 - disk full or gone: one line, no traceback
             sys.stderr.write(f"tpdiag: rank {rank} of TP={world}: {type(e).__name__}: {message} "
