@@ -119,14 +119,27 @@ def supported(a: torch.Tensor, b: torch.Tensor, groups: int) -> bool:
             and groups in (1, 2, 4, 8) and a.shape[-1] % groups == 0)
 
 
-def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles: tuple | None = None) -> torch.Tensor:
+def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None) -> torch.Tensor:
     """fp32 [M, N]: the balanced tree over `groups` equal K ranges of a [M, K] @ b [K, N]
-    (16-bit operands: their products are exact in fp32; each group summed in fp32). `tiles`
-    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) is for the benchmark's sweep only: other tiles,
-    other bits."""
+    (16-bit operands: their products are exact in fp32; each group summed in fp32).
+
+    Hopper+ (and the interpreter) with groups of whole BLOCK_K steps: the persistent TMA kernel
+    (tree_gemm_tma.py); otherwise the per-tile kernel below. Which one runs depends on the
+    device and on KG = K / groups = K_global / G only - the same at every TP and batch.
+    `tiles` is for the benchmark's sweep only (a TreeTiles: the TMA kernel; a 5-tuple
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the per-tile kernel): other tiles, other bits."""
     if not supported(a, b, groups):
         raise ValueError(f"tree_mm: 16-bit a, b of one dtype and 1/2/4/8 groups dividing K; got "
                          f"{a.dtype}/{b.dtype}, K={a.shape[-1]}, groups={groups}")
+    if not isinstance(tiles, tuple):
+        from tpdiag.kernels import tree_gemm_tma
+
+        tt = tiles or tree_gemm_tma.tiles_for(a)
+        if tree_gemm_tma.usable(a, groups, tt):
+            return tree_gemm_tma.tree_mm_tma(a, b, groups, tt)
+        if tiles is not None:
+            raise ValueError(f"tree_mm: tiles {tt} do not fit K={a.shape[-1]} in {groups} groups")
+        tiles = None
     kernel = _kernels()
     M, K = a.shape
     N = b.shape[1]
