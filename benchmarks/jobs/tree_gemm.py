@@ -31,10 +31,11 @@ def _sweep_tiles():
     from tpdiag.kernels.tree_gemm_tma import TreeTiles
 
     k = (64, 32, 16)
-    return [TreeTiles(128, 128, k, 8, 3), TreeTiles(128, 128, k, 8, 4),
-            TreeTiles(128, 128, k, 8, 4, group_m=16), TreeTiles(128, 256, k, 8, 3),
-            TreeTiles(128, 64, k, 4, 4), TreeTiles(64, 128, k, 4, 4), TreeTiles(128, 128, k, 4, 4),
-            TreeTiles(256, 128, k, 8, 3)]
+    return [TreeTiles(128, 128, k, 8, 4), TreeTiles(128, 128, k, 8, 4, park=True),
+            TreeTiles(128, 64, k, 8, 4), TreeTiles(128, 64, k, 8, 4, park=True),
+            TreeTiles(128, 64, k, 8, 4, nested=True), TreeTiles(128, 128, k, 8, 4, nested=True),
+            TreeTiles(128, 128, k, 8, 3, nested=True), TreeTiles(128, 128, k, 8, 3, park=True),
+            TreeTiles(64, 128, k, 4, 4, park=True)]
 
 
 def _bench(fns: dict, rounds: int) -> dict:
@@ -91,7 +92,8 @@ def main(argv: list[str]) -> dict:
     if args.sweep:
         variants = {"per-tile 128x64x64 w8 s3": first}
         variants.update({_name(t): t for t in _sweep_tiles()})
-        tps, shapes = [2], [s for s in SHAPES if s[0] in ("wo fwd", "w2 fwd", "w1/w3 dgrad")]
+        tps, shapes = [int(t) for t in args.tp.split(",")], [
+            s for s in SHAPES if s[0] in ("wo fwd", "w2 fwd", "wk/wv dgrad")]
     else:
         variants = {"per-tile 128x64x64 w8 s3": first, "tma " + _name(CUDA_TILES[torch.bfloat16]): None}
         tps, shapes = [int(t) for t in args.tp.split(",")], SHAPES
@@ -134,7 +136,7 @@ def main(argv: list[str]) -> dict:
 
 def _name(t) -> str:
     return (f"{t.block_m}x{t.block_n}x{t.block_k[0]} w{t.num_warps} s{t.num_stages} "
-            f"gm{t.group_m}")
+            f"gm{t.group_m}" + (" park" if t.park else "") + (" nested" if t.nested else ""))
 
 
 def _step_sums(rows, variants) -> dict:

@@ -44,6 +44,12 @@ class TreeTiles:
     num_stages: int
     group_m: int = 8
     epilogue_subtile: bool = True  # store the fp32 root in two halves (less shared memory)
+    # park: the tree's last pending left child (g0+g1 at 4 groups, g0..g3 at 8) waits in the
+    # output tile in memory instead of registers (one register tile fewer; same adds, same bits)
+    park: bool = False
+    # nested: one K loop per group, the tree between them (no branch in the K loop, but the
+    # pipeline drains at every group boundary); same sums, same bits
+    nested: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -62,11 +68,76 @@ INTERPRETER_TILES = TreeTiles(16, 16, (16,), 4, 1, group_m=2)
 _INTERPRETER_NUM_SMS = 3
 
 
-def _tree_mm_tma_kernel(a_desc, b_desc, c_desc, M, N, KG,
+def _load_ab(a_desc, b_desc, off_m, off_n, off_k, A_T: tl.constexpr, B_T: tl.constexpr,
+             UPCAST: tl.constexpr):
+    if A_T:
+        a = a_desc.load([off_k, off_m]).T
+    else:
+        a = a_desc.load([off_m, off_k])
+    if B_T:
+        b = b_desc.load([off_n, off_k]).T
+    else:
+        b = b_desc.load([off_k, off_n])
+    if UPCAST:  # interpreter only: its dot mis-reads bf16 (as in invariant_gemm)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+def _group_sum(a_desc, b_desc, off_m, off_n, k0, steps, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+               UPCAST: tl.constexpr):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(steps):
+        a, b = _load_ab(a_desc, b_desc, off_m, off_n, k0 + ki * BLOCK_K, A_T, B_T, UPCAST)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+def _tree_mm_nested_kernel(a_desc, b_desc, c_desc, M, N, KG,
+                           GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                           A_T: tl.constexpr, B_T: tl.constexpr, UPCAST: tl.constexpr,
+                           EPILOGUE_SUBTILE: tl.constexpr):
+    start_pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    steps = KG // BLOCK_K
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        s = _group_sum(a_desc, b_desc, off_m, off_n, 0, steps, BLOCK_M, BLOCK_N, BLOCK_K,
+                       A_T, B_T, UPCAST)
+        if GROUPS >= 2:
+            s = s + _group_sum(a_desc, b_desc, off_m, off_n, KG, steps, BLOCK_M, BLOCK_N,
+                               BLOCK_K, A_T, B_T, UPCAST)
+        if GROUPS >= 4:
+            s23 = _group_sum(a_desc, b_desc, off_m, off_n, 2 * KG, steps, BLOCK_M, BLOCK_N,
+                             BLOCK_K, A_T, B_T, UPCAST)
+            s23 = s23 + _group_sum(a_desc, b_desc, off_m, off_n, 3 * KG, steps, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, A_T, B_T, UPCAST)
+            s = s + s23
+        if GROUPS == 8:
+            s45 = _group_sum(a_desc, b_desc, off_m, off_n, 4 * KG, steps, BLOCK_M, BLOCK_N,
+                             BLOCK_K, A_T, B_T, UPCAST)
+            s45 = s45 + _group_sum(a_desc, b_desc, off_m, off_n, 5 * KG, steps, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, A_T, B_T, UPCAST)
+            s67 = _group_sum(a_desc, b_desc, off_m, off_n, 6 * KG, steps, BLOCK_M, BLOCK_N,
+                             BLOCK_K, A_T, B_T, UPCAST)
+            s67 = s67 + _group_sum(a_desc, b_desc, off_m, off_n, 7 * KG, steps, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, A_T, B_T, UPCAST)
+            s = s + (s45 + s67)
+        _store_tile(c_desc, s, pid_m, pid_n, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
+
+
+def _tree_mm_tma_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cm, M, N, KG,
                         GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
                         A_T: tl.constexpr, B_T: tl.constexpr, UPCAST: tl.constexpr,
-                        EPILOGUE_SUBTILE: tl.constexpr):
+                        EPILOGUE_SUBTILE: tl.constexpr, PARK: tl.constexpr):
     start_pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -78,6 +149,10 @@ def _tree_mm_tma_kernel(a_desc, b_desc, c_desc, M, N, KG,
         pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
+        offs_cm = off_m + tl.arange(0, BLOCK_M)
+        offs_cn = off_n + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :]
+        c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # pending left children of the tree: l0 = a finished even group, l1 = a finished pair
         # (g0+g1 or g4+g5), l2 = the first four groups' sum
@@ -85,18 +160,7 @@ def _tree_mm_tma_kernel(a_desc, b_desc, c_desc, M, N, KG,
         l1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         l2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            if A_T:
-                a = a_desc.load([off_k, off_m]).T
-            else:
-                a = a_desc.load([off_m, off_k])
-            if B_T:
-                b = b_desc.load([off_n, off_k]).T
-            else:
-                b = b_desc.load([off_k, off_n])
-            if UPCAST:  # interpreter only: its dot mis-reads bf16 (as in invariant_gemm)
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
+            a, b = _load_ab(a_desc, b_desc, off_m, off_n, ki * BLOCK_K, A_T, B_T, UPCAST)
             acc = tl.dot(a, b, acc)
             # a group (not the last) ends here: fold it into the tree, restart from zero. The
             # last group stays in acc and is folded in after the loop.
@@ -106,21 +170,38 @@ def _tree_mm_tma_kernel(a_desc, b_desc, c_desc, M, N, KG,
                     if g % 2 == 0:
                         l0 = acc
                     else:
-                        if GROUPS >= 4:
+                        if GROUPS == 4:
+                            if g == 1:
+                                if PARK:
+                                    tl.store(c_ptrs, l0 + acc, mask=c_mask)
+                                else:
+                                    l1 = l0 + acc
+                        if GROUPS == 8:
                             if (g // 2) % 2 == 0:
                                 l1 = l0 + acc
-                            else:
-                                if GROUPS == 8:  # g == 3: the first four groups are done
+                            else:  # g == 3: the first four groups are done
+                                if PARK:
+                                    tl.store(c_ptrs, l1 + (l0 + acc), mask=c_mask)
+                                else:
                                     l2 = l1 + (l0 + acc)
                     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # the last group (odd) closes every pending level
         if GROUPS >= 2:
             acc = l0 + acc
-        if GROUPS >= 4:
-            acc = l1 + acc
         if GROUPS == 8:
-            acc = l2 + acc
-        _store_tile(c_desc, acc, pid_m, pid_n, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
+            acc = l1 + acc
+        if PARK & (GROUPS >= 4):
+            # the parked left child, written by this program's threads: a CTA barrier makes
+            # every thread's store visible to the thread that reads it back
+            tl.debug_barrier()
+            acc = tl.load(c_ptrs, mask=c_mask) + acc
+            tl.store(c_ptrs, acc, mask=c_mask)
+        else:
+            if GROUPS == 4:
+                acc = l1 + acc
+            if GROUPS == 8:
+                acc = l2 + acc
+            _store_tile(c_desc, acc, pid_m, pid_n, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,10 +210,12 @@ def _kernel():
     triton = gemm_common.import_triton()
     tl = triton.language
     _tile_coords, _store_tile = gemm_common._tile_coords, gemm_common._store_tile
-    fn = globals()["_tree_mm_tma_kernel"]
-    fn = getattr(fn, "fn", fn)
+    g = globals()
+    for name in ("_load_ab", "_group_sum"):
+        g[name] = triton.jit(getattr(g[name], "fn", g[name]))
     # M and N never specialised: one compiled kernel (one instruction stream) for every M, N
-    return triton.jit(fn, do_not_specialize=["M", "N"])
+    return {name: triton.jit(getattr(g[name], "fn", g[name]), do_not_specialize=["M", "N"])
+            for name in ("_tree_mm_tma_kernel", "_tree_mm_nested_kernel")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,7 +245,7 @@ def tree_mm_tma(a: torch.Tensor, b: torch.Tensor, groups: int, tiles: TreeTiles)
     check supported() and usable())."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    kernel = _kernel()
+    kernels = _kernel()
     M, K = a.shape
     N = b.shape[1]
     kg = K // groups
@@ -182,10 +265,14 @@ def tree_mm_tma(a: torch.Tensor, b: torch.Tensor, groups: int, tiles: TreeTiles)
     else:
         num_sms = _INTERPRETER_NUM_SMS
     grid = (min(num_sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
-    kernel[grid](a_desc, b_desc, c_desc, M, N, kg, GROUPS=groups, BLOCK_M=bm, BLOCK_N=bn,
-                 BLOCK_K=bk, GROUP_M=tiles.group_m, NUM_SMS=num_sms, A_T=a_t, B_T=b_t,
-                 UPCAST=not a.is_cuda, EPILOGUE_SUBTILE=half,
-                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    common = dict(GROUPS=groups, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m,
+                  NUM_SMS=num_sms, A_T=a_t, B_T=b_t, UPCAST=not a.is_cuda, EPILOGUE_SUBTILE=half,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if tiles.nested:
+        kernels["_tree_mm_nested_kernel"][grid](a_desc, b_desc, c_desc, M, N, kg, **common)
+    else:
+        kernels["_tree_mm_tma_kernel"][grid](a_desc, b_desc, c_desc, ct, ct.stride(0), M, N, kg,
+                                             PARK=tiles.park, **common)
     if ct is not c:
         c.copy_(ct)
     return c
