@@ -55,10 +55,12 @@ def test_tree_mm_subtrees_compose(dtype, even):
     assert not torch.equal(_bits(tree_mm(a, b, 1)), _bits(whole))
 
 
-@pytest.mark.parametrize("variant", ["park", "nested"])
-def test_tree_mm_tma_variants_compose(variant):
-    """The TMA kernel's layouts (the top pending child parked in the output tile; one K loop per
-    group): still the same node of the same tree at every TP, and the same bits as the default."""
+@pytest.mark.parametrize("subtile", [True, False])
+def test_tree_mm_tma_launches_compose(subtile):
+    """The TMA kernel holds two groups per launch: four are two launches (the second adds the
+    first's root in its epilogue, stored whole or in two halves), eight two halves added. Each
+    rank's root is still the same node of the same tree at TP=2/4/8, and a row's bits do not
+    depend on M; a transposed weight (w.t()) is the same bits."""
     import dataclasses
 
     from tpdiag.kernels import tree_gemm_tma
@@ -68,14 +70,15 @@ def test_tree_mm_tma_variants_compose(variant):
     M, N, K = (300, 200, 8 * kg) if CUDA else (20, 24, 8 * kg)
     dev = "cuda" if CUDA else "cpu"
     a = (torch.randn(M, K, generator=gen) * 4).to(torch.bfloat16).to(dev)
-    b = torch.randn(N, K, generator=gen).to(torch.bfloat16).to(dev).t()  # a weight's w.t()
-    base = tree_gemm_tma.tiles_for(a)
-    tiles = dataclasses.replace(base, **{variant: True})
-    whole = tree_mm(a, b, 8, tiles=tiles)
-    assert torch.equal(_bits(whole), _bits(tree_mm(a, b, 8, tiles=base)))
+    w = torch.randn(N, K, generator=gen).to(torch.bfloat16).to(dev)
+    tiles = dataclasses.replace(tree_gemm_tma.tiles_for(a), epilogue_subtile=subtile)
+    whole = tree_mm(a, w.t(), 8, tiles=tiles)
+    assert torch.equal(_bits(whole), _bits(tree_mm(a, w.t().contiguous(), 8, tiles=tiles)))
     for tp in (2, 4, 8):
         k = K // tp
-        roots = torch.stack([tree_mm(a[:, r * k:(r + 1) * k], b[r * k:(r + 1) * k], 8 // tp, tiles=tiles)
-                             for r in range(tp)])
+        roots = torch.stack([tree_mm(a[:, r * k:(r + 1) * k], w.t()[r * k:(r + 1) * k], 8 // tp,
+                                     tiles=tiles) for r in range(tp)])
         assert torch.equal(_bits(tree_sum_stacked(roots)), _bits(whole)), tp
-    assert torch.equal(_bits(tree_mm(a[3:], b, 8, tiles=tiles)), _bits(whole[3:]))
+    assert torch.equal(_bits(tree_mm(a[3:], w.t(), 8, tiles=tiles)), _bits(whole[3:]))
+    ref = reference_tree_mm(a.cpu(), w.t().cpu())
+    assert ((whole.cpu().double() - ref).norm() / ref.norm()).item() < 1e-6

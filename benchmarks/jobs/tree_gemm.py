@@ -31,11 +31,9 @@ def _sweep_tiles():
     from tpdiag.kernels.tree_gemm_tma import TreeTiles
 
     k = (64, 32, 16)
-    return [TreeTiles(128, 128, k, 8, 4), TreeTiles(128, 128, k, 8, 4, park=True),
-            TreeTiles(128, 64, k, 8, 4), TreeTiles(128, 64, k, 8, 4, park=True),
-            TreeTiles(128, 64, k, 8, 4, nested=True), TreeTiles(128, 128, k, 8, 4, nested=True),
-            TreeTiles(128, 128, k, 8, 3, nested=True), TreeTiles(128, 128, k, 8, 3, park=True),
-            TreeTiles(64, 128, k, 4, 4, park=True)]
+    return [TreeTiles(128, 128, k, 8, 4), TreeTiles(128, 128, k, 8, 3), TreeTiles(128, 128, k, 8, 5),
+            TreeTiles(128, 128, k, 8, 4, group_m=16), TreeTiles(128, 128, k, 8, 4, epilogue_subtile=False),
+            TreeTiles(128, 64, k, 8, 4)]
 
 
 def _bench(fns: dict, rounds: int) -> dict:
@@ -136,7 +134,7 @@ def main(argv: list[str]) -> dict:
 
 def _name(t) -> str:
     return (f"{t.block_m}x{t.block_n}x{t.block_k[0]} w{t.num_warps} s{t.num_stages} "
-            f"gm{t.group_m}" + (" park" if t.park else "") + (" nested" if t.nested else ""))
+            f"gm{t.group_m}" + ("" if t.epilogue_subtile else " whole-epilogue"))
 
 
 def _step_sums(rows, variants) -> dict:
