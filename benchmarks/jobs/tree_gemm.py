@@ -31,9 +31,8 @@ def _sweep_tiles():
     from tpdiag.kernels.tree_gemm_tma import TreeTiles
 
     k = (64, 32, 16)
-    return [TreeTiles(128, 128, k, 8, 4), TreeTiles(128, 128, k, 8, 3), TreeTiles(128, 128, k, 8, 5),
-            TreeTiles(128, 128, k, 8, 4, group_m=16), TreeTiles(128, 128, k, 8, 4, epilogue_subtile=False),
-            TreeTiles(128, 64, k, 8, 4)]
+    return [TreeTiles(128, 128, k, 8, 4), TreeTiles(128, 128, k, 8, 3),
+            TreeTiles(128, 128, k, 8, 4, group_m=16), TreeTiles(128, 128, k, 8, 4, epilogue_subtile=False)]
 
 
 def _bench(fns: dict, rounds: int) -> dict:
