@@ -25,18 +25,13 @@ def _bits(t):
 def test_tree_mm_subtrees_compose(dtype, even):
     gen = torch.Generator().manual_seed(0)
     # M, N not tile multiples; groups of 24 = a masked tail in the interpreter's BLOCK_K 16, and
-    # on a GPU groups of 72 (the per-tile kernel's BLOCK_K 64; not a multiple of the TMA
-    # kernel's smallest BLOCK_K 16)
+    # on a GPU (BLOCK_K 64) groups of 72
     kg = (128 if even else 72) if CUDA else (32 if even else 24)  # even: groups of whole BLOCK_Ks
     M, N, K = (300, 200, 8 * kg) if CUDA else (20, 24, 8 * kg)
     dev = "cuda" if CUDA else "cpu"
     a = (torch.randn(M, K, generator=gen) * 4).to(dtype).to(dev)
     b = torch.randn(K, N, generator=gen).to(dtype).to(dev)
     whole = tree_mm(a, b, 8)
-    # even groups run the persistent TMA kernel (tree_gemm_tma.py), the masked tail the per-tile one
-    from tpdiag.kernels import tree_gemm_tma
-
-    assert tree_gemm_tma.usable(a, 8, tree_gemm_tma.tiles_for(a)) == even
     # a row's bits do not depend on M or on its position in a tile
     assert torch.equal(_bits(tree_mm(a[3:], b, 8)), _bits(whole[3:]))
     for tp in (2, 4):
@@ -57,7 +52,7 @@ def test_tree_mm_subtrees_compose(dtype, even):
 
 @pytest.mark.parametrize("subtile", [True, False])
 def test_tree_mm_tma_launches_compose(subtile):
-    """The TMA kernel holds two groups per launch: four are two launches (the second adds the
+    """The persistent TMA kernel (opt-in: tiles=TreeTiles) holds two groups per launch: four are two launches (the second adds the
     first's root in its epilogue, stored whole or in two halves), eight two halves added. Each
     rank's root is still the same node of the same tree at TP=2/4/8, and a row's bits do not
     depend on M; a transposed weight (w.t()) is the same bits."""

@@ -1,11 +1,12 @@
 """On a CUDA GPU: tp-invariant-linear's per-rank tree GEMM (`tree_mm`) at llama-1b shapes, batch 8
-x seq 4096, against cuBLAS stock bf16 (what the fix replaces) and the first per-tile kernel;
+x seq 4096, against cuBLAS stock bf16 (what the fix replaces): the per-tile kernel (shipped) and
+the persistent TMA kernel (tree_gemm_tma.py, opt-in);
 every variant checked bitwise (the rank's root = the tree over its halves' roots; a row's bits
 do not depend on M). Timings: median over --rounds rounds (variants interleaved in each round)
 of triton.testing.do_bench medians, with the spread; the sum over one training step's calls.
 
   python -m benchmarks tree-gemm                 # shipped tiles, TP=2 and TP=4 shapes, step sums
-  python -m benchmarks tree-gemm --sweep         # a sweep of TMA tile configs at TP=2 shapes
+  python -m benchmarks tree-gemm --sweep         # TMA tile configs at three TP=2 and TP=4 shapes
 """
 import argparse
 import statistics
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tp", default="2,4")
-    ap.add_argument("--sweep", action="store_true", help="TMA tile configs at the TP=2 shapes")
+    ap.add_argument("--sweep", action="store_true", help="TMA tile configs at three shapes per TP")
     args = ap.parse_args(argv)
     require_cuda("tree-gemm")
     import torch
@@ -85,14 +86,15 @@ def main(argv: list[str]) -> dict:
 
     torch.manual_seed(0)
     M = args.tokens
-    first = (128, 64, 64, 8, 3)  # the per-tile kernel's shipped tiles (commit 1d75fff)
+    first = (128, 64, 64, 8, 3)  # the per-tile kernel's shipped tiles (tree_gemm._CUDA_TILES)
     if args.sweep:
         variants = {"per-tile 128x64x64 w8 s3": first}
         variants.update({_name(t): t for t in _sweep_tiles()})
         tps, shapes = [int(t) for t in args.tp.split(",")], [
             s for s in SHAPES if s[0] in ("wo fwd", "w2 fwd", "wk/wv dgrad")]
     else:
-        variants = {"per-tile 128x64x64 w8 s3": first, "tma " + _name(CUDA_TILES[torch.bfloat16]): None}
+        variants = {"per-tile 128x64x64 w8 s3": first,
+                    "tma " + _name(CUDA_TILES[torch.bfloat16]): CUDA_TILES[torch.bfloat16]}
         tps, shapes = [int(t) for t in args.tp.split(",")], SHAPES
     rows, ok = [], True
     for tp in tps:
@@ -121,7 +123,6 @@ def main(argv: list[str]) -> dict:
                 print(f"  {vname}: {v['ms']:.3f} ms ({v['min']:.3f}-{v['max']:.3f}) {v['ms'] / cub:.2f}x "
                       f"cuBLAS, {flops / v['ms'] / 1e9:.0f} TFLOP/s, bitwise {bits[vname]}")
             rows.append(row)
-            del a, b
     steps = _step_sums(rows, variants)
     for tp, s in steps.items():
         print(f"TP={tp} one step's tree_mm calls: cuBLAS {s['cublas']:.1f} ms; " +
@@ -172,5 +173,4 @@ def _invariant(M, tps, rounds) -> list:
                   f"{t['triton_mm']['ms']:.3f} ms ({t['triton_mm']['min']:.3f}-{t['triton_mm']['max']:.3f}), {x:.2f}x")
             rows.append({"tp": tp, "case": name, "M": m, "K": k, "N": n, "calls": calls,
                          "cublas": t["cublas"], "triton_mm": t["triton_mm"], "x_cublas": x})
-            del a, b
     return rows

@@ -123,23 +123,21 @@ def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None) -> torch.
     """fp32 [M, N]: the balanced tree over `groups` equal K ranges of a [M, K] @ b [K, N]
     (16-bit operands: their products are exact in fp32; each group summed in fp32).
 
-    Hopper+ (and the interpreter) with groups of whole BLOCK_K steps: the persistent TMA kernel
-    (tree_gemm_tma.py); otherwise the per-tile kernel below. Which one runs depends on the
-    device and on KG = K / groups = K_global / G only - the same at every TP and batch.
-    `tiles` is for the benchmark's sweep only (a TreeTiles: the TMA kernel; a 5-tuple
-    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the per-tile kernel): other tiles, other bits."""
+    The per-tile kernel below runs by default. `tiles` is for the benchmark's sweep only: a
+    5-tuple (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for this kernel, or a TreeTiles for the
+    persistent TMA kernel (tree_gemm_tma.py; Hopper+ or the interpreter, groups of whole
+    BLOCK_K steps) - measured slower than this one on an H200 so far (docs/benchmarks.md).
+    Other tiles, other bits."""
     if not supported(a, b, groups):
         raise ValueError(f"tree_mm: 16-bit a, b of one dtype and 1/2/4/8 groups dividing K; got "
                          f"{a.dtype}/{b.dtype}, K={a.shape[-1]}, groups={groups}")
-    if not isinstance(tiles, tuple):
+    if tiles is not None and not isinstance(tiles, tuple):
         from tpdiag.kernels import tree_gemm_tma
 
-        tt = tiles or tree_gemm_tma.tiles_for(a)
-        if tree_gemm_tma.usable(a, groups, tt):
-            return tree_gemm_tma.tree_mm_tma(a, b, groups, tt)
-        if tiles is not None:
-            raise ValueError(f"tree_mm: tiles {tt} do not fit K={a.shape[-1]} in {groups} groups")
-        tiles = None
+        if not tree_gemm_tma.usable(a, groups, tiles):
+            raise ValueError(f"tree_mm: tiles {tiles} do not fit K={a.shape[-1]} in {groups} groups "
+                             "on this device")
+        return tree_gemm_tma.tree_mm_tma(a, b, groups, tiles)
     kernel = _kernels()
     M, K = a.shape
     N = b.shape[1]

@@ -1,4 +1,4 @@
-"""tree_mm's persistent, TMA-fed kernel (Hopper+, and the Triton interpreter).
+"""tree_mm's persistent, TMA-fed kernel (Hopper+, and the Triton interpreter); opt-in (see CUDA_TILES).
 
 The same arithmetic contract as tree_gemm.py's first kernel - each K group summed into a fresh
 fp32 accumulator in BLOCK_K steps upwards from the group's start, the groups combined in the
@@ -54,8 +54,10 @@ class TreeTiles:
         return next((bk for bk in self.block_k if kg % bk == 0), None)
 
 
-# Chosen by the sweep in `python -m benchmarks tree-gemm` on an H200 (docs/benchmarks.md).
-# Fixed per dtype (BLOCK_K also per KG, which is TP- and batch-invariant): other tiles, other bits.
+# The best of `python -m benchmarks tree-gemm --sweep` on an H200 (docs/benchmarks.md), still
+# slower there than tree_gemm.py's per-tile kernel, so tree_mm runs this only when a caller passes
+# tiles (the benchmark, the tests). A shipped config must stay fixed per dtype (BLOCK_K may follow
+# KG, which is TP- and batch-invariant): other tiles, other bits.
 CUDA_TILES = {
     torch.bfloat16: TreeTiles(128, 128, (64, 32, 16), 8, 4, group_m=8),
     torch.float16: TreeTiles(128, 128, (64, 32, 16), 8, 4, group_m=8),
