@@ -25,13 +25,15 @@ def _bits(t):
 def test_tree_mm_subtrees_compose(dtype, even):
     gen = torch.Generator().manual_seed(0)
     # M, N not tile multiples; groups of 24 = a masked tail in the interpreter's BLOCK_K 16, and
-    # on a GPU (BLOCK_K 64) groups of 96
-    kg = (128 if even else 96) if CUDA else (32 if even else 24)  # even: groups of whole BLOCK_Ks
+    # on a GPU (BLOCK_K 64) groups of 72
+    kg = (128 if even else 72) if CUDA else (32 if even else 24)  # even: groups of whole BLOCK_Ks
     M, N, K = (300, 200, 8 * kg) if CUDA else (20, 24, 8 * kg)
     dev = "cuda" if CUDA else "cpu"
     a = (torch.randn(M, K, generator=gen) * 4).to(dtype).to(dev)
     b = torch.randn(K, N, generator=gen).to(dtype).to(dev)
     whole = tree_mm(a, b, 8)
+    # a row's bits do not depend on M or on its position in a tile
+    assert torch.equal(_bits(tree_mm(a[3:], b, 8)), _bits(whole[3:]))
     for tp in (2, 4):
         k = K // tp
         roots = torch.stack([tree_mm(a[:, r * k:(r + 1) * k], b[r * k:(r + 1) * k], 8 // tp)
@@ -46,3 +48,32 @@ def test_tree_mm_subtrees_compose(dtype, even):
     assert ((whole.cpu().double() - ref).norm() / ref.norm()).item() < 1e-6
     # negative control: the same products summed as one chain over K
     assert not torch.equal(_bits(tree_mm(a, b, 1)), _bits(whole))
+
+
+@pytest.mark.parametrize("subtile", [True, False])
+def test_tree_mm_tma_launches_compose(subtile):
+    """The persistent TMA kernel (opt-in: tiles=TreeTiles) holds two groups per launch: four are two launches (the second adds the
+    first's root in its epilogue, stored whole or in two halves), eight two halves added. Each
+    rank's root is still the same node of the same tree at TP=2/4/8, and a row's bits do not
+    depend on M; a transposed weight (w.t()) is the same bits."""
+    import dataclasses
+
+    from tpdiag.kernels import tree_gemm_tma
+
+    gen = torch.Generator().manual_seed(1)
+    kg = 128 if CUDA else 32
+    M, N, K = (300, 200, 8 * kg) if CUDA else (20, 24, 8 * kg)
+    dev = "cuda" if CUDA else "cpu"
+    a = (torch.randn(M, K, generator=gen) * 4).to(torch.bfloat16).to(dev)
+    w = torch.randn(N, K, generator=gen).to(torch.bfloat16).to(dev)
+    tiles = dataclasses.replace(tree_gemm_tma.tiles_for(a), epilogue_subtile=subtile)
+    whole = tree_mm(a, w.t(), 8, tiles=tiles)
+    assert torch.equal(_bits(whole), _bits(tree_mm(a, w.t().contiguous(), 8, tiles=tiles)))
+    for tp in (2, 4, 8):
+        k = K // tp
+        roots = torch.stack([tree_mm(a[:, r * k:(r + 1) * k], w.t()[r * k:(r + 1) * k], 8 // tp,
+                                     tiles=tiles) for r in range(tp)])
+        assert torch.equal(_bits(tree_sum_stacked(roots)), _bits(whole)), tp
+    assert torch.equal(_bits(tree_mm(a[3:], w.t(), 8, tiles=tiles)), _bits(whole[3:]))
+    ref = reference_tree_mm(a.cpu(), w.t().cpu())
+    assert ((whole.cpu().double() - ref).norm() / ref.norm()).item() < 1e-6

@@ -1,66 +1,176 @@
-"""On a CUDA GPU: tp-invariant-linear's per-rank group GEMM at llama-1b shapes (TP=2, batch 8 x
-seq 4096): cuBLAS stock bf16 (what the fix replaces), one invariant-gemm call per K group with
-fp32 outputs + tree_sum (the previous implementation) and tree_mm (the groups' tree in registers)
-for a sweep of tiles; every tree_mm variant checked bitwise against the TP decomposition.
+"""On a CUDA GPU: tp-invariant-linear's per-rank tree GEMM (`tree_mm`) at llama-1b shapes, batch 8
+x seq 4096, against cuBLAS stock bf16 (what the fix replaces): the per-tile kernel (shipped) and
+the persistent TMA kernel (tree_gemm_tma.py, opt-in);
+every variant checked bitwise (the rank's root = the tree over its halves' roots; a row's bits
+do not depend on M). Timings: median over --rounds rounds (variants interleaved in each round)
+of triton.testing.do_bench medians, with the spread; the sum over one training step's calls.
 
-  python -m benchmarks tree-gemm        # CUDA only (exit 3 without)
+  python -m benchmarks tree-gemm                 # shipped tiles, TP=2 and TP=4 shapes, step sums
+  python -m benchmarks tree-gemm --sweep         # TMA tile configs at three TP=2 and TP=4 shapes
 """
 import argparse
+import statistics
 
 from benchmarks.errors import require_cuda
 
-TILES = [(128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
-         (64, 64, 64, 4, 4), (128, 128, 32, 8, 4)]
+PEAK = 989.4e12  # H100/H200 SXM dense bf16
+
+# (name, K per rank at TP=1, N, weight layout: row-parallel forward = x @ w.t() with w [N, K];
+# column dgrad = g @ w with w [K, N]), calls per step (llama-1b: 16 layers, wq wk wv w1 w3
+# column-parallel, wo w2 row-parallel, the vocab projection column-parallel)
+SHAPES = (("wo fwd", 2048, 2048, True, 16), ("w2 fwd", 5632, 2048, True, 16),
+          ("wq dgrad", 2048, 2048, False, 16), ("wk/wv dgrad", 1024, 2048, False, 32),
+          ("w1/w3 dgrad", 5632, 2048, False, 32), ("lm dgrad", 32000, 2048, False, 1))
+# invariant-gemm (triton_mm) at the column-parallel forward / wgrad shapes (name, M, K, N at TP=1,
+# sharded dim, calls per step)
+INV_SHAPES = (("wq fwd", "tok", 2048, 2048, "n", 16), ("w1/w3 fwd", "tok", 2048, 5632, "n", 32),
+              ("wq wgrad", 2048, "tok", 2048, "m", 16), ("w1/w3 wgrad", 5632, "tok", 2048, "m", 32))
+G = 8
+
+
+def _sweep_tiles():
+    from tpdiag.kernels.tree_gemm_tma import TreeTiles
+
+    k = (64, 32, 16)
+    return [TreeTiles(128, 128, k, 8, 4), TreeTiles(128, 128, k, 8, 3),
+            TreeTiles(128, 128, k, 8, 4, group_m=16), TreeTiles(128, 128, k, 8, 4, epilogue_subtile=False)]
+
+
+def _bench(fns: dict, rounds: int) -> dict:
+    from triton.testing import do_bench
+
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(do_bench(fn, warmup=5, rep=25))
+    return {name: {"ms": statistics.median(t), "min": min(t), "max": max(t)} for name, t in times.items()}
+
+
+def _bits_ok(tree_mm, a, b, groups, tiles) -> bool:
+    import torch
+
+    from tpdiag.kernels.tree import tree_sum_stacked
+
+    whole = tree_mm(a, b, groups, tiles=tiles)
+    ok = True
+    if groups > 1:
+        k = a.shape[1] // 2
+        halves = torch.stack([tree_mm(a[:, h * k:(h + 1) * k], b[h * k:(h + 1) * k], groups // 2,
+                                      tiles=tiles) for h in range(2)])
+        ok = torch.equal(tree_sum_stacked(halves).view(torch.int32), whole.view(torch.int32))
+    rows = tree_mm(a[3:1000], b, groups, tiles=tiles)  # other M, rows at other tile positions
+    return ok and torch.equal(rows.view(torch.int32), whole[3:1000].view(torch.int32))
+
+
+def _operands(tokens, k, n, transposed, device="cuda"):
+    import torch
+
+    a = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device=device, dtype=torch.bfloat16).t() if transposed
+         else torch.randn(k, n, device=device, dtype=torch.bfloat16))
+    return a, b
 
 
 def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="benchmarks tree-gemm", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tp", default="2,4")
+    ap.add_argument("--sweep", action="store_true", help="TMA tile configs at three shapes per TP")
     args = ap.parse_args(argv)
     require_cuda("tree-gemm")
     import torch
-    from triton.testing import do_bench
 
-    from tpdiag.kernels.invariant_gemm import triton_mm
-    from tpdiag.kernels.tree import tree_sum, tree_sum_stacked
     from tpdiag.kernels.tree_gemm import tree_mm
+    from tpdiag.kernels.tree_gemm_tma import CUDA_TILES
 
     torch.manual_seed(0)
-    M, G = args.tokens, 4
-    # (name, a, b): row-parallel forward (x_local @ w_local.t(), w [N, K_r]) and column dgrad
-    cases = []
-    for name, k, n, transposed in (("wo fwd", 1024, 2048, True), ("w2 fwd", 2816, 2048, True),
-                                   ("w1 dgrad", 2816, 2048, False)):
-        a = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
-        b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() if transposed
-             else torch.randn(k, n, device="cuda", dtype=torch.bfloat16))
-        cases.append((name, a, b))
-    rows = []
-    for name, a, b in cases:
-        k = a.shape[1] // G
-        flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        t_cublas = do_bench(lambda: a @ b, warmup=10, rep=50)
+    M = args.tokens
+    first = (128, 64, 64, 8, 3)  # the per-tile kernel's shipped tiles (tree_gemm._CUDA_TILES)
+    if args.sweep:
+        variants = {"per-tile 128x64x64 w8 s3": first}
+        variants.update({_name(t): t for t in _sweep_tiles()})
+        tps, shapes = [int(t) for t in args.tp.split(",")], [
+            s for s in SHAPES if s[0] in ("wo fwd", "w2 fwd", "wk/wv dgrad")]
+    else:
+        variants = {"per-tile 128x64x64 w8 s3": first,
+                    "tma " + _name(CUDA_TILES[torch.bfloat16]): CUDA_TILES[torch.bfloat16]}
+        tps, shapes = [int(t) for t in args.tp.split(",")], SHAPES
+    rows, ok = [], True
+    for tp in tps:
+        groups = G // tp
+        for name, k, n, transposed, calls in shapes:
+            a, b = _operands(M, k // tp, n, transposed)
+            flops = 2 * M * (k // tp) * n
+            fns, bits = {"cublas": lambda: a @ b}, {}
+            for vname, tiles in variants.items():
+                try:
+                    bits[vname] = _bits_ok(tree_mm, a, b, groups, tiles)
+                    fns[vname] = (lambda t=tiles: tree_mm(a, b, groups, tiles=t))
+                except Exception as e:  # a config that does not compile is a row, not a stop
+                    print(f"  {vname}: failed {type(e).__name__}: {str(e)[:160]}")
+            t = _bench(fns, args.rounds)
+            cub = t["cublas"]["ms"]
+            row = {"tp": tp, "case": name, "M": M, "K": k // tp, "N": n, "groups": groups,
+                   "calls": calls, "cublas": t["cublas"], "cublas_tflops": flops / cub / 1e9,
+                   "variants": {}}
+            print(f"TP={tp} {name}: [{M}x{k // tp}] @ [{k // tp}x{n}], {groups} groups, {calls} calls/step: "
+                  f"cuBLAS {cub:.3f} ms ({flops / cub / 1e9:.0f} TFLOP/s, MFU {flops / cub / 1e-3 / PEAK:.1%})")
+            for vname in bits:
+                v = t[vname]
+                row["variants"][vname] = dict(v, x_cublas=v["ms"] / cub, bitwise=bits[vname])
+                ok &= bits[vname]
+                print(f"  {vname}: {v['ms']:.3f} ms ({v['min']:.3f}-{v['max']:.3f}) {v['ms'] / cub:.2f}x "
+                      f"cuBLAS, {flops / v['ms'] / 1e9:.0f} TFLOP/s, bitwise {bits[vname]}")
+            rows.append(row)
+    steps = _step_sums(rows, variants)
+    for tp, s in steps.items():
+        print(f"TP={tp} one step's tree_mm calls: cuBLAS {s['cublas']:.1f} ms; " +
+              "; ".join(f"{v} {ms:.1f} ms ({ms / s['cublas']:.2f}x)" for v, ms in s.items() if v != "cublas"))
+    inv = [] if args.sweep else _invariant(M, tps, args.rounds)
+    return {"tokens": M, "rows": rows, "step_ms": steps, "invariant_gemm": inv, "ok": ok,
+            "shipped": CUDA_TILES[torch.bfloat16].to_dict()}
 
-        def groups():
-            return tree_sum([triton_mm(a[:, i * k:(i + 1) * k], b[i * k:(i + 1) * k],
-                                       out_dtype=torch.float32) for i in range(G)])
-        t_groups = do_bench(groups, warmup=10, rep=50)
-        row = {"case": name, "cublas_ms": t_cublas, "groups_ms": t_groups, "tiles": {}}
-        print(f"{name}: [{a.shape[0]}x{a.shape[1]}] @ [{b.shape[0]}x{b.shape[1]}], {G} groups: cuBLAS "
-              f"{t_cublas:.3f} ms ({flops / t_cublas / 1e9:.0f} TFLOP/s); per-group triton_mm + tree "
-              f"{t_groups:.3f} ms ({t_groups / t_cublas:.2f}x)")
-        for tiles in TILES:
-            try:
-                whole = tree_mm(a, b, G, tiles=tiles)
-                halves = torch.stack([tree_mm(a[:, h * 2 * k:(h + 1) * 2 * k], b[h * 2 * k:(h + 1) * 2 * k],
-                                              G // 2, tiles=tiles) for h in range(2)])
-                ok = torch.equal(tree_sum_stacked(halves).view(torch.int32), whole.view(torch.int32))
-                t = do_bench(lambda: tree_mm(a, b, G, tiles=tiles), warmup=10, rep=50)
-            except Exception as e:  # a tile that does not compile (shared memory) is a row, not a stop
-                print(f"  tree_mm {tiles}: failed {type(e).__name__}: {str(e)[:120]}")
-                continue
-            row["tiles"][str(tiles)] = {"ms": t, "bitwise_tp2": ok}
-            print(f"  tree_mm {tiles}: {t:.3f} ms ({t / t_cublas:.2f}x cuBLAS, "
-                  f"{flops / t / 1e9:.0f} TFLOP/s), TP=2 halves bitwise: {ok}")
-        rows.append(row)
-    return {"cases": rows, "ok": all(v["bitwise_tp2"] for r in rows for v in r["tiles"].values())}
+
+def _name(t) -> str:
+    return (f"{t.block_m}x{t.block_n}x{t.block_k[0]} w{t.num_warps} s{t.num_stages} "
+            f"gm{t.group_m}" + ("" if t.epilogue_subtile else " whole-epilogue"))
+
+
+def _step_sums(rows, variants) -> dict:
+    out = {}
+    for r in rows:
+        s = out.setdefault(r["tp"], {"cublas": 0.0})
+        s["cublas"] += r["calls"] * r["cublas"]["ms"]
+        for v, d in r["variants"].items():
+            s[v] = s.get(v, 0.0) + r["calls"] * d["ms"]
+    return out
+
+
+def _invariant(M, tps, rounds) -> list:
+    """invariant-gemm (triton_mm, bf16 out) vs cuBLAS at the column-parallel forward / wgrad."""
+    import torch
+
+    from tpdiag.kernels.invariant_gemm import triton_mm
+
+    rows = []
+    for tp in tps:
+        for name, m, k, n, shard, calls in INV_SHAPES:
+            m, k = (M if m == "tok" else m), (M if k == "tok" else k)
+            if shard == "n":
+                n //= tp
+            else:
+                m //= tp
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+            if shard == "m":  # wgrad g.t() @ x: g is [tokens, N_r], so A is column-major
+                a = torch.randn(k, m, device="cuda", dtype=torch.bfloat16).t()
+            t = _bench({"cublas": lambda: a @ b, "triton_mm": lambda: triton_mm(a, b)}, rounds)
+            flops = 2 * m * k * n
+            x = t["triton_mm"]["ms"] / t["cublas"]["ms"]
+            print(f"TP={tp} invariant-gemm {name} [{m}x{k}] @ [{k}x{n}] ({calls}/step): cuBLAS "
+                  f"{t['cublas']['ms']:.3f} ms ({flops / t['cublas']['ms'] / 1e9:.0f} TFLOP/s), triton_mm "
+                  f"{t['triton_mm']['ms']:.3f} ms ({t['triton_mm']['min']:.3f}-{t['triton_mm']['max']:.3f}), {x:.2f}x")
+            rows.append({"tp": tp, "case": name, "M": m, "K": k, "N": n, "calls": calls,
+                         "cublas": t["cublas"], "triton_mm": t["triton_mm"], "x_cublas": x})
+    return rows

@@ -119,14 +119,25 @@ def supported(a: torch.Tensor, b: torch.Tensor, groups: int) -> bool:
             and groups in (1, 2, 4, 8) and a.shape[-1] % groups == 0)
 
 
-def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles: tuple | None = None) -> torch.Tensor:
+def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None) -> torch.Tensor:
     """fp32 [M, N]: the balanced tree over `groups` equal K ranges of a [M, K] @ b [K, N]
-    (16-bit operands: their products are exact in fp32; each group summed in fp32). `tiles`
-    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) is for the benchmark's sweep only: other tiles,
-    other bits."""
+    (16-bit operands: their products are exact in fp32; each group summed in fp32).
+
+    The per-tile kernel below runs by default. `tiles` is for the benchmark's sweep only: a
+    5-tuple (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for this kernel, or a TreeTiles for the
+    persistent TMA kernel (tree_gemm_tma.py; Hopper+ or the interpreter, groups of whole
+    BLOCK_K steps) - measured slower than this one on an H200 so far (docs/benchmarks.md).
+    Other tiles, other bits."""
     if not supported(a, b, groups):
         raise ValueError(f"tree_mm: 16-bit a, b of one dtype and 1/2/4/8 groups dividing K; got "
                          f"{a.dtype}/{b.dtype}, K={a.shape[-1]}, groups={groups}")
+    if tiles is not None and not isinstance(tiles, tuple):
+        from tpdiag.kernels import tree_gemm_tma
+
+        if not tree_gemm_tma.usable(a, groups, tiles):
+            raise ValueError(f"tree_mm: tiles {tiles} do not fit K={a.shape[-1]} in {groups} groups "
+                             "on this device")
+        return tree_gemm_tma.tree_mm_tma(a, b, groups, tiles)
     kernel = _kernels()
     M, K = a.shape
     N = b.shape[1]
