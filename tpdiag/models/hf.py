@@ -1,7 +1,9 @@
 """`hf:DIR`: a local Hugging Face causal LM, sharded by transformers' own TP styles.
 
-The model is built whole on every rank (safetensors weights if the directory has them, else a
-random init from the RNG the runner seeded: the same weights at every degree), then the runner's
+The model is built whole on every rank - on the meta device, then materialised on the rank's
+device: safetensors weights read straight onto it if the directory has them, else each module
+initialised by transformers' own `_init_weights` from an RNG seeded by (seed, module fqn)
+(tpdiag.models.meta_init): the same weights at every degree - then the runner's
 `parallelize_module(model, mesh, target.plan)` shards it. The plan is the model's own `tp_plan`
 (the config's `base_model_tp_plan` prefixed with the base model's name, plus the head's
 `_tp_plan`: what `from_pretrained(tp_plan="auto")` applies), with each style name mapped to the

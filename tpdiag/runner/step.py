@@ -215,6 +215,8 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
     timings = {}
     t0 = time.perf_counter()
     target, model = build_model(cfg, device, world)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the init kernels are asynchronous
     timings["model_s"] = time.perf_counter() - t0  # built, initialised and sharded
     rec.mode = capture_mode(cfg.capture, model)
     rec.world = world
