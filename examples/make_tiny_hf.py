@@ -87,6 +87,17 @@ GPT_OSS_TP_PLAN = {
 CONFIGS["gpt_oss"]["base_model_tp_plan"] = GPT_OSS_TP_PLAN
 
 
+# Real sizes (config only, random weights): `--shape qwen3-4b` with kind qwen3 is shaped like
+# Qwen3-4B (hidden 2560, 36 layers, 32/8 heads of 128, ffn 9728, vocab 151936, tied head), for
+# timing a world's start and step at a real size on GPUs (docs/scale.md).
+SHAPES = {
+    "qwen3-4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+                 "tie_word_embeddings": True, "dtype": "bfloat16"},
+}
+
+
 def write_tiny(kind: str, out_dir: str, **overrides) -> str:
     """Write `out_dir/config.json` for a tiny `kind` model; returns out_dir."""
     if kind not in CONFIGS:
@@ -102,8 +113,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kind", choices=sorted(CONFIGS))
     ap.add_argument("out_dir")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a real model's sizes instead of tiny ones")
     args = ap.parse_args()
-    write_tiny(args.kind, args.out_dir)
+    write_tiny(args.kind, args.out_dir, **(SHAPES[args.shape] if args.shape else {}))
     print(f"wrote {os.path.join(args.out_dir, 'config.json')}; run: "
           f"tpdiag compare --model hf:{args.out_dir} --tp 1,2,4,8")
 

@@ -82,3 +82,14 @@ def target() -> tpdiag.Target:
     model = TinyMLPLM()
     return tpdiag.Target(model=model, plan=plan(), vocab_size=VOCAB, inputs=inputs, loss=loss,
                          divisors={"vocab": VOCAB, "hidden": HIDDEN})
+
+
+def target_meta(device: torch.device) -> tpdiag.Target:
+    """The same target, opted in to the meta-device build by its `device` parameter: tpdiag
+    calls it with the meta device (and under it), then allocates every parameter on the run's
+    device and initialises each module by its own `reset_parameters()`, the RNG reseeded from
+    (seed, module fqn) - no full CPU build per rank, the same weights at every degree.
+
+        tpdiag compare --model py:examples/py_target.py:target_meta --tp 1,2
+    """
+    return target()

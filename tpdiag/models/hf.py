@@ -1,7 +1,9 @@
 """`hf:DIR`: a local Hugging Face causal LM, sharded by transformers' own TP styles.
 
-The model is built whole on every rank (safetensors weights if the directory has them, else a
-random init from the RNG the runner seeded: the same weights at every degree), then the runner's
+The model is built whole on every rank - on the meta device, then materialised on the rank's
+device: safetensors weights read straight onto it if the directory has them, else each module
+initialised by transformers' own `_init_weights` from an RNG seeded by (seed, module fqn)
+(tpdiag.models.meta_init): the same weights at every degree - then the runner's
 `parallelize_module(model, mesh, target.plan)` shards it. The plan is the model's own `tp_plan`
 (the config's `base_model_tp_plan` prefixed with the base model's name, plus the head's
 `_tp_plan`: what `from_pretrained(tp_plan="auto")` applies), with each style name mapped to the
@@ -224,11 +226,9 @@ def divisors_of(config) -> dict[str, int]:
     return out
 
 
-def load_model(path: str):
-    """The whole model: safetensors weights if present, else a seeded random init."""
+def _config(path: str):
     transformers = _transformers()
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     # Every rank loads: no progress bars or load reports in the compare's terminal.
     transformers.utils.logging.set_verbosity_error()
@@ -245,19 +245,45 @@ def load_model(path: str):
     for key in ("attention_dropout", "hidden_dropout", "dropout"):
         if hasattr(tc, key):
             setattr(tc, key, 0.0)
+    return config
+
+
+def load_model(path: str, device=None, seed: int | None = None):
+    """The whole model: safetensors weights if present, else a random init.
+
+    device None: built on the CPU, random init from the global RNG the caller seeded (every
+    rank builds the same). With a device: built on the meta device and materialised there -
+    safetensors loaded straight onto it, or each module initialised by its own
+    `_init_weights` from an RNG seeded by (seed, module fqn) (tpdiag.models.meta_init)."""
+    config = _config(path)  # first: it says so when transformers is missing
+    import torch
+    from transformers import AutoModelForCausalLM
+
     has_st = bool(glob.glob(os.path.join(path, "*.safetensors")))
     pickled = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
     try:
-        if has_st:
+        model = None
+        if has_st and device is not None:
+            model = _meta_safetensors(config, path, device, seed)
+        if model is not None:
+            pass
+        elif has_st:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
                                                          trust_remote_code=False,
                                                          use_safetensors=True, local_files_only=True)
+            if device is not None:
+                model.to(device)
         elif pickled:
             raise BadInput(f"--model hf:{path}: weights are pickled ({os.path.basename(pickled[0])}); "
                            "tpdiag loads safetensors only - convert them, or remove them for a random init")
-        else:
+        elif device is None:
             # The runner seeded the RNG: the full model's init is the same on every rank/degree.
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                         trust_remote_code=False)
+            materialize_hf(model, device, 0 if seed is None else seed)
     except BadInput:
         raise
     except ValueError as e:
@@ -267,13 +293,63 @@ def load_model(path: str):
     return model
 
 
-def load_hf_target(path: str, variant: str = "stock"):
+def _meta_safetensors(config, path: str, device, seed: int | None):
+    """Built on meta, initialised on `device`, then every checkpoint tensor read straight onto
+    it (tpdiag.models.weights); None when the checkpoint's names are not the model's own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tpdiag.models import weights
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    mapping = weights.plan(model, files, getattr(model, "base_model_prefix", ""))
+    if mapping is None:
+        return None
+    # tensors the checkpoint lacks keep their seeded init (transformers would draw them too)
+    materialize_hf(model, device, 0 if seed is None else seed)
+    weights.load(model, mapping, device)
+    return model
+
+
+def materialize_hf(model, device, seed: int) -> None:
+    """A meta-built transformers model on `device`, each module initialised by the `_init_weights`
+    of its nearest enclosing PreTrainedModel (what transformers' own init dispatches to), which
+    also recomputes the rotary `inv_freq` buffers. A module whose parameters that rule leaves
+    unfilled gets torch's own `reset_parameters()` - what a CPU `from_config` leaves there."""
+    from transformers import PreTrainedModel
+    from transformers import initialization as hf_init
+
+    from tpdiag.models.meta_init import materialize
+
+    owner: dict[int, object] = {}
+
+    def walk(mod, current):
+        current = mod if isinstance(mod, PreTrainedModel) else current
+        owner.setdefault(id(mod), current)
+        for child in mod.children():
+            walk(child, current)
+
+    walk(model, model)
+
+    def rule(fqn, module):
+        owner[id(module)]._init_weights(module)
+        own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
+        if own and any(bool(p.isnan().any()) for p in own) and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    with hf_init.guard_torch_init_functions():
+        materialize(model, device, seed, rule)
+
+
+def load_hf_target(path: str, variant: str = "stock", device=None, seed: int | None = None):
     from tpdiag.models.target import Target
 
     if variant != "stock":
         raise BadInput(f"plan variant {variant!r}: hf: models offer only 'stock' "
                        "(the config's own base_model_tp_plan)")
-    model = load_model(path)
+    model = load_model(path, device, seed)
     plan = tp_plan_of(model)
     if not plan:
         raise BadInput(f"--model hf:{path}: {type(model).__name__} has no tensor-parallel plan "

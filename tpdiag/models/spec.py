@@ -65,8 +65,44 @@ def _load_py_func(value: str):
     return fn
 
 
+def takes_device(fn) -> bool:
+    """A py: FUNC with a `device` parameter opts in to the meta-device build."""
+    import inspect
+
+    try:
+        return "device" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def py_target(value: str, variant: str = "stock"):
+    """FUNC() - or, for a FUNC that opts in, FUNC(device=meta) under the meta device - checked,
+    with `variant`'s plan. An opted-in Target's model is still on the meta device."""
+    import torch
+
+    from tpdiag.models.target import Target
+
+    fn = _load_py_func(value)
+    if takes_device(fn):
+        meta = torch.device("meta")
+        with meta:
+            t = fn(device=meta)
+    else:
+        t = fn()
+    if not isinstance(t, Target):
+        raise BadInput(f"--model py:{value}: returned {type(t).__name__}, expected tpdiag.Target")
+    if variant != "stock":
+        if variant not in t.variants:
+            raise BadInput(f"plan variant {variant!r}: this target offers "
+                           f"{', '.join(['stock', *t.variants]) }")
+        t.plan = t.variants[variant]
+    return t
+
+
 def load_target(spec: ModelSpec, variant: str = "stock"):
-    """Build the full, unsharded Target. Callers seed the RNG first (identical weights everywhere)."""
+    """Build the full, unsharded Target on the CPU (a py: target that opts in to the meta build:
+    on the meta device). Callers seed the RNG first (identical weights everywhere).
+    The runner builds with tpdiag.models.build.build_target instead."""
     from tpdiag.models.target import Target
 
     if spec.kind == "builtin":
@@ -77,15 +113,7 @@ def load_target(spec: ModelSpec, variant: str = "stock"):
         return Target(model=model, plan=llama_plan(variant), vocab_size=model.cfg.vocab_size,
                       divisors=model.cfg.divisors())
     if spec.kind == "py":
-        t = _load_py_func(spec.value)()
-        if not isinstance(t, Target):
-            raise BadInput(f"--model py:{spec.value}: returned {type(t).__name__}, expected tpdiag.Target")
-        if variant != "stock":
-            if variant not in t.variants:
-                raise BadInput(f"plan variant {variant!r}: this target offers "
-                               f"{', '.join(['stock', *t.variants]) }")
-            t.plan = t.variants[variant]
-        return t
+        return py_target(spec.value, variant)
     if spec.kind == "hf":
         from tpdiag.models.hf import load_hf_target
 

@@ -19,3 +19,8 @@ class Target:
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Largest degree the model can be split into (heads, kv heads, vocab, ffn); None: unknown.
     divisors: dict[str, int] = field(default_factory=dict)
+    # Meta-device build (opt-in: a FUNC with a `device` parameter is called with the meta
+    # device): init(fqn, module) fills that module's own parameters and buffers on the run's
+    # device, called children first with the RNG seeded from (seed, fqn). None: each module's
+    # reset_parameters(). See tpdiag.models.meta_init.
+    init: Callable[[str, nn.Module], None] | None = None

@@ -131,15 +131,32 @@ class TinyLlama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        # Seeded full-model init on every rank, before sharding: identical weights at every TP.
-        std = 0.02
+        # A CPU build (tiny_llama.build, py: targets): one seeded global stream in module order,
+        # the same on every rank because every rank builds the whole model.
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                # Not exactly one, so a wrong norm-weight shard is visible.
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                nn.init.normal_(p, std=std if "wo" not in name and "w2" not in name
-                                else std / math.sqrt(2 * self.cfg.n_layers))
+            self.init_param(name, p)
+
+    @torch.no_grad()
+    def init_param(self, name: str, p: torch.Tensor) -> None:
+        """The init rule of parameter `name` (its fqn in this model), drawn from the current RNG."""
+        std = 0.02
+        if name.endswith("norm.weight"):
+            # Not exactly one, so a wrong norm-weight shard is visible.
+            p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        else:
+            nn.init.normal_(p, std=std if "wo" not in name and "w2" not in name
+                            else std / math.sqrt(2 * self.cfg.n_layers))
+
+    @torch.no_grad()
+    def init_module(self, fqn: str, module: nn.Module) -> None:
+        """tpdiag.models.meta_init's per-module rule: the module's own parameters (the RNG is
+        seeded from its fqn), and the rotary tables, recomputed, for the model itself."""
+        for name, p in module.named_parameters(recurse=False):
+            self.init_param(f"{fqn}.{name}" if fqn else name, p)
+        if module is self:
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
     def forward(self, input_ids):
         S = input_ids.shape[1]
@@ -151,6 +168,17 @@ class TinyLlama(nn.Module):
 
 
 def build(preset: str = "tiny-llama", **overrides) -> TinyLlama:
+    """The whole model on the current default device, initialised from the global RNG."""
     kwargs = dict(PRESETS[preset])
     kwargs.update(overrides)
     return TinyLlama(LlamaConfig(**kwargs))
+
+
+def build_on(device, seed: int, preset: str = "tiny-llama", **overrides) -> TinyLlama:
+    """The whole model built on the meta device and initialised on `device` (float32), each
+    module from an RNG seeded by (seed, its fqn): the same weights at every degree and rank."""
+    from tpdiag.models.meta_init import materialize
+
+    with torch.device("meta"):
+        model = build(preset, **overrides)
+    return materialize(model, device, seed, model.init_module)

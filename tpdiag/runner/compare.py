@@ -80,6 +80,35 @@ def device_info(device: str) -> dict:
     return info
 
 
+def world_timings(rank_timings: list) -> dict:
+    """A world's manifest entry: {'timings': each phase's max over ranks, 'rank_timings': per
+    rank}. Phases (s): spawn, process_group, world_start (launch -> first model built and
+    sharded), selfcheck (the unprobed run), model (build + init + shard), build (model, batch,
+    optimizer), steps (forward/loss/backward/optimizer), gather (capture gathered to rank 0),
+    write (rank 0); peak memory (bytes): GPU max_memory_allocated, host max RSS."""
+    if not rank_timings:
+        return {}
+    keys = sorted({k for t in rank_timings for k in t})
+    worst = {k: max(t[k] for t in rank_timings if isinstance(t.get(k), (int, float))) for k in keys
+             if any(isinstance(t.get(k), (int, float)) for t in rank_timings)}
+    return {"timings": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in worst.items()},
+            "rank_timings": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in t.items()}
+                             for t in rank_timings]}
+
+
+def compare_phases(worlds: dict, labels: list, base_label: str | None, diff_s: float) -> dict:
+    """Wall time (s) of each phase of one compare: the reference world, its rerun (determinism
+    check), each other degree's world, and the diff."""
+    def wall(label):
+        w = worlds.get(label)
+        return w.get("wall_s") if isinstance(w, dict) else None
+
+    return {"reference_s": wall(labels[0]),
+            "reference_rerun_s": wall(base_label) if base_label else None,
+            "degrees_s": {lab: wall(lab) for lab in labels[1:]},
+            "diff_s": round(diff_s, 3)}
+
+
 def default_out() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
@@ -115,13 +144,16 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         wcfg = cfg.world(degree, label, os.path.join(out, f"tp{label}"), device, ref_dir=ref_dir)
         res = run_world(wcfg, cfg.timeout, on_status)
         manifest["worlds"][label] = {"degree": degree, "status": res.status, "wall_s": round(res.wall_s, 3),
-                                     "error": res.error}
+                                     "error": res.error, **world_timings(res.rank_timings)}
         if res.status != "ok":
             failed[label] = res.error
         io.write_json(os.path.join(out, "manifest.json"), manifest)
     if on_status:
         on_status("diff", "running")
+    t_diff = time.perf_counter()
     summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label)
+    manifest["phases"] = compare_phases(manifest["worlds"], labels, base_label,
+                                        time.perf_counter() - t_diff)
     manifest["wall_s"] = round(time.perf_counter() - t0, 3)
     manifest["status"] = summary["status"]
     io.write_json(os.path.join(out, "manifest.json"), manifest)

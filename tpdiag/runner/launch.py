@@ -30,6 +30,8 @@ class WorldResult:
     wall_s: float
     error: str | None = None
     rank_errors: dict = field(default_factory=dict)
+    # per rank: phase wall times (s) and peak memory (bytes), from its completion marker
+    rank_timings: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,8 +74,10 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
     store = dist.TCPStore("127.0.0.1", 0, world_size=world + 1, is_master=True,
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     ctx = _context(cfg.model)
+    launched_at = time.time()
     procs = [ctx.Process(target=worker.main, name=f"tpdiag-tp{world}-rank{r}",
-                         args=(r, world, "127.0.0.1", store.port, cfg.to_dict(), timeout_s, os.getpid()))
+                         args=(r, world, "127.0.0.1", store.port, cfg.to_dict(), timeout_s, os.getpid(),
+                               launched_at))
              for r in range(world)]
     if on_status:
         on_status(cfg.label, "running")
@@ -88,7 +92,8 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
             errs = {r: worker.marker(cfg.out_dir, r, "error") for r in range(world)}
             errs = {r: p for r, p in errs.items() if os.path.exists(p)}
             if all(done):
-                result = WorldResult(cfg.label, world, "ok", cfg.out_dir, time.perf_counter() - t0)
+                result = WorldResult(cfg.label, world, "ok", cfg.out_dir, time.perf_counter() - t0,
+                                     rank_timings=_rank_timings(cfg.out_dir, world))
                 break
             dead = [r for r, p in enumerate(procs)
                     if p.exitcode is not None and not done[r] and r not in errs]
@@ -112,6 +117,20 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
         on_status(cfg.label, result.status)
     io.write_json(os.path.join(cfg.out_dir, "result.json"), result.to_dict())
     return result
+
+
+def _rank_timings(out_dir: str, world: int) -> list:
+    from tpdiag import io
+    from tpdiag.runner import worker
+
+    out = []
+    for r in range(world):
+        try:
+            t = io.read_json(worker.marker(out_dir, r, "done")).get("timings")
+        except Exception:  # noqa: BLE001 - timings are informational; the marker's presence decides
+            t = None
+        out.append(t if isinstance(t, dict) else {})
+    return out
 
 
 _PEER_LOST = ("Connection closed", "Connection reset", "remote worker", "Broken pipe",

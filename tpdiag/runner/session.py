@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 
 from tpdiag import io
@@ -13,25 +14,48 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.runner.compare import run_compare
     from tpdiag.runner.confirm import auto_chain, confirm
 
+    t0 = time.perf_counter()
     if cfg.fix_mode == "auto":
         summary = auto_chain(cfg, cfg.out, on_status)
         first = read_summary(cfg.out)
         first["fix_chain"] = summary["fix_chain"]
         first["status_after_fixes"] = summary["status"]
+        first["timings"] = _timings(cfg.out, {"fix_chain_s": time.perf_counter() - t0})
         io.write_json(os.path.join(cfg.out, "summary.json"), first)
         first["run_dir"] = cfg.out
         return first
     summary = run_compare(replace(cfg, granularity="module") if cfg.granularity == "auto" else cfg,
                           on_status)
+    extra = {}
     if summary["status"] == "divergent" and (cfg.granularity == "auto"
                                              or summary.get("capture") == "hash"):
         from tpdiag.runner.drill import drill_down
 
+        t1 = time.perf_counter()
         summary = drill_down(cfg, summary, cfg.out, on_status)
-        io.write_json(os.path.join(cfg.out, "summary.json"),
-                      {k: v for k, v in summary.items() if k != "run_dir"})
+        extra["second_pass_s"] = time.perf_counter() - t1
     if cfg.confirm and summary["status"] == "divergent":
+        t1 = time.perf_counter()
         summary = confirm(cfg, summary, cfg.out, on_status=on_status)
-        out = {k: v for k, v in summary.items() if k != "run_dir"}
-        io.write_json(os.path.join(cfg.out, "summary.json"), out)
+        extra["confirm_s"] = time.perf_counter() - t1
+    extra["compare_s"] = time.perf_counter() - t0
+    summary["timings"] = _timings(cfg.out, extra)
+    io.write_json(os.path.join(cfg.out, "summary.json"),
+                  {k: v for k, v in summary.items() if k != "run_dir"})
     return summary
+
+
+def _timings(run_dir: str, extra: dict) -> dict:
+    """Wall time per phase of the whole compare and per world (manifest.json keeps the per-rank
+    detail): the manifest's phases plus second pass / confirm / fix chain / total, written back
+    to the manifest's `phases`. Every key is optional; readers must not rely on them."""
+    from tpdiag.records.rundir import read_manifest
+
+    manifest = read_manifest(run_dir)
+    phases = dict(manifest.get("phases") or {})
+    phases.update({k: round(v, 3) for k, v in extra.items()})
+    manifest["phases"] = phases
+    io.write_json(os.path.join(run_dir, "manifest.json"), manifest)
+    worlds = {label: {"wall_s": w.get("wall_s"), **(w.get("timings") or {})}
+              for label, w in (manifest.get("worlds") or {}).items() if isinstance(w, dict)}
+    return {"phases": phases, "worlds": worlds}

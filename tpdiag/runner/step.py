@@ -15,10 +15,11 @@ IGNORE = -100
 
 
 def build_model(cfg: WorldConfig, device: torch.device, world: int):
-    from tpdiag.models.spec import load_target, parse_spec
+    from tpdiag.models.build import build_target
+    from tpdiag.models.spec import parse_spec
 
-    torch.manual_seed(cfg.seed)
-    target = load_target(parse_spec(cfg.model), cfg.variant)
+    torch.manual_seed(cfg.seed)  # py: targets built on the CPU draw from the global RNG
+    target = build_target(parse_spec(cfg.model), cfg.variant, device, cfg.seed)
     model = target.model.to(device=device, dtype=getattr(torch, cfg.dtype))
     if world > 1 and target.plan:
         from torch.distributed.device_mesh import init_device_mesh
@@ -214,6 +215,9 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
     timings = {}
     t0 = time.perf_counter()
     target, model = build_model(cfg, device, world)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the init kernels are asynchronous
+    timings["model_s"] = time.perf_counter() - t0  # built, initialised and sharded
     rec.mode = capture_mode(cfg.capture, model)
     rec.world = world
     rec.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -17,7 +17,9 @@ def marker(out_dir: str, rank: int, what: str) -> str:
 
 
 def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s: float,
-         launcher_pid: int | None = None) -> None:
+         launcher_pid: int | None = None, launched_at: float | None = None) -> None:
+    """`launched_at`: the launcher's time.time() when it started the world's ranks."""
+    entered = time.time()
     from tpdiag import io
     from tpdiag.config import WorldConfig
 
@@ -25,8 +27,10 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
     cfg = WorldConfig.from_dict(cfg_dict)
     os.environ["TPDIAG_RANK"] = str(rank)
     try:
-        _run(rank, world, host, port, cfg, timeout_s)
-        io.write_json(marker(cfg.out_dir, rank, "done"), {"rank": rank, "time": time.time()})
+        timings = _run(rank, world, host, port, cfg, timeout_s, entered, launched_at)
+        # the rank's phase timings travel in its marker: the launcher collects every rank's
+        io.write_json(marker(cfg.out_dir, rank, "done"), {"rank": rank, "time": time.time(),
+                                                          "timings": timings})
     except BaseException as e:  # noqa: BLE001 - every failure must leave evidence on disk
         message = str(e).splitlines()[0] if str(e) else ""
         if "does not have a deterministic implementation" in message:
@@ -98,7 +102,9 @@ def _start_time(pid: int):
             return "alive"
 
 
-def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> None:
+def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
+         entered: float | None = None, launched_at: float | None = None) -> dict:
+    """This rank's work; returns its per-phase wall times (s) and peak memory (bytes)."""
     import torch
     import torch.distributed as dist
 
@@ -121,21 +127,33 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
         backend = "gloo"
     tcp = dist.TCPStore(host, port, world_size=world + 1, is_master=False,
                         timeout=timedelta(seconds=timeout_s))
+    t_pg = time.perf_counter()
     dist.init_process_group(backend, store=tcp, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s),
                             **({"device_id": device} if backend == "nccl" else {}))
+    phases = {"process_group_s": time.perf_counter() - t_pg}
+    if entered is not None:  # imports, determinism settings, rendezvous store
+        phases["setup_s"] = time.time() - entered - phases["process_group_s"]
     _fault_injection(rank, world)
     t0 = time.perf_counter()
     selfcheck = None
     ref_shapes = _ref_shapes(cfg, world)
+    first_run = time.time()
     if cfg.selfcheck:
         # The same step with no probes: what the model computes when nobody watches.
         bare = Recorder(ref_shapes=ref_shapes)
-        run(cfg.with_(probes=False), device, world, bare)
+        bare_t = run(cfg.with_(probes=False), device, world, bare)
+        phases["selfcheck_s"] = time.perf_counter() - t0
+        first_built = first_run + bare_t["model_s"]
+        if device.type == "cuda":
+            phases["selfcheck_peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
     rec = Recorder(ref_shapes=ref_shapes)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    probed_run = time.time()
     timings = run(cfg, device, world, rec)
+    if not cfg.selfcheck:
+        first_built = probed_run + timings["model_s"]
     if device.type == "cuda":
         timings["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
     if cfg.selfcheck:
@@ -143,6 +161,13 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     t1 = time.perf_counter()
     stored = gather_records(rec.records, device, lanes=rec.lanes, hashbuf=rec.hashbuf)
     timings["gather_s"] = time.perf_counter() - t1
+    # spawned -> process group -> first model built, initialised and sharded
+    start = launched_at if launched_at is not None else entered
+    if start is not None:
+        timings["world_start_s"] = first_built - start
+        if launched_at is not None and entered is not None:
+            timings["spawn_s"] = entered - launched_at
+    timings.update(phases)
     if rank == 0:
         store.write(cfg.out_dir, stored, {
             "degree": world, "label": cfg.label, "backend": backend, "device": str(device),
@@ -151,7 +176,17 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
             "probe_selfcheck": selfcheck,
             "total_s": time.perf_counter() - t0,
         })
+        timings["write_s"] = time.perf_counter() - t1 - timings["gather_s"]
     dist.barrier()
+    timings["max_rss_bytes"] = _max_rss_bytes()
+    return timings
+
+
+def _max_rss_bytes() -> int:
+    """This rank's peak resident host memory (pages shared with the fork server included)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _probe_selfcheck(bare, probed, device) -> dict:
