@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpdiag.dtensors import local_of
+from tpdiag.probes import stream as _stream
 
 PHASES = ("init", "forward", "loss", "backward", "optimizer")
 
@@ -106,6 +107,9 @@ class Recorder:
     # A module's input is usually another's output, nested modules share outputs: the same
     # tensor, unchanged, under several keys is hashed once (its row shared).
     _hashed: dict = field(default_factory=dict)
+    # full mode: records stream to host memory (probes/stream.py), spilled here past the budget
+    spill_dir: str | None = None
+    host_store: object = None
 
     def call_index(self, module: str) -> int:
         key = (self.step, self.phase, module)
@@ -123,6 +127,9 @@ class Recorder:
         placement = layout if layout is not None else label
         local = local_of(t).detach()
         hashed = self.mode == "hash" and kind not in KEEP_WHOLE
+        if self.mode == "full":
+            return _stream.record_full(self, t, local, kind, module, name, call, phase, placement,
+                                       style, cls)
         if not hashed:
             # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
             local = local.clone(memory_format=torch.contiguous_format)

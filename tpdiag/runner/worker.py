@@ -101,6 +101,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
 
     from tpdiag.records import store
     from tpdiag.probes.recorder import Recorder
+    from tpdiag.probes.stream import close_stores
     from tpdiag.runner import determinism
     from tpdiag.runner.gather import gather_records
     from tpdiag.runner.step import run
@@ -127,9 +128,9 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     ref_shapes = _ref_shapes(cfg, world)
     if cfg.selfcheck:
         # The same step with no probes: what the model computes when nobody watches.
-        bare = Recorder(ref_shapes=ref_shapes)
+        bare = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "bare"))
         run(cfg.with_(probes=False), device, world, bare)
-    rec = Recorder(ref_shapes=ref_shapes)
+    rec = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "rec"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timings = run(cfg, device, world, rec)
@@ -137,8 +138,10 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
         timings["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
     if cfg.selfcheck:
         selfcheck = _probe_selfcheck(bare, rec, device)
+        close_stores(bare.records)
     t1 = time.perf_counter()
-    stored = gather_records(rec.records, device, lanes=rec.lanes, hashbuf=rec.hashbuf)
+    stored = gather_records(rec.records, device, lanes=rec.lanes, hashbuf=rec.hashbuf, stream=True,
+                            spill_dir=_spill(cfg, rank, "out"))
     timings["gather_s"] = time.perf_counter() - t1
     if rank == 0:
         store.write(cfg.out_dir, stored, {
@@ -148,7 +151,14 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
             "probe_selfcheck": selfcheck,
             "total_s": time.perf_counter() - t0,
         })
+    close_stores(rec.records, stored or [])
     dist.barrier()
+
+
+def _spill(cfg, rank: int, what: str) -> str:
+    """Where full capture spills records past the host budget: inside the degree's directory,
+    removed once the records are written."""
+    return os.path.join(cfg.out_dir, f".spill-rank{rank}-{what}")
 
 
 def _probe_selfcheck(bare, probed, device) -> dict:
@@ -159,6 +169,7 @@ def _probe_selfcheck(bare, probed, device) -> dict:
 
     from tpdiag.diff.bits import bitwise_equal
     from tpdiag.probes.recorder import is_stale, take_lanes
+    from tpdiag.probes.stream import as_tensor
 
     kinds = {"logits", "logprobs", "loss", "grad_norm", "param"}
 
@@ -169,7 +180,7 @@ def _probe_selfcheck(bare, probed, device) -> dict:
         # a stale row (changed in place before its queued hash) proves nothing: left out, so
         # its key counts as a mismatch (take() flushed the queue: the stale list is complete)
         stale = set(r.hashbuf.stale) if rows else set()
-        return {m["key"]: (t if t is not None else ints[slot])
+        return {m["key"]: (as_tensor(t) if t is not None else ints[slot])
                 for (m, t), slot in zip(r.records, r.lanes)
                 if m["kind"] in kinds and not is_stale(slot, stale)}
 
