@@ -127,10 +127,8 @@ class Recorder:
         placement = layout if layout is not None else label
         local = local_of(t).detach()
         hashed = self.mode == "hash" and kind not in KEEP_WHOLE
-        if self.mode == "full":
-            return _stream.record_full(self, t, local, kind, module, name, call, phase, placement,
-                                       style, cls)
-        if not hashed:
+        to_host = self.mode == "full"  # copied to the host in stream order (probes/stream.py)
+        if not hashed and not to_host:
             # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
             local = local.clone(memory_format=torch.contiguous_format)
         meta = {
@@ -139,6 +137,8 @@ class Recorder:
             "cls": cls, "dtype": dtype_name(local.dtype), "local_shape": list(local.shape),
         }
         meta["key"] = record_key(meta)
+        if to_host:
+            return _stream.record_full(self, meta, t, local)
         if hashed:
             layout_, full, dim, size, offset = self._hash_layout(t, local, meta["key"], label)
             meta["hash_layout"], meta["full_shape"] = layout_, full

@@ -331,7 +331,6 @@ def finish(records) -> list:
     """Completes every HostStore behind `records` and fills each full-mode record's meta['hash']
     (its local shard's hash) from lanes computed on the device at record time: one host sync
     for all of them. Returns the stores."""
-    from tpdiag.probes.recorder import dtype_name
     from tpdiag.records.hashing import hash_of_lanes
 
     stores, todo = {}, []
@@ -352,20 +351,13 @@ def finish(records) -> list:
             got.update(zip(keys, torch.stack([uniq[k][:2] for k in keys]).cpu().tolist()))
         for m, t in todo:
             a, b = got[id(t.lanes)]
-            m["hash"] = hash_of_lanes(int(a), int(b), dtype_name(t.dtype), t.shape)
+            m["hash"] = hash_of_lanes(int(a), int(b), str(t.dtype), t.shape)
     return list(stores.values())
 
 
-def record_full(rec, t, local, kind, module, name, call, phase, placement, style, cls) -> dict:
-    """Recorder.add in full mode: the record's meta, its tensor streamed to the host."""
-    from tpdiag.probes.recorder import dtype_name, record_key
-
-    meta = {
-        "idx": len(rec.records), "step": rec.step, "phase": phase, "module": module,
-        "kind": kind, "call": call, "name": name, "placement": placement, "style": style,
-        "cls": cls, "dtype": dtype_name(local.dtype), "local_shape": list(local.shape),
-    }
-    meta["key"] = record_key(meta)
+def record_full(rec, meta: dict, t, local) -> dict:
+    """Recorder.add in full mode, once the record's meta is built: its tensor streamed to the
+    host (t: what was recorded, local: its detached local shard)."""
     if rec.hash:
         meta["hash"] = None  # this rank's shard; filled by finish() (lanes computed now)
     store = rec.host_store
