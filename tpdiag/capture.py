@@ -185,7 +185,10 @@ class Capture:
             if self.group_rank == 0:
                 self._write(stored, device, t1)
         finally:
+            from tpdiag.probes.stream import release_pool
+
             close_stores(self.rec.records, stored or [])
+            release_pool()  # pinned host memory goes back to the user's process
         if dist.is_initialized():
             # Nobody leaves before the capture is on disk: a launcher like torchrun tears the
             # whole job down when one rank dies (gloo ranks can abort at interpreter exit), and

@@ -136,6 +136,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     timings = run(cfg, device, world, rec)
     if device.type == "cuda":
         timings["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+    if rec.host_store is not None:  # full capture: bytes captured, copied once, spilled
+        timings["host"] = dict(rec.host_store.stats)
     if cfg.selfcheck:
         selfcheck = _probe_selfcheck(bare, rec, device)
         close_stores(bare.records)
