@@ -183,6 +183,16 @@ def test_host_store_spill_dedupe_and_close(tmp_path):
     assert f.getvalue() == want[4].numpy().tobytes()
     s.close()
     assert not spill.exists()
+    # no spill directory given: a temporary one, removed on close
+    t = HostStore(torch.device("cpu"), budget=256, chunk=128)
+    caps = [t.put(x) for x in want[:3]]
+    t.finish()
+    t.drain()
+    tmp = t.spill_dir
+    assert tmp and os.path.isdir(tmp) and t.stats["spilled_bytes"] > 0
+    assert all(torch.equal(c.get(), w) for c, w in zip(caps, want))
+    t.close()
+    assert not os.path.exists(tmp)
 
 
 def test_bad_budget_is_a_typed_error(monkeypatch):

@@ -223,8 +223,6 @@ class HostStore:
 
     def _queue_oldest(self) -> bool:
         # under self.cond
-        if self.spill_dir is None:
-            return False
         for c in self.chunks:
             if c.buf is not None and not c.queued and c is not self.cur:
                 c.queued = True
@@ -232,6 +230,10 @@ class HostStore:
                 self.pending += 1
                 self.queue.append(c)
                 if self.thread is None:
+                    if self.spill_dir is None:  # no directory given: the budget still holds
+                        import tempfile
+
+                        self.spill_dir = tempfile.mkdtemp(prefix="tpdiag-spill-")
                     os.makedirs(self.spill_dir, exist_ok=True)
                     self.thread = threading.Thread(target=self._writer, name="tpdiag-spill", daemon=True)
                     self.thread.start()
