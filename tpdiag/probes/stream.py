@@ -21,42 +21,12 @@ import weakref
 
 import torch
 
+from tpdiag.probes.host_budget import default_budget, parse_bytes
+
 BUDGET_ENV = "TPDIAG_HOST_BUDGET"   # bytes of host memory for captured records (K/M/G suffixes)
 CHUNK_ENV = "TPDIAG_HOST_CHUNK"     # bytes per host chunk
 DEFAULT_CHUNK = 128 << 20
 ALIGN = 64                          # record offsets in a chunk: every dtype's view stays aligned
-
-
-def parse_bytes(text: str, what: str) -> int:
-    """'1073741824', '512M', '2G' -> bytes (binary units)."""
-    from tpdiag.errors import BadInput
-
-    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(s[-1:], 1)
-    try:
-        n = int(float(s[:-1] if mult > 1 else s) * mult)
-    except ValueError:
-        n = -1
-    if n <= 0:
-        raise BadInput(f"{what}={text!r}: expected a positive size in bytes (e.g. 536870912, 512M, 2G)")
-    return n
-
-
-def default_budget() -> int:
-    """Half the host memory available now, shared by the ranks on this host."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if avail is None:
-        avail = 16 << 30
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("TPDIAG_LOCAL_RANKS") or 1)
-    return max(avail // 2 // max(ranks, 1), 1 << 20)
 
 
 # Pinned chunks outlive a HostStore, process-wide: pinning host memory is slow (the kernel
