@@ -106,7 +106,8 @@ class Capture:
             except FileNotFoundError:
                 pass
         self.fingerprint = fingerprint(self.model, self.layouts, self.degree)
-        self.rec = Recorder()
+        # full capture streams records to the host; past the budget they spill here (removed at exit)
+        self.rec = Recorder(spill_dir=os.path.join(self.out, f".spill-rank{self.group_rank}"))
         self.t0 = time.perf_counter()
         self._stack = ExitStack()
         include = _included(self.model, self.module_globs)
@@ -189,9 +190,18 @@ class Capture:
         _apply_layouts(self.rec.records, self.layouts)
         device = _collective_device(self.group)
         t1 = time.perf_counter()
-        stored = gather_records(self.rec.records, device, self.group)
-        if self.group_rank == 0:
-            self._write(stored, device, t1)
+        from tpdiag.probes.stream import close_stores
+
+        stored = gather_records(self.rec.records, device, self.group, stream=True,
+                                spill_dir=os.path.join(self.out, f".spill-rank{self.group_rank}-out"))
+        try:
+            if self.group_rank == 0:
+                self._write(stored, device, t1)
+        finally:
+            from tpdiag.probes.stream import release_pool
+
+            close_stores(self.rec.records, stored or [])
+            release_pool()  # pinned host memory goes back to the user's process
         if dist.is_initialized():
             # Nobody leaves before the capture is on disk: a launcher like torchrun tears the
             # whole job down when one rank dies (gloo ranks can abort at interpreter exit), and

@@ -53,16 +53,21 @@ def overhead(args) -> dict:
     built = step.build_model(base, dev, 1)
     step.build_model = lambda cfg, device, world: built  # one model for every mode and round
     nparams = sum(p.numel() for p in built[1].parameters())
-    modes = args.modes.split(",")
-    res = {m: {"step_s": [], "peak_bytes": [], "gather_s": [], "records": 0, "kept_bytes": 0}
-           for m in modes}
+    modes = _modes(args.modes)
+    res = {m: {"step_s": [], "peak_bytes": [], "gather_s": [], "records": 0, "kept_bytes": 0,
+               "host": [], "rss_peak": []} for m in modes}
+    import tempfile
+
+    from tpdiag.probes.stream import close_stores
+
+    spill = os.path.join(args.spill_dir or tempfile.gettempdir(), "tpdiag-bench-spill")
 
     from tpdiag.kernels import record_hash as rh
 
     batch = os.environ.get("TPDIAG_HASH_BATCH", "64")
 
     def once(mode: str, keep: bool):
-        rec = Recorder()
+        rec = Recorder(spill_dir=spill)
         if mode == "none":
             rec.enabled = False
         # A/B of how hash mode launches, side by side in the same rounds: hash = records queued,
@@ -74,11 +79,20 @@ def overhead(args) -> dict:
         if dev_type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
+        _reset_rss_peak()
         t = step.run(cfg, dev, 1, rec)
         peak = torch.cuda.max_memory_allocated(dev) if dev_type == "cuda" else 0
         t0 = time.perf_counter()
-        stored = gather_records(rec.records, dev, lanes=rec.lanes, hashbuf=rec.hashbuf)
+        # stream: full-mode records stay where the capture put them (host chunks, spill files)
+        stored = gather_records(rec.records, dev, lanes=rec.lanes, hashbuf=rec.hashbuf, stream=True)
         gather_s = time.perf_counter() - t0
+        host = dict(rec.host_store.stats) if rec.host_store is not None else {}
+        rss = _rss_peak()
+        close_stores(rec.records, stored)
+        import sys
+
+        print(f"[overhead] {mode} {'round' if keep else 'warm-up'}: step {1e3 * t['steps_s']:.1f} ms, "
+              f"peak {peak / 2**30:.2f} GiB, gather {1e3 * gather_s:.0f} ms, host {host}", file=sys.stderr, flush=True)
         if keep:
             r = res[mode]
             r["step_s"].append(t["steps_s"])
@@ -86,6 +100,8 @@ def overhead(args) -> dict:
             r["gather_s"].append(gather_s)
             r["records"] = len(stored)
             r["kept_bytes"] = sum(x.numel() * x.element_size() for _, x in stored if x is not None)
+            r["host"].append(host)
+            r["rss_peak"].append(rss)
         del rec, stored
 
     for m in modes:  # warm-up: kernels compiled, allocator grown
@@ -93,13 +109,15 @@ def overhead(args) -> dict:
     for _ in range(args.rounds):
         for m in modes:
             once(m, True)
+    d2h = _d2h_gbs(dev) if dev_type == "cuda" else None
     none_t = statistics.median(res["none"]["step_s"])
     flops = step_flops(args.model, args.batch, args.seq)
     peak = peak_flops(_device_name() if dev_type == "cuda" else None, args.peak_tflops)
     none_mfu = mfu(flops, none_t, 1, peak)
     out = {"model": args.model, "dtype": args.dtype, "batch": args.batch, "seq": args.seq,
            "params": nparams, "device": _device_name(), "rounds": args.rounds, "step_flops": flops,
-           "peak_flops": peak, "mfu_no_probes": none_mfu, "modes": {}}
+           "peak_flops": peak, "mfu_no_probes": none_mfu, "d2h_gbs": d2h,
+           "host_budget": os.environ.get("TPDIAG_HOST_BUDGET"), "modes": {}}
     none_m = statistics.median(res["none"]["peak_bytes"]) or 1
     for m in modes:
         r = res[m]
@@ -107,7 +125,8 @@ def overhead(args) -> dict:
         out["modes"][m] = {"step_ms": 1e3 * st, "step_spread_ms": 1e3 * (max(r["step_s"]) - min(r["step_s"])),
                            "time_ratio": st / none_t, "peak_gib": pk / 2**30,
                            "mem_overhead": pk / none_m - 1 if dev_type == "cuda" else None, "gather_ms": 1e3 * statistics.median(r["gather_s"]),
-                           "records": r["records"], "kept_mib": r["kept_bytes"] / 2**20}
+                           "records": r["records"], "kept_mib": r["kept_bytes"] / 2**20,
+                           **_host_figures(r, d2h)}
     lines = [f"overhead: {out['device']}, {args.model} ({nparams / 1e9:.2f}B params) {args.dtype}, "
              f"batch {args.batch} x seq {args.seq}, TP=1, median of {args.rounds} rounds; "
              f"MFU of the unprobed step {fmt(none_mfu)}",
@@ -119,8 +138,77 @@ def overhead(args) -> dict:
                      f"{fmt(none_mfu)} | "
                      f"{r['peak_gib']:.2f} | {_pct(r['mem_overhead'])} | {r['gather_ms']:.1f} | "
                      f"{r['records']} | {r['kept_mib']:.1f} |")
+    lines += _host_lines(out, d2h)
     print("\n".join(lines))
     return out
+
+
+def _modes(text: str) -> list[str]:
+    return ["none" if m == "off" else m for m in text.split(",")]
+
+
+def _reset_rss_peak() -> None:
+    try:  # Linux: '5' resets the process's peak resident set (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _rss_peak() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _d2h_gbs(dev) -> float:
+    """Device -> pinned host copy bandwidth, 1 GiB, median of 5: what bounds full capture."""
+    import torch
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    y = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    ts = []
+    for _ in range(6):
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        y.copy_(x, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        ts.append(time.perf_counter() - t)
+    del x, y
+    return (1 << 30) / statistics.median(ts[1:]) / 1e9
+
+
+def _host_figures(r: dict, d2h) -> dict:
+    hs = r["host"]
+    if not hs or not any(hs):
+        return {}
+    med = lambda k: statistics.median(h.get(k, 0) for h in hs)  # noqa: E731
+    copied = med("copied_bytes")
+    rss = [x for x in r["rss_peak"] if x is not None]
+    return {"captured_gib": med("captured_bytes") / 2**30, "copied_gib": copied / 2**30,
+            "spilled_gib": med("spilled_bytes") / 2**30, "host_chunks_peak_gib": med("host_peak_bytes") / 2**30,
+            "rss_peak_gib": statistics.median(rss) / 2**30 if rss else None,
+            "copy_bound_ms": 1e3 * copied / (d2h * 1e9) if d2h else None}
+
+
+def _host_lines(out: dict, d2h) -> list[str]:
+    rows = [(m, r) for m, r in out["modes"].items() if "captured_gib" in r]
+    if not rows:
+        return []
+    lines = [f"host side (full capture; device->pinned copy {d2h:.1f} GB/s)" if d2h else "host side (full capture)",
+             "| probes | GiB captured | GiB copied (once per tensor) | GiB spilled | host chunks peak GiB | "
+             "process peak RSS GiB | copied / copy bandwidth ms |", "|---|---|---|---|---|---|---|"]
+    for m, r in rows:
+        rss = "n/a" if r["rss_peak_gib"] is None else f"{r['rss_peak_gib']:.1f}"
+        bound = "n/a" if r["copy_bound_ms"] is None else f"{r['copy_bound_ms']:.0f}"
+        lines.append(f"| {m} | {r['captured_gib']:.2f} | {r['copied_gib']:.2f} | {r['spilled_gib']:.2f} | "
+                     f"{r['host_chunks_peak_gib']:.2f} | {rss} | {bound} |")
+    return lines
 
 
 def hash_throughput(args) -> dict:
@@ -368,13 +456,15 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES),
-                    help="overhead: comma list of none, hash (records queued, many per launch), "
+                    help="overhead: comma list of none (or off), hash (records queued, many per launch), "
                          "hash-each (a launch per record), hash-jit (a launch per record through "
                          "Triton's JIT dispatch), full")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="dense bf16 peak TFLOP/s of one device for MFU (default: 989.4 on H100/H200, else no MFU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--spill-dir", default=None,
+                    help="overhead: where full capture spills past TPDIAG_HOST_BUDGET (default: the temp dir)")
     ap.add_argument("--smoke", action="store_true",
                     help="overhead on tiny-llama fp32, batch 1 x seq 16, 1 round (the code path, on CPU too)")
     args = ap.parse_args(argv)
@@ -382,7 +472,7 @@ def main(argv: list[str]) -> dict:
         args.model, args.dtype, args.batch, args.seq, args.rounds = "tiny-llama", "float32", 1, 16, 1
     if args.what == "diff" and not args.run_dir:
         ap.error("diff needs RUN_DIR")
-    if args.what == "overhead" and "none" not in args.modes.split(","):
+    if args.what == "overhead" and "none" not in _modes(args.modes):
         ap.error("--modes must include none (the ratios are against it)")
     res = {"overhead": overhead, "hash": hash_throughput, "hash-sweep": hash_sweep, "launch": launch_cost,
            "profile": profile_step, "diff": diff_throughput}[args.what](args)

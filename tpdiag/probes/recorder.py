@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpdiag.dtensors import local_of
+from tpdiag.probes import stream as _stream
 
 PHASES = ("init", "forward", "loss", "backward", "optimizer")
 
@@ -106,6 +107,9 @@ class Recorder:
     # A module's input is usually another's output, nested modules share outputs: the same
     # tensor, unchanged, under several keys is hashed once (its row shared).
     _hashed: dict = field(default_factory=dict)
+    # full mode: records stream to host memory (probes/stream.py), spilled here past the budget
+    spill_dir: str | None = None
+    host_store: object = None
 
     def call_index(self, module: str) -> int:
         key = (self.step, self._phase, module)
@@ -128,7 +132,8 @@ class Recorder:
             local = local_of(t).detach()
         placement = layout if layout is not None else label
         hashed = self.mode == "hash" and kind not in KEEP_WHOLE
-        if not hashed:
+        to_host = self.mode == "full"  # copied to the host in stream order (probes/stream.py)
+        if not hashed and not to_host:
             # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
             local = local.clone(memory_format=torch.contiguous_format)
         step = self.step
@@ -140,6 +145,8 @@ class Recorder:
             "kind": kind, "call": call, "name": name, "placement": placement, "style": style,
             "cls": cls, "dtype": dname, "local_shape": list(local.shape), "key": key,
         }
+        if to_host:
+            return _stream.record_full(self, meta, t, local)
         if hashed:
             layout_, full, dim, size, offset = self._hash_layout(t, local, key, label)
             meta["hash_layout"], meta["full_shape"] = layout_, full

@@ -15,9 +15,12 @@ MAX_DEGREE = 1024  # sanity bound on world.json's degree: shards are rebuilt by 
 
 def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {str(m["idx"]): t.contiguous() for m, t in stored if t is not None}
+    from tpdiag.records import safetensors_stream
+
+    # a tensor or a host-held record (probes/stream.Captured), written one at a time
+    tensors = {str(m["idx"]): t for m, t in stored if t is not None}
     # Tensors first, index last: an index that exists always points at complete tensors.
-    io.write_safetensors(os.path.join(out_dir, TENSORS), tensors, metadata={"schema": "1"})
+    safetensors_stream.write(os.path.join(out_dir, TENSORS), tensors, metadata={"schema": "1"})
     io.write_jsonl(os.path.join(out_dir, EVENTS), [m for m, _ in stored])
     io.write_json(os.path.join(out_dir, "world.json"), world_meta)
 

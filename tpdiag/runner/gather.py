@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tpdiag.errors import Inconclusive
 from tpdiag.probes.recorder import take_lanes
+from tpdiag.probes.stream import Captured, as_tensor, finish
 
 
 def _stream_signature(metas: list[dict]) -> int:
@@ -22,17 +23,26 @@ def _stream_signature(metas: list[dict]) -> int:
     return int.from_bytes(h.digest()[:7], "little")
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def _as_bytes(t) -> torch.Tensor:
+    t = as_tensor(t)
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _nbytes(t) -> int:
+    return t.nbytes if isinstance(t, Captured) else t.numel() * t.element_size()
+
+
 def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torch.device,
-                   group=None, lanes: list | None = None, hashbuf=None):
+                   group=None, lanes: list | None = None, hashbuf=None, *, stream: bool = False,
+                   spill_dir: str | None = None):
     """Returns, on rank 0 of `group` (default: the world), [(meta, stored_tensor)] with
     meta['stored'] in {'single','stacked','hash'}; on other ranks None. Raises Inconclusive if
     the ranks recorded different streams. A hash-mode record (tensor None; lanes[i] its row of
     `hashbuf`) is stored as its whole-tensor hash and statistics, composed from every rank's
-    share."""
+    share. A full-mode record's tensor may be held on the host (probes/stream.Captured): it is
+    gathered in windows of at most TPDIAG_GATHER_WINDOW bytes. stream=True: stored tensors
+    are returned as Captured (host memory, spilled to spill_dir past the budget), not tensors."""
+    finish(records)
     metas = [m for m, _ in records]
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -43,11 +53,11 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
             if t is None:
                 out.append((_hash_meta(m, hashed[m["idx"]], 1), None))
             else:
-                out.append(({**m, "stored": "single", "ranks_equal": True, "world": 1}, t))
+                out.append(({**m, "stored": "single", "ranks_equal": True, "world": 1},
+                            t if stream else as_tensor(t)))
         return _with_stored_hash(out)
 
-    parts = [_as_bytes(t) for _, t in records if t is not None]
-    sizes = [p.numel() for p in parts]
+    sizes = [_nbytes(t) for _, t in records if t is not None]
     total = sum(sizes)
     sig = torch.tensor([_stream_signature(metas), total], dtype=torch.int64, device=device)
     sigs = [torch.empty_like(sig) for _ in range(world)]
@@ -56,42 +66,120 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
         raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
                            "dtypes per rank); the model is not SPMD under this plan")
     hashed = _gather_lanes(records, lanes, hashbuf, device, group, world, rank)
-    buf = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-    gathered = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
-    if group is None:
-        dist.gather(buf, gathered, dst=0)
-    else:
-        dist.gather(buf, gathered, group=group, group_dst=0)
+    kept = [(m, t) for m, t in records if t is not None]
+    per_record = {}  # rank 0: {position in kept: [per window, per rank byte pieces]}
+    out_store = None
+    if rank == 0 and stream:
+        from tpdiag.probes.stream import HostStore
+
+        out_store = HostStore(torch.device("cpu"), spill_dir=spill_dir)
+    stored = {}
+    cache = [None, None]  # a record split over windows is read from the host once
+
+    def piece(i, a, b):
+        if cache[0] != i:
+            cache[:] = [i, _as_bytes(kept[i][1])]
+        return cache[1][a:b]
+
+    for window in _windows(sizes, _window_bytes()):
+        parts = [piece(i, a, b) for i, a, b in window]
+        buf = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+        gathered = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
+        if group is None:
+            dist.gather(buf, gathered, dst=0)
+        else:
+            dist.gather(buf, gathered, group=group, group_dst=0)
+        if rank != 0:
+            continue
+        gathered = [g.cpu() for g in gathered]
+        off = 0
+        for i, a, b in window:
+            per_record.setdefault(i, []).append([g[off:off + b - a] for g in gathered])
+            off += b - a
+            if b == sizes[i]:  # the record's last piece: decide what to store
+                pieces = per_record.pop(i)
+                stored[i] = _decide(kept[i][0], kept[i][1], pieces, world, out_store, stream)
     if rank != 0:
         return None
-    gathered = [g.cpu() for g in gathered]
-    out = []
-    off = 0
-    sizes = iter(sizes)
+    out, at = [], 0
     for m, t in records:
         if t is None:
             if hashed is not None:
                 out.append((_hash_meta(m, hashed[m["idx"]], world), None))
             continue
-        n = next(sizes)
-        shards_b = [g[off:off + n] for g in gathered]
-        off += n
-        equal = all(torch.equal(shards_b[0], s) for s in shards_b[1:])
-        # clone: a slice of the byte buffer need not be aligned for the element type
-        shards = [s.clone().view(t.dtype).reshape(t.shape) for s in shards_b]
-        if equal:
-            out.append(({**m, "stored": "single", "ranks_equal": True, "world": world}, shards[0].clone()))
-        else:
-            out.append(({**m, "stored": "stacked", "ranks_equal": False, "world": world},
-                        torch.stack(shards)))
+        out.append(stored[at])
+        at += 1
     return _with_stored_hash(out)
 
 
-def _with_stored_hash(out):
-    """The hash of exactly what goes to disk: RecordSet checks it on every read."""
+def _window_bytes() -> int:
+    import os
+
+    from tpdiag.probes.stream import parse_bytes
+
+    v = os.environ.get("TPDIAG_GATHER_WINDOW")
+    return parse_bytes(v, "TPDIAG_GATHER_WINDOW") if v else 256 << 20
+
+
+def _windows(sizes: list[int], limit: int):
+    """[(record position, byte start, byte end)] per window of <= limit bytes; a record larger
+    than a window is split over several. The same on every rank (the sizes are)."""
+    window, used = [], 0
+    for i, n in enumerate(sizes):
+        a = 0
+        while True:
+            k = min(n - a, limit - used)
+            window.append((i, a, a + k))
+            used += k
+            a += k
+            if used >= limit:
+                yield window
+                window, used = [], 0
+            if a >= n:
+                break
+    if window:
+        yield window
+
+
+def _decide(m: dict, local, pieces: list, world: int, out_store, stream: bool):
+    """One record's stored form from every rank's bytes (pieces: per window, per rank)."""
+    shards_b = [torch.cat([p[r] for p in pieces]) if len(pieces) > 1 else pieces[0][r]
+                for r in range(world)]
+    equal = all(torch.equal(shards_b[0], s) for s in shards_b[1:])
+    dtype, shape = local.dtype, local.shape
+    if equal:
+        meta = {**m, "stored": "single", "ranks_equal": True, "world": world}
+        if isinstance(local, Captured) and stream:
+            return meta, local  # rank 0's own shard, already on the host: not stored twice
+        # clone: a slice of the byte buffer need not be aligned for the element type
+        return meta, shards_b[0].clone().view(dtype).reshape(shape)
+    meta = {**m, "stored": "stacked", "ranks_equal": False, "world": world}
+    st = torch.stack([s.clone().view(dtype).reshape(shape) for s in shards_b])
+    if out_store is None:
+        return meta, st
     from tpdiag.records.hashing import tensor_hash
 
-    return [({**m, "stored_hash": tensor_hash(t)}, t) if t is not None else (m, t) for m, t in out]
+    meta["stored_hash"] = tensor_hash(st)
+    return meta, out_store.put(st)
+
+
+def _with_stored_hash(out):
+    """The hash of exactly what goes to disk: RecordSet checks it on every read. A record
+    stored as its rank's own shard already has that hash (meta['hash'], computed on the device
+    when it was recorded): not recomputed on the host."""
+    from tpdiag.records.hashing import tensor_hash
+
+    res = []
+    for m, t in out:
+        if t is None:
+            res.append((m, t))
+        elif "stored_hash" in m:
+            res.append((m, t))
+        elif isinstance(t, Captured) and m.get("hash") and m["stored"] == "single":
+            res.append(({**m, "stored_hash": m["hash"]}, t))
+        else:
+            res.append(({**m, "stored_hash": tensor_hash(as_tensor(t))}, t))
+    return res
 
 
 def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):

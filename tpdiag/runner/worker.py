@@ -110,6 +110,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
 
     from tpdiag.records import store
     from tpdiag.probes.recorder import Recorder
+    from tpdiag.probes.stream import close_stores
     from tpdiag.runner import determinism
     from tpdiag.runner.gather import gather_records
     from tpdiag.runner.step import run
@@ -141,13 +142,13 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     first_run = time.time()
     if cfg.selfcheck:
         # The same step with no probes: what the model computes when nobody watches.
-        bare = Recorder(ref_shapes=ref_shapes)
+        bare = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "bare"))
         bare_t = run(cfg.with_(probes=False), device, world, bare)
         phases["selfcheck_s"] = time.perf_counter() - t0
         first_built = first_run + bare_t["model_s"]
         if device.type == "cuda":
             phases["selfcheck_peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
-    rec = Recorder(ref_shapes=ref_shapes)
+    rec = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "rec"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     probed_run = time.time()
@@ -156,10 +157,14 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         first_built = probed_run + timings["model_s"]
     if device.type == "cuda":
         timings["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+    if rec.host_store is not None:  # full capture: bytes captured, copied once, spilled
+        timings["host"] = dict(rec.host_store.stats)
     if cfg.selfcheck:
         selfcheck = _probe_selfcheck(bare, rec, device)
+        close_stores(bare.records)
     t1 = time.perf_counter()
-    stored = gather_records(rec.records, device, lanes=rec.lanes, hashbuf=rec.hashbuf)
+    stored = gather_records(rec.records, device, lanes=rec.lanes, hashbuf=rec.hashbuf, stream=True,
+                            spill_dir=_spill(cfg, rank, "out"))
     timings["gather_s"] = time.perf_counter() - t1
     # spawned -> process group -> first model built, initialised and sharded
     start = launched_at if launched_at is not None else entered
@@ -177,6 +182,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             "total_s": time.perf_counter() - t0,
         })
         timings["write_s"] = time.perf_counter() - t1 - timings["gather_s"]
+    close_stores(rec.records, stored or [])
     dist.barrier()
     timings["max_rss_bytes"] = _max_rss_bytes()
     return timings
@@ -189,6 +195,12 @@ def _max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _spill(cfg, rank: int, what: str) -> str:
+    """Where full capture spills records past the host budget: inside the degree's directory,
+    removed once the records are written."""
+    return os.path.join(cfg.out_dir, f".spill-rank{rank}-{what}")
+
+
 def _probe_selfcheck(bare, probed, device) -> dict:
     """Final logits, logprobs, loss, grad norm and updated params, probes on vs off, bitwise,
     on every rank (local shards); the verdict is the AND over ranks."""
@@ -197,6 +209,7 @@ def _probe_selfcheck(bare, probed, device) -> dict:
 
     from tpdiag.diff.bits import bitwise_equal
     from tpdiag.probes.recorder import is_stale, take_lanes
+    from tpdiag.probes.stream import as_tensor
 
     kinds = {"logits", "logprobs", "loss", "grad_norm", "param"}
 
@@ -207,7 +220,7 @@ def _probe_selfcheck(bare, probed, device) -> dict:
         # a stale row (changed in place before its queued hash) proves nothing: left out, so
         # its key counts as a mismatch (take() flushed the queue: the stale list is complete)
         stale = set(r.hashbuf.stale) if rows else set()
-        return {m["key"]: (t if t is not None else ints[slot])
+        return {m["key"]: (as_tensor(t) if t is not None else ints[slot])
                 for (m, t), slot in zip(r.records, r.lanes)
                 if m["kind"] in kinds and not is_stale(slot, stale)}
 

@@ -1,0 +1,36 @@
+"""Sizes for full capture's host side: parsing a size setting, the default host budget."""
+from __future__ import annotations
+
+import os
+
+
+def parse_bytes(text: str, what: str) -> int:
+    """'1073741824', '512M', '2G' -> bytes (binary units)."""
+    from tpdiag.errors import BadInput
+
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(s[-1:], 1)
+    try:
+        n = int(float(s[:-1] if mult > 1 else s) * mult)
+    except (ValueError, OverflowError):  # not a number, or inf
+        n = -1
+    if n <= 0:
+        raise BadInput(f"{what}={text!r}: expected a positive size in bytes (e.g. 536870912, 512M, 2G)")
+    return n
+
+
+def default_budget() -> int:
+    """Half the host memory available now, shared by the ranks on this host."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if avail is None:
+        avail = 16 << 30
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("TPDIAG_LOCAL_RANKS") or 1)
+    return max(avail // 2 // max(ranks, 1), 1 << 20)
