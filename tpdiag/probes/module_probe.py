@@ -20,11 +20,10 @@ from tpdiag.probes.recorder import Recorder
 @contextmanager
 def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                   backward: bool = True, include: set[str] | None = None):
-    from tpdiag.records.styles import style_of
-
     handles = []
     names = {m: (n or "model") for n, m in model.named_modules()}
-    styles = {n: style_of(n, plan or {}) for n in names.values()}
+    style = _style_memo(plan)
+    styles = {n: style(n) for n in names.values()}
     classes = {n: type(m).__name__ for m, n in names.items()}
     # Which modules consumed each output: a grad_out is computed by its consumers' backward.
     # Keyed by the tensor and by its storage's base tensor, each to the records of every module
@@ -156,12 +155,38 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
 
 def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None = None,
                   include: set[str] | None = None) -> None:
-    from tpdiag.records.styles import style_of
-
+    style = _style_memo(plan)
     mods = dict(model.named_modules())
     for pname, p in model.named_parameters():
         mname, _, short = pname.rpartition(".")
         if include is not None and (mname or "model") not in include:
             continue
         cls = type(mods.get(mname, model)).__name__
-        rec.add(kind, mname or "model", short, p, style=style_of(mname, plan or {}), cls=cls)
+        rec.add(kind, mname or "model", short, p, style=style(mname), cls=cls)
+
+
+_STYLE_MEMOS: dict = {}
+
+
+def _style_memo(plan: dict | None):
+    """style_of(name, plan), memoised per plan: the plan's fnmatch patterns were matched against
+    every module and parameter name twice a step (host time a small step pays). Keyed by the
+    plan's patterns and its style objects, which the memo keeps alive (their ids stay theirs)."""
+    from tpdiag.records.styles import style_of
+
+    plan = plan or {}
+    key = tuple((k, id(v)) for k, v in plan.items())
+    hit = _STYLE_MEMOS.get(key)
+    if hit is None:
+        if len(_STYLE_MEMOS) > 64:
+            _STYLE_MEMOS.clear()
+        memo: dict = {}
+
+        def style(name: str, _plan=dict(plan)):
+            s = memo.get(name, memo)
+            if s is memo:
+                s = memo[name] = style_of(name, _plan)
+            return s
+
+        hit = _STYLE_MEMOS[key] = style
+    return hit
