@@ -20,11 +20,11 @@ import tempfile
 # (label, WIDTH, IS_BF16, PAIRS, HI)
 CASES = (("bf16, element loads, shifts (before)", 16, True, False, False),
          ("bf16, element loads, mul.hi", 16, True, False, True),
-         ("bf16, word pairs, shifts", 16, True, True, False),
-         ("bf16, word pairs, mul.hi (shipped)", 16, True, True, True),
-         ("fp16, word pairs, mul.hi (shipped)", 16, False, True, True),
-         ("fp32, shifts (before)", 32, False, False, False),
-         ("fp32, mul.hi (shipped)", 32, False, False, True))
+         ("bf16, word pairs, shifts (shipped)", 16, True, True, False),
+         ("bf16, word pairs, mul.hi", 16, True, True, True),
+         ("fp16, word pairs, shifts (shipped)", 16, False, True, False),
+         ("fp32, shifts (shipped)", 32, False, False, False),
+         ("fp32, mul.hi", 32, False, False, True))
 
 
 def loop_mix(width: int, bf16: bool, pairs: bool, hi: bool, warps: int | None = None) -> dict:

@@ -63,7 +63,7 @@ def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
                        WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                        ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
                        ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True,
-                       HI: tl.constexpr = True):
+                       HI: tl.constexpr = False):
     """Many records in one launch (grid: NPROG x records), each described by a row of `table`
     (int64: data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL). The records of one launch share
     the constexprs; ALIGNED / SLAB16 restore what the one-record kernel gets from Triton's
@@ -392,9 +392,11 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
 # int32 (its argument type).
 _COMPILED: dict = {}
 # code paths of _hash_chunks (benchmarks' A/B; the lanes are the same): 16-bit data as 32-bit
-# word pairs; the xorshifts' shifts as multiply-high
+# word pairs (on: H200, bf16 1 GiB, 2717 vs 2660 GB/s); the xorshifts' shifts as multiply-high
+# (off: 2208 GB/s element-wise, 2563 with pairs - IMAD.HI costs more than the SHF it replaces;
+# docs/benchmarks.md, 2026-11-23)
 PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
-HI = [os.environ.get("TPDIAG_HASH_MULHI", "1") != "0"]
+HI = [os.environ.get("TPDIAG_HASH_MULHI", "0") == "1"]
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
