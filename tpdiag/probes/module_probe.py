@@ -6,6 +6,7 @@ are accumulated in the same order). Everything registered is removed on exit.
 """
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from contextlib import contextmanager
@@ -84,11 +85,22 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 continue
             handles.append(p.register_post_accumulate_grad_hook(
                 _param_grad_hook(rec, mname, short, styles.get(mname), classes.get(mname))))
+    # Python's cyclic GC paused while the hooks are in (TPDIAG_PROBE_GC=1: left alone). A step
+    # leaves ~1000 records' dicts, lists and closures alive, enough to trigger full (oldest
+    # generation) collections that walk every tracked object of the process - torch, the model,
+    # the records: 0.2-0.6 s each on a 2-core host (`probes host`), one every few probed steps,
+    # a step time's spread on a host-bound step. The probes make no reference cycles of their
+    # own; garbage in cycles waits until the hooks come out, one step.
+    gc_was = gc.isenabled() and os.environ.get("TPDIAG_PROBE_GC") != "1"
+    if gc_was:
+        gc.disable()
     try:
         yield rec
     finally:
         for h in handles:
             h.remove()
+        if gc_was:
+            gc.enable()
 
 
 def _root(t: torch.Tensor) -> torch.Tensor | None:
