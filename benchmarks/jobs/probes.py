@@ -7,6 +7,8 @@ mode, and the record hash's throughput against the device's memory bandwidth.
   python -m benchmarks probes launch        # host time per hashed record, by layer (CUDA)
   python -m benchmarks probes profile --model llama-1b --seq 2048   # cProfile, one step (CUDA)
   python -m benchmarks probes diff RUN_DIR
+  python -m benchmarks probes sass          # the hash loop's sm_90 instruction mix (CPU, no GPU)
+  python -m benchmarks probes host --rounds 7   # host time per record, llama-1b structure (CPU)
 
 `overhead`: one training step (forward, loss, backward, clip, AdamW - tpdiag's own step,
 runner/step.py) of one model built once, on one device (TP=1), with every module probed
@@ -215,6 +217,7 @@ def hash_throughput(args) -> dict:
     require_cuda("probes hash")
     import torch
 
+    from tpdiag.kernels import record_hash as rh
     from tpdiag.kernels.record_hash import shard_lanes
 
     dev = torch.device("cuda")
@@ -236,21 +239,34 @@ def hash_throughput(args) -> dict:
         t_hash = bench(lambda: shard_lanes(x))
         # a last-dim shard (rank 1 of 4): one slab per row, the offset applied per slab
         t_shard = bench(lambda: shard_lanes(x, 1, 4 * 8192, 8192))
-        for what, t in (("torch.sum (read once)", t_sum), ("record hash, whole", t_hash),
-                        ("record hash, last-dim shard", t_shard)):
+        what_t = [("torch.sum (read once)", t_sum, None), ("record hash, whole", t_hash, None),
+                  ("record hash, last-dim shard", t_shard, None)]
+        # the kernel's code paths side by side (kernels/record_hash.py PAIRS, HI; shipped: both
+        # on), each one's lanes checked against the torch path's
+        for pairs, hi in (((False, False), (True, False), (False, True), (True, True)) if dt != torch.float32
+                          else ((False, False), (False, True))):
+            tag = f"pairs={int(pairs)} mulhi={int(hi)}"
+            for label, where in (("whole", (None, None, 0)), ("last-dim shard", (1, 4 * 8192, 8192))):
+                sl = rh.slab(x.shape, *where)
+                fn = lambda: rh.triton_lanes(x, *sl, pairs=pairs, hi=hi)  # noqa: E731
+                got = fn()[0][:2] & rh.M32
+                want = rh.lanes_torch(x, *sl)[0][:2] & rh.M32
+                what_t.append((f"record hash, {label}, {tag}", bench(fn), bool(torch.equal(got, want))))
+        for what, t, same in what_t:
             rows.append({"dtype": str(dt).replace("torch.", ""), "what": what, "ms": 1e3 * t,
                          "gbs": nbytes / t / 1e9, "of_peak": nbytes / t / 1e9 / peak,
-                         "of_sum": t_sum / t, "copy_gbs": copy_gbs, "of_copy": nbytes / t / 1e9 / copy_gbs})
+                         "of_sum": t_sum / t, "copy_gbs": copy_gbs, "of_copy": nbytes / t / 1e9 / copy_gbs,
+                         "lanes_equal_torch": same})
         del x
         torch.cuda.empty_cache()
     lines = [f"hash throughput: {_device_name()}, 1 GiB tensors, spec bandwidth {peak:.0f} GB/s; "
              "copy = a device-to-device copy of the same tensor, bytes read + written",
-             "| dtype | what | ms | GB/s | of spec bandwidth | of copy GB/s | of torch.sum's |",
-             "|---|---|---|---|---|---|---|"]
+             "| dtype | what | ms | GB/s | of spec bandwidth | of copy GB/s | of torch.sum's | lanes = torch path |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['what']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
                      f"{100 * r['of_peak']:.0f}% | {100 * r['of_copy']:.0f}% of {r['copy_gbs']:.0f} | "
-                     f"{100 * r['of_sum']:.0f}% |")
+                     f"{100 * r['of_sum']:.0f}% | {'' if r['lanes_equal_torch'] is None else r['lanes_equal_torch']} |")
     print("\n".join(lines))
     return {"device": _device_name(), "peak_gbs": peak, "rows": rows}
 
@@ -448,7 +464,8 @@ def _device_name() -> str:
 
 def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="benchmarks probes", description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("overhead", "hash", "hash-sweep", "launch", "profile", "diff"))
+    ap.add_argument("what", choices=("overhead", "hash", "hash-sweep", "launch", "profile", "diff", "sass",
+                                         "host"))
     ap.add_argument("run_dir", nargs="?")
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--dtype", default="bfloat16")
@@ -474,8 +491,11 @@ def main(argv: list[str]) -> dict:
         ap.error("diff needs RUN_DIR")
     if args.what == "overhead" and "none" not in _modes(args.modes):
         ap.error("--modes must include none (the ratios are against it)")
+    from benchmarks.jobs.probes_host import host
+    from benchmarks.jobs.probes_sass import sass
+
     res = {"overhead": overhead, "hash": hash_throughput, "hash-sweep": hash_sweep, "launch": launch_cost,
-           "profile": profile_step, "diff": diff_throughput}[args.what](args)
+           "profile": profile_step, "diff": diff_throughput, "sass": sass, "host": host}[args.what](args)
     if args.out:
         name = f"probes_{args.what}_{args.model}_{args.dtype}.json" if args.what in ("overhead", "profile") else f"probes_{args.what}.json"
         with open(os.path.join(args.out, name), "w") as f:

@@ -52,20 +52,23 @@ BLOCK, ITERS, WAVES, WARPS = 1024, 8, 4, 4   # H200 sweep: docs/scale.md
 # --------------------------------------------------------------------------------------
 def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
-                 ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
+                 ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
+                 PAIRS: tl.constexpr = False, HI: tl.constexpr = False):
     """One record: its chunks over NPROG persistent programs (see _hash_chunks)."""
     _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
-                 tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN)
+                 tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN, PAIRS, HI)
 
 
 def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
                        WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                        ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr):
+                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True,
+                       HI: tl.constexpr = False):
     """Many records in one launch (grid: NPROG x records), each described by a row of `table`
     (int64: data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL). The records of one launch share
     the constexprs; ALIGNED / SLAB16 restore what the one-record kernel gets from Triton's
-    specialisation (16-byte aligned data, SLAB % 16 == 0: vector loads)."""
+    specialisation (16-byte aligned data, SLAB % 16 == 0: vector loads). PAIRS: 16-bit records
+    that are ALIGNED with SLAB16 are read as 32-bit words (_hash_chunks); False: never."""
     rec = table_ptr + tl.program_id(1).to(tl.int64) * 8
     pid = tl.program_id(0)
     TOTAL = tl.load(rec + 7)
@@ -81,12 +84,14 @@ def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
             SLAB = tl.multiple_of(SLAB, 16)
         _hash_chunks(w_ptr, ints_ptr, floats_ptr, tl.load(rec + 1), tl.load(rec + 2), SLAB,
                      tl.load(rec + 4), tl.load(rec + 5), tl.load(rec + 6), TOTAL, NPROG, pid,
-                     WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN)
+                     WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN,
+                     PAIRS and WIDTH == 16 and ALIGNED and SLAB16, HI)
 
 
 def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG, pid,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
-                 ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
+                 ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
+                 PAIRS: tl.constexpr, HI: tl.constexpr):
     """A program hashes chunks - ITERS tiles of R slabs x CB elements, side by side along the
     slabs, or for narrow slabs (ROW_ITERS) stacked over them - and adds its shares to
     row ROW of the record buffer with atomics: integer adds (the lanes, the non-finite count)
@@ -106,16 +111,27 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     re-reads its chunks for the statistics alone, testing each element (_stats_exact). The
     lanes never depend on which path ran."""
     rr = tl.arange(0, R)
-    cc = tl.arange(0, CB)
-    # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element for the position
-    cc_c2 = (cc.to(tl.uint32) * tl.full([CB], 0x85EBCA77, tl.uint32))[None, :]
-    c1 = tl.full([R, CB], 0x9E3779B1, tl.uint32)
-    c3 = tl.full([R, CB], 0x85EBCA6B, tl.uint32)
-    acc_a = tl.zeros([R, CB], dtype=tl.uint32)
-    acc_b = tl.zeros([R, CB], dtype=tl.uint32)
-    acc_s = tl.zeros([R, CB], dtype=tl.float32)
-    acc_q = tl.zeros([R, CB], dtype=tl.float32)
-    acc_m = tl.zeros([R, CB], dtype=tl.float32)
+    # PAIRS (16-bit data, SLAB even, 4-byte aligned): a tile is [R, CB / 2] 32-bit words of two
+    # elements each - half the loads and the integer ops that split a word's halves shared
+    # (the high half's mask is also its bf16 value's float bits)
+    TW: tl.constexpr = CB // 2 if PAIRS else CB
+    cc = tl.arange(0, TW)
+    # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element (per word with
+    # PAIRS: the high element's + C2 rides in its multiply, see below) for the position
+    if PAIRS:
+        cc_c2 = (cc.to(tl.uint32) * tl.full([TW], 0x0BD794EE, tl.uint32))[None, :]  # 2 * C2
+    else:
+        cc_c2 = (cc.to(tl.uint32) * tl.full([TW], 0x85EBCA77, tl.uint32))[None, :]
+    c1 = tl.full([R, TW], 0x9E3779B1, tl.uint32)
+    c3 = tl.full([R, TW], 0x85EBCA6B, tl.uint32)
+    acc_a = tl.zeros([R, TW], dtype=tl.uint32)
+    acc_b = tl.zeros([R, TW], dtype=tl.uint32)
+    acc_s = tl.zeros([R, TW], dtype=tl.float32)
+    acc_q = tl.zeros([R, TW], dtype=tl.float32)
+    acc_m = tl.zeros([R, TW], dtype=tl.float32)
+    if PAIRS:
+        w32_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        SLAB_W = SLAB // 2
     for chunk in range(pid, TOTAL, NPROG):
         rg = (chunk // N_COL).to(tl.int64)
         cg = (chunk % N_COL).to(tl.int64)
@@ -123,43 +139,92 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
             rows, col0 = _tile_at(rg, cg, it, rr, R, CB, ITERS, ROW_ITERS)
             # each row's first position times C2, mod 2**32 (int64: no wrap surprises)
             kc2 = ((((rows * F_B + O_B + col0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
-            ptrs = w_ptr + (rows * SLAB + col0)[:, None] + cc[None, :]
+            if PAIRS:
+                ptrs = w32_ptr + (rows * SLAB_W + col0 // 2)[:, None] + cc[None, :]
+            else:
+                ptrs = w_ptr + (rows * SLAB + col0)[:, None] + cc[None, :]
             if EVEN:
                 raw = tl.load(ptrs)
             else:
-                mask = (rows < A)[:, None] & ((col0 + cc) < SLAB)[None, :]
+                if PAIRS:  # SLAB is even: both halves of a word are in, or both out
+                    mask = (rows < A)[:, None] & ((col0 + 2 * cc) < SLAB)[None, :]
+                else:
+                    mask = (rows < A)[:, None] & ((col0 + cc) < SLAB)[None, :]
                 raw = tl.load(ptrs, mask=mask, other=0)  # 0 is finite: adds to no statistic
-            if WIDTH == 16:
-                w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+            pos = cc_c2 + kc2[:, None]
+            if PAIRS:
+                wd = raw.to(tl.uint32, bitcast=True)
+                hi = wd & 0xFFFF0000
+                # low element: (wd - hi) * C1 + k * C2; high element: w1 * C1 + (k + 1) * C2 =
+                # (w1 + C2 / C1) * C1 + k * C2, C2 / C1 = C2 * C1**-1 mod 2**32 = 0x1A63E8A7
+                x = _mix((wd - hi) * c1 + pos, c3, HI)
+                y = _mix(((wd >> 16) + 0x1A63E8A7) * c1 + pos, c3, HI)
+                if not EVEN:
+                    x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
+                    y = tl.where(mask, y, tl.zeros([R, TW], dtype=tl.uint32))
+                acc_a += x + y
+                acc_b += x * x
+                acc_b += y * y
+                if IS_BF16:
+                    v = (wd << 16).to(tl.float32, bitcast=True)
+                    u = hi.to(tl.float32, bitcast=True)
+                else:
+                    v = (wd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                    u = (wd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                acc_s += v
+                acc_s += u
+                acc_q += v * v
+                acc_q += u * u
+                acc_m = tl.maximum(acc_m, tl.maximum(tl.abs(v), tl.abs(u)))
             else:
-                w = raw.to(tl.uint32, bitcast=True)
-            x = w * c1 + (cc_c2 + kc2[:, None])
-            x = x ^ (x >> 16)
-            x = x * c3
-            x = x ^ (x >> 15)
-            if not EVEN:
-                x = tl.where(mask, x, tl.zeros([R, CB], dtype=tl.uint32))
-            acc_a += x
-            acc_b += x * x
-            v = _as_f32(raw, WIDTH, IS_BF16)
-            acc_s += v
-            acc_q += v * v
-            acc_m = tl.maximum(acc_m, tl.abs(v))
-    acc_n = tl.zeros([R, CB], dtype=tl.int32)
+                if WIDTH == 16:
+                    w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+                else:
+                    w = raw.to(tl.uint32, bitcast=True)
+                x = _mix(w * c1 + pos, c3, HI)
+                if not EVEN:
+                    x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
+                acc_a += x
+                acc_b += x * x
+                v = _as_f32(raw, WIDTH, IS_BF16)
+                acc_s += v
+                acc_q += v * v
+                acc_m = tl.maximum(acc_m, tl.abs(v))
     fmax = 3.4028234663852886e38
     poisoned = tl.sum(tl.sum(((tl.abs(acc_s) <= fmax) & (tl.abs(acc_q) <= fmax)).to(tl.int32) ^ 1,
                              axis=1), axis=0)
+    sum_s = tl.sum(tl.sum(acc_s, axis=1), axis=0)
+    sum_q = tl.sum(tl.sum(acc_q, axis=1), axis=0)
+    max_m = tl.max(tl.max(acc_m, axis=1), axis=0)
+    count_n = tl.sum(tl.sum(tl.zeros([R, TW], dtype=tl.int32), axis=1), axis=0)
     if poisoned > 0:  # rare: see the docstring
-        acc_s, acc_q, acc_m, acc_n = _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH,
-                                                  IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN)
+        sum_s, sum_q, max_m, count_n = _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH,
+                                                    IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN)
     row_i = ints_ptr + ROW * 4
     row_f = floats_ptr + ROW * 2
     tl.atomic_add(row_i + 0, tl.sum(tl.sum(acc_a.to(tl.int64), axis=1), axis=0))
     tl.atomic_add(row_i + 1, tl.sum(tl.sum(acc_b.to(tl.int64), axis=1), axis=0))
-    tl.atomic_add(row_i + 2, tl.sum(tl.sum(acc_n, axis=1), axis=0).to(tl.int64))
-    tl.atomic_max(row_i + 3, tl.max(tl.max(acc_m, axis=1), axis=0).to(tl.float64).to(tl.int64, bitcast=True))
-    tl.atomic_add(row_f + 0, tl.sum(tl.sum(acc_s, axis=1), axis=0).to(tl.float64))
-    tl.atomic_add(row_f + 1, tl.sum(tl.sum(acc_q, axis=1), axis=0).to(tl.float64))
+    tl.atomic_add(row_i + 2, count_n.to(tl.int64))
+    tl.atomic_max(row_i + 3, max_m.to(tl.float64).to(tl.int64, bitcast=True))
+    tl.atomic_add(row_f + 0, sum_s.to(tl.float64))
+    tl.atomic_add(row_f + 1, sum_q.to(tl.float64))
+
+
+def _mix(x, c3, HI: tl.constexpr):
+    """The lane mix of x = w * C1 + k * C2 (module docstring). HI (compiled, not interpreted):
+    the xorshifts' right shifts as multiply-high by 2**(32 - s) - the same bits, issued to the
+    multiply pipe (IMAD.HI) beside the logic pipe's xors instead of both on the logic pipe
+    (SHF + LOP3) - inline PTX, since LLVM folds a umulhi by a power of two back into a shift."""
+    if HI and _NATIVE:
+        x = x ^ tl.inline_asm_elementwise("mul.hi.u32 $0, $1, 65536;", "=r,r", [x], dtype=tl.uint32,
+                                          is_pure=True, pack=1)
+        x = x * c3
+        return x ^ tl.inline_asm_elementwise("mul.hi.u32 $0, $1, 131072;", "=r,r", [x], dtype=tl.uint32,
+                                             is_pure=True, pack=1)
+    else:
+        x = x ^ (x >> 16)
+        x = x * c3
+        return x ^ (x >> 15)
 
 
 def _tile_at(rg, cg, it, rr, R: tl.constexpr, CB: tl.constexpr, ITERS: tl.constexpr,
@@ -187,8 +252,9 @@ def _as_f32(raw, WIDTH: tl.constexpr, IS_BF16: tl.constexpr):
 def _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH: tl.constexpr,
                  IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, ITERS: tl.constexpr,
                  ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
-    """The statistics of a program's chunks with a finiteness test per element: the non-finite
-    count, and the sums and max |x| of the finite elements (the torch path's definition)."""
+    """The statistics of a program's chunks with a finiteness test per element, reduced: the
+    sums and max |x| of the finite elements and the non-finite count (the torch path's
+    definition). Element by element, whatever the caller's tile (PAIRS or not)."""
     rr = tl.arange(0, R)
     cc = tl.arange(0, CB)
     acc_s = tl.zeros([R, CB], dtype=tl.float32)
@@ -213,7 +279,8 @@ def _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH: tl.constexpr,
             acc_q += vf * vf
             acc_m = tl.maximum(acc_m, tl.abs(vf))
             acc_n += tl.where(fin, 0, 1)
-    return acc_s, acc_q, acc_m, acc_n
+    return (tl.sum(tl.sum(acc_s, axis=1), axis=0), tl.sum(tl.sum(acc_q, axis=1), axis=0),
+            tl.max(tl.max(acc_m, axis=1), axis=0), tl.sum(tl.sum(acc_n, axis=1), axis=0))
 
 
 @functools.lru_cache(maxsize=1)
@@ -223,11 +290,12 @@ def _triton():
     import triton.language as _tl
 
     triton, tl = _t, _tl
+    globals()["_NATIVE"] = _tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
     # Only SLAB is specialised (its divisibility by 16 lets loads vectorise): the other
     # integers change from record to record, and each new specialisation is a compile
     # (~0.5 s) plus per-launch key work.
     g = globals()
-    for name in ("_hash_chunks", "_tile_at", "_as_f32", "_stats_exact"):
+    for name in ("_hash_chunks", "_mix", "_tile_at", "_as_f32", "_stats_exact"):
         g[name] = _t.jit(g[name])
     g["_hash_kernel"] = _t.jit(_hash_kernel, do_not_specialize=[
         "ROW", "A", "F_B", "O_B", "N_COL", "TOTAL", "NPROG"])
@@ -290,10 +358,12 @@ def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[i
 
 
 def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None, *,
-                 block: int = BLOCK, iters: int = ITERS, waves: int = WAVES, warps: int = WARPS):
+                 block: int = BLOCK, iters: int = ITERS, waves: int = WAVES, warps: int = WARPS,
+                 pairs: bool | None = None, hi: bool | None = None):
     """One launch: the shard's lanes and statistics into `out` - (ints [4] int64, floats [2]
     float64) or (ints [n, 4], floats [n, 2], row), zeroed - allocated here when None.
-    block / iters / waves / warps: launch shape (benchmarks); the lanes never depend on it."""
+    block / iters / waves / warps: launch shape (benchmarks); pairs / hi: the PAIRS / HI code
+    paths of _hash_chunks (default: PAIRS[0] / HI[0]); the lanes never depend on any of them."""
     width, iview = _TRITON_T[t.dtype]
     words = t.contiguous().view(iview)
     if out is None:
@@ -305,7 +375,10 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     total = n_row * n_col
     nprog = min(total, waves * _sm_count(t.device))
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
-            width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even)
+            width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
+            PAIRS[0] if pairs is None else pairs, HI[0] if hi is None else hi)
+    args = args[:18] + (args[18] and width == 16 and slab_n % 2 == 0 and words.data_ptr() % 4 == 0,
+                        args[19])
     _launch(args, nprog, warps, t.device)
     return out
 
@@ -318,6 +391,12 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
 # alignment, SLAB (the one specialised integer: == 1, % 16) and whether every integer fits in
 # int32 (its argument type).
 _COMPILED: dict = {}
+# code paths of _hash_chunks (benchmarks' A/B; the lanes are the same): 16-bit data as 32-bit
+# word pairs (on: H200, bf16 1 GiB, 2717 vs 2660 GB/s); the xorshifts' shifts as multiply-high
+# (off: 2208 GB/s element-wise, 2563 with pairs - IMAD.HI costs more than the SHF it replaces;
+# docs/benchmarks.md, 2026-11-23)
+PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
+HI = [os.environ.get("TPDIAG_HASH_MULHI", "0") == "1"]
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
@@ -329,7 +408,7 @@ def _launch(args, nprog: int, warps: int, device) -> None:
            slab_n % 16 == 0, small)
     _direct(key, (nprog, 1, 1), args, device, lambda: _hash_kernel[(nprog,)](
         *args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14], ITERS=args[15],
-        ROW_ITERS=args[16], EVEN=args[17], num_warps=warps))
+        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], HI=args[19], num_warps=warps))
 
 
 def _direct(key, grid, args, device, jit_launch) -> None:
@@ -411,13 +490,15 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
     """One launch for n records that share `key` (batch_entry): `table` holds their rows
     (int64 [n, TABLE_COLS], on the device), the hashes go to rows of (ints, floats)."""
     width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
-    args = (table, ints, floats, nprog, width, is_bf16, r, cb, ITERS, row_iters, even, aligned, slab16)
+    pairs, hi = PAIRS[0], HI[0]
+    args = (table, ints, floats, nprog, width, is_bf16, r, cb, ITERS, row_iters, even, aligned, slab16,
+            pairs, hi)
     dev = ints.device
-    ck = ("batch", dev.index, key, warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
+    ck = ("batch", dev.index, key, pairs, hi, warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
           floats.data_ptr() % 16 == 0)
     _direct(ck, (nprog, n, 1), args, dev, lambda: _hash_batch_kernel[(nprog, n)](
         *args[:4], WIDTH=width, IS_BF16=is_bf16, R=r, CB=cb, ITERS=ITERS, ROW_ITERS=row_iters,
-        EVEN=even, ALIGNED=aligned, SLAB16=slab16, num_warps=warps))
+        EVEN=even, ALIGNED=aligned, SLAB16=slab16, PAIRS=pairs, HI=hi, num_warps=warps))
 
 
 def batch_nprog(total_max: int, device) -> int:

@@ -6,6 +6,7 @@ are accumulated in the same order). Everything registered is removed on exit.
 """
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from contextlib import contextmanager
@@ -20,11 +21,12 @@ from tpdiag.probes.recorder import Recorder
 @contextmanager
 def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                   backward: bool = True, include: set[str] | None = None):
-    from tpdiag.records.styles import output_grad_partial, style_of
+    from tpdiag.records.styles import output_grad_partial
 
     handles = []
     names = {m: (n or "model") for n, m in model.named_modules()}
-    styles = {n: style_of(n, plan or {}) for n in names.values()}
+    style = _style_memo(plan)
+    styles = {n: style(n) for n in names.values()}
     # modules whose output grad is reduced inside their own backward: recorded as partials
     partial_grad = {n for n in names.values() if output_grad_partial(n, plan or {})}
     classes = {n: type(m).__name__ for m, n in names.items()}
@@ -88,11 +90,22 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 continue
             handles.append(p.register_post_accumulate_grad_hook(
                 _param_grad_hook(rec, mname, short, styles.get(mname), classes.get(mname))))
+    # Python's cyclic GC paused while the hooks are in (TPDIAG_PROBE_GC=1: left alone). A step
+    # leaves ~1000 records' dicts, lists and closures alive, enough to trigger full (oldest
+    # generation) collections that walk every tracked object of the process - torch, the model,
+    # the records: 0.2-0.6 s each on a 2-core host (`probes host`), one every few probed steps,
+    # a step time's spread on a host-bound step. The probes make no reference cycles of their
+    # own; garbage in cycles waits until the hooks come out, one step.
+    gc_was = gc.isenabled() and os.environ.get("TPDIAG_PROBE_GC") != "1"
+    if gc_was:
+        gc.disable()
     try:
         yield rec
     finally:
         for h in handles:
             h.remove()
+        if gc_was:
+            gc.enable()
 
 
 def _root(t: torch.Tensor) -> torch.Tensor | None:
@@ -161,12 +174,38 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
 
 def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None = None,
                   include: set[str] | None = None) -> None:
-    from tpdiag.records.styles import style_of
-
+    style = _style_memo(plan)
     mods = dict(model.named_modules())
     for pname, p in model.named_parameters():
         mname, _, short = pname.rpartition(".")
         if include is not None and (mname or "model") not in include:
             continue
         cls = type(mods.get(mname, model)).__name__
-        rec.add(kind, mname or "model", short, p, style=style_of(mname, plan or {}), cls=cls)
+        rec.add(kind, mname or "model", short, p, style=style(mname), cls=cls)
+
+
+_STYLE_MEMOS: dict = {}
+
+
+def _style_memo(plan: dict | None):
+    """style_of(name, plan), memoised per plan: the plan's fnmatch patterns were matched against
+    every module and parameter name twice a step (host time a small step pays). Keyed by the
+    plan's patterns and its style objects, which the memo keeps alive (their ids stay theirs)."""
+    from tpdiag.records.styles import style_of
+
+    plan = plan or {}
+    key = tuple((k, id(v)) for k, v in plan.items())
+    hit = _STYLE_MEMOS.get(key)
+    if hit is None:
+        if len(_STYLE_MEMOS) > 64:
+            _STYLE_MEMOS.clear()
+        memo: dict = {}
+
+        def style(name: str, _plan=dict(plan)):
+            s = memo.get(name, memo)
+            if s is memo:
+                s = memo[name] = style_of(name, _plan)
+            return s
+
+        hit = _STYLE_MEMOS[key] = style
+    return hit

@@ -1,0 +1,87 @@
+"""`python -m benchmarks probes host`: the probes' host time per record, on CPU, without a GPU.
+
+llama-1b's module structure (16 layers, the same modules, parameters and records a step) at
+tiny widths, in fp32 on CPU, with hash mode's device work replaced by nothing: records are
+queued as on CUDA (HashBuffer, batch_entry, launch tables) but the launch does not run. What is
+left is what a host-bound step (llama-1b at batch 1 x seq 2048 on an H200: MFU ~8%) pays per
+record on top of the unprobed step: hooks, Recorder.add, queueing, grad hooks, parameter
+records. Step CPU times (process time, one torch thread: a shared host disturbs it far less
+than wall time) alternate none / hash in rounds (median, spread); then one hash step under
+cProfile (top functions by own time; PROBES_HOST_SORT=cumtime). Host-only figures: they say
+nothing about device time.
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import statistics
+import os
+import time
+
+SORT = os.environ.get("PROBES_HOST_SORT", "tottime")
+
+
+def host(args) -> dict:
+    import torch
+
+    from tpdiag.config import WorldConfig
+    from tpdiag.kernels import record_hash as rh
+    from tpdiag.models import tiny_llama
+    from tpdiag.models.plans import llama_plan
+    from tpdiag.models.target import Target
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.runner import determinism, step
+
+    determinism.setup(0, "cpu")
+    # one thread: the step's CPU time is then this thread's work, which other processes on a
+    # shared host disturb far less than wall time
+    torch.set_num_threads(1)
+    dev = torch.device("cpu")
+    torch.manual_seed(0)
+    model = tiny_llama.build("llama-1b", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
+    target = Target(model=model, plan=llama_plan("stock"), vocab_size=512, divisors=model.cfg.divisors())
+    step.build_model = lambda cfg, device, world: (target, model)
+    # queued as on CUDA; the launch does nothing (host work only)
+    rh.triton_ok = lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T and t.numel() > 0
+    rh.batch_launch = lambda *a, **k: None
+    # the few records kept whole (batch, logprobs, loss, grad norm) hash at once: the torch path
+    rh.triton_lanes = lambda t, a, L, b, F, o, out=None, **k: rh.lanes_torch(t, a, L, b, F, o, out)
+    base = WorldConfig(model="llama-1b", degree=1, label="1", out_dir="", dtype="float32", device="cpu",
+                       batch_size=1, seq_len=16, selfcheck=False)
+    times: dict = {"none": [], "hash": []}
+    records = 0
+
+    def once(mode: str):
+        rec = Recorder()
+        rec.enabled = mode != "none"
+        cfg = base.with_(probes=mode != "none", capture="hash")
+        t = time.process_time()
+        step.run(cfg, dev, 1, rec)
+        return time.process_time() - t, rec
+
+    for m in times:  # warm-up
+        once(m)
+    for _ in range(args.rounds):
+        for m in times:
+            t, rec = once(m)
+            times[m].append(t)
+            records = max(records, len(rec.records))
+    prof = cProfile.Profile()
+    prof.enable()
+    once("hash")
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats(SORT).print_stats(25)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    spread = {m: max(v) - min(v) for m, v in times.items()}
+    per_record_us = 1e6 * (med["hash"] - med["none"]) / max(records, 1)
+    print(f"probes host: llama-1b structure at tiny widths, fp32 CPU, batch 1 x seq 16, hash launches "
+          f"not run; median of {args.rounds} rounds")
+    print("| probes | step CPU ms (spread) | records | host us per record (vs none) |\n|---|---|---|---|")
+    print(f"| none | {1e3 * med['none']:.1f} ({1e3 * spread['none']:.1f}) | 0 | |")
+    print(f"| hash | {1e3 * med['hash']:.1f} ({1e3 * spread['hash']:.1f}) | {records} | {per_record_us:.1f} |")
+    print(s.getvalue())
+    return {"none_ms": 1e3 * med["none"], "hash_ms": 1e3 * med["hash"], "none_spread_ms": 1e3 * spread["none"],
+            "hash_spread_ms": 1e3 * spread["hash"], "records": records, "host_us_per_record": per_record_us,
+            "rounds": args.rounds}
