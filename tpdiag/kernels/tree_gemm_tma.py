@@ -51,6 +51,7 @@ class TreeTiles:
     # group assigned one `if` deeper): that form ran 1.2-1.6x faster at 2 groups on an H200
     # (docs/benchmarks.md). Same sums, same bits; not yet measured in this launch scheme.
     nested_if: bool = False
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -58,9 +59,9 @@ class TreeTiles:
         return next((bk for bk in self.block_k if kg % bk == 0), None)
 
 
-# The best of `python -m benchmarks tree-gemm --sweep` on an H200 (docs/benchmarks.md), still
-# slower there than tree_gemm.py's per-tile kernel, so tree_mm runs this only when a caller passes
-# tiles (the benchmark, the tests). A shipped config must stay fixed per dtype (BLOCK_K may follow
+# The config of the full `python -m benchmarks tree-gemm` run on an H200 (docs/benchmarks.md;
+# the sweep's best, an unsplit epilogue, was 7% faster), slower there than tree_gemm.py's
+# per-tile kernel, so tree_mm runs this only when a caller passes tiles (benchmark, tests). A shipped config must stay fixed per dtype (BLOCK_K may follow
 # KG, which is TP- and batch-invariant): other tiles, other bits.
 CUDA_TILES = {
     torch.bfloat16: TreeTiles(128, 128, (64, 32, 16), 8, 4, group_m=8),
