@@ -50,8 +50,8 @@ def test_tree_mm_subtrees_compose(dtype, even):
     assert not torch.equal(_bits(tree_mm(a, b, 1)), _bits(whole))
 
 
-@pytest.mark.parametrize("subtile", [True, False])
-def test_tree_mm_tma_launches_compose(subtile):
+@pytest.mark.parametrize("subtile,nested_if", [(True, False), (False, False), (True, True)])
+def test_tree_mm_tma_launches_compose(subtile, nested_if):
     """The persistent TMA kernel (opt-in: tiles=TreeTiles) holds two groups per launch: four are two launches (the second adds the
     first's root in its epilogue, stored whole or in two halves), eight two halves added. Each
     rank's root is still the same node of the same tree at TP=2/4/8, and a row's bits do not
@@ -66,7 +66,8 @@ def test_tree_mm_tma_launches_compose(subtile):
     dev = "cuda" if CUDA else "cpu"
     a = (torch.randn(M, K, generator=gen) * 4).to(torch.bfloat16).to(dev)
     w = torch.randn(N, K, generator=gen).to(torch.bfloat16).to(dev)
-    tiles = dataclasses.replace(tree_gemm_tma.tiles_for(a), epilogue_subtile=subtile)
+    tiles = dataclasses.replace(tree_gemm_tma.tiles_for(a), epilogue_subtile=subtile,
+                                nested_if=nested_if)
     whole = tree_mm(a, w.t(), 8, tiles=tiles)
     assert torch.equal(_bits(whole), _bits(tree_mm(a, w.t().contiguous(), 8, tiles=tiles)))
     for tp in (2, 4, 8):
@@ -77,3 +78,6 @@ def test_tree_mm_tma_launches_compose(subtile):
     assert torch.equal(_bits(tree_mm(a[3:], w.t(), 8, tiles=tiles)), _bits(whole[3:]))
     ref = reference_tree_mm(a.cpu(), w.t().cpu())
     assert ((whole.cpu().double() - ref).norm() / ref.norm()).item() < 1e-6
+    # the branch's two spellings are one arithmetic
+    other = dataclasses.replace(tiles, nested_if=not nested_if)
+    assert torch.equal(_bits(tree_mm(a, w.t(), 8, tiles=other)), _bits(whole))

@@ -32,8 +32,10 @@ def _sweep_tiles():
     from tpdiag.kernels.tree_gemm_tma import TreeTiles
 
     k = (64, 32, 16)
-    return [TreeTiles(128, 128, k, 8, 4), TreeTiles(128, 128, k, 8, 3),
-            TreeTiles(128, 128, k, 8, 4, group_m=16), TreeTiles(128, 128, k, 8, 4, epilogue_subtile=False)]
+    return [TreeTiles(128, 128, k, 8, 4), TreeTiles(128, 128, k, 8, 4, nested_if=True),
+            TreeTiles(128, 128, k, 8, 3), TreeTiles(128, 128, k, 8, 3, nested_if=True),
+            TreeTiles(128, 128, k, 8, 4, epilogue_subtile=False),
+            TreeTiles(128, 128, k, 8, 4, epilogue_subtile=False, nested_if=True)]
 
 
 def _bench(fns: dict, rounds: int) -> dict:
@@ -134,7 +136,8 @@ def main(argv: list[str]) -> dict:
 
 def _name(t) -> str:
     return (f"{t.block_m}x{t.block_n}x{t.block_k[0]} w{t.num_warps} s{t.num_stages} "
-            f"gm{t.group_m}" + ("" if t.epilogue_subtile else " whole-epilogue"))
+            f"gm{t.group_m}" + ("" if t.epilogue_subtile else " whole-epilogue")
+            + (" nested-if" if t.nested_if else ""))
 
 
 def _step_sums(rows, variants) -> dict:

@@ -47,6 +47,11 @@ class TreeTiles:
     num_stages: int
     group_m: int = 8
     epilogue_subtile: bool = True  # store the fp32 root in two halves (less shared memory)
+    # the group-boundary branch written as in commit 35be229 (a compound condition, the kept
+    # group assigned one `if` deeper): that form ran 1.2-1.6x faster at 2 groups on an H200
+    # (docs/benchmarks.md). Same sums, same bits; not yet measured in this launch scheme.
+    nested_if: bool = False
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -54,9 +59,9 @@ class TreeTiles:
         return next((bk for bk in self.block_k if kg % bk == 0), None)
 
 
-# The best of `python -m benchmarks tree-gemm --sweep` on an H200 (docs/benchmarks.md), still
-# slower there than tree_gemm.py's per-tile kernel, so tree_mm runs this only when a caller passes
-# tiles (the benchmark, the tests). A shipped config must stay fixed per dtype (BLOCK_K may follow
+# The config of the full `python -m benchmarks tree-gemm` run on an H200 (docs/benchmarks.md;
+# the sweep's best, an unsplit epilogue, was 7% faster), slower there than tree_gemm.py's
+# per-tile kernel, so tree_mm runs this only when a caller passes tiles (benchmark, tests). A shipped config must stay fixed per dtype (BLOCK_K may follow
 # KG, which is TP- and batch-invariant): other tiles, other bits.
 CUDA_TILES = {
     torch.bfloat16: TreeTiles(128, 128, (64, 32, 16), 8, 4, group_m=8),
@@ -107,7 +112,8 @@ def _tree_mm_tma_kernel(a_desc, b_desc, c_desc, M, N, KG,
                         GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
                         A_T: tl.constexpr, B_T: tl.constexpr, UPCAST: tl.constexpr,
-                        EPILOGUE_SUBTILE: tl.constexpr, ADD: tl.constexpr):
+                        EPILOGUE_SUBTILE: tl.constexpr, ADD: tl.constexpr,
+                        NESTED_IF: tl.constexpr):
     # GROUPS is 1 or 2: two fp32 tiles live at most (larger trees: tree_mm_tma composes launches)
     start_pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -126,9 +132,15 @@ def _tree_mm_tma_kernel(a_desc, b_desc, c_desc, M, N, KG,
             a, b = _load_ab(a_desc, b_desc, off_m, off_n, ki * BLOCK_K, A_T, B_T, UPCAST)
             acc = tl.dot(a, b, acc)
             if GROUPS == 2:
-                if ki == steps - 1:  # the first group ends: keep it, restart from zero
-                    l0 = acc
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                if NESTED_IF:
+                    if (ki % steps == steps - 1) & (ki < k_tiles - 1):
+                        if ki // steps == 0:
+                            l0 = acc
+                        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                else:
+                    if ki == steps - 1:  # the first group ends: keep it, restart from zero
+                        l0 = acc
+                        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if GROUPS == 2:
             acc = l0 + acc
         _store_root(c_desc, acc, pid_m, pid_n, BLOCK_M, BLOCK_N, EPILOGUE_SUBTILE, ADD)
@@ -223,5 +235,5 @@ def _launch(a, b, groups, tiles, c, add: bool) -> None:
     grid = (min(num_sms, triton.cdiv(M, bm) * triton.cdiv(N, bn)),)
     kernel[grid](a_desc, b_desc, c_desc, M, N, kg, GROUPS=groups, BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=tiles.group_m, NUM_SMS=num_sms, A_T=a_t, B_T=b_t,
-                 UPCAST=not a.is_cuda, EPILOGUE_SUBTILE=half, ADD=add,
+                 UPCAST=not a.is_cuda, EPILOGUE_SUBTILE=half, ADD=add, NESTED_IF=tiles.nested_if,
                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
