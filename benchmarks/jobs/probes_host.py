@@ -13,6 +13,7 @@ nothing about device time.
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -49,24 +50,40 @@ def host(args) -> dict:
     rh.triton_lanes = lambda t, a, L, b, F, o, out=None, **k: rh.lanes_torch(t, a, L, b, F, o, out)
     base = WorldConfig(model="llama-1b", degree=1, label="1", out_dir="", dtype="float32", device="cpu",
                        batch_size=1, seq_len=16, selfcheck=False)
-    times: dict = {"none": [], "hash": []}
+    # hash-gc: Python's cyclic GC left on during the probed step (TPDIAG_PROBE_GC=1), the A/B of
+    # module_probes' GC pause
+    times: dict = {"none": [], "hash": [], "hash-gc": []}
+    gen2 = {m: 0 for m in times}
     records = 0
+    current = ["none"]
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            gen2[current[0]] += 1
 
     def once(mode: str):
         rec = Recorder()
         rec.enabled = mode != "none"
         cfg = base.with_(probes=mode != "none", capture="hash")
+        os.environ["TPDIAG_PROBE_GC"] = "1" if mode == "hash-gc" else "0"
+        current[0] = mode
         t = time.process_time()
         step.run(cfg, dev, 1, rec)
-        return time.process_time() - t, rec
+        t = time.process_time() - t
+        current[0] = "other"
+        os.environ.pop("TPDIAG_PROBE_GC")
+        return t, rec
 
     for m in times:  # warm-up
         once(m)
+    gen2["other"] = 0
+    gc.callbacks.append(count)
     for _ in range(args.rounds):
         for m in times:
             t, rec = once(m)
             times[m].append(t)
             records = max(records, len(rec.records))
+    gc.callbacks.remove(count)
     prof = cProfile.Profile()
     prof.enable()
     once("hash")
@@ -75,13 +92,15 @@ def host(args) -> dict:
     pstats.Stats(prof, stream=s).sort_stats(SORT).print_stats(25)
     med = {m: statistics.median(v) for m, v in times.items()}
     spread = {m: max(v) - min(v) for m, v in times.items()}
-    per_record_us = 1e6 * (med["hash"] - med["none"]) / max(records, 1)
+    per_us = {m: 1e6 * (med[m] - med["none"]) / max(records, 1) for m in times}
     print(f"probes host: llama-1b structure at tiny widths, fp32 CPU, batch 1 x seq 16, hash launches "
-          f"not run; median of {args.rounds} rounds")
-    print("| probes | step CPU ms (spread) | records | host us per record (vs none) |\n|---|---|---|---|")
-    print(f"| none | {1e3 * med['none']:.1f} ({1e3 * spread['none']:.1f}) | 0 | |")
-    print(f"| hash | {1e3 * med['hash']:.1f} ({1e3 * spread['hash']:.1f}) | {records} | {per_record_us:.1f} |")
+          f"not run; median of {args.rounds} rounds; hash-gc = Python's GC left on in the probed step")
+    print("| probes | step CPU ms (spread) | x none | records | host us per record (vs none) | full GC "
+          "collections in these steps |\n|---|---|---|---|---|---|")
+    for m in times:
+        print(f"| {m} | {1e3 * med[m]:.1f} ({1e3 * spread[m]:.1f}) | {med[m] / med['none']:.2f}x | "
+              f"{0 if m == 'none' else records} | {'' if m == 'none' else f'{per_us[m]:.1f}'} | {gen2[m]} |")
     print(s.getvalue())
-    return {"none_ms": 1e3 * med["none"], "hash_ms": 1e3 * med["hash"], "none_spread_ms": 1e3 * spread["none"],
-            "hash_spread_ms": 1e3 * spread["hash"], "records": records, "host_us_per_record": per_record_us,
-            "rounds": args.rounds}
+    return {"rounds": args.rounds, "records": records, "other_full_collections": gen2["other"],
+            "modes": {m: {"step_cpu_ms": 1e3 * med[m], "spread_ms": 1e3 * spread[m], "x_none": med[m] / med["none"],
+                          "host_us_per_record": per_us[m], "full_collections": gen2[m]} for m in times}}

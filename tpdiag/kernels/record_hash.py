@@ -53,21 +53,20 @@ BLOCK, ITERS, WAVES, WARPS = 1024, 8, 4, 4   # H200 sweep: docs/scale.md
 def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                  ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                 PAIRS: tl.constexpr = False, HI: tl.constexpr = False):
+                 PAIRS: tl.constexpr = False):
     """One record: its chunks over NPROG persistent programs (see _hash_chunks)."""
     _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
-                 tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN, PAIRS, HI)
+                 tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN, PAIRS)
 
 
 def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
                        WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                        ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True,
-                       HI: tl.constexpr = False):
+                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True):
     """Many records in one launch (grid: NPROG x records), each described by a row of `table`
     (int64: data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL). The records of one launch share
     the constexprs; ALIGNED / SLAB16 restore what the one-record kernel gets from Triton's
-    specialisation (16-byte aligned data, SLAB % 16 == 0: vector loads). PAIRS: 16-bit records
+    specialisation (16-byte aligned data, SLAB % 16 == 0: vector loads). PAIRS: bf16 records
     that are ALIGNED with SLAB16 are read as 32-bit words (_hash_chunks); False: never."""
     rec = table_ptr + tl.program_id(1).to(tl.int64) * 8
     pid = tl.program_id(0)
@@ -85,13 +84,13 @@ def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
         _hash_chunks(w_ptr, ints_ptr, floats_ptr, tl.load(rec + 1), tl.load(rec + 2), SLAB,
                      tl.load(rec + 4), tl.load(rec + 5), tl.load(rec + 6), TOTAL, NPROG, pid,
                      WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN,
-                     PAIRS and WIDTH == 16 and ALIGNED and SLAB16, HI)
+                     PAIRS and IS_BF16 and ALIGNED and SLAB16)
 
 
 def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG, pid,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                  ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                 PAIRS: tl.constexpr, HI: tl.constexpr):
+                 PAIRS: tl.constexpr):
     """A program hashes chunks - ITERS tiles of R slabs x CB elements, side by side along the
     slabs, or for narrow slabs (ROW_ITERS) stacked over them - and adds its shares to
     row ROW of the record buffer with atomics: integer adds (the lanes, the non-finite count)
@@ -111,9 +110,9 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     re-reads its chunks for the statistics alone, testing each element (_stats_exact). The
     lanes never depend on which path ran."""
     rr = tl.arange(0, R)
-    # PAIRS (16-bit data, SLAB even, 4-byte aligned): a tile is [R, CB / 2] 32-bit words of two
-    # elements each - half the loads and the integer ops that split a word's halves shared
-    # (the high half's mask is also its bf16 value's float bits)
+    # PAIRS (bf16, SLAB even, 4-byte aligned): a tile is [R, CB / 2] 32-bit words of two
+    # elements each - half the loads, and the high half's mask is also its float bits (fp16
+    # gains nothing: its conversion is not a bit move; `probes sass`)
     TW: tl.constexpr = CB // 2 if PAIRS else CB
     cc = tl.arange(0, TW)
     # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element (per word with
@@ -157,20 +156,16 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                 hi = wd & 0xFFFF0000
                 # low element: (wd - hi) * C1 + k * C2; high element: w1 * C1 + (k + 1) * C2 =
                 # (w1 + C2 / C1) * C1 + k * C2, C2 / C1 = C2 * C1**-1 mod 2**32 = 0x1A63E8A7
-                x = _mix((wd - hi) * c1 + pos, c3, HI)
-                y = _mix(((wd >> 16) + 0x1A63E8A7) * c1 + pos, c3, HI)
+                x = _mix((wd - hi) * c1 + pos, c3)
+                y = _mix(((wd >> 16) + 0x1A63E8A7) * c1 + pos, c3)
                 if not EVEN:
                     x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
                     y = tl.where(mask, y, tl.zeros([R, TW], dtype=tl.uint32))
                 acc_a += x + y
                 acc_b += x * x
                 acc_b += y * y
-                if IS_BF16:
-                    v = (wd << 16).to(tl.float32, bitcast=True)
-                    u = hi.to(tl.float32, bitcast=True)
-                else:
-                    v = (wd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-                    u = (wd >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                v = (wd << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32: the bits, shifted
+                u = hi.to(tl.float32, bitcast=True)
                 acc_s += v
                 acc_s += u
                 acc_q += v * v
@@ -181,7 +176,7 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                     w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
                 else:
                     w = raw.to(tl.uint32, bitcast=True)
-                x = _mix(w * c1 + pos, c3, HI)
+                x = _mix(w * c1 + pos, c3)
                 if not EVEN:
                     x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
                 acc_a += x
@@ -210,21 +205,13 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     tl.atomic_add(row_f + 1, sum_q.to(tl.float64))
 
 
-def _mix(x, c3, HI: tl.constexpr):
-    """The lane mix of x = w * C1 + k * C2 (module docstring). HI (compiled, not interpreted):
-    the xorshifts' right shifts as multiply-high by 2**(32 - s) - the same bits, issued to the
-    multiply pipe (IMAD.HI) beside the logic pipe's xors instead of both on the logic pipe
-    (SHF + LOP3) - inline PTX, since LLVM folds a umulhi by a power of two back into a shift."""
-    if HI and _NATIVE:
-        x = x ^ tl.inline_asm_elementwise("mul.hi.u32 $0, $1, 65536;", "=r,r", [x], dtype=tl.uint32,
-                                          is_pure=True, pack=1)
-        x = x * c3
-        return x ^ tl.inline_asm_elementwise("mul.hi.u32 $0, $1, 131072;", "=r,r", [x], dtype=tl.uint32,
-                                             is_pure=True, pack=1)
-    else:
-        x = x ^ (x >> 16)
-        x = x * c3
-        return x ^ (x >> 15)
+def _mix(x, c3):
+    """The lane mix of x = w * C1 + k * C2 (module docstring). (The right shifts as inline-PTX
+    mul.hi, moving them from the logic pipe to the multiply pipe, was 6-17% slower on an H200:
+    docs/benchmarks.md, 2026-11-23.)"""
+    x = x ^ (x >> 16)
+    x = x * c3
+    return x ^ (x >> 15)
 
 
 def _tile_at(rg, cg, it, rr, R: tl.constexpr, CB: tl.constexpr, ITERS: tl.constexpr,
@@ -290,7 +277,6 @@ def _triton():
     import triton.language as _tl
 
     triton, tl = _t, _tl
-    globals()["_NATIVE"] = _tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
     # Only SLAB is specialised (its divisibility by 16 lets loads vectorise): the other
     # integers change from record to record, and each new specialisation is a compile
     # (~0.5 s) plus per-launch key work.
@@ -359,11 +345,11 @@ def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[i
 
 def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None, *,
                  block: int = BLOCK, iters: int = ITERS, waves: int = WAVES, warps: int = WARPS,
-                 pairs: bool | None = None, hi: bool | None = None):
+                 pairs: bool | None = None):
     """One launch: the shard's lanes and statistics into `out` - (ints [4] int64, floats [2]
     float64) or (ints [n, 4], floats [n, 2], row), zeroed - allocated here when None.
-    block / iters / waves / warps: launch shape (benchmarks); pairs / hi: the PAIRS / HI code
-    paths of _hash_chunks (default: PAIRS[0] / HI[0]); the lanes never depend on any of them."""
+    block / iters / waves / warps: launch shape (benchmarks); pairs: _hash_chunks' PAIRS code
+    path where the data allows it (default: PAIRS[0]); the lanes never depend on any of them."""
     width, iview = _TRITON_T[t.dtype]
     words = t.contiguous().view(iview)
     if out is None:
@@ -376,9 +362,8 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     nprog = min(total, waves * _sm_count(t.device))
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
             width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
-            PAIRS[0] if pairs is None else pairs, HI[0] if hi is None else hi)
-    args = args[:18] + (args[18] and width == 16 and slab_n % 2 == 0 and words.data_ptr() % 4 == 0,
-                        args[19])
+            (PAIRS[0] if pairs is None else pairs) and t.dtype == torch.bfloat16 and slab_n % 2 == 0
+            and words.data_ptr() % 4 == 0)
     _launch(args, nprog, warps, t.device)
     return out
 
@@ -391,12 +376,9 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
 # alignment, SLAB (the one specialised integer: == 1, % 16) and whether every integer fits in
 # int32 (its argument type).
 _COMPILED: dict = {}
-# code paths of _hash_chunks (benchmarks' A/B; the lanes are the same): 16-bit data as 32-bit
-# word pairs (on: H200, bf16 1 GiB, 2717 vs 2660 GB/s); the xorshifts' shifts as multiply-high
-# (off: 2208 GB/s element-wise, 2563 with pairs - IMAD.HI costs more than the SHF it replaces;
-# docs/benchmarks.md, 2026-11-23)
+# bf16 data as 32-bit word pairs (_hash_chunks' PAIRS; the lanes are the same): H200, bf16
+# 1 GiB, 2717 vs 2660 GB/s element-wise (docs/benchmarks.md, 2026-11-23). 0: off (A/B).
 PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
-HI = [os.environ.get("TPDIAG_HASH_MULHI", "0") == "1"]
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
@@ -408,7 +390,7 @@ def _launch(args, nprog: int, warps: int, device) -> None:
            slab_n % 16 == 0, small)
     _direct(key, (nprog, 1, 1), args, device, lambda: _hash_kernel[(nprog,)](
         *args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14], ITERS=args[15],
-        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], HI=args[19], num_warps=warps))
+        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], num_warps=warps))
 
 
 def _direct(key, grid, args, device, jit_launch) -> None:
@@ -490,15 +472,15 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
     """One launch for n records that share `key` (batch_entry): `table` holds their rows
     (int64 [n, TABLE_COLS], on the device), the hashes go to rows of (ints, floats)."""
     width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
-    pairs, hi = PAIRS[0], HI[0]
+    pairs = PAIRS[0]
     args = (table, ints, floats, nprog, width, is_bf16, r, cb, ITERS, row_iters, even, aligned, slab16,
-            pairs, hi)
+            pairs)
     dev = ints.device
-    ck = ("batch", dev.index, key, pairs, hi, warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
+    ck = ("batch", dev.index, key, pairs, warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
           floats.data_ptr() % 16 == 0)
     _direct(ck, (nprog, n, 1), args, dev, lambda: _hash_batch_kernel[(nprog, n)](
         *args[:4], WIDTH=width, IS_BF16=is_bf16, R=r, CB=cb, ITERS=ITERS, ROW_ITERS=row_iters,
-        EVEN=even, ALIGNED=aligned, SLAB16=slab16, PAIRS=pairs, HI=hi, num_warps=warps))
+        EVEN=even, ALIGNED=aligned, SLAB16=slab16, PAIRS=pairs, num_warps=warps))
 
 
 def batch_nprog(total_max: int, device) -> int:
