@@ -76,6 +76,14 @@ def write_safetensors(path: str, tensors: dict, metadata: dict | None = None) ->
     write_bytes(path, data)
 
 
+def open_safetensors(path: str, device: str = "cpu"):
+    """A lazy `.safetensors` reader (a context manager): keys, shapes via get_slice, and one
+    tensor at a time, placed straight on `device` - never the whole file in host memory."""
+    from safetensors import safe_open
+
+    return safe_open(path, framework="pt", device=device)
+
+
 def read_json(path: str):
     try:
         with open(path, encoding="utf-8") as f:

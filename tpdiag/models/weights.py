@@ -1,7 +1,7 @@
 """Copy `*.safetensors` weights straight onto a materialised model's device, tensor by tensor.
 
-Each tensor is read with safetensors' `safe_open(..., device=...)` into the parameter that has
-its name, so no rank ever holds a full CPU copy of the model. Only checkpoints whose names and
+Each tensor is read lazily (tpdiag.io.open_safetensors), straight onto the device, into the
+parameter that has its name, so no rank ever holds a full CPU copy of the model. Only checkpoints whose names and
 shapes are the model's own can be read this way (what `save_pretrained` writes for dense models);
 for anything else - renamed or fused keys (e.g. per-expert MoE weights transformers fuses on
 load) - `plan()` returns None and the caller loads with `from_pretrained` instead.
@@ -21,12 +21,12 @@ def _names(model: nn.Module) -> dict[str, torch.Tensor]:
 def plan(model: nn.Module, files: list[str], prefix: str = "") -> dict[str, tuple[str, str]] | None:
     """{model tensor name: (file, checkpoint key)} covering every checkpoint key, or None when a
     key is not one of the model's tensors with the same shape (also tried under `prefix.`)."""
-    from safetensors import safe_open
+    from tpdiag.io import open_safetensors
 
     names = _names(model)
     out: dict[str, tuple[str, str]] = {}
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for key in f.keys():
                 name = key if key in names else f"{prefix}.{key}" if prefix else key
                 t = names.get(name)
@@ -40,13 +40,13 @@ def plan(model: nn.Module, files: list[str], prefix: str = "") -> dict[str, tupl
 def load(model: nn.Module, mapping: dict[str, tuple[str, str]], device) -> None:
     """Copy every mapped checkpoint tensor into its model tensor (cast to that tensor's dtype,
     as from_pretrained's load-time cast does)."""
-    from safetensors import safe_open
+    from tpdiag.io import open_safetensors
 
     names = _names(model)
     by_file: dict[str, list[tuple[str, str]]] = {}
     for name, (path, key) in mapping.items():
         by_file.setdefault(path, []).append((name, key))
     for path, items in by_file.items():
-        with safe_open(path, framework="pt", device=str(torch.device(device))) as f:
+        with open_safetensors(path, str(torch.device(device))) as f:
             for name, key in items:
                 names[name].copy_(f.get_tensor(key))
