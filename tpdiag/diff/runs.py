@@ -29,9 +29,22 @@ COMPARE_KEYS = ("dtype", "seed", "batch_size", "seq_len", "steps", "backward", "
 def read_side(path: str) -> dict:
     """A capture's manifest, or a compare run's degree directory (RUN_DIR/tpN) as one."""
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "manifest.json")) \
-            and os.path.isfile(os.path.join(path, "world.json")):
+            and _is_compare_world(os.path.join(path, "world.json")):
         return read_compare_degree(path)
     return read_capture(path)
+
+
+def _is_compare_world(wpath: str) -> bool:
+    """A compare world's world.json carries its WorldConfig (a capture's has no model spec):
+    a capture that lost its manifest stays an incomplete capture, not a compare degree."""
+    if not os.path.isfile(wpath):
+        return False
+    try:
+        w = io.read_json(wpath)
+    except Exception:  # noqa: BLE001 - unreadable: read_capture says what is missing
+        return False
+    return isinstance(w, dict) and isinstance(w.get("config"), dict) and "model" in w["config"] \
+        and "label" in w
 
 
 def read_compare_degree(path: str) -> dict:
