@@ -26,6 +26,8 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
     _watch_launcher(launcher_pid)
     cfg = WorldConfig.from_dict(cfg_dict)
     os.environ["TPDIAG_RANK"] = str(rank)
+    # every rank of a world runs on this host: full capture's default host budget is shared
+    os.environ.setdefault("TPDIAG_LOCAL_RANKS", str(world))
     try:
         timings = _run(rank, world, host, port, cfg, timeout_s, entered, launched_at)
         # the rank's phase timings travel in its marker: the launcher collects every rank's
