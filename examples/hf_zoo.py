@@ -41,6 +41,8 @@ TINY = {
     "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "zero_expert_num": 1,  # longcat_flash
     "num_experts_per_token": 2, "num_expert_group": 1, "linear_head_dim": 16,   # kimi_linear,
     "linear_num_heads": 4,                                                      # bailing_hybrid
+    "moe_topk": 2,                                                              # longcat_flash
+    "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16,       # gemma3n/gemma4
     # MLA (deepseek-style attention)
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 16,
@@ -57,8 +59,7 @@ OVERRIDES = {
     "olmo_hybrid": {"layer_types": ["linear_attention", "full_attention"],  # needs one attention
                     "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                     "linear_value_head_dim": 16},
-    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 128,
-                     "hidden_size_per_layer_input": 16, "laurel_rank": 8},
+    "gemma3n_text": {"num_kv_shared_layers": 0, "laurel_rank": 8},
 }
 
 
