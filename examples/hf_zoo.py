@@ -87,6 +87,10 @@ NOTES: dict[str, str] = {
                    "expert's output in place (out.add_), a row-parallel to_local() view at TP > 1; "
                    "runs only without grad",
     "llama4": "the same text model as llama4_text (composite config, text part built)",
+    "longcat_flash": "zero experts (moe_identity_expert: input / TP, summed by moe_tp_experts) are "
+                     "recorded as partials; read as replicas they were a false sharding-bug",
+    "gemma4_text": "its plan's 'layers.*.experts' entries name nothing in a model without MoE; "
+                   "tpdiag had folded them onto the layer as a parameter (a false plan overlap)",
 }
 for _mla in ("deepseek_v2", "deepseek_v32", "axk2", "dots3_note_text", "glm4_moe_lite", "glm_moe_dsa",
              "hy_v4", "longcat_flash", "minicpm3"):
