@@ -41,6 +41,8 @@ TINY = {
     "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "zero_expert_num": 1,  # longcat_flash
     "num_experts_per_token": 2, "num_expert_group": 1, "linear_head_dim": 16,   # kimi_linear,
     "linear_num_heads": 4,                                                      # bailing_hybrid
+    "moe_topk": 2,                                                              # longcat_flash
+    "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16,       # gemma3n/gemma4
     # MLA (deepseek-style attention)
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 16,
@@ -54,13 +56,46 @@ OVERRIDES = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
     "cohere_compass_text": {  # rope parameters are looked up per layer type
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
-    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": 128,
-                     "hidden_size_per_layer_input": 16, "laurel_rank": 8},
+    "olmo_hybrid": {"layer_types": ["linear_attention", "full_attention"],  # needs one attention
+                    "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                    "linear_value_head_dim": 16},
+    "gemma3n_text": {"num_kv_shared_layers": 0, "laurel_rank": 8},
 }
 
 
 # What a row that is not a clean result is, as investigated (docs/models.md, zoo notes).
-NOTES: dict[str, str] = {}
+NOTES: dict[str, str] = {
+    "apertus": "real finding: XIELU's replicated alpha_p/alpha_n get each rank's partial grad "
+               "(its own ffn columns) and the plan never all-reduces them; the ranks' copies add up "
+               "to TP=1's grad, and one step later the replicas differ by 0.02",
+    "deepseek_v3": "TP=4: SiLU on each rank's 16-column strided gate shard runs the scalar tail of "
+                   "torch's AVX-512 kernel (1-2 ULP): shape-dependent-kernel",
+    "afmoe": "TP=4: SiLU on each rank's 16-column strided gate shard runs the scalar tail of "
+             "torch's AVX-512 kernel (1-2 ULP): shape-dependent-kernel",
+    "inkling2_text": "transformers plan bug: the packed experts.gate_up_proj is cut 'colwise' "
+                     "(contiguous halves), not 'packed_colwise': rank 0 holds only gate rows, rank 1 "
+                     "only up rows, so chunk(2) pairs gate with gate (the act_fn inputs are bitwise "
+                     "TP=1's wrong columns); the wrong op is in the experts' unprobed code, so "
+                     "module granularity cannot bound it",
+    "inkling_text": "transformers bug: embed_tokens gets the default 'embedding_rowwise', but "
+                    "InklingNormedEmbedding runs its RMSNorm inside forward, on the vocab-parallel "
+                    "partial sums; DTensor asserts in the Partial reduction (inkling2's plan says "
+                    "'replicate')",
+    "doge": "transformers plan bug: dt_proj is 'rowwise', so the dynamic mask comes back for all "
+            "kv heads while attention holds the rank's local heads (SDPA shape mismatch)",
+    "llama4_text": "transformers bug under autograd: the MoE adds the routed output into the shared "
+                   "expert's output in place (out.add_), a row-parallel to_local() view at TP > 1; "
+                   "runs only without grad",
+    "llama4": "the same text model as llama4_text (composite config, text part built)",
+    "longcat_flash": "zero experts (moe_identity_expert: input / TP, summed by moe_tp_experts) are "
+                     "recorded as partials; read as replicas they were a false sharding-bug",
+    "gemma4_text": "its plan's 'layers.*.experts' entries name nothing in a model without MoE; "
+                   "tpdiag had folded them onto the layer as a parameter (a false plan overlap)",
+}
+for _mla in ("deepseek_v2", "deepseek_v32", "axk2", "dots3_note_text", "glm4_moe_lite", "glm_moe_dsa",
+             "hy_v4", "longcat_flash", "minicpm3"):
+    NOTES.setdefault(_mla, "MLA: mla_kv_a_proj gets the model config, its output grad (rope columns "
+                           "reduced inside the style's backward) is recorded as a partial")
 
 
 def architectures() -> list[str]:

@@ -85,6 +85,10 @@ _NEEDS_CONFIG = ("mla_kv_a_proj",)  # splits kv_a_proj's output at qk_rope_head_
 # the grad at the module's output is each rank's partial (mla_kv_a_proj: the rope columns, read
 # by every rank's local heads), so tpdiag records it as a partial, not a replica.
 _OUTPUT_GRAD_PARTIAL = ("mla_kv_a_proj",)
+# Styles whose module output is each rank's share of a sum reduced later, not a replica:
+# moe_identity_expert (longcat_flash's zero experts) divides its input by TP because
+# moe_tp_experts all-reduces the experts' sum afterwards.
+_OUTPUT_PARTIAL = ("moe_identity_expert",)
 
 
 class _HFStyle:
@@ -95,6 +99,7 @@ class _HFStyle:
         self.hf_name = name
         self.config = config
         self.output_grad_partial = name in _OUTPUT_GRAD_PARTIAL
+        self.output_partial = name in _OUTPUT_PARTIAL
         self.param_styles = dict(param_styles)
         self.tied = {} if tied is None else tied  # shared by a plan's styles: {id(param): (param, shard)}
         inner = self._style(name) if name else None
@@ -190,15 +195,18 @@ def tp_plan_of(model) -> dict:
     """
     plan = dict(getattr(model, "tp_plan", None) or {})
     generic_modules = {_generic(n) for n, _ in model.named_modules()}
+    generic_params = {_generic(n) for n, _ in model.named_parameters()}
     entries: dict[str, list] = {}  # module pattern -> [module style, {param: style}], plan order
     for key, style in plan.items():
         if key in generic_modules:
             entries.setdefault(key, [None, {}])[0] = style
             continue
         owner, _, pname = key.rpartition(".")
-        if owner in generic_modules:
+        if owner in generic_modules and key in generic_params:
             entries.setdefault(owner, [None, {}])[1][pname] = style
-        # else: a rule that matches nothing in this model; transformers only warns about those
+        # else: a rule that matches nothing in this model (gemma4's 'layers.*.experts' when the
+        # tiny config has no MoE: no module and no parameter of that name); transformers only
+        # warns about those
     tied: dict = {}
     config = text_config(model.config) if getattr(model, "config", None) is not None else None
     return {key: hf_style(style, params, tied, config) for key, (style, params) in entries.items()}

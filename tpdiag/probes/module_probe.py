@@ -21,7 +21,7 @@ from tpdiag.probes.recorder import Recorder
 @contextmanager
 def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                   backward: bool = True, include: set[str] | None = None):
-    from tpdiag.records.styles import output_grad_partial
+    from tpdiag.records.styles import output_grad_partial, output_partial
 
     handles = []
     names = {m: (n or "model") for n, m in model.named_modules()}
@@ -29,6 +29,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
     styles = {n: style(n) for n in names.values()}
     # modules whose output grad is reduced inside their own backward: recorded as partials
     partial_grad = {n for n in names.values() if output_grad_partial(n, plan or {})}
+    partial_out = {n for n in names.values() if output_partial(n, plan or {})}
     classes = {n: type(m).__name__ for m, n in names.items()}
     # Which modules consumed each output: a grad_out is computed by its consumers' backward.
     # Keyed by the tensor and by its storage's base tensor, each to the records of every module
@@ -66,7 +67,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             out = out * (1 + 2.0 ** -10)
         call = calls.get(mod, 0)
         for i, t in enumerate(_tensors(out)):
-            meta = rec.add("out", name, str(i), t, call=call, style=styles[name], cls=classes[name])
+            meta = rec.add("out", name, str(i), t, call=call, style=styles[name], cls=classes[name],
+                           layout="partial" if name in partial_out else None)
             if meta is not None:
                 _add_producer(producer, t, meta)
             if backward and t.requires_grad and t.grad_fn is not None:

@@ -36,6 +36,16 @@ def style_label(style) -> str:
     return name.lower()
 
 
+def output_partial(fqn: str, plan: dict) -> bool:
+    """Whether the plan's style for `fqn` makes the module's output each rank's share of a sum
+    that is all-reduced later (transformers' `moe_identity_expert`: input / TP, summed over ranks
+    with the routed experts), i.e. an unreduced partial rather than a replica."""
+    for pattern, style in plan.items():
+        if fnmatch.fnmatchcase(fqn, pattern):
+            return bool(getattr(style, "output_partial", False))
+    return False
+
+
 def output_grad_partial(fqn: str, plan: dict) -> bool:
     """Whether the plan's style for `fqn` all-reduces its output's gradient inside the module.
 
