@@ -89,6 +89,13 @@ NOTES: dict[str, str] = {
     "llama4": "the same text model as llama4_text (composite config, text part built)",
     "longcat_flash": "zero experts (moe_identity_expert: input / TP, summed by moe_tp_experts) are "
                      "recorded as partials; read as replicas they were a false sharding-bug",
+    "bailing_hybrid": "TP=4: SiLU on each rank's 16-column strided gate shard (scalar tail of the "
+                      "AVX-512 kernel, 2 ULP): shape-dependent-kernel",
+    "axk2": "MLA (fixed, as deepseek_v2). TP=4: a 2-ULP difference enters in self_attn's own code "
+            "before a child module; not bounded at module granularity (--granularity op names the op)",
+    "dots3_note_text": "MLA (fixed). The rope-only norm between kv_a_proj and attention carries "
+                       "each rank's partial rope grad (reduced in kv_a_proj's style): now an "
+                       "unreduced partial, not a replica finding",
     "gemma4_text": "its plan's 'layers.*.experts' entries name nothing in a model without MoE; "
                    "tpdiag had folded them onto the layer as a parameter (a false plan overlap)",
 }

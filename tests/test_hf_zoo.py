@@ -40,17 +40,19 @@ def test_zoo_handful_llama_qwen3_qwen3_moe(tmp_path):
     assert "| qwen3_moe | divergent | divergent: row-parallel-reduction at " in md
 
 
-def test_zoo_mla_deepseek_v2_runs_under_its_own_plan(tmp_path):
+def test_zoo_mla_dots3_runs_under_its_own_plan(tmp_path):
     # MLA (kv_a_proj_with_mqa: transformers' mla_kv_a_proj style). Before tpdiag handed the style
-    # the model's config, TP=2 failed ("'Linear' object has no attribute 'config'"); then the
-    # module's output grad - whose rope columns each rank holds unreduced until the style's own
-    # backward all-reduce - was a false rank-inconsistent-replica finding.
-    r = zoo.run_one("deepseek_v2", str(tmp_path), limit=300, max_degree=2, extra=("--no-baseline",))
+    # the model's config, TP=2 failed ("'Linear' object has no attribute 'config'"). Then the
+    # rope columns' grad - each rank's share until the style's own backward all-reduce - was a
+    # false rank-inconsistent-replica at kv_a_proj's output and (dots3) at the rope-only norm
+    # between it and attention: both are partials now (left uncompared), and nothing is a finding.
+    r = zoo.run_one("dots3_note_text", str(tmp_path), limit=300, max_degree=2, extra=("--no-baseline",))
     assert r["result"] == "divergent" and r["degrees"] == [1, 2], r
     d = r["per_degree"]["2"]
     assert d["status"] == "divergent" and d["findings"] == [], d
     assert d["cause"] == "row-parallel-reduction", d
-    with open(tmp_path / "runs" / "deepseek_v2" / "diff.csv") as f:
+    with open(tmp_path / "runs" / "dots3_note_text" / "diff.csv") as f:
         keys = {r["key"] for r in csv.DictReader(f) if r["degree"] == "2"}
-    assert "s0/backward/model.layers.0.self_attn.kv_a_proj_with_mqa/grad_out#0/0" not in keys
+    for m in ("kv_a_proj_with_mqa", "k_rope_only_layernorm"):
+        assert f"s0/backward/model.layers.0.self_attn.{m}/grad_out#0/0" not in keys, m
     assert "s0/backward/model.layers.0.self_attn.kv_a_proj_with_mqa/param_grad#0/weight" in keys
