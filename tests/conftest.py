@@ -31,8 +31,21 @@ def gloo_world(worker, world: int, timeout: float = 60):
 
     q = mp.get_context("spawn").Queue()
     port = free_port()
-    mp.start_processes(worker, args=(world, port, q), nprocs=world, start_method="spawn")
+    mp.start_processes(_exit_after, args=(worker, world, port, q), nprocs=world, start_method="spawn")
     return q.get(timeout=timeout)
+
+
+def _exit_after(rank, worker, world, port, q):
+    """worker(...), then leave without interpreter teardown: on torch 2.13 a gloo rank can abort
+    in its destructors after all its work is done ('terminate called without an active
+    exception', SIGABRT) - tpdiag's own worker skips teardown for the same reason. A worker
+    that raises still fails the world with its traceback."""
+    worker(rank, world, port, q)
+    q.close()
+    q.join_thread()  # what rank 0 put on the queue is flushed before the process ends
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="session")

@@ -298,14 +298,17 @@ class HostStore:
 
     def close(self) -> None:
         """Stop the writer, drop the spill files and host chunks (the records become unreadable)."""
+        # seal first: sealing past the budget queues a spill (and may start the writer), which
+        # must finish before the files are removed - sealed after the writer stopped, it started
+        # a new writer that re-created the spill directory behind close()
+        if self.cur is not None:
+            self._seal(self.cur)
         if self.thread is not None:
             with self.cond:
                 self.queue.append(None)
                 self.cond.notify_all()
             self.thread.join()
             self.thread = None
-        if self.cur is not None:
-            self._seal(self.cur)
         keep = [c.buf for c in self.chunks if c.buf is not None] + self.free
         if self.pinned:
             # a pooled chunk is written again only after the copies into it are done
