@@ -45,7 +45,24 @@ def _store_tile(c_desc, acc, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
         c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
 
 
-_JIT_FUNCTIONS = ("_tile_coords", "_store_tile")
+def _load_ab(a_desc, b_desc, off_m, off_n, off_k, A_T: tl.constexpr, B_T: tl.constexpr,
+             UPCAST: tl.constexpr):
+    """One K step's A and B tiles through their TMA descriptors (A_T/B_T: stored transposed)."""
+    if A_T:
+        a = a_desc.load([off_k, off_m]).T
+    else:
+        a = a_desc.load([off_m, off_k])
+    if B_T:
+        b = b_desc.load([off_n, off_k]).T
+    else:
+        b = b_desc.load([off_k, off_n])
+    if UPCAST:  # interpreter only: its dot mis-reads bf16 (see invariant_gemm.triton_mm)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+_JIT_FUNCTIONS = ("_tile_coords", "_store_tile", "_load_ab")
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,12 +38,13 @@ from tpdiag.kernels import gemm_common
 from tpdiag.kernels.gemm_common import _SUPPORTED, _check, _interpreting, _padded_empty, _tma_ok, import_triton
 
 # Bound by _triton(): the kernels below resolve ``tl`` and the shared tile helpers
-# (gemm_common._tile_coords / _store_tile) from this module's globals when Triton compiles
+# (gemm_common._tile_coords / _store_tile / _load_ab) from this module's globals when Triton compiles
 # (or interprets) them.
 triton = None
 tl = None
 _tile_coords = None
 _store_tile = None
+_load_ab = None
 
 
 # --------------------------------------------------------------------------------------
@@ -136,18 +137,7 @@ def _invariant_mm_tma_kernel(
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            if A_T:
-                a = a_desc.load([off_k, off_m]).T
-            else:
-                a = a_desc.load([off_m, off_k])
-            if B_T:
-                b = b_desc.load([off_n, off_k]).T
-            else:
-                b = b_desc.load([off_k, off_n])
-            if UPCAST:  # interpreter only: its dot mis-reads bf16 (see triton_mm)
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
+            a, b = _load_ab(a_desc, b_desc, off_m, off_n, ki * BLOCK_K, A_T, B_T, UPCAST)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
         tile_id_c += NUM_SMS
@@ -161,11 +151,11 @@ _JIT_FUNCTIONS = ("_invariant_mm_kernel", "_invariant_mm_tma_kernel")
 @functools.lru_cache(maxsize=None)
 def _triton():
     """Import Triton once (gemm_common's importer) and wrap the kernels above with ``triton.jit``."""
-    global triton, tl, _tile_coords, _store_tile
+    global triton, tl, _tile_coords, _store_tile, _load_ab
     triton = import_triton()
     tl = triton.language
     # The kernels call the shared tile helpers through this module's globals.
-    _tile_coords, _store_tile = gemm_common._tile_coords, gemm_common._store_tile
+    _tile_coords, _store_tile, _load_ab = gemm_common._tile_coords, gemm_common._store_tile, gemm_common._load_ab
     g = globals()
     for name in _JIT_FUNCTIONS:
         fn = g[name]

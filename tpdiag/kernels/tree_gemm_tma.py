@@ -36,6 +36,7 @@ triton = None
 tl = None
 _tile_coords = None
 _store_tile = None
+_load_ab = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,22 +70,6 @@ CUDA_TILES = {
 }
 INTERPRETER_TILES = TreeTiles(16, 16, (16,), 4, 1, group_m=2)
 _INTERPRETER_NUM_SMS = 3
-
-
-def _load_ab(a_desc, b_desc, off_m, off_n, off_k, A_T: tl.constexpr, B_T: tl.constexpr,
-             UPCAST: tl.constexpr):
-    if A_T:
-        a = a_desc.load([off_k, off_m]).T
-    else:
-        a = a_desc.load([off_m, off_k])
-    if B_T:
-        b = b_desc.load([off_n, off_k]).T
-    else:
-        b = b_desc.load([off_k, off_n])
-    if UPCAST:  # interpreter only: its dot mis-reads bf16 (as in invariant_gemm)
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return a, b
 
 
 def _store_root(c_desc, acc, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -148,12 +133,12 @@ def _tree_mm_tma_kernel(a_desc, b_desc, c_desc, M, N, KG,
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    global triton, tl, _tile_coords, _store_tile
+    global triton, tl, _tile_coords, _store_tile, _load_ab
     triton = gemm_common.import_triton()
     tl = triton.language
-    _tile_coords, _store_tile = gemm_common._tile_coords, gemm_common._store_tile
+    _tile_coords, _store_tile, _load_ab = gemm_common._tile_coords, gemm_common._store_tile, gemm_common._load_ab
     g = globals()
-    for name in ("_load_ab", "_store_root"):
+    for name in ("_store_root",):
         g[name] = triton.jit(getattr(g[name], "fn", g[name]))
     fn = g["_tree_mm_tma_kernel"]
     # M and N never specialised: one compiled kernel (one instruction stream) for every M, N
