@@ -28,32 +28,28 @@ COMPARE_KEYS = ("dtype", "seed", "batch_size", "seq_len", "steps", "backward", "
 
 def read_side(path: str) -> dict:
     """A capture's manifest, or a compare run's degree directory (RUN_DIR/tpN) as one."""
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "manifest.json")) \
-            and _is_compare_world(os.path.join(path, "world.json")):
-        return read_compare_degree(path)
-    return read_capture(path)
+    w = None if os.path.isfile(os.path.join(path, "manifest.json")) else _compare_world(path)
+    return read_compare_degree(path, w) if w is not None else read_capture(path)
 
 
-def _is_compare_world(wpath: str) -> bool:
-    """A compare world's world.json carries its WorldConfig (a capture's has no model spec):
-    a capture that lost its manifest stays an incomplete capture, not a compare degree."""
+def _compare_world(path: str) -> dict | None:
+    """world.json of a compare world - it carries its WorldConfig (a capture's has no model
+    spec): a capture that lost its manifest stays an incomplete capture, not a compare degree."""
+    wpath = os.path.join(path, "world.json")
     if not os.path.isfile(wpath):
-        return False
+        return None
     try:
         w = io.read_json(wpath)
     except Exception:  # noqa: BLE001 - unreadable: read_capture says what is missing
-        return False
-    return isinstance(w, dict) and isinstance(w.get("config"), dict) and "model" in w["config"] \
-        and "label" in w
+        return None
+    ok = isinstance(w, dict) and isinstance(w.get("config"), dict) and "model" in w["config"] and "label" in w
+    return w if ok else None
 
 
-def read_compare_degree(path: str) -> dict:
+def read_compare_degree(path: str, w: dict) -> dict:
     from tpdiag.records.rundir import read_manifest
 
     parent = os.path.dirname(os.path.abspath(path.rstrip(os.sep)))
-    w = io.read_json(os.path.join(path, "world.json"))
-    if not isinstance(w, dict) or not isinstance(w.get("config"), dict):
-        raise Inconclusive(f"{path}/world.json: not a tpdiag compare world")
     ranks = int(w.get("degree", 1))
     undone = [r for r in range(ranks) if not os.path.isfile(os.path.join(path, f"rank{r}.done"))]
     if undone:
@@ -64,9 +60,14 @@ def read_compare_degree(path: str) -> dict:
         m = {}
     cfg = w["config"]
     model = str(cfg.get("model", ""))
-    kind, _, value = model.partition(":") if model.startswith(("hf:", "py:")) else ("builtin", "", model)
-    # hf:/py: paths differ across machines: the directory's or file's name stands for the model
-    name = model if kind == "builtin" else f"{kind}:{os.path.basename(value.split(':')[0].rstrip(os.sep))}"
+    # hf:/py: paths differ across machines: the directory's or file's name (and py:'s FUNC)
+    # stands for the model
+    name = model
+    if model.startswith("hf:"):
+        name = "hf:" + os.path.basename(model[3:].rstrip(os.sep))
+    elif model.startswith("py:"):
+        src, _, func = model[3:].rpartition(":")
+        name = f"py:{os.path.basename(src)}:{func}"
     return {"tool": "tpdiag compare", "kind": "compare-degree", "degree": ranks,
             "world_size": ranks, "seed": cfg.get("seed"), "dtype": cfg.get("dtype"),
             "model": {"class": name}, "capture": w.get("capture"), "config": cfg,
