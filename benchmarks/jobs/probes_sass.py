@@ -34,8 +34,7 @@ def loop_mix(width: int, bf16: bool, pairs: bool, warps: int | None = None) -> d
     from tpdiag.kernels import record_hash as rh
 
     cb, iters, warps = rh.BLOCK, rh.ITERS, warps or rh.WARPS
-    rh._triton()
-    k = rh._hash_batch_kernel
+    k = rh._triton()._hash_batch_kernel
     consts = {"WIDTH": width, "IS_BF16": bf16, "R": 1, "CB": cb, "ITERS": iters, "ROW_ITERS": False,
               "EVEN": True, "ALIGNED": True, "SLAB16": True, "PAIRS": pairs}
     sig = {"table_ptr": "*i64", "ints_ptr": "*i64", "floats_ptr": "*fp64", "NPROG": "i32",

@@ -1,0 +1,181 @@
+"""The record hash's device side: throughput against the memory bandwidth, launch shapes, host
+time per hashed record (CUDA). `python -m benchmarks probes hash | hash-sweep | launch`; see
+probes.py for the job's flags.
+
+`hash`: kernels/record_hash.shard_lanes on 1 GiB tensors (whole, and as a last-dim shard),
+against torch.sum (a read-only pass: the achievable read bandwidth) and the spec bandwidth.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+from benchmarks.errors import require_cuda
+from benchmarks.jobs.probes_util import device_name as _device_name, seconds as _seconds
+
+
+def hash_throughput(args) -> dict:
+    require_cuda("probes hash")
+    import torch
+
+    from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels.record_hash import shard_lanes
+
+    dev = torch.device("cuda")
+    peak = args.peak_gbs
+    rows = []
+
+    bench = lambda fn: _seconds(fn, rep=200)  # noqa: E731
+
+    for dt in (torch.bfloat16, torch.float32):
+        n = (1 << 30) // torch.tensor([], dtype=dt).element_size()
+        x = torch.randn(n // 8192, 8192, device=dev, dtype=dt)
+        nbytes = x.numel() * x.element_size()
+        t_sum = bench(lambda: x.sum(dtype=torch.float32))
+        # a device-to-device copy: the memory system's measured ceiling (bytes read + written)
+        y = torch.empty_like(x)
+        t_copy = bench(lambda: y.copy_(x))
+        copy_gbs = 2 * nbytes / t_copy / 1e9
+        del y
+        t_hash = bench(lambda: shard_lanes(x))
+        # a last-dim shard (rank 1 of 4): one slab per row, the offset applied per slab
+        t_shard = bench(lambda: shard_lanes(x, 1, 4 * 8192, 8192))
+        what_t = [("torch.sum (read once)", t_sum, None), ("record hash, whole", t_hash, None),
+                  ("record hash, last-dim shard", t_shard, None)]
+        # 16-bit data element-wise and as word pairs (kernels/record_hash.py PAIRS) side by side,
+        # each one's lanes checked against the torch path's
+        for pairs in ((False, True) if dt != torch.float32 else (False,)):
+            tag = f"pairs={int(pairs)}"
+            for label, where in (("whole", (None, None, 0)), ("last-dim shard", (1, 4 * 8192, 8192))):
+                sl = rh.slab(x.shape, *where)
+                fn = lambda: rh.triton_lanes(x, *sl, pairs=pairs)  # noqa: E731
+                got = fn()[0][:2] & rh.M32
+                want = rh.lanes_torch(x, *sl)[0][:2] & rh.M32
+                what_t.append((f"record hash, {label}, {tag}", bench(fn), bool(torch.equal(got, want))))
+        for what, t, same in what_t:
+            rows.append({"dtype": str(dt).replace("torch.", ""), "what": what, "ms": 1e3 * t,
+                         "gbs": nbytes / t / 1e9, "of_peak": nbytes / t / 1e9 / peak,
+                         "of_sum": t_sum / t, "copy_gbs": copy_gbs, "of_copy": nbytes / t / 1e9 / copy_gbs,
+                         "lanes_equal_torch": same})
+        del x
+        torch.cuda.empty_cache()
+    lines = [f"hash throughput: {_device_name()}, 1 GiB tensors, spec bandwidth {peak:.0f} GB/s; "
+             "copy = a device-to-device copy of the same tensor, bytes read + written",
+             "| dtype | what | ms | GB/s | of spec bandwidth | of copy GB/s | of torch.sum's | lanes = torch path |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['what']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
+                     f"{100 * r['of_peak']:.0f}% | {100 * r['of_copy']:.0f}% of {r['copy_gbs']:.0f} | "
+                     f"{100 * r['of_sum']:.0f}% | {'' if r['lanes_equal_torch'] is None else r['lanes_equal_torch']} |")
+    print("\n".join(lines))
+    return {"device": _device_name(), "peak_gbs": peak, "rows": rows}
+
+
+# launch shapes tried by `hash --sweep` (block, iters, waves, warps); the first is shipped
+HASH_SWEEP = [(1024, 8, 4, 4), (1024, 4, 4, 4), (2048, 4, 4, 8), (1024, 4, 16, 4)]
+# (an H200 sweep before the narrow tiles stacked their ITERS over rows also tried (1024, 4, 8, 4),
+# (2048, 2, 8, 8), (4096, 2, 4, 8), (2048, 4, 8, 4), (512, 8, 8, 4): none better on whole tensors)
+
+
+def hash_sweep(args) -> dict:
+    """Launch shapes of the record-hash kernel side by side on 1 GiB tensors: whole, and
+    last-dim shards 2048 and 512 wide (one slab per row: the narrow [R, CB] tiles)."""
+    require_cuda("probes hash-sweep")
+    import torch
+
+    from tpdiag.kernels import record_hash as rh
+
+    rh._triton()
+    dev = torch.device("cuda")
+    peak = args.peak_gbs
+    rows = []
+
+    bench = lambda fn: _seconds(fn, rep=100)  # noqa: E731
+
+    for dt in (torch.bfloat16, torch.float32):
+        n = (1 << 30) // torch.tensor([], dtype=dt).element_size()
+        for label, cols, ways in (("whole", 8192, None), ("shard 2048 wide", 2048, 4), ("shard 512 wide", 512, 16)):
+            x = torch.randn(n // cols, cols, device=dev, dtype=dt)
+            args_ = rh.slab(x.shape, None if ways is None else 1, None if ways is None else cols * ways,
+                            0 if ways is None else cols)
+            nbytes = x.numel() * x.element_size()
+            t_sum = bench(lambda: x.sum(dtype=torch.float32))
+            ref = None
+            for shape in HASH_SWEEP:
+                b, it, wv, wp = shape
+                fn = lambda: rh.triton_lanes(x, *args_, block=b, iters=it, waves=wv, warps=wp)  # noqa: E731
+                lanes = fn()[0][:2] & rh.M32
+                ref = lanes if ref is None else ref
+                t = bench(fn)
+                rows.append({"dtype": str(dt).replace("torch.", ""), "tensor": label, "shape": shape,
+                             "gbs": nbytes / t / 1e9, "of_peak": nbytes / t / 1e9 / peak, "of_sum": t_sum / t,
+                             "same_lanes": bool(torch.equal(lanes, ref))})
+            del x
+            torch.cuda.empty_cache()
+    lines = [f"hash launch-shape sweep: {_device_name()}, 1 GiB tensors, spec bandwidth {peak:.0f} GB/s",
+             "| dtype | tensor | block, iters, waves/SM, warps | GB/s | of spec | of torch.sum's | lanes = first shape's |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['tensor']} | {r['shape']} | {r['gbs']:.0f} | {100 * r['of_peak']:.0f}% | "
+                     f"{100 * r['of_sum']:.0f}% | {r['same_lanes']} |")
+    print("\n".join(lines))
+    return {"device": _device_name(), "peak_gbs": peak, "rows": rows}
+
+
+def launch_cost(args) -> dict:
+    """Host time per hashed record (no sync inside the loop; the device work is tiny), by layer:
+    the raw kernel launch, triton_lanes, shard_lanes, and Recorder.add in hash mode."""
+    require_cuda("probes launch")
+    import torch
+
+    from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels.hash_buffer import HashBuffer
+    from tpdiag.probes.recorder import Recorder
+
+    rh._triton()
+    dev = torch.device("cuda")
+    x = torch.randn(16, 2048, device=dev, dtype=torch.bfloat16)
+    n = 2000
+
+    def per_call(fn):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t) / n
+        torch.cuda.synchronize()
+        return 1e6 * host
+
+    a, L, b, F, o = rh.slab(x.shape, None, None, 0)
+    words = x.view(torch.int16)
+    ints = torch.zeros(64, 4, dtype=torch.int64, device=dev)
+    floats = torch.zeros(64, 2, dtype=torch.float64, device=dev)
+    r, cb, row_iters, n_row, n_col, even = rh.plan(a, L * b)
+    nprog = min(n_row * n_col, rh.WAVES * rh._sm_count(dev))
+    raw = lambda: rh._triton()._hash_kernel[(nprog,)](words, ints, floats, 0, a, L * b, F * b, o * b, n_col, n_row * n_col,  # noqa: E731
+                                             nprog, WIDTH=16, IS_BF16=True, R=r, CB=cb, ITERS=rh.ITERS,
+                                             ROW_ITERS=row_iters, EVEN=even, num_warps=rh.WARPS)
+    res = {"raw kernel launch (Triton JIT dispatch)": per_call(raw)}
+    for fast in (False, True):
+        rh._FAST[0] = fast
+        how = "direct launch" if fast else "JIT dispatch"
+        res[f"triton_lanes ({how})"] = per_call(lambda: rh.triton_lanes(x, a, L, b, F, o, (ints, floats, 0)))
+        res[f"shard_lanes ({how})"] = per_call(lambda: rh.shard_lanes(x, out=(ints, floats, 0)))
+    for batch, how in ((1, "a launch per record"), (64, "queued, 64 per launch")):
+        buf = HashBuffer(dev, batch=batch)
+        res[f"HashBuffer.add ({how})"] = per_call(lambda: buf.add(x))
+        os.environ["TPDIAG_HASH_BATCH"] = str(batch)
+        rec = Recorder(mode="hash")
+        # a fresh view per call: another tensor object, hashed (the same object again is not)
+        res[f"Recorder.add, hash mode ({how})"] = per_call(
+            lambda: rec.add("out", "layers.0.mlp", "0", x.view(16, 2048)))
+    res["Recorder.add, the same tensor again"] = per_call(lambda: rec.add("in", "layers.0.mlp.w2", "0", x))
+    os.environ.pop("TPDIAG_HASH_BATCH")
+    rh._FAST[0] = True
+    lines = [f"host time per hashed record: {_device_name()}, CPU {platform.processor() or platform.machine()}, "
+             f"bf16 [16, 2048], {n} calls", "| layer | us per call |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in res.items()]
+    print("\n".join(lines))
+    return res

@@ -1,0 +1,239 @@
+"""The Triton kernels of the record hash (CUDA; the Triton interpreter runs them on the CPU).
+
+The definition of the lanes and statistics, the shard layout and the launch shapes are in
+record_hash.py (its docstring); record_hash_ref.py holds the torch path, bit for bit the same
+lanes. Only SLAB is specialised (its divisibility by 16 lets loads vectorise): the other integers
+change from record to record, and each new specialisation is a compile (~0.5 s) plus per-launch
+key work. Imports Triton at import time: import this module lazily (record_hash._triton()).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["ROW", "A", "F_B", "O_B", "N_COL", "TOTAL", "NPROG"])
+def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
+                 WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
+                 ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
+                 PAIRS: tl.constexpr = False):
+    """One record: its chunks over NPROG persistent programs (see _hash_chunks)."""
+    _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
+                 tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN, PAIRS)
+
+
+@triton.jit(do_not_specialize=["NPROG"])
+def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
+                       WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
+                       ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
+                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True):
+    """Many records in one launch (grid: NPROG x records), each described by a row of `table`
+    (int64: data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL). The records of one launch share
+    the constexprs; ALIGNED / SLAB16 restore what the one-record kernel gets from Triton's
+    specialisation (16-byte aligned data, SLAB % 16 == 0: vector loads). PAIRS: bf16 records
+    that are ALIGNED with SLAB16 are read as 32-bit words (_hash_chunks); False: never."""
+    rec = table_ptr + tl.program_id(1).to(tl.int64) * 8
+    pid = tl.program_id(0)
+    TOTAL = tl.load(rec + 7)
+    if pid < TOTAL:  # a small record uses fewer programs than the launch has
+        if WIDTH == 16:
+            w_ptr = tl.load(rec).to(tl.pointer_type(tl.int16))
+        else:
+            w_ptr = tl.load(rec).to(tl.pointer_type(tl.int32))
+        if ALIGNED:
+            w_ptr = tl.multiple_of(w_ptr, 16)
+        SLAB = tl.load(rec + 3)
+        if SLAB16:
+            SLAB = tl.multiple_of(SLAB, 16)
+        _hash_chunks(w_ptr, ints_ptr, floats_ptr, tl.load(rec + 1), tl.load(rec + 2), SLAB,
+                     tl.load(rec + 4), tl.load(rec + 5), tl.load(rec + 6), TOTAL, NPROG, pid,
+                     WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN,
+                     PAIRS and IS_BF16 and ALIGNED and SLAB16)
+
+
+@triton.jit
+def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG, pid,
+                 WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
+                 ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
+                 PAIRS: tl.constexpr):
+    """A program hashes chunks - ITERS tiles of R slabs x CB elements, side by side along the
+    slabs, or for narrow slabs (ROW_ITERS) stacked over them - and adds its shares to
+    row ROW of the record buffer with atomics: integer adds (the lanes, the non-finite count)
+    and an integer max (max |x| as the bits of a non-negative float64, which order like the
+    values) are exact in any order; the two float sums are statistics, not evidence, and may
+    vary in their last bits. Persistent: NPROG programs stride over the TOTAL chunks, so a
+    record costs a few hundred atomics on its row, not one per chunk (contention on one
+    address serialises them). EVEN: every chunk is full, no masks (the common case).
+
+    Statistics, fast path: plain sums and max |x| of every element, no finiteness test per
+    element (at 2 bytes an element the integer/compare pipe, not memory, was the limit: the
+    test, select and count were 5 of ~19 instructions an element). Exact because a NaN or an
+    infinity poisons the fp32 sum of its register lane (NaN + y = NaN, inf + finite = inf,
+    inf - inf = NaN): if every lane's sum and sum of squares is finite at the end, no element
+    was non-finite, the count is 0 and the max is that of finite values. Otherwise - a
+    non-finite element, or finite ones whose fp32 sum or square overflows - the program
+    re-reads its chunks for the statistics alone, testing each element (_stats_exact). The
+    lanes never depend on which path ran."""
+    rr = tl.arange(0, R)
+    # PAIRS (bf16, SLAB even, 4-byte aligned): a tile is [R, CB / 2] 32-bit words of two
+    # elements each - half the loads, and the high half's mask is also its float bits (fp16
+    # gains nothing: its conversion is not a bit move; `probes sass`)
+    TW: tl.constexpr = CB // 2 if PAIRS else CB
+    cc = tl.arange(0, TW)
+    # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element (per word with
+    # PAIRS: the high element's + C2 rides in its multiply, see below) for the position
+    if PAIRS:
+        cc_c2 = (cc.to(tl.uint32) * tl.full([TW], 0x0BD794EE, tl.uint32))[None, :]  # 2 * C2
+    else:
+        cc_c2 = (cc.to(tl.uint32) * tl.full([TW], 0x85EBCA77, tl.uint32))[None, :]
+    c1 = tl.full([R, TW], 0x9E3779B1, tl.uint32)
+    c3 = tl.full([R, TW], 0x85EBCA6B, tl.uint32)
+    acc_a = tl.zeros([R, TW], dtype=tl.uint32)
+    acc_b = tl.zeros([R, TW], dtype=tl.uint32)
+    acc_s = tl.zeros([R, TW], dtype=tl.float32)
+    acc_q = tl.zeros([R, TW], dtype=tl.float32)
+    acc_m = tl.zeros([R, TW], dtype=tl.float32)
+    if PAIRS:
+        w32_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        SLAB_W = SLAB // 2
+    for chunk in range(pid, TOTAL, NPROG):
+        rg = (chunk // N_COL).to(tl.int64)
+        cg = (chunk % N_COL).to(tl.int64)
+        for it in tl.static_range(ITERS):
+            rows, col0 = _tile_at(rg, cg, it, rr, R, CB, ITERS, ROW_ITERS)
+            # each row's first position times C2, mod 2**32 (int64: no wrap surprises)
+            kc2 = ((((rows * F_B + O_B + col0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
+            if PAIRS:
+                ptrs = w32_ptr + (rows * SLAB_W + col0 // 2)[:, None] + cc[None, :]
+            else:
+                ptrs = w_ptr + (rows * SLAB + col0)[:, None] + cc[None, :]
+            if EVEN:
+                raw = tl.load(ptrs)
+            else:
+                if PAIRS:  # SLAB is even: both halves of a word are in, or both out
+                    mask = (rows < A)[:, None] & ((col0 + 2 * cc) < SLAB)[None, :]
+                else:
+                    mask = (rows < A)[:, None] & ((col0 + cc) < SLAB)[None, :]
+                raw = tl.load(ptrs, mask=mask, other=0)  # 0 is finite: adds to no statistic
+            pos = cc_c2 + kc2[:, None]
+            if PAIRS:
+                wd = raw.to(tl.uint32, bitcast=True)
+                hi = wd & 0xFFFF0000
+                # low element: (wd - hi) * C1 + k * C2; high element: w1 * C1 + (k + 1) * C2 =
+                # (w1 + C2 / C1) * C1 + k * C2, C2 / C1 = C2 * C1**-1 mod 2**32 = 0x1A63E8A7
+                x = _mix((wd - hi) * c1 + pos, c3)
+                y = _mix(((wd >> 16) + 0x1A63E8A7) * c1 + pos, c3)
+                if not EVEN:
+                    x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
+                    y = tl.where(mask, y, tl.zeros([R, TW], dtype=tl.uint32))
+                acc_a += x + y
+                acc_b += x * x
+                acc_b += y * y
+                v = (wd << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32: the bits, shifted
+                u = hi.to(tl.float32, bitcast=True)
+                acc_s += v
+                acc_s += u
+                acc_q += v * v
+                acc_q += u * u
+                acc_m = tl.maximum(acc_m, tl.maximum(tl.abs(v), tl.abs(u)))
+            else:
+                if WIDTH == 16:
+                    w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+                else:
+                    w = raw.to(tl.uint32, bitcast=True)
+                x = _mix(w * c1 + pos, c3)
+                if not EVEN:
+                    x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
+                acc_a += x
+                acc_b += x * x
+                v = _as_f32(raw, WIDTH, IS_BF16)
+                acc_s += v
+                acc_q += v * v
+                acc_m = tl.maximum(acc_m, tl.abs(v))
+    fmax = 3.4028234663852886e38
+    poisoned = tl.sum(tl.sum(((tl.abs(acc_s) <= fmax) & (tl.abs(acc_q) <= fmax)).to(tl.int32) ^ 1,
+                             axis=1), axis=0)
+    sum_s = tl.sum(tl.sum(acc_s, axis=1), axis=0)
+    sum_q = tl.sum(tl.sum(acc_q, axis=1), axis=0)
+    max_m = tl.max(tl.max(acc_m, axis=1), axis=0)
+    count_n = tl.sum(tl.sum(tl.zeros([R, TW], dtype=tl.int32), axis=1), axis=0)
+    if poisoned > 0:  # rare: see the docstring
+        sum_s, sum_q, max_m, count_n = _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH,
+                                                    IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN)
+    row_i = ints_ptr + ROW * 4
+    row_f = floats_ptr + ROW * 2
+    tl.atomic_add(row_i + 0, tl.sum(tl.sum(acc_a.to(tl.int64), axis=1), axis=0))
+    tl.atomic_add(row_i + 1, tl.sum(tl.sum(acc_b.to(tl.int64), axis=1), axis=0))
+    tl.atomic_add(row_i + 2, count_n.to(tl.int64))
+    tl.atomic_max(row_i + 3, max_m.to(tl.float64).to(tl.int64, bitcast=True))
+    tl.atomic_add(row_f + 0, sum_s.to(tl.float64))
+    tl.atomic_add(row_f + 1, sum_q.to(tl.float64))
+
+
+@triton.jit
+def _mix(x, c3):
+    """The lane mix of x = w * C1 + k * C2 (module docstring). (The right shifts as inline-PTX
+    mul.hi, moving them from the logic pipe to the multiply pipe, was 6-17% slower on an H200:
+    docs/benchmarks.md, 2026-11-23.)"""
+    x = x ^ (x >> 16)
+    x = x * c3
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _tile_at(rg, cg, it, rr, R: tl.constexpr, CB: tl.constexpr, ITERS: tl.constexpr,
+             ROW_ITERS: tl.constexpr):
+    """(slab indices a [R], first column) of tile `it` of the chunk at row group rg, column
+    group cg."""
+    if ROW_ITERS:
+        rows = (rg * ITERS + it) * R + rr
+        col0 = cg * CB
+    else:
+        rows = rg * R + rr
+        col0 = (cg * ITERS + it) * CB
+    return rows, col0
+
+
+@triton.jit
+def _as_f32(raw, WIDTH: tl.constexpr, IS_BF16: tl.constexpr):
+    if WIDTH == 32:
+        return raw.to(tl.float32, bitcast=True)
+    elif IS_BF16:
+        return raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    else:
+        return raw.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH: tl.constexpr,
+                 IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, ITERS: tl.constexpr,
+                 ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
+    """The statistics of a program's chunks with a finiteness test per element, reduced: the
+    sums and max |x| of the finite elements and the non-finite count (the torch path's
+    definition). Element by element, whatever the caller's tile (PAIRS or not)."""
+    rr = tl.arange(0, R)
+    cc = tl.arange(0, CB)
+    acc_s = tl.zeros([R, CB], dtype=tl.float32)
+    acc_q = tl.zeros([R, CB], dtype=tl.float32)
+    acc_m = tl.zeros([R, CB], dtype=tl.float32)
+    acc_n = tl.zeros([R, CB], dtype=tl.int32)
+    for chunk in range(pid, TOTAL, NPROG):
+        rg = (chunk // N_COL).to(tl.int64)
+        cg = (chunk % N_COL).to(tl.int64)
+        for it in tl.static_range(ITERS):
+            rows, col0 = _tile_at(rg, cg, it, rr, R, CB, ITERS, ROW_ITERS)
+            ptrs = w_ptr + (rows * SLAB + col0)[:, None] + cc[None, :]
+            if EVEN:
+                raw = tl.load(ptrs)
+            else:
+                mask = (rows < A)[:, None] & ((col0 + cc) < SLAB)[None, :]
+                raw = tl.load(ptrs, mask=mask, other=0)
+            v = _as_f32(raw, WIDTH, IS_BF16)
+            fin = tl.abs(v) <= 3.4028234663852886e38     # false for NaN and +-inf
+            vf = tl.where(fin, v, 0.0)
+            acc_s += vf
+            acc_q += vf * vf
+            acc_m = tl.maximum(acc_m, tl.abs(vf))
+            acc_n += tl.where(fin, 0, 1)
+    return (tl.sum(tl.sum(acc_s, axis=1), axis=0), tl.sum(tl.sum(acc_q, axis=1), axis=0),
+            tl.max(tl.max(acc_m, axis=1), axis=0), tl.sum(tl.sum(acc_n, axis=1), axis=0))
