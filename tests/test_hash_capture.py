@@ -165,6 +165,10 @@ def test_hash_run_finds_what_the_full_run_finds(stock_run, tmp_path):
             assert fa[k] == fb[k], (label, k, fa[k], fb[k])
         assert fa["values_run_dir"].endswith("region")
         assert a["logprobs"] == b["logprobs"]
+    # the second pass's own worlds (reference + divergent degrees) and their per-phase split
+    sp = h["timings"]["second_pass_worlds"]
+    assert set(sp) == {"1", "2", "4", "8"} and all(w["steps_s"] > 0 for w in sp.values())
+    assert h["timings"]["phases"]["second_pass_s"] > 0 and "second_pass_worlds" not in full["timings"]
 
 
 def test_hash_mode_names_a_rank_inconsistent_replica(tmp_path):

@@ -56,6 +56,15 @@ def _timings(run_dir: str, extra: dict) -> dict:
     phases.update({k: round(v, 3) for k, v in extra.items()})
     manifest["phases"] = phases
     io.write_json(os.path.join(run_dir, "manifest.json"), manifest)
-    worlds = {label: {"wall_s": w.get("wall_s"), **(w.get("timings") or {})}
-              for label, w in (manifest.get("worlds") or {}).items() if isinstance(w, dict)}
-    return {"phases": phases, "worlds": worlds}
+    out = {"phases": phases, "worlds": _world_timings(manifest)}
+    # the second pass is a compare of its own in a subdirectory (runner/drill.py): its worlds'
+    # split (start, steps, full-capture gather, write) is where a large model's time goes
+    for sub in ("region", "ops"):
+        if os.path.isfile(os.path.join(run_dir, sub, "manifest.json")):
+            out["second_pass_worlds"] = _world_timings(read_manifest(os.path.join(run_dir, sub)))
+    return out
+
+
+def _world_timings(manifest: dict) -> dict:
+    return {label: {"wall_s": w.get("wall_s"), **(w.get("timings") or {})}
+            for label, w in (manifest.get("worlds") or {}).items() if isinstance(w, dict)}
