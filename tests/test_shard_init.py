@@ -91,16 +91,16 @@ def _worker(specs, rank, world, port, q):
             build.build_sharded = sharded_build if path == "sharded" else forced_whole
             target, model = step.build_model(cfg, torch.device("cpu"), world)
             tensors = {k: _bits(_local(v)).clone() for k, v in _tensors(model).items()}
+            ties = len({id(v) for v in _tensors(model).values()})  # a tied pair is one object
             built[path] = (target.build, tensors, _step(cfg, target, model, world),
-                           _largest_module_bytes(model))
-        (info_s, ts, ss, largest), (info_w, tw, sw, _) = built["sharded"], built["whole"]
+                           _largest_module_bytes(model), ties)
+        (info_s, ts, ss, largest, ties_s), (info_w, tw, sw, _, ties_w) = built["sharded"], built["whole"]
         results[name] = {
             "init": (info_s["init"], info_w["init"]), "reason": info_w.get("init_reason"),
             "peak": info_s["init_full_peak_bytes"], "whole_peak": info_w["init_full_peak_bytes"],
             "whole_bytes": info_s["init_whole_bytes"], "largest": largest,
             "keys_equal": ts.keys() == tw.keys() and ss.keys() == sw.keys(),
-            "n": len(ts),
-            "shard_shapes": sorted({tuple(v.shape) for v in ts.values()}) != [],
+            "n": len(ts), "ties": (ties_s, ties_w),
             "mismatch": [k for k in ts if k in tw and not torch.equal(ts[k], tw[k])],
             "step_mismatch": [k for k in ss if k in sw and not torch.equal(_bits(ss[k]), _bits(sw[k]))],
             "sharded_locals": sum(1 for k, v in _tensors(model).items() if hasattr(v, "to_local")),
@@ -128,6 +128,7 @@ def test_sharded_init_bitwise_and_bounded(world_results, case):
         r = results[case]
         assert r["init"] == ("sharded", "whole"), (rank, r["init"], r["reason"])
         assert r["keys_equal"] and r["n"] > 0 and r["sharded_locals"] > 0, (rank, r)
+        assert r["ties"][0] == r["ties"][1] and (r["ties"][0] < r["n"]) == ("tied" in case), r["ties"]
         assert r["mismatch"] == [], (rank, r["mismatch"])           # every local shard, bitwise
         assert r["step_mismatch"] == [], (rank, r["step_mismatch"])  # one step, bitwise
         # at most one module's full tensors at a time (a tied pair is one tensor, one unit)...

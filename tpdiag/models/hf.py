@@ -1,16 +1,18 @@
 """`hf:DIR`: a local Hugging Face causal LM, sharded by transformers' own TP styles.
 
-The model is built whole on every rank - on the meta device, then materialised on the rank's
-device: safetensors weights read straight onto it if the directory has them, else each module
-initialised by transformers' own `_init_weights` from an RNG seeded by (seed, module fqn)
-(tpdiag.models.meta_init): the same weights at every degree - then the runner's
-`parallelize_module(model, mesh, target.plan)` shards it. The plan is the model's own `tp_plan`
+The model is built on the meta device and materialised on the rank's device: safetensors
+weights read straight onto it if the directory has them, else each module initialised by
+transformers' own `_init_weights` from an RNG seeded by (seed, module fqn)
+(tpdiag.models.meta_init): the same weights at every degree. At TP > 1 the plan is applied on
+meta first and each module is materialised and cut to its shard on its own
+(tpdiag.models.shard_init, via tpdiag.models.build.build_sharded); at TP = 1, or where that
+route does not apply, the whole model is materialised, then `parallelize_module` shards it. The plan is the model's own `tp_plan`
 (the config's `base_model_tp_plan` prefixed with the base model's name, plus the head's
 `_tp_plan`: what `from_pretrained(tp_plan="auto")` applies), with each style name mapped to the
 very `TensorParallelLayer` object transformers registers for it and wrapped as a torch
 `ParallelStyle`. So the numerics tpdiag diagnoses are transformers' TP, not a re-implementation,
-while weights are still initialised on the full model before sharding (transformers' own
-TP loading initialises per shard, which would give different random weights per degree).
+while every weight is still initialised as a full tensor before it is sharded (transformers'
+own TP loading initialises per shard, which would give different random weights per degree).
 
 transformers is imported lazily: `import tpdiag` stays cheap.
 """
