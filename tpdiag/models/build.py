@@ -6,6 +6,10 @@ RNG seeded by (seed, its fqn)), so no rank builds the whole model on its CPU fir
 degree holds the same weights. Other `py:` targets are built as before - FUNC() on the CPU,
 from the global RNG the caller seeded - and moved to the device. Parameters stay in the dtype
 they were built in (float32 for presets and hf:); the runner casts to the run's dtype.
+
+At TP > 1, built-in presets and `hf:` models go through build_sharded instead: the plan is
+applied on the meta model and each module is then materialised, cast and cut to this rank's
+shard on its own (tpdiag.models.shard_init), so no rank holds the whole model.
 """
 from __future__ import annotations
 
@@ -36,3 +40,75 @@ def build_target(spec: ModelSpec, variant: str, device, seed: int):
     else:
         t.model = t.model.to(device)
     return t
+
+
+def build_sharded(spec: ModelSpec, variant: str, device, seed: int, dtype, mesh, check_plan):
+    """(Target, model) at TP > 1 with the plan applied on the meta device and every module
+    materialised shard by shard, bitwise the whole path's weights; `target.build` says so. None
+    for py: targets (they build the whole model). Raises ShardedInitUnsupported (its message the reason) where this model
+    cannot take this route - the caller then builds the whole model."""
+    import torch
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tpdiag.errors import BadInput
+    from tpdiag.models.shard_init import ShardedInitUnsupported, materialize_sharded
+
+    fill_ctx, guard, rule = None, None, None
+    if spec.kind == "builtin":
+        from tpdiag.models import tiny_llama
+        from tpdiag.models.plans import llama_plan
+        from tpdiag.models.target import Target
+
+        plan = llama_plan(variant)
+        with torch.device("meta"):
+            model = tiny_llama.build(spec.value)
+        target = Target(model=model, plan=plan, vocab_size=model.cfg.vocab_size,
+                        divisors=model.cfg.divisors())
+        rule = model.init_module
+    elif spec.kind == "hf":
+        from tpdiag.models import hf
+
+        built = hf.meta_hf_target(spec.value, variant)
+        if built is None:
+            raise ShardedInitUnsupported("the checkpoint's tensor names are not the model's own "
+                                         "(loaded with from_pretrained)")
+        target, mapping = built
+        model, rule, guard = target.model, hf.init_rule(target.model), hf.init_guard
+        if mapping is not None:
+            from tpdiag.models import weights
+
+            fill_ctx = (mapping,)
+    else:
+        return None
+    # the dtype cast is done per tensor by materialize_sharded, after the init (as the whole path)
+    if target.plan:
+        check_plan(model, target.plan)
+        try:
+            parallelize_module(model, mesh, target.plan)
+        except (BadInput, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a style that cannot run on meta: whole path
+            raise ShardedInitUnsupported(f"the plan cannot be applied on the meta device: "
+                                         f"{type(e).__name__}: {_first_line(e)}") from None
+    from contextlib import ExitStack, nullcontext
+
+    with ExitStack() as stack:
+        fill = None
+        if fill_ctx is not None:
+            fill = stack.enter_context(weights.filler(model, fill_ctx[0], device))
+        try:
+            stats = materialize_sharded(model, device, seed, rule, dtype, fill=fill,
+                                        context=guard or nullcontext)
+        except (ShardedInitUnsupported, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a rule that needs the whole model (or finds
+            # a tensor unfilled that a later rule fills): the whole path decides
+            raise ShardedInitUnsupported(f"init rule failed shard by shard: {type(e).__name__}: "
+                                         f"{_first_line(e)}") from None
+    target.build = {"init": "sharded", "init_full_peak_bytes": stats["full_peak_bytes"],
+                    "init_whole_bytes": stats["whole_bytes"]}
+    return target, model
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else ""

@@ -1,16 +1,18 @@
 """`hf:DIR`: a local Hugging Face causal LM, sharded by transformers' own TP styles.
 
-The model is built whole on every rank - on the meta device, then materialised on the rank's
-device: safetensors weights read straight onto it if the directory has them, else each module
-initialised by transformers' own `_init_weights` from an RNG seeded by (seed, module fqn)
-(tpdiag.models.meta_init): the same weights at every degree - then the runner's
-`parallelize_module(model, mesh, target.plan)` shards it. The plan is the model's own `tp_plan`
+The model is built on the meta device and materialised on the rank's device: safetensors
+weights read straight onto it if the directory has them, else each module initialised by
+transformers' own `_init_weights` from an RNG seeded by (seed, module fqn)
+(tpdiag.models.meta_init): the same weights at every degree. At TP > 1 the plan is applied on
+meta first and each module is materialised and cut to its shard on its own
+(tpdiag.models.shard_init, via tpdiag.models.build.build_sharded); at TP = 1, or where that
+route does not apply, the whole model is materialised, then `parallelize_module` shards it. The plan is the model's own `tp_plan`
 (the config's `base_model_tp_plan` prefixed with the base model's name, plus the head's
 `_tp_plan`: what `from_pretrained(tp_plan="auto")` applies), with each style name mapped to the
 very `TensorParallelLayer` object transformers registers for it and wrapped as a torch
 `ParallelStyle`. So the numerics tpdiag diagnoses are transformers' TP, not a re-implementation,
-while weights are still initialised on the full model before sharding (transformers' own
-TP loading initialises per shard, which would give different random weights per degree).
+while every weight is still initialised as a full tensor before it is sharded (transformers'
+own TP loading initialises per shard, which would give different random weights per degree).
 
 transformers is imported lazily: `import tpdiag` stays cheap.
 """
@@ -268,68 +270,83 @@ def load_model(path: str, device=None, seed: int | None = None):
     from transformers import AutoModelForCausalLM
 
     has_st = bool(glob.glob(os.path.join(path, "*.safetensors")))
-    pickled = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
-    try:
-        model = None
-        if has_st and device is not None:
-            model = _meta_safetensors(config, path, device, seed)
-        if model is not None:
-            pass
+    with _build_errors(path):
+        built = meta_build(path, config) if device is not None else None
+        if built is not None:
+            model, mapping = built
+            materialize_hf(model, device, 0 if seed is None else seed)
+            if mapping is not None:
+                from tpdiag.models import weights
+
+                weights.load(model, mapping, device)
         elif has_st:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
                                                          trust_remote_code=False,
                                                          use_safetensors=True, local_files_only=True)
             if device is not None:
                 model.to(device)
-        elif pickled:
-            raise BadInput(f"--model hf:{path}: weights are pickled ({os.path.basename(pickled[0])}); "
-                           "tpdiag loads safetensors only - convert them, or remove them for a random init")
-        elif device is None:
+        else:
+            _refuse_pickled(path)
             # The runner seeded the RNG: the full model's init is the same on every rank/degree.
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
-        else:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                         trust_remote_code=False)
-            materialize_hf(model, device, 0 if seed is None else seed)
-    except BadInput:
-        raise
-    except ValueError as e:
-        raise BadInput(f"--model hf:{path}: not a causal LM transformers can build: "
-                       f"{str(e).splitlines()[0]}") from None
     model.train()
     return model
 
 
-def _meta_safetensors(config, path: str, device, seed: int | None):
-    """Built on meta, initialised on `device`, then every checkpoint tensor read straight onto
-    it (tpdiag.models.weights); None when the checkpoint's names are not the model's own."""
+class _build_errors:
+    """transformers' ValueError for a config it cannot build as a causal LM, as one BadInput."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is not None and issubclass(kind, ValueError) and not issubclass(kind, BadInput):
+            raise BadInput(f"--model hf:{self.path}: not a causal LM transformers can build: "
+                           f"{str(e).splitlines()[0] if str(e) else kind.__name__}") from None
+        return False
+
+
+def _refuse_pickled(path: str) -> None:
+    pickled = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
+    if pickled:
+        raise BadInput(f"--model hf:{path}: weights are pickled ({os.path.basename(pickled[0])}); "
+                       "tpdiag loads safetensors only - convert them, or remove them for a random init")
+
+
+def meta_build(path: str, config=None):
+    """(the model built on the meta device, {tensor name: (file, key)} of its safetensors or None
+    when the directory has none), or None when the checkpoint's names are not the model's own
+    (it must be loaded with from_pretrained: tpdiag.models.weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from tpdiag.models import weights
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    config = _config(path) if config is None else config
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    mapping = weights.plan(model, files, getattr(model, "base_model_prefix", ""))
-    if mapping is None:
-        return None
+    if not files:
+        _refuse_pickled(path)
+    with _build_errors(path):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     trust_remote_code=False)
+    if not files:
+        return model, None
     # tensors the checkpoint lacks keep their seeded init (transformers would draw them too)
-    materialize_hf(model, device, 0 if seed is None else seed)
-    weights.load(model, mapping, device)
-    return model
+    mapping = weights.plan(model, files, getattr(model, "base_model_prefix", ""))
+    return None if mapping is None else (model, mapping)
 
 
-def materialize_hf(model, device, seed: int) -> None:
-    """A meta-built transformers model on `device`, each module initialised by the `_init_weights`
-    of its nearest enclosing PreTrainedModel (what transformers' own init dispatches to), which
-    also recomputes the rotary `inv_freq` buffers. A module whose parameters that rule leaves
-    unfilled gets torch's own `reset_parameters()` - what a CPU `from_config` leaves there."""
+def init_rule(model):
+    """The per-module rule of a meta-built transformers model (tpdiag.models.meta_init): the
+    `_init_weights` of the module's nearest enclosing PreTrainedModel (what transformers' own
+    init dispatches to), which also recomputes the rotary `inv_freq` buffers; a module whose
+    parameters that rule leaves unfilled gets torch's own `reset_parameters()` - what a CPU
+    `from_config` leaves there. Run it inside `init_guard()`."""
     from transformers import PreTrainedModel
-    from transformers import initialization as hf_init
-
-    from tpdiag.models.meta_init import materialize
 
     owner: dict[int, object] = {}
 
@@ -347,17 +364,50 @@ def materialize_hf(model, device, seed: int) -> None:
         if own and any(bool(p.isnan().any()) for p in own) and hasattr(module, "reset_parameters"):
             module.reset_parameters()
 
-    with hf_init.guard_torch_init_functions():
-        materialize(model, device, seed, rule)
+    return rule
+
+
+def init_guard():
+    from transformers import initialization as hf_init
+
+    return hf_init.guard_torch_init_functions()
+
+
+def materialize_hf(model, device, seed: int) -> None:
+    """A meta-built transformers model on `device`, every module initialised by init_rule."""
+    from tpdiag.models.meta_init import materialize
+
+    with init_guard():
+        materialize(model, device, seed, init_rule(model))
 
 
 def load_hf_target(path: str, variant: str = "stock", device=None, seed: int | None = None):
-    from tpdiag.models.target import Target
+    _stock_only(variant)
+    return _target(path, load_model(path, device, seed))
 
+
+def meta_hf_target(path: str, variant: str = "stock"):
+    """(the Target with its model still on the meta device, the safetensors mapping or None), or
+    None when the checkpoint must go through from_pretrained (tpdiag.models.build's sharded
+    build: the plan is applied on meta, then each module is materialised)."""
+    _stock_only(variant)
+    built = meta_build(path)
+    if built is None:
+        return None
+    model, mapping = built
+    model.train()
+    return _target(path, model), mapping
+
+
+def _stock_only(variant: str) -> None:
     if variant != "stock":
         raise BadInput(f"plan variant {variant!r}: hf: models offer only 'stock' "
                        "(the config's own base_model_tp_plan)")
-    model = load_model(path, device, seed)
+
+
+def _target(path: str, model):
+    from tpdiag.models.target import Target
+
     plan = tp_plan_of(model)
     if not plan:
         raise BadInput(f"--model hf:{path}: {type(model).__name__} has no tensor-parallel plan "

@@ -24,3 +24,7 @@ class Target:
     # device, called children first with the RNG seeded from (seed, fqn). None: each module's
     # reset_parameters(). See tpdiag.models.meta_init.
     init: Callable[[str, nn.Module], None] | None = None
+    # How tpdiag built the model (set by the runner's build, recorded in the world's timings):
+    # {'init': 'sharded' | 'whole', 'init_full_peak_bytes': most bytes of full (unsharded)
+    # tensors held at once, 'init_whole_bytes', 'init_reason': why the whole path}.
+    build: dict[str, Any] = field(default_factory=dict)

@@ -8,6 +8,8 @@ load) - `plan()` returns None and the caller loads with `from_pretrained` instea
 """
 from __future__ import annotations
 
+from contextlib import ExitStack, contextmanager
+
 import torch
 from torch import nn
 
@@ -50,3 +52,30 @@ def load(model: nn.Module, mapping: dict[str, tuple[str, str]], device) -> None:
         with open_safetensors(path, str(torch.device(device))) as f:
             for name, key in items:
                 names[name].copy_(f.get_tensor(key))
+
+
+@contextmanager
+def filler(model: nn.Module, mapping: dict[str, tuple[str, str]], device):
+    """fill(tensor, full) for tpdiag.models.shard_init: copy the checkpoint tensors mapped to
+    `tensor` (a tensor of `model` as it is now, e.g. a meta DTensor after the plan) into its
+    full tensor, in load()'s order; each file is opened once, lazily."""
+    from tpdiag.io import open_safetensors
+
+    names = _names(model)
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for name, (path, key) in mapping.items():
+        by_file.setdefault(path, []).append((name, key))
+    sources: dict[int, list[tuple[str, str]]] = {}
+    for path, items in by_file.items():
+        for name, key in items:
+            sources.setdefault(id(names[name]), []).append((path, key))
+    with ExitStack() as stack:
+        files: dict = {}
+
+        def fill(t: torch.Tensor, full: torch.Tensor) -> None:
+            for path, key in sources.get(id(t), ()):
+                if path not in files:
+                    files[path] = stack.enter_context(open_safetensors(path, str(torch.device(device))))
+                full.copy_(files[path].get_tensor(key))
+
+        yield fill

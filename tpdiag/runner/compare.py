@@ -91,6 +91,9 @@ def world_timings(rank_timings: list) -> dict:
     keys = sorted({k for t in rank_timings for k in t})
     worst = {k: max(t[k] for t in rank_timings if isinstance(t.get(k), (int, float))) for k in keys
              if any(isinstance(t.get(k), (int, float)) for t in rank_timings)}
+    # a label every rank agrees on (the init path: 'sharded' or 'whole') is kept as it is
+    worst.update({k: rank_timings[0][k] for k in keys if k not in worst and isinstance(
+        rank_timings[0].get(k), str) and all(t.get(k) == rank_timings[0][k] for t in rank_timings)})
     return {"timings": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in worst.items()},
             "rank_timings": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in t.items()}
                              for t in rank_timings]}

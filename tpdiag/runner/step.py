@@ -15,19 +15,40 @@ IGNORE = -100
 
 
 def build_model(cfg: WorldConfig, device: torch.device, world: int):
-    from tpdiag.models.build import build_target
+    """(target, model) on this rank, sharded when world > 1. Built-in presets and hf: models are
+    sharded on the meta device and materialised module by module (no rank holds the whole
+    model: tpdiag.models.shard_init); py: targets, and a model that cannot take that route
+    (the reason in target.build), are built whole, cast, then sharded."""
+    from tpdiag.models.build import build_sharded, build_target
     from tpdiag.models.spec import parse_spec
 
     torch.manual_seed(cfg.seed)  # py: targets built on the CPU draw from the global RNG
-    target = build_target(parse_spec(cfg.model), cfg.variant, device, cfg.seed)
-    model = target.model.to(device=device, dtype=getattr(torch, cfg.dtype))
-    if world > 1 and target.plan:
+    spec, dtype, mesh, reason = parse_spec(cfg.model), getattr(torch, cfg.dtype), None, None
+    if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
+
+        from tpdiag.models.shard_init import ShardedInitUnsupported
+
+        mesh = init_device_mesh(device.type, (world,))
+        try:
+            built = build_sharded(spec, cfg.variant, device, cfg.seed, dtype, mesh, _check_plan)
+        except ShardedInitUnsupported as e:
+            built, reason = None, str(e)
+        if built is not None:
+            return built
+        torch.manual_seed(cfg.seed)
+    target = build_target(spec, cfg.variant, device, cfg.seed)
+    live = {id(t): t for t in list(target.model.parameters()) + list(target.model.buffers())}
+    whole = sum(t.numel() * t.element_size() for t in live.values())
+    model = target.model.to(device=device, dtype=dtype)
+    if world > 1 and target.plan:
         from torch.distributed.tensor.parallel import parallelize_module
 
         _check_plan(model, target.plan)
-        mesh = init_device_mesh(device.type, (world,))
         parallelize_module(model, mesh, target.plan)
+    target.build = {"init": "whole", "init_full_peak_bytes": whole, "init_whole_bytes": whole,
+                    "init_reason": reason or ("TP=1" if world == 1 else
+                                              f"{spec.kind}: the whole model is built, then sharded")}
     return target, model
 
 
@@ -218,6 +239,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the init kernels are asynchronous
     timings["model_s"] = time.perf_counter() - t0  # built, initialised and sharded
+    timings.update(getattr(target, "build", None) or {})  # which init path, its peak bytes
     rec.mode = capture_mode(cfg.capture, model)
     rec.world = world
     rec.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
