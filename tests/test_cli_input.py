@@ -19,6 +19,9 @@ runner = CliRunner()
     (["--fix", "magic"], "unknown fix"),
     (["--steps", "0"], "must be >= 1"),
     (["--format", "xml"], "expected one of text, json"),
+    (["--tp", "1,4", "--tree-groups", "2"], "--tree-groups 2: TP=4 does not divide 2 tree groups"),
+    (["--tp", "1,2", "--tree-groups", "6"], "must be a power of two"),
+    (["--tp", "1,2", "--tree-groups", "-2"], "must be a power of two"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
     r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r"), *args])
@@ -36,4 +39,15 @@ def test_bad_hash_batch_env_is_one_line_exit_2(value, tmp_path, monkeypatch):
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "TPDIAG_HASH_BATCH" in lines[0], r.output
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("value,needle", [("abc", "expected a power-of-two"),
+                                          ("2", "TP=4 does not divide 2 tree groups")])
+def test_bad_tree_groups_env_is_one_line_exit_2(value, needle, tmp_path, monkeypatch):
+    monkeypatch.setenv("TPDIAG_TREE_GROUPS", value)
+    r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 2, r.output
+    lines = [line for line in r.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "TPDIAG_TREE_GROUPS" in lines[0] and needle in lines[0], r.output
     assert not (tmp_path / "r").exists()

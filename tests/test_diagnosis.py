@@ -55,6 +55,10 @@ def test_steps_report_drift_and_fixes_hold_for_every_step(tmp_path):
     d = s["degrees"]["2"]
     assert s["status"] == "bitwise" and d["first_divergent_step"] is None
     assert all(x["bitwise"] and x["loss"] == x["loss_reference"] for x in d["steps"])
+    # with G = the largest degree (2): one group per rank at TP=2; every record - forward,
+    # logprobs, loss, grads, params after each step - bitwise (the stock run above diverges)
+    assert (s["tree_groups"], s["group_gemm"]) == (2, "per-group")
+    assert d["n_divergent"] == 0 and d["n_records"] > 150
 
 
 def test_wrong_loss_at_tp2_is_a_sharding_bug_not_a_reordering(tmp_path):

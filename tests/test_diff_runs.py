@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from conftest import run_cli
 
@@ -48,6 +49,28 @@ def test_runs_with_other_fixes_are_refused(stock_run, fixed_run, tmp_path):
     p, _ = _diff(stock_run / "tp2", fixed_run / "tp2", tmp_path)
     assert p.returncode == 2
     assert "not comparable: fixes" in p.stderr and p.stderr.count("\n") == 1
+
+
+def test_tree_groups_are_in_effect_and_another_g_is_refused(fixed_run, tmp_path):
+    # fixed_run: --tp 1,2 --fix all, so G = 2 (the largest degree); the same run with G = 8
+    out = tmp_path / "g8"
+    p = run_cli("compare", "--tp", "1,2", "--fix", "all", "--tree-groups", "8", "--no-confirm",
+                "--no-baseline", "--out", str(out), "--format", "json")
+    assert p.returncode == 0, p.stderr
+    s8 = json.loads(p.stdout)
+    assert s8["status"] == "bitwise" and (s8["tree_groups"], s8["group_gemm"]) == (8, "fused")
+    s2 = json.loads((fixed_run / "summary.json").read_text())
+    assert (s2["tree_groups"], s2["group_gemm"]) == (2, "per-group")
+    # G is in effect: TP=1 itself reduces in another tree, so other bits
+    from tpdiag.records.store import RecordSet
+
+    a, b = RecordSet(str(fixed_run / "tp1")), RecordSet(str(out / "tp1"))
+    differ = [k for k, m in a.by_key.items() if k in b.by_key and not torch.equal(
+        a.tensor(m).reshape(-1).view(torch.uint8), b.tensor(b.by_key[k]).reshape(-1).view(torch.uint8))]
+    assert len(differ) > 10 and "s0/forward/layers.0.attention.wo/out#0/0" in differ, differ
+    p, _ = _diff(fixed_run / "tp1", out / "tp1", tmp_path)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1
+    assert "not comparable: tree groups: 2 in" in p.stderr and " vs 8 in " in p.stderr, p.stderr
 
 
 def test_other_seed_is_refused(stock_run, tmp_path):

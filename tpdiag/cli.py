@@ -103,6 +103,10 @@ def compare(
     variants: Annotated[Optional[str], typer.Option(help=H.variants())] = None,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline",
                                            help="rerun the reference against itself first")] = True,
+    tree_groups: Annotated[Optional[int], typer.Option(
+        help="tree groups G of the invariant fixes: a power of two every degree divides (default: "
+             "TPDIAG_TREE_GROUPS, else the largest degree - which then runs one plain GEMM per "
+             "rank; docs/causes.md)")] = None,
     fmt: Format = "text",
     fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence", help=FAIL_HELP)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
@@ -124,7 +128,8 @@ def compare(
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
-            seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len)
+            seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len,
+            tree_groups=0 if tree_groups is None else tree_groups)
         from tpdiag.runner.compare import default_out, validate
         from tpdiag.runner.session import compare_session
 

@@ -88,7 +88,14 @@ def ran(summary: dict) -> str | None:
     if steps is None:
         return None
     what = "forward, backward and optimizer step" if summary.get("backward", True) else "forward only"
-    return f"ran: {steps} step{'s' if steps != 1 else ''} at each degree ({what})"
+    line = f"ran: {steps} step{'s' if steps != 1 else ''} at each degree ({what})"
+    if summary.get("fixes"):
+        line += f"; fixes: {', '.join(summary['fixes'])}"
+        if summary.get("tree_groups"):
+            from tpdiag.fixes.groups import describe
+
+            line += f"; {describe(summary['tree_groups'], summary.get('group_gemm'))}"
+    return line
 
 
 def summary_tables(console, summary: dict) -> None:

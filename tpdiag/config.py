@@ -78,6 +78,9 @@ class WorldConfig:
     capture: str = "full"              # full | hash | auto (by parameter count)
     module_include: tuple[str, ...] = ()  # probe only these modules (a second, full pass)
     ref_dir: str = ""                  # the reference's records: whole shapes for hash mode
+    # the run's tree groups G and group GEMM (fixes/groups.py); 0 / "": TPDIAG_TREE_GROUPS or 8, fused
+    tree_groups: int = 0
+    group_gemm: str = ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -121,6 +124,8 @@ class CompareConfig:
     capture: str = "auto"
     module_include: tuple[str, ...] = ()
     extra: dict = field(default_factory=dict)
+    tree_groups: int = 0  # G of the invariant fixes; 0: chosen per run (fixes/groups.py)
+    group_gemm: str = ""  # per-group | fused, chosen with G
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -136,4 +141,5 @@ class CompareConfig:
                            steps=self.steps, seed=self.seed, batch_size=self.batch_size,
                            seq_len=self.seq_len, fixes=self.fixes, granularity=self.granularity,
                            variant=self.variant, op_include=self.op_include,
-                           capture=self.capture, module_include=self.module_include, **kw)
+                           capture=self.capture, module_include=self.module_include,
+                           tree_groups=self.tree_groups, group_gemm=self.group_gemm, **kw)

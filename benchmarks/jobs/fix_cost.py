@@ -14,9 +14,15 @@ over TP x the GPU's dense bf16 peak, 989.4 TFLOP/s on H100 / H200, else --peak-t
 Sizes: batch 8 x seq 4096 (GPU-bound: the device, not the host's launches, sets the pace) and
 batch 1 x seq 2048 (the earlier sessions' size, host-bound), each in its own worlds.
 
+Tree groups (--groups): every fix that reduces in the tree of G groups runs once per G of the
+list, in the same rounds ("all fixes G=8" beside "all fixes G=2"). "tp" is the world's degree:
+one group per rank, the group GEMM one invariant GEMM (what a compare whose largest degree this is
+runs by default); any other G keeps a rank's groups fused in tree_mm (tpdiag/fixes/groups.py).
+
     python -m benchmarks fix-cost                          # TP=2,4; 8x4096 and 1x2048; 5 rounds
     python -m benchmarks fix-cost --tp 2 --sizes 1x2048 --iters 7 --profile 30
     python -m benchmarks fix-cost --batch 1 --seq 2048     # one size (--batch / --seq: one size)
+    python -m benchmarks fix-cost --groups 8,tp            # G=8 (fused tree_mm) vs G=TP side by side
     python -m benchmarks fix-cost --smoke                  # CPU, gloo, tiny-llama: the code path only
 
 A world that fails (e.g. out of memory at the larger size) is reported as a row with its error;
@@ -39,12 +45,31 @@ FIXES = ("tp-invariant-linear", "invariant-gemm", "invariant-vocab-softmax", "in
 SIZES = "8x4096,1x2048"
 
 
-def configs(each: bool) -> dict[str, tuple[str, ...]]:
-    c = {"stock": ()}
+def configs(each: bool, groups=(None,)) -> dict[str, tuple[tuple[str, ...], int | None]]:
+    """{name: (fixes, G)}; G None: the process default (TPDIAG_TREE_GROUPS or 8, fused)."""
+    from tpdiag.fixes.groups import GROUPED
+
+    def per_g(name, fixes):
+        if not any(f in GROUPED for f in fixes) or groups == (None,):
+            return {name: (fixes, None)}
+        return {f"{name} G={g}": (fixes, g) for g in groups}
+
+    c = {"stock": ((), None)}
     if each:
-        c.update({f: (f,) for f in FIXES})
-    c["all fixes"] = FIXES
+        for f in FIXES:
+            c.update(per_g(f, (f,)))
+    c.update(per_g("all fixes", FIXES))
     return c
+
+
+def world_groups(spec: str, world: int) -> tuple[int, ...]:
+    """--groups '8,tp' at TP=world -> (8, world), repeats dropped."""
+    out = []
+    for part in spec.split(","):
+        g = world if part.strip() == "tp" else int(part)
+        if g not in out:
+            out.append(g)
+    return tuple(out)
 
 
 def worker(rank, world, port, args, size, q):
@@ -75,8 +100,13 @@ def worker(rank, world, port, args, size, q):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def step(fixes):
-        with apply_fixes(fixes, model=model, plan=target.plan, world=world):
+    from tpdiag.kernels.tree import run_groups
+
+    def step(config):
+        fixes, g = config
+        # G = the world's degree: one group per rank, one invariant GEMM each; a larger G: tree_mm
+        with run_groups(g or 0, per_group=g == world), \
+                apply_fixes(fixes, model=model, plan=target.plan, world=world):
             loss_fn, _, norm_fn = _numerics(target)
             sync()
             if cuda:
@@ -92,13 +122,13 @@ def worker(rank, world, port, args, size, q):
             sync()
             return time.perf_counter() - t
 
-    cfgs = configs(args.each)
+    cfgs = configs(args.each, world_groups(args.groups, world) if args.groups else (None,))
     names = list(cfgs)
     times = {k: [] for k in cfgs}
     peak = {k: 0 for k in cfgs}
     for _ in range(args.warmup):
-        for fixes in cfgs.values():
-            step(fixes)
+        for config in cfgs.values():
+            step(config)
     for r in range(args.iters):
         for k in names[r % len(names):] + names[:r % len(names)]:
             times[k].append(step(cfgs[k]))
@@ -109,7 +139,7 @@ def worker(rank, world, port, args, size, q):
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        for name in ("stock", "all fixes"):
+        for name in [n for n in names if n == "stock" or n.startswith("all fixes")]:
             with profile(activities=acts) as prof:
                 step(cfgs[name])
             if rank == 0:
@@ -180,7 +210,11 @@ def parse(argv):
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--each", action=argparse.BooleanOptionalAction, default=True,
                    help="every fix alone too, in the same rounds (default on; --no-each: stock vs all)")
-    p.add_argument("--profile", type=int, default=0, help="print the top N ops of one stock and one all-fixes step")
+    p.add_argument("--groups", default="tp",
+                   help="tree groups G, a comma list of powers of two or 'tp' (the world's degree: one "
+                        "group per rank), each a configuration of its own (default tp; e.g. 8,tp; "
+                        "'' = the process default, TPDIAG_TREE_GROUPS or 8)")
+    p.add_argument("--profile", type=int, default=0, help="print the top N ops of one stock and each all-fixes step")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak TFLOP/s of one GPU for MFU (default: 989.4 on H100/H200, else no MFU)")
     p.add_argument("--world-timeout", type=int, default=400, help="seconds one world may take")
@@ -204,6 +238,15 @@ def parse(argv):
         args.tps = [int(x) for x in args.tp.split(",")]
     except ValueError:
         p.error(f"--tp {args.tp!r}: expected a comma list of integers, e.g. 2,4")
+    args.groups = args.groups.strip()
+    for tp in args.tps if args.groups else ():
+        try:
+            gs = world_groups(args.groups, tp)
+        except ValueError:
+            p.error(f"--groups {args.groups!r}: expected a comma list of powers of two or 'tp', e.g. 8,tp")
+        bad = next((g for g in gs if g < 1 or g & (g - 1) or g % tp), None)
+        if bad is not None:
+            p.error(f"--groups {args.groups!r}: G={bad} at TP={tp}: G must be a power of two the degree divides")
     return args
 
 
@@ -234,7 +277,8 @@ def main(argv: list[str]) -> dict:
                 rows.append(summarize(raw, tp, size, flops, peak))
     where = f"{torch.cuda.device_count()}x {gpu}" if gpu else "CPU (gloo; smoke: timings say nothing)"
     lines = [f"fix cost: {where}, torch {torch.__version__}, model {args.model} {args.dtype}, "
-             f"{args.iters} interleaved rounds after {args.warmup} warm-up, peak {fmt_peak(peak)}",
+             f"{args.iters} interleaved rounds after {args.warmup} warm-up, peak {fmt_peak(peak)}, "
+             f"tree groups {args.groups or 'process default'} (tp: the world's degree)",
              "| TP | batch x seq | configuration | ms/step median (spread) | x stock, median (range) | "
              "stock MFU | peak GiB (rank 0) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -249,7 +293,8 @@ def main(argv: list[str]) -> dict:
                          f"{c['peak_gib']:.1f} |")
     print("\n".join(lines))
     return {"model": args.model, "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
-            "peak_flops": peak, "rows": rows, "ok": not any("error" in r for r in rows)}
+            "groups": args.groups or None, "peak_flops": peak, "rows": rows,
+            "ok": not any("error" in r for r in rows)}
 
 
 def fmt_peak(peak) -> str:

@@ -5,6 +5,11 @@ every variant checked bitwise (the rank's root = the tree over its halves' roots
 do not depend on M). Timings: median over --rounds rounds (variants interleaved in each round)
 of triton.testing.do_bench medians, with the spread; the sum over one training step's calls.
 
+Beside them, at the same per-rank shapes, the ONE-group path (tree groups G = the degree, the
+default of a compare whose largest degree it is): the rank's whole product is one invariant
+GEMM with fp32 output (triton_mm), checked bitwise against the same call on TP=1's strided group
+slice of the whole K (what TP=1 computes per group) and on a row slice.
+
   python -m benchmarks tree-gemm                 # shipped tiles, TP=2 and TP=4 shapes, step sums
   python -m benchmarks tree-gemm --sweep         # TMA tile configs at three TP=2 and TP=4 shapes
 """
@@ -23,6 +28,7 @@ SHAPES = (("wo fwd", 2048, 2048, True, 16), ("w2 fwd", 5632, 2048, True, 16),
           ("w1/w3 dgrad", 5632, 2048, False, 32), ("lm dgrad", 32000, 2048, False, 1))
 # invariant-gemm (triton_mm) at the column-parallel forward / wgrad shapes (name, M, K, N at TP=1,
 # sharded dim, calls per step)
+ONE_GROUP = "one group (G=TP): triton_mm fp32 out"
 INV_SHAPES = (("wq fwd", "tok", 2048, 2048, "n", 16), ("w1/w3 fwd", "tok", 2048, 5632, "n", 32),
               ("wq wgrad", 2048, "tok", 2048, "m", 16), ("w1/w3 wgrad", 5632, "tok", 2048, "m", 32))
 G = 8
@@ -64,6 +70,29 @@ def _bits_ok(tree_mm, a, b, groups, tiles) -> bool:
     return ok and torch.equal(rows.view(torch.int32), whole[3:1000].view(torch.int32))
 
 
+def _one_group_bits_ok(triton_mm, a, b, transposed) -> bool:
+    """The rank's one-group call == TP=1's call on its group: the same K range cut out of a
+    wider (strided) operand; and a row's bits do not depend on M."""
+    import torch
+
+    f32 = torch.float32
+    whole = triton_mm(a, b, out_dtype=f32)
+    k = a.shape[1]
+    aw = torch.empty(a.shape[0], 2 * k, dtype=a.dtype, device=a.device)
+    aw[:, k:] = a
+    if transposed:  # b = w.t(), w [N, K]: TP=1's group is w[:, g*k:(g+1)*k].t()
+        ww = torch.empty(b.shape[1], 2 * k, dtype=b.dtype, device=b.device)
+        ww[:, k:] = b.t()
+        bs = ww.t()[k:]
+    else:
+        bw = torch.empty(2 * k, b.shape[1], dtype=b.dtype, device=b.device)
+        bw[k:] = b
+        bs = bw[k:]
+    ok = torch.equal(triton_mm(aw[:, k:], bs, out_dtype=f32).view(torch.int32), whole.view(torch.int32))
+    rows = triton_mm(a[3:1000], b, out_dtype=f32)
+    return ok and torch.equal(rows.view(torch.int32), whole[3:1000].view(torch.int32))
+
+
 def _operands(tokens, k, n, transposed, device="cuda"):
     import torch
 
@@ -83,6 +112,7 @@ def main(argv: list[str]) -> dict:
     require_cuda("tree-gemm")
     import torch
 
+    from tpdiag.kernels.invariant_gemm import triton_mm
     from tpdiag.kernels.tree_gemm import tree_mm
     from tpdiag.kernels.tree_gemm_tma import CUDA_TILES
 
@@ -111,12 +141,16 @@ def main(argv: list[str]) -> dict:
                     fns[vname] = (lambda t=tiles: tree_mm(a, b, groups, tiles=t))
                 except Exception as e:  # a config that does not compile is a row, not a stop
                     print(f"  {vname}: failed {type(e).__name__}: {str(e)[:160]}")
+            if not args.sweep:
+                bits[ONE_GROUP] = _one_group_bits_ok(triton_mm, a, b, transposed)
+                fns[ONE_GROUP] = lambda: triton_mm(a, b, out_dtype=torch.float32)
             t = _bench(fns, args.rounds)
             cub = t["cublas"]["ms"]
             row = {"tp": tp, "case": name, "M": M, "K": k // tp, "N": n, "groups": groups,
                    "calls": calls, "cublas": t["cublas"], "cublas_tflops": flops / cub / 1e9,
                    "variants": {}}
-            print(f"TP={tp} {name}: [{M}x{k // tp}] @ [{k // tp}x{n}], {groups} groups, {calls} calls/step: "
+            print(f"TP={tp} {name}: [{M}x{k // tp}] @ [{k // tp}x{n}], tree_mm {groups} groups (G={G}), "
+                  f"{calls} calls/step: "
                   f"cuBLAS {cub:.3f} ms ({flops / cub / 1e9:.0f} TFLOP/s, MFU {flops / cub / 1e-3 / PEAK:.1%})")
             for vname in bits:
                 v = t[vname]

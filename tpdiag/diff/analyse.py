@@ -178,6 +178,12 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         # What ran at every degree, so a reader of the verdict knows how much was compared.
         summary["steps"] = wc.get("steps", 1)
         summary["backward"] = wc.get("backward", True)
+        if wc.get("fixes"):
+            from tpdiag.fixes import groups
+
+            summary["fixes"] = list(wc["fixes"])
+            if groups.uses_groups(wc["fixes"]):
+                summary["tree_groups"], summary["group_gemm"] = groups.of_config(wc)
     if base is not None:
         summary["baseline"] = base
         if not base["reproducible"]:

@@ -87,6 +87,15 @@ def check_compare_comparable(a: dict, b: dict, name_a: str, name_b: str) -> None
         va, vb = a["config"].get(key), b["config"].get(key)
         if va != vb:
             refuse(key, va, vb)
+    from tpdiag.fixes import groups
+
+    if groups.uses_groups(a["config"].get("fixes")):
+        # the fixes reduce in a tree of G groups: another G (or group GEMM) is another order
+        (ga, ka), (gb, kb) = groups.of_config(a["config"]), groups.of_config(b["config"])
+        if ga != gb:
+            refuse("tree groups", ga, gb)
+        if ka != kb:
+            refuse("group GEMM", ka, kb)
 
 
 def read_capture(path: str) -> dict:

@@ -12,12 +12,19 @@ CPU), dgrad dX = sum_n dY[:, n] W[n, :] as an N-group tree across ranks (`tp-inv
 
 Both take LOCAL shards and the group range this rank owns; TP=1 is the same code with all
 groups local, so TP=1 itself follows the canonical order when a fix is on.
+
+16-bit group GEMMs on the Triton path (`_tree_partial`): when the run's largest degree holds one
+group per rank (G = that degree, tree.gemm_per_group()), every group at every degree is one
+invariant GEMM call with fp32 output - at the largest degree that is the rank's whole product,
+no in-rank tree - and a rank with several groups adds their results in the tree's pairing.
+Otherwise a rank's groups run fused in tree_mm (tree_gemm.py). Either is TP-invariant; they are
+other bits from each other, so a run uses one.
 """
 from __future__ import annotations
 
 import torch
 
-from tpdiag.kernels.tree import tree_all_reduce, tree_sum
+from tpdiag.kernels.tree import gemm_per_group, tree_all_reduce, tree_sum
 from tpdiag.kernels.vocab_ce_triton import triton_path
 
 
@@ -40,6 +47,23 @@ def _mm(a, b):
     return torch.matmul(a, b)
 
 
+def _tree_partial(a: torch.Tensor, b: torch.Tensor, groups: int) -> torch.Tensor:
+    """fp32 [M, N]: the subtree root over `groups` equal K ranges of a [M, K] @ b [K, N]
+    (16-bit operands on the Triton path; their products are exact in fp32)."""
+    if gemm_per_group():
+        from tpdiag.kernels.invariant_gemm import triton_mm
+
+        # one call per group: the invariant GEMM's bits depend on K (the group's length, the same
+        # at every TP) and not on M, N, strides or where the slice starts, so group g is the same
+        # call at every degree; one group per rank is one plain GEMM, no fp32 per-group tensors
+        kg = a.shape[1] // groups
+        return tree_sum([triton_mm(a[:, g * kg:(g + 1) * kg], b[g * kg:(g + 1) * kg],
+                                   out_dtype=torch.float32) for g in range(groups)])
+    from tpdiag.kernels.tree_gemm import tree_mm
+
+    return tree_mm(a, b, groups)
+
+
 class RowLinearPartial(torch.autograd.Function):
     """x_local [..., K_r], w_local [N, K_r] -> fp32 subtree root [..., N] over `groups` K groups."""
 
@@ -50,12 +74,10 @@ class RowLinearPartial(torch.autograd.Function):
         if _tensor_cores(x, w):
             # 16-bit operands on tensor cores: their products are exact in fp32 and every group
             # is summed in fp32 - the same as upcasting first, in another fixed order - and the
-            # groups' tree is finished in registers (tree_gemm.py): one fp32 subtree root per
-            # rank instead of one fp32 [tokens, N] tensor per group
-            from tpdiag.kernels.tree_gemm import tree_mm
-
+            # rank's groups give one fp32 subtree root (_tree_partial: one invariant GEMM per
+            # group, or the groups' tree finished in registers by tree_mm)
             x2 = x.reshape(-1, x.shape[-1])
-            return tree_mm(x2, w.t(), groups).reshape(*x.shape[:-1], w.shape[0])
+            return _tree_partial(x2, w.t(), groups).reshape(*x.shape[:-1], w.shape[0])
         xs = x.float().chunk(groups, dim=-1)
         ws = w.float().chunk(groups, dim=-1)
         return tree_sum([_mm(xg.contiguous(), wg.t().contiguous()) for xg, wg in zip(xs, ws)])
@@ -138,10 +160,8 @@ class ColLinear(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if tree_dgrad and _tensor_cores(g, w):
-                # the N groups' tree of 16-bit products on tensor cores, in registers (fp32)
-                from tpdiag.kernels.tree_gemm import tree_mm
-
-                part = tree_mm(g.reshape(-1, g.shape[-1]), w, local_groups)
+                # the N groups' tree of 16-bit products on tensor cores (fp32)
+                part = _tree_partial(g.reshape(-1, g.shape[-1]), w, local_groups)
                 dx = tree_all_reduce(part.reshape(*g.shape[:-1], w.shape[1]), x.dtype)
             elif tree_dgrad:
                 gs = g.float().chunk(local_groups, dim=-1)

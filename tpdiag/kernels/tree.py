@@ -7,6 +7,10 @@ shapes take identical kernel paths, so identical bits - and the G group results 
 fp32 by a balanced pairwise tree. At TP=T (a power of two dividing G) each rank holds G/T
 adjacent groups, which form a subtree; the ranks' subtree roots are all-gathered and the tree
 is finished in rank order. The sum is therefore the same tree at every TP: bitwise equal.
+
+G is a run-level setting (tpdiag/fixes/groups.py chooses it: by default the largest degree a run
+compares) that every rank of every world of the run installs with `run_groups` before its fixes;
+a process that installs none reads TPDIAG_TREE_GROUPS, else 8.
 """
 from __future__ import annotations
 
@@ -18,15 +22,43 @@ import torch
 from tpdiag.errors import BadInput
 
 
+_RUN: dict = {}  # {"groups": G, "per_group": bool} while run_groups is active
+
+
 def n_groups() -> int:
-    return int(os.environ.get("TPDIAG_TREE_GROUPS", "8"))
+    g = _RUN.get("groups")
+    return g if g else int(os.environ.get("TPDIAG_TREE_GROUPS", "8"))
+
+
+def gemm_per_group() -> bool:
+    """True: a 16-bit group GEMM is one invariant GEMM call per group (fp32 out), at every
+    degree - the run's largest degree holds one group per rank. False (no run setting, or G
+    above every degree): a rank's groups in one fused tree_mm call. The two give other bits, so
+    every world of a run takes the same one (fixes/groups.py)."""
+    return bool(_RUN.get("per_group"))
+
+
+@contextmanager
+def run_groups(groups: int, per_group: bool = True):
+    """Install the run's G (and its group GEMM) in this process; groups 0 installs nothing.
+    A user training at TP=T with the fixes picks groups=T: one group per rank."""
+    saved = dict(_RUN)
+    if groups:
+        if groups < 1 or groups & (groups - 1):
+            raise BadInput(f"tree groups {groups}: must be a power of two >= 1")
+        _RUN.update(groups=int(groups), per_group=bool(per_group))
+    try:
+        yield
+    finally:
+        _RUN.clear()
+        _RUN.update(saved)
 
 
 def check(dim: int, world: int, what: str) -> int:
     g = n_groups()
     if g & (g - 1) or world & (world - 1) or g % world:
         raise BadInput(f"{what}: the invariant reduction needs a power-of-two TP dividing "
-                       f"{g} groups (TPDIAG_TREE_GROUPS); got TP={world}")
+                       f"the run's {g} tree groups (--tree-groups / TPDIAG_TREE_GROUPS); got TP={world}")
     if dim % g:
         raise BadInput(f"{what}: reduced dimension {dim} is not divisible by {g} groups")
     return g

@@ -68,6 +68,10 @@ def validate(cfg: CompareConfig) -> None:
         raise BadInput(f"--capture {cfg.capture!r}: expected one of {', '.join(CAPTURES)}")
     if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise BadInput(f"--out {cfg.out!r}: exists and is not a directory")
+    if not cfg.group_gemm:  # a rerun's config was resolved (and checked) with its parent run
+        from tpdiag.fixes import groups
+
+        groups.check(cfg.degrees, cfg.fixes, cfg.tree_groups)
 
 
 def device_info(device: str) -> dict:
@@ -121,7 +125,10 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.runner.determinism import numerics_env
     from tpdiag.runner.launch import run_world
 
+    from tpdiag.fixes import groups
+
     validate(cfg)
+    cfg = groups.resolve(cfg)
     device = resolve_device(cfg.device, cfg.degrees)
     out = cfg.out or default_out()
     os.makedirs(out, exist_ok=True)
@@ -131,7 +138,8 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         "schema": 1, "tool": "tpdiag compare", "versions": versions(device),
         "device": device_info(device), "backend": backend, "model": cfg.model, "dtype": cfg.dtype,
         "seed": cfg.seed, "degrees": list(cfg.degrees), "labels": labels, "reference": labels[0],
-        "fixes": list(cfg.fixes), "config": cfg.to_dict(), "env": numerics_env(),
+        "fixes": list(cfg.fixes), "tree_groups": cfg.tree_groups, "group_gemm": cfg.group_gemm,
+        "config": cfg.to_dict(), "env": numerics_env(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "worlds": {},
     }
     io.write_json(os.path.join(out, "manifest.json"), manifest)

@@ -35,8 +35,10 @@ def _key_bitwise(run_dir: str, label: str, key: str) -> bool | None:
 def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | None = None,
             force_fix: str | None = None, on_status=None) -> dict:
     """Adds degrees[N].confirmation to `summary` (in place) and returns it."""
+    from tpdiag.fixes import groups
     from tpdiag.fixes.registry import catalogue, fix_for_cause
 
+    cfg = groups.resolve(cfg)  # the run's G (chosen now for a run written before G was recorded)
     labels = degree_labels(cfg.degrees)
     ref_degree = cfg.degrees[0]
     plan: dict[str, list[tuple[str, int]]] = {}
@@ -81,8 +83,10 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
 def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int = 6) -> dict:
     """Apply fixes for the located causes until bitwise or no fix applies; returns the last
     round's summary with `fix_chain` (one entry per round) attached."""
+    from tpdiag.fixes import groups
     from tpdiag.fixes.registry import catalogue, fix_for_cause
 
+    cfg = groups.resolve(cfg)
     fixes: list[str] = list(cfg.fixes)
     chain = []
     summary = None

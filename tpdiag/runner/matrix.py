@@ -200,8 +200,10 @@ def _link_records(run_dir: str, sub_dir: str, labels: list[str], manifest: dict)
 
 def run_matrix(cfg: CompareConfig, variants: list[Variant], on_status=None) -> dict:
     """Run every variant at every degree; returns the primary variant's summary plus "matrix"."""
+    from tpdiag.fixes import groups
     from tpdiag.runner.compare import run_compare
 
+    cfg = groups.resolve(cfg)  # one G for every variant
     labels = degree_labels(cfg.degrees)
     ref_label = labels[0]
     primary = next((v for v in variants if v.is_stock), variants[0])

@@ -14,7 +14,11 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.runner.compare import run_compare
     from tpdiag.runner.confirm import auto_chain, confirm
 
+    from tpdiag.fixes import groups
+
     t0 = time.perf_counter()
+    # G once for the whole session: the drill-down, confirm and fix-chain reruns keep it
+    cfg = groups.resolve(cfg)
     if cfg.fix_mode == "auto":
         summary = auto_chain(cfg, cfg.out, on_status)
         first = read_summary(cfg.out)

@@ -250,8 +250,12 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
     timings["build_s"] = time.perf_counter() - t0
 
     with ExitStack() as stack:
+        from tpdiag.fixes.groups import PER_GROUP
         from tpdiag.fixes.registry import apply_fixes
+        from tpdiag.kernels.tree import run_groups
 
+        # the run's G, the same in every rank of every world (before the fixes read it)
+        stack.enter_context(run_groups(cfg.tree_groups, cfg.group_gemm == PER_GROUP))
         stack.enter_context(apply_fixes(cfg.fixes, model=model, plan=target.plan, world=world))
         loss_fn, logprob_fn, norm_fn = _numerics(target)
         if cfg.probes:
