@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from tpdiag import cli_help as H
+from tpdiag.cli_common import (DEBUG, FAIL_HELP, MALFORMED, QUIET_HELP, Debug, Format, check_format, console,
+                               emit_summary, exit_for, fail, malformed, print_rank_tracebacks)
 from tpdiag.errors import TpdiagError
 
 # Help piped to a file or a pager is click's plain text: rich's boxes at 80 columns cut the
@@ -15,62 +17,6 @@ from tpdiag.errors import TpdiagError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode="rich" if sys.stdout.isatty() else None,
                   help="Find the first op whose output changes with the tensor-parallel degree.")
-
-_DEBUG = {"on": False}
-
-Format = Annotated[str, typer.Option("--format",
-                                      help=f"{H.choice('FORMATS')}: json is the machine-readable summary")]
-Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
-FAIL_HELP = "exit 1 when any degree diverges (default: exit 0 with a divergent verdict; see tpdiag gate)"
-QUIET_HELP = "no progress display (it is never shown when stderr is not a terminal)"
-
-
-def _console(stderr: bool = False):
-    import os
-    import sys
-
-    from rich.console import Console
-
-    # Piped into a CI log there is no terminal width: rich's 80 columns would cut the table's
-    # numbers off. Use a wide one unless COLUMNS says otherwise.
-    stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() or os.environ.get("COLUMNS") else 200
-    return Console(stderr=stderr, highlight=False, width=width)
-
-
-def _fail(e: BaseException) -> None:
-    if _DEBUG["on"]:
-        import traceback
-
-        traceback.print_exception(e)
-    code = e.exit_code if isinstance(e, TpdiagError) else 2
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-    _console(stderr=True).print(f"[bold red]error:[/] {msg}", markup=True, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-# Raised deep inside the readers by a hand-edited or foreign run directory (valid JSON of the
-# wrong shape): reported as inconclusive evidence in one line, not as a crash.
-_MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, ArithmeticError)
-
-
-def _malformed(where: str, e: BaseException):
-    from tpdiag.errors import Inconclusive
-
-    if _DEBUG["on"]:
-        import traceback
-
-        traceback.print_exception(e)
-    what = str(e).splitlines()[0][:200] if str(e) else ""
-    return Inconclusive(f"{where}: malformed run directory ({type(e).__name__}: {what}); "
-                        "not a complete, unedited tpdiag run")
-
-
-def _check_format(fmt: str) -> str:
-    from tpdiag.config import FORMATS, parse_choice
-
-    return parse_choice("--format", fmt, FORMATS)
-
 
 @app.command()
 def compare(
@@ -113,13 +59,13 @@ def compare(
     debug: Debug = False,
 ) -> None:
     """Run the model at each TP degree and find the first op that differs from the reference."""
-    _DEBUG["on"] = debug
+    DEBUG["on"] = debug
     try:
         from tpdiag.config import (CAPTURES, DEVICES, DTYPES, GRANULARITIES, CompareConfig, parse_choice,
                                    parse_degrees)
         from tpdiag.fixes.registry import resolve
 
-        fmt = _check_format(fmt)
+        fmt = check_format(fmt)
         fix_mode = fix.strip().lower()
         fixes = () if fix_mode in ("auto", "none") else resolve(fix_mode)
         cfg = CompareConfig(
@@ -143,30 +89,19 @@ def compare(
         if fmt == "text":
             from tpdiag.cli_render import progress
 
-            with progress(_console(stderr=True), cfg, quiet) as on_status:
+            with progress(console(stderr=True), cfg, quiet) as on_status:
                 summary = compare_session(cfg, on_status)
         else:
             summary = compare_session(cfg)
     except TpdiagError as e:
-        _fail(e)
+        fail(e)
     except KeyboardInterrupt:
-        _console(stderr=True).print("interrupted")
+        console(stderr=True).print("interrupted")
         raise typer.Exit(130)
-    _emit_summary(summary, fmt)
+    emit_summary(summary, fmt)
     if debug:
-        _rank_tracebacks(summary.get("run_dir"))
-    _exit_for(summary, fail_on_divergence)
-
-
-def _rank_tracebacks(run_dir: str | None, variant: str | None = None) -> None:
-    """--debug: each failed rank's own traceback (saved in tpN/rankR.error), on stderr."""
-    if not run_dir:
-        return
-    from tpdiag.runner.rank_errors import rank_tracebacks
-
-    where = f"variant {variant} " if variant is not None else ""
-    for label, rank, tb in rank_tracebacks(run_dir):
-        sys.stderr.write(f"--- {where}TP={label} rank {rank} traceback ---\n{tb.rstrip()}\n")
+        print_rank_tracebacks(summary.get("run_dir"))
+    exit_for(summary, fail_on_divergence)
 
 
 def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergence: bool,
@@ -186,46 +121,28 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
         if fmt == "text":
             from tpdiag.cli_render import progress
 
-            with progress(_console(stderr=True), cfg, quiet) as on_status:
+            with progress(console(stderr=True), cfg, quiet) as on_status:
                 summary = run_matrix(cfg, vs, on_status)
         else:
             summary = run_matrix(cfg, vs)
     except TpdiagError as e:
-        _fail(e)
+        fail(e)
     except KeyboardInterrupt:
-        _console(stderr=True).print("interrupted")
+        console(stderr=True).print("interrupted")
         raise typer.Exit(130)
-    _emit_summary(summary, fmt)
+    emit_summary(summary, fmt)
     if fmt == "text":
         from tpdiag.cli_render import matrix_table
 
-        matrix_table(_console(), summary["matrix"])
-    if _DEBUG["on"]:
+        matrix_table(console(), summary["matrix"])
+    if DEBUG["on"]:
         import os
 
         for name, r in summary["matrix"]["runs"].items():
-            _rank_tracebacks(os.path.join(summary["run_dir"], r["run_dir"]), name)
+            print_rank_tracebacks(os.path.join(summary["run_dir"], r["run_dir"]), name)
     if summary["matrix"]["status"] == "inconclusive":
         raise typer.Exit(2)
-    _exit_for(summary, fail_on_divergence)
-
-
-def _emit_summary(summary: dict, fmt: str) -> None:
-    if fmt == "json":
-        from tpdiag import io
-
-        sys.stdout.write(io.dumps(summary, indent=2) + "\n")  # strict JSON: no bare NaN
-    else:
-        from tpdiag.cli_render import summary_tables
-
-        summary_tables(_console(), summary)
-
-
-def _exit_for(summary: dict, fail_on_divergence: bool) -> None:
-    if summary["status"] == "inconclusive":
-        raise typer.Exit(2)
-    if fail_on_divergence and summary["status"] == "divergent":
-        raise typer.Exit(1)
+    exit_for(summary, fail_on_divergence)
 
 
 @app.command(name="confirm")
@@ -241,7 +158,7 @@ def confirm_cmd(
     """Rerun a compare's divergent degrees with the fix for their located cause.
 
     RUN_DIR: the --out directory of a tpdiag compare run."""
-    _DEBUG["on"] = debug
+    DEBUG["on"] = debug
     try:
         import os
 
@@ -253,7 +170,7 @@ def confirm_cmd(
         from tpdiag.records.rundir import read_manifest, read_summary
         from tpdiag.runner.confirm import confirm
 
-        fmt = _check_format(fmt)
+        fmt = check_format(fmt)
         require_run_dir(run_dir)
         manifest = read_manifest(run_dir)
         summary = read_summary(run_dir)
@@ -270,10 +187,10 @@ def confirm_cmd(
         summary = confirm(cfg, summary, run_dir, only_label=degree, force_fix=fix)
         io.write_json(os.path.join(run_dir, "summary.json"), summary)
     except TpdiagError as e:
-        _fail(e)
+        fail(e)
     summary["run_dir"] = run_dir
-    _emit_summary(summary, fmt)
-    _exit_for(summary, False)
+    emit_summary(summary, fmt)
+    exit_for(summary, False)
 
 
 @app.command()
@@ -282,16 +199,16 @@ def fixes(fmt: Format = "text") -> None:
     from tpdiag.fixes.registry import catalogue
 
     try:
-        fmt = _check_format(fmt)
+        fmt = check_format(fmt)
     except TpdiagError as e:
-        _fail(e)
+        fail(e)
     rows = [f.to_dict() for f in catalogue().values()]
     if fmt == "json":
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
     from tpdiag.cli_render import fixes_table
 
-    fixes_table(_console(), rows)
+    fixes_table(console(), rows)
 
 
 @app.command()
@@ -300,9 +217,9 @@ def doctor(fmt: Format = "text") -> None:
     from tpdiag.doctor import collect
 
     try:
-        fmt = _check_format(fmt)
+        fmt = check_format(fmt)
     except TpdiagError as e:
-        _fail(e)
+        fail(e)
     info = collect()
     if fmt == "json":
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
@@ -310,7 +227,7 @@ def doctor(fmt: Format = "text") -> None:
     from tpdiag.cli_render import doctor_report
     from tpdiag.doctor import assess
 
-    doctor_report(_console(), assess(info))
+    doctor_report(console(), assess(info))
 
 
 @app.command()
@@ -323,16 +240,16 @@ def report(
     """Write one self-contained HTML report (verdict, plots, tables) for a run directory.
 
     RUN_DIR: the --out directory of a tpdiag compare run."""
-    _DEBUG["on"] = debug
+    DEBUG["on"] = debug
     try:
         from tpdiag.reports.html import write_report
 
         path = write_report(run_dir, output)
     except TpdiagError as e:
-        _fail(e)
-    except _MALFORMED as e:
-        _fail(_malformed(run_dir, e))
-    _console().print(f"report: {path}", soft_wrap=True)
+        fail(e)
+    except MALFORMED as e:
+        fail(malformed(run_dir, e))
+    console().print(f"report: {path}", soft_wrap=True)
 
 
 @app.command()
@@ -348,7 +265,7 @@ def gate(
     """Exit 0 when nothing diverges beyond the policy, 1 when something does, 2 on incomplete evidence.
 
     RUN_DIR: the --out directory of a tpdiag compare run. The policy file's format: docs/ci.md."""
-    _DEBUG["on"] = debug
+    DEBUG["on"] = debug
     import os
 
     from tpdiag import gate as gate_lib
@@ -356,7 +273,7 @@ def gate(
     from tpdiag.gate.junit import junit_xml
 
     try:
-        fmt = _check_format(fmt)
+        fmt = check_format(fmt)
         result = gate_lib.evaluate(run_dir, gate_lib.load_policy(policy))
         if junit:
             from tpdiag import io
@@ -368,7 +285,7 @@ def gate(
 
                 raise BadInput(f"--junit {junit!r}: cannot write ({e.strerror})") from None
     except TpdiagError as e:
-        _fail(e)
+        fail(e)
     if fmt == "json":
         sys.stdout.write(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
     else:
@@ -394,18 +311,18 @@ def diff(
     RUN_A: the reference, RUN_B: compared with it - directories written by
     tpdiag.capture(model, out=DIR) (docs/capture.md), or RUN_DIR/tpN of two `tpdiag compare`
     runs made on different machines (docs/cross-machine.md)."""
-    _DEBUG["on"] = debug
+    DEBUG["on"] = debug
     try:
-        fmt = _check_format(fmt)
+        fmt = check_format(fmt)
         from tpdiag.diff.runs import diff_runs
 
         summary = diff_runs(run_a, run_b, out)
     except TpdiagError as e:
-        _fail(e)
-    except _MALFORMED as e:
-        _fail(_malformed(f"{run_a} / {run_b}", e))
-    _emit_summary(summary, fmt)
-    _exit_for(summary, fail_on_divergence)
+        fail(e)
+    except MALFORMED as e:
+        fail(malformed(f"{run_a} / {run_b}", e))
+    emit_summary(summary, fmt)
+    exit_for(summary, fail_on_divergence)
 
 
 def main() -> None:
@@ -435,7 +352,7 @@ def main() -> None:
     except BaseException as e:  # last resort: never a bare traceback without --debug
         if isinstance(e, KeyboardInterrupt):
             sys.exit(130)
-        if _DEBUG["on"]:
+        if DEBUG["on"]:
             raise
         sys.stderr.write(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n")
         sys.exit(2)

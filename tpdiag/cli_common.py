@@ -1,0 +1,97 @@
+"""What every CLI command shares: the common options, the console, and the one place where a
+library error becomes a message and an exit code (rich is imported here and in cli_render only)."""
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from tpdiag import cli_help as H
+from tpdiag.errors import TpdiagError
+
+DEBUG = {"on": False}
+
+Format = Annotated[str, typer.Option("--format",
+                                      help=f"{H.choice('FORMATS')}: json is the machine-readable summary")]
+Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
+FAIL_HELP = "exit 1 when any degree diverges (default: exit 0 with a divergent verdict; see tpdiag gate)"
+QUIET_HELP = "no progress display (it is never shown when stderr is not a terminal)"
+
+
+def console(stderr: bool = False):
+    import os
+    import sys
+
+    from rich.console import Console
+
+    # Piped into a CI log there is no terminal width: rich's 80 columns would cut the table's
+    # numbers off. Use a wide one unless COLUMNS says otherwise.
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 200
+    return Console(stderr=stderr, highlight=False, width=width)
+
+
+def fail(e: BaseException) -> None:
+    if DEBUG["on"]:
+        import traceback
+
+        traceback.print_exception(e)
+    code = e.exit_code if isinstance(e, TpdiagError) else 2
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    console(stderr=True).print(f"[bold red]error:[/] {msg}", markup=True, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+# Raised deep inside the readers by a hand-edited or foreign run directory (valid JSON of the
+# wrong shape): reported as inconclusive evidence in one line, not as a crash.
+MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, ArithmeticError)
+
+
+def malformed(where: str, e: BaseException):
+    from tpdiag.errors import Inconclusive
+
+    if DEBUG["on"]:
+        import traceback
+
+        traceback.print_exception(e)
+    what = str(e).splitlines()[0][:200] if str(e) else ""
+    return Inconclusive(f"{where}: malformed run directory ({type(e).__name__}: {what}); "
+                        "not a complete, unedited tpdiag run")
+
+
+def check_format(fmt: str) -> str:
+    from tpdiag.config import FORMATS, parse_choice
+
+    return parse_choice("--format", fmt, FORMATS)
+
+
+def print_rank_tracebacks(run_dir: str | None, variant: str | None = None) -> None:
+    """--debug: each failed rank's own traceback (saved in tpN/rankR.error), on stderr."""
+    if not run_dir:
+        return
+    from tpdiag.runner.rank_errors import rank_tracebacks
+
+    where = f"variant {variant} " if variant is not None else ""
+    for label, rank, tb in rank_tracebacks(run_dir):
+        sys.stderr.write(f"--- {where}TP={label} rank {rank} traceback ---\n{tb.rstrip()}\n")
+
+
+def emit_summary(summary: dict, fmt: str) -> None:
+    if fmt == "json":
+        from tpdiag import io
+
+        sys.stdout.write(io.dumps(summary, indent=2) + "\n")  # strict JSON: no bare NaN
+    else:
+        from tpdiag.cli_render import summary_tables
+
+        summary_tables(console(), summary)
+
+
+def exit_for(summary: dict, fail_on_divergence: bool) -> None:
+    if summary["status"] == "inconclusive":
+        raise typer.Exit(2)
+    if fail_on_divergence and summary["status"] == "divergent":
+        raise typer.Exit(1)
+
+
