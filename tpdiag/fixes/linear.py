@@ -85,7 +85,7 @@ def _wrap(name: str, mod: nn.Linear, style: str, obj, world: int):
 
     own = mod.__dict__.get("forward")  # a forward the TP style installed (transformers)
     orig = mod.forward
-    hf = own is not None and type(obj).__module__.endswith("models.hf")
+    hf = own is not None and type(obj).__module__.endswith("models.hf_plan")
     hf_out = _hf_output(name, style, obj) if hf else None
     dim = mod.in_features if style == "rowwise" else mod.out_features
     groups = tree.check(dim, world, f"{name} ({style}, {'in' if style == 'rowwise' else 'out'}"

@@ -1,0 +1,204 @@
+"""transformers' own TP plan of an `hf:` model as torch ParallelStyles (tpdiag.models.hf builds
+the model; this file shards it).
+
+Each style name in the model's `tp_plan` is mapped to the very `TensorParallelLayer` object
+transformers registers for it and wrapped as a torch `ParallelStyle`, so the numerics tpdiag
+diagnoses are transformers' TP, not a re-implementation. transformers is imported lazily.
+"""
+from __future__ import annotations
+
+import re
+
+from tpdiag.errors import BadInput
+
+# tpdiag reads a style's layout from its class name (tpdiag.records.styles.style_label), so each
+# wrapper class carries the torch name of the layout the transformers style implements.
+_LAYOUT_NAMES = {
+    "ColwiseParallel": "ColwiseParallel",
+    "PackedColwiseParallel": "ColwiseParallel",
+    "RowwiseParallel": "RowwiseParallel",
+    "PackedRowwiseParallel": "RowwiseParallel",
+    "SequenceParallel": "SequenceParallel",
+}
+_CLASSES: dict[str, type] = {}
+
+
+def _layout_name(hf_style) -> str:
+    cls = type(hf_style).__name__
+    if cls == "EmbeddingParallel":
+        # shard_dim 0 is the vocab-parallel embedding: torch calls that RowwiseParallel.
+        return "RowwiseParallel" if getattr(hf_style, "shard_dim", 0) == 0 else "ColwiseParallel"
+    return _LAYOUT_NAMES.get(cls, cls)
+
+
+def hf_style(name: str | None, param_styles: dict[str, str] | None = None, tied: dict | None = None,
+             config=None):
+    """A torch ParallelStyle applying transformers' registered style `name` (None: params only).
+
+    `config`: the model's text config, which some styles read from the module they shard.
+    """
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    layout = _layout_name(ALL_PARALLEL_STYLES[name]) if name else "HFParamStyle"
+    cls = _CLASSES.get(layout)
+    if cls is None:
+        cls = type(layout, (_HFStyle, ParallelStyle), {"__module__": __name__})
+        _CLASSES[layout] = cls
+    return cls(name, param_styles or {}, tied, config)
+
+
+# Styles that read the model's text config from the module they apply to; transformers'
+# apply_tensor_parallelism sets `module.config` for these before installing the forward.
+_NEEDS_CONFIG = ("mla_kv_a_proj",)  # splits kv_a_proj's output at qk_rope_head_dim
+# Styles that all-reduce their output's gradient (part of it) inside the module's own backward:
+# the grad at the module's output is each rank's partial (mla_kv_a_proj: the rope columns, read
+# by every rank's local heads), so tpdiag records it as a partial, not a replica.
+_OUTPUT_GRAD_PARTIAL = ("mla_kv_a_proj",)
+# Styles whose module output is each rank's share of a sum reduced later, not a replica:
+# moe_identity_expert (longcat_flash's zero experts) divides its input by TP because
+# moe_tp_experts all-reduces the experts' sum afterwards.
+_OUTPUT_PARTIAL = ("moe_identity_expert",)
+
+
+class _HFStyle:
+    """Apply one transformers TP style to a module, as `apply_tensor_parallelism` does."""
+
+    def __init__(self, name: str | None, param_styles: dict[str, str], tied: dict | None = None,
+                 config=None):
+        self.hf_name = name
+        self.config = config
+        self.output_grad_partial = name in _OUTPUT_GRAD_PARTIAL
+        self.output_partial = name in _OUTPUT_PARTIAL
+        self.param_styles = dict(param_styles)
+        self.tied = {} if tied is None else tied  # shared by a plan's styles: {id(param): (param, shard)}
+        inner = self._style(name) if name else None
+        # Exposed for tpdiag's layout labels ('colwise' vs 'colwise-gathered').
+        self.input_layouts = getattr(inner, "input_layouts", None)
+        self.output_layouts = getattr(inner, "output_layouts", None)
+
+    @staticmethod
+    def _style(name: str):
+        from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+        return ALL_PARALLEL_STYLES[name]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(hf={self.hf_name!r})"
+
+    def _apply(self, module, mesh):
+        for pname, _ in list(module.named_parameters(recurse=False)):
+            sname = self.param_styles.get(pname, self.hf_name)
+            if sname is None:
+                continue
+            orig = module._parameters[pname]
+            style = self._style(sname)
+            style.validate_param(module, pname, mesh, parameter_name=pname)
+            # transformers shards with src_data_rank=None: each rank keeps its slice of its own
+            # full copy. Every rank built the same full weights, so that is the shard of TP=1's.
+            style.shard_param(module, pname, mesh)
+            self._keep_tied(module, pname, orig)
+        if self.hf_name == "replicated_with_grad_allreduce":
+            _grad_allreduce_now(module, mesh)
+        elif self.hf_name is not None:
+            if self.hf_name in _NEEDS_CONFIG:
+                if self.config is None:
+                    raise BadInput(f"transformers style {self.hf_name!r} on {type(module).__name__} "
+                                   "needs the model's config (build the plan with tp_plan_of(model))")
+                module.config = self.config
+            self._style(self.hf_name).install_forward(module, mesh)
+        module._is_hooked = True
+        return module
+
+    def _keep_tied(self, module, pname: str, orig) -> None:
+        """A weight shared by two modules (tied embedding and LM head) stays one parameter.
+
+        Sharding replaces a module's parameter; done twice it would silently untie the weights,
+        so TP > 1 would train two tensors where TP = 1 trains one. transformers re-ties after
+        sharding; here the second module gets the first module's sharded parameter, provided
+        both styles shard it the same way.
+        """
+        new = module._parameters[pname]
+        if new is orig:
+            return
+        seen = self.tied.get(id(orig))
+        if seen is None:
+            self.tied[id(orig)] = (orig, new)  # orig kept alive: its id stays unique
+            return
+        first = seen[1]
+        if getattr(first, "placements", None) != getattr(new, "placements", None):
+            raise BadInput(f"tied weight {pname!r} of {type(module).__name__} is sharded two ways "
+                           f"({first.placements} and {new.placements}) by the model's TP plan")
+        module._parameters[pname] = first
+
+
+def _grad_allreduce_now(module, mesh) -> None:
+    """transformers' ReplicatedWithGradAllReduce, with its grad hooks registered now.
+
+    transformers registers the all-reduce of a per-head norm's (q_norm/k_norm) weight grad at
+    the first forward, i.e. after tpdiag's probes - so the probe would record the rank-partial
+    grad, a false rank-inconsistent replica. Registered here, before any probe, the reduction
+    (the same single all_reduce) runs first and the probe sees the grad the optimizer uses.
+    """
+    import torch.distributed as dist
+
+    group = mesh.get_group()
+
+    def reduce(p):
+        from tpdiag.fixes import state
+
+        # under invariant-norm-grad the norm's own backward already summed the heads of
+        # every rank in tree order; reducing again would count them TP times
+        if not state.active("invariant-norm-grad"):
+            dist.all_reduce(p.grad, group=group)
+
+    for p in module.parameters(recurse=False):
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(reduce)
+
+
+def tp_plan_of(model) -> dict:
+    """The model's transformers TP plan {fqn pattern: style name} as torch ParallelStyles.
+
+    Module entries map to a style; entries naming a parameter ('...experts.gate_up_proj')
+    are folded into their module's entry, since parallelize_module addresses modules only.
+    """
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    generic_modules = {_generic(n) for n, _ in model.named_modules()}
+    generic_params = {_generic(n) for n, _ in model.named_parameters()}
+    entries: dict[str, list] = {}  # module pattern -> [module style, {param: style}], plan order
+    for key, style in plan.items():
+        if key in generic_modules:
+            entries.setdefault(key, [None, {}])[0] = style
+            continue
+        owner, _, pname = key.rpartition(".")
+        if owner in generic_modules and key in generic_params:
+            entries.setdefault(owner, [None, {}])[1][pname] = style
+        # else: a rule that matches nothing in this model (gemma4's 'layers.*.experts' when the
+        # tiny config has no MoE: no module and no parameter of that name); transformers only
+        # warns about those
+    tied: dict = {}
+    config = text_config(model.config) if getattr(model, "config", None) is not None else None
+    return {key: hf_style(style, params, tied, config) for key, (style, params) in entries.items()}
+
+
+def _generic(name: str) -> str:
+    # Layer numbers become '*', as in transformers' plans ('model.layers.*.mlp.up_proj').
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def divisors_of(config) -> dict[str, int]:
+    """Dimensions a degree must divide: heads (HF attention reads local head counts from the
+    shard's shape) and vocab/intermediate (gather needs equal shards on every rank)."""
+    c = text_config(config)
+    out = {}
+    for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
+                "intermediate_size"):
+        v = getattr(c, key, None)
+        if isinstance(v, int):
+            out[key] = v
+    return out
