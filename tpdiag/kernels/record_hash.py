@@ -36,7 +36,8 @@ import os
 
 import torch
 
-from tpdiag.kernels.record_hash_ref import C1, C2, C3, M32, lanes_torch, reference_lanes  # noqa: F401
+from tpdiag.kernels.record_hash_ref import (C1, C2, C3, HASH_VERSION, M32, MIXES, lanes_torch,  # noqa: F401
+                                            reference_lanes)
 
 # Launch shape (none of it changes the lanes; the float sums may differ in their last bits).
 # A chunk is CHUNK = BLOCK * ITERS elements: ITERS blocks along one slab, or for slabs narrower
@@ -109,11 +110,14 @@ def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[i
 
 def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None, *,
                  block: int = BLOCK, iters: int = ITERS, waves: int = WAVES, warps: int = WARPS,
-                 pairs: bool | None = None):
+                 pairs: bool | None = None, mix: int = HASH_VERSION):
     """One launch: the shard's lanes and statistics into `out` - (ints [4] int64, floats [2]
     float64) or (ints [n, 4], floats [n, 2], row), zeroed - allocated here when None.
     block / iters / waves / warps: launch shape (benchmarks); pairs: _hash_chunks' PAIRS code
-    path where the data allows it (default: PAIRS[0]); the lanes never depend on any of them."""
+    path where the data allows it (default: PAIRS[0]); the lanes never depend on any of them.
+    mix: the hash version (HASH_VERSION; 1 for an old run directory or the benchmarks' A/B)."""
+    if mix not in MIXES:
+        raise ValueError(f"unknown record-hash mix {mix!r} (known: {MIXES})")
     width, iview = _TRITON_T[t.dtype]
     words = t.contiguous().view(iview)
     if out is None:
@@ -127,7 +131,7 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
             width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
             (PAIRS[0] if pairs is None else pairs) and t.dtype == torch.bfloat16 and slab_n % 2 == 0
-            and words.data_ptr() % 4 == 0)
+            and words.data_ptr() % 4 == 0, mix)
     _launch(args, nprog, warps, t.device)
     return out
 
@@ -154,7 +158,7 @@ def _launch(args, nprog: int, warps: int, device) -> None:
            slab_n % 16 == 0, small)
     _direct(key, (nprog, 1, 1), args, device, lambda: _triton()._hash_kernel[(nprog,)](
         *args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14], ITERS=args[15],
-        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], num_warps=warps))
+        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], MIX=args[19], num_warps=warps))
 
 
 def _direct(key, grid, args, device, jit_launch) -> None:
@@ -177,16 +181,17 @@ def _sm_count(device) -> int:
 
 
 def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None, offset: int = 0,
-                out=None):
+                out=None, *, mix: int = HASH_VERSION):
     """(ints [lane_a, lane_b, nonfinite, absmax as float64 bits] int64 - lanes not yet reduced
     mod 2**32 -, floats [sum, sumsq] float64), on t's device, without a host sync. dim/full/
     offset place the shard in the whole tensor; `out`: where to add them (zeroed) - a HashBuffer
-    slot (ints [n, 4], floats [n, 2], row) or a pair of rows (ints [4], floats [2])."""
+    slot (ints [n, 4], floats [n, 2], row) or a pair of rows (ints [4], floats [2]). mix: the
+    hash version (an old run directory's: records/hashing.py)."""
     a, L, b, F, o = slab(t.shape, dim, full, offset)
     t = plain(t)
     if triton_ok(t):
-        return triton_lanes(t, a, L, b, F, o, out)
-    return lanes_torch(t, a, L, b, F, o, out)
+        return triton_lanes(t, a, L, b, F, o, out, mix=mix)
+    return lanes_torch(t, a, L, b, F, o, out, mix=mix)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
@@ -244,7 +249,7 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
           floats.data_ptr() % 16 == 0)
     _direct(ck, (nprog, n, 1), args, dev, lambda: _triton()._hash_batch_kernel[(nprog, n)](
         *args[:4], WIDTH=width, IS_BF16=is_bf16, R=r, CB=cb, ITERS=ITERS, ROW_ITERS=row_iters,
-        EVEN=even, ALIGNED=aligned, SLAB16=slab16, PAIRS=pairs, num_warps=warps))
+        EVEN=even, ALIGNED=aligned, SLAB16=slab16, PAIRS=pairs, MIX=HASH_VERSION, num_warps=warps))
 
 
 def batch_nprog(total_max: int, device) -> int:
