@@ -176,12 +176,12 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
 
 @triton.jit
 def _mix(y, c3, MIX: tl.constexpr):
-    """The lane mix of y = w * C1 + k * C2 (record_hash.py's docstring). 2: y ^ rotl(y, 16) ^
-    rotl(y, 11) (two funnel shifts and one 3-input xor); 1: the first mix, for the benchmarks'
+    """The lane mix of y = w * C1 + k * C2 (record_hash.py's docstring). 2: y ^ rotl(y, 7) ^
+    rotl(y, 19) (two funnel shifts and one 3-input xor); 1: the first mix, for the benchmarks'
     side-by-side timing. (Version 1's right shifts as inline-PTX mul.hi were 6-17% slower on
     an H200: docs/benchmarks.md, 2026-11-23.)"""
     if MIX == 2:
-        return y ^ ((y << 16) | (y >> 16)) ^ ((y << 11) | (y >> 21))
+        return y ^ ((y << 7) | (y >> 25)) ^ ((y << 19) | (y >> 13))
     else:
         x = y ^ (y >> 16)
         x = x * c3
