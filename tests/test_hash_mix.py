@@ -16,7 +16,7 @@ from conftest import ROOT, run_cli
 from tpdiag.kernels import record_hash as rh
 from tpdiag.kernels.record_hash_ref import C1, C2, M32, mix_torch
 
-T, ROWS, COLS = 20000, 16, 16  # trials of a [16, 16] bf16 tensor
+T, ROWS, COLS = 10000, 16, 16  # trials of a [16, 16] bf16 tensor
 N = ROWS * COLS
 
 

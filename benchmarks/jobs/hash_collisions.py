@@ -130,6 +130,7 @@ def table2(n: int, seed: int = 5) -> list[str]:
             ok = np.ones(n, bool)
             a1 = w1 ^ (U(1) << rng.integers(0, 16, n).astype(U))
             a2 = w2 ^ (U(1) << rng.integers(0, 16, n).astype(U))
+        ok &= k1 != k2  # both changes on one element: another class (or no change at all)
         m = int(ok.sum())
         for name, mix in MIXES.items():
             if name.startswith("linear"):
