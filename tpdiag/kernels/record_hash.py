@@ -1,22 +1,38 @@
 """Record hashing for hash-first capture: order-aware lanes and float64 statistics of a tensor
 SHARD that add up to those of the WHOLE tensor, computed where the shard lives.
 
-Definition (for the whole tensor; a shard computes its share from its elements' GLOBAL
-indices). Each element's raw bits w (zero-extended to 32 bits; 64-bit elements are two 32-bit
-words, so indices count words) and its row-major index k (mod 2**32) give
+Definition, version 2 (HASH_VERSION; for the whole tensor - a shard computes its share from
+its elements' GLOBAL indices). Each element's raw bits w (zero-extended to 32 bits; 64-bit
+elements are two 32-bit words, so indices count words) and its row-major index k (mod 2**32) give
 
-    x = w * C1 + k * C2;  x ^= x >> 16;  x *= C3;  x ^= x >> 15     (all mod 2**32)
-    lane_a = sum(x) mod 2**32,  lane_b = sum(x * x) mod 2**32
+    y = w * C1 + k * C2;  x = y ^ rotl(y, 7) ^ rotl(y, 19)          (all mod 2**32)
+    lane_a = sum(x) mod 2**32,  lane_b = sum(x * y) mod 2**32
 
-Every step is a bijection of x (odd multiply, xorshift), so for fixed k, x is a bijection of w.
+One changed element always changes lane_a: for fixed k, w -> y is a bijection (C1 is odd), and
+y -> x is one too - a GF(2)-linear map whose polynomial 1 + t**7 + t**19 is a unit of
+GF(2)[t] / (t**32 + 1) = GF(2)[t] / ((t + 1)**32), since it is 1 at t = 1 (an odd number of
+terms) - so the element's term changes and no other term does. Sums are associative and
+commutative, so the shares of the shards add up to the lanes of the gathered tensor without
+gathering it, in any order, on any device. What the mix buys and what it does not
+(benchmarks/jobs/hash_collisions.py; docs/benchmarks.md, "A shorter lane mix"): y is linear in
+w and k, so the xor of two rotations is the only step that is not (carries make xor and + differ);
+perturbations of many elements (rounding differences, permutations, shard offsets, a sign flip
+of the tensor) leave 8-bit windows of both lanes unchanged at a random function's rate, but
+changes confined to TWO elements (a swap, a balanced +-1 ULP pair, two sign flips) leave lane_a
+unchanged 2-3x as often as a random function's at 8 bits and up to ~34x at 20 bits; lane_b
+(x * y: a product, not a square, whose low bits would repeat lane_a's) stays near random there,
+so the pair is what carries such changes. Integer work per element: one multiply-add, two funnel
+shifts, one 3-input xor, an add and a multiply-add for the lanes - the kernel's bf16 loop is
+integer-bound (`python -m benchmarks probes sass`).
 
-Sums are associative and commutative, so the shares of the shards add up to the lanes of the
-gathered tensor without gathering it, in any order, on any device. One changed element always
-changes lane_a (its term changes and nothing else does); two or more escape both lanes with
-probability about 2**-64 for unstructured changes. The mix is short on purpose (half of murmur's
-fmix32, a square for the second lane): the kernel must keep up with HBM, and integer throughput
-is what limits it. Statistics: the count of non-finite values, the sum and sum of squares of the
-finite ones and their max |x| - fp32 within a block, float64 across blocks.
+Version 1 (run directories written before the field existed; `mix=1` for the benchmarks' A/B and
+for checking an old directory's stored tensors): x = y ^ (y >> 16); x *= C3; x ^= x >> 15;
+lane_b = sum(x * x). Two more integer ops per element; lane_a near random in every class above,
+lane_b's low bits tied to lane_a's (a square is x mod 2 in its last bit, odd squares are 1 mod 8).
+Hashes of the two versions differ for equal tensors: records/hashing.py refuses to compare them.
+
+Statistics: the count of non-finite values, the sum and sum of squares of the finite ones and
+their max |x| - fp32 within a block, float64 across blocks.
 
 A shard is described by its slab layout: view the local tensor as [A, L, B] around the sharded
 dim d (A = prod(local[:d]), L = local[d], B = prod(local[d+1:])); local (a, l, b) is global

@@ -15,14 +15,12 @@ MIXES = (1, 2)
 R1, R2 = 7, 19  # version 2's rotations (chosen by benchmarks/jobs/hash_collisions.py's classes)
 
 
-def _rotl(x, r: int):
-    return ((x << r) | (x >> (32 - r))) & M32
-
-
 def mix_torch(y: torch.Tensor, mix: int = HASH_VERSION) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, the factor of x in lane_b's term) of y = w * C1 + k * C2 (int64 in [0, 2**32))."""
     if mix == 2:
-        return y ^ _rotl(y, R1) ^ _rotl(y, R2), y
+        # both rotations from one 64-bit word holding y twice: rotl(y, r) = bits 32-r .. 63-r
+        d = y | (y << 32)
+        return (y ^ (d >> (32 - R1)) ^ (d >> (32 - R2))) & M32, y
     if mix != 1:
         raise ValueError(f"unknown record-hash mix {mix!r} (known: {MIXES})")
     x = y ^ (y >> 16)
