@@ -230,12 +230,13 @@ class Capture:
     def _manifest(self, backend, device, timings) -> dict:
         import torch.distributed as dist
 
+        from tpdiag.records.hashing import HASH_VERSION
         from tpdiag.records.provenance import versions
         from tpdiag.runner.determinism import numerics_env
 
         dtypes = Counter(p["dtype"] for p in self.fingerprint["params"].values())
         return {
-            "schema": SCHEMA, "tool": TOOL, "complete": True,
+            "schema": SCHEMA, "tool": TOOL, "complete": True, "hash_version": HASH_VERSION,
             "versions": versions("cuda" if device.type == "cuda" else "cpu"),
             "backend": backend, "device": str(device), "degree": self.degree,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,

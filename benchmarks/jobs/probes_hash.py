@@ -3,7 +3,8 @@ time per hashed record (CUDA). `python -m benchmarks probes hash | hash-sweep | 
 probes.py for the job's flags.
 
 `hash`: kernels/record_hash.shard_lanes on 1 GiB tensors (whole, and as a last-dim shard),
-against torch.sum (a read-only pass: the achievable read bandwidth) and the spec bandwidth.
+against torch.sum (a read-only pass: the achievable read bandwidth) and the spec bandwidth; each
+code path (PAIRS) with the first lane mix and the shipped one (MIX 1 / 2) side by side.
 """
 from __future__ import annotations
 
@@ -43,15 +44,16 @@ def hash_throughput(args) -> dict:
         t_shard = bench(lambda: shard_lanes(x, 1, 4 * 8192, 8192))
         what_t = [("torch.sum (read once)", t_sum, None), ("record hash, whole", t_hash, None),
                   ("record hash, last-dim shard", t_shard, None)]
-        # 16-bit data element-wise and as word pairs (kernels/record_hash.py PAIRS) side by side,
-        # each one's lanes checked against the torch path's
-        for pairs in ((False, True) if dt != torch.float32 else (False,)):
-            tag = f"pairs={int(pairs)}"
+        # 16-bit data element-wise and as word pairs (kernels/record_hash.py PAIRS), and the lane
+        # mixes (record_hash_ref.py MIXES: 1 the first, 2 shipped) side by side, each one's lanes
+        # checked against the torch path's
+        for pairs, mix in [(p, m) for p in ((False, True) if dt != torch.float32 else (False,)) for m in rh.MIXES]:
+            tag = f"pairs={int(pairs)}, mix {mix}"
             for label, where in (("whole", (None, None, 0)), ("last-dim shard", (1, 4 * 8192, 8192))):
                 sl = rh.slab(x.shape, *where)
-                fn = lambda: rh.triton_lanes(x, *sl, pairs=pairs)  # noqa: E731
+                fn = lambda: rh.triton_lanes(x, *sl, pairs=pairs, mix=mix)  # noqa: E731
                 got = fn()[0][:2] & rh.M32
-                want = rh.lanes_torch(x, *sl)[0][:2] & rh.M32
+                want = rh.lanes_torch(x, *sl, mix=mix)[0][:2] & rh.M32
                 what_t.append((f"record hash, {label}, {tag}", bench(fn), bool(torch.equal(got, want))))
         for what, t, same in what_t:
             rows.append({"dtype": str(dt).replace("torch.", ""), "what": what, "ms": 1e3 * t,

@@ -200,6 +200,9 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     da, db = int(ma["degree"]), int(mb["degree"])
     ref_label, label = degree_labels((da, db))
     ref, other = RecordSet(run_a), RecordSet(run_b)
+    from tpdiag.records.hashing import check_same_hash_version
+
+    check_same_hash_version(ref.hash_version, other.hash_version, run_a, run_b)
     entry, rows = analyse_degree(ref, other, label)
     summary = {"schema": SCHEMA, "status": entry["status"], "reference": da,
                "reference_label": ref_label, "degrees": {label: entry},

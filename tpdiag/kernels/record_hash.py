@@ -1,22 +1,38 @@
 """Record hashing for hash-first capture: order-aware lanes and float64 statistics of a tensor
 SHARD that add up to those of the WHOLE tensor, computed where the shard lives.
 
-Definition (for the whole tensor; a shard computes its share from its elements' GLOBAL
-indices). Each element's raw bits w (zero-extended to 32 bits; 64-bit elements are two 32-bit
-words, so indices count words) and its row-major index k (mod 2**32) give
+Definition, version 2 (HASH_VERSION; for the whole tensor - a shard computes its share from
+its elements' GLOBAL indices). Each element's raw bits w (zero-extended to 32 bits; 64-bit
+elements are two 32-bit words, so indices count words) and its row-major index k (mod 2**32) give
 
-    x = w * C1 + k * C2;  x ^= x >> 16;  x *= C3;  x ^= x >> 15     (all mod 2**32)
-    lane_a = sum(x) mod 2**32,  lane_b = sum(x * x) mod 2**32
+    y = w * C1 + k * C2;  x = y ^ rotl(y, 7) ^ rotl(y, 19)          (all mod 2**32)
+    lane_a = sum(x) mod 2**32,  lane_b = sum(x * y) mod 2**32
 
-Every step is a bijection of x (odd multiply, xorshift), so for fixed k, x is a bijection of w.
+One changed element always changes lane_a: for fixed k, w -> y is a bijection (C1 is odd), and
+y -> x is one too - a GF(2)-linear map whose polynomial 1 + t**7 + t**19 is a unit of
+GF(2)[t] / (t**32 + 1) = GF(2)[t] / ((t + 1)**32), since it is 1 at t = 1 (an odd number of
+terms) - so the element's term changes and no other term does. Sums are associative and
+commutative, so the shares of the shards add up to the lanes of the gathered tensor without
+gathering it, in any order, on any device. What the mix buys and what it does not
+(benchmarks/jobs/hash_collisions.py; docs/benchmarks.md, "A shorter lane mix"): y is linear in
+w and k, so the xor of two rotations is the only step that is not (carries make xor and + differ);
+perturbations of many elements (rounding differences, permutations, shard offsets, a sign flip
+of the tensor) leave 8-bit windows of both lanes unchanged at a random function's rate, but
+changes confined to TWO elements (a swap, a balanced +-1 ULP pair, two sign flips) leave lane_a
+unchanged 2-3x as often as a random function's at 8 bits and up to ~34x at 20 bits; lane_b
+(x * y: a product, not a square, whose low bits would repeat lane_a's) stays near random there,
+so the pair is what carries such changes. Integer work per element: one multiply-add, two funnel
+shifts, one 3-input xor, an add and a multiply-add for the lanes - the kernel's bf16 loop is
+integer-bound (`python -m benchmarks probes sass`).
 
-Sums are associative and commutative, so the shares of the shards add up to the lanes of the
-gathered tensor without gathering it, in any order, on any device. One changed element always
-changes lane_a (its term changes and nothing else does); two or more escape both lanes with
-probability about 2**-64 for unstructured changes. The mix is short on purpose (half of murmur's
-fmix32, a square for the second lane): the kernel must keep up with HBM, and integer throughput
-is what limits it. Statistics: the count of non-finite values, the sum and sum of squares of the
-finite ones and their max |x| - fp32 within a block, float64 across blocks.
+Version 1 (run directories written before the field existed; `mix=1` for the benchmarks' A/B and
+for checking an old directory's stored tensors): x = y ^ (y >> 16); x *= C3; x ^= x >> 15;
+lane_b = sum(x * x). Two more integer ops per element; lane_a near random in every class above,
+lane_b's low bits tied to lane_a's (a square is x mod 2 in its last bit, odd squares are 1 mod 8).
+Hashes of the two versions differ for equal tensors: records/hashing.py refuses to compare them.
+
+Statistics: the count of non-finite values, the sum and sum of squares of the finite ones and
+their max |x| - fp32 within a block, float64 across blocks.
 
 A shard is described by its slab layout: view the local tensor as [A, L, B] around the sharded
 dim d (A = prod(local[:d]), L = local[d], B = prod(local[d+1:])); local (a, l, b) is global
@@ -36,7 +52,8 @@ import os
 
 import torch
 
-from tpdiag.kernels.record_hash_ref import C1, C2, C3, M32, lanes_torch, reference_lanes  # noqa: F401
+from tpdiag.kernels.record_hash_ref import (C1, C2, C3, HASH_VERSION, M32, MIXES, lanes_torch,  # noqa: F401
+                                            reference_lanes)
 
 # Launch shape (none of it changes the lanes; the float sums may differ in their last bits).
 # A chunk is CHUNK = BLOCK * ITERS elements: ITERS blocks along one slab, or for slabs narrower
@@ -109,11 +126,14 @@ def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[i
 
 def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None, *,
                  block: int = BLOCK, iters: int = ITERS, waves: int = WAVES, warps: int = WARPS,
-                 pairs: bool | None = None):
+                 pairs: bool | None = None, mix: int = HASH_VERSION):
     """One launch: the shard's lanes and statistics into `out` - (ints [4] int64, floats [2]
     float64) or (ints [n, 4], floats [n, 2], row), zeroed - allocated here when None.
     block / iters / waves / warps: launch shape (benchmarks); pairs: _hash_chunks' PAIRS code
-    path where the data allows it (default: PAIRS[0]); the lanes never depend on any of them."""
+    path where the data allows it (default: PAIRS[0]); the lanes never depend on any of them.
+    mix: the hash version (HASH_VERSION; 1 for an old run directory or the benchmarks' A/B)."""
+    if mix not in MIXES:
+        raise ValueError(f"unknown record-hash mix {mix!r} (known: {MIXES})")
     width, iview = _TRITON_T[t.dtype]
     words = t.contiguous().view(iview)
     if out is None:
@@ -127,7 +147,7 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
             width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
             (PAIRS[0] if pairs is None else pairs) and t.dtype == torch.bfloat16 and slab_n % 2 == 0
-            and words.data_ptr() % 4 == 0)
+            and words.data_ptr() % 4 == 0, mix)
     _launch(args, nprog, warps, t.device)
     return out
 
@@ -154,7 +174,7 @@ def _launch(args, nprog: int, warps: int, device) -> None:
            slab_n % 16 == 0, small)
     _direct(key, (nprog, 1, 1), args, device, lambda: _triton()._hash_kernel[(nprog,)](
         *args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14], ITERS=args[15],
-        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], num_warps=warps))
+        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], MIX=args[19], num_warps=warps))
 
 
 def _direct(key, grid, args, device, jit_launch) -> None:
@@ -177,16 +197,17 @@ def _sm_count(device) -> int:
 
 
 def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None, offset: int = 0,
-                out=None):
+                out=None, *, mix: int = HASH_VERSION):
     """(ints [lane_a, lane_b, nonfinite, absmax as float64 bits] int64 - lanes not yet reduced
     mod 2**32 -, floats [sum, sumsq] float64), on t's device, without a host sync. dim/full/
     offset place the shard in the whole tensor; `out`: where to add them (zeroed) - a HashBuffer
-    slot (ints [n, 4], floats [n, 2], row) or a pair of rows (ints [4], floats [2])."""
+    slot (ints [n, 4], floats [n, 2], row) or a pair of rows (ints [4], floats [2]). mix: the
+    hash version (an old run directory's: records/hashing.py)."""
     a, L, b, F, o = slab(t.shape, dim, full, offset)
     t = plain(t)
     if triton_ok(t):
-        return triton_lanes(t, a, L, b, F, o, out)
-    return lanes_torch(t, a, L, b, F, o, out)
+        return triton_lanes(t, a, L, b, F, o, out, mix=mix)
+    return lanes_torch(t, a, L, b, F, o, out, mix=mix)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
@@ -244,7 +265,7 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
           floats.data_ptr() % 16 == 0)
     _direct(ck, (nprog, n, 1), args, dev, lambda: _triton()._hash_batch_kernel[(nprog, n)](
         *args[:4], WIDTH=width, IS_BF16=is_bf16, R=r, CB=cb, ITERS=ITERS, ROW_ITERS=row_iters,
-        EVEN=even, ALIGNED=aligned, SLAB16=slab16, PAIRS=pairs, num_warps=warps))
+        EVEN=even, ALIGNED=aligned, SLAB16=slab16, PAIRS=pairs, MIX=HASH_VERSION, num_warps=warps))
 
 
 def batch_nprog(total_max: int, device) -> int:

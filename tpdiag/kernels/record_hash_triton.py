@@ -16,17 +16,18 @@ import triton.language as tl
 def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                  ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                 PAIRS: tl.constexpr = False):
+                 PAIRS: tl.constexpr = False, MIX: tl.constexpr = 2):
     """One record: its chunks over NPROG persistent programs (see _hash_chunks)."""
     _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
-                 tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN, PAIRS)
+                 tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN, PAIRS, MIX)
 
 
 @triton.jit(do_not_specialize=["NPROG"])
 def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
                        WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                        ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True):
+                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True,
+                       MIX: tl.constexpr = 2):
     """Many records in one launch (grid: NPROG x records), each described by a row of `table`
     (int64: data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL). The records of one launch share
     the constexprs; ALIGNED / SLAB16 restore what the one-record kernel gets from Triton's
@@ -48,14 +49,14 @@ def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
         _hash_chunks(w_ptr, ints_ptr, floats_ptr, tl.load(rec + 1), tl.load(rec + 2), SLAB,
                      tl.load(rec + 4), tl.load(rec + 5), tl.load(rec + 6), TOTAL, NPROG, pid,
                      WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN,
-                     PAIRS and IS_BF16 and ALIGNED and SLAB16)
+                     PAIRS and IS_BF16 and ALIGNED and SLAB16, MIX)
 
 
 @triton.jit
 def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG, pid,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                  ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                 PAIRS: tl.constexpr):
+                 PAIRS: tl.constexpr, MIX: tl.constexpr):
     """A program hashes chunks - ITERS tiles of R slabs x CB elements, side by side along the
     slabs, or for narrow slabs (ROW_ITERS) stacked over them - and adds its shares to
     row ROW of the record buffer with atomics: integer adds (the lanes, the non-finite count)
@@ -121,14 +122,16 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                 hi = wd & 0xFFFF0000
                 # low element: (wd - hi) * C1 + k * C2; high element: w1 * C1 + (k + 1) * C2 =
                 # (w1 + C2 / C1) * C1 + k * C2, C2 / C1 = C2 * C1**-1 mod 2**32 = 0x1A63E8A7
-                x = _mix((wd - hi) * c1 + pos, c3)
-                y = _mix(((wd >> 16) + 0x1A63E8A7) * c1 + pos, c3)
+                y0 = (wd - hi) * c1 + pos
+                y1 = ((wd >> 16) + 0x1A63E8A7) * c1 + pos
+                x0 = _mix(y0, c3, MIX)
+                x1 = _mix(y1, c3, MIX)
                 if not EVEN:
-                    x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
-                    y = tl.where(mask, y, tl.zeros([R, TW], dtype=tl.uint32))
-                acc_a += x + y
-                acc_b += x * x
-                acc_b += y * y
+                    x0 = tl.where(mask, x0, tl.zeros([R, TW], dtype=tl.uint32))
+                    x1 = tl.where(mask, x1, tl.zeros([R, TW], dtype=tl.uint32))
+                acc_a += x0 + x1
+                acc_b += x0 * _lane_b_factor(x0, y0, MIX)
+                acc_b += x1 * _lane_b_factor(x1, y1, MIX)
                 v = (wd << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32: the bits, shifted
                 u = hi.to(tl.float32, bitcast=True)
                 acc_s += v
@@ -141,11 +144,12 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                     w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
                 else:
                     w = raw.to(tl.uint32, bitcast=True)
-                x = _mix(w * c1 + pos, c3)
+                y = w * c1 + pos
+                x = _mix(y, c3, MIX)
                 if not EVEN:
                     x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
                 acc_a += x
-                acc_b += x * x
+                acc_b += x * _lane_b_factor(x, y, MIX)
                 v = _as_f32(raw, WIDTH, IS_BF16)
                 acc_s += v
                 acc_q += v * v
@@ -171,13 +175,27 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
 
 
 @triton.jit
-def _mix(x, c3):
-    """The lane mix of x = w * C1 + k * C2 (module docstring). (The right shifts as inline-PTX
-    mul.hi, moving them from the logic pipe to the multiply pipe, was 6-17% slower on an H200:
-    docs/benchmarks.md, 2026-11-23.)"""
-    x = x ^ (x >> 16)
-    x = x * c3
-    return x ^ (x >> 15)
+def _mix(y, c3, MIX: tl.constexpr):
+    """The lane mix of y = w * C1 + k * C2 (record_hash.py's docstring). 2: y ^ rotl(y, 7) ^
+    rotl(y, 19) (two funnel shifts and one 3-input xor); 1: the first mix, for the benchmarks'
+    side-by-side timing. (Version 1's right shifts as inline-PTX mul.hi were 6-17% slower on
+    an H200: docs/benchmarks.md, 2026-11-23.)"""
+    if MIX == 2:
+        return y ^ ((y << 7) | (y >> 25)) ^ ((y << 19) | (y >> 13))
+    else:
+        x = y ^ (y >> 16)
+        x = x * c3
+        return x ^ (x >> 15)
+
+
+@triton.jit
+def _lane_b_factor(x, y, MIX: tl.constexpr):
+    """lane_b's term is x * y in version 2 (x * x in version 1): a square's low bits repeat
+    lane_a's (x * x = x mod 2; odd squares are 1 mod 8)."""
+    if MIX == 2:
+        return y
+    else:
+        return x
 
 
 @triton.jit

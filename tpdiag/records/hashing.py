@@ -1,7 +1,8 @@
 """Order-aware 64-bit hashes of tensors' raw bits, computed where the tensor lives.
 
 One definition everywhere (kernels/record_hash.py): two 32-bit lanes summed over elements mixed
-with their positions. Because the lanes are sums, a shard's lanes computed with its global
+with their positions. The mix is versioned (HASH_VERSION): every record set's world.json and every
+run's manifest.json say which mix made its hashes, and hashes of two versions are never compared. Because the lanes are sums, a shard's lanes computed with its global
 positions add up to the whole tensor's - hash-first capture compares TP=N with TP=1 without
 ever gathering a tensor. The hash also covers dtype and (whole) shape.
 """
@@ -11,7 +12,33 @@ import hashlib
 
 import torch
 
+from tpdiag.kernels.record_hash_ref import HASH_VERSION, MIXES
+
 M32 = 0xFFFFFFFF
+# A record set written before the mix was versioned (no "hash_version" in its world.json or
+# manifest.json) was hashed with the first mix.
+UNVERSIONED = 1
+
+
+def hash_version(meta) -> int:
+    """The lane-mix version a run directory's world.json / manifest.json records (UNVERSIONED
+    when absent: written before the field existed)."""
+    v = meta.get("hash_version", UNVERSIONED) if isinstance(meta, dict) else UNVERSIONED
+    return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+
+def check_same_hash_version(va: int, vb: int, name_a: str, name_b: str) -> None:
+    """Hashes made with two lane mixes differ for equal tensors: refuse to compare them (BadInput)
+    rather than report every hashed record as a difference."""
+    if va != vb:
+        from tpdiag.errors import BadInput
+
+        def say(v):
+            return f"version {v}" if v in MIXES else f"unknown version {v!r}"
+
+        raise BadInput(f"record hashes not comparable: {name_a} was hashed with lane mix {say(va)}, "
+                       f"{name_b} with {say(vb)}; recapture the older one with this tpdiag "
+                       f"(hash version {HASH_VERSION})")
 
 
 def _head(dtype: str, shape) -> int:
@@ -25,11 +52,12 @@ def hash_of_lanes(lane_a: int, lane_b: int, dtype: str, shape) -> str:
     return format(v ^ _head(dtype.replace("torch.", ""), shape), "016x")
 
 
-def tensor_hash(t: torch.Tensor) -> str:
-    """The hash of a whole tensor (one host sync)."""
+def tensor_hash(t: torch.Tensor, version: int = HASH_VERSION) -> str:
+    """The hash of a whole tensor (one host sync); `version`: the lane mix (an old run
+    directory's, to check its stored tensors)."""
     from tpdiag.kernels.record_hash import shard_lanes
 
-    ints, _ = shard_lanes(t.detach())
+    ints, _ = shard_lanes(t.detach(), mix=version)
     a, b = (int(v) for v in ints[:2].tolist())
     return hash_of_lanes(a, b, str(t.dtype), t.shape)
 

@@ -22,7 +22,10 @@ def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dic
     # Tensors first, index last: an index that exists always points at complete tensors.
     safetensors_stream.write(os.path.join(out_dir, TENSORS), tensors, metadata={"schema": "1"})
     io.write_jsonl(os.path.join(out_dir, EVENTS), [m for m, _ in stored])
-    io.write_json(os.path.join(out_dir, "world.json"), world_meta)
+    from tpdiag.records.hashing import HASH_VERSION
+
+    # which lane mix made this record set's hashes (records/hashing.py)
+    io.write_json(os.path.join(out_dir, "world.json"), {**world_meta, "hash_version": HASH_VERSION})
 
 
 def _is_int(v) -> bool:
@@ -97,6 +100,9 @@ class RecordSet:
         self.world = io.read_json(os.path.join(out_dir, "world.json"))
         if not isinstance(self.world, dict):
             raise Inconclusive(f"{os.path.join(out_dir, 'world.json')}: not a JSON object")
+        from tpdiag.records.hashing import hash_version
+
+        self.hash_version = hash_version(self.world)
         degree = self.world.get("degree", 1)
         if not _is_int(degree) or not 1 <= degree <= MAX_DEGREE:
             raise Inconclusive(f"{os.path.join(out_dir, 'world.json')}: degree {degree!r} is not "
@@ -150,9 +156,12 @@ class RecordSet:
                                f"{meta['dtype']}{want} (edited or mismatched files)")
         want_hash = meta.get("stored_hash")
         if want_hash is not None:
-            from tpdiag.records.hashing import tensor_hash
+            from tpdiag.records.hashing import MIXES, tensor_hash
 
-            if tensor_hash(t) != want_hash:
+            if self.hash_version not in MIXES:
+                raise Inconclusive(f"{self.dir}: world.json names hash version {self.hash_version!r}, "
+                                   f"not one this tpdiag knows ({MIXES}): edited, or a newer tpdiag's run")
+            if tensor_hash(t, self.hash_version) != want_hash:
                 raise Inconclusive(f"{self.dir}: record {meta['key']} does not match its hash "
                                    "(the tensor file was edited after the run)")
         return t

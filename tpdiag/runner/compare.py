@@ -123,6 +123,7 @@ def default_out() -> str:
 def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.diff.analyse import analyse_run
     from tpdiag.runner.determinism import numerics_env
+    from tpdiag.kernels.record_hash_ref import HASH_VERSION  # the lane mix its worlds hash with
     from tpdiag.runner.launch import run_world
 
     from tpdiag.fixes import groups
@@ -135,7 +136,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     labels = degree_labels(cfg.degrees)
     backend = "nccl" if device == "cuda" else "gloo"
     manifest = {
-        "schema": 1, "tool": "tpdiag compare", "versions": versions(device),
+        "schema": 1, "tool": "tpdiag compare", "versions": versions(device), "hash_version": HASH_VERSION,
         "device": device_info(device), "backend": backend, "model": cfg.model, "dtype": cfg.dtype,
         "seed": cfg.seed, "degrees": list(cfg.degrees), "labels": labels, "reference": labels[0],
         "fixes": list(cfg.fixes), "tree_groups": cfg.tree_groups, "group_gemm": cfg.group_gemm,
