@@ -33,6 +33,9 @@ JOBS: dict[str, Job] = {
                         smoke_env={"TRITON_INTERPRET": "1", "TPDIAG_TRITON_CPU": "1"}),
     "record-hash": Job("benchmarks.jobs.record_hash", "record-hash Triton kernel == torch path bit for bit, "
                        "shards add up, queued HashBuffer launches", "CUDA"),
+    "hash-collisions": Job("benchmarks.jobs.hash_collisions", "record-hash lane mixes (v1, v2 and two "
+                           "rejected) under TP-like perturbations: collision rates at truncated widths "
+                           "against a random function's", "CPU (numpy); args: [TRIALS] [PAIR_TRIALS]"),
     "tree-gemm": Job("benchmarks.jobs.tree_gemm", "tp-invariant-linear's group GEMM: tree_mm tiles vs "
                      "per-group invariant-gemm vs cuBLAS, llama-1b TP=2 shapes", "CUDA"),
     "split-gemm": Job("benchmarks.jobs.split_gemm", "pre-split bf16x6/bf16x9 fp32 GEMM: error sources and "

@@ -1,4 +1,4 @@
-"""`python -m benchmarks.jobs.hash_collisions [TRIALS]`: the record hash's lane mixes under the
+"""`python -m benchmarks hash-collisions [TRIALS]`: the record hash's lane mixes under the
 perturbations TP runs produce, on CPU (numpy; docs/benchmarks.md, "A shorter lane mix").
 
 Table 1: T trials of a [16, 32] bf16 tensor (randn) and a perturbed copy; how often an 8-bit
