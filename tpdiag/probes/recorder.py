@@ -107,6 +107,8 @@ class Recorder:
     # A module's input is usually another's output, nested modules share outputs: the same
     # tensor, unchanged, under several keys is hashed once (its row shared).
     _hashed: dict = field(default_factory=dict)
+    # module_probes' walk of each probed model (by id), read by record_params inside the block
+    _walks: dict = field(default_factory=dict)
     # full mode: records stream to host memory (probes/stream.py), spilled here past the budget
     spill_dir: str | None = None
     host_store: object = None
@@ -122,48 +124,81 @@ class Recorder:
             cls: str | None = None) -> dict | None:
         if not self.enabled or not isinstance(t, torch.Tensor):
             return None
-        phase = phase or self._phase
-        # host time per record is what a small step pays for its probes (~1000 records): the
-        # plain-tensor case skips the DTensor checks, the key is built from locals
+        if phase is None:
+            phase = self._phase
+        step = self.step
+        key = f"s{step}/{phase}/{module}/{kind}#{call}/{name}"  # = record_key(meta)
+        mode = self.mode
+        # host time per record is what a small step pays for its probes (~1000 records,
+        # docs/benchmarks.md "Host work per record"): a plain tensor at TP=1 in hash mode, most
+        # records, takes the shortest way - its detached copy only when it is hashed, t's own
+        # version counter (a detached tensor shares it)
+        if type(t) is torch.Tensor and mode == "hash" and self.world == 1 and kind not in KEEP_WHOLE:
+            shape = t.shape
+            dtype = t.dtype
+            meta = {
+                "idx": len(self.records), "step": step, "phase": phase, "module": module,
+                "kind": kind, "call": call, "name": name, "placement": layout, "style": style,
+                "cls": cls, "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
+                "local_shape": list(shape), "key": key, "hash_layout": "replicate",
+                "full_shape": list(shape),
+            }
+            version = t._version
+            seen = self._hashed.get(id(t))
+            if seen is None or seen[0]() is not t or seen[1] != version or seen[2] != shape:
+                hb = self.hashbuf
+                if hb is None:
+                    from tpdiag.kernels.hash_buffer import HashBuffer
+
+                    hb = self.hashbuf = HashBuffer(t.device)
+                # the hash's own torch ops are not records (op probe)
+                self.enabled = False
+                try:
+                    slot = hb.add(t.detach())
+                finally:
+                    self.enabled = True
+                self._hashed[id(t)] = (weakref.ref(t), version, shape, slot)
+            else:
+                slot = seen[3]
+            self.lanes.append(slot)
+            self.records.append((meta, None))
+            return meta
         if type(t) is torch.Tensor:
             label, local = None, t.detach()
         else:
             label = placement_label(t)
             local = local_of(t).detach()
-        placement = layout if layout is not None else label
-        hashed = self.mode == "hash" and kind not in KEEP_WHOLE
-        to_host = self.mode == "full"  # copied to the host in stream order (probes/stream.py)
-        if not hashed and not to_host:
-            # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
-            local = local.clone(memory_format=torch.contiguous_format)
-        step = self.step
         dtype = local.dtype
-        dname = _DTYPE_NAMES.get(dtype) or dtype_name(dtype)
-        key = f"s{step}/{phase}/{module}/{kind}#{call}/{name}"  # = record_key(meta)
         meta = {
             "idx": len(self.records), "step": step, "phase": phase, "module": module,
-            "kind": kind, "call": call, "name": name, "placement": placement, "style": style,
-            "cls": cls, "dtype": dname, "local_shape": list(local.shape), "key": key,
+            "kind": kind, "call": call, "name": name,
+            "placement": layout if layout is not None else label, "style": style,
+            "cls": cls, "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
+            "local_shape": list(local.shape), "key": key,
         }
-        if to_host:
-            return _stream.record_full(self, meta, t, local)
-        if hashed:
+        if mode == "hash" and kind not in KEEP_WHOLE:
             layout_, full, dim, size, offset = self._hash_layout(t, local, key, label)
             meta["hash_layout"], meta["full_shape"] = layout_, full
             where = (dim, size, offset, full)
             # both counters: an in-place op on a DTensor bumps the wrapper's, not its local's
-            version = (t._version, local._version)
+            version = (t._version, local._version) if label is not None else t._version
             seen = self._hashed.get(id(t))
             if seen is not None and seen[0]() is t and seen[1] == version and seen[2] == where:
                 slot = seen[3]
-            elif layout_.startswith("strided:"):
+            elif label is not None and layout_.startswith("strided:"):
                 slot = self._hash_strided(t, local, layout_)
             else:
-                slot = self._hash(local, dim, size, offset, t)
+                # the owner whose counter the queue watches: a plain tensor's detached local
+                # shares t's counter and holds no autograd graph; a DTensor's wrapper has its own
+                slot = self._hash(local, dim, size, offset, t if label is not None else None)
                 self._hashed[id(t)] = (weakref.ref(t), version, where, slot)
             self.lanes.append(slot)
             self.records.append((meta, None))
             return meta
+        if mode == "full":  # copied to the host in stream order (probes/stream.py)
+            return _stream.record_full(self, meta, t, local)
+        # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
+        local = local.clone(memory_format=torch.contiguous_format)
         if self.hash:
             from tpdiag.records.hashing import tensor_hash
 
