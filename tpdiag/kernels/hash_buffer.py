@@ -66,7 +66,8 @@ class HashBuffer:
             offset: int = 0, owner: torch.Tensor | None = None) -> int:
         """Hash a shard into a fresh row (now, or queued); returns the row's slot. owner: the
         tensor t is the local shard of (a DTensor), whose version counter is watched too - an
-        in-place op on a DTensor bumps its counter, not its local tensor's."""
+        in-place op on a DTensor bumps its counter, not its local tensor's. t may require grad
+        (queued as it is, as the owner always was; detached where torch ops read it)."""
         n = self.n
         i, r = divmod(n, self.CHUNK)
         if i == len(self.ints):
@@ -91,8 +92,8 @@ class HashBuffer:
                 key, tail, nbytes = hit
                 row = (ptr, r) + tail
                 words = t
-            else:  # copied (words): the copy cannot change
-                key, words, row = rh.batch_entry(t, dim, full, offset, r)
+            else:  # copied (words): the copy cannot change; detached, no autograd node made
+                key, words, row = rh.batch_entry(t.detach(), dim, full, offset, r)
                 owner, nbytes = words, words.numel() * words.element_size()
             version = words._version
             if owner is None or owner is words:
@@ -110,7 +111,7 @@ class HashBuffer:
                 self.flush()
         else:
             # (chunk, chunk, row): the kernel offsets into the chunk itself
-            rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
+            rh.shard_lanes(t.detach(), dim, full, offset, out=(self.ints[i], self.floats[i], r))
         return n
 
     def flush(self) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tpdiag.probes.recorder import Recorder
+from tpdiag.probes.recorder import Recorder, extras, module_of
 
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))  # output / input positions as record names
@@ -45,18 +45,23 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
     calls: dict = {}
     stack = rec.stack
     add = rec.add
+    counts = rec._calls
 
     def pre_hook(mod, args, kwargs):
         name, style, _, _, cls = infos[mod]
-        call = calls[mod] = rec.call_index(name)
+        # = rec.call_index(name), inline (host time per module call)
+        ck = (rec.step, rec._phase, name)
+        call = calls[mod] = counts.get(ck, 0)
+        counts[ck] = call + 1
         stack.append(name)
         for i, t in enumerate(_tensors(args, kwargs)):
             add("in", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
             srcs = _producers(producer, t)
             if srcs:
                 for src in srcs:
-                    if not name.startswith(src["module"] + ".") and src["module"] != "model":
-                        src.setdefault("consumers", []).append(name)
+                    m = module_of(src)
+                    if m != "model" and not name.startswith(m + "."):
+                        extras(src).setdefault("consumers", []).append(name)
         return None
 
     perturb = os.environ.get("TPDIAG_TEST_PERTURB_PROBE")  # fault injection for the self-check
@@ -144,13 +149,17 @@ def _producers(producer, t: torch.Tensor) -> list:
     return hit[1] if hit is not None and hit[0]() is root else []
 
 
-def _tensors(args, kwargs=None) -> list:
+def _tensors(args, kwargs=None):
     """The tensors among a hook's arguments or outputs, in pytree order (flat tuples of
     tensors, the common case, without flattening: hooks run per module call)."""
     if type(args) is torch.Tensor:
-        return [args]
-    if not kwargs and type(args) is tuple and all(type(a) is torch.Tensor for a in args):
-        return list(args)
+        return (args,)
+    if not kwargs and type(args) is tuple:
+        for a in args:
+            if type(a) is not torch.Tensor:
+                break
+        else:
+            return args
     flat, _ = tree_flatten((args, kwargs) if kwargs is not None else args)
     return [x for x in flat if isinstance(x, torch.Tensor)]
 
@@ -161,7 +170,7 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
         m = rec.add("grad_out", name, idx, g, call=call, phase="backward", style=style, cls=cls,
                     layout="partial" if partial else None)
         if m is not None and fwd_meta is not None:
-            m["consumers"] = sorted(set(fwd_meta.get("consumers", [])))
+            extras(m)["consumers"] = sorted(set(extras(fwd_meta).get("consumers", ())))
         return None
 
     return hook

@@ -90,7 +90,13 @@ KEEP_WHOLE = ("batch", "logprobs", "loss", "grad_norm")
 class Recorder:
     step: int = 0
     phase: str = "init"
-    records: list[tuple[dict, torch.Tensor | None]] = field(default_factory=list)
+    # (meta, tensor) per record in stream order: `records` (a property, below) - the list, with
+    # the pending rows of hash mode's fast path made into metas first
+    _records: list = field(default_factory=list)
+    # records made since `records` was last read: a hash-mode record of a plain tensor at TP=1 as
+    # a compact row (_ROW), any other as its (meta, tensor) pair (host time per record: docs/
+    # benchmarks.md, "Host work per record")
+    _rows: list = field(default_factory=list)
     _calls: dict = field(default_factory=dict)
     enabled: bool = True
     hash: bool = True
@@ -121,31 +127,32 @@ class Recorder:
 
     def add(self, kind: str, module: str, name: str, t: torch.Tensor, *, call: int = 0,
             phase: str | None = None, layout: str | None = None, style: str | None = None,
-            cls: str | None = None) -> dict | None:
+            cls: str | None = None):
+        """Record t; returns the record (its meta, or a pending row: `extras` gives the dict
+        later keys go in), or None when nothing was recorded."""
         if not self.enabled or not isinstance(t, torch.Tensor):
             return None
         if phase is None:
             phase = self._phase
         step = self.step
-        key = f"s{step}/{phase}/{module}/{kind}#{call}/{name}"  # = record_key(meta)
         mode = self.mode
-        # host time per record is what a small step pays for its probes (~1000 records,
-        # docs/benchmarks.md "Host work per record"): a plain tensor at TP=1 in hash mode, most
-        # records, takes the shortest way - its detached copy only when it is hashed, t's own
-        # version counter (a detached tensor shares it)
-        if type(t) is torch.Tensor and mode == "hash" and self.world == 1 and kind not in KEEP_WHOLE:
+        # Host time per record is what a small step pays for its probes (~1000 records, docs/
+        # benchmarks.md "Host work per record"). A plain tensor at TP=1 in hash mode, most
+        # records, is a whole tensor: a compact row now, its meta (key, shapes) built when
+        # `records` is read; hashed once while unchanged (t's version counter: a detached
+        # tensor shares it), queued as itself (HashBuffer detaches where it runs torch ops).
+        # Its entry in _hashed is compact (one counter, the shape): _same reads it as the
+        # (counters, place) pair the general path keeps. Op records take the general path: the
+        # op probe records inside the dispatch, where a detached tensor has a counter of its own
+        # and an in-place op's bump is still to come (docs/benchmarks.md, "Host work per record").
+        if type(t) is torch.Tensor and mode == "hash" and self.world == 1 and kind not in KEEP_WHOLE \
+                and kind != "op":
             shape = t.shape
-            dtype = t.dtype
-            meta = {
-                "idx": len(self.records), "step": step, "phase": phase, "module": module,
-                "kind": kind, "call": call, "name": name, "placement": layout, "style": style,
-                "cls": cls, "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
-                "local_shape": list(shape), "key": key, "hash_layout": "replicate",
-                "full_shape": list(shape),
-            }
             version = t._version
             seen = self._hashed.get(id(t))
-            if seen is None or seen[0]() is not t or seen[1] != version or seen[2] != shape:
+            if seen is None or seen[0]() is not t or not (
+                    seen[1] == version and seen[2] == shape if type(seen[1]) is int
+                    else _same(seen, t, (version, version), (None, None, 0, list(shape)))):
                 hb = self.hashbuf
                 if hb is None:
                     from tpdiag.kernels.hash_buffer import HashBuffer
@@ -154,24 +161,26 @@ class Recorder:
                 # the hash's own torch ops are not records (op probe)
                 self.enabled = False
                 try:
-                    slot = hb.add(t.detach())
+                    slot = hb.add(t)
                 finally:
                     self.enabled = True
                 self._hashed[id(t)] = (weakref.ref(t), version, shape, slot)
             else:
                 slot = seen[3]
             self.lanes.append(slot)
-            self.records.append((meta, None))
-            return meta
+            row = [step, phase, module, kind, call, name, layout, style, cls, t.dtype, shape, None]
+            self._rows.append(row)
+            return row
         if type(t) is torch.Tensor:
             label, local = None, t.detach()
         else:
             label = placement_label(t)
             local = local_of(t).detach()
         dtype = local.dtype
+        key = f"s{step}/{phase}/{module}/{kind}#{call}/{name}"  # = record_key(meta)
         meta = {
-            "idx": len(self.records), "step": step, "phase": phase, "module": module,
-            "kind": kind, "call": call, "name": name,
+            "idx": len(self._records) + len(self._rows), "step": step, "phase": phase,
+            "module": module, "kind": kind, "call": call, "name": name,
             "placement": layout if layout is not None else label, "style": style,
             "cls": cls, "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
             "local_shape": list(local.shape), "key": key,
@@ -181,19 +190,17 @@ class Recorder:
             meta["hash_layout"], meta["full_shape"] = layout_, full
             where = (dim, size, offset, full)
             # both counters: an in-place op on a DTensor bumps the wrapper's, not its local's
-            version = (t._version, local._version) if label is not None else t._version
+            version = (t._version, local._version)
             seen = self._hashed.get(id(t))
-            if seen is not None and seen[0]() is t and seen[1] == version and seen[2] == where:
+            if _same(seen, t, version, where):
                 slot = seen[3]
-            elif label is not None and layout_.startswith("strided:"):
+            elif layout_.startswith("strided:"):
                 slot = self._hash_strided(t, local, layout_)
             else:
-                # the owner whose counter the queue watches: a plain tensor's detached local
-                # shares t's counter and holds no autograd graph; a DTensor's wrapper has its own
-                slot = self._hash(local, dim, size, offset, t if label is not None else None)
+                slot = self._hash(local, dim, size, offset, t)
                 self._hashed[id(t)] = (weakref.ref(t), version, where, slot)
             self.lanes.append(slot)
-            self.records.append((meta, None))
+            self._rows.append((meta, None))
             return meta
         if mode == "full":  # copied to the host in stream order (probes/stream.py)
             return _stream.record_full(self, meta, t, local)
@@ -205,7 +212,7 @@ class Recorder:
             with self._paused():
                 meta["hash"] = tensor_hash(local)  # this rank's shard, computed on its device
         self.lanes.append(None)
-        self.records.append((meta, local))
+        self._rows.append((meta, local))
         return meta
 
     def _hash(self, local, dim, size, offset, owner) -> int:
@@ -271,6 +278,18 @@ class Recorder:
         return f"shard:{d}", list(full), d, full[d], self.rank * shape[d]
 
 
+def _same(seen, t, version: tuple, where: tuple) -> bool:
+    """Whether _hashed's entry `seen` is t's, unchanged: the same object, counters and place. A
+    compact entry (Recorder.add's fast path: one counter, the shape) stands for the pair
+    (counter, counter) and the place (None, None, 0, shape) of a whole plain tensor."""
+    if seen is None or seen[0]() is not t:
+        return False
+    v, w = seen[1], seen[2]
+    if type(v) is int:
+        return (v, v) == version and (None, None, 0, list(w)) == where
+    return v == version and w == where
+
+
 def take_lanes(hashbuf, slots: list):
     """hashbuf.take, where a slot may be a tuple of rows (a _StridedShard's pieces, each hashed
     at its own offset): the pieces' lanes, counts and sums add up, their absmax is the max
@@ -316,3 +335,54 @@ def _set_phase(self, phase: str) -> None:
 
 
 Recorder.phase = property(_get_phase, _set_phase)  # after @dataclass: its __init__ sets it
+
+
+def _get_records(self) -> list:
+    if self._rows:
+        _materialise(self._records, self._rows)
+    return self._records
+
+
+Recorder.records = property(_get_records)
+
+
+# a pending row of Recorder.add's fast path (a list: `extras` fills its last item)
+_STEP, _PHASE, _MODULE, _KIND, _CALL, _NAME, _LAYOUT, _STYLE, _CLS, _DTYPE, _SHAPE, _EXTRAS = range(12)
+
+
+def _materialise(records: list, rows: list) -> None:
+    """Pending rows onto records, in order: a compact row becomes (meta, None) with the meta
+    Recorder.add's general path builds for a whole plain tensor in hash mode, keys in the same
+    order (later keys - consumers - after them)."""
+    for row in rows:
+        if type(row) is tuple:  # (meta, tensor), made whole by the general path
+            records.append(row)
+            continue
+        step, phase, module, kind, call, name, layout, style, cls, dtype, shape, extras = row
+        meta = {
+            "idx": len(records), "step": step, "phase": phase, "module": module, "kind": kind,
+            "call": call, "name": name, "placement": layout, "style": style, "cls": cls,
+            "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype), "local_shape": list(shape),
+            "key": f"s{step}/{phase}/{module}/{kind}#{call}/{name}",
+            "hash_layout": "replicate", "full_shape": list(shape),
+        }
+        if extras:
+            meta.update(extras)
+        row[_EXTRAS] = meta  # keys added later go to the meta itself
+        records.append((meta, None))
+    rows.clear()
+
+
+def extras(record) -> dict:
+    """The dict a record's later keys go in (module_probes' consumers): its meta, or a pending
+    row's own, merged into its meta when the row is made one."""
+    if type(record) is dict:
+        return record
+    e = record[_EXTRAS]
+    if e is None:
+        e = record[_EXTRAS] = {}
+    return e
+
+
+def module_of(record) -> str:
+    return record["module"] if type(record) is dict else record[_MODULE]
