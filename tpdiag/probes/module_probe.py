@@ -24,96 +24,98 @@ _IDX = tuple(str(i) for i in range(_NIDX))  # output / input positions as record
 @contextmanager
 def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                   backward: bool = True, include: set[str] | None = None):
-    handles = []
-    info = _plan_memo(plan)
-    walked = _Walk(model)
-    classes = walked.classes
-    # per module: (name, style, output partial, output grad partial, class) - one lookup per
-    # hook call (host time per record). The class is looked up by name, as records always had
-    # it: a root named "model" and a child named "model" (HF's LlamaForCausalLM.model) share it.
-    infos = {m: (n, *info(n), classes[n]) for m, n in walked.names.items()}
-    # Which modules consumed each output: a grad_out is computed by its consumers' backward.
-    # Keyed by the tensor and by its storage's base tensor, each to the records of every module
-    # that returned it (a parent returning its child's output, HF's LlamaModel returning its
-    # final norm's): a consumer that reads a view (`hidden[:, -k:]` before a causal LM head,
-    # a reshape) is linked to the modules whose output it views. id(tensor) -> (weakref, metas):
-    # a WeakTensorKeyDictionary builds a Python key object per lookup, ~3 lookups per module
-    # call (host time per record); the weakref tells a live entry from a dead tensor's id reused.
-    producer: dict = {}
-    # this call's index per module, pairing its outputs with its inputs (a plain dict: an
-    # attribute set on the module goes through nn.Module.__setattr__, ~10 us per call)
-    calls: dict = {}
-    stack = rec.stack
-    add = rec.add
-    counts = rec._calls
-
-    def pre_hook(mod, args, kwargs):
-        name, style, _, _, cls = infos[mod]
-        # = rec.call_index(name), inline (host time per module call)
-        ck = (rec.step, rec._phase, name)
-        call = calls[mod] = counts.get(ck, 0)
-        counts[ck] = call + 1
-        stack.append(name)
-        for i, t in enumerate(_tensors(args, kwargs)):
-            add("in", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
-            srcs = _producers(producer, t)
-            if srcs:
-                for src in srcs:
-                    m = module_of(src)
-                    if m != "model" and not name.startswith(m + "."):
-                        extras(src).setdefault("consumers", []).append(name)
-        return None
-
-    perturb = os.environ.get("TPDIAG_TEST_PERTURB_PROBE")  # fault injection for the self-check
-
-    def fwd_hook(mod, args, kwargs, out):
-        name, style, part_out, part_grad, cls = infos[mod]
-        if stack and stack[-1] == name:
-            stack.pop()
-        if perturb == name and isinstance(out, torch.Tensor):
-            out = out * (1 + 2.0 ** -10)
-        call = calls.get(mod, 0)
-        for i, t in enumerate(_tensors(out)):
-            idx = _IDX[i] if i < _NIDX else str(i)
-            meta = add("out", name, idx, t, call=call, style=style, cls=cls,
-                       layout="partial" if part_out else None)
-            if meta is not None:
-                _add_producer(producer, t, meta)
-            if backward and t.requires_grad and t.grad_fn is not None:
-                handles.append(t.register_hook(_grad_hook(rec, name, idx, call, style, cls, meta,
-                                                          part_grad)))
-        return out if perturb == name else None
-
-    for mod, (name, *_) in infos.items():
-        if include is not None and name not in include:
-            continue
-        # prepend: see the input as the previous module produced it, before a TP style's
-        # own pre-hook converts it to a DTensor.
-        handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
-        handles.append(mod.register_forward_hook(fwd_hook, with_kwargs=True))
-    if backward:
-        for mname, short, p, _ in walked.params:
-            mname = mname or "model"
-            if include is not None and mname not in include or not p.requires_grad:
-                continue
-            handles.append(p.register_post_accumulate_grad_hook(
-                _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname))))
-    # record_params inside this block reads the same walk (no module walk per call)
-    walks = rec._walks
-    walks[id(model)] = walked
-    # Python's cyclic GC paused while the hooks are in (TPDIAG_PROBE_GC=1: left alone). A step
-    # leaves ~1000 records' dicts, lists and closures alive, enough to trigger full (oldest
-    # generation) collections that walk every tracked object of the process - torch, the model,
-    # the records: 0.2-0.6 s each on a 2-core host (`probes host`), one every few probed steps,
-    # a step time's spread on a host-bound step. The probes make no reference cycles of their
-    # own; garbage in cycles waits until the hooks come out, one step.
+    # Python's cyclic GC paused while the hooks go in and are in (TPDIAG_PROBE_GC=1: left
+    # alone). A step leaves ~1000 records' dicts, lists and closures alive, enough to trigger
+    # full (oldest generation) collections that walk every tracked object of the process -
+    # torch, the model, the records: 0.2-0.6 s each on a 2-core host (`probes host`), one every
+    # few probed steps, a step time's spread on a host-bound step. The probes make no reference
+    # cycles of their own; garbage in cycles waits until the hooks come out, one step. Paused
+    # before the hooks go in: the ~900 handles, closures and weakrefs made then collect too.
     gc_was = gc.isenabled() and os.environ.get("TPDIAG_PROBE_GC") != "1"
     if gc_was:
         gc.disable()
+    handles = []
+    walks = rec._walks
+    walked = None
     try:
+        info = _plan_memo(plan)
+        walked = _Walk(model)
+        classes = walked.classes
+        # per module: (name, style, output partial, output grad partial, class) - one lookup per
+        # hook call (host time per record). The class is looked up by name, as records always had
+        # it: a root named "model" and a child named "model" (HF's LlamaForCausalLM.model) share it.
+        infos = {m: (n, *info(n), classes[n]) for m, n in walked.names.items()}
+        # Which modules consumed each output: a grad_out is computed by its consumers' backward.
+        # Keyed by the tensor and by its storage's base tensor, each to the records of every module
+        # that returned it (a parent returning its child's output, HF's LlamaModel returning its
+        # final norm's): a consumer that reads a view (`hidden[:, -k:]` before a causal LM head,
+        # a reshape) is linked to the modules whose output it views. id(tensor) -> (weakref, metas):
+        # a WeakTensorKeyDictionary builds a Python key object per lookup, ~3 lookups per module
+        # call (host time per record); the weakref tells a live entry from a dead tensor's id reused.
+        producer: dict = {}
+        # this call's index per module, pairing its outputs with its inputs (a plain dict: an
+        # attribute set on the module goes through nn.Module.__setattr__, ~10 us per call)
+        calls: dict = {}
+        stack = rec.stack
+        add = rec.add
+        counts = rec._calls
+
+        def pre_hook(mod, args, kwargs):
+            name, style, _, _, cls = infos[mod]
+            # = rec.call_index(name), inline (host time per module call)
+            ck = (rec.step, rec._phase, name)
+            call = calls[mod] = counts.get(ck, 0)
+            counts[ck] = call + 1
+            stack.append(name)
+            for i, t in enumerate(_tensors(args, kwargs)):
+                add("in", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
+                srcs = _producers(producer, t)
+                if srcs:
+                    for src in srcs:
+                        m = module_of(src)
+                        if m != "model" and not name.startswith(m + "."):
+                            extras(src).setdefault("consumers", []).append(name)
+            return None
+
+        perturb = os.environ.get("TPDIAG_TEST_PERTURB_PROBE")  # fault injection for the self-check
+
+        def fwd_hook(mod, args, kwargs, out):
+            name, style, part_out, part_grad, cls = infos[mod]
+            if stack and stack[-1] == name:
+                stack.pop()
+            if perturb == name and isinstance(out, torch.Tensor):
+                out = out * (1 + 2.0 ** -10)
+            call = calls.get(mod, 0)
+            for i, t in enumerate(_tensors(out)):
+                idx = _IDX[i] if i < _NIDX else str(i)
+                meta = add("out", name, idx, t, call=call, style=style, cls=cls,
+                           layout="partial" if part_out else None)
+                if meta is not None:
+                    _add_producer(producer, t, meta)
+                if backward and t.requires_grad and t.grad_fn is not None:
+                    handles.append(t.register_hook(_grad_hook(rec, name, idx, call, style, cls, meta,
+                                                              part_grad)))
+            return out if perturb == name else None
+
+        for mod, (name, *_) in infos.items():
+            if include is not None and name not in include:
+                continue
+            # prepend: see the input as the previous module produced it, before a TP style's
+            # own pre-hook converts it to a DTensor.
+            handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
+            handles.append(mod.register_forward_hook(fwd_hook, with_kwargs=True))
+        if backward:
+            for mname, short, p, _ in walked.params:
+                mname = mname or "model"
+                if include is not None and mname not in include or not p.requires_grad:
+                    continue
+                handles.append(p.register_post_accumulate_grad_hook(
+                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname))))
+        # record_params inside this block reads the same walk (no module walk per call)
+        walks[id(model)] = walked
         yield rec
     finally:
-        if walks.get(id(model)) is walked:
+        if walked is not None and walks.get(id(model)) is walked:
             del walks[id(model)]
         for h in handles:
             h.remove()

@@ -73,6 +73,7 @@ def label_of_placement(p, ndim: int) -> str:
 
 
 _DTYPE_NAMES: dict = {}
+_PARAMETER = torch.nn.Parameter
 
 
 def dtype_name(dtype) -> str:
@@ -137,16 +138,17 @@ class Recorder:
         step = self.step
         mode = self.mode
         # Host time per record is what a small step pays for its probes (~1000 records, docs/
-        # benchmarks.md "Host work per record"). A plain tensor at TP=1 in hash mode, most
-        # records, is a whole tensor: a compact row now, its meta (key, shapes) built when
+        # benchmarks.md "Host work per record"). A plain tensor (or Parameter) at TP=1 in hash
+        # mode, most records, is a whole tensor: a compact row now, its meta (key, shapes) built when
         # `records` is read; hashed once while unchanged (t's version counter: a detached
         # tensor shares it), queued as itself (HashBuffer detaches where it runs torch ops).
         # Its entry in _hashed is compact (one counter, the shape): _same reads it as the
         # (counters, place) pair the general path keeps. Op records take the general path: the
         # op probe records inside the dispatch, where a detached tensor has a counter of its own
         # and an in-place op's bump is still to come (docs/benchmarks.md, "Host work per record").
-        if type(t) is torch.Tensor and mode == "hash" and self.world == 1 and kind not in KEEP_WHOLE \
-                and kind != "op":
+        tt = type(t)
+        if (tt is torch.Tensor or tt is _PARAMETER) and mode == "hash" and self.world == 1 \
+                and kind not in KEEP_WHOLE and kind != "op":
             shape = t.shape
             version = t._version
             seen = self._hashed.get(id(t))
@@ -161,7 +163,8 @@ class Recorder:
                 # the hash's own torch ops are not records (op probe)
                 self.enabled = False
                 try:
-                    slot = hb.add(t)
+                    # a Parameter as a plain tensor (the same counter): the queue takes those
+                    slot = hb.add(t if tt is torch.Tensor else t.detach())
                 finally:
                     self.enabled = True
                 self._hashed[id(t)] = (weakref.ref(t), version, shape, slot)
@@ -171,7 +174,7 @@ class Recorder:
             row = [step, phase, module, kind, call, name, layout, style, cls, t.dtype, shape, None]
             self._rows.append(row)
             return row
-        if type(t) is torch.Tensor:
+        if tt is torch.Tensor:
             label, local = None, t.detach()
         else:
             label = placement_label(t)
