@@ -98,6 +98,8 @@ class Recorder:
     # a compact row (_ROW), any other as its (meta, tensor) pair (host time per record: docs/
     # benchmarks.md, "Host work per record")
     _rows: list = field(default_factory=list)
+    # (meta, its private copy) of records kept whole whose hash is still to be computed
+    _unhashed: list = field(default_factory=list)
     _calls: dict = field(default_factory=dict)
     enabled: bool = True
     hash: bool = True
@@ -210,10 +212,10 @@ class Recorder:
         # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
         local = local.clone(memory_format=torch.contiguous_format)
         if self.hash:
-            from tpdiag.records.hashing import tensor_hash
-
-            with self._paused():
-                meta["hash"] = tensor_hash(local)  # this rank's shard, computed on its device
+            # this rank's shard's hash, computed on its device when `records` is read: the copy
+            # is the record's own, unchanged until then, and the hash's host sync leaves the step
+            meta["hash"] = None
+            self._unhashed.append((meta, local))
         self.lanes.append(None)
         self._rows.append((meta, local))
         return meta
@@ -343,6 +345,13 @@ Recorder.phase = property(_get_phase, _set_phase)  # after @dataclass: its __ini
 def _get_records(self) -> list:
     if self._rows:
         _materialise(self._records, self._rows)
+    if self._unhashed:
+        from tpdiag.records.hashing import tensor_hash
+
+        with self._paused():
+            for meta, local in self._unhashed:
+                meta["hash"] = tensor_hash(local)
+        self._unhashed.clear()
     return self._records
 
 
