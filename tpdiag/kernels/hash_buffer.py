@@ -26,6 +26,8 @@ from tpdiag.kernels import record_hash as rh
 # saved for backward)
 CAP_BYTES = 256 << 20
 RING = 16  # launch tables in flight
+DEFER_BYTES = 64 << 10  # a record off the Triton path up to this size is hashed at take()
+DEFER_CAP = 16 << 20    # ... while the copies held for it stay under this
 STALE = -1  # in a row's non-finite count: the tensor changed in place before it was hashed
 # (shape, dtype, dim, full, offset, data pointer % 16) -> (launch key, table row after the pointer
 # and row, bytes): batch_entry's answer for a contiguous tensor, kept across buffers (a run makes
@@ -61,6 +63,8 @@ class HashBuffer:
         self.stale: list[int] = []  # slots
         self._ring = None  # launch tables (see _table)
         self._slot = 0
+        self.deferred: list = []  # small records off the Triton path, hashed at take()
+        self.deferred_bytes = 0
 
     def add(self, t: torch.Tensor, dim: int | None = None, full: int | None = None,
             offset: int = 0, owner: torch.Tensor | None = None) -> int:
@@ -110,8 +114,17 @@ class HashBuffer:
             if self.queued >= self.batch or self.queued_bytes >= CAP_BYTES:
                 self.flush()
         else:
-            # (chunk, chunk, row): the kernel offsets into the chunk itself
-            rh.shard_lanes(t.detach(), dim, full, offset, out=(self.ints[i], self.floats[i], r))
+            t = t.detach()
+            nbytes = t.numel() * t.element_size()
+            if self.batch > 1 and nbytes <= DEFER_BYTES and self.deferred_bytes + nbytes <= DEFER_CAP:
+                # a small record the Triton kernel does not take (int64 token ids): copied now
+                # (one op), hashed by the torch path when rows are read - its many small ops
+                # leave the step, the copy cannot change
+                self.deferred.append((t.clone(), dim, full, offset, i, r))
+                self.deferred_bytes += nbytes
+            else:
+                # (chunk, chunk, row): the kernel offsets into the chunk itself
+                rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
         return n
 
     def flush(self) -> None:
@@ -157,6 +170,9 @@ class HashBuffer:
 
     def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         self.flush()
+        for t, dim, full, offset, i, r in self.deferred:
+            rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
+        self.deferred, self.deferred_bytes = [], 0
         if not self.ints:
             return (torch.zeros((0, 4), dtype=torch.int64, device=self.device),
                     torch.zeros((0, 2), dtype=torch.float64, device=self.device))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tpdiag.probes.recorder import Recorder, extras, module_of
+from tpdiag.probes.recorder import Recorder, consumers_of, extras, module_of
 
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))  # output / input positions as record names
@@ -172,7 +172,7 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
         m = rec.add("grad_out", name, idx, g, call=call, phase="backward", style=style, cls=cls,
                     layout="partial" if partial else None)
         if m is not None and fwd_meta is not None:
-            extras(m)["consumers"] = sorted(set(extras(fwd_meta).get("consumers", ())))
+            extras(m)["consumers"] = sorted(set(consumers_of(fwd_meta)))
         return None
 
     return hook

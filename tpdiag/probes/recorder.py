@@ -396,5 +396,11 @@ def extras(record) -> dict:
     return e
 
 
+def consumers_of(record) -> list:
+    """The consumers a record has so far (read only: a pending row gets no extras dict)."""
+    e = record if type(record) is dict else record[_EXTRAS]
+    return e.get("consumers", ()) if e else ()
+
+
 def module_of(record) -> str:
     return record["module"] if type(record) is dict else record[_MODULE]
