@@ -30,8 +30,9 @@ DEFER_BYTES = 64 << 10  # a record off the Triton path up to this size is hashed
 DEFER_CAP = 16 << 20    # ... while the copies held for it stay under this
 STALE = -1  # in a row's non-finite count: the tensor changed in place before it was hashed
 # (shape, dtype, dim, full, offset, data pointer % 16) -> (launch key, table row after the pointer
-# and row, bytes): batch_entry's answer for a contiguous tensor, kept across buffers (a run makes
-# one per step; a model has few distinct shapes)
+# and row, bytes): batch_entry's answer for a contiguous tensor, kept across buffers (one per
+# recorder: `probes host` makes one per step; a model has few distinct shapes). A refinement of
+# batch_entry's own key, which depends on these and pointer % 16 == 0 (tests/test_probe_host.py)
 _ENTRIES: dict = {}
 
 
