@@ -61,7 +61,7 @@ def test_extras_of_a_pending_row_reach_its_meta_before_and_after_it_is_made():
     rec = Recorder(mode="hash")
     rec.phase = "forward"
     a, b = torch.randn(4), torch.randn(4)
-    from tpdiag.probes.recorder import consumers_of, extras
+    from tpdiag.probes.rows import consumers_of, extras
 
     ra = rec.add("out", "a", "0", a)
     extras(ra).setdefault("consumers", []).append("x")

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tpdiag.probes.recorder import Recorder, consumers_of, extras, module_of
+from tpdiag.probes.recorder import Recorder
+from tpdiag.probes.rows import consumers_of, extras, module_of
 
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))  # output / input positions as record names

@@ -18,6 +18,7 @@ import torch
 
 from tpdiag.dtensors import local_of
 from tpdiag.probes import stream as _stream
+from tpdiag.probes.rows import _DTYPE_NAMES, dtype_name, materialise
 
 PHASES = ("init", "forward", "loss", "backward", "optimizer")
 
@@ -72,15 +73,7 @@ def label_of_placement(p, ndim: int) -> str:
                             "gather (known: Shard, _StridedShard, Replicate, Partial)")
 
 
-_DTYPE_NAMES: dict = {}
 _PARAMETER = torch.nn.Parameter
-
-
-def dtype_name(dtype) -> str:
-    n = _DTYPE_NAMES.get(dtype)
-    if n is None:
-        n = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return n
 
 
 # Kept whole even in hash mode: small, and every summary reads them (logprob error, loss drift).
@@ -94,9 +87,9 @@ class Recorder:
     # (meta, tensor) per record in stream order: `records` (a property, below) - the list, with
     # the pending rows of hash mode's fast path made into metas first
     _records: list = field(default_factory=list)
-    # records made since `records` was last read: a hash-mode record of a plain tensor at TP=1 as
-    # a compact row (_ROW), any other as its (meta, tensor) pair (host time per record: docs/
-    # benchmarks.md, "Host work per record")
+    # records made since `records` was last read: a hash-mode record of a plain tensor at TP=1
+    # as a compact row (probes/rows.py), any other as its (meta, tensor) pair (host time per
+    # record: docs/benchmarks.md, "Host work per record")
     _rows: list = field(default_factory=list)
     # (meta, its private copy) of records kept whole whose hash is still to be computed
     _unhashed: list = field(default_factory=list)
@@ -173,6 +166,7 @@ class Recorder:
             else:
                 slot = seen[3]
             self.lanes.append(slot)
+            # the fields of probes/rows.py, in its order
             row = [step, phase, module, kind, call, name, layout, style, cls, t.dtype, shape, None]
             self._rows.append(row)
             return row
@@ -344,7 +338,7 @@ Recorder.phase = property(_get_phase, _set_phase)  # after @dataclass: its __ini
 
 def _get_records(self) -> list:
     if self._rows:
-        _materialise(self._records, self._rows)
+        materialise(self._records, self._rows)
     if self._unhashed:
         from tpdiag.records.hashing import tensor_hash
 
@@ -356,51 +350,3 @@ def _get_records(self) -> list:
 
 
 Recorder.records = property(_get_records)
-
-
-# a pending row of Recorder.add's fast path (a list: `extras` fills its last item)
-_STEP, _PHASE, _MODULE, _KIND, _CALL, _NAME, _LAYOUT, _STYLE, _CLS, _DTYPE, _SHAPE, _EXTRAS = range(12)
-
-
-def _materialise(records: list, rows: list) -> None:
-    """Pending rows onto records, in order: a compact row becomes (meta, None) with the meta
-    Recorder.add's general path builds for a whole plain tensor in hash mode, keys in the same
-    order (later keys - consumers - after them)."""
-    for row in rows:
-        if type(row) is tuple:  # (meta, tensor), made whole by the general path
-            records.append(row)
-            continue
-        step, phase, module, kind, call, name, layout, style, cls, dtype, shape, extras = row
-        meta = {
-            "idx": len(records), "step": step, "phase": phase, "module": module, "kind": kind,
-            "call": call, "name": name, "placement": layout, "style": style, "cls": cls,
-            "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype), "local_shape": list(shape),
-            "key": f"s{step}/{phase}/{module}/{kind}#{call}/{name}",
-            "hash_layout": "replicate", "full_shape": list(shape),
-        }
-        if extras:
-            meta.update(extras)
-        row[_EXTRAS] = meta  # keys added later go to the meta itself
-        records.append((meta, None))
-    rows.clear()
-
-
-def extras(record) -> dict:
-    """The dict a record's later keys go in (module_probes' consumers): its meta, or a pending
-    row's own, merged into its meta when the row is made one."""
-    if type(record) is dict:
-        return record
-    e = record[_EXTRAS]
-    if e is None:
-        e = record[_EXTRAS] = {}
-    return e
-
-
-def consumers_of(record) -> list:
-    """The consumers a record has so far (read only: a pending row gets no extras dict)."""
-    e = record if type(record) is dict else record[_EXTRAS]
-    return e.get("consumers", ()) if e else ()
-
-
-def module_of(record) -> str:
-    return record["module"] if type(record) is dict else record[_MODULE]
