@@ -26,7 +26,14 @@ from tpdiag.kernels import record_hash as rh
 # saved for backward)
 CAP_BYTES = 256 << 20
 RING = 16  # launch tables in flight
+DEFER_BYTES = 64 << 10  # a record off the Triton path up to this size is hashed at take()
+DEFER_CAP = 16 << 20    # ... while the copies held for it stay under this
 STALE = -1  # in a row's non-finite count: the tensor changed in place before it was hashed
+# (shape, dtype, dim, full, offset, data pointer % 16) -> (launch key, table row after the pointer
+# and row, bytes): batch_entry's answer for a contiguous tensor, kept across buffers (one per
+# recorder: `probes host` makes one per step; a model has few distinct shapes). A refinement of
+# batch_entry's own key, which depends on these and pointer % 16 == 0 (tests/test_probe_host.py)
+_ENTRIES: dict = {}
 
 
 def batch_size() -> int:
@@ -57,32 +64,69 @@ class HashBuffer:
         self.stale: list[int] = []  # slots
         self._ring = None  # launch tables (see _table)
         self._slot = 0
+        self.deferred: list = []  # small records off the Triton path, hashed at take()
+        self.deferred_bytes = 0
 
     def add(self, t: torch.Tensor, dim: int | None = None, full: int | None = None,
             offset: int = 0, owner: torch.Tensor | None = None) -> int:
         """Hash a shard into a fresh row (now, or queued); returns the row's slot. owner: the
         tensor t is the local shard of (a DTensor), whose version counter is watched too - an
-        in-place op on a DTensor bumps its counter, not its local tensor's."""
-        i, r = divmod(self.n, self.CHUNK)
+        in-place op on a DTensor bumps its counter, not its local tensor's. t may require grad
+        (queued as it is, as the owner always was; detached where torch ops read it)."""
+        n = self.n
+        i, r = divmod(n, self.CHUNK)
         if i == len(self.ints):
             self.ints.append(torch.zeros((self.CHUNK, 4), dtype=torch.int64, device=self.device))
             self.floats.append(torch.zeros((self.CHUNK, 2), dtype=torch.float64, device=self.device))
-        self.n += 1
+        self.n = n + 1
         t = rh.plain(t)
         if self.batch > 1 and rh.triton_ok(t):
-            key, words, row = rh.batch_entry(t, dim, full, offset, r)
-            # a non-contiguous t was copied (words): the copy cannot change
-            owner = (owner if owner is not None else t) if t.is_contiguous() else words
-            self.queue.setdefault((i, key), []).append(
-                (words, words._version, owner, owner._version, row))
+            if t.is_contiguous():
+                # A step has few distinct (shape, dtype, split, alignment): batch_entry runs once
+                # for each, its row reused with this record's pointer and row (host time per
+                # record). t itself is queued: the kernel reads its words through the pointer,
+                # and t's counter is the one its word view would have shared.
+                ptr = t.data_ptr()
+                ek = (t.shape, t.dtype, dim, full, offset, ptr % 16)
+                hit = _ENTRIES.get(ek)
+                if hit is None:
+                    if len(_ENTRIES) > 4096:
+                        _ENTRIES.clear()
+                    key, words, row = rh.batch_entry(t, dim, full, offset, r)
+                    hit = _ENTRIES[ek] = (key, tuple(row[2:]), words.numel() * words.element_size())
+                key, tail, nbytes = hit
+                row = (ptr, r) + tail
+                words = t
+            else:  # copied (words): the copy cannot change; detached, no autograd node made
+                key, words, row = rh.batch_entry(t.detach(), dim, full, offset, r)
+                owner, nbytes = words, words.numel() * words.element_size()
+            version = words._version
+            if owner is None or owner is words:
+                item = (words, version, words, version, row)
+            else:
+                item = (words, version, owner, owner._version, row)
+            q = self.queue.get((i, key))
+            if q is None:
+                self.queue[(i, key)] = [item]
+            else:
+                q.append(item)
             self.queued += 1
-            self.queued_bytes += words.numel() * words.element_size()
+            self.queued_bytes += nbytes
             if self.queued >= self.batch or self.queued_bytes >= CAP_BYTES:
                 self.flush()
         else:
-            # (chunk, chunk, row): the kernel offsets into the chunk itself
-            rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
-        return self.n - 1
+            t = t.detach()
+            nbytes = t.numel() * t.element_size()
+            if self.batch > 1 and nbytes <= DEFER_BYTES and self.deferred_bytes + nbytes <= DEFER_CAP:
+                # a small record the Triton kernel does not take (int64 token ids): copied now
+                # (one op), hashed by the torch path when rows are read - its many small ops
+                # leave the step, the copy cannot change
+                self.deferred.append((t.clone(), dim, full, offset, i, r))
+                self.deferred_bytes += nbytes
+            else:
+                # (chunk, chunk, row): the kernel offsets into the chunk itself
+                rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
+        return n
 
     def flush(self) -> None:
         """Hash every queued record: one launch per (chunk, launch key)."""
@@ -127,6 +171,9 @@ class HashBuffer:
 
     def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         self.flush()
+        for t, dim, full, offset, i, r in self.deferred:
+            rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
+        self.deferred, self.deferred_bytes = [], 0
         if not self.ints:
             return (torch.zeros((0, 4), dtype=torch.int64, device=self.device),
                     torch.zeros((0, 2), dtype=torch.float64, device=self.device))

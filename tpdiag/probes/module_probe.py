@@ -16,94 +16,108 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tpdiag.probes.recorder import Recorder
+from tpdiag.probes.rows import consumers_of, extras, module_of
+
+_NIDX = 16
+_IDX = tuple(str(i) for i in range(_NIDX))  # output / input positions as record names
 
 
 @contextmanager
 def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                   backward: bool = True, include: set[str] | None = None):
-    from tpdiag.records.styles import output_grad_partial, output_partial
-
-    handles = []
-    names = {m: (n or "model") for n, m in model.named_modules()}
-    style = _style_memo(plan)
-    styles = {n: style(n) for n in names.values()}
-    # modules whose output grad is reduced inside their own backward: recorded as partials
-    partial_grad = {n for n in names.values() if output_grad_partial(n, plan or {})}
-    partial_out = {n for n in names.values() if output_partial(n, plan or {})}
-    classes = {n: type(m).__name__ for m, n in names.items()}
-    # Which modules consumed each output: a grad_out is computed by its consumers' backward.
-    # Keyed by the tensor and by its storage's base tensor, each to the records of every module
-    # that returned it (a parent returning its child's output, HF's LlamaModel returning its
-    # final norm's): a consumer that reads a view (`hidden[:, -k:]` before a causal LM head,
-    # a reshape) is linked to the modules whose output it views. id(tensor) -> (weakref, metas):
-    # a WeakTensorKeyDictionary builds a Python key object per lookup, ~3 lookups per module
-    # call (host time per record); the weakref tells a live entry from a dead tensor's id reused.
-    producer: dict = {}
-    # this call's index per module, pairing its outputs with its inputs (a plain dict: an
-    # attribute set on the module goes through nn.Module.__setattr__, ~10 us per call)
-    calls: dict = {}
-
-    def wanted(name: str) -> bool:
-        return include is None or name in include
-
-    def pre_hook(mod, args, kwargs):
-        name = names[mod]
-        call = calls[mod] = rec.call_index(name)
-        rec.stack.append(name)
-        for i, t in enumerate(_tensors(args, kwargs)):
-            rec.add("in", name, str(i), t, call=call, style=styles[name], cls=classes[name])
-            for src in _producers(producer, t):
-                if not name.startswith(src["module"] + ".") and src["module"] != "model":
-                    src.setdefault("consumers", []).append(name)
-        return None
-
-    perturb = os.environ.get("TPDIAG_TEST_PERTURB_PROBE")  # fault injection for the self-check
-
-    def fwd_hook(mod, args, kwargs, out):
-        name = names[mod]
-        if rec.stack and rec.stack[-1] == name:
-            rec.stack.pop()
-        if perturb == name and isinstance(out, torch.Tensor):
-            out = out * (1 + 2.0 ** -10)
-        call = calls.get(mod, 0)
-        for i, t in enumerate(_tensors(out)):
-            meta = rec.add("out", name, str(i), t, call=call, style=styles[name], cls=classes[name],
-                           layout="partial" if name in partial_out else None)
-            if meta is not None:
-                _add_producer(producer, t, meta)
-            if backward and t.requires_grad and t.grad_fn is not None:
-                handles.append(t.register_hook(_grad_hook(rec, name, str(i), call, styles[name],
-                                                          classes[name], meta,
-                                                          name in partial_grad)))
-        return out if perturb == name else None
-
-    for mod, name in names.items():
-        if not wanted(name):
-            continue
-        # prepend: see the input as the previous module produced it, before a TP style's
-        # own pre-hook converts it to a DTensor.
-        handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
-        handles.append(mod.register_forward_hook(fwd_hook, with_kwargs=True))
-    if backward:
-        for pname, p in model.named_parameters():
-            mname, _, short = pname.rpartition(".")
-            mname = mname or "model"
-            if not wanted(mname) or not p.requires_grad:
-                continue
-            handles.append(p.register_post_accumulate_grad_hook(
-                _param_grad_hook(rec, mname, short, styles.get(mname), classes.get(mname))))
-    # Python's cyclic GC paused while the hooks are in (TPDIAG_PROBE_GC=1: left alone). A step
-    # leaves ~1000 records' dicts, lists and closures alive, enough to trigger full (oldest
-    # generation) collections that walk every tracked object of the process - torch, the model,
-    # the records: 0.2-0.6 s each on a 2-core host (`probes host`), one every few probed steps,
-    # a step time's spread on a host-bound step. The probes make no reference cycles of their
-    # own; garbage in cycles waits until the hooks come out, one step.
+    # Python's cyclic GC paused while the hooks go in and are in (TPDIAG_PROBE_GC=1: left
+    # alone). A step leaves ~1000 records' dicts, lists and closures alive, enough to trigger
+    # full (oldest generation) collections that walk every tracked object of the process -
+    # torch, the model, the records: 0.2-0.6 s each on a 2-core host (`probes host`), one every
+    # few probed steps, a step time's spread on a host-bound step. The probes make no reference
+    # cycles of their own; garbage in cycles waits until the hooks come out, one step. Paused
+    # before the hooks go in: the ~900 handles, closures and weakrefs made then collect too.
     gc_was = gc.isenabled() and os.environ.get("TPDIAG_PROBE_GC") != "1"
     if gc_was:
         gc.disable()
+    handles = []
+    walks = rec._walks
+    walked = None
     try:
+        info = _plan_memo(plan)
+        walked = _Walk(model)
+        classes = walked.classes
+        # per module: (name, style, output partial, output grad partial, class) - one lookup per
+        # hook call (host time per record). The class is looked up by name, as records always had
+        # it: a root named "model" and a child named "model" (HF's LlamaForCausalLM.model) share it.
+        infos = {m: (n, *info(n), classes[n]) for m, n in walked.names.items()}
+        # Which modules consumed each output: a grad_out is computed by its consumers' backward.
+        # Keyed by the tensor and by its storage's base tensor, each to the records of every module
+        # that returned it (a parent returning its child's output, HF's LlamaModel returning its
+        # final norm's): a consumer that reads a view (`hidden[:, -k:]` before a causal LM head,
+        # a reshape) is linked to the modules whose output it views. id(tensor) -> (weakref, metas):
+        # a WeakTensorKeyDictionary builds a Python key object per lookup, ~3 lookups per module
+        # call (host time per record); the weakref tells a live entry from a dead tensor's id reused.
+        producer: dict = {}
+        # this call's index per module, pairing its outputs with its inputs (a plain dict: an
+        # attribute set on the module goes through nn.Module.__setattr__, ~10 us per call)
+        calls: dict = {}
+        stack = rec.stack
+        add = rec.add
+        counts = rec._calls
+
+        def pre_hook(mod, args, kwargs):
+            name, style, _, _, cls = infos[mod]
+            # = rec.call_index(name), inline (host time per module call)
+            ck = (rec.step, rec._phase, name)
+            call = calls[mod] = counts.get(ck, 0)
+            counts[ck] = call + 1
+            stack.append(name)
+            for i, t in enumerate(_tensors(args, kwargs)):
+                add("in", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
+                srcs = _producers(producer, t)
+                if srcs:
+                    for src in srcs:
+                        m = module_of(src)
+                        if m != "model" and not name.startswith(m + "."):
+                            extras(src).setdefault("consumers", []).append(name)
+            return None
+
+        perturb = os.environ.get("TPDIAG_TEST_PERTURB_PROBE")  # fault injection for the self-check
+
+        def fwd_hook(mod, args, kwargs, out):
+            name, style, part_out, part_grad, cls = infos[mod]
+            if stack and stack[-1] == name:
+                stack.pop()
+            if perturb == name and isinstance(out, torch.Tensor):
+                out = out * (1 + 2.0 ** -10)
+            call = calls.get(mod, 0)
+            for i, t in enumerate(_tensors(out)):
+                idx = _IDX[i] if i < _NIDX else str(i)
+                meta = add("out", name, idx, t, call=call, style=style, cls=cls,
+                           layout="partial" if part_out else None)
+                if meta is not None:
+                    _add_producer(producer, t, meta)
+                if backward and t.requires_grad and t.grad_fn is not None:
+                    handles.append(t.register_hook(_grad_hook(rec, name, idx, call, style, cls, meta,
+                                                              part_grad)))
+            return out if perturb == name else None
+
+        for mod, (name, *_) in infos.items():
+            if include is not None and name not in include:
+                continue
+            # prepend: see the input as the previous module produced it, before a TP style's
+            # own pre-hook converts it to a DTensor.
+            handles.append(mod.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True))
+            handles.append(mod.register_forward_hook(fwd_hook, with_kwargs=True))
+        if backward:
+            for mname, short, p, _ in walked.params:
+                mname = mname or "model"
+                if include is not None and mname not in include or not p.requires_grad:
+                    continue
+                handles.append(p.register_post_accumulate_grad_hook(
+                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname))))
+        # record_params inside this block reads the same walk (no module walk per call)
+        walks[id(model)] = walked
         yield rec
     finally:
+        if walked is not None and walks.get(id(model)) is walked:
+            del walks[id(model)]
         for h in handles:
             h.remove()
         if gc_was:
@@ -138,13 +152,17 @@ def _producers(producer, t: torch.Tensor) -> list:
     return hit[1] if hit is not None and hit[0]() is root else []
 
 
-def _tensors(args, kwargs=None) -> list:
+def _tensors(args, kwargs=None):
     """The tensors among a hook's arguments or outputs, in pytree order (flat tuples of
     tensors, the common case, without flattening: hooks run per module call)."""
     if type(args) is torch.Tensor:
-        return [args]
-    if not kwargs and type(args) is tuple and all(type(a) is torch.Tensor for a in args):
-        return list(args)
+        return (args,)
+    if not kwargs and type(args) is tuple:
+        for a in args:
+            if type(a) is not torch.Tensor:
+                break
+        else:
+            return args
     flat, _ = tree_flatten((args, kwargs) if kwargs is not None else args)
     return [x for x in flat if isinstance(x, torch.Tensor)]
 
@@ -155,7 +173,7 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
         m = rec.add("grad_out", name, idx, g, call=call, phase="backward", style=style, cls=cls,
                     layout="partial" if partial else None)
         if m is not None and fwd_meta is not None:
-            m["consumers"] = sorted(set(fwd_meta.get("consumers", [])))
+            extras(m)["consumers"] = sorted(set(consumers_of(fwd_meta)))
         return None
 
     return hook
@@ -164,7 +182,8 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
 def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
     def hook(p):
         g = p.grad
-        if getattr(g, "placements", None) and any(pl.is_partial() for pl in g.placements):
+        if type(g) is not torch.Tensor and getattr(g, "placements", None) \
+                and any(pl.is_partial() for pl in g.placements):
             # A replicated weight under sequence parallelism accumulates an unreduced (Partial)
             # grad; DTensor reduces it later, in the optimizer. Record the reduced value: the
             # same all-reduce, on a copy, in the same order on every rank.
@@ -176,14 +195,36 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
 
 def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None = None,
                   include: set[str] | None = None) -> None:
+    if not rec.enabled:  # records nothing: no module walk either
+        return
+    walked = rec._walks.get(id(model)) or _Walk(model)
     style = _style_memo(plan)
-    mods = dict(model.named_modules())
-    for pname, p in model.named_parameters():
-        mname, _, short = pname.rpartition(".")
+    add = rec.add
+    for mname, short, p, cls in walked.params:
         if include is not None and (mname or "model") not in include:
             continue
-        cls = type(mods.get(mname, model)).__name__
-        rec.add(kind, mname or "model", short, p, style=style(mname), cls=cls)
+        add(kind, mname or "model", short, p, style=style(mname), cls=cls)
+
+
+class _Walk:
+    """A model's modules and parameters, walked once per module_probes block (record_params
+    reads it twice a step): names by module, classes by name, parameters with their owner."""
+    __slots__ = ("names", "classes", "params")
+
+    def __init__(self, model: nn.Module):
+        self.names = {}
+        self.classes = {}    # by record name ("model" for the root; a later namesake wins)
+        raw = {}             # by module path ("" for the root)
+        for n, m in model.named_modules():
+            c = type(m).__name__
+            self.names[m] = n or "model"
+            self.classes[n or "model"] = c
+            raw[n] = c
+        root = type(model).__name__
+        self.params = []     # (owner path, short name, parameter, owner class)
+        for pname, p in model.named_parameters():
+            mname, _, short = pname.rpartition(".")
+            self.params.append((mname, short, p, raw.get(mname, root)))
 
 
 _STYLE_MEMOS: dict = {}
@@ -195,19 +236,32 @@ def _style_memo(plan: dict | None):
     plan's patterns and its style objects, which the memo keeps alive (their ids stay theirs)."""
     from tpdiag.records.styles import style_of
 
+    return _memo(plan, "style", lambda name, plan: style_of(name, plan))
+
+
+def _plan_memo(plan: dict | None):
+    """name -> (style, output partial, output grad partial) under the plan, memoised as
+    _style_memo (the partial flags were matched per module name on every module_probes entry)."""
+    from tpdiag.records.styles import output_grad_partial, output_partial, style_of
+
+    return _memo(plan, "info", lambda name, plan: (style_of(name, plan), output_partial(name, plan),
+                                                   output_grad_partial(name, plan)))
+
+
+def _memo(plan: dict | None, what: str, fn):
     plan = plan or {}
-    key = tuple((k, id(v)) for k, v in plan.items())
+    key = (what, tuple((k, id(v)) for k, v in plan.items()))
     hit = _STYLE_MEMOS.get(key)
     if hit is None:
         if len(_STYLE_MEMOS) > 64:
             _STYLE_MEMOS.clear()
         memo: dict = {}
 
-        def style(name: str, _plan=dict(plan)):
+        def get(name: str, _plan=dict(plan)):
             s = memo.get(name, memo)
             if s is memo:
-                s = memo[name] = style_of(name, _plan)
+                s = memo[name] = fn(name, _plan)
             return s
 
-        hit = _STYLE_MEMOS[key] = style
+        hit = _STYLE_MEMOS[key] = get
     return hit

@@ -18,6 +18,7 @@ import torch
 
 from tpdiag.dtensors import local_of
 from tpdiag.probes import stream as _stream
+from tpdiag.probes.rows import _DTYPE_NAMES, dtype_name, materialise
 
 PHASES = ("init", "forward", "loss", "backward", "optimizer")
 
@@ -72,14 +73,7 @@ def label_of_placement(p, ndim: int) -> str:
                             "gather (known: Shard, _StridedShard, Replicate, Partial)")
 
 
-_DTYPE_NAMES: dict = {}
-
-
-def dtype_name(dtype) -> str:
-    n = _DTYPE_NAMES.get(dtype)
-    if n is None:
-        n = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return n
+_PARAMETER = torch.nn.Parameter
 
 
 # Kept whole even in hash mode: small, and every summary reads them (logprob error, loss drift).
@@ -90,7 +84,15 @@ KEEP_WHOLE = ("batch", "logprobs", "loss", "grad_norm")
 class Recorder:
     step: int = 0
     phase: str = "init"
-    records: list[tuple[dict, torch.Tensor | None]] = field(default_factory=list)
+    # (meta, tensor) per record in stream order: `records` (a property, below) - the list, with
+    # the pending rows of hash mode's fast path made into metas first
+    _records: list = field(default_factory=list)
+    # records made since `records` was last read: a hash-mode record of a plain tensor at TP=1
+    # as a compact row (probes/rows.py), any other as its (meta, tensor) pair (host time per
+    # record: docs/benchmarks.md, "Host work per record")
+    _rows: list = field(default_factory=list)
+    # (meta, its private copy) of records kept whole whose hash is still to be computed
+    _unhashed: list = field(default_factory=list)
     _calls: dict = field(default_factory=dict)
     enabled: bool = True
     hash: bool = True
@@ -107,6 +109,8 @@ class Recorder:
     # A module's input is usually another's output, nested modules share outputs: the same
     # tensor, unchanged, under several keys is hashed once (its row shared).
     _hashed: dict = field(default_factory=dict)
+    # module_probes' walk of each probed model (by id), read by record_params inside the block
+    _walks: dict = field(default_factory=dict)
     # full mode: records stream to host memory (probes/stream.py), spilled here past the budget
     spill_dir: str | None = None
     host_store: object = None
@@ -119,42 +123,75 @@ class Recorder:
 
     def add(self, kind: str, module: str, name: str, t: torch.Tensor, *, call: int = 0,
             phase: str | None = None, layout: str | None = None, style: str | None = None,
-            cls: str | None = None) -> dict | None:
+            cls: str | None = None):
+        """Record t; returns the record (its meta, or a pending row: `extras` gives the dict
+        later keys go in), or None when nothing was recorded."""
         if not self.enabled or not isinstance(t, torch.Tensor):
             return None
-        phase = phase or self._phase
-        # host time per record is what a small step pays for its probes (~1000 records): the
-        # plain-tensor case skips the DTensor checks, the key is built from locals
-        if type(t) is torch.Tensor:
+        if phase is None:
+            phase = self._phase
+        step = self.step
+        mode = self.mode
+        # Host time per record is what a small step pays for its probes (~1000 records, docs/
+        # benchmarks.md "Host work per record"). A plain tensor (or Parameter) at TP=1 in hash
+        # mode, most records, is a whole tensor: a compact row now, its meta (key, shapes) built when
+        # `records` is read; hashed once while unchanged (t's version counter: a detached
+        # tensor shares it), queued as itself (HashBuffer detaches where it runs torch ops).
+        # Its entry in _hashed is compact (one counter, the shape): _same reads it as the
+        # (counters, place) pair the general path keeps. Op records take the general path: the
+        # op probe records inside the dispatch, where a detached tensor has a counter of its own
+        # and an in-place op's bump is still to come (docs/benchmarks.md, "Host work per record").
+        tt = type(t)
+        if (tt is torch.Tensor or tt is _PARAMETER) and mode == "hash" and self.world == 1 \
+                and kind not in KEEP_WHOLE and kind != "op":
+            shape = t.shape
+            version = t._version
+            seen = self._hashed.get(id(t))
+            if seen is None or seen[0]() is not t or not (
+                    seen[1] == version and seen[2] == shape if type(seen[1]) is int
+                    else _same(seen, t, (version, version), (None, None, 0, list(shape)))):
+                hb = self.hashbuf
+                if hb is None:
+                    from tpdiag.kernels.hash_buffer import HashBuffer
+
+                    hb = self.hashbuf = HashBuffer(t.device)
+                # the hash's own torch ops are not records (op probe)
+                self.enabled = False
+                try:
+                    # a Parameter as a plain tensor (the same counter): the queue takes those
+                    slot = hb.add(t if tt is torch.Tensor else t.detach())
+                finally:
+                    self.enabled = True
+                self._hashed[id(t)] = (weakref.ref(t), version, shape, slot)
+            else:
+                slot = seen[3]
+            self.lanes.append(slot)
+            # the fields of probes/rows.py, in its order
+            row = [step, phase, module, kind, call, name, layout, style, cls, t.dtype, shape, None]
+            self._rows.append(row)
+            return row
+        if tt is torch.Tensor:
             label, local = None, t.detach()
         else:
             label = placement_label(t)
             local = local_of(t).detach()
-        placement = layout if layout is not None else label
-        hashed = self.mode == "hash" and kind not in KEEP_WHOLE
-        to_host = self.mode == "full"  # copied to the host in stream order (probes/stream.py)
-        if not hashed and not to_host:
-            # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
-            local = local.clone(memory_format=torch.contiguous_format)
-        step = self.step
         dtype = local.dtype
-        dname = _DTYPE_NAMES.get(dtype) or dtype_name(dtype)
         key = f"s{step}/{phase}/{module}/{kind}#{call}/{name}"  # = record_key(meta)
         meta = {
-            "idx": len(self.records), "step": step, "phase": phase, "module": module,
-            "kind": kind, "call": call, "name": name, "placement": placement, "style": style,
-            "cls": cls, "dtype": dname, "local_shape": list(local.shape), "key": key,
+            "idx": len(self._records) + len(self._rows), "step": step, "phase": phase,
+            "module": module, "kind": kind, "call": call, "name": name,
+            "placement": layout if layout is not None else label, "style": style,
+            "cls": cls, "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
+            "local_shape": list(local.shape), "key": key,
         }
-        if to_host:
-            return _stream.record_full(self, meta, t, local)
-        if hashed:
+        if mode == "hash" and kind not in KEEP_WHOLE:
             layout_, full, dim, size, offset = self._hash_layout(t, local, key, label)
             meta["hash_layout"], meta["full_shape"] = layout_, full
             where = (dim, size, offset, full)
             # both counters: an in-place op on a DTensor bumps the wrapper's, not its local's
             version = (t._version, local._version)
             seen = self._hashed.get(id(t))
-            if seen is not None and seen[0]() is t and seen[1] == version and seen[2] == where:
+            if _same(seen, t, version, where):
                 slot = seen[3]
             elif layout_.startswith("strided:"):
                 slot = self._hash_strided(t, local, layout_)
@@ -162,15 +199,19 @@ class Recorder:
                 slot = self._hash(local, dim, size, offset, t)
                 self._hashed[id(t)] = (weakref.ref(t), version, where, slot)
             self.lanes.append(slot)
-            self.records.append((meta, None))
+            self._rows.append((meta, None))
             return meta
+        if mode == "full":  # copied to the host in stream order (probes/stream.py)
+            return _stream.record_full(self, meta, t, local)
+        # A copy: later in-place updates (optimizer, inplace activations) must not rewrite history.
+        local = local.clone(memory_format=torch.contiguous_format)
         if self.hash:
-            from tpdiag.records.hashing import tensor_hash
-
-            with self._paused():
-                meta["hash"] = tensor_hash(local)  # this rank's shard, computed on its device
+            # this rank's shard's hash, computed on its device when `records` is read: the copy
+            # is the record's own, unchanged until then, and the hash's host sync leaves the step
+            meta["hash"] = None
+            self._unhashed.append((meta, local))
         self.lanes.append(None)
-        self.records.append((meta, local))
+        self._rows.append((meta, local))
         return meta
 
     def _hash(self, local, dim, size, offset, owner) -> int:
@@ -236,6 +277,18 @@ class Recorder:
         return f"shard:{d}", list(full), d, full[d], self.rank * shape[d]
 
 
+def _same(seen, t, version: tuple, where: tuple) -> bool:
+    """Whether _hashed's entry `seen` is t's, unchanged: the same object, counters and place. A
+    compact entry (Recorder.add's fast path: one counter, the shape) stands for the pair
+    (counter, counter) and the place (None, None, 0, shape) of a whole plain tensor."""
+    if seen is None or seen[0]() is not t:
+        return False
+    v, w = seen[1], seen[2]
+    if type(v) is int:
+        return (v, v) == version and (None, None, 0, list(w)) == where
+    return v == version and w == where
+
+
 def take_lanes(hashbuf, slots: list):
     """hashbuf.take, where a slot may be a tuple of rows (a _StridedShard's pieces, each hashed
     at its own offset): the pieces' lanes, counts and sums add up, their absmax is the max
@@ -281,3 +334,19 @@ def _set_phase(self, phase: str) -> None:
 
 
 Recorder.phase = property(_get_phase, _set_phase)  # after @dataclass: its __init__ sets it
+
+
+def _get_records(self) -> list:
+    if self._rows:
+        materialise(self._records, self._rows)
+    if self._unhashed:
+        from tpdiag.records.hashing import tensor_hash
+
+        with self._paused():
+            for meta, local in self._unhashed:
+                meta["hash"] = tensor_hash(local)
+        self._unhashed.clear()
+    return self._records
+
+
+Recorder.records = property(_get_records)

@@ -1,0 +1,177 @@
+"""The host-time shortcuts of hash-mode recording (docs/benchmarks.md, "Host work per record"):
+a plain tensor's compact row becomes the meta the general path builds, keys in the same order;
+a module called several times in a step gets its calls counted from hooks set up once; nothing
+recorded is kept alive past the queue; a kept-whole record hashed later, and a small record off
+the Triton path hashed at take(), give the hashes of the values recorded, not of later ones; the
+queue's cached launch row is batch_entry's. In-process, no gloo world, no Triton launch."""
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from tpdiag.kernels import hash_buffer as hb
+from tpdiag.kernels import record_hash as rh
+from tpdiag.probes.module_probe import module_probes
+from tpdiag.probes.recorder import Recorder, take_lanes
+
+
+class _Sub(torch.Tensor):
+    """A plain tensor subclass: Recorder.add's general path, the same layout as a plain tensor."""
+
+
+def _lanes(rec):
+    rows = [s for s in rec.lanes if s is not None]
+    ints, floats = take_lanes(rec.hashbuf, rows)
+    by = dict(zip(rows, zip(ints, floats)))
+    return [by.get(s) for s in rec.lanes]
+
+
+def test_compact_rows_equal_the_general_paths_metas():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 5, generator=g), torch.randn(7, generator=g).to(torch.bfloat16),
+          torch.randint(0, 9, (2, 4), generator=g)]
+    recs = []
+    for sub in (False, True):
+        rec = Recorder(mode="hash")
+        rec.phase = "forward"
+        for i, x in enumerate(xs):
+            t = x.as_subclass(_Sub) if sub else x
+            assert (type(t) is torch.Tensor) != sub
+            m = rec.add("out", f"layers.{i}", "0", t, call=i, style="colwise", cls="Linear",
+                        layout="partial" if i == 1 else None)
+            assert m is not None
+        rec.add("in", "layers.9", "0", xs[0] if not sub else xs[0].as_subclass(_Sub))
+        recs.append(rec)
+    fast, general = recs
+    assert fast._rows and all(type(r) is list for r in fast._rows)  # the fast path ran
+    assert all(type(r) is tuple for r in general._rows)               # the general path ran
+    mf, mg = [m for m, _ in fast.records], [m for m, _ in general.records]
+    assert [list(m.items()) for m in mf] == [list(m.items()) for m in mg]  # keys, order, values
+    assert [m["idx"] for m in mf] == list(range(4))
+    assert mf[3]["key"] == "s0/forward/layers.9/in#0/0"
+    lf, lg = _lanes(fast), _lanes(general)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(lf, lg))
+    # the negative control: a different value hashes differently
+    assert not torch.equal(lf[0][0], lf[1][0])
+
+
+def test_extras_of_a_pending_row_reach_its_meta_before_and_after_it_is_made():
+    rec = Recorder(mode="hash")
+    rec.phase = "forward"
+    a, b = torch.randn(4), torch.randn(4)
+    from tpdiag.probes.rows import consumers_of, extras
+
+    ra = rec.add("out", "a", "0", a)
+    extras(ra).setdefault("consumers", []).append("x")
+    assert consumers_of(ra) == ["x"]
+    rb = rec.add("out", "b", "0", b)
+    assert consumers_of(rb) == ()
+    metas = [m for m, _ in rec.records]        # rows made metas now
+    extras(rb)["consumers"] = ["y"]            # a key added after: it goes to the meta itself
+    assert metas[0]["consumers"] == ["x"] and metas[1]["consumers"] == ["y"]
+    assert list(metas[0])[-1] == "consumers"
+
+
+class _Reuse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(self.lin(self.lin(x)))  # one module, three calls
+
+
+def test_a_module_called_three_times_records_three_calls_and_its_grads():
+    torch.manual_seed(0)
+    m, rec = _Reuse(), Recorder(mode="hash")
+    with module_probes(m, rec):
+        rec.phase = "forward"
+        y = m(torch.randn(2, 4))
+        rec.phase = "backward"
+        y.sum().backward()
+    keys = [r["key"] for r, _ in rec.records]
+    for c in range(3):
+        assert f"s0/forward/lin/out#{c}/0" in keys and f"s0/forward/lin/in#{c}/0" in keys
+        assert f"s0/backward/lin/grad_out#{c}/0" in keys
+    assert keys.count("s0/backward/lin/param_grad#0/weight") == 1
+    assert not m.lin._forward_hooks and not m.lin._forward_pre_hooks  # removed on exit
+    assert not m.lin.weight._post_accumulate_grad_hooks
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_recorded_tensors_are_not_kept_alive_past_the_queue(monkeypatch, queued):
+    if queued:  # as on CUDA: the records wait in the queue for one launch
+        monkeypatch.setattr(rh, "triton_ok", lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T)
+        monkeypatch.setattr(rh, "batch_launch", lambda *a, **k: None)
+    rec = Recorder(mode="hash")
+    rec.phase = "forward"
+    x = torch.randn(8, 8, requires_grad=True)
+    h = x * 2
+    y = h.sin()                   # its autograd node saves h
+    p = nn.Parameter(torch.randn(8))
+    ry, rp, rh_ = weakref.ref(y), weakref.ref(p), weakref.ref(h)
+    rec.add("out", "m", "0", y)
+    rec.add("param", "m", "w", p)
+    # queued: held until the launch, as the owner always was; else copies, hashed at take()
+    assert rec.hashbuf.queued == (2 if queued else 0)
+    assert len(rec.hashbuf.deferred) == (0 if queued else 2)
+    rec.phase = "loss"               # a phase change flushes the queue
+    del y, p, h
+    gc.collect()
+    assert ry() is None and rp() is None and rh_() is None  # nor the graph behind y
+    assert len(rec.records) == 2
+
+
+def test_deferred_hashes_are_of_the_values_recorded():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (2, 8), generator=g)
+    loss = torch.tensor(2.5)
+    want_ids = rh.shard_lanes(ids.clone())[0].clone()
+    from tpdiag.records.hashing import tensor_hash
+
+    want_loss = tensor_hash(loss.clone())
+    rec = Recorder(mode="hash")
+    rec.phase = "forward"
+    rec.add("in", "tok", "0", ids)          # int64: off the Triton path, hashed at take()
+    rec.add("loss", "model", "loss", loss)  # kept whole, hashed when records are read
+    assert rec.hashbuf.deferred and rec._unhashed
+    ids.add_(1)
+    loss.mul_(3)                            # changed after the record
+    metas = [m for m, _ in rec.records]
+    assert metas[1]["hash"] == want_loss != tensor_hash(loss)
+    got = rec.hashbuf.take([rec.lanes[0]])[0][0].clone()
+    got[:2] &= rh.M32
+    want_ids[:2] &= rh.M32
+    now = rh.shard_lanes(ids)[0].clone()
+    now[:2] &= rh.M32
+    assert torch.equal(got, want_ids) and not torch.equal(got, now)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_launch_rows_are_batch_entrys(monkeypatch, dtype):
+    launched = []
+    monkeypatch.setattr(rh, "triton_ok", lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T)
+    monkeypatch.setattr(rh, "batch_launch", lambda key, table, n, *a, **k: launched.append(
+        (key, table.view(n, rh.TABLE_COLS).tolist())))
+    hb._ENTRIES.clear()
+    base = torch.randn(4096 + 8).to(dtype)
+    cases = []
+    for shape in ((16, 64), (3, 10, 33), (130,)):
+        n = 1
+        for s in shape:
+            n *= s
+        for off in (0, 1, 8):  # data pointers at different alignments
+            cases.append((base[off:off + n].view(shape), None, None, 0))
+        cases.append((base[:n].view(shape), 0, shape[0] * 2, shape[0]))  # a shard's place
+    buf = hb.HashBuffer(torch.device("cpu"), batch=4)
+    want = []
+    for k in range(2):  # the second pass reads the cache
+        for t, d, f, o in cases:
+            slot = buf.add(t, d, f, o)
+            key, _, row = rh.batch_entry(t, d, f, o, slot % buf.CHUNK)
+            want.append((key, list(row)))
+    buf.flush()
+    got = [(key, row) for key, rows in launched for row in rows]
+    assert sorted(map(repr, got)) == sorted(map(repr, want)) and len(got) == 2 * len(cases)
