@@ -77,3 +77,43 @@ def test_auto_records_ops_only_inside_the_first_divergent_module(tmp_path):
     ops = [line for line in (tmp_path / "r" / "ops" / "tp4" / "events.jsonl").read_text().splitlines()
            if '"kind": "op"' in line]
     assert 0 < len(ops) < 20 and all(fd["module"] in line for line in ops)
+
+
+def test_in_place_op_record_holds_its_new_value():
+    """The dispatch mode runs before the in-place op's version counter is bumped, so the result
+    of `mul_` looks like the unchanged tensor recorded just before: its record must still be the
+    new value (on main before this test it was the old one - the clip's `mul_` read as the
+    pre-clip grad). The earlier record keeps the old value, so the two records differ."""
+    from tpdiag.probes.op_probe import OpProbe
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.probes.stream import as_tensor
+
+    rec = Recorder(mode="full")
+    rec.phase = "optimizer"
+    x = torch.randn(4, 8)
+    with OpProbe(rec):
+        y = x * 3.0
+        y.mul_(2.0)
+    recs = {m["name"]: as_tensor(t) for m, t in rec.records}
+    assert list(recs) == ["aten::mul#0.0", "aten::mul_#0.0"]
+    assert torch.equal(recs["aten::mul_#0.0"], y)
+    assert torch.equal(recs["aten::mul#0.0"], x * 3.0) and not torch.equal(recs["aten::mul#0.0"], y)
+
+
+def test_op_records_of_collectives_are_reproducible(tmp_path):
+    """The same TP=2 world twice at op granularity: bitwise, collectives included (a functional
+    collective's output recorded before its wait changed from run to run); the row-parallel
+    all-reduce is still the first divergent op against TP=1."""
+    runs = []
+    for r in ("a", "b"):
+        p = run_cli("compare", "--tp", "1,2", "--granularity", "op", "--no-baseline", "--no-confirm",
+                    "--out", str(tmp_path / r), "--format", "json")
+        assert p.returncode == 0, p.stderr
+        runs.append(json.loads(p.stdout))
+    fd = runs[0]["degrees"]["2"]["first_divergence"]
+    assert fd["op"] == "_c10d_functional::all_reduce"
+    ev = (tmp_path / "a" / "tp2" / "events.jsonl").read_text()
+    assert ev.count("_c10d_functional::all_reduce") > 10
+    p = run_cli("diff", str(tmp_path / "a" / "tp2"), str(tmp_path / "b" / "tp2"), "--format", "json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["status"] == "bitwise"

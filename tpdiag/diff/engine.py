@@ -126,8 +126,9 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
             uncompared.append({**om, "why": "unreduced partial sum"})
             continue
         if om["kind"] == "op" and _in_flight(om["name"]):
-            # a functional collective's output before its wait_tensor holds the rank's own
-            # partial (only a TP>1 reference has the key at all); wait_tensor's is compared
+            # a collective's own record: in-place c10d ones hold the partial or the result, by
+            # timing; functional ones (waited for before recording since session 8; earlier runs
+            # recorded them in flight) duplicate wait_tensor's, which is compared
             uncompared.append({**om, "why": "collective output before wait_tensor"})
             continue
         if "hash" in (om.get("stored"), rm.get("stored")):

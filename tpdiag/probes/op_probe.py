@@ -51,7 +51,20 @@ class OpProbe(TorchDispatchMode):
         k = self.occ.get(key, 0)
         self.occ[key] = k + 1
         flat, _ = tree_flatten(out)
+        if ns == "_c10d_functional" and name != "wait_tensor":
+            # An asynchronous collective's output holds its numbers only after wait_tensor (on
+            # gloo it changed from run to run when recorded here), and its user may wait inside
+            # a tensor subclass's dispatch, out of this mode's sight. Waiting now changes no
+            # number (a later wait finds nothing pending); on CUDA it only orders the streams.
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    torch.ops._c10d_functional.wait_tensor(t)
+        # An in-place or out= op's result is a tensor seen before whose version counter is bumped
+        # only after this mode returns (ADInplaceOrView runs above it): recorded as is it would
+        # pass for the earlier, unchanged record (and a queued hash would find it changed). A copy
+        # of its new value is its record.
+        mutable = func._schema.is_mutable
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
             if t.is_floating_point():
-                rec.add("op", module, f"{op}#{k}.{i}", t)
+                rec.add("op", module, f"{op}#{k}.{i}", t.detach().clone() if mutable else t)
         return out
