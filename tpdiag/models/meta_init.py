@@ -59,6 +59,15 @@ def _post_order(model: nn.Module):
     return out
 
 
+def nan_like(t: torch.Tensor, device) -> torch.Tensor:
+    """Storage for `t` on `device`, NaN where floating point: a tensor no init rule fills is
+    then seen (check_initialised), never uninitialised memory."""
+    data = torch.empty(t.shape, dtype=t.dtype, device=device)
+    if data.is_floating_point() or data.is_complex():
+        data.fill_(float("nan"))
+    return data
+
+
 def _allocate(model: nn.Module, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     """Give every meta parameter and buffer storage on `device` (NaN-filled); move the others.
     A tensor shared by two modules (tied weights) stays one tensor. Returns what was allocated."""
@@ -72,9 +81,7 @@ def _allocate(model: nn.Module, device: torch.device) -> list[tuple[str, torch.T
                     continue
                 if id(t) not in new:
                     if t.is_meta:
-                        data = torch.empty(t.shape, dtype=t.dtype, device=device)
-                        if data.is_floating_point() or data.is_complex():
-                            data.fill_(float("nan"))
+                        data = nan_like(t, device)
                     else:
                         data = t.detach().to(device)
                     if isinstance(t, nn.Parameter):

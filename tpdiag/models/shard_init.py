@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from tpdiag.errors import BadInput
-from tpdiag.models.meta_init import InitFn, _post_order, stream_seed
+from tpdiag.models.meta_init import InitFn, _post_order, nan_like, stream_seed
 
 # fill(original tensor, full tensor): what the rules left is overwritten (checkpoint weights)
 FillFn = Callable[[torch.Tensor, torch.Tensor], None]
@@ -165,9 +165,7 @@ def _allocate(t, device, name: str) -> tuple[torch.Tensor, bool]:
         raise ShardedInitUnsupported(f"{name} is a DTensor with real data before materialisation")
     fresh = local is not None or t.is_meta
     if fresh:
-        data = torch.empty(t.shape, dtype=t.dtype, device=device)
-        if data.is_floating_point() or data.is_complex():
-            data.fill_(float("nan"))
+        data = nan_like(t, device)
     else:
         data = t.detach().to(device)
     if isinstance(t, nn.Parameter):
