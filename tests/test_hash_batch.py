@@ -126,3 +126,33 @@ def test_batched_hash_equals_one_launch_per_record_and_catches_inplace_changes()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, PORT=str(free_port()))
     p = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+
+
+def test_direct_launch_passes_every_kernel_parameter():
+    """On CUDA a compiled record-hash kernel is launched directly (record_hash._direct), with
+    every parameter, constexprs included, positionally - a check Triton's JIT path does not
+    make, and that only a GPU would trip (a TypeError on the first cached launch: session 8's
+    MIX parameter was missing from the batch launch). Both launch sites' argument tuples must
+    name each kernel parameter once, in order."""
+    import pytest
+    import torch
+    pytest.importorskip("triton")
+    from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels import record_hash_triton as rt
+
+    batch = rt._hash_batch_kernel.arg_names
+    assert tuple(batch[4:]) == rh.BATCH_CONSTEXPRS
+    t = torch.zeros(4, 300, dtype=torch.bfloat16)
+    key, _words, _row = rh.batch_entry(t, 1, 600, 300, 0)
+    table = torch.zeros(1, rh.TABLE_COLS, dtype=torch.int64)
+    args = rh.batch_args(key, table, 4, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64))
+    assert len(args) == len(batch), (len(args), batch)
+
+    seen = []
+    launch = rh._launch
+    try:
+        rh._launch = lambda args, nprog, warps, device: seen.append(args)
+        rh.triton_lanes(t, *rh.slab(t.shape, 1, 600, 300))
+    finally:
+        rh._launch = launch
+    assert len(seen) == 1 and len(seen[0]) == len(rt._hash_kernel.arg_names)

@@ -160,9 +160,10 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
 # alignment, SLAB (the one specialised integer: == 1, % 16) and whether every integer fits in
 # int32 (its argument type).
 _COMPILED: dict = {}
-# bf16 data as 32-bit word pairs (_hash_chunks' PAIRS; the lanes are the same): H200, bf16
-# 1 GiB, 2717 vs 2660 GB/s element-wise (docs/benchmarks.md, 2026-11-23). 0: off (A/B).
-PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
+# bf16 data as 32-bit word pairs (_hash_chunks' PAIRS; the lanes are the same). Off by default
+# since hash v2: on an H200, bf16 1 GiB, word pairs 2843 GB/s against 3196 element-wise (v1:
+# 2901 against 2669; docs/benchmarks.md, session 9). TPDIAG_HASH_PAIRS=1: on (A/B).
+PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "0") == "1"]
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
@@ -256,16 +257,26 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
                  floats: torch.Tensor, *, warps: int = WARPS) -> None:
     """One launch for n records that share `key` (batch_entry): `table` holds their rows
     (int64 [n, TABLE_COLS], on the device), the hashes go to rows of (ints, floats)."""
-    width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
-    pairs = PAIRS[0]
-    args = (table, ints, floats, nprog, width, is_bf16, r, cb, ITERS, row_iters, even, aligned, slab16,
-            pairs)
+    args = batch_args(key, table, nprog, ints, floats)
     dev = ints.device
-    ck = ("batch", dev.index, key, pairs, warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
+    ck = ("batch", dev.index, key, args[13:], warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
           floats.data_ptr() % 16 == 0)
     _direct(ck, (nprog, n, 1), args, dev, lambda: _triton()._hash_batch_kernel[(nprog, n)](
-        *args[:4], WIDTH=width, IS_BF16=is_bf16, R=r, CB=cb, ITERS=ITERS, ROW_ITERS=row_iters,
-        EVEN=even, ALIGNED=aligned, SLAB16=slab16, PAIRS=pairs, MIX=HASH_VERSION, num_warps=warps))
+        *args[:4], **dict(zip(BATCH_CONSTEXPRS, args[4:])), num_warps=warps))
+
+
+# _hash_batch_kernel's constexprs in its parameter order. A compiled kernel launched directly
+# (_direct) takes every parameter, constexprs included, positionally: one missing is a
+# TypeError on the GPU only (session 8's MIX was, until tests/test_hash_batch.py checked this).
+BATCH_CONSTEXPRS = ("WIDTH", "IS_BF16", "R", "CB", "ITERS", "ROW_ITERS", "EVEN", "ALIGNED", "SLAB16",
+                    "PAIRS", "MIX")
+
+
+def batch_args(key, table, nprog: int, ints, floats) -> tuple:
+    """_hash_batch_kernel's arguments, all of them, in its parameter order."""
+    width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
+    return (table, ints, floats, nprog, width, is_bf16, r, cb, ITERS, row_iters, even, aligned, slab16,
+            PAIRS[0], HASH_VERSION)
 
 
 def batch_nprog(total_max: int, device) -> int:
