@@ -87,3 +87,17 @@ def test_rank_inconsistent_replica_points_at_the_module(tmp_path):
     assert fd["module"] == "layers.0.ffn_norm" and fd["cause"] == "rank-inconsistent-replica", fd
     f = [x for x in d["findings"] if x["cause"] == "rank-inconsistent-replica"]
     assert f and f[0]["module"] == "layers.0.ffn_norm" and f[0]["max_abs"] > 1e-4
+
+
+def test_same_degree_pair_names_a_nondeterministic_backward_at_its_op(tmp_path):
+    """`--tp 1,1` on one device is a reproducibility check: a backward whose noise changes run
+    to run (as fused attention backwards with atomics do) is named nondeterministic-kernel at
+    the op that made it - not a TP cause read from the layout (before: column-parallel-dgrad
+    style guesses for a world that has no TP at all)."""
+    s = compare(tmp_path, "--model", "py:tests/models/nondeterministic_bwd.py:target", "--tp", "1,1",
+                "--granularity", "op", code=2)
+    assert s["status"] == "inconclusive"
+    d = s["degrees"]["1-2"]
+    fd = d["first_divergence"]
+    assert (fd["phase"], fd["cause"], fd["op"]) == ("backward", "nondeterministic-kernel", "aten::randn"), fd
+    assert "does not reproduce the reference at the same TP=1" in d["error"]

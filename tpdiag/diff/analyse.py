@@ -83,14 +83,42 @@ def _baseline(run_dir, ref, label, failed, degree) -> dict:
     if not ok:
         fd = entry.get("first_divergence")
         out["first_divergence"] = fd
-        out["cause"] = baseline_cause(fd, degree)
-        if fd:
-            fd["cause"] = out["cause"]
-            fd.pop("why", None)
-            if out["cause"] == "nondeterministic-kernel":
-                fd["why"] = ("the reference does not reproduce itself: a kernel is "
-                             "nondeterministic run to run, which no TP layout explains")
+        out["cause"] = as_noise(fd, degree)
     return out
+
+
+def _where(fd: dict | None) -> str:
+    fd = fd or {}
+    return f"{fd.get('module')}" + (f" (op {fd['op']})" if fd.get("op") else "")
+
+
+def as_noise(fd: dict | None, degree: int) -> str:
+    """Two runs at the same degree on one machine differ: no TP layout explains it, so the
+    layout-based cause locate() read is replaced by the run-to-run one (baseline_cause)."""
+    cause = baseline_cause(fd, degree)
+    if fd:
+        fd["cause"] = cause
+        fd.pop("why", None)
+        if cause == "nondeterministic-kernel":
+            fd["why"] = ("the reference does not reproduce itself: a kernel is "
+                         "nondeterministic run to run, which no TP layout explains")
+    return cause
+
+
+def _same_degree(entry: dict, label: str, degree: int) -> None:
+    """`--tp 1,1` (or 2,2): the second world is a rerun of the reference's layout - a check
+    that needs one GPU where the reference rerun beside another degree needs two."""
+    fd = entry.get("first_divergence")
+    if entry["status"] == "bitwise" or fd is None:
+        return
+    cause = as_noise(fd, degree)
+    op = f", op {fd['op']}" if fd.get("op") else ""
+    # both worlds were probed, so probes cannot explain the difference: the self-check's
+    # "probes or nondeterminism" resolves to nondeterminism
+    entry["error"] = (f"world {label} does not reproduce the reference at the same TP={degree} ({cause}): first "
+                      f"difference at {fd['module']} ({fd['phase']} {fd['kind']}{op})")
+    if entry["status"] != "failed":
+        entry["status"] = "failed"
 
 
 # A hash-only record has no values to bound-check. Its norm still says how much it moved: a
@@ -158,6 +186,8 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         except Inconclusive as e:
             degrees[label] = {"status": "failed", "error": str(e)}
             continue
+        if int(other.world.get("degree", 0)) == reference_degree:
+            _same_degree(entry, label, reference_degree)
         degrees[label] = entry
         all_rows.extend(rows)
     base = None
@@ -191,7 +221,7 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
             summary["status"] = "inconclusive"
             summary["error"] = (f"the reference TP={reference_degree} does not reproduce itself "
                                 f"({base.get('cause')}): first difference at "
-                                f"{(base.get('first_divergence') or {}).get('module')}; "
+                                f"{_where(base.get('first_divergence'))}; "
                                 "differences between degrees cannot be attributed to TP")
     if ref_error is not None:
         summary["error"] = f"reference TP={reference} failed: {ref_error}"
