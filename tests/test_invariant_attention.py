@@ -267,6 +267,14 @@ def test_cause_labels():
     assert baseline_cause({"op": "_c10d_functional::all_reduce"}, 2) == "collective-nondeterminism"
     assert baseline_cause({"op": None}, 1) == "nondeterministic-kernel"
     assert baseline_cause({"op": None}, 2) == "collective-nondeterminism"
+    # what --confirm tries for each: only an attention kernel's nondeterminism has a fix
+    from tpdiag.fixes.registry import fix_for_cause
+
+    assert fix_for_cause("nondeterministic-kernel", "aten::_scaled_dot_product_cudnn_attention_backward") \
+        == "invariant-attention"
+    assert fix_for_cause("nondeterministic-kernel", "aten::index_add") is None
+    assert fix_for_cause("nondeterministic-kernel") is None
+    assert fix_for_cause("attention-kernel") == "invariant-attention"
 
 
 DTENSOR_SCRIPT = r"""

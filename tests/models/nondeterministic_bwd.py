@@ -1,9 +1,12 @@
 """Planted run-to-run nondeterminism in a backward only, the way fused attention backwards with
-atomics behave: layer 0's attention output passes through an op whose forward is exact and
-whose backward adds noise seeded by the process id."""
+atomics behave (dq noisy; dk, dv and the forward exact): the query that layer 0's attention
+kernel sees passes through an op whose forward is exact and whose backward adds noise seeded
+by the process id. As on a GPU, the noisy dq reaches wq's grad_out record after wv's and wk's
+bitwise ones."""
 import os
 
 import torch
+import torch.nn.functional as F
 
 import tpdiag
 from tpdiag.models import tiny_llama
@@ -22,13 +25,12 @@ class _NoisyGrad(torch.autograd.Function):
 
 def target():
     model = tiny_llama.build("tiny-llama", n_layers=1)
-    attn = model.layers[0].attention
-    orig = attn.forward
+    sdpa = F.scaled_dot_product_attention
 
-    def noisy(*args, **kwargs):
-        return _NoisyGrad.apply(orig(*args, **kwargs))
+    def noisy_sdpa(q, k, v, *args, **kwargs):
+        return sdpa(_NoisyGrad.apply(q), k, v, *args, **kwargs)
 
-    attn.forward = noisy
+    F.scaled_dot_product_attention = noisy_sdpa  # this world's process only
     from tpdiag.models.plans import llama_plan
 
     return tpdiag.Target(model=model, plan=llama_plan(), vocab_size=model.cfg.vocab_size)

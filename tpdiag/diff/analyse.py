@@ -107,7 +107,8 @@ def as_noise(fd: dict | None, degree: int) -> str:
 
 def _same_degree(entry: dict, label: str, degree: int) -> None:
     """`--tp 1,1` (or 2,2): the second world is a rerun of the reference's layout - a check
-    that needs one GPU where the reference rerun beside another degree needs two."""
+    that needs one GPU where the reference rerun beside another degree needs two. Its
+    difference is a finding (status divergent, cause run-to-run), which --confirm can test."""
     fd = entry.get("first_divergence")
     if entry["status"] == "bitwise" or fd is None:
         return
@@ -115,10 +116,13 @@ def _same_degree(entry: dict, label: str, degree: int) -> None:
     op = f", op {fd['op']}" if fd.get("op") else ""
     # both worlds were probed, so probes cannot explain the difference: the self-check's
     # "probes or nondeterminism" resolves to nondeterminism
-    entry["error"] = (f"world {label} does not reproduce the reference at the same TP={degree} ({cause}): first "
-                      f"difference at {fd['module']} ({fd['phase']} {fd['kind']}{op})")
-    if entry["status"] != "failed":
-        entry["status"] = "failed"
+    entry["reproducible"] = False
+    entry["note"] = (f"world {label} does not reproduce the reference at the same TP={degree} ({cause}): first "
+                     f"difference at {fd['module']} ({fd['phase']} {fd['kind']}{op})")
+    if entry.get("error", "").startswith("the probed and the unprobed run"):
+        # a finding, not a failure: two probed runs differ, so the step is what varies
+        entry.pop("error")
+        entry["status"] = "divergent"
 
 
 # A hash-only record has no values to bound-check. Its norm still says how much it moved: a

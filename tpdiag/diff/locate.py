@@ -277,7 +277,28 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
         # a hand-written in-place collective ran before the first differing shared op: the
         # difference entered through it (its own output is not comparable)
         return extra[0]
+    if hit is None and not extra:
+        hit = _earlier_op(rows, j, first)
     return hit
+
+
+def _earlier_op(rows: list[dict], j: int, first: dict) -> dict | None:
+    """A backward can compute a module's input grad before the hooks of sibling modules record
+    theirs: one attention backward op returns dq, dk and dv, and wq's grad_out is recorded
+    after wk's and wv's. So when nothing differs between the previous module record and
+    `first`, the difference was made earlier in the same step and phase: the earliest divergent
+    op there (every module record before `first` being bitwise equal). Not past an op row that
+    was not compared (shapes differ across degrees): an op there could not be checked."""
+    found = None
+    while j >= 0 and rows[j]["step"] == first["step"] and rows[j]["phase"] == first["phase"]:
+        r = rows[j]
+        if r["kind"] == "op":
+            if r.get("bitwise") is None:
+                break
+            if not r["bitwise"]:
+                found = r
+        j -= 1
+    return found
 
 
 def logprob_stats(dd: DegreeDiff) -> dict | None:

@@ -12,7 +12,14 @@ def catalogue() -> dict[str, Fix]:
     return FIXES
 
 
-def fix_for_cause(cause: str) -> str | None:
+def fix_for_cause(cause: str, op: str | None = None) -> str | None:
+    """The fix that removes `cause`; `op`: the op it was located at. A nondeterministic kernel
+    has no fix in general, but an attention kernel's has: invariant-attention's backward is
+    deterministic (no atomics)."""
+    if cause == "nondeterministic-kernel" and op and any(
+            a in op for a in ("scaled_dot_product", "flash_attention", "efficient_attention",
+                              "cudnn_attention")):
+        return "invariant-attention"
     for f in catalogue().values():
         if cause in f.fixes:
             return f.name

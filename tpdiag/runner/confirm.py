@@ -49,7 +49,7 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
         if d.get("status") != "divergent" or not d.get("first_divergence"):
             continue
         cause = d["first_divergence"]["cause"]
-        fix = force_fix or fix_for_cause(cause)
+        fix = force_fix or fix_for_cause(cause, d["first_divergence"].get("op"))
         if fix is None or catalogue()[fix].install is None or fix in cfg.fixes:
             d["confirmation"] = {"fix": fix, "verdict": "no-fix", "first_divergence_after": None,
                                  "reason": f"no available fix for cause {cause!r}"
@@ -104,7 +104,7 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
             break
         new = []
         for f in firsts.values():
-            fx = fix_for_cause(f.get("cause", "")) if f else None
+            fx = fix_for_cause(f.get("cause", ""), f.get("op")) if f else None
             if fx and fx not in fixes and fx not in new and catalogue()[fx].install is not None:
                 new.append(fx)
         if not new:
