@@ -103,3 +103,18 @@ def test_same_degree_pair_names_a_nondeterministic_backward_at_its_op(tmp_path):
     assert (fd["phase"], fd["module"], fd["cause"], fd["op"]) == (
         "backward", "layers.0.attention.wq", "nondeterministic-kernel", "aten::randn"), fd
     assert "does not reproduce the reference at the same TP=1" in d["note"]
+
+
+def test_diff_of_the_same_setup_twice_names_run_to_run_noise(tmp_path):
+    """`tpdiag diff` of two same-degree worlds made by one setup (device, backend, versions,
+    env): a difference is nondeterminism at its op, as in compare - not a layout cause."""
+    compare(tmp_path, "--model", "py:tests/models/nondeterministic_bwd.py:target", "--tp", "1,1",
+            "--granularity", "op", "--no-baseline")
+    p = run_cli("diff", str(tmp_path / "r" / "tp1"), str(tmp_path / "r" / "tp1-2"), "--format", "json",
+                "--out", str(tmp_path / "d"))
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    (d,) = s["degrees"].values()
+    fd = d["first_divergence"]
+    assert (fd["module"], fd["cause"], fd["op"]) == ("layers.0.attention.wq", "nondeterministic-kernel", "aten::randn"), fd
+    assert d["reproducible"] is False

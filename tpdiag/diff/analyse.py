@@ -105,7 +105,7 @@ def as_noise(fd: dict | None, degree: int) -> str:
     return cause
 
 
-def _same_degree(entry: dict, label: str, degree: int) -> None:
+def same_degree(entry: dict, label: str, degree: int) -> None:
     """`--tp 1,1` (or 2,2): the second world is a rerun of the reference's layout - a check
     that needs one GPU where the reference rerun beside another degree needs two. Its
     difference is a finding (status divergent, cause run-to-run), which --confirm can test."""
@@ -191,7 +191,7 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
             degrees[label] = {"status": "failed", "error": str(e)}
             continue
         if int(other.world.get("degree", 0)) == reference_degree:
-            _same_degree(entry, label, reference_degree)
+            same_degree(entry, label, reference_degree)
         degrees[label] = entry
         all_rows.extend(rows)
     base = None

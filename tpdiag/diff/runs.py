@@ -26,6 +26,10 @@ COMPARE_KEYS = ("dtype", "seed", "batch_size", "seq_len", "steps", "backward", "
                 "fixes", "variant", "granularity", "op_include", "module_include")
 
 
+# what must be equal for two same-degree sides to count as one setup run twice
+SAME_SETUP = ("device", "backend", "versions", "env")
+
+
 def read_side(path: str) -> dict:
     """A capture's manifest, or a compare run's degree directory (RUN_DIR/tpN) as one."""
     w = None if os.path.isfile(os.path.join(path, "manifest.json")) else _compare_world(path)
@@ -204,6 +208,12 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
 
     check_same_hash_version(ref.hash_version, other.hash_version, run_a, run_b)
     entry, rows = analyse_degree(ref, other, label)
+    if da == db and all(ma.get(k) is not None and ma.get(k) == mb.get(k) for k in SAME_SETUP):
+        # the same layout, machine kind and software twice: a difference is run-to-run noise,
+        # not a layout cause (across machines it may be the machine: left as located)
+        from tpdiag.diff.analyse import same_degree
+
+        same_degree(entry, label, da)
     summary = {"schema": SCHEMA, "status": entry["status"], "reference": da,
                "reference_label": ref_label, "degrees": {label: entry},
                "runs": {"reference": os.path.abspath(run_a), label: os.path.abspath(run_b)}}
