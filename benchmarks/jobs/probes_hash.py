@@ -80,6 +80,18 @@ HASH_SWEEP = [(1024, 8, 4, 4), (1024, 4, 4, 4), (2048, 4, 4, 8), (1024, 4, 16, 4
 # (2048, 2, 8, 8), (4096, 2, 4, 8), (2048, 4, 8, 4), (512, 8, 8, 4): none better on whole tensors)
 
 
+def _shapes(args) -> list[tuple[int, int, int, int]]:
+    if not getattr(args, "shapes", None):
+        return HASH_SWEEP
+    out = []
+    for part in args.shapes.split(";"):
+        words = part.strip().split(",")
+        if len(words) != 4 or not all(w.strip().isdigit() for w in words):
+            raise SystemExit(f"--shapes {args.shapes!r}: expected BLOCK,ITERS,WAVES,WARPS;... (integers)")
+        out.append(tuple(int(w) for w in words))
+    return out
+
+
 def hash_sweep(args) -> dict:
     """Launch shapes of the record-hash kernel side by side on 1 GiB tensors: whole, and
     last-dim shards 2048 and 512 wide (one slab per row: the narrow [R, CB] tiles)."""
@@ -104,7 +116,7 @@ def hash_sweep(args) -> dict:
             nbytes = x.numel() * x.element_size()
             t_sum = bench(lambda: x.sum(dtype=torch.float32))
             ref = None
-            for shape in HASH_SWEEP:
+            for shape in _shapes(args):
                 b, it, wv, wp = shape
                 fn = lambda: rh.triton_lanes(x, *args_, block=b, iters=it, waves=wv, warps=wp)  # noqa: E731
                 lanes = fn()[0][:2] & rh.M32
