@@ -60,6 +60,14 @@ from tpdiag.kernels.record_hash_ref import (C1, C2, C3, HASH_VERSION, M32, MIXES
 # than a chunk (a last-dim shard: one slab per row) a [R, CB] tile of R slabs, so that a
 # 512-wide shard does not leave 7/8 of the lanes masked. WAVES: programs per SM.
 BLOCK, ITERS, WAVES, WARPS = 1024, 8, 4, 4   # H200 sweep: docs/scale.md
+# 2-byte data: twice the elements per byte, so a chunk twice as long (H200, session 9, 1 GiB
+# bf16: 3187 -> 3342 GB/s whole, 3115 -> 3296 / 2916 -> 3115 in 2048- / 512-wide shards; fp32
+# at 16 was slower, 4042 -> 3589: docs/benchmarks.md)
+ITERS_2BYTE = 16
+
+
+def iters_for(width: int) -> int:
+    return ITERS_2BYTE if width == 16 else ITERS
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,7 +133,7 @@ def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[i
 
 
 def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None, *,
-                 block: int = BLOCK, iters: int = ITERS, waves: int = WAVES, warps: int = WARPS,
+                 block: int = BLOCK, iters: int | None = None, waves: int = WAVES, warps: int = WARPS,
                  pairs: bool | None = None, mix: int = HASH_VERSION):
     """One launch: the shard's lanes and statistics into `out` - (ints [4] int64, floats [2]
     float64) or (ints [n, 4], floats [n, 2], row), zeroed - allocated here when None.
@@ -135,6 +143,7 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     if mix not in MIXES:
         raise ValueError(f"unknown record-hash mix {mix!r} (known: {MIXES})")
     width, iview = _TRITON_T[t.dtype]
+    iters = iters_for(width) if iters is None else iters
     words = t.contiguous().view(iview)
     if out is None:
         out = (torch.zeros(4, dtype=torch.int64, device=t.device),
@@ -245,7 +254,7 @@ def batch_entry(t: torch.Tensor, dim, full, offset, row: int):
         a, L, b, F, o = slab(t.shape, dim, full, offset)
         width, _ = _TRITON_T[t.dtype]
         slab_n = L * b
-        r, cb, row_iters, n_row, n_col, even = plan(a, slab_n)
+        r, cb, row_iters, n_row, n_col, even = plan(a, slab_n, BLOCK, iters_for(width))
         hit = _ENTRY[shape_key] = ((width, t.dtype == torch.bfloat16, r, cb, row_iters, even, slab_n % 16 == 0),
                                    [a, slab_n, F * b, o * b, n_col, n_row * n_col])
     words = t.contiguous().view(_TRITON_T[t.dtype][1])
@@ -275,7 +284,7 @@ BATCH_CONSTEXPRS = ("WIDTH", "IS_BF16", "R", "CB", "ITERS", "ROW_ITERS", "EVEN",
 def batch_args(key, table, nprog: int, ints, floats) -> tuple:
     """_hash_batch_kernel's arguments, all of them, in its parameter order."""
     width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
-    return (table, ints, floats, nprog, width, is_bf16, r, cb, ITERS, row_iters, even, aligned, slab16,
+    return (table, ints, floats, nprog, width, is_bf16, r, cb, iters_for(width), row_iters, even, aligned, slab16,
             PAIRS[0], HASH_VERSION)
 
 
