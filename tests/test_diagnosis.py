@@ -102,7 +102,11 @@ def test_same_degree_pair_names_a_nondeterministic_backward_at_its_op(tmp_path):
     fd = d["first_divergence"]
     assert (fd["phase"], fd["module"], fd["cause"], fd["op"]) == (
         "backward", "layers.0.attention.wq", "nondeterministic-kernel", "aten::randn"), fd
-    assert "does not reproduce the reference at the same TP=1" in d["note"]
+    assert "does not reproduce the reference at the same TP=1" in d["note"] and "error" not in d
+    # the probed and unprobed steps of the reference differ too: the self-check's failure is
+    # explained by the same noise, so the pair is a finding and not "failed"
+    w = json.loads((tmp_path / "r" / "tp1" / "world.json").read_text())
+    assert w["probe_selfcheck"]["equal"] is False
 
 
 def test_diff_of_the_same_setup_twice_names_run_to_run_noise(tmp_path):
@@ -118,3 +122,39 @@ def test_diff_of_the_same_setup_twice_names_run_to_run_noise(tmp_path):
     fd = d["first_divergence"]
     assert (fd["module"], fd["cause"], fd["op"]) == ("layers.0.attention.wq", "nondeterministic-kernel", "aten::randn"), fd
     assert d["reproducible"] is False
+    # the same pair said to come from another machine: no longer one setup run twice, so the
+    # difference stays a located divergence (it may be the machine)
+    import shutil
+
+    shutil.copytree(tmp_path / "r", tmp_path / "other")
+    m = json.loads((tmp_path / "other" / "manifest.json").read_text())
+    m["device"]["host"] = "another-host"
+    (tmp_path / "other" / "manifest.json").write_text(json.dumps(m))
+    p = run_cli("diff", str(tmp_path / "r" / "tp1"), str(tmp_path / "other" / "tp1-2"), "--format", "json",
+                "--out", str(tmp_path / "d2"))
+    assert p.returncode == 0, p.stderr
+    (d,) = json.loads(p.stdout)["degrees"].values()
+    assert d["first_divergence"]["cause"] != "nondeterministic-kernel" and "reproducible" not in d
+
+
+def test_op_search_stays_inside_the_parents_backward():
+    """_earlier_op: from wq's grad_out back past its siblings' records to the attention kernel's
+    op; never past the parent's own record into another module's backward ops."""
+    from tpdiag.diff.locate import _earlier_op
+
+    def rec(module, kind, bitwise=True):
+        return {"step": 0, "phase": "backward", "module": module, "kind": kind, "bitwise": bitwise}
+
+    def op(bitwise):
+        return rec("backward", "op", bitwise)
+
+    a = "layers.0.attention"
+    rows = [op(False),                                   # layers.0.ffn_norm's backward op
+            rec("layers.0.ffn_norm", "grad_out"), rec(a, "grad_out"), rec(a + ".wo", "grad_out"), op(True),
+            rec(a + ".wo", "param_grad"), op(False),     # the attention kernel's dq
+            op(False), rec(a + ".wv", "grad_out"), rec(a + ".wk", "grad_out"), rec(a + ".wk", "param_grad"),
+            rec(a + ".wq", "grad_out", False)]
+    first = rows[-1]
+    assert _earlier_op(rows, len(rows) - 2, first) is rows[6]
+    rows[6]["bitwise"] = rows[7]["bitwise"] = True  # only the op before the parent's record differs
+    assert _earlier_op(rows, len(rows) - 2, first) is None

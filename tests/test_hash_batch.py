@@ -147,6 +147,12 @@ def test_direct_launch_passes_every_kernel_parameter():
     table = torch.zeros(1, rh.TABLE_COLS, dtype=torch.int64)
     args = rh.batch_args(key, table, 4, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64))
     assert len(args) == len(batch), (len(args), batch)
+    named = dict(zip(batch, args))
+    width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
+    assert {k: named[k] for k in rh.BATCH_CONSTEXPRS} == {
+        "WIDTH": 16, "IS_BF16": True, "R": r, "CB": cb, "ITERS": rh.iters_for(16), "ROW_ITERS": row_iters,
+        "EVEN": even, "ALIGNED": aligned, "SLAB16": slab16, "PAIRS": rh.PAIRS[0], "MIX": rh.HASH_VERSION}
+    assert named["NPROG"] == 4 and named["table_ptr"] is table
 
     seen = []
     launch = rh._launch

@@ -111,10 +111,11 @@ for dt, shape in ((torch.bfloat16, (4, 8, 64)), (torch.float32, (2, 8, 40))):
         args = rh.slab(p.shape, dim, None if dim is None else shape[dim], 0 if dim is None else p.shape[dim])
         for mix in (1, 2):
             ia, _ = rh.lanes_torch(p, *args, mix=mix)
-            ib, _ = rh.triton_lanes(p, *args, mix=mix)
             ia[:2] &= rh.M32
-            ib[:2] &= rh.M32
-            assert torch.equal(ia, ib), (dt, dim, mix, ia, ib)
+            for pairs in (False, True):  # word pairs are off by default: both paths, explicitly
+                ib, _ = rh.triton_lanes(p, *args, mix=mix, pairs=pairs)
+                ib[:2] &= rh.M32
+                assert torch.equal(ia, ib), (dt, dim, mix, pairs, ia, ib)
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)

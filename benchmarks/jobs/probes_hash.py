@@ -86,7 +86,7 @@ def _shapes(args) -> list[tuple[int, int, int, int]]:
     out = []
     for part in args.shapes.split(";"):
         words = part.strip().split(",")
-        if len(words) != 4 or not all(w.strip().isdigit() for w in words):
+        if len(words) != 4 or not all(w.strip().isdigit() and int(w) > 0 for w in words):
             raise SystemExit(f"--shapes {args.shapes!r}: expected BLOCK,ITERS,WAVES,WARPS;... (integers)")
         out.append(tuple(int(w) for w in words))
     return out
@@ -96,6 +96,7 @@ def hash_sweep(args) -> dict:
     """Launch shapes of the record-hash kernel side by side on 1 GiB tensors: whole, and
     last-dim shards 2048 and 512 wide (one slab per row: the narrow [R, CB] tiles)."""
     require_cuda("probes hash-sweep")
+    shapes = _shapes(args)  # a bad --shapes is one line, before any GiB is allocated
     import torch
 
     from tpdiag.kernels import record_hash as rh
@@ -116,7 +117,7 @@ def hash_sweep(args) -> dict:
             nbytes = x.numel() * x.element_size()
             t_sum = bench(lambda: x.sum(dtype=torch.float32))
             ref = None
-            for shape in _shapes(args):
+            for shape in shapes:
                 b, it, wv, wp = shape
                 fn = lambda: rh.triton_lanes(x, *args_, block=b, iters=it, waves=wv, warps=wp)  # noqa: E731
                 lanes = fn()[0][:2] & rh.M32

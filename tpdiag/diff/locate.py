@@ -286,11 +286,13 @@ def _earlier_op(rows: list[dict], j: int, first: dict) -> dict | None:
     """A backward can compute a module's input grad before the hooks of sibling modules record
     theirs: one attention backward op returns dq, dk and dv, and wq's grad_out is recorded
     after wk's and wv's. So when nothing differs between the previous module record and
-    `first`, the difference was made earlier, among the ops recorded since the records of its
-    siblings and parent began: the earliest divergent op there (every module record before
-    `first` being bitwise equal). The walk stops at any other module's record - further back,
-    an op can differ without being a cause (a rank's partial sum before its all-reduce) - and
-    at a step or phase boundary."""
+    `first`, the difference was made earlier, among the ops recorded inside its parent's
+    backward: after the parent's own record (a module's backward ops come after its grad_out
+    record) and past the siblings' records. The earliest divergent op there (every module
+    record before `first` being bitwise equal). The walk stops at the parent's record, at any
+    other module's record - further back, ops belong to other modules and can differ without
+    being a cause (a rank's partial sum before its all-reduce) - and at a step or phase
+    boundary."""
     parent = first["module"].rpartition(".")[0]
     found = None
     while j >= 0 and rows[j]["step"] == first["step"] and rows[j]["phase"] == first["phase"]:
@@ -298,7 +300,7 @@ def _earlier_op(rows: list[dict], j: int, first: dict) -> dict | None:
         if r["kind"] == "op":
             if not r["bitwise"]:
                 found = r
-        elif r["module"] != parent and r["module"].rpartition(".")[0] != parent:
+        elif r["module"] == parent or r["module"].rpartition(".")[0] != parent:
             break
         j -= 1
     return found

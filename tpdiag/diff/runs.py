@@ -26,8 +26,10 @@ COMPARE_KEYS = ("dtype", "seed", "batch_size", "seq_len", "steps", "backward", "
                 "fixes", "variant", "granularity", "op_include", "module_include")
 
 
-# what must be equal for two same-degree sides to count as one setup run twice
-SAME_SETUP = ("device", "backend", "versions", "env")
+# what must be equal for two same-degree sides to count as one setup run twice: the machine
+# (compare's device info: host, CPU, GPU names - a capture records only "cuda:0", so captures
+# never count), backend, library versions and numerics environment
+SAME_SETUP = ("device_info", "backend", "versions", "env")
 
 
 def read_side(path: str) -> dict:
@@ -75,7 +77,7 @@ def read_compare_degree(path: str, w: dict) -> dict:
     return {"tool": "tpdiag compare", "kind": "compare-degree", "degree": ranks,
             "world_size": ranks, "seed": cfg.get("seed"), "dtype": cfg.get("dtype"),
             "model": {"class": name}, "capture": w.get("capture"), "config": cfg,
-            "device": w.get("device"), "backend": w.get("backend"),
+            "device": w.get("device"), "device_info": m.get("device"), "backend": w.get("backend"),
             "versions": m.get("versions"), "env": m.get("env"), "created": m.get("started")}
 
 

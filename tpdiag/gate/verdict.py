@@ -147,8 +147,10 @@ def _check_summary(lab: str, d: dict, rows: list[dict]) -> str | None:
     if d.get("status") == "bitwise" and div_rows:
         return f"summary.json says bitwise but diff.csv has {len(div_rows)} divergent records"
     fd = d.get("first_divergence")
-    if fd and fd.get("key") and div_rows and div_rows[0]["key"] != fd["key"]:
-        return f"summary.json first divergence {fd['key']} is not the first divergent record {div_rows[0]['key']}"
+    # locate's rule: the first divergent module record; an op only where no module record differs
+    firsts = [r for r in div_rows if r.get("kind") != "op"] or div_rows
+    if fd and fd.get("key") and firsts and firsts[0]["key"] != fd["key"]:
+        return f"summary.json first divergence {fd['key']} is not the first divergent record {firsts[0]['key']}"
     if d.get("status") == "divergent" and not div_rows and not (d.get("missing") or d.get("unmatched")):
         return "summary.json says divergent but diff.csv has no divergent record"
     return None

@@ -53,11 +53,11 @@ def table_of(obj) -> dict | None:
     return {"cols": cols, "rows": rows}
 
 
-def _fix_of(cause: str):
+def _fix_of(cause: str, op: str | None = None):
     try:
         from tpdiag.fixes.registry import catalogue, fix_for_cause
 
-        name = fix_for_cause(cause)
+        name = fix_for_cause(cause, op)
         return name, bool(name and catalogue()[name].install is not None)
     except Exception:  # the catalogue is advice only; a report must render without it
         return None, False
