@@ -107,6 +107,10 @@ def test_same_degree_pair_names_a_nondeterministic_backward_at_its_op(tmp_path):
     # explained by the same noise, so the pair is a finding and not "failed"
     w = json.loads((tmp_path / "r" / "tp1" / "world.json").read_text())
     assert w["probe_selfcheck"]["equal"] is False
+    # the gate judges it (fail: nothing may diverge by default), not "inconclusive" because the
+    # first divergent row of diff.csv is the op recorded before the module record
+    g = run_cli("gate", str(tmp_path / "r"))
+    assert g.returncode == 1 and g.stdout.startswith("gate: FAIL"), g.stdout + g.stderr
 
 
 def test_diff_of_the_same_setup_twice_names_run_to_run_noise(tmp_path):
@@ -158,3 +162,14 @@ def test_op_search_stays_inside_the_parents_backward():
     assert _earlier_op(rows, len(rows) - 2, first) is rows[6]
     rows[6]["bitwise"] = rows[7]["bitwise"] = True  # only the op before the parent's record differs
     assert _earlier_op(rows, len(rows) - 2, first) is None
+
+
+def test_a_rerun_among_other_degrees_that_differs_is_a_failed_baseline(tmp_path):
+    """`--tp 1,2,1`: the third world reruns the reference's degree; when it does not reproduce
+    the reference, TP=2's difference cannot be blamed on TP - inconclusive, as for the automatic
+    reference rerun."""
+    s = compare(tmp_path, "--model", "py:tests/models/nondeterministic_bwd.py:target", "--tp", "1,2,1",
+                "--no-baseline", code=2)
+    assert s["status"] == "inconclusive"
+    assert s["degrees"]["1-2"]["reproducible"] is False
+    assert "does not reproduce itself (world 1-2: nondeterministic-kernel)" in s["error"]

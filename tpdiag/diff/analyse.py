@@ -227,6 +227,15 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
                                 f"({base.get('cause')}): first difference at "
                                 f"{_where(base.get('first_divergence'))}; "
                                 "differences between degrees cannot be attributed to TP")
+    noisy = [lab for lab, d in degrees.items() if d.get("reproducible") is False]
+    if noisy and len(noisy) < len(degrees) and "error" not in summary:
+        # a rerun at the reference's degree (--tp 1,2,1) that does not reproduce it is a failed
+        # baseline: what differs at the other degrees cannot be blamed on TP
+        summary["status"] = "inconclusive"
+        summary["error"] = (f"the reference TP={reference_degree} does not reproduce itself (world "
+                            f"{noisy[0]}: {degrees[noisy[0]]['first_divergence']['cause']}): first difference at "
+                            f"{_where(degrees[noisy[0]]['first_divergence'])}; differences between degrees "
+                            "cannot be attributed to TP")
     if ref_error is not None:
         summary["error"] = f"reference TP={reference} failed: {ref_error}"
     write_csv(os.path.join(run_dir, "diff.csv"), all_rows)
