@@ -87,9 +87,12 @@ def _baseline(run_dir, ref, label, failed, degree) -> dict:
     return out
 
 
-def _where(fd: dict | None) -> str:
+def _not_reproducible(degree: int, what, fd: dict | None) -> str:
+    """The verdict's error when the reference's degree does not reproduce itself."""
     fd = fd or {}
-    return f"{fd.get('module')}" + (f" (op {fd['op']})" if fd.get("op") else "")
+    where = f"{fd.get('module')}" + (f" (op {fd['op']})" if fd.get("op") else "")
+    return (f"the reference TP={degree} does not reproduce itself ({what}): first difference at {where}; "
+            "differences between degrees cannot be attributed to TP")
 
 
 def as_noise(fd: dict | None, degree: int) -> str:
@@ -223,19 +226,14 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         if not base["reproducible"]:
             # Noise at a fixed degree is reported first and TP is not blamed for it.
             summary["status"] = "inconclusive"
-            summary["error"] = (f"the reference TP={reference_degree} does not reproduce itself "
-                                f"({base.get('cause')}): first difference at "
-                                f"{_where(base.get('first_divergence'))}; "
-                                "differences between degrees cannot be attributed to TP")
+            summary["error"] = _not_reproducible(reference_degree, base.get("cause"), base.get("first_divergence"))
     noisy = [lab for lab, d in degrees.items() if d.get("reproducible") is False]
     if noisy and len(noisy) < len(degrees) and "error" not in summary:
         # a rerun at the reference's degree (--tp 1,2,1) that does not reproduce it is a failed
         # baseline: what differs at the other degrees cannot be blamed on TP
+        fd = degrees[noisy[0]]["first_divergence"]
         summary["status"] = "inconclusive"
-        summary["error"] = (f"the reference TP={reference_degree} does not reproduce itself (world "
-                            f"{noisy[0]}: {degrees[noisy[0]]['first_divergence']['cause']}): first difference at "
-                            f"{_where(degrees[noisy[0]]['first_divergence'])}; differences between degrees "
-                            "cannot be attributed to TP")
+        summary["error"] = _not_reproducible(reference_degree, f"world {noisy[0]}: {fd['cause']}", fd)
     if ref_error is not None:
         summary["error"] = f"reference TP={reference} failed: {ref_error}"
     write_csv(os.path.join(run_dir, "diff.csv"), all_rows)

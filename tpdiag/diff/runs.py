@@ -189,7 +189,7 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     """Analyse capture B against reference capture A; write summary.json, diff.csv and
     manifest.json into `out`. Returns the summary (schema 1, as `tpdiag compare` writes it)."""
     from tpdiag.config import degree_labels
-    from tpdiag.diff.analyse import SCHEMA, analyse_degree, write_csv
+    from tpdiag.diff.analyse import SCHEMA, analyse_degree, same_degree, write_csv
     from tpdiag.records.store import RecordSet
     from tpdiag.records.provenance import versions
 
@@ -213,8 +213,6 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     if da == db and all(ma.get(k) is not None and ma.get(k) == mb.get(k) for k in SAME_SETUP):
         # the same layout, machine kind and software twice: a difference is run-to-run noise,
         # not a layout cause (across machines it may be the machine: left as located)
-        from tpdiag.diff.analyse import same_degree
-
         same_degree(entry, label, da)
     summary = {"schema": SCHEMA, "status": entry["status"], "reference": da,
                "reference_label": ref_label, "degrees": {label: entry},

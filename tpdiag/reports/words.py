@@ -126,7 +126,7 @@ def verdict(label: str, ref: str, d: dict, fix_of) -> dict:
         return {"status": st or "unknown", "headline": f"TP={label} is bitwise equal to TP={ref} in every record.",
                 "why": "", "size": "", "action": "", "findings": []}
     cause = fd.get("cause") or "unknown"
-    fix, available = fix_of(cause, fd.get("op") if isinstance(fd, dict) else None)
+    fix, available = fix_of(cause, fd.get("op"))
     detail = fd.get("detail") or ""
     why = f"Cause: {cause} - {fd.get('why') if cause == 'unknown' and fd.get('why') else WHY.get(cause, WHY['unknown'])}."
     if detail:
