@@ -36,6 +36,10 @@ def _parse(argv):
     p.add_argument("--keep-config", action="store_true", help="after --sweep, time the shipped tiles anyway")
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     p.add_argument("--no-checks", action="store_true", help="timings only")
+    p.add_argument("--no-two-pass", action="store_true",
+                   help="skip the invariant kernels with the other backward (bwd_ordered flipped)")
+    p.add_argument("--reruns", type=int, default=20,
+                   help="invariant backends: dq/dk/dv of this many reruns, each bitwise equal to the first")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -76,6 +80,15 @@ def _backends(args, torch, F):
         out["flex-compiled"] = fx
     out["invariant-triton"] = lambda q, k, v: invariant_sdpa(q, k, v, is_causal=causal,
                                                              enable_gqa=q.shape[1] != k.shape[1])
+    if not args.no_two_pass:
+        # the other backward (AttnConfig.bwd_ordered flipped), for the side-by-side choice
+        from tpdiag.kernels import attention_triton as at
+
+        def other(q, k, v):
+            base = at.CONFIGS[q.dtype]
+            cfg = dataclasses.replace(base, bwd_ordered=0 if base.bwd_ordered else 1)
+            return invariant_sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], triton_cfg=cfg)
+        out["invariant-other-bwd"] = other
     return out
 
 
@@ -125,6 +138,16 @@ def _checks(torch, f, q, k, v, do) -> dict:
     return res
 
 
+def _reruns(torch, f, q, k, v, do, n: int) -> dict:
+    """n reruns, each bitwise equal to the first: an ordering race in a backward shows here."""
+    first = _run(torch, f, q, k, v, do)
+    ok = {"o": True, "dq": True, "dk": True, "dv": True}
+    for _ in range(n - 1):
+        for name, a, b in zip(("o", "dq", "dk", "dv"), _run(torch, f, q, k, v, do), first):
+            ok[name] = ok[name] and _eq(torch, a, b)
+    return ok
+
+
 def _rel_err(torch, f, args, dtype) -> dict:
     """Max abs error over max |ref| against a float64 reference, at a small shape."""
     from tpdiag.kernels.attention import reference_sdpa
@@ -164,8 +187,8 @@ def _sweep(torch, q, k, v, do, causal) -> dict:
     sc = 1.0 / math.sqrt(q.shape[-1])
     fwd_c = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 128, 8, 3),
              (128, 128, 8, 4), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 4, 4)]
-    kv_c = [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3),
-            (64, 128, 4, 3), (16, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 2)]
+    kv_c = [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3),
+            (64, 128, 4, 3), (128, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 2), (64, 64, 8, 2)]
     q_c = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3),
            (128, 64, 4, 3), (64, 16, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2)]
     res = {"fwd": [], "kv": [], "q": []}
@@ -193,15 +216,27 @@ def _sweep(torch, q, k, v, do, causal) -> dict:
         print("sweep bwd (dk/dv tiles)", res["kv"][-1], flush=True)
     c = best(res["kv"])
     base = dataclasses.replace(base, kv_m=c[0], kv_n=c[1], kv_warps=c[2], kv_stages=c[3])
+    if base.bwd_ordered:
+        # the one-pass backward has no dq pass (q_m, q_warps tile only its delta kernel): time
+        # the two-pass backward at its shipped tiles beside it instead
+        tp = dataclasses.replace(at.CONFIGS[q.dtype], bwd_ordered=0)
+        res["two_pass_ms"] = bench(lambda: at.backward(do, q, k, v, o, lse, causal, sc, tp))
+        print("sweep bwd (two-pass, shipped tiles)", res["two_pass_ms"], flush=True)
+        q_c = []
     for c in q_c:
         cfg = dataclasses.replace(base, q_m=c[0], q_n=c[1], q_warps=c[2], q_stages=c[3])
         res["q"].append({"cfg": c, "ms": bench(lambda: at.backward(do, q, k, v, o, lse, causal, sc, cfg))})
         print("sweep bwd (dq tiles)", res["q"][-1], flush=True)
-    c = best(res["q"])
-    base = dataclasses.replace(base, q_m=c[0], q_n=c[1], q_warps=c[2], q_stages=c[3])
+    if q_c:
+        c = best(res["q"])
+        base = dataclasses.replace(base, q_m=c[0], q_n=c[1], q_warps=c[2], q_stages=c[3])
     res["best"] = base.to_dict()
     print("sweep best", res["best"], flush=True)
     return res
+
+
+def _strip_n(d: dict | None) -> dict | None:
+    return None if d is None else {k: v for k, v in d.items() if k != "n"}
 
 
 def _fmt_ok(d: dict | None) -> str:
@@ -247,6 +282,8 @@ def main(argv=None) -> dict:
                 torch.use_deterministic_algorithms(True, warn_only=True)
                 try:
                     row.update(_checks(torch, f, q, k, v, do))
+                    if name.startswith("invariant") and args.reruns > 1:
+                        row["reruns"] = {"n": args.reruns, **_reruns(torch, f, q, k, v, do, args.reruns)}
                 finally:
                     torch.use_deterministic_algorithms(False)
                 row["rel_err"] = _rel_err(torch, f, args, dtype)
@@ -291,19 +328,19 @@ def main(argv=None) -> dict:
         result["invariant_extra"] = extra
     stock = [r["fwdbwd_ms"] for n, r in result["backends"].items() if n.startswith("sdpa-") and "fwdbwd_ms" in r]
     fastest = min(stock) if stock else None
-    lines = [f"{'backend':18} {'fwd ms':>8} {'fwd+bwd':>8} {'ratio':>6} {'TP2':>5} {'TP4':>5} {'TP8':>5} "
-             f"{'batch':>6} {'repro':>10} {'rel err o/dq/dk/dv':>28}"]
+    lines = [f"{'backend':20} {'fwd ms':>8} {'fwd+bwd':>8} {'ratio':>6} {'TP2':>5} {'TP4':>5} {'TP8':>5} "
+             f"{'batch':>6} {'repro':>10} {'reruns':>7} {'rel err o/dq/dk/dv':>28}"]
     for n, r in result["backends"].items():
         if "error" in r:
-            lines.append(f"{n:18} error: {r['error']}")
+            lines.append(f"{n:20} error: {r['error']}")
             continue
         ratio = r["fwdbwd_ms"] / fastest if fastest else float("nan")
         r["ratio_to_fastest_stock"] = ratio
         hs = r.get("heads", {})
         err = "/".join(f"{r['rel_err'][x]:.1e}" for x in ("o", "dq", "dk", "dv")) if "rel_err" in r else "-"
-        lines.append(f"{n:18} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:8.3f} {ratio:6.3f} {_fmt_ok(hs.get(2)):>5} "
+        lines.append(f"{n:20} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:8.3f} {ratio:6.3f} {_fmt_ok(hs.get(2)):>5} "
                      f"{_fmt_ok(hs.get(4)):>5} {_fmt_ok(hs.get(8)):>5} {_fmt_ok(r.get('batch')):>6} "
-                     f"{_fmt_ok(r.get('repro')):>10} {err:>28}")
+                     f"{_fmt_ok(r.get('repro')):>10} {_fmt_ok(_strip_n(r.get('reruns'))):>7} {err:>28}")
     result["fastest_stock_ms"] = fastest
     result["table"] = "\n".join(lines)
     print(result["table"], flush=True)

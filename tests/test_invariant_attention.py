@@ -189,27 +189,34 @@ TRITON_SCRIPT = r"""
 import torch
 from tpdiag.kernels import attention_triton as at
 from tpdiag.kernels.attention import reference_sdpa
-cfg = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
 def bits(t): return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 def beq(a, b): return a.shape == b.shape and torch.equal(bits(a), bits(b))
-def both(q, k, v, do, causal):
+def both(q, k, v, do, causal, cfg):
     o, lse = at.forward(q, k, v, causal, 0.25, cfg)
     return (o,) + tuple(at.backward(do, q, k, v, o, lse, causal, 0.25, cfg))
 g = torch.Generator().manual_seed(0)
 res = {}
-for dt, L, causal in ((torch.float32, 32, True), (torch.bfloat16, 24, True), (torch.float32, 20, False)):
-    q, do = (torch.randn(2, 4, L, 16, generator=g).to(dt) for _ in range(2))
-    k, v = (torch.randn(2, 2, L, 16, generator=g).to(dt) for _ in range(2))
-    full = both(q, k, v, do, causal)
-    half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal)
-    one = both(q[1:], k[1:], v[1:], do[1:], causal)
-    again = both(q, k, v, do, causal)
-    r = reference_sdpa(q, k, v, is_causal=causal, scale=0.25)
-    res[f"{dt}-{L}"] = {
-        "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:], full[3][:, 1:]))),
-        "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
-        "repro": all(beq(a, b) for a, b in zip(again, full)),
-        "err": float((full[0].double() - r).abs().max() / r.abs().max())}
+# both backwards: one pass with dq added in key-block order (bwd_ordered=1), and two passes
+for ordered in (1, 0):
+    cfg = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, ordered)
+    for dt, L, S, causal in ((torch.float32, 32, 32, True), (torch.bfloat16, 24, 24, True),
+                             (torch.float32, 20, 20, False), (torch.float32, 40, 24, True),
+                             (torch.float32, 24, 40, True)):
+        q, do = (torch.randn(2, 4, L, 16, generator=g).to(dt) for _ in range(2))
+        k, v = (torch.randn(2, 2, S, 16, generator=g).to(dt) for _ in range(2))
+        full = both(q, k, v, do, causal, cfg)
+        half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, cfg)
+        one = both(q[1:], k[1:], v[1:], do[1:], causal, cfg)
+        again = both(q, k, v, do, causal, cfg)
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        r = reference_sdpa(q64, k64, v64, is_causal=causal, scale=0.25, enable_gqa=True)
+        r.backward(do.double())
+        refs = (r.detach(), q64.grad, k64.grad, v64.grad)
+        res[f"{ordered}-{dt}-{L}-{S}-{causal}"] = {
+            "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:], full[3][:, 1:]))),
+            "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
+            "repro": all(beq(a, b) for a, b in zip(again, full)),
+            "err": max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(full, refs))}
 print("RESULT", __import__("json").dumps(res))
 """
 
