@@ -36,8 +36,9 @@ def _parse(argv):
     p.add_argument("--keep-config", action="store_true", help="after --sweep, time the shipped tiles anyway")
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     p.add_argument("--no-checks", action="store_true", help="timings only")
-    p.add_argument("--no-two-pass", action="store_true",
-                   help="skip the invariant kernels with the other backward (bwd_ordered flipped)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="also time the invariant kernels with these AttnConfig fields changed, e.g. "
+                        "fwd_warps=8,tma=0 (repeatable)")
     p.add_argument("--reruns", type=int, default=20,
                    help="invariant backends: dq/dk/dv of this many reruns, each bitwise equal to the first")
     p.add_argument("--json", default=None)
@@ -80,15 +81,17 @@ def _backends(args, torch, F):
         out["flex-compiled"] = fx
     out["invariant-triton"] = lambda q, k, v: invariant_sdpa(q, k, v, is_causal=causal,
                                                              enable_gqa=q.shape[1] != k.shape[1])
-    if not args.no_two_pass:
-        # the other backward (AttnConfig.bwd_ordered flipped), for the side-by-side choice
+    for spec in args.variant:
+        # the invariant kernels with some config fields changed (--variant fwd_warps=8,tma=0):
+        # side by side with the shipped config in the same process
         from tpdiag.kernels import attention_triton as at
 
-        def other(q, k, v):
-            base = at.CONFIGS[q.dtype]
-            cfg = dataclasses.replace(base, bwd_ordered=0 if base.bwd_ordered else 1)
+        changes = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in spec.split(",")}
+
+        def variant(q, k, v, changes=changes):
+            cfg = dataclasses.replace(at.CONFIGS[q.dtype], **changes)
             return invariant_sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], triton_cfg=cfg)
-        out["invariant-other-bwd"] = other
+        out[f"invariant[{spec}]"] = variant
     return out
 
 
@@ -216,20 +219,12 @@ def _sweep(torch, q, k, v, do, causal) -> dict:
         print("sweep bwd (dk/dv tiles)", res["kv"][-1], flush=True)
     c = best(res["kv"])
     base = dataclasses.replace(base, kv_m=c[0], kv_n=c[1], kv_warps=c[2], kv_stages=c[3])
-    if base.bwd_ordered:
-        # the one-pass backward has no dq pass (q_m, q_warps tile only its delta kernel): time
-        # the two-pass backward at its shipped tiles beside it instead
-        tp = dataclasses.replace(at.CONFIGS[q.dtype], bwd_ordered=0)
-        res["two_pass_ms"] = bench(lambda: at.backward(do, q, k, v, o, lse, causal, sc, tp))
-        print("sweep bwd (two-pass, shipped tiles)", res["two_pass_ms"], flush=True)
-        q_c = []
     for c in q_c:
         cfg = dataclasses.replace(base, q_m=c[0], q_n=c[1], q_warps=c[2], q_stages=c[3])
         res["q"].append({"cfg": c, "ms": bench(lambda: at.backward(do, q, k, v, o, lse, causal, sc, cfg))})
         print("sweep bwd (dq tiles)", res["q"][-1], flush=True)
-    if q_c:
-        c = best(res["q"])
-        base = dataclasses.replace(base, q_m=c[0], q_n=c[1], q_warps=c[2], q_stages=c[3])
+    c = best(res["q"])
+    base = dataclasses.replace(base, q_m=c[0], q_n=c[1], q_warps=c[2], q_stages=c[3])
     res["best"] = base.to_dict()
     print("sweep best", res["best"], flush=True)
     return res
@@ -273,7 +268,8 @@ def main(argv=None) -> dict:
 
     result["invariant_config"] = _at.CONFIGS[dtype].to_dict()
     print("invariant-triton tiles", result["invariant_config"], flush=True)
-    for name, f in _backends(args, torch, F).items():
+    backends = _backends(args, torch, F)
+    for name, f in backends.items():
         row = {}
         try:
             t0 = time.time()
@@ -284,6 +280,11 @@ def main(argv=None) -> dict:
                     row.update(_checks(torch, f, q, k, v, do))
                     if name.startswith("invariant") and args.reruns > 1:
                         row["reruns"] = {"n": args.reruns, **_reruns(torch, f, q, k, v, do, args.reruns)}
+                    if name.startswith("invariant["):
+                        # a variant that changes no arithmetic (tma=0) must give the shipped bits
+                        shipped = _run(torch, backends["invariant-triton"], q, k, v, do)
+                        row["same_bits_as_shipped"] = {n: _eq(torch, a, b) for n, a, b in zip(
+                            ("o", "dq", "dk", "dv"), _run(torch, f, q, k, v, do), shipped)}
                 finally:
                     torch.use_deterministic_algorithms(False)
                 row["rel_err"] = _rel_err(torch, f, args, dtype)

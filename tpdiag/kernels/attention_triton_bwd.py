@@ -1,9 +1,13 @@
-"""The two-pass deterministic backward of invariant attention (AttnConfig.bwd_ordered=0).
+"""The deterministic backward of invariant attention: two passes, no atomics.
 
 No atomics and no ordering between programs: one dk/dv program per (batch, KV head, key block)
 loops over its query heads in head order and over the query blocks in a fixed order; a separate
 dq program per (batch, query head, row block) loops over the key blocks in a fixed order and
 recomputes P for it - 7 block products per (query, key) block pair where an atomic dq needs 5.
+A one-pass backward that added the dq partials in key-block order behind a per-query-block
+counter (commit eefece6) was bitwise and reproducible on an H200 but 2.4x slower (9.6 vs 4.1 ms
+at B8 S4096 H32 D64 bf16; docs/benchmarks.md): the ordered add's wait, L2 read and release fence
+sit on every step's critical path, where the recompute is only more of the dots that run fast.
 Imports Triton at import time: import this module lazily.
 """
 from __future__ import annotations
@@ -12,26 +16,24 @@ import torch
 import triton
 import triton.language as tl
 
-from tpdiag.kernels.attention_triton_common import LOG2E, AttnConfig, _last_dim_unit, _mm, _prec
+from tpdiag.kernels.attention_triton_common import (LOG2E, AttnConfig, _last_dim_unit, _load_rows, _mm, _prec,
+                                                     descriptors, tma_ok)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm, lo, hi, L,
+def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L,
                 qk_scale, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
-                D: tl.constexpr, PREC: tl.constexpr):
+                D: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     offs_m0 = tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
     for start_m in range(lo, hi, BM):
         rows = start_m + offs_m0
+        q = _load_rows(q_src, b, h, start_m, sqm, L, BM, D, EVEN, TMA)
+        do = _load_rows(do_src, b, h, start_m, D, L, BM, D, EVEN, TMA)
         if EVEN:
-            q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :])
-            do = tl.load(do_base + rows[:, None] * D + offs_d[None, :])
             lse = tl.load(LSE + row_base + rows)
             delta = tl.load(DELTA + row_base + rows)
         else:
             rmask = rows < L
-            q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :], mask=rmask[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
             lse = tl.load(LSE + row_base + rows, mask=rmask, other=0.0)
             delta = tl.load(DELTA + row_base + rows, mask=rmask, other=0.0)
         st = _mm(k, tl.trans(q), PREC) * qk_scale  # [BN, BM]
@@ -51,7 +53,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                  HK, REP, L, S, qk_scale, sm_scale,
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                 PREC: tl.constexpr, EVEN: tl.constexpr):
+                 PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HK
@@ -72,21 +74,25 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, 
     H = HK * REP
     for r in range(0, REP):  # this KV head's query heads, in head order
         h = hk * REP + r
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + (b * H + h) * L * D  # dO is contiguous [B, H, L, D]
+        if TMA:
+            q_src = Q
+            do_src = DO
+        else:
+            q_src = Q + b * sqb + h * sqh
+            do_src = DO + (b * H + h) * L * D  # dO is contiguous [B, H, L, D]
         row_base = (b * H + h) * L
         if CAUSAL:
             # query rows [n0, n0 + BN) straddle the diagonal (BN is a multiple of BM); later
             # rows see the whole key block
             lo = tl.minimum(pid_n * BN, L)
             mid = tl.minimum((pid_n + 1) * BN, L)
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
-                                 lo, mid, L, qk_scale, True, EVEN, BM, D, PREC)
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
-                                 mid, L, L, qk_scale, False, EVEN, BM, D, PREC)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
+                                 lo, mid, L, qk_scale, True, EVEN, BM, D, PREC, TMA)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
+                                 mid, L, L, qk_scale, False, EVEN, BM, D, PREC, TMA)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
-                                 0, L, L, qk_scale, False, EVEN, BM, D, PREC)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
+                                 0, L, L, qk_scale, False, EVEN, BM, D, PREC, TMA)
     out = bhk * S * D + offs_n[:, None] * D + offs_d[None, :]
     if EVEN:
         tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty))
@@ -97,19 +103,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, 
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
+def _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, S, qk_scale,
               DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PREC: tl.constexpr):
+              PREC: tl.constexpr, TMA: tl.constexpr):
     offs_n0 = tl.arange(0, BN)
-    offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n0
-        if EVEN:
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :])
-        else:
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < S, other=0.0)
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < S, other=0.0)
+        k = _load_rows(k_src, b, hk, start_n, skn, S, BN, D, EVEN, TMA)
+        v = _load_rows(v_src, b, hk, start_n, svn, S, BN, D, EVEN, TMA)
         s = _mm(q, tl.trans(k), PREC) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if DIAG:
@@ -126,7 +127,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S
 def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                H, REP, L, S, qk_scale, sm_scale,
                CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               PREC: tl.constexpr, EVEN: tl.constexpr):
+               PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -151,18 +152,22 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
         lse = tl.load(LSE + bh * L + offs_m, mask=rmask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh * L + offs_m, delta, mask=rmask)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    if TMA:
+        k_src = K
+        v_src = V
+    else:
+        k_src = K + b * skb + hk * skh
+        v_src = V + b * svb + hk * svh
     dq = tl.zeros([BM, D], tl.float32)
     if CAUSAL:
         diag = tl.minimum(pid_m * BM, S)  # BM is a multiple of BN
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, diag, S, qk_scale,
-                       False, EVEN, BN, D, PREC)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, diag,
-                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC)
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, 0, diag, S, qk_scale,
+                       False, EVEN, BN, D, PREC, TMA)
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, diag,
+                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC, TMA)
     else:
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, S, S, qk_scale,
-                       False, EVEN, BN, D, PREC)
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, 0, S, S, qk_scale,
+                       False, EVEN, BN, D, PREC, TMA)
     if EVEN:
         tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty))
     else:
@@ -181,14 +186,17 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
     # dq first: it also writes delta, which the dk/dv pass reads
+    tma = tma_ok(cfg, q, k, v, do)
+    kd, vd = descriptors(tma, cfg.q_n, k, v)
     _dq_kernel[(triton.cdiv(L, cfg.q_m), B * H)](
-        q, k, v, o, do, lse, delta, dq, *strides, H, H // Hk, L, S, scale * LOG2E, scale,
+        q, kd, vd, o, do, lse, delta, dq, *strides, H, H // Hk, L, S, scale * LOG2E, scale,
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(q),
-        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0,
+        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, TMA=tma,
         num_warps=cfg.q_warps, num_stages=cfg.q_stages)
+    qd, dod = descriptors(tma, cfg.kv_m, q, do)
     _dkdv_kernel[(triton.cdiv(S, cfg.kv_n), B * Hk)](
-        q, k, v, do, lse, delta, dk, dv, *strides, Hk, H // Hk, L, S, scale * LOG2E, scale,
+        qd, k, v, dod, lse, delta, dk, dv, *strides, Hk, H // Hk, L, S, scale * LOG2E, scale,
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
-        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0,
+        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, TMA=tma,
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return dq, dk, dv

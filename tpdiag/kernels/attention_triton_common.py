@@ -18,20 +18,20 @@ class AttnConfig:
     # causal (docs/benchmarks.md, "Invariant attention")
     fwd_m: int = 128
     fwd_n: int = 64
-    fwd_warps: int = 8
+    fwd_warps: int = 4
     fwd_stages: int = 3
-    kv_m: int = 64      # dk/dv pass (and the one-pass backward): query rows per step
-    kv_n: int = 64      # dk/dv pass (and the one-pass backward): keys per program
+    kv_m: int = 64      # dk/dv pass: query rows per step
+    kv_n: int = 64      # dk/dv pass: keys per program
     kv_warps: int = 4
     kv_stages: int = 3
-    q_m: int = 128      # dq pass: query rows per program (one-pass: rows per delta program)
+    q_m: int = 128      # dq pass: query rows per program
     q_n: int = 64       # dq pass: keys per step
     q_warps: int = 4
     q_stages: int = 3
-    # 1: one backward pass whose dq partials are added in key-block order behind a per-block
-    # counter (attention_triton_ordered.py); 0: a separate dq pass that recomputes P
-    # (attention_triton_bwd.py). The two give different (each invariant) bits.
-    bwd_ordered: int = 1
+    # 1: the loads inside the loops (K/V in the forward and the dq pass, Q/dO in the dk/dv
+    # pass) go through 4-D TMA descriptors where the GPU has TMA (sm_90+) and the tensors are
+    # 16-byte aligned; else pointers. The same values reach the same dots: the same bits.
+    tma: int = 1
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
@@ -66,5 +66,34 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def cdiv(a: int, b: int) -> int:
-    return triton.cdiv(a, b)
+@triton.jit
+def _load_rows(src, b, h, start, stride, n, BR: tl.constexpr, D: tl.constexpr, EVEN: tl.constexpr,
+               TMA: tl.constexpr):
+    """Rows start .. start + BR of head (b, h), zeros past row n: src is a 4-D TMA descriptor
+    (which zero-fills past the end) or a pointer to the head's row 0."""
+    if TMA:
+        return src.load([b, h, start, 0]).reshape(BR, D)
+    else:
+        rows = start + tl.arange(0, BR)
+        ptr = src + rows[:, None] * stride + tl.arange(0, D)[None, :]
+        if EVEN:
+            return tl.load(ptr)
+        else:
+            return tl.load(ptr, mask=rows[:, None] < n, other=0.0)
+
+
+def tma_ok(cfg: AttnConfig, *ts: torch.Tensor) -> bool:
+    if not cfg.tma or not ts[0].is_cuda or torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+        return False
+    # TMA: the base 16-byte aligned, every stride but the last a multiple of 16 bytes
+    return all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+               for t in ts)
+
+
+def descriptors(tma: bool, rows: int, *ts: torch.Tensor) -> tuple:
+    """A [1, 1, rows, D] TMA descriptor per [B, H, N, D] tensor, or the tensors themselves."""
+    if not tma:
+        return ts
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]]) for t in ts)
