@@ -196,8 +196,10 @@ def both(q, k, v, do, causal, cfg):
     return (o,) + tuple(at.backward(do, q, k, v, o, lse, causal, 0.25, cfg))
 g = torch.Generator().manual_seed(0)
 res = {}
-for tag in ("tiles16",):
-    cfg = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
+# both backwards: one pass with dq on an int64 fixed-point grid (dq_fixed=1), and two passes
+for fixed in (1, 0):
+    tag = f"fixed{fixed}"
+    cfg = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, dq_fixed=fixed)
     for dt, L, S, causal in ((torch.float32, 32, 32, True), (torch.bfloat16, 24, 24, True),
                              (torch.float32, 20, 20, False), (torch.float32, 40, 24, True),
                              (torch.float32, 24, 40, True)):
@@ -222,11 +224,13 @@ for dt, L, S, causal in ((torch.float32, 40, 24, True), (torch.bfloat16, 20, 20,
     q = torch.randn(2, L, 4, 16, generator=g).to(dt).transpose(1, 2)
     do = torch.randn(2, 4, L, 16, generator=g).to(dt)
     k, v = (torch.randn(2, 2, S, 16, generator=g).to(dt) for _ in range(2))
-    runs = []
-    for use in (False, True):
-        at.tma_ok = bw.tma_ok = lambda cfg, *ts, use=use: use
-        runs.append(both(q, k, v, do, causal, cfg))
-    res[f"tma-{dt}-{L}-{S}-{causal}"] = {"same_bits": all(beq(a, b) for a, b in zip(*runs))}
+    for fixed in (1, 0):
+        cfg = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, dq_fixed=fixed)
+        runs = []
+        for use in (False, True):
+            at.tma_ok = bw.tma_ok = lambda cfg, *ts, use=use: use
+            runs.append(both(q, k, v, do, causal, cfg))
+        res[f"tma-{fixed}-{dt}-{L}-{S}-{causal}"] = {"same_bits": all(beq(a, b) for a, b in zip(*runs))}
 print("RESULT", __import__("json").dumps(res))
 """
 
@@ -328,11 +332,13 @@ for dt, L, S, causal in ((torch.float32, 40, 24, True), (torch.bfloat16, 20, 20,
     q = torch.randn(2, L, 4, 16, generator=g).to(dt).transpose(1, 2)
     do = torch.randn(2, 4, L, 16, generator=g).to(dt)
     k, v = (torch.randn(2, 2, S, 16, generator=g).to(dt) for _ in range(2))
-    runs = []
-    for use in (False, True):
-        at.tma_ok = bw.tma_ok = lambda cfg, *ts, use=use: use
-        runs.append(both(q, k, v, do, causal, cfg))
-    res[f"tma-{dt}-{L}-{S}-{causal}"] = {"same_bits": all(beq(a, b) for a, b in zip(*runs))}
+    for fixed in (1, 0):
+        cfg = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1, dq_fixed=fixed)
+        runs = []
+        for use in (False, True):
+            at.tma_ok = bw.tma_ok = lambda cfg, *ts, use=use: use
+            runs.append(both(q, k, v, do, causal, cfg))
+        res[f"tma-{fixed}-{dt}-{L}-{S}-{causal}"] = {"same_bits": all(beq(a, b) for a, b in zip(*runs))}
 print("RESULT", ok)
 """
 

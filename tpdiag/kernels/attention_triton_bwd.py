@@ -21,9 +21,9 @@ from tpdiag.kernels.attention_triton_common import (LOG2E, AttnConfig, _last_dim
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L,
-                qk_scale, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
-                D: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, QSCALE, DQI, row_base, sqm, lo,
+                hi, L, qk_scale, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
+                D: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, DQ_FIXED: tl.constexpr):
     offs_m0 = tl.arange(0, BM)
     for start_m in range(lo, hi, BM):
         rows = start_m + offs_m0
@@ -44,16 +44,31 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base,
             pt = tl.where(rows[None, :] < L, pt, 0.0)
         dv += _mm(pt.to(do.dtype), do, PREC)
         dpt = _mm(v, tl.trans(do), PREC)
-        dst = pt * (dpt - delta[None, :])
-        dk += _mm(dst.to(q.dtype), q, PREC)
+        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+        dk += _mm(dst, q, PREC)
+        if DQ_FIXED:
+            # this key block's dq partial as an integer multiple of 2^-s (s per row, from a
+            # bound on |dq|): integer adds are associative, so the atomics' arrival order
+            # cannot change the sum's bits
+            part = _mm(tl.trans(dst), k, PREC)  # [BM, D]
+            if EVEN:
+                qs = tl.load(QSCALE + row_base + rows)
+            else:
+                qs = tl.load(QSCALE + row_base + rows, mask=rows < L, other=0.0)
+            fixed = (part * qs[:, None]).to(tl.int64)
+            ptr = DQI + (row_base + rows)[:, None] * D + tl.arange(0, D)[None, :]
+            if EVEN:
+                tl.atomic_add(ptr, fixed, sem="relaxed")
+            else:
+                tl.atomic_add(ptr, fixed, mask=(rows < L)[:, None], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, QSCALE, DQI, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                  HK, REP, L, S, qk_scale, sm_scale,
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                 PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
+                 PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, DQ_FIXED: tl.constexpr):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // HK
@@ -86,13 +101,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, 
             # rows see the whole key block
             lo = tl.minimum(pid_n * BN, L)
             mid = tl.minimum((pid_n + 1) * BN, L)
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
-                                 lo, mid, L, qk_scale, True, EVEN, BM, D, PREC, TMA)
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
-                                 mid, L, L, qk_scale, False, EVEN, BM, D, PREC, TMA)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, QSCALE, DQI, row_base, sqm,
+                                 lo, mid, L, qk_scale, True, EVEN, BM, D, PREC, TMA, DQ_FIXED)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, QSCALE, DQI, row_base, sqm,
+                                 mid, L, L, qk_scale, False, EVEN, BM, D, PREC, TMA, DQ_FIXED)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
-                                 0, L, L, qk_scale, False, EVEN, BM, D, PREC, TMA)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, QSCALE, DQI, row_base, sqm,
+                                 0, L, L, qk_scale, False, EVEN, BM, D, PREC, TMA, DQ_FIXED)
     out = bhk * S * D + offs_n[:, None] * D + offs_d[None, :]
     if EVEN:
         tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty))
@@ -174,6 +189,70 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
         tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
 
 
+@triton.jit
+def _prep_kernel(O, DO, KV, DELTA, QSCALE, L, H, REP, BM: tl.constexpr, D: tl.constexpr):
+    """delta = rowsum(O * dO) (fp32, one fixed order per row), and per row the power of two
+    2^s that puts the row's dq on the int64 grid: |dq_i| <= B_i = 2 D max|dO_i| max|V| max|K|
+    (|dP_ij| and |delta_i| are both <= D max|dO_i| max|V|, the softmax row sums to 1), so with
+    2^e >= 2 B_i and s = 62 - e every partial sum of the row fits in 2^61. Exact maxima and a
+    power of two: the same s for a row at any TP degree or batch size."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    rmask = offs_m < L
+    io = bh * L * D + offs_m[:, None] * D + tl.arange(0, D)[None, :]
+    o = tl.load(O + io, mask=rmask[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + io, mask=rmask[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + bh * L + offs_m, tl.sum(o * do, 1), mask=rmask)
+    kv = tl.load(KV + (bh // (H * REP)) * H + (bh % (H * REP)) // REP)  # max|K| max|V| of the KV head
+    bound = 2.0 * D * tl.max(tl.abs(do), 1) * kv
+    e = ((bound.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 2  # floor(log2) + 2
+    e = tl.minimum(tl.maximum(e, -60), 126)
+    qs = ((62 - e + 127) << 23).to(tl.float32, bitcast=True)
+    # a non-finite bound (inf/NaN inputs): dq becomes NaN, as a float sum would
+    qs = tl.where(bound == bound and bound < float("inf"), qs, float("nan"))
+    tl.store(QSCALE + bh * L + offs_m, qs, mask=rmask)
+
+
+@triton.jit
+def _dq_final_kernel(DQI, QSCALE, DQ, L, sm_scale, BM: tl.constexpr, D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    rmask = offs_m < L
+    io = bh * L * D + offs_m[:, None] * D + tl.arange(0, D)[None, :]
+    acc = tl.load(DQI + io, mask=rmask[:, None], other=0)
+    qs = tl.load(QSCALE + bh * L + offs_m, mask=rmask, other=1.0)
+    dq = acc.to(tl.float64) / qs.to(tl.float64)[:, None] * sm_scale
+    tl.store(DQ + io, dq.to(tl.float32).to(DQ.dtype.element_ty), mask=rmask[:, None])
+
+
+def _backward_fixed(do, q, k, v, o, lse, causal, scale, cfg, strides, dk, dv):
+    """One pass: dq through int64 atomics on a per-row fixed-point grid (5 block products per
+    pair, and no order to keep)."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    dev = q.device
+    # exact maxima (no rounding in a max), their product rounded once in fp32: the bound keeps
+    # a factor 2 of margin for that and for the kernel's own rounding of P and dS
+    kv = (k.abs().amax((2, 3)).float() * v.abs().amax((2, 3)).float()).contiguous()
+    delta = torch.empty(B * H, L, dtype=torch.float32, device=dev)
+    qscale = torch.empty(B * H, L, dtype=torch.float32, device=dev)
+    grid_rows = (triton.cdiv(L, cfg.q_m), B * H)
+    _prep_kernel[grid_rows](o, do, kv, delta, qscale, L, Hk, H // Hk, BM=cfg.q_m, D=D, num_warps=cfg.q_warps)
+    dqi = torch.zeros(B * H * L * D, dtype=torch.int64, device=dev)
+    tma = tma_ok(cfg, q, k, v, do)
+    qd, dod = descriptors(tma, cfg.kv_m, q, do)
+    _dkdv_kernel[(triton.cdiv(S, cfg.kv_n), B * Hk)](
+        qd, k, v, dod, lse, delta, qscale, dqi, dk, dv, *strides, Hk, H // Hk, L, S, scale * LOG2E, scale,
+        CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
+        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, TMA=tma, DQ_FIXED=True,
+        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+    dq = torch.empty(B, H, L, D, dtype=q.dtype, device=dev)
+    _dq_final_kernel[grid_rows](dqi, qscale, dq, L, scale, BM=cfg.q_m, D=D, num_warps=cfg.q_warps)
+    return dq
+
+
 def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
     q, k, v = (_last_dim_unit(t) for t in (q, k, v))
     do = do.contiguous()
@@ -185,6 +264,8 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
     dv = torch.empty(B, Hk, S, D, dtype=v.dtype, device=q.device)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
+    if cfg.dq_fixed:
+        return _backward_fixed(do, q, k, v, o, lse, causal, scale, cfg, strides, dk, dv), dk, dv
     # dq first: it also writes delta, which the dk/dv pass reads
     tma = tma_ok(cfg, q, k, v, do)
     kd, vd = descriptors(tma, cfg.q_n, k, v)
@@ -195,8 +276,8 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
         num_warps=cfg.q_warps, num_stages=cfg.q_stages)
     qd, dod = descriptors(tma, cfg.kv_m, q, do)
     _dkdv_kernel[(triton.cdiv(S, cfg.kv_n), B * Hk)](
-        qd, k, v, dod, lse, delta, dk, dv, *strides, Hk, H // Hk, L, S, scale * LOG2E, scale,
+        qd, k, v, dod, lse, delta, delta, delta, dk, dv, *strides, Hk, H // Hk, L, S, scale * LOG2E, scale,
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
-        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, TMA=tma,
+        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, TMA=tma, DQ_FIXED=False,
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return dq, dk, dv

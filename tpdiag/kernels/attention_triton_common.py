@@ -32,6 +32,10 @@ class AttnConfig:
     # pass) go through 4-D TMA descriptors where the GPU has TMA (sm_90+) and the tensors are
     # 16-byte aligned; else pointers. The same values reach the same dots: the same bits.
     tma: int = 1
+    # 1: one backward pass, dq added through int64 atomics on a per-row fixed-point grid
+    # (attention_triton_bwd._backward_fixed); 0: a separate dq pass that recomputes P. Other
+    # bits, each invariant.
+    dq_fixed: int = 1
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
