@@ -3,31 +3,88 @@
 Why it is invariant and deterministic: one program per (batch, head, row block) - the grid
 only gets longer with more heads or batch rows, and a program reads nothing but its own
 head's rows, with tiles fixed per (head_dim, dtype), never per B or H. The forward walks
-every key block from 0 upwards into one fp32 accumulator (never split-KV). The backward
-(attention_triton_bwd.py) has no atomics: a dq pass and a dk/dv pass, each summing in one
-fixed order per program. fp32 inputs use IEEE fp32 products (no TF32). Imports Triton at import time:
-import this module lazily.
+every key block from 0 upwards into one fp32 accumulator (never split-KV). The backward has
+no atomics: one dk/dv program per (batch, KV head, key block) loops over its query heads in
+head order and over the query blocks in a fixed order; a separate dq program per
+(batch, query head, row block) loops over the key blocks in a fixed order. fp32 inputs use
+IEEE fp32 products (no TF32). Imports Triton at import time: import this module lazily.
+
+The dq pass recomputes P: 7 block products per (query, key) block pair where an atomic dq
+needs 5. Two one-pass backwards without that recompute were built, checked bitwise (heads,
+batch halves, 20 reruns) and measured on an H200 at B8 S4096 H32 D64 bf16 causal, against
+4.08 ms for these two passes (docs/benchmarks.md, "Invariant attention"): dq partials added
+in key-block order behind a per-query-block counter (commit eefece6), 8.5-9.8 ms - the
+wait, L2 read and release fence sit on every step's critical path; dq partials as int64
+atomics on a per-row fixed-point grid (commit 31ddac7; integer sums do not depend on the
+order), 7.0-10.9 ms - the 64-bit atomics' throughput. TMA descriptor loads (commit cfdb13d,
+same bits) were no faster within the run-to-run spread.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tpdiag.kernels.attention_triton_common import (  # noqa: F401 (AttnConfig, CONFIGS: this module's API)
-    CONFIGS, LOG2E, AttnConfig, _last_dim_unit, _load_rows, _mm, _prec, descriptors, tma_ok)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    # defaults: the fastest tiles of a sweep on an H100 at B8 S4096 H32 D64 bf16 causal
+    # (docs/benchmarks.md, "Invariant attention")
+    fwd_m: int = 128
+    fwd_n: int = 64
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    kv_m: int = 64      # dk/dv pass: query rows per step
+    kv_n: int = 64      # dk/dv pass: keys per program
+    kv_warps: int = 4
+    kv_stages: int = 3
+    q_m: int = 128      # dq pass: query rows per program
+    q_n: int = 64       # dq pass: keys per step
+    q_warps: int = 4
+    q_stages: int = 3
+
+    def __post_init__(self):
+        # the causal loops split at the diagonal on block boundaries
+        if self.fwd_m % self.fwd_n or self.kv_n % self.kv_m or self.q_m % self.q_n:
+            raise ValueError(f"AttnConfig {self}: fwd_m, kv_n and q_m must be multiples of fwd_n, kv_m, q_n")
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+# One fixed config per dtype (never per shape): fp32 tiles are smaller (IEEE fp32 dots).
+CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
+           torch.float32: AttnConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2)}
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, S, qk_scale,
+def _mm(a, b, PREC: tl.constexpr):
+    if PREC == "up":
+        # the Triton interpreter (3.9) gets 16-bit tl.dot wrong: upcast there. The products of
+        # 16-bit values are exact in fp32, so only the fp32 accumulation order can differ.
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
                DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               PREC: tl.constexpr, TMA: tl.constexpr):
+               PREC: tl.constexpr):
     # key blocks lo, lo+BN, ... < hi in ascending order; DIAG: blocks that need the causal mask
     offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n
-        k = _load_rows(k_src, b, hk, start_n, skn, S, BN, D, EVEN, TMA)
-        v = _load_rows(v_src, b, hk, start_n, svn, S, BN, D, EVEN, TMA)
+        if EVEN:
+            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :])
+        else:
+            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < S, other=0.0)
+            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < S, other=0.0)
         s = _mm(q, tl.trans(k), PREC) * qk_scale
         if DIAG:
             s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
@@ -46,7 +103,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, 
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                 H, REP, L, S, qk_scale,
                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
+                PREC: tl.constexpr, EVEN: tl.constexpr):
     # largest causal row blocks first: they have the most work
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1)
@@ -60,25 +117,21 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
         q = tl.load(q_ptr)
     else:
         q = tl.load(q_ptr, mask=offs_m[:, None] < L, other=0.0)
-    if TMA:
-        k_src = K
-        v_src = V
-    else:
-        k_src = K + b * skb + hk * skh
-        v_src = V + b * svb + hk * svh
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
     if CAUSAL:
         # blocks left of the diagonal need no mask; BM is a multiple of BN
         diag = tl.minimum(pid_m * BM, S)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, 0, diag, S,
-                                   qk_scale, False, EVEN, BN, D, PREC, TMA)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, diag,
-                                   tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC, TMA)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, 0, diag, S,
+                                   qk_scale, False, EVEN, BN, D, PREC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, diag,
+                                   tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC)
     else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, 0, S, S,
-                                   qk_scale, False, EVEN, BN, D, PREC, TMA)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, 0, S, S,
+                                   qk_scale, False, EVEN, BN, D, PREC)
     acc = acc / l_i[:, None]
     o_ptr = O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :]
     if EVEN:
@@ -87,6 +140,170 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
     else:
         tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < L)
         tl.store(LSE + bh * L + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < L)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm, lo, hi, L,
+                qk_scale, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
+                D: tl.constexpr, PREC: tl.constexpr):
+    offs_m0 = tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    for start_m in range(lo, hi, BM):
+        rows = start_m + offs_m0
+        if EVEN:
+            q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :])
+            do = tl.load(do_base + rows[:, None] * D + offs_d[None, :])
+            lse = tl.load(LSE + row_base + rows)
+            delta = tl.load(DELTA + row_base + rows)
+        else:
+            rmask = rows < L
+            q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :], mask=rmask[:, None], other=0.0)
+            do = tl.load(do_base + rows[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
+            lse = tl.load(LSE + row_base + rows, mask=rmask, other=0.0)
+            delta = tl.load(DELTA + row_base + rows, mask=rmask, other=0.0)
+        st = _mm(k, tl.trans(q), PREC) * qk_scale  # [BN, BM]
+        pt = tl.math.exp2(st - lse[None, :])
+        if DIAG:
+            pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
+        if not EVEN:
+            pt = tl.where(rows[None, :] < L, pt, 0.0)
+        dv += _mm(pt.to(do.dtype), do, PREC)
+        dpt = _mm(v, tl.trans(do), PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk += _mm(dst.to(q.dtype), q, PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                 HK, REP, L, S, qk_scale, sm_scale,
+                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                 PREC: tl.constexpr, EVEN: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // HK
+    hk = bhk % HK
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    nmask = offs_n[:, None] < S
+    k_ptr = K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :]
+    v_ptr = V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :]
+    if EVEN:
+        k = tl.load(k_ptr)
+        v = tl.load(v_ptr)
+    else:
+        k = tl.load(k_ptr, mask=nmask, other=0.0)
+        v = tl.load(v_ptr, mask=nmask, other=0.0)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    H = HK * REP
+    for r in range(0, REP):  # this KV head's query heads, in head order
+        h = hk * REP + r
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + (b * H + h) * L * D  # dO is contiguous [B, H, L, D]
+        row_base = (b * H + h) * L
+        if CAUSAL:
+            # query rows [n0, n0 + BN) straddle the diagonal (BN is a multiple of BM); later
+            # rows see the whole key block
+            lo = tl.minimum(pid_n * BN, L)
+            mid = tl.minimum((pid_n + 1) * BN, L)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
+                                 lo, mid, L, qk_scale, True, EVEN, BM, D, PREC)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
+                                 mid, L, L, qk_scale, False, EVEN, BM, D, PREC)
+        else:
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
+                                 0, L, L, qk_scale, False, EVEN, BM, D, PREC)
+    out = bhk * S * D + offs_n[:, None] * D + offs_d[None, :]
+    if EVEN:
+        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty))
+        tl.store(DV + out, dv.to(DV.dtype.element_ty))
+    else:
+        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask)
+        tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
+              DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+              PREC: tl.constexpr):
+    offs_n0 = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BN):
+        cols = start_n + offs_n0
+        if EVEN:
+            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :])
+        else:
+            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < S, other=0.0)
+            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < S, other=0.0)
+        s = _mm(q, tl.trans(k), PREC) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        if DIAG:
+            p = tl.where(cols[None, :] <= offs_m[:, None], p, 0.0)
+        if not EVEN:
+            p = tl.where(cols[None, :] < S, p, 0.0)
+        dp = _mm(do, tl.trans(v), PREC)
+        ds = p * (dp - delta[:, None])
+        dq += _mm(ds.to(k.dtype), k, PREC)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+               H, REP, L, S, qk_scale, sm_scale,
+               CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+               PREC: tl.constexpr, EVEN: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // REP
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    rmask = offs_m < L
+    q_ptr = Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :]
+    io = bh * L * D + offs_m[:, None] * D + offs_d[None, :]
+    # O and dO are contiguous [B, H, L, D]; this pass runs first and writes delta =
+    # rowsum(O * dO) (fp32, one fixed order per row) for the dk/dv pass
+    if EVEN:
+        q = tl.load(q_ptr)
+        do = tl.load(DO + io)
+        o = tl.load(O + io)
+        lse = tl.load(LSE + bh * L + offs_m)
+    else:
+        q = tl.load(q_ptr, mask=rmask[:, None], other=0.0)
+        do = tl.load(DO + io, mask=rmask[:, None], other=0.0)
+        o = tl.load(O + io, mask=rmask[:, None], other=0.0)
+        lse = tl.load(LSE + bh * L + offs_m, mask=rmask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh * L + offs_m, delta, mask=rmask)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    dq = tl.zeros([BM, D], tl.float32)
+    if CAUSAL:
+        diag = tl.minimum(pid_m * BM, S)  # BM is a multiple of BN
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, diag, S, qk_scale,
+                       False, EVEN, BN, D, PREC)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, diag,
+                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC)
+    else:
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, S, S, qk_scale,
+                       False, EVEN, BN, D, PREC)
+    if EVEN:
+        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty))
+    else:
+        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
+
+
+def _prec(t: torch.Tensor) -> str:
+    if t.device.type == "cpu" and t.dtype != torch.float32:
+        return "up"  # the interpreter
+    return "ieee" if t.dtype == torch.float32 else "tf32"  # tf32 is unused for 16-bit dots
+
+
+def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
@@ -98,19 +315,36 @@ def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
     o = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B * H, L, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(L, cfg.fwd_m), B * H)
-    tma = tma_ok(cfg, k, v)
-    kd, vd = descriptors(tma, cfg.fwd_n, k, v)
-    _fwd_kernel[grid](q, kd, vd, o, lse, q.stride(0), q.stride(1), q.stride(2),
+    _fwd_kernel[grid](q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2),
                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                       o.stride(0), o.stride(1), o.stride(2), H, H // Hk, L, S, scale * LOG2E,
                       CAUSAL=causal, BM=cfg.fwd_m, BN=cfg.fwd_n, D=D, PREC=_prec(q),
-                      EVEN=L % cfg.fwd_m == 0 and S % cfg.fwd_n == 0, TMA=tma,
+                      EVEN=L % cfg.fwd_m == 0 and S % cfg.fwd_n == 0,
                       num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return o, lse
 
 
 def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | None = None):
-    """-> (dq [B, H, L, D], dk, dv [B, Hk, S, D])"""
-    from tpdiag.kernels import attention_triton_bwd
-
-    return attention_triton_bwd.backward(do, q, k, v, o, lse, causal, scale, cfg or CONFIGS[q.dtype])
+    cfg = cfg or CONFIGS[q.dtype]
+    q, k, v = (_last_dim_unit(t) for t in (q, k, v))
+    do = do.contiguous()
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    delta = torch.empty(B * H, L, dtype=torch.float32, device=q.device)
+    dq = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, Hk, S, D, dtype=k.dtype, device=q.device)
+    dv = torch.empty(B, Hk, S, D, dtype=v.dtype, device=q.device)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2))
+    # dq first: it also writes delta, which the dk/dv pass reads
+    _dq_kernel[(triton.cdiv(L, cfg.q_m), B * H)](
+        q, k, v, o, do, lse, delta, dq, *strides, H, H // Hk, L, S, scale * LOG2E, scale,
+        CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(q),
+        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0,
+        num_warps=cfg.q_warps, num_stages=cfg.q_stages)
+    _dkdv_kernel[(triton.cdiv(S, cfg.kv_n), B * Hk)](
+        q, k, v, do, lse, delta, dk, dv, *strides, Hk, H // Hk, L, S, scale * LOG2E, scale,
+        CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
+        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0,
+        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+    return dq, dk, dv
