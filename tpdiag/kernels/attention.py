@@ -2,8 +2,8 @@
 heads or batch rows per call, with a deterministic backward (dq, dk, dv).
 
 `invariant_sdpa` has F.scaled_dot_product_attention's signature. CUDA tensors without an
-explicit mask run the Triton kernels (attention_triton.py); everything else (CPU, masks, a
-head_dim the kernel does not tile) runs the per-(batch, head) torch path (attention_torch.py).
+explicit mask (and a scale > 0) run the Triton kernels (attention_triton.py); everything else
+(CPU, masks, a head_dim the kernel does not tile) runs the per-(batch, head) torch path (attention_torch.py).
 The choice depends on device, dtype, head_dim and the mask only - never on B or H - so one
 call and its head or batch slices always take the same path. Unsupported arguments raise
 BadInput naming what is unsupported: nothing falls back to the stock SDPA kernels.
@@ -129,7 +129,8 @@ def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                        "(torch rejects it too)")
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     cfg = None
-    if use_triton(query, attn_mask):
+    # the Triton forward takes the max of the unscaled scores: right only for a scale > 0
+    if use_triton(query, attn_mask) and sc > 0:
         from tpdiag.kernels import attention_triton
 
         cfg = triton_cfg or attention_triton.CONFIGS[query.dtype]
