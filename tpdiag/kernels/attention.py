@@ -2,9 +2,10 @@
 heads or batch rows per call, with a deterministic backward (dq, dk, dv).
 
 `invariant_sdpa` has F.scaled_dot_product_attention's signature. CUDA tensors without an
-explicit mask (and a scale > 0) run the Triton kernels (attention_triton.py); everything else
-(CPU, masks, a head_dim the kernel does not tile) runs the per-(batch, head) torch path (attention_torch.py).
-The choice depends on device, dtype, head_dim and the mask only - never on B or H - so one
+explicit mask, with a scale > 0, run the Triton kernels (attention_triton.py); everything else
+(CPU, masks, a head_dim the kernel does not tile) runs the per-(batch, head) torch path
+(attention_torch.py). The choice depends on device, dtype, head_dim, the mask and the sign of
+the scale only - never on B or H - so one
 call and its head or batch slices always take the same path. Unsupported arguments raise
 BadInput naming what is unsupported: nothing falls back to the stock SDPA kernels.
 """
