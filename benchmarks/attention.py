@@ -32,7 +32,8 @@ def _parse(argv):
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--no-causal", action="store_true")
-    p.add_argument("--sweep", action="store_true", help="time candidate tile configs of the Triton kernels")
+    p.add_argument("--sweep", nargs="?", const="all", default=None, choices=["all", "fwd"],
+                   help="time candidate tile configs of the Triton kernels (fwd: the forward's only)")
     p.add_argument("--keep-config", action="store_true", help="after --sweep, time the shipped tiles anyway")
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     p.add_argument("--no-checks", action="store_true", help="timings only")
@@ -179,7 +180,7 @@ def _time(torch, f, q, k, v, do) -> tuple[float, float]:
     return fwd, both
 
 
-def _sweep(torch, q, k, v, do, causal) -> dict:
+def _sweep(torch, q, k, v, do, causal, only_fwd: bool = False) -> dict:
     """Time candidate tiles: forward; then the dk/dv pass (dq tiles fixed), then the dq pass
     (best dk/dv tiles). Returns the timings and the best AttnConfig's fields."""
     from triton.testing import do_bench
@@ -189,7 +190,8 @@ def _sweep(torch, q, k, v, do, causal) -> dict:
     base = at.CONFIGS[q.dtype]
     sc = 1.0 / math.sqrt(q.shape[-1])
     fwd_c = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 128, 8, 3),
-             (128, 128, 8, 4), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 4, 4)]
+             (128, 128, 8, 4), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 4, 4),
+             (128, 64, 8, 2), (128, 64, 4, 2), (256, 64, 8, 3), (256, 64, 8, 2), (256, 64, 16, 3)]
     kv_c = [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3),
             (64, 128, 4, 3), (128, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 4, 2), (64, 64, 8, 2)]
     q_c = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3),
@@ -212,6 +214,10 @@ def _sweep(torch, q, k, v, do, causal) -> dict:
         print("sweep fwd", res["fwd"][-1], flush=True)
     f = best(res["fwd"])
     base = dataclasses.replace(base, fwd_m=f[0], fwd_n=f[1], fwd_warps=f[2], fwd_stages=f[3])
+    if only_fwd:
+        res["best"] = base.to_dict()
+        print("sweep best", res["best"], flush=True)
+        return res
     o, lse = at.forward(q, k, v, causal, sc, base)
     for c in kv_c:
         cfg = dataclasses.replace(base, kv_m=c[0], kv_n=c[1], kv_warps=c[2], kv_stages=c[3])
@@ -258,7 +264,7 @@ def main(argv=None) -> dict:
     q, k, v, do = _inputs(torch, B, H, Hk, S, D, dtype, seed=0)
     result = {"meta": meta, "backends": {}}
     if args.sweep:
-        result["sweep"] = _sweep(torch, q, k, v, do, not args.no_causal)
+        result["sweep"] = _sweep(torch, q, k, v, do, not args.no_causal, only_fwd=args.sweep == "fwd")
         if not args.keep_config:
             # the table below then times the best tiles found here (say so where it is reported)
             from tpdiag.kernels import attention_triton as at
