@@ -104,7 +104,7 @@ def _backends(args, torch, F):
         changes = {kv.partition("=")[0]: int(kv.partition("=")[2]) for kv in spec.split(",")}
 
         def variant(q, k, v, changes=changes):
-            cfg = dataclasses.replace(at.CONFIGS[q.dtype], **changes)
+            cfg = dataclasses.replace(at.config_for(q.dtype, q.shape[-1]), **changes)
             return invariant_sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], triton_cfg=cfg)
         out[f"invariant[{spec}]"] = variant
     return out
@@ -201,7 +201,7 @@ def _sweep(torch, q, k, v, do, causal, only_fwd: bool = False) -> dict:
 
     from tpdiag.kernels import attention_triton as at
 
-    base = at.CONFIGS[q.dtype]
+    base = at.config_for(q.dtype, q.shape[-1])
     sc = 1.0 / math.sqrt(q.shape[-1])
     fwd_c = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 5), (128, 128, 8, 3),
              (128, 128, 8, 4), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 4, 4),
@@ -283,10 +283,14 @@ def main(argv=None) -> dict:
             # the table below then times the best tiles found here (say so where it is reported)
             from tpdiag.kernels import attention_triton as at
 
-            at.CONFIGS[dtype] = at.AttnConfig(**result["sweep"]["best"])
+            best = at.AttnConfig(**result["sweep"]["best"])
+            if (dtype, D) in at.HEAD_DIM_CONFIGS:
+                at.HEAD_DIM_CONFIGS[(dtype, D)] = best
+            else:
+                at.CONFIGS[dtype] = best
     from tpdiag.kernels import attention_triton as _at
 
-    result["invariant_config"] = _at.CONFIGS[dtype].to_dict()
+    result["invariant_config"] = _at.config_for(dtype, D).to_dict()
     print("invariant-triton tiles", result["invariant_config"], flush=True)
     backends = _backends(args, torch, F)
     for name, f in backends.items():

@@ -199,6 +199,24 @@ def test_non_positive_scale_takes_the_torch_path(monkeypatch):
     assert called[-1] is not None
 
 
+def test_tiles_follow_dtype_and_head_dim_only():
+    """Tiles may depend on what every TP degree and batch size shares - dtype and head_dim (never
+    sharded) - and on nothing else; head_dim 128 has its own (the D=64 tiles spill there)."""
+    pytest.importorskip("triton")
+    from tpdiag.kernels import attention_triton as at
+
+    d128 = at.config_for(torch.bfloat16, 128)
+    assert d128 == at.HEAD_DIM_CONFIGS[(torch.bfloat16, 128)] != at.CONFIGS[torch.bfloat16]
+    assert at.config_for(torch.float16, 128) == d128
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for d in (16, 32, 64):
+            assert at.config_for(dt, d) == at.CONFIGS[dt]
+    assert at.config_for(torch.float32, 128) == at.CONFIGS[torch.float32]
+    import inspect
+
+    assert list(inspect.signature(at.config_for).parameters) == ["dtype", "head_dim"]
+
+
 def test_catalogue_maps_attention_kernel():
     assert fix_for_cause("attention-kernel") == "invariant-attention"
     assert "invariant-attention" in resolve("all") and catalogue()["invariant-attention"].install

@@ -134,7 +134,7 @@ def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     if use_triton(query, attn_mask) and sc > 0:
         from tpdiag.kernels import attention_triton
 
-        cfg = triton_cfg or attention_triton.CONFIGS[query.dtype]
+        cfg = triton_cfg or attention_triton.config_for(query.dtype, query.shape[-1])
     return _Attn.apply(query, key, value, attn_mask, bool(is_causal), sc, cfg)
 
 

@@ -59,6 +59,15 @@ class AttnConfig:
 # One fixed config per dtype (never per shape): fp32 tiles are smaller (IEEE fp32 dots).
 CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
            torch.float32: AttnConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2)}
+# head_dim 128 (Llama 3, Qwen3): the D=64 tiles spill there (fwd+bwd 1.84x cuDNN on an H200);
+# a sweep at B4 S4096 H16 D128 bf16 (docs/benchmarks.md) chose these. head_dim is never sharded,
+# so a tile choice by head_dim keeps every TP degree and batch on the same tiles.
+HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3)
+                    for dt in (torch.bfloat16, torch.float16)}
+
+
+def config_for(dtype: torch.dtype, head_dim: int) -> AttnConfig:
+    return HEAD_DIM_CONFIGS.get((dtype, head_dim)) or CONFIGS[dtype]
 
 
 @triton.jit
@@ -311,7 +320,7 @@ def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:
 
 def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
     """q [B, H, L, D], k/v [B, Hk, S, D] -> (o [B, H, L, D] contiguous, lse [B*H, L] fp32, log2)."""
-    cfg = cfg or CONFIGS[q.dtype]
+    cfg = cfg or config_for(q.dtype, q.shape[-1])
     q, k, v = (_last_dim_unit(t) for t in (q, k, v))
     B, H, L, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
@@ -328,7 +337,7 @@ def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
 
 
 def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | None = None):
-    cfg = cfg or CONFIGS[q.dtype]
+    cfg = cfg or config_for(q.dtype, q.shape[-1])
     q, k, v = (_last_dim_unit(t) for t in (q, k, v))
     do = do.contiguous()
     B, H, L, D = q.shape
