@@ -10,19 +10,17 @@ import torch
 
 from tpdiag.diff import bits, bounds, generic_bound, router
 from tpdiag.diff.engine import DegreeDiff
+from tpdiag.records.ops import ATTENTION_OPS, is_op_of
 
 CAUSES = ("row-parallel-reduction", "shape-dependent-gemm", "vocab-parallel-softmax",
           "column-parallel-dgrad", "norm-weight-grad", "grad-norm", "collective-nondeterminism",
           "rank-inconsistent-replica", "router-flip", "sharding-bug", "unknown", "attention-kernel",
           "nondeterministic-kernel", "shape-dependent-kernel")
-# an op whose name holds one of these is an attention kernel (SDPA backends, FlexAttention)
-ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention",
-                 "flex_attention")
 COLLECTIVE_OPS = ("c10d", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
 def attention_op(op: str | None) -> bool:
-    return bool(op) and any(a in op for a in ATTENTION_OPS)
+    return is_op_of(op, ATTENTION_OPS)
 
 
 def baseline_cause(fd: dict | None, degree: int) -> str:

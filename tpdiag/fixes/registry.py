@@ -16,11 +16,9 @@ def fix_for_cause(cause: str, op: str | None = None) -> str | None:
     """The fix that removes `cause`; `op`: the op it was located at. A nondeterministic kernel
     has no fix in general, but an attention kernel's has: invariant-attention's backward is
     deterministic (no atomics)."""
-    # the SDPA kernels' names (diff/locate.py's ATTENTION_OPS, less FlexAttention, which is
-    # deterministic; fixes do not import diff)
-    if cause == "nondeterministic-kernel" and op and any(
-            a in op for a in ("scaled_dot_product", "flash_attention", "efficient_attention",
-                              "cudnn_attention")):
+    from tpdiag.records.ops import SDPA_OPS, is_op_of
+
+    if cause == "nondeterministic-kernel" and is_op_of(op, SDPA_OPS):
         return "invariant-attention"
     for f in catalogue().values():
         if cause in f.fixes:

@@ -6,8 +6,8 @@ explicit mask, with a scale > 0, run the Triton kernels (attention_triton.py); e
 (CPU, masks, a head_dim the kernel does not tile) runs the per-(batch, head) torch path
 (attention_torch.py). The choice depends on device, dtype, head_dim, the mask and the sign of
 the scale only - never on B or H - so one call and its head or batch slices always take the
-same path. Unsupported arguments raise
-BadInput naming what is unsupported: nothing falls back to the stock SDPA kernels.
+same path. Unsupported arguments raise BadInput naming what is unsupported: nothing falls back
+to the stock SDPA kernels.
 """
 from __future__ import annotations
 

@@ -56,7 +56,8 @@ class AttnConfig:
         return dict(self.__dict__)
 
 
-# One fixed config per dtype (never per shape): fp32 tiles are smaller (IEEE fp32 dots).
+# Tiles fixed per dtype and head_dim (never per B, H or sequence length): fp32 tiles are smaller
+# (IEEE fp32 dots).
 CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
            torch.float32: AttnConfig(64, 32, 4, 2, 32, 64, 4, 2, 64, 32, 4, 2)}
 # head_dim 128 (Llama 3, Qwen3): the D=64 tiles spill there (fwd+bwd 1.84x cuDNN on an H200);

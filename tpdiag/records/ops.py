@@ -1,0 +1,12 @@
+"""Names of the ops that records carry (the op probe's `op` field), by family: the diff engine
+reads them to name a cause, the fixes to pick the one that removes it."""
+from __future__ import annotations
+
+# the fused scaled-dot-product attention kernels (aten's SDPA backends), whose backward sums dq
+# with atomics; FlexAttention's is deterministic
+SDPA_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+ATTENTION_OPS = SDPA_OPS + ("flex_attention",)
+
+
+def is_op_of(op: str | None, family: tuple[str, ...]) -> bool:
+    return bool(op) and any(a in op for a in family)
