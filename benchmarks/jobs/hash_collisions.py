@@ -9,9 +9,10 @@ millions of trials): P(low b bits of the lane difference are 0) * 2**b for b = 8
 a random function), lane_a's top 16 bits, P(all 32 bits of lane_a unchanged), lane_b's low bits,
 and the joint low 8 + 8 bits.
 
-Mixes (y = w * C1 + k * C2): v1 (the first mix; lane_b sum x*x), v2 (shipped; lane_b sum x*y),
-and two rejected ones for scale: one xorshift (x = y ^ y >> 16, lane_b x*y), and a linear control
-(x = y, lane_b x*x).
+Mixes (y = w * C1 + k * C2): v1 (the first mix; lane_b sum x*x), v2 (lane_b sum x*y), v3
+(shipped: v2's mix, but for 16-bit data y = (w << 16) * (C1 or C3, by k's parity) + (k >> 1) * C2;
+record_hash.py's docstring), and two rejected ones for scale: one xorshift (x = y ^ y >> 16,
+lane_b x*y), and a linear control (x = y, lane_b x*x).
 """
 from __future__ import annotations
 
@@ -40,15 +41,26 @@ def _v2(y):
     return y ^ _rot(y, R1) ^ _rot(y, R2), y
 
 
-MIXES = {"v1 (first)": _v1, "v2 (shipped)": _v2,
-         "one xorshift": lambda y: (y ^ (y >> U(16)), y), "linear (control)": lambda y: (y, y)}
+def _y2(w, k):
+    return w * C1 + k * C2
+
+
+def _y3(w, k):
+    c = np.where(k & U(1), np.uint64(C3), np.uint64(C1))
+    return ((w.astype(np.uint64) * c) >> np.uint64(16)).astype(U) + (k >> U(1)) * C2
+
+
+# name -> (mix, y of 16-bit words w at indices k)
+MIXES = {"v1 (first)": (_v1, _y2), "v2": (_v2, _y2), "v3 (shipped)": (_v2, _y3),
+         "one xorshift": (lambda y: (y ^ (y >> U(16)), y), _y2), "linear (control)": (lambda y: (y, y), _y2)}
 CLASSES = ("+-1 ULP x2, balanced", "+-1 ULP x16, balanced", "+-1 ULP x64, random signs", "2 elements swapped",
            "2 adjacent swapped", "row permutation", "1 sign flip", "sign of every element", "shard offset +1",
            "tensor rolled by 1", "2 random bit flips", "zero vs near-zero")
 
 
 def _lanes(mix, w, k):
-    x, f = mix(w * C1 + k * C2)
+    mix, y = mix
+    x, f = mix(y(w, k))
     return x.sum(axis=1, dtype=U), (x * f).sum(axis=1, dtype=U)
 
 
@@ -132,11 +144,11 @@ def table2(n: int, seed: int = 5) -> list[str]:
             a2 = w2 ^ (U(1) << rng.integers(0, 16, n).astype(U))
         ok &= k1 != k2  # both changes on one element: another class (or no change at all)
         m = int(ok.sum())
-        for name, mix in MIXES.items():
+        for name, (mix, y) in MIXES.items():
             if name.startswith("linear"):
                 continue
-            (x1, f1), (x2, f2) = mix(w1 * C1 + k1 * C2), mix(w2 * C1 + k2 * C2)
-            (y1, g1), (y2, g2) = mix(a1 * C1 + k1 * C2), mix(a2 * C1 + k2 * C2)
+            (x1, f1), (x2, f2) = mix(y(w1, k1)), mix(y(w2, k2))
+            (y1, g1), (y2, g2) = mix(y(a1, k1)), mix(y(a2, k2))
             da = (y1 + y2 - x1 - x2)[ok]
             db = (y1 * g1 + y2 * g2 - x1 * f1 - x2 * f2)[ok]
             r = lambda d, b: ((d & U((1 << b) - 1)) == 0).sum() / m * 2 ** b  # noqa: E731

@@ -4,7 +4,7 @@ probes.py for the job's flags.
 
 `hash`: kernels/record_hash.shard_lanes on 1 GiB tensors (whole, and as a last-dim shard),
 against torch.sum (a read-only pass: the achievable read bandwidth) and the spec bandwidth; each
-code path (PAIRS) with the first lane mix and the shipped one (MIX 1 / 2) side by side.
+hash version (MIX 1 / 2 / 3) and 16-bit code path (PAIRS) side by side.
 """
 from __future__ import annotations
 
@@ -44,10 +44,12 @@ def hash_throughput(args) -> dict:
         t_shard = bench(lambda: shard_lanes(x, 1, 4 * 8192, 8192))
         what_t = [("torch.sum (read once)", t_sum, None), ("record hash, whole", t_hash, None),
                   ("record hash, last-dim shard", t_shard, None)]
-        # 16-bit data element-wise and as word pairs (kernels/record_hash.py PAIRS), and the lane
-        # mixes (record_hash_ref.py MIXES: 1 the first, 2 shipped) side by side, each one's lanes
-        # checked against the torch path's
-        for pairs, mix in [(p, m) for p in ((False, True) if dt != torch.float32 else (False,)) for m in rh.MIXES]:
+        # the hash versions (record_hash_ref.py MIXES: 1 the first, 2, 3 shipped) side by side -
+        # 16-bit data in version 3 also element by element (the path of odd-offset shards) and as
+        # word pairs (kernels/record_hash.py PAIRS, shipped) - each one's lanes checked against
+        # the torch path's
+        variants = [(False, m) for m in rh.MIXES] + ([(True, 3)] if dt != torch.float32 else [])
+        for pairs, mix in variants:
             tag = f"pairs={int(pairs)}, mix {mix}"
             for label, where in (("whole", (None, None, 0)), ("last-dim shard", (1, 4 * 8192, 8192))):
                 sl = rh.slab(x.shape, *where)
