@@ -27,7 +27,7 @@ def want(t, dim=None, full=None, off=0):
 
 # 1. a mix of launch keys (widths, tiles, masks, alignment), queued 5 at a time
 cases = []
-for shape in ((3, 10, 1100), (4, 8, 1024), (4, 8, 64), (7,), (6, 7)):  # (6, 7): odd slab starts
+for shape in ((3, 10, 1100), (4, 8, 1024), (4, 8, 64), (7,)):
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         full = torch.randn(*shape).to(dt)
         full.view(-1)[0] = float("nan")
@@ -51,7 +51,7 @@ for (t, d, f, o), got in zip(cases, ints):
     got = got.clone(); got[:2] &= rh.M32
     assert torch.equal(got, want(t, d, f, o)), (t.dtype, t.shape, d)
     keys.add(rh.batch_entry(t, d, f, o, 0)[0])
-assert len(keys) >= 6 and {k[8] for k in keys} == {True, False} and {k[7] for k in keys} == {True, False}, keys
+assert len(keys) >= 6 and {k[7] for k in keys} == {True, False}, keys
 assert not buf.stale
 
 # 2. changed in place before the queued hash ran: stale, not the new value's hash
@@ -148,12 +148,10 @@ def test_direct_launch_passes_every_kernel_parameter():
     args = rh.batch_args(key, table, 4, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64))
     assert len(args) == len(batch), (len(args), batch)
     named = dict(zip(batch, args))
-    width, is_bf16, r, cb, row_iters, even, slab16, evenpos, aligned = key
-    assert evenpos  # F_B = 600, O_B = 300: every slab starts at an even global index
+    width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
     assert {k: named[k] for k in rh.BATCH_CONSTEXPRS} == {
         "WIDTH": 16, "IS_BF16": True, "R": r, "CB": cb, "ITERS": rh.iters_for(16), "ROW_ITERS": row_iters,
-        "EVEN": even, "ALIGNED": aligned, "SLAB16": slab16, "EVENPOS": True, "PAIRS": rh.PAIRS[0],
-        "MIX": rh.HASH_VERSION}
+        "EVEN": even, "ALIGNED": aligned, "SLAB16": slab16, "PAIRS": rh.PAIRS[0], "MIX": rh.HASH_VERSION}
     assert named["NPROG"] == 4 and named["table_ptr"] is table
 
     seen = []

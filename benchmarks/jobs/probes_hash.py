@@ -4,7 +4,7 @@ probes.py for the job's flags.
 
 `hash`: kernels/record_hash.shard_lanes on 1 GiB tensors (whole, and as a last-dim shard),
 against torch.sum (a read-only pass: the achievable read bandwidth) and the spec bandwidth; each
-hash version (MIX 1 / 2 / 3) and 16-bit code path (PAIRS) side by side.
+code path (PAIRS) with the first lane mix and the shipped one (MIX 1 / 2) side by side.
 """
 from __future__ import annotations
 
@@ -44,12 +44,10 @@ def hash_throughput(args) -> dict:
         t_shard = bench(lambda: shard_lanes(x, 1, 4 * 8192, 8192))
         what_t = [("torch.sum (read once)", t_sum, None), ("record hash, whole", t_hash, None),
                   ("record hash, last-dim shard", t_shard, None)]
-        # the hash versions (record_hash_ref.py MIXES: 1 the first, 2, 3 shipped) side by side -
-        # 16-bit data in version 3 also element by element (the path of odd-offset shards) and as
-        # word pairs (kernels/record_hash.py PAIRS, shipped) - each one's lanes checked against
-        # the torch path's
-        variants = [(False, m) for m in rh.MIXES] + ([(True, 3)] if dt != torch.float32 else [])
-        for pairs, mix in variants:
+        # 16-bit data element-wise and as word pairs (kernels/record_hash.py PAIRS), and the lane
+        # mixes (record_hash_ref.py MIXES: 1 the first, 2 shipped) side by side, each one's lanes
+        # checked against the torch path's
+        for pairs, mix in [(p, m) for p in ((False, True) if dt != torch.float32 else (False,)) for m in rh.MIXES]:
             tag = f"pairs={int(pairs)}, mix {mix}"
             for label, where in (("whole", (None, None, 0)), ("last-dim shard", (1, 4 * 8192, 8192))):
                 sl = rh.slab(x.shape, *where)
@@ -76,8 +74,13 @@ def hash_throughput(args) -> dict:
     return {"device": _device_name(), "peak_gbs": peak, "rows": rows}
 
 
-# launch shapes tried by `hash --sweep` (block, iters, waves, warps); the first is shipped
-HASH_SWEEP = [(1024, 8, 4, 4), (1024, 4, 4, 4), (2048, 4, 4, 8), (1024, 4, 16, 4)]
+# launch shapes tried by `hash --sweep` (block, iters, waves, warps); shipped: the first for 32-bit
+# data, the second for 16-bit (kernels/record_hash.py ITERS_2BYTE, WAVES_2BYTE)
+HASH_SWEEP = [(1024, 8, 4, 4), (1024, 16, 8, 4), (1024, 16, 4, 4), (1024, 4, 4, 4), (2048, 4, 4, 8),
+              (1024, 4, 16, 4)]
+# (session 11, H200, bf16: (1024, 16, 6, 4) ~1% below (1024, 16, 8, 4); block 2048 or 4096 with
+# fewer iters, Triton's software pipeline of the chunk loop (cp.async, 2-4 stages) and a register
+# cap (maxnreg 48-80: spills) were all slower - docs/benchmarks.md)
 # (an H200 sweep before the narrow tiles stacked their ITERS over rows also tried (1024, 4, 8, 4),
 # (2048, 2, 8, 8), (4096, 2, 4, 8), (2048, 4, 8, 4), (512, 8, 8, 4): none better on whole tensors)
 

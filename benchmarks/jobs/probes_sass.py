@@ -40,8 +40,7 @@ def loop_mix(width: int, bf16: bool, pairs: bool, warps: int | None = None, mix:
     cb, iters, warps = rh.BLOCK, rh.ITERS, warps or rh.WARPS
     k = rh._triton()._hash_batch_kernel
     consts = {"WIDTH": width, "IS_BF16": bf16, "R": 1, "CB": cb, "ITERS": iters, "ROW_ITERS": False,
-              "EVEN": True, "ALIGNED": True, "SLAB16": True, "EVENPOS": True, "PAIRS": pairs,
-              "MIX": mix or rh.HASH_VERSION}
+              "EVEN": True, "ALIGNED": True, "SLAB16": True, "PAIRS": pairs, "MIX": mix or rh.HASH_VERSION}
     sig = {"table_ptr": "*i64", "ints_ptr": "*i64", "floats_ptr": "*fp64", "NPROG": "i32",
            **{n: "constexpr" for n in consts}}
     src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()},

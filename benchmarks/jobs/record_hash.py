@@ -23,7 +23,7 @@ def main(argv: list[str]) -> dict:
     buf = HashBuffer(torch.device("cuda"), batch=7)
     queued = []  # (slot, torch-path ints)
     # (8, 300, 4100): masked tails; (16, 64, 2048) in 16: 128-wide shards, no masks ([R, CB] tiles);
-    # (6, 30, 4101): odd widths, 16-bit shards whose slabs start at odd global indices
+    # (6, 30, 4101): odd widths and odd slab lengths
     for shape, ways in (((8, 300, 4100), 4), ((16, 64, 2048), 16), ((6, 30, 4101), 4)):
         for dt in (torch.float32, torch.bfloat16, torch.float16):
             full = torch.randn(*shape, device="cuda").to(dt)
@@ -41,8 +41,8 @@ def main(argv: list[str]) -> dict:
                     # again: the first launch of a specialisation goes through Triton's JIT,
                     # later ones through the cached direct launch (_launch)
                     ic, _ = rh.triton_lanes(p, *args)
-                    # and 16-bit data element by element (the shipped path reads word pairs)
-                    ie, _ = rh.triton_lanes(p, *args, pairs=False)
+                    # and the other 16-bit code path (word pairs or element by element)
+                    ie, _ = rh.triton_lanes(p, *args, pairs=not rh.PAIRS[0])
                     for i in (ia, ib, ic, ie):
                         i[:2] &= rh.M32
                     bad += int(not torch.equal(ia, ib)) + int(not torch.equal(ia, ic)) + int(not torch.equal(ia, ie))

@@ -1,18 +1,15 @@
 """Record hashing for hash-first capture: order-aware lanes and float64 statistics of a tensor
 SHARD that add up to those of the WHOLE tensor, computed where the shard lives.
 
-Definition, version 3 (HASH_VERSION; for the whole tensor - a shard computes its share from
+Definition, version 2 (HASH_VERSION; for the whole tensor - a shard computes its share from
 its elements' GLOBAL indices). Each element's raw bits w (zero-extended to 32 bits; 64-bit
-elements are two 32-bit words, so indices count words) and its row-major index k give
+elements are two 32-bit words, so indices count words) and its row-major index k (mod 2**32) give
 
-    y = w * C1 + k * C2                                        (8-, 32- and 64-bit data)
-    y = floor(w * (C1 if k is even else C3) / 2**16) + (k >> 1) * C2    (16-bit data)
-    x = y ^ rotl(y, 7) ^ rotl(y, 19)                           (all mod 2**32)
+    y = w * C1 + k * C2;  x = y ^ rotl(y, 7) ^ rotl(y, 19)          (all mod 2**32)
     lane_a = sum(x) mod 2**32,  lane_b = sum(x * y) mod 2**32
 
-One changed element always changes lane_a: for fixed k, w -> y is injective (C1 is odd; for
-16-bit w, floor(w * C / 2**16) grows by at least C / 2**16 - 1 >= 1 per step of w), and y -> x
-is a bijection - a GF(2)-linear map whose polynomial 1 + t**7 + t**19 is a unit of
+One changed element always changes lane_a: for fixed k, w -> y is a bijection (C1 is odd), and
+y -> x is one too - a GF(2)-linear map whose polynomial 1 + t**7 + t**19 is a unit of
 GF(2)[t] / (t**32 + 1) = GF(2)[t] / ((t + 1)**32), since it is 1 at t = 1 (an odd number of
 terms) - so the element's term changes and no other term does. Sums are associative and
 commutative, so the shares of the shards add up to the lanes of the gathered tensor without
@@ -22,27 +19,17 @@ w and k, so the xor of two rotations is the only step that is not (carries make 
 perturbations of many elements (rounding differences, permutations, shard offsets, a sign flip
 of the tensor) leave 8-bit windows of both lanes unchanged at a random function's rate, but
 changes confined to TWO elements (a swap, a balanced +-1 ULP pair, two sign flips) leave lane_a
-unchanged more often than a random function's (2-6x at 16 bits in version 2; version 3's 16-bit
-y moves by only ~C / 2**16 per ULP, so a balanced +-1 ULP pair is ~39x at 16 bits, while its
-swaps and sign flips are nearer random than version 2's); lane_b (x * y: a product, not a
-square, whose low bits would repeat lane_a's) stays near random there, so the pair is what
-carries such changes.
+unchanged 2-3x as often as a random function's at 8 bits and up to ~34x at 20 bits; lane_b
+(x * y: a product, not a square, whose low bits would repeat lane_a's) stays near random there,
+so the pair is what carries such changes. Integer work per element: one multiply-add, two funnel
+shifts, one 3-input xor, an add and a multiply-add for the lanes - the kernel's bf16 loop is
+integer-bound (`python -m benchmarks probes sass`).
 
-Why 16-bit data has its own y (version 3; version 2 used the first line for every width): the
-kernel reads two 16-bit elements as one 32-bit word, and for a pair at an even k both terms come
-from the word in few integer ops - w << 16 and word & 0xFFFF0000 put each element's bits in the
-high half (for bf16 they are also its float bits, which the statistics need anyway), umulhi of
-that with C is floor(w * C / 2**16), and the pair's shared (k >> 1) * C2 rides in the multiply's
-addend. Two multipliers (C1, C3): swapping a pair's elements changes its terms. The loop is
-integer- and issue-bound (`python -m benchmarks probes sass`); a shard whose slabs start at odd
-global indices is hashed element by element, with the same lanes.
-
-Version 2 (run directories of sessions 8-10): y = w * C1 + k * C2 for every width, the same mix.
-Version 1 (run directories written before the field existed; `mix=1`/`mix=2` for the benchmarks'
-A/B and for checking an old directory's stored tensors): x = y ^ (y >> 16); x *= C3; x ^= x >> 15;
+Version 1 (run directories written before the field existed; `mix=1` for the benchmarks' A/B and
+for checking an old directory's stored tensors): x = y ^ (y >> 16); x *= C3; x ^= x >> 15;
 lane_b = sum(x * x). Two more integer ops per element; lane_a near random in every class above,
 lane_b's low bits tied to lane_a's (a square is x mod 2 in its last bit, odd squares are 1 mod 8).
-Hashes of two versions differ for equal tensors: records/hashing.py refuses to compare them.
+Hashes of the two versions differ for equal tensors: records/hashing.py refuses to compare them.
 
 Statistics: the count of non-finite values, the sum and sum of squares of the finite ones and
 their max |x| - fp32 within a block, float64 across blocks.
@@ -77,10 +64,19 @@ BLOCK, ITERS, WAVES, WARPS = 1024, 8, 4, 4   # H200 sweep: docs/scale.md
 # bf16: 3187 -> 3342 GB/s whole, 3115 -> 3296 / 2916 -> 3115 in 2048- / 512-wide shards; fp32
 # at 16 was slower, 4042 -> 3589: docs/benchmarks.md)
 ITERS_2BYTE = 16
+# ... and twice the programs per SM: the 16-bit loop has more instructions per byte and its
+# warps wait on memory - more of them in flight (H200, session 11, 1 GiB bf16, side by side,
+# three rounds: whole 3315-3355 -> 3384-3406 GB/s, 2048-wide shards 3283-3301 -> 3333-3349,
+# 512-wide 3160-3179 -> 3303-3319; 6 per SM was no better than 4; docs/benchmarks.md)
+WAVES_2BYTE = 8
 
 
 def iters_for(width: int) -> int:
     return ITERS_2BYTE if width == 16 else ITERS
+
+
+def waves_for(width: int) -> int:
+    return WAVES_2BYTE if width == 16 else WAVES
 
 
 @functools.lru_cache(maxsize=1)
@@ -146,7 +142,7 @@ def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[i
 
 
 def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None, *,
-                 block: int = BLOCK, iters: int | None = None, waves: int = WAVES, warps: int = WARPS,
+                 block: int = BLOCK, iters: int | None = None, waves: int | None = None, warps: int = WARPS,
                  pairs: bool | None = None, mix: int = HASH_VERSION):
     """One launch: the shard's lanes and statistics into `out` - (ints [4] int64, floats [2]
     float64) or (ints [n, 4], floats [n, 2], row), zeroed - allocated here when None.
@@ -157,6 +153,7 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
         raise ValueError(f"unknown record-hash mix {mix!r} (known: {MIXES})")
     width, iview = _TRITON_T[t.dtype]
     iters = iters_for(width) if iters is None else iters
+    waves = waves_for(width) if waves is None else waves
     words = t.contiguous().view(iview)
     if out is None:
         out = (torch.zeros(4, dtype=torch.int64, device=t.device),
@@ -168,7 +165,7 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     nprog = min(total, waves * _sm_count(t.device))
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
             width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
-            (PAIRS[0] if pairs is None else pairs) and pairs_ok(width, mix, slab_n, F * b, o * b)
+            (PAIRS[0] if pairs is None else pairs) and t.dtype == torch.bfloat16 and slab_n % 2 == 0
             and words.data_ptr() % 4 == 0, mix)
     _launch(args, nprog, warps, t.device)
     return out
@@ -182,16 +179,10 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
 # alignment, SLAB (the one specialised integer: == 1, % 16) and whether every integer fits in
 # int32 (its argument type).
 _COMPILED: dict = {}
-# 16-bit data as 32-bit word pairs (_hash_chunks' PAIRS; the lanes are the same either way).
-# Version 3's definition is made for it: a pair's two terms come straight from its word.
-# TPDIAG_HASH_PAIRS=0: element by element (A/B).
-PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
-
-
-def pairs_ok(width: int, mix: int, slab_n: int, f_b: int, o_b: int) -> bool:
-    """Whether a shard's 16-bit elements can be read as word pairs that are version 3's pairs:
-    every slab starts at an even global index (F_B, O_B even) and at a word (SLAB even)."""
-    return width == 16 and mix == 3 and slab_n % 2 == 0 and f_b % 2 == 0 and o_b % 2 == 0
+# bf16 data as 32-bit word pairs (_hash_chunks' PAIRS; the lanes are the same). Off by default
+# since hash v2: on an H200, bf16 1 GiB, word pairs 2843 GB/s against 3196 element-wise (v1:
+# 2901 against 2669; docs/benchmarks.md, session 9). TPDIAG_HASH_PAIRS=1: on (A/B).
+PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "0") == "1"]
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
@@ -274,8 +265,7 @@ def batch_entry(t: torch.Tensor, dim, full, offset, row: int):
         width, _ = _TRITON_T[t.dtype]
         slab_n = L * b
         r, cb, row_iters, n_row, n_col, even = plan(a, slab_n, BLOCK, iters_for(width))
-        hit = _ENTRY[shape_key] = ((width, t.dtype == torch.bfloat16, r, cb, row_iters, even, slab_n % 16 == 0,
-                                    (F * b) % 2 == 0 and (o * b) % 2 == 0),
+        hit = _ENTRY[shape_key] = ((width, t.dtype == torch.bfloat16, r, cb, row_iters, even, slab_n % 16 == 0),
                                    [a, slab_n, F * b, o * b, n_col, n_row * n_col])
     words = t.contiguous().view(_TRITON_T[t.dtype][1])
     ptr = words.data_ptr()
@@ -298,15 +288,15 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
 # (_direct) takes every parameter, constexprs included, positionally: one missing is a
 # TypeError on the GPU only (session 8's MIX was, until tests/test_hash_batch.py checked this).
 BATCH_CONSTEXPRS = ("WIDTH", "IS_BF16", "R", "CB", "ITERS", "ROW_ITERS", "EVEN", "ALIGNED", "SLAB16",
-                    "EVENPOS", "PAIRS", "MIX")
+                    "PAIRS", "MIX")
 
 
 def batch_args(key, table, nprog: int, ints, floats) -> tuple:
     """_hash_batch_kernel's arguments, all of them, in its parameter order."""
-    width, is_bf16, r, cb, row_iters, even, slab16, evenpos, aligned = key
+    width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
     return (table, ints, floats, nprog, width, is_bf16, r, cb, iters_for(width), row_iters, even, aligned, slab16,
-            evenpos, PAIRS[0], HASH_VERSION)
+            PAIRS[0], HASH_VERSION)
 
 
-def batch_nprog(total_max: int, device) -> int:
-    return min(total_max, WAVES * _sm_count(device))
+def batch_nprog(total_max: int, device, width: int = 32) -> int:
+    return min(total_max, waves_for(width) * _sm_count(device))

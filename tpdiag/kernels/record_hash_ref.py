@@ -7,34 +7,17 @@ import torch
 
 C1, C2, C3 = 0x9E3779B1, 0x85EBCA77, 0x85EBCA6B
 M32 = 0xFFFFFFFF
-# The hash's version (record_hash.py's docstring): run directories record it
+# The lane mix's version (record_hash.py's docstring): run directories record it
 # (records/hashing.py). 1: the first mix, kept for reading old run directories and for the
-# benchmarks' side-by-side timing; 2: the rotation mix; 3 (shipped): version 2 but for 16-bit
-# data, whose y counts element pairs (the kernel reads a pair as one 32-bit word).
-HASH_VERSION = 3
-MIXES = (1, 2, 3)
+# benchmarks' side-by-side timing; 2: the shipped one.
+HASH_VERSION = 2
+MIXES = (1, 2)
 R1, R2 = 7, 19  # version 2's rotations (chosen by benchmarks/jobs/hash_collisions.py's classes)
-
-
-def y_torch(w: torch.Tensor, k: torch.Tensor, two_byte: bool, mix: int = HASH_VERSION) -> torch.Tensor:
-    """y of words w (int64 in [0, 2**32)) at global indices k (int64 >= 0): w * C1 + k * C2, or in
-    version 3 for 16-bit words floor(w * (C1 if k even else C3) / 2**16) + (k >> 1) * C2 (mod
-    2**32)."""
-    if mix >= 3 and two_byte:
-        return (((w * torch.where((k & 1) == 1, C3, C1)) >> 16) + ((k >> 1) & M32) * C2) & M32
-    return (w * C1 + (k & M32) * C2) & M32  # int64 products wrap; their low 32 bits are uint32's
-
-
-def y_int(w: int, k: int, two_byte: bool, mix: int = HASH_VERSION) -> int:
-    """y_torch for one Python int (the plain-Python definition)."""
-    if mix >= 3 and two_byte:
-        return (((w * (C3 if k & 1 else C1)) >> 16) + ((k >> 1) & M32) * C2) & M32
-    return (w * C1 + (k & M32) * C2) & M32
 
 
 def mix_torch(y: torch.Tensor, mix: int = HASH_VERSION) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, the factor of x in lane_b's term) of y = w * C1 + k * C2 (int64 in [0, 2**32))."""
-    if mix in (2, 3):
+    if mix == 2:
         # both rotations from one 64-bit word holding y twice: rotl(y, r) = bits 32-r .. 63-r
         d = y | (y << 32)
         return (y ^ (d >> (32 - R1)) ^ (d >> (32 - R2))) & M32, y
@@ -48,7 +31,7 @@ def mix_torch(y: torch.Tensor, mix: int = HASH_VERSION) -> tuple[torch.Tensor, t
 
 def mix_int(y: int, mix: int = HASH_VERSION) -> tuple[int, int]:
     """mix_torch for one Python int (the plain-Python definition)."""
-    if mix in (2, 3):
+    if mix == 2:
         rot = lambda r: ((y << r) | (y >> (32 - r))) & M32  # noqa: E731
         return y ^ rot(R1) ^ rot(R2), y
     if mix != 1:
@@ -96,7 +79,8 @@ def lanes_torch(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=Non
     slab_n = L_w * b_w
     j = torch.arange(w.numel(), device=w.device, dtype=torch.int64)
     k = (j // slab_n) * (F_w * b_w) + o_w * b_w + (j % slab_n) if slab_n else j
-    x, f = mix_torch(y_torch(w, k, t.element_size() == 2, mix), mix)
+    y = (w * C1 + (k & M32) * C2) & M32  # int64 products wrap; their low 32 bits are uint32's
+    x, f = mix_torch(y, mix)
     nonfinite, absmax, sums = _stats_torch(t)
     absmax_bits = absmax.reshape(1).view(torch.int64)[0]
     ints = torch.stack([x.sum() & M32, (x * f).sum() & M32, nonfinite, absmax_bits])
@@ -116,7 +100,7 @@ def reference_lanes(full: torch.Tensor, mix: int = HASH_VERSION) -> tuple[int, i
     w, _ = _words(full.cpu())
     la = lb = 0
     for k, v in enumerate(w.tolist()):
-        x, f = mix_int(y_int(v, k, full.element_size() == 2, mix), mix)
+        x, f = mix_int((v * C1 + (k & M32) * C2) & M32, mix)
         la = (la + x) & M32
         lb = (lb + x * f) & M32
     return la, lb

@@ -16,7 +16,7 @@ import triton.language as tl
 def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                  ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                 PAIRS: tl.constexpr = False, MIX: tl.constexpr = 3):
+                 PAIRS: tl.constexpr = False, MIX: tl.constexpr = 2):
     """One record: its chunks over NPROG persistent programs (see _hash_chunks)."""
     _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
                  tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN, PAIRS, MIX)
@@ -26,15 +26,13 @@ def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
 def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
                        WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                        ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, EVENPOS: tl.constexpr,
-                       PAIRS: tl.constexpr = True, MIX: tl.constexpr = 3):
+                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True,
+                       MIX: tl.constexpr = 2):
     """Many records in one launch (grid: NPROG x records), each described by a row of `table`
     (int64: data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL). The records of one launch share
     the constexprs; ALIGNED / SLAB16 restore what the one-record kernel gets from Triton's
-    specialisation (16-byte aligned data, SLAB % 16 == 0: vector loads); EVENPOS: F_B and O_B
-    are even (every slab starts at an even global index). PAIRS: 16-bit records of hash version
-    3 that are ALIGNED with SLAB16 and EVENPOS are read as 32-bit word pairs (_hash_chunks);
-    False: never."""
+    specialisation (16-byte aligned data, SLAB % 16 == 0: vector loads). PAIRS: bf16 records
+    that are ALIGNED with SLAB16 are read as 32-bit words (_hash_chunks); False: never."""
     rec = table_ptr + tl.program_id(1).to(tl.int64) * 8
     pid = tl.program_id(0)
     TOTAL = tl.load(rec + 7)
@@ -51,7 +49,7 @@ def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
         _hash_chunks(w_ptr, ints_ptr, floats_ptr, tl.load(rec + 1), tl.load(rec + 2), SLAB,
                      tl.load(rec + 4), tl.load(rec + 5), tl.load(rec + 6), TOTAL, NPROG, pid,
                      WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN,
-                     PAIRS and WIDTH == 16 and MIX == 3 and ALIGNED and SLAB16 and EVENPOS, MIX)
+                     PAIRS and IS_BF16 and ALIGNED and SLAB16, MIX)
 
 
 @triton.jit
@@ -78,21 +76,19 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     re-reads its chunks for the statistics alone, testing each element (_stats_exact). The
     lanes never depend on which path ran."""
     rr = tl.arange(0, R)
-    # V3 (hash version 3, 16-bit data; record_hash.py's docstring): y = floor(w * C / 2**16) +
-    # (k >> 1) * C2, C = C1 for even k, C3 for odd. PAIRS (V3 only; every slab starts at an even
-    # global index and at a word): a tile is [R, CB / 2] 32-bit words, one pair each - half the
-    # loads, and both terms straight from the word: w << 16 and word & 0xFFFF0000 are each
-    # element's bits in the high half (for bf16 also its float bits), floor(w * C / 2**16) =
-    # umulhi(w << 16, C), and ptxas fuses the + (k >> 1) * C2 into that multiply's addend.
-    V3: tl.constexpr = WIDTH == 16 and MIX == 3
+    # PAIRS (bf16, SLAB even, 4-byte aligned): a tile is [R, CB / 2] 32-bit words of two
+    # elements each - half the loads, and the high half's mask is also its float bits (fp16
+    # gains nothing: its conversion is not a bit move; `probes sass`)
     TW: tl.constexpr = CB // 2 if PAIRS else CB
     cc = tl.arange(0, TW)
     # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element (per word with
-    # PAIRS) for the position; the slab start's term steps by a constant from tile to tile
-    cc_c2 = (cc.to(tl.uint32) * tl.full([TW], 0x85EBCA77, tl.uint32))[None, :]
+    # PAIRS: the high element's + C2 rides in its multiply, see below) for the position
+    if PAIRS:
+        cc_c2 = (cc.to(tl.uint32) * tl.full([TW], 0x0BD794EE, tl.uint32))[None, :]  # 2 * C2
+    else:
+        cc_c2 = (cc.to(tl.uint32) * tl.full([TW], 0x85EBCA77, tl.uint32))[None, :]
     c1 = tl.full([R, TW], 0x9E3779B1, tl.uint32)
     c3 = tl.full([R, TW], 0x85EBCA6B, tl.uint32)
-    c2 = tl.full([R, TW], 0x85EBCA77, tl.uint32)
     acc_a = tl.zeros([R, TW], dtype=tl.uint32)
     acc_b = tl.zeros([R, TW], dtype=tl.uint32)
     acc_s = tl.zeros([R, TW], dtype=tl.float32)
@@ -101,30 +97,13 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     if PAIRS:
         w32_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
         SLAB_W = SLAB // 2
-    # global-index step from one tile to the next (int64), and its position term
-    if ROW_ITERS:
-        dk = F_B.to(tl.int64) * R
-    else:
-        dk = tl.full([], CB, tl.int64)
-    if PAIRS:
-        dpos = _c2(dk >> 1)
-    else:
-        dpos = _c2(dk)
     for chunk in range(pid, TOTAL, NPROG):
         rg = (chunk // N_COL).to(tl.int64)
         cg = (chunk % N_COL).to(tl.int64)
-        rows, col0 = _tile_at(rg, cg, 0, rr, R, CB, ITERS, ROW_ITERS)
-        kc = rows * F_B + O_B + col0  # each row's first global index (int64: no wrap surprises)
-        if PAIRS:
-            kpos = _c2(kc >> 1)
-        else:
-            kpos = _c2(kc)
         for it in tl.static_range(ITERS):
-            if it > 0:
-                rows, col0 = _tile_at(rg, cg, it, rr, R, CB, ITERS, ROW_ITERS)
-                kpos += dpos
-                if V3 and not PAIRS:
-                    kc += dk
+            rows, col0 = _tile_at(rg, cg, it, rr, R, CB, ITERS, ROW_ITERS)
+            # each row's first position times C2, mod 2**32 (int64: no wrap surprises)
+            kc2 = ((((rows * F_B + O_B + col0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
             if PAIRS:
                 ptrs = w32_ptr + (rows * SLAB_W + col0 // 2)[:, None] + cc[None, :]
             else:
@@ -137,27 +116,24 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                 else:
                     mask = (rows < A)[:, None] & ((col0 + cc) < SLAB)[None, :]
                 raw = tl.load(ptrs, mask=mask, other=0)  # 0 is finite: adds to no statistic
+            pos = cc_c2 + kc2[:, None]
             if PAIRS:
-                pos = cc_c2 + kpos[:, None]
                 wd = raw.to(tl.uint32, bitcast=True)
-                lo16 = wd << 16             # each element's bits in the high half: for bf16,
-                hi = wd & 0xFFFF0000        # its float bits too
-                y0 = tl.umulhi(lo16, c1) + pos  # = floor(w_lo * C1 / 2**16) + m * C2
-                y1 = tl.umulhi(hi, c3) + pos
+                hi = wd & 0xFFFF0000
+                # low element: (wd - hi) * C1 + k * C2; high element: w1 * C1 + (k + 1) * C2 =
+                # (w1 + C2 / C1) * C1 + k * C2, C2 / C1 = C2 * C1**-1 mod 2**32 = 0x1A63E8A7
+                y0 = (wd - hi) * c1 + pos
+                y1 = ((wd >> 16) + 0x1A63E8A7) * c1 + pos
                 x0 = _mix(y0, c3, MIX)
                 x1 = _mix(y1, c3, MIX)
                 if not EVEN:
                     x0 = tl.where(mask, x0, tl.zeros([R, TW], dtype=tl.uint32))
                     x1 = tl.where(mask, x1, tl.zeros([R, TW], dtype=tl.uint32))
                 acc_a += x0 + x1
-                acc_b += x0 * y0
-                acc_b += x1 * y1
-                if IS_BF16:  # bf16 -> fp32: the bits, shifted
-                    v = lo16.to(tl.float32, bitcast=True)
-                    u = hi.to(tl.float32, bitcast=True)
-                else:
-                    v = _as_f32((wd & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), 16, False)
-                    u = _as_f32((wd >> 16).to(tl.uint16).to(tl.int16, bitcast=True), 16, False)
+                acc_b += x0 * _lane_b_factor(x0, y0, MIX)
+                acc_b += x1 * _lane_b_factor(x1, y1, MIX)
+                v = (wd << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32: the bits, shifted
+                u = hi.to(tl.float32, bitcast=True)
                 acc_s += v
                 acc_s += u
                 acc_q += v * v
@@ -168,12 +144,7 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                     w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
                 else:
                     w = raw.to(tl.uint32, bitcast=True)
-                if V3:  # element by element, a row may start at an odd k
-                    t = (kc & 1).to(tl.int32)[:, None] + cc[None, :]
-                    pos = _c2(kc >> 1)[:, None] + (t >> 1).to(tl.uint32) * c2
-                    y = tl.umulhi(w << 16, tl.where((t & 1) == 1, c3, c1)) + pos
-                else:
-                    y = w * c1 + (cc_c2 + kpos[:, None])
+                y = w * c1 + pos
                 x = _mix(y, c3, MIX)
                 if not EVEN:
                     x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
@@ -204,18 +175,12 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
 
 
 @triton.jit
-def _c2(k):
-    """k * C2 mod 2**32 of int64 indices, as uint32."""
-    return (((k & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
-
-
-@triton.jit
 def _mix(y, c3, MIX: tl.constexpr):
     """The lane mix of y = w * C1 + k * C2 (record_hash.py's docstring). 2: y ^ rotl(y, 7) ^
     rotl(y, 19) (two funnel shifts and one 3-input xor); 1: the first mix, for the benchmarks'
     side-by-side timing. (Version 1's right shifts as inline-PTX mul.hi were 6-17% slower on
     an H200: docs/benchmarks.md, 2026-11-23.)"""
-    if MIX >= 2:
+    if MIX == 2:
         return y ^ ((y << 7) | (y >> 25)) ^ ((y << 19) | (y >> 13))
     else:
         x = y ^ (y >> 16)
@@ -227,7 +192,7 @@ def _mix(y, c3, MIX: tl.constexpr):
 def _lane_b_factor(x, y, MIX: tl.constexpr):
     """lane_b's term is x * y in version 2 (x * x in version 1): a square's low bits repeat
     lane_a's (x * x = x mod 2; odd squares are 1 mod 8)."""
-    if MIX >= 2:
+    if MIX == 2:
         return y
     else:
         return x
