@@ -76,11 +76,11 @@ def hash_throughput(args) -> dict:
 
 # launch shapes tried by `hash --sweep` (block, iters, waves, warps); shipped: the first for 32-bit
 # data, the second for 16-bit (kernels/record_hash.py ITERS_2BYTE, WAVES_2BYTE)
-HASH_SWEEP = [(1024, 8, 4, 4), (1024, 16, 8, 4), (1024, 16, 4, 4), (1024, 4, 4, 4), (2048, 4, 4, 8),
-              (1024, 4, 16, 4)]
-# (session 11, H200, bf16: (1024, 16, 6, 4) ~1% below (1024, 16, 8, 4); block 2048 or 4096 with
-# fewer iters, Triton's software pipeline of the chunk loop (cp.async, 2-4 stages) and a register
-# cap (maxnreg 48-80: spills) were all slower - docs/benchmarks.md)
+HASH_SWEEP = [(1024, 8, 4, 4), (1024, 16, 16, 4), (1024, 16, 8, 4), (1024, 16, 4, 4), (1024, 4, 4, 4),
+              (2048, 4, 4, 8)]
+# (session 11, H200, bf16: block 2048 or 4096 with fewer iters, Triton's software pipeline of the
+# chunk loop (cp.async, 2-4 stages) and a register cap (maxnreg 48-80: spills) were all slower
+# than more programs per SM - docs/benchmarks.md)
 # (an H200 sweep before the narrow tiles stacked their ITERS over rows also tried (1024, 4, 8, 4),
 # (2048, 2, 8, 8), (4096, 2, 4, 8), (2048, 4, 8, 4), (512, 8, 8, 4): none better on whole tensors)
 

@@ -64,11 +64,12 @@ BLOCK, ITERS, WAVES, WARPS = 1024, 8, 4, 4   # H200 sweep: docs/scale.md
 # bf16: 3187 -> 3342 GB/s whole, 3115 -> 3296 / 2916 -> 3115 in 2048- / 512-wide shards; fp32
 # at 16 was slower, 4042 -> 3589: docs/benchmarks.md)
 ITERS_2BYTE = 16
-# ... and twice the programs per SM: the 16-bit loop has more instructions per byte and its
-# warps wait on memory - more of them in flight (H200, session 11, 1 GiB bf16, side by side,
-# three rounds: whole 3315-3355 -> 3384-3406 GB/s, 2048-wide shards 3283-3301 -> 3333-3349,
-# 512-wide 3160-3179 -> 3303-3319; 6 per SM was no better than 4; docs/benchmarks.md)
-WAVES_2BYTE = 8
+# ... and four times the programs per SM: at 4 an SM held 16 warps, which left its schedulers
+# without an eligible warp 32-41% of cycles (ncu, H200) - the loop waits on memory, not on issue.
+# H200, session 11, 1 GiB bf16, word pairs, side by side, two rounds: whole 3371-3378 GB/s at 4
+# -> 3545-3551 at 8 -> 3587-3611 at 12 -> 3619-3622 at 16; 2048-wide shards 3437-3449 -> 3662-3681
+# at 16; 512-wide 3222-3246 -> 3510-3522 (docs/benchmarks.md)
+WAVES_2BYTE = 16
 
 
 def iters_for(width: int) -> int:
@@ -179,10 +180,12 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
 # alignment, SLAB (the one specialised integer: == 1, % 16) and whether every integer fits in
 # int32 (its argument type).
 _COMPILED: dict = {}
-# bf16 data as 32-bit word pairs (_hash_chunks' PAIRS; the lanes are the same). Off by default
-# since hash v2: on an H200, bf16 1 GiB, word pairs 2843 GB/s against 3196 element-wise (v1:
-# 2901 against 2669; docs/benchmarks.md, session 9). TPDIAG_HASH_PAIRS=1: on (A/B).
-PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "0") == "1"]
+# bf16 data as 32-bit word pairs (_hash_chunks' PAIRS; the lanes are the same). Session 9 turned
+# them off (H200, 4 programs per SM: 2843 GB/s against 3196 element-wise); with the 16-bit loop's
+# programs per SM raised (WAVES_2BYTE) they are the faster path again - session 11, H200, 1 GiB,
+# side by side at 16 per SM: whole 3619-3622 GB/s vs 3443-3446 element-wise, 2048-wide shards
+# 3662-3681 vs 3366-3380, 512-wide 3510-3522 vs 3288-3297. TPDIAG_HASH_PAIRS=0: off (A/B).
+PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
