@@ -47,3 +47,22 @@ def test_edited_record_is_refused(stock_run, tmp_path):
     rs = RecordSet(str(d))
     with pytest.raises(Inconclusive, match="does not match its hash"):
         rs.tensor(meta)
+
+
+def test_hash_launch_knob_is_checked(monkeypatch):
+    """TPDIAG_HASH_WAVES16 (the 16-bit launch's programs per SM, an A/B knob): a bad value is one
+    clear error, a good one is used; neither changes a hash."""
+    from tpdiag.errors import BadInput
+    from tpdiag.kernels import record_hash as rh
+
+    for bad in ("abc", "0", "65", "-1"):
+        monkeypatch.setenv("TPDIAG_HASH_WAVES16", bad)
+        monkeypatch.setattr(rh, "_WAVES_2BYTE", [])
+        with pytest.raises(BadInput, match="TPDIAG_HASH_WAVES16"):
+            rh.waves_for(16)
+    monkeypatch.setenv("TPDIAG_HASH_WAVES16", "12")
+    monkeypatch.setattr(rh, "_WAVES_2BYTE", [])
+    assert rh.waves_for(16) == 12 and rh.waves_for(32) == rh.WAVES
+    monkeypatch.delenv("TPDIAG_HASH_WAVES16")
+    monkeypatch.setattr(rh, "_WAVES_2BYTE", [])
+    assert rh.waves_for(16) == rh.WAVES_2BYTE_DEFAULT

@@ -74,8 +74,8 @@ def hash_throughput(args) -> dict:
     return {"device": _device_name(), "peak_gbs": peak, "rows": rows}
 
 
-# launch shapes tried by `hash --sweep` (block, iters, waves, warps); shipped: the first for 32-bit
-# data, the second for 16-bit (kernels/record_hash.py ITERS_2BYTE, WAVES_2BYTE)
+# launch shapes tried by `hash --sweep` (block, iters, waves, warps); shipped: (1024, 8, 4, 4) for
+# 32-bit data, (1024, 16, 4, 4) for 16-bit (kernels/record_hash.py ITERS_2BYTE, waves_for)
 HASH_SWEEP = [(1024, 8, 4, 4), (1024, 16, 16, 4), (1024, 16, 8, 4), (1024, 16, 4, 4), (1024, 4, 4, 4),
               (2048, 4, 4, 8)]
 # (session 11, H200, bf16: block 2048 or 4096 with fewer iters, Triton's software pipeline of the

@@ -64,20 +64,34 @@ BLOCK, ITERS, WAVES, WARPS = 1024, 8, 4, 4   # H200 sweep: docs/scale.md
 # bf16: 3187 -> 3342 GB/s whole, 3115 -> 3296 / 2916 -> 3115 in 2048- / 512-wide shards; fp32
 # at 16 was slower, 4042 -> 3589: docs/benchmarks.md)
 ITERS_2BYTE = 16
-# ... and four times the programs per SM: at 4 an SM held 16 warps, which left its schedulers
-# without an eligible warp 32-41% of cycles (ncu, H200) - the loop waits on memory, not on issue.
-# H200, session 11, 1 GiB bf16, word pairs, side by side, two rounds: whole 3371-3378 GB/s at 4
-# -> 3545-3551 at 8 -> 3587-3611 at 12 -> 3619-3622 at 16; 2048-wide shards 3437-3449 -> 3662-3681
-# at 16; 512-wide 3222-3246 -> 3510-3522 (docs/benchmarks.md)
-WAVES_2BYTE = 16
+# 16-bit records, programs per SM (TPDIAG_HASH_WAVES16 for A/B). More programs raise the 1 GiB
+# bandwidth - at 4 an SM holds 16 warps and its schedulers find no eligible warp 32-41% of cycles
+# (ncu, H200), the loop waits on memory - but not a training step's hashing: session 11, H200,
+# 1 GiB bf16, word pairs, side by side: whole 3371-3378 GB/s at 4, 3619-3622 at 16 (2048-wide
+# shards 3437-3449 -> 3662-3681, 512-wide 3222-3246 -> 3510-3522); yet llama-1b 8 x 4096's
+# hashing took +28.6 / +33.3 ms a step at 16 with pairs against +23.3 / +26.5 at 4 element-wise,
+# in one interleaved run (docs/benchmarks.md). The step is what users wait for: 4 is kept.
+WAVES_2BYTE_DEFAULT = 4
 
 
 def iters_for(width: int) -> int:
     return ITERS_2BYTE if width == 16 else ITERS
 
 
+_WAVES_2BYTE: list = []
+
+
 def waves_for(width: int) -> int:
-    return WAVES_2BYTE if width == 16 else WAVES
+    if width != 16:
+        return WAVES
+    if not _WAVES_2BYTE:  # parsed once: asked per launch (host time)
+        v = os.environ.get("TPDIAG_HASH_WAVES16", "").strip() or str(WAVES_2BYTE_DEFAULT)
+        if not v.isdigit() or not 1 <= int(v) <= 64:
+            from tpdiag.errors import BadInput
+
+            raise BadInput(f"TPDIAG_HASH_WAVES16={v!r}: expected an integer from 1 to 64")
+        _WAVES_2BYTE.append(int(v))
+    return _WAVES_2BYTE[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -180,12 +194,12 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
 # alignment, SLAB (the one specialised integer: == 1, % 16) and whether every integer fits in
 # int32 (its argument type).
 _COMPILED: dict = {}
-# bf16 data as 32-bit word pairs (_hash_chunks' PAIRS; the lanes are the same). Session 9 turned
-# them off (H200, 4 programs per SM: 2843 GB/s against 3196 element-wise); with the 16-bit loop's
-# programs per SM raised (WAVES_2BYTE) they are the faster path again - session 11, H200, 1 GiB,
-# side by side at 16 per SM: whole 3619-3622 GB/s vs 3443-3446 element-wise, 2048-wide shards
-# 3662-3681 vs 3366-3380, 512-wide 3510-3522 vs 3288-3297. TPDIAG_HASH_PAIRS=0: off (A/B).
-PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
+# bf16 data as 32-bit word pairs (_hash_chunks' PAIRS; the lanes are the same). Off by default:
+# session 9 (H200, 4 programs per SM, 1 GiB) read 2843 GB/s against 3196 element-wise; session 11
+# read the pairs faster on 1 GiB (whole 3371-3378 vs 3345-3355, 2048-wide shards 3437-3449 vs
+# 3256-3277) but a llama-1b 8 x 4096 step's hashing slower (+27.8 / +33.2 ms vs +23.3 / +26.5,
+# docs/benchmarks.md). TPDIAG_HASH_PAIRS=1: on (A/B).
+PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "0") == "1"]
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
