@@ -302,6 +302,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--spill-dir", default=None,
                     help="overhead: where full capture spills past TPDIAG_HOST_BUDGET (default: the temp dir)")
+    ap.add_argument("--waves", default=None,
+                    help="hash: 16-bit variants also at these programs per SM, side by side (e.g. 4,16)")
     ap.add_argument("--shapes", default=None,
                     help="hash-sweep: launch shapes 'BLOCK,ITERS,WAVES,WARPS;...' (default: the job's list)")
     ap.add_argument("--smoke", action="store_true",

@@ -16,7 +16,19 @@ from benchmarks.errors import require_cuda
 from benchmarks.jobs.probes_util import device_name as _device_name, seconds as _seconds
 
 
+def _waves(args) -> list:
+    """--waves '4,16' -> [4, 16]; absent: [None] (the shipped programs per SM)."""
+    w = getattr(args, "waves", None)
+    if not w:
+        return [None]
+    parts = [p.strip() for p in w.split(",")]
+    if not all(p.isdigit() and 1 <= int(p) <= 64 for p in parts):
+        raise SystemExit(f"--waves {w!r}: expected integers from 1 to 64, comma-separated")
+    return [int(p) for p in parts]
+
+
 def hash_throughput(args) -> dict:
+    waves = _waves(args)  # a bad --waves is one line, before any GiB is allocated
     require_cuda("probes hash")
     import torch
 
@@ -47,11 +59,13 @@ def hash_throughput(args) -> dict:
         # 16-bit data element-wise and as word pairs (kernels/record_hash.py PAIRS), and the lane
         # mixes (record_hash_ref.py MIXES: 1 the first, 2 shipped) side by side, each one's lanes
         # checked against the torch path's
-        for pairs, mix in [(p, m) for p in ((False, True) if dt != torch.float32 else (False,)) for m in rh.MIXES]:
-            tag = f"pairs={int(pairs)}, mix {mix}"
+        # (--waves: the 16-bit variants also at other programs per SM)
+        for pairs, mix, wv in [(p, m, w) for p in ((False, True) if dt != torch.float32 else (False,))
+                               for m in rh.MIXES for w in (waves if dt != torch.float32 else [None])]:
+            tag = f"pairs={int(pairs)}, mix {mix}" + ("" if wv is None else f", {wv}/SM")
             for label, where in (("whole", (None, None, 0)), ("last-dim shard", (1, 4 * 8192, 8192))):
                 sl = rh.slab(x.shape, *where)
-                fn = lambda: rh.triton_lanes(x, *sl, pairs=pairs, mix=mix)  # noqa: E731
+                fn = lambda: rh.triton_lanes(x, *sl, pairs=pairs, mix=mix, waves=wv)  # noqa: E731
                 got = fn()[0][:2] & rh.M32
                 want = rh.lanes_torch(x, *sl, mix=mix)[0][:2] & rh.M32
                 what_t.append((f"record hash, {label}, {tag}", bench(fn), bool(torch.equal(got, want))))
