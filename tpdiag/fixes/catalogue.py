@@ -87,6 +87,6 @@ def _attention(model, plan, world):
 
 register(Fix("invariant-attention", ("attention-kernel",), ("F.scaled_dot_product_attention",),
              "own attention kernels, fixed tiles, no split-KV, separate dq pass (no atomics): Triton on "
-             "CUDA, fwd+bwd ~1.1x cuDNN's at head_dim 64 (H100, H200), 1.2x at 128 (H200; docs/benchmarks.md); "
+             "CUDA, fwd+bwd ~1.1x cuDNN's at head_dim 64, 1.2x at 128 (H100, H200; docs/benchmarks.md); "
              "per-(batch, head) fp32 torch loop on the CPU or with an explicit mask (slow)",
              _attention))
