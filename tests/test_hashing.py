@@ -51,7 +51,7 @@ def test_edited_record_is_refused(stock_run, tmp_path):
 
 def test_hash_launch_knob_is_checked(monkeypatch):
     """TPDIAG_HASH_WAVES16 (the 16-bit launch's programs per SM, an A/B knob): a bad value is one
-    clear error, a good one is used; neither changes a hash."""
+    clear error (BadInput: the CLI's one line), a good one is used, 32-bit data keeps WAVES."""
     from tpdiag.errors import BadInput
     from tpdiag.kernels import record_hash as rh
 
