@@ -81,6 +81,17 @@ def _mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(base, rows, stride, offs_d, n, EVEN: tl.constexpr):
+    """Rows `rows` (each D wide, `stride` apart) of the block at base; rows >= n read as 0 unless
+    EVEN (every block full: no mask)."""
+    ptrs = base + rows[:, None] * stride + offs_d[None, :]
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=rows[:, None] < n, other=0.0)
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
                DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                PREC: tl.constexpr):
@@ -89,12 +100,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n
-        if EVEN:
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :])
-        else:
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < S, other=0.0)
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < S, other=0.0)
+        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN)
+        v = _load_rows(v_base, cols, svn, offs_d, S, EVEN)
         # the max of the raw scores, scaled once per row (the scale is > 0: the same m as scaling
         # every score first), then qk * scale - m as one FMA per score: one FMUL less per score,
         # 2-5% of the forward on an H200 (docs/benchmarks.md)
@@ -125,11 +132,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
     hk = h // REP
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    q_ptr = Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :]
-    if EVEN:
-        q = tl.load(q_ptr)
-    else:
-        q = tl.load(q_ptr, mask=offs_m[:, None] < L, other=0.0)
+    q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, offs_d, L, EVEN)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -163,17 +166,14 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm
     offs_d = tl.arange(0, D)
     for start_m in range(lo, hi, BM):
         rows = start_m + offs_m0
+        q = _load_rows(q_base, rows, sqm, offs_d, L, EVEN)
+        do = _load_rows(do_base, rows, D, offs_d, L, EVEN)
         if EVEN:
-            q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :])
-            do = tl.load(do_base + rows[:, None] * D + offs_d[None, :])
             lse = tl.load(LSE + row_base + rows)
             delta = tl.load(DELTA + row_base + rows)
         else:
-            rmask = rows < L
-            q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :], mask=rmask[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
-            lse = tl.load(LSE + row_base + rows, mask=rmask, other=0.0)
-            delta = tl.load(DELTA + row_base + rows, mask=rmask, other=0.0)
+            lse = tl.load(LSE + row_base + rows, mask=rows < L, other=0.0)
+            delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
         st = _mm(k, tl.trans(q), PREC) * qk_scale  # [BN, BM]
         pt = tl.math.exp2(st - lse[None, :])
         if DIAG:
@@ -199,14 +199,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, 
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     nmask = offs_n[:, None] < S
-    k_ptr = K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :]
-    v_ptr = V + b * svb + hk * svh + offs_n[:, None] * svn + offs_d[None, :]
-    if EVEN:
-        k = tl.load(k_ptr)
-        v = tl.load(v_ptr)
-    else:
-        k = tl.load(k_ptr, mask=nmask, other=0.0)
-        v = tl.load(v_ptr, mask=nmask, other=0.0)
+    k = _load_rows(K + b * skb + hk * skh, offs_n, skn, offs_d, S, EVEN)
+    v = _load_rows(V + b * svb + hk * svh, offs_n, svn, offs_d, S, EVEN)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     H = HK * REP
@@ -244,12 +238,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n0
-        if EVEN:
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :])
-        else:
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < S, other=0.0)
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < S, other=0.0)
+        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN)
+        v = _load_rows(v_base, cols, svn, offs_d, S, EVEN)
         s = _mm(q, tl.trans(k), PREC) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if DIAG:
@@ -275,17 +265,15 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     rmask = offs_m < L
-    q_ptr = Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :]
     io = bh * L * D + offs_m[:, None] * D + offs_d[None, :]
     # O and dO are contiguous [B, H, L, D]; this pass runs first and writes delta =
     # rowsum(O * dO) (fp32, one fixed order per row) for the dk/dv pass
+    q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, offs_d, L, EVEN)
     if EVEN:
-        q = tl.load(q_ptr)
         do = tl.load(DO + io)
         o = tl.load(O + io)
         lse = tl.load(LSE + bh * L + offs_m)
     else:
-        q = tl.load(q_ptr, mask=rmask[:, None], other=0.0)
         do = tl.load(DO + io, mask=rmask[:, None], other=0.0)
         o = tl.load(O + io, mask=rmask[:, None], other=0.0)
         lse = tl.load(LSE + bh * L + offs_m, mask=rmask, other=0.0)
