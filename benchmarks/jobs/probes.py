@@ -68,7 +68,10 @@ def overhead(args) -> dict:
 
     batch = os.environ.get("TPDIAG_HASH_BATCH", "64")
 
-    def once(mode: str, keep: bool):
+    def once(key: str, keep: bool):
+        # "MODE@warm": the step starts on the allocator the previous step left (a training loop's
+        # steady state); plain MODE: cache emptied first (a fresh world's first step, as compare runs it)
+        mode, _, alloc = key.partition("@")
         rec = Recorder(spill_dir=spill)
         if mode == "none":
             rec.enabled = False
@@ -79,7 +82,8 @@ def overhead(args) -> dict:
         os.environ["TPDIAG_HASH_BATCH"] = "1" if mode in ("hash-each", "hash-jit") else batch
         cfg = base.with_(probes=mode != "none", capture="full" if mode == "full" else "hash")
         if dev_type == "cuda":
-            torch.cuda.empty_cache()
+            if alloc != "warm":
+                torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
         _reset_rss_peak()
         t = step.run(cfg, dev, 1, rec)
@@ -93,10 +97,10 @@ def overhead(args) -> dict:
         close_stores(rec.records, stored)
         import sys
 
-        print(f"[overhead] {mode} {'round' if keep else 'warm-up'}: step {1e3 * t['steps_s']:.1f} ms, "
+        print(f"[overhead] {key} {'round' if keep else 'warm-up'}: step {1e3 * t['steps_s']:.1f} ms, "
               f"peak {peak / 2**30:.2f} GiB, gather {1e3 * gather_s:.0f} ms, host {host}", file=sys.stderr, flush=True)
         if keep:
-            r = res[mode]
+            r = res[key]
             r["step_s"].append(t["steps_s"])
             r["peak_bytes"].append(peak)
             r["gather_s"].append(gather_s)
@@ -112,7 +116,7 @@ def overhead(args) -> dict:
         for m in modes:
             once(m, True)
     d2h = _d2h_gbs(dev) if dev_type == "cuda" else None
-    none_t = statistics.median(res["none"]["step_s"])
+    none_t = statistics.median(res["none" if "none" in res else "none@warm"]["step_s"])
     flops = step_flops(args.model, args.batch, args.seq)
     peak = peak_flops(_device_name() if dev_type == "cuda" else None, args.peak_tflops)
     none_mfu = mfu(flops, none_t, 1, peak)
@@ -120,12 +124,15 @@ def overhead(args) -> dict:
            "params": nparams, "device": _device_name(), "rounds": args.rounds, "step_flops": flops,
            "peak_flops": peak, "mfu_no_probes": none_mfu, "d2h_gbs": d2h,
            "host_budget": os.environ.get("TPDIAG_HOST_BUDGET"), "modes": {}}
-    none_m = statistics.median(res["none"]["peak_bytes"]) or 1
     for m in modes:
         r = res[m]
+        # each against the unprobed step of its own allocator state
+        base_r = res["none@warm" if m.endswith("@warm") else "none"]
+        none_m = statistics.median(base_r["peak_bytes"]) or 1
         st, pk = statistics.median(r["step_s"]), statistics.median(r["peak_bytes"])
         out["modes"][m] = {"step_ms": 1e3 * st, "step_spread_ms": 1e3 * (max(r["step_s"]) - min(r["step_s"])),
-                           "time_ratio": st / none_t, "peak_gib": pk / 2**30,
+                           "time_ratio": st / statistics.median(base_r["step_s"]),
+                           "mfu_no_probes": mfu(flops, statistics.median(base_r["step_s"]), 1, peak), "peak_gib": pk / 2**30,
                            "mem_overhead": pk / none_m - 1 if dev_type == "cuda" else None, "gather_ms": 1e3 * statistics.median(r["gather_s"]),
                            "records": r["records"], "kept_mib": r["kept_bytes"] / 2**20,
                            **_host_figures(r, d2h)}
@@ -137,7 +144,7 @@ def overhead(args) -> dict:
              "|---|---|---|---|---|---|---|---|---|"]
     for m, r in out["modes"].items():
         lines.append(f"| {m} | {r['step_ms']:.1f} ({r['step_spread_ms']:.1f}) | {r['time_ratio']:.2f}x | "
-                     f"{fmt(none_mfu)} | "
+                     f"{fmt(r['mfu_no_probes'])} | "
                      f"{r['peak_gib']:.2f} | {_pct(r['mem_overhead'])} | {r['gather_ms']:.1f} | "
                      f"{r['records']} | {r['kept_mib']:.1f} |")
     lines += _host_lines(out, d2h)
@@ -146,7 +153,7 @@ def overhead(args) -> dict:
 
 
 def _modes(text: str) -> list[str]:
-    return ["none" if m == "off" else m for m in text.split(",")]
+    return [("none" + m[3:]) if m.split("@")[0] == "off" else m for m in text.split(",")]
 
 
 def _reset_rss_peak() -> None:
@@ -214,7 +221,9 @@ def _host_lines(out: dict, d2h) -> list[str]:
 
 
 def profile_step(args) -> dict:
-    """cProfile of one hash-mode training step (TP=1): where the host time goes."""
+    """cProfile of one hash-mode training step (TP=1): where the host time goes. --kineto: torch's
+    profiler over one unprobed and one hash step instead (each after two warm-ups): the GPU's
+    kernel time beside the wall time says whether the step waits on the host or on the GPU."""
     require_cuda("probes profile")
     import cProfile
     import io
@@ -232,6 +241,8 @@ def profile_step(args) -> dict:
                       batch_size=args.batch, seq_len=args.seq, selfcheck=False, capture="hash")
     built = step.build_model(cfg, dev, 1)
     step.build_model = lambda cfg, device, world: built
+    if args.kineto:
+        return _kineto(args, cfg, dev)
     for _ in range(2):
         step.run(cfg, dev, 1, Recorder())
     torch.cuda.synchronize()
@@ -249,6 +260,36 @@ def profile_step(args) -> dict:
           f"{len(rec.records)} records, step {1e3 * wall:.1f} ms under cProfile")
     print(s.getvalue())
     return {"records": len(rec.records), "wall_s": wall}
+
+
+def _kineto(args, cfg, dev) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.runner import step
+
+    out = {}
+    for mode in ("none", "hash"):
+        c = cfg.with_(probes=mode != "none")
+        for _ in range(2):
+            rec = Recorder()
+            rec.enabled = mode != "none"
+            step.run(c, dev, 1, rec)
+        torch.cuda.synchronize()
+        rec = Recorder()
+        rec.enabled = mode != "none"
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = step.run(c, dev, 1, rec)
+        ev = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total for e in ev)
+        kernels = sum(e.count for e in ev if e.self_device_time_total > 0)
+        out[mode] = {"step_ms": 1e3 * t["steps_s"], "gpu_ms": gpu_us / 1e3, "gpu_events": kernels}
+        print(f"== {mode}: step {1e3 * t['steps_s']:.1f} ms (under the profiler), GPU time {gpu_us / 1e3:.1f} ms "
+              f"in {kernels} device events ==")
+        print(ev.table(sort_by="self_cpu_time_total", row_limit=args.rounds if args.rounds > 3 else 25))
+        print(ev.table(sort_by="self_device_time_total", row_limit=12))
+    return out
 
 
 def diff_throughput(args) -> dict:
@@ -295,7 +336,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--modes", default=",".join(MODES),
                     help="overhead: comma list of none (or off), hash (records queued, many per launch), "
                          "hash-each (a launch per record), hash-jit (a launch per record through "
-                         "Triton's JIT dispatch), full")
+                         "Triton's JIT dispatch), full; MODE@warm: the step on a warm allocator (no "
+                         "empty_cache before it; its ratio against none@warm)")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="dense bf16 peak TFLOP/s of one device for MFU (default: 989.4 on H100/H200, else no MFU)")
@@ -306,6 +348,8 @@ def main(argv: list[str]) -> dict:
                     help="hash: 16-bit variants also at these programs per SM, side by side (e.g. 4,16)")
     ap.add_argument("--shapes", default=None,
                     help="hash-sweep: launch shapes 'BLOCK,ITERS,WAVES,WARPS;...' (default: the job's list)")
+    ap.add_argument("--kineto", action="store_true",
+                    help="profile: torch's profiler over an unprobed and a hash step (GPU vs host time)")
     ap.add_argument("--smoke", action="store_true",
                     help="overhead on tiny-llama fp32, batch 1 x seq 16, 1 round (the code path, on CPU too)")
     args = ap.parse_args(argv)
@@ -313,8 +357,17 @@ def main(argv: list[str]) -> dict:
         args.model, args.dtype, args.batch, args.seq, args.rounds = "tiny-llama", "float32", 1, 16, 1
     if args.what == "diff" and not args.run_dir:
         ap.error("diff needs RUN_DIR")
-    if args.what == "overhead" and "none" not in _modes(args.modes):
-        ap.error("--modes must include none (the ratios are against it)")
+    if args.what == "overhead":
+        ms = _modes(args.modes)
+        bad = [m for m in ms if m.split("@")[0] not in MODES + ("hash-each", "hash-jit")
+               or m.partition("@")[2] not in ("", "warm")]
+        if bad:
+            ap.error(f"--modes: unknown {', '.join(bad)} (MODE or MODE@warm; MODE one of none, hash, hash-each, "
+                     "hash-jit, full)")
+        for warm in ("", "@warm"):
+            if any(m.endswith("@warm") == bool(warm) for m in ms) and "none" + warm not in ms:
+                ap.error(f"--modes must include none{warm} (the ratios of the {'@warm' if warm else 'plain'} "
+                         "modes are against it)")
     from benchmarks.jobs.probes_hash import hash_sweep, hash_throughput, launch_cost
     from benchmarks.jobs.probes_host import host
     from benchmarks.jobs.probes_sass import sass
