@@ -299,6 +299,8 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
                 opt.zero_grad(set_to_none=True)
                 record_params(rec, model, "param", target.plan, include)
             del out, logits, local_logits, loss
+        # the host's part: issue_s close to steps_s is a step the host paces (the GPU keeps up)
+        timings["issue_s"] = time.perf_counter() - t1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         timings["steps_s"] = time.perf_counter() - t1
