@@ -5,7 +5,8 @@ mode, and the record hash's throughput against the device's memory bandwidth.
   python -m benchmarks probes overhead --model tiny-llama --dtype float32 --batch 1 --seq 16 --rounds 1  # CPU
   python -m benchmarks probes hash          # or hash-sweep: launch shapes side by side (CUDA)
   python -m benchmarks probes launch        # host time per hashed record, by layer (CUDA)
-  python -m benchmarks probes profile --model llama-1b --seq 2048   # cProfile, one step (CUDA)
+  python -m benchmarks probes profile --model llama-1b --seq 2048   # cProfile: host time hash mode adds
+  python -m benchmarks probes profile --kineto --seq 2048           # GPU busy vs step time (CUDA)
   python -m benchmarks probes diff RUN_DIR
   python -m benchmarks probes sass          # the hash loop's sm_90 instruction mix (CPU, no GPU)
   python -m benchmarks probes host --rounds 7   # host time per record, llama-1b structure (CPU)
@@ -222,10 +223,10 @@ def _host_lines(out: dict, d2h) -> list[str]:
 
 
 def profile_step(args) -> dict:
-    """cProfile of one hash-mode training step (TP=1): where the host time goes. --kineto: torch's
-    profiler over one unprobed and one hash step instead (each after two warm-ups): the GPU's
-    kernel time beside the wall time says whether the step waits on the host or on the GPU."""
-    require_cuda("probes profile")
+    """cProfile of an unprobed and a hash-mode training step (TP=1, each after two warm-ups): the
+    hash step's top functions, and own time by function, hash minus unprobed - where hash mode's
+    host time goes. --kineto (CUDA): torch's profiler instead: the GPU's kernel time beside the
+    wall time says whether the step waits on the host or on the GPU."""
     import cProfile
     import io
     import pstats
@@ -236,31 +237,53 @@ def profile_step(args) -> dict:
     from tpdiag.probes.recorder import Recorder
     from tpdiag.runner import determinism, step
 
-    determinism.setup(0, "cuda")
-    dev = torch.device("cuda", 0)
-    cfg = WorldConfig(model=args.model, degree=1, label="1", out_dir="", dtype=args.dtype, device="cuda",
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.kineto:
+        require_cuda("probes profile --kineto")
+    determinism.setup(0, dev_type)
+    dev = torch.device(dev_type, 0) if dev_type == "cuda" else torch.device("cpu")
+    cfg = WorldConfig(model=args.model, degree=1, label="1", out_dir="", dtype=args.dtype, device=dev_type,
                       batch_size=args.batch, seq_len=args.seq, selfcheck=False, capture="hash")
     built = step.build_model(cfg, dev, 1)
     step.build_model = lambda cfg, device, world: built
     if args.kineto:
         return _kineto(args, cfg, dev)
-    for _ in range(2):
-        step.run(cfg, dev, 1, Recorder())
-    torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    rec = Recorder()
-    t = time.perf_counter()
-    prof.enable()
-    step.run(cfg, dev, 1, rec)
-    torch.cuda.synchronize()
-    prof.disable()
-    wall = time.perf_counter() - t
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    print(f"profile: {args.model} {args.dtype} batch {args.batch} seq {args.seq}, hash mode, "
-          f"{len(rec.records)} records, step {1e3 * wall:.1f} ms under cProfile")
-    print(s.getvalue())
-    return {"records": len(rec.records), "wall_s": wall}
+    stats, walls, n = {}, {}, 0
+    for mode in ("none", "hash"):
+        c = cfg.with_(probes=mode != "none")
+        for _ in range(2):
+            rec = Recorder()
+            rec.enabled = mode != "none"
+            step.run(c, dev, 1, rec)
+        sync = torch.cuda.synchronize if dev_type == "cuda" else (lambda: None)
+        sync()
+        prof = cProfile.Profile()
+        rec = Recorder()
+        rec.enabled = mode != "none"
+        t = time.perf_counter()
+        prof.enable()
+        step.run(c, dev, 1, rec)
+        sync()
+        prof.disable()
+        walls[mode] = time.perf_counter() - t
+        if mode == "hash":
+            n = len(rec.records)
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+            print(s.getvalue())
+        stats[mode] = pstats.Stats(prof).stats
+    # own time by function, hash minus none: what hash mode adds to the host's work, by place
+    keys = set(stats["none"]) | set(stats["hash"])
+    own = lambda m, k: stats[m].get(k, (0, 0, 0.0, 0.0))[2:4]  # noqa: E731
+    rows = sorted(((own("hash", k)[0] - own("none", k)[0], k) for k in keys), reverse=True)[:30]
+    print(f"profile: {args.model} {args.dtype} batch {args.batch} seq {args.seq}, {n} records; under cProfile "
+          f"the step took {1e3 * walls['none']:.1f} ms unprobed, {1e3 * walls['hash']:.1f} ms in hash mode")
+    print("| own ms, hash - none | calls hash / none | function |\n|---|---|---|")
+    for d, k in rows:
+        calls = f"{stats['hash'].get(k, (0, 0))[1]} / {stats['none'].get(k, (0, 0))[1]}"
+        print(f"| {1e3 * d:.2f} | {calls} | {k[2]} {os.path.basename(k[0])}:{k[1]} |")
+    return {"records": n, "wall_s": walls, "added_ms": {f"{k[2]} {os.path.basename(k[0])}:{k[1]}": 1e3 * d
+                                                        for d, k in rows}}
 
 
 def _kineto(args, cfg, dev) -> dict:
