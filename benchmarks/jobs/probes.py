@@ -68,6 +68,7 @@ def overhead(args) -> dict:
     from tpdiag.kernels import record_hash as rh
 
     batch = os.environ.get("TPDIAG_HASH_BATCH", "64")
+    orig_launch = rh.batch_launch
 
     def once(key: str, keep: bool):
         # "MODE@warm": the step starts on the allocator the previous step left (a training loop's
@@ -80,6 +81,10 @@ def overhead(args) -> dict:
         # many per launch; hash-each = a launch per record, at once (the cached direct launch);
         # hash-jit = a launch per record through Triton's JIT dispatch
         rh._FAST[0] = mode != "hash-jit"
+        # hash-side: an experiment, the queued launches on a second stream beside the compute -
+        # what overlap could win at most. Its hashes are not to be trusted (a queued tensor may be
+        # freed, reused or changed in place before the side stream reads it); timings only
+        rh.batch_launch = _side_launch(orig_launch) if mode == "hash-side" else orig_launch
         os.environ["TPDIAG_HASH_BATCH"] = "1" if mode in ("hash-each", "hash-jit") else batch
         cfg = base.with_(probes=mode != "none", capture="full" if mode == "full" else "hash")
         if dev_type == "cuda":
@@ -111,6 +116,7 @@ def overhead(args) -> dict:
             r["host"].append(host)
             r["rss_peak"].append(rss)
         del rec, stored
+        rh.batch_launch = orig_launch
 
     for m in modes:  # warm-up: kernels compiled, allocator grown
         once(m, False)
@@ -152,6 +158,21 @@ def overhead(args) -> dict:
     lines += _host_lines(out, d2h)
     print("\n".join(lines))
     return out
+
+
+def _side_launch(launch):
+    import torch
+
+    side: list = []
+
+    def run(key, table, n, nprog, ints, floats, **kw):
+        if not side:
+            side.append(torch.cuda.Stream(device=ints.device))
+        side[0].wait_stream(torch.cuda.current_stream(ints.device))
+        with torch.cuda.stream(side[0]):
+            launch(key, table, n, nprog, ints, floats, **kw)
+
+    return run
 
 
 def _modes(text: str) -> list[str]:
@@ -385,7 +406,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--modes", default=",".join(MODES),
                     help="overhead: comma list of none (or off), hash (records queued, many per launch), "
                          "hash-each (a launch per record), hash-jit (a launch per record through "
-                         "Triton's JIT dispatch), full; MODE@warm: the step on a warm allocator (no "
+                         "Triton's JIT dispatch), hash-side (experiment: queued launches on a second stream; "
+                         "timings only, its hashes untrusted), full; MODE@warm: the step on a warm allocator (no "
                          "empty_cache before it; its ratio against none@warm)")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--peak-tflops", type=float, default=None,
@@ -408,7 +430,7 @@ def main(argv: list[str]) -> dict:
         ap.error("diff needs RUN_DIR")
     if args.what == "overhead":
         ms = _modes(args.modes)
-        bad = [m for m in ms if m.split("@")[0] not in MODES + ("hash-each", "hash-jit")
+        bad = [m for m in ms if m.split("@")[0] not in MODES + ("hash-each", "hash-jit", "hash-side")
                or m.partition("@")[2] not in ("", "warm")]
         if bad:
             ap.error(f"--modes: unknown {', '.join(bad)} (MODE or MODE@warm; MODE one of none, hash, hash-each, "
