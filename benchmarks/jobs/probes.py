@@ -38,6 +38,7 @@ from benchmarks.jobs.probes_util import device_name as _device_name
 from benchmarks.mfu import fmt, mfu, peak_flops, step_flops
 
 MODES = ("none", "hash", "full")
+EXTRA_MODES = ("hash-each", "hash-jit", "hash-side", "hooks-only", "rows-only")
 
 
 def overhead(args) -> dict:
@@ -69,6 +70,9 @@ def overhead(args) -> dict:
 
     batch = os.environ.get("TPDIAG_HASH_BATCH", "64")
     orig_launch = rh.batch_launch
+    from tpdiag.kernels.hash_buffer import HashBuffer
+
+    orig_add, orig_hb_add = Recorder.add, HashBuffer.add
 
     def once(key: str, keep: bool):
         # "MODE@warm": the step starts on the allocator the previous step left (a training loop's
@@ -85,6 +89,10 @@ def overhead(args) -> dict:
         # what overlap could win at most. Its hashes are not to be trusted (a queued tensor may be
         # freed, reused or changed in place before the side stream reads it); timings only
         rh.batch_launch = _side_launch(orig_launch) if mode == "hash-side" else orig_launch
+        # hooks-only / rows-only: where hash mode's host time goes, by removal - the hooks with
+        # Recorder.add returning at once; the records made with nothing queued or hashed
+        Recorder.add = _no_add if mode == "hooks-only" else orig_add
+        HashBuffer.add = _no_hash if mode == "rows-only" else orig_hb_add
         os.environ["TPDIAG_HASH_BATCH"] = "1" if mode in ("hash-each", "hash-jit") else batch
         cfg = base.with_(probes=mode != "none", capture="full" if mode == "full" else "hash")
         if dev_type == "cuda":
@@ -117,6 +125,7 @@ def overhead(args) -> dict:
             r["rss_peak"].append(rss)
         del rec, stored
         rh.batch_launch = orig_launch
+        Recorder.add, HashBuffer.add = orig_add, orig_hb_add
 
     for m in modes:  # warm-up: kernels compiled, allocator grown
         once(m, False)
@@ -140,6 +149,7 @@ def overhead(args) -> dict:
         st, pk = statistics.median(r["step_s"]), statistics.median(r["peak_bytes"])
         out["modes"][m] = {"step_ms": 1e3 * st, "issue_ms": 1e3 * statistics.median(r["issue_s"]), "step_spread_ms": 1e3 * (max(r["step_s"]) - min(r["step_s"])),
                            "time_ratio": st / statistics.median(base_r["step_s"]),
+                           **_paired(r["step_s"], base_r["step_s"]),
                            "mfu_no_probes": mfu(flops, statistics.median(base_r["step_s"]), 1, peak), "peak_gib": pk / 2**30,
                            "mem_overhead": pk / none_m - 1 if dev_type == "cuda" else None, "gather_ms": 1e3 * statistics.median(r["gather_s"]),
                            "records": r["records"], "kept_mib": r["kept_bytes"] / 2**20,
@@ -147,17 +157,44 @@ def overhead(args) -> dict:
     lines = [f"overhead: {out['device']}, {args.model} ({nparams / 1e9:.2f}B params) {args.dtype}, "
              f"batch {args.batch} x seq {args.seq}, TP=1, median of {args.rounds} rounds; "
              f"MFU of the unprobed step {fmt(none_mfu)}",
-             "| probes | step ms (spread) | x no probes | MFU no probes | host issue ms | peak GiB | memory vs no probes | "
-             "gather ms | records | kept whole MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| probes | step ms (spread) | x no probes | paired: x (IQR), + ms | MFU no probes | host issue ms | peak GiB | "
+             "memory vs no probes | gather ms | records | kept whole MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, r in out["modes"].items():
         lines.append(f"| {m} | {r['step_ms']:.1f} ({r['step_spread_ms']:.1f}) | {r['time_ratio']:.2f}x | "
+                     f"{r['paired_ratio']:.2f}x ({r['paired_ratio_q1']:.2f}-{r['paired_ratio_q3']:.2f}), "
+                     f"{r['paired_ms']:+.1f} | "
                      f"{fmt(r['mfu_no_probes'])} | {r['issue_ms']:.1f} | "
                      f"{r['peak_gib']:.2f} | {_pct(r['mem_overhead'])} | {r['gather_ms']:.1f} | "
                      f"{r['records']} | {r['kept_mib']:.1f} |")
     lines += _host_lines(out, d2h)
     print("\n".join(lines))
     return out
+
+
+def _paired(steps: list, base: list) -> dict:
+    """Each round's step against the same round's unprobed one (modes alternate within a round):
+    the host's speed drifts over a run (on the H200 host the unprobed 1 x 2048 step ranged
+    69-228 ms in one run), which a ratio of medians carries and a per-round pair mostly cancels."""
+    ratios = [a / b for a, b in zip(steps, base)]
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"paired_ratio": statistics.median(ratios), "paired_ratio_q1": q[0], "paired_ratio_q3": q[2],
+            "paired_ms": 1e3 * statistics.median(a - b for a, b in zip(steps, base))}
+
+
+def _no_add(self, *a, **k):
+    return None
+
+
+def _no_hash(self, t, *a, **k) -> int:
+    import torch
+
+    n = self.n
+    if n // self.CHUNK == len(self.ints):  # rows to read back, zero
+        self.ints.append(torch.zeros((self.CHUNK, 4), dtype=torch.int64, device=self.device))
+        self.floats.append(torch.zeros((self.CHUNK, 2), dtype=torch.float64, device=self.device))
+    self.n = n + 1
+    return n
 
 
 def _side_launch(launch):
@@ -407,7 +444,8 @@ def main(argv: list[str]) -> dict:
                     help="overhead: comma list of none (or off), hash (records queued, many per launch), "
                          "hash-each (a launch per record), hash-jit (a launch per record through "
                          "Triton's JIT dispatch), hash-side (experiment: queued launches on a second stream; "
-                         "timings only, its hashes untrusted), full; MODE@warm: the step on a warm allocator (no "
+                         "timings only, its hashes untrusted), hooks-only (Recorder.add returns at once), rows-only "
+                         "(records made, nothing hashed), full; MODE@warm: the step on a warm allocator (no "
                          "empty_cache before it; its ratio against none@warm)")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--peak-tflops", type=float, default=None,
@@ -430,7 +468,7 @@ def main(argv: list[str]) -> dict:
         ap.error("diff needs RUN_DIR")
     if args.what == "overhead":
         ms = _modes(args.modes)
-        bad = [m for m in ms if m.split("@")[0] not in MODES + ("hash-each", "hash-jit", "hash-side")
+        bad = [m for m in ms if m.split("@")[0] not in MODES + EXTRA_MODES
                or m.partition("@")[2] not in ("", "warm")]
         if bad:
             ap.error(f"--modes: unknown {', '.join(bad)} (MODE or MODE@warm; MODE one of none, hash, hash-each, "
