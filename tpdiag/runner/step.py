@@ -299,7 +299,9 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
                 opt.zero_grad(set_to_none=True)
                 record_params(rec, model, "param", target.plan, include)
             del out, logits, local_logits, loss
-        # the host's part: issue_s close to steps_s is a step the host paces (the GPU keeps up)
+        # until the host issued the step's last work, waits on the GPU inside included (grad
+        # clipping reads the norm back): close to steps_s = no GPU backlog at the end, which alone
+        # does not say the host paces the step (`probes profile --kineto` shows the GPU's busy time)
         timings["issue_s"] = time.perf_counter() - t1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
