@@ -457,6 +457,7 @@ def main(argv: list[str]) -> dict:
                     help="hash: 16-bit variants also at these programs per SM, side by side (e.g. 4,16)")
     ap.add_argument("--shapes", default=None,
                     help="hash-sweep: launch shapes 'BLOCK,ITERS,WAVES,WARPS;...' (default: the job's list)")
+    ap.add_argument("--cuda", action="store_true", help="host: the same model on the GPU, wall time")
     ap.add_argument("--kineto", action="store_true",
                     help="profile: torch's profiler over an unprobed and a hash step (GPU vs host time)")
     ap.add_argument("--smoke", action="store_true",

@@ -8,7 +8,9 @@ record on top of the unprobed step: hooks, Recorder.add, queueing, grad hooks, p
 records. Step CPU times (process time, one torch thread: a shared host disturbs it far less
 than wall time) alternate none / hash in rounds (median, spread); then one hash step under
 cProfile (top functions by own time; PROBES_HOST_SORT=cumtime). Host-only figures: they say
-nothing about device time.
+nothing about device time. --cuda: the same model on the GPU, its launches run, wall time: what
+the host pays per record beside real (tiny) kernels, the autograd engine's device thread and the
+launch tables included.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import pstats
 import statistics
 import os
 import time
+
+from benchmarks.errors import require_cuda
 
 SORT = os.environ.get("PROBES_HOST_SORT", "tottime")
 
@@ -34,25 +38,29 @@ def host(args) -> dict:
     from tpdiag.probes.recorder import Recorder
     from tpdiag.runner import determinism, step
 
-    determinism.setup(0, "cpu")
+    cuda = getattr(args, "cuda", False)
+    if cuda:
+        require_cuda("probes host --cuda")
+    determinism.setup(0, "cuda" if cuda else "cpu")
     # one thread: the step's CPU time is then this thread's work, which other processes on a
     # shared host disturb far less than wall time
     torch.set_num_threads(1)
-    dev = torch.device("cpu")
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = tiny_llama.build("llama-1b", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512)
+    model = tiny_llama.build("llama-1b", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512).to(dev)
     target = Target(model=model, plan=llama_plan("stock"), vocab_size=512, divisors=model.cfg.divisors())
     step.build_model = lambda cfg, device, world: (target, model)
-    # queued as on CUDA; the launch does nothing (host work only)
-    rh.triton_ok = lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T and t.numel() > 0
-    rh.batch_launch = lambda *a, **k: None
-    # the few records kept whole (batch, logprobs, loss, grad norm) hash at once: the torch path
-    rh.triton_lanes = lambda t, a, L, b, F, o, out=None, **k: rh.lanes_torch(t, a, L, b, F, o, out)
-    base = WorldConfig(model="llama-1b", degree=1, label="1", out_dir="", dtype="float32", device="cpu",
-                       batch_size=1, seq_len=16, selfcheck=False)
+    if not cuda:
+        # queued as on CUDA; the launch does nothing (host work only)
+        rh.triton_ok = lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T and t.numel() > 0
+        rh.batch_launch = lambda *a, **k: None
+        # the few records kept whole (batch, logprobs, loss, grad norm) hash at once: the torch path
+        rh.triton_lanes = lambda t, a, L, b, F, o, out=None, **k: rh.lanes_torch(t, a, L, b, F, o, out)
+    base = WorldConfig(model="llama-1b", degree=1, label="1", out_dir="", dtype="float32",
+                       device="cuda" if cuda else "cpu", batch_size=1, seq_len=16, selfcheck=False)
     # hash-gc: Python's cyclic GC left on during the probed step (TPDIAG_PROBE_GC=1), the A/B of
-    # module_probes' GC pause
-    times: dict = {"none": [], "hash": [], "hash-gc": []}
+    # module_probes' GC pause; hooks-only / rows-only as in `probes overhead`
+    times: dict = {"none": [], "hash": [], "hash-gc": [], "hooks-only": [], "rows-only": []}
     gen2 = {m: 0 for m in times}
     records = 0
     current = ["none"]
@@ -61,15 +69,28 @@ def host(args) -> dict:
         if phase == "start" and info["generation"] == 2:
             gen2[current[0]] += 1
 
+    from benchmarks.jobs.probes import _no_add, _no_hash
+    from tpdiag.kernels.hash_buffer import HashBuffer
+
+    orig_add, orig_hb_add = Recorder.add, HashBuffer.add
+    # on CUDA: wall time (the autograd engine runs the backward, hooks included, on a thread
+    # of its own, whose CPU time process time would add to the main thread's)
+    clock = time.perf_counter if cuda else time.process_time
+
     def once(mode: str):
         rec = Recorder()
         rec.enabled = mode != "none"
         cfg = base.with_(probes=mode != "none", capture="hash")
         os.environ["TPDIAG_PROBE_GC"] = "1" if mode == "hash-gc" else "0"
+        Recorder.add = _no_add if mode == "hooks-only" else orig_add
+        HashBuffer.add = _no_hash if mode == "rows-only" else orig_hb_add
         current[0] = mode
-        t = time.process_time()
-        step.run(cfg, dev, 1, rec)
-        t = time.process_time() - t
+        try:
+            t = clock()
+            step.run(cfg, dev, 1, rec)  # synchronises the device at its end
+            t = clock() - t
+        finally:
+            Recorder.add, HashBuffer.add = orig_add, orig_hb_add
         current[0] = "other"
         os.environ.pop("TPDIAG_PROBE_GC")
         return t, rec
@@ -82,7 +103,8 @@ def host(args) -> dict:
         for m in times:
             t, rec = once(m)
             times[m].append(t)
-            records = max(records, len(rec.records))
+            if m == "hash":
+                records = len(rec.records)
     gc.callbacks.remove(count)
     prof = cProfile.Profile()
     prof.enable()
@@ -93,14 +115,17 @@ def host(args) -> dict:
     med = {m: statistics.median(v) for m, v in times.items()}
     spread = {m: max(v) - min(v) for m, v in times.items()}
     per_us = {m: 1e6 * (med[m] - med["none"]) / max(records, 1) for m in times}
-    print(f"probes host: llama-1b structure at tiny widths, fp32 CPU, batch 1 x seq 16, hash launches "
-          f"not run; median of {args.rounds} rounds; hash-gc = Python's GC left on in the probed step")
-    print("| probes | step CPU ms (spread) | x none | records | host us per record (vs none) | full GC "
+    where = ("CUDA, hash launches run, wall time" if cuda else "CPU, hash launches not run, process time")
+    print(f"probes host: llama-1b structure at tiny widths, fp32, batch 1 x seq 16, {where}; median of "
+          f"{args.rounds} rounds; hash-gc = Python's GC left on in the probed step; hooks-only = "
+          "Recorder.add returning at once; rows-only = records made, nothing hashed")
+    print("| probes | step ms (spread) | x none | records | host us per record (vs none) | full GC "
           "collections in these steps |\n|---|---|---|---|---|---|")
     for m in times:
         print(f"| {m} | {1e3 * med[m]:.1f} ({1e3 * spread[m]:.1f}) | {med[m] / med['none']:.2f}x | "
               f"{0 if m == 'none' else records} | {'' if m == 'none' else f'{per_us[m]:.1f}'} | {gen2[m]} |")
     print(s.getvalue())
-    return {"rounds": args.rounds, "records": records, "other_full_collections": gen2["other"],
-            "modes": {m: {"step_cpu_ms": 1e3 * med[m], "spread_ms": 1e3 * spread[m], "x_none": med[m] / med["none"],
+    return {"rounds": args.rounds, "records": records, "device": "cuda" if cuda else "cpu", "other_full_collections": gen2["other"],
+            "clock": "wall" if cuda else "process",
+            "modes": {m: {"step_ms": 1e3 * med[m], "spread_ms": 1e3 * spread[m], "x_none": med[m] / med["none"],
                           "host_us_per_record": per_us[m], "full_collections": gen2[m]} for m in times}}
