@@ -58,7 +58,7 @@ def overhead(args) -> dict:
     step.build_model = lambda cfg, device, world: built  # one model for every mode and round
     nparams = sum(p.numel() for p in built[1].parameters())
     modes = _modes(args.modes)
-    res = {m: {"step_s": [], "issue_s": [], "peak_bytes": [], "gather_s": [], "records": 0, "kept_bytes": 0,
+    res = {m: {"step_s": [], "issue_s": [], "phases": [], "peak_bytes": [], "gather_s": [], "records": 0, "kept_bytes": 0,
                "host": [], "rss_peak": []} for m in modes}
     import tempfile
 
@@ -117,6 +117,7 @@ def overhead(args) -> dict:
             r = res[key]
             r["step_s"].append(t["steps_s"])
             r["issue_s"].append(t["issue_s"])
+            r["phases"].append(t.get("phases_s", {}))
             r["peak_bytes"].append(peak)
             r["gather_s"].append(gather_s)
             r["records"] = len(stored)
@@ -167,9 +168,32 @@ def overhead(args) -> dict:
                      f"{fmt(r['mfu_no_probes'])} | {r['issue_ms']:.1f} | "
                      f"{r['peak_gib']:.2f} | {_pct(r['mem_overhead'])} | {r['gather_ms']:.1f} | "
                      f"{r['records']} | {r['kept_mib']:.1f} |")
+    lines += _phase_lines(out, res, modes)
     lines += _host_lines(out, d2h)
     print("\n".join(lines))
     return out
+
+
+def _phase_lines(out: dict, res: dict, modes: list) -> list[str]:
+    """Host time by phase of the step (runner/step.py's marks), each mode's paired difference
+    from its unprobed step: which phase the probes' cost lands in."""
+    names = list(res[modes[0]]["phases"][0]) if res[modes[0]]["phases"] else []
+    if not names:
+        return []
+    lines = ["host ms by phase (median; paired + ms against the unprobed step of the same round)",
+             "| probes | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for m in modes:
+        base = res["none@warm" if m.endswith("@warm") else "none"]["phases"]
+        ph = res[m]["phases"]
+        cells, fig = [], {}
+        for n in names:
+            med = 1e3 * statistics.median(p[n] for p in ph)
+            d = 1e3 * statistics.median(p[n] - b[n] for p, b in zip(ph, base))
+            fig[n] = {"ms": med, "paired_ms": d}
+            cells.append(f"{med:.1f} ({d:+.1f})")
+        out["modes"][m]["phases"] = fig
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _paired(steps: list, base: list) -> dict:

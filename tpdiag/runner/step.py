@@ -230,6 +230,12 @@ def loss_context(world: int):
     return nullcontext()
 
 
+def _mark(marks: dict, phase: str, since: float) -> float:
+    now = time.perf_counter()
+    marks[phase] = marks.get(phase, 0.0) + now - since
+    return now
+
+
 def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> dict:
     from tpdiag.probes.module_probe import module_probes, record_params
 
@@ -271,10 +277,14 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
         rec.add("batch", "model", "labels", labels)
         record_params(rec, model, "param_init", target.plan, include)
         t1 = time.perf_counter()
+        # host time by phase (the host's view: a phase that waits on the GPU includes the wait)
+        marks = timings["phases_s"] = {}
         for step in range(cfg.steps):
             rec.step = step
             rec.phase = "forward"
+            tp = time.perf_counter()
             out = model(*args, **kwargs)
+            tp = _mark(marks, "forward", tp)
             local_logits = logits_of(out)
             # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True)
             # is re-marked whole for tpdiag; a user loss still gets what the model returned
@@ -287,17 +297,22 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
                 rec.add("logprobs", "model", "logprobs", lp)
                 loss = loss_fn(local_logits if target.loss is not None else logits, labels)
                 rec.add("loss", "model", "loss", loss)
+                tp = _mark(marks, "loss", tp)
                 if cfg.backward:
                     rec.phase = "backward"
                     loss.backward()
+                    tp = _mark(marks, "backward", tp)
             if cfg.backward:
                 rec.phase = "optimizer"
                 params = list(model.parameters())
                 total = norm_fn(params, cfg.clip_norm)
                 rec.add("grad_norm", "model", "total", total)
+                tp = _mark(marks, "clip", tp)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                tp = _mark(marks, "optimizer", tp)
                 record_params(rec, model, "param", target.plan, include)
+                tp = _mark(marks, "params", tp)
             del out, logits, local_logits, loss
         # until the host issued the step's last work, waits on the GPU inside included (grad
         # clipping reads the norm back): close to steps_s = no GPU backlog at the end, which alone
@@ -306,4 +321,5 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         timings["steps_s"] = time.perf_counter() - t1
+        marks["sync"] = time.perf_counter() - t1 - timings["issue_s"]
     return timings
