@@ -396,6 +396,10 @@ def _kineto(args, cfg, dev) -> dict:
         print(f"== {mode}: step {1e3 * t['steps_s']:.1f} ms under the profiler (host issued it in "
               f"{1e3 * t['issue_s']:.1f}); {len(spans)} kernels, {total / 1e3:.1f} ms of kernel time, GPU busy "
               f"{busy / 1e3:.1f} ms; hash kernels {hashed / 1e3:.1f} ms ==")
+        out[mode]["windows"] = _windows(prof, spans)
+        for w, f in out[mode]["windows"].items():
+            print(f"  {w}: {f['ms']:.1f} ms, GPU busy {f['busy_ms']:.1f} ms ({f['busy_ms'] / max(f['ms'], 1e-9):.0%}), "
+                  f"hash kernels {f['hash_ms']:.1f} ms")
         print(ev.table(sort_by="self_cpu_time_total", row_limit=20))
     return out
 
@@ -412,6 +416,27 @@ def _kernel_spans(prof) -> list:
             continue
         spans.append((e.time_range.start, e.time_range.end, e.name))
     return spans
+
+
+def _windows(prof, spans) -> dict:
+    """The trace cut where the autograd engine's first and last backward node ran (on the host):
+    before (forward and loss), backward, after (clip, optimizer, parameter records) - each with
+    the GPU's busy time inside it: a window near 100% busy is one the GPU paces."""
+    from torch.autograd import DeviceType
+
+    cpu = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    bw = [e for e in cpu if e.name.startswith("autograd::engine::evaluate_function")]
+    if not cpu or not bw or not spans:
+        return {}
+    t0 = min(e.time_range.start for e in cpu)
+    b0, b1 = min(e.time_range.start for e in bw), max(e.time_range.end for e in bw)
+    t1 = max(max(e.time_range.end for e in cpu), max(e for _, e, _ in spans))
+    out = {}
+    for name, (a, b) in (("forward+loss", (t0, b0)), ("backward", (b0, b1)), ("after", (b1, t1))):
+        cut = [(max(s, a), min(e, b), n) for s, e, n in spans if e > a and s < b]
+        out[name] = {"ms": (b - a) / 1e3, "busy_ms": _union(cut) / 1e3,
+                     "hash_ms": sum(e - s for s, e, n in cut if "_hash" in n) / 1e3}
+    return out
 
 
 def _union(spans) -> float:
