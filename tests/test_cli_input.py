@@ -32,13 +32,15 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "99999"])
-def test_bad_hash_batch_env_is_one_line_exit_2(value, tmp_path, monkeypatch):
-    monkeypatch.setenv("TPDIAG_HASH_BATCH", value)
+@pytest.mark.parametrize("var,value", [("TPDIAG_HASH_BATCH", "abc"), ("TPDIAG_HASH_BATCH", "0"),
+                                       ("TPDIAG_HASH_BATCH", "99999"), ("TPDIAG_HASH_CAP_MB", "-5"),
+                                       ("TPDIAG_HASH_CAP_MB", "0"), ("TPDIAG_HASH_CAP_MB", "1G")])
+def test_bad_hash_queue_env_is_one_line_exit_2(var, value, tmp_path, monkeypatch):
+    monkeypatch.setenv(var, value)
     r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r")])
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and "TPDIAG_HASH_BATCH" in lines[0], r.output
+    assert len(lines) == 1 and var in lines[0], r.output
     assert not (tmp_path / "r").exists()
 
 

@@ -1,7 +1,7 @@
 """Hash mode's queued records (kernels/hash_buffer.py): many records hashed in one launch give
 exactly the rows one launch per record gives; a tensor changed in place before its queued hash
-ran is marked stale, never hashed as its new value; a phase change flushes the queue first; the
-same unchanged tensor recorded twice is hashed once. Through the Triton interpreter (a
+ran is marked stale, never hashed as its new value; a phase change flushes the queue first, and so
+does TPDIAG_HASH_CAP_MB of queued bytes; the same unchanged tensor recorded twice is hashed once. Through the Triton interpreter (a
 subprocess: the flag must be set before Triton is imported)."""
 import os
 import subprocess
@@ -53,6 +53,19 @@ for (t, d, f, o), got in zip(cases, ints):
     keys.add(rh.batch_entry(t, d, f, o, 0)[0])
 assert len(keys) >= 6 and {k[7] for k in keys} == {True, False}, keys
 assert not buf.stale
+
+# 1b. TPDIAG_HASH_CAP_MB: a launch once the queued tensors reach the cap
+import os
+os.environ["TPDIAG_HASH_CAP_MB"] = "1"
+buf = hb.HashBuffer(torch.device("cpu"), batch=64)
+ts = [torch.randn(256, 320) for _ in range(5)]  # 320 KiB each: the 4th reaches 1 MiB
+sl = [buf.add(t) for t in ts]
+assert buf.queued == 1, buf.queued
+ints, _ = buf.take(sl)
+for t, got in zip(ts, ints):
+    got = got.clone(); got[:2] &= rh.M32
+    assert torch.equal(got, want(t))
+del os.environ["TPDIAG_HASH_CAP_MB"]
 
 # 2. changed in place before the queued hash ran: stale, not the new value's hash
 buf = hb.HashBuffer(torch.device("cpu"), batch=64)

@@ -25,7 +25,7 @@ from tpdiag.kernels import record_hash as rh
 
 # bounds the memory the queue keeps alive (most queued tensors are alive anyway: activations
 # saved for backward)
-CAP_BYTES = 256 << 20
+CAP_BYTES = 256 << 20  # TPDIAG_HASH_CAP_MB overrides (an A/B knob)
 RING = 32  # launch tables in flight
 RING_GROUP = 4  # table slots per completion event (an event record costs ~5 us of host time)
 DEFER_BYTES = 64 << 10  # a record off the Triton path up to this size is hashed at take()
@@ -48,6 +48,18 @@ def batch_size() -> int:
     return int(v)
 
 
+def cap_bytes() -> int:
+    """Bytes of queued tensors that start a launch: TPDIAG_HASH_CAP_MB (default 256)."""
+    v = os.environ.get("TPDIAG_HASH_CAP_MB", "").strip()
+    if not v:
+        return CAP_BYTES
+    if not v.isdigit() or not 1 <= int(v) <= 1 << 20:
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"TPDIAG_HASH_CAP_MB={v!r}: expected an integer number of MiB from 1 to 1048576")
+    return int(v) << 20
+
+
 class HashBuffer:
     """Rows for every hashed record of a run, on one device, zeroed in chunks; one host
     transfer for the whole run."""
@@ -57,6 +69,7 @@ class HashBuffer:
     def __init__(self, device, batch: int | None = None):
         self.device = device
         self.batch = batch_size() if batch is None else batch
+        self.cap = cap_bytes()
         self.ints: list[torch.Tensor] = []
         self.floats: list[torch.Tensor] = []
         self.n = 0
@@ -114,7 +127,7 @@ class HashBuffer:
                 q.append(item)
             self.queued += 1
             self.queued_bytes += nbytes
-            if self.queued >= self.batch or self.queued_bytes >= CAP_BYTES:
+            if self.queued >= self.batch or self.queued_bytes >= self.cap:
                 self.flush()
         else:
             t = t.detach()

@@ -50,9 +50,10 @@ def validate(cfg: CompareConfig) -> None:
 
     if not math.isfinite(cfg.timeout) or cfg.timeout <= 0 or cfg.timeout > 7 * 86400:
         raise BadInput(f"--timeout {cfg.timeout:g}: must be a number of seconds in (0, 604800]")
-    from tpdiag.kernels.hash_buffer import batch_size
+    from tpdiag.kernels.hash_buffer import batch_size, cap_bytes
 
-    batch_size()  # TPDIAG_HASH_BATCH, read by every world's recorder
+    batch_size()  # TPDIAG_HASH_BATCH and TPDIAG_HASH_CAP_MB, read by every world's recorder
+    cap_bytes()
     if spec.kind == "builtin":
         from tpdiag.models.plans import VARIANTS
 
