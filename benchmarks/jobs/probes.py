@@ -38,7 +38,7 @@ from benchmarks.jobs.probes_util import device_name as _device_name
 from benchmarks.mfu import fmt, mfu, peak_flops, step_flops
 
 MODES = ("none", "hash", "full")
-EXTRA_MODES = ("hash-each", "hash-jit", "hash-side", "hooks-only", "rows-only", "hash-cap1g")
+EXTRA_MODES = ("hash-each", "hash-jit", "hash-side", "hooks-only", "rows-only", "hash-cap256m")
 
 
 def overhead(args) -> dict:
@@ -94,9 +94,9 @@ def overhead(args) -> dict:
         Recorder.add = _no_add if mode == "hooks-only" else orig_add
         HashBuffer.add = _no_hash if mode == "rows-only" else orig_hb_add
         os.environ["TPDIAG_HASH_BATCH"] = "1" if mode in ("hash-each", "hash-jit") else batch
-        # hash-cap1g: a launch per 1 GiB of queued tensors (default 256 MiB), fewer launches
-        if mode == "hash-cap1g":
-            os.environ["TPDIAG_HASH_CAP_MB"] = "1024"
+        # hash-cap256m: a launch per 256 MiB of queued tensors (the default until session 12; now 1 GiB)
+        if mode == "hash-cap256m":
+            os.environ["TPDIAG_HASH_CAP_MB"] = "256"
         else:
             os.environ.pop("TPDIAG_HASH_CAP_MB", None)
         cfg = base.with_(probes=mode != "none", capture="full" if mode == "full" else "hash")
@@ -499,7 +499,7 @@ def main(argv: list[str]) -> dict:
                          "hash-each (a launch per record), hash-jit (a launch per record through "
                          "Triton's JIT dispatch), hash-side (experiment: queued launches on a second stream; "
                          "timings only, its hashes untrusted), hooks-only (Recorder.add returns at once), rows-only "
-                         "(records made, nothing hashed), hash-cap1g (a launch per 1 GiB queued, not 256 MiB), full; MODE@warm: the step on a warm allocator (no "
+                         "(records made, nothing hashed), hash-cap256m (a launch per 256 MiB queued, not 1 GiB), full; MODE@warm: the step on a warm allocator (no "
                          "empty_cache before it; its ratio against none@warm)")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--peak-tflops", type=float, default=None,

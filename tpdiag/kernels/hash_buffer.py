@@ -5,7 +5,7 @@ A step has ~1000 records and the host time to launch one small kernel each was m
 probes cost (`python -m benchmarks probes overhead`). So a record whose tensor the Triton kernel takes is
 queued - a reference to its words, their version counter, a row of launch parameters - and the
 queue is hashed in one launch per kind of record (shared constexprs) when it holds BATCH records
-or CAP_BYTES of tensors, when the recorder's phase changes, and before any row is read.
+or cap_bytes() of tensors, when the recorder's phase changes, and before any row is read.
 
 Deferring is exact only if the tensor is unchanged until the launch. Holding the reference keeps
 its memory from being reused; an in-place update shows in its version counter, checked at the
@@ -25,7 +25,14 @@ from tpdiag.kernels import record_hash as rh
 
 # bounds the memory the queue keeps alive (most queued tensors are alive anyway: activations
 # saved for backward)
-CAP_BYTES = 256 << 20  # TPDIAG_HASH_CAP_MB overrides (an A/B knob)
+# Each launch costs the host ~0.1-0.2 ms inside a step (its table, the launch, the queue's
+# checks), and a small step is paced by the host: 1 GiB a launch took ~3 ms off llama-1b's step
+# at 1 x 2048 and at 8 x 4096 against 256 MiB (one run each), peak memory +0.0% at both (`probes overhead`,
+# hash-cap1g; docs/benchmarks.md, "Session 12"). What the queue holds is mostly alive anyway
+# (activations kept for backward); what it keeps alive longer is bounded by the cap, here by 1% of
+# the device's memory. TPDIAG_HASH_CAP_MB overrides.
+CAP_BYTES = 1 << 30
+CAP_FRACTION = 100  # at most 1 / CAP_FRACTION of the device's memory
 RING = 32  # launch tables in flight
 RING_GROUP = 4  # table slots per completion event (an event record costs ~5 us of host time)
 DEFER_BYTES = 64 << 10  # a record off the Triton path up to this size is hashed at take()
@@ -48,10 +55,13 @@ def batch_size() -> int:
     return int(v)
 
 
-def cap_bytes() -> int:
-    """Bytes of queued tensors that start a launch: TPDIAG_HASH_CAP_MB (default 256)."""
+def cap_bytes(device=None) -> int:
+    """Bytes of queued tensors that start a launch: TPDIAG_HASH_CAP_MB, else CAP_BYTES or 1% of
+    the CUDA device's memory, whichever is less."""
     v = os.environ.get("TPDIAG_HASH_CAP_MB", "").strip()
     if not v:
+        if device is not None and getattr(device, "type", None) == "cuda":
+            return min(CAP_BYTES, torch.cuda.get_device_properties(device).total_memory // CAP_FRACTION)
         return CAP_BYTES
     if not v.isdigit() or not 1 <= int(v) <= 1 << 20:
         from tpdiag.errors import BadInput
@@ -69,7 +79,7 @@ class HashBuffer:
     def __init__(self, device, batch: int | None = None):
         self.device = device
         self.batch = batch_size() if batch is None else batch
-        self.cap = cap_bytes()
+        self.cap = cap_bytes(torch.device(device))
         self.ints: list[torch.Tensor] = []
         self.floats: list[torch.Tensor] = []
         self.n = 0
