@@ -1,6 +1,7 @@
 """On a CUDA GPU: the record-hash Triton kernel against the torch path, bit for bit, and the
 shards' lanes adding up to the whole tensor's (fp32 / bf16 / fp16, NaN and Inf included); every
-shard also queued in a HashBuffer (many records per launch: _hash_batch_kernel) - same rows.
+shard also queued in a HashBuffer (many records per launch: _hash_batch_kernel) - same rows, and
+records queued from two CUDA streams in turn.
 
   python -m benchmarks record-hash      # exit 1 on any mismatch; CUDA only (exit 3 without)
 """
@@ -57,6 +58,25 @@ def main(argv: list[str]) -> dict:
     qbad = sum(int(not torch.equal(ints[i].cpu(), ia.cpu())) for i, (_, ia) in enumerate(queued))
     print(f"queued (batch of 7 per launch): {len(queued)} records, {qbad} differ from the torch path; stale {len(buf.stale)}")
     bad += qbad + len(buf.stale)
+    # queued from two streams in turn (a model on a stream of its own; the launch tables' ring
+    # waits once at each switch): the same rows
+    side, main_s = torch.cuda.Stream(), torch.cuda.current_stream()
+    buf2 = HashBuffer(torch.device("cuda"), batch=3)
+    mixed = []
+    for k in range(40):
+        x = torch.randn(64 + k, 96, device="cuda").to(torch.bfloat16 if k % 2 else torch.float32)
+        want_i, _ = rh.lanes_torch(x, *rh.slab(x.shape, None, None, 0))
+        want_i[:2] &= rh.M32
+        s = side if k % 5 in (1, 2) else main_s
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            mixed.append((buf2.add(x), want_i))
+        torch.cuda.current_stream().wait_stream(s)
+    ints2, _ = buf2.take([s for s, _ in mixed])
+    ints2[:, :2] &= rh.M32
+    sbad = sum(int(not torch.equal(ints2[i].cpu(), w.cpu())) for i, (_, w) in enumerate(mixed))
+    print(f"queued from two streams in turn (batch of 3): {len(mixed)} records, {sbad} differ; stale {len(buf2.stale)}")
+    bad += sbad + len(buf2.stale)
     print(f"direct launches cached: {len(rh._COMPILED)} specialisations")
     print(f"mismatches: {bad}")
     return {"records_queued": len(queued), "queued_mismatches": qbad, "stale": len(buf.stale),

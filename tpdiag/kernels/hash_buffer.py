@@ -23,14 +23,12 @@ import torch
 
 from tpdiag.kernels import record_hash as rh
 
-# bounds the memory the queue keeps alive (most queued tensors are alive anyway: activations
-# saved for backward)
-# Each launch costs the host ~0.1-0.2 ms inside a step (its table, the launch, the queue's
-# checks), and a small step is paced by the host: 1 GiB a launch took ~3 ms off llama-1b's step
-# at 1 x 2048 and at 8 x 4096 against 256 MiB (one run each), peak memory +0.0% at both (`probes overhead`,
-# hash-cap1g; docs/benchmarks.md, "Session 12"). What the queue holds is mostly alive anyway
-# (activations kept for backward); what it keeps alive longer is bounded by the cap, here by 1% of
-# the device's memory. TPDIAG_HASH_CAP_MB overrides.
+# The cap bounds the memory the queue keeps alive. Most queued tensors are alive anyway
+# (activations kept for backward); what it keeps alive longer is bounded by the cap, here also by
+# 1% of the device's memory. Each launch costs the host ~0.1-0.2 ms inside a step (its table, the
+# launch, the queue's checks): 1 GiB against 256 MiB took 3-10 ms off llama-1b's step at 8 x 4096
+# in two runs (at 1 x 2048 the two runs disagreed), peak memory +0.0% (`probes overhead`, hash
+# against hash-cap256m; docs/benchmarks.md, "Session 12"). TPDIAG_HASH_CAP_MB overrides.
 CAP_BYTES = 1 << 30
 CAP_FRACTION = 100  # at most 1 / CAP_FRACTION of the device's memory
 RING = 32  # launch tables in flight
@@ -88,6 +86,7 @@ class HashBuffer:
         self.queued_bytes = 0
         self.stale: list[int] = []  # slots
         self._ring = None  # launch tables (see _table)
+        self._ring_stream = None  # the raw stream the last table was copied on
         self._slot = 0
         self.deferred: list = []  # small records off the Triton path, hashed at take()
         self.deferred_bytes = 0
@@ -189,6 +188,14 @@ class HashBuffer:
                           torch.zeros((RING, width), dtype=torch.int64, device=self.device),
                           [None] * (RING // RING_GROUP))
         host, views, dev, events = self._ring
+        raw = torch._C._cuda_getCurrentRawStream(dev.device.index)
+        if raw != self._ring_stream:
+            # a group's event covers its copies only on one stream: at a switch (rare: a model
+            # running on a stream of its own), every earlier copy is waited for once
+            if self._ring_stream is not None:
+                torch.cuda.synchronize(dev.device)
+                events[:] = [None] * len(events)
+            self._ring_stream = raw
         slot, self._slot = self._slot, (self._slot + 1) % RING
         group, pos = divmod(slot, RING_GROUP)
         if pos == 0 and events[group] is not None:
