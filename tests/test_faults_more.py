@@ -147,12 +147,20 @@ def assert_no_orphans(tag: str, wait_s: float = 15.0) -> None:
     assert not left, f"processes left behind: {left} {cmdlines}"
 
 
+def _sigint_default() -> None:
+    # A shell without job control starts a background job (`pytest ... &`, a CI step run so)
+    # with SIGINT ignored, the child inherits that, and Python then installs no KeyboardInterrupt
+    # handler: an interrupt test would send a signal its compare never sees. A terminal's Ctrl-C
+    # reaches a foreground compare with SIGINT at its default, as here.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args, tag: str, env=None) -> subprocess.Popen:
     e = {k: v for k, v in os.environ.items() if k != "TPDIAG_FAULT"}
     e.update(env or {})
     e.update({"COLUMNS": "160", TAG_ENV: tag})
     return subprocess.Popen([sys.executable, "-m", "tpdiag.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=e, cwd=ROOT)
+                            stderr=subprocess.PIPE, text=True, env=e, cwd=ROOT, preexec_fn=_sigint_default)
 
 
 def kill_tagged(tag: str) -> None:
@@ -168,11 +176,17 @@ def finish(p: subprocess.Popen, timeout: float = 300, tag: str | None = None):
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # with PYTHONFAULTHANDLER set, its threads' stacks go to stderr first
+        p.send_signal(signal.SIGABRT)
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
         p.kill()
         if tag:
             kill_tagged(tag)  # the pipes stay open while any child holds them
         out, err = p.communicate(timeout=60)
-        raise AssertionError(f"compare did not end in {timeout} s: {err[-2000:]}")
+        raise AssertionError(f"compare did not end in {timeout} s: {err[-6000:]}")
     return p.returncode, out, err
 
 
@@ -428,7 +442,7 @@ def test_interrupted_compare_kills_its_ranks_and_reads_as_incomplete(targets, tm
     out = tmp_path / "run"
     # The reference's rank hangs: the compare is mid-run for as long as the test needs.
     p = start("compare", "--model", f"py:{targets}:plain_target", "--tp", "1,2", *SMALL, "--out", str(out),
-              "--timeout", "300", tag=tag, env={"TPDIAG_FAULT": "hang:0@1"})
+              "--timeout", "300", tag=tag, env={"TPDIAG_FAULT": "hang:0@1", "PYTHONFAULTHANDLER": "1"})
     try:
         _wait_for_ranks(tag, out, 4)
         time.sleep(0.5)
