@@ -35,6 +35,7 @@ import time
 
 from benchmarks.errors import require_cuda
 from benchmarks.jobs.probes_util import device_name as _device_name
+from benchmarks.jobs.probes_util import probe_mode
 from benchmarks.mfu import fmt, mfu, peak_flops, step_flops
 
 MODES = ("none", "hash", "full")
@@ -66,39 +67,17 @@ def overhead(args) -> dict:
 
     spill = os.path.join(args.spill_dir or tempfile.gettempdir(), "tpdiag-bench-spill")
 
-    from tpdiag.kernels import record_hash as rh
-
-    batch = os.environ.get("TPDIAG_HASH_BATCH", "64")
-    orig_launch = rh.batch_launch
-    from tpdiag.kernels.hash_buffer import HashBuffer
-
-    orig_add, orig_hb_add = Recorder.add, HashBuffer.add
-
     def once(key: str, keep: bool):
         # "MODE@warm": the step starts on the allocator the previous step left (a training loop's
         # steady state); plain MODE: cache emptied first (a fresh world's first step, as compare runs it)
         mode, _, alloc = key.partition("@")
+        with probe_mode(mode):
+            _once(key, mode, alloc, keep)
+
+    def _once(key: str, mode: str, alloc: str, keep: bool):
         rec = Recorder(spill_dir=spill)
         if mode == "none":
             rec.enabled = False
-        # A/B of how hash mode launches, side by side in the same rounds: hash = records queued,
-        # many per launch; hash-each = a launch per record, at once (the cached direct launch);
-        # hash-jit = a launch per record through Triton's JIT dispatch
-        rh._FAST[0] = mode != "hash-jit"
-        # hash-side: an experiment, the queued launches on a second stream beside the compute -
-        # what overlap could win at most. Its hashes are not to be trusted (a queued tensor may be
-        # freed, reused or changed in place before the side stream reads it); timings only
-        rh.batch_launch = _side_launch(orig_launch) if mode == "hash-side" else orig_launch
-        # hooks-only / rows-only: where hash mode's host time goes, by removal - the hooks with
-        # Recorder.add returning at once; the records made with nothing queued or hashed
-        Recorder.add = _no_add if mode == "hooks-only" else orig_add
-        HashBuffer.add = _no_hash if mode == "rows-only" else orig_hb_add
-        os.environ["TPDIAG_HASH_BATCH"] = "1" if mode in ("hash-each", "hash-jit") else batch
-        # hash-cap256m: a launch per 256 MiB of queued tensors (the default until session 12; now 1 GiB)
-        if mode == "hash-cap256m":
-            os.environ["TPDIAG_HASH_CAP_MB"] = "256"
-        else:
-            os.environ.pop("TPDIAG_HASH_CAP_MB", None)
         cfg = base.with_(probes=mode != "none", capture="full" if mode == "full" else "hash")
         if dev_type == "cuda":
             if alloc != "warm":
@@ -122,7 +101,8 @@ def overhead(args) -> dict:
             r = res[key]
             r["step_s"].append(t["steps_s"])
             r["issue_s"].append(t["issue_s"])
-            r["phases"].append(t.get("phases_s", {}))
+            # the wait for the GPU after the host issued the step's last work
+            r["phases"].append(dict(t.get("phases_s", {}), sync=t["steps_s"] - t["issue_s"]))
             r["peak_bytes"].append(peak)
             r["gather_s"].append(gather_s)
             r["records"] = len(stored)
@@ -130,8 +110,6 @@ def overhead(args) -> dict:
             r["host"].append(host)
             r["rss_peak"].append(rss)
         del rec, stored
-        rh.batch_launch = orig_launch
-        Recorder.add, HashBuffer.add = orig_add, orig_hb_add
 
     for m in modes:  # warm-up: kernels compiled, allocator grown
         once(m, False)
@@ -209,36 +187,6 @@ def _paired(steps: list, base: list) -> dict:
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return {"paired_ratio": statistics.median(ratios), "paired_ratio_q1": q[0], "paired_ratio_q3": q[2],
             "paired_ms": 1e3 * statistics.median(a - b for a, b in zip(steps, base))}
-
-
-def _no_add(self, *a, **k):
-    return None
-
-
-def _no_hash(self, t, *a, **k) -> int:
-    import torch
-
-    n = self.n
-    if n // self.CHUNK == len(self.ints):  # rows to read back, zero
-        self.ints.append(torch.zeros((self.CHUNK, 4), dtype=torch.int64, device=self.device))
-        self.floats.append(torch.zeros((self.CHUNK, 2), dtype=torch.float64, device=self.device))
-    self.n = n + 1
-    return n
-
-
-def _side_launch(launch):
-    import torch
-
-    side: list = []
-
-    def run(key, table, n, nprog, ints, floats, **kw):
-        if not side:
-            side.append(torch.cuda.Stream(device=ints.device))
-        side[0].wait_stream(torch.cuda.current_stream(ints.device))
-        with torch.cuda.stream(side[0]):
-            launch(key, table, n, nprog, ints, floats, **kw)
-
-    return run
 
 
 def _modes(text: str) -> list[str]:
@@ -321,7 +269,6 @@ def profile_step(args) -> dict:
     import torch
 
     from tpdiag.config import WorldConfig
-    from tpdiag.probes.recorder import Recorder
     from tpdiag.runner import determinism, step
 
     dev_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -335,18 +282,11 @@ def profile_step(args) -> dict:
     step.build_model = lambda cfg, device, world: built
     if args.kineto:
         return _kineto(args, cfg, dev)
+    sync = torch.cuda.synchronize if dev_type == "cuda" else (lambda: None)
     stats, walls, n = {}, {}, 0
     for mode in ("none", "hash"):
-        c = cfg.with_(probes=mode != "none")
-        for _ in range(2):
-            rec = Recorder()
-            rec.enabled = mode != "none"
-            step.run(c, dev, 1, rec)
-        sync = torch.cuda.synchronize if dev_type == "cuda" else (lambda: None)
-        sync()
+        c, rec = _warmed(cfg, dev, mode)
         prof = cProfile.Profile()
-        rec = Recorder()
-        rec.enabled = mode != "none"
         t = time.perf_counter()
         prof.enable()
         step.run(c, dev, 1, rec)
@@ -361,8 +301,8 @@ def profile_step(args) -> dict:
         stats[mode] = pstats.Stats(prof).stats
     # own time by function, hash minus none: what hash mode adds to the host's work, by place
     keys = set(stats["none"]) | set(stats["hash"])
-    own = lambda m, k: stats[m].get(k, (0, 0, 0.0, 0.0))[2:4]  # noqa: E731
-    rows = sorted(((own("hash", k)[0] - own("none", k)[0], k) for k in keys), reverse=True)[:30]
+    own = lambda m, k: stats[m].get(k, (0, 0, 0.0, 0.0))[2]  # noqa: E731
+    rows = sorted(((own("hash", k) - own("none", k), k) for k in keys), reverse=True)[:30]
     print(f"profile: {args.model} {args.dtype} batch {args.batch} seq {args.seq}, {n} records; under cProfile "
           f"the step took {1e3 * walls['none']:.1f} ms unprobed, {1e3 * walls['hash']:.1f} ms in hash mode")
     print("| own ms, hash - none | calls hash / none | function |\n|---|---|---|")
@@ -373,23 +313,35 @@ def profile_step(args) -> dict:
                                                         for d, k in rows}}
 
 
-def _kineto(args, cfg, dev) -> dict:
+def _warmed(cfg, dev, mode: str):
+    """mode's config ('none' or 'hash') after two warm-up steps, and a fresh recorder for the
+    measured one."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from tpdiag.probes.recorder import Recorder
     from tpdiag.runner import step
 
-    out = {}
-    for mode in ("none", "hash"):
-        c = cfg.with_(probes=mode != "none")
-        for _ in range(2):
-            rec = Recorder()
-            rec.enabled = mode != "none"
-            step.run(c, dev, 1, rec)
-        torch.cuda.synchronize()
+    def recorder():
         rec = Recorder()
         rec.enabled = mode != "none"
+        return rec
+
+    c = cfg.with_(probes=mode != "none")
+    for _ in range(2):
+        step.run(c, dev, 1, recorder())
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return c, recorder()
+
+
+def _kineto(args, cfg, dev) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from tpdiag.runner import step
+
+    out = {}
+    for mode in ("none", "hash"):
+        c, rec = _warmed(cfg, dev, mode)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = step.run(c, dev, 1, rec)
         ev = prof.key_averages()

@@ -69,10 +69,8 @@ def host(args) -> dict:
         if phase == "start" and info["generation"] == 2:
             gen2[current[0]] += 1
 
-    from benchmarks.jobs.probes import _no_add, _no_hash
-    from tpdiag.kernels.hash_buffer import HashBuffer
+    from benchmarks.jobs.probes_util import probe_mode
 
-    orig_add, orig_hb_add = Recorder.add, HashBuffer.add
     # on CUDA: wall time (the autograd engine runs the backward, hooks included, on a thread
     # of its own, whose CPU time process time would add to the main thread's)
     clock = time.perf_counter if cuda else time.process_time
@@ -82,15 +80,11 @@ def host(args) -> dict:
         rec.enabled = mode != "none"
         cfg = base.with_(probes=mode != "none", capture="hash")
         os.environ["TPDIAG_PROBE_GC"] = "1" if mode == "hash-gc" else "0"
-        Recorder.add = _no_add if mode == "hooks-only" else orig_add
-        HashBuffer.add = _no_hash if mode == "rows-only" else orig_hb_add
         current[0] = mode
-        try:
+        with probe_mode(mode):
             t = clock()
             step.run(cfg, dev, 1, rec)  # synchronises the device at its end
             t = clock() - t
-        finally:
-            Recorder.add, HashBuffer.add = orig_add, orig_hb_add
         current[0] = "other"
         os.environ.pop("TPDIAG_PROBE_GC")
         return t, rec

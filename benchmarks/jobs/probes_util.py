@@ -1,6 +1,9 @@
 """Small helpers the probes jobs share."""
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 
 def seconds(fn, rep: int) -> float:
     """Median seconds of fn (triton.testing.do_bench, L2 flushed per rep)."""
@@ -13,3 +16,70 @@ def device_name() -> str:
     import torch
 
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+@contextmanager
+def probe_mode(mode: str):
+    """What a probes mode runs under, undone on exit (the jobs run the modes side by side in one
+    process): hash-each / hash-jit a launch per record (hash-jit through Triton's JIT dispatch);
+    hash-cap256m a launch per 256 MiB queued; hooks-only Recorder.add returning at once and
+    rows-only the records made with nothing queued or hashed (hash mode's host time by removal);
+    hash-side, an experiment, the queued launches on a second stream beside the compute - what
+    overlap could win at most, its hashes not to be trusted (a queued tensor may be freed, reused
+    or changed in place before that stream reads it). Other modes: nothing changed."""
+    from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels.hash_buffer import HashBuffer
+    from tpdiag.probes.recorder import Recorder
+
+    knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB")
+    saved = (Recorder.add, HashBuffer.add, rh.batch_launch, rh._FAST[0], {k: os.environ.get(k) for k in knobs})
+    try:
+        rh._FAST[0] = mode != "hash-jit"
+        if mode in ("hash-each", "hash-jit"):
+            os.environ["TPDIAG_HASH_BATCH"] = "1"
+        if mode == "hash-cap256m":  # the default until session 12 (now 1 GiB)
+            os.environ["TPDIAG_HASH_CAP_MB"] = "256"
+        if mode == "hash-side":
+            rh.batch_launch = _side_launch(rh.batch_launch)
+        if mode == "hooks-only":
+            Recorder.add = _no_add
+        if mode == "rows-only":
+            HashBuffer.add = _no_hash
+        yield
+    finally:
+        Recorder.add, HashBuffer.add, rh.batch_launch, rh._FAST[0] = saved[:4]
+        for k, v in saved[4].items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _no_add(self, *a, **k):
+    return None
+
+
+def _no_hash(self, t, *a, **k) -> int:
+    import torch
+
+    n = self.n
+    if n // self.CHUNK == len(self.ints):  # rows to read back, zero
+        self.ints.append(torch.zeros((self.CHUNK, 4), dtype=torch.int64, device=self.device))
+        self.floats.append(torch.zeros((self.CHUNK, 2), dtype=torch.float64, device=self.device))
+    self.n = n + 1
+    return n
+
+
+def _side_launch(launch):
+    import torch
+
+    side: list = []
+
+    def run(key, table, n, nprog, ints, floats, **kw):
+        if not side:
+            side.append(torch.cuda.Stream(device=ints.device))
+        side[0].wait_stream(torch.cuda.current_stream(ints.device))
+        with torch.cuda.stream(side[0]):
+            launch(key, table, n, nprog, ints, floats, **kw)
+
+    return run

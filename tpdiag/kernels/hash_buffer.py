@@ -16,7 +16,6 @@ record, at once.
 """
 from __future__ import annotations
 
-import os
 import struct
 
 import torch
@@ -45,27 +44,18 @@ _ENTRIES: dict = {}
 
 def batch_size() -> int:
     """Records per launch: TPDIAG_HASH_BATCH (default 64; 1 = a launch per record)."""
-    v = os.environ.get("TPDIAG_HASH_BATCH", "").strip() or "64"
-    if not v.isdigit() or not 1 <= int(v) <= 4096:
-        from tpdiag.errors import BadInput
-
-        raise BadInput(f"TPDIAG_HASH_BATCH={v!r}: expected an integer from 1 to 4096")
-    return int(v)
+    return rh.knob_int("TPDIAG_HASH_BATCH", 64, 4096)
 
 
 def cap_bytes(device=None) -> int:
     """Bytes of queued tensors that start a launch: TPDIAG_HASH_CAP_MB, else CAP_BYTES or 1% of
     the CUDA device's memory, whichever is less."""
-    v = os.environ.get("TPDIAG_HASH_CAP_MB", "").strip()
-    if not v:
-        if device is not None and getattr(device, "type", None) == "cuda":
-            return min(CAP_BYTES, torch.cuda.get_device_properties(device).total_memory // CAP_FRACTION)
-        return CAP_BYTES
-    if not v.isdigit() or not 1 <= int(v) <= 1 << 20:
-        from tpdiag.errors import BadInput
-
-        raise BadInput(f"TPDIAG_HASH_CAP_MB={v!r}: expected an integer number of MiB from 1 to 1048576")
-    return int(v) << 20
+    mib = rh.knob_int("TPDIAG_HASH_CAP_MB", 0, 1 << 20)  # 0: not set
+    if mib:
+        return mib << 20
+    if device is not None and device.type == "cuda":
+        return min(CAP_BYTES, torch.cuda.get_device_properties(device).total_memory // CAP_FRACTION)
+    return CAP_BYTES
 
 
 class HashBuffer:

@@ -78,6 +78,19 @@ def iters_for(width: int) -> int:
     return ITERS_2BYTE if width == 16 else ITERS
 
 
+def knob_int(name: str, default: int, hi: int) -> int:
+    """An integer A/B knob from the environment (1..hi; unset or empty: default); a bad value is
+    BadInput, the CLI's one line."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    if not v.isdigit() or not 1 <= int(v) <= hi:
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"{name}={v!r}: expected an integer from 1 to {hi}")
+    return int(v)
+
+
 _WAVES_2BYTE: list = []
 
 
@@ -85,12 +98,7 @@ def waves_for(width: int) -> int:
     if width != 16:
         return WAVES
     if not _WAVES_2BYTE:  # parsed once: asked per launch (host time)
-        v = os.environ.get("TPDIAG_HASH_WAVES16", "").strip() or str(WAVES_2BYTE_DEFAULT)
-        if not v.isdigit() or not 1 <= int(v) <= 64:
-            from tpdiag.errors import BadInput
-
-            raise BadInput(f"TPDIAG_HASH_WAVES16={v!r}: expected an integer from 1 to 64")
-        _WAVES_2BYTE.append(int(v))
+        _WAVES_2BYTE.append(knob_int("TPDIAG_HASH_WAVES16", WAVES_2BYTE_DEFAULT, 64))
     return _WAVES_2BYTE[0]
 
 
