@@ -175,3 +175,70 @@ def test_cached_launch_rows_are_batch_entrys(monkeypatch, dtype):
     buf.flush()
     got = [(key, row) for key, rows in launched for row in rows]
     assert sorted(map(repr, got)) == sorted(map(repr, want)) and len(got) == 2 * len(cases)
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x, *, scale=1.0):
+        return self.norm(self.lin(x) * scale)  # returns its child's output: one tensor, two records
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+        self.head = nn.Linear(4, 3)
+        self.side = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.inner(x, scale=0.5)
+        return self.head(h + self.side(h)), h
+
+
+def _probed(monkeypatch, hooks: bool, user_hook: bool):
+    monkeypatch.setenv("TPDIAG_PROBE_HOOKS", "1" if hooks else "0")
+    torch.manual_seed(0)
+    m = _Outer()
+    own = m.side.forward  # an instance-level forward (as accelerate sets): wrapped, then restored
+    m.side.forward = lambda x: own(x) * 2
+    side_fwd = m.side.forward
+    h = m.head.register_forward_hook(lambda mod, a, o: o + 1) if user_hook else None
+    rec = Recorder(mode="hash")
+    with module_probes(m, rec):
+        assert ("forward" in m.inner.__dict__) != hooks and bool(m.inner._forward_hooks) == hooks
+        assert bool(m.head._forward_hooks) == (hooks or user_hook)
+        rec.phase = "forward"
+        y, _ = m(torch.randn(2, 4))
+        rec.phase = "backward"
+        y.sum().backward()
+    if h is not None:
+        h.remove()
+    for mod in m.modules():  # nothing of the probes left
+        assert not mod._forward_hooks and not mod._forward_pre_hooks
+        assert mod.__dict__.get("forward") is (side_fwd if mod is m.side else None)
+    return rec
+
+
+@pytest.mark.parametrize("user_hook", [False, True])
+def test_modules_probed_through_forward_record_what_hooks_record(monkeypatch, user_hook):
+    """_wrap_forward (a module without hooks) and hooks: the same records, keys, metas and lanes,
+    for keyword arguments, a parent returning its child's output and an instance-level forward;
+    a module with a user's hook keeps the hook path (its output seen after the user's hook)."""
+    wrapped = _probed(monkeypatch, False, user_hook)
+    hooked = _probed(monkeypatch, True, user_hook)
+    mw, mh = [m for m, _ in wrapped.records], [m for m, _ in hooked.records]
+    assert [list(m.items()) for m in mw] == [list(m.items()) for m in mh]
+    keys = [m["key"] for m in mw]
+    assert "s0/forward/inner/out#0/0" in keys and "s0/forward/inner.norm/out#0/0" in keys
+    assert "s0/backward/inner/grad_out#0/0" in keys and "s0/forward/side/in#0/0" in keys
+    lw, lh = _lanes(wrapped), _lanes(hooked)
+    assert len(lw) == len(lh) and all(torch.equal(a[0], b[0]) for a, b in zip(lw, lh))
+    # the negative control: the user's hook changes what head's output record holds
+    if user_hook:
+        other = _lanes(_probed(monkeypatch, False, False))
+        i = keys.index("s0/forward/head/out#0/0")
+        assert not torch.equal(lw[i][0], other[i][0])

@@ -39,7 +39,12 @@ from benchmarks.jobs.probes_util import probe_mode
 from benchmarks.mfu import fmt, mfu, peak_flops, step_flops
 
 MODES = ("none", "hash", "full")
-EXTRA_MODES = ("hash-each", "hash-jit", "hash-side", "hooks-only", "rows-only", "hash-cap256m")
+EXTRA_MODES = ("hash-each", "hash-jit", "hash-side", "hooks-only", "rows-only", "hash-cap256m", "hash-hooks")
+
+
+def _known_mode(m: str) -> bool:
+    m = m.split("@")[0]
+    return m in MODES + EXTRA_MODES or m.startswith("hash-batch") and m[10:].isdigit()
 
 
 def overhead(args) -> dict:
@@ -451,7 +456,7 @@ def main(argv: list[str]) -> dict:
                          "hash-each (a launch per record), hash-jit (a launch per record through "
                          "Triton's JIT dispatch), hash-side (experiment: queued launches on a second stream; "
                          "timings only, its hashes untrusted), hooks-only (Recorder.add returns at once), rows-only "
-                         "(records made, nothing hashed), hash-cap256m (a launch per 256 MiB queued, not 1 GiB), full; MODE@warm: the step on a warm allocator (no "
+                         "(records made, nothing hashed), hash-cap256m (a launch per 256 MiB queued, not 1 GiB), hash-batchN (N records a launch, not 64), hash-hooks (every module probed through hooks, as before session 13), full; MODE@warm: the step on a warm allocator (no "
                          "empty_cache before it; its ratio against none@warm)")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--peak-tflops", type=float, default=None,
@@ -475,7 +480,7 @@ def main(argv: list[str]) -> dict:
         ap.error("diff needs RUN_DIR")
     if args.what == "overhead":
         ms = _modes(args.modes)
-        bad = [m for m in ms if m.split("@")[0] not in MODES + EXTRA_MODES
+        bad = [m for m in ms if not _known_mode(m)
                or m.partition("@")[2] not in ("", "warm")]
         if bad:
             ap.error(f"--modes: unknown {', '.join(bad)} (MODE or MODE@warm; MODE one of none, hash, hash-each, "

@@ -60,7 +60,7 @@ def host(args) -> dict:
                        device="cuda" if cuda else "cpu", batch_size=1, seq_len=16, selfcheck=False)
     # hash-gc: Python's cyclic GC left on during the probed step (TPDIAG_PROBE_GC=1), the A/B of
     # module_probes' GC pause; hooks-only / rows-only as in `probes overhead`
-    times: dict = {"none": [], "hash": [], "hash-gc": [], "hooks-only": [], "rows-only": []}
+    times: dict = {"none": [], "hash": [], "hash-gc": [], "hash-hooks": [], "hooks-only": [], "rows-only": []}
     gen2 = {m: 0 for m in times}
     records = 0
     current = ["none"]
@@ -111,7 +111,8 @@ def host(args) -> dict:
     per_us = {m: 1e6 * (med[m] - med["none"]) / max(records, 1) for m in times}
     where = ("CUDA, hash launches run, wall time" if cuda else "CPU, hash launches not run, process time")
     print(f"probes host: llama-1b structure at tiny widths, fp32, batch 1 x seq 16, {where}; median of "
-          f"{args.rounds} rounds; hash-gc = Python's GC left on in the probed step; hooks-only = "
+          f"{args.rounds} rounds; hash-gc = Python's GC left on in the probed step; hash-hooks = every module "
+          "probed through hooks (as before session 13); hooks-only = "
           "Recorder.add returning at once; rows-only = records made, nothing hashed")
     print("| probes | step ms (spread) | x none | records | host us per record (vs none) | full GC "
           "collections in these steps |\n|---|---|---|---|---|---|")

@@ -31,12 +31,16 @@ def probe_mode(mode: str):
     from tpdiag.kernels.hash_buffer import HashBuffer
     from tpdiag.probes.recorder import Recorder
 
-    knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB")
+    knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS")
     saved = (Recorder.add, HashBuffer.add, rh.batch_launch, rh._FAST[0], {k: os.environ.get(k) for k in knobs})
     try:
         rh._FAST[0] = mode != "hash-jit"
         if mode in ("hash-each", "hash-jit"):
             os.environ["TPDIAG_HASH_BATCH"] = "1"
+        if mode.startswith("hash-batch"):  # hash-batchN: N records per launch (default 64)
+            os.environ["TPDIAG_HASH_BATCH"] = mode[len("hash-batch"):]
+        if mode == "hash-hooks":  # every module probed through hooks (before session 13)
+            os.environ["TPDIAG_PROBE_HOOKS"] = "1"
         if mode == "hash-cap256m":  # the default until session 12 (now 1 GiB)
             os.environ["TPDIAG_HASH_CAP_MB"] = "256"
         if mode == "hash-side":
