@@ -177,6 +177,40 @@ def test_cached_launch_rows_are_batch_entrys(monkeypatch, dtype):
     assert sorted(map(repr, got)) == sorted(map(repr, want)) and len(got) == 2 * len(cases)
 
 
+
+def test_add_whole_queues_what_add_queues(monkeypatch):
+    """HashBuffer.add_whole (Recorder.add's fast path) against add: the same slots, launch keys
+    and table rows, for contiguous tensors at several alignments, a Parameter, a strided view
+    and an int64 tensor (the last two not its inline case), over more than one chunk."""
+    launched = {}
+    monkeypatch.setattr(rh, "triton_ok", lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T
+                        and t.numel() > 0)
+    monkeypatch.setattr(hb.HashBuffer, "CHUNK", 8)
+    hb._ENTRIES.clear()
+    base = torch.randn(4096 + 8)
+    ts = [base[off:off + 6 * 7].view(6, 7) for off in (0, 1, 4)]
+    ts += [nn.Parameter(torch.randn(5, 3)), base[:64].view(8, 8).t(), torch.arange(6),
+           base[:8].to(torch.bfloat16), torch.empty(0)]
+    ptrs = {t.data_ptr(): i for i, t in enumerate(ts)}  # a strided view is queued as a copy
+
+    def rows(table, n):
+        return [[ptrs.get(r[0], "copy")] + r[1:] for r in table.view(-1, rh.TABLE_COLS)[:n].tolist()]
+
+    for way in ("add", "add_whole"):
+        got = launched[way] = []
+        monkeypatch.setattr(rh, "batch_launch", lambda key, table, n, *a, **k: got.append((key, rows(table, n))))
+        buf = hb.HashBuffer(torch.device("cpu"), batch=5)
+        slots = []
+        for _ in range(3):
+            for t in ts:
+                slots.append(buf.add(t if type(t) is torch.Tensor else t.detach()) if way == "add"
+                             else buf.add_whole(t))
+        buf.flush()
+        got.append(slots)
+    assert launched["add"] == launched["add_whole"]
+    assert len(launched["add"]) > 3  # launches ran, more than one chunk's
+    assert launched["add"][-1] == list(range(3 * len(ts)))
+
 class _Inner(nn.Module):
     def __init__(self):
         super().__init__()

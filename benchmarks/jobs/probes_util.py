@@ -32,7 +32,8 @@ def probe_mode(mode: str):
     from tpdiag.probes.recorder import Recorder
 
     knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS")
-    saved = (Recorder.add, HashBuffer.add, rh.batch_launch, rh._FAST[0], {k: os.environ.get(k) for k in knobs})
+    saved = (Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0],
+             {k: os.environ.get(k) for k in knobs})
     try:
         rh._FAST[0] = mode != "hash-jit"
         if mode in ("hash-each", "hash-jit"):
@@ -48,11 +49,11 @@ def probe_mode(mode: str):
         if mode == "hooks-only":
             Recorder.add = _no_add
         if mode == "rows-only":
-            HashBuffer.add = _no_hash
+            HashBuffer.add = HashBuffer.add_whole = _no_hash
         yield
     finally:
-        Recorder.add, HashBuffer.add, rh.batch_launch, rh._FAST[0] = saved[:4]
-        for k, v in saved[4].items():
+        Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0] = saved[:5]
+        for k, v in saved[5].items():
             if v is None:
                 os.environ.pop(k, None)
             else:

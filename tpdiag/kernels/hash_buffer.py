@@ -78,6 +78,7 @@ class HashBuffer:
         self._ring = None  # launch tables (see _table)
         self._ring_stream = None  # the raw stream the last table was copied on
         self._slot = 0
+        self._takes: dict = {}  # (dtype, is_cuda) -> rh.triton_ok (add_whole)
         self.deferred: list = []  # small records off the Triton path, hashed at take()
         self.deferred_bytes = 0
 
@@ -142,6 +143,40 @@ class HashBuffer:
                 rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
         return n
 
+    def add_whole(self, t: torch.Tensor) -> int:
+        """add(t) of a whole plain tensor or Parameter (Recorder.add's fast path, most records):
+        the queued case inline, without add's general checks - a step's host time is per record,
+        and a busy host pays ~3x this machine's (`probes host --cuda`). A Parameter is queued as
+        itself: the kernel reads its words by pointer, its counter is the one a detached view
+        shares. Anything else goes through add."""
+        n = self.n
+        r = n % self.CHUNK
+        hit = None
+        if r and self.batch > 1 and t.is_contiguous() and t.numel():
+            dt = t.dtype
+            ok = self._takes.get((dt, t.is_cuda))
+            if ok is None:  # rh.triton_ok by dtype and device, once per buffer
+                ok = self._takes[(dt, t.is_cuda)] = rh.triton_ok(torch.empty(1, dtype=dt, device=t.device))
+            if ok:
+                ptr = t.data_ptr()
+                hit = _ENTRIES.get((t.shape, dt, None, None, 0, ptr % 16))
+        if hit is None:  # a new chunk or shape, or not the Triton path: the general add
+            return self.add(t if type(t) is torch.Tensor else t.detach())
+        self.n = n + 1
+        key, tail, nbytes = hit
+        version = t._version
+        item = (t, version, t, version, (ptr, r) + tail)
+        q = self.queue.get((n // self.CHUNK, key))
+        if q is None:
+            self.queue[(n // self.CHUNK, key)] = [item]
+        else:
+            q.append(item)
+        self.queued += 1
+        self.queued_bytes += nbytes
+        if self.queued >= self.batch or self.queued_bytes >= self.cap:
+            self.flush()
+        return n
+
     def flush(self) -> None:
         """Hash every queued record: one launch per (chunk, launch key)."""
         if not self.queued:
@@ -174,16 +209,18 @@ class HashBuffer:
         if self._ring is None:
             width = max(self.batch, 1) * rh.TABLE_COLS
             host = torch.zeros((RING, width), dtype=torch.int64).pin_memory()
-            self._ring = (host, [memoryview(r) for r in host.numpy()],
-                          torch.zeros((RING, width), dtype=torch.int64, device=self.device),
-                          [None] * (RING // RING_GROUP))
-        host, views, dev, events = self._ring
-        raw = torch._C._cuda_getCurrentRawStream(dev.device.index)
+            dev = torch.zeros((RING, width), dtype=torch.int64, device=self.device)
+            # one view per slot, made once: a slot's whole row is copied (a few KiB) and handed
+            # to the launch, which reads its first len(rows) rows - no indexing per launch
+            self._ring = (list(host.unbind(0)), [memoryview(r) for r in host.numpy()], list(dev.unbind(0)),
+                          [None] * (RING // RING_GROUP), dev.device.index)
+        host, views, dev, events, index = self._ring
+        raw = torch._C._cuda_getCurrentRawStream(index)
         if raw != self._ring_stream:
             # a group's event covers its copies only on one stream: at a switch (rare: a model
             # running on a stream of its own), every earlier copy is waited for once
             if self._ring_stream is not None:
-                torch.cuda.synchronize(dev.device)
+                torch.cuda.synchronize(index)
                 events[:] = [None] * len(events)
             self._ring_stream = raw
         slot, self._slot = self._slot, (self._slot + 1) % RING
@@ -191,11 +228,11 @@ class HashBuffer:
         if pos == 0 and events[group] is not None:
             events[group].synchronize()  # long done by the time the ring comes round
         struct.pack_into(f"{n}q", views[slot], 0, *[v for row in rows for v in row])
-        dev[slot, :n].copy_(host[slot, :n], non_blocking=True)
+        dev[slot].copy_(host[slot], non_blocking=True)
         if pos == RING_GROUP - 1:
             ev = events[group] = events[group] or torch.cuda.Event()
             ev.record()
-        return dev[slot, :n]
+        return dev[slot]
 
     def take(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         self.flush()

@@ -158,8 +158,7 @@ class Recorder:
                 # the hash's own torch ops are not records (op probe)
                 self.enabled = False
                 try:
-                    # a Parameter as a plain tensor (the same counter): the queue takes those
-                    slot = hb.add(t if tt is torch.Tensor else t.detach())
+                    slot = hb.add_whole(t)
                 finally:
                     self.enabled = True
                 self._hashed[id(t)] = (weakref.ref(t), version, shape, slot)
