@@ -39,7 +39,8 @@ from benchmarks.jobs.probes_util import probe_mode
 from benchmarks.mfu import fmt, mfu, peak_flops, step_flops
 
 MODES = ("none", "hash", "full")
-EXTRA_MODES = ("hash-each", "hash-jit", "hash-side", "hooks-only", "rows-only", "hash-cap256m", "hash-hooks")
+EXTRA_MODES = ("hash-each", "hash-jit", "hash-side", "hooks-only", "rows-only", "hash-cap256m", "hash-hooks",
+               "wrap-only")
 
 
 def _known_mode(m: str) -> bool:

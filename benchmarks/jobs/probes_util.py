@@ -26,14 +26,17 @@ def probe_mode(mode: str):
     rows-only the records made with nothing queued or hashed (hash mode's host time by removal);
     hash-side, an experiment, the queued launches on a second stream beside the compute - what
     overlap could win at most, its hashes not to be trusted (a queued tensor may be freed, reused
-    or changed in place before that stream reads it). Other modes: nothing changed."""
+    or changed in place before that stream reads it); wrap-only, an experiment, every module's
+    forward wrapped in a pass-through and nothing else (no records, no grad hooks): what the
+    wrapping alone costs. Other modes: nothing changed."""
     from tpdiag.kernels import record_hash as rh
+    from tpdiag.probes import module_probe
     from tpdiag.kernels.hash_buffer import HashBuffer
     from tpdiag.probes.recorder import Recorder
 
     knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS")
     saved = (Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0],
-             {k: os.environ.get(k) for k in knobs})
+             {k: os.environ.get(k) for k in knobs}, module_probe.module_probes)
     try:
         rh._FAST[0] = mode != "hash-jit"
         if mode in ("hash-each", "hash-jit"):
@@ -46,18 +49,35 @@ def probe_mode(mode: str):
             os.environ["TPDIAG_HASH_CAP_MB"] = "256"
         if mode == "hash-side":
             rh.batch_launch = _side_launch(rh.batch_launch)
-        if mode == "hooks-only":
+        if mode in ("hooks-only", "wrap-only"):
             Recorder.add = _no_add
+        if mode == "wrap-only":
+            module_probe.module_probes = _wrap_only
         if mode == "rows-only":
             HashBuffer.add = HashBuffer.add_whole = _no_hash
         yield
     finally:
         Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0] = saved[:5]
+        module_probe.module_probes = saved[6]
         for k, v in saved[5].items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def _wrap_only(model, rec, **_):
+    from tpdiag.probes.module_probe import _unwrap, _wrap_forward
+
+    wrapped: list = []
+    nothing = lambda *a: None  # noqa: E731
+    try:
+        for m in model.modules():
+            _wrap_forward(m, nothing, nothing, wrapped)
+        yield rec
+    finally:
+        _unwrap(wrapped)
 
 
 def _no_add(self, *a, **k):

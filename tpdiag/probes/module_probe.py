@@ -130,11 +130,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             del walks[id(model)]
         for h in handles:
             h.remove()
-        for mod, own in wrapped:
-            if own is _NONE:
-                del mod.__dict__["forward"]
-            else:
-                mod.__dict__["forward"] = own
+        _unwrap(wrapped)
         if gc_was:
             gc.enable()
 
@@ -171,6 +167,14 @@ def _wrap_forward(mod: nn.Module, pre_hook, fwd_hook, wrapped: list) -> bool:
         return False
     wrapped.append((mod, own))
     return True
+
+
+def _unwrap(wrapped: list) -> None:
+    for mod, own in wrapped:
+        if own is _NONE:
+            del mod.__dict__["forward"]
+        else:
+            mod.__dict__["forward"] = own
 
 
 def _root(t: torch.Tensor) -> torch.Tensor | None:
