@@ -36,13 +36,18 @@ def probe_mode(mode: str):
 
     knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS")
     saved = (Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0],
-             {k: os.environ.get(k) for k in knobs}, module_probe.module_probes)
+             {k: os.environ.get(k) for k in knobs}, module_probe.module_probes, rh.PAIRS[0],
+             list(rh._WAVES_2BYTE))
     try:
         rh._FAST[0] = mode != "hash-jit"
         if mode in ("hash-each", "hash-jit"):
             os.environ["TPDIAG_HASH_BATCH"] = "1"
         if mode.startswith("hash-batch"):  # hash-batchN: N records per launch (default 64)
             os.environ["TPDIAG_HASH_BATCH"] = mode[len("hash-batch"):]
+        if mode.startswith("hash-pairs"):  # hash-pairs[N]: bf16 as word pairs (at N programs per SM)
+            rh.PAIRS[0] = True
+        if mode.startswith(("hash-waves", "hash-pairs")) and mode[10:].isdigit():  # hash-wavesN
+            rh._WAVES_2BYTE[:] = [int(mode[10:])]
         if mode == "hash-hooks":  # every module probed through hooks (before session 13)
             os.environ["TPDIAG_PROBE_HOOKS"] = "1"
         if mode == "hash-cap256m":  # the default until session 12 (now 1 GiB)
@@ -58,7 +63,7 @@ def probe_mode(mode: str):
         yield
     finally:
         Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0] = saved[:5]
-        module_probe.module_probes = saved[6]
+        module_probe.module_probes, rh.PAIRS[0], rh._WAVES_2BYTE[:] = saved[6:9]
         for k, v in saved[5].items():
             if v is None:
                 os.environ.pop(k, None)

@@ -166,12 +166,15 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                                                     IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN)
     row_i = ints_ptr + ROW * 4
     row_f = floats_ptr + ROW * 2
-    tl.atomic_add(row_i + 0, tl.sum(tl.sum(acc_a.to(tl.int64), axis=1), axis=0))
-    tl.atomic_add(row_i + 1, tl.sum(tl.sum(acc_b.to(tl.int64), axis=1), axis=0))
-    tl.atomic_add(row_i + 2, count_n.to(tl.int64))
-    tl.atomic_max(row_i + 3, max_m.to(tl.float64).to(tl.int64, bitcast=True))
-    tl.atomic_add(row_f + 0, sum_s.to(tl.float64))
-    tl.atomic_add(row_f + 1, sum_q.to(tl.float64))
+    # relaxed: nothing reads the row before the launch ends (a kernel boundary orders it), and
+    # the default acq_rel put a full fence, a returning atomic and an L1 invalidate in every
+    # program's tail, six times
+    tl.atomic_add(row_i + 0, tl.sum(tl.sum(acc_a.to(tl.int64), axis=1), axis=0), sem="relaxed")
+    tl.atomic_add(row_i + 1, tl.sum(tl.sum(acc_b.to(tl.int64), axis=1), axis=0), sem="relaxed")
+    tl.atomic_add(row_i + 2, count_n.to(tl.int64), sem="relaxed")
+    tl.atomic_max(row_i + 3, max_m.to(tl.float64).to(tl.int64, bitcast=True), sem="relaxed")
+    tl.atomic_add(row_f + 0, sum_s.to(tl.float64), sem="relaxed")
+    tl.atomic_add(row_f + 1, sum_q.to(tl.float64), sem="relaxed")
 
 
 @triton.jit
