@@ -204,7 +204,7 @@ def test_add_whole_queues_what_add_queues(monkeypatch):
         for _ in range(3):
             for t in ts:
                 slots.append(buf.add(t if type(t) is torch.Tensor else t.detach()) if way == "add"
-                             else buf.add_whole(t))
+                             else buf.add_whole(t, t.shape, t.dtype, t._version))
         buf.flush()
         got.append(slots)
     assert launched["add"] == launched["add_whole"]

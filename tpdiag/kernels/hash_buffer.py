@@ -143,28 +143,30 @@ class HashBuffer:
                 rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
         return n
 
-    def add_whole(self, t: torch.Tensor) -> int:
+    def add_whole(self, t: torch.Tensor, shape=None, dtype=None, version=None) -> int:
         """add(t) of a whole plain tensor or Parameter (Recorder.add's fast path, most records):
         the queued case inline, without add's general checks - a step's host time is per record,
         and a busy host pays ~3x this machine's (`probes host --cuda`). A Parameter is queued as
         itself: the kernel reads its words by pointer, its counter is the one a detached view
-        shares. Anything else goes through add."""
+        shares. Anything else goes through add. shape, dtype, version: t's, when the caller has
+        read them already (each read is a C-API call, and a step's host time is in such calls)."""
         n = self.n
         r = n % self.CHUNK
         hit = None
         if r and self.batch > 1 and t.is_contiguous() and t.numel():
-            dt = t.dtype
+            dt = t.dtype if dtype is None else dtype
             ok = self._takes.get((dt, t.is_cuda))
             if ok is None:  # rh.triton_ok by dtype and device, once per buffer
                 ok = self._takes[(dt, t.is_cuda)] = rh.triton_ok(torch.empty(1, dtype=dt, device=t.device))
             if ok:
                 ptr = t.data_ptr()
-                hit = _ENTRIES.get((t.shape, dt, None, None, 0, ptr % 16))
+                hit = _ENTRIES.get((t.shape if shape is None else shape, dt, None, None, 0, ptr % 16))
         if hit is None:  # a new chunk or shape, or not the Triton path: the general add
             return self.add(t if type(t) is torch.Tensor else t.detach())
         self.n = n + 1
         key, tail, nbytes = hit
-        version = t._version
+        if version is None:
+            version = t._version
         item = (t, version, t, version, (ptr, r) + tail)
         q = self.queue.get((n // self.CHUNK, key))
         if q is None:

@@ -145,6 +145,7 @@ class Recorder:
         if (tt is torch.Tensor or tt is _PARAMETER) and mode == "hash" and self.world == 1 \
                 and kind not in KEEP_WHOLE and kind != "op":
             shape = t.shape
+            dtype = t.dtype
             version = t._version
             seen = self._hashed.get(id(t))
             if seen is None or seen[0]() is not t or not (
@@ -158,7 +159,7 @@ class Recorder:
                 # the hash's own torch ops are not records (op probe)
                 self.enabled = False
                 try:
-                    slot = hb.add_whole(t)
+                    slot = hb.add_whole(t, shape, dtype, version)
                 finally:
                     self.enabled = True
                 self._hashed[id(t)] = (weakref.ref(t), version, shape, slot)
@@ -166,7 +167,7 @@ class Recorder:
                 slot = seen[3]
             self.lanes.append(slot)
             # the fields of probes/rows.py, in its order
-            row = [step, phase, module, kind, call, name, layout, style, cls, t.dtype, shape, None]
+            row = [step, phase, module, kind, call, name, layout, style, cls, dtype, shape, None]
             self._rows.append(row)
             return row
         if tt is torch.Tensor:
