@@ -276,3 +276,12 @@ def test_modules_probed_through_forward_record_what_hooks_record(monkeypatch, us
         other = _lanes(_probed(monkeypatch, False, False))
         i = keys.index("s0/forward/head/out#0/0")
         assert not torch.equal(lw[i][0], other[i][0])
+
+
+def test_a_forward_set_inside_the_block_is_left_in_place():
+    m, rec = _Reuse(), Recorder(mode="hash")
+    mine = lambda x: x  # noqa: E731
+    with module_probes(m, rec):
+        assert "forward" in m.lin.__dict__  # the probe's wrapper
+        m.lin.forward = mine                # e.g. a user's own patch, made while capturing
+    assert m.lin.__dict__.get("forward") is mine and "forward" not in m.__dict__

@@ -40,7 +40,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
     if gc_was:
         gc.disable()
     handles = []
-    wrapped: list = []  # (module, its own instance `forward` or _NONE): restored on exit
+    wrapped: list = []  # (module, its own instance `forward` or _NONE, the wrapper): undone on exit
     walks = rec._walks
     walked = None
     try:
@@ -165,12 +165,14 @@ def _wrap_forward(mod: nn.Module, pre_hook, fwd_hook, wrapped: list) -> bool:
         mod.__dict__["forward"] = forward
     except (AttributeError, TypeError):  # a module that will not take one (TorchScript)
         return False
-    wrapped.append((mod, own))
+    wrapped.append((mod, own, forward))
     return True
 
 
 def _unwrap(wrapped: list) -> None:
-    for mod, own in wrapped:
+    for mod, own, ours in wrapped:
+        if mod.__dict__.get("forward") is not ours:
+            continue  # replaced inside the block by someone else: theirs stays
         if own is _NONE:
             del mod.__dict__["forward"]
         else:
