@@ -77,10 +77,46 @@ def main(argv: list[str]) -> dict:
     sbad = sum(int(not torch.equal(ints2[i].cpu(), w.cpu())) for i, (_, w) in enumerate(mixed))
     print(f"queued from two streams in turn (batch of 3): {len(mixed)} records, {sbad} differ; stale {len(buf2.stale)}")
     bad += sbad + len(buf2.stale)
+    rbad, nrec, rstale = _through_recorder(torch, rh)
+    print(f"through Recorder.add's fast path (HashBuffer.add_whole): {nrec} records, {rbad} differ; stale {rstale}")
+    bad += rbad + rstale
     print(f"direct launches cached: {len(rh._COMPILED)} specialisations")
     print(f"mismatches: {bad}")
     return {"records_queued": len(queued), "queued_mismatches": qbad, "stale": len(buf.stale),
             "direct_launch_specialisations": len(rh._COMPILED), "mismatches": bad, "ok": bad == 0}
+
+
+def _through_recorder(torch, rh):
+    """Records made as a TP=1 step makes them (Recorder.add's fast path, HashBuffer.add_whole):
+    plain tensors at several alignments, fp32 and bf16, Parameters, transposed views (add's copy),
+    some recorded twice (one hash) - against the torch path of each whole tensor."""
+    from tpdiag.probes.recorder import Recorder, take_lanes
+
+    rec = Recorder(mode="hash")
+    rec.phase = "forward"
+    base = torch.randn(1 << 20, device="cuda")
+    xs = []
+    for k in range(30):
+        off = (0, 1, 4, 8)[k % 4]
+        t = base[off:off + 1000 * (k + 1)].view(k + 1, 1000)
+        if k % 3 == 1:
+            t = t.to(torch.bfloat16)
+        if k % 5 == 2:
+            t = torch.nn.Parameter(t.clone())
+        if k % 7 == 3:
+            t = t.t()
+        xs.append(t)
+    for i, t in enumerate(xs + xs[:5]):
+        rec.add("out", f"m{i}", "0", t)
+    ints, _ = take_lanes(rec.hashbuf, rec.lanes)
+    ints[:, :2] &= rh.M32
+    bad = 0
+    for i, t in enumerate(xs + xs[:5]):
+        w = t.detach().contiguous()
+        want, _ = rh.lanes_torch(w, *rh.slab(w.shape, None, None, 0))
+        want[:2] &= rh.M32
+        bad += int(not torch.equal(ints[i].cpu(), want.cpu()))
+    return bad, len(rec.lanes), len(rec.hashbuf.stale)
 
 
 def args_of(dim, full, off):
