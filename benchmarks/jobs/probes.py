@@ -485,8 +485,8 @@ def main(argv: list[str]) -> dict:
         bad = [m for m in ms if not _known_mode(m)
                or m.partition("@")[2] not in ("", "warm")]
         if bad:
-            ap.error(f"--modes: unknown {', '.join(bad)} (MODE or MODE@warm; MODE one of none, hash, hash-each, "
-                     "hash-jit, full)")
+            ap.error(f"--modes: unknown {', '.join(bad)} (MODE or MODE@warm; MODE one of none, hash, full "
+                     "or an experiment --help lists)")
         for warm in ("", "@warm"):
             if any(m.endswith("@warm") == bool(warm) for m in ms) and "none" + warm not in ms:
                 ap.error(f"--modes must include none{warm} (the ratios of the {'@warm' if warm else 'plain'} "

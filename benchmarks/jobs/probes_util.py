@@ -22,7 +22,9 @@ def device_name() -> str:
 def probe_mode(mode: str):
     """What a probes mode runs under, undone on exit (the jobs run the modes side by side in one
     process): hash-each / hash-jit a launch per record (hash-jit through Triton's JIT dispatch);
-    hash-cap256m a launch per 256 MiB queued; hooks-only Recorder.add returning at once and
+    hash-cap256m a launch per 256 MiB queued; hash-batchN a launch per N records; hash-wavesN
+    16-bit records at N programs per SM; hash-pairs[N] bf16 read as 32-bit word pairs [at N
+    programs per SM]; hash-hooks every module probed through hooks (TPDIAG_PROBE_HOOKS=1); hooks-only Recorder.add returning at once and
     rows-only the records made with nothing queued or hashed (hash mode's host time by removal);
     hash-side, an experiment, the queued launches on a second stream beside the compute - what
     overlap could win at most, its hashes not to be trusted (a queued tensor may be freed, reused
@@ -30,8 +32,8 @@ def probe_mode(mode: str):
     forward wrapped in a pass-through and nothing else (no records, no grad hooks): what the
     wrapping alone costs. Other modes: nothing changed."""
     from tpdiag.kernels import record_hash as rh
-    from tpdiag.probes import module_probe
     from tpdiag.kernels.hash_buffer import HashBuffer
+    from tpdiag.probes import module_probe
     from tpdiag.probes.recorder import Recorder
 
     knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS")
