@@ -9,7 +9,7 @@ asynchronous (the host does not wait); on the CPU (gloo, CI) the copy is a plain
 
 Host memory is a list of equal chunks (a record larger than a chunk spans several). Past the
 budget the oldest full chunks are written to the spill directory by a background thread once
-their copies completed (several writer threads, TPDIAG_SPILL_WRITERS), and their memory is reused; a reader gets the bytes from memory or file.
+their copies completed, and their memory is reused; a reader gets the bytes from memory or file.
 The same tensor recorded again unchanged (same object, same version counters) is copied once.
 """
 from __future__ import annotations
@@ -25,12 +25,6 @@ from tpdiag.probes.host_budget import default_budget, parse_bytes
 
 BUDGET_ENV = "TPDIAG_HOST_BUDGET"   # bytes of host memory for captured records (K/M/G suffixes)
 CHUNK_ENV = "TPDIAG_HOST_CHUNK"     # bytes per host chunk
-WRITERS_ENV = "TPDIAG_SPILL_WRITERS"  # threads writing spilled chunks to disk
-# One writer moved ~3.4 GB/s on an H200 host (llama-1b at 1 x 2048, 6.9 GiB spilled under a 2 GiB
-# budget: the step 16x an unprobed one against 2.3x unspilled; docs/benchmarks.md): a buffered
-# write of a chunk is a single-threaded copy into the page cache, with the GIL released, so
-# several writers copy side by side.
-DEFAULT_WRITERS = 4
 DEFAULT_CHUNK = 128 << 20
 ALIGN = 64                          # record offsets in a chunk: every dtype's view stays aligned
 
@@ -41,19 +35,12 @@ ALIGN = 64                          # record offsets in a chunk: every dtype's v
 _POOL: dict = {}  # (chunk bytes, pinned) -> [uint8 tensors]
 
 
-def _writers_env() -> int:
-    from tpdiag.kernels.record_hash import knob_int
-
-    return knob_int(WRITERS_ENV, DEFAULT_WRITERS, 64)
-
-
 def check_env() -> None:
     """Full capture's settings from the environment, parsed up front (a compare reads them before
     any world starts): a bad one is BadInput, one line, not a failure inside every rank."""
     for name in (BUDGET_ENV, CHUNK_ENV):
         if os.environ.get(name):
             parse_bytes(os.environ[name], name)
-    _writers_env()
 
 
 def release_pool() -> None:
@@ -102,7 +89,7 @@ def as_tensor(t):
 
 class HostStore:
     def __init__(self, device: torch.device, *, budget: int | None = None,
-                 spill_dir: str | None = None, chunk: int | None = None, writers: int | None = None):
+                 spill_dir: str | None = None, chunk: int | None = None):
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
         env_chunk, env_budget = os.environ.get(CHUNK_ENV), os.environ.get(BUDGET_ENV)
@@ -118,8 +105,7 @@ class HostStore:
         self.pending = 0            # chunks queued for the writer, not yet on disk
         self.queue: collections.deque = collections.deque()
         self.cond = threading.Condition()
-        self.threads: list = []     # spill writers, started with the first spill
-        self.writers = writers or _writers_env()
+        self.thread = None
         self.error: BaseException | None = None
         self.seen: dict = {}        # id(tensor) -> (weakref, versions, Captured): copied once
         self.stats = {"records": 0, "captured_bytes": 0, "copied_bytes": 0, "spilled_bytes": 0,
@@ -221,16 +207,14 @@ class HostStore:
                 self.live -= self.chunk_bytes
                 self.pending += 1
                 self.queue.append(c)
-                if not self.threads:
+                if self.thread is None:
                     if self.spill_dir is None:  # no directory given: the budget still holds
                         import tempfile
 
                         self.spill_dir = tempfile.mkdtemp(prefix="tpdiag-spill-")
                     os.makedirs(self.spill_dir, exist_ok=True)
-                    for k in range(self.writers):
-                        t = threading.Thread(target=self._writer, name=f"tpdiag-spill-{k}", daemon=True)
-                        t.start()
-                        self.threads.append(t)
+                    self.thread = threading.Thread(target=self._writer, name="tpdiag-spill", daemon=True)
+                    self.thread.start()
                 self.cond.notify_all()
                 return True
         return False
@@ -244,6 +228,8 @@ class HostStore:
             if c is None:
                 return
             try:
+                # one writer: on an H200 host spilling moved ~3.4 GB/s with 1, 4 or 8 writers alike
+                # (the disk's pace, not the thread's; docs/benchmarks.md, "Session 13")
                 if c.event is not None:
                     c.event.synchronize()
                 path = os.path.join(self.spill_dir, f"chunk{c.id:06d}.bin")
@@ -327,13 +313,12 @@ class HostStore:
         # a new writer that re-created the spill directory behind close()
         if self.cur is not None:
             self._seal(self.cur)
-        if self.threads:
+        if self.thread is not None:
             with self.cond:
-                self.queue.extend([None] * len(self.threads))  # one stop per writer
+                self.queue.append(None)
                 self.cond.notify_all()
-            for t in self.threads:
-                t.join()
-            self.threads = []
+            self.thread.join()
+            self.thread = None
         keep = [c.buf for c in self.chunks if c.buf is not None] + self.free
         if self.pinned:
             # a pooled chunk is written again only after the copies into it are done

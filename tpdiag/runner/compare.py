@@ -56,7 +56,7 @@ def validate(cfg: CompareConfig) -> None:
     cap_bytes()
     from tpdiag.probes.stream import check_env
 
-    check_env()  # TPDIAG_HOST_BUDGET, TPDIAG_HOST_CHUNK, TPDIAG_SPILL_WRITERS (full capture)
+    check_env()  # TPDIAG_HOST_BUDGET, TPDIAG_HOST_CHUNK (full capture)
     if spec.kind == "builtin":
         from tpdiag.models.plans import VARIANTS
 
