@@ -117,18 +117,9 @@ class HashBuffer:
                 owner, nbytes = words, words.numel() * words.element_size()
             version = words._version
             if owner is None or owner is words:
-                item = (words, version, words, version, row)
+                self._enqueue(i, key, (words, version, words, version, row), nbytes)
             else:
-                item = (words, version, owner, owner._version, row)
-            q = self.queue.get((i, key))
-            if q is None:
-                self.queue[(i, key)] = [item]
-            else:
-                q.append(item)
-            self.queued += 1
-            self.queued_bytes += nbytes
-            if self.queued >= self.batch or self.queued_bytes >= self.cap:
-                self.flush()
+                self._enqueue(i, key, (words, version, owner, owner._version, row), nbytes)
         else:
             t = t.detach()
             nbytes = t.numel() * t.element_size()
@@ -143,41 +134,42 @@ class HashBuffer:
                 rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
         return n
 
-    def add_whole(self, t: torch.Tensor, shape=None, dtype=None, version=None) -> int:
+    def add_whole(self, t: torch.Tensor, shape, dtype, version: int) -> int:
         """add(t) of a whole plain tensor or Parameter (Recorder.add's fast path, most records):
         the queued case inline, without add's general checks - a step's host time is per record,
         and a busy host pays ~3x this machine's (`probes host --cuda`). A Parameter is queued as
         itself: the kernel reads its words by pointer, its counter is the one a detached view
-        shares. Anything else goes through add. shape, dtype, version: t's, when the caller has
-        read them already (each read is a C-API call, and a step's host time is in such calls)."""
+        shares. Anything else goes through add. shape, dtype, version: t's, as the caller has read
+        them already (each read is a C-API call, and a step's host time is in such calls)."""
         n = self.n
         r = n % self.CHUNK
         hit = None
         if r and self.batch > 1 and t.is_contiguous() and t.numel():
-            dt = t.dtype if dtype is None else dtype
-            ok = self._takes.get((dt, t.is_cuda))
+            ok = self._takes.get((dtype, t.is_cuda))
             if ok is None:  # rh.triton_ok by dtype and device, once per buffer
-                ok = self._takes[(dt, t.is_cuda)] = rh.triton_ok(torch.empty(1, dtype=dt, device=t.device))
+                ok = self._takes[(dtype, t.is_cuda)] = rh.triton_ok(torch.empty(1, dtype=dtype, device=t.device))
             if ok:
                 ptr = t.data_ptr()
-                hit = _ENTRIES.get((t.shape if shape is None else shape, dt, None, None, 0, ptr % 16))
+                hit = _ENTRIES.get((shape, dtype, None, None, 0, ptr % 16))
         if hit is None:  # a new chunk or shape, or not the Triton path: the general add
             return self.add(t if type(t) is torch.Tensor else t.detach())
         self.n = n + 1
         key, tail, nbytes = hit
-        if version is None:
-            version = t._version
-        item = (t, version, t, version, (ptr, r) + tail)
-        q = self.queue.get((n // self.CHUNK, key))
+        self._enqueue(n // self.CHUNK, key, (t, version, t, version, (ptr, r) + tail), nbytes)
+        return n
+
+    def _enqueue(self, chunk: int, key, item: tuple, nbytes: int) -> None:
+        """Queue one record (words, version, owner, owner's version, table row) for the launch of
+        its (chunk, key); launch at BATCH records or cap_bytes() queued."""
+        q = self.queue.get((chunk, key))
         if q is None:
-            self.queue[(n // self.CHUNK, key)] = [item]
+            self.queue[(chunk, key)] = [item]
         else:
             q.append(item)
         self.queued += 1
         self.queued_bytes += nbytes
         if self.queued >= self.batch or self.queued_bytes >= self.cap:
             self.flush()
-        return n
 
     def flush(self) -> None:
         """Hash every queued record: one launch per (chunk, launch key)."""
