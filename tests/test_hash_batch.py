@@ -164,7 +164,8 @@ def test_direct_launch_passes_every_kernel_parameter():
     width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
     assert {k: named[k] for k in rh.BATCH_CONSTEXPRS} == {
         "WIDTH": 16, "IS_BF16": True, "R": r, "CB": cb, "ITERS": rh.iters_for(16), "ROW_ITERS": row_iters,
-        "EVEN": even, "ALIGNED": aligned, "SLAB16": slab16, "PAIRS": rh.PAIRS[0], "MIX": rh.HASH_VERSION}
+        "EVEN": even, "ALIGNED": aligned, "SLAB16": slab16, "PAIRS": rh.PAIRS[0], "MIX": rh.HASH_VERSION,
+        "PF": rh.PF[0]}
     assert named["NPROG"] == 4 and named["table_ptr"] is table
 
     seen = []

@@ -74,7 +74,10 @@ ITERS_2BYTE = 16
 WAVES_2BYTE_DEFAULT = 4
 
 
-def iters_for(width: int) -> int:
+def iters_for(width: int, pf: bool | None = None) -> int:
+    """Tiles a chunk (pf: prefetching chunks; default: PF[0])."""
+    if PF[0] if pf is None else pf:
+        return PF_ITERS
     return ITERS_2BYTE if width == 16 else ITERS
 
 
@@ -166,7 +169,7 @@ def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[i
 
 def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None, *,
                  block: int = BLOCK, iters: int | None = None, waves: int | None = None, warps: int = WARPS,
-                 pairs: bool | None = None, mix: int = HASH_VERSION):
+                 pairs: bool | None = None, mix: int = HASH_VERSION, pf: bool | None = None):
     """One launch: the shard's lanes and statistics into `out` - (ints [4] int64, floats [2]
     float64) or (ints [n, 4], floats [n, 2], row), zeroed - allocated here when None.
     block / iters / waves / warps: launch shape (benchmarks); pairs: _hash_chunks' PAIRS code
@@ -175,7 +178,10 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     if mix not in MIXES:
         raise ValueError(f"unknown record-hash mix {mix!r} (known: {MIXES})")
     width, iview = _TRITON_T[t.dtype]
-    iters = iters_for(width) if iters is None else iters
+    pf = (PF[0] and iters in (None, PF_ITERS)) if pf is None else pf  # an explicit shape: as given
+    if pf and iters not in (None, PF_ITERS):
+        raise ValueError(f"prefetching chunks are {PF_ITERS} tiles, not {iters}")
+    iters = iters_for(width, pf) if iters is None else iters
     waves = waves_for(width) if waves is None else waves
     words = t.contiguous().view(iview)
     if out is None:
@@ -189,7 +195,7 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
             width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
             (PAIRS[0] if pairs is None else pairs) and t.dtype == torch.bfloat16 and slab_n % 2 == 0
-            and words.data_ptr() % 4 == 0, mix)
+            and words.data_ptr() % 4 == 0, mix, pf)
     _launch(args, nprog, warps, t.device)
     return out
 
@@ -208,6 +214,10 @@ _COMPILED: dict = {}
 # 3256-3277) but a llama-1b 8 x 4096 step's hashing slower (+27.8 / +33.2 ms vs +23.3 / +26.5,
 # docs/benchmarks.md). TPDIAG_HASH_PAIRS=1: on (A/B).
 PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "0") == "1"]
+# Prefetch: each program loads its next chunk (PF_ITERS tiles) before it hashes the current one
+# (_hash_chunks' PF). TPDIAG_HASH_PF=1: on (A/B).
+PF = [os.environ.get("TPDIAG_HASH_PF", "0") == "1"]
+PF_ITERS = 4
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
@@ -219,7 +229,7 @@ def _launch(args, nprog: int, warps: int, device) -> None:
            slab_n % 16 == 0, small)
     _direct(key, (nprog, 1, 1), args, device, lambda: _triton()._hash_kernel[(nprog,)](
         *args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14], ITERS=args[15],
-        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], MIX=args[19], num_warps=warps))
+        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], MIX=args[19], PF=args[20], num_warps=warps))
 
 
 def _direct(key, grid, args, device, jit_launch) -> None:
@@ -313,14 +323,14 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
 # (_direct) takes every parameter, constexprs included, positionally: one missing is a
 # TypeError on the GPU only (session 8's MIX was, until tests/test_hash_batch.py checked this).
 BATCH_CONSTEXPRS = ("WIDTH", "IS_BF16", "R", "CB", "ITERS", "ROW_ITERS", "EVEN", "ALIGNED", "SLAB16",
-                    "PAIRS", "MIX")
+                    "PAIRS", "MIX", "PF")
 
 
 def batch_args(key, table, nprog: int, ints, floats) -> tuple:
     """_hash_batch_kernel's arguments, all of them, in its parameter order."""
     width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
     return (table, ints, floats, nprog, width, is_bf16, r, cb, iters_for(width), row_iters, even, aligned, slab16,
-            PAIRS[0], HASH_VERSION)
+            PAIRS[0], HASH_VERSION, PF[0])
 
 
 def batch_nprog(total_max: int, device, width: int = 32) -> int:
