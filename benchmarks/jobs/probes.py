@@ -48,7 +48,7 @@ def _known_mode(m: str) -> bool:
     from benchmarks.jobs.probes_util import pf_mode
 
     return (m in MODES + EXTRA_MODES or m == "hash-pairs" or pf_mode(m) is not None
-            or m.startswith(("hash-batch", "hash-waves", "hash-pairs")) and m[10:].isdigit())
+            or m.startswith(("hash-batch", "hash-waves", "hash-pairs", "hash-iters")) and m[10:].isdigit())
 
 
 def overhead(args) -> dict:
@@ -348,11 +348,15 @@ def _kineto(args, cfg, dev) -> dict:
 
     from tpdiag.runner import step
 
+    from benchmarks.jobs.probes_util import probe_mode
+
     out = {}
-    for mode in ("none", "hash"):
-        c, rec = _warmed(cfg, dev, mode)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t = step.run(c, dev, 1, rec)
+    # --modes: the unprobed step and hash-mode variants (probe_mode's), one profiled step each
+    for mode in [m for m in args.modes.split(",") if m not in ("full", "off")] or ["none", "hash"]:
+        with probe_mode(mode):
+            c, rec = _warmed(cfg, dev, mode)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = step.run(c, dev, 1, rec)
         ev = prof.key_averages()
         spans = _kernel_spans(prof)
         busy, total = _union(spans), sum(e - b for b, e, _ in spans)
@@ -460,7 +464,7 @@ def main(argv: list[str]) -> dict:
                          "hash-each (a launch per record), hash-jit (a launch per record through "
                          "Triton's JIT dispatch), hash-side (experiment: queued launches on a second stream; "
                          "timings only, its hashes untrusted), hooks-only (Recorder.add returns at once), rows-only "
-                         "(records made, nothing hashed), hash-cap256m (a launch per 256 MiB queued, not 1 GiB), hash-batchN (N records a launch, not 64), hash-wavesN (16-bit records at N programs per SM, not 4), hash-pairs[N] (bf16 read as word pairs [at N programs per SM]), hash-pf[N] / hash-pfp[N] (each program loads its next chunk while it hashes one; element-wise / word pairs [at N per SM]), hash-hooks (every module probed through hooks, as before session 13), full; MODE@warm: the step on a warm allocator (no "
+                         "(records made, nothing hashed), hash-cap256m (a launch per 256 MiB queued, not 1 GiB), hash-batchN (N records a launch, not 64), hash-wavesN (16-bit records at N programs per SM, not 4), hash-pairs[N] (bf16 read as word pairs [at N programs per SM]), hash-pf[N] / hash-pfp[N] (each program loads its next chunk while it hashes one; element-wise / word pairs [at N per SM]), hash-itersN (16-bit chunks of N tiles, not 16), hash-hooks (every module probed through hooks, as before session 13), full; MODE@warm: the step on a warm allocator (no "
                          "empty_cache before it; its ratio against none@warm)")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--peak-tflops", type=float, default=None,

@@ -25,7 +25,8 @@ def probe_mode(mode: str):
     hash-cap256m a launch per 256 MiB queued; hash-batchN a launch per N records; hash-wavesN
     16-bit records at N programs per SM; hash-pairs[N] bf16 read as 32-bit word pairs [at N
     programs per SM]; hash-pf[N] / hash-pfp[N] each program loading its next chunk while it hashes
-    one (record_hash.PF), element-wise / word pairs [at N programs per SM]; hash-hooks every module probed through hooks (TPDIAG_PROBE_HOOKS=1); hooks-only Recorder.add returning at once and
+    one (record_hash.PF), element-wise / word pairs [at N programs per SM]; hash-itersN 16-bit
+    chunks of N tiles (not 16); hash-hooks every module probed through hooks (TPDIAG_PROBE_HOOKS=1); hooks-only Recorder.add returning at once and
     rows-only the records made with nothing queued or hashed (hash mode's host time by removal);
     hash-side, an experiment, the queued launches on a second stream beside the compute - what
     overlap could win at most, its hashes not to be trusted (a queued tensor may be freed, reused
@@ -40,7 +41,7 @@ def probe_mode(mode: str):
     knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS")
     saved = (Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0],
              {k: os.environ.get(k) for k in knobs}, module_probe.module_probes, rh.PAIRS[0],
-             list(rh._WAVES_2BYTE), rh.PF[0])
+             list(rh._WAVES_2BYTE), rh.PF[0], rh.ITERS_2BYTE)
     try:
         rh._FAST[0] = mode != "hash-jit"
         if mode in ("hash-each", "hash-jit"):
@@ -56,7 +57,9 @@ def probe_mode(mode: str):
             rh.PF[0], rh.PAIRS[0] = True, pf[0]
             if pf[1]:
                 rh._WAVES_2BYTE[:] = [pf[1]]
-        rh._ENTRY.clear()  # launch plans depend on PF (chunk length)
+        if mode.startswith("hash-iters") and mode[10:].isdigit():  # hash-itersN: 16-bit chunks of N tiles
+            rh.ITERS_2BYTE = int(mode[10:])
+        rh._ENTRY.clear()  # launch plans depend on the chunk length (PF, hash-itersN)
         if mode == "hash-hooks":  # every module probed through hooks (before session 13)
             os.environ["TPDIAG_PROBE_HOOKS"] = "1"
         if mode == "hash-cap256m":  # the default until session 12 (now 1 GiB)
@@ -72,7 +75,7 @@ def probe_mode(mode: str):
         yield
     finally:
         Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0] = saved[:5]
-        module_probe.module_probes, rh.PAIRS[0], rh._WAVES_2BYTE[:], rh.PF[0] = saved[6:10]
+        module_probe.module_probes, rh.PAIRS[0], rh._WAVES_2BYTE[:], rh.PF[0], rh.ITERS_2BYTE = saved[6:11]
         rh._ENTRY.clear()
         for k, v in saved[5].items():
             if v is None:
