@@ -352,25 +352,51 @@ def _kineto(args, cfg, dev) -> dict:
 
     out = {}
     # --modes: the unprobed step and hash-mode variants (probe_mode's), one profiled step each
+    from tpdiag.kernels.hash_buffer import HashBuffer
+
+    queued = [0]
+    enqueue = HashBuffer._enqueue
+
+    def counting(self, chunk, key, item, nbytes):  # bytes queued for hashing in the profiled step
+        queued[0] += nbytes
+        return enqueue(self, chunk, key, item, nbytes)
+
     for mode in [m for m in args.modes.split(",") if m not in ("full", "off")] or ["none", "hash"]:
         with probe_mode(mode):
             c, rec = _warmed(cfg, dev, mode)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                t = step.run(c, dev, 1, rec)
+            queued[0] = 0
+            HashBuffer._enqueue = counting
+            try:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    t = step.run(c, dev, 1, rec)
+            finally:
+                HashBuffer._enqueue = enqueue
         ev = prof.key_averages()
         spans = _kernel_spans(prof)
         busy, total = _union(spans), sum(e - b for b, e, _ in spans)
-        hashed = sum(e - b for b, e, n in spans if "_hash" in n)
+        hash_us = sorted(e - b for b, e, n in spans if "_hash" in n)
+        hashed = sum(hash_us)
         out[mode] = {"step_ms": 1e3 * t["steps_s"], "issue_ms": 1e3 * t["issue_s"], "kernels": len(spans),
-                     "kernel_ms": total / 1e3, "busy_ms": busy / 1e3, "hash_kernel_ms": hashed / 1e3}
+                     "kernel_ms": total / 1e3, "busy_ms": busy / 1e3, "hash_kernel_ms": hashed / 1e3,
+                     "hash_launches": len(hash_us), "queued_gib": queued[0] / 2**30,
+                     "hash_gbs": queued[0] / max(hashed, 1e-9) / 1e3}
         print(f"== {mode}: step {1e3 * t['steps_s']:.1f} ms under the profiler (host issued it in "
               f"{1e3 * t['issue_s']:.1f}); {len(spans)} kernels, {total / 1e3:.1f} ms of kernel time, GPU busy "
               f"{busy / 1e3:.1f} ms; hash kernels {hashed / 1e3:.1f} ms ==")
+        if hash_us:
+            # by launch duration: where the hash kernels' time goes
+            cuts = [(0, 10), (10, 100), (100, 1000), (1000, float("inf"))]
+            out[mode]["hash_by_us"] = {f"{a}-{b}": [sum(1 for d in hash_us if a <= d < b),
+                                                   sum(d for d in hash_us if a <= d < b) / 1e3] for a, b in cuts}
+            print(f"  {len(hash_us)} hash launches over {queued[0] / 2**30:.2f} GiB queued "
+                  f"({queued[0] / hashed / 1e3:.0f} GB/s over their kernel time); longest "
+                  f"{', '.join(f'{d:.0f}' for d in hash_us[::-1][:8])} us; by launch duration (us: launches, ms): "
+                  + "; ".join(f"{k}: {n}, {ms:.1f}" for k, (n, ms) in out[mode]["hash_by_us"].items()))
         out[mode]["windows"] = _windows(prof, spans)
         for w, f in out[mode]["windows"].items():
             print(f"  {w}: {f['ms']:.1f} ms, GPU busy {f['busy_ms']:.1f} ms ({f['busy_ms'] / max(f['ms'], 1e-9):.0%}), "
                   f"hash kernels {f['hash_ms']:.1f} ms")
-        print(ev.table(sort_by="self_cpu_time_total", row_limit=20))
+        print(ev.table(sort_by="self_cpu_time_total", row_limit=12))
     return out
 
 
