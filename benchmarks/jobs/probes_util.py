@@ -34,6 +34,7 @@ def probe_mode(mode: str):
     forward wrapped in a pass-through and nothing else (no records, no grad hooks): what the
     wrapping alone costs. Other modes: nothing changed."""
     from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels.hash_buffer import _ENTRIES as hb_entries
     from tpdiag.kernels.hash_buffer import HashBuffer
     from tpdiag.probes import module_probe
     from tpdiag.probes.recorder import Recorder
@@ -59,7 +60,11 @@ def probe_mode(mode: str):
                 rh._WAVES_2BYTE[:] = [pf[1]]
         if mode.startswith("hash-iters") and mode[10:].isdigit():  # hash-itersN: 16-bit chunks of N tiles
             rh.ITERS_2BYTE = int(mode[10:])
-        rh._ENTRY.clear()  # launch plans depend on the chunk length (PF, hash-itersN)
+        # launch plans depend on the chunk length (PF, hash-itersN): planned afresh for the mode
+        # (a plan's key carries its chunk length, so a stale one would hash right, as the mode
+        # before it did)
+        rh._ENTRY.clear()
+        hb_entries.clear()
         if mode == "hash-hooks":  # every module probed through hooks (before session 13)
             os.environ["TPDIAG_PROBE_HOOKS"] = "1"
         if mode == "hash-cap256m":  # the default until session 12 (now 1 GiB)
@@ -77,6 +82,7 @@ def probe_mode(mode: str):
         Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0] = saved[:5]
         module_probe.module_probes, rh.PAIRS[0], rh._WAVES_2BYTE[:], rh.PF[0], rh.ITERS_2BYTE = saved[6:11]
         rh._ENTRY.clear()
+        hb_entries.clear()
         for k, v in saved[5].items():
             if v is None:
                 os.environ.pop(k, None)

@@ -299,9 +299,13 @@ def batch_entry(t: torch.Tensor, dim, full, offset, row: int):
         a, L, b, F, o = slab(t.shape, dim, full, offset)
         width, _ = _TRITON_T[t.dtype]
         slab_n = L * b
-        r, cb, row_iters, n_row, n_col, even = plan(a, slab_n, BLOCK, iters_for(width))
-        hit = _ENTRY[shape_key] = ((width, t.dtype == torch.bfloat16, r, cb, row_iters, even, slab_n % 16 == 0),
-                                   [a, slab_n, F * b, o * b, n_col, n_row * n_col])
+        # the chunk length the plan is made for travels in the key, so that the kernel launched
+        # for this row hashes chunks of that length (PF or the tile count changed later - the
+        # benchmarks' modes - cannot pair a plan with another chunk length)
+        iters, pf = iters_for(width), PF[0]
+        r, cb, row_iters, n_row, n_col, even = plan(a, slab_n, BLOCK, iters)
+        hit = _ENTRY[shape_key] = ((width, t.dtype == torch.bfloat16, r, cb, row_iters, even, slab_n % 16 == 0,
+                                    iters, pf), [a, slab_n, F * b, o * b, n_col, n_row * n_col])
     words = t.contiguous().view(_TRITON_T[t.dtype][1])
     ptr = words.data_ptr()
     return hit[0] + (ptr % 16 == 0,), words, [ptr, row, *hit[1]]
@@ -328,9 +332,9 @@ BATCH_CONSTEXPRS = ("WIDTH", "IS_BF16", "R", "CB", "ITERS", "ROW_ITERS", "EVEN",
 
 def batch_args(key, table, nprog: int, ints, floats) -> tuple:
     """_hash_batch_kernel's arguments, all of them, in its parameter order."""
-    width, is_bf16, r, cb, row_iters, even, slab16, aligned = key
-    return (table, ints, floats, nprog, width, is_bf16, r, cb, iters_for(width), row_iters, even, aligned, slab16,
-            PAIRS[0], HASH_VERSION, PF[0])
+    width, is_bf16, r, cb, row_iters, even, slab16, iters, pf, aligned = key
+    return (table, ints, floats, nprog, width, is_bf16, r, cb, iters, row_iters, even, aligned, slab16,
+            PAIRS[0], HASH_VERSION, pf)
 
 
 def batch_nprog(total_max: int, device, width: int = 32) -> int:
