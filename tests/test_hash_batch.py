@@ -111,33 +111,30 @@ assert int(ints[0][2]) == hb.STALE  # queued before x.add_: stale, and so is its
 got = ints[3].clone(); got[:2] &= rh.M32
 assert torch.equal(got, want(x))
 
-# 4b. a plan cached before the chunk length changed (PF switched on, as the benchmarks' modes
-# do): the key carries the plan's chunk length, so the record is still hashed whole
+# 4b. a plan cached before the chunk length changed (the benchmarks' hash-itersN modes do):
+# the key carries the plan's chunk length, so the record is still hashed whole
 t = torch.randn(64, 1024).to(torch.bfloat16)  # 64Ki elements: 4 chunks of 16 tiles, 16 of 4
 buf = hb.HashBuffer(torch.device("cpu"), batch=64)
-ints, _ = buf.take([buf.add(t)])  # planned with PF off
-pf0 = rh.PF[0]
-rh.PF[0] = True
+ints, _ = buf.take([buf.add(t)])  # planned at 16 tiles a chunk
+iters0 = rh.ITERS_2BYTE
+rh.ITERS_2BYTE = 4
 try:
     u = torch.randn(64, 1024).to(torch.bfloat16)
     s = buf.add(u)  # the cached plan (16 tiles a chunk)
     ints, _ = buf.take([s])
     got = ints[0].clone(); got[:2] &= rh.M32
     assert torch.equal(got, want(u)), (got, want(u))
-    # negative control: that plan launched as a 4-tile prefetching kernel hashes a quarter
+    # negative control: that plan launched with 4-tile chunks hashes a quarter of the record
     key, _w, row = rh.batch_entry(u, None, None, 0, 0)
-    rh.PF[0] = False
-    rh._ENTRY.clear()
-    key16, _w, row16 = rh.batch_entry(u, None, None, 0, 0)
-    assert key16[7:9] == (16, False) and key[7:9] == (16, False), (key, key16)
-    bad = key16[:7] + (4, True) + key16[9:]
-    table = torch.tensor([row16], dtype=torch.int64)
+    assert key[7] == 16, key
+    bad = key[:7] + (4,) + key[8:]
+    table = torch.tensor([row], dtype=torch.int64)
     oi, of = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64)
     rh.batch_launch(bad, table, 1, 4, oi, of)
     oi[0, :2] &= rh.M32
     assert not torch.equal(oi[0], want(u)), "a mismatched chunk length must not hash the record whole"
 finally:
-    rh.PF[0] = pf0
+    rh.ITERS_2BYTE = iters0
     rh._ENTRY.clear()
 
 # 5. a DTensor changed in place bumps its own version counter, not its local tensor's: watched
@@ -190,12 +187,11 @@ def test_direct_launch_passes_every_kernel_parameter():
     args = rh.batch_args(key, table, 4, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64))
     assert len(args) == len(batch), (len(args), batch)
     named = dict(zip(batch, args))
-    width, is_bf16, r, cb, row_iters, even, slab16, iters, pf, aligned = key
-    assert (iters, pf) == (rh.iters_for(16), rh.PF[0])
+    width, is_bf16, r, cb, row_iters, even, slab16, iters, aligned = key
+    assert iters == rh.iters_for(16)
     assert {k: named[k] for k in rh.BATCH_CONSTEXPRS} == {
         "WIDTH": 16, "IS_BF16": True, "R": r, "CB": cb, "ITERS": iters, "ROW_ITERS": row_iters,
-        "EVEN": even, "ALIGNED": aligned, "SLAB16": slab16, "PAIRS": rh.PAIRS[0], "MIX": rh.HASH_VERSION,
-        "PF": pf}
+        "EVEN": even, "ALIGNED": aligned, "SLAB16": slab16, "PAIRS": rh.PAIRS[0], "MIX": rh.HASH_VERSION}
     assert named["NPROG"] == 4 and named["table_ptr"] is table
 
     seen = []

@@ -60,16 +60,12 @@ def hash_throughput(args) -> dict:
         # mixes (record_hash_ref.py MIXES: 1 the first, 2 shipped) side by side, each one's lanes
         # checked against the torch path's
         # (--waves: the 16-bit variants also at other programs per SM)
-        # (PF: each program loads its next chunk before it hashes the current one; the shipped
-        # mix only)
-        for pairs, mix, wv, pf in [(p, m, w, f) for p in ((False, True) if dt != torch.float32 else (False,))
-                                   for m in rh.MIXES for w in waves
-                                   for f in ((False, True) if m == rh.HASH_VERSION else (False,))]:
-            tag = (f"pairs={int(pairs)}, mix {mix}" + ("" if wv is None else f", {wv}/SM")
-                   + (", prefetch" if pf else ""))
+        for pairs, mix, wv in [(p, m, w) for p in ((False, True) if dt != torch.float32 else (False,))
+                               for m in rh.MIXES for w in waves]:
+            tag = f"pairs={int(pairs)}, mix {mix}" + ("" if wv is None else f", {wv}/SM")
             for label, where in (("whole", (None, None, 0)), ("last-dim shard", (1, 4 * 8192, 8192))):
                 sl = rh.slab(x.shape, *where)
-                fn = lambda: rh.triton_lanes(x, *sl, pairs=pairs, mix=mix, waves=wv, pf=pf)  # noqa: E731
+                fn = lambda: rh.triton_lanes(x, *sl, pairs=pairs, mix=mix, waves=wv)  # noqa: E731
                 got = fn()[0][:2] & rh.M32
                 want = rh.lanes_torch(x, *sl, mix=mix)[0][:2] & rh.M32
                 what_t.append((f"record hash, {label}, {tag}", bench(fn), bool(torch.equal(got, want))))

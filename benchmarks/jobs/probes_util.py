@@ -24,9 +24,8 @@ def probe_mode(mode: str):
     process): hash-each / hash-jit a launch per record (hash-jit through Triton's JIT dispatch);
     hash-cap256m a launch per 256 MiB queued; hash-batchN a launch per N records; hash-wavesN
     16-bit records at N programs per SM; hash-pairs[N] bf16 read as 32-bit word pairs [at N
-    programs per SM]; hash-pf[N] / hash-pfp[N] each program loading its next chunk while it hashes
-    one (record_hash.PF), element-wise / word pairs [at N programs per SM]; hash-itersN 16-bit
-    chunks of N tiles (not 16); hash-hooks every module probed through hooks (TPDIAG_PROBE_HOOKS=1); hooks-only Recorder.add returning at once and
+    programs per SM]; hash-itersN 16-bit chunks of N tiles (not 16); hash-hooks every module
+    probed through hooks (TPDIAG_PROBE_HOOKS=1); hooks-only Recorder.add returning at once and
     rows-only the records made with nothing queued or hashed (hash mode's host time by removal);
     hash-side, an experiment, the queued launches on a second stream beside the compute - what
     overlap could win at most, its hashes not to be trusted (a queued tensor may be freed, reused
@@ -42,7 +41,7 @@ def probe_mode(mode: str):
     knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS")
     saved = (Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0],
              {k: os.environ.get(k) for k in knobs}, module_probe.module_probes, rh.PAIRS[0],
-             list(rh._WAVES_2BYTE), rh.PF[0], rh.ITERS_2BYTE)
+             list(rh._WAVES_2BYTE), rh.ITERS_2BYTE)
     try:
         rh._FAST[0] = mode != "hash-jit"
         if mode in ("hash-each", "hash-jit"):
@@ -53,14 +52,9 @@ def probe_mode(mode: str):
             rh.PAIRS[0] = True
         if mode.startswith(("hash-waves", "hash-pairs")) and mode[10:].isdigit():  # hash-wavesN
             rh._WAVES_2BYTE[:] = [int(mode[10:])]
-        pf = pf_mode(mode)
-        if pf is not None:
-            rh.PF[0], rh.PAIRS[0] = True, pf[0]
-            if pf[1]:
-                rh._WAVES_2BYTE[:] = [pf[1]]
         if mode.startswith("hash-iters") and mode[10:].isdigit():  # hash-itersN: 16-bit chunks of N tiles
             rh.ITERS_2BYTE = int(mode[10:])
-        # launch plans depend on the chunk length (PF, hash-itersN): planned afresh for the mode
+        # launch plans depend on the chunk length (hash-itersN): planned afresh for the mode
         # (a plan's key carries its chunk length, so a stale one would hash right, as the mode
         # before it did)
         rh._ENTRY.clear()
@@ -80,7 +74,7 @@ def probe_mode(mode: str):
         yield
     finally:
         Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0] = saved[:5]
-        module_probe.module_probes, rh.PAIRS[0], rh._WAVES_2BYTE[:], rh.PF[0], rh.ITERS_2BYTE = saved[6:11]
+        module_probe.module_probes, rh.PAIRS[0], rh._WAVES_2BYTE[:], rh.ITERS_2BYTE = saved[6:10]
         rh._ENTRY.clear()
         hb_entries.clear()
         for k, v in saved[5].items():
@@ -88,16 +82,6 @@ def probe_mode(mode: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def pf_mode(mode: str):
-    """hash-pf[N] -> (False, N or None); hash-pfp[N] -> (True, N or None); other modes: None."""
-    for prefix, pairs in (("hash-pfp", True), ("hash-pf", False)):
-        if mode.startswith(prefix):
-            rest = mode[len(prefix):]
-            if rest == "" or rest.isdigit():
-                return pairs, int(rest) if rest else None
-    return None
 
 
 @contextmanager

@@ -74,10 +74,7 @@ ITERS_2BYTE = 16
 WAVES_2BYTE_DEFAULT = 4
 
 
-def iters_for(width: int, pf: bool | None = None) -> int:
-    """Tiles a chunk (pf: prefetching chunks; default: PF[0])."""
-    if PF[0] if pf is None else pf:
-        return PF_ITERS
+def iters_for(width: int) -> int:
     return ITERS_2BYTE if width == 16 else ITERS
 
 
@@ -169,7 +166,7 @@ def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[i
 
 def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None, *,
                  block: int = BLOCK, iters: int | None = None, waves: int | None = None, warps: int = WARPS,
-                 pairs: bool | None = None, mix: int = HASH_VERSION, pf: bool | None = None):
+                 pairs: bool | None = None, mix: int = HASH_VERSION):
     """One launch: the shard's lanes and statistics into `out` - (ints [4] int64, floats [2]
     float64) or (ints [n, 4], floats [n, 2], row), zeroed - allocated here when None.
     block / iters / waves / warps: launch shape (benchmarks); pairs: _hash_chunks' PAIRS code
@@ -178,10 +175,7 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     if mix not in MIXES:
         raise ValueError(f"unknown record-hash mix {mix!r} (known: {MIXES})")
     width, iview = _TRITON_T[t.dtype]
-    pf = (PF[0] and iters in (None, PF_ITERS)) if pf is None else pf  # an explicit shape: as given
-    if pf and iters not in (None, PF_ITERS):
-        raise ValueError(f"prefetching chunks are {PF_ITERS} tiles, not {iters}")
-    iters = iters_for(width, pf) if iters is None else iters
+    iters = iters_for(width) if iters is None else iters
     waves = waves_for(width) if waves is None else waves
     words = t.contiguous().view(iview)
     if out is None:
@@ -195,7 +189,7 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
             width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
             (PAIRS[0] if pairs is None else pairs) and t.dtype == torch.bfloat16 and slab_n % 2 == 0
-            and words.data_ptr() % 4 == 0, mix, pf)
+            and words.data_ptr() % 4 == 0, mix)
     _launch(args, nprog, warps, t.device)
     return out
 
@@ -214,10 +208,6 @@ _COMPILED: dict = {}
 # 3256-3277) but a llama-1b 8 x 4096 step's hashing slower (+27.8 / +33.2 ms vs +23.3 / +26.5,
 # docs/benchmarks.md). TPDIAG_HASH_PAIRS=1: on (A/B).
 PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "0") == "1"]
-# Prefetch: each program loads its next chunk (PF_ITERS tiles) before it hashes the current one
-# (_hash_chunks' PF). TPDIAG_HASH_PF=1: on (A/B).
-PF = [os.environ.get("TPDIAG_HASH_PF", "0") == "1"]
-PF_ITERS = 4
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
@@ -229,7 +219,7 @@ def _launch(args, nprog: int, warps: int, device) -> None:
            slab_n % 16 == 0, small)
     _direct(key, (nprog, 1, 1), args, device, lambda: _triton()._hash_kernel[(nprog,)](
         *args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14], ITERS=args[15],
-        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], MIX=args[19], PF=args[20], num_warps=warps))
+        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], MIX=args[19], num_warps=warps))
 
 
 def _direct(key, grid, args, device, jit_launch) -> None:
@@ -300,12 +290,12 @@ def batch_entry(t: torch.Tensor, dim, full, offset, row: int):
         width, _ = _TRITON_T[t.dtype]
         slab_n = L * b
         # the chunk length the plan is made for travels in the key, so that the kernel launched
-        # for this row hashes chunks of that length (PF or the tile count changed later - the
-        # benchmarks' modes - cannot pair a plan with another chunk length)
-        iters, pf = iters_for(width), PF[0]
+        # for this row hashes chunks of that length (a tile count changed later - the
+        # benchmarks' hash-itersN - cannot pair a plan with another chunk length)
+        iters = iters_for(width)
         r, cb, row_iters, n_row, n_col, even = plan(a, slab_n, BLOCK, iters)
         hit = _ENTRY[shape_key] = ((width, t.dtype == torch.bfloat16, r, cb, row_iters, even, slab_n % 16 == 0,
-                                    iters, pf), [a, slab_n, F * b, o * b, n_col, n_row * n_col])
+                                    iters), [a, slab_n, F * b, o * b, n_col, n_row * n_col])
     words = t.contiguous().view(_TRITON_T[t.dtype][1])
     ptr = words.data_ptr()
     return hit[0] + (ptr % 16 == 0,), words, [ptr, row, *hit[1]]
@@ -327,14 +317,14 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
 # (_direct) takes every parameter, constexprs included, positionally: one missing is a
 # TypeError on the GPU only (session 8's MIX was, until tests/test_hash_batch.py checked this).
 BATCH_CONSTEXPRS = ("WIDTH", "IS_BF16", "R", "CB", "ITERS", "ROW_ITERS", "EVEN", "ALIGNED", "SLAB16",
-                    "PAIRS", "MIX", "PF")
+                    "PAIRS", "MIX")
 
 
 def batch_args(key, table, nprog: int, ints, floats) -> tuple:
     """_hash_batch_kernel's arguments, all of them, in its parameter order."""
-    width, is_bf16, r, cb, row_iters, even, slab16, iters, pf, aligned = key
+    width, is_bf16, r, cb, row_iters, even, slab16, iters, aligned = key
     return (table, ints, floats, nprog, width, is_bf16, r, cb, iters, row_iters, even, aligned, slab16,
-            PAIRS[0], HASH_VERSION, pf)
+            PAIRS[0], HASH_VERSION)
 
 
 def batch_nprog(total_max: int, device, width: int = 32) -> int:
