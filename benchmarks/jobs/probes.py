@@ -75,8 +75,10 @@ def overhead(args) -> dict:
     spill = os.path.join(args.spill_dir or tempfile.gettempdir(), "tpdiag-bench-spill")
 
     def once(key: str, keep: bool):
-        # "MODE@warm": the step starts on the allocator the previous step left (a training loop's
-        # steady state); plain MODE: cache emptied first (a fresh world's first step, as compare runs it)
+        # "MODE@warm": the step starts on the allocator the previous step left - a training loop's
+        # steady state, and compare's probed step, which follows the unprobed self-check step in
+        # the same process (runner/worker.py: WorldConfig.selfcheck, on in compare); plain MODE:
+        # cache emptied first (a process's first step)
         mode, _, alloc = key.partition("@")
         with probe_mode(mode):
             _once(key, mode, alloc, keep)
