@@ -95,65 +95,29 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     acc_q = tl.zeros([R, TW], dtype=tl.float32)
     acc_m = tl.zeros([R, TW], dtype=tl.float32)
     if PAIRS:
-        w32_ptr = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        SLAB_W = SLAB // 2
+        base = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    else:
+        base = w_ptr
+    # tile `it` of a chunk = its first tile moved by `it` steps: CB columns along the slab, or R
+    # slabs (ROW_ITERS); its positions' k * C2 move by the step's k times C2 (mod 2**32, linear)
+    # - the int64 index arithmetic is done once a chunk, not once a tile
+    if ROW_ITERS:
+        k_step = ((((F_B.to(tl.int64) * R) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
+    else:
+        k_step = tl.full([], (CB * 0x85EBCA77) & 0xFFFFFFFF, tl.uint32)
+    # chunk -> (row group, column group) without a division a chunk: NPROG = dq * N_COL + dr
+    dq = NPROG // N_COL
+    dr = NPROG % N_COL
+    rg = (pid // N_COL).to(tl.int64)
+    cg = (pid % N_COL).to(tl.int64)
     for chunk in range(pid, TOTAL, NPROG):
-        rg = (chunk // N_COL).to(tl.int64)
-        cg = (chunk % N_COL).to(tl.int64)
+        rows, col0, start, kc2 = _chunk_at(rg, cg, rr, SLAB, F_B, O_B, R, CB, ITERS, ROW_ITERS)
         for it in tl.static_range(ITERS):
-            rows, col0 = _tile_at(rg, cg, it, rr, R, CB, ITERS, ROW_ITERS)
-            # each row's first position times C2, mod 2**32 (int64: no wrap surprises)
-            kc2 = ((((rows * F_B + O_B + col0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
-            if PAIRS:
-                ptrs = w32_ptr + (rows * SLAB_W + col0 // 2)[:, None] + cc[None, :]
-            else:
-                ptrs = w_ptr + (rows * SLAB + col0)[:, None] + cc[None, :]
-            if EVEN:
-                raw = tl.load(ptrs)
-            else:
-                if PAIRS:  # SLAB is even: both halves of a word are in, or both out
-                    mask = (rows < A)[:, None] & ((col0 + 2 * cc) < SLAB)[None, :]
-                else:
-                    mask = (rows < A)[:, None] & ((col0 + cc) < SLAB)[None, :]
-                raw = tl.load(ptrs, mask=mask, other=0)  # 0 is finite: adds to no statistic
-            pos = cc_c2 + kc2[:, None]
-            if PAIRS:
-                wd = raw.to(tl.uint32, bitcast=True)
-                hi = wd & 0xFFFF0000
-                # low element: (wd - hi) * C1 + k * C2; high element: w1 * C1 + (k + 1) * C2 =
-                # (w1 + C2 / C1) * C1 + k * C2, C2 / C1 = C2 * C1**-1 mod 2**32 = 0x1A63E8A7
-                y0 = (wd - hi) * c1 + pos
-                y1 = ((wd >> 16) + 0x1A63E8A7) * c1 + pos
-                x0 = _mix(y0, c3, MIX)
-                x1 = _mix(y1, c3, MIX)
-                if not EVEN:
-                    x0 = tl.where(mask, x0, tl.zeros([R, TW], dtype=tl.uint32))
-                    x1 = tl.where(mask, x1, tl.zeros([R, TW], dtype=tl.uint32))
-                acc_a += x0 + x1
-                acc_b += x0 * _lane_b_factor(x0, y0, MIX)
-                acc_b += x1 * _lane_b_factor(x1, y1, MIX)
-                v = (wd << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32: the bits, shifted
-                u = hi.to(tl.float32, bitcast=True)
-                acc_s += v
-                acc_s += u
-                acc_q += v * v
-                acc_q += u * u
-                acc_m = tl.maximum(acc_m, tl.maximum(tl.abs(v), tl.abs(u)))
-            else:
-                if WIDTH == 16:
-                    w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
-                else:
-                    w = raw.to(tl.uint32, bitcast=True)
-                y = w * c1 + pos
-                x = _mix(y, c3, MIX)
-                if not EVEN:
-                    x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
-                acc_a += x
-                acc_b += x * _lane_b_factor(x, y, MIX)
-                v = _as_f32(raw, WIDTH, IS_BF16)
-                acc_s += v
-                acc_q += v * v
-                acc_m = tl.maximum(acc_m, tl.abs(v))
+            raw = _load_tile(base, rows, col0, start, it, rr, cc, A, SLAB, R, CB, ROW_ITERS, EVEN, PAIRS)
+            acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
+                raw, rows, col0, kc2, it, k_step, cc, cc_c2, c1, c3, A, SLAB, acc_a, acc_b, acc_s, acc_q,
+                acc_m, WIDTH, IS_BF16, R, CB, TW, ROW_ITERS, EVEN, PAIRS, MIX)
+        rg, cg = _next_chunk(rg, cg, dq, dr, N_COL)
     fmax = 3.4028234663852886e38
     poisoned = tl.sum(tl.sum(((tl.abs(acc_s) <= fmax) & (tl.abs(acc_q) <= fmax)).to(tl.int32) ^ 1,
                              axis=1), axis=0)
@@ -175,6 +139,110 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     tl.atomic_max(row_i + 3, max_m.to(tl.float64).to(tl.int64, bitcast=True), sem="relaxed")
     tl.atomic_add(row_f + 0, sum_s.to(tl.float64), sem="relaxed")
     tl.atomic_add(row_f + 1, sum_q.to(tl.float64), sem="relaxed")
+
+
+@triton.jit
+def _next_chunk(rg, cg, dq, dr, N_COL):
+    """(row group, column group) of the chunk NPROG = dq * N_COL + dr after (rg, cg)."""
+    cg = cg + dr
+    wrap = cg >= N_COL
+    return rg + dq + wrap.to(tl.int64), tl.where(wrap, cg - N_COL, cg)
+
+
+@triton.jit
+def _chunk_at(rg, cg, rr, SLAB, F_B, O_B, R: tl.constexpr, CB: tl.constexpr, ITERS: tl.constexpr,
+              ROW_ITERS: tl.constexpr):
+    """The first tile of the chunk at (rg, cg): its slabs [R], first column, element offsets of
+    its rows [R] (int64) and its rows' first position times C2 mod 2**32 [R]."""
+    rows, col0 = _tile_at(rg, cg, 0, rr, R, CB, ITERS, ROW_ITERS)
+    kc2 = ((((rows * F_B + O_B + col0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
+    return rows, col0, rows * SLAB + col0, kc2
+
+
+@triton.jit
+def _tile_rows(rows, col0, it, R: tl.constexpr, CB: tl.constexpr, ROW_ITERS: tl.constexpr):
+    """(slabs, first column) of tile `it` of the chunk whose first tile is at (rows, col0)."""
+    if ROW_ITERS:
+        return rows + it * R, col0
+    else:
+        return rows, col0 + it * CB
+
+
+@triton.jit
+def _load_tile(base, rows, col0, start, it, rr, cc, A, SLAB, R: tl.constexpr, CB: tl.constexpr,
+               ROW_ITERS: tl.constexpr, EVEN: tl.constexpr, PAIRS: tl.constexpr):
+    """The raw words of tile `it` of the chunk whose first tile is at (rows, col0), element
+    offsets `start`. A masked word is 0: finite, adds to no statistic."""
+    if ROW_ITERS:
+        off = start + it * R * SLAB
+    else:
+        off = start + it * CB
+    if PAIRS:  # SLAB and the first column are even
+        ptrs = base + (off >> 1)[:, None] + cc[None, :]
+    else:
+        ptrs = base + off[:, None] + cc[None, :]
+    if EVEN:
+        raw = tl.load(ptrs)
+    else:
+        rows_t, col0_t = _tile_rows(rows, col0, it, R, CB, ROW_ITERS)
+        raw = tl.load(ptrs, mask=_tile_mask(rows_t, col0_t, cc, A, SLAB, PAIRS), other=0)
+    return raw
+
+
+@triton.jit
+def _tile_mask(rows, col0, cc, A, SLAB, PAIRS: tl.constexpr):
+    # PAIRS: SLAB is even, both halves of a word are in or both out
+    return (rows < A)[:, None] & ((col0 + (2 if PAIRS else 1) * cc) < SLAB)[None, :]
+
+
+@triton.jit
+def _accum(raw, rows, col0, kc2, it, k_step, cc, cc_c2, c1, c3, A, SLAB, acc_a, acc_b, acc_s, acc_q, acc_m,
+           WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, TW: tl.constexpr,
+           ROW_ITERS: tl.constexpr, EVEN: tl.constexpr, PAIRS: tl.constexpr, MIX: tl.constexpr):
+    """The accumulators with tile `it` - its raw words - of the chunk whose first tile is at
+    (rows, col0) added."""
+    pos = cc_c2 + (kc2 + it * k_step)[:, None]
+    if not EVEN:
+        rows_t, col0_t = _tile_rows(rows, col0, it, R, CB, ROW_ITERS)
+        mask = _tile_mask(rows_t, col0_t, cc, A, SLAB, PAIRS)
+    if PAIRS:
+        wd = raw.to(tl.uint32, bitcast=True)
+        hi = wd & 0xFFFF0000
+        # low element: (wd - hi) * C1 + k * C2; high element: w1 * C1 + (k + 1) * C2 =
+        # (w1 + C2 / C1) * C1 + k * C2, C2 / C1 = C2 * C1**-1 mod 2**32 = 0x1A63E8A7
+        y0 = (wd - hi) * c1 + pos
+        y1 = ((wd >> 16) + 0x1A63E8A7) * c1 + pos
+        x0 = _mix(y0, c3, MIX)
+        x1 = _mix(y1, c3, MIX)
+        if not EVEN:
+            x0 = tl.where(mask, x0, tl.zeros([R, TW], dtype=tl.uint32))
+            x1 = tl.where(mask, x1, tl.zeros([R, TW], dtype=tl.uint32))
+        acc_a += x0 + x1
+        acc_b += x0 * _lane_b_factor(x0, y0, MIX)
+        acc_b += x1 * _lane_b_factor(x1, y1, MIX)
+        v = (wd << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32: the bits, shifted
+        u = hi.to(tl.float32, bitcast=True)
+        acc_s += v
+        acc_s += u
+        acc_q += v * v
+        acc_q += u * u
+        acc_m = tl.maximum(acc_m, tl.maximum(tl.abs(v), tl.abs(u)))
+    else:
+        if WIDTH == 16:
+            w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+        else:
+            w = raw.to(tl.uint32, bitcast=True)
+        y = w * c1 + pos
+        x = _mix(y, c3, MIX)
+        if not EVEN:
+            x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
+        acc_a += x
+        acc_b += x * _lane_b_factor(x, y, MIX)
+        v = _as_f32(raw, WIDTH, IS_BF16)
+        acc_s += v
+        acc_q += v * v
+        acc_m = tl.maximum(acc_m, tl.abs(v))
+    return acc_a, acc_b, acc_s, acc_q, acc_m
 
 
 @triton.jit
