@@ -73,6 +73,17 @@ def test_registered_job_without_module_is_one_line_exit_3(monkeypatch, capsys):
     assert len(err) == 1 and "benchmarks.not_written_yet" in err[0]
 
 
+def test_probe_modes_are_checked_up_front():
+    # a mistyped mode is argparse's error, exit 2, before any model is built (overhead and
+    # profile --kineto)
+    for args in (("probes", "overhead", "--modes", "none,hash-itres4"),
+                 ("probes", "profile", "--kineto", "--modes", "none,hash-itres4"),
+                 ("probes", "profile", "--kineto", "--modes", "none,hash@warm")):
+        p = bench("--no-record", *args)
+        assert p.returncode == 2, (args, p.stderr)
+        assert "error: --modes: unknown" in p.stderr.strip().splitlines()[-1], (args, p.stderr)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cuda_only_job_says_needs_cuda_exit_3():
     p = bench("record-hash")

@@ -346,14 +346,10 @@ def _warmed(cfg, dev, mode: str):
 def _kineto(args, cfg, dev) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    from tpdiag.kernels.hash_buffer import HashBuffer
     from tpdiag.runner import step
 
-    from benchmarks.jobs.probes_util import probe_mode
-
     out = {}
-    # --modes: the unprobed step and hash-mode variants (probe_mode's), one profiled step each
-    from tpdiag.kernels.hash_buffer import HashBuffer
-
     queued = [0]
     enqueue = HashBuffer._enqueue
 
@@ -361,7 +357,8 @@ def _kineto(args, cfg, dev) -> dict:
         queued[0] += nbytes
         return enqueue(self, chunk, key, item, nbytes)
 
-    for mode in [m for m in args.modes.split(",") if m not in ("full", "off")] or ["none", "hash"]:
+    # --modes: the unprobed step and hash-mode variants (probe_mode's), one profiled step each
+    for mode in [m for m in _modes(args.modes) if m != "full"] or ["none", "hash"]:
         with probe_mode(mode):
             c, rec = _warmed(cfg, dev, mode)
             queued[0] = 0
@@ -523,6 +520,11 @@ def main(argv: list[str]) -> dict:
             if any(m.endswith("@warm") == bool(warm) for m in ms) and "none" + warm not in ms:
                 ap.error(f"--modes must include none{warm} (the ratios of the {'@warm' if warm else 'plain'} "
                          "modes are against it)")
+    if args.what == "profile" and args.kineto:
+        bad = [m for m in _modes(args.modes) if m != "full" and (not _known_mode(m) or "@" in m)]
+        if bad:
+            ap.error(f"--modes: unknown for profile --kineto: {', '.join(bad)} (none, hash or an experiment "
+                     "--help lists; no @warm: each mode's step follows two warm-up steps)")
     from benchmarks.jobs.probes_hash import hash_sweep, hash_throughput, launch_cost
     from benchmarks.jobs.probes_host import host
     from benchmarks.jobs.probes_sass import sass
