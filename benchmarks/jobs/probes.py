@@ -481,7 +481,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="overhead: measured rounds (medians); hash: rounds of every row, interleaved")
     ap.add_argument("--modes", default=",".join(MODES),
                     help="overhead: comma list of none (or off), hash (records queued, many per launch), "
                          "hash-each (a launch per record), hash-jit (a launch per record through "

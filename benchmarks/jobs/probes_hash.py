@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
 
 from benchmarks.errors import require_cuda
@@ -41,47 +42,61 @@ def hash_throughput(args) -> dict:
 
     bench = lambda fn: _seconds(fn, rep=200)  # noqa: E731
 
+    rounds = max(1, getattr(args, "rounds", 1) or 1)
     for dt in (torch.bfloat16, torch.float32):
         n = (1 << 30) // torch.tensor([], dtype=dt).element_size()
         x = torch.randn(n // 8192, 8192, device=dev, dtype=dt)
         nbytes = x.numel() * x.element_size()
-        t_sum = bench(lambda: x.sum(dtype=torch.float32))
-        # a device-to-device copy: the memory system's measured ceiling (bytes read + written)
         y = torch.empty_like(x)
-        t_copy = bench(lambda: y.copy_(x))
-        copy_gbs = 2 * nbytes / t_copy / 1e9
-        del y
-        t_hash = bench(lambda: shard_lanes(x))
-        # a last-dim shard (rank 1 of 4): one slab per row, the offset applied per slab
-        t_shard = bench(lambda: shard_lanes(x, 1, 4 * 8192, 8192))
-        what_t = [("torch.sum (read once)", t_sum, None), ("record hash, whole", t_hash, None),
-                  ("record hash, last-dim shard", t_shard, None)]
+        # (what, fn, lanes equal to the torch path's or None); every row timed `rounds` times,
+        # the rows interleaved round by round: one timing of a 1 GiB pass moves by +-5% within a
+        # run (session 14), so a row is a median over rounds, with its spread
+        what_fn = [("torch.sum (read once)", lambda: x.sum(dtype=torch.float32), None),
+                   # a device-to-device copy: the memory system's ceiling (bytes read + written)
+                   ("copy", lambda: y.copy_(x), None),
+                   ("record hash, whole", lambda: shard_lanes(x), None),
+                   # a last-dim shard (rank 1 of 4): one slab per row, the offset applied per slab
+                   ("record hash, last-dim shard", lambda: shard_lanes(x, 1, 4 * 8192, 8192), None)]
         # 16-bit data element-wise and as word pairs (kernels/record_hash.py PAIRS), and the lane
         # mixes (record_hash_ref.py MIXES: 1 the first, 2 shipped) side by side, each one's lanes
         # checked against the torch path's
-        # (--waves: the 16-bit variants also at other programs per SM)
+        # (--waves: the variants also at other programs per SM)
         for pairs, mix, wv in [(p, m, w) for p in ((False, True) if dt != torch.float32 else (False,))
                                for m in rh.MIXES for w in waves]:
             tag = f"pairs={int(pairs)}, mix {mix}" + ("" if wv is None else f", {wv}/SM")
             for label, where in (("whole", (None, None, 0)), ("last-dim shard", (1, 4 * 8192, 8192))):
                 sl = rh.slab(x.shape, *where)
-                fn = lambda: rh.triton_lanes(x, *sl, pairs=pairs, mix=mix, waves=wv)  # noqa: E731
+                fn = (lambda sl=sl, pairs=pairs, mix=mix, wv=wv:
+                      rh.triton_lanes(x, *sl, pairs=pairs, mix=mix, waves=wv))
                 got = fn()[0][:2] & rh.M32
                 want = rh.lanes_torch(x, *sl, mix=mix)[0][:2] & rh.M32
-                what_t.append((f"record hash, {label}, {tag}", bench(fn), bool(torch.equal(got, want))))
-        for what, t, same in what_t:
+                what_fn.append((f"record hash, {label}, {tag}", fn, bool(torch.equal(got, want))))
+        times: dict = {what: [] for what, _, _ in what_fn}
+        for _ in range(rounds):
+            for what, fn, _ in what_fn:
+                times[what].append(bench(fn))
+        t_sum = statistics.median(times["torch.sum (read once)"])
+        copy_gbs = 2 * nbytes / statistics.median(times["copy"]) / 1e9
+        for what, _, same in what_fn:
+            if what == "copy":
+                continue
+            ts = times[what]
+            t = statistics.median(ts)
             rows.append({"dtype": str(dt).replace("torch.", ""), "what": what, "ms": 1e3 * t,
-                         "gbs": nbytes / t / 1e9, "of_peak": nbytes / t / 1e9 / peak,
+                         "gbs": nbytes / t / 1e9, "gbs_range": [nbytes / max(ts) / 1e9, nbytes / min(ts) / 1e9],
+                         "rounds": len(ts), "of_peak": nbytes / t / 1e9 / peak,
                          "of_sum": t_sum / t, "copy_gbs": copy_gbs, "of_copy": nbytes / t / 1e9 / copy_gbs,
                          "lanes_equal_torch": same})
-        del x
+        del x, y
         torch.cuda.empty_cache()
-    lines = [f"hash throughput: {_device_name()}, 1 GiB tensors, spec bandwidth {peak:.0f} GB/s; "
-             "copy = a device-to-device copy of the same tensor, bytes read + written",
-             "| dtype | what | ms | GB/s | of spec bandwidth | of copy GB/s | of torch.sum's | lanes = torch path |",
+    lines = [f"hash throughput: {_device_name()}, 1 GiB tensors, spec bandwidth {peak:.0f} GB/s; median of "
+             f"{rounds} interleaved round(s), GB/s range over them; copy = a device-to-device copy of the same "
+             "tensor, bytes read + written",
+             "| dtype | what | ms | GB/s (range) | of spec bandwidth | of copy GB/s | of torch.sum's | lanes = torch path |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['what']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
+        lo, hi = r["gbs_range"]
+        lines.append(f"| {r['dtype']} | {r['what']} | {r['ms']:.3f} | {r['gbs']:.0f} ({lo:.0f}-{hi:.0f}) | "
                      f"{100 * r['of_peak']:.0f}% | {100 * r['of_copy']:.0f}% of {r['copy_gbs']:.0f} | "
                      f"{100 * r['of_sum']:.0f}% | {'' if r['lanes_equal_torch'] is None else r['lanes_equal_torch']} |")
     print("\n".join(lines))
