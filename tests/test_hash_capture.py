@@ -102,6 +102,21 @@ for dt, big in ((torch.float32, 1e30), (torch.bfloat16, 3e38), (torch.float16, 6
     ia[:2] &= rh.M32
     ib[:2] &= rh.M32
     assert torch.equal(ia, ib) and int(ib[2]) == 0, (dt, ia, ib)
+# program counts against the chunk grid: a program's chunks are stepped without a division
+# (chunk -> row group, column group carried by NPROG = dq * N_COL + dr), with 1..13 programs over
+# 1 to several column groups, narrow [R, CB] tiles with R > 1 and word pairs
+for shape, dim, ways, dt in (((6, 40, 300), 2, 2, torch.bfloat16), ((5, 3000), None, 1, torch.bfloat16),
+                             ((9, 70), 1, 2, torch.float32), ((7, 2, 130), 2, 1, torch.float16)):
+    full = torch.randn(*shape).to(dt)
+    p = full if dim is None else full.chunk(ways, dim=dim)[-1].contiguous()
+    args = rh.slab(p.shape, dim, None if dim is None else shape[dim], 0 if dim is None else shape[dim] - p.shape[dim])
+    ia, _ = rh.lanes_torch(p, *args)
+    ia[:2] &= rh.M32
+    for block, iters, waves in ((64, 3, 1), (64, 3, 2), (16, 2, 3), (128, 2, 13)):
+        for pairs in (False, True):
+            ib, _ = rh.triton_lanes(p, *args, block=block, iters=iters, waves=waves, pairs=pairs)
+            ib[:2] &= rh.M32
+            assert torch.equal(ia, ib), (shape, dim, dt, block, iters, waves, pairs, ia, ib)
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)

@@ -46,7 +46,8 @@ EXTRA_MODES = ("hash-each", "hash-jit", "hash-side", "hooks-only", "rows-only", 
 def _known_mode(m: str) -> bool:
     m = m.split("@")[0]
     return (m in MODES + EXTRA_MODES or m == "hash-pairs"
-            or m.startswith(("hash-batch", "hash-waves", "hash-pairs", "hash-iters")) and m[10:].isdigit())
+            or m.startswith(("hash-batch", "hash-waves", "hash-pairs", "hash-iters")) and m[10:].isdigit()
+            and int(m[10:]) > 0)
 
 
 def overhead(args) -> dict:
@@ -385,8 +386,12 @@ def _kineto(args, cfg, dev) -> dict:
             cuts = [(0, 10), (10, 100), (100, 1000), (1000, float("inf"))]
             out[mode]["hash_by_us"] = {f"{a}-{b}": [sum(1 for d in hash_us if a <= d < b),
                                                    sum(d for d in hash_us if a <= d < b) / 1e3] for a, b in cuts}
+            # (queued bytes only: a mode hashing each record at once - hash-each, hash-jit -
+            # queues none; a record found stale after its launch is counted)
+            rate = f"{queued[0] / hashed / 1e3:.0f} GB/s over their kernel time" if queued[0] and hashed else \
+                "bytes not counted: nothing queued"
             print(f"  {len(hash_us)} hash launches over {queued[0] / 2**30:.2f} GiB queued "
-                  f"({queued[0] / hashed / 1e3:.0f} GB/s over their kernel time); longest "
+                  f"({rate}); longest "
                   f"{', '.join(f'{d:.0f}' for d in hash_us[::-1][:8])} us; by launch duration (us: launches, ms): "
                   + "; ".join(f"{k}: {n}, {ms:.1f}" for k, (n, ms) in out[mode]["hash_by_us"].items()))
         out[mode]["windows"] = _windows(prof, spans)

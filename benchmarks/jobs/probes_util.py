@@ -54,11 +54,12 @@ def probe_mode(mode: str):
             rh._WAVES_2BYTE[:] = [int(mode[10:])]
         if mode.startswith("hash-iters") and mode[10:].isdigit():  # hash-itersN: 16-bit chunks of N tiles
             rh.ITERS_2BYTE = int(mode[10:])
-        # launch plans depend on the chunk length (hash-itersN): planned afresh for the mode
-        # (a plan's key carries its chunk length, so a stale one would hash right, as the mode
-        # before it did)
-        rh._ENTRY.clear()
-        hb_entries.clear()
+        if rh.ITERS_2BYTE != saved[9]:
+            # launch plans depend on the chunk length: planned afresh for this mode (a plan's key
+            # carries its chunk length, so a stale one would hash right, as the mode before it
+            # did). Only then: other modes keep the caches a step's host time relies on.
+            rh._ENTRY.clear()
+            hb_entries.clear()
         if mode == "hash-hooks":  # every module probed through hooks (before session 13)
             os.environ["TPDIAG_PROBE_HOOKS"] = "1"
         if mode == "hash-cap256m":  # the default until session 12 (now 1 GiB)
@@ -74,9 +75,11 @@ def probe_mode(mode: str):
         yield
     finally:
         Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0] = saved[:5]
+        changed = rh.ITERS_2BYTE != saved[9]
         module_probe.module_probes, rh.PAIRS[0], rh._WAVES_2BYTE[:], rh.ITERS_2BYTE = saved[6:10]
-        rh._ENTRY.clear()
-        hb_entries.clear()
+        if changed:
+            rh._ENTRY.clear()
+            hb_entries.clear()
         for k, v in saved[5].items():
             if v is None:
                 os.environ.pop(k, None)

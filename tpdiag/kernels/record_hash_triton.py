@@ -110,10 +110,10 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     dr = NPROG % N_COL
     rg = (pid // N_COL).to(tl.int64)
     cg = (pid % N_COL).to(tl.int64)
-    for chunk in range(pid, TOTAL, NPROG):
+    for _ in range(pid, TOTAL, NPROG):
         rows, col0, start, kc2 = _chunk_at(rg, cg, rr, SLAB, F_B, O_B, R, CB, ITERS, ROW_ITERS)
         for it in tl.static_range(ITERS):
-            raw = _load_tile(base, rows, col0, start, it, rr, cc, A, SLAB, R, CB, ROW_ITERS, EVEN, PAIRS)
+            raw = _load_tile(base, rows, col0, start, it, cc, A, SLAB, R, CB, ROW_ITERS, EVEN, PAIRS)
             acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
                 raw, rows, col0, kc2, it, k_step, cc, cc_c2, c1, c3, A, SLAB, acc_a, acc_b, acc_s, acc_q,
                 acc_m, WIDTH, IS_BF16, R, CB, TW, ROW_ITERS, EVEN, PAIRS, MIX)
@@ -169,12 +169,12 @@ def _tile_rows(rows, col0, it, R: tl.constexpr, CB: tl.constexpr, ROW_ITERS: tl.
 
 
 @triton.jit
-def _load_tile(base, rows, col0, start, it, rr, cc, A, SLAB, R: tl.constexpr, CB: tl.constexpr,
+def _load_tile(base, rows, col0, start, it, cc, A, SLAB, R: tl.constexpr, CB: tl.constexpr,
                ROW_ITERS: tl.constexpr, EVEN: tl.constexpr, PAIRS: tl.constexpr):
     """The raw words of tile `it` of the chunk whose first tile is at (rows, col0), element
     offsets `start`. A masked word is 0: finite, adds to no statistic."""
     if ROW_ITERS:
-        off = start + it * R * SLAB
+        off = start + (it * R) * (tl.zeros([], tl.int64) + SLAB)  # int64 (SLAB may be a constexpr 1)
     else:
         off = start + it * CB
     if PAIRS:  # SLAB and the first column are even
