@@ -113,10 +113,15 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     for _ in range(pid, TOTAL, NPROG):
         rows, col0, start, kc2 = _chunk_at(rg, cg, rr, SLAB, F_B, O_B, R, CB, ITERS, ROW_ITERS)
         for it in tl.static_range(ITERS):
-            raw = _load_tile(base, rows, col0, start, it, cc, A, SLAB, R, CB, ROW_ITERS, EVEN, PAIRS)
+            if not EVEN:  # one mask a tile, for its load and its lanes
+                rows_t, col0_t = _tile_rows(rows, col0, it, R, CB, ROW_ITERS)
+                mask = _tile_mask(rows_t, col0_t, cc, A, SLAB, PAIRS)
+            else:
+                mask = None
+            raw = _load_tile(base, start, it, cc, mask, R, CB, SLAB, ROW_ITERS, EVEN, PAIRS)
             acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
-                raw, rows, col0, kc2, it, k_step, cc, cc_c2, c1, c3, A, SLAB, acc_a, acc_b, acc_s, acc_q,
-                acc_m, WIDTH, IS_BF16, R, CB, TW, ROW_ITERS, EVEN, PAIRS, MIX)
+                raw, mask, kc2, it, k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
+                WIDTH, IS_BF16, R, TW, EVEN, PAIRS, MIX)
         rg, cg = _next_chunk(rg, cg, dq, dr, N_COL)
     fmax = 3.4028234663852886e38
     poisoned = tl.sum(tl.sum(((tl.abs(acc_s) <= fmax) & (tl.abs(acc_q) <= fmax)).to(tl.int32) ^ 1,
@@ -169,10 +174,10 @@ def _tile_rows(rows, col0, it, R: tl.constexpr, CB: tl.constexpr, ROW_ITERS: tl.
 
 
 @triton.jit
-def _load_tile(base, rows, col0, start, it, cc, A, SLAB, R: tl.constexpr, CB: tl.constexpr,
+def _load_tile(base, start, it, cc, mask, R: tl.constexpr, CB: tl.constexpr, SLAB,
                ROW_ITERS: tl.constexpr, EVEN: tl.constexpr, PAIRS: tl.constexpr):
-    """The raw words of tile `it` of the chunk whose first tile is at (rows, col0), element
-    offsets `start`. A masked word is 0: finite, adds to no statistic."""
+    """The raw words of tile `it` of the chunk whose first tile's rows start at element offsets
+    `start`; `mask` (not EVEN): the tile's. A masked word is 0: finite, adds to no statistic."""
     if ROW_ITERS:
         off = start + (it * R) * (tl.zeros([], tl.int64) + SLAB)  # int64 (SLAB may be a constexpr 1)
     else:
@@ -184,8 +189,7 @@ def _load_tile(base, rows, col0, start, it, cc, A, SLAB, R: tl.constexpr, CB: tl
     if EVEN:
         raw = tl.load(ptrs)
     else:
-        rows_t, col0_t = _tile_rows(rows, col0, it, R, CB, ROW_ITERS)
-        raw = tl.load(ptrs, mask=_tile_mask(rows_t, col0_t, cc, A, SLAB, PAIRS), other=0)
+        raw = tl.load(ptrs, mask=mask, other=0)
     return raw
 
 
@@ -196,15 +200,12 @@ def _tile_mask(rows, col0, cc, A, SLAB, PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _accum(raw, rows, col0, kc2, it, k_step, cc, cc_c2, c1, c3, A, SLAB, acc_a, acc_b, acc_s, acc_q, acc_m,
-           WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, TW: tl.constexpr,
-           ROW_ITERS: tl.constexpr, EVEN: tl.constexpr, PAIRS: tl.constexpr, MIX: tl.constexpr):
-    """The accumulators with tile `it` - its raw words - of the chunk whose first tile is at
-    (rows, col0) added."""
+def _accum(raw, mask, kc2, it, k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
+           WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, TW: tl.constexpr,
+           EVEN: tl.constexpr, PAIRS: tl.constexpr, MIX: tl.constexpr):
+    """The accumulators with tile `it` of a chunk added: its raw words, its mask (not EVEN), its
+    chunk's first positions times C2 (kc2) and their step a tile (k_step)."""
     pos = cc_c2 + (kc2 + it * k_step)[:, None]
-    if not EVEN:
-        rows_t, col0_t = _tile_rows(rows, col0, it, R, CB, ROW_ITERS)
-        mask = _tile_mask(rows_t, col0_t, cc, A, SLAB, PAIRS)
     if PAIRS:
         wd = raw.to(tl.uint32, bitcast=True)
         hi = wd & 0xFFFF0000
