@@ -4,8 +4,10 @@
     python examples/make_tiny_hf.py qwen3 /tmp/tiny-qwen3-hf
     tpdiag compare --model hf:/tmp/tiny-llama-hf --tp 1,2,4,8
 
-No weights are written: tpdiag then initialises the whole model from its seed on every rank
-(identical weights at every degree) before transformers' TP plan shards it.
+No weights are written unless `--weights`: tpdiag then initialises the model from its seed on
+every rank (identical weights at every degree). `--weights` also writes random weights as
+`*.safetensors` (transformers' own init, built on the GPU when there is one), for timing the
+checkpoint-loading path at a real size (docs/scale.md).
 """
 from __future__ import annotations
 
@@ -109,13 +111,28 @@ def write_tiny(kind: str, out_dir: str, **overrides) -> str:
     return out_dir
 
 
+def write_weights(out_dir: str) -> None:
+    """Random weights for out_dir's config, saved with `save_pretrained` as safetensors shards."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(out_dir)
+    # Built directly on the GPU when there is one: a 4B model's CPU init takes minutes.
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(cfg, "dtype", None) or torch.float32)
+    model.save_pretrained(out_dir)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kind", choices=sorted(CONFIGS))
     ap.add_argument("out_dir")
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a real model's sizes instead of tiny ones")
+    ap.add_argument("--weights", action="store_true", help="also write random weights (*.safetensors)")
     args = ap.parse_args()
     write_tiny(args.kind, args.out_dir, **(SHAPES[args.shape] if args.shape else {}))
+    if args.weights:
+        write_weights(args.out_dir)
     print(f"wrote {os.path.join(args.out_dir, 'config.json')}; run: "
           f"tpdiag compare --model hf:{args.out_dir} --tp 1,2,4,8")
 

@@ -9,6 +9,8 @@ confirmation and the worlds' wall times. Named sets of runs (--set):
   fix-all  --fix all --no-confirm, tiny and medium-llama, fp32 and bf16: bitwise expected
   hash     --capture hash: medium bf16 stock, tiny bf16 and medium fp32 with --fix all
   hf       tiny hf: Llama and Qwen3 (examples/make_tiny_hf.py), fp32 and bf16
+  4b       Qwen3-4B-shaped hf: (make_tiny_hf.py --shape qwen3-4b), bf16, batch 2 x seq 1024: issue
+           #20's command (--no-confirm), the same from a safetensors checkpoint, and the default flow
   more     sequence parallelism, hf: with --fix all, --granularity auto
   oom      llama-1b fp32 under TPDIAG_CUDA_MEM_FRACTION=0.07: a real CUDA OOM, reported cleanly
   smoke    tiny-llama fp32 on CPU (gloo), no baseline/confirmation: the job's code path
@@ -35,6 +37,7 @@ from benchmarks.proc import run_group
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_HF = os.path.join(ROOT, "examples", "make_tiny_hf.py")
 MED = ["--model", "medium-llama", "--seq-len", "256", "--batch-size", "4"]
+Q4B = ["--model", "hf:/tmp/hf-qwen3-4b", "--dtype", "bfloat16", "--seq-len", "1024", "--batch-size", "2"]
 L1B = ["--model", "llama-1b", "--dtype", "bfloat16", "--seq-len", "2048", "--batch-size", "1"]
 
 # set -> [(name, compare args, extra env, seconds)]; tp None: the set's --tp
@@ -62,11 +65,17 @@ SETS: dict[str, list[tuple]] = {
              ("med-fp32-auto", MED + ["--granularity", "auto", "--no-confirm", "--no-baseline"], {}, 200),
              ("med-bf16-auto", MED + ["--dtype", "bfloat16", "--granularity", "auto", "--no-confirm",
                                       "--no-baseline"], {}, 200)],
+    "4b": [("4b", Q4B + ["--no-confirm"], {}, 240),
+           ("4b-st", ["--model", "hf:/tmp/hf-qwen3-4b-st"] + Q4B[2:] + ["--no-confirm"], {}, 240),
+           ("4b-confirm", Q4B, {}, 300)],
     "oom": [("oom", ["--model", "llama-1b", "--dtype", "float32", "--seq-len", "1024", "--batch-size", "1",
                      "--no-confirm", "--no-baseline"], {"TPDIAG_CUDA_MEM_FRACTION": "0.07"}, 100)],
     "smoke": [("smoke-fp32", ["--dtype", "float32", "--no-baseline", "--no-confirm"], {}, 240)],
 }
-DEFAULT_TP = {"1b-op": "1,4", "oom": "4,2,1", "smoke": "1,2"}
+WORLD_KEYS = ("spawn_s", "setup_s", "process_group_s", "model_s", "world_start_s", "selfcheck_s", "steps_s",
+              "gather_s", "write_s", "init", "init_full_peak_bytes", "init_whole_bytes", "peak_mem_bytes",
+              "max_rss_bytes")
+DEFAULT_TP = {"1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2"}
 
 
 def parse(argv):
@@ -107,6 +116,9 @@ def summary_row(name: str, rc: int, wall: float, run_dir: str, err_path: str) ->
         return row
     row.update(status=s.get("status"), capture=s.get("capture"),
                baseline_reproducible=(s.get("baseline") or {}).get("reproducible"))
+    sp = (s.get("timings") or {}).get("second_pass_worlds")
+    if sp:
+        row["second_pass_worlds"] = sp
     degrees = {}
     for lab, d in (s.get("degrees") or {}).items():
         fd = d.get("first_divergence") or {}
@@ -122,6 +134,11 @@ def summary_row(name: str, rc: int, wall: float, run_dir: str, err_path: str) ->
     try:
         m = json.load(open(os.path.join(run_dir, "manifest.json")))
         row["worlds_wall_s"] = {k: w.get("wall_s") for k, w in (m.get("worlds") or {}).items()}
+        # where the time and memory go (docs/scale.md's tables): phases, and per world its start,
+        # which init path ran and the GPU peak
+        row["phases"] = m.get("phases")
+        row["worlds"] = {k: {t: v for t, v in (w.get("timings") or {}).items() if t in WORLD_KEYS}
+                         for k, w in (m.get("worlds") or {}).items()}
     except (OSError, ValueError):
         pass
     return row
@@ -149,6 +166,13 @@ def main(argv: list[str]) -> dict:
     if any(a.startswith("hf:") for r in args.runs for a in r[1]):
         for m in ("llama", "qwen3"):
             subprocess.run([sys.executable, TINY_HF, m, f"/tmp/hf-{m}"], check=True, capture_output=True)
+        made = {"hf:/tmp/hf-qwen3-4b": [], "hf:/tmp/hf-qwen3-4b-st": ["--weights"]}
+        for target, extra in made.items():
+            if any(target in r[1] for r in args.runs):
+                t0 = time.monotonic()
+                subprocess.run([sys.executable, TINY_HF, "qwen3", target[3:], "--shape", "qwen3-4b", *extra],
+                               check=True, capture_output=True)
+                print(f"wrote {target[3:]} in {time.monotonic() - t0:.1f} s", flush=True)
     os.makedirs(args.work, exist_ok=True)
     out = os.environ.get("OUT")
     t_start = time.monotonic()
