@@ -52,7 +52,7 @@ import os
 
 import torch
 
-from tpdiag.kernels.record_hash_ref import (C1, C2, C3, HASH_VERSION, M32, MIXES, lanes_torch,  # noqa: F401
+from tpdiag.kernels.record_hash_ref import (C1, C2, C3, HASH_VERSION, M32, MIXES, lanes_fast, lanes_torch,  # noqa: F401
                                             reference_lanes)
 
 # Launch shape (none of it changes the lanes; the float sums may differ in their last bits).
@@ -252,7 +252,9 @@ def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None
     t = plain(t)
     if triton_ok(t):
         return triton_lanes(t, a, L, b, F, o, out, mix=mix)
-    return lanes_torch(t, a, L, b, F, o, out, mix=mix)
+    if t.is_cuda:  # whole-tensor torch ops: no host sync (lanes_fast syncs once a chunk)
+        return lanes_torch(t, a, L, b, F, o, out, mix=mix)
+    return lanes_fast(t, a, L, b, F, o, out, mix=mix)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
