@@ -56,3 +56,43 @@ def test_compare_metrics():
 def test_inf_vs_finite_is_infinite_error():
     c = compare(torch.tensor([float("inf")]), torch.tensor([1.0]))
     assert not c.bitwise and c.max_abs == float("inf")
+
+
+def _whole_tensor_compare(a, b):
+    """The measures over whole tensors in float64, as compare computed them before it chunked."""
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    nan_a, nan_b = torch.isnan(a64), torch.isnan(b64)
+    nan_mismatch = bool((nan_a != nan_b).any())
+    both = ~(nan_a | nan_b)
+    d = torch.where(both, (a64 - b64).abs(), 0.0)
+    inf_pattern = bool(((torch.isinf(a64) | torch.isinf(b64)) & (a64 != b64) & both).any())
+    fd = torch.where(torch.isfinite(d), d, 0.0)
+    rel = fd / b64.abs().where(both, torch.ones_like(b64)).clamp_min(torch.finfo(a.dtype).tiny)
+    u = torch.where(both, ulp_distance(a, b), 0)
+    inf = float("inf")
+    return (inf if inf_pattern else float(fd.max()), inf if inf_pattern else float(rel.max()),
+            None if nan_mismatch else int(u.max()), nan_mismatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_chunked_compare_equals_whole_tensor_measures(dtype):
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(3000, generator=g).to(dtype)
+    b = a.clone()
+    b[::7] = torch.randn(len(b[::7]), generator=g).to(dtype)
+    variants = [b]
+    for i, v in ((5, float("nan")), (14, float("inf")), (21, -float("inf"))):
+        c = b.clone()
+        c[i] = v
+        variants.append(c)
+    c = b.clone()
+    c[0] = -a[0]  # a sign flip; with a's own NaN below, NaN vs NaN of other payload
+    variants.append(c)
+    seen = set()
+    for v in variants:
+        want = _whole_tensor_compare(a, v)
+        for chunk in (37, 1 << 18):
+            r = compare(a, v, chunk=chunk)
+            assert (r.max_abs, r.max_rel, r.max_ulp, r.nan_mismatch) == want, (dtype, chunk)
+        seen.add(want[2] is None)
+    assert seen == {True, False}  # both the ULP and the NaN-pattern branches ran

@@ -65,12 +65,16 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ordered_int(a) - ordered_int(b)).abs()
 
 
-def compare(a: torch.Tensor, b: torch.Tensor) -> Compare:
+# Elements compared per float64 pass: a record's whole-tensor float64 temporaries (a dozen of
+# them, 8 bytes an element) go through memory; a chunk's stay in cache.
+CHUNK = 1 << 18
+
+
+def compare(a: torch.Tensor, b: torch.Tensor, chunk: int = CHUNK) -> Compare:
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"cannot compare {a.dtype}{list(a.shape)} with {b.dtype}{list(b.shape)}")
     n = a.numel()
-    ra, rb = raw_bits(a), raw_bits(b)
-    diff = ra != rb
+    diff = (raw_bits(a) != raw_bits(b)).reshape(-1)
     mism = int(diff.sum())
     if mism == 0:
         return Compare(True, n, 0, 0.0, 0.0, 0 if a.is_floating_point() else None, False)
@@ -78,6 +82,25 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> Compare:
         d = (a.to(torch.float64) - b.to(torch.float64)).abs()
         return Compare(False, n, mism, float(d.max()), float((d / b.to(torch.float64).abs().clamp_min(1)).max()),
                        None, False)
+    # Every measure below is 0 (or False) where the bits are equal - same bits, same value, same
+    # NaN-ness - and is a max or an any: the mismatching elements alone give the same answer.
+    xa, xb = a.reshape(-1)[diff], b.reshape(-1)[diff]
+    nan_mismatch = inf_pattern = False
+    max_abs = max_rel = 0.0
+    max_ulp = 0
+    for s in range(0, mism, chunk):
+        m = _mismatch_stats(xa[s:s + chunk], xb[s:s + chunk])
+        nan_mismatch |= m[0]
+        inf_pattern |= m[1]
+        max_abs, max_rel, max_ulp = max(max_abs, m[2]), max(max_rel, m[3]), max(max_ulp, m[4])
+    if inf_pattern:
+        max_abs = max_rel = float("inf")
+    return Compare(False, n, mism, max_abs, max_rel, None if nan_mismatch else max_ulp, nan_mismatch)
+
+
+def _mismatch_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, bool, float, float, int]:
+    """(NaN pattern differs, an Inf differs, max |a - b| and max relative error over finite
+    differences, max ULP distance where neither is NaN) of flat float tensors."""
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
     nan_a, nan_b = torch.isnan(a64), torch.isnan(b64)
     nan_mismatch = bool((nan_a != nan_b).any())
@@ -86,14 +109,7 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> Compare:
     d = torch.where(both, d, torch.zeros_like(d))
     inf_pattern = bool(((torch.isinf(a64) | torch.isinf(b64)) & (a64 != b64) & both).any())
     finite_d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))
-    max_abs = float("inf") if inf_pattern else float(finite_d.max())
     rel = finite_d / b64.abs().where(both, torch.ones_like(b64)).clamp_min(torch.finfo(a.dtype).tiny)
-    max_rel = float("inf") if inf_pattern else float(rel.max())
-    if nan_mismatch:
-        max_ulp = None
-    else:
-        u = ulp_distance(a, b)
-        # NaN vs NaN with different payloads: count as a mismatch, not as an ULP distance.
-        u = torch.where(both, u, torch.zeros_like(u))
-        max_ulp = int(u.max())
-    return Compare(False, n, mism, max_abs, max_rel, max_ulp, nan_mismatch)
+    # NaN vs NaN with different payloads: a mismatch, not an ULP distance
+    u = torch.where(both, ulp_distance(a, b), 0)
+    return nan_mismatch, inf_pattern, float(finite_d.max()), float(rel.max()), int(u.max())
