@@ -184,6 +184,7 @@ def test_hash_run_finds_what_the_full_run_finds(stock_run, tmp_path):
     sp = h["timings"]["second_pass_worlds"]
     assert set(sp) == {"1", "2", "4", "8"} and all(w["steps_s"] > 0 for w in sp.values())
     assert h["timings"]["phases"]["second_pass_s"] > 0 and "second_pass_worlds" not in full["timings"]
+    assert h["timings"]["second_pass_phases"]["diff_s"] > 0
 
 
 def test_hash_mode_names_a_rank_inconsistent_replica(tmp_path):

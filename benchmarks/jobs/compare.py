@@ -116,9 +116,9 @@ def summary_row(name: str, rc: int, wall: float, run_dir: str, err_path: str) ->
         return row
     row.update(status=s.get("status"), capture=s.get("capture"),
                baseline_reproducible=(s.get("baseline") or {}).get("reproducible"))
-    sp = (s.get("timings") or {}).get("second_pass_worlds")
-    if sp:
-        row["second_pass_worlds"] = sp
+    for k in ("second_pass_worlds", "second_pass_phases"):
+        if (s.get("timings") or {}).get(k):
+            row[k] = s["timings"][k]
     degrees = {}
     for lab, d in (s.get("degrees") or {}).items():
         fd = d.get("first_divergence") or {}

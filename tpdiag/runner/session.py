@@ -65,7 +65,9 @@ def _timings(run_dir: str, extra: dict) -> dict:
     # split (start, steps, full-capture gather, write) is where a large model's time goes
     for sub in ("region", "ops"):
         if os.path.isfile(os.path.join(run_dir, sub, "manifest.json")):
-            out["second_pass_worlds"] = _world_timings(read_manifest(os.path.join(run_dir, sub)))
+            sub_manifest = read_manifest(os.path.join(run_dir, sub))
+            out["second_pass_worlds"] = _world_timings(sub_manifest)
+            out["second_pass_phases"] = sub_manifest.get("phases") or {}
     return out
 
 
