@@ -66,7 +66,14 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
         raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
                            "dtypes per rank); the model is not SPMD under this plan")
     hashed = _gather_lanes(records, lanes, hashbuf, device, group, world, rank)
-    kept = [(m, t) for m, t in records if t is not None]
+    kept_all = [(m, t) for m, t in records if t is not None]
+    # A record whose shard hashes the same on every rank is a replica: rank 0 keeps its own copy
+    # and no byte moves (hash mode decides replicas the same way). At 4B that is the logits, the
+    # largest record of a region pass, 0.6 GB a rank.
+    same = _same_on_every_rank(kept_all, device, group, world)
+    moved = [i for i in range(len(kept_all)) if i not in same]
+    kept = [kept_all[i] for i in moved]
+    sizes = [sizes[i] for i in moved]
     per_record = {}  # rank 0: {position in kept: [per window, per rank byte pieces]}
     out_store = None
     if rank == 0 and stream:
@@ -101,6 +108,9 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
                 stored[i] = _decide(kept[i][0], kept[i][1], pieces, world, out_store, stream)
     if rank != 0:
         return None
+    stored = {moved[j]: v for j, v in stored.items()}
+    for i in same:
+        stored[i] = _replica(*kept_all[i], world, stream)
     out, at = [], 0
     for m, t in records:
         if t is None:
@@ -110,6 +120,35 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
         out.append(stored[at])
         at += 1
     return _with_stored_hash(out)
+
+
+def _same_on_every_rank(kept, device, group, world: int) -> set[int]:
+    """Positions in `kept` whose shard hash (meta['hash'], made on the device when recorded)
+    every rank shares: one small all_gather. A record without a hash is never in it."""
+    rank = dist.get_rank(group)
+    if not kept:
+        return set()
+    codes = []
+    for m, _ in kept:
+        h = m.get("hash")
+        v = int(h, 16) if isinstance(h, str) else None
+        # present flag, then the hash as a signed int64; a missing hash gets this rank's number,
+        # so it matches on no two ranks
+        codes.append([1, v - (1 << 64) if v >= 1 << 63 else v] if v is not None else [0, rank])
+    mine = torch.tensor(codes, dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    every = torch.stack(every).cpu()
+    ok = (every[:, :, 0] == 1).all(0) & (every[:, :, 1] == every[0:1, :, 1]).all(0)
+    return set(torch.nonzero(ok).flatten().tolist())
+
+
+def _replica(m: dict, local, world: int, stream: bool):
+    """A record every rank holds bit for bit (by its hash): rank 0's copy, stored once."""
+    meta = {**m, "stored": "single", "ranks_equal": True, "world": world, "stored_hash": m["hash"]}
+    if isinstance(local, Captured) and stream:
+        return meta, local  # already on the host
+    return meta, as_tensor(local).detach().cpu()
 
 
 def _window_bytes() -> int:
