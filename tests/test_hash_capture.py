@@ -221,3 +221,28 @@ def test_hash_mode_still_finds_a_sharding_bug_behind_a_reordering(tmp_path):
     bugs = [f for f in d["findings"] if f["cause"] == "sharding-bug"]
     assert [f["module"] for f in bugs] == ["layers.1.feed_forward.w2"], d["findings"]
     assert bugs[0]["bound_ratio"] > 10 and bugs[0]["from"] == "region rerun"
+
+
+def test_region_pass_proves_its_step_by_fingerprint(tmp_path):
+    """The region pass runs no unprobed step: each of its worlds must compute the step pass 1
+    computed at its degree (same fingerprint). A probe that changes the numerics only under
+    full capture - only in the region pass - is caught there, and its values are not used."""
+    def run(env=None):
+        out = tmp_path / ("bad" if env else "good")
+        p = run_cli("compare", "--tp", "1,2", "--capture", "hash", "--no-baseline", "--no-confirm",
+                    "--out", str(out), "--format", "json", env=env)
+        assert p.returncode == 0, p.stderr
+        return out, json.loads(p.stdout)["degrees"]["2"]["first_divergence"]
+
+    out, fd = run()
+    assert fd["max_ulp"] is not None and fd["values_run_dir"].endswith("region") and "values_detail" not in fd
+    for label in ("1", "2"):
+        first = json.loads((out / f"tp{label}" / "world.json").read_text())
+        region = json.loads((out / "region" / f"tp{label}" / "world.json").read_text())
+        assert region["probe_selfcheck"] is None and first["probe_selfcheck"]["equal"] is True
+        assert len(first["fingerprint"]) == int(label) and region["fingerprint"] == first["fingerprint"]
+    # negative control: the same run with a probe that perturbs the located module's output in
+    # full mode (the region probes that module)
+    out, fd = run({"TPDIAG_TEST_PERTURB_PROBE": f"full:{fd['module']}"})
+    assert "computed another step than the first pass (TP=1 rank 0:" in fd["values_detail"], fd
+    assert fd.get("max_ulp") is None and "values_run_dir" not in fd

@@ -126,6 +126,9 @@ class CompareConfig:
     extra: dict = field(default_factory=dict)
     tree_groups: int = 0  # G of the invariant fixes; 0: chosen per run (fixes/groups.py)
     group_gemm: str = ""  # per-group | fused, chosen with G
+    # rerun each world's step unprobed to prove the probes change nothing; the region pass
+    # compares step fingerprints with the first pass instead (runner/drill.py)
+    selfcheck: bool = True
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -142,4 +145,5 @@ class CompareConfig:
                            seq_len=self.seq_len, fixes=self.fixes, granularity=self.granularity,
                            variant=self.variant, op_include=self.op_include,
                            capture=self.capture, module_include=self.module_include,
-                           tree_groups=self.tree_groups, group_gemm=self.group_gemm, **kw)
+                           tree_groups=self.tree_groups, group_gemm=self.group_gemm,
+                           selfcheck=self.selfcheck, **kw)

@@ -84,6 +84,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             return None
 
         perturb = os.environ.get("TPDIAG_TEST_PERTURB_PROBE")  # fault injection for the self-check
+        if perturb and perturb.startswith("full:"):  # only under full capture (the region pass)
+            perturb = perturb[len("full:"):] if rec.mode == "full" else None
 
         def fwd_hook(mod, args, kwargs, out):
             name, style, part_out, part_grad, cls = infos[mod]

@@ -59,13 +59,25 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     degrees = (cfg.degrees[0],) + tuple(d for _, d in targets)
     sub = run_compare(replace(
         cfg, out=out, degrees=degrees, confirm=False, baseline=False, fix_mode="explicit",
+        # no unprobed rerun per world: its step must compute what pass 1's did (_same_step)
+        selfcheck=False,
         capture="full" if hashed else cfg.capture, module_include=tuple(modules),
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ()))
-    for (label, _), sub_label in zip(targets, degree_labels(degrees)[1:]):
+    sub_labels = degree_labels(degrees)
+    ref_differs = _step_differs(run_dir, labels[0], out, sub_labels[0])
+    for (label, _), sub_label in zip(targets, sub_labels[1:]):
         entry = summary["degrees"][label]
         fd = entry["first_divergence"]
         sub_entry = sub["degrees"].get(sub_label) or {}
         sfd = sub_entry.get("first_divergence") or {}
+        differs = ref_differs or _step_differs(run_dir, label, out, sub_label)
+        if differs:
+            # pass 1's probes were proven inert (its self-check); these were not, and did not
+            # compute the same step: nothing they measured is evidence
+            fd["op_detail" if not hashed else "values_detail"] = (
+                f"the rerun of this region computed another step than the first pass ({differs}): "
+                "its probes changed the numerics or the step is not deterministic; its values are not used")
+            continue
         if sfd.get("key") != fd["key"]:
             fd["op_detail" if not hashed else "values_detail"] = (
                 f"the {'full-capture' if hashed else 'op-level'} rerun of this region did not "
@@ -95,3 +107,19 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         elif ops and not fd.get("op"):
             fd["op_detail"] = "op-level rerun did not name an op for this first divergence"
     return summary
+
+
+def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str) -> str | None:
+    """Where the region pass's world first computed another step than pass 1's at the same
+    degree (runner/fingerprint.py), with its TP label; None when every rank's fingerprint
+    matches."""
+    from tpdiag import io
+    from tpdiag.runner.fingerprint import first_difference
+
+    try:
+        a = io.read_json(os.path.join(run_dir, f"tp{label}", "world.json")).get("fingerprint")
+        b = io.read_json(os.path.join(sub_dir, f"tp{sub_label}", "world.json")).get("fingerprint")
+    except Exception as e:  # a failed world: its own status says why
+        return f"TP={label}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+    where = first_difference(a, b)
+    return f"TP={label} {where}" if where else None

@@ -313,6 +313,8 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
                 tp = _mark(marks, "optimizer", tp)
                 record_params(rec, model, "param", target.plan, include)
                 tp = _mark(marks, "params", tp)
+            last = {"logits": logits, "logprobs": lp, "loss": loss,
+                    "grad_norm": total if cfg.backward else None}
             del out, logits, local_logits, loss
         # until the host issued the step's last work, waits on the GPU inside included (grad
         # clipping reads the norm back): close to steps_s = no GPU backlog at the end, which alone
@@ -321,4 +323,8 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         timings["steps_s"] = time.perf_counter() - t1
+    from tpdiag.runner.fingerprint import step_fingerprint
+
+    # probes and fixes are off again: hashing here records nothing
+    rec.fingerprint = step_fingerprint(last, model)
     return timings

@@ -159,6 +159,10 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         first_built = probed_run + timings["model_s"]
     if device.type == "cuda":
         timings["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+    fingerprint = [rec.fingerprint]
+    if world > 1:
+        fingerprint = [None] * world
+        dist.all_gather_object(fingerprint, rec.fingerprint)
     if rec.host_store is not None:  # full capture: bytes captured, copied once, spilled
         timings["host"] = dict(rec.host_store.stats)
     if cfg.selfcheck:
@@ -181,6 +185,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             "config": cfg.to_dict(), "timings": timings, "n_records": len(stored),
             "capture": rec.mode,
             "probe_selfcheck": selfcheck,
+            "fingerprint": fingerprint,
             "total_s": time.perf_counter() - t0,
         })
         timings["write_s"] = time.perf_counter() - t1 - timings["gather_s"]
