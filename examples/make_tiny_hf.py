@@ -133,6 +133,8 @@ def main() -> None:
     write_tiny(args.kind, args.out_dir, **(SHAPES[args.shape] if args.shape else {}))
     if args.weights:
         write_weights(args.out_dir)
+        # save_pretrained rewrote config.json in its own form: keep ours, the config-only run's
+        write_tiny(args.kind, args.out_dir, **(SHAPES[args.shape] if args.shape else {}))
     print(f"wrote {os.path.join(args.out_dir, 'config.json')}; run: "
           f"tpdiag compare --model hf:{args.out_dir} --tp 1,2,4,8")
 

@@ -86,13 +86,22 @@ def test_chunked_compare_equals_whole_tensor_measures(dtype):
         c[i] = v
         variants.append(c)
     c = b.clone()
-    c[0] = -a[0]  # a sign flip; with a's own NaN below, NaN vs NaN of other payload
+    c[0] = -a[0]  # a sign flip
     variants.append(c)
+    # NaN against NaN of another payload: a mismatch, with no ULP distance
+    nan_a = a.clone()
+    nan_a[9] = float("nan")
+    c = nan_a.clone()
+    bits = c.view(torch.int16 if c.element_size() == 2 else torch.int32 if c.element_size() == 4 else torch.int64)
+    bits[9] ^= 1
+    pairs = [(a, v) for v in variants] + [(nan_a, c)]
     seen = set()
-    for v in variants:
-        want = _whole_tensor_compare(a, v)
+    for x, v in pairs:
+        want = _whole_tensor_compare(x, v)
         for chunk in (37, 1 << 18):
-            r = compare(a, v, chunk=chunk)
+            r = compare(x, v, chunk=chunk)
             assert (r.max_abs, r.max_rel, r.max_ulp, r.nan_mismatch) == want, (dtype, chunk)
         seen.add(want[2] is None)
     assert seen == {True, False}  # both the ULP and the NaN-pattern branches ran
+    r = compare(nan_a, c, chunk=37)
+    assert (r.mismatches, r.max_ulp, r.max_abs, r.nan_mismatch) == (1, 0, 0.0, False)

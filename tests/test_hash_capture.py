@@ -228,7 +228,7 @@ def test_region_pass_proves_its_step_by_fingerprint(tmp_path):
     computed at its degree (same fingerprint). A probe that changes the numerics only under
     full capture - only in the region pass - is caught there, and its values are not used."""
     def run(env=None):
-        out = tmp_path / ("bad" if env else "good")
+        out = tmp_path / ("bad" + str(len(list(tmp_path.iterdir()))) if env else "good")
         p = run_cli("compare", "--tp", "1,2", "--capture", "hash", "--no-baseline", "--no-confirm",
                     "--out", str(out), "--format", "json", env=env)
         assert p.returncode == 0, p.stderr
@@ -241,8 +241,11 @@ def test_region_pass_proves_its_step_by_fingerprint(tmp_path):
         region = json.loads((out / "region" / f"tp{label}" / "world.json").read_text())
         assert region["probe_selfcheck"] is None and first["probe_selfcheck"]["equal"] is True
         assert len(first["fingerprint"]) == int(label) and region["fingerprint"] == first["fingerprint"]
-    # negative control: the same run with a probe that perturbs the located module's output in
-    # full mode (the region probes that module)
-    out, fd = run({"TPDIAG_TEST_PERTURB_PROBE": f"full:{fd['module']}"})
-    assert "computed another step than the first pass (TP=1 rank 0:" in fd["values_detail"], fd
-    assert fd.get("max_ulp") is None and "values_run_dir" not in fd
+    # negative controls: a probe that perturbs the located module's output in full mode (the
+    # region probes that module) - in every world (the region's reference fails the check), and
+    # in the TP=2 world only (the reference passes, TP=2 fails)
+    module = fd["module"]
+    for where, who in (("", "TP=1 rank 0:"), ("@2", "TP=2 rank ")):
+        out, fd = run({"TPDIAG_TEST_PERTURB_PROBE": f"full:{module}{where}"})
+        assert f"computed another step than the first pass ({who}" in fd["values_detail"], fd
+        assert fd.get("max_ulp") is None and "values_run_dir" not in fd

@@ -50,7 +50,10 @@ def test_zoo_mla_dots3_runs_under_its_own_plan(tmp_path):
     assert r["result"] == "divergent" and r["degrees"] == [1, 2], r
     d = r["per_degree"]["2"]
     assert d["status"] == "divergent" and d["findings"] == [], d
-    assert d["cause"] == "row-parallel-reduction", d
+    # a reordering either way: row-parallel-reduction where the CPU BLAS keeps the column-shard
+    # GEMMs' sums (Intel hosts), shape-dependent-gemm at a colwise projection where a narrower
+    # shard takes another kernel (MKL on AMD EPYC: the g_proj)
+    assert d["cause"] in ("row-parallel-reduction", "shape-dependent-gemm"), d
     with open(tmp_path / "runs" / "dots3_note_text" / "diff.csv") as f:
         keys = {r["key"] for r in csv.DictReader(f) if r["degree"] == "2"}
     for m in ("kv_a_proj_with_mqa", "k_rope_only_layernorm"):

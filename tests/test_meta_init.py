@@ -94,7 +94,11 @@ def test_builtin_tp1_tp2_same_init(tp12_run):
 
     _check_init_bitwise(tp12_run, sum(1 for _ in tiny_llama.build().parameters()))
     s = json.load(open(os.path.join(tp12_run, "summary.json")))
-    assert s["degrees"]["2"]["first_divergence"]["module"] == "layers.0.attention.wo"
+    fd = s["degrees"]["2"]["first_divergence"]
+    # which row-parallel output is first to differ is the CPU BLAS's choice: wo on the Intel
+    # hosts this was written on, feed_forward.w2 (wo's sums happen to agree) under MKL on AMD EPYC
+    assert fd["cause"] == "row-parallel-reduction", fd
+    assert fd["module"] in ("layers.0.attention.wo", "layers.0.feed_forward.w2"), fd
 
 
 @pytest.mark.parametrize("name", ["hf_st", "py"])

@@ -242,7 +242,7 @@ def _sm_count(device) -> int:
 
 
 def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None, offset: int = 0,
-                out=None, *, mix: int = HASH_VERSION):
+                out=None, *, mix: int = HASH_VERSION, stats: bool = True):
     """(ints [lane_a, lane_b, nonfinite, absmax as float64 bits] int64 - lanes not yet reduced
     mod 2**32 -, floats [sum, sumsq] float64), on t's device, without a host sync. dim/full/
     offset place the shard in the whole tensor; `out`: where to add them (zeroed) - a HashBuffer
@@ -254,7 +254,8 @@ def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None
         return triton_lanes(t, a, L, b, F, o, out, mix=mix)
     if t.is_cuda:  # whole-tensor torch ops: no host sync (lanes_fast syncs once a chunk)
         return lanes_torch(t, a, L, b, F, o, out, mix=mix)
-    return lanes_fast(t, a, L, b, F, o, out, mix=mix)
+    # stats=False: the lanes alone (the CPU's statistics are a pass of their own)
+    return lanes_fast(t, a, L, b, F, o, out, mix=mix, stats=stats)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

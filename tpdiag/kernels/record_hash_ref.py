@@ -120,6 +120,8 @@ def lanes_fast(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None
     """lanes_torch's row bit for bit (tests/test_hash_fast.py), chunked: what the CPU runs.
     stats=False: the lanes alone (ints[2:] and floats zero) - a stored tensor's hash needs no
     statistics."""
+    if mix not in MIXES:
+        raise ValueError(f"unknown record-hash mix {mix!r} (known: {MIXES})")
     v, mask = _raw(t)
     per = 2 if t.element_size() == 8 else 1
     n = v.numel()

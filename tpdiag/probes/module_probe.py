@@ -86,6 +86,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         perturb = os.environ.get("TPDIAG_TEST_PERTURB_PROBE")  # fault injection for the self-check
         if perturb and perturb.startswith("full:"):  # only under full capture (the region pass)
             perturb = perturb[len("full:"):] if rec.mode == "full" else None
+        if perturb and "@" in perturb:  # NAME@N: only in the TP=N world
+            name_, _, n = perturb.partition("@")
+            perturb = name_ if str(rec.world) == n else None
 
         def fwd_hook(mod, args, kwargs, out):
             name, style, part_out, part_grad, cls = infos[mod]

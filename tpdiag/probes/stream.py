@@ -136,7 +136,7 @@ class HostStore:
         if lanes:
             from tpdiag.kernels.record_hash import shard_lanes
 
-            ln = shard_lanes(src)[0]
+            ln = shard_lanes(src, stats=False)[0]  # a hash: no statistics needed
         segs = []
         if n:
             flat = src.reshape(-1).view(torch.uint8)

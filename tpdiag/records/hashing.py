@@ -55,10 +55,10 @@ def hash_of_lanes(lane_a: int, lane_b: int, dtype: str, shape) -> str:
 def tensor_hash(t: torch.Tensor, version: int = HASH_VERSION) -> str:
     """The hash of a whole tensor (one host sync); `version`: the lane mix (an old run
     directory's, to check its stored tensors)."""
-    from tpdiag.kernels.record_hash import shard_lanes
+    from tpdiag.kernels.record_hash import plain, shard_lanes
     from tpdiag.kernels.record_hash_ref import lanes_fast
 
-    t = t.detach()
+    t = plain(t.detach())
     if t.is_cuda:
         ints, _ = shard_lanes(t, mix=version)
     else:  # the lanes alone: a stored tensor's hash (checked on every read) needs no statistics

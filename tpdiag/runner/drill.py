@@ -59,7 +59,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     degrees = (cfg.degrees[0],) + tuple(d for _, d in targets)
     sub = run_compare(replace(
         cfg, out=out, degrees=degrees, confirm=False, baseline=False, fix_mode="explicit",
-        # no unprobed rerun per world: its step must compute what pass 1's did (_same_step)
+        # no unprobed rerun per world: its step must compute what pass 1's did (_step_differs)
         selfcheck=False,
         capture="full" if hashed else cfg.capture, module_include=tuple(modules),
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ()))
@@ -119,7 +119,7 @@ def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str) -> str
     try:
         a = io.read_json(os.path.join(run_dir, f"tp{label}", "world.json")).get("fingerprint")
         b = io.read_json(os.path.join(sub_dir, f"tp{sub_label}", "world.json")).get("fingerprint")
-    except Exception as e:  # a failed world: its own status says why
-        return f"TP={label}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+    except Exception:  # a failed world wrote no world.json: its own status says why (below)
+        return None
     where = first_difference(a, b)
     return f"TP={label} {where}" if where else None

@@ -236,7 +236,10 @@ def _mark(marks: dict, phase: str, since: float) -> float:
     return now
 
 
-def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> dict:
+def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
+        fingerprint: bool = False) -> dict:
+    """One world's steps; fingerprint=True: rec.fingerprint = the last step's final values'
+    hashes (runner/fingerprint.py), taken after the step's timing."""
     from tpdiag.probes.module_probe import module_probes, record_params
 
     timings = {}
@@ -313,8 +316,9 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
                 tp = _mark(marks, "optimizer", tp)
                 record_params(rec, model, "param", target.plan, include)
                 tp = _mark(marks, "params", tp)
-            last = {"logits": logits, "logprobs": lp, "loss": loss,
-                    "grad_norm": total if cfg.backward else None}
+            if fingerprint and step == cfg.steps - 1:  # detached: no graph, nothing else kept
+                last = {"logits": logits.detach(), "logprobs": lp.detach(), "loss": loss.detach(),
+                        "grad_norm": total.detach() if cfg.backward else None}
             del out, logits, local_logits, loss
         # until the host issued the step's last work, waits on the GPU inside included (grad
         # clipping reads the norm back): close to steps_s = no GPU backlog at the end, which alone
@@ -323,8 +327,9 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder) -> di
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         timings["steps_s"] = time.perf_counter() - t1
-    from tpdiag.runner.fingerprint import step_fingerprint
+    if fingerprint:
+        from tpdiag.runner.fingerprint import step_fingerprint
 
-    # probes and fixes are off again: hashing here records nothing
-    rec.fingerprint = step_fingerprint(last, model)
+        # probes and fixes are off again: hashing here records nothing
+        rec.fingerprint = step_fingerprint(last, model)
     return timings

@@ -154,7 +154,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     probed_run = time.time()
-    timings = run(cfg, device, world, rec)
+    timings = run(cfg, device, world, rec, fingerprint=True)
     if not cfg.selfcheck:
         first_built = probed_run + timings["model_s"]
     if device.type == "cuda":
