@@ -73,8 +73,9 @@ def logprob_bound(logits1, logitsn, lp1, lpn) -> torch.Tensor:
     l1, ln = logits1.reshape(-1, v), logitsn.reshape(-1, v)
     # a few rows at a time: two float64 copies of a 4B model's logits are 5 GB
     rows = max(1, (1 << 20) // max(v, 1))
-    d = torch.cat([(ln[i:i + rows].to(f) - l1[i:i + rows].to(f)).abs().amax(-1)
-                   for i in range(0, l1.shape[0], rows)]) if l1.shape[0] else torch.zeros(0, dtype=f, device=l1.device)
+    d = torch.empty(l1.shape[0], dtype=f, device=l1.device)
+    for i in range(0, l1.shape[0], rows):
+        d[i:i + rows] = (ln[i:i + rows].to(f) - l1[i:i + rows].to(f)).abs().amax(-1)
     u = UNIT_ROUNDOFF[torch.float32]
     u_out = UNIT_ROUNDOFF.get(lp1.dtype, u) if lp1.dtype != torch.float64 else 0.0
     a, b = lp1.reshape(-1).to(f), lpn.reshape(-1).to(f)

@@ -247,7 +247,8 @@ def shard_lanes(t: torch.Tensor, dim: int | None = None, full: int | None = None
     mod 2**32 -, floats [sum, sumsq] float64), on t's device, without a host sync. dim/full/
     offset place the shard in the whole tensor; `out`: where to add them (zeroed) - a HashBuffer
     slot (ints [n, 4], floats [n, 2], row) or a pair of rows (ints [4], floats [2]). mix: the
-    hash version (an old run directory's: records/hashing.py)."""
+    hash version (an old run directory's: records/hashing.py). stats=False: the CPU skips the
+    statistics (ints[2:] and floats zero); the GPU paths compute them anyway."""
     a, L, b, F, o = slab(t.shape, dim, full, offset)
     t = plain(t)
     if triton_ok(t):

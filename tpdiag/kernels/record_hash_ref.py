@@ -42,19 +42,24 @@ def mix_int(y: int, mix: int = HASH_VERSION) -> tuple[int, int]:
     return x, x
 
 
-def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The tensor's raw bits as int64 words in [0, 2**32), flat; and words per element."""
+def _raw(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor's raw bits as a flat integer view (no copy) and the mask that makes a word of
+    it non-negative: _words at once, lanes_fast a chunk at a time."""
     t = t.contiguous().reshape(-1)
     size = t.element_size()
     if t.dtype == torch.bool or size == 1:
-        return t.view(torch.uint8).to(torch.int64), 1
+        return t.view(torch.uint8), 0xFF
     if size == 2:
-        return t.view(torch.int16).to(torch.int64) & 0xFFFF, 1
-    if size == 4:
-        return t.view(torch.int32).to(torch.int64) & M32, 1
-    if size == 8:
-        return t.view(torch.int32).to(torch.int64) & M32, 2
+        return t.view(torch.int16), 0xFFFF
+    if size in (4, 8):
+        return t.view(torch.int32), M32
     raise TypeError(f"cannot hash dtype {t.dtype}")
+
+
+def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor's raw bits as int64 words in [0, 2**32), flat; and words per element."""
+    v, mask = _raw(t)
+    return v.to(torch.int64) & mask, 2 if t.element_size() == 8 else 1
 
 
 def _stats_torch(t: torch.Tensor):
@@ -84,9 +89,15 @@ def lanes_torch(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=Non
     nonfinite, absmax, sums = _stats_torch(t)
     absmax_bits = absmax.reshape(1).view(torch.int64)[0]
     ints = torch.stack([x.sum() & M32, (x * f).sum() & M32, nonfinite, absmax_bits])
+    return _put(ints, sums, out)
+
+
+def _put(ints: torch.Tensor, sums: torch.Tensor, out):
+    """(ints, sums), or written into `out`: a HashBuffer slot (ints [n, 4], floats [n, 2], row)
+    or a pair of rows."""
     if out is None:
         return ints, sums
-    if len(out) == 3:  # a HashBuffer slot
+    if len(out) == 3:
         out[0][out[2]].copy_(ints)
         out[1][out[2]].copy_(sums)
     else:
@@ -99,20 +110,6 @@ def lanes_torch(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=Non
 # tensor (80+ bytes per element through memory); lanes_fast runs the same arithmetic on chunks of
 # this many words in reused buffers, which stay in cache (60x faster on a 2-core x86 host).
 CHUNK = 1 << 18
-
-
-def _raw(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The tensor's raw bits as a flat integer view (no copy) and the mask that makes a word of
-    it non-negative (_words' words, one chunk at a time)."""
-    t = t.contiguous().reshape(-1)
-    size = t.element_size()
-    if t.dtype == torch.bool or size == 1:
-        return t.view(torch.uint8), 0xFF
-    if size == 2:
-        return t.view(torch.int16), 0xFFFF
-    if size in (4, 8):
-        return t.view(torch.int32), M32
-    raise TypeError(f"cannot hash dtype {t.dtype}")
 
 
 def lanes_fast(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None, *,
@@ -160,15 +157,7 @@ def lanes_fast(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None
     absmax_bits = int(torch.tensor(absmax, dtype=torch.float64).view(torch.int64))
     sums = torch.tensor(sums, dtype=torch.float64, device=t.device)
     ints = torch.tensor([la & M32, lb & M32, nonfinite, absmax_bits], dtype=torch.int64, device=t.device)
-    if out is None:
-        return ints, sums
-    if len(out) == 3:  # a HashBuffer slot
-        out[0][out[2]].copy_(ints)
-        out[1][out[2]].copy_(sums)
-    else:
-        out[0].copy_(ints)
-        out[1].copy_(sums)
-    return out
+    return _put(ints, sums, out)
 
 
 def _stats_chunked(t: torch.Tensor, chunk: int) -> tuple[int, float, list[float]]:

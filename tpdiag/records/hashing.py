@@ -55,14 +55,10 @@ def hash_of_lanes(lane_a: int, lane_b: int, dtype: str, shape) -> str:
 def tensor_hash(t: torch.Tensor, version: int = HASH_VERSION) -> str:
     """The hash of a whole tensor (one host sync); `version`: the lane mix (an old run
     directory's, to check its stored tensors)."""
-    from tpdiag.kernels.record_hash import plain, shard_lanes
-    from tpdiag.kernels.record_hash_ref import lanes_fast
+    from tpdiag.kernels.record_hash import shard_lanes
 
-    t = plain(t.detach())
-    if t.is_cuda:
-        ints, _ = shard_lanes(t, mix=version)
-    else:  # the lanes alone: a stored tensor's hash (checked on every read) needs no statistics
-        ints, _ = lanes_fast(t, 1, t.numel(), 1, t.numel(), 0, mix=version, stats=False)
+    # the lanes alone: a stored tensor's hash (checked on every read) needs no statistics
+    ints, _ = shard_lanes(t.detach(), mix=version, stats=False)
     a, b = (int(v) for v in ints[:2].tolist())
     return hash_of_lanes(a, b, str(t.dtype), t.shape)
 
