@@ -188,8 +188,8 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     nprog = min(total, waves * _sm_count(t.device))
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
             width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
-            (PAIRS[0] if pairs is None else pairs) and t.dtype == torch.bfloat16 and slab_n % 2 == 0
-            and words.data_ptr() % 4 == 0, mix)
+            int(PAIRS[0] if pairs is None else pairs) if t.dtype == torch.bfloat16 and slab_n % 2 == 0
+            and words.data_ptr() % 4 == 0 else 0, mix)
     _launch(args, nprog, warps, t.device)
     return out
 
@@ -207,7 +207,7 @@ _COMPILED: dict = {}
 # read the pairs faster on 1 GiB (whole 3371-3378 vs 3345-3355, 2048-wide shards 3437-3449 vs
 # 3256-3277) but a llama-1b 8 x 4096 step's hashing slower (+27.8 / +33.2 ms vs +23.3 / +26.5,
 # docs/benchmarks.md). TPDIAG_HASH_PAIRS=1: on (A/B).
-PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "0") == "1"]
+PAIRS = [int(os.environ.get("TPDIAG_HASH_PAIRS", "0") or 0)]
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 

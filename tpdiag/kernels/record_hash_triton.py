@@ -8,15 +8,21 @@ key work. Imports Triton at import time: import this module lazily (record_hash.
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# The word-pairs path takes max |x| of both bf16 halves with one inline-PTX instruction; the
+# interpreter runs no PTX, so there (the CPU's tests) the same max is taken in fp32
+_PACKED_MAX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit(do_not_specialize=["ROW", "A", "F_B", "O_B", "N_COL", "TOTAL", "NPROG"])
 def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                  ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                 PAIRS: tl.constexpr = False, MIX: tl.constexpr = 2):
+                 PAIRS: tl.constexpr = 0, MIX: tl.constexpr = 2):
     """One record: its chunks over NPROG persistent programs (see _hash_chunks)."""
     _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
                  tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN, PAIRS, MIX)
@@ -26,7 +32,7 @@ def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
 def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
                        WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                        ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True,
+                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = 1,
                        MIX: tl.constexpr = 2):
     """Many records in one launch (grid: NPROG x records), each described by a row of `table`
     (int64: data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL). The records of one launch share
@@ -49,7 +55,7 @@ def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
         _hash_chunks(w_ptr, ints_ptr, floats_ptr, tl.load(rec + 1), tl.load(rec + 2), SLAB,
                      tl.load(rec + 4), tl.load(rec + 5), tl.load(rec + 6), TOTAL, NPROG, pid,
                      WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN,
-                     PAIRS and IS_BF16 and ALIGNED and SLAB16, MIX)
+                     PAIRS if IS_BF16 and ALIGNED and SLAB16 else 0, MIX)
 
 
 @triton.jit
@@ -93,7 +99,10 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     acc_b = tl.zeros([R, TW], dtype=tl.uint32)
     acc_s = tl.zeros([R, TW], dtype=tl.float32)
     acc_q = tl.zeros([R, TW], dtype=tl.float32)
-    acc_m = tl.zeros([R, TW], dtype=tl.float32)
+    if PAIRS == 2 and _PACKED_MAX:
+        acc_m = tl.zeros([R, TW], dtype=tl.uint32)  # max |x| of both halves as bf16x2 (_max_pairs)
+    else:
+        acc_m = tl.zeros([R, TW], dtype=tl.float32)
     if PAIRS:
         base = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     else:
@@ -118,16 +127,26 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                 mask = _tile_mask(rows_t, col0_t, cc, A, SLAB, PAIRS)
             else:
                 mask = None
-            raw = _load_tile(base, start, it, cc, mask, R, CB, SLAB, ROW_ITERS, EVEN, PAIRS)
-            acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
-                raw, mask, kc2, it, k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
-                WIDTH, IS_BF16, R, TW, EVEN, PAIRS, MIX)
+            if PAIRS == 2:
+                raw = _load_words(base, start >> 1, it, cc, mask, R, TW, SLAB, ROW_ITERS, EVEN)
+                acc_a, acc_b, acc_s, acc_q, acc_m = _accum_pairs(
+                    raw, mask, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
+                    R, TW, EVEN, MIX)
+            else:
+                raw = _load_tile(base, start, it, cc, mask, R, CB, SLAB, ROW_ITERS, EVEN, PAIRS)
+                acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
+                    raw, mask, kc2, it, k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
+                    WIDTH, IS_BF16, R, TW, EVEN, PAIRS, MIX)
         rg, cg = _next_chunk(rg, cg, dq, dr, N_COL)
     fmax = 3.4028234663852886e38
     poisoned = tl.sum(tl.sum(((tl.abs(acc_s) <= fmax) & (tl.abs(acc_q) <= fmax)).to(tl.int32) ^ 1,
                              axis=1), axis=0)
     sum_s = tl.sum(tl.sum(acc_s, axis=1), axis=0)
     sum_q = tl.sum(tl.sum(acc_q, axis=1), axis=0)
+    if PAIRS == 2 and _PACKED_MAX:
+        mw = acc_m & 0x7FFF7FFF  # XORSIGN left the signs as they fell: the magnitudes are the max
+        acc_m = tl.maximum((mw << 16).to(tl.float32, bitcast=True),
+                           (mw & 0xFFFF0000).to(tl.float32, bitcast=True))
     max_m = tl.max(tl.max(acc_m, axis=1), axis=0)
     count_n = tl.sum(tl.sum(tl.zeros([R, TW], dtype=tl.int32), axis=1), axis=0)
     if poisoned > 0:  # rare: see the docstring
@@ -197,6 +216,95 @@ def _load_tile(base, start, it, cc, mask, R: tl.constexpr, CB: tl.constexpr, SLA
 def _tile_mask(rows, col0, cc, A, SLAB, PAIRS: tl.constexpr):
     # PAIRS: SLAB is even, both halves of a word are in or both out
     return (rows < A)[:, None] & ((col0 + (2 if PAIRS else 1) * cc) < SLAB)[None, :]
+
+
+@triton.jit
+def _load_words(base, wstart, it, cc, mask, R: tl.constexpr, TW: tl.constexpr, SLAB,
+                ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
+    """PAIRS == 2: tile `it` as 32-bit words, from the chunk's first tile's word offsets `wstart`
+    (element offsets >> 1, once a chunk). Along a slab a tile's offset is a constant it * TW, so
+    the loads take it as an immediate: no address arithmetic a tile."""
+    if ROW_ITERS:
+        off = wstart + (it * R) * (tl.zeros([], tl.int64) + (SLAB >> 1))
+    else:
+        off = wstart + it * TW
+    ptrs = base + off[:, None] + cc[None, :]
+    if EVEN:
+        raw = tl.load(ptrs)
+    else:
+        raw = tl.load(ptrs, mask=mask, other=0)
+    return raw
+
+
+@triton.jit
+def _accum_pairs(raw, mask, kc2, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
+                 R: tl.constexpr, TW: tl.constexpr, EVEN: tl.constexpr, MIX: tl.constexpr):
+    """PAIRS == 2, the lean word pairs: tile words `raw` of two bf16 each, the low element at an
+    even position whose k * C2 is kc2 [R] + cc_c2, the high one at cc_c2_hi. Per word: two
+    extractions, two position adds, the two elements' hash terms, the fp32 sums and ONE max for
+    both halves (_max_pairs) - where the first pairs path spent an add a word on the high element's
+    position, two float max and the address arithmetic of every tile."""
+    wd = raw.to(tl.uint32, bitcast=True)
+    pos = cc_c2 + kc2[:, None]
+    # high element: h * C1 + (k + 1) * C2 = (h + K) * C1 + k * C2, K = C2 / C1 mod 2**32: both
+    # elements share one position add, and h + K is one instruction (_high_k)
+    hk = _high_k(wd)
+    y0 = (wd & 0xFFFF) * c1 + pos
+    y1 = hk * c1 + pos
+    x0 = _mix(y0, c3, MIX)
+    x1 = _mix(y1, c3, MIX)
+    if not EVEN:
+        x0 = tl.where(mask, x0, tl.zeros([R, TW], dtype=tl.uint32))
+        x1 = tl.where(mask, x1, tl.zeros([R, TW], dtype=tl.uint32))
+    acc_a += x0 + x1
+    acc_b += x0 * _lane_b_factor(x0, y0, MIX)
+    acc_b += x1 * _lane_b_factor(x1, y1, MIX)
+    v = (wd << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32: the bits, shifted
+    u = _high_bits(wd, hk).to(tl.float32, bitcast=True)
+    acc_s += v
+    acc_s += u
+    acc_q += v * v
+    acc_q += u * u
+    if _PACKED_MAX:
+        acc_m = _max_pairs(acc_m, wd)
+    else:
+        acc_m = tl.maximum(acc_m, tl.maximum(tl.abs(v), tl.abs(u)))
+    return acc_a, acc_b, acc_s, acc_q, acc_m
+
+
+@triton.jit
+def _high_k(wd):
+    """(wd >> 16) + K, K = C2 * C1**-1 mod 2**32 = 0x1A63E8A7. In PTX, so that the compiler does
+    not distribute (h + K) * C1 back into h * C1 + C2 - an add a word (`probes sass`)."""
+    if _PACKED_MAX:
+        r = tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 16; add.u32 $0, t, 0x1A63E8A7; }",
+                                      "=r,r", [wd], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        r = (wd >> 16) + 0x1A63E8A7
+    return r
+
+
+@triton.jit
+def _high_bits(wd, hk):
+    """wd & 0xFFFF0000 - the high element's fp32 bits - as (h + K) * 2**16 - K * 2**16: a
+    multiply-add, off the integer/logic pipe the lane mix keeps busy."""
+    if _PACKED_MAX:
+        r = tl.inline_asm_elementwise("mad.lo.u32 $0, $1, 65536, 0x17590000;", "=r,r", [hk],
+                                      dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        r = wd & 0xFFFF0000
+    return r
+
+
+@triton.jit
+def _max_pairs(acc, wd):
+    """max(|acc|, |wd|) per bf16 half, in one instruction a word (HMNMX2.BF16_V2.XORSIGN on sm_90;
+    `probes sass`). The result's sign is the xor of the inputs' - the next max takes |acc| again,
+    and the kernel's tail masks it off. A bf16 max is exact: the same max |x| as in fp32. NaN
+    loses to a number here, as nowhere else matters: a non-finite element poisons the fp32 sums,
+    and the statistics are then computed again element by element (_stats_exact)."""
+    return tl.inline_asm_elementwise("max.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [acc, wd],
+                                     dtype=tl.uint32, is_pure=True, pack=1)
 
 
 @triton.jit
