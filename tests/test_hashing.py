@@ -62,7 +62,11 @@ def test_hash_launch_knob_is_checked(monkeypatch):
             rh.waves_for(16)
     monkeypatch.setenv("TPDIAG_HASH_WAVES16", "12")
     monkeypatch.setattr(rh, "_WAVES_2BYTE", [])
-    assert rh.waves_for(16) == 12 and rh.waves_for(32) == rh.WAVES
+    assert rh.waves_for(16) == 12 and rh.waves_for(16, records=64) == 12 and rh.waves_for(32) == rh.WAVES
     monkeypatch.delenv("TPDIAG_HASH_WAVES16")
     monkeypatch.setattr(rh, "_WAVES_2BYTE", [])
-    assert rh.waves_for(16) == rh.WAVES_2BYTE_DEFAULT
+    # unset: a record alone fills the GPU (FILL_2BYTE per SM); records launched together share it,
+    # each keeping WAVES_2BYTE_DEFAULT
+    assert rh.waves_for(16) == rh.FILL_2BYTE == 16
+    assert rh.waves_for(16, records=2) == 8
+    assert rh.waves_for(16, records=64) == rh.WAVES_2BYTE_DEFAULT == 4

@@ -45,10 +45,10 @@ EXTRA_MODES = ("hash-each", "hash-jit", "hash-side", "hooks-only", "rows-only", 
 
 def _known_mode(m: str) -> bool:
     m = m.split("@")[0]
-    return (m in MODES + EXTRA_MODES or m in ("hash-pairs", "hash-lean")
+    return (m in MODES + EXTRA_MODES or m in ("hash-pairs", "hash-elem")
             or m.startswith(("hash-batch", "hash-waves", "hash-pairs", "hash-iters")) and m[10:].isdigit()
             and int(m[10:]) > 0
-            or m.startswith("hash-lean") and m[9:].isdigit() and int(m[9:]) > 0)
+            or m.startswith("hash-elem") and m[9:].isdigit() and int(m[9:]) > 0)
 
 
 def overhead(args) -> dict:
@@ -494,7 +494,7 @@ def main(argv: list[str]) -> dict:
                          "hash-each (a launch per record), hash-jit (a launch per record through "
                          "Triton's JIT dispatch), hash-side (experiment: queued launches on a second stream; "
                          "timings only, its hashes untrusted), hooks-only (Recorder.add returns at once), rows-only "
-                         "(records made, nothing hashed), hash-cap256m (a launch per 256 MiB queued, not 1 GiB), hash-batchN (N records a launch, not 64), hash-wavesN (16-bit records at N programs per SM, not 4), hash-pairs[N] (bf16 read as word pairs [at N programs per SM]), hash-lean[N] (the same, lean word pairs), hash-itersN (16-bit chunks of N tiles, not 16), hash-hooks (every module probed through hooks, as before session 13), full; MODE@warm: the step on a warm allocator (no "
+                         "(records made, nothing hashed), hash-cap256m (a launch per 256 MiB queued, not 1 GiB), hash-batchN (N records a launch, not 64), hash-wavesN (16-bit records at N programs per SM, not 4), hash-pairs[N] (bf16 read as word pairs [at N programs per SM]), hash-elem[N] (bf16 element by element at N (4) programs per SM, shipped before 62cadff), hash-itersN (16-bit chunks of N tiles, not 16), hash-hooks (every module probed through hooks, as before session 13), full; MODE@warm: the step on a warm allocator (no "
                          "empty_cache before it; its ratio against none@warm)")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--peak-tflops", type=float, default=None,

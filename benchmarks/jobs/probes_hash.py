@@ -61,9 +61,9 @@ def hash_throughput(args) -> dict:
         # mixes (record_hash_ref.py MIXES: 1 the first, 2 shipped) side by side, each one's lanes
         # checked against the torch path's
         # (--waves: the variants also at other programs per SM)
-        for pairs, mix, wv in [(p, m, w) for p in ((0, 1, 2) if dt != torch.float32 else (0,))
+        for pairs, mix, wv in [(p, m, w) for p in ((False, True) if dt != torch.float32 else (False,))
                                for m in rh.MIXES for w in waves]:
-            tag = f"pairs={pairs}, mix {mix}" + ("" if wv is None else f", {wv}/SM")
+            tag = f"pairs={int(pairs)}, mix {mix}" + ("" if wv is None else f", {wv}/SM")
             for label, where in (("whole", (None, None, 0)), ("last-dim shard", (1, 4 * 8192, 8192))):
                 sl = rh.slab(x.shape, *where)
                 fn = (lambda sl=sl, pairs=pairs, mix=mix, wv=wv:

@@ -20,10 +20,9 @@ import tempfile
 
 # (label, WIDTH, IS_BF16, PAIRS). (The xorshifts' shifts as inline mul.hi, measured slower and
 # removed: docs/benchmarks.md, 2026-11-23, has its counts.)
-CASES = (("bf16, element loads", 16, True, 0), ("bf16, word pairs", 16, True, 1),
-         ("bf16, lean word pairs", 16, True, 2),
-         ("fp16, element loads", 16, False, 0),
-         ("fp32", 32, False, 0))
+CASES = (("bf16, element loads", 16, True, False), ("bf16, word pairs (shipped)", 16, True, True),
+         ("fp16, element loads", 16, False, False),
+         ("fp32", 32, False, False))
 # integer-pipe opcodes (SASS mnemonics before the first '.'): what the lane mix spends
 INT_OPS = ("IMAD", "LOP3", "SHF", "IADD3", "VIADD", "PRMT", "LEA", "IADD", "ISETP", "SEL", "IABS", "IMNMX",
            "SHL", "SHR", "LOP", "BMSK", "POPC", "FLO", "BREV")

@@ -23,8 +23,9 @@ def probe_mode(mode: str):
     """What a probes mode runs under, undone on exit (the jobs run the modes side by side in one
     process): hash-each / hash-jit a launch per record (hash-jit through Triton's JIT dispatch);
     hash-cap256m a launch per 256 MiB queued; hash-batchN a launch per N records; hash-wavesN
-    16-bit records at N programs per SM; hash-pairs[N] bf16 read as 32-bit word pairs [at N
-    programs per SM]; hash-lean[N] the same with the lean word pairs (PAIRS 2); hash-itersN 16-bit chunks of N tiles (not 16); hash-hooks every module
+    16-bit records at N programs per SM (a record, whatever the launch); hash-pairs[N] bf16 read
+    as 32-bit word pairs [at N programs per SM]; hash-elem[N] bf16 element by element at N (4)
+    programs per SM - the 16-bit path shipped before 62cadff's lean word pairs; hash-itersN 16-bit chunks of N tiles (not 16); hash-hooks every module
     probed through hooks (TPDIAG_PROBE_HOOKS=1); hooks-only Recorder.add returning at once and
     rows-only the records made with nothing queued or hashed (hash mode's host time by removal);
     hash-side, an experiment, the queued launches on a second stream beside the compute - what
@@ -49,13 +50,12 @@ def probe_mode(mode: str):
         if mode.startswith("hash-batch"):  # hash-batchN: N records per launch (default 64)
             os.environ["TPDIAG_HASH_BATCH"] = mode[len("hash-batch"):]
         if mode.startswith("hash-pairs"):  # hash-pairs[N]: bf16 as word pairs (at N programs per SM)
-            rh.PAIRS[0] = 1
-        if mode.startswith("hash-lean"):  # hash-lean[N]: bf16 as lean word pairs (at N programs per SM)
-            rh.PAIRS[0] = 2
+            rh.PAIRS[0] = True
+        if mode.startswith("hash-elem"):  # hash-elem[N]: bf16 element by element, at N (4) per SM
+            rh.PAIRS[0] = False
+            rh._WAVES_2BYTE[:] = [int(mode[9:] or 4)] * 2
         if mode.startswith(("hash-waves", "hash-pairs")) and mode[10:].isdigit():  # hash-wavesN
-            rh._WAVES_2BYTE[:] = [int(mode[10:])]
-        if mode.startswith("hash-lean") and mode[9:].isdigit():
-            rh._WAVES_2BYTE[:] = [int(mode[9:])]
+            rh._WAVES_2BYTE[:] = [int(mode[10:])] * 2  # N a record, whatever the launch
         if mode.startswith("hash-iters") and mode[10:].isdigit():  # hash-itersN: 16-bit chunks of N tiles
             rh.ITERS_2BYTE = int(mode[10:])
         if rh.ITERS_2BYTE != saved[9]:

@@ -185,7 +185,7 @@ class HashBuffer:
                 else:
                     rows.append(row)
             if rows:
-                nprog = rh.batch_nprog(max(row[7] for row in rows), self.device, key[0])
+                nprog = rh.batch_nprog(max(row[7] for row in rows), self.device, key[0], len(rows))
                 rh.batch_launch(key, self._table(rows), len(rows), nprog, self.ints[i], self.floats[i])
 
     def _table(self, rows: list) -> torch.Tensor:

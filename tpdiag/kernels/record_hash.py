@@ -64,14 +64,15 @@ BLOCK, ITERS, WAVES, WARPS = 1024, 8, 4, 4   # H200 sweep: docs/scale.md
 # bf16: 3187 -> 3342 GB/s whole, 3115 -> 3296 / 2916 -> 3115 in 2048- / 512-wide shards; fp32
 # at 16 was slower, 4042 -> 3589: docs/benchmarks.md)
 ITERS_2BYTE = 16
-# 16-bit records, programs per SM (TPDIAG_HASH_WAVES16 for A/B). More programs raise the 1 GiB
-# bandwidth - at 4 an SM holds 16 warps and its schedulers find no eligible warp 32-41% of cycles
-# (ncu, H200), the loop waits on memory - but not a training step's hashing: session 11, H200,
-# 1 GiB bf16, word pairs, side by side: whole 3371-3378 GB/s at 4, 3619-3622 at 16 (2048-wide
-# shards 3437-3449 -> 3662-3681, 512-wide 3222-3246 -> 3510-3522); yet llama-1b 8 x 4096's
-# hashing took +28.6 / +33.3 ms a step at 16 with pairs against +23.3 / +26.5 at 4 element-wise,
-# in one interleaved run (docs/benchmarks.md). The step is what users wait for: 4 is kept.
+# 16-bit records, programs per SM for each record of a launch (TPDIAG_HASH_WAVES16 for A/B), and
+# at least FILL_2BYTE per SM in the whole launch. At 4 an SM holds 16 warps and its schedulers
+# find no eligible warp 32-41% of cycles (ncu, H200): a record hashed alone reads faster at 16
+# (H200, 1 GiB bf16, lean word pairs, 62cadff: whole 3707 -> 3911 GB/s, last-dim shard 3579 ->
+# 3861). A training step's launches hold several records, whose programs run side by side, and
+# there 16 a record was slower (llama-1b 8 x 4096, same run: +20.8 ms a step against +16.0 at 4;
+# session 11 saw the same with the first word pairs): 4 a record, 16 a launch.
 WAVES_2BYTE_DEFAULT = 4
+FILL_2BYTE = 16
 
 
 def iters_for(width: int) -> int:
@@ -94,12 +95,16 @@ def knob_int(name: str, default: int, hi: int) -> int:
 _WAVES_2BYTE: list = []
 
 
-def waves_for(width: int) -> int:
+def waves_for(width: int, records: int = 1) -> int:
+    """Programs per SM for each of `records` records launched together."""
     if width != 16:
         return WAVES
     if not _WAVES_2BYTE:  # parsed once: asked per launch (host time)
-        _WAVES_2BYTE.append(knob_int("TPDIAG_HASH_WAVES16", WAVES_2BYTE_DEFAULT, 64))
-    return _WAVES_2BYTE[0]
+        w = knob_int("TPDIAG_HASH_WAVES16", 0, 64)
+        # an explicit TPDIAG_HASH_WAVES16 is that many a record, whatever the launch (A/B)
+        _WAVES_2BYTE[:] = [w, w] if w else [WAVES_2BYTE_DEFAULT, FILL_2BYTE]
+    per, fill = _WAVES_2BYTE
+    return max(per, -(-fill // max(1, records)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -188,8 +193,8 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     nprog = min(total, waves * _sm_count(t.device))
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
             width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
-            int(PAIRS[0] if pairs is None else pairs) if t.dtype == torch.bfloat16 and slab_n % 2 == 0
-            and words.data_ptr() % 4 == 0 else 0, mix)
+            bool(PAIRS[0] if pairs is None else pairs) and t.dtype == torch.bfloat16 and slab_n % 2 == 0
+            and words.data_ptr() % 4 == 0, mix)
     _launch(args, nprog, warps, t.device)
     return out
 
@@ -202,12 +207,12 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
 # alignment, SLAB (the one specialised integer: == 1, % 16) and whether every integer fits in
 # int32 (its argument type).
 _COMPILED: dict = {}
-# bf16 data as 32-bit word pairs (_hash_chunks' PAIRS; the lanes are the same). Off by default:
-# session 9 (H200, 4 programs per SM, 1 GiB) read 2843 GB/s against 3196 element-wise; session 11
-# read the pairs faster on 1 GiB (whole 3371-3378 vs 3345-3355, 2048-wide shards 3437-3449 vs
-# 3256-3277) but a llama-1b 8 x 4096 step's hashing slower (+27.8 / +33.2 ms vs +23.3 / +26.5,
-# docs/benchmarks.md). TPDIAG_HASH_PAIRS=1: on (A/B).
-PAIRS = [int(os.environ.get("TPDIAG_HASH_PAIRS", "0") or 0)]
+# bf16 data as 32-bit word pairs (_hash_chunks' PAIRS, where a record's layout allows it; the
+# lanes are the same). On since 62cadff's lean word pairs: H200, 1 GiB bf16, side by side, whole
+# 3707 GB/s against 3474 element by element at 4 per SM, 3911 against 3446 at 16; llama-1b
+# 8 x 4096, hash mode: +16.0 ms a step against +21.4 (docs/benchmarks.md). TPDIAG_HASH_PAIRS=0:
+# element by element (A/B).
+PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
@@ -331,5 +336,5 @@ def batch_args(key, table, nprog: int, ints, floats) -> tuple:
             PAIRS[0], HASH_VERSION)
 
 
-def batch_nprog(total_max: int, device, width: int = 32) -> int:
-    return min(total_max, waves_for(width) * _sm_count(device))
+def batch_nprog(total_max: int, device, width: int = 32, records: int = 1) -> int:
+    return min(total_max, waves_for(width, records) * _sm_count(device))

@@ -22,7 +22,7 @@ _PACKED_MAX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
                  WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                  ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                 PAIRS: tl.constexpr = 0, MIX: tl.constexpr = 2):
+                 PAIRS: tl.constexpr = False, MIX: tl.constexpr = 2):
     """One record: its chunks over NPROG persistent programs (see _hash_chunks)."""
     _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
                  tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN, PAIRS, MIX)
@@ -32,7 +32,7 @@ def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
 def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
                        WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
                        ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = 1,
+                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True,
                        MIX: tl.constexpr = 2):
     """Many records in one launch (grid: NPROG x records), each described by a row of `table`
     (int64: data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL). The records of one launch share
@@ -55,7 +55,7 @@ def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
         _hash_chunks(w_ptr, ints_ptr, floats_ptr, tl.load(rec + 1), tl.load(rec + 2), SLAB,
                      tl.load(rec + 4), tl.load(rec + 5), tl.load(rec + 6), TOTAL, NPROG, pid,
                      WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN,
-                     PAIRS if IS_BF16 and ALIGNED and SLAB16 else 0, MIX)
+                     PAIRS and IS_BF16 and ALIGNED and SLAB16, MIX)
 
 
 @triton.jit
@@ -83,12 +83,12 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     lanes never depend on which path ran."""
     rr = tl.arange(0, R)
     # PAIRS (bf16, SLAB even, 4-byte aligned): a tile is [R, CB / 2] 32-bit words of two
-    # elements each - half the loads, and the high half's mask is also its float bits (fp16
-    # gains nothing: its conversion is not a bit move; `probes sass`)
+    # elements each - half the loads, the high half's fp32 bits a multiply-add, one max for both
+    # halves (_accum_pairs; fp16 gains nothing: its conversion is not a bit move; `probes sass`)
     TW: tl.constexpr = CB // 2 if PAIRS else CB
     cc = tl.arange(0, TW)
     # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element (per word with
-    # PAIRS: the high element's + C2 rides in its multiply, see below) for the position
+    # PAIRS: the high element's + C2 rides in its multiply, see _accum_pairs) for the position
     if PAIRS:
         cc_c2 = (cc.to(tl.uint32) * tl.full([TW], 0x0BD794EE, tl.uint32))[None, :]  # 2 * C2
     else:
@@ -99,7 +99,7 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     acc_b = tl.zeros([R, TW], dtype=tl.uint32)
     acc_s = tl.zeros([R, TW], dtype=tl.float32)
     acc_q = tl.zeros([R, TW], dtype=tl.float32)
-    if PAIRS == 2 and _PACKED_MAX:
+    if PAIRS and _PACKED_MAX:
         acc_m = tl.zeros([R, TW], dtype=tl.uint32)  # max |x| of both halves as bf16x2 (_max_pairs)
     else:
         acc_m = tl.zeros([R, TW], dtype=tl.float32)
@@ -127,23 +127,23 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                 mask = _tile_mask(rows_t, col0_t, cc, A, SLAB, PAIRS)
             else:
                 mask = None
-            if PAIRS == 2:
+            if PAIRS:
                 raw = _load_words(base, start >> 1, it, cc, mask, R, TW, SLAB, ROW_ITERS, EVEN)
                 acc_a, acc_b, acc_s, acc_q, acc_m = _accum_pairs(
                     raw, mask, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
                     R, TW, EVEN, MIX)
             else:
-                raw = _load_tile(base, start, it, cc, mask, R, CB, SLAB, ROW_ITERS, EVEN, PAIRS)
+                raw = _load_tile(base, start, it, cc, mask, R, CB, SLAB, ROW_ITERS, EVEN)
                 acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
-                    raw, mask, kc2, it, k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
-                    WIDTH, IS_BF16, R, TW, EVEN, PAIRS, MIX)
+                    raw, mask, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
+                    WIDTH, IS_BF16, R, TW, EVEN, MIX)
         rg, cg = _next_chunk(rg, cg, dq, dr, N_COL)
     fmax = 3.4028234663852886e38
     poisoned = tl.sum(tl.sum(((tl.abs(acc_s) <= fmax) & (tl.abs(acc_q) <= fmax)).to(tl.int32) ^ 1,
                              axis=1), axis=0)
     sum_s = tl.sum(tl.sum(acc_s, axis=1), axis=0)
     sum_q = tl.sum(tl.sum(acc_q, axis=1), axis=0)
-    if PAIRS == 2 and _PACKED_MAX:
+    if PAIRS and _PACKED_MAX:
         mw = acc_m & 0x7FFF7FFF  # XORSIGN left the signs as they fell: the magnitudes are the max
         acc_m = tl.maximum((mw << 16).to(tl.float32, bitcast=True),
                            (mw & 0xFFFF0000).to(tl.float32, bitcast=True))
@@ -194,17 +194,14 @@ def _tile_rows(rows, col0, it, R: tl.constexpr, CB: tl.constexpr, ROW_ITERS: tl.
 
 @triton.jit
 def _load_tile(base, start, it, cc, mask, R: tl.constexpr, CB: tl.constexpr, SLAB,
-               ROW_ITERS: tl.constexpr, EVEN: tl.constexpr, PAIRS: tl.constexpr):
+               ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
     """The raw words of tile `it` of the chunk whose first tile's rows start at element offsets
     `start`; `mask` (not EVEN): the tile's. A masked word is 0: finite, adds to no statistic."""
     if ROW_ITERS:
         off = start + (it * R) * (tl.zeros([], tl.int64) + SLAB)  # int64 (SLAB may be a constexpr 1)
     else:
         off = start + it * CB
-    if PAIRS:  # SLAB and the first column are even
-        ptrs = base + (off >> 1)[:, None] + cc[None, :]
-    else:
-        ptrs = base + off[:, None] + cc[None, :]
+    ptrs = base + off[:, None] + cc[None, :]
     if EVEN:
         raw = tl.load(ptrs)
     else:
@@ -221,7 +218,7 @@ def _tile_mask(rows, col0, cc, A, SLAB, PAIRS: tl.constexpr):
 @triton.jit
 def _load_words(base, wstart, it, cc, mask, R: tl.constexpr, TW: tl.constexpr, SLAB,
                 ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
-    """PAIRS == 2: tile `it` as 32-bit words, from the chunk's first tile's word offsets `wstart`
+    """PAIRS: tile `it` as 32-bit words, from the chunk's first tile's word offsets `wstart`
     (element offsets >> 1, once a chunk). Along a slab a tile's offset is a constant it * TW, so
     the loads take it as an immediate: no address arithmetic a tile."""
     if ROW_ITERS:
@@ -239,11 +236,11 @@ def _load_words(base, wstart, it, cc, mask, R: tl.constexpr, TW: tl.constexpr, S
 @triton.jit
 def _accum_pairs(raw, mask, kc2, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
                  R: tl.constexpr, TW: tl.constexpr, EVEN: tl.constexpr, MIX: tl.constexpr):
-    """PAIRS == 2, the lean word pairs: tile words `raw` of two bf16 each, the low element at an
-    even position whose k * C2 is kc2 [R] + cc_c2, the high one at cc_c2_hi. Per word: two
-    extractions, two position adds, the two elements' hash terms, the fp32 sums and ONE max for
-    both halves (_max_pairs) - where the first pairs path spent an add a word on the high element's
-    position, two float max and the address arithmetic of every tile."""
+    """The accumulators with tile words `raw` added: two bf16 a word, the low element at an even
+    position whose k * C2 is kc2 [R] + cc_c2. Per word: the two elements' hash terms with one
+    position add between them, the fp32 sums, and one max for both halves (_max_pairs). The sm_90
+    loop: 11.2 instructions an element, against 12.6 for the word pairs before these changes and
+    12.9 element by element (`probes sass`; docs/benchmarks.md has the H200 figures)."""
     wd = raw.to(tl.uint32, bitcast=True)
     pos = cc_c2 + kc2[:, None]
     # high element: h * C1 + (k + 1) * C2 = (h + K) * C1 + k * C2, K = C2 / C1 mod 2**32: both
@@ -308,49 +305,26 @@ def _max_pairs(acc, wd):
 
 
 @triton.jit
-def _accum(raw, mask, kc2, it, k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
+def _accum(raw, mask, kc2, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
            WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, TW: tl.constexpr,
-           EVEN: tl.constexpr, PAIRS: tl.constexpr, MIX: tl.constexpr):
-    """The accumulators with tile `it` of a chunk added: its raw words, its mask (not EVEN), its
-    chunk's first positions times C2 (kc2) and their step a tile (k_step)."""
-    pos = cc_c2 + (kc2 + it * k_step)[:, None]
-    if PAIRS:
-        wd = raw.to(tl.uint32, bitcast=True)
-        hi = wd & 0xFFFF0000
-        # low element: (wd - hi) * C1 + k * C2; high element: w1 * C1 + (k + 1) * C2 =
-        # (w1 + C2 / C1) * C1 + k * C2, C2 / C1 = C2 * C1**-1 mod 2**32 = 0x1A63E8A7
-        y0 = (wd - hi) * c1 + pos
-        y1 = ((wd >> 16) + 0x1A63E8A7) * c1 + pos
-        x0 = _mix(y0, c3, MIX)
-        x1 = _mix(y1, c3, MIX)
-        if not EVEN:
-            x0 = tl.where(mask, x0, tl.zeros([R, TW], dtype=tl.uint32))
-            x1 = tl.where(mask, x1, tl.zeros([R, TW], dtype=tl.uint32))
-        acc_a += x0 + x1
-        acc_b += x0 * _lane_b_factor(x0, y0, MIX)
-        acc_b += x1 * _lane_b_factor(x1, y1, MIX)
-        v = (wd << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32: the bits, shifted
-        u = hi.to(tl.float32, bitcast=True)
-        acc_s += v
-        acc_s += u
-        acc_q += v * v
-        acc_q += u * u
-        acc_m = tl.maximum(acc_m, tl.maximum(tl.abs(v), tl.abs(u)))
+           EVEN: tl.constexpr, MIX: tl.constexpr):
+    """The accumulators with one tile added element by element: its raw words, its mask (not
+    EVEN) and its rows' first positions times C2 (kc2 [R])."""
+    pos = cc_c2 + kc2[:, None]
+    if WIDTH == 16:
+        w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
     else:
-        if WIDTH == 16:
-            w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
-        else:
-            w = raw.to(tl.uint32, bitcast=True)
-        y = w * c1 + pos
-        x = _mix(y, c3, MIX)
-        if not EVEN:
-            x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
-        acc_a += x
-        acc_b += x * _lane_b_factor(x, y, MIX)
-        v = _as_f32(raw, WIDTH, IS_BF16)
-        acc_s += v
-        acc_q += v * v
-        acc_m = tl.maximum(acc_m, tl.abs(v))
+        w = raw.to(tl.uint32, bitcast=True)
+    y = w * c1 + pos
+    x = _mix(y, c3, MIX)
+    if not EVEN:
+        x = tl.where(mask, x, tl.zeros([R, TW], dtype=tl.uint32))
+    acc_a += x
+    acc_b += x * _lane_b_factor(x, y, MIX)
+    v = _as_f32(raw, WIDTH, IS_BF16)
+    acc_s += v
+    acc_q += v * v
+    acc_m = tl.maximum(acc_m, tl.abs(v))
     return acc_a, acc_b, acc_s, acc_q, acc_m
 
 
