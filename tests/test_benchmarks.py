@@ -113,3 +113,23 @@ def test_ingest_appends_only_new_lines(tmp_path):
     assert ingest(str(src), str(dst)) == 1
     assert ingest(str(src), str(dst)) == 0
     assert dst.read_text() == '{"a": 1}\n{"b": 2}\n'
+
+
+def test_hash_kernels_gpu_path_compiles_for_sm90():
+    """The record hash's bf16 word-pairs path carries inline PTX (the packed max, h + K, the high
+    half's bits) that the Triton interpreter - CI's way of running the kernels - never sees. Compile
+    the batch kernel for sm_90 on the CPU (Triton's bundled ptxas, as `probes sass` does) and check
+    the PTX made it into the loop: one HMNMX2 a word, and fewer instructions an element than the
+    element-by-element path. (Bit-for-bit equality on a GPU: `python -m benchmarks record-hash`.)"""
+    pytest.importorskip("triton")
+    from benchmarks.jobs.probes_sass import loop_mix
+
+    try:
+        pairs = loop_mix(16, True, True)
+    except FileNotFoundError as e:  # a Triton build without the CUDA tools
+        pytest.skip(f"no ptxas/cuobjdump in this Triton: {e}")
+    elems = loop_mix(16, True, False)
+    words = pairs["elements_per_thread"] // 2
+    assert pairs["ops"].get("HMNMX2", 0) == words, pairs["ops"]
+    assert "FMNMX" not in pairs["ops"], pairs["ops"]
+    assert pairs["per_element"] < elems["per_element"], (pairs["per_element"], elems["per_element"])
