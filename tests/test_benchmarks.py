@@ -118,18 +118,40 @@ def test_ingest_appends_only_new_lines(tmp_path):
 def test_hash_kernels_gpu_path_compiles_for_sm90():
     """The record hash's bf16 word-pairs path carries inline PTX (the packed max, h + K, the high
     half's bits) that the Triton interpreter - CI's way of running the kernels - never sees. Compile
-    the batch kernel for sm_90 on the CPU (Triton's bundled ptxas, as `probes sass` does) and check
-    the PTX made it into the loop: one HMNMX2 a word, and fewer instructions an element than the
-    element-by-element path. (Bit-for-bit equality on a GPU: `python -m benchmarks record-hash`.)"""
+    the batch kernel for sm_90 on the CPU (Triton's bundled ptxas, as `probes sass` does; in a
+    subprocess without TRITON_INTERPRET, which other tests set in this process) and check the PTX
+    made it into the loop: a packed bf16x2 max and no fp32 max, and fewer instructions an element
+    than the element-by-element path. (Bit for bit on a GPU: `python -m benchmarks record-hash`.)"""
     pytest.importorskip("triton")
-    from benchmarks.jobs.probes_sass import loop_mix
-
-    try:
-        pairs = loop_mix(16, True, True)
-    except FileNotFoundError as e:  # a Triton build without the CUDA tools
-        pytest.skip(f"no ptxas/cuobjdump in this Triton: {e}")
-    elems = loop_mix(16, True, False)
-    words = pairs["elements_per_thread"] // 2
-    assert pairs["ops"].get("HMNMX2", 0) == words, pairs["ops"]
+    code = """
+import json
+from benchmarks.jobs.probes_sass import loop_mix
+try:
+    pairs, elems = loop_mix(16, True, True), loop_mix(16, True, False)
+except FileNotFoundError as e:  # a Triton build without the CUDA tools
+    print(json.dumps({"skip": str(e)}))
+else:
+    print(json.dumps({"pairs": pairs, "elems": elems}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(env, PYTHONPATH=ROOT), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(f"no ptxas/cuobjdump in this Triton: {got['skip']}")
+    pairs, elems = got["pairs"], got["elems"]
+    assert pairs["ops"].get("HMNMX2", 0) + pairs["ops"].get("VHMNMX", 0) > 0, pairs["ops"]
     assert "FMNMX" not in pairs["ops"], pairs["ops"]
     assert pairs["per_element"] < elems["per_element"], (pairs["per_element"], elems["per_element"])
+
+
+def test_hash_word_pairs_need_sm86(monkeypatch):
+    """The packed max needs sm_86: an A100 (sm_80) hashes bf16 element by element, Hopper and Ada
+    take the word pairs (the interpreter, on CPU tensors, always)."""
+    from tpdiag.kernels import record_hash as rh
+
+    for cap, want in (((8, 0), False), ((8, 6), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
+        assert rh.pairs_ok.__wrapped__(torch.device("cuda", 0)) is want, cap
+    assert rh.pairs_ok(torch.device("cpu")) is True

@@ -112,7 +112,7 @@ for dt, shape in ((torch.bfloat16, (4, 8, 64)), (torch.float32, (2, 8, 40))):
         for mix in (1, 2):
             ia, _ = rh.lanes_torch(p, *args, mix=mix)
             ia[:2] &= rh.M32
-            for pairs in (False, True):  # both 16-bit paths, explicitly (element-wise: the default)
+            for pairs in (False, True):  # both 16-bit paths, explicitly (word pairs: the default)
                 ib, _ = rh.triton_lanes(p, *args, mix=mix, pairs=pairs)
                 ib[:2] &= rh.M32
                 assert torch.equal(ia, ib), (dt, dim, mix, pairs, ia, ib)

@@ -104,7 +104,8 @@ def hash_throughput(args) -> dict:
 
 
 # launch shapes tried by `hash --sweep` (block, iters, waves, warps); shipped: (1024, 8, 4, 4) for
-# 32-bit data, (1024, 16, 4, 4) for 16-bit (kernels/record_hash.py ITERS_2BYTE, waves_for)
+# 32-bit data; for 16-bit (1024, 16, 4, 4) a record launched with others, (1024, 16, 16, 4) a
+# record alone (kernels/record_hash.py ITERS_2BYTE, waves_for, FILL_2BYTE)
 HASH_SWEEP = [(1024, 8, 4, 4), (1024, 16, 16, 4), (1024, 16, 8, 4), (1024, 16, 4, 4), (1024, 4, 4, 4),
               (2048, 4, 4, 8)]
 # (session 11, H200, bf16: block 2048 or 4096 with fewer iters, Triton's software pipeline of the

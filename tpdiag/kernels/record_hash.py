@@ -22,8 +22,9 @@ changes confined to TWO elements (a swap, a balanced +-1 ULP pair, two sign flip
 unchanged 2-3x as often as a random function's at 8 bits and up to ~34x at 20 bits; lane_b
 (x * y: a product, not a square, whose low bits would repeat lane_a's) stays near random there,
 so the pair is what carries such changes. Integer work per element: one multiply-add, two funnel
-shifts, one 3-input xor, an add and a multiply-add for the lanes - the kernel's bf16 loop is
-integer-bound (`python -m benchmarks probes sass`).
+shifts, one 3-input xor, an add and a multiply-add for the lanes. At 2 bytes an element that
+work, not memory, bounded the bf16 loop until it read 32-bit words of two elements with one max
+for both (`python -m benchmarks probes sass`; an H200 now hashes bf16 at torch.sum's speed).
 
 Version 1 (run directories written before the field existed; `mix=1` for the benchmarks' A/B and
 for checking an old directory's stored tensors): x = y ^ (y >> 16); x *= C3; x ^= x >> 15;
@@ -69,8 +70,10 @@ ITERS_2BYTE = 16
 # find no eligible warp 32-41% of cycles (ncu, H200): a record hashed alone reads faster at 16
 # (H200, 1 GiB bf16, lean word pairs, 62cadff: whole 3707 -> 3911 GB/s, last-dim shard 3579 ->
 # 3861). A training step's launches hold several records, whose programs run side by side, and
-# there 16 a record was slower (llama-1b 8 x 4096, same run: +20.8 ms a step against +16.0 at 4;
-# session 11 saw the same with the first word pairs): 4 a record, 16 a launch.
+# there 16 a record was not faster (llama-1b 8 x 4096, same run: +20.8 ms a step against +16.0 at
+# 4, one 7-round comparison; session 11 saw the same with the first word pairs; the hash kernels'
+# time in a profiled step was the same 18.5 ms with the fill rule and at a fixed 4): 4 a record,
+# 16 a launch.
 WAVES_2BYTE_DEFAULT = 4
 FILL_2BYTE = 16
 
@@ -194,7 +197,7 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
             width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
             bool(PAIRS[0] if pairs is None else pairs) and t.dtype == torch.bfloat16 and slab_n % 2 == 0
-            and words.data_ptr() % 4 == 0, mix)
+            and words.data_ptr() % 4 == 0 and pairs_ok(t.device), mix)
     _launch(args, nprog, warps, t.device)
     return out
 
@@ -213,6 +216,15 @@ _COMPILED: dict = {}
 # 8 x 4096, hash mode: +16.0 ms a step against +21.4 (docs/benchmarks.md). TPDIAG_HASH_PAIRS=0:
 # element by element (A/B).
 PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
+
+
+@functools.lru_cache(maxsize=None)
+def pairs_ok(device) -> bool:
+    """Whether the word-pairs path compiles for `device`: its packed max (max.xorsign.abs.bf16x2)
+    needs sm_86 or later (an A100, sm_80, hashes element by element). The interpreter runs no PTX."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 6)
 _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 
 
@@ -333,7 +345,7 @@ def batch_args(key, table, nprog: int, ints, floats) -> tuple:
     """_hash_batch_kernel's arguments, all of them, in its parameter order."""
     width, is_bf16, r, cb, row_iters, even, slab16, iters, aligned = key
     return (table, ints, floats, nprog, width, is_bf16, r, cb, iters, row_iters, even, aligned, slab16,
-            PAIRS[0], HASH_VERSION)
+            PAIRS[0] and pairs_ok(ints.device), HASH_VERSION)
 
 
 def batch_nprog(total_max: int, device, width: int = 32, records: int = 1) -> int:
