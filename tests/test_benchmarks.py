@@ -155,3 +155,16 @@ def test_hash_word_pairs_need_sm86(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
         assert rh.pairs_ok.__wrapped__(torch.device("cuda", 0)) is want, cap
     assert rh.pairs_ok(torch.device("cpu")) is True
+
+
+def test_overhead_order_puts_each_probed_mode_after_the_unprobed_step_in_turn():
+    """`probes overhead`: the step right after the unprobed one costs more (allocator state, seen
+    on an H200), so each probed mode takes that place equally often, and the unprobed step stays
+    first in its round (its pairs are the round's)."""
+    from benchmarks.jobs.probes import _order
+
+    modes = ["none@warm", "hash@warm", "hash-elem@warm", "full@warm"]
+    rounds = [_order(modes, k) for k in range(6)]
+    assert all(sorted(r) == sorted(modes) and r[0] == "none@warm" for r in rounds)
+    firsts = [r[1] for r in rounds]
+    assert sorted(firsts) == sorted(modes[1:] * 2), firsts

@@ -69,7 +69,8 @@ def overhead(args) -> dict:
     nparams = sum(p.numel() for p in built[1].parameters())
     modes = _modes(args.modes)
     res = {m: {"step_s": [], "issue_s": [], "phases": [], "peak_bytes": [], "gather_s": [], "records": 0, "kept_bytes": 0,
-               "host": [], "rss_peak": []} for m in modes}
+               "host": [], "rss_peak": [], "after": [], "mallocs": []} for m in modes}
+    last = [None]  # the mode of the step before (warm-ups included)
     import tempfile
 
     from tpdiag.probes.stream import close_stores
@@ -95,7 +96,10 @@ def overhead(args) -> dict:
                 torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
         _reset_rss_peak()
+        n0 = _device_allocs(dev)
         t = step.run(cfg, dev, 1, rec)
+        n1 = _device_allocs(dev)
+        after, last[0] = last[0], key
         peak = torch.cuda.max_memory_allocated(dev) if dev_type == "cuda" else 0
         t0 = time.perf_counter()
         # stream: full-mode records stay where the capture put them (host chunks, spill files)
@@ -120,17 +124,19 @@ def overhead(args) -> dict:
             r["kept_bytes"] = sum(x.numel() * x.element_size() for _, x in stored if x is not None)
             r["host"].append(host)
             r["rss_peak"].append(rss)
+            r["after"].append(after)
+            r["mallocs"].append(None if n0 is None else n1 - n0)
         del rec, stored
 
     for m in modes:  # warm-up: kernels compiled, allocator grown
         once(m, False)
     for k in range(args.rounds):
-        # the order turns each round: the step run right after the unprobed one read 3-9 ms more
-        # at 8 x 4096 on an H200 (session 16: none,hash,hash-elem and none,hash-elem,hash on one
-        # machine, each of the two hash paths slower in second place), so a fixed order charges
-        # that to whichever mode comes second. Each round's modes are still paired with that
-        # round's unprobed step.
-        order = modes if args.fixed_order else modes[k % len(modes):] + modes[:k % len(modes)]
+        # the order changes each round: a hash step run right after an unprobed one read ~10 ms
+        # more at 8 x 4096 on an H200 than one after a hash step (session 16), so a fixed order
+        # charges that to whichever mode follows the unprobed step. Each probed mode takes that
+        # place in turn (_order), and _after_lines reports both places apart. Each round's modes
+        # are still paired with that round's unprobed step.
+        order = modes if args.fixed_order else _order(modes, k)
         for m in order:
             once(m, True)
     d2h = _d2h_gbs(dev) if dev_type == "cuda" else None
@@ -155,7 +161,7 @@ def overhead(args) -> dict:
                            "mem_overhead": pk / none_m - 1 if dev_type == "cuda" else None, "gather_ms": 1e3 * statistics.median(r["gather_s"]),
                            "records": r["records"], "kept_mib": r["kept_bytes"] / 2**20,
                            **_host_figures(r, d2h)}
-    out["order"] = "fixed" if args.fixed_order else "turned each round"
+    out["order"] = "fixed" if args.fixed_order else "unprobed first, the probed modes turned each round"
     lines = [f"overhead: {out['device']}, {args.model} ({nparams / 1e9:.2f}B params) {args.dtype}, "
              f"batch {args.batch} x seq {args.seq}, TP=1, median of {args.rounds} rounds, mode order "
              f"{out['order']}; "
@@ -170,10 +176,54 @@ def overhead(args) -> dict:
                      f"{fmt(r['mfu_no_probes'])} | {r['issue_ms']:.1f} | "
                      f"{r['peak_gib']:.2f} | {_pct(r['mem_overhead'])} | {r['gather_ms']:.1f} | "
                      f"{r['records']} | {r['kept_mib']:.1f} |")
+    lines += _after_lines(out, res, modes)
     lines += _phase_lines(out, res, modes)
     lines += _host_lines(out, d2h)
     print("\n".join(lines))
     return out
+
+
+def _order(modes: list, k: int) -> list:
+    """Round k's mode order: the unprobed modes first, then the probed ones turned by k - over
+    as many rounds as there are probed modes, each runs right after the unprobed step once."""
+    none = [m for m in modes if m.startswith("none")]
+    probed = [m for m in modes if not m.startswith("none")]
+    j = k % max(1, len(probed))
+    return none + probed[j:] + probed[:j]
+
+
+def _device_allocs(dev):
+    """cudaMalloc calls so far (the caching allocator's count), or None (CPU, older torch)."""
+    if dev.type != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.memory_stats(dev).get("num_device_alloc")
+
+
+def _after_lines(out: dict, res: dict, modes: list) -> list[str]:
+    """Each probed mode's paired + ms split by the step that ran before it: an unprobed one (what
+    compare's probed step follows: the self-check step) or a probed one; and the cudaMalloc calls
+    its steps made."""
+    lines = ["by the step before (paired + ms, median; rounds; cudaMalloc calls a step, median)",
+             "| probes | after an unprobed step | after a probed step |", "|---|---|---|"]
+    for m in modes:
+        if m.startswith("none"):
+            continue
+        r = res[m]
+        base = res["none@warm" if m.endswith("@warm") else "none"]["step_s"]
+        cells = []
+        for after_none in (True, False):
+            ks = [k for k, a in enumerate(r["after"]) if a is not None and a.startswith("none") == after_none]
+            if not ks:
+                cells.append("-")
+                continue
+            d = statistics.median(1e3 * (r["step_s"][k] - base[k]) for k in ks)
+            mal = [r["mallocs"][k] for k in ks if r["mallocs"][k] is not None]
+            cells.append(f"{d:+.1f} ms ({len(ks)})" + (f", {statistics.median(mal):g} mallocs" if mal else ""))
+        out["modes"][m]["after_unprobed_ms"], out["modes"][m]["after_probed_ms"] = cells
+        lines.append(f"| {m} | {cells[0]} | {cells[1]} |")
+    return lines
 
 
 def _phase_lines(out: dict, res: dict, modes: list) -> list[str]:
@@ -509,8 +559,9 @@ def main(argv: list[str]) -> dict:
                     help="dense bf16 peak TFLOP/s of one device for MFU (default: 989.4 on H100/H200, else no MFU)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--fixed-order", action="store_true",
-                    help="overhead: run the modes in the --modes order every round (default: the order "
-                         "turns by one each round, so no mode always follows the unprobed step)")
+                    help="overhead: run the modes in the --modes order every round (default: the "
+                         "unprobed mode first, then the probed modes turned by one each round, so each "
+                         "runs right after the unprobed step equally often)")
     ap.add_argument("--spill-dir", default=None,
                     help="overhead: where full capture spills past TPDIAG_HOST_BUDGET (default: the temp dir)")
     ap.add_argument("--waves", default=None,
