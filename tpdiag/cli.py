@@ -76,6 +76,9 @@ def compare(
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
             seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len,
             tree_groups=0 if tree_groups is None else tree_groups)
+        from tpdiag.runner.launch import prestart
+
+        prestart(cfg.model)  # the fork server's imports overlap the checks below
         from tpdiag.runner.compare import default_out, validate
         from tpdiag.runner.session import compare_session
 
@@ -179,6 +182,9 @@ def confirm_cmd(
             raise BadInput(f"{run_dir}: not a tpdiag compare run directory (no config in manifest.json)")
         c["degrees"], c["fixes"] = tuple(c["degrees"]), tuple(c.get("fixes", ()))
         cfg = CompareConfig(**c)
+        from tpdiag.runner.launch import prestart
+
+        prestart(cfg.model)
         if degree is not None and degree not in summary.get("degrees", {}):
             raise BadInput(f"--degree {degree}: not in this run; expected one of "
                            f"{', '.join(summary.get('degrees', {}))}")

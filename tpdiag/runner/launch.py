@@ -50,6 +50,20 @@ def _context(model: str = ""):
     return ctx
 
 
+def prestart(model: str = "") -> None:
+    """Start the fork server now: its imports (torch, and transformers for an hf: model: seconds)
+    then run while this process checks the input and resolves the model, instead of inside the
+    first world's start. A no-op for another start method, a server already running, or
+    TPDIAG_PRESTART=0 (A/B). If the input is bad, the server exits with this process."""
+    if os.environ.get("TPDIAG_PRESTART", "1") == "0":
+        return
+    ctx = _context(model)
+    if ctx.get_start_method() == "forkserver" and threading.current_thread() is threading.main_thread():
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult:
     from datetime import timedelta
 

@@ -1,0 +1,39 @@
+"""The fork server starts before the input is checked (runner/launch.prestart): its imports -
+torch, transformers for an hf: model - overlap the parent's checks instead of the first world's
+start. TPDIAG_PRESTART=0 turns it off (A/B), and a bad input is still one line, exit 2."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+CODE = """
+import multiprocessing.forkserver as fs
+from tpdiag.runner.launch import prestart
+prestart("tiny-llama")
+print("running" if fs._forkserver._forkserver_pid is not None else "not running")
+"""
+
+
+def _run(env_extra: dict) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("TPDIAG_START_METHOD", "TPDIAG_PRESTART")}
+    env.update(PYTHONPATH=ROOT, **env_extra)
+    p = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
+def test_prestart_starts_the_fork_server_and_can_be_turned_off():
+    assert _run({}) == "running"
+    assert _run({"TPDIAG_PRESTART": "0"}) == "not running"
+    assert _run({"TPDIAG_START_METHOD": "spawn"}) == "not running"
+
+
+def test_bad_input_after_prestart_is_still_one_line_exit_2():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--model", "no-such-model", "--tp", "1,2"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert len(p.stderr.strip().splitlines()) == 1 and "no-such-model" in p.stderr, p.stderr
