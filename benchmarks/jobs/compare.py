@@ -14,6 +14,9 @@ confirmation and the worlds' wall times. Named sets of runs (--set):
   more     sequence parallelism, hf: with --fix all, --granularity auto
   oom      llama-1b fp32 under TPDIAG_CUDA_MEM_FRACTION=0.07: a real CUDA OOM, reported cleanly
   smoke    tiny-llama fp32 on CPU (gloo), no baseline/confirmation: the job's code path
+  start    tiny hf: Qwen3 fp32, the fork server started before the input checks or with the first
+           world (TPDIAG_PRESTART=1 / 0), three pairs alternating: the first world's start (CPU
+           ranks work: --device cpu)
 
     python -m benchmarks compare-1b [--tp 1,2,4]
     python -m benchmarks compare --set matrix --tp 1,2,4
@@ -71,11 +74,16 @@ SETS: dict[str, list[tuple]] = {
     "oom": [("oom", ["--model", "llama-1b", "--dtype", "float32", "--seq-len", "1024", "--batch-size", "1",
                      "--no-confirm", "--no-baseline"], {"TPDIAG_CUDA_MEM_FRACTION": "0.07"}, 100)],
     "smoke": [("smoke-fp32", ["--dtype", "float32", "--no-baseline", "--no-confirm"], {}, 240)],
+    # the fork server started before the input checks (runner/launch.prestart) or, as before, with
+    # the first world: A/B pairs, alternating; read each run's first world's spawn_s and start
+    "start": [(f"start-{ab}-{i}", ["--model", "hf:/tmp/hf-qwen3", "--dtype", "float32", "--no-confirm"],
+               {"TPDIAG_PRESTART": "0" if ab == "before" else "1"}, 200)
+              for i in (1, 2, 3) for ab in ("before", "prestart")],
 }
 WORLD_KEYS = ("spawn_s", "setup_s", "process_group_s", "model_s", "world_start_s", "selfcheck_s", "steps_s",
               "gather_s", "write_s", "init", "init_full_peak_bytes", "init_whole_bytes", "peak_mem_bytes",
               "max_rss_bytes")
-DEFAULT_TP = {"1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2"}
+DEFAULT_TP = {"1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2", "start": "1,2"}
 
 
 def parse(argv):
