@@ -37,3 +37,11 @@ def test_bad_input_after_prestart_is_still_one_line_exit_2():
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert len(p.stderr.strip().splitlines()) == 1 and "no-such-model" in p.stderr, p.stderr
+
+
+def test_unknown_start_method_is_one_line_exit_2():
+    env = dict(os.environ, PYTHONPATH=ROOT, TPDIAG_START_METHOD="bogus")
+    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--tp", "1,2"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert len(p.stderr.strip().splitlines()) == 1 and "TPDIAG_START_METHOD" in p.stderr, p.stderr

@@ -41,6 +41,10 @@ def _context(model: str = ""):
     for k, v in RANK_ENV.items():
         os.environ.setdefault(k, v)  # inherited by the fork server, so by every rank
     method = os.environ.get("TPDIAG_START_METHOD", "forkserver")
+    if method not in mp.get_all_start_methods():
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"TPDIAG_START_METHOD={method!r}: expected one of {', '.join(mp.get_all_start_methods())}")
     ctx = mp.get_context(method)
     if method == "forkserver":
         # Ranks fork from a server that has imported torch once: start-up is ~0.1 s, not ~2 s.
