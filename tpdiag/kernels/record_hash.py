@@ -212,9 +212,10 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
 _COMPILED: dict = {}
 # bf16 data as 32-bit word pairs (_hash_chunks' PAIRS, where a record's layout allows it; the
 # lanes are the same). On since 62cadff's lean word pairs: H200, 1 GiB bf16, side by side, whole
-# 3707 GB/s against 3474 element by element at 4 per SM, 3911 against 3446 at 16; llama-1b
-# 8 x 4096, hash mode: +16.0 ms a step against +21.4 (docs/benchmarks.md). TPDIAG_HASH_PAIRS=0:
-# element by element (A/B).
+# 3707 GB/s against 3474 element by element at 4 per SM, 3911 against 3446 at 16; in a llama-1b
+# 8 x 4096 step the hash kernels took 18.5 / 19.1 ms against 20.5 / 20.8 - less than the step's
+# own spread, which could not tell the two apart (docs/benchmarks.md, session 16).
+# TPDIAG_HASH_PAIRS=0: element by element (A/B).
 PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
 
 
