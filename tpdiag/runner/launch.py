@@ -61,11 +61,21 @@ def prestart(model: str = "") -> None:
     TPDIAG_PRESTART=0 (A/B). If the input is bad, the server exits with this process."""
     if os.environ.get("TPDIAG_PRESTART", "1") == "0":
         return
-    ctx = _context(model)
-    if ctx.get_start_method() == "forkserver" and threading.current_thread() is threading.main_thread():
-        from multiprocessing import forkserver
+    # RANK_ENV goes to the server (so to every rank) but not to this process: here torch is not
+    # imported yet, and OMP_NUM_THREADS=1 would make the diff, which runs here, single-threaded
+    saved = {k: os.environ.get(k) for k in RANK_ENV}
+    try:
+        ctx = _context(model)
+        if ctx.get_start_method() == "forkserver" and threading.current_thread() is threading.main_thread():
+            from multiprocessing import forkserver
 
-        forkserver.ensure_running()
+            forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult:
