@@ -130,7 +130,9 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
             else:
                 mask = None
             if PAIRS:
-                raw = _load_words(base, start >> 1, it, cc, mask, R, TW, SLAB, ROW_ITERS, EVEN)
+                # words: a tile of TW words from the word offsets (once a chunk), so along a slab
+                # tile `it` is the constant it * TW further - the loads take it as an immediate
+                raw = _load_tile(base, start >> 1, it, cc, mask, R, TW, SLAB >> 1, ROW_ITERS, EVEN)
                 acc_a, acc_b, acc_s, acc_q, acc_m = _accum_pairs(
                     raw, mask, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
                     R, TW, EVEN, MIX)
@@ -197,8 +199,9 @@ def _tile_rows(rows, col0, it, R: tl.constexpr, CB: tl.constexpr, ROW_ITERS: tl.
 @triton.jit
 def _load_tile(base, start, it, cc, mask, R: tl.constexpr, CB: tl.constexpr, SLAB,
                ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
-    """The raw words of tile `it` of the chunk whose first tile's rows start at element offsets
-    `start`; `mask` (not EVEN): the tile's. A masked word is 0: finite, adds to no statistic."""
+    """The raw words of tile `it` of the chunk whose first tile's rows start at offsets `start`
+    (in words of the load's width: elements, or element pairs with SLAB and CB halved);
+    `mask` (not EVEN): the tile's. A masked word is 0: finite, adds to no statistic."""
     if ROW_ITERS:
         off = start + (it * R) * (tl.zeros([], tl.int64) + SLAB)  # int64 (SLAB may be a constexpr 1)
     else:
@@ -215,24 +218,6 @@ def _load_tile(base, start, it, cc, mask, R: tl.constexpr, CB: tl.constexpr, SLA
 def _tile_mask(rows, col0, cc, A, SLAB, PAIRS: tl.constexpr):
     # PAIRS: SLAB is even, both halves of a word are in or both out
     return (rows < A)[:, None] & ((col0 + (2 if PAIRS else 1) * cc) < SLAB)[None, :]
-
-
-@triton.jit
-def _load_words(base, wstart, it, cc, mask, R: tl.constexpr, TW: tl.constexpr, SLAB,
-                ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
-    """PAIRS: tile `it` as 32-bit words, from the chunk's first tile's word offsets `wstart`
-    (element offsets >> 1, once a chunk). Along a slab a tile's offset is a constant it * TW, so
-    the loads take it as an immediate: no address arithmetic a tile."""
-    if ROW_ITERS:
-        off = wstart + (it * R) * (tl.zeros([], tl.int64) + (SLAB >> 1))
-    else:
-        off = wstart + it * TW
-    ptrs = base + off[:, None] + cc[None, :]
-    if EVEN:
-        raw = tl.load(ptrs)
-    else:
-        raw = tl.load(ptrs, mask=mask, other=0)
-    return raw
 
 
 @triton.jit
