@@ -17,6 +17,8 @@ confirmation and the worlds' wall times. Named sets of runs (--set):
   start    tiny hf: Qwen3 fp32, the fork server started before the input checks or with the first
            world (TPDIAG_PRESTART=1 / 0), three pairs alternating: the first world's start (CPU
            ranks work: --device cpu)
+  start-4b the same A/B, two pairs, with 4b's safetensors checkpoint at --tp 1,1 (two TP=1 worlds:
+           one GPU): the first world's start at issue #20's size
 
     python -m benchmarks compare-1b [--tp 1,2,4]
     python -m benchmarks compare --set matrix --tp 1,2,4
@@ -79,11 +81,17 @@ SETS: dict[str, list[tuple]] = {
     "start": [(f"start-{ab}-{i}", ["--model", "hf:/tmp/hf-qwen3", "--dtype", "float32", "--no-confirm"],
                {"TPDIAG_PRESTART": "0" if ab == "before" else "1"}, 200)
               for i in (1, 2, 3) for ab in ("before", "prestart")],
+    # the same A/B at issue #20's size on one GPU: the 4B config from its safetensors checkpoint
+    # (the first world that took 18.2 s, 9.7 s of it the spawn), at --tp 1,1 - two TP=1 worlds,
+    # so the first world is compare's reference world as in `4b-st` without a second GPU
+    "start-4b": [(f"start4b-{ab}-{i}", ["--model", "hf:/tmp/hf-qwen3-4b-st"] + Q4B[2:] + ["--no-confirm"],
+                  {"TPDIAG_PRESTART": "0" if ab == "before" else "1"}, 240)
+                 for i in (1, 2) for ab in ("before", "prestart")],
 }
 WORLD_KEYS = ("spawn_s", "setup_s", "process_group_s", "model_s", "world_start_s", "selfcheck_s", "steps_s",
               "gather_s", "write_s", "init", "init_full_peak_bytes", "init_whole_bytes", "peak_mem_bytes",
               "max_rss_bytes")
-DEFAULT_TP = {"1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2", "start": "1,2"}
+DEFAULT_TP = {"1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2", "start": "1,2", "start-4b": "1,1"}
 
 
 def parse(argv):

@@ -56,7 +56,8 @@ def hash_throughput(args) -> dict:
                    ("copy", lambda: y.copy_(x), None),
                    ("record hash, whole", lambda: shard_lanes(x), None),
                    # a last-dim shard (rank 1 of 4): one slab per row, the offset applied per slab
-                   ("record hash, last-dim shard", lambda: shard_lanes(x, 1, 4 * 8192, 8192), None)]
+                   ("record hash, last-dim shard", lambda: shard_lanes(x, 1, 4 * 8192, 8192), None),
+                   *_narrow_rows(x, shard_lanes)]
         # 16-bit data element-wise and as word pairs (kernels/record_hash.py PAIRS), and the lane
         # mixes (record_hash_ref.py MIXES: 1 the first, 2 shipped) side by side, each one's lanes
         # checked against the torch path's
@@ -101,6 +102,25 @@ def hash_throughput(args) -> dict:
                      f"{100 * r['of_sum']:.0f}% | {'' if r['lanes_equal_torch'] is None else r['lanes_equal_torch']} |")
     print("\n".join(lines))
     return {"device": _device_name(), "peak_gbs": peak, "rows": rows}
+
+
+def _narrow_rows(x, shard_lanes) -> list:
+    """`hash`'s rows for narrower last-dim shards of x's bytes (a view): 2048 wide is a TP=4 shard
+    of an 8192-wide dim, 512 wide a TP=8 shard of 4096, where the kernel's [R x CB] tiles stack
+    rows (issue #20 item 2 asks >= 80% of HBM for last-dim shards too). Timed in the same
+    interleaved rounds as the other rows; each one's lanes checked against the torch path's."""
+    import torch
+
+    from tpdiag.kernels import record_hash as rh
+
+    rows = []
+    for width, ways in ((2048, 4), (512, 16)):
+        v = x.view(-1, width)
+        fn = lambda v=v, width=width, ways=ways: shard_lanes(v, 1, ways * width, width)  # noqa: E731
+        want = rh.lanes_torch(v, *rh.slab(v.shape, 1, ways * width, width))[0][:2] & rh.M32
+        rows.append((f"record hash, last-dim shard {width} wide", fn,
+                     bool(torch.equal(fn()[0][:2] & rh.M32, want))))
+    return rows
 
 
 # launch shapes tried by `hash --sweep` (block, iters, waves, warps); shipped: (1024, 8, 4, 4) for
