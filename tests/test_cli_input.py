@@ -35,6 +35,7 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
 @pytest.mark.parametrize("var,value", [("TPDIAG_HASH_BATCH", "abc"), ("TPDIAG_HASH_BATCH", "0"),
                                        ("TPDIAG_HASH_BATCH", "99999"), ("TPDIAG_HASH_CAP_MB", "-5"),
                                        ("TPDIAG_HASH_CAP_MB", "0"), ("TPDIAG_HASH_CAP_MB", "1G"),
+                                       ("TPDIAG_HASH_NARROW_REGS", "16"), ("TPDIAG_HASH_NARROW_REGS", "x"),
                                        ("TPDIAG_HOST_BUDGET", "lots"),
                                        ("TPDIAG_HOST_CHUNK", "-1")])
 def test_bad_hash_queue_env_is_one_line_exit_2(var, value, tmp_path, monkeypatch):

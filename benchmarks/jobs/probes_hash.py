@@ -118,9 +118,38 @@ def _narrow_rows(x, shard_lanes) -> list:
         v = x.view(-1, width)
         fn = lambda v=v, width=width, ways=ways: shard_lanes(v, 1, ways * width, width)  # noqa: E731
         want = rh.lanes_torch(v, *rh.slab(v.shape, 1, ways * width, width))[0][:2] & rh.M32
-        rows.append((f"record hash, last-dim shard {width} wide", fn,
-                     bool(torch.equal(fn()[0][:2] & rh.M32, want))))
+        for label, f in (("", fn), (", register cap 80", _capped(fn, 80)), (", no register cap", _capped(fn, 255)),
+                         (", as before caa8350 (no cap, strided tiles)", _capped(fn, 255, dense=False))):
+            rows.append((f"record hash, last-dim shard {width} wide{label}", f,
+                         bool(torch.equal(f()[0][:2] & rh.M32, want))))
     return rows
+
+
+def _capped(fn, regs: int, dense: bool = True):
+    """fn with narrow tiles launched at another register cap (record_hash.narrow_regs; 255: none;
+    the kernel compiled apart: the cap is in the direct-launch key); dense=False: a shard as wide
+    as its tile read with the strided tiles' runtime offsets (ROW_ITERS 1, not 2) - with no cap,
+    the launch shipped before."""
+    from tpdiag.kernels import record_hash as rh
+
+    plan = rh.plan
+
+    def strided(*a, **k):
+        r, cb, row_iters, n_row, n_col, even = plan(*a, **k)
+        return r, cb, min(row_iters, 1), n_row, n_col, even
+
+    def run():
+        saved = list(rh._NARROW_REGS)
+        rh._NARROW_REGS[:] = [regs]
+        if not dense:
+            rh.plan = strided
+        try:
+            return fn()
+        finally:
+            rh._NARROW_REGS[:] = saved
+            rh.plan = plan
+
+    return run
 
 
 # launch shapes tried by `hash --sweep` (block, iters, waves, warps); shipped: (1024, 8, 4, 4) for

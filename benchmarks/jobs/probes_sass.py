@@ -28,29 +28,37 @@ INT_OPS = ("IMAD", "LOP3", "SHF", "IADD3", "VIADD", "PRMT", "LEA", "IADD", "ISET
            "SHL", "SHR", "LOP", "BMSK", "POPC", "FLO", "BREV")
 
 
-def loop_mix(width: int, bf16: bool, pairs: bool, warps: int | None = None, mix: int | None = None) -> dict:
-    """{instructions, per_element, ops: {opcode: count}} of one compiled variant (whole-tensor
-    tiles, CB = BLOCK, every chunk full, 16-byte aligned)."""
+def loop_mix(width: int, bf16: bool, pairs: bool, warps: int | None = None, mix: int | None = None,
+             slab: int | None = None, regs: int | None = None, iters: int | None = None) -> dict:
+    """{instructions, per_element, ops: {opcode: count}, registers, spills} of one compiled
+    variant: whole-tensor tiles (CB = BLOCK), or with `slab` the tiles record_hash.plan gives a
+    last-dim shard that wide (stacked over rows); every chunk full, 16-byte aligned; `regs`: a
+    register cap (maxnreg); `iters`: tiles a chunk (default record_hash.ITERS)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from tpdiag.kernels import record_hash as rh
 
-    cb, iters, warps = rh.BLOCK, rh.ITERS, warps or rh.WARPS
+    warps = warps or rh.WARPS
+    iters = iters or rh.ITERS
+    r, cb, row_iters = (1, rh.BLOCK, 0) if slab is None else rh.plan(1 << 20, slab, rh.BLOCK, iters)[:3]
     k = rh._triton()._hash_batch_kernel
-    consts = {"WIDTH": width, "IS_BF16": bf16, "R": 1, "CB": cb, "ITERS": iters, "ROW_ITERS": False,
+    consts = {"WIDTH": width, "IS_BF16": bf16, "R": r, "CB": cb, "ITERS": iters, "ROW_ITERS": row_iters,
               "EVEN": True, "ALIGNED": True, "SLAB16": True, "PAIRS": pairs, "MIX": mix or rh.HASH_VERSION}
     sig = {"table_ptr": "*i64", "ints_ptr": "*i64", "floats_ptr": "*fp64", "NPROG": "i32",
            **{n: "constexpr" for n in consts}}
     src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, **({"maxnreg": regs} if regs else {})})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
         f.flush()
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    reg = re.search(r"REG:(\d+)", res)
     ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(@!?P\d\s+)?([A-Z0-9_.]+)", sass)
     body = None
     for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+@!?P\d\s+BRA\s+0x([0-9a-f]+)", sass):
@@ -59,12 +67,30 @@ def loop_mix(width: int, bf16: bool, pairs: bool, warps: int | None = None, mix:
             body = (to, at)
             break
     sel = [op for a, _, op in ins if body and body[0] <= int(a, 16) <= body[1]]
-    per_thread = cb * iters // (32 * warps)
+    per_thread = r * cb * iters // (32 * warps)
     counts = collections.Counter(op.split(".")[0] for op in sel)
     n_int = sum(c for op, c in counts.items() if op in INT_OPS)
+    registers = int(reg.group(1)) if reg else None
     return {"instructions": len(sel), "elements_per_thread": per_thread,
             "per_element": len(sel) / per_thread, "int_per_element": n_int / per_thread,
-            "ops": dict(counts.most_common())}
+            "ops": dict(counts.most_common()), "registers": registers,
+            "programs_per_sm": _fit(registers, warps), "spills_in_loop": counts.get("STL", 0) + counts.get("LDL", 0)}
+
+
+def _fit(registers: int | None, warps: int) -> int | None:
+    """Programs of `warps` warps that fit an sm_90 SM's 64K registers at once (a warp's registers
+    allocated in units of 256: per thread, rounded up to a multiple of 8)."""
+    if not registers:
+        return None
+    per_warp = -(-registers // 8) * 8 * 32
+    return min(32 // warps, 65536 // (per_warp * warps))
+
+
+# (label, WIDTH, IS_BF16, PAIRS, slab or None): whole tensors and last-dim shards as the shipped
+# launch tiles them - the narrow ones stacked over rows, with and without their register cap
+LAYOUTS = (("bf16 word pairs, whole", 16, True, True, None), ("bf16 word pairs, 2048 wide", 16, True, True, 2048),
+           ("bf16 word pairs, 512 wide", 16, True, True, 512), ("fp32, whole", 32, False, False, None),
+           ("fp32, 2048 wide", 32, False, False, 2048), ("fp32, 512 wide", 32, False, False, 512))
 
 
 def sass(args) -> dict:
@@ -81,5 +107,20 @@ def sass(args) -> dict:
     for r in rows:
         lines.append(f"| {r['case']} | {r['per_element']:.2f} | {r['int_per_element']:.2f} | "
                      + " | ".join(f"{per(r, op):.2f}" for op in top) + " |")
+    from tpdiag.kernels import record_hash as rh
+
+    layouts = []
+    for label, width, bf16, pairs, slab in LAYOUTS:
+        for regs in ((None,) if slab is None else (None, rh.NARROW_REGS_DEFAULT)):
+            r = loop_mix(width, bf16, pairs, slab=slab, regs=regs, iters=rh.iters_for(width))
+            layouts.append({"case": label, "cap": regs, **r})
+    lines += ["", "the loop by layout, as the shipped launch tiles it (record_hash.iters_for's chunk; narrow "
+              "tiles with and without the register cap they launch with, record_hash.narrow_regs; "
+              "programs an SM: by registers, 4 warps each)",
+              "| layout | register cap | registers | programs an SM | per element | local spills in the loop |",
+              "|---|---|---|---|---|---|"]
+    for r in layouts:
+        lines.append(f"| {r['case']} | {r['cap'] or '-'} | {r['registers']} | {r['programs_per_sm']} | "
+                     f"{r['per_element']:.2f} | {r['spills_in_loop']} |")
     print("\n".join(lines))
-    return {"rows": rows}
+    return {"rows": rows, "layouts": layouts}

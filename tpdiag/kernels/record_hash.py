@@ -96,6 +96,32 @@ def knob_int(name: str, default: int, hi: int) -> int:
 
 
 _WAVES_2BYTE: list = []
+# Narrow tiles (ROW_ITERS: a last-dim shard narrower than a chunk) compile to 120-133 registers a
+# thread on sm_90, whole tiles to 96-101 (`python -m benchmarks probes sass`): at 4 warps a
+# program, 3-4 programs share an SM at a time instead of 5, fewer loads in flight for a loop that
+# is memory- and issue-bound. Capped at 96 the loop spills 17-27 local accesses a chunk of 16
+# tiles (~0.15 an element, L1). TPDIAG_HASH_NARROW_REGS: another cap (255: none, A/B).
+NARROW_REGS_DEFAULT = 96
+_NARROW_REGS: list = []
+
+
+def narrow_regs_knob() -> int:
+    """TPDIAG_HASH_NARROW_REGS, read now (compare's input checks; narrow_regs caches it)."""
+    v = knob_int("TPDIAG_HASH_NARROW_REGS", NARROW_REGS_DEFAULT, 255)
+    if v < 32:  # ptxas cannot fit the loop in fewer
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"TPDIAG_HASH_NARROW_REGS={v}: expected an integer from 32 to 255 (255: no cap)")
+    return v
+
+
+def narrow_regs(row_iters) -> int | None:
+    """The register cap (Triton's maxnreg) of a launch with these tiles; None: no cap."""
+    if not row_iters:
+        return None
+    if not _NARROW_REGS:  # parsed once: asked per launch (host time)
+        _NARROW_REGS.append(narrow_regs_knob())
+    return _NARROW_REGS[0] if _NARROW_REGS[0] < 255 else None
 
 
 def waves_for(width: int, records: int = 1) -> int:
@@ -159,14 +185,16 @@ def slab(local_shape, dim: int | None, full: int | None, offset: int) -> tuple[i
 
 def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[int, int, bool, int, int, bool]:
     """(R, CB, ROW_ITERS, row groups, column groups, EVEN) for `a` slabs of `slab_n` elements:
-    a tile is R x CB = block elements (registers), a chunk `iters` tiles."""
+    a tile is R x CB = block elements (registers), a chunk `iters` tiles. ROW_ITERS: 0, tiles
+    along the slab; 1, stacked over the slabs; 2, stacked over slabs exactly CB long (dense: the
+    chunk is contiguous, its tiles at constant offsets)."""
     if slab_n >= block * iters:
-        r, cb, row_iters = 1, block, False
+        r, cb, row_iters = 1, block, 0
         n_row, n_col = a, -(-slab_n // (block * iters))
         even = slab_n % (block * iters) == 0
     else:
         cb = min(block, max(16, 1 << (max(slab_n, 1) - 1).bit_length()))
-        r, row_iters = block // cb, True
+        r, row_iters = block // cb, 2 if slab_n == cb else 1
         n_row, n_col = -(-a // (r * iters)), -(-slab_n // cb)
         even = slab_n % cb == 0 and a % (r * iters) == 0
     return r, cb, row_iters, n_row, max(1, n_col), even
@@ -232,12 +260,14 @@ _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 def _launch(args, nprog: int, warps: int, device) -> None:
     words, slab_n = args[0], args[5]
     small = max(args[3:11]) < 2**31
+    regs = narrow_regs(args[16])
     key = ("one", device.index, args[11:], warps, words.data_ptr() % 16 == 0,
            args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0, slab_n == 1,
-           slab_n % 16 == 0, small)
+           slab_n % 16 == 0, small, regs)
     _direct(key, (nprog, 1, 1), args, device, lambda: _triton()._hash_kernel[(nprog,)](
         *args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14], ITERS=args[15],
-        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], MIX=args[19], num_warps=warps))
+        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], MIX=args[19], num_warps=warps,
+        **_cap(regs, device)))
 
 
 def _direct(key, grid, args, device, jit_launch) -> None:
@@ -329,10 +359,16 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
     (int64 [n, TABLE_COLS], on the device), the hashes go to rows of (ints, floats)."""
     args = batch_args(key, table, nprog, ints, floats)
     dev = ints.device
+    regs = narrow_regs(key[4])
     ck = ("batch", dev.index, key, args[13:], warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
-          floats.data_ptr() % 16 == 0)
+          floats.data_ptr() % 16 == 0, regs)
     _direct(ck, (nprog, n, 1), args, dev, lambda: _triton()._hash_batch_kernel[(nprog, n)](
-        *args[:4], **dict(zip(BATCH_CONSTEXPRS, args[4:])), num_warps=warps))
+        *args[:4], **dict(zip(BATCH_CONSTEXPRS, args[4:])), num_warps=warps, **_cap(regs, dev)))
+
+
+def _cap(regs: int | None, device) -> dict:
+    """Triton's launch option for a register cap (CUDA only: the interpreter takes no maxnreg)."""
+    return {"maxnreg": regs} if regs is not None and device.type == "cuda" else {}
 
 
 # _hash_batch_kernel's constexprs in its parameter order. A compiled kernel launched directly

@@ -54,6 +54,9 @@ def validate(cfg: CompareConfig) -> None:
 
     batch_size()  # TPDIAG_HASH_BATCH and TPDIAG_HASH_CAP_MB, read by every world's recorder
     cap_bytes()
+    from tpdiag.kernels.record_hash import narrow_regs_knob
+
+    narrow_regs_knob()  # TPDIAG_HASH_NARROW_REGS
     from tpdiag.probes.stream import check_env
 
     check_env()  # TPDIAG_HOST_BUDGET, TPDIAG_HOST_CHUNK (full capture)
