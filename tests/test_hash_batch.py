@@ -250,3 +250,24 @@ def test_hash_rows_do_not_depend_on_the_launch_partition():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     p = subprocess.run([sys.executable, "-c", PARTITION], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+
+
+def test_narrow_tiles_plan_and_register_cap(monkeypatch):
+    """A last-dim shard exactly as wide as its tile reads dense tiles (ROW_ITERS 2: constant
+    offsets); a wider or ragged one strided tiles (1); a whole tensor tiles along it (0). The
+    register cap goes to 32-bit narrow tiles and 16-bit dense ones only - what an H200 measured
+    faster (record_hash.narrow_regs) - and TPDIAG_HASH_NARROW_REGS=255 lifts it."""
+    from tpdiag.kernels import record_hash as rh
+
+    it16 = rh.iters_for(16)
+    assert rh.plan(1, 1 << 22, rh.BLOCK, it16)[2] == 0
+    assert rh.plan(4096, 512, rh.BLOCK, it16)[2] == 2
+    assert rh.plan(4096, 2048, rh.BLOCK, it16)[2] == 1
+    assert rh.plan(4096, 500, rh.BLOCK, it16)[2] == 1  # ragged: the tile is 512 wide
+    monkeypatch.setattr(rh, "_NARROW_REGS", [])
+    monkeypatch.delenv("TPDIAG_HASH_NARROW_REGS", raising=False)
+    assert [rh.narrow_regs(ri, w) for ri, w in ((0, 16), (1, 16), (2, 16), (0, 32), (1, 32), (2, 32))] \
+        == [None, None, 96, None, 96, 96]
+    monkeypatch.setattr(rh, "_NARROW_REGS", [])
+    monkeypatch.setenv("TPDIAG_HASH_NARROW_REGS", "255")
+    assert rh.narrow_regs(2, 16) is None and rh.narrow_regs(1, 32) is None

@@ -113,14 +113,16 @@ def sass(args) -> dict:
     for label, width, bf16, pairs, slab in LAYOUTS:
         for regs in ((None,) if slab is None else (None, rh.NARROW_REGS_DEFAULT)):
             r = loop_mix(width, bf16, pairs, slab=slab, regs=regs, iters=rh.iters_for(width))
-            layouts.append({"case": label, "cap": regs, **r})
+            row_iters = 0 if slab is None else rh.plan(1 << 20, slab, rh.BLOCK, rh.iters_for(width))[2]
+            shipped = regs == rh.narrow_regs(row_iters, width)
+            layouts.append({"case": label, "cap": regs, "shipped": shipped, **r})
     lines += ["", "the loop by layout, as the shipped launch tiles it (record_hash.iters_for's chunk; narrow "
               "tiles with and without the register cap they launch with, record_hash.narrow_regs; "
               "programs an SM: by registers, 4 warps each)",
-              "| layout | register cap | registers | programs an SM | per element | local spills in the loop |",
-              "|---|---|---|---|---|---|"]
+              "| layout | register cap | the launch's | registers | programs an SM | per element | local spills in the loop |",
+              "|---|---|---|---|---|---|---|"]
     for r in layouts:
-        lines.append(f"| {r['case']} | {r['cap'] or '-'} | {r['registers']} | {r['programs_per_sm']} | "
-                     f"{r['per_element']:.2f} | {r['spills_in_loop']} |")
+        lines.append(f"| {r['case']} | {r['cap'] or '-'} | {'yes' if r['shipped'] else ''} | {r['registers']} | "
+                     f"{r['programs_per_sm']} | {r['per_element']:.2f} | {r['spills_in_loop']} |")
     print("\n".join(lines))
     return {"rows": rows, "layouts": layouts}

@@ -96,11 +96,15 @@ def knob_int(name: str, default: int, hi: int) -> int:
 
 
 _WAVES_2BYTE: list = []
-# Narrow tiles (ROW_ITERS: a last-dim shard narrower than a chunk) compile to 120-133 registers a
-# thread on sm_90, whole tiles to 96-101 (`python -m benchmarks probes sass`): at 4 warps a
-# program, 3-4 programs share an SM at a time instead of 5, fewer loads in flight for a loop that
-# is memory- and issue-bound. Capped at 96 the loop spills 17-27 local accesses a chunk of 16
-# tiles (~0.15 an element, L1). TPDIAG_HASH_NARROW_REGS: another cap (255: none, A/B).
+# Narrow tiles (ROW_ITERS: a last-dim shard narrower than a chunk) compile to 98-133 registers a
+# thread on sm_90 (`python -m benchmarks probes sass`), so 3-4 programs of 4 warps share an SM at
+# a time. Capped at 96, 5 do, and the loop spills a few local accesses a chunk. Measured side by
+# side on an H200 (`probes hash`, 1 GiB, session 17): fp32 2048-wide shards 4206 GB/s capped
+# against 4021-4026 uncapped, 512-wide 3900 against 3711-3727; bf16 512-wide (dense tiles) 3771
+# capped against 3550 uncapped (133 registers: 3 programs) and 3685 with the strided tiles before;
+# but bf16 2048-wide (strided tiles, 24 spills a chunk) 3600 capped against 3724-3826 uncapped.
+# So the cap is for 32-bit narrow tiles and 16-bit dense ones. TPDIAG_HASH_NARROW_REGS: another
+# cap (255: none, A/B).
 NARROW_REGS_DEFAULT = 96
 _NARROW_REGS: list = []
 
@@ -115,9 +119,10 @@ def narrow_regs_knob() -> int:
     return v
 
 
-def narrow_regs(row_iters) -> int | None:
-    """The register cap (Triton's maxnreg) of a launch with these tiles; None: no cap."""
-    if not row_iters:
+def narrow_regs(row_iters, width: int) -> int | None:
+    """The register cap (Triton's maxnreg) of a launch with these tiles (ROW_ITERS) of `width`-bit
+    elements; None: no cap."""
+    if not row_iters or (width == 16 and row_iters != 2):
         return None
     if not _NARROW_REGS:  # parsed once: asked per launch (host time)
         _NARROW_REGS.append(narrow_regs_knob())
@@ -260,7 +265,7 @@ _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 def _launch(args, nprog: int, warps: int, device) -> None:
     words, slab_n = args[0], args[5]
     small = max(args[3:11]) < 2**31
-    regs = narrow_regs(args[16])
+    regs = narrow_regs(args[16], args[11])
     key = ("one", device.index, args[11:], warps, words.data_ptr() % 16 == 0,
            args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0, slab_n == 1,
            slab_n % 16 == 0, small, regs)
@@ -359,7 +364,7 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
     (int64 [n, TABLE_COLS], on the device), the hashes go to rows of (ints, floats)."""
     args = batch_args(key, table, nprog, ints, floats)
     dev = ints.device
-    regs = narrow_regs(key[4])
+    regs = narrow_regs(key[4], key[0])
     ck = ("batch", dev.index, key, args[13:], warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
           floats.data_ptr() % 16 == 0, regs)
     _direct(ck, (nprog, n, 1), args, dev, lambda: _triton()._hash_batch_kernel[(nprog, n)](
