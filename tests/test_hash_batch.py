@@ -216,7 +216,7 @@ rh.triton_ok = lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T and
 torch.manual_seed(0)
 # a 16-bit record spans more chunks than a launch has programs: a launch of it alone gets more
 # programs per SM (record_hash.FILL_2BYTE) than one it shares, so the programs' partial lane
-# sums - each added into the row as a number below 2**32 - are grouped differently
+# sums - each added into the row unreduced - are grouped differently
 x = torch.randn(40, 8192).to(torch.bfloat16)
 others = [torch.randn(40, 8192).to(torch.bfloat16) for _ in range(3)]  # the same launch key as x
 
@@ -229,6 +229,12 @@ def rec_of(tensors):
 
 alone, shared = rec_of([x]), rec_of(others + [x])
 a, s = alone.hashbuf.take([alone.lanes[0]])[0][0], shared.hashbuf.take([shared.lanes[-1]])[0][0]
+# the premise: the two launches split x differently, and its raw rows differ (high bits)
+chunks = rh.plan(1, x.numel(), rh.BLOCK, rh.iters_for(16))[4]
+dev = torch.device("cpu")
+assert rh.batch_nprog(chunks, dev, 16, 1) != rh.batch_nprog(chunks, dev, 16, 4)
+raw_a, raw_s = alone.hashbuf.ints[0][alone.lanes[0]], shared.hashbuf.ints[0][shared.lanes[-1]]
+assert not torch.equal(raw_a[:2], raw_s[:2]) and torch.equal(raw_a[:2] & rh.M32, raw_s[:2] & rh.M32)
 assert a[2:].tolist() == s[2:].tolist()
 # rows read back are the record format's lanes (mod 2**32), whatever the launch
 assert torch.equal(a, s), (a.tolist(), s.tolist())
@@ -244,9 +250,10 @@ print("ok")
 def test_hash_rows_do_not_depend_on_the_launch_partition():
     """The same tensor's row, hashed in a launch of its own and in one it shares, is the same
     (lanes mod 2**32): on a GPU the two launches split the tensor over different numbers of
-    programs. The worker's self-check compared the rows as read back, and on CUDA every compare
-    since the launch fill (a record alone gets more programs) failed it at the logits: a false
-    "the probes changed its numerics" (session 17, H200: llama-1b, the 4B config)."""
+    programs. The worker's self-check compared the rows as read back, and on CUDA bf16 compares
+    with large records failed it at the logits since the launch fill (a record alone gets more
+    programs): a false "the probes changed its numerics" (session 17, H200: llama-1b, the 4B
+    config)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     p = subprocess.run([sys.executable, "-c", PARTITION], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
@@ -255,8 +262,10 @@ def test_hash_rows_do_not_depend_on_the_launch_partition():
 def test_narrow_tiles_plan_and_register_cap(monkeypatch):
     """A last-dim shard exactly as wide as its tile reads dense tiles (ROW_ITERS 2: constant
     offsets); a wider or ragged one strided tiles (1); a whole tensor tiles along it (0). The
-    register cap goes to 32-bit narrow tiles and 16-bit dense ones only - what an H200 measured
-    faster (record_hash.narrow_regs) - and TPDIAG_HASH_NARROW_REGS=255 lifts it."""
+    register cap goes to 32-bit narrow tiles and 16-bit dense ones read as word pairs only - what an
+    H200 measured faster (record_hash.narrow_regs) - and TPDIAG_HASH_NARROW_REGS=255 lifts it."""
+    import torch
+
     from tpdiag.kernels import record_hash as rh
 
     it16 = rh.iters_for(16)
@@ -266,8 +275,20 @@ def test_narrow_tiles_plan_and_register_cap(monkeypatch):
     assert rh.plan(4096, 500, rh.BLOCK, it16)[2] == 1  # ragged: the tile is 512 wide
     monkeypatch.setattr(rh, "_NARROW_REGS", [])
     monkeypatch.delenv("TPDIAG_HASH_NARROW_REGS", raising=False)
-    assert [rh.narrow_regs(ri, w) for ri, w in ((0, 16), (1, 16), (2, 16), (0, 32), (1, 32), (2, 32))] \
-        == [None, None, 96, None, 96, 96]
+    assert [rh.narrow_regs(ri, w, p) for ri, w, p in ((0, 16, True), (1, 16, True), (2, 16, True), (2, 16, False),
+                                                      (0, 32, False), (1, 32, False), (2, 32, False))] \
+        == [None, None, 96, None, None, 96, 96]
+    # what a batch launch asks for: its key and the words the kernel will read
+    seen = []
+    monkeypatch.setattr(rh, "_direct", lambda key, *a: seen.append(key[-1]))
+    ints, floats = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64)
+    table = torch.zeros(1, rh.TABLE_COLS, dtype=torch.int64)
+    for t in (torch.zeros(64, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.float16),
+              torch.zeros(1 + 64 * 512, dtype=torch.bfloat16)[1:].view(64, 512),  # 2-byte aligned: no words
+              torch.zeros(64, 2048, dtype=torch.bfloat16), torch.zeros(64, 2048)):
+        key = rh.batch_entry(t, 1, 4 * t.shape[1], t.shape[1], 0)[0]
+        rh.batch_launch(key, table, 1, 4, ints, floats)
+    assert seen == [96 if rh.PAIRS[0] else None, None, None, None, 96], seen
     monkeypatch.setattr(rh, "_NARROW_REGS", [])
     monkeypatch.setenv("TPDIAG_HASH_NARROW_REGS", "255")
-    assert rh.narrow_regs(2, 16) is None and rh.narrow_regs(1, 32) is None
+    assert rh.narrow_regs(2, 16, True) is None and rh.narrow_regs(1, 32, False) is None

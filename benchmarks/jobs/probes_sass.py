@@ -114,7 +114,7 @@ def sass(args) -> dict:
         for regs in ((None,) if slab is None else (None, rh.NARROW_REGS_DEFAULT)):
             r = loop_mix(width, bf16, pairs, slab=slab, regs=regs, iters=rh.iters_for(width))
             row_iters = 0 if slab is None else rh.plan(1 << 20, slab, rh.BLOCK, rh.iters_for(width))[2]
-            shipped = regs == rh.narrow_regs(row_iters, width)
+            shipped = regs == rh.narrow_regs(row_iters, width, pairs)
             layouts.append({"case": label, "cap": regs, "shipped": shipped, **r})
     lines += ["", "the loop by layout, as the shipped launch tiles it (record_hash.iters_for's chunk; narrow "
               "tiles with and without the register cap they launch with, record_hash.narrow_regs; "

@@ -238,10 +238,11 @@ class HashBuffer:
                     torch.zeros((0, 2), dtype=torch.float64, device=self.device))
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
         ints = torch.cat(self.ints)[idx]
-        # A row's lanes are sums of its programs' partial lanes, each added as a number below
-        # 2**32: their high bits depend on how the launch split the tensor (programs per SM, the
+        # Each program adds its 32-bit partial lanes into the row as an int64 sum, not reduced:
+        # the row's high bits depend on how the launch split the tensor (programs per SM, the
         # records sharing the launch), only the low 32 bits are the lanes. Reduced here, so no
         # reader can compare the same tensor's rows from two launches and see a difference (the
-        # self-check did: every CUDA compare failed it at the logits after the launch fill).
+        # self-check did: bf16 compares with large records failed it at the logits on CUDA
+        # after the launch fill, b54b0dd).
         ints[:, :2] &= rh.M32
         return ints, torch.cat(self.floats)[idx]

@@ -103,26 +103,30 @@ _WAVES_2BYTE: list = []
 # against 4021-4026 uncapped, 512-wide 3900 against 3711-3727; bf16 512-wide (dense tiles) 3771
 # capped against 3550 uncapped (133 registers: 3 programs) and 3685 with the strided tiles before;
 # but bf16 2048-wide (strided tiles, 24 spills a chunk) 3600 capped against 3724-3826 uncapped.
-# So the cap is for 32-bit narrow tiles and 16-bit dense ones. TPDIAG_HASH_NARROW_REGS: another
-# cap (255: none, A/B).
+# So the cap is for 32-bit narrow tiles and 16-bit dense ones read as word pairs; 16-bit data read
+# element by element (fp16; bf16 below sm_86 or unaligned) would spill ~160 local accesses a chunk
+# under it (not measured), so it runs uncapped. The gains are 4-5% (fp32) and 2-3% (bf16 against
+# the path before), near the spread between rows of one launch in a call (3-8%): small, and
+# explained by occupancy. TPDIAG_HASH_NARROW_REGS: another cap (255: none, A/B).
 NARROW_REGS_DEFAULT = 96
 _NARROW_REGS: list = []
 
 
 def narrow_regs_knob() -> int:
     """TPDIAG_HASH_NARROW_REGS, read now (compare's input checks; narrow_regs caches it)."""
-    v = knob_int("TPDIAG_HASH_NARROW_REGS", NARROW_REGS_DEFAULT, 255)
-    if v < 32:  # ptxas cannot fit the loop in fewer
+    raw = os.environ.get("TPDIAG_HASH_NARROW_REGS", "").strip()
+    v = int(raw) if raw.isdigit() else (NARROW_REGS_DEFAULT if not raw else 0)
+    if not 32 <= v <= 255:  # ptxas cannot fit the loop in fewer than 32
         from tpdiag.errors import BadInput
 
-        raise BadInput(f"TPDIAG_HASH_NARROW_REGS={v}: expected an integer from 32 to 255 (255: no cap)")
+        raise BadInput(f"TPDIAG_HASH_NARROW_REGS={raw!r}: expected an integer from 32 to 255 (255: no cap)")
     return v
 
 
-def narrow_regs(row_iters, width: int) -> int | None:
+def narrow_regs(row_iters, width: int, pairs: bool) -> int | None:
     """The register cap (Triton's maxnreg) of a launch with these tiles (ROW_ITERS) of `width`-bit
-    elements; None: no cap."""
-    if not row_iters or (width == 16 and row_iters != 2):
+    elements, read as word pairs or not (the kernel's effective PAIRS); None: no cap."""
+    if not row_iters or (width == 16 and not (row_iters == 2 and pairs)):
         return None
     if not _NARROW_REGS:  # parsed once: asked per launch (host time)
         _NARROW_REGS.append(narrow_regs_knob())
@@ -265,7 +269,7 @@ _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 def _launch(args, nprog: int, warps: int, device) -> None:
     words, slab_n = args[0], args[5]
     small = max(args[3:11]) < 2**31
-    regs = narrow_regs(args[16], args[11])
+    regs = narrow_regs(args[16], args[11], args[18])
     key = ("one", device.index, args[11:], warps, words.data_ptr() % 16 == 0,
            args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0, slab_n == 1,
            slab_n % 16 == 0, small, regs)
@@ -364,7 +368,9 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
     (int64 [n, TABLE_COLS], on the device), the hashes go to rows of (ints, floats)."""
     args = batch_args(key, table, nprog, ints, floats)
     dev = ints.device
-    regs = narrow_regs(key[4], key[0])
+    width, is_bf16, _, _, row_iters, _, slab16, _, aligned = key
+    # the batch kernel reads words where PAIRS and the record allows it (_hash_batch_kernel)
+    regs = narrow_regs(row_iters, width, bool(args[13] and is_bf16 and aligned and slab16))
     ck = ("batch", dev.index, key, args[13:], warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
           floats.data_ptr() % 16 == 0, regs)
     _direct(ck, (nprog, n, 1), args, dev, lambda: _triton()._hash_batch_kernel[(nprog, n)](
@@ -372,7 +378,7 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
 
 
 def _cap(regs: int | None, device) -> dict:
-    """Triton's launch option for a register cap (CUDA only: the interpreter takes no maxnreg)."""
+    """Triton's launch option for a register cap, on CUDA (the interpreter has no registers)."""
     return {"maxnreg": regs} if regs is not None and device.type == "cuda" else {}
 
 
