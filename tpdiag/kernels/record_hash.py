@@ -105,9 +105,10 @@ _WAVES_2BYTE: list = []
 # but bf16 2048-wide (strided tiles, 24 spills a chunk) 3600 capped against 3724-3826 uncapped.
 # So the cap is for 32-bit narrow tiles and 16-bit dense ones read as word pairs; 16-bit data read
 # element by element (fp16; bf16 below sm_86 or unaligned) would spill ~160 local accesses a chunk
-# under it (not measured), so it runs uncapped. The gains are 4-5% (fp32) and 2-3% (bf16 against
-# the path before), near the spread between rows of one launch in a call (3-8%): small, and
-# explained by occupancy. TPDIAG_HASH_NARROW_REGS: another cap (255: none, A/B).
+# under it (not measured), so it runs uncapped. In three calls fp32 gained 4-5% each time; bf16
+# 512-wide +2, +3 and -1% against the strided tiles before - no clear gain, but the dense tiles
+# uncapped (3 programs) were slower. Rows of one launch read up to 8% apart within a call, so
+# these are small effects. TPDIAG_HASH_NARROW_REGS: another cap (255: none, A/B).
 NARROW_REGS_DEFAULT = 96
 _NARROW_REGS: list = []
 
