@@ -82,16 +82,16 @@ def iters_for(width: int) -> int:
     return ITERS_2BYTE if width == 16 else ITERS
 
 
-def knob_int(name: str, default: int, hi: int) -> int:
-    """An integer A/B knob from the environment (1..hi; unset or empty: default); a bad value is
+def knob_int(name: str, default: int, hi: int, lo: int = 1) -> int:
+    """An integer A/B knob from the environment (lo..hi; unset or empty: default); a bad value is
     BadInput, the CLI's one line."""
     v = os.environ.get(name, "").strip()
     if not v:
         return default
-    if not v.isdigit() or not 1 <= int(v) <= hi:
+    if not v.isdigit() or not lo <= int(v) <= hi:
         from tpdiag.errors import BadInput
 
-        raise BadInput(f"{name}={v!r}: expected an integer from 1 to {hi}")
+        raise BadInput(f"{name}={v!r}: expected an integer from {lo} to {hi}")
     return int(v)
 
 
@@ -114,14 +114,9 @@ _NARROW_REGS: list = []
 
 
 def narrow_regs_knob() -> int:
-    """TPDIAG_HASH_NARROW_REGS, read now (compare's input checks; narrow_regs caches it)."""
-    raw = os.environ.get("TPDIAG_HASH_NARROW_REGS", "").strip()
-    v = int(raw) if raw.isdigit() else (NARROW_REGS_DEFAULT if not raw else 0)
-    if not 32 <= v <= 255:  # ptxas cannot fit the loop in fewer than 32
-        from tpdiag.errors import BadInput
-
-        raise BadInput(f"TPDIAG_HASH_NARROW_REGS={raw!r}: expected an integer from 32 to 255 (255: no cap)")
-    return v
+    """TPDIAG_HASH_NARROW_REGS (32..255, 255: no cap; ptxas cannot fit the loop in fewer than 32),
+    read now (compare's input checks; narrow_regs caches it)."""
+    return knob_int("TPDIAG_HASH_NARROW_REGS", NARROW_REGS_DEFAULT, 255, lo=32)
 
 
 def narrow_regs(row_iters, width: int, pairs: bool) -> int | None:
@@ -193,7 +188,7 @@ def slab(local_shape, dim: int | None, full: int | None, offset: int) -> tuple[i
     return a, shape[dim], b, full, offset
 
 
-def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[int, int, bool, int, int, bool]:
+def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[int, int, int, int, int, bool]:
     """(R, CB, ROW_ITERS, row groups, column groups, EVEN) for `a` slabs of `slab_n` elements:
     a tile is R x CB = block elements (registers), a chunk `iters` tiles. ROW_ITERS: 0, tiles
     along the slab; 1, stacked over the slabs; 2, stacked over slabs exactly CB long (dense: the

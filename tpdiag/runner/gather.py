@@ -245,9 +245,9 @@ def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
     gi = [g.cpu().tolist() for g in gi]
     gf = [g.cpu().tolist() for g in gf]
 
-    def share(i, f):
+    def share(i, f):  # take_lanes gives the lanes mod 2**32 already
         absmax = struct.unpack("<d", struct.pack("<q", i[3]))[0]  # float64 bits -> value
-        return [i[0] & 0xFFFFFFFF, i[1] & 0xFFFFFFFF, i[2]], [f[0], f[1], absmax]
+        return [i[0], i[1], i[2]], [f[0], f[1], absmax]
 
     return {i: [share(gi[r][j], gf[r][j]) for r in range(len(gi))] for j, i in enumerate(idxs)}
 
