@@ -57,7 +57,7 @@ def hash_throughput(args) -> dict:
                    ("record hash, whole", lambda: shard_lanes(x), None),
                    # a last-dim shard (rank 1 of 4): one slab per row, the offset applied per slab
                    ("record hash, last-dim shard", lambda: shard_lanes(x, 1, 4 * 8192, 8192), None),
-                   *_narrow_rows(x, shard_lanes)]
+                   *_narrow_rows(x, shard_lanes), *_base_rows(x, shard_lanes)]
         # 16-bit data element-wise and as word pairs (kernels/record_hash.py PAIRS), and the lane
         # mixes (record_hash_ref.py MIXES: 1 the first, 2 shipped) side by side, each one's lanes
         # checked against the torch path's
@@ -126,6 +126,33 @@ def _narrow_rows(x, shard_lanes) -> list:
                          (", as before caa8350 (no cap, strided tiles)", _capped(fn, 255, dense=False))):
             rows.append((f"record hash, last-dim shard {width} wide{label}", f,
                          bool(torch.equal(f()[0][:2] & rh.M32, want))))
+    return rows
+
+
+def _base_rows(x, shard_lanes) -> list:
+    """With PROBES_BASE_KERNEL (probes_util.base_kernel): the shipped launches of x's bytes -
+    whole, and last-dim shards 8192, 2048 and 512 wide - through another commit's kernels, in the
+    same interleaved rounds as this tree's, each one's lanes checked against the torch path's."""
+    import torch
+
+    from benchmarks.jobs.probes_util import base_kernel, base_kernel_path
+    from tpdiag.kernels import record_hash as rh
+
+    path = base_kernel_path()
+    if path is None:
+        return []
+    rows = []
+    for label, width, ways in (("whole", None, None), ("last-dim shard", 8192, 4),
+                               ("last-dim shard 2048 wide", 2048, 4), ("last-dim shard 512 wide", 512, 16)):
+        v = x if width is None else x.view(-1, width)
+        where = (None, None, 0) if width is None else (1, ways * width, width)
+
+        def fn(v=v, where=where):
+            with base_kernel(path):
+                return shard_lanes(v, *where)
+        want = rh.lanes_torch(v, *rh.slab(v.shape, *where))[0][:2] & rh.M32
+        rows.append((f"record hash, {label}, base kernel ({os.path.basename(path)})", fn,
+                     bool(torch.equal(fn()[0][:2] & rh.M32, want))))
     return rows
 
 

@@ -13,6 +13,7 @@ INT_OPS; the fp32 statistics' FFMA/FADD/FMNMX are not counted). Runs on CPU (no 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import subprocess
@@ -109,13 +110,19 @@ def sass(args) -> dict:
                      + " | ".join(f"{per(r, op):.2f}" for op in top) + " |")
     from tpdiag.kernels import record_hash as rh
 
+    from benchmarks.jobs.probes_util import base_kernel, base_kernel_path
+
     layouts = []
-    for label, width, bf16, pairs, slab in LAYOUTS:
-        for regs in ((None,) if slab is None else (None, rh.NARROW_REGS_DEFAULT)):
-            r = loop_mix(width, bf16, pairs, slab=slab, regs=regs, iters=rh.iters_for(width))
-            row_iters = 0 if slab is None else rh.plan(1 << 20, slab, rh.BLOCK, rh.iters_for(width))[2]
-            shipped = regs == rh.narrow_regs(row_iters, width, pairs)
-            layouts.append({"case": label, "cap": regs, "shipped": shipped, **r})
+    base = base_kernel_path()
+    for tag, ctx in (("", contextlib.nullcontext),) + (((f", base kernel ({os.path.basename(base)})",
+                                                          lambda: base_kernel(base)),) if base else ()):
+        with ctx():
+            for label, width, bf16, pairs, slab in LAYOUTS:
+                for regs in ((None,) if slab is None else (None, rh.NARROW_REGS_DEFAULT)):
+                    r = loop_mix(width, bf16, pairs, slab=slab, regs=regs, iters=rh.iters_for(width))
+                    row_iters = 0 if slab is None else rh.plan(1 << 20, slab, rh.BLOCK, rh.iters_for(width))[2]
+                    shipped = regs == rh.narrow_regs(row_iters, width, pairs)
+                    layouts.append({"case": label + tag, "cap": regs, "shipped": shipped, **r})
     lines += ["", "the loop by layout, as the shipped launch tiles it (record_hash.iters_for's chunk; narrow "
               "tiles with and without the register cap they launch with, record_hash.narrow_regs; "
               "programs an SM: by registers, 4 warps each)",

@@ -12,6 +12,50 @@ def seconds(fn, rep: int) -> float:
     return do_bench(fn, warmup=25, rep=rep) / 1e3
 
 
+# PROBES_BASE_KERNEL: a record_hash_triton.py of another commit (`git show REV:tpdiag/kernels/
+# record_hash_triton.py > FILE`), timed side by side with this tree's kernel - `probes hash`'s
+# "base kernel" rows and `probes overhead`'s hash-base mode. Its launches use the register caps
+# of 7a273bb (BASE_NARROW_REGS) and a direct-launch cache of their own.
+BASE_KERNEL_ENV = "PROBES_BASE_KERNEL"
+_BASE: dict = {}
+
+
+def _base_narrow_regs(row_iters, width: int, pairs: bool):
+    """record_hash.narrow_regs as of 7a273bb: 96 for 32-bit narrow tiles and 16-bit dense word
+    pairs."""
+    if not row_iters or (width == 16 and not (row_iters == 2 and pairs)):
+        return None
+    return 96
+
+
+def base_kernel_path() -> str | None:
+    p = os.environ.get(BASE_KERNEL_ENV, "").strip()
+    if p and not os.path.isfile(p):
+        raise SystemExit(f"{BASE_KERNEL_ENV}={p!r}: no such file")
+    return p or None
+
+
+@contextmanager
+def base_kernel(path: str):
+    """record_hash's launches use the kernels of `path` inside the block."""
+    import importlib.util
+
+    from tpdiag.kernels import record_hash as rh
+
+    if path not in _BASE:
+        spec = importlib.util.spec_from_file_location("_probes_base_record_hash_triton", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _BASE[path] = (mod, {})
+    mod, cache = _BASE[path]
+    saved = rh._triton, rh._COMPILED, rh.narrow_regs
+    try:
+        rh._triton, rh._COMPILED, rh.narrow_regs = (lambda: mod), cache, _base_narrow_regs
+        yield
+    finally:
+        rh._triton, rh._COMPILED, rh.narrow_regs = saved
+
+
 def device_name() -> str:
     import torch
 
@@ -32,7 +76,8 @@ def probe_mode(mode: str):
     overlap could win at most, its hashes not to be trusted (a queued tensor may be freed, reused
     or changed in place before that stream reads it); wrap-only, an experiment, every module's
     forward wrapped in a pass-through and nothing else (no records, no grad hooks): what the
-    wrapping alone costs. Other modes: nothing changed."""
+    wrapping alone costs; hash-base the kernels of PROBES_BASE_KERNEL (another commit's record_hash_triton.py).
+    Other modes: nothing changed."""
     from tpdiag.kernels import record_hash as rh
     from tpdiag.kernels.hash_buffer import _ENTRIES as hb_entries
     from tpdiag.kernels.hash_buffer import HashBuffer
@@ -76,6 +121,13 @@ def probe_mode(mode: str):
             module_probe.module_probes = _wrap_only
         if mode == "rows-only":
             HashBuffer.add = HashBuffer.add_whole = _no_hash
+        if mode == "hash-base":  # the kernels of PROBES_BASE_KERNEL (another commit's), A/B
+            path = base_kernel_path()
+            if path is None:
+                raise SystemExit(f"mode hash-base needs {BASE_KERNEL_ENV}=FILE")
+            with base_kernel(path):
+                yield
+            return
         yield
     finally:
         Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0] = saved[:5]

@@ -83,28 +83,41 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     non-finite element, or finite ones whose fp32 sum or square overflows - the program
     re-reads its chunks for the statistics alone, testing each element (_stats_exact). The
     lanes never depend on which path ran."""
-    rr = tl.arange(0, R)
     # PAIRS (bf16, SLAB even, 4-byte aligned): a tile is [R, CB / 2] 32-bit words of two
     # elements each - half the loads, the high half's fp32 bits a multiply-add, one max for both
     # halves (_accum_pairs; fp16 gains nothing: its conversion is not a bit move; `probes sass`)
     TW: tl.constexpr = CB // 2 if PAIRS else CB
-    cc = tl.arange(0, TW)
+    # FLAT (dense rows, ROW_ITERS 2, R > 1): the R slabs of a tile are contiguous, so the tile is
+    # held as ONE row of R * TW words - the whole tensor's register layout - whose lanes' row
+    # offsets (lane // TW) * F_B * C2 are folded into the per-lane position constant once a
+    # program. As [R, TW] the same loop took 128-133 registers on sm_90 (3-4 programs an SM)
+    # against 96-101 for whole tiles (`probes sass`)
+    FLAT: tl.constexpr = ROW_ITERS == 2 and R > 1
+    RT: tl.constexpr = 1 if FLAT else R          # rows of the tile as registers hold it
+    TT: tl.constexpr = R * TW if FLAT else TW    # words (or elements) a register row
+    rr = tl.arange(0, RT)
+    cc = tl.arange(0, TT)
     # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element (per word with
     # PAIRS: the high element's + C2 rides in its multiply, see _accum_pairs) for the position
+    ccw = cc % TW if FLAT else cc
     if PAIRS:
-        cc_c2 = (cc.to(tl.uint32) * tl.full([TW], 0x0BD794EE, tl.uint32))[None, :]  # 2 * C2
+        cc_c2 = ccw.to(tl.uint32) * tl.full([TT], 0x0BD794EE, tl.uint32)  # 2 * C2
     else:
-        cc_c2 = (cc.to(tl.uint32) * tl.full([TW], 0x85EBCA77, tl.uint32))[None, :]
-    c1 = tl.full([R, TW], 0x9E3779B1, tl.uint32)
-    c3 = tl.full([R, TW], 0x85EBCA6B, tl.uint32)
-    acc_a = tl.zeros([R, TW], dtype=tl.uint32)
-    acc_b = tl.zeros([R, TW], dtype=tl.uint32)
-    acc_s = tl.zeros([R, TW], dtype=tl.float32)
-    acc_q = tl.zeros([R, TW], dtype=tl.float32)
+        cc_c2 = ccw.to(tl.uint32) * tl.full([TT], 0x85EBCA77, tl.uint32)
+    if FLAT:
+        fb_c2 = (((F_B.to(tl.int64) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
+        cc_c2 += (cc // TW).to(tl.uint32) * fb_c2
+    cc_c2 = cc_c2[None, :]
+    c1 = tl.full([RT, TT], 0x9E3779B1, tl.uint32)
+    c3 = tl.full([RT, TT], 0x85EBCA6B, tl.uint32)
+    acc_a = tl.zeros([RT, TT], dtype=tl.uint32)
+    acc_b = tl.zeros([RT, TT], dtype=tl.uint32)
+    acc_s = tl.zeros([RT, TT], dtype=tl.float32)
+    acc_q = tl.zeros([RT, TT], dtype=tl.float32)
     if PAIRS and _PTX:
-        acc_m = tl.zeros([R, TW], dtype=tl.uint32)  # max |x| of both halves as bf16x2 (_max_pairs)
+        acc_m = tl.zeros([RT, TT], dtype=tl.uint32)  # max |x| of both halves as bf16x2 (_max_pairs)
     else:
-        acc_m = tl.zeros([R, TW], dtype=tl.float32)
+        acc_m = tl.zeros([RT, TT], dtype=tl.float32)
     if PAIRS:
         base = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     else:
@@ -126,7 +139,10 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
         for it in tl.static_range(ITERS):
             if not EVEN:  # one mask a tile, for its load and its lanes
                 rows_t, col0_t = _tile_rows(rows, col0, it, R, CB, ROW_ITERS)
-                mask = _tile_mask(rows_t, col0_t, cc, A, SLAB, PAIRS)
+                if FLAT:  # dense rows: every column is in, the row is the lane's
+                    mask = (rows_t[:, None] + (cc // TW)[None, :]) < A
+                else:
+                    mask = _tile_mask(rows_t, col0_t, cc, A, SLAB, PAIRS)
             else:
                 mask = None
             if PAIRS:
@@ -135,12 +151,12 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                 raw = _load_tile(base, start >> 1, it, cc, mask, R, TW, SLAB >> 1, ROW_ITERS, EVEN)
                 acc_a, acc_b, acc_s, acc_q, acc_m = _accum_pairs(
                     raw, mask, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
-                    R, TW, EVEN, MIX)
+                    RT, TT, EVEN, MIX)
             else:
                 raw = _load_tile(base, start, it, cc, mask, R, CB, SLAB, ROW_ITERS, EVEN)
                 acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
                     raw, mask, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
-                    WIDTH, IS_BF16, R, TW, EVEN, MIX)
+                    WIDTH, IS_BF16, RT, TT, EVEN, MIX)
         rg, cg = _next_chunk(rg, cg, dq, dr, N_COL)
     fmax = 3.4028234663852886e38
     poisoned = tl.sum(tl.sum(((tl.abs(acc_s) <= fmax) & (tl.abs(acc_q) <= fmax)).to(tl.int32) ^ 1,
@@ -152,7 +168,7 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
         acc_m = tl.maximum((mw << 16).to(tl.float32, bitcast=True),
                            (mw & 0xFFFF0000).to(tl.float32, bitcast=True))
     max_m = tl.max(tl.max(acc_m, axis=1), axis=0)
-    count_n = tl.sum(tl.sum(tl.zeros([R, TW], dtype=tl.int32), axis=1), axis=0)
+    count_n = tl.sum(tl.sum(tl.zeros([RT, TT], dtype=tl.int32), axis=1), axis=0)
     if poisoned > 0:  # rare: see the docstring
         sum_s, sum_q, max_m, count_n = _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH,
                                                     IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN)
@@ -386,7 +402,11 @@ def _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH: tl.constexpr,
     for chunk in range(pid, TOTAL, NPROG):
         rg = (chunk // N_COL).to(tl.int64)
         cg = (chunk % N_COL).to(tl.int64)
-        for it in tl.static_range(ITERS):
+        # a loop, not unrolled: a kernel's registers are those of its hungriest part, and this
+        # rare path unrolled (ITERS tiles of loads in flight) set them for the whole kernel - 96
+        # to 133 a thread on sm_90, against 66-72 that the hashing loop needs for bf16 word pairs
+        # (`probes sass`): fewer programs an SM for every record, not just a poisoned one
+        for it in range(ITERS):
             rows, col0 = _tile_at(rg, cg, it, rr, R, CB, ITERS, ROW_ITERS)
             ptrs = w_ptr + (rows * SLAB + col0)[:, None] + cc[None, :]
             if EVEN:
