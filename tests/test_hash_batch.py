@@ -262,8 +262,9 @@ def test_hash_rows_do_not_depend_on_the_launch_partition():
 def test_narrow_tiles_plan_and_register_cap(monkeypatch):
     """A last-dim shard exactly as wide as its tile reads dense tiles (ROW_ITERS 2: constant
     offsets); a wider or ragged one strided tiles (1); a whole tensor tiles along it (0). The
-    register cap goes to 32-bit narrow tiles and 16-bit dense ones read as word pairs only - what an
-    H200 measured faster (record_hash.narrow_regs) - and TPDIAG_HASH_NARROW_REGS=255 lifts it."""
+    register cap goes to 32-bit strided tiles and 16-bit dense ones read as word pairs only - what
+    an H200 measured faster (record_hash.narrow_regs); TPDIAG_HASH_NARROW_REGS sets one cap for
+    every narrow tile, 255 none."""
     import torch
 
     from tpdiag.kernels import record_hash as rh
@@ -277,7 +278,7 @@ def test_narrow_tiles_plan_and_register_cap(monkeypatch):
     monkeypatch.delenv("TPDIAG_HASH_NARROW_REGS", raising=False)
     assert [rh.narrow_regs(ri, w, p) for ri, w, p in ((0, 16, True), (1, 16, True), (2, 16, True), (2, 16, False),
                                                       (0, 32, False), (1, 32, False), (2, 32, False))] \
-        == [None, None, 96, None, None, 96, 96]
+        == [None, None, 96, None, None, 96, None]
     # what a batch launch asks for: its key and the words the kernel will read
     seen = []
     monkeypatch.setattr(rh, "_direct", lambda key, *a: seen.append(key[-1]))
@@ -285,10 +286,13 @@ def test_narrow_tiles_plan_and_register_cap(monkeypatch):
     table = torch.zeros(1, rh.TABLE_COLS, dtype=torch.int64)
     for t in (torch.zeros(64, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.float16),
               torch.zeros(1 + 64 * 512, dtype=torch.bfloat16)[1:].view(64, 512),  # 2-byte aligned: no words
-              torch.zeros(64, 2048, dtype=torch.bfloat16), torch.zeros(64, 2048)):
+              torch.zeros(64, 2048, dtype=torch.bfloat16), torch.zeros(64, 2048), torch.zeros(64, 512)):
         key = rh.batch_entry(t, 1, 4 * t.shape[1], t.shape[1], 0)[0]
         rh.batch_launch(key, table, 1, 4, ints, floats)
-    assert seen == [96 if rh.PAIRS[0] else None, None, None, None, 96], seen
+    assert seen == [96 if rh.PAIRS[0] else None, None, None, None, 96, None], seen
     monkeypatch.setattr(rh, "_NARROW_REGS", [])
     monkeypatch.setenv("TPDIAG_HASH_NARROW_REGS", "255")
     assert rh.narrow_regs(2, 16, True) is None and rh.narrow_regs(1, 32, False) is None
+    monkeypatch.setattr(rh, "_NARROW_REGS", [])
+    monkeypatch.setenv("TPDIAG_HASH_NARROW_REGS", "80")
+    assert [rh.narrow_regs(ri, w, p) for ri, w, p in ((0, 32, False), (1, 16, True), (2, 32, False))] == [None, 80, 80]

@@ -122,8 +122,7 @@ def _narrow_rows(x, shard_lanes) -> list:
         v = x.view(-1, width)
         fn = lambda v=v, width=width, ways=ways: shard_lanes(v, 1, ways * width, width)  # noqa: E731
         want = rh.lanes_torch(v, *rh.slab(v.shape, 1, ways * width, width))[0][:2] & rh.M32
-        for label, f in (("", fn), (", register cap 80", _capped(fn, 80)), (", no register cap", _capped(fn, 255)),
-                         (", as before caa8350 (no cap, strided tiles)", _capped(fn, 255, dense=False))):
+        for label, f in (("", fn), (", register cap 96", _capped(fn, 96)), (", no register cap", _capped(fn, 255))):
             rows.append((f"record hash, last-dim shard {width} wide{label}", f,
                          bool(torch.equal(f()[0][:2] & rh.M32, want))))
     return rows
@@ -156,29 +155,18 @@ def _base_rows(x, shard_lanes) -> list:
     return rows
 
 
-def _capped(fn, regs: int, dense: bool = True):
-    """fn with narrow tiles launched at another register cap (record_hash.narrow_regs; 255: none;
-    the kernel compiled apart: the cap is in the direct-launch key); dense=False: a shard as wide
-    as its tile read with the strided tiles' runtime offsets (ROW_ITERS 1, not 2) - with no cap,
-    the launch shipped before."""
+def _capped(fn, regs: int):
+    """fn with every narrow tile launched at another register cap (record_hash.narrow_regs; 255:
+    none; the kernel compiled apart: the cap is in the direct-launch key)."""
     from tpdiag.kernels import record_hash as rh
-
-    plan = rh.plan
-
-    def strided(*a, **k):
-        r, cb, row_iters, n_row, n_col, even = plan(*a, **k)
-        return r, cb, min(row_iters, 1), n_row, n_col, even
 
     def run():
         saved = list(rh._NARROW_REGS)
         rh._NARROW_REGS[:] = [regs]
-        if not dense:
-            rh.plan = strided
         try:
             return fn()
         finally:
             rh._NARROW_REGS[:] = saved
-            rh.plan = plan
 
     return run
 

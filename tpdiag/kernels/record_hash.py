@@ -96,37 +96,41 @@ def knob_int(name: str, default: int, hi: int, lo: int = 1) -> int:
 
 
 _WAVES_2BYTE: list = []
-# Narrow tiles (ROW_ITERS: a last-dim shard narrower than a chunk) compile to 98-133 registers a
-# thread on sm_90 (`python -m benchmarks probes sass`), so 3-4 programs of 4 warps share an SM at
-# a time. Capped at 96, 5 do, and the loop spills a few local accesses a chunk. Measured side by
-# side on an H200 (`probes hash`, 1 GiB, session 17): fp32 2048-wide shards 4206 GB/s capped
-# against 4021-4026 uncapped, 512-wide 3900 against 3711-3727; bf16 512-wide (dense tiles) 3771
-# capped against 3550 uncapped (133 registers: 3 programs) and 3685 with the strided tiles before;
-# but bf16 2048-wide (strided tiles, 24 spills a chunk) 3600 capped against 3724-3826 uncapped.
-# So the cap is for 32-bit narrow tiles and 16-bit dense ones read as word pairs; 16-bit data read
-# element by element (fp16; bf16 below sm_86 or unaligned) would spill ~160 local accesses a chunk
-# under it (not measured), so it runs uncapped. In three calls fp32 gained 4-5% each time; bf16
-# 512-wide +2, +3 and -1% against the strided tiles before - no clear gain, but the dense tiles
-# uncapped (3 programs) were slower. Rows of one launch read up to 8% apart within a call, so
-# these are small effects. TPDIAG_HASH_NARROW_REGS: another cap (255: none, A/B).
+# Narrow tiles (ROW_ITERS: a last-dim shard narrower than a chunk): where a register cap (Triton's
+# maxnreg) reads faster. Measured side by side on an H200 (`probes hash`, 1 GiB, median of 5
+# interleaved rounds, 19e1ab3 - after the kernel's registers stopped being set by its rare
+# statistics path): fp32 strided tiles (2048 wide) 4280 GB/s capped at 96 against 4104 uncapped
+# (session 17: +4-5% in three calls); fp32 dense tiles (512 wide, one register row since 19e1ab3)
+# 4284 uncapped against 3116 capped (range 3112-3125: the cap makes ptxas schedule the row badly);
+# bf16 dense word pairs 3955 capped (79 registers) against 3725 uncapped (64) - ranges overlap, and
+# identical launches in two rows of that call read 3918 and 3813; bf16 strided tiles run uncapped
+# (session 17: capped they spilled and lost). 16-bit data read element by element (fp16; bf16
+# below sm_86 or unaligned) would spill ~100 local accesses a chunk under a cap (`probes sass`), so
+# it runs uncapped. TPDIAG_HASH_NARROW_REGS: a cap for every narrow tile (255: none; A/B).
 NARROW_REGS_DEFAULT = 96
 _NARROW_REGS: list = []
 
 
 def narrow_regs_knob() -> int:
-    """TPDIAG_HASH_NARROW_REGS (32..255, 255: no cap; ptxas cannot fit the loop in fewer than 32),
-    read now (compare's input checks; narrow_regs caches it)."""
-    return knob_int("TPDIAG_HASH_NARROW_REGS", NARROW_REGS_DEFAULT, 255, lo=32)
+    """TPDIAG_HASH_NARROW_REGS (32..255, 255: no cap; ptxas cannot fit the loop in fewer than 32;
+    0: not set), read now (compare's input checks; narrow_regs caches it)."""
+    return knob_int("TPDIAG_HASH_NARROW_REGS", 0, 255, lo=32)
 
 
 def narrow_regs(row_iters, width: int, pairs: bool) -> int | None:
     """The register cap (Triton's maxnreg) of a launch with these tiles (ROW_ITERS) of `width`-bit
-    elements, read as word pairs or not (the kernel's effective PAIRS); None: no cap."""
-    if not row_iters or (width == 16 and not (row_iters == 2 and pairs)):
+    elements, read as word pairs or not (the kernel's effective PAIRS); None: no cap. By default
+    32-bit strided tiles and 16-bit dense word pairs (what an H200 read faster, above)."""
+    if not row_iters:
         return None
     if not _NARROW_REGS:  # parsed once: asked per launch (host time)
         _NARROW_REGS.append(narrow_regs_knob())
-    return _NARROW_REGS[0] if _NARROW_REGS[0] < 255 else None
+    cap = _NARROW_REGS[0]
+    if cap:
+        return cap if cap < 255 else None
+    if (width == 32 and row_iters == 1) or (width == 16 and row_iters == 2 and pairs):
+        return NARROW_REGS_DEFAULT
+    return None
 
 
 def waves_for(width: int, records: int = 1) -> int:

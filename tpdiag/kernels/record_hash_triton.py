@@ -90,8 +90,9 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     # FLAT (dense rows, ROW_ITERS 2, R > 1): the R slabs of a tile are contiguous, so the tile is
     # held as ONE row of R * TW words - the whole tensor's register layout - whose lanes' row
     # offsets (lane // TW) * F_B * C2 are folded into the per-lane position constant once a
-    # program. As [R, TW] the same loop took 128-133 registers on sm_90 (3-4 programs an SM)
-    # against 96-101 for whole tiles (`probes sass`)
+    # program. bf16 word pairs 512 wide, sm_90 (`probes sass`, Triton 3.9): 95 registers as
+    # [R, TW], 66 as one row, as for whole tiles; an H200 read fp32 512-wide shards at 4284 GB/s
+    # this way (uncapped), against 3903 for the [R, TW] tiles capped (docs/benchmarks.md, session 18)
     FLAT: tl.constexpr = ROW_ITERS == 2 and R > 1
     RT: tl.constexpr = 1 if FLAT else R          # rows of the tile as registers hold it
     TT: tl.constexpr = R * TW if FLAT else TW    # words (or elements) a register row
@@ -221,9 +222,7 @@ def _load_tile(base, start, it, cc, mask, R: tl.constexpr, CB: tl.constexpr, SLA
     if ROW_ITERS == 2:
         # dense rows (SLAB == CB: a column shard as wide as the tile, the common TP shard): tile
         # `it` is it * R * CB further, a constant the loads take as an immediate, not a 64-bit
-        # multiply-add of SLAB's runtime stride a tile (2.3% fewer instructions in the sm_90 loop;
-        # the registers stay high, 128-133 - the launch's cap, record_hash.narrow_regs, is what
-        # brings them to 96)
+        # multiply-add of SLAB's runtime stride a tile (2.3% fewer instructions in the sm_90 loop)
         off = start + it * R * CB
     elif ROW_ITERS:
         off = start + (it * R) * (tl.zeros([], tl.int64) + SLAB)  # int64 (SLAB may be a constexpr 1)
