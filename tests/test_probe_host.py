@@ -285,3 +285,37 @@ def test_a_forward_set_inside_the_block_is_left_in_place():
         assert "forward" in m.lin.__dict__  # the probe's wrapper
         m.lin.forward = mine                # e.g. a user's own patch, made while capturing
     assert m.lin.__dict__.get("forward") is mine and "forward" not in m.__dict__
+
+
+def test_grad_taps_record_what_register_hook_records(monkeypatch):
+    """_tap (a module output's grad hook put in the tensor's hook dict, no handle) and
+    Tensor.register_hook: the same records and lanes; a user's hooks on the same output keep their
+    order around the tap and still run; no tap is left on a tensor after the block."""
+    monkeypatch.setenv("TPDIAG_PROBE_TAPS", "1")
+    tapped = _probed(monkeypatch, False, False)
+    monkeypatch.setenv("TPDIAG_PROBE_TAPS", "0")
+    hooked = _probed(monkeypatch, False, False)
+    mt, mh = [m for m, _ in tapped.records], [m for m, _ in hooked.records]
+    assert [list(m.items()) for m in mt] == [list(m.items()) for m in mh]
+    keys = [m["key"] for m in mt]
+    # the negative control of the equality: grad records are there to compare
+    assert sum("/grad_out#" in k for k in keys) >= 4, keys
+    lt, lh = _lanes(tapped), _lanes(hooked)
+    assert len(lt) == len(lh) and all(torch.equal(a[0], b[0]) for a, b in zip(lt, lh))
+
+    monkeypatch.setenv("TPDIAG_PROBE_TAPS", "1")
+    order, kept = [], []
+    lin = nn.Linear(4, 4)
+    lin.register_forward_hook(lambda mod, a, o: (o.register_hook(lambda g: order.append("user before")),
+                                                 kept.append(o)) and None, prepend=True)
+    rec = Recorder(mode="hash")
+    with module_probes(lin, rec):
+        rec.phase = "forward"
+        y = lin(torch.randn(2, 4))
+        y.register_hook(lambda g: order.append("user after"))
+        rec.phase = "backward"
+        real = rec.add
+        rec.add = lambda kind, *a, **k: (order.append(kind) if kind == "grad_out" else None, real(kind, *a, **k))[1]
+        y.sum().backward()
+    assert order == ["user before", "grad_out", "user after"], order
+    assert kept[0] is y and len(y._backward_hooks) == 2  # the user's two, the tap taken out

@@ -40,7 +40,7 @@ from benchmarks.mfu import fmt, mfu, peak_flops, step_flops
 
 MODES = ("none", "hash", "full")
 EXTRA_MODES = ("hash-each", "hash-jit", "hash-side", "hooks-only", "rows-only", "hash-cap256m", "hash-hooks",
-               "wrap-only", "hash-base")
+               "wrap-only", "hash-base", "hash-reghook")
 
 
 def _known_mode(m: str) -> bool:
@@ -552,7 +552,7 @@ def main(argv: list[str]) -> dict:
                          "hash-each (a launch per record), hash-jit (a launch per record through "
                          "Triton's JIT dispatch), hash-side (experiment: queued launches on a second stream; "
                          "timings only, its hashes untrusted), hooks-only (Recorder.add returns at once), rows-only "
-                         "(records made, nothing hashed), hash-cap256m (a launch per 256 MiB queued, not 1 GiB), hash-batchN (N records a launch, not 64), hash-wavesN (16-bit records at N programs per SM, not 4), hash-pairs[N] (bf16 read as word pairs [at N programs per SM]), hash-elem[N] (bf16 element by element at N (4) programs per SM, shipped before 62cadff), hash-itersN (16-bit chunks of N tiles, not 16), hash-hooks (every module probed through hooks, as before session 13), hash-base (the kernels of PROBES_BASE_KERNEL=FILE, another commit's record_hash_triton.py), full; MODE@warm: the step on a warm allocator (no "
+                         "(records made, nothing hashed), hash-cap256m (a launch per 256 MiB queued, not 1 GiB), hash-batchN (N records a launch, not 64), hash-wavesN (16-bit records at N programs per SM, not 4), hash-pairs[N] (bf16 read as word pairs [at N programs per SM]), hash-elem[N] (bf16 element by element at N (4) programs per SM, shipped before 62cadff), hash-itersN (16-bit chunks of N tiles, not 16), hash-hooks (every module probed through hooks, as before session 13), hash-base (the kernels of PROBES_BASE_KERNEL=FILE, another commit's record_hash_triton.py), hash-reghook (output grads hooked through Tensor.register_hook, before session 18), full; MODE@warm: the step on a warm allocator (no "
                          "empty_cache before it; its ratio against none@warm)")
     ap.add_argument("--peak-gbs", type=float, default=4800.0, help="spec memory bandwidth (H200: 4800)")
     ap.add_argument("--peak-tflops", type=float, default=None,

@@ -76,7 +76,8 @@ def probe_mode(mode: str):
     overlap could win at most, its hashes not to be trusted (a queued tensor may be freed, reused
     or changed in place before that stream reads it); wrap-only, an experiment, every module's
     forward wrapped in a pass-through and nothing else (no records, no grad hooks): what the
-    wrapping alone costs; hash-base the kernels of PROBES_BASE_KERNEL (another commit's record_hash_triton.py).
+    wrapping alone costs; hash-reghook every output's grad hook through Tensor.register_hook (before
+    session 18's taps); hash-base the kernels of PROBES_BASE_KERNEL (another commit's record_hash_triton.py).
     Other modes: nothing changed."""
     from tpdiag.kernels import record_hash as rh
     from tpdiag.kernels.hash_buffer import _ENTRIES as hb_entries
@@ -84,7 +85,7 @@ def probe_mode(mode: str):
     from tpdiag.probes import module_probe
     from tpdiag.probes.recorder import Recorder
 
-    knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS")
+    knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS", "TPDIAG_PROBE_TAPS")
     saved = (Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0],
              {k: os.environ.get(k) for k in knobs}, module_probe.module_probes, rh.PAIRS[0],
              list(rh._WAVES_2BYTE), rh.ITERS_2BYTE)
@@ -111,6 +112,8 @@ def probe_mode(mode: str):
             hb_entries.clear()
         if mode == "hash-hooks":  # every module probed through hooks (before session 13)
             os.environ["TPDIAG_PROBE_HOOKS"] = "1"
+        if mode == "hash-reghook":  # output grads hooked by Tensor.register_hook (before session 18)
+            os.environ["TPDIAG_PROBE_TAPS"] = "0"
         if mode == "hash-cap256m":  # the default until session 12 (now 1 GiB)
             os.environ["TPDIAG_HASH_CAP_MB"] = "256"
         if mode == "hash-side":

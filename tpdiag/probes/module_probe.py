@@ -13,6 +13,7 @@ import functools
 import gc
 import os
 import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
@@ -40,6 +41,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
     if gc_was:
         gc.disable()
     handles = []
+    # grad hooks put in by _tap: (hook dict, key), taken out on exit (TPDIAG_PROBE_TAPS=0:
+    # Tensor.register_hook for every output, A/B)
+    taps = [] if os.environ.get("TPDIAG_PROBE_TAPS", "1") != "0" else None
     wrapped: list = []  # (module, its own instance `forward` or _NONE, the wrapper): undone on exit
     walks = rec._walks
     walked = None
@@ -104,8 +108,11 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 if meta is not None:
                     _add_producer(producer, t, meta)
                 if backward and t.requires_grad and t.grad_fn is not None:
-                    handles.append(t.register_hook(_grad_hook(rec, name, idx, call, style, cls, meta,
-                                                              part_grad)))
+                    hook = _grad_hook(rec, name, idx, call, style, cls, meta, part_grad)
+                    if taps is None or type(t) is not torch.Tensor:
+                        handles.append(t.register_hook(hook))
+                    else:
+                        _tap(t, hook, taps)
             return out if perturb == name else None
 
         # TPDIAG_PROBE_HOOKS=1: every module through hooks (the path before _wrap_forward)
@@ -135,6 +142,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             del walks[id(model)]
         for h in handles:
             h.remove()
+        for hooks, key in taps or ():
+            hooks.pop(key, None)
         _unwrap(wrapped)
         if gc_was:
             gc.enable()
@@ -225,6 +234,23 @@ def _tensors(args, kwargs=None):
             return args
     flat, _ = tree_flatten((args, kwargs) if kwargs is not None else args)
     return [x for x in flat if isinstance(x, torch.Tensor)]
+
+
+def _tap(t: torch.Tensor, hook, taps: list) -> None:
+    """t.register_hook(hook) for a plain tensor with a grad_fn, without the handle: the same hook
+    dict, filled the way Tensor.register_hook fills it, so autograd calls the hook at the same
+    point, in the same order among t's hooks. register_hook took ~9 us a call on a 2-core host
+    (its RemovableHandle ~3, the function-level import and three reads of t._backward_hooks the
+    rest) and a step registers one per module output: ~200 a llama-1b step, host time a
+    host-bound step pays. The key is an object of ours: RemovableHandle ids count from a global
+    counter, and a user's hook on t must not be overwritten."""
+    hooks = t._backward_hooks
+    if hooks is None:
+        hooks = t._backward_hooks = OrderedDict()
+        t.grad_fn._register_hook_dict(t)
+    key = object()
+    hooks[key] = hook
+    taps.append((hooks, key))
 
 
 def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_meta,
