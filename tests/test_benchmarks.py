@@ -82,6 +82,12 @@ def test_probe_modes_are_checked_up_front():
         p = bench("--no-record", *args)
         assert p.returncode == 2, (args, p.stderr)
         assert "error: --modes: unknown" in p.stderr.strip().splitlines()[-1], (args, p.stderr)
+    # hash-base times another commit's kernel: without its file, the same up-front error
+    e = {k: v for k, v in os.environ.items() if k != "PROBES_BASE_KERNEL"}
+    p = subprocess.run([sys.executable, "-m", "benchmarks", "--no-record", "probes", "overhead", "--modes",
+                        "none,hash-base"], cwd=ROOT, env=dict(e, PYTHONPATH=ROOT), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "needs PROBES_BASE_KERNEL=FILE" in p.stderr.strip().splitlines()[-1], p.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

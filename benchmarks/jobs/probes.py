@@ -585,6 +585,11 @@ def main(argv: list[str]) -> dict:
         if bad:
             ap.error(f"--modes: unknown {', '.join(bad)} (MODE or MODE@warm; MODE one of none, hash, full "
                      "or an experiment --help lists)")
+        if any(m.partition("@")[0] == "hash-base" for m in ms):
+            from benchmarks.jobs.probes_util import BASE_KERNEL_ENV, base_kernel_path
+
+            if base_kernel_path() is None:  # a missing file is its own one line
+                ap.error(f"--modes hash-base needs {BASE_KERNEL_ENV}=FILE (another commit's record_hash_triton.py)")
         for warm in ("", "@warm"):
             if any(m.endswith("@warm") == bool(warm) for m in ms) and "none" + warm not in ms:
                 ap.error(f"--modes must include none{warm} (the ratios of the {'@warm' if warm else 'plain'} "

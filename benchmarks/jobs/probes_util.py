@@ -14,8 +14,9 @@ def seconds(fn, rep: int) -> float:
 
 # PROBES_BASE_KERNEL: a record_hash_triton.py of another commit (`git show REV:tpdiag/kernels/
 # record_hash_triton.py > FILE`), timed side by side with this tree's kernel - `probes hash`'s
-# "base kernel" rows and `probes overhead`'s hash-base mode. Its launches use the register caps
-# of 7a273bb (BASE_NARROW_REGS) and a direct-launch cache of their own.
+# "base kernel" rows and `probes overhead`'s hash-base mode. Its launches use 7a273bb's register
+# caps (_base_narrow_regs; a base of another commit may have had other caps) and a direct-launch
+# cache of their own.
 BASE_KERNEL_ENV = "PROBES_BASE_KERNEL"
 _BASE: dict = {}
 

@@ -101,11 +101,13 @@ _WAVES_2BYTE: list = []
 # interleaved rounds, 19e1ab3 - after the kernel's registers stopped being set by its rare
 # statistics path): fp32 strided tiles (2048 wide) 4280 GB/s capped at 96 against 4104 uncapped
 # (session 17: +4-5% in three calls); fp32 dense tiles (512 wide, one register row since 19e1ab3)
-# 4284 uncapped against 3116 capped (range 3112-3125: the cap makes ptxas schedule the row badly);
+# 4284 uncapped against 3116 capped (range 3112-3125; not explained: `probes sass` shows the capped
+# loop at 94 registers, 5 programs an SM, 10.84 instructions an element, no spills);
 # bf16 dense word pairs 3955 capped (79 registers) against 3725 uncapped (64) - ranges overlap, and
 # identical launches in two rows of that call read 3918 and 3813; bf16 strided tiles run uncapped
 # (session 17: capped they spilled and lost). 16-bit data read element by element (fp16; bf16
-# below sm_86 or unaligned) would spill ~100 local accesses a chunk under a cap (`probes sass`), so
+# below sm_86 or unaligned) would spill 83-126 local accesses a chunk under a cap of 96 (sm_90,
+# Triton 3.9's ptxas on the CPU, probes_sass.loop_mix; not timed), so
 # it runs uncapped. TPDIAG_HASH_NARROW_REGS: a cap for every narrow tile (255: none; A/B).
 NARROW_REGS_DEFAULT = 96
 _NARROW_REGS: list = []

@@ -90,9 +90,10 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     # FLAT (dense rows, ROW_ITERS 2, R > 1): the R slabs of a tile are contiguous, so the tile is
     # held as ONE row of R * TW words - the whole tensor's register layout - whose lanes' row
     # offsets (lane // TW) * F_B * C2 are folded into the per-lane position constant once a
-    # program. bf16 word pairs 512 wide, sm_90 (`probes sass`, Triton 3.9): 95 registers as
-    # [R, TW], 66 as one row, as for whole tiles; an H200 read fp32 512-wide shards at 4284 GB/s
-    # this way (uncapped), against 3903 for the [R, TW] tiles capped (docs/benchmarks.md, session 18)
+    # program. bf16 word pairs 512 wide, sm_90 (`probes sass` with Triton 3.9 on the CPU, the
+    # statistics path already a loop): 95 registers as [R, TW], 66 as one row, as for whole tiles.
+    # An H200 read fp32 512-wide shards at 4275-4284 GB/s this way (uncapped), against 3867-3903
+    # for the [R, TW] tiles capped (docs/benchmarks.md, session 18)
     FLAT: tl.constexpr = ROW_ITERS == 2 and R > 1
     RT: tl.constexpr = 1 if FLAT else R          # rows of the tile as registers hold it
     TT: tl.constexpr = R * TW if FLAT else TW    # words (or elements) a register row
@@ -402,9 +403,10 @@ def _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH: tl.constexpr,
         rg = (chunk // N_COL).to(tl.int64)
         cg = (chunk % N_COL).to(tl.int64)
         # a loop, not unrolled: a kernel's registers are those of its hungriest part, and this
-        # rare path unrolled (ITERS tiles of loads in flight) set them for the whole kernel - 96
-        # to 133 a thread on sm_90, against 66-72 that the hashing loop needs for bf16 word pairs
-        # (`probes sass`): fewer programs an SM for every record, not just a poisoned one
+        # rare path unrolled (ITERS tiles of loads in flight) set them for the whole kernel -
+        # fewer programs an SM for every record, not just a poisoned one. bf16 word pairs, sm_90
+        # (`probes sass`, Triton 3.6 on an H200 machine): whole tiles 72 -> 66 registers, 2048-wide
+        # shards 113 -> 78 (this change alone); 512-wide 168 -> 64 with FLAT below
         for it in range(ITERS):
             rows, col0 = _tile_at(rg, cg, it, rr, R, CB, ITERS, ROW_ITERS)
             ptrs = w_ptr + (rows * SLAB + col0)[:, None] + cc[None, :]
