@@ -108,23 +108,36 @@ def hash_throughput(args) -> dict:
     return {"device": _device_name(), "peak_gbs": peak, "rows": rows}
 
 
-def _narrow_rows(x, shard_lanes) -> list:
-    """`hash`'s rows for narrower last-dim shards of x's bytes (a view): 2048 wide is a TP=4 shard
-    of an 8192-wide dim, 512 wide a TP=8 shard of 4096, where the kernel's [R x CB] tiles stack
-    rows (issue #20 item 2 asks >= 80% of HBM for last-dim shards too). Timed in the same
-    interleaved rounds as the other rows; each one's lanes checked against the torch path's."""
+def _shard(x, shard_lanes, width, ways):
+    """(shard_lanes of x's bytes as a last-dim shard `width` wide, rank 1 of `ways` - or whole,
+    width None; its lanes by the torch path)."""
+    from tpdiag.kernels import record_hash as rh
+
+    v = x if width is None else x.view(-1, width)
+    where = (None, None, 0) if width is None else (1, ways * width, width)
+    return (lambda: shard_lanes(v, *where)), rh.lanes_torch(v, *rh.slab(v.shape, *where))[0][:2] & rh.M32
+
+
+def _rows(label: str, variants, want) -> list:
+    """`hash` rows (label + suffix, fn, lanes equal the torch path's) of each (suffix, fn)."""
     import torch
 
     from tpdiag.kernels import record_hash as rh
 
+    return [(label + suffix, f, bool(torch.equal(f()[0][:2] & rh.M32, want))) for suffix, f in variants]
+
+
+def _narrow_rows(x, shard_lanes) -> list:
+    """`hash`'s rows for narrower last-dim shards of x's bytes (a view): 2048 wide is a TP=4 shard
+    of an 8192-wide dim, 512 wide a TP=8 shard of 4096, where the kernel's [R x CB] tiles stack
+    rows (issue #20 item 2 asks >= 80% of HBM for last-dim shards too), also capped at 96 and
+    uncapped. Timed in the same interleaved rounds as the other rows; each one's lanes checked
+    against the torch path's."""
     rows = []
     for width, ways in ((2048, 4), (512, 16)):
-        v = x.view(-1, width)
-        fn = lambda v=v, width=width, ways=ways: shard_lanes(v, 1, ways * width, width)  # noqa: E731
-        want = rh.lanes_torch(v, *rh.slab(v.shape, 1, ways * width, width))[0][:2] & rh.M32
-        for label, f in (("", fn), (", register cap 96", _capped(fn, 96)), (", no register cap", _capped(fn, 255))):
-            rows.append((f"record hash, last-dim shard {width} wide{label}", f,
-                         bool(torch.equal(f()[0][:2] & rh.M32, want))))
+        fn, want = _shard(x, shard_lanes, width, ways)
+        rows += _rows(f"record hash, last-dim shard {width} wide",
+                      (("", fn), (", register cap 96", _capped(fn, 96)), (", no register cap", _capped(fn, 255))), want)
     return rows
 
 
@@ -132,26 +145,23 @@ def _base_rows(x, shard_lanes) -> list:
     """With PROBES_BASE_KERNEL (probes_util.base_kernel): the shipped launches of x's bytes -
     whole, and last-dim shards 8192, 2048 and 512 wide - through another commit's kernels, in the
     same interleaved rounds as this tree's, each one's lanes checked against the torch path's."""
-    import torch
-
     from benchmarks.jobs.probes_util import base_kernel, base_kernel_path
-    from tpdiag.kernels import record_hash as rh
 
     path = base_kernel_path()
     if path is None:
         return []
+
+    def based(fn):
+        def run():
+            with base_kernel(path):
+                return fn()
+        return run
+
     rows = []
     for label, width, ways in (("whole", None, None), ("last-dim shard", 8192, 4),
                                ("last-dim shard 2048 wide", 2048, 4), ("last-dim shard 512 wide", 512, 16)):
-        v = x if width is None else x.view(-1, width)
-        where = (None, None, 0) if width is None else (1, ways * width, width)
-
-        def fn(v=v, where=where):
-            with base_kernel(path):
-                return shard_lanes(v, *where)
-        want = rh.lanes_torch(v, *rh.slab(v.shape, *where))[0][:2] & rh.M32
-        rows.append((f"record hash, {label}, base kernel ({os.path.basename(path)})", fn,
-                     bool(torch.equal(fn()[0][:2] & rh.M32, want))))
+        fn, want = _shard(x, shard_lanes, width, ways)
+        rows += _rows(f"record hash, {label}", ((f", base kernel ({os.path.basename(path)})", based(fn)),), want)
     return rows
 
 

@@ -114,8 +114,10 @@ def sass(args) -> dict:
 
     layouts = []
     base = base_kernel_path()
-    for tag, ctx in (("", contextlib.nullcontext),) + (((f", base kernel ({os.path.basename(base)})",
-                                                          lambda: base_kernel(base)),) if base else ()):
+    variants = [("", contextlib.nullcontext)]  # (label suffix, the kernels it compiles)
+    if base:
+        variants.append((f", base kernel ({os.path.basename(base)})", lambda: base_kernel(base)))
+    for tag, ctx in variants:
         with ctx():
             for label, width, bf16, pairs, slab in LAYOUTS:
                 for regs in ((None,) if slab is None else (None, rh.NARROW_REGS_DEFAULT)):
