@@ -138,6 +138,10 @@ def overhead(args) -> dict:
         # are still paired with that round's unprobed step.
         order = modes if args.fixed_order else _order(modes, k)
         for m in order:
+            # --block K: K-1 steps of the same mode first, not kept - the kept step follows its
+            # own mode, as every step of a run that is all probed (or all unprobed) does
+            for _ in range(args.block - 1):
+                once(m, False)
             once(m, True)
     d2h = _d2h_gbs(dev) if dev_type == "cuda" else None
     none_t = statistics.median(res["none" if "none" in res else "none@warm"]["step_s"])
@@ -162,6 +166,9 @@ def overhead(args) -> dict:
                            "records": r["records"], "kept_mib": r["kept_bytes"] / 2**20,
                            **_host_figures(r, d2h)}
     out["order"] = "fixed" if args.fixed_order else "unprobed first, the probed modes turned each round"
+    out["block"] = args.block
+    if args.block > 1:
+        out["order"] += f"; each kept step after {args.block - 1} unkept of its own mode"
     lines = [f"overhead: {out['device']}, {args.model} ({nparams / 1e9:.2f}B params) {args.dtype}, "
              f"batch {args.batch} x seq {args.seq}, TP=1, median of {args.rounds} rounds, mode order "
              f"{out['order']}; "
@@ -562,6 +569,10 @@ def main(argv: list[str]) -> dict:
                     help="overhead: run the modes in the --modes order every round (default: the "
                          "unprobed mode first, then the probed modes turned by one each round, so each "
                          "runs right after the unprobed step equally often)")
+    ap.add_argument("--block", type=int, default=1,
+                    help="overhead: steps of one mode back to back, the last kept (default 1: modes "
+                         "alternate step by step; K > 1: each kept step follows K-1 of its own mode, "
+                         "the steady state of a run that is all probed or all unprobed)")
     ap.add_argument("--spill-dir", default=None,
                     help="overhead: where full capture spills past TPDIAG_HOST_BUDGET (default: the temp dir)")
     ap.add_argument("--waves", default=None,
@@ -576,6 +587,8 @@ def main(argv: list[str]) -> dict:
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.dtype, args.batch, args.seq, args.rounds = "tiny-llama", "float32", 1, 16, 1
+    if args.block < 1:
+        ap.error(f"--block must be at least 1, not {args.block}")
     if args.what == "diff" and not args.run_dir:
         ap.error("diff needs RUN_DIR")
     if args.what == "overhead":
