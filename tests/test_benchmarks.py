@@ -90,6 +90,8 @@ def test_probe_modes_are_checked_up_front():
     assert p.returncode == 2 and "needs PROBES_BASE_KERNEL=FILE" in p.stderr.strip().splitlines()[-1], p.stderr
     p = bench("--no-record", "probes", "overhead", "--block", "0")
     assert p.returncode == 2 and "--block must be at least 1, not 0" in p.stderr.strip().splitlines()[-1], p.stderr
+    p = bench("--no-record", "probes", "overhead", "--rest", "-5")
+    assert p.returncode == 2 and "--rest must be >= 0 ms, not -5" in p.stderr.strip().splitlines()[-1], p.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

@@ -71,6 +71,7 @@ def overhead(args) -> dict:
     res = {m: {"step_s": [], "issue_s": [], "phases": [], "peak_bytes": [], "gather_s": [], "records": 0, "kept_bytes": 0,
                "host": [], "rss_peak": [], "after": [], "mallocs": []} for m in modes}
     last = [None]  # the mode of the step before (warm-ups included)
+    ended = [None]  # when the step before ended (perf_counter), for --rest
     import tempfile
 
     from tpdiag.probes.stream import close_stores
@@ -97,6 +98,14 @@ def overhead(args) -> dict:
             torch.cuda.reset_peak_memory_stats(dev)
         _reset_rss_peak()
         n0 = _device_allocs(dev)
+        if args.rest and ended[0] is not None:
+            # the same idle gap before every step, whatever ran before it: a probed step's
+            # gather leaves the GPU ~20 ms more idle time before the next step than an unprobed
+            # step does (session 19: on one H200, the unprobed 8 x 4096 step read 589 ms after
+            # probed steps, 595 ms after unprobed ones, in two jobs of one call)
+            if dev_type == "cuda":
+                torch.cuda.synchronize(dev)
+            time.sleep(max(0.0, args.rest / 1e3 - (time.perf_counter() - ended[0])))
         t = step.run(cfg, dev, 1, rec)
         n1 = _device_allocs(dev)
         after, last[0] = last[0], key
@@ -108,6 +117,9 @@ def overhead(args) -> dict:
         host = dict(rec.host_store.stats) if rec.host_store is not None else {}
         rss = _rss_peak()
         close_stores(rec.records, stored)
+        if dev_type == "cuda":
+            torch.cuda.synchronize(dev)
+        ended[0] = time.perf_counter()
         import sys
 
         print(f"[overhead] {key} {'round' if keep else 'warm-up'}: step {1e3 * t['steps_s']:.1f} ms, "
@@ -166,9 +178,11 @@ def overhead(args) -> dict:
                            "records": r["records"], "kept_mib": r["kept_bytes"] / 2**20,
                            **_host_figures(r, d2h)}
     out["order"] = "fixed" if args.fixed_order else "unprobed first, the probed modes turned each round"
-    out["block"] = args.block
+    out["block"], out["rest_ms"] = args.block, args.rest
     if args.block > 1:
         out["order"] += f"; each kept step after {args.block - 1} unkept of its own mode"
+    if args.rest:
+        out["order"] += f"; every step started {args.rest:g} ms after the step before ended"
     lines = [f"overhead: {out['device']}, {args.model} ({nparams / 1e9:.2f}B params) {args.dtype}, "
              f"batch {args.batch} x seq {args.seq}, TP=1, median of {args.rounds} rounds, mode order "
              f"{out['order']}; "
@@ -573,6 +587,10 @@ def main(argv: list[str]) -> dict:
                     help="overhead: steps of one mode back to back, the last kept (default 1: modes "
                          "alternate step by step; K > 1: each kept step follows K-1 of its own mode, "
                          "the steady state of a run that is all probed or all unprobed)")
+    ap.add_argument("--rest", type=float, default=0.0,
+                    help="overhead: start every step REST ms after the step before ended, its "
+                         "records' gather included (default 0: at once; the unprobed step has no "
+                         "gather, so it starts on a GPU that idled less)")
     ap.add_argument("--spill-dir", default=None,
                     help="overhead: where full capture spills past TPDIAG_HOST_BUDGET (default: the temp dir)")
     ap.add_argument("--waves", default=None,
@@ -587,6 +605,8 @@ def main(argv: list[str]) -> dict:
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.dtype, args.batch, args.seq, args.rounds = "tiny-llama", "float32", 1, 16, 1
+    if args.rest < 0:
+        ap.error(f"--rest must be >= 0 ms, not {args.rest:g}")
     if args.block < 1:
         ap.error(f"--block must be at least 1, not {args.block}")
     if args.what == "diff" and not args.run_dir:
