@@ -90,8 +90,30 @@ def test_probe_modes_are_checked_up_front():
     assert p.returncode == 2 and "needs PROBES_BASE_KERNEL=FILE" in p.stderr.strip().splitlines()[-1], p.stderr
     p = bench("--no-record", "probes", "overhead", "--block", "0")
     assert p.returncode == 2 and "--block must be at least 1, not 0" in p.stderr.strip().splitlines()[-1], p.stderr
-    p = bench("--no-record", "probes", "overhead", "--rest", "-5")
-    assert p.returncode == 2 and "--rest must be >= 0 ms, not -5" in p.stderr.strip().splitlines()[-1], p.stderr
+    for bad in ("-5", "nan", "inf"):
+        p = bench("--no-record", "probes", "overhead", "--rest", bad)
+        assert p.returncode == 2 and f"--rest must be a finite number of ms >= 0, not {bad}" in \
+            p.stderr.strip().splitlines()[-1], p.stderr
+
+
+def test_probes_overhead_block_and_rest(monkeypatch):
+    # --block 2: each kept step follows an unkept one of its own mode; --rest: a pause before
+    # every step but the first, shortened by nothing the step before did (it counts from the
+    # gather's end). Tiny-llama on CPU: 2 warm-ups + 1 round x 2 modes x 2 steps = 6 steps.
+    from benchmarks.jobs import probes
+
+    slept = []
+    monkeypatch.setattr(probes.time, "sleep", lambda s: slept.append(s))
+    r = probes.main(["overhead", "--smoke", "--block", "2", "--rest", "40", "--modes", "none@warm,hash@warm"])
+    assert (r["block"], r["rest_ms"]) == (2, 40.0)
+    assert "each kept step after 1 unkept of its own mode" in r["order"] and "at least 40 ms" in r["order"]
+    assert len(slept) == 5 and all(0 < s <= 0.04 for s in slept), slept
+    h = r["modes"]["hash@warm"]
+    assert h["after_unprobed_ms"] == "-" and h["after_probed_ms"].endswith("(1)"), h
+    slept.clear()
+    r = probes.main(["overhead", "--smoke", "--modes", "none@warm,hash@warm"])
+    assert slept == [] and r["rest_ms"] == 0.0 and r["block"] == 1
+    assert r["modes"]["hash@warm"]["after_unprobed_ms"].endswith("(1)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

@@ -14,7 +14,8 @@ mode, and the record hash's throughput against the device's memory bandwidth.
 `overhead`: one training step (forward, loss, backward, clip, AdamW - tpdiag's own step,
 runner/step.py) of one model built once, on one device (TP=1), with every module probed
 (forward in/out, output grads, parameter grads, parameters before and after). Modes alternate
-in rounds after a warm-up round; medians reported. Peak memory is torch's max allocated over
+in rounds after a warm-up round; medians reported (--block K: K steps of a mode back to back,
+the last kept; --rest MS: a pause of MS before every step). Peak memory is torch's max allocated over
 the step and the records it leaves behind. The records are then gathered as compare would
 (to host, composed), timed separately. Beside the ratios: the MFU of the unprobed step
 (benchmarks/mfu.py: model FLOPs 6 * N * tokens + causal attention 6 * layers * seq^2 * hidden *
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -99,10 +101,12 @@ def overhead(args) -> dict:
         _reset_rss_peak()
         n0 = _device_allocs(dev)
         if args.rest and ended[0] is not None:
-            # the same idle gap before every step, whatever ran before it: a probed step's
-            # gather leaves the GPU ~20 ms more idle time before the next step than an unprobed
-            # step does (session 19: on one H200, the unprobed 8 x 4096 step read 589 ms after
-            # probed steps, 595 ms after unprobed ones, in two jobs of one call)
+            # at least MS of idle GPU before every step, whatever ran before it. Without it the
+            # step after a probed one starts after that step's gather (20-35 ms, host work, the
+            # GPU idle), the step after an unprobed one at once - and at 8 x 4096 on one H200
+            # the unprobed step read 587.7 ms after a hash step and its gather, 595.2 ms after an
+            # unprobed step (one job, session 19). The pause counts from the gather's end: a step
+            # after a probed one still idles that much longer (with 100 ms: 586.2 / 588.1 ms).
             if dev_type == "cuda":
                 torch.cuda.synchronize(dev)
             time.sleep(max(0.0, args.rest / 1e3 - (time.perf_counter() - ended[0])))
@@ -117,9 +121,10 @@ def overhead(args) -> dict:
         host = dict(rec.host_store.stats) if rec.host_store is not None else {}
         rss = _rss_peak()
         close_stores(rec.records, stored)
-        if dev_type == "cuda":
-            torch.cuda.synchronize(dev)
-        ended[0] = time.perf_counter()
+        if args.rest:
+            if dev_type == "cuda":
+                torch.cuda.synchronize(dev)
+            ended[0] = time.perf_counter()
         import sys
 
         print(f"[overhead] {key} {'round' if keep else 'warm-up'}: step {1e3 * t['steps_s']:.1f} ms, "
@@ -182,7 +187,8 @@ def overhead(args) -> dict:
     if args.block > 1:
         out["order"] += f"; each kept step after {args.block - 1} unkept of its own mode"
     if args.rest:
-        out["order"] += f"; every step started {args.rest:g} ms after the step before ended"
+        out["order"] += (f"; every step but the first started at least {args.rest:g} ms after the step "
+                         "before and its records' gather ended")
     lines = [f"overhead: {out['device']}, {args.model} ({nparams / 1e9:.2f}B params) {args.dtype}, "
              f"batch {args.batch} x seq {args.seq}, TP=1, median of {args.rounds} rounds, mode order "
              f"{out['order']}; "
@@ -586,11 +592,13 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--block", type=int, default=1,
                     help="overhead: steps of one mode back to back, the last kept (default 1: modes "
                          "alternate step by step; K > 1: each kept step follows K-1 of its own mode, "
-                         "the steady state of a run that is all probed or all unprobed)")
+                         "as in a run that is all probed or all unprobed; with MODE@warm also on the "
+                         "allocator such a run leaves)")
     ap.add_argument("--rest", type=float, default=0.0,
-                    help="overhead: start every step REST ms after the step before ended, its "
-                         "records' gather included (default 0: at once; the unprobed step has no "
-                         "gather, so it starts on a GPU that idled less)")
+                    help="overhead: start every step at least REST ms after the step before and its "
+                         "records' gather ended (default 0: at once; then the step after a probed "
+                         "one starts on a GPU that idled for that step's gather, the step after an "
+                         "unprobed one on a GPU that did not idle)")
     ap.add_argument("--spill-dir", default=None,
                     help="overhead: where full capture spills past TPDIAG_HOST_BUDGET (default: the temp dir)")
     ap.add_argument("--waves", default=None,
@@ -605,8 +613,8 @@ def main(argv: list[str]) -> dict:
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.dtype, args.batch, args.seq, args.rounds = "tiny-llama", "float32", 1, 16, 1
-    if args.rest < 0:
-        ap.error(f"--rest must be >= 0 ms, not {args.rest:g}")
+    if not (math.isfinite(args.rest) and args.rest >= 0):
+        ap.error(f"--rest must be a finite number of ms >= 0, not {args.rest:g}")
     if args.block < 1:
         ap.error(f"--block must be at least 1, not {args.block}")
     if args.what == "diff" and not args.run_dir:
