@@ -96,24 +96,35 @@ def test_probe_modes_are_checked_up_front():
             p.stderr.strip().splitlines()[-1], p.stderr
 
 
-def test_probes_overhead_block_and_rest(monkeypatch):
+def test_probes_overhead_block_and_rest():
     # --block 2: each kept step follows an unkept one of its own mode; --rest: a pause before
-    # every step but the first, shortened by nothing the step before did (it counts from the
-    # gather's end). Tiny-llama on CPU: 2 warm-ups + 1 round x 2 modes x 2 steps = 6 steps.
-    from benchmarks.jobs import probes
+    # every step but the first. Tiny-llama on CPU: 2 warm-ups + 1 round x 2 modes x 2 steps = 6
+    # steps. In a child process: the job rebinds runner.step.build_model and sets torch's threads
+    # and determinism for the process, which would leak into later tests.
+    code = (
+        "import json, sys, time\n"
+        "from benchmarks.jobs import probes\n"
+        "slept = []\n"
+        "time.sleep = slept.append\n"
+        "r = probes.main(sys.argv[1:])\n"
+        "h = r['modes']['hash@warm']\n"
+        "print('RESULT ' + json.dumps([r['block'], r['rest_ms'], r['order'], slept,\n"
+        "                              h['after_unprobed_ms'], h['after_probed_ms']]))\n")
 
-    slept = []
-    monkeypatch.setattr(probes.time, "sleep", lambda s: slept.append(s))
-    r = probes.main(["overhead", "--smoke", "--block", "2", "--rest", "40", "--modes", "none@warm,hash@warm"])
-    assert (r["block"], r["rest_ms"]) == (2, 40.0)
-    assert "each kept step after 1 unkept of its own mode" in r["order"] and "at least 40 ms" in r["order"]
+    def run(*args):
+        e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        p = subprocess.run([sys.executable, "-c", code, "overhead", "--smoke", "--modes", "none@warm,hash@warm",
+                            *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+    block, rest, order, slept, after_unprobed, after_probed = run("--block", "2", "--rest", "40")
+    assert (block, rest) == (2, 40.0)
+    assert "each kept step after 1 unkept of its own mode" in order and "at least 40 ms" in order
     assert len(slept) == 5 and all(0 < s <= 0.04 for s in slept), slept
-    h = r["modes"]["hash@warm"]
-    assert h["after_unprobed_ms"] == "-" and h["after_probed_ms"].endswith("(1)"), h
-    slept.clear()
-    r = probes.main(["overhead", "--smoke", "--modes", "none@warm,hash@warm"])
-    assert slept == [] and r["rest_ms"] == 0.0 and r["block"] == 1
-    assert r["modes"]["hash@warm"]["after_unprobed_ms"].endswith("(1)")
+    assert after_unprobed == "-" and after_probed.endswith("(1)")
+    block, rest, order, slept, after_unprobed, after_probed = run()
+    assert (block, rest, slept) == (1, 0.0, []) and after_unprobed.endswith("(1)") and after_probed == "-"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
