@@ -107,8 +107,7 @@ def overhead(args) -> dict:
             # the unprobed step read 587.7 ms after a hash step and its gather, 595.2 ms after an
             # unprobed step (one job, session 19). The pause counts from the gather's end: a step
             # after a probed one still idles that much longer (with 100 ms: 586.2 / 588.1 ms).
-            if dev_type == "cuda":
-                torch.cuda.synchronize(dev)
+            # The GPU was synchronised when `ended` was stamped, and nothing was queued since.
             time.sleep(max(0.0, args.rest / 1e3 - (time.perf_counter() - ended[0])))
         t = step.run(cfg, dev, 1, rec)
         n1 = _device_allocs(dev)
