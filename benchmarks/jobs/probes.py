@@ -15,7 +15,8 @@ mode, and the record hash's throughput against the device's memory bandwidth.
 runner/step.py) of one model built once, on one device (TP=1), with every module probed
 (forward in/out, output grads, parameter grads, parameters before and after). Modes alternate
 in rounds after a warm-up round; medians reported (--block K: K steps of a mode back to back,
-the last kept; --rest MS: a pause of MS before every step). Peak memory is torch's max allocated over
+the last kept; --rest MS: every step but the first starts at least MS after the step before and
+its records' gather ended). Peak memory is torch's max allocated over
 the step and the records it leaves behind. The records are then gathered as compare would
 (to host, composed), timed separately. Beside the ratios: the MFU of the unprobed step
 (benchmarks/mfu.py: model FLOPs 6 * N * tokens + causal attention 6 * layers * seq^2 * hidden *
