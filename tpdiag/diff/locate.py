@@ -12,10 +12,7 @@ from tpdiag.diff import bits, bounds, generic_bound, router
 from tpdiag.diff.engine import DegreeDiff
 from tpdiag.records.ops import ATTENTION_OPS, is_op_of
 
-CAUSES = ("row-parallel-reduction", "shape-dependent-gemm", "vocab-parallel-softmax",
-          "column-parallel-dgrad", "norm-weight-grad", "grad-norm", "collective-nondeterminism",
-          "rank-inconsistent-replica", "router-flip", "sharding-bug", "unknown", "attention-kernel",
-          "nondeterministic-kernel", "shape-dependent-kernel")
+from tpdiag.records.causes import CAUSES  # noqa: F401  (the labels live with the record format)
 COLLECTIVE_OPS = ("c10d", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 

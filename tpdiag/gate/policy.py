@@ -85,7 +85,7 @@ def load_policy(path: str | None) -> Policy:
             import tomli as tomllib
         except ImportError:
             raise BadInput(f"--policy {path}: reading TOML needs Python 3.11+ or the tomli package") from None
-    from tpdiag.diff.locate import CAUSES
+    from tpdiag.records.causes import CAUSES
 
     try:
         with open(path, "rb") as f:

@@ -7,6 +7,7 @@ styles.py     a TP plan's ParallelStyle as the short label records carry
 rundir.py     a run directory: completion marker, manifest, summary.json, diff.csv's columns and reader
 frames.py     a run directory as pandas DataFrames (`tpdiag.load`); diff.csv is written from its records frame
 provenance.py the versions every manifest carries
+causes.py     cause labels, their classes (bug / non-finite / rounding / unknown), the bug exit code
 
 Probes write through it; diff, gate and reports read through it. Nothing here imports probes,
 diff or runner, and this file imports nothing (torch loads with store/layout, pandas with frames).
