@@ -104,7 +104,8 @@ def summary_tables(console, summary: dict) -> None:
 
     status = summary["status"]
     color = {"bitwise": "green", "divergent": "yellow", "inconclusive": "red"}.get(status, "white")
-    console.print(f"[bold]verdict:[/] [{color}]{status}[/] (reference TP={summary['reference_label']})")
+    console.print(f"[bold]verdict:[/] [{color}]{status}[/]{_class_words(summary)} "
+                  f"(reference TP={summary['reference_label']})")
     base = summary.get("baseline")
     if ran(summary):
         console.print(ran(summary))
@@ -126,22 +127,28 @@ def summary_tables(console, summary: dict) -> None:
         fd = d.get("first_divergence") or {}
         lp = d.get("logprobs") or {}
         st = "[green]bitwise[/]" if d["status"] == "bitwise" else "[yellow]divergent[/]"
-        err = f"{_fmt(fd.get('max_abs'))} / {_fmt(fd.get('bound'))}" if fd else "-"
+        err = f"{_fmt(fd.get('max_abs'))} / {_bound_cell(fd)}" if fd else "-"
         lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"
                  if lp.get("max_abs") is not None else "-")
         t.add_row(label, st, where(fd) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
     _print_table(console, t)
     for label, d in summary["degrees"].items():
         fd = d.get("first_divergence") or {}
+        if fd.get("oracle") or fd.get("op_oracle"):
+            console.print(f"TP={label}: {oracle_line(fd)}")
         if fd.get("why"):
             console.print(f"TP={label}: cause {fd['cause']}: {fd['why']}")
-        for f in d.get("findings") or []:
-            console.print(f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({f['kind']} "
-                          f"{f['name']}): {f['cause']}, max abs {_fmt(f['max_abs'])}"
-                          + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else ""))
+        _findings(console, label, d.get("findings") or [], fd)
         conf = d.get("confirmation")
         if conf:
             after = conf.get("first_divergence_after")
+            if conf.get("fix") is None:
+                from tpdiag.records.causes import cause_class
+
+                console.print(f"TP={label}: " + ("no fix applies to a bug (fix the code)"
+                              if cause_class(fd.get("cause")) == "bug"
+                              else f"no fix to confirm it with ({conf.get('reason', 'none applies')})"))
+                continue
             console.print(f"TP={label}: fix [bold]{conf.get('fix')}[/] -> {conf.get('verdict')}; "
                           + (f"first divergence moves to {where(after)} ({after['cause']})" if after
                              else "no divergence left" if conf.get("verdict") == "confirmed"
@@ -155,8 +162,84 @@ def summary_tables(console, summary: dict) -> None:
         console.print(f"[bold]after fixes:[/] {summary['status_after_fixes']}")
     if summary.get("error"):
         console.print(f"[red]{summary['error']}[/]")
+    todo = what_to_do(summary)
+    if todo:
+        console.print(f"[bold]what to do:[/] {todo}")
     if summary.get("run_dir"):
         console.print(f"run directory: {summary['run_dir']}  (tpdiag report {summary['run_dir']})")
+
+
+def _class_words(summary: dict) -> str:
+    """The headline's bug-or-rounding part: ', BUG' / ', rounding only' / ', not judged'."""
+    c = summary.get("class")
+    if summary.get("status") != "divergent" or not c:
+        return ""
+    return {"bug": ", [bold red]BUG[/] (a wrong result, not rounding)",
+            "non-finite": ", [bold red]NON-FINITE[/] (NaN or Inf on one side only)",
+            "rounding": ", rounding only", "unknown": ", not judged (cause unknown)"}[c]
+
+
+def _bound_cell(fd: dict) -> str:
+    v = fd.get("oracle") or fd.get("op_oracle")
+    if fd.get("bound") is None and v:
+        return f"float64 x{v['ratio']:.2g}"
+    return _fmt(fd.get("bound"))
+
+
+def oracle_line(fd: dict) -> str:
+    """The float64 verdict in words (diff/oracle.py)."""
+    v = fd.get("oracle") or fd.get("op_oracle")
+    what = "its op" if not fd.get("oracle") else "the module"
+    unit = "relative " if v.get("relative") else ""
+    dist = (f"this side {v['err']:.2e} from it, the reference {v['ref_err']:.2e} ({unit}2-norm; "
+            f"rounding allows {v['threshold']:.2e})")
+    if v["far"] and not v.get("discrete") and fd.get("cause") == "sharding-bug":
+        return (f"[bold red]BUG[/] at {where(fd)}: {what} re-executed in float64 - {dist}: "
+                f"{v['ratio']:.2g}x beyond rounding, a wrong result")
+    if not v["far"]:
+        return f"rounding at {where(fd)}: {what} re-executed in float64 - {dist}"
+    return f"{where(fd)}: {what} re-executed in float64 - {dist}"
+
+
+def _findings(console, label: str, findings: list, fd: dict) -> None:
+    """Root findings one line each; records that follow from one are counted, not listed."""
+    follows: dict = {}
+    for f in findings:
+        if "follows" in f:
+            follows[f["follows"]] = follows.get(f["follows"], 0) + 1
+    same = [f for f in findings if "follows" not in f and f.get("module") == fd.get("module")
+            and f.get("cause") == fd.get("cause")]
+    n = sum(follows.get(f.get("key"), 0) for f in same) + max(0, len(same) - 1)
+    if n:
+        console.print(f"TP={label}: {n} downstream record{'s' if n != 1 else ''} "
+                      f"follow{'s' if n == 1 else ''} from the first divergence (not listed)")
+    for f in findings:
+        if "follows" in f or any(f is g for g in same):
+            continue
+        rec = f"{f['kind']} {f['name']}" if f["kind"] != "op" else f"op {f['name']}"
+        line = (f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({rec}): {f['cause']}, "
+                f"max abs {_fmt(f['max_abs'])}" + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else ""))
+        n = follows.get(f.get("key")) or 0
+        if n:
+            line += f"; {n} downstream record{'s' if n != 1 else ''} follow{'s' if n == 1 else ''} from it"
+        console.print(line)
+
+
+def what_to_do(summary: dict) -> str | None:
+    c = summary.get("class")
+    if summary.get("status") != "divergent" or not c:
+        return None
+    run = summary.get("run_dir") or "RUN_DIR"
+    if c == "bug":
+        return (f"fix the model code at the BUG above (a wrong result that no kernel fix removes); "
+                f"`tpdiag report {run}` shows its values against the reference")
+    if c == "non-finite":
+        return "find where the NaN/Inf first appears (the finding above); no fix or policy hides it"
+    if c == "unknown":
+        return ("nothing could judge the first divergence (the reason is above); "
+                f"`tpdiag report {run}` shows its values")
+    return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
+            "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")
 
 
 _SHORT_CAUSE = {"row-parallel-reduction": "row-par-reduce", "vocab-parallel-softmax": "vocab-softmax",

@@ -81,12 +81,17 @@ class WorldConfig:
     # the run's tree groups G and group GEMM (fixes/groups.py); 0 / "": TPDIAG_TREE_GROUPS or 8, fused
     tree_groups: int = 0
     group_gemm: str = ""
+    # float64 oracle (probes/float64.py): these modules' calls, and with oracle_ops every op
+    # recorded in op_include's scopes, re-executed in float64 (the reference world only)
+    oracle: tuple[str, ...] = ()
+    oracle_ops: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["fixes"] = list(self.fixes)
         d["op_include"] = list(self.op_include)
         d["module_include"] = list(self.module_include)
+        d["oracle"] = list(self.oracle)
         return d
 
     @classmethod
@@ -95,6 +100,7 @@ class WorldConfig:
         d["fixes"] = tuple(d.get("fixes", ()))
         d["op_include"] = tuple(d.get("op_include", ()))
         d["module_include"] = tuple(d.get("module_include", ()))
+        d["oracle"] = tuple(d.get("oracle", ()))
         return cls(**d)
 
     def with_(self, **kw) -> "WorldConfig":
@@ -129,10 +135,13 @@ class CompareConfig:
     # rerun each world's step unprobed to prove the probes change nothing; the region pass
     # compares step fingerprints with the first pass instead (runner/drill.py)
     selfcheck: bool = True
+    oracle: tuple[str, ...] = ()  # the second pass: modules the reference re-executes in float64
+    oracle_ops: bool = False      # ... and every op it records (op_include's scopes)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["degrees"] = list(self.degrees)
+        d["oracle"] = list(self.oracle)
         d["fixes"] = list(self.fixes)
         d["op_include"] = list(self.op_include)
         d["module_include"] = list(self.module_include)

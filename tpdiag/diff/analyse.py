@@ -236,6 +236,9 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         summary["error"] = _not_reproducible(reference_degree, f"world {noisy[0]}: {fd['cause']}", fd)
     if ref_error is not None:
         summary["error"] = f"reference TP={reference} failed: {ref_error}"
+    from tpdiag.diff.classes import add_classes
+
+    add_classes(summary)
     write_csv(os.path.join(run_dir, "diff.csv"), all_rows)
     io.write_json(os.path.join(run_dir, "summary.json"), summary)
     return summary

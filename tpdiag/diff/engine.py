@@ -19,6 +19,10 @@ class DegreeDiff:
     missing: list[str]               # keys present at the reference only
     tensors: dict = field(default_factory=dict)  # key -> (ref_full, other_full), for bounds/plots
     uncompared: list = field(default_factory=list)  # op records with no reference value (metas)
+    # the reference's float64 re-executions (diff/oracle.py): record key -> float64 tensor, and
+    # what its world noted (refusals, discrete choices) by oracle key
+    oracle: dict = field(default_factory=dict)
+    oracle_notes: dict = field(default_factory=dict)
 
 
 def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
@@ -111,6 +115,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
     rows, unmatched, uncompared = [], [], []
     tensors = {}
     seen = set()
+    oracle_metas = [m for m in ref.events if m["kind"] == "oracle"]
     for om in other.events:
         key = om["key"]
         rm = ref.by_key.get(key)
@@ -192,5 +197,17 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
         rows.append(row)
         if keep is None or keep(om):
             tensors[key] = (a, b)
-    missing = [m["key"] for m in ref.events if m["key"] not in seen]
-    return DegreeDiff(label, rows, unmatched, missing, tensors, uncompared)
+    missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"]
+    dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared)
+    if oracle_metas:
+        from tpdiag.diff.oracle import target_key
+
+        wanted = {r["key"] for r in rows if not r["bitwise"]}
+        for m in oracle_metas:
+            k = target_key(m["key"])
+            if k in wanted:
+                dd.oracle[k] = ref.tensor(m)
+    notes = ref.world.get("oracle_notes") if isinstance(ref.world, dict) else None
+    if isinstance(notes, dict):
+        dd.oracle_notes = notes
+    return dd

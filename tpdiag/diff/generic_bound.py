@@ -192,7 +192,7 @@ def add_generic_bounds(dd, world: int) -> None:
     mark_unreduced_partials(dd)
     for row in dd.rows:
         if (row["phase"] != "forward" or row["kind"] != "out" or row["bitwise"]
-                or row.get("bound") is not None or row["key"] not in dd.tensors):
+                or row.get("bound") is not None or row.get("oracle") or row["key"] not in dd.tensors):
             continue
         y1, yn = dd.tensors[row["key"]]
         if not y1.is_floating_point() or y1.shape != yn.shape or y1.dtype != yn.dtype:
@@ -267,21 +267,33 @@ def _module_ops(dd, row: dict) -> list[tuple[str, str | None]]:
     return ops
 
 
-def reorder_cause(dd, row: dict, k: int) -> tuple[str, str | None]:
-    """Name the reordering behind a difference inside its bound, from the module's ops."""
+def reorder_cause(dd, row: dict, k: int | None) -> tuple[str, str | None]:
+    """Name the reordering behind a difference judged rounding (inside a bound, or near the
+    float64 oracle), from the module's ops."""
+    what = (f"within the rounding bound of its length-{k} reduction" if k is not None
+            else "near its float64 re-execution")
     ops = _module_ops(dd, row)
     if not ops:
-        return "unknown", (f"within the rounding bound of its length-{k} reduction (a reordering, "
-                           "not a wrong result); its ops were not recorded, so which reduction was "
-                           "reordered is not known (--granularity auto records them)")
+        return "unknown", (f"rounding: {what} (a reordering, not a wrong result); its ops were not "
+                           "recorded, so which computation was reordered is not known "
+                           "(--granularity op records them)")
     reducing = sorted({_op_base(n) for n, _ in ops if _is_reducing(n)})
     if reducing:
         return "row-parallel-reduction", None
     gemms = [n for n, why in ops if _op_base(n) in GEMM_OPS and why is not None]
     if gemms:
         return "shape-dependent-gemm", None
-    return "unknown", (f"within the rounding bound of its length-{k} reduction (a reordering), but "
-                       "none of its recorded ops is a reducing collective or a GEMM that changed")
+    from tpdiag.records.ops import ATTENTION_OPS, is_op_of
+
+    changed = [n for n, why in ops if why == "differs"]
+    if any(is_op_of(n.rsplit("#", 1)[0], ATTENTION_OPS) for n in changed):
+        return "attention-kernel", None
+    if changed:
+        # equal inputs, another result, no collective, no GEMM: one kernel (a reduction, a
+        # norm, a softmax) computed the same function on another local shape
+        return "shape-dependent-kernel", None
+    return "unknown", (f"rounding: {what}, but none of its recorded ops differs or is a reducing "
+                       "collective")
 
 
 def why_unknown(row: dict) -> str:

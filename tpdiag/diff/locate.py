@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds, generic_bound, router
+from tpdiag.diff import bits, bounds, generic_bound, oracle, router
 from tpdiag.diff.engine import DegreeDiff
 from tpdiag.records.ops import ATTENTION_OPS, is_op_of
 
@@ -66,6 +66,14 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         row["bound"] = chk.bound
         row["bound_ratio"] = chk.ratio
         row["beyond_bound"] = chk.beyond
+    oracle.apply(dd)  # any module or op the reference re-executed in float64: bug or rounding
+    for row in dd.rows:
+        if row.get("oracle") and not row.get("beyond_bound") and not row.get("oracle_flip") \
+                and row["kind"] == "out":
+            cause, why = generic_bound.reorder_cause(dd, row, None)
+            row["generic_cause"] = cause
+            if why:
+                row["cause_why"] = why
     generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
     _loss_bounds(dd)
     # NaN/Inf where the reference has a finite value (or the reverse) is no rounding: a wrong
@@ -183,6 +191,8 @@ def _describe(row: dict) -> dict:
 def _explain(out: dict, row: dict) -> None:
     if row.get("bound_model"):
         out["bound_model"] = row["bound_model"]
+    if row.get("oracle"):
+        out["oracle"] = row["oracle"]
     if out["cause"] == "unknown":
         out["why"] = generic_bound.why_unknown(row)
 
@@ -225,6 +235,11 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
                  else r["max_abs"], "bound": r.get("bound"), "bound_ratio": r.get("bound_ratio")}
             _explain(f, r)
             _partial_detail(f, r, findings)
+            roots = [g for g in findings if "follows" not in g]
+            if roots and not _is_root(dd, r, first):
+                # a consequence: its inputs already differed from a finding before it
+                f["follows"] = roots[-1].get("key") or roots[-1]["name"]
+            f.setdefault("key", r["key"])
             findings.append(f)
     fd = _describe(first) if first else None
     flips = router.analyse(dd, fd)
@@ -246,11 +261,56 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             fd["op_max_abs"] = op_row["max_abs"]
     elif fd is not None and first["kind"] == "op":
         fd["op"] = first["name"].rsplit("#", 1)[0]
+        op_row = first
+    if fd is not None and op_row is not None and op_row.get("oracle") and (
+            first["kind"] != "out" or not first.get("oracle")):
+        _op_verdict(fd, op_row)
     if (fd is not None and attention_op(fd["op"]) and not first.get("beyond_bound")
-            and fd["cause"] != "rank-inconsistent-replica"):
+            and fd["cause"] not in ("rank-inconsistent-replica", "sharding-bug")
+            and not (fd.get("cause") == "unknown" and fd.get("op_oracle"))):
         # the difference enters in an attention kernel whose inputs were bitwise equal
         fd["cause"] = "attention-kernel"
     return {"first_divergence": fd, "findings": findings}
+
+
+def _is_root(dd: DegreeDiff, r: dict, first: dict | None) -> bool:
+    """A finding that no earlier difference explains: the first divergence, a module output
+    whose inputs and parameters were all bitwise equal, a never-reduced partial, an init record."""
+    if first is not None and r["idx"] == first["idx"]:
+        return True
+    if r["phase"] == "init" or r.get("rank_partial_sum"):
+        return True
+    return r["phase"] == "forward" and r["kind"] == "out" and oracle.inputs_equal(dd, r)
+
+
+def _op_verdict(fd: dict, op_row: dict) -> None:
+    """The first divergent op, re-executed in float64, judges a first divergence that its module
+    record could not (an input that differs: the op is in the parent's own code)."""
+    v = op_row["oracle"]
+    fd["op_oracle"] = v
+    fd.pop("why", None)
+    op = op_row["name"].rsplit("#", 1)[0]
+    if v["far"] and not v.get("discrete"):
+        fd["cause"] = "sharding-bug"
+        fd["bound_ratio"] = v["ratio"]
+        fd["bound_model"] = "float64 re-execution of the op"
+        return
+    if v["far"]:
+        fd["cause"] = "unknown"
+        fd["why"] = (f"{op} is far from its float64 re-execution, but it makes a discrete choice on "
+                     "floating values that a rounding difference can flip")
+        return
+    fd["bound_model"] = "float64 re-execution of the op"
+    fd["bound_ratio"] = v["ratio"]
+    base = op.split("::")[-1]
+    if attention_op(op):
+        fd["cause"] = "attention-kernel"
+    elif base in generic_bound.GEMM_OPS:
+        fd["cause"] = "shape-dependent-gemm"
+    elif any(c in op for c in COLLECTIVE_OPS):
+        fd["cause"] = "row-parallel-reduction"
+    else:
+        fd["cause"] = "shape-dependent-kernel"
 
 
 def _first_op(dd: DegreeDiff, first: dict) -> dict | None:

@@ -29,7 +29,11 @@ _IDX = tuple(str(i) for i in range(_NIDX))  # output / input positions as record
 
 @contextmanager
 def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
-                  backward: bool = True, include: set[str] | None = None):
+                  backward: bool = True, include: set[str] | None = None,
+                  oracle: set[str] | None = None):
+    """oracle: modules whose every call is also re-executed in float64 (probes/float64.py) from a
+    snapshot of its inputs, recorded as kind "oracle" beside its outputs (the reference world of
+    a second pass; diff/oracle.py judges bug or rounding from it)."""
     # Python's cyclic GC paused while the hooks go in and are in (TPDIAG_PROBE_GC=1: left
     # alone). A step leaves ~1000 records' dicts, lists and closures alive, enough to trigger
     # full (oldest generation) collections that walk every tracked object of the process -
@@ -70,13 +74,21 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         add = rec.add
         counts = rec._calls
 
+        snaps: dict = {}  # (module, call) -> float64 snapshot of its inputs (oracle modules)
+
         def pre_hook(mod, args, kwargs):
+            if rec.in_oracle:  # an oracle re-execution runs this module's children: no records
+                return None
             name, style, _, _, cls = infos[mod]
             # = rec.call_index(name), inline (host time per module call)
             ck = (rec.step, rec._phase, name)
             call = calls[mod] = counts.get(ck, 0)
             counts[ck] = call + 1
             stack.append(name)
+            if oracle and name in oracle and rec.enabled:
+                from tpdiag.probes.float64 import snapshot
+
+                snaps[(mod, call)] = snapshot((args, kwargs or {}))
             for i, t in enumerate(_tensors(args, kwargs)):
                 add("in", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
                 srcs = _producers(producer, t)
@@ -95,12 +107,17 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             perturb = name_ if str(rec.world) == n else None
 
         def fwd_hook(mod, args, kwargs, out):
+            if rec.in_oracle:
+                return None
             name, style, part_out, part_grad, cls = infos[mod]
             if stack and stack[-1] == name:
                 stack.pop()
             if perturb == name and isinstance(out, torch.Tensor):
                 out = out * (1 + 2.0 ** -10)
             call = calls.get(mod, 0)
+            snap = snaps.pop((mod, call), None) if snaps else None
+            if snap is not None:
+                _record_oracle(rec, mod, name, call, snap, style, cls)
             for i, t in enumerate(_tensors(out)):
                 idx = _IDX[i] if i < _NIDX else str(i)
                 meta = add("out", name, idx, t, call=call, style=style, cls=cls,
@@ -150,6 +167,26 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
 
 
 _NONE = object()
+
+
+def _record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls) -> None:
+    """Re-execute mod in float64 from its input snapshot; record each floating output (in the
+    positions its real outputs have) or, when refused, why (rec.oracle_notes)."""
+    from tpdiag.probes.float64 import module_oracle
+
+    rec.in_oracle, was = True, rec.enabled
+    rec.enabled = False
+    try:
+        out64, notes = module_oracle(mod, *snap)
+    finally:
+        rec.in_oracle, rec.enabled = False, was
+    if notes:
+        rec.oracle_notes[f"s{rec.step}/forward/{name}/oracle#{call}"] = notes
+    if out64 is None:
+        return
+    for i, t in enumerate(_tensors(out64)):
+        if t.is_floating_point() or t.is_complex():
+            rec.add("oracle", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
 
 
 def _global_module_hooks() -> bool:

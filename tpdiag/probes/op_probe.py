@@ -24,12 +24,15 @@ _SKIP = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice",
 
 
 class OpProbe(TorchDispatchMode):
-    def __init__(self, rec: Recorder, include: set[str] | None = None):
+    def __init__(self, rec: Recorder, include: set[str] | None = None, oracle: bool = False):
         super().__init__()
         self.rec = rec
         self.occ: dict = {}
         # `--granularity auto`: ops only inside the first divergent module (or phase)
         self.include = include
+        # the reference world of a second pass: every recorded op also re-executed in float64
+        # (probes/float64.py) and recorded as kind "oracle" under the op's record name
+        self.oracle = oracle
 
     def _wanted(self, module: str) -> bool:
         if self.include is None:
@@ -67,4 +70,24 @@ class OpProbe(TorchDispatchMode):
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
             if t.is_floating_point():
                 rec.add("op", module, f"{op}#{k}.{i}", t.detach().clone() if mutable else t)
+        if self.oracle and rec.phase == "forward" and any(
+                isinstance(x, torch.Tensor) and x.is_floating_point() for x in flat):
+            self._oracle(func, args, kwargs, module, f"{op}#{k}")
         return out
+
+    def _oracle(self, func, args, kwargs, module: str, name: str) -> None:
+        from tpdiag.probes.float64 import op_oracle
+
+        rec = self.rec
+        rec.enabled = False
+        try:
+            out64, why = op_oracle(func, args, kwargs)
+        finally:
+            rec.enabled = True
+        if why is not None:
+            rec.oracle_notes[f"s{rec.step}/{rec.phase}/{module}/oracle#0/{name}"] = {"why": why}
+            return
+        flat, _ = tree_flatten(out64)
+        for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
+            if t.is_floating_point():
+                rec.add("oracle", module, f"{name}.{i}", t)

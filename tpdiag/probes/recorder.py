@@ -77,7 +77,7 @@ _PARAMETER = torch.nn.Parameter
 
 
 # Kept whole even in hash mode: small, and every summary reads them (logprob error, loss drift).
-KEEP_WHOLE = ("batch", "logprobs", "loss", "grad_norm")
+KEEP_WHOLE = ("batch", "logprobs", "loss", "grad_norm", "oracle")
 
 
 @dataclass
@@ -95,6 +95,10 @@ class Recorder:
     _unhashed: list = field(default_factory=list)
     _calls: dict = field(default_factory=dict)
     enabled: bool = True
+    # an oracle re-execution is running (probes/float64.py): module hooks neither record nor
+    # count calls, so the real run's call indices stay its own
+    in_oracle: bool = False
+    oracle_notes: dict = field(default_factory=dict)  # oracle key -> {why | discrete} (float64.py)
     hash: bool = True
     stack: list = field(default_factory=list)  # modules whose forward is running (op attribution)
     mode: str = "full"                          # full | hash

@@ -33,6 +33,30 @@ def _record_module(fd: dict) -> str:
     return fd["key"].split("/")[2]
 
 
+def needs_verdict(fd: dict) -> bool:
+    """A forward first divergence that no rigorous layout bound judged, or whose cause is
+    unknown: the second pass re-executes it in float64 (and records its ops) to say bug or
+    rounding and name the op."""
+    if fd.get("cause") in ("unknown", None):
+        return True
+    return fd.get("phase") == "forward" and fd.get("bound") is None and not fd.get("oracle") \
+        and fd.get("cause") not in ("rank-inconsistent-replica", "router-flip")
+
+
+def wanted(cfg: CompareConfig, summary: dict) -> bool:
+    """Whether `compare` runs the second pass: after a hash-first pass (whole values), for
+    `--granularity auto|op`'s ops, or for a first divergence still without a verdict."""
+    if summary.get("status") != "divergent":
+        return False
+    fds = [d.get("first_divergence") for d in (summary.get("degrees") or {}).values()]
+    fds = [fd for fd in fds if fd]
+    return summary.get("capture") == "hash" or cfg.granularity in ("auto", "op") or any(
+        needs_verdict(fd) for fd in fds)
+
+
+_VERDICT = ("cause", "bound", "bound_ratio", "bound_model", "oracle", "why")
+
+
 def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) -> dict:
     from tpdiag.runner.compare import run_compare
 
@@ -46,25 +70,35 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     scopes = sorted({_scope(fd) for fd in fds})
     if hashed:
         scopes = [s for s in scopes if s not in ("init", "loss", "backward", "optimizer")]
-    ops = cfg.granularity in ("auto", "op") and bool(scopes)
-    if not hashed and not ops:
+    # ops where asked (auto, op) and, in the default flow, wherever a forward first divergence
+    # still has no verdict: the run names the op by itself
+    judge = [fd for fd in fds if fd.get("phase") == "forward" and needs_verdict(fd)]
+    ops = bool(scopes) and (cfg.granularity in ("auto", "op") or bool(judge))
+    if ops and cfg.granularity == "module" and not hashed:
+        scopes = sorted({_scope(fd) for fd in judge})
+    # the float64 oracle (probes/float64.py): each forward first divergence's own module, and
+    # every op the reference records in the scopes
+    oracle = sorted({_record_module(fd) for fd in fds
+                     if fd.get("phase") == "forward" and fd.get("kind") == "out"})
+    if not hashed and not ops and not oracle:
         return summary
     modules = []
     if hashed:
         suspects = {m for lab, _ in targets for m in summary["degrees"][lab].get("suspects", [])}
         modules = sorted({m for fd in fds for m in (_record_module(fd), fd["module"])} | suspects)
     if on_status:
-        on_status("values" if hashed else "ops", ", ".join(modules or scopes))
+        on_status("values" if hashed else "ops" if ops else "float64", ", ".join(modules or scopes or oracle))
     out = os.path.join(run_dir, "region" if hashed else "ops")
     degrees = (cfg.degrees[0],) + tuple(d for _, d in targets)
     sub = run_compare(replace(
         cfg, out=out, degrees=degrees, confirm=False, baseline=False, fix_mode="explicit",
         # no unprobed rerun per world: its step must compute what pass 1's did (_step_differs)
-        selfcheck=False,
+        selfcheck=False, oracle=tuple(oracle), oracle_ops=ops,
         capture="full" if hashed else cfg.capture, module_include=tuple(modules),
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ()))
     sub_labels = degree_labels(degrees)
     ref_differs = _step_differs(run_dir, labels[0], out, sub_labels[0])
+    what = "full-capture" if hashed else "op-level" if ops else "float64"
     for (label, _), sub_label in zip(targets, sub_labels[1:]):
         entry = summary["degrees"][label]
         fd = entry["first_divergence"]
@@ -74,29 +108,33 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         if differs:
             # pass 1's probes were proven inert (its self-check); these were not, and did not
             # compute the same step: nothing they measured is evidence
-            fd["op_detail" if not hashed else "values_detail"] = (
+            fd["values_detail" if hashed else "op_detail"] = (
                 f"the rerun of this region computed another step than the first pass ({differs}): "
                 "its probes changed the numerics or the step is not deterministic; its values are not used")
             continue
         if sfd.get("key") != fd["key"]:
-            fd["op_detail" if not hashed else "values_detail"] = (
-                f"the {'full-capture' if hashed else 'op-level'} rerun of this region did not "
-                f"reproduce this first divergence ({sub_entry.get('status', 'failed')})")
+            fd["values_detail" if hashed else "op_detail"] = (
+                f"the {what} rerun of this region did not reproduce this first divergence "
+                f"({sub_entry.get('status', 'failed')})")
             continue
+        fd["second_pass_dir"] = out
         if hashed:
             for k in _VALUES:
                 if k in sfd:
                     fd[k] = sfd[k]
             fd["values_run_dir"] = out
+        if hashed or sfd.get("oracle") or sfd.get("op_oracle"):
             seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
-            entry["findings"] += [{**f, "from": "region rerun"} for f in sub_entry.get("findings", [])
+            entry["findings"] += [{**f, "from": "second pass"} for f in sub_entry.get("findings", [])
                                   if (f["phase"], f["module"], f["kind"], f["name"]) not in seen]
-        if ops and fd.get("cause") == "unknown" and sfd.get("cause"):
-            # the rerun saw the module's ops, which name the reordering inside a generic bound
-            fd["cause"] = sfd["cause"]
-            fd.pop("why", None)
-            if "why" in sfd:
-                fd["why"] = sfd["why"]
+        if sfd.get("oracle") or sfd.get("op_oracle") or (fd.get("cause") == "unknown" and sfd.get("cause")):
+            # the rerun judged it against float64 (bug or rounding) or named the reordering
+            # from the module's ops: its verdict replaces pass 1's
+            for k in _VERDICT + ("op_oracle",):
+                if k in sfd:
+                    fd[k] = sfd[k]
+                elif k in ("why", "bound", "op_oracle"):
+                    fd.pop(k, None)
         if ops and sfd.get("op"):
             for k in _OPS:
                 if k in sfd:
@@ -105,7 +143,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             if sfd.get("cause") == "attention-kernel":  # a cause only the op's name can tell
                 fd["cause"] = sfd["cause"]
         elif ops and not fd.get("op"):
-            fd["op_detail"] = "op-level rerun did not name an op for this first divergence"
+            fd["op_detail"] = "the op-level rerun named no op for this first divergence"
+    summary["second_pass"] = {"dir": out, "ops": ops, "oracle": oracle, "scopes": scopes if ops else []}
     return summary
 
 

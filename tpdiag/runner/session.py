@@ -31,8 +31,9 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
     summary = run_compare(replace(cfg, granularity="module") if cfg.granularity == "auto" else cfg,
                           on_status)
     extra = {}
-    if summary["status"] == "divergent" and (cfg.granularity == "auto"
-                                             or summary.get("capture") == "hash"):
+    from tpdiag.runner.drill import wanted
+
+    if wanted(cfg, summary):
         from tpdiag.runner.drill import drill_down
 
         t1 = time.perf_counter()
@@ -43,6 +44,9 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
         summary = confirm(cfg, summary, cfg.out, on_status=on_status)
         extra["confirm_s"] = time.perf_counter() - t1
     extra["compare_s"] = time.perf_counter() - t0
+    from tpdiag.diff.classes import add_classes
+
+    add_classes(summary)  # the second pass may have judged a first divergence bug or rounding
     summary["timings"] = _timings(cfg.out, extra)
     io.write_json(os.path.join(cfg.out, "summary.json"),
                   {k: v for k, v in summary.items() if k != "run_dir"})

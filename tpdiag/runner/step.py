@@ -269,11 +269,12 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         loss_fn, logprob_fn, norm_fn = _numerics(target)
         if cfg.probes:
             stack.enter_context(module_probes(model, rec, plan=target.plan, backward=cfg.backward,
-                                              include=include))
+                                              include=include, oracle=set(cfg.oracle) or None))
             if cfg.granularity == "op":
                 from tpdiag.probes.op_probe import OpProbe
 
-                stack.enter_context(OpProbe(rec, include=set(cfg.op_include) or None))
+                stack.enter_context(OpProbe(rec, include=set(cfg.op_include) or None,
+                                            oracle=cfg.oracle_ops))
         rec.phase = "init"
         for k, v in batch_items(batch):
             rec.add("batch", "model", k, v)

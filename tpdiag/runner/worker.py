@@ -186,6 +186,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             "capture": rec.mode,
             "probe_selfcheck": selfcheck,
             "fingerprint": fingerprint,
+            # float64 re-executions refused (probes/float64.py): record key -> why
+            "oracle_notes": rec.oracle_notes,
             "total_s": time.perf_counter() - t0,
         })
         timings["write_s"] = time.perf_counter() - t1 - timings["gather_s"]

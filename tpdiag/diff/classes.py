@@ -1,0 +1,54 @@
+"""Bug or rounding, per degree and for the run: the headline a user reads first.
+
+Each configuration's class comes from its root findings (those no earlier difference explains)
+and its first divergence: any bug-class cause makes it `bug`, a non-finite one `non-finite`;
+otherwise an unjudged first divergence is `unknown`, and a judged one `rounding`. The run's
+class is the worst over its configurations (bug, non-finite, unknown, rounding).
+"""
+from __future__ import annotations
+
+from tpdiag.records.causes import cause_class
+
+_ORDER = ("bug", "non-finite", "unknown", "rounding")
+
+
+def degree_class(entry: dict) -> str | None:
+    if entry.get("status") != "divergent":
+        return None
+    fd = entry.get("first_divergence") or {}
+    causes = [f.get("cause") for f in entry.get("findings") or [] if "follows" not in f]
+    classes = {cause_class(c) for c in causes} | ({cause_class(fd.get("cause"))} if fd else set())
+    for c in _ORDER:
+        if c in classes:
+            return c
+    return "unknown"
+
+
+def bugs_of(entry: dict) -> list[dict]:
+    """The root findings of bug or non-finite class, first divergence first."""
+    fd = entry.get("first_divergence") or {}
+    out = []
+    if cause_class(fd.get("cause")) in ("bug", "non-finite"):
+        out.append(fd)
+    seen = {(fd.get("key"), fd.get("cause"))}
+    for f in entry.get("findings") or []:
+        if "follows" in f or cause_class(f.get("cause")) not in ("bug", "non-finite"):
+            continue
+        if (f.get("key"), f.get("cause")) in seen or (f.get("module") == fd.get("module") and
+                                                      f.get("kind") == fd.get("kind") and f.get("cause") == fd.get("cause")):
+            continue
+        seen.add((f.get("key"), f.get("cause")))
+        out.append(f)
+    return out
+
+
+def add_classes(summary: dict) -> dict:
+    """Set degrees[*]['class'] and summary['class'] (None when nothing diverged)."""
+    found = set()
+    for entry in (summary.get("degrees") or {}).values():
+        c = degree_class(entry)
+        entry["class"] = c
+        if c:
+            found.add(c)
+    summary["class"] = next((c for c in _ORDER if c in found), None)
+    return summary

@@ -1,0 +1,170 @@
+"""Bug or rounding, for any module or op: the verdict from a float64 re-execution (an oracle).
+
+The reference world of a second pass re-executes the first divergent module (its own forward)
+and the ops it records in float64, from the reference's own inputs and parameters
+(probes/float64.py). Here, for a record whose inputs were bitwise equal at both sides (so the
+oracle's value is the exact answer for BOTH), with o the float64 value:
+
+    e_ref = ||y_ref - o||,   e_N = ||y_N - o||,   s = ||o||          (2-norms, float64)
+    level = max(e_ref, u s)      u: the unit roundoff of the record's dtype (fp32 2**-24, bf16 2**-8)
+    far   <=>  e_N > A level,    A = 32 (A * 16 / n for an output of n < 16 elements)
+
+far is a wrong result (`sharding-bug`); near is rounding (the reordering cause named by the
+record's layout or by the ops inside it).
+
+Why a pure reordering is never called far. A reordering evaluates the same function of the same
+inputs, only summing, blocking or splitting differently; its error against the exact value is a
+sum of the same per-operation roundings (each at most u times an intermediate the two sides
+share) that make the reference's own error e_ref, which is measured here for this very module,
+data and dtype - its conditioning (cancellation, a softmax's exp, a norm's 1/sigma) included.
+What a reordering may add is a handful of roundings per output (TP=N rounds up to N partial
+sums, Higham's gamma_K grows with the blocking), which over many outputs moves the 2-norm by a
+small factor (sqrt(N+1) < 3.1 for N <= 8 if every partial is rounded to the output dtype), far
+inside A = 32; and no side can be closer than rounding its result once (u s), hence the floor.
+A 2-norm over n outputs is an average of n rounding errors; for a handful of outputs the two
+sides' errors are few independent draws, so A grows as 16/n below 16 outputs. Measured
+(tests/test_oracle.py): reordered reductions, norms and attention over TP=2..8 reach e_N/level
+of at most a few units in fp32 and bf16, and planted bugs 1e2-1e7.
+A bug smaller than A * e_ref is not called a bug: it is inside what this module's rounding can
+move (in bf16 a wrong bias of 1% of the output is at that edge).
+Discrete choices: when the re-execution made a discrete choice on floating values (top-k,
+argmax, a comparison: probes/float64.DISCRETE), a rounding difference upstream of it inside the
+module can flip it and move the output by O(1); a far result is then not called a bug (the
+cause stays `unknown`, saying so).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tpdiag.diff.bits import UNIT_ROUNDOFF
+
+MARGIN = 32.0
+SMALL = 16  # outputs below this many elements widen the margin as 16/n
+
+
+def target_key(oracle_key: str) -> str:
+    """s0/forward/m/oracle#1/0 -> s0/forward/m/out#1/0 (a module's output);
+    s0/forward/m/oracle#0/aten::mm#2.0 -> s0/forward/m/op#0/aten::mm#2.0 (an op's)."""
+    head, _, name = oracle_key.rpartition("/")
+    head = head.replace("/oracle#", "/op#" if "::" in name else "/out#")
+    return f"{head}/{name}"
+
+
+def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | None:
+    """The verdict for one record (see the module doc), or None when it cannot be formed
+    (shapes differ, non-finite values: those are findings of their own)."""
+    if y_ref.shape != y_n.shape or tuple(o.shape) != tuple(y_ref.shape):
+        return None
+    if not (y_ref.is_floating_point() or y_ref.is_complex()):
+        return None
+    cd = torch.complex128 if o.is_complex() or y_ref.is_complex() else torch.float64
+    a, b, r = (t.to(cd) for t in (y_ref, y_n, o))
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())
+            and bool(torch.isfinite(r).all())):
+        return None
+    n = max(1, a.numel())
+    e_ref = float(torch.linalg.vector_norm(a - r))
+    e_n = float(torch.linalg.vector_norm(b - r))
+    s = float(torch.linalg.vector_norm(r))
+    u = UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32])
+    level = max(e_ref, u * s)
+    margin = MARGIN * (SMALL / n if n < SMALL else 1.0)
+    thr = margin * level
+    ratio = e_n / thr if thr > 0 else (0.0 if e_n == 0 else math.inf)
+    rel = (lambda e: e / s) if s > 0 else (lambda e: e)
+    return {"far": e_n > thr, "ratio": ratio, "ref_err": rel(e_ref), "err": rel(e_n),
+            "floor": u if s > 0 else 0.0, "margin": margin, "threshold": rel(thr),
+            "relative": s > 0, "n": n}
+
+
+def inputs_equal(dd, row: dict) -> bool:
+    """Every input of this call and every parameter of the module (and of its children) that
+    the run recorded is bitwise equal: the oracle's value is the exact answer for both sides."""
+    m, step, call = row["module"], row["step"], row["call"]
+    for r in dd.rows:
+        if r["idx"] >= row["idx"] and r["kind"] != "in":
+            continue
+        if r["step"] == step and r["phase"] == "forward" and r["kind"] == "in" \
+                and r["module"] == m and r["call"] == call:
+            if not r["bitwise"]:
+                return False
+        elif r["kind"] in ("param_init", "param") and (r["module"] == m or r["module"].startswith(m + ".")):
+            if (r["kind"] == "param_init" and step == 0) or (r["kind"] == "param" and r["step"] == step - 1):
+                if not r["bitwise"]:
+                    return False
+    return True
+
+
+def notes_for(dd, row: dict) -> dict:
+    """What the reference world noted about this record's re-execution (refusal, discrete ops)."""
+    notes = getattr(dd, "oracle_notes", None) or {}
+    if row["kind"] == "op":
+        return notes.get(f"s{row['step']}/{row['phase']}/{row['module']}/oracle#0/"
+                         f"{row['name'].rsplit('.', 1)[0]}", {})
+    return notes.get(f"s{row['step']}/forward/{row['module']}/oracle#{row['call']}", {})
+
+
+def verdict_for(dd, row: dict) -> dict | None:
+    """judge() on this record against its oracle, with the reference world's notes; None when
+    there is no oracle value for it."""
+    o = (getattr(dd, "oracle", None) or {}).get(row["key"])
+    pair = dd.tensors.get(row["key"])
+    if o is None or pair is None:
+        return None
+    got = judge(pair[0], pair[1], o)
+    if got is None:
+        return None
+    discrete = notes_for(dd, row).get("discrete")
+    if discrete:
+        got["discrete"] = list(discrete)
+    return got
+
+
+def describe(v: dict) -> str:
+    """One line: how far each side is from the float64 value."""
+    unit = "relative " if v.get("relative") else ""
+    return (f"float64 re-execution: the reference is {v['ref_err']:.2e} from it, this side "
+            f"{v['err']:.2e} ({unit}2-norm; threshold {v['threshold']:.2e} = {v['margin']:g} x "
+            f"max(reference, one rounding))")
+
+
+def apply(dd) -> None:
+    """Judge every divergent forward output and op whose inputs were equal and which has an
+    oracle value. Sets row['oracle'] and, when far, beyond_bound (a bug); when near, leaves the
+    rounding cause to the layout or the ops."""
+    if not getattr(dd, "oracle", None):
+        return
+    first_seen = False
+    for row in dd.rows:
+        if row["bitwise"] and row.get("rank_consistent") is not False:
+            continue
+        first, first_seen = not first_seen, True
+        if row["phase"] != "forward" or row["kind"] not in ("out", "op"):
+            continue
+        if row["key"] not in dd.oracle or row.get("nonfinite_mismatch") or row["bitwise"]:
+            continue
+        # an op's inputs are the ops before it: equal only for the run's first divergent record
+        if row["kind"] == "op" and not first:
+            continue
+        if row["kind"] == "out" and not inputs_equal(dd, row):
+            continue
+        v = verdict_for(dd, row)
+        if v is None:
+            continue
+        row["oracle"] = v
+        if v["far"] and v.get("discrete"):
+            row["cause_why"] = (f"{describe(v)}: far from it, but it makes a discrete choice on "
+                                f"floating values ({', '.join(v['discrete'])}) that a rounding "
+                                "difference inside it can flip, so it is not called a bug")
+            row["oracle_flip"] = True
+            continue
+        if row.get("bound") is None:
+            row["bound_ratio"] = v["ratio"]
+            row["beyond_bound"] = v["far"]
+        elif v["far"]:
+            # a layout bound may sharpen the verdict, never overrule a far oracle
+            row["beyond_bound"] = True
+            row["bound_ratio"] = max(row.get("bound_ratio") or 0.0, v["ratio"])
+        row["bound_model"] = "float64 re-execution of the " + ("op" if row["kind"] == "op" else "module")

@@ -1,0 +1,174 @@
+"""The float64 oracle: a module's own forward, or one aten op, re-executed in float64.
+
+Why it decides "bug or rounding" for any module: a reordering (a sum split over ranks, another
+GEMM blocking, another reduction tree) computes the SAME function of the same inputs, so both
+the reference and TP=N land within rounding of the exact value, which float64 approximates
+2**29 (fp32) to 2**45 (bf16) times more closely than either side's working precision. A bug
+computes ANOTHER function (a norm over a shard, a bias added N times, a shifted position) and
+lands far from it while the reference stays close. tpdiag/diff/oracle.py turns the two
+distances into the verdict.
+
+How: the call runs under `Float64Mode`, a TorchDispatchMode that hands every aten op float64
+copies of its floating inputs (complex128 for complex) and rewrites every floating dtype
+argument to float64, so code that casts on its own (`x.float()`, `.to(weight.dtype)`,
+`softmax(dtype=torch.float32)`, a `torch.zeros(..., dtype=torch.bfloat16)` buffer) stays in
+float64. Parameters are upcast where an op reads them: no copy of the module is made. The
+module runs as the reference world runs it (TP=1: its collectives over a group of one).
+
+Refused, with the reason recorded instead of a value: an op that draws random numbers (its
+result is not a function of the inputs; checked before it runs, so no RNG state is consumed),
+an op that writes a tensor the oracle did not create (a buffer, a parameter, a cache: re-running
+it would change the real run), and any error the re-execution raises.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+F64 = torch.float64
+_UP = {torch.float32: F64, torch.float16: F64, torch.bfloat16: F64, torch.complex64: torch.complex128,
+       torch.complex32: torch.complex128}
+# a float8 dtype reads as floating too; no float64 value rounds back to it faithfully, but as an
+# oracle input it is exact
+_MAX_WHY = 300
+# ops that make a discrete choice from floating values: a rounding-level difference before one
+# can flip it (an MoE router's top-k, a threshold) and move the output by O(1) without any bug
+DISCRETE = {"topk", "sort", "argsort", "argmax", "argmin", "max", "min", "kthvalue", "mode",
+            "median", "nanmedian", "searchsorted", "bucketize", "gt", "lt", "ge", "le", "eq", "ne",
+            "unique", "_unique2", "msort"}
+
+
+class OracleRefused(Exception):
+    """The call cannot be re-executed as a pure function of its inputs (the reason is the text)."""
+
+
+def _up_dtype(d):
+    if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex):
+        return _UP.get(d, F64 if d.is_floating_point else d)
+    return d
+
+
+def upcast(x):
+    """A float64 (complex128) copy of every floating (complex) tensor in a pytree; others as is."""
+    def one(t):
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            d = _up_dtype(t.dtype)
+            return t.detach().to(d) if t.dtype != d else t.detach()
+        return t
+
+    return tree_map(one, x)
+
+
+def snapshot(x):
+    """As upcast, but always a private copy: the module may later change its input in place."""
+    def one(t):
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            return t.detach().to(_up_dtype(t.dtype), copy=True)
+        if isinstance(t, torch.Tensor):
+            return t.detach().clone()
+        return t
+
+    return tree_map(one, x)
+
+
+def _op_name(func) -> str:
+    return f"{getattr(func, 'namespace', 'aten')}::{func.overloadpacket.__name__}"
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors an op writes (its schema's mutable arguments)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        info = a.alias_info
+        if info is None or not info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        flat, _ = tree_flatten(v)
+        out += [t for t in flat if isinstance(t, torch.Tensor)]
+    return out
+
+
+class Float64Mode(TorchDispatchMode):
+    """Every op in float64; `owned` are the storages the oracle made (it may write those)."""
+
+    def __init__(self, protected: set[int]):
+        super().__init__()
+        self.protected = protected  # data_ptrs of the module's parameters and buffers
+        self.discrete: list[str] = []  # choices made on floating values (topk, argmax, x > y)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in DISCRETE and _op_name(func) not in self.discrete and any(
+                isinstance(a, torch.Tensor) and a.is_floating_point() for a in tree_flatten(args)[0]):
+            self.discrete.append(_op_name(func))
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise OracleRefused(f"it draws random numbers ({_op_name(func)}): its output is not a "
+                                "function of its inputs")
+        if func._schema.is_mutable:
+            for t in _written(func, args, kwargs):
+                if t.dtype != _up_dtype(t.dtype) or _ptr(t) in self.protected:
+                    raise OracleRefused(f"it writes state in place ({_op_name(func)} on a "
+                                        f"{str(t.dtype).replace('torch.', '')} tensor it did not "
+                                        "create): re-running it would change the real run")
+        sch = func._schema.arguments
+        args = list(args)
+        for i, a in enumerate(args):
+            if i < len(sch) and "ScalarType" in str(sch[i].type):
+                args[i] = _up_dtype(a)
+        kwargs = {k: (_up_dtype(v) if k in ("dtype", "out_dtype") else v) for k, v in kwargs.items()}
+        return func(*upcast(tuple(args)), **upcast(kwargs))
+
+
+def _ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # a tensor without storage (meta, a subclass): never one of ours
+        return -1
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, OracleRefused):
+        return str(e)
+    msg = " ".join(str(e).split())
+    if len(msg) > _MAX_WHY:
+        msg = msg[:_MAX_WHY] + "..."
+    return f"its float64 re-execution raised {type(e).__name__}: {msg}"
+
+
+def module_oracle(mod: torch.nn.Module, args, kwargs) -> tuple[object | None, dict]:
+    """(the module's output computed in float64 from float64 copies of args/kwargs, notes) or
+    (None, {"why": why not}). args/kwargs should be a `snapshot` taken before the real forward
+    ran; notes["discrete"] lists the discrete choices on floating values it made."""
+    protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
+    mode = Float64Mode(protected)
+    try:
+        with torch.no_grad(), mode:
+            out = mod(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure is a reason, never a crash of the run
+        return None, {"why": _why(e)}
+    return out, ({"discrete": mode.discrete} if mode.discrete else {})
+
+
+def op_oracle(func, args, kwargs) -> tuple[object | None, str | None]:
+    """(one aten op's output in float64, None) or (None, why not); called from inside a dispatch
+    mode's handler, so the op runs below every mode."""
+    name = _op_name(func)
+    if func.overloadpacket.__name__ in DISCRETE:
+        return None, f"{name} makes a discrete choice (its float64 value is no rounding reference)"
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return None, f"{name} draws random numbers"
+    if func._schema.is_mutable:
+        return None, f"{name} writes a tensor in place"
+    if name.startswith(("c10d::", "_c10d_functional::")):
+        return None, f"{name} is a collective"
+    try:
+        sch = func._schema.arguments
+        args = [(_up_dtype(a) if i < len(sch) and "ScalarType" in str(sch[i].type) else a)
+                for i, a in enumerate(args)]
+        kw = {k: (_up_dtype(v) if k in ("dtype", "out_dtype") else v) for k, v in (kwargs or {}).items()}
+        with torch.no_grad():
+            return func(*upcast(tuple(args)), **upcast(kw)), None
+    except Exception as e:  # noqa: BLE001
+        return None, _why(e)
