@@ -53,6 +53,9 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, 
     }
     if entry["loss"]["reference"] is not None and entry["loss"]["value"] is not None:
         entry["loss"]["abs_diff"] = abs(entry["loss"]["value"] - entry["loss"]["reference"])
+    unjudged = unjudged_modules(dd)
+    if unjudged:
+        entry["unjudged"] = unjudged
     suspects = hash_suspects(dd.rows)
     if suspects:
         entry["suspects"] = suspects
@@ -150,6 +153,30 @@ def hash_suspects(rows: list[dict]) -> list[str]:
             scored.append((out / inp if inp > 0 else float("inf"), r["module"]))
     scored.sort(key=lambda x: -x[0])
     return sorted({m for _, m in scored[:MAX_SUSPECTS]})
+
+
+MAX_UNJUDGED = 32
+
+
+def unjudged_modules(dd) -> list[str]:
+    """Modules whose forward output differs although their inputs and parameters were equal, and
+    that no layout bound judged: each is a root of its own (a bug in one branch does not explain
+    another), and the second pass re-executes each in float64 (runner/drill.py)."""
+    from tpdiag.diff.locate import classify
+    from tpdiag.diff.oracle import inputs_equal
+
+    out = []
+    for r in dd.rows:
+        if (r["phase"] != "forward" or r["kind"] != "out" or r["bitwise"] or r.get("oracle")
+                or r.get("beyond_bound") or r.get("rank_consistent") is False):
+            continue
+        if r.get("bound") is not None and classify(r) != "unknown":
+            continue
+        if r["module"] not in out and inputs_equal(dd, r):
+            out.append(r["module"])
+        if len(out) >= MAX_UNJUDGED:
+            break
+    return out
 
 
 def step_drift(dd) -> list[dict]:

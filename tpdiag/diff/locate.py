@@ -236,7 +236,11 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             _explain(f, r)
             _partial_detail(f, r, findings)
             roots = [g for g in findings if "follows" not in g]
-            if roots and not _is_root(dd, r, first):
+            inner = [g for g in roots if _inside(g["module"], r["module"])]
+            if inner and r["kind"] == "out":
+                # a parent's output carries its child's finding
+                f["follows"] = inner[-1].get("key") or inner[-1]["name"]
+            elif roots and not _is_root(dd, r, first):
                 # a consequence: its inputs already differed from a finding before it
                 f["follows"] = roots[-1].get("key") or roots[-1]["name"]
             f.setdefault("key", r["key"])
@@ -271,6 +275,10 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
         # the difference enters in an attention kernel whose inputs were bitwise equal
         fd["cause"] = "attention-kernel"
     return {"first_divergence": fd, "findings": findings}
+
+
+def _inside(child: str, parent: str) -> bool:
+    return child != parent and (parent == "model" or child.startswith(parent + "."))
 
 
 def _is_root(dd: DegreeDiff, r: dict, first: dict | None) -> bool:

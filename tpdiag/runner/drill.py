@@ -51,7 +51,8 @@ def wanted(cfg: CompareConfig, summary: dict) -> bool:
     fds = [d.get("first_divergence") for d in (summary.get("degrees") or {}).values()]
     fds = [fd for fd in fds if fd]
     return summary.get("capture") == "hash" or cfg.granularity in ("auto", "op") or any(
-        needs_verdict(fd) for fd in fds)
+        needs_verdict(fd) for fd in fds) or any(
+        d.get("unjudged") for d in (summary.get("degrees") or {}).values())
 
 
 _VERDICT = ("cause", "bound", "bound_ratio", "bound_model", "oracle", "why")
@@ -79,13 +80,15 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     # the float64 oracle (probes/float64.py): each forward first divergence's own module, and
     # every op the reference records in the scopes
     oracle = sorted({_record_module(fd) for fd in fds
-                     if fd.get("phase") == "forward" and fd.get("kind") == "out"})
+                     if fd.get("phase") == "forward" and fd.get("kind") == "out"}
+                    | {m for lab, _ in targets for m in summary["degrees"][lab].get("unjudged", [])})
     if not hashed and not ops and not oracle:
         return summary
     modules = []
     if hashed:
         suspects = {m for lab, _ in targets for m in summary["degrees"][lab].get("suspects", [])}
-        modules = sorted({m for fd in fds for m in (_record_module(fd), fd["module"])} | suspects)
+        modules = sorted({m for fd in fds for m in (_record_module(fd), fd["module"])} | suspects
+                         | set(oracle))
     if on_status:
         on_status("values" if hashed else "ops" if ops else "float64", ", ".join(modules or scopes or oracle))
     out = os.path.join(run_dir, "region" if hashed else "ops")
@@ -112,6 +115,10 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                 f"the rerun of this region computed another step than the first pass ({differs}): "
                 "its probes changed the numerics or the step is not deterministic; its values are not used")
             continue
+        # every finding the rerun made (the float64 verdicts of other roots among them)
+        seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
+        entry["findings"] += [{**f, "from": "second pass"} for f in sub_entry.get("findings", [])
+                              if (f["phase"], f["module"], f["kind"], f["name"]) not in seen]
         if sfd.get("key") != fd["key"]:
             fd["values_detail" if hashed else "op_detail"] = (
                 f"the {what} rerun of this region did not reproduce this first divergence "
@@ -123,10 +130,6 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                 if k in sfd:
                     fd[k] = sfd[k]
             fd["values_run_dir"] = out
-        if hashed or sfd.get("oracle") or sfd.get("op_oracle"):
-            seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
-            entry["findings"] += [{**f, "from": "second pass"} for f in sub_entry.get("findings", [])
-                                  if (f["phase"], f["module"], f["kind"], f["name"]) not in seen]
         if sfd.get("oracle") or sfd.get("op_oracle") or (fd.get("cause") == "unknown" and sfd.get("cause")):
             # the rerun judged it against float64 (bug or rounding) or named the reordering
             # from the module's ops: its verdict replaces pass 1's
