@@ -1,10 +1,11 @@
 """A user's own TP training script, written as a user writes one: plain torch, its own model,
 its own DTensor plan (parallelize_module), its own optimizer loop. tpdiag appears only through
-its public API (`import tpdiag`), and only without --stock.
+its public API (`import tpdiag`), and only in the run named `invariant`.
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 tests/user_tp_train.py --out x.safetensors
 
-Writes every step's loss and grad norm and the final parameters (whole) to --out, from rank 0.
+Writes every step's loss and grad norm and the final parameters (whole) to --out, from rank 0,
+as RUN/loss, RUN/grad_norm and RUN/param.NAME for each RUN of --runs.
 tests/test_public_api.py runs it at TP=1 and TP=2 and compares the files bit for bit.
 """
 from __future__ import annotations
@@ -56,24 +57,14 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     return total
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--stock", action="store_true", help="no tpdiag at all: the negative control")
-    ap.add_argument("--fixes", default="all")
-    args = ap.parse_args()
-
-    dist.init_process_group("gloo")
-    tp = dist.get_world_size()
-    torch.set_num_threads(1)  # CPU GEMM blocking follows the thread count: the same at every TP
-    if args.stock:
+def train(tp: int, steps: int, fixes: str | None) -> dict:
+    """`steps` AdamW steps from seed 0; fixes=None: plain torch, else under tpdiag.invariant."""
+    if fixes is None:
         torch.manual_seed(0)
     else:
         import tpdiag
 
         tpdiag.set_deterministic(seed=0)
-
     model = TinyLM()  # the whole model, the same weights on every rank...
     plan = tp_plan()
     if tp > 1:  # ...then sharded
@@ -86,19 +77,19 @@ def main() -> None:
     ids = torch.randint(0, VOCAB, (4, 16), generator=g)
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
 
-    if args.stock:
+    if fixes is None:
         switch, clip = nullcontext(), clip_grad_norm
     else:
-        switch = tpdiag.invariant(model, plan, fixes=args.fixes, tree_groups=2)
+        switch = tpdiag.invariant(model, plan, fixes=fixes, tree_groups=2)
         clip = tpdiag.clip_grad_norm_
     losses, norms = [], []
     with switch:
-        for _ in range(args.steps):
+        for _ in range(steps):
             logits = model(ids)
             if tp > 1:
                 from torch.distributed.tensor.parallel import loss_parallel
 
-                loss_ctx = loss_parallel()
+                loss_ctx = loss_parallel()  # the logits are vocab-sharded DTensors
             else:
                 loss_ctx = nullcontext()
             with loss_ctx:
@@ -118,6 +109,28 @@ def main() -> None:
     out = {f"param.{n}": whole(p).contiguous() for n, p in model.named_parameters()}
     out["loss"] = torch.stack([whole(x).float() for x in losses])
     out["grad_norm"] = torch.stack([whole(x).double() for x in norms])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--runs", default="invariant",
+                    help="'invariant', 'stock' (no tpdiag at all: the negative control) or both, "
+                         "comma-separated; stock runs first, before anything of tpdiag is called")
+    ap.add_argument("--fixes", default="all", help="what the invariant run turns on")
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    tp = dist.get_world_size()
+    torch.set_num_threads(1)  # CPU GEMM blocking follows the thread count: the same at every TP
+    runs = args.runs.split(",")
+    out = {}
+    for run in ("stock", "invariant"):
+        if run in runs:
+            res = train(tp, args.steps, None if run == "stock" else args.fixes)
+            out.update({f"{run}/{k}": v for k, v in res.items()})
     if dist.get_rank() == 0:
         from safetensors.torch import save_file
 

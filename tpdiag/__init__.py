@@ -10,6 +10,7 @@ _LAZY = {
     "Target": ("tpdiag.models.target", "Target"),
     "capture": ("tpdiag.capture", "capture"),
     "load": ("tpdiag.records.frames", "load"),
+    "builtin_target": ("tpdiag.models.spec", "builtin_target"),
     # train with the invariant kernels on (docs/training.md)
     "invariant": ("tpdiag.invariant_api", "invariant"),
     "clip_grad_norm_": ("tpdiag.invariant_api", "clip_grad_norm_"),
@@ -31,5 +32,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tpdiag' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "Target", "capture", "load", "invariant", "clip_grad_norm_", "fix_names",
+__all__ = ["__version__", "Target", "capture", "load", "builtin_target", "invariant", "clip_grad_norm_", "fix_names",
            "set_deterministic", "deterministic", "TpdiagError", "BadInput"]
