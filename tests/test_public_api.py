@@ -113,8 +113,8 @@ def test_bad_plan_is_refused():
     with pytest.raises(tpdiag.BadInput, match=r"plan\['mlp.up'\]: matches no module"):
         with tpdiag.invariant(model, {**plan, "mlp.up": plan["up"]}, tree_groups=2):
             pass
-    with pytest.raises(tpdiag.BadInput, match="ParallelStyle objects"):
-        with tpdiag.invariant(model, {"up": "colwise"}, tree_groups=2):
+    with pytest.raises(tpdiag.BadInput, match="expected a ParallelStyle object or one of colwise"):
+        with tpdiag.invariant(model, {"up": "colwise_gather_output"}, tree_groups=2):
             pass
 
 

@@ -57,7 +57,7 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     return total
 
 
-def train(tp: int, steps: int, fixes: str | None) -> dict:
+def train(tp: int, steps: int, fixes: str | None, groups: int = 2, gemm: str = "per-group") -> dict:
     """`steps` AdamW steps from seed 0; fixes=None: plain torch, else under tpdiag.invariant."""
     if fixes is None:
         torch.manual_seed(0)
@@ -80,7 +80,7 @@ def train(tp: int, steps: int, fixes: str | None) -> dict:
     if fixes is None:
         switch, clip = nullcontext(), clip_grad_norm
     else:
-        switch = tpdiag.invariant(model, plan, fixes=fixes, tree_groups=2)
+        switch = tpdiag.invariant(model, plan, fixes=fixes, tree_groups=groups, group_gemm=gemm)
         clip = tpdiag.clip_grad_norm_
     losses, norms = [], []
     with switch:
@@ -120,6 +120,8 @@ def main() -> None:
                     help="'invariant', 'stock' (no tpdiag at all: the negative control) or both, "
                          "comma-separated; stock runs first, before anything of tpdiag is called")
     ap.add_argument("--fixes", default="all", help="what the invariant run turns on")
+    ap.add_argument("--tree-groups", type=int, default=2)
+    ap.add_argument("--group-gemm", default="per-group")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -129,7 +131,8 @@ def main() -> None:
     out = {}
     for run in ("stock", "invariant"):
         if run in runs:
-            res = train(tp, args.steps, None if run == "stock" else args.fixes)
+            res = train(tp, args.steps, None if run == "stock" else args.fixes, args.tree_groups,
+                        args.group_gemm)
             out.update({f"{run}/{k}": v for k, v in res.items()})
     if dist.get_rank() == 0:
         from safetensors.torch import save_file

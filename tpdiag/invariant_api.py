@@ -97,7 +97,20 @@ def check_groups(tree_groups, tp: int, fixes) -> int:
     return tree_groups if uses else 0
 
 
-def check_plan(model, plan) -> None:
+# style names a plan may give instead of ParallelStyle objects (a stack without a plan dict,
+# e.g. torchtitan's own sharding, labelled from its weights' placements); the fixes read only
+# which kind of layer it is
+NAMES = ("colwise", "rowwise", "sequence")
+
+
+def _style(name: str):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}[name]()
+
+
+def check_plan(model, plan) -> dict:
+    """The plan to install by: as given, style names made ParallelStyle objects."""
     from torch import nn
 
     if not isinstance(model, nn.Module):
@@ -106,12 +119,17 @@ def check_plan(model, plan) -> None:
         raise BadInput(f"plan: expected the {{module glob: ParallelStyle}} dict given to "
                        f"parallelize_module, got {type(plan).__name__}")
     names = [n for n, _ in model.named_modules()]
+    out = {}
     for key, style in plan.items():
         if isinstance(style, str):
-            raise BadInput(f"plan[{key!r}] = {style!r}: pass the ParallelStyle objects given to "
-                           "parallelize_module (ColwiseParallel(), ...), not style names")
+            if style not in NAMES:
+                raise BadInput(f"plan[{key!r}] = {style!r}: expected a ParallelStyle object or one of "
+                               f"{', '.join(NAMES)}")
+            style = _style(style)
         if not any(fnmatch.fnmatchcase(n, key) for n in names):
             raise BadInput(f"plan[{key!r}]: matches no module of {type(model).__name__}")
+        out[key] = style
+    return out
 
 
 @contextmanager
@@ -120,6 +138,7 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
     """Turn tpdiag's invariant kernels on for `model` (sharded with `plan` at TP > 1; the same
     plan, unapplied, at TP=1) until the block ends.
 
+    plan may also give "colwise" / "rowwise" / "sequence" for a module sharded by other means.
     fixes: "all", "none", a fix name, "a,b" or a list (fix_names()). tree_groups: G, the number
     of fixed groups a reduced dimension is cut into - a power of two that every TP degree you
     compare divides, the same in all of them (default: TPDIAG_TREE_GROUPS; required when a
@@ -127,7 +146,7 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
     it); two runs are bitwise equal only with the same G and group_gemm. deterministic: also
     enter tpdiag.deterministic() (strict deterministic algorithms, no TF32, ...).
     """
-    check_plan(model, plan)
+    plan = check_plan(model, plan)
     names = _fixes(fixes)
     if group_gemm not in GEMMS:
         raise BadInput(f"group_gemm={group_gemm!r}: expected one of {', '.join(GEMMS)}")
