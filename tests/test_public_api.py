@@ -65,12 +65,16 @@ def test_negative_control_differs_without_the_switch(runs):
 
 
 def test_import_is_cheap_and_every_public_name_resolves():
-    code = ("import sys, tpdiag; assert 'torch' not in sys.modules, 'torch imported'; "
-            "[getattr(tpdiag, n) for n in tpdiag.__all__]; "
-            "assert callable(tpdiag.invariant) and callable(tpdiag.invariant); print('ok')")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    code = "import sys, tpdiag; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+    import tpdiag
+
+    for name in tpdiag.__all__:
+        assert getattr(tpdiag, name) is getattr(tpdiag, name), name  # not shadowed by a module
+    assert callable(tpdiag.invariant) and callable(tpdiag.deterministic)
+    assert issubclass(tpdiag.BadInput, tpdiag.TpdiagError)
 
 
 def _tiny():
@@ -216,3 +220,32 @@ def test_no_doc_or_example_imports_an_internal_module():
         if hits:
             bad[os.path.relpath(path, ROOT)] = hits
     assert not bad, bad
+
+
+TORCHTITAN_SCRIPT = os.path.join(ROOT, "tests", "user_torchtitan_step.py")
+
+
+def test_torchtitan_llama3_under_the_switch_is_bitwise_across_tp(tmp_path):
+    """torchtitan's own Llama3, sharded by torchtitan, one step under tpdiag.invariant at TP=1
+    and TP=2 (forward + loss on the CPU: flex attention has no CPU backward; + backward and an
+    AdamW step on GPUs); stock, the loss differs (tests/test_torchtitan.py: a row-parallel
+    all-reduce). Four launches of a heavy model: only where torchtitan is installed."""
+    pytest.importorskip("torchtitan.models.llama3")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    extra = ["--backward"] if torch.cuda.is_available() else []
+    got = {}
+    for mode in ("invariant", "stock"):
+        for n in (1, 2):
+            out = tmp_path / f"{mode}{n}.safetensors"
+            p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                "--nproc-per-node", str(n), TORCHTITAN_SCRIPT, "--out", str(out), *extra,
+                                *(["--stock"] if mode == "stock" else [])],
+                               capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+            assert out.is_file(), p.stdout[-3000:] + p.stderr[-3000:]
+            got[mode, n] = load_file(str(out))
+    a, b = got["invariant", 1], got["invariant", 2]
+    assert sorted(a) == sorted(b) and a["logits"].shape[-1] == 2048
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, (a[k].double() - b[k].double()).abs().max())
+    assert not torch.equal(got["stock", 1]["logits"], got["stock", 2]["logits"])

@@ -28,7 +28,10 @@ def __getattr__(name: str):
         import importlib
 
         mod, attr = _LAZY[name]
-        return getattr(importlib.import_module(mod), attr)
+        value = getattr(importlib.import_module(mod), attr)
+        # kept: importing tpdiag.capture set the package's `capture` to the module itself
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'tpdiag' has no attribute {name!r}")
 
 

@@ -5,8 +5,9 @@
 
 It installs the same fixes `tpdiag compare --fix ...` installs in its own worlds (fixes/registry.py),
 with the run's tree groups G (kernels/tree.py), inside `tpdiag.deterministic()`, and takes
-everything back in `finally`. Inputs are checked before anything is installed, in one typed
-error (BadInput) that every rank raises alike.
+everything back in `finally`. Bad input is one typed error (BadInput) that every rank raises
+alike, with nothing left installed: the arguments are checked first, each planned layer's
+reduced dimension as its fix installs (the stack unwinds).
 
 What the runner does itself and a user loop does not: its loss and grad norm. Here the
 vocab-softmax fix catches the user's F.cross_entropy (fixes/vocab_loss.py) and the grad-norm
@@ -142,8 +143,8 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
     fixes: "all", "none", a fix name, "a,b" or a list (fix_names()). tree_groups: G, the number
     of fixed groups a reduced dimension is cut into - a power of two that every TP degree you
     compare divides, the same in all of them (default: TPDIAG_TREE_GROUPS; required when a
-    grouped fix is on). group_gemm: "per-group" (fastest at TP = G) or "fused" (fastest below
-    it); two runs are bitwise equal only with the same G and group_gemm. deterministic: also
+    grouped fix is on). group_gemm: "per-group" (one GEMM per group: at TP = G one per rank)
+    or "fused" (a rank's groups in one call); two runs are bitwise equal only with the same G and group_gemm. deterministic: also
     enter tpdiag.deterministic() (strict deterministic algorithms, no TF32, ...).
     """
     plan = check_plan(model, plan)
