@@ -47,18 +47,12 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
 
-    # Determinism in one place: seeds, deterministic algorithms, no TF32, one CPU thread (CPU
+    # Determinism in one place: seed, deterministic algorithms, no TF32, one CPU thread (CPU
     # GEMM blocking depends on the thread count, so TP=1 and TP=2 must use the same).
-    from tpdiag.runner.determinism import setup
+    tpdiag.set_deterministic(seed=args.seed, cpu_threads=1)
 
-    setup(args.seed, device.type)
-
-    from tpdiag.models import tiny_llama
-    from tpdiag.models.plans import llama_plan
-
-    torch.manual_seed(args.seed)
-    model = tiny_llama.build("tiny-llama").to(device)  # the FULL model, identical on every rank
-    plan = llama_plan()
+    target = tpdiag.builtin_target("tiny-llama")  # the FULL model, identical on every rank
+    model, plan = target.model.to(device), target.plan
     if args.dp < 1 or world % args.dp:
         raise SystemExit(f"--dp {args.dp}: must divide the world size {world}")
     tp = world // args.dp

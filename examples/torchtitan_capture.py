@@ -85,10 +85,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    from tpdiag.runner.determinism import setup
-
-    setup(args.seed, device.type)
-    torch.manual_seed(args.seed)
+    tpdiag.set_deterministic(seed=args.seed, cpu_threads=1)
     model, vocab = build(world, args.layers, device)
     plan = plan_from_placements(model)
 

@@ -10,6 +10,16 @@ _LAZY = {
     "Target": ("tpdiag.models.target", "Target"),
     "capture": ("tpdiag.capture", "capture"),
     "load": ("tpdiag.records.frames", "load"),
+    "builtin_target": ("tpdiag.models.spec", "builtin_target"),
+    # train with the invariant kernels on (docs/training.md)
+    "invariant": ("tpdiag.invariant_api", "invariant"),
+    "clip_grad_norm_": ("tpdiag.invariant_api", "clip_grad_norm_"),
+    "fix_names": ("tpdiag.invariant_api", "fix_names"),
+    "set_deterministic": ("tpdiag.determinism_api", "set_deterministic"),
+    "deterministic": ("tpdiag.determinism_api", "deterministic"),
+    # the typed errors the public functions raise
+    "TpdiagError": ("tpdiag.errors", "TpdiagError"),
+    "BadInput": ("tpdiag.errors", "BadInput"),
 }
 
 
@@ -18,8 +28,12 @@ def __getattr__(name: str):
         import importlib
 
         mod, attr = _LAZY[name]
-        return getattr(importlib.import_module(mod), attr)
+        value = getattr(importlib.import_module(mod), attr)
+        # kept: importing tpdiag.capture set the package's `capture` to the module itself
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'tpdiag' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "Target", "capture", "load"]
+__all__ = ["__version__", "Target", "capture", "load", "builtin_target", "invariant", "clip_grad_norm_", "fix_names",
+           "set_deterministic", "deterministic", "TpdiagError", "BadInput"]

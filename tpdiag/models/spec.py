@@ -121,6 +121,17 @@ def load_target(spec: ModelSpec, variant: str = "stock"):
     raise BadInput(f"unknown model kind {spec.kind!r}")
 
 
+def builtin_target(name: str = "tiny-llama", variant: str = "stock"):
+    """A built-in preset as a Target (whole model on the CPU from the global RNG the caller
+    seeded, its plan, its vocab size): the public `tpdiag.builtin_target`, for examples and
+    tests that need a small Llama without writing one."""
+    from tpdiag.models.presets import PRESETS
+
+    if name not in PRESETS:
+        raise BadInput(f"builtin_target({name!r}): expected one of {', '.join(PRESETS)}")
+    return load_target(ModelSpec("builtin", name), variant)
+
+
 def model_divisors(spec: ModelSpec) -> dict[str, int]:
     """Dimensions every TP degree must divide, read without building the model where possible."""
     if spec.kind == "builtin":
