@@ -1,0 +1,145 @@
+"""The float64 oracle (probes/float64.py) and its verdict (diff/oracle.py), in process.
+
+What is measured here is what diff/oracle.py's docstring quotes: pure reorderings of the same
+function (sums split over N = 2..8 ranks, distributed norms and softmaxes, in fp32 and bf16)
+stay far inside the threshold, and planted mistakes land far beyond it.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpdiag.diff.oracle import MARGIN, judge
+from tpdiag.probes.float64 import module_oracle, op_oracle, snapshot
+
+
+class Casts(nn.Module):
+    """Code that picks its own dtypes: the oracle must keep every step in float64."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        h = (x.float() @ self.w.t()).to(torch.bfloat16)
+        z = torch.zeros(h.shape, dtype=torch.float32)
+        return torch.softmax(h.float() + z, dim=-1, dtype=torch.float32).to(x.dtype)
+
+
+def test_module_oracle_runs_every_op_in_float64():
+    torch.manual_seed(0)
+    m, x = Casts(), torch.randn(4, 16, dtype=torch.bfloat16)
+    out, notes = module_oracle(m, *snapshot(((x,), {})))
+    assert out.dtype == torch.float64 and notes == {}
+    exact = torch.softmax(x.double() @ m.w.double().t(), dim=-1)
+    assert torch.allclose(out, exact, rtol=0, atol=1e-12)
+    # the module's own run rounds to bf16 on the way: far from the float64 value
+    assert (m(x).double() - exact).abs().max() > 1e-4
+
+
+class Noisy(nn.Module):
+    def forward(self, x):
+        return F.dropout(x, 0.5, training=True)
+
+
+class Writes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(3))
+
+    def forward(self, x):
+        self.count.add_(1.0)
+        return x * 2
+
+
+def test_random_and_stateful_modules_are_refused_with_a_reason_and_no_side_effect():
+    x = torch.randn(3)
+    state = torch.get_rng_state()
+    out, notes = module_oracle(Noisy(), (x,), {})
+    assert out is None and "random" in notes["why"] and "dropout" in notes["why"]
+    assert torch.equal(torch.get_rng_state(), state)  # refused before drawing anything
+    w = Writes()
+    out, notes = module_oracle(w, (x,), {})
+    assert out is None and "writes state" in notes["why"]
+    assert torch.equal(w.count, torch.zeros(3))
+
+
+def test_discrete_choices_are_noted():
+    class Router(nn.Module):
+        def forward(self, x):
+            return x.gather(-1, x.topk(2, dim=-1).indices)
+
+    out, notes = module_oracle(Router(), (torch.randn(4, 8),), {})
+    assert out.dtype == torch.float64 and notes["discrete"] == ["aten::topk"]
+
+
+def test_op_oracle_reexecutes_one_aten_op():
+    a, b = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(32, 4, dtype=torch.bfloat16)
+    out, why = op_oracle(torch.ops.aten.mm.default, (a, b), {})
+    assert why is None and torch.equal(out, a.double() @ b.double())
+    out, why = op_oracle(torch.ops.aten.add_.Tensor, (a, a), {})
+    assert out is None and "in place" in why
+
+
+def _split_sum(x, w, n, order):
+    """x @ w^T with K split into n rank partials, each rounded to x's dtype, summed in `order`."""
+    k = x.shape[-1] // n
+    parts = [(x[..., r * k:(r + 1) * k].float() @ w[:, r * k:(r + 1) * k].float().t()).to(x.dtype)
+             for r in range(n)]
+    acc = torch.zeros_like(parts[0], dtype=torch.float32)
+    for r in order(n):
+        acc = acc + parts[r].float()
+    return acc.to(x.dtype)
+
+
+def _dist_layer_norm(y, n):
+    """LayerNorm with statistics from n column shards' partial sums (a correct TP norm)."""
+    c = y.shape[-1] // n
+    sh = [y[..., r * c:(r + 1) * c].float() for r in range(n)]
+    mean = sum(s.sum(-1, keepdim=True) for s in reversed(sh)) / y.shape[-1]
+    var = sum(((s - mean) ** 2).sum(-1, keepdim=True) for s in reversed(sh)) / y.shape[-1]
+    return ((y.float() - mean) * torch.rsqrt(var + 1e-5)).to(y.dtype)
+
+
+def test_pure_reorderings_stay_far_inside_the_threshold_and_planted_mistakes_far_beyond():
+    torch.manual_seed(1)
+    worst, least_bug = 0.0, float("inf")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(64, 512).to(dtype)
+        w = (torch.randn(128, 512) / 512 ** 0.5).to(dtype)
+        exact = x.double() @ w.double().t()
+        ref = (x.float() @ w.float().t()).to(dtype)
+        for n in (2, 4, 8):
+            for order in (lambda n: range(n), lambda n: reversed(range(n)),
+                          lambda n: [*range(0, n, 2), *range(1, n, 2)]):
+                v = judge(ref, _split_sum(x, w, n, order), exact)
+                assert not v["far"], (dtype, n, v)
+                worst = max(worst, v["ratio"])
+            y = (torch.randn(64, 256) * 3 + 1).to(dtype)
+            ln_exact = F.layer_norm(y.double(), (256,))
+            v = judge(F.layer_norm(y.float(), (256,)).to(dtype), _dist_layer_norm(y, n), ln_exact)
+            assert not v["far"], (dtype, n, v)
+            worst = max(worst, v["ratio"])
+            # the mistakes: a norm over a shard, the bias added n times, a reversed gather
+            shard = torch.cat([F.layer_norm(p.float(), p.shape[-1:]) for p in y.chunk(n, -1)], -1).to(dtype)
+            b = torch.randn(128).to(dtype)
+            bias_n = (ref.float() + n * b.float()).to(dtype)
+            rev = torch.cat(ref.chunk(n, -1)[::-1], -1)
+            for bad, ex, good in ((shard, ln_exact, F.layer_norm(y.float(), (256,)).to(dtype)),
+                                  (bias_n, exact + b.double(), (ref.float() + b.float()).to(dtype)),
+                                  (rev, exact, ref)):
+                v = judge(good, bad, ex)
+                assert v["far"], (dtype, n, v)
+                least_bug = min(least_bug, v["ratio"])
+    # reorderings used at most a tenth of the threshold; each mistake was > 10x beyond it
+    assert worst < 0.1 and least_bug > 10, (worst, least_bug)
+
+
+def test_the_threshold_needs_its_margin():
+    """Negative control: without the margin (A = 1) the same reorderings would be called far."""
+    torch.manual_seed(2)
+    x = torch.randn(64, 512).to(torch.bfloat16)
+    w = (torch.randn(128, 512) / 512 ** 0.5).to(torch.bfloat16)
+    exact = x.double() @ w.double().t()
+    ref = (x.float() @ w.float().t()).to(torch.bfloat16)
+    v = judge(ref, _split_sum(x, w, 8, lambda n: reversed(range(n))), exact)
+    assert not v["far"] and v["ratio"] * MARGIN > 0.5, v  # within a small factor of the level
