@@ -5,5 +5,5 @@
 
 Each job prints its table and appends one JSON line (date, host, GPU, versions, commit, args,
 figures) to benchmarks/results.jsonl (and to $OUT/results.jsonl when OUT is set). See
-docs/benchmarks.md, "How to run".
+docs/benchmark-suite.md, "How to run"; `python -m benchmarks --table JOB` prints a job's recorded runs.
 """

@@ -1,5 +1,5 @@
 """`python -m benchmarks [--results PATH] [--no-record] <job> [job args]`, `--list`,
-`--ingest FILE`. Environment: TPDIAG_BENCH_RESULTS (= --results), TPDIAG_BENCH_NO_RECORD=1
+`--ingest FILE`, `--table JOB` (the job's recorded history, benchmarks/table.py). Environment: TPDIAG_BENCH_RESULTS (= --results), TPDIAG_BENCH_NO_RECORD=1
 (= --no-record), TPDIAG_GIT_COMMIT (the commit recorded where the copy has no .git), OUT (each
 line is also appended to $OUT/results.jsonl). Exit codes: the job's (0 done, 1 a check
 failed), 2 unknown job or bad arguments, 3 the job cannot run here (needs CUDA, more GPUs, or a
@@ -15,7 +15,7 @@ from benchmarks.errors import JobUnavailable, NeedsCuda
 from benchmarks.registry import JOBS
 
 USAGE = ("usage: python -m benchmarks [--results PATH] [--no-record] JOB [ARGS...] | --list | "
-         "--ingest FILE [--results PATH]")
+         "--ingest FILE [--results PATH] | --table JOB [--columns PAT[,PAT]|all] [--last N] [--results PATH]")
 
 
 def _list() -> str:
@@ -34,8 +34,43 @@ def load(name: str):
         raise
 
 
+def _table(argv: list[str], results: str | None) -> int:
+    """--table JOB [--columns PAT[,PAT]|all] [--last N] [--results PATH]: no job runs."""
+    import argparse
+
+    from benchmarks import record, table
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks --table", add_help=False)
+    ap.add_argument("job")
+    ap.add_argument("--columns")
+    ap.add_argument("--last", type=int)
+    ap.add_argument("--results", default=results)
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit:
+        print(f"benchmarks: {USAGE}", file=sys.stderr)
+        return 2
+    if a.job not in JOBS:
+        print(f"benchmarks: unknown job {a.job!r}; jobs: {', '.join(JOBS)}", file=sys.stderr)
+        return 2
+    path = a.results or record.DEFAULT_RESULTS
+    recs = table.load(path, a.job)
+    if a.last:
+        recs = recs[-a.last:]
+    if not recs:
+        print(f"benchmarks: no {a.job} runs recorded in {path}", file=sys.stderr)
+        return 0
+    cols = tuple(c.strip() for c in a.columns.split(",") if c.strip()) if a.columns else JOBS[a.job].table
+    print("\n".join(table.table(recs, cols)))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     from benchmarks import record
+
+    if argv[:1] == ["--table"] or any(a == "--table" for a in argv[:3]):
+        rest = [a for a in argv if a != "--table"]
+        return _table(rest, os.environ.get("TPDIAG_BENCH_RESULTS"))
 
     results = os.environ.get("TPDIAG_BENCH_RESULTS")
     write, ingest = os.environ.get("TPDIAG_BENCH_NO_RECORD") != "1", None

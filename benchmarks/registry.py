@@ -14,6 +14,8 @@ class Job:
     needs: str  # what it runs on: "CUDA", "CUDA, --smoke on CPU", "CPU or CUDA", ...
     prefix: tuple[str, ...] = ()  # arguments put before the user's (a preset of a shared module)
     smoke_env: dict = field(default_factory=dict)  # set under --smoke before the module is imported
+    # `--table JOB`'s default figure columns: fnmatch patterns on dotted paths (benchmarks/table.py)
+    table: tuple[str, ...] = ("ok",)
 
     def to_dict(self) -> dict:
         return {"module": self.module, "summary": self.summary, "needs": self.needs,
@@ -23,30 +25,39 @@ class Job:
 JOBS: dict[str, Job] = {
     "fix-cost": Job("benchmarks.jobs.fix_cost",
                     "llama-1b training step, every fix alone and all together vs stock, interleaved; "
-                    "batch 8 x seq 4096 and 1 x 2048; MFU", "CUDA >= 2 GPUs (NCCL); --smoke on CPU (gloo)"),
+                    "batch 8 x seq 4096 and 1 x 2048; MFU", "CUDA >= 2 GPUs (NCCL); --smoke on CPU (gloo)",
+                    table=("tp", "batch", "seq", "stock_mfu", "configs.stock.ms", "configs.*.x_stock")),
     "gemm": Job("benchmarks.jobs.gemm", "invariant-gemm (triton_mm) vs cuBLAS: speed, accuracy, bitwise "
-                "invariance; --sweep tile configs", "CUDA; --smoke on CPU (Triton interpreter)", smoke_env=INTERP),
+                "invariance; --sweep tile configs", "CUDA; --smoke on CPU (Triton interpreter)", smoke_env=INTERP,
+                table=("dtype", "label", "cublas_ms", "triton_ms", "ratio", "err_triton", "err_cublas")),
     "probes": Job("benchmarks.jobs.probes", "probe cost: overhead (none/hash/full step time, memory, MFU), "
-                  "hash, hash-sweep, launch, profile, diff RUN_DIR", "overhead/diff: CPU or CUDA; others CUDA"),
+                  "hash, hash-sweep, launch, profile, diff RUN_DIR", "overhead/diff: CPU or CUDA; others CUDA",
+                  table=("what", "model", "dtype", "batch", "seq", "rounds", "rest_ms", "mfu_no_probes",
+                         "modes.*.step_ms", "modes.*.paired_ratio", "modes.*.paired_ms")),
     "tree-kernels": Job("benchmarks.jobs.tree_kernels", "tree fixes' Triton kernels: bitwise TP invariance, "
                         "float64 accuracy, speed vs torch path", "CUDA; --smoke on CPU (Triton interpreter)",
                         smoke_env={"TRITON_INTERPRET": "1", "TPDIAG_TRITON_CPU": "1"}),
     "record-hash": Job("benchmarks.jobs.record_hash", "record-hash Triton kernel == torch path bit for bit, "
-                       "shards add up, queued HashBuffer launches", "CUDA"),
+                       "shards add up, queued HashBuffer launches", "CUDA",
+                       table=("mismatches", "queued_mismatches", "records_queued", "stale", "ok")),
     "hash-collisions": Job("benchmarks.jobs.hash_collisions", "record-hash lane mixes (v1, v2 and two "
                            "rejected) under TP-like perturbations: collision rates at truncated widths "
                            "against a random function's", "CPU (numpy); args: [TRIALS] [PAIR_TRIALS]"),
     "tree-gemm": Job("benchmarks.jobs.tree_gemm", "tp-invariant-linear's group GEMM: tree_mm tiles vs "
-                     "per-group invariant-gemm vs cuBLAS, llama-1b TP=2 shapes", "CUDA"),
+                     "per-group invariant-gemm vs cuBLAS, llama-1b TP=2 shapes", "CUDA",
+                     table=("tp", "case", "M", "K", "N", "cublas.ms", "variants.*.x_cublas", "variants.*.bitwise")),
     "split-gemm": Job("benchmarks.jobs.split_gemm", "pre-split bf16x6/bf16x9 fp32 GEMM: error sources and "
                       "speed vs cuBLAS fp32 at 4096^3", "CUDA"),
     "compare": Job("benchmarks.jobs.compare", "`tpdiag compare` runs, one summary row each (--set 1b, "
                    "matrix, fix-all, hf, more; wall time, verdict, first divergence)",
-                   "CUDA (NCCL); --smoke on CPU (gloo)"),
+                   "CUDA (NCCL); --smoke on CPU (gloo)",
+                   table=("set", "run", "rc", "status", "capture", "wall_s", "phases.compare_s")),
     "compare-1b": Job("benchmarks.jobs.compare", "`tpdiag compare` on llama-1b bf16 batch 1 x seq 2048, "
                       "default flow (= compare --set 1b)", "CUDA (NCCL), one GPU per degree",
-                      prefix=("--set", "1b")),
-    "attention": Job("benchmarks.attention", "attention fix benchmark", "see the job's --help"),
+                      prefix=("--set", "1b"), table=("tp", "run", "rc", "status", "capture", "wall_s", "phases.compare_s")),
+    "attention": Job("benchmarks.attention", "attention fix benchmark", "see the job's --help",
+                      table=("meta.shape", "meta.dtype", "backends.*.fwdbwd_ms", "backends.*.ratio_to_fastest_stock")),
     "suite": Job("benchmarks.jobs.suite", "several jobs in one device call (NCCL_NVLS_ENABLE=0, wheels "
-                 "from .whl, per-job time limits, logs and results under $OUT)", "whatever its jobs need"),
+                 "from .whl, per-job time limits, logs and results under $OUT)", "whatever its jobs need",
+                 table=("job", "rc", "wall_s")),
 }

@@ -2,7 +2,7 @@
 
     python examples/hf_zoo.py --work /tmp/zoo                 # all, resumable
     python examples/hf_zoo.py --work /tmp/zoo --only llama,qwen3_moe
-    python examples/hf_zoo.py --work /tmp/zoo --table docs/models.md   # rewrite the table only
+    python examples/hf_zoo.py --work /tmp/zoo --table docs/models-zoo.md   # rewrite the table only
 
 Architectures: every model type of transformers' causal-LM auto mapping whose config class has a
 `base_model_tp_plan`. Each gets a tiny random config (2 layers, hidden 64, 4 heads of 16, vocab
@@ -63,7 +63,7 @@ OVERRIDES = {
 }
 
 
-# What a row that is not a clean result is, as investigated (docs/models.md, zoo notes).
+# What a row that is not a clean result is, as investigated (docs/models-zoo.md, zoo notes).
 NOTES: dict[str, str] = {
     "apertus": "real finding: XIELU's replicated alpha_p/alpha_n get each rank's partial grad "
                "(its own ffn columns) and the plan never all-reduces them; the ranks' copies add up "

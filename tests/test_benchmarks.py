@@ -211,3 +211,45 @@ def test_overhead_order_puts_each_probed_mode_after_the_unprobed_step_in_turn():
     assert all(sorted(r) == sorted(modes) and r[0] == "none@warm" for r in rounds)
     firsts = [r[1] for r in rounds]
     assert sorted(firsts) == sorted(modes[1:] * 2), firsts
+
+
+def test_table_prints_a_jobs_history_one_line_per_run_row(tmp_path, capsys):
+    from benchmarks.cli import main
+
+    path = tmp_path / "r.jsonl"
+    recs = [
+        {"date": "2026-01-01T00:00:00+00:00", "job": "fix-cost", "args": ["--tp", "2"], "gpu": "NVIDIA H200",
+         "commit": "aaa1111", "figures": {"model": "llama-1b", "rows": [
+             {"tp": 2, "batch": 8, "seq": 4096, "configs": {"stock": {"ms": 474.7, "x_stock": 1.0},
+                                                           "all fixes": {"ms": 990.1, "x_stock": 2.0857}}},
+             {"tp": 2, "batch": 1, "seq": 2048, "configs": {"stock": {"ms": 238.5, "x_stock": 1.0}}}]}},
+        {"date": "2026-01-02T00:00:00+00:00", "job": "gemm", "args": [], "gpu": None, "machine": "x86_64",
+         "commit": "bbb2222", "figures": {"ok": True}},
+        {"date": "2026-01-03T00:00:00+00:00", "job": "fix-cost", "args": [], "gpu": "NVIDIA H100 80GB HBM3",
+         "commit": "ccc3333", "figures": {"rows": [{"tp": 4, "batch": 8, "seq": 4096,
+                                                    "configs": {"stock": {"ms": 300.0, "x_stock": 1.0}}}]}},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + "not json\n")
+    assert main(["--table", "fix-cost", "--results", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = lines[0].split()
+    assert head[:3] == ["date", "commit", "gpu"] and "configs.all" in lines[0] and head[-1] == "args"
+    assert [ln.split()[2] for ln in lines[1:]] == ["aaa1111", "aaa1111", "ccc3333"]  # oldest first, a line per row
+    assert "990.1" not in lines[1] and "2.086" in lines[1] and "-" in lines[2].split()  # x_stock, '-' where absent
+    assert main(["--table", "fix-cost", "--results", str(path), "--last", "1", "--columns", "configs.*.ms"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "configs.stock.ms" in lines[0] and "300" in lines[1] and "H100" in lines[1]
+    assert main(["--table", "no-such-job", "--results", str(path)]) == 2
+
+
+def test_table_reads_the_committed_history():
+    # every job with recorded runs prints one line per run row from benchmarks/results.jsonl
+    from benchmarks import record, table
+    from benchmarks.registry import JOBS
+
+    for job in JOBS:
+        recs = table.load(record.DEFAULT_RESULTS, job)
+        if recs:
+            out = table.table(recs, JOBS[job].table)
+            assert len(out) == 1 + sum(len(table.rows_of(r)) for r in recs), job
+            assert len(out[0].split()) > 4, (job, out[0])  # the default columns exist in the records

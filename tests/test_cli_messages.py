@@ -61,6 +61,75 @@ def test_help_piped_is_plain():
     assert not BOX.search(p.stdout) and "\x1b" not in p.stdout
 
 
+def test_version_is_the_package_metadata():
+    from importlib import metadata
+
+    import tpdiag
+
+    want = metadata.version("tpdiag")
+    assert tpdiag.__version__ == want
+    p = run_cli("--version", timeout=120)
+    assert p.returncode == 0 and p.stdout == f"tpdiag {want}\n", p.stdout + p.stderr
+    # `import tpdiag` stays cheap: the metadata is read on first use of __version__ only
+    p = subprocess.run([sys.executable, "-c", "import sys, tpdiag; print(sorted({'torch', 'importlib.metadata'} "
+                        "& set(sys.modules)))"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+def _words(text: str) -> list[str]:
+    return " ".join(text.split()).split(" ")
+
+
+def test_help_piped_keeps_every_sentence_on_one_line():
+    p = run_cli("--help", timeout=120)
+    assert p.returncode == 0 and "..." not in p.stdout.split("Commands:")[1], p.stdout
+    for name, cmd in _commands().items():
+        first = cmd.help.split("\n\n")[0]
+        assert re.search(rf"^  {name} +{re.escape(' '.join(first.split()))}$", p.stdout, re.M), (name, p.stdout)
+    p = run_cli("compare", "--help", env={"COLUMNS": "60"}, timeout=120)
+    for o in _commands()["compare"].params:
+        if o.help:  # the whole help of each option on its option's line
+            assert any(" ".join(o.help.split()) in ln for ln in p.stdout.splitlines()), o.name
+
+
+def test_help_on_a_narrow_terminal_wraps_at_spaces_only():
+    from tpdiag.cli_help import _Context
+
+    for name, cmd in [("", typer.main.get_command(app)), *_commands().items()]:
+        ctx = _Context(cmd, info_name=f"tpdiag {name}".strip(), terminal_width=60, max_content_width=60)
+        text = cmd.get_help(ctx)
+        assert "..." not in text.split("\n", 1)[1] and "\u2026" not in text, text
+        long = [ln for ln in text.splitlines() if len(ln) > 60]
+        # a line runs past 60 columns only where one unbreakable word does not fit
+        assert all(" " not in ln.strip().split("  ")[-1] for ln in long), long
+        for p in cmd.params:  # every word of every option's help, whole: nothing broken at a hyphen
+            for w in _words(p.help or "") if p.param_type_name == "option" else ():
+                assert w in _words(text), (name, p.name, w)
+
+
+def test_fixes_table_never_cuts_a_name():
+    import io
+
+    from rich.console import Console
+
+    from tpdiag.cli_render import fixes_table
+    from tpdiag.fixes.registry import catalogue
+
+    rows = [f.to_dict() for f in catalogue().values()]
+    for width in (60, 100, 250):  # terminals: too narrow for the table, and wide enough
+        buf = io.StringIO()
+        fixes_table(Console(file=buf, force_terminal=True, width=width, color_system=None), rows)
+        text = buf.getvalue()
+        assert "\u2026" not in text and "..." not in text, text
+        for r in rows:
+            for w in _words(", ".join(r["ops"])) + _words(", ".join(r["fixes"])) + [r["name"]]:
+                assert w in text, (width, w)
+    p = run_cli("fixes", env={"COLUMNS": "80"}, timeout=120)  # piped: one line per fix, whole cost
+    for r in rows:
+        line = next(ln for ln in p.stdout.splitlines() if ln.startswith(r["name"] + " "))
+        assert " ".join(r["cost"].split()) in line and ", ".join(r["ops"]) in line, line
+
+
 def _one_line(r, code, *needles):
     assert r.exit_code == code, r.output
     lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
@@ -114,12 +183,24 @@ def test_gate_prints_each_violation_once_and_points_to_the_policy_doc():
             "2": DegreeResult("2", "fail", 3, [v("2", "layers.0.attention.wo"), v("2", "layers.0.feed_forward.w2")]),
             "4": DegreeResult("4", "fail", 1, [v("4", "layers.0.attention.wo")])})
         out = res.lines()
-        assert out[0] == "gate: FAIL - first divergent op beyond policy: " + v("2", "layers.0.attention.wo").line()
+        # module-granularity violations (no op): the words say module, never 'op -'; counts agree in number
+        assert out[0] == "gate: FAIL - first divergent module beyond policy: " + v("2", "layers.0.attention.wo").line()
+        assert "op -" not in "\n".join(out) and ", op " not in out[0]
+        assert "TP=2: fail (2 records beyond policy; the first is in the headline)" in out
+        assert "TP=4: fail (1 record beyond policy)" in out
         for d in res.degrees.values():
             for x in d.violations:
                 assert sum(x.line() in ln for ln in out) == 1, "\n".join(out)
         assert out[1].startswith(f"policy: {policy.source} (") and hint in out[1] and "docs/ci.md" in out[1]
         assert res.exit_code == 1
+    # an op-granularity violation names its op, and the headline says op
+    op = Violation("2", "forward", "layers.0.attention.wq", "aten::mm", "out", "0", "shape-dependent-gemm", 3,
+                   1e-8, "beyond budget")
+    res = GateResult("run", Policy(), reference="1", degrees={"2": DegreeResult("2", "fail", 1, [op])})
+    assert res.lines()[0].startswith("gate: FAIL - first divergent op beyond policy: TP=2: module "
+                                     "layers.0.attention.wq, op aten::mm, phase forward")
+    ok = GateResult("run", Policy(), reference="1", degrees={"2": DegreeResult("2", "pass", 1)})
+    assert "TP=2: pass (1 divergent record within policy)" in ok.lines()
 
 
 def test_doctor_gives_a_verdict_per_line():
@@ -159,6 +240,7 @@ def test_piped_compare_is_plain_and_says_how_many_steps_ran(tmp_path):
     assert not BOX.search(p.stdout + p.stderr) and "\x1b" not in p.stdout + p.stderr
     assert p.stderr.strip() == "", p.stderr  # no progress / spinner lines off a terminal
     assert "ran: 2 steps at each degree (forward only)" in p.stdout
+    assert "baseline: reference not rerun against itself (--no-baseline)" in p.stdout
     assert re.search(r"^TP\s+status\s+first divergence\s+cause", p.stdout, re.M), p.stdout
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 2 and s["backward"] is False

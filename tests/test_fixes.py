@@ -59,3 +59,14 @@ def test_fix_auto_chain_ends_bitwise(tmp_path):
     causes = [fd["cause"] for r in chain[:-1] for fd in r["first_divergence"].values() if fd]
     assert causes == ["row-parallel-reduction", "vocab-parallel-softmax", "grad-norm"]
     assert set(chain[-1]["fixes"]) == set(ALL)
+    # round 0 is the compare the user asked for: it reran the reference, and the output says so
+    assert s["baseline"] == {"reproducible": True, "label": "1-base"}, s.get("baseline")
+    import io
+
+    from rich.console import Console
+
+    from tpdiag.cli_render import summary_tables
+
+    buf = io.StringIO()
+    summary_tables(Console(file=buf, width=200), s)
+    assert "baseline: reference rerun is bitwise reproducible" in buf.getvalue(), buf.getvalue()

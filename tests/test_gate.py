@@ -37,9 +37,12 @@ def test_stock_run_fails_naming_the_first_divergent_module(tp12_run, tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     first = p.stdout.splitlines()[0]
     assert first.startswith("gate: FAIL")
-    for part in (f"module {fd['module']}", f"phase {fd['phase']}", f"cause {fd['cause']}", "op "):
+    for part in (f"module {fd['module']}", f"phase {fd['phase']}", f"cause {fd['cause']}"):
         assert part in first
-    assert f"::error title=tpdiag::first divergent op beyond policy: TP=2: module {fd['module']}" in p.stdout
+    # a module-granularity run: its words say module and name no op
+    assert fd.get("op") is None and "first divergent module beyond policy" in first and "op -" not in first
+    assert "TP=2: fail (1 record beyond policy" in p.stdout
+    assert f"::error title=tpdiag::first divergent module beyond policy: TP=2: module {fd['module']}" in p.stdout
     suite = ET.parse(junit).getroot().find("testsuite")
     cases = suite.findall("testcase")
     assert [c.get("name") for c in cases] == ["TP=2 vs TP=1"]

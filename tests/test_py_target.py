@@ -49,3 +49,39 @@ def test_custom_inputs_and_loss_are_used(run):
         want = float(t.loss(t.model(batch["input_ids"]), batch["labels"]))
     got = s["degrees"]["2"]["loss"]["reference"]
     assert abs(got - want) < 1e-5, (got, want)
+
+
+def test_py_file_imports_a_module_beside_it(tmp_path):
+    # The example's model moves into a module beside the file the spec names, as a user splits
+    # a project; neither the CLI nor the rank processes get PYTHONPATH for it (cwd is the repo).
+    import shutil
+
+    shutil.copy(EXAMPLE, tmp_path / "beside_parts_41.py")
+    (tmp_path / "entry.py").write_text("from beside_parts_41 import target\n")
+    out = tmp_path / "run"
+    p = run_cli("compare", "--model", f"py:{tmp_path / 'entry.py'}:target", "--tp", "1,2", "--out", str(out),
+                "--forward-only", "--no-confirm", "--no-baseline", "--format", "json",
+                env={"PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr + p.stdout
+    fd = json.loads(p.stdout)["degrees"]["2"]["first_divergence"]
+    assert fd["module"] == "blocks.0.fc2" and fd["cause"] == "row-parallel-reduction", fd
+
+
+def test_py_import_failure_names_the_module_and_what_to_do(tmp_path):
+    (tmp_path / "errs.py").write_text("import buggy_ln_41_missing\n\ndef just_model():\n    pass\n")
+    p = run_cli("compare", "--model", f"py:{tmp_path / 'errs.py'}:just_model", "--tp", "1,2",
+                "--out", str(tmp_path / "run"), env={"PYTHONPATH": ROOT}, timeout=120)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr + p.stdout
+    msg = lines[0]
+    for part in ("no module named 'buggy_ln_41_missing'", "imported by errs.py", str(tmp_path),
+                 "beside errs.py", "PYTHONPATH"):
+        assert part in msg, msg
+    # a dotted module spec that is not importable says how to make it so (the same function, in-process)
+    from tpdiag.errors import BadInput
+    from tpdiag.models.spec import parse_spec, py_target
+
+    with pytest.raises(BadInput) as e:
+        py_target(parse_spec("py:no_such_pkg_41.models:target").value)
+    assert "no module named 'no_such_pkg_41'" in str(e.value) and "PYTHONPATH" in str(e.value)
+    assert "py:FILE.py:FUNC" in str(e.value), str(e.value)

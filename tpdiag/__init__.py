@@ -4,8 +4,6 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 _LAZY = {
     "Target": ("tpdiag.models.target", "Target"),
     "capture": ("tpdiag.capture", "capture"),
@@ -23,7 +21,20 @@ _LAZY = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version: pyproject.toml's, the one source of truth. A source
+    tree that was never installed has no metadata and says so rather than guess."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tpdiag")
+    except metadata.PackageNotFoundError:
+        return "0+unknown (not installed: pip install -e .)"
+
+
 def __getattr__(name: str):
+    if name == "__version__":
+        return version()
     if name in _LAZY:
         import importlib
 

@@ -12,11 +12,27 @@ from tpdiag.cli_common import (DEBUG, FAIL_HELP, MALFORMED, QUIET_HELP, Debug, F
                                emit_summary, exit_for, fail, malformed, print_rank_tracebacks)
 from tpdiag.errors import TpdiagError
 
-# Help piped to a file or a pager is click's plain text: rich's boxes at 80 columns cut the
-# choice lists off mid-word.
+# Help is click's plain text everywhere: rich's panels cut a long choice or path off with '...'
+# at any width. H.Group lists each command's whole first sentence, and H.help_width wraps at
+# the terminal's width - or, piped, not at all, so no sentence is broken mid-line.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  rich_markup_mode="rich" if sys.stdout.isatty() else None,
+                  rich_markup_mode=None, cls=H.Group, context_settings=H.help_width(),
                   help="Find the first op whose output changes with the tensor-parallel degree.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        import tpdiag
+
+        sys.stdout.write(f"tpdiag {tpdiag.__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                                help="print the installed version and exit")] = False) -> None:
+    pass
+
 
 @app.command()
 def compare(
@@ -101,7 +117,11 @@ def compare(
     except KeyboardInterrupt:
         console(stderr=True).print("interrupted")
         raise typer.Exit(130)
-    emit_summary(summary, fmt)
+    skipped = None
+    if "baseline" not in summary:  # say why the reference was not rerun: no baseline line reads as a pass
+        skipped = ("--no-baseline" if not cfg.baseline
+                   else f"TP={cfg.degrees[0]} is rerun among the degrees instead")
+    emit_summary(summary, fmt, baseline_skipped=skipped)
     if debug:
         print_rank_tracebacks(summary.get("run_dir"))
     exit_for(summary, fail_on_divergence)

@@ -29,7 +29,9 @@ def console(stderr: bool = False):
     # numbers off. Use a wide one unless COLUMNS says otherwise.
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() or os.environ.get("COLUMNS") else 200
-    return Console(stderr=stderr, highlight=False, width=width)
+    # Off a terminal a line is never broken: a log or a file reader wraps (or not) on its own,
+    # and a sentence split at column 200 reads as two. Tables size themselves (_print_table).
+    return Console(stderr=stderr, highlight=False, width=width, soft_wrap=not stream.isatty())
 
 
 def fail(e: BaseException) -> None:
@@ -77,7 +79,7 @@ def print_rank_tracebacks(run_dir: str | None, variant: str | None = None) -> No
         sys.stderr.write(f"--- {where}TP={label} rank {rank} traceback ---\n{tb.rstrip()}\n")
 
 
-def emit_summary(summary: dict, fmt: str) -> None:
+def emit_summary(summary: dict, fmt: str, baseline_skipped: str | None = None) -> None:
     if fmt == "json":
         from tpdiag import io
 
@@ -85,7 +87,7 @@ def emit_summary(summary: dict, fmt: str) -> None:
     else:
         from tpdiag.cli_render import summary_tables
 
-        summary_tables(console(), summary)
+        summary_tables(console(), summary, baseline_skipped)
 
 
 def exit_for(summary: dict, fail_on_divergence: bool) -> None:

@@ -3,6 +3,83 @@
 `import tpdiag.cli` must not pull in torch."""
 from __future__ import annotations
 
+import click
+import typer.core
+
+
+def _wrap(text: str, width: int, indent: str = "", subsequent: str = "") -> str:
+    """Paragraphs (blank-line separated) filled to `width`, breaking only at spaces: a choice
+    like tp-invariant-linear or a path stays whole on one line, even past the width."""
+    import textwrap
+
+    paras = [" ".join(p.split()) for p in text.split("\n\n") if p.strip()]
+    return "\n\n".join(textwrap.fill(p, width, initial_indent=indent, subsequent_indent=subsequent,
+                                     break_long_words=False, break_on_hyphens=False) for p in paras)
+
+
+class _Formatter(click.HelpFormatter):
+    def write_text(self, text: str) -> None:
+        pad = " " * self.current_indent
+        self.write(_wrap(text, max(self.width, 11), pad, pad) + "\n")
+
+    def write_dl(self, rows, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = list(rows)
+        first_col = min(max((click.formatting.term_len(r[0]) for r in rows), default=0), col_max) + col_spacing
+        pad = " " * self.current_indent
+        for first, second in rows:
+            self.write(pad + first)
+            if not second:
+                self.write("\n")
+                continue
+            if click.formatting.term_len(first) <= first_col - col_spacing:
+                self.write(" " * (first_col - click.formatting.term_len(first)))
+            else:
+                self.write("\n" + " " * (first_col + self.current_indent))
+            lines = _wrap(second, max(self.width - first_col - 2, 10)).splitlines() or [""]
+            self.write(lines[0] + "\n")
+            for line in lines[1:]:
+                self.write(" " * (first_col + self.current_indent) + line + "\n")
+
+
+class _Context(click.Context):
+    formatter_class = _Formatter
+
+
+class Group(typer.core.TyperGroup):
+    """Help that never cuts a word: each command's whole first sentence in the command list
+    (click cuts it to the width left beside the names, ending in '...'), and text wrapped
+    only at spaces (click also breaks at hyphens and inside long words)."""
+
+    context_class = _Context
+
+    def get_command(self, ctx, name):
+        cmd = super().get_command(ctx, name)
+        if cmd is not None:
+            cmd.context_class = _Context
+        return cmd
+
+    def format_commands(self, ctx, formatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+def help_width() -> dict:
+    """click's context settings: on a terminal wrap at its width (click's default stops at 80);
+    piped, a width no paragraph reaches, so each stays on one line."""
+    import shutil
+    import sys
+
+    if sys.stdout.isatty():
+        cols = shutil.get_terminal_size().columns
+        return {"max_content_width": max(cols, 50)}
+    return {"terminal_width": 100_000, "max_content_width": 100_000}
+
 
 def _bar(xs) -> str:
     return " | ".join(xs)

@@ -11,13 +11,27 @@ def _box(console, box):
     return box if console.is_terminal else None
 
 
+def _natural_width(console, table) -> int:
+    """Columns the table takes with no cell wrapped."""
+    from rich.measure import Measurement
+
+    return Measurement.get(console, console.options.update_width(100_000), table).maximum
+
+
 def _print_table(console, table) -> None:
-    """A table; off a terminal without the padding rich adds to the right of every line."""
+    """A table; off a terminal without the padding rich adds to the right of every line, and as
+    wide as its longest cell needs: a pipe has no width to fit, and a cell wrapped there breaks
+    its sentence over lines."""
     if console.is_terminal:
         console.print(table)
         return
-    with console.capture() as cap:
-        console.print(table)
+    width = console.width
+    console.width = max(width, _natural_width(console, table))
+    try:
+        with console.capture() as cap:
+            console.print(table)
+    finally:
+        console.width = width
     console.file.write("".join(line.rstrip() + "\n" for line in cap.get().splitlines()))
 
 
@@ -98,7 +112,8 @@ def ran(summary: dict) -> str | None:
     return line
 
 
-def summary_tables(console, summary: dict) -> None:
+def summary_tables(console, summary: dict, baseline_skipped: str | None = None) -> None:
+    """baseline_skipped: why compare did not rerun the reference (its line says so)."""
     from rich import box
     from rich.table import Table
 
@@ -112,6 +127,8 @@ def summary_tables(console, summary: dict) -> None:
     if base is not None:
         console.print("baseline: reference rerun is " + ("[green]bitwise reproducible[/]" if base["reproducible"]
                       else f"[red]NOT reproducible[/] ({base.get('cause')})"))
+    elif baseline_skipped:
+        console.print(f"baseline: reference not rerun against itself ({baseline_skipped})")
     t = Table(show_lines=False, pad_edge=False, box=_box(console, box.HEAVY_HEAD))
     t.add_column("TP", no_wrap=True)
     t.add_column("status", no_wrap=True)
@@ -305,7 +322,16 @@ def fixes_table(console, rows: list[dict]) -> None:
     for r in rows:
         t.add_row(r["name"], ", ".join(r["fixes"]), escape(", ".join(r["ops"])), escape(r["cost"]),
                   "yes" if r["available"] else "not yet")
-    _print_table(console, t)
+    if console.is_terminal and _natural_width(console, t) > console.width:
+        # Too narrow for the table: its cells would cut op and cause names with '...'. One block
+        # per fix instead, wrapped at spaces.
+        for r in rows:
+            console.print(f"[bold]{r['name']}[/] ({'available' if r['available'] else 'not yet available'})")
+            for k, v in (("removes cause", ", ".join(r["fixes"])), ("replaces", ", ".join(r["ops"])),
+                         ("cost", r["cost"])):
+                console.print(f"  {k}: {escape(v)}")
+    else:
+        _print_table(console, t)
     console.print("what each cause and fix means: docs/causes.md")
 
 

@@ -9,7 +9,7 @@ def github_annotation(res: GateResult) -> str | None:
     if res.status == "pass":
         return None
     v = res.first_violation
-    msg = (f"first divergent op beyond policy: {v.line()}" if res.status == "fail"
+    msg = (f"first divergent {v.unit} beyond policy: {v.line()}" if res.status == "fail"
            else f"inconclusive evidence: {res.problems[0]}")
     msg = msg.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
     return f"::error title=tpdiag::{msg}"

@@ -28,11 +28,21 @@ class Violation:
     reason: str
     key: str = ""
 
+    @property
+    def unit(self) -> str:
+        """What diverged, in the run's terms: an op on op-granularity runs, else a module."""
+        return "op" if self.op else "module"
+
     def line(self) -> str:
         ulp = "-" if self.max_ulp is None else str(self.max_ulp)
         mabs = "-" if self.max_abs is None else f"{self.max_abs:.3g}"
-        return (f"TP={self.degree}: module {self.module}, op {self.op or '-'}, phase {self.phase}, record "
+        op = f", op {self.op}" if self.op else ""  # module-granularity records name no op
+        return (f"TP={self.degree}: module {self.module}{op}, phase {self.phase}, record "
                 f"{self.kind} {self.name}, cause {self.cause} (max ULP {ulp}, max abs {mabs}): {self.reason}")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 @dataclass
@@ -70,16 +80,17 @@ class GateResult:
         # Each violation is printed once: the first in the headline, the others under their degree.
         first = self.first_violation
         head = {"pass": "PASS - nothing diverges beyond policy",
-                "fail": f"FAIL - first divergent op beyond policy: {first.line() if first else ''}",
+                "fail": f"FAIL - first divergent {first.unit if first else 'record'} beyond policy: "
+                        f"{first.line() if first else ''}",
                 "inconclusive": f"INCONCLUSIVE - {self.problems[0] if self.problems else ''}"}[self.status]
         how = ("allow causes or per-module budgets with --policy FILE.toml" if self.policy.source == Policy.source
                else "format")
         out = [f"gate: {head}", f"policy: {self.policy.source} ({how}: docs/ci.md, 'The policy file')"]
         out += [f"evidence: {p}" for p in self.problems[1:]]
         for d in self.degrees.values():
-            what = {"pass": f"pass ({d.checked} divergent records within policy)" if d.checked else "pass (bitwise)",
+            what = {"pass": f"pass ({_count(d.checked, 'divergent record')} within policy)" if d.checked else "pass (bitwise)",
                     "skipped": "not gated by the policy", "error": f"error: {d.error}",
-                    "fail": f"fail ({len(d.violations)} records beyond policy"
+                    "fail": f"fail ({_count(len(d.violations), 'record')} beyond policy"
                             + ("; the first is in the headline)" if first in d.violations else ")")}[d.status]
             out.append(f"TP={d.label}: {what}")
             out += [f"  {v.line()}" for v in d.violations[:5] if v is not first]

@@ -89,7 +89,7 @@ def check_plan(spec, degrees, variant: str = "stock") -> None:
             raise BadInput(f"--model hf:{spec.value}: {model_type} has no tensor-parallel plan in "
                            "transformers (no base_model_tp_plan; at most the LM head would be split), "
                            f"so TP={tp[0]} would not be the model at TP={tp[0]}; give it a plan as a "
-                           "py: target (docs/models.md)")
+                           "py: target (docs/models-py.md)")
         return
     if spec.kind != "py":
         return

@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 
 from tpdiag.errors import BadInput
@@ -49,20 +50,53 @@ def _load_py_func(value: str):
     src, _, func = value.rpartition(":")
     try:
         if src.endswith(".py"):
+            _importable_beside(src)
             name = "tpdiag_user_" + os.path.splitext(os.path.basename(src))[0]
             mspec = importlib.util.spec_from_file_location(name, src)
             mod = importlib.util.module_from_spec(mspec)
-            mspec.loader.exec_module(mod)
+            # registered like an imported module: dataclasses and pickle look their module up
+            sys.modules[name] = mod
+            try:
+                mspec.loader.exec_module(mod)
+            except BaseException:
+                sys.modules.pop(name, None)
+                raise
         else:
             mod = importlib.import_module(src)
     except BadInput:
         raise
+    except ModuleNotFoundError as e:
+        raise BadInput(f"--model py:{value}: importing {src!r} failed: {_missing_module_hint(src, e)}") from e
     except Exception as e:  # user code: any failure is a bad spec, reported in one line
         raise BadInput(f"--model py:{value}: importing {src!r} failed: {type(e).__name__}: {e}") from e
     fn = getattr(mod, func, None)
     if not callable(fn):
         raise BadInput(f"--model py:{value}: {src!r} has no callable {func!r}")
     return fn
+
+
+def _importable_beside(path: str) -> None:
+    """Put FILE.py's directory first on sys.path, as `python FILE.py` does, so the file may
+    import the modules beside it. Runs in every process that loads the file (the CLI and each
+    rank), so the ranks need no PYTHONPATH either."""
+    here = os.path.dirname(os.path.abspath(path))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
+def _missing_module_hint(src: str, e: ModuleNotFoundError) -> str:
+    """'no module named X' plus what to do: where tpdiag looked and how to make X importable."""
+    missing = e.name or str(e)
+    if src.endswith(".py"):
+        here = os.path.dirname(os.path.abspath(src))
+        return (f"no module named {missing!r} (imported by {os.path.basename(src)}; the import path has "
+                f"{here} and PYTHONPATH): put {missing.split('.')[0]}.py or its package beside "
+                f"{os.path.basename(src)}, install it, or add its directory to PYTHONPATH")
+    if missing == src or src.startswith(missing + "."):
+        return (f"no module named {missing!r}: add the directory that holds {missing.split('.')[0]} to "
+                f"PYTHONPATH (e.g. PYTHONPATH=. from that directory) or name the file, py:FILE.py:FUNC")
+    return (f"no module named {missing!r} (imported by {src}): install it or add its directory to "
+            "PYTHONPATH")
 
 
 def takes_device(fn) -> bool:

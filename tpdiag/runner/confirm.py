@@ -12,11 +12,11 @@ from dataclasses import replace
 from tpdiag.config import CompareConfig, degree_labels
 
 
-def _sub(cfg: CompareConfig, out: str, degrees, fixes) -> dict:
+def _sub(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False) -> dict:
     from tpdiag.runner.compare import run_compare
 
     sub = replace(cfg, out=out, degrees=tuple(degrees), fixes=tuple(fixes), fix_mode="explicit",
-                  confirm=False, baseline=False)
+                  confirm=False, baseline=baseline)
     return run_compare(sub)
 
 
@@ -94,7 +94,9 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
         if on_status:
             on_status("auto", f"round {i}: {', '.join(fixes) or 'stock'}")
         out = run_dir if i == 0 else os.path.join(run_dir, "auto", f"round{i}")
-        summary = _sub(cfg, out, cfg.degrees, fixes)
+        # round 0 is the run the user asked for (its summary is what compare prints): it gets the
+        # reference rerun like any compare; the fixed rounds are compared with it
+        summary = _sub(cfg, out, cfg.degrees, fixes, baseline=cfg.baseline and i == 0)
         firsts = {lab: (d.get("first_divergence") or {}) for lab, d in summary["degrees"].items()}
         chain.append({"round": i, "fixes": list(fixes), "status": summary["status"], "run_dir": out,
                       "first_divergence": {lab: ({"module": f.get("module"), "phase": f.get("phase"),
