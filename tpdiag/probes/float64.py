@@ -103,7 +103,7 @@ class Float64Mode(TorchDispatchMode):
         if name in DISCRETE and _op_name(func) not in self.discrete and any(
                 isinstance(a, torch.Tensor) and a.is_floating_point() for a in tree_flatten(args)[0]):
             self.discrete.append(_op_name(func))
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if torch.Tag.nondeterministic_seeded in func.tags and not _sdpa_without_dropout(func, args, kwargs):
             raise OracleRefused(f"it draws random numbers ({_op_name(func)}): its output is not a "
                                 "function of its inputs")
         if func._schema.is_mutable:
@@ -155,6 +155,9 @@ def op_oracle(func, args, kwargs) -> tuple[object | None, str | None]:
     """(one aten op's output in float64, None) or (None, why not); called from inside a dispatch
     mode's handler, so the op runs below every mode."""
     name = _op_name(func)
+    base = func.overloadpacket.__name__
+    if base.startswith("_scaled_dot_product_") and base != "_scaled_dot_product_attention_math":
+        return _sdpa_oracle(func, args, kwargs or {})
     if func.overloadpacket.__name__ in DISCRETE:
         return None, f"{name} makes a discrete choice (its float64 value is no rounding reference)"
     if torch.Tag.nondeterministic_seeded in func.tags:
@@ -170,5 +173,37 @@ def op_oracle(func, args, kwargs) -> tuple[object | None, str | None]:
         kw = {k: (_up_dtype(v) if k in ("dtype", "out_dtype") else v) for k, v in (kwargs or {}).items()}
         with torch.no_grad():
             return func(*upcast(tuple(args)), **upcast(kw)), None
+    except Exception as e:  # noqa: BLE001
+        return None, _why(e)
+
+
+def _sdpa_without_dropout(func, args, kwargs) -> bool:
+    """An SDPA kernel is tagged as drawing random numbers for its dropout; with dropout_p 0 it
+    draws none and is a function of its inputs."""
+    if not func.overloadpacket.__name__.startswith("_scaled_dot_product_"):
+        return False
+    names = [a.name for a in func._schema.arguments]
+    got = dict(zip(names, args))
+    got.update(kwargs or {})
+    return float(got.get("dropout_p") or 0.0) == 0.0
+
+
+def _sdpa_oracle(func, args, kwargs) -> tuple[object | None, str | None]:
+    """A fused SDPA backend (flash, memory-efficient, cuDNN) has no float64 kernel: its
+    attention output (the op's output 0; the rest are its own softmax statistics) is the math
+    backend's in float64, from the same arguments read by name."""
+    names = [a.name for a in func._schema.arguments]
+    got = dict(zip(names, args))
+    got.update(kwargs)
+    if float(got.get("dropout_p") or 0.0) > 0:
+        return None, f"{_op_name(func)} draws random numbers (dropout)"
+    mask = got.get("attn_bias", got.get("attn_mask"))
+    try:
+        q, k, v, mask = upcast((got["query"], got["key"], got["value"], mask))
+        with torch.no_grad():
+            out = torch.ops.aten._scaled_dot_product_attention_math(
+                q, k, v, attn_mask=mask, is_causal=bool(got.get("is_causal") or False),
+                scale=got.get("scale"))[0]
+        return (out,), None
     except Exception as e:  # noqa: BLE001
         return None, _why(e)
