@@ -117,3 +117,27 @@ def test_op_records_of_collectives_are_reproducible(tmp_path):
     p = run_cli("diff", str(tmp_path / "a" / "tp2"), str(tmp_path / "b" / "tp2"), "--format", "json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["status"] == "bitwise"
+
+
+def test_module_and_op_granularity_agree_on_the_records_they_share(tmp_path):
+    """A hand-written row-parallel layer: its partial sum (an op record at op granularity) is
+    all-reduced in place by dist.all_reduce, which bumps no version counter. Before the probes
+    forgot what hand-written collectives write (probes/collectives.py), the layer's output was
+    recorded as the stale partial at op granularity only: rank_consistent False and max abs
+    2.6 there against True and 0.24 at module granularity."""
+    import csv
+
+    rows = {}
+    for g in ("module", "op"):
+        p = run_cli("compare", "--model", os.path.join(os.path.dirname(__file__), "models",
+                                                       "handwritten.py") + ":row_bias_bug",
+                    "--tp", "1,2", "--forward-only", "--no-confirm", "--no-baseline",
+                    "--granularity", g, "--out", str(tmp_path / g), "--format", "json")
+        assert p.returncode == 0, p.stderr
+        rows[g] = {r["key"]: r for r in csv.DictReader(open(tmp_path / g / "diff.csv"))
+                   if r["kind"] != "op"}
+    shared = set(rows["module"]) & set(rows["op"])
+    assert any("layers.0/out" in k for k in shared)
+    for k in shared:
+        a, b = rows["module"][k], rows["op"][k]
+        assert (a["rank_consistent"], a["max_abs"], a["bitwise"]) == (b["rank_consistent"], b["max_abs"], b["bitwise"]), k

@@ -153,7 +153,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname))))
         # record_params inside this block reads the same walk (no module walk per call)
         walks[id(model)] = walked
-        yield rec
+        from tpdiag.probes.collectives import forget_written
+
+        with forget_written(rec):
+            yield rec
     finally:
         if walked is not None and walks.get(id(model)) is walked:
             del walks[id(model)]

@@ -126,6 +126,15 @@ class Recorder:
         self._calls[key] = n + 1
         return n
 
+    def forget(self, tensors) -> None:
+        """These tensors were written in place without a version bump (probes/collectives.py):
+        their next record is copied or hashed anew."""
+        store = self.host_store
+        for t in tensors:
+            self._hashed.pop(id(t), None)
+            if store is not None:
+                store.seen.pop(id(t), None)
+
     def add(self, kind: str, module: str, name: str, t: torch.Tensor, *, call: int = 0,
             phase: str | None = None, layout: str | None = None, style: str | None = None,
             cls: str | None = None):
