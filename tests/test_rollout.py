@@ -1,0 +1,116 @@
+"""`tpdiag rollout` against a real engine: transformers' generate() with its KV cache samples
+from a tiny hf: llama and writes the engine's logprobs (examples/hf_rollout.py); tpdiag reads
+them and recomputes the trainer's."""
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("tpdiag_example_hf_rollout",
+                                               os.path.join(ROOT, "examples", "hf_rollout.py"))
+engine = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(engine)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return engine.write_all(str(tmp_path_factory.mktemp("rollout")), n=4, new_tokens=8, top_k=4)
+
+
+def _rollout(path, model, **kw):
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    return run_rollout(RolloutConfig(file=path, model="hf:" + model, **kw))
+
+
+def _independent(files):
+    """The trainer's logprobs at micro-batch 1, prefill, stock - from transformers directly, and
+    the metrics from them in float64 with plain Python."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.float32).eval()
+    d = []
+    with torch.no_grad():
+        for ids, p, lps, _ in files["sequences"]:
+            rows = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+            d += [lp - float(rows[p + j - 1, ids[p + j]]) for j, lp in enumerate(lps)]
+    n = len(d)
+    return {"tokens": n, "token_mult_prob_error": sum(math.exp(abs(x)) for x in d) / n,
+            "max_abs": max(abs(x) for x in d), "mean_diff": sum(d) / n,
+            "k3_kl": sum(math.exp(-x) - 1 + x for x in d) / n}
+
+
+def test_decode_matches_generate_and_metrics_are_exact(files):
+    s = _rollout(files["jsonl"], files["model"], micro_batch=(1,), modes=("prefill", "decode"),
+                 fixes=("none", "all"))
+    cfgs = s["configurations"]
+    assert s["format"] == "jsonl" and s["generated_tokens"] == 32
+    # generate() runs stock kernels through its KV cache: the trainer's decode, stock, is the
+    # engine's numbers bit for bit, and the only configuration that is
+    dec = cfgs["tp1-mb1-decode-none"]["metrics"]
+    assert dec["exact_tokens"] == 32 and dec["token_mult_prob_error"] == 1.0 and dec["max_abs"] == 0.0
+    assert s["closest"]["configurations"] == ["tp1-mb1-decode-none"]
+    # negative control: prefill computes the same logprobs in other GEMM shapes - not bitwise
+    pre = cfgs["tp1-mb1-prefill-none"]["metrics"]
+    assert pre["exact_tokens"] < 32 and pre["max_abs"] > 0
+    assert pre["token_mult_prob_error"] > 1.0
+    want = _independent(files)
+    for k, v in want.items():
+        assert pre[k] == pytest.approx(v, rel=1e-12, abs=1e-18), k
+    assert s["metrics"] == pre  # the reference is the first configuration
+    # the worst tokens carry the trainer's top-2 margin at their position
+    w = s["worst_tokens"][0]
+    assert abs(w["diff"]) == pre["max_abs"] and w["top2_margin"] > 0 and isinstance(w["near_tie"], bool)
+    assert s["processed"]["detected"] is False
+
+
+def test_vllm_and_sglang_files_read_as_the_same_tokens(files):
+    from tpdiag.rollout.read import read_rollout
+
+    base = read_rollout(files["jsonl"]).sequences
+    for fmt in ("vllm", "sglang"):
+        r = read_rollout(files[fmt])
+        assert r.format == fmt
+        assert [(q.input_ids, q.prompt_len, q.logprobs) for q in r.sequences] == \
+               [(q.input_ids, q.prompt_len, q.logprobs) for q in base]
+        assert [q.prompt_logprobs for q in r.sequences] == [x[3] for x in files["sequences"]]
+    s = _rollout(files["sglang"], files["model"], micro_batch=(4,), modes=("prefill",), fixes=("none",))
+    # the engine's prompt logprobs come from a prefill too: the same numbers as the trainer's
+    # prefill of each prompt alone; at micro-batch 4 they differ only by rounding
+    p = s["metrics"]["prompt"]
+    assert p["tokens"] == sum(x[1] - 1 for x in files["sequences"]) and p["max_abs"] < 1e-4
+
+
+def test_top_k_renormalised_logprobs_are_detected(files):
+    s = _rollout(files["processed"], files["model"], micro_batch=(1,), modes=("prefill",), fixes=("none",))
+    pr = s["processed"]
+    assert pr["detected"] is True and pr["kind"] == "top-k" and pr["fit_k"] == 4
+    assert s["metrics"]["mean_diff"] > 0.01  # renormalising raises every logprob
+    assert any("processed" in n for n in s["notes"])
+
+
+@pytest.mark.parametrize("body,where", [
+    ('{"input_ids": [1, 2, 3], "prompt_len": 1, "logprobs": [-0.5, -0.1]}\n'
+     '{"input_ids": [1, 2, 3], "prompt_len": 2, "logprobs": [-0.5, -0.1]}\n', "line 2: field 'logprobs'"),
+    ('{"input_ids": [1, 2, 3], "prompt_len": 1, "logprobs": [-0.5, -0.1]}\n{"input_ids": [1, \n',
+     "line 2: not JSON"),
+    ('{"choices": [{"logprobs": {"content": []}}]}', "prompt_token_ids"),
+    ('{"meta_info": {"input_token_logprobs": [[null, 1, "a"]], "output_token_logprobs": [[0.5, 2, "b"]]}}',
+     "meta_info.output_token_logprobs[0][0]"),
+])
+def test_malformed_file_is_one_line_exit_2(tmp_path, body, where):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(body)
+    r = run_cli("rollout", str(f), "--model", "tiny-llama", "--device", "cpu")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and where in lines[0] and str(f) in lines[0], r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,149 @@
+"""`tpdiag rollout`: read the engine's file, recompute the trainer's logprobs in every
+configuration asked for, and say how far apart they are, where, why, and which configuration
+comes closest to the engine."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from tpdiag.errors import BadInput
+from tpdiag.rollout.compute import MODES, Config
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    file: str
+    model: str = "tiny-llama"
+    tp: tuple[int, ...] = (1,)
+    micro_batch: tuple[int, ...] = (8, 1)
+    modes: tuple[str, ...] = MODES
+    fixes: tuple[str, ...] = ("none", "all")
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 1234
+    top: int = 10
+
+
+def parse_ints(option: str, text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        out = tuple(int(p) for p in parts)
+    except ValueError:
+        raise BadInput(f"{option} {text!r}: expected a comma-separated list of positive integers, e.g. 8,1") from None
+    if not out or any(n < 1 for n in out):
+        raise BadInput(f"{option} {text!r}: every value must be >= 1")
+    return tuple(dict.fromkeys(out))
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",")))
+    bad = [m for m in out if m not in MODES]
+    if bad or not out:
+        raise BadInput(f"--mode {text!r}: expected prefill, decode or both (prefill,decode)")
+    return out
+
+
+def parse_fixes(text: str) -> tuple[str, ...]:
+    """'none,all' -> each a configuration; a set of named fixes is joined with '+'."""
+    from tpdiag.fixes.registry import resolve
+
+    out = []
+    for item in str(text).split(","):
+        item = item.strip().lower()
+        if item in ("none", "stock"):
+            out.append("none")
+        elif item == "all":
+            resolve("all")
+            out.append("all")
+        else:
+            out.append("+".join(resolve(item.split("+"))))
+    if not out:
+        raise BadInput(f"--fix {text!r}: expected e.g. none,all")
+    return tuple(dict.fromkeys(out))
+
+
+def configurations(rc: RolloutConfig) -> list[Config]:
+    return [Config(t, m, mode, f) for t, m, mode, f in
+            itertools.product(rc.tp, rc.micro_batch, rc.modes, rc.fixes)]
+
+
+def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
+    from tpdiag.rollout import metrics, processed
+    from tpdiag.rollout.compute import Unavailable, build, logprobs
+    from tpdiag.rollout.read import read_rollout
+
+    t0 = time.perf_counter()
+    ro = read_rollout(rc.file)
+    seqs = ro.sequences
+    target, model = build(rc.model, rc.dtype, rc.device, rc.seed)
+    vocab = target.vocab_size
+    for s in seqs:
+        big = max(s.input_ids)
+        if big >= vocab:
+            raise BadInput(f"{rc.file} {s.where}: token id {big} is outside the model's vocabulary "
+                           f"({vocab}): is --model the engine's model?")
+    notes = []
+    if any(t > 1 for t in rc.tp):
+        notes.append("TP > 1 is not run by tpdiag rollout yet: only TP=1 configurations were tried "
+                     "(tpdiag compare --tp shows what TP does to the trainer's own logprobs)")
+    cfgs = [c for c in configurations(rc) if c.tp == 1]
+    if not cfgs:
+        raise BadInput(f"--tp {','.join(map(str, rc.tp))}: tpdiag rollout runs TP=1 only for now; include 1")
+    results: dict[str, dict] = {}
+    trainer: dict[str, list] = {}
+    collector = processed.Collector(seqs)
+    stats_from = None
+    for c in cfgs:
+        if on_status:
+            on_status(c.label, "running")
+        entry = {**c.to_dict(), "status": "ok"}
+        hook = None
+        if stats_from is None and c.mode == "prefill":
+            hook, stats_from = collector, c.label
+        t1 = time.perf_counter()
+        try:
+            lps = logprobs(c, target, model, seqs, on_logits=hook)
+        except Unavailable as e:
+            entry.update(status="unavailable", reason=str(e))
+            if hook is not None:
+                stats_from = None
+        else:
+            bad = metrics.non_finite(seqs, lps)
+            if bad:
+                entry.update(status="failed", reason=bad)
+            else:
+                trainer[c.label] = lps
+                entry["metrics"] = metrics.summarise(seqs, lps)
+        entry["seconds"] = round(time.perf_counter() - t1, 3)
+        results[c.label] = entry
+        if on_status:
+            on_status(c.label, entry["status"])
+    ok = [lab for lab in results if lab in trainer]
+    if not ok:
+        raise BadInput("no configuration could run for this model: "
+                       + "; ".join(f"{k}: {v.get('reason')}" for k, v in results.items()))
+    reference = ok[0]
+    ref_m = results[reference]["metrics"]
+    ranked = sorted(ok, key=lambda lab: metrics.closeness(results[lab]["metrics"]))
+    best = metrics.closeness(results[ranked[0]]["metrics"])
+    closest = [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
+    verdict = processed.judge(collector, vocab) if stats_from else {
+        "detected": None, "kind": None, "explanation": "not judged: no prefill configuration ran"}
+    if verdict.get("detected"):
+        notes.append("the engine's logprobs look processed: the closest configuration says little "
+                     "until the engine reports raw logprobs")
+    worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, ref_m["max_abs"])
+    return {
+        "schema": 1, "command": "rollout", "file": rc.file, "format": ro.format, "model": rc.model,
+        "dtype": rc.dtype, "device": rc.device, "seed": rc.seed,
+        "sequences": len(seqs), "generated_tokens": ref_m["tokens"],
+        "reference": reference, "metrics": ref_m, "worst_tokens": worst,
+        "margins_from": stats_from,
+        "closest": {"configurations": closest,
+                    "mean_abs": results[closest[0]]["metrics"]["mean_abs"],
+                    "max_abs": results[closest[0]]["metrics"]["max_abs"],
+                    "exact_tokens": results[closest[0]]["metrics"]["exact_tokens"]},
+        "processed": verdict, "configurations": results, "notes": notes,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
