@@ -21,7 +21,7 @@ _spec.loader.exec_module(engine)
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    return engine.write_all(str(tmp_path_factory.mktemp("rollout")), n=4, new_tokens=8, top_k=4)
+    return engine.write_all(str(tmp_path_factory.mktemp("rollout")), n=3, new_tokens=6, top_k=4)
 
 
 def _rollout(path, model, **kw):
@@ -50,17 +50,17 @@ def _independent(files):
 
 def test_decode_matches_generate_and_metrics_are_exact(files):
     s = _rollout(files["jsonl"], files["model"], micro_batch=(1,), modes=("prefill", "decode"),
-                 fixes=("none", "all"))
+                 fixes=("none",))
     cfgs = s["configurations"]
-    assert s["format"] == "jsonl" and s["generated_tokens"] == 32
+    assert s["format"] == "jsonl" and s["generated_tokens"] == 18
     # generate() runs stock kernels through its KV cache: the trainer's decode, stock, is the
-    # engine's numbers bit for bit, and the only configuration that is
+    # engine's numbers bit for bit (--fix all is not: it changes the kernels - docs/rl.md)
     dec = cfgs["tp1-mb1-decode-none"]["metrics"]
-    assert dec["exact_tokens"] == 32 and dec["token_mult_prob_error"] == 1.0 and dec["max_abs"] == 0.0
+    assert dec["exact_tokens"] == 18 and dec["token_mult_prob_error"] == 1.0 and dec["max_abs"] == 0.0
     assert s["closest"]["configurations"] == ["tp1-mb1-decode-none"]
     # negative control: prefill computes the same logprobs in other GEMM shapes - not bitwise
     pre = cfgs["tp1-mb1-prefill-none"]["metrics"]
-    assert pre["exact_tokens"] < 32 and pre["max_abs"] > 0
+    assert pre["exact_tokens"] < 18 and pre["max_abs"] > 0
     assert pre["token_mult_prob_error"] > 1.0
     want = _independent(files)
     for k, v in want.items():
@@ -72,7 +72,7 @@ def test_decode_matches_generate_and_metrics_are_exact(files):
     assert s["processed"]["detected"] is False
 
 
-def test_vllm_and_sglang_files_read_as_the_same_tokens(files):
+def test_vllm_and_sglang_files_read_as_the_same_tokens(files, tmp_path):
     from tpdiag.rollout.read import read_rollout
 
     base = read_rollout(files["jsonl"]).sequences
@@ -82,9 +82,17 @@ def test_vllm_and_sglang_files_read_as_the_same_tokens(files):
         assert [(q.input_ids, q.prompt_len, q.logprobs) for q in r.sequences] == \
                [(q.input_ids, q.prompt_len, q.logprobs) for q in base]
         assert [q.prompt_logprobs for q in r.sequences] == [x[3] for x in files["sequences"]]
-    s = _rollout(files["sglang"], files["model"], micro_batch=(4,), modes=("prefill",), fixes=("none",))
+    # a /v1/completions response with return_tokens_as_token_ids: ids spelled 'token_id:N'
+    ids, p, lps, plp = files["sequences"][0]
+    comp = tmp_path / "completions.json"
+    comp.write_text(json.dumps({"prompt_token_ids": ids[:p], "choices": [{"text": "", "logprobs": {
+        "tokens": [f"token_id:{t}" for t in ids[p:]], "token_logprobs": lps,
+        "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(ids[p:], lps)]}}]}))
+    (q,) = read_rollout(str(comp)).sequences
+    assert (q.input_ids, q.prompt_len, q.logprobs, q.top[0]) == (ids, p, lps, [(ids[p], lps[0])])
+    s = _rollout(files["sglang"], files["model"], micro_batch=(3,), modes=("prefill",), fixes=("none",))
     # the engine's prompt logprobs come from a prefill too: the same numbers as the trainer's
-    # prefill of each prompt alone; at micro-batch 4 they differ only by rounding
+    # prefill of each prompt alone; at micro-batch 3 they differ only by rounding
     p = s["metrics"]["prompt"]
     assert p["tokens"] == sum(x[1] - 1 for x in files["sequences"]) and p["max_abs"] < 1e-4
 
