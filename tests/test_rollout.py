@@ -37,13 +37,15 @@ def _independent(files):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.float32).eval()
-    d = []
+    d, margins = [], {}
     with torch.no_grad():
-        for ids, p, lps, _ in files["sequences"]:
+        for i, (ids, p, lps, _) in enumerate(files["sequences"]):
             rows = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
             d += [lp - float(rows[p + j - 1, ids[p + j]]) for j, lp in enumerate(lps)]
+            top2 = rows.double().topk(2, -1).values
+            margins.update({(i, t + 1): float(top2[t, 0] - top2[t, 1]) for t in range(len(ids) - 1)})
     n = len(d)
-    return {"tokens": n, "token_mult_prob_error": sum(math.exp(abs(x)) for x in d) / n,
+    return margins, {"tokens": n, "token_mult_prob_error": sum(math.exp(abs(x)) for x in d) / n,
             "max_abs": max(abs(x) for x in d), "mean_diff": sum(d) / n,
             "k3_kl": sum(math.exp(-x) - 1 + x for x in d) / n}
 
@@ -62,13 +64,16 @@ def test_decode_matches_generate_and_metrics_are_exact(files):
     pre = cfgs["tp1-mb1-prefill-none"]["metrics"]
     assert pre["exact_tokens"] < 18 and pre["max_abs"] > 0
     assert pre["token_mult_prob_error"] > 1.0
-    want = _independent(files)
+    margins, want = _independent(files)
     for k, v in want.items():
         assert pre[k] == pytest.approx(v, rel=1e-12, abs=1e-18), k
     assert s["metrics"] == pre  # the reference is the first configuration
     # the worst tokens carry the trainer's top-2 margin at their position
     w = s["worst_tokens"][0]
-    assert abs(w["diff"]) == pre["max_abs"] and w["top2_margin"] > 0 and isinstance(w["near_tie"], bool)
+    assert abs(w["diff"]) == pre["max_abs"]
+    for w in s["worst_tokens"]:
+        assert w["top2_margin"] == pytest.approx(margins[(w["sequence"], w["position"])], abs=1e-5)
+        assert w["near_tie"] == (w["top2_margin"] <= max(1e-3, 2 * pre["max_abs"]))
     assert s["processed"]["detected"] is False
 
 

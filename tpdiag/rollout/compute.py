@@ -63,7 +63,8 @@ def has_kv_cache(model) -> bool:
 
 def logprobs(cfg: Config, target, model, seqs, on_logits=None) -> list:
     """Per sequence a float32 tensor [len - 1]: the trainer's logprob of input_ids[t] at t-1.
-    on_logits(i, rows): prefill only, the float32 logits rows [len - 1, vocab] of sequence i."""
+    on_logits(i, rows): the logits rows [len - 1, vocab] of sequence i (in decode, the prompt's
+    rows are NaN unless the engine gave prompt logprobs)."""
     import torch
 
     from tpdiag.fixes.registry import apply_fixes, resolve
@@ -91,7 +92,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None) -> list:
             for i, s, r in zip(idx, group, rows):
                 labels = torch.tensor(s.input_ids[1:], device=r.device)
                 out[i] = logprob_fn(r, labels).float().cpu()
-                if on_logits is not None and cfg.mode == "prefill":
+                if on_logits is not None:
                     on_logits(i, r.float())
     return out
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-# a top-2 margin (nats) this small flips the argmax under a rounding-sized change
+# a top-2 margin (nats) this small is a near-tie whatever the noise; above it, a margin within
+# twice the largest engine-trainer difference seen is one too (that much noise can flip the argmax)
 NEAR_TIE_NATS = 1e-3
 
 
@@ -70,9 +71,14 @@ def _prompt(seqs, trainer: list) -> dict | None:
             "exact_tokens": sum(1 for x in d if x == 0.0)}
 
 
+def near_tie_nats(noise: float) -> float:
+    return max(NEAR_TIE_NATS, 2 * noise)
+
+
 def worst_tokens(seqs, trainer: list, stats: dict, top: int, noise: float) -> list[dict]:
     """The `top` generated tokens with the largest |diff|, with the trainer's top-2 margin there
-    (stats[(seq, pos)] from the reference prefill) - near-ties flagged."""
+    (stats[(seq, pos)] from the first configuration) - near-ties flagged. `noise`: the largest
+    rounding-sized |diff| (0 where the engine's logprobs are processed: not noise)."""
     ps = sorted(pairs(seqs, trainer), key=lambda p: -abs(p[2] - p[3]))[:top]
     out = []
     for i, pos, e, t in ps:
@@ -82,7 +88,7 @@ def worst_tokens(seqs, trainer: list, stats: dict, top: int, noise: float) -> li
                     "generated_index": pos - seqs[i].prompt_len, "token_id": seqs[i].input_ids[pos],
                     "engine": e, "trainer": t, "diff": e - t, "top2_margin": margin,
                     "trainer_rank": st.get("rank"),
-                    "near_tie": None if margin is None else margin <= max(NEAR_TIE_NATS, 10 * noise)})
+                    "near_tie": None if margin is None else margin <= near_tie_nats(noise)})
     return out
 
 

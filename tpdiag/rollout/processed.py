@@ -1,7 +1,7 @@
 """Did the engine report processed logprobs - renormalised after top-k / top-p filtering, or
 scaled by a sampling temperature - instead of the model's raw ones?
 
-The trainer's logits rows (its reference prefill) say what each processing would have given:
+The trainer's logits rows (its first configuration) say what each processing would have given:
 - renormalised over a kept set S: engine = trainer - log(mass of S), so exp(-diff) is exactly a
   prefix sum of the trainer's sorted probabilities (the top-k) - one k for all tokens is top-k,
   varying ks with the kept mass always >= some p is top-p;
@@ -21,7 +21,7 @@ MAX_TEMP_TOKENS = 2048
 
 
 class Collector:
-    """on_logits hook for the reference prefill: per generated token the trainer's top-2
+    """on_logits hook for the first configuration: per generated token the trainer's top-2
     margin, the token's rank, the prefix of sorted probabilities that renormalisation would
     match, the reported top-k's trainer mass, and log_softmax(logits / T) for each T."""
 

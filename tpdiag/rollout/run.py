@@ -99,7 +99,7 @@ def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
             on_status(c.label, "running")
         entry = {**c.to_dict(), "status": "ok"}
         hook = None
-        if stats_from is None and c.mode == "prefill":
+        if stats_from is None:
             hook, stats_from = collector, c.label
         t1 = time.perf_counter()
         try:
@@ -129,17 +129,18 @@ def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
     best = metrics.closeness(results[ranked[0]]["metrics"])
     closest = [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
     verdict = processed.judge(collector, vocab) if stats_from else {
-        "detected": None, "kind": None, "explanation": "not judged: no prefill configuration ran"}
+        "detected": None, "kind": None, "explanation": "not judged: no configuration ran"}
     if verdict.get("detected"):
         notes.append("the engine's logprobs look processed: the closest configuration says little "
                      "until the engine reports raw logprobs")
-    worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, ref_m["max_abs"])
+    noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
+    worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {
         "schema": 1, "command": "rollout", "file": rc.file, "format": ro.format, "model": rc.model,
         "dtype": rc.dtype, "device": rc.device, "seed": rc.seed,
         "sequences": len(seqs), "generated_tokens": ref_m["tokens"],
         "reference": reference, "metrics": ref_m, "worst_tokens": worst,
-        "margins_from": stats_from,
+        "margins_from": stats_from, "near_tie_nats": metrics.near_tie_nats(noise),
         "closest": {"configurations": closest,
                     "mean_abs": results[closest[0]]["metrics"]["mean_abs"],
                     "max_abs": results[closest[0]]["metrics"]["max_abs"],
