@@ -30,17 +30,19 @@ def rollout_report(console, s: dict) -> None:
     console.print(f"{tag}: {pr['explanation']}", markup=True, soft_wrap=True)
 
     t = Table(title="configurations (the engine vs the trainer)", box=_box(console, box.SIMPLE_HEAD))
-    for col in ("configuration", "token_mult_prob_error", "max |diff|", "mean diff", "k3 KL", "exact", "s"):
+    for col in ("configuration", "token_mult_prob_error", "max |diff|", "mean diff", "k3 KL", "exact",
+                "same bits as", "s"):
         t.add_column(col, justify="left" if col == "configuration" else "right")
     closest = set(s["closest"]["configurations"])
     for label, r in s["configurations"].items():
         if r["status"] != "ok":
-            t.add_row(f"{label} ({r['status']})", "-", "-", "-", "-", "-", _g(r.get("seconds")))
+            t.add_row(f"{label} ({r['status']})", "-", "-", "-", "-", "-", "", _g(r.get("seconds")))
             continue
         c = r["metrics"]
         name = label + (" *closest" if label in closest else "")
         t.add_row(name, f"{c['token_mult_prob_error']:.7f}", _g(c["max_abs"]), f"{c['mean_diff']:+.3g}",
-                  _g(c["k3_kl"]), f"{c['exact_tokens']}/{c['tokens']}", _g(r.get("seconds")))
+                  _g(c["k3_kl"]), f"{c['exact_tokens']}/{c['tokens']}", r.get("same_bits_as") or "",
+                  _g(r.get("seconds")))
     _print_table(console, t)
     for label, r in s["configurations"].items():
         if r["status"] != "ok":

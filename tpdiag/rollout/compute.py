@@ -61,7 +61,7 @@ def has_kv_cache(model) -> bool:
     return isinstance(model, PreTrainedModel) and hasattr(model, "generate")
 
 
-def logprobs(cfg: Config, target, model, seqs, on_logits=None) -> list:
+def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, tree_groups: int = 0) -> list:
     """Per sequence a float32 tensor [len - 1]: the trainer's logprob of input_ids[t] at t-1.
     on_logits(i, rows): the logits rows [len - 1, vocab] of sequence i (in decode, the prompt's
     rows are NaN unless the engine gave prompt logprobs)."""
@@ -69,7 +69,8 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None) -> list:
 
     from tpdiag.fixes.registry import apply_fixes, resolve
     from tpdiag.kernels.tree import run_groups
-    from tpdiag.runner.step import _numerics
+    from tpdiag.runner.logits import whole_vocab
+    from tpdiag.runner.step import _numerics, loss_context
 
     if cfg.mode == "decode" and not has_kv_cache(model):
         raise Unavailable(f"{type(model).__name__} has no KV cache tpdiag can drive (decode needs an "
@@ -79,8 +80,10 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None) -> list:
     names = () if cfg.fix == "none" else resolve("all" if cfg.fix == "all" else cfg.fix.split("+"))
     out: list = [None] * len(seqs)
     with ExitStack() as stack, torch.no_grad():
-        stack.enter_context(run_groups(0))
-        stack.enter_context(apply_fixes(names, model=model, plan=target.plan, world=1))
+        # every configuration of a run takes the same tree groups G (the largest TP tried), as
+        # compare's worlds do: the fixes' bits then do not depend on the TP degree
+        stack.enter_context(run_groups(tree_groups))
+        stack.enter_context(apply_fixes(names, model=model, plan=target.plan, world=world))
         _, logprob_fn, _ = _numerics(target)
         for start in range(0, len(seqs), cfg.micro_batch):
             idx = list(range(start, min(start + cfg.micro_batch, len(seqs))))
@@ -91,9 +94,14 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None) -> list:
                 rows = _decode(model, group)
             for i, s, r in zip(idx, group, rows):
                 labels = torch.tensor(s.input_ids[1:], device=r.device)
-                out[i] = logprob_fn(r, labels).float().cpu()
+                # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
+                # a vocab-sharded DTensor under loss_parallel (tpdiag.runner.step)
+                r, _ = whole_vocab(r, model, target.plan, target.vocab_size, world)
+                with loss_context(world):
+                    lp = logprob_fn(r, labels)
+                out[i] = _whole(lp).float().cpu()
                 if on_logits is not None:
-                    on_logits(i, r.float())
+                    on_logits(i, _whole(r).float())
     return out
 
 
@@ -174,3 +182,9 @@ def _cache_kw(model) -> str:
     except (TypeError, ValueError):
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
+
+
+def _whole(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -40,6 +40,17 @@ def non_finite(seqs, trainer: list) -> str | None:
             f"{pos}: a kernel of this configuration produced them")
 
 
+def same_bits(seqs, a: list, b: list) -> bool:
+    """Two configurations' logprobs bitwise equal on every token the engine gave a number for."""
+    import torch
+
+    for s, x, y in zip(seqs, a, b):
+        lo = 0 if s.prompt_logprobs is not None else s.prompt_len - 1
+        if not torch.equal(x[lo:], y[lo:]):
+            return False
+    return True
+
+
 def summarise(seqs, trainer: list) -> dict:
     ps = pairs(seqs, trainer)
     n = len(ps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from tpdiag.errors import BadInput
@@ -23,6 +24,7 @@ class RolloutConfig:
     device: str = "cpu"
     seed: int = 1234
     top: int = 10
+    timeout: float = 300.0  # seconds per TP > 1 world
 
 
 def parse_ints(option: str, text: str) -> tuple[int, ...]:
@@ -69,8 +71,7 @@ def configurations(rc: RolloutConfig) -> list[Config]:
 
 
 def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
-    from tpdiag.rollout import metrics, processed
-    from tpdiag.rollout.compute import Unavailable, build, logprobs
+    from tpdiag.rollout.compute import build
     from tpdiag.rollout.read import read_rollout
 
     t0 = time.perf_counter()
@@ -84,41 +85,78 @@ def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
             raise BadInput(f"{rc.file} {s.where}: token id {big} is outside the model's vocabulary "
                            f"({vocab}): is --model the engine's model?")
     notes = []
-    if any(t > 1 for t in rc.tp):
-        notes.append("TP > 1 is not run by tpdiag rollout yet: only TP=1 configurations were tried "
-                     "(tpdiag compare --tp shows what TP does to the trainer's own logprobs)")
-    cfgs = [c for c in configurations(rc) if c.tp == 1]
-    if not cfgs:
-        raise BadInput(f"--tp {','.join(map(str, rc.tp))}: tpdiag rollout runs TP=1 only for now; include 1")
+    cfgs = configurations(rc)
+    big = max(rc.tp)
+    if big > 1:
+        from tpdiag.models.spec import check_degrees, parse_spec
+
+        check_degrees(parse_spec(rc.model), [t for t in rc.tp if t > 1])
+        notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's); "
+                     "TP=1 ran in this process, on one thread too (the fixes' CPU kernels can give "
+                     "other bits with more threads)")
+    # the fixes' tree groups: the largest degree, as compare's default (power of two), else the default
+    groups = big if big > 1 and not big & (big - 1) else 0
+    worlds = _worlds(rc, seqs, [c for c in cfgs if c.tp > 1], groups, on_status)
+    threads = _one_thread() if big > 1 else nullcontext()
+    with threads:
+        results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
+                                                           on_status)
+    return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0)
+
+
+def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status):
+    from tpdiag.rollout import metrics, processed
+    from tpdiag.rollout.compute import Unavailable, logprobs
+
     results: dict[str, dict] = {}
     trainer: dict[str, list] = {}
     collector = processed.Collector(seqs)
     stats_from = None
     for c in cfgs:
-        if on_status:
-            on_status(c.label, "running")
         entry = {**c.to_dict(), "status": "ok"}
-        hook = None
-        if stats_from is None:
-            hook, stats_from = collector, c.label
         t1 = time.perf_counter()
-        try:
-            lps = logprobs(c, target, model, seqs, on_logits=hook)
-        except Unavailable as e:
-            entry.update(status="unavailable", reason=str(e))
-            if hook is not None:
-                stats_from = None
+        if c.tp > 1:
+            w = worlds[c.label]
+            if w["status"] != "ok":
+                results[c.label] = {**entry, "status": w["status"], "reason": w.get("reason")}
+                continue
+            lps = [_tensor(x) for x in w["logprobs"]]
         else:
+            if on_status:
+                on_status(c.label, "running")
+            hook = None
+            if stats_from is None:
+                hook, stats_from = collector, c.label
+            try:
+                lps = logprobs(c, target, model, seqs, on_logits=hook, tree_groups=groups)
+            except Unavailable as e:
+                entry.update(status="unavailable", reason=str(e))
+                if hook is not None:
+                    stats_from = None
+                lps = None
+        if lps is not None:
             bad = metrics.non_finite(seqs, lps)
             if bad:
                 entry.update(status="failed", reason=bad)
             else:
-                trainer[c.label] = lps
                 entry["metrics"] = metrics.summarise(seqs, lps)
-        entry["seconds"] = round(time.perf_counter() - t1, 3)
+                # the first configuration before it with the same bits on every compared token
+                entry["same_bits_as"] = next((lab for lab, other in trainer.items()
+                                              if metrics.same_bits(seqs, lps, other)), None)
+                trainer[c.label] = lps
+        if c.tp == 1:
+            entry["seconds"] = round(time.perf_counter() - t1, 3)
+            if on_status:
+                on_status(c.label, entry["status"])
+        else:
+            entry["seconds"] = worlds[c.label].get("seconds")
         results[c.label] = entry
-        if on_status:
-            on_status(c.label, entry["status"])
+    return results, trainer, collector, stats_from
+
+
+def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0) -> dict:
+    from tpdiag.rollout import metrics, processed
+
     ok = [lab for lab in results if lab in trainer]
     if not ok:
         raise BadInput("no configuration could run for this model: "
@@ -148,3 +186,53 @@ def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
         "processed": verdict, "configurations": results, "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
+
+
+def _tensor(values):
+    import torch
+
+    return torch.tensor([float("nan") if isinstance(v, str) else v for v in values], dtype=torch.float32)
+
+
+def _worlds(rc: RolloutConfig, seqs, cfgs, groups: int, on_status) -> dict:
+    """Every TP > 1 configuration's logprobs, one world per degree (tpdiag.rollout.world)."""
+    if not cfgs:
+        return {}
+    import shutil
+    import tempfile
+
+    from tpdiag.rollout.world import run_degree
+    from tpdiag.runner.launch import prestart
+
+    prestart(rc.model)
+    work = tempfile.mkdtemp(prefix="tpdiag-rollout-")
+    out = {}
+    try:
+        for t in dict.fromkeys(c.tp for c in cfgs):
+            mine = [c for c in cfgs if c.tp == t]
+            if on_status:
+                on_status(f"tp{t}", "running")
+            t0 = time.perf_counter()
+            res = run_degree(t, rc, seqs, mine, work, groups)
+            secs = round(time.perf_counter() - t0, 3)
+            for c in mine:
+                out[c.label] = {**res.get(c.label, {"status": "failed", "reason": "no result"}),
+                                "seconds": secs}
+            if on_status:
+                on_status(f"tp{t}", "done")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+@contextmanager
+def _one_thread():
+    """TP=1 on one thread, as the worlds' ranks run (tpdiag.runner.determinism)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
