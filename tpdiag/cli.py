@@ -153,7 +153,8 @@ def rollout(
     file: Annotated[str, typer.Argument(help="the engine's logprobs: a vLLM or SGLang response (JSON or "
                                              "JSON lines), or tpdiag's JSONL of token ids (docs/rl.md)")],
     model: Annotated[str, typer.Option(help=H.model())] = "tiny-llama",
-    tp: Annotated[str, typer.Option(help="TP degrees to try (only TP=1 runs for now)")] = "1",
+    tp: Annotated[str, typer.Option(help="TP degrees to try: 1 in this process, each other in a world of its "
+                                         "own (gloo on cpu, NCCL on cuda)")] = "1",
     micro_batch: Annotated[str, typer.Option(help="micro-batch sizes to try: sequences per forward call")] = "8,1",
     mode: Annotated[str, typer.Option(help="prefill (one call per micro-batch) and/or decode (prompt, then one "
                                            "token per step through the KV cache; hf: models)")] = "prefill,decode",
@@ -163,6 +164,7 @@ def rollout(
     device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
     top: Annotated[int, typer.Option(help="worst tokens to list")] = 10,
+    timeout: Annotated[float, typer.Option(help="seconds per TP > 1 world")] = 300.0,
     fmt: Format = "text",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     debug: Debug = False,
@@ -186,7 +188,7 @@ def rollout(
         rc = RolloutConfig(file=file, model=model, tp=parse_ints("--tp", tp),
                            micro_batch=parse_ints("--micro-batch", micro_batch), modes=parse_modes(mode),
                            fixes=parse_fixes(fix), dtype=parse_choice("--dtype", dtype, DTYPES),
-                           device=dev, seed=seed, top=max(0, top))
+                           device=dev, seed=seed, top=max(0, top), timeout=timeout)
         from tpdiag.models.spec import parse_spec
 
         parse_spec(model)
