@@ -87,10 +87,10 @@ def near_tie_nats(noise: float) -> float:
 
 
 def worst_tokens(seqs, trainer: list, stats: dict, top: int, noise: float) -> list[dict]:
-    """The `top` generated tokens with the largest |diff|, with the trainer's top-2 margin there
+    """The `top` generated tokens with the largest |diff| (none that agree exactly), with the trainer's top-2 margin there
     (stats[(seq, pos)] from the first configuration) - near-ties flagged. `noise`: the largest
     rounding-sized |diff| (0 where the engine's logprobs are processed: not noise)."""
-    ps = sorted(pairs(seqs, trainer), key=lambda p: -abs(p[2] - p[3]))[:top]
+    ps = sorted((p for p in pairs(seqs, trainer) if p[2] != p[3]), key=lambda p: -abs(p[2] - p[3]))[:top]
     out = []
     for i, pos, e, t in ps:
         st = stats.get((i, pos), {})

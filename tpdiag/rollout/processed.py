@@ -78,8 +78,8 @@ def judge(collector: Collector, vocab: int) -> dict:
           "engine_at_or_above_trainer": sum(1 for x in d if x >= -1e-6) / n}
     if max_abs < 1e-3:
         return {"detected": False, "kind": None, **ev,
-                "explanation": f"the engine is within {max_abs:.2g} nats of the trainer "
-                               "everywhere (rounding-sized, not processing)"}
+                "explanation": f"the engine is within {max_abs:.2g} nats of the trainer's logits (float64 "
+                               "log-softmax) everywhere: rounding-sized, not processing"}
     # 1. a reported top-k that sums to ~1 where the trainer's mass on it is clearly less
     rep = [x for x in st if "reported_mass" in x]
     if rep:
