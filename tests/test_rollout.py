@@ -146,3 +146,21 @@ def test_tp2_world_and_decode_unavailable(files):
     assert c["tp2-mb1-prefill-all"]["same_bits_as"] == "tp1-mb1-prefill-all"
     assert c["tp2-mb1-prefill-none"]["same_bits_as"] is None
     assert c["tp2-mb1-prefill-none"]["metrics"]["tokens"] == s["generated_tokens"]
+
+
+def test_temperature_scaled_logprobs_are_detected(files, tmp_path):
+    """An engine that reports log_softmax(logits / T) for the tokens it sampled."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.float32).eval()
+    lines = []
+    with torch.no_grad():
+        for ids, p, _, _ in files["sequences"]:
+            rows = torch.log_softmax(model(torch.tensor([ids])).logits[0] / 0.7, -1)
+            lines.append({"input_ids": ids, "prompt_len": p,
+                          "logprobs": [float(rows[t - 1, ids[t]]) for t in range(p, len(ids))]})
+    f = tmp_path / "temp.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    pr = _rollout(str(f), files["model"], micro_batch=(1,), modes=("prefill",), fixes=("none",))["processed"]
+    assert pr["detected"] is True and pr["kind"] == "temperature" and pr["temperature_fit"] == 0.7
