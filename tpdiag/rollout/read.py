@@ -81,7 +81,8 @@ def read_rollout(path: str) -> Rollout:
             raise BadInput(f"{path} {where}: a {kind} record in a file of {fmt} records")
         fmt = kind
         try:
-            seqs.extend(_READERS[kind](obj, where))
+            # a sequence with nothing generated has nothing to compare (its `where` keeps its line)
+            seqs.extend(q for q in _READERS[kind](obj, where) if q.n_generated)
         except _Bad as e:
             raise BadInput(f"{path} {where}: {e}") from None
     if not seqs:
