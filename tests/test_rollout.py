@@ -164,3 +164,29 @@ def test_temperature_scaled_logprobs_are_detected(files, tmp_path):
     f.write_text("".join(json.dumps(x) + "\n" for x in lines))
     pr = _rollout(str(f), files["model"], micro_batch=(1,), modes=("prefill",), fixes=("none",))["processed"]
     assert pr["detected"] is True and pr["kind"] == "temperature" and pr["temperature_fit"] == 0.7
+
+
+def test_reported_top_k_summing_to_one_is_detected(files, tmp_path):
+    """The processed rollout again, now with the engine's reported top-4 per token (renormalised
+    over those 4, as an engine reporting processed logprobs gives them): they sum to 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.float32).eval()
+    lines = []
+    with open(files["processed"]) as f:
+        for line in f:
+            x = json.loads(line)
+            ids, p = x["input_ids"], x["prompt_len"]
+            with torch.no_grad():
+                z = model(torch.tensor([ids])).logits[0]
+            top = []
+            for t in range(p, len(ids)):
+                v, i = z[t - 1].topk(4)
+                top.append([[int(a), float(b)] for a, b in zip(i, torch.log_softmax(v, -1))])
+            lines.append({**x, "top_logprobs": top})
+    f = tmp_path / "top.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    pr = _rollout(str(f), files["model"], micro_batch=(1,), modes=("prefill",), fixes=("none",))["processed"]
+    assert pr["detected"] is True and pr["kind"] == "renormalised"
+    assert pr["reported_top_mass_median"] > 0.999 > 0.99 > pr["trainer_mass_on_them_median"]
