@@ -164,7 +164,7 @@ def _get(obj: dict, key: str, name: str | None = None):
 
 # --- tpdiag JSONL ---------------------------------------------------------------------------
 
-def _read_jsonl(obj: dict, where: str) -> list[Sequence]:
+def _read_token_lines(obj: dict, where: str) -> list[Sequence]:
     ids = _ids(_get(obj, "input_ids"), "input_ids")
     p = _get(obj, "prompt_len")
     if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= len(ids):
@@ -319,4 +319,4 @@ def _read_sglang(obj: dict, where: str) -> list[Sequence]:
     return [Sequence(prompt + gen, len(prompt), lps, plp, top, where)] if gen else []
 
 
-_READERS = {"jsonl": _read_jsonl, "vllm": _read_vllm, "sglang": _read_sglang}
+_READERS = {"jsonl": _read_token_lines, "vllm": _read_vllm, "sglang": _read_sglang}
