@@ -78,7 +78,9 @@ def prestart(model: str = "") -> None:
                 os.environ[k] = v
 
 
-def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult:
+def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) -> WorldResult:
+    """`entry`: each rank's function, with worker.main's arguments and contract (rankR.done /
+    rankR.error markers in cfg.out_dir); default worker.main (compare's step)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -103,7 +105,7 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     ctx = _context(cfg.model)
     launched_at = time.time()
-    procs = [ctx.Process(target=worker.main, name=f"tpdiag-tp{world}-rank{r}",
+    procs = [ctx.Process(target=entry or worker.main, name=f"tpdiag-tp{world}-rank{r}",
                          args=(r, world, "127.0.0.1", store.port, cfg.to_dict(), timeout_s, os.getpid(),
                                launched_at))
              for r in range(world)]

@@ -1,0 +1,190 @@
+"""The trainer's logprobs for the engine's tokens, in one configuration, in this process (TP=1).
+
+A configuration is (tp, micro_batch, mode, fix). Prefill runs each micro-batch of sequences as
+one call, right-padded (causal attention: a real position never sees the padding, but the call's
+shape - which batch-variant kernels read - is the micro-batch's). Decode runs the way a rollout
+engine (and transformers' `generate()`) does: the prompts in one prefill call, left-padded with an
+attention mask, then the generated tokens one step at a time through the model's KV cache.
+Logprobs are taken with the trainer's own function (tpdiag.runner.step), and with the fixes'
+invariant vocab softmax under --fix.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from tpdiag.errors import BadInput
+
+MODES = ("prefill", "decode")
+PAD = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    tp: int
+    micro_batch: int
+    mode: str
+    fix: str  # 'none', 'all', or fix names joined by '+'
+
+    @property
+    def label(self) -> str:
+        return f"tp{self.tp}-mb{self.micro_batch}-{self.mode}-{self.fix}"
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "micro_batch": self.micro_batch, "mode": self.mode, "fix": self.fix}
+
+
+class Unavailable(Exception):
+    """This configuration cannot run for this model (the reason is the message)."""
+
+
+def build(spec_text: str, dtype: str, device: str, seed: int):
+    """(target, model) whole on `device` in `dtype`, in eval mode - what TP=1 trains with."""
+    import torch
+
+    from tpdiag.models.build import build_target
+    from tpdiag.models.spec import parse_spec
+
+    spec = parse_spec(spec_text)
+    torch.manual_seed(seed)
+    target = build_target(spec, "stock", torch.device(device), seed)
+    model = target.model.to(device=torch.device(device), dtype=getattr(torch, dtype))
+    model.eval()
+    return target, model
+
+
+def has_kv_cache(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel) and hasattr(model, "generate")
+
+
+def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, tree_groups: int = 0) -> list:
+    """Per sequence a float32 tensor [len - 1]: the trainer's logprob of input_ids[t] at t-1.
+    on_logits(i, rows): the logits rows [len - 1, vocab] of sequence i (in decode, the prompt's
+    rows are NaN unless the engine gave prompt logprobs)."""
+    import torch
+
+    from tpdiag.fixes.registry import apply_fixes, resolve
+    from tpdiag.kernels.tree import run_groups
+    from tpdiag.runner.logits import whole_vocab
+    from tpdiag.runner.step import _numerics, loss_context
+
+    if cfg.mode == "decode" and not has_kv_cache(model):
+        raise Unavailable(f"{type(model).__name__} has no KV cache tpdiag can drive (decode needs an "
+                          "hf: model: transformers' cache)")
+    if cfg.micro_batch < 1:
+        raise BadInput(f"--micro-batch {cfg.micro_batch}: must be >= 1")
+    names = () if cfg.fix == "none" else resolve("all" if cfg.fix == "all" else cfg.fix.split("+"))
+    out: list = [None] * len(seqs)
+    with ExitStack() as stack, torch.no_grad():
+        # every configuration of a run takes the same tree groups G (the largest TP tried), as
+        # compare's worlds do: the fixes' bits then do not depend on the TP degree
+        stack.enter_context(run_groups(tree_groups))
+        stack.enter_context(apply_fixes(names, model=model, plan=target.plan, world=world))
+        _, logprob_fn, _ = _numerics(target)
+        for start in range(0, len(seqs), cfg.micro_batch):
+            idx = list(range(start, min(start + cfg.micro_batch, len(seqs))))
+            group = [seqs[i] for i in idx]
+            if cfg.mode == "prefill":
+                rows = _prefill(model, group)
+            else:
+                rows = _decode(model, group)
+            for i, s, r in zip(idx, group, rows):
+                labels = torch.tensor(s.input_ids[1:], device=r.device)
+                # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
+                # a vocab-sharded DTensor under loss_parallel (tpdiag.runner.step)
+                r, _ = whole_vocab(r, model, target.plan, target.vocab_size, world)
+                with loss_context(world):
+                    lp = logprob_fn(r, labels)
+                out[i] = _whole(lp).float().cpu()
+                if on_logits is not None:
+                    on_logits(i, _whole(r).float())
+    return out
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+def _prefill(model, group) -> list:
+    """Logits rows [len - 1, vocab] per sequence from one right-padded call."""
+    import torch
+
+    from tpdiag.runner.step import forward_call, logits_of
+
+    longest = max(len(s.input_ids) for s in group)
+    ids = torch.full((len(group), longest), PAD, dtype=torch.long)
+    for r, s in enumerate(group):
+        ids[r, :len(s.input_ids)] = torch.tensor(s.input_ids)
+    ids = ids.to(_device(model))
+    args, kwargs = forward_call(model, ids)
+    logits = logits_of(model(*args, **kwargs))
+    return [logits[r, :len(s.input_ids) - 1] for r, s in enumerate(group)]
+
+
+def _decode(model, group) -> list:
+    """Logits rows per sequence the way generate() makes them: prompts left-padded in one call,
+    then one token per step through the cache, positions counted from each row's first token."""
+    import torch
+    from transformers import DynamicCache
+
+    dev = _device(model)
+    n = len(group)
+    plen = max(s.prompt_len for s in group)
+    steps = max(s.n_generated for s in group)
+    ids = torch.full((n, plen), PAD, dtype=torch.long)
+    mask = torch.zeros((n, plen), dtype=torch.long)
+    for r, s in enumerate(group):
+        ids[r, plen - s.prompt_len:] = torch.tensor(s.input_ids[:s.prompt_len])
+        mask[r, plen - s.prompt_len:] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    cache = DynamicCache(config=model.config)
+    ck = _cache_kw(model)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    # only a padded group needs the mask; a full one runs as generate() runs it (mask of ones)
+    # the prefill computes the head for the last row only, as generate() (logits_to_keep=1) and
+    # engines do: the head's GEMM at M=1 rows is part of what decode means
+    o = model(input_ids=ids, attention_mask=mask, position_ids=pos, **{ck: cache}, use_cache=True,
+              logits_to_keep=1)
+    prompt_rows = [None] * n
+    if any(s.prompt_logprobs is not None for s in group):  # an engine's prompt logprobs: its prefill's rows
+        full = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        prompt_rows = [full[r, plen - s.prompt_len:plen - 1] for r, s in enumerate(group)]
+    gen_rows: list[list] = [[o.logits[r, -1]] for r in range(n)]
+    for j in range(1, steps):
+        tok = torch.tensor([s.input_ids[s.prompt_len + j - 1] if j - 1 < s.n_generated - 1 else PAD
+                            for s in group], dtype=torch.long, device=dev)[:, None]
+        mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=dev)], dim=1)
+        pos = pos[:, -1:] + 1
+        o = model(input_ids=tok, attention_mask=mask, position_ids=pos, **{ck: cache}, use_cache=True)
+        for r, s in enumerate(group):
+            if j < s.n_generated:
+                gen_rows[r].append(o.logits[r, -1])
+    out = []
+    for r, s in enumerate(group):
+        gen = torch.stack(gen_rows[r][:s.n_generated])
+        head = prompt_rows[r]
+        if head is None:  # no prompt logprobs to compare: rows the metrics never read
+            head = torch.full((s.prompt_len - 1, gen.shape[-1]), float("nan"), dtype=gen.dtype, device=gen.device)
+        out.append(torch.cat([head, gen], dim=0))
+    return out
+
+
+def _cache_kw(model) -> str:
+    """transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _whole(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -1,0 +1,108 @@
+"""Engine-vs-trainer numbers over the generated tokens, in float64.
+
+diff = engine - trainer per generated token.
+- token_mult_prob_error: NeMo RL's, mean(exp(|diff|)); 1.0 is a perfect match.
+- k3_kl: Schulman's k3 estimate of KL(engine || trainer) from the engine's own samples:
+  r = p_trainer / p_engine = exp(-diff), k3 = r - 1 - log r, averaged.
+"""
+from __future__ import annotations
+
+import math
+
+# a top-2 margin (nats) this small is a near-tie whatever the noise; above it, a margin within
+# twice the largest engine-trainer difference seen is one too (that much noise can flip the argmax)
+NEAR_TIE_NATS = 1e-3
+
+
+def pairs(seqs, trainer: list) -> list[tuple[int, int, float, float]]:
+    """(sequence, position, engine, trainer) per generated token; position indexes input_ids."""
+    out = []
+    for i, (s, t) in enumerate(zip(seqs, trainer)):
+        tl = t.tolist()
+        for j, e in enumerate(s.logprobs):
+            pos = s.prompt_len + j
+            out.append((i, pos, float(e), float(tl[pos - 1])))
+    return out
+
+
+def non_finite(seqs, trainer: list) -> str | None:
+    """Why this configuration's logprobs cannot be compared (NaN/Inf where the engine has a
+    number), or None."""
+    bad = [(i, pos) for i, pos, _, t in pairs(seqs, trainer) if not math.isfinite(t)]
+    for i, (s, t) in enumerate(zip(seqs, trainer)):
+        if s.prompt_logprobs is not None:
+            tl = t.tolist()
+            bad += [(i, p + 1) for p, e in enumerate(s.prompt_logprobs) if e is not None and not math.isfinite(tl[p])]
+    if not bad:
+        return None
+    i, pos = bad[0]
+    return (f"non-finite trainer logprobs (NaN/Inf) at {len(bad)} tokens, first sequence {i} position "
+            f"{pos}: a kernel of this configuration produced them")
+
+
+def same_bits(seqs, a: list, b: list) -> bool:
+    """Two configurations' logprobs bitwise equal on every token the engine gave a number for."""
+    import torch
+
+    for s, x, y in zip(seqs, a, b):
+        lo = 0 if s.prompt_logprobs is not None else s.prompt_len - 1
+        if not torch.equal(x[lo:], y[lo:]):
+            return False
+    return True
+
+
+def summarise(seqs, trainer: list) -> dict:
+    ps = pairs(seqs, trainer)
+    n = len(ps)
+    d = [e - t for _, _, e, t in ps]
+    m = {"tokens": n,
+         "token_mult_prob_error": math.fsum(math.exp(abs(x)) for x in d) / n,
+         "max_abs": max(abs(x) for x in d),
+         "mean_diff": math.fsum(d) / n,
+         "mean_abs": math.fsum(abs(x) for x in d) / n,
+         "k3_kl": math.fsum(math.exp(-x) - 1.0 + x for x in d) / n,
+         # the engine's number is the trainer's float32 exactly
+         "exact_tokens": sum(1 for x in d if x == 0.0)}
+    prompt = _prompt(seqs, trainer)
+    if prompt is not None:
+        m["prompt"] = prompt
+    return m
+
+
+def _prompt(seqs, trainer: list) -> dict | None:
+    d = []
+    for s, t in zip(seqs, trainer):
+        if s.prompt_logprobs is None:
+            continue
+        tl = t.tolist()
+        d += [e - tl[p] for p, e in enumerate(s.prompt_logprobs) if e is not None]
+    if not d:
+        return None
+    return {"tokens": len(d), "max_abs": max(abs(x) for x in d), "mean_diff": math.fsum(d) / len(d),
+            "exact_tokens": sum(1 for x in d if x == 0.0)}
+
+
+def near_tie_nats(noise: float) -> float:
+    return max(NEAR_TIE_NATS, 2 * noise)
+
+
+def worst_tokens(seqs, trainer: list, stats: dict, top: int, noise: float) -> list[dict]:
+    """The `top` generated tokens with the largest |diff| (none that agree exactly), with the trainer's top-2 margin there
+    (stats[(seq, pos)] from the first configuration) - near-ties flagged. `noise`: the largest
+    rounding-sized |diff| (0 where the engine's logprobs are processed: not noise)."""
+    ps = sorted((p for p in pairs(seqs, trainer) if p[2] != p[3]), key=lambda p: -abs(p[2] - p[3]))[:top]
+    out = []
+    for i, pos, e, t in ps:
+        st = stats.get((i, pos), {})
+        margin = st.get("margin")
+        out.append({"sequence": i, "where": seqs[i].where, "position": pos,
+                    "generated_index": pos - seqs[i].prompt_len, "token_id": seqs[i].input_ids[pos],
+                    "engine": e, "trainer": t, "diff": e - t, "top2_margin": margin,
+                    "trainer_rank": st.get("rank"),
+                    "near_tie": None if margin is None else margin <= near_tie_nats(noise)})
+    return out
+
+
+def closeness(m: dict) -> tuple:
+    """Sort key: the configuration whose numbers are nearest the engine's first."""
+    return (m["mean_abs"], m["max_abs"])

@@ -1,0 +1,138 @@
+"""Did the engine report processed logprobs - renormalised after top-k / top-p filtering, or
+scaled by a sampling temperature - instead of the model's raw ones?
+
+The trainer's logits rows (its first configuration) say what each processing would have given:
+- renormalised over a kept set S: engine = trainer - log(mass of S), so exp(-diff) is exactly a
+  prefix sum of the trainer's sorted probabilities (the top-k) - one k for all tokens is top-k,
+  varying ks with the kept mass always >= some p is top-p;
+- a reported top-k whose probabilities sum to ~1 where the trainer puts less mass on them;
+- temperature T: engine = log_softmax(logits / T)[token] for one T;
+- failing a fit, engine logprobs systematically above the trainer's.
+"""
+from __future__ import annotations
+
+import math
+
+TEMPERATURES = tuple(round(0.5 + 0.05 * i, 2) for i in range(31))  # 0.5 .. 2.0
+# renormalisation fits when log(prefix mass) matches -diff this closely (nats)
+FIT_TOL = 2e-3
+# the temperature analysis reads at most this many generated tokens (cost: |T| x tokens x vocab)
+MAX_TEMP_TOKENS = 2048
+
+
+class Collector:
+    """on_logits hook for the first configuration: per generated token the trainer's top-2
+    margin, the token's rank, the prefix of sorted probabilities that renormalisation would
+    match, the reported top-k's trainer mass, and log_softmax(logits / T) for each T."""
+
+    def __init__(self, seqs):
+        self.seqs = seqs
+        self.stats: dict[tuple[int, int], dict] = {}
+        self._temp_tokens = 0
+
+    def __call__(self, i: int, rows) -> None:
+        import torch
+
+        s = self.seqs[i]
+        p = s.prompt_len
+        z = rows[p - 1:].double()  # rows[t - 1] predicts input_ids[t]
+        toks = torch.tensor(s.input_ids[p:], device=z.device)
+        lsm = torch.log_softmax(z, -1)
+        top2 = lsm.topk(2, dim=-1).values
+        own = lsm.gather(-1, toks[:, None])[:, 0]
+        rank = (lsm > own[:, None]).sum(-1)
+        eng = torch.tensor(s.logprobs, dtype=torch.float64, device=z.device)
+        d = eng - own
+        srt = lsm.exp().sort(-1, descending=True).values.cumsum(-1).log()
+        # the smallest k whose prefix mass m has log m closest to -diff
+        k = (srt - (-d)[:, None]).abs().argmin(-1)
+        fit = (srt.gather(-1, k[:, None])[:, 0] + d).abs()
+        temps = None
+        if self._temp_tokens < MAX_TEMP_TOKENS:
+            temps = torch.stack([torch.log_softmax(z / t, -1).gather(-1, toks[:, None])[:, 0]
+                                 for t in TEMPERATURES], dim=-1)
+            self._temp_tokens += len(toks)
+        for j in range(len(toks)):
+            st = {"margin": float(top2[j, 0] - top2[j, 1]), "rank": int(rank[j]),
+                  "k": int(k[j]) + 1, "fit": float(fit[j]), "diff": float(d[j])}
+            if s.top is not None and s.top[j]:
+                ids = torch.tensor([t for t, _ in s.top[j]], device=z.device)
+                st["reported_mass"] = math.fsum(math.exp(lp) for _, lp in s.top[j])
+                st["trainer_mass"] = float(lsm[j].exp()[ids].sum())
+                st["reported_k"] = len(s.top[j])
+            if temps is not None:
+                st["temps"] = temps[j].tolist()
+            self.stats[(i, p + j)] = st
+
+
+def judge(collector: Collector, vocab: int) -> dict:
+    """{'detected': bool, 'kind': ..., 'explanation': ..., evidence}."""
+    st = list(collector.stats.values())
+    if not st:
+        return {"detected": False, "kind": None, "explanation": "no generated tokens"}
+    d = [x["diff"] for x in st]
+    n = len(d)
+    mean_d = math.fsum(d) / n
+    max_abs = max(abs(x) for x in d)
+    ev = {"tokens": n, "mean_diff": mean_d,
+          "engine_at_or_above_trainer": sum(1 for x in d if x >= -1e-6) / n}
+    if max_abs < 1e-3:
+        return {"detected": False, "kind": None, **ev,
+                "explanation": f"the engine is within {max_abs:.2g} nats of the trainer's logits (float64 "
+                               "log-softmax) everywhere: rounding-sized, not processing"}
+    # 1. a reported top-k that sums to ~1 where the trainer's mass on it is clearly less
+    rep = [x for x in st if "reported_mass" in x]
+    if rep:
+        rm = sorted(x["reported_mass"] for x in rep)[len(rep) // 2]
+        tm = sorted(x["trainer_mass"] for x in rep)[len(rep) // 2]
+        ks = sorted({x["reported_k"] for x in rep})
+        ev.update(reported_top_mass_median=rm, trainer_mass_on_them_median=tm)
+        if rm > 0.999 and tm < 0.99 and max(ks) < vocab:
+            return {"detected": True, "kind": "renormalised", **ev, **_k_fit(st),
+                    "explanation": f"the engine's reported top-{ks[-1]} sum to "
+                                   f"{rm:.4f} per token (median) where the trainer puts {tm:.4f} on the same "
+                                   "tokens - the engine renormalised after top-k/top-p filtering. Ask it "
+                                   "for raw logprobs (vLLM: logprobs_mode=raw_logprobs) or recompute them"}
+    # 2. renormalisation over a prefix of the trainer's sorted probabilities
+    moved = [x for x in st if x["diff"] > FIT_TOL]
+    fits = [x for x in moved if x["fit"] <= FIT_TOL]
+    higher = ev["engine_at_or_above_trainer"]
+    if moved and len(fits) >= 0.9 * len(moved) and higher >= 0.95:
+        kf = _k_fit(st)
+        return {"detected": True, "kind": kf["fit_kind"], **ev, **kf,
+                "explanation": f"{len(fits)} of {len(moved)} raised tokens are exactly "
+                               f"the trainer's logprob minus log(mass of its {kf['fit_describe']}): the engine "
+                               "renormalised after sampling filters. Ask it for raw logprobs (vLLM: "
+                               "logprobs_mode=raw_logprobs) or compare with the same filter applied"}
+    # 3. temperature
+    tt = [x["temps"] for x in st if "temps" in x]
+    if tt:
+        eng = [x["diff"] + x["temps"][TEMPERATURES.index(1.0)] for x in st if "temps" in x]
+        errs = [math.fsum(abs(e - row[k]) for e, row in zip(eng, tt)) / len(tt) for k in range(len(TEMPERATURES))]
+        best = min(range(len(errs)), key=errs.__getitem__)
+        raw = errs[TEMPERATURES.index(1.0)]
+        ev.update(temperature_fit=TEMPERATURES[best], temperature_fit_error=errs[best], raw_error=raw)
+        if TEMPERATURES[best] != 1.0 and errs[best] < raw / 10:
+            return {"detected": True, "kind": "temperature", **ev,
+                    "explanation": f"the engine's numbers are log_softmax(logits / "
+                                   f"{TEMPERATURES[best]:g}) to {errs[best]:.2g} nats (raw: {raw:.2g}) - "
+                                   "temperature-scaled. Compare with the same temperature, or ask for raw logprobs"}
+    if higher >= 0.95 and mean_d > 1e-3:
+        return {"detected": True, "kind": "systematic", **ev,
+                "explanation": f"engine logprobs are at or above the trainer's for {higher:.0%} of tokens "
+                               f"(mean +{mean_d:.3g} nats): typical of logprobs renormalised after "
+                               "top-k/top-p filtering, though no single filter fits"}
+    return {"detected": False, "kind": None, **ev,
+            "explanation": "no sign of processing: differences go both ways and fit no filter or temperature"}
+
+
+def _k_fit(st) -> dict:
+    moved = [x for x in st if x["diff"] > FIT_TOL and x["fit"] <= FIT_TOL]
+    ks = sorted({x["k"] for x in moved})
+    if len(ks) == 1:
+        return {"fit_kind": "top-k", "fit_k": ks[0], "fit_describe": f"top {ks[0]} tokens (top-k={ks[0]})"}
+    if not moved:
+        return {"fit_kind": "renormalised", "fit_describe": "kept tokens"}
+    p = min(math.exp(-x["diff"]) for x in moved)
+    return {"fit_kind": "top-p", "fit_p": p, "fit_ks": ks[:8],
+            "fit_describe": f"smallest prefix holding >= {p:.3g} of the mass (top-p ~ {p:.3g})"}

@@ -1,0 +1,238 @@
+"""`tpdiag rollout`: read the engine's file, recompute the trainer's logprobs in every
+configuration asked for, and say how far apart they are, where, why, and which configuration
+comes closest to the engine."""
+from __future__ import annotations
+
+import itertools
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+from tpdiag.errors import BadInput
+from tpdiag.rollout.compute import MODES, Config
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    file: str
+    model: str = "tiny-llama"
+    tp: tuple[int, ...] = (1,)
+    micro_batch: tuple[int, ...] = (8, 1)
+    modes: tuple[str, ...] = MODES
+    fixes: tuple[str, ...] = ("none", "all")
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 1234
+    top: int = 10
+    timeout: float = 300.0  # seconds per TP > 1 world
+
+
+def parse_ints(option: str, text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        out = tuple(int(p) for p in parts)
+    except ValueError:
+        raise BadInput(f"{option} {text!r}: expected a comma-separated list of positive integers, e.g. 8,1") from None
+    if not out or any(n < 1 for n in out):
+        raise BadInput(f"{option} {text!r}: every value must be >= 1")
+    return tuple(dict.fromkeys(out))
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",")))
+    bad = [m for m in out if m not in MODES]
+    if bad or not out:
+        raise BadInput(f"--mode {text!r}: expected prefill, decode or both (prefill,decode)")
+    return out
+
+
+def parse_fixes(text: str) -> tuple[str, ...]:
+    """'none,all' -> each a configuration; a set of named fixes is joined with '+'."""
+    from tpdiag.fixes.registry import resolve
+
+    out = []
+    for item in str(text).split(","):
+        item = item.strip().lower()
+        if item in ("none", "stock"):
+            out.append("none")
+        elif item == "all":
+            resolve("all")
+            out.append("all")
+        else:
+            out.append("+".join(resolve(item.split("+"))))
+    if not out:
+        raise BadInput(f"--fix {text!r}: expected e.g. none,all")
+    return tuple(dict.fromkeys(out))
+
+
+def configurations(rc: RolloutConfig) -> list[Config]:
+    return [Config(t, m, mode, f) for t, m, mode, f in
+            itertools.product(rc.tp, rc.micro_batch, rc.modes, rc.fixes)]
+
+
+def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
+    from tpdiag.rollout.compute import build
+    from tpdiag.rollout.read import read_rollout
+
+    t0 = time.perf_counter()
+    ro = read_rollout(rc.file)
+    seqs = ro.sequences
+    target, model = build(rc.model, rc.dtype, rc.device, rc.seed)
+    vocab = target.vocab_size
+    for s in seqs:
+        big = max(s.input_ids)
+        if big >= vocab:
+            raise BadInput(f"{rc.file} {s.where}: token id {big} is outside the model's vocabulary "
+                           f"({vocab}): is --model the engine's model?")
+    notes = []
+    cfgs = configurations(rc)
+    big = max(rc.tp)
+    if big > 1:
+        from tpdiag.models.spec import check_degrees, parse_spec
+
+        check_degrees(parse_spec(rc.model), [t for t in rc.tp if t > 1])
+        notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's); "
+                     "TP=1 ran in this process, on one thread too (the fixes' CPU kernels can give "
+                     "other bits with more threads)")
+    # the fixes' tree groups: the largest degree, as compare's default (power of two), else the default
+    groups = big if big > 1 and not big & (big - 1) else 0
+    worlds = _worlds(rc, seqs, [c for c in cfgs if c.tp > 1], groups, on_status)
+    threads = _one_thread() if big > 1 else nullcontext()
+    with threads:
+        results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
+                                                           on_status)
+    return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0)
+
+
+def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status):
+    from tpdiag.rollout import metrics, processed
+    from tpdiag.rollout.compute import Unavailable, logprobs
+
+    results: dict[str, dict] = {}
+    trainer: dict[str, list] = {}
+    collector = processed.Collector(seqs)
+    stats_from = None
+    for c in cfgs:
+        entry = {**c.to_dict(), "status": "ok"}
+        t1 = time.perf_counter()
+        if c.tp > 1:
+            w = worlds[c.label]
+            if w["status"] != "ok":
+                results[c.label] = {**entry, "status": w["status"], "reason": w.get("reason")}
+                continue
+            lps = [_tensor(x) for x in w["logprobs"]]
+        else:
+            if on_status:
+                on_status(c.label, "running")
+            hook = None
+            if stats_from is None:
+                hook, stats_from = collector, c.label
+            try:
+                lps = logprobs(c, target, model, seqs, on_logits=hook, tree_groups=groups)
+            except Unavailable as e:
+                entry.update(status="unavailable", reason=str(e))
+                if hook is not None:
+                    stats_from = None
+                lps = None
+        if lps is not None:
+            bad = metrics.non_finite(seqs, lps)
+            if bad:
+                entry.update(status="failed", reason=bad)
+            else:
+                entry["metrics"] = metrics.summarise(seqs, lps)
+                # the first configuration before it with the same bits on every compared token
+                entry["same_bits_as"] = next((lab for lab, other in trainer.items()
+                                              if metrics.same_bits(seqs, lps, other)), None)
+                trainer[c.label] = lps
+        if c.tp == 1:
+            entry["seconds"] = round(time.perf_counter() - t1, 3)
+            if on_status:
+                on_status(c.label, entry["status"])
+        else:
+            entry["seconds"] = worlds[c.label].get("seconds")
+        results[c.label] = entry
+    return results, trainer, collector, stats_from
+
+
+def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0) -> dict:
+    from tpdiag.rollout import metrics, processed
+
+    ok = [lab for lab in results if lab in trainer]
+    if not ok:
+        raise BadInput("no configuration could run for this model: "
+                       + "; ".join(f"{k}: {v.get('reason')}" for k, v in results.items()))
+    reference = ok[0]
+    ref_m = results[reference]["metrics"]
+    ranked = sorted(ok, key=lambda lab: metrics.closeness(results[lab]["metrics"]))
+    best = metrics.closeness(results[ranked[0]]["metrics"])
+    closest = [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
+    verdict = processed.judge(collector, vocab) if stats_from else {
+        "detected": None, "kind": None, "explanation": "not judged: no configuration ran"}
+    if verdict.get("detected"):
+        notes.append("the engine's logprobs look processed: the closest configuration says little "
+                     "until the engine reports raw logprobs")
+    noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
+    worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
+    return {
+        "schema": 1, "command": "rollout", "file": rc.file, "format": ro.format, "model": rc.model,
+        "dtype": rc.dtype, "device": rc.device, "seed": rc.seed,
+        "sequences": len(seqs), "generated_tokens": ref_m["tokens"],
+        "reference": reference, "metrics": ref_m, "worst_tokens": worst,
+        "margins_from": stats_from, "near_tie_nats": metrics.near_tie_nats(noise),
+        "closest": {"configurations": closest,
+                    "mean_abs": results[closest[0]]["metrics"]["mean_abs"],
+                    "max_abs": results[closest[0]]["metrics"]["max_abs"],
+                    "exact_tokens": results[closest[0]]["metrics"]["exact_tokens"]},
+        "processed": verdict, "configurations": results, "notes": notes,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _tensor(values):
+    import torch
+
+    return torch.tensor([float("nan") if isinstance(v, str) else v for v in values], dtype=torch.float32)
+
+
+def _worlds(rc: RolloutConfig, seqs, cfgs, groups: int, on_status) -> dict:
+    """Every TP > 1 configuration's logprobs, one world per degree (tpdiag.rollout.world)."""
+    if not cfgs:
+        return {}
+    import shutil
+    import tempfile
+
+    from tpdiag.rollout.world import run_degree
+    from tpdiag.runner.launch import prestart
+
+    prestart(rc.model)
+    work = tempfile.mkdtemp(prefix="tpdiag-rollout-")
+    out = {}
+    try:
+        for t in dict.fromkeys(c.tp for c in cfgs):
+            mine = [c for c in cfgs if c.tp == t]
+            if on_status:
+                on_status(f"tp{t}", "running")
+            t0 = time.perf_counter()
+            res = run_degree(t, rc, seqs, mine, work, groups)
+            secs = round(time.perf_counter() - t0, 3)
+            for c in mine:
+                out[c.label] = {**res.get(c.label, {"status": "failed", "reason": "no result"}),
+                                "seconds": secs}
+            if on_status:
+                on_status(f"tp{t}", "done")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+@contextmanager
+def _one_thread():
+    """TP=1 on one thread, as the worlds' ranks run (tpdiag.runner.determinism)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

@@ -1,0 +1,116 @@
+"""TP > 1 for `tpdiag rollout`: one world per degree, launched and watched by compare's own
+launcher (tpdiag.runner.launch.run_world, with this module's `main` as each rank's entry).
+
+Each rank builds the model sharded as compare's worlds do (tpdiag.runner.step.build_model),
+computes every configuration of its degree (micro-batch x mode x fix) with the same code as
+TP=1 (tpdiag.rollout.compute), and rank 0 writes the logprobs as JSON (float32 values, exact in
+JSON) in the world's directory. The sequences come in as `sequences.json` there.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+SEQUENCES = "sequences.json"
+RESULTS = "logprobs.json"
+
+
+def write_inputs(out_dir: str, seqs, configs) -> None:
+    from tpdiag import io
+
+    io.write_json(os.path.join(out_dir, SEQUENCES), {
+        "configs": [c.to_dict() for c in configs],
+        "sequences": [{"input_ids": s.input_ids, "prompt_len": s.prompt_len, "logprobs": s.logprobs,
+                       "has_prompt_logprobs": s.prompt_logprobs is not None} for s in seqs]})
+
+
+def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int) -> dict:
+    """{label: {'status': 'ok', 'logprobs': [[...] per sequence]} | {'status', 'reason'}}."""
+    from tpdiag import io
+    from tpdiag.config import WorldConfig
+    from tpdiag.runner.launch import run_world
+
+    out_dir = os.path.join(work_dir, f"tp{world}")
+    os.makedirs(out_dir, exist_ok=True)
+    write_inputs(out_dir, seqs, configs)
+    cfg = WorldConfig(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,
+                      device=rc.device, backward=False, seed=rc.seed, probes=False, selfcheck=False,
+                      tree_groups=tree_groups)
+    res = run_world(cfg, rc.timeout, entry=main)
+    if res.status != "ok":
+        return {c.label: {"status": "failed", "reason": f"TP={world} world failed: {res.error}"}
+                for c in configs}
+    return io.read_json(os.path.join(out_dir, RESULTS))
+
+
+def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s: float,
+         launcher_pid: int | None = None, launched_at: float | None = None) -> None:
+    from tpdiag import io
+    from tpdiag.config import WorldConfig
+    from tpdiag.runner import worker
+
+    worker._watch_launcher(launcher_pid)
+    cfg = WorldConfig.from_dict(cfg_dict)
+    try:
+        _run(rank, world, host, port, cfg, timeout_s)
+        io.write_json(worker.marker(cfg.out_dir, rank, "done"), {"rank": rank, "time": time.time(),
+                                                                 "timings": {}})
+    except BaseException as e:  # noqa: BLE001 - every failure must leave evidence on disk
+        message = str(e).splitlines()[0] if str(e) else ""
+        try:
+            io.write_json(worker.marker(cfg.out_dir, rank, "error"), {
+                "rank": rank, "type": type(e).__name__, "message": message, "where": None,
+                "model_where": None, "traceback": traceback.format_exc()})
+        except BaseException:  # noqa: BLE001
+            sys.stderr.write(f"tpdiag rollout: rank {rank} of TP={world}: {type(e).__name__}: {message}\n")
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo/NCCL destructors are where ranks abort or hang (tpdiag.runner.worker)
+
+
+def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from tpdiag import io
+    from tpdiag.rollout.compute import Config, Unavailable, logprobs
+    from tpdiag.rollout.read import Sequence
+    from tpdiag.runner import determinism
+    from tpdiag.runner.step import build_model
+
+    determinism.setup(cfg.seed, cfg.device)
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    store = dist.TCPStore(host, port, world_size=world + 1, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s),
+                            **({"device_id": device} if backend == "nccl" else {}))
+    inputs = io.read_json(os.path.join(cfg.out_dir, SEQUENCES))
+    seqs = [Sequence(s["input_ids"], s["prompt_len"], s["logprobs"],
+                     [] if s["has_prompt_logprobs"] else None) for s in inputs["sequences"]]
+    target, model = build_model(cfg, device, world)
+    model.eval()
+    out = {}
+    for c in inputs["configs"]:
+        c = Config(**c)
+        try:
+            lps = logprobs(c, target, model, seqs, world=world, tree_groups=cfg.tree_groups)
+        except Unavailable as e:
+            out[c.label] = {"status": "unavailable", "reason": str(e)}
+        except Exception as e:  # noqa: BLE001 - one configuration failing leaves the others
+            out[c.label] = {"status": "failed", "reason": f"{type(e).__name__}: "
+                                                          f"{str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        else:
+            out[c.label] = {"status": "ok", "logprobs": [t.tolist() for t in lps]}
+    if rank == 0:
+        io.write_json(os.path.join(cfg.out_dir, RESULTS), out)
+    dist.barrier()
