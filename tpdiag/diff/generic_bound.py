@@ -275,8 +275,7 @@ def reorder_cause(dd, row: dict, k: int | None) -> tuple[str, str | None]:
     ops = _module_ops(dd, row)
     if not ops:
         return "unknown", (f"rounding: {what} (a reordering, not a wrong result); its ops were not "
-                           "recorded, so which computation was reordered is not known "
-                           "(--granularity op records them)")
+                           "recorded, so which computation was reordered is not known")
     reducing = sorted({_op_base(n) for n, _ in ops if _is_reducing(n)})
     if reducing:
         return "row-parallel-reduction", None
@@ -302,8 +301,8 @@ def why_unknown(row: dict) -> str:
         return row["cause_why"]
     if row["kind"] == "in":
         parent = row["module"].rpartition(".")[0] or "model"
-        return (f"the difference arises in code of {parent} that no probed module runs; "
-                "--granularity op names the op")
+        return (f"the difference arises in code of {parent} that no probed module runs, and "
+                "no op there was recorded")
     if row.get("hash_only"):
         return ("recorded as a hash only: no values to bound-check (the region pass records the "
                 "located module whole)")

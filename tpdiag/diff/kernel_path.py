@@ -56,6 +56,5 @@ def judge(y1: torch.Tensor, yn: torch.Tensor, inputs: list, params: dict) -> dic
         return {"bound": bound, "why": (
             f"every input and parameter it has is bitwise equal to the reference's, yet its output "
             f"differs by more than {PATH_ULPS} ULP: more than another code path of one elementwise "
-            "kernel explains (it may reduce over a sharded dimension, or run rank-dependent code); "
-            "--granularity op names the op")}
+            "kernel explains (it may reduce over a sharded dimension, or run rank-dependent code)")}
     return {"bound": bound}

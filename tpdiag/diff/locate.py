@@ -181,8 +181,7 @@ def _describe(row: dict) -> dict:
         parent = row["module"].rpartition(".")[0] or "model"
         out["module"] = parent
         out["detail"] = (f"the input of {row['module']} differs although every earlier record was "
-                         f"bitwise equal: the first difference is in unprobed code of {parent} "
-                         "(use --granularity op to name the op)")
+                         f"bitwise equal: the first difference is in unprobed code of {parent}")
     else:
         out["detail"] = "every input it consumed was bitwise equal; its output is not"
     return out

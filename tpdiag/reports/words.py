@@ -33,6 +33,9 @@ WHY = {
                         "its backward is not deterministic",
     "nondeterministic-kernel": "the reference does not reproduce itself and the first difference is an op, "
                                "not a collective: a nondeterministic kernel (atomics, split reductions)",
+    "batch-variant-kernel": "a kernel's result for a row depends on how many rows share its call "
+                            "(micro-batch size, decode vs prefill)",
+    "non-finite": "a NaN or Inf on one side only: never rounding",
     "unknown": "tpdiag cannot name the cause from the layout alone",
 }
 
@@ -45,7 +48,9 @@ ACTION = {
                     "applies to a wrong result.",
     "router-flip": "Fix the root cause upstream (the first divergence); a TP-invariant path up to the "
                    "router keeps every expert choice.",
-    "unknown": "Rerun with `--granularity op` to name the op inside the module.",
+    "unknown": "Nothing could judge it (the reason is above). `tpdiag compare` re-executes a first "
+               "divergence without a verdict in float64 and records its ops by itself; a capture "
+               "made with `tpdiag.capture` cannot be re-executed.",
 }
 
 KIND_WORDS = {"out": "output", "in": "input", "grad_out": "output gradient", "param_grad": "weight gradient",
@@ -80,6 +85,16 @@ def size_sentence(fd: dict) -> str:
         parts.append(f"{100 * fd['mismatch_fraction']:.1f}% of elements differ")
     s = ", ".join(parts) + "."
     bound, mabs = fd.get("bound"), fd.get("max_abs")
+    v = fd.get("oracle") or fd.get("op_oracle")
+    if v:
+        what = "module" if fd.get("oracle") else "op"
+        s += (f" Re-executed in float64, the {what} is {v['err']:.3g} from this side and {v['ref_err']:.3g} "
+              f"from the reference ({'relative ' if v.get('relative') else ''}2-norm; rounding allows "
+              f"{v['threshold']:.3g}): ")
+        s += ("far beyond rounding - a wrong result, not a reordering." if v["far"] and not v.get("discrete")
+              else "both sides near it - a reordering, not a wrong result." if not v["far"]
+              else "far, but it makes a discrete choice that rounding can flip.")
+        return s
     if bound and mabs is not None:
         ratio = mabs / bound
         if ratio <= 1:
@@ -97,19 +112,20 @@ def action(cause: str, confirmation: dict | None, fix: str | None, fix_available
         v = confirmation.get("verdict")
         after = confirmation.get("first_divergence_after")
         if v == "confirmed":
-            s = (f"Confirmed: with `--fix {confirmation['fix']}` this record becomes bitwise equal"
+            s = (f"fix {confirmation['fix']} -> confirmed: with it this record becomes bitwise equal"
                  + (f"; the first divergence moves to {after.get('module')} ({after.get('phase')})."
                     if isinstance(after, dict) else " and nothing diverges any more."))
             return s
         if v == "not-confirmed":
-            return (f"Not confirmed: `--fix {confirmation['fix']}` did not make this record bitwise equal, "
-                    "so the cause label may be wrong - rerun with `--granularity op`.")
+            return (f"fix {confirmation['fix']} -> not-confirmed: it did not make this record bitwise equal, "
+                    "so the cause label may be wrong.")
     if cause in ACTION:
         return ACTION[cause]
     if fix:
         avail = "" if fix_available else " (not implemented in this build yet)"
-        return (f"To make this degree bitwise equal to the reference, rerun with `--fix {fix}`{avail}; "
-                f"to accept it in CI, put \"{cause}\" in `allow_causes` of a `tpdiag gate` policy.")
+        return (f"Rounding, not a bug: harmless unless you need bitwise equality with the reference; "
+                f"then rerun with `--fix {fix}`{avail}. To accept it in CI, put \"{cause}\" in "
+                "`allow_causes` of a `tpdiag gate` policy.")
     return "No fix in the catalogue removes this cause."
 
 
@@ -135,7 +151,12 @@ def verdict(label: str, ref: str, d: dict, fix_of) -> dict:
                 f"{f.get('cause')}, max |difference| {fmt(f.get('max_abs'))}"
                 + (f" > bound {fmt(f.get('bound'))}" if f.get("bound") else "")
                 + (f" ({f['detail']})" if f.get("partial_sum") else "")
-                for f in d.get("findings") or []]
-    return {"status": st, "headline": f"TP={label} first differs from TP={ref} at {where(fd)}.",
+                for f in d.get("findings") or [] if "follows" not in f]
+    follows = sum(1 for f in d.get("findings") or [] if "follows" in f)
+    if follows:
+        findings.append(f"{follows} more record{'s' if follows != 1 else ''} beyond rounding follow"
+                        f"{'s' if follows == 1 else ''} from the findings above (their inputs already differed)")
+    kind = {"bug": "BUG: ", "non-finite": "NON-FINITE: ", "rounding": "Rounding: "}.get(d.get("class"), "")
+    return {"status": st, "headline": f"{kind}TP={label} first differs from TP={ref} at {where(fd)}.",
             "why": why, "size": size_sentence(fd), "action": action(cause, d.get("confirmation"), fix, available),
             "findings": findings}
