@@ -5,7 +5,7 @@ import os
 
 from tpdiag import io
 from tpdiag.diff.engine import diff_degree
-from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats
+from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats, nonfinite_summary
 from tpdiag.errors import Inconclusive
 from tpdiag.records.store import RecordSet
 
@@ -51,6 +51,9 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, 
         "missing": dd.missing[:50],
         "confirmation": None,
     }
+    nf = nonfinite_summary(dd.rows)
+    if nf is not None:
+        entry["nonfinite"] = nf
     if entry["loss"]["reference"] is not None and entry["loss"]["value"] is not None:
         entry["loss"]["abs_diff"] = abs(entry["loss"]["value"] - entry["loss"]["reference"])
     suspects = hash_suspects(dd.rows)
