@@ -51,8 +51,9 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
     return None
 
 
-def problems(run_dir: str, manifest, summary) -> list[str]:
-    """Every disagreement between manifest.json, summary.json and the per-rank evidence, in words."""
+def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) -> list[str]:
+    """Every disagreement between manifest.json, summary.json, diff.csv's rows (when given) and the
+    per-rank evidence, in words."""
     out: list[str] = []
     if not isinstance(manifest, dict):
         return [f"{run_dir}/manifest.json: not a JSON object"]
@@ -74,6 +75,11 @@ def problems(run_dir: str, manifest, summary) -> list[str]:
     if summary.get("status") != "inconclusive" and "failed" in statuses.values():
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
+    for lab, st in statuses.items():
+        div = [r for r in rows or () if str(r.get("degree")) == lab
+               and (r.get("bitwise") is False or r.get("rank_consistent") is False)]
+        if st == "bitwise" and div:
+            out.append(f"summary.json says TP={lab} is bitwise but diff.csv has {len(div)} divergent records")
     if manifest.get("tool") != "tpdiag compare":
         return out  # `tpdiag diff` and matrix runs have no per-rank evidence of their own here
     worlds = manifest.get("worlds")

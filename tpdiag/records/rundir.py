@@ -63,6 +63,11 @@ def incomplete(run_dir: str, manifest) -> str | None:
     if isinstance(manifest, dict) and manifest.get("tool") == "tpdiag compare" and "status" not in manifest:
         worlds = manifest.get("worlds") if isinstance(manifest.get("worlds"), dict) else {}
         done = ", ".join(f"TP={k} {(v or {}).get('status') if isinstance(v, dict) else v}" for k, v in worlds.items())
+        from tpdiag.records.lock import holder
+
+        who = holder(run_dir)
+        if who:
+            return f"{run_dir}: a compare is still running there ({who}); worlds finished: {done or 'none'}"
         return (f"{run_dir}: incomplete run - the compare did not finish (interrupted, killed or still "
                 f"running; worlds finished: {done or 'none'})")
     return None

@@ -5,10 +5,10 @@ kills every rank it started, whatever happens - no orphan processes.
 """
 from __future__ import annotations
 
-import glob
 import math
 import multiprocessing as mp
 import os
+import re
 import signal
 import threading
 import time
@@ -78,6 +78,9 @@ def prestart(model: str = "") -> None:
                 os.environ[k] = v
 
 
+_MARKER = re.compile(r"rank[0-9]+\.(done|error)")
+
+
 def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult:
     from datetime import timedelta
 
@@ -96,8 +99,11 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None) -> WorldResult
 
         raise BadInput(f"--timeout {timeout_s!r}: expected a finite number of seconds > 0") from None
     os.makedirs(cfg.out_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(cfg.out_dir, "rank*.*")):
-        os.unlink(stale)
+    for name in os.listdir(cfg.out_dir):
+        # Only the markers a rank writes (rankN.done, rankN.error) from an earlier run here: any other
+        # file in tpN/ is not tpdiag's to delete.
+        if _MARKER.fullmatch(name) and not os.path.isdir(os.path.join(cfg.out_dir, name)):
+            os.unlink(os.path.join(cfg.out_dir, name))
     t0 = time.perf_counter()
     store = dist.TCPStore("127.0.0.1", 0, world_size=world + 1, is_master=True,
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
