@@ -301,7 +301,7 @@ def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
 
 
 def _evaluate(run_dir: str, policy: Policy) -> GateResult:
-    from tpdiag.records.rundir import incomplete, read_manifest, read_rows, read_summary
+    from tpdiag.records.rundir import incomplete, read_manifest, read_rows, read_summary, run_file
 
     res = GateResult(os.path.abspath(run_dir), policy)
     from tpdiag.records.check import require_run_dir
@@ -342,7 +342,7 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
         if lab not in others:
             res.problems.append(f"policy gates TP={lab} but the run compared only TP={', '.join(others) or 'none'}")
     try:
-        rows = read_rows(os.path.join(run_dir, "diff.csv"))
+        rows = read_rows(run_file(run_dir, "diff.csv"))
     except Inconclusive as e:
         res.problems.append(str(e).splitlines()[0])
         rows = []

@@ -37,9 +37,25 @@ class WorldResult:
         return asdict(self)
 
 
+def _import_root_first() -> None:
+    """Ranks import the tpdiag this process runs, never a `tpdiag/` folder in the working directory.
+
+    The fork server starts as `python -c ...`, so its sys.path begins with the working directory; a
+    folder named tpdiag there (a clone's parent) is a namespace package that shadows an install
+    found by a meta-path finder (pip's editable installs), and every rank then dies on import with
+    its error unwritten. With this package's root on PYTHONPATH the real (regular) package wins."""
+    import tpdiag
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tpdiag.__file__)))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if not paths or os.path.abspath(paths[0]) != root:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *(p for p in paths if os.path.abspath(p) != root)])
+
+
 def _context(model: str = ""):
     for k, v in RANK_ENV.items():
         os.environ.setdefault(k, v)  # inherited by the fork server, so by every rank
+    _import_root_first()
     method = os.environ.get("TPDIAG_START_METHOD", "forkserver")
     if method not in mp.get_all_start_methods():
         from tpdiag.errors import BadInput
