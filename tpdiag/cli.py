@@ -281,7 +281,7 @@ def gate(
     fmt: Format = "text",
     debug: Debug = False,
 ) -> None:
-    """Exit 0 when nothing diverges beyond the policy, 1 when something does, 2 on incomplete evidence.
+    """Exit 0 when nothing diverges beyond the policy, 1 when something does (4: a bug or NaN/Inf), 2 on incomplete evidence.
 
     RUN_DIR: the --out directory of a tpdiag compare run. The policy file's format: docs/ci.md."""
     DEBUG["on"] = debug

@@ -15,7 +15,8 @@ DEBUG = {"on": False}
 Format = Annotated[str, typer.Option("--format",
                                       help=f"{H.choice('FORMATS')}: json is the machine-readable summary")]
 Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
-FAIL_HELP = "exit 1 when any degree diverges (default: exit 0 with a divergent verdict; see tpdiag gate)"
+FAIL_HELP = ("exit 1 when any degree diverges, 4 when a bug-class or non-finite finding does (default: exit 0 "
+             "with a divergent verdict; see tpdiag gate)")
 QUIET_HELP = "no progress display (it is never shown when stderr is not a terminal)"
 
 
