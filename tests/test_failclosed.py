@@ -130,7 +130,7 @@ def test_nan_is_its_own_finding_never_max_abs_zero(nan_run):
     assert (fd["module"], fd["cause"]) == ("mid", "non-finite"), fd
     assert fd["max_abs"] == "Infinity"
     nf = d["nonfinite"]
-    assert nf["first"]["module"] == "mid" and nf["first"]["value"] == "NaN" and nf["records"] >= 1, nf
+    assert nf["first"]["module"] == "mid" and nf["first"]["value"] == "nan" and nf["records"] >= 1, nf
     from tpdiag.records.rundir import read_rows
 
     rows = [r for r in read_rows(str(nan_run["out"] / "diff.csv")) if r["key"] == fd["key"]]

@@ -127,6 +127,8 @@ def summary_tables(console, summary: dict) -> None:
         lp = d.get("logprobs") or {}
         st = "[green]bitwise[/]" if d["status"] == "bitwise" else "[yellow]divergent[/]"
         err = f"{_fmt(fd.get('max_abs'))} / {_fmt(fd.get('bound'))}" if fd else "-"
+        if fd.get("cause") == "non-finite":  # no size to compare with a bound: say what it is
+            err = f"{(d.get('nonfinite') or {}).get('first', {}).get('value', 'nan or inf')} at one side"
         lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"
                  if lp.get("max_abs") is not None else "-")
         t.add_row(label, st, where(fd) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
@@ -136,6 +138,12 @@ def summary_tables(console, summary: dict) -> None:
         if fd.get("why"):
             console.print(f"TP={label}: cause {fd['cause']}: {fd['why']}")
         for f in d.get("findings") or []:
+            if f["cause"] == "non-finite":
+                nf = d.get("nonfinite") or {}
+                console.print(f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({f['kind']} {f['name']}): "
+                              f"non-finite - {nf.get('first', {}).get('value', 'nan or inf')} at TP={label} "
+                              f"only ({nf.get('records', '?')} records non-finite at one side, this the first)")
+                continue
             console.print(f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({f['kind']} "
                           f"{f['name']}): {f['cause']}, max abs {_fmt(f['max_abs'])}"
                           + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else ""))

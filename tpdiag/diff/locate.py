@@ -82,9 +82,9 @@ def nonfinite_summary(rows: list[dict]) -> dict | None:
     if not nf:
         return None
     f = nf[0]
-    return {"records": len(nf), "nan": sum(r.get("nonfinite") == "NaN" for r in nf),
+    return {"records": len(nf), "nan_records": sum(r.get("nonfinite") == "NaN" for r in nf),
             "first": {k: f.get(k) for k in ("key", "phase", "module", "kind", "name", "step")}
-            | {"value": f.get("nonfinite") or "NaN or Inf"}}
+            | {"value": (f.get("nonfinite") or "NaN or Inf").lower()}}  # "nan": JSON's "NaN" reads back as a float
 
 
 def _set(row: dict, bound: float, diff: float) -> None:

@@ -40,9 +40,9 @@ class DegreeResult:
     label: str
     status: str            # pass | fail | error | skipped
     checked: int = 0       # divergent records judged against the policy
-    ungated: int = 0       # divergent records in phases the policy does not gate
     violations: list[Violation] = field(default_factory=list)
     error: str | None = None
+    ungated: int = 0       # divergent records in phases the policy does not gate
 
 
 @dataclass
