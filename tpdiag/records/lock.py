@@ -37,6 +37,7 @@ def hold(run_dir: str, command: str = "compare"):
     Raises BadInput when another live process holds RUN_DIR."""
     import fcntl
 
+    created = not os.path.isdir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, NAME)
     while True:
@@ -78,6 +79,11 @@ def hold(run_dir: str, command: str = "compare"):
         except OSError:
             pass
         os.close(fd)
+        if created:
+            try:
+                os.rmdir(run_dir)  # made here and nothing was written (refused, or stopped before a world)
+            except OSError:
+                pass
 
 
 def in_use(run_dir: str, who: str) -> BadInput:
