@@ -283,3 +283,21 @@ def test_capture_entered_twice_is_refused(tmp_path):
     with pytest.raises(BadInput, match="already entered"):
         with cap:
             model(torch.ones(2, 4))
+
+
+# -- words that claim no more than was checked -------------------------------------------------
+def test_failed_reference_rerun_claims_no_reproducibility_verdict(tampered_base):
+    """A reference rerun that failed (a full disk) checked nothing: neither "NOT reproducible" nor a
+    first difference "at None" may be printed; the run is inconclusive and says why."""
+    from rich.console import Console
+
+    from tpdiag.cli_render import summary_tables
+    from tpdiag.diff.analyse import analyse_run
+
+    s = analyse_run(str(tampered_base), "1", ["2"], {"1-base": "rank 0: No space left on device"}, 1, "1-base")
+    assert s["status"] == "inconclusive" and s["baseline"]["reproducible"] is None, s["baseline"]
+    assert "not checked" in s["error"] and "No space left" in s["error"], s["error"]
+    con = Console(record=True, width=200)
+    summary_tables(con, dict(s, run_dir=str(tampered_base)))
+    text = con.export_text()
+    assert "NOT reproducible" not in text and "None" not in text and "not checked" in text, text

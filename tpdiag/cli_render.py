@@ -108,7 +108,9 @@ def summary_tables(console, summary: dict) -> None:
     base = summary.get("baseline")
     if ran(summary):
         console.print(ran(summary))
-    if base is not None:
+    if base is not None and base.get("reproducible") is None:  # the rerun failed: nothing was checked
+        console.print("baseline: [red]the reference rerun failed[/]; reproducibility not checked")
+    elif base is not None:
         console.print("baseline: reference rerun is " + ("[green]bitwise reproducible[/]" if base["reproducible"]
                       else f"[red]NOT reproducible[/] ({base.get('cause')})"))
     t = Table(show_lines=False, pad_edge=False, box=_box(console, box.HEAVY_HEAD))
