@@ -53,6 +53,14 @@ def test_compare_metrics():
     assert c.max_ulp == 1 and c.max_abs == pytest.approx(2 ** -22, rel=0)
 
 
+def test_nan_vs_number_is_an_infinite_error_never_zero():
+    # a NaN at one side only used to read max_abs 0.0: a budget on max_abs passed it
+    c = compare(torch.tensor([float("nan"), 1.0]), torch.tensor([2.0, 1.0]))
+    assert c.max_abs == float("inf") and c.max_rel == float("inf") and c.nonfinite == "NaN"
+    assert compare(torch.tensor([float("inf")]), torch.tensor([1.0])).nonfinite == "Inf"
+    assert compare(torch.tensor([1.5]), torch.tensor([1.0])).nonfinite is None
+
+
 def test_inf_vs_finite_is_infinite_error():
     c = compare(torch.tensor([float("inf")]), torch.tensor([1.0]))
     assert not c.bitwise and c.max_abs == float("inf")
@@ -70,7 +78,8 @@ def _whole_tensor_compare(a, b):
     rel = fd / b64.abs().where(both, torch.ones_like(b64)).clamp_min(torch.finfo(a.dtype).tiny)
     u = torch.where(both, ulp_distance(a, b), 0)
     inf = float("inf")
-    return (inf if inf_pattern else float(fd.max()), inf if inf_pattern else float(rel.max()),
+    big = inf_pattern or nan_mismatch  # NaN against a number is an infinite difference, never 0
+    return (inf if big else float(fd.max()), inf if big else float(rel.max()),
             None if nan_mismatch else int(u.max()), nan_mismatch)
 
 

@@ -279,7 +279,7 @@ def test_gate_and_report_handle_nan_runs(pair, tmp_path):
 
     out = str(pair["nan"]["out"])
     r = CliRunner().invoke(app, ["gate", out, "--format", "json"])
-    assert r.exit_code == 1, r.output  # a divergence beyond policy, named; not a crash, not a pass
+    assert r.exit_code == 4, r.output  # a non-finite finding beyond policy, named; not a crash, not a pass
     g = strict_json(r.stdout)
     assert g["first_violation"]["module"] == "mid" and g["first_violation"]["max_abs"] == "Infinity"
     r = CliRunner().invoke(app, ["report", out, "-o", str(tmp_path / "r.html")])

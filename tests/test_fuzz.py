@@ -12,7 +12,7 @@ Properties:
   into a pass.
 
 The base run is two in-process captures (tpdiag.capture, TP=1, no processes) and their
-`tpdiag diff`; a second run holds a divergence so the gate's verdict on it is FAIL (exit 1).
+`tpdiag diff`; a second run holds a divergence so the gate's verdict on it is FAIL (exit 4: a sharding-bug).
 Whole file: well under a minute (max_examples and deadlines below; derandomized for CI).
 """
 from __future__ import annotations
@@ -213,7 +213,8 @@ def test_hf_config_not_json_is_bad_input(name, cli_tmp, tripwire):
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """Captures A (reference), B (equal to A) and C (fc2 output nudged: divergent), and two
-    `tpdiag diff` run directories: A-B (bitwise, gate exit 0) and A-C (divergent, gate exit 1)."""
+    `tpdiag diff` run directories: A-B (bitwise, gate exit 0) and A-C (divergent far beyond rounding: a
+    sharding-bug, gate exit 4)."""
     from tpdiag.diff.runs import diff_runs
     from tpdiag.gate import evaluate
 
@@ -225,7 +226,7 @@ def base(tmp_path_factory):
     diff_runs(str(root / "A"), str(root / "B"), str(root / "AB"))
     diff_runs(str(root / "A"), str(root / "C"), str(root / "AC"))
     verdict = {d: evaluate(str(root / d)).exit_code for d in ("AB", "AC")}
-    assert verdict == {"AB": 0, "AC": 1}, verdict
+    assert verdict == {"AB": 0, "AC": 4}, verdict
     files = sorted(os.path.relpath(os.path.join(dp, f), root) for dp, _, fs in os.walk(root) for f in fs
                    if not f.endswith(".py"))
     return root, files, verdict

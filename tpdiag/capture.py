@@ -85,6 +85,7 @@ class Capture:
         self.rec = None
         self._stack: ExitStack | None = None
         self.active = False
+        self._used = False
 
     # -- the with block --------------------------------------------------------------------
     def __enter__(self) -> "Capture":
@@ -93,6 +94,11 @@ class Capture:
         from tpdiag.probes.module_probe import module_probes, record_params
         from tpdiag.probes.recorder import Recorder
 
+        if self._used:
+            # A second `with` on one capture would write over the first one's records in `out`.
+            raise BadInput(f"capture(out={self.out!r}) was already entered once; make a new "
+                           "tpdiag.capture(...) (with another out=) for each block to record")
+        self._used = True
         self.active = _records_here(self.group)
         if not self.active:
             return self

@@ -92,6 +92,9 @@ def compare(
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
             seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len,
             tree_groups=0 if tree_groups is None else tree_groups)
+        from tpdiag.records.lock import refuse_if_held
+
+        refuse_if_held(cfg.out)
         from tpdiag.runner.launch import prestart
 
         prestart(cfg.model)  # the fork server's imports overlap the checks below
@@ -103,15 +106,20 @@ def compare(
             from dataclasses import replace
 
             cfg = replace(cfg, out=default_out())
-        if variants is not None:
-            return _compare_matrix(cfg, variants, variant, fmt, fail_on_divergence, quiet)
-        if fmt == "text":
-            from tpdiag.cli_render import progress
+        from tpdiag.records.lock import hold
 
-            with progress(console(stderr=True), cfg, quiet) as on_status:
-                summary = compare_session(cfg, on_status)
-        else:
-            summary = compare_session(cfg)
+        with hold(cfg.out) as stale:  # one writer per run directory: a second compare is refused
+            if stale:
+                console(stderr=True).print(f"note: {stale}", markup=False, soft_wrap=True)
+            if variants is not None:
+                return _compare_matrix(cfg, variants, variant, fmt, fail_on_divergence, quiet)
+            if fmt == "text":
+                from tpdiag.cli_render import progress
+
+                with progress(console(stderr=True), cfg, quiet) as on_status:
+                    summary = compare_session(cfg, on_status)
+            else:
+                summary = compare_session(cfg)
     except TpdiagError as e:
         fail(e)
     except KeyboardInterrupt:
@@ -274,8 +282,13 @@ def confirm_cmd(
                            f"{', '.join(summary.get('degrees', {}))}")
         if fix is not None:
             (fix,) = resolve(fix)
-        summary = confirm(cfg, summary, run_dir, only_label=degree, force_fix=fix)
-        io.write_json(os.path.join(run_dir, "summary.json"), summary)
+        from tpdiag.records.lock import hold
+
+        with hold(run_dir, "confirm") as stale:
+            if stale:
+                console(stderr=True).print(f"note: {stale}", markup=False, soft_wrap=True)
+            summary = confirm(cfg, summary, run_dir, only_label=degree, force_fix=fix)
+            io.write_json(os.path.join(run_dir, "summary.json"), summary)
     except TpdiagError as e:
         fail(e)
     summary["run_dir"] = run_dir
@@ -352,7 +365,7 @@ def gate(
     fmt: Format = "text",
     debug: Debug = False,
 ) -> None:
-    """Exit 0 when nothing diverges beyond the policy, 1 when something does, 2 on incomplete evidence.
+    """Exit 0 when nothing diverges beyond the policy, 1 when something does (4: a bug or NaN/Inf), 2 on incomplete evidence.
 
     RUN_DIR: the --out directory of a tpdiag compare run. The policy file's format: docs/ci.md."""
     DEBUG["on"] = debug

@@ -15,7 +15,8 @@ DEBUG = {"on": False}
 Format = Annotated[str, typer.Option("--format",
                                       help=f"{H.choice('FORMATS')}: json is the machine-readable summary")]
 Debug = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
-FAIL_HELP = "exit 1 when any degree diverges (default: exit 0 with a divergent verdict; see tpdiag gate)"
+FAIL_HELP = ("exit 1 when any degree diverges, 4 when a bug-class or non-finite finding does (default: exit 0 "
+             "with a divergent verdict; see tpdiag gate)")
 QUIET_HELP = "no progress display (it is never shown when stderr is not a terminal)"
 
 
@@ -94,6 +95,21 @@ def exit_for(summary: dict, fail_on_divergence: bool) -> None:
     if summary["status"] == "inconclusive":
         raise typer.Exit(2)
     if fail_on_divergence and summary["status"] == "divergent":
-        raise typer.Exit(1)
+        from tpdiag.records.causes import EXIT_BUG
+
+        raise typer.Exit(EXIT_BUG if bug_found(summary) else 1)
+
+
+def bug_found(summary: dict) -> bool:
+    """A bug-class or non-finite cause at the first divergence or in the findings of any degree."""
+    from tpdiag.records.causes import cause_class
+
+    for d in (summary.get("degrees") or {}).values():
+        if not isinstance(d, dict) or d.get("status") != "divergent":
+            continue
+        causes = [(d.get("first_divergence") or {}).get("cause")] + [f.get("cause") for f in d.get("findings") or []]
+        if d.get("nonfinite") or any(cause_class(c) in ("bug", "non-finite") for c in causes if c):
+            return True
+    return False
 
 

@@ -124,7 +124,9 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     base = summary.get("baseline")
     if ran(summary):
         console.print(ran(summary))
-    if base is not None:
+    if base is not None and base.get("reproducible") is None:  # the rerun failed: nothing was checked
+        console.print("baseline: [red]the reference rerun failed[/]; reproducibility not checked")
+    elif base is not None:
         console.print("baseline: reference rerun is " + ("[green]bitwise reproducible[/]" if base["reproducible"]
                       else f"[red]NOT reproducible[/] ({base.get('cause')})"))
     elif baseline_skipped:
@@ -145,6 +147,8 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         lp = d.get("logprobs") or {}
         st = "[green]bitwise[/]" if d["status"] == "bitwise" else "[yellow]divergent[/]"
         err = f"{_fmt(fd.get('max_abs'))} / {_bound_cell(fd)}" if fd else "-"
+        if fd.get("cause") == "non-finite":  # no size to compare with a bound: say what it is
+            err = f"{(d.get('nonfinite') or {}).get('first', {}).get('value', 'nan or inf')} at one side"
         lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"
                  if lp.get("max_abs") is not None else "-")
         t.add_row(label, st, where(fd) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
@@ -155,7 +159,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
             console.print(f"TP={label}: {oracle_line(fd)}")
         if fd.get("why"):
             console.print(f"TP={label}: cause {fd['cause']}: {fd['why']}")
-        _findings(console, label, d.get("findings") or [], fd)
+        _findings(console, label, d, fd)
         conf = d.get("confirmation")
         if conf:
             after = conf.get("first_divergence_after")
@@ -218,8 +222,9 @@ def oracle_line(fd: dict) -> str:
     return f"{where(fd)}: {what} re-executed in float64 - {dist}"
 
 
-def _findings(console, label: str, findings: list, fd: dict) -> None:
+def _findings(console, label: str, d: dict, fd: dict) -> None:
     """Root findings one line each; records that follow from one are counted, not listed."""
+    findings = d.get("findings") or []
     follows: dict = {}
     for f in findings:
         if "follows" in f:
@@ -232,6 +237,12 @@ def _findings(console, label: str, findings: list, fd: dict) -> None:
                       f"follow{'s' if n == 1 else ''} from the first divergence (not listed)")
     for f in findings:
         if "follows" in f or any(f is g for g in same):
+            continue
+        if f["cause"] == "non-finite":
+            nf = d.get("nonfinite") or {}
+            console.print(f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({f['kind']} {f['name']}): "
+                          f"non-finite - {nf.get('first', {}).get('value', 'nan or inf')} at TP={label} "
+                          f"only ({nf.get('records', '?')} records non-finite at one side, this the first)")
             continue
         rec = f"{f['kind']} {f['name']}" if f["kind"] != "op" else f"op {f['name']}"
         line = (f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({rec}): {f['cause']}, "

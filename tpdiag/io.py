@@ -84,9 +84,30 @@ def open_safetensors(path: str, device: str = "cpu"):
     return safe_open(path, framework="pt", device=device)
 
 
+def open_regular(path: str, encoding: str | None = "utf-8", newline: str | None = None):
+    """open() for reading that refuses anything but a regular file: a FIFO would block the reader
+    forever, a device (a link to /dev/zero) would fill memory. The open itself is non-blocking, so a
+    FIFO with no writer is refused at once; a regular file ignores the flag."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                    or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else
+                    "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+            raise Inconclusive(f"{path}: {kind}, not a regular file; refused")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "r" if encoding else "rb", encoding=encoding, newline=newline)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_json(path: str):
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path) as f:
             return json.load(f, object_hook=_restore)
     except FileNotFoundError:
         raise Inconclusive(f"{path}: missing") from None
@@ -98,7 +119,7 @@ def read_json(path: str):
 
 def read_jsonl(path: str) -> list:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path) as f:
             return [json.loads(line, object_hook=_restore) for line in f if line.strip()]
     except FileNotFoundError:
         raise Inconclusive(f"{path}: missing") from None

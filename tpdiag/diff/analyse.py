@@ -5,7 +5,7 @@ import os
 
 from tpdiag import io
 from tpdiag.diff.engine import diff_degree
-from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats
+from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats, nonfinite_summary
 from tpdiag.errors import Inconclusive
 from tpdiag.records.store import RecordSet
 
@@ -51,6 +51,9 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, 
         "missing": dd.missing[:50],
         "confirmation": None,
     }
+    nf = nonfinite_summary(dd.rows)
+    if nf is not None:
+        entry["nonfinite"] = nf
     if entry["loss"]["reference"] is not None and entry["loss"]["value"] is not None:
         entry["loss"]["abs_diff"] = abs(entry["loss"]["value"] - entry["loss"]["reference"])
     unjudged = unjudged_modules(dd)
@@ -74,13 +77,15 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, 
 
 
 def _baseline(run_dir, ref, label, failed, degree) -> dict:
+    # A rerun that failed (a full disk, a dead rank) checked nothing: reproducible is None, not False,
+    # so no word says the reference is not reproducible.
     if label in failed:
-        return {"reproducible": False, "cause": "unknown", "error": failed[label]}
+        return {"reproducible": None, "label": label, "error": failed[label]}
     try:
         again = RecordSet(os.path.join(run_dir, f"tp{label}"))
         entry, _ = analyse_degree(ref, again, label)
     except Inconclusive as e:
-        return {"reproducible": False, "cause": "unknown", "error": str(e)}
+        return {"reproducible": None, "label": label, "error": str(e)}
     ok = entry["status"] == "bitwise"
     out = {"reproducible": ok, "label": label}
     if not ok:
@@ -250,7 +255,11 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
                 summary["tree_groups"], summary["group_gemm"] = groups.of_config(wc)
     if base is not None:
         summary["baseline"] = base
-        if not base["reproducible"]:
+        if base["reproducible"] is None:
+            summary["status"] = "inconclusive"
+            summary["error"] = (f"the reference rerun TP={baseline} failed, so whether the reference reproduces "
+                                f"itself was not checked: {str(base.get('error')).splitlines()[0]}")
+        elif not base["reproducible"]:
             # Noise at a fixed degree is reported first and TP is not blamed for it.
             summary["status"] = "inconclusive"
             summary["error"] = _not_reproducible(reference_degree, base.get("cause"), base.get("first_divergence"))

@@ -29,6 +29,13 @@ class Compare:
     nan_mismatch: bool
 
     @property
+    def nonfinite(self) -> str | None:
+        """'NaN' or 'Inf' where one side is non-finite and the other is not (its own finding), else None."""
+        if self.nan_mismatch:
+            return "NaN"
+        return "Inf" if self.max_abs == float("inf") else None
+
+    @property
     def mismatch_fraction(self) -> float:
         return self.mismatches / self.numel if self.numel else 0.0
 
@@ -93,7 +100,9 @@ def compare(a: torch.Tensor, b: torch.Tensor, chunk: int = CHUNK) -> Compare:
         nan_mismatch |= m[0]
         inf_pattern |= m[1]
         max_abs, max_rel, max_ulp = max(max_abs, m[2]), max(max_rel, m[3]), max(max_ulp, m[4])
-    if inf_pattern:
+    if inf_pattern or nan_mismatch:
+        # NaN against a number is no small difference: an infinite one, so that no budget on max_abs
+        # can pass it (the NaN elements themselves drop out of the finite measures above).
         max_abs = max_rel = float("inf")
     return Compare(False, n, mism, max_abs, max_rel, None if nan_mismatch else max_ulp, nan_mismatch)
 

@@ -177,7 +177,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
             raise NotComparable(f"TP={label}: {key}: {a.dtype}{list(a.shape)} at the reference vs "
                                 f"{b.dtype}{list(b.shape)}")
         c = bits.compare(b, a)
-        row["nonfinite_mismatch"] = c.nan_mismatch or c.max_abs == float("inf")
+        row["nonfinite_mismatch"] = c.nonfinite is not None
+        row["nonfinite"] = c.nonfinite
         row.update(bitwise=c.bitwise, max_abs=c.max_abs, max_rel=c.max_rel, max_ulp=c.max_ulp,
                    mismatch_fraction=c.mismatch_fraction, bound=None, beyond_bound=None)
         if oa.rank_consistent is False:

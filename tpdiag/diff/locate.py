@@ -84,6 +84,17 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         first_nonfinite["bound_ratio"] = float("inf")
 
 
+def nonfinite_summary(rows: list[dict]) -> dict | None:
+    """Which records are NaN or Inf at one side only, and the first of them (execution order)."""
+    nf = [r for r in rows if r.get("nonfinite_mismatch")]
+    if not nf:
+        return None
+    f = nf[0]
+    return {"records": len(nf), "nan_records": sum(r.get("nonfinite") == "NaN" for r in nf),
+            "first": {k: f.get(k) for k in ("key", "phase", "module", "kind", "name", "step")}
+            | {"value": (f.get("nonfinite") or "NaN or Inf").lower()}}  # "nan": JSON's "NaN" reads back as a float
+
+
 def _set(row: dict, bound: float, diff: float) -> None:
     row["bound"] = bound
     row["bound_ratio"] = diff / bound if bound > 0 else (0.0 if diff == 0 else float("inf"))
@@ -122,6 +133,8 @@ def _loss_bounds(dd: DegreeDiff) -> None:
 
 
 def classify(row: dict) -> str:
+    if row.get("nonfinite_mismatch"):
+        return "non-finite"  # NaN/Inf at one side only: never a rounding, never within a budget
     if row.get("rank_consistent") is False:
         return "rank-inconsistent-replica"
     if row.get("beyond_bound"):

@@ -42,6 +42,7 @@ class Policy:
     degrees: tuple[str, ...] | None = None
     phases: tuple[str, ...] | None = None
     source: str = "default (nothing may diverge)"
+    warnings: tuple[str, ...] = ()
 
     def budget_for(self, row: dict) -> Budget | None:
         return next((b for b in self.budgets if b.covers(row)), None)
@@ -99,11 +100,17 @@ def load_policy(path: str | None) -> Policy:
     extra = set(data) - _TOP_KEYS
     if extra:
         raise BadInput(f"--policy {path}: unknown key {sorted(extra)[0]!r}; expected {', '.join(sorted(_TOP_KEYS))}")
+    allow = _str_list(path, "allow_causes", data.get("allow_causes", []), CAUSES)
+    if "non-finite" in allow:
+        raise BadInput(f"--policy {path}: allow_causes has 'non-finite'; NaN or Inf at one side only is never "
+                       "allowed (fix the model, or gate the degrees that stay finite)")
+    warnings = (("allow_causes has 'unknown': a divergence nothing could judge passes this gate",)
+                if "unknown" in allow else ())
     budgets = data.get("budgets", {})
     if not isinstance(budgets, dict):
         raise BadInput(f"--policy {path}: budgets must be tables, e.g. [budgets.\"layers.*.wo\"] max_ulp = 64")
     return Policy(
-        allow_causes=_str_list(path, "allow_causes", data.get("allow_causes", []), CAUSES),
+        allow_causes=allow, warnings=warnings,
         budgets=tuple(_budget(path, g, t) for g, t in budgets.items()),
         degrees=_str_list(path, "degrees", data["degrees"]) if "degrees" in data else None,
         phases=_str_list(path, "phases", data["phases"], PHASES) if "phases" in data else None,

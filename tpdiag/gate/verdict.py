@@ -52,6 +52,7 @@ class DegreeResult:
     checked: int = 0       # divergent records judged against the policy
     violations: list[Violation] = field(default_factory=list)
     error: str | None = None
+    ungated: int = 0       # divergent records in phases the policy does not gate
 
 
 @dataclass
@@ -69,7 +70,18 @@ class GateResult:
         return "fail" if any(d.violations for d in self.degrees.values()) else "pass"
 
     @property
+    def bug(self) -> bool:
+        """A bug-class or non-finite record is beyond policy: exit EXIT_BUG, not 1."""
+        from tpdiag.records.causes import cause_class
+
+        return any(cause_class(v.cause) in ("bug", "non-finite") for d in self.degrees.values() for v in d.violations)
+
+    @property
     def exit_code(self) -> int:
+        from tpdiag.records.causes import EXIT_BUG
+
+        if self.status == "fail" and self.bug:
+            return EXIT_BUG
         return {"pass": 0, "fail": 1, "inconclusive": 2}[self.status]
 
     @property
@@ -86,9 +98,10 @@ class GateResult:
         how = ("allow causes or per-module budgets with --policy FILE.toml" if self.policy.source == Policy.source
                else "format")
         out = [f"gate: {head}", f"policy: {self.policy.source} ({how}: docs/ci.md, 'The policy file')"]
+        out += [f"warning: {w}" for w in self.policy.warnings]
         out += [f"evidence: {p}" for p in self.problems[1:]]
         for d in self.degrees.values():
-            what = {"pass": f"pass ({_count(d.checked, 'divergent record')} within policy)" if d.checked else "pass (bitwise)",
+            what = {"pass": _pass_words(d),
                     "skipped": "not gated by the policy", "error": f"error: {d.error}",
                     "fail": f"fail ({_count(len(d.violations), 'record')} beyond policy"
                             + ("; the first is in the headline)" if first in d.violations else ")")}[d.status]
@@ -105,6 +118,22 @@ class GateResult:
             "reference": self.reference, "policy": asdict(self.policy), "problems": self.problems,
             "first_violation": asdict(self.first_violation) if self.first_violation else None,
             "degrees": {k: asdict(v) for k, v in self.degrees.items()}})
+
+
+def _pass_words(d: DegreeResult) -> str:
+    # "bitwise" only where no record differs at all: a degree whose divergent records sit in phases the
+    # policy does not gate passed the policy, it was not bitwise.
+    if not d.checked and not d.ungated:
+        return "pass (bitwise)"
+    parts = [f"{d.checked} divergent records within policy"] if d.checked else []
+    parts += [f"{d.ungated} divergent records in phases the policy does not gate"] if d.ungated else []
+    return f"pass ({'; '.join(parts)})"
+
+
+def nonfinite(r: dict) -> bool:
+    """NaN or Inf at one side only: compare's max_abs is then infinite (never 0), or NaN in a foreign file."""
+    m = r.get("max_abs")
+    return m is not None and (m != m or m == float("inf"))
 
 
 def _verify_records(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
@@ -175,12 +204,24 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
     res = DegreeResult(lab, "pass")
     first_seen = False
     for r in rows:
-        if policy.phases is not None and r["phase"] not in policy.phases:
-            continue
         if r["bitwise"] is not False and r["rank_consistent"] is not False:
             continue
-        res.checked += 1
         finding = findings.get((r["step"], r["phase"], r["module"], r["kind"], r["name"]))
+        if finding == "non-finite" or nonfinite(r):
+            # NaN/Inf at one side only is judged in every phase and degree gated: no phase list, budget
+            # or allowed cause can pass it (the policy refuses allow_causes = ["non-finite"]).
+            res.checked += 1
+            first_seen = True
+            root = r["key"] == fd.get("key")
+            res.violations.append(Violation(lab, r["phase"], fd.get("module", r["module"]) if root else r["module"],
+                                            fd.get("op") if root else None, r["kind"], r["name"], "non-finite",
+                                            r["max_ulp"], r["max_abs"],
+                                            "NaN or Inf at one side only: no budget or cause allows it", r["key"]))
+            continue
+        if policy.phases is not None and r["phase"] not in policy.phases:
+            res.ungated += 1
+            continue
+        res.checked += 1
         cause = finding or root_cause
         is_first, first_seen = not first_seen, True
         budget = policy.budget_for(r)
@@ -271,7 +312,7 @@ def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
 
 
 def _evaluate(run_dir: str, policy: Policy) -> GateResult:
-    from tpdiag.records.rundir import incomplete, read_manifest, read_rows, read_summary
+    from tpdiag.records.rundir import incomplete, read_manifest, read_rows, read_summary, run_file
 
     res = GateResult(os.path.abspath(run_dir), policy)
     from tpdiag.records.check import require_run_dir
@@ -304,13 +345,15 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
         res.problems.append("manifest.json lists no degree besides the reference: nothing was compared")
     for lab in sorted(set(degrees) - set(others)):
         res.problems.append(f"summary.json has TP={lab}, which manifest.json does not list")
-    if summary.get("schema") != 1:
-        res.problems.append(f"summary.json schema {summary.get('schema')!r}: this tpdiag reads schema 1")
+    from tpdiag.records import integrity
+
+    # The per-rank evidence, the manifest's schema and worlds, and the summary must agree first.
+    res.problems += integrity.problems(run_dir, manifest, summary)
     for lab in policy.degrees or ():
         if lab not in others:
             res.problems.append(f"policy gates TP={lab} but the run compared only TP={', '.join(others) or 'none'}")
     try:
-        rows = read_rows(os.path.join(run_dir, "diff.csv"))
+        rows = read_rows(run_file(run_dir, "diff.csv"))
     except Inconclusive as e:
         res.problems.append(str(e).splitlines()[0])
         rows = []

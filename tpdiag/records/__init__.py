@@ -8,6 +8,8 @@ rundir.py     a run directory: completion marker, manifest, summary.json, diff.c
 frames.py     a run directory as pandas DataFrames (`tpdiag.load`); diff.csv is written from its records frame
 provenance.py the versions every manifest carries
 causes.py     cause labels, their classes (bug / non-finite / rounding / unknown), the bug exit code
+integrity.py  does a run directory agree with itself (per-rank markers, results, manifest, summary)
+lock.py       one writer per run directory (an flock; a stale one is said)
 
 Probes write through it; diff, gate and reports read through it. Nothing here imports probes,
 diff or runner, and this file imports nothing (torch loads with store/layout, pandas with frames).

@@ -17,14 +17,24 @@ _FLOAT = ("max_abs", "max_rel", "mismatch_fraction", "bound")
 _BOOL = ("bitwise", "rank_consistent", "beyond_bound")
 
 
+def run_file(run_dir: str, name: str) -> str:
+    """RUN_DIR/name, refused when a symlink takes it out of the run directory (a verdict file must be
+    the run's own, not /etc/passwd or another run's)."""
+    path = os.path.join(run_dir, name)
+    real, root = os.path.realpath(path), os.path.realpath(run_dir)
+    if os.path.islink(path) and os.path.commonpath([real, root]) != root:
+        raise Inconclusive(f"{path}: a symlink out of the run directory (to {real}); refused")
+    return path
+
+
 def read_manifest(run_dir: str) -> dict:
     """manifest.json: versions, config, degrees, per-world status (written first by compare)."""
-    return io.read_json(os.path.join(run_dir, "manifest.json"))
+    return io.read_json(run_file(run_dir, "manifest.json"))
 
 
 def read_summary(run_dir: str) -> dict:
     """summary.json: the verdict (schema 1)."""
-    return io.read_json(os.path.join(run_dir, "summary.json"))
+    return io.read_json(run_file(run_dir, "summary.json"))
 
 
 def _parse_row(r: dict) -> dict:
@@ -41,7 +51,7 @@ def _parse_row(r: dict) -> dict:
 def read_rows(path: str) -> list[dict]:
     """diff.csv as typed dicts; a missing or malformed file is Inconclusive, never half-read."""
     try:
-        with open(path, newline="") as f:
+        with io.open_regular(path, newline="") as f:
             reader = csv.DictReader(f)
             missing = [c for c in ROW_FIELDS if c not in (reader.fieldnames or [])]
             if missing:
@@ -63,6 +73,11 @@ def incomplete(run_dir: str, manifest) -> str | None:
     if isinstance(manifest, dict) and manifest.get("tool") == "tpdiag compare" and "status" not in manifest:
         worlds = manifest.get("worlds") if isinstance(manifest.get("worlds"), dict) else {}
         done = ", ".join(f"TP={k} {(v or {}).get('status') if isinstance(v, dict) else v}" for k, v in worlds.items())
+        from tpdiag.records.lock import holder
+
+        who = holder(run_dir)
+        if who:
+            return f"{run_dir}: a compare is still running there ({who}); worlds finished: {done or 'none'}"
         return (f"{run_dir}: incomplete run - the compare did not finish (interrupted, killed or still "
                 f"running; worlds finished: {done or 'none'})")
     return None
@@ -80,13 +95,13 @@ def load_run(run_dir: str) -> tuple[dict, dict, list[dict]]:
     from tpdiag.records.check import require_run_dir
 
     require_run_dir(run_dir)
-    manifest = io.read_json(os.path.join(run_dir, "manifest.json"))
+    manifest = read_manifest(run_dir)
     why = incomplete(run_dir, manifest)
     if why:
         raise Inconclusive(why)
-    summary = io.read_json(os.path.join(run_dir, "summary.json"))
+    summary = read_summary(run_dir)
     if not isinstance(summary, dict) or not isinstance(summary.get("degrees"), dict):
         raise Inconclusive(f"{os.path.join(run_dir, 'summary.json')}: no 'degrees' table (not a tpdiag summary)")
     if not isinstance(manifest, dict):
         raise Inconclusive(f"{os.path.join(run_dir, 'manifest.json')}: not a JSON object")
-    return manifest, summary, read_rows(os.path.join(run_dir, "diff.csv"))
+    return manifest, summary, read_rows(run_file(run_dir, "diff.csv"))

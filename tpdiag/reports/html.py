@@ -137,6 +137,10 @@ def build_context(run_dir: str) -> dict:
     run = load(run_dir)
     manifest, summary, ref = run.manifest, run.summary, run.reference
     rows = rows_of(run.records)
+    from tpdiag.records import integrity
+
+    # Evidence that disagrees with the summary makes the whole report inconclusive, said at the top.
+    problems = integrity.problems(run_dir, manifest, summary, rows)
     degrees = {str(k): v for k, v in summary["degrees"].items()}
     labels = list(degrees)
     by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in labels}
@@ -165,7 +169,9 @@ def build_context(run_dir: str) -> dict:
     figures["matrix"] = plots.mitigation_matrix(matrix) if matrix else None
     return {
         "run_dir": os.path.abspath(run_dir), "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "status": summary.get("status", "unknown"), "error": summary.get("error"), "ref": ref,
+        "status": "inconclusive" if problems else summary.get("status", "unknown"),
+        "error": (f"evidence disagrees ({len(problems)} problems): " + "; ".join(problems[:3])) if problems
+        else summary.get("error"), "ref": ref, "evidence_problems": problems,
         "baseline": summary.get("baseline"), "status_after_fixes": summary.get("status_after_fixes"),
         "manifest": manifest, "labels": labels, "ok_labels": ok, "degrees": degrees, "verdicts": verdicts,
         "figures": figures, "modules": modules, "open_modules": len(modules) <= OPEN_MODULE_TABLE,

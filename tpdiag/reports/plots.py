@@ -59,24 +59,26 @@ def divergence_by_record(series: dict[str, dict]) -> str | None:
     first_phases = next(iter(series.values()))["phases"]
     _phase_bands(ax_u, first_phases, label=True)
     _phase_bands(ax_a, first_phases, label=False)
-    drawn = 0
+    drawn = {"ulp": 0, "abs": 0}
     for color, (label, s) in zip(_colors(len(series)), series.items()):
         # The first divergence is named in the legend, not annotated: with many degrees the first
         # divergences sit close together and annotations would overprint each other.
         name = f"TP={label}" + (f" (first: {s['first_name']})" if s["first"] is not None else "")
         for ax, key in ((ax_u, "ulp"), (ax_a, "abs")):
-            ys = s[key]
-            xs_div = [i for i, y in enumerate(ys) if y and y > 0]
-            drawn += len(xs_div)
+            # A non-finite record (infinite max_abs: NaN or Inf at one side) has no place on a log
+            # axis; the verdict names it.
+            ys = [y if y is not None and math.isfinite(y) and y > 0 else None for y in s[key]]
+            xs_div = [i for i, y in enumerate(ys) if y]
+            drawn[key] += len(xs_div)
             ax.plot(xs_div, [ys[i] for i in xs_div], ".", ms=3.5, color=color, label=name)
             if s["first"] is not None and ys[s["first"]]:
                 ax.plot([s["first"]], [ys[s["first"]]], marker="*", ms=15, color=color, mec="#c00", mew=1.2,
                         zorder=5, ls="none")
             if s["first"] is not None:
                 ax.axvline(s["first"], color=color, ls="--", lw=0.8)
-    if drawn:  # log of nothing is an error in matplotlib, and there is nothing to scale
-        ax_u.set_yscale("log")
-        ax_a.set_yscale("log")
+    for ax, key in ((ax_u, "ulp"), (ax_a, "abs")):
+        if drawn[key]:  # log of nothing is an error in matplotlib, and there is nothing to scale
+            ax.set_yscale("log")
     ax_u.set_ylabel("max ULP (log)")
     ax_a.set_ylabel("max |difference| (log)")
     ax_a.set_xlabel("record, in execution order (bitwise-equal records are not drawn)")

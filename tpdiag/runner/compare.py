@@ -69,6 +69,12 @@ def validate(cfg: CompareConfig) -> None:
         raise BadInput(f"--seed {cfg.seed}: must be in [0, 2**63)")
     if cfg.batch_size < 1 or cfg.seq_len < 2:
         raise BadInput(f"--batch-size {cfg.batch_size} / --seq-len {cfg.seq_len}: need >= 1 and >= 2")
+    from tpdiag.models.capacity import check_batch, guess_device
+
+    # Positions and memory before any world starts: a batch past them fails in seconds, not after
+    # minutes of a rank growing until the OOM killer picks a process on a shared host.
+    check_batch(spec, cfg.batch_size, cfg.seq_len, cfg.dtype, cfg.backward, guess_device(cfg.device, cfg.degrees),
+                cfg.variant)
     from tpdiag.config import CAPTURES
 
     if cfg.capture not in CAPTURES:

@@ -5,10 +5,10 @@ kills every rank it started, whatever happens - no orphan processes.
 """
 from __future__ import annotations
 
-import glob
 import math
 import multiprocessing as mp
 import os
+import re
 import signal
 import threading
 import time
@@ -37,9 +37,25 @@ class WorldResult:
         return asdict(self)
 
 
+def _import_root_first() -> None:
+    """Ranks import the tpdiag this process runs, never a `tpdiag/` folder in the working directory.
+
+    The fork server starts as `python -c ...`, so its sys.path begins with the working directory; a
+    folder named tpdiag there (a clone's parent) is a namespace package that shadows an install
+    found by a meta-path finder (pip's editable installs), and every rank then dies on import with
+    its error unwritten. With this package's root on PYTHONPATH the real (regular) package wins."""
+    import tpdiag
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tpdiag.__file__)))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if not paths or os.path.abspath(paths[0]) != root:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *(p for p in paths if os.path.abspath(p) != root)])
+
+
 def _context(model: str = ""):
     for k, v in RANK_ENV.items():
         os.environ.setdefault(k, v)  # inherited by the fork server, so by every rank
+    _import_root_first()
     method = os.environ.get("TPDIAG_START_METHOD", "forkserver")
     if method not in mp.get_all_start_methods():
         from tpdiag.errors import BadInput
@@ -78,6 +94,9 @@ def prestart(model: str = "") -> None:
                 os.environ[k] = v
 
 
+_MARKER = re.compile(r"rank[0-9]+\.(done|error)")
+
+
 def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) -> WorldResult:
     """`entry`: each rank's function, with worker.main's arguments and contract (rankR.done /
     rankR.error markers in cfg.out_dir); default worker.main (compare's step)."""
@@ -98,8 +117,11 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
 
         raise BadInput(f"--timeout {timeout_s!r}: expected a finite number of seconds > 0") from None
     os.makedirs(cfg.out_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(cfg.out_dir, "rank*.*")):
-        os.unlink(stale)
+    for name in os.listdir(cfg.out_dir):
+        # Only the markers a rank writes (rankN.done, rankN.error) from an earlier run here: any other
+        # file in tpN/ is not tpdiag's to delete.
+        if _MARKER.fullmatch(name) and not os.path.isdir(os.path.join(cfg.out_dir, name)):
+            os.unlink(os.path.join(cfg.out_dir, name))
     t0 = time.perf_counter()
     store = dist.TCPStore("127.0.0.1", 0, world_size=world + 1, is_master=True,
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))

@@ -1,0 +1,140 @@
+"""Refuse, before any world starts, a batch the model or the machine cannot hold.
+
+Two checks, each in one line with the numbers: a sequence longer than the model's positions
+(RoPE tables, position embeddings) would fail inside the world after the model is built; a
+batch whose activations, logits and records do not fit the memory of the GPU (free memory on
+device 0) or the host (MemAvailable, or the cgroup's limit where smaller) would grow a rank until
+the kernel's OOM killer ends it - on a shared host, maybe another user's process first.
+
+The estimate is a lower bound of the reference world's peak (TP=1 holds the whole model; at
+TP > 1 on one host the ranks together hold at least as much): activations kept for backward,
+the logits and their grads, parameters with grads and Adam moments. A run it lets through can still run out of memory; one it refuses cannot fit.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+from tpdiag.errors import BadInput
+
+GiB = 1 << 30
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_dims(path: str) -> dict:
+    from tpdiag.models.hf import _transformers
+
+    _transformers()
+    from transformers import AutoConfig
+
+    try:
+        c = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 - the world reports an unusable config in its own words
+        return {}
+    if hasattr(c, "get_text_config"):
+        c = c.get_text_config()
+    g = lambda *names: next((getattr(c, n) for n in names if isinstance(getattr(c, n, None), int)), None)  # noqa: E731
+    return {"positions": g("max_position_embeddings", "n_positions", "max_seq_len"),
+            "vocab": g("vocab_size"), "dim": g("hidden_size", "n_embd", "d_model"),
+            "layers": g("num_hidden_layers", "n_layer"), "ffn": g("intermediate_size", "n_inner"),
+            "heads": g("num_attention_heads", "n_head")}
+
+
+def model_dims(spec, variant: str = "stock") -> dict:
+    """What is known of the model's size without building it: positions, vocab, dim, layers, ffn,
+    heads, params (any may be None)."""
+    if spec.kind == "builtin":
+        from tpdiag.models.presets import PRESETS
+
+        p = {"vocab_size": 512, "dim": 256, "n_layers": 2, "n_heads": 16, "ffn_dim": 512, "max_seq_len": 4096,
+             **PRESETS[spec.value]}
+        return {"positions": p["max_seq_len"], "vocab": p["vocab_size"], "dim": p["dim"], "layers": p["n_layers"],
+                "ffn": p["ffn_dim"], "heads": p["n_heads"]}
+    if spec.kind == "hf":
+        return dict(_hf_dims(spec.value))
+    from tpdiag.models.precheck import _py_target
+
+    t = _py_target(spec, variant)
+    if t is None:
+        return {}
+    return {"vocab": t.vocab_size, "params": sum(p.numel() for p in t.model.parameters())}
+
+
+def estimate_bytes(dims: dict, batch: int, seq: int, dtype: str, backward: bool) -> int:
+    """A lower bound of the reference world's peak memory (see the module docstring)."""
+    e = _BYTES.get(dtype, 4)
+    tokens = batch * seq
+    vocab, dim, layers = dims.get("vocab") or 0, dims.get("dim") or 0, dims.get("layers") or 0
+    ffn = dims.get("ffn") or 4 * dim
+    params = dims.get("params")
+    if params is None:
+        params = vocab * dim * 2 + layers * (4 * dim * dim + 3 * dim * ffn)
+    # Only what surely lives at once: per layer the tensors kept for backward (the norm output and
+    # q, k, v ~ 4 x dim, the MLP's three ffn-wide ones; no seq x seq attention matrix, which a fused
+    # attention kernel never materialises); the logits and, with
+    # backward, their grad; parameters, with grads and Adam's two moments. Records are left out:
+    # full capture spills them to disk past its host budget.
+    act = tokens * layers * (4 * dim + 3 * ffn)
+    logits = tokens * vocab * (2 if backward else 1)
+    state = params * (4 if backward else 1)
+    return int((act + logits + state) * e)
+
+
+def available_bytes(device: str) -> tuple[int | None, str]:
+    """(bytes free, where) for the device the reference world runs on; None when unknown."""
+    if device == "cuda":
+        try:
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(0)
+            return int(free), f"free on {torch.cuda.get_device_name(0)}"
+        except Exception:  # noqa: BLE001 - no GPU to ask: the world's own error says more
+            return None, "GPU"
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                lim = f.read().strip()
+            if lim.isdigit() and int(lim) < (avail or 1 << 62):
+                avail = int(lim)
+        except OSError:
+            continue
+    return avail, "available host memory"
+
+
+def check_batch(spec, batch: int, seq: int, dtype: str, backward: bool, device: str,
+                variant: str = "stock") -> None:
+    """Raise BadInput when --seq-len passes the model's positions or the batch cannot fit (one line)."""
+    dims = model_dims(spec, variant)
+    pos = dims.get("positions")
+    if pos and seq > pos:
+        raise BadInput(f"--seq-len {seq}: the model has {pos} positions; use --seq-len {pos} or less")
+    need = estimate_bytes(dims, batch, seq, dtype, backward)
+    have, where = available_bytes(device)
+    if have is not None and need > have:
+        raise BadInput(f"--batch-size {batch} x --seq-len {seq}: the reference world needs at least "
+                       f"{need / GiB:,.1f} GiB ({dtype}, activations and logits"
+                       f"{', grads and optimizer state' if backward else ''}), {have / GiB:,.1f} GiB {where}; "
+                       "lower --batch-size or --seq-len")
+
+
+def guess_device(device: str, degrees) -> str:
+    """The device the run will use, without failing (resolve_device raises later with its own words)."""
+    if device != "auto":
+        return device
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return "cpu"
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= max(degrees) else "cpu"
+    except Exception:  # noqa: BLE001
+        return "cpu"

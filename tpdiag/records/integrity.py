@@ -1,0 +1,112 @@
+"""Does a compare's run directory agree with itself? The per-rank evidence (completion and error
+markers, each world's result.json), manifest.json (its schema, its worlds) and summary.json must
+tell one story. The gate and the report read this before any verdict: a summary that says
+"bitwise" or "reproducible" over evidence that says otherwise is inconclusive, never a pass.
+
+Only file reads here (records/ is the contract layer): the re-diff of the tensors is the gate's.
+"""
+from __future__ import annotations
+
+import os
+
+from tpdiag import io
+from tpdiag.errors import Inconclusive
+
+SCHEMA = 1
+STATUSES = ("bitwise", "divergent", "inconclusive")
+
+
+def schema_ok(v) -> bool:
+    # `true == 1` in Python: a schema must be the integer itself, not a bool or a float.
+    return type(v) is int and v == SCHEMA
+
+
+def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str | None = None) -> str | None:
+    """Why the records of a world the manifest calls ok cannot be trusted, or None."""
+    from tpdiag.records.rundir import records_dir
+
+    d = records_dir(run_dir, manifest, label)
+    who = f"reference rerun TP={label}" if label == base else f"TP={label}"
+    try:
+        res = io.read_json(os.path.join(d, "result.json"))
+    except Inconclusive as e:
+        return f"{who}: {str(e).splitlines()[0]}"
+    if not isinstance(res, dict) or res.get("status") != "ok":
+        status = res.get("status") if isinstance(res, dict) else res
+        return f"{who}: tp{label}/result.json says {status!r} but manifest.json says ok"
+    if str(res.get("label")) != label or res.get("degree") != degree:
+        return f"{who}: tp{label}/result.json is for TP={res.get('label')} (degree {res.get('degree')!r})"
+    if type(degree) is not int or not 1 <= degree <= 1 << 16:
+        return f"{who}: manifest.json degree {degree!r} is not a world size"
+    try:
+        errors = sorted(f for f in os.listdir(d) if f.startswith("rank") and f.endswith(".error"))
+    except OSError as e:
+        return f"{who}: tp{label}/ unreadable ({e.strerror or e})"
+    if errors:
+        return f"{who}: tp{label}/{errors[0]} exists (a rank failed) but manifest.json says ok"
+    for r in range(degree):
+        m = os.path.join(d, f"rank{r}.done")
+        if not os.path.isfile(m) or os.path.islink(m):
+            return f"{who}: tp{label}/rank{r}.done is missing (the rank never finished its work)"
+    return None
+
+
+def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) -> list[str]:
+    """Every disagreement between manifest.json, summary.json, diff.csv's rows (when given) and the
+    per-rank evidence, in words."""
+    out: list[str] = []
+    if not isinstance(manifest, dict):
+        return [f"{run_dir}/manifest.json: not a JSON object"]
+    if not isinstance(summary, dict) or not isinstance(summary.get("degrees"), dict):
+        return [f"{run_dir}/summary.json: no 'degrees' table (not a tpdiag summary)"]
+    if not schema_ok(manifest.get("schema")):
+        out.append(f"manifest.json schema {manifest.get('schema')!r}: this tpdiag reads schema {SCHEMA}")
+    if not schema_ok(summary.get("schema")):
+        out.append(f"summary.json schema {summary.get('schema')!r}: this tpdiag reads schema {SCHEMA}")
+    if summary.get("status") not in STATUSES:
+        out.append(f"summary.json status {summary.get('status')!r}: expected one of {', '.join(STATUSES)}")
+    degrees = {str(k): v for k, v in summary["degrees"].items()}
+    statuses = {lab: (d or {}).get("status") if isinstance(d, dict) else None for lab, d in degrees.items()}
+    if summary.get("status") == "bitwise" and any(s != "bitwise" for s in statuses.values()):
+        lab = next(lab for lab, s in statuses.items() if s != "bitwise")
+        out.append(f"summary.json says bitwise but TP={lab} is {statuses[lab]}")
+    if summary.get("status") == "divergent" and "divergent" not in statuses.values():
+        out.append("summary.json says divergent but no degree is divergent")
+    if summary.get("status") != "inconclusive" and "failed" in statuses.values():
+        lab = next(lab for lab, s in statuses.items() if s == "failed")
+        out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
+    for lab, st in statuses.items():
+        div = [r for r in rows or () if str(r.get("degree")) == lab
+               and (r.get("bitwise") is False or r.get("rank_consistent") is False)]
+        if st == "bitwise" and div:
+            out.append(f"summary.json says TP={lab} is bitwise but diff.csv has {len(div)} divergent records")
+    if manifest.get("tool") != "tpdiag compare":
+        return out  # `tpdiag diff` and matrix runs have no per-rank evidence of their own here
+    worlds = manifest.get("worlds")
+    labels = manifest.get("labels")
+    if not isinstance(worlds, dict) or not isinstance(labels, list) or not labels:
+        out.append("manifest.json lists no worlds or labels (not a complete tpdiag compare run)")
+        return out
+    labels = [str(x) for x in labels]
+    if str(manifest.get("reference")) != labels[0]:
+        out.append(f"manifest.json reference {manifest.get('reference')!r} is not its first label {labels[0]!r}")
+    for lab in labels[1:]:
+        if lab not in degrees:
+            out.append(f"manifest.json lists TP={lab}, absent from summary.json")
+    base = summary.get("baseline") if isinstance(summary.get("baseline"), dict) else None
+    base_label = str(base["label"]) if base and base.get("label") is not None else None
+    if base_label is not None and base_label not in worlds:
+        out.append(f"summary.json reports the reference rerun TP={base_label}, which manifest.json never ran")
+    for lab in labels + ([base_label] if base_label in worlds else []):
+        w = worlds.get(lab)
+        if not isinstance(w, dict):
+            out.append(f"TP={lab}: no world in manifest.json")
+            continue
+        if w.get("status") != "ok":
+            if statuses.get(lab) not in (None, "failed") or (lab == labels[0] and summary.get("status") != "inconclusive"):
+                out.append(f"TP={lab}: manifest.json says the world {w.get('status')} but summary.json does not")
+            continue
+        why = _world_problem(run_dir, manifest, lab, w.get("degree"), base_label)
+        if why:
+            out.append(why)
+    return out

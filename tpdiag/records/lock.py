@@ -1,0 +1,126 @@
+"""One writer per run directory: `compare` and `confirm` hold RUN_DIR/.tpdiag.lock while they write.
+
+An flock on the file, not the file's existence, is the lock: the kernel drops it when its process
+ends however it ends, so a killed compare never blocks the next one. The file's content (pid, host,
+start time) names the holder for the refusal message; a file whose content survives with no
+holder is the trace of a compare that was killed, and the next one says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from contextlib import contextmanager
+
+from tpdiag.errors import BadInput
+
+NAME = ".tpdiag.lock"
+
+
+def _holder(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.loads(f.read(4096) or "{}")
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _who(h: dict) -> str:
+    return f"pid {h.get('pid', '?')} on {h.get('host', '?')}, started {h.get('started', '?')}"
+
+
+@contextmanager
+def hold(run_dir: str, command: str = "compare"):
+    """Yields None, or a one-line note when a stale lock (its process gone) was found and taken over.
+    Raises BadInput when another live process holds RUN_DIR."""
+    import fcntl
+
+    created = not os.path.isdir(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, NAME)
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise BadInput(f"--out {run_dir}: cannot lock it ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise in_use(run_dir, _who(_holder(path))) from None
+        # The holder before us may have unlinked the file between our open and our flock: then we hold
+        # a lock on a file nobody else will ever open. Only the file at the path counts.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    stale = _holder(path)
+    note = None
+    if stale.get("pid") is not None:
+        alive = stale.get("host") == platform.node() and _alive(stale["pid"])
+        note = (f"{run_dir} had a stale lock ({_who(stale)}; "
+                f"{'that pid is alive but no longer holds it' if alive else 'its process is gone'}): "
+                "an earlier run was killed there; its files are replaced")
+    me = {"pid": os.getpid(), "host": platform.node(), "command": command,
+          "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    try:
+        yield note
+    finally:
+        # Unlink before unlocking: whoever opens the path next creates a new file (see the inode check).
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        os.close(fd)
+        if created:
+            try:
+                os.rmdir(run_dir)  # made here and nothing was written (refused, or stopped before a world)
+            except OSError:
+                pass
+
+
+def in_use(run_dir: str, who: str) -> BadInput:
+    return BadInput(f"{run_dir} is in use by another tpdiag run ({who}); wait for it to finish or use another --out")
+
+
+def refuse_if_held(run_dir: str) -> None:
+    """The cheap early check (before torch is imported): refused in a second, not after the imports."""
+    who = holder(run_dir) if run_dir else None
+    if who:
+        raise in_use(run_dir, who)
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def holder(run_dir: str) -> str | None:
+    """Who holds RUN_DIR's lock now, in words, or None (for the readers: gate, report)."""
+    import fcntl
+
+    path = os.path.join(run_dir, NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return _who(_holder(path))
+    finally:
+        os.close(fd)
