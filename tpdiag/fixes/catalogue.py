@@ -45,8 +45,18 @@ def _flag(name):
     return install
 
 
+# The MoE experts layouts tp-invariant-linear covers (fixes/moe.py); any other layout of a
+# transformers `moe_tp_experts` module is refused in one line naming it.
+MOE_LAYOUTS = (
+    "moe_tp_experts with gate_up_proj [E, 2I, H] packed_colwise + down_proj [E, H, I] rowwise "
+    "(qwen3_moe, mixtral, deepseek_v3)",
+    "moe_tp_experts with gate_up_proj [E, H, 2I] rowwise (interleaved gate/up) + gate_up_proj_bias "
+    "rowwise + down_proj [E, I, H] colwise + replicated down_proj_bias (gpt_oss)",
+)
+
 register(Fix("tp-invariant-linear", ("row-parallel-reduction", "column-parallel-dgrad"),
-             ("RowwiseParallel forward", "ColwiseParallel dgrad"),
+             ("RowwiseParallel forward", "ColwiseParallel dgrad",
+              *(f"MoE experts: {m}" for m in MOE_LAYOUTS)),
              "fp32 partials per fixed K group + one tree all-gather of [tokens, N] per layer "
              "(no weight all-gather)", _linear("tp-invariant-linear")))
 register(Fix("invariant-gemm", ("shape-dependent-gemm",), ("ColwiseParallel forward/wgrad",),

@@ -22,6 +22,7 @@ from torch import nn
 from tpdiag.dtensors import local_of as _local
 from tpdiag.errors import BadInput
 from tpdiag.fixes import state
+from tpdiag.fixes.catalogue import MOE_LAYOUTS
 
 TREE = "tp-invariant-linear"
 EXPERTS_STYLE = "moe_tp_experts"
@@ -29,12 +30,7 @@ EXPERTS_STYLE = "moe_tp_experts"
 SHARDED = ("packed_colwise", "rowwise", "colwise")
 # a replicated expert parameter the fix can add once: the down projection's bias (gpt_oss)
 REPLICATED_OK = ("down_proj_bias",)
-COVERED = (
-    "moe_tp_experts with gate_up_proj [E, 2I, H] packed_colwise + down_proj [E, H, I] rowwise "
-    "(qwen3_moe, mixtral, deepseek_v3)",
-    "moe_tp_experts with gate_up_proj [E, H, 2I] rowwise (interleaved gate/up) + gate_up_proj_bias "
-    "rowwise + down_proj [E, I, H] colwise + replicated down_proj_bias (gpt_oss)",
-)
+COVERED = MOE_LAYOUTS
 
 
 def param_layout(style: str | None, pname: str, ndim: int) -> tuple[int, int] | None:
