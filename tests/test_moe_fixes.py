@@ -37,7 +37,9 @@ def runs(tmp_path_factory):
             out[kind]["auto"] = _compare(base / f"{kind}-auto", spec, "1,2", "--fix", "auto")
             out[kind]["stock"] = out[kind]["auto"]
         else:
-            out[kind]["stock"] = _compare(base / f"{kind}-stock", spec, "1,2", "--no-confirm")
+            # forward only: the control is the experts' forward output
+            out[kind]["stock"] = _compare(base / f"{kind}-stock", spec, "1,2", "--no-confirm",
+                                          "--forward-only")
     return out
 
 

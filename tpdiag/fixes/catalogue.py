@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tpdiag.fixes import state
+from tpdiag.fixes.layouts import MOE_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -44,15 +45,6 @@ def _flag(name):
 
     return install
 
-
-# The MoE experts layouts tp-invariant-linear covers (fixes/moe.py); any other layout of a
-# transformers `moe_tp_experts` module is refused in one line naming it.
-MOE_LAYOUTS = (
-    "moe_tp_experts with gate_up_proj [E, 2I, H] packed_colwise + down_proj [E, H, I] rowwise "
-    "(qwen3_moe, mixtral, deepseek_v3)",
-    "moe_tp_experts with gate_up_proj [E, H, 2I] rowwise (interleaved gate/up) + gate_up_proj_bias "
-    "rowwise + down_proj [E, I, H] colwise + replicated down_proj_bias (gpt_oss)",
-)
 
 register(Fix("tp-invariant-linear", ("row-parallel-reduction", "column-parallel-dgrad"),
              ("RowwiseParallel forward", "ColwiseParallel dgrad",

@@ -15,7 +15,6 @@ Two kinds of plans are handled:
 """
 from __future__ import annotations
 
-import fnmatch
 from contextlib import contextmanager
 
 import torch
@@ -24,18 +23,12 @@ from torch import nn
 from tpdiag.dtensors import local_of as _local
 from tpdiag.errors import BadInput
 from tpdiag.fixes import state
+from tpdiag.fixes.layouts import style_obj as _style_obj
 from tpdiag.kernels import tree
 from tpdiag.kernels.grouped_linear import col_parallel_linear, row_parallel_linear
 
 TREE = "tp-invariant-linear"
 BLOCKED = "invariant-gemm"
-
-
-def _style_obj(name: str, plan: dict):
-    for pattern, style in (plan or {}).items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return style
-    return None
 
 
 def _targets(model: nn.Module, plan: dict):

@@ -22,7 +22,7 @@ from torch import nn
 from tpdiag.dtensors import local_of as _local
 from tpdiag.errors import BadInput
 from tpdiag.fixes import state
-from tpdiag.fixes.catalogue import MOE_LAYOUTS
+from tpdiag.fixes.layouts import MOE_LAYOUTS, style_obj
 
 TREE = "tp-invariant-linear"
 EXPERTS_STYLE = "moe_tp_experts"
@@ -181,10 +181,8 @@ def _wrap(name: str, mod: nn.Module, obj, world: int):
 
 
 def experts_targets(model: nn.Module, plan: dict):
-    from tpdiag.fixes.linear import _style_obj
-
     for name, mod in model.named_modules():
-        obj = _style_obj(name, plan)
+        obj = style_obj(name, plan)
         if obj is not None and getattr(obj, "hf_name", None) == EXPERTS_STYLE:
             yield name, mod, obj
 
