@@ -53,10 +53,12 @@ class GroupSlices(torch.autograd.Function):
     def forward(ctx, w, dim: int, sf: int, n: int):
         dim = dim % w.dim()
         ctx.meta = (dim, sf, n, w.shape)
+        if n == 1:  # one group: the whole local weight (the run's largest degree), no copy
+            return (w.view_as(w),)
         chunks = [b.chunk(n, dim) for b in w.chunk(sf, dim)]
-        if sf == 1:
-            return tuple(c.view_as(c) for c in chunks[0])
-        return tuple(torch.cat([blk[j] for blk in chunks], dim) for j in range(n))
+        # contiguous like the whole local weight of the largest degree: the same memory layout
+        # for the group's kernels at every degree (a strided view may take another GEMM path)
+        return tuple(torch.cat([blk[j] for blk in chunks], dim).contiguous() for j in range(n))
 
     @staticmethod
     def backward(ctx, *grads):
