@@ -100,3 +100,25 @@ def test_uncovered_experts_layout_is_one_line(tmp_path):
     err = p.stderr.strip()
     assert len(err.splitlines()) == 1 and "layers.*.mlp.experts" in err and "packed_rowwise" in err, err
     assert not out.exists()  # refused before any world started
+
+
+def test_group_slices_are_the_global_groups_and_grads_go_back_exactly():
+    # a packed [E, 2I, H] weight cut _StridedShard(1, sf=2) over T ranks: rank r's local group j
+    # is the global group r * G/T + j, at every T; backward puts each group's grad in its place
+    import torch
+
+    from tpdiag.kernels.grouped_experts import group_slices
+
+    E, I, H, G = 3, 8, 5, 4
+    w = torch.randn(E, 2 * I, H)
+    gate, up = w.chunk(2, 1)
+    glob = [torch.cat([gate.chunk(G, 1)[g], up.chunk(G, 1)[g]], 1) for g in range(G)]
+    for T in (1, 2, 4):
+        for r in range(T):
+            local = torch.cat([gate.chunk(T, 1)[r], up.chunk(T, 1)[r]], 1).requires_grad_()
+            groups = group_slices(local, 1, 2, G // T)
+            for j, grp in enumerate(groups):
+                assert torch.equal(grp, glob[r * G // T + j])
+            sum(((k + 1) * grp).sum() for k, grp in enumerate(groups)).backward()
+            want = torch.cat([torch.full((E, I // G, H), float(k + 1)) for k in range(G // T)] * 2, 1)
+            assert torch.equal(local.grad, want)

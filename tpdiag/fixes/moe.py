@@ -14,6 +14,7 @@ else is refused in one line naming the layout, before any world starts where the
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 
 import torch
@@ -158,9 +159,16 @@ def _wrap(name: str, mod: nn.Module, obj, world: int):
     orig = mod.forward
     cls_forward = type(mod).forward
 
-    def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+    sig = inspect.signature(cls_forward)  # (self, hidden_states, top_k_index, top_k_weights, ...)
+    names = list(sig.parameters)[1:4]
+    if len(names) < 3:
+        raise _uncovered(name, f"forward{sig} does not take (hidden_states, top-k index, top-k weights)")
+
+    def forward(*args, **kwargs):
         if not state.active(TREE):
-            return orig(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            return orig(*args, **kwargs)
+        bound = sig.bind(mod, *args, **kwargs)
+        hidden_states, top_k_index, top_k_weights = (bound.arguments[n] for n in names)
         x, w = _local(hidden_states), _local(top_k_weights)
         xs = fan_out(x, local_groups)
         ws = fan_out(w, local_groups) if w.is_floating_point() else (w,) * local_groups
@@ -170,7 +178,8 @@ def _wrap(name: str, mod: nn.Module, obj, world: int):
         outs = []
         for j in range(local_groups):
             with _swapped(mod, {**{p: v[j] for p, v in pieces.items()}, **zeros}):
-                outs.append(cls_forward(mod, xs[j], top_k_index, ws[j], *args, **kwargs).float())
+                bound.arguments.update({names[0]: xs[j], names[2]: ws[j]})
+                outs.append(cls_forward(*bound.args, **bound.kwargs).float())
         y = tree.tree_all_reduce(tree.tree_sum(outs), x.dtype)
         for p in replicated:
             y = y + _bias_term(_local(mod._parameters[p]), top_k_index, w).to(y.dtype)
