@@ -171,7 +171,8 @@ def classify(row: dict) -> str:
                 return "vocab-parallel-softmax"
             return "unknown"
         if kind == "param_grad":
-            if cls in NORM_CLASSES:
+            if cls in NORM_CLASSES or (cls or "").endswith(("RMSNorm", "LayerNorm")):
+                # model-specific norm classes (Qwen3MoeRMSNorm, DeepseekV3RMSNorm, ...)
                 return "norm-weight-grad"
             if style in ("colwise", "rowwise", "colwise-gathered"):
                 return "shape-dependent-gemm"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -52,9 +53,46 @@ def _local(bound: dict):
     return lambda o: DTensor.from_local(o, mesh, pl, run_check=False)
 
 
+class _HeadExpand(torch.autograd.Function):
+    """A per-head [1, H, 1, 1] tensor expanded over batch and queries (gpt_oss's attention sinks,
+    concatenated to the logits). Backward: each head's grad summed over one contiguous
+    [batch, queries, 1] block - the same reduction at every TP - where expand's own backward
+    reduces [batch, H/TP, queries, 1] at once, another CPU reduction path when a rank holds one
+    head (3 ULP on gpt_oss's sinks at TP=4)."""
+
+    @staticmethod
+    def forward(ctx, t, sizes):
+        return t.expand(*sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        per_head = [g[:, h].contiguous().sum() for h in range(g.shape[1])]
+        return torch.stack(per_head).reshape(1, -1, 1, 1), None
+
+
+def _head_expand(args, kwargs):
+    """(tensor, sizes) of a `[1, H, 1, 1].expand(B, H or -1, Q, 1 or -1)` on a grad-requiring
+    tensor, else None."""
+    if kwargs or not args or type(args[0]) is not torch.Tensor:  # plain tensors only (no DTensor)
+        return None
+    t, sizes = args[0], args[1:]
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+        sizes = tuple(sizes[0])
+    if not t.requires_grad or t.dim() != 4 or len(sizes) != 4 or t.shape[0] != 1 \
+            or t.shape[2] != 1 or t.shape[3] != 1 or sizes[1] not in (-1, t.shape[1]) \
+            or sizes[3] not in (-1, 1):
+        return None
+    return t, tuple(int(x) for x in sizes)
+
+
 class InvariantSDPAMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.expand:
+            he = _head_expand(args, kwargs)
+            if he is not None:
+                return _HeadExpand.apply(*he)
+            return func(*args, **kwargs)
         if func is not SDPA:
             return func(*args, **kwargs)
         from tpdiag.kernels.attention import invariant_sdpa

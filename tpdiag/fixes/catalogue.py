@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tpdiag.fixes import state
+from tpdiag.fixes.layouts import MOE_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ def _flag(name):
 
 
 register(Fix("tp-invariant-linear", ("row-parallel-reduction", "column-parallel-dgrad"),
-             ("RowwiseParallel forward", "ColwiseParallel dgrad"),
+             ("RowwiseParallel forward", "ColwiseParallel dgrad",
+              *(f"MoE experts: {m}" for m in MOE_LAYOUTS)),
              "fp32 partials per fixed K group + one tree all-gather of [tokens, N] per layer "
              "(no weight all-gather)", _linear("tp-invariant-linear")))
 register(Fix("invariant-gemm", ("shape-dependent-gemm",), ("ColwiseParallel forward/wgrad",),

@@ -15,7 +15,6 @@ Two kinds of plans are handled:
 """
 from __future__ import annotations
 
-import fnmatch
 from contextlib import contextmanager
 
 import torch
@@ -24,18 +23,12 @@ from torch import nn
 from tpdiag.dtensors import local_of as _local
 from tpdiag.errors import BadInput
 from tpdiag.fixes import state
+from tpdiag.fixes.layouts import style_obj as _style_obj
 from tpdiag.kernels import tree
 from tpdiag.kernels.grouped_linear import col_parallel_linear, row_parallel_linear
 
 TREE = "tp-invariant-linear"
 BLOCKED = "invariant-gemm"
-
-
-def _style_obj(name: str, plan: dict):
-    for pattern, style in (plan or {}).items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return style
-    return None
 
 
 def _targets(model: nn.Module, plan: dict):
@@ -46,6 +39,11 @@ def _targets(model: nn.Module, plan: dict):
             obj = _style_obj(name, plan)
             style = style_label(obj) if obj is not None else None
             if style in ("rowwise", "colwise", "colwise-gathered"):
+                if getattr(obj, "hf_name", None) in ("packed_colwise", "packed_rowwise"):
+                    # a _StridedShard(0, sf=2) weight: the rank's rows are its chunk of gate AND of
+                    # up, so its contiguous N groups are not the global groups of TP=1
+                    raise BadInput(f"--fix {TREE}: {name}: a {obj.hf_name} Linear (gate and up "
+                                   "packed on one dim, a _StridedShard weight) is not a covered layout")
                 yield name, mod, style, obj
 
 
@@ -116,12 +114,16 @@ def _wrap(name: str, mod: nn.Linear, style: str, obj, world: int):
 
 @contextmanager
 def linear_fix(flag_name: str, model: nn.Module, plan: dict, world: int):
+    from tpdiag.fixes import moe
+
     owner = not getattr(model, "_tpdiag_linear_wrapped", False)
-    saved = []
+    saved, experts = [], []
     try:
         if owner:
             for name, mod, style, obj in _targets(model, plan):
                 saved.append((mod, _wrap(name, mod, style, obj, world)))
+            # MoE experts (3-D weights, no nn.Linear): the same tree over I (fixes/moe.py)
+            experts = moe.wrap_experts(model, plan, world)
             model._tpdiag_linear_wrapped = True
         with state.flag(flag_name):
             yield
@@ -132,4 +134,5 @@ def linear_fix(flag_name: str, model: nn.Module, plan: dict, world: int):
                     mod.forward = own  # the TP style's own forward comes back
                 else:
                     mod.__dict__.pop("forward", None)  # the class forward shows through again
+            moe.restore(experts)
             model.__dict__.pop("_tpdiag_linear_wrapped", None)

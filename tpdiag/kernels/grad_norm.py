@@ -15,14 +15,35 @@ import math
 import torch
 
 
-def _even_shard(g) -> tuple[int | None, torch.Tensor]:
-    """(the dim an evenly sharded 1-D-mesh DTensor is split on, or None; its local shard)."""
+def _even_shard(g) -> tuple[int | None, int, torch.Tensor]:
+    """(the dim an evenly sharded 1-D-mesh DTensor is split on, or None; its split factor; its
+    local shard). A _StridedShard(d, sf) - transformers' packed gate/up expert weights - holds
+    chunk r of each of sf blocks: gathered here like a Shard and put back in order by _whole,
+    never through DTensor's redistribute (torch 2.11 cannot redistribute an sf=2 _StridedShard on
+    a 1-D mesh: "use_strided_shard_as_shard_order is True, but placements ... is unable to be
+    interpreted into a corresponding shard_order")."""
     local = g.to_local()
-    if len(g.placements) != 1 or not g.placements[0].is_shard():
-        return None, local
-    d = g.placements[0].dim % g.ndim
+    if len(g.placements) != 1:
+        return None, 1, local
+    p = g.placements[0]
+    sf = int(getattr(p, "split_factor", 1)) if type(p).__name__ == "_StridedShard" else 1
+    if sf == 1 and not p.is_shard():
+        return None, 1, local
+    d = p.dim % g.ndim
     n = g.device_mesh.size()
-    return (d if local.shape[d] * n == g.shape[d] else None), local
+    even = local.shape[d] * n == g.shape[d] and local.shape[d] % sf == 0
+    return (d if even else None), sf, local
+
+
+def _whole(per_rank: torch.Tensor, d: int, sf: int) -> torch.Tensor:
+    """The whole tensor from every rank's piece [n, *local] along d: rank order for a Shard;
+    for a _StridedShard, block by block, each block's chunks in rank order."""
+    from tpdiag.kernels.tree import cat_stacked
+
+    if sf == 1:
+        return cat_stacked(per_rank, d)
+    c = per_rank.shape[1 + d] // sf
+    return torch.cat([cat_stacked(per_rank.narrow(1 + d, b * c, c), d) for b in range(sf)], d)
 
 
 # Grads gathered per bucket of this many local bytes: one collective per bucket instead of one
@@ -40,13 +61,13 @@ def whole_grads(grads: list):
         if not isinstance(g, DTensor):
             yield i, g
             continue
-        d, local = _even_shard(g)
-        if d is None:
+        d, sf, local = _even_shard(g)
+        if d is None:  # uneven (torch refuses an uneven _StridedShard, so never one of those)
             yield i, g.full_tensor()
             continue
         key = (g.dtype, g.device_mesh)
         bucket = pending.setdefault(key, [0, []])
-        bucket[1].append((i, d, local))
+        bucket[1].append((i, (d, sf), local))
         bucket[0] += local.numel() * local.element_size()
         if bucket[0] >= BUCKET_BYTES:
             yield from _gathered(key[1], bucket[1])
@@ -56,7 +77,7 @@ def whole_grads(grads: list):
 
 
 def _gathered(mesh, items):
-    from tpdiag.kernels.tree import all_gather_flat, cat_stacked
+    from tpdiag.kernels.tree import all_gather_flat
 
     n = mesh.size()
     flat = torch.cat([t.reshape(-1) for _, _, t in items])
@@ -65,8 +86,8 @@ def _gathered(mesh, items):
     del flat
     per_rank = gathered.view(n, -1)
     off = 0
-    for i, d, t in items:
-        yield i, cat_stacked(per_rank[:, off:off + t.numel()].reshape(n, *t.shape), d)
+    for i, (d, sf), t in items:
+        yield i, _whole(per_rank[:, off:off + t.numel()].reshape(n, *t.shape), d, sf)
         off += t.numel()
 
 

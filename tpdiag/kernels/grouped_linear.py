@@ -196,9 +196,26 @@ def _all_reduce_sum(t):
     return t
 
 
+class ColBias(torch.autograd.Function):
+    """y_local + bias_local. Backward: the bias grad (a sum over tokens) per fixed N group of one
+    contiguous shape, so its bits do not depend on how many columns the rank holds (a plain
+    `y + bias` sums [tokens, N/TP] at once: on CPU another vectorisation at another width)."""
+
+    @staticmethod
+    def forward(ctx, y, bias, local_groups: int):
+        ctx.local_groups = local_groups
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        g2 = g.reshape(-1, g.shape[-1])
+        db = torch.cat([gg.contiguous().sum(0) for gg in g2.chunk(ctx.local_groups, -1)])
+        return g, db, None
+
+
 def col_parallel_linear(x, w, bias, local_groups: int, blocked: bool, tree_dgrad: bool):
     y = ColLinear.apply(x, w, local_groups, blocked, tree_dgrad)
-    return y + bias if bias is not None else y
+    return ColBias.apply(y, bias, local_groups) if bias is not None else y
 
 
 def reference_linear(x, w, bias=None):

@@ -44,6 +44,11 @@ def validate(cfg: CompareConfig) -> None:
     from tpdiag.models.precheck import check_plan
 
     check_plan(spec, cfg.degrees, cfg.variant)
+    if spec.kind == "hf" and "tp-invariant-linear" in cfg.fixes and max(cfg.degrees) > 1:
+        from tpdiag.fixes.moe import check_plan as check_moe_layouts
+        from tpdiag.models.precheck import hf_base_plan
+
+        check_moe_layouts(hf_base_plan(spec.value)[1])  # an uncovered MoE layout: one line, no world
     if cfg.steps < 1:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
     import math
