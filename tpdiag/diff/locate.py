@@ -66,15 +66,17 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         row["bound"] = chk.bound
         row["bound_ratio"] = chk.ratio
         row["beyond_bound"] = chk.beyond
+    generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
     oracle.apply(dd)  # any module or op the reference re-executed in float64: bug or rounding
     for row in dd.rows:
         if row.get("oracle") and not row.get("beyond_bound") and not row.get("oracle_flip") \
-                and row["kind"] == "out":
+                and row["kind"] == "out" and not row.get("generic_cause"):
             cause, why = generic_bound.reorder_cause(dd, row, None)
             row["generic_cause"] = cause
             if why:
                 row["cause_why"] = why
-    generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
+            else:
+                row.pop("cause_why", None)
     _loss_bounds(dd)
     # NaN/Inf where the reference has a finite value (or the reverse) is no rounding: a wrong
     # result. Its first appearance is the finding; everything after merely inherits it.

@@ -163,11 +163,17 @@ def apply(dd) -> None:
                                 "difference inside it can flip, so it is not called a bug")
             row["oracle_flip"] = True
             continue
+        what = "float64 re-execution of the " + ("op" if row["kind"] == "op" else "module")
         if row.get("bound") is None:
             row["bound_ratio"] = v["ratio"]
             row["beyond_bound"] = v["far"]
-        elif v["far"]:
-            # a layout bound may sharpen the verdict, never overrule a far oracle
-            row["beyond_bound"] = True
-            row["bound_ratio"] = max(row.get("bound_ratio") or 0.0, v["ratio"])
-        row["bound_model"] = "float64 re-execution of the " + ("op" if row["kind"] == "op" else "module")
+            row["bound_model"] = what
+            if v["far"]:
+                row.pop("generic_cause", None)
+        else:
+            # a rigorous bound (a layout's, or a fitted model's) may sharpen the verdict, never
+            # overrule a far oracle
+            if v["far"]:
+                row["beyond_bound"] = True
+                row["bound_ratio"] = max(row.get("bound_ratio") or 0.0, v["ratio"])
+            row["bound_model"] = f"{row['bound_model']}; {what}" if row.get("bound_model") else what
