@@ -22,7 +22,7 @@ PLANTED = os.path.join(HERE, "models", "planted")
 def compare(tmp, spec, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--model", f"py:{PLANTED}/{spec}",
-                        "--tp", "1,2,4", "--no-confirm", "--format", "json", "--out", str(tmp / "r"),
+                        "--tp", "1,2,4", "--no-confirm", "--no-baseline", "--format", "json", "--out", str(tmp / "r"),
                         *args], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
     return json.loads(p.stdout)

@@ -85,7 +85,9 @@ def check_plan(spec, degrees, variant: str = "stock") -> None:
         return
     if spec.kind == "hf":
         model_type, plan = hf_base_plan(spec.value)
-        if model_type and not plan:
+        # a plan that splits only the embedding (gpt_oss in transformers 5.24) leaves every layer
+        # replicated: no more a TP model than none
+        if model_type and not [k for k in (plan or {}) if "embed" not in k]:
             raise BadInput(f"--model hf:{spec.value}: {model_type} has no tensor-parallel plan in "
                            "transformers (no base_model_tp_plan; at most the LM head would be split), "
                            f"so TP={tp[0]} would not be the model at TP={tp[0]}; give it a plan as a "
