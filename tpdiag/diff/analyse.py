@@ -160,7 +160,7 @@ def hash_suspects(rows: list[dict]) -> list[str]:
     return sorted({m for _, m in scored[:MAX_SUSPECTS]})
 
 
-MAX_UNJUDGED = 32
+MAX_UNJUDGED = 8
 
 
 def unjudged_modules(dd) -> list[str]:
@@ -170,15 +170,21 @@ def unjudged_modules(dd) -> list[str]:
     from tpdiag.diff.locate import classify
     from tpdiag.diff.oracle import inputs_equal
 
-    out = []
+    out, moved = [], []
     for r in dd.rows:
-        if (r["phase"] != "forward" or r["kind"] != "out" or r["bitwise"] or r.get("oracle")
-                or r.get("beyond_bound") or r.get("rank_consistent") is False):
+        if r["phase"] != "forward" or r["kind"] != "out" or r["bitwise"]:
             continue
-        if r.get("bound") is not None and classify(r) != "unknown":
+        m = r["module"]
+        # a parent whose child's output already differed: the child is the root (and a whole
+        # model's float64 re-execution is the costliest of all)
+        inner = any(c.startswith(m + ".") or m == "model" for c in moved if c != m)
+        moved.append(m)
+        if inner or r.get("oracle") or r.get("beyond_bound") or r.get("rank_consistent") is False:
             continue
-        if r["module"] not in out and inputs_equal(dd, r):
-            out.append(r["module"])
+        if classify(r) != "unknown":  # named by its layout or judged by a bound
+            continue
+        if m not in out and inputs_equal(dd, r):
+            out.append(m)
         if len(out) >= MAX_UNJUDGED:
             break
     return out
