@@ -217,6 +217,9 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     summary = {"schema": SCHEMA, "status": entry["status"], "reference": da,
                "reference_label": ref_label, "degrees": {label: entry},
                "runs": {"reference": os.path.abspath(run_a), label: os.path.abspath(run_b)}}
+    from tpdiag.diff.classes import add_classes
+
+    add_classes(summary)
     out = out or default_out(run_b)
     if os.path.abspath(out) in {os.path.abspath(run_a), os.path.abspath(run_b)}:
         from tpdiag.errors import BadInput
