@@ -301,3 +301,22 @@ def test_failed_reference_rerun_claims_no_reproducibility_verdict(tampered_base)
     summary_tables(con, dict(s, run_dir=str(tampered_base)))
     text = con.export_text()
     assert "NOT reproducible" not in text and "None" not in text and "not checked" in text, text
+
+
+def test_a_tpdiag_folder_in_the_working_directory_is_not_imported(tmp_path):
+    """Run from a clone's parent (a folder named tpdiag/ in the working directory) with
+    `python -m tpdiag`: the parent and every rank import the real package, and a rank's own
+    error reaches the output. Before: `error: TypeError: expected str, ... not NoneType`."""
+    import subprocess
+    import sys
+
+    (tmp_path / "tpdiag").mkdir()
+    model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "user_style.py")
+    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--model", f"py:{model}:target_bad_loss",
+                        "--tp", "1,2", "--forward-only", "--no-confirm", "--no-baseline",
+                        "--out", str(tmp_path / "r"), "--format", "json"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert p.returncode == 2, p.stderr + p.stdout
+    err = json.loads(p.stdout)["degrees"]["2"]["error"]
+    assert "IndexError" in err and "bad_loss" in err, err

@@ -44,9 +44,9 @@ def _import_root_first() -> None:
     folder named tpdiag there (a clone's parent) is a namespace package that shadows an install
     found by a meta-path finder (pip's editable installs), and every rank then dies on import with
     its error unwritten. With this package's root on PYTHONPATH the real (regular) package wins."""
-    import tpdiag
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(tpdiag.__file__)))
+    # this file's own place, not tpdiag.__file__: under `python -m tpdiag` run from such a
+    # directory the name `tpdiag` itself may be that namespace package (its __file__ is None)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if not paths or os.path.abspath(paths[0]) != root:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *(p for p in paths if os.path.abspath(p) != root)])
