@@ -125,8 +125,8 @@ def _pass_words(d: DegreeResult) -> str:
     # policy does not gate passed the policy, it was not bitwise.
     if not d.checked and not d.ungated:
         return "pass (bitwise)"
-    parts = [f"{d.checked} divergent records within policy"] if d.checked else []
-    parts += [f"{d.ungated} divergent records in phases the policy does not gate"] if d.ungated else []
+    parts = [f"{_count(d.checked, 'divergent record')} within policy"] if d.checked else []
+    parts += [f"{_count(d.ungated, 'divergent record')} in phases the policy does not gate"] if d.ungated else []
     return f"pass ({'; '.join(parts)})"
 
 
