@@ -143,3 +143,18 @@ def test_the_threshold_needs_its_margin():
     ref = (x.float() @ w.float().t()).to(torch.bfloat16)
     v = judge(ref, _split_sum(x, w, 8, lambda n: reversed(range(n))), exact)
     assert not v["far"] and v["ratio"] * MARGIN > 0.5, v  # within a small factor of the level
+
+
+def test_module_backward_in_float64_gives_weight_and_input_grads():
+    from tpdiag.probes.float64 import module_oracle_grads
+
+    torch.manual_seed(3)
+    m = nn.Linear(16, 8).to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    g = torch.randn(4, 8, dtype=torch.bfloat16)
+    grads, notes = module_oracle_grads(m, *snapshot(((x,), {})), g)
+    assert notes == {} and all(t.dtype == torch.float64 for t in grads.values())
+    assert torch.equal(grads["weight"], g.double().t() @ x.double())
+    assert torch.equal(grads["bias"], g.double().sum(0))
+    assert torch.allclose(grads["in0"], g.double() @ m.weight.double(), rtol=0, atol=1e-12)
+    assert m.weight.grad is None  # the real parameter is untouched

@@ -116,3 +116,24 @@ def test_clean_bf16_model_with_norms_attention_and_gated_mlp_has_no_bug(tmp_path
     for lab, entry in s["degrees"].items():
         assert bug_modules(entry) == {}, (lab, entry)
         assert entry["class"] in ("rounding", None), (lab, entry)
+
+
+@pytest.fixture(scope="module")
+def backward_runs(tmp_path_factory):
+    return {name: compare(tmp_path_factory.mktemp(name), f"backward.py:{name}")
+            for name in ("summed", "averaged")}
+
+
+@pytest.mark.parametrize("degree", ["2", "4"])
+def test_a_mistake_only_in_backward_is_a_bug_at_its_weight_grad(backward_runs, degree):
+    """Forward, loss and activation grads right; the weight grad averaged over the TP ranks
+    instead of summed: judged by the module's backward re-executed in float64."""
+    fd = backward_runs["averaged"]["degrees"][degree]["first_divergence"]
+    assert (fd["phase"], fd["module"], fd["kind"], fd["name"]) == ("backward", "layer", "param_grad", "weight"), fd
+    assert fd["cause"] == "sharding-bug" and fd["oracle"]["far"], fd
+    good = backward_runs["summed"]["degrees"][degree]
+    assert bug_modules(good) == {} and good["class"] == "rounding", good
+    gfd = good["first_divergence"]
+    # the input grad of the hand-rolled layer, all-reduced over the output shards: rounding,
+    # judged against the layer's own float64 backward
+    assert (gfd["kind"], gfd["cause"]) == ("grad_out", "column-parallel-dgrad") and not gfd["oracle"]["far"], gfd

@@ -170,8 +170,15 @@ def unjudged_modules(dd) -> list[str]:
     from tpdiag.diff.locate import classify
     from tpdiag.diff.oracle import inputs_equal
 
+    from tpdiag.diff.oracle import grads_equal
+
     out, moved = [], []
     for r in dd.rows:
+        if r["phase"] == "backward" and r["kind"] == "param_grad" and not r["bitwise"] \
+                and r.get("rank_consistent") is not False and classify(r) == "unknown" \
+                and r["module"] not in out and len(out) < MAX_UNJUDGED and grads_equal(dd, r):
+            out.append(r["module"])  # a weight grad wrong although all its module saw was equal
+            continue
         if r["phase"] != "forward" or r["kind"] != "out" or r["bitwise"]:
             continue
         m = r["module"]

@@ -23,6 +23,7 @@ class DegreeDiff:
     # what its world noted (refusals, discrete choices) by oracle key
     oracle: dict = field(default_factory=dict)
     oracle_notes: dict = field(default_factory=dict)
+    grad_in: dict = field(default_factory=dict)  # (step, module, input index) -> [float64 per call]
 
 
 def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
@@ -205,9 +206,16 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
 
         wanted = {r["key"] for r in rows if not r["bitwise"]}
         for m in oracle_metas:
+            if m["name"].startswith("grad_in."):
+                # d loss / d input I of a consumer: judged against its producer's grad_out
+                i, _, c = m["name"][len("grad_in."):].partition(".c")
+                k = (m["step"], m["module"], int(i))
+                dd.grad_in.setdefault(k, []).append(ref.tensor(m))
+                continue
             k = target_key(m["key"])
             if k in wanted:
-                dd.oracle[k] = ref.tensor(m)
+                t = ref.tensor(m)
+                dd.oracle[k] = dd.oracle[k] + t if k in dd.oracle else t  # a weight grad's calls
     notes = ref.world.get("oracle_notes") if isinstance(ref.world, dict) else None
     if isinstance(notes, dict):
         dd.oracle_notes = notes

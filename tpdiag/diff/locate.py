@@ -77,6 +77,17 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
                 row["cause_why"] = why
             else:
                 row.pop("cause_why", None)
+        elif row.get("oracle") and not row.get("beyond_bound") and row["kind"] == "grad_out" \
+                and classify(row) == "unknown":
+            # near its consumer's float64 backward: a dgrad summed over output shards
+            row["generic_cause"] = "column-parallel-dgrad"
+        elif row.get("oracle") and not row.get("beyond_bound") and row["kind"] == "param_grad":
+            # near its float64 backward: the weight grad's sum over tokens (a GEMM), reordered by
+            # another shape, or summed over ranks by a hand-written all-reduce
+            reducing = any(generic_bound._is_reducing(r["name"]) for r in dd.uncompared
+                           if r.get("kind") == "op" and r.get("step") == row["step"]
+                           and r.get("phase") == "backward")
+            row["generic_cause"] = "row-parallel-reduction" if reducing else "shape-dependent-gemm"
     _loss_bounds(dd)
     # NaN/Inf where the reference has a finite value (or the reverse) is no rounding: a wrong
     # result. Its first appearance is the finding; everything after merely inherits it.
@@ -171,13 +182,14 @@ def classify(row: dict) -> str:
                 # a column-parallel output no module consumed: the vocab-sharded logits, whose
                 # grad comes from the vocab-parallel loss backward
                 return "vocab-parallel-softmax"
-            return "unknown"
+            return row.get("generic_cause") or "unknown"
         if kind == "param_grad":
             if cls in NORM_CLASSES or (cls or "").endswith(("RMSNorm", "LayerNorm")):
                 # model-specific norm classes (Qwen3MoeRMSNorm, DeepseekV3RMSNorm, ...)
                 return "norm-weight-grad"
             if style in ("colwise", "rowwise", "colwise-gathered"):
                 return "shape-dependent-gemm"
+            return row.get("generic_cause") or "unknown"
         return "unknown"
     if phase == "optimizer":
         return "grad-norm" if kind == "grad_norm" else "unknown"
@@ -193,6 +205,8 @@ def _describe(row: dict) -> dict:
            "bound_ratio": row.get("bound_ratio"),
            "style": row.get("style")}
     _explain(out, row)
+    if row["kind"] == "grad_out" and row.get("consumers"):
+        out["consumers"] = list(row["consumers"])  # whose backward made it (the second pass's oracle)
     if row["kind"] == "in":
         parent = row["module"].rpartition(".")[0] or "model"
         out["module"] = parent

@@ -10,7 +10,11 @@ oracle's value is the exact answer for BOTH), with o the float64 value:
     far   <=>  e_N > A level,    A = 8 (A * 16 / n for an output of n < 16 elements)
 
 far is a wrong result (`sharding-bug`); near is rounding (the reordering cause named by the
-record's layout or by the ops inside it).
+record's layout or by the ops inside it). Backward records are judged the same way against the
+module's backward run again in float64 from the output grad it received (probes/float64.py,
+module_oracle_grads): a weight grad of the module, and the grad_out of the module that produced
+its one input (that input's grad), when everything the module saw - inputs, parameters, output
+grad - was bitwise equal.
 
 Why a pure reordering is never called far. A reordering evaluates the same function of the same
 inputs, only summing, blocking or splitting differently; its error against the exact value is a
@@ -51,6 +55,11 @@ def target_key(oracle_key: str) -> str:
     """s0/forward/m/oracle#1/0 -> s0/forward/m/out#1/0 (a module's output);
     s0/forward/m/oracle#0/aten::mm#2.0 -> s0/forward/m/op#0/aten::mm#2.0 (an op's)."""
     head, _, name = oracle_key.rpartition("/")
+    if name.startswith("param_grad."):
+        # s0/backward/m/oracle#0/param_grad.weight.c1 -> s0/backward/m/param_grad#0/weight (the
+        # calls' float64 grads are summed, as the real grad accumulates)
+        short = name[len("param_grad."):].rsplit(".c", 1)[0]
+        return f"{head.rsplit('/oracle#', 1)[0]}/param_grad#0/{short}"
     head = head.replace("/oracle#", "/op#" if "::" in name else "/out#")
     return f"{head}/{name}"
 
@@ -100,9 +109,24 @@ def inputs_equal(dd, row: dict) -> bool:
     return True
 
 
+def grads_equal(dd, row: dict) -> bool:
+    """A weight grad's module: its inputs, parameters and every output grad of the step equal."""
+    probe = {**row, "call": 0, "idx": row["idx"], "kind": "out"}
+    calls = {r["call"] for r in dd.rows if r["step"] == row["step"] and r["module"] == row["module"]
+             and r["phase"] == "forward" and r["kind"] == "in"}
+    for c in calls or {0}:
+        if not inputs_equal(dd, {**probe, "call": c}):
+            return False
+    return all(r["bitwise"] for r in dd.rows if r["step"] == row["step"] and r["phase"] == "backward"
+               and r["kind"] == "grad_out" and r["module"] == row["module"])
+
+
 def notes_for(dd, row: dict) -> dict:
     """What the reference world noted about this record's re-execution (refusal, discrete ops)."""
     notes = getattr(dd, "oracle_notes", None) or {}
+    if row["kind"] == "param_grad":
+        return next((v for k, v in notes.items()
+                     if k.startswith(f"s{row['step']}/backward/{row['module']}/oracle#")), {})
     if row["kind"] == "op":
         return notes.get(f"s{row['step']}/{row['phase']}/{row['module']}/oracle#0/"
                          f"{row['name'].rsplit('.', 1)[0]}", {})
@@ -133,10 +157,33 @@ def describe(v: dict) -> str:
             f"max(reference, one rounding))")
 
 
+def _grad_in_oracle(dd, row: dict):
+    """A grad_out record of X whose one consumer C took X's output as its one floating input in
+    one call: C's float64 input grad is the exact value for both sides, if everything C saw
+    (its inputs, parameters and output grad) was equal."""
+    cons = row.get("consumers") or []
+    if len(cons) != 1:
+        return None
+    c = cons[0]
+    got = [(k, v) for k, v in dd.grad_in.items() if k[0] == row["step"] and k[1] == c]
+    if len(got) != 1 or len(got[0][1]) != 1:
+        return None
+    probe = {"module": c, "step": row["step"], "idx": row["idx"], "kind": "param_grad", "call": 0}
+    if not grads_equal(dd, probe):
+        return None
+    return got[0][1][0]
+
+
 def apply(dd) -> None:
     """Judge every divergent forward output and op whose inputs were equal and which has an
     oracle value. Sets row['oracle'] and, when far, beyond_bound (a bug); when near, leaves the
     rounding cause to the layout or the ops."""
+    for row in dd.rows:
+        if row["phase"] == "backward" and row["kind"] == "grad_out" and not row["bitwise"] \
+                and getattr(dd, "grad_in", None) and row["key"] in dd.tensors:
+            o = _grad_in_oracle(dd, row)
+            if o is not None:
+                dd.oracle[row["key"]] = o
     if not getattr(dd, "oracle", None):
         return
     first_seen = False
@@ -144,7 +191,8 @@ def apply(dd) -> None:
         if row["bitwise"] and row.get("rank_consistent") is not False:
             continue
         first, first_seen = not first_seen, True
-        if row["phase"] != "forward" or row["kind"] not in ("out", "op"):
+        if not ((row["phase"] == "forward" and row["kind"] in ("out", "op"))
+                or (row["phase"] == "backward" and row["kind"] in ("param_grad", "grad_out"))):
             continue
         if row["key"] not in dd.oracle or row.get("nonfinite_mismatch") or row["bitwise"]:
             continue
@@ -152,6 +200,8 @@ def apply(dd) -> None:
         if row["kind"] == "op" and not first:
             continue
         if row["kind"] == "out" and not inputs_equal(dd, row):
+            continue
+        if row["kind"] == "param_grad" and not grads_equal(dd, row):
             continue
         v = verdict_for(dd, row)
         if v is None:
@@ -163,7 +213,8 @@ def apply(dd) -> None:
                                 "difference inside it can flip, so it is not called a bug")
             row["oracle_flip"] = True
             continue
-        what = "float64 re-execution of the " + ("op" if row["kind"] == "op" else "module")
+        what = "float64 re-execution of the " + {"op": "op", "param_grad": "module's backward",
+                                                 "grad_out": "consumer's backward"}.get(row["kind"], "module")
         if row.get("bound") is None:
             row["bound_ratio"] = v["ratio"]
             row["beyond_bound"] = v["far"]

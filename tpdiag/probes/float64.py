@@ -151,6 +151,42 @@ def module_oracle(mod: torch.nn.Module, args, kwargs) -> tuple[object | None, di
     return out, ({"discrete": mode.discrete} if mode.discrete else {})
 
 
+def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out) -> tuple[dict | None, dict]:
+    """({direct parameter name: d loss / d param, "inI": d loss / d input I}, notes) in float64
+    for one call of `mod`, whose output's grad was `grad_out`: the module's forward again in
+    float64 from its input snapshot, with float64 leaf copies of its own (direct) parameters,
+    then autograd back from grad_out. Children's parameters are theirs to judge.
+    (None, {"why": ...}) when refused."""
+    from torch.func import functional_call
+
+    own = {n: p for n, p in mod.named_parameters(recurse=False) if p.requires_grad}
+    protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
+    leaves = {n: p.detach().to(_up_dtype(p.dtype), copy=True).requires_grad_(True) for n, p in own.items()}
+    # its floating inputs too (the snapshot's own copies): d loss / d input, in input order
+    ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    for i, t in enumerate(ins):
+        if t.is_floating_point() or t.is_complex():
+            leaves[f"in{i}"] = t.requires_grad_(True)
+    if not leaves:
+        return None, {}
+    mode = Float64Mode(protected)
+    try:
+        g = upcast(grad_out.detach())
+        # the backward runs under the mode too: its formulas read what the forward saved
+        with torch.enable_grad(), mode:
+            out = functional_call(mod, leaves, args, kwargs, strict=False)
+            flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                    and (t.is_floating_point() or t.is_complex()) and t.requires_grad]
+            if len(flat) != 1:
+                return None, {"why": "its float64 re-execution has not exactly one differentiable output"}
+            got = torch.autograd.grad(flat[0], list(leaves.values()), g.to(flat[0].dtype),
+                                      allow_unused=True)
+    except Exception as e:  # noqa: BLE001
+        return None, {"why": _why(e)}
+    grads = {n: t.detach() for n, t in zip(leaves, got) if t is not None}
+    return grads, ({"discrete": mode.discrete} if mode.discrete else {})
+
+
 def op_oracle(func, args, kwargs) -> tuple[object | None, str | None]:
     """(one aten op's output in float64, None) or (None, why not); called from inside a dispatch
     mode's handler, so the op runs below every mode."""

@@ -80,7 +80,9 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     # the float64 oracle (probes/float64.py): each forward first divergence's own module, and
     # every op the reference records in the scopes
     oracle = sorted({_record_module(fd) for fd in fds
-                     if fd.get("phase") == "forward" and fd.get("kind") == "out"}
+                     if (fd.get("phase"), fd.get("kind")) in (("forward", "out"), ("backward", "param_grad"))}
+                    | {fd["consumers"][0] for fd in fds if fd.get("kind") == "grad_out"
+                       and len(fd.get("consumers") or []) == 1}
                     | {m for lab, _ in targets for m in summary["degrees"][lab].get("unjudged", [])})
     if not hashed and not ops and not oracle:
         return summary
