@@ -10,6 +10,7 @@ import typer
 from tpdiag import cli_help as H
 from tpdiag.cli_common import (DEBUG, FAIL_HELP, MALFORMED, QUIET_HELP, Debug, Format, check_format, console,
                                emit_summary, exit_for, fail, malformed, print_rank_tracebacks)
+from tpdiag.cli_rollout import rollout
 from tpdiag.errors import TpdiagError
 
 # Help is click's plain text everywhere: rich's panels cut a long choice or path off with '...'
@@ -176,68 +177,8 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
     exit_for(summary, fail_on_divergence)
 
 
-@app.command()
-def rollout(
-    file: Annotated[str, typer.Argument(help="the engine's logprobs: a vLLM or SGLang response (JSON or "
-                                             "JSON lines), or tpdiag's JSONL of token ids (docs/rl.md)")],
-    model: Annotated[str, typer.Option(help=H.model())] = "tiny-llama",
-    tp: Annotated[str, typer.Option(help="TP degrees to try: 1 in this process, each other in a world of its "
-                                         "own (gloo on cpu, NCCL on cuda)")] = "1",
-    micro_batch: Annotated[str, typer.Option(help="micro-batch sizes to try: sequences per forward call")] = "8,1",
-    mode: Annotated[str, typer.Option(help="prefill (one call per micro-batch) and/or decode (prompt, then one "
-                                           "token per step through the KV cache; hf: models)")] = "prefill,decode",
-    fix: Annotated[str, typer.Option(help="fix sets to try, comma-separated: none, all, or NAME+NAME "
-                                          f"({', '.join(H.fix_names())})")] = "none,all",
-    dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
-    device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
-    seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
-    top: Annotated[int, typer.Option(help="worst tokens to list")] = 10,
-    timeout: Annotated[float, typer.Option(help="seconds per TP > 1 world")] = 300.0,
-    fmt: Format = "text",
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
-    debug: Debug = False,
-) -> None:
-    """Compare a rollout engine's per-token logprobs with the trainer's, recomputed for the same tokens.
-
-    FILE: vLLM (logprobs.content / prompt_logprobs with token ids), SGLang (meta_info's
-    input/output_token_logprobs) or tpdiag's JSONL; format in docs/rl.md."""
-    DEBUG["on"] = debug
-    try:
-        from tpdiag.config import DTYPES, parse_choice
-        from tpdiag.rollout.run import (RolloutConfig, parse_fixes, parse_ints, parse_modes,
-                                        run_rollout)
-
-        fmt = check_format(fmt)
-        dev = parse_choice("--device", device, ("auto", "cpu", "cuda"))
-        if dev == "auto":
-            import torch
-
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-        rc = RolloutConfig(file=file, model=model, tp=parse_ints("--tp", tp),
-                           micro_batch=parse_ints("--micro-batch", micro_batch), modes=parse_modes(mode),
-                           fixes=parse_fixes(fix), dtype=parse_choice("--dtype", dtype, DTYPES),
-                           device=dev, seed=seed, top=max(0, top), timeout=timeout)
-        from tpdiag.models.spec import parse_spec
-
-        parse_spec(model)
-        on_status = None
-        if fmt == "text" and not quiet and sys.stderr.isatty():
-            err = console(stderr=True)
-            on_status = lambda label, st: err.print(f"  {label}: {st}")  # noqa: E731
-        summary = run_rollout(rc, on_status)
-    except TpdiagError as e:
-        fail(e)
-    except KeyboardInterrupt:
-        console(stderr=True).print("interrupted")
-        raise typer.Exit(130)
-    if fmt == "json":
-        from tpdiag import io
-
-        sys.stdout.write(io.dumps(summary, indent=2) + "\n")
-    else:
-        from tpdiag.cli_rollout import rollout_report
-
-        rollout_report(console(), summary)
+# `tpdiag rollout`: its options and rendering live in cli_rollout.py
+app.command()(rollout)
 
 
 @app.command(name="confirm")

@@ -1,0 +1,69 @@
+"""The float64 oracle's hooks (probes/float64.py): a module's call re-executed in float64 from a
+snapshot of its inputs, and its backward from the output grad it received, recorded as kind
+"oracle" beside the real records. Both run with the recorder paused (`rec.in_oracle`): the module
+probes neither record nor count the calls the re-execution makes."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from tpdiag.probes.recorder import Recorder
+
+_NIDX = 16
+_IDX = tuple(str(i) for i in range(_NIDX))
+
+
+def _tensors(x):
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls) -> None:
+    """Re-execute mod in float64 from its input snapshot; record each floating output (in the
+    positions its real outputs have) or, when refused, why (rec.oracle_notes)."""
+    from tpdiag.probes.float64 import module_oracle
+
+    rec.in_oracle, was = True, rec.enabled
+    rec.enabled = False
+    try:
+        out64, notes = module_oracle(mod, *snap)
+    finally:
+        rec.in_oracle, rec.enabled = False, was
+    if notes:
+        rec.oracle_notes[f"s{rec.step}/forward/{name}/oracle#{call}"] = notes
+    if out64 is None:
+        return
+    for i, t in enumerate(_tensors(out64)):
+        if t.is_floating_point() or t.is_complex():
+            rec.add("oracle", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
+
+
+def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, snap, out,
+                          handles: list, cls) -> None:
+    """A module with one floating output that requires grad: when that output's grad arrives,
+    the module's weight grads for this call are computed again in float64 from the same
+    snapshot (probes/float64.py, module_oracle_grads) and recorded as oracle records
+    `param_grad.SHORT.cCALL`, with its input grads as `grad_in.I.cCALL`. The hook returns None: the real grad is untouched."""
+    outs = [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad and t.grad_fn is not None]
+    if len(outs) != 1:
+        return
+    step = rec.step
+
+    def hook(g):
+        from tpdiag.probes.float64 import module_oracle_grads
+
+        rec.in_oracle, was = True, rec.enabled
+        rec.enabled = False
+        try:
+            grads, notes = module_oracle_grads(mod, *snap, g)
+        finally:
+            rec.in_oracle, rec.enabled = False, was
+        if notes:
+            rec.oracle_notes[f"s{step}/backward/{name}/oracle#{call}"] = notes
+        for short, t in (grads or {}).items():
+            what = "grad_in" if short.startswith("in") and short[2:].isdigit() else "param_grad"
+            short = short[2:] if what == "grad_in" else short
+            rec.add("oracle", name, f"{what}.{short}.c{call}", t, phase="backward", cls=cls)
+        return None
+
+    handles.append(outs[0].register_hook(hook))
