@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 
 from tpdiag.diff import bits, bounds, generic_bound, oracle, router
+from tpdiag.diff.op_verdict import op_verdict
 from tpdiag.diff.engine import DegreeDiff
-from tpdiag.records.ops import ATTENTION_OPS, is_op_of
+from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, is_op_of  # noqa: F401
 
 from tpdiag.records.causes import CAUSES  # noqa: F401  (the labels live with the record format)
-COLLECTIVE_OPS = ("c10d", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
 def attention_op(op: str | None) -> bool:
@@ -297,7 +297,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
         op_row = first
     if fd is not None and op_row is not None and op_row.get("oracle") and (
             first["kind"] != "out" or not first.get("oracle")):
-        _op_verdict(fd, op_row)
+        op_verdict(fd, op_row)
     if (fd is not None and attention_op(fd["op"]) and not first.get("beyond_bound")
             and fd["cause"] not in ("rank-inconsistent-replica", "sharding-bug")
             and not (fd.get("cause") == "unknown" and fd.get("op_oracle"))):
@@ -318,36 +318,6 @@ def _is_root(dd: DegreeDiff, r: dict, first: dict | None) -> bool:
     if r["phase"] == "init" or r.get("rank_partial_sum"):
         return True
     return r["phase"] == "forward" and r["kind"] == "out" and oracle.inputs_equal(dd, r)
-
-
-def _op_verdict(fd: dict, op_row: dict) -> None:
-    """The first divergent op, re-executed in float64, judges a first divergence that its module
-    record could not (an input that differs: the op is in the parent's own code)."""
-    v = op_row["oracle"]
-    fd["op_oracle"] = v
-    fd.pop("why", None)
-    op = op_row["name"].rsplit("#", 1)[0]
-    if v["far"] and not v.get("discrete"):
-        fd["cause"] = "sharding-bug"
-        fd["bound_ratio"] = v["ratio"]
-        fd["bound_model"] = "float64 re-execution of the op"
-        return
-    if v["far"]:
-        fd["cause"] = "unknown"
-        fd["why"] = (f"{op} is far from its float64 re-execution, but it makes a discrete choice on "
-                     "floating values that a rounding difference can flip")
-        return
-    fd["bound_model"] = "float64 re-execution of the op"
-    fd["bound_ratio"] = v["ratio"]
-    base = op.split("::")[-1]
-    if attention_op(op):
-        fd["cause"] = "attention-kernel"
-    elif base in generic_bound.GEMM_OPS:
-        fd["cause"] = "shape-dependent-gemm"
-    elif any(c in op for c in COLLECTIVE_OPS):
-        fd["cause"] = "row-parallel-reduction"
-    else:
-        fd["cause"] = "shape-dependent-kernel"
 
 
 def _first_op(dd: DegreeDiff, first: dict) -> dict | None:

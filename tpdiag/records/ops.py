@@ -6,6 +6,8 @@ from __future__ import annotations
 # with atomics; FlexAttention's is deterministic
 SDPA_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 ATTENTION_OPS = SDPA_OPS + ("flex_attention",)
+# substrings of a collective's op name (c10d's and the functional ones)
+COLLECTIVE_OPS = ("c10d", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
 def is_op_of(op: str | None, family: tuple[str, ...]) -> bool:
