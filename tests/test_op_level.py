@@ -1,5 +1,6 @@
 """--granularity op: the first divergence names the op, also when op sequences differ."""
 import json
+import os
 
 import torch
 
@@ -129,7 +130,7 @@ def test_module_and_op_granularity_agree_on_the_records_they_share(tmp_path):
 
     rows = {}
     for g in ("module", "op"):
-        p = run_cli("compare", "--model", os.path.join(os.path.dirname(__file__), "models",
+        p = run_cli("compare", "--model", "py:" + os.path.join(os.path.dirname(__file__), "models",
                                                        "handwritten.py") + ":row_bias_bug",
                     "--tp", "1,2", "--forward-only", "--no-confirm", "--no-baseline",
                     "--granularity", g, "--out", str(tmp_path / g), "--format", "json")

@@ -34,7 +34,8 @@ def version() -> str:
 
 def __getattr__(name: str):
     if name == "__version__":
-        return version()
+        globals()["__version__"] = v = version()  # read once
+        return v
     if name in _LAZY:
         import importlib
 
