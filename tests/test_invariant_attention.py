@@ -360,3 +360,20 @@ def test_dtensor_inputs_run_on_local_shards():
     p = subprocess.run([sys.executable, "-c", DTENSOR_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
     assert "RESULT True" in p.stdout, (p.stdout[-1000:], p.stderr[-2000:])
+
+
+def test_fully_masked_query_rows_are_zero_like_torch_not_nan():
+    """A padded sequence: a query row whose keys are all masked. torch's SDPA gives 0 for it and
+    finite grads; invariant-attention gave NaN (found by `tpdiag rollout` at micro-batch 8,
+    decode, --fix all: 24 of 32 tokens NaN)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 4, 8, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    mask[0, :, 1, :] = False  # row 1 of batch 0 sees no key
+    out = invariant_sdpa(q, k, v, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1])) and torch.equal(ref[0, :, 1], out[0, :, 1])
+    assert torch.allclose(out, ref, atol=1e-5)
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

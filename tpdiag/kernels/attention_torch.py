@@ -37,7 +37,12 @@ def _probs(q, k, scale, bias):
     s = (q @ k.t()) * scale
     if bias is not None:
         s = s + bias
-    return torch.softmax(s, dim=-1)
+    p = torch.softmax(s, dim=-1)
+    if bias is not None:
+        # a query row whose keys are all masked out (a padded sequence) is 0/0: torch's SDPA
+        # returns zeros for it (and zero grads), not NaN
+        p = p.masked_fill(torch.isneginf(s).all(dim=-1, keepdim=True), 0.0)
+    return p
 
 
 def forward(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
