@@ -24,24 +24,6 @@ def degree_class(entry: dict) -> str | None:
     return "unknown"
 
 
-def bugs_of(entry: dict) -> list[dict]:
-    """The root findings of bug or non-finite class, first divergence first."""
-    fd = entry.get("first_divergence") or {}
-    out = []
-    if cause_class(fd.get("cause")) in ("bug", "non-finite"):
-        out.append(fd)
-    seen = {(fd.get("key"), fd.get("cause"))}
-    for f in entry.get("findings") or []:
-        if "follows" in f or cause_class(f.get("cause")) not in ("bug", "non-finite"):
-            continue
-        if (f.get("key"), f.get("cause")) in seen or (f.get("module") == fd.get("module") and
-                                                      f.get("kind") == fd.get("kind") and f.get("cause") == fd.get("cause")):
-            continue
-        seen.add((f.get("key"), f.get("cause")))
-        out.append(f)
-    return out
-
-
 def add_classes(summary: dict) -> dict:
     """Set degrees[*]['class'] and summary['class'] (None when nothing diverged)."""
     found = set()

@@ -24,6 +24,7 @@ class DegreeDiff:
     oracle: dict = field(default_factory=dict)
     oracle_notes: dict = field(default_factory=dict)
     grad_in: dict = field(default_factory=dict)  # (step, module, input index) -> [float64 per call]
+    _equal_index: dict | None = None  # diff/oracle._index's lookups, built once
 
 
 def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:

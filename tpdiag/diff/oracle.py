@@ -91,34 +91,46 @@ def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | Non
             "relative": s > 0, "n": n}
 
 
+def _index(dd) -> dict:
+    """What inputs_equal and grads_equal look up, from one pass over the rows (they are asked
+    for many records: a scan per record was quadratic in a large model's records)."""
+    got = getattr(dd, "_equal_index", None)
+    if got is not None and got["n"] == len(dd.rows):
+        return got
+    ix = {"n": len(dd.rows), "bad_in": set(), "calls": {}, "bad_params": {}, "bad_grad_out": set()}
+    for r in dd.rows:
+        k, st, m = r["kind"], r["step"], r["module"]
+        if k == "in" and r["phase"] == "forward":
+            ix["calls"].setdefault((st, m), set()).add(r["call"])
+            if not r["bitwise"]:
+                ix["bad_in"].add((st, m, r["call"]))
+        elif k in ("param_init", "param") and not r["bitwise"]:
+            # the parameters a step's forward read: the init for step 0, else the step before's update
+            ix["bad_params"].setdefault(0 if k == "param_init" else st + 1, set()).add(m)
+        elif k == "grad_out" and r["phase"] == "backward" and not r["bitwise"]:
+            ix["bad_grad_out"].add((st, m))
+    dd._equal_index = ix
+    return ix
+
+
 def inputs_equal(dd, row: dict) -> bool:
     """Every input of this call and every parameter of the module (and of its children) that
     the run recorded is bitwise equal: the oracle's value is the exact answer for both sides."""
-    m, step, call = row["module"], row["step"], row["call"]
-    for r in dd.rows:
-        if r["idx"] >= row["idx"] and r["kind"] != "in":
-            continue
-        if r["step"] == step and r["phase"] == "forward" and r["kind"] == "in" \
-                and r["module"] == m and r["call"] == call:
-            if not r["bitwise"]:
-                return False
-        elif r["kind"] in ("param_init", "param") and (r["module"] == m or r["module"].startswith(m + ".")):
-            if (r["kind"] == "param_init" and step == 0) or (r["kind"] == "param" and r["step"] == step - 1):
-                if not r["bitwise"]:
-                    return False
-    return True
+    ix = _index(dd)
+    m, step = row["module"], row["step"]
+    if (step, m, row["call"]) in ix["bad_in"]:
+        return False
+    return not any(p == m or p.startswith(m + ".") for p in ix["bad_params"].get(step, ()))
 
 
 def grads_equal(dd, row: dict) -> bool:
     """A weight grad's module: its inputs, parameters and every output grad of the step equal."""
-    probe = {**row, "call": 0, "idx": row["idx"], "kind": "out"}
-    calls = {r["call"] for r in dd.rows if r["step"] == row["step"] and r["module"] == row["module"]
-             and r["phase"] == "forward" and r["kind"] == "in"}
-    for c in calls or {0}:
-        if not inputs_equal(dd, {**probe, "call": c}):
+    ix = _index(dd)
+    m, step = row["module"], row["step"]
+    for c in ix["calls"].get((step, m)) or {0}:
+        if not inputs_equal(dd, {"module": m, "step": step, "call": c}):
             return False
-    return all(r["bitwise"] for r in dd.rows if r["step"] == row["step"] and r["phase"] == "backward"
-               and r["kind"] == "grad_out" and r["module"] == row["module"])
+    return (step, m) not in ix["bad_grad_out"]
 
 
 def notes_for(dd, row: dict) -> dict:

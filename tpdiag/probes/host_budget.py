@@ -21,15 +21,9 @@ def parse_bytes(text: str, what: str) -> int:
 
 def default_budget() -> int:
     """Half the host memory available now, shared by the ranks on this host."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
+    from tpdiag.hostmem import mem_available
+
+    avail = mem_available()
     if avail is None:
         avail = 16 << 30
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("TPDIAG_LOCAL_RANKS") or 1)
