@@ -59,12 +59,16 @@ class ColumnPart(nn.Module):
         return x @ self.weight[r * m:(r + 1) * m].t() + self.bias[r * m:(r + 1) * m]
 
 
-class ShardNorm(nn.Module):
+class OnColumns(nn.Module):
+    """A column-parallel projection, then something over its (sharded) output features."""
+
     def __init__(self, dim, bug):
         super().__init__()
         self.proj = ColumnPart(dim, dim)
         self.bug = bug
 
+
+class ShardNorm(OnColumns):
     def forward(self, x):
         y = self.proj(x)
         if self.bug:
@@ -78,12 +82,7 @@ class ShardNorm(nn.Module):
         return gather_last(y)
 
 
-class ShardSoftmax(nn.Module):
-    def __init__(self, dim, bug):
-        super().__init__()
-        self.proj = ColumnPart(dim, dim)
-        self.bug = bug
-
+class ShardSoftmax(OnColumns):
     def forward(self, x):
         y = self.proj(x)
         if self.bug:
@@ -119,13 +118,8 @@ class RowLinear(nn.Module):
         return all_sum(y) + self.bias
 
 
-class MeanFeatures(nn.Module):
+class MeanFeatures(OnColumns):
     """Centre the features by their mean, the mean taken over a column-parallel output."""
-
-    def __init__(self, dim, bug):
-        super().__init__()
-        self.proj = ColumnPart(dim, dim)
-        self.bug = bug
 
     def forward(self, x):
         y = self.proj(x)
