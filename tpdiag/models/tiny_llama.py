@@ -3,6 +3,11 @@
 Vocab-parallel embedding, RMSNorm, RoPE, grouped-query attention (kv heads < heads), SwiGLU,
 untied LM head whose logits stay vocab-sharded for a vocab-parallel loss. Attention and MLP
 read the head/ffn count from the local shard's shape, so the same code runs at every TP.
+
+KV cache (decode, gpt-fast / torchtitan style): `model(tokens, cache=model.new_kv_cache())`
+runs the tokens at positions cache.length.. and appends their keys and values to the cache, so
+a prompt in one call and then one token per call gives the logits a single call over the whole
+sequence gives (up to rounding: other GEMM and attention shapes - tpdiag.runner.decode).
 """
 from __future__ import annotations
 
@@ -59,6 +64,34 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
     return ang.cos().float(), ang.sin().float()
 
 
+class LayerKV:
+    """One layer's cached keys and values, [B, positions, local kv heads, head_dim] each: at TP > 1
+    the rank's own heads (wk/wv are column-parallel, their outputs local shards), before the GQA
+    repeat. Grows by concatenation, so attention always runs over exactly the positions seen."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def update(self, k, v):
+        """Append the new positions' k/v; return every position's."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1)
+        self.k, self.v = k, v
+        return k, v
+
+
+class KVCache:
+    """The KV cache of one batch: a LayerKV per layer; `length` positions seen so far."""
+
+    def __init__(self, n_layers: int):
+        self.layers = [LayerKV() for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        k = self.layers[0].k
+        return 0 if k is None else k.shape[1]
+
+
 def apply_rope(x, cos, sin):
     # x: [B, S, H, D]; rotate interleaved pairs. float32 math so bf16 runs round once.
     xf = x.float().unflatten(-1, (-1, 2))
@@ -77,19 +110,34 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, kv: LayerKV | None = None):
         B, S, _ = x.shape
         # Local head counts come from the shard's shape: the same code at every TP degree.
         q = self.wq(x).view(B, S, -1, self.head_dim)
         k = self.wk(x).view(B, S, -1, self.head_dim)
         v = self.wv(x).view(B, S, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:
+            k, v = kv.update(k, v)  # every position's keys/values, this call's last
         rep = q.shape[2] // k.shape[2]
         k = k.repeat_interleave(rep, dim=2)
         v = v.repeat_interleave(rep, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = F.scaled_dot_product_attention(q, k, v, **causal_args(S, k.shape[2], q.device))
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
+
+
+def causal_args(queries: int, keys: int, device) -> dict:
+    """SDPA's mask arguments for `queries` new positions after keys - queries cached ones: query i
+    (position keys - queries + i) sees keys j <= that position. No cache: is_causal; one query:
+    every key, no mask (what a decode step runs); a chunk after a cache: an explicit mask."""
+    start = keys - queries
+    if start == 0:
+        return {"is_causal": True}
+    if queries == 1:
+        return {}
+    pos = torch.arange(queries, device=device)[:, None] + start
+    return {"attn_mask": torch.arange(keys, device=device)[None, :] <= pos}
 
 
 class FeedForward(nn.Module):
@@ -111,8 +159,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin):
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, kv: LayerKV | None = None):
+        # kv only with a cache: a call without one is what it always was (hooks see no kwargs)
+        h = x + self.attention(self.attention_norm(x), cos, sin, **({} if kv is None else {"kv": kv}))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -158,12 +207,21 @@ class TinyLlama(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, input_ids):
+    def new_kv_cache(self) -> KVCache:
+        """An empty cache for forward(..., cache=): tpdiag.runner.decode drives it."""
+        return KVCache(len(self.layers))
+
+    def forward(self, input_ids, cache: KVCache | None = None):
+        """Logits of `input_ids` [B, S]. With a cache: the tokens are positions cache.length ..
+        cache.length + S - 1 of sequences whose earlier positions are in the cache (appended to)."""
         S = input_ids.shape[1]
-        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        start = cache.length if cache is not None else 0
+        if start + S > self.rope_cos.shape[0]:
+            raise ValueError(f"positions up to {start + S} exceed max_seq_len {self.rope_cos.shape[0]}")
+        cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]
         h = self.tok_embeddings(input_ids)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, **({} if cache is None else {"kv": cache.layers[i]}))
         return self.output(self.norm(h))
 
 

@@ -4,7 +4,8 @@ A configuration is (tp, micro_batch, mode, fix). Prefill runs each micro-batch o
 one call, right-padded (causal attention: a real position never sees the padding, but the call's
 shape - which batch-variant kernels read - is the micro-batch's). Decode runs the way a rollout
 engine (and transformers' `generate()`) does: the prompts in one prefill call, left-padded with an
-attention mask, then the generated tokens one step at a time through the model's KV cache.
+attention mask, then the generated tokens one step at a time through the model's KV cache
+(tpdiag.runner.decode: transformers' cache for hf: models, the built-in presets' own).
 Logprobs are taken with the trainer's own function (tpdiag.runner.step), and with the fixes'
 invariant vocab softmax under --fix.
 """
@@ -53,14 +54,6 @@ def build(spec_text: str, dtype: str, device: str, seed: int):
     return target, model
 
 
-def has_kv_cache(model) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel) and hasattr(model, "generate")
-
-
 def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, tree_groups: int = 0) -> list:
     """Per sequence a float32 tensor [len - 1]: the trainer's logprob of input_ids[t] at t-1.
     on_logits(i, rows): the logits rows [len - 1, vocab] of sequence i (in decode, the prompt's
@@ -69,12 +62,12 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
 
     from tpdiag.fixes.registry import apply_fixes, resolve
     from tpdiag.kernels.tree import run_groups
+    from tpdiag.runner.decode import supports, why_not
     from tpdiag.runner.logits import whole_vocab
     from tpdiag.runner.step import _numerics, loss_context
 
-    if cfg.mode == "decode" and not has_kv_cache(model):
-        raise Unavailable(f"{type(model).__name__} has no KV cache tpdiag can drive (decode needs an "
-                          "hf: model: transformers' cache)")
+    if cfg.mode == "decode" and not supports(model):
+        raise Unavailable(why_not(model))
     if cfg.micro_batch < 1:
         raise BadInput(f"--micro-batch {cfg.micro_batch}: must be >= 1")
     names = () if cfg.fix == "none" else resolve("all" if cfg.fix == "all" else cfg.fix.split("+"))
@@ -126,62 +119,42 @@ def _prefill(model, group) -> list:
 
 
 def _decode(model, group) -> list:
-    """Logits rows per sequence the way generate() makes them: prompts left-padded in one call,
-    then one token per step through the cache, positions counted from each row's first token."""
+    """Logits rows per sequence the way generate() makes them (tpdiag.runner.decode): prompts
+    left-padded in one call whose head computes the last row only (generate()'s logits_to_keep=1,
+    as engines do: the head's GEMM at M=1 row is part of what decode means), then one token per
+    step through the cache, positions counted from each row's first token."""
     import torch
-    from transformers import DynamicCache
+
+    from tpdiag.runner.decode import Unsupported, decode, prefill_logits
 
     dev = _device(model)
     n = len(group)
     plen = max(s.prompt_len for s in group)
     steps = max(s.n_generated for s in group)
-    ids = torch.full((n, plen), PAD, dtype=torch.long)
-    mask = torch.zeros((n, plen), dtype=torch.long)
+    # padded coordinates: the prompt right-aligned at plen, then the generated tokens but the last
+    # (nothing is predicted from it); a sequence that ends early is fed PAD (causal: unseen)
+    ids = torch.full((n, plen + steps - 1), PAD, dtype=torch.long)
+    mask = torch.ones((n, plen + steps - 1), dtype=torch.long)
     for r, s in enumerate(group):
-        ids[r, plen - s.prompt_len:] = torch.tensor(s.input_ids[:s.prompt_len])
-        mask[r, plen - s.prompt_len:] = 1
+        ids[r, plen - s.prompt_len:plen + s.n_generated - 1] = torch.tensor(s.input_ids[:-1])
+        mask[r, :plen - s.prompt_len] = 0
     ids, mask = ids.to(dev), mask.to(dev)
-    cache = DynamicCache(config=model.config)
-    ck = _cache_kw(model)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    # only a padded group needs the mask; a full one runs as generate() runs it (mask of ones)
-    # the prefill computes the head for the last row only, as generate() (logits_to_keep=1) and
-    # engines do: the head's GEMM at M=1 rows is part of what decode means
-    o = model(input_ids=ids, attention_mask=mask, position_ids=pos, **{ck: cache}, use_cache=True,
-              logits_to_keep=1)
-    prompt_rows = [None] * n
-    if any(s.prompt_logprobs is not None for s in group):  # an engine's prompt logprobs: its prefill's rows
-        full = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        prompt_rows = [full[r, plen - s.prompt_len:plen - 1] for r, s in enumerate(group)]
-    gen_rows: list[list] = [[o.logits[r, -1]] for r in range(n)]
-    for j in range(1, steps):
-        tok = torch.tensor([s.input_ids[s.prompt_len + j - 1] if j - 1 < s.n_generated - 1 else PAD
-                            for s in group], dtype=torch.long, device=dev)[:, None]
-        mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=dev)], dim=1)
-        pos = pos[:, -1:] + 1
-        o = model(input_ids=tok, attention_mask=mask, position_ids=pos, **{ck: cache}, use_cache=True)
-        for r, s in enumerate(group):
-            if j < s.n_generated:
-                gen_rows[r].append(o.logits[r, -1])
+    try:
+        pieces = decode(model, ids, plen, attention_mask=mask, prompt_rows="last")
+        prompt_rows = [None] * n
+        if any(s.prompt_logprobs is not None for s in group):  # an engine's prompt logprobs: its prefill's rows
+            full = prefill_logits(model, ids[:, :plen], mask[:, :plen])
+            prompt_rows = [full[r, plen - s.prompt_len:plen - 1] for r, s in enumerate(group)]
+    except Unsupported as e:
+        raise Unavailable(str(e)) from None
     out = []
     for r, s in enumerate(group):
-        gen = torch.stack(gen_rows[r][:s.n_generated])
+        gen = torch.cat([p.logits[r] for p in pieces], dim=0)[:s.n_generated]
         head = prompt_rows[r]
         if head is None:  # no prompt logprobs to compare: rows the metrics never read
-            head = torch.full((s.prompt_len - 1, gen.shape[-1]), float("nan"), dtype=gen.dtype, device=gen.device)
+            head = torch.full_like(gen[:1], float("nan")).expand(s.prompt_len - 1, -1)
         out.append(torch.cat([head, gen], dim=0))
     return out
-
-
-def _cache_kw(model) -> str:
-    """transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns)."""
-    import inspect
-
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _whole(t):

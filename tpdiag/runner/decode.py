@@ -1,0 +1,168 @@
+"""Decode the way a rollout engine does: a prompt in one call, then one token per call through the
+model's own KV cache - the logits every position gets, for comparing against prefill's.
+
+    pieces = decode(model, ids, prompt_len)      # ids [B, L]
+    logits = assemble(pieces)                    # [B, L, vocab]: row t as prefill's row t
+
+Calls, in order: ids[:, :P] in one call (the prefill of the prompt), then ids[:, t:t+1] for
+t = P .. L-1, one call each (a decode step: one query row per sequence attending to the t + 1
+keys in the cache). Each call gives a `Piece`: the logits of positions [start, stop) along dim 1
+of the batch - the same positions, so the same rows, that one prefill call over ids gives.
+`on_call(start, stop)` runs before each call, so a recorder can file what the call produces as
+the slice [start, stop) of dim 1 of the reference's records.
+
+The prompt length is the caller's choice; DEFAULT: half the sequence (`default_prompt_len`), so
+half the positions come from the prompt's prefill call (M = B * P rows per GEMM) and half from
+single-token steps (M = B rows) - both kinds of call are covered whatever the sequence length.
+
+Caches driven: transformers' DynamicCache for `hf:` models (left padding through an attention
+mask and position ids, as generate() does), and any model with `new_kv_cache()` whose forward
+takes `cache=` (the built-in presets: tpdiag.models.tiny_llama; a py: model may do the same).
+Forward only, under torch.no_grad() by the caller or not: nothing here needs grads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+PROMPT_FRACTION = 0.5
+
+
+class Unsupported(Exception):
+    """The model has no KV cache tpdiag can drive, or not for this batch (the message says why)."""
+
+
+@dataclass
+class Piece:
+    start: int   # first position (dim 1 of ids) whose logits this call gave
+    stop: int    # one past the last
+    logits: object  # [B, stop - start, vocab]: a Tensor, or a vocab-sharded DTensor at TP > 1
+
+
+def default_prompt_len(seq_len: int) -> int:
+    """Half the sequence (at least 1 position, at most seq_len): the prompt's prefill call."""
+    return min(seq_len, max(1, int(seq_len * PROMPT_FRACTION)))
+
+
+def is_hf(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel) and hasattr(model, "generate")
+
+
+def supports(model) -> bool:
+    """True when `decode` can drive the model's KV cache."""
+    return is_hf(model) or callable(getattr(model, "new_kv_cache", None))
+
+
+def why_not(model) -> str:
+    return (f"{type(model).__name__} has no KV cache tpdiag can drive (decode needs an hf: model - "
+            "transformers' cache - or a model with new_kv_cache() and forward(tokens, cache=...), "
+            "as the built-in presets)")
+
+
+def decode(model, ids, prompt_len: int, *, attention_mask=None, prompt_rows: str = "all",
+           on_call: Callable[[int, int], None] | None = None) -> list[Piece]:
+    """The pieces of logits of ids [B, L]: the prompt ids[:, :prompt_len] in one call, then one
+    position per call. prompt_rows 'all': the prompt call's piece covers positions 0..P-1;
+    'last': only P-1 (the head on one row per sequence, generate()'s logits_to_keep=1 - an hf:
+    model then computes only that row). attention_mask [B, L] (1 real, 0 padding: left padding
+    of prompts of different lengths) is for hf: models; the built-in cache takes none."""
+    if prompt_rows not in ("all", "last"):
+        raise ValueError(f"prompt_rows {prompt_rows!r}: expected 'all' or 'last'")
+    L = ids.shape[1]
+    if not 1 <= prompt_len <= L:
+        raise Unsupported(f"prompt length {prompt_len}: must be 1..{L} (the sequence length)")
+    if not supports(model):
+        raise Unsupported(why_not(model))
+    step = _hf_steps if is_hf(model) else _cache_steps
+    return list(step(model, ids, prompt_len, attention_mask, prompt_rows == "last", on_call))
+
+
+def assemble(pieces: list[Piece]):
+    """The pieces' logits along dim 1, [B, positions, vocab]; they must be contiguous."""
+    import torch
+
+    for a, b in zip(pieces, pieces[1:]):
+        if a.stop != b.start:
+            raise ValueError(f"pieces [{a.start}, {a.stop}) and [{b.start}, {b.stop}) are not contiguous")
+    return torch.cat([p.logits for p in pieces], dim=1)
+
+
+def prefill_logits(model, ids, attention_mask=None):
+    """One cache-less call over ids (an hf: model with its mask and position ids): the trainer's
+    rows, e.g. for an engine's prompt logprobs."""
+    from tpdiag.runner.step import logits_of
+
+    if is_hf(model):
+        mask, pos = _mask_and_positions(ids, attention_mask)
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    _no_padding(attention_mask)
+    return logits_of(model(ids))
+
+
+def _cache_steps(model, ids, P, attention_mask, last_only, on_call):
+    from tpdiag.runner.step import logits_of
+
+    _no_padding(attention_mask)
+    cache = model.new_kv_cache()
+    for start, stop in _calls(P, ids.shape[1]):
+        if on_call is not None:
+            on_call(start, stop)
+        out = logits_of(model(ids[:, start:stop], cache=cache))
+        if last_only and start == 0:
+            yield Piece(stop - 1, stop, out[:, -1:])
+        else:
+            yield Piece(start, stop, out)
+
+
+def _hf_steps(model, ids, P, attention_mask, last_only, on_call):
+    from transformers import DynamicCache
+
+    mask, pos = _mask_and_positions(ids, attention_mask)
+    cache = DynamicCache(config=model.config)
+    ck = _cache_kw(model)
+    for start, stop in _calls(P, ids.shape[1]):
+        if on_call is not None:
+            on_call(start, stop)
+        keep = {"logits_to_keep": 1 if last_only else 0} if start == 0 else {}
+        o = model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop],
+                  position_ids=pos[:, start:stop], **{ck: cache}, use_cache=True, **keep)
+        n = o.logits.shape[1]
+        yield Piece(stop - n, stop, o.logits)
+
+
+def _calls(P: int, L: int):
+    yield 0, P
+    for t in range(P, L):
+        yield t, t + 1
+
+
+def _mask_and_positions(ids, attention_mask):
+    """generate()'s: a mask of ones without padding; positions counted from each row's first
+    real token (left padding)."""
+    import torch
+
+    mask = attention_mask if attention_mask is not None else torch.ones_like(ids)
+    mask = mask.to(device=ids.device, dtype=torch.long)
+    return mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _no_padding(attention_mask) -> None:
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise Unsupported("the built-in KV cache takes no attention mask: left-padded prompts of "
+                          "different lengths in one call need one (use micro-batch 1, or prompts of "
+                          "one length)")
+
+
+def _cache_kw(model) -> str:
+    """transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
