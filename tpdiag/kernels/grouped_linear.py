@@ -44,7 +44,18 @@ def _mm(a, b):
         cfg = IEEE_FP32_CONFIG if a.is_cuda and a.dtype == torch.float32 else None
         out = triton_mm(a.reshape(-1, a.shape[-1]), b, config=cfg)
         return out.reshape(*a.shape[:-1], b.shape[-1])
-    return torch.matmul(a, b)
+    return _rows_mm(a, b)
+
+
+def _rows_mm(a, b):
+    """Off the Triton path: BLAS in fixed row blocks (kernels/row_blocks.py), so a token's bits
+    do not depend on how many tokens share the call (a micro-batch, a decode step's one row per
+    sequence); CPU only - a CUDA tensor here (16-bit group GEMMs are Triton's) keeps cuBLAS."""
+    if a.device.type != "cpu":
+        return torch.matmul(a, b)
+    from tpdiag.kernels.row_blocks import row_blocked_mm
+
+    return row_blocked_mm(a, b)
 
 
 def _tree_partial(a: torch.Tensor, b: torch.Tensor, groups: int) -> torch.Tensor:
@@ -148,7 +159,8 @@ class ColLinear(torch.autograd.Function):
         if blocked:
             # off the Triton path: fixed N blocks, the same GEMM shape at every TP (CPU BLAS /
             # cuBLAS choose by shape, so equal shapes give equal bits)
-            return torch.cat([torch.matmul(x, wg.t().contiguous()) for wg in w.chunk(local_groups, 0)],
+            # (and on the CPU fixed row blocks: the same bits for a token in any number of rows)
+            return torch.cat([_rows_mm(x, wg.t().contiguous()) for wg in w.chunk(local_groups, 0)],
                              dim=-1)
         return torch.matmul(x, w.t())  # stock (unblocked) GEMM: what invariant-gemm replaces
 
