@@ -129,22 +129,26 @@ def test_malformed_file_is_one_line_exit_2(tmp_path, body, where):
     assert "Traceback" not in r.stderr
 
 
-def test_tp2_world_and_decode_unavailable(files):
+def test_tp2_world_and_builtin_decode(files):
     """TP=2 runs in a real gloo world through compare's launcher; tiny-llama (the same vocab,
-    other weights: the engine's numbers are not its own) has no KV cache, so no decode."""
+    other weights: the engine's numbers are not its own) decodes through its own KV cache."""
     from tpdiag.rollout.run import RolloutConfig, run_rollout
 
     s = run_rollout(RolloutConfig(file=files["jsonl"], model="tiny-llama", tp=(1, 2), micro_batch=(1,),
                                   modes=("prefill", "decode"), fixes=("none", "all"), timeout=120))
     c = s["configurations"]
     for t in (1, 2):
-        for f in ("none", "all"):
-            assert c[f"tp{t}-mb1-decode-{f}"]["status"] == "unavailable"
-            assert "hf:" in c[f"tp{t}-mb1-decode-{f}"]["reason"]
-    assert c["tp2-mb1-prefill-none"]["status"] == "ok" and c["tp2-mb1-prefill-all"]["status"] == "ok"
-    # the invariant kernels make TP=2 the TP=1 bits; stock TP=2 reduces in another order
+        for m in ("prefill", "decode"):
+            for f in ("none", "all"):
+                assert c[f"tp{t}-mb1-{m}-{f}"]["status"] == "ok", (t, m, f, c[f"tp{t}-mb1-{m}-{f}"])
+    # the invariant kernels make TP=2 the TP=1 bits, and decode (prompt in one call, then one
+    # token per call through the cache) prefill's bits; stock TP=2 reduces in another order
     assert c["tp2-mb1-prefill-all"]["same_bits_as"] == "tp1-mb1-prefill-all"
+    assert c["tp1-mb1-decode-all"]["same_bits_as"] == "tp1-mb1-prefill-all"
+    assert c["tp2-mb1-decode-all"]["same_bits_as"] == "tp1-mb1-prefill-all"
     assert c["tp2-mb1-prefill-none"]["same_bits_as"] is None
+    # negative control: stock decode is other GEMM and attention shapes than stock prefill
+    assert c["tp1-mb1-decode-none"]["same_bits_as"] is None
     assert c["tp2-mb1-prefill-none"]["metrics"]["tokens"] == s["generated_tokens"]
 
 

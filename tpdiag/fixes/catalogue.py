@@ -52,7 +52,7 @@ register(Fix("tp-invariant-linear", ("row-parallel-reduction", "column-parallel-
              "fp32 partials per fixed K group + one tree all-gather of [tokens, N] per layer "
              "(no weight all-gather)", _linear("tp-invariant-linear")))
 register(Fix("invariant-gemm", ("shape-dependent-gemm",), ("ColwiseParallel forward/wgrad",),
-             "column GEMMs whose bits do not depend on the shard: the invariant Triton GEMM (CUDA), fixed N blocks of one shape (CPU)",
+             "column GEMMs whose bits do not depend on the shard or the rows per call: the invariant Triton GEMM (CUDA), fixed N blocks x fixed 16-row blocks of one shape (CPU)",
              _linear("invariant-gemm")))
 register(Fix("invariant-vocab-softmax", ("vocab-parallel-softmax",),
              ("vocab-parallel log-softmax / cross-entropy",),
@@ -90,5 +90,5 @@ def _attention(model, plan, world):
 register(Fix("invariant-attention", ("attention-kernel",), ("F.scaled_dot_product_attention",),
              "own attention kernels, fixed tiles, no split-KV, separate dq pass (no atomics): Triton on "
              "CUDA, fwd+bwd ~1.1x cuDNN's at head_dim 64, 1.2x at 128 (H100, H200; docs/benchmarks.md); "
-             "per-(batch, head) fp32 torch loop on the CPU or with an explicit mask (slow)",
+             "elementwise fp32 torch path with fixed key blocks on the CPU or with an explicit mask (slow; a decode query = its causal prefill row)",
              _attention))

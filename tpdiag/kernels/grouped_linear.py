@@ -8,7 +8,9 @@ invariant Triton GEMM per rank on CUDA (its bits per output column do not depend
 
 Column-parallel (weight split on N): forward and wgrad with shape-invariant bits
 (`invariant-gemm`: one call of the invariant Triton GEMM on CUDA, fixed N blocks of one shape on
-CPU), dgrad dX = sum_n dY[:, n] W[n, :] as an N-group tree across ranks (`tp-invariant-linear`).
+CPU, each in fixed row blocks: kernels/row_blocks.py), dgrad dX = sum_n dY[:, n] W[n, :] as an
+N-group tree across ranks (`tp-invariant-linear`). On the CPU every group GEMM runs in fixed row
+blocks, so a token's bits do not depend on the rows per call (micro-batches, decode steps).
 
 Both take LOCAL shards and the group range this rank owns; TP=1 is the same code with all
 groups local, so TP=1 itself follows the canonical order when a fix is on.
