@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from tpdiag.errors import BadInput
+from tpdiag.kernels import alloc
 
 
 _RUN: dict = {}  # {"groups": G, "per_group": bool} while run_groups is active
@@ -93,7 +94,7 @@ def tree_sum_stacked_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return tree_sum_stacked(t).to(dtype)
     while t.shape[0] > 2:
         t = t[0::2] + t[1::2]
-    out = torch.empty(t.shape[1:], dtype=dtype, device=t.device)
+    out = alloc.empty(t.shape[1:], dtype=dtype, device=t.device)
     return torch.add(t[0], t[1], out=out)
 
 
@@ -101,7 +102,7 @@ def all_gather_stacked(t: torch.Tensor) -> torch.Tensor:
     """[world, *t.shape]: every rank's t in rank order (one collective into one buffer, no
     per-rank copies out of it)."""
     w = world_size()
-    out = torch.empty(w * t.numel(), dtype=t.dtype, device=t.device)
+    out = alloc.empty(w * t.numel(), dtype=t.dtype, device=t.device)
     all_gather_flat(out, t.contiguous().reshape(-1), _group())
     return out.view(w, *t.shape)
 
@@ -173,10 +174,10 @@ def tree_reduce_scattered(part: torch.Tensor, out_dtype: torch.dtype | None = No
     chunk = -(-n // w)
     if chunk * w != n:
         flat = torch.nn.functional.pad(flat, (0, chunk * w - n))
-    recv = torch.empty_like(flat)
+    recv = alloc.empty_like(flat)
     dist.all_to_all_single(recv, flat, group=_group())
     mine = tree_sum_stacked_to(recv.view(w, chunk), out_dtype)
-    out = torch.empty(w * chunk, dtype=out_dtype, device=part.device)
+    out = alloc.empty(w * chunk, dtype=out_dtype, device=part.device)
     all_gather_flat(out, mine, _group())
     return out[:n].view(part.shape)
 
