@@ -94,7 +94,12 @@ def test_fix_all_logprobs_bitwise_across_micro_batches(tmp_path):
                 "--no-confirm", "--no-baseline", "--out", str(fixed), "--format", "json")
     assert r.returncode == 0, r.stderr
     assert torch.equal(_logprobs(fixed, "1"), _logprobs(fixed, "1-mb1"))
-    assert _summary(fixed)["status"] == "bitwise"
+    e = _summary(fixed)["configurations"]["1-mb1"]
+    # every forward record is bitwise; the step's loss is the micro-batches' shares added (another
+    # summation order than one mean), so it may differ in its last bit
+    rows = list(csv.DictReader(open(fixed / "diff.csv")))
+    assert all(r_["bitwise"] == "True" for r_ in rows if r_["kind"] != "loss")
+    assert e["status"] == "bitwise" or e["first_divergence"]["kind"] == "loss"
     r = run_cli("compare", "--model", "py:tests/models/rowdep.py:target", "--tp", "1", "--micro-batch", "4,1",
                 *TINY, "--forward-only", "--no-confirm", "--no-baseline", "--out", str(control), "--format", "json")
     assert r.returncode == 0, r.stderr
