@@ -44,9 +44,7 @@ def progress(console, cfg, quiet: bool = False):
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from tpdiag.config import degree_labels
-
-    labels = degree_labels(cfg.degrees)
+    labels = [w.label for w in cfg.worlds()]
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=False) as p:
         tasks = {lab: p.add_task(f"TP={lab}{' (reference)' if i == 0 else ''}: waiting", total=1)
@@ -139,7 +137,9 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     t.add_column("max abs / bound", no_wrap=True)
     t.add_column("ULP", no_wrap=True)
     t.add_column("logprob err", no_wrap=True)
-    for label, d in summary["degrees"].items():
+    from tpdiag.records.axes import entries
+
+    for label, d in entries(summary).items():
         if d["status"] == "failed":
             t.add_row(label, "[red]failed[/]", d.get("error", ""), "-", "-", "-", "-")
             continue
@@ -153,7 +153,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
                  if lp.get("max_abs") is not None else "-")
         t.add_row(label, st, where(fd) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
     _print_table(console, t)
-    for label, d in summary["degrees"].items():
+    for label, d in entries(summary).items():
         fd = d.get("first_divergence") or {}
         if fd.get("oracle") or fd.get("op_oracle"):
             console.print(f"TP={label}: {oracle_line(fd)}")
