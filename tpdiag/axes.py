@@ -35,6 +35,17 @@ class World:
     axis: str  # the axes it differs from the reference in, '+'-joined ("tp", "micro_batch", "tp+micro_batch"); "" for the reference
 
 
+def config_name(label) -> str:
+    """How output names a configuration: 'TP=2' for a degree (or a repeat, 'TP=1-2'), else its
+    axes spelled out: '1-mb2' -> 'TP=1 mb=2', '2-decode' -> 'TP=2 decode'."""
+    parts = str(label).split("-")
+    if len(parts) == 1 or parts[1].isdigit():
+        return f"TP={label}"
+    words = [f"TP={parts[0]}"] + [f"mb={p[2:]}" if p.startswith("mb") and p[2:].isdigit() else p
+                                  for p in parts[1:]]
+    return " ".join(words)
+
+
 def parse_micro_batches(text: str | None) -> tuple[int, ...]:
     """'4,1' -> (4, 1); None or '' -> () (the whole batch per call, no micro-batch axis)."""
     if text is None or str(text).strip() == "":

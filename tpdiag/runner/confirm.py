@@ -36,7 +36,7 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
             force_fix: str | None = None, on_status=None) -> dict:
     """Adds degrees[N].confirmation to `summary` (in place) and returns it."""
     from tpdiag.fixes import groups
-    from tpdiag.fixes.registry import catalogue, fix_for_cause
+    from tpdiag.fixes.registry import catalogue, fixes_for_cause
 
     cfg = groups.resolve(cfg)  # the run's G (chosen now for a run written before G was recorded)
     from tpdiag.records.axes import entries
@@ -59,11 +59,13 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
         if d.get("status") != "divergent" or not d.get("first_divergence"):
             continue
         cause = d["first_divergence"]["cause"]
-        fix = force_fix or fix_for_cause(cause, d["first_divergence"].get("op"))
-        if fix is None or catalogue()[fix].install is None or fix in cfg.fixes:
+        names = (force_fix,) if force_fix else fixes_for_cause(cause, d["first_divergence"].get("op"))
+        names = tuple(n for n in names if n not in cfg.fixes) or names
+        fix = "+".join(names) or None
+        if fix is None or any(catalogue()[n].install is None for n in names) or set(names) <= set(cfg.fixes):
             d["confirmation"] = {"fix": fix, "verdict": "no-fix", "first_divergence_after": None,
                                  "reason": f"no available fix for cause {cause!r}"
-                                 if fix not in cfg.fixes else f"{fix} was already on"}
+                                 if not fix or not set(names) <= set(cfg.fixes) else f"{fix} was already on"}
             continue
         plan.setdefault(fix, []).append((label, degree))
     for fix, members in plan.items():
@@ -72,10 +74,10 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
         out = os.path.join(run_dir, "confirm", fix)
         if axes:
             sub = _sub(replace(cfg, only=tuple(lab for lab, _ in members)), out, cfg.degrees,
-                       list(cfg.fixes) + [fix])
+                       list(cfg.fixes) + fix.split("+"))
             sub_labels = [lab for lab, _ in members]
         else:
-            sub = _sub(cfg, out, [ref_degree] + [deg for _, deg in members], list(cfg.fixes) + [fix])
+            sub = _sub(cfg, out, [ref_degree] + [deg for _, deg in members], list(cfg.fixes) + fix.split("+"))
             sub_labels = degree_labels(tuple([ref_degree] + [deg for _, deg in members]))[1:]
         sub_every = entries(sub)
         for (label, _), sub_label in zip(members, sub_labels):
@@ -100,7 +102,7 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
     """Apply fixes for the located causes until bitwise or no fix applies; returns the last
     round's summary with `fix_chain` (one entry per round) attached."""
     from tpdiag.fixes import groups
-    from tpdiag.fixes.registry import catalogue, fix_for_cause
+    from tpdiag.fixes.registry import catalogue, fixes_for_cause
 
     cfg = groups.resolve(cfg)
     fixes: list[str] = list(cfg.fixes)
@@ -124,9 +126,9 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
             break
         new = []
         for f in firsts.values():
-            fx = fix_for_cause(f.get("cause", ""), f.get("op")) if f else None
-            if fx and fx not in fixes and fx not in new and catalogue()[fx].install is not None:
-                new.append(fx)
+            for fx in (fixes_for_cause(f.get("cause", ""), f.get("op")) if f else ()):
+                if fx not in fixes and fx not in new and catalogue()[fx].install is not None:
+                    new.append(fx)
         if not new:
             chain[-1]["stopped"] = "no available fix for the remaining causes"
             break
