@@ -271,8 +271,14 @@ def what_to_do(summary: dict) -> str | None:
     if c == "unknown":
         return ("nothing could judge the first divergence (the reason is above); "
                 f"`tpdiag report {run}` shows its values")
-    return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
-            "bitwise equality across configurations; then `tpdiag compare --fix auto` applies the fixes that remove it")
+    from tpdiag.records.axes import entries
+
+    if all(config_name(lab) == f"TP={lab}" for lab in entries(summary)):
+        return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
+                "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")
+    return ("nothing is wrong: the configurations differ by rounding only. Harmless unless you need "
+            "bitwise equality across them; then `tpdiag compare --fix auto` applies the fixes that remove "
+            "what they cover (docs/micro-batch.md says what they do not)")
 
 
 _SHORT_CAUSE = {"row-parallel-reduction": "row-par-reduce", "vocab-parallel-softmax": "vocab-softmax",
