@@ -40,12 +40,27 @@ def _worker(rank, world, port, q):
     dist.destroy_process_group()
 
 
-def test_tree_all_reduce_is_the_whole_tree():
+def _run(world):
     from tpdiag.kernels.tree import tree_sum_stacked
 
-    y32, y16, grad, stock = (torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dt).view(SHAPE)
-                             for b, dt in gloo_world(_worker, 4, timeout=120))
-    whole = tree_sum_stacked(torch.stack(_parts(4)))
+    out = tuple(torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dt).view(SHAPE)
+                for b, dt in gloo_world(_worker, world, timeout=120))
+    return out, tree_sum_stacked(torch.stack(_parts(world)))
+
+
+def test_tree_all_reduce_two_ranks_is_the_tree():
+    """Two ranks take a reduce-scatter (one fp32 add, which commutes) instead of the all-to-all."""
+    (y32, y16, grad, _), whole = _run(2)
+    assert torch.equal(y32.view(torch.int32), whole.view(torch.int32))
+    assert torch.equal(y16.view(torch.int16), whole.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(grad, torch.ones(SHAPE))
+    # negative control: partials rounded to bf16 before the sum (a stock bf16 all-reduce) differ
+    p0, p1 = (p.to(torch.bfloat16) for p in _parts(2))
+    assert not torch.equal((p0 + p1).view(torch.int16), y16.view(torch.int16))
+
+
+def test_tree_all_reduce_is_the_whole_tree():
+    (y32, y16, grad, stock), whole = _run(4)
     assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
     assert torch.equal(y32.view(torch.int32), whole.view(torch.int32))
     assert torch.equal(y16.view(torch.int16), whole.to(torch.bfloat16).view(torch.int16))

@@ -66,6 +66,9 @@ def compare(
     variants: Annotated[Optional[str], typer.Option(help=H.variants())] = None,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline",
                                            help="rerun the reference against itself first")] = True,
+    micro_batch: Annotated[Optional[str], typer.Option(help=H.micro_batch())] = None,
+    mode: Annotated[Optional[str], typer.Option(help=H.mode())] = None,
+    grid: Annotated[bool, typer.Option("--grid", help=H.grid())] = False,
     tree_groups: Annotated[Optional[int], typer.Option(
         help="tree groups G of the invariant fixes: a power of two every degree divides (default: "
              "TPDIAG_TREE_GROUPS, else the largest degree - which then runs one plain GEMM per "
@@ -86,13 +89,13 @@ def compare(
         fix_mode = fix.strip().lower()
         fixes = () if fix_mode in ("auto", "none") else resolve(fix_mode)
         cfg = CompareConfig(
-            model=model, degrees=parse_degrees(tp), dtype=parse_choice("--dtype", dtype, DTYPES),
+            model=model, degrees=parse_degrees(tp, 1 if micro_batch or mode else 2), dtype=parse_choice("--dtype", dtype, DTYPES),
             device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps,
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
             seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len,
-            tree_groups=0 if tree_groups is None else tree_groups)
+            tree_groups=0 if tree_groups is None else tree_groups, **H.axes(micro_batch, mode, grid))
         from tpdiag.records.lock import refuse_if_held
 
         refuse_if_held(cfg.out)
@@ -213,8 +216,7 @@ def confirm_cmd(
         c = dict(manifest.get("config") or {})
         if not c:
             raise BadInput(f"{run_dir}: not a tpdiag compare run directory (no config in manifest.json)")
-        c["degrees"], c["fixes"] = tuple(c["degrees"]), tuple(c.get("fixes", ()))
-        cfg = CompareConfig(**c)
+        cfg = CompareConfig.from_dict(c)
         from tpdiag.runner.launch import prestart
 
         prestart(cfg.model)

@@ -104,7 +104,9 @@ def bug_found(summary: dict) -> bool:
     """A bug-class or non-finite cause at the first divergence or in the findings of any degree."""
     from tpdiag.records.causes import cause_class
 
-    for d in (summary.get("degrees") or {}).values():
+    from tpdiag.records.axes import entries
+
+    for d in entries(summary).values():
         if not isinstance(d, dict) or d.get("status") != "divergent":
             continue
         causes = [(d.get("first_divergence") or {}).get("cause")] + [f.get("cause") for f in d.get("findings") or []]

@@ -121,3 +121,23 @@ def choice(table: str) -> str:
     from tpdiag import config
 
     return _bar(getattr(config, table))
+
+
+def micro_batch() -> str:
+    return ("sequences per forward call, e.g. 4,1: the same global batch in micro-batches of these sizes "
+            "(gradients accumulated, one optimizer step); the first is the reference's")
+
+
+def mode() -> str:
+    return "how the sequences go through the model: prefill (decode: tpdiag rollout for now)"
+
+
+def grid() -> str:
+    return "compare every combination of --tp, --micro-batch and --mode (default: one axis at a time)"
+
+
+def axes(micro_batch: str | None, mode: str | None, grid: bool) -> dict:
+    """compare's CompareConfig keywords for the axes besides TP."""
+    from tpdiag.axes import parse_micro_batches, parse_modes
+
+    return {"micro_batches": parse_micro_batches(micro_batch), "modes": parse_modes(mode), "grid": grid}

@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+from tpdiag.axes import config_name
+
 
 def _box(console, box):
     """Box drawing on a terminal only: a file or a pipe gets plain columns (and rich already
@@ -44,12 +46,10 @@ def progress(console, cfg, quiet: bool = False):
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from tpdiag.config import degree_labels
-
-    labels = degree_labels(cfg.degrees)
+    labels = [w.label for w in cfg.worlds()]
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=False) as p:
-        tasks = {lab: p.add_task(f"TP={lab}{' (reference)' if i == 0 else ''}: waiting", total=1)
+        tasks = {lab: p.add_task(f"{config_name(lab)}{' (reference)' if i == 0 else ''}: waiting", total=1)
                  for i, lab in enumerate(labels)}
         tasks["diff"] = p.add_task("diff: waiting", total=1)
         started = {}
@@ -65,7 +65,7 @@ def progress(console, cfg, quiet: bool = False):
                         if k.startswith(label + ":") and k != key:
                             p.update(tid, total=1, completed=1)
                 return
-            name = "diff" if label == "diff" else f"TP={label}"
+            name = "diff" if label == "diff" else f"{config_name(label)}"
             if status == "running":
                 started[label] = time.perf_counter()
                 p.update(t, description=f"{name}: running")
@@ -120,7 +120,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     status = summary["status"]
     color = {"bitwise": "green", "divergent": "yellow", "inconclusive": "red"}.get(status, "white")
     console.print(f"[bold]verdict:[/] [{color}]{status}[/]{_class_words(summary)} "
-                  f"(reference TP={summary['reference_label']})")
+                  f"(reference {config_name(summary['reference_label'])})")
     base = summary.get("baseline")
     if ran(summary):
         console.print(ran(summary))
@@ -132,14 +132,17 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     elif baseline_skipped:
         console.print(f"baseline: reference not rerun against itself ({baseline_skipped})")
     t = Table(show_lines=False, pad_edge=False, box=_box(console, box.HEAVY_HEAD))
-    t.add_column("TP", no_wrap=True)
+    from tpdiag.records.axes import entries
+
+    plain = all(config_name(lab) == f"TP={lab}" for lab in entries(summary))
+    t.add_column("TP" if plain else "config", no_wrap=True)
     t.add_column("status", no_wrap=True)
     t.add_column("first divergence", overflow="fold", min_width=30)
     t.add_column("cause", overflow="fold", min_width=22)
     t.add_column("max abs / bound", no_wrap=True)
     t.add_column("ULP", no_wrap=True)
     t.add_column("logprob err", no_wrap=True)
-    for label, d in summary["degrees"].items():
+    for label, d in entries(summary).items():
         if d["status"] == "failed":
             t.add_row(label, "[red]failed[/]", d.get("error", ""), "-", "-", "-", "-")
             continue
@@ -153,12 +156,12 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
                  if lp.get("max_abs") is not None else "-")
         t.add_row(label, st, where(fd) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
     _print_table(console, t)
-    for label, d in summary["degrees"].items():
+    for label, d in entries(summary).items():
         fd = d.get("first_divergence") or {}
         if fd.get("oracle") or fd.get("op_oracle"):
-            console.print(f"TP={label}: {oracle_line(fd)}")
+            console.print(f"{config_name(label)}: {oracle_line(fd)}")
         if fd.get("why"):
-            console.print(f"TP={label}: cause {fd['cause']}: {fd['why']}")
+            console.print(f"{config_name(label)}: cause {fd['cause']}: {fd['why']}")
         _findings(console, label, d, fd)
         conf = d.get("confirmation")
         if conf:
@@ -166,16 +169,16 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
             if conf.get("fix") is None:
                 from tpdiag.records.causes import cause_class
 
-                console.print(f"TP={label}: " + ("no fix applies to a bug (fix the code)"
+                console.print(f"{config_name(label)}: " + ("no fix applies to a bug (fix the code)"
                               if cause_class(fd.get("cause")) == "bug"
                               else f"no fix to confirm it with ({conf.get('reason', 'none applies')})"))
                 continue
-            console.print(f"TP={label}: fix [bold]{conf.get('fix')}[/] -> {conf.get('verdict')}; "
+            console.print(f"{config_name(label)}: fix [bold]{conf.get('fix')}[/] -> {conf.get('verdict')}; "
                           + (f"first divergence moves to {where(after)} ({after['cause']})" if after
                              else "no divergence left" if conf.get("verdict") == "confirmed"
                              else conf.get("reason", "")))
     for rnd in summary.get("fix_chain") or []:
-        firsts = ", ".join(f"TP={lab}: {fd['cause']} at {fd['module']}" for lab, fd in
+        firsts = ", ".join(f"{config_name(lab)}: {fd['cause']} at {fd['module']}" for lab, fd in
                            rnd["first_divergence"].items() if fd) or "-"
         console.print(f"fix chain round {rnd['round']} ({', '.join(rnd['fixes']) or 'stock'}): "
                       f"{rnd['status']}; {firsts}" + (f" ({rnd['stopped']})" if rnd.get("stopped") else ""))
@@ -235,19 +238,19 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
             and f.get("cause") == fd.get("cause")]
     n = sum(follows.get(f.get("key"), 0) for f in same) + max(0, len(same) - 1)
     if n:
-        console.print(f"TP={label}: {n} downstream record{'s' if n != 1 else ''} "
+        console.print(f"{config_name(label)}: {n} downstream record{'s' if n != 1 else ''} "
                       f"follow{'s' if n == 1 else ''} from the first divergence (not listed)")
     for f in findings:
         if "follows" in f or any(f is g for g in same):
             continue
         if f["cause"] == "non-finite":
             nf = d.get("nonfinite") or {}
-            console.print(f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({f['kind']} {f['name']}): "
-                          f"non-finite - {nf.get('first', {}).get('value', 'nan or inf')} at TP={label} "
+            console.print(f"[red]finding[/] {config_name(label)}: {f['phase']} {f['module']} ({f['kind']} {f['name']}): "
+                          f"non-finite - {nf.get('first', {}).get('value', 'nan or inf')} at {config_name(label)} "
                           f"only ({nf.get('records', '?')} records non-finite at one side, this the first)")
             continue
         rec = f"{f['kind']} {f['name']}" if f["kind"] != "op" else f"op {f['name']}"
-        line = (f"[red]finding[/] TP={label}: {f['phase']} {f['module']} ({rec}): {f['cause']}, "
+        line = (f"[red]finding[/] {config_name(label)}: {f['phase']} {f['module']} ({rec}): {f['cause']}, "
                 f"max abs {_fmt(f['max_abs'])}" + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else ""))
         n = follows.get(f.get("key")) or 0
         if n:
@@ -268,8 +271,14 @@ def what_to_do(summary: dict) -> str | None:
     if c == "unknown":
         return ("nothing could judge the first divergence (the reason is above); "
                 f"`tpdiag report {run}` shows its values")
-    return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
-            "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")
+    from tpdiag.records.axes import entries
+
+    if all(config_name(lab) == f"TP={lab}" for lab in entries(summary)):
+        return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
+                "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")
+    return ("nothing is wrong: the configurations differ by rounding only. Harmless unless you need "
+            "bitwise equality across them; then `tpdiag compare --fix auto` applies the fixes that remove "
+            "what they cover (docs/micro-batch.md says what they do not)")
 
 
 _SHORT_CAUSE = {"row-parallel-reduction": "row-par-reduce", "vocab-parallel-softmax": "vocab-softmax",

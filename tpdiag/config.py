@@ -14,8 +14,9 @@ AUTO_HASH_PARAMS = 100_000_000
 FORMATS = ("text", "json")
 
 
-def parse_degrees(text: str) -> tuple[int, ...]:
-    """'1,2,4,8' -> (1, 2, 4, 8). The first is the reference; repeats are allowed (self-baseline)."""
+def parse_degrees(text: str, at_least: int = 2) -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8). The first is the reference; repeats are allowed (self-baseline).
+    at_least=1 where another axis (--micro-batch) gives the configurations to compare."""
     parts = [p.strip() for p in str(text).split(",")]
     if not parts or any(p == "" for p in parts):
         raise BadInput(f"--tp {text!r}: expected a comma-separated list of positive integers, e.g. 1,2,4,8")
@@ -28,7 +29,7 @@ def parse_degrees(text: str) -> tuple[int, ...]:
     for n in out:
         if n < 1:
             raise BadInput(f"--tp {text!r}: degree {n} must be >= 1")
-    if len(out) < 2:
+    if len(out) < at_least:
         raise BadInput(f"--tp {text!r}: need at least two degrees (a reference and one to compare), e.g. 1,2")
     return tuple(out)
 
@@ -85,6 +86,10 @@ class WorldConfig:
     # recorded in op_include's scopes, re-executed in float64 (the reference world only)
     oracle: tuple[str, ...] = ()
     oracle_ops: bool = False
+    # the axes besides TP (tpdiag/axes.py): sequences per forward call (0: the whole batch in
+    # one call) and how the sequence goes through the model
+    micro_batch: int = 0
+    mode: str = "prefill"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -137,15 +142,43 @@ class CompareConfig:
     selfcheck: bool = True
     oracle: tuple[str, ...] = ()  # the second pass: modules the reference re-executes in float64
     oracle_ops: bool = False      # ... and every op it records (op_include's scopes)
+    # the other axes (tpdiag/axes.py): () = the whole batch per call; the first is the reference's
+    micro_batches: tuple[int, ...] = ()
+    modes: tuple[str, ...] = ("prefill",)
+    grid: bool = False            # every combination of the axes, not one axis at a time
+    only: tuple[str, ...] = ()    # reruns (second pass, confirm): just these labels beside the reference
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["degrees"] = list(self.degrees)
+        d["micro_batches"] = list(self.micro_batches)
+        d["modes"] = list(self.modes)
+        d["only"] = list(self.only)
         d["oracle"] = list(self.oracle)
         d["fixes"] = list(self.fixes)
         d["op_include"] = list(self.op_include)
         d["module_include"] = list(self.module_include)
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CompareConfig":
+        """A manifest's config (lists where tuples were); keys of a newer tpdiag are refused by
+        the dataclass, as before."""
+        d = dict(d)
+        for k in ("degrees", "fixes", "op_include", "module_include", "oracle", "micro_batches",
+                  "modes", "only"):
+            if k in d and d[k] is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+    def worlds(self):
+        """Every configuration this compare runs, the reference first (tpdiag/axes.py)."""
+        from tpdiag.axes import worlds
+
+        out = worlds(self.degrees, self.micro_batches, self.modes, self.grid, degree_labels)
+        if self.only:
+            out = [out[0]] + [w for w in out[1:] if w.label in self.only]
+        return out
 
     def world(self, degree: int, label: str, out_dir: str, device: str, **kw) -> WorldConfig:
         return WorldConfig(model=self.model, degree=degree, label=label, out_dir=out_dir,

@@ -79,7 +79,8 @@ def worker(rank, world, port, args, size, q):
     from tpdiag.config import WorldConfig
     from tpdiag.fixes.registry import apply_fixes
     from tpdiag.runner import determinism
-    from tpdiag.runner.step import _numerics, build_model, forward_call, loss_context, make_batch
+    from tpdiag.runner.logits import whole_vocab
+    from tpdiag.runner.step import _numerics, build_model, forward_call, logits_of, loss_context, make_batch
 
     cuda = args.device == "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -112,9 +113,12 @@ def worker(rank, world, port, args, size, q):
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
             t = time.perf_counter()
-            logits = model(*fargs, **fkwargs)
+            # an hf: model returns an output object; an unmarked local vocab shard is re-marked
+            # whole, as compare's step does (tpdiag.runner.step.run)
+            local = logits_of(model(*fargs, **fkwargs))
+            logits, _ = whole_vocab(local, model, target.plan, target.vocab_size, world)
             with loss_context(world):
-                loss = loss_fn(logits, labels)
+                loss = loss_fn(local if target.loss is not None else logits, labels)
                 loss.backward()
             norm_fn(list(model.parameters()), 1.0)
             opt.step()
@@ -146,10 +150,29 @@ def worker(rank, world, port, args, size, q):
                 print(f"== profile TP={world} batch {batch_size} x seq {seq}: {name} ==")
                 print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
                                                 row_limit=args.profile))
+                if args.trace:
+                    trace_gaps(prof, args.trace, f"tp{world}-{batch_size}x{seq}-{name}")
     if rank == 0:
         q.put({"times_s": times, "peak_bytes": peak})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def trace_gaps(prof, where: str, name: str) -> None:
+    """The profiled step's chrome trace (gzipped, under `where`) and its device idle time."""
+    import gzip
+    import re
+    import shutil
+
+    from benchmarks.trace_gaps import analyse, load, render
+
+    os.makedirs(where, exist_ok=True)
+    base = os.path.join(where, re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".json")
+    prof.export_chrome_trace(base)
+    with open(base, "rb") as f, gzip.open(base + ".gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    os.remove(base)
+    print(render(name, analyse(load(base + ".gz"))))
 
 
 def run_world(tp: int, port: int, args, size) -> dict:
@@ -215,6 +238,8 @@ def parse(argv):
                         "group per rank), each a configuration of its own (default tp; e.g. 8,tp; "
                         "'' = the process default, TPDIAG_TREE_GROUPS or 8)")
     p.add_argument("--profile", type=int, default=0, help="print the top N ops of one stock and each all-fixes step")
+    p.add_argument("--trace", default="", help="with --profile: write each profiled step's chrome "
+                   "trace (gzipped) to this folder and print the device's idle time and its largest gaps")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak TFLOP/s of one GPU for MFU (default: 989.4 on H100/H200, else no MFU)")
     p.add_argument("--world-timeout", type=int, default=400, help="seconds one world may take")

@@ -214,9 +214,13 @@ def step_drift(dd) -> list[dict]:
 
 
 def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[str, str],
-                reference_degree: int, baseline: str | None = None) -> dict:
-    """labels: every non-reference label; failed: {label: error} for worlds that did not finish."""
+                reference_degree: int, baseline: str | None = None, axes: dict | None = None) -> dict:
+    """labels: every non-reference label; failed: {label: error} for worlds that did not finish;
+    axes: {label: tpdiag.axes.World} where the run has axes besides TP (None: TP only)."""
+    from tpdiag.diff.axis_cause import name_batch_variant
+
     degrees: dict[str, dict] = {}
+    configurations: dict[str, dict] = {}
     all_rows: list[dict] = []
     ref = None
     ref_error = failed.get(reference)
@@ -238,14 +242,26 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         except Inconclusive as e:
             degrees[label] = {"status": "failed", "error": str(e)}
             continue
-        if int(other.world.get("degree", 0)) == reference_degree:
+        axis = axes[label].axis if axes and label in axes else "tp"
+        if int(other.world.get("degree", 0)) == reference_degree and axis == "tp":
             same_degree(entry, label, reference_degree)
+        name_batch_variant(entry, axis)
         degrees[label] = entry
         all_rows.extend(rows)
+    if axes:
+        # the TP axis stays in `degrees`; every other configuration sits beside it, same schema
+        for label in list(degrees):
+            w = axes.get(label)
+            if w is None:
+                continue
+            degrees[label]["axis"] = w.axis
+            degrees[label]["config"] = w.point.to_dict()
+            if w.axis != "tp":
+                configurations[label] = degrees.pop(label)
     base = None
     if baseline is not None and ref is not None:
         base = _baseline(run_dir, ref, baseline, failed, reference_degree)
-    statuses = [d["status"] for d in degrees.values()]
+    statuses = [d["status"] for d in list(degrees.values()) + list(configurations.values())]
     if ref_error is not None or "failed" in statuses or not statuses:
         status = "inconclusive"
     elif "divergent" in statuses:
@@ -254,6 +270,9 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         status = "bitwise"
     summary = {"schema": SCHEMA, "status": status, "reference": reference_degree,
                "reference_label": reference, "degrees": degrees}
+    if axes and any(w.axis != "tp" for w in axes.values()):
+        summary["configurations"] = configurations
+        summary["reference_config"] = axes[reference].point.to_dict()
     if ref is not None:
         summary["capture"] = ref.world.get("capture", "full")
         wc = ref.world.get("config") or {}
@@ -277,7 +296,7 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
             summary["status"] = "inconclusive"
             summary["error"] = _not_reproducible(reference_degree, base.get("cause"), base.get("first_divergence"))
     noisy = [lab for lab, d in degrees.items() if d.get("reproducible") is False]
-    if noisy and len(noisy) < len(degrees) and "error" not in summary:
+    if noisy and len(noisy) < len(degrees) + len(configurations) and "error" not in summary:
         # a rerun at the reference's degree (--tp 1,2,1) that does not reproduce it is a failed
         # baseline: what differs at the other degrees cannot be blamed on TP
         fd = degrees[noisy[0]]["first_divergence"]

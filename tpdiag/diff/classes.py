@@ -27,7 +27,9 @@ def degree_class(entry: dict) -> str | None:
 def add_classes(summary: dict) -> dict:
     """Set degrees[*]['class'] and summary['class'] (None when nothing diverged)."""
     found = set()
-    for entry in (summary.get("degrees") or {}).values():
+    from tpdiag.records.axes import entries
+
+    for entry in entries(summary).values():
         c = degree_class(entry)
         entry["class"] = c
         if c:

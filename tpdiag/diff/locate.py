@@ -139,7 +139,11 @@ def _loss_bounds(dd: DegreeDiff) -> None:
                     _set(loss_row, bounds.mean_bound(eb, a, b, p1.numel(), la.dtype), abs(b - a))
         gn = next((r for r in rows if r["kind"] == "grad_norm"), None)
         if gn is not None and gn["key"] in dd.tensors:
-            pairs = [dd.tensors[r["key"]] for r in rows if r["kind"] == "param_grad" and r["key"] in dd.tensors]
+            grads = [r["key"] for r in rows if r["kind"] == "param_grad"]
+            # every grad the norm read, or no bound: hash capture keeps whole values only for the
+            # first divergence, and a triangle bound over some of the grads is too small - it
+            # called a grad norm over rounding-different grads a bug (llama-1b, micro-batch 8 vs 1)
+            pairs = [dd.tensors[k] for k in grads if k in dd.tensors] if all(k in dd.tensors for k in grads) else []
             if pairs and all(a.shape == b.shape for a, b in pairs):
                 a, b = (float(t.double().reshape(-1)[0]) for t in dd.tensors[gn["key"]])
                 _set(gn, bounds.norm_bound([p[0] for p in pairs], [p[1] for p in pairs], a, b), abs(b - a))

@@ -51,7 +51,7 @@ register(Fix("tp-invariant-linear", ("row-parallel-reduction", "column-parallel-
               *(f"MoE experts: {m}" for m in MOE_LAYOUTS)),
              "fp32 partials per fixed K group + one tree all-gather of [tokens, N] per layer "
              "(no weight all-gather)", _linear("tp-invariant-linear")))
-register(Fix("invariant-gemm", ("shape-dependent-gemm",), ("ColwiseParallel forward/wgrad",),
+register(Fix("invariant-gemm", ("shape-dependent-gemm", "batch-variant-kernel"), ("ColwiseParallel forward/wgrad",),
              "column GEMMs whose bits do not depend on the shard or the rows per call: the invariant Triton GEMM (CUDA), fixed N blocks x fixed 16-row blocks of one shape (CPU)",
              _linear("invariant-gemm")))
 register(Fix("invariant-vocab-softmax", ("vocab-parallel-softmax",),

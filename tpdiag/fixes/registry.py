@@ -26,6 +26,25 @@ def fix_for_cause(cause: str, op: str | None = None) -> str | None:
     return None
 
 
+# A row's result that depends on how many rows share the call (micro-batch size, decode) can come
+# from any kernel that blocks its work by the rows in the call; together these compute each row
+# the same way whatever the call holds, so they are what removes it
+BATCH_INVARIANT = ("invariant-gemm", "invariant-attention", "invariant-norm-grad", "invariant-vocab-softmax")
+
+
+def fixes_for_cause(cause: str, op: str | None = None) -> tuple[str, ...]:
+    """The fixes that remove `cause` (fix_for_cause's one, or the batch-invariant set)."""
+    from tpdiag.records.ops import SDPA_OPS, is_op_of
+
+    if cause == "batch-variant-kernel":
+        if is_op_of(op, SDPA_OPS):
+            return ("invariant-attention",)
+        cat = catalogue()
+        return tuple(n for n in BATCH_INVARIANT if n in cat and cat[n].install is not None)
+    fix = fix_for_cause(cause, op)
+    return (fix,) if fix else ()
+
+
 def resolve(names) -> tuple[str, ...]:
     """'all' -> every available fix; 'a,b' -> validated names. Unknown names are BadInput."""
     cat = catalogue()

@@ -257,7 +257,9 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
 def _degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others: list[str],
                    by_label: dict[str, list[dict]]) -> dict[str, str]:
     """{label: why this degree's evidence cannot be trusted}; the reference's problems spread to all."""
-    degrees = {str(k): v for k, v in summary["degrees"].items()}
+    from tpdiag.records.axes import entries
+
+    degrees = entries(summary)
     worlds = manifest.get("worlds")
     errors: dict[str, str] = {}
     if isinstance(worlds, dict):
@@ -329,7 +331,9 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
             res.problems.append(why)
             return res
         summary = read_summary(run_dir)
-        degrees = {str(k): v for k, v in summary["degrees"].items()}
+        from tpdiag.records.axes import entries
+
+        degrees = entries(summary)
         # compare's manifest lists the degrees; a run dir from another writer may only have the summary.
         ref = str(manifest.get("reference") or summary["reference_label"])
         labels = [str(x) for x in manifest.get("labels") or [ref, *degrees]]

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from tpdiag.kernels import alloc
+
 
 def _even_shard(g) -> tuple[int | None, int, torch.Tensor]:
     """(the dim an evenly sharded 1-D-mesh DTensor is split on, or None; its split factor; its
@@ -81,7 +83,7 @@ def _gathered(mesh, items):
 
     n = mesh.size()
     flat = torch.cat([t.reshape(-1) for _, _, t in items])
-    gathered = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+    gathered = alloc.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
     all_gather_flat(gathered, flat, mesh.get_group())
     del flat
     per_rank = gathered.view(n, -1)

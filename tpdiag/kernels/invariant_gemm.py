@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from tpdiag.kernels import gemm_common
+from tpdiag.kernels import alloc, gemm_common
 from tpdiag.kernels.gemm_common import _SUPPORTED, _check, _interpreting, _padded_empty, _tma_ok, import_triton
 
 # Bound by _triton(): the kernels below resolve ``tl`` and the shared tile helpers
@@ -212,7 +212,7 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
     M, K = a.shape
     N = b.shape[1]
     out_dtype = out_dtype or a.dtype
-    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    c = alloc.empty((M, N), dtype=out_dtype, device=a.device)  # every tile stored
     if M == 0 or N == 0:
         return c
     if K == 0:

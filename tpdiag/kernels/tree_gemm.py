@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from tpdiag.kernels import alloc
+
 triton = None
 tl = None
 
@@ -148,7 +150,7 @@ def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None) -> torch.
     else:
         bm, bn, bk, warps, stages = _INTERPRETER_TILES
         upcast = True
-    c = torch.empty(M, N, dtype=torch.float32, device=a.device)
+    c = alloc.empty(M, N, dtype=torch.float32, device=a.device)  # every tile stored
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
     kernel[grid](a, b, c, M, N, kg, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                  c.stride(0), c.stride(1), GROUPS=groups, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,

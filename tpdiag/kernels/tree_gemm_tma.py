@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from tpdiag.kernels import gemm_common
+from tpdiag.kernels import alloc, gemm_common
 
 triton = None
 tl = None
@@ -177,7 +177,7 @@ def tree_mm_tma(a: torch.Tensor, b: torch.Tensor, groups: int, tiles: TreeTiles)
     eight: the two halves' roots added elementwise. Same nodes, same bits at every TP."""
     M, K = a.shape
     N = b.shape[1]
-    c = torch.empty(M, N, dtype=torch.float32, device=a.device)
+    c = alloc.empty(M, N, dtype=torch.float32, device=a.device)  # every tile stored
     if not gemm_common._tma_ok(c):
         c = gemm_common._padded_empty(M, N, torch.float32, a.device)
     if M and N:
@@ -194,7 +194,7 @@ def _tree(a, b, groups, tiles, c) -> None:
     if groups == 4:
         _launch(a[:, h:], b[h:], 2, tiles, c, add=True)
         return
-    right = torch.empty_like(c)
+    right = alloc.empty_like(c)
     _tree(a[:, h:], b[h:], groups // 2, tiles, right)
     c.add_(right)
 

@@ -119,6 +119,23 @@ class Recorder:
     # full mode: records stream to host memory (probes/stream.py), spilled here past the budget
     spill_dir: str | None = None
     host_store: object = None
+    # a micro-batched step (runner/micro.py): the piece of the batch now running (None: the whole
+    # batch), how many there are, and per record key the reference's size of dim 0 - whether a
+    # piece's record is a slice of the whole along the batch (merged at the step's end:
+    # probes/pieces.py) or the same per-call value in every piece
+    piece: int | None = None
+    n_pieces: int = 1
+    piece_ref: dict = field(default_factory=dict)
+
+    def begin_piece(self, k: int, n: int) -> None:
+        """Piece k of n starts: call indices count from 0 again, so piece k's call 0 of a module
+        is the slice of the reference's call 0 (cleared in place: module_probes holds the dict)."""
+        self.piece, self.n_pieces = k, n
+        for key in [key for key in self._calls if key[0] == self.step]:
+            del self._calls[key]
+
+    def end_pieces(self) -> None:
+        self.piece = None
 
     def call_index(self, module: str) -> int:
         key = (self.step, self._phase, module)
@@ -157,7 +174,7 @@ class Recorder:
         # and an in-place op's bump is still to come (docs/benchmarks.md, "Host work per record").
         tt = type(t)
         if (tt is torch.Tensor or tt is _PARAMETER) and mode == "hash" and self.world == 1 \
-                and kind not in KEEP_WHOLE and kind != "op":
+                and kind not in KEEP_WHOLE and kind != "op" and self.piece is None:
             shape = t.shape
             dtype = t.dtype
             version = t._version
@@ -198,6 +215,12 @@ class Recorder:
             "cls": cls, "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
             "local_shape": list(local.shape), "key": key,
         }
+        if self.piece is not None:
+            meta["piece"] = self.piece
+            if mode == "hash" and kind not in KEEP_WHOLE:
+                from tpdiag.probes.pieces import hash_piece
+
+                return hash_piece(self, meta, t, local)
         if mode == "hash" and kind not in KEEP_WHOLE:
             layout_, full, dim, size, offset = self._hash_layout(t, local, key, label)
             meta["hash_layout"], meta["full_shape"] = layout_, full

@@ -46,11 +46,16 @@ def records_frame(rows: list[dict], summary: dict | None = None):
         if k not in _INT + _FLOAT + _BOOL:
             df[k] = pd.Series([None if v is None else str(v) for v in data[k]], dtype=object)
     df["divergent"] = (~df["bitwise"].fillna(True) | ~df["rank_consistent"].fillna(True)).astype(bool)
-    degrees = (summary or {}).get("degrees") or {}
+    from tpdiag.records.axes import axis_of_entry, entries
+
+    degrees = entries(summary)
     first_keys = {str(lab): (d.get("first_divergence") or {}).get("key")
                   for lab, d in degrees.items() if isinstance(d, dict)}
     df["first"] = [first_keys.get(str(lab)) == key and key is not None
                    for lab, key in zip(df["degree"], df["key"])]
+    # the axis each compared configuration differs from the reference in (tp, micro_batch, ...)
+    axes = {str(lab): axis_of_entry(lab, d) for lab, d in degrees.items()}
+    df["axis"] = pd.Series([axes.get(str(lab), "tp") for lab in df["degree"]], dtype=object)
     causes = {}
     for lab, d in degrees.items():
         if not isinstance(d, dict):
@@ -135,7 +140,9 @@ class Run:
         a = whole(ref, "logprobs")
         labels = whole(ref, "batch", "labels")
         parts = []
-        for lab, d in self.summary["degrees"].items():
+        from tpdiag.records.axes import entries
+
+        for lab, d in entries(self.summary).items():
             if not isinstance(d, dict) or d.get("status") == "failed":
                 continue
             b = whole(RecordSet(records_dir(self.run_dir, self.manifest, str(lab))), "logprobs")
@@ -166,14 +173,19 @@ def load(run_dir: str) -> Run:
     edited run is Inconclusive, a missing directory BadInput) into DataFrames."""
     manifest, summary, rows = load_run(run_dir)
     ref = str(summary.get("reference_label") or manifest.get("reference") or summary.get("reference"))
-    degrees = {str(k): v for k, v in summary["degrees"].items() if isinstance(v, dict)}
+    from tpdiag.records.axes import axis_of_entry, entries
+
+    degrees = {k: v for k, v in entries(summary).items() if isinstance(v, dict)}
     rec = records_frame(rows, summary)
     deg, findings, steps, logprobs = [], [], [], []
     for lab, d in degrees.items():
         fd = d.get("first_divergence") or {}
         loss = d.get("loss") or {}
         conf = d["confirmation"] if isinstance(d.get("confirmation"), dict) else {}
-        deg.append({"degree": lab, "status": d.get("status"), "cause": fd.get("cause"),
+        point = d.get("config") or {}
+        deg.append({"degree": lab, "axis": axis_of_entry(lab, d), "tp": point.get("tp"),
+                    "micro_batch": point.get("micro_batch"), "mode": point.get("mode"),
+                    "status": d.get("status"), "cause": fd.get("cause"),
                     "first_module": fd.get("module"), "first_op": fd.get("op"), "first_phase": fd.get("phase"),
                     "first_key": fd.get("key"), "first_max_ulp": fd.get("max_ulp"),
                     "first_max_abs": fd.get("max_abs"), "n_records": d.get("n_records"),

@@ -65,7 +65,9 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) ->
         out.append(f"summary.json schema {summary.get('schema')!r}: this tpdiag reads schema {SCHEMA}")
     if summary.get("status") not in STATUSES:
         out.append(f"summary.json status {summary.get('status')!r}: expected one of {', '.join(STATUSES)}")
-    degrees = {str(k): v for k, v in summary["degrees"].items()}
+    from tpdiag.records.axes import entries
+
+    degrees = entries(summary)
     statuses = {lab: (d or {}).get("status") if isinstance(d, dict) else None for lab, d in degrees.items()}
     if summary.get("status") == "bitwise" and any(s != "bitwise" for s in statuses.values()):
         lab = next(lab for lab, s in statuses.items() if s != "bitwise")

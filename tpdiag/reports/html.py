@@ -141,7 +141,9 @@ def build_context(run_dir: str) -> dict:
 
     # Evidence that disagrees with the summary makes the whole report inconclusive, said at the top.
     problems = integrity.problems(run_dir, manifest, summary, rows)
-    degrees = {str(k): v for k, v in summary["degrees"].items()}
+    from tpdiag.records.axes import entries
+
+    degrees = entries(summary)
     labels = list(degrees)
     by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in labels}
     ok = [lab for lab in labels if degrees[lab].get("status") != "failed"]

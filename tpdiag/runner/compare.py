@@ -6,7 +6,7 @@ import platform
 import time
 
 from tpdiag import io
-from tpdiag.config import CompareConfig, degree_labels
+from tpdiag.config import CompareConfig
 from tpdiag.errors import BadInput, EnvironmentProblem
 from tpdiag.records.provenance import versions
 
@@ -51,6 +51,7 @@ def validate(cfg: CompareConfig) -> None:
         check_moe_layouts(hf_base_plan(spec.value)[1])  # an uncovered MoE layout: one line, no world
     if cfg.steps < 1:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
+    check_axes(cfg, spec)
     import math
 
     if not math.isfinite(cfg.timeout) or cfg.timeout <= 0 or cfg.timeout > 7 * 86400:
@@ -90,6 +91,32 @@ def validate(cfg: CompareConfig) -> None:
         from tpdiag.fixes import groups
 
         groups.check(cfg.degrees, cfg.fixes, cfg.tree_groups)
+
+
+def check_axes(cfg: CompareConfig, spec) -> None:
+    """The micro-batch and mode axes, before any world starts."""
+    from tpdiag.axes import MODES, check_micro_batches
+
+    if len(cfg.worlds()) < 2:
+        raise BadInput(f"--tp {','.join(map(str, cfg.degrees))} --micro-batch "
+                       f"{','.join(map(str, cfg.micro_batches)) or '(none)'}: need at least two "
+                       "configurations (a reference and one to compare), e.g. --tp 1,2 or --micro-batch 4,1")
+
+    for m in cfg.modes:
+        if m not in MODES:
+            raise BadInput(f"--mode {m}: not available in tpdiag compare yet (only {', '.join(MODES)})")
+    if not cfg.micro_batches:
+        return
+    if spec.kind == "py":
+        # a Target.inputs batch has its own size: checked by the world (runner/micro.py)
+        if any(n < 1 for n in cfg.micro_batches):
+            raise BadInput(f"--micro-batch {cfg.micro_batches}: every size must be >= 1")
+    else:
+        check_micro_batches(cfg.micro_batches, cfg.batch_size)
+    if cfg.capture == "hash" and max(cfg.degrees) > 1:
+        # a micro-batch's TP shard sits at an offset in two dims; the order-aware lanes take one
+        raise BadInput("--capture hash with --micro-batch at TP > 1: not supported yet; use "
+                       "--capture full (or hash at --tp 1)")
 
 
 def device_info(device: str) -> dict:
@@ -151,12 +178,14 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     device = resolve_device(cfg.device, cfg.degrees)
     out = cfg.out or default_out()
     os.makedirs(out, exist_ok=True)
-    labels = degree_labels(cfg.degrees)
+    configs = cfg.worlds()
+    labels = [w.label for w in configs]
     backend = "nccl" if device == "cuda" else "gloo"
     manifest = {
         "schema": 1, "tool": "tpdiag compare", "versions": versions(device), "hash_version": HASH_VERSION,
         "device": device_info(device), "backend": backend, "model": cfg.model, "dtype": cfg.dtype,
         "seed": cfg.seed, "degrees": list(cfg.degrees), "labels": labels, "reference": labels[0],
+        "configurations": {w.label: {**w.point.to_dict(), "axis": w.axis} for w in configs},
         "fixes": list(cfg.fixes), "tree_groups": cfg.tree_groups, "group_gemm": cfg.group_gemm,
         "config": cfg.to_dict(), "env": numerics_env(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "worlds": {},
@@ -164,14 +193,16 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     io.write_json(os.path.join(out, "manifest.json"), manifest)
     failed: dict[str, str] = {}
     t0 = time.perf_counter()
-    worlds = list(zip(cfg.degrees, labels))
+    worlds = [(w.point, w.label) for w in configs]
     base_label = None
     if cfg.baseline and cfg.degrees.count(cfg.degrees[0]) == 1:
         base_label = f"{labels[0]}-base"
-        worlds.insert(1, (cfg.degrees[0], base_label))
-    for degree, label in worlds:
+        worlds.insert(1, (configs[0].point, base_label))
+    for point, label in worlds:
+        degree = point.tp
         ref_dir = os.path.join(out, f"tp{labels[0]}") if label != labels[0] else ""
-        wcfg = cfg.world(degree, label, os.path.join(out, f"tp{label}"), device, ref_dir=ref_dir)
+        wcfg = cfg.world(degree, label, os.path.join(out, f"tp{label}"), device, ref_dir=ref_dir,
+                         micro_batch=point.micro_batch, mode=point.mode)
         if label == labels[0] and (cfg.oracle or cfg.oracle_ops):
             wcfg = wcfg.with_(oracle=cfg.oracle, oracle_ops=cfg.oracle_ops)
         res = run_world(wcfg, cfg.timeout, on_status)
@@ -183,7 +214,8 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     if on_status:
         on_status("diff", "running")
     t_diff = time.perf_counter()
-    summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label)
+    summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label,
+                          axes={w.label: w for w in configs})
     manifest["phases"] = compare_phases(manifest["worlds"], labels, base_label,
                                         time.perf_counter() - t_diff)
     manifest["wall_s"] = round(time.perf_counter() - t0, 3)

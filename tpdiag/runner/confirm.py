@@ -36,37 +36,55 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
             force_fix: str | None = None, on_status=None) -> dict:
     """Adds degrees[N].confirmation to `summary` (in place) and returns it."""
     from tpdiag.fixes import groups
-    from tpdiag.fixes.registry import catalogue, fix_for_cause
+    from tpdiag.fixes.registry import catalogue, fixes_for_cause
 
     cfg = groups.resolve(cfg)  # the run's G (chosen now for a run written before G was recorded)
-    labels = degree_labels(cfg.degrees)
+    from tpdiag.records.axes import entries
+
+    every = entries(summary)
+    # configurations on other axes keep their labels in the rerun (CompareConfig.only)
+    axes = bool(cfg.micro_batches) or tuple(cfg.modes) != ("prefill",)
+    if axes:
+        labels = [w.label for w in cfg.worlds()]
+        members_of = list(zip(labels[1:], labels[1:]))
+    else:
+        labels = degree_labels(cfg.degrees)
+        members_of = list(zip(labels[1:], cfg.degrees[1:]))
     ref_degree = cfg.degrees[0]
     plan: dict[str, list[tuple[str, int]]] = {}
-    for label, degree in zip(labels[1:], cfg.degrees[1:]):
-        d = summary["degrees"].get(label, {})
+    for label, degree in members_of:
+        d = every.get(label, {})
         if only_label and label != only_label:
             continue
         if d.get("status") != "divergent" or not d.get("first_divergence"):
             continue
         cause = d["first_divergence"]["cause"]
-        fix = force_fix or fix_for_cause(cause, d["first_divergence"].get("op"))
-        if fix is None or catalogue()[fix].install is None or fix in cfg.fixes:
+        names = (force_fix,) if force_fix else fixes_for_cause(cause, d["first_divergence"].get("op"))
+        names = tuple(n for n in names if n not in cfg.fixes) or names
+        fix = "+".join(names) or None
+        if fix is None or any(catalogue()[n].install is None for n in names) or set(names) <= set(cfg.fixes):
             d["confirmation"] = {"fix": fix, "verdict": "no-fix", "first_divergence_after": None,
                                  "reason": f"no available fix for cause {cause!r}"
-                                 if fix not in cfg.fixes else f"{fix} was already on"}
+                                 if not fix or not set(names) <= set(cfg.fixes) else f"{fix} was already on"}
             continue
         plan.setdefault(fix, []).append((label, degree))
     for fix, members in plan.items():
         if on_status:
             on_status("confirm", f"{fix}")
         out = os.path.join(run_dir, "confirm", fix)
-        sub = _sub(cfg, out, [ref_degree] + [deg for _, deg in members], list(cfg.fixes) + [fix])
-        sub_labels = degree_labels(tuple([ref_degree] + [deg for _, deg in members]))[1:]
+        if axes:
+            sub = _sub(replace(cfg, only=tuple(lab for lab, _ in members)), out, cfg.degrees,
+                       list(cfg.fixes) + fix.split("+"))
+            sub_labels = [lab for lab, _ in members]
+        else:
+            sub = _sub(cfg, out, [ref_degree] + [deg for _, deg in members], list(cfg.fixes) + fix.split("+"))
+            sub_labels = degree_labels(tuple([ref_degree] + [deg for _, deg in members]))[1:]
+        sub_every = entries(sub)
         for (label, _), sub_label in zip(members, sub_labels):
-            before = summary["degrees"][label]["first_divergence"]
-            after_entry = sub["degrees"].get(sub_label, {})
+            before = every[label]["first_divergence"]
+            after_entry = sub_every.get(sub_label, {})
             if after_entry.get("status") == "failed":
-                summary["degrees"][label]["confirmation"] = {
+                every[label]["confirmation"] = {
                     "fix": fix, "verdict": "not-confirmed", "first_divergence_after": None,
                     "reason": f"rerun failed: {after_entry.get('error')}", "run_dir": out}
                 continue
@@ -74,7 +92,7 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
             now_equal = _key_bitwise(out, sub_label, before["key"])
             moved = after is None or after["idx"] > before["idx"]
             verdict = "confirmed" if (now_equal and moved) else "not-confirmed"
-            summary["degrees"][label]["confirmation"] = {
+            every[label]["confirmation"] = {
                 "fix": fix, "verdict": verdict, "first_divergence_after": after,
                 "status_after": after_entry.get("status"), "run_dir": out}
     return summary
@@ -84,7 +102,7 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
     """Apply fixes for the located causes until bitwise or no fix applies; returns the last
     round's summary with `fix_chain` (one entry per round) attached."""
     from tpdiag.fixes import groups
-    from tpdiag.fixes.registry import catalogue, fix_for_cause
+    from tpdiag.fixes.registry import catalogue, fixes_for_cause
 
     cfg = groups.resolve(cfg)
     fixes: list[str] = list(cfg.fixes)
@@ -97,7 +115,9 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
         # round 0 is the run the user asked for (its summary is what compare prints): it gets the
         # reference rerun like any compare; the fixed rounds are compared with it
         summary = _sub(cfg, out, cfg.degrees, fixes, baseline=cfg.baseline and i == 0)
-        firsts = {lab: (d.get("first_divergence") or {}) for lab, d in summary["degrees"].items()}
+        from tpdiag.records.axes import entries
+
+        firsts = {lab: (d.get("first_divergence") or {}) for lab, d in entries(summary).items()}
         chain.append({"round": i, "fixes": list(fixes), "status": summary["status"], "run_dir": out,
                       "first_divergence": {lab: ({"module": f.get("module"), "phase": f.get("phase"),
                                                   "kind": f.get("kind"), "cause": f.get("cause")}
@@ -106,9 +126,9 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
             break
         new = []
         for f in firsts.values():
-            fx = fix_for_cause(f.get("cause", ""), f.get("op")) if f else None
-            if fx and fx not in fixes and fx not in new and catalogue()[fx].install is not None:
-                new.append(fx)
+            for fx in (fixes_for_cause(f.get("cause", ""), f.get("op")) if f else ()):
+                if fx not in fixes and fx not in new and catalogue()[fx].install is not None:
+                    new.append(fx)
         if not new:
             chain[-1]["stopped"] = "no available fix for the remaining causes"
             break

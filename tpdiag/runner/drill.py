@@ -48,11 +48,13 @@ def wanted(cfg: CompareConfig, summary: dict) -> bool:
     `--granularity auto|op`'s ops, or for a first divergence still without a verdict."""
     if summary.get("status") != "divergent":
         return False
-    fds = [d.get("first_divergence") for d in (summary.get("degrees") or {}).values()]
+    from tpdiag.records.axes import entries
+
+    fds = [d.get("first_divergence") for d in entries(summary).values()]
     fds = [fd for fd in fds if fd]
     return summary.get("capture") == "hash" or cfg.granularity in ("auto", "op") or any(
         needs_verdict(fd) for fd in fds) or any(
-        d.get("unjudged") for d in (summary.get("degrees") or {}).values())
+        d.get("unjudged") for d in entries(summary).values())
 
 
 _VERDICT = ("cause", "bound", "bound_ratio", "bound_model", "oracle", "why")
@@ -61,13 +63,21 @@ _VERDICT = ("cause", "bound", "bound_ratio", "bound_model", "oracle", "why")
 def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) -> dict:
     from tpdiag.runner.compare import run_compare
 
-    labels = degree_labels(cfg.degrees)
-    targets = [(lab, deg) for lab, deg in zip(labels[1:], cfg.degrees[1:])
-               if (summary["degrees"].get(lab) or {}).get("first_divergence")]
+    from tpdiag.records.axes import entries
+
+    every = entries(summary)
+    axes = bool(cfg.micro_batches) or tuple(cfg.modes) != ("prefill",)
+    if axes:  # configurations keep their labels in the rerun (CompareConfig.only)
+        labels = [w.label for w in cfg.worlds()]
+        targets = [(lab, lab) for lab in labels[1:] if (every.get(lab) or {}).get("first_divergence")]
+    else:
+        labels = degree_labels(cfg.degrees)
+        targets = [(lab, deg) for lab, deg in zip(labels[1:], cfg.degrees[1:])
+                   if (every.get(lab) or {}).get("first_divergence")]
     if not targets:
         return summary
     hashed = summary.get("capture") == "hash"
-    fds = [summary["degrees"][lab]["first_divergence"] for lab, _ in targets]
+    fds = [every[lab]["first_divergence"] for lab, _ in targets]
     scopes = sorted({_scope(fd) for fd in fds})
     if hashed:
         scopes = [s for s in scopes if s not in ("init", "loss", "backward", "optimizer")]
@@ -83,31 +93,32 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                      if (fd.get("phase"), fd.get("kind")) in (("forward", "out"), ("backward", "param_grad"))}
                     | {fd["consumers"][0] for fd in fds if fd.get("kind") == "grad_out"
                        and len(fd.get("consumers") or []) == 1}
-                    | {m for lab, _ in targets for m in summary["degrees"][lab].get("unjudged", [])})
+                    | {m for lab, _ in targets for m in every[lab].get("unjudged", [])})
     if not hashed and not ops and not oracle:
         return summary
     modules = []
     if hashed:
-        suspects = {m for lab, _ in targets for m in summary["degrees"][lab].get("suspects", [])}
+        suspects = {m for lab, _ in targets for m in every[lab].get("suspects", [])}
         modules = sorted({m for fd in fds for m in (_record_module(fd), fd["module"])} | suspects
                          | set(oracle))
     if on_status:
         on_status("values" if hashed else "ops" if ops else "float64", ", ".join(modules or scopes or oracle))
     out = os.path.join(run_dir, "region" if hashed else "ops")
-    degrees = (cfg.degrees[0],) + tuple(d for _, d in targets)
+    degrees = cfg.degrees if axes else (cfg.degrees[0],) + tuple(d for _, d in targets)
     sub = run_compare(replace(
-        cfg, out=out, degrees=degrees, confirm=False, baseline=False, fix_mode="explicit",
+        cfg, out=out, degrees=degrees, only=tuple(lab for lab, _ in targets) if axes else (), confirm=False, baseline=False, fix_mode="explicit",
         # no unprobed rerun per world: its step must compute what pass 1's did (_step_differs)
         selfcheck=False, oracle=tuple(oracle), oracle_ops=ops,
         capture="full" if hashed else cfg.capture, module_include=tuple(modules),
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ()))
-    sub_labels = degree_labels(degrees)
+    sub_labels = labels[:1] + [lab for lab, _ in targets] if axes else degree_labels(degrees)
+    sub_every = entries(sub)
     ref_differs = _step_differs(run_dir, labels[0], out, sub_labels[0])
     what = "full-capture" if hashed else "op-level" if ops else "float64"
     for (label, _), sub_label in zip(targets, sub_labels[1:]):
-        entry = summary["degrees"][label]
+        entry = every[label]
         fd = entry["first_divergence"]
-        sub_entry = sub["degrees"].get(sub_label) or {}
+        sub_entry = sub_every.get(sub_label) or {}
         sfd = sub_entry.get("first_divergence") or {}
         differs = ref_differs or _step_differs(run_dir, label, out, sub_label)
         if differs:

@@ -283,29 +283,52 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         t1 = time.perf_counter()
         # host time by phase (the host's view: a phase that waits on the GPU includes the wait)
         marks = timings["phases_s"] = {}
+        from tpdiag.runner import micro
+
+        parts = micro.split(batch, labels, cfg.micro_batch)
+        n_total = micro.n_tokens(labels)
+        invariant_ce = loss_fn is not (target.loss or default_loss)
         for step in range(cfg.steps):
             rec.step = step
-            rec.phase = "forward"
-            tp = time.perf_counter()
-            out = model(*args, **kwargs)
-            tp = _mark(marks, "forward", tp)
-            local_logits = logits_of(out)
-            # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True)
-            # is re-marked whole for tpdiag; a user loss still gets what the model returned
-            logits, _ = whole_vocab(local_logits, model, target.plan, target.vocab_size, world)
-            rec.phase = "loss"
-            rec.add("logits", "model", "logits", logits)
-            with loss_context(world):
-                with torch.no_grad():
-                    lp = logprob_fn(logits.detach(), labels)
-                rec.add("logprobs", "model", "logprobs", lp)
-                loss = loss_fn(local_logits if target.loss is not None else logits, labels)
-                rec.add("loss", "model", "loss", loss)
-                tp = _mark(marks, "loss", tp)
-                if cfg.backward:
-                    rec.phase = "backward"
-                    loss.backward()
-                    tp = _mark(marks, "backward", tp)
+            loss_sum = None
+            for k, (piece, piece_labels) in enumerate(parts):
+                if len(parts) > 1:
+                    rec.begin_piece(k, len(parts))
+                    args, kwargs = forward_call(model, piece)
+                rec.phase = "forward"
+                tp = time.perf_counter()
+                out = model(*args, **kwargs)
+                tp = _mark(marks, "forward", tp)
+                local_logits = logits_of(out)
+                # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True)
+                # is re-marked whole for tpdiag; a user loss still gets what the model returned
+                logits, _ = whole_vocab(local_logits, model, target.plan, target.vocab_size, world)
+                rec.phase = "loss"
+                rec.add("logits", "model", "logits", logits)
+                with loss_context(world):
+                    with torch.no_grad():
+                        lp = logprob_fn(logits.detach(), piece_labels)
+                    rec.add("logprobs", "model", "logprobs", lp)
+                    if len(parts) == 1:
+                        loss = loss_fn(local_logits if target.loss is not None else logits, labels)
+                        rec.add("loss", "model", "loss", loss)
+                    else:
+                        loss = micro.piece_loss(target, loss_fn, logits, local_logits, piece_labels,
+                                                n_total, invariant_ce)
+                        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                    tp = _mark(marks, "loss", tp)
+                    if cfg.backward:
+                        rec.phase = "backward"
+                        loss.backward()
+                        tp = _mark(marks, "backward", tp)
+            if len(parts) > 1:
+                # the step's loss as a trainer logs it: the pieces' shares summed (per step, not per
+                # piece; per token, the logprobs are what compare across micro-batch sizes)
+                rec.end_pieces()
+                rec.phase = "loss"
+                loss = loss_sum
+                with loss_context(world):
+                    rec.add("loss", "model", "loss", loss)
             if cfg.backward:
                 rec.phase = "optimizer"
                 params = list(model.parameters())
@@ -321,6 +344,11 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                 last = {"logits": logits.detach(), "logprobs": lp.detach(), "loss": loss.detach(),
                         "grad_norm": total.detach() if cfg.backward else None}
             del out, logits, local_logits, loss
+        if len(parts) > 1:
+            from tpdiag.probes.pieces import merge
+
+            with rec._paused():  # the merge's own torch ops are not records (op probe)
+                merge(rec)  # the pieces' records made the whole step's, in the reference's order
         # until the host issued the step's last work, waits on the GPU inside included (grad
         # clipping reads the norm back): close to steps_s = no GPU backlog at the end, which alone
         # does not say the host paces the step (`probes profile --kineto` shows the GPU's busy time)

@@ -141,16 +141,17 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     t0 = time.perf_counter()
     selfcheck = None
     ref_shapes = _ref_shapes(cfg, world)
+    piece_ref = _piece_ref(cfg)
     first_run = time.time()
     if cfg.selfcheck:
         # The same step with no probes: what the model computes when nobody watches.
-        bare = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "bare"))
+        bare = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "bare"), piece_ref=piece_ref)
         bare_t = run(cfg.with_(probes=False), device, world, bare)
         phases["selfcheck_s"] = time.perf_counter() - t0
         first_built = first_run + bare_t["model_s"]
         if device.type == "cuda":
             phases["selfcheck_peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
-    rec = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "rec"))
+    rec = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "rec"), piece_ref=piece_ref)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     probed_run = time.time()
@@ -255,6 +256,25 @@ def _ref_shapes(cfg, world: int) -> dict:
         return {m["key"]: m.get("full_shape") or m["local_shape"] for m in events}
     except Exception:  # a failed or missing reference: DTensor placements still place shards
         return {}
+
+
+def _piece_ref(cfg) -> dict:
+    """A micro-batched world: the reference's size of dim 0 per record key, which tells a
+    piece's slice of the batch from a value every piece shares (probes/pieces.py)."""
+    if not cfg.micro_batch or not cfg.ref_dir:
+        return {}
+    try:
+        from tpdiag.records.store import read_index
+
+        _, events = read_index(cfg.ref_dir)
+    except Exception:  # a failed reference: the pieces are merged by their own shapes
+        return {}
+    out = {}
+    for m in events:
+        shape = m.get("full_shape") or m.get("local_shape")
+        if shape:
+            out[m["key"]] = shape[0]
+    return out
 
 
 def _fault_injection(rank: int, world: int) -> None:

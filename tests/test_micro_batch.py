@@ -1,0 +1,157 @@
+"""The micro-batch axis: `compare --micro-batch`, real gloo worlds, tiny shapes."""
+import csv
+import json
+
+import pytest
+import torch
+from conftest import run_cli
+
+TINY = ("--batch-size", "4", "--seq-len", "8")
+
+
+def _summary(d):
+    return json.loads((d / "summary.json").read_text())
+
+
+def _logprobs(run_dir, label):
+    from tpdiag.records.store import RecordSet
+
+    rs = RecordSet(str(run_dir / f"tp{label}"))
+    m = next(e for e in rs.events if e["kind"] == "logprobs")
+    return rs.tensor(m)
+
+
+def test_pieces_hash_as_shards_of_the_whole():
+    """Hash capture: each micro-batch's slice is hashed at its offset, and the merged record's
+    lanes are the whole tensor's, bit for bit (and a reordered batch's are not)."""
+    from tpdiag.probes.pieces import merge
+    from tpdiag.probes.recorder import Recorder, take_lanes
+
+    x = torch.randn(4, 8, 16)
+    lanes = []
+    for pieces in (1, 4, 2):
+        rec = Recorder(mode="hash")
+        for k in range(pieces):
+            if pieces > 1:
+                rec.begin_piece(k, pieces)
+            rec.phase = "forward"
+            m = 4 // pieces
+            rec.add("out", "layer", "0", x[k * m:(k + 1) * m].clone())
+        rec.end_pieces()
+        merge(rec)
+        (meta, _), = rec.records
+        assert meta["full_shape"] == [4, 8, 16] and "piece" not in meta
+        lanes.append(take_lanes(rec.hashbuf, list(rec.lanes))[0][0, :3].tolist())
+    assert lanes[0] == lanes[1] == lanes[2]
+    rec = Recorder(mode="hash")
+    rec.add("out", "layer", "0", x.flip(0).contiguous())
+    assert take_lanes(rec.hashbuf, list(rec.lanes))[0][0, :3].tolist() != lanes[0]
+
+
+def test_stock_micro_batch_names_batch_variant(tmp_path):
+    """(a) stock tiny-llama, TP 1, micro-batch 4 vs 1: on CPU the forward is batch-invariant at
+    these shapes; gradient accumulation sums the weight grads in another order: the first
+    divergence is a weight grad, cause batch-variant-kernel, class rounding."""
+    out = tmp_path / "run"
+    r = run_cli("compare", "--tp", "1", "--micro-batch", "4,1", *TINY, "--no-confirm", "--no-baseline",
+                "--out", str(out), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    s = _summary(out)
+    assert s["degrees"] == {} and set(s["configurations"]) == {"1-mb1"}
+    e = s["configurations"]["1-mb1"]
+    assert e["axis"] == "micro_batch" and e["config"] == {"tp": 1, "micro_batch": 1, "mode": "prefill"}
+    assert e["logprobs"]["bitwise"] is True
+    fd = e["first_divergence"]
+    assert fd["cause"] == "batch-variant-kernel" and e["class"] == "rounding"
+    assert (fd["phase"], fd["kind"]) in (("backward", "param_grad"), ("loss", "loss"), ("forward", "out"))
+    assert (out / "tp1-mb1").is_dir() and (out / "tp1").is_dir()
+    rows = list(csv.DictReader(open(out / "diff.csv")))
+    # every activation and activation grad of a sequence lines up across the micro-batch sizes
+    assert all(r_["bitwise"] == "True" for r_ in rows if r_["kind"] in ("out", "in", "grad_out"))
+
+
+def test_user_row_dependent_module_is_rounding_not_bug(tmp_path):
+    """(b) a user module whose reduction splits by the call's row count is the first divergence,
+    batch-variant-kernel, rounding - the float64 oracle agrees it is not a bug."""
+    out = tmp_path / "run"
+    r = run_cli("compare", "--model", "py:tests/models/rowdep.py:target", "--tp", "1", "--micro-batch", "4,1",
+                *TINY, "--no-baseline", "--out", str(out), "--format", "json", "--fail-on-divergence")
+    assert r.returncode == 1, r.stderr  # divergent, not a bug (4)
+    e = _summary(out)["configurations"]["1-mb1"]
+    fd = e["first_divergence"]
+    assert (fd["phase"], fd["module"]) == ("forward", "norm"), fd
+    assert fd["cause"] == "batch-variant-kernel" and e["class"] == "rounding"
+    assert e["logprobs"]["bitwise"] is False
+    rows = {r_["key"]: r_ for r_ in csv.DictReader(open(out / "diff.csv"))}
+    assert rows["s0/forward/norm/in#0/0"]["bitwise"] == "True"
+
+
+def test_fix_all_logprobs_bitwise_across_micro_batches(tmp_path):
+    """(c) --fix all: the forward's logprobs are the same bits at micro-batch 4 and 1 (torch.equal);
+    the negative control: a batch-variant user module's are not, so the check can fail."""
+    fixed, control = tmp_path / "fixed", tmp_path / "control"
+    r = run_cli("compare", "--tp", "1", "--micro-batch", "4,1", *TINY, "--fix", "all", "--forward-only",
+                "--no-confirm", "--no-baseline", "--out", str(fixed), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(_logprobs(fixed, "1"), _logprobs(fixed, "1-mb1"))
+    e = _summary(fixed)["configurations"]["1-mb1"]
+    # every forward record is bitwise; the step's loss is the micro-batches' shares added (another
+    # summation order than one mean), so it may differ in its last bit
+    rows = list(csv.DictReader(open(fixed / "diff.csv")))
+    assert all(r_["bitwise"] == "True" for r_ in rows if r_["kind"] != "loss")
+    assert e["status"] == "bitwise" or e["first_divergence"]["kind"] == "loss"
+    r = run_cli("compare", "--model", "py:tests/models/rowdep.py:target", "--tp", "1", "--micro-batch", "4,1",
+                *TINY, "--forward-only", "--no-confirm", "--no-baseline", "--out", str(control), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    a, b = _logprobs(control, "1"), _logprobs(control, "1-mb1")
+    assert a.shape == b.shape and not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_tp_and_micro_batch_axes(grid):
+    """(d) --tp 1,2 --micro-batch 4,2: one axis at a time, or every combination with --grid."""
+    from tpdiag.axes import worlds
+    from tpdiag.config import degree_labels
+
+    ws = worlds((1, 2), (4, 2), ("prefill",), grid, degree_labels)
+    got = [(w.label, w.point.tp, w.point.micro_batch, w.axis) for w in ws]
+    want = [("1", 1, 4, ""), ("2", 2, 4, "tp"), ("1-mb2", 1, 2, "micro_batch")]
+    if grid:
+        want.append(("2-mb2", 2, 2, "tp+micro_batch"))
+    assert got == want
+
+
+def test_grid_run(tmp_path):
+    out = tmp_path / "run"
+    r = run_cli("compare", "--tp", "1,2", "--micro-batch", "4,2", "--grid", *TINY, "--forward-only", "--no-confirm",
+                "--no-baseline", "--out", str(out), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    s = _summary(out)
+    assert set(s["degrees"]) == {"2"} and set(s["configurations"]) == {"1-mb2", "2-mb2"}
+    assert s["configurations"]["2-mb2"]["axis"] == "tp+micro_batch"
+    assert s["degrees"]["2"]["axis"] == "tp"
+    # (f) the load() frames and the gate carry the axis
+    import tpdiag
+
+    run = tpdiag.load(str(out))
+    assert dict(zip(run.degrees["degree"], run.degrees["axis"])) == {
+        "2": "tp", "1-mb2": "micro_batch", "2-mb2": "tp+micro_batch"}
+    assert set(run.records["axis"]) == {"tp", "micro_batch", "tp+micro_batch"}
+    g = run_cli("gate", str(out))
+    assert g.returncode in (0, 1), g.stderr
+    assert "1-mb2" in g.stdout + g.stderr
+    rep = run_cli("report", str(out), "-o", str(tmp_path / "r.html"))
+    assert rep.returncode == 0, rep.stderr
+    assert "1-mb2" in (tmp_path / "r.html").read_text()
+
+
+def test_micro_batch_must_divide_the_batch(tmp_path):
+    """(e) one line, exit 2, no world started."""
+    out = tmp_path / "run"
+    r = run_cli("compare", "--tp", "1", "--micro-batch", "4,3", *TINY, "--out", str(out))
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "--micro-batch 3" in lines[0] and "--batch-size 4" in lines[0], r.stderr
+    assert not (out / "tp1").exists()
+    r = run_cli("compare", "--tp", "1", "--micro-batch", "4", *TINY, "--mode", "decode", "--out", str(out))
+    assert r.returncode == 2 and "--mode decode" in r.stderr
