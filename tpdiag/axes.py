@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from tpdiag.errors import BadInput
 
-# decode (one token at a time through a KV cache) plugs in here; until it runs, only prefill
-MODES = ("prefill",)
+# decode: the prompt in one call, then one token per call through the model's KV cache
+# (tpdiag/runner/decode.py), forward only
+MODES = ("prefill", "decode")
 KNOWN_MODES = ("prefill", "decode")
 TP, MICRO_BATCH, MODE = "tp", "micro_batch", "mode"
 

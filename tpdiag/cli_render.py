@@ -278,7 +278,7 @@ def what_to_do(summary: dict) -> str | None:
                 "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")
     return ("nothing is wrong: the configurations differ by rounding only. Harmless unless you need "
             "bitwise equality across them; then `tpdiag compare --fix auto` applies the fixes that remove "
-            "what they cover (docs/micro-batch.md says what they do not)")
+            "what they cover (docs/micro-batch.md and docs/decode.md say what they do not)")
 
 
 _SHORT_CAUSE = {"row-parallel-reduction": "row-par-reduce", "vocab-parallel-softmax": "vocab-softmax",

@@ -29,7 +29,9 @@ def fix_for_cause(cause: str, op: str | None = None) -> str | None:
 # A row's result that depends on how many rows share the call (micro-batch size, decode) can come
 # from any kernel that blocks its work by the rows in the call; together these compute each row
 # the same way whatever the call holds, so they are what removes it
-BATCH_INVARIANT = ("invariant-gemm", "invariant-attention", "invariant-norm-grad", "invariant-vocab-softmax")
+# (tp-invariant-linear too: a row-parallel Linear's CPU GEMM runs in fixed row blocks only under it)
+BATCH_INVARIANT = ("invariant-gemm", "tp-invariant-linear", "invariant-attention", "invariant-norm-grad",
+                   "invariant-vocab-softmax")
 
 
 def fixes_for_cause(cause: str, op: str | None = None) -> tuple[str, ...]:

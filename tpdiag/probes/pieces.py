@@ -1,6 +1,7 @@
-"""A micro-batched step's records made whole: each piece's record is a slice of the reference's
-along the batch (dim 0), or a per-call value every piece shares (RoPE tables), or a running sum
-(a parameter's grad accumulates over the pieces: its last record is the step's).
+"""A micro-batched or decoded step's records made whole: each piece's record is a slice of the
+reference's - along the batch (dim 0) for a micro-batch, along the sequence for a decode call
+(positions [start, stop)) - or a per-call value every piece shares (RoPE tables at micro-batches),
+or a running sum (a parameter's grad accumulates over the pieces: its last record is the step's).
 
 Full capture concatenates the pieces' slices in order. Hash capture hashes each slice as a shard
 of the whole at its offset (the lanes are order-aware, like a TP shard's) and merging is the
@@ -14,23 +15,46 @@ import torch
 PHASE_RANK = {"init": 0, "forward": 1, "loss": 2, "backward": 3, "optimizer": 4}
 
 
-def split_dim0(rec, key: str, local) -> bool:
-    """Whether a piece's record is a slice of the whole along dim 0: the reference's dim 0 says
-    (n pieces of it); without a reference record, any tensor with a dim 0 is."""
+def place(rec, key: str, local, shape=None):
+    """Where a piece's record sits in the whole: (dim, offset, whole size), or None for a value
+    that is not a slice (the same per-call value in every piece, or a decode call's own).
+
+    A micro-batch is a slice along dim 0: the reference's dim 0 says (n pieces of it); without a
+    reference record, any tensor with a dim 0 is. A decode call is positions [start, stop) of
+    the sequence: the dim where this record is stop - start wide and the reference's is the whole
+    sequence, every other dim the reference's (a module's [B, S, D] output: dim 1; RoPE's [S, D]
+    table: dim 0)."""
     if local.ndim == 0:
-        return False
-    whole = rec.piece_ref.get(key)
-    if whole is None:
-        return True
-    return whole == local.shape[0] * rec.n_pieces or whole != local.shape[0]
+        return None
+    ref = rec.piece_ref.get(key)
+    if rec.piece_span is None:
+        whole = ref[0] if ref else None
+        if whole is None or whole == local.shape[0] * rec.n_pieces or whole != local.shape[0]:
+            return 0, rec.piece * local.shape[0], local.shape[0] * rec.n_pieces
+        return None
+    start, stop, total = rec.piece_span
+    if not ref or len(ref) != local.ndim:
+        return None
+    # shape: the record's whole shape where it knows it (a DTensor's global shape at TP > 1); a
+    # plain local shard is a TP-th of the reference along its shard dim
+    shape = list(shape if shape is not None else local.shape)
+    w = rec.world
+    for d in range(local.ndim):
+        if shape[d] == stop - start and ref[d] == total and \
+                all(shape[i] == ref[i] or shape[i] * w == ref[i] for i in range(local.ndim) if i != d):
+            return d, start, total
+    return None
 
 
 def hash_piece(rec, meta: dict, t, local):
     """Recorder.add of a hash-mode record inside a piece (TP=1: a whole plain tensor)."""
     shape = list(local.shape)
-    if split_dim0(rec, meta["key"], local):
-        full = [shape[0] * rec.n_pieces] + shape[1:]
-        slot = rec._hash(local, 0, full[0], rec.piece * shape[0], t)
+    where = place(rec, meta["key"], local)
+    if where is not None:
+        d, offset, whole = where
+        full = shape[:d] + [whole] + shape[d + 1:]
+        meta["piece_dim"] = d
+        slot = rec._hash(local, d, whole, offset, t)
     else:
         full, meta["piece_const"] = shape, True
         slot = rec._hash(local, None, None, 0, t)
@@ -94,8 +118,10 @@ def _merged(rec, parts: list, lanes: list) -> list:
     same = all(x.shape == ts[0].shape and x.dtype == ts[0].dtype for x in ts) and all(
         torch.equal(_bits(x), _bits(ts[0])) for x in ts[1:])
     whole = rec.piece_ref.get(m0["key"])
-    if ts[0].ndim and (whole == sum(x.shape[0] for x in ts) or (whole is None and not same)):
-        t = torch.cat(ts, 0)
+    d = parts[0][0].get("piece_dim", 0)
+    whole_d = whole[d] if whole and d is not None and d < len(whole) else None
+    if ts[0].ndim and d is not None and (whole_d == sum(x.shape[d] for x in ts) or (whole is None and not same)):
+        t = torch.cat(ts, d)
     elif same:
         t = ts[0]  # the same per-call value in every piece
     else:

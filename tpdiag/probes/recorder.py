@@ -126,16 +126,20 @@ class Recorder:
     piece: int | None = None
     n_pieces: int = 1
     piece_ref: dict = field(default_factory=dict)
+    # a decode world (runner/decode.py): the piece is positions [start, stop) of `total` along the
+    # sequence; piece_ref then holds the reference's whole shape per key, which says the dim
+    piece_span: tuple | None = None
 
-    def begin_piece(self, k: int, n: int) -> None:
+    def begin_piece(self, k: int, n: int, span: tuple | None = None) -> None:
         """Piece k of n starts: call indices count from 0 again, so piece k's call 0 of a module
-        is the slice of the reference's call 0 (cleared in place: module_probes holds the dict)."""
-        self.piece, self.n_pieces = k, n
+        is the slice of the reference's call 0 (cleared in place: module_probes holds the dict).
+        span: (start, stop, total) positions of a decode call (None: a micro-batch)."""
+        self.piece, self.n_pieces, self.piece_span = k, n, span
         for key in [key for key in self._calls if key[0] == self.step]:
             del self._calls[key]
 
     def end_pieces(self) -> None:
-        self.piece = None
+        self.piece, self.piece_span = None, None
 
     def call_index(self, module: str) -> int:
         key = (self.step, self._phase, module)
@@ -217,6 +221,11 @@ class Recorder:
         }
         if self.piece is not None:
             meta["piece"] = self.piece
+            if self.piece_span is not None and not (mode == "hash" and kind not in KEEP_WHOLE):
+                from tpdiag.probes.pieces import place
+
+                where = place(self, key, local, list(t.shape))
+                meta["piece_dim"] = where[0] if where is not None else None
             if mode == "hash" and kind not in KEEP_WHOLE:
                 from tpdiag.probes.pieces import hash_piece
 

@@ -105,6 +105,20 @@ def check_axes(cfg: CompareConfig, spec) -> None:
     for m in cfg.modes:
         if m not in MODES:
             raise BadInput(f"--mode {m}: not available in tpdiag compare yet (only {', '.join(MODES)})")
+    if "decode" in cfg.modes:
+        if cfg.modes[0] != "prefill":
+            raise BadInput(f"--mode {','.join(cfg.modes)}: the reference must be prefill (decode's calls "
+                           "are placed as positions of prefill's records); list prefill first, e.g. "
+                           "--mode prefill,decode")
+        if cfg.backward:
+            raise BadInput("--mode decode: decode is forward only (a rollout engine's logprobs); "
+                           "add --forward-only")
+        if cfg.capture == "hash" and max(cfg.degrees) > 1:
+            raise BadInput("--capture hash with --mode decode at TP > 1: not supported yet; use "
+                           "--capture full (or hash at --tp 1)")
+        if cfg.micro_batches:
+            raise BadInput("--mode decode with --micro-batch: not supported yet (a decode world "
+                           "runs the whole batch, one position per call); compare them in two runs")
     if not cfg.micro_batches:
         return
     if spec.kind == "py":

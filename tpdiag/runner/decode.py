@@ -94,7 +94,7 @@ def assemble(pieces: list[Piece]):
 def prefill_logits(model, ids, attention_mask=None):
     """One cache-less call over ids (an hf: model with its mask and position ids): the trainer's
     rows, e.g. for an engine's prompt logprobs."""
-    from tpdiag.runner.step import logits_of
+    from tpdiag.runner.logits import logits_of
 
     if is_hf(model):
         mask, pos = _mask_and_positions(ids, attention_mask)
@@ -104,7 +104,7 @@ def prefill_logits(model, ids, attention_mask=None):
 
 
 def _cache_steps(model, ids, P, attention_mask, last_only, on_call):
-    from tpdiag.runner.step import logits_of
+    from tpdiag.runner.logits import logits_of
 
     _no_padding(attention_mask)
     cache = model.new_kv_cache()

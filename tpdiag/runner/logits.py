@@ -59,3 +59,15 @@ def whole_vocab(logits, model, plan: dict, vocab: int, world: int):
 
     # the rank order of the mesh is the vocab order of ColwiseParallel's weight shards
     return DTensor.from_local(logits, mesh, [Shard(logits.ndim - 1)], run_check=False), rule
+
+
+def logits_of(out):
+    """The logits in a model's output: the tensor itself, `.logits` (transformers), or the first
+    item of a tuple."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    raise TypeError(f"cannot find logits in model output of type {type(out).__name__}")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tpdiag.config import WorldConfig
 from tpdiag.probes.recorder import Recorder
-from tpdiag.runner.logits import whole_vocab
+from tpdiag.runner.logits import logits_of, whole_vocab  # noqa: F401 (logits_of: re-exported)
 
 IGNORE = -100
 
@@ -155,16 +155,6 @@ def forward_call(model, batch) -> tuple[tuple, dict]:
     return (batch,), {}
 
 
-def logits_of(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    raise TypeError(f"cannot find logits in model output of type {type(out).__name__}")
-
-
 def default_loss(logits, labels):
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE)
 
@@ -236,6 +226,31 @@ def _mark(marks: dict, phase: str, since: float) -> float:
     return now
 
 
+def _decode(model, batch, rec: Recorder):
+    """The logits of a decode world: the batch's tokens as a rollout engine runs them - the
+    prompt (half the sequence) in one call, then one token per call through the model's KV cache
+    (runner/decode.py); each call's records are positions [start, stop) of the reference's."""
+    from tpdiag.errors import BadInput
+    from tpdiag.runner import decode as dec
+
+    if not isinstance(batch, torch.Tensor):
+        raise BadInput(f"--mode decode: the batch must be token ids alone; this model's Target.inputs "
+                       f"gives a {type(batch).__name__}")
+    if not dec.supports(model):
+        raise BadInput(f"--mode decode: {dec.why_not(model)}")
+    L = batch.shape[1]
+    P = dec.default_prompt_len(L)
+    n = 1 + L - P
+    calls = iter(range(n))
+    try:
+        pieces = dec.decode(model, batch, P, on_call=lambda a, b: rec.begin_piece(next(calls), n, (a, b, L)))
+    except dec.Unsupported as e:
+        raise BadInput(f"--mode decode: {e}") from None
+    finally:
+        rec.end_pieces()
+    return dec.assemble(pieces)
+
+
 def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         fingerprint: bool = False) -> dict:
     """One world's steps; fingerprint=True: rec.fingerprint = the last step's final values'
@@ -297,7 +312,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                     args, kwargs = forward_call(model, piece)
                 rec.phase = "forward"
                 tp = time.perf_counter()
-                out = model(*args, **kwargs)
+                out = _decode(model, batch, rec) if cfg.mode == "decode" else model(*args, **kwargs)
                 tp = _mark(marks, "forward", tp)
                 local_logits = logits_of(out)
                 # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True)
@@ -344,7 +359,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                 last = {"logits": logits.detach(), "logprobs": lp.detach(), "loss": loss.detach(),
                         "grad_norm": total.detach() if cfg.backward else None}
             del out, logits, local_logits, loss
-        if len(parts) > 1:
+        if len(parts) > 1 or cfg.mode == "decode":
             from tpdiag.probes.pieces import merge
 
             with rec._paused():  # the merge's own torch ops are not records (op probe)

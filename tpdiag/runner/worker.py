@@ -259,9 +259,10 @@ def _ref_shapes(cfg, world: int) -> dict:
 
 
 def _piece_ref(cfg) -> dict:
-    """A micro-batched world: the reference's size of dim 0 per record key, which tells a
-    piece's slice of the batch from a value every piece shares (probes/pieces.py)."""
-    if not cfg.micro_batch or not cfg.ref_dir:
+    """A micro-batched or decode world: the reference's whole shape per record key, which tells
+    a piece's slice of the batch (or of the sequence) from a value every piece shares
+    (probes/pieces.py)."""
+    if not (cfg.micro_batch or cfg.mode == "decode") or not cfg.ref_dir:
         return {}
     try:
         from tpdiag.records.store import read_index
@@ -273,7 +274,7 @@ def _piece_ref(cfg) -> dict:
     for m in events:
         shape = m.get("full_shape") or m.get("local_shape")
         if shape:
-            out[m["key"]] = shape[0]
+            out[m["key"]] = list(shape)
     return out
 
 

@@ -1,0 +1,73 @@
+"""The mode axis: `compare --mode prefill,decode`, real gloo worlds, tiny shapes.
+
+A decode world runs the prompt in one call and then one token per call through the built-in
+KV cache; its records are placed as positions of the prefill reference's (runner/decode.py,
+probes/pieces.py), so the diff's first divergence is the first op whose inputs were equal."""
+import json
+
+import torch
+from conftest import run_cli
+
+TINY = ("--batch-size", "2", "--seq-len", "8", "--forward-only")
+
+
+def _summary(d):
+    return json.loads((d / "summary.json").read_text())
+
+
+def _logprobs(run_dir, label):
+    from tpdiag.records.store import RecordSet
+
+    rs = RecordSet(str(run_dir / f"tp{label}"))
+    m = next(e for e in rs.events if e["kind"] == "logprobs")
+    return rs.tensor(m)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+def test_stock_decode_is_batch_variant_and_the_fixes_remove_it(tmp_path):
+    """Stock: decode's first divergence is a GEMM whose inputs were bitwise equal (one position
+    per call: M = B rows instead of B * S), rounding, and the batch-invariant fixes confirm it;
+    its logprobs differ from prefill's (the negative control of the test below)."""
+    out = tmp_path / "run"
+    r = run_cli("compare", "--tp", "1", "--mode", "prefill,decode", *TINY, "--no-baseline",
+                "--out", str(out), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    d = _summary(out)["configurations"]["1-decode"]
+    assert d["axis"] == "mode" and d["config"]["mode"] == "decode"
+    fd = d["first_divergence"]
+    assert fd["phase"] == "forward" and fd["cause"] == "batch-variant-kernel", fd
+    assert _summary(out)["class"] == "rounding"
+    assert d["confirmation"]["verdict"] == "confirmed", d["confirmation"]
+    assert not torch.equal(_bits(_logprobs(out, "1")), _bits(_logprobs(out, "1-decode")))
+    # every reference record has its decode counterpart (the calls' pieces placed and merged)
+    assert d["n_records"] > 0 and not d.get("missing"), d.get("missing")
+
+
+def test_fix_all_makes_decode_prefill_bitwise_at_tp_1_and_2(tmp_path):
+    out = tmp_path / "run"
+    r = run_cli("compare", "--tp", "1,2", "--mode", "prefill,decode", "--grid", "--fix", "all", *TINY,
+                "--no-baseline", "--no-confirm", "--out", str(out), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    s = _summary(out)
+    assert s["status"] == "bitwise", {k: v.get("first_divergence") for k, v in s["configurations"].items()}
+    assert set(s["configurations"]) == {"1-decode", "2-decode"}
+    ref = _logprobs(out, "1")
+    for lab in ("2", "1-decode", "2-decode"):
+        assert torch.equal(_bits(ref), _bits(_logprobs(out, lab))), lab
+
+
+def test_decode_bad_input_is_one_line_and_starts_no_world(tmp_path):
+    for args, words in (
+            (("--mode", "prefill,decode", "--batch-size", "2", "--seq-len", "8"), "add --forward-only"),
+            (("--mode", "decode,prefill", *TINY), "list prefill first"),
+            (("--mode", "prefill,decode", "--micro-batch", "2,1", *TINY), "not supported yet"),
+            (("--mode", "prefill,replay", *TINY), "expected one of prefill, decode")):
+        out = tmp_path / "x"
+        r = run_cli("compare", "--tp", "1", *args, "--out", str(out))
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        err = r.stderr.strip().splitlines()
+        assert len(err) == 1 and words in err[0], (args, err)
+        assert not (out / "tp1").exists()
