@@ -59,6 +59,24 @@ def test_fix_all_makes_decode_prefill_bitwise_at_tp_1_and_2(tmp_path):
         assert torch.equal(_bits(ref), _bits(_logprobs(out, lab))), lab
 
 
+def test_hf_decode_through_transformers_cache_is_prefill_bitwise_under_fix_all(tmp_path):
+    """An hf: model decodes through transformers' DynamicCache; its modules' records line up
+    with prefill's (nothing unmatched), and --fix all makes every one bitwise."""
+    import pytest
+
+    pytest.importorskip("transformers", minversion="5")
+    from hf_configs import write_tiny
+
+    spec = write_tiny("llama", tmp_path / "m")
+    out = tmp_path / "run"
+    r = run_cli("compare", "--model", spec, "--tp", "1", "--mode", "prefill,decode", "--fix", "all", *TINY,
+                "--no-baseline", "--no-confirm", "--out", str(out), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    d = _summary(out)["configurations"]["1-decode"]
+    assert d["status"] == "bitwise" and not d["unmatched"] and not d["missing"], d
+    assert torch.equal(_bits(_logprobs(out, "1")), _bits(_logprobs(out, "1-decode")))
+
+
 def test_decode_bad_input_is_one_line_and_starts_no_world(tmp_path):
     for args, words in (
             (("--mode", "prefill,decode", "--batch-size", "2", "--seq-len", "8"), "add --forward-only"),

@@ -64,12 +64,15 @@ def why_not(model) -> str:
 
 
 def decode(model, ids, prompt_len: int, *, attention_mask=None, prompt_rows: str = "all",
-           on_call: Callable[[int, int], None] | None = None) -> list[Piece]:
+           on_call: Callable[[int, int], None] | None = None, generate_args: bool = True) -> list[Piece]:
     """The pieces of logits of ids [B, L]: the prompt ids[:, :prompt_len] in one call, then one
     position per call. prompt_rows 'all': the prompt call's piece covers positions 0..P-1;
     'last': only P-1 (the head on one row per sequence, generate()'s logits_to_keep=1 - an hf:
     model then computes only that row). attention_mask [B, L] (1 real, 0 padding: left padding
-    of prompts of different lengths) is for hf: models; the built-in cache takes none."""
+    of prompts of different lengths) is for hf: models; the built-in cache takes none.
+    generate_args False (compare's decode world, no padding): an hf: model gets the tokens and the
+    cache alone, as the trainer's prefill call gets the tokens alone - its modules then see the
+    same inputs (transformers derives the positions from the cache), so their records line up."""
     if prompt_rows not in ("all", "last"):
         raise ValueError(f"prompt_rows {prompt_rows!r}: expected 'all' or 'last'")
     L = ids.shape[1]
@@ -77,8 +80,12 @@ def decode(model, ids, prompt_len: int, *, attention_mask=None, prompt_rows: str
         raise Unsupported(f"prompt length {prompt_len}: must be 1..{L} (the sequence length)")
     if not supports(model):
         raise Unsupported(why_not(model))
-    step = _hf_steps if is_hf(model) else _cache_steps
-    return list(step(model, ids, prompt_len, attention_mask, prompt_rows == "last", on_call))
+    if is_hf(model):
+        if not generate_args:
+            _no_padding(attention_mask)
+        return list(_hf_steps(model, ids, prompt_len, attention_mask, prompt_rows == "last", on_call,
+                              generate_args))
+    return list(_cache_steps(model, ids, prompt_len, attention_mask, prompt_rows == "last", on_call))
 
 
 def assemble(pieces: list[Piece]):
@@ -118,7 +125,7 @@ def _cache_steps(model, ids, P, attention_mask, last_only, on_call):
             yield Piece(start, stop, out)
 
 
-def _hf_steps(model, ids, P, attention_mask, last_only, on_call):
+def _hf_steps(model, ids, P, attention_mask, last_only, on_call, generate_args=True):
     from transformers import DynamicCache
 
     mask, pos = _mask_and_positions(ids, attention_mask)
@@ -128,8 +135,8 @@ def _hf_steps(model, ids, P, attention_mask, last_only, on_call):
         if on_call is not None:
             on_call(start, stop)
         keep = {"logits_to_keep": 1 if last_only else 0} if start == 0 else {}
-        o = model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop],
-                  position_ids=pos[:, start:stop], **{ck: cache}, use_cache=True, **keep)
+        where = {"attention_mask": mask[:, :stop], "position_ids": pos[:, start:stop]} if generate_args else {}
+        o = model(input_ids=ids[:, start:stop], **where, **{ck: cache}, use_cache=True, **keep)
         n = o.logits.shape[1]
         yield Piece(stop - n, stop, o.logits)
 

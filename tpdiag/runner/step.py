@@ -243,7 +243,8 @@ def _decode(model, batch, rec: Recorder):
     n = 1 + L - P
     calls = iter(range(n))
     try:
-        pieces = dec.decode(model, batch, P, on_call=lambda a, b: rec.begin_piece(next(calls), n, (a, b, L)))
+        pieces = dec.decode(model, batch, P, on_call=lambda a, b: rec.begin_piece(next(calls), n, (a, b, L)),
+                            generate_args=False)
     except dec.Unsupported as e:
         raise BadInput(f"--mode decode: {e}") from None
     finally:
