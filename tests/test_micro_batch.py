@@ -153,5 +153,8 @@ def test_micro_batch_must_divide_the_batch(tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "--micro-batch 3" in lines[0] and "--batch-size 4" in lines[0], r.stderr
     assert not (out / "tp1").exists()
-    r = run_cli("compare", "--tp", "1", "--micro-batch", "4", *TINY, "--mode", "decode", "--out", str(out))
-    assert r.returncode == 2 and "--mode decode" in r.stderr
+    # decode with micro-batches is refused before any world (tests/test_decode_compare.py: the rest)
+    r = run_cli("compare", "--tp", "1", "--micro-batch", "4,2", *TINY, "--mode", "prefill,decode",
+                "--forward-only", "--out", str(out))
+    assert r.returncode == 2 and "--mode decode with --micro-batch" in r.stderr, r.stderr
+    assert not (out / "tp1").exists()
