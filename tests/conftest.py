@@ -48,19 +48,49 @@ def _exit_after(rank, worker, world, port, q):
     os._exit(0)
 
 
+def shared_run(tmp_path_factory, name, make):
+    """A session's ONE run of `make(out)`, shared by every xdist worker (pyproject's `-n`): the
+    first worker to ask makes it under a lock in the run's common temp root, the others wait for
+    it and read the same directory (readers only: tests copy it before editing). Without xdist,
+    an ordinary session-scoped temp directory."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.mktemp(name) / "run"
+        make(out)
+        return out
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp().parent / f"shared-{name}"  # common to all workers
+    root.mkdir(exist_ok=True)
+    out, ok = root / "run", root / "ok"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not ok.exists():
+                if out.exists():  # a worker that failed here left a partial run: start afresh
+                    import shutil
+
+                    shutil.rmtree(out)
+                make(out)
+                ok.touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out
+
+
+def _compare_into(*args):
+    def make(out):
+        p = run_cli("compare", *args, "--out", str(out))
+        assert p.returncode == 0, p.stderr + p.stdout
+    return make
+
+
 @pytest.fixture(scope="session")
 def stock_run(tmp_path_factory):
     """ONE real compare of the built-in model at TP=1,2,4,8 (gloo), shared by every test that reads it."""
-    out = tmp_path_factory.mktemp("stock") / "run"
-    p = run_cli("compare", "--tp", "1,2,4,8", "--out", str(out), "--no-confirm")
-    assert p.returncode == 0, p.stderr + p.stdout
-    return out
+    return shared_run(tmp_path_factory, "stock", _compare_into("--tp", "1,2,4,8", "--no-confirm"))
 
 
 @pytest.fixture(scope="session")
 def tp12_run(tmp_path_factory):
     """ONE real compare at TP=1,2 shared by the report and gate tests; tests edit copies, never this."""
-    out = tmp_path_factory.mktemp("tp12") / "run"
-    p = run_cli("compare", "--tp", "1,2", "--out", str(out), "--no-confirm", "--format", "json")
-    assert p.returncode == 0, p.stderr + p.stdout
-    return out
+    return shared_run(tmp_path_factory, "tp12", _compare_into("--tp", "1,2", "--no-confirm", "--format", "json"))

@@ -2,6 +2,8 @@
 probes that would change numerics, multi-step drift."""
 import json
 
+import pytest
+
 from conftest import run_cli
 
 
@@ -90,13 +92,22 @@ def test_rank_inconsistent_replica_points_at_the_module(tmp_path):
     assert f and f[0]["module"] == "layers.0.ffn_norm" and f[0]["max_abs"] > 1e-4
 
 
-def test_same_degree_pair_names_a_nondeterministic_backward_at_its_op(tmp_path):
+@pytest.fixture(scope="module")
+def same_degree_pair(tmp_path_factory):
+    """ONE `--tp 1,1` op-granularity compare of a model whose backward is run-to-run noise: read
+    by the compare test and diffed (its two TP=1 worlds) by the diff test below."""
+    base = tmp_path_factory.mktemp("pair")
+    s = compare(base, "--model", "py:tests/models/nondeterministic_bwd.py:target", "--tp", "1,1",
+                "--granularity", "op")
+    return base, s
+
+
+def test_same_degree_pair_names_a_nondeterministic_backward_at_its_op(same_degree_pair):
     """`--tp 1,1` on one device is a reproducibility check: a backward whose noise changes run
     to run (as fused attention backwards with atomics do) is named nondeterministic-kernel at
     the op that made it - not a TP cause read from the layout (before: column-parallel-dgrad
     style guesses for a world that has no TP at all)."""
-    s = compare(tmp_path, "--model", "py:tests/models/nondeterministic_bwd.py:target", "--tp", "1,1",
-                "--granularity", "op")
+    tmp_path, s = same_degree_pair
     assert s["status"] == "divergent"  # a finding: both worlds were probed, the step varies
     d = s["degrees"]["1-2"]
     assert d["status"] == "divergent" and d["reproducible"] is False
@@ -114,12 +125,11 @@ def test_same_degree_pair_names_a_nondeterministic_backward_at_its_op(tmp_path):
     assert g.returncode == 1 and g.stdout.startswith("gate: FAIL"), g.stdout + g.stderr
 
 
-def test_diff_of_the_same_setup_twice_names_run_to_run_noise(tmp_path):
+def test_diff_of_the_same_setup_twice_names_run_to_run_noise(same_degree_pair, tmp_path):
     """`tpdiag diff` of two same-degree worlds made by one setup (device, backend, versions,
     env): a difference is nondeterminism at its op, as in compare - not a layout cause."""
-    compare(tmp_path, "--model", "py:tests/models/nondeterministic_bwd.py:target", "--tp", "1,1",
-            "--granularity", "op", "--no-baseline")
-    p = run_cli("diff", str(tmp_path / "r" / "tp1"), str(tmp_path / "r" / "tp1-2"), "--format", "json",
+    pair = same_degree_pair[0] / "r"  # the shared compare's worlds; only copies are edited
+    p = run_cli("diff", str(pair / "tp1"), str(pair / "tp1-2"), "--format", "json",
                 "--out", str(tmp_path / "d"))
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
@@ -131,11 +141,11 @@ def test_diff_of_the_same_setup_twice_names_run_to_run_noise(tmp_path):
     # difference stays a located divergence (it may be the machine)
     import shutil
 
-    shutil.copytree(tmp_path / "r", tmp_path / "other")
+    shutil.copytree(pair, tmp_path / "other")
     m = json.loads((tmp_path / "other" / "manifest.json").read_text())
     m["device"]["host"] = "another-host"
     (tmp_path / "other" / "manifest.json").write_text(json.dumps(m))
-    p = run_cli("diff", str(tmp_path / "r" / "tp1"), str(tmp_path / "other" / "tp1-2"), "--format", "json",
+    p = run_cli("diff", str(pair / "tp1"), str(tmp_path / "other" / "tp1-2"), "--format", "json",
                 "--out", str(tmp_path / "d2"))
     assert p.returncode == 0, p.stderr
     (d,) = json.loads(p.stdout)["degrees"].values()
