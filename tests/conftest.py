@@ -29,10 +29,34 @@ def gloo_world(worker, world: int, timeout: float = 60):
     port; returns what rank 0 put on the queue."""
     import torch.multiprocessing as mp
 
+    import queue
+    import time
+
     q = mp.get_context("spawn").Queue()
     port = free_port()
-    mp.start_processes(_exit_after, args=(worker, world, port, q), nprocs=world, start_method="spawn")
-    return q.get(timeout=timeout)
+    # read the queue while the ranks run: a rank that put more than a pipe's buffer (64 KiB) waits
+    # in its exit until that is read, so joining first deadlocks (a TP=2 world's logits did)
+    ctx = mp.start_processes(_exit_after, args=(worker, world, port, q), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                out = q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if ctx.join(timeout=0):  # raises with the rank's traceback if one failed
+                    raise RuntimeError("every rank exited and rank 0 put nothing on the queue") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gloo world of {world} ranks: nothing from rank 0 in {timeout} s") from None
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gloo world of {world} ranks: not finished in {timeout} s")
+        return out
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
 
 
 def _exit_after(rank, worker, world, port, q):
