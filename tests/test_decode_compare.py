@@ -27,6 +27,45 @@ def _bits(t):
     return t.contiguous().view(torch.int32)
 
 
+def test_decode_calls_are_placed_as_positions_of_the_reference():
+    """A decode call's record is the slice [start, stop) of the reference's along the dim the
+    reference's shape says (a module's [B, S, D]: dim 1; a [S, D] table: dim 0); merged, hash
+    lanes equal the whole tensor's and full capture is the whole tensor, bit for bit; a
+    reordered sequence's lanes do not."""
+    from tpdiag.probes.pieces import merge
+    from tpdiag.probes.recorder import Recorder, take_lanes
+
+    x, table = torch.randn(2, 8, 4), torch.randn(8, 3)
+    spans = [(0, 4)] + [(t, t + 1) for t in range(4, 8)]
+    ref = {"s0/forward/layer/out#0/0": [2, 8, 4], "s0/forward/rope/out#0/0": [8, 3]}
+
+    def run(mode, x, table, pieces=True):
+        rec = Recorder(mode=mode, piece_ref=ref)
+        for k, (a, b) in enumerate(spans if pieces else [(0, 8)]):
+            if pieces:
+                rec.begin_piece(k, len(spans), (a, b, 8))
+            rec.phase = "forward"
+            rec.add("out", "layer", "0", x[:, a:b].clone())
+            rec.add("out", "rope", "0", table[a:b].clone())
+        rec.end_pieces()
+        merge(rec)
+        return rec
+
+    whole = run("hash", x, table, pieces=False)
+    want = take_lanes(whole.hashbuf, list(whole.lanes))[0][:, :3].tolist()
+    rec = run("hash", x, table)
+    assert [m["full_shape"] for m, _ in rec.records] == [[2, 8, 4], [8, 3]]
+    assert take_lanes(rec.hashbuf, list(rec.lanes))[0][:, :3].tolist() == want
+    flipped = run("hash", x.flip(1).contiguous(), table)
+    assert take_lanes(flipped.hashbuf, list(flipped.lanes))[0][0, :3].tolist() != want[0]
+    full = run("full", x, table)
+    from tpdiag.probes.stream import as_tensor
+
+    got = [as_tensor(t) for _, t in full.records]
+    assert torch.equal(got[0].view(torch.int32), x.view(torch.int32))
+    assert torch.equal(got[1].view(torch.int32), table.view(torch.int32))
+
+
 def test_stock_decode_is_batch_variant_and_the_fixes_remove_it(tmp_path):
     """Stock: decode's first divergence is a GEMM whose inputs were bitwise equal (one position
     per call: M = B rows instead of B * S), rounding, and the batch-invariant fixes confirm it;
