@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
+from tpdiag.axes import config_name
 from tpdiag.errors import BadInput, Inconclusive
 from tpdiag.gate.policy import Policy
 
@@ -37,7 +38,7 @@ class Violation:
         ulp = "-" if self.max_ulp is None else str(self.max_ulp)
         mabs = "-" if self.max_abs is None else f"{self.max_abs:.3g}"
         op = f", op {self.op}" if self.op else ""  # module-granularity records name no op
-        return (f"TP={self.degree}: module {self.module}{op}, phase {self.phase}, record "
+        return (f"{config_name(self.degree)}: module {self.module}{op}, phase {self.phase}, record "
                 f"{self.kind} {self.name}, cause {self.cause} (max ULP {ulp}, max abs {mabs}): {self.reason}")
 
 
@@ -105,7 +106,7 @@ class GateResult:
                     "skipped": "not gated by the policy", "error": f"error: {d.error}",
                     "fail": f"fail ({_count(len(d.violations), 'record')} beyond policy"
                             + ("; the first is in the headline)" if first in d.violations else ")")}[d.status]
-            out.append(f"TP={d.label}: {what}")
+            out.append(f"{config_name(d.label)}: {what}")
             out += [f"  {v.line()}" for v in d.violations[:5] if v is not first]
         return out
 
