@@ -139,7 +139,7 @@ def test_grid_run(tmp_path):
     assert set(run.records["axis"]) == {"tp", "micro_batch", "tp+micro_batch"}
     g = run_cli("gate", str(out))
     assert g.returncode in (0, 1), g.stderr
-    assert "1-mb2" in g.stdout + g.stderr
+    assert "TP=1 mb=2" in g.stdout + g.stderr  # the configuration, named as compare names it
     rep = run_cli("report", str(out), "-o", str(tmp_path / "r.html"))
     assert rep.returncode == 0, rep.stderr
     assert "1-mb2" in (tmp_path / "r.html").read_text()
