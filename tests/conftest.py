@@ -16,6 +16,21 @@ def run_cli(*args, env=None, timeout=600):
                           env=e, timeout=timeout, cwd=ROOT)
 
 
+def summary_of(run_dir):
+    """A run directory's summary.json."""
+    import json
+
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def logprobs_of(run_dir, label):
+    """The logprobs record of configuration `label` in a run directory, as a tensor."""
+    from tpdiag.records.store import RecordSet
+
+    rs = RecordSet(str(run_dir / f"tp{label}"))
+    return rs.tensor(next(e for e in rs.events if e["kind"] == "logprobs"))
+
+
 def free_port() -> int:
     import socket
 

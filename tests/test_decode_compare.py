@@ -3,24 +3,14 @@
 A decode world runs the prompt in one call and then one token per call through the built-in
 KV cache; its records are placed as positions of the prefill reference's (runner/decode.py,
 probes/pieces.py), so the diff's first divergence is the first op whose inputs were equal."""
-import json
 
 import torch
-from conftest import run_cli
+from conftest import logprobs_of, run_cli, summary_of
 
 TINY = ("--batch-size", "2", "--seq-len", "8", "--forward-only")
 
 
-def _summary(d):
-    return json.loads((d / "summary.json").read_text())
-
-
-def _logprobs(run_dir, label):
-    from tpdiag.records.store import RecordSet
-
-    rs = RecordSet(str(run_dir / f"tp{label}"))
-    m = next(e for e in rs.events if e["kind"] == "logprobs")
-    return rs.tensor(m)
+_summary, _logprobs = summary_of, logprobs_of
 
 
 def _bits(t):

@@ -1,24 +1,14 @@
 """The micro-batch axis: `compare --micro-batch`, real gloo worlds, tiny shapes."""
 import csv
-import json
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import logprobs_of, run_cli, summary_of
 
 TINY = ("--batch-size", "4", "--seq-len", "8")
 
 
-def _summary(d):
-    return json.loads((d / "summary.json").read_text())
-
-
-def _logprobs(run_dir, label):
-    from tpdiag.records.store import RecordSet
-
-    rs = RecordSet(str(run_dir / f"tp{label}"))
-    m = next(e for e in rs.events if e["kind"] == "logprobs")
-    return rs.tensor(m)
+_summary, _logprobs = summary_of, logprobs_of
 
 
 def test_pieces_hash_as_shards_of_the_whole():

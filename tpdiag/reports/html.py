@@ -55,10 +55,10 @@ def table_of(obj) -> dict | None:
 
 def _fix_of(cause: str, op: str | None = None):
     try:
-        from tpdiag.fixes.registry import catalogue, fix_for_cause
+        from tpdiag.fixes.registry import catalogue, fixes_for_cause
 
-        name = fix_for_cause(cause, op)
-        return name, bool(name and catalogue()[name].install is not None)
+        names = fixes_for_cause(cause, op)  # what confirm and --fix auto apply for this cause
+        return "+".join(names) or None, bool(names) and all(catalogue()[n].install is not None for n in names)
     except Exception:  # the catalogue is advice only; a report must render without it
         return None, False
 
