@@ -13,6 +13,9 @@ confirmation and the worlds' wall times. Named sets of runs (--set):
            #20's command (--no-confirm), the same from a safetensors checkpoint, and the default flow
   more     sequence parallelism, hf: with --fix all, --granularity auto
   oom      llama-1b fp32 under TPDIAG_CUDA_MEM_FRACTION=0.07: a real CUDA OOM, reported cleanly
+  axes     the RL axes (issue #39 item 5): llama-1b bf16 --micro-batch 8,1 at 8 x 4096 and
+           --mode prefill,decode at 1 x 2048 (default flow, TP=1, one GPU); --fix all along each
+           axis at smaller sizes (--tp 1,2 --grid for decode: two GPUs)
   smoke    tiny-llama fp32 on CPU (gloo), no baseline/confirmation: the job's code path
   start    tiny hf: Qwen3 fp32, the fork server started before the input checks or with the first
            world (TPDIAG_PRESTART=1 / 0), three pairs alternating: the first world's start (CPU
@@ -75,6 +78,17 @@ SETS: dict[str, list[tuple]] = {
            ("4b-confirm", Q4B, {}, 300)],
     "oom": [("oom", ["--model", "llama-1b", "--dtype", "float32", "--seq-len", "1024", "--batch-size", "1",
                      "--no-confirm", "--no-baseline"], {"TPDIAG_CUDA_MEM_FRACTION": "0.07"}, 100)],
+    # a run's own --tp comes after the set's and wins (click keeps an option's last value)
+    "axes": [("mb-8x4096", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "8", "--seq-len", "4096",
+                            "--micro-batch", "8,1"], {}, 300),
+             ("decode-1x2048", L1B + ["--mode", "prefill,decode", "--forward-only"], {}, 300),
+             ("mb-fix", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "4", "--seq-len", "1024",
+                         "--micro-batch", "4,1", "--fix", "all", "--no-confirm"], {}, 240),
+             ("decode-fix", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "1", "--seq-len", "512",
+                             "--mode", "prefill,decode", "--forward-only", "--fix", "all", "--no-confirm",
+                             "--tp", "1,2", "--grid"], {}, 240),
+             ("decode-fix-hf", ["--model", "hf:/tmp/hf-llama", "--dtype", "bfloat16", "--mode", "prefill,decode",
+                                "--forward-only", "--fix", "all", "--no-confirm", "--tp", "1,2", "--grid"], {}, 200)],
     "smoke": [("smoke-fp32", ["--dtype", "float32", "--no-baseline", "--no-confirm"], {}, 240)],
     # the fork server started before the input checks (runner/launch.prestart) or, as before, with
     # the first world: A/B pairs, alternating; read each run's first world's spawn_s and start
@@ -91,7 +105,7 @@ SETS: dict[str, list[tuple]] = {
 WORLD_KEYS = ("spawn_s", "setup_s", "process_group_s", "model_s", "world_start_s", "selfcheck_s", "steps_s",
               "gather_s", "write_s", "init", "init_full_peak_bytes", "init_whole_bytes", "peak_mem_bytes",
               "max_rss_bytes")
-DEFAULT_TP = {"1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2", "start": "1,2", "start-4b": "1,1"}
+DEFAULT_TP = {"axes": "1", "1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2", "start": "1,2", "start-4b": "1,1"}
 
 
 def parse(argv):
@@ -136,7 +150,7 @@ def summary_row(name: str, rc: int, wall: float, run_dir: str, err_path: str) ->
         if (s.get("timings") or {}).get(k):
             row[k] = s["timings"][k]
     degrees = {}
-    for lab, d in (s.get("degrees") or {}).items():
+    for lab, d in [*(s.get("degrees") or {}).items(), *(s.get("configurations") or {}).items()]:
         fd = d.get("first_divergence") or {}
         c = d.get("confirmation") or {}
         lp = d.get("logprobs") or {}

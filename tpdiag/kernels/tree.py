@@ -182,7 +182,9 @@ def tree_reduce_scattered(part: torch.Tensor, out_dtype: torch.dtype | None = No
         # (llama-1b bf16 8 x 4096 at TP=2 on H100: the add alone was ~13 ms a step). From three
         # ranks on, a collective's order is its own, so the all-to-all and our tree stay.
         summed = alloc.empty(chunk, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_tensor(summed, flat, group=_group())
+        # reduce_scatter_single (torch >= 2.13) is the same collective under its new name
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        rs(summed, flat, group=_group())
         mine = summed.to(out_dtype)  # the fp32 sum rounded once, as tree_sum_stacked_to does
     else:
         recv = alloc.empty_like(flat)

@@ -25,6 +25,8 @@ _WRITES = {
     "_all_gather_base": ((0,), ("output_tensor",)),
     "reduce_scatter": ((0,), ("output",)), "reduce_scatter_tensor": ((0,), ("output",)),
     "_reduce_scatter_base": ((0,), ("output",)),
+    # torch >= 2.13's names for the single-tensor forms
+    "all_gather_single": ((0,), ("output_tensor",)), "reduce_scatter_single": ((0,), ("output",)),
     "all_to_all": ((0,), ("output_tensor_list",)), "all_to_all_single": ((0,), ("output",)),
     "scatter": ((0,), ("tensor",)), "gather": ((1,), ("gather_list",)),
 }
