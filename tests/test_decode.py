@@ -140,3 +140,30 @@ def test_fix_all_decode_is_prefill_bitwise_tp2_and_tp1(hf_dir, monkeypatch):
         assert torch.equal(dec.view(iv), pre1.view(iv)), (kind, dtype)
     pre, dec = (_unbytes(*x) for x in out["stock"])
     assert torch.allclose(pre, dec, rtol=0, atol=1e-5) and not torch.equal(pre, dec)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_forward_only_worlds_build_no_autograd_graph(mode, monkeypatch):
+    """A forward-only world runs its forward without autograd, as an engine does: a decode world's
+    graph would otherwise chain every call through the growing KV cache and keep every call's
+    saved tensors (llama-1b 1 x 2048 ran out of 80 GB on an H100)."""
+    from tpdiag.config import WorldConfig
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.runner import determinism, step
+    from tpdiag.models import tiny_llama
+
+    seen = []
+    orig = tiny_llama.TinyLlama.forward
+
+    def spy(self, *a, **k):
+        seen.append(torch.is_grad_enabled())
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(tiny_llama.TinyLlama, "forward", spy)
+    determinism.setup(1234, "cpu")
+    for backward in (False, True) if mode == "prefill" else (False,):
+        seen.clear()
+        cfg = WorldConfig(model="tiny-llama", degree=1, label="t", out_dir="", batch_size=1, seq_len=6,
+                          backward=backward, mode=mode, probes=False, selfcheck=False)
+        step.run(cfg, torch.device("cpu"), 1, Recorder())
+        assert seen and set(seen) == {backward}, (mode, backward, seen)

@@ -313,7 +313,10 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                     args, kwargs = forward_call(model, piece)
                 rec.phase = "forward"
                 tp = time.perf_counter()
-                out = _decode(model, batch, rec) if cfg.mode == "decode" else model(*args, **kwargs)
+                # forward only: no autograd graph, as an engine or a logprob pass runs (a decode
+                # world's graph would chain every call through the growing KV cache: quadratic memory)
+                with torch.set_grad_enabled(bool(cfg.backward)):
+                    out = _decode(model, batch, rec) if cfg.mode == "decode" else model(*args, **kwargs)
                 tp = _mark(marks, "forward", tp)
                 local_logits = logits_of(out)
                 # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True)
