@@ -26,50 +26,65 @@ def _all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def torch_group_exp_sums(l: torch.Tensor, m: torch.Tensor, groups: int) -> list[torch.Tensor]:
-    """The torch (CPU) path: one reduction per group, each of the same shape at every TP."""
-    e = torch.exp(l - m[:, None])
-    return [eg.contiguous().sum(dim=-1) for eg in e.chunk(groups, dim=-1)]
+    """The torch (CPU) path: one reduction per group, each of the same shape at every TP. exp is
+    elementwise, so a group's exp(l - m) has the bits it has inside the whole; only one group's
+    fp32 copy exists at a time (never the whole [T, V] in fp32)."""
+    return [torch.exp(lg.float() - m[:, None]).sum(dim=-1) for lg in l.chunk(groups, dim=-1)]
 
 
-def group_exp_sums(logits, l, m, groups: int) -> list[torch.Tensor]:
+def group_exp_sums(logits, m, groups: int) -> list[torch.Tensor]:
     """Per-group sums of exp(l - m), [T] each. CUDA (or TPDIAG_TRITON_CPU=1): the Triton kernel,
     which reads the logits in their own dtype and never materialises exp(l - m); both paths
     are TP-invariant, each with its own (fixed) order, so a run must not mix them."""
     if vocab_ce_triton.triton_path(logits):
         return list(vocab_ce_triton.group_exp_sums(logits, m, groups).unbind(0))
-    return torch_group_exp_sums(l, m, groups)
+    return torch_group_exp_sums(logits, m, groups)
+
+
+# fp32 elements of one backward chunk: the [T, V] grad is built a few hundred token rows at a
+# time (152k-wide vocab: ~440 rows, 256 MiB), so backward never holds [T, V] fp32 temporaries
+CHUNK_ELEMENTS = 1 << 26
 
 
 class VocabParallelLogProb(torch.autograd.Function):
-    """logits_local [T, V_r] -> log p(label) [T] in fp32 (0 where label == IGNORE)."""
+    """logits_local [T, V_r] -> log p(label) [T] in fp32 (0 where label == IGNORE).
+
+    Memory: the logits are saved as they are (16-bit for a bf16 model), not as an fp32 copy; the
+    fp32 values are recomputed from them where needed (an exact upcast). Every number is the one
+    the whole-tensor fp32 formula gives, bit for bit (tests/test_vocab_ce_memory.py)."""
 
     @staticmethod
     def forward(ctx, logits, labels, local_groups: int):
-        l = logits.float()
-        v_r = l.shape[-1]
+        v_r = logits.shape[-1]
         start = rank() * v_r
-        m = _all_reduce(l.max(dim=-1).values.contiguous(), "max")
-        s = tree_all_reduce(tree_sum(group_exp_sums(logits, l, m, local_groups)))
+        # the max of the 16-bit values, then upcast: the same number as the max of their upcasts
+        m = _all_reduce(logits.max(dim=-1).values.float().contiguous(), "max")
+        s = tree_all_reduce(tree_sum(group_exp_sums(logits, m, local_groups)))
         lse = m + torch.log(s)
         valid = labels != IGNORE
         local = (labels >= start) & (labels < start + v_r) & valid
         idx = torch.where(local, labels - start, torch.zeros_like(labels))
-        tgt = torch.where(local, l.gather(-1, idx[:, None]).squeeze(-1), torch.zeros_like(lse))
+        tgt = torch.where(local, logits.gather(-1, idx[:, None]).squeeze(-1).float(), torch.zeros_like(lse))
         tgt = _all_reduce(tgt.contiguous(), "sum")
         lp = torch.where(valid, tgt - lse, torch.zeros_like(lse))
-        ctx.save_for_backward(l, lse, idx, local, valid)
-        ctx.dtype = logits.dtype
+        ctx.save_for_backward(logits, lse, idx, local, valid)
         return lp
 
     @staticmethod
     def backward(ctx, g):
-        l, lse, idx, local, valid = ctx.saved_tensors
+        logits, lse, idx, local, valid = ctx.saved_tensors
         g = torch.where(valid, g.float(), torch.zeros_like(g.float()))
-        p = torch.exp(l - lse[:, None])
-        onehot = torch.zeros_like(p)
-        onehot.scatter_(-1, idx[:, None], local[:, None].float())
-        d = g[:, None] * (onehot - p)
-        return d.to(ctx.dtype), None, None
+        t, v = logits.shape
+        d = torch.empty_like(logits)
+        rows = max(1, CHUNK_ELEMENTS // max(v, 1))
+        for a in range(0, t, rows):
+            b = min(t, a + rows)
+            # d = g * (onehot - p): -p everywhere, then 1 + (-p) at the label (IEEE: 1 - p is
+            # 1 + (-p), the same bits), times g, rounded once to the logits' dtype
+            q = torch.exp(logits[a:b].float() - lse[a:b, None]).neg_()
+            q.scatter_add_(-1, idx[a:b, None], local[a:b, None].float())
+            d[a:b] = q.mul_(g[a:b, None])
+        return d, None, None
 
 
 def token_logprobs(logits, labels, groups: int, vocab_size: int | None = None):
