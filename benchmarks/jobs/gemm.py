@@ -205,6 +205,10 @@ def main(argv: list[str]) -> dict:
             w = rand(N, K, dtype=dt)
             b = w.t().contiguous()
             kernels = [(f"triton_mm [{short(cfg)}]", lambda x, y: ig.triton_mm(x, y, config=cfg))]
+            if not smoke and cfg is ig.default_config(dt, a.device):
+                # the default call: small problems (the 1- and 7-row slices) take the pointer kernel,
+                # the whole product TMA (triton_mm's TMA_MIN_WORK) - invariant only if both agree
+                kernels.append(("triton_mm [default dispatch]", lambda x, y: ig.triton_mm(x, y)))
             if with_cublas:
                 kernels.append(("cuBLAS (torch.matmul)", torch.matmul))
             for name, mm in kernels:

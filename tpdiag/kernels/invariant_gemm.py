@@ -168,7 +168,7 @@ def _triton():
 
 # Tile configurations (fixed per device kind and dtype): invariant_gemm_config.py
 from tpdiag.kernels.invariant_gemm_config import (  # noqa: E402,F401  (re-exported)
-    CUDA_CONFIGS, CUDA_CONFIGS_PRE_HOPPER, FP32_PRECISIONS, INTERPRETER_CONFIGS, GemmConfig,
+    _major, CUDA_CONFIGS, CUDA_CONFIGS_PRE_HOPPER, FP32_PRECISIONS, INTERPRETER_CONFIGS, GemmConfig,
     default_config)
 
 _INTERPRETER_NUM_SMS = 4
@@ -177,6 +177,11 @@ _INTERPRETER_NUM_SMS = 4
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# M * N * K below which a 16-bit GEMM skips TMA (2^32: ~9 GFLOP, ~15 us of an H100's tensor cores,
+# less than the TMA launch's extra host time)
+TMA_MIN_WORK = 1 << 32
 
 
 # --------------------------------------------------------------------------------------
@@ -223,8 +228,13 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
         return triton_mm(a, b, out_dtype=torch.float32, config=config).to(torch.bfloat16)
     cfg = config or default_config(a.dtype, a.device, K)
     if a.device.type == "cuda":
-        num_sms = _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())
-        use_tma = cfg.tma and torch.cuda.get_device_capability(a.device)[0] >= 9
+        index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        num_sms = _num_sms(index)
+        # Small problems take the pointer kernel: the same tiles, K order and dot instructions,
+        # hence the same bits (`benchmarks gemm` checks TMA == pointer), but ~100 us less host
+        # time per call on an H100 (three tensor-map encodes per TMA launch) - a decode step's
+        # GEMMs are all host time. Large ones keep TMA (pointer loads: 77% of cuBLAS).
+        use_tma = cfg.tma and _major(index) >= 9 and (config is not None or M * N * K >= TMA_MIN_WORK)
     else:
         if not _interpreting():
             raise RuntimeError("triton_mm on CPU tensors needs the Triton interpreter "

@@ -3,6 +3,7 @@ never on M or N - a config that changed with the shape would change the bits wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Optional
 
@@ -70,13 +71,18 @@ INTERPRETER_CONFIGS = {
     torch.float32: GemmConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1),
 }
 
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]  # ~10 us a call uncached: once per GEMM adds up
+
+
 def default_config(dtype: torch.dtype, device: torch.device, K: Optional[int] = None) -> GemmConfig:
     """The fixed config for ``dtype`` on ``device``. ``K`` is accepted (a config may depend
     on K, which fixes the reduction length anyway) but no shipped config uses it."""
     del K
     if device.type != "cuda":
         return INTERPRETER_CONFIGS[dtype]
-    major, _ = torch.cuda.get_device_capability(device)
+    major = _major(device.index if device.index is not None else torch.cuda.current_device())
     if dtype == torch.float32 and os.environ.get("TPDIAG_FP32_GEMM") == "ieee":
         # IEEE fp32 on the FMA units everywhere (other bits than the Hopper default; set it
         # for every degree of a comparison - the worlds inherit the environment)
