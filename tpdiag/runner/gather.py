@@ -210,11 +210,12 @@ def _with_stored_hash(out):
 
     res = []
     for m, t in out:
+        exact = m.pop("_hash_is_tensor", False)  # a merged piece record: its hash is of t itself
         if t is None:
             res.append((m, t))
         elif "stored_hash" in m:
             res.append((m, t))
-        elif isinstance(t, Captured) and m.get("hash") and m["stored"] == "single":
+        elif (isinstance(t, Captured) or exact) and m.get("hash") and m["stored"] == "single":
             res.append(({**m, "stored_hash": m["hash"]}, t))
         else:
             res.append(({**m, "stored_hash": tensor_hash(as_tensor(t))}, t))
