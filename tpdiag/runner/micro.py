@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tpdiag.errors import BadInput
+from tpdiag.fixes.registry import CARRY_FIXES
 
 IGNORE = -100
 
@@ -68,9 +69,6 @@ def n_tokens(labels) -> torch.Tensor:
     return (labels != IGNORE).sum().clamp_min(1)
 
 
-# the fixes whose Functions feed grad accumulation's fp32 carry (kernels/grad_carry.py): the
-# batch-invariant GEMM (linear and embedding weight grads) and the norm weight grad
-CARRY_FIXES = ("invariant-gemm", "invariant-norm-grad")
 
 
 def carry_window(cfg, parts, device):
