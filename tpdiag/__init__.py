@@ -12,6 +12,7 @@ _LAZY = {
     # train with the invariant kernels on (docs/training.md)
     "invariant": ("tpdiag.invariant_api", "invariant"),
     "clip_grad_norm_": ("tpdiag.invariant_api", "clip_grad_norm_"),
+    "accumulate_grads": ("tpdiag.invariant_api", "accumulate_grads"),
     "fix_names": ("tpdiag.invariant_api", "fix_names"),
     "set_deterministic": ("tpdiag.determinism_api", "set_deterministic"),
     "deterministic": ("tpdiag.determinism_api", "deterministic"),
@@ -47,5 +48,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'tpdiag' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "Target", "capture", "load", "builtin_target", "invariant", "clip_grad_norm_", "fix_names",
+__all__ = ["__version__", "Target", "capture", "load", "builtin_target", "invariant", "clip_grad_norm_", "accumulate_grads",
+           "fix_names",
            "set_deterministic", "deterministic", "TpdiagError", "BadInput"]

@@ -211,3 +211,37 @@ def _stock_clip(params, max_norm):
             for g in grads:
                 g.mul_(coef)
         return total
+
+
+@contextmanager
+def accumulate_grads(model):
+    """Gradient accumulation whose weight grads are bitwise the same for any micro-batch split:
+
+        with tpdiag.invariant(model, plan, fixes="all", tree_groups=...):
+            opt.zero_grad(set_to_none=True)
+            with tpdiag.accumulate_grads(model):
+                for piece in pieces:                  # forward AND backward inside
+                    loss_of(model(piece)).backward()
+            tpdiag.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+    Inside the block the invariant fixes' weight-grad reductions over tokens (linear and bias
+    weights under invariant-gemm, embeddings under invariant-gemm, replicated RMSNorm weights
+    under invariant-norm-grad) go into one fp32 carry per weight, walked over the tokens in
+    fixed blocks; when the block ends each carry is rounded once to its parameter's dtype and
+    accumulated into .grad (post-accumulate-grad hooks run). Every piece but the last must hold
+    a multiple of the block's tokens (8 on the CPU, 64 on CUDA): else BadInput. Other grads
+    (MoE experts, unwrapped modules) accumulate as usual. On an exception nothing is applied."""
+    from torch import nn
+
+    from tpdiag.fixes import state
+    from tpdiag.fixes.registry import CARRY_FIXES
+    from tpdiag.kernels.grad_carry import window
+
+    if not isinstance(model, nn.Module):
+        raise BadInput(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not any(state.active(f) for f in CARRY_FIXES):
+        raise BadInput("accumulate_grads: no fix that carries weight grads is on; use it inside "
+                       f"tpdiag.invariant(..., fixes=...) with {' or '.join(CARRY_FIXES)} (or 'all')")
+    with window(model):
+        yield

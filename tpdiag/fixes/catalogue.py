@@ -51,8 +51,10 @@ register(Fix("tp-invariant-linear", ("row-parallel-reduction", "column-parallel-
               *(f"MoE experts: {m}" for m in MOE_LAYOUTS)),
              "fp32 partials per fixed K group + one tree all-gather of [tokens, N] per layer "
              "(no weight all-gather)", _linear("tp-invariant-linear")))
-register(Fix("invariant-gemm", ("shape-dependent-gemm", "batch-variant-kernel"), ("ColwiseParallel forward/wgrad",),
-             "column GEMMs whose bits do not depend on the shard or the rows per call: the invariant Triton GEMM (CUDA), fixed N blocks x fixed 16-row blocks of one shape (CPU)",
+register(Fix("invariant-gemm", ("shape-dependent-gemm", "batch-variant-kernel"),
+             ("ColwiseParallel forward/wgrad", "linear/bias/embedding weight grads across micro-batches"),
+             "column GEMMs whose bits do not depend on the shard or the rows per call: the invariant Triton GEMM (CUDA), fixed N blocks x fixed 16-row blocks of one shape (CPU); "
+             "with micro-batches an fp32 carry per weight, walked in fixed token blocks (an fp32 copy of the weights during the step)",
              _linear("invariant-gemm")))
 register(Fix("invariant-vocab-softmax", ("vocab-parallel-softmax",),
              ("vocab-parallel log-softmax / cross-entropy",),
@@ -67,8 +69,10 @@ def _norm(model, plan, world):
     return norm_fix(model, plan, world)
 
 
-register(Fix("invariant-norm-grad", ("norm-weight-grad",), ("RMSNorm under SequenceParallel",),
-             "weight-grad sums per fixed sequence group, one tree all-gather of [hidden] per norm",
+register(Fix("invariant-norm-grad", ("norm-weight-grad",),
+             ("RMSNorm under SequenceParallel", "replicated RMSNorm weight grads across micro-batches"),
+             "weight-grad sums per fixed sequence group, one tree all-gather of [hidden] per norm; "
+             "with micro-batches a replicated norm's weight grad into an fp32 carry in fixed token blocks",
              _norm))
 def _det(model, plan, world):
     from tpdiag.kernels.det_collectives import deterministic_all_reduce

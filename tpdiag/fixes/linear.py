@@ -24,8 +24,8 @@ from tpdiag.dtensors import local_of as _local
 from tpdiag.errors import BadInput
 from tpdiag.fixes import state
 from tpdiag.fixes.layouts import style_obj as _style_obj
-from tpdiag.kernels import tree
-from tpdiag.kernels.grouped_linear import col_parallel_linear, row_parallel_linear
+from tpdiag.kernels import grad_carry, tree
+from tpdiag.kernels.grouped_linear import ColBias, col_parallel_linear, row_parallel_linear
 
 TREE = "tp-invariant-linear"
 BLOCKED = "invariant-gemm"
@@ -96,14 +96,22 @@ def _wrap(name: str, mod: nn.Linear, style: str, obj, world: int):
         is_d = isinstance(w, DTensor) and not hf
         xl, wl = _local(x), _local(w)
         bl = _local(mod.bias) if mod.bias is not None else None
+        # grad accumulation (kernels/grad_carry.py): inside an open window, with the batch-invariant
+        # GEMM on, the weight grads go into fp32 carries instead of .grad per micro-batch
+        carry = use_blocked and grad_carry.is_open()
+        sw = grad_carry.site(w, f"{name}.weight") if carry else None
+        sb = grad_carry.site(mod.bias, f"{name}.bias") if carry and bl is not None else None
         if style == "rowwise":
             if not use_tree:
                 return orig(x, *args, **kwargs)
-            y = row_parallel_linear(xl, wl, bl, local_groups)
+            y = row_parallel_linear(xl, wl, None if sb is not None else bl, local_groups, sw)
+            if sb is not None:  # the replicated bias: its grad, a sum over tokens, carried too
+                y = ColBias.apply(y, bl, 1, sb)
             return DTensor.from_local(y, w.device_mesh, [Replicate()], run_check=False) if is_d else y
         if not (use_tree or use_blocked):
             return orig(x, *args, **kwargs)
-        y = col_parallel_linear(xl, wl, bl, local_groups, blocked=use_blocked, tree_dgrad=use_tree)
+        y = col_parallel_linear(xl, wl, bl, local_groups, blocked=use_blocked, tree_dgrad=use_tree,
+                                sites=(sw, sb))
         if is_d:
             return DTensor.from_local(y, w.device_mesh, [Shard(y.dim() - 1)], run_check=False)
         return _GatherColumns.apply(y) if hf_out == "full" else y
@@ -125,7 +133,12 @@ def linear_fix(flag_name: str, model: nn.Module, plan: dict, world: int):
             # MoE experts (3-D weights, no nn.Linear): the same tree over I (fixes/moe.py)
             experts = moe.wrap_experts(model, plan, world)
             model._tpdiag_linear_wrapped = True
-        with state.flag(flag_name):
+        from contextlib import nullcontext
+
+        from tpdiag.fixes.embedding import embedding_carry
+
+        # grad accumulation's carry for the embeddings too (stock outside an open window)
+        with embedding_carry(model) if owner else nullcontext(), state.flag(flag_name):
             yield
     finally:
         if owner:

@@ -4,11 +4,17 @@ per-head norms whose weight grad the plan all-reduces (transformers' q_norm/k_no
 Applied at TP=1 too (same plan, same canonical order). Only RMSNorm-like modules (a `weight`
 of the hidden size and an `eps`/`variance_epsilon`, no bias) are handled; anything else under
 a SequenceParallel style is refused in one line rather than silently left stock.
+
+Every other RMSNorm (replicated: no style in the plan) is wrapped for grad accumulation
+(kernels/grad_carry.py): inside an open window its weight grad goes into the window's fp32
+carry in token blocks (CarryScale); outside one it runs stock. A module whose forward is not
+w * normalise(x) bit for bit (checked once as the fix installs, on a seeded input) is left stock.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from tpdiag.errors import BadInput
@@ -23,17 +29,65 @@ def _eps(mod) -> float | None:
     return None
 
 
+def _rms(x, eps: float):
+    """RMSNorm's normalised input, as the built-in and transformers' Llama/Qwen norms compute it."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rms_like(mod) -> bool:
+    w = getattr(mod, "weight", None)
+    return (type(mod).__name__.endswith("RMSNorm") and _eps(mod) is not None and w is not None
+            and w.dim() == 1 and getattr(mod, "bias", None) is None)
+
+
+def _same_as_stock(mod, eps: float) -> bool:
+    """Does w * _rms(x) give the module's own forward's bits? (A Gemma-style (1 + w) norm: no.)"""
+    w = mod.weight
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, w.shape[0], generator=g).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        ref, y = mod.forward(x), _rms(x, eps) * w  # forward: no hooks
+    return (ref.dtype == y.dtype and ref.shape == y.shape
+            and torch.equal(ref.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)))
+
+
+def _wrap_replicated(name: str, mod):
+    """Grad accumulation's carry for a replicated RMSNorm's weight (see the module docstring)."""
+    from torch.distributed.tensor import DTensor
+
+    from tpdiag.kernels import grad_carry
+    from tpdiag.kernels.carry_functions import CarryScale
+
+    own = mod.__dict__.get("forward")
+    orig = mod.forward
+    eps = _eps(mod)
+
+    def forward(x, *args, **kwargs):
+        w = mod.weight
+        if (args or kwargs or not grad_carry.is_open() or not w.requires_grad
+                or isinstance(w, DTensor) or isinstance(x, DTensor)):
+            return orig(x, *args, **kwargs)
+        return CarryScale.apply(_rms(x, eps), w, grad_carry.site(w, f"{name}.weight"))
+
+    mod.forward = forward
+    return own
+
+
 @contextmanager
 def norm_fix(model: nn.Module, plan: dict, world: int):
     from torch.distributed.tensor import DTensor, Shard
 
     from tpdiag.records.styles import style_of
 
-    wrapped = []
+    wrapped, replicated = [], []
     try:
         for name, mod in model.named_modules():
             style = style_of(name, plan or {})
             if style not in ("sequence", "replicatedwithgradallreduce"):
+                if (style is None and _rms_like(mod) and not isinstance(mod.weight, DTensor)
+                        and mod.weight.device.type != "meta" and _same_as_stock(mod, _eps(mod))):
+                    replicated.append((mod, _wrap_replicated(name, mod)))
                 continue
             # sequence parallel: tokens sharded on dim 1; a per-head norm (transformers'
             # replicated_with_grad_allreduce, Qwen3's q_norm/k_norm): heads sharded on dim -2
@@ -63,3 +117,8 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
     finally:
         for mod in wrapped:
             mod.__dict__.pop("forward", None)
+        for mod, own in replicated:
+            if own is not None:
+                mod.forward = own
+            else:
+                mod.__dict__.pop("forward", None)

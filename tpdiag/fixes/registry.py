@@ -34,6 +34,12 @@ BATCH_INVARIANT = ("invariant-gemm", "tp-invariant-linear", "invariant-attention
                    "invariant-vocab-softmax")
 
 
+# The fixes whose Functions feed grad accumulation's fp32 carry (kernels/grad_carry.py): the
+# batch-invariant GEMM (linear, bias and embedding weight grads) and the norm weight grad. With
+# either on, the runner opens the accumulation window in every world (runner/micro.py).
+CARRY_FIXES = ("invariant-gemm", "invariant-norm-grad")
+
+
 def fixes_for_cause(cause: str, op: str | None = None) -> tuple[str, ...]:
     """The fixes that remove `cause` (fix_for_cause's one, or the batch-invariant set)."""
     from tpdiag.records.ops import SDPA_OPS, is_op_of

@@ -62,7 +62,17 @@ def _load_ab(a_desc, b_desc, off_m, off_n, off_k, A_T: tl.constexpr, B_T: tl.con
     return a, b
 
 
-_JIT_FUNCTIONS = ("_tile_coords", "_store_tile", "_load_ab")
+def _load_acc(acc_ptr, off_m, off_n, M, N, stride_m, stride_n, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """A tile's fp32 accumulator from an earlier call (grad accumulation's carry): the K walk
+    goes on from it; out-of-range rows/columns read 0 (their store is clipped)."""
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    return tl.load(acc_ptr + rm[:, None] * stride_m + rn[None, :] * stride_n, mask=mask, other=0.0)
+
+
+_JIT_FUNCTIONS = ("_tile_coords", "_store_tile", "_load_ab", "_load_acc")
 
 
 @functools.lru_cache(maxsize=None)

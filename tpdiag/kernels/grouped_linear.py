@@ -26,8 +26,33 @@ from __future__ import annotations
 
 import torch
 
+from tpdiag.kernels import carry_ops
+from tpdiag.kernels.grad_carry import live
 from tpdiag.kernels.tree import gemm_per_group, tree_all_reduce, tree_sum
 from tpdiag.kernels.vocab_ce_triton import triton_path
+
+
+def _fp32_config(a):
+    """The Triton config of _mm's fp32 group GEMMs (see there): fixed per call site."""
+    from tpdiag.kernels.invariant_gemm_config import IEEE_FP32_CONFIG
+
+    return IEEE_FP32_CONFIG if a.is_cuda and a.dtype == torch.float32 else None
+
+
+def _carry_wgrad(site, w, g2, x2, groups: int, dim: int, triton: bool, config=None) -> None:
+    """Grad accumulation's wgrad (kernels/grad_carry.py): site's fp32 carry [N, K] += g2^T @ x2
+    over the tokens in fixed blocks. triton: one call over the local shard (the invariant GEMM's
+    bits per output element do not depend on the shard); else per fixed group along `dim` (0: N,
+    1: K) - the same block shapes at every TP."""
+    carry = site.zeros(w.shape, w.device)
+    site.walk(g2.shape[0], carry_ops.gemm_block(triton, g2.device, x2.dtype, config))
+    if triton:
+        carry_ops.add_mm(carry, g2, x2, triton=True, config=config)
+        return
+    gs = g2.chunk(groups, -1) if dim == 0 else [g2] * groups
+    xs = x2.chunk(groups, -1) if dim == 1 else [x2] * groups
+    for c, gg, xg in zip(carry.chunk(groups, dim), gs, xs):
+        carry_ops.add_mm(c, gg, xg)
 
 
 def _mm(a, b):
@@ -81,9 +106,10 @@ class RowLinearPartial(torch.autograd.Function):
     """x_local [..., K_r], w_local [N, K_r] -> fp32 subtree root [..., N] over `groups` K groups."""
 
     @staticmethod
-    def forward(ctx, x, w, groups: int):
+    def forward(ctx, x, w, groups: int, site=None):
         ctx.save_for_backward(x, w)
         ctx.groups = groups
+        ctx.site = site  # grad accumulation's carry for w (None: w's grad returned as usual)
         if _tensor_cores(x, w):
             # 16-bit operands on tensor cores: their products are exact in fp32 and every group
             # is summed in fp32 - the same as upcasting first, in another fixed order - and the
@@ -114,18 +140,27 @@ class RowLinearPartial(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dx = triton_mm(g16, w).reshape(*x.shape)
             if ctx.needs_input_grad[1]:
-                dw = triton_mm(g16.t(), x.reshape(-1, x.shape[-1])).to(w.dtype)
-            return dx, dw, None
+                if live(ctx.site):  # the same call, continued from the carry (fp32, no rounding)
+                    _carry_wgrad(ctx.site, w, g16, x.reshape(-1, x.shape[-1]), groups, 1, True)
+                else:
+                    dw = triton_mm(g16.t(), x.reshape(-1, x.shape[-1])).to(w.dtype)
+            return dx, dw, None, None
         g = g.float().contiguous()
         ws = w.float().chunk(groups, dim=-1)
         xs = x.float().chunk(groups, dim=-1)
         if ctx.needs_input_grad[0]:
             dx = torch.cat([_mm(g, wg.contiguous()) for wg in ws], dim=-1).to(x.dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and live(ctx.site):
+            x2 = x.reshape(-1, x.shape[-1])
+            tri = triton_path(x2) and x2.dtype == w.dtype
+            # fp32 operands here (the 16-bit Triton case returned above); the CPU path: per K group
+            _carry_wgrad(ctx.site, w, g.reshape(-1, g.shape[-1]), x2.float() if not tri else x2,
+                         groups, 1, tri, _fp32_config(x2) if tri else None)
+        elif ctx.needs_input_grad[1]:
             g2 = g.reshape(-1, g.shape[-1]).t().contiguous()
             dw = torch.cat([_mm(g2, xg.reshape(-1, xg.shape[-1]).contiguous()) for xg in xs],
                            dim=-1).to(w.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def _tensor_cores(x, w) -> bool:
@@ -133,9 +168,9 @@ def _tensor_cores(x, w) -> bool:
     return triton_path(x) and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
 
 
-def row_parallel_linear(x, w, bias, local_groups: int):
+def row_parallel_linear(x, w, bias, local_groups: int, site=None):
     """Whole output, replicated on every rank, identical at every TP."""
-    y = tree_all_reduce(RowLinearPartial.apply(x, w, local_groups), x.dtype)
+    y = tree_all_reduce(RowLinearPartial.apply(x, w, local_groups, site), x.dtype)
     return y + bias if bias is not None else y
 
 
@@ -148,9 +183,10 @@ class ColLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, local_groups: int, blocked: bool, tree_dgrad: bool):
+    def forward(ctx, x, w, local_groups: int, blocked: bool, tree_dgrad: bool, site=None):
         ctx.save_for_backward(x, w)
         ctx.cfg = (local_groups, blocked, tree_dgrad)
+        ctx.site = site  # grad accumulation's carry for w (blocked only)
         if blocked and triton_path(x) and x.dtype == w.dtype:
             # invariant-gemm's kernel: its bits per output column do not depend on how many
             # columns one call computes, so one call over the local shard gives the fixed
@@ -187,7 +223,10 @@ class ColLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
             g2 = g.reshape(-1, g.shape[-1])
-            if blocked and triton_path(x) and x.dtype == w.dtype:
+            if blocked and live(ctx.site):
+                # one Triton call continued from the carry, or per fixed N group in token blocks
+                _carry_wgrad(ctx.site, w, g2, x2, local_groups, 0, triton_path(x) and x.dtype == w.dtype)
+            elif blocked and triton_path(x) and x.dtype == w.dtype:
                 from tpdiag.kernels.invariant_gemm import triton_mm
 
                 dw = triton_mm(g2.t(), x2)  # output rows: the same bits at any shard height
@@ -196,7 +235,7 @@ class ColLinear(torch.autograd.Function):
                                 for gg in g2.chunk(local_groups, -1)], 0)
             else:
                 dw = torch.matmul(g2.t(), x2)  # stock wgrad
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _all_reduce_sum(t):
@@ -216,20 +255,29 @@ class ColBias(torch.autograd.Function):
     `y + bias` sums [tokens, N/TP] at once: on CPU another vectorisation at another width)."""
 
     @staticmethod
-    def forward(ctx, y, bias, local_groups: int):
+    def forward(ctx, y, bias, local_groups: int, site=None):
         ctx.local_groups = local_groups
+        ctx.site = site
         return y + bias
 
     @staticmethod
     def backward(ctx, g):
         g2 = g.reshape(-1, g.shape[-1])
+        if live(ctx.site):  # grad accumulation: per fixed N group, token blocks into the carry
+            carry = ctx.site.zeros((g2.shape[-1],), g2.device)
+            ctx.site.walk(g2.shape[0], carry_ops.torch_block(g2.device))
+            for c, gg in zip(carry.chunk(ctx.local_groups), g2.chunk(ctx.local_groups, -1)):
+                carry_ops.add_colsum(c, gg)
+            return g, None, None, None
         db = torch.cat([gg.contiguous().sum(0) for gg in g2.chunk(ctx.local_groups, -1)])
-        return g, db, None
+        return g, db, None, None
 
 
-def col_parallel_linear(x, w, bias, local_groups: int, blocked: bool, tree_dgrad: bool):
-    y = ColLinear.apply(x, w, local_groups, blocked, tree_dgrad)
-    return ColBias.apply(y, bias, local_groups) if bias is not None else y
+def col_parallel_linear(x, w, bias, local_groups: int, blocked: bool, tree_dgrad: bool,
+                        sites=(None, None)):
+    """sites: grad accumulation's carry sites of (w, bias) (kernels/grad_carry.py), or None."""
+    y = ColLinear.apply(x, w, local_groups, blocked, tree_dgrad, sites[0])
+    return ColBias.apply(y, bias, local_groups, sites[1]) if bias is not None else y
 
 
 def reference_linear(x, w, bias=None):

@@ -45,17 +45,19 @@ tl = None
 _tile_coords = None
 _store_tile = None
 _load_ab = None
+_load_acc = None
 
 
 # --------------------------------------------------------------------------------------
 # Triton kernels (wrapped with triton.jit by _triton())
 # --------------------------------------------------------------------------------------
 def _invariant_mm_kernel(
-    a_ptr, b_ptr, c_ptr, M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    a_ptr, b_ptr, c_ptr, acc_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_accm, stride_accn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_ACC: tl.constexpr,
 ):
     """Persistent C = A @ B with pointer loads (any strides, any alignment).
 
@@ -84,7 +86,12 @@ def _invariant_mm_kernel(
         offs_am = tl.max_contiguous(tl.multiple_of(offs_am, BLOCK_M), BLOCK_M)
         offs_bn = tl.max_contiguous(tl.multiple_of(offs_bn, BLOCK_N), BLOCK_N)
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HAS_ACC:
+            # continue a walk over K that an earlier call began (grad accumulation's fp32
+            # carry): the rows/columns were clamped above, so every load is in range
+            acc = tl.load(acc_ptr + offs_am[:, None] * stride_accm + offs_bn[None, :] * stride_accn)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             offs_k = ki * BLOCK_K + offs_k_base
             a_ptrs = a_ptr + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
@@ -111,12 +118,12 @@ def _invariant_mm_kernel(
 
 
 def _invariant_mm_tma_kernel(
-    a_desc, b_desc, c_desc, M, N, K,
+    a_desc, b_desc, c_desc, acc_ptr, M, N, K, stride_accm, stride_accn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     A_T: tl.constexpr, B_T: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, HAS_ACC: tl.constexpr,
 ):
     """Persistent C = A @ B with TMA tensor descriptors (Hopper+; same tiles and K order).
 
@@ -135,7 +142,10 @@ def _invariant_mm_tma_kernel(
         pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HAS_ACC:
+            acc = _load_acc(acc_ptr, off_m, off_n, M, N, stride_accm, stride_accn, BLOCK_M, BLOCK_N)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a, b = _load_ab(a_desc, b_desc, off_m, off_n, ki * BLOCK_K, A_T, B_T, UPCAST)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -151,11 +161,12 @@ _JIT_FUNCTIONS = ("_invariant_mm_kernel", "_invariant_mm_tma_kernel")
 @functools.lru_cache(maxsize=None)
 def _triton():
     """Import Triton once (gemm_common's importer) and wrap the kernels above with ``triton.jit``."""
-    global triton, tl, _tile_coords, _store_tile, _load_ab
+    global triton, tl, _tile_coords, _store_tile, _load_ab, _load_acc
     triton = import_triton()
     tl = triton.language
     # The kernels call the shared tile helpers through this module's globals.
     _tile_coords, _store_tile, _load_ab = gemm_common._tile_coords, gemm_common._store_tile, gemm_common._load_ab
+    _load_acc = gemm_common._load_acc
     g = globals()
     for name in _JIT_FUNCTIONS:
         fn = g[name]
@@ -201,7 +212,7 @@ def _tma_operand(t: torch.Tensor):
 
 
 def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None,
-              config: Optional[GemmConfig] = None) -> torch.Tensor:
+              config: Optional[GemmConfig] = None, acc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """C = A @ B with the persistent invariant Triton kernel.
 
     a: [M, K], b: [K, N], any strides, fp32 / bf16 / fp16 (same dtype), CUDA tensors, or
@@ -209,6 +220,12 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
     input dtype; fp32 returns the unrounded accumulator, used by addmm/linear epilogues).
     ``config`` overrides the fixed per-dtype tiles (benchmarks, tests); a different config
     gives different (still invariant) bits.
+
+    ``acc``: an fp32 [M, N] accumulator to start from instead of zeros (the result is fp32, a
+    new tensor): the K walk goes on where an earlier call left it, so calls over consecutive K
+    ranges whose lengths (all but the last) are multiples of the config's BLOCK_K give the bits
+    of one call over the whole K (grad accumulation over micro-batches: K = tokens).
+    acc of zeros gives the same bits as no acc (0 + x = x), rounded later by the caller.
     """
     _check(a, b, "triton_mm")
     if a.dtype not in _SUPPORTED:
@@ -216,12 +233,19 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
     _triton()
     M, K = a.shape
     N = b.shape[1]
+    if acc is not None:
+        if acc.dtype != torch.float32 or tuple(acc.shape) != (M, N) or acc.device != a.device:
+            raise ValueError(f"triton_mm: acc must be float32 [{M}, {N}] on {a.device}, got "
+                             f"{acc.dtype} {tuple(acc.shape)} on {acc.device}")
+        if out_dtype not in (None, torch.float32):
+            raise ValueError("triton_mm: with acc the result is the float32 accumulator")
+        out_dtype = torch.float32
     out_dtype = out_dtype or a.dtype
     c = alloc.empty((M, N), dtype=out_dtype, device=a.device)  # every tile stored
     if M == 0 or N == 0:
         return c
     if K == 0:
-        return c.zero_()
+        return c.copy_(acc) if acc is not None else c.zero_()
     if a.device.type != "cuda" and out_dtype == torch.bfloat16:
         # The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even.
         # Keep the kernel's fp32 result and round it in torch (round-to-nearest-even).
@@ -244,7 +268,7 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
     if a.dtype == torch.float32 and cfg.fp32_precision in ("bf16x6", "bf16x9"):
         from tpdiag.kernels.split_gemm import split_mm
 
-        return split_mm(a, b, cfg, out_dtype, num_sms, upcast=a.device.type != "cuda")
+        return split_mm(a, b, cfg, out_dtype, num_sms, upcast=a.device.type != "cuda", acc=acc)
     num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     grid = (min(num_sms, num_tiles),)
     # fp32 operands: the config's fixed fp32_precision ("ieee" FMA or "tf32x3"; never plain
@@ -257,7 +281,8 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
     upcast = a.device.type != "cuda" and a.dtype == torch.bfloat16
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   NUM_SMS=num_sms, DOT_PRECISION=precision, FLATTEN=cfg.flatten, UPCAST=upcast,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  HAS_ACC=acc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    acc_t = acc if acc is not None else c  # not read without HAS_ACC
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -273,16 +298,17 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: Optional[torch.dty
         # config may ask for that always (same bits either way).
         subtile = c.element_size() > a.element_size() or cfg.epilogue_subtile
         c_desc = TensorDescriptor(ct, list(ct.shape), list(ct.stride()), [bm, bn // 2 if subtile else bn])
-        _invariant_mm_tma_kernel[grid](a_desc, b_desc, c_desc, M, N, K, A_T=a_t, B_T=b_t,
+        _invariant_mm_tma_kernel[grid](a_desc, b_desc, c_desc, acc_t, M, N, K, acc_t.stride(0),
+                                       acc_t.stride(1), A_T=a_t, B_T=b_t,
                                        WARP_SPECIALIZE=cfg.warp_specialize, EPILOGUE_SUBTILE=subtile,
                                        **common)
         if ct is not c:
             c.copy_(ct)
     else:
         _invariant_mm_kernel[grid](
-            a, b, c, M, N, K,
+            a, b, c, acc_t, M, N, K,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-            EVEN_K=(K % cfg.block_k == 0), **common)
+            acc_t.stride(0), acc_t.stride(1), EVEN_K=(K % cfg.block_k == 0), **common)
     return c
 
 

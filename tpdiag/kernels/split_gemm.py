@@ -58,11 +58,12 @@ def _split_kernel(x_ptr, p0_ptr, p1_ptr, p2_ptr, n, BLOCK: tl.constexpr):
 
 
 def _split_mm_tma_kernel(
-    a0_desc, a1_desc, a2_desc, b0_desc, b1_desc, b2_desc, c_desc, M, N, K,
+    a0_desc, a1_desc, a2_desc, b0_desc, b1_desc, b2_desc, c_desc, acc_ptr, M, N, K,
+    stride_accm, stride_accn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, TERMS: tl.constexpr,
     FLATTEN: tl.constexpr, UPCAST: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
-    PROMOTE: tl.constexpr,
+    PROMOTE: tl.constexpr, HAS_ACC: tl.constexpr,
 ):
     """Persistent C = A @ B from pieces: A pieces [M, K] row-major, B pieces held as B^T
     [N, K] row-major (a linear's weight layout). TMA zero-fills past M, N and K."""
@@ -78,7 +79,10 @@ def _split_mm_tma_kernel(
         pid_m, pid_n = _tile_coords(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HAS_ACC:  # an earlier call's fp32 accumulator (invariant_gemm.triton_mm's acc)
+            acc = _load_acc(acc_ptr, off_m, off_n, M, N, stride_accm, stride_accn, BLOCK_M, BLOCK_N)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             x0 = a0_desc.load([off_m, off_k])
@@ -118,6 +122,7 @@ def _triton():
     tl = triton.language
     g = globals()
     g["_tile_coords"], g["_store_tile"] = gemm_common._tile_coords, gemm_common._store_tile
+    g["_load_acc"] = gemm_common._load_acc
     g["_split_kernel"] = triton.jit(_split_kernel)
     # M and N never specialised: one compiled kernel (the same dots) for every shape
     g["_split_mm_tma_kernel"] = triton.jit(_split_mm_tma_kernel, do_not_specialize=["M", "N"])
@@ -154,8 +159,9 @@ def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def split_mm(a: torch.Tensor, b: torch.Tensor, cfg, out_dtype: torch.dtype, num_sms: int,
-             upcast: bool = False, promote: bool = True) -> torch.Tensor:
-    """C = A @ B for fp32 A [M, K], B [K, N] with cfg.fp32_precision in SPLIT_PRECISIONS."""
+             upcast: bool = False, promote: bool = True, acc=None) -> torch.Tensor:
+    """C = A @ B for fp32 A [M, K], B [K, N] with cfg.fp32_precision in SPLIT_PRECISIONS
+    (acc: an fp32 [M, N] accumulator to start from, as invariant_gemm.triton_mm's)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     _triton()
@@ -172,9 +178,11 @@ def split_mm(a: torch.Tensor, b: torch.Tensor, cfg, out_dtype: torch.dtype, num_
     dc = TensorDescriptor(ct, list(ct.shape), list(ct.stride()), [bm, bn // 2 if subtile else bn])
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     _split_mm_tma_kernel[(min(num_sms, tiles),)](
-        *da, *db, dc, M, N, K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        *da, *db, dc, acc if acc is not None else c, M, N, K,
+        (acc if acc is not None else c).stride(0), (acc if acc is not None else c).stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
         NUM_SMS=num_sms, TERMS=SPLIT_PRECISIONS[cfg.fp32_precision], FLATTEN=cfg.flatten,
-        UPCAST=upcast, EPILOGUE_SUBTILE=subtile, PROMOTE=promote, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UPCAST=upcast, EPILOGUE_SUBTILE=subtile, PROMOTE=promote,
+        HAS_ACC=acc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if ct is not c:
         c.copy_(ct)
     return c

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tpdiag.errors import BadInput
+from tpdiag.fixes.registry import CARRY_FIXES
 
 IGNORE = -100
 
@@ -56,5 +57,36 @@ def piece_loss(target, loss_fn, logits, local_logits, labels, n_total, invariant
                            reduction="sum") / n_total
 
 
+def step_loss(lps: list[torch.Tensor], n_total, dtype) -> torch.Tensor:
+    """The step's loss under invariant-vocab-softmax: every piece's fp32 token logprobs, in the
+    reference's token order, reduced once as its invariant cross-entropy reduces them
+    (vocab_ce.cross_entropy) - the reference's bits, where the pieces' shares added would be
+    another summation order (the loss's counterpart of the weight grads' fp32 carry)."""
+    return -(torch.cat(lps).sum() / n_total).to(dtype)
+
+
 def n_tokens(labels) -> torch.Tensor:
     return (labels != IGNORE).sum().clamp_min(1)
+
+
+
+
+def carry_window(cfg, parts, device):
+    """model -> the context every piece's forward and backward run in: grad accumulation's
+    window when a carry fix is on and the step has a backward - in every world, the reference's
+    one piece too (the same code, so the same bits at one piece or several) - else nothing."""
+    from contextlib import nullcontext
+
+    if not cfg.backward or not any(f in cfg.fixes for f in CARRY_FIXES):
+        return lambda model: nullcontext()
+    from tpdiag.kernels import carry_ops, grad_carry
+
+    if len(parts) > 1:
+        tokens = parts[0][1].numel()
+        block = carry_ops.piece_multiple(device)
+        if tokens % block:
+            raise BadInput(f"--micro-batch {cfg.micro_batch} with --fix {'/'.join(CARRY_FIXES)}: a "
+                           f"micro-batch holds {tokens} tokens; grad accumulation's fp32 carry walks "
+                           f"the tokens in blocks of {block} on {device.type}, so every micro-batch must "
+                           f"hold a multiple of {block} tokens (sequences x --seq-len)")
+    return grad_carry.window

@@ -304,48 +304,54 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         parts = micro.split(batch, labels, cfg.micro_batch)
         n_total = micro.n_tokens(labels)
         invariant_ce = loss_fn is not (target.loss or default_loss)
+        carry = micro.carry_window(cfg, parts, device)
         for step in range(cfg.steps):
             rec.step = step
-            loss_sum = None
-            for k, (piece, piece_labels) in enumerate(parts):
-                if len(parts) > 1:
-                    rec.begin_piece(k, len(parts))
-                    args, kwargs = forward_call(model, piece)
-                rec.phase = "forward"
-                tp = time.perf_counter()
-                # forward only: no autograd graph, as an engine or a logprob pass runs (a decode
-                # world's graph would chain every call through the growing KV cache: quadratic memory)
-                with torch.set_grad_enabled(bool(cfg.backward)):
-                    out = _decode(model, batch, rec) if cfg.mode == "decode" else model(*args, **kwargs)
-                tp = _mark(marks, "forward", tp)
-                local_logits = logits_of(out)
-                # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True)
-                # is re-marked whole for tpdiag; a user loss still gets what the model returned
-                logits, _ = whole_vocab(local_logits, model, target.plan, target.vocab_size, world)
-                rec.phase = "loss"
-                rec.add("logits", "model", "logits", logits)
-                with loss_context(world):
-                    with torch.no_grad():
-                        lp = logprob_fn(logits.detach(), piece_labels)
-                    rec.add("logprobs", "model", "logprobs", lp)
-                    if len(parts) == 1:
-                        loss = loss_fn(local_logits if target.loss is not None else logits, labels)
-                        rec.add("loss", "model", "loss", loss)
-                    else:
-                        loss = micro.piece_loss(target, loss_fn, logits, local_logits, piece_labels,
-                                                n_total, invariant_ce)
-                        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-                    tp = _mark(marks, "loss", tp)
-                    if cfg.backward:
-                        rec.phase = "backward"
-                        loss.backward()
-                        tp = _mark(marks, "backward", tp)
+            loss_sum, lps = None, []
+            # the pieces' weight grads: fp32 carries, rounded once as the window closes (runner/micro.py)
+            with carry(model):
+                for k, (piece, piece_labels) in enumerate(parts):
+                    if len(parts) > 1:
+                        rec.begin_piece(k, len(parts))
+                        args, kwargs = forward_call(model, piece)
+                    rec.phase = "forward"
+                    tp = time.perf_counter()
+                    # forward only: no autograd graph, as an engine or a logprob pass runs (a decode
+                    # world's graph would chain every call through the growing KV cache: quadratic memory)
+                    with torch.set_grad_enabled(bool(cfg.backward)):
+                        out = _decode(model, batch, rec) if cfg.mode == "decode" else model(*args, **kwargs)
+                    tp = _mark(marks, "forward", tp)
+                    local_logits = logits_of(out)
+                    # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True)
+                    # is re-marked whole for tpdiag; a user loss still gets what the model returned
+                    logits, _ = whole_vocab(local_logits, model, target.plan, target.vocab_size, world)
+                    rec.phase = "loss"
+                    rec.add("logits", "model", "logits", logits)
+                    with loss_context(world):
+                        with torch.no_grad():
+                            lp = logprob_fn(logits.detach(), piece_labels)
+                        rec.add("logprobs", "model", "logprobs", lp)
+                        if len(parts) == 1:
+                            loss = loss_fn(local_logits if target.loss is not None else logits, labels)
+                            rec.add("loss", "model", "loss", loss)
+                        else:
+                            loss = micro.piece_loss(target, loss_fn, logits, local_logits, piece_labels,
+                                                    n_total, invariant_ce)
+                            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                            lps.append(lp)
+                        tp = _mark(marks, "loss", tp)
+                        if cfg.backward:
+                            rec.phase = "backward"
+                            loss.backward()
+                            tp = _mark(marks, "backward", tp)
+            if cfg.backward:  # the window's close: the grads into .grad (their probes record them)
+                tp = _mark(marks, "backward", tp)
             if len(parts) > 1:
                 # the step's loss as a trainer logs it: the pieces' shares summed (per step, not per
                 # piece; per token, the logprobs are what compare across micro-batch sizes)
                 rec.end_pieces()
                 rec.phase = "loss"
-                loss = loss_sum
+                loss = micro.step_loss(lps, n_total, logits.dtype) if invariant_ce else loss_sum
                 with loss_context(world):
                     rec.add("loss", "model", "loss", loss)
             if cfg.backward:

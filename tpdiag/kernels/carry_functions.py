@@ -1,0 +1,71 @@
+"""Autograd Functions whose weight grad goes into grad accumulation's fp32 carry (grad_carry.py):
+a norm's weight scale and an embedding lookup. Their forwards are the stock ops (the same bits);
+only the weight's grad changes: summed over the tokens in fixed blocks into the carry, returned
+as None (the window's close puts it in .grad). The input grads are the stock formulas.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tpdiag.kernels import carry_ops
+from tpdiag.kernels.grad_carry import live
+
+
+class CarryScale(torch.autograd.Function):
+    """y = n * w (an RMSNorm's last op: the normalised input times its weight, w [D])."""
+
+    @staticmethod
+    def forward(ctx, n, w, site):
+        ctx.save_for_backward(n, w)
+        ctx.site = site
+        return n * w
+
+    @staticmethod
+    def backward(ctx, g):
+        n, w = ctx.saved_tensors
+        dn = g * w if ctx.needs_input_grad[0] else None  # mul's own backward: the same bits
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if live(ctx.site):
+                # the per-token terms in fp32 (a 16-bit product is exact there), summed in token blocks
+                terms = (g.float() * n.float()).reshape(-1, w.shape[-1])
+                carry = ctx.site.zeros(w.shape, w.device)
+                ctx.site.walk(terms.shape[0], carry_ops.torch_block(terms.device))
+                carry_ops.add_colsum(carry, terms)
+            else:  # the window closed before this backward: the stock grad
+                dw = (g * n).sum(tuple(range(g.dim() - 1)))
+        return dn, dw, None
+
+
+class EmbeddingCarry(torch.autograd.Function):
+    """y = w[ids] for a local vocab shard starting at row `offset` (None: the whole vocab):
+    ids outside the shard give zero rows (a vocab-parallel embedding's partial output, added
+    across ranks by the caller's all-reduce: one rank's row plus zeros, exact)."""
+
+    @staticmethod
+    def forward(ctx, ids, w, offset, site):
+        if offset is None:
+            mask, local = None, ids
+            y = F.embedding(ids, w)
+        else:
+            mask = (ids < offset) | (ids >= offset + w.shape[0])
+            local = (ids - offset).masked_fill(mask, 0)
+            y = F.embedding(local, w).masked_fill(mask.unsqueeze(-1), 0.0)
+        ctx.save_for_backward(local, mask if mask is not None else local)
+        ctx.has_mask, ctx.site, ctx.shape = mask is not None, site, w.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        local, mask = ctx.saved_tensors
+        idx = local.reshape(-1)
+        rows = g.reshape(-1, g.shape[-1])
+        if ctx.has_mask:  # only this shard's tokens, still in token order
+            keep = ~mask.reshape(-1)
+            idx, rows = idx[keep], rows[keep]
+        if live(ctx.site):
+            carry_ops.add_rows(ctx.site.zeros(ctx.shape, g.device), idx, rows)
+            return None, None, None, None
+        dw = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device).index_add_(0, idx, rows)
+        return None, dw, None, None

@@ -1,0 +1,154 @@
+"""Gradient accumulation with one fp32 carry per weight: the weight grads are bitwise the same
+whether the batch runs as one piece or as micro-batches (Megatron's fp32 `main_grad` idea).
+
+Why: a weight grad is a sum over tokens. With gradient accumulation each micro-batch sums its
+own tokens and the micro-batches' sums are added (in the param dtype: a bf16 grad rounds once
+per piece) - another order than one sum over every token, so other bits.
+
+How: inside an accumulation window every weight-grad reduction over tokens is
+"carry = carry + blocksum(block)" over FIXED token blocks, walked in token order, into an fp32
+carry per (parameter, use site) that persists across the micro-batches; nothing is rounded
+until the window closes. A piece whose token count is a multiple of the block then continues
+the walk exactly where the previous one stopped: the pieces give the very additions, in the
+very order, one call over every token gives - the same bits. One piece is the same code, and
+the blocks are over tokens (the same at every TP), so TP invariance is kept.
+
+When the window closes each parameter's grad is its sites' carries added in a fixed order
+(a tied weight: the sites in name order), rounded once to the param dtype, and accumulated
+into `.grad` through autograd (torch.autograd.backward on the leaf, as a DTensor with the
+param's mesh and placements for a DTensor param): post-accumulate-grad hooks run as for any
+grad. The kernels that feed the carry (the linear, norm and embedding fixes' Functions) call
+`site()` in their forward and `Site.add`-style helpers (carry_ops.py) in their backward, and
+return None for the weight instead of a grad.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch
+
+from tpdiag.errors import BadInput
+
+_WINDOW: list = []  # the open window (at most one)
+
+
+class Site:
+    """One use of a parameter in the graph: its fp32 carry (the local shard's shape).
+
+    finish: fp32 carry -> fp32 grad of the local shard, run once at close (e.g. a norm's
+    per-group carries finished by a tree across ranks); None: the carry is the grad."""
+
+    def __init__(self, param: torch.Tensor, name: str, finish: Optional[Callable] = None):
+        self.param, self.name, self.finish = param, name, finish
+        self.carry: Optional[torch.Tensor] = None
+        self.ragged = False  # the last add ended inside a block: no piece may follow
+
+    def zeros(self, shape, device) -> torch.Tensor:
+        if self.carry is None:
+            self.carry = torch.zeros(shape, dtype=torch.float32, device=device)
+        return self.carry
+
+    def walk(self, tokens: int, block: int) -> None:
+        """A piece of `tokens` tokens is about to be added in blocks of `block` tokens."""
+        if self.ragged:
+            raise BadInput(f"accumulate_grads: {self.name}: a micro-batch of tokens that is not a "
+                           f"multiple of the carry's {block}-token block was followed by another piece; "
+                           f"make every piece but the last hold a multiple of {block} tokens "
+                           "(sequences x sequence length)")
+        self.ragged = tokens % block != 0
+
+
+class Window:
+    def __init__(self, model=None):
+        self.model = model
+        self.sites: dict[tuple[int, str], Site] = {}
+
+    def site(self, param: torch.Tensor, name: str, finish: Optional[Callable] = None) -> Site:
+        key = (id(param), name)
+        s = self.sites.get(key)
+        if s is None:
+            s = self.sites[key] = Site(param, name, finish)
+        return s
+
+
+def current() -> Optional[Window]:
+    return _WINDOW[0] if _WINDOW else None
+
+
+def is_open() -> bool:
+    return bool(_WINDOW)
+
+
+def site(param: torch.Tensor, name: str, finish: Optional[Callable] = None) -> Optional[Site]:
+    """The carry site of `param` used at `name` in the open window; None when none is open."""
+    w = current()
+    return w.site(param, name, finish) if w is not None else None
+
+
+def live(s: Optional[Site]) -> bool:
+    """At backward: is the window `s` was made in still open? (If it closed early the Function
+    falls back to returning its grad: never a grad silently lost.)"""
+    return s is not None and current() is not None and current().sites.get((id(s.param), s.name)) is s
+
+
+def _param_order(w: Window) -> list[torch.Tensor]:
+    """Parameters in a fixed order every rank shares: the model's order, else first use."""
+    seen, out = set(), []
+    params = list(w.model.parameters()) if w.model is not None else []
+    for p in params + [s.param for s in w.sites.values()]:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _grad_of(p: torch.Tensor, sites: list[Site]) -> Optional[torch.Tensor]:
+    total = None
+    for s in sorted(sites, key=lambda s: s.name):  # a tied weight: its sites in name order
+        if s.carry is None:
+            continue
+        c = s.finish(s.carry) if s.finish is not None else s.carry
+        total = c if total is None else total + c
+    if total is None:
+        return None
+    g = total.to(p.dtype)  # the one rounding
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                               shape=p.shape, stride=p.stride())
+    return g
+
+
+def close(w: Window) -> None:
+    """Round every carry once and accumulate it into its parameter's .grad (param order)."""
+    by_param: dict[int, list[Site]] = {}
+    for s in w.sites.values():
+        by_param.setdefault(id(s.param), []).append(s)
+    for p in _param_order(w):
+        sites = by_param.get(id(p))
+        if not sites:
+            continue
+        g = _grad_of(p, sites)
+        if g is not None:
+            # through AccumulateGrad: .grad accumulates as for any backward, hooks run
+            torch.autograd.backward([p], grad_tensors=[g])
+
+
+@contextmanager
+def window(model=None):
+    """Open an accumulation window (one at a time); on a clean exit the carries go into .grad,
+    on an exception they are dropped. Always closed in `finally`."""
+    if _WINDOW:
+        raise BadInput("accumulate_grads: a window is already open (they do not nest)")
+    w = Window(model)
+    _WINDOW.append(w)
+    ok = False
+    try:
+        yield w
+        ok = True
+    finally:
+        _WINDOW.clear()
+        if ok:
+            close(w)
