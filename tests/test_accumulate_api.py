@@ -113,3 +113,36 @@ def test_tp2_micro_batches_equal_tp1_bitwise():
         bad = [k for k in ref if not np.array_equal(ref[k].numpy().view(np.int32),
                                                      got[m][k].view(np.int32))]
         assert bad == [], (m, bad)
+
+
+def test_each_grad_accumulates_once_and_its_post_accumulate_hook_sees_it_once():
+    """Closing the window adds each carried grad into .grad once and runs the param's
+    post-accumulate-grad hooks (tpdiag's probes record grads there) with it once - also when .grad
+    already held a grad from an earlier step (accumulated onto, as autograd would). Inside the
+    window autograd may run a hook with no grad yet (a carried weight's grad is None there)."""
+    import tpdiag
+
+    tpdiag.set_deterministic(seed=0)
+    target = tpdiag.builtin_target("tiny-llama")
+    model = target.model
+    ids, labels = _batch(target.vocab_size)
+    seen = {}
+
+    def hook(p, name):
+        if p.grad is not None:
+            seen.setdefault(name, []).append(p.grad.clone())
+
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: hook(p, name))
+    with tpdiag.invariant(model, target.plan, fixes="all", tree_groups=2):
+        def step():
+            with tpdiag.accumulate_grads(model):
+                F.cross_entropy(model(ids).flatten(0, 1), labels.flatten()).backward()
+        step()
+        first = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert set(seen) == set(first) and all(len(v) == 1 for v in seen.values()), \
+            {n: len(v) for n, v in seen.items()}
+        assert all(torch.equal(seen[n][0], first[n]) for n in first)
+        step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, first[n] + first[n]), n

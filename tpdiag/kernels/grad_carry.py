@@ -14,10 +14,9 @@ very order, one call over every token gives - the same bits. One piece is the sa
 the blocks are over tokens (the same at every TP), so TP invariance is kept.
 
 When the window closes each parameter's grad is its sites' carries added in a fixed order
-(a tied weight: the sites in name order), rounded once to the param dtype, and accumulated
-into `.grad` through autograd (torch.autograd.backward on the leaf, as a DTensor with the
-param's mesh and placements for a DTensor param): post-accumulate-grad hooks run as for any
-grad. The kernels that feed the carry (the linear, norm and embedding fixes' Functions) call
+(a tied weight: the sites in name order), rounded once to the param dtype (a DTensor with the
+param's mesh and placements for a DTensor param) and accumulated into `.grad`; then the
+param's post-accumulate-grad hooks run once, as after any backward. The kernels that feed the carry (the linear, norm and embedding fixes' Functions) call
 `site()` in their forward and `Site.add`-style helpers (carry_ops.py) in their backward, and
 return None for the weight instead of a grad.
 """
@@ -63,12 +62,14 @@ class Window:
     def __init__(self, model=None):
         self.model = model
         self.sites: dict[tuple[int, str], Site] = {}
+        self.params: set[int] = set()
 
     def site(self, param: torch.Tensor, name: str, finish: Optional[Callable] = None) -> Site:
         key = (id(param), name)
         s = self.sites.get(key)
         if s is None:
             s = self.sites[key] = Site(param, name, finish)
+            self.params.add(id(param))
         return s
 
 
@@ -90,6 +91,14 @@ def live(s: Optional[Site]) -> bool:
     """At backward: is the window `s` was made in still open? (If it closed early the Function
     falls back to returning its grad: never a grad silently lost.)"""
     return s is not None and current() is not None and current().sites.get((id(s.param), s.name)) is s
+
+
+def carried(p: torch.Tensor) -> bool:
+    """True while an open window carries p's grad: a grad hook that runs inside the window sees
+    a partial .grad (None, or zeros autograd put there for the carried uses); the window's close
+    accumulates the real one and runs the hooks again."""
+    w = current()
+    return w is not None and id(p) in w.params
 
 
 def _param_order(w: Window) -> list[torch.Tensor]:
@@ -132,8 +141,19 @@ def close(w: Window) -> None:
             continue
         g = _grad_of(p, sites)
         if g is not None:
-            # through AccumulateGrad: .grad accumulates as for any backward, hooks run
-            torch.autograd.backward([p], grad_tensors=[g])
+            _accumulate(p, g)
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    """.grad += g as AccumulateGrad does, then p's post-accumulate-grad hooks, once each (the
+    window is closed by now: `carried` is False for every hook)."""
+    with torch.no_grad():
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad += g
+    for hook in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+        hook(p)
 
 
 @contextmanager

@@ -289,7 +289,15 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
 
 
 def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
+    from tpdiag.kernels.grad_carry import carried
+
     def hook(p):
+        if carried(p):
+            # grad accumulation's window holds this grad in its fp32 carry: autograd's own
+            # accumulation inside the window is not the grad (on an H100 with torch 2.11 a TP=2
+            # vocab-parallel embedding's was recorded here and again at the close); the close
+            # runs this hook once with the real grad
+            return
         g = p.grad
         if type(g) is not torch.Tensor and getattr(g, "placements", None) \
                 and any(pl.is_partial() for pl in g.placements):

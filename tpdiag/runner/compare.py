@@ -133,6 +133,18 @@ def check_axes(cfg: CompareConfig, spec) -> None:
                        "--capture full (or hash at --tp 1)")
 
 
+def pieces_capture(cfg: CompareConfig) -> CompareConfig:
+    """--capture auto where a configuration at TP > 1 runs in pieces (micro-batches, decode calls):
+    full capture for every world. Hash capture places a piece only along one dim, and such a
+    piece's record is also a TP shard (auto would hash a large model and its TP > 1 pieces fail)."""
+    from dataclasses import replace
+
+    pieces = bool(cfg.micro_batches) or "decode" in cfg.modes
+    if cfg.capture == "auto" and pieces and max(cfg.degrees) > 1:
+        return replace(cfg, capture="full")
+    return cfg
+
+
 def device_info(device: str) -> dict:
     import torch
 
@@ -188,7 +200,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.fixes import groups
 
     validate(cfg)
-    cfg = groups.resolve(cfg)
+    cfg = pieces_capture(groups.resolve(cfg))
     device = resolve_device(cfg.device, cfg.degrees)
     out = cfg.out or default_out()
     os.makedirs(out, exist_ok=True)
