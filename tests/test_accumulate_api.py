@@ -146,3 +146,40 @@ def test_each_grad_accumulates_once_and_its_post_accumulate_hook_sees_it_once():
         step()
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, first[n] + first[n]), n
+
+
+def test_the_grad_probe_records_a_carried_grad_once_even_if_autograd_touches_it_in_the_window():
+    """tpdiag's param-grad probe inside an accumulation window: a carried parameter's hook may run
+    there with a partial grad (on an H100 with torch 2.11 a TP=2 vocab-parallel embedding's ran
+    with one, and the run directory listed its grad twice). Simulated here: zeros put into .grad
+    and the hooks run mid-window, as an AccumulateGrad would. The probe records the grad once,
+    the window's value."""
+    import tpdiag
+    from tpdiag.fixes.registry import apply_fixes, resolve
+    from tpdiag.kernels.tree import run_groups
+    from tpdiag.probes.module_probe import module_probes
+    from tpdiag.probes.recorder import Recorder
+
+    tpdiag.set_deterministic(seed=0)
+    target = tpdiag.builtin_target("tiny-llama")
+    model = target.model
+    ids, labels = _batch(target.vocab_size)
+    rec = Recorder()
+    emb = model.tok_embeddings.weight
+    with run_groups(2), apply_fixes(resolve("all"), model=model, plan=target.plan, world=1), \
+            module_probes(model, rec, plan=target.plan, backward=True):
+        rec.phase = "forward"
+        with tpdiag.accumulate_grads(model):
+            F.cross_entropy(model(ids).flatten(0, 1), labels.flatten()).backward()
+            emb.grad = torch.zeros_like(emb)  # what autograd's accumulation left inside the window
+            for hook in emb._post_accumulate_grad_hooks.values():
+                hook(emb)
+            emb.grad = None
+    from tpdiag.probes.stream import as_tensor, finish
+
+    finish(rec.records)
+    grads = [(m, as_tensor(t)) for m, t in rec.records if m["kind"] == "param_grad"]
+    keys = [m["key"] for m, _ in grads]
+    assert len(keys) == len(set(keys)) == len(list(model.parameters())), keys
+    (m, t), = [(m, t) for m, t in grads if m["module"] == "tok_embeddings"]
+    assert torch.equal(t, emb.grad)
