@@ -6,6 +6,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# One intra-op thread in the test processes and the CLIs they start (the ranks already run with
+# one: RANK_ENV). pytest-xdist runs 2 workers on CI's 2 cores, each starting worlds of several
+# ranks: a second OpenMP thread in a parent's diff only spins waiting for a busy core (a TP=1,2,4
+# compare took 29-37 s of CPU with 2 threads beside other work, 21-22 s with 1). Set before torch
+# is imported here; an explicit OMP_NUM_THREADS wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def run_cli(*args, env=None, timeout=600):
     """Run the real console entry point in a subprocess (as a user would)."""

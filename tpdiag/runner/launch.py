@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass, field
 from tpdiag.config import WorldConfig
 from tpdiag.runner.determinism import RANK_ENV
 
-_PRELOAD = ["torch", "torch.distributed.tensor.parallel", "tpdiag.runner.worker",
+# torch._inductor: torch.use_deterministic_algorithms (determinism.setup) imports it, ~0.75 s of
+# CPU in every rank on a 2-core CI machine when not already in the fork server (it starts no thread)
+_PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch._inductor", "tpdiag.runner.worker",
             "tpdiag.runner.step", "tpdiag.models.tiny_llama"]
 
 
