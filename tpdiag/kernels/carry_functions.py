@@ -61,9 +61,13 @@ class EmbeddingCarry(torch.autograd.Function):
         local, mask = ctx.saved_tensors
         idx = local.reshape(-1)
         rows = g.reshape(-1, g.shape[-1])
-        if ctx.has_mask:  # only this shard's tokens, still in token order
-            keep = ~mask.reshape(-1)
-            idx, rows = idx[keep], rows[keep]
+        if ctx.has_mask:
+            # another shard's token adds +0.0 to row 0 (its index was set to 0): every rank runs
+            # ops of the same shapes (an SPMD op stream for the op probe; selecting this shard's
+            # tokens made their count per rank), and the carry is unchanged - it starts at +0.0
+            # and a round-to-nearest sum is -0.0 only from two -0.0, so it never holds -0.0, and
+            # x + 0.0 == x for every other x
+            rows = rows.masked_fill(mask.reshape(-1, 1), 0.0)
         if live(ctx.site):
             carry_ops.add_rows(ctx.site.zeros(ctx.shape, g.device), idx, rows)
             return None, None, None, None
