@@ -14,6 +14,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def interpreter_result(script: str, *args: str, unset=(), cwd=None, timeout=300):
+    """The JSON a script prints after its last 'RESULT ' line, run in a subprocess under the Triton
+    interpreter (TRITON_INTERPRET=1 must be set before triton is imported, so never in-process);
+    the calling test is skipped where triton is not installed."""
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed: the Triton kernels cannot run under the interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1", TPDIAG_TRITON_CPU="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in unset:
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                       cwd=cwd, timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
 def run_cli(*args, env=None, timeout=600):
     """Run the real console entry point in a subprocess (as a user would)."""
     e = dict(os.environ)

@@ -6,11 +6,6 @@ accumulation does), and pieces off the block grid, differ - so the assertions ca
 """
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -19,8 +14,8 @@ import torch
 from tpdiag.errors import BadInput
 from tpdiag.kernels import carry_ops, grad_carry
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
+from conftest import interpreter_result
+
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -164,14 +159,7 @@ _INTERP = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def interp():
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed: the Triton kernel cannot run under the interpreter")
-    env = dict(os.environ, TRITON_INTERPRET="1", TPDIAG_TRITON_CPU="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", _INTERP], capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interpreter_result(_INTERP)
 
 
 @pytest.mark.parametrize("key", ["float32 ptr", "float32 tma", "float32 bf16x6", "bfloat16 ptr", "bfloat16 tma"])

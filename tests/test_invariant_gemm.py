@@ -11,8 +11,6 @@ tests can fail. The only skip: triton not installed (interpreter tests).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -23,11 +21,12 @@ import torch
 
 from tpdiag.kernels import invariant_gemm as ig
 
+from conftest import interpreter_result
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IV = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def assert_bitwise(x: torch.Tensor, y: torch.Tensor, what: str = "") -> None:
@@ -328,15 +327,7 @@ _INTERP_SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module", params=["fp32", "bf16"])
 def interp(request):
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed: the Triton kernel cannot run under the interpreter")
-    env = dict(os.environ, TRITON_INTERPRET="1", TPDIAG_TRITON_CPU="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT, request.param], capture_output=True, text=True,
-                       env=env, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return request.param, json.loads(line[len("RESULT "):])
+    return request.param, interpreter_result(_INTERP_SCRIPT, request.param)
 
 
 @pytest.mark.parametrize("kernel", ["dispatch", "tma"])

@@ -11,17 +11,12 @@ results; the tests assert on it.
 """
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
+from conftest import ROOT, interpreter_result
+
 
 _SCRIPT = textwrap.dedent("""
     import dataclasses, json
@@ -113,16 +108,7 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def res():
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed: the Triton kernels cannot run under the interpreter")
-    env = dict(os.environ, TRITON_INTERPRET="1", TPDIAG_TRITON_CPU="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TPDIAG_TREE_GROUPS", None)
-    p = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-4000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interpreter_result(_SCRIPT, unset=("TPDIAG_TREE_GROUPS",), cwd=ROOT)
 
 
 @pytest.mark.parametrize("G", [2, 4])

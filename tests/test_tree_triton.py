@@ -21,6 +21,8 @@ import textwrap
 import pytest
 import torch
 
+from conftest import interpreter_result
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 IV = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
@@ -248,13 +250,7 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def interp():
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed: the Triton kernels cannot run under the interpreter")
-    p = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
-                       env=_env(TRITON_INTERPRET="1", TPDIAG_TRITON_CPU="1"), timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return interpreter_result(_SCRIPT)
 
 
 def _select(res, prefix, suffix):

@@ -62,14 +62,12 @@ def _mm(a, b):
     in order, no split-K): the same bits at every TP, whatever cuBLAS's heuristics pick."""
     if triton_path(a) and a.dtype == b.dtype:
         from tpdiag.kernels.invariant_gemm import triton_mm
-        from tpdiag.kernels.invariant_gemm_config import IEEE_FP32_CONFIG
 
         # fp32 groups: the IEEE FMA tile, not Hopper's pre-split bf16x6 default. These GEMMs
         # are small (tokens x one group) and many; the split's extra passes per call cost more
         # than the tensor cores save: llama-1b bf16 fix step at TP=2 on 2x H200, +74-88% with
         # bf16x6 vs +33% with this tile. Fixed per call site, so the same bits at every TP.
-        cfg = IEEE_FP32_CONFIG if a.is_cuda and a.dtype == torch.float32 else None
-        out = triton_mm(a.reshape(-1, a.shape[-1]), b, config=cfg)
+        out = triton_mm(a.reshape(-1, a.shape[-1]), b, config=_fp32_config(a))
         return out.reshape(*a.shape[:-1], b.shape[-1])
     return _rows_mm(a, b)
 

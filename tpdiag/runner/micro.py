@@ -69,8 +69,6 @@ def n_tokens(labels) -> torch.Tensor:
     return (labels != IGNORE).sum().clamp_min(1)
 
 
-
-
 def carry_window(cfg, parts, device):
     """model -> the context every piece's forward and backward run in: grad accumulation's
     window when a carry fix is on and the step has a backward - in every world, the reference's

@@ -347,8 +347,9 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
             if cfg.backward:  # the window's close: the grads into .grad (their probes record them)
                 tp = _mark(marks, "backward", tp)
             if len(parts) > 1:
-                # the step's loss as a trainer logs it: the pieces' shares summed (per step, not per
-                # piece; per token, the logprobs are what compare across micro-batch sizes)
+                # the step's loss, per step, not per piece: the pieces' shares summed, as a trainer
+                # logs it; under the invariant cross-entropy the tokens' logprobs reduced once, in
+                # the reference's order (per token, the logprobs compare across micro-batch sizes)
                 rec.end_pieces()
                 rec.phase = "loss"
                 loss = micro.step_loss(lps, n_total, logits.dtype) if invariant_ce else loss_sum
