@@ -142,3 +142,42 @@ def test_module_and_op_granularity_agree_on_the_records_they_share(tmp_path):
     for k in shared:
         a, b = rows["module"][k], rows["op"][k]
         assert (a["rank_consistent"], a["max_abs"], a["bitwise"]) == (b["rank_consistent"], b["max_abs"], b["bitwise"]), k
+
+
+def test_scoped_op_probe_records_what_the_whole_step_mode_records():
+    """OpProbe given the model pushes its dispatch mode only around the included modules' calls
+    (a decode world's region pass: every other op of ~1,000 calls skips a Python dispatch). Its
+    records - keys, order and bits, module records included - are those of the mode held for the
+    whole forward; a scope that includes a child of another included module is entered once."""
+    from tpdiag.models.tiny_llama import build
+    from tpdiag.probes.module_probe import module_probes
+    from tpdiag.probes.op_probe import OpProbe
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.probes.stream import as_tensor
+
+    torch.manual_seed(0)
+    model = build("tiny-llama")
+    ids = torch.randint(0, 64, (2, 8))
+
+    def records(include, scoped):
+        rec = Recorder(mode="full")
+        rec.phase = "forward"
+        with torch.no_grad(), module_probes(model, rec, backward=False), \
+                OpProbe(rec, include=include, model=model if scoped else None) as probe:
+            model(ids)
+            model(ids[:, :5])  # a second call: occurrences go on counting
+        assert probe._scoped is None or probe._scoped.depth == 0
+        return [(m["key"], as_tensor(t)) for m, t in rec.records]
+
+    for include in ({"layers.0.attention"}, {"layers.1", "layers.1.feed_forward.w2"}):
+        whole, scoped = records(include, False), records(include, True)
+        ops = [k for k, _ in scoped if "/op#" in k]
+        inside = lambda k: any(k.split("/")[2] == m or k.split("/")[2].startswith(m + ".")  # noqa: E731
+                               for m in include)
+        assert len(ops) > 5 and all(inside(k) for k in ops)
+        assert [k for k, _ in whole] == [k for k, _ in scoped]
+        assert all(torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                               b.view(torch.uint8) if b.is_floating_point() else b)
+                   for (_, a), (_, b) in zip(whole, scoped))
+    # a phase in the scope (a backward divergence's ops) keeps the mode for the whole step
+    assert OpProbe(Recorder(mode="full"), include={"backward"}, model=model)._scoped is None

@@ -45,10 +45,15 @@ def default_prompt_len(seq_len: int) -> int:
 
 
 def is_hf(model) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    import sys
+
+    # a transformers model was built by transformers: not imported yet, none exists (importing it
+    # here would cost seconds in every built-in model's decode world)
+    tf = sys.modules.get("transformers")
+    if tf is None:
         return False
+    from transformers import PreTrainedModel
+
     return isinstance(model, PreTrainedModel) and hasattr(model, "generate")
 
 

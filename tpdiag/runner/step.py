@@ -290,7 +290,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                 from tpdiag.probes.op_probe import OpProbe
 
                 stack.enter_context(OpProbe(rec, include=set(cfg.op_include) or None,
-                                            oracle=cfg.oracle_ops))
+                                            oracle=cfg.oracle_ops, model=model))
         rec.phase = "init"
         for k, v in batch_items(batch):
             rec.add("batch", "model", k, v)

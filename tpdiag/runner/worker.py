@@ -29,7 +29,8 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
     # every rank of a world runs on this host: full capture's default host budget is shared
     os.environ.setdefault("TPDIAG_LOCAL_RANKS", str(world))
     try:
-        timings = _run(rank, world, host, port, cfg, timeout_s, entered, launched_at)
+        timings = _profiled(rank, cfg.label, _run, rank, world, host, port, cfg, timeout_s,
+                            entered, launched_at)
         # the rank's phase timings travel in its marker: the launcher collects every rank's
         io.write_json(marker(cfg.out_dir, rank, "done"), {"rank": rank, "time": time.time(),
                                                           "timings": timings})
@@ -196,6 +197,26 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     dist.barrier()
     timings["max_rss_bytes"] = _max_rss_bytes()
     return timings
+
+
+def _profiled(rank: int, label: str, fn, *args):
+    """Developer hook: TPDIAG_PROFILE_DIR=D writes rank 0's host profile of each world (cProfile,
+    D/<label>.prof; `python -m pstats`) - where a world's host time goes, on any machine."""
+    where = os.environ.get("TPDIAG_PROFILE_DIR")
+    if not where or rank != 0:
+        return fn(*args)
+    import cProfile
+
+    os.makedirs(where, exist_ok=True)
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn, *args)
+    finally:
+        path, n = os.path.join(where, f"{label}.prof"), 1
+        while os.path.exists(path):  # a second pass's world of the same label
+            n += 1
+            path = os.path.join(where, f"{label}.{n}.prof")
+        prof.dump_stats(path)
 
 
 def _max_rss_bytes() -> int:
