@@ -76,9 +76,15 @@ def test_stock_decode_is_batch_variant_and_the_fixes_remove_it(tmp_path):
 
 
 def test_fix_all_makes_decode_prefill_bitwise_at_tp_1_and_2(tmp_path):
+    """Hash capture (what a large model gets): at TP=2 a decode call's column-parallel output is a
+    slice along two dims - its positions and its rank's columns - hashed with both offsets; the
+    pieces' and ranks' lanes add up to TP=1 prefill's (tests/test_axes_capture.py: a wrong
+    offset gives other lanes)."""
+    import json
+
     out = tmp_path / "run"
     r = run_cli("compare", "--tp", "1,2", "--mode", "prefill,decode", "--grid", "--fix", "all", *TINY,
-                "--no-baseline", "--no-confirm", "--out", str(out), "--format", "json")
+                "--capture", "hash", "--no-baseline", "--no-confirm", "--out", str(out), "--format", "json")
     assert r.returncode == 0, r.stderr
     s = _summary(out)
     assert s["status"] == "bitwise", {k: v.get("first_divergence") for k, v in s["configurations"].items()}
@@ -86,6 +92,10 @@ def test_fix_all_makes_decode_prefill_bitwise_at_tp_1_and_2(tmp_path):
     ref = _logprobs(out, "1")
     for lab in ("2", "1-decode", "2-decode"):
         assert torch.equal(_bits(ref), _bits(_logprobs(out, lab))), lab
+    events = [json.loads(x) for x in (out / "tp2-decode" / "events.jsonl").read_text().splitlines()]
+    two_d = [e for e in events if e.get("stored") == "hash" and e.get("hash_layout") == "shard:2"
+             and e["kind"] == "out"]
+    assert len(two_d) > 5 and all(e.get("full_hash") for e in two_d)
 
 
 def test_hf_decode_through_transformers_cache_is_prefill_bitwise_under_fix_all(tmp_path):

@@ -148,3 +148,30 @@ def test_micro_batch_must_divide_the_batch(tmp_path):
                 "--forward-only", "--out", str(out))
     assert r.returncode == 2 and "--mode decode with --micro-batch" in r.stderr, r.stderr
     assert not (out / "tp1").exists()
+
+
+def test_hash_capture_of_micro_batches_at_tp_2(tmp_path):
+    """Hash capture with micro-batches at TP=2 (what a large model gets): a piece's column shard
+    is hashed at two offsets (batch rows, the rank's columns), a sharded weight's accumulated grad
+    at its TP offset only. Under --fix all every configuration is bitwise through the hashes -
+    a misplaced offset would sum to other lanes (tests/test_axes_capture.py) - and stock is
+    divergent at the row-parallel reduction, as under full capture."""
+    import json
+
+    def run(name, *extra, capture="hash"):
+        out = tmp_path / name
+        r = run_cli("compare", "--tp", "1,2", "--micro-batch", "4,2", "--grid", *TINY, *extra, "--capture",
+                    capture, "--no-confirm", "--no-baseline", "--out", str(out), "--format", "json")
+        assert r.returncode == 0, r.stderr
+        return out, _summary(out)
+
+    out, s = run("fix", "--fix", "all")
+    assert s["status"] == "bitwise" and s["capture"] == "hash", {
+        k: v.get("first_divergence") for k, v in s["configurations"].items()}
+    events = [json.loads(x) for x in (out / "tp2-mb2" / "events.jsonl").read_text().splitlines()]
+    hashed = lambda kind: [e for e in events if e.get("stored") == "hash" and e["kind"] == kind  # noqa: E731
+                           and (e.get("hash_layout") or "").startswith("shard:")]
+    assert len(hashed("out")) > 5 and len(hashed("param_grad")) > 5
+    # the negative control: stock, the same hashes, divergent where test_grid_run's full capture is
+    firsts = {k: (v["first_divergence"] or {}).get("key") for k, v in run("stock")[1]["configurations"].items()}
+    assert firsts["2-mb2"] == "s0/forward/layers.0.feed_forward.w2/out#0/0" and all(firsts.values()), firsts

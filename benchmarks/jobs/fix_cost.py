@@ -152,10 +152,32 @@ def worker(rank, world, port, args, size, q):
                                                 row_limit=args.profile))
                 if args.trace:
                     trace_gaps(prof, args.trace, f"tp{world}-{batch_size}x{seq}-{name}")
+    if args.host_profile:
+        host_profile(step, {n: cfgs[n] for n in names if n == "stock" or n.startswith("all fixes")},
+                     rank, args.host_profile, f"tp{world}-{batch_size}x{seq}")
     if rank == 0:
         q.put({"times_s": times, "peak_bytes": peak})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def host_profile(step, cfgs: dict, rank: int, where: str, tag: str) -> None:
+    """Where the host's time goes in one step of each configuration (every rank profiles, rank 0
+    keeps it: cProfile, DIR/<tag>-<config>.prof, its top functions printed by own time). A
+    function that waits on the GPU (a full launch queue, a sync) shows that wait as its own time."""
+    import cProfile
+    import pstats
+    import re
+
+    for name, config in cfgs.items():
+        prof = cProfile.Profile()
+        prof.runcall(step, config)
+        if rank == 0:
+            os.makedirs(where, exist_ok=True)
+            path = os.path.join(where, re.sub(r"[^A-Za-z0-9_.-]", "_", f"{tag}-{name}") + ".prof")
+            prof.dump_stats(path)
+            print(f"== host profile {tag}: {name} ({path}) ==")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
 def trace_gaps(prof, where: str, name: str) -> None:
@@ -238,6 +260,9 @@ def parse(argv):
                         "group per rank), each a configuration of its own (default tp; e.g. 8,tp; "
                         "'' = the process default, TPDIAG_TREE_GROUPS or 8)")
     p.add_argument("--profile", type=int, default=0, help="print the top N ops of one stock and each all-fixes step")
+    p.add_argument("--host-profile", default="", metavar="DIR",
+                   help="after the timed rounds, one cProfiled step of stock and of all fixes (rank 0's "
+                        "host time by function; DIR/*.prof)")
     p.add_argument("--trace", default="", help="with --profile: write each profiled step's chrome "
                    "trace (gzipped) to this folder and print the device's idle time and its largest gaps")
     p.add_argument("--peak-tflops", type=float, default=None,

@@ -47,21 +47,88 @@ def place(rec, key: str, local, shape=None):
 
 
 def hash_piece(rec, meta: dict, t, local):
-    """Recorder.add of a hash-mode record inside a piece (TP=1: a whole plain tensor)."""
+    """Recorder.add of a hash-mode record inside a piece. At TP > 1 the piece may also be a TP
+    shard (a column-parallel output, a sharded weight's grad): both offsets go into its lanes."""
     shape = list(local.shape)
-    where = place(rec, meta["key"], local)
-    if where is not None:
-        d, offset, whole = where
-        full = shape[:d] + [whole] + shape[d + 1:]
-        meta["piece_dim"] = d
-        slot = rec._hash(local, d, whole, offset, t)
-    else:
-        full, meta["piece_const"] = shape, True
+    # a weight's grad accumulates over the pieces: never a slice of the batch (at TP > 1 a shard
+    # of TP-th the height could pass for one when TP = the number of micro-batches)
+    where = None if meta["kind"] == "param_grad" else place(rec, meta["key"], local, list(t.shape))
+    tp = _tp_shard(rec, meta, t, local, where[0] if where is not None else None)
+    if tp == "unknown":
+        # a shard whose place in the whole is not known (a partial sum, a strided shard): per-rank
+        # hashes only, as for such a record outside pieces (runner/gather.py)
+        meta["piece_const"] = True
+        meta["hash_layout"], meta["full_shape"] = "unknown", shape
         slot = rec._hash(local, None, None, 0, t)
-    meta["hash_layout"], meta["full_shape"] = "replicate", full
+    else:
+        full = list(shape)
+        if where is not None:
+            full[where[0]] = where[2]
+        if tp is not None:
+            full[tp[0]] = tp[1]
+        if where is None:
+            meta["piece_const"] = True
+        else:
+            meta["piece_dim"] = where[0]
+        meta["hash_layout"] = f"shard:{tp[0]}" if tp is not None else "replicate"
+        meta["full_shape"] = full
+        slot = _hash_placed(rec, local, t, full, where, tp)
     rec.lanes.append(slot)
     rec._rows.append((meta, None))
     return meta
+
+
+def _tp_shard(rec, meta: dict, t, local, piece_dim):
+    """(dim, whole size, offset) of the TP shard a piece's record is, None when it is replicated,
+    'unknown' when its place cannot be told."""
+    if rec.world == 1:
+        return None
+    label = meta.get("placement")
+    if label is not None:  # a DTensor (or a layout its caller gave): the placement says
+        if label.startswith("shard:"):
+            d = int(label.split(":")[1])
+            size, n = t.shape[d], t.device_mesh.size()
+            chunk = -(-size // n)  # torch.chunk's split, which Shard uses
+            return (d, size, min(t.device_mesh.get_local_rank() * chunk, size)) if d != piece_dim else "unknown"
+        return None if label.startswith("replicate") else "unknown"
+    # a plain tensor: a dim that is a TP-th of the reference's whole (not the piece's dim)
+    ref = rec.piece_ref.get(meta["key"])
+    if not ref or len(ref) != local.ndim:
+        return None if not ref else "unknown"
+    dims = [i for i in range(local.ndim) if i != piece_dim and local.shape[i] != ref[i]]
+    if not dims:
+        return None
+    if len(dims) > 1 or local.shape[dims[0]] * rec.world != ref[dims[0]]:
+        return "unknown"
+    return dims[0], ref[dims[0]], rec.rank * local.shape[dims[0]]
+
+
+def _hash_placed(rec, local, t, full: list, where, tp):
+    """Hash slot(s) of `local` at its place in the whole tensor of shape `full`: along one dim
+    (a piece or a shard), or two (a piece that is also a TP shard). The lanes' global index is
+    linear in the offsets, so the outer of two dims folds into the inner dim's offset (in units
+    of the inner dim's row): one row per index of the dims before the outer one (the lanes of the
+    rows add up, as a strided shard's do)."""
+    dims = [(d, off) for d, off in ((where[0], where[1]) if where else (None, 0),
+                                    (tp[0], tp[2]) if tp else (None, 0)) if d is not None]
+    if not dims:
+        return rec._hash(local, None, None, 0, t)
+    if len(dims) == 1:
+        d, off = dims[0]
+        return rec._hash(local, d, full[d], off, t)
+    (outer, off_o), (inner, off_i) = sorted(dims)
+    mid = 1
+    for x in full[outer + 1:inner]:
+        mid *= x
+    per_outer = mid * full[inner]  # inner-dim rows per index of the outer dim
+    rows = 1
+    for x in local.shape[:outer]:
+        rows *= x
+    if rows == 1:
+        return rec._hash(local, inner, full[inner], off_i + off_o * per_outer, t)
+    sub = local.reshape(rows, *local.shape[outer:])
+    return tuple(rec._hash(sub[i], inner - outer, full[inner], off_i + (off_o + i * full[outer]) * per_outer, t)
+                 for i in range(rows))
 
 
 def merge(rec) -> None:
@@ -110,7 +177,8 @@ def _merged(rec, parts: list, lanes: list) -> list:
     if parts[0][1] is None:  # hash capture: the slices' lanes add up to the whole's
         if parts[0][0].get("piece_const"):
             return [(m0, None, lanes[0])]
-        return [(m0, None, tuple(lanes))]
+        # a piece's slot may itself be rows (a piece that is also a TP shard, batch > 1)
+        return [(m0, None, tuple(x for s in lanes for x in (s if isinstance(s, tuple) else (s,))))]
     from tpdiag.probes.stream import as_tensor
 
     ts = [as_tensor(t) for _, t in parts]

@@ -113,9 +113,6 @@ def check_axes(cfg: CompareConfig, spec) -> None:
         if cfg.backward:
             raise BadInput("--mode decode: decode is forward only (a rollout engine's logprobs); "
                            "add --forward-only")
-        if cfg.capture == "hash" and max(cfg.degrees) > 1:
-            raise BadInput("--capture hash with --mode decode at TP > 1: not supported yet; use "
-                           "--capture full (or hash at --tp 1)")
         if cfg.micro_batches:
             raise BadInput("--mode decode with --micro-batch: not supported yet (a decode world "
                            "runs the whole batch, one position per call); compare them in two runs")
@@ -127,22 +124,6 @@ def check_axes(cfg: CompareConfig, spec) -> None:
             raise BadInput(f"--micro-batch {cfg.micro_batches}: every size must be >= 1")
     else:
         check_micro_batches(cfg.micro_batches, cfg.batch_size)
-    if cfg.capture == "hash" and max(cfg.degrees) > 1:
-        # a micro-batch's TP shard sits at an offset in two dims; the order-aware lanes take one
-        raise BadInput("--capture hash with --micro-batch at TP > 1: not supported yet; use "
-                       "--capture full (or hash at --tp 1)")
-
-
-def pieces_capture(cfg: CompareConfig) -> CompareConfig:
-    """--capture auto where a configuration at TP > 1 runs in pieces (micro-batches, decode calls):
-    full capture for every world. Hash capture places a piece only along one dim, and such a
-    piece's record is also a TP shard (auto would hash a large model and its TP > 1 pieces fail)."""
-    from dataclasses import replace
-
-    pieces = bool(cfg.micro_batches) or "decode" in cfg.modes
-    if cfg.capture == "auto" and pieces and max(cfg.degrees) > 1:
-        return replace(cfg, capture="full")
-    return cfg
 
 
 def device_info(device: str) -> dict:
@@ -200,7 +181,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.fixes import groups
 
     validate(cfg)
-    cfg = pieces_capture(groups.resolve(cfg))
+    cfg = groups.resolve(cfg)
     device = resolve_device(cfg.device, cfg.degrees)
     out = cfg.out or default_out()
     os.makedirs(out, exist_ok=True)
