@@ -72,7 +72,9 @@ class OpProbe(TorchDispatchMode):
             return out
         ns = getattr(func, "namespace", "aten")
         op = f"{ns}::{name}"
-        key = (rec.step, rec.phase, module, op)
+        # occurrences count per piece (a micro-batch, a decode call), as the modules' call
+        # indices do: piece k's n-th matmul of a module is the slice of the reference's n-th
+        key = (rec.step, rec.phase, module, op, rec.piece)
         k = self.occ.get(key, 0)
         self.occ[key] = k + 1
         flat, _ = tree_flatten(out)

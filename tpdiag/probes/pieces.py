@@ -182,7 +182,9 @@ def _merged(rec, parts: list, lanes: list) -> list:
     from tpdiag.probes.stream import as_tensor
 
     ts = [as_tensor(t) for _, t in parts]
-    same = all(x.shape == ts[0].shape and x.dtype == ts[0].dtype for x in ts) and all(
+    # a record that grew call by call (Recorder: _grows) kept only its first calls: never one value
+    same = m0["key"] not in rec.piece_varying and all(
+        x.shape == ts[0].shape and x.dtype == ts[0].dtype for x in ts) and all(
         torch.equal(_bits(x), _bits(ts[0])) for x in ts[1:])
     whole = rec.piece_ref.get(m0["key"])
     d = parts[0][0].get("piece_dim", 0)

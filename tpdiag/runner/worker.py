@@ -165,6 +165,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     if world > 1:
         fingerprint = [None] * world
         dist.all_gather_object(fingerprint, rec.fingerprint)
+    if rec.piece_varying:  # decode calls' records left out as they grew (probes/recorder._grows)
+        timings["piece_records_left_out"] = sum(rec.piece_varying.values())
     if rec.host_store is not None:  # full capture: bytes captured, copied once, spilled
         timings["host"] = dict(rec.host_store.stats)
     if cfg.selfcheck:
