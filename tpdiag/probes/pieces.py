@@ -46,6 +46,22 @@ def place(rec, key: str, local, shape=None):
     return None
 
 
+def grows(rec, key: str, local) -> bool:
+    """A decode call's record that is no slice of the whole and changed shape since the call
+    before (a KV cache's concatenation, the scores over the keys so far): it is never the
+    reference's, nor one value every call shares, and together such records grow with the
+    sequence squared (llama-1b 1 x 2048 on an H100: 6.7 GB captured in a region pass's decode
+    world, 86 s of diff). The first call's is kept; the key is marked so merge names what was kept
+    per call (unmatched), and the rest is counted."""
+    shape = tuple(local.shape)
+    prev = rec.piece_shapes.get(key)
+    rec.piece_shapes[key] = shape
+    if prev is None or prev == shape:
+        return False
+    rec.piece_varying[key] = rec.piece_varying.get(key, 0) + 1
+    return True
+
+
 def hash_piece(rec, meta: dict, t, local):
     """Recorder.add of a hash-mode record inside a piece. At TP > 1 the piece may also be a TP
     shard (a column-parallel output, a sharded weight's grad): both offsets go into its lanes."""
@@ -182,7 +198,7 @@ def _merged(rec, parts: list, lanes: list) -> list:
     from tpdiag.probes.stream import as_tensor
 
     ts = [as_tensor(t) for _, t in parts]
-    # a record that grew call by call (Recorder: _grows) kept only its first calls: never one value
+    # a record that grew call by call (grows) kept only its first calls: never one value
     same = m0["key"] not in rec.piece_varying and all(
         x.shape == ts[0].shape and x.dtype == ts[0].dtype for x in ts) and all(
         torch.equal(_bits(x), _bits(ts[0])) for x in ts[1:])

@@ -129,7 +129,7 @@ class Recorder:
     # a decode world (runner/decode.py): the piece is positions [start, stop) of `total` along the
     # sequence; piece_ref then holds the reference's whole shape per key, which says the dim
     piece_span: tuple | None = None
-    # decode calls' records that grew call by call (_grows): key -> calls left out, and each key's
+    # decode calls' records that grew call by call (pieces.grows): key -> calls left out, and each key's
     # shape at the call before
     piece_varying: dict = field(default_factory=dict)
     piece_shapes: dict = field(default_factory=dict)
@@ -226,11 +226,11 @@ class Recorder:
         if self.piece is not None:
             meta["piece"] = self.piece
             if self.piece_span is not None and not (mode == "hash" and kind not in KEEP_WHOLE):
-                from tpdiag.probes.pieces import place
+                from tpdiag.probes.pieces import grows, place
 
                 where = place(self, key, local, list(t.shape))
                 meta["piece_dim"] = where[0] if where is not None else None
-                if where is None and mode == "full" and _grows(self, key, local):
+                if where is None and mode == "full" and grows(self, key, local):
                     return None
             if mode == "hash" and kind not in KEEP_WHOLE:
                 from tpdiag.probes.pieces import hash_piece
@@ -327,22 +327,6 @@ class Recorder:
         if d is None:
             return "unknown", shape, None, None, 0
         return f"shard:{d}", list(full), d, full[d], self.rank * shape[d]
-
-
-def _grows(rec, key: str, local) -> bool:
-    """A decode call's record that is no slice of the whole and changed shape since the call
-    before (a KV cache's concatenation, the scores over the keys so far): it is never the
-    reference's, nor one value every call shares, and together such records grow with the
-    sequence squared (llama-1b 1 x 2048 on an H100: 6.7 GB captured in a region pass's decode
-    world, 86 s of diff). The first call's is kept; the key is marked so merge names what was kept
-    per call (unmatched), and the rest is counted."""
-    shape = tuple(local.shape)
-    prev = rec.piece_shapes.get(key)
-    rec.piece_shapes[key] = shape
-    if prev is None or prev == shape:
-        return False
-    rec.piece_varying[key] = rec.piece_varying.get(key, 0) + 1
-    return True
 
 
 def _same(seen, t, version: tuple, where: tuple) -> bool:
