@@ -112,9 +112,10 @@ def fix() -> str:
 
 
 def variants() -> str:
-    from tpdiag.models.plans import VARIANTS
+    from tpdiag.models.plans import HF_VARIANTS, VARIANTS
 
-    return (f"mitigation matrix: run each variant at every degree; a variant is a plan ({_bar(VARIANTS)}), "
+    return (f"mitigation matrix: run each variant at every degree; a variant is a plan ({_bar(VARIANTS)}; "
+            f"hf: models {_bar(HF_VARIANTS)}), "
             "fix:NAME, fix:all, or PLAN+fix:NAME, e.g. stock,stable,fix:all,stable+fix:tp-invariant-linear")
 
 
