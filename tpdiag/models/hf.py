@@ -13,6 +13,9 @@ route does not apply, the whole model is materialised, then `parallelize_module`
 Every weight is initialised as a full tensor before it is cut (transformers' own TP loading
 initialises per shard, which would give different random weights per degree).
 
+Plan variants: `stock` (that plan) and `sharded-head` (the same with the LM head's logits left as
+each rank's vocab shard, so the loss runs vocab-parallel: tpdiag.models.hf_plan.SHARDED_HEAD).
+
 transformers is imported lazily: `import tpdiag` stays cheap.
 """
 from __future__ import annotations
