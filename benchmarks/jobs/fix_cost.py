@@ -126,7 +126,8 @@ def worker(rank, world, port, args, size, q):
             # an hf: model returns an output object; an unmarked local vocab shard is re-marked
             # whole, as compare's step does (tpdiag.runner.step.run)
             local = logits_of(model(*fargs, **fkwargs))
-            seen["logits_width"] = int(local.shape[-1])
+            # a DTensor's shape is the whole one: its local shard's is what this rank holds
+            seen["logits_width"] = int(getattr(local, "_local_tensor", local).shape[-1])
             logits, _ = whole_vocab(local, model, target.plan, target.vocab_size, world)
             with loss_context(world):
                 loss = loss_fn(local if target.loss is not None else logits, labels)
