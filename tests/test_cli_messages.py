@@ -33,13 +33,13 @@ def test_every_option_of_every_command_has_help():
 def test_help_lists_exactly_what_the_code_accepts():
     from tpdiag import config
     from tpdiag.fixes.registry import catalogue
-    from tpdiag.models.plans import VARIANTS
+    from tpdiag.models.plans import HF_VARIANTS, VARIANTS
     from tpdiag.models.presets import PRESETS
 
     opts = {p.name: p.help for p in _commands()["compare"].params}
     for preset in PRESETS:
         assert preset in opts["model"]
-    for v in VARIANTS:
+    for v in VARIANTS + HF_VARIANTS:
         assert v in opts["variant"] and v in opts["variants"]
     for f in catalogue():
         assert f in opts["fix"]

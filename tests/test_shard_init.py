@@ -19,7 +19,9 @@ from hf_configs import write_tiny
 # (name, model spec kind, variant, dtype)
 CASES = [("builtin", "builtin", "stock", "float32"), ("builtin-sp", "builtin", "sp", "float32"),
          ("builtin-bf16", "builtin", "stock", "bfloat16"), ("hf-llama", "hf", "stock", "float32"),
-         ("hf-qwen3-st-tied", "hf_st", "stock", "bfloat16")]
+         ("hf-qwen3-st-tied", "hf_st", "stock", "bfloat16"),
+         # the LM head as a vocab shard (transformers' colwise), still tied to the embedding
+         ("hf-qwen3-st-tied-sharded-head", "hf_st", "sharded-head", "bfloat16")]
 
 
 def _bits(t):

@@ -93,10 +93,11 @@ def model() -> str:
 
 
 def variant() -> str:
-    from tpdiag.models.plans import VARIANTS
+    from tpdiag.models.plans import HF_VARIANTS, VARIANTS
 
-    return (f"plan variant of the built-in models: {_bar(VARIANTS)} (stable: NeMo RL's out-projections; "
-            "sp: sequence parallelism)")
+    return (f"plan variant: built-in models {_bar(VARIANTS)} (stable: NeMo RL's out-projections; "
+            f"sp: sequence parallelism); hf: models {_bar(HF_VARIANTS)} (sharded-head: the LM head's "
+            "logits stay vocab shards, with a vocab-parallel loss; docs/models.md)")
 
 
 def fix_names() -> list[str]:
@@ -111,9 +112,10 @@ def fix() -> str:
 
 
 def variants() -> str:
-    from tpdiag.models.plans import VARIANTS
+    from tpdiag.models.plans import HF_VARIANTS, VARIANTS
 
-    return (f"mitigation matrix: run each variant at every degree; a variant is a plan ({_bar(VARIANTS)}), "
+    return (f"mitigation matrix: run each variant at every degree; a variant is a plan ({_bar(VARIANTS)}; "
+            f"hf: models {_bar(HF_VARIANTS)}), "
             "fix:NAME, fix:all, or PLAN+fix:NAME, e.g. stock,stable,fix:all,stable+fix:tp-invariant-linear")
 
 

@@ -24,6 +24,13 @@ runs by default); any other G keeps a rank's groups fused in tree_mm (tpdiag/fix
     python -m benchmarks fix-cost --batch 1 --seq 2048     # one size (--batch / --seq: one size)
     python -m benchmarks fix-cost --groups 8,tp            # G=8 (fused tree_mm) vs G=TP side by side
     python -m benchmarks fix-cost --smoke                  # CPU, gloo, tiny-llama: the code path only
+    python -m benchmarks fix-cost --model hf:benchmarks/configs/qwen3-moe-8l --variant sharded-head
+
+An `hf:` model runs with its config's own TP plan (--variant stock), whose LM head gathers the
+whole vocab on every rank (transformers' colwise_gather_output): at 8 x 4096 with a 152k vocab
+that alone is 9.3 GiB of bf16 logits per rank, plus the loss's fp32 copy. `--variant
+sharded-head` keeps each rank's vocab shard and makes the loss vocab-parallel, as llama-1b's
+plan does (tpdiag.models.hf_plan.SHARDED_HEAD): the comparable measurement, and the one that fits.
 
 A world that fails (e.g. out of memory at the larger size) is reported as a row with its error;
 the other worlds still run.
@@ -94,7 +101,8 @@ def worker(rank, world, port, args, size, q):
         dist.init_process_group("gloo", rank=rank, world_size=world)
     batch_size, seq = size
     cfg = WorldConfig(model=args.model, degree=world, label=str(world), out_dir="/tmp/x",
-                      dtype=args.dtype, device=args.device, batch_size=batch_size, seq_len=seq)
+                      dtype=args.dtype, device=args.device, batch_size=batch_size, seq_len=seq,
+                      variant=args.variant)
     target, model = build_model(cfg, dev, world)
     batch, labels = make_batch(cfg, target, dev)
     fargs, fkwargs = forward_call(model, batch)
@@ -102,6 +110,8 @@ def worker(rank, world, port, args, size, q):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     from tpdiag.kernels.tree import run_groups
+
+    seen = {}  # the width of a rank's logits: the whole vocab (a gathered head) or its shard
 
     def step(config):
         fixes, g = config
@@ -116,6 +126,8 @@ def worker(rank, world, port, args, size, q):
             # an hf: model returns an output object; an unmarked local vocab shard is re-marked
             # whole, as compare's step does (tpdiag.runner.step.run)
             local = logits_of(model(*fargs, **fkwargs))
+            # a DTensor's shape is the whole one: its local shard's is what this rank holds
+            seen["logits_width"] = int(getattr(local, "_local_tensor", local).shape[-1])
             logits, _ = whole_vocab(local, model, target.plan, target.vocab_size, world)
             with loss_context(world):
                 loss = loss_fn(local if target.loss is not None else logits, labels)
@@ -156,7 +168,8 @@ def worker(rank, world, port, args, size, q):
         host_profile(step, {n: cfgs[n] for n in names if n == "stock" or n.startswith("all fixes")},
                      rank, args.host_profile, f"tp{world}-{batch_size}x{seq}")
     if rank == 0:
-        q.put({"times_s": times, "peak_bytes": peak})
+        q.put({"times_s": times, "peak_bytes": peak, "logits_width": seen.get("logits_width"),
+               "vocab": int(target.vocab_size)})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -229,7 +242,7 @@ def summarize(raw: dict, tp: int, size, flops, peak) -> dict:
                    "x_stock": statistics.median(ratios), "x_stock_min": min(ratios), "x_stock_max": max(ratios),
                    "peak_gib": raw["peak_bytes"][k] / 2**30, "rounds": len(v)}
     return {"tp": tp, "batch": size[0], "seq": size[1], "stock_mfu": mfu(flops, stock_med, tp, peak),
-            "configs": rows}
+            "logits_width": raw.get("logits_width"), "vocab": raw.get("vocab"), "configs": rows}
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -246,6 +259,9 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="benchmarks fix-cost", description=__doc__.splitlines()[0])
     p.add_argument("--tp", default="2,4", help="TP degrees, one world each (default 2,4)")
     p.add_argument("--model", default="llama-1b")
+    p.add_argument("--variant", default="stock",
+                   help="the model's plan variant, as compare's --variant (an hf: model: sharded-head "
+                        "keeps the LM head's logits as vocab shards with a vocab-parallel loss)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--sizes", type=parse_sizes, default=None,
                    help=f"BATCHxSEQ list, each in its own worlds (default {SIZES})")
@@ -269,14 +285,16 @@ def parse(argv):
                    help="dense bf16 peak TFLOP/s of one GPU for MFU (default: 989.4 on H100/H200, else no MFU)")
     p.add_argument("--world-timeout", type=int, default=400, help="seconds one world may take")
     p.add_argument("--smoke", action="store_true",
-                   help="CPU, gloo, tiny-llama fp32, TP=1,2, sizes 1x16 and 2x16, 2 rounds: the code path only")
+                   help="CPU, gloo, fp32, TP=1,2, sizes 1x16 and 2x16, 2 rounds: the code path only "
+                        "(tiny-llama unless --model names another, e.g. a tiny hf: directory)")
     args = p.parse_args(argv)
     if args.batch is not None or args.seq is not None:
         if args.sizes is not None:
             p.error("give --sizes or --batch/--seq, not both")
         args.sizes = [(args.batch or 8, args.seq or 4096)]
     if args.smoke:
-        args.model, args.dtype, args.device = "tiny-llama", "float32", "cpu"
+        args.model = args.model if "--model" in argv else "tiny-llama"
+        args.dtype, args.device = "float32", "cpu"
         args.tp = args.tp if "--tp" in argv else "1,2"
         args.sizes = args.sizes or [(1, 16), (2, 16)]
         args.iters = args.iters if "--iters" in argv else 2
@@ -284,6 +302,12 @@ def parse(argv):
     else:
         args.device = "cuda"
     args.sizes = args.sizes or parse_sizes(SIZES)
+    from tpdiag.models.plans import HF_VARIANTS, VARIANTS
+
+    # a py: target's variants are its own (the world says which); the others are known here
+    offered = HF_VARIANTS if args.model.startswith("hf:") else None if args.model.startswith("py:") else VARIANTS
+    if offered and args.variant not in offered:
+        p.error(f"--variant {args.variant!r}: expected one of {', '.join(offered)} for --model {args.model}")
     try:
         args.tps = [int(x) for x in args.tp.split(",")]
     except ValueError:
@@ -326,7 +350,8 @@ def main(argv: list[str]) -> dict:
             else:
                 rows.append(summarize(raw, tp, size, flops, peak))
     where = f"{torch.cuda.device_count()}x {gpu}" if gpu else "CPU (gloo; smoke: timings say nothing)"
-    lines = [f"fix cost: {where}, torch {torch.__version__}, model {args.model} {args.dtype}, "
+    plan = "" if args.variant == "stock" else f" (plan {args.variant})"
+    lines = [f"fix cost: {where}, torch {torch.__version__}, model {args.model}{plan} {args.dtype}, "
              f"{args.iters} interleaved rounds after {args.warmup} warm-up, peak {fmt_peak(peak)}, "
              f"tree groups {args.groups or 'process default'} (tp: the world's degree)",
              "| TP | batch x seq | configuration | ms/step median (spread) | x stock, median (range) | "
@@ -336,13 +361,16 @@ def main(argv: list[str]) -> dict:
         if "error" in r:
             lines.append(head + f"| - | failed: {r['error']} | | | |")
             continue
+        if r.get("logits_width") not in (None, r.get("vocab")):
+            head += f"(logits {r['logits_width']} of {r['vocab']} vocab a rank) "
         for k, c in r["configs"].items():
             ratio = "1 (reference)" if k == "stock" else (
                 f"{c['x_stock']:.2f}x ({c['x_stock_min']:.2f}-{c['x_stock_max']:.2f})")
             lines.append(head + f"| {k} | {c['ms']:.1f} ({c['spread_ms']:.1f}) | {ratio} | {fmt(r['stock_mfu'])} | "
                          f"{c['peak_gib']:.1f} |")
     print("\n".join(lines))
-    return {"model": args.model, "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
+    return {"model": args.model, "variant": args.variant, "dtype": args.dtype, "iters": args.iters,
+            "warmup": args.warmup,
             "groups": args.groups or None, "peak_flops": peak, "rows": rows,
             "ok": not any("error" in r for r in rows)}
 

@@ -13,6 +13,9 @@ route does not apply, the whole model is materialised, then `parallelize_module`
 Every weight is initialised as a full tensor before it is cut (transformers' own TP loading
 initialises per shard, which would give different random weights per degree).
 
+Plan variants: `stock` (that plan) and `sharded-head` (the same with the LM head's logits left as
+each rank's vocab shard, so the loss runs vocab-parallel: tpdiag.models.hf_plan.SHARDED_HEAD).
+
 transformers is imported lazily: `import tpdiag` stays cheap.
 """
 from __future__ import annotations
@@ -188,33 +191,36 @@ def materialize_hf(model, device, seed: int) -> None:
 
 
 def load_hf_target(path: str, variant: str = "stock", device=None, seed: int | None = None):
-    _stock_only(variant)
-    return _target(path, load_model(path, device, seed))
+    _check_variant(variant)
+    return _target(path, load_model(path, device, seed), variant)
 
 
 def meta_hf_target(path: str, variant: str = "stock"):
     """(the Target with its model still on the meta device, the safetensors mapping or None), or
     None when the checkpoint must go through from_pretrained (tpdiag.models.build's sharded
     build: the plan is applied on meta, then each module is materialised)."""
-    _stock_only(variant)
+    _check_variant(variant)
     built = meta_build(path)
     if built is None:
         return None
     model, mapping = built
     model.train()
-    return _target(path, model), mapping
+    return _target(path, model, variant), mapping
 
 
-def _stock_only(variant: str) -> None:
-    if variant != "stock":
-        raise BadInput(f"plan variant {variant!r}: hf: models offer only 'stock' "
-                       "(the config's own base_model_tp_plan)")
+def _check_variant(variant: str) -> None:
+    from tpdiag.models.plans import HF_VARIANTS
+
+    if variant not in HF_VARIANTS:
+        raise BadInput(f"plan variant {variant!r}: hf: models offer {', '.join(HF_VARIANTS)} "
+                       "(stock: the config's own base_model_tp_plan; sharded-head: the same with the "
+                       "LM head's logits left as vocab shards)")
 
 
-def _target(path: str, model):
+def _target(path: str, model, variant: str = "stock"):
     from tpdiag.models.target import Target
 
-    plan = tp_plan_of(model)
+    plan = tp_plan_of(model, variant)
     if not plan:
         raise BadInput(f"--model hf:{path}: {type(model).__name__} has no tensor-parallel plan "
                        "(no base_model_tp_plan in its config); it cannot run at TP > 1")

@@ -73,9 +73,11 @@ class _HFStyle:
         self.param_styles = dict(param_styles)
         self.tied = {} if tied is None else tied  # shared by a plan's styles: {id(param): (param, shard)}
         inner = self._style(name) if name else None
-        # Exposed for tpdiag's layout labels ('colwise' vs 'colwise-gathered').
+        # Exposed for tpdiag's layout labels ('colwise' vs 'colwise-gathered'), and for
+        # runner/logits.py, which finds the head whose plain output is a local vocab shard.
         self.input_layouts = getattr(inner, "input_layouts", None)
         self.output_layouts = getattr(inner, "output_layouts", None)
+        self.use_local_output = getattr(inner, "use_local_output", None)
 
     @staticmethod
     def _style(name: str):
@@ -157,13 +159,30 @@ def _grad_allreduce_now(module, mesh) -> None:
             p.register_post_accumulate_grad_hook(reduce)
 
 
-def tp_plan_of(model) -> dict:
+SHARDED_HEAD = "sharded-head"
+# What transformers' head plans may say for the LM head; the sharded-head variant replaces any of
+# them (or no entry) by "colwise". colwise_gather_output and colwise_rep all-gather the logits, so
+# every rank holds the whole [tokens, vocab] (and its loss an fp32 copy of it: 18.6 GiB at 32768
+# tokens x 151936); "colwise" keeps this rank's vocab shard (Shard(-1)), as the built-in models'
+# head does, and tpdiag's loss and logprobs are then vocab-parallel (torch's loss_parallel, or
+# invariant-vocab-softmax under the fix) - the whole vocab is never on one rank.
+_HEAD_STYLES = (None, "colwise_gather_output", "colwise_rep", "colwise")
+
+
+def tp_plan_of(model, variant: str = "stock") -> dict:
     """The model's transformers TP plan {fqn pattern: style name} as torch ParallelStyles.
 
     Module entries map to a style; entries naming a parameter ('...experts.gate_up_proj')
     are folded into their module's entry, since parallelize_module addresses modules only.
+    variant 'sharded-head': the LM head column-parallel with local vocab-shard logits
+    (transformers' own "colwise" style; see SHARDED_HEAD), every other entry as transformers has it.
     """
     plan = dict(getattr(model, "tp_plan", None) or {})
+    if variant == SHARDED_HEAD:
+        plan = _shard_head(model, plan)
+    elif variant != "stock":
+        raise BadInput(f"plan variant {variant!r}: hf: models offer stock (the config's own TP plan) "
+                       f"or {SHARDED_HEAD} (the LM head's logits left as vocab shards)")
     generic_modules = {_generic(n) for n, _ in model.named_modules()}
     generic_params = {_generic(n) for n, _ in model.named_parameters()}
     entries: dict[str, list] = {}  # module pattern -> [module style, {param: style}], plan order
@@ -180,6 +199,24 @@ def tp_plan_of(model) -> dict:
     tied: dict = {}
     config = text_config(model.config) if getattr(model, "config", None) is not None else None
     return {key: hf_style(style, params, tied, config) for key, (style, params) in entries.items()}
+
+
+def _shard_head(model, plan: dict) -> dict:
+    """`plan` with the LM head (get_output_embeddings) as transformers' "colwise" style."""
+    import torch
+
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    name = next((n for n, m in model.named_modules() if head is not None and m is head), None)
+    if not isinstance(head, torch.nn.Linear) or not name:
+        raise BadInput(f"plan variant {SHARDED_HEAD}: {type(model).__name__} has no nn.Linear LM head "
+                       "(get_output_embeddings) to shard; use the stock plan")
+    key = _generic(name)
+    if plan.get(key) not in _HEAD_STYLES:
+        raise BadInput(f"plan variant {SHARDED_HEAD}: the LM head {name!r} has the style "
+                       f"{plan[key]!r}, not a column-parallel one; use the stock plan")
+    # the head keeps its place in the plan (its entry comes first in transformers' plans)
+    return {**plan, key: "colwise"}
 
 
 def _generic(name: str) -> str:

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 VARIANTS = ("stock", "stable", "sp")
+# Plan variants of an `hf:` model (tpdiag.models.hf_plan): `stock` is transformers' own plan;
+# `sharded-head` leaves the LM head's logits as each rank's vocab shard (see hf_plan.SHARDED_HEAD).
+HF_VARIANTS = ("stock", "sharded-head")
 
 
 def llama_plan(variant: str = "stock") -> dict:

@@ -66,11 +66,13 @@ def validate(cfg: CompareConfig) -> None:
     from tpdiag.probes.stream import check_env
 
     check_env()  # TPDIAG_HOST_BUDGET, TPDIAG_HOST_CHUNK (full capture)
-    if spec.kind == "builtin":
-        from tpdiag.models.plans import VARIANTS
+    if spec.kind in ("builtin", "hf"):
+        from tpdiag.models.plans import HF_VARIANTS, VARIANTS
 
-        if cfg.variant not in VARIANTS:
-            raise BadInput(f"--variant {cfg.variant!r}: expected one of {', '.join(VARIANTS)}")
+        offered = VARIANTS if spec.kind == "builtin" else HF_VARIANTS
+        if cfg.variant not in offered:
+            raise BadInput(f"--variant {cfg.variant!r}: expected one of {', '.join(offered)}"
+                           f"{' for an hf: model' if spec.kind == 'hf' else ''}")
     if not 0 <= cfg.seed < 2 ** 63:
         raise BadInput(f"--seed {cfg.seed}: must be in [0, 2**63)")
     if cfg.batch_size < 1 or cfg.seq_len < 2:

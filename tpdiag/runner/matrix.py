@@ -51,7 +51,9 @@ def _plan_names(model: str) -> tuple[str, ...] | None:
 
     kind = parse_spec(model).kind
     if kind == "hf":
-        return ("stock",)
+        from tpdiag.models.plans import HF_VARIANTS
+
+        return HF_VARIANTS
     if kind == "py":
         return None
     return VARIANTS
