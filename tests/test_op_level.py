@@ -179,5 +179,25 @@ def test_scoped_op_probe_records_what_the_whole_step_mode_records():
         assert all(torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
                                b.view(torch.uint8) if b.is_floating_point() else b)
                    for (_, a), (_, b) in zip(whole, scoped))
-    # a phase in the scope (a backward divergence's ops) keeps the mode for the whole step
+    # a phase in the scope (a backward divergence's ops) keeps the mode for the whole step, and
+    # so does the root (records name it "model"; an HF model has a child of that name)
     assert OpProbe(Recorder(mode="full"), include={"backward"}, model=model)._scoped is None
+    assert OpProbe(Recorder(mode="full"), include={"model"}, model=model)._scoped is None
+
+
+def test_micro_batch_ops_are_numbered_per_piece_and_never_twice(tmp_path):
+    """--granularity op with micro-batches: a piece's ops are numbered as the reference's (per
+    piece), and the step's loss after the pieces continues after them - it once restarted at #0
+    and the world failed with 'record ... listed twice'."""
+    out = tmp_path / "run"
+    p = run_cli("compare", "--tp", "1", "--micro-batch", "2,1", "--batch-size", "2", "--seq-len", "8",
+                "--granularity", "op", "--no-baseline", "--no-confirm", "--out", str(out), "--format", "json")
+    assert p.returncode == 0, p.stderr
+    e = json.loads(p.stdout)["configurations"]["1-mb1"]
+    assert e["status"] in ("bitwise", "divergent") and not e.get("error"), e
+    keys = [json.loads(x)["key"] for x in (out / "tp1-mb1" / "events.jsonl").read_text().splitlines()]
+    ops = [k for k in keys if "/op#" in k and "/forward/" in k]
+    ref = {json.loads(x)["key"] for x in (out / "tp1" / "events.jsonl").read_text().splitlines()}
+    # the forward's ops of both pieces merged under the reference's keys (stock: each op's rows
+    # are a slice of the reference's; --fix all's row-blocked GEMMs run other op sequences)
+    assert len(ops) > 20 and all(k in ref for k in ops)

@@ -37,6 +37,7 @@ class OpProbe(TorchDispatchMode):
         super().__init__()
         self.rec = rec
         self.occ: dict = {}
+        self.top: dict = {}  # (step, phase, module, op) -> one past the pieces' highest occurrence
         # `--granularity auto`: ops only inside the first divergent module (or phase)
         self.include = include
         # the reference world of a second pass: every recorded op also re-executed in float64
@@ -73,10 +74,18 @@ class OpProbe(TorchDispatchMode):
         ns = getattr(func, "namespace", "aten")
         op = f"{ns}::{name}"
         # occurrences count per piece (a micro-batch, a decode call), as the modules' call
-        # indices do: piece k's n-th matmul of a module is the slice of the reference's n-th
-        key = (rec.step, rec.phase, module, op, rec.piece)
-        k = self.occ.get(key, 0)
-        self.occ[key] = k + 1
+        # indices do: piece k's n-th matmul of a module is the slice of the reference's n-th. A
+        # piece starts after what was recorded before the pieces, and what comes after them (the
+        # step's loss) after the pieces' highest count: no key is recorded twice
+        base = (rec.step, rec.phase, module, op)
+        if rec.piece is None:
+            k = max(self.occ.get(base, 0), self.top.get(base, 0))
+            self.occ[base] = k + 1
+        else:
+            pk = base + (rec.piece,)
+            k = self.occ.get(pk, self.occ.get(base, 0))
+            self.occ[pk] = k + 1
+            self.top[base] = max(self.top.get(base, 0), k + 1)
         flat, _ = tree_flatten(out)
         if ns == "_c10d_functional" and name != "wait_tensor":
             # An asynchronous collective's output holds its numbers only after wait_tensor (on
@@ -130,7 +139,9 @@ class _Scoped:
         if model is None or not include:
             return None
         named = dict(model.named_modules())
-        if any(n in PHASES or n not in named for n in include):
+        # records name the root "model" (named_modules: ""), and an HF model has a child of that
+        # name: the root's own ops (a logit softcap) need the mode held for the whole step
+        if any(n in PHASES or n == "model" or n not in named for n in include):
             return None  # a phase's ops (loss, backward), or a name the hooks cannot reach
         return cls(probe, [named[n] for n in sorted(include)])
 

@@ -28,9 +28,12 @@ def place(rec, key: str, local, shape=None):
         return None
     ref = rec.piece_ref.get(key)
     if rec.piece_span is None:
+        # dim 0 of the record's whole shape where it is known (a DTensor's global shape: a weight
+        # grad's rows sharded TP ways are no batch slice even when TP = the number of pieces)
+        n0 = shape[0] if shape is not None and len(shape) else local.shape[0]
         whole = ref[0] if ref else None
-        if whole is None or whole == local.shape[0] * rec.n_pieces or whole != local.shape[0]:
-            return 0, rec.piece * local.shape[0], local.shape[0] * rec.n_pieces
+        if whole is None or whole == n0 * rec.n_pieces or whole != n0:
+            return 0, rec.piece * n0, n0 * rec.n_pieces
         return None
     start, stop, total = rec.piece_span
     if not ref or len(ref) != local.ndim:
@@ -56,7 +59,7 @@ def grows(rec, key: str, local) -> bool:
     shape = tuple(local.shape)
     prev = rec.piece_shapes.get(key)
     rec.piece_shapes[key] = shape
-    if prev is None or prev == shape:
+    if key not in rec.piece_varying and (prev is None or prev == shape):
         return False
     rec.piece_varying[key] = rec.piece_varying.get(key, 0) + 1
     return True
@@ -69,6 +72,14 @@ def hash_piece(rec, meta: dict, t, local):
     # a weight's grad accumulates over the pieces: never a slice of the batch (at TP > 1 a shard
     # of TP-th the height could pass for one when TP = the number of micro-batches)
     where = None if meta["kind"] == "param_grad" else place(rec, meta["key"], local, list(t.shape))
+    label = meta.get("placement") or ""
+    if where is None and label.startswith("strided:") and rec.world > 1:
+        # a packed gate/up weight's grad (no batch slice): one row per chunk, as outside pieces
+        meta["piece_const"] = True
+        meta["hash_layout"], meta["full_shape"] = label, list(t.shape)
+        rec.lanes.append(rec._hash_strided(t, local, label))
+        rec._rows.append((meta, None))
+        return meta
     tp = _tp_shard(rec, meta, t, local, where[0] if where is not None else None)
     if tp == "unknown":
         # a shard whose place in the whole is not known (a partial sum, a strided shard): per-rank
@@ -160,6 +171,12 @@ def merge(rec) -> None:
     for i, (m, _) in enumerate(records):
         if "piece" in m:
             groups.setdefault(m["key"], []).append(i)
+    # whether each key's pieces hold one value, decided alike on every rank (the records each
+    # rank writes must be the same list: a collective's pieces can be equal on one rank only)
+    firsts = [ms[0] for key, ms in groups.items() if records[ms[0]][1] is not None
+              and records[ms[0]][0]["kind"] != "param_grad"]
+    flags = _agree(rec, [_same(rec, [records[j] for j in groups[records[i][0]["key"]]]) for i in firsts])
+    same = dict(zip(firsts, flags))
     out = []  # (sort key, meta, tensor, lane)
     for i, (m, t) in enumerate(records):
         if "piece" not in m:
@@ -173,7 +190,8 @@ def merge(rec) -> None:
             mm = {k: v for k, v in records[j][0].items() if k != "piece"}
             out.append(((m["step"], PHASE_RANK["backward"], j), mm, records[j][1], lanes[j]))
             continue
-        for meta, tensor, lane in _merged(rec, [records[j] for j in members], [lanes[j] for j in members]):
+        for meta, tensor, lane in _merged(rec, [records[j] for j in members], [lanes[j] for j in members],
+                                          same.get(i, False)):
             out.append(((m["step"], PHASE_RANK.get(m["phase"], 5), i), meta, tensor, lane))
     out.sort(key=lambda x: x[0])
     rec._records[:] = []
@@ -184,8 +202,40 @@ def merge(rec) -> None:
         rec.lanes.append(lane)
 
 
-def _merged(rec, parts: list, lanes: list) -> list:
-    """[(meta, tensor, lane)] for one key's piece records."""
+def _same(rec, parts: list) -> bool:
+    """Whether one key's pieces (full capture) are one value: bitwise equal, and not a record
+    that grew call by call (grows: only its first calls were kept)."""
+    from tpdiag.probes.stream import as_tensor
+
+    if parts[0][0]["key"] in rec.piece_varying:
+        return False
+    ts = [as_tensor(t) for _, t in parts]
+    return all(x.shape == ts[0].shape and x.dtype == ts[0].dtype for x in ts) and all(
+        torch.equal(_bits(x), _bits(ts[0])) for x in ts[1:])
+
+
+def _agree(rec, flags: list) -> list:
+    """flags ANDed over the world's ranks (one collective), where every rank has as many."""
+    import torch.distributed as dist
+
+    if rec.world <= 1 or not dist.is_initialized() or dist.get_world_size() <= 1:
+        return flags
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    n = torch.tensor([len(flags), -len(flags)], dtype=torch.int64, device=dev)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    if int(n[0]) != -int(n[1]):  # another key list: gather reports the ranks' streams differ
+        return flags
+    if not flags:
+        return flags
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [bool(v) for v in t.tolist()]
+
+
+def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
+    """[(meta, tensor, lane)] for one key's piece records; same: the pieces are one value (on
+    every rank: merge's _agree)."""
     m0 = {k: v for k, v in parts[0][0].items() if k not in ("piece", "piece_const")}
     consumers = sorted({c for m, _ in parts for c in m.get("consumers", ())})
     if consumers:
@@ -198,10 +248,6 @@ def _merged(rec, parts: list, lanes: list) -> list:
     from tpdiag.probes.stream import as_tensor
 
     ts = [as_tensor(t) for _, t in parts]
-    # a record that grew call by call (grows) kept only its first calls: never one value
-    same = m0["key"] not in rec.piece_varying and all(
-        x.shape == ts[0].shape and x.dtype == ts[0].dtype for x in ts) and all(
-        torch.equal(_bits(x), _bits(ts[0])) for x in ts[1:])
     whole = rec.piece_ref.get(m0["key"])
     d = parts[0][0].get("piece_dim", 0)
     whole_d = whole[d] if whole and d is not None and d < len(whole) else None
@@ -211,8 +257,8 @@ def _merged(rec, parts: list, lanes: list) -> list:
         t = ts[0]  # the same per-call value in every piece
     else:
         # neither a slice of the whole nor shared: each piece's own (unmatched at the reference)
-        return [({**m0, "name": f"{m0['name']}.piece{k}", "key": f"{m0['key']}.piece{k}",
-                  "hash": _hash(x) if rec.hash else None}, x, None) for k, x in enumerate(ts)]
+        return [({**m0, "name": f"{m0['name']}.piece{m['piece']}", "key": f"{m0['key']}.piece{m['piece']}",
+                  "hash": _hash(x) if rec.hash else None}, x, None) for (m, _), x in zip(parts, ts)]
     m0["local_shape"] = list(t.shape)
     if rec.hash:
         # the hash of exactly this tensor: gather stores it as is and need not hash it again

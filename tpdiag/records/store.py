@@ -162,32 +162,15 @@ class RecordSet:
             if self.hash_version not in MIXES:
                 raise Inconclusive(f"{self.dir}: world.json names hash version {self.hash_version!r}, "
                                    f"not one this tpdiag knows ({MIXES}): edited, or a newer tpdiag's run")
-            if _hash(t, self.hash_version) != want_hash:
+            from tpdiag.records.hashing import tensor_hash
+
+            if tensor_hash(t, self.hash_version) != want_hash:
                 raise Inconclusive(f"{self.dir}: record {meta['key']} does not match its hash "
                                    "(the tensor file was edited after the run)")
             # the file is mapped read-only for this set's life: a record read again (bounds,
             # oracle, report) is the bytes just checked
             self._verified.add(meta["idx"])
         return t
-
-
-# A stored record this large is hashed on the GPU when the machine has one: the CPU's integer
-# lanes run at ~0.1-0.5 GB/s, and a region pass's records (float64 oracles of attention at 2048
-# positions: 0.5 GB each) made a diff on an H100 host take 86 s. The kernel gives the CPU path's
-# lanes bit for bit (a GPU world's stored hashes are computed by it and checked here on the CPU).
-GPU_VERIFY_BYTES = 1 << 24
-
-
-def _hash(t: torch.Tensor, version: int) -> str:
-    from tpdiag.records.hashing import tensor_hash
-
-    if t.device.type == "cpu" and t.numel() * t.element_size() >= GPU_VERIFY_BYTES \
-            and torch.cuda.is_available():
-        try:
-            return tensor_hash(t.to("cuda"), version)
-        except (RuntimeError, ImportError):  # no room, no Triton: the CPU path, the same lanes
-            pass
-    return tensor_hash(t, version)
 
 
 def _line(e: BaseException) -> str:

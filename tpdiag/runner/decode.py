@@ -49,8 +49,7 @@ def is_hf(model) -> bool:
 
     # a transformers model was built by transformers: not imported yet, none exists (importing it
     # here would cost seconds in every built-in model's decode world)
-    tf = sys.modules.get("transformers")
-    if tf is None:
+    if "transformers" not in sys.modules:
         return False
     from transformers import PreTrainedModel
 

@@ -209,11 +209,14 @@ def _profiled(rank: int, label: str, fn, *args):
         return fn(*args)
     import cProfile
 
+    import re
+
     os.makedirs(where, exist_ok=True)
     prof = cProfile.Profile()
     try:
         return prof.runcall(fn, *args)
     finally:
+        label = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
         path, n = os.path.join(where, f"{label}.prof"), 1
         while os.path.exists(path):  # a second pass's world of the same label
             n += 1
