@@ -66,20 +66,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What gloo_world's fork server imports once, so that its ranks start without importing torch
+# (spawn: ~2.5 s of CPU a rank on the 2-core CI machine); the same modules tpdiag's own server
+# preloads (runner/launch.py: torch._inductor for use_deterministic_algorithms)
+_WORLD_PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch._inductor", "conftest"]
+
+
 def gloo_world(worker, world: int, timeout: float = 60):
-    """Run worker(rank, world, port, queue) in a real `world`-process spawn world on a free
-    port; returns what rank 0 put on the queue."""
+    """Run worker(rank, world, port, queue) in a real `world`-process world on a free port;
+    returns what rank 0 put on the queue. Ranks fork from a fork server that has imported torch
+    (started with this process's first world, like tpdiag's own ranks); each rank starts from a
+    clean interpreter state as under spawn, with this process's environment as it is at the call
+    (so a rank sees what a test set with monkeypatch.setenv)."""
     import torch.multiprocessing as mp
 
     import queue
     import time
 
-    q = mp.get_context("spawn").Queue()
+    fs = mp.get_context("forkserver")
+    fs.set_forkserver_preload(_WORLD_PRELOAD)  # no effect once the server runs
+    q = fs.Queue()
     port = free_port()
     # read the queue while the ranks run: a rank that put more than a pipe's buffer (64 KiB) waits
     # in its exit until that is read, so joining first deadlocks (a TP=2 world's logits did)
-    ctx = mp.start_processes(_exit_after, args=(worker, world, port, q), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(_exit_after, args=(worker, world, port, q, dict(os.environ)), nprocs=world,
+                             join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -101,11 +112,14 @@ def gloo_world(worker, world: int, timeout: float = 60):
                 p.kill()
 
 
-def _exit_after(rank, worker, world, port, q):
+def _exit_after(rank, worker, world, port, q, env):
     """worker(...), then leave without interpreter teardown: on torch 2.13 a gloo rank can abort
     in its destructors after all its work is done ('terminate called without an active
     exception', SIGABRT) - tpdiag's own worker skips teardown for the same reason. A worker
-    that raises still fails the world with its traceback."""
+    that raises still fails the world with its traceback. `env`: the caller's environment at the
+    call (the fork server's is the one it started with)."""
+    os.environ.clear()
+    os.environ.update(env)
     worker(rank, world, port, q)
     q.close()
     q.join_thread()  # what rank 0 put on the queue is flushed before the process ends
