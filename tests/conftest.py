@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -35,12 +36,69 @@ def interpreter_result(script: str, *args: str, unset=(), cwd=None, timeout=300)
 
 
 def run_cli(*args, env=None, timeout=600):
-    """Run the real console entry point in a subprocess (as a user would)."""
+    """Run the real console entry point in a process of its own (as a user would): forked from
+    cli_zygote's server, which has imported torch once, or a fresh `python -m tpdiag.cli` where
+    that server cannot stand in for one (cli_zygote.py says when)."""
     e = dict(os.environ)
     e.update(env or {})
     e.setdefault("COLUMNS", "160")
-    return subprocess.run([sys.executable, "-m", "tpdiag.cli", *args], capture_output=True, text=True,
-                          env=e, timeout=timeout, cwd=ROOT)
+    z = _zygote(e)
+    if z is None:
+        return subprocess.run([sys.executable, "-m", "tpdiag.cli", *args], capture_output=True, text=True,
+                              env=e, timeout=timeout, cwd=ROOT)
+    try:
+        return z.run(list(args), e, ROOT, timeout)
+    finally:
+        _ZYGOTE_LOCK.release()
+
+
+_ZYGOTE = []
+_ZYGOTE_LOCK = threading.Lock()
+
+
+class _Zygote:
+    def __init__(self):
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "cli_zygote.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
+
+    def run(self, args, env, cwd, timeout):
+        import json
+        import signal
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="tpdiag-cli-") as d:
+            out, err = os.path.join(d, "out"), os.path.join(d, "err")
+            self.proc.stdin.write(json.dumps({"args": args, "env": env, "cwd": cwd, "out": out, "err": err}) + "\n")
+            self.proc.stdin.flush()
+            pid = json.loads(self.proc.stdout.readline())["pid"]
+            timer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))  # subprocess.run's timeout
+            timer.start()
+            try:
+                rc = json.loads(self.proc.stdout.readline())["rc"]
+            finally:
+                timer.cancel()
+            with open(out) as f1, open(err) as f2:
+                res = subprocess.CompletedProcess([sys.executable, "-m", "tpdiag.cli", *args], rc, f1.read(), f2.read())
+            if timer.finished.is_set() and rc == -signal.SIGKILL:
+                raise subprocess.TimeoutExpired(res.args, timeout, res.stdout, res.stderr)
+            return res
+
+
+def _zygote(env):
+    """The server for this process (started on first use), holding its lock; None where a fresh
+    interpreter must run the command: the server's start-up environment differs (cli_zygote's
+    STARTUP_PREFIXES), another thread's command is running, or TPDIAG_TEST_CLI_ZYGOTE=0."""
+    from cli_zygote import startup_env
+
+    if env.get("TPDIAG_TEST_CLI_ZYGOTE", "1") == "0" or not _ZYGOTE_LOCK.acquire(blocking=False):
+        return None
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        _ZYGOTE[:] = [_Zygote()]
+    if startup_env(env) != startup_env(_ZYGOTE[0].env):
+        _ZYGOTE_LOCK.release()
+        return None
+    return _ZYGOTE[0]
 
 
 def summary_of(run_dir):
