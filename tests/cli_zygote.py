@@ -29,47 +29,37 @@ def startup_env(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES)}
 
 
-def _child(req: dict, proto_fd: int) -> None:
-    """In the forked child: become the CLI process, run it, exit with its code."""
-    import atexit
+def _child(req: dict, proto) -> int:
+    """In the forked child: become the CLI process and run it; its exit code. The caller exits
+    with it through SystemExit, so the child ends as an interpreter does (atexit, finalizers,
+    flushed files)."""
     import runpy
     import traceback
 
-    code = 1
+    proto.close()  # the server's reply pipe: nothing buffered (written after each fork)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for fd, path in ((1, req["out"]), (2, req["err"])):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.path[0] = os.getcwd()  # `python -m`: the working directory first
+    sys.argv = ["-m", *req["args"]]
     try:
-        os.close(proto_fd)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        for fd, path in ((1, req["out"]), (2, req["err"])):
-            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(f, fd)
-            os.close(f)
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        sys.path[0] = os.getcwd()  # `python -m`: the working directory first
-        sys.argv = ["-m", *req["args"]]
-        try:
-            runpy.run_module("tpdiag.cli", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as e:
-            if e.code is None:
-                code = 0
-            elif isinstance(e.code, int):
-                code = e.code
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        atexit._run_exitfuncs()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        runpy.run_module("tpdiag.cli", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 def serve() -> None:
@@ -80,7 +70,11 @@ def serve() -> None:
         req = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _child(req, proto_out.fileno())
+            code = 1
+            try:
+                code = _child(req, proto_out)
+            finally:
+                sys.exit(code)
         proto_out.write(json.dumps({"pid": pid}) + "\n")
         proto_out.flush()
         _, status = os.waitpid(pid, 0)

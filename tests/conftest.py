@@ -85,6 +85,16 @@ class _Zygote:
             return res
 
 
+def _stop_zygote():
+    """At this process's exit: end the server (EOF on its input) and reap it."""
+    for z in _ZYGOTE:
+        try:
+            z.proc.stdin.close()
+            z.proc.wait(timeout=10)
+        except Exception:
+            z.proc.kill()
+
+
 def _zygote(env):
     """The server for this process (started on first use), holding its lock; None where a fresh
     interpreter must run the command: the server's start-up environment differs (cli_zygote's
@@ -94,6 +104,10 @@ def _zygote(env):
     if env.get("TPDIAG_TEST_CLI_ZYGOTE", "1") == "0" or not _ZYGOTE_LOCK.acquire(blocking=False):
         return None
     if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        if not _ZYGOTE:
+            import atexit
+
+            atexit.register(_stop_zygote)
         _ZYGOTE[:] = [_Zygote()]
     if startup_env(env) != startup_env(_ZYGOTE[0].env):
         _ZYGOTE_LOCK.release()
