@@ -20,8 +20,8 @@ import sys
 
 # environment variables read when the interpreter or torch starts: a request whose values differ
 # from the server's goes to a fresh interpreter (conftest.run_cli)
-STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "TORCH", "PYTORCH", "CUDA", "NCCL",
-                    "TRITON", "MALLOC", "TPDIAG_TEST_CLI_ZYGOTE")
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "LD_", "TORCH", "PYTORCH", "CUDA",
+                    "NCCL", "TRITON", "MALLOC", "TMPDIR", "TPDIAG_TEST_CLI_ZYGOTE")
 PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch._dynamo")
 
 
