@@ -11,8 +11,9 @@ modules that read no tpdiag setting are preloaded, and conftest starts a fresh i
 instead wherever the environment differs from this server's in a variable read at interpreter
 or torch start-up (STARTUP_PREFIXES). TPDIAG_TEST_CLI_ZYGOTE=0: every command a fresh interpreter.
 
-Protocol (stdin / stdout lines of JSON): {"args", "env", "cwd", "out", "err"} -> {"pid"}, then
-{"rc"} when that child has exited (negative: killed by that signal, as subprocess reports it).
+Protocol (stdin / stdout lines of JSON): {"ready": true} once the imports are done; then for each
+request {"args", "env", "cwd", "out", "err"}: {"pid"}, then {"rc"} when that child has exited
+(negative: killed by that signal, as subprocess reports it).
 """
 import json
 import os
@@ -66,6 +67,8 @@ def serve() -> None:
     for name in PRELOAD:
         __import__(name)
     proto_in, proto_out = sys.stdin, os.fdopen(os.dup(1), "w")
+    proto_out.write(json.dumps({"ready": True}) + "\n")
+    proto_out.flush()
     for line in proto_in:
         req = json.loads(line)
         pid = os.fork()

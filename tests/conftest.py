@@ -61,6 +61,17 @@ class _Zygote:
         self.env = dict(os.environ)
         self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "cli_zygote.py")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
+        self._ready = False
+
+    def ready(self) -> bool:
+        """Whether the server has finished its imports (its first line), without waiting: until
+        then a command takes a fresh interpreter rather than wait behind them (a command's timing
+        is the caller's: test_failclosed's second compare must meet the first's lock in time)."""
+        import select
+
+        if not self._ready and select.select([self.proc.stdout], [], [], 0)[0]:
+            self._ready = self.proc.stdout.readline().strip() == '{"ready": true}'
+        return self._ready
 
     def run(self, args, env, cwd, timeout):
         import json
@@ -96,23 +107,38 @@ def _stop_zygote():
 
 
 def _zygote(env):
-    """The server for this process (started on first use), holding its lock; None where a fresh
-    interpreter must run the command: the server's start-up environment differs (cli_zygote's
+    """The server for this process, holding its lock; None where a fresh interpreter must run the
+    command: the server is still importing, its start-up environment differs (cli_zygote's
     STARTUP_PREFIXES), another thread's command is running, or TPDIAG_TEST_CLI_ZYGOTE=0."""
     from cli_zygote import startup_env
 
     if env.get("TPDIAG_TEST_CLI_ZYGOTE", "1") == "0" or not _ZYGOTE_LOCK.acquire(blocking=False):
         return None
+    z = _start_zygote()
+    if not z.ready() or startup_env(env) != startup_env(z.env):
+        _ZYGOTE_LOCK.release()
+        return None
+    return z
+
+
+def _start_zygote():
+    """The running server, started here if there is none (no waiting for its imports)."""
     if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
         if not _ZYGOTE:
             import atexit
 
             atexit.register(_stop_zygote)
         _ZYGOTE[:] = [_Zygote()]
-    if startup_env(env) != startup_env(_ZYGOTE[0].env):
-        _ZYGOTE_LOCK.release()
-        return None
     return _ZYGOTE[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cli_server():
+    """Start run_cli's server with the session, so its imports are done before the first command."""
+    if os.environ.get("TPDIAG_TEST_CLI_ZYGOTE", "1") != "0":
+        with _ZYGOTE_LOCK:
+            _start_zygote()
+    yield
 
 
 def summary_of(run_dir):
