@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -35,12 +36,109 @@ def interpreter_result(script: str, *args: str, unset=(), cwd=None, timeout=300)
 
 
 def run_cli(*args, env=None, timeout=600):
-    """Run the real console entry point in a subprocess (as a user would)."""
+    """Run the real console entry point in a process of its own (as a user would): forked from
+    cli_zygote's server, which has imported torch once, or a fresh `python -m tpdiag.cli` where
+    that server cannot stand in for one (cli_zygote.py says when)."""
     e = dict(os.environ)
     e.update(env or {})
     e.setdefault("COLUMNS", "160")
-    return subprocess.run([sys.executable, "-m", "tpdiag.cli", *args], capture_output=True, text=True,
-                          env=e, timeout=timeout, cwd=ROOT)
+    z = _zygote(e)
+    if z is None:
+        return subprocess.run([sys.executable, "-m", "tpdiag.cli", *args], capture_output=True, text=True,
+                              env=e, timeout=timeout, cwd=ROOT)
+    try:
+        return z.run(list(args), e, ROOT, timeout)
+    finally:
+        _ZYGOTE_LOCK.release()
+
+
+_ZYGOTE = []
+_ZYGOTE_LOCK = threading.Lock()
+
+
+class _Zygote:
+    def __init__(self):
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "cli_zygote.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env)
+        self._ready = False
+
+    def ready(self) -> bool:
+        """Whether the server has finished its imports (its first line), without waiting: until
+        then a command takes a fresh interpreter rather than wait behind them (a command's timing
+        is the caller's: test_failclosed's second compare must meet the first's lock in time)."""
+        import select
+
+        if not self._ready and select.select([self.proc.stdout], [], [], 0)[0]:
+            self._ready = self.proc.stdout.readline().strip() == '{"ready": true}'
+        return self._ready
+
+    def run(self, args, env, cwd, timeout):
+        import json
+        import signal
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="tpdiag-cli-") as d:
+            out, err = os.path.join(d, "out"), os.path.join(d, "err")
+            self.proc.stdin.write(json.dumps({"args": args, "env": env, "cwd": cwd, "out": out, "err": err}) + "\n")
+            self.proc.stdin.flush()
+            pid = json.loads(self.proc.stdout.readline())["pid"]
+            timer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))  # subprocess.run's timeout
+            timer.start()
+            try:
+                rc = json.loads(self.proc.stdout.readline())["rc"]
+            finally:
+                timer.cancel()
+            with open(out) as f1, open(err) as f2:
+                res = subprocess.CompletedProcess([sys.executable, "-m", "tpdiag.cli", *args], rc, f1.read(), f2.read())
+            if timer.finished.is_set() and rc == -signal.SIGKILL:
+                raise subprocess.TimeoutExpired(res.args, timeout, res.stdout, res.stderr)
+            return res
+
+
+def _stop_zygote():
+    """At this process's exit: end the server (EOF on its input) and reap it."""
+    for z in _ZYGOTE:
+        try:
+            z.proc.stdin.close()
+            z.proc.wait(timeout=10)
+        except Exception:
+            z.proc.kill()
+
+
+def _zygote(env):
+    """The server for this process, holding its lock; None where a fresh interpreter must run the
+    command: the server is still importing, its start-up environment differs (cli_zygote's
+    STARTUP_PREFIXES), another thread's command is running, or TPDIAG_TEST_CLI_ZYGOTE=0."""
+    from cli_zygote import startup_env
+
+    if env.get("TPDIAG_TEST_CLI_ZYGOTE", "1") == "0" or not _ZYGOTE_LOCK.acquire(blocking=False):
+        return None
+    z = _start_zygote()
+    if not z.ready() or startup_env(env) != startup_env(z.env):
+        _ZYGOTE_LOCK.release()
+        return None
+    return z
+
+
+def _start_zygote():
+    """The running server, started here if there is none (no waiting for its imports)."""
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        if not _ZYGOTE:
+            import atexit
+
+            atexit.register(_stop_zygote)
+        _ZYGOTE[:] = [_Zygote()]
+    return _ZYGOTE[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cli_server():
+    """Start run_cli's server with the session, so its imports are done before the first command."""
+    if os.environ.get("TPDIAG_TEST_CLI_ZYGOTE", "1") != "0":
+        with _ZYGOTE_LOCK:
+            _start_zygote()
+    yield
 
 
 def summary_of(run_dir):
@@ -66,20 +164,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What gloo_world's fork server imports once, so that its ranks start without importing torch
+# (spawn: ~2.5 s of CPU a rank on the 2-core CI machine); the same modules tpdiag's own server
+# preloads (runner/launch.py: torch._inductor for use_deterministic_algorithms)
+_WORLD_PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch._inductor", "conftest"]
+
+
 def gloo_world(worker, world: int, timeout: float = 60):
-    """Run worker(rank, world, port, queue) in a real `world`-process spawn world on a free
-    port; returns what rank 0 put on the queue."""
+    """Run worker(rank, world, port, queue) in a real `world`-process world on a free port;
+    returns what rank 0 put on the queue. Ranks fork from a fork server that has imported torch
+    (started with this process's first world, like tpdiag's own ranks); each rank starts from a
+    clean interpreter state as under spawn, with this process's environment as it is at the call
+    (so a rank sees what a test set with monkeypatch.setenv)."""
     import torch.multiprocessing as mp
 
     import queue
     import time
 
-    q = mp.get_context("spawn").Queue()
+    fs = mp.get_context("forkserver")
+    fs.set_forkserver_preload(_WORLD_PRELOAD)  # no effect once the server runs
+    q = fs.Queue()
     port = free_port()
     # read the queue while the ranks run: a rank that put more than a pipe's buffer (64 KiB) waits
     # in its exit until that is read, so joining first deadlocks (a TP=2 world's logits did)
-    ctx = mp.start_processes(_exit_after, args=(worker, world, port, q), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(_exit_after, args=(worker, world, port, q, dict(os.environ)), nprocs=world,
+                             join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -101,11 +210,14 @@ def gloo_world(worker, world: int, timeout: float = 60):
                 p.kill()
 
 
-def _exit_after(rank, worker, world, port, q):
+def _exit_after(rank, worker, world, port, q, env):
     """worker(...), then leave without interpreter teardown: on torch 2.13 a gloo rank can abort
     in its destructors after all its work is done ('terminate called without an active
     exception', SIGABRT) - tpdiag's own worker skips teardown for the same reason. A worker
-    that raises still fails the world with its traceback."""
+    that raises still fails the world with its traceback. `env`: the caller's environment at the
+    call (the fork server's is the one it started with)."""
+    os.environ.clear()
+    os.environ.update(env)
     worker(rank, world, port, q)
     q.close()
     q.join_thread()  # what rank 0 put on the queue is flushed before the process ends

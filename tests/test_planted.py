@@ -8,11 +8,10 @@ own; the training mistakes (embedding, loss, replicated grad) each have a model 
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from conftest import run_cli
 from tpdiag.records.causes import cause_class
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -20,10 +19,8 @@ PLANTED = os.path.join(HERE, "models", "planted")
 
 
 def compare(tmp, spec, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--model", f"py:{PLANTED}/{spec}",
-                        "--tp", "1,2,4", "--no-confirm", "--no-baseline", "--format", "json", "--out", str(tmp / "r"),
-                        *args], capture_output=True, text=True, env=env, timeout=900)
+    p = run_cli("compare", "--model", f"py:{PLANTED}/{spec}", "--tp", "1,2,4", "--no-confirm", "--no-baseline",
+                "--format", "json", "--out", str(tmp / "r"), *args, env={"OMP_NUM_THREADS": "1"}, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
     return json.loads(p.stdout)
 
@@ -107,10 +104,8 @@ def test_training_mistakes_are_bugs_where_they_are_made(lm_runs, degree):
 
 def test_clean_bf16_model_with_norms_attention_and_gated_mlp_has_no_bug(tmp_path):
     """tiny-llama (RMSNorm, softmax attention, SwiGLU) in bf16 at TP=1,2,4: rounding only."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--tp", "1,2,4", "--dtype", "bfloat16",
-                        "--no-confirm", "--no-baseline", "--format", "json", "--out", str(tmp_path / "r")],
-                       capture_output=True, text=True, env=env, timeout=900)
+    p = run_cli("compare", "--tp", "1,2,4", "--dtype", "bfloat16", "--no-confirm", "--no-baseline", "--format",
+                "json", "--out", str(tmp_path / "r"), env={"OMP_NUM_THREADS": "1"}, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(p.stdout)
     for lab, entry in s["degrees"].items():
