@@ -180,29 +180,34 @@ def host_profile(step, cfgs: dict, rank: int, where: str, tag: str) -> None:
     function that waits on the GPU (a full launch queue, a sync) shows that wait as its own time."""
     import cProfile
     import pstats
-    import re
 
     for name, config in cfgs.items():
         prof = cProfile.Profile()
         prof.runcall(step, config)
         if rank == 0:
             os.makedirs(where, exist_ok=True)
-            path = os.path.join(where, re.sub(r"[^A-Za-z0-9_.-]", "_", f"{tag}-{name}") + ".prof")
+            path = _path(where, f"{tag}-{name}", ".prof")
             prof.dump_stats(path)
             print(f"== host profile {tag}: {name} ({path}) ==")
             pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
+def _path(where: str, name: str, ext: str) -> str:
+    """A file under `where` named after a configuration (its spaces and '=' made safe)."""
+    import re
+
+    return os.path.join(where, re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ext)
+
+
 def trace_gaps(prof, where: str, name: str) -> None:
     """The profiled step's chrome trace (gzipped, under `where`) and its device idle time."""
     import gzip
-    import re
     import shutil
 
     from benchmarks.trace_gaps import analyse, load, render
 
     os.makedirs(where, exist_ok=True)
-    base = os.path.join(where, re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".json")
+    base = _path(where, name, ".json")
     prof.export_chrome_trace(base)
     with open(base, "rb") as f, gzip.open(base + ".gz", "wb") as g:
         shutil.copyfileobj(f, g)

@@ -10,6 +10,8 @@ reference's order (step, phase, first seen) and renumbered: locate walks them in
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 PHASE_RANK = {"init": 0, "forward": 1, "loss": 2, "backward": 3, "optimizer": 4}
@@ -113,10 +115,8 @@ def _tp_shard(rec, meta: dict, t, local, piece_dim):
     label = meta.get("placement")
     if label is not None:  # a DTensor (or a layout its caller gave): the placement says
         if label.startswith("shard:"):
-            d = int(label.split(":")[1])
-            size, n = t.shape[d], t.device_mesh.size()
-            chunk = -(-size // n)  # torch.chunk's split, which Shard uses
-            return (d, size, min(t.device_mesh.get_local_rank() * chunk, size)) if d != piece_dim else "unknown"
+            _, _, d, size, offset = rec._hash_layout(t, local, meta["key"], label)
+            return (d, size, offset) if d != piece_dim else "unknown"
         return None if label.startswith("replicate") else "unknown"
     # a plain tensor: a dim that is a TP-th of the reference's whole (not the piece's dim)
     ref = rec.piece_ref.get(meta["key"])
@@ -144,13 +144,8 @@ def _hash_placed(rec, local, t, full: list, where, tp):
         d, off = dims[0]
         return rec._hash(local, d, full[d], off, t)
     (outer, off_o), (inner, off_i) = sorted(dims)
-    mid = 1
-    for x in full[outer + 1:inner]:
-        mid *= x
-    per_outer = mid * full[inner]  # inner-dim rows per index of the outer dim
-    rows = 1
-    for x in local.shape[:outer]:
-        rows *= x
+    per_outer = math.prod(full[outer + 1:inner + 1])  # inner-dim rows per index of the outer dim
+    rows = math.prod(local.shape[:outer])
     if rows == 1:
         return rec._hash(local, inner, full[inner], off_i + off_o * per_outer, t)
     sub = local.reshape(rows, *local.shape[outer:])
@@ -173,10 +168,10 @@ def merge(rec) -> None:
             groups.setdefault(m["key"], []).append(i)
     # whether each key's pieces hold one value, decided alike on every rank (the records each
     # rank writes must be the same list: a collective's pieces can be equal on one rank only)
-    firsts = [ms[0] for key, ms in groups.items() if records[ms[0]][1] is not None
-              and records[ms[0]][0]["kind"] != "param_grad"]
-    flags = _agree(rec, [_same(rec, [records[j] for j in groups[records[i][0]["key"]]]) for i in firsts])
-    same = dict(zip(firsts, flags))
+    full = [ms for ms in groups.values() if records[ms[0]][1] is not None
+            and records[ms[0]][0]["kind"] != "param_grad"]
+    flags = _agree(rec, [_same(rec, [records[j] for j in ms]) for ms in full])
+    same = {ms[0]: f for ms, f in zip(full, flags)}
     out = []  # (sort key, meta, tensor, lane)
     for i, (m, t) in enumerate(records):
         if "piece" not in m:

@@ -157,13 +157,11 @@ class RecordSet:
                                f"{meta['dtype']}{want} (edited or mismatched files)")
         want_hash = meta.get("stored_hash")
         if want_hash is not None and meta["idx"] not in self._verified:
-            from tpdiag.records.hashing import MIXES
+            from tpdiag.records.hashing import MIXES, tensor_hash
 
             if self.hash_version not in MIXES:
                 raise Inconclusive(f"{self.dir}: world.json names hash version {self.hash_version!r}, "
                                    f"not one this tpdiag knows ({MIXES}): edited, or a newer tpdiag's run")
-            from tpdiag.records.hashing import tensor_hash
-
             if tensor_hash(t, self.hash_version) != want_hash:
                 raise Inconclusive(f"{self.dir}: record {meta['key']} does not match its hash "
                                    "(the tensor file was edited after the run)")

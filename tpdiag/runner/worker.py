@@ -165,7 +165,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     if world > 1:
         fingerprint = [None] * world
         dist.all_gather_object(fingerprint, rec.fingerprint)
-    if rec.piece_varying:  # decode calls' records left out as they grew (probes/recorder._grows)
+    if rec.piece_varying:  # decode calls' records left out as they grew (probes/pieces.grows)
         timings["piece_records_left_out"] = sum(rec.piece_varying.values())
     if rec.host_store is not None:  # full capture: bytes captured, copied once, spilled
         timings["host"] = dict(rec.host_store.stats)
@@ -208,7 +208,6 @@ def _profiled(rank: int, label: str, fn, *args):
     if not where or rank != 0:
         return fn(*args)
     import cProfile
-
     import re
 
     os.makedirs(where, exist_ok=True)
