@@ -4,6 +4,8 @@ A decode world runs the prompt in one call and then one token per call through t
 KV cache; its records are placed as positions of the prefill reference's (runner/decode.py,
 probes/pieces.py), so the diff's first divergence is the first op whose inputs were equal."""
 
+import json
+
 import torch
 from conftest import logprobs_of, run_cli, summary_of
 
@@ -156,3 +158,22 @@ def test_decode_ops_line_up_with_prefills(tmp_path):
     assert len(ref_ops) > 50 and all(k in dec for k in ref_ops)
     world = json.loads((out / "tp1-decode" / "world.json").read_text())
     assert world["timings"]["piece_records_left_out"] > 0
+
+
+def test_decode_self_check_runs_a_prefix_and_catches_noisy_decode_steps(tmp_path):
+    """A decode world's unprobed self-check runs the prompt call and the first 16 one-token
+    calls (not all of them) and compares their logits bit for bit with the probed run's: at
+    seq 48 (prompt 24) positions 0..39. Negative control: a model whose one-token calls add
+    run-to-run noise fails it, and the configuration is `failed`, not a finding."""
+    args = ("--tp", "1", "--mode", "prefill,decode", "--batch-size", "1", "--seq-len", "48",
+            "--forward-only", "--no-confirm", "--no-baseline", "--format", "json")
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    r = run_cli("compare", *args, "--out", str(good))
+    assert r.returncode == 0, r.stderr
+    sc = json.loads((good / "tp1-decode" / "world.json").read_text())["probe_selfcheck"]
+    assert sc == {"equal": True, "checked": 1, "first_mismatch": None, "positions": 40}, sc
+    r = run_cli("compare", "--model", "py:tests/models/noisy_decode.py:target", *args, "--out", str(bad))
+    sc = json.loads((bad / "tp1-decode" / "world.json").read_text())["probe_selfcheck"]
+    assert sc["equal"] is False and sc["first_mismatch"] == "logits of positions 0..39", sc
+    d = _summary(bad)["configurations"]["1-decode"]
+    assert d["status"] == "failed" and "probed and the unprobed run" in d["error"], d

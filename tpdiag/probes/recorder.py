@@ -103,6 +103,7 @@ class Recorder:
     stack: list = field(default_factory=list)  # modules whose forward is running (op attribution)
     mode: str = "full"                          # full | hash
     fingerprint: dict | None = None             # the step's final values' hashes (runner/fingerprint.py)
+    decode_check: tuple | None = None           # (positions, hash of their logits): runner/worker.py
     world: int = 1
     rank: int = 0
     # hash mode at TP > 1: each record's whole shape at the reference (TP=1), which says where

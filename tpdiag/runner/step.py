@@ -226,10 +226,20 @@ def _mark(marks: dict, phase: str, since: float) -> float:
     return now
 
 
-def _decode(model, batch, rec: Recorder):
+def decode_prefix(seq_len: int, calls: int) -> tuple[int, int]:
+    """(prompt length, positions): a decode world's prompt call and its first `calls` one-token
+    calls cover positions [0, positions) - the unprobed self-check's run (runner/worker.py)."""
+    from tpdiag.runner import decode as dec
+
+    P = dec.default_prompt_len(seq_len)
+    return P, min(seq_len, P + calls)
+
+
+def _decode(model, batch, rec: Recorder, prompt_len: int | None = None):
     """The logits of a decode world: the batch's tokens as a rollout engine runs them - the
     prompt (half the sequence) in one call, then one token per call through the model's KV cache
-    (runner/decode.py); each call's records are positions [start, stop) of the reference's."""
+    (runner/decode.py); each call's records are positions [start, stop) of the reference's.
+    prompt_len: the whole sequence's, when batch is a prefix of it (the self-check's run)."""
     from tpdiag.errors import BadInput
     from tpdiag.runner import decode as dec
 
@@ -239,7 +249,7 @@ def _decode(model, batch, rec: Recorder):
     if not dec.supports(model):
         raise BadInput(f"--mode decode: {dec.why_not(model)}")
     L = batch.shape[1]
-    P = dec.default_prompt_len(L)
+    P = dec.default_prompt_len(L) if prompt_len is None else prompt_len
     n = 1 + L - P
     calls = iter(range(n))
     try:
@@ -253,9 +263,11 @@ def _decode(model, batch, rec: Recorder):
 
 
 def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
-        fingerprint: bool = False) -> dict:
+        fingerprint: bool = False, decode_check: int = 0, decode_only_check: bool = False) -> dict:
     """One world's steps; fingerprint=True: rec.fingerprint = the last step's final values'
-    hashes (runner/fingerprint.py), taken after the step's timing."""
+    hashes (runner/fingerprint.py), taken after the step's timing. A decode world with
+    decode_check=K: rec.decode_check = (positions, hash of the logits of the prompt call and
+    the first K one-token calls); decode_only_check: run only those calls (the self-check)."""
     from tpdiag.probes.module_probe import module_probes, record_params
 
     timings = {}
@@ -270,6 +282,11 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     rec.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     include = set(cfg.module_include) or None
     batch, labels = make_batch(cfg, target, device)
+    prompt_len = checked = None
+    if cfg.mode == "decode" and decode_check and isinstance(batch, torch.Tensor):
+        prompt_len, checked = decode_prefix(batch.shape[1], decode_check)
+        if decode_only_check:
+            batch, labels = batch[:, :checked], labels[:, :checked]
     args, kwargs = forward_call(model, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=False) if cfg.backward else None
     timings["build_s"] = time.perf_counter() - t0
@@ -319,9 +336,15 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                     # forward only: no autograd graph, as an engine or a logprob pass runs (a decode
                     # world's graph would chain every call through the growing KV cache: quadratic memory)
                     with torch.set_grad_enabled(bool(cfg.backward)):
-                        out = _decode(model, batch, rec) if cfg.mode == "decode" else model(*args, **kwargs)
+                        out = _decode(model, batch, rec, prompt_len) if cfg.mode == "decode" else model(*args, **kwargs)
                     tp = _mark(marks, "forward", tp)
                     local_logits = logits_of(out)
+                    if checked is not None:
+                        from tpdiag.dtensors import local_of
+                        from tpdiag.records.hashing import tensor_hash
+
+                        with rec._paused():  # not a record of the step (op probe)
+                            rec.decode_check = (checked, tensor_hash(local_of(local_logits)[:, :checked].detach()))
                     # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True)
                     # is re-marked whole for tpdiag; a user loss still gets what the model returned
                     logits, _ = whole_vocab(local_logits, model, target.plan, target.vocab_size, world)

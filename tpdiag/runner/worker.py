@@ -141,13 +141,17 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     _fault_injection(rank, world)
     t0 = time.perf_counter()
     selfcheck = None
+    decode_calls = DECODE_SELFCHECK_CALLS if cfg.selfcheck and cfg.mode == "decode" else 0
     ref_shapes = _ref_shapes(cfg, world)
     piece_ref = _piece_ref(cfg)
     first_run = time.time()
     if cfg.selfcheck:
         # The same step with no probes: what the model computes when nobody watches.
         bare = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "bare"), piece_ref=piece_ref)
-        bare_t = run(cfg.with_(probes=False), device, world, bare)
+        # a decode world's unprobed run: the prompt call and the first DECODE_SELFCHECK_CALLS
+        # one-token calls, not all of them (at 1 x 2048 the whole was 26 s of a 85 s world)
+        bare_t = run(cfg.with_(probes=False), device, world, bare, decode_check=decode_calls,
+                     decode_only_check=True)
         phases["selfcheck_s"] = time.perf_counter() - t0
         first_built = first_run + bare_t["model_s"]
         if device.type == "cuda":
@@ -156,7 +160,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     probed_run = time.time()
-    timings = run(cfg, device, world, rec, fingerprint=True)
+    timings = run(cfg, device, world, rec, fingerprint=True, decode_check=decode_calls)
     if not cfg.selfcheck:
         first_built = probed_run + timings["model_s"]
     if device.type == "cuda":
@@ -199,6 +203,11 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     dist.barrier()
     timings["max_rss_bytes"] = _max_rss_bytes()
     return timings
+
+
+# one-token calls the unprobed run of a decode world makes after the prompt call: enough to run
+# every kind of call the probed run makes (the prompt's M = B * P GEMMs, the M = B steps)
+DECODE_SELFCHECK_CALLS = 16
 
 
 def _profiled(rank: int, label: str, fn, *args):
@@ -259,12 +268,23 @@ def _probe_selfcheck(bare, probed, device) -> dict:
                 for (m, t), slot in zip(r.records, r.lanes)
                 if m["kind"] in kinds and not is_stale(slot, stale)}
 
-    want, have = values(bare), values(probed)
-    bad = sorted(k for k in want if k not in have or not bitwise_equal(want[k], have[k]))
+    extra = {}
+    if getattr(bare, "decode_check", None) is not None:
+        # a decode world: the unprobed run made only the prompt call and the first few one-token
+        # calls (the same calls, the same shapes as the probed run's first ones): their logits
+        n, h = bare.decode_check
+        seen = getattr(probed, "decode_check", None)
+        bad = [] if seen == (n, h) else [f"logits of positions 0..{n - 1}"]
+        want = {"logits": None}
+        extra = {"positions": n}
+    else:
+        want, have = values(bare), values(probed)
+        bad = sorted(k for k in want if k not in have or not bitwise_equal(want[k], have[k]))
     flag = torch.tensor([0 if bad else 1], dtype=torch.int32, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return {"equal": bool(flag.item()), "checked": len(want), "first_mismatch": bad[0] if bad else None}
+    return {"equal": bool(flag.item()), "checked": len(want), "first_mismatch": bad[0] if bad else None,
+            **extra}
 
 
 def _ref_shapes(cfg, world: int) -> dict:
