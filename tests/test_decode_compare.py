@@ -123,9 +123,12 @@ def test_decode_bad_input_is_one_line_and_starts_no_world(tmp_path):
             (("--mode", "prefill,decode", "--batch-size", "2", "--seq-len", "8"), "add --forward-only"),
             (("--mode", "decode,prefill", *TINY), "list prefill first"),
             (("--mode", "prefill,decode", "--micro-batch", "2,1", *TINY), "not supported yet"),
-            (("--mode", "prefill,replay", *TINY), "expected one of prefill, decode")):
+            (("--mode", "prefill,replay", *TINY), "expected one of prefill, decode"),
+            # a one-token call cannot be split along the sequence over two ranks
+            (("--tp", "1,2", "--grid", "--variant", "sp", "--mode", "prefill,decode", *TINY),
+             "decode configuration 2-decode would shard a one-token call")):
         out = tmp_path / "x"
-        r = run_cli("compare", "--tp", "1", *args, "--out", str(out))
+        r = run_cli("compare", *(() if "--tp" in args else ("--tp", "1")), *args, "--out", str(out))
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         err = r.stderr.strip().splitlines()
         assert len(err) == 1 and words in err[0], (args, err)

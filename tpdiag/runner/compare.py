@@ -118,6 +118,12 @@ def check_axes(cfg: CompareConfig, spec) -> None:
         if cfg.micro_batches:
             raise BadInput("--mode decode with --micro-batch: not supported yet (a decode world "
                            "runs the whole batch, one position per call); compare them in two runs")
+        sp = [w.label for w in cfg.worlds() if w.point.mode == "decode" and w.point.tp > 1]
+        if cfg.variant == "sp" and sp:
+            raise BadInput(f"--variant sp --mode decode: the decode configuration {sp[0]} would shard a "
+                           "one-token call along the sequence over several ranks (sequence parallelism "
+                           "splits positions; engines decode without it); run decode at TP=1 (a first "
+                           "degree of 1, without --grid) or with the stock variant")
     if not cfg.micro_batches:
         return
     if spec.kind == "py":
