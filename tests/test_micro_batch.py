@@ -175,3 +175,32 @@ def test_hash_capture_of_micro_batches_at_tp_2(tmp_path):
     # the negative control: stock, the same hashes, divergent where test_grid_run's full capture is
     firsts = {k: (v["first_divergence"] or {}).get("key") for k, v in run("stock")[1]["configurations"].items()}
     assert firsts["2-mb2"] == "s0/forward/layers.0.feed_forward.w2/out#0/0" and all(firsts.values()), firsts
+
+
+@pytest.mark.parametrize("mode", ["hash", "full"])
+def test_a_per_call_value_is_one_record_only_if_every_piece_agrees(mode):
+    """A record that is not a slice of the batch (its shape is the whole's: a per-call value such
+    as a router's expert counts) is kept once when every micro-batch gave the same bits, and
+    per piece (`.pieceN`, unmatched at the reference) when they differ - in hash capture too, where
+    piece 0's lanes used to stand for all of them unchecked."""
+    from tpdiag.probes.pieces import merge
+    from tpdiag.probes.recorder import Recorder
+
+    def merged(values):
+        ref = Recorder(mode=mode)
+        ref.phase = "forward"
+        ref.add("out", "router", "0", values[0].clone())
+        (meta, _), = ref.records
+        rec = Recorder(mode=mode, piece_ref={meta["key"]: [16]})
+        for k, v in enumerate(values):
+            rec.begin_piece(k, len(values))
+            rec.phase = "forward"
+            rec.add("out", "router", "0", v.clone())
+        rec.end_pieces()
+        merge(rec)
+        return [m["key"] for m, _ in rec.records]
+
+    same = torch.arange(16.0)
+    assert merged([same, same]) == ["s0/forward/router/out#0/0"]
+    keys = merged([same, same.flip(0)])
+    assert keys == ["s0/forward/router/out#0/0.piece0", "s0/forward/router/out#0/0.piece1"], keys

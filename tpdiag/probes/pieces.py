@@ -170,8 +170,13 @@ def merge(rec) -> None:
     # rank writes must be the same list: a collective's pieces can be equal on one rank only)
     full = [ms for ms in groups.values() if records[ms[0]][1] is not None
             and records[ms[0]][0]["kind"] != "param_grad"]
-    flags = _agree(rec, [_same(rec, [records[j] for j in ms]) for ms in full])
-    same = {ms[0]: f for ms, f in zip(full, flags)}
+    # hash capture: a per-call value (piece_const) is one value only if every piece's lanes agree
+    const = [ms for ms in groups.values() if records[ms[0]][1] is None
+             and records[ms[0]][0].get("piece_const") and records[ms[0]][0]["kind"] != "param_grad"]
+    flags = _agree(rec, [_same(rec, [records[j] for j in ms]) for ms in full]
+                   + _same_lanes(rec, [[records[j][0] for j in ms] for ms in const],
+                                 [[lanes[j] for j in ms] for ms in const]))
+    same = {ms[0]: f for ms, f in zip(full + const, flags)}
     out = []  # (sort key, meta, tensor, lane)
     for i, (m, t) in enumerate(records):
         if "piece" not in m:
@@ -209,6 +214,26 @@ def _same(rec, parts: list) -> bool:
         torch.equal(_bits(x), _bits(ts[0])) for x in ts[1:])
 
 
+def _same_lanes(rec, metas: list, slots: list) -> list:
+    """Per key of hash capture's per-call values: whether every piece hashed to the same lanes
+    (one read of the rows at the step's end), with the same shape and not grown call by call."""
+    from tpdiag.kernels.hash_buffer import STALE
+    from tpdiag.probes.recorder import take_lanes
+
+    flat = [s for ss in slots for s in ss]
+    if not flat:
+        return []
+    ints = take_lanes(rec.hashbuf, flat)[0].cpu()
+    out, at = [], 0
+    for ms, ss in zip(metas, slots):
+        rows = ints[at:at + len(ss)]
+        at += len(ss)
+        out.append(ms[0]["key"] not in rec.piece_varying
+                   and all(m.get("local_shape") == ms[0].get("local_shape") for m in ms)
+                   and bool((rows[:, 2] != STALE).all()) and bool((rows[:, :2] == rows[0, :2]).all()))
+    return out
+
+
 def _agree(rec, flags: list) -> list:
     """flags ANDed over the world's ranks (one collective), where every rank has as many."""
     import torch.distributed as dist
@@ -237,7 +262,11 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
         m0["consumers"] = consumers
     if parts[0][1] is None:  # hash capture: the slices' lanes add up to the whole's
         if parts[0][0].get("piece_const"):
-            return [(m0, None, lanes[0])]
+            if same:
+                return [(m0, None, lanes[0])]
+            # pieces that differ: each piece's own (unmatched at the reference), as full capture
+            return [({**m0, "name": f"{m0['name']}.piece{m['piece']}", "key": f"{m0['key']}.piece{m['piece']}"},
+                     None, lane) for (m, _), lane in zip(parts, lanes)]
         # a piece's slot may itself be rows (a piece that is also a TP shard, batch > 1)
         return [(m0, None, tuple(x for s in lanes for x in (s if isinstance(s, tuple) else (s,))))]
     from tpdiag.probes.stream import as_tensor
