@@ -134,6 +134,27 @@ class HashBuffer:
                 rh.shard_lanes(t, dim, full, offset, out=(self.ints[i], self.floats[i], r))
         return n
 
+    def take_lanes(self, slots: list):
+        """hashbuf.take, where a slot may be a tuple of rows (a _StridedShard's pieces, each hashed
+        at its own offset): the pieces' lanes, counts and sums add up, their absmax is the max
+        (compared as float64 bit patterns: order-preserving for values >= 0)."""
+        if not any(isinstance(s, tuple) for s in slots):
+            return self.take(slots)
+        flat = [x for s in slots for x in (s if isinstance(s, tuple) else (s,))]
+        ints, floats = self.take(flat)
+        out_i, out_f, at = [], [], 0
+        for s in slots:
+            k = len(s) if isinstance(s, tuple) else 1
+            i, f = ints[at:at + k], floats[at:at + k]
+            at += k
+            lanes = i[:, :3].sum(0)
+            lanes[:2] &= 0xFFFFFFFF
+            if bool((i[:, 2] < 0).any()):  # a stale piece (STALE) makes the whole record stale
+                lanes[2] = i[:, 2].min()
+            out_i.append(torch.cat([lanes, i[:, 3].amax(0, keepdim=True)]))
+            out_f.append(f.sum(0))
+        return torch.stack(out_i), torch.stack(out_f)
+
     def add_whole(self, t: torch.Tensor, shape, dtype, version: int) -> int:
         """add(t) of a whole plain tensor or Parameter (Recorder.add's fast path, most records):
         the queued case inline, without add's general checks - a step's host time is per record,

@@ -11,6 +11,7 @@ reference's order (step, phase, first seen) and renumbered: locate walks them in
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -101,7 +102,16 @@ def hash_piece(rec, meta: dict, t, local):
             meta["piece_dim"] = where[0]
         meta["hash_layout"] = f"shard:{tp[0]}" if tp is not None else "replicate"
         meta["full_shape"] = full
-        slot = _hash_placed(rec, local, t, full, where, tp)
+        # a module's input is often another's output (wq, wk and wv read one tensor): the same
+        # tensor, unchanged, at the same place in the same piece is hashed once (its row shared)
+        versions = (t._version, local._version)
+        place_key = (rec.piece, versions, tuple(full), where, tp)
+        seen = rec._piece_hashed.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == place_key:
+            slot = seen[2]
+        else:
+            slot = _hash_placed(rec, local, t, full, where, tp)
+            rec._piece_hashed[id(t)] = (weakref.ref(t), place_key, slot)
     rec.lanes.append(slot)
     rec._rows.append((meta, None))
     return meta
@@ -218,12 +228,11 @@ def _same_lanes(rec, metas: list, slots: list) -> list:
     """Per key of hash capture's per-call values: whether every piece hashed to the same lanes
     (one read of the rows at the step's end), with the same shape and not grown call by call."""
     from tpdiag.kernels.hash_buffer import STALE
-    from tpdiag.probes.recorder import take_lanes
 
     flat = [s for ss in slots for s in ss]
     if not flat:
         return []
-    ints = take_lanes(rec.hashbuf, flat)[0].cpu()
+    ints = rec.hashbuf.take_lanes(flat)[0].cpu()
     out, at = [], 0
     for ms, ss in zip(metas, slots):
         rows = ints[at:at + len(ss)]

@@ -115,6 +115,7 @@ class Recorder:
     # A module's input is usually another's output, nested modules share outputs: the same
     # tensor, unchanged, under several keys is hashed once (its row shared).
     _hashed: dict = field(default_factory=dict)
+    _piece_hashed: dict = field(default_factory=dict)  # the same inside pieces (probes/pieces.py)
     # module_probes' walk of each probed model (by id), read by record_params inside the block
     _walks: dict = field(default_factory=dict)
     # full mode: records stream to host memory (probes/stream.py), spilled here past the budget
@@ -158,6 +159,7 @@ class Recorder:
         store = self.host_store
         for t in tensors:
             self._hashed.pop(id(t), None)
+            self._piece_hashed.pop(id(t), None)
             if store is not None:
                 store.seen.pop(id(t), None)
 
@@ -343,25 +345,8 @@ def _same(seen, t, version: tuple, where: tuple) -> bool:
 
 
 def take_lanes(hashbuf, slots: list):
-    """hashbuf.take, where a slot may be a tuple of rows (a _StridedShard's pieces, each hashed
-    at its own offset): the pieces' lanes, counts and sums add up, their absmax is the max
-    (compared as float64 bit patterns: order-preserving for values >= 0)."""
-    if not any(isinstance(s, tuple) for s in slots):
-        return hashbuf.take(slots)
-    flat = [x for s in slots for x in (s if isinstance(s, tuple) else (s,))]
-    ints, floats = hashbuf.take(flat)
-    out_i, out_f, at = [], [], 0
-    for s in slots:
-        k = len(s) if isinstance(s, tuple) else 1
-        i, f = ints[at:at + k], floats[at:at + k]
-        at += k
-        lanes = i[:, :3].sum(0)
-        lanes[:2] &= 0xFFFFFFFF
-        if bool((i[:, 2] < 0).any()):  # a stale piece (STALE) makes the whole record stale
-            lanes[2] = i[:, 2].min()
-        out_i.append(torch.cat([lanes, i[:, 3].amax(0, keepdim=True)]))
-        out_f.append(f.sum(0))
-    return torch.stack(out_i), torch.stack(out_f)
+    """hashbuf.take_lanes: a slot may be a tuple of rows (kernels/hash_buffer.py)."""
+    return hashbuf.take_lanes(slots)
 
 
 def is_stale(slot, stale) -> bool:
