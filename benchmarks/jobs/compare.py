@@ -81,7 +81,7 @@ SETS: dict[str, list[tuple]] = {
     # a run's own --tp comes after the set's and wins (click keeps an option's last value)
     "axes": [("mb-8x4096", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "8", "--seq-len", "4096",
                             "--micro-batch", "8,1"], {}, 300),
-             ("decode-1x2048", L1B + ["--mode", "prefill,decode", "--forward-only"], {}, 300),
+             ("decode-1x2048", L1B + ["--mode", "prefill,decode", "--forward-only"], {}, 480),
              ("mb-fix", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "4", "--seq-len", "1024",
                          "--micro-batch", "4,1", "--fix", "all", "--no-confirm"], {}, 240),
              ("mb-fix-grid", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "2", "--seq-len", "512",
