@@ -141,6 +141,7 @@ class Recorder:
         is the slice of the reference's call 0 (cleared in place: module_probes holds the dict).
         span: (start, stop, total) positions of a decode call (None: a micro-batch)."""
         self.piece, self.n_pieces, self.piece_span = k, n, span
+        self._piece_hashed.clear()  # a row is shared within one piece only
         for key in [key for key in self._calls if key[0] == self.step]:
             del self._calls[key]
 
