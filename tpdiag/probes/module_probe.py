@@ -90,14 +90,15 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 from tpdiag.probes.float64 import snapshot
 
                 snaps[(mod, call)] = snapshot((args, kwargs or {}))
-            for i, t in enumerate(_tensors(args, kwargs)):
-                add("in", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
-                srcs = _producers(producer, t)
-                if srcs:
-                    for src in srcs:
-                        m = module_of(src)
-                        if m != "model" and not name.startswith(m + "."):
-                            extras(src).setdefault("consumers", []).append(name)
+            with _no_modes():
+                for i, t in enumerate(_tensors(args, kwargs)):
+                    add("in", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
+                    srcs = _producers(producer, t)
+                    if srcs:
+                        for src in srcs:
+                            m = module_of(src)
+                            if m != "model" and not name.startswith(m + "."):
+                                extras(src).setdefault("consumers", []).append(name)
             return None
 
         perturb = os.environ.get("TPDIAG_TEST_PERTURB_PROBE")  # fault injection for the self-check
@@ -121,18 +122,19 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 record_oracle(rec, mod, name, call, snap, style, cls)
                 if backward:
                     oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls)
-            for i, t in enumerate(_tensors(out)):
-                idx = _IDX[i] if i < _NIDX else str(i)
-                meta = add("out", name, idx, t, call=call, style=style, cls=cls,
-                           layout="partial" if part_out else None)
-                if meta is not None:
-                    _add_producer(producer, t, meta)
-                if backward and t.requires_grad and t.grad_fn is not None:
-                    hook = _grad_hook(rec, name, idx, call, style, cls, meta, part_grad)
-                    if taps is None or type(t) is not torch.Tensor:
-                        handles.append(t.register_hook(hook))
-                    else:
-                        _tap(t, hook, taps)
+            with _no_modes():
+                for i, t in enumerate(_tensors(out)):
+                    idx = _IDX[i] if i < _NIDX else str(i)
+                    meta = add("out", name, idx, t, call=call, style=style, cls=cls,
+                               layout="partial" if part_out else None)
+                    if meta is not None:
+                        _add_producer(producer, t, meta)
+                    if backward and t.requires_grad and t.grad_fn is not None:
+                        hook = _grad_hook(rec, name, idx, call, style, cls, meta, part_grad)
+                        if taps is None or type(t) is not torch.Tensor:
+                            handles.append(t.register_hook(hook))
+                        else:
+                            _tap(t, hook, taps)
             return out if perturb == name else None
 
         # TPDIAG_PROBE_HOOKS=1: every module through hooks (the path before _wrap_forward)
@@ -173,6 +175,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
 
 
 _NONE = object()
+# The records' own tensor calls (detach, data_ptr, the hash queue's views) skip torch-function
+# modes: a fix that is one (invariant-attention's) would see each of them (~3,400 Python calls
+# per decode call of a 16-layer model on the CPU), and none of them is its to change.
+_no_modes = torch._C.DisableTorchFunction
 
 
 def _global_module_hooks() -> bool:
@@ -279,8 +285,9 @@ def _tap(t: torch.Tensor, hook, taps: list) -> None:
 def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_meta,
                partial: bool = False):
     def hook(g):
-        m = rec.add("grad_out", name, idx, g, call=call, phase="backward", style=style, cls=cls,
-                    layout="partial" if partial else None)
+        with _no_modes():
+            m = rec.add("grad_out", name, idx, g, call=call, phase="backward", style=style, cls=cls,
+                        layout="partial" if partial else None)
         if m is not None and fwd_meta is not None:
             extras(m)["consumers"] = sorted(set(consumers_of(fwd_meta)))
         return None
@@ -305,7 +312,8 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
             # grad; DTensor reduces it later, in the optimizer. Record the reduced value: the
             # same all-reduce, on a copy, in the same order on every rank.
             g = g.full_tensor()
-        rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
+        with _no_modes():
+            rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
 
     return hook
 
@@ -317,10 +325,11 @@ def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None 
     walked = rec._walks.get(id(model)) or _Walk(model)
     style = _style_memo(plan)
     add = rec.add
-    for mname, short, p, cls in walked.params:
-        if include is not None and (mname or "model") not in include:
-            continue
-        add(kind, mname or "model", short, p, style=style(mname), cls=cls)
+    with _no_modes():
+        for mname, short, p, cls in walked.params:
+            if include is not None and (mname or "model") not in include:
+                continue
+            add(kind, mname or "model", short, p, style=style(mname), cls=cls)
 
 
 class _Walk:
