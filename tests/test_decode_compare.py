@@ -6,6 +6,7 @@ probes/pieces.py), so the diff's first divergence is the first op whose inputs w
 
 import json
 
+import pytest
 import torch
 from conftest import logprobs_of, run_cli, summary_of
 
@@ -135,19 +136,19 @@ def test_decode_bad_input_is_one_line_and_starts_no_world(tmp_path):
         assert not (out / "tp1").exists()
 
 
-def test_decode_ops_line_up_with_prefills(tmp_path):
+@pytest.mark.parametrize("batch,capture", [("1", "auto"), ("2", "hash")])
+def test_decode_ops_line_up_with_prefills(tmp_path, batch, capture):
     """--granularity op on a decode world: a call's n-th op of a module is the slice of prefill's
-    n-th (occurrences count per call, as call indices do), so at batch 1 every recorded op of the
-    reference has its decode counterpart and the first divergence names the op. What grew call by
-    call (the KV cache's concatenation, the scores over the keys so far) is never the reference's:
-    kept for the first call only, the rest counted (a region pass on llama-1b 1 x 2048 captured
-    6.7 GB of it)."""
-    import json
-
+    n-th (occurrences count per call, as call indices do), so every recorded op of the reference
+    has its decode counterpart and the first divergence names the op - at batch 2 too, where a
+    linear's mm sees the B sequences' rows of the call flat ([B, N] against prefill's [B * S, N]),
+    under hash capture. What grew call by call (the KV cache's concatenation, the scores over the
+    keys so far) is never the reference's: kept for the first call only, the rest counted (a
+    region pass on llama-1b 1 x 2048 captured 6.7 GB of it)."""
     out = tmp_path / "run"
-    r = run_cli("compare", "--tp", "1", "--mode", "prefill,decode", "--forward-only", "--batch-size", "1",
-                "--seq-len", "16", "--granularity", "op", "--no-baseline", "--no-confirm", "--out", str(out),
-                "--format", "json")
+    r = run_cli("compare", "--tp", "1", "--mode", "prefill,decode", "--forward-only", "--batch-size", batch,
+                "--seq-len", "16", "--granularity", "op", "--capture", capture, "--no-baseline", "--no-confirm",
+                "--out", str(out), "--format", "json")
     assert r.returncode == 0, r.stderr
     d = _summary(out)["configurations"]["1-decode"]
     fd = d["first_divergence"]
@@ -180,3 +181,45 @@ def test_decode_self_check_runs_a_prefix_and_catches_noisy_decode_steps(tmp_path
     assert sc["equal"] is False and sc["first_mismatch"] == "logits of positions 0..39", sc
     d = _summary(bad)["configurations"]["1-decode"]
     assert d["status"] == "failed" and "probed and the unprobed run" in d["error"], d
+
+
+@pytest.mark.parametrize("mode", ["full", "hash"])
+def test_flat_rows_of_b_sequences_merge_into_prefills_tensor(mode):
+    """A decode call's flat [B * n, N] record (a linear's mm at batch B) is each sequence's rows
+    at its own positions: the calls' pieces merge into exactly prefill's [B * L, N] - the tensor
+    under full capture, its lanes under hash capture - and calls merged in the wrong order do
+    not (the negative control)."""
+    from tpdiag.probes.pieces import merge
+    from tpdiag.probes.recorder import Recorder, take_lanes
+
+    B, L, P, N = 2, 6, 3, 5
+    whole = torch.randn(B, L, N)
+    flat = whole.reshape(B * L, N)
+
+    def merged(spans, rows_of=None):
+        rec = Recorder(mode=mode, piece_ref={"s0/forward/lin/out#0/0": [B * L, N]})
+        for k, (a, b) in enumerate(spans):
+            rec.begin_piece(k, len(spans), (a, b, L))
+            rec.phase = "forward"
+            a, b = (rows_of or spans)[k]
+            rec.add("out", "lin", "0", whole[:, a:b].reshape(B * (b - a), N).clone())
+        rec.end_pieces()
+        merge(rec)
+        (meta, t), = rec.records
+        assert meta["key"] == "s0/forward/lin/out#0/0"
+        return t if mode == "full" else take_lanes(rec.hashbuf, list(rec.lanes))[0][0, :3].tolist()
+
+    spans = [(0, P)] + [(t, t + 1) for t in range(P, L)]
+    got = merged(spans)
+    if mode == "full":
+        assert torch.equal(got, flat)
+    else:
+        ref = Recorder(mode="hash")
+        ref.add("out", "lin", "0", flat.clone())
+        assert got == take_lanes(ref.hashbuf, list(ref.lanes))[0][0, :3].tolist()
+    # two calls' rows filed at each other's positions: not prefill's
+    bad = merged(spans, [(0, P), (P + 1, P + 2), (P, P + 1)] + spans[3:])
+    if mode == "full":
+        assert not torch.equal(bad, flat)
+    else:
+        assert bad != got

@@ -45,10 +45,19 @@ def place(rec, key: str, local, shape=None):
     # plain local shard is a TP-th of the reference along its shard dim
     shape = list(shape if shape is not None else local.shape)
     w = rec.world
+    def others(d):
+        return all(shape[i] == ref[i] or shape[i] * w == ref[i] for i in range(local.ndim) if i != d)
+
     for d in range(local.ndim):
-        if shape[d] == stop - start and ref[d] == total and \
-                all(shape[i] == ref[i] or shape[i] * w == ref[i] for i in range(local.ndim) if i != d):
+        if shape[d] == stop - start and ref[d] == total and others(d):
             return d, start, total
+    # a linear's mm at batch B > 1 sees [B * positions, N], the reference [B * total, N]: each
+    # sequence's rows of this call, at its own position - [B, total, N] viewed flat (dim, offset,
+    # total, B); the lanes' index is the flat one either way
+    for d in range(local.ndim):
+        rows, left = divmod(ref[d], total)
+        if not left and rows > 1 and shape[d] == rows * (stop - start) and others(d):
+            return d, start, total, rows
     return None
 
 
@@ -75,6 +84,9 @@ def hash_piece(rec, meta: dict, t, local):
     # a weight's grad accumulates over the pieces: never a slice of the batch (at TP > 1 a shard
     # of TP-th the height could pass for one when TP = the number of micro-batches)
     where = None if meta["kind"] == "param_grad" else place(rec, meta["key"], local, list(t.shape))
+    if where is None and meta["kind"] != "param_grad" and rec.piece_span is not None \
+            and grows(rec, meta["key"], local):
+        return None  # left out from its first change on, as in full capture
     label = meta.get("placement") or ""
     if where is None and label.startswith("strided:") and rec.world > 1:
         # a packed gate/up weight's grad (no batch slice): one row per chunk, as outside pieces
@@ -84,6 +96,8 @@ def hash_piece(rec, meta: dict, t, local):
         rec._rows.append((meta, None))
         return meta
     tp = _tp_shard(rec, meta, t, local, where[0] if where is not None else None)
+    if where is not None and len(where) > 3 and tp is not None:
+        tp = "unknown"  # a folded piece that is also a TP shard: not placed (per-rank hashes)
     if tp == "unknown":
         # a shard whose place in the whole is not known (a partial sum, a strided shard): per-rank
         # hashes only, as for such a record outside pieces (runner/gather.py)
@@ -93,7 +107,7 @@ def hash_piece(rec, meta: dict, t, local):
     else:
         full = list(shape)
         if where is not None:
-            full[where[0]] = where[2]
+            full[where[0]] = where[2] * (where[3] if len(where) > 3 else 1)
         if tp is not None:
             full[tp[0]] = tp[1]
         if where is None:
@@ -102,6 +116,12 @@ def hash_piece(rec, meta: dict, t, local):
             meta["piece_dim"] = where[0]
         meta["hash_layout"] = f"shard:{tp[0]}" if tp is not None else "replicate"
         meta["full_shape"] = full
+        if where is not None and len(where) > 3:
+            # hashed as its [B, positions, ...] view at `start` of [B, total, ...]
+            d, rows = where[0], where[3]
+            local = local.unflatten(d, (rows, -1))
+            full = full[:d] + [rows, where[2]] + full[d + 1:]
+            where = (d + 1, where[1], where[2])
         # a module's input is often another's output (wq, wk and wv read one tensor): the same
         # tensor, unchanged, at the same place in the same piece is hashed once (its row shared)
         versions = (t._version, local._version)
@@ -283,6 +303,15 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
     ts = [as_tensor(t) for _, t in parts]
     whole = rec.piece_ref.get(m0["key"])
     d = parts[0][0].get("piece_dim", 0)
+    rows = parts[0][0].get("piece_fold")
+    if rows and all(m.get("piece_fold") == rows for m, _ in parts):
+        # each sequence's rows of every call, in position order: [B, positions, ...] made flat
+        t = torch.cat([x.unflatten(d, (rows, -1)) for x in ts], d + 1).flatten(d, d + 1)
+        m0.pop("piece_fold", None)
+        m0["local_shape"] = list(t.shape)
+        if rec.hash:
+            m0["hash"], m0["_hash_is_tensor"] = _hash(t), True
+        return [(m0, t, None)]
     whole_d = whole[d] if whole and d is not None and d < len(whole) else None
     if ts[0].ndim and d is not None and (whole_d == sum(x.shape[d] for x in ts) or (whole is None and not same)):
         t = torch.cat(ts, d)
