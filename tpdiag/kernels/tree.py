@@ -232,18 +232,23 @@ class TreeAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, part: torch.Tensor, out_dtype=None) -> torch.Tensor:
         ctx.part_dtype = part.dtype
-        w = world_size()
-        if w == 1:
-            return part.to(out_dtype) if out_dtype not in (None, part.dtype) else part.clone()
-        return tree_reduce_scattered(part, out_dtype)
+        return _all_reduce(part, out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
         return grad.to(ctx.part_dtype), None
 
 
+def _all_reduce(part: torch.Tensor, out_dtype) -> torch.Tensor:
+    if world_size() == 1:
+        return part.to(out_dtype) if out_dtype not in (None, part.dtype) else part.clone()
+    return tree_reduce_scattered(part, out_dtype)
+
+
 def tree_all_reduce(part: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return TreeAllReduce.apply(part, out_dtype)
+    if torch.is_grad_enabled() and part.requires_grad:
+        return TreeAllReduce.apply(part, out_dtype)
+    return _all_reduce(part, out_dtype)  # no graph to record (a dgrad in backward): no Function
 
 
 def reference_sum(parts: list[torch.Tensor]) -> torch.Tensor:
