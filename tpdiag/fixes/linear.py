@@ -22,7 +22,7 @@ from torch import nn
 
 from tpdiag.dtensors import local_of as _local
 from tpdiag.errors import BadInput
-from tpdiag.fixes import state
+from tpdiag.fixes import linear_dtensor, state
 from tpdiag.fixes.layouts import style_obj as _style_obj
 from tpdiag.kernels import grad_carry, tree
 from tpdiag.kernels.grouped_linear import ColBias, col_parallel_linear, row_parallel_linear
@@ -90,26 +90,33 @@ def _wrap(name: str, mod: nn.Linear, style: str, obj, world: int):
                                     f"_features)")
     local_groups = groups // world
 
+    specs = linear_dtensor.specs_of(mod)  # the DTensor fast path's specs
+
     def forward(x, *args, **kwargs):
         use_tree, use_blocked = state.active(TREE), state.active(BLOCKED)
-        w = mod.weight
-        is_d = isinstance(w, DTensor) and not hf
-        xl, wl = _local(x), _local(w)
-        bl = _local(mod.bias) if mod.bias is not None else None
+        if style != "rowwise" and not (use_tree or use_blocked):
+            return orig(x, *args, **kwargs)
+        w, b = mod.weight, mod.bias
         # grad accumulation (kernels/grad_carry.py): inside an open window, with the batch-invariant
         # GEMM on, the weight grads go into fp32 carries instead of .grad per micro-batch
         carry = use_blocked and grad_carry.is_open()
         sw = grad_carry.site(w, f"{name}.weight") if carry else None
-        sb = grad_carry.site(mod.bias, f"{name}.bias") if carry and bl is not None else None
+        sb = grad_carry.site(b, f"{name}.bias") if carry and b is not None else None
+        if style == "rowwise" and not use_tree:
+            return orig(x, *args, **kwargs)
+        is_d = isinstance(w, DTensor) and not hf
+        if is_d and b is None and linear_dtensor.usable(x):
+            # a ParallelStyle's DTensors straight into one Function (linear_dtensor.py)
+            if style == "rowwise":
+                return linear_dtensor.RowLinearD.apply(x, w, local_groups, sw, specs)
+            return linear_dtensor.ColLinearD.apply(x, w, local_groups, use_blocked, use_tree, sw, specs)
+        xl, wl = _local(x), _local(w)
+        bl = _local(b) if b is not None else None
         if style == "rowwise":
-            if not use_tree:
-                return orig(x, *args, **kwargs)
             y = row_parallel_linear(xl, wl, None if sb is not None else bl, local_groups, sw)
             if sb is not None:  # the replicated bias: its grad, a sum over tokens, carried too
                 y = ColBias.apply(y, bl, 1, sb)
             return DTensor.from_local(y, w.device_mesh, [Replicate()], run_check=False) if is_d else y
-        if not (use_tree or use_blocked):
-            return orig(x, *args, **kwargs)
         y = col_parallel_linear(xl, wl, bl, local_groups, blocked=use_blocked, tree_dgrad=use_tree,
                                 sites=(sw, sb))
         if is_d:

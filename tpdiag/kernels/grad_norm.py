@@ -111,7 +111,13 @@ def clip_coefficient(total: torch.Tensor, max_norm: float) -> float:
 
 
 def grad_norm_and_clip(params, max_norm: float | None) -> torch.Tensor:
-    params = list(params)
+    # torch-function handling off: ~10 torch calls a grad, each of which every torch-function mode
+    # a fix installs (invariant-attention's) would see first, and none acts on them
+    with torch._C.DisableTorchFunction():
+        return _norm_and_clip(list(params), max_norm)
+
+
+def _norm_and_clip(params: list, max_norm: float | None) -> torch.Tensor:
     total = grad_norm(params)
     if max_norm is not None:
         coef = clip_coefficient(total, max_norm)

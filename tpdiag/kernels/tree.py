@@ -118,10 +118,38 @@ def cat_stacked(parts: torch.Tensor, dim: int) -> torch.Tensor:
 def all_gather_flat(out: torch.Tensor, flat: torch.Tensor, group) -> None:
     """Every rank's 1-D `flat`, concatenated in rank order into `out` (gloo takes only the
     concatenated form; torch 2.13 renamed the call)."""
-    import torch.distributed as dist
+    _collective("all_gather_single", "all_gather_into_tensor", out, flat, group)
 
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, flat, group=group)
+
+def _collective(name: str, legacy: str, out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """dist.<name>(out, inp, group=group) (torch < 2.13: dist.<legacy>), a sum where it reduces.
+
+    While dist's function is torch's own (the probes wrap it: probes/collectives.py), the process
+    group's method is called straight: the same collective, without the wrapper's Python checks
+    and torch-function dispatch (every torch-function mode a fix installs sees the call first) -
+    host time on every fixed linear, where the host sets the pace (TP=4, docs/benchmarks.md)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    fn = getattr(dist, name, None)
+    if fn is None:
+        name, fn = legacy, getattr(dist, legacy)
+    pg = group or c10d._get_default_group()
+    method = getattr(pg, name, None)
+    if fn is not getattr(c10d, name, None) or method is None or inp.is_complex():
+        fn(out, inp, group=group)
+        return
+    if name == "all_to_all_single":
+        opts = c10d.AllToAllOptions()
+    elif "reduce" in name:
+        opts = c10d.ReduceScatterOptions()
+        opts.reduceOp = c10d.ReduceOp.SUM
+    else:
+        opts = c10d.AllgatherOptions()
+    opts.asyncOp = False
+    work = method(out, inp, [], [], opts) if name == "all_to_all_single" else method(out, inp, opts)
+    if work is not None:
+        work.wait()
 
 
 def _group():
@@ -166,9 +194,7 @@ def tree_reduce_scattered(part: torch.Tensor, out_dtype: torch.dtype | None = No
     fp32 partial plus (w-1)/w of the result, instead of (w-1) whole fp32 partials - at TP=4 and a
     bf16 result 4.5 instead of 12 bytes per output element (a stock bf16 ring all-reduce: ~3).
     """
-    import torch.distributed as dist
-
-    w = world_size()
+    w, group = world_size(), _group()
     out_dtype = out_dtype or part.dtype
     flat = part.contiguous().reshape(-1)
     n = flat.numel()
@@ -183,15 +209,14 @@ def tree_reduce_scattered(part: torch.Tensor, out_dtype: torch.dtype | None = No
         # ranks on, a collective's order is its own, so the all-to-all and our tree stay.
         summed = alloc.empty(chunk, dtype=flat.dtype, device=flat.device)
         # reduce_scatter_single (torch >= 2.13) is the same collective under its new name
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        rs(summed, flat, group=_group())
+        _collective("reduce_scatter_single", "reduce_scatter_tensor", summed, flat, group)
         mine = summed.to(out_dtype)  # the fp32 sum rounded once, as tree_sum_stacked_to does
     else:
         recv = alloc.empty_like(flat)
-        dist.all_to_all_single(recv, flat, group=_group())
+        _collective("all_to_all_single", "all_to_all_single", recv, flat, group)
         mine = tree_sum_stacked_to(recv.view(w, chunk), out_dtype)
     out = alloc.empty(w * chunk, dtype=out_dtype, device=part.device)
-    all_gather_flat(out, mine, _group())
+    all_gather_flat(out, mine, group)
     return out[:n].view(part.shape)
 
 
@@ -207,18 +232,23 @@ class TreeAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, part: torch.Tensor, out_dtype=None) -> torch.Tensor:
         ctx.part_dtype = part.dtype
-        w = world_size()
-        if w == 1:
-            return part.to(out_dtype) if out_dtype not in (None, part.dtype) else part.clone()
-        return tree_reduce_scattered(part, out_dtype)
+        return _all_reduce(part, out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
         return grad.to(ctx.part_dtype), None
 
 
+def _all_reduce(part: torch.Tensor, out_dtype) -> torch.Tensor:
+    if world_size() == 1:
+        return part.to(out_dtype) if out_dtype not in (None, part.dtype) else part.clone()
+    return tree_reduce_scattered(part, out_dtype)
+
+
 def tree_all_reduce(part: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return TreeAllReduce.apply(part, out_dtype)
+    if torch.is_grad_enabled() and part.requires_grad:
+        return TreeAllReduce.apply(part, out_dtype)
+    return _all_reduce(part, out_dtype)  # no graph to record (a dgrad in backward): no Function
 
 
 def reference_sum(parts: list[torch.Tensor]) -> torch.Tensor:
