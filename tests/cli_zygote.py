@@ -14,6 +14,14 @@ or torch start-up (STARTUP_PREFIXES). TPDIAG_TEST_CLI_ZYGOTE=0: every command a 
 Protocol (stdin / stdout lines of JSON): {"ready": true} once the imports are done; then for each
 request {"args", "env", "cwd", "out", "err"}: {"pid"}, then {"rc"} when that child has exited
 (negative: killed by that signal, as subprocess reports it).
+
+The command's own fork server (runner/launch.py: a fresh `python -c` that imports torch, ~3 s of
+CPU a command) forks, where it can, from a template process forked from this server before the
+command imports tpdiag (_Template): it takes the command's environment, working directory and
+sys.path as that interpreter would have them, imports the same preload and runs
+multiprocessing's own forkserver.main, a child of the command as the spawned one is. Anything
+else - other interpreter flags, a start-up variable other than RANK_ENV's and PYTHONPATH set by the
+launcher - and the command spawns its fork server as usual. TPDIAG_TEST_FORKSERVER_TEMPLATE=0: never.
 """
 import json
 import os
@@ -28,6 +36,98 @@ PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.tensor.parall
 
 def startup_env(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES)}
+
+
+_SERVER_ENV: dict = {}  # this server's environment at its start (its imports saw these)
+_BASE_PATH: list = []  # its sys.path without its script's folder and its PYTHONPATH entries
+_FORKSERVER_CMD = "from multiprocessing.forkserver import main; "
+
+
+def _pythonpath(env: dict) -> list:
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+class _Template:
+    """A process forked before the command imports tpdiag, waiting to become its fork server."""
+
+    def __init__(self):
+        import socket
+
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.pid = os.fork()
+        if self.pid == 0:
+            self.sock.close()
+            _become_fork_server(theirs)  # never returns
+        theirs.close()
+
+    def spawnv_passfds(self, orig, path, args, passfds):
+        """multiprocessing.util.spawnv_passfds, in the command: the fork server from the template
+        where it stands in for `python -c <forkserver main>`, else orig."""
+        import ast
+        import multiprocessing.util as mp_util
+        import socket
+
+        from tpdiag.runner.determinism import RANK_ENV
+
+        env = dict(os.environ)
+        theirs = startup_env(env)
+        theirs.pop("PYTHONPATH", None)  # set by the launcher (_import_root_first): sys.path below
+        for k, v in RANK_ENV.items():
+            if k not in _SERVER_ENV and theirs.get(k) == v:
+                theirs.pop(k)
+        mine = startup_env(_SERVER_ENV)
+        mine.pop("PYTHONPATH", None)
+        flags = [*mp_util._args_from_interpreter_flags(), "-c"]  # the template's own: same interpreter
+        if self.sock is None or args[1:-1] != flags or not args[-1].startswith(_FORKSERVER_CMD) or theirs != mine:
+            return orig(path, args, passfds)
+        call = ast.parse(args[-1][len(_FORKSERVER_CMD):], mode="eval").body
+        fd_args = [ast.literal_eval(a) for a in call.args[:2]]
+        if fd_args != list(passfds):
+            return orig(path, args, passfds)
+        preload = ast.literal_eval(call.args[2])
+        pp = _pythonpath(env)
+        sys_path = ["", *dict.fromkeys(pp), *(p for p in _BASE_PATH if p not in pp)]  # `python -c`'s
+        msg = json.dumps({"env": env, "cwd": os.getcwd(), "preload": preload, "sys_path": sys_path})
+        socket.send_fds(self.sock, [msg.encode()], list(passfds))
+        self.sock.close()
+        self.sock = None
+        return self.pid
+
+
+def _become_fork_server(sock) -> None:
+    """In the template: wait for the command's request, then be its fork server; exit when the
+    command ends without one."""
+    import socket
+
+    code = 0
+    try:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+        except OSError:
+            msg = b""
+        sock.close()
+        if not msg:
+            os._exit(0)
+        req = json.loads(msg)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.path[:] = req["sys_path"]
+        sys.argv = ["-c"]
+        from multiprocessing import forkserver
+
+        forkserver.main(fds[0], fds[1], req["preload"])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _child(req: dict, proto) -> int:
@@ -50,6 +150,12 @@ def _child(req: dict, proto) -> int:
     os.environ.update(req["env"])
     sys.path[0] = os.getcwd()  # `python -m`: the working directory first
     sys.argv = ["-m", *req["args"]]
+    if req["env"].get("TPDIAG_TEST_FORKSERVER_TEMPLATE", "1") != "0":
+        import functools
+        import multiprocessing.util as mp_util
+
+        template = _Template()
+        mp_util.spawnv_passfds = functools.partial(template.spawnv_passfds, mp_util.spawnv_passfds)
     try:
         runpy.run_module("tpdiag.cli", run_name="__main__", alter_sys=True)
     except SystemExit as e:
@@ -64,6 +170,9 @@ def _child(req: dict, proto) -> int:
 
 
 def serve() -> None:
+    _SERVER_ENV.update(os.environ)
+    skip = {sys.path[0], *_pythonpath(_SERVER_ENV)}
+    _BASE_PATH[:] = [p for p in sys.path if p not in skip]
     for name in PRELOAD:
         __import__(name)
     proto_in, proto_out = sys.stdin, os.fdopen(os.dup(1), "w")
