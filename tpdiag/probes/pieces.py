@@ -19,8 +19,9 @@ PHASE_RANK = {"init": 0, "forward": 1, "loss": 2, "backward": 3, "optimizer": 4}
 
 
 def place(rec, key: str, local, shape=None):
-    """Where a piece's record sits in the whole: (dim, offset, whole size), or None for a value
-    that is not a slice (the same per-call value in every piece, or a decode call's own).
+    """Where a piece's record sits in the whole: (dim, offset, whole size, rows), or None for a
+    value that is not a slice (the same per-call value in every piece, or a decode call's own).
+    rows > 1: the dim holds `rows` sequences' runs flat (below); the whole is rows x whole size.
 
     A micro-batch is a slice along dim 0: the reference's dim 0 says (n pieces of it); without a
     reference record, any tensor with a dim 0 is. A decode call is positions [start, stop) of
@@ -36,7 +37,7 @@ def place(rec, key: str, local, shape=None):
         n0 = shape[0] if shape is not None and len(shape) else local.shape[0]
         whole = ref[0] if ref else None
         if whole is None or whole == n0 * rec.n_pieces or whole != n0:
-            return 0, rec.piece * n0, n0 * rec.n_pieces
+            return 0, rec.piece * n0, n0 * rec.n_pieces, 1
         return None
     start, stop, total = rec.piece_span
     if not ref or len(ref) != local.ndim:
@@ -50,7 +51,7 @@ def place(rec, key: str, local, shape=None):
 
     for d in range(local.ndim):
         if shape[d] == stop - start and ref[d] == total and others(d):
-            return d, start, total
+            return d, start, total, 1
     # a linear's mm at batch B > 1 sees [B * positions, N], the reference [B * total, N]: each
     # sequence's rows of this call, at its own position - [B, total, N] viewed flat (dim, offset,
     # total, B); the lanes' index is the flat one either way
@@ -96,7 +97,7 @@ def hash_piece(rec, meta: dict, t, local):
         rec._rows.append((meta, None))
         return meta
     tp = _tp_shard(rec, meta, t, local, where[0] if where is not None else None)
-    if where is not None and len(where) > 3 and tp is not None:
+    if where is not None and where[3] > 1 and tp is not None:
         tp = "unknown"  # a folded piece that is also a TP shard: not placed (per-rank hashes)
     if tp == "unknown":
         # a shard whose place in the whole is not known (a partial sum, a strided shard): per-rank
@@ -107,7 +108,7 @@ def hash_piece(rec, meta: dict, t, local):
     else:
         full = list(shape)
         if where is not None:
-            full[where[0]] = where[2] * (where[3] if len(where) > 3 else 1)
+            full[where[0]] = where[2] * where[3]
         if tp is not None:
             full[tp[0]] = tp[1]
         if where is None:
@@ -116,12 +117,12 @@ def hash_piece(rec, meta: dict, t, local):
             meta["piece_dim"] = where[0]
         meta["hash_layout"] = f"shard:{tp[0]}" if tp is not None else "replicate"
         meta["full_shape"] = full
-        if where is not None and len(where) > 3:
+        if where is not None and where[3] > 1:
             # hashed as its [B, positions, ...] view at `start` of [B, total, ...]
             d, rows = where[0], where[3]
             local = local.unflatten(d, (rows, -1))
             full = full[:d] + [rows, where[2]] + full[d + 1:]
-            where = (d + 1, where[1], where[2])
+            where = (d + 1, where[1], where[2], 1)
         # a module's input is often another's output (wq, wk and wv read one tensor): the same
         # tensor, unchanged, at the same place in the same piece is hashed once (its row shared)
         versions = (t._version, local._version)
@@ -294,8 +295,7 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
             if same:
                 return [(m0, None, lanes[0])]
             # pieces that differ: each piece's own (unmatched at the reference), as full capture
-            return [({**m0, "name": f"{m0['name']}.piece{m['piece']}", "key": f"{m0['key']}.piece{m['piece']}"},
-                     None, lane) for (m, _), lane in zip(parts, lanes)]
+            return [(_own(m0, m), None, lane) for (m, _), lane in zip(parts, lanes)]
         # a piece's slot may itself be rows (a piece that is also a TP shard, batch > 1)
         return [(m0, None, tuple(x for s in lanes for x in (s if isinstance(s, tuple) else (s,))))]
     from tpdiag.probes.stream import as_tensor
@@ -303,29 +303,28 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
     ts = [as_tensor(t) for _, t in parts]
     whole = rec.piece_ref.get(m0["key"])
     d = parts[0][0].get("piece_dim", 0)
-    rows = parts[0][0].get("piece_fold")
+    rows = m0.pop("piece_fold", None)
+    whole_d = whole[d] if whole and d is not None and d < len(whole) else None
     if rows and all(m.get("piece_fold") == rows for m, _ in parts):
         # each sequence's rows of every call, in position order: [B, positions, ...] made flat
         t = torch.cat([x.unflatten(d, (rows, -1)) for x in ts], d + 1).flatten(d, d + 1)
-        m0.pop("piece_fold", None)
-        m0["local_shape"] = list(t.shape)
-        if rec.hash:
-            m0["hash"], m0["_hash_is_tensor"] = _hash(t), True
-        return [(m0, t, None)]
-    whole_d = whole[d] if whole and d is not None and d < len(whole) else None
-    if ts[0].ndim and d is not None and (whole_d == sum(x.shape[d] for x in ts) or (whole is None and not same)):
+    elif ts[0].ndim and d is not None and (whole_d == sum(x.shape[d] for x in ts) or (whole is None and not same)):
         t = torch.cat(ts, d)
     elif same:
         t = ts[0]  # the same per-call value in every piece
     else:
         # neither a slice of the whole nor shared: each piece's own (unmatched at the reference)
-        return [({**m0, "name": f"{m0['name']}.piece{m['piece']}", "key": f"{m0['key']}.piece{m['piece']}",
-                  "hash": _hash(x) if rec.hash else None}, x, None) for (m, _), x in zip(parts, ts)]
+        return [({**_own(m0, m), "hash": _hash(x) if rec.hash else None}, x, None) for (m, _), x in zip(parts, ts)]
     m0["local_shape"] = list(t.shape)
     if rec.hash:
         # the hash of exactly this tensor: gather stores it as is and need not hash it again
         m0["hash"], m0["_hash_is_tensor"] = _hash(t), True
     return [(m0, t, None)]
+
+
+def _own(m0: dict, m: dict) -> dict:
+    """m0 renamed as piece m's own record (unmatched at the reference)."""
+    return {**m0, "name": f"{m0['name']}.piece{m['piece']}", "key": f"{m0['key']}.piece{m['piece']}"}
 
 
 def _hash(t):

@@ -234,7 +234,7 @@ class Recorder:
 
                 where = place(self, key, local, list(t.shape))
                 meta["piece_dim"] = where[0] if where is not None else None
-                if where is not None and len(where) > 3:
+                if where is not None and where[3] > 1:
                     meta["piece_fold"] = where[3]  # rows of B sequences, flat (pieces.place)
                 if where is None and mode == "full" and grows(self, key, local):
                     return None

@@ -269,21 +269,20 @@ def _probe_selfcheck(bare, probed, device) -> dict:
                 if m["kind"] in kinds and not is_stale(slot, stale)}
 
     extra = {}
-    if getattr(bare, "decode_check", None) is not None:
+    if bare.decode_check is not None:
         # a decode world: the unprobed run made only the prompt call and the first few one-token
         # calls (the same calls, the same shapes as the probed run's first ones): their logits
-        n, h = bare.decode_check
-        seen = getattr(probed, "decode_check", None)
-        bad = [] if seen == (n, h) else [f"logits of positions 0..{n - 1}"]
-        want = {"logits": None}
-        extra = {"positions": n}
+        n = bare.decode_check[0]
+        bad = [] if probed.decode_check == bare.decode_check else [f"logits of positions 0..{n - 1}"]
+        checked, extra = 1, {"positions": n}
     else:
         want, have = values(bare), values(probed)
         bad = sorted(k for k in want if k not in have or not bitwise_equal(want[k], have[k]))
+        checked = len(want)
     flag = torch.tensor([0 if bad else 1], dtype=torch.int32, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return {"equal": bool(flag.item()), "checked": len(want), "first_mismatch": bad[0] if bad else None,
+    return {"equal": bool(flag.item()), "checked": checked, "first_mismatch": bad[0] if bad else None,
             **extra}
 
 
