@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from tpdiag.probes.recorder import Recorder
+from tpdiag.probes.recorder import PHASES, Recorder
 
 # Metadata and aliasing ops produce no new numbers; recording them only adds noise.
 _SKIP = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select",
@@ -21,9 +21,6 @@ _SKIP = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice",
          "empty", "zeros", "ones", "full", "fill_", "lift_fresh", "arange", "new_empty",
          "new_zeros", "copy_", "is_same_size", "_has_compatible_shallow_copy_type", "view_as",
          "contiguous", "zero_", "resize_", "set_", "_local_scalar_dense"}
-
-
-PHASES = ("init", "forward", "loss", "backward", "optimizer")
 
 
 class OpProbe(TorchDispatchMode):
