@@ -176,7 +176,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
             console.print(f"{config_name(label)}: fix [bold]{conf.get('fix')}[/] -> {conf.get('verdict')}; "
                           + (f"first divergence moves to {where(after)} ({after['cause']})" if after
                              else "no divergence left" if conf.get("verdict") == "confirmed"
-                             else conf.get("reason", "")))
+                             else conf.get("reason", ""))
+                          + _on_positions(conf.get("positions")))
+        if fd.get("positions") and not conf:
+            console.print(f"{config_name(label)}: values{_on_positions(fd['positions'])}")
     for rnd in summary.get("fix_chain") or []:
         firsts = ", ".join(f"{config_name(lab)}: {fd['cause']} at {fd['module']}" for lab, fd in
                            rnd["first_divergence"].items() if fd) or "-"
@@ -381,3 +384,13 @@ def render_text(summary: dict, width: int = 200) -> str:
     buf = io.StringIO()
     summary_tables(Console(file=buf, width=width, highlight=False), summary)
     return "\n".join(line.rstrip() for line in buf.getvalue().splitlines()) + "\n"
+
+
+def _on_positions(cut) -> str:
+    """A decode rerun on the first positions only (runner/prefix.py): which ones it saw."""
+    if not cut:
+        return ""
+    n, L = cut
+    return (f" (positions 0..{n - 1} of {L}: the prompt call and the one-token calls up to {n - 1}, "
+            "where the region pass reproduced this first divergence; rerun with `--fix` and that fix "
+            "for every position)")

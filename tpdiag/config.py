@@ -90,6 +90,12 @@ class WorldConfig:
     # one call) and how the sequence goes through the model
     micro_batch: int = 0
     mode: str = "prefill"
+    # a decode comparison on positions [0, positions) only (0: the whole sequence): decode
+    # worlds make the prompt call and the one-token calls before it; the prefill reference runs
+    # the whole sequence and records those positions of the records prefix_from's decode world
+    # placed (runner/prefix.py)
+    positions: int = 0
+    prefix_from: str = ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -147,6 +153,8 @@ class CompareConfig:
     modes: tuple[str, ...] = ("prefill",)
     grid: bool = False            # every combination of the axes, not one axis at a time
     only: tuple[str, ...] = ()    # reruns (second pass, confirm): just these labels beside the reference
+    positions: int = 0            # reruns of decode configurations: the first positions only
+    prefix_from: str = ""         # ... placed as in this earlier decode world (runner/prefix.py)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -188,4 +196,5 @@ class CompareConfig:
                            variant=self.variant, op_include=self.op_include,
                            capture=self.capture, module_include=self.module_include,
                            tree_groups=self.tree_groups, group_gemm=self.group_gemm,
-                           selfcheck=self.selfcheck, **kw)
+                           selfcheck=self.selfcheck, positions=self.positions,
+                           prefix_from=self.prefix_from, **kw)

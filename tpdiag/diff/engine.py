@@ -7,7 +7,7 @@ import torch
 
 from tpdiag.diff import bits
 from tpdiag.errors import NotComparable
-from tpdiag.records.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess
+from tpdiag.records.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess, first_positions
 from tpdiag.records.store import RecordSet
 
 
@@ -153,6 +153,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
         try:
             ra, oa = _assemble_pair(rm, ref.tensor(rm), om, other.tensor(om))
             a, b = _pair_tensors(ra, oa)
+            a = first_positions(a, b, om.get("positions"))
             if om["kind"] == "op" and (a.shape != b.shape or a.dtype != b.dtype):
                 raise NotComparable("shapes differ")
         except NotComparable as e:
@@ -172,6 +173,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
         row["shape"] = list(b.shape)
         row["rank_consistent"] = oa.rank_consistent
         row["consumers"] = om.get("consumers")
+        if om.get("positions"):
+            row["positions"] = om["positions"]  # a decode run of the first positions (runner/prefix.py)
         if (a.shape != b.shape or a.dtype != b.dtype) and _after_flip(rows):
             uncompared.append({**om, "why": "after a router flip: expert token counts differ"})
             continue

@@ -46,6 +46,7 @@ import math
 import torch
 
 from tpdiag.diff.bits import UNIT_ROUNDOFF
+from tpdiag.records.layout import first_positions
 
 MARGIN = 8.0
 SMALL = 16  # outputs below this many elements widen the margin as 16/n
@@ -152,7 +153,7 @@ def verdict_for(dd, row: dict) -> dict | None:
     pair = dd.tensors.get(row["key"])
     if o is None or pair is None:
         return None
-    got = judge(pair[0], pair[1], o)
+    got = judge(pair[0], pair[1], first_positions(o, pair[1], row.get("positions")))
     if got is None:
         return None
     discrete = notes_for(dd, row).get("discrete")

@@ -15,6 +15,8 @@ import weakref
 
 import torch
 
+from tpdiag.records.layout import narrow_positions  # noqa: F401  (the recorder's and diff's)
+
 PHASE_RANK = {"init": 0, "forward": 1, "loss": 2, "backward": 3, "optimizer": 4}
 
 
@@ -42,6 +44,9 @@ def place(rec, key: str, local, shape=None):
     start, stop, total = rec.piece_span
     if not ref or len(ref) != local.ndim:
         return None
+    # a run of the first positions only (runner/prefix.py): the pieces cover [0, total) of the
+    # reference's whole sequence - or of its record cut to those positions
+    wholes = (total,) if rec.piece_whole is None else (total, rec.piece_whole)
     # shape: the record's whole shape where it knows it (a DTensor's global shape at TP > 1); a
     # plain local shard is a TP-th of the reference along its shard dim
     shape = list(shape if shape is not None else local.shape)
@@ -50,15 +55,16 @@ def place(rec, key: str, local, shape=None):
         return all(shape[i] == ref[i] or shape[i] * w == ref[i] for i in range(local.ndim) if i != d)
 
     for d in range(local.ndim):
-        if shape[d] == stop - start and ref[d] == total and others(d):
+        if shape[d] == stop - start and ref[d] in wholes and others(d):
             return d, start, total, 1
     # a linear's mm at batch B > 1 sees [B * positions, N], the reference [B * total, N]: each
     # sequence's rows of this call, at its own position - [B, total, N] viewed flat (dim, offset,
     # total, B); the lanes' index is the flat one either way
     for d in range(local.ndim):
-        rows, left = divmod(ref[d], total)
-        if not left and rows > 1 and shape[d] == rows * (stop - start) and others(d):
-            return d, start, total, rows
+        for whole in wholes:
+            rows, left = divmod(ref[d], whole)
+            if not left and rows > 1 and shape[d] == rows * (stop - start) and others(d):
+                return d, start, total, rows
     return None
 
 
@@ -115,6 +121,8 @@ def hash_piece(rec, meta: dict, t, local):
             meta["piece_const"] = True
         else:
             meta["piece_dim"] = where[0]
+            if where[3] > 1:
+                meta["piece_fold"] = where[3]
         meta["hash_layout"] = f"shard:{tp[0]}" if tp is not None else "replicate"
         meta["full_shape"] = full
         if where is not None and where[3] > 1:
@@ -296,6 +304,8 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
                 return [(m0, None, lanes[0])]
             # pieces that differ: each piece's own (unmatched at the reference), as full capture
             return [(_own(m0, m), None, lane) for (m, _), lane in zip(parts, lanes)]
+        if rec.piece_prefix and m0.get("piece_dim") is not None:
+            m0["positions"] = [m0["piece_dim"], m0.get("piece_fold") or 1, *rec.piece_prefix]
         # a piece's slot may itself be rows (a piece that is also a TP shard, batch > 1)
         return [(m0, None, tuple(x for s in lanes for x in (s if isinstance(s, tuple) else (s,))))]
     from tpdiag.probes.stream import as_tensor
@@ -303,8 +313,13 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
     ts = [as_tensor(t) for _, t in parts]
     whole = rec.piece_ref.get(m0["key"])
     d = parts[0][0].get("piece_dim", 0)
-    rows = m0.pop("piece_fold", None)
+    rows = m0.get("piece_fold")
     whole_d = whole[d] if whole and d is not None and d < len(whole) else None
+    if rec.piece_prefix and d is not None and whole_d is not None:
+        n, L = rec.piece_prefix
+        if whole_d in (L, (rows or 1) * L):
+            whole_d = (rows or 1) * n  # the first n positions of the reference's L
+            m0["positions"] = [d, rows or 1, n, L]
     if rows and all(m.get("piece_fold") == rows for m, _ in parts):
         # each sequence's rows of every call, in position order: [B, positions, ...] made flat
         t = torch.cat([x.unflatten(d, (rows, -1)) for x in ts], d + 1).flatten(d, d + 1)

@@ -135,6 +135,16 @@ class Recorder:
     # shape at the call before
     piece_varying: dict = field(default_factory=dict)
     piece_shapes: dict = field(default_factory=dict)
+    # a decode run of the first n of the reference's L positions (runner/prefix.py): (n, L)
+    piece_prefix: tuple | None = None
+    # ... and its prefill reference: key -> (sequence dim, rows, L) of the records to cut to the
+    # first prefix_n positions
+    prefix: dict | None = None
+    prefix_n: int = 0
+
+    @property
+    def piece_whole(self) -> int | None:
+        return self.piece_prefix[1] if self.piece_prefix else None
 
     def begin_piece(self, k: int, n: int, span: tuple | None = None) -> None:
         """Piece k of n starts: call indices count from 0 again, so piece k's call 0 of a module
@@ -174,6 +184,12 @@ class Recorder:
         if phase is None:
             phase = self._phase
         step = self.step
+        if self.prefix is not None:
+            cut = self.prefix.get(f"s{step}/{phase}/{module}/{kind}#{call}/{name}")
+            if cut is not None and t.dim() > cut[0] and t.shape[cut[0]] == cut[1] * cut[2]:
+                from tpdiag.probes.pieces import narrow_positions
+
+                t = narrow_positions(t, cut[0], cut[1], self.prefix_n)
         mode = self.mode
         # Host time per record is what a small step pays for its probes (~1000 records, docs/
         # benchmarks.md "Host work per record"). A plain tensor (or Parameter) at TP=1 in hash

@@ -144,3 +144,23 @@ def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> A
         raise NotComparable(f"{meta['key']}: shards of shape {local} at TP={n} cannot be gathered "
                             f"into {list(full_hint)}")
     return Assembled(None, shards, "stacked", None)
+
+
+def narrow_positions(t, dim: int, rows: int, n: int):
+    """The first n positions of a record whose dim `dim` holds the sequence (rows > 1: `rows`
+    sequences' positions flat, [rows * L] - a linear's mm at batch > 1): what a decode run of
+    the first n positions records there (runner/prefix.py)."""
+    if rows == 1:
+        return t.narrow(dim, 0, n)
+    return t.unflatten(dim, (rows, -1)).narrow(dim + 1, 0, n).flatten(dim, dim + 1)
+
+
+def first_positions(a: torch.Tensor, b: torch.Tensor, where) -> torch.Tensor:
+    """The reference's whole record cut to the positions a decode run of the first n made
+    (runner/prefix.py; meta positions = [dim, rows, n, L]), where it is still whole."""
+    if not where or a.shape == b.shape:
+        return a
+    d, rows, n, L = where
+    if a.dim() > d and a.shape[d] == rows * L:
+        return narrow_positions(a, d, rows, n)
+    return a

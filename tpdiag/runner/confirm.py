@@ -10,6 +10,7 @@ import os
 from dataclasses import replace
 
 from tpdiag.config import CompareConfig, degree_labels
+from tpdiag.runner import prefix
 
 
 def _sub(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False) -> dict:
@@ -72,9 +73,14 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
         if on_status:
             on_status("confirm", f"{fix}")
         out = os.path.join(run_dir, "confirm", fix)
+        # decode configurations whose region pass reproduced the first divergence on the first
+        # positions: confirmed on the same positions (runner/prefix.py)
+        cut = {tuple(every[lab]["first_divergence"].get("positions") or ()) for lab, _ in members}
+        cut = cut.pop() if len(cut) == 1 else ()
         if axes:
-            sub = _sub(replace(cfg, only=tuple(lab for lab, _ in members)), out, cfg.degrees,
-                       list(cfg.fixes) + fix.split("+"))
+            sub = _sub(replace(cfg, only=tuple(lab for lab, _ in members), positions=cut[0] if cut else 0,
+                               prefix_from=prefix.decode_dir(run_dir, members[0][0]) if cut else ""),
+                       out, cfg.degrees, list(cfg.fixes) + fix.split("+"))
             sub_labels = [lab for lab, _ in members]
         else:
             sub = _sub(cfg, out, [ref_degree] + [deg for _, deg in members], list(cfg.fixes) + fix.split("+"))
@@ -94,7 +100,8 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
             verdict = "confirmed" if (now_equal and moved) else "not-confirmed"
             every[label]["confirmation"] = {
                 "fix": fix, "verdict": verdict, "first_divergence_after": after,
-                "status_after": after_entry.get("status"), "run_dir": out}
+                "status_after": after_entry.get("status"), "run_dir": out,
+                **({"positions": list(cut)} if axes and cut else {})}
     return summary
 
 

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 PROMPT_FRACTION = 0.5
+# one-token calls the unprobed run of a decode world makes after the prompt call: enough to run
+# every kind of call the probed run makes (the prompt's M = B * P GEMMs, the M = B steps)
+DECODE_SELFCHECK_CALLS = 16
 
 
 class Unsupported(Exception):

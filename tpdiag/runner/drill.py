@@ -17,6 +17,7 @@ import os
 from dataclasses import replace
 
 from tpdiag.config import CompareConfig, degree_labels
+from tpdiag.runner import prefix
 
 _VALUES = ("max_abs", "max_ulp", "mismatch_fraction", "bound", "bound_ratio", "cause")
 _OPS = ("op", "op_record", "op_detail", "op_max_abs")
@@ -105,22 +106,43 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         on_status("values" if hashed else "ops" if ops else "float64", ", ".join(modules or scopes or oracle))
     out = os.path.join(run_dir, "region" if hashed else "ops")
     degrees = cfg.degrees if axes else (cfg.degrees[0],) + tuple(d for _, d in targets)
-    sub = run_compare(replace(
+    rerun = replace(
         cfg, out=out, degrees=degrees, only=tuple(lab for lab, _ in targets) if axes else (), confirm=False, baseline=False, fix_mode="explicit",
         # no unprobed rerun per world: its step must compute what pass 1's did (_step_differs)
         selfcheck=False, oracle=tuple(oracle), oracle_ops=ops,
         capture="full" if hashed else cfg.capture, module_include=tuple(modules),
-        granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ()))
+        granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ())
     sub_labels = labels[:1] + [lab for lab, _ in targets] if axes else degree_labels(degrees)
+    # decode configurations: first on their first positions (runner/prefix.py), where that
+    # reproduces every target's first divergence; each world then proves its own probes inert
+    # (its self-check: its step is not the whole of pass 1's, so no fingerprint to match)
+    n = prefix.region_positions(cfg, [lab for lab, _ in targets]) if axes else 0
+    sub = None
+    if n:
+        sub = run_compare(replace(rerun, positions=n, selfcheck=True,
+                                  prefix_from=prefix.decode_dir(run_dir, targets[0][0])))
+        got = entries(sub)
+        if all(((got.get(lab) or {}).get("first_divergence") or {}).get("key")
+               == every[lab]["first_divergence"]["key"] for lab, _ in targets):
+            for lab, _ in targets:
+                every[lab]["first_divergence"]["positions"] = [n, cfg.seq_len]
+        else:
+            if on_status:
+                on_status("values" if hashed else "ops", "every position (the first ones did not reproduce it)")
+            sub, n = None, 0
+            out = rerun.out + "-all"
+            rerun = replace(rerun, out=out)
+    if sub is None:
+        sub = run_compare(rerun)
     sub_every = entries(sub)
-    ref_differs = _step_differs(run_dir, labels[0], out, sub_labels[0])
+    ref_differs = None if n else _step_differs(run_dir, labels[0], out, sub_labels[0])
     what = "full-capture" if hashed else "op-level" if ops else "float64"
     for (label, _), sub_label in zip(targets, sub_labels[1:]):
         entry = every[label]
         fd = entry["first_divergence"]
         sub_entry = sub_every.get(sub_label) or {}
         sfd = sub_entry.get("first_divergence") or {}
-        differs = ref_differs or _step_differs(run_dir, label, out, sub_label)
+        differs = None if n else ref_differs or _step_differs(run_dir, label, out, sub_label)
         if differs:
             # pass 1's probes were proven inert (its self-check); these were not, and did not
             # compute the same step: nothing they measured is evidence

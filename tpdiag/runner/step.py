@@ -283,10 +283,16 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     include = set(cfg.module_include) or None
     batch, labels = make_batch(cfg, target, device)
     prompt_len = checked = None
+    seq = batch.shape[1] if isinstance(batch, torch.Tensor) and batch.dim() > 1 else 0
     if cfg.mode == "decode" and decode_check and isinstance(batch, torch.Tensor):
         prompt_len, checked = decode_prefix(batch.shape[1], decode_check)
+        if cfg.positions:
+            checked = min(checked, cfg.positions)
         if decode_only_check:
             batch, labels = batch[:, :checked], labels[:, :checked]
+    from tpdiag.runner import prefix
+
+    batch, labels, prompt_len = prefix.setup(cfg, rec, batch, labels, prompt_len, seq)
     args, kwargs = forward_call(model, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=False) if cfg.backward else None
     timings["build_s"] = time.perf_counter() - t0
@@ -348,6 +354,8 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                     # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True)
                     # is re-marked whole for tpdiag; a user loss still gets what the model returned
                     logits, _ = whole_vocab(local_logits, model, target.plan, target.vocab_size, world)
+                    logits, local_logits, piece_labels = prefix.cut_loss_inputs(cfg, logits, local_logits, piece_labels)
+                    labels = piece_labels if len(parts) == 1 else labels
                     rec.phase = "loss"
                     rec.add("logits", "model", "logits", logits)
                     with loss_context(world):

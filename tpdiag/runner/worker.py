@@ -141,6 +141,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     _fault_injection(rank, world)
     t0 = time.perf_counter()
     selfcheck = None
+    from tpdiag.runner.decode import DECODE_SELFCHECK_CALLS
+
     decode_calls = DECODE_SELFCHECK_CALLS if cfg.selfcheck and cfg.mode == "decode" else 0
     ref_shapes = _ref_shapes(cfg, world)
     piece_ref = _piece_ref(cfg)
@@ -205,9 +207,6 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     return timings
 
 
-# one-token calls the unprobed run of a decode world makes after the prompt call: enough to run
-# every kind of call the probed run makes (the prompt's M = B * P GEMMs, the M = B steps)
-DECODE_SELFCHECK_CALLS = 16
 
 
 def _profiled(rank: int, label: str, fn, *args):

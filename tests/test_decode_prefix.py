@@ -1,0 +1,65 @@
+"""Decode reruns on the first positions (runner/prefix.py), real gloo worlds, tiny shapes.
+
+After the first pass (every position), the region pass and the confirmation of a TP=1 decode
+configuration run the prompt call and the first 16 one-token calls only; the prefill reference
+records the same positions of its records. Used only where that reproduces the first divergence."""
+
+import torch
+from conftest import run_cli, summary_of
+
+from tpdiag.records.store import RecordSet
+
+ARGS = ("--tp", "1", "--mode", "prefill,decode", "--forward-only", "--batch-size", "1",
+        "--seq-len", "64", "--no-baseline", "--format", "json")
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+def _record(run_dir, label, key):
+    rs = RecordSet(str(run_dir / f"tp{label}"))
+    return rs.tensor(rs.by_key[key])
+
+
+def test_region_and_confirmation_run_the_first_positions_and_equal_the_whole_run(tmp_path):
+    """The default flow on the built-in model (hash first pass): the region pass and the
+    confirmation see positions 0..47 of 64 (prompt 32 + 16 calls), and say so; their records are
+    the whole run's first 48 positions, bit for bit, in both worlds (a full-capture run of every
+    position is the check)."""
+    cut, whole = tmp_path / "cut", tmp_path / "whole"
+    r = run_cli("compare", *ARGS, "--capture", "hash", "--out", str(cut))
+    assert r.returncode == 0, r.stderr
+    d = summary_of(cut)["configurations"]["1-decode"]
+    fd, conf = d["first_divergence"], d["confirmation"]
+    assert fd["positions"] == [48, 64] and fd["cause"] == "batch-variant-kernel", fd
+    assert fd.get("op") and fd.get("max_abs", 0) > 0, fd
+    assert conf["verdict"] == "confirmed" and conf["positions"] == [48, 64], conf
+    assert summary_of(cut)["second_pass"]["dir"] == str(cut / "region")
+    r = run_cli("compare", *ARGS, "--capture", "full", "--no-confirm", "--out", str(whole))
+    assert r.returncode == 0, r.stderr
+    region = cut / "region"
+    key = fd["key"]  # a module output both runs recorded at every (whole) or the first 48 positions
+    for label in ("1", "1-decode"):
+        part, full = _record(region, label, key), _record(whole, label, key)
+        assert part.shape[1] == 48 and full.shape[1] == 64, (part.shape, full.shape)
+        assert torch.equal(_bits(part), _bits(full[:, :48]))
+    logits = _record(region, "1-decode", "s0/loss/model/logits#0/logits")
+    assert logits.shape[:2] == (1, 48)
+
+
+def test_a_divergence_past_the_first_positions_reruns_every_position(tmp_path):
+    """Negative control: a model whose one-token calls go wrong only from position 56 on
+    (tests/models/late_decode.py), under --fix all (decode is prefill's bits before that). The
+    first positions do not reproduce its first divergence, so the region pass runs every
+    position again and names it there; nothing claims a prefix."""
+    out = tmp_path / "late"
+    r = run_cli("compare", "--model", "py:tests/models/late_decode.py:target", *ARGS, "--capture", "hash",
+                "--fix", "all", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    s = summary_of(out)
+    fd = s["configurations"]["1-decode"]["first_divergence"]
+    assert fd["module"] == "late" and "positions" not in fd, fd
+    assert s["second_pass"]["dir"] == str(out / "region-all")
+    assert fd.get("max_abs", 0) > 0 and not fd.get("values_detail"), fd
+    assert (out / "region" / "summary.json").exists()  # the first positions were tried first
