@@ -119,8 +119,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     n = prefix.region_positions(cfg, [lab for lab, _ in targets]) if axes else 0
     sub = None
     if n:
-        sub = run_compare(replace(rerun, positions=n, selfcheck=True,
-                                  prefix_from=prefix.decode_dir(run_dir, targets[0][0])))
+        sub = run_compare(replace(rerun, positions=n, prefix_from=prefix.decode_dir(run_dir, targets[0][0])))
         got = entries(sub)
         if all(((got.get(lab) or {}).get("first_divergence") or {}).get("key")
                == every[lab]["first_divergence"]["key"] for lab, _ in targets):
@@ -135,14 +134,16 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     if sub is None:
         sub = run_compare(rerun)
     sub_every = entries(sub)
-    ref_differs = None if n else _step_differs(run_dir, labels[0], out, sub_labels[0])
+    # the reference ran pass 1's step (its logits and parameters; its loss-phase records are of
+    # the first positions); decode worlds on the first positions checked themselves (worker.py)
+    ref_differs = _step_differs(run_dir, labels[0], out, sub_labels[0], ("logits", "params") if n else None)
     what = "full-capture" if hashed else "op-level" if ops else "float64"
     for (label, _), sub_label in zip(targets, sub_labels[1:]):
         entry = every[label]
         fd = entry["first_divergence"]
         sub_entry = sub_every.get(sub_label) or {}
         sfd = sub_entry.get("first_divergence") or {}
-        differs = None if n else ref_differs or _step_differs(run_dir, label, out, sub_label)
+        differs = ref_differs or (None if n else _step_differs(run_dir, label, out, sub_label))
         if differs:
             # pass 1's probes were proven inert (its self-check); these were not, and did not
             # compute the same step: nothing they measured is evidence
@@ -186,7 +187,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     return summary
 
 
-def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str) -> str | None:
+def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str, keys=None) -> str | None:
     """Where the region pass's world first computed another step than pass 1's at the same
     degree (runner/fingerprint.py), with its TP label; None when every rank's fingerprint
     matches."""
@@ -198,5 +199,7 @@ def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str) -> str
         b = io.read_json(os.path.join(sub_dir, f"tp{sub_label}", "world.json")).get("fingerprint")
     except Exception:  # a failed world wrote no world.json: its own status says why (below)
         return None
+    if keys and a and b:
+        a, b = ([{k: v for k, v in (f or {}).items() if k in keys} for f in x] for x in (a, b))
     where = first_difference(a, b)
     return f"TP={label} {where}" if where else None

@@ -354,6 +354,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                     # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True)
                     # is re-marked whole for tpdiag; a user loss still gets what the model returned
                     logits, _ = whole_vocab(local_logits, model, target.plan, target.vocab_size, world)
+                    whole_logits = logits  # the fingerprint's: the step pass 1 computed (runner/drill.py)
                     logits, local_logits, piece_labels = prefix.cut_loss_inputs(cfg, logits, local_logits, piece_labels)
                     labels = piece_labels if len(parts) == 1 else labels
                     rec.phase = "loss"
@@ -398,9 +399,9 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                 record_params(rec, model, "param", target.plan, include)
                 tp = _mark(marks, "params", tp)
             if fingerprint and step == cfg.steps - 1:  # detached: no graph, nothing else kept
-                last = {"logits": logits.detach(), "logprobs": lp.detach(), "loss": loss.detach(),
+                last = {"logits": whole_logits.detach(), "logprobs": lp.detach(), "loss": loss.detach(),
                         "grad_norm": total.detach() if cfg.backward else None}
-            del out, logits, local_logits, loss
+            del out, logits, whole_logits, local_logits, loss
         if len(parts) > 1 or cfg.mode == "decode":
             from tpdiag.probes.pieces import merge
 

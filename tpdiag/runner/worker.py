@@ -143,11 +143,14 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     selfcheck = None
     from tpdiag.runner.decode import DECODE_SELFCHECK_CALLS
 
-    decode_calls = DECODE_SELFCHECK_CALLS if cfg.selfcheck and cfg.mode == "decode" else 0
+    # a decode rerun of the first positions (runner/prefix.py) has no step of pass 1's to match
+    # its fingerprint with: it proves its own probes inert (a prompt call and 16 one-token calls)
+    check = cfg.selfcheck or bool(cfg.positions and cfg.mode == "decode")
+    decode_calls = DECODE_SELFCHECK_CALLS if check and cfg.mode == "decode" else 0
     ref_shapes = _ref_shapes(cfg, world)
     piece_ref = _piece_ref(cfg)
     first_run = time.time()
-    if cfg.selfcheck:
+    if check:
         # The same step with no probes: what the model computes when nobody watches.
         bare = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "bare"), piece_ref=piece_ref)
         # a decode world's unprobed run: the prompt call and the first DECODE_SELFCHECK_CALLS
@@ -163,7 +166,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         torch.cuda.reset_peak_memory_stats(device)
     probed_run = time.time()
     timings = run(cfg, device, world, rec, fingerprint=True, decode_check=decode_calls)
-    if not cfg.selfcheck:
+    if not check:
         first_built = probed_run + timings["model_s"]
     if device.type == "cuda":
         timings["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -175,7 +178,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         timings["piece_records_left_out"] = sum(rec.piece_varying.values())
     if rec.host_store is not None:  # full capture: bytes captured, copied once, spilled
         timings["host"] = dict(rec.host_store.stats)
-    if cfg.selfcheck:
+    if check:
         selfcheck = _probe_selfcheck(bare, rec, device)
         close_stores(bare.records)
     t1 = time.perf_counter()
