@@ -1,7 +1,7 @@
 """The invariant attention kernels pass by pass (forward, dq, dk/dv) against cuDNN, on one GPU.
 
-For each pass: candidate tiles x launch orders (`attention_triton.GROUP`: heads per scheduling
-group, each group's heaviest causal blocks first), do_bench medians, the pass alone. Then the
+For each pass: candidate tiles x launch orders (AttnConfig's fwd_group / q_group / kv_group:
+heads per scheduling group, each group's heaviest causal blocks first), do_bench medians, the pass alone. Then the
 fastest tiles of each pass together through invariant_sdpa, checked bitwise (TP=2/4/8 head
 slices, batch halves, rerun: benchmarks.attention's checks) and timed fwd+bwd side by side with
 cuDNN and the shipped tiles, alternating, `--rounds` times.
@@ -24,6 +24,7 @@ KV = [(64, 64, 4, 2), (32, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 4), (32, 128, 
       (64, 128, 8, 2), (16, 64, 4, 3), (64, 64, 8, 2), (32, 64, 8, 3), (16, 128, 8, 3)]
 FIELDS = {"fwd": ("fwd_m", "fwd_n", "fwd_warps", "fwd_stages"), "dq": ("q_m", "q_n", "q_warps", "q_stages"),
           "kv": ("kv_m", "kv_n", "kv_warps", "kv_stages")}
+GROUP = {"fwd": "fwd_group", "dq": "q_group", "kv": "kv_group"}
 
 
 def _parse(argv):
@@ -89,9 +90,8 @@ def main(argv=None) -> dict:
     best = {}
     for p, cs in cands.items():
         for c in cs:
-            cfg = dataclasses.replace(base, **dict(zip(FIELDS[p], c)))
             for g in groups:
-                at.GROUP[p] = g
+                cfg = dataclasses.replace(base, **dict(zip(FIELDS[p], c)), **{GROUP[p]: g})
                 ms = bench(lambda: calls[p](cfg))
                 row = {"cfg": c, "group": g, "ms": ms}
                 if isinstance(ms, float):
@@ -100,31 +100,26 @@ def main(argv=None) -> dict:
                 print(p, json.dumps(row), flush=True)
                 if isinstance(ms, float) and ms < best.get(p, (None, None, 1e9))[2]:
                     best[p] = (c, g, ms)
-        at.GROUP[p] = 1
     shipped = {p: [r for r in res["passes"][p] if r["cfg"] == tuple(getattr(base, f) for f in FIELDS[p])]
                for p in cands}
     res["best"] = {p: {"cfg": b[0], "group": b[1], "ms": b[2]} for p, b in best.items()}
     fields = {f: x for p, (c, _, _) in best.items() for f, x in zip(FIELDS[p], c)}
-    new = dataclasses.replace(base, **fields)
-    new_groups = {p: best[p][1] for p in best}
-    res["new_config"], res["new_groups"] = new.to_dict(), new_groups
+    new = dataclasses.replace(base, **fields, **{GROUP[p]: best[p][1] for p in best})
+    res["new_config"] = new.to_dict()
     print("best", json.dumps(res["best"]), flush=True)
 
-    def inv(cfg, grp):
-        def f(q, k, v):
-            at.GROUP.update(grp)
-            return invariant_sdpa(q, k, v, is_causal=True, triton_cfg=cfg)
-        return f
-    ones = {p: 1 for p in cands}
-    backends = {"cudnn": cudnn, "shipped": inv(base, ones), "new": inv(new, new_groups),
-                "new-group1": inv(new, ones)}
+    def inv(cfg):
+        return lambda q, k, v: invariant_sdpa(q, k, v, is_causal=True, triton_cfg=cfg)
+    ones = {g: 1 for g in GROUP.values()}
+    backends = {"cudnn": cudnn, "shipped": inv(base), "new": inv(new), "new-group1": inv(dataclasses.replace(new, **ones))}
     # bits: the new tiles checked as the benchmark checks; its launch order must not move a bit
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         res["checks_new"] = _checks(torch, backends["new"], q, k, v, do)
         a, b = _run(torch, backends["new"], q, k, v, do), _run(torch, backends["new-group1"], q, k, v, do)
         res["new_same_bits_any_group"] = {n: _eq(torch, x, y) for n, x, y in zip(("o", "dq", "dk", "dv"), a, b)}
-        s1, s2 = _run(torch, backends["shipped"], q, k, v, do), _run(torch, inv(base, new_groups), q, k, v, do)
+        s1 = _run(torch, backends["shipped"], q, k, v, do)
+        s2 = _run(torch, inv(dataclasses.replace(base, **{g: 16 for g in GROUP.values()})), q, k, v, do)
         res["shipped_same_bits_any_group"] = {n: _eq(torch, x, y) for n, x, y in zip(("o", "dq", "dk", "dv"), s1, s2)}
         gq = _inputs(torch, 2, 32, 8, 1024, D, dt, seed=3)
         res["checks_new_gqa"] = _checks(torch, lambda q, k, v: invariant_sdpa(
@@ -133,7 +128,6 @@ def main(argv=None) -> dict:
         torch.use_deterministic_algorithms(False)
     print("checks", json.dumps({n: x for n, x in res.items() if "same_bits" in n or n.startswith("checks")}),
           flush=True)
-    at.GROUP.update(ones)
     res["rounds"] = []
     for r in range(args.rounds):
         row = {}
@@ -143,7 +137,6 @@ def main(argv=None) -> dict:
         row["ratio_new"] = row["new"][1] / row["cudnn"][1]
         res["rounds"].append(row)
         print("round", r, json.dumps(row), flush=True)
-    at.GROUP.update(ones)
     lines = [f"{'pass':5} {'tiles':18} {'group':>5} {'ms':>8} {'TFLOP/s':>8}"]
     for p in cands:
         for row in sorted((r for r in res["passes"][p] if isinstance(r["ms"], float)), key=lambda r: r["ms"])[:6]:

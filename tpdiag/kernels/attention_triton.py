@@ -7,7 +7,9 @@ every key block from 0 upwards into one fp32 accumulator (never split-KV). The b
 no atomics: one dk/dv program per (batch, KV head, key block) loops over its query heads in
 head order and over the query blocks in a fixed order; a separate dq program per
 (batch, query head, row block) loops over the key blocks in a fixed order. fp32 inputs use
-IEEE fp32 products (no TF32). Imports Triton at import time: import this module lazily.
+IEEE fp32 products (no TF32). The launch order (AttnConfig's *_group: heads per scheduling
+group, each group's heaviest causal blocks first) moves no bit: no program's sums depend on
+it. Imports Triton at import time: import this module lazily.
 
 The dq pass recomputes P: 7 block products per (query, key) block pair where an atomic dq
 needs 5. Two one-pass backwards without that recompute were built, checked bitwise (heads,
@@ -28,7 +30,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-GROUP = {"fwd": 1, "dq": 1, "kv": 1}  # sweep toggle (temporary): heads per scheduling group
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,18 @@ class AttnConfig:
     q_n: int = 64       # dq pass: keys per step
     q_warps: int = 4
     q_stages: int = 3
+    # launch order only, never a bit: heads per scheduling group, each group's heaviest causal
+    # blocks first (_block_and_head)
+    fwd_group: int = 1
+    kv_group: int = 1
+    q_group: int = 1
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
         if self.fwd_m % self.fwd_n or self.kv_n % self.kv_m or self.q_m % self.q_n:
             raise ValueError(f"AttnConfig {self}: fwd_m, kv_n and q_m must be multiples of fwd_n, kv_m, q_n")
+        if min(self.fwd_group, self.kv_group, self.q_group) < 1:
+            raise ValueError(f"AttnConfig {self}: the groups must be >= 1")
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -64,7 +72,9 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # head_dim 128 (Llama 3, Qwen3): the D=64 tiles spill there (fwd+bwd 1.84x cuDNN on an H200);
 # a sweep at B4 S4096 H16 D128 bf16 (docs/benchmarks.md) chose these. head_dim is never sharded,
 # so a tile choice by head_dim keeps every TP degree and batch on the same tiles.
-HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3)
+# The dq pass there launches its row blocks 4 heads at a time (q_group): 3% faster on an H100
+# than head by head; all 16 or 64 heads at once thrash L2 (docs/benchmarks.md).
+HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, q_group=4)
                     for dt in (torch.bfloat16, torch.float16)}
 
 
@@ -331,7 +341,7 @@ def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
     _fwd_kernel[grid](q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2),
                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                       o.stride(0), o.stride(1), o.stride(2), H, H // Hk, L, S, scale * LOG2E,
-                      nb, B * H, min(GROUP["fwd"], B * H),
+                      nb, B * H, min(cfg.fwd_group, B * H),
                       CAUSAL=causal, BM=cfg.fwd_m, BN=cfg.fwd_n, D=D, PREC=_prec(q),
                       EVEN=L % cfg.fwd_m == 0 and S % cfg.fwd_n == 0,
                       num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
@@ -361,7 +371,7 @@ def dq_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
     nq = triton.cdiv(L, cfg.q_m)
     _dq_kernel[(nq * B * H,)](
         q, k, v, o, do, lse, delta, dq, *_strides(q, k, v), H, H // Hk, L, S, scale * LOG2E, scale,
-        nq, B * H, min(GROUP["dq"], B * H),
+        nq, B * H, min(cfg.q_group, B * H),
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0,
         num_warps=cfg.q_warps, num_stages=cfg.q_stages)
@@ -377,7 +387,7 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
     nk = triton.cdiv(S, cfg.kv_n)
     _dkdv_kernel[(nk * B * Hk,)](
         q, k, v, do, lse, delta, dk, dv, *_strides(q, k, v), Hk, H // Hk, L, S, scale * LOG2E, scale,
-        nk, B * Hk, min(GROUP["kv"], B * Hk),
+        nk, B * Hk, min(cfg.kv_group, B * Hk),
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0,
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
