@@ -7,7 +7,9 @@ every key block from 0 upwards into one fp32 accumulator (never split-KV). The b
 no atomics: one dk/dv program per (batch, KV head, key block) loops over its query heads in
 head order and over the query blocks in a fixed order; a separate dq program per
 (batch, query head, row block) loops over the key blocks in a fixed order. fp32 inputs use
-IEEE fp32 products (no TF32). Imports Triton at import time: import this module lazily.
+IEEE fp32 products (no TF32). The launch order (AttnConfig's *_group: heads per scheduling
+group, each group's heaviest causal blocks first) moves no bit: no program's sums depend on
+it. Imports Triton at import time: import this module lazily.
 
 The dq pass recomputes P: 7 block products per (query, key) block pair where an atomic dq
 needs 5. Two one-pass backwards without that recompute were built, checked bitwise (heads,
@@ -46,11 +48,18 @@ class AttnConfig:
     q_n: int = 64       # dq pass: keys per step
     q_warps: int = 4
     q_stages: int = 3
+    # launch order only, never a bit: heads per scheduling group, each group's heaviest causal
+    # blocks first (_block_and_head)
+    fwd_group: int = 1
+    kv_group: int = 1
+    q_group: int = 1
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
         if self.fwd_m % self.fwd_n or self.kv_n % self.kv_m or self.q_m % self.q_n:
             raise ValueError(f"AttnConfig {self}: fwd_m, kv_n and q_m must be multiples of fwd_n, kv_m, q_n")
+        if min(self.fwd_group, self.kv_group, self.q_group) < 1:
+            raise ValueError(f"AttnConfig {self}: the groups must be >= 1")
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -63,7 +72,9 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # head_dim 128 (Llama 3, Qwen3): the D=64 tiles spill there (fwd+bwd 1.84x cuDNN on an H200);
 # a sweep at B4 S4096 H16 D128 bf16 (docs/benchmarks.md) chose these. head_dim is never sharded,
 # so a tile choice by head_dim keeps every TP degree and batch on the same tiles.
-HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3)
+# The dq pass there launches its row blocks 4 heads at a time (q_group): 3% faster on an H100
+# than head by head; all 16 or 64 heads at once thrash L2 (docs/benchmarks.md).
+HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, q_group=4)
                     for dt in (torch.bfloat16, torch.float16)}
 
 
@@ -89,6 +100,19 @@ def _load_rows(base, rows, stride, offs_d, n, EVEN: tl.constexpr):
         return tl.load(ptrs)
     else:
         return tl.load(ptrs, mask=rows[:, None] < n, other=0.0)
+
+
+@triton.jit
+def _block_and_head(NB, BH, G):
+    """(block, batch * head) of this program in a 1-D grid of BH * NB: heads in groups of G, each
+    group's blocks largest-work first (block NB - 1 - rank for the row-block passes; the caller
+    turns it round for the dk/dv pass). Only the launch order moves: what a program computes
+    does not depend on it."""
+    pid = tl.program_id(0)
+    g0 = (pid // (G * NB)) * G
+    gn = tl.minimum(G, BH - g0)
+    r = pid - g0 * NB
+    return NB - 1 - r // gn, g0 + r % gn
 
 
 @triton.jit
@@ -119,14 +143,12 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB", "BH", "G"])  # one compile for any launch order
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-                H, REP, L, S, qk_scale,
+                H, REP, L, S, qk_scale, NB, BH, G,
                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                 PREC: tl.constexpr, EVEN: tl.constexpr):
-    # largest causal row blocks first: they have the most work
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _block_and_head(NB, BH, G)
     b = bh // H
     h = bh % H
     hk = h // REP
@@ -187,13 +209,13 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB", "BH", "G"])  # one compile for any launch order
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-                 HK, REP, L, S, qk_scale, sm_scale,
+                 HK, REP, L, S, qk_scale, sm_scale, NB, BH, G,
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                  PREC: tl.constexpr, EVEN: tl.constexpr):
-    pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
+    pid_n, bhk = _block_and_head(NB, BH, G)
+    pid_n = NB - 1 - pid_n  # key block 0 sees every query row: the most work
     b = bhk // HK
     hk = bhk % HK
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -252,13 +274,12 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB", "BH", "G"])  # one compile for any launch order
 def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-               H, REP, L, S, qk_scale, sm_scale,
+               H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
                CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                PREC: tl.constexpr, EVEN: tl.constexpr):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _block_and_head(NB, BH, G)
     b = bh // H
     h = bh % H
     hk = h // REP
@@ -315,10 +336,12 @@ def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
     Hk, S = k.shape[1], k.shape[2]
     o = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B * H, L, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(L, cfg.fwd_m), B * H)
+    nb = triton.cdiv(L, cfg.fwd_m)
+    grid = (nb * B * H,)
     _fwd_kernel[grid](q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2),
                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                       o.stride(0), o.stride(1), o.stride(2), H, H // Hk, L, S, scale * LOG2E,
+                      nb, B * H, min(cfg.fwd_group, B * H),
                       CAUSAL=causal, BM=cfg.fwd_m, BN=cfg.fwd_n, D=D, PREC=_prec(q),
                       EVEN=L % cfg.fwd_m == 0 and S % cfg.fwd_n == 0,
                       num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
@@ -329,23 +352,43 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
     cfg = cfg or config_for(q.dtype, q.shape[-1])
     q, k, v = (_last_dim_unit(t) for t in (q, k, v))
     do = do.contiguous()
+    # dq first: it also writes delta, which the dk/dv pass reads
+    dq, delta = dq_pass(do, q, k, v, o, lse, causal, scale, cfg)
+    return (dq,) + dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg)
+
+
+def _strides(q, k, v):
+    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2))
+
+
+def dq_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
+    """-> (dq, delta); q/k/v with unit last stride, dO and O contiguous."""
     B, H, L, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
     delta = torch.empty(B * H, L, dtype=torch.float32, device=q.device)
     dq = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
-    dk = torch.empty(B, Hk, S, D, dtype=k.dtype, device=q.device)
-    dv = torch.empty(B, Hk, S, D, dtype=v.dtype, device=q.device)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
-    # dq first: it also writes delta, which the dk/dv pass reads
-    _dq_kernel[(triton.cdiv(L, cfg.q_m), B * H)](
-        q, k, v, o, do, lse, delta, dq, *strides, H, H // Hk, L, S, scale * LOG2E, scale,
+    nq = triton.cdiv(L, cfg.q_m)
+    _dq_kernel[(nq * B * H,)](
+        q, k, v, o, do, lse, delta, dq, *_strides(q, k, v), H, H // Hk, L, S, scale * LOG2E, scale,
+        nq, B * H, min(cfg.q_group, B * H),
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0,
         num_warps=cfg.q_warps, num_stages=cfg.q_stages)
-    _dkdv_kernel[(triton.cdiv(S, cfg.kv_n), B * Hk)](
-        q, k, v, do, lse, delta, dk, dv, *strides, Hk, H // Hk, L, S, scale * LOG2E, scale,
+    return dq, delta
+
+
+def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConfig):
+    """-> (dk, dv), from the delta of dq_pass."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    dk = torch.empty(B, Hk, S, D, dtype=k.dtype, device=q.device)
+    dv = torch.empty(B, Hk, S, D, dtype=v.dtype, device=q.device)
+    nk = triton.cdiv(S, cfg.kv_n)
+    _dkdv_kernel[(nk * B * Hk,)](
+        q, k, v, do, lse, delta, dk, dv, *_strides(q, k, v), Hk, H // Hk, L, S, scale * LOG2E, scale,
+        nk, B * Hk, min(cfg.kv_group, B * Hk),
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0,
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
-    return dq, dk, dv
+    return dk, dv
