@@ -44,6 +44,21 @@ def place(rec, key: str, local, shape=None):
     start, stop, total = rec.piece_span
     if not ref or len(ref) != local.ndim:
         return None
+    # a decode world asks this for ~450 records a call, the same ones every call: the answer
+    # depends on the key (its reference shape), the shapes and the span's width and total only
+    memo = (key, local.shape, None if shape is None else tuple(shape), stop - start, total)
+    hit = rec.piece_memo.get(memo, _UNSET)
+    if hit is not _UNSET:
+        return None if hit is None else (hit[0], start, total, hit[1])
+    where = _place_span(rec, ref, local, shape, start, stop, total)
+    rec.piece_memo[memo] = None if where is None else (where[0], where[3])
+    return where
+
+
+_UNSET = object()
+
+
+def _place_span(rec, ref, local, shape, start, stop, total):
     # a run of the first positions only (runner/prefix.py): the pieces cover [0, total) of the
     # reference's whole sequence - or of its record cut to those positions
     wholes = (total,) if rec.piece_whole is None else (total, rec.piece_whole)

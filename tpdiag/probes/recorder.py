@@ -135,6 +135,7 @@ class Recorder:
     # shape at the call before
     piece_varying: dict = field(default_factory=dict)
     piece_shapes: dict = field(default_factory=dict)
+    piece_memo: dict = field(default_factory=dict)  # pieces.place's answers, per key and shapes
     # a decode run of the first n of the reference's L positions (runner/prefix.py): (n, L)
     piece_prefix: tuple | None = None
     # ... and its prefill reference: key -> (sequence dim, rows, L) of the records to cut to the
