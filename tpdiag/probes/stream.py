@@ -372,6 +372,9 @@ def finish(records) -> list:
 def record_full(rec, meta: dict, t, local) -> dict:
     """Recorder.add in full mode, once the record's meta is built: its tensor streamed to the
     host (t: what was recorded, local: its detached local shard)."""
+    # a decode call's piece is concatenated with the others and the whole hashed at the merge
+    # (probes/pieces.py): its own lanes would be a hash launch a record a call, never read
+    lanes = rec.hash and rec.piece_span is None
     if rec.hash:
         meta["hash"] = None  # this rank's shard; filled by finish() (lanes computed now)
     store = rec.host_store
@@ -380,7 +383,7 @@ def record_full(rec, meta: dict, t, local) -> dict:
     # the copy's and the hash's own torch ops are not records (op probe)
     rec.enabled = False
     try:
-        cap = store.put(local, t, lanes=rec.hash)
+        cap = store.put(local, t, lanes=lanes)
     finally:
         rec.enabled = True
     rec.lanes.append(None)
