@@ -132,8 +132,8 @@ def _become_fork_server(sock) -> None:
 
 def _child(req: dict, proto) -> int:
     """In the forked child: become the CLI process and run it; its exit code. The caller exits
-    with it through SystemExit, so the child ends as an interpreter does (atexit, finalizers,
-    flushed files)."""
+    with it through _exit, so the child ends as an interpreter does (threads joined, atexit and
+    finalizers run, stdout and stderr flushed) without its heap's teardown."""
     import runpy
     import traceback
 
@@ -169,6 +169,27 @@ def _child(req: dict, proto) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """End the child as an interpreter's exit does - wait for its non-daemon threads, run its
+    atexit callbacks (multiprocessing's finalizers among them), flush stdout and stderr - then
+    leave without tearing the heap down: the child shares the server's torch-laden heap
+    copy-on-write, and clearing every module's objects at exit touched (so copied) all of it -
+    1.0 s of a `tpdiag --help`'s 1.1 s on the 2-core CI machine, 0.1 s this way."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001 - a closed stream: nothing left to write
+                pass
+        os._exit(code)
+
+
 def serve() -> None:
     _SERVER_ENV.update(os.environ)
     skip = {sys.path[0], *_pythonpath(_SERVER_ENV)}
@@ -186,7 +207,7 @@ def serve() -> None:
             try:
                 code = _child(req, proto_out)
             finally:
-                sys.exit(code)
+                _exit(code)
         proto_out.write(json.dumps({"pid": pid}) + "\n")
         proto_out.flush()
         _, status = os.waitpid(pid, 0)
