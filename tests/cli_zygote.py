@@ -2,7 +2,8 @@
 
 Each `python -m tpdiag.cli` the tests start imports torch and torch.distributed.tensor (with
 torch._dynamo): ~3 s of CPU a command on the 2-core CI machine, a command or more a test. This
-server imports those modules once per pytest process and forks a child for each command. The
+server imports those modules (and, where installed, transformers' model machinery, which an hf:
+model's command imports) once per pytest process and forks a child for each command. The
 child is a process of its own, as under subprocess.run: it takes the caller's environment, working
 directory and arguments, imports tpdiag fresh and runs `tpdiag.cli` as `python -m` would
 (`__main__`, sys.path[0] the working directory), writes stdout and stderr to files, exits with
@@ -29,9 +30,14 @@ import sys
 
 # environment variables read when the interpreter or torch starts: a request whose values differ
 # from the server's goes to a fresh interpreter (conftest.run_cli)
+# (and the settings of transformers and the Hub: HF_*, TRANSFORMERS_*, USE_TF, ...)
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "LD_", "TORCH", "PYTORCH", "CUDA",
-                    "NCCL", "TRITON", "MALLOC", "TMPDIR", "TPDIAG_TEST_CLI_ZYGOTE")
+                    "NCCL", "TRITON", "MALLOC", "TMPDIR", "TPDIAG_TEST_CLI_ZYGOTE", "HF_", "HUGGINGFACE",
+                    "TRANSFORMERS", "USE_", "SAFETENSORS", "TOKENIZERS", "ACCELERATE", "XDG_")
 PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch._dynamo")
+# where installed: transformers' model machinery, which an hf: model's command imports and its fork
+# server preloads (runner/launch.py) - ~1.5 s of CPU each, twice an hf: compare, on the CI machine
+PRELOAD_IF_INSTALLED = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto")
 
 
 def startup_env(env: dict) -> dict:
@@ -196,6 +202,11 @@ def serve() -> None:
     _BASE_PATH[:] = [p for p in sys.path if p not in skip]
     for name in PRELOAD:
         __import__(name)
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is not None:
+        for name in PRELOAD_IF_INSTALLED:
+            __import__(name)
     proto_in, proto_out = sys.stdin, os.fdopen(os.dup(1), "w")
     proto_out.write(json.dumps({"ready": True}) + "\n")
     proto_out.flush()
