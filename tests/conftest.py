@@ -53,6 +53,7 @@ def run_cli(*args, env=None, timeout=600):
 
 
 _ZYGOTE = []
+_RETIRED = []  # servers replaced by one with this process's changed environment (_zygote)
 _ZYGOTE_LOCK = threading.Lock()
 
 
@@ -97,8 +98,8 @@ class _Zygote:
 
 
 def _stop_zygote():
-    """At this process's exit: end the server (EOF on its input) and reap it."""
-    for z in _ZYGOTE:
+    """At this process's exit: end the servers (EOF on their input) and reap them."""
+    for z in _ZYGOTE + _RETIRED:
         try:
             z.proc.stdin.close()
             z.proc.wait(timeout=10)
@@ -109,12 +110,21 @@ def _stop_zygote():
 def _zygote(env):
     """The server for this process, holding its lock; None where a fresh interpreter must run the
     command: the server is still importing, its start-up environment differs (cli_zygote's
-    STARTUP_PREFIXES), another thread's command is running, or TPDIAG_TEST_CLI_ZYGOTE=0."""
+    STARTUP_PREFIXES), another thread's command is running, or TPDIAG_TEST_CLI_ZYGOTE=0.
+    Where this process's own environment changed in such a variable (tests that run tpdiag
+    in-process leave RANK_ENV, TRITON_INTERPRET or TORCHINDUCTOR_CACHE_DIR set here for the rest
+    of the session), a server started with the environment as it is now replaces the old one:
+    without that, every later command took a fresh interpreter (~3 s of imports)."""
     from cli_zygote import startup_env
 
     if env.get("TPDIAG_TEST_CLI_ZYGOTE", "1") == "0" or not _ZYGOTE_LOCK.acquire(blocking=False):
         return None
     z = _start_zygote()
+    if startup_env(env) != startup_env(z.env) and startup_env(env) == startup_env(os.environ):
+        z.proc.stdin.close()  # no command of its own is running (the lock): it exits; reaped at exit
+        _RETIRED.append(z)
+        _ZYGOTE[:] = [_Zygote()]
+        z = _ZYGOTE[0]
     if not z.ready() or startup_env(env) != startup_env(z.env):
         _ZYGOTE_LOCK.release()
         return None

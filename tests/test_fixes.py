@@ -31,8 +31,8 @@ def test_fix_all_is_bitwise_at_every_degree(tmp_path, dtype):
 ])
 def test_each_fix_is_necessary(tmp_path, dropped, cause, kind):
     rest = ",".join(f for f in ALL if f != dropped)
-    s = compare(tmp_path, "--tp", "1,8", "--fix", rest)
-    fd = s["degrees"]["8"]["first_divergence"]
+    s = compare(tmp_path, "--tp", "1,4", "--fix", rest)
+    fd = s["degrees"]["4"]["first_divergence"]
     assert s["status"] == "divergent" and fd["cause"] == cause and fd["kind"] == kind, fd
 
 
@@ -50,7 +50,7 @@ def test_confirm_moves_the_first_divergence(tmp_path):
 
 
 def test_fix_auto_chain_ends_bitwise(tmp_path):
-    p = run_cli("compare", "--tp", "1,8", "--fix", "auto", "--out", str(tmp_path / "r"), "--format", "json")
+    p = run_cli("compare", "--tp", "1,4", "--fix", "auto", "--out", str(tmp_path / "r"), "--format", "json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     chain = s["fix_chain"]
