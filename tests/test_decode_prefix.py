@@ -62,6 +62,26 @@ def test_a_divergence_past_the_first_positions_reruns_every_position(tmp_path):
     s = summary_of(out)
     fd = s["configurations"]["1-decode"]["first_divergence"]
     assert fd["module"] == "late" and "positions" not in fd, fd
-    assert s["second_pass"]["dir"] == str(out / "region-all")
+    # every position: at once where pass 1 named suspects, else after the first ones failed
+    assert s["second_pass"]["dir"] in (str(out / "region"), str(out / "region-all"))
     assert fd.get("max_abs", 0) > 0 and not fd.get("values_detail"), fd
-    assert (out / "region" / "summary.json").exists()  # the first positions were tried first
+    assert "positions" not in (s["configurations"]["1-decode"].get("confirmation") or {})
+
+
+def test_a_late_bug_beside_early_rounding_is_not_hidden_by_the_first_positions(tmp_path):
+    """Stock decode differs by rounding from the first one-token call on; the same model's
+    one-token calls are also wrong (x 1.5) from position 56. The first positions reproduce the
+    first divergence (the rounding), and the late module's output differs there too - by
+    rounding; its x 1.5 shows only later. Pass 1 names it a suspect, so the region pass runs
+    every position, finds the bug there, and the verdict is BUG - not "rounding only" from
+    positions 0..47 (what a rerun trusted on its first divergence alone said)."""
+    out = tmp_path / "late_bug"
+    r = run_cli("compare", "--model", "py:tests/models/late_decode.py:bug_target", *ARGS, "--capture", "hash",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    s = summary_of(out)
+    d = s["configurations"]["1-decode"]
+    assert d.get("suspects") == ["late"] and s["second_pass"]["dir"] == str(out / "region"), d.get("suspects")
+    assert "positions" not in d["first_divergence"], d["first_divergence"]
+    assert s["class"] == "bug", s["class"]
+    assert any(f["module"] == "late" for f in d["findings"]), d["findings"]

@@ -177,9 +177,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
                           + (f"first divergence moves to {where(after)} ({after['cause']})" if after
                              else "no divergence left" if conf.get("verdict") == "confirmed"
                              else conf.get("reason", ""))
-                          + _on_positions(conf.get("positions")))
-        if fd.get("positions") and not conf:
-            console.print(f"{config_name(label)}: values{_on_positions(fd['positions'])}")
+                          + (f" (on positions 0..{conf['positions'][0] - 1} of {conf['positions'][1]}; "
+                             f"`--fix {(conf.get('fix') or '').replace('+', ',')}` checks every position)" if conf.get("positions") else ""))
+        if fd.get("positions"):
+            console.print(f"{config_name(label)}: {_on_positions(fd['positions'])}")
     for rnd in summary.get("fix_chain") or []:
         firsts = ", ".join(f"{config_name(lab)}: {fd['cause']} at {fd['module']}" for lab, fd in
                            rnd["first_divergence"].items() if fd) or "-"
@@ -387,10 +388,8 @@ def render_text(summary: dict, width: int = 200) -> str:
 
 
 def _on_positions(cut) -> str:
-    """A decode rerun on the first positions only (runner/prefix.py): which ones it saw."""
-    if not cut:
-        return ""
+    """A decode region pass on the first positions only (runner/prefix.py): what it saw."""
     n, L = cut
-    return (f" (positions 0..{n - 1} of {L}: the prompt call and the one-token calls up to {n - 1}, "
-            "where the region pass reproduced this first divergence; rerun with `--fix` and that fix "
-            "for every position)")
+    return (f"the region pass (its op and values) ran positions 0..{n - 1} of {L} - the prompt call "
+            f"and the one-token calls up to {n - 1} - where it found again every difference the "
+            "first pass found in the modules it records")

@@ -14,14 +14,18 @@ LATE = 56
 
 
 class Late(torch.nn.Module):
+    def __init__(self, scale: float = 1 + 2.0 ** -20):
+        super().__init__()
+        self.scale = scale
+
     def forward(self, h, pos: int):
-        return h * (1 + 2.0 ** -20) if pos >= LATE and h.shape[1] == 1 else h
+        return h * self.scale if pos >= LATE and h.shape[1] == 1 else h
 
 
 class LateDecode(tiny_llama.TinyLlama):
-    def __init__(self, cfg):
+    def __init__(self, cfg, scale: float = 1 + 2.0 ** -20):
         super().__init__(cfg)
-        self.late = Late()
+        self.late = Late(scale)
 
     def forward(self, input_ids, cache=None):
         start = cache.length if cache is not None else 0
@@ -33,6 +37,11 @@ class LateDecode(tiny_llama.TinyLlama):
         return self.output(self.norm(self.late(h, start)))
 
 
-def target():
+def target(scale: float = 1 + 2.0 ** -20):
     cfg = tiny_llama.LlamaConfig(**{**tiny_llama.PRESETS["tiny-llama"], "n_layers": 1})
-    return tpdiag.Target(model=LateDecode(cfg), plan=llama_plan(), vocab_size=cfg.vocab_size)
+    return tpdiag.Target(model=LateDecode(cfg, scale), plan=llama_plan(), vocab_size=cfg.vocab_size)
+
+
+def bug_target():
+    """The late scale a bug (x 1.5), beside stock decode's early rounding differences."""
+    return target(1.5)

@@ -330,11 +330,12 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
     d = parts[0][0].get("piece_dim", 0)
     rows = m0.get("piece_fold")
     whole_d = whole[d] if whole and d is not None and d < len(whole) else None
-    if rec.piece_prefix and d is not None and whole_d is not None:
+    if rec.piece_prefix and d is not None:
         n, L = rec.piece_prefix
+        # where the diff cuts what the reference did not (ops, the float64 re-executions)
+        m0["positions"] = [d, rows or 1, n, L]
         if whole_d in (L, (rows or 1) * L):
             whole_d = (rows or 1) * n  # the first n positions of the reference's L
-            m0["positions"] = [d, rows or 1, n, L]
     if rows and all(m.get("piece_fold") == rows for m, _ in parts):
         # each sequence's rows of every call, in position order: [B, positions, ...] made flat
         t = torch.cat([x.unflatten(d, (rows, -1)) for x in ts], d + 1).flatten(d, d + 1)

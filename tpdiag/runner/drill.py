@@ -114,15 +114,17 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ())
     sub_labels = labels[:1] + [lab for lab, _ in targets] if axes else degree_labels(degrees)
     # decode configurations: first on their first positions (runner/prefix.py), where that
-    # reproduces every target's first divergence; each world then proves its own probes inert
-    # (its self-check: its step is not the whole of pass 1's, so no fingerprint to match)
-    n = prefix.region_positions(cfg, [lab for lab, _ in targets]) if axes else 0
+    # reproduces every target's first divergence and every difference pass 1 found in what it
+    # records; its decode worlds prove their own probes inert (their self-check), its reference
+    # that it ran pass 1's step (its logits' and parameters' fingerprint)
+    # not where pass 1 named suspects (outputs that moved far more than their inputs) or
+    # unjudged modules: those are judged on every position
+    n = prefix.region_positions(cfg, [lab for lab, _ in targets]) if axes and not any(
+        every[lab].get("suspects") or every[lab].get("unjudged") for lab, _ in targets) else 0
     sub = None
     if n:
         sub = run_compare(replace(rerun, positions=n, prefix_from=prefix.decode_dir(run_dir, targets[0][0])))
-        got = entries(sub)
-        if all(((got.get(lab) or {}).get("first_divergence") or {}).get("key")
-               == every[lab]["first_divergence"]["key"] for lab, _ in targets):
+        if prefix.reproduces(run_dir, out, [lab for lab, _ in targets], every, entries(sub)):
             for lab, _ in targets:
                 every[lab]["first_divergence"]["positions"] = [n, cfg.seq_len]
         else:

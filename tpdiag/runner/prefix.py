@@ -89,5 +89,28 @@ def cut_loss_inputs(cfg, logits, local_logits, labels):
     return logits[:, :n], local_logits[:, :n], labels[:, :n]
 
 
+def reproduces(run_dir: str, sub_dir: str, labels, every: dict, sub_every: dict) -> bool:
+    """Whether a rerun on the first positions stands for the whole run: for every target, the
+    same first divergence, and every record the first pass found different that the rerun
+    recorded too different again - a divergence past the first positions (a late bug beside an
+    early rounding difference) must not vanish from the findings and the verdict."""
+    from tpdiag.records.rundir import read_rows
+
+    for lab in labels:
+        fd, sfd = every[lab].get("first_divergence") or {}, sub_every.get(lab, {}).get("first_divergence") or {}
+        if not fd or sfd.get("key") != fd.get("key"):
+            return False
+    try:
+        before = read_rows(os.path.join(run_dir, "diff.csv"))
+        after = read_rows(os.path.join(sub_dir, "diff.csv"))
+    except Exception:  # no evidence that the first positions hold every difference
+        return False
+    again = {(r["degree"], r["key"]): r["bitwise"] for r in after}
+    wanted = set(labels)
+    # the loss is a mean over the positions: on the first ones it is another value, not a part
+    return all(again.get((r["degree"], r["key"])) is not True
+               for r in before if r["degree"] in wanted and r["bitwise"] is False and r["kind"] != "loss")
+
+
 def decode_dir(run_dir: str, label: str) -> str:
     return os.path.join(run_dir, f"tp{label}")
