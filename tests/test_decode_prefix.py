@@ -85,3 +85,18 @@ def test_a_late_bug_beside_early_rounding_is_not_hidden_by_the_first_positions(t
     assert "positions" not in d["first_divergence"], d["first_divergence"]
     assert s["class"] == "bug", s["class"]
     assert any(f["module"] == "late" for f in d["findings"]), d["findings"]
+
+
+def test_a_rerun_whose_first_positions_are_not_pass_ones_runs_every_position(tmp_path):
+    """Negative control for the cross-pass check: a decode whose noise is seeded per process
+    (tests/models/per_process_decode.py) passes each world's self-check, but the rerun's logits
+    over the first positions are not pass 1's (the self-checks' hashes differ), so the region
+    pass runs every position."""
+    out = tmp_path / "pp"
+    r = run_cli("compare", "--model", "py:tests/models/per_process_decode.py:target", *ARGS, "--capture", "hash",
+                "--no-confirm", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    s = summary_of(out)
+    assert (out / "region" / "summary.json").exists(), s.get("second_pass")  # tried first ...
+    assert s["second_pass"]["dir"] == str(out / "region-all")  # ... and not trusted
+    assert "positions" not in s["configurations"]["1-decode"]["first_divergence"]

@@ -91,7 +91,8 @@ def cut_loss_inputs(cfg, logits, local_logits, labels):
 
 def reproduces(run_dir: str, sub_dir: str, labels, every: dict, sub_every: dict) -> bool:
     """Whether a rerun on the first positions stands for the whole run: for every target, the
-    same first divergence, and every record the first pass found different that the rerun
+    same first divergence, the same logits over those positions as pass 1's decode world (the
+    hash both probed runs took for their self-checks), and every record the first pass found different that the rerun
     recorded too different again - a divergence past the first positions (a late bug beside an
     early rounding difference) must not vanish from the findings and the verdict."""
     from tpdiag.records.rundir import read_rows
@@ -99,6 +100,17 @@ def reproduces(run_dir: str, sub_dir: str, labels, every: dict, sub_every: dict)
     for lab in labels:
         fd, sfd = every[lab].get("first_divergence") or {}, sub_every.get(lab, {}).get("first_divergence") or {}
         if not fd or sfd.get("key") != fd.get("key"):
+            return False
+    from tpdiag import io
+
+    for lab in labels:  # the decode world computed pass 1's first positions: their logits' hash
+        try:
+            a, b = (io.read_json(os.path.join(d, f"tp{lab}", "world.json")).get("probe_selfcheck") or {}
+                    for d in (run_dir, sub_dir))
+        except Exception:
+            return False
+        if not a.get("logits_hash") or (a.get("positions"), a.get("logits_hash")) != (
+                b.get("positions"), b.get("logits_hash")):
             return False
     try:
         before = read_rows(os.path.join(run_dir, "diff.csv"))

@@ -276,7 +276,9 @@ def _probe_selfcheck(bare, probed, device) -> dict:
         # calls (the same calls, the same shapes as the probed run's first ones): their logits
         n = bare.decode_check[0]
         bad = [] if probed.decode_check == bare.decode_check else [f"logits of positions 0..{n - 1}"]
-        checked, extra = 1, {"positions": n}
+        # the probed run's hash of those logits: a rerun of the first positions (runner/prefix.py)
+        # is checked against it, pass to pass
+        checked, extra = 1, {"positions": n, "logits_hash": probed.decode_check[1] if probed.decode_check else None}
     else:
         want, have = values(bare), values(probed)
         bad = sorted(k for k in want if k not in have or not bitwise_equal(want[k], have[k]))
