@@ -366,10 +366,16 @@ def main(argv=None) -> dict:
                      f"{_fmt_ok(hs.get(4)):>5} {_fmt_ok(hs.get(8)):>5} {_fmt_ok(r.get('batch')):>6} "
                      f"{_fmt_ok(r.get('repro')):>10} {_fmt_ok(_strip_n(r.get('reruns'))):>7} {err:>28}")
     result["fastest_stock_ms"] = fastest
+    return emit(result, lines, args.json)
+
+
+def emit(result: dict, lines: list[str], json_path: str | None) -> dict:
+    """The run's table printed and kept in `result`, and the whole of it written as JSON where
+    asked (the attention benchmarks' common tail)."""
     result["table"] = "\n".join(lines)
     print(result["table"], flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
+    if json_path:
+        with open(json_path, "w") as fh:
             json.dump(result, fh, indent=1, default=str)
     return result
 

@@ -147,12 +147,9 @@ def main(argv=None) -> dict:
     for row in res["rounds"]:
         lines.append(f"round: cudnn {row['cudnn'][1]:.4f} shipped {row['shipped'][1]:.4f} ({row['ratio_shipped']:.3f}x) "
                      f"new {row['new'][1]:.4f} ({row['ratio_new']:.3f}x)")
-    res["table"] = "\n".join(lines)
-    print(res["table"], flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=1, default=str)
-    return res
+    from benchmarks.attention import emit
+
+    return emit(res, lines, args.json)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ import weakref
 
 import torch
 
-from tpdiag.records.layout import narrow_positions  # noqa: F401  (the recorder's and diff's)
-
 PHASE_RANK = {"init": 0, "forward": 1, "loss": 2, "backward": 3, "optimizer": 4}
 
 
@@ -310,6 +308,10 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
     """[(meta, tensor, lane)] for one key's piece records; same: the pieces are one value (on
     every rank: merge's _agree)."""
     m0 = {k: v for k, v in parts[0][0].items() if k not in ("piece", "piece_const")}
+    if rec.piece_prefix and m0.get("piece_dim") is not None:
+        # a decode run of the first positions: where the diff cuts what the reference did not
+        # (ops, the float64 re-executions)
+        m0["positions"] = [m0["piece_dim"], m0.get("piece_fold") or 1, *rec.piece_prefix]
     consumers = sorted({c for m, _ in parts for c in m.get("consumers", ())})
     if consumers:
         m0["consumers"] = consumers
@@ -319,8 +321,6 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
                 return [(m0, None, lanes[0])]
             # pieces that differ: each piece's own (unmatched at the reference), as full capture
             return [(_own(m0, m), None, lane) for (m, _), lane in zip(parts, lanes)]
-        if rec.piece_prefix and m0.get("piece_dim") is not None:
-            m0["positions"] = [m0["piece_dim"], m0.get("piece_fold") or 1, *rec.piece_prefix]
         # a piece's slot may itself be rows (a piece that is also a TP shard, batch > 1)
         return [(m0, None, tuple(x for s in lanes for x in (s if isinstance(s, tuple) else (s,))))]
     from tpdiag.probes.stream import as_tensor
@@ -330,12 +330,8 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
     d = parts[0][0].get("piece_dim", 0)
     rows = m0.get("piece_fold")
     whole_d = whole[d] if whole and d is not None and d < len(whole) else None
-    if rec.piece_prefix and d is not None:
-        n, L = rec.piece_prefix
-        # where the diff cuts what the reference did not (ops, the float64 re-executions)
-        m0["positions"] = [d, rows or 1, n, L]
-        if whole_d in (L, (rows or 1) * L):
-            whole_d = (rows or 1) * n  # the first n positions of the reference's L
+    if "positions" in m0 and whole_d in (rec.piece_whole, (rows or 1) * rec.piece_whole):
+        whole_d = (rows or 1) * rec.piece_prefix[0]  # the first n positions of the reference's L
     if rows and all(m.get("piece_fold") == rows for m, _ in parts):
         # each sequence's rows of every call, in position order: [B, positions, ...] made flat
         t = torch.cat([x.unflatten(d, (rows, -1)) for x in ts], d + 1).flatten(d, d + 1)

@@ -188,7 +188,7 @@ class Recorder:
         if self.prefix is not None:
             cut = self.prefix.get(f"s{step}/{phase}/{module}/{kind}#{call}/{name}")
             if cut is not None and t.dim() > cut[0] and t.shape[cut[0]] == cut[1] * cut[2]:
-                from tpdiag.probes.pieces import narrow_positions
+                from tpdiag.records.layout import narrow_positions
 
                 t = narrow_positions(t, cut[0], cut[1], self.prefix_n)
         mode = self.mode

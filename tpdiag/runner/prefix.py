@@ -92,20 +92,19 @@ def cut_loss_inputs(cfg, logits, local_logits, labels):
 def reproduces(run_dir: str, sub_dir: str, labels, every: dict, sub_every: dict) -> bool:
     """Whether a rerun on the first positions stands for the whole run: for every target, the
     same first divergence, the same logits over those positions as pass 1's decode world (the
-    hash both probed runs took for their self-checks), and every record the first pass found different that the rerun
-    recorded too different again - a divergence past the first positions (a late bug beside an
-    early rounding difference) must not vanish from the findings and the verdict."""
+    hash both probed runs took for their self-checks), and every record the first pass found
+    different that the rerun recorded too different again - a divergence past the first
+    positions (a late bug beside an early rounding difference) must not vanish from the findings
+    and the verdict."""
+    from tpdiag import io
     from tpdiag.records.rundir import read_rows
 
     for lab in labels:
         fd, sfd = every[lab].get("first_divergence") or {}, sub_every.get(lab, {}).get("first_divergence") or {}
         if not fd or sfd.get("key") != fd.get("key"):
             return False
-    from tpdiag import io
-
-    for lab in labels:  # the decode world computed pass 1's first positions: their logits' hash
         try:
-            a, b = (io.read_json(os.path.join(d, f"tp{lab}", "world.json")).get("probe_selfcheck") or {}
+            a, b = (io.read_json(os.path.join(decode_dir(d, lab), "world.json")).get("probe_selfcheck") or {}
                     for d in (run_dir, sub_dir))
         except Exception:
             return False
@@ -125,4 +124,5 @@ def reproduces(run_dir: str, sub_dir: str, labels, every: dict, sub_every: dict)
 
 
 def decode_dir(run_dir: str, label: str) -> str:
+    """A configuration's world directory in a run directory."""
     return os.path.join(run_dir, f"tp{label}")

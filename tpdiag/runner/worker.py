@@ -210,8 +210,6 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     return timings
 
 
-
-
 def _profiled(rank: int, label: str, fn, *args):
     """Developer hook: TPDIAG_PROFILE_DIR=D writes rank 0's host profile of each world (cProfile,
     D/<label>.prof; `python -m pstats`) - where a world's host time goes, on any machine."""
