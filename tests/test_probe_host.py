@@ -211,6 +211,88 @@ def test_add_whole_queues_what_add_queues(monkeypatch):
     assert len(launched["add"]) > 3  # launches ran, more than one chunk's
     assert launched["add"][-1] == list(range(3 * len(ts)))
 
+def test_add_span_queues_what_add_queues(monkeypatch):
+    """HashBuffer.add_span (a decode call's record: the same geometry one position further on)
+    against add: the same slots, launch keys and table rows - the offset's column included - at
+    several offsets, alignments and dims, over more than one chunk; a strided view is add's."""
+    launched = {}
+    monkeypatch.setattr(rh, "triton_ok", lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T
+                        and t.numel() > 0)
+    monkeypatch.setattr(hb.HashBuffer, "CHUNK", 8)
+    hb._ENTRIES.clear()
+    hb._SPANS.clear()
+    base = torch.randn(4096 + 8)
+    # (tensor, dim, whole size of dim): [B, 1, D] at dim 1 of [B, L, D]; [1, D] at dim 0 of [L, D]
+    cases = [(base[off:off + 2 * 5].view(2, 1, 5), 1, 9) for off in (0, 1, 4)]
+    cases += [(base[:6].view(1, 6), 0, 9), (base[:6].to(torch.bfloat16).view(1, 6), 0, 9),
+              (base[:20].view(5, 4).t()[:1], 0, 9)]
+    ptrs = {t.data_ptr(): i for i, (t, _, _) in enumerate(cases)}
+
+    def rows(table, n):
+        return [[ptrs.get(r[0], "copy")] + r[1:] for r in table.view(-1, rh.TABLE_COLS)[:n].tolist()]
+
+    for way in ("add", "add_span"):
+        got = launched[way] = []
+        monkeypatch.setattr(rh, "batch_launch", lambda key, table, n, *a, **k: got.append((key, rows(table, n))))
+        buf = hb.HashBuffer(torch.device("cpu"), batch=5)
+        slots = []
+        for offset in (0, 3, 8):
+            for t, d, full in cases:
+                slots.append(buf.add(t, d, full, offset) if way == "add"
+                             else buf.add_span(t, d, full, offset, t._version))
+        buf.flush()
+        got.append(slots)
+    assert launched["add"] == launched["add_span"]
+    assert len(launched["add"]) > 3
+    # the offset's column (O_B) differs between the offsets: not one row reused for all
+    assert len({tuple(r[1:]) for _, rs in launched["add_span"][:-1] for r in rs}) > len(cases)
+
+
+def test_decode_span_rows_are_the_general_paths_records(monkeypatch):
+    """A decode world's records through the span path (pieces.add_span: one planned row per key,
+    its calls' slots in a list) and through hash_piece for every call: the same merged metas and
+    the same lanes, at batch 1 and 2 (folded rows) with a cache that grows (left out alike)."""
+    from tpdiag.probes import pieces
+    from tpdiag.probes.recorder import Recorder, take_lanes
+
+    L, P, D = 7, 3, 4
+    table = torch.randn(L, D)
+
+    def run(span: bool, B: int):
+        if not span:
+            monkeypatch.setattr(pieces, "add_span", lambda *a, **k: False)
+        torch.manual_seed(B)
+        x = torch.randn(B, L, D)
+        ref = {"s0/forward/layer/out#0/0": [B, L, D], "s0/forward/rope/out#0/0": [L, D],
+               "s0/forward/lin/out#0/0": [B * L, D], "s0/forward/attn/in#0/0": [B, L, D],
+               "s0/forward/cache/out#0/0": [B, L, D]}
+        rec = Recorder(mode="hash", piece_ref=ref)
+        spans = [(0, P)] + [(t, t + 1) for t in range(P, L)]
+        for k, (a, b) in enumerate(spans):
+            rec.begin_piece(k, len(spans), (a, b, L))
+            rec.phase = "forward"
+            h = x[:, a:b].clone()
+            assert rec.add("out", "layer", "0", h) is not None
+            rec.add("in", "attn", "0", h)  # the same tensor: one row shared
+            rec.add("out", "rope", "0", table[a:b].clone())
+            rec.add("out", "lin", "0", h.reshape(B * (b - a), D))
+            rec.add("out", "cache", "0", x[:, :b].clone())  # grows call by call
+        rec.end_pieces()
+        pieces.merge(rec)
+        monkeypatch.undo()
+        return rec
+
+    for B in (2, 1):
+        fast, slow = run(True, B), run(False, B)
+        fm, sm = [m for m, _ in fast.records], [m for m, _ in slow.records]
+        assert fm == sm and len(fm) >= 5
+        assert any(m.get("piece_fold") for m in fm) == (B > 1)
+        assert fast.piece_varying == slow.piece_varying and fast.piece_varying
+        assert torch.equal(take_lanes(fast.hashbuf, list(fast.lanes))[0],
+                           take_lanes(slow.hashbuf, list(slow.lanes))[0])
+        assert fast.hashbuf.n == slow.hashbuf.n  # rows shared alike
+
+
 class _Inner(nn.Module):
     def __init__(self):
         super().__init__()

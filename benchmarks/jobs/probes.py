@@ -10,6 +10,7 @@ mode, and the record hash's throughput against the device's memory bandwidth.
   python -m benchmarks probes diff RUN_DIR
   python -m benchmarks probes sass          # the hash loop's sm_90 instruction mix (CPU, no GPU)
   python -m benchmarks probes host --rounds 7   # host time per record, llama-1b structure (CPU)
+  python -m benchmarks probes decode-host --seq 256   # probe cost per one-token decode call (CPU)
 
 `overhead`: one training step (forward, loss, backward, clip, AdamW - tpdiag's own step,
 runner/step.py) of one model built once, on one device (TP=1), with every module probed
@@ -566,7 +567,7 @@ def _pct(x) -> str:
 def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="benchmarks probes", description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("overhead", "hash", "hash-sweep", "launch", "profile", "diff", "sass",
-                                         "host"))
+                                         "host", "decode-host"))
     ap.add_argument("run_dir", nargs="?")
     ap.add_argument("--model", default="llama-1b")
     ap.add_argument("--dtype", default="bfloat16")
@@ -641,11 +642,13 @@ def main(argv: list[str]) -> dict:
             ap.error(f"--modes: unknown for profile --kineto: {', '.join(bad)} (none, hash or an experiment "
                      "--help lists; no @warm: each mode's step follows two warm-up steps)")
     from benchmarks.jobs.probes_hash import hash_sweep, hash_throughput, launch_cost
+    from benchmarks.jobs.probes_decode import decode_host
     from benchmarks.jobs.probes_host import host
     from benchmarks.jobs.probes_sass import sass
 
     res = {"overhead": overhead, "hash": hash_throughput, "hash-sweep": hash_sweep, "launch": launch_cost,
-           "profile": profile_step, "diff": diff_throughput, "sass": sass, "host": host}[args.what](args)
+           "profile": profile_step, "diff": diff_throughput, "sass": sass, "host": host,
+           "decode-host": decode_host}[args.what](args)
     if args.out:
         name = f"probes_{args.what}_{args.model}_{args.dtype}.json" if args.what in ("overhead", "profile") else f"probes_{args.what}.json"
         with open(os.path.join(args.out, name), "w") as f:

@@ -89,7 +89,7 @@ def probe_mode(mode: str):
     knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS", "TPDIAG_PROBE_TAPS")
     saved = (Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0],
              {k: os.environ.get(k) for k in knobs}, module_probe.module_probes, rh.PAIRS[0],
-             list(rh._WAVES_2BYTE), rh.ITERS_2BYTE)
+             list(rh._WAVES_2BYTE), rh.ITERS_2BYTE, HashBuffer.add_span)
     try:
         rh._FAST[0] = mode != "hash-jit"
         if mode in ("hash-each", "hash-jit"):
@@ -124,7 +124,7 @@ def probe_mode(mode: str):
         if mode == "wrap-only":
             module_probe.module_probes = _wrap_only
         if mode == "rows-only":
-            HashBuffer.add = HashBuffer.add_whole = _no_hash
+            HashBuffer.add = HashBuffer.add_whole = HashBuffer.add_span = _no_hash
         if mode == "hash-base":  # the kernels of PROBES_BASE_KERNEL (another commit's), A/B
             path = base_kernel_path()
             if path is None:
@@ -135,6 +135,7 @@ def probe_mode(mode: str):
         yield
     finally:
         Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0] = saved[:5]
+        HashBuffer.add_span = saved[10]
         changed = rh.ITERS_2BYTE != saved[9]
         module_probe.module_probes, rh.PAIRS[0], rh._WAVES_2BYTE[:], rh.ITERS_2BYTE = saved[6:10]
         if changed:

@@ -40,6 +40,9 @@ STALE = -1  # in a row's non-finite count: the tensor changed in place before it
 # recorder: `probes host` makes one per step; a model has few distinct shapes). A refinement of
 # batch_entry's own key, which depends on these and pointer % 16 == 0 (tests/test_probe_host.py)
 _ENTRIES: dict = {}
+# (shape, dtype, dim, full, data pointer % 16) -> (launch key, row tail with O_B unset, bytes,
+# elements after dim): add_span's rows, whose offset changes record by record
+_SPANS: dict = {}
 
 
 def batch_size() -> int:
@@ -177,6 +180,36 @@ class HashBuffer:
         self.n = n + 1
         key, tail, nbytes = hit
         self._enqueue(n // self.CHUNK, key, (t, version, t, version, (ptr, r) + tail), nbytes)
+        return n
+
+    def add_span(self, t: torch.Tensor, dim: int, full: int, offset: int, version: int) -> int:
+        """add(t, dim, full, offset) of a plain tensor at a new offset of the same geometry (a
+        decode call's record: the same shape as the call before, one position further on,
+        probes/pieces.add_span). A launch row depends on the offset in one column only (O_B =
+        offset x the elements after dim), so the row is cached without it and the offset put
+        in: batch_entry's dict, keyed by the offset, would miss on every call. Anything not the
+        queued contiguous case goes through add. version: t's counter, read by the caller."""
+        n = self.n
+        r = n % self.CHUNK
+        hit = None
+        if r and self.batch > 1 and t.is_contiguous():
+            ptr = t.data_ptr()
+            ek = (t.shape, t.dtype, dim, full, ptr % 16)
+            hit = _SPANS.get(ek)
+            if hit is None and rh.triton_ok(t):
+                if len(_SPANS) > 4096:
+                    _SPANS.clear()
+                key, words, row = rh.batch_entry(t, dim, full, 0, r)
+                b = 1
+                for s in t.shape[dim + 1:]:
+                    b *= s
+                hit = _SPANS[ek] = (key, tuple(row[2:]), words.numel() * words.element_size(), b)
+        if hit is None:
+            return self.add(t, dim, full, offset)
+        self.n = n + 1
+        key, (a, slab, fb, _, n_col, total), nbytes, b = hit
+        self._enqueue(n // self.CHUNK, key, (t, version, t, version, (ptr, r, a, slab, fb, offset * b, n_col, total)),
+                      nbytes)
         return n
 
     def _enqueue(self, chunk: int, key, item: tuple, nbytes: int) -> None:

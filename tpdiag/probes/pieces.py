@@ -159,6 +159,90 @@ def hash_piece(rec, meta: dict, t, local):
     return meta
 
 
+def add_span(rec, kind: str, module: str, name: str, t, call: int, phase: str, layout, style, cls):
+    """Recorder.add of a decode call's record at TP=1 in hash mode, a plain tensor (most of a
+    decode world's records: ~450 a call, 1,024 calls at 1 x 2048): hash_piece's answer for the
+    same key and shapes is the same every call but for the position, so it is planned once
+    (rec.piece_plans) and each call queues the tensor at its position (HashBuffer.add_span). The
+    key's first call keeps a compact row (probes/rows.py) with the piece's fields, its lane the
+    list every later call's slot joins. Returns the row, or False where the general path must
+    run (not a slice of the whole: a per-call value, a grown cache)."""
+    start, stop, total = rec.piece_span
+    shape = t.shape
+    step = rec.step
+    pk = (step, phase, module, kind, call, name, shape, t.dtype, stop - start, total)
+    plan = rec.piece_plans.get(pk)
+    if plan is None:
+        plan = rec.piece_plans[pk] = _span_plan(rec, pk, t)
+    if plan is False:
+        # the general path files this call's record; a later placed call starts a row of its own
+        cell = rec.span_rows.get(pk[:6])
+        if cell is not None:
+            cell[0] = None
+        return False
+    geometry, hshape, hdim, hfull, d, rows, full, cell = plan
+    version = t._version
+    # a module's input is often another's output: the same tensor, unchanged, at the same place
+    # in the same piece is hashed once (its row shared), as in hash_piece
+    here = (rec.piece, version, geometry)
+    seen = rec._piece_hashed.get(id(t))
+    if seen is not None and seen[1] == here and seen[0]() is t:
+        slot = seen[2]
+    else:
+        hb = rec.hashbuf
+        if hb is None:
+            from tpdiag.kernels.hash_buffer import HashBuffer
+
+            hb = rec.hashbuf = HashBuffer(t.device)
+        rec.enabled = False  # the hash's own torch ops are not records (op probe)
+        try:
+            slot = hb.add_span(t if rows == 1 else t.view(hshape), hdim, hfull, start, version)
+        finally:
+            rec.enabled = True
+        rec._piece_hashed[id(t)] = (weakref.ref(t), here, slot)
+    # One row per key for all the calls, its lane the list of their slots: merge takes a key's
+    # pieces' lanes in order anyway, and a row (a meta, later) per call per record was most of
+    # what the probes cost a decode world's end (~460k at 1 x 2048)
+    acc = cell[0]
+    if acc is not None:
+        acc[1].append(slot)
+        return acc[0]
+    extra = {"piece": rec.piece, "piece_dim": d, "full_shape": list(full)}
+    if rows > 1:
+        extra["piece_fold"] = rows
+    row = [step, phase, module, kind, call, name, layout, style, cls, t.dtype, shape, extra]
+    slots = [slot]
+    cell[0] = (row, slots)
+    rec.lanes.append(slots)
+    rec._rows.append(row)
+    return row
+
+
+def _span_plan(rec, pk: tuple, t):
+    """add_span's plan for one key and shapes: (geometry, hashed shape, its dim, whole size of that
+    dim, piece dim, rows, whole shape, the key's cell) - hash_piece's place at TP=1 - or False.
+    geometry: a number per (hashed shape, dim, whole size), equal for equal places (one tensor's
+    records share a row only where they are hashed alike). The cell (one per key, whatever the
+    shapes: the prompt call's and the one-token calls' plans share it) holds the key's row and
+    slots while the calls run (Recorder.end_pieces empties it)."""
+    if t.ndim == 0 or not t.is_contiguous():
+        return False
+    step, phase, module, kind, call, name = pk[:6]
+    key = f"s{step}/{phase}/{module}/{kind}#{call}/{name}"
+    where = place(rec, key, t, list(t.shape))
+    if where is None:
+        return False
+    d, _, total, rows = where
+    full = list(t.shape)
+    full[d] = total * rows
+    hshape, hdim = t.shape, d
+    if rows > 1:
+        # [B * positions, ...] hashed as its [B, positions, ...] view at `start` of [B, total, ...]
+        hshape, hdim = torch.Size((*t.shape[:d], rows, t.shape[d] // rows, *t.shape[d + 1:])), d + 1
+    geometry = rec.piece_geoms.setdefault((hshape, hdim, total), len(rec.piece_geoms))
+    return geometry, hshape, hdim, total, d, rows, full, rec.span_rows.setdefault(pk[:6], [None])
+
+
 def _tp_shard(rec, meta: dict, t, local, piece_dim):
     """(dim, whole size, offset) of the TP shard a piece's record is, None when it is replicated,
     'unknown' when its place cannot be told."""
@@ -271,15 +355,18 @@ def _same_lanes(rec, metas: list, slots: list) -> list:
     (one read of the rows at the step's end), with the same shape and not grown call by call."""
     from tpdiag.kernels.hash_buffer import STALE
 
+    # a key with add_span's rows (a list of calls' slots) beside a per-call value is no one value
+    mixed = [any(type(s) is list for s in ss) for ss in slots]
+    slots = [[] if m else ss for m, ss in zip(mixed, slots)]
     flat = [s for ss in slots for s in ss]
     if not flat:
-        return []
+        return [False] * len(slots)
     ints = rec.hashbuf.take_lanes(flat)[0].cpu()
     out, at = [], 0
-    for ms, ss in zip(metas, slots):
+    for ms, ss, m in zip(metas, slots, mixed):
         rows = ints[at:at + len(ss)]
         at += len(ss)
-        out.append(ms[0]["key"] not in rec.piece_varying
+        out.append(not m and ms[0]["key"] not in rec.piece_varying
                    and all(m.get("local_shape") == ms[0].get("local_shape") for m in ms)
                    and bool((rows[:, 2] != STALE).all()) and bool((rows[:, :2] == rows[0, :2]).all()))
     return out
@@ -321,8 +408,9 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
                 return [(m0, None, lanes[0])]
             # pieces that differ: each piece's own (unmatched at the reference), as full capture
             return [(_own(m0, m), None, lane) for (m, _), lane in zip(parts, lanes)]
-        # a piece's slot may itself be rows (a piece that is also a TP shard, batch > 1)
-        return [(m0, None, tuple(x for s in lanes for x in (s if isinstance(s, tuple) else (s,))))]
+        # a piece's slot may itself be rows (a piece that is also a TP shard, batch > 1), or the
+        # slots of many calls (add_span's row, a list)
+        return [(m0, None, tuple(x for s in lanes for x in (s if isinstance(s, (tuple, list)) else (s,))))]
     from tpdiag.probes.stream import as_tensor
 
     ts = [as_tensor(t) for _, t in parts]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpdiag.dtensors import local_of
+from tpdiag.probes import pieces as _pieces
 from tpdiag.probes import stream as _stream
 from tpdiag.probes.rows import _DTYPE_NAMES, dtype_name, materialise
 
@@ -136,6 +137,9 @@ class Recorder:
     piece_varying: dict = field(default_factory=dict)
     piece_shapes: dict = field(default_factory=dict)
     piece_memo: dict = field(default_factory=dict)  # pieces.place's answers, per key and shapes
+    piece_plans: dict = field(default_factory=dict)  # pieces.add_span's, per key and shapes
+    piece_geoms: dict = field(default_factory=dict)  # ... and a number per place they hash at
+    span_rows: dict = field(default_factory=dict)  # ... and per key a cell: its row, calls' slots
     # a decode run of the first n of the reference's L positions (runner/prefix.py): (n, L)
     piece_prefix: tuple | None = None
     # ... and its prefill reference: key -> (sequence dim, rows, L) of the records to cut to the
@@ -158,6 +162,8 @@ class Recorder:
 
     def end_pieces(self) -> None:
         self.piece, self.piece_span = None, None
+        for cell in self.span_rows.values():
+            cell[0] = None
 
     def call_index(self, module: str) -> int:
         key = (self.step, self._phase, module)
@@ -202,6 +208,12 @@ class Recorder:
         # op probe records inside the dispatch, where a detached tensor has a counter of its own
         # and an in-place op's bump is still to come (docs/benchmarks.md, "Host work per record").
         tt = type(t)
+        # a decode call's record (pieces.add_span: planned once per key, ~450 a call)
+        if self.piece_span is not None and tt is torch.Tensor and mode == "hash" and self.world == 1 \
+                and kind not in KEEP_WHOLE and kind != "op" and kind != "param_grad":
+            row = _pieces.add_span(self, kind, module, name, t, call, phase, layout, style, cls)
+            if row is not False:
+                return row
         if (tt is torch.Tensor or tt is _PARAMETER) and mode == "hash" and self.world == 1 \
                 and kind not in KEEP_WHOLE and kind != "op" and self.piece is None:
             shape = t.shape

@@ -1,0 +1,106 @@
+"""`python -m benchmarks probes decode-host`: a decode world's probe cost per one-token call.
+
+A decode world (`--mode prefill,decode`) runs the prompt in one call, then one token per call:
+1,024 calls at 1 x 2048, each filing ~28 records a layer as positions [t, t+1) of the prefill
+reference's records (probes/pieces.py). The calls are host-bound (llama-1b on an H100: ~26 ms a
+call unprobed), so what the probes add per call is host time: hooks, Recorder.add's piece path,
+placement, queueing. llama-1b's module structure (16 layers) at tiny widths, fp32, batch 1;
+the prefill reference's record shapes give the pieces their places, as the worker's do. On CPU
+hash mode's launches are not run (host work only, process time); --cuda: the GPU, launches run,
+wall time. Modes alternate in rounds (none, hash); medians; then one hash world under cProfile.
+"""
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import time
+
+from benchmarks.errors import require_cuda
+
+SORT = os.environ.get("PROBES_HOST_SORT", "tottime")
+
+
+def decode_host(args) -> dict:
+    import torch
+
+    from tpdiag.config import WorldConfig
+    from tpdiag.kernels import record_hash as rh
+    from tpdiag.models import tiny_llama
+    from tpdiag.models.plans import llama_plan
+    from tpdiag.models.target import Target
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.runner import decode as dec
+    from tpdiag.runner import determinism, step
+
+    cuda = getattr(args, "cuda", False)
+    if cuda:
+        require_cuda("probes decode-host --cuda")
+    determinism.setup(0, "cuda" if cuda else "cpu")
+    torch.set_num_threads(1)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    model = tiny_llama.build("llama-1b", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512).to(dev)
+    target = Target(model=model, plan=llama_plan("stock"), vocab_size=512, divisors=model.cfg.divisors())
+    step.build_model = lambda cfg, device, world: (target, model)
+    if not cuda:
+        rh.triton_ok = lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T and t.numel() > 0
+        rh.batch_launch = lambda *a, **k: None
+        rh.triton_lanes = lambda t, a, L, b, F, o, out=None, **k: rh.lanes_torch(t, a, L, b, F, o, out)
+    seq = args.seq if args.seq else 128
+    base = WorldConfig(model="llama-1b", degree=1, label="1", out_dir="", dtype="float32",
+                       device="cuda" if cuda else "cpu", batch_size=1, seq_len=seq, selfcheck=False,
+                       backward=False, capture="hash")
+    ref = Recorder()
+    step.run(base, dev, 1, ref)
+    piece_ref = {m["key"]: list(m.get("full_shape") or m["local_shape"]) for m, _ in ref.records}
+    calls = 1 + seq - dec.default_prompt_len(seq)
+    clock = time.perf_counter if cuda else time.process_time
+    # hooks-only: Recorder.add returning at once; rows-only: records made, nothing queued
+    times: dict = {"none": [], "hooks-only": [], "rows-only": [], "hash": []}
+    records = [0]
+
+    from benchmarks.jobs.probes_util import probe_mode
+
+    def once(mode: str):
+        rec = Recorder(piece_ref=piece_ref)
+        rec.enabled = mode != "none"
+        cfg = base.with_(mode="decode", probes=mode != "none")
+        with probe_mode(mode):
+            t = clock()
+            step.run(cfg, dev, 1, rec)
+            t = clock() - t
+        if mode == "hash":
+            records[0] = len(rec.records)
+        return t
+
+    for m in times:
+        once(m)
+    for _ in range(args.rounds):
+        for m in times:
+            times[m].append(once(m))
+    prof = cProfile.Profile()
+    prof.enable()
+    once("hash")
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats(SORT).print_stats(25)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    spread = {m: max(v) - min(v) for m, v in times.items()}
+    per_call = {m: 1e6 * (med[m] - med["none"]) / calls for m in times}
+    where = "CUDA, hash launches run, wall time" if cuda else "CPU, hash launches not run, process time"
+    print(f"probes decode-host: llama-1b structure at tiny widths, fp32, a decode world of 1 x {seq} "
+          f"({calls} calls), {where}; median of {args.rounds} rounds")
+    print(f"hash: {records[0]} records (merged); hooks-only = Recorder.add returning at once; rows-only = "
+          "records made, nothing queued or hashed")
+    print("| probes | world ms (spread) | x none | host us per call (vs none) |\n|---|---|---|---|")
+    for m in times:
+        extra = "" if m == "none" else f"{per_call[m]:.0f}"
+        print(f"| {m} | {1e3 * med[m]:.1f} ({1e3 * spread[m]:.1f}) | {med[m] / med['none']:.2f}x | {extra} |")
+    print(s.getvalue())
+    return {"rounds": args.rounds, "seq": seq, "calls": calls, "records": records[0],
+            "device": "cuda" if cuda else "cpu", "clock": "wall" if cuda else "process",
+            "modes": {m: {"world_ms": 1e3 * med[m], "spread_ms": 1e3 * spread[m], "x_none": med[m] / med["none"],
+                          "host_us_per_call": per_call[m]} for m in times}}
