@@ -244,6 +244,9 @@ def test_add_span_queues_what_add_queues(monkeypatch):
         got.append(slots)
     assert launched["add"] == launched["add_span"]
     assert len(launched["add"]) > 3
+    # a CPU tensor never takes a row cached for a CUDA tensor of its geometry (its pointer is no
+    # device address): the cache is keyed by the device kind, and a miss asks triton_ok
+    assert all(k[-1] is False for k in hb._SPANS)
     # the offset's column (O_B) differs between the offsets: not one row reused for all
     assert len({tuple(r[1:]) for _, rs in launched["add_span"][:-1] for r in rs}) > len(cases)
 
@@ -265,7 +268,8 @@ def test_decode_span_rows_are_the_general_paths_records(monkeypatch):
         x = torch.randn(B, L, D)
         ref = {"s0/forward/layer/out#0/0": [B, L, D], "s0/forward/rope/out#0/0": [L, D],
                "s0/forward/lin/out#0/0": [B * L, D], "s0/forward/attn/in#0/0": [B, L, D],
-               "s0/forward/cache/out#0/0": [B, L, D]}
+               "s0/forward/cache/out#0/0": [B, L, D], "s0/forward/head/out#0/0": [B, L, D],
+               "s0/forward/scores/out#0/0": [B, L, L]}
         rec = Recorder(mode="hash", piece_ref=ref)
         spans = [(0, P)] + [(t, t + 1) for t in range(P, L)]
         for k, (a, b) in enumerate(spans):
@@ -277,6 +281,11 @@ def test_decode_span_rows_are_the_general_paths_records(monkeypatch):
             rec.add("out", "rope", "0", table[a:b].clone())
             rec.add("out", "lin", "0", h.reshape(B * (b - a), D))
             rec.add("out", "cache", "0", x[:, :b].clone())  # grows call by call
+            # the head on the last row only (generate()'s logits_to_keep=1): [B, 1, D] in every
+            # call, not placed in the prompt call (P wide), placed in the one-token calls
+            rec.add("out", "head", "0", x[:, b - 1:b].clone())
+            # scores over the keys so far [B, q, k]: not placed until the last call's [B, 1, L]
+            rec.add("out", "scores", "0", torch.ones(B, b - a, b) * k)
         rec.end_pieces()
         pieces.merge(rec)
         monkeypatch.undo()
@@ -286,6 +295,8 @@ def test_decode_span_rows_are_the_general_paths_records(monkeypatch):
         fast, slow = run(True, B), run(False, B)
         fm, sm = [m for m, _ in fast.records], [m for m, _ in slow.records]
         assert fm == sm and len(fm) >= 5
+        assert [list(m) for m in fm] == [list(m) for m in sm]  # the keys in the same order
+        assert any(m["key"].startswith("s0/forward/head/out#0/0.piece") for m in fm)  # per call
         assert any(m.get("piece_fold") for m in fm) == (B > 1)
         assert fast.piece_varying == slow.piece_varying and fast.piece_varying
         assert torch.equal(take_lanes(fast.hashbuf, list(fast.lanes))[0],

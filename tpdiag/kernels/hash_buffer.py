@@ -40,8 +40,8 @@ STALE = -1  # in a row's non-finite count: the tensor changed in place before it
 # recorder: `probes host` makes one per step; a model has few distinct shapes). A refinement of
 # batch_entry's own key, which depends on these and pointer % 16 == 0 (tests/test_probe_host.py)
 _ENTRIES: dict = {}
-# (shape, dtype, dim, full, data pointer % 16) -> (launch key, row tail with O_B unset, bytes,
-# elements after dim): add_span's rows, whose offset changes record by record
+# (shape, dtype, dim, full, data pointer % 16, is_cuda) -> (launch key, row tail with O_B unset,
+# bytes, elements after dim): add_span's rows, whose offset changes record by record
 _SPANS: dict = {}
 
 
@@ -194,7 +194,8 @@ class HashBuffer:
         hit = None
         if r and self.batch > 1 and t.is_contiguous():
             ptr = t.data_ptr()
-            ek = (t.shape, t.dtype, dim, full, ptr % 16)
+            # the device kind in the key: a CPU tensor of a cached CUDA geometry is add's (torch)
+            ek = (t.shape, t.dtype, dim, full, ptr % 16, t.is_cuda)
             hit = _SPANS.get(ek)
             if hit is None and rh.triton_ok(t):
                 if len(_SPANS) > 4096:

@@ -101,6 +101,9 @@ def hash_piece(rec, meta: dict, t, local):
     """Recorder.add of a hash-mode record inside a piece. At TP > 1 the piece may also be a TP
     shard (a column-parallel output, a sharded weight's grad): both offsets go into its lanes."""
     shape = list(local.shape)
+    if rec.world == 1 and rec.piece_span is not None:  # add_span leaves this key to us from now on
+        rec.span_rows.setdefault((meta["step"], meta["phase"], meta["module"], meta["kind"], meta["call"],
+                                  meta["name"]), [None])[0] = _GENERAL
     # a weight's grad accumulates over the pieces: never a slice of the batch (at TP > 1 a shard
     # of TP-th the height could pass for one when TP = the number of micro-batches)
     where = None if meta["kind"] == "param_grad" else place(rec, meta["key"], local, list(t.shape))
@@ -175,12 +178,11 @@ def add_span(rec, kind: str, module: str, name: str, t, call: int, phase: str, l
     if plan is None:
         plan = rec.piece_plans[pk] = _span_plan(rec, pk, t)
     if plan is False:
-        # the general path files this call's record; a later placed call starts a row of its own
-        cell = rec.span_rows.get(pk[:6])
-        if cell is not None:
-            cell[0] = None
-        return False
+        return False  # hash_piece files it, and every later call of its key (_GENERAL)
     geometry, hshape, hdim, hfull, d, rows, full, cell = plan
+    acc = cell[0]
+    if acc is _GENERAL:
+        return False
     version = t._version
     # a module's input is often another's output: the same tensor, unchanged, at the same place
     # in the same piece is hashed once (its row shared), as in hash_piece
@@ -203,7 +205,6 @@ def add_span(rec, kind: str, module: str, name: str, t, call: int, phase: str, l
     # One row per key for all the calls, its lane the list of their slots: merge takes a key's
     # pieces' lanes in order anyway, and a row (a meta, later) per call per record was most of
     # what the probes cost a decode world's end (~460k at 1 x 2048)
-    acc = cell[0]
     if acc is not None:
         acc[1].append(slot)
         return acc[0]
@@ -216,6 +217,12 @@ def add_span(rec, kind: str, module: str, name: str, t, call: int, phase: str, l
     rec.lanes.append(slots)
     rec._rows.append(row)
     return row
+
+
+# a key's cell once the general path (hash_piece) has filed one of its calls: its later calls
+# go there too, so a key's records are all span rows or all the general path's - merge's
+# per-call values (piece_const) never meet a span row's list of slots
+_GENERAL = ("general",)
 
 
 def _span_plan(rec, pk: tuple, t):
@@ -355,18 +362,15 @@ def _same_lanes(rec, metas: list, slots: list) -> list:
     (one read of the rows at the step's end), with the same shape and not grown call by call."""
     from tpdiag.kernels.hash_buffer import STALE
 
-    # a key with add_span's rows (a list of calls' slots) beside a per-call value is no one value
-    mixed = [any(type(s) is list for s in ss) for ss in slots]
-    slots = [[] if m else ss for m, ss in zip(mixed, slots)]
     flat = [s for ss in slots for s in ss]
     if not flat:
-        return [False] * len(slots)
+        return []
     ints = rec.hashbuf.take_lanes(flat)[0].cpu()
     out, at = [], 0
-    for ms, ss, m in zip(metas, slots, mixed):
+    for ms, ss in zip(metas, slots):
         rows = ints[at:at + len(ss)]
         at += len(ss)
-        out.append(not m and ms[0]["key"] not in rec.piece_varying
+        out.append(ms[0]["key"] not in rec.piece_varying
                    and all(m.get("local_shape") == ms[0].get("local_shape") for m in ms)
                    and bool((rows[:, 2] != STALE).all()) and bool((rows[:, :2] == rows[0, :2]).all()))
     return out

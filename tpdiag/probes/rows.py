@@ -32,8 +32,14 @@ def materialise(records: list, rows: list) -> None:
             "call": call, "name": name, "placement": layout, "style": style, "cls": cls,
             "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype), "local_shape": list(shape),
             "key": f"s{step}/{phase}/{module}/{kind}#{call}/{name}",
-            "hash_layout": "replicate", "full_shape": list(shape),
         }
+        if extras and "piece" in extras:
+            # a decode call's row (pieces.add_span): the piece's keys where hash_piece puts them
+            for k in ("piece", "piece_dim", "piece_fold"):
+                if k in extras:
+                    meta[k] = extras[k]
+        meta["hash_layout"] = "replicate"
+        meta["full_shape"] = list(shape)
         if extras:
             meta.update(extras)
         row[_EXTRAS] = meta  # keys added later go to the meta itself
