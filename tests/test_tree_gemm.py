@@ -50,6 +50,23 @@ def test_tree_mm_subtrees_compose(dtype, even):
     assert not torch.equal(_bits(tree_mm(a, b, 1)), _bits(whole))
 
 
+def test_paired_loops_are_the_same_bits():
+    """Each pair of groups from one loop (_pair_acc, the default from 4 groups a call) is the
+    same tree of the same group sums as a loop per group, bit for bit - even and masked groups,
+    1 to 8 groups; and it is still a tree (negative control: one chain over K differs)."""
+    gen = torch.Generator().manual_seed(2)
+    dev = "cuda" if CUDA else "cpu"
+    for kg in ((128, 72) if CUDA else (32, 24)):
+        for groups in (1, 2, 4, 8):
+            M, N, K = (300, 200, groups * kg) if CUDA else (20, 24, groups * kg)
+            a = (torch.randn(M, K, generator=gen) * 4).to(torch.bfloat16).to(dev)
+            b = torch.randn(K, N, generator=gen).to(torch.bfloat16).to(dev)
+            one = tree_mm(a, b, groups, paired=False)
+            assert torch.equal(_bits(tree_mm(a, b, groups, paired=True)), _bits(one)), (kg, groups)
+            if groups > 1:
+                assert not torch.equal(_bits(tree_mm(a, b, 1, paired=True)), _bits(one))
+
+
 @pytest.mark.parametrize("subtile,nested_if", [(True, False), (False, False), (True, True)])
 def test_tree_mm_tma_launches_compose(subtile, nested_if):
     """The persistent TMA kernel (opt-in: tiles=TreeTiles) holds two groups per launch: four are two launches (the second adds the

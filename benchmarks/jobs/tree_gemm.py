@@ -12,8 +12,11 @@ slice of the whole K (what TP=1 computes per group) and on a row slice.
 
   python -m benchmarks tree-gemm                 # shipped tiles, TP=2 and TP=4 shapes, step sums
   python -m benchmarks tree-gemm --sweep         # TMA tile configs at three TP=2 and TP=4 shapes
+  python -m benchmarks tree-gemm --paired        # + the per-tile kernel with each pair of groups
+                                                 #   from one loop (PAIRED), checked == shipped bits
 """
 import argparse
+import functools
 import statistics
 
 from benchmarks.errors import require_cuda
@@ -108,6 +111,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tp", default="2,4")
     ap.add_argument("--sweep", action="store_true", help="TMA tile configs at three shapes per TP")
+    ap.add_argument("--paired", action="store_true",
+                    help="also the per-tile kernel with pairs of groups from one loop, at a few tiles")
     args = ap.parse_args(argv)
     require_cuda("tree-gemm")
     import torch
@@ -128,6 +133,9 @@ def main(argv: list[str]) -> dict:
         variants = {"per-tile 128x64x64 w8 s3": first,
                     "tma " + _name(CUDA_TILES[torch.bfloat16]): CUDA_TILES[torch.bfloat16]}
         tps, shapes = [int(t) for t in args.tp.split(",")], SHAPES
+    if args.paired:
+        for t in (first, (128, 64, 64, 8, 4), (128, 64, 64, 8, 2), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3)):
+            variants["paired " + "x".join(map(str, t[:3])) + f" w{t[3]} s{t[4]}"] = ("paired", t)
     rows, ok = [], True
     for tp in tps:
         groups = G // tp
@@ -137,6 +145,14 @@ def main(argv: list[str]) -> dict:
             fns, bits = {"cublas": lambda: a @ b}, {}
             for vname, tiles in variants.items():
                 try:
+                    if isinstance(tiles, tuple) and tiles[0] == "paired":
+                        # the shipped kernel's bits, besides the tree's own checks
+                        fn = functools.partial(tree_mm, paired=True)
+                        bits[vname] = _bits_ok(fn, a, b, groups, tiles[1]) and torch.equal(
+                            fn(a, b, groups, tiles=tiles[1]).view(torch.int32),
+                            tree_mm(a, b, groups, tiles=first, paired=False).view(torch.int32))
+                        fns[vname] = (lambda t=tiles[1], f=fn: f(a, b, groups, tiles=t))
+                        continue
                     bits[vname] = _bits_ok(tree_mm, a, b, groups, tiles)
                     fns[vname] = (lambda t=tiles: tree_mm(a, b, groups, tiles=t))
                 except Exception as e:  # a config that does not compile is a row, not a stop

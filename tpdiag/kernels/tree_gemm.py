@@ -18,6 +18,7 @@ reference.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -53,10 +54,52 @@ def _group_acc(a_ptr, b_ptr, offs_m, offs_n, k0, KG, stride_am, stride_ak, strid
     return acc
 
 
+def _pair_acc(a_ptr, b_ptr, offs_m, offs_n, k0, KG, stride_am, stride_ak, stride_bk, stride_bn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    # groups g and g + 1 ([k0, k0 + KG) and [k0 + KG, k0 + 2 KG)) in ONE loop, each into its own
+    # accumulator with the same dots in the same order as _group_acc: the same two sums, bit for
+    # bit, from one software pipeline instead of two (a group of llama-1b's wo at TP=2, G=8 is 4
+    # BLOCK_K steps: each loop's prologue and drain was a large part of it)
+    offs_kb = tl.arange(0, BLOCK_K)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(0, tl.cdiv(KG, BLOCK_K)):
+        offs_k0 = k0 + ki * BLOCK_K + offs_kb
+        offs_k1 = offs_k0 + KG
+        if EVEN_K:
+            offs_k0 = tl.max_contiguous(tl.multiple_of(offs_k0, BLOCK_K), BLOCK_K)
+            offs_k1 = tl.max_contiguous(tl.multiple_of(offs_k1, BLOCK_K), BLOCK_K)
+        a0_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k0[None, :] * stride_ak
+        b0_ptrs = b_ptr + offs_k0[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        a1_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k1[None, :] * stride_ak
+        b1_ptrs = b_ptr + offs_k1[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        if EVEN_K:
+            a0 = tl.load(a0_ptrs)
+            b0 = tl.load(b0_ptrs)
+            a1 = tl.load(a1_ptrs)
+            b1 = tl.load(b1_ptrs)
+        else:
+            left = KG - ki * BLOCK_K
+            a0 = tl.load(a0_ptrs, mask=offs_kb[None, :] < left, other=0.0)
+            b0 = tl.load(b0_ptrs, mask=offs_kb[:, None] < left, other=0.0)
+            a1 = tl.load(a1_ptrs, mask=offs_kb[None, :] < left, other=0.0)
+            b1 = tl.load(b1_ptrs, mask=offs_kb[:, None] < left, other=0.0)
+        if UPCAST:
+            a0 = a0.to(tl.float32)
+            b0 = b0.to(tl.float32)
+            a1 = a1.to(tl.float32)
+            b1 = b1.to(tl.float32)
+        acc0 = tl.dot(a0, b0, acc0)
+        acc1 = tl.dot(a1, b1, acc1)
+    return acc0 + acc1
+
+
 def _tree_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, KG,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                    PAIRED: tl.constexpr = False):
     # column tiles vary fastest: the programs in flight share one row block of A (read from HBM
     # once) and all of B (weights: small enough to stay in L2). Which program computes a tile,
     # and when, never changes what it computes.
@@ -71,6 +114,30 @@ def _tree_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, KG,
     offs_m = tl.max_contiguous(tl.multiple_of(offs_m, BLOCK_M), BLOCK_M)
     offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     # the fixed pairing; at most log2(GROUPS) + 1 accumulators live at once
+    if PAIRED and GROUPS >= 2:  # the same tree, each pair of leaves from one loop
+        s = _pair_acc(a_ptr, b_ptr, offs_m, offs_n, 0, KG, stride_am, stride_ak, stride_bk,
+                      stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+        if GROUPS >= 4:
+            s = s + _pair_acc(a_ptr, b_ptr, offs_m, offs_n, 2 * KG, KG, stride_am, stride_ak,
+                              stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+        if GROUPS == 8:
+            s45 = _pair_acc(a_ptr, b_ptr, offs_m, offs_n, 4 * KG, KG, stride_am, stride_ak,
+                            stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+            s = s + (s45 + _pair_acc(a_ptr, b_ptr, offs_m, offs_n, 6 * KG, KG, stride_am, stride_ak,
+                                     stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST))
+    else:
+        s = _tree_unpaired(a_ptr, b_ptr, offs_m, offs_n, KG, stride_am, stride_ak, stride_bk,
+                           stride_bn, GROUPS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+    offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    tl.store(c_ptrs, s, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+
+def _tree_unpaired(a_ptr, b_ptr, offs_m, offs_n, KG, stride_am, stride_ak, stride_bk, stride_bn,
+                   GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    # a loop per group, the pairing as the groups finish
     s = _group_acc(a_ptr, b_ptr, offs_m, offs_n, 0, KG, stride_am, stride_ak, stride_bk,
                    stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
     if GROUPS >= 2:
@@ -92,10 +159,7 @@ def _tree_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, KG,
         s67 = s67 + _group_acc(a_ptr, b_ptr, offs_m, offs_n, 7 * KG, KG, stride_am, stride_ak,
                                stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
         s = s + (s45 + s67)
-    offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
-    tl.store(c_ptrs, s, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+    return s
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,8 +169,8 @@ def _kernels():
     import triton.language as _tl
 
     triton, tl = _triton, _tl
-    group_acc = _triton.jit(_group_acc)
-    globals()["_group_acc"] = group_acc
+    for name in ("_group_acc", "_pair_acc", "_tree_unpaired"):
+        globals()[name] = _triton.jit(globals()[name])
     return _triton.jit(_tree_mm_kernel)
 
 
@@ -121,11 +185,12 @@ def supported(a: torch.Tensor, b: torch.Tensor, groups: int) -> bool:
             and groups in (1, 2, 4, 8) and a.shape[-1] % groups == 0)
 
 
-def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None) -> torch.Tensor:
+def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None, paired: bool | None = None) -> torch.Tensor:
     """fp32 [M, N]: the balanced tree over `groups` equal K ranges of a [M, K] @ b [K, N]
     (16-bit operands: their products are exact in fp32; each group summed in fp32).
 
-    The per-tile kernel below runs by default. `tiles` is for the benchmark's sweep only: a
+    The per-tile kernel below runs by default; paired: each pair of groups from one loop (the
+    same bits; default PAIRED, from PAIRED_FROM groups). `tiles` is for the benchmark's sweep only: a
     5-tuple (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for this kernel, or a TreeTiles for the
     persistent TMA kernel (tree_gemm_tma.py; Hopper+ or the interpreter, groups of whole
     BLOCK_K steps) - measured slower than this one on an H200 so far (docs/benchmarks.md).
@@ -154,8 +219,19 @@ def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None) -> torch.
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
     kernel[grid](a, b, c, M, N, kg, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                  c.stride(0), c.stride(1), GROUPS=groups, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                 EVEN_K=kg % bk == 0, UPCAST=upcast, num_warps=warps, num_stages=stages)
+                 EVEN_K=kg % bk == 0, UPCAST=upcast,
+                 PAIRED=(PAIRED[0] and groups >= PAIRED_FROM) if paired is None else paired,
+                 num_warps=warps, num_stages=stages)
     return c
+
+
+# From 4 groups a call (TP=2 and TP=1 at G=8), each pair of groups from one loop (_pair_acc): the
+# same bits as a loop per group (H100, every llama-1b 8 x 4096 shape: bitwise), 16-20% less time
+# a call at 4 groups; at 2 groups (TP=4, G=8) it was 0-13% slower, so a loop per group stays
+# there (`python -m benchmarks tree-gemm --paired`, docs/benchmarks.md). TPDIAG_TREE_PAIRED=0:
+# a loop per group everywhere (A/B).
+PAIRED = [os.environ.get("TPDIAG_TREE_PAIRED", "1") != "0"]
+PAIRED_FROM = 4
 
 
 def reference_tree_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
