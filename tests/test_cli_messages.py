@@ -291,3 +291,33 @@ def test_progress_shows_on_a_terminal_only():
             on_status("2", "running")
             on_status("2", "ok")
         assert ("TP=2" in buf.getvalue()) == shown, (terminal, quiet, buf.getvalue())
+
+
+def test_a_decode_world_shows_its_calls_on_the_status_line(tmp_path):
+    """A decode world's rank 0 writes how far its calls are (runner/progress.py, at most once a
+    second); the live status line shows it beside the world's timer."""
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from tpdiag.cli_render import progress as live
+    from tpdiag.config import CompareConfig
+    from tpdiag.models import tiny_llama
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.runner import progress, step
+
+    torch.manual_seed(0)
+    model = tiny_llama.build("tiny-llama", n_layers=1)
+    ids = torch.randint(0, 512, (1, 8))
+    with torch.no_grad():
+        step._decode(model, ids, Recorder(enabled=False), report=progress.Reporter(str(tmp_path), 0))
+    assert progress.read(str(tmp_path)) == "decode call 1 of 5"  # the first call's; then a second apart
+    assert progress.Reporter(str(tmp_path), 1).path is None  # rank 0 only
+    progress.clear(str(tmp_path))
+    assert progress.read(str(tmp_path)) is None
+    buf = io.StringIO()
+    with live(Console(file=buf, force_terminal=True, width=120), CompareConfig(degrees=(1, 2))) as on_status:
+        on_status("2", "running")
+        on_status("2", "running:decode call 3 of 9")
+    assert "running, decode call 3 of 9" in buf.getvalue()

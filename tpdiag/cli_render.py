@@ -66,7 +66,9 @@ def progress(console, cfg, quiet: bool = False):
                             p.update(tid, total=1, completed=1)
                 return
             name = "diff" if label == "diff" else f"{config_name(label)}"
-            if status == "running":
+            if status.startswith("running:"):  # progress inside the world (runner/progress.py)
+                p.update(t, description=f"{name}: running, {status[len('running:'):]}")
+            elif status == "running":
                 started[label] = time.perf_counter()
                 p.update(t, description=f"{name}: running")
             else:

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from tpdiag.config import WorldConfig
+from tpdiag.runner import progress
 from tpdiag.runner.determinism import RANK_ENV
 
 # torch._inductor: torch.use_deterministic_algorithms (determinism.setup) imports it, ~0.75 s of
@@ -141,7 +142,14 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
         for p in procs:
             _start(ctx, p)
         deadline = time.monotonic() + timeout_s
+        shown, polled = None, time.monotonic()
         while result is None:
+            if on_status and time.monotonic() - polled > 0.5:  # rank 0's progress line, if any
+                polled = time.monotonic()
+                text = progress.read(cfg.out_dir)
+                if text and text != shown:
+                    shown = text
+                    on_status(cfg.label, f"running:{text}")
             done = [os.path.exists(worker.marker(cfg.out_dir, r, "done")) for r in range(world)]
             errs = {r: worker.marker(cfg.out_dir, r, "error") for r in range(world)}
             errs = {r: p for r, p in errs.items() if os.path.exists(p)}
@@ -167,6 +175,7 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
         del store
+    progress.clear(cfg.out_dir)
     if on_status:
         on_status(cfg.label, result.status)
     io.write_json(os.path.join(cfg.out_dir, "result.json"), result.to_dict())

@@ -235,7 +235,7 @@ def decode_prefix(seq_len: int, calls: int) -> tuple[int, int]:
     return P, min(seq_len, P + calls)
 
 
-def _decode(model, batch, rec: Recorder, prompt_len: int | None = None):
+def _decode(model, batch, rec: Recorder, prompt_len: int | None = None, report=None):
     """The logits of a decode world: the batch's tokens as a rollout engine runs them - the
     prompt (half the sequence) in one call, then one token per call through the model's KV cache
     (runner/decode.py); each call's records are positions [start, stop) of the reference's.
@@ -252,9 +252,15 @@ def _decode(model, batch, rec: Recorder, prompt_len: int | None = None):
     P = dec.default_prompt_len(L) if prompt_len is None else prompt_len
     n = 1 + L - P
     calls = iter(range(n))
+
+    def on_call(a, b):
+        k = next(calls)
+        rec.begin_piece(k, n, (a, b, L))
+        if report is not None:
+            report(f"decode call {k + 1} of {n}")
+
     try:
-        pieces = dec.decode(model, batch, P, on_call=lambda a, b: rec.begin_piece(next(calls), n, (a, b, L)),
-                            generate_args=False)
+        pieces = dec.decode(model, batch, P, on_call=on_call, generate_args=False)
     except dec.Unsupported as e:
         raise BadInput(f"--mode decode: {e}") from None
     finally:
@@ -280,6 +286,11 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     rec.mode = capture_mode(cfg.capture, model)
     rec.world = world
     rec.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    report = None
+    if cfg.mode == "decode":
+        from tpdiag.runner.progress import Reporter
+
+        report = Reporter(cfg.out_dir, rec.rank)
     include = set(cfg.module_include) or None
     batch, labels = make_batch(cfg, target, device)
     prompt_len = checked = None
@@ -342,7 +353,8 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                     # forward only: no autograd graph, as an engine or a logprob pass runs (a decode
                     # world's graph would chain every call through the growing KV cache: quadratic memory)
                     with torch.set_grad_enabled(bool(cfg.backward)):
-                        out = _decode(model, batch, rec, prompt_len) if cfg.mode == "decode" else model(*args, **kwargs)
+                        out = _decode(model, batch, rec, prompt_len, report) if cfg.mode == "decode" \
+                            else model(*args, **kwargs)
                     tp = _mark(marks, "forward", tp)
                     local_logits = logits_of(out)
                     if checked is not None:
