@@ -251,29 +251,35 @@ def test_add_span_queues_what_add_queues(monkeypatch):
     assert len({tuple(r[1:]) for _, rs in launched["add_span"][:-1] for r in rs}) > len(cases)
 
 
-def test_decode_span_rows_are_the_general_paths_records(monkeypatch):
-    """A decode world's records through the span path (pieces.add_span: one planned row per key,
-    its calls' slots in a list) and through hash_piece for every call: the same merged metas and
-    the same lanes, at batch 1 and 2 (folded rows) with a cache that grows (left out alike)."""
-    from tpdiag.probes import pieces
+@pytest.mark.parametrize("world", [1, 2])
+def test_decode_span_rows_are_the_general_paths_records(monkeypatch, world):
+    """A decode world's records through the span path (spans.add_span: one planned row per key,
+    its calls' slots in a list) and through hash_piece for every call: the same merged metas (keys
+    in the same order) and the same lanes, at batch 1 and 2 (folded rows), at TP=1 and as rank 1 of
+    TP=2 (plain local shards: columns, heads - a piece that is also a shard, one row per sequence),
+    with a cache that grows (left out alike) and keys placed only from a later call on."""
+    from tpdiag.probes import pieces, spans
     from tpdiag.probes.recorder import Recorder, take_lanes
 
-    L, P, D = 7, 3, 4
+    L, P, D, H = 7, 3, 4, 4
     table = torch.randn(L, D)
 
     def run(span: bool, B: int):
         if not span:
-            monkeypatch.setattr(pieces, "add_span", lambda *a, **k: False)
+            monkeypatch.setattr(spans, "add_span", lambda *a, **k: False)
         torch.manual_seed(B)
         x = torch.randn(B, L, D)
+        heads = torch.randn(B, H, L, 2)
         ref = {"s0/forward/layer/out#0/0": [B, L, D], "s0/forward/rope/out#0/0": [L, D],
                "s0/forward/lin/out#0/0": [B * L, D], "s0/forward/attn/in#0/0": [B, L, D],
                "s0/forward/cache/out#0/0": [B, L, D], "s0/forward/head/out#0/0": [B, L, D],
-               "s0/forward/scores/out#0/0": [B, L, L]}
-        rec = Recorder(mode="hash", piece_ref=ref)
-        spans = [(0, P)] + [(t, t + 1) for t in range(P, L)]
-        for k, (a, b) in enumerate(spans):
-            rec.begin_piece(k, len(spans), (a, b, L))
+               "s0/forward/scores/out#0/0": [B, L, L], "s0/forward/col/out#0/0": [B, L, D],
+               "s0/forward/heads/out#0/0": [B, H, L, 2]}
+        rec = Recorder(mode="hash", piece_ref=ref, world=world, rank=world - 1)
+        w = D // world
+        spans_ = [(0, P)] + [(t, t + 1) for t in range(P, L)]
+        for k, (a, b) in enumerate(spans_):
+            rec.begin_piece(k, len(spans_), (a, b, L))
             rec.phase = "forward"
             h = x[:, a:b].clone()
             assert rec.add("out", "layer", "0", h) is not None
@@ -286,6 +292,10 @@ def test_decode_span_rows_are_the_general_paths_records(monkeypatch):
             rec.add("out", "head", "0", x[:, b - 1:b].clone())
             # scores over the keys so far [B, q, k]: not placed until the last call's [B, 1, L]
             rec.add("out", "scores", "0", torch.ones(B, b - a, b) * k)
+            # this rank's columns (a column-parallel output) and heads (attention by heads)
+            rec.add("out", "col", "0", x[:, a:b, (world - 1) * w:world * w].clone())
+            hh = H // world
+            rec.add("out", "heads", "0", heads[:, (world - 1) * hh:world * hh, a:b].clone())
         rec.end_pieces()
         pieces.merge(rec)
         monkeypatch.undo()
@@ -294,10 +304,13 @@ def test_decode_span_rows_are_the_general_paths_records(monkeypatch):
     for B in (2, 1):
         fast, slow = run(True, B), run(False, B)
         fm, sm = [m for m, _ in fast.records], [m for m, _ in slow.records]
-        assert fm == sm and len(fm) >= 5
+        assert fm == sm and len(fm) >= 7
         assert [list(m) for m in fm] == [list(m) for m in sm]  # the keys in the same order
         assert any(m["key"].startswith("s0/forward/head/out#0/0.piece") for m in fm)  # per call
         assert any(m.get("piece_fold") for m in fm) == (B > 1)
+        if world > 1:
+            shards = {m["module"]: m["hash_layout"] for m in fm if m["kind"] == "out"}
+            assert shards["col"] == "shard:2" and shards["heads"] == "shard:1", shards
         assert fast.piece_varying == slow.piece_varying and fast.piece_varying
         assert torch.equal(take_lanes(fast.hashbuf, list(fast.lanes))[0],
                            take_lanes(slow.hashbuf, list(slow.lanes))[0])

@@ -101,7 +101,7 @@ def hash_piece(rec, meta: dict, t, local):
     """Recorder.add of a hash-mode record inside a piece. At TP > 1 the piece may also be a TP
     shard (a column-parallel output, a sharded weight's grad): both offsets go into its lanes."""
     shape = list(local.shape)
-    if rec.world == 1 and rec.piece_span is not None:  # add_span leaves this key to us from now on
+    if rec.piece_span is not None:  # spans.add_span leaves this key to us from now on
         rec.span_rows.setdefault((meta["step"], meta["phase"], meta["module"], meta["kind"], meta["call"],
                                   meta["name"]), [None])[0] = _GENERAL
     # a weight's grad accumulates over the pieces: never a slice of the batch (at TP > 1 a shard
@@ -162,92 +162,10 @@ def hash_piece(rec, meta: dict, t, local):
     return meta
 
 
-def add_span(rec, kind: str, module: str, name: str, t, call: int, phase: str, layout, style, cls):
-    """Recorder.add of a decode call's record at TP=1 in hash mode, a plain tensor (most of a
-    decode world's records: ~450 a call, 1,024 calls at 1 x 2048): hash_piece's answer for the
-    same key and shapes is the same every call but for the position, so it is planned once
-    (rec.piece_plans) and each call queues the tensor at its position (HashBuffer.add_span). The
-    key's first call keeps a compact row (probes/rows.py) with the piece's fields, its lane the
-    list every later call's slot joins. Returns the row, or False where the general path must
-    run (not a slice of the whole: a per-call value, a grown cache)."""
-    start, stop, total = rec.piece_span
-    shape = t.shape
-    step = rec.step
-    pk = (step, phase, module, kind, call, name, shape, t.dtype, stop - start, total)
-    plan = rec.piece_plans.get(pk)
-    if plan is None:
-        plan = rec.piece_plans[pk] = _span_plan(rec, pk, t)
-    if plan is False:
-        return False  # hash_piece files it, and every later call of its key (_GENERAL)
-    geometry, hshape, hdim, hfull, d, rows, full, cell = plan
-    acc = cell[0]
-    if acc is _GENERAL:
-        return False
-    version = t._version
-    # a module's input is often another's output: the same tensor, unchanged, at the same place
-    # in the same piece is hashed once (its row shared), as in hash_piece
-    here = (rec.piece, version, geometry)
-    seen = rec._piece_hashed.get(id(t))
-    if seen is not None and seen[1] == here and seen[0]() is t:
-        slot = seen[2]
-    else:
-        hb = rec.hashbuf
-        if hb is None:
-            from tpdiag.kernels.hash_buffer import HashBuffer
-
-            hb = rec.hashbuf = HashBuffer(t.device)
-        rec.enabled = False  # the hash's own torch ops are not records (op probe)
-        try:
-            slot = hb.add_span(t if rows == 1 else t.view(hshape), hdim, hfull, start, version)
-        finally:
-            rec.enabled = True
-        rec._piece_hashed[id(t)] = (weakref.ref(t), here, slot)
-    # One row per key for all the calls, its lane the list of their slots: merge takes a key's
-    # pieces' lanes in order anyway, and a row (a meta, later) per call per record was most of
-    # what the probes cost a decode world's end (~460k at 1 x 2048)
-    if acc is not None:
-        acc[1].append(slot)
-        return acc[0]
-    extra = {"piece": rec.piece, "piece_dim": d, "full_shape": list(full)}
-    if rows > 1:
-        extra["piece_fold"] = rows
-    row = [step, phase, module, kind, call, name, layout, style, cls, t.dtype, shape, extra]
-    slots = [slot]
-    cell[0] = (row, slots)
-    rec.lanes.append(slots)
-    rec._rows.append(row)
-    return row
-
-
-# a key's cell once the general path (hash_piece) has filed one of its calls: its later calls
-# go there too, so a key's records are all span rows or all the general path's - merge's
-# per-call values (piece_const) never meet a span row's list of slots
+# a key's cell in rec.span_rows once the general path (hash_piece) has filed one of its calls:
+# its later calls go there too, so a key's records are all span rows (probes/spans.py) or all the
+# general path's - merge's per-call values (piece_const) never meet a span row's list of slots
 _GENERAL = ("general",)
-
-
-def _span_plan(rec, pk: tuple, t):
-    """add_span's plan for one key and shapes: (geometry, hashed shape, its dim, whole size of that
-    dim, piece dim, rows, whole shape, the key's cell) - hash_piece's place at TP=1 - or False.
-    geometry: a number per (hashed shape, dim, whole size), equal for equal places (one tensor's
-    records share a row only where they are hashed alike). The cell (one per key, whatever the
-    shapes: the prompt call's and the one-token calls' plans share it) holds the key's row and
-    slots while the calls run (Recorder.end_pieces empties it)."""
-    if t.ndim == 0 or not t.is_contiguous():
-        return False
-    step, phase, module, kind, call, name = pk[:6]
-    key = f"s{step}/{phase}/{module}/{kind}#{call}/{name}"
-    where = place(rec, key, t, list(t.shape))
-    if where is None:
-        return False
-    d, _, total, rows = where
-    full = list(t.shape)
-    full[d] = total * rows
-    hshape, hdim = t.shape, d
-    if rows > 1:
-        # [B * positions, ...] hashed as its [B, positions, ...] view at `start` of [B, total, ...]
-        hshape, hdim = torch.Size((*t.shape[:d], rows, t.shape[d] // rows, *t.shape[d + 1:])), d + 1
-    geometry = rec.piece_geoms.setdefault((hshape, hdim, total), len(rec.piece_geoms))
-    return geometry, hshape, hdim, total, d, rows, full, rec.span_rows.setdefault(pk[:6], [None])
 
 
 def _tp_shard(rec, meta: dict, t, local, piece_dim):

@@ -10,6 +10,7 @@ alive. Only the small outputs every summary reads (batch, logprobs, loss, grad n
 """
 from __future__ import annotations
 
+import os
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpdiag.dtensors import local_of
-from tpdiag.probes import pieces as _pieces
+from tpdiag.probes import spans as _spans
 from tpdiag.probes import stream as _stream
 from tpdiag.probes.rows import _DTYPE_NAMES, dtype_name, materialise
 
@@ -75,6 +76,8 @@ def label_of_placement(p, ndim: int) -> str:
 
 
 _PARAMETER = torch.nn.Parameter
+# TPDIAG_DECODE_SPANS=0: every decode call's record through hash_piece (A/B of probes/spans.py)
+_SPANS = [os.environ.get("TPDIAG_DECODE_SPANS", "1") != "0"]
 
 
 # Kept whole even in hash mode: small, and every summary reads them (logprob error, loss drift).
@@ -137,7 +140,7 @@ class Recorder:
     piece_varying: dict = field(default_factory=dict)
     piece_shapes: dict = field(default_factory=dict)
     piece_memo: dict = field(default_factory=dict)  # pieces.place's answers, per key and shapes
-    piece_plans: dict = field(default_factory=dict)  # pieces.add_span's, per key and shapes
+    piece_plans: dict = field(default_factory=dict)  # spans.add_span's, per key and shapes
     piece_geoms: dict = field(default_factory=dict)  # ... and a number per place they hash at
     span_rows: dict = field(default_factory=dict)  # ... and per key a cell: its row, calls' slots
     # a decode run of the first n of the reference's L positions (runner/prefix.py): (n, L)
@@ -208,10 +211,10 @@ class Recorder:
         # op probe records inside the dispatch, where a detached tensor has a counter of its own
         # and an in-place op's bump is still to come (docs/benchmarks.md, "Host work per record").
         tt = type(t)
-        # a decode call's record (pieces.add_span: planned once per key, ~450 a call)
-        if self.piece_span is not None and tt is torch.Tensor and mode == "hash" and self.world == 1 \
+        # a decode call's record (probes/spans.py: planned once per key, ~450 a call)
+        if self.piece_span is not None and tt is torch.Tensor and mode == "hash" and _SPANS[0] \
                 and kind not in KEEP_WHOLE and kind != "op" and kind != "param_grad":
-            row = _pieces.add_span(self, kind, module, name, t, call, phase, layout, style, cls)
+            row = _spans.add_span(self, kind, module, name, t, call, phase, layout, style, cls)
             if row is not False:
                 return row
         if (tt is torch.Tensor or tt is _PARAMETER) and mode == "hash" and self.world == 1 \
