@@ -260,6 +260,7 @@ def test_decode_span_rows_are_the_general_paths_records(monkeypatch, world):
     with a cache that grows (left out alike) and keys placed only from a later call on."""
     from tpdiag.probes import pieces, spans
     from tpdiag.probes.recorder import Recorder, take_lanes
+    from tpdiag.probes.rows import extras
 
     L, P, D, H = 7, 3, 4, 4
     table = torch.randn(L, D)
@@ -295,7 +296,12 @@ def test_decode_span_rows_are_the_general_paths_records(monkeypatch, world):
             # this rank's columns (a column-parallel output) and heads (attention by heads)
             rec.add("out", "col", "0", x[:, a:b, (world - 1) * w:world * w].clone())
             hh = H // world
-            rec.add("out", "heads", "0", heads[:, (world - 1) * hh:world * hh, a:b].clone())
+            hd = heads[:, (world - 1) * hh:world * hh, a:b].clone()
+            if k == 3:  # the same shape, other strides (one row per sequence: views of it)
+                hd = hd.transpose(0, 1).contiguous().transpose(0, 1)
+            r = rec.add("out", "heads", "0", hd)
+            if k == 2:  # a consumer noted at a later call (module_probes' extras)
+                extras(r).setdefault("consumers", []).append("next")
         rec.end_pieces()
         pieces.merge(rec)
         monkeypatch.undo()

@@ -316,7 +316,8 @@ def _agree(rec, flags: list) -> list:
 def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
     """[(meta, tensor, lane)] for one key's piece records; same: the pieces are one value (on
     every rank: merge's _agree)."""
-    m0 = {k: v for k, v in parts[0][0].items() if k not in ("piece", "piece_const")}
+    # consumers last (after positions), whichever call noted them (a span row holds every call's)
+    m0 = {k: v for k, v in parts[0][0].items() if k not in ("piece", "piece_const", "consumers")}
     if rec.piece_prefix and m0.get("piece_dim") is not None:
         # a decode run of the first positions: where the diff cuts what the reference did not
         # (ops, the float64 re-executions)

@@ -35,7 +35,7 @@ def add_span(rec, kind: str, module: str, name: str, t, call: int, phase: str, l
         return False  # hash_piece files it, and every later call of its key (_GENERAL)
     geometry, jobs, extra0, cell = plan
     acc = cell[0]
-    if acc is _GENERAL:
+    if acc is _GENERAL or not t.is_contiguous():  # (planned on a contiguous call: views below)
         return False
     version = t._version
     # a module's input is often another's output: the same tensor, unchanged, at the same place
