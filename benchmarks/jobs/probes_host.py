@@ -22,40 +22,19 @@ import statistics
 import os
 import time
 
-from benchmarks.errors import require_cuda
 
 SORT = os.environ.get("PROBES_HOST_SORT", "tottime")
 
 
 def host(args) -> dict:
-    import torch
-
     from tpdiag.config import WorldConfig
-    from tpdiag.kernels import record_hash as rh
-    from tpdiag.models import tiny_llama
-    from tpdiag.models.plans import llama_plan
-    from tpdiag.models.target import Target
     from tpdiag.probes.recorder import Recorder
-    from tpdiag.runner import determinism, step
+    from tpdiag.runner import step
+
+    from benchmarks.jobs.probes_util import host_model
 
     cuda = getattr(args, "cuda", False)
-    if cuda:
-        require_cuda("probes host --cuda")
-    determinism.setup(0, "cuda" if cuda else "cpu")
-    # one thread: the step's CPU time is then this thread's work, which other processes on a
-    # shared host disturb far less than wall time
-    torch.set_num_threads(1)
-    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    torch.manual_seed(0)
-    model = tiny_llama.build("llama-1b", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512).to(dev)
-    target = Target(model=model, plan=llama_plan("stock"), vocab_size=512, divisors=model.cfg.divisors())
-    step.build_model = lambda cfg, device, world: (target, model)
-    if not cuda:
-        # queued as on CUDA; the launch does nothing (host work only)
-        rh.triton_ok = lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T and t.numel() > 0
-        rh.batch_launch = lambda *a, **k: None
-        # the few records kept whole (batch, logprobs, loss, grad norm) hash at once: the torch path
-        rh.triton_lanes = lambda t, a, L, b, F, o, out=None, **k: rh.lanes_torch(t, a, L, b, F, o, out)
+    dev = host_model(cuda, "probes host --cuda")
     base = WorldConfig(model="llama-1b", degree=1, label="1", out_dir="", dtype="float32",
                        device="cuda" if cuda else "cpu", batch_size=1, seq_len=16, selfcheck=False)
     # hash-gc: Python's cyclic GC left on during the probed step (TPDIAG_PROBE_GC=1), the A/B of

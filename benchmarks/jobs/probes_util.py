@@ -190,3 +190,38 @@ def _side_launch(launch):
             launch(key, table, n, nprog, ints, floats, **kw)
 
     return run
+
+
+def host_model(cuda: bool, what: str):
+    """The host-time jobs' model (probes host, probes decode-host): llama-1b's module structure
+    (16 layers, the same modules and records) at tiny widths, fp32, one torch thread, built once
+    and handed to tpdiag's step (step.build_model). On CPU hash mode's records are queued as on
+    CUDA (HashBuffer, batch_entry, launch tables) but the launch does nothing: host work only.
+    Returns the device."""
+    import torch
+
+    from tpdiag.kernels import record_hash as rh
+    from tpdiag.models import tiny_llama
+    from tpdiag.models.plans import llama_plan
+    from tpdiag.models.target import Target
+    from tpdiag.runner import determinism, step
+
+    if cuda:
+        from benchmarks.errors import require_cuda
+
+        require_cuda(what)
+    determinism.setup(0, "cuda" if cuda else "cpu")
+    # one thread: the step's CPU time is then this thread's work, which other processes on a
+    # shared host disturb far less than wall time
+    torch.set_num_threads(1)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    model = tiny_llama.build("llama-1b", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512).to(dev)
+    target = Target(model=model, plan=llama_plan("stock"), vocab_size=512, divisors=model.cfg.divisors())
+    step.build_model = lambda cfg, device, world: (target, model)
+    if not cuda:
+        rh.triton_ok = lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T and t.numel() > 0
+        rh.batch_launch = lambda *a, **k: None
+        # the few records kept whole (batch, logprobs, loss, grad norm) hash at once: the torch path
+        rh.triton_lanes = lambda t, a, L, b, F, o, out=None, **k: rh.lanes_torch(t, a, L, b, F, o, out)
+    return dev
