@@ -178,6 +178,15 @@ def test_cached_launch_rows_are_batch_entrys(monkeypatch, dtype):
 
 
 
+def _capture_launches(monkeypatch, ptrs: dict, got: list) -> None:
+    """batch_launch records (launch key, its table rows) into got, each row's data pointer as
+    the index of its tensor in ptrs ("copy" for a queued copy)."""
+    def rows(table, n):
+        return [[ptrs.get(r[0], "copy")] + r[1:] for r in table.view(-1, rh.TABLE_COLS)[:n].tolist()]
+
+    monkeypatch.setattr(rh, "batch_launch", lambda key, table, n, *a, **k: got.append((key, rows(table, n))))
+
+
 def test_add_whole_queues_what_add_queues(monkeypatch):
     """HashBuffer.add_whole (Recorder.add's fast path) against add: the same slots, launch keys
     and table rows, for contiguous tensors at several alignments, a Parameter, a strided view
@@ -192,13 +201,9 @@ def test_add_whole_queues_what_add_queues(monkeypatch):
     ts += [nn.Parameter(torch.randn(5, 3)), base[:64].view(8, 8).t(), torch.arange(6),
            base[:8].to(torch.bfloat16), torch.empty(0)]
     ptrs = {t.data_ptr(): i for i, t in enumerate(ts)}  # a strided view is queued as a copy
-
-    def rows(table, n):
-        return [[ptrs.get(r[0], "copy")] + r[1:] for r in table.view(-1, rh.TABLE_COLS)[:n].tolist()]
-
     for way in ("add", "add_whole"):
         got = launched[way] = []
-        monkeypatch.setattr(rh, "batch_launch", lambda key, table, n, *a, **k: got.append((key, rows(table, n))))
+        _capture_launches(monkeypatch, ptrs, got)
         buf = hb.HashBuffer(torch.device("cpu"), batch=5)
         slots = []
         for _ in range(3):
@@ -210,6 +215,7 @@ def test_add_whole_queues_what_add_queues(monkeypatch):
     assert launched["add"] == launched["add_whole"]
     assert len(launched["add"]) > 3  # launches ran, more than one chunk's
     assert launched["add"][-1] == list(range(3 * len(ts)))
+
 
 def test_add_span_queues_what_add_queues(monkeypatch):
     """HashBuffer.add_span (a decode call's record: the same geometry one position further on)
@@ -227,13 +233,9 @@ def test_add_span_queues_what_add_queues(monkeypatch):
     cases += [(base[:6].view(1, 6), 0, 9), (base[:6].to(torch.bfloat16).view(1, 6), 0, 9),
               (base[:20].view(5, 4).t()[:1], 0, 9)]
     ptrs = {t.data_ptr(): i for i, (t, _, _) in enumerate(cases)}
-
-    def rows(table, n):
-        return [[ptrs.get(r[0], "copy")] + r[1:] for r in table.view(-1, rh.TABLE_COLS)[:n].tolist()]
-
     for way in ("add", "add_span"):
         got = launched[way] = []
-        monkeypatch.setattr(rh, "batch_launch", lambda key, table, n, *a, **k: got.append((key, rows(table, n))))
+        _capture_launches(monkeypatch, ptrs, got)
         buf = hb.HashBuffer(torch.device("cpu"), batch=5)
         slots = []
         for offset in (0, 3, 8):

@@ -11,11 +11,7 @@ wall time. Modes alternate in rounds (none, hash); medians; then one hash world 
 """
 from __future__ import annotations
 
-import cProfile
-import io
 import os
-import pstats
-import statistics
 import time
 
 
@@ -28,7 +24,7 @@ def decode_host(args) -> dict:
     from tpdiag.runner import decode as dec
     from tpdiag.runner import step
 
-    from benchmarks.jobs.probes_util import host_model
+    from benchmarks.jobs.probes_util import host_model, probe_mode, profiled_medians
 
     cuda = getattr(args, "cuda", False)
     dev = host_model(cuda, "probes decode-host --cuda")
@@ -44,8 +40,6 @@ def decode_host(args) -> dict:
     # hooks-only: Recorder.add returning at once; rows-only: records made, nothing queued
     times: dict = {"none": [], "hooks-only": [], "rows-only": [], "hash": []}
     records = [0]
-
-    from benchmarks.jobs.probes_util import probe_mode
 
     def once(mode: str):
         rec = Recorder(piece_ref=piece_ref)
@@ -64,14 +58,7 @@ def decode_host(args) -> dict:
     for _ in range(args.rounds):
         for m in times:
             times[m].append(once(m))
-    prof = cProfile.Profile()
-    prof.enable()
-    once("hash")
-    prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats(SORT).print_stats(25)
-    med = {m: statistics.median(v) for m, v in times.items()}
-    spread = {m: max(v) - min(v) for m, v in times.items()}
+    profile, med, spread = profiled_medians(once, times, SORT)
     per_call = {m: 1e6 * (med[m] - med["none"]) / calls for m in times}
     where = "CUDA, hash launches run, wall time" if cuda else "CPU, hash launches not run, process time"
     print(f"probes decode-host: llama-1b structure at tiny widths, fp32, a decode world of 1 x {seq} "
@@ -82,7 +69,7 @@ def decode_host(args) -> dict:
     for m in times:
         extra = "" if m == "none" else f"{per_call[m]:.0f}"
         print(f"| {m} | {1e3 * med[m]:.1f} ({1e3 * spread[m]:.1f}) | {med[m] / med['none']:.2f}x | {extra} |")
-    print(s.getvalue())
+    print(profile)
     return {"rounds": args.rounds, "seq": seq, "calls": calls, "records": records[0],
             "device": "cuda" if cuda else "cpu", "clock": "wall" if cuda else "process",
             "modes": {m: {"world_ms": 1e3 * med[m], "spread_ms": 1e3 * spread[m], "x_none": med[m] / med["none"],

@@ -14,11 +14,7 @@ launch tables included.
 """
 from __future__ import annotations
 
-import cProfile
 import gc
-import io
-import pstats
-import statistics
 import os
 import time
 
@@ -31,7 +27,7 @@ def host(args) -> dict:
     from tpdiag.probes.recorder import Recorder
     from tpdiag.runner import step
 
-    from benchmarks.jobs.probes_util import host_model
+    from benchmarks.jobs.probes_util import host_model, profiled_medians
 
     cuda = getattr(args, "cuda", False)
     dev = host_model(cuda, "probes host --cuda")
@@ -79,14 +75,7 @@ def host(args) -> dict:
             if m == "hash":
                 records = len(rec.records)
     gc.callbacks.remove(count)
-    prof = cProfile.Profile()
-    prof.enable()
-    once("hash")
-    prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats(SORT).print_stats(25)
-    med = {m: statistics.median(v) for m, v in times.items()}
-    spread = {m: max(v) - min(v) for m, v in times.items()}
+    profile, med, spread = profiled_medians(once, times, SORT)
     per_us = {m: 1e6 * (med[m] - med["none"]) / max(records, 1) for m in times}
     where = ("CUDA, hash launches run, wall time" if cuda else "CPU, hash launches not run, process time")
     print(f"probes host: llama-1b structure at tiny widths, fp32, batch 1 x seq 16, {where}; median of "
@@ -98,7 +87,7 @@ def host(args) -> dict:
     for m in times:
         print(f"| {m} | {1e3 * med[m]:.1f} ({1e3 * spread[m]:.1f}) | {med[m] / med['none']:.2f}x | "
               f"{0 if m == 'none' else records} | {'' if m == 'none' else f'{per_us[m]:.1f}'} | {gen2[m]} |")
-    print(s.getvalue())
+    print(profile)
     return {"rounds": args.rounds, "records": records, "device": "cuda" if cuda else "cpu", "other_full_collections": gen2["other"],
             "clock": "wall" if cuda else "process",
             "modes": {m: {"step_ms": 1e3 * med[m], "spread_ms": 1e3 * spread[m], "x_none": med[m] / med["none"],

@@ -225,3 +225,22 @@ def host_model(cuda: bool, what: str):
         # the few records kept whole (batch, logprobs, loss, grad norm) hash at once: the torch path
         rh.triton_lanes = lambda t, a, L, b, F, o, out=None, **k: rh.lanes_torch(t, a, L, b, F, o, out)
     return dev
+
+
+def profiled_medians(once, times: dict, sort: str):
+    """One more hash-mode run under cProfile (its top functions as text, sorted by `sort`) and
+    the rounds' medians and spreads per mode: the host-time jobs' common tail."""
+    import cProfile
+    import io
+    import pstats
+    import statistics
+
+    prof = cProfile.Profile()
+    prof.enable()
+    once("hash")
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats(sort).print_stats(25)
+    med = {m: statistics.median(v) for m, v in times.items()}
+    spread = {m: max(v) - min(v) for m, v in times.items()}
+    return s.getvalue(), med, spread

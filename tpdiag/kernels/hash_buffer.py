@@ -185,7 +185,7 @@ class HashBuffer:
     def add_span(self, t: torch.Tensor, dim: int, full: int, offset: int, version: int) -> int:
         """add(t, dim, full, offset) of a plain tensor at a new offset of the same geometry (a
         decode call's record: the same shape as the call before, one position further on,
-        probes/pieces.add_span). A launch row depends on the offset in one column only (O_B =
+        probes/spans.py). A launch row depends on the offset in one column only (O_B =
         offset x the elements after dim), so the row is cached without it and the offset put
         in: batch_entry's dict, keyed by the offset, would miss on every call. Anything not the
         queued contiguous case goes through add. version: t's counter, read by the caller."""
@@ -201,9 +201,7 @@ class HashBuffer:
                 if len(_SPANS) > 4096:
                     _SPANS.clear()
                 key, words, row = rh.batch_entry(t, dim, full, 0, r)
-                b = 1
-                for s in t.shape[dim + 1:]:
-                    b *= s
+                b = rh.slab(t.shape, dim, full, 0)[2]  # O_B = offset x this (batch_entry's slab)
                 hit = _SPANS[ek] = (key, tuple(row[2:]), words.numel() * words.element_size(), b)
         if hit is None:
             return self.add(t, dim, full, offset)

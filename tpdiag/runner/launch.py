@@ -144,7 +144,8 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
         deadline = time.monotonic() + timeout_s
         shown, polled = None, time.monotonic()
         while result is None:
-            if on_status and time.monotonic() - polled > 0.5:  # rank 0's progress line, if any
+            # a decode world's rank 0 writes how far its calls are (runner/progress.py)
+            if on_status and cfg.mode == "decode" and time.monotonic() - polled > 0.5:
                 polled = time.monotonic()
                 text = progress.read(cfg.out_dir)
                 if text and text != shown:
