@@ -50,10 +50,11 @@ def test_tree_mm_subtrees_compose(dtype, even):
     assert not torch.equal(_bits(tree_mm(a, b, 1)), _bits(whole))
 
 
-def test_paired_loops_are_the_same_bits():
-    """Each pair of groups from one loop (_pair_acc, the default from 4 groups a call) is the
-    same tree of the same group sums as a loop per group, bit for bit - even and masked groups,
-    1 to 8 groups; and it is still a tree (negative control: one chain over K differs)."""
+def test_fused_loops_and_spill_are_the_same_bits():
+    """Each pair or quad of groups from one loop (_pair_acc, _quad_acc), with the left subtree
+    parked in the output tile or not (spill), is the same tree of the same group sums as a loop
+    per group, bit for bit - even and masked groups, 1 to 8 groups; and it is still a tree
+    (negative control: one chain over K differs)."""
     gen = torch.Generator().manual_seed(2)
     dev = "cuda" if CUDA else "cpu"
     for kg in ((128, 72) if CUDA else (32, 24)):
@@ -61,10 +62,13 @@ def test_paired_loops_are_the_same_bits():
             M, N, K = (300, 200, groups * kg) if CUDA else (20, 24, groups * kg)
             a = (torch.randn(M, K, generator=gen) * 4).to(torch.bfloat16).to(dev)
             b = torch.randn(K, N, generator=gen).to(torch.bfloat16).to(dev)
-            one = tree_mm(a, b, groups, paired=False)
-            assert torch.equal(_bits(tree_mm(a, b, groups, paired=True)), _bits(one)), (kg, groups)
+            one = tree_mm(a, b, groups, fuse=1)
+            for fuse in (2, 4):
+                for spill in (False, True):
+                    got = tree_mm(a, b, groups, fuse=fuse, spill=spill)
+                    assert torch.equal(_bits(got), _bits(one)), (kg, groups, fuse, spill)
             if groups > 1:
-                assert not torch.equal(_bits(tree_mm(a, b, 1, paired=True)), _bits(one))
+                assert not torch.equal(_bits(tree_mm(a, b, 1, fuse=2)), _bits(one))
 
 
 @pytest.mark.parametrize("subtile,nested_if", [(True, False), (False, False), (True, True)])

@@ -12,8 +12,9 @@ slice of the whole K (what TP=1 computes per group) and on a row slice.
 
   python -m benchmarks tree-gemm                 # shipped tiles, TP=2 and TP=4 shapes, step sums
   python -m benchmarks tree-gemm --sweep         # TMA tile configs at three TP=2 and TP=4 shapes
-  python -m benchmarks tree-gemm --paired        # + the per-tile kernel with each pair of groups
-                                                 #   from one loop (PAIRED), checked == shipped bits
+  python -m benchmarks tree-gemm --loops         # + the per-tile kernel's fused loops (pairs or
+                                                 #   quads of groups a loop, spill) at a few tiles,
+                                                 #   each checked == a loop per group's bits
 """
 import argparse
 import functools
@@ -35,6 +36,12 @@ ONE_GROUP = "one group (G=TP): triton_mm fp32 out"
 INV_SHAPES = (("wq fwd", "tok", 2048, 2048, "n", 16), ("w1/w3 fwd", "tok", 2048, 5632, "n", 32),
               ("wq wgrad", 2048, "tok", 2048, "m", 16), ("w1/w3 wgrad", 5632, "tok", 2048, "m", 32))
 G = 8
+# --loops: (groups a loop, spill, per-tile kernel tiles); at 2 groups a call quad is pair
+LOOP_VARIANTS = ((2, False, (128, 64, 64, 8, 3)), (4, False, (128, 64, 64, 8, 3)),
+                 (4, False, (128, 64, 64, 8, 4)), (4, False, (128, 64, 64, 8, 2)),
+                 (4, False, (64, 64, 64, 4, 3)), (2, True, (128, 64, 64, 8, 3)),
+                 (2, True, (128, 128, 64, 8, 3)), (2, True, (128, 128, 64, 8, 4)),
+                 (2, True, (256, 64, 64, 8, 3)), (2, False, (128, 128, 64, 8, 3)))
 
 
 def _sweep_tiles():
@@ -111,8 +118,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tp", default="2,4")
     ap.add_argument("--sweep", action="store_true", help="TMA tile configs at three shapes per TP")
-    ap.add_argument("--paired", action="store_true",
-                    help="also the per-tile kernel with pairs of groups from one loop, at a few tiles")
+    ap.add_argument("--loops", "--paired", action="store_true",
+                    help="also the per-tile kernel's fused loops (groups a loop, spill) at a few tiles")
     args = ap.parse_args(argv)
     require_cuda("tree-gemm")
     import torch
@@ -133,9 +140,10 @@ def main(argv: list[str]) -> dict:
         variants = {"per-tile 128x64x64 w8 s3": first,
                     "tma " + _name(CUDA_TILES[torch.bfloat16]): CUDA_TILES[torch.bfloat16]}
         tps, shapes = [int(t) for t in args.tp.split(",")], SHAPES
-    if args.paired:
-        for t in (first, (128, 64, 64, 8, 4), (128, 64, 64, 8, 2), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3)):
-            variants["paired " + "x".join(map(str, t[:3])) + f" w{t[3]} s{t[4]}"] = ("paired", t)
+    if args.loops:
+        for fuse, spill, t in LOOP_VARIANTS:
+            variants[("pair" if fuse == 2 else "quad") + (" spill " if spill else " ")
+                     + "x".join(map(str, t[:3])) + f" w{t[3]} s{t[4]}"] = ("loop", fuse, spill, t)
     rows, ok = [], True
     for tp in tps:
         groups = G // tp
@@ -145,13 +153,13 @@ def main(argv: list[str]) -> dict:
             fns, bits = {"cublas": lambda: a @ b}, {}
             for vname, tiles in variants.items():
                 try:
-                    if isinstance(tiles, tuple) and tiles[0] == "paired":
-                        # the shipped kernel's bits, besides the tree's own checks
-                        fn = functools.partial(tree_mm, paired=True)
-                        bits[vname] = _bits_ok(fn, a, b, groups, tiles[1]) and torch.equal(
-                            fn(a, b, groups, tiles=tiles[1]).view(torch.int32),
-                            tree_mm(a, b, groups, tiles=first, paired=False).view(torch.int32))
-                        fns[vname] = (lambda t=tiles[1], f=fn: f(a, b, groups, tiles=t))
+                    if isinstance(tiles, tuple) and tiles[0] == "loop":
+                        # a loop per group's bits at the first tiles, besides the tree's own checks
+                        fn = functools.partial(tree_mm, fuse=tiles[1], spill=tiles[2])
+                        bits[vname] = _bits_ok(fn, a, b, groups, tiles[3]) and torch.equal(
+                            fn(a, b, groups, tiles=tiles[3]).view(torch.int32),
+                            tree_mm(a, b, groups, tiles=first, fuse=1).view(torch.int32))
+                        fns[vname] = (lambda t=tiles[3], f=fn: f(a, b, groups, tiles=t))
                         continue
                     bits[vname] = _bits_ok(tree_mm, a, b, groups, tiles)
                     fns[vname] = (lambda t=tiles: tree_mm(a, b, groups, tiles=t))
