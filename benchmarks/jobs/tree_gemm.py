@@ -37,11 +37,10 @@ INV_SHAPES = (("wq fwd", "tok", 2048, 2048, "n", 16), ("w1/w3 fwd", "tok", 2048,
               ("wq wgrad", 2048, "tok", 2048, "m", 16), ("w1/w3 wgrad", 5632, "tok", 2048, "m", 32))
 G = 8
 # --loops: (groups a loop, spill, per-tile kernel tiles); at 2 groups a call quad is pair
-LOOP_VARIANTS = ((2, False, (128, 64, 64, 8, 3)), (4, False, (128, 64, 64, 8, 3)),
-                 (4, False, (128, 64, 64, 8, 4)), (4, False, (128, 64, 64, 8, 2)),
-                 (4, False, (64, 64, 64, 4, 3)), (2, True, (128, 64, 64, 8, 3)),
-                 (2, True, (128, 128, 64, 8, 3)), (2, True, (128, 128, 64, 8, 4)),
-                 (2, True, (256, 64, 64, 8, 3)), (2, False, (128, 128, 64, 8, 3)))
+LOOP_VARIANTS = ((2, False, (128, 64, 64, 8, 3)), (4, False, (128, 64, 64, 8, 2)),
+                 (2, True, (128, 64, 64, 8, 3)), (2, True, (128, 128, 64, 8, 3)),
+                 (2, True, (128, 128, 64, 8, 2)), (2, False, (128, 128, 64, 8, 3)),
+                 (1, False, (128, 128, 64, 8, 3)), (1, False, (128, 128, 64, 8, 4)))
 
 
 def _sweep_tiles():
@@ -132,17 +131,19 @@ def main(argv: list[str]) -> dict:
     M = args.tokens
     first = (128, 64, 64, 8, 3)  # the per-tile kernel's shipped tiles (tree_gemm._CUDA_TILES)
     if args.sweep:
-        variants = {"per-tile 128x64x64 w8 s3": first}
+        variants = {"loop per group 128x64x64 w8 s3": ("loop", 1, False, first)}
         variants.update({_name(t): t for t in _sweep_tiles()})
         tps, shapes = [int(t) for t in args.tp.split(",")], [
             s for s in SHAPES if s[0] in ("wo fwd", "w2 fwd", "wk/wv dgrad")]
     else:
-        variants = {"per-tile 128x64x64 w8 s3": first,
+        # shipped: tree_gemm.LOOPS' loops and tiles for the group count
+        variants = {"shipped": ("loop", None, None, None),
+                    "loop per group 128x64x64 w8 s3": ("loop", 1, False, first),
                     "tma " + _name(CUDA_TILES[torch.bfloat16]): CUDA_TILES[torch.bfloat16]}
         tps, shapes = [int(t) for t in args.tp.split(",")], SHAPES
     if args.loops:
         for fuse, spill, t in LOOP_VARIANTS:
-            variants[("pair" if fuse == 2 else "quad") + (" spill " if spill else " ")
+            variants[{1: "loop", 2: "pair", 4: "quad"}[fuse] + (" spill " if spill else " ")
                      + "x".join(map(str, t[:3])) + f" w{t[3]} s{t[4]}"] = ("loop", fuse, spill, t)
     rows, ok = [], True
     for tp in tps:

@@ -317,13 +317,17 @@ def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None, fuse: int
     return c
 
 
-# groups a call -> (groups per K loop, spill, CUDA tiles or None for _CUDA_TILES). From 4 groups
-# (TP=2 and TP=1 at G=8) each pair of groups runs from one loop (_pair_acc): the same bits as a
-# loop per group (H100, every llama-1b 8 x 4096 shape: bitwise), 16-20% less time a call at 4
-# groups; at 2 groups (TP=4, G=8) it was 0-13% slower, so a loop per group stays there (`python
-# -m benchmarks tree-gemm --paired`, docs/benchmarks.md). TPDIAG_TREE_LOOPS=0: a loop per group
-# everywhere, shipped tiles (A/B).
-LOOPS = {1: (1, False, None), 2: (1, False, None), 4: (2, False, None), 8: (2, False, None)}
+# groups a call -> (groups per K loop, spill, CUDA tiles or None for _CUDA_TILES). `python -m
+# benchmarks tree-gemm --loops --tp 2,4` (one H100, commit 65c233e; docs/benchmarks.md), a TP=2
+# step's calls at 4 groups: a loop per group 78.2 ms, pairs 75.5, pairs at 128 x 128 with the
+# left pair parked in the output tile 70.3 (cuBLAS 36.5); without the spill 128 x 128 holds
+# three accumulators and spills registers (133.4). At 2 groups (TP=4) one pair at 128 x 128
+# 37.4 ms against 39.7 a loop per group (cuBLAS 19.3). Four groups a loop (_quad_acc) at 3
+# stages does not fit in shared memory; at 2 stages 87.8 ms. Every variant the same bits as a
+# loop per group at every llama-1b shape. 8 groups (TP=1 at G=8): pairs at 128 x 64, unmeasured
+# beside the others. TPDIAG_TREE_LOOPS=0: a loop per group everywhere at 128 x 64 (A/B).
+LOOPS = {1: (1, False, None), 2: (2, False, (128, 128, 64, 8, 3)),
+         4: (2, True, (128, 128, 64, 8, 3)), 8: (2, False, None)}
 LOOPS_ON = [os.environ.get("TPDIAG_TREE_LOOPS", os.environ.get("TPDIAG_TREE_PAIRED", "1")) != "0"]
 
 
