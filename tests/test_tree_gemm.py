@@ -62,11 +62,15 @@ def test_fused_loops_and_spill_are_the_same_bits():
             M, N, K = (300, 200, groups * kg) if CUDA else (20, 24, groups * kg)
             a = (torch.randn(M, K, generator=gen) * 4).to(torch.bfloat16).to(dev)
             b = torch.randn(K, N, generator=gen).to(torch.bfloat16).to(dev)
-            one = tree_mm(a, b, groups, fuse=1)
-            for fuse in (2, 4):
-                for spill in (False, True):
-                    got = tree_mm(a, b, groups, fuse=fuse, spill=spill)
-                    assert torch.equal(_bits(got), _bits(one)), (kg, groups, fuse, spill)
+            one = tree_mm(a, b, groups, fuse=1, tiles=(128, 64, 64, 8, 3))
+            # the shipped loops and tiles for this group count, and others (tiles are ignored
+            # by the interpreter; on a GPU each must fit its shared memory)
+            combos = [(None, None, None), (2, False, (128, 64, 64, 8, 3)), (2, True, (128, 64, 64, 8, 3)),
+                      (2, True, (128, 128, 64, 8, 3)), (4, False, (128, 64, 64, 8, 2)),
+                      (4, True, (128, 64, 64, 8, 2)), (1, False, (128, 128, 64, 8, 3))]
+            for fuse, spill, tiles in combos:
+                got = tree_mm(a, b, groups, fuse=fuse, spill=spill, tiles=tiles)
+                assert torch.equal(_bits(got), _bits(one)), (kg, groups, fuse, spill, tiles)
             if groups > 1:
                 assert not torch.equal(_bits(tree_mm(a, b, 1, fuse=2)), _bits(one))
 

@@ -317,17 +317,20 @@ def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None, fuse: int
     return c
 
 
-# groups a call -> (groups per K loop, spill, CUDA tiles or None for _CUDA_TILES). `python -m
-# benchmarks tree-gemm --loops --tp 2,4` (one H100, commit 65c233e; docs/benchmarks.md), a TP=2
-# step's calls at 4 groups: a loop per group 78.2 ms, pairs 75.5, pairs at 128 x 128 with the
-# left pair parked in the output tile 70.3 (cuBLAS 36.5); without the spill 128 x 128 holds
-# three accumulators and spills registers (133.4). At 2 groups (TP=4) one pair at 128 x 128
-# 37.4 ms against 39.7 a loop per group (cuBLAS 19.3). Four groups a loop (_quad_acc) at 3
-# stages does not fit in shared memory; at 2 stages 87.8 ms. Every variant the same bits as a
-# loop per group at every llama-1b shape. 8 groups (TP=1 at G=8): pairs at 128 x 64, unmeasured
-# beside the others. TPDIAG_TREE_LOOPS=0: a loop per group everywhere at 128 x 64 (A/B).
-LOOPS = {1: (1, False, None), 2: (2, False, (128, 128, 64, 8, 3)),
-         4: (2, True, (128, 128, 64, 8, 3)), 8: (2, False, None)}
+# groups a call -> (groups per K loop, spill, CUDA tiles or None for _CUDA_TILES), from `python
+# -m benchmarks tree-gemm --loops` on one H100 (commits 65c233e and 9715f3e; docs/benchmarks.md).
+# A step's calls at 4 groups (TP=2, G=8): a loop per group 78.2-91.0 ms, pairs 74.9-75.5, pairs
+# at 128 x 128 with the left pair parked in the output tile 70.3-71.8 (cuBLAS 36.5-36.7);
+# without the spill 128 x 128 holds three accumulators and spills registers (132-133). At 2
+# groups (TP=4) a loop per group at 128 x 128 36.1 ms, one pair 37.0-37.4, 128 x 64 39.5-39.7
+# (cuBLAS 19.3-20.0); at 1 group (TP=8) 128 x 128 20.5 ms, 128 x 64 22.2 (cuBLAS 11.7). Four
+# groups a loop (_quad_acc) at 3 stages does not fit in shared memory; at 2 stages 87.4-87.8.
+# Every variant the same bits as a loop per group at 128 x 64 at every llama-1b shape, and the
+# subtrees compose across these per-count tiles (tests/test_tree_gemm.py on the H100). 8 groups
+# (TP=1 at G=8): pairs at 128 x 64, not re-measured. TPDIAG_TREE_LOOPS=0: a loop per group
+# everywhere at 128 x 64 (A/B).
+_WIDE = (128, 128, 64, 8, 3)
+LOOPS = {1: (1, False, _WIDE), 2: (1, False, _WIDE), 4: (2, True, _WIDE), 8: (2, False, None)}
 LOOPS_ON = [os.environ.get("TPDIAG_TREE_LOOPS", os.environ.get("TPDIAG_TREE_PAIRED", "1")) != "0"]
 
 
