@@ -68,6 +68,8 @@ def test_fused_loops_and_spill_are_the_same_bits():
             combos = [(None, None, None), (2, False, (128, 64, 64, 8, 3)), (2, True, (128, 64, 64, 8, 3)),
                       (2, True, (128, 128, 64, 8, 3)), (4, False, (128, 64, 64, 8, 2)),
                       (4, True, (128, 64, 64, 8, 2)), (1, False, (128, 128, 64, 8, 3))]
+            if not CUDA:  # the interpreter ignores tiles: each loop structure once
+                combos = [c for i, c in enumerate(combos) if c[:2] not in [d[:2] for d in combos[:i]]]
             for fuse, spill, tiles in combos:
                 got = tree_mm(a, b, groups, fuse=fuse, spill=spill, tiles=tiles)
                 assert torch.equal(_bits(got), _bits(one)), (kg, groups, fuse, spill, tiles)
