@@ -243,8 +243,13 @@ def summarize(raw: dict, tp: int, size, flops, peak) -> dict:
     rows = {}
     for k, v in t.items():
         ratios = [a / b for a, b in zip(v, stock)]  # the same round's stock step
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0],) * 3
         rows[k] = {"ms": 1e3 * statistics.median(v), "spread_ms": 1e3 * (max(v) - min(v)),
                    "x_stock": statistics.median(ratios), "x_stock_min": min(ratios), "x_stock_max": max(ratios),
+                   "x_stock_q1": q1, "x_stock_q3": q3, "mfu": mfu(flops, statistics.median(v), tp, peak),
+                   # every round's step, so that anyone can recompute the figures (round r of
+                   # every configuration ran in the same round, in a rotating order)
+                   "step_ms": [round(1e3 * x, 2) for x in v],
                    "peak_gib": raw["peak_bytes"][k] / 2**30, "rounds": len(v)}
     return {"tp": tp, "batch": size[0], "seq": size[1], "stock_mfu": mfu(flops, stock_med, tp, peak),
             "logits_width": raw.get("logits_width"), "vocab": raw.get("vocab"), "configs": rows}
@@ -359,20 +364,21 @@ def main(argv: list[str]) -> dict:
     lines = [f"fix cost: {where}, torch {torch.__version__}, model {args.model}{plan} {args.dtype}, "
              f"{args.iters} interleaved rounds after {args.warmup} warm-up, peak {fmt_peak(peak)}, "
              f"tree groups {args.groups or 'process default'} (tp: the world's degree)",
-             "| TP | batch x seq | configuration | ms/step median (spread) | x stock, median (range) | "
-             "stock MFU | peak GiB (rank 0) |", "|---|---|---|---|---|---|---|"]
+             "| TP | batch x seq | configuration | ms/step median (spread) | x stock, median (IQR; range) | "
+             "MFU | stock MFU | peak GiB (rank 0) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         head = f"| {r['tp']} | {r['batch']} x {r['seq']} "
         if "error" in r:
-            lines.append(head + f"| - | failed: {r['error']} | | | |")
+            lines.append(head + f"| - | failed: {r['error']} | | | | |")
             continue
         if r.get("logits_width") not in (None, r.get("vocab")):
             head += f"(logits {r['logits_width']} of {r['vocab']} vocab a rank) "
         for k, c in r["configs"].items():
             ratio = "1 (reference)" if k == "stock" else (
-                f"{c['x_stock']:.2f}x ({c['x_stock_min']:.2f}-{c['x_stock_max']:.2f})")
-            lines.append(head + f"| {k} | {c['ms']:.1f} ({c['spread_ms']:.1f}) | {ratio} | {fmt(r['stock_mfu'])} | "
-                         f"{c['peak_gib']:.1f} |")
+                f"{c['x_stock']:.2f}x ({c.get('x_stock_q1', c['x_stock']):.2f}-{c.get('x_stock_q3', c['x_stock']):.2f}; "
+                f"{c['x_stock_min']:.2f}-{c['x_stock_max']:.2f})")
+            lines.append(head + f"| {k} | {c['ms']:.1f} ({c['spread_ms']:.1f}) | {ratio} | {fmt(c.get('mfu'))} | "
+                         f"{fmt(r['stock_mfu'])} | {c['peak_gib']:.1f} |")
     print("\n".join(lines))
     return {"model": args.model, "variant": args.variant, "dtype": args.dtype, "iters": args.iters,
             "warmup": args.warmup,
