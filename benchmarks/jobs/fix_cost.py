@@ -109,12 +109,15 @@ def worker(rank, world, port, args, size, q):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
+    from tpdiag.kernels import tree_overlap
     from tpdiag.kernels.tree import run_groups
 
     seen = {}  # the width of a rank's logits: the whole vocab (a gathered head) or its shard
 
     def step(config):
-        fixes, g = config
+        fixes, g = config[:2]
+        # --overlap: the tree all-reduce in row chunks under the GEMMs (kernels/tree_overlap.py)
+        tree_overlap.ON[0] = len(config) > 2 and config[2]
         # G = the world's degree: one group per rank, one invariant GEMM each; a larger G: tree_mm
         with run_groups(g or 0, per_group=g == world), \
                 apply_fixes(fixes, model=model, plan=target.plan, world=world):
@@ -139,6 +142,8 @@ def worker(rank, world, port, args, size, q):
             return time.perf_counter() - t
 
     cfgs = configs(args.each, world_groups(args.groups, world) if args.groups else (None,))
+    if args.overlap:  # each all-fixes configuration again with the chunked collectives, same rounds
+        cfgs.update({f"{k} +overlap": (*v, True) for k, v in list(cfgs.items()) if k.startswith("all fixes")})
     names = list(cfgs)
     times = {k: [] for k in cfgs}
     peak = {k: 0 for k in cfgs}
@@ -281,6 +286,9 @@ def parse(argv):
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--each", action=argparse.BooleanOptionalAction, default=True,
                    help="every fix alone too, in the same rounds (default on; --no-each: stock vs all)")
+    p.add_argument("--overlap", action="store_true",
+                   help="also each all-fixes configuration with the tree all-reduce in row chunks "
+                        "under the GEMMs (TPDIAG_TREE_OVERLAP; _CHUNKS, _SMS set its shape)")
     p.add_argument("--groups", default="tp",
                    help="tree groups G, a comma list of powers of two or 'tp' (the world's degree: one "
                         "group per rank), each a configuration of its own (default tp; e.g. 8,tp; "

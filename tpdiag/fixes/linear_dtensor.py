@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from tpdiag.kernels.grouped_linear import ColLinear, RowLinearPartial
+from tpdiag.kernels.grouped_linear import ColLinear, RowLinearPartial, row_reduced
 from tpdiag.kernels.tree import TreeAllReduce
 
 
@@ -127,9 +127,7 @@ class RowLinearD(torch.autograd.Function):
     def forward(ctx, x, w, groups: int, site, specs):
         with torch._C.DisableTorchFunction():
             ctx.specs, ctx.x_spec, ctx.w_spec = specs, x._spec, w._spec
-            xl = x._local_tensor
-            part = RowLinearPartial.forward(ctx, xl, w._local_tensor, groups, site)
-            y = TreeAllReduce.forward(ctx, part, xl.dtype)
+            y = row_reduced(ctx, x._local_tensor, w._local_tensor, groups, site)
             ctx.y_placements = (_replicate(),)
             return specs.out(y, w._spec.mesh, ctx.y_placements)
 

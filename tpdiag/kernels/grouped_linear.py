@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.kernels import carry_ops
+from tpdiag.kernels import carry_ops, tree_overlap
 from tpdiag.kernels.grad_carry import live
-from tpdiag.kernels.tree import gemm_per_group, tree_all_reduce, tree_sum
+from tpdiag.kernels.tree import TreeAllReduce, gemm_per_group, tree_all_reduce, tree_sum
 from tpdiag.kernels.vocab_ce_triton import triton_path
 
 
@@ -108,16 +108,7 @@ class RowLinearPartial(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.groups = groups
         ctx.site = site  # grad accumulation's carry for w (None: w's grad returned as usual)
-        if _tensor_cores(x, w):
-            # 16-bit operands on tensor cores: their products are exact in fp32 and every group
-            # is summed in fp32 - the same as upcasting first, in another fixed order - and the
-            # rank's groups give one fp32 subtree root (_tree_partial: one invariant GEMM per
-            # group, or the groups' tree finished in registers by tree_mm)
-            x2 = x.reshape(-1, x.shape[-1])
-            return _tree_partial(x2, w.t(), groups).reshape(*x.shape[:-1], w.shape[0])
-        xs = x.float().chunk(groups, dim=-1)
-        ws = w.float().chunk(groups, dim=-1)
-        return tree_sum([_mm(xg.contiguous(), wg.t().contiguous()) for xg, wg in zip(xs, ws)])
+        return _row_partial(x.reshape(-1, x.shape[-1]), w, groups).reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, g):
@@ -159,6 +150,34 @@ class RowLinearPartial(torch.autograd.Function):
             dw = torch.cat([_mm(g2, xg.reshape(-1, xg.shape[-1]).contiguous()) for xg in xs],
                            dim=-1).to(w.dtype)
         return dx, dw, None, None
+
+
+def _row_partial(x2, w, groups: int) -> torch.Tensor:
+    """x2 [rows, K_r], w [N, K_r] -> fp32 subtree root [rows, N]; a row's bits do not depend on
+    the rows per call."""
+    if _tensor_cores(x2, w):
+        # 16-bit operands on tensor cores: their products are exact in fp32 and every group
+        # is summed in fp32 - the same as upcasting first, in another fixed order - and the
+        # rank's groups give one fp32 subtree root (_tree_partial: one invariant GEMM per
+        # group, or the groups' tree finished in registers by tree_mm)
+        return _tree_partial(x2, w.t(), groups)
+    xs = x2.float().chunk(groups, dim=-1)
+    ws = w.float().chunk(groups, dim=-1)
+    return tree_sum([_mm(xg.contiguous(), wg.t().contiguous()) for xg, wg in zip(xs, ws)])
+
+
+def row_reduced(ctx, x, w, groups: int, site=None) -> torch.Tensor:
+    """RowLinearPartial's forward then TreeAllReduce's to x's dtype, on one ctx (the DTensor
+    Function's); with the collective under the GEMM in row chunks where tree_overlap allows it."""
+    rows = x.numel() // x.shape[-1]
+    if not tree_overlap.usable(rows):
+        return TreeAllReduce.forward(ctx, RowLinearPartial.forward(ctx, x, w, groups, site), x.dtype)
+    ctx.save_for_backward(x, w)
+    ctx.groups, ctx.site, ctx.part_dtype = groups, site, torch.float32
+    x2 = x.reshape(-1, x.shape[-1])
+    y = tree_overlap.reduce_in_chunks(lambda r0, r1: _row_partial(x2[r0:r1], w, groups), rows,
+                                      w.shape[0], x.dtype, x.device)
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def _tensor_cores(x, w) -> bool:
@@ -207,15 +226,15 @@ class ColLinear(torch.autograd.Function):
         g = g.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            if tree_dgrad and _tensor_cores(g, w):
-                # the N groups' tree of 16-bit products on tensor cores (fp32)
-                part = _tree_partial(g.reshape(-1, g.shape[-1]), w, local_groups)
-                dx = tree_all_reduce(part.reshape(*g.shape[:-1], w.shape[1]), x.dtype)
-            elif tree_dgrad:
-                gs = g.float().chunk(local_groups, dim=-1)
-                ws = w.float().chunk(local_groups, dim=0)
-                part = tree_sum([_mm(gg.contiguous(), wg.contiguous()) for gg, wg in zip(gs, ws)])
-                dx = tree_all_reduce(part, x.dtype)
+            if tree_dgrad:
+                g2 = g.reshape(-1, g.shape[-1])
+                if tree_overlap.usable(g2.shape[0]):
+                    dx = tree_overlap.reduce_in_chunks(
+                        lambda r0, r1: _dgrad_partial(g2[r0:r1], w, local_groups), g2.shape[0],
+                        w.shape[1], x.dtype, g.device)
+                else:
+                    dx = tree_all_reduce(_dgrad_partial(g2, w, local_groups), x.dtype)
+                dx = dx.reshape(*g.shape[:-1], w.shape[1])
             else:
                 dx = _all_reduce_sum(torch.matmul(g, w))  # stock dgrad
         if ctx.needs_input_grad[1]:
@@ -234,6 +253,16 @@ class ColLinear(torch.autograd.Function):
             else:
                 dw = torch.matmul(g2.t(), x2)  # stock wgrad
         return dx, dw, None, None, None, None
+
+
+def _dgrad_partial(g2, w, local_groups: int) -> torch.Tensor:
+    """g2 [rows, N_r], w [N_r, K] -> fp32 subtree root [rows, K] over this rank's N groups (on
+    tensor cores: 16-bit products, fp32 sums); a row's bits do not depend on the rows per call."""
+    if _tensor_cores(g2, w):
+        return _tree_partial(g2, w, local_groups)
+    gs = g2.float().chunk(local_groups, dim=-1)
+    ws = w.float().chunk(local_groups, dim=0)
+    return tree_sum([_mm(gg.contiguous(), wg.contiguous()) for gg, wg in zip(gs, ws)])
 
 
 def _all_reduce_sum(t):

@@ -28,6 +28,7 @@ interpreter (``TRITON_INTERPRET=1`` is then set before Triton is imported).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Optional
@@ -186,8 +187,28 @@ _INTERPRETER_NUM_SMS = 4
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
+def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(index: int) -> int:
+    # the persistent kernel's programs: every SM but those held for a collective running beside it
+    return max(1, _sm_count(index) - _RESERVED_SMS[0])
+
+
+_RESERVED_SMS = [0]
+
+
+@contextlib.contextmanager
+def sms_left_free(n: int):
+    """Persistent GEMMs in the block leave `n` SMs free (for a collective on another stream).
+    Which program computes a tile never changes what it computes: the same bits."""
+    prev = _RESERVED_SMS[0]
+    _RESERVED_SMS[0] = n
+    try:
+        yield
+    finally:
+        _RESERVED_SMS[0] = prev
 
 
 # M * N * K below which a 16-bit GEMM skips TMA (2^32: ~9 GFLOP, ~15 us of an H100's tensor cores,

@@ -121,13 +121,15 @@ def all_gather_flat(out: torch.Tensor, flat: torch.Tensor, group) -> None:
     _collective("all_gather_single", "all_gather_into_tensor", out, flat, group)
 
 
-def _collective(name: str, legacy: str, out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def _collective(name: str, legacy: str, out: torch.Tensor, inp: torch.Tensor, group, wait: bool = True):
     """dist.<name>(out, inp, group=group) (torch < 2.13: dist.<legacy>), a sum where it reduces.
 
     While dist's function is torch's own (the probes wrap it: probes/collectives.py), the process
     group's method is called straight: the same collective, without the wrapper's Python checks
     and torch-function dispatch (every torch-function mode a fix installs sees the call first) -
-    host time on every fixed linear, where the host sets the pace (TP=4, docs/benchmarks.md)."""
+    host time on every fixed linear, where the host sets the pace (TP=4, docs/benchmarks.md).
+    wait=False: issued asynchronously, its Work returned (the process group's method only: see
+    direct())."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -146,10 +148,26 @@ def _collective(name: str, legacy: str, out: torch.Tensor, inp: torch.Tensor, gr
         opts.reduceOp = c10d.ReduceOp.SUM
     else:
         opts = c10d.AllgatherOptions()
-    opts.asyncOp = False
+    opts.asyncOp = not wait
     work = method(out, inp, [], [], opts) if name == "all_to_all_single" else method(out, inp, opts)
+    if not wait:
+        return work
     if work is not None:
         work.wait()
+    return None
+
+
+def direct(name: str, legacy: str) -> bool:
+    """Whether _collective(name) calls the process group's method straight (dist's function is
+    torch's own: no probe wraps it), so that wait=False can hand back its Work."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    fn = getattr(dist, name, None)
+    if fn is None:
+        name, fn = legacy, getattr(dist, legacy)
+    pg = c10d._get_default_group() if dist.is_initialized() else None
+    return pg is not None and fn is getattr(c10d, name, None) and getattr(pg, name, None) is not None
 
 
 def _group():
