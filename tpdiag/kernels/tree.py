@@ -138,9 +138,12 @@ def _collective(name: str, legacy: str, out: torch.Tensor, inp: torch.Tensor, gr
         name, fn = legacy, getattr(dist, legacy)
     pg = group or c10d._get_default_group()
     method = getattr(pg, name, None)
-    if fn is not getattr(c10d, name, None) or method is None or inp.is_complex():
+    own = fn is getattr(c10d, name, None)
+    if not own or method is None or inp.is_complex():
+        if not wait and own:  # torch < 2.13 has no process-group method of this name
+            return fn(out, inp, group=group, async_op=True)
         fn(out, inp, group=group)
-        return
+        return None
     if name == "all_to_all_single":
         opts = c10d.AllToAllOptions()
     elif "reduce" in name:
@@ -158,16 +161,15 @@ def _collective(name: str, legacy: str, out: torch.Tensor, inp: torch.Tensor, gr
 
 
 def direct(name: str, legacy: str) -> bool:
-    """Whether _collective(name) calls the process group's method straight (dist's function is
-    torch's own: no probe wraps it), so that wait=False can hand back its Work."""
+    """Whether dist's function is torch's own (no probe wraps it), so that _collective(name,
+    wait=False) hands back its Work."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     fn = getattr(dist, name, None)
     if fn is None:
         name, fn = legacy, getattr(dist, legacy)
-    pg = c10d._get_default_group() if dist.is_initialized() else None
-    return pg is not None and fn is getattr(c10d, name, None) and getattr(pg, name, None) is not None
+    return dist.is_initialized() and fn is getattr(c10d, name, None)
 
 
 def _group():
