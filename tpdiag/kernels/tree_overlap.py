@@ -11,9 +11,12 @@ partial exists and the GEMM of chunk c + 1 runs beside it; the persistent GEMM l
 for the collective's kernels (invariant_gemm.sms_left_free). The rounded chunks are then
 all-gathered into the output.
 
-Off unless TPDIAG_TREE_OVERLAP=1 (an A/B; not measured to pay yet), and only where the
-collectives are torch's own (no probe wraps them: a compare's records keep one collective per
-call) and the rows are many.
+Off unless TPDIAG_TREE_OVERLAP=1, because it did not pay: `python -m benchmarks fix-cost --tp 2,4
+--groups tp --overlap` on 4x H100 (commit 7d01ded) read TP=2 1.13x -> 1.14x and TP=4 1.23x ->
+1.29x of stock; a profiled step put 36 ms of the collectives under compute but their own time
+grew 103 -> 131 ms (4x the kernels, sharing SMs) and the GEMMs' by 20 ms (docs/benchmarks.md).
+Taken only where the collectives are torch's own (no probe wraps them: a compare's records keep
+one collective per call) and the rows are many.
 """
 from __future__ import annotations
 
