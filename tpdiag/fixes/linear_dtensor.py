@@ -24,7 +24,6 @@ import weakref
 import torch
 
 from tpdiag.kernels.grouped_linear import ColLinear, RowLinearPartial, row_reduced
-from tpdiag.kernels.tree import TreeAllReduce
 
 
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -134,8 +133,10 @@ class RowLinearD(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         with torch._C.DisableTorchFunction():
-            gp = TreeAllReduce.backward(ctx, _local_grad(g, ctx.w_spec.mesh, ctx.y_placements))[0]
-            dx, dw = RowLinearPartial.backward(ctx, gp)[:2]
+            # TreeAllReduce's backward would upcast the grad to the fp32 partial's dtype, and
+            # RowLinearPartial's backward casts it back (tensor cores) or upcasts it anyway (CPU):
+            # the 16-bit grad as it is gives the same bits without two [tokens, N] passes
+            dx, dw = RowLinearPartial.backward(ctx, _local_grad(g, ctx.w_spec.mesh, ctx.y_placements))[:2]
             return (ctx.specs.grad(dx, ctx.x_spec), ctx.specs.grad(dw, ctx.w_spec),
                     None, None, None)
 
