@@ -161,12 +161,13 @@ def worker(rank, world, port, args, size, q):
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         for name in [n for n in names if n == "stock" or n.startswith("all fixes")]:
-            with profile(activities=acts) as prof:
+            with profile(activities=acts, record_shapes=True) as prof:
                 step(cfgs[name])
             if rank == 0:
                 print(f"== profile TP={world} batch {batch_size} x seq {seq}: {name} ==")
                 print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
                                                 row_limit=args.profile))
+                print(copies_by_shape(prof, args.profile))
                 if args.trace:
                     trace_gaps(prof, args.trace, f"tp{world}-{batch_size}x{seq}-{name}")
     if args.host_profile:
@@ -195,6 +196,20 @@ def host_profile(step, cfgs: dict, rank: int, where: str, tag: str) -> None:
             prof.dump_stats(path)
             print(f"== host profile {tag}: {name} ({path}) ==")
             pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+
+
+def copies_by_shape(prof, top: int) -> str:
+    """The step's copies and casts (aten::copy_ under .to / .contiguous / .float) by input
+    shapes and dtypes, most device time first: where a fix moves bytes that stock does not."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key == "aten::copy_":
+            dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            rows.append((dev / 1e3, e.count, str(e.input_shapes)[:110]))
+    rows.sort(reverse=True)
+    lines = [f"copies by input shape (device ms, calls, shapes), {sum(r[0] for r in rows):.1f} ms in all:"]
+    lines += [f"  {ms:8.2f} {n:5d}  {shapes}" for ms, n, shapes in rows[:top]]
+    return "\n".join(lines)
 
 
 def _path(where: str, name: str, ext: str) -> str:
