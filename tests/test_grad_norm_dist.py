@@ -1,8 +1,9 @@
-"""invariant-grad-norm's bucketed gather in a real 2-rank gloo world: every sharded grad comes
-back whole and bit-exact (Shard(0), Shard(1), uneven -> full_tensor, replicated, and a packed
-gate/up _StridedShard(1, sf=2) gathered without DTensor's redistribute, which torch 2.11 refuses for
-it), across bucket boundaries, and the norm is the same bits as on one process holding the whole
-grads."""
+"""invariant-grad-norm's bucketed exchange in real 2- and 4-rank gloo worlds: every sharded grad
+comes back whole and bit-exact on exactly one rank, its owner (Shard(0), Shard(1), uneven ->
+full_tensor everywhere, replicated, and a packed gate/up _StridedShard(1, sf=2) put together
+without DTensor's redistribute, which torch 2.11 refuses for it), across bucket boundaries, and
+the norm - the owners' norms shared - is the same bits as on one process holding the whole
+grads. Negative control: the stock norm (each rank's squares, all-reduced) is other bits."""
 import os
 from types import SimpleNamespace
 
@@ -14,9 +15,11 @@ from conftest import gloo_world
 
 def _wholes():
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(8, 6, generator=gen), torch.randn(6, 10, generator=gen).bfloat16(),
-            torch.randn(4, 8, generator=gen), torch.randn(5, 3, generator=gen),
-            torch.randn(7, generator=gen), torch.randn(3, 8, 5, generator=gen)]
+    # mixed magnitudes, so that the order of a float64 sum of squares shows in its last bits
+    shapes = [(8, 6), (6, 10), (4, 8), (5, 3), (7,), (3, 8, 5)]
+    out = [torch.randn(*sh, generator=gen) * 10.0 ** torch.randint(-4, 5, sh, generator=gen) for sh in shapes]
+    out[1] = out[1].bfloat16()
+    return out
 
 
 def _worker(rank, world, port, q):
@@ -42,22 +45,46 @@ def _worker(rank, world, port, q):
         return full(self, *a, **k)
 
     DTensor.full_tensor = refuse_strided
-    gn.BUCKET_BYTES = 100   # several buckets, one grad larger than a bucket
-    got = dict(gn.whole_grads(grads))
-    exact = [torch.equal(got[i].view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32),
-                         w.view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32))
-             for i, w in enumerate(wholes)]
-    norm = gn.grad_norm([SimpleNamespace(grad=g) for g in grads])
+    res = []
+    # several buckets (one grad larger than a bucket), then every grad in one (an owner's grads
+    # side by side in one exchange)
+    for bucket_bytes in (100, 1 << 20):
+        gn.BUCKET_BYTES = bucket_bytes
+        sharded: dict = {}
+        got = dict(gn._owned_wholes(grads, sharded))
+        exact = {i: torch.equal(got[i].view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32),
+                                w.view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32))
+                 for i, w in enumerate(wholes) if i in got}
+        owned = [None] * world
+        dist.all_gather_object(owned, sorted(got))
+        norm = gn.grad_norm([SimpleNamespace(grad=g) for g in grads])
+        res.append({"exact": exact, "owned": owned, "sharded": [sorted(v[1]) for v in sharded.values()],
+                    "norm": norm.item()})
+    # the stock way (torch's clip_grad_norm_ on DTensors): each rank's squares in the grads'
+    # float32, all-reduced, one square root
+    sq = torch.stack([g.to_local().float().pow(2).sum() if g.placements[0].is_shard() or
+                      type(g.placements[0]).__name__ == "_StridedShard" else
+                      g.to_local().float().pow(2).sum() / world for g in grads]).sum()
+    dist.all_reduce(sq)
     if rank == 0:
-        q.put({"exact": exact, "norm": norm.item()})
+        q.put({"runs": res, "stock": sq.sqrt().item()})
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_bucketed_gather_is_exact_and_norm_matches_one_process():
+def test_owners_put_each_grad_together_and_norm_matches_one_process():
     from tpdiag.kernels import grad_norm as gn
 
-    r = gloo_world(_worker, 2)
-    assert all(r["exact"]), r["exact"]
     one = gn.grad_norm([SimpleNamespace(grad=w) for w in _wholes()])
-    assert torch.tensor(r["norm"], dtype=torch.float64).view(torch.int64) == one.view(torch.int64)
+    for world in (2, 4):
+        got = gloo_world(_worker, world, timeout=120)
+        for r in got["runs"]:
+            assert r["exact"] and all(r["exact"].values()), r["exact"]
+            sharded = r["sharded"][0]
+            assert sharded, "no grad took the owners' exchange"
+            # every sharded grad on exactly one rank; every other grad on every rank
+            for i in range(len(_wholes())):
+                holders = sum(i in o for o in r["owned"])
+                assert holders == (1 if i in sharded else world), (world, i, r["owned"])
+            assert torch.tensor(r["norm"], dtype=torch.float64).view(torch.int64) == one.view(torch.int64)
+        assert torch.tensor(got["stock"], dtype=torch.float64).view(torch.int64) != one.view(torch.int64), world

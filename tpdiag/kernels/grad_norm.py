@@ -2,11 +2,12 @@
 
 Every grad can be bitwise equal across TP and the global norm still differ: each rank sums
 squares over its shard and the all-reduce adds shards in a TP-dependent order. Here each grad
-is gathered whole (an exact concatenation), its float64 norm taken by one reduction of the same
-shape at every TP, the per-grad norms combined in parameter order, and the clip coefficient
-rounded down to a power of two, so the scaling itself is exact (Megatron's recipe plus the
-gather). The gather is one collective per bucket of grads: ~150 grads of a 1B model gathered one
-by one cost ~30 ms of host time per step on an H200 pair.
+is put back whole (an exact concatenation) on one rank, its owner, where its float64 norm is
+taken by one reduction of the same shape at every TP; the owners' norms are shared exactly, the
+per-grad norms combined in parameter order, and the clip coefficient rounded down to a power of
+two, so the scaling itself is exact (Megatron's recipe plus the gather). The shards travel in
+one collective per bucket of grads: ~150 grads of a 1B model gathered one by one cost ~30 ms of
+host time per step on an H200 pair.
 """
 from __future__ import annotations
 
@@ -48,49 +49,10 @@ def _whole(per_rank: torch.Tensor, d: int, sf: int) -> torch.Tensor:
     return torch.cat([cat_stacked(per_rank.narrow(1 + d, b * c, c), d) for b in range(sf)], d)
 
 
-# Grads gathered per bucket of this many local bytes: one collective per bucket instead of one
-# per grad, and the whole tensors of one bucket alive at a time (peak memory stays bounded).
+# Grads sent to their owners per bucket of this many local bytes: one collective per bucket
+# instead of one per grad, and the whole tensors of one bucket alive at a time (peak memory
+# stays bounded).
 BUCKET_BYTES = 256 * 2**20
-
-
-def whole_grads(grads: list):
-    """Yield (index, whole grad) for every grad (exact; evenly sharded DTensors gathered in
-    buckets, one collective each); order within a bucket follows the grads' order."""
-    from torch.distributed.tensor import DTensor
-
-    pending: dict = {}
-    for i, g in enumerate(grads):
-        if not isinstance(g, DTensor):
-            yield i, g
-            continue
-        d, sf, local = _even_shard(g)
-        if d is None:  # uneven (torch refuses an uneven _StridedShard, so never one of those)
-            yield i, g.full_tensor()
-            continue
-        key = (g.dtype, g.device_mesh)
-        bucket = pending.setdefault(key, [0, []])
-        bucket[1].append((i, (d, sf), local))
-        bucket[0] += local.numel() * local.element_size()
-        if bucket[0] >= BUCKET_BYTES:
-            yield from _gathered(key[1], bucket[1])
-            del pending[key]
-    for (_, mesh), (_, items) in pending.items():
-        yield from _gathered(mesh, items)
-
-
-def _gathered(mesh, items):
-    from tpdiag.kernels.tree import all_gather_flat
-
-    n = mesh.size()
-    flat = torch.cat([t.reshape(-1) for _, _, t in items])
-    gathered = alloc.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-    all_gather_flat(gathered, flat, mesh.get_group())
-    del flat
-    per_rank = gathered.view(n, -1)
-    off = 0
-    for i, (d, sf), t in items:
-        yield i, _whole(per_rank[:, off:off + t.numel()].reshape(n, *t.shape), d, sf)
-        off += t.numel()
 
 
 def grad_norm(params) -> torch.Tensor:
@@ -98,9 +60,87 @@ def grad_norm(params) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     norms: list = [None] * len(grads)
-    for i, g in whole_grads(grads):
+    sharded: dict = {}  # mesh -> (device, indices of the grads reduced by one owner)
+    for i, g in _owned_wholes(grads, sharded):
         norms[i] = torch.linalg.vector_norm(g.detach(), dtype=torch.float64)
+    _share(norms, sharded)
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+# Each evenly sharded grad's norm is taken on ONE rank (its owner: the ranks' owned bytes kept
+# level), which alone receives the other ranks' shards of it (an all-to-all per bucket) and
+# reduces the whole tensor - the same reduction of the same shape as before, so the same bits;
+# the owners' norms then reach every rank exactly (a sum of one value and zeros). Gathering
+# every grad whole on every rank moved (TP-1)/TP of all the grads' bytes to each rank and
+# reduced the whole model TP times (llama-1b bf16 at TP=2 on an H100: ~4 ms of all-gather and
+# ~6 ms of copies of whole grads a step, docs/benchmarks.md).
+def _owned_wholes(grads: list, sharded: dict):
+    """Yield (index, whole grad) for the grads this rank reduces: every grad that is not an even
+    1-D-mesh shard (replicated, uneven: whole everywhere, as before) and the sharded ones it
+    owns; the sharded grads' indices go into sharded[mesh]."""
+    from torch.distributed.tensor import DTensor
+
+    pending: dict = {}
+    level: dict = {}
+    for i, g in enumerate(grads):
+        if not isinstance(g, DTensor):
+            yield i, g
+            continue
+        d, sf, local = _even_shard(g)
+        if d is None:
+            yield i, g.full_tensor()
+            continue
+        n = g.device_mesh.size()
+        if n == 1:
+            yield i, local
+            continue
+        loads = level.setdefault(g.device_mesh, [0] * n)
+        owner = min(range(n), key=lambda r: (loads[r], r))
+        loads[owner] += local.numel() * local.element_size()
+        sharded.setdefault(g.device_mesh, (local.device, []))[1].append(i)
+        key = (g.dtype, g.device_mesh)
+        bucket = pending.setdefault(key, [0, []])
+        bucket[1].append((i, (d, sf), local, owner))
+        bucket[0] += local.numel() * local.element_size()
+        if bucket[0] >= BUCKET_BYTES:
+            yield from _to_owners(key[1], bucket[1])
+            del pending[key]
+    for (_, mesh), (_, items) in pending.items():
+        yield from _to_owners(mesh, items)
+
+
+def _to_owners(mesh, items):
+    import torch.distributed as dist
+
+    n, me = mesh.size(), mesh.get_local_rank()
+    group = mesh.get_group()
+    # send: this rank's shards grouped by owner, in rank order (each group in the grads' order)
+    send = [[t.reshape(-1) for _, _, t, o in items if o == r] for r in range(n)]
+    in_splits = [sum(x.numel() for x in s) for s in send]
+    flat = torch.cat([x for s in send for x in s]) if any(in_splits) else items[0][2].new_empty(0)
+    mine = [(i, ds, t) for i, ds, t, o in items if o == me]
+    width = sum(t.numel() for _, _, t in mine)  # even shards: the same from every rank
+    recv = alloc.empty(n * width, dtype=flat.dtype, device=flat.device)
+    dist.all_to_all_single(recv, flat, [width] * n, in_splits, group=group)
+    del flat
+    per_rank = recv.view(n, width)
+    off = 0
+    for i, (d, sf), t in mine:
+        yield i, _whole(per_rank[:, off:off + t.numel()].reshape(n, *t.shape), d, sf)
+        off += t.numel()
+
+
+def _share(norms: list, sharded: dict) -> None:
+    """Fill in the norms owned elsewhere: per mesh, one all-reduce of a float64 vector holding
+    this rank's owned norms and zeros (x + 0 + ... + 0 = x exactly; NaN and inf stay)."""
+    import torch.distributed as dist
+
+    for mesh, (device, idx) in sharded.items():
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        vec = torch.stack([norms[i] if norms[i] is not None else zero for i in idx])
+        dist.all_reduce(vec, group=mesh.get_group())
+        for k, i in enumerate(idx):
+            norms[i] = vec[k]
 
 
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> float:
