@@ -112,12 +112,14 @@ def worker(rank, world, port, args, size, q):
     from tpdiag.kernels import tree_overlap
     from tpdiag.kernels.tree import run_groups
 
+    overlap_env = tree_overlap.ON[0]  # TPDIAG_TREE_OVERLAP as the process read it
+
     seen = {}  # the width of a rank's logits: the whole vocab (a gathered head) or its shard
 
     def step(config):
         fixes, g = config[:2]
         # --overlap: the tree all-reduce in row chunks under the GEMMs (kernels/tree_overlap.py)
-        tree_overlap.ON[0] = len(config) > 2 and config[2]
+        tree_overlap.ON[0] = config[2] if len(config) > 2 else overlap_env
         # G = the world's degree: one group per rank, one invariant GEMM each; a larger G: tree_mm
         with run_groups(g or 0, per_group=g == world), \
                 apply_fixes(fixes, model=model, plan=target.plan, world=world):

@@ -80,19 +80,22 @@ def _owned_wholes(grads: list, sharded: dict):
     owns; the sharded grads' indices go into sharded[mesh]."""
     from torch.distributed.tensor import DTensor
 
+    # every grad reduced in its logical order: a rebuilt whole is contiguous, and the others are
+    # made so (a float64 norm of a transposed grad runs in memory order: other bits than its
+    # contiguous copy - the same parameter sharded at TP=2 and whole at TP=1 must agree)
     pending: dict = {}
     level: dict = {}
     for i, g in enumerate(grads):
         if not isinstance(g, DTensor):
-            yield i, g
+            yield i, g.contiguous()
             continue
         d, sf, local = _even_shard(g)
         if d is None:
-            yield i, g.full_tensor()
+            yield i, g.full_tensor().contiguous()
             continue
         n = g.device_mesh.size()
         if n == 1:
-            yield i, local
+            yield i, local.contiguous()
             continue
         loads = level.setdefault(g.device_mesh, [0] * n)
         owner = min(range(n), key=lambda r: (loads[r], r))
@@ -112,8 +115,9 @@ def _owned_wholes(grads: list, sharded: dict):
 def _to_owners(mesh, items):
     import torch.distributed as dist
 
-    n, me = mesh.size(), mesh.get_local_rank()
     group = mesh.get_group()
+    # the all-to-all's splits are in the group's rank order (as the old all-gather's pieces were)
+    n, me = mesh.size(), dist.get_group_rank(group, dist.get_rank())
     # send: this rank's shards grouped by owner, in rank order (each group in the grads' order)
     send = [[t.reshape(-1) for _, _, t, o in items if o == r] for r in range(n)]
     in_splits = [sum(x.numel() for x in s) for s in send]
