@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 
 
 def run_group(cmd: list[str], timeout: float, **kw) -> tuple[int, str, str]:
@@ -13,13 +14,29 @@ def run_group(cmd: list[str], timeout: float, **kw) -> tuple[int, str, str]:
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
     p = subprocess.Popen(cmd, start_new_session=True, text=True, **kw)
-    try:
-        out, err = p.communicate(timeout=timeout)
-        return p.returncode, out or "", err or ""
-    except subprocess.TimeoutExpired:
+
+    def kill_group():
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+    def stop(signum, _frame):
+        # the child has its own session, so a signal to this process (an outer `timeout`, a
+        # Ctrl-C) does not reach it: without this its ranks kept the GPUs busy under the next job
+        kill_group()
+        raise SystemExit(128 + signum)
+
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        saved = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out or "", err or ""
+    except subprocess.TimeoutExpired:
+        kill_group()
         out, err = p.communicate()
         return 124, out or "", (err or "") + f"\n[benchmarks] killed after {timeout:.0f} s\n"
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)

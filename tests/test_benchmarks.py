@@ -253,3 +253,42 @@ def test_table_reads_the_committed_history():
             out = table.table(recs, JOBS[job].table)
             assert len(out) == 1 + sum(len(table.rows_of(r)) for r in recs), job
             assert len(out[0].split()) > 4, (job, out[0])  # the default columns exist in the records
+
+
+def test_a_signal_to_the_runner_kills_its_child_group(tmp_path):
+    """run_group's child has its own session (so that a time limit can kill it whole); a SIGTERM
+    to the runner itself - an outer `timeout` - must kill that group too, or its ranks outlive
+    the runner (a timed-out compare kept a GPU machine busy under the next timing job).
+    Negative control: the same child without run_group's handler survives its parent."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def run(use_handler: bool) -> bool:
+        pidfile = tmp_path / f"pid-{use_handler}"
+        child = [sys.executable, "-c", f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
+                 "time.sleep(60)"]
+        if use_handler:
+            body = f"from benchmarks.proc import run_group; run_group({child!r}, 120)"
+        else:
+            body = f"import subprocess; subprocess.Popen({child!r}, start_new_session=True).wait()"
+        parent = subprocess.Popen([sys.executable, "-c", body], cwd=ROOT)
+        for _ in range(200):
+            if pidfile.exists() and pidfile.read_text():
+                break
+            time.sleep(0.05)
+        pid = int(pidfile.read_text())
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=30)
+        for _ in range(100):  # the child is reaped by init once killed; poll until it is gone
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        return True
+
+    assert not run(True), "run_group's child outlived its runner"
+    assert run(False), "negative control: a new-session child should outlive a plain parent"
