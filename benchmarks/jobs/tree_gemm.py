@@ -12,8 +12,8 @@ slice of the whole K (what TP=1 computes per group) and on a row slice.
 
   python -m benchmarks tree-gemm                 # shipped tiles, TP=2 and TP=4 shapes, step sums
   python -m benchmarks tree-gemm --sweep         # TMA tile configs at three TP=2 and TP=4 shapes
-  python -m benchmarks tree-gemm --loops         # + the per-tile kernel's fused loops (pairs or
-                                                 #   quads of groups a loop, spill) at a few tiles,
+  python -m benchmarks tree-gemm --loops         # + the per-tile kernel's loops (a pair of
+                                                 #   groups a loop, spill) at a few tiles,
                                                  #   each checked == a loop per group's bits
 """
 import argparse
@@ -36,8 +36,8 @@ ONE_GROUP = "one group (G=TP): triton_mm fp32 out"
 INV_SHAPES = (("wq fwd", "tok", 2048, 2048, "n", 16), ("w1/w3 fwd", "tok", 2048, 5632, "n", 32),
               ("wq wgrad", 2048, "tok", 2048, "m", 16), ("w1/w3 wgrad", 5632, "tok", 2048, "m", 32))
 G = 8
-# --loops: (groups a loop, spill, per-tile kernel tiles); at 2 groups a call quad is pair
-LOOP_VARIANTS = ((2, False, (128, 64, 64, 8, 3)), (4, False, (128, 64, 64, 8, 2)),
+# --loops: (groups a loop, spill, per-tile kernel tiles)
+LOOP_VARIANTS = ((2, False, (128, 64, 64, 8, 3)),
                  (2, True, (128, 64, 64, 8, 3)), (2, True, (128, 128, 64, 8, 3)),
                  (2, True, (128, 128, 64, 8, 2)), (2, False, (128, 128, 64, 8, 3)),
                  (1, False, (128, 128, 64, 8, 3)), (1, False, (128, 128, 64, 8, 4)))
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> dict:
         tps, shapes = [int(t) for t in args.tp.split(",")], SHAPES
     if args.loops:
         for fuse, spill, t in LOOP_VARIANTS:
-            variants[{1: "loop", 2: "pair", 4: "quad"}[fuse] + (" spill " if spill else " ")
+            variants[{1: "loop", 2: "pair"}[fuse] + (" spill " if spill else " ")
                      + "x".join(map(str, t[:3])) + f" w{t[3]} s{t[4]}"] = ("loop", fuse, spill, t)
     rows, ok = [], True
     for tp in tps:

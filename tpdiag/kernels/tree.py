@@ -130,15 +130,11 @@ def _collective(name: str, legacy: str, out: torch.Tensor, inp: torch.Tensor, gr
     host time on every fixed linear, where the host sets the pace (TP=4, docs/benchmarks.md).
     wait=False: issued asynchronously, its Work returned (the process group's method only: see
     direct())."""
-    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    fn = getattr(dist, name, None)
-    if fn is None:
-        name, fn = legacy, getattr(dist, legacy)
+    name, fn, own = _resolve(name, legacy)
     pg = group or c10d._get_default_group()
     method = getattr(pg, name, None)
-    own = fn is getattr(c10d, name, None)
     if not own or method is None or inp.is_complex():
         if not wait and own:  # torch < 2.13 has no process-group method of this name
             return fn(out, inp, group=group, async_op=True)
@@ -160,16 +156,24 @@ def _collective(name: str, legacy: str, out: torch.Tensor, inp: torch.Tensor, gr
     return None
 
 
-def direct(name: str, legacy: str) -> bool:
-    """Whether dist's function is torch's own (no probe wraps it), so that _collective(name,
-    wait=False) hands back its Work."""
+def _resolve(name: str, legacy: str):
+    """(the name this torch has, dist's function of that name, whether it is torch's own: no
+    probe wraps it)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     fn = getattr(dist, name, None)
     if fn is None:
         name, fn = legacy, getattr(dist, legacy)
-    return dist.is_initialized() and fn is getattr(c10d, name, None)
+    return name, fn, fn is getattr(c10d, name, None)
+
+
+def direct(name: str, legacy: str) -> bool:
+    """Whether dist's function is torch's own, so that _collective(name, wait=False) hands back
+    its Work."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and _resolve(name, legacy)[2]
 
 
 def _group():

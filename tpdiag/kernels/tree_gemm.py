@@ -95,74 +95,11 @@ def _pair_acc(a_ptr, b_ptr, offs_m, offs_n, k0, KG, stride_am, stride_ak, stride
     return acc0 + acc1
 
 
-def _quad_acc(a_ptr, b_ptr, offs_m, offs_n, k0, KG, stride_am, stride_ak, stride_bk, stride_bn,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
-    # groups g..g+3 in ONE loop, four accumulators, the same dots in the same order as
-    # _group_acc: a llama-1b wk/wv dgrad group at TP=2, G=8 is 2 BLOCK_K steps, too short for a
-    # software pipeline of its own; four groups a step keep 4x the loads in flight
-    offs_kb = tl.arange(0, BLOCK_K)
-    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(0, tl.cdiv(KG, BLOCK_K)):
-        offs_k = k0 + ki * BLOCK_K + offs_kb
-        if EVEN_K:
-            offs_k = tl.max_contiguous(tl.multiple_of(offs_k, BLOCK_K), BLOCK_K)
-        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        if EVEN_K:
-            a0 = tl.load(a_ptrs)
-            b0 = tl.load(b_ptrs)
-            a1 = tl.load(a_ptrs + KG * stride_ak)
-            b1 = tl.load(b_ptrs + KG * stride_bk)
-            a2 = tl.load(a_ptrs + 2 * KG * stride_ak)
-            b2 = tl.load(b_ptrs + 2 * KG * stride_bk)
-            a3 = tl.load(a_ptrs + 3 * KG * stride_ak)
-            b3 = tl.load(b_ptrs + 3 * KG * stride_bk)
-        else:
-            left = KG - ki * BLOCK_K
-            am = offs_kb[None, :] < left
-            bm = offs_kb[:, None] < left
-            a0 = tl.load(a_ptrs, mask=am, other=0.0)
-            b0 = tl.load(b_ptrs, mask=bm, other=0.0)
-            a1 = tl.load(a_ptrs + KG * stride_ak, mask=am, other=0.0)
-            b1 = tl.load(b_ptrs + KG * stride_bk, mask=bm, other=0.0)
-            a2 = tl.load(a_ptrs + 2 * KG * stride_ak, mask=am, other=0.0)
-            b2 = tl.load(b_ptrs + 2 * KG * stride_bk, mask=bm, other=0.0)
-            a3 = tl.load(a_ptrs + 3 * KG * stride_ak, mask=am, other=0.0)
-            b3 = tl.load(b_ptrs + 3 * KG * stride_bk, mask=bm, other=0.0)
-        if UPCAST:
-            a0, b0 = a0.to(tl.float32), b0.to(tl.float32)
-            a1, b1 = a1.to(tl.float32), b1.to(tl.float32)
-            a2, b2 = a2.to(tl.float32), b2.to(tl.float32)
-            a3, b3 = a3.to(tl.float32), b3.to(tl.float32)
-        acc0 = tl.dot(a0, b0, acc0)
-        acc1 = tl.dot(a1, b1, acc1)
-        acc2 = tl.dot(a2, b2, acc2)
-        acc3 = tl.dot(a3, b3, acc3)
-    return (acc0 + acc1) + (acc2 + acc3)
-
-
-def _unit(a_ptr, b_ptr, offs_m, offs_n, k0, KG, stride_am, stride_ak, stride_bk, stride_bn,
-          FUSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
-    # the subtree over FUSE groups from k0, from one loop
-    if FUSE == 4:
-        u = _quad_acc(a_ptr, b_ptr, offs_m, offs_n, k0, KG, stride_am, stride_ak, stride_bk,
-                      stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
-    else:
-        u = _pair_acc(a_ptr, b_ptr, offs_m, offs_n, k0, KG, stride_am, stride_ak, stride_bk,
-                      stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
-    return u
-
-
 def _tree_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, KG,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-                    FUSE: tl.constexpr = 1, SPILL: tl.constexpr = False):
+                    PAIRED: tl.constexpr = False, SPILL: tl.constexpr = False):
     # column tiles vary fastest: the programs in flight share one row block of A (read from HBM
     # once) and all of B (weights: small enough to stay in L2). Which program computes a tile,
     # and when, never changes what it computes.
@@ -180,35 +117,35 @@ def _tree_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, KG,
     offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + offs_cm[:, None] * stride_cm + offs_cn[None, :] * stride_cn
     c_mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
-    if FUSE == 1:  # a loop per group, the pairing as the groups finish
+    if not PAIRED:  # a loop per group, the pairing as the groups finish
         s = _tree_unpaired(a_ptr, b_ptr, offs_m, offs_n, KG, stride_am, stride_ak, stride_bk,
                            stride_bn, GROUPS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
-    else:  # the same tree, each FUSE leaves from one loop (a "unit")
-        s = _unit(a_ptr, b_ptr, offs_m, offs_n, 0, KG, stride_am, stride_ak, stride_bk, stride_bn,
-                  FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
-        if GROUPS // FUSE >= 2:
+    else:  # the same tree, each pair of leaves from one loop
+        s = _pair_acc(a_ptr, b_ptr, offs_m, offs_n, 0, KG, stride_am, stride_ak, stride_bk,
+                      stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+        if GROUPS >= 4:
             if SPILL:
-                # the finished left subtree waits in the output tile (fp32: exact), not in
-                # registers, so the next unit's accumulators are the only ones live; the barrier
+                # the finished left pair waits in the output tile (fp32: exact), not in
+                # registers, so the next pair's accumulators are the only ones live; the barrier
                 # makes the tile's stores visible to the threads that read it back (other
                 # layout). a + b == b + a in IEEE: the same node.
                 tl.store(c_ptrs, s, mask=c_mask)
                 tl.debug_barrier()
-                s = _unit(a_ptr, b_ptr, offs_m, offs_n, FUSE * KG, KG, stride_am, stride_ak,
-                          stride_bk, stride_bn, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+                s = _pair_acc(a_ptr, b_ptr, offs_m, offs_n, 2 * KG, KG, stride_am, stride_ak,
+                              stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
                 s = s + tl.load(c_ptrs, mask=c_mask, other=0.0)
             else:
-                s = s + _unit(a_ptr, b_ptr, offs_m, offs_n, FUSE * KG, KG, stride_am, stride_ak,
-                              stride_bk, stride_bn, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
-        if GROUPS // FUSE == 4:  # 8 groups in pairs: ((u0 + u1) + (u2 + u3))
+                s = s + _pair_acc(a_ptr, b_ptr, offs_m, offs_n, 2 * KG, KG, stride_am, stride_ak,
+                                  stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+        if GROUPS == 8:  # ((p0 + p1) + (p2 + p3))
             if SPILL:
                 tl.debug_barrier()
                 tl.store(c_ptrs, s, mask=c_mask)
                 tl.debug_barrier()
-            s2 = _unit(a_ptr, b_ptr, offs_m, offs_n, 4 * KG, KG, stride_am, stride_ak, stride_bk,
-                       stride_bn, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
-            s2 = s2 + _unit(a_ptr, b_ptr, offs_m, offs_n, 6 * KG, KG, stride_am, stride_ak,
-                            stride_bk, stride_bn, FUSE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+            s2 = _pair_acc(a_ptr, b_ptr, offs_m, offs_n, 4 * KG, KG, stride_am, stride_ak,
+                           stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
+            s2 = s2 + _pair_acc(a_ptr, b_ptr, offs_m, offs_n, 6 * KG, KG, stride_am, stride_ak,
+                                stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST)
             if SPILL:
                 s = tl.load(c_ptrs, mask=c_mask, other=0.0)
             s = s + s2
@@ -252,7 +189,7 @@ def _kernels():
     import triton.language as _tl
 
     triton, tl = _triton, _tl
-    for name in ("_group_acc", "_pair_acc", "_quad_acc", "_unit", "_tree_unpaired"):
+    for name in ("_group_acc", "_pair_acc", "_tree_unpaired"):
         globals()[name] = _triton.jit(globals()[name])
     return _triton.jit(_tree_mm_kernel)
 
@@ -273,8 +210,9 @@ def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None, fuse: int
     """fp32 [M, N]: the balanced tree over `groups` equal K ranges of a [M, K] @ b [K, N]
     (16-bit operands: their products are exact in fp32; each group summed in fp32).
 
-    The per-tile kernel below runs by default. fuse: groups per K loop (1, 2 or 4); spill: the
-    finished left subtree parked in the output tile while the right one is summed. Neither
+    The per-tile kernel below runs by default. fuse: groups per K loop (1, or 2: each pair of
+    groups from one loop); spill: the finished left pair parked in the output tile while the
+    next one is summed. Neither
     changes a bit (the same dots, the same tree); the defaults are LOOPS[groups]. `tiles` is
     for the benchmark's sweep only: a 5-tuple (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for this
     kernel, or a TreeTiles for the persistent TMA kernel (tree_gemm_tma.py; Hopper+ or the
@@ -297,8 +235,8 @@ def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None, fuse: int
     d_fuse, d_spill, d_tiles = LOOPS[groups] if LOOPS_ON[0] else (1, False, None)
     fuse = min(d_fuse if fuse is None else fuse, groups)
     spill = d_spill if spill is None else spill
-    if fuse not in (1, 2, 4):
-        raise ValueError(f"tree_mm: fuse is 1, 2 or 4 groups a loop, got {fuse}")
+    if fuse not in (1, 2):
+        raise ValueError(f"tree_mm: fuse is 1 or 2 groups a loop, got {fuse}")
     if a.is_cuda:
         # BLOCK_M / BLOCK_N may differ by group count: a tile's bits do not depend on them (the
         # same BLOCK_K steps, the same dots; every variant checked bitwise against 128 x 64 at
@@ -312,7 +250,7 @@ def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None, fuse: int
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm))
     kernel[grid](a, b, c, M, N, kg, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                  c.stride(0), c.stride(1), GROUPS=groups, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                 EVEN_K=kg % bk == 0, UPCAST=upcast, FUSE=fuse, SPILL=spill and fuse < groups,
+                 EVEN_K=kg % bk == 0, UPCAST=upcast, PAIRED=fuse == 2, SPILL=spill and fuse < groups,
                  num_warps=warps, num_stages=stages)
     return c
 
@@ -324,7 +262,8 @@ def tree_mm(a: torch.Tensor, b: torch.Tensor, groups: int, tiles=None, fuse: int
 # without the spill 128 x 128 holds three accumulators and spills registers (132-133). At 2
 # groups (TP=4) a loop per group at 128 x 128 36.1 ms, one pair 37.0-37.4, 128 x 64 39.5-39.7
 # (cuBLAS 19.3-20.0); at 1 group (TP=8) 128 x 128 20.5 ms, 128 x 64 22.2 (cuBLAS 11.7). Four
-# groups a loop (_quad_acc) at 3 stages does not fit in shared memory; at 2 stages 87.4-87.8.
+# groups a loop (tried at 65c233e, removed) did not fit in shared memory at 3 stages; at 2,
+# 87.4-87.8 ms.
 # Every variant the same bits as a loop per group at 128 x 64 at every llama-1b shape, and the
 # subtrees compose across these per-count tiles (tests/test_tree_gemm.py on the H100). 8 groups
 # (TP=1 at G=8): pairs at 128 x 64, not re-measured. TPDIAG_TREE_LOOPS=0: a loop per group

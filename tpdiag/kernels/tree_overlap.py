@@ -38,9 +38,11 @@ _AG = ("all_gather_single", "all_gather_into_tensor")
 
 
 def usable(rows: int) -> bool:
+    # asked on every fixed linear's forward and dgrad: the switch first, the rest only when on
+    if not ON[0] or CHUNKS[0] < 2 or rows < CHUNKS[0] * MIN_ROWS:
+        return False
     w = world_size()
-    return (ON[0] and w > 1 and CHUNKS[0] > 1 and rows >= CHUNKS[0] * MIN_ROWS
-            and direct(*(_RS if w == 2 else _A2A)) and direct(*_AG))
+    return w > 1 and direct(*(_RS if w == 2 else _A2A)) and direct(*_AG)
 
 
 def _bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
