@@ -199,7 +199,7 @@ def _sweep(torch, q, k, v, do, causal, only_fwd: bool = False) -> dict:
     (best dk/dv tiles). Returns the timings and the best AttnConfig's fields."""
     from triton.testing import do_bench
 
-    from tpdiag.kernels import attention_triton as at
+    from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
 
     base = at.config_for(q.dtype, q.shape[-1])
     sc = 1.0 / math.sqrt(q.shape[-1])
@@ -235,13 +235,13 @@ def _sweep(torch, q, k, v, do, causal, only_fwd: bool = False) -> dict:
     o, lse = at.forward(q, k, v, causal, sc, base)
     for c in kv_c:
         cfg = dataclasses.replace(base, kv_m=c[0], kv_n=c[1], kv_warps=c[2], kv_stages=c[3])
-        res["kv"].append({"cfg": c, "ms": bench(lambda: at.backward(do, q, k, v, o, lse, causal, sc, cfg))})
+        res["kv"].append({"cfg": c, "ms": bench(lambda: atb.backward(do, q, k, v, o, lse, causal, sc, cfg))})
         print("sweep bwd (dk/dv tiles)", res["kv"][-1], flush=True)
     c = best(res["kv"])
     base = dataclasses.replace(base, kv_m=c[0], kv_n=c[1], kv_warps=c[2], kv_stages=c[3])
     for c in q_c:
         cfg = dataclasses.replace(base, q_m=c[0], q_n=c[1], q_warps=c[2], q_stages=c[3])
-        res["q"].append({"cfg": c, "ms": bench(lambda: at.backward(do, q, k, v, o, lse, causal, sc, cfg))})
+        res["q"].append({"cfg": c, "ms": bench(lambda: atb.backward(do, q, k, v, o, lse, causal, sc, cfg))})
         print("sweep bwd (dq tiles)", res["q"][-1], flush=True)
     c = best(res["q"])
     base = dataclasses.replace(base, q_m=c[0], q_n=c[1], q_warps=c[2], q_stages=c[3])
@@ -284,7 +284,7 @@ def main(argv=None) -> dict:
             from tpdiag.kernels import attention_triton as at
 
             at.HEAD_DIM_CONFIGS[(dtype, D)] = at.AttnConfig(**result["sweep"]["best"])
-    from tpdiag.kernels import attention_triton as _at
+    from tpdiag.kernels import attention_triton as _at, attention_triton_bwd as _atb
 
     result["invariant_config"] = _at.config_for(dtype, D).to_dict()
     print("invariant-triton tiles", result["invariant_config"], flush=True)
@@ -324,7 +324,7 @@ def main(argv=None) -> dict:
 
         def direct():
             o, lse = _at.forward(q, k, v, not args.no_causal, sc)
-            _at.backward(do, q, k, v, o, lse, not args.no_causal, sc)
+            _atb.backward(do, q, k, v, o, lse, not args.no_causal, sc)
         result["invariant_direct_fwdbwd_ms"] = do_bench(direct, warmup=50, rep=300, return_mode="median")
         print("invariant-triton direct fwd+bwd (no autograd) ms", result["invariant_direct_fwdbwd_ms"], flush=True)
     except Exception as e:

@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     from triton.testing import do_bench
 
     from benchmarks.attention import _checks, _eq, _inputs, _run, _time
-    from tpdiag.kernels import attention_triton as at
+    from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
     from tpdiag.kernels.attention import invariant_sdpa
 
     B, H, S, D = args.batch, args.heads, args.seq, args.dim
@@ -79,13 +79,13 @@ def main(argv=None) -> dict:
     print("cudnn", res["cudnn"], flush=True)
     base = at.config_for(dt, D)
     o, lse = at.forward(q, k, v, True, sc, base)
-    _, delta = at.dq_pass(do, q, k, v, o, lse, True, sc, base)
+    _, delta = atb.dq_pass(do, q, k, v, o, lse, True, sc, base)
     cands = {"fwd": FWD, "dq": DQ, "kv": KV}
     if args.quick:
         cands = {p: [tuple(getattr(base, f) for f in FIELDS[p])] for p in cands}
     calls = {"fwd": lambda c: at.forward(q, k, v, True, sc, c),
-             "dq": lambda c: at.dq_pass(do, q, k, v, o, lse, True, sc, c),
-             "kv": lambda c: at.dkdv_pass(do, q, k, v, lse, delta, True, sc, c)}
+             "dq": lambda c: atb.dq_pass(do, q, k, v, o, lse, True, sc, c),
+             "kv": lambda c: atb.dkdv_pass(do, q, k, v, lse, delta, True, sc, c)}
     products = {"fwd": 2, "dq": 3, "kv": 4}
     best = {}
     for p, cs in cands.items():

@@ -224,36 +224,67 @@ def test_catalogue_maps_attention_kernel():
 
 TRITON_SCRIPT = r"""
 import torch
-from tpdiag.kernels import attention_triton as at
+from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
 from tpdiag.kernels.attention import reference_sdpa
 def bits(t): return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 def beq(a, b): return a.shape == b.shape and torch.equal(bits(a), bits(b))
 def both(q, k, v, do, causal, cfg):
     o, lse = at.forward(q, k, v, causal, 0.25, cfg)
-    return (o,) + tuple(at.backward(do, q, k, v, o, lse, causal, 0.25, cfg))
+    return (o,) + tuple(atb.backward(do, q, k, v, o, lse, causal, 0.25, cfg))
 g = torch.Generator().manual_seed(0)
 res = {}
 # o, dq, dk, dv against float64 autograd; causal with L == S, L > S and L < S (the diagonal
 # from the top left, as torch's is_causal)
 cfg = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
+# dq from stored dS; dq's row blocks (32) span two dk/dv key blocks (16), as the shipped D=128
+# tiles' do: the second key block writes no dS for the first half of the rows
+cds = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 32, 16, 4, 1, ds_mib=1)
 for dt, L, S, causal in ((torch.float32, 32, 32, True), (torch.bfloat16, 24, 24, True),
                          (torch.float32, 20, 20, False), (torch.float32, 40, 24, True),
                          (torch.float32, 24, 40, True)):
     q, do = (torch.randn(2, 4, L, 16, generator=g).to(dt) for _ in range(2))
     k, v = (torch.randn(2, 2, S, 16, generator=g).to(dt) for _ in range(2))
-    full = both(q, k, v, do, causal, cfg)
-    half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, cfg)
-    one = both(q[1:], k[1:], v[1:], do[1:], causal, cfg)
-    again = both(q, k, v, do, causal, cfg)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     r = reference_sdpa(q64, k64, v64, is_causal=causal, scale=0.25, enable_gqa=True)
     r.backward(do.double())
     refs = (r.detach(), q64.grad, k64.grad, v64.grad)
-    res[f"{dt}-{L}-{S}-{causal}"] = {
-        "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:], full[3][:, 1:]))),
-        "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
-        "repro": all(beq(a, b) for a, b in zip(again, full)),
-        "err": max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(full, refs))}
+    for name, c in (("recompute", cfg), ("stored-ds", cds)):
+        full = both(q, k, v, do, causal, c)
+        half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, c)
+        one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
+        again = both(q, k, v, do, causal, c)
+        res[f"{name}-{dt}-{L}-{S}-{causal}"] = {
+            "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:], full[3][:, 1:]))),
+            "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
+            "repro": all(beq(a, b) for a, b in zip(again, full)),
+            "err": max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(full, refs))}
+# stored dS: one head per chunk over a NaN-filled scratch (what the dk/dv pass leaves unwritten,
+# above the diagonal, must read as 0) gives the same bits; plain stores == TMA stores
+q, do = (torch.randn(2, 4, 32, 16, generator=g) for _ in range(2))
+k, v = (torch.randn(2, 2, 32, 16, generator=g) for _ in range(2))
+o, lse = at.forward(q, k, v, True, 0.25, cds)
+ref = atb.backward(do, q, k, v, o, lse, True, 0.25, cds)
+def poisoned(mod):
+    return mod._backward_ds(do, q, k, v, o, lse, True, 0.25, cds, chunk=1,
+                            ds=torch.full((2, 32, 32), float("nan")))
+res["ds_chunks_poisoned"] = all(beq(a, b) for a, b in zip(poisoned(atb), ref))
+delta = atb.delta_pass(do, o, cds)
+plain = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+scratch = torch.empty(8, 32, 32)
+atb.dkdv_pass(do, q, k, v, lse, delta, True, 0.25, cds, out=plain[1:], ds=scratch, tma=False)
+atb.dq_ds_pass(scratch, k, plain[0], True, 0.25, cds, 0, 8, tma=False)
+res["ds_plain_eq_tma"] = all(beq(a, b) for a, b in zip(plain, ref))
+# negative control: the same kernels without the diagonal mask on dS read the poison
+import importlib.util, pathlib, tempfile
+src = pathlib.Path(atb.__file__).read_text()
+mask = "dst = tl.where(cols[:, None] <= offs_m[None, :], dst, 0.0)"
+assert src.count(mask) == 1
+path = pathlib.Path(tempfile.mkdtemp()) / "atb_nomask.py"
+path.write_text(src.replace(mask, "dst = dst"))
+spec = importlib.util.spec_from_file_location("atb_nomask", path)
+nomask = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(nomask)
+res["ds_nomask_leaks_nan"] = bool(poisoned(nomask)[0].isnan().any())
 print("RESULT", __import__("json").dumps(res))
 """
 
@@ -264,6 +295,9 @@ def test_triton_kernel_under_interpreter():
                        timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout.split("RESULT", 1)[1])
+    assert res.pop("ds_chunks_poisoned") and res.pop("ds_plain_eq_tma")
+    assert res.pop("ds_nomask_leaks_nan")  # the negative control: the poison reaches dq without the mask
+    assert len(res) == 10
     for case, r in res.items():
         assert r["heads"] and r["batch"] and r["repro"], (case, r)
         assert r["err"] < (2e-6 if "float32" in case else 2e-2), (case, r)

@@ -50,9 +50,9 @@ def _ops():
         return attention_triton.forward(q, k, v, causal, scale, attention_triton.AttnConfig(*cfg))
 
     def bwd_triton(do, q, k, v, o, lse, causal, scale, cfg):
-        from tpdiag.kernels import attention_triton
+        from tpdiag.kernels import attention_triton, attention_triton_bwd
 
-        return attention_triton.backward(do, q, k, v, o, lse, causal, scale, attention_triton.AttnConfig(*cfg))
+        return attention_triton_bwd.backward(do, q, k, v, o, lse, causal, scale, attention_triton.AttnConfig(*cfg))
 
     cl = torch.library.custom_op
     _OPS = {

@@ -1,33 +1,25 @@
-"""The Triton path of invariant attention (CUDA; the Triton interpreter runs it on the CPU).
+"""The Triton path of invariant attention (CUDA; the Triton interpreter runs it on the CPU):
+the tiles, the helpers both directions share, and the forward (the backward:
+attention_triton_bwd.py).
 
-Why it is invariant and deterministic: one program per (batch, head, row block) - the grid
-only gets longer with more heads or batch rows, and a program reads nothing but its own
-head's rows, with tiles fixed per (head_dim, dtype), never per B or H. The forward walks
-every key block from 0 upwards into one fp32 accumulator (never split-KV). The backward has
-no atomics: one dk/dv program per (batch, KV head, key block) loops over its query heads in
-head order and over the query blocks in a fixed order; a separate dq program per
-(batch, query head, row block) loops over the key blocks in a fixed order. fp32 inputs use
-IEEE fp32 products (no TF32). The launch order (AttnConfig's *_group: heads per scheduling
-group, each group's heaviest causal blocks first) moves no bit: no program's sums depend on
-it. Imports Triton at import time: import this module lazily.
-
-The dq pass recomputes P: 7 block products per (query, key) block pair where an atomic dq
-needs 5. Two one-pass backwards without that recompute were built, checked bitwise (heads,
-batch halves, 20 reruns) and measured on an H200 at B8 S4096 H32 D64 bf16 causal, against
-4.08 ms for these two passes (docs/benchmarks.md, "Invariant attention"): dq partials added
-in key-block order behind a per-query-block counter (commit eefece6), 8.5-9.8 ms - the
-wait, L2 read and release fence sit on every step's critical path; dq partials as int64
-atomics on a per-row fixed-point grid (commit 31ddac7; integer sums do not depend on the
-order), 7.0-10.9 ms - the 64-bit atomics' throughput. TMA descriptor loads (commit cfdb13d,
-same bits) were no faster within the run-to-run spread.
+Why it is invariant: one program per (batch, head, row block) - the grid only gets longer with
+more heads or batch rows, and a program reads nothing but its own head's rows, with tiles fixed
+per (head_dim, dtype), never per B or H. The forward walks every key block from 0 upwards into
+one fp32 accumulator (never split-KV). fp32 inputs use IEEE fp32 products (no TF32). The launch
+order (AttnConfig's *_group: heads per scheduling group, each group's heaviest causal blocks
+first) moves no bit: no program's sums depend on it. Imports Triton at import time: import this
+module lazily.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+from tpdiag.errors import BadInput
 
 LOG2E = 1.4426950408889634
 
@@ -53,13 +45,20 @@ class AttnConfig:
     fwd_group: int = 1
     kv_group: int = 1
     q_group: int = 1
+    # > 0: the backward stores dS (the input dtype) from the dk/dv pass and dq reads it back (5
+    # block products, not 7), heads in chunks whose dS fits in this many MiB (where one head's
+    # does not, dq recomputes); 0: dq recomputes P and dP. The chunking moves no bit (a head's
+    # sums are its own); the two paths gave the same bits on an H100 and an H200
+    # (docs/benchmarks.md, "Invariant attention"); either way the choice depends on L, S, dtype
+    # and this budget, never on B or H.
+    ds_mib: int = 0
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
         if self.fwd_m % self.fwd_n or self.kv_n % self.kv_m or self.q_m % self.q_n:
             raise ValueError(f"AttnConfig {self}: fwd_m, kv_n and q_m must be multiples of fwd_n, kv_m, q_n")
-        if min(self.fwd_group, self.kv_group, self.q_group) < 1:
-            raise ValueError(f"AttnConfig {self}: the groups must be >= 1")
+        if min(self.fwd_group, self.kv_group, self.q_group) < 1 or self.ds_mib < 0:
+            raise ValueError(f"AttnConfig {self}: the groups must be >= 1 and ds_mib >= 0")
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -74,12 +73,22 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # so a tile choice by head_dim keeps every TP degree and batch on the same tiles.
 # The dq pass there launches its row blocks 4 heads at a time (q_group): 3% faster on an H100
 # than head by head; all 16 or 64 heads at once thrash L2 (docs/benchmarks.md).
-HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, q_group=4)
+# dS is stored there (ds_mib): 5 block products in the backward instead of 7, for 2 GiB of scratch
+# at most (64 heads at S = 4096 in one chunk: smaller chunks leave the GPU idle at each chunk's
+# tail); its dq tiles at 4 warps (measured fastest for reading dS back).
+HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 4, 3, q_group=4, ds_mib=2048)
                     for dt in (torch.bfloat16, torch.float16)}
+DS_MIB_ENV = "TPDIAG_ATTENTION_DS_MIB"  # a smaller dS budget (0: recompute), where memory is short
 
 
 def config_for(dtype: torch.dtype, head_dim: int) -> AttnConfig:
-    return HEAD_DIM_CONFIGS.get((dtype, head_dim)) or CONFIGS[dtype]
+    cfg = HEAD_DIM_CONFIGS.get((dtype, head_dim)) or CONFIGS[dtype]
+    budget = os.environ.get(DS_MIB_ENV, "").strip()
+    if cfg.ds_mib and budget:
+        if not budget.isdigit():
+            raise BadInput(f"{DS_MIB_ENV}={budget!r}: expected a whole number of MiB (0: dq recomputes)")
+        cfg = replace(cfg, ds_mib=min(cfg.ds_mib, int(budget)))
+    return cfg
 
 
 @triton.jit
@@ -180,144 +189,6 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
         tl.store(LSE + bh * L + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < L)
 
 
-@triton.jit
-def _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm, lo, hi, L,
-                qk_scale, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
-                D: tl.constexpr, PREC: tl.constexpr):
-    offs_m0 = tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    for start_m in range(lo, hi, BM):
-        rows = start_m + offs_m0
-        q = _load_rows(q_base, rows, sqm, offs_d, L, EVEN)
-        do = _load_rows(do_base, rows, D, offs_d, L, EVEN)
-        if EVEN:
-            lse = tl.load(LSE + row_base + rows)
-            delta = tl.load(DELTA + row_base + rows)
-        else:
-            lse = tl.load(LSE + row_base + rows, mask=rows < L, other=0.0)
-            delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
-        st = _mm(k, tl.trans(q), PREC) * qk_scale  # [BN, BM]
-        pt = tl.math.exp2(st - lse[None, :])
-        if DIAG:
-            pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
-        if not EVEN:
-            pt = tl.where(rows[None, :] < L, pt, 0.0)
-        dv += _mm(pt.to(do.dtype), do, PREC)
-        dpt = _mm(v, tl.trans(do), PREC)
-        dst = pt * (dpt - delta[None, :])
-        dk += _mm(dst.to(q.dtype), q, PREC)
-    return dk, dv
-
-
-@triton.jit(do_not_specialize=["NB", "BH", "G"])  # one compile for any launch order
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-                 HK, REP, L, S, qk_scale, sm_scale, NB, BH, G,
-                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                 PREC: tl.constexpr, EVEN: tl.constexpr):
-    pid_n, bhk = _block_and_head(NB, BH, G)
-    pid_n = NB - 1 - pid_n  # key block 0 sees every query row: the most work
-    b = bhk // HK
-    hk = bhk % HK
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_d = tl.arange(0, D)
-    nmask = offs_n[:, None] < S
-    k = _load_rows(K + b * skb + hk * skh, offs_n, skn, offs_d, S, EVEN)
-    v = _load_rows(V + b * svb + hk * svh, offs_n, svn, offs_d, S, EVEN)
-    dk = tl.zeros([BN, D], tl.float32)
-    dv = tl.zeros([BN, D], tl.float32)
-    H = HK * REP
-    for r in range(0, REP):  # this KV head's query heads, in head order
-        h = hk * REP + r
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + (b * H + h) * L * D  # dO is contiguous [B, H, L, D]
-        row_base = (b * H + h) * L
-        if CAUSAL:
-            # query rows [n0, n0 + BN) straddle the diagonal (BN is a multiple of BM); later
-            # rows see the whole key block
-            lo = tl.minimum(pid_n * BN, L)
-            mid = tl.minimum((pid_n + 1) * BN, L)
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
-                                 lo, mid, L, qk_scale, True, EVEN, BM, D, PREC)
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
-                                 mid, L, L, qk_scale, False, EVEN, BM, D, PREC)
-        else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
-                                 0, L, L, qk_scale, False, EVEN, BM, D, PREC)
-    out = bhk * S * D + offs_n[:, None] * D + offs_d[None, :]
-    if EVEN:
-        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty))
-        tl.store(DV + out, dv.to(DV.dtype.element_ty))
-    else:
-        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask)
-        tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
-              DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PREC: tl.constexpr):
-    offs_n0 = tl.arange(0, BN)
-    offs_d = tl.arange(0, D)
-    for start_n in range(lo, hi, BN):
-        cols = start_n + offs_n0
-        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN)
-        v = _load_rows(v_base, cols, svn, offs_d, S, EVEN)
-        s = _mm(q, tl.trans(k), PREC) * qk_scale
-        p = tl.math.exp2(s - lse[:, None])
-        if DIAG:
-            p = tl.where(cols[None, :] <= offs_m[:, None], p, 0.0)
-        if not EVEN:
-            p = tl.where(cols[None, :] < S, p, 0.0)
-        dp = _mm(do, tl.trans(v), PREC)
-        ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(k.dtype), k, PREC)
-    return dq
-
-
-@triton.jit(do_not_specialize=["NB", "BH", "G"])  # one compile for any launch order
-def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-               H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
-               CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               PREC: tl.constexpr, EVEN: tl.constexpr):
-    pid_m, bh = _block_and_head(NB, BH, G)
-    b = bh // H
-    h = bh % H
-    hk = h // REP
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    rmask = offs_m < L
-    io = bh * L * D + offs_m[:, None] * D + offs_d[None, :]
-    # O and dO are contiguous [B, H, L, D]; this pass runs first and writes delta =
-    # rowsum(O * dO) (fp32, one fixed order per row) for the dk/dv pass
-    q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, offs_d, L, EVEN)
-    if EVEN:
-        do = tl.load(DO + io)
-        o = tl.load(O + io)
-        lse = tl.load(LSE + bh * L + offs_m)
-    else:
-        do = tl.load(DO + io, mask=rmask[:, None], other=0.0)
-        o = tl.load(O + io, mask=rmask[:, None], other=0.0)
-        lse = tl.load(LSE + bh * L + offs_m, mask=rmask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + bh * L + offs_m, delta, mask=rmask)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
-    dq = tl.zeros([BM, D], tl.float32)
-    if CAUSAL:
-        diag = tl.minimum(pid_m * BM, S)  # BM is a multiple of BN
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, diag, S, qk_scale,
-                       False, EVEN, BN, D, PREC)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, diag,
-                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC)
-    else:
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, S, S, qk_scale,
-                       False, EVEN, BN, D, PREC)
-    if EVEN:
-        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty))
-    else:
-        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
-
-
 def _prec(t: torch.Tensor) -> str:
     if t.device.type == "cpu" and t.dtype != torch.float32:
         return "up"  # the interpreter
@@ -346,49 +217,3 @@ def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
                       EVEN=L % cfg.fwd_m == 0 and S % cfg.fwd_n == 0,
                       num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return o, lse
-
-
-def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | None = None):
-    cfg = cfg or config_for(q.dtype, q.shape[-1])
-    q, k, v = (_last_dim_unit(t) for t in (q, k, v))
-    do = do.contiguous()
-    # dq first: it also writes delta, which the dk/dv pass reads
-    dq, delta = dq_pass(do, q, k, v, o, lse, causal, scale, cfg)
-    return (dq,) + dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg)
-
-
-def _strides(q, k, v):
-    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2))
-
-
-def dq_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
-    """-> (dq, delta); q/k/v with unit last stride, dO and O contiguous."""
-    B, H, L, D = q.shape
-    Hk, S = k.shape[1], k.shape[2]
-    delta = torch.empty(B * H, L, dtype=torch.float32, device=q.device)
-    dq = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
-    nq = triton.cdiv(L, cfg.q_m)
-    _dq_kernel[(nq * B * H,)](
-        q, k, v, o, do, lse, delta, dq, *_strides(q, k, v), H, H // Hk, L, S, scale * LOG2E, scale,
-        nq, B * H, min(cfg.q_group, B * H),
-        CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(q),
-        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0,
-        num_warps=cfg.q_warps, num_stages=cfg.q_stages)
-    return dq, delta
-
-
-def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConfig):
-    """-> (dk, dv), from the delta of dq_pass."""
-    B, H, L, D = q.shape
-    Hk, S = k.shape[1], k.shape[2]
-    dk = torch.empty(B, Hk, S, D, dtype=k.dtype, device=q.device)
-    dv = torch.empty(B, Hk, S, D, dtype=v.dtype, device=q.device)
-    nk = triton.cdiv(S, cfg.kv_n)
-    _dkdv_kernel[(nk * B * Hk,)](
-        q, k, v, do, lse, delta, dk, dv, *_strides(q, k, v), Hk, H // Hk, L, S, scale * LOG2E, scale,
-        nk, B * Hk, min(cfg.kv_group, B * Hk),
-        CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
-        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0,
-        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
-    return dk, dv

@@ -1,0 +1,367 @@
+"""The backward of invariant attention in Triton (CUDA; the Triton interpreter runs it on the CPU).
+
+Why it is invariant and deterministic: no atomics, and every program reads its own head's rows
+only, with tiles fixed per (head_dim, dtype) (attention_triton.config_for). One dk/dv program per
+(batch, KV head, key block) loops over its query heads in head order and over the query blocks
+in a fixed order. dq comes one of two ways (AttnConfig.ds_mib), each deterministic:
+- recompute (ds_mib = 0): a dq program per (batch, query head, row block) recomputes P and dP
+  and loops over the key blocks in a fixed order - 7 block products per (query, key) block pair
+  where an atomic dq needs 5. It runs first and also writes delta = rowsum(O * dO).
+- stored dS (ds_mib > 0): the dk/dv pass also stores dS (the input dtype, rounded as the dK
+  product uses it), and a dq program reads its row block of dS back and multiplies by K over the
+  key blocks in a fixed order - 5 products and a write and read of dS (O(L * S) memory per head,
+  so heads go in chunks whose dS fits ds_mib MiB; a head's sums are its own, so the chunking
+  moves no bit). delta comes from its own small pass first.
+
+One-pass backwards without the recompute were built, checked bitwise and measured slower on an
+H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes): dq partials
+added in key-block order behind a per-query-block counter (commit eefece6), 8.5-9.8 ms - the
+wait, L2 read and release fence sit on every step's critical path; dq partials as int64 atomics
+on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. TMA descriptor loads (commit
+cfdb13d, same bits) were no faster within the run-to-run spread. Imports Triton at import time.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head, _last_dim_unit,
+                                             _load_rows, _mm, _prec, config_for)
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm, lo, hi, L, S,
+                qk_scale, DS, ds_idx, n0, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
+                BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, STORE_DS: tl.constexpr):
+    # STORE_DS: 0 no dS, 1 dS by plain stores, 2 by TMA (DS a [heads, S, L] descriptor: the
+    # store leaves from shared memory while the next block's products run)
+    offs_m0 = tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    for start_m in range(lo, hi, BM):
+        rows = start_m + offs_m0
+        q = _load_rows(q_base, rows, sqm, offs_d, L, EVEN)
+        do = _load_rows(do_base, rows, D, offs_d, L, EVEN)
+        if EVEN:
+            lse = tl.load(LSE + row_base + rows)
+            delta = tl.load(DELTA + row_base + rows)
+        else:
+            lse = tl.load(LSE + row_base + rows, mask=rows < L, other=0.0)
+            delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
+        st = _mm(k, tl.trans(q), PREC) * qk_scale  # [BN, BM]
+        pt = tl.math.exp2(st - lse[None, :])
+        if DIAG:
+            pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
+        if not EVEN:
+            pt = tl.where(rows[None, :] < L, pt, 0.0)
+        dv += _mm(pt.to(do.dtype), do, PREC)
+        dpt = _mm(v, tl.trans(do), PREC)
+        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+        if STORE_DS == 2:
+            DS.store([ds_idx, n0, start_m], tl.reshape(dst, [1, BN, BM]))
+        elif STORE_DS == 1:
+            # dS^T of this head, [S, L]: rows of keys, contiguous over query rows
+            ds_ptr = DS + ds_idx.to(tl.int64) * S * L + offs_n[:, None] * L + rows[None, :]
+            if EVEN:
+                tl.store(ds_ptr, dst)
+            else:
+                tl.store(ds_ptr, dst, mask=(offs_n[:, None] < S) & (rows[None, :] < L))
+        dk += _mm(dst, q, PREC)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["NB", "BH", "G", "BH0"])  # one compile for any launch order
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                 HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
+                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                 PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr):
+    # BH0: the first (batch, KV head) of this launch (a chunk of heads whose dS fits DS)
+    pid_n, bhl = _block_and_head(NB, BH, G)
+    pid_n = NB - 1 - pid_n  # key block 0 sees every query row: the most work
+    bhk = BH0 + bhl
+    b = bhk // HK
+    hk = bhk % HK
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    nmask = offs_n[:, None] < S
+    k = _load_rows(K + b * skb + hk * skh, offs_n, skn, offs_d, S, EVEN)
+    v = _load_rows(V + b * svb + hk * svh, offs_n, svn, offs_d, S, EVEN)
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    H = HK * REP
+    for r in range(0, REP):  # this KV head's query heads, in head order
+        h = hk * REP + r
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + (b * H + h) * L * D  # dO is contiguous [B, H, L, D]
+        row_base = (b * H + h) * L
+        ds_idx = bhl * REP + r
+        if CAUSAL:
+            # query rows [n0, n0 + BN) straddle the diagonal (BN is a multiple of BM); later
+            # rows see the whole key block
+            lo = tl.minimum(pid_n * BN, L)
+            mid = tl.minimum((pid_n + 1) * BN, L)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
+                                 lo, mid, L, S, qk_scale, DS, ds_idx, pid_n * BN, True, EVEN, BM, BN, D, PREC,
+                                 STORE_DS)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
+                                 mid, L, L, S, qk_scale, DS, ds_idx, pid_n * BN, False, EVEN, BM, BN, D, PREC,
+                                 STORE_DS)
+        else:
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
+                                 0, L, L, S, qk_scale, DS, ds_idx, pid_n * BN, False, EVEN, BM, BN, D, PREC,
+                                 STORE_DS)
+    out = bhk * S * D + offs_n[:, None] * D + offs_d[None, :]
+    if EVEN:
+        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty))
+        tl.store(DV + out, dv.to(DV.dtype.element_ty))
+    else:
+        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask)
+        tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
+              DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+              PREC: tl.constexpr):
+    offs_n0 = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BN):
+        cols = start_n + offs_n0
+        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN)
+        v = _load_rows(v_base, cols, svn, offs_d, S, EVEN)
+        s = _mm(q, tl.trans(k), PREC) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        if DIAG:
+            p = tl.where(cols[None, :] <= offs_m[:, None], p, 0.0)
+        if not EVEN:
+            p = tl.where(cols[None, :] < S, p, 0.0)
+        dp = _mm(do, tl.trans(v), PREC)
+        ds = p * (dp - delta[:, None])
+        dq += _mm(ds.to(k.dtype), k, PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=["NB", "BH", "G"])  # one compile for any launch order
+def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+               H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
+               CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+               PREC: tl.constexpr, EVEN: tl.constexpr):
+    pid_m, bh = _block_and_head(NB, BH, G)
+    b = bh // H
+    h = bh % H
+    hk = h // REP
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    rmask = offs_m < L
+    io = bh * L * D + offs_m[:, None] * D + offs_d[None, :]
+    # O and dO are contiguous [B, H, L, D]; this pass runs first and writes delta =
+    # rowsum(O * dO) (fp32, one fixed order per row) for the dk/dv pass
+    q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, offs_d, L, EVEN)
+    if EVEN:
+        do = tl.load(DO + io)
+        o = tl.load(O + io)
+        lse = tl.load(LSE + bh * L + offs_m)
+    else:
+        do = tl.load(DO + io, mask=rmask[:, None], other=0.0)
+        o = tl.load(O + io, mask=rmask[:, None], other=0.0)
+        lse = tl.load(LSE + bh * L + offs_m, mask=rmask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh * L + offs_m, delta, mask=rmask)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    dq = tl.zeros([BM, D], tl.float32)
+    if CAUSAL:
+        diag = tl.minimum(pid_m * BM, S)  # BM is a multiple of BN
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, diag, S, qk_scale,
+                       False, EVEN, BN, D, PREC)
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, diag,
+                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC)
+    else:
+        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, S, S, qk_scale,
+                       False, EVEN, BN, D, PREC)
+    if EVEN:
+        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty))
+    else:
+        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
+
+
+
+@triton.jit(do_not_specialize=["NB", "BH"])
+def _delta_kernel(O, DO, DELTA, L, NB, BH, BM: tl.constexpr, D: tl.constexpr, EVEN: tl.constexpr):
+    # delta = rowsum(O * dO) in fp32, one fixed order per row (the dq recompute pass's own sum)
+    pid_m, bh = _block_and_head(NB, BH, 1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    io = bh * L * D + offs_m[:, None] * D + offs_d[None, :]
+    if EVEN:
+        do = tl.load(DO + io)
+        o = tl.load(O + io)
+    else:
+        do = tl.load(DO + io, mask=offs_m[:, None] < L, other=0.0)
+        o = tl.load(O + io, mask=offs_m[:, None] < L, other=0.0)
+    tl.store(DELTA + bh * L + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < L)
+
+
+@triton.jit
+def _dq_ds_inner(dq, DS, ds_idx, k_base, skn, offs_m, m0, lo, hi, L, S, DIAG: tl.constexpr,
+                 EVEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                 PREC: tl.constexpr, TMA: tl.constexpr):
+    offs_n0 = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BN):
+        cols = start_n + offs_n0
+        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN)
+        if TMA:  # DS a [heads, S, L] descriptor; out of bounds reads as 0
+            dst = tl.reshape(DS.load([ds_idx, start_n, m0]), [BN, BM])
+        else:
+            ptrs = DS + ds_idx.to(tl.int64) * S * L + cols[:, None] * L + offs_m[None, :]
+            if EVEN:
+                dst = tl.load(ptrs)
+            else:
+                dst = tl.load(ptrs, mask=(cols[:, None] < S) & (offs_m[None, :] < L), other=0.0)
+        if DIAG:
+            # above the diagonal the dk/dv pass wrote nothing: whatever is there reads as 0
+            dst = tl.where(cols[:, None] <= offs_m[None, :], dst, 0.0)
+        dq += _mm(tl.trans(dst), k, PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=["NB", "BH", "G", "BH0"])  # one compile for any launch order
+def _dq_ds_kernel(DS, K, DQ, skb, skh, skn, H, REP, L, S, sm_scale, NB, BH, G, BH0,
+                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                  PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
+    # dq of row block pid_m = sum over key blocks, in order from 0, of dS[rows, keys] @ K[keys]
+    pid_m, bhl = _block_and_head(NB, BH, G)
+    bh = BH0 + bhl
+    b = bh // H
+    hk = (bh % H) // REP
+    m0 = pid_m * BM
+    offs_m = m0 + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    k_base = K + b * skb + hk * skh
+    dq = tl.zeros([BM, D], tl.float32)
+    if CAUSAL:
+        diag = tl.minimum(m0, S)  # BM is a multiple of BN
+        dq = _dq_ds_inner(dq, DS, bhl, k_base, skn, offs_m, m0, 0, diag, L, S, False, EVEN, BM, BN, D,
+                          PREC, TMA)
+        dq = _dq_ds_inner(dq, DS, bhl, k_base, skn, offs_m, m0, diag, tl.minimum(m0 + BM, S), L, S,
+                          True, EVEN, BM, BN, D, PREC, TMA)
+    else:
+        dq = _dq_ds_inner(dq, DS, bhl, k_base, skn, offs_m, m0, 0, S, L, S, False, EVEN, BM, BN, D,
+                          PREC, TMA)
+    io = bh * L * D + offs_m[:, None] * D + offs_d[None, :]
+    if EVEN:
+        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty))
+    else:
+        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < L)
+
+
+def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | None = None):
+    """-> (dq, dk, dv) from the forward's (o, lse); dq by the path cfg.ds_mib names."""
+    cfg = cfg or config_for(q.dtype, q.shape[-1])
+    q, k, v = (_last_dim_unit(t) for t in (q, k, v))
+    do = do.contiguous()
+    if cfg.ds_mib and ds_chunk(cfg, q.shape[1] // k.shape[1], q.shape[2], k.shape[2], q.element_size()):
+        return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
+    # dq first: it also writes delta, which the dk/dv pass reads
+    dq, delta = dq_pass(do, q, k, v, o, lse, causal, scale, cfg)
+    return (dq,) + dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg)
+
+
+def ds_chunk(cfg: AttnConfig, rep: int, L: int, S: int, itemsize: int) -> int:
+    """(batch, KV head) pairs per chunk of the stored-dS backward: their query heads' dS fit
+    cfg.ds_mib MiB (0: not even one)."""
+    return (cfg.ds_mib << 20) // (rep * L * S * itemsize)
+
+
+def _backward_ds(do, q, k, v, o, lse, causal, scale, cfg, chunk: int | None = None, ds=None):
+    """`chunk` and a prefilled `ds` scratch: for tests (neither moves a bit)."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    rep = H // Hk
+    delta = delta_pass(do, o, cfg)
+    dq = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, Hk, S, D, dtype=k.dtype, device=q.device)
+    dv = torch.empty(B, Hk, S, D, dtype=v.dtype, device=q.device)
+    chunk = min(chunk or ds_chunk(cfg, rep, L, S, q.element_size()), B * Hk)
+    if ds is None:
+        ds = torch.empty(chunk * rep, S, L, dtype=q.dtype, device=q.device)
+    # TMA wants 16-byte row strides
+    tma = (L * q.element_size()) % 16 == 0 and (not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9)
+    for c0 in range(0, B * Hk, chunk):
+        n = min(chunk, B * Hk - c0)
+        dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, out=(dk, dv), ds=ds, bh0=c0, nbh=n, tma=tma)
+        dq_ds_pass(ds, k, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep, tma=tma)
+    return dq, dk, dv
+
+
+def _ds_desc(ds, rows: int, cols: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(ds, list(ds.shape), list(ds.stride()), [1, rows, cols])
+
+
+def dq_ds_pass(ds, k, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int, nbh: int,
+               tma: bool = False):
+    """dq of query (batch, head) pairs bh0 .. bh0 + nbh - 1 into `dq` [B, H, L, D] from their
+    dS^T in `ds` ([nbh, S, L], as dkdv_pass stores it) and K; `tma`: dS read by TMA."""
+    _, H, L, D = dq.shape
+    Hk, S = k.shape[1], k.shape[2]
+    nq = triton.cdiv(L, cfg.q_m)
+    _dq_ds_kernel[(nq * nbh,)](
+        _ds_desc(ds, cfg.q_n, cfg.q_m) if tma else ds, k, dq, k.stride(0), k.stride(1), k.stride(2), H, H // Hk, L, S, scale,
+        nq, nbh, min(cfg.q_group, nbh), bh0,
+        CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(dq),
+        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, TMA=tma,
+        num_warps=cfg.q_warps, num_stages=cfg.q_stages)
+    return dq
+
+
+def delta_pass(do, o, cfg: AttnConfig):
+    """delta = rowsum(O * dO), fp32 [B * H, L]; O and dO contiguous [B, H, L, D]."""
+    B, H, L, D = o.shape
+    delta = torch.empty(B * H, L, dtype=torch.float32, device=o.device)
+    nb = triton.cdiv(L, cfg.q_m)
+    _delta_kernel[(nb * B * H,)](o, do, delta, L, nb, B * H, BM=cfg.q_m, D=D, EVEN=L % cfg.q_m == 0,
+                                 num_warps=cfg.q_warps)
+    return delta
+
+
+def _strides(q, k, v):
+    return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2))
+
+
+def dq_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
+    """-> (dq, delta) by recompute; q/k/v with unit last stride, dO and O contiguous."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    delta = torch.empty(B * H, L, dtype=torch.float32, device=q.device)
+    dq = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
+    nq = triton.cdiv(L, cfg.q_m)
+    _dq_kernel[(nq * B * H,)](
+        q, k, v, o, do, lse, delta, dq, *_strides(q, k, v), H, H // Hk, L, S, scale * LOG2E, scale,
+        nq, B * H, min(cfg.q_group, B * H),
+        CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(q),
+        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0,
+        num_warps=cfg.q_warps, num_stages=cfg.q_stages)
+    return dq, delta
+
+
+def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConfig, out=None,
+              ds=None, bh0: int = 0, nbh: int | None = None, tma: bool = False):
+    """-> (dk, dv) of (batch, KV head) pairs bh0 .. bh0 + nbh - 1 (all by default), into `out`
+    if given, from the delta of dq_pass or delta_pass; with `ds`, also stores their query heads'
+    dS^T there ([nbh * rep, S, L]; by TMA if `tma`)."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    dk, dv = out if out is not None else (torch.empty(B, Hk, S, D, dtype=k.dtype, device=q.device),
+                                          torch.empty(B, Hk, S, D, dtype=v.dtype, device=q.device))
+    nbh = B * Hk if nbh is None else nbh
+    nk = triton.cdiv(S, cfg.kv_n)
+    _dkdv_kernel[(nk * nbh,)](
+        q, k, v, do, lse, delta, dk, dv, dk if ds is None else _ds_desc(ds, cfg.kv_n, cfg.kv_m) if tma else ds, *_strides(q, k, v), Hk, H // Hk, L, S,
+        scale * LOG2E, scale, nk, nbh, min(cfg.kv_group, nbh), bh0,
+        CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
+        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=0 if ds is None else 2 if tma else 1,
+        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+    return dk, dv
