@@ -75,8 +75,9 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # than head by head; all 16 or 64 heads at once thrash L2 (docs/benchmarks.md).
 # dS is stored there (ds_mib): 5 block products in the backward instead of 7, for 2 GiB of scratch
 # at most (64 heads at S = 4096 in one chunk: smaller chunks leave the GPU idle at each chunk's
-# tail); its dq tiles at 4 warps (measured fastest for reading dS back).
-HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 4, 3, q_group=4, ds_mib=2048)
+# tail). The dq tiles stay at 8 warps: reading dS back is ~2% faster at 4, but the recompute dq
+# (where one head's dS exceeds the budget) is 1.4x slower there (docs/benchmarks.md).
+HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, q_group=4, ds_mib=2048)
                     for dt in (torch.bfloat16, torch.float16)}
 DS_MIB_ENV = "TPDIAG_ATTENTION_DS_MIB"  # a smaller dS budget (0: recompute), where memory is short
 
