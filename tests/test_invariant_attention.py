@@ -2,6 +2,7 @@
 negative controls, the Triton kernel under the interpreter, and the CLI (compare / confirm)."""
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -215,6 +216,29 @@ def test_tiles_follow_dtype_and_head_dim_only():
     import inspect
 
     assert list(inspect.signature(at.config_for).parameters) == ["dtype", "head_dim"]
+
+
+def test_ds_budget_switch(monkeypatch):
+    """TPDIAG_ATTENTION_DS_MIB only lowers the stored-dS budget of the configs that store dS; a
+    budget one head's dS does not fit sends dq back to recompute; garbage is a typed error."""
+    pytest.importorskip("triton")
+    from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
+
+    shipped = at.HEAD_DIM_CONFIGS[(torch.bfloat16, 128)]
+    assert shipped.ds_mib == 2048 and at.CONFIGS[torch.bfloat16].ds_mib == 0
+    monkeypatch.setenv(at.DS_MIB_ENV, "64")
+    assert at.config_for(torch.bfloat16, 128).ds_mib == 64 and at.config_for(torch.bfloat16, 64).ds_mib == 0
+    monkeypatch.setenv(at.DS_MIB_ENV, "1000000")
+    assert at.config_for(torch.bfloat16, 128).ds_mib == 2048  # never raised above the shipped budget
+    monkeypatch.setenv(at.DS_MIB_ENV, "0")
+    assert at.config_for(torch.bfloat16, 128).ds_mib == 0
+    monkeypatch.setenv(at.DS_MIB_ENV, "lots")
+    with pytest.raises(BadInput, match="TPDIAG_ATTENTION_DS_MIB"):
+        at.config_for(torch.bfloat16, 128)
+    # chunks: a (batch, KV head) pair of 2 query heads at S = L = 4096 in bf16 needs 2 x 32 MiB
+    assert atb.ds_chunk(replace(shipped, ds_mib=128), 2, 4096, 4096, 2) == 2
+    assert atb.ds_chunk(replace(shipped, ds_mib=64), 2, 4096, 4096, 2) == 1
+    assert atb.ds_chunk(replace(shipped, ds_mib=32), 2, 4096, 4096, 2) == 0
 
 
 def test_catalogue_maps_attention_kernel():
