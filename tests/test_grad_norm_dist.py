@@ -6,6 +6,7 @@ the norm - the owners' norms shared - is the same bits as on one process holding
 grads. A 384 x 512 grad makes the order of its float64 sum show in the last bits: the norm taken
 shard by shard (each rank's sum of squares, combined) is other bits; so is the stock norm (the
 grads' float32). A transposed grad's norm is its logical order's (its contiguous copy's)."""
+import math
 import os
 from types import SimpleNamespace
 
@@ -63,6 +64,13 @@ def _worker(rank, world, port, q):
         norm = gn.grad_norm([SimpleNamespace(grad=g) for g in grads])
         res.append({"owned": owned, "sharded": [sorted(v[1]) for v in sharded.values()],
                     "norm": norm.item()})
+    # clipping: on the device, each rank's shards scaled by the power of two below max_norm / norm
+    # (the whole grads scaled by it on one process give the same bits)
+    before = [g.to_local().clone() for g in grads]
+    total = gn.grad_norm_and_clip([SimpleNamespace(grad=g) for g in grads], norm.item() / 3)
+    coef = 2.0 ** math.floor(math.log2(1.0 / 3 * norm.item() / (total.item() + 1e-6)))
+    clipped = all(torch.equal(g.to_local(), b * coef) and not torch.equal(g.to_local(), b)
+                  for g, b in zip(grads, before))
     # a TP-dependent order: each rank's float64 sum of squares of its shard, summed over ranks
     # (replicated grads counted once)
     sq = torch.stack([g.to_local().double().pow(2).sum() / (1 if g.placements[0].is_shard() or
@@ -74,7 +82,7 @@ def _worker(rank, world, port, q):
                         type(g.placements[0]).__name__ == "_StridedShard" else world) for g in grads]).sum()
     dist.all_reduce(sq32)
     if rank == 0:
-        q.put({"runs": res, "by_shard": by_shard.item(), "stock": sq32.sqrt().item()})
+        q.put({"runs": res, "by_shard": by_shard.item(), "stock": sq32.sqrt().item(), "clipped": clipped})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -97,6 +105,7 @@ def test_owners_put_each_grad_together_and_norm_matches_one_process():
                 holders = [o[i] for o in r["owned"] if i in o]
                 assert len(holders) == (1 if i in sharded else world) and all(holders), (world, i, r["owned"])
             assert _f64(r["norm"]) == one.view(torch.int64), world
+        assert got["clipped"], world
         assert _f64(got["by_shard"]) != one.view(torch.int64), world
         assert _f64(got["stock"]) != one.view(torch.int64), world
 

@@ -79,9 +79,32 @@ def test_vocab_logprobs_match_float64_reference():
 
 
 def test_clip_coefficient_is_a_power_of_two():
-    c = grad_norm.clip_coefficient(torch.tensor(37.0, dtype=torch.float64), 1.0)
-    assert c <= 1 / 37.0 and math.log2(c) == int(math.log2(c))
-    assert grad_norm.clip_coefficient(torch.tensor(0.5, dtype=torch.float64), 1.0) == 1.0
+    """A device tensor (no host sync): the largest power of two <= max_norm / (norm + 1e-6),
+    1 within the norm, NaN for a NaN norm and 0 for an infinite one (as torch's clip)."""
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    for norm in (37.0, 3.0, 1e-3 * (1 + 2 ** -40), 1e30, 2.0 ** 70 - 1e-6):
+        c = grad_norm.clip_coefficient(f64(norm), 1.0)
+        assert c.dtype == torch.float64 and c.dim() == 0
+        raw = 1.0 / (norm + 1e-6)
+        want = 1.0 if raw >= 1 else 2.0 ** math.floor(math.log2(raw))
+        assert float(c) == want and float(c) <= raw, (norm, float(c), want)
+    assert float(grad_norm.clip_coefficient(f64(0.5), 1.0)) == 1.0
+    assert math.isnan(float(grad_norm.clip_coefficient(f64(float("nan")), 1.0)))
+    assert float(grad_norm.clip_coefficient(f64(float("inf")), 1.0)) == 0.0
+    # exact at a power of two: 1/(2^k) rounds to no power of two below it
+    assert float(grad_norm.clip_coefficient(f64(4.0 - 1e-6), 1.0)) == 0.25
+
+
+def test_scale_grads_is_the_scalar_multiply():
+    """scale_grads (one foreach multiply per dtype) gives the bits of grad.mul_(python float)."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(7, 5, generator=g).to(dt) for dt in (torch.bfloat16, torch.float32, torch.float16)]
+    coef = grad_norm.clip_coefficient(torch.tensor(37.0, dtype=torch.float64), 1.0)
+    want = [t.clone().mul_(float(coef)) for t in grads]
+    grad_norm.scale_grads(grads, coef)
+    assert all(torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                           b.view(torch.int16 if b.element_size() == 2 else torch.int32)) for a, b in zip(grads, want))
+    assert not torch.equal(grads[1], torch.randn(7, 5, generator=torch.Generator().manual_seed(0)))  # it scaled
 
 
 def test_tree_rejects_non_power_of_two_tp():

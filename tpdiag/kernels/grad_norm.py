@@ -11,8 +11,6 @@ host time per step on an H200 pair.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tpdiag.kernels import alloc
@@ -147,11 +145,29 @@ def _share(norms: list, sharded: dict) -> None:
             norms[i] = vec[k]
 
 
-def clip_coefficient(total: torch.Tensor, max_norm: float) -> float:
-    coef = max_norm / (float(total) + 1e-6)
-    if coef >= 1.0:
-        return 1.0
-    return 2.0 ** math.floor(math.log2(coef))
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The clip coefficient as a float64 0-dim tensor on total's device, with no host sync (the
+    host keeps queueing the optimizer's kernels while the GPU finishes the norm): 1 where the
+    norm is within max_norm, else the largest power of two <= max_norm / (norm + 1e-6), so the
+    scaling is exact; a NaN norm gives NaN and an infinite one 0 (as torch's clip_grad_norm_)."""
+    raw = max_norm / (total.to(torch.float64) + 1e-6)
+    mant, _ = torch.frexp(raw)  # raw = mant * 2^e, mant in [0.5, 1): raw / (2 mant) = 2^(e-1) exactly
+    pow2 = raw / (2 * mant)
+    return torch.where(raw >= 1, torch.ones_like(raw), torch.where(raw > 0, pow2, raw))
+
+
+def scale_grads(grads: list, coef: torch.Tensor) -> None:
+    """grads *= coef (a 0-dim tensor) on the local shards, one multi-tensor launch per dtype and
+    device (a DTensor's mul_ is its shard's; a power of two scales exactly, and x * 1 = x)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for g in grads:
+        local = g._local_tensor if isinstance(g, DTensor) else g
+        groups.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), ts in groups.items():
+        # a 16-bit grad times a float32 scalar in float32 opmath: the power of two survives
+        torch._foreach_mul_(ts, coef.to(device=device, dtype=torch.float32 if dtype.itemsize < 4 else dtype))
 
 
 def grad_norm_and_clip(params, max_norm: float | None) -> torch.Tensor:
@@ -164,9 +180,5 @@ def grad_norm_and_clip(params, max_norm: float | None) -> torch.Tensor:
 def _norm_and_clip(params: list, max_norm: float | None) -> torch.Tensor:
     total = grad_norm(params)
     if max_norm is not None:
-        coef = clip_coefficient(total, max_norm)
-        if coef != 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        scale_grads([p.grad for p in params if p.grad is not None], clip_coefficient(total, max_norm))
     return total

@@ -178,10 +178,11 @@ def grad_norm_and_clip(params, max_norm: float | None):
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
     if max_norm is not None and norms:
-        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        # as torch's clip_grad_norm_: the coefficient stays on the device (no host sync)
+        from tpdiag.kernels.grad_norm import scale_grads
+
+        scale_grads([p.grad for p in params if p.grad is not None],
+                    torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
 
 
