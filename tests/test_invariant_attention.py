@@ -235,10 +235,18 @@ def test_ds_budget_switch(monkeypatch):
     monkeypatch.setenv(at.DS_MIB_ENV, "lots")
     with pytest.raises(BadInput, match="TPDIAG_ATTENTION_DS_MIB"):
         at.config_for(torch.bfloat16, 128)
-    # chunks: a (batch, KV head) pair of 2 query heads at S = L = 4096 in bf16 needs 2 x 32 MiB
+    monkeypatch.setenv(at.DS_MIB_ENV, "\u00b2")  # a digit to str.isdigit, not to int()
+    with pytest.raises(BadInput, match="TPDIAG_ATTENTION_DS_MIB"):
+        at.config_for(torch.bfloat16, 128)
+    # chunks: a (batch, KV head) pair of 2 query heads at S = L = 4096 in bf16 needs 2 x 32 MiB,
+    # and one pair goes even where only one query head's dS fits; the path is chosen by one
+    # query head's dS (32 MiB), never by the heads per KV head
     assert atb.ds_chunk(replace(shipped, ds_mib=128), 2, 4096, 4096, 2) == 2
     assert atb.ds_chunk(replace(shipped, ds_mib=64), 2, 4096, 4096, 2) == 1
-    assert atb.ds_chunk(replace(shipped, ds_mib=32), 2, 4096, 4096, 2) == 0
+    assert atb.ds_chunk(replace(shipped, ds_mib=32), 2, 4096, 4096, 2) == 1
+    assert atb.stores_ds(replace(shipped, ds_mib=32), 4096, 4096, 2)
+    assert not atb.stores_ds(replace(shipped, ds_mib=31), 4096, 4096, 2)
+    assert not atb.stores_ds(replace(shipped, ds_mib=0), 16, 16, 2)
 
 
 def test_catalogue_maps_attention_kernel():
@@ -263,6 +271,12 @@ cfg = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 16, 16, 4, 1)
 # dq from stored dS; dq's row blocks (32) span two dk/dv key blocks (16), as the shipped D=128
 # tiles' do: the second key block writes no dS for the first half of the rows
 cds = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 32, 16, 4, 1, ds_mib=1)
+calls = []
+_ds_path = atb._backward_ds
+def _spy(*a, **kw):
+    calls.append(1)
+    return _ds_path(*a, **kw)
+atb._backward_ds = _spy
 for dt, L, S, causal in ((torch.float32, 32, 32, True), (torch.bfloat16, 24, 24, True),
                          (torch.float32, 20, 20, False), (torch.float32, 40, 24, True),
                          (torch.float32, 24, 40, True)):
@@ -273,7 +287,9 @@ for dt, L, S, causal in ((torch.float32, 32, 32, True), (torch.bfloat16, 24, 24,
     r.backward(do.double())
     refs = (r.detach(), q64.grad, k64.grad, v64.grad)
     for name, c in (("recompute", cfg), ("stored-ds", cds)):
+        calls.clear()
         full = both(q, k, v, do, causal, c)
+        assert calls == ([1] if c.ds_mib else []), (name, calls)  # the path asked for is the one run
         half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, c)
         one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
         again = both(q, k, v, do, causal, c)
@@ -298,6 +314,23 @@ scratch = torch.empty(8, 32, 32)
 atb.dkdv_pass(do, q, k, v, lse, delta, True, 0.25, cds, out=plain[1:], ds=scratch, tma=False)
 atb.dq_ds_pass(scratch, k, plain[0], True, 0.25, cds, 0, 8, tma=False)
 res["ds_plain_eq_tma"] = all(beq(a, b) for a, b in zip(plain, ref))
+# plain stores and loads with uneven blocks (pre-Hopper GPUs; rows not 16-byte multiples): L=20
+# bf16 goes that way by itself; chunked over a NaN-poisoned scratch, as the unchunked call
+qb, dob = (torch.randn(2, 4, 20, 16, generator=g).bfloat16() for _ in range(2))
+kb, vb = (torch.randn(2, 2, 20, 16, generator=g).bfloat16() for _ in range(2))
+ob, lseb = at.forward(qb, kb, vb, True, 0.25, cds)
+one_go = atb.backward(dob, qb, kb, vb, ob, lseb, True, 0.25, cds)
+chunked = _ds_path(dob, qb, kb, vb, ob, lseb, True, 0.25, cds, chunk=1,
+                   ds=torch.full((2, 20, 20), float("nan"), dtype=torch.bfloat16))
+recomputed = atb.backward(dob, qb, kb, vb, ob, lseb, True, 0.25, cfg)
+res["ds_plain_uneven"] = (all(beq(a, b) for a, b in zip(one_go, chunked))
+                          and all(beq(a, b) for a, b in zip(one_go, recomputed)))
+# empty inputs (no rows and keys, no batch): the shapes back, as the recompute path gives
+def empty_ok(B, L):
+    q, k = torch.zeros(B, 4, L, 16), torch.zeros(B, 2, L, 16)
+    o, lse = at.forward(q, k, k, True, 0.25, cds)
+    return [t.shape for t in atb.backward(torch.zeros_like(q), q, k, k, o, lse, True, 0.25, cds)] == [q.shape, k.shape, k.shape]
+res["ds_empty"] = empty_ok(2, 0) and empty_ok(0, 8)
 # negative control: the same kernels without the diagonal mask on dS read the poison
 import importlib.util, pathlib, tempfile
 src = pathlib.Path(atb.__file__).read_text()
@@ -319,7 +352,8 @@ def test_triton_kernel_under_interpreter():
                        timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout.split("RESULT", 1)[1])
-    assert res.pop("ds_chunks_poisoned") and res.pop("ds_plain_eq_tma")
+    assert res.pop("ds_chunks_poisoned") and res.pop("ds_plain_eq_tma") and res.pop("ds_plain_uneven")
+    assert res.pop("ds_empty")
     assert res.pop("ds_nomask_leaks_nan")  # the negative control: the poison reaches dq without the mask
     assert len(res) == 10
     for case, r in res.items():

@@ -46,11 +46,11 @@ class AttnConfig:
     kv_group: int = 1
     q_group: int = 1
     # > 0: the backward stores dS (the input dtype) from the dk/dv pass and dq reads it back (5
-    # block products, not 7), heads in chunks whose dS fits in this many MiB (where one head's
-    # does not, dq recomputes); 0: dq recomputes P and dP. The chunking moves no bit (a head's
-    # sums are its own); the two paths gave the same bits on an H100 and an H200
-    # (docs/benchmarks.md, "Invariant attention"); either way the choice depends on L, S, dtype
-    # and this budget, never on B or H.
+    # block products, not 7), heads in chunks whose dS fits in this many MiB (a KV head's query
+    # heads always together; where one query head's does not fit, dq recomputes); 0: dq
+    # recomputes P and dP. The chunking moves no bit (a head's sums are its own); the two paths
+    # gave the same bits on an H100 and an H200 (docs/benchmarks.md, "Invariant attention");
+    # either way the choice depends on L, S, dtype and this budget, never on B, H or H / Hk.
     ds_mib: int = 0
 
     def __post_init__(self):
@@ -86,7 +86,7 @@ def config_for(dtype: torch.dtype, head_dim: int) -> AttnConfig:
     cfg = HEAD_DIM_CONFIGS.get((dtype, head_dim)) or CONFIGS[dtype]
     budget = os.environ.get(DS_MIB_ENV, "").strip()
     if cfg.ds_mib and budget:
-        if not budget.isdigit():
+        if not (budget.isascii() and budget.isdigit()):
             raise BadInput(f"{DS_MIB_ENV}={budget!r}: expected a whole number of MiB (0: dq recomputes)")
         cfg = replace(cfg, ds_mib=min(cfg.ds_mib, int(budget)))
     return cfg

@@ -260,17 +260,24 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
     cfg = cfg or config_for(q.dtype, q.shape[-1])
     q, k, v = (_last_dim_unit(t) for t in (q, k, v))
     do = do.contiguous()
-    if cfg.ds_mib and ds_chunk(cfg, q.shape[1] // k.shape[1], q.shape[2], k.shape[2], q.element_size()):
+    if stores_ds(cfg, q.shape[2], k.shape[2], q.element_size()) and q.numel() and k.numel():
         return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
     # dq first: it also writes delta, which the dk/dv pass reads
     dq, delta = dq_pass(do, q, k, v, o, lse, causal, scale, cfg)
     return (dq,) + dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg)
 
 
+def stores_ds(cfg: AttnConfig, L: int, S: int, itemsize: int) -> bool:
+    """Whether dq comes from stored dS: one query head's fits the budget. By L, S, the dtype and
+    the budget only - not by the heads per KV head, which TP changes where KV heads are
+    replicated (the two paths gave the same bits wherever measured, but are not built to)."""
+    return bool(cfg.ds_mib) and L * S * itemsize <= cfg.ds_mib << 20
+
+
 def ds_chunk(cfg: AttnConfig, rep: int, L: int, S: int, itemsize: int) -> int:
     """(batch, KV head) pairs per chunk of the stored-dS backward: their query heads' dS fit
-    cfg.ds_mib MiB (0: not even one)."""
-    return (cfg.ds_mib << 20) // (rep * L * S * itemsize)
+    cfg.ds_mib MiB, and at least one pair (whose rep query heads' dS may then exceed it)."""
+    return max(1, (cfg.ds_mib << 20) // max(1, rep * L * S * itemsize))
 
 
 def _backward_ds(do, q, k, v, o, lse, causal, scale, cfg, chunk: int | None = None, ds=None):
@@ -286,12 +293,23 @@ def _backward_ds(do, q, k, v, o, lse, causal, scale, cfg, chunk: int | None = No
     if ds is None:
         ds = torch.empty(chunk * rep, S, L, dtype=q.dtype, device=q.device)
     # TMA wants 16-byte row strides
-    tma = (L * q.element_size()) % 16 == 0 and (not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9)
+    tma = (L * q.element_size()) % 16 == 0 and _host_tma() and (
+        not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9)
     for c0 in range(0, B * Hk, chunk):
         n = min(chunk, B * Hk - c0)
         dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, out=(dk, dv), ds=ds, bh0=c0, nbh=n, tma=tma)
         dq_ds_pass(ds, k, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep, tma=tma)
     return dq, dk, dv
+
+
+def _host_tma() -> bool:
+    """Host-side TMA descriptors (triton.tools.tensor_descriptor: newer Triton than the oldest
+    this package admits); without them dS goes by plain stores and loads (the same bits)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _ds_desc(ds, rows: int, cols: int):
