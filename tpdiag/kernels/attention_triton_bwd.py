@@ -22,6 +22,8 @@ cfdb13d, same bits) were no faster within the run-to-run spread. Imports Triton 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -80,7 +82,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
     bhk = BH0 + bhl
     b = bhk // HK
     hk = bhk % HK
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    n0 = pid_n * BN
+    offs_n = n0 + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     nmask = offs_n[:, None] < S
     k = _load_rows(K + b * skb + hk * skh, offs_n, skn, offs_d, S, EVEN)
@@ -93,21 +96,21 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
         q_base = Q + b * sqb + h * sqh
         do_base = DO + (b * H + h) * L * D  # dO is contiguous [B, H, L, D]
         row_base = (b * H + h) * L
-        ds_idx = bhl * REP + r
+        ds_idx = bhl * REP + r  # this query head in the launch's dS scratch
         if CAUSAL:
             # query rows [n0, n0 + BN) straddle the diagonal (BN is a multiple of BM); later
             # rows see the whole key block
-            lo = tl.minimum(pid_n * BN, L)
-            mid = tl.minimum((pid_n + 1) * BN, L)
+            lo = tl.minimum(n0, L)
+            mid = tl.minimum(n0 + BN, L)
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
-                                 lo, mid, L, S, qk_scale, DS, ds_idx, pid_n * BN, True, EVEN, BM, BN, D, PREC,
+                                 lo, mid, L, S, qk_scale, DS, ds_idx, n0, True, EVEN, BM, BN, D, PREC,
                                  STORE_DS)
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
-                                 mid, L, L, S, qk_scale, DS, ds_idx, pid_n * BN, False, EVEN, BM, BN, D, PREC,
+                                 mid, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
                                  STORE_DS)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
-                                 0, L, L, S, qk_scale, DS, ds_idx, pid_n * BN, False, EVEN, BM, BN, D, PREC,
+                                 0, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
                                  STORE_DS)
     out = bhk * S * D + offs_n[:, None] * D + offs_d[None, :]
     if EVEN:
@@ -116,6 +119,18 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
     else:
         tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask)
         tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _do_and_delta(O, DO, io, rmask, EVEN: tl.constexpr):
+    """(dO rows, delta = rowsum(O * dO) in fp32, one fixed order per row) at offsets io."""
+    if EVEN:
+        do = tl.load(DO + io)
+        o = tl.load(O + io)
+    else:
+        do = tl.load(DO + io, mask=rmask[:, None], other=0.0)
+        o = tl.load(O + io, mask=rmask[:, None], other=0.0)
+    return do, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
 
 
 @triton.jit
@@ -156,16 +171,12 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
     # O and dO are contiguous [B, H, L, D]; this pass runs first and writes delta =
     # rowsum(O * dO) (fp32, one fixed order per row) for the dk/dv pass
     q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, offs_d, L, EVEN)
+    do, delta = _do_and_delta(O, DO, io, rmask, EVEN)
+    tl.store(DELTA + bh * L + offs_m, delta, mask=rmask)
     if EVEN:
-        do = tl.load(DO + io)
-        o = tl.load(O + io)
         lse = tl.load(LSE + bh * L + offs_m)
     else:
-        do = tl.load(DO + io, mask=rmask[:, None], other=0.0)
-        o = tl.load(O + io, mask=rmask[:, None], other=0.0)
         lse = tl.load(LSE + bh * L + offs_m, mask=rmask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + bh * L + offs_m, delta, mask=rmask)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BM, D], tl.float32)
@@ -192,13 +203,8 @@ def _delta_kernel(O, DO, DELTA, L, NB, BH, BM: tl.constexpr, D: tl.constexpr, EV
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     io = bh * L * D + offs_m[:, None] * D + offs_d[None, :]
-    if EVEN:
-        do = tl.load(DO + io)
-        o = tl.load(O + io)
-    else:
-        do = tl.load(DO + io, mask=offs_m[:, None] < L, other=0.0)
-        o = tl.load(O + io, mask=offs_m[:, None] < L, other=0.0)
-    tl.store(DELTA + bh * L + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < L)
+    _, delta = _do_and_delta(O, DO, io, offs_m < L, EVEN)
+    tl.store(DELTA + bh * L + offs_m, delta, mask=offs_m < L)
 
 
 @triton.jit
@@ -302,6 +308,7 @@ def _backward_ds(do, q, k, v, o, lse, causal, scale, cfg, chunk: int | None = No
     return dq, dk, dv
 
 
+@functools.cache
 def _host_tma() -> bool:
     """Host-side TMA descriptors (triton.tools.tensor_descriptor: newer Triton than the oldest
     this package admits); without them dS goes by plain stores and loads (the same bits)."""
@@ -325,8 +332,9 @@ def dq_ds_pass(ds, k, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int,
     _, H, L, D = dq.shape
     Hk, S = k.shape[1], k.shape[2]
     nq = triton.cdiv(L, cfg.q_m)
+    ds_arg = _ds_desc(ds, cfg.q_n, cfg.q_m) if tma else ds
     _dq_ds_kernel[(nq * nbh,)](
-        _ds_desc(ds, cfg.q_n, cfg.q_m) if tma else ds, k, dq, k.stride(0), k.stride(1), k.stride(2), H, H // Hk, L, S, scale,
+        ds_arg, k, dq, k.stride(0), k.stride(1), k.stride(2), H, H // Hk, L, S, scale,
         nq, nbh, min(cfg.q_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(dq),
         EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, TMA=tma,
@@ -376,10 +384,14 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
                                           torch.empty(B, Hk, S, D, dtype=v.dtype, device=q.device))
     nbh = B * Hk if nbh is None else nbh
     nk = triton.cdiv(S, cfg.kv_n)
+    if ds is None:
+        ds_arg, store = dk, 0  # never read (STORE_DS=0)
+    else:
+        ds_arg, store = (_ds_desc(ds, cfg.kv_n, cfg.kv_m), 2) if tma else (ds, 1)
     _dkdv_kernel[(nk * nbh,)](
-        q, k, v, do, lse, delta, dk, dv, dk if ds is None else _ds_desc(ds, cfg.kv_n, cfg.kv_m) if tma else ds, *_strides(q, k, v), Hk, H // Hk, L, S,
+        q, k, v, do, lse, delta, dk, dv, ds_arg, *_strides(q, k, v), Hk, H // Hk, L, S,
         scale * LOG2E, scale, nk, nbh, min(cfg.kv_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
-        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=0 if ds is None else 2 if tma else 1,
+        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store,
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return dk, dv
