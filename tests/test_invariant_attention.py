@@ -256,6 +256,7 @@ def test_catalogue_maps_attention_kernel():
 
 TRITON_SCRIPT = r"""
 import torch
+from dataclasses import replace
 from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
 from tpdiag.kernels.attention import reference_sdpa
 def bits(t): return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
@@ -298,6 +299,23 @@ for dt, L, S, causal in ((torch.float32, 32, 32, True), (torch.bfloat16, 24, 24,
             "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
             "repro": all(beq(a, b) for a, b in zip(again, full)),
             "err": max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(full, refs))}
+# the forward by TMA descriptors (the default where tma_ok) == by pointer loads, bit for bit:
+# uneven blocks (rows past L / S read as 0, not written), GQA, not causal, q in [B, L, H, D] memory
+fwd_tma, bwd_tma = [], []
+for dt, L, S, causal, blhd in ((torch.bfloat16, 24, 24, True, False), (torch.float32, 40, 24, True, True),
+                               (torch.float32, 24, 40, False, False), (torch.bfloat16, 20, 20, True, True)):
+    q = torch.randn(2, L, 4, 16, generator=g).to(dt).transpose(1, 2) if blhd else torch.randn(2, 4, L, 16, generator=g).to(dt)
+    k, v = (torch.randn(2, 2, S, 16, generator=g).to(dt) for _ in range(2))
+    do = torch.randn(2, 4, L, 16, generator=g).to(dt)
+    assert at.tma_ok(q, k, v, do)
+    o, lse = at.forward(q, k, v, causal, 0.25, cfg)
+    fwd_tma.append(all(beq(a, b) for a, b in zip((o, lse), at.forward(q, k, v, causal, 0.25, replace(cfg, fwd_tma=False)))))
+    # and the backward's loop loads (bwd_tma): the dk/dv pass's q and dO, the dq-from-dS pass's K
+    for c in ((cds, cfg) if blhd else (cds,)):
+        bwd_tma.append(all(beq(a, b) for a, b in zip(atb.backward(do, q, k, v, o, lse, causal, 0.25, replace(c, bwd_tma=True)),
+                                                     atb.backward(do, q, k, v, o, lse, causal, 0.25, c))))
+res["fwd_tma_eq_plain"] = all(fwd_tma)
+res["bwd_tma_eq_plain"] = all(bwd_tma)
 # stored dS: one head per chunk over a NaN-filled scratch (what the dk/dv pass leaves unwritten,
 # above the diagonal, must read as 0) gives the same bits; plain stores == TMA stores
 q, do = (torch.randn(2, 4, 32, 16, generator=g) for _ in range(2))
@@ -353,7 +371,7 @@ def test_triton_kernel_under_interpreter():
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout.split("RESULT", 1)[1])
     assert res.pop("ds_chunks_poisoned") and res.pop("ds_plain_eq_tma") and res.pop("ds_plain_uneven")
-    assert res.pop("ds_empty")
+    assert res.pop("ds_empty") and res.pop("fwd_tma_eq_plain") and res.pop("bwd_tma_eq_plain")
     assert res.pop("ds_nomask_leaks_nan")  # the negative control: the poison reaches dq without the mask
     assert len(res) == 10
     for case, r in res.items():

@@ -75,7 +75,7 @@ class _Attn(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, causal, scale, triton_cfg):
         ops = _ops()
         if triton_cfg is not None:
-            cfg = list(triton_cfg.to_dict().values())
+            cfg = [int(x) for x in triton_cfg.to_dict().values()]
             o, lse = ops["fwd_triton"](q, k, v, causal, scale, cfg)
             ctx.save_for_backward(q, k, v, o, lse)
             ctx.cfg = cfg

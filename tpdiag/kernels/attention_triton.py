@@ -12,6 +12,7 @@ module lazily.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -52,6 +53,11 @@ class AttnConfig:
     # gave the same bits on an H100 and an H200 (docs/benchmarks.md, "Invariant attention");
     # either way the choice depends on L, S, dtype and this budget, never on B, H or H / Hk.
     ds_mib: int = 0
+    # the forward loads Q, K, V and stores O by TMA descriptors where the chip and the layout
+    # allow (tma_ok): the same bits as pointer loads
+    fwd_tma: bool = True
+    # the backward's loops load q, dO (dk/dv pass) and K (dq from dS) by TMA descriptors likewise
+    bwd_tma: bool = False
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
@@ -77,7 +83,10 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # at most (64 heads at S = 4096 in one chunk: smaller chunks leave the GPU idle at each chunk's
 # tail). The dq tiles stay at 8 warps: reading dS back is ~2% faster at 4, but the recompute dq
 # (where one head's dS exceeds the budget) is 1.4x slower there (docs/benchmarks.md).
-HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, q_group=4, ds_mib=2048)
+# The backward's loops load by TMA there (bwd_tma): 1.67 vs 1.74-1.76 ms on an H200; at D=64 it
+# was no faster (docs/benchmarks.md).
+HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, q_group=4, ds_mib=2048,
+                                          bwd_tma=True)
                     for dt in (torch.bfloat16, torch.float16)}
 DS_MIB_ENV = "TPDIAG_ATTENTION_DS_MIB"  # a smaller dS budget (0: recompute), where memory is short
 
@@ -126,16 +135,22 @@ def _block_and_head(NB, BH, G):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, S, qk_scale,
                DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               PREC: tl.constexpr):
-    # key blocks lo, lo+BN, ... < hi in ascending order; DIAG: blocks that need the causal mask
+               PREC: tl.constexpr, TMA: tl.constexpr):
+    # key blocks lo, lo+BN, ... < hi in ascending order; DIAG: blocks that need the causal mask.
+    # TMA: k_src / v_src are [B, Hk, S, D] descriptors (rows past S read as 0), else this head's
+    # base pointers
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n
-        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN)
-        v = _load_rows(v_base, cols, svn, offs_d, S, EVEN)
+        if TMA:
+            k = tl.reshape(k_src.load([b, hk, start_n, 0]), [BN, D])
+            v = tl.reshape(v_src.load([b, hk, start_n, 0]), [BN, D])
+        else:
+            k = _load_rows(k_src, cols, skn, offs_d, S, EVEN)
+            v = _load_rows(v_src, cols, svn, offs_d, S, EVEN)
         # the max of the raw scores, scaled once per row (the scale is > 0: the same m as scaling
         # every score first), then qk * scale - m as one FMA per score: one FMUL less per score,
         # 2-5% of the forward on an H200 (docs/benchmarks.md)
@@ -157,37 +172,51 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                 H, REP, L, S, qk_scale, NB, BH, G,
                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                PREC: tl.constexpr, EVEN: tl.constexpr):
+                PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
+    # TMA: Q, K, V, O are [B, H(k), L/S, D] descriptors - the same products in the same order as
+    # pointer loads (the same bits), 9% faster at head_dim 128 on an H200 (docs/benchmarks.md)
     pid_m, bh = _block_and_head(NB, BH, G)
     b = bh // H
     h = bh % H
     hk = h // REP
-    offs_m = pid_m * BM + tl.arange(0, BM)
+    m0 = pid_m * BM
+    offs_m = m0 + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, offs_d, L, EVEN)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    if TMA:
+        q = tl.reshape(Q.load([b, h, m0, 0]), [BM, D])
+        k_src = K
+        v_src = V
+    else:
+        q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, L, EVEN)
+        k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
     if CAUSAL:
         # blocks left of the diagonal need no mask; BM is a multiple of BN
-        diag = tl.minimum(pid_m * BM, S)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, 0, diag, S,
-                                   qk_scale, False, EVEN, BN, D, PREC)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, diag,
-                                   tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC)
+        diag = tl.minimum(m0, S)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, 0, diag, S,
+                                   qk_scale, False, EVEN, BN, D, PREC, TMA)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, diag,
+                                   tl.minimum(m0 + BM, S), S, qk_scale, True, EVEN, BN, D, PREC, TMA)
     else:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, skn, svn, offs_m, 0, S, S,
-                                   qk_scale, False, EVEN, BN, D, PREC)
-    acc = acc / l_i[:, None]
-    o_ptr = O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :]
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, 0, S, S,
+                                   qk_scale, False, EVEN, BN, D, PREC, TMA)
+    acc = (acc / l_i[:, None]).to(q.dtype)
+    lse_ptr = LSE + bh.to(tl.int64) * L + offs_m
+    if TMA:
+        O.store([b, h, m0, 0], tl.reshape(acc, [1, 1, BM, D]))  # rows past L are not written
+    else:
+        o_ptr = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * som + offs_d[None, :]
+        if EVEN:
+            tl.store(o_ptr, acc)
+        else:
+            tl.store(o_ptr, acc, mask=offs_m[:, None] < L)
     if EVEN:
-        tl.store(o_ptr, acc.to(O.dtype.element_ty))
-        tl.store(LSE + bh * L + offs_m, m_i + tl.math.log2(l_i))
+        tl.store(lse_ptr, m_i + tl.math.log2(l_i))
     else:
-        tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=offs_m[:, None] < L)
-        tl.store(LSE + bh * L + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < L)
+        tl.store(lse_ptr, m_i + tl.math.log2(l_i), mask=offs_m < L)
 
 
 def _prec(t: torch.Tensor) -> str:
@@ -209,12 +238,44 @@ def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
     o = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B * H, L, dtype=torch.float32, device=q.device)
     nb = triton.cdiv(L, cfg.fwd_m)
-    grid = (nb * B * H,)
-    _fwd_kernel[grid](q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2),
-                      k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                      o.stride(0), o.stride(1), o.stride(2), H, H // Hk, L, S, scale * LOG2E,
-                      nb, B * H, min(cfg.fwd_group, B * H),
-                      CAUSAL=causal, BM=cfg.fwd_m, BN=cfg.fwd_n, D=D, PREC=_prec(q),
-                      EVEN=L % cfg.fwd_m == 0 and S % cfg.fwd_n == 0,
-                      num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
+    tma = cfg.fwd_tma and tma_ok(q, k, v)
+    args = ((desc(q, cfg.fwd_m), desc(k, cfg.fwd_n), desc(v, cfg.fwd_n), desc(o, cfg.fwd_m)) if tma
+            else (q, k, v, o))
+    _fwd_kernel[(nb * B * H,)](*args, lse, q.stride(0), q.stride(1), q.stride(2),
+                               k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                               o.stride(0), o.stride(1), o.stride(2), H, H // Hk, L, S, scale * LOG2E,
+                               nb, B * H, min(cfg.fwd_group, B * H),
+                               CAUSAL=causal, BM=cfg.fwd_m, BN=cfg.fwd_n, D=D, PREC=_prec(q),
+                               EVEN=L % cfg.fwd_m == 0 and S % cfg.fwd_n == 0, TMA=tma,
+                               num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return o, lse
+
+
+@functools.cache
+def host_tma() -> bool:
+    """Host-side TMA descriptors (triton.tools.tensor_descriptor: newer Triton than the oldest
+    this package admits); without them the kernels load and store by pointers (the same bits)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tma_ok(*ts: torch.Tensor) -> bool:
+    """TMA descriptors over these tensors: Triton has host descriptors, the chip is a Hopper or
+    later (the interpreter takes them on the CPU), bases and strides 16-byte aligned, unit last
+    stride, and no tensor empty."""
+    if not host_tma() or any(t.numel() == 0 for t in ts):
+        return False
+    if ts[0].is_cuda and torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in ts)
+
+
+def desc(t: torch.Tensor, rows: int):
+    """A TMA descriptor over t [..., R, D] whose block is `rows` whole rows of one leading index."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1] * (t.dim() - 2) + [rows, t.shape[-1]])

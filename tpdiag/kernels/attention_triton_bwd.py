@@ -22,27 +22,31 @@ cfdb13d, same bits) were no faster within the run-to-run spread. Imports Triton 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head, _last_dim_unit,
-                                             _load_rows, _mm, _prec, config_for)
+                                             _load_rows, _mm, _prec, config_for, desc, tma_ok)
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm, lo, hi, L, S,
+def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L, S,
                 qk_scale, DS, ds_idx, n0, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, STORE_DS: tl.constexpr):
+                BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, STORE_DS: tl.constexpr,
+                LOADS: tl.constexpr):
     # STORE_DS: 0 no dS, 1 dS by plain stores, 2 by TMA (DS a [heads, S, L] descriptor: the
-    # store leaves from shared memory while the next block's products run)
+    # store leaves from shared memory while the next block's products run). LOADS: q_src and
+    # do_src are [B, H, L, D] descriptors (rows past L read as 0), else this head's base pointers
     offs_m0 = tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     for start_m in range(lo, hi, BM):
         rows = start_m + offs_m0
-        q = _load_rows(q_base, rows, sqm, offs_d, L, EVEN)
-        do = _load_rows(do_base, rows, D, offs_d, L, EVEN)
+        if LOADS:
+            q = tl.reshape(q_src.load([b, h, start_m, 0]), [BM, D])
+            do = tl.reshape(do_src.load([b, h, start_m, 0]), [BM, D])
+        else:
+            q = _load_rows(q_src, rows, sqm, offs_d, L, EVEN)
+            do = _load_rows(do_src, rows, D, offs_d, L, EVEN)
         if EVEN:
             lse = tl.load(LSE + row_base + rows)
             delta = tl.load(DELTA + row_base + rows)
@@ -75,7 +79,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                  HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                 PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr):
+                 PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr):
     # BH0: the first (batch, KV head) of this launch (a chunk of heads whose dS fits DS)
     pid_n, bhl = _block_and_head(NB, BH, G)
     pid_n = NB - 1 - pid_n  # key block 0 sees every query row: the most work
@@ -86,33 +90,37 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
     offs_n = n0 + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     nmask = offs_n[:, None] < S
-    k = _load_rows(K + b * skb + hk * skh, offs_n, skn, offs_d, S, EVEN)
-    v = _load_rows(V + b * svb + hk * svh, offs_n, svn, offs_d, S, EVEN)
+    k = _load_rows(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh, offs_n, skn, offs_d, S, EVEN)
+    v = _load_rows(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh, offs_n, svn, offs_d, S, EVEN)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     H = HK * REP
     for r in range(0, REP):  # this KV head's query heads, in head order
         h = hk * REP + r
-        q_base = Q + b * sqb + h * sqh
-        do_base = DO + (b * H + h) * L * D  # dO is contiguous [B, H, L, D]
-        row_base = (b * H + h) * L
+        if LOADS:
+            q_src = Q
+            do_src = DO
+        else:
+            q_src = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+            do_src = DO + (b * H + h).to(tl.int64) * L * D  # dO is contiguous [B, H, L, D]
+        row_base = (b * H + h).to(tl.int64) * L
         ds_idx = bhl * REP + r  # this query head in the launch's dS scratch
         if CAUSAL:
             # query rows [n0, n0 + BN) straddle the diagonal (BN is a multiple of BM); later
             # rows see the whole key block
             lo = tl.minimum(n0, L)
             mid = tl.minimum(n0 + BN, L)
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
                                  lo, mid, L, S, qk_scale, DS, ds_idx, n0, True, EVEN, BM, BN, D, PREC,
-                                 STORE_DS)
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
+                                 STORE_DS, LOADS)
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
                                  mid, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
-                                 STORE_DS)
+                                 STORE_DS, LOADS)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_base, do_base, LSE, DELTA, row_base, sqm,
+            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
                                  0, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
-                                 STORE_DS)
-    out = bhk * S * D + offs_n[:, None] * D + offs_d[None, :]
+                                 STORE_DS, LOADS)
+    out = bhk.to(tl.int64) * S * D + offs_n[:, None] * D + offs_d[None, :]
     if EVEN:
         tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty))
         tl.store(DV + out, dv.to(DV.dtype.element_ty))
@@ -167,18 +175,18 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     rmask = offs_m < L
-    io = bh * L * D + offs_m[:, None] * D + offs_d[None, :]
+    io = bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :]
     # O and dO are contiguous [B, H, L, D]; this pass runs first and writes delta =
     # rowsum(O * dO) (fp32, one fixed order per row) for the dk/dv pass
-    q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqm, offs_d, L, EVEN)
+    q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, L, EVEN)
     do, delta = _do_and_delta(O, DO, io, rmask, EVEN)
-    tl.store(DELTA + bh * L + offs_m, delta, mask=rmask)
+    tl.store(DELTA + bh.to(tl.int64) * L + offs_m, delta, mask=rmask)
     if EVEN:
-        lse = tl.load(LSE + bh * L + offs_m)
+        lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m)
     else:
-        lse = tl.load(LSE + bh * L + offs_m, mask=rmask, other=0.0)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+        lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m, mask=rmask, other=0.0)
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     dq = tl.zeros([BM, D], tl.float32)
     if CAUSAL:
         diag = tl.minimum(pid_m * BM, S)  # BM is a multiple of BN
@@ -202,20 +210,24 @@ def _delta_kernel(O, DO, DELTA, L, NB, BH, BM: tl.constexpr, D: tl.constexpr, EV
     pid_m, bh = _block_and_head(NB, BH, 1)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    io = bh * L * D + offs_m[:, None] * D + offs_d[None, :]
+    io = bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :]
     _, delta = _do_and_delta(O, DO, io, offs_m < L, EVEN)
-    tl.store(DELTA + bh * L + offs_m, delta, mask=offs_m < L)
+    tl.store(DELTA + bh.to(tl.int64) * L + offs_m, delta, mask=offs_m < L)
 
 
 @triton.jit
-def _dq_ds_inner(dq, DS, ds_idx, k_base, skn, offs_m, m0, lo, hi, L, S, DIAG: tl.constexpr,
+def _dq_ds_inner(dq, DS, ds_idx, k_src, b, hk, skn, offs_m, m0, lo, hi, L, S, DIAG: tl.constexpr,
                  EVEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                 PREC: tl.constexpr, TMA: tl.constexpr):
+                 PREC: tl.constexpr, TMA: tl.constexpr, LOADS: tl.constexpr):
+    # LOADS: k_src is a [B, Hk, S, D] descriptor, else this KV head's base pointer
     offs_n0 = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n0
-        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN)
+        if LOADS:
+            k = tl.reshape(k_src.load([b, hk, start_n, 0]), [BN, D])
+        else:
+            k = _load_rows(k_src, cols, skn, offs_d, S, EVEN)
         if TMA:  # DS a [heads, S, L] descriptor; out of bounds reads as 0
             dst = tl.reshape(DS.load([ds_idx, start_n, m0]), [BN, BM])
         else:
@@ -234,7 +246,7 @@ def _dq_ds_inner(dq, DS, ds_idx, k_base, skn, offs_m, m0, lo, hi, L, S, DIAG: tl
 @triton.jit(do_not_specialize=["NB", "BH", "G", "BH0"])  # one compile for any launch order
 def _dq_ds_kernel(DS, K, DQ, skb, skh, skn, H, REP, L, S, sm_scale, NB, BH, G, BH0,
                   CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                  PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
+                  PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, LOADS: tl.constexpr):
     # dq of row block pid_m = sum over key blocks, in order from 0, of dS[rows, keys] @ K[keys]
     pid_m, bhl = _block_and_head(NB, BH, G)
     bh = BH0 + bhl
@@ -243,18 +255,21 @@ def _dq_ds_kernel(DS, K, DQ, skb, skh, skn, H, REP, L, S, sm_scale, NB, BH, G, B
     m0 = pid_m * BM
     offs_m = m0 + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    k_base = K + b * skb + hk * skh
+    if LOADS:
+        k_src = K
+    else:
+        k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     dq = tl.zeros([BM, D], tl.float32)
     if CAUSAL:
         diag = tl.minimum(m0, S)  # BM is a multiple of BN
-        dq = _dq_ds_inner(dq, DS, bhl, k_base, skn, offs_m, m0, 0, diag, L, S, False, EVEN, BM, BN, D,
-                          PREC, TMA)
-        dq = _dq_ds_inner(dq, DS, bhl, k_base, skn, offs_m, m0, diag, tl.minimum(m0 + BM, S), L, S,
-                          True, EVEN, BM, BN, D, PREC, TMA)
+        dq = _dq_ds_inner(dq, DS, bhl, k_src, b, hk, skn, offs_m, m0, 0, diag, L, S, False, EVEN, BM, BN, D,
+                          PREC, TMA, LOADS)
+        dq = _dq_ds_inner(dq, DS, bhl, k_src, b, hk, skn, offs_m, m0, diag, tl.minimum(m0 + BM, S), L, S,
+                          True, EVEN, BM, BN, D, PREC, TMA, LOADS)
     else:
-        dq = _dq_ds_inner(dq, DS, bhl, k_base, skn, offs_m, m0, 0, S, L, S, False, EVEN, BM, BN, D,
-                          PREC, TMA)
-    io = bh * L * D + offs_m[:, None] * D + offs_d[None, :]
+        dq = _dq_ds_inner(dq, DS, bhl, k_src, b, hk, skn, offs_m, m0, 0, S, L, S, False, EVEN, BM, BN, D,
+                          PREC, TMA, LOADS)
+    io = bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :]
     if EVEN:
         tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty))
     else:
@@ -270,7 +285,7 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
         return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
     # dq first: it also writes delta, which the dk/dv pass reads
     dq, delta = dq_pass(do, q, k, v, o, lse, causal, scale, cfg)
-    return (dq,) + dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg)
+    return (dq,) + dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, loads=_loads(cfg, q, do))
 
 
 def stores_ds(cfg: AttnConfig, L: int, S: int, itemsize: int) -> bool:
@@ -298,25 +313,19 @@ def _backward_ds(do, q, k, v, o, lse, causal, scale, cfg, chunk: int | None = No
     chunk = min(chunk or ds_chunk(cfg, rep, L, S, q.element_size()), B * Hk)
     if ds is None:
         ds = torch.empty(chunk * rep, S, L, dtype=q.dtype, device=q.device)
-    # TMA wants 16-byte row strides
-    tma = (L * q.element_size()) % 16 == 0 and _host_tma() and (
-        not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] >= 9)
+    tma = tma_ok(ds)
+    loads = _loads(cfg, q, do)
     for c0 in range(0, B * Hk, chunk):
         n = min(chunk, B * Hk - c0)
-        dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, out=(dk, dv), ds=ds, bh0=c0, nbh=n, tma=tma)
-        dq_ds_pass(ds, k, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep, tma=tma)
+        dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, out=(dk, dv), ds=ds, bh0=c0, nbh=n, tma=tma,
+                  loads=loads)
+        dq_ds_pass(ds, k, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep, tma=tma, loads=loads)
     return dq, dk, dv
 
 
-@functools.cache
-def _host_tma() -> bool:
-    """Host-side TMA descriptors (triton.tools.tensor_descriptor: newer Triton than the oldest
-    this package admits); without them dS goes by plain stores and loads (the same bits)."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _loads(cfg: AttnConfig, q, do) -> bool:
+    # q, dO and K by TMA descriptors in the backward's loops (the same bits as pointer loads)
+    return cfg.bwd_tma and tma_ok(q, do)
 
 
 def _ds_desc(ds, rows: int, cols: int):
@@ -326,18 +335,20 @@ def _ds_desc(ds, rows: int, cols: int):
 
 
 def dq_ds_pass(ds, k, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int, nbh: int,
-               tma: bool = False):
+               tma: bool = False, loads: bool = False):
     """dq of query (batch, head) pairs bh0 .. bh0 + nbh - 1 into `dq` [B, H, L, D] from their
-    dS^T in `ds` ([nbh, S, L], as dkdv_pass stores it) and K; `tma`: dS read by TMA."""
+    dS^T in `ds` ([nbh, S, L], as dkdv_pass stores it) and K; `tma`: dS read by TMA; `loads`:
+    K by TMA where tma_ok."""
     _, H, L, D = dq.shape
     Hk, S = k.shape[1], k.shape[2]
     nq = triton.cdiv(L, cfg.q_m)
     ds_arg = _ds_desc(ds, cfg.q_n, cfg.q_m) if tma else ds
+    loads = loads and tma_ok(k)
     _dq_ds_kernel[(nq * nbh,)](
-        ds_arg, k, dq, k.stride(0), k.stride(1), k.stride(2), H, H // Hk, L, S, scale,
+        ds_arg, desc(k, cfg.q_n) if loads else k, dq, k.stride(0), k.stride(1), k.stride(2), H, H // Hk, L, S, scale,
         nq, nbh, min(cfg.q_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(dq),
-        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, TMA=tma,
+        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, TMA=tma, LOADS=loads,
         num_warps=cfg.q_warps, num_stages=cfg.q_stages)
     return dq
 
@@ -374,10 +385,10 @@ def dq_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
 
 
 def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConfig, out=None,
-              ds=None, bh0: int = 0, nbh: int | None = None, tma: bool = False):
+              ds=None, bh0: int = 0, nbh: int | None = None, tma: bool = False, loads: bool = False):
     """-> (dk, dv) of (batch, KV head) pairs bh0 .. bh0 + nbh - 1 (all by default), into `out`
     if given, from the delta of dq_pass or delta_pass; with `ds`, also stores their query heads'
-    dS^T there ([nbh * rep, S, L]; by TMA if `tma`)."""
+    dS^T there ([nbh * rep, S, L]; by TMA if `tma`); `loads`: q and dO by TMA where tma_ok."""
     B, H, L, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
     dk, dv = out if out is not None else (torch.empty(B, Hk, S, D, dtype=k.dtype, device=q.device),
@@ -388,10 +399,12 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
         ds_arg, store = dk, 0  # never read (STORE_DS=0)
     else:
         ds_arg, store = (_ds_desc(ds, cfg.kv_n, cfg.kv_m), 2) if tma else (ds, 1)
+    loads = loads and tma_ok(q, do)
+    qd, dod = (desc(q, cfg.kv_m), desc(do, cfg.kv_m)) if loads else (q, do)
     _dkdv_kernel[(nk * nbh,)](
-        q, k, v, do, lse, delta, dk, dv, ds_arg, *_strides(q, k, v), Hk, H // Hk, L, S,
+        qd, k, v, dod, lse, delta, dk, dv, ds_arg, *_strides(q, k, v), Hk, H // Hk, L, S,
         scale * LOG2E, scale, nk, nbh, min(cfg.kv_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
-        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store,
+        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store, LOADS=loads,
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return dk, dv
