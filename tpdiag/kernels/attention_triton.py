@@ -58,13 +58,15 @@ class AttnConfig:
     fwd_tma: bool = True
     # the backward's loops load q, dO (dk/dv pass) and K (dq from dS) by TMA descriptors likewise
     bwd_tma: bool = False
+    # warps of the dq pass that reads dS back (0: q_warps; its tiles are q_m x q_n)
+    qds_warps: int = 0
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
         if self.fwd_m % self.fwd_n or self.kv_n % self.kv_m or self.q_m % self.q_n:
             raise ValueError(f"AttnConfig {self}: fwd_m, kv_n and q_m must be multiples of fwd_n, kv_m, q_n")
-        if min(self.fwd_group, self.kv_group, self.q_group) < 1 or self.ds_mib < 0:
-            raise ValueError(f"AttnConfig {self}: the groups must be >= 1 and ds_mib >= 0")
+        if min(self.fwd_group, self.kv_group, self.q_group) < 1 or min(self.ds_mib, self.qds_warps) < 0:
+            raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib and qds_warps >= 0")
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -81,12 +83,13 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # than head by head; all 16 or 64 heads at once thrash L2 (docs/benchmarks.md).
 # dS is stored there (ds_mib): 5 block products in the backward instead of 7, for 2 GiB of scratch
 # at most (64 heads at S = 4096 in one chunk: smaller chunks leave the GPU idle at each chunk's
-# tail). The dq tiles stay at 8 warps: reading dS back is ~2% faster at 4, but the recompute dq
-# (where one head's dS exceeds the budget) is 1.4x slower there (docs/benchmarks.md).
-# The backward's loops load by TMA there (bwd_tma): 1.67 vs 1.74-1.76 ms on an H200; at D=64 it
-# was no faster (docs/benchmarks.md).
-HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, q_group=4, ds_mib=2048,
-                                          bwd_tma=True)
+# tail). The backward's loops load by TMA there (bwd_tma): 1.67 vs 1.74-1.76 ms on an H200 (at
+# D=64 no faster). With TMA loads the dq pass that reads dS back is 18% faster at 4 warps than
+# at 8 (qds_warps); the recompute dq (where one head's dS exceeds the budget) stays at 8, 1.4x
+# faster there. The forward launches 4 heads per scheduling group (fwd_group): 8% faster than
+# head by head with TMA loads on an H200 (docs/benchmarks.md).
+HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, fwd_group=4, q_group=4,
+                                          ds_mib=2048, bwd_tma=True, qds_warps=4)
                     for dt in (torch.bfloat16, torch.float16)}
 DS_MIB_ENV = "TPDIAG_ATTENTION_DS_MIB"  # a smaller dS budget (0: recompute), where memory is short
 
@@ -270,8 +273,9 @@ def tma_ok(*ts: torch.Tensor) -> bool:
         return False
     if ts[0].is_cuda and torch.cuda.get_device_capability(ts[0].device)[0] < 9:
         return False
+    # a broadcast (stride 0) dimension goes by pointers: a descriptor's strides must be positive
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in ts)
+               and all(st > 0 and st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in ts)
 
 
 def desc(t: torch.Tensor, rows: int):

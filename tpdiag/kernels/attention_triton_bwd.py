@@ -349,7 +349,7 @@ def dq_ds_pass(ds, k, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int,
         nq, nbh, min(cfg.q_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(dq),
         EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, TMA=tma, LOADS=loads,
-        num_warps=cfg.q_warps, num_stages=cfg.q_stages)
+        num_warps=cfg.qds_warps or cfg.q_warps, num_stages=cfg.q_stages)
     return dq
 
 
