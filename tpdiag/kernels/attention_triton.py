@@ -86,10 +86,10 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # tail). The backward's loops load by TMA there (bwd_tma): 1.67 vs 1.74-1.76 ms on an H200 (at
 # D=64 no faster). With TMA loads the dq pass that reads dS back is 18% faster at 4 warps than
 # at 8 (qds_warps); the recompute dq (where one head's dS exceeds the budget) stays at 8, 1.4x
-# faster there. The forward launches 4 heads per scheduling group (fwd_group): 8% faster than
-# head by head with TMA loads on an H200 (docs/benchmarks.md).
-HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, fwd_group=4, q_group=4,
-                                          ds_mib=2048, bwd_tma=True, qds_warps=4)
+# faster there. The forward and the dk/dv pass launch 4 heads per scheduling group (fwd_group,
+# kv_group): 8% and 1-2% faster than head by head with TMA loads on an H200 (docs/benchmarks.md).
+HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, fwd_group=4, kv_group=4,
+                                          q_group=4, ds_mib=2048, bwd_tma=True, qds_warps=4)
                     for dt in (torch.bfloat16, torch.float16)}
 DS_MIB_ENV = "TPDIAG_ATTENTION_DS_MIB"  # a smaller dS budget (0: recompute), where memory is short
 
