@@ -300,14 +300,17 @@ for dt, L, S, causal in ((torch.float32, 32, 32, True), (torch.bfloat16, 24, 24,
             "repro": all(beq(a, b) for a, b in zip(again, full)),
             "err": max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(full, refs))}
 # the forward by TMA descriptors (the default where tma_ok) == by pointer loads, bit for bit:
-# uneven blocks (rows past L / S read as 0, not written), GQA, not causal, q in [B, L, H, D] memory
+# uneven blocks (rows past L / S read as 0, not written), GQA, not causal, q in [B, L, H, D] memory.
+# The interpreter loads a descriptor's block as a masked pointer load: this checks the kernels'
+# block coordinates and the zero fill; that a GPU's TMA gives the same bits is
+# tests/test_attention_gpu.py's (CUDA only) and the attention benchmark's
 fwd_tma, bwd_tma = [], []
 for dt, L, S, causal, blhd in ((torch.bfloat16, 24, 24, True, False), (torch.float32, 40, 24, True, True),
                                (torch.float32, 24, 40, False, False), (torch.bfloat16, 20, 20, True, True)):
     q = torch.randn(2, L, 4, 16, generator=g).to(dt).transpose(1, 2) if blhd else torch.randn(2, 4, L, 16, generator=g).to(dt)
     k, v = (torch.randn(2, 2, S, 16, generator=g).to(dt) for _ in range(2))
     do = torch.randn(2, 4, L, 16, generator=g).to(dt)
-    assert at.tma_ok(q, k, v, do)
+    assert at.tma_ok(q, k, v, do)  # else this compared pointers with pointers
     o, lse = at.forward(q, k, v, causal, 0.25, cfg)
     fwd_tma.append(all(beq(a, b) for a, b in zip((o, lse), at.forward(q, k, v, causal, 0.25, replace(cfg, fwd_tma=False)))))
     # and the backward's loop loads (bwd_tma): the dk/dv pass's q and dO, the dq-from-dS pass's K

@@ -116,8 +116,9 @@ def _mm(a, b, PREC: tl.constexpr):
 @triton.jit
 def _load_rows(base, rows, stride, offs_d, n, EVEN: tl.constexpr):
     """Rows `rows` (each D wide, `stride` apart) of the block at base; rows >= n read as 0 unless
-    EVEN (every block full: no mask)."""
-    ptrs = base + rows[:, None] * stride + offs_d[None, :]
+    EVEN (every block full: no mask). int64 row offsets: one batch row of q in [B, L, H, D] memory
+    passes 2^31 elements at L * H * D (e.g. L = 262144, H = 64, D = 128)."""
+    ptrs = base + rows[:, None].to(tl.int64) * stride + offs_d[None, :]
     if EVEN:
         return tl.load(ptrs)
     else:
@@ -273,7 +274,8 @@ def tma_ok(*ts: torch.Tensor) -> bool:
         return False
     if ts[0].is_cuda and torch.cuda.get_device_capability(ts[0].device)[0] < 9:
         return False
-    # a broadcast (stride 0) dimension goes by pointers: a descriptor's strides must be positive
+    # a broadcast (stride 0) dimension goes by pointers: CUDA asks only for strides that are
+    # multiples of 16 bytes, but no stride-0 descriptor has run on a GPU here
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(st > 0 and st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in ts)
 

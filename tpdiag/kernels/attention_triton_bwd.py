@@ -17,8 +17,9 @@ One-pass backwards without the recompute were built, checked bitwise and measure
 H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes): dq partials
 added in key-block order behind a per-query-block counter (commit eefece6), 8.5-9.8 ms - the
 wait, L2 read and release fence sit on every step's critical path; dq partials as int64 atomics
-on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. TMA descriptor loads (commit
-cfdb13d, same bits) were no faster within the run-to-run spread. Imports Triton at import time.
+on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. TMA descriptor loads in the loops
+(AttnConfig.bwd_tma: the same bits) pay at head_dim 128 only (docs/benchmarks.md; at D=64 within
+the run-to-run spread, as at commit cfdb13d). Imports Triton at import time.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base,
             DS.store([ds_idx, n0, start_m], tl.reshape(dst, [1, BN, BM]))
         elif STORE_DS == 1:
             # dS^T of this head, [S, L]: rows of keys, contiguous over query rows
-            ds_ptr = DS + ds_idx.to(tl.int64) * S * L + offs_n[:, None] * L + rows[None, :]
+            ds_ptr = DS + ds_idx.to(tl.int64) * S * L + offs_n[:, None].to(tl.int64) * L + rows[None, :]
             if EVEN:
                 tl.store(ds_ptr, dst)
             else:
@@ -231,7 +232,7 @@ def _dq_ds_inner(dq, DS, ds_idx, k_src, b, hk, skn, offs_m, m0, lo, hi, L, S, DI
         if TMA:  # DS a [heads, S, L] descriptor; out of bounds reads as 0
             dst = tl.reshape(DS.load([ds_idx, start_n, m0]), [BN, BM])
         else:
-            ptrs = DS + ds_idx.to(tl.int64) * S * L + cols[:, None] * L + offs_m[None, :]
+            ptrs = DS + ds_idx.to(tl.int64) * S * L + cols[:, None].to(tl.int64) * L + offs_m[None, :]
             if EVEN:
                 dst = tl.load(ptrs)
             else:
@@ -285,7 +286,7 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
         return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
     # dq first: it also writes delta, which the dk/dv pass reads
     dq, delta = dq_pass(do, q, k, v, o, lse, causal, scale, cfg)
-    return (dq,) + dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, loads=_loads(cfg, q, do))
+    return (dq,) + dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, loads=cfg.bwd_tma)
 
 
 def stores_ds(cfg: AttnConfig, L: int, S: int, itemsize: int) -> bool:
@@ -314,18 +315,12 @@ def _backward_ds(do, q, k, v, o, lse, causal, scale, cfg, chunk: int | None = No
     if ds is None:
         ds = torch.empty(chunk * rep, S, L, dtype=q.dtype, device=q.device)
     tma = tma_ok(ds)
-    loads = _loads(cfg, q, do)
     for c0 in range(0, B * Hk, chunk):
         n = min(chunk, B * Hk - c0)
         dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, out=(dk, dv), ds=ds, bh0=c0, nbh=n, tma=tma,
-                  loads=loads)
-        dq_ds_pass(ds, k, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep, tma=tma, loads=loads)
+                  loads=cfg.bwd_tma)
+        dq_ds_pass(ds, k, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep, tma=tma, loads=cfg.bwd_tma)
     return dq, dk, dv
-
-
-def _loads(cfg: AttnConfig, q, do) -> bool:
-    # q, dO and K by TMA descriptors in the backward's loops (the same bits as pointer loads)
-    return cfg.bwd_tma and tma_ok(q, do)
 
 
 def _ds_desc(ds, rows: int, cols: int):

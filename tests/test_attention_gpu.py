@@ -1,0 +1,69 @@
+"""invariant-attention on a CUDA GPU (skipped elsewhere): the TMA descriptor paths give the pointer
+loads' bits - forward (fwd_tma) and backward loops (bwd_tma) - at the shipped tiles, with uneven
+lengths, GQA and q/k/v in [B, L, H, D] memory; and rows past 2^31 elements of one batch row read
+their own memory on the GPU too (tests/test_attention_offsets.py is the interpreter's check)."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb  # noqa: E402
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _beq(a, b):
+    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _blhd(B, L, H, D, dtype, g):
+    return torch.randn(B, L, H, D, generator=g, device="cuda").to(dtype).transpose(1, 2)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("L,S,causal", [(1000, 1000, True), (384, 1000, False), (1000, 384, True)])
+def test_tma_paths_give_the_pointer_bits(D, dtype, L, S, causal):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, do = _blhd(2, L, 8, D, dtype, g), torch.randn(2, 8, L, D, generator=g, device="cuda").to(dtype)
+    k, v = _blhd(2, S, 4, D, dtype, g), _blhd(2, S, 4, D, dtype, g)
+    cfg = at.config_for(dtype, D)
+    tma, ptr = replace(cfg, fwd_tma=True, bwd_tma=True), replace(cfg, fwd_tma=False, bwd_tma=False)
+    if torch.cuda.get_device_capability()[0] < 9 or not at.tma_ok(q, k, v, do):
+        pytest.skip("no TMA on this GPU or Triton")
+    o, lse = at.forward(q, k, v, causal, D ** -0.5, tma)
+    o2, lse2 = at.forward(q, k, v, causal, D ** -0.5, ptr)
+    assert _beq(o, o2) and _beq(lse, lse2)
+    for c in (cfg, replace(cfg, ds_mib=0 if cfg.ds_mib else 2048)):  # both dq paths
+        a = atb.backward(do, q, k, v, o, lse, causal, D ** -0.5, replace(c, bwd_tma=True))
+        b = atb.backward(do, q, k, v, o, lse, causal, D ** -0.5, replace(c, bwd_tma=False))
+        assert all(_beq(x, y) for x, y in zip(a, b))
+
+
+def test_rows_past_2_31_elements():
+    # q in [1, L, 64, 128] memory: the row stride 8192 takes one batch row past 2^31 elements;
+    # few keys, so the work is small. The last rows, computed alone, give the same bits.
+    L, H, D, S, tail = 2**18 + 16, 64, 128, 128, 272
+    if torch.cuda.get_device_properties(0).total_memory < 48 * 2**30:
+        pytest.skip("needs ~25 GiB of GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = _blhd(1, L, H, D, torch.bfloat16, g)
+    assert q.untyped_storage().nbytes() // 2 > 2**31
+    k, v = _blhd(1, S, H, D, torch.bfloat16, g), _blhd(1, S, H, D, torch.bfloat16, g)
+    do = torch.randn(1, H, L, D, generator=g, device="cuda").bfloat16()
+    cut = lambda t: t[:, :, -tail:].contiguous()  # noqa: E731 (tail: a multiple of every row tile)
+    for fwd_tma in (True, False):
+        cfg = replace(at.config_for(q.dtype, D), fwd_tma=fwd_tma, bwd_tma=fwd_tma)
+        o, lse = at.forward(q, k, v, False, 0.1, cfg)
+        o1, lse1 = at.forward(cut(q), k, v, False, 0.1, cfg)
+        assert _beq(o1, cut(o)) and _beq(lse1, lse.view(1, H, L)[:, :, -tail:].reshape(H, tail))
+        dq = atb.backward(do, q, k, v, o, lse, False, 0.1, cfg)[0]
+        dq1 = atb.backward(cut(do), cut(q), k, v, o1, lse1, False, 0.1, cfg)[0]
+        assert _beq(dq1, cut(dq))
+        del o, lse, dq
