@@ -114,15 +114,16 @@ def _mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(base, rows, stride, offs_d, n, EVEN: tl.constexpr):
-    """Rows `rows` (each D wide, `stride` apart) of the block at base; rows >= n read as 0 unless
-    EVEN (every block full: no mask). int64 row offsets: one batch row of q in [B, L, H, D] memory
-    passes 2^31 elements at L * H * D (e.g. L = 262144, H = 64, D = 128)."""
-    ptrs = base + rows[:, None].to(tl.int64) * stride + offs_d[None, :]
+def _load_rows(base, start, offs, stride, offs_d, n, EVEN: tl.constexpr):
+    """Rows start + offs (each D wide, `stride` apart) of the block at base; rows >= n read as 0
+    unless EVEN (every block full: no mask). The block's first row in int64 (one batch row of q
+    in [B, L, H, D] memory passes 2^31 elements at L * H * D, e.g. L = 262144, H = 64, D = 128),
+    the rows within it in int32: int64 offsets per row cost the pointer paths 5% on an H200."""
+    ptrs = base + tl.cast(start, tl.int64) * stride + offs[:, None] * stride + offs_d[None, :]
     if EVEN:
         return tl.load(ptrs)
     else:
-        return tl.load(ptrs, mask=rows[:, None] < n, other=0.0)
+        return tl.load(ptrs, mask=(start + offs)[:, None] < n, other=0.0)
 
 
 @triton.jit
@@ -153,8 +154,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, 
             k = tl.reshape(k_src.load([b, hk, start_n, 0]), [BN, D])
             v = tl.reshape(v_src.load([b, hk, start_n, 0]), [BN, D])
         else:
-            k = _load_rows(k_src, cols, skn, offs_d, S, EVEN)
-            v = _load_rows(v_src, cols, svn, offs_d, S, EVEN)
+            k = _load_rows(k_src, start_n, offs_n, skn, offs_d, S, EVEN)
+            v = _load_rows(v_src, start_n, offs_n, svn, offs_d, S, EVEN)
         # the max of the raw scores, scaled once per row (the scale is > 0: the same m as scaling
         # every score first), then qk * scale - m as one FMA per score: one FMUL less per score,
         # 2-5% of the forward on an H200 (docs/benchmarks.md)
@@ -191,7 +192,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
         k_src = K
         v_src = V
     else:
-        q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, L, EVEN)
+        q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, m0, tl.arange(0, BM), sqm, offs_d, L, EVEN)
         k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     m_i = tl.full([BM], float("-inf"), tl.float32)

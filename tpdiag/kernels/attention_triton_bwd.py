@@ -46,8 +46,8 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base,
             q = tl.reshape(q_src.load([b, h, start_m, 0]), [BM, D])
             do = tl.reshape(do_src.load([b, h, start_m, 0]), [BM, D])
         else:
-            q = _load_rows(q_src, rows, sqm, offs_d, L, EVEN)
-            do = _load_rows(do_src, rows, D, offs_d, L, EVEN)
+            q = _load_rows(q_src, start_m, offs_m0, sqm, offs_d, L, EVEN)
+            do = _load_rows(do_src, start_m, offs_m0, D, offs_d, L, EVEN)
         if EVEN:
             lse = tl.load(LSE + row_base + rows)
             delta = tl.load(DELTA + row_base + rows)
@@ -91,8 +91,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
     offs_n = n0 + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     nmask = offs_n[:, None] < S
-    k = _load_rows(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh, offs_n, skn, offs_d, S, EVEN)
-    v = _load_rows(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh, offs_n, svn, offs_d, S, EVEN)
+    k = _load_rows(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh, n0, tl.arange(0, BN), skn, offs_d, S, EVEN)
+    v = _load_rows(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh, n0, tl.arange(0, BN), svn, offs_d, S, EVEN)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     H = HK * REP
@@ -121,13 +121,15 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
                                  0, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
                                  STORE_DS, LOADS)
-    out = bhk.to(tl.int64) * S * D + offs_n[:, None] * D + offs_d[None, :]
+    # the head's base in int64, the offsets within it in int32 (pointer first: no int64 tiles)
+    hb = bhk.to(tl.int64) * S * D
+    out = offs_n[:, None] * D + offs_d[None, :]
     if EVEN:
-        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty))
-        tl.store(DV + out, dv.to(DV.dtype.element_ty))
+        tl.store(DK + hb + out, (dk * sm_scale).to(DK.dtype.element_ty))
+        tl.store(DV + hb + out, dv.to(DV.dtype.element_ty))
     else:
-        tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask)
-        tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=nmask)
+        tl.store(DK + hb + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask)
+        tl.store(DV + hb + out, dv.to(DV.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
@@ -150,8 +152,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n0
-        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN)
-        v = _load_rows(v_base, cols, svn, offs_d, S, EVEN)
+        k = _load_rows(k_base, start_n, offs_n0, skn, offs_d, S, EVEN)
+        v = _load_rows(v_base, start_n, offs_n0, svn, offs_d, S, EVEN)
         s = _mm(q, tl.trans(k), PREC) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if DIAG:
@@ -176,11 +178,12 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     rmask = offs_m < L
-    io = bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :]
+    hb = bh.to(tl.int64) * L * D
+    io = offs_m[:, None] * D + offs_d[None, :]
     # O and dO are contiguous [B, H, L, D]; this pass runs first and writes delta =
     # rowsum(O * dO) (fp32, one fixed order per row) for the dk/dv pass
-    q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, L, EVEN)
-    do, delta = _do_and_delta(O, DO, io, rmask, EVEN)
+    q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, pid_m * BM, tl.arange(0, BM), sqm, offs_d, L, EVEN)
+    do, delta = _do_and_delta(O + hb, DO + hb, io, rmask, EVEN)
     tl.store(DELTA + bh.to(tl.int64) * L + offs_m, delta, mask=rmask)
     if EVEN:
         lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m)
@@ -199,9 +202,9 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
         dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, S, S, qk_scale,
                        False, EVEN, BN, D, PREC)
     if EVEN:
-        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty))
+        tl.store(DQ + hb + io, (dq * sm_scale).to(DQ.dtype.element_ty))
     else:
-        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
+        tl.store(DQ + hb + io, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
 
 
 
@@ -211,8 +214,8 @@ def _delta_kernel(O, DO, DELTA, L, NB, BH, BM: tl.constexpr, D: tl.constexpr, EV
     pid_m, bh = _block_and_head(NB, BH, 1)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    io = bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :]
-    _, delta = _do_and_delta(O, DO, io, offs_m < L, EVEN)
+    hb = bh.to(tl.int64) * L * D
+    _, delta = _do_and_delta(O + hb, DO + hb, offs_m[:, None] * D + offs_d[None, :], offs_m < L, EVEN)
     tl.store(DELTA + bh.to(tl.int64) * L + offs_m, delta, mask=offs_m < L)
 
 
@@ -228,7 +231,7 @@ def _dq_ds_inner(dq, DS, ds_idx, k_src, b, hk, skn, offs_m, m0, lo, hi, L, S, DI
         if LOADS:
             k = tl.reshape(k_src.load([b, hk, start_n, 0]), [BN, D])
         else:
-            k = _load_rows(k_src, cols, skn, offs_d, S, EVEN)
+            k = _load_rows(k_src, start_n, offs_n0, skn, offs_d, S, EVEN)
         if TMA:  # DS a [heads, S, L] descriptor; out of bounds reads as 0
             dst = tl.reshape(DS.load([ds_idx, start_n, m0]), [BN, BM])
         else:
@@ -270,11 +273,11 @@ def _dq_ds_kernel(DS, K, DQ, skb, skh, skn, H, REP, L, S, sm_scale, NB, BH, G, B
     else:
         dq = _dq_ds_inner(dq, DS, bhl, k_src, b, hk, skn, offs_m, m0, 0, S, L, S, False, EVEN, BM, BN, D,
                           PREC, TMA, LOADS)
-    io = bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :]
+    dq_ptr = DQ + bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :]
     if EVEN:
-        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty))
+        tl.store(dq_ptr, (dq * sm_scale).to(DQ.dtype.element_ty))
     else:
-        tl.store(DQ + io, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < L)
+        tl.store(dq_ptr, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < L)
 
 
 def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | None = None):
