@@ -1,7 +1,9 @@
 """invariant-attention on a CUDA GPU (skipped elsewhere): the TMA descriptor paths give the pointer
 loads' bits - forward (fwd_tma) and backward loops (bwd_tma) - at the shipped tiles, with uneven
 lengths, GQA and q/k/v in [B, L, H, D] memory; and rows past 2^31 elements of one batch row read
-their own memory on the GPU too (tests/test_attention_offsets.py is the interpreter's check)."""
+their own memory on the GPU too (tests/test_attention_offsets.py is the interpreter's check).
+Run on an H200 at b4b07e9 (with all 12 cases of a wider grid): 3 TMA/pointer cases passed before a
+170 s limit; the rest and the 2^31 case were not reached - not run to the end on a GPU yet."""
 from dataclasses import replace
 
 import pytest
@@ -26,9 +28,8 @@ def _blhd(B, L, H, D, dtype, g):
     return torch.randn(B, L, H, D, generator=g, device="cuda").to(dtype).transpose(1, 2)
 
 
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("L,S,causal", [(1000, 1000, True), (384, 1000, False), (1000, 384, True)])
+@pytest.mark.parametrize("D,dtype,L,S,causal", [(64, torch.bfloat16, 1000, 1000, True), (128, torch.bfloat16, 1000, 1000, True),
+                                                (128, torch.bfloat16, 384, 1000, False), (64, torch.float32, 1000, 384, True)])
 def test_tma_paths_give_the_pointer_bits(D, dtype, L, S, causal):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, do = _blhd(2, L, 8, D, dtype, g), torch.randn(2, 8, L, D, generator=g, device="cuda").to(dtype)

@@ -114,16 +114,19 @@ def _mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(base, start, offs, stride, offs_d, n, EVEN: tl.constexpr):
-    """Rows start + offs (each D wide, `stride` apart) of the block at base; rows >= n read as 0
-    unless EVEN (every block full: no mask). The block's first row in int64 (one batch row of q
-    in [B, L, H, D] memory passes 2^31 elements at L * H * D, e.g. L = 262144, H = 64, D = 128),
-    the rows within it in int32: int64 offsets per row cost the pointer paths 5% on an H200."""
-    ptrs = base + tl.cast(start, tl.int64) * stride + offs[:, None] * stride + offs_d[None, :]
+def _load_rows(base, rows, stride, offs_d, n, EVEN: tl.constexpr, I64: tl.constexpr):
+    """Rows `rows` (each D wide, `stride` apart) of the block at base; rows >= n read as 0 unless
+    EVEN (every block full: no mask). I64: row offsets in int64 - one batch row of q in
+    [B, L, H, D] memory passes 2^31 elements at L * H * D (e.g. L = 262144, H = 64, D = 128); only
+    there (wide()): int64 row offsets cost the pointer paths 4-5% on an H200 (docs/benchmarks.md)."""
+    if I64:
+        ptrs = base + rows[:, None].to(tl.int64) * stride + offs_d[None, :]
+    else:
+        ptrs = base + rows[:, None] * stride + offs_d[None, :]
     if EVEN:
         return tl.load(ptrs)
     else:
-        return tl.load(ptrs, mask=(start + offs)[:, None] < n, other=0.0)
+        return tl.load(ptrs, mask=rows[:, None] < n, other=0.0)
 
 
 @triton.jit
@@ -142,7 +145,7 @@ def _block_and_head(NB, BH, G):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, S, qk_scale,
                DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               PREC: tl.constexpr, TMA: tl.constexpr):
+               PREC: tl.constexpr, TMA: tl.constexpr, I64: tl.constexpr):
     # key blocks lo, lo+BN, ... < hi in ascending order; DIAG: blocks that need the causal mask.
     # TMA: k_src / v_src are [B, Hk, S, D] descriptors (rows past S read as 0), else this head's
     # base pointers
@@ -154,8 +157,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, 
             k = tl.reshape(k_src.load([b, hk, start_n, 0]), [BN, D])
             v = tl.reshape(v_src.load([b, hk, start_n, 0]), [BN, D])
         else:
-            k = _load_rows(k_src, start_n, offs_n, skn, offs_d, S, EVEN)
-            v = _load_rows(v_src, start_n, offs_n, svn, offs_d, S, EVEN)
+            k = _load_rows(k_src, cols, skn, offs_d, S, EVEN, I64)
+            v = _load_rows(v_src, cols, svn, offs_d, S, EVEN, I64)
         # the max of the raw scores, scaled once per row (the scale is > 0: the same m as scaling
         # every score first), then qk * scale - m as one FMA per score: one FMUL less per score,
         # 2-5% of the forward on an H200 (docs/benchmarks.md)
@@ -177,7 +180,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, 
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                 H, REP, L, S, qk_scale, NB, BH, G,
                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
+                PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, I64: tl.constexpr):
     # TMA: Q, K, V, O are [B, H(k), L/S, D] descriptors - the same products in the same order as
     # pointer loads (the same bits), 9% faster at head_dim 128 on an H200 (docs/benchmarks.md)
     pid_m, bh = _block_and_head(NB, BH, G)
@@ -192,7 +195,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
         k_src = K
         v_src = V
     else:
-        q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, m0, tl.arange(0, BM), sqm, offs_d, L, EVEN)
+        q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, L, EVEN, I64)
         k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -202,12 +205,12 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
         # blocks left of the diagonal need no mask; BM is a multiple of BN
         diag = tl.minimum(m0, S)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, 0, diag, S,
-                                   qk_scale, False, EVEN, BN, D, PREC, TMA)
+                                   qk_scale, False, EVEN, BN, D, PREC, TMA, I64)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, diag,
-                                   tl.minimum(m0 + BM, S), S, qk_scale, True, EVEN, BN, D, PREC, TMA)
+                                   tl.minimum(m0 + BM, S), S, qk_scale, True, EVEN, BN, D, PREC, TMA, I64)
     else:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, 0, S, S,
-                                   qk_scale, False, EVEN, BN, D, PREC, TMA)
+                                   qk_scale, False, EVEN, BN, D, PREC, TMA, I64)
     acc = (acc / l_i[:, None]).to(q.dtype)
     lse_ptr = LSE + bh.to(tl.int64) * L + offs_m
     if TMA:
@@ -251,7 +254,7 @@ def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
                                o.stride(0), o.stride(1), o.stride(2), H, H // Hk, L, S, scale * LOG2E,
                                nb, B * H, min(cfg.fwd_group, B * H),
                                CAUSAL=causal, BM=cfg.fwd_m, BN=cfg.fwd_n, D=D, PREC=_prec(q),
-                               EVEN=L % cfg.fwd_m == 0 and S % cfg.fwd_n == 0, TMA=tma,
+                               EVEN=L % cfg.fwd_m == 0 and S % cfg.fwd_n == 0, TMA=tma, I64=wide(q, k, v),
                                num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return o, lse
 
@@ -279,6 +282,12 @@ def tma_ok(*ts: torch.Tensor) -> bool:
     # multiples of 16 bytes, but no stride-0 descriptor has run on a GPU here
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(st > 0 and st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in ts)
+
+
+def wide(*ts: torch.Tensor) -> bool:
+    """Whether a row offset (row * row stride, rows up to a tile past the end) of these [..., R, D]
+    tensors can pass int32: the kernels then take int64 row offsets (I64; the same bits)."""
+    return any((t.shape[-2] + 256) * t.stride(-2) >= 2**31 for t in ts)
 
 
 def desc(t: torch.Tensor, rows: int):

@@ -28,13 +28,14 @@ import triton
 import triton.language as tl
 
 from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head, _last_dim_unit,
-                                             _load_rows, _mm, _prec, config_for, desc, tma_ok)
+                                             _load_rows, _mm, _prec, config_for, desc, tma_ok,
+                                             wide)
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L, S,
                 qk_scale, DS, ds_idx, n0, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, STORE_DS: tl.constexpr,
-                LOADS: tl.constexpr):
+                LOADS: tl.constexpr, I64: tl.constexpr):
     # STORE_DS: 0 no dS, 1 dS by plain stores, 2 by TMA (DS a [heads, S, L] descriptor: the
     # store leaves from shared memory while the next block's products run). LOADS: q_src and
     # do_src are [B, H, L, D] descriptors (rows past L read as 0), else this head's base pointers
@@ -46,8 +47,8 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base,
             q = tl.reshape(q_src.load([b, h, start_m, 0]), [BM, D])
             do = tl.reshape(do_src.load([b, h, start_m, 0]), [BM, D])
         else:
-            q = _load_rows(q_src, start_m, offs_m0, sqm, offs_d, L, EVEN)
-            do = _load_rows(do_src, start_m, offs_m0, D, offs_d, L, EVEN)
+            q = _load_rows(q_src, rows, sqm, offs_d, L, EVEN, I64)
+            do = _load_rows(do_src, rows, D, offs_d, L, EVEN, I64)
         if EVEN:
             lse = tl.load(LSE + row_base + rows)
             delta = tl.load(DELTA + row_base + rows)
@@ -80,7 +81,8 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base,
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                  HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                 PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr):
+                 PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
+                 I64: tl.constexpr):
     # BH0: the first (batch, KV head) of this launch (a chunk of heads whose dS fits DS)
     pid_n, bhl = _block_and_head(NB, BH, G)
     pid_n = NB - 1 - pid_n  # key block 0 sees every query row: the most work
@@ -91,8 +93,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
     offs_n = n0 + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     nmask = offs_n[:, None] < S
-    k = _load_rows(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh, n0, tl.arange(0, BN), skn, offs_d, S, EVEN)
-    v = _load_rows(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh, n0, tl.arange(0, BN), svn, offs_d, S, EVEN)
+    k = _load_rows(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh, offs_n, skn, offs_d, S, EVEN, I64)
+    v = _load_rows(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh, offs_n, svn, offs_d, S, EVEN, I64)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     H = HK * REP
@@ -113,14 +115,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
             mid = tl.minimum(n0 + BN, L)
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
                                  lo, mid, L, S, qk_scale, DS, ds_idx, n0, True, EVEN, BM, BN, D, PREC,
-                                 STORE_DS, LOADS)
+                                 STORE_DS, LOADS, I64)
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
                                  mid, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
-                                 STORE_DS, LOADS)
+                                 STORE_DS, LOADS, I64)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
                                  0, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
-                                 STORE_DS, LOADS)
+                                 STORE_DS, LOADS, I64)
     # the head's base in int64, the offsets within it in int32 (pointer first: no int64 tiles)
     hb = bhk.to(tl.int64) * S * D
     out = offs_n[:, None] * D + offs_d[None, :]
@@ -147,13 +149,13 @@ def _do_and_delta(O, DO, io, rmask, EVEN: tl.constexpr):
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
               DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PREC: tl.constexpr):
+              PREC: tl.constexpr, I64: tl.constexpr):
     offs_n0 = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n0
-        k = _load_rows(k_base, start_n, offs_n0, skn, offs_d, S, EVEN)
-        v = _load_rows(v_base, start_n, offs_n0, svn, offs_d, S, EVEN)
+        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN, I64)
+        v = _load_rows(v_base, cols, svn, offs_d, S, EVEN, I64)
         s = _mm(q, tl.trans(k), PREC) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if DIAG:
@@ -170,7 +172,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S
 def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
                CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               PREC: tl.constexpr, EVEN: tl.constexpr):
+               PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
     pid_m, bh = _block_and_head(NB, BH, G)
     b = bh // H
     h = bh % H
@@ -182,7 +184,7 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
     io = offs_m[:, None] * D + offs_d[None, :]
     # O and dO are contiguous [B, H, L, D]; this pass runs first and writes delta =
     # rowsum(O * dO) (fp32, one fixed order per row) for the dk/dv pass
-    q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, pid_m * BM, tl.arange(0, BM), sqm, offs_d, L, EVEN)
+    q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, L, EVEN, I64)
     do, delta = _do_and_delta(O + hb, DO + hb, io, rmask, EVEN)
     tl.store(DELTA + bh.to(tl.int64) * L + offs_m, delta, mask=rmask)
     if EVEN:
@@ -195,12 +197,12 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
     if CAUSAL:
         diag = tl.minimum(pid_m * BM, S)  # BM is a multiple of BN
         dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, diag, S, qk_scale,
-                       False, EVEN, BN, D, PREC)
+                       False, EVEN, BN, D, PREC, I64)
         dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, diag,
-                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC)
+                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC, I64)
     else:
         dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, S, S, qk_scale,
-                       False, EVEN, BN, D, PREC)
+                       False, EVEN, BN, D, PREC, I64)
     if EVEN:
         tl.store(DQ + hb + io, (dq * sm_scale).to(DQ.dtype.element_ty))
     else:
@@ -222,7 +224,7 @@ def _delta_kernel(O, DO, DELTA, L, NB, BH, BM: tl.constexpr, D: tl.constexpr, EV
 @triton.jit
 def _dq_ds_inner(dq, DS, ds_idx, k_src, b, hk, skn, offs_m, m0, lo, hi, L, S, DIAG: tl.constexpr,
                  EVEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                 PREC: tl.constexpr, TMA: tl.constexpr, LOADS: tl.constexpr):
+                 PREC: tl.constexpr, TMA: tl.constexpr, LOADS: tl.constexpr, I64: tl.constexpr):
     # LOADS: k_src is a [B, Hk, S, D] descriptor, else this KV head's base pointer
     offs_n0 = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
@@ -231,7 +233,7 @@ def _dq_ds_inner(dq, DS, ds_idx, k_src, b, hk, skn, offs_m, m0, lo, hi, L, S, DI
         if LOADS:
             k = tl.reshape(k_src.load([b, hk, start_n, 0]), [BN, D])
         else:
-            k = _load_rows(k_src, start_n, offs_n0, skn, offs_d, S, EVEN)
+            k = _load_rows(k_src, cols, skn, offs_d, S, EVEN, I64)
         if TMA:  # DS a [heads, S, L] descriptor; out of bounds reads as 0
             dst = tl.reshape(DS.load([ds_idx, start_n, m0]), [BN, BM])
         else:
@@ -250,7 +252,8 @@ def _dq_ds_inner(dq, DS, ds_idx, k_src, b, hk, skn, offs_m, m0, lo, hi, L, S, DI
 @triton.jit(do_not_specialize=["NB", "BH", "G", "BH0"])  # one compile for any launch order
 def _dq_ds_kernel(DS, K, DQ, skb, skh, skn, H, REP, L, S, sm_scale, NB, BH, G, BH0,
                   CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                  PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, LOADS: tl.constexpr):
+                  PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, LOADS: tl.constexpr,
+                  I64: tl.constexpr):
     # dq of row block pid_m = sum over key blocks, in order from 0, of dS[rows, keys] @ K[keys]
     pid_m, bhl = _block_and_head(NB, BH, G)
     bh = BH0 + bhl
@@ -267,12 +270,12 @@ def _dq_ds_kernel(DS, K, DQ, skb, skh, skn, H, REP, L, S, sm_scale, NB, BH, G, B
     if CAUSAL:
         diag = tl.minimum(m0, S)  # BM is a multiple of BN
         dq = _dq_ds_inner(dq, DS, bhl, k_src, b, hk, skn, offs_m, m0, 0, diag, L, S, False, EVEN, BM, BN, D,
-                          PREC, TMA, LOADS)
+                          PREC, TMA, LOADS, I64)
         dq = _dq_ds_inner(dq, DS, bhl, k_src, b, hk, skn, offs_m, m0, diag, tl.minimum(m0 + BM, S), L, S,
-                          True, EVEN, BM, BN, D, PREC, TMA, LOADS)
+                          True, EVEN, BM, BN, D, PREC, TMA, LOADS, I64)
     else:
         dq = _dq_ds_inner(dq, DS, bhl, k_src, b, hk, skn, offs_m, m0, 0, S, L, S, False, EVEN, BM, BN, D,
-                          PREC, TMA, LOADS)
+                          PREC, TMA, LOADS, I64)
     dq_ptr = DQ + bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :]
     if EVEN:
         tl.store(dq_ptr, (dq * sm_scale).to(DQ.dtype.element_ty))
@@ -346,7 +349,7 @@ def dq_ds_pass(ds, k, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int,
         ds_arg, desc(k, cfg.q_n) if loads else k, dq, k.stride(0), k.stride(1), k.stride(2), H, H // Hk, L, S, scale,
         nq, nbh, min(cfg.q_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(dq),
-        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, TMA=tma, LOADS=loads,
+        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, TMA=tma, LOADS=loads, I64=wide(k),
         num_warps=cfg.qds_warps or cfg.q_warps, num_stages=cfg.q_stages)
     return dq
 
@@ -377,7 +380,7 @@ def dq_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
         q, k, v, o, do, lse, delta, dq, *_strides(q, k, v), H, H // Hk, L, S, scale * LOG2E, scale,
         nq, B * H, min(cfg.q_group, B * H),
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(q),
-        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0,
+        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, I64=wide(q, k, v, do),
         num_warps=cfg.q_warps, num_stages=cfg.q_stages)
     return dq, delta
 
@@ -403,6 +406,6 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
         qd, k, v, dod, lse, delta, dk, dv, ds_arg, *_strides(q, k, v), Hk, H // Hk, L, S,
         scale * LOG2E, scale, nk, nbh, min(cfg.kv_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
-        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store, LOADS=loads,
+        EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store, LOADS=loads, I64=wide(q, k, v, do),
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return dk, dv
