@@ -9,9 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-pytest.importorskip("triton")
+# CUDA first: importing triton at collection without TRITON_INTERPRET would leave the in-process
+# interpreter tests (test_tree_gemm.py) with compiled-mode triton.language
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton")
 
 from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb  # noqa: E402
 
