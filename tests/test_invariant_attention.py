@@ -352,6 +352,10 @@ def empty_ok(B, L):
     o, lse = at.forward(q, k, k, True, 0.25, cds)
     return [t.shape for t in atb.backward(torch.zeros_like(q), q, k, k, o, lse, True, 0.25, cds)] == [q.shape, k.shape, k.shape]
 res["ds_empty"] = empty_ok(2, 0) and empty_ok(0, 8)
+# no keys (S = 0): zeros, as torch's SDPA gives (was 0 / 0 = NaN)
+q0, k0 = torch.randn(2, 4, 8, 16, generator=g), torch.zeros(2, 2, 0, 16)
+o0, lse0 = at.forward(q0, k0, k0, False, 0.25, cds)
+res["no_keys_zero"] = (not o0.any()) and not atb.backward(torch.ones_like(q0), q0, k0, k0, o0, lse0, False, 0.25, cds)[0].any()
 # negative control: the same kernels without the diagonal mask on dS read the poison
 import importlib.util, pathlib, tempfile
 src = pathlib.Path(atb.__file__).read_text()
@@ -375,6 +379,7 @@ def test_triton_kernel_under_interpreter():
     res = json.loads(p.stdout.split("RESULT", 1)[1])
     assert res.pop("ds_chunks_poisoned") and res.pop("ds_plain_eq_tma") and res.pop("ds_plain_uneven")
     assert res.pop("ds_empty") and res.pop("fwd_tma_eq_plain") and res.pop("bwd_tma_eq_plain")
+    assert res.pop("no_keys_zero")
     assert res.pop("ds_nomask_leaks_nan")  # the negative control: the poison reaches dq without the mask
     assert len(res) == 10
     for case, r in res.items():
@@ -490,3 +495,15 @@ def test_fully_masked_query_rows_are_zero_like_torch_not_nan():
     assert torch.allclose(out, ref, atol=1e-5)
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_no_keys_gives_zeros_like_torch():
+    """S = 0 (no keys at all): torch's SDPA gives zeros; invariant-attention raised IndexError on
+    the CPU path (and the Triton forward divided 0 by 0: the interpreter test checks it)."""
+    q = torch.randn(2, 4, 3, 8, requires_grad=True)
+    k, v = (torch.zeros(2, 2, 0, 8, requires_grad=True) for _ in range(2))
+    out = invariant_sdpa(q, k, v, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert torch.equal(out, ref) and not out.any()
+    out.sum().backward()
+    assert not q.grad.any() and k.grad.shape == k.shape and v.grad.shape == v.shape

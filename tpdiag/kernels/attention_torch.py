@@ -92,6 +92,8 @@ def _expand_kv(t, rep: int):
 def forward(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
     B, H, L, D = q.shape
     Hk, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    if S == 0:  # no keys: zeros, as torch's SDPA gives
+        return torch.zeros(B, H, L, Dv, dtype=q.dtype, device=q.device)
     rep = H // Hk
     qf, kf, vf = q.to(torch.float32), _expand_kv(k, rep), _expand_kv(v, rep)
     bias = _bias(mask, B, H, L, S, causal, q.device)
@@ -120,6 +122,8 @@ def _probs(q, k, scale: float, bias) -> torch.Tensor:
 def backward(do, q, k, v, mask, causal: bool, scale: float):
     B, H, L, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
+    if S == 0:
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(k), torch.zeros_like(v)
     rep = H // Hk
     bias = _bias(mask, B, H, L, S, causal, q.device)
     p_all = _probs(q.to(torch.float32), _expand_kv(k, rep), scale, bias)

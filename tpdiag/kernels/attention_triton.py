@@ -245,6 +245,8 @@ def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
     Hk, S = k.shape[1], k.shape[2]
     o = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(B * H, L, dtype=torch.float32, device=q.device)
+    if S == 0:  # no keys: zeros, as torch's SDPA gives (the kernel would divide 0 by 0)
+        return o.zero_(), lse.fill_(float("-inf"))
     nb = triton.cdiv(L, cfg.fwd_m)
     tma = cfg.fwd_tma and tma_ok(q, k, v)
     args = ((desc(q, cfg.fwd_m), desc(k, cfg.fwd_n), desc(v, cfg.fwd_n), desc(o, cfg.fwd_m)) if tma

@@ -287,6 +287,8 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
     """-> (dq, dk, dv) from the forward's (o, lse); dq by the path cfg.ds_mib names."""
     cfg = cfg or config_for(q.dtype, q.shape[-1])
     q, k, v = (_last_dim_unit(t) for t in (q, k, v))
+    if k.shape[2] == 0:  # no keys: the forward gave zeros
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(k), torch.zeros_like(v)
     do = do.contiguous()
     if stores_ds(cfg, q.shape[2], k.shape[2], q.element_size()) and q.numel() and k.numel():
         return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
