@@ -329,6 +329,13 @@ def poisoned(mod):
     return mod._backward_ds(do, q, k, v, o, lse, True, 0.25, cds, chunk=1,
                             ds=torch.full((2, 32, 32), float("nan")))
 res["ds_chunks_poisoned"] = all(beq(a, b) for a, b in zip(poisoned(atb), ref))
+# int64 row offsets (I64, chosen by wide() where a row offset can pass 2^31) forced on for every
+# kernel of both backward paths: the same bits (the flag only widens addresses)
+at_wide = at.wide
+at.wide = atb.wide = lambda *ts: True
+forced = [both(q, k, v, do, True, c) for c in (cfg, cds)]
+at.wide = atb.wide = at_wide
+res["i64_same_bits"] = all(beq(a, b) for c, f in zip((cfg, cds), forced) for a, b in zip(f, both(q, k, v, do, True, c)))
 delta = atb.delta_pass(do, o, cds)
 plain = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
 scratch = torch.empty(8, 32, 32)
@@ -379,7 +386,7 @@ def test_triton_kernel_under_interpreter():
     res = json.loads(p.stdout.split("RESULT", 1)[1])
     assert res.pop("ds_chunks_poisoned") and res.pop("ds_plain_eq_tma") and res.pop("ds_plain_uneven")
     assert res.pop("ds_empty") and res.pop("fwd_tma_eq_plain") and res.pop("bwd_tma_eq_plain")
-    assert res.pop("no_keys_zero")
+    assert res.pop("no_keys_zero") and res.pop("i64_same_bits")
     assert res.pop("ds_nomask_leaks_nan")  # the negative control: the poison reaches dq without the mask
     assert len(res) == 10
     for case, r in res.items():

@@ -130,8 +130,9 @@ def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                        "(torch rejects it too)")
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     cfg = None
-    # the Triton forward takes the max of the unscaled scores: right only for a scale > 0
-    if use_triton(query, attn_mask) and sc > 0:
+    # the Triton forward takes the max of the unscaled scores: right only for a scale > 0; its
+    # tiles take V's head_dim as Q's (a different one goes the torch way)
+    if use_triton(query, attn_mask) and sc > 0 and value.shape[-1] == query.shape[-1]:
         from tpdiag.kernels import attention_triton
 
         cfg = triton_cfg or attention_triton.config_for(query.dtype, query.shape[-1])

@@ -92,11 +92,11 @@ def _expand_kv(t, rep: int):
 def forward(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
     B, H, L, D = q.shape
     Hk, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    bias = _bias(mask, B, H, L, S, causal, q.device)  # first: it checks the mask's shape
     if S == 0:  # no keys: zeros, as torch's SDPA gives
         return torch.zeros(B, H, L, Dv, dtype=q.dtype, device=q.device)
     rep = H // Hk
     qf, kf, vf = q.to(torch.float32), _expand_kv(k, rep), _expand_kv(v, rep)
-    bias = _bias(mask, B, H, L, S, causal, q.device)
     out = torch.empty(B, H, L, Dv, dtype=q.dtype, device=q.device)
     for rows in _chunks(B, H, L, S, max(D, Dv)):
         e, den = _weights(qf[:, :, rows], kf, scale, None if bias is None else bias[:, :, rows])
