@@ -514,3 +514,16 @@ def test_no_keys_gives_zeros_like_torch():
     assert torch.equal(out, ref) and not out.any()
     out.sum().backward()
     assert not q.grad.any() and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_no_heads():
+    """No heads at all: an empty output as torch gives; query heads without KV heads (KV heads
+    sharded over more ranks than there are) a one-line error, not ZeroDivisionError."""
+    q = torch.randn(2, 0, 3, 8, requires_grad=True)
+    kv = torch.randn(2, 0, 5, 8)
+    out = invariant_sdpa(q, kv, kv)
+    assert out.shape == F.scaled_dot_product_attention(q, kv, kv).shape == (2, 0, 3, 8)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+    with pytest.raises(BadInput, match="no key/value heads"):
+        invariant_sdpa(torch.randn(2, 4, 3, 8), kv, kv, enable_gqa=True)

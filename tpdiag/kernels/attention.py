@@ -111,6 +111,9 @@ def _check(q, k, v, attn_mask, dropout_p, enable_gqa) -> None:
         raise BadInput(f"invariant-attention: incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
                        f"v {tuple(v.shape)}")
     H, Hk = q.shape[1], k.shape[1]
+    if Hk == 0 and H:
+        raise BadInput(f"invariant-attention: {H} query heads but no key/value heads (k {tuple(k.shape)}): "
+                       "were the KV heads sharded over more ranks than there are?")
     if H != Hk and not (enable_gqa and H % Hk == 0):
         raise BadInput(f"invariant-attention: {H} query heads vs {Hk} key/value heads needs enable_gqa=True "
                        "and a divisible head count")
@@ -129,6 +132,9 @@ def invariant_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
         raise BadInput("invariant-attention: attn_mask together with is_causal=True is not supported "
                        "(torch rejects it too)")
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    if query.shape[1] == 0:  # no heads: an empty output, as torch's SDPA gives (kept in the graph)
+        B, _, L, _ = query.shape
+        return (query.sum(-1, keepdim=True) * 0).expand(B, 0, L, value.shape[-1])
     cfg = None
     # the Triton forward takes the max of the unscaled scores: right only for a scale > 0; its
     # tiles take V's head_dim as Q's (a different one goes the torch way)
