@@ -130,6 +130,18 @@ def _load_rows(base, rows, stride, offs_d, n, EVEN: tl.constexpr, I64: tl.conste
 
 
 @triton.jit
+def _tile(src, b, h, start, rows, stride, offs_d, n, R: tl.constexpr, D: tl.constexpr,
+          EVEN: tl.constexpr, I64: tl.constexpr, TMA: tl.constexpr):
+    """R rows from `start` (rows = start + arange(R)) of head (b, h): TMA: `src` is a [B, H, N, D]
+    descriptor (rows past n read as 0); else this head's base pointer (_load_rows). The same
+    bits either way."""
+    if TMA:
+        return tl.reshape(src.load([b, h, start, 0]), [R, D])
+    else:
+        return _load_rows(src, rows, stride, offs_d, n, EVEN, I64)
+
+
+@triton.jit
 def _block_and_head(NB, BH, G):
     """(block, batch * head) of this program in a 1-D grid of BH * NB: heads in groups of G, each
     group's blocks largest-work first (block NB - 1 - rank for the row-block passes; the caller
@@ -153,12 +165,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, 
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n
-        if TMA:
-            k = tl.reshape(k_src.load([b, hk, start_n, 0]), [BN, D])
-            v = tl.reshape(v_src.load([b, hk, start_n, 0]), [BN, D])
-        else:
-            k = _load_rows(k_src, cols, skn, offs_d, S, EVEN, I64)
-            v = _load_rows(v_src, cols, svn, offs_d, S, EVEN, I64)
+        k = _tile(k_src, b, hk, start_n, cols, skn, offs_d, S, BN, D, EVEN, I64, TMA)
+        v = _tile(v_src, b, hk, start_n, cols, svn, offs_d, S, BN, D, EVEN, I64, TMA)
         # the max of the raw scores, scaled once per row (the scale is > 0: the same m as scaling
         # every score first), then qk * scale - m as one FMA per score: one FMUL less per score,
         # 2-5% of the forward on an H200 (docs/benchmarks.md)
@@ -191,13 +199,14 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
     offs_m = m0 + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     if TMA:
-        q = tl.reshape(Q.load([b, h, m0, 0]), [BM, D])
+        q_src = Q
         k_src = K
         v_src = V
     else:
-        q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, L, EVEN, I64)
+        q_src = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
         k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    q = _tile(q_src, b, h, m0, offs_m, sqm, offs_d, L, BM, D, EVEN, I64, TMA)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
@@ -292,8 +301,9 @@ def wide(*ts: torch.Tensor) -> bool:
     return any((t.shape[-2] + 256) * t.stride(-2) >= 2**31 for t in ts)
 
 
-def desc(t: torch.Tensor, rows: int):
-    """A TMA descriptor over t [..., R, D] whose block is `rows` whole rows of one leading index."""
+def desc(t: torch.Tensor, rows: int, cols: int | None = None):
+    """A TMA descriptor over t [..., R, C] whose block is `rows` x `cols` (whole rows by default) of
+    one leading index."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1] * (t.dim() - 2) + [rows, t.shape[-1]])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1] * (t.dim() - 2) + [rows, cols or t.shape[-1]])

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head, _last_dim_unit,
-                                             _load_rows, _mm, _prec, config_for, desc, tma_ok,
-                                             wide)
+                                             _load_rows, _mm, _prec, _tile, config_for, desc,
+                                             tma_ok, wide)
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L, S,
@@ -43,12 +43,8 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base,
     offs_d = tl.arange(0, D)
     for start_m in range(lo, hi, BM):
         rows = start_m + offs_m0
-        if LOADS:
-            q = tl.reshape(q_src.load([b, h, start_m, 0]), [BM, D])
-            do = tl.reshape(do_src.load([b, h, start_m, 0]), [BM, D])
-        else:
-            q = _load_rows(q_src, rows, sqm, offs_d, L, EVEN, I64)
-            do = _load_rows(do_src, rows, D, offs_d, L, EVEN, I64)
+        q = _tile(q_src, b, h, start_m, rows, sqm, offs_d, L, BM, D, EVEN, I64, LOADS)
+        do = _tile(do_src, b, h, start_m, rows, D, offs_d, L, BM, D, EVEN, I64, LOADS)
         if EVEN:
             lse = tl.load(LSE + row_base + rows)
             delta = tl.load(DELTA + row_base + rows)
@@ -230,10 +226,7 @@ def _dq_ds_inner(dq, DS, ds_idx, k_src, b, hk, skn, offs_m, m0, lo, hi, L, S, DI
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n0
-        if LOADS:
-            k = tl.reshape(k_src.load([b, hk, start_n, 0]), [BN, D])
-        else:
-            k = _load_rows(k_src, cols, skn, offs_d, S, EVEN, I64)
+        k = _tile(k_src, b, hk, start_n, cols, skn, offs_d, S, BN, D, EVEN, I64, LOADS)
         if TMA:  # DS a [heads, S, L] descriptor; out of bounds reads as 0
             dst = tl.reshape(DS.load([ds_idx, start_n, m0]), [BN, BM])
         else:
@@ -331,12 +324,6 @@ def _backward_ds(do, q, k, v, o, lse, causal, scale, cfg, chunk: int | None = No
     return dq, dk, dv
 
 
-def _ds_desc(ds, rows: int, cols: int):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(ds, list(ds.shape), list(ds.stride()), [1, rows, cols])
-
-
 def dq_ds_pass(ds, k, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int, nbh: int,
                tma: bool = False, loads: bool = False):
     """dq of query (batch, head) pairs bh0 .. bh0 + nbh - 1 into `dq` [B, H, L, D] from their
@@ -345,7 +332,7 @@ def dq_ds_pass(ds, k, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int,
     _, H, L, D = dq.shape
     Hk, S = k.shape[1], k.shape[2]
     nq = triton.cdiv(L, cfg.q_m)
-    ds_arg = _ds_desc(ds, cfg.q_n, cfg.q_m) if tma else ds
+    ds_arg = desc(ds, cfg.q_n, cfg.q_m) if tma else ds
     loads = loads and tma_ok(k)
     _dq_ds_kernel[(nq * nbh,)](
         ds_arg, desc(k, cfg.q_n) if loads else k, dq, k.stride(0), k.stride(1), k.stride(2), H, H // Hk, L, S, scale,
@@ -401,7 +388,7 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
     if ds is None:
         ds_arg, store = dk, 0  # never read (STORE_DS=0)
     else:
-        ds_arg, store = (_ds_desc(ds, cfg.kv_n, cfg.kv_m), 2) if tma else (ds, 1)
+        ds_arg, store = (desc(ds, cfg.kv_n, cfg.kv_m), 2) if tma else (ds, 1)
     loads = loads and tma_ok(q, do)
     qd, dod = (desc(q, cfg.kv_m), desc(do, cfg.kv_m)) if loads else (q, do)
     _dkdv_kernel[(nk * nbh,)](
