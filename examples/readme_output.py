@@ -27,7 +27,7 @@ BEGIN, END = "<!-- readme_output: begin -->", "<!-- readme_output: end -->"
 
 
 def block(stored: dict) -> str:
-    from tpdiag.cli_render import render_text
+    from tpdiag.cli.render import render_text
 
     m = stored["measured"]
     return (f"On a {m['machine']} (gloo, float32, `tiny-llama`), `tpdiag {' '.join(stored['args'])}`:\n\n"
@@ -76,7 +76,7 @@ def main() -> None:
         manifest = json.load(f)
     summary["run_dir"] = RUN_DIR
     sys.path.insert(0, ROOT)
-    from tpdiag.cli_render import render_text
+    from tpdiag.cli.render import render_text
 
     printed = "\n".join(line.rstrip() for line in p.stdout.splitlines()) + "\n"
     if printed != render_text(summary):

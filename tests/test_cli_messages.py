@@ -93,7 +93,7 @@ def test_help_piped_keeps_every_sentence_on_one_line():
 
 
 def test_help_on_a_narrow_terminal_wraps_at_spaces_only():
-    from tpdiag.cli_help import _Context
+    from tpdiag.cli.options import _Context
 
     for name, cmd in [("", typer.main.get_command(app)), *_commands().items()]:
         ctx = _Context(cmd, info_name=f"tpdiag {name}".strip(), terminal_width=60, max_content_width=60)
@@ -112,7 +112,7 @@ def test_fixes_table_never_cuts_a_name():
 
     from rich.console import Console
 
-    from tpdiag.cli_render import fixes_table
+    from tpdiag.cli.render import fixes_table
     from tpdiag.fixes.registry import catalogue
 
     rows = [f.to_dict() for f in catalogue().values()]
@@ -215,7 +215,7 @@ def test_doctor_gives_a_verdict_per_line():
 
 
 def test_doctor_flags_settings_that_break_reproducibility():
-    from tpdiag.doctor import BAD, INFO, OK, assess
+    from tpdiag.cli.doctor import BAD, INFO, OK, assess
 
     base = {"versions": {"torch": "x"}, "gloo": True, "tf32_matmul": False, "deterministic_algorithms": True}
     assert {c.verdict for c in assess({**base, "numerics_env": {}})} <= {OK, INFO}
@@ -281,7 +281,7 @@ def test_progress_shows_on_a_terminal_only():
 
     from rich.console import Console
 
-    from tpdiag.cli_render import progress
+    from tpdiag.cli.render import progress
     from tpdiag.config import CompareConfig
 
     cfg = CompareConfig(degrees=(1, 2))
@@ -301,7 +301,7 @@ def test_a_decode_world_shows_its_calls_on_the_status_line(tmp_path):
     import torch
     from rich.console import Console
 
-    from tpdiag.cli_render import progress as live
+    from tpdiag.cli.render import progress as live
     from tpdiag.config import CompareConfig
     from tpdiag.models import tiny_llama
     from tpdiag.probes.recorder import Recorder

@@ -291,7 +291,7 @@ def test_failed_reference_rerun_claims_no_reproducibility_verdict(tampered_base)
     first difference "at None" may be printed; the run is inconclusive and says why."""
     from rich.console import Console
 
-    from tpdiag.cli_render import summary_tables
+    from tpdiag.cli.render import summary_tables
     from tpdiag.diff.analyse import analyse_run
 
     s = analyse_run(str(tampered_base), "1", ["2"], {"1-base": "rank 0: No space left on device"}, 1, "1-base")

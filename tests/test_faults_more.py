@@ -256,7 +256,7 @@ def test_inf_and_nan_activations_are_a_divergence_in_strict_json(pair):
     assert fd["max_abs"] == "Infinity" and fd["mismatch_fraction"] > 0
     assert d["loss"]["value"] == "NaN" and isinstance(d["loss"]["reference"], float)
     # Read back through tpdiag, the strings are floats again.
-    from tpdiag import io
+    from tpdiag.base import files as io
 
     back = io.read_json(str(out / "summary.json"))["degrees"]["2"]
     assert back["first_divergence"]["max_abs"] == float("inf") and back["loss"]["value"] != back["loss"]["value"]
@@ -343,7 +343,7 @@ def test_disk_full_in_process_leaves_nothing_half_written(tmp_path, monkeypatch)
 
     import torch
 
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.errors import Inconclusive
     from tpdiag.records import store
     from tpdiag.records.store import RecordSet
@@ -469,7 +469,7 @@ def test_interrupted_compare_kills_its_ranks_and_reads_as_incomplete(targets, tm
 def test_stale_summary_of_an_earlier_run_is_not_trusted(plain_copy):
     """A compare interrupted while rewriting a directory leaves the old summary.json: the manifest
     (written first, finished last) says the new run is incomplete and the gate does not pass it."""
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.gate import evaluate
 
     m = io.read_json(str(plain_copy / "manifest.json"))

@@ -65,7 +65,7 @@ def test_fix_auto_chain_ends_bitwise(tmp_path):
 
     from rich.console import Console
 
-    from tpdiag.cli_render import summary_tables
+    from tpdiag.cli.render import summary_tables
 
     buf = io.StringIO()
     summary_tables(Console(file=buf, width=200), s)

@@ -348,7 +348,7 @@ def _typed_or_result(fn, *a):
 @READERS
 @given(data=st.data())
 def test_readers_fail_typed_and_gate_never_passes_damaged_evidence(data, base):
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.gate import evaluate
     from tpdiag.records.store import RecordSet
 

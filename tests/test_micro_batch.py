@@ -107,7 +107,7 @@ def test_fix_all_logprobs_bitwise_across_micro_batches(tmp_path):
 @pytest.mark.parametrize("grid", [False, True])
 def test_tp_and_micro_batch_axes(grid):
     """(d) --tp 1,2 --micro-batch 4,2: one axis at a time, or every combination with --grid."""
-    from tpdiag.axes import worlds
+    from tpdiag.base.points import worlds
     from tpdiag.config import degree_labels
 
     ws = worlds((1, 2), (4, 2), ("prefill",), grid, degree_labels)

@@ -124,7 +124,7 @@ def test_bad_plan_is_refused():
 
 def test_tree_groups_must_be_divided_by_the_tp_degree():
     from tpdiag.errors import BadInput
-    from tpdiag.invariant_api import check_groups, fix_names
+    from tpdiag.api.invariant import check_groups, fix_names
 
     assert check_groups(8, 2, fix_names()) == 8
     assert check_groups(None, 2, ("invariant-attention",)) == 0  # no grouped fix: no G needed

@@ -35,7 +35,7 @@ def _shape(line: str) -> str:
 
 
 def test_a_fresh_run_prints_the_readme_shape(tp12_run):
-    from tpdiag.cli_render import render_text
+    from tpdiag.cli.render import render_text
 
     with open(os.path.join(tp12_run, "summary.json")) as f:
         fresh = render_text(json.load(f)).splitlines()

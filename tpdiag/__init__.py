@@ -6,16 +6,16 @@ from __future__ import annotations
 
 _LAZY = {
     "Target": ("tpdiag.models.target", "Target"),
-    "capture": ("tpdiag.capture", "capture"),
+    "capture": ("tpdiag.api.capture", "capture"),
     "load": ("tpdiag.records.frames", "load"),
     "builtin_target": ("tpdiag.models.spec", "builtin_target"),
     # train with the invariant kernels on (docs/training.md)
-    "invariant": ("tpdiag.invariant_api", "invariant"),
-    "clip_grad_norm_": ("tpdiag.invariant_api", "clip_grad_norm_"),
-    "accumulate_grads": ("tpdiag.invariant_api", "accumulate_grads"),
-    "fix_names": ("tpdiag.invariant_api", "fix_names"),
-    "set_deterministic": ("tpdiag.determinism_api", "set_deterministic"),
-    "deterministic": ("tpdiag.determinism_api", "deterministic"),
+    "invariant": ("tpdiag.api.invariant", "invariant"),
+    "clip_grad_norm_": ("tpdiag.api.invariant", "clip_grad_norm_"),
+    "accumulate_grads": ("tpdiag.api.invariant", "accumulate_grads"),
+    "fix_names": ("tpdiag.api.invariant", "fix_names"),
+    "set_deterministic": ("tpdiag.api.determinism", "set_deterministic"),
+    "deterministic": ("tpdiag.api.determinism", "deterministic"),
     # the typed errors the public functions raise
     "TpdiagError": ("tpdiag.errors", "TpdiagError"),
     "BadInput": ("tpdiag.errors", "BadInput"),

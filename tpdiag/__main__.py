@@ -12,6 +12,6 @@ if getattr(sys.modules.get("tpdiag"), "__file__", None) is None:
         if _name != "tpdiag.__main__":
             del sys.modules[_name]
 
-from tpdiag.cli import main  # noqa: E402
+from tpdiag.cli.app import main  # noqa: E402
 
 main()

@@ -86,7 +86,7 @@ class WorldConfig:
     # recorded in op_include's scopes, re-executed in float64 (the reference world only)
     oracle: tuple[str, ...] = ()
     oracle_ops: bool = False
-    # the axes besides TP (tpdiag/axes.py): sequences per forward call (0: the whole batch in
+    # the axes besides TP (tpdiag/base/points.py): sequences per forward call (0: the whole batch in
     # one call) and how the sequence goes through the model
     micro_batch: int = 0
     mode: str = "prefill"
@@ -148,7 +148,7 @@ class CompareConfig:
     selfcheck: bool = True
     oracle: tuple[str, ...] = ()  # the second pass: modules the reference re-executes in float64
     oracle_ops: bool = False      # ... and every op it records (op_include's scopes)
-    # the other axes (tpdiag/axes.py): () = the whole batch per call; the first is the reference's
+    # the other axes (tpdiag/base/points.py): () = the whole batch per call; the first is the reference's
     micro_batches: tuple[int, ...] = ()
     modes: tuple[str, ...] = ("prefill",)
     grid: bool = False            # every combination of the axes, not one axis at a time
@@ -180,8 +180,8 @@ class CompareConfig:
         return cls(**d)
 
     def worlds(self):
-        """Every configuration this compare runs, the reference first (tpdiag/axes.py)."""
-        from tpdiag.axes import worlds
+        """Every configuration this compare runs, the reference first (tpdiag/base/points.py)."""
+        from tpdiag.base.points import worlds
 
         out = worlds(self.degrees, self.micro_batches, self.modes, self.grid, degree_labels)
         if self.only:

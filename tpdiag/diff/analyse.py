@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from tpdiag import io
+from tpdiag.base import files as io
 from tpdiag.diff.engine import diff_degree
 from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats, nonfinite_summary
 from tpdiag.errors import Inconclusive
@@ -216,7 +216,7 @@ def step_drift(dd) -> list[dict]:
 def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[str, str],
                 reference_degree: int, baseline: str | None = None, axes: dict | None = None) -> dict:
     """labels: every non-reference label; failed: {label: error} for worlds that did not finish;
-    axes: {label: tpdiag.axes.World} where the run has axes besides TP (None: TP only)."""
+    axes: {label: tpdiag.base.points.World} where the run has axes besides TP (None: TP only)."""
     from tpdiag.diff.axis_cause import name_batch_variant
 
     degrees: dict[str, dict] = {}

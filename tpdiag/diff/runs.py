@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 
-from tpdiag import io
+from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive, NotComparable
 
 CAPTURE_TOOL = "tpdiag.capture"

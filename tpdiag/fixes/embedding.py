@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from tpdiag.dtensors import local_of
+from tpdiag.base.dtensors import local_of
 from tpdiag.fixes import state
 from tpdiag.kernels import grad_carry
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from tpdiag.dtensors import local_of as _local
+from tpdiag.base.dtensors import local_of as _local
 from tpdiag.errors import BadInput
 from tpdiag.fixes import linear_dtensor, state
 from tpdiag.fixes.layouts import style_obj as _style_obj

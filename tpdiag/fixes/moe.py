@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from tpdiag.dtensors import local_of as _local
+from tpdiag.base.dtensors import local_of as _local
 from tpdiag.errors import BadInput
 from tpdiag.fixes import state
 from tpdiag.fixes.layouts import MOE_LAYOUTS, style_obj

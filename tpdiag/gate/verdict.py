@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from tpdiag.axes import config_name
+from tpdiag.base.points import config_name
 from tpdiag.errors import BadInput, Inconclusive
 from tpdiag.gate.policy import Policy
 
@@ -111,7 +111,7 @@ class GateResult:
         return out
 
     def to_dict(self) -> dict:
-        from tpdiag.io import json_safe
+        from tpdiag.base.files import json_safe
 
         # json_safe: an Inf/NaN max_abs must not become a bare Infinity token in --format json.
         return json_safe({

@@ -91,7 +91,7 @@ def available_bytes(device: str) -> tuple[int | None, str]:
             return int(free), f"free on {torch.cuda.get_device_name(0)}"
         except Exception:  # noqa: BLE001 - no GPU to ask: the world's own error says more
             return None, "GPU"
-    from tpdiag.hostmem import mem_available
+    from tpdiag.base.hostmem import mem_available
 
     avail = mem_available()
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):

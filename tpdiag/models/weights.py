@@ -1,6 +1,6 @@
 """Copy `*.safetensors` weights straight onto a materialised model's device, tensor by tensor.
 
-Each tensor is read lazily (tpdiag.io.open_safetensors), straight onto the device, into the
+Each tensor is read lazily (tpdiag.base.files.open_safetensors), straight onto the device, into the
 parameter that has its name, so no rank ever holds a full CPU copy of the model. Only checkpoints whose names and
 shapes are the model's own can be read this way (what `save_pretrained` writes for dense models);
 for anything else - renamed or fused keys (e.g. per-expert MoE weights transformers fuses on
@@ -23,7 +23,7 @@ def _names(model: nn.Module) -> dict[str, torch.Tensor]:
 def plan(model: nn.Module, files: list[str], prefix: str = "") -> dict[str, tuple[str, str]] | None:
     """{model tensor name: (file, checkpoint key)} covering every checkpoint key, or None when a
     key is not one of the model's tensors with the same shape (also tried under `prefix.`)."""
-    from tpdiag.io import open_safetensors
+    from tpdiag.base.files import open_safetensors
 
     names = _names(model)
     out: dict[str, tuple[str, str]] = {}
@@ -42,7 +42,7 @@ def plan(model: nn.Module, files: list[str], prefix: str = "") -> dict[str, tupl
 def load(model: nn.Module, mapping: dict[str, tuple[str, str]], device) -> None:
     """Copy every mapped checkpoint tensor into its model tensor (cast to that tensor's dtype,
     as from_pretrained's load-time cast does)."""
-    from tpdiag.io import open_safetensors
+    from tpdiag.base.files import open_safetensors
 
     names = _names(model)
     by_file: dict[str, list[tuple[str, str]]] = {}
@@ -59,7 +59,7 @@ def filler(model: nn.Module, mapping: dict[str, tuple[str, str]], device):
     """fill(tensor, full) for tpdiag.models.shard_init: copy the checkpoint tensors mapped to
     `tensor` (a tensor of `model` as it is now, e.g. a meta DTensor after the plan) into its
     full tensor, in load()'s order; each file is opened once, lazily."""
-    from tpdiag.io import open_safetensors
+    from tpdiag.base.files import open_safetensors
 
     names = _names(model)
     by_file: dict[str, list[tuple[str, str]]] = {}

@@ -21,7 +21,7 @@ def parse_bytes(text: str, what: str) -> int:
 
 def default_budget() -> int:
     """Half the host memory available now, shared by the ranks on this host."""
-    from tpdiag.hostmem import mem_available
+    from tpdiag.base.hostmem import mem_available
 
     avail = mem_available()
     if avail is None:

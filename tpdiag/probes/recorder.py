@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpdiag.dtensors import local_of
+from tpdiag.base.dtensors import local_of
 from tpdiag.probes import spans as _spans
 from tpdiag.probes import stream as _stream
 from tpdiag.probes.rows import _DTYPE_NAMES, dtype_name, materialise

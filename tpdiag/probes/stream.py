@@ -252,7 +252,7 @@ class HostStore:
 
     def _check_error(self) -> None:
         if self.error is not None:
-            from tpdiag.io import WriteError
+            from tpdiag.base.files import WriteError
 
             e = self.error
             raise WriteError(f"{self.spill_dir}: cannot spill captured records to disk "

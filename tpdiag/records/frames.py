@@ -76,7 +76,7 @@ def records_frame(rows: list[dict], summary: dict | None = None):
 def write_diff_csv(path: str, df) -> None:
     """diff.csv from the records frame: diff.csv's columns only, absent values empty, the
     csv module's line ends (what read_rows and earlier runs expect)."""
-    from tpdiag import io
+    from tpdiag.base import files as io
 
     text = df[list(ROW_FIELDS)].to_csv(index=False, lineterminator="\r\n")
     io.write_bytes(path, text.encode())

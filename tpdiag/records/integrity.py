@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from tpdiag import io
+from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
 
 SCHEMA = 1

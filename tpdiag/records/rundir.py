@@ -4,7 +4,7 @@ from __future__ import annotations
 import csv
 import os
 
-from tpdiag import io
+from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
 
 # diff.csv's columns, in order: the diff engine writes one row per compared record and degree.

@@ -47,7 +47,7 @@ def header(tensors: dict, metadata: dict | None) -> tuple[bytes, list]:
 def write(path: str, tensors: dict, metadata: dict | None = None) -> None:
     """tensors: name -> torch.Tensor (any device) or probes.stream.Captured (anything with
     dtype, shape, numel(), element_size() and write_to(file))."""
-    from tpdiag import io
+    from tpdiag.base import files as io
 
     if any(t.dtype not in _NAMES for t in tensors.values()):
         io.write_safetensors(path, {k: (v if isinstance(v, torch.Tensor) else v.get()).contiguous()

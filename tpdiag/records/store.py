@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from tpdiag import io
+from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
 
 EVENTS = "events.jsonl"

@@ -9,7 +9,7 @@ import json
 import os
 import time
 
-from tpdiag import io
+from tpdiag.base import files as io
 from tpdiag.errors import BadInput
 from tpdiag.records.frames import load, rows_of
 from tpdiag.records.rundir import records_dir

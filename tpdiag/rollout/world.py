@@ -19,7 +19,7 @@ RESULTS = "logprobs.json"
 
 
 def write_inputs(out_dir: str, seqs, configs) -> None:
-    from tpdiag import io
+    from tpdiag.base import files as io
 
     io.write_json(os.path.join(out_dir, SEQUENCES), {
         "configs": [c.to_dict() for c in configs],
@@ -29,7 +29,7 @@ def write_inputs(out_dir: str, seqs, configs) -> None:
 
 def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int) -> dict:
     """{label: {'status': 'ok', 'logprobs': [[...] per sequence]} | {'status', 'reason'}}."""
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.config import WorldConfig
     from tpdiag.runner.launch import run_world
 
@@ -48,7 +48,7 @@ def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int) -
 
 def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s: float,
          launcher_pid: int | None = None, launched_at: float | None = None) -> None:
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.config import WorldConfig
     from tpdiag.runner import worker
 
@@ -77,7 +77,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     import torch
     import torch.distributed as dist
 
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.rollout.compute import Config, Unavailable, logprobs
     from tpdiag.rollout.read import Sequence
     from tpdiag.runner import determinism

@@ -5,7 +5,7 @@ import os
 import platform
 import time
 
-from tpdiag import io
+from tpdiag.base import files as io
 from tpdiag.config import CompareConfig
 from tpdiag.errors import BadInput, EnvironmentProblem
 from tpdiag.records.provenance import versions
@@ -97,7 +97,7 @@ def validate(cfg: CompareConfig) -> None:
 
 def check_axes(cfg: CompareConfig, spec) -> None:
     """The micro-batch and mode axes, before any world starts."""
-    from tpdiag.axes import MODES, check_micro_batches
+    from tpdiag.base.points import MODES, check_micro_batches
 
     if len(cfg.worlds()) < 2:
         raise BadInput(f"--tp {','.join(map(str, cfg.degrees))} --micro-batch "

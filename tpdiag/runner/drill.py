@@ -193,7 +193,7 @@ def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str, keys=N
     """Where the region pass's world first computed another step than pass 1's at the same
     degree (runner/fingerprint.py), with its TP label; None when every rank's fingerprint
     matches."""
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.runner.fingerprint import first_difference
 
     try:

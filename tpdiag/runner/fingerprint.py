@@ -12,7 +12,7 @@ import torch
 
 def step_fingerprint(final: dict, model) -> dict[str, str]:
     """{name: hash} of `final`'s tensors (None skipped) and one hash over every parameter."""
-    from tpdiag.dtensors import local_of
+    from tpdiag.base.dtensors import local_of
     from tpdiag.records.hashing import tensor_hash
 
     out = {k: tensor_hash(local_of(v).detach()) for k, v in final.items() if isinstance(v, torch.Tensor)}

@@ -107,7 +107,7 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
 
     import torch.distributed as dist
 
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.runner import worker
 
     world = cfg.degree
@@ -184,7 +184,7 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
 
 
 def _rank_timings(out_dir: str, world: int) -> list:
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.runner import worker
 
     out = []
@@ -204,7 +204,7 @@ _PEER_LOST = ("Connection closed", "Connection reset", "remote worker", "Broken 
 def _failure(cfg: WorldConfig, procs, world: int, t0: float) -> WorldResult | None:
     """Name the rank that failed first: a rank that died without a word outranks the ranks
     that then lost their peer, and an error of its own outranks 'connection closed'."""
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.runner import worker
     from tpdiag.runner.rank_errors import describe
 

@@ -19,7 +19,7 @@ import re
 import shutil
 from dataclasses import dataclass, replace
 
-from tpdiag import io
+from tpdiag.base import files as io
 from tpdiag.config import CompareConfig, degree_labels
 from tpdiag.errors import BadInput, Inconclusive
 from tpdiag.records.rundir import read_manifest

@@ -96,7 +96,7 @@ def reproduces(run_dir: str, sub_dir: str, labels, every: dict, sub_every: dict)
     different that the rerun recorded too different again - a divergence past the first
     positions (a late bug beside an early rounding difference) must not vanish from the findings
     and the verdict."""
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.records.rundir import read_rows
 
     for lab in labels:

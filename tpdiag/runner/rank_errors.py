@@ -98,7 +98,7 @@ def describe(err: dict) -> str:
 
 def rank_tracebacks(run_dir: str) -> list[tuple[str, int, str]]:
     """(world label, rank, traceback) of every rank error marker of a run directory."""
-    from tpdiag import io
+    from tpdiag.base import files as io
 
     out = []
     for path in sorted(glob.glob(os.path.join(run_dir, "tp*", "rank*.error"))):

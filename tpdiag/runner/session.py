@@ -5,7 +5,7 @@ import os
 import time
 from dataclasses import replace
 
-from tpdiag import io
+from tpdiag.base import files as io
 from tpdiag.records.rundir import read_summary
 from tpdiag.config import CompareConfig
 

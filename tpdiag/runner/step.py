@@ -359,7 +359,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                     tp = _mark(marks, "forward", tp)
                     local_logits = logits_of(out)
                     if checked is not None:
-                        from tpdiag.dtensors import local_of
+                        from tpdiag.base.dtensors import local_of
                         from tpdiag.records.hashing import tensor_hash
 
                         with rec._paused():  # not a record of the step (op probe)

@@ -20,7 +20,7 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
          launcher_pid: int | None = None, launched_at: float | None = None) -> None:
     """`launched_at`: the launcher's time.time() when it started the world's ranks."""
     entered = time.time()
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.config import WorldConfig
 
     _watch_launcher(launcher_pid)

@@ -155,7 +155,7 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
         raise BadInput(f"deterministic={deterministic!r}: expected True or False")
     tp = tp_degree(model)
     g = check_groups(tree_groups, tp, names)
-    from tpdiag.determinism_api import deterministic as det
+    from tpdiag.api.determinism import deterministic as det
     from tpdiag.fixes.registry import apply_fixes
     from tpdiag.kernels.tree import run_groups
 

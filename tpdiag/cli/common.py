@@ -1,5 +1,5 @@
 """What every CLI command shares: the common options, the console, and the one place where a
-library error becomes a message and an exit code (rich is imported here and in cli_render only)."""
+library error becomes a message and an exit code (rich is imported here and in render.py only)."""
 from __future__ import annotations
 
 import sys
@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tpdiag import cli_help as H
+from tpdiag.cli import options as H
 from tpdiag.errors import TpdiagError
 
 DEBUG = {"on": False}
@@ -82,11 +82,11 @@ def print_rank_tracebacks(run_dir: str | None, variant: str | None = None) -> No
 
 def emit_summary(summary: dict, fmt: str, baseline_skipped: str | None = None) -> None:
     if fmt == "json":
-        from tpdiag import io
+        from tpdiag.base import files as io
 
         sys.stdout.write(io.dumps(summary, indent=2) + "\n")  # strict JSON: no bare NaN
     else:
-        from tpdiag.cli_render import summary_tables
+        from tpdiag.cli.render import summary_tables
 
         summary_tables(console(), summary, baseline_skipped)
 

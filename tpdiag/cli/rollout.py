@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 
-from tpdiag import cli_help as H
-from tpdiag.cli_common import DEBUG, QUIET_HELP, Debug, Format, check_format, console, fail
-from tpdiag.cli_render import _box, _print_table
+from tpdiag.cli import options as H
+from tpdiag.cli.common import DEBUG, QUIET_HELP, Debug, Format, check_format, console, fail
+from tpdiag.cli.render import _box, _print_table
 from tpdiag.errors import TpdiagError
 
 
@@ -67,7 +67,7 @@ def rollout(
         console(stderr=True).print("interrupted")
         raise typer.Exit(130)
     if fmt == "json":
-        from tpdiag import io
+        from tpdiag.base import files as io
 
         sys.stdout.write(io.dumps(summary, indent=2) + "\n")
     else:

@@ -140,6 +140,6 @@ def grid() -> str:
 
 def axes(micro_batch: str | None, mode: str | None, grid: bool) -> dict:
     """compare's CompareConfig keywords for the axes besides TP."""
-    from tpdiag.axes import parse_micro_batches, parse_modes
+    from tpdiag.base.points import parse_micro_batches, parse_modes
 
     return {"micro_batches": parse_micro_batches(micro_batch), "modes": parse_modes(mode), "grid": grid}

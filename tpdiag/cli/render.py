@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from tpdiag.axes import config_name
+from tpdiag.base.points import config_name
 
 
 def _box(console, box):

@@ -7,10 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from tpdiag import cli_help as H
-from tpdiag.cli_common import (DEBUG, FAIL_HELP, MALFORMED, QUIET_HELP, Debug, Format, check_format, console,
+from tpdiag.cli import options as H
+from tpdiag.cli.common import (DEBUG, FAIL_HELP, MALFORMED, QUIET_HELP, Debug, Format, check_format, console,
                                emit_summary, exit_for, fail, malformed, print_rank_tracebacks)
-from tpdiag.cli_rollout import rollout
+from tpdiag.cli.rollout import rollout
 from tpdiag.errors import TpdiagError
 
 # Help is click's plain text everywhere: rich's panels cut a long choice or path off with '...'
@@ -118,7 +118,7 @@ def compare(
             if variants is not None:
                 return _compare_matrix(cfg, variants, variant, fmt, fail_on_divergence, quiet)
             if fmt == "text":
-                from tpdiag.cli_render import progress
+                from tpdiag.cli.render import progress
 
                 with progress(console(stderr=True), cfg, quiet) as on_status:
                     summary = compare_session(cfg, on_status)
@@ -154,7 +154,7 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
                            "e.g. --variants stock,stable")
         vs = parse_variants(variants, cfg)
         if fmt == "text":
-            from tpdiag.cli_render import progress
+            from tpdiag.cli.render import progress
 
             with progress(console(stderr=True), cfg, quiet) as on_status:
                 summary = run_matrix(cfg, vs, on_status)
@@ -167,7 +167,7 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
         raise typer.Exit(130)
     emit_summary(summary, fmt)
     if fmt == "text":
-        from tpdiag.cli_render import matrix_table
+        from tpdiag.cli.render import matrix_table
 
         matrix_table(console(), summary["matrix"])
     if DEBUG["on"]:
@@ -201,7 +201,7 @@ def confirm_cmd(
     try:
         import os
 
-        from tpdiag import io
+        from tpdiag.base import files as io
         from tpdiag.config import CompareConfig
         from tpdiag.errors import BadInput
         from tpdiag.fixes.registry import resolve
@@ -252,7 +252,7 @@ def fixes(fmt: Format = "text") -> None:
     if fmt == "json":
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
-    from tpdiag.cli_render import fixes_table
+    from tpdiag.cli.render import fixes_table
 
     fixes_table(console(), rows)
 
@@ -260,7 +260,7 @@ def fixes(fmt: Format = "text") -> None:
 @app.command()
 def doctor(fmt: Format = "text") -> None:
     """Backend, devices, determinism-relevant environment, versions."""
-    from tpdiag.doctor import collect
+    from tpdiag.cli.doctor import collect
 
     try:
         fmt = check_format(fmt)
@@ -270,8 +270,8 @@ def doctor(fmt: Format = "text") -> None:
     if fmt == "json":
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
         return
-    from tpdiag.cli_render import doctor_report
-    from tpdiag.doctor import assess
+    from tpdiag.cli.render import doctor_report
+    from tpdiag.cli.doctor import assess
 
     doctor_report(console(), assess(info))
 
@@ -322,7 +322,7 @@ def gate(
         fmt = check_format(fmt)
         result = gate_lib.evaluate(run_dir, gate_lib.load_policy(policy))
         if junit:
-            from tpdiag import io
+            from tpdiag.base import files as io
 
             try:
                 io.write_bytes(junit, junit_xml(result))
@@ -403,6 +403,3 @@ def main() -> None:
         sys.stderr.write(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n")
         sys.exit(2)
 
-
-if __name__ == "__main__":
-    main()

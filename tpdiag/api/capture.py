@@ -217,7 +217,7 @@ class Capture:
     def _write(self, stored, device, t1) -> None:
         import torch.distributed as dist
 
-        from tpdiag import io
+        from tpdiag.base import files as io
         from tpdiag.records import store
 
         backend = dist.get_backend(self.group) if dist.is_initialized() else None
