@@ -40,7 +40,8 @@ class Unavailable(Exception):
 
 
 def build(spec_text: str, dtype: str, device: str, seed: int):
-    """(target, model) whole on `device` in `dtype`, in eval mode - what TP=1 trains with."""
+    """(target, model) whole on `device` in `dtype` as the user loads it (tpdiag.models.dtypes),
+    in eval mode - what TP=1 trains with."""
     import torch
 
     from tpdiag.models.build import build_target
@@ -49,7 +50,9 @@ def build(spec_text: str, dtype: str, device: str, seed: int):
     spec = parse_spec(spec_text)
     torch.manual_seed(seed)
     target = build_target(spec, "stock", torch.device(device), seed)
-    model = target.model.to(device=torch.device(device), dtype=getattr(torch, dtype))
+    from tpdiag.models.dtypes import to_run_dtype
+
+    model = to_run_dtype(spec.kind, target.model.to(device=torch.device(device)), getattr(torch, dtype))
     model.eval()
     return target, model
 
@@ -90,6 +93,10 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
                 # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
                 # a vocab-sharded DTensor under loss_parallel (tpdiag.runner.step)
                 r, _ = whole_vocab(r, model, target.plan, target.vocab_size, world)
+                # logprobs in float32, as an engine takes them (generate()'s output_logits are
+                # float32 copies; vLLM's sampler upcasts) and as RL trainers do (NeMo RL, verl):
+                # a bf16 log-softmax rounds every logprob to 8 bits
+                r = r.float()
                 with loss_context(world):
                     lp = logprob_fn(r, labels)
                 out[i] = _whole(lp).float().cpu()

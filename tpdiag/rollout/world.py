@@ -83,7 +83,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     from tpdiag.runner import determinism
     from tpdiag.runner.step import build_model
 
-    determinism.setup(cfg.seed, cfg.device)
+    determinism.setup(cfg.seed, cfg.device, cfg.flags)
     if cfg.device == "cuda":
         torch.cuda.set_device(rank)
         device, backend = torch.device("cuda", rank), "nccl"
