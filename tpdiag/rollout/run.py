@@ -227,9 +227,10 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
 def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
     m = results[closest[0]]["metrics"]
     if reproduced:
-        return (f"reproduced: {', '.join(closest)} give{'s' if len(closest) == 1 else ''} the engine's "
-                f"logprobs bit for bit ({m['exact_tokens']}/{m['tokens']} tokens exact): the engine "
-                "computed what this configuration computes")
+        one = len(closest) == 1
+        return (f"reproduced: {', '.join(closest)} give{'s' if one else ''} the engine's logprobs bit for "
+                f"bit ({m['exact_tokens']}/{m['tokens']} tokens exact): the engine computed what "
+                f"{'this configuration computes' if one else 'these configurations compute'}")
     tried = (f"tp {_vals(rc.tp)}, micro-batch {_vals(rc.micro_batch)}, mode {_vals(rc.modes)}, fix "
              f"{_vals(rc.fixes)}, flags {_vals(rc.flags)}, attention {_vals(rc.attention)}, padding "
              f"{_vals(rc.padding)}")
