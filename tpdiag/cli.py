@@ -83,7 +83,7 @@ def compare(
     flags: Annotated[str, typer.Option(help="backend flags of every world: deterministic (reproducible: "
                                             "deterministic algorithms, no TF32, no reduced-precision "
                                             "reductions) or default (PyTorch's own, what engines and "
-                                            "trainers run); docs/determinism.md")] = "deterministic",
+                                            "trainers run); the table in docs/rl.md")] = "deterministic",
     tree_groups: Annotated[Optional[int], typer.Option(
         help="tree groups G of the invariant fixes: a power of two every degree divides (default: "
              "TPDIAG_TREE_GROUPS, else the largest degree - which then runs one plain GEMM per "
