@@ -32,13 +32,13 @@ def _make_tiny():
     return mod
 
 
-def write_model(out: str, seed: int = 0, scale: float = 8.0) -> str:
+def write_model(out: str, seed: int = 0, scale: float = 8.0, **overrides) -> str:
     """A tiny llama with random weights; `scale` sharpens its next-token distributions (the
     default init is nearly uniform over the vocabulary)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = _make_tiny().write_tiny("llama", out)
+    path = _make_tiny().write_tiny("llama", out, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     with torch.no_grad():
@@ -81,6 +81,37 @@ def generate(path: str, n: int = 4, new_tokens: int = 8, seed: int = 1, top_k: i
             rows = torch.log_softmax(model(prompt).logits[0].float(), -1)
         plp = [float(rows[t - 1, ids[t]]) for t in range(1, plen)]
         out.append((ids, plen, lps, plp))
+    return out
+
+
+def generate_batch(path: str, dtype: str = "float32", prompt_lens=(5, 8, 6, 7), new_tokens: int = 10,
+                   seed: int = 1, attn_implementation: str | None = None, device: str = "cpu"):
+    """An engine's batch: the model loaded as a user loads it (from_pretrained(dtype=...)), the
+    prompts left-padded in ONE generate() call (attention mask, KV cache, sampled at temperature
+    1), and the logprob of each chosen token from generate()'s raw logits (output_logits: float32
+    copies of the model's logits) - [(input_ids, prompt_len, logprobs, None)] per sequence."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw).to(device).eval()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    P, B = max(prompt_lens), len(prompt_lens)
+    ids = torch.zeros(B, P, dtype=torch.long)
+    mask = torch.zeros(B, P, dtype=torch.long)
+    for r, n in enumerate(prompt_lens):
+        ids[r, P - n:] = torch.randint(1, vocab, (n,), generator=g)
+        mask[r, P - n:] = 1
+    torch.manual_seed(seed)
+    res = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                         min_new_tokens=new_tokens, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                         use_cache=True, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    out = []
+    for r, n in enumerate(prompt_lens):
+        seq = res.sequences[r].tolist()
+        lps = [float(torch.log_softmax(s[r].float(), -1)[seq[P + j]]) for j, s in enumerate(res.logits)]
+        out.append((seq[P - n:], n, lps, None))
     return out
 
 

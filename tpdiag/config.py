@@ -96,6 +96,8 @@ class WorldConfig:
     # placed (runner/prefix.py)
     positions: int = 0
     prefix_from: str = ""
+    # backend flags (runner/flags.py): 'deterministic' (compare's) or PyTorch's 'default'
+    flags: str = "deterministic"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -155,6 +157,7 @@ class CompareConfig:
     only: tuple[str, ...] = ()    # reruns (second pass, confirm): just these labels beside the reference
     positions: int = 0            # reruns of decode configurations: the first positions only
     prefix_from: str = ""         # ... placed as in this earlier decode world (runner/prefix.py)
+    flags: str = "deterministic"  # backend flags of every world (runner/flags.py)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -197,4 +200,4 @@ class CompareConfig:
                            capture=self.capture, module_include=self.module_include,
                            tree_groups=self.tree_groups, group_gemm=self.group_gemm,
                            selfcheck=self.selfcheck, positions=self.positions,
-                           prefix_from=self.prefix_from, **kw)
+                           prefix_from=self.prefix_from, flags=self.flags, **kw)

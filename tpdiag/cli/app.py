@@ -35,6 +35,17 @@ def _root(version: Annotated[bool, typer.Option("--version", is_eager=True, call
     pass
 
 
+def _one_flags(text: str) -> str:
+    from tpdiag.errors import BadInput
+    from tpdiag.runner.flags import parse
+
+    got = parse("--flags", text)
+    if len(got) != 1:
+        raise BadInput(f"--flags {text!r}: compare runs one setting (deterministic or default); "
+                       "run it once per setting")
+    return got[0]
+
+
 @app.command()
 def compare(
     model: Annotated[str, typer.Option(help=H.model())] = "tiny-llama",
@@ -69,6 +80,10 @@ def compare(
     micro_batch: Annotated[Optional[str], typer.Option(help=H.micro_batch())] = None,
     mode: Annotated[Optional[str], typer.Option(help=H.mode())] = None,
     grid: Annotated[bool, typer.Option("--grid", help=H.grid())] = False,
+    flags: Annotated[str, typer.Option(help="backend flags of every world: deterministic (reproducible: "
+                                            "deterministic algorithms, no TF32, no reduced-precision "
+                                            "reductions) or default (PyTorch's own, what engines and "
+                                            "trainers run); the table in docs/rl.md")] = "deterministic",
     tree_groups: Annotated[Optional[int], typer.Option(
         help="tree groups G of the invariant fixes: a power of two every degree divides (default: "
              "TPDIAG_TREE_GROUPS, else the largest degree - which then runs one plain GEMM per "
@@ -95,7 +110,8 @@ def compare(
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
             seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len,
-            tree_groups=0 if tree_groups is None else tree_groups, **H.axes(micro_batch, mode, grid))
+            tree_groups=0 if tree_groups is None else tree_groups, flags=_one_flags(flags),
+            **H.axes(micro_batch, mode, grid))
         from tpdiag.records.lock import refuse_if_held
 
         refuse_if_held(cfg.out)

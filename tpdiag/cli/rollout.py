@@ -24,6 +24,13 @@ def rollout(
                                            "token per step through the KV cache; hf: models)")] = "prefill,decode",
     fix: Annotated[str, typer.Option(help="fix sets to try, comma-separated: none, all, or NAME+NAME "
                                           f"({', '.join(H.fix_names())})")] = "none,all",
+    flags: Annotated[str, typer.Option(help="backend flags to try: default (PyTorch's own, what engines and "
+                                            "trainers run) and/or deterministic (deterministic algorithms, no "
+                                            "TF32, no reduced-precision reductions); docs/rl.md")] = "default",
+    attention: Annotated[str, typer.Option(help="attention implementations to try: auto (the model's own), eager, "
+                                                "sdpa, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn")] = "auto",
+    padding: Annotated[str, typer.Option(help="padding sides to try: auto (prefill right, decode left as "
+                                              "generate()), left, right")] = "auto",
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
@@ -40,8 +47,10 @@ def rollout(
     DEBUG["on"] = debug
     try:
         from tpdiag.config import DTYPES, parse_choice
+        from tpdiag.rollout import attention as attn
         from tpdiag.rollout.run import (RolloutConfig, parse_fixes, parse_ints, parse_modes,
-                                        run_rollout)
+                                        parse_padding, run_rollout)
+        from tpdiag.runner import flags as backend_flags
 
         fmt = check_format(fmt)
         dev = parse_choice("--device", device, ("auto", "cpu", "cuda"))
@@ -52,7 +61,9 @@ def rollout(
         rc = RolloutConfig(file=file, model=model, tp=parse_ints("--tp", tp),
                            micro_batch=parse_ints("--micro-batch", micro_batch), modes=parse_modes(mode),
                            fixes=parse_fixes(fix), dtype=parse_choice("--dtype", dtype, DTYPES),
-                           device=dev, seed=seed, top=max(0, top), timeout=timeout)
+                           device=dev, seed=seed, top=max(0, top), timeout=timeout,
+                           flags=backend_flags.parse("--flags", flags), attention=attn.parse(attention),
+                           padding=parse_padding(padding))
         from tpdiag.models.spec import parse_spec
 
         parse_spec(model)
@@ -96,6 +107,8 @@ def rollout_report(console, s: dict) -> None:
         p = m["prompt"]
         w(f"prompt logprobs: {p['tokens']} tokens, max |diff| {p['max_abs']:.3g}, mean diff "
           f"{p['mean_diff']:+.3g}, exact {p['exact_tokens']}/{p['tokens']}", soft_wrap=True)
+    for f in (s.get("flags") or {}).values():
+        w(f["line"], soft_wrap=True)
     pr = s["processed"]
     tag = "[bold red]processed logprobs[/]" if pr.get("detected") else "raw logprobs"
     console.print(f"{tag}: {pr['explanation']}", markup=True, soft_wrap=True)
@@ -105,12 +118,13 @@ def rollout_report(console, s: dict) -> None:
                 "same bits as", "s"):
         t.add_column(col, justify="left" if col == "configuration" else "right")
     closest = set(s["closest"]["configurations"])
+    mark = " *reproduces" if s["closest"].get("reproduced") else " *nearest"
     for label, r in s["configurations"].items():
         if r["status"] != "ok":
             t.add_row(f"{label} ({r['status']})", "-", "-", "-", "-", "-", "", _g(r.get("seconds")))
             continue
         c = r["metrics"]
-        name = label + (" *closest" if label in closest else "")
+        name = label + (mark if label in closest else "")
         t.add_row(name, f"{c['token_mult_prob_error']:.7f}", _g(c["max_abs"]), f"{c['mean_diff']:+.3g}",
                   _g(c["k3_kl"]), f"{c['exact_tokens']}/{c['tokens']}", r.get("same_bits_as") or "",
                   _g(r.get("seconds")))
@@ -118,9 +132,12 @@ def rollout_report(console, s: dict) -> None:
     for label, r in s["configurations"].items():
         if r["status"] != "ok":
             w(f"{label} {r['status']}: {r.get('reason', '')}", soft_wrap=True)
-    w(f"closest to the engine: {', '.join(s['closest']['configurations'])} (mean |diff| "
-      f"{s['closest']['mean_abs']:.3g}, max {s['closest']['max_abs']:.3g}, exact "
-      f"{s['closest']['exact_tokens']}/{s['generated_tokens']})", soft_wrap=True)
+    if "explanation" in s["closest"]:
+        w(f"closest to the engine: {s['closest']['explanation']}", soft_wrap=True)
+    else:  # a summary of an older tpdiag
+        w(f"closest to the engine: {', '.join(s['closest']['configurations'])} (mean |diff| "
+          f"{s['closest']['mean_abs']:.3g}, max {s['closest']['max_abs']:.3g}, exact "
+          f"{s['closest']['exact_tokens']}/{s['generated_tokens']})", soft_wrap=True)
 
     if s["worst_tokens"]:
         t = Table(title=f"worst tokens ({s['reference']})",

@@ -5,7 +5,8 @@ materialised on the run's device (tpdiag.models.meta_init: each module initialis
 RNG seeded by (seed, its fqn)), so no rank builds the whole model on its CPU first and every
 degree holds the same weights. Other `py:` targets are built as before - FUNC() on the CPU,
 from the global RNG the caller seeded - and moved to the device. Parameters stay in the dtype
-they were built in (float32 for presets and hf:); the runner casts to the run's dtype.
+they were built in (float32 for presets and hf:); the runner casts each to the dtype the
+user's own loading gives it (tpdiag.models.dtypes).
 
 At TP > 1, built-in presets and `hf:` models go through build_sharded instead: the plan is
 applied on the meta model and each module is then materialised, cast and cut to this rank's
@@ -80,7 +81,12 @@ def build_sharded(spec: ModelSpec, variant: str, device, seed: int, dtype, mesh,
             fill_ctx = (mapping,)
     else:
         return None
-    # the dtype cast is done per tensor by materialize_sharded, after the init (as the whole path)
+    # the dtype cast is done per tensor by materialize_sharded, after the init (as the whole path),
+    # by the source's rule (tpdiag.models.dtypes: float32 buffers stay float32)
+    from tpdiag.models.dtypes import mark_config, rule_for
+
+    dtype_rule = rule_for(spec.kind, model, dtype)
+    mark_config(spec.kind, model, dtype)
     if target.plan:
         check_plan(model, target.plan)
         try:
@@ -97,7 +103,7 @@ def build_sharded(spec: ModelSpec, variant: str, device, seed: int, dtype, mesh,
         if fill_ctx is not None:
             fill = stack.enter_context(weights.filler(model, fill_ctx[0], device))
         try:
-            stats = materialize_sharded(model, device, seed, rule, dtype, fill=fill,
+            stats = materialize_sharded(model, device, seed, rule, dtype_rule, fill=fill,
                                         context=guard or nullcontext)
         except (ShardedInitUnsupported, torch.OutOfMemoryError):
             raise

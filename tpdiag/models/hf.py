@@ -226,3 +226,41 @@ def _target(path: str, model, variant: str = "stock"):
                        "(no base_model_tp_plan in its config); it cannot run at TP > 1")
     tc = text_config(model.config)
     return Target(model=model, plan=plan, vocab_size=int(tc.vocab_size), divisors=divisors_of(tc))
+
+
+def load_dtypes(model, dtype):
+    """The dtype rule (tpdiag.models.dtypes) of `from_pretrained(DIR, dtype=dtype)` for `model`
+    (built by tpdiag in float32: meta, materialised or sharded - the names are the same).
+
+    transformers builds the model on meta under the default dtype `dtype` (its
+    `get_init_context`), so a buffer it computes explicitly in float32 (RoPE's inv_freq) stays
+    float32; each checkpoint tensor is then loaded in that tensor's dtype, or float32 where the
+    model's `_get_dtype_plan(dtype)` (its keep-in-fp32 module patterns) matches the name
+    (core_model_loading: `re.search` over the state-dict key). The same two steps here, on a
+    meta twin built with `from_config(dtype=dtype)`."""
+    import copy
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype == torch.float32:
+        return lambda name, t: t.dtype
+    config = copy.deepcopy(model.config)
+    with torch.device("meta"):
+        twin = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    want = {n: t.dtype for n, t in list(twin.named_parameters(remove_duplicate=False))
+            + list(twin.named_buffers(remove_duplicate=False))}
+    plan = twin._get_dtype_plan(dtype) if hasattr(twin, "_get_dtype_plan") else {}
+    keep = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in plan)) if plan else None
+    persistent = set(twin.state_dict().keys())
+    del twin
+
+    def rule(name, t):
+        if not t.is_floating_point():
+            return t.dtype
+        if keep is not None and name in persistent and keep.search(name):
+            return plan[next(p for p in plan if re.search(p.replace("*", ".*"), name))]
+        return want.get(name, dtype)
+
+    return rule

@@ -86,7 +86,8 @@ def _units(order, owners) -> list[list[int]]:
 def materialize_sharded(model: nn.Module, device, seed: int, init_module: InitFn, dtype,
                         fill: FillFn | None = None, context=nullcontext) -> dict:
     """Materialise the meta-built, meta-sharded `model` on `device` in `dtype` (see the module
-    docstring). `context()` is entered around the rules (transformers' init guard). Returns
+    docstring): a torch.dtype for every floating tensor, or a rule fn(name, meta tensor) -> dtype
+    (tpdiag.models.dtypes). `context()` is entered around the rules (transformers' init guard). Returns
     {'full_peak_bytes': most bytes of full (unsharded) tensors held at once, 'whole_bytes': the
     whole model's full tensors, 'unit_max_bytes': the largest unit's}. Raises BadInput naming a
     tensor no rule filled, ShardedInitUnsupported when a rule is not module-local."""
@@ -191,7 +192,10 @@ def _finish(t, occ, full, fresh: bool, dtype, name: str, fill, DTensor):
     if fill is not None:
         fill(t, data)
     if data.is_floating_point() or data.is_complex():
-        data = data.to(dtype)  # nn.Module.to(dtype)'s cast, before the split as the whole path
+        # the run's dtype of this tensor (tpdiag.models.dtypes), before the split as the whole path
+        want = dtype(name, t) if callable(dtype) else dtype
+        if data.dtype != want:
+            data = data.to(want)
     if isinstance(t, DTensor):
         from torch.distributed.tensor import distribute_tensor
 

@@ -1,6 +1,10 @@
 """The trainer's logprobs for the engine's tokens, in one configuration, in this process (TP=1).
 
-A configuration is (tp, micro_batch, mode, fix). Prefill runs each micro-batch of sequences as
+A configuration is (tp, micro_batch, mode, fix, flags, attention, padding) - the last three are
+the axes engines and trainers differ on besides the shapes: the backend flags (PyTorch's
+defaults or the deterministic settings: tpdiag.runner.flags), the attention implementation
+(the model's own, eager, SDPA, or SDPA restricted to one backend: tpdiag.rollout.attention) and
+which side prompts are padded on. Prefill runs each micro-batch of sequences as
 one call, right-padded (causal attention: a real position never sees the padding, but the call's
 shape - which batch-variant kernels read - is the micro-batch's). Decode runs the way a rollout
 engine (and transformers' `generate()`) does: the prompts in one prefill call, left-padded with an
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from tpdiag.errors import BadInput
 
 MODES = ("prefill", "decode")
+PADDINGS = ("auto", "left", "right")  # auto: prefill right, decode left (generate()'s)
 PAD = 0
 
 
@@ -26,13 +31,26 @@ class Config:
     micro_batch: int
     mode: str
     fix: str  # 'none', 'all', or fix names joined by '+'
+    flags: str = "default"      # tpdiag.runner.flags.SETTINGS
+    attention: str = "auto"     # tpdiag.rollout.attention.CHOICES
+    padding: str = "auto"       # PADDINGS
 
     @property
     def label(self) -> str:
-        return f"tp{self.tp}-mb{self.micro_batch}-{self.mode}-{self.fix}"
+        """tp-mb-mode-fix, then each other axis where it is not its default (labels of runs that
+        do not use them stay what they were)."""
+        out = f"tp{self.tp}-mb{self.micro_batch}-{self.mode}-{self.fix}"
+        if self.flags != "default":
+            out += f"-{self.flags}"
+        if self.attention != "auto":
+            out += f"-{self.attention}"
+        if self.padding != "auto":
+            out += f"-pad{self.padding}"
+        return out
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "micro_batch": self.micro_batch, "mode": self.mode, "fix": self.fix}
+        return {"tp": self.tp, "micro_batch": self.micro_batch, "mode": self.mode, "fix": self.fix,
+                "flags": self.flags, "attention": self.attention, "padding": self.padding}
 
 
 class Unavailable(Exception):
@@ -40,7 +58,8 @@ class Unavailable(Exception):
 
 
 def build(spec_text: str, dtype: str, device: str, seed: int):
-    """(target, model) whole on `device` in `dtype`, in eval mode - what TP=1 trains with."""
+    """(target, model) whole on `device` in `dtype` as the user loads it (tpdiag.models.dtypes),
+    in eval mode - what TP=1 trains with."""
     import torch
 
     from tpdiag.models.build import build_target
@@ -49,19 +68,25 @@ def build(spec_text: str, dtype: str, device: str, seed: int):
     spec = parse_spec(spec_text)
     torch.manual_seed(seed)
     target = build_target(spec, "stock", torch.device(device), seed)
-    model = target.model.to(device=torch.device(device), dtype=getattr(torch, dtype))
+    from tpdiag.models.dtypes import to_run_dtype
+
+    model = to_run_dtype(spec.kind, target.model.to(device=torch.device(device)), getattr(torch, dtype))
     model.eval()
     return target, model
 
 
-def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, tree_groups: int = 0) -> list:
+def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, tree_groups: int = 0,
+             on_flags=None) -> list:
     """Per sequence a float32 tensor [len - 1]: the trainer's logprob of input_ids[t] at t-1.
     on_logits(i, rows): the logits rows [len - 1, vocab] of sequence i (in decode, the prompt's
-    rows are NaN unless the engine gave prompt logprobs)."""
+    rows are NaN unless the engine gave prompt logprobs). on_flags(setting, snapshot): the backend
+    flags this configuration ran under (tpdiag.runner.flags.snapshot)."""
     import torch
 
     from tpdiag.fixes.registry import apply_fixes, resolve
     from tpdiag.kernels.tree import run_groups
+    from tpdiag.rollout.attention import attention
+    from tpdiag.runner import flags
     from tpdiag.runner.decode import supports, why_not
     from tpdiag.runner.logits import whole_vocab
     from tpdiag.runner.step import _numerics, loss_context
@@ -70,9 +95,16 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
         raise Unavailable(why_not(model))
     if cfg.micro_batch < 1:
         raise BadInput(f"--micro-batch {cfg.micro_batch}: must be >= 1")
+    if cfg.mode == "decode" and cfg.padding == "right":
+        raise Unavailable("decode pads prompts on the left, as generate() does: right padding would "
+                          "put padding between a prompt and its generated tokens")
     names = () if cfg.fix == "none" else resolve("all" if cfg.fix == "all" else cfg.fix.split("+"))
     out: list = [None] * len(seqs)
     with ExitStack() as stack, torch.no_grad():
+        snap = stack.enter_context(flags.applied(cfg.flags, _device(model).type))
+        if on_flags is not None:
+            on_flags(cfg.flags, snap)
+        stack.enter_context(attention(model, cfg.attention, Unavailable))
         # every configuration of a run takes the same tree groups G (the largest TP tried), as
         # compare's worlds do: the fixes' bits then do not depend on the TP degree
         stack.enter_context(run_groups(tree_groups))
@@ -82,7 +114,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
             idx = list(range(start, min(start + cfg.micro_batch, len(seqs))))
             group = [seqs[i] for i in idx]
             if cfg.mode == "prefill":
-                rows = _prefill(model, group)
+                rows = _prefill(model, group, left=cfg.padding == "left")
             else:
                 rows = _decode(model, group)
             for i, s, r in zip(idx, group, rows):
@@ -90,6 +122,10 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
                 # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
                 # a vocab-sharded DTensor under loss_parallel (tpdiag.runner.step)
                 r, _ = whole_vocab(r, model, target.plan, target.vocab_size, world)
+                # logprobs in float32, as an engine takes them (generate()'s output_logits are
+                # float32 copies; vLLM's sampler upcasts) and as RL trainers do (NeMo RL, verl):
+                # a bf16 log-softmax rounds every logprob to 8 bits
+                r = r.float()
                 with loss_context(world):
                     lp = logprob_fn(r, labels)
                 out[i] = _whole(lp).float().cpu()
@@ -102,17 +138,30 @@ def _device(model):
     return next(model.parameters()).device
 
 
-def _prefill(model, group) -> list:
-    """Logits rows [len - 1, vocab] per sequence from one right-padded call."""
+def _prefill(model, group, left: bool = False) -> list:
+    """Logits rows [len - 1, vocab] per sequence from one call: right-padded (causal attention: a
+    real position never sees the padding), or left-padded with an attention mask and positions
+    counted from each row's first token (an hf: model; others only where nothing is padded)."""
     import torch
 
+    from tpdiag.runner.decode import Unsupported, prefill_logits
     from tpdiag.runner.step import forward_call, logits_of
 
     longest = max(len(s.input_ids) for s in group)
     ids = torch.full((len(group), longest), PAD, dtype=torch.long)
+    mask = torch.zeros((len(group), longest), dtype=torch.long)
     for r, s in enumerate(group):
-        ids[r, :len(s.input_ids)] = torch.tensor(s.input_ids)
+        n = len(s.input_ids)
+        at = longest - n if left else 0
+        ids[r, at:at + n] = torch.tensor(s.input_ids)
+        mask[r, at:at + n] = 1
     ids = ids.to(_device(model))
+    if left:
+        try:
+            logits = prefill_logits(model, ids, mask.to(ids.device))
+        except Unsupported as e:
+            raise Unavailable(str(e)) from None
+        return [logits[r, longest - len(s.input_ids):longest - 1] for r, s in enumerate(group)]
     args, kwargs = forward_call(model, ids)
     logits = logits_of(model(*args, **kwargs))
     return [logits[r, :len(s.input_ids) - 1] for r, s in enumerate(group)]

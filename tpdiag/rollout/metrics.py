@@ -103,6 +103,14 @@ def worst_tokens(seqs, trainer: list, stats: dict, top: int, noise: float) -> li
     return out
 
 
+def reproduces(seqs, m: dict) -> bool:
+    """Every generated token (and every prompt token the engine gave a number for) exact."""
+    if m["exact_tokens"] != m["tokens"]:
+        return False
+    p = m.get("prompt")
+    return p is None or p["exact_tokens"] == p["tokens"]
+
+
 def closeness(m: dict) -> tuple:
     """Sort key: the configuration whose numbers are nearest the engine's first."""
     return (m["mean_abs"], m["max_abs"])

@@ -25,6 +25,11 @@ class RolloutConfig:
     seed: int = 1234
     top: int = 10
     timeout: float = 300.0  # seconds per TP > 1 world
+    # the axes engines and trainers differ on (rollout/compute.py): the first value of each is
+    # the reference's; defaults are what an engine runs (PyTorch's flags, the model's attention)
+    flags: tuple[str, ...] = ("default",)
+    attention: tuple[str, ...] = ("auto",)
+    padding: tuple[str, ...] = ("auto",)
 
 
 def parse_ints(option: str, text: str) -> tuple[int, ...]:
@@ -65,9 +70,19 @@ def parse_fixes(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def parse_padding(text: str) -> tuple[str, ...]:
+    from tpdiag.rollout.compute import PADDINGS
+
+    out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",") if p.strip()))
+    if not out or any(p not in PADDINGS for p in out):
+        raise BadInput(f"--padding {text!r}: expected one or more of {', '.join(PADDINGS)} (auto: prefill "
+                       "right, decode left as generate())")
+    return out
+
+
 def configurations(rc: RolloutConfig) -> list[Config]:
-    return [Config(t, m, mode, f) for t, m, mode, f in
-            itertools.product(rc.tp, rc.micro_batch, rc.modes, rc.fixes)]
+    return [Config(t, m, mode, f, fl, a, pad) for t, m, mode, f, fl, a, pad in
+            itertools.product(rc.tp, rc.micro_batch, rc.modes, rc.fixes, rc.flags, rc.attention, rc.padding)]
 
 
 def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
@@ -98,13 +113,19 @@ def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
     groups = big if big > 1 and not big & (big - 1) else 0
     worlds = _worlds(rc, seqs, [c for c in cfgs if c.tp > 1], groups, on_status)
     threads = _one_thread() if big > 1 else nullcontext()
+    flag_values: dict[str, dict] = {}
     with threads:
         results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
-                                                           on_status)
-    return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0)
+                                                           on_status, flag_values)
+    for w in worlds.values():
+        for k, v in (w.get("flag_values") or {}).items():
+            if v:
+                flag_values.setdefault(k, v)
+    return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
+                    flag_values)
 
 
-def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status):
+def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_values):
     from tpdiag.rollout import metrics, processed
     from tpdiag.rollout.compute import Unavailable, logprobs
 
@@ -128,9 +149,17 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status):
             if stats_from is None:
                 hook, stats_from = collector, c.label
             try:
-                lps = logprobs(c, target, model, seqs, on_logits=hook, tree_groups=groups)
+                lps = logprobs(c, target, model, seqs, on_logits=hook, tree_groups=groups,
+                               on_flags=lambda k, v: flag_values.setdefault(k, v))
             except Unavailable as e:
                 entry.update(status="unavailable", reason=str(e))
+                if hook is not None:
+                    stats_from = None
+                lps = None
+            except Exception as e:  # noqa: BLE001 - one configuration failing leaves the others
+                # (e.g. an SDPA backend this device has no kernel for), as in the TP > 1 worlds
+                entry.update(status="failed", reason=f"{type(e).__name__}: "
+                                                     f"{str(e).splitlines()[0] if str(e) else ''}"[:300])
                 if hook is not None:
                     stats_from = None
                 lps = None
@@ -154,8 +183,10 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status):
     return results, trainer, collector, stats_from
 
 
-def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0) -> dict:
+def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
+             flag_values=None) -> dict:
     from tpdiag.rollout import metrics, processed
+    from tpdiag.runner.flags import one_line
 
     ok = [lab for lab in results if lab in trainer]
     if not ok:
@@ -163,9 +194,12 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                        + "; ".join(f"{k}: {v.get('reason')}" for k, v in results.items()))
     reference = ok[0]
     ref_m = results[reference]["metrics"]
+    # the engine reproduced: every token it gave a number for is the trainer's float32 bit for bit;
+    # those configurations are the closest. Else the nearest - which explains nothing by itself
+    reproduced = [lab for lab in ok if metrics.reproduces(seqs, results[lab]["metrics"])]
     ranked = sorted(ok, key=lambda lab: metrics.closeness(results[lab]["metrics"]))
     best = metrics.closeness(results[ranked[0]]["metrics"])
-    closest = [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
+    closest = reproduced or [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
     verdict = processed.judge(collector, vocab) if stats_from else {
         "detected": None, "kind": None, "explanation": "not judged: no configuration ran"}
     if verdict.get("detected"):
@@ -179,13 +213,37 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         "sequences": len(seqs), "generated_tokens": ref_m["tokens"],
         "reference": reference, "metrics": ref_m, "worst_tokens": worst,
         "margins_from": stats_from, "near_tie_nats": metrics.near_tie_nats(noise),
-        "closest": {"configurations": closest,
+        "closest": {"configurations": closest, "reproduced": bool(reproduced),
                     "mean_abs": results[closest[0]]["metrics"]["mean_abs"],
                     "max_abs": results[closest[0]]["metrics"]["max_abs"],
-                    "exact_tokens": results[closest[0]]["metrics"]["exact_tokens"]},
+                    "exact_tokens": results[closest[0]]["metrics"]["exact_tokens"],
+                    "explanation": _closest_words(rc, results, closest, bool(reproduced))},
+        "flags": {k: {"values": v, "line": one_line(v, k)} for k, v in (flag_values or {}).items()},
         "processed": verdict, "configurations": results, "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
+
+
+def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
+    m = results[closest[0]]["metrics"]
+    if reproduced:
+        one = len(closest) == 1
+        return (f"reproduced: {', '.join(closest)} give{'s' if one else ''} the engine's logprobs bit for "
+                f"bit ({m['exact_tokens']}/{m['tokens']} tokens exact): the engine computed what "
+                f"{'this configuration computes' if one else 'these configurations compute'}")
+    tried = (f"tp {_vals(rc.tp)}, micro-batch {_vals(rc.micro_batch)}, mode {_vals(rc.modes)}, fix "
+             f"{_vals(rc.fixes)}, flags {_vals(rc.flags)}, attention {_vals(rc.attention)}, padding "
+             f"{_vals(rc.padding)}")
+    return (f"not reproduced: no configuration tried gives the engine's bits ({tried}). The nearest, "
+            f"{closest[0]}, matches {m['exact_tokens']}/{m['tokens']} tokens (mean |diff| "
+            f"{m['mean_abs']:.3g}, max {m['max_abs']:.3g}); it is nearest, not an explanation. Not "
+            "matched: the engine computed with something none of these has - its own kernels "
+            "(paged or flash attention, fused or CUDA-graph GEMMs, its sampler's logprobs), "
+            "another dtype, other weights or model code, or flags outside the ones tried")
+
+
+def _vals(xs) -> str:
+    return ",".join(str(x) for x in xs)
 
 
 def _tensor(values):
@@ -204,6 +262,13 @@ def _worlds(rc: RolloutConfig, seqs, cfgs, groups: int, on_status) -> dict:
     from tpdiag.rollout.world import run_degree
     from tpdiag.runner.launch import prestart
 
+    import os
+
+    from tpdiag.runner.determinism import RANK_ENV
+
+    # the launcher exports the rank environment (CUBLAS_WORKSPACE_CONFIG among it) into this
+    # process; TP=1 runs here afterwards, under its own configurations' flags: put it back
+    saved_env = {k: os.environ.get(k) for k in RANK_ENV}
     prestart(rc.model)
     work = tempfile.mkdtemp(prefix="tpdiag-rollout-")
     out = {}
@@ -222,6 +287,11 @@ def _worlds(rc: RolloutConfig, seqs, cfgs, groups: int, on_status) -> dict:
                 on_status(f"tp{t}", "done")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return out
 
 

@@ -38,7 +38,7 @@ def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int) -
     write_inputs(out_dir, seqs, configs)
     cfg = WorldConfig(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,
                       device=rc.device, backward=False, seed=rc.seed, probes=False, selfcheck=False,
-                      tree_groups=tree_groups)
+                      tree_groups=tree_groups, flags=configs[0].flags)
     res = run_world(cfg, rc.timeout, entry=main)
     if res.status != "ok":
         return {c.label: {"status": "failed", "reason": f"TP={world} world failed: {res.error}"}
@@ -83,7 +83,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     from tpdiag.runner import determinism
     from tpdiag.runner.step import build_model
 
-    determinism.setup(cfg.seed, cfg.device)
+    determinism.setup(cfg.seed, cfg.device, cfg.flags)
     if cfg.device == "cuda":
         torch.cuda.set_device(rank)
         device, backend = torch.device("cuda", rank), "nccl"
@@ -100,17 +100,20 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     target, model = build_model(cfg, device, world)
     model.eval()
     out = {}
+    flag_values: dict = {}
     for c in inputs["configs"]:
         c = Config(**c)
         try:
-            lps = logprobs(c, target, model, seqs, world=world, tree_groups=cfg.tree_groups)
+            lps = logprobs(c, target, model, seqs, world=world, tree_groups=cfg.tree_groups,
+                           on_flags=lambda k, v: flag_values.setdefault(k, v))
         except Unavailable as e:
             out[c.label] = {"status": "unavailable", "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - one configuration failing leaves the others
             out[c.label] = {"status": "failed", "reason": f"{type(e).__name__}: "
                                                           f"{str(e).splitlines()[0] if str(e) else ''}"[:300]}
         else:
-            out[c.label] = {"status": "ok", "logprobs": [t.tolist() for t in lps]}
+            out[c.label] = {"status": "ok", "logprobs": [t.tolist() for t in lps],
+                            "flag_values": {c.flags: flag_values.get(c.flags)}}
     if rank == 0:
         io.write_json(os.path.join(cfg.out_dir, RESULTS), out)
     dist.barrier()

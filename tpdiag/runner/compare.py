@@ -202,7 +202,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         "seed": cfg.seed, "degrees": list(cfg.degrees), "labels": labels, "reference": labels[0],
         "configurations": {w.label: {**w.point.to_dict(), "axis": w.axis} for w in configs},
         "fixes": list(cfg.fixes), "tree_groups": cfg.tree_groups, "group_gemm": cfg.group_gemm,
-        "config": cfg.to_dict(), "env": numerics_env(),
+        "config": cfg.to_dict(), "env": numerics_env(), "flags": cfg.flags,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "worlds": {},
     }
     io.write_json(os.path.join(out, "manifest.json"), manifest)
@@ -222,7 +222,8 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
             wcfg = wcfg.with_(oracle=cfg.oracle, oracle_ops=cfg.oracle_ops)
         res = run_world(wcfg, cfg.timeout, on_status)
         manifest["worlds"][label] = {"degree": degree, "status": res.status, "wall_s": round(res.wall_s, 3),
-                                     "error": res.error, **world_timings(res.rank_timings)}
+                                     "error": res.error, **world_timings(res.rank_timings),
+                                     "numerics": res.numerics}
         if res.status != "ok":
             failed[label] = res.error
         io.write_json(os.path.join(out, "manifest.json"), manifest)
@@ -239,4 +240,14 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     if on_status:
         on_status("diff", "ok")
     summary["run_dir"] = out
+    summary["flags"] = _flags_summary(cfg.flags, manifest["worlds"].get(labels[0]))
     return summary
+
+
+def _flags_summary(setting: str, world: dict | None) -> dict:
+    """The reference world's backend flags as it recorded them, and as one line."""
+    from tpdiag.runner.flags import one_line
+
+    values = ((world or {}).get("numerics") or {}).get("flag_values")
+    return {"setting": setting, "values": values,
+            "line": one_line(values, setting) if values else f"flags {setting}: not recorded"}

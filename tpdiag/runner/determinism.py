@@ -23,26 +23,15 @@ def numerics_env() -> dict[str, str]:
     return {k: os.environ[k] for k in NUMERICS_ENV if k in os.environ}
 
 
-def setup(seed: int, device: str) -> None:
+def setup(seed: int, device: str, flags: str = "deterministic") -> None:
+    """A rank's process: the rank environment, one thread, the seed, and the run's backend flags
+    (tpdiag.runner.flags: `deterministic`, compare's default, or PyTorch's `default`)."""
     import torch
+
+    from tpdiag.runner import flags as backend_flags
 
     for k, v in RANK_ENV.items():
         os.environ.setdefault(k, v)
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    # On CUDA, warn-only leaves fused attention backwards (cuDNN, memory-efficient) on their
-    # atomic, run-to-run nondeterministic algorithms: seen on H200 as an unprobed and a probed
-    # run of the same step differing in an attention weight after the optimizer step. Strict
-    # mode makes them take their deterministic algorithms; an op with none raises, and the
-    # world's error says how to go back (TPDIAG_DETERMINISM=warn).
-    strict = device == "cuda" and os.environ.get("TPDIAG_DETERMINISM", "strict") != "warn"
-    torch.use_deterministic_algorithms(True, warn_only=not strict)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    # TF32 silently changes fp32 GEMMs; the reference and every degree must use full fp32.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    if device == "cuda":
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    backend_flags.apply(flags, device)

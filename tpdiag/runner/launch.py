@@ -35,6 +35,8 @@ class WorldResult:
     rank_errors: dict = field(default_factory=dict)
     # per rank: phase wall times (s) and peak memory (bytes), from its completion marker
     rank_timings: list = field(default_factory=list)
+    # rank 0's backend flags and tensor dtypes (runner/step.py), from its completion marker
+    numerics: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -156,7 +158,8 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
             errs = {r: p for r, p in errs.items() if os.path.exists(p)}
             if all(done):
                 result = WorldResult(cfg.label, world, "ok", cfg.out_dir, time.perf_counter() - t0,
-                                     rank_timings=_rank_timings(cfg.out_dir, world))
+                                     rank_timings=_rank_timings(cfg.out_dir, world),
+                                     numerics=_numerics(cfg.out_dir))
                 break
             dead = [r for r, p in enumerate(procs)
                     if p.exitcode is not None and not done[r] and r not in errs]
@@ -181,6 +184,17 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
         on_status(cfg.label, result.status)
     io.write_json(os.path.join(cfg.out_dir, "result.json"), result.to_dict())
     return result
+
+
+def _numerics(out_dir: str) -> dict | None:
+    from tpdiag import io
+    from tpdiag.runner import worker
+
+    try:
+        n = io.read_json(worker.marker(out_dir, 0, "done")).get("numerics")
+    except Exception:  # noqa: BLE001 - informational, as the timings
+        return None
+    return n if isinstance(n, dict) else None
 
 
 def _rank_timings(out_dir: str, world: int) -> list:

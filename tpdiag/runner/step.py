@@ -40,7 +40,10 @@ def build_model(cfg: WorldConfig, device: torch.device, world: int):
     target = build_target(spec, cfg.variant, device, cfg.seed)
     live = {id(t): t for t in list(target.model.parameters()) + list(target.model.buffers())}
     whole = sum(t.numel() * t.element_size() for t in live.values())
-    model = target.model.to(device=device, dtype=dtype)
+    from tpdiag.models.dtypes import to_run_dtype
+
+    # the user's model as the user loads it: not nn.Module.to(dtype) (tpdiag.models.dtypes)
+    model = to_run_dtype(spec.kind, target.model.to(device=device), dtype)
     if world > 1 and target.plan:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -284,6 +287,12 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         torch.cuda.synchronize(device)  # the init kernels are asynchronous
     timings["model_s"] = time.perf_counter() - t0  # built, initialised and sharded
     timings.update(getattr(target, "build", None) or {})  # which init path, its peak bytes
+    # what this world computed under: its backend flags and each tensor's dtype (the manifest)
+    from tpdiag.models.dtypes import buffer_dtypes, param_dtypes
+    from tpdiag.runner.flags import snapshot
+
+    timings["numerics"] = {"flags": cfg.flags, "flag_values": snapshot(),
+                           "buffer_dtypes": buffer_dtypes(model), "param_dtypes": param_dtypes(model)}
     rec.mode = capture_mode(cfg.capture, model)
     rec.world = world
     rec.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

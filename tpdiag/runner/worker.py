@@ -32,8 +32,9 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
         timings = _profiled(rank, cfg.label, _run, rank, world, host, port, cfg, timeout_s,
                             entered, launched_at)
         # the rank's phase timings travel in its marker: the launcher collects every rank's
+        numerics = timings.pop("numerics", None)
         io.write_json(marker(cfg.out_dir, rank, "done"), {"rank": rank, "time": time.time(),
-                                                          "timings": timings})
+                                                          "timings": timings, "numerics": numerics})
     except BaseException as e:  # noqa: BLE001 - every failure must leave evidence on disk
         message = str(e).splitlines()[0] if str(e) else ""
         if "does not have a deterministic implementation" in message:
@@ -118,7 +119,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     from tpdiag.runner.gather import gather_records
     from tpdiag.runner.step import run
 
-    determinism.setup(cfg.seed, cfg.device)
+    determinism.setup(cfg.seed, cfg.device, cfg.flags)
     if cfg.device == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)

@@ -1,0 +1,128 @@
+"""The backend flags a run computes under - themselves an axis of what a run's bits are.
+
+Two settings:
+- `deterministic` (compare's default): deterministic algorithms (strict on CUDA), cuDNN
+  deterministic and not benchmarking, TF32 off (cuBLAS and cuDNN), no reduced-precision
+  (fp16/bf16) GEMM reductions, a fixed cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8).
+  Reproducible run to run; not what an engine or a trainer runs unless it opts in.
+- `default` (rollout's default): PyTorch's own defaults - deterministic algorithms off, cuDNN
+  not deterministic and not benchmarking, cuBLAS TF32 off and cuDNN TF32 on (fp32 convolutions
+  only), float32 matmul precision 'highest', fp16/bf16 reduced-precision GEMM reductions allowed,
+  no cuBLAS workspace config (cuBLAS's own default workspace). What `generate()`, vLLM and most
+  trainers run; on a GPU its bf16 GEMMs may take other (split-K, reduced-precision) algorithms
+  than the deterministic setting's, so their bits differ.
+
+SDPA's backends (flash, memory-efficient, math, cuDNN) are left enabled in both: which one runs
+depends on the device, dtype and shapes; `snapshot()` records which are enabled.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+SETTINGS = ("default", "deterministic")
+CUBLAS_ENV, CUBLAS_VALUE = "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
+
+
+def parse(option: str, text: str) -> tuple[str, ...]:
+    from tpdiag.errors import BadInput
+
+    out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",") if p.strip()))
+    bad = [p for p in out if p not in SETTINGS]
+    if bad or not out:
+        raise BadInput(f"{option} {text!r}: expected {' or '.join(SETTINGS)} (comma-separated to try both)")
+    return out
+
+
+def apply(setting: str, device: str) -> None:
+    """Set `setting`'s flags for the rest of the process (a world's ranks: before the first GEMM,
+    so the cuBLAS workspace follows too)."""
+    import torch
+
+    cuda = torch.backends.cuda.matmul
+    if setting == "deterministic":
+        os.environ[CUBLAS_ENV] = CUBLAS_VALUE
+        # On CUDA, warn-only leaves fused attention backwards (cuDNN, memory-efficient) on their
+        # atomic, run-to-run nondeterministic algorithms: strict makes them take their
+        # deterministic ones; an op with none raises (TPDIAG_DETERMINISM=warn goes back)
+        strict = device == "cuda" and os.environ.get("TPDIAG_DETERMINISM", "strict") != "warn"
+        torch.use_deterministic_algorithms(True, warn_only=not strict)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        # TF32 silently changes fp32 GEMMs; the reference and every degree must use full fp32
+        torch.set_float32_matmul_precision("highest")
+        cuda.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        cuda.allow_fp16_reduced_precision_reduction = False
+        cuda.allow_bf16_reduced_precision_reduction = False
+    elif setting == "default":
+        os.environ.pop(CUBLAS_ENV, None)
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
+        torch.backends.cudnn.benchmark = False
+        torch.set_float32_matmul_precision("highest")
+        cuda.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = True
+        cuda.allow_fp16_reduced_precision_reduction = True
+        cuda.allow_bf16_reduced_precision_reduction = True
+    else:
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"flags {setting!r}: expected {' or '.join(SETTINGS)}")
+
+
+def snapshot() -> dict:
+    """The flags in force now, and SDPA's enabled backends."""
+    import torch
+
+    cuda = torch.backends.cuda
+    out = {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "matmul_tf32": bool(cuda.matmul.allow_tf32),
+        "cudnn_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "fp16_reduced_precision_reduction": bool(cuda.matmul.allow_fp16_reduced_precision_reduction),
+        "bf16_reduced_precision_reduction": bool(cuda.matmul.allow_bf16_reduced_precision_reduction),
+        "cublas_workspace_config": os.environ.get(CUBLAS_ENV),
+        "sdpa_enabled": [name for name, on in (
+            ("flash", cuda.flash_sdp_enabled()), ("mem_efficient", cuda.mem_efficient_sdp_enabled()),
+            ("math", cuda.math_sdp_enabled()),
+            ("cudnn", getattr(cuda, "cudnn_sdp_enabled", lambda: False)())) if on],
+    }
+    return out
+
+
+def one_line(snap: dict, setting: str | None = None) -> str:
+    """The snapshot in one line, e.g. 'flags default: deterministic off, TF32 matmul off ...'."""
+    def on(x):
+        return "on" if x else "off"
+
+    det = on(snap.get("deterministic_algorithms"))
+    if snap.get("deterministic_algorithms") and snap.get("deterministic_warn_only"):
+        det += " (warn only)"
+    head = f"flags {setting}: " if setting else "flags: "
+    return (head + f"deterministic algorithms {det}, cuDNN deterministic "
+            f"{on(snap.get('cudnn_deterministic'))} benchmark {on(snap.get('cudnn_benchmark'))}, TF32 "
+            f"matmul {on(snap.get('matmul_tf32'))} cuDNN {on(snap.get('cudnn_tf32'))} (fp32 precision "
+            f"{snap.get('float32_matmul_precision')}), reduced-precision reductions fp16 "
+            f"{on(snap.get('fp16_reduced_precision_reduction'))} bf16 "
+            f"{on(snap.get('bf16_reduced_precision_reduction'))}, CUBLAS_WORKSPACE_CONFIG "
+            f"{snap.get('cublas_workspace_config') or 'unset'}, SDPA backends enabled "
+            f"{'/'.join(snap.get('sdpa_enabled') or []) or 'none'}")
+
+
+@contextmanager
+def applied(setting: str, device: str):
+    """`setting`'s flags for a `with` block (tpdiag rollout's TP=1, in this process); every flag is
+    put back on exit."""
+    from tpdiag.determinism_api import _restore, _snapshot
+
+    saved = _snapshot()
+    try:
+        apply(setting, device)
+        yield snapshot()
+    finally:
+        _restore(saved)
