@@ -118,7 +118,7 @@ def one_line(snap: dict, setting: str | None = None) -> str:
 def applied(setting: str, device: str):
     """`setting`'s flags for a `with` block (tpdiag rollout's TP=1, in this process); every flag is
     put back on exit."""
-    from tpdiag.determinism_api import _restore, _snapshot
+    from tpdiag.api.determinism import _restore, _snapshot
 
     saved = _snapshot()
     try:

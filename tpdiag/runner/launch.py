@@ -187,7 +187,7 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
 
 
 def _numerics(out_dir: str) -> dict | None:
-    from tpdiag import io
+    from tpdiag.base import files as io
     from tpdiag.runner import worker
 
     try:
