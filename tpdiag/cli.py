@@ -76,6 +76,7 @@ def compare(
     fmt: Format = "text",
     fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence", help=FAIL_HELP)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help=H.VERBOSE)] = False,
     debug: Debug = False,
 ) -> None:
     """Run the model at each TP degree and find the first op that differs from the reference."""
@@ -134,6 +135,10 @@ def compare(
         skipped = ("--no-baseline" if not cfg.baseline
                    else f"TP={cfg.degrees[0]} is rerun among the degrees instead")
     emit_summary(summary, fmt, baseline_skipped=skipped)
+    if verbose and fmt == "text":
+        from tpdiag.cli_time import print_time
+
+        print_time(console(), summary.get("run_dir"))
     if debug:
         print_rank_tracebacks(summary.get("run_dir"))
     exit_for(summary, fail_on_divergence)

@@ -143,3 +143,8 @@ def axes(micro_batch: str | None, mode: str | None, grid: bool) -> dict:
     from tpdiag.axes import parse_micro_batches, parse_modes
 
     return {"micro_batches": parse_micro_batches(micro_batch), "modes": parse_modes(mode), "grid": grid}
+
+
+VERBOSE = ("after the verdict, where the time went: setup, each world, the reference rerun, the diff, "
+           "the second pass, each confirmation rerun, and within the worlds model build, float64 "
+           "re-execution and Triton compiles (manifest.json time_breakdown)")

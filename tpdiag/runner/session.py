@@ -24,7 +24,7 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
         first = read_summary(cfg.out)
         first["fix_chain"] = summary["fix_chain"]
         first["status_after_fixes"] = summary["status"]
-        first["timings"] = _timings(cfg.out, {"fix_chain_s": time.perf_counter() - t0})
+        first["timings"] = _timings(cfg.out, {"fix_chain_s": time.perf_counter() - t0}, t0)
         io.write_json(os.path.join(cfg.out, "summary.json"), first)
         first["run_dir"] = cfg.out
         return first
@@ -47,24 +47,28 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.diff.classes import add_classes
 
     add_classes(summary)  # the second pass may have judged a first divergence bug or rounding
-    summary["timings"] = _timings(cfg.out, extra)
+    summary["timings"] = _timings(cfg.out, extra, t0)
     io.write_json(os.path.join(cfg.out, "summary.json"),
                   {k: v for k, v in summary.items() if k != "run_dir"})
     return summary
 
 
-def _timings(run_dir: str, extra: dict) -> dict:
+def _timings(run_dir: str, extra: dict, t0: float) -> dict:
     """Wall time per phase of the whole compare and per world (manifest.json keeps the per-rank
     detail): the manifest's phases plus second pass / confirm / fix chain / total, written back
-    to the manifest's `phases`. Every key is optional; readers must not rely on them."""
+    to the manifest's `phases`, and the whole command's `time_breakdown` (runner/timing.py).
+    Every key is optional; readers must not rely on them."""
     from tpdiag.records.rundir import read_manifest
+    from tpdiag.runner.timing import breakdown
 
     manifest = read_manifest(run_dir)
     phases = dict(manifest.get("phases") or {})
     phases.update({k: round(v, 3) for k, v in extra.items()})
     manifest["phases"] = phases
+    # measured last, so every part above lies inside it
+    manifest["time_breakdown"] = breakdown(run_dir, time.perf_counter() - t0, extra.get("second_pass_s"))
     io.write_json(os.path.join(run_dir, "manifest.json"), manifest)
-    out = {"phases": phases, "worlds": _world_timings(manifest)}
+    out = {"phases": phases, "worlds": _world_timings(manifest), "breakdown": manifest["time_breakdown"]}
     # the second pass is a compare of its own in a subdirectory (runner/drill.py): its worlds'
     # split (start, steps, full-capture gather, write) is where a large model's time goes
     for sub in ("region", "ops"):
