@@ -62,6 +62,7 @@ def compare(
     seed: Annotated[int, typer.Option(help="seed for weights and batch")] = 1234,
     batch_size: Annotated[int, typer.Option(help="sequences per batch")] = 2,
     seq_len: Annotated[int, typer.Option(help="tokens per sequence")] = 16,
+    layers: Annotated[int, typer.Option(help=H.LAYERS)] = 0,
     variant: Annotated[str, typer.Option(help=H.variant())] = "stock",
     variants: Annotated[Optional[str], typer.Option(help=H.variants())] = None,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline",
@@ -95,7 +96,7 @@ def compare(
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
-            seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len,
+            seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len, layers=layers,
             tree_groups=0 if tree_groups is None else tree_groups, **H.axes(micro_batch, mode, grid))
         from tpdiag.records.lock import refuse_if_held
 

@@ -96,6 +96,7 @@ class WorldConfig:
     # placed (runner/prefix.py)
     positions: int = 0
     prefix_from: str = ""
+    layers: int = 0  # --layers N: the model's first N decoder layers (models/slice.py); 0: all
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -155,6 +156,7 @@ class CompareConfig:
     only: tuple[str, ...] = ()    # reruns (second pass, confirm): just these labels beside the reference
     positions: int = 0            # reruns of decode configurations: the first positions only
     prefix_from: str = ""         # ... placed as in this earlier decode world (runner/prefix.py)
+    layers: int = 0               # --layers N: the first N decoder layers (models/slice.py); 0: all
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -197,4 +199,4 @@ class CompareConfig:
                            capture=self.capture, module_include=self.module_include,
                            tree_groups=self.tree_groups, group_gemm=self.group_gemm,
                            selfcheck=self.selfcheck, positions=self.positions,
-                           prefix_from=self.prefix_from, **kw)
+                           prefix_from=self.prefix_from, layers=self.layers, **kw)

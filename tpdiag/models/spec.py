@@ -15,12 +15,24 @@ from tpdiag.errors import BadInput
 class ModelSpec:
     kind: str  # builtin | hf | py
     value: str
+    layers: int = 0  # --layers N: the first N decoder layers only (tpdiag/models/slice.py); 0: all
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "value": self.value}
+        return {"kind": self.kind, "value": self.value, **({"layers": self.layers} if self.layers else {})}
+
+    def preset_overrides(self) -> dict:
+        """A built-in preset's LlamaConfig overrides for the slice."""
+        return {"n_layers": self.layers} if self.layers else {}
 
 
-def parse_spec(spec: str) -> ModelSpec:
+def parse_spec(spec: str, layers: int = 0) -> ModelSpec:
+    from dataclasses import replace
+
+    s = _parse_spec(spec)
+    return replace(s, layers=int(layers)) if layers else s
+
+
+def _parse_spec(spec: str) -> ModelSpec:
     from tpdiag.models.presets import PRESETS
 
     spec = str(spec).strip()
@@ -143,7 +155,7 @@ def load_target(spec: ModelSpec, variant: str = "stock"):
         from tpdiag.models import tiny_llama
         from tpdiag.models.plans import llama_plan
 
-        model = tiny_llama.build(spec.value)
+        model = tiny_llama.build(spec.value, **spec.preset_overrides())
         return Target(model=model, plan=llama_plan(variant), vocab_size=model.cfg.vocab_size,
                       divisors=model.cfg.divisors())
     if spec.kind == "py":
@@ -151,7 +163,7 @@ def load_target(spec: ModelSpec, variant: str = "stock"):
     if spec.kind == "hf":
         from tpdiag.models.hf import load_hf_target
 
-        return load_hf_target(spec.value, variant)
+        return load_hf_target(spec.value, variant, layers=spec.layers)
     raise BadInput(f"unknown model kind {spec.kind!r}")
 
 

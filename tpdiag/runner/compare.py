@@ -35,11 +35,17 @@ def resolve_device(device: str, degrees) -> str:
     return device
 
 
-def validate(cfg: CompareConfig) -> None:
-    """Everything checkable before a world starts: bad input costs nothing."""
+def validate(cfg: CompareConfig) -> dict:
+    """Everything checkable before a world starts: bad input costs nothing. Returns the memory
+    preflight (models/preflight.py) for the manifest."""
     from tpdiag.models.spec import check_degrees, parse_spec
 
-    spec = parse_spec(cfg.model)
+    spec = parse_spec(cfg.model, cfg.layers)
+    if cfg.layers:
+        from tpdiag.models.capacity import model_dims
+        from tpdiag.models.slice import check_layers
+
+        check_layers(spec, cfg.layers, model_dims(spec).get("total_layers") if spec.kind != "py" else None)
     check_degrees(spec, cfg.degrees)
     from tpdiag.models.precheck import check_plan
 
@@ -77,12 +83,15 @@ def validate(cfg: CompareConfig) -> None:
         raise BadInput(f"--seed {cfg.seed}: must be in [0, 2**63)")
     if cfg.batch_size < 1 or cfg.seq_len < 2:
         raise BadInput(f"--batch-size {cfg.batch_size} / --seq-len {cfg.seq_len}: need >= 1 and >= 2")
-    from tpdiag.models.capacity import check_batch, guess_device
+    from tpdiag.models.capacity import guess_device
+    from tpdiag.models.preflight import preflight
 
     # Positions and memory before any world starts: a batch past them fails in seconds, not after
-    # minutes of a rank growing until the OOM killer picks a process on a shared host.
-    check_batch(spec, cfg.batch_size, cfg.seq_len, cfg.dtype, cfg.backward, guess_device(cfg.device, cfg.degrees),
-                cfg.variant)
+    # minutes of a rank growing until the OOM killer picks a process on a shared host; a model
+    # whose reference cannot fit is told which slice (--layers) or reference degree does.
+    device = guess_device(cfg.device, cfg.degrees)
+    pre = preflight(spec, cfg.degrees, cfg.batch_size, cfg.seq_len, cfg.dtype, cfg.backward, device,
+                    cfg.variant, gpus=_gpus(device))
     from tpdiag.config import CAPTURES
 
     if cfg.capture not in CAPTURES:
@@ -93,6 +102,18 @@ def validate(cfg: CompareConfig) -> None:
         from tpdiag.fixes import groups
 
         groups.check(cfg.degrees, cfg.fixes, cfg.tree_groups)
+    return pre
+
+
+def _gpus(device: str) -> int | None:
+    if device != "cuda":
+        return None
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def check_axes(cfg: CompareConfig, spec) -> None:
@@ -189,7 +210,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.fixes import groups
 
     t_start = time.perf_counter()
-    validate(cfg)
+    pre = validate(cfg)
     cfg = groups.resolve(cfg)
     device = resolve_device(cfg.device, cfg.degrees)
     out = cfg.out or default_out()
@@ -204,8 +225,17 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         "configurations": {w.label: {**w.point.to_dict(), "axis": w.axis} for w in configs},
         "fixes": list(cfg.fixes), "tree_groups": cfg.tree_groups, "group_gemm": cfg.group_gemm,
         "config": cfg.to_dict(), "env": numerics_env(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "worlds": {},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "preflight": pre, "worlds": {},
     }
+    if cfg.layers:
+        from tpdiag.models.slice import describe
+
+        from tpdiag.models.slice import config_changes
+        from tpdiag.models.spec import parse_spec
+
+        manifest["slice"] = {"layers": cfg.layers, "total_layers": pre.get("total_layers"),
+                             "what": describe(cfg.layers, pre.get("total_layers")),
+                             "config": config_changes(parse_spec(cfg.model, cfg.layers))}
     io.write_json(os.path.join(out, "manifest.json"), manifest)
     failed: dict[str, str] = {}
     t0 = time.perf_counter()
@@ -241,5 +271,8 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     io.write_json(os.path.join(out, "manifest.json"), manifest)
     if on_status:
         on_status("diff", "ok")
+    if cfg.layers:
+        summary["slice"] = manifest["slice"]  # the `ran:` line says what ran
+        io.write_json(os.path.join(out, "summary.json"), summary)
     summary["run_dir"] = out
     return summary
