@@ -175,9 +175,13 @@ def init_rule(model):
             walk(child, current)
 
     walk(model, model)
+    from tpdiag.models.slice import whole_depth
+
+    tc = text_config(model.config)
 
     def rule(fqn, module):
-        owner[id(module)]._init_weights(module)
+        with whole_depth(tc):  # a --layers slice: initialised as the whole model's first layers
+            owner[id(module)]._init_weights(module)
         own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
         if own and any(bool(p.isnan().any()) for p in own) and hasattr(module, "reset_parameters"):
             module.reset_parameters()

@@ -13,8 +13,9 @@ The slice is the real model's first N layers with the same weights, not a smalle
 Weights: tpdiag's seeded init draws each module's tensors from (seed, its fqn)
 (models/meta_init.py), so layers.0 of the slice holds bitwise the full model's layers.0 (the
 embedding and head too); a checkpoint's tensors of the dropped layers are skipped. One caveat:
-an init rule that reads the depth (GPT-2 scales c_proj by 1/sqrt(2 * n_layer)) draws other
-values for a slice - the run is then the slice's own model, still the same architecture.
+an init rule may read the depth (GPT-2 scales c_proj by 1/sqrt(2 * n_layer), tpdiag's presets
+wo and w2 alike): those rules run with the whole model's depth (whole_depth below; the presets'
+init_depth), so the slice's weights stay the whole model's.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def slice_text_config(tc, n: int) -> dict:
     total = int(tc.num_hidden_layers)
     changed = {"num_hidden_layers": f"{total} -> {n}"}
     tc.num_hidden_layers = n
+    tc.tpdiag_init_depth = total  # what the init rules read as the depth (whole_depth, below)
     for key, value in list(vars(tc).items()):
         if key.startswith("_") or key in _NOT_PER_LAYER or not isinstance(value, (list, tuple)):
             continue
@@ -46,6 +48,22 @@ def slice_text_config(tc, n: int) -> dict:
             setattr(tc, key, type(value)(value[:n]))
             changed[key] = f"first {n} of {total}"
     return changed
+
+
+class whole_depth:
+    """Within: the config says the whole model's num_hidden_layers (an init rule reads it)."""
+
+    def __init__(self, tc):
+        self.tc, self.depth = tc, getattr(tc, "tpdiag_init_depth", None)
+
+    def __enter__(self):
+        if self.depth:
+            self.sliced, self.tc.num_hidden_layers = self.tc.num_hidden_layers, self.depth
+
+    def __exit__(self, *exc):
+        if self.depth:
+            self.tc.num_hidden_layers = self.sliced
+        return False
 
 
 def dropped_key(key: str, n: int) -> bool:
@@ -69,7 +87,7 @@ def check_layers(spec, n: int, total: int | None) -> None:
 
 def describe(n: int, total: int | None) -> str:
     return (f"the first {n} of {total} decoder layers" if total else f"the first {n} decoder layers") + \
-        " (real embedding and head)"
+        " with the real embedding and head"
 
 
 def config_changes(spec) -> dict:

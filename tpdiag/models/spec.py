@@ -22,7 +22,11 @@ class ModelSpec:
 
     def preset_overrides(self) -> dict:
         """A built-in preset's LlamaConfig overrides for the slice."""
-        return {"n_layers": self.layers} if self.layers else {}
+        if not self.layers:
+            return {}
+        from tpdiag.models.presets import PRESETS
+
+        return {"n_layers": self.layers, "init_depth": PRESETS[self.value].get("n_layers", 2)}
 
 
 def parse_spec(spec: str, layers: int = 0) -> ModelSpec:
