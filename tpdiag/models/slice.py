@@ -89,18 +89,3 @@ def describe(n: int, total: int | None) -> str:
     return (f"the first {n} of {total} decoder layers" if total else f"the first {n} decoder layers") + \
         " with the real embedding and head"
 
-
-def config_changes(spec) -> dict:
-    """What the slice changed in an hf: config ({key: description}); a preset's n_layers."""
-    if not spec.layers:
-        return {}
-    if spec.kind == "builtin":
-        from tpdiag.models.presets import PRESETS
-
-        return {"n_layers": f"{PRESETS[spec.value].get('n_layers')} -> {spec.layers}"}
-    if spec.kind != "hf":
-        return {}
-    from tpdiag.models.hf import _config
-    from tpdiag.models.hf_plan import text_config
-
-    return slice_text_config(text_config(_config(spec.value)), spec.layers)

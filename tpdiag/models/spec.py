@@ -219,3 +219,21 @@ def check_degrees(spec: ModelSpec, degrees, divisors: dict[str, int] | None = No
             valid = [n for n in range(1, min(g, 64) + 1) if g % n == 0]
             raise BadInput(f"--tp {d}: does not divide {', '.join(bad)}; valid degrees for this model: "
                            f"{', '.join(map(str, valid))}")
+
+
+def slice_changes(spec: ModelSpec) -> dict:
+    """What --layers changed in the model's config ({key: description}): a preset's n_layers, an
+    hf: config's num_hidden_layers and per-layer lists (tpdiag/models/slice.py)."""
+    if not spec.layers:
+        return {}
+    if spec.kind == "builtin":
+        from tpdiag.models.presets import PRESETS
+
+        return {"n_layers": f"{PRESETS[spec.value].get('n_layers', 2)} -> {spec.layers}"}
+    if spec.kind != "hf":
+        return {}
+    from tpdiag.models.hf import _config
+    from tpdiag.models.hf_plan import text_config
+    from tpdiag.models.slice import slice_text_config
+
+    return slice_text_config(text_config(_config(spec.value)), spec.layers)

@@ -230,12 +230,11 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     if cfg.layers:
         from tpdiag.models.slice import describe
 
-        from tpdiag.models.slice import config_changes
-        from tpdiag.models.spec import parse_spec
+        from tpdiag.models.spec import parse_spec, slice_changes
 
         manifest["slice"] = {"layers": cfg.layers, "total_layers": pre.get("total_layers"),
                              "what": describe(cfg.layers, pre.get("total_layers")),
-                             "config": config_changes(parse_spec(cfg.model, cfg.layers))}
+                             "config": slice_changes(parse_spec(cfg.model, cfg.layers))}
     io.write_json(os.path.join(out, "manifest.json"), manifest)
     failed: dict[str, str] = {}
     t0 = time.perf_counter()
