@@ -11,7 +11,9 @@ A world that does not fit is refused in one line before anything runs. When it i
 reference, the line proposes what does fit: `--layers N`, the first N decoder layers with the
 real embedding and head (models/slice.py), and on GPUs the smallest degree that holds the
 whole model as the reference (`--tp D,...`). The bound can only let through a run that then
-runs out of memory, never refuse one that fits.
+runs out of memory, never refuse one that fits; what it proposes keeps the bound within
+PROPOSE_SHARE of the memory, room for what the bound leaves out (the unprobed self-check's
+model, records and hash buffers, float32 copies inside kernels, the allocator's slack).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tpdiag.errors import BadInput
 from tpdiag.models.capacity import GiB, available_bytes, estimate_bytes, model_dims, sliced
 
 _MAX_DEGREE = 64
+PROPOSE_SHARE = 0.5
 
 
 def need_bytes(dims: dict, degree: int, batch: int, seq: int, dtype: str, backward: bool, device: str) -> int:
@@ -74,7 +77,8 @@ def preflight(spec, degrees, batch: int, seq: int, dtype: str, backward: bool, d
     ref_need = out["degrees"][str(ref)]["need_bytes"]
     if ref_need > avail:
         hints = []
-        n = largest_slice(dims, spec, ref, avail, batch, seq, dtype, backward, device) \
+        room = int(avail * PROPOSE_SHARE)
+        n = largest_slice(dims, spec, ref, room, batch, seq, dtype, backward, device) \
             if spec.kind in ("builtin", "hf") and dims.get("total_layers") else 0
         if n:
             from tpdiag.models.slice import describe
@@ -82,7 +86,7 @@ def preflight(spec, degrees, batch: int, seq: int, dtype: str, backward: bool, d
             hints.append(f"diagnose a slice: --layers {n} ({describe(n, dims.get('total_layers'))}) fits")
         if device == "cuda":
             bigger = [d for d in _valid_degrees(model_divisors(spec)) if d > ref and (gpus is None or d <= gpus)
-                      and need_bytes(dims, d, batch, seq, dtype, backward, device) <= avail]
+                      and need_bytes(dims, d, batch, seq, dtype, backward, device) <= room]
             if bigger:
                 hints.append(f"or take TP={bigger[0]} as the reference (--tp {bigger[0]},...; it holds the "
                              f"whole model on {bigger[0]} GPUs)")
