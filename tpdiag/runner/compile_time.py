@@ -26,7 +26,10 @@ def compile_meter(device_type: str):
     except Exception:  # noqa: BLE001 - no Triton (or one without knobs): nothing to measure
         yield out
         return
-    rt = knobs.runtime
+    rt = getattr(knobs, "runtime", None)
+    if not (hasattr(rt, "jit_cache_hook") and hasattr(rt, "jit_post_compile_hook")):  # an older Triton
+        yield out
+        return
     prev_pre, prev_post = rt.jit_cache_hook, rt.jit_post_compile_hook
     started: list[float] = []
     total = {"s": 0.0, "n": 0}
