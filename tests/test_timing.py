@@ -35,7 +35,7 @@ def assert_breakdown(run_dir) -> dict:
 def test_tiny_compare_breakdown_in_manifest_and_report(tp12_run):
     tb = assert_breakdown(tp12_run)
     kinds = [p["part"] for p in tb["parts"]]
-    assert kinds == ["setup", "world", "world", "world", "diff", "other"], kinds  # --no-confirm
+    assert kinds == ["checks", "setup", "world", "world", "world", "diff", "other"], kinds  # --no-confirm
     assert [p["what"] for p in tb["parts"] if p["part"] == "world"] == [
         "TP=1 (reference)", "TP=1 (reference rerun)", "TP=2"]
     t = tb["totals"]

@@ -82,6 +82,9 @@ def compare(
 ) -> None:
     """Run the model at each TP degree and find the first op that differs from the reference."""
     DEBUG["on"] = debug
+    import time
+
+    entered = time.perf_counter()  # the time breakdown's start: the input checks count too
     try:
         from tpdiag.config import (CAPTURES, DEVICES, DTYPES, GRANULARITIES, CompareConfig, parse_choice,
                                    parse_degrees)
@@ -123,9 +126,9 @@ def compare(
                 from tpdiag.cli_render import progress
 
                 with progress(console(stderr=True), cfg, quiet) as on_status:
-                    summary = compare_session(cfg, on_status)
+                    summary = compare_session(cfg, on_status, started=entered)
             else:
-                summary = compare_session(cfg)
+                summary = compare_session(cfg, started=entered)
     except TpdiagError as e:
         fail(e)
     except KeyboardInterrupt:

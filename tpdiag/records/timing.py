@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 SCHEMA = 1
-PART_KINDS = ("setup", "world", "diff", "second-pass", "confirm", "fix-chain", "other")
+PART_KINDS = ("checks", "setup", "world", "diff", "second-pass", "confirm", "fix-chain", "other")
 # sums over every world of the command (overlapping the parts): docs/how-it-works.md#timing-fields
 TOTALS = ("worlds", "start_s", "model_build_s", "selfcheck_s", "steps_s", "gather_s", "write_s",
           "float64_s", "triton_compile_s", "triton_compiles")

@@ -63,7 +63,7 @@ def _diff_s(manifest: dict) -> float:
 def _first_pass(manifest: dict, parts: list) -> None:
     phases = manifest.get("phases") or {}
     if _num(phases.get("setup_s")) is not None:
-        parts.append({"part": "setup", "what": "checks, device, manifest", "s": phases["setup_s"]})
+        parts.append({"part": "setup", "what": "compare's checks, device, manifest", "s": phases["setup_s"]})
     from tpdiag.axes import config_name
 
     ref = str(manifest.get("reference"))
@@ -77,10 +77,15 @@ def _first_pass(manifest: dict, parts: list) -> None:
         parts.append({"part": "diff", "what": "align, compare, locate, judge", "s": phases["diff_s"]})
 
 
-def breakdown(run_dir: str, wall_s: float, second_pass_s: float | None = None) -> dict:
+def breakdown(run_dir: str, wall_s: float, second_pass_s: float | None = None,
+              checks_s: float | None = None) -> dict:
     """The `time_breakdown` of the compare whose run directory is `run_dir` and whose whole
-    command took wall_s (see the module docstring)."""
+    command took wall_s (see the module docstring); checks_s: the command's own input checks
+    before the session (the CLI's: model config, plan, memory preflight, the fork server's start)."""
     parts: list[dict] = []
+    if checks_s is not None:
+        parts.append({"part": "checks", "what": "input checks, memory preflight, fork server start",
+                      "s": checks_s})
     totals = {k: 0.0 for k in TOTALS if k not in ("triton_compile_s", "triton_compiles")}
     totals["worlds"] = 0
     first = _read(run_dir)
