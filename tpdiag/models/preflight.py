@@ -88,8 +88,8 @@ def preflight(spec, degrees, batch: int, seq: int, dtype: str, backward: bool, d
             bigger = [d for d in _valid_degrees(model_divisors(spec)) if d > ref and (gpus is None or d <= gpus)
                       and need_bytes(dims, d, batch, seq, dtype, backward, device) <= room]
             if bigger:
-                hints.append(f"or take TP={bigger[0]} as the reference (--tp {bigger[0]},...; it holds the "
-                             f"whole model on {bigger[0]} GPUs)")
+                hints.append(f"or take TP={bigger[0]} as the reference (--tp {bigger[0]},...; it holds this "
+                             f"model on {bigger[0]} GPUs)")
         hints.append("lower --batch-size or --seq-len" + (" (not even one decoder layer with the embedding "
                                                           "and head fits)" if not n and spec.kind != "py" else "")
                      if not hints else "or lower --batch-size or --seq-len")

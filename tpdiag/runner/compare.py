@@ -90,7 +90,9 @@ def validate(cfg: CompareConfig) -> dict:
     # minutes of a rank growing until the OOM killer picks a process on a shared host; a model
     # whose reference cannot fit is told which slice (--layers) or reference degree does.
     device = guess_device(cfg.device, cfg.degrees)
-    pre = preflight(spec, cfg.degrees, cfg.batch_size, cfg.seq_len, cfg.dtype, cfg.backward, device,
+    # activations: the fewest sequences any world runs in one call (a lower bound for all of them)
+    rows = min(cfg.micro_batches) if cfg.micro_batches and spec.kind != "py" else cfg.batch_size
+    pre = preflight(spec, cfg.degrees, max(1, rows), cfg.seq_len, cfg.dtype, cfg.backward, device,
                     cfg.variant, gpus=_gpus(device))
     from tpdiag.config import CAPTURES
 
