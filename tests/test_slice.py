@@ -33,9 +33,11 @@ def test_slice_runs_the_real_first_layers_bitwise(tmp_path):
                 "--format", "json", "--out", str(full))
     assert p.returncode == 0, p.stderr
     p = run_cli("compare", "--model", spec, "--layers", "1", "--tp", "1,2", "--forward-only", "--no-confirm",
-                "--out", str(cut))
+                "--verbose", "--out", str(cut))
     assert p.returncode == 0, p.stderr
     assert "model: the first 1 of 3 decoder layers with the real embedding and head (--layers 1)" in p.stdout
+    # --verbose: where the time went, after the verdict
+    assert "\ntime: " in p.stdout and "world: TP=1 (reference rerun)" in p.stdout and "model build" in p.stdout
     m = json.loads((cut / "manifest.json").read_text())
     assert m["slice"]["layers"] == 1 and m["slice"]["total_layers"] == 3
     assert m["slice"]["config"] == {"num_hidden_layers": "3 -> 1", "layer_types": "first 1 of 3"}
@@ -173,3 +175,20 @@ def test_depth_scaled_init_is_the_whole_models(tmp_path, monkeypatch):
     cut = load_model(str(tmp_path), torch.device("cpu"), seed=3, layers=1).state_dict()
     assert [k for k, t in cut.items() if not torch.equal(t, full[k])] == ["transformer.h.0.attn.c_proj.weight",
                                                                           "transformer.h.0.mlp.c_proj.weight"]
+
+
+def test_moe_slices_keep_each_layers_kind(tmp_path):
+    """DeepSeek-V3's layer 0 is dense (first_k_dense_replace=1), layer 1 MoE; gpt-oss alternates
+    sliding and full attention (layer_types): a slice's layer i is the model's layer i."""
+    from tpdiag.models.hf import meta_build
+
+    ds = write_tiny("deepseek_v3", tmp_path / "ds")[3:]
+    for n in (1, 2):
+        model = meta_build(ds, layers=n)[0]
+        kinds = ["moe" if hasattr(layer.mlp, "experts") else "dense" for layer in model.model.layers]
+        assert kinds == ["dense", "moe"][:n], kinds
+    oss = write_tiny("gpt_oss", tmp_path / "oss", num_hidden_layers=4,
+                     layer_types=["sliding_attention", "full_attention"] * 2)[3:]
+    model = meta_build(oss, layers=3)[0]
+    assert model.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert len(model.model.layers) == 3
