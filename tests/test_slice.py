@@ -192,3 +192,26 @@ def test_moe_slices_keep_each_layers_kind(tmp_path):
     model = meta_build(oss, layers=3)[0]
     assert model.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
     assert len(model.model.layers) == 3
+
+
+def test_slice_of_a_checkpoint_reads_only_its_layers(tmp_path):
+    """A safetensors checkpoint of 3 layers under --layers 1: read tensor by tensor straight into
+    the slice (the dropped layers' keys skipped, not a fallback to from_pretrained), each tensor
+    the checkpoint's."""
+    import hf_configs
+    from safetensors.torch import load_file
+
+    from tpdiag.models.hf import load_model, meta_build
+
+    path = write_tiny("llama", tmp_path / "m", num_hidden_layers=3)[3:]
+    hf_configs._mod.write_weights(path)
+    built = meta_build(path, layers=1)
+    assert built is not None and not [k for k in built[1] if "layers.1." in k or "layers.2." in k]
+    ckpt = {}
+    for f in (tmp_path / "m").glob("*.safetensors"):
+        ckpt.update(load_file(str(f)))
+    cut = load_model(path, torch.device("cpu"), seed=1, layers=1).state_dict()
+    assert {k for k in ckpt if "layers.1." not in k and "layers.2." not in k} <= set(cut)
+    for k, t in cut.items():
+        if k in ckpt:
+            assert torch.equal(t, ckpt[k].to(t.dtype)), k
