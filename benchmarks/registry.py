@@ -55,6 +55,12 @@ JOBS: dict[str, Job] = {
     "compare-1b": Job("benchmarks.jobs.compare", "`tpdiag compare` on llama-1b bf16 batch 1 x seq 2048, "
                       "default flow (= compare --set 1b)", "CUDA (NCCL), one GPU per degree",
                       prefix=("--set", "1b"), table=("tp", "run", "rc", "status", "capture", "wall_s", "phases.compare_s")),
+    "time-breakdown": Job("benchmarks.jobs.compare", "where a compare's time goes: llama-1b and an 8B-shaped "
+                          "hf: config (4 layers, then all 32), bf16 1 x 2048, TP=1,1 on one GPU, the "
+                          "manifest's time_breakdown printed per run (= compare --set time)",
+                          "CUDA (NCCL), one GPU; --tp 1,2,4 for more", prefix=("--set", "time"),
+                          table=("run", "rc", "status", "wall_s", "time_breakdown.wall_s",
+                                 "time_breakdown.totals.*")),
     "attention": Job("benchmarks.attention", "attention fix benchmark", "see the job's --help",
                       table=("meta.shape", "meta.dtype", "backends.*.fwdbwd_ms", "backends.*.ratio_to_fastest_stock")),
     "suite": Job("benchmarks.jobs.suite", "several jobs in one device call (NCCL_NVLS_ENABLE=0, wheels "

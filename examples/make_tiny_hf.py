@@ -97,6 +97,16 @@ SHAPES = {
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
                  "tie_word_embeddings": True, "dtype": "bfloat16"},
+    # Llama-3.1-8B / -70B shapes (with kind llama): GQA 32/8 and 64/8 heads of 128, vocab 128256,
+    # untied head; a 70B does not fit TP=1 on one GPU: `tpdiag compare --layers N` (docs/scale-70b.md)
+    "llama-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                 "tie_word_embeddings": False, "dtype": "bfloat16"},
+    "llama-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                  "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                  "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                  "tie_word_embeddings": False, "dtype": "bfloat16"},
 }
 
 

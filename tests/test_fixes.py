@@ -47,6 +47,12 @@ def test_confirm_moves_the_first_divergence(tmp_path):
     assert after is None or after["idx"] > d["first_divergence"]["idx"]
     on_disk = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert on_disk["degrees"]["4"]["confirmation"]["verdict"] == "confirmed"
+    from test_timing import assert_breakdown
+
+    tb = assert_breakdown(tmp_path / "r")  # the confirmation rerun is a part of its own
+    (c,) = [p for p in tb["parts"] if p["part"] == "confirm"]
+    assert c["what"] == "tp-invariant-linear" and set(c["worlds"]) == {"1", "4"} and c["s"] > 0
+    assert tb["totals"]["worlds"] == 5  # TP=1, its rerun, TP=4, and the confirmation's two
 
 
 def test_fix_auto_chain_ends_bitwise(tmp_path):
@@ -59,6 +65,11 @@ def test_fix_auto_chain_ends_bitwise(tmp_path):
     causes = [fd["cause"] for r in chain[:-1] for fd in r["first_divergence"].values() if fd]
     assert causes == ["row-parallel-reduction", "vocab-parallel-softmax", "grad-norm"]
     assert set(chain[-1]["fixes"]) == set(ALL)
+    from test_timing import assert_breakdown
+
+    tb = assert_breakdown(tmp_path / "r")  # round 0 is the first pass; each fixed round a part
+    assert [p["what"] for p in tb["parts"] if p["part"] == "fix-chain"] == [
+        f"round{i}" for i in range(1, len(chain))]
     # round 0 is the compare the user asked for: it reran the reference, and the output says so
     assert s["baseline"] == {"reproducible": True, "label": "1-base"}, s.get("baseline")
     import io

@@ -78,6 +78,15 @@ def test_auto_records_ops_only_inside_the_first_divergent_module(tmp_path):
     ops = [line for line in (tmp_path / "r" / "ops" / "tp4" / "events.jsonl").read_text().splitlines()
            if '"kind": "op"' in line]
     assert 0 < len(ops) < 20 and all(fd["module"] in line for line in ops)
+    from test_timing import assert_breakdown
+
+    tb = assert_breakdown(tmp_path / "r")
+    (sp,) = [p for p in tb["parts"] if p["part"] == "second-pass"]
+    assert sp["what"] == "ops" and set(sp["worlds"]) == {"ops/1", "ops/4"} and sp["s"] > 0
+    # the ops pass re-executed the module's ops in float64 in its reference world
+    assert tb["totals"]["float64_s"] > 0
+    ref = json.loads((tmp_path / "r" / "ops" / "manifest.json").read_text())["worlds"]["1"]["timings"]
+    assert ref["float64_s"] > 0
 
 
 def test_in_place_op_record_holds_its_new_value():

@@ -98,6 +98,7 @@ class WorldConfig:
     prefix_from: str = ""
     # backend flags (runner/flags.py): 'deterministic' (compare's) or PyTorch's 'default'
     flags: str = "deterministic"
+    layers: int = 0  # --layers N: the model's first N decoder layers (models/slice.py); 0: all
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -158,6 +159,7 @@ class CompareConfig:
     positions: int = 0            # reruns of decode configurations: the first positions only
     prefix_from: str = ""         # ... placed as in this earlier decode world (runner/prefix.py)
     flags: str = "deterministic"  # backend flags of every world (runner/flags.py)
+    layers: int = 0               # --layers N: the first N decoder layers (models/slice.py); 0: all
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -200,4 +202,4 @@ class CompareConfig:
                            capture=self.capture, module_include=self.module_include,
                            tree_groups=self.tree_groups, group_gemm=self.group_gemm,
                            selfcheck=self.selfcheck, positions=self.positions,
-                           prefix_from=self.prefix_from, flags=self.flags, **kw)
+                           prefix_from=self.prefix_from, flags=self.flags, layers=self.layers, **kw)

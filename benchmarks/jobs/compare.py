@@ -22,6 +22,10 @@ confirmation and the worlds' wall times. Named sets of runs (--set):
            ranks work: --device cpu)
   start-4b the same A/B, two pairs, with 4b's safetensors checkpoint at --tp 1,1 (two TP=1 worlds:
            one GPU): the first world's start at issue #20's size
+  time     where the time goes (manifest.json time_breakdown, printed per run): llama-1b bf16
+           1 x 2048 and a Llama-3.1-8B-shaped hf: config (make_tiny_hf.py --shape llama-8b) cut to
+           its first 4 layers (--layers 4), then the whole 8B (8b); default --tp 1,1 (two TP=1
+           worlds: one GPU) - `time-breakdown`
 
     python -m benchmarks compare-1b [--tp 1,2,4]
     python -m benchmarks compare --set matrix --tp 1,2,4
@@ -46,6 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TINY_HF = os.path.join(ROOT, "examples", "make_tiny_hf.py")
 MED = ["--model", "medium-llama", "--seq-len", "256", "--batch-size", "4"]
 Q4B = ["--model", "hf:/tmp/hf-qwen3-4b", "--dtype", "bfloat16", "--seq-len", "1024", "--batch-size", "2"]
+L8B = ["--model", "hf:/tmp/hf-llama-8b", "--dtype", "bfloat16", "--seq-len", "2048", "--batch-size", "1"]
 L1B = ["--model", "llama-1b", "--dtype", "bfloat16", "--seq-len", "2048", "--batch-size", "1"]
 
 # set -> [(name, compare args, extra env, seconds)]; tp None: the set's --tp
@@ -92,6 +97,9 @@ SETS: dict[str, list[tuple]] = {
                              "--no-baseline", "--tp", "1,2", "--grid"], {}, 240),
              ("decode-fix-hf", ["--model", "hf:/tmp/hf-llama", "--dtype", "bfloat16", "--mode", "prefill,decode",
                                 "--forward-only", "--fix", "all", "--no-confirm", "--tp", "1,2", "--grid"], {}, 200)],
+    # issue #59 item 1: each run's breakdown (setup, worlds, rerun, diff, second pass, confirmations;
+    # model build, float64, Triton compiles) is printed after the table
+    "time": [("t-l1b", L1B, {}, 150), ("t-8b-4l", L8B + ["--layers", "4"], {}, 150), ("t-8b", L8B, {}, 300)],
     "smoke": [("smoke-fp32", ["--dtype", "float32", "--no-baseline", "--no-confirm"], {}, 240)],
     # the fork server started before the input checks (runner/launch.prestart) or, as before, with
     # the first world: A/B pairs, alternating; read each run's first world's spawn_s and start
@@ -108,7 +116,7 @@ SETS: dict[str, list[tuple]] = {
 WORLD_KEYS = ("spawn_s", "setup_s", "process_group_s", "model_s", "world_start_s", "selfcheck_s", "steps_s",
               "gather_s", "write_s", "init", "init_full_peak_bytes", "init_whole_bytes", "peak_mem_bytes",
               "max_rss_bytes")
-DEFAULT_TP = {"axes": "1", "1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2", "start": "1,2", "start-4b": "1,1"}
+DEFAULT_TP = {"time": "1,1", "axes": "1", "1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2", "start": "1,2", "start-4b": "1,1"}
 
 
 def parse(argv):
@@ -170,6 +178,7 @@ def summary_row(name: str, rc: int, wall: float, run_dir: str, err_path: str) ->
         # where the time and memory go (docs/scale.md's tables): phases, and per world its start,
         # which init path ran and the GPU peak
         row["phases"] = m.get("phases")
+        row["time_breakdown"] = m.get("time_breakdown")
         row["worlds"] = {k: {t: v for t, v in (w.get("timings") or {}).items() if t in WORLD_KEYS}
                          for k, w in (m.get("worlds") or {}).items()}
     except (OSError, ValueError):
@@ -199,11 +208,13 @@ def main(argv: list[str]) -> dict:
     if any(a.startswith("hf:") for r in args.runs for a in r[1]):
         for m in ("llama", "qwen3"):
             subprocess.run([sys.executable, TINY_HF, m, f"/tmp/hf-{m}"], check=True, capture_output=True)
-        made = {"hf:/tmp/hf-qwen3-4b": [], "hf:/tmp/hf-qwen3-4b-st": ["--weights"]}
-        for target, extra in made.items():
+        made = {"hf:/tmp/hf-qwen3-4b": ("qwen3", "qwen3-4b", []),
+                "hf:/tmp/hf-qwen3-4b-st": ("qwen3", "qwen3-4b", ["--weights"]),
+                "hf:/tmp/hf-llama-8b": ("llama", "llama-8b", [])}
+        for target, (kind, shape, extra) in made.items():
             if any(target in r[1] for r in args.runs):
                 t0 = time.monotonic()
-                subprocess.run([sys.executable, TINY_HF, "qwen3", target[3:], "--shape", "qwen3-4b", *extra],
+                subprocess.run([sys.executable, TINY_HF, kind, target[3:], "--shape", shape, *extra],
                                check=True, capture_output=True)
                 print(f"wrote {target[3:]} in {time.monotonic() - t0:.1f} s", flush=True)
     os.makedirs(args.work, exist_ok=True)
@@ -239,5 +250,11 @@ def main(argv: list[str]) -> dict:
                     shutil.copy(os.path.join(run_dir, f), os.path.join(d, f"{name}_{f}"))
             with open(err_path) as f_err, open(os.path.join(d, f"{name}_err_tail.txt"), "w") as f_out:
                 f_out.write(f_err.read()[-1500:])
+    for r in rows:  # where each run's time went (tpdiag compare --verbose's lines)
+        if r.get("time_breakdown"):
+            from tpdiag.cli.timing import time_lines
+
+            print(f"\n{r['run']} ({r.get('args')}):")
+            print("\n".join(time_lines({"time_breakdown": r["time_breakdown"]})), flush=True)
     return {"set": args.set_, "tp": args.tp, "device": args.device, "runs": rows,
             "ok": all(r["rc"] == 0 for r in rows)}

@@ -73,6 +73,7 @@ def compare(
     seed: Annotated[int, typer.Option(help="seed for weights and batch")] = 1234,
     batch_size: Annotated[int, typer.Option(help="sequences per batch")] = 2,
     seq_len: Annotated[int, typer.Option(help="tokens per sequence")] = 16,
+    layers: Annotated[int, typer.Option(help=H.LAYERS)] = 0,
     variant: Annotated[str, typer.Option(help=H.variant())] = "stock",
     variants: Annotated[Optional[str], typer.Option(help=H.variants())] = None,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline",
@@ -91,10 +92,14 @@ def compare(
     fmt: Format = "text",
     fail_on_divergence: Annotated[bool, typer.Option("--fail-on-divergence", help=FAIL_HELP)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help=H.VERBOSE)] = False,
     debug: Debug = False,
 ) -> None:
     """Run the model at each TP degree and find the first op that differs from the reference."""
     DEBUG["on"] = debug
+    import time
+
+    entered = time.perf_counter()  # the time breakdown's start: the input checks count too
     try:
         from tpdiag.config import (CAPTURES, DEVICES, DTYPES, GRANULARITIES, CompareConfig, parse_choice,
                                    parse_degrees)
@@ -109,7 +114,7 @@ def compare(
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
-            seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len,
+            seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len, layers=layers,
             tree_groups=0 if tree_groups is None else tree_groups, flags=_one_flags(flags),
             **H.axes(micro_batch, mode, grid))
         from tpdiag.records.lock import refuse_if_held
@@ -137,9 +142,9 @@ def compare(
                 from tpdiag.cli.render import progress
 
                 with progress(console(stderr=True), cfg, quiet) as on_status:
-                    summary = compare_session(cfg, on_status)
+                    summary = compare_session(cfg, on_status, started=entered)
             else:
-                summary = compare_session(cfg)
+                summary = compare_session(cfg, started=entered)
     except TpdiagError as e:
         fail(e)
     except KeyboardInterrupt:
@@ -150,6 +155,10 @@ def compare(
         skipped = ("--no-baseline" if not cfg.baseline
                    else f"TP={cfg.degrees[0]} is rerun among the degrees instead")
     emit_summary(summary, fmt, baseline_skipped=skipped)
+    if verbose and fmt == "text":
+        from tpdiag.cli.timing import print_time
+
+        print_time(console(), summary.get("run_dir"))
     if debug:
         print_rank_tracebacks(summary.get("run_dir"))
     exit_for(summary, fail_on_divergence)

@@ -143,3 +143,11 @@ def axes(micro_batch: str | None, mode: str | None, grid: bool) -> dict:
     from tpdiag.base.points import parse_micro_batches, parse_modes
 
     return {"micro_batches": parse_micro_batches(micro_batch), "modes": parse_modes(mode), "grid": grid}
+
+
+VERBOSE = ("after the verdict, where the time went: setup, each world, the reference rerun, the diff, "
+           "the second pass, each confirmation rerun, and within the worlds model build, float64 "
+           "re-execution and Triton compiles (manifest.json time_breakdown)")
+LAYERS = ("run only the model's first N decoder layers, with its real embedding, final norm and head "
+          "(the same weights; hf: per-layer config lists cut to match): a model whose reference does not "
+          "fit one GPU; 0: every layer")

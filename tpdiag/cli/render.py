@@ -105,6 +105,9 @@ def ran(summary: dict) -> str | None:
         return None
     what = "forward, backward and optimizer step" if summary.get("backward", True) else "forward only"
     line = f"ran: {steps} step{'s' if steps != 1 else ''} at each degree ({what})"
+    sl = summary.get("slice")
+    if isinstance(sl, dict) and sl.get("what"):
+        line += f"; model: {sl['what']} (--layers {sl.get('layers')})"
     if summary.get("fixes"):
         line += f"; fixes: {', '.join(summary['fixes'])}"
         if summary.get("tree_groups"):

@@ -24,13 +24,13 @@ def build_target(spec: ModelSpec, variant: str, device, seed: int):
         from tpdiag.models import tiny_llama
         from tpdiag.models.plans import llama_plan
 
-        model = tiny_llama.build_on(device, seed, spec.value)
+        model = tiny_llama.build_on(device, seed, spec.value, **spec.preset_overrides())
         return Target(model=model, plan=llama_plan(variant), vocab_size=model.cfg.vocab_size,
                       divisors=model.cfg.divisors())
     if spec.kind == "hf":
         from tpdiag.models.hf import load_hf_target
 
-        return load_hf_target(spec.value, variant, device=device, seed=seed)
+        return load_hf_target(spec.value, variant, device=device, seed=seed, layers=spec.layers)
     from tpdiag.models.spec import py_target
 
     t = py_target(spec.value, variant)
@@ -62,14 +62,14 @@ def build_sharded(spec: ModelSpec, variant: str, device, seed: int, dtype, mesh,
 
         plan = llama_plan(variant)
         with torch.device("meta"):
-            model = tiny_llama.build(spec.value)
+            model = tiny_llama.build(spec.value, **spec.preset_overrides())
         target = Target(model=model, plan=plan, vocab_size=model.cfg.vocab_size,
                         divisors=model.cfg.divisors())
         rule = model.init_module
     elif spec.kind == "hf":
         from tpdiag.models import hf
 
-        built = hf.meta_hf_target(spec.value, variant)
+        built = hf.meta_hf_target(spec.value, variant, layers=spec.layers)
         if built is None:
             raise ShardedInitUnsupported("the checkpoint's tensor names are not the model's own "
                                          "(loaded with from_pretrained)")

@@ -41,24 +41,81 @@ def _hf_dims(path: str) -> dict:
             "heads": g("num_attention_heads", "n_head")}
 
 
+@functools.lru_cache(maxsize=8)
+def param_counts(spec) -> tuple[int, tuple[int, ...]] | None:
+    """(parameters outside the decoder layers, each decoder layer's parameters) of the whole
+    model (no --layers), counted on a build on the meta device - no memory, no init - so a
+    70B-shaped config costs seconds; None where the model cannot be built that way."""
+    import re
+
+    import torch
+
+    from dataclasses import replace
+
+    spec = replace(spec, layers=0)
+    try:
+        if spec.kind == "builtin":
+            from tpdiag.models import tiny_llama
+
+            with torch.device("meta"):
+                model = tiny_llama.build(spec.value)
+        elif spec.kind == "hf":
+            from tpdiag.models.hf import meta_build
+
+            built = meta_build(spec.value)
+            if built is None:
+                return None
+            model = built[0]
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - the world reports an unbuildable model in its own words
+        return None
+    layer = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+    outside, per = 0, {}
+    for name, p in model.named_parameters():
+        m = layer.search(name)
+        if m is None:
+            outside += p.numel()
+        else:
+            per[int(m.group(1))] = per.get(int(m.group(1)), 0) + p.numel()
+    return outside, tuple(per.get(i, 0) for i in range(max(per) + 1 if per else 0))
+
+
 def model_dims(spec, variant: str = "stock") -> dict:
     """What is known of the model's size without building it: positions, vocab, dim, layers, ffn,
-    heads, params (any may be None)."""
+    heads, params (any may be None); `total_layers`: the whole model's, where --layers slices it
+    (spec.layers), `layers` and `params` then the slice's."""
     if spec.kind == "builtin":
         from tpdiag.models.presets import PRESETS
 
         p = {"vocab_size": 512, "dim": 256, "n_layers": 2, "n_heads": 16, "ffn_dim": 512, "max_seq_len": 4096,
              **PRESETS[spec.value]}
-        return {"positions": p["max_seq_len"], "vocab": p["vocab_size"], "dim": p["dim"], "layers": p["n_layers"],
+        dims = {"positions": p["max_seq_len"], "vocab": p["vocab_size"], "dim": p["dim"], "layers": p["n_layers"],
                 "ffn": p["ffn_dim"], "heads": p["n_heads"]}
-    if spec.kind == "hf":
-        return dict(_hf_dims(spec.value))
-    from tpdiag.models.precheck import _py_target
+    elif spec.kind == "hf":
+        dims = dict(_hf_dims(spec.value))
+    else:
+        from tpdiag.models.precheck import _py_target
 
-    t = _py_target(spec, variant)
-    if t is None:
-        return {}
-    return {"vocab": t.vocab_size, "params": sum(p.numel() for p in t.model.parameters())}
+        t = _py_target(spec, variant)
+        if t is None:
+            return {}
+        return {"vocab": t.vocab_size, "params": sum(p.numel() for p in t.model.parameters())}
+    return sliced(dims, spec)
+
+
+def sliced(dims: dict, spec, layers: int | None = None) -> dict:
+    """dims for the first `layers` (default spec.layers; 0: all) decoder layers, with the exact
+    parameter count where the meta build gives one."""
+    n = spec.layers if layers is None else layers
+    dims = dict(dims, total_layers=dims.get("layers"))
+    counts = param_counts(spec) if spec.kind in ("builtin", "hf") else None
+    if n:
+        dims["layers"] = n
+    if counts is not None:
+        outside, per = counts
+        dims["params"] = outside + sum(per[:n] if n else per)
+    return dims
 
 
 def estimate_bytes(dims: dict, batch: int, seq: int, dtype: str, backward: bool) -> int:
@@ -103,22 +160,6 @@ def available_bytes(device: str) -> tuple[int | None, str]:
         except OSError:
             continue
     return avail, "available host memory"
-
-
-def check_batch(spec, batch: int, seq: int, dtype: str, backward: bool, device: str,
-                variant: str = "stock") -> None:
-    """Raise BadInput when --seq-len passes the model's positions or the batch cannot fit (one line)."""
-    dims = model_dims(spec, variant)
-    pos = dims.get("positions")
-    if pos and seq > pos:
-        raise BadInput(f"--seq-len {seq}: the model has {pos} positions; use --seq-len {pos} or less")
-    need = estimate_bytes(dims, batch, seq, dtype, backward)
-    have, where = available_bytes(device)
-    if have is not None and need > have:
-        raise BadInput(f"--batch-size {batch} x --seq-len {seq}: the reference world needs at least "
-                       f"{need / GiB:,.1f} GiB ({dtype}, activations and logits"
-                       f"{', grads and optimizer state' if backward else ''}), {have / GiB:,.1f} GiB {where}; "
-                       "lower --batch-size or --seq-len")
 
 
 def guess_device(device: str, degrees) -> str:

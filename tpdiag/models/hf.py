@@ -45,7 +45,7 @@ def _transformers():
     return transformers
 
 
-def _config(path: str):
+def _config(path: str, layers: int = 0):
     transformers = _transformers()
     from transformers import AutoConfig
 
@@ -64,23 +64,27 @@ def _config(path: str):
     for key in ("attention_dropout", "hidden_dropout", "dropout"):
         if hasattr(tc, key):
             setattr(tc, key, 0.0)
+    if layers:  # --layers N: the first N decoder layers (tpdiag/models/slice.py)
+        from tpdiag.models.slice import slice_text_config
+
+        slice_text_config(tc, layers)
     return config
 
 
-def load_model(path: str, device=None, seed: int | None = None):
+def load_model(path: str, device=None, seed: int | None = None, layers: int = 0):
     """The whole model: safetensors weights if present, else a random init.
 
     device None: built on the CPU, random init from the global RNG the caller seeded (every
     rank builds the same). With a device: built on the meta device and materialised there -
     safetensors loaded straight onto it, or each module initialised by its own
     `_init_weights` from an RNG seeded by (seed, module fqn) (tpdiag.models.meta_init)."""
-    config = _config(path)  # first: it says so when transformers is missing
+    config = _config(path, layers)  # first: it says so when transformers is missing
     import torch
     from transformers import AutoModelForCausalLM
 
     has_st = bool(glob.glob(os.path.join(path, "*.safetensors")))
     with _build_errors(path):
-        built = meta_build(path, config) if device is not None else None
+        built = meta_build(path, config, layers) if device is not None else None
         if built is not None:
             model, mapping = built
             materialize_hf(model, device, 0 if seed is None else seed)
@@ -125,7 +129,7 @@ def _refuse_pickled(path: str) -> None:
                        "tpdiag loads safetensors only - convert them, or remove them for a random init")
 
 
-def meta_build(path: str, config=None):
+def meta_build(path: str, config=None, layers: int = 0):
     """(the model built on the meta device, {tensor name: (file, key)} of its safetensors or None
     when the directory has none), or None when the checkpoint's names are not the model's own
     (it must be loaded with from_pretrained: tpdiag.models.weights)."""
@@ -134,7 +138,7 @@ def meta_build(path: str, config=None):
 
     from tpdiag.models import weights
 
-    config = _config(path) if config is None else config
+    config = _config(path, layers) if config is None else config
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         _refuse_pickled(path)
@@ -145,7 +149,12 @@ def meta_build(path: str, config=None):
     if not files:
         return model, None
     # tensors the checkpoint lacks keep their seeded init (transformers would draw them too)
-    mapping = weights.plan(model, files, getattr(model, "base_model_prefix", ""))
+    skip = None
+    if layers:  # the dropped layers' tensors are not read
+        from tpdiag.models.slice import dropped_key
+
+        skip = lambda key: dropped_key(key, layers)  # noqa: E731
+    mapping = weights.plan(model, files, getattr(model, "base_model_prefix", ""), skip=skip)
     return None if mapping is None else (model, mapping)
 
 
@@ -166,9 +175,13 @@ def init_rule(model):
             walk(child, current)
 
     walk(model, model)
+    from tpdiag.models.slice import whole_depth
+
+    tc = text_config(model.config)
 
     def rule(fqn, module):
-        owner[id(module)]._init_weights(module)
+        with whole_depth(tc):  # a --layers slice: initialised as the whole model's first layers
+            owner[id(module)]._init_weights(module)
         own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
         if own and any(bool(p.isnan().any()) for p in own) and hasattr(module, "reset_parameters"):
             module.reset_parameters()
@@ -190,17 +203,17 @@ def materialize_hf(model, device, seed: int) -> None:
         materialize(model, device, seed, init_rule(model))
 
 
-def load_hf_target(path: str, variant: str = "stock", device=None, seed: int | None = None):
+def load_hf_target(path: str, variant: str = "stock", device=None, seed: int | None = None, layers: int = 0):
     _check_variant(variant)
-    return _target(path, load_model(path, device, seed), variant)
+    return _target(path, load_model(path, device, seed, layers), variant)
 
 
-def meta_hf_target(path: str, variant: str = "stock"):
+def meta_hf_target(path: str, variant: str = "stock", layers: int = 0):
     """(the Target with its model still on the meta device, the safetensors mapping or None), or
     None when the checkpoint must go through from_pretrained (tpdiag.models.build's sharded
     build: the plan is applied on meta, then each module is materialised)."""
     _check_variant(variant)
-    built = meta_build(path)
+    built = meta_build(path, layers=layers)
     if built is None:
         return None
     model, mapping = built

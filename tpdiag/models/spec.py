@@ -15,12 +15,28 @@ from tpdiag.errors import BadInput
 class ModelSpec:
     kind: str  # builtin | hf | py
     value: str
+    layers: int = 0  # --layers N: the first N decoder layers only (tpdiag/models/slice.py); 0: all
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "value": self.value}
+        return {"kind": self.kind, "value": self.value, **({"layers": self.layers} if self.layers else {})}
+
+    def preset_overrides(self) -> dict:
+        """A built-in preset's LlamaConfig overrides for the slice."""
+        if not self.layers:
+            return {}
+        from tpdiag.models.presets import PRESETS
+
+        return {"n_layers": self.layers, "init_depth": PRESETS[self.value].get("n_layers", 2)}
 
 
-def parse_spec(spec: str) -> ModelSpec:
+def parse_spec(spec: str, layers: int = 0) -> ModelSpec:
+    from dataclasses import replace
+
+    s = _parse_spec(spec)
+    return replace(s, layers=int(layers)) if layers else s
+
+
+def _parse_spec(spec: str) -> ModelSpec:
     from tpdiag.models.presets import PRESETS
 
     spec = str(spec).strip()
@@ -143,7 +159,7 @@ def load_target(spec: ModelSpec, variant: str = "stock"):
         from tpdiag.models import tiny_llama
         from tpdiag.models.plans import llama_plan
 
-        model = tiny_llama.build(spec.value)
+        model = tiny_llama.build(spec.value, **spec.preset_overrides())
         return Target(model=model, plan=llama_plan(variant), vocab_size=model.cfg.vocab_size,
                       divisors=model.cfg.divisors())
     if spec.kind == "py":
@@ -151,7 +167,7 @@ def load_target(spec: ModelSpec, variant: str = "stock"):
     if spec.kind == "hf":
         from tpdiag.models.hf import load_hf_target
 
-        return load_hf_target(spec.value, variant)
+        return load_hf_target(spec.value, variant, layers=spec.layers)
     raise BadInput(f"unknown model kind {spec.kind!r}")
 
 
@@ -203,3 +219,21 @@ def check_degrees(spec: ModelSpec, degrees, divisors: dict[str, int] | None = No
             valid = [n for n in range(1, min(g, 64) + 1) if g % n == 0]
             raise BadInput(f"--tp {d}: does not divide {', '.join(bad)}; valid degrees for this model: "
                            f"{', '.join(map(str, valid))}")
+
+
+def slice_changes(spec: ModelSpec) -> dict:
+    """What --layers changed in the model's config ({key: description}): a preset's n_layers, an
+    hf: config's num_hidden_layers and per-layer lists (tpdiag/models/slice.py)."""
+    if not spec.layers:
+        return {}
+    if spec.kind == "builtin":
+        from tpdiag.models.presets import PRESETS
+
+        return {"n_layers": f"{PRESETS[spec.value].get('n_layers', 2)} -> {spec.layers}"}
+    if spec.kind != "hf":
+        return {}
+    from tpdiag.models.hf import _config
+    from tpdiag.models.hf_plan import text_config
+    from tpdiag.models.slice import slice_text_config
+
+    return slice_text_config(text_config(_config(spec.value)), spec.layers)

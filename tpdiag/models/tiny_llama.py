@@ -32,6 +32,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 4096
+    # the depth the residual projections' init is scaled for (0: n_layers): a --layers slice
+    # keeps the whole model's, so its layers hold the whole model's weights (models/slice.py)
+    init_depth: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -194,7 +197,7 @@ class TinyLlama(nn.Module):
             p.copy_(1.0 + 0.1 * torch.randn_like(p))
         else:
             nn.init.normal_(p, std=std if "wo" not in name and "w2" not in name
-                            else std / math.sqrt(2 * self.cfg.n_layers))
+                            else std / math.sqrt(2 * (self.cfg.init_depth or self.cfg.n_layers)))
 
     @torch.no_grad()
     def init_module(self, fqn: str, module: nn.Module) -> None:

@@ -20,9 +20,10 @@ def _names(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def plan(model: nn.Module, files: list[str], prefix: str = "") -> dict[str, tuple[str, str]] | None:
+def plan(model: nn.Module, files: list[str], prefix: str = "", skip=None) -> dict[str, tuple[str, str]] | None:
     """{model tensor name: (file, checkpoint key)} covering every checkpoint key, or None when a
-    key is not one of the model's tensors with the same shape (also tried under `prefix.`)."""
+    key is not one of the model's tensors with the same shape (also tried under `prefix.`).
+    skip(key): a key not to read (a layer `--layers` leaves out: tpdiag/models/slice.py)."""
     from tpdiag.base.files import open_safetensors
 
     names = _names(model)
@@ -30,6 +31,8 @@ def plan(model: nn.Module, files: list[str], prefix: str = "") -> dict[str, tupl
     for path in files:
         with open_safetensors(path) as f:
             for key in f.keys():
+                if skip is not None and skip(key):
+                    continue
                 name = key if key in names else f"{prefix}.{key}" if prefix else key
                 t = names.get(name)
                 if t is None or list(t.shape) != list(f.get_slice(key).get_shape()):

@@ -111,7 +111,10 @@ class OpProbe(TorchDispatchMode):
         rec = self.rec
         rec.enabled = False
         try:
-            out64, why = op_oracle(func, args, kwargs)
+            from tpdiag.probes.oracle_hooks import timed
+
+            with timed(rec):
+                out64, why = op_oracle(func, args, kwargs)
         finally:
             rec.enabled = True
         if why is not None:

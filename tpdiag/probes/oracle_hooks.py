@@ -4,6 +4,9 @@ snapshot of its inputs, and its backward from the output grad it received, recor
 probes neither record nor count the calls the re-execution makes."""
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -18,6 +21,23 @@ def _tensors(x):
     return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
 
 
+@contextmanager
+def timed(rec: Recorder):
+    """Adds the re-execution's wall time to rec.oracle_s (the world's `float64_s`). On a GPU the
+    device is synchronised on both sides, so the float64 kernels count here and not in the work
+    queued after them; a synchronisation changes no value."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    if sync:
+        sync()
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if sync:
+            sync()
+        rec.oracle_s += time.perf_counter() - t0
+
+
 def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls) -> None:
     """Re-execute mod in float64 from its input snapshot; record each floating output (in the
     positions its real outputs have) or, when refused, why (rec.oracle_notes)."""
@@ -26,7 +46,8 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
     rec.in_oracle, was = True, rec.enabled
     rec.enabled = False
     try:
-        out64, notes = module_oracle(mod, *snap)
+        with timed(rec):
+            out64, notes = module_oracle(mod, *snap)
     finally:
         rec.in_oracle, rec.enabled = False, was
     if notes:
@@ -55,7 +76,8 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
         rec.in_oracle, was = True, rec.enabled
         rec.enabled = False
         try:
-            grads, notes = module_oracle_grads(mod, *snap, g)
+            with timed(rec):
+                grads, notes = module_oracle_grads(mod, *snap, g)
         finally:
             rec.in_oracle, rec.enabled = False, was
         if notes:

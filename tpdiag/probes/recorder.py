@@ -103,6 +103,8 @@ class Recorder:
     # count calls, so the real run's call indices stay its own
     in_oracle: bool = False
     oracle_notes: dict = field(default_factory=dict)  # oracle key -> {why | discrete} (float64.py)
+    # seconds spent in float64 re-executions (the world's `float64_s`: where a second pass's time goes)
+    oracle_s: float = 0.0
     hash: bool = True
     stack: list = field(default_factory=list)  # modules whose forward is running (op attribution)
     mode: str = "full"                          # full | hash

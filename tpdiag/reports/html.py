@@ -184,10 +184,18 @@ def build_context(run_dir: str) -> dict:
                           for lab in labels if degrees[lab].get("steps")},
         "fix_chains": {lab: table_of(degrees[lab]["fix_chain"]) for lab in labels if degrees[lab].get("fix_chain")},
         "run_fix_chain": table_of(summary.get("fix_chain")) if summary.get("fix_chain") else None,
-        "matrix": matrix,
+        "matrix": matrix, "timing": _timing(manifest),
         "manifest_json": json.dumps(manifest, indent=2, default=str),
         "summary_json": json.dumps(summary, indent=2, default=str),
     }
+
+
+def _timing(manifest: dict) -> dict:
+    """The breakdown's checked rows (records/timing.py): a malformed one shows what was dropped."""
+    from tpdiag.records.timing import read_breakdown, rows, totals_line
+
+    tb, problems = read_breakdown(manifest)
+    return {"rows": rows(tb) if tb else [], "totals": totals_line(tb) if tb else None, "problems": problems}
 
 
 def _env():

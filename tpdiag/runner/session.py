@@ -10,13 +10,20 @@ from tpdiag.records.rundir import read_summary
 from tpdiag.config import CompareConfig
 
 
-def compare_session(cfg: CompareConfig, on_status=None) -> dict:
+def compare_session(cfg: CompareConfig, on_status=None, started: float | None = None) -> dict:
+    """started: time.perf_counter() when the command began (its input checks are then the
+    breakdown's first part, `checks`)."""
     from tpdiag.runner.compare import run_compare
     from tpdiag.runner.confirm import auto_chain, confirm
 
     from tpdiag.fixes import groups
 
     t0 = time.perf_counter()
+    if started is not None:
+        checks_s = t0 - started
+        t0 = started
+    else:
+        checks_s = None
     # G once for the whole session: the drill-down, confirm and fix-chain reruns keep it
     cfg = groups.resolve(cfg)
     if cfg.fix_mode == "auto":
@@ -24,7 +31,7 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
         first = read_summary(cfg.out)
         first["fix_chain"] = summary["fix_chain"]
         first["status_after_fixes"] = summary["status"]
-        first["timings"] = _timings(cfg.out, {"fix_chain_s": time.perf_counter() - t0})
+        first["timings"] = _timings(cfg.out, {"fix_chain_s": time.perf_counter() - t0}, t0, checks_s)
         io.write_json(os.path.join(cfg.out, "summary.json"), first)
         first["run_dir"] = cfg.out
         return first
@@ -47,24 +54,29 @@ def compare_session(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.diff.classes import add_classes
 
     add_classes(summary)  # the second pass may have judged a first divergence bug or rounding
-    summary["timings"] = _timings(cfg.out, extra)
+    summary["timings"] = _timings(cfg.out, extra, t0, checks_s)
     io.write_json(os.path.join(cfg.out, "summary.json"),
                   {k: v for k, v in summary.items() if k != "run_dir"})
     return summary
 
 
-def _timings(run_dir: str, extra: dict) -> dict:
+def _timings(run_dir: str, extra: dict, t0: float, checks_s: float | None = None) -> dict:
     """Wall time per phase of the whole compare and per world (manifest.json keeps the per-rank
     detail): the manifest's phases plus second pass / confirm / fix chain / total, written back
-    to the manifest's `phases`. Every key is optional; readers must not rely on them."""
+    to the manifest's `phases`, and the whole command's `time_breakdown` (runner/timing.py).
+    Every key is optional; readers must not rely on them."""
     from tpdiag.records.rundir import read_manifest
+    from tpdiag.runner.timing import breakdown
 
     manifest = read_manifest(run_dir)
     phases = dict(manifest.get("phases") or {})
     phases.update({k: round(v, 3) for k, v in extra.items()})
     manifest["phases"] = phases
+    # measured last, so every part above lies inside it
+    manifest["time_breakdown"] = breakdown(run_dir, time.perf_counter() - t0, extra.get("second_pass_s"),
+                                           checks_s)
     io.write_json(os.path.join(run_dir, "manifest.json"), manifest)
-    out = {"phases": phases, "worlds": _world_timings(manifest)}
+    out = {"phases": phases, "worlds": _world_timings(manifest), "breakdown": manifest["time_breakdown"]}
     # the second pass is a compare of its own in a subdirectory (runner/drill.py): its worlds'
     # split (start, steps, full-capture gather, write) is where a large model's time goes
     for sub in ("region", "ops"):

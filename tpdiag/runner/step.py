@@ -23,7 +23,7 @@ def build_model(cfg: WorldConfig, device: torch.device, world: int):
     from tpdiag.models.spec import parse_spec
 
     torch.manual_seed(cfg.seed)  # py: targets built on the CPU draw from the global RNG
-    spec, dtype, mesh, reason = parse_spec(cfg.model), getattr(torch, cfg.dtype), None, None
+    spec, dtype, mesh, reason = parse_spec(cfg.model, cfg.layers), getattr(torch, cfg.dtype), None, None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -29,8 +29,12 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
     # every rank of a world runs on this host: full capture's default host budget is shared
     os.environ.setdefault("TPDIAG_LOCAL_RANKS", str(world))
     try:
-        timings = _profiled(rank, cfg.label, _run, rank, world, host, port, cfg, timeout_s,
-                            entered, launched_at)
+        from tpdiag.runner.compile_time import compile_meter
+
+        with compile_meter(cfg.device) as compiled:  # Triton's JIT compiles, wherever they fall
+            timings = _profiled(rank, cfg.label, _run, rank, world, host, port, cfg, timeout_s,
+                                entered, launched_at)
+        timings.update(compiled)
         # the rank's phase timings travel in its marker: the launcher collects every rank's
         numerics = timings.pop("numerics", None)
         io.write_json(marker(cfg.out_dir, rank, "done"), {"rank": rank, "time": time.time(),
@@ -159,6 +163,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         bare_t = run(cfg.with_(probes=False), device, world, bare, decode_check=decode_calls,
                      decode_only_check=True)
         phases["selfcheck_s"] = time.perf_counter() - t0
+        phases["selfcheck_model_s"] = bare_t["model_s"]  # its own build, inside selfcheck_s
         first_built = first_run + bare_t["model_s"]
         if device.type == "cuda":
             phases["selfcheck_peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -175,6 +180,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     if world > 1:
         fingerprint = [None] * world
         dist.all_gather_object(fingerprint, rec.fingerprint)
+    if cfg.oracle or cfg.oracle_ops:  # float64 re-executions, inside steps_s
+        timings["float64_s"] = rec.oracle_s
     if rec.piece_varying:  # decode calls' records left out as they grew (probes/pieces.grows)
         timings["piece_records_left_out"] = sum(rec.piece_varying.values())
     if rec.host_store is not None:  # full capture: bytes captured, copied once, spilled

@@ -1,0 +1,55 @@
+"""Kernel compile time of one rank: Triton's JIT compiles (or loads from its on-disk cache) a
+kernel the first time it is launched with a new specialisation, inside whatever step launched it.
+Triton calls `knobs.runtime.jit_cache_hook` just before and `jit_post_compile_hook` just after
+each such compile (synchronous mode), so the seconds between the two are the compile, measured
+where it happens rather than guessed from a slow first step.
+
+Only where Triton compiles: on a GPU. On the CPU tpdiag's kernels run in Triton's interpreter or
+as torch code, and nothing is reported (an absent field, not a zero that reads as measured).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+
+@contextmanager
+def compile_meter(device_type: str):
+    """Yields a dict that holds, when the block ends, `triton_compile_s` and `triton_compiles`
+    (empty where nothing was measured). Hooks another user installed are called as before."""
+    out: dict = {}
+    if device_type != "cuda":
+        yield out
+        return
+    try:
+        from triton import knobs
+    except Exception:  # noqa: BLE001 - no Triton (or one without knobs): nothing to measure
+        yield out
+        return
+    rt = getattr(knobs, "runtime", None)
+    if not (hasattr(rt, "jit_cache_hook") and hasattr(rt, "jit_post_compile_hook")):  # an older Triton
+        yield out
+        return
+    prev_pre, prev_post = rt.jit_cache_hook, rt.jit_post_compile_hook
+    started: list[float] = []
+    total = {"s": 0.0, "n": 0}
+
+    def pre(*args, **kwargs):
+        # a truthy answer skips the compile: only the hook that was there may say so
+        skip = prev_pre(*args, **kwargs) if prev_pre else None
+        if not skip:
+            started.append(time.perf_counter())
+        return skip
+
+    def post(*args, **kwargs):
+        if started:
+            total["s"] += time.perf_counter() - started.pop()
+            total["n"] += 1
+        return prev_post(*args, **kwargs) if prev_post else None
+
+    rt.jit_cache_hook, rt.jit_post_compile_hook = pre, post
+    try:
+        yield out
+    finally:
+        rt.jit_cache_hook, rt.jit_post_compile_hook = prev_pre, prev_post
+        out.update(triton_compile_s=total["s"], triton_compiles=total["n"])
