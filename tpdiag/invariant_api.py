@@ -175,8 +175,11 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
 def clip_grad_norm_(parameters, max_norm: float | None):
     """The global L2 norm of the parameters' grads, and the grads scaled to at most max_norm
     (None: the norm only). Under tpdiag.invariant with invariant-grad-norm on: each grad
-    gathered whole, a float64 norm in parameter order and a power-of-two clip coefficient, the
-    same bits at every TP. Otherwise an ordinary float32 global norm over the grads' shards."""
+    gathered whole and a float64 norm in parameter order (the same bits at every TP), then
+    torch.nn.utils.clip_grad_norm_'s own coefficient, min(max_norm / (norm + 1e-6), 1), from
+    that norm in torch's norm dtype, kept on the device (no host sync): where the norms agree
+    the scaled grads are torch's bit for bit. Returns the float64 norm. Otherwise an ordinary
+    float32 global norm over the grads' shards."""
     import torch
 
     from tpdiag.fixes import state
