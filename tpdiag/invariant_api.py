@@ -57,7 +57,9 @@ def tp_degree(model) -> int:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    # equal meshes count once: parallelize_module can leave equal DeviceMesh objects on one model
+    # (a GPT-2 with a ColwiseParallel(use_local_output=False) head, built twice in one process)
+    meshes = {p.device_mesh: p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     if len(meshes) > 1:
         raise BadInput(f"model: its DTensor parameters live on {len(meshes)} device meshes; "
                        "tpdiag.invariant supports one 1-D TP mesh")
