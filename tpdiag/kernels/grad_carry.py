@@ -196,15 +196,16 @@ def _warn(names: list[str]) -> None:
 
 
 @contextmanager
-def window(model=None):
+def window(model=None, warn: bool = False):
     """Open an accumulation window (one at a time); on a clean exit the carries go into .grad,
-    on an exception they are dropped. Always closed in `finally`. A parameter of `model` that
-    got a grad inside the window but not through a carry is named in a NotCarried warning
-    when the window closes (before the optimizer step that would use it)."""
+    on an exception they are dropped. Always closed in `finally`. warn (the public
+    accumulate_grads): a parameter of `model` that got a grad inside the window but not through
+    a carry is named in a NotCarried warning when the window closes (before the optimizer step
+    that would use it); the runner's worlds report per-parameter grads themselves."""
     if _WINDOW:
         raise BadInput("accumulate_grads: a window is already open (they do not nest)")
     w = Window(model)
-    before = _grad_state(model)
+    before = _grad_state(model) if warn else {}
     _WINDOW.append(w)
     ok = False
     try:
