@@ -8,10 +8,14 @@ a SequenceParallel style is refused in one line rather than silently left stock.
 Every other RMSNorm and every LayerNorm (replicated: no style in the plan) is wrapped for grad
 accumulation (kernels/grad_carry.py): inside an open window its weight's (and a LayerNorm's
 bias's) grad goes into the window's fp32 carry in token blocks (CarryScale, CarryLayerNorm);
-outside one it runs stock. Why a LayerNorm needs it: its weight and bias grads are sums over the
-tokens that torch's backward kernel reduces in an order that depends on how many rows the call
-holds, so one call over 4 sequences and 4 calls of one give other bits (3.5e-10 apart in
-issue 61) even before the pieces are added. A module whose forward is not the stock formula bit
+outside one it runs stock. Why a LayerNorm needs it (issue 61: its grads 3.5e-10 apart between
+1 x 4 and 4 x 1 micro-batches while every carried grad was equal): its weight and bias grads are
+sums over the tokens, and without a carry each micro-batch's kernel call sums its own tokens,
+rounds, and the pieces are added into .grad one by one - another association than one sum over
+every token. (On the CPU, one thread, torch's kernel sums the rows it is given in an order that
+does not depend on how many there are - zero-grad rows appended leave its bits unchanged,
+tests/test_accumulate_gpt2.py - so the pieces' adding is the whole difference there; a GPU
+kernel's row blocking may add to it.) A module whose forward is not the stock formula bit
 for bit (checked once as the fix installs, on a seeded input) is left stock (accumulate_grads
 then names its parameters as not carried).
 """

@@ -78,8 +78,8 @@ class EmbeddingCarry(torch.autograd.Function):
 class CarryLayerNorm(torch.autograd.Function):
     """y = layer_norm(x) * w + b, the stock kernel (the same bits as F.layer_norm). Backward: dx
     from the stock kernel (its per-row dx, with the weight and bias grads masked off); the
-    weight's and bias's grads - sums over tokens, which the stock kernel reduces in an order
-    that depends on how many rows the call holds - go into the carry in token blocks:
+    weight's and bias's grads - sums over tokens, which per micro-batch would be rounded and
+    added piece by piece - go into the carry in token blocks:
     dw += sum_t g_t * xhat_t, db += sum_t g_t (fp32 terms, xhat from the forward's mean/rstd)."""
 
     @staticmethod
