@@ -43,6 +43,10 @@ def user_step(model, target, fargs, fkwargs, labels, opt, sync, world: int, dev,
                 from torch.distributed.tensor.parallel import loss_parallel
 
                 ctx = loss_parallel()
+            elif logits.shape[-1] != target.vocab_size:  # an unmarked local shard: no user loss
+                raise ValueError(f"--loop user: the model's logits are a plain {logits.shape[-1]}-wide "
+                                 f"shard of a {target.vocab_size} vocab; use a plan whose head "
+                                 "returns a DTensor (use_local_output=False)")
             else:
                 ctx = nullcontext()
             with ctx:
