@@ -27,6 +27,11 @@ JOBS: dict[str, Job] = {
                     "llama-1b training step, every fix alone and all together vs stock, interleaved; "
                     "batch 8 x seq 4096 and 1 x 2048; MFU", "CUDA >= 2 GPUs (NCCL); --smoke on CPU (gloo)",
                     table=("tp", "batch", "seq", "stock_mfu", "configs.stock.ms", "configs.*.x_stock")),
+    "switch-cost": Job("benchmarks.jobs.fix_cost", "tpdiag.invariant around a user's own training loop "
+                       "vs that loop without tpdiag (fix-cost --loop user): llama-1b, 8 x 4096, TP=2; "
+                       "ms/step, x stock, stock MFU", "CUDA >= 2 GPUs (NCCL); --smoke on CPU (gloo)",
+                       prefix=("--loop", "user", "--tp", "2"),  # --loop user's default size: 8 x 4096
+                       table=("tp", "batch", "seq", "stock_mfu", "configs.stock.ms", "configs.*.x_stock")),
     "gemm": Job("benchmarks.jobs.gemm", "invariant-gemm (triton_mm) vs cuBLAS: speed, accuracy, bitwise "
                 "invariance; --sweep tile configs", "CUDA; --smoke on CPU (Triton interpreter)", smoke_env=INTERP,
                 table=("dtype", "label", "cublas_ms", "triton_ms", "ratio", "err_triton", "err_cublas")),

@@ -74,6 +74,21 @@ def test_diff_names_the_first_divergence(captures, tmp_path):
     assert json.loads((out / "manifest.json").read_text())["tool"] == "tpdiag diff"
 
 
+def test_diff_and_report_advise_what_a_capture_user_can_run(captures, tmp_path):
+    """A capture's model is the user's own loop: the advice is tpdiag.invariant, never a
+    `tpdiag compare --fix` that cannot run it; the report header names device and backend."""
+    out = tmp_path / "d"
+    p = run_cli("diff", str(captures / "tp1"), str(captures / "tp2"), "--out", str(out))
+    assert p.returncode == 0, p.stderr + p.stdout
+    assert "tpdiag.invariant(model, plan" in p.stdout and "--fix" not in p.stdout, p.stdout
+    assert json.loads((out / "summary.json").read_text())["source"] == "capture"
+    p = run_cli("report", str(out), "-o", str(tmp_path / "r.html"))
+    assert p.returncode == 0, p.stderr
+    html = (tmp_path / "r.html").read_text()
+    assert "cpu / gloo" in html and "? / ?" not in html
+    assert "tpdiag.invariant(model, plan" in html and "--fix" not in html
+
+
 def test_capture_against_itself_is_bitwise_default_out(captures):
     p = run_cli("diff", str(captures / "tp2"), str(captures / "tp2"), "--format", "json")
     assert p.returncode == 0, p.stderr

@@ -6,7 +6,6 @@ the norm - the owners' norms shared - is the same bits as on one process holding
 grads. A 384 x 512 grad makes the order of its float64 sum show in the last bits: the norm taken
 shard by shard (each rank's sum of squares, combined) is other bits; so is the stock norm (the
 grads' float32). A transposed grad's norm is its logical order's (its contiguous copy's)."""
-import math
 import os
 from types import SimpleNamespace
 
@@ -64,11 +63,11 @@ def _worker(rank, world, port, q):
         norm = gn.grad_norm([SimpleNamespace(grad=g) for g in grads])
         res.append({"owned": owned, "sharded": [sorted(v[1]) for v in sharded.values()],
                     "norm": norm.item()})
-    # clipping: on the device, each rank's shards scaled by the power of two below max_norm / norm
+    # clipping: on the device, each rank's shards scaled by torch's coefficient from the norm
     # (the whole grads scaled by it on one process give the same bits)
     before = [g.to_local().clone() for g in grads]
     total = gn.grad_norm_and_clip([SimpleNamespace(grad=g) for g in grads], norm.item() / 3)
-    coef = 2.0 ** math.floor(math.log2(1.0 / 3 * norm.item() / (total.item() + 1e-6)))
+    coef = torch.clamp(norm.item() / 3 / (total.to(gn.norm_dtype(before)) + 1e-6), max=1.0)
     clipped = all(torch.equal(g.to_local(), b * coef) and not torch.equal(g.to_local(), b)
                   for g, b in zip(grads, before))
     # a TP-dependent order: each rank's float64 sum of squares of its shard, summed over ranks

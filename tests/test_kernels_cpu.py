@@ -78,29 +78,28 @@ def test_vocab_logprobs_match_float64_reference():
     assert float((lo.grad.double() - lo2.grad).abs().max()) < 1e-6
 
 
-def test_clip_coefficient_is_a_power_of_two():
-    """A device tensor (no host sync): the largest power of two <= max_norm / (norm + 1e-6),
-    1 within the norm, NaN for a NaN norm and 0 for an infinite one (as torch's clip)."""
+def test_clip_coefficient_is_torchs():
+    """A device tensor (no host sync): min(max_norm / (norm + 1e-6), 1) in the dtype asked for,
+    exactly torch's expression on that norm; NaN for a NaN norm and 0 for an infinite one."""
     f64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
-    for norm in (37.0, 3.0, 1e-3 * (1 + 2 ** -40), 1e30, 2.0 ** 70 - 1e-6):
-        c = grad_norm.clip_coefficient(f64(norm), 1.0)
-        assert c.dtype == torch.float64 and c.dim() == 0
-        raw = 1.0 / (norm + 1e-6)
-        want = 1.0 if raw >= 1 else 2.0 ** math.floor(math.log2(raw))
-        assert float(c) == want and float(c) <= raw, (norm, float(c), want)
+    for dt in (torch.float32, torch.bfloat16):
+        for norm in (37.0, 1.116, 3.0, 1e-3 * (1 + 2 ** -40), 1e30):
+            c = grad_norm.clip_coefficient(f64(norm), 1.0, dt)
+            want = torch.clamp(1.0 / (torch.tensor(norm, dtype=dt) + 1e-6), max=1.0)
+            assert c.dtype == dt and c.dim() == 0 and torch.equal(c, want), (dt, norm, c, want)
+    # not rounded to a power of two any more: a norm of 1.116 scales by ~0.896, not 0.5
+    assert abs(float(grad_norm.clip_coefficient(f64(1.116), 1.0)) - 1 / 1.116) < 1e-6
     assert float(grad_norm.clip_coefficient(f64(0.5), 1.0)) == 1.0
     assert math.isnan(float(grad_norm.clip_coefficient(f64(float("nan")), 1.0)))
     assert float(grad_norm.clip_coefficient(f64(float("inf")), 1.0)) == 0.0
-    # exact at a power of two: 1/(2^k) rounds to no power of two below it
-    assert float(grad_norm.clip_coefficient(f64(4.0 - 1e-6), 1.0)) == 0.25
 
 
-def test_scale_grads_is_the_scalar_multiply():
-    """scale_grads (one foreach multiply per dtype) gives the bits of grad.mul_(python float)."""
+def test_scale_grads_is_torchs_foreach_multiply():
+    """scale_grads gives the bits of torch's clip: grad * coefficient tensor, per dtype."""
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(7, 5, generator=g).to(dt) for dt in (torch.bfloat16, torch.float32, torch.float16)]
     coef = grad_norm.clip_coefficient(torch.tensor(37.0, dtype=torch.float64), 1.0)
-    want = [t.clone().mul_(float(coef)) for t in grads]
+    want = [t.clone().mul_(coef) for t in grads]
     grad_norm.scale_grads(grads, coef)
     assert all(torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
                            b.view(torch.int16 if b.element_size() == 2 else torch.int32)) for a, b in zip(grads, want))

@@ -19,6 +19,8 @@ _LAZY = {
     # the typed errors the public functions raise
     "TpdiagError": ("tpdiag.errors", "TpdiagError"),
     "BadInput": ("tpdiag.errors", "BadInput"),
+    "BadType": ("tpdiag.errors", "BadType"),
+    "NotCarried": ("tpdiag.errors", "NotCarried"),
 }
 
 
@@ -50,4 +52,4 @@ def __getattr__(name: str):
 
 __all__ = ["__version__", "Target", "capture", "load", "builtin_target", "invariant", "clip_grad_norm_", "accumulate_grads",
            "fix_names",
-           "set_deterministic", "deterministic", "TpdiagError", "BadInput"]
+           "set_deterministic", "deterministic", "TpdiagError", "BadInput", "BadType", "NotCarried"]

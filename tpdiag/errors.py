@@ -14,6 +14,15 @@ class BadInput(TpdiagError):
     exit_code = 2
 
 
+class BadType(BadInput, TypeError):
+    """A value of the wrong type (a str where an int belongs): a BadInput, and a TypeError."""
+
+
+class NotCarried(UserWarning):
+    """tpdiag.accumulate_grads: parameters whose grads went into .grad per piece, not into the
+    fp32 carry - their grads are not bitwise across micro-batch sizes."""
+
+
 class Inconclusive(TpdiagError):
     """The evidence is incomplete or corrupt: a world failed, a record is missing or edited."""
 

@@ -25,6 +25,11 @@ runs by default); any other G keeps a rank's groups fused in tree_mm (tpdiag/fix
     python -m benchmarks fix-cost --groups 8,tp            # G=8 (fused tree_mm) vs G=TP side by side
     python -m benchmarks fix-cost --smoke                  # CPU, gloo, tiny-llama: the code path only
     python -m benchmarks fix-cost --model hf:benchmarks/configs/qwen3-moe-8l --variant sharded-head
+    python -m benchmarks fix-cost --loop user --tp 2 --sizes 8x4096   # = python -m benchmarks switch-cost
+
+--loop user: the public switch, `tpdiag.invariant` around a user's own loop, against that loop
+without tpdiag at all (benchmarks/jobs/fix_cost_loop.py); --loop internal (the default): the fixes
+installed one by one as compare installs them, under tpdiag's determinism setup.
 
 An `hf:` model runs with its config's own TP plan (--variant stock), whose LM head gathers the
 whole vocab on every rank (transformers' colwise_gather_output): at 8 x 4096 with a 152k vocab
@@ -91,7 +96,14 @@ def worker(rank, world, port, args, size, q):
 
     cuda = args.device == "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    determinism.setup(0, args.device)
+    user = args.loop == "user"
+    if user:  # torch's defaults for the stock loop: only the rank's environment and the seed
+        for k, v in determinism.RANK_ENV.items():
+            os.environ.setdefault(k, v)
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+    else:
+        determinism.setup(0, args.device)
     if cuda:
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
@@ -144,7 +156,12 @@ def worker(rank, world, port, args, size, q):
             return time.perf_counter() - t
 
     cfgs = configs(args.each, world_groups(args.groups, world) if args.groups else (None,))
-    if args.overlap:  # each all-fixes configuration again with the chunked collectives, same rounds
+    if user:
+        from benchmarks.jobs.fix_cost_loop import CONFIGS, user_step
+
+        cfgs = dict(CONFIGS)
+        step = user_step(model, target, fargs, fkwargs, labels, opt, sync, world, dev, cuda)
+    if args.overlap and not user:  # each all-fixes configuration again with the chunked collectives, same rounds
         cfgs.update({f"{k} +overlap": (*v, True) for k, v in list(cfgs.items()) if k.startswith("all fixes")})
     names = list(cfgs)
     times = {k: [] for k in cfgs}
@@ -291,6 +308,9 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="benchmarks fix-cost", description=__doc__.splitlines()[0])
     p.add_argument("--tp", default="2,4", help="TP degrees, one world each (default 2,4)")
     p.add_argument("--model", default="llama-1b")
+    p.add_argument("--loop", choices=("internal", "user"), default="internal",
+                   help="internal: each fix as compare installs it (default); user: the public "
+                        "tpdiag.invariant around a user's own loop vs that loop without tpdiag")
     p.add_argument("--variant", default="stock",
                    help="the model's plan variant, as compare's --variant (an hf: model: sharded-head "
                         "keeps the LM head's logits as vocab shards with a vocab-parallel loss)")
@@ -336,7 +356,7 @@ def parse(argv):
         args.warmup = args.warmup if "--warmup" in argv else 1
     else:
         args.device = "cuda"
-    args.sizes = args.sizes or parse_sizes(SIZES)
+    args.sizes = args.sizes or parse_sizes("8x4096" if args.loop == "user" else SIZES)
     from tpdiag.models.plans import HF_VARIANTS, VARIANTS
 
     # a py: target's variants are its own (the world says which); the others are known here
@@ -374,6 +394,8 @@ def main(argv: list[str]) -> dict:
                                  f"{torch.cuda.device_count()} here")
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else None
     peak = peak_flops(gpu, args.peak_tflops)
+    if args.loop == "user":
+        args.groups = "tp"  # the switch runs with G = the world's degree (fix_cost_loop.py)
     rows, port = [], 29600
     for size in args.sizes:
         flops = step_flops(args.model, *size)

@@ -140,7 +140,13 @@ class Capture:
             return False
         self._stack.close()  # probes removed whatever happens
         if exc_type is not None:
-            return False  # no gather: a peer may be gone; no manifest: DIR is not a capture
+            # no gather: a peer may be gone; no manifest: DIR is not a capture. The host records
+            # go now (their spill writer thread joined, its files removed): nothing of the
+            # capture outlives the block
+            from tpdiag.probes.stream import close_stores
+
+            close_stores(self.rec.records)
+            return False
         self._finish()
         return False
 
@@ -210,8 +216,11 @@ class Capture:
             release_pool()  # pinned host memory goes back to the user's process
         if dist.is_initialized():
             # Nobody leaves before the capture is on disk: a launcher like torchrun tears the
-            # whole job down when one rank dies (gloo ranks can abort at interpreter exit), and
-            # must not kill the writer half-way.
+            # whole job down when one rank dies, and must not kill the writer half-way. (The
+            # gathers above waited for gloo's worker threads to let go of their tensors -
+            # runner/gloo_release.py - so none is freed by a worker during interpreter exit,
+            # the "terminate called without an active exception" abort of issue 61; a barrier
+            # hands gloo no Python tensor.)
             dist.barrier(group=self.group)
 
     def _write(self, stored, device, t1) -> None:

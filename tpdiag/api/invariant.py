@@ -18,7 +18,7 @@ from __future__ import annotations
 import fnmatch
 from contextlib import ExitStack, contextmanager
 
-from tpdiag.errors import BadInput
+from tpdiag.errors import BadInput, BadType
 
 GEMMS = ("per-group", "fused")
 
@@ -32,13 +32,21 @@ def fix_names() -> tuple[str, ...]:
 
 def _fixes(fixes) -> tuple[str, ...]:
     names = fix_names()
+    given = fixes
     if isinstance(fixes, str):
         fixes = [n.strip() for n in fixes.split(",") if n.strip()]
     try:
         fixes = list(fixes)
     except TypeError:
-        raise BadInput(f"fixes={fixes!r}: expected 'all', 'none', a fix name or a list of them") from None
-    if fixes in (["none"], []):
+        raise BadType(f"fixes={fixes!r}: must be 'all', 'none', a fix name or a list of them, "
+                      f"not {type(fixes).__name__}") from None
+    if not fixes:
+        # an empty list installs nothing: almost surely a mistake, never a silent no-op
+        raise BadInput(f"fixes={given!r}: no fix named; give 'all', a fix name or a list of them "
+                       "('none' for determinism only)")
+    if any(not isinstance(n, str) for n in fixes):
+        raise BadType(f"fixes={given!r}: every fix must be a name (str)")
+    if fixes == ["none"]:
         return ()
     if fixes == ["all"]:
         return names
@@ -57,7 +65,9 @@ def tp_degree(model) -> int:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    # equal meshes count once: parallelize_module can leave equal DeviceMesh objects on one model
+    # (a GPT-2 with a ColwiseParallel(use_local_output=False) head, built twice in one process)
+    meshes = {p.device_mesh: p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     if len(meshes) > 1:
         raise BadInput(f"model: its DTensor parameters live on {len(meshes)} device meshes; "
                        "tpdiag.invariant supports one 1-D TP mesh")
@@ -87,8 +97,10 @@ def check_groups(tree_groups, tp: int, fixes) -> int:
                            "the largest TP degree you will compare (a power of two, e.g. 8), "
                            "the same at every degree")
         tree_groups = chosen[0]
-    if isinstance(tree_groups, bool) or not isinstance(tree_groups, int) or tree_groups < 1 \
-            or tree_groups & (tree_groups - 1):
+    if isinstance(tree_groups, bool) or not isinstance(tree_groups, int):
+        raise BadType(f"tree_groups={tree_groups!r}: must be an int (a power of two >= 1, e.g. 8), "
+                      f"not {type(tree_groups).__name__}")
+    if tree_groups < 1 or tree_groups & (tree_groups - 1):
         raise BadInput(f"tree_groups={tree_groups!r}: must be a power of two >= 1, e.g. 8")
     if uses and (tp & (tp - 1)):
         raise BadInput(f"TP={tp}: the invariant reductions need a power-of-two TP degree")
@@ -115,10 +127,10 @@ def check_plan(model, plan) -> dict:
     from torch import nn
 
     if not isinstance(model, nn.Module):
-        raise BadInput(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        raise BadType(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(plan, dict):
-        raise BadInput(f"plan: expected the {{module glob: ParallelStyle}} dict given to "
-                       f"parallelize_module, got {type(plan).__name__}")
+        raise BadType(f"plan: expected the {{module glob: ParallelStyle}} dict given to "
+                      f"parallelize_module, got {type(plan).__name__}")
     names = [n for n, _ in model.named_modules()]
     out = {}
     for key, style in plan.items():
@@ -127,10 +139,31 @@ def check_plan(model, plan) -> dict:
                 raise BadInput(f"plan[{key!r}] = {style!r}: expected a ParallelStyle object or one of "
                                f"{', '.join(NAMES)}")
             style = _style(style)
+        if not isinstance(key, str):
+            raise BadType(f"plan key {key!r}: must be a module name or glob (str), not {type(key).__name__}")
         if not any(fnmatch.fnmatchcase(n, key) for n in names):
             raise BadInput(f"plan[{key!r}]: matches no module of {type(model).__name__}")
         out[key] = style
+    _check_covers(model, out)
     return out
+
+
+def _check_covers(model, plan: dict) -> None:
+    """Sharded parameters and a plan that names none of their modules: the fixes would wrap
+    nothing sharded and the run quietly lose bitwise equality (plan={} on a parallelized model)."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [n for n, m in model.named_modules()
+               if any(isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
+                      for p in m.parameters(recurse=False))]
+    if not sharded or any(fnmatch.fnmatchcase(n, k) for n in sharded for k in plan):
+        return
+    raise BadInput(f"plan: names none of the {len(sharded)} modules with sharded DTensor parameters "
+                   f"(e.g. {', '.join(sharded[:3])}); give tpdiag.invariant the plan you gave "
+                   "parallelize_module")
+
+
+_ACTIVE: list = []  # the model of the open tpdiag.invariant block (at most one)
 
 
 @contextmanager
@@ -147,12 +180,18 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
     or "fused" (a rank's groups in one call); two runs are bitwise equal only with the same G and group_gemm. deterministic: also
     enter tpdiag.deterministic() (strict deterministic algorithms, no TF32, ...).
     """
+    if _ACTIVE:
+        raise BadInput("tpdiag.invariant: already inside a tpdiag.invariant block; they do not "
+                       "nest (one block around the whole loop)")
     plan = check_plan(model, plan)
     names = _fixes(fixes)
+    if not isinstance(group_gemm, str):
+        raise BadType(f"group_gemm={group_gemm!r}: must be a str, one of {', '.join(GEMMS)}")
     if group_gemm not in GEMMS:
         raise BadInput(f"group_gemm={group_gemm!r}: expected one of {', '.join(GEMMS)}")
     if not isinstance(deterministic, bool):
-        raise BadInput(f"deterministic={deterministic!r}: expected True or False")
+        raise BadType(f"deterministic={deterministic!r}: must be True or False, not "
+                      f"{type(deterministic).__name__}")
     tp = tp_degree(model)
     g = check_groups(tree_groups, tp, names)
     from tpdiag.api.determinism import deterministic as det
@@ -160,6 +199,8 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
     from tpdiag.kernels.tree import run_groups
 
     with ExitStack() as stack:
+        _ACTIVE.append(model)
+        stack.callback(_ACTIVE.pop)
         if deterministic:
             stack.enter_context(det())
         # G first: the fixes check every reduced dimension against it as they install
@@ -175,14 +216,18 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
 def clip_grad_norm_(parameters, max_norm: float | None):
     """The global L2 norm of the parameters' grads, and the grads scaled to at most max_norm
     (None: the norm only). Under tpdiag.invariant with invariant-grad-norm on: each grad
-    gathered whole, a float64 norm in parameter order and a power-of-two clip coefficient, the
-    same bits at every TP. Otherwise an ordinary float32 global norm over the grads' shards."""
+    gathered whole and a float64 norm in parameter order (the same bits at every TP), then
+    torch.nn.utils.clip_grad_norm_'s own coefficient, min(max_norm / (norm + 1e-6), 1), from
+    that norm in torch's norm dtype, kept on the device (no host sync): where the norms agree
+    the scaled grads are torch's bit for bit. Returns the float64 norm. Otherwise an ordinary
+    float32 global norm over the grads' shards."""
     import torch
 
     from tpdiag.fixes import state
 
-    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
-                                 or not max_norm > 0):
+    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))):
+        raise BadType(f"max_norm={max_norm!r}: must be a number or None, not {type(max_norm).__name__}")
+    if max_norm is not None and not max_norm > 0:
         raise BadInput(f"max_norm={max_norm!r}: expected a positive number or None")
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -239,9 +284,9 @@ def accumulate_grads(model):
     from tpdiag.kernels.grad_carry import window
 
     if not isinstance(model, nn.Module):
-        raise BadInput(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        raise BadType(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not any(state.active(f) for f in CARRY_FIXES):
         raise BadInput("accumulate_grads: no fix that carries weight grads is on; use it inside "
                        f"tpdiag.invariant(..., fixes=...) with {' or '.join(CARRY_FIXES)} (or 'all')")
-    with window(model):
+    with window(model, warn=True):
         yield

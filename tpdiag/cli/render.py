@@ -284,6 +284,12 @@ def what_to_do(summary: dict) -> str | None:
                 f"`tpdiag report {run}` shows its values")
     from tpdiag.records.axes import entries
 
+    if summary.get("source") == "capture":
+        # a capture's model is the user's own loop: `compare --fix` cannot run it
+        from tpdiag.reports.words import CAPTURE_FIX
+
+        return ("nothing is wrong: the captures differ by rounding only. Harmless unless you need "
+                f"bitwise equality across TP; {CAPTURE_FIX}")
     if all(config_name(lab) == f"TP={lab}" for lab in entries(summary)):
         return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
                 "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")

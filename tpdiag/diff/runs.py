@@ -217,6 +217,10 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     summary = {"schema": SCHEMA, "status": entry["status"], "reference": da,
                "reference_label": ref_label, "degrees": {label: entry},
                "runs": {"reference": os.path.abspath(run_a), label: os.path.abspath(run_b)}}
+    if kinds == {"capture"}:
+        # the advice follows the source: a capture user turns fixes on with tpdiag.invariant in
+        # their own loop; `tpdiag compare --fix` runs only models tpdiag builds
+        summary["source"] = "capture"
     from tpdiag.diff.classes import add_classes
 
     add_classes(summary)
@@ -233,11 +237,24 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
         "runs": {ref_label: os.path.abspath(run_a), label: os.path.abspath(run_b)},
         "degrees": [da, db], "labels": [ref_label, label], "reference": ref_label,
         "seed": ma.get("seed"), "dtype": ma.get("dtype"), "model": ma["model"]["class"],
+        # what a compare manifest's header shows: the device kind and backend, both sides'
+        "device": {"type": _both(_device_type(ma), _device_type(mb))},
+        "backend": _both(ma.get("backend"), mb.get("backend")),
         "captures": {ref_label: _brief(ma), label: _brief(mb)}, "status": summary["status"],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
     summary["run_dir"] = out
     return summary
+
+
+def _device_type(m: dict) -> str | None:
+    d = m.get("device")
+    d = d.get("type") if isinstance(d, dict) else d
+    return str(d).split(":")[0] if d else None
+
+
+def _both(a, b):
+    return a if a == b else f"{a} vs {b}"
 
 
 def _brief(m: dict) -> dict:

@@ -61,7 +61,7 @@ register(Fix("invariant-vocab-softmax", ("vocab-parallel-softmax",),
              "exp-sums per fixed vocab group, one tree all-gather of [tokens] floats",
              _flag("invariant-vocab-softmax")))
 register(Fix("invariant-grad-norm", ("grad-norm",), ("global grad norm + clip",),
-             "grads gathered whole, float64 norm, power-of-two clip coefficient",
+             "grads gathered whole, float64 norm; torch's clip coefficient from it",
              _flag("invariant-grad-norm")))
 def _norm(model, plan, world):
     from tpdiag.fixes.norm import norm_fix

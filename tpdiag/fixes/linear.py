@@ -127,6 +127,32 @@ def _wrap(name: str, mod: nn.Linear, style: str, obj, world: int):
     return own
 
 
+def _wrap_replicated(name: str, mod: nn.Linear):
+    """A Linear no plan style shards (replicated: the same at every TP - a tied LM head, a
+    projection the plan leaves whole): stock outside grad accumulation; inside an open window,
+    with invariant-gemm on, its weight and bias grads (sums over tokens) go into the fp32
+    carry (CarryLinear, ColBias), its forward and dx through the batch-invariant GEMM."""
+    from torch.distributed.tensor import DTensor
+
+    own = mod.__dict__.get("forward")
+    orig = mod.forward
+
+    def forward(x, *args, **kwargs):
+        w, b = mod.weight, mod.bias
+        if (args or kwargs or not (state.active(BLOCKED) and grad_carry.is_open())
+                or not w.requires_grad or any(isinstance(t, DTensor) for t in (x, w, b))):
+            return orig(x, *args, **kwargs)
+        from tpdiag.kernels.carry_functions import CarryLinear
+
+        y = CarryLinear.apply(x, w, grad_carry.site(w, f"{name}.weight"))
+        if b is None:
+            return y
+        return ColBias.apply(y, b, 1, grad_carry.site(b, f"{name}.bias") if b.requires_grad else None)
+
+    mod.forward = forward
+    return own
+
+
 @contextmanager
 def linear_fix(flag_name: str, model: nn.Module, plan: dict, world: int):
     from tpdiag.fixes import moe
@@ -135,8 +161,13 @@ def linear_fix(flag_name: str, model: nn.Module, plan: dict, world: int):
     saved, experts = [], []
     try:
         if owner:
+            planned = set()
             for name, mod, style, obj in _targets(model, plan):
                 saved.append((mod, _wrap(name, mod, style, obj, world)))
+                planned.add(id(mod))
+            for name, mod in model.named_modules():
+                if isinstance(mod, nn.Linear) and id(mod) not in planned and _style_obj(name, plan) is None:
+                    saved.append((mod, _wrap_replicated(name, mod)))
             # MoE experts (3-D weights, no nn.Linear): the same tree over I (fixes/moe.py)
             experts = moe.wrap_experts(model, plan, world)
             model._tpdiag_linear_wrapped = True

@@ -5,10 +5,19 @@ Applied at TP=1 too (same plan, same canonical order). Only RMSNorm-like modules
 of the hidden size and an `eps`/`variance_epsilon`, no bias) are handled; anything else under
 a SequenceParallel style is refused in one line rather than silently left stock.
 
-Every other RMSNorm (replicated: no style in the plan) is wrapped for grad accumulation
-(kernels/grad_carry.py): inside an open window its weight grad goes into the window's fp32
-carry in token blocks (CarryScale); outside one it runs stock. A module whose forward is not
-w * normalise(x) bit for bit (checked once as the fix installs, on a seeded input) is left stock.
+Every other RMSNorm and every LayerNorm (replicated: no style in the plan) is wrapped for grad
+accumulation (kernels/grad_carry.py): inside an open window its weight's (and a LayerNorm's
+bias's) grad goes into the window's fp32 carry in token blocks (CarryScale, CarryLayerNorm);
+outside one it runs stock. Why a LayerNorm needs it (issue 61: its grads 3.5e-10 apart between
+1 x 4 and 4 x 1 micro-batches while every carried grad was equal): its weight and bias grads are
+sums over the tokens, and without a carry each micro-batch's kernel call sums its own tokens,
+rounds, and the pieces are added into .grad one by one - another association than one sum over
+every token. (On the CPU, one thread, torch's kernel sums the rows it is given in an order that
+does not depend on how many there are - zero-grad rows appended leave its bits unchanged,
+tests/test_accumulate_gpt2.py - so the pieces' adding is the whole difference there; a GPU
+kernel's row blocking may add to it.) A module whose forward is not the stock formula bit
+for bit (checked once as the fix installs, on a seeded input) is left stock (accumulate_grads
+then names its parameters as not carried).
 """
 from __future__ import annotations
 
@@ -52,6 +61,52 @@ def _same_as_stock(mod, eps: float) -> bool:
             and torch.equal(ref.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)))
 
 
+def _ln_like(mod) -> bool:
+    """nn.LayerNorm, or a module of that shape (a class named ...LayerNorm with normalized_shape,
+    eps, a weight and maybe a bias) whose forward is F.layer_norm's bits (_same_as_stock)."""
+    w = getattr(mod, "weight", None)
+    return (type(mod).__name__.endswith("LayerNorm") and isinstance(getattr(mod, "eps", None), float)
+            and isinstance(w, torch.Tensor) and tuple(getattr(mod, "normalized_shape", ())) == tuple(w.shape)
+            and (getattr(mod, "bias", None) is None or getattr(mod, "bias").shape == w.shape))
+
+
+def _ln_same_as_stock(mod) -> bool:
+    import torch.nn.functional as F
+
+    w, b = mod.weight, mod.bias
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, *w.shape, generator=g).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        ref, y = mod.forward(x), F.layer_norm(x, tuple(w.shape), w, b, mod.eps)
+    return (ref.dtype == y.dtype and ref.shape == y.shape
+            and torch.equal(ref.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)))
+
+
+def _wrap_layernorm(name: str, mod):
+    """Grad accumulation's carries for a replicated LayerNorm's weight and bias."""
+    from torch.distributed.tensor import DTensor
+
+    from tpdiag.kernels import grad_carry
+    from tpdiag.kernels.carry_functions import CarryLayerNorm
+
+    own = mod.__dict__.get("forward")
+    orig = mod.forward
+    shape, eps = tuple(mod.weight.shape), mod.eps
+
+    def forward(x, *args, **kwargs):
+        w, b = mod.weight, mod.bias
+        trains = [t for t in (w, b) if t is not None and t.requires_grad]
+        if (args or kwargs or not grad_carry.is_open() or not trains
+                or any(isinstance(t, DTensor) for t in (x, w, b))):
+            return orig(x, *args, **kwargs)
+        sw = grad_carry.site(w, f"{name}.weight") if w.requires_grad else None
+        sb = grad_carry.site(b, f"{name}.bias") if b is not None and b.requires_grad else None
+        return CarryLayerNorm.apply(x, w, b, shape, eps, sw, sb)
+
+    mod.forward = forward
+    return own
+
+
 def _wrap_replicated(name: str, mod):
     """Grad accumulation's carry for a replicated RMSNorm's weight (see the module docstring)."""
     from torch.distributed.tensor import DTensor
@@ -85,9 +140,14 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
         for name, mod in model.named_modules():
             style = style_of(name, plan or {})
             if style not in ("sequence", "replicatedwithgradallreduce"):
-                if (style is None and _rms_like(mod) and not isinstance(mod.weight, DTensor)
-                        and mod.weight.device.type != "meta" and _same_as_stock(mod, _eps(mod))):
+                if style is not None or isinstance(getattr(mod, "weight", None), DTensor) \
+                        or getattr(getattr(mod, "weight", None), "device", None) == torch.device("meta"):
+                    continue
+                if _rms_like(mod) and _same_as_stock(mod, _eps(mod)):
                     replicated.append((mod, _wrap_replicated(name, mod)))
+                elif _ln_like(mod) and not isinstance(getattr(mod, "bias", None), DTensor) \
+                        and _ln_same_as_stock(mod):
+                    replicated.append((mod, _wrap_layernorm(name, mod)))
                 continue
             # sequence parallel: tokens sharded on dim 1; a per-head norm (transformers'
             # replicated_with_grad_allreduce, Qwen3's q_norm/k_norm): heads sharded on dim -2

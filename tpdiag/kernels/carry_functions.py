@@ -73,3 +73,74 @@ class EmbeddingCarry(torch.autograd.Function):
             return None, None, None, None
         dw = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device).index_add_(0, idx, rows)
         return None, dw, None, None
+
+
+class CarryLayerNorm(torch.autograd.Function):
+    """y = layer_norm(x) * w + b, the stock kernel (the same bits as F.layer_norm). Backward: dx
+    from the stock kernel (its per-row dx, with the weight and bias grads masked off); the
+    weight's and bias's grads - sums over tokens, which per micro-batch would be rounded and
+    added piece by piece - go into the carry in token blocks:
+    dw += sum_t g_t * xhat_t, db += sum_t g_t (fp32 terms, xhat from the forward's mean/rstd)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, shape, eps, site_w, site_b):
+        y, mean, rstd = torch.native_layer_norm(x, shape, w, b, eps)
+        ctx.save_for_backward(x, w, b, mean, rstd)
+        ctx.shape, ctx.sites = shape, (site_w, site_b)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, b, mean, rstd = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        site_w, site_b = ctx.sites
+        carry_w, carry_b = need_w and live(site_w), need_b and live(site_b)
+        # what the stock kernel still computes: dx, and a grad whose window closed (never lost)
+        mask = [need_x, need_w and not carry_w, need_b and not carry_b]
+        dx = dw = db = None
+        if any(mask):
+            dx, dw, db = torch.ops.aten.native_layer_norm_backward(g, x, ctx.shape, mean, rstd, w, b, mask)
+        if carry_w or carry_b:
+            width = w.numel() if w is not None else b.numel()
+            gf = g.float().reshape(-1, width)
+            block = carry_ops.torch_block(g.device)
+            if carry_w:
+                xhat = ((x.float() - mean.float()) * rstd.float()).reshape(-1, width)
+                site_w.walk(gf.shape[0], block)
+                carry_ops.add_colsum(site_w.zeros(w.shape, w.device).view(-1), gf * xhat)
+            if carry_b:
+                site_b.walk(gf.shape[0], block)
+                carry_ops.add_colsum(site_b.zeros(b.shape, b.device).view(-1), gf)
+        return dx, dw, db, None, None, None, None
+
+
+class CarryLinear(torch.autograd.Function):
+    """y = x @ w^T for a Linear no plan style shards (replicated: the same at every TP), with the
+    batch-invariant GEMM (the Triton kernel, or BLAS in fixed row blocks on the CPU: a token's
+    bits do not depend on the rows per call) forward and for dx; w's grad, a sum over tokens,
+    goes into the carry in token blocks (a tied head: its own site beside the embedding's)."""
+
+    @staticmethod
+    def forward(ctx, x, w, site):
+        from tpdiag.kernels.grouped_linear import _mm
+
+        ctx.save_for_backward(x, w)
+        ctx.site = site
+        return _mm(x, w.t().contiguous())
+
+    @staticmethod
+    def backward(ctx, g):
+        from tpdiag.kernels.grouped_linear import _carry_wgrad, _mm
+        from tpdiag.kernels.vocab_ce_triton import triton_path
+
+        x, w = ctx.saved_tensors
+        g = g.contiguous()
+        dx = _mm(g, w) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+            if live(ctx.site):
+                _carry_wgrad(ctx.site, w, g2, x2, 1, 0, triton_path(x) and x.dtype == w.dtype)
+            else:
+                dw = torch.matmul(g2.t(), x2)
+        return dx, dw, None

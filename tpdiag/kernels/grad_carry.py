@@ -156,13 +156,56 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
         hook(p)
 
 
+def _grad_state(model) -> dict:
+    """{param: what its .grad is now} for the model's trainable parameters: a grad that autograd
+    accumulated inside the window is a new object or a new version of the old one."""
+    if model is None:
+        return {}
+    return {p: (id(p.grad), p.grad._version) if p.grad is not None else None
+            for p in model.parameters() if p.requires_grad}
+
+
+def _not_carried(w: Window, before: dict) -> list[str]:
+    """The names of the parameters that got a grad in the window outside the carry."""
+    names = {id(p): n for n, p in w.model.named_parameters()} if w.model is not None else {}
+    out = []
+    for p, was in before.items():
+        now = (id(p.grad), p.grad._version) if p.grad is not None else None
+        if now == was:
+            continue
+        # a carried parameter may still get a grad from a use no fix wraps (a tied head the
+        # plan leaves to another module): told apart from the zeros autograd may leave for the
+        # carried uses where its grad was None (one check per such parameter per window)
+        local = getattr(p.grad, "_local_tensor", p.grad)  # a DTensor's own shard: no collective
+        if id(p) not in w.params or (was is None and bool(local.ne(0).any())):
+            out.append(names.get(id(p), "?"))
+    return out
+
+
+def _warn(names: list[str]) -> None:
+    import warnings
+
+    from tpdiag.errors import NotCarried
+
+    # one message per set of names: Python's default filter shows it once, not every step
+    warnings.warn(NotCarried(
+        f"tpdiag.accumulate_grads: {len(names)} parameter(s) got their grads outside the fp32 "
+        f"carry (summed into .grad piece by piece), so their grads are not bitwise across "
+        f"micro-batch sizes: {', '.join(names)}. Carried: parameters of the Linear, Embedding, "
+        "LayerNorm and RMSNorm modules the fixes wrap (docs/training.md)"), stacklevel=4)
+
+
 @contextmanager
-def window(model=None):
+def window(model=None, warn: bool = False):
     """Open an accumulation window (one at a time); on a clean exit the carries go into .grad,
-    on an exception they are dropped. Always closed in `finally`."""
+    on an exception they are dropped. Always closed in `finally`. warn (the public
+    accumulate_grads): a parameter of `model` that got a grad inside the window but not through
+    a carry is named in a NotCarried warning when the window closes (before the optimizer step
+    that would use it); the runner's worlds report per-parameter grads themselves."""
     if _WINDOW:
         raise BadInput("accumulate_grads: a window is already open (they do not nest)")
     w = Window(model)
+    before = _grad_state(model) if warn else {}
     _WINDOW.append(w)
     ok = False
     try:
@@ -171,4 +214,7 @@ def window(model=None):
     finally:
         _WINDOW.clear()
         if ok:
+            missed = _not_carried(w, before)
             close(w)
+            if missed:
+                _warn(missed)

@@ -4,8 +4,10 @@ Every grad can be bitwise equal across TP and the global norm still differ: each
 squares over its shard and the all-reduce adds shards in a TP-dependent order. Here each grad
 is put back whole (an exact concatenation) on one rank, its owner, where its float64 norm is
 taken by one reduction of the same shape at every TP; the owners' norms are shared exactly, the
-per-grad norms combined in parameter order, and the clip coefficient rounded down to a power of
-two, so the scaling itself is exact (Megatron's recipe plus the gather). The shards travel in
+per-grad norms combined in parameter order (Megatron's recipe plus the gather). The clip
+coefficient is torch's, min(max_norm / (norm + 1e-6), 1), from that norm in torch's norm dtype:
+one scalar, the same at every TP, and an elementwise multiply by it is the same per element at
+any sharding - clipping stays the user's algorithm, only the norm is computed invariantly. The shards travel in
 one collective per bucket of grads: ~150 grads of a 1B model gathered one by one cost ~30 ms of
 host time per step on an H200 pair.
 """
@@ -145,20 +147,32 @@ def _share(norms: list, sharded: dict) -> None:
             norms[i] = vec[k]
 
 
-def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """The clip coefficient as a float64 0-dim tensor on total's device, with no host sync (the
-    host keeps queueing the optimizer's kernels while the GPU finishes the norm): 1 where the
-    norm is within max_norm, else the largest power of two <= max_norm / (norm + 1e-6), so the
-    scaling is exact; a NaN norm gives NaN and an infinite one 0 (as torch's clip_grad_norm_)."""
-    raw = max_norm / (total.to(torch.float64) + 1e-6)
-    mant, _ = torch.frexp(raw)  # raw = mant * 2^e, mant in [0.5, 1): raw / (2 mant) = 2^(e-1) exactly
-    pow2 = raw / (2 * mant)
-    return torch.where(raw >= 1, torch.ones_like(raw), torch.where(raw > 0, pow2, raw))
+def norm_dtype(grads: list) -> torch.dtype:
+    """The dtype torch.nn.utils.clip_grad_norm_ computes the total norm (and so the clip
+    coefficient) in: the grads' dtype, promoted over all of them (its per-grad norms are in each
+    grad's dtype, stacked)."""
+    dt = grads[0].dtype
+    for g in grads[1:]:
+        dt = torch.promote_types(dt, g.dtype)
+    return dt
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """torch's clip coefficient, min(max_norm / (norm + 1e-6), 1), from the invariant float64 norm
+    rounded to `dtype` (the dtype torch's own total norm has: norm_dtype): a 0-dim tensor on
+    total's device, with no host sync (the host keeps queueing the optimizer's kernels while the
+    GPU finishes the norm). Where that rounded norm equals torch's own, the coefficient - and so
+    every scaled grad - is torch's bit for bit; a NaN norm gives NaN and an infinite one 0, as
+    torch's. TP-invariant because the float64 norm is: the same scalar at every degree, and a
+    multiply by one scalar gives the same bits per element at any sharding."""
+    return torch.clamp(max_norm / (total.to(dtype) + 1e-6), max=1.0)
 
 
 def scale_grads(grads: list, coef: torch.Tensor) -> None:
     """grads *= coef (a 0-dim tensor) on the local shards, one multi-tensor launch per dtype and
-    device (a DTensor's mul_ is its shard's; a power of two scales exactly, and x * 1 = x)."""
+    device, as torch.nn.utils.clip_grad_norm_ does it (the coefficient in its own dtype: a
+    16-bit grad times a float32 coefficient multiplies in float32 and rounds once; a DTensor's
+    mul_ is its shard's)."""
     from torch.distributed.tensor import DTensor
 
     groups: dict = {}
@@ -166,8 +180,7 @@ def scale_grads(grads: list, coef: torch.Tensor) -> None:
         local = g._local_tensor if isinstance(g, DTensor) else g
         groups.setdefault((local.device, local.dtype), []).append(local)
     for (device, dtype), ts in groups.items():
-        # a 16-bit grad times a float32 scalar in float32 opmath: the power of two survives
-        torch._foreach_mul_(ts, coef.to(device=device, dtype=torch.float32 if dtype.itemsize < 4 else dtype))
+        torch._foreach_mul_(ts, coef.to(device))
 
 
 def grad_norm_and_clip(params, max_norm: float | None) -> torch.Tensor:
@@ -180,5 +193,7 @@ def grad_norm_and_clip(params, max_norm: float | None) -> torch.Tensor:
 def _norm_and_clip(params: list, max_norm: float | None) -> torch.Tensor:
     total = grad_norm(params)
     if max_norm is not None:
-        scale_grads([p.grad for p in params if p.grad is not None], clip_coefficient(total, max_norm))
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            scale_grads(grads, clip_coefficient(total, max_norm, norm_dtype(grads)))
     return total

@@ -150,7 +150,8 @@ def build_context(run_dir: str) -> dict:
     fds = {lab: degrees[lab].get("first_divergence") for lab in labels}
     dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *labels]}
     ev = evidence.load(dirs, ref, ok, {lab: (fds[lab] or {}).get("key") for lab in ok}) if ok else {}
-    verdicts = [dict(words.verdict(lab, ref, degrees[lab], _fix_of), label=lab,
+    capture = summary.get("source") == "capture"
+    verdicts = [dict(words.verdict(lab, ref, degrees[lab], _fix_of, capture), label=lab,
                      records_error=(ev.get(lab) or {}).get("error")) for lab in labels]
     modules = _modules({lab: by_label[lab] for lab in ok})
     # Nothing to place on a log scale when every record is bitwise: the verdict says it in words.

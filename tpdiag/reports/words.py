@@ -107,7 +107,12 @@ def size_sentence(fd: dict) -> str:
     return s
 
 
-def action(cause: str, confirmation: dict | None, fix: str | None, fix_available: bool) -> str:
+CAPTURE_FIX = ("then turn the fixes on in your own loop: `with tpdiag.invariant(model, plan, "
+               "fixes=\"all\", tree_groups=G):` around it (docs/training.md), and capture again")
+
+
+def action(cause: str, confirmation: dict | None, fix: str | None, fix_available: bool,
+           capture: bool = False) -> str:
     if confirmation and confirmation.get("fix"):
         v = confirmation.get("verdict")
         after = confirmation.get("first_divergence_after")
@@ -123,13 +128,15 @@ def action(cause: str, confirmation: dict | None, fix: str | None, fix_available
         return ACTION[cause]
     if fix:
         avail = "" if fix_available else " (not implemented in this build yet)"
+        how = (f"{CAPTURE_FIX} ({fix} removes this cause{avail})" if capture
+               else f"then rerun with `--fix {fix}`{avail}")
         return (f"Rounding, not a bug: harmless unless you need bitwise equality with the reference; "
-                f"then rerun with `--fix {fix}`{avail}. To accept it in CI, put \"{cause}\" in "
+                f"{how}. To accept it in CI, put \"{cause}\" in "
                 "`allow_causes` of a `tpdiag gate` policy.")
     return "No fix in the catalogue removes this cause."
 
 
-def verdict(label: str, ref: str, d: dict, fix_of) -> dict:
+def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dict:
     """One degree's verdict: {"status", "headline", "why", "size", "action", "findings"}."""
     st = d.get("status")
     if st == "failed":
@@ -158,5 +165,5 @@ def verdict(label: str, ref: str, d: dict, fix_of) -> dict:
                         f"{'s' if follows == 1 else ''} from the findings above (their inputs already differed)")
     kind = {"bug": "BUG: ", "non-finite": "NON-FINITE: ", "rounding": "Rounding: "}.get(d.get("class"), "")
     return {"status": st, "headline": f"{kind}TP={label} first differs from TP={ref} at {where(fd)}.",
-            "why": why, "size": size_sentence(fd), "action": action(cause, d.get("confirmation"), fix, available),
+            "why": why, "size": size_sentence(fd), "action": action(cause, d.get("confirmation"), fix, available, capture),
             "findings": findings}

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tpdiag.errors import Inconclusive
+from tpdiag.runner.gloo_release import settle
 from tpdiag.probes.recorder import take_lanes
 from tpdiag.probes.stream import Captured, as_tensor, finish
 
@@ -62,6 +63,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     sig = torch.tensor([_stream_signature(metas), total], dtype=torch.int64, device=device)
     sigs = [torch.empty_like(sig) for _ in range(world)]
     dist.all_gather(sigs, sig, group=group)
+    settle([sig, *sigs], group)
     if any(not torch.equal(s, sigs[0]) for s in sigs):
         raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
                            "dtypes per rank); the model is not SPMD under this plan")
@@ -96,6 +98,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
             dist.gather(buf, gathered, dst=0)
         else:
             dist.gather(buf, gathered, group=group, group_dst=0)
+        settle([buf, *(gathered or [])], group)
         if rank != 0:
             continue
         gathered = [g.cpu() for g in gathered]
@@ -138,6 +141,7 @@ def _same_on_every_rank(kept, device, group, world: int) -> set[int]:
     mine = torch.tensor(codes, dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
+    settle([mine, *every], group)
     every = torch.stack(every).cpu()
     ok = (every[:, :, 0] == 1).all(0) & (every[:, :, 1] == every[0:1, :, 1]).all(0)
     return set(torch.nonzero(ok).flatten().tolist())
@@ -239,6 +243,7 @@ def _gather_lanes(records, lanes, hashbuf, device, group, world, rank):
         kw = {"group": group, "group_dst": 0} if group is not None else {"dst": 0}
         dist.gather(ints, gi, **kw)
         dist.gather(floats, gf, **kw)
+        settle([ints, floats, *(gi or []), *(gf or [])], group)
         if rank != 0:
             return None
     else:
