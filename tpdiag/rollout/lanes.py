@@ -27,15 +27,18 @@ def split(cfgs, seqs, lanes: int) -> list[tuple]:
     out = []
     for c in cfgs:
         bounds = list(range(0, len(seqs), c.micro_batch)) + [len(seqs)]
-        pieces = min(lanes, len(bounds) - 1)
-        total = sum(cost(c, seqs, lo, hi) for lo, hi in zip(bounds, bounds[1:]))
-        lo, acc = 0, 0.0
-        for a, b in zip(bounds, bounds[1:]):
-            acc += cost(c, seqs, a, b)
-            # close a piece once it holds its share (the last takes what is left)
-            if b == len(seqs) or acc >= total * (len([u for u in out if u[0] == c]) + 1) / pieces:
+        mbs = list(zip(bounds, bounds[1:]))
+        pieces = min(lanes, len(mbs))
+        costs = [cost(c, seqs, a, b) for a, b in mbs]
+        total = sum(costs)
+        lo, acc, made = 0, 0.0, 0
+        for i, ((a, b), w) in enumerate(zip(mbs, costs)):
+            acc += w
+            left = len(mbs) - i - 1  # micro-batches after this one
+            # close the piece at the boundary nearest its share; enough micro-batches stay for the rest
+            if b == len(seqs) or left == pieces - made - 1 or acc >= total * (made + 1) / pieces - w / 2:
                 out.append((c, lo, b))
-                lo = b
+                lo, made = b, made + 1
     return out
 
 
