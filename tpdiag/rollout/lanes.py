@@ -116,11 +116,33 @@ def _add(dicts) -> dict:
     return out
 
 
-def auto_jobs(rc, device_count: int | None = None) -> int:
+def auto_jobs(rc) -> int:
     """--jobs auto: 1 on the CPU (its cores are what the ranks already use); on CUDA one lane per
-    4 CPU cores, at most 8 - the lanes are CPU-bound (the model's Python), the GPU mostly idle."""
+    4 CPU cores, at most 8 - the lanes are CPU-bound (the model's Python), the GPU mostly idle -
+    and no more than fit beside each other: every TP=1 lane holds the whole model on GPU 0."""
     import os
 
     if rc.device != "cuda":
         return 1
-    return max(1, min(8, (os.cpu_count() or 4) // 4))
+    n = max(1, min(8, (os.cpu_count() or 4) // 4))
+    weights = _weight_bytes(rc.model)
+    if weights:
+        try:
+            import torch
+
+            total = torch.cuda.get_device_properties(0).total_memory
+        except Exception:  # noqa: BLE001 - no device to ask: the CPU-count rule alone
+            return n
+        n = max(1, min(n, int(0.7 * total // (weights + (3 << 30)))))
+    return n
+
+
+def _weight_bytes(model: str) -> int:
+    """An hf: checkpoint's weight files' size (0: not known)."""
+    import glob
+    import os
+
+    if not model.startswith("hf:"):
+        return 0
+    files = [f for ext in ("*.safetensors", "*.bin", "*.pt") for f in glob.glob(os.path.join(model[3:], ext))]
+    return sum(os.path.getsize(f) for f in files)

@@ -10,7 +10,8 @@ backend, on the same arguments and under the same sdpa_kernel() restrictions - w
 this call takes, then runs the call unchanged. Asking costs a few microseconds and no kernel,
 so the numbers are untouched; it is exact where dispatch goes through that choice (CPU and
 CUDA tensors). A call it cannot ask about (a DTensor, an older torch without the function) is
-counted as 'unknown'. Code that bound the function before the block (`from torch.nn.functional
+counted as 'unknown'; one the invariant-attention fix takes over (tpdiag.fixes.attention) as
+'tpdiag invariant attention'. Code that bound the function before the block (`from torch.nn.functional
 import scaled_dot_product_attention`) is not seen: transformers' and the built-in presets'
 attention look it up at call time.
 """
@@ -37,15 +38,21 @@ class SdpaRan:
     def __enter__(self):
         import torch.nn.functional as F
 
+        # the invariant-attention fix recognises SDPA calls by identity with the function it
+        # bound at import: imported first under this wrapper, it would bind the wrapper and
+        # never take a call (stock attention under --fix all: other bits)
+        import tpdiag.fixes.attention  # noqa: F401
+
         self._saved = F.scaled_dot_product_attention
         inner = self._saved
         counts = self.counts
 
-        def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-            name = _choice(query, key, value, attn_mask, dropout_p, is_causal, scale, kw)
+        def sdpa(*args, **kwargs):
+            # the call goes on exactly as made: an argument spelled out where the caller left it
+            # to its default can take another path in a function mode (the invariant fix's)
+            name = _choice(args, kwargs)
             counts[name] = counts.get(name, 0) + 1
-            return inner(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                         scale=scale, **kw)
+            return inner(*args, **kwargs)
 
         F.scaled_dot_product_attention = sdpa
         return self
@@ -65,16 +72,34 @@ class SdpaRan:
         return ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items(), key=lambda kv: -kv[1]))
 
 
-def _choice(query, key, value, attn_mask, dropout_p, is_causal, scale, kw) -> str:
+_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def _choice(args, kwargs) -> str:
     import torch
 
+    if _invariant_on():  # its TorchFunctionMode takes the call: aten's SDPA never runs
+        return "tpdiag invariant attention"
     try:
         from torch.distributed.tensor import DTensor
 
-        if any(isinstance(t, DTensor) for t in (query, key, value, attn_mask)):
+        a = {**dict(zip(_ARGS, args)), **kwargs}
+        q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
+        if any(isinstance(t, DTensor) for t in (q, k, v, mask)):
             return "unknown"
-        extra = {"enable_gqa": kw["enable_gqa"]} if "enable_gqa" in kw else {}
-        c = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **extra)
+        extra = {n: a[n] for n in ("scale", "enable_gqa") if n in a}
+        c = torch._fused_sdp_choice(q, k, v, mask, a.get("dropout_p", 0.0), a.get("is_causal", False), **extra)
     except Exception:  # noqa: BLE001 - informational: the call itself still runs as it would
         return "unknown"
-    return backend_name(c, query.device.type)
+    return backend_name(c, q.device.type)
+
+
+def _invariant_on() -> bool:
+    import sys
+
+    fix = sys.modules.get("tpdiag.fixes.attention")
+    if fix is None:
+        return False
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, fix.InvariantSDPAMode) for m in _get_current_function_mode_stack())
