@@ -111,6 +111,15 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     t0 = time.perf_counter()
     ro = read_rollout(rc.file)
     seqs = ro.sequences
+    from tpdiag.rollout import lanes
+
+    jobs = rc.jobs if rc.jobs > 0 else lanes.auto_jobs(rc)
+    if max(rc.tp) > 1 or jobs > 1:
+        from tpdiag.runner.launch import prestart
+
+        # the fork server's imports (torch, transformers: seconds) run while this process builds
+        # its model, not after (every world's ranks fork from it; its environment is theirs)
+        prestart(rc.model)
     target, model = build(rc.model, rc.dtype, rc.device, rc.seed)
     vocab = target.vocab_size
     for s in seqs:
@@ -126,13 +135,10 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
 
         check_degrees(parse_spec(rc.model), [t for t in rc.tp if t > 1])
         notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's); "
-                     "TP=1 ran in this process, on one thread too (the fixes' CPU kernels can give "
-                     "other bits with more threads)")
+                     f"TP=1 ran {'in this process' if jobs == 1 else 'here and in lanes'}, on one thread "
+                     "too (the fixes' CPU kernels can give other bits with more threads)")
     # the fixes' tree groups: the largest degree, as compare's default (power of two), else the default
     groups = big if big > 1 and not big & (big - 1) else 0
-    from tpdiag.rollout import lanes
-
-    jobs = rc.jobs if rc.jobs > 0 else lanes.auto_jobs(rc)
     threads = _one_thread() if big > 1 else nullcontext()
     flag_values: dict[str, dict] = {}
     if jobs > 1:
@@ -312,21 +318,16 @@ def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
 
 
 def _sdpa_words(results: dict) -> str:
-    """Which SDPA backend ran (tpdiag.runner.sdpa_ran), in one line: one backend for all, or
-    per configuration where they differ."""
-    def words(counts):
-        if not counts:
-            return "none (no SDPA call)"
-        return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
-
-    ran = {lab: r.get("sdpa_ran") for lab, r in results.items() if r.get("status") == "ok"}
-    kinds = {tuple(sorted((v or {}).keys())) for v in ran.values()}
-    if not ran:
-        return ""
-    if len(kinds) == 1:
-        names = next(iter(kinds))
-        return (", ".join(names) if names else "none (no SDPA call)") + " in every configuration"
-    return "; ".join(f"{lab}: {words(v)}" for lab, v in ran.items())
+    """Which SDPA backend ran (tpdiag.runner.sdpa_ran), in one line: the backends and, where they
+    differ between configurations, which configurations took each."""
+    groups: dict[str, list] = {}
+    for lab, r in results.items():
+        if r.get("status") == "ok":
+            names = ", ".join(sorted((r.get("sdpa_ran") or {}).keys())) or "none (no SDPA call)"
+            groups.setdefault(names, []).append(lab)
+    if len(groups) <= 1:
+        return "".join(f"{k} in every configuration" for k in groups)
+    return "; ".join(f"{k} in {', '.join(labs)}" for k, labs in groups.items())
 
 
 def _vals(xs) -> str:
