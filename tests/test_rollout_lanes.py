@@ -97,3 +97,14 @@ def test_split_keeps_micro_batches_whole():
     assert [(lo, hi) for c, lo, hi in units if c == c2] == [(0, 4), (4, 6)]
     lanes = assign([(*u, cost(*u[:1], seqs, *u[1:])) for u in units], 3)
     assert sorted((u[0].label, u[1], u[2]) for lane in lanes for u in lane) == sorted((c.label, a, b) for c, a, b in units)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two"])
+def test_bad_jobs_is_one_line_exit_2(rollout_file, bad):
+    from tests.conftest import run_cli
+
+    path, model = rollout_file
+    r = run_cli("rollout", path, "--model", "hf:" + model, "--device", "cpu", "--jobs", bad)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--jobs" in lines[0] and "Traceback" not in r.stderr
