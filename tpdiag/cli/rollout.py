@@ -38,7 +38,8 @@ def rollout(
     timeout: Annotated[float, typer.Option(help="seconds per TP > 1 world")] = 300.0,
     jobs: Annotated[str, typer.Option(help="concurrent worlds per TP degree, a configuration's micro-batches "
                                            "split between them (the same bits): auto (1 on cpu; on cuda one per "
-                                           "4 CPU cores, at most 8) or N; 1: one process per degree")] = "auto",
+                                           "4 CPU cores, at most 8, for TP=1 - TP > 1 one world) or N (every "
+                                           "degree); 1: one process per degree, one after another")] = "auto",
     fmt: Format = "text",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     debug: Debug = False,

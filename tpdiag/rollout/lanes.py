@@ -62,6 +62,13 @@ def assign(units, lanes: int) -> list[list]:
     return [sorted(ls, key=lambda u: order[id(u)]) for _, ls in loads if ls]
 
 
+def lanes_of(rc, degree: int, jobs: int) -> int:
+    """Lanes for one degree: --jobs N for every degree; auto's N for TP=1 only - TP > 1 keeps one
+    world (its worlds side by side would share GPUs between NCCL communicators of different
+    processes, whose collectives then wait on the GPUs' time slicing: unmeasured, so not by default)."""
+    return jobs if rc.jobs > 0 or degree == 1 else 1
+
+
 def run(rc, seqs, cfgs, jobs: int, work: str, groups: int, threads: int, on_status=None) -> dict:
     """{label: {'status', 'logprobs' | 'reason', 'seconds', 'sdpa_ran', 'flag_values'}} of every
     configuration in `cfgs` (any degrees), computed in lanes of up to `jobs` worlds per degree."""
@@ -72,8 +79,9 @@ def run(rc, seqs, cfgs, jobs: int, work: str, groups: int, threads: int, on_stat
     start_flags = rc.flags[0]  # what the in-process TP=1 and each single world start under
     plan = []  # (degree, lane index, [(config, lo, hi)])
     for t in dict.fromkeys(c.tp for c in cfgs):
-        units = [(c, lo, hi, cost(c, seqs, lo, hi)) for c, lo, hi in split([c for c in cfgs if c.tp == t], seqs, jobs)]
-        for k, lane in enumerate(assign(units, jobs)):
+        n = lanes_of(rc, t, jobs)
+        units = [(c, lo, hi, cost(c, seqs, lo, hi)) for c, lo, hi in split([c for c in cfgs if c.tp == t], seqs, n)]
+        for k, lane in enumerate(assign(units, n)):
             plan.append((t, k, [u[:3] for u in lane]))
 
     def one(item):
