@@ -68,6 +68,10 @@ JOBS: dict[str, Job] = {
                                  "time_breakdown.totals.*")),
     "attention": Job("benchmarks.attention", "attention fix benchmark", "see the job's --help",
                       table=("meta.shape", "meta.dtype", "backends.*.fwdbwd_ms", "backends.*.ratio_to_fastest_stock")),
+    "rollout": Job("benchmarks.jobs.rollout", "`tpdiag rollout` speed: generate() on a Llama-3.2-1B-shaped bf16 "
+                   "checkpoint, then the rollout grid per --jobs value: seconds and forward MFU per "
+                   "configuration, the logprobs bit for bit across --jobs", "CUDA; --small --device cpu on CPU",
+                   table=("tp", "fix", "generate_s", "runs.*.jobs", "runs.*.wall_s", "runs.*.same_bits_as_first")),
     "suite": Job("benchmarks.jobs.suite", "several jobs in one device call (NCCL_NVLS_ENABLE=0, wheels "
                  "from .whl, per-job time limits, logs and results under $OUT)", "whatever its jobs need",
                  table=("job", "rc", "wall_s")),

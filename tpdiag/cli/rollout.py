@@ -36,6 +36,10 @@ def rollout(
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
     top: Annotated[int, typer.Option(help="worst tokens to list")] = 10,
     timeout: Annotated[float, typer.Option(help="seconds per TP > 1 world")] = 300.0,
+    jobs: Annotated[str, typer.Option(help="concurrent worlds per TP degree, a configuration's micro-batches "
+                                           "split between them (the same bits): auto (1 on cpu; on cuda one per "
+                                           "4 CPU cores, at most 8, for TP=1 - TP > 1 one world) or N (every "
+                                           "degree); 1: one process per degree, one after another")] = "auto",
     fmt: Format = "text",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     debug: Debug = False,
@@ -48,7 +52,7 @@ def rollout(
     try:
         from tpdiag.config import DTYPES, parse_choice
         from tpdiag.rollout import attention as attn
-        from tpdiag.rollout.run import (RolloutConfig, parse_fixes, parse_ints, parse_modes,
+        from tpdiag.rollout.run import (RolloutConfig, parse_fixes, parse_ints, parse_jobs, parse_modes,
                                         parse_padding, run_rollout)
         from tpdiag.runner import flags as backend_flags
 
@@ -63,7 +67,7 @@ def rollout(
                            fixes=parse_fixes(fix), dtype=parse_choice("--dtype", dtype, DTYPES),
                            device=dev, seed=seed, top=max(0, top), timeout=timeout,
                            flags=backend_flags.parse("--flags", flags), attention=attn.parse(attention),
-                           padding=parse_padding(padding))
+                           padding=parse_padding(padding), jobs=parse_jobs(jobs))
         from tpdiag.models.spec import parse_spec
 
         parse_spec(model)
@@ -109,6 +113,8 @@ def rollout_report(console, s: dict) -> None:
           f"{p['mean_diff']:+.3g}, exact {p['exact_tokens']}/{p['tokens']}", soft_wrap=True)
     for f in (s.get("flags") or {}).values():
         w(f["line"], soft_wrap=True)
+    if s.get("sdpa_ran"):
+        w(f"SDPA backend that ran: {s['sdpa_ran']}", soft_wrap=True)
     pr = s["processed"]
     tag = "[bold red]processed logprobs[/]" if pr.get("detected") else "raw logprobs"
     console.print(f"{tag}: {pr['explanation']}", markup=True, soft_wrap=True)

@@ -30,54 +30,14 @@ class RolloutConfig:
     flags: tuple[str, ...] = ("default",)
     attention: tuple[str, ...] = ("auto",)
     padding: tuple[str, ...] = ("auto",)
+    # concurrent worlds per TP degree (tpdiag.rollout.lanes); 1: TP=1 in this process and one
+    # world per other degree, one configuration after another; 0: auto (lanes.auto_jobs)
+    jobs: int = 1
 
 
-def parse_ints(option: str, text: str) -> tuple[int, ...]:
-    parts = [p.strip() for p in str(text).split(",")]
-    try:
-        out = tuple(int(p) for p in parts)
-    except ValueError:
-        raise BadInput(f"{option} {text!r}: expected a comma-separated list of positive integers, e.g. 8,1") from None
-    if not out or any(n < 1 for n in out):
-        raise BadInput(f"{option} {text!r}: every value must be >= 1")
-    return tuple(dict.fromkeys(out))
-
-
-def parse_modes(text: str) -> tuple[str, ...]:
-    out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",")))
-    bad = [m for m in out if m not in MODES]
-    if bad or not out:
-        raise BadInput(f"--mode {text!r}: expected prefill, decode or both (prefill,decode)")
-    return out
-
-
-def parse_fixes(text: str) -> tuple[str, ...]:
-    """'none,all' -> each a configuration; a set of named fixes is joined with '+'."""
-    from tpdiag.fixes.registry import resolve
-
-    out = []
-    for item in str(text).split(","):
-        item = item.strip().lower()
-        if item in ("none", "stock"):
-            out.append("none")
-        elif item == "all":
-            resolve("all")
-            out.append("all")
-        else:
-            out.append("+".join(resolve(item.split("+"))))
-    if not out:
-        raise BadInput(f"--fix {text!r}: expected e.g. none,all")
-    return tuple(dict.fromkeys(out))
-
-
-def parse_padding(text: str) -> tuple[str, ...]:
-    from tpdiag.rollout.compute import PADDINGS
-
-    out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",") if p.strip()))
-    if not out or any(p not in PADDINGS for p in out):
-        raise BadInput(f"--padding {text!r}: expected one or more of {', '.join(PADDINGS)} (auto: prefill "
-                       "right, decode left as generate())")
-    return out
+# the option parsers live in rollout/options.py; importable from here as before
+from tpdiag.rollout.options import (parse_fixes, parse_ints, parse_jobs, parse_modes,  # noqa: E402,F401
+                                    parse_padding)
 
 
 def configurations(rc: RolloutConfig) -> list[Config]:
@@ -85,13 +45,24 @@ def configurations(rc: RolloutConfig) -> list[Config]:
             itertools.product(rc.tp, rc.micro_batch, rc.modes, rc.fixes, rc.flags, rc.attention, rc.padding)]
 
 
-def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
+def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
+    """The summary; on_logprobs({label: [float32 tensor per sequence]}) gets every configuration's
+    logprobs that ran (tests: the lanes' bits against one process's)."""
     from tpdiag.rollout.compute import build
     from tpdiag.rollout.read import read_rollout
 
     t0 = time.perf_counter()
     ro = read_rollout(rc.file)
     seqs = ro.sequences
+    from tpdiag.rollout import lanes
+
+    jobs = rc.jobs if rc.jobs > 0 else lanes.auto_jobs(rc)
+    if max(rc.tp) > 1 or jobs > 1:
+        from tpdiag.runner.launch import prestart
+
+        # the fork server's imports (torch, transformers: seconds) run while this process builds
+        # its model, not after (every world's ranks fork from it; its environment is theirs)
+        prestart(rc.model)
     target, model = build(rc.model, rc.dtype, rc.device, rc.seed)
     vocab = target.vocab_size
     for s in seqs:
@@ -107,16 +78,36 @@ def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
 
         check_degrees(parse_spec(rc.model), [t for t in rc.tp if t > 1])
         notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's); "
-                     "TP=1 ran in this process, on one thread too (the fixes' CPU kernels can give "
-                     "other bits with more threads)")
+                     f"TP=1 ran {'in this process' if jobs == 1 else 'here and in lanes'}, on one thread "
+                     "too (the fixes' CPU kernels can give other bits with more threads)")
     # the fixes' tree groups: the largest degree, as compare's default (power of two), else the default
     groups = big if big > 1 and not big & (big - 1) else 0
-    worlds = _worlds(rc, seqs, [c for c in cfgs if c.tp > 1], groups, on_status)
     threads = _one_thread() if big > 1 else nullcontext()
     flag_values: dict[str, dict] = {}
-    with threads:
-        results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
-                                                           on_status, flag_values)
+    if jobs > 1:
+        with threads:
+            import torch
+
+            n_threads = torch.get_num_threads()
+            # the margins' configuration (the first TP=1 one that runs) here, as one process would;
+            # then every other configuration in lanes - after it: a launch sets the rank
+            # environment in this process, which must not reach a GEMM here (the cuBLAS workspace)
+            worlds, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values)
+            rest = [c for c in cfgs if c.label not in worlds]
+            worlds.update(_worlds(rc, seqs, rest, groups, on_status,
+                                  run=lambda work: lanes.run(rc, seqs, rest, jobs, work, groups, n_threads,
+                                                             on_status)))
+            results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
+                                                               on_status, flag_values, collector, stats_from)
+        notes.append(f"ran in lanes: up to {jobs} worlds per TP degree side by side, a configuration's "
+                     "micro-batches split between them (tpdiag.rollout.lanes; the same bits as --jobs 1)")
+    else:
+        worlds = _worlds(rc, seqs, [c for c in cfgs if c.tp > 1], groups, on_status)
+        with threads:
+            results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
+                                                               on_status, flag_values)
+    if on_logprobs is not None:
+        on_logprobs(trainer)
     for w in worlds.values():
         for k, v in (w.get("flag_values") or {}).items():
             if v:
@@ -125,44 +116,74 @@ def run_rollout(rc: RolloutConfig, on_status=None) -> dict:
                     flag_values)
 
 
-def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_values):
-    from tpdiag.rollout import metrics, processed
+def _lead(cfgs, seqs, target, model, groups, on_status, flag_values):
+    """The TP=1 configurations up to the first that runs, here, the first with the margins'
+    collector - as _compute takes them: ({label: world-style entry}, collector, its label)."""
+    from tpdiag.rollout import processed
+
+    collector = processed.Collector(seqs)
+    out = {}
+    for c in cfgs:
+        if c.tp != 1:
+            continue
+        entry, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, collector)
+        out[c.label] = {**entry, **({"logprobs": lps} if lps is not None else {})}
+        if lps is not None or entry["status"] == "ok":
+            return out, collector, c.label
+    return out, collector, None
+
+
+def _in_process(c, seqs, target, model, groups, on_status, flag_values, hook):
+    """(entry: status, reason, seconds, sdpa_ran; logprobs or None) of one TP=1 configuration."""
     from tpdiag.rollout.compute import Unavailable, logprobs
+    from tpdiag.runner.sdpa_ran import SdpaRan
+
+    if on_status:
+        on_status(c.label, "running")
+    entry = {"status": "ok"}
+    ran = SdpaRan()
+    t1 = time.perf_counter()
+    lps = None
+    try:
+        with ran:
+            lps = logprobs(c, target, model, seqs, on_logits=hook, tree_groups=groups,
+                           on_flags=lambda k, v: flag_values.setdefault(k, v))
+    except Unavailable as e:
+        entry.update(status="unavailable", reason=str(e))
+    except Exception as e:  # noqa: BLE001 - one configuration failing leaves the others
+        # (e.g. an SDPA backend this device has no kernel for), as in the TP > 1 worlds
+        entry.update(status="failed", reason=f"{type(e).__name__}: "
+                                             f"{str(e).splitlines()[0] if str(e) else ''}"[:300])
+    entry.update(seconds=round(time.perf_counter() - t1, 3), sdpa_ran=ran.counts)
+    return entry, lps
+
+
+def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_values, collector=None,
+             stats_from=None):
+    """Every configuration's entry and logprobs, in order: from `worlds` (computed elsewhere:
+    TP > 1 worlds, lanes, _lead) where it is there, else here."""
+    from tpdiag.rollout import metrics, processed
 
     results: dict[str, dict] = {}
     trainer: dict[str, list] = {}
-    collector = processed.Collector(seqs)
-    stats_from = None
+    collector = collector if collector is not None else processed.Collector(seqs)
     for c in cfgs:
         entry = {**c.to_dict(), "status": "ok"}
-        t1 = time.perf_counter()
-        if c.tp > 1:
+        if c.label in worlds:
             w = worlds[c.label]
-            if w["status"] != "ok":
-                results[c.label] = {**entry, "status": w["status"], "reason": w.get("reason")}
-                continue
-            lps = [_tensor(x) for x in w["logprobs"]]
+            entry.update(seconds=w.get("seconds"), sdpa_ran=w.get("sdpa_ran") or {},
+                         **({"world_seconds": w["world_seconds"]} if "world_seconds" in w else {}))
+            lps = [x if hasattr(x, "dtype") else _tensor(x) for x in w["logprobs"]] if w["status"] == "ok" else None
+            if lps is None:
+                entry.update(status=w["status"], reason=w.get("reason"))
         else:
-            if on_status:
-                on_status(c.label, "running")
             hook = None
             if stats_from is None:
                 hook, stats_from = collector, c.label
-            try:
-                lps = logprobs(c, target, model, seqs, on_logits=hook, tree_groups=groups,
-                               on_flags=lambda k, v: flag_values.setdefault(k, v))
-            except Unavailable as e:
-                entry.update(status="unavailable", reason=str(e))
-                if hook is not None:
-                    stats_from = None
-                lps = None
-            except Exception as e:  # noqa: BLE001 - one configuration failing leaves the others
-                # (e.g. an SDPA backend this device has no kernel for), as in the TP > 1 worlds
-                entry.update(status="failed", reason=f"{type(e).__name__}: "
-                                                     f"{str(e).splitlines()[0] if str(e) else ''}"[:300])
-                if hook is not None:
-                    stats_from = None
-                lps = None
+            got, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, hook)
+            entry.update(got)
+            if lps is None and hook is not None:
+                stats_from = None
         if lps is not None:
             bad = metrics.non_finite(seqs, lps)
             if bad:
@@ -173,12 +194,8 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_valu
                 entry["same_bits_as"] = next((lab for lab, other in trainer.items()
                                               if metrics.same_bits(seqs, lps, other)), None)
                 trainer[c.label] = lps
-        if c.tp == 1:
-            entry["seconds"] = round(time.perf_counter() - t1, 3)
-            if on_status:
-                on_status(c.label, entry["status"])
-        else:
-            entry["seconds"] = worlds[c.label].get("seconds")
+        if c.tp == 1 and c.label not in worlds and on_status:
+            on_status(c.label, entry["status"])
         results[c.label] = entry
     return results, trainer, collector, stats_from
 
@@ -219,6 +236,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                     "exact_tokens": results[closest[0]]["metrics"]["exact_tokens"],
                     "explanation": _closest_words(rc, results, closest, bool(reproduced))},
         "flags": {k: {"values": v, "line": one_line(v, k)} for k, v in (flag_values or {}).items()},
+        "sdpa_ran": _sdpa_words(results),
         "processed": verdict, "configurations": results, "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
@@ -242,6 +260,19 @@ def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
             "another dtype, other weights or model code, or flags outside the ones tried")
 
 
+def _sdpa_words(results: dict) -> str:
+    """Which SDPA backend ran (tpdiag.runner.sdpa_ran), in one line: the backends and, where they
+    differ between configurations, which configurations took each."""
+    groups: dict[str, list] = {}
+    for lab, r in results.items():
+        if r.get("status") == "ok":
+            names = ", ".join(sorted((r.get("sdpa_ran") or {}).keys())) or "none (no SDPA call)"
+            groups.setdefault(names, []).append(lab)
+    if len(groups) <= 1:
+        return "".join(f"{k} in every configuration" for k in groups)
+    return "; ".join(f"{k} in {', '.join(labs)}" for k, labs in groups.items())
+
+
 def _vals(xs) -> str:
     return ",".join(str(x) for x in xs)
 
@@ -252,39 +283,27 @@ def _tensor(values):
     return torch.tensor([float("nan") if isinstance(v, str) else v for v in values], dtype=torch.float32)
 
 
-def _worlds(rc: RolloutConfig, seqs, cfgs, groups: int, on_status) -> dict:
-    """Every TP > 1 configuration's logprobs, one world per degree (tpdiag.rollout.world)."""
+def _worlds(rc: RolloutConfig, seqs, cfgs, groups: int, on_status, run=None) -> dict:
+    """Every configuration in `cfgs`' logprobs from worlds: one per TP > 1 degree
+    (tpdiag.rollout.world), or `run(work_dir)`'s (lanes)."""
     if not cfgs:
         return {}
+    import os
     import shutil
     import tempfile
 
-    from tpdiag.rollout.world import run_degree
-    from tpdiag.runner.launch import prestart
-
-    import os
-
     from tpdiag.runner.determinism import RANK_ENV
+    from tpdiag.runner.launch import prestart
 
     # the launcher exports the rank environment (CUBLAS_WORKSPACE_CONFIG among it) into this
     # process; TP=1 runs here afterwards, under its own configurations' flags: put it back
     saved_env = {k: os.environ.get(k) for k in RANK_ENV}
     prestart(rc.model)
     work = tempfile.mkdtemp(prefix="tpdiag-rollout-")
-    out = {}
     try:
-        for t in dict.fromkeys(c.tp for c in cfgs):
-            mine = [c for c in cfgs if c.tp == t]
-            if on_status:
-                on_status(f"tp{t}", "running")
-            t0 = time.perf_counter()
-            res = run_degree(t, rc, seqs, mine, work, groups)
-            secs = round(time.perf_counter() - t0, 3)
-            for c in mine:
-                out[c.label] = {**res.get(c.label, {"status": "failed", "reason": "no result"}),
-                                "seconds": secs}
-            if on_status:
-                on_status(f"tp{t}", "done")
+        if run is not None:
+            return run(work)
+        return _degrees(rc, seqs, cfgs, groups, on_status, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         for k, v in saved_env.items():
@@ -292,6 +311,25 @@ def _worlds(rc: RolloutConfig, seqs, cfgs, groups: int, on_status) -> dict:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _degrees(rc, seqs, cfgs, groups, on_status, work) -> dict:
+    from tpdiag.rollout.world import run_degree
+
+    out = {}
+    for t in dict.fromkeys(c.tp for c in cfgs):
+        mine = [c for c in cfgs if c.tp == t]
+        if on_status:
+            on_status(f"tp{t}", "running")
+        t0 = time.perf_counter()
+        res = run_degree(t, rc, seqs, mine, work, groups)
+        secs = round(time.perf_counter() - t0, 3)
+        for c in mine:
+            # a configuration's own compute seconds; world_seconds: its whole world's, start-up included
+            r = res.get(c.label, {"status": "failed", "reason": "no result"})
+            out[c.label] = {**r, "seconds": r.get("seconds", secs), "world_seconds": secs}
+        if on_status:
+            on_status(f"tp{t}", "done")
     return out
 
 

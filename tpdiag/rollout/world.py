@@ -18,31 +18,43 @@ SEQUENCES = "sequences.json"
 RESULTS = "logprobs.json"
 
 
-def write_inputs(out_dir: str, seqs, configs) -> None:
+def write_inputs(out_dir: str, seqs, configs, units=None, threads: int = 1) -> None:
+    """units: [(config, lo, hi)] - each configuration over the sequences [lo, hi) (lo a multiple
+    of its micro-batch, so its micro-batches are the whole run's); None: every configuration
+    over every sequence. threads: torch's CPU threads in each rank (the in-process TP=1's count)."""
     from tpdiag.base import files as io
 
     io.write_json(os.path.join(out_dir, SEQUENCES), {
-        "configs": [c.to_dict() for c in configs],
+        "configs": [c.to_dict() for c in configs], "threads": threads,
+        **({} if units is None else {"units": [{"config": c.to_dict(), "lo": lo, "hi": hi} for c, lo, hi in units]}),
         "sequences": [{"input_ids": s.input_ids, "prompt_len": s.prompt_len, "logprobs": s.logprobs,
                        "has_prompt_logprobs": s.prompt_logprobs is not None} for s in seqs]})
 
 
-def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int) -> dict:
-    """{label: {'status': 'ok', 'logprobs': [[...] per sequence]} | {'status', 'reason'}}."""
+def unit_key(label: str, lo: int, hi: int) -> str:
+    return f"{label}@{lo}:{hi}"
+
+
+def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, units=None, lane: int | None = None,
+               threads: int = 1, flags: str | None = None) -> dict:
+    """{label: {'status': 'ok', 'logprobs': [[...] per sequence]} | {'status', 'reason'}} - keyed
+    by unit_key(label, lo, hi) when `units` are given (one lane of several: tpdiag.rollout.lanes).
+    flags: the setting the ranks start under (before their first GEMM); default the first
+    configuration's."""
     from tpdiag.base import files as io
     from tpdiag.config import WorldConfig
     from tpdiag.runner.launch import run_world
 
-    out_dir = os.path.join(work_dir, f"tp{world}")
+    out_dir = os.path.join(work_dir, f"tp{world}" + ("" if lane is None else f"-lane{lane}"))
     os.makedirs(out_dir, exist_ok=True)
-    write_inputs(out_dir, seqs, configs)
+    write_inputs(out_dir, seqs, configs, units, threads)
     cfg = WorldConfig(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,
                       device=rc.device, backward=False, seed=rc.seed, probes=False, selfcheck=False,
-                      tree_groups=tree_groups, flags=configs[0].flags)
+                      tree_groups=tree_groups, flags=flags or configs[0].flags)
     res = run_world(cfg, rc.timeout, entry=main)
     if res.status != "ok":
-        return {c.label: {"status": "failed", "reason": f"TP={world} world failed: {res.error}"}
-                for c in configs}
+        keys = [c.label for c in configs] if units is None else [unit_key(c.label, lo, hi) for c, lo, hi in units]
+        return {k: {"status": "failed", "reason": f"TP={world} world failed: {res.error}"} for k in keys}
     return io.read_json(os.path.join(out_dir, RESULTS))
 
 
@@ -81,6 +93,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     from tpdiag.rollout.compute import Config, Unavailable, logprobs
     from tpdiag.rollout.read import Sequence
     from tpdiag.runner import determinism
+    from tpdiag.runner.sdpa_ran import SdpaRan
     from tpdiag.runner.step import build_model
 
     determinism.setup(cfg.seed, cfg.device, cfg.flags)
@@ -99,21 +112,28 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
                      [] if s["has_prompt_logprobs"] else None) for s in inputs["sequences"]]
     target, model = build_model(cfg, device, world)
     model.eval()
+    torch.set_num_threads(int(inputs.get("threads") or 1))
     out = {}
     flag_values: dict = {}
-    for c in inputs["configs"]:
-        c = Config(**c)
+    units = inputs.get("units") or [{"config": c, "lo": 0, "hi": len(seqs)} for c in inputs["configs"]]
+    for u in units:
+        c, lo, hi = Config(**u["config"]), u["lo"], u["hi"]
+        key = c.label if "units" not in inputs else unit_key(c.label, lo, hi)
+        ran = SdpaRan()
+        t0 = time.perf_counter()
         try:
-            lps = logprobs(c, target, model, seqs, world=world, tree_groups=cfg.tree_groups,
-                           on_flags=lambda k, v: flag_values.setdefault(k, v))
+            with ran:
+                lps = logprobs(c, target, model, seqs[lo:hi], world=world, tree_groups=cfg.tree_groups,
+                               on_flags=lambda k, v: flag_values.setdefault(k, v))
         except Unavailable as e:
-            out[c.label] = {"status": "unavailable", "reason": str(e)}
+            out[key] = {"status": "unavailable", "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - one configuration failing leaves the others
-            out[c.label] = {"status": "failed", "reason": f"{type(e).__name__}: "
-                                                          f"{str(e).splitlines()[0] if str(e) else ''}"[:300]}
+            out[key] = {"status": "failed", "reason": f"{type(e).__name__}: "
+                                                      f"{str(e).splitlines()[0] if str(e) else ''}"[:300]}
         else:
-            out[c.label] = {"status": "ok", "logprobs": [t.tolist() for t in lps],
-                            "flag_values": {c.flags: flag_values.get(c.flags)}}
+            out[key] = {"status": "ok", "logprobs": [t.tolist() for t in lps],
+                        "flag_values": {c.flags: flag_values.get(c.flags)}}
+        out[key].update(seconds=round(time.perf_counter() - t0, 3), sdpa_ran=ran.counts)
     if rank == 0:
         io.write_json(os.path.join(cfg.out_dir, RESULTS), out)
     dist.barrier()
