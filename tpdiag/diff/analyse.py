@@ -121,8 +121,8 @@ def same_degree(entry: dict, label: str, degree: int) -> None:
     that needs one GPU where the reference rerun beside another degree needs two. Its
     difference is a finding (status divergent, cause run-to-run), which --confirm can test."""
     fd = entry.get("first_divergence")
-    if entry["status"] == "bitwise" or fd is None:
-        return
+    if entry["status"] == "bitwise" or fd is None or fd.get("cause") == "non-finite":
+        return  # NaN/Inf is judged as a value (at both worlds alike too), not as run-to-run noise
     cause = as_noise(fd, degree)
     op = f", op {fd['op']}" if fd.get("op") else ""
     # both worlds were probed, so probes cannot explain the difference: the self-check's
