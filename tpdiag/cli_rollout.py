@@ -96,7 +96,8 @@ def rollout_report(console, s: dict) -> None:
     if far:
         first = "; ".join(f"{x['where']} position {x['position']} (engine {x['engine']:.6g}, trainer {x['trainer']:.6g})"
                           for x in far["first"][:3])
-        w(f"beyond range: {far['tokens']} generated tokens have a logprob below {far['floor']:.2f} (float32's "
+        n = far["tokens"]
+        w(f"beyond range: {n} generated token{'s have' if n != 1 else ' has'} a logprob below {far['floor']:.2f} (float32's "
           f"smallest probability); no float32 engine or trainer sampled them, and they dominate every metric "
           f"above: {first}", soft_wrap=True)
     if "prompt" in m:
