@@ -440,3 +440,21 @@ def test_nan_at_every_degree_or_the_reference_is_non_finite(tmp_path, capsys, fu
     everything = 'allow_causes = ["row-parallel-reduction", "shape-dependent-gemm", "sharding-bug", "unknown"]\n'
     res = evaluate(str(out), load_policy(_policy(tmp_path, everything)))
     assert res.exit_code == 4 and res.first_violation.cause == "non-finite", res.lines()
+
+
+def test_hash_records_holding_nan_at_both_sides_are_non_finite():
+    """Hash capture keeps a count of NaN/Inf per record, not values: equal hashes of a loss that holds
+    one at both sides are still a non-finite finding (a forward record's count may be a mask's -inf)."""
+    from tpdiag.diff.engine import _hash_row
+
+    rec = {"stored": "hash", "full_hash": "ab12", "dtype": "float32", "full_shape": [4], "kind": "out",
+           "key": "s0/loss/model/out#0/0", "idx": 0, "step": 0, "phase": "loss", "module": "model", "call": 0,
+           "name": "0", "cls": None, "style": None, "world": 1, "hash_layout": "full",
+           "stats": {"nonfinite": 1, "sum": 0.0, "sumsq": 1.0, "absmax": 1.0}}
+    row, _ = _hash_row(rec, dict(rec), "2")
+    assert row["bitwise"] is False and row["nonfinite_mismatch"] and row["nonfinite_side"] == "both", row
+    assert _hash_row(rec, dict(rec), "2", values=False)[0]["bitwise"] is True  # a reference rerun: bits only
+    fwd = dict(rec, phase="forward")
+    assert _hash_row(fwd, dict(fwd), "2")[0]["bitwise"] is True
+    clean = dict(rec, stats=dict(rec["stats"], nonfinite=0))
+    assert _hash_row(clean, dict(clean), "2")[0]["bitwise"] is True
