@@ -70,8 +70,9 @@ def incomplete(run_dir: str, manifest) -> str | None:
     """Why a compare's run directory is not a finished run, or None. `tpdiag compare` writes
     manifest.json first and gives it its final `status` last: without one the compare was
     interrupted, killed or is still running, and any summary.json there is from an earlier run."""
-    # Whatever `tool` says: every writer gives its manifest a final status (compare last of all).
-    if isinstance(manifest, dict) and "status" not in manifest:
+    # Keyed on `tool` only to say which words fit: a manifest edited to another tool is still checked
+    # as a compare by records/integrity.py (a tool other than "tpdiag compare" is itself a problem).
+    if isinstance(manifest, dict) and manifest.get("tool") == "tpdiag compare" and "status" not in manifest:
         worlds = manifest.get("worlds") if isinstance(manifest.get("worlds"), dict) else {}
         done = ", ".join(f"TP={k} {(v or {}).get('status') if isinstance(v, dict) else v}" for k, v in worlds.items())
         from tpdiag.records.lock import holder
