@@ -184,7 +184,45 @@ def _outside_link(p):
     p.symlink_to(other)
 
 
+def _tool_renamed_and(r, damage):
+    # issue 58: `"tool"` other than "tpdiag compare" used to switch the per-rank checks off
+    _json_edit(r / "manifest.json", lambda d: d.update(tool="my-tool"))
+    damage(r)
+
+
+def _runs_to_copy(r):
+    """The run's own records pointed at through `runs`, from a copy outside the run directory (a genuine
+    copy, so the re-diff agrees: only where the records are read from is wrong)."""
+    other = r.parent / "elsewhere"
+    shutil.copytree(r / "tp2", other / "tp2")
+    _json_edit(r / "manifest.json", lambda d: d.update(runs={"2": str(other / "tp2")}))
+
+
+def _tp2_symlinked_out(r):
+    other = r.parent / "elsewhere"
+    other.mkdir()
+    shutil.move(str(r / "tp2"), str(other / "tp2"))
+    (r / "tp2").symlink_to(other / "tp2", target_is_directory=True)
+
+
+def _first_divergence_zeroed(r):
+    def edit(d):
+        fd = d["degrees"]["2"]["first_divergence"]
+        fd.update(max_ulp=0, max_abs=0.0)
+    _json_edit(r / "summary.json", edit)
+
+
 TAMPER = {
+    "tool renamed, rank1.done deleted": lambda r: _tool_renamed_and(r, lambda r: (r / "tp2" / "rank1.done").unlink()),
+    "tool renamed, rank1.error added": lambda r: _tool_renamed_and(
+        r, lambda r: (r / "tp2" / "rank1.error").write_text('{"error": "boom"}')),
+    "tool renamed, result.json failed": lambda r: _tool_renamed_and(
+        r, lambda r: _json_edit(r / "tp2" / "result.json", lambda d: d.update(status="failed"))),
+    "tool says tpdiag diff": lambda r: _json_edit(r / "manifest.json", lambda d: d.update(tool="tpdiag diff")),
+    "runs entry outside the run directory": _runs_to_copy,
+    "tp2 a symlink out of the run directory": _tp2_symlinked_out,
+    "summary first divergence edited to 0 ULP": _first_divergence_zeroed,
+
     "rank1.done deleted": lambda r: (r / "tp2" / "rank1.done").unlink(),
     "rank1.error added": lambda r: (r / "tp2" / "rank1.error").write_text('{"error": "boom"}'),
     "result.json failed": lambda r: _json_edit(r / "tp2" / "result.json", lambda d: d.update(status="failed")),
@@ -221,6 +259,31 @@ def test_tampered_evidence_is_inconclusive(tampered_base, tmp_path, case):
     assert not t.is_alive(), f"{case}: gate blocked"
     res = out["res"]
     assert res.exit_code == 2 and res.status == "inconclusive", (case, res.lines())
+
+
+def test_runs_entry_is_never_resolved_against_the_working_directory(tampered_base, tmp_path, monkeypatch):
+    """A relative `runs` entry names a folder of the caller's working directory (issue 58): it is the
+    run directory's or nothing."""
+    policy = load_policy(_permissive(tampered_base, tmp_path))
+    cwd = tmp_path / "cwd"
+    shutil.copytree(tampered_base / "tp2", cwd / "recs" / "tp2")
+    shutil.rmtree(tampered_base / "tp2")
+    _json_edit(tampered_base / "manifest.json", lambda d: d.update(runs={"2": "recs/tp2"}))
+    monkeypatch.chdir(cwd)
+    res = evaluate(str(tampered_base), policy)
+    assert res.exit_code == 2 and res.status == "inconclusive", res.lines()
+
+
+def test_report_numbers_are_diff_csv_s(tampered_base, tmp_path):
+    """summary.json's first divergence edited to 0 ULP: the report does not print the edit as the run's
+    result; it says the evidence disagrees."""
+    _first_divergence_zeroed(tampered_base)
+    html = tmp_path / "r.html"
+    r = _cli("report", str(tampered_base), "-o", str(html))
+    assert r.exit_code == 0, r.output
+    top = html.read_text()
+    top = top[:top.index('id="verdict"') + 400]
+    assert 'badge inconclusive">inconclusive' in top and "0.0 but diff.csv says" in top, top[-600:]
 
 
 def test_phases_not_gated_never_read_as_bitwise(tp12_run, tmp_path):
@@ -320,3 +383,78 @@ def test_a_tpdiag_folder_in_the_working_directory_is_not_imported(tmp_path):
     assert p.returncode == 2, p.stderr + p.stdout
     err = json.loads(p.stdout)["degrees"]["2"]["error"]
     assert "IndexError" in err and "bad_loss" in err, err
+
+
+# -- NaN held at both sides, or at the reference only (issue 58) --------------------------------
+def _poisoned_target(tmp_path):
+    """NAN_TARGET's model with its NaN module replaced: NaN at every degree, or at TP=1 only."""
+    src = NAN_TARGET.replace("dist.get_world_size() > 1", "dist.get_world_size() > 0")
+    src += '''
+
+class NaNAtTP1(nn.Module):
+    def forward(self, x):
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            x = x.clone()
+            x[..., 0, 0] = float("nan")
+        return x
+
+
+def reference_only():
+    t = target()
+    t.model.mid = NaNAtTP1()
+    return t
+'''
+    p = tmp_path / "poison.py"
+    p.write_text(src)
+    return p
+
+
+@pytest.mark.parametrize("func,side,words", [("target", "both", "nan at the reference and TP=2"),
+                                             ("reference_only", "reference", "nan at the reference only")])
+def test_nan_at_every_degree_or_the_reference_is_non_finite(tmp_path, capsys, func, side, words):
+    """A loss that is NaN everywhere compares bitwise equal on raw bits: it used to read "rounding only
+    ... nothing is wrong" (exit 1 under --fail-on-divergence, gate PASS allowing the rounding causes)."""
+    from rich.console import Console
+
+    from tpdiag.cli.render import summary_tables
+
+    out = tmp_path / "run"
+    p = run_cli("compare", "--model", f"py:{_poisoned_target(tmp_path)}:{func}", "--tp", "1,2", "--forward-only",
+                "--no-confirm", "--no-baseline", "--out", str(out), "--format", "json", "--fail-on-divergence")
+    assert p.returncode == 4, p.stderr[-3000:]
+    s = json.loads(p.stdout)
+    d = s["degrees"]["2"]
+    assert s["class"] == "non-finite" and d["first_divergence"]["cause"] == "non-finite", d["first_divergence"]
+    assert d["first_divergence"]["module"] == "mid" and d["nonfinite"]["first"]["side"] == side, d["nonfinite"]
+    def floats(o):  # --format json writes NaN/Inf as strings (io.json_safe); the renderer takes floats
+        if isinstance(o, dict):
+            return {k: floats(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [floats(v) for v in o]
+        return float(o.replace("Infinity", "inf")) if o in ("NaN", "Infinity", "-Infinity") else o
+
+    con = Console(record=True, width=200)
+    summary_tables(con, dict(floats(s), run_dir=str(out)))
+    text = con.export_text() + capsys.readouterr().out  # the tables print to stdout
+    assert words in text and "nothing is wrong" not in text and "rounding only" not in text, text
+    everything = 'allow_causes = ["row-parallel-reduction", "shape-dependent-gemm", "sharding-bug", "unknown"]\n'
+    res = evaluate(str(out), load_policy(_policy(tmp_path, everything)))
+    assert res.exit_code == 4 and res.first_violation.cause == "non-finite", res.lines()
+
+
+def test_hash_records_holding_nan_at_both_sides_are_non_finite():
+    """Hash capture keeps a count of NaN/Inf per record, not values: equal hashes of a loss that holds
+    one at both sides are still a non-finite finding (a forward record's count may be a mask's -inf)."""
+    from tpdiag.diff.engine import _hash_row
+
+    rec = {"stored": "hash", "full_hash": "ab12", "dtype": "float32", "full_shape": [4], "kind": "out",
+           "key": "s0/loss/model/out#0/0", "idx": 0, "step": 0, "phase": "loss", "module": "model", "call": 0,
+           "name": "0", "cls": None, "style": None, "world": 1, "hash_layout": "full",
+           "stats": {"nonfinite": 1, "sum": 0.0, "sumsq": 1.0, "absmax": 1.0}}
+    row, _ = _hash_row(rec, dict(rec), "2")
+    assert row["bitwise"] is False and row["nonfinite_mismatch"] and row["nonfinite_side"] == "both", row
+    assert _hash_row(rec, dict(rec), "2", values=False)[0]["bitwise"] is True  # a reference rerun: bits only
+    fwd = dict(rec, phase="forward")
+    assert _hash_row(fwd, dict(fwd), "2")[0]["bitwise"] is True
+    clean = dict(rec, stats=dict(rec["stats"], nonfinite=0))
+    assert _hash_row(clean, dict(clean), "2")[0]["bitwise"] is True

@@ -7,6 +7,11 @@ class TpdiagError(Exception):
 
     exit_code = 2
 
+    def __init__(self, *args, lines: bool = False):
+        super().__init__(*args)
+        # lines=True: the message is one problem per line (a rollout file's bad lines), each printed
+        self.lines = lines
+
 
 class BadInput(TpdiagError):
     """A value the user gave cannot be used (a spec, a degree list, a dtype, a path)."""

@@ -84,10 +84,31 @@ def open_safetensors(path: str, device: str = "cpu"):
     return safe_open(path, framework="pt", device=device)
 
 
-def open_regular(path: str, encoding: str | None = "utf-8", newline: str | None = None):
-    """open() for reading that refuses anything but a regular file: a FIFO would block the reader
-    forever, a device (a link to /dev/zero) would fill memory. The open itself is non-blocking, so a
-    FIFO with no writer is refused at once; a regular file ignores the flag."""
+# The most tpdiag reads of one file, by what it holds: read whole into memory (JSON is parsed into
+# objects several times its size), a file past these is not one tpdiag wrote or a user meant - a
+# 20 GB sparse events.jsonl must end in one line at once, not in a MemoryError minutes later.
+# TPDIAG_MAX_READ_MB raises every cap (a capture of a very large model at op granularity).
+MiB = 1 << 20
+LIMIT_DOC = 256 * MiB      # one JSON document: manifest, summary, result, world.json, config.json
+LIMIT_LINES = 2048 * MiB   # events.jsonl, diff.csv, a rollout file
+LIMIT_SMALL = 16 * MiB     # a policy, a py: model file
+
+
+def _limit(limit: int) -> int:
+    mb = os.environ.get("TPDIAG_MAX_READ_MB", "")
+    return max(limit, int(mb) * MiB) if mb.isdigit() else limit
+
+
+def _mb(n: int) -> str:
+    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n} bytes"
+
+
+def open_regular(path: str, encoding: str | None = "utf-8", newline: str | None = None,
+                 limit: int = LIMIT_LINES, error=Inconclusive):
+    """open() for reading that refuses anything but a regular file no larger than `limit` bytes
+    (`error` is raised, naming the file and the limit): a FIFO would block the reader forever, a
+    device (a link to /dev/zero) or a huge sparse file would fill memory. The open itself is
+    non-blocking, so a FIFO with no writer is refused at once; a regular file ignores the flag."""
     import stat
 
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -97,7 +118,11 @@ def open_regular(path: str, encoding: str | None = "utf-8", newline: str | None 
             kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
                     or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else
                     "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file")
-            raise Inconclusive(f"{path}: {kind}, not a regular file; refused")
+            raise error(f"{path}: {kind}, not a regular file; refused")
+        cap = _limit(limit)
+        if st.st_size > cap:
+            raise error(f"{path}: {_mb(st.st_size)}, over the {_mb(cap)} tpdiag reads from such a file "
+                        "(TPDIAG_MAX_READ_MB raises it); refused")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "r" if encoding else "rb", encoding=encoding, newline=newline)
     except BaseException:
@@ -105,13 +130,18 @@ def open_regular(path: str, encoding: str | None = "utf-8", newline: str | None 
         raise
 
 
+def check_regular(path: str, limit: int, error) -> None:
+    """open_regular's checks alone, for a file another library opens (a py: model file)."""
+    open_regular(path, None, limit=limit, error=error).close()
+
+
 def read_json(path: str):
     try:
-        with open_regular(path) as f:
+        with open_regular(path, limit=LIMIT_DOC) as f:
             return json.load(f, object_hook=_restore)
     except FileNotFoundError:
         raise Inconclusive(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, MemoryError) as e:
         raise Inconclusive(f"{path}: corrupt JSON ({_brief(e)})") from None
     except OSError as e:  # a directory, no permission, an I/O error
         raise Inconclusive(f"{path}: unreadable ({e.strerror or e})") from None
@@ -123,7 +153,7 @@ def read_jsonl(path: str) -> list:
             return [json.loads(line, object_hook=_restore) for line in f if line.strip()]
     except FileNotFoundError:
         raise Inconclusive(f"{path}: missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, MemoryError) as e:
         raise Inconclusive(f"{path}: corrupt JSON lines ({_brief(e)})") from None
     except OSError as e:
         raise Inconclusive(f"{path}: unreadable ({e.strerror or e})") from None
@@ -133,6 +163,10 @@ def _brief(e: BaseException) -> str:
     # UnicodeDecodeError's message quotes the whole undecodable object: keep one short line.
     if isinstance(e, UnicodeDecodeError):
         return f"not UTF-8 at byte {e.start}"
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, MemoryError):
+        return "too large to hold in memory"
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 

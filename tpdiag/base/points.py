@@ -61,6 +61,7 @@ def parse_micro_batches(text: str | None) -> tuple[int, ...]:
                            "call, e.g. 4,1") from None
     if any(n < 1 for n in out):
         raise BadInput(f"--micro-batch {text!r}: every size must be >= 1")
+    _no_repeat("--micro-batch", text, out)
     return tuple(out)
 
 
@@ -74,7 +75,20 @@ def parse_modes(text: str | None) -> tuple[str, ...]:
         if m not in MODES:
             raise BadInput(f"--mode {m}: not available in tpdiag compare yet (only "
                            f"{', '.join(MODES)}); `tpdiag rollout --mode decode` compares decode today")
+    _no_repeat("--mode", text, out)
     return out
+
+
+def _no_repeat(option: str, text, values) -> None:
+    """A value listed twice would run a second world of the very configuration the first one is (no
+    label tells them apart) and compare it as another: refused. (`--tp 2,2` is different: its second
+    world is a labelled rerun of the reference, a documented check.)"""
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise BadInput(f"{option} {text!r}: {v} is listed twice; list each value once (the first is "
+                           "the reference)")
+        seen.add(v)
 
 
 def check_micro_batches(sizes: tuple[int, ...], batch_size: int) -> None:

@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import json
 import sys
+
+if __name__ == "__main__" and sys.path and not sys.flags.safe_path:
+    import os as _os
+
+    if sys.path[0] in ("", _os.getcwd()):  # `python -m tpdiag.cli`: as tpdiag/__main__.py says
+        del sys.path[0]
 from typing import Annotated, Optional
 
 import typer
@@ -399,6 +405,9 @@ def diff(
 def main() -> None:
     import click
 
+    from tpdiag.cli.common import quiet_closed_pipe
+
+    quiet_closed_pipe()
     try:
         # standalone_mode=False: click's usage errors come here (one line, below), not as
         # click's multi-line usage box.
@@ -420,11 +429,17 @@ def main() -> None:
         sys.exit(130)
     except SystemExit:
         raise
+    except BrokenPipeError:
+        # a write past the wrapper (click's own output): the reader is gone, nothing is wrong here
+        sys.stdout._closed() if hasattr(sys.stdout, "_closed") else None
+        sys.exit(0)
     except BaseException as e:  # last resort: never a bare traceback without --debug
         if isinstance(e, KeyboardInterrupt):
             sys.exit(130)
         if DEBUG["on"]:
             raise
-        sys.stderr.write(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n")
+        from tpdiag.cli.common import words_for
+
+        sys.stderr.write(f"error: {words_for(e)}\n")
         sys.exit(2)
 

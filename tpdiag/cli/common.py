@@ -41,9 +41,70 @@ def fail(e: BaseException) -> None:
 
         traceback.print_exception(e)
     code = e.exit_code if isinstance(e, TpdiagError) else 2
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-    console(stderr=True).print(f"[bold red]error:[/] {msg}", markup=True, soft_wrap=True)
+    msgs = str(e).splitlines()[:1] if str(e).strip() else [words_for(e)]
+    if getattr(e, "lines", False):
+        msgs = [m for m in str(e).splitlines() if m.strip()]
+    for msg in msgs:
+        console(stderr=True).print(f"[bold red]error:[/] {msg}", markup=True, soft_wrap=True)
     raise typer.Exit(code)
+
+
+_NO_MESSAGE = {
+    "MemoryError": "out of memory (MemoryError): an input too large for this machine's memory",
+    "RecursionError": "an input nested too deeply (RecursionError)",
+}
+
+
+def words_for(e: BaseException) -> str:
+    """One meaningful line for any exception, also one whose str() is empty (`MemoryError()`)."""
+    text = str(e).strip()
+    if text:
+        return f"{type(e).__name__}: {text.splitlines()[0]}"
+    return _NO_MESSAGE.get(type(e).__name__, f"{type(e).__name__} (raised without a message; --debug shows where)")
+
+
+class _ClosedPipeSafe:
+    """sys.stdout that survives its reader going away (`tpdiag compare ... | head -5`): the first
+    write or flush that meets a closed pipe points the descriptor at /dev/null, so the rest of the
+    output vanishes quietly and the command still ends with its own exit code - as well-behaved CLIs
+    do - instead of a BrokenPipeError read by CI as a failure."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _closed(self) -> None:
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def write(self, data):
+        try:
+            return self._stream.write(data)
+        except BrokenPipeError:
+            self._closed()
+            return len(data)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._closed()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def quiet_closed_pipe() -> None:
+    try:
+        sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real stream (a test's capture): nothing to redirect
+    if not isinstance(sys.stdout, _ClosedPipeSafe):
+        sys.stdout = _ClosedPipeSafe(sys.stdout)
 
 
 # Raised deep inside the readers by a hand-edited or foreign run directory (valid JSON of the

@@ -158,7 +158,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         st = "[green]bitwise[/]" if d["status"] == "bitwise" else "[yellow]divergent[/]"
         err = f"{_fmt(fd.get('max_abs'))} / {_bound_cell(fd)}" if fd else "-"
         if fd.get("cause") == "non-finite":  # no size to compare with a bound: say what it is
-            err = f"{(d.get('nonfinite') or {}).get('first', {}).get('value', 'nan or inf')} at one side"
+            err = _nonfinite_where(d, label)
         lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"
                  if lp.get("max_abs") is not None else "-")
         t.add_row(label, st, where(fd) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
@@ -204,13 +204,21 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         console.print(f"run directory: {summary['run_dir']}  (tpdiag report {summary['run_dir']})")
 
 
+def _nonfinite_where(d: dict, label: str) -> str:
+    """'nan at TP=2 only' / 'nan at the reference only' / 'nan at the reference and TP=2'."""
+    first = (d.get("nonfinite") or {}).get("first") or {}
+    value, side = first.get("value", "nan or inf"), first.get("side", "degree")
+    return {"reference": f"{value} at the reference only",
+            "both": f"{value} at the reference and {config_name(label)}"}.get(side, f"{value} at {config_name(label)} only")
+
+
 def _class_words(summary: dict) -> str:
     """The headline's bug-or-rounding part: ', BUG' / ', rounding only' / ', not judged'."""
     c = summary.get("class")
     if summary.get("status") != "divergent" or not c:
         return ""
     return {"bug": ", [bold red]BUG[/] (a wrong result, not rounding)",
-            "non-finite": ", [bold red]NON-FINITE[/] (NaN or Inf on one side only)",
+            "non-finite": ", [bold red]NON-FINITE[/] (NaN or Inf: never rounding)",
             "rounding": ", rounding only", "unknown": ", not judged (cause unknown)"}[c]
 
 
@@ -257,8 +265,8 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
         if f["cause"] == "non-finite":
             nf = d.get("nonfinite") or {}
             console.print(f"[red]finding[/] {config_name(label)}: {f['phase']} {f['module']} ({f['kind']} {f['name']}): "
-                          f"non-finite - {nf.get('first', {}).get('value', 'nan or inf')} at {config_name(label)} "
-                          f"only ({nf.get('records', '?')} records non-finite at one side, this the first)")
+                          f"non-finite - {_nonfinite_where(d, label)} ({nf.get('records', '?')} records hold "
+                          "NaN or Inf, this the first)")
             continue
         rec = f"{f['kind']} {f['name']}" if f["kind"] != "op" else f"op {f['name']}"
         line = (f"[red]finding[/] {config_name(label)}: {f['phase']} {f['module']} ({rec}): {f['cause']}, "

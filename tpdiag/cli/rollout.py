@@ -107,6 +107,14 @@ def rollout_report(console, s: dict) -> None:
     w(f"token_mult_prob_error {m['token_mult_prob_error']:.7f}   max |diff| {m['max_abs']:.3g}   "
       f"mean diff {m['mean_diff']:+.3g}   k3 KL {m['k3_kl']:.3g}   exact {m['exact_tokens']}/{m['tokens']}",
       soft_wrap=True)
+    far = m.get("beyond_range")
+    if far:
+        first = "; ".join(f"{x['where']} position {x['position']} (engine {x['engine']:.6g}, trainer {x['trainer']:.6g})"
+                          for x in far["first"][:3])
+        n = far["tokens"]
+        w(f"beyond range: {n} generated token{'s have' if n != 1 else ' has'} a logprob below {far['floor']:.2f} (float32's "
+          f"smallest probability); no float32 engine or trainer sampled them, and they dominate every metric "
+          f"above: {first}", soft_wrap=True)
     if "prompt" in m:
         p = m["prompt"]
         w(f"prompt logprobs: {p['tokens']} tokens, max |diff| {p['max_abs']:.3g}, mean diff "

@@ -29,8 +29,8 @@ def _scalar(rs: RecordSet, kind: str, step: int = 0):
     return float(t.flatten()[0].double()) if t.numel() else None
 
 
-def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, list[dict]]:
-    dd = diff_degree(ref, other, label)
+def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = True) -> tuple[dict, list[dict]]:
+    dd = diff_degree(ref, other, label, values=values)
     # A reference at TP=R > 1 rounds its own R partial sums too: its share joins the bound.
     ref_degree = int(ref.world.get("degree", 1))
     add_bounds(dd, int(other.world.get("degree", 1)) + (ref_degree if ref_degree > 1 else 0))
@@ -83,7 +83,7 @@ def _baseline(run_dir, ref, label, failed, degree) -> dict:
         return {"reproducible": None, "label": label, "error": failed[label]}
     try:
         again = RecordSet(os.path.join(run_dir, f"tp{label}"))
-        entry, _ = analyse_degree(ref, again, label)
+        entry, _ = analyse_degree(ref, again, label, values=False)  # does the reference reproduce its bits
     except Inconclusive as e:
         return {"reproducible": None, "label": label, "error": str(e)}
     ok = entry["status"] == "bitwise"
@@ -121,8 +121,8 @@ def same_degree(entry: dict, label: str, degree: int) -> None:
     that needs one GPU where the reference rerun beside another degree needs two. Its
     difference is a finding (status divergent, cause run-to-run), which --confirm can test."""
     fd = entry.get("first_divergence")
-    if entry["status"] == "bitwise" or fd is None:
-        return
+    if entry["status"] == "bitwise" or fd is None or fd.get("cause") == "non-finite":
+        return  # NaN/Inf is judged as a value (at both worlds alike too), not as run-to-run noise
     cause = as_noise(fd, degree)
     op = f", op {fd['op']}" if fd.get("op") else ""
     # both worlds were probed, so probes cannot explain the difference: the self-check's

@@ -54,6 +54,20 @@ def raw_bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def held_nonfinite(t: torch.Tensor, forward: bool = False) -> str | None:
+    """'NaN' or 'Inf' where the tensor holds one as a value, else None - whatever the other side holds:
+    a loss that is NaN at every degree is bitwise equal and still wrong. In a forward record -inf
+    alone is not one: attention masks are built with it (an additive -inf bias, softmax's input), and
+    where it is wrong it reaches a loss, a gradient or an update, which are judged."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return None
+    if bool(torch.isnan(t).any()):
+        return "NaN"
+    if bool(torch.isposinf(t).any()) or (not forward and bool(torch.isneginf(t).any())):
+        return "Inf"
+    return None
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw_bits(a), raw_bits(b))
 

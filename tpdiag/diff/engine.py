@@ -60,7 +60,7 @@ def _in_flight(op_name: str) -> bool:
     return op_name.startswith("_c10d_functional::") and not op_name.startswith("_c10d_functional::wait_tensor")
 
 
-def _hash_row(rm: dict, om: dict, label: str):
+def _hash_row(rm: dict, om: dict, label: str, values: bool = True):
     """(row, None) comparing two hash-mode records by their whole-tensor hashes, or (None, why)."""
     if rm.get("stored") != om.get("stored"):
         return None, "captured as a hash at one side only"
@@ -83,6 +83,13 @@ def _hash_row(rm: dict, om: dict, label: str):
                consumers=om.get("consumers"), bitwise=rm["full_hash"] == om["full_hash"],
                max_abs=None, max_rel=None, max_ulp=None, mismatch_fraction=None, bound=None,
                beyond_bound=None, nonfinite_mismatch=sa["nonfinite"] != sb["nonfinite"])
+    if values and row["phase"] != "forward" and (sa["nonfinite"] or sb["nonfinite"]) and not row["nonfinite_mismatch"]:
+        # the hash's statistics count NaN and Inf together, so a forward record (an attention mask's
+        # -inf) is judged where it reaches a loss, a gradient or an update
+        row.update(nonfinite_mismatch=True, bitwise=False)
+    if row["nonfinite_mismatch"]:
+        row["nonfinite_side"] = ("both" if sa["nonfinite"] and sb["nonfinite"]
+                                 else "reference" if sa["nonfinite"] else "degree")
     if not row["bitwise"]:
         na, nb = sa["sumsq"] ** 0.5, sb["sumsq"] ** 0.5
         # |(|b| - |a|)| / |a| <= |b - a| / |a|: a lower bound on the relative error, from statistics
@@ -112,8 +119,26 @@ def _after_flip(rows: list[dict]) -> bool:
     return any(flipped(r) for r in rows)
 
 
-def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> DegreeDiff:
-    """keep(meta) -> bool: which assembled pairs to keep in memory (for bounds and plots)."""
+def _judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
+    """NaN/Inf judged as values, not bits: bitwise comparison makes NaN equal NaN, so a loss that is
+    NaN at every degree would read "bitwise". Any record holding one is a non-finite finding (never
+    bitwise, max_abs infinite so that no budget passes it) naming the side(s) that hold it."""
+    fwd = row.get("phase") == "forward"
+    va, vb = bits.held_nonfinite(a, fwd), bits.held_nonfinite(b, fwd)
+    if not (va or vb or row["nonfinite_mismatch"]):
+        return
+    ha, hb = va or bits.held_nonfinite(a), vb or bits.held_nonfinite(b)
+    row["nonfinite_side"] = "both" if ha and hb else "reference" if ha else "degree"
+    if row["nonfinite_mismatch"]:
+        return
+    row.update(nonfinite_mismatch=True, nonfinite=va or vb, bitwise=False, max_abs=float("inf"),
+               max_rel=float("inf"), max_ulp=None)
+
+
+def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values: bool = True) -> DegreeDiff:
+    """keep(meta) -> bool: which assembled pairs to keep in memory (for bounds and plots).
+    values: judge NaN/Inf held at both sides as findings (False for a reference rerun, whose question
+    is only whether the bits reproduce)."""
     rows, unmatched, uncompared = [], [], []
     tensors = {}
     seen = set()
@@ -140,7 +165,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
             continue
         if "hash" in (om.get("stored"), rm.get("stored")):
             try:
-                row, why = _hash_row(rm, om, label)
+                row, why = _hash_row(rm, om, label, values)
             except NotComparable:
                 if not _after_flip(rows):
                     raise
@@ -186,6 +211,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None) -> Degr
         row["nonfinite"] = c.nonfinite
         row.update(bitwise=c.bitwise, max_abs=c.max_abs, max_rel=c.max_rel, max_ulp=c.max_ulp,
                    mismatch_fraction=c.mismatch_fraction, bound=None, beyond_bound=None)
+        if values:
+            _judge_values(row, a, b)
         if oa.rank_consistent is False:
             row["rank_max_abs"] = max(
                 float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())

@@ -98,14 +98,14 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
 
 
 def nonfinite_summary(rows: list[dict]) -> dict | None:
-    """Which records are NaN or Inf at one side only, and the first of them (execution order)."""
+    """Which records hold NaN or Inf (at one side or both: `side`), and the first of them (execution order)."""
     nf = [r for r in rows if r.get("nonfinite_mismatch")]
     if not nf:
         return None
     f = nf[0]
     return {"records": len(nf), "nan_records": sum(r.get("nonfinite") == "NaN" for r in nf),
             "first": {k: f.get(k) for k in ("key", "phase", "module", "kind", "name", "step")}
-            | {"value": (f.get("nonfinite") or "NaN or Inf").lower()}}  # "nan": JSON's "NaN" reads back as a float
+            | {"value": (f.get("nonfinite") or "NaN or Inf").lower(), "side": f.get("nonfinite_side") or "degree"}}  # "nan": JSON's "NaN" reads back as a float
 
 
 def _set(row: dict, bound: float, diff: float) -> None:

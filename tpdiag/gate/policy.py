@@ -88,15 +88,21 @@ def load_policy(path: str | None) -> Policy:
             raise BadInput(f"--policy {path}: reading TOML needs Python 3.11+ or the tomli package") from None
     from tpdiag.records.causes import CAUSES
 
+    from tpdiag.base import files as io
+
     try:
-        with open(path, "rb") as f:
+        with io.open_regular(path, None, limit=io.LIMIT_SMALL, error=BadInput) as f:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise BadInput(f"--policy {path}: no such file") from None
+    except BadInput as e:
+        raise BadInput(f"--policy {e}") from None
     except tomllib.TOMLDecodeError as e:
         raise BadInput(f"--policy {path}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise BadInput(f"--policy {path}: not valid TOML (nested too deeply)") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"--policy {path}: unreadable ({e})") from None
+        raise BadInput(f"--policy {path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
     extra = set(data) - _TOP_KEYS
     if extra:
         raise BadInput(f"--policy {path}: unknown key {sorted(extra)[0]!r}; expected {', '.join(sorted(_TOP_KEYS))}")

@@ -175,7 +175,7 @@ def _verify_records(dirs: dict[str, str], ref: str, labels: list[str], csv_rows:
                 break
     if base:
         try:
-            dd = diff_degree(ref_rs, RecordSet(dirs[base]), base, keep=lambda m: False)
+            dd = diff_degree(ref_rs, RecordSet(dirs[base]), base, keep=lambda m: False, values=False)
             if dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows):
                 problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
         except Inconclusive as e:
@@ -353,15 +353,17 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
     from tpdiag.records import integrity
 
     # The per-rank evidence, the manifest's schema and worlds, and the summary must agree first.
-    res.problems += integrity.problems(run_dir, manifest, summary)
+    try:
+        rows = read_rows(run_file(run_dir, "diff.csv"))
+        csv_rows = rows
+    except Inconclusive as e:
+        res.problems.append(str(e).splitlines()[0])
+        rows, csv_rows = [], None
+    # diff.csv is re-derived from the records below; summary.json's numbers must be diff.csv's.
+    res.problems += integrity.problems(run_dir, manifest, summary, csv_rows)
     for lab in policy.degrees or ():
         if lab not in others:
             res.problems.append(f"policy gates TP={lab} but the run compared only TP={', '.join(others) or 'none'}")
-    try:
-        rows = read_rows(run_file(run_dir, "diff.csv"))
-    except Inconclusive as e:
-        res.problems.append(str(e).splitlines()[0])
-        rows = []
     by_label = {lab: [r for r in rows if r["degree"] == lab] for lab in others}
     errors = _degree_errors(run_dir, manifest, summary, ref, others, by_label)
     for lab in set(errors) - set(others):

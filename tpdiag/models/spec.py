@@ -54,8 +54,14 @@ def _parse_spec(spec: str) -> ModelSpec:
         if not sep or not src or not func.isidentifier():
             raise BadInput(f"--model {spec!r}: expected py:FILE.py:FUNC or py:package.module:FUNC")
         if src.endswith(".py"):
-            if not os.path.isfile(src):
+            if not os.path.exists(src):
                 raise BadInput(f"--model {spec!r}: file {src!r} not found")
+            from tpdiag.base import files as io
+
+            try:  # a FIFO would block every rank's import, /dev/zero fill its memory
+                io.check_regular(src, io.LIMIT_SMALL, BadInput)
+            except BadInput as e:
+                raise BadInput(f"--model {spec!r}: {e}") from None
             src = os.path.abspath(src)
         return ModelSpec("py", f"{src}:{func}")
     raise BadInput(f"--model {spec!r}: unknown model; expected one of {', '.join(PRESETS)}, "
@@ -192,9 +198,13 @@ def model_divisors(spec: ModelSpec) -> dict[str, int]:
     if spec.kind == "hf":
         path = os.path.join(spec.value, "config.json")
         try:
-            with open(path, encoding="utf-8") as f:
+            from tpdiag.base import files as io
+
+            with io.open_regular(path, limit=io.LIMIT_DOC, error=BadInput) as f:
                 cfg = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except BadInput as e:
+            raise BadInput(f"--model hf:{spec.value}: {e}") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise BadInput(f"--model hf:{spec.value}: config.json unreadable ({type(e).__name__})") from None
         if not isinstance(cfg, dict) or not isinstance(cfg.get("text_config", cfg), dict):
             raise BadInput(f"--model hf:{spec.value}: config.json is not a JSON object")

@@ -25,8 +25,11 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
     """Why the records of a world the manifest calls ok cannot be trusted, or None."""
     from tpdiag.records.rundir import records_dir
 
-    d = records_dir(run_dir, manifest, label)
     who = f"reference rerun TP={label}" if label == base else f"TP={label}"
+    try:
+        d = records_dir(run_dir, manifest, label)
+    except Inconclusive as e:
+        return f"{who}: {e}"
     try:
         res = io.read_json(os.path.join(d, "result.json"))
     except Inconclusive as e:
@@ -49,6 +52,55 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
         if not os.path.isfile(m) or os.path.islink(m):
             return f"{who}: tp{label}/rank{r}.done is missing (the rank never finished its work)"
     return None
+
+
+def _num(v):
+    """A summary number as a float: JSON carries Inf/NaN as the strings "Infinity"/"NaN" (io.json_safe)."""
+    if isinstance(v, str) and v in ("Infinity", "-Infinity", "NaN"):
+        return float(v.replace("Infinity", "inf"))
+    return v
+
+
+def _same(a, b) -> bool:
+    a, b = _num(a), _num(b)
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if type(a) in (int, float) and type(b) in (int, float):
+        return float(a) == float(b)  # CSV and JSON both write floats by repr: exact
+    return a == b
+
+
+def _number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
+    """The numbers summary.json shows (the first divergence's and each finding's max abs, ULP, mismatch
+    fraction, bound) must be diff.csv's for the same record: the report prints them as written, so an
+    edit to summary.json alone (a divergence edited to 0 ULP) must not read as evidence."""
+    if rows is None:
+        return []
+    by_key = {(str(r.get("degree")), r.get("key")): r for r in rows}
+    out = []
+    for lab, d in degrees.items():
+        if not isinstance(d, dict):
+            continue
+        fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else None
+        recs = [("first divergence", fd, ("max_abs", "max_ulp", "mismatch_fraction", "bound"))] if fd else []
+        recs += [("finding", f, ("max_abs", "bound")) for f in d.get("findings") or ()
+                 if isinstance(f, dict) and f.get("key") and f.get("cause") != "router-flip"]
+        for what, rec, fields in recs:
+            key = rec.get("key")
+            if not key:
+                continue
+            r = by_key.get((lab, key))
+            if r is None:
+                out.append(f"summary.json's TP={lab} {what} {key} is not a record of diff.csv")
+                break
+            if what == "finding" and r.get("rank_consistent") is False:
+                fields = ("bound",)  # its max abs is between the ranks' copies, not in diff.csv
+            bad = next((k for k in fields if k in rec and r.get(k) is not None and not _same(rec[k], r[k])), None)
+            if bad:
+                out.append(f"summary.json's TP={lab} {what} {key}: {bad} {rec[bad]!r} but diff.csv says "
+                           f"{r[bad]!r} (edited after the run)")
+                break
+    return out
 
 
 def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) -> list[str]:
@@ -77,13 +129,20 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) ->
     if summary.get("status") != "inconclusive" and "failed" in statuses.values():
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
+    out += _number_problems(degrees, rows)
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab
                and (r.get("bitwise") is False or r.get("rank_consistent") is False)]
         if st == "bitwise" and div:
             out.append(f"summary.json says TP={lab} is bitwise but diff.csv has {len(div)} divergent records")
+    from tpdiag.records.rundir import is_diff_dir
+
+    if is_diff_dir(run_dir, manifest):
+        return out  # `tpdiag diff`: its evidence is the two captures, re-diffed by the gate
     if manifest.get("tool") != "tpdiag compare":
-        return out  # `tpdiag diff` and matrix runs have no per-rank evidence of their own here
+        # the per-rank checks below run whatever `tool` says: an edited field must not switch them off
+        out.append(f"manifest.json tool {manifest.get('tool')!r}: a run directory of tpdiag compare says "
+                   "'tpdiag compare' (a tpdiag diff directory holds no tp folders and no worlds)")
     worlds = manifest.get("worlds")
     labels = manifest.get("labels")
     if not isinstance(worlds, dict) or not isinstance(labels, list) or not labels:

@@ -13,17 +13,19 @@ import platform
 import time
 from contextlib import contextmanager
 
-from tpdiag.errors import BadInput
+from tpdiag.errors import BadInput, Inconclusive
 
 NAME = ".tpdiag.lock"
 
 
 def _holder(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
+        from tpdiag.base import files as io
+
+        with io.open_regular(path, limit=io.LIMIT_SMALL) as f:  # a FIFO planted there must not block
             d = json.loads(f.read(4096) or "{}")
         return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, Inconclusive):
         return {}
 
 

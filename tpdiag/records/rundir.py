@@ -70,6 +70,8 @@ def incomplete(run_dir: str, manifest) -> str | None:
     """Why a compare's run directory is not a finished run, or None. `tpdiag compare` writes
     manifest.json first and gives it its final `status` last: without one the compare was
     interrupted, killed or is still running, and any summary.json there is from an earlier run."""
+    # Keyed on `tool` only to say which words fit: a manifest edited to another tool is still checked
+    # as a compare by records/integrity.py (a tool other than "tpdiag compare" is itself a problem).
     if isinstance(manifest, dict) and manifest.get("tool") == "tpdiag compare" and "status" not in manifest:
         worlds = manifest.get("worlds") if isinstance(manifest.get("worlds"), dict) else {}
         done = ", ".join(f"TP={k} {(v or {}).get('status') if isinstance(v, dict) else v}" for k, v in worlds.items())
@@ -83,12 +85,34 @@ def incomplete(run_dir: str, manifest) -> str | None:
     return None
 
 
+def is_diff_dir(run_dir: str, manifest) -> bool:
+    """A `tpdiag diff` output, whose records are the two captures its manifest names (outside it, by
+    design). Known by its shape as well as its `tool`: no worlds and no tp{label} folder of its own,
+    so a compare run whose manifest is edited to say "tpdiag diff" is still checked as a compare."""
+    if not isinstance(manifest, dict) or manifest.get("tool") != "tpdiag diff" or "worlds" in manifest:
+        return False
+    try:
+        return not any(n.startswith("tp") and os.path.isdir(os.path.join(run_dir, n)) for n in os.listdir(run_dir))
+    except OSError:
+        return False
+
+
 def records_dir(run_dir: str, manifest: dict, label: str) -> str:
-    """Where a degree's records live: RUN_DIR/tp{label} for compare, the capture itself for `tpdiag diff`."""
+    """Where a degree's records live: RUN_DIR/tp{label} for compare (or a matrix run's variant folder
+    inside it), the capture itself for `tpdiag diff`. A relative path is the run directory's, never the
+    caller's working directory; a compare's records never lie outside its run directory (a `runs`
+    entry or a symlinked tp{label} pointing at another run's records is Inconclusive)."""
     runs = manifest.get("runs") if isinstance(manifest, dict) else None
+    path = os.path.join(run_dir, f"tp{label}")
     if isinstance(runs, dict) and isinstance(runs.get(label), str):
-        return runs[label]
-    return os.path.join(run_dir, f"tp{label}")
+        path = os.path.join(run_dir, runs[label])  # an absolute entry stays absolute
+    if is_diff_dir(run_dir, manifest):
+        return path
+    real, root = os.path.realpath(path), os.path.realpath(run_dir)
+    if os.path.commonpath([real, root]) != root:
+        raise Inconclusive(f"{run_dir}: the records of TP={label} resolve to {real}, outside the run "
+                           "directory (an edited manifest.json 'runs' entry or a symlinked folder); refused")
+    return path
 
 
 def load_run(run_dir: str) -> tuple[dict, dict, list[dict]]:

@@ -35,7 +35,7 @@ WHY = {
                                "not a collective: a nondeterministic kernel (atomics, split reductions)",
     "batch-variant-kernel": "a kernel's result for a row depends on how many rows share its call "
                             "(micro-batch size, decode vs prefill)",
-    "non-finite": "a NaN or Inf on one side only: never rounding",
+    "non-finite": "a NaN or Inf (at one side, or at both: bitwise-equal NaN is still NaN): never rounding",
     "unknown": "tpdiag cannot name the cause from the layout alone",
 }
 

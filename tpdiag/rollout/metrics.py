@@ -51,18 +51,55 @@ def same_bits(seqs, a: list, b: list) -> bool:
     return True
 
 
+# log(2^-149), float32's smallest subnormal: a logprob below it is a probability float32 cannot hold,
+# so no float32 engine or trainer sampled that token - beyond any sensible range for a rollout.
+LOGPROB_FLOOR = -149 * math.log(2.0)
+
+
+def _mean_exp(xs: list[float], shift: float = 0.0) -> float:
+    """mean(exp(x)) + shift, never an OverflowError: summed as it always was where no term can
+    overflow, else in log space; +inf only where the true mean is beyond float64 (a |diff| past ~709
+    nats, which beyond_range names)."""
+    top = max(xs)
+    if top < 700.0 - math.log(len(xs)):
+        return math.fsum(math.exp(x) + shift for x in xs) / len(xs)
+    lse = top + math.log(math.fsum(math.exp(x - top) for x in xs)) - math.log(len(xs))
+    return math.exp(lse) + shift if lse < 709.78 else float("inf")
+
+
+def _k3(d: list[float]) -> float:
+    """mean(r - 1 - log r), r = exp(-x): term by term as before where exp cannot overflow."""
+    if max(-x for x in d) < 700.0 - math.log(len(d)):
+        return math.fsum(math.exp(-x) - 1.0 + x for x in d) / len(d)
+    return max(0.0, _mean_exp([-x for x in d]) - 1.0 + math.fsum(d) / len(d))
+
+
+def beyond_range(seqs, trainer: list, limit: int = 10) -> dict | None:
+    """Generated tokens whose engine or trainer logprob is below LOGPROB_FLOOR: named, since every
+    metric over them is dominated by a number no float32 computation gives a sampled token."""
+    bad = [(i, pos, e, t) for i, pos, e, t in pairs(seqs, trainer) if min(e, t) < LOGPROB_FLOOR]
+    if not bad:
+        return None
+    return {"tokens": len(bad), "floor": LOGPROB_FLOOR,
+            "first": [{"sequence": i, "where": seqs[i].where, "position": pos, "engine": e, "trainer": t}
+                      for i, pos, e, t in bad[:limit]]}
+
+
 def summarise(seqs, trainer: list) -> dict:
     ps = pairs(seqs, trainer)
     n = len(ps)
     d = [e - t for _, _, e, t in ps]
     m = {"tokens": n,
-         "token_mult_prob_error": math.fsum(math.exp(abs(x)) for x in d) / n,
+         "token_mult_prob_error": _mean_exp([abs(x) for x in d]),
          "max_abs": max(abs(x) for x in d),
          "mean_diff": math.fsum(d) / n,
          "mean_abs": math.fsum(abs(x) for x in d) / n,
-         "k3_kl": math.fsum(math.exp(-x) - 1.0 + x for x in d) / n,
+         "k3_kl": _k3(d),
          # the engine's number is the trainer's float32 exactly
          "exact_tokens": sum(1 for x in d if x == 0.0)}
+    far = beyond_range(seqs, trainer)
+    if far is not None:
+        m["beyond_range"] = far
     prompt = _prompt(seqs, trainer)
     if prompt is not None:
         m["prompt"] = prompt

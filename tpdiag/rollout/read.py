@@ -57,8 +57,10 @@ class _Bad(Exception):
 
 
 def read_rollout(path: str) -> Rollout:
+    from tpdiag.base import files as io
+
     try:
-        with open(path, encoding="utf-8") as f:
+        with io.open_regular(path, limit=io.LIMIT_LINES, error=BadInput) as f:
             text = f.read()
     except FileNotFoundError:
         raise BadInput(f"{path}: no such file; expected an engine's logprobs (vLLM or SGLang JSON, "
@@ -69,7 +71,7 @@ def read_rollout(path: str) -> Rollout:
     if not objects:
         raise BadInput(f"{path}: empty; expected an engine's logprobs (vLLM or SGLang JSON, or "
                        "tpdiag's JSONL)")
-    fmt, seqs = None, []
+    fmt, seqs, bad = None, [], []
     for where, obj in objects:
         kind = _kind(obj)
         if kind is None:
@@ -84,10 +86,16 @@ def read_rollout(path: str) -> Rollout:
             # a sequence with nothing generated has nothing to compare (its `where` keeps its line)
             seqs.extend(q for q in _READERS[kind](obj, where) if q.n_generated)
         except _Bad as e:
-            raise BadInput(f"{path} {where}: {e}") from None
+            bad.append(f"{path} {where}: {e}")  # every line's problem, not only the first line's
+    if bad:
+        more = [f"... and {len(bad) - MAX_LISTED} more lines with problems"] if len(bad) > MAX_LISTED else []
+        raise BadInput("\n".join(bad[:MAX_LISTED] + more), lines=True)
     if not seqs:
         raise BadInput(f"{path}: no sequences with generated tokens")
     return Rollout(path=path, format=fmt, sequences=seqs)
+
+
+MAX_LISTED = 20  # problem lines listed before "... and N more"
 
 
 def _objects(path: str, text: str) -> list[tuple[str, object]]:
@@ -98,6 +106,9 @@ def _objects(path: str, text: str) -> list[tuple[str, object]]:
         doc = json.loads(stripped)
     except json.JSONDecodeError:
         doc = None
+    except RecursionError:
+        raise BadInput(f"{path}: JSON nested too deeply (deeper than Python's recursion limit); an "
+                       "engine's response is a few levels deep") from None
     else:
         if isinstance(doc, list):
             return [(f"item {i}", o) for i, o in enumerate(doc)]
@@ -110,6 +121,9 @@ def _objects(path: str, text: str) -> list[tuple[str, object]]:
             out.append((f"line {n}", json.loads(line)))
         except json.JSONDecodeError as e:
             raise BadInput(f"{path} line {n}: not JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise BadInput(f"{path} line {n}: JSON nested too deeply (deeper than Python's recursion "
+                           "limit); an engine's response is a few levels deep") from None
     return out
 
 
@@ -143,8 +157,10 @@ def _lp(v, name: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _Bad(f"field {name!r}: expected a logprob (a number <= 0), got {v!r}"[:200])
     v = float(v)
-    if math.isnan(v) or v > 1e-6:
-        raise _Bad(f"field {name!r}: {v!r} is not a logprob (a number <= 0)")
+    if not math.isfinite(v) or v > 1e-6:
+        # -Infinity too: a sampled token had probability > 0, and one infinite number makes every
+        # metric infinite or NaN (token_mult_prob_error inf, k3 KL nan) after the model has run
+        raise _Bad(f"field {name!r}: {v!r} is not a logprob (a finite number <= 0)")
     return v
 
 
@@ -308,6 +324,13 @@ def _read_sglang(obj: dict, where: str) -> list[Sequence]:
                    f"{n_prompt}: ask SGLang with logprob_start_len=0 so every prompt token is there")
     if not prompt:
         raise _Bad("field 'meta_info.input_token_logprobs': empty")
+    if plp[0] is not None:
+        # The first prompt token has no logprob: SGLang's list from position 0 starts with
+        # [null, id, text]. A number there means it starts inside the prompt (logprob_start_len > 0),
+        # and the generated tokens would be measured after a truncated prompt.
+        raise _Bad(f"field 'meta_info.input_token_logprobs[0][0]': {plp[0]!r}, expected null (the first "
+                   "prompt token has no logprob): the list does not start at the prompt's first token; "
+                   "ask SGLang with logprob_start_len=0 so it covers the whole prompt")
     top = None
     raw_top = meta.get("output_top_logprobs")
     if isinstance(raw_top, list) and len(raw_top) == len(gen) and all(isinstance(t, list) and t for t in raw_top):

@@ -57,10 +57,23 @@ def _import_root_first() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *(p for p in paths if os.path.abspath(p) != root)])
 
 
+# Set for the fork server only (it starts as `python -c ...`, whose sys.path would begin with '', the
+# working directory: a torch/ or tpdiag/ package there would be what it preloads and every rank
+# runs). The worker drops it again where tpdiag set it, so the user's own subprocesses are as before.
+SAFE_PATH_MARK = "TPDIAG_SET_PYTHONSAFEPATH"
+
+
+def _safe_path() -> None:
+    if "PYTHONSAFEPATH" not in os.environ:
+        os.environ["PYTHONSAFEPATH"] = "1"
+        os.environ[SAFE_PATH_MARK] = "1"
+
+
 def _context(model: str = ""):
     for k, v in RANK_ENV.items():
         os.environ.setdefault(k, v)  # inherited by the fork server, so by every rank
     _import_root_first()
+    _safe_path()
     method = os.environ.get("TPDIAG_START_METHOD", "forkserver")
     if method not in mp.get_all_start_methods():
         from tpdiag.errors import BadInput
@@ -84,7 +97,7 @@ def prestart(model: str = "") -> None:
         return
     # RANK_ENV goes to the server (so to every rank) but not to this process: here torch is not
     # imported yet, and OMP_NUM_THREADS=1 would make the diff, which runs here, single-threaded
-    saved = {k: os.environ.get(k) for k in RANK_ENV}
+    saved = {k: os.environ.get(k) for k in [*RANK_ENV, "PYTHONSAFEPATH", SAFE_PATH_MARK]}
     try:
         ctx = _context(model)
         if ctx.get_start_method() == "forkserver" and threading.current_thread() is threading.main_thread():

@@ -20,6 +20,8 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
          launcher_pid: int | None = None, launched_at: float | None = None) -> None:
     """`launched_at`: the launcher's time.time() when it started the world's ranks."""
     entered = time.time()
+    if os.environ.pop("TPDIAG_SET_PYTHONSAFEPATH", None):
+        os.environ.pop("PYTHONSAFEPATH", None)  # launch._safe_path's, for the fork server only
     from tpdiag.base import files as io
     from tpdiag.config import WorldConfig
 
