@@ -4,11 +4,6 @@ from __future__ import annotations
 import json
 import sys
 
-if __name__ == "__main__" and sys.path and not sys.flags.safe_path:
-    import os as _os
-
-    if sys.path[0] in ("", _os.getcwd()):  # `python -m tpdiag.cli`: as tpdiag/__main__.py says
-        del sys.path[0]
 from typing import Annotated, Optional
 
 import typer
