@@ -59,6 +59,12 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, 
     unjudged = unjudged_modules(dd)
     if unjudged:
         entry["unjudged"] = unjudged
+    from tpdiag.diff import own_inputs
+
+    fd = entry["first_divergence"] or {}
+    own = own_inputs.modules(dd, fd.get("key"))
+    if own:
+        entry["own_inputs"] = own  # judged on this side's own inputs by the second pass
     suspects = hash_suspects(dd.rows)
     if suspects:
         entry["suspects"] = suspects

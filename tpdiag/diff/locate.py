@@ -68,6 +68,7 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         row["beyond_bound"] = chk.beyond
     generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
     oracle.apply(dd)  # any module or op the reference re-executed in float64: bug or rounding
+    oracle.apply_own(dd)  # ... and past the first divergence, from this side's own inputs
     for row in dd.rows:
         if row.get("oracle") and not row.get("beyond_bound") and not row.get("oracle_flip") \
                 and row["kind"] == "out" and not row.get("generic_cause"):
@@ -321,6 +322,8 @@ def _is_root(dd: DegreeDiff, r: dict, first: dict | None) -> bool:
         return True
     if r["phase"] == "init" or r.get("rank_partial_sum"):
         return True
+    if (r.get("oracle") or {}).get("own") and r.get("beyond_bound"):
+        return True  # wrong from the very inputs it was given: no earlier difference explains it
     return r["phase"] == "forward" and r["kind"] == "out" and oracle.inputs_equal(dd, r)
 
 

@@ -92,6 +92,35 @@ def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | Non
             "relative": s > 0, "n": n}
 
 
+def judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, o_n: torch.Tensor) -> dict | None:
+    """A record past the first divergence, judged on its own inputs: o_n is the reference's
+    module re-executed in float64 from THIS side's inputs (diff/own_inputs.py), o_ref from the
+    reference's. Each side's relative distance from its own exact value; this side far when
+        e_N / ||o_N|| > A * max(e_ref / ||o_ref||, u)
+    - the reference's own error on its own inputs measures this computation's rounding (its
+    conditioning included), as in judge(); without o_ref only the one-rounding floor u."""
+    got = judge(y_n, y_n, o_n)
+    if got is None:
+        return None
+    cd = torch.complex128 if o_n.is_complex() or y_n.is_complex() else torch.float64
+    s_n = float(torch.linalg.vector_norm(o_n.to(cd)))
+    e_n = float(torch.linalg.vector_norm(y_n.to(cd) - o_n.to(cd)))
+    u = UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32])
+    ref_rel = 0.0
+    if o_ref is not None and tuple(o_ref.shape) == tuple(y_ref.shape) and y_ref.shape == y_n.shape:
+        s_r = float(torch.linalg.vector_norm(o_ref.to(cd)))
+        e_r = float(torch.linalg.vector_norm(y_ref.to(cd) - o_ref.to(cd)))
+        if math.isfinite(e_r):
+            ref_rel = e_r / s_r if s_r > 0 else e_r
+    if s_n == 0:
+        return {**got, "own": True}
+    level = max(ref_rel, u)
+    err = e_n / s_n
+    thr = got["margin"] * level
+    return {"far": err > thr, "ratio": err / thr, "ref_err": ref_rel, "err": err, "floor": u,
+            "margin": got["margin"], "threshold": thr, "relative": True, "n": got["n"], "own": True}
+
+
 def _index(dd) -> dict:
     """What inputs_equal and grads_equal look up, from one pass over the rows (they are asked
     for many records: a scan per record was quadratic in a large model's records)."""
@@ -185,6 +214,62 @@ def _grad_in_oracle(dd, row: dict):
     if not grads_equal(dd, probe):
         return None
     return got[0][1][0]
+
+
+def _own_grad_in(dd, row: dict, table: dict):
+    """A grad_out record's value from its one consumer's float64 backward (table: the grad_in
+    re-executions from the reference's inputs or from this side's)."""
+    cons = row.get("consumers") or []
+    if len(cons) != 1:
+        return None
+    got = [(k, v) for k, v in table.items() if k[0] == row["step"] and k[1] == cons[0]]
+    if len(got) != 1 or len(got[0][1]) != 1:
+        return None
+    return got[0][1][0]
+
+
+def apply_own(dd) -> None:
+    """Every divergent record past the first that the reference's own oracle could not judge
+    (its inputs differ), judged against the reference module re-run on this side's inputs."""
+    own = getattr(dd, "oracle_own", None)
+    if not own and not getattr(dd, "grad_in_own", None):
+        return
+    for row in dd.rows:
+        if row["bitwise"] or row.get("oracle") or row.get("nonfinite_mismatch") \
+                or row.get("rank_consistent") is False or row["key"] not in dd.tensors:
+            continue
+        k = row["key"]
+        if row["phase"] == "backward" and row["kind"] == "grad_out":
+            o_n, o_ref = _own_grad_in(dd, row, dd.grad_in_own), _own_grad_in(dd, row, dd.grad_in)
+        elif (row["phase"], row["kind"]) in (("forward", "out"), ("backward", "param_grad")):
+            o_n, o_ref = own.get(k), dd.oracle.get(k)
+        else:
+            continue
+        if o_n is None:
+            continue
+        y_ref, y_n = dd.tensors[k]
+        v = judge_own(y_ref, y_n, None if o_ref is None else first_positions(o_ref, y_n, row.get("positions")),
+                      first_positions(o_n, y_n, row.get("positions")))
+        if v is None:
+            continue
+        discrete = notes_for(dd, row).get("discrete")
+        row["oracle"] = v
+        if v["far"] and discrete:
+            v["discrete"] = list(discrete)
+            row["oracle_flip"] = True
+            continue
+        what = "float64 re-execution of the " + {"param_grad": "module's backward", "grad_out": "consumer's backward"}.get(
+            row["kind"], "module") + " from this side's own inputs"
+        if v["far"]:
+            row["beyond_bound"] = True
+            row["bound_ratio"] = max(row.get("bound_ratio") or 0.0, v["ratio"])
+            row.pop("generic_cause", None)
+        elif row.get("beyond_bound"):
+            # a layout bound on inputs that already differed was too tight: the module, given
+            # exactly what this side gave it, computed its value within rounding
+            row["beyond_bound"] = False
+            row["bound_ratio"] = v["ratio"]
+        row["bound_model"] = f"{row['bound_model']}; {what}" if row.get("bound_model") else what
 
 
 def apply(dd) -> None:

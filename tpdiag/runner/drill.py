@@ -55,7 +55,7 @@ def wanted(cfg: CompareConfig, summary: dict) -> bool:
     fds = [fd for fd in fds if fd]
     return summary.get("capture") == "hash" or cfg.granularity in ("auto", "op") or any(
         needs_verdict(fd) for fd in fds) or any(
-        d.get("unjudged") for d in entries(summary).values())
+        d.get("unjudged") or d.get("own_inputs") for d in entries(summary).values())
 
 
 _VERDICT = ("cause", "bound", "bound_ratio", "bound_model", "oracle", "why")
@@ -95,6 +95,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                     | {fd["consumers"][0] for fd in fds if fd.get("kind") == "grad_out"
                        and len(fd.get("consumers") or []) == 1}
                     | {m for lab, _ in targets for m in every[lab].get("unjudged", [])})
+    own = {lab: every[lab]["own_inputs"] for lab, _ in targets if every[lab].get("own_inputs")}
+    oracle = sorted(set(oracle) | {m for ms in own.values() for m in ms})
     if not hashed and not ops and not oracle:
         return summary
     modules = []
@@ -113,6 +115,9 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         capture="full" if hashed else cfg.capture, module_include=tuple(modules),
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ())
     sub_labels = labels[:1] + [lab for lab, _ in targets] if axes else degree_labels(degrees)
+    if own:
+        rerun = replace(rerun, oracle_own=_own_files(run_dir, labels[0], own,
+                                                     dict(zip([lab for lab, _ in targets], sub_labels[1:]))))
     # decode configurations: first on their first positions (runner/prefix.py), where that
     # reproduces every target's first divergence and every difference pass 1 found in what it
     # records; its decode worlds prove their own probes inert (their self-check), its reference
@@ -120,7 +125,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     # not where pass 1 named suspects (outputs that moved far more than their inputs) or
     # unjudged modules: those are judged on every position
     n = prefix.region_positions(cfg, [lab for lab, _ in targets]) if axes and not any(
-        every[lab].get("suspects") or every[lab].get("unjudged") for lab, _ in targets) else 0
+        every[lab].get("suspects") or every[lab].get("unjudged") or every[lab].get("own_inputs")
+        for lab, _ in targets) else 0
     sub = None
     if n:
         sub = run_compare(replace(rerun, positions=n, prefix_from=prefix.decode_dir(run_dir, targets[0][0])))
@@ -187,6 +193,24 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             fd["op_detail"] = "the op-level rerun named no op for this first divergence"
     summary["second_pass"] = {"dir": out, "ops": ops, "oracle": oracle, "scopes": scopes if ops else []}
     return summary
+
+
+def _own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict) -> tuple:
+    """Each target world's whole inputs and output grads of its own-input modules, from pass 1's
+    records, in a file the second pass's reference reads (keyed by the label it has there)."""
+    from safetensors.torch import save_file
+
+    from tpdiag.diff.own_inputs import side_inputs
+
+    out = []
+    for lab, mods in own.items():
+        tensors = side_inputs(os.path.join(run_dir, f"tp{ref_label}"), os.path.join(run_dir, f"tp{lab}"), set(mods))
+        if not tensors:
+            continue
+        path = os.path.join(run_dir, f"own-inputs-tp{lab}.safetensors")
+        save_file(tensors, path)
+        out.append((sub_label[lab], path))
+    return tuple(out)
 
 
 def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str, keys=None) -> str | None:
