@@ -304,6 +304,9 @@ def gate(
     policy: Annotated[Optional[str], typer.Option(
         help="policy TOML: allowed causes, per-module ULP/abs budgets, gated degrees and phases "
              "(default: nothing may diverge); format in docs/ci.md")] = None,
+    allow: Annotated[Optional[str], typer.Option(
+        help="also allow these causes: `rounding` (every rounding-class cause; bugs, non-finite "
+             "and unknown still fail) or cause names, comma-separated")] = None,
     junit: Annotated[Optional[str], typer.Option(help="write JUnit XML here, one testcase per degree")] = None,
     fmt: Format = "text",
     debug: Debug = False,
@@ -320,7 +323,7 @@ def gate(
 
     try:
         fmt = check_format(fmt)
-        result = gate_lib.evaluate(run_dir, gate_lib.load_policy(policy))
+        result = gate_lib.evaluate(run_dir, gate_lib.with_allowed(gate_lib.load_policy(policy), allow))
         if junit:
             from tpdiag import io
 
