@@ -9,6 +9,7 @@ it differs by that rounding too - so each later module must be judged on its own
   sp_bug      norm: a sequence-parallel RMSNorm (each rank normalises its slice of the sequence,
               then all-gathers); its replicated weight's grad is never all-reduced
   loss_scaled the loss (Target.loss) multiplied by the TP degree
+  bugs        avg_bug and sp_bug together (one run finds both)
   good        all written correctly (SUM, all-reduced norm grad, unscaled loss)
 Every collective is hand-written with torch.distributed (no plan, no DTensor).
 """
@@ -197,6 +198,11 @@ def _target(scaled=False, **kw):
 
 def good():
     return _target()
+
+
+def bugs():
+    """avg_bug and sp_bug in one model: independent mistakes, each at its own module."""
+    return _target(avg=True, sp_bug=True)
 
 
 def avg_bug():
