@@ -90,6 +90,8 @@ def _fmt(x, spec=".2e"):
 def where(fd: dict) -> str:
     """A record in words: 'forward: layers.0.attention.wo', 'loss: logprobs', 'backward: output (grad_out 0)'."""
     phase, module, kind, name = fd.get("phase"), fd.get("module"), fd.get("kind"), fd.get("name")
+    if module == "model" and phase == "loss" and kind == "loss":
+        return "loss: the loss function (Target.loss or the built-in cross-entropy)"
     if module == "model":  # whole-model records (logprobs, loss, grad norm) have no module of their own
         text = f"{phase}: {name if name == kind or not kind else f'{kind} {name}'}"
     else:
@@ -121,7 +123,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
 
     status = summary["status"]
     color = {"bitwise": "green", "divergent": "yellow", "inconclusive": "red"}.get(status, "white")
-    console.print(f"[bold]verdict:[/] [{color}]{status}[/]{_class_words(summary)} "
+    console.print(f"[bold]verdict:[/] [{color}]{status}[/]{_class_words(summary)}{_bug_words(summary)} "
                   f"(reference {config_name(summary['reference_label'])})")
     base = summary.get("baseline")
     if ran(summary):
@@ -139,7 +141,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     plain = all(config_name(lab) == f"TP={lab}" for lab in entries(summary))
     t.add_column("TP" if plain else "config", no_wrap=True)
     t.add_column("status", no_wrap=True)
-    t.add_column("first divergence", overflow="fold", min_width=30)
+    from tpdiag.diff.classes import leading_bug
+
+    bugs = any(leading_bug(d) for d in entries(summary).values())
+    t.add_column("first bug, else first divergence" if bugs else "first divergence", overflow="fold", min_width=30)
     t.add_column("cause", overflow="fold", min_width=22)
     t.add_column("max abs / bound", no_wrap=True)
     t.add_column("ULP", no_wrap=True)
@@ -148,10 +153,17 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if d["status"] == "failed":
             t.add_row(label, "[red]failed[/]", d.get("error", ""), "-", "-", "-", "-")
             continue
-        fd = d.get("first_divergence") or {}
+        from tpdiag.diff.classes import leading_bug
+
+        # a bug leads the row; the first (harmless) divergence is named on a line below
+        fd = leading_bug(d) or d.get("first_divergence") or {}
         lp = d.get("logprobs") or {}
         st = "[green]bitwise[/]" if d["status"] == "bitwise" else "[yellow]divergent[/]"
+        if fd and fd is not d.get("first_divergence"):
+            st = "[bold red]BUG[/]"
         err = f"{_fmt(fd.get('max_abs'))} / {_bound_cell(fd)}" if fd else "-"
+        if fd.get("cause") == "rank-inconsistent-replica":  # its ranks' spread, not a value vs the reference
+            err = f"{_fmt(fd.get('max_abs'))} between ranks"
         if fd.get("cause") == "non-finite":  # no size to compare with a bound: say what it is
             err = f"{(d.get('nonfinite') or {}).get('first', {}).get('value', 'nan or inf')} at one side"
         lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"
@@ -160,6 +172,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     _print_table(console, t)
     for label, d in entries(summary).items():
         fd = d.get("first_divergence") or {}
+        from tpdiag.diff.classes import leading_bug
+
+        if fd and leading_bug(d) not in (None, fd):
+            console.print(f"{config_name(label)}: first divergence (before the bug, {fd.get('cause')}): {where(fd)}")
         if fd.get("oracle") or fd.get("op_oracle"):
             console.print(f"{config_name(label)}: {oracle_line(fd)}")
         if fd.get("why"):
@@ -209,10 +225,27 @@ def _class_words(summary: dict) -> str:
             "rounding": ", rounding only", "unknown": ", not judged (cause unknown)"}[c]
 
 
+def _bug_words(summary: dict) -> str:
+    """Where the first bug is, on the verdict line: its record and how far beyond rounding."""
+    if summary.get("class") not in ("bug", "non-finite"):
+        return ""
+    from tpdiag.diff.classes import leading_bug
+    from tpdiag.records.axes import entries
+
+    for label, d in entries(summary).items():
+        b = leading_bug(d)
+        if b:
+            r = b.get("bound_ratio")
+            far = f", {r:.3g}x beyond rounding" if r and r > 1 else ""
+            return f" at {config_name(label)} {where(b)}{far}"
+    return ""
+
+
 def _bound_cell(fd: dict) -> str:
     v = fd.get("oracle") or fd.get("op_oracle")
     if fd.get("bound") is None and v:
-        return f"float64 x{v['ratio']:.2g}"
+        # no bound in the record's units: the float64 verdict's ratio to what rounding allows
+        return f"{v['ratio']:.2g}x rounding"
     return _fmt(fd.get("bound"))
 
 
@@ -235,6 +268,8 @@ def oracle_line(fd: dict) -> str:
 
 def _findings(console, label: str, d: dict, fd: dict) -> None:
     """Root findings one line each; records that follow from one are counted, not listed."""
+    from tpdiag.records.causes import cause_class
+
     findings = d.get("findings") or []
     follows: dict = {}
     for f in findings:
@@ -244,8 +279,9 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
             and f.get("cause") == fd.get("cause")]
     n = sum(follows.get(f.get("key"), 0) for f in same) + max(0, len(same) - 1)
     if n:
-        console.print(f"{config_name(label)}: {n} downstream record{'s' if n != 1 else ''} "
-                      f"follow{'s' if n == 1 else ''} from the first divergence (not listed)")
+        console.print(f"{config_name(label)}: {n} later finding{'s' if n != 1 else ''} "
+                      f"follow{'s' if n == 1 else ''} from the first divergence (not listed; "
+                      f"{d.get('n_divergent', '?')} divergent records in all)")
     for f in findings:
         if "follows" in f or any(f is g for g in same):
             continue
@@ -256,11 +292,17 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
                           f"only ({nf.get('records', '?')} records non-finite at one side, this the first)")
             continue
         rec = f"{f['kind']} {f['name']}" if f["kind"] != "op" else f"op {f['name']}"
-        line = (f"[red]finding[/] {config_name(label)}: {f['phase']} {f['module']} ({rec}): {f['cause']}, "
-                f"max abs {_fmt(f['max_abs'])}" + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else ""))
+        what = (f"{f['phase']} {f['module']} ({rec})" if not (f["phase"] == "loss" and f["module"] == "model")
+                else f"loss: the loss function ({rec})")
+        # a replica's value is its ranks' spread; every other one is against the reference
+        vs = "between ranks" if f["cause"] == "rank-inconsistent-replica" else "vs the reference"
+        r = f.get("bound_ratio")
+        line = (f"[red]finding[/] {config_name(label)}: {what}: {f['cause']}, max abs {vs} {_fmt(f['max_abs'])}"
+                + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else "")
+                + (f", {r:.3g}x beyond rounding" if r and r > 1 and cause_class(f["cause"]) == "bug" else ""))
         n = follows.get(f.get("key")) or 0
         if n:
-            line += f"; {n} downstream record{'s' if n != 1 else ''} follow{'s' if n == 1 else ''} from it"
+            line += f"; and {n} later finding{'s' if n != 1 else ''} that follow{'s' if n == 1 else ''} from it (not listed)"
         console.print(line)
 
 

@@ -36,3 +36,18 @@ def add_classes(summary: dict) -> dict:
             found.add(c)
     summary["class"] = next((c for c in _ORDER if c in found), None)
     return summary
+
+
+def leading_bug(entry: dict) -> dict | None:
+    """The record a reader should see first: the first bug-class (or non-finite) root finding -
+    or the first divergence when that is one - else None. A harmless reordering before it is
+    not what the verdict is about."""
+    fd = entry.get("first_divergence") or {}
+    if cause_class(fd.get("cause")) in ("bug", "non-finite"):
+        return fd
+    roots = [f for f in entry.get("findings") or [] if "follows" not in f]
+    for want in ("bug", "non-finite"):
+        hit = next((f for f in roots if cause_class(f.get("cause")) == want), None)
+        if hit is not None:
+            return hit
+    return None
