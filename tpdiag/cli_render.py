@@ -202,8 +202,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     for rnd in summary.get("fix_chain") or []:
         firsts = ", ".join(f"{config_name(lab)}: {fd['cause']} at {fd['module']}" for lab, fd in
                            rnd["first_divergence"].items() if fd) or "-"
+        cls = {"bug": ", BUG", "non-finite": ", NON-FINITE", "unknown": ", not judged",
+               "rounding": ", rounding"}.get(rnd.get("class"), "")
         console.print(f"fix chain round {rnd['round']} ({', '.join(rnd['fixes']) or 'stock'}): "
-                      f"{rnd['status']}; {firsts}" + (f" ({rnd['stopped']})" if rnd.get("stopped") else ""))
+                      f"{rnd['status']}{cls}; {firsts}" + (f" ({rnd['stopped']})" if rnd.get("stopped") else ""))
     if summary.get("status_after_fixes"):
         console.print(f"[bold]after fixes:[/] {summary['status_after_fixes']}")
     if summary.get("error"):
@@ -238,6 +240,11 @@ def _bug_words(summary: dict) -> str:
             r = b.get("bound_ratio")
             far = f", {r:.3g}x beyond rounding" if r and r > 1 else ""
             return f" at {config_name(label)} {where(b)}{far}"
+    for rnd in summary.get("fix_chain") or []:  # found only once fixes removed the reorderings
+        for label, b in (rnd.get("bug") or {}).items():
+            r = b.get("bound_ratio")
+            far = f", {r:.3g}x beyond rounding" if r and r > 1 else ""
+            return f" at {config_name(label)} {where(b)}{far} (fix chain round {rnd['round']})"
     return ""
 
 
@@ -317,8 +324,17 @@ def what_to_do(summary: dict) -> str | None:
     if c == "non-finite":
         return "find where the NaN/Inf first appears (the finding above); no fix or policy hides it"
     if c == "unknown":
+        if summary.get("fix_chain"):
+            return ("the fixes did not remove every difference and nothing could judge what is left "
+                    f"(the last fix chain round above); `tpdiag report {run}` shows the values")
         return ("nothing could judge the first divergence (the reason is above); "
                 f"`tpdiag report {run}` shows its values")
+    if summary.get("fix_chain") and summary.get("status_after_fixes") == "bitwise":
+        return ("nothing is wrong: the fixes of the chain above remove every difference (they only "
+                "reorder computations); keep them on where you need bitwise equality")
+    if summary.get("fix_chain"):
+        return ("nothing is wrong: what is left after the fix chain above is rounding only (judged in its "
+                "last round); no available fix removes the rest")
     from tpdiag.records.axes import entries
 
     if all(config_name(lab) == f"TP={lab}" for lab in entries(summary)):
