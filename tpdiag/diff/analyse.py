@@ -51,6 +51,10 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str) -> tuple[dict, 
         "missing": dd.missing[:50],
         "confirmation": None,
     }
+    if int(other.world.get("degree", 1)) == 1 and ref_degree == 1:
+        from tpdiag.diff.classes import no_sharding_at_tp1
+
+        no_sharding_at_tp1(entry)
     nf = nonfinite_summary(dd.rows)
     if nf is not None:
         entry["nonfinite"] = nf

@@ -102,7 +102,21 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
                 "fix": fix, "verdict": verdict, "first_divergence_after": after,
                 "status_after": after_entry.get("status"), "run_dir": out,
                 **({"positions": list(cut)} if axes and cut else {})}
+            from tpdiag.diff.classes import clear_by_confirmation
+
+            clear_by_confirmation(every[label], _bitwise_keys(out, sub_label))
     return summary
+
+
+def _bitwise_keys(run_dir: str, label: str) -> set[str]:
+    """The records of `label` bitwise equal (and rank-consistent) in a rerun's diff.csv."""
+    from tpdiag.records.rundir import read_rows
+
+    path = os.path.join(run_dir, "diff.csv")
+    if not os.path.exists(path):
+        return set()
+    return {r["key"] for r in read_rows(path) if r["degree"] == label and r["bitwise"] is True
+            and r.get("rank_consistent") is not False}
 
 
 def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None) -> dict:

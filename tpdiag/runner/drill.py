@@ -163,6 +163,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
         entry["findings"] += [{**f, "from": "second pass"} for f in sub_entry.get("findings", [])
                               if (f["phase"], f["module"], f["kind"], f["name"]) not in seen]
+        if every[label].get("own_inputs"):
+            _near_on_own_inputs(entry, out, sub_label)
         if sfd.get("key") != fd["key"]:
             fd["values_detail" if hashed else "op_detail"] = (
                 f"the {what} rerun of this region did not reproduce this first divergence "
@@ -193,6 +195,28 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             fd["op_detail"] = "the op-level rerun named no op for this first divergence"
     summary["second_pass"] = {"dir": out, "ops": ops, "oracle": oracle, "scopes": scopes if ops else []}
     return summary
+
+
+def _near_on_own_inputs(entry: dict, sub_dir: str, sub_label: str) -> None:
+    """A first-pass finding from a layout bound (which assumed equal inputs) that the second pass,
+    re-executing its module in float64 from this side's own inputs, found within rounding (the
+    same record no longer beyond its bound there): not a bug."""
+    from tpdiag.records.rundir import read_rows
+
+    path = os.path.join(sub_dir, "diff.csv")
+    if not os.path.exists(path):
+        return
+    near = {r["key"] for r in read_rows(path) if r["degree"] == sub_label and r.get("beyond_bound") is False}
+    for f in entry.get("findings") or []:
+        if f.get("cause") == "sharding-bug" and f.get("bound") is not None and not f.get("oracle") \
+                and f.get("key") in near and "from" not in f:
+            from tpdiag.records.causes import cause_class
+
+            fc = (entry.get("first_divergence") or {}).get("cause")
+            f["cause_before"], f["cause"] = f["cause"], fc if cause_class(fc) == "rounding" else "unknown"
+            f["why"] = ("beyond its layout bound, which assumed inputs equal to the reference's; re-executed in "
+                        "float64 from this side's own inputs it is within rounding: not a bug")
+            f["follows"] = f.get("follows") or (entry.get("first_divergence") or {}).get("key")
 
 
 def _own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict) -> tuple:
