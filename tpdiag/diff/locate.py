@@ -271,9 +271,15 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             _partial_detail(f, r, findings)
             roots = [g for g in findings if "follows" not in g]
             inner = [g for g in roots if _inside(g["module"], r["module"])]
+            same = [g for g in roots if g["module"] == r["module"] and g["step"] == r["step"]
+                    and not g.get("partial_sum")]
             if inner and r["kind"] == "out":
                 # a parent's output carries its child's finding
                 f["follows"] = inner[-1].get("key") or inner[-1]["name"]
+            elif same and not r.get("rank_partial_sum"):
+                # one module's mistake shows in its forward and its backward (a rescaled output
+                # rescales its weight grad): one root per module, the rest grouped under it
+                f["follows"] = same[0].get("key") or same[0]["name"]
             elif roots and not _is_root(dd, r, first):
                 # a consequence: its inputs already differed from a finding before it
                 f["follows"] = roots[-1].get("key") or roots[-1]["name"]

@@ -62,6 +62,7 @@ _VERDICT = ("cause", "bound", "bound_ratio", "bound_model", "oracle", "why")
 
 
 def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) -> dict:
+    from tpdiag.records.causes import cause_class
     from tpdiag.runner.compare import run_compare
 
     from tpdiag.records.axes import entries
@@ -161,8 +162,15 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             continue
         # every finding the rerun made (the float64 verdicts of other roots among them)
         seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
-        entry["findings"] += [{**f, "from": "second pass"} for f in sub_entry.get("findings", [])
-                              if (f["phase"], f["module"], f["kind"], f["name"]) not in seen]
+        for f in sub_entry.get("findings", []):
+            if (f["phase"], f["module"], f["kind"], f["name"]) in seen:
+                continue
+            f = {**f, "from": "second pass"}
+            same = next((g for g in entry["findings"] + [fd] if "follows" not in g and g.get("module") == f["module"]
+                         and g.get("step") == f["step"] and cause_class(g.get("cause")) == "bug"), None)
+            if "follows" not in f and same is not None:
+                f["follows"] = same.get("key")  # one root per module (locate.py)
+            entry["findings"].append(f)
         if every[label].get("own_inputs"):
             _near_on_own_inputs(entry, out, sub_label)
         if sfd.get("key") != fd["key"]:
