@@ -39,7 +39,9 @@ class Violation:
     def line(self) -> str:
         ulp = "-" if self.max_ulp is None else str(self.max_ulp)
         mabs = "-" if self.max_abs is None else f"{self.max_abs:.3g}"
-        op = f", op {self.op}" if self.op else ""  # module-granularity records name no op
+        # module-granularity records name no op; an op named is where the difference entered,
+        # the numbers are the record's
+        op = f" (the difference enters at op {self.op})" if self.op else ""
         far = f"; {self.beyond:.3g}x beyond rounding" if self.beyond and self.beyond > 1 else ""
         more = (f"; and {_count(self.follow, 'record')} that follow from it (not listed)"
                 if self.follow else "")
