@@ -105,6 +105,9 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
             from tpdiag.diff.classes import clear_by_confirmation
 
             clear_by_confirmation(every[label], _bitwise_keys(out, sub_label))
+    from tpdiag.diff.classes import add_classes
+
+    add_classes(summary)  # every flow (compare, `tpdiag confirm`) ends with the confirmed verdict
     return summary
 
 
