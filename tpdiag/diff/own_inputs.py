@@ -19,6 +19,9 @@ from __future__ import annotations
 import torch
 
 MAX_ALL = 64
+# the inputs and output grads shipped to the second pass's reference (a file it loads whole):
+# modules past this many bytes, in the order chosen, are left to the layout bounds
+BUDGET_BYTES = 1 << 30
 _KINDS = (("forward", "out"), ("backward", "param_grad"))
 
 
@@ -53,9 +56,19 @@ def modules(dd, first_key: str | None) -> list[str]:
             c = r["consumers"][0]
             if c != "model":
                 cands.setdefault(c, 0.0)
-    if len(cands) <= MAX_ALL:
-        return sorted(cands)
-    return sorted(sorted(cands, key=lambda m: -cands[m])[:MAX_ALL])
+    order = sorted(cands) if len(cands) <= MAX_ALL else sorted(cands, key=lambda m: -cands[m])[:MAX_ALL]
+    size: dict[str, int] = {}
+    for k, (_, b) in dd.tensors.items():
+        parts = k.split("/")
+        if len(parts) > 3 and parts[3].startswith(("in#", "grad_out#")) and parts[2] in cands:
+            size[parts[2]] = size.get(parts[2], 0) + b.numel() * b.element_size()
+    out, used = [], 0
+    for m in order:
+        if used + size.get(m, 0) > BUDGET_BYTES:
+            continue
+        used += size.get(m, 0)
+        out.append(m)
+    return sorted(out)
 
 
 def side_inputs(ref_dir: str, other_dir: str, wanted: set[str]) -> dict[str, torch.Tensor]:

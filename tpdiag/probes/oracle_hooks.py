@@ -82,7 +82,7 @@ def _with_inputs(snap, key_of, tensors: dict):
                 got = tensors.get(key_of(i))
                 if got is None or tuple(got.shape) != tuple(t.shape):
                     return None
-                t = got.to(t.dtype, copy=True)
+                t = got.to(device=t.device, dtype=t.dtype, copy=True)
             else:
                 t = t.clone()
             i += 1
@@ -108,6 +108,8 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
             out64, _ = module_oracle(mod, *got)
             grads = None
             g = tensors.get(f"s{step}/backward/{name}/grad_out#{call}/0")
+        if g is not None:
+            g = g.to(next(iter(mod.parameters()), torch.empty(0)).device)
             if backward and g is not None:
                 again = _with_inputs(snap, lambda i: f"s{step}/forward/{name}/in#{call}/{i}", tensors)
                 grads, _ = module_oracle_grads(mod, *again, g)
