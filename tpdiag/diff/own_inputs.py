@@ -56,7 +56,7 @@ def modules(dd, first_key: str | None) -> list[str]:
             c = r["consumers"][0]
             if c != "model":
                 cands.setdefault(c, 0.0)
-    order = sorted(cands) if len(cands) <= MAX_ALL else sorted(cands, key=lambda m: -cands[m])[:MAX_ALL]
+    order = sorted(cands, key=lambda m: (-cands[m], m))[:MAX_ALL]
     size: dict[str, int] = {}
     for k, (_, b) in dd.tensors.items():
         parts = k.split("/")
