@@ -10,9 +10,11 @@ the function TP=1 computes - re-run in float64 on this side's own inputs is the 
 side should have produced from what it was given: far from it is a bug wherever it sits
 (diff/oracle.py, judge_own).
 
-Budget: every such module while there are at most MAX_ALL; past that, the MAX_ALL whose output
-moved most beyond what their inputs explain (relative difference of the output over the
-input's), since a reordering passes its input's difference through at about the same size.
+Budget: every such module while there are at most MAX_ALL and their inputs and output grads fit
+in BUDGET_BYTES; past that, those whose output moved most beyond what their inputs explain
+(relative difference of the output over the input's; a weight grad first), since a reordering
+passes its input's difference through at about the same size. Whole values only: after a
+hash-only first pass (a large model's default capture) no module is chosen here.
 """
 from __future__ import annotations
 
