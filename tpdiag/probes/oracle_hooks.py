@@ -108,9 +108,9 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
             out64, _ = module_oracle(mod, *got)
             grads = None
             g = tensors.get(f"s{step}/backward/{name}/grad_out#{call}/0")
-        if g is not None:
-            g = g.to(next(iter(mod.parameters()), torch.empty(0)).device)
             if backward and g is not None:
+                # on the device the module's inputs are (the file was read to the host)
+                g = g.to(next((t.device for t in _tensors(got)), g.device))
                 again = _with_inputs(snap, lambda i: f"s{step}/forward/{name}/in#{call}/{i}", tensors)
                 grads, _ = module_oracle_grads(mod, *again, g)
         finally:
