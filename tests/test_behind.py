@@ -105,3 +105,25 @@ def test_the_gate_exit_codes(runs, dtype):
     assert gate(twin).returncode == 1
     p = gate(twin, "--allow", "rounding")
     assert p.returncode == 0, p.stdout
+
+
+def test_without_the_own_input_verdict_the_averaged_grad_reads_as_rounding(runs, monkeypatch):
+    """Negative control: the second pass's records judged again in process, once as shipped and
+    once without the own-input float64 verdict (diff/oracle.apply_own): only the first finds kv."""
+    import os
+
+    from tpdiag.diff import oracle
+    from tpdiag.diff.analyse import analyse_degree
+    from tpdiag.records.store import RecordSet
+
+    run_dir, s = runs["bugs", "float32"]
+    sub = s["second_pass"]["dir"]
+    assert os.path.isdir(sub), s["second_pass"]
+
+    def kv_bugs():
+        entry, _ = analyse_degree(RecordSet(os.path.join(sub, "tp1")), RecordSet(os.path.join(sub, "tp2")), "2")
+        return [f for f in entry["findings"] if f["module"] == "kv" and cause_class(f["cause"]) == "bug"]
+
+    assert kv_bugs()
+    monkeypatch.setattr(oracle, "apply_own", lambda dd: None)
+    assert kv_bugs() == []
