@@ -73,3 +73,30 @@ def test_a_confirmed_fix_clears_what_it_makes_bitwise_not_a_float64_bug():
     e = {"first_divergence": fd, "findings": [f], "confirmation": {"verdict": "not-confirmed"}}
     clear_by_confirmation(e, {"k"})
     assert f["cause"] == "sharding-bug"
+
+
+def test_a_fix_chain_ends_with_the_verdict_of_its_last_round():
+    from tpdiag.cli_render import render_text
+    from tpdiag.runner.confirm import final_class
+
+    r0 = {"round": 0, "fixes": [], "status": "divergent", "class": "rounding"}
+    unknown = {"round": 1, "fixes": ["tp-invariant-linear"], "status": "divergent", "class": "unknown"}
+    bug = {"round": 2, "fixes": ["tp-invariant-linear", "invariant-attention"], "status": "divergent",
+           "class": "bug", "bug": {"2": {"phase": "backward", "module": "layers.0.attn.v", "kind": "param_grad",
+                                         "name": "weight", "cause": "sharding-bug", "bound_ratio": 2e5}}}
+    bitwise = {"round": 1, "fixes": ["tp-invariant-linear"], "status": "bitwise", "class": None}
+    assert final_class([r0, unknown]) == "unknown"
+    assert final_class([r0, unknown, bug]) == "bug"
+    assert final_class([r0, bitwise]) == "rounding"
+    assert final_class([{**r0, "status": "bitwise", "class": None}]) is None
+    fd = {"phase": "forward", "module": "layers.0", "kind": "out", "name": "0", "cause": "row-parallel-reduction",
+          "max_abs": 1e-7, "bound": 1e-6}
+    base = {"status": "divergent", "reference_label": "1", "status_after_fixes": "divergent",
+            "degrees": {"2": {"status": "divergent", "first_divergence": fd, "findings": [], "class": "rounding"}}}
+    for r in (r0, unknown, bug):
+        r["first_divergence"] = {"2": {"module": "layers.0", "phase": "forward", "kind": "out", "cause": "unknown"}}
+    text = render_text({**base, "class": final_class([r0, unknown]), "fix_chain": [r0, unknown]})
+    assert "rounding only" not in text and "not judged" in text.splitlines()[0], text
+    text = render_text({**base, "class": final_class([r0, unknown, bug]), "fix_chain": [r0, unknown, bug]})
+    head = text.splitlines()[0]
+    assert "BUG" in head and "layers.0.attn.v (param_grad weight)" in head and "fix chain round 2" in head, text
