@@ -122,7 +122,8 @@ def test_without_the_own_input_verdict_the_averaged_grad_reads_as_rounding(runs,
 
     def kv_bugs():
         entry, _ = analyse_degree(RecordSet(os.path.join(sub, "tp1")), RecordSet(os.path.join(sub, "tp2")), "2")
-        return [f for f in entry["findings"] if f["module"] == "kv" and cause_class(f["cause"]) == "bug"]
+        return [f for f in entry["findings"] if (f["module"], f["kind"]) == ("kv", "param_grad")
+                and cause_class(f["cause"]) == "bug"]
 
     assert kv_bugs()
     monkeypatch.setattr(oracle, "apply_own", lambda dd: None)
