@@ -112,7 +112,7 @@ def test_fixes_table_never_cuts_a_name():
 
     from rich.console import Console
 
-    from tpdiag.cli_render import fixes_table
+    from tpdiag.cli_tables import fixes_table
     from tpdiag.fixes.registry import catalogue
 
     rows = [f.to_dict() for f in catalogue().values()]

@@ -167,7 +167,7 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
         raise typer.Exit(130)
     emit_summary(summary, fmt)
     if fmt == "text":
-        from tpdiag.cli_render import matrix_table
+        from tpdiag.cli_tables import matrix_table
 
         matrix_table(console(), summary["matrix"])
     if DEBUG["on"]:
@@ -252,7 +252,7 @@ def fixes(fmt: Format = "text") -> None:
     if fmt == "json":
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
-    from tpdiag.cli_render import fixes_table
+    from tpdiag.cli_tables import fixes_table
 
     fixes_table(console(), rows)
 
@@ -270,7 +270,7 @@ def doctor(fmt: Format = "text") -> None:
     if fmt == "json":
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
         return
-    from tpdiag.cli_render import doctor_report
+    from tpdiag.cli_tables import doctor_report
     from tpdiag.doctor import assess
 
     doctor_report(console(), assess(info))
