@@ -1,7 +1,7 @@
 """The CLI's other tables: the mitigation matrix, the fix catalogue, doctor's checks (rich)."""
 from __future__ import annotations
 
-from tpdiag.cli_render import _box, _fmt, _print_table
+from tpdiag.cli_render import _box, _fmt, _natural_width, _print_table
 
 _SHORT_CAUSE = {"row-parallel-reduction": "row-par-reduce", "vocab-parallel-softmax": "vocab-softmax",
                 "shape-dependent-gemm": "shape-gemm", "column-parallel-dgrad": "col-par-dgrad"}
