@@ -166,6 +166,11 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             if (f["phase"], f["module"], f["kind"], f["name"]) in seen:
                 continue
             f = {**f, "from": "second pass"}
+            flip = next((g for g in entry["findings"] if g.get("cause") == "router-flip" and "after" not in g
+                         and g.get("step") == f.get("step") and g.get("phase") == "forward"), None)
+            if flip is not None and f.get("cause") == "sharding-bug" and f.get("phase") != "forward":
+                # tokens that ran other experts are beyond any rounding by construction (router.py)
+                f.update(cause="router-flip", root_cause=False, after=flip.get("key"))
             same = next((g for g in entry["findings"] + [fd] if "follows" not in g and g.get("module") == f["module"]
                          and g.get("step") == f["step"] and cause_class(g.get("cause")) == "bug"), None)
             if "follows" not in f and same is not None:
