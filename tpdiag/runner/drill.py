@@ -169,8 +169,9 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             flip = next((g for g in entry["findings"] if g.get("cause") == "router-flip" and "after" not in g
                          and g.get("step") == f.get("step") and g.get("phase") == "forward"), None)
             if flip is not None and f.get("cause") == "sharding-bug" and f.get("phase") != "forward":
-                # tokens that ran other experts are beyond any rounding by construction (router.py)
-                f.update(cause="router-flip", root_cause=False, after=flip.get("key"))
+                # tokens that ran other experts are beyond any rounding by construction
+                # (router.py): the flip explains it, as it does pass 1's later records
+                continue
             same = next((g for g in entry["findings"] + [fd] if "follows" not in g and g.get("module") == f["module"]
                          and g.get("step") == f["step"] and cause_class(g.get("cause")) == "bug"), None)
             if "follows" not in f and same is not None:
