@@ -168,7 +168,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             f = {**f, "from": "second pass"}
             flip = next((g for g in entry["findings"] if g.get("cause") == "router-flip" and "after" not in g
                          and g.get("step") == f.get("step") and g.get("phase") == "forward"), None)
-            if flip is not None and f.get("cause") == "sharding-bug" and f.get("phase") != "forward":
+            if flip is not None and (f.get("after") or f.get("cause") == "sharding-bug" and f.get("phase") != "forward"):
                 # tokens that ran other experts are beyond any rounding by construction
                 # (router.py): the flip explains it, as it does pass 1's later records
                 continue
