@@ -48,6 +48,10 @@ JOBS: dict[str, Job] = {
     "hash-collisions": Job("benchmarks.jobs.hash_collisions", "record-hash lane mixes (v1, v2 and two "
                            "rejected) under TP-like perturbations: collision rates at truncated widths "
                            "against a random function's", "CPU (numpy); args: [TRIALS] [PAIR_TRIALS]"),
+    "oracle-threshold": Job("benchmarks.jobs.oracle_threshold", "the float64 verdict's threshold: the smallest "
+                            "planted error (scale, one head) still called a bug, bf16 and float32, by record "
+                            "size; the correct reordering's ratio beside it", "CPU; args: [SEEDS]",
+                            table=("seeds", "ok")),
     "tree-gemm": Job("benchmarks.jobs.tree_gemm", "tp-invariant-linear's group GEMM: tree_mm tiles vs "
                      "per-group invariant-gemm vs cuBLAS, llama-1b TP=2 shapes", "CUDA",
                      table=("tp", "case", "M", "K", "N", "cublas.ms", "variants.*.x_cublas", "variants.*.bitwise")),

@@ -112,7 +112,7 @@ def test_fixes_table_never_cuts_a_name():
 
     from rich.console import Console
 
-    from tpdiag.cli.render import fixes_table
+    from tpdiag.cli.tables import fixes_table
     from tpdiag.fixes.registry import catalogue
 
     rows = [f.to_dict() for f in catalogue().values()]
@@ -185,7 +185,7 @@ def test_gate_prints_each_violation_once_and_points_to_the_policy_doc():
         out = res.lines()
         # module-granularity violations (no op): the words say module, never 'op -'; counts agree in number
         assert out[0] == "gate: FAIL - first divergent module beyond policy: " + v("2", "layers.0.attention.wo").line()
-        assert "op -" not in "\n".join(out) and ", op " not in out[0]
+        assert "op -" not in "\n".join(out) and " op " not in out[0]
         assert "TP=2: fail (2 records beyond policy; the first is in the headline)" in out
         assert "TP=4: fail (1 record beyond policy)" in out
         for d in res.degrees.values():
@@ -198,7 +198,7 @@ def test_gate_prints_each_violation_once_and_points_to_the_policy_doc():
                    1e-8, "beyond budget")
     res = GateResult("run", Policy(), reference="1", degrees={"2": DegreeResult("2", "fail", 1, [op])})
     assert res.lines()[0].startswith("gate: FAIL - first divergent op beyond policy: TP=2: module "
-                                     "layers.0.attention.wq, op aten::mm, phase forward")
+                                     "layers.0.attention.wq (the difference enters at op aten::mm), phase forward")
     ok = GateResult("run", Policy(), reference="1", degrees={"2": DegreeResult("2", "pass", 1)})
     assert "TP=2: pass (1 divergent record within policy)" in ok.lines()
 

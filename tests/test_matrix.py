@@ -75,7 +75,7 @@ def test_text_table_and_report(matrix_run, tmp_path):
 
     from rich.console import Console
 
-    from tpdiag.cli.render import matrix_table
+    from tpdiag.cli.tables import matrix_table
 
     buf = StringIO()
     matrix_table(Console(file=buf, width=200, highlight=False), matrix_run[1]["matrix"])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpdiag.diff.oracle import MARGIN, judge
+from tpdiag.diff.oracle import judge
 from tpdiag.probes.float64 import module_oracle, op_oracle, snapshot
 
 
@@ -130,8 +130,9 @@ def test_pure_reorderings_stay_far_inside_the_threshold_and_planted_mistakes_far
                 v = judge(good, bad, ex)
                 assert v["far"], (dtype, n, v)
                 least_bug = min(least_bug, v["ratio"])
-    # reorderings used at most a quarter of the threshold; each mistake was > 1.5x beyond it
-    assert worst < 0.25 and least_bug > 1.5, (worst, least_bug)
+    # reorderings (8192 outputs: A = 3.2) used under half of the threshold; each mistake was
+    # > 1.5x beyond it
+    assert worst < 0.5 and least_bug > 1.5, (worst, least_bug)
 
 
 def test_the_threshold_needs_its_margin():
@@ -142,7 +143,7 @@ def test_the_threshold_needs_its_margin():
     exact = x.double() @ w.double().t()
     ref = (x.float() @ w.float().t()).to(torch.bfloat16)
     v = judge(ref, _split_sum(x, w, 8, lambda n: reversed(range(n))), exact)
-    assert not v["far"] and v["ratio"] * MARGIN > 0.5, v  # within a small factor of the level
+    assert not v["far"] and v["ratio"] * v["margin"] > 0.5, v  # within a small factor of the level
 
 
 def test_module_backward_in_float64_gives_weight_and_input_grads():

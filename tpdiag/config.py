@@ -86,6 +86,9 @@ class WorldConfig:
     # recorded in op_include's scopes, re-executed in float64 (the reference world only)
     oracle: tuple[str, ...] = ()
     oracle_ops: bool = False
+    # ... and the same modules again from each other world's own recorded inputs: (label, file
+    # of that world's whole inputs and output grads, diff/own_inputs.py)
+    oracle_own: tuple[tuple[str, str], ...] = ()
     # the axes besides TP (tpdiag/base/points.py): sequences per forward call (0: the whole batch in
     # one call) and how the sequence goes through the model
     micro_batch: int = 0
@@ -106,6 +109,7 @@ class WorldConfig:
         d["op_include"] = list(self.op_include)
         d["module_include"] = list(self.module_include)
         d["oracle"] = list(self.oracle)
+        d["oracle_own"] = [list(p) for p in self.oracle_own]
         return d
 
     @classmethod
@@ -115,6 +119,7 @@ class WorldConfig:
         d["op_include"] = tuple(d.get("op_include", ()))
         d["module_include"] = tuple(d.get("module_include", ()))
         d["oracle"] = tuple(d.get("oracle", ()))
+        d["oracle_own"] = tuple(tuple(p) for p in d.get("oracle_own", ()))
         return cls(**d)
 
     def with_(self, **kw) -> "WorldConfig":
@@ -151,6 +156,7 @@ class CompareConfig:
     selfcheck: bool = True
     oracle: tuple[str, ...] = ()  # the second pass: modules the reference re-executes in float64
     oracle_ops: bool = False      # ... and every op it records (op_include's scopes)
+    oracle_own: tuple[tuple[str, str], ...] = ()  # ... and from these worlds' inputs (WorldConfig)
     # the other axes (tpdiag/base/points.py): () = the whole batch per call; the first is the reference's
     micro_batches: tuple[int, ...] = ()
     modes: tuple[str, ...] = ("prefill",)
@@ -168,6 +174,7 @@ class CompareConfig:
         d["modes"] = list(self.modes)
         d["only"] = list(self.only)
         d["oracle"] = list(self.oracle)
+        d["oracle_own"] = [list(p) for p in self.oracle_own]
         d["fixes"] = list(self.fixes)
         d["op_include"] = list(self.op_include)
         d["module_include"] = list(self.module_include)
@@ -182,6 +189,8 @@ class CompareConfig:
                   "modes", "only"):
             if k in d and d[k] is not None:
                 d[k] = tuple(d[k])
+        if d.get("oracle_own"):
+            d["oracle_own"] = tuple(tuple(p) for p in d["oracle_own"])
         return cls(**d)
 
     def worlds(self):

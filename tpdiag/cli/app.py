@@ -193,7 +193,7 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
         raise typer.Exit(130)
     emit_summary(summary, fmt)
     if fmt == "text":
-        from tpdiag.cli.render import matrix_table
+        from tpdiag.cli.tables import matrix_table
 
         matrix_table(console(), summary["matrix"])
     if DEBUG["on"]:
@@ -278,7 +278,7 @@ def fixes(fmt: Format = "text") -> None:
     if fmt == "json":
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
-    from tpdiag.cli.render import fixes_table
+    from tpdiag.cli.tables import fixes_table
 
     fixes_table(console(), rows)
 
@@ -296,7 +296,7 @@ def doctor(fmt: Format = "text") -> None:
     if fmt == "json":
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
         return
-    from tpdiag.cli.render import doctor_report
+    from tpdiag.cli.tables import doctor_report
     from tpdiag.cli.doctor import assess
 
     doctor_report(console(), assess(info))
@@ -330,6 +330,9 @@ def gate(
     policy: Annotated[Optional[str], typer.Option(
         help="policy TOML: allowed causes, per-module ULP/abs budgets, gated degrees and phases "
              "(default: nothing may diverge); format in docs/ci.md")] = None,
+    allow: Annotated[Optional[str], typer.Option(
+        help="also allow these causes: `rounding` (every rounding-class cause; bugs, non-finite "
+             "and unknown still fail) or cause names, comma-separated")] = None,
     junit: Annotated[Optional[str], typer.Option(help="write JUnit XML here, one testcase per degree")] = None,
     fmt: Format = "text",
     debug: Debug = False,
@@ -346,7 +349,7 @@ def gate(
 
     try:
         fmt = check_format(fmt)
-        result = gate_lib.evaluate(run_dir, gate_lib.load_policy(policy))
+        result = gate_lib.evaluate(run_dir, gate_lib.with_allowed(gate_lib.load_policy(policy), allow))
         if junit:
             from tpdiag.base import files as io
 

@@ -167,6 +167,8 @@ def bug_found(summary: dict) -> bool:
 
     from tpdiag.records.axes import entries
 
+    if summary.get("class") in ("bug", "non-finite"):  # a fix chain's later round found one
+        return True
     for d in entries(summary).values():
         if not isinstance(d, dict) or d.get("status") != "divergent":
             continue

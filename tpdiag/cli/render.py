@@ -90,6 +90,8 @@ def _fmt(x, spec=".2e"):
 def where(fd: dict) -> str:
     """A record in words: 'forward: layers.0.attention.wo', 'loss: logprobs', 'backward: output (grad_out 0)'."""
     phase, module, kind, name = fd.get("phase"), fd.get("module"), fd.get("kind"), fd.get("name")
+    if module == "model" and phase == "loss" and kind == "loss":
+        return "loss: the loss function (Target.loss or the built-in cross-entropy)"
     if module == "model":  # whole-model records (logprobs, loss, grad norm) have no module of their own
         text = f"{phase}: {name if name == kind or not kind else f'{kind} {name}'}"
     else:
@@ -124,7 +126,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
 
     status = summary["status"]
     color = {"bitwise": "green", "divergent": "yellow", "inconclusive": "red"}.get(status, "white")
-    console.print(f"[bold]verdict:[/] [{color}]{status}[/]{_class_words(summary)} "
+    console.print(f"[bold]verdict:[/] [{color}]{status}[/]{_class_words(summary)}{_bug_words(summary)} "
                   f"(reference {config_name(summary['reference_label'])})")
     base = summary.get("baseline")
     if ran(summary):
@@ -144,7 +146,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     plain = all(config_name(lab) == f"TP={lab}" for lab in entries(summary))
     t.add_column("TP" if plain else "config", no_wrap=True)
     t.add_column("status", no_wrap=True)
-    t.add_column("first divergence", overflow="fold", min_width=30)
+    from tpdiag.diff.classes import leading_bug
+
+    bugs = any(leading_bug(d) for d in entries(summary).values())
+    t.add_column("first bug, else first divergence" if bugs else "first divergence", overflow="fold", min_width=30)
     t.add_column("cause", overflow="fold", min_width=22)
     t.add_column("max abs / bound", no_wrap=True)
     t.add_column("ULP", no_wrap=True)
@@ -153,10 +158,17 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if d["status"] == "failed":
             t.add_row(label, "[red]failed[/]", d.get("error", ""), "-", "-", "-", "-")
             continue
-        fd = d.get("first_divergence") or {}
+        from tpdiag.diff.classes import leading_bug
+
+        # a bug leads the row; the first (harmless) divergence is named on a line below
+        fd = leading_bug(d) or d.get("first_divergence") or {}
         lp = d.get("logprobs") or {}
         st = "[green]bitwise[/]" if d["status"] == "bitwise" else "[yellow]divergent[/]"
+        if fd and fd is not d.get("first_divergence"):
+            st = "[bold red]BUG[/]"
         err = f"{_fmt(fd.get('max_abs'))} / {_bound_cell(fd)}" if fd else "-"
+        if fd.get("cause") == "rank-inconsistent-replica":  # its ranks' spread, not a value vs the reference
+            err = f"{_fmt(fd.get('max_abs'))} between ranks"
         if fd.get("cause") == "non-finite":  # no size to compare with a bound: say what it is
             err = _nonfinite_where(d, label)
         lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"
@@ -165,6 +177,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     _print_table(console, t)
     for label, d in entries(summary).items():
         fd = d.get("first_divergence") or {}
+        from tpdiag.diff.classes import leading_bug
+
+        if fd and leading_bug(d) not in (None, fd):
+            console.print(f"{config_name(label)}: first divergence (before the bug, {fd.get('cause')}): {where(fd)}")
         if fd.get("oracle") or fd.get("op_oracle"):
             console.print(f"{config_name(label)}: {oracle_line(fd)}")
         if fd.get("why"):
@@ -191,8 +207,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     for rnd in summary.get("fix_chain") or []:
         firsts = ", ".join(f"{config_name(lab)}: {fd['cause']} at {fd['module']}" for lab, fd in
                            rnd["first_divergence"].items() if fd) or "-"
+        cls = {"bug": ", BUG", "non-finite": ", NON-FINITE", "unknown": ", not judged",
+               "rounding": ", rounding"}.get(rnd.get("class"), "")
         console.print(f"fix chain round {rnd['round']} ({', '.join(rnd['fixes']) or 'stock'}): "
-                      f"{rnd['status']}; {firsts}" + (f" ({rnd['stopped']})" if rnd.get("stopped") else ""))
+                      f"{rnd['status']}{cls}; {firsts}" + (f" ({rnd['stopped']})" if rnd.get("stopped") else ""))
     if summary.get("status_after_fixes"):
         console.print(f"[bold]after fixes:[/] {summary['status_after_fixes']}")
     if summary.get("error"):
@@ -222,10 +240,32 @@ def _class_words(summary: dict) -> str:
             "rounding": ", rounding only", "unknown": ", not judged (cause unknown)"}[c]
 
 
+def _bug_words(summary: dict) -> str:
+    """Where the first bug is, on the verdict line: its record and how far beyond rounding."""
+    if summary.get("class") not in ("bug", "non-finite"):
+        return ""
+    from tpdiag.diff.classes import leading_bug
+    from tpdiag.records.axes import entries
+
+    for label, d in entries(summary).items():
+        b = leading_bug(d)
+        if b:
+            r = b.get("bound_ratio")
+            far = f", {r:.3g}x beyond rounding" if r and r > 1 else ""
+            return f" at {config_name(label)} {where(b)}{far}"
+    for rnd in summary.get("fix_chain") or []:  # found only once fixes removed the reorderings
+        for label, b in (rnd.get("bug") or {}).items():
+            r = b.get("bound_ratio")
+            far = f", {r:.3g}x beyond rounding" if r and r > 1 else ""
+            return f" at {config_name(label)} {where(b)}{far} (fix chain round {rnd['round']})"
+    return ""
+
+
 def _bound_cell(fd: dict) -> str:
     v = fd.get("oracle") or fd.get("op_oracle")
     if fd.get("bound") is None and v:
-        return f"float64 x{v['ratio']:.2g}"
+        # no bound in the record's units: the float64 verdict's ratio to what rounding allows
+        return f"{v['ratio']:.2g}x rounding"
     return _fmt(fd.get("bound"))
 
 
@@ -248,6 +288,8 @@ def oracle_line(fd: dict) -> str:
 
 def _findings(console, label: str, d: dict, fd: dict) -> None:
     """Root findings one line each; records that follow from one are counted, not listed."""
+    from tpdiag.records.causes import cause_class
+
     findings = d.get("findings") or []
     follows: dict = {}
     for f in findings:
@@ -257,8 +299,9 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
             and f.get("cause") == fd.get("cause")]
     n = sum(follows.get(f.get("key"), 0) for f in same) + max(0, len(same) - 1)
     if n:
-        console.print(f"{config_name(label)}: {n} downstream record{'s' if n != 1 else ''} "
-                      f"follow{'s' if n == 1 else ''} from the first divergence (not listed)")
+        console.print(f"{config_name(label)}: {n} later finding{'s' if n != 1 else ''} "
+                      f"follow{'s' if n == 1 else ''} from the first divergence (not listed; "
+                      f"{d.get('n_divergent', '?')} divergent records in all)")
     for f in findings:
         if "follows" in f or any(f is g for g in same):
             continue
@@ -269,11 +312,17 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
                           "NaN or Inf, this the first)")
             continue
         rec = f"{f['kind']} {f['name']}" if f["kind"] != "op" else f"op {f['name']}"
-        line = (f"[red]finding[/] {config_name(label)}: {f['phase']} {f['module']} ({rec}): {f['cause']}, "
-                f"max abs {_fmt(f['max_abs'])}" + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else ""))
+        what = (f"{f['phase']} {f['module']} ({rec})" if not (f["phase"] == "loss" and f["module"] == "model")
+                else f"loss: the loss function ({rec})")
+        # a replica's value is its ranks' spread; every other one is against the reference
+        vs = "between ranks" if f["cause"] == "rank-inconsistent-replica" else "vs the reference"
+        r = f.get("bound_ratio")
+        line = (f"[red]finding[/] {config_name(label)}: {what}: {f['cause']}, max abs {vs} {_fmt(f['max_abs'])}"
+                + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else "")
+                + (f", {r:.3g}x beyond rounding" if r and r > 1 and cause_class(f["cause"]) == "bug" else ""))
         n = follows.get(f.get("key")) or 0
         if n:
-            line += f"; {n} downstream record{'s' if n != 1 else ''} follow{'s' if n == 1 else ''} from it"
+            line += f"; and {n} later finding{'s' if n != 1 else ''} that follow{'s' if n == 1 else ''} from it (not listed)"
         console.print(line)
 
 
@@ -288,8 +337,17 @@ def what_to_do(summary: dict) -> str | None:
     if c == "non-finite":
         return "find where the NaN/Inf first appears (the finding above); no fix or policy hides it"
     if c == "unknown":
+        if summary.get("fix_chain"):
+            return ("the fixes did not remove every difference and nothing could judge what is left "
+                    f"(the last fix chain round above); `tpdiag report {run}` shows the values")
         return ("nothing could judge the first divergence (the reason is above); "
                 f"`tpdiag report {run}` shows its values")
+    if summary.get("fix_chain") and summary.get("status_after_fixes") == "bitwise":
+        return ("nothing is wrong: the fixes of the chain above remove every difference (they only "
+                "reorder computations); keep them on where you need bitwise equality")
+    if summary.get("fix_chain"):
+        return ("nothing is wrong: what is left after the fix chain above is rounding only (judged in its "
+                "last round); no available fix removes the rest")
     from tpdiag.records.axes import entries
 
     if summary.get("source") == "capture":
@@ -304,97 +362,6 @@ def what_to_do(summary: dict) -> str | None:
     return ("nothing is wrong: the configurations differ by rounding only. Harmless unless you need "
             "bitwise equality across them; then `tpdiag compare --fix auto` applies the fixes that remove "
             "what they cover (docs/micro-batch.md and docs/decode.md say what they do not)")
-
-
-_SHORT_CAUSE = {"row-parallel-reduction": "row-par-reduce", "vocab-parallel-softmax": "vocab-softmax",
-                "shape-dependent-gemm": "shape-gemm", "column-parallel-dgrad": "col-par-dgrad"}
-
-
-def matrix_table(console, matrix: dict) -> None:
-    """The mitigation matrix (compare --variants): one row per variant, one column per degree."""
-    from rich import box
-    from rich.table import Table
-
-    ref = matrix["reference"]
-    plain = not console.is_terminal
-    t = Table(title=f"mitigation matrix (each variant against its own TP={ref})", show_lines=True,
-              pad_edge=False, box=_box(console, box.HEAVY_HEAD), title_justify="left")
-    t.add_column("variant", no_wrap=True)
-    for lab in matrix["degrees"]:
-        t.add_column(f"TP={lab}" + (" (reference)" if lab == ref else ""), overflow="fold")
-    for name in matrix["variants"]:
-        row = [name]
-        for lab in matrix["degrees"]:
-            c = matrix["cells"][name][lab]
-            st = c["status"]
-            color = {"bitwise": "green", "divergent": "yellow", "failed": "red"}.get(st, "cyan")
-            lines = [f"[{color}]{st}[/]"]
-            if st == "failed":
-                lines.append(str(c.get("error") or "")[:80])
-            fd = c.get("first_divergence")
-            if fd:
-                lines.append(f"{fd['phase']} {fd['module']} ({fd['kind']})")
-                lines.append(_SHORT_CAUSE.get(fd["cause"], fd["cause"]))
-            if st in ("bitwise", "divergent"):
-                tm = c.get("token_mult_prob_error")
-                lines.append(f"logprob {_fmt(c.get('logprob_max_abs'))}"
-                             + (f" x{tm:.7f}" if tm is not None and not c.get("logprobs_bitwise") else ""))
-                lines.append(f"loss diff {_fmt(c.get('loss_abs_diff'))}"
-                             + (f", last step {_fmt(c['loss_abs_diff_last_step'])}"
-                                if c.get("loss_abs_diff_last_step") is not None else ""))
-            if c.get("step_s") is not None:
-                rel = c.get("step_time_vs_stock")
-                lines.append(f"step {c['step_s']:.3f} s" + (f" (x{rel:.2f})" if rel is not None else ""))
-            row.append("\n".join(lines))
-        t.add_row(*row)
-        if plain:  # no rule lines between variants without a box: a blank row instead
-            t.add_row(*[""] * (1 + len(matrix["degrees"])))
-    _print_table(console, t)
-    console.print("step time: one measured optimizer step with probes on, relative to stock at the same "
-                  "degree; small-model numbers, noisy on a shared machine")
-    bad = {n: r.get("error") for n, r in matrix.get("runs", {}).items() if r.get("error")}
-    for n, e in bad.items():
-        console.print(f"[red]{n}[/]: {e}")
-
-
-def fixes_table(console, rows: list[dict]) -> None:
-    from rich import box
-    from rich.markup import escape
-    from rich.table import Table
-
-    t = Table(title="tpdiag fixes", box=_box(console, box.HEAVY_HEAD), pad_edge=False, title_justify="left")
-    t.add_column("fix", no_wrap=True)  # the name a user types after --fix: never cut
-    for c in ("removes cause", "replaces", "cost", "available"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r["name"], ", ".join(r["fixes"]), escape(", ".join(r["ops"])), escape(r["cost"]),
-                  "yes" if r["available"] else "not yet")
-    if console.is_terminal and _natural_width(console, t) > console.width:
-        # Too narrow for the table: its cells would cut op and cause names with '...'. One block
-        # per fix instead, wrapped at spaces.
-        for r in rows:
-            console.print(f"[bold]{r['name']}[/] ({'available' if r['available'] else 'not yet available'})")
-            for k, v in (("removes cause", ", ".join(r["fixes"])), ("replaces", ", ".join(r["ops"])),
-                         ("cost", r["cost"])):
-                console.print(f"  {k}: {escape(v)}")
-    else:
-        _print_table(console, t)
-    console.print("what each cause and fix means: docs/causes.md")
-
-
-def doctor_report(console, checks: list) -> None:
-    """One line per check: name, value, verdict (ok / will make results non-reproducible / informational)."""
-    from rich.markup import escape
-
-    color = {"ok": "green", "informational": "cyan"}
-    wn = max(len(c.name) for c in checks)
-    for c in checks:
-        col = color.get(c.verdict, "red")
-        console.print(f"{c.name:<{wn}}  [{col}]{c.verdict}[/]: {escape(c.value)}"
-                      + (f" - {escape(c.why)}" if c.why else ""), soft_wrap=True)
-    bad = sum(c.verdict not in color for c in checks)
-    console.print(f"doctor: {bad} setting(s) will make results non-reproducible" if bad
-                  else "doctor: nothing here makes results non-reproducible")
 
 
 def render_text(summary: dict, width: int = 200) -> str:

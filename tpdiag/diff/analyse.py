@@ -51,6 +51,10 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         "missing": dd.missing[:50],
         "confirmation": None,
     }
+    if int(other.world.get("degree", 1)) == 1 and ref_degree == 1:
+        from tpdiag.diff.classes import no_sharding_at_tp1
+
+        no_sharding_at_tp1(entry)
     nf = nonfinite_summary(dd.rows)
     if nf is not None:
         entry["nonfinite"] = nf
@@ -59,6 +63,12 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
     unjudged = unjudged_modules(dd)
     if unjudged:
         entry["unjudged"] = unjudged
+    from tpdiag.diff import own_inputs
+
+    fd = entry["first_divergence"] or {}
+    own = own_inputs.modules(dd, fd.get("key"))
+    if own:
+        entry["own_inputs"] = own  # judged on this side's own inputs by the second pass
     suspects = hash_suspects(dd.rows)
     if suspects:
         entry["suspects"] = suspects

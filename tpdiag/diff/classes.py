@@ -36,3 +36,62 @@ def add_classes(summary: dict) -> dict:
             found.add(c)
     summary["class"] = next((c for c in _ORDER if c in found), None)
     return summary
+
+
+def leading_bug(entry: dict) -> dict | None:
+    """The record a reader should see first: the first bug-class (or non-finite) root finding -
+    or the first divergence when that is one - else None. A harmless reordering before it is
+    not what the verdict is about."""
+    fd = entry.get("first_divergence") or {}
+    if cause_class(fd.get("cause")) in ("bug", "non-finite"):
+        return fd
+    roots = [f for f in entry.get("findings") or [] if "follows" not in f]
+    for want in ("bug", "non-finite"):
+        hit = next((f for f in roots if cause_class(f.get("cause")) == want), None)
+        if hit is not None:
+            return hit
+    return None
+
+
+def _judged_far(f: dict) -> bool:
+    """A float64 re-execution (from the record's own inputs or equal ones) found it wrong."""
+    return any((f.get(k) or {}).get("far") and not (f.get(k) or {}).get("discrete")
+               for k in ("oracle", "op_oracle"))
+
+
+def _not_a_bug(f: dict, cause: str, why: str) -> None:
+    f["cause_before"] = f["cause"]
+    f["cause"] = cause
+    f["why"] = why
+
+
+def no_sharding_at_tp1(entry: dict) -> None:
+    """Two worlds at TP=1 (a micro-batch or decode configuration beside its reference): nothing
+    is sharded, so a layout bound's `sharding-bug` (its model is TP's partial sums) proves
+    nothing; only a float64 re-execution that found the record wrong keeps it a bug."""
+    for f in [entry.get("first_divergence")] + list(entry.get("findings") or []):
+        # only a layout bound's verdict: weights that differ at init, a float64 verdict stay bugs
+        if f and f.get("cause") == "sharding-bug" and f.get("bound") is not None and not _judged_far(f):
+            _not_a_bug(f, "grad-norm" if f.get("kind") == "grad_norm" else "batch-variant-kernel",
+                       "beyond a TP layout bound, but nothing is sharded at TP=1 on either side (that "
+                       "bound's model does not apply) and no float64 re-execution found it wrong")
+
+
+def clear_by_confirmation(entry: dict, bitwise_after: set[str]) -> None:
+    """After a confirmed fix (its first divergence bitwise under fixes that only reorder): a bug
+    finding that the fixes make bitwise is not a bug - a reordering cannot turn a wrong result
+    right - and neither is one downstream of the confirmed cause that no float64 re-execution
+    found wrong (its layout bound assumed inputs that were equal; they carried the rounding)."""
+    conf = entry.get("confirmation") or {}
+    fd = entry.get("first_divergence") or {}
+    if conf.get("verdict") != "confirmed" or cause_class(fd.get("cause")) != "rounding":
+        return
+    for f in entry.get("findings") or []:
+        if cause_class(f.get("cause")) != "bug":
+            continue
+        if f.get("key") in bitwise_after:
+            _not_a_bug(f, fd["cause"], f"the confirming fix ({conf.get('fix')}) makes this record bitwise "
+                                       "equal: fixes that only reorder cannot turn a wrong result right")
+        elif not _judged_far(f) and f.get("cause") == "sharding-bug" and f.get("bound") is not None:
+            _not_a_bug(f, fd["cause"], f"downstream of the confirmed {fd['cause']} ({conf.get('fix')}) and "
+                                       "no float64 re-execution of this record found it wrong")

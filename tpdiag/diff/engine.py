@@ -24,6 +24,9 @@ class DegreeDiff:
     oracle: dict = field(default_factory=dict)
     oracle_notes: dict = field(default_factory=dict)
     grad_in: dict = field(default_factory=dict)  # (step, module, input index) -> [float64 per call]
+    # the same from THIS side's own inputs (diff/own_inputs.py): record key -> float64 tensor
+    oracle_own: dict = field(default_factory=dict)
+    grad_in_own: dict = field(default_factory=dict)
     _equal_index: dict | None = None  # diff/oracle._index's lookups, built once
 
 
@@ -237,16 +240,20 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
 
         wanted = {r["key"] for r in rows if not r["bitwise"]}
         for m in oracle_metas:
-            if m["name"].startswith("grad_in."):
+            name, at, side = m["name"].partition("@")
+            if at and side != label:
+                continue  # re-executed from another world's inputs
+            oracle, grad_in = (dd.oracle_own, dd.grad_in_own) if at else (dd.oracle, dd.grad_in)
+            if name.startswith("grad_in."):
                 # d loss / d input I of a consumer: judged against its producer's grad_out
-                i, _, c = m["name"][len("grad_in."):].partition(".c")
+                i, _, c = name[len("grad_in."):].partition(".c")
                 k = (m["step"], m["module"], int(i))
-                dd.grad_in.setdefault(k, []).append(ref.tensor(m))
+                grad_in.setdefault(k, []).append(ref.tensor(m))
                 continue
-            k = target_key(m["key"])
+            k = target_key(m["key"][:len(m["key"]) - len(side) - 1] if at else m["key"])
             if k in wanted:
                 t = ref.tensor(m)
-                dd.oracle[k] = dd.oracle[k] + t if k in dd.oracle else t  # a weight grad's calls
+                oracle[k] = oracle[k] + t if k in oracle else t  # a weight grad's calls
     notes = ref.world.get("oracle_notes") if isinstance(ref.world, dict) else None
     if isinstance(notes, dict):
         dd.oracle_notes = notes

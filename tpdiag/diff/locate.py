@@ -68,6 +68,7 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         row["beyond_bound"] = chk.beyond
     generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
     oracle.apply(dd)  # any module or op the reference re-executed in float64: bug or rounding
+    oracle.apply_own(dd)  # ... and past the first divergence, from this side's own inputs
     for row in dd.rows:
         if row.get("oracle") and not row.get("beyond_bound") and not row.get("oracle_flip") \
                 and row["kind"] == "out" and not row.get("generic_cause"):
@@ -270,9 +271,15 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             _partial_detail(f, r, findings)
             roots = [g for g in findings if "follows" not in g]
             inner = [g for g in roots if _inside(g["module"], r["module"])]
+            same = [g for g in roots if g["module"] == r["module"] and g["step"] == r["step"]
+                    and not g.get("partial_sum")]
             if inner and r["kind"] == "out":
                 # a parent's output carries its child's finding
                 f["follows"] = inner[-1].get("key") or inner[-1]["name"]
+            elif same and not r.get("rank_partial_sum"):
+                # one module's mistake shows in its forward and its backward (a rescaled output
+                # rescales its weight grad): one root per module, the rest grouped under it
+                f["follows"] = same[0].get("key") or same[0]["name"]
             elif roots and not _is_root(dd, r, first):
                 # a consequence: its inputs already differed from a finding before it
                 f["follows"] = roots[-1].get("key") or roots[-1]["name"]
@@ -321,6 +328,8 @@ def _is_root(dd: DegreeDiff, r: dict, first: dict | None) -> bool:
         return True
     if r["phase"] == "init" or r.get("rank_partial_sum"):
         return True
+    if (r.get("oracle") or {}).get("own") and r.get("beyond_bound"):
+        return True  # wrong from the very inputs it was given: no earlier difference explains it
     return r["phase"] == "forward" and r["kind"] == "out" and oracle.inputs_equal(dd, r)
 
 

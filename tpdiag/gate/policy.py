@@ -121,3 +121,39 @@ def load_policy(path: str | None) -> Policy:
         degrees=_str_list(path, "degrees", data["degrees"]) if "degrees" in data else None,
         phases=_str_list(path, "phases", data["phases"], PHASES) if "phases" in data else None,
         source=path)
+
+
+# `--allow NAME`: a preset of causes by class, so CI needs no hand-listed cause names
+PRESETS = {"rounding": "every rounding-class cause (a reordered or re-blocked computation of the same "
+                       "function); bugs, non-finite and unknown still fail"}
+
+
+def with_allowed(policy: Policy, allow: str | None) -> Policy:
+    """The policy with `--allow rounding` (or comma-separated cause names) added to its allowed
+    causes. Never non-finite; `unknown` only by name, with the policy file's warning."""
+    if not allow:
+        return policy
+    from dataclasses import replace
+
+    from tpdiag.records.causes import CAUSES, cause_class
+
+    names = [x.strip() for x in allow.split(",") if x.strip()]
+    if not names:
+        raise BadInput(f"--allow {allow!r}: expected a preset ({', '.join(PRESETS)}) or cause names")
+    add: list[str] = []
+    for n in names:
+        if n in PRESETS:
+            add += [c for c in CAUSES if cause_class(c) == "rounding"]
+        elif n == "non-finite":
+            raise BadInput("--allow non-finite: NaN or Inf at one side only is never allowed")
+        elif n in CAUSES:
+            add.append(n)
+        else:
+            raise BadInput(f"--allow {n!r}: expected a preset ({', '.join(PRESETS)}) or a cause name "
+                           f"({', '.join(c for c in CAUSES if c != 'non-finite')})")
+    allowed = tuple(dict.fromkeys(policy.allow_causes + tuple(add)))
+    warnings = policy.warnings
+    if "unknown" in add and "unknown" not in policy.allow_causes:
+        warnings += ("--allow unknown: a divergence nothing could judge passes this gate",)
+    base = policy.source if policy.source != Policy.source else "default"
+    return replace(policy, allow_causes=allowed, warnings=warnings, source=f"{base} + --allow {allow}")

@@ -28,6 +28,8 @@ class Violation:
     max_abs: float | None
     reason: str
     key: str = ""
+    beyond: float | None = None  # how far beyond rounding (its bound, or the float64 threshold)
+    follow: int = 0              # divergent records that follow from this one (grouped under it)
 
     @property
     def unit(self) -> str:
@@ -37,9 +39,17 @@ class Violation:
     def line(self) -> str:
         ulp = "-" if self.max_ulp is None else str(self.max_ulp)
         mabs = "-" if self.max_abs is None else f"{self.max_abs:.3g}"
-        op = f", op {self.op}" if self.op else ""  # module-granularity records name no op
-        return (f"{config_name(self.degree)}: module {self.module}{op}, phase {self.phase}, record "
-                f"{self.kind} {self.name}, cause {self.cause} (max ULP {ulp}, max abs {mabs}): {self.reason}")
+        # module-granularity records name no op; an op named is where the difference entered,
+        # the numbers are the record's
+        op = f" (the difference enters at op {self.op})" if self.op else ""
+        far = f"; {self.beyond:.3g}x beyond rounding" if self.beyond and self.beyond > 1 else ""
+        more = (f"; and {_count(self.follow, 'record')} that follow from it (not listed)"
+                if self.follow else "")
+        # the loss phase's records are the loss function's (Target.loss), not a module's
+        what = "the loss function" if self.phase == "loss" and self.module == "model" else f"module {self.module}"
+        return (f"{config_name(self.degree)}: {what}{op}, phase {self.phase}, record "
+                f"{self.kind} {self.name}, cause {self.cause} (max ULP {ulp}, max abs vs the reference "
+                f"{mabs}{far}): {self.reason}{more}")
 
 
 def _count(n: int, noun: str) -> str:
@@ -87,14 +97,20 @@ class GateResult:
 
     @property
     def first_violation(self) -> Violation | None:
-        return next((d.violations[0] for d in self.degrees.values() if d.violations), None)
+        """The headline's: the first bug-class (or non-finite) violation where there is one - not
+        a harmless record before it - else the first."""
+        from tpdiag.records.causes import cause_class
+
+        every = [v for d in self.degrees.values() for v in d.violations]
+        return next((v for v in every if cause_class(v.cause) in ("bug", "non-finite")),
+                    every[0] if every else None)
 
     def lines(self) -> list[str]:
         # Each violation is printed once: the first in the headline, the others under their degree.
         first = self.first_violation
         head = {"pass": "PASS - nothing diverges beyond policy",
-                "fail": f"FAIL - first divergent {first.unit if first else 'record'} beyond policy: "
-                        f"{first.line() if first else ''}",
+                "fail": (f"FAIL - {'a BUG' if self.bug else 'first divergent ' + (first.unit if first else 'record')} "
+                         f"beyond policy: {first.line() if first else ''}"),
                 "inconclusive": f"INCONCLUSIVE - {self.problems[0] if self.problems else ''}"}[self.status]
         how = ("allow causes or per-module budgets with --policy FILE.toml" if self.policy.source == Policy.source
                else "format")
@@ -107,7 +123,7 @@ class GateResult:
                     "fail": f"fail ({_count(len(d.violations), 'record')} beyond policy"
                             + ("; the first is in the headline)" if first in d.violations else ")")}[d.status]
             out.append(f"{config_name(d.label)}: {what}")
-            out += [f"  {v.line()}" for v in d.violations[:5] if v is not first]
+            out += [f"  {v.line()}" for v in [v for v in d.violations if v is not first][:5]]
         return out
 
     def to_dict(self) -> dict:
@@ -200,8 +216,15 @@ def _check_summary(lab: str, d: dict, rows: list[dict]) -> str | None:
 def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
     fd = d.get("first_divergence") or {}
     root_cause = fd.get("cause") or "unknown"
-    findings = {(f.get("step"), f.get("phase"), f.get("module"), f.get("kind"), f.get("name")): f.get("cause")
-                for f in d.get("findings") or []}
+    found = {(f.get("step"), f.get("phase"), f.get("module"), f.get("kind"), f.get("name")): f
+             for f in d.get("findings") or []}
+    findings = {k: f.get("cause") for k, f in found.items()}
+    # a finding that follows another (its inputs already carried that one's difference) is
+    # grouped under it, never a violation of its own
+    follows = {}
+    for f in found.values():
+        if "follows" in f:
+            follows[f["follows"]] = follows.get(f["follows"], 0) + 1
     res = DegreeResult(lab, "pass")
     first_seen = False
     for r in rows:
@@ -223,6 +246,9 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
             res.ungated += 1
             continue
         res.checked += 1
+        f = found.get((r["step"], r["phase"], r["module"], r["kind"], r["name"])) or {}
+        if "follows" in f:
+            continue
         cause = finding or root_cause
         is_first, first_seen = not first_seen, True
         budget = policy.budget_for(r)
@@ -242,9 +268,12 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
             # The summary names the root record's module and op better than the row (an unprobed
             # parent for an input record, the op at op granularity).
             root = r["key"] == fd.get("key")
+            src = f or (fd if root else {})
             res.violations.append(Violation(lab, r["phase"], fd.get("module", r["module"]) if root else r["module"],
                                             fd.get("op") if root else None, r["kind"], r["name"], cause,
-                                            r["max_ulp"], r["max_abs"], why, r["key"]))
+                                            r["max_ulp"], r["max_abs"], why, r["key"],
+                                            beyond=src.get("bound_ratio"),
+                                            follow=follows.get(src.get("key") or r["key"], 0)))
     structural = d.get("missing") or d.get("unmatched")
     if structural and not any(r["bitwise"] is False or r["rank_consistent"] is False for r in rows):
         # Divergent only because records exist at one degree and not the other: no cause can allow that.

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tpdiag.probes.oracle_hooks import oracle_backward_hook, record_oracle
+from tpdiag.probes.oracle_hooks import oracle_backward_hook, record_oracle, record_own_oracles
 from tpdiag.probes.recorder import Recorder
 from tpdiag.probes.rows import consumers_of, extras, module_of
 
@@ -31,8 +31,10 @@ _IDX = tuple(str(i) for i in range(_NIDX))  # output / input positions as record
 @contextmanager
 def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                   backward: bool = True, include: set[str] | None = None,
-                  oracle: set[str] | None = None):
-    """oracle: modules whose every call is also re-executed in float64 (probes/float64.py) from a
+                  oracle: set[str] | None = None, own: dict[str, str] | None = None):
+    """own: {label: file} of other worlds' whole inputs and output grads; each oracle module is
+    re-executed from those too (probes/oracle_hooks.record_own_oracles).
+    oracle: modules whose every call is also re-executed in float64 (probes/float64.py) from a
     snapshot of its inputs, recorded as kind "oracle" beside its outputs (the reference world of
     a second pass; diff/oracle.py judges bug or rounding from it)."""
     # Python's cyclic GC paused while the hooks go in and are in (TPDIAG_PROBE_GC=1: left
@@ -76,6 +78,14 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         counts = rec._calls
 
         snaps: dict = {}  # (module, call) -> float64 snapshot of its inputs (oracle modules)
+        loaded: dict = {}
+
+        def own_inputs() -> dict:
+            if not loaded:
+                from safetensors.torch import load_file
+
+                loaded.update({lab: load_file(path) for lab, path in own.items()})
+            return loaded
 
         def pre_hook(mod, args, kwargs):
             if rec.in_oracle:  # an oracle re-execution runs this module's children: no records
@@ -120,6 +130,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             snap = snaps.pop((mod, call), None) if snaps else None
             if snap is not None:
                 record_oracle(rec, mod, name, call, snap, style, cls)
+                if own:
+                    record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward)
                 if backward:
                     oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls)
             with _no_modes():

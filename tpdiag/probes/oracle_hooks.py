@@ -89,3 +89,59 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
         return None
 
     handles.append(outs[0].register_hook(hook))
+
+
+def _with_inputs(snap, key_of, tensors: dict):
+    """The snapshot with each floating input replaced by another world's recorded value of it
+    (float64), or None when one is missing or of another shape."""
+    from torch.utils._pytree import tree_unflatten
+
+    flat, spec = tree_flatten(snap)
+    i, out = 0, []
+    for t in flat:
+        if isinstance(t, torch.Tensor):
+            if t.is_floating_point() or t.is_complex():
+                got = tensors.get(key_of(i))
+                if got is None or tuple(got.shape) != tuple(t.shape):
+                    return None
+                t = got.to(device=t.device, dtype=t.dtype, copy=True)
+            else:
+                t = t.clone()
+            i += 1
+        out.append(t)
+    return tree_unflatten(out, spec)
+
+
+def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap, own: dict,
+                       style, cls, backward: bool) -> None:
+    """This (reference) module re-executed in float64 from each other world's own recorded
+    inputs - its forward, and with its output grad there its backward - recorded as oracle
+    records whose names end in `@LABEL` (diff/own_inputs.py says why)."""
+    from tpdiag.probes.float64 import module_oracle, module_oracle_grads
+
+    step = rec.step
+    for label, tensors in own.items():
+        got = _with_inputs(snap, lambda i: f"s{step}/forward/{name}/in#{call}/{i}", tensors)
+        if got is None:
+            continue
+        rec.in_oracle, was = True, rec.enabled
+        rec.enabled = False
+        try:
+            out64, _ = module_oracle(mod, *got)
+            grads = None
+            g = tensors.get(f"s{step}/backward/{name}/grad_out#{call}/0")
+            if backward and g is not None:
+                # on the device the module's inputs are (the file was read to the host)
+                g = g.to(next((t.device for t in _tensors(got)), g.device))
+                again = _with_inputs(snap, lambda i: f"s{step}/forward/{name}/in#{call}/{i}", tensors)
+                grads, _ = module_oracle_grads(mod, *again, g)
+        finally:
+            rec.in_oracle, rec.enabled = False, was
+        for i, t in enumerate(_tensors(out64) if out64 is not None else ()):
+            if t.is_floating_point() or t.is_complex():
+                rec.add("oracle", name, f"{_IDX[i] if i < _NIDX else i}@{label}", t, call=call,
+                        style=style, cls=cls)
+        for short, t in (grads or {}).items():
+            what = "grad_in" if short.startswith("in") and short[2:].isdigit() else "param_grad"
+            short = short[2:] if what == "grad_in" else short
+            rec.add("oracle", name, f"{what}.{short}.c{call}@{label}", t, phase="backward", cls=cls)

@@ -252,7 +252,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         wcfg = cfg.world(degree, label, os.path.join(out, f"tp{label}"), device, ref_dir=ref_dir,
                          micro_batch=point.micro_batch, mode=point.mode)
         if label == labels[0] and (cfg.oracle or cfg.oracle_ops):
-            wcfg = wcfg.with_(oracle=cfg.oracle, oracle_ops=cfg.oracle_ops)
+            wcfg = wcfg.with_(oracle=cfg.oracle, oracle_ops=cfg.oracle_ops, oracle_own=cfg.oracle_own)
         res = run_world(wcfg, cfg.timeout, on_status)
         manifest["worlds"][label] = {"degree": degree, "status": res.status, "wall_s": round(res.wall_s, 3),
                                      "error": res.error, **world_timings(res.rank_timings),

@@ -102,7 +102,57 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
                 "fix": fix, "verdict": verdict, "first_divergence_after": after,
                 "status_after": after_entry.get("status"), "run_dir": out,
                 **({"positions": list(cut)} if axes and cut else {})}
+            from tpdiag.diff.classes import clear_by_confirmation
+
+            clear_by_confirmation(every[label], _bitwise_keys(out, sub_label))
+    from tpdiag.diff.classes import add_classes
+
+    add_classes(summary)  # every flow (compare, `tpdiag confirm`) ends with the confirmed verdict
     return summary
+
+
+def _bitwise_keys(run_dir: str, label: str) -> set[str]:
+    """The records of `label` bitwise equal (and rank-consistent) in a rerun's diff.csv."""
+    from tpdiag.records.rundir import read_rows
+
+    path = os.path.join(run_dir, "diff.csv")
+    if not os.path.exists(path):
+        return set()
+    return {r["key"] for r in read_rows(path) if r["degree"] == label and r["bitwise"] is True
+            and r.get("rank_consistent") is not False}
+
+
+def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None) -> dict:
+    """One round of the fix chain, judged as a plain compare is: its second pass (the float64
+    verdicts, each module on its own inputs) where the compare wants one, then its classes."""
+    from tpdiag.base import files as io
+    from tpdiag.diff.classes import add_classes
+    from tpdiag.runner.drill import drill_down, wanted
+
+    summary = _sub(cfg, out, cfg.degrees, fixes, baseline=baseline)
+    rcfg = replace(cfg, out=out, fixes=tuple(fixes), fix_mode="explicit", confirm=False, baseline=baseline)
+    if wanted(rcfg, summary):
+        summary = drill_down(rcfg, summary, out, on_status)
+        add_classes(summary)
+        io.write_json(os.path.join(out, "summary.json"), {k: v for k, v in summary.items() if k != "run_dir"})
+    return summary
+
+
+def final_class(chain: list[dict]) -> str | None:
+    """The verdict of a fix chain: a bug or non-finite result of any round; else the last round's
+    class where it still diverges (an `unknown` left over is not rounding); else - every
+    difference removed by fixes that only reorder - rounding, or nothing when round 0 was bitwise."""
+    for c in ("bug", "non-finite"):
+        if any(r.get("class") == c for r in chain):
+            return c
+    if not chain:
+        return None
+    last = chain[-1]
+    if last["status"] == "divergent":
+        return last.get("class") or "unknown"
+    if last["status"] == "bitwise":
+        return "rounding" if len(chain) > 1 else None
+    return last.get("class")
 
 
 def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int = 6) -> dict:
@@ -121,15 +171,27 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
         out = run_dir if i == 0 else os.path.join(run_dir, "auto", f"round{i}")
         # round 0 is the run the user asked for (its summary is what compare prints): it gets the
         # reference rerun like any compare; the fixed rounds are compared with it
-        summary = _sub(cfg, out, cfg.degrees, fixes, baseline=cfg.baseline and i == 0)
+        summary = _round(cfg, out, fixes, cfg.baseline and i == 0, on_status)
         from tpdiag.records.axes import entries
 
         firsts = {lab: (d.get("first_divergence") or {}) for lab, d in entries(summary).items()}
         chain.append({"round": i, "fixes": list(fixes), "status": summary["status"], "run_dir": out,
+                      "class": summary.get("class"),
                       "first_divergence": {lab: ({"module": f.get("module"), "phase": f.get("phase"),
                                                   "kind": f.get("kind"), "cause": f.get("cause")}
                                                  if f else None) for lab, f in firsts.items()}})
         if summary["status"] != "divergent":
+            break
+        from tpdiag.diff.classes import leading_bug
+
+        bugs = {lab: leading_bug(d) for lab, d in entries(summary).items()}
+        bugs = {lab: {k: b.get(k) for k in ("phase", "module", "kind", "name", "cause", "bound_ratio")}
+                for lab, b in bugs.items() if b}
+        if bugs:
+            chain[-1]["bug"] = bugs
+        if summary.get("class") in ("bug", "non-finite"):
+            # no fix removes a wrong result: the chain ends at it, and so does the verdict
+            chain[-1]["stopped"] = f"a {'BUG' if summary['class'] == 'bug' else 'non-finite result'} (fix the code)"
             break
         new = []
         for f in firsts.values():

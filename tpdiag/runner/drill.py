@@ -55,13 +55,14 @@ def wanted(cfg: CompareConfig, summary: dict) -> bool:
     fds = [fd for fd in fds if fd]
     return summary.get("capture") == "hash" or cfg.granularity in ("auto", "op") or any(
         needs_verdict(fd) for fd in fds) or any(
-        d.get("unjudged") for d in entries(summary).values())
+        d.get("unjudged") or d.get("own_inputs") for d in entries(summary).values())
 
 
 _VERDICT = ("cause", "bound", "bound_ratio", "bound_model", "oracle", "why")
 
 
 def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) -> dict:
+    from tpdiag.records.causes import cause_class
     from tpdiag.runner.compare import run_compare
 
     from tpdiag.records.axes import entries
@@ -95,6 +96,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                     | {fd["consumers"][0] for fd in fds if fd.get("kind") == "grad_out"
                        and len(fd.get("consumers") or []) == 1}
                     | {m for lab, _ in targets for m in every[lab].get("unjudged", [])})
+    own = {lab: every[lab]["own_inputs"] for lab, _ in targets if every[lab].get("own_inputs")}
+    oracle = sorted(set(oracle) | {m for ms in own.values() for m in ms})
     if not hashed and not ops and not oracle:
         return summary
     modules = []
@@ -113,6 +116,9 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         capture="full" if hashed else cfg.capture, module_include=tuple(modules),
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ())
     sub_labels = labels[:1] + [lab for lab, _ in targets] if axes else degree_labels(degrees)
+    if own:
+        rerun = replace(rerun, oracle_own=_own_files(run_dir, labels[0], own,
+                                                     dict(zip([lab for lab, _ in targets], sub_labels[1:]))))
     # decode configurations: first on their first positions (runner/prefix.py), where that
     # reproduces every target's first divergence and every difference pass 1 found in what it
     # records; its decode worlds prove their own probes inert (their self-check), its reference
@@ -120,7 +126,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     # not where pass 1 named suspects (outputs that moved far more than their inputs) or
     # unjudged modules: those are judged on every position
     n = prefix.region_positions(cfg, [lab for lab, _ in targets]) if axes and not any(
-        every[lab].get("suspects") or every[lab].get("unjudged") for lab, _ in targets) else 0
+        every[lab].get("suspects") or every[lab].get("unjudged") or every[lab].get("own_inputs")
+        for lab, _ in targets) else 0
     sub = None
     if n:
         sub = run_compare(replace(rerun, positions=n, prefix_from=prefix.decode_dir(run_dir, targets[0][0])))
@@ -155,8 +162,23 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             continue
         # every finding the rerun made (the float64 verdicts of other roots among them)
         seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
-        entry["findings"] += [{**f, "from": "second pass"} for f in sub_entry.get("findings", [])
-                              if (f["phase"], f["module"], f["kind"], f["name"]) not in seen]
+        for f in sub_entry.get("findings", []):
+            if (f["phase"], f["module"], f["kind"], f["name"]) in seen:
+                continue
+            f = {**f, "from": "second pass"}
+            flip = next((g for g in entry["findings"] if g.get("cause") == "router-flip" and "after" not in g
+                         and g.get("step") == f.get("step") and g.get("phase") == "forward"), None)
+            if flip is not None and (f.get("after") or f.get("cause") == "sharding-bug" and f.get("phase") != "forward"):
+                # tokens that ran other experts are beyond any rounding by construction
+                # (router.py): the flip explains it, as it does pass 1's later records
+                continue
+            same = next((g for g in entry["findings"] + [fd] if "follows" not in g and g.get("module") == f["module"]
+                         and g.get("step") == f["step"] and cause_class(g.get("cause")) == "bug"), None)
+            if "follows" not in f and same is not None:
+                f["follows"] = same.get("key")  # one root per module (locate.py)
+            entry["findings"].append(f)
+        if every[label].get("own_inputs"):
+            _near_on_own_inputs(entry, out, sub_label)
         if sfd.get("key") != fd["key"]:
             fd["values_detail" if hashed else "op_detail"] = (
                 f"the {what} rerun of this region did not reproduce this first divergence "
@@ -187,6 +209,46 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             fd["op_detail"] = "the op-level rerun named no op for this first divergence"
     summary["second_pass"] = {"dir": out, "ops": ops, "oracle": oracle, "scopes": scopes if ops else []}
     return summary
+
+
+def _near_on_own_inputs(entry: dict, sub_dir: str, sub_label: str) -> None:
+    """A first-pass finding from a layout bound (which assumed equal inputs) that the second pass,
+    re-executing its module in float64 from this side's own inputs, found within rounding (the
+    same record no longer beyond its bound there): not a bug."""
+    from tpdiag.records.rundir import read_rows
+
+    path = os.path.join(sub_dir, "diff.csv")
+    if not os.path.exists(path):
+        return
+    near = {r["key"] for r in read_rows(path) if r["degree"] == sub_label and r.get("beyond_bound") is False}
+    for f in entry.get("findings") or []:
+        if f.get("cause") == "sharding-bug" and f.get("bound") is not None and not f.get("oracle") \
+                and f.get("key") in near and "from" not in f:
+            from tpdiag.records.causes import cause_class
+
+            fc = (entry.get("first_divergence") or {}).get("cause")
+            f["cause_before"], f["cause"] = f["cause"], fc if cause_class(fc) == "rounding" else "unknown"
+            f["why"] = ("beyond its layout bound, which assumed inputs equal to the reference's; re-executed in "
+                        "float64 from this side's own inputs it is within rounding: not a bug")
+            f["follows"] = f.get("follows") or (entry.get("first_divergence") or {}).get("key")
+
+
+def _own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict) -> tuple:
+    """Each target world's whole inputs and output grads of its own-input modules, from pass 1's
+    records, in a file the second pass's reference reads (keyed by the label it has there)."""
+    from safetensors.torch import save_file
+
+    from tpdiag.diff.own_inputs import side_inputs
+
+    out = []
+    for lab, mods in own.items():
+        tensors = side_inputs(os.path.join(run_dir, f"tp{ref_label}"), os.path.join(run_dir, f"tp{lab}"), set(mods))
+        if not tensors:
+            continue
+        path = os.path.join(run_dir, f"own-inputs-tp{lab}.safetensors")
+        save_file(tensors, path)
+        out.append((sub_label[lab], path))
+    return tuple(out)
 
 
 def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str, keys=None) -> str | None:

@@ -31,6 +31,11 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
         first = read_summary(cfg.out)
         first["fix_chain"] = summary["fix_chain"]
         first["status_after_fixes"] = summary["status"]
+        from tpdiag.runner.confirm import final_class
+
+        # the verdict is the last round's (a bug of any round), not round 0's alone
+        first["class_round0"] = first.get("class")
+        first["class"] = final_class(summary["fix_chain"])
         first["timings"] = _timings(cfg.out, {"fix_chain_s": time.perf_counter() - t0}, t0, checks_s)
         io.write_json(os.path.join(cfg.out, "summary.json"), first)
         first["run_dir"] = cfg.out

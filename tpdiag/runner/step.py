@@ -329,7 +329,8 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         loss_fn, logprob_fn, norm_fn = _numerics(target)
         if cfg.probes:
             stack.enter_context(module_probes(model, rec, plan=target.plan, backward=cfg.backward,
-                                              include=include, oracle=set(cfg.oracle) or None))
+                                              include=include, oracle=set(cfg.oracle) or None,
+                                              own=dict(cfg.oracle_own) or None))
             if cfg.granularity == "op":
                 from tpdiag.probes.op_probe import OpProbe
 

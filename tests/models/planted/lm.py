@@ -9,7 +9,7 @@ planted mistakes that live outside one forward layer, each with its correct twin
               grad is left as each rank's partial (never all-reduced), so the replicas drift
               (every other replicated weight here has its grad summed: each rank uses a slice)
   good        all three written correctly
-The collectives are torch.distributed.nn.functional's (they have autograd).
+The reductions in forward are Megatron's g (identity backward); grads are summed in hooks.
 """
 import warnings
 
@@ -32,8 +32,30 @@ def rank_world():
     return 0, 1
 
 
+class _ReduceSum(torch.autograd.Function):
+    """Megatron's g: the partial values summed in forward; the output is replicated (every rank
+    goes on with the same value and computes the same loss), so its grad is the same on every
+    rank and passes through as is. (torch.distributed.nn.functional.all_reduce all-reduces the
+    grad too: with replicated consumers each activation grad comes out TP times too large -
+    issue 57's own-input verdict found it here, in what was meant as the correct twin.)"""
+
+    @staticmethod
+    def forward(ctx, t):
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 def reduce_sum(t):
-    return dnn.all_reduce(t) if rank_world()[1] > 1 else t
+    if rank_world()[1] == 1:
+        return t
+    if torch.is_grad_enabled() and t.requires_grad:
+        return _ReduceSum.apply(t)
+    return dnn.all_reduce(t)
 
 
 class _CopyToTP(torch.autograd.Function):

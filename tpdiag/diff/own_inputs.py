@@ -1,0 +1,103 @@
+"""Each module judged on its own inputs: which divergent modules beyond the first divergence the
+second pass re-executes in float64 from THIS side's recorded inputs (and output grad), and those
+inputs, assembled whole from the first pass's records.
+
+Why: past the first divergence every record's inputs already differ by the rounding that entered
+there, so the reference's float64 re-execution (from the reference's inputs) is no exact value
+for this side; a wrong function computed later (a weight grad averaged instead of summed, a loss
+scaled by the degree) then reads as "inherits the earlier rounding". The reference's module -
+the function TP=1 computes - re-run in float64 on this side's own inputs is the exact value this
+side should have produced from what it was given: far from it is a bug wherever it sits
+(diff/oracle.py, judge_own).
+
+Budget: every such module while there are at most MAX_ALL and their inputs and output grads fit
+in BUDGET_BYTES; past that, those whose output moved most beyond what their inputs explain
+(relative difference of the output over the input's; a weight grad first), since a reordering
+passes its input's difference through at about the same size. Whole values only: after a
+hash-only first pass (a large model's default capture) no module is chosen here.
+"""
+from __future__ import annotations
+
+import torch
+
+MAX_ALL = 64
+# the inputs and output grads shipped to the second pass's reference (a file it loads whole):
+# modules past this many bytes, in the order chosen, are left to the layout bounds
+BUDGET_BYTES = 1 << 30
+_KINDS = (("forward", "out"), ("backward", "param_grad"))
+
+
+def _growth(dd, r: dict) -> float:
+    inp = dd.tensors.get(f"s{r['step']}/forward/{r['module']}/in#{r['call']}/0") if r["kind"] == "out" else None
+    out = dd.tensors.get(r["key"])
+    if out is None:
+        return 0.0
+    def rel(pair):
+        a, b = (t.double() for t in pair)
+        s = float(torch.linalg.vector_norm(a))
+        return float(torch.linalg.vector_norm(b - a)) / s if s > 0 else 0.0
+    ri = rel(inp) if inp is not None and inp[0].shape == inp[1].shape and inp[0].is_floating_point() else 0.0
+    ro = rel(out) if out[0].is_floating_point() else 0.0
+    return ro / ri if ri > 0 else (float("inf") if ro > 0 else 0.0)
+
+
+def modules(dd, first_key: str | None) -> list[str]:
+    """The modules of divergent forward outputs and weight grads (and the one consumer of a
+    divergent grad_out) that the reference's own float64 run cannot judge: past the first
+    divergence, not yet judged, with whole values at both sides."""
+    cands: dict[str, float] = {}
+    for r in dd.rows:
+        if r["bitwise"] or r.get("rank_consistent") is False or r.get("hash_only") or r.get("nonfinite_mismatch"):
+            continue
+        if r["key"] == first_key or r.get("oracle") or r["key"] not in dd.tensors:
+            continue
+        m = r["module"]
+        if (r["phase"], r["kind"]) in _KINDS and m != "model":
+            cands[m] = max(cands.get(m, 0.0), _growth(dd, r))
+        elif r["phase"] == "backward" and r["kind"] == "grad_out" and len(r.get("consumers") or []) == 1:
+            c = r["consumers"][0]
+            if c != "model":
+                cands.setdefault(c, 0.0)
+    order = sorted(cands, key=lambda m: (-cands[m], m))[:MAX_ALL]
+    size: dict[str, int] = {}
+    for k, (_, b) in dd.tensors.items():
+        parts = k.split("/")
+        if len(parts) > 3 and parts[3].startswith(("in#", "grad_out#")) and parts[2] in cands:
+            size[parts[2]] = size.get(parts[2], 0) + b.numel() * b.element_size()
+    out, used = [], 0
+    for m in order:
+        if used + size.get(m, 0) > BUDGET_BYTES:
+            continue
+        used += size.get(m, 0)
+        out.append(m)
+    return sorted(out)
+
+
+def side_inputs(ref_dir: str, other_dir: str, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """{record key: this side's whole tensor} for the forward inputs and output grads of the
+    `wanted` modules, assembled as the diff assembles them (shards joined, replicas checked)."""
+    from tpdiag.diff.engine import _assemble_pair, _pair_tensors
+    from tpdiag.errors import NotComparable
+    from tpdiag.records.layout import first_positions
+    from tpdiag.records.store import RecordSet
+
+    ref, other = RecordSet(ref_dir), RecordSet(other_dir)
+    out = {}
+    for om in other.events:
+        if om["module"] not in wanted or om.get("stored") == "hash":
+            continue
+        if (om["phase"], om["kind"]) not in (("forward", "in"), ("backward", "grad_out")):
+            continue
+        rm = ref.by_key.get(om["key"])
+        if rm is None or rm.get("stored") == "hash":
+            continue
+        try:
+            ra, oa = _assemble_pair(rm, ref.tensor(rm), om, other.tensor(om))
+            a, b = _pair_tensors(ra, oa)
+        except NotComparable:
+            continue
+        if oa.rank_consistent is False or first_positions(a, b, om.get("positions")).shape != b.shape \
+                or not b.is_floating_point():
+            continue  # no one value of this side to re-execute from
+        out[om["key"]] = b.contiguous()
+    return out
