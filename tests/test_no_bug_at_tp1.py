@@ -32,6 +32,9 @@ def test_a_layout_bound_firing_at_tp1_is_no_sharding_bug(accum_run, monkeypatch)
     # the grad norm differs (the accumulated grads are summed in another order); a bound too
     # tight for it, as the 1B model's on an H200 was, fires
     monkeypatch.setattr(bounds, "norm_bound", lambda *a, **k: 1e-12)
+    # ... and a norm the own-grads check cannot clear (test_grad_norm_own_grads clears it)
+    real_own = bounds.norm_own_errors
+    monkeypatch.setattr(bounds, "norm_own_errors", lambda *a: {**real_own(*a), "far": True})
     entry = _entry(accum_run)
     gn = [f for f in entry["findings"] if f["kind"] == "grad_norm"]
     assert gn and gn[0]["cause"] == "grad-norm" and gn[0]["cause_before"] == "sharding-bug", entry["findings"]
@@ -100,3 +103,39 @@ def test_a_fix_chain_ends_with_the_verdict_of_its_last_round():
     text = render_text({**base, "class": final_class([r0, unknown, bug]), "fix_chain": [r0, unknown, bug]})
     head = text.splitlines()[0]
     assert "BUG" in head and "layers.0.attn.v (param_grad weight)" in head and "fix chain round 2" in head, text
+
+
+def test_grad_norm_own_grads_clear_a_bound_too_tight(accum_run, monkeypatch):
+    """The grad norm judged by its own inputs: each side's norm against the float64 norm of its
+    own recorded grads. A rounding model too tight for the device (as the H200's long serial
+    reduce runs were for llama-1b, 3.10e-05 over a 3.07e-05 bound) fires the triangle bound, but
+    both norms are faithful to their grads: no finding at all, at any degree."""
+    monkeypatch.setattr(bounds, "norm_bound", lambda *a, **k: 1e-12)
+    entry = _entry(accum_run)
+    rows = [f for f in entry["findings"] if f["kind"] == "grad_norm"]
+    assert rows == [], rows
+    # negative control: without the own-grads check the same record is a finding
+    real_own = bounds.norm_own_errors
+    monkeypatch.setattr(bounds, "norm_own_errors", lambda *a: {**real_own(*a), "far": True})
+    entry = _entry(accum_run)
+    assert [f for f in entry["findings"] if f["kind"] == "grad_norm"], entry["findings"]
+
+
+def test_grad_norm_that_read_the_wrong_grads_is_far():
+    """A norm that left out one rank's shard of a grad (no all-reduce of the squares) is far from
+    its own grads' exact norm; the same grads' faithful float32 norm, summed in another order, is
+    not."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(64, 32, generator=g) for _ in range(3)]
+    other = [t.clone() for t in grads]
+
+    def norm32(ts):
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in ts])))
+
+    a = norm32(grads)
+    b = norm32([t.t().contiguous() for t in other])  # another summation order: rounding only
+    assert not bounds.norm_own_errors(grads, other, a, b)["far"]
+    wrong = norm32([grads[0], grads[1], grads[2][:32]])  # half of a sharded grad left out
+    assert bounds.norm_own_errors(grads, other, a, wrong)["far"]

@@ -91,6 +91,29 @@ def mean_bound(elem_bound: torch.Tensor, y1: float, yn: float, n: int,
     return float(elem_bound.mean()) + gamma(n, u) * (abs(y1) + abs(yn)) + u_out * (abs(y1) + abs(yn))
 
 
+def norm_own_errors(grads1: list, gradsn: list, total1: float, totaln: float) -> dict:
+    """Each side's grad norm against the float64 norm of ITS OWN recorded grads - the local
+    oracle of a reduction: a norm that read the wrong grads (a shard missing, a replica counted
+    twice, no all-reduce) is far from its own grads' exact norm, while a faithful one is off by
+    its own rounding only, whatever order its device summed in. The triangle bound below models
+    that rounding (log2 n deep sums); a GPU's reduce kernel sums long serial runs per thread, and
+    accumulation over micro-batches changes the grads, not the norm's own error.
+    far: this side's error is beyond A x the reference's own error (floored at the log2-depth
+    rounding of the norm), A = 8 as for any one-output float64 verdict."""
+    import math
+
+    f = torch.float64
+    e1 = math.sqrt(sum(float((a.to(f) ** 2).sum()) for a in grads1))
+    en = math.sqrt(sum(float((b.to(f) ** 2).sum()) for b in gradsn))
+    err1, errn = abs(total1 - e1), abs(totaln - en)
+    n = max(sum(a.numel() for a in grads1), 2)
+    floor = (gamma(math.ceil(math.log2(n)) + 1, UNIT_ROUNDOFF[torch.float32])
+             + 2 * UNIT_ROUNDOFF[torch.float32]) * max(abs(e1), abs(en))
+    threshold = 8.0 * max(err1, floor)
+    return {"exact_reference": e1, "exact_this": en, "err_reference": err1, "err_this": errn,
+            "threshold": threshold, "far": not (errn <= threshold)}
+
+
 def norm_bound(grads1: list, gradsn: list, total1: float, totaln: float) -> float:
     """|norm_N - norm_1| <= ||g_N - g_1||_2 (triangle inequality) + each side's rounding of a
     sum of squares over n elements (gamma_n, relative) and the square root."""
