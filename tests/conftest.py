@@ -13,6 +13,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # compare took 29-37 s of CPU with 2 threads beside other work, 21-22 s with 1). Set before torch
 # is imported here; an explicit OMP_NUM_THREADS wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The Triton interpreter runs tl.dot through numpy's OpenBLAS. Its Haswell sgemm kernel sums a
+# row's K in an order that depends on how many rows share the call, so kernels whose logic is
+# row-invariant read as not under the interpreter: 15 of test_invariant_gemm.py's cases failed
+# (at 9653b56 too) on a host whose environment pins OPENBLAS_CORETYPE=Haswell, and passed with
+# OpenBLAS's own choice there or with Sandybridge. These tests check the kernels' logic, not the
+# host's BLAS (GPU runs never use numpy; torch's CPU GEMMs do not use numpy's OpenBLAS), so numpy's
+# OpenBLAS is set, before numpy loads here or in any subprocess, to a core type whose sgemm is
+# row-invariant - whatever the environment says.
+os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
 
 def interpreter_result(script: str, *args: str, unset=(), cwd=None, timeout=300):
