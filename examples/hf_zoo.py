@@ -120,8 +120,8 @@ def architectures() -> list[str]:
     return out + [m for m in SUPPLIED if m not in out]
 
 
-# Architectures with no plan in transformers whose plan tpdiag's examples supply (a
-# `base_model_tp_plan` key in config.json): built from examples/make_tiny_hf.py's config.
+# Architectures whose tiny config comes from examples/make_tiny_hf.py (gpt_oss: attention sinks,
+# sliding-window layers and biases switched on); their plan is tpdiag's (tpdiag/models/plans_hf.py).
 SUPPLIED = ("gpt_oss",)
 
 
@@ -309,14 +309,16 @@ def _cell(row: dict, label: str) -> str:
 
 
 def table(rows: list[dict], meta: str) -> str:
+    from tpdiag.models.plans_hf import PLANS
+
     out = [meta, "", "| architecture | result | TP=2 | TP=4 | what it is | commit | wall s (whole compare, "
                      "shared machine) |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["model_type"]):
         res = r["result"]
         note = NOTES.get(r["model_type"], "").replace("|", "/")
         tail = f"| {note} | {r.get('commit', '?')} | {r.get('seconds', '')} |"
-        if r["model_type"] in SUPPLIED:
-            r = {**r, "model_type": f"{r['model_type']} (plan supplied: examples/make_tiny_hf.py)"}
+        if r["model_type"] in PLANS:
+            r = {**r, "model_type": f"{r['model_type']} (tpdiag's plan: models/plans_hf.py)"}
         if res in ("error", "config-error", "timeout", "inconclusive"):
             detail = r.get("detail") or next((f"TP={k} {d['status']}: {d['error']}" for k, d in
                                               r.get("per_degree", {}).items() if d.get("error")), "")

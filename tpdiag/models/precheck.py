@@ -19,6 +19,7 @@ import fnmatch
 import functools
 
 from tpdiag.errors import BadInput
+from tpdiag.models.plans_hf import splits_nothing
 
 
 @functools.lru_cache(maxsize=8)
@@ -37,7 +38,12 @@ def hf_base_plan(path: str) -> tuple[str, dict | None]:
     if hasattr(config, "get_text_config"):
         plans.append(getattr(config.get_text_config(), "base_model_tp_plan", None))
     plan = next((p for p in plans if p), None)
-    return str(getattr(config, "model_type", "")), plan
+    model_type = str(getattr(config, "model_type", ""))
+    from tpdiag.models import plans_hf
+
+    if not plans_hf.user_plan(path):
+        plan = plans_hf.table_plan(model_type, plan) or plan
+    return model_type, plan
 
 
 def _py_target(spec, variant: str):
@@ -85,13 +91,13 @@ def check_plan(spec, degrees, variant: str = "stock") -> None:
         return
     if spec.kind == "hf":
         model_type, plan = hf_base_plan(spec.value)
-        # a plan that splits only the embedding (gpt_oss in transformers 5.24) leaves every layer
-        # replicated: no more a TP model than none
-        if model_type and not [k for k in (plan or {}) if "embed" not in k]:
+        # a plan that splits only the embedding leaves every layer replicated: no more a TP model
+        # than none (tpdiag's table, models/plans_hf.py, already filled in what it knows)
+        if model_type and splits_nothing(plan):
             raise BadInput(f"--model hf:{spec.value}: {model_type} has no tensor-parallel plan in "
                            "transformers (no base_model_tp_plan; at most the LM head would be split), "
-                           f"so TP={tp[0]} would not be the model at TP={tp[0]}; give it a plan as a "
-                           "py: target (docs/models-py.md)")
+                           f"so TP={tp[0]} would not be the model at TP={tp[0]}; give it a plan as "
+                           "base_model_tp_plan in its config.json or as a py: target (docs/models.md)")
         return
     if spec.kind != "py":
         return
