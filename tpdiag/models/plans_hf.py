@@ -53,7 +53,10 @@ GPT_OSS = {
 # out for the rank's local kv heads only. transformers' `rowwise` returns all kv heads (the SDPA
 # shape error of the zoo row); here its input (the local heads' values) is all-gathered and its
 # output columns cut like the heads (`colwise_gather_input`), and the per-kv-head A is cut like
-# the heads under `local_params` on the attention module.
+# the heads under `local_params` on the attention module. q_norm/k_norm (one weight over head_dim,
+# applied to the rank's local heads) get each rank's partial weight grad: all-reduced, as in
+# transformers' own qwen3 plan (without it the replicas part after one step: a
+# rank-inconsistent-replica).
 DOGE = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",
@@ -62,6 +65,8 @@ DOGE = {
     "layers.*.self_attn": "local_params",
     "layers.*.self_attn.A": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
