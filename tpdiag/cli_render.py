@@ -105,6 +105,10 @@ def ran(summary: dict) -> str | None:
         return None
     what = "forward, backward and optimizer step" if summary.get("backward", True) else "forward only"
     line = f"ran: {steps} step{'s' if steps != 1 else ''} at each degree ({what})"
+    decode = [lab for lab, c in (summary.get("configurations") or {}).items()
+              if (c.get("config") or {}).get("mode") == "decode"]
+    if decode and summary.get("backward", True):
+        line += f"; {', '.join(decode)}: forward only (decode has no backward)"
     if summary.get("fixes"):
         line += f"; fixes: {', '.join(summary['fixes'])}"
         if summary.get("tree_groups"):
