@@ -60,10 +60,11 @@ def _causes(deg: dict) -> set:
 
 
 def test_gpt_oss_runs_on_tpdiags_plan_rounding_only(tmp_path):
-    # the whole step at TP=2 and 4 (one head per rank: each rank's own attention sink): bitwise
-    # until the first row-parallel reduction, nothing beyond a rounding bound after it
-    s = _compare(_gpt_oss_checkpoint(tmp_path / "m"), tmp_path / "run", "1,2,4")
-    for d in ("2", "4"):
+    # the whole step at TP=4 (one head per rank: each rank's own attention sink; TP=2 runs in the
+    # tests below and, under the fixes, in test_moe_fixes.py): bitwise until the first
+    # row-parallel reduction, nothing beyond a rounding bound after it
+    s = _compare(_gpt_oss_checkpoint(tmp_path / "m"), tmp_path / "run", "1,4")
+    for d in ("4",):
         deg = s["degrees"][d]
         assert deg["status"] == "divergent", json.dumps(deg)[:1500]
         assert deg["first_divergence"]["module"] == "model.layers.0.self_attn.o_proj", deg["first_divergence"]
