@@ -81,8 +81,12 @@ NOTES: dict[str, str] = {
                     "InklingNormedEmbedding runs its RMSNorm inside forward, on the vocab-parallel "
                     "partial sums; DTensor asserts in the Partial reduction (inkling2's plan says "
                     "'replicate')",
-    "doge": "transformers plan bug: dt_proj is 'rowwise', so the dynamic mask comes back for all "
-            "kv heads while attention holds the rank's local heads (SDPA shape mismatch)",
+    "doge": "tpdiag's plan (transformers' dt_proj 'rowwise' returned the dynamic mask for every kv "
+            "head while attention held the rank's local heads: an SDPA shape error): dt_proj gathers "
+            "its input and keeps the local heads' columns, its first difference a column-parallel "
+            "GEMM the float64 oracle judges rounding",
+    "gpt_oss": "tpdiag's plan (transformers 5.24's splits only the embedding): heads, sinks, "
+               "interleaved gate/up experts, down_proj_bias added once",
     "llama4_text": "transformers bug under autograd: the MoE adds the routed output into the shared "
                    "expert's output in place (out.add_), a row-parallel to_local() view at TP > 1; "
                    "runs only without grad",
