@@ -65,7 +65,9 @@ OVERRIDES = {
 
 # What a row that is not a clean result is, as investigated (docs/models-zoo.md, zoo notes).
 NOTES: dict[str, str] = {
-    "apertus": "real finding: XIELU's replicated alpha_p/alpha_n get each rank's partial grad "
+    "apertus": "transformers 5.24: tpdiag's meta-device build refuses it - XIELU's alpha_p/alpha_n "
+               "are set only in the activation's __init__ and no _init_weights rule fills them (not "
+               "fixed yet). 5.23: real finding: XIELU's replicated alpha_p/alpha_n get each rank's partial grad "
                "(its own ffn columns) and the plan never all-reduces them; the ranks' copies add up "
                "to TP=1's grad, and one step later the replicas differ by 0.02",
     "deepseek_v3": "TP=4: SiLU on each rank's 16-column strided gate shard runs the scalar tail of "
