@@ -1,8 +1,9 @@
 """Refuse, before any world starts, a model that TP cannot split the way it is asked to.
 
-- hf:DIR: transformers' `base_model_tp_plan` for the config (read in the parent; no weights).
-  With none, TP > 1 would shard nothing but the LM head (or nothing at all): a "TP=2" run that
-  splits only the head is not the model at TP=2, so it is refused rather than reported.
+- hf:DIR: transformers' `base_model_tp_plan` for the config (read in the parent; no weights), or
+  tpdiag's own where transformers has none or a broken one (models/plans_hf.py). With none, TP > 1
+  would shard nothing but the LM head (or nothing at all): a "TP=2" run that splits only the head
+  is not the model at TP=2, so it is refused rather than reported.
 - py:: the Target is built on the meta device (no memory, no init) to read its plan: a plan
   entry matching no module, or a degree not dividing a dimension the plan shards (a
   column-parallel Linear's outputs, a row-parallel one's inputs, an embedding's vocab) or one
