@@ -15,6 +15,7 @@ from tpdiag.errors import BadInput
 # wrapper class carries the torch name of the layout the transformers style implements.
 _LAYOUT_NAMES = {
     "ColwiseParallel": "ColwiseParallel",
+    "ColwiseGatherInput": "ColwiseParallel",  # tpdiag's own (below): labelled 'colwise-gathered'
     "PackedColwiseParallel": "ColwiseParallel",
     "RowwiseParallel": "RowwiseParallel",
     "PackedRowwiseParallel": "RowwiseParallel",
