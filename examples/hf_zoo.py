@@ -129,6 +129,9 @@ def architectures() -> list[str]:
 # Architectures whose tiny config comes from examples/make_tiny_hf.py (gpt_oss: attention sinks,
 # sliding-window layers and biases switched on); their plan is tpdiag's (tpdiag/models/plans_hf.py).
 SUPPLIED = ("gpt_oss",)
+# Model types that run on tpdiag's own plan with the transformers this table ran (docs/models.md,
+# "tpdiag's own plans"), so their rows say so.
+TPDIAG_PLANS = ("gpt_oss", "doge")
 
 
 def _make_tiny():
@@ -315,15 +318,13 @@ def _cell(row: dict, label: str) -> str:
 
 
 def table(rows: list[dict], meta: str) -> str:
-    from tpdiag.models.plans_hf import PLANS
-
     out = [meta, "", "| architecture | result | TP=2 | TP=4 | what it is | commit | wall s (whole compare, "
                      "shared machine) |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["model_type"]):
         res = r["result"]
         note = NOTES.get(r["model_type"], "").replace("|", "/")
         tail = f"| {note} | {r.get('commit', '?')} | {r.get('seconds', '')} |"
-        if r["model_type"] in PLANS:
+        if r["model_type"] in TPDIAG_PLANS:
             r = {**r, "model_type": f"{r['model_type']} (tpdiag's plan: models/plans_hf.py)"}
         if res in ("error", "config-error", "timeout", "inconclusive"):
             detail = r.get("detail") or next((f"TP={k} {d['status']}: {d['error']}" for k, d in
