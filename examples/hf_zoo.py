@@ -52,6 +52,9 @@ TINY = {
 
 # Per-architecture keys where the generic tiny config does not build (each seen failing at TP=1).
 OVERRIDES = {
+    # GPT-J-style names (its plan is new in transformers 5.24); rotary_dim within head_dim 16
+    "codegen": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "n_ctx": 256,
+                "rotary_dim": 8, "n_inner": 128},
     "mimo_v2_flash": {"num_key_value_heads": 2},  # its sliding-window layers double the kv heads
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
     "cohere_compass_text": {  # rope parameters are looked up per layer type
@@ -121,7 +124,10 @@ def architectures() -> list[str]:
             cls = CONFIG_MAPPING[mt]
         except (KeyError, ValueError, ImportError):
             continue
-        if getattr(cls, "base_model_tp_plan", None):
+        plan = getattr(cls, "base_model_tp_plan", None) or {}
+        # transformers 5.24 gives many configs an embedding-only plan: that splits no layer, and
+        # tpdiag refuses it (docs/models.md) unless it carries its own plan for the type
+        if [k for k in plan if "embed" not in k] or mt in TPDIAG_PLANS:
             out.append(mt)
     return out + [m for m in SUPPLIED if m not in out]
 
