@@ -73,6 +73,8 @@ NOTES: dict[str, str] = {
                "fixed yet). 5.23: real finding: XIELU's replicated alpha_p/alpha_n get each rank's partial grad "
                "(its own ffn columns) and the plan never all-reduces them; the ranks' copies add up "
                "to TP=1's grad, and one step later the replicas differ by 0.02",
+    "apertus1p5_text": "transformers 5.24: as apertus, tpdiag's meta-device build refuses it (XIELU's "
+                       "alpha_p/alpha_n filled by no init rule; not fixed yet)",
     "deepseek_v3": "TP=4: SiLU on each rank's 16-column strided gate shard runs the scalar tail of "
                    "torch's AVX-512 kernel (1-2 ULP): shape-dependent-kernel",
     "afmoe": "TP=4: SiLU on each rank's 16-column strided gate shard runs the scalar tail of "
