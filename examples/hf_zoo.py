@@ -55,6 +55,8 @@ OVERRIDES = {
     # GPT-J-style names (its plan is new in transformers 5.24); rotary_dim within head_dim 16
     "codegen": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "n_ctx": 256,
                 "rotary_dim": 8, "n_inner": 128},
+    "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "rotary_dim": 8,
+             "n_inner": 128},
     "mimo_v2_flash": {"num_key_value_heads": 2},  # its sliding-window layers double the kv heads
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
     "cohere_compass_text": {  # rope parameters are looked up per layer type
