@@ -86,6 +86,8 @@ NOTES: dict[str, str] = {
                      "only up rows, so chunk(2) pairs gate with gate (the act_fn inputs are bitwise "
                      "TP=1's wrong columns); the wrong op is in the experts' unprobed code, so "
                      "module granularity cannot bound it",
+    "inkling2_loop_text": "the inkling2 text model with looped layers: the same transformers plan bug as "
+                          "inkling2_text (experts.gate_up_proj cut 'colwise', not 'packed_colwise')",
     "inkling_text": "transformers bug: embed_tokens gets the default 'embedding_rowwise', but "
                     "InklingNormedEmbedding runs its RMSNorm inside forward, on the vocab-parallel "
                     "partial sums; DTensor asserts in the Partial reduction (inkling2's plan says "
