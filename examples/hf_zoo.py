@@ -52,6 +52,11 @@ TINY = {
 
 # Per-architecture keys where the generic tiny config does not build (each seen failing at TP=1).
 OVERRIDES = {
+    # GPT-J-style names (its plan is new in transformers 5.24); rotary_dim within head_dim 16
+    "codegen": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "n_ctx": 256,
+                "rotary_dim": 8, "n_inner": 128},
+    "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "rotary_dim": 8,
+             "n_inner": 128},
     "mimo_v2_flash": {"num_key_value_heads": 2},  # its sliding-window layers double the kv heads
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # default: None
     "cohere_compass_text": {  # rope parameters are looked up per layer type
@@ -65,9 +70,13 @@ OVERRIDES = {
 
 # What a row that is not a clean result is, as investigated (docs/models-zoo.md, zoo notes).
 NOTES: dict[str, str] = {
-    "apertus": "real finding: XIELU's replicated alpha_p/alpha_n get each rank's partial grad "
+    "apertus": "transformers 5.24: tpdiag's meta-device build refuses it - XIELU's alpha_p/alpha_n "
+               "are set only in the activation's __init__ and no _init_weights rule fills them (not "
+               "fixed yet). 5.23: real finding: XIELU's replicated alpha_p/alpha_n get each rank's partial grad "
                "(its own ffn columns) and the plan never all-reduces them; the ranks' copies add up "
                "to TP=1's grad, and one step later the replicas differ by 0.02",
+    "apertus1p5_text": "transformers 5.24: as apertus, tpdiag's meta-device build refuses it (XIELU's "
+                       "alpha_p/alpha_n filled by no init rule; not fixed yet)",
     "deepseek_v3": "TP=4: SiLU on each rank's 16-column strided gate shard runs the scalar tail of "
                    "torch's AVX-512 kernel (1-2 ULP): shape-dependent-kernel",
     "afmoe": "TP=4: SiLU on each rank's 16-column strided gate shard runs the scalar tail of "
@@ -77,12 +86,18 @@ NOTES: dict[str, str] = {
                      "only up rows, so chunk(2) pairs gate with gate (the act_fn inputs are bitwise "
                      "TP=1's wrong columns); the wrong op is in the experts' unprobed code, so "
                      "module granularity cannot bound it",
+    "inkling2_loop_text": "the inkling2 text model with looped layers: the same transformers plan bug as "
+                          "inkling2_text (experts.gate_up_proj cut 'colwise', not 'packed_colwise')",
     "inkling_text": "transformers bug: embed_tokens gets the default 'embedding_rowwise', but "
                     "InklingNormedEmbedding runs its RMSNorm inside forward, on the vocab-parallel "
                     "partial sums; DTensor asserts in the Partial reduction (inkling2's plan says "
                     "'replicate')",
-    "doge": "transformers plan bug: dt_proj is 'rowwise', so the dynamic mask comes back for all "
-            "kv heads while attention holds the rank's local heads (SDPA shape mismatch)",
+    "doge": "tpdiag's plan (transformers' dt_proj 'rowwise' returned the dynamic mask for every kv "
+            "head while attention held the rank's local heads: an SDPA shape error): dt_proj gathers "
+            "its input and keeps the local heads' columns, its first difference a column-parallel "
+            "GEMM the float64 oracle judges rounding",
+    "gpt_oss": "tpdiag's plan (transformers 5.24's splits only the embedding): heads, sinks, "
+               "interleaved gate/up experts, down_proj_bias added once",
     "llama4_text": "transformers bug under autograd: the MoE adds the routed output into the shared "
                    "expert's output in place (out.add_), a row-parallel to_local() view at TP > 1; "
                    "runs only without grad",
@@ -115,14 +130,20 @@ def architectures() -> list[str]:
             cls = CONFIG_MAPPING[mt]
         except (KeyError, ValueError, ImportError):
             continue
-        if getattr(cls, "base_model_tp_plan", None):
+        plan = getattr(cls, "base_model_tp_plan", None) or {}
+        # transformers 5.24 gives many configs an embedding-only plan: that splits no layer, and
+        # tpdiag refuses it (docs/models.md) unless it carries its own plan for the type
+        if [k for k in plan if "embed" not in k] or mt in TPDIAG_PLANS:
             out.append(mt)
     return out + [m for m in SUPPLIED if m not in out]
 
 
-# Architectures with no plan in transformers whose plan tpdiag's examples supply (a
-# `base_model_tp_plan` key in config.json): built from examples/make_tiny_hf.py's config.
+# Architectures whose tiny config comes from examples/make_tiny_hf.py (gpt_oss: attention sinks,
+# sliding-window layers and biases switched on); their plan is tpdiag's (tpdiag/models/plans_hf.py).
 SUPPLIED = ("gpt_oss",)
+# Model types that run on tpdiag's own plan with the transformers this table ran (docs/models.md,
+# "tpdiag's own plans"), so their rows say so.
+TPDIAG_PLANS = ("gpt_oss", "doge")
 
 
 def _make_tiny():
@@ -315,8 +336,8 @@ def table(rows: list[dict], meta: str) -> str:
         res = r["result"]
         note = NOTES.get(r["model_type"], "").replace("|", "/")
         tail = f"| {note} | {r.get('commit', '?')} | {r.get('seconds', '')} |"
-        if r["model_type"] in SUPPLIED:
-            r = {**r, "model_type": f"{r['model_type']} (plan supplied: examples/make_tiny_hf.py)"}
+        if r["model_type"] in TPDIAG_PLANS:
+            r = {**r, "model_type": f"{r['model_type']} (tpdiag's plan: models/plans_hf.py)"}
         if res in ("error", "config-error", "timeout", "inconclusive"):
             detail = r.get("detail") or next((f"TP={k} {d['status']}: {d['error']}" for k, d in
                                               r.get("per_degree", {}).items() if d.get("error")), "")

@@ -62,31 +62,13 @@ CONFIGS.update({
                     "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
                     "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8,
                     "rope_interleave": True},
-    # no base_model_tp_plan in transformers 5.23: GPT_OSS_TP_PLAN below, written into config.json
+    # transformers' plan splits only the embedding: tpdiag's own (tpdiag/models/plans_hf.py) is used
     "gpt_oss": {**_MOE, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
                 "rms_norm_eps": 1e-5, "num_local_experts": 4, "intermediate_size": 64,
                 "experts_per_token": 2, "sliding_window": 16, "layer_types":
                 ["sliding_attention", "full_attention"], "attention_bias": True},
 })
 
-# transformers 5.23's GptOssConfig has no base_model_tp_plan. A `base_model_tp_plan` key in
-# config.json is read by transformers (a config attribute) and so by tpdiag's hf: loader.
-# gpt_oss packs gate/up INTERLEAVED on the last dim of gate_up_proj [E, H, 2I] ([..., ::2] is
-# gate): an even contiguous chunk of that dim (Shard(-1), what 'rowwise' does to a non-'bias'
-# param) keeps every (gate, up) pair on one rank. down_proj [E, I, H] is cut on I (Shard(1),
-# 'colwise'). The attention sinks are per head: cut like the heads, with the attention module
-# running on local params. Caveat: down_proj_bias stays whole on every rank and
-# moe_tp_experts sums the ranks' outputs, so a non-zero down_proj_bias is counted TP times
-# (transformers initialises it to zero; trained weights would show it as a sharding-bug).
-GPT_OSS_TP_PLAN = {
-    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.self_attn": "local_params", "layers.*.self_attn.sinks": "colwise",
-    "layers.*.mlp.experts": "moe_tp_experts",
-    "layers.*.mlp.experts.gate_up_proj": "rowwise", "layers.*.mlp.experts.gate_up_proj_bias": "rowwise",
-    "layers.*.mlp.experts.down_proj": "colwise",
-}
-CONFIGS["gpt_oss"]["base_model_tp_plan"] = GPT_OSS_TP_PLAN
 
 
 # Real sizes (config only, random weights): `--shape qwen3-4b` with kind qwen3 is shaped like

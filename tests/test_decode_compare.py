@@ -119,9 +119,29 @@ def test_hf_decode_through_transformers_cache_is_prefill_bitwise_under_fix_all(t
     assert torch.equal(_bits(_logprobs(out, "1")), _bits(_logprobs(out, "1-decode")))
 
 
+def test_decode_without_forward_only_runs_decode_forward_only_and_says_so(tmp_path):
+    """--backward (the default) with a decode configuration: the TP=2 world runs the whole step,
+    the decode world forward only (decode has no backward); nothing of the reference's backward
+    counts as missing from it, and the `ran:` line says which worlds ran forward only."""
+    import json
+
+    out = tmp_path / "run"
+    r = run_cli("compare", "--tp", "1,2", "--mode", "prefill,decode", "--batch-size", "2", "--seq-len", "8",
+                "--no-baseline", "--no-confirm", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    ran = next(x for x in r.stdout.splitlines() if x.startswith("ran:"))
+    assert ran == ("ran: 1 step at each degree (forward, backward and optimizer step); 1-decode: forward "
+                   "only (decode has no backward)"), ran
+    phases = {lab: {json.loads(x)["phase"] for x in (out / f"tp{lab}" / "events.jsonl").read_text().splitlines()}
+              for lab in ("2", "1-decode")}
+    assert {"backward", "optimizer"} <= phases["2"], phases
+    assert not {"backward", "optimizer"} & phases["1-decode"], phases
+    s = _summary(out)
+    assert not s["configurations"]["1-decode"]["missing"] and not s["degrees"]["2"]["missing"]
+
+
 def test_decode_bad_input_is_one_line_and_starts_no_world(tmp_path):
     for args, words in (
-            (("--mode", "prefill,decode", "--batch-size", "2", "--seq-len", "8"), "add --forward-only"),
             (("--mode", "decode,prefill", *TINY), "list prefill first"),
             (("--mode", "prefill,decode", "--micro-batch", "2,1", *TINY), "not supported yet"),
             (("--mode", "prefill,replay", *TINY), "expected one of prefill, decode"),

@@ -5,8 +5,10 @@ from conftest import run_cli
 
 
 def test_raising_rank_fails_only_its_degree(tmp_path):
+    # no baseline rerun and no confirmation: neither is what this checks (a failed degree beside
+    # one that still reports), and they were two more worlds
     p = run_cli("compare", "--tp", "1,2,4", "--out", str(tmp_path / "r"), "--format", "json",
-                env={"TPDIAG_FAULT": "raise:1@2"})
+                "--no-baseline", "--no-confirm", env={"TPDIAG_FAULT": "raise:1@2"})
     assert p.returncode == 2, p.stderr
     s = json.loads(p.stdout)
     assert s["status"] == "inconclusive"
@@ -17,7 +19,7 @@ def test_raising_rank_fails_only_its_degree(tmp_path):
 
 def test_hung_rank_times_out(tmp_path):
     p = run_cli("compare", "--tp", "1,2", "--out", str(tmp_path / "r"), "--format", "json",
-                "--timeout", "15", env={"TPDIAG_FAULT": "hang:0@2"})
+                "--timeout", "15", "--no-baseline", env={"TPDIAG_FAULT": "hang:0@2"})
     assert p.returncode == 2, p.stderr
     d = json.loads(p.stdout)["degrees"]["2"]
     assert d["status"] == "failed" and "timed out" in d["error"]
@@ -25,7 +27,7 @@ def test_hung_rank_times_out(tmp_path):
 
 def test_dying_rank_is_reported(tmp_path):
     p = run_cli("compare", "--tp", "1,2", "--out", str(tmp_path / "r"), "--format", "json",
-                env={"TPDIAG_FAULT": "exit:1@2"})
+                "--no-baseline", env={"TPDIAG_FAULT": "exit:1@2"})
     assert p.returncode == 2
     d = json.loads(p.stdout)["degrees"]["2"]
     assert d["status"] == "failed" and "rank 1 died (exit code 7)" in d["error"]

@@ -4,6 +4,7 @@ What is measured here is what diff/oracle.py's docstring quotes: pure reordering
 function (sums split over N = 2..8 ranks, distributed norms and softmaxes, in fp32 and bf16)
 stay far inside the threshold, and planted mistakes land far beyond it.
 """
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -159,3 +160,24 @@ def test_module_backward_in_float64_gives_weight_and_input_grads():
     assert torch.equal(grads["bias"], g.double().sum(0))
     assert torch.allclose(grads["in0"], g.double() @ m.weight.double(), rtol=0, atol=1e-12)
     assert m.weight.grad is None  # the real parameter is untouched
+
+
+def test_grouped_mm_is_reexecuted_group_by_group_in_float64():
+    """MoE experts in transformers 5.24 run through aten::_grouped_mm, whose kernel refuses float64
+    (the negative control below): the oracle computes it group by group in float64, so an experts
+    module gets a verdict (tests/test_hf_plans.py)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 4, generator=g), torch.randn(3, 4, 8, generator=g)
+    offs = torch.tensor([2, 2, 6], dtype=torch.int32)  # group 1 has no rows
+
+    class Experts(nn.Module):
+        def forward(self, x):
+            return torch._grouped_mm(x, b, offs=offs)
+
+    with pytest.raises(RuntimeError, match="Double"):
+        torch._grouped_mm(a.double(), b.double(), offs=offs)
+    out, notes = module_oracle(Experts(), *snapshot(((a,), {})))
+    assert out is not None and out.dtype == torch.float64, notes
+    want = torch.cat([a[:2].double() @ b[0].double(), a[2:].double() @ b[2].double()])
+    assert torch.equal(out, want)
+    assert torch.allclose(out.float(), torch._grouped_mm(a, b, offs=offs), atol=1e-5)

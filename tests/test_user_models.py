@@ -92,7 +92,6 @@ def test_user_exception_names_its_file_and_line(tmp_path_factory):
     (f"py:{MODEL}:target_bad_plan", "1,2", "plan entry 'blocks.*.fc1' matches no module"),
     (f"py:{MODEL}:target", "1,3", "--tp 3: does not divide embed vocab=128"),
     ("hf:{stablelm}", "1,2", "stablelm has no tensor-parallel plan"),
-    ("hf:{gpt_oss}", "1,2", "gpt_oss has no tensor-parallel plan"),
 ])
 def test_refused_before_any_world_starts(tmp_path, spec, tp, needle):
     if spec.startswith("hf:"):

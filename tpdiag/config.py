@@ -203,8 +203,11 @@ class CompareConfig:
         return out
 
     def world(self, degree: int, label: str, out_dir: str, device: str, **kw) -> WorldConfig:
+        # decode has no backward (an engine's token-by-token logprobs): its worlds run forward
+        # only whatever --backward says; the other worlds run the whole step
+        backward = self.backward and kw.get("mode") != "decode"
         return WorldConfig(model=self.model, degree=degree, label=label, out_dir=out_dir,
-                           dtype=self.dtype, device=device, backward=self.backward,
+                           dtype=self.dtype, device=device, backward=backward,
                            steps=self.steps, seed=self.seed, batch_size=self.batch_size,
                            seq_len=self.seq_len, fixes=self.fixes, granularity=self.granularity,
                            variant=self.variant, op_include=self.op_include,

@@ -131,7 +131,11 @@ def micro_batch() -> str:
 
 
 def mode() -> str:
-    return "how the sequences go through the model: prefill (decode: tpdiag rollout for now)"
+    from tpdiag.base.points import MODES
+
+    return (f"how the sequences go through the model, the first the reference: {_bar(MODES)} (decode: "
+            "the prompt in one call, then one token per call through the KV cache; forward only, "
+            "whatever --backward says; docs/decode.md)")
 
 
 def grid() -> str:

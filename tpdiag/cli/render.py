@@ -110,6 +110,10 @@ def ran(summary: dict) -> str | None:
     sl = summary.get("slice")
     if isinstance(sl, dict) and sl.get("what"):
         line += f"; model: {sl['what']} (--layers {sl.get('layers')})"
+    decode = [lab for lab, c in (summary.get("configurations") or {}).items()
+              if (c.get("config") or {}).get("mode") == "decode"]
+    if decode and summary.get("backward", True):
+        line += f"; {', '.join(decode)}: forward only (decode has no backward)"
     if summary.get("fixes"):
         line += f"; fixes: {', '.join(summary['fixes'])}"
         if summary.get("tree_groups"):

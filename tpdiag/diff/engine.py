@@ -233,7 +233,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         rows.append(row)
         if keep is None or keep(om):
             tensors[key] = (a, b)
-    missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"]
+    # a forward-only world (a decode configuration beside a reference that ran the whole step)
+    # has no backward or optimizer records to miss
+    skip = () if (other.world.get("config") or {}).get("backward", True) else ("backward", "optimizer")
+    missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"
+               and m["phase"] not in skip]
     dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key

@@ -31,13 +31,15 @@ EXPERTS_STYLE = "moe_tp_experts"
 SHARDED = ("packed_colwise", "rowwise", "colwise")
 # a replicated expert parameter the fix can add once: the down projection's bias (gpt_oss)
 REPLICATED_OK = ("down_proj_bias",)
+# the style that adds such a bias on one rank only (models/hf_plan.py): the fix adds it itself
+ONCE = "replicated_once"
 COVERED = MOE_LAYOUTS
 
 
 def param_layout(style: str | None, pname: str, ndim: int) -> tuple[int, int] | None:
     """(dim, split factor) along which transformers' `style` cuts parameter `pname` of `ndim`
     dims (what its shard_param does), or None for a replicated one."""
-    if style in (None, EXPERTS_STYLE, "replicate"):
+    if style in (None, EXPERTS_STYLE, "replicate", ONCE):
         return None
     if style == "packed_colwise":
         return (ndim - 2, 2) if ndim >= 2 else (ndim - 1, 1)
@@ -68,7 +70,7 @@ def check_plan(plan: dict | None) -> None:
         if style != EXPERTS_STYLE:
             continue
         for k, s in plan.items():
-            if k.startswith(key + ".") and s not in SHARDED:
+            if k.startswith(key + ".") and s not in SHARDED and s != ONCE:
                 raise _uncovered(key, f"{k.rpartition('.')[2]} is {s}")
 
 

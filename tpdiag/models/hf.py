@@ -60,6 +60,9 @@ def _config(path: str, layers: int = 0):
     # One training step: no KV cache to build, and no dropout (its RNG draws would differ
     # with the local shapes at each degree).
     config.use_cache = False
+    from tpdiag.models import plans_hf
+
+    plans_hf.resolve(config, path)  # tpdiag's plan where transformers has none (or a broken one)
     tc = text_config(config)
     for key in ("attention_dropout", "hidden_dropout", "dropout"):
         if hasattr(tc, key):

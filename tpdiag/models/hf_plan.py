@@ -15,6 +15,7 @@ from tpdiag.errors import BadInput
 # wrapper class carries the torch name of the layout the transformers style implements.
 _LAYOUT_NAMES = {
     "ColwiseParallel": "ColwiseParallel",
+    "ColwiseGatherInput": "ColwiseParallel",  # tpdiag's own (below): labelled 'colwise-gathered'
     "PackedColwiseParallel": "ColwiseParallel",
     "RowwiseParallel": "RowwiseParallel",
     "PackedRowwiseParallel": "RowwiseParallel",
@@ -38,9 +39,8 @@ def hf_style(name: str | None, param_styles: dict[str, str] | None = None, tied:
     `config`: the model's text config, which some styles read from the module they shard.
     """
     from torch.distributed.tensor.parallel.style import ParallelStyle
-    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
-    layout = _layout_name(ALL_PARALLEL_STYLES[name]) if name else "HFParamStyle"
+    layout = _layout_name(_registered(name)) if name else "HFParamStyle"
     cls = _CLASSES.get(layout)
     if cls is None:
         cls = type(layout, (_HFStyle, ParallelStyle), {"__module__": __name__})
@@ -81,9 +81,7 @@ class _HFStyle:
 
     @staticmethod
     def _style(name: str):
-        from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
-
-        return ALL_PARALLEL_STYLES[name]
+        return _registered(name)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(hf={self.hf_name!r})"
@@ -100,6 +98,7 @@ class _HFStyle:
             # full copy. Every rank built the same full weights, so that is the shard of TP=1's.
             style.shard_param(module, pname, mesh)
             self._keep_tied(module, pname, orig)
+        once = [p for p, s in self.param_styles.items() if s == ONCE and p in module._parameters]
         if self.hf_name == "replicated_with_grad_allreduce":
             _grad_allreduce_now(module, mesh)
         elif self.hf_name is not None:
@@ -109,6 +108,8 @@ class _HFStyle:
                                    "needs the model's config (build the plan with tp_plan_of(model))")
                 module.config = self.config
             self._style(self.hf_name).install_forward(module, mesh)
+        if once:
+            _add_once(module, once, mesh)
         module._is_hooked = True
         return module
 
@@ -132,6 +133,80 @@ class _HFStyle:
             raise BadInput(f"tied weight {pname!r} of {type(module).__name__} is sharded two ways "
                            f"({first.placements} and {new.placements}) by the model's TP plan")
         module._parameters[pname] = first
+
+
+# tpdiag's own styles, for layouts transformers has no name for (used by models/plans_hf.py):
+# - colwise_gather_input: a column-parallel Linear whose input is the rank's shard of its last
+#   dim (all-gathered first): doge's dt_proj, which mixes every kv head's values into one value
+#   per kv head, the rank's local heads' columns kept.
+# - replicated_once: a replicated parameter added inside a module whose output is summed over
+#   ranks (gpt_oss's experts' down_proj_bias under moe_tp_experts): rank 0 adds it, the other
+#   ranks add zeros, so the sum counts it once (vLLM zeroes it on ranks other than 0).
+ONCE = "replicated_once"
+_OWN: dict = {}
+
+
+def _registered(name: str):
+    """The TensorParallelLayer of style `name`: tpdiag's own, else transformers' registry."""
+    if name in ("colwise_gather_input", ONCE):
+        if name not in _OWN:
+            _OWN.update(_own_styles())
+        return _OWN[name]
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    return ALL_PARALLEL_STYLES[name]
+
+
+def _own_styles() -> dict:
+    from torch.distributed.tensor import DTensor, Shard
+    from transformers.distributed.tensor_parallel import ColwiseParallel, TensorParallelLayer
+
+    class ColwiseGatherInput(ColwiseParallel):
+        def transform_inputs_pre_forward(self, module, args, kwargs, mesh):
+            x = args[0]
+            # a plain input is this rank's shard of the last dim; as a DTensor it is all-gathered
+            # by ColwiseParallel (whose no-grad fast path would otherwise take it as replicated)
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Shard(-1)], run_check=False)
+            return super().transform_inputs_pre_forward(module, (x,) + tuple(args[1:]), kwargs, mesh)
+
+    # a parameter style: the parameter stays a plain replicated tensor; _add_once does the rest
+    return {"colwise_gather_input": ColwiseGatherInput(input_layouts=Shard(-1), output_layouts=Shard(-1)),
+            ONCE: TensorParallelLayer()}
+
+
+def _add_once(module, pnames: list, mesh) -> None:
+    """Run `module` with its `pnames` parameters as they are on rank 0 and as zeros elsewhere.
+
+    The zeros pass the gradient through unchanged (_RankZeroOnly): the output's gradient is the
+    same on every rank (moe_tp_experts' all-reduce has an identity backward), so every rank's
+    parameter gets the whole gradient, as at TP=1, with no collective. The wrapper sits inside
+    module.forward, so tp-invariant-linear's experts forward (which adds the bias once itself,
+    after its tree) replaces it rather than running under it.
+    """
+    import torch
+
+    keep = mesh.get_local_rank() == 0
+    inner = module.forward
+
+    class _RankZeroOnly(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, p):
+            return p.clone() if keep else torch.zeros_like(p)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    def forward(*args, **kwargs):
+        saved = {p: module._parameters[p] for p in pnames}
+        module._parameters.update({p: _RankZeroOnly.apply(v) for p, v in saved.items()})
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    module.forward = forward
 
 
 def _grad_allreduce_now(module, mesh) -> None:

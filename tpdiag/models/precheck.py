@@ -1,8 +1,9 @@
 """Refuse, before any world starts, a model that TP cannot split the way it is asked to.
 
-- hf:DIR: transformers' `base_model_tp_plan` for the config (read in the parent; no weights).
-  With none, TP > 1 would shard nothing but the LM head (or nothing at all): a "TP=2" run that
-  splits only the head is not the model at TP=2, so it is refused rather than reported.
+- hf:DIR: transformers' `base_model_tp_plan` for the config (read in the parent; no weights), or
+  tpdiag's own where transformers has none or a broken one (models/plans_hf.py). With none, TP > 1
+  would shard nothing but the LM head (or nothing at all): a "TP=2" run that splits only the head
+  is not the model at TP=2, so it is refused rather than reported.
 - py:: the Target is built on the meta device (no memory, no init) to read its plan: a plan
   entry matching no module, or a degree not dividing a dimension the plan shards (a
   column-parallel Linear's outputs, a row-parallel one's inputs, an embedding's vocab) or one
@@ -19,6 +20,7 @@ import fnmatch
 import functools
 
 from tpdiag.errors import BadInput
+from tpdiag.models.plans_hf import splits_nothing
 
 
 @functools.lru_cache(maxsize=8)
@@ -37,7 +39,12 @@ def hf_base_plan(path: str) -> tuple[str, dict | None]:
     if hasattr(config, "get_text_config"):
         plans.append(getattr(config.get_text_config(), "base_model_tp_plan", None))
     plan = next((p for p in plans if p), None)
-    return str(getattr(config, "model_type", "")), plan
+    model_type = str(getattr(config, "model_type", ""))
+    from tpdiag.models import plans_hf
+
+    if not plans_hf.user_plan(path):
+        plan = plans_hf.table_plan(model_type, plan) or plan
+    return model_type, plan
 
 
 def _py_target(spec, variant: str):
@@ -85,13 +92,13 @@ def check_plan(spec, degrees, variant: str = "stock") -> None:
         return
     if spec.kind == "hf":
         model_type, plan = hf_base_plan(spec.value)
-        # a plan that splits only the embedding (gpt_oss in transformers 5.24) leaves every layer
-        # replicated: no more a TP model than none
-        if model_type and not [k for k in (plan or {}) if "embed" not in k]:
+        # a plan that splits only the embedding leaves every layer replicated: no more a TP model
+        # than none (tpdiag's table, models/plans_hf.py, already filled in what it knows)
+        if model_type and splits_nothing(plan):
             raise BadInput(f"--model hf:{spec.value}: {model_type} has no tensor-parallel plan in "
                            "transformers (no base_model_tp_plan; at most the LM head would be split), "
-                           f"so TP={tp[0]} would not be the model at TP={tp[0]}; give it a plan as a "
-                           "py: target (docs/models-py.md)")
+                           f"so TP={tp[0]} would not be the model at TP={tp[0]}; give it a plan as "
+                           "base_model_tp_plan in its config.json or as a py: target (docs/models.md)")
         return
     if spec.kind != "py":
         return

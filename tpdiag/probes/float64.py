@@ -118,7 +118,26 @@ class Float64Mode(TorchDispatchMode):
             if i < len(sch) and "ScalarType" in str(sch[i].type):
                 args[i] = _up_dtype(a)
         kwargs = {k: (_up_dtype(v) if k in ("dtype", "out_dtype") else v) for k, v in kwargs.items()}
+        if name == "_grouped_mm":
+            return _grouped_mm64(*upcast(tuple(args)), **upcast(kwargs))
         return func(*upcast(tuple(args)), **upcast(kwargs))
+
+
+def _grouped_mm64(a, b, offs=None, bias=None, out_dtype=None):
+    """aten::_grouped_mm in float64, which its kernel refuses: MoE experts in transformers 5.24 run
+    each expert's rows through it. 2-D a [M, K] x 3-D b [G, K, N] with offs (each group's end row)
+    is one matmul per group of rows; 3-D x 3-D is a batched matmul. Other forms are refused."""
+    if bias is not None or a.dim() + b.dim() not in (5, 6) or (a.dim() == 2) != (offs is not None):
+        raise OracleRefused("aten::_grouped_mm in a form the float64 oracle does not re-execute")
+    if a.dim() == 3:
+        return torch.bmm(a, b)
+    out = a.new_zeros((a.shape[0], b.shape[-1]))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = a[start:end] @ b[g]
+        start = end
+    return out
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -128,16 +128,13 @@ def check_axes(cfg: CompareConfig, spec) -> None:
                        "configurations (a reference and one to compare), e.g. --tp 1,2 or --micro-batch 4,1")
 
     for m in cfg.modes:
-        if m not in MODES:
-            raise BadInput(f"--mode {m}: not available in tpdiag compare yet (only {', '.join(MODES)})")
+        if m not in MODES:  # a CompareConfig built in code, not parsed by axes.parse_modes
+            raise BadInput(f"--mode {m}: not a mode; expected one of {', '.join(MODES)}")
     if "decode" in cfg.modes:
         if cfg.modes[0] != "prefill":
             raise BadInput(f"--mode {','.join(cfg.modes)}: the reference must be prefill (decode's calls "
                            "are placed as positions of prefill's records); list prefill first, e.g. "
                            "--mode prefill,decode")
-        if cfg.backward:
-            raise BadInput("--mode decode: decode is forward only (a rollout engine's logprobs); "
-                           "add --forward-only")
         if cfg.micro_batches:
             raise BadInput("--mode decode with --micro-batch: not supported yet (a decode world "
                            "runs the whole batch, one position per call); compare them in two runs")
