@@ -54,7 +54,7 @@ def test_confirm_moves_the_first_divergence(tmp_path):
     tb = assert_breakdown(tmp_path / "r")  # the confirmation rerun is a part of its own
     (c,) = [p for p in tb["parts"] if p["part"] == "confirm"]
     assert c["what"] == "tp-invariant-linear" and set(c["worlds"]) == {"1", "4"} and c["s"] > 0
-    assert tb["totals"]["worlds"] == 5  # TP=1, its rerun, TP=4, and the confirmation's two
+    assert tb["totals"]["worlds"] == 4  # TP=1, TP=4 (no baseline rerun), and the confirmation's two
 
 
 def test_fix_auto_chain_ends_bitwise(tmp_path):

@@ -79,6 +79,10 @@ def compare(
     variants: Annotated[Optional[str], typer.Option(help=H.variants())] = None,
     baseline: Annotated[bool, typer.Option("--baseline/--no-baseline",
                                            help="rerun the reference against itself first")] = True,
+    judge_downstream: Annotated[bool, typer.Option(
+        "--judge-downstream/--no-judge-downstream",
+        help="also judge each divergent module past the first divergence in float64 from its own "
+             "inputs (a bug behind a harmless reordering)")] = False,
     micro_batch: Annotated[Optional[str], typer.Option(help=H.micro_batch())] = None,
     mode: Annotated[Optional[str], typer.Option(help=H.mode())] = None,
     grid: Annotated[bool, typer.Option("--grid", help=H.grid())] = False,
@@ -115,7 +119,7 @@ def compare(
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
-            seed=seed, variant=variant, baseline=baseline, batch_size=batch_size, seq_len=seq_len, layers=layers,
+            seed=seed, variant=variant, baseline=baseline, judge_downstream=judge_downstream, batch_size=batch_size, seq_len=seq_len, layers=layers,
             tree_groups=0 if tree_groups is None else tree_groups, flags=_one_flags(flags),
             **H.axes(micro_batch, mode, grid))
         from tpdiag.records.lock import refuse_if_held

@@ -55,7 +55,7 @@ def wanted(cfg: CompareConfig, summary: dict) -> bool:
     fds = [fd for fd in fds if fd]
     return summary.get("capture") == "hash" or cfg.granularity in ("auto", "op") or any(
         needs_verdict(fd) for fd in fds) or any(
-        d.get("unjudged") or d.get("own_inputs") for d in entries(summary).values())
+        d.get("unjudged") or (cfg.judge_downstream and d.get("own_inputs")) for d in entries(summary).values())
 
 
 _VERDICT = ("cause", "bound", "bound_ratio", "bound_model", "oracle", "why")
@@ -96,7 +96,11 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                     | {fd["consumers"][0] for fd in fds if fd.get("kind") == "grad_out"
                        and len(fd.get("consumers") or []) == 1}
                     | {m for lab, _ in targets for m in every[lab].get("unjudged", [])})
-    own = {lab: every[lab]["own_inputs"] for lab, _ in targets if every[lab].get("own_inputs")}
+    # opt-in (--judge-downstream): with every divergent downstream module added to the float64
+    # set, the region pass's reference computed another step than pass 1's on a planted attention
+    # model (tests/test_invariant_attention.py) - not yet understood, so not on by default
+    own = {lab: every[lab]["own_inputs"] for lab, _ in targets
+           if cfg.judge_downstream and every[lab].get("own_inputs")}
     oracle = sorted(set(oracle) | {m for ms in own.values() for m in ms})
     if not hashed and not ops and not oracle:
         return summary
@@ -126,7 +130,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     # not where pass 1 named suspects (outputs that moved far more than their inputs) or
     # unjudged modules: those are judged on every position
     n = prefix.region_positions(cfg, [lab for lab, _ in targets]) if axes and not any(
-        every[lab].get("suspects") or every[lab].get("unjudged") or every[lab].get("own_inputs")
+        every[lab].get("suspects") or every[lab].get("unjudged") or lab in own
         for lab, _ in targets) else 0
     sub = None
     if n:
@@ -177,7 +181,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             if "follows" not in f and same is not None:
                 f["follows"] = same.get("key")  # one root per module (locate.py)
             entry["findings"].append(f)
-        if every[label].get("own_inputs"):
+        if label in own:
             _near_on_own_inputs(entry, out, sub_label)
         if sfd.get("key") != fd["key"]:
             fd["values_detail" if hashed else "op_detail"] = (
