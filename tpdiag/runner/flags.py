@@ -34,41 +34,44 @@ def parse(option: str, text: str) -> tuple[str, ...]:
     return out
 
 
+# What differs between the two settings; both keep TF32 off for fp32 GEMMs (matmul precision
+# "highest", cuda.allow_tf32 False) and cuDNN's benchmark off. deterministic: TF32 silently changes
+# fp32 GEMMs and cuDNN convolutions, and reduced-precision reductions round bf16/fp16 partial sums,
+# so the reference and every degree run full precision; default: PyTorch's own values.
+_TABLE = {
+    "deterministic": {"algorithms": True, "cudnn_deterministic": True, "cudnn_tf32": False, "reduced": False},
+    "default": {"algorithms": False, "cudnn_deterministic": False, "cudnn_tf32": True, "reduced": True},
+}
+
+
 def apply(setting: str, device: str) -> None:
     """Set `setting`'s flags for the rest of the process (a world's ranks: before the first GEMM,
     so the cuBLAS workspace follows too)."""
     import torch
 
+    if setting not in _TABLE:
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"flags {setting!r}: expected {' or '.join(SETTINGS)}")
+    t = _TABLE[setting]
     cuda = torch.backends.cuda.matmul
-    if setting == "deterministic":
+    if t["algorithms"]:
         os.environ[CUBLAS_ENV] = CUBLAS_VALUE
         # On CUDA, warn-only leaves fused attention backwards (cuDNN, memory-efficient) on their
         # atomic, run-to-run nondeterministic algorithms: strict makes them take their
         # deterministic ones; an op with none raises (TPDIAG_DETERMINISM=warn goes back)
         strict = device == "cuda" and os.environ.get("TPDIAG_DETERMINISM", "strict") != "warn"
         torch.use_deterministic_algorithms(True, warn_only=not strict)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        # TF32 silently changes fp32 GEMMs; the reference and every degree must use full fp32
-        torch.set_float32_matmul_precision("highest")
-        cuda.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        cuda.allow_fp16_reduced_precision_reduction = False
-        cuda.allow_bf16_reduced_precision_reduction = False
-    elif setting == "default":
+    else:
         os.environ.pop(CUBLAS_ENV, None)
         torch.use_deterministic_algorithms(False)
-        torch.backends.cudnn.deterministic = False
-        torch.backends.cudnn.benchmark = False
-        torch.set_float32_matmul_precision("highest")
-        cuda.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = True
-        cuda.allow_fp16_reduced_precision_reduction = True
-        cuda.allow_bf16_reduced_precision_reduction = True
-    else:
-        from tpdiag.errors import BadInput
-
-        raise BadInput(f"flags {setting!r}: expected {' or '.join(SETTINGS)}")
+    torch.backends.cudnn.deterministic = t["cudnn_deterministic"]
+    torch.backends.cudnn.benchmark = False
+    torch.set_float32_matmul_precision("highest")
+    cuda.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = t["cudnn_tf32"]
+    cuda.allow_fp16_reduced_precision_reduction = t["reduced"]
+    cuda.allow_bf16_reduced_precision_reduction = t["reduced"]
 
 
 def snapshot() -> dict:
