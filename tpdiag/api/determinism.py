@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
-# cuBLAS picks a reduction split per workspace size; a fixed workspace config is what
+from tpdiag.runner.flags import CUBLAS_ENV, CUBLAS_VALUE, restore_state, save_state
+
+# CUBLAS_VALUE (runner/flags.py): cuBLAS picks a reduction split per workspace size; a fixed workspace config is what
 # torch's deterministic mode requires of cuBLAS GEMMs (read when a cuBLAS handle first
 # allocates its workspace: set before the first GPU GEMM of the process to take effect).
-CUBLAS_ENV, CUBLAS_VALUE = "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
 
 
 def _check(warn_only, cpu_threads) -> None:
@@ -25,46 +26,6 @@ def _check(warn_only, cpu_threads) -> None:
     if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
                                     or cpu_threads < 1):
         raise BadInput(f"cpu_threads={cpu_threads!r}: expected a positive int or None (unchanged)")
-
-
-def _snapshot() -> dict:
-    import torch
-
-    cuda = torch.backends.cuda.matmul
-    return {
-        "algorithms": torch.are_deterministic_algorithms_enabled(),
-        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "precision": torch.get_float32_matmul_precision(),
-        "cuda_tf32": cuda.allow_tf32,
-        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-        "fp16_reduced": cuda.allow_fp16_reduced_precision_reduction,
-        "bf16_reduced": cuda.allow_bf16_reduced_precision_reduction,
-        "cublas_env": os.environ.get(CUBLAS_ENV),
-        "threads": torch.get_num_threads(),
-    }
-
-
-def _restore(s: dict) -> None:
-    import torch
-
-    cuda = torch.backends.cuda.matmul
-    torch.use_deterministic_algorithms(s["algorithms"], warn_only=s["warn_only"])
-    torch.backends.cudnn.deterministic = s["cudnn_deterministic"]
-    torch.backends.cudnn.benchmark = s["cudnn_benchmark"]
-    # the precision setting also sets the TF32 flags: restore it first, then the flags
-    torch.set_float32_matmul_precision(s["precision"])
-    cuda.allow_tf32 = s["cuda_tf32"]
-    torch.backends.cudnn.allow_tf32 = s["cudnn_tf32"]
-    cuda.allow_fp16_reduced_precision_reduction = s["fp16_reduced"]
-    cuda.allow_bf16_reduced_precision_reduction = s["bf16_reduced"]
-    if s["cublas_env"] is None:
-        os.environ.pop(CUBLAS_ENV, None)
-    else:
-        os.environ[CUBLAS_ENV] = s["cublas_env"]
-    if torch.get_num_threads() != s["threads"]:
-        torch.set_num_threads(s["threads"])
 
 
 def _apply(seed, warn_only: bool, cpu_threads) -> None:
@@ -102,9 +63,9 @@ def deterministic(seed: int | None = None, *, warn_only: bool = False, cpu_threa
     """set_deterministic for a `with` block; every setting it touches is put back on exit (the
     seeded RNG state is not: what was drawn was drawn)."""
     _check(warn_only, cpu_threads)
-    saved = _snapshot()
+    saved = save_state()
     try:
         _apply(seed, warn_only, cpu_threads)
         yield
     finally:
-        _restore(saved)
+        restore_state(saved)

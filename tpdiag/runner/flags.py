@@ -117,15 +117,54 @@ def one_line(snap: dict, setting: str | None = None) -> str:
             f"{'/'.join(snap.get('sdpa_enabled') or []) or 'none'}")
 
 
+def save_state() -> dict:
+    """Every setting apply() and tpdiag.set_deterministic touch, to put back (restore_state)."""
+    import torch
+
+    cuda = torch.backends.cuda.matmul
+    return {
+        "algorithms": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "precision": torch.get_float32_matmul_precision(),
+        "cuda_tf32": cuda.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "fp16_reduced": cuda.allow_fp16_reduced_precision_reduction,
+        "bf16_reduced": cuda.allow_bf16_reduced_precision_reduction,
+        "cublas_env": os.environ.get(CUBLAS_ENV),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def restore_state(s: dict) -> None:
+    import torch
+
+    cuda = torch.backends.cuda.matmul
+    torch.use_deterministic_algorithms(s["algorithms"], warn_only=s["warn_only"])
+    torch.backends.cudnn.deterministic = s["cudnn_deterministic"]
+    torch.backends.cudnn.benchmark = s["cudnn_benchmark"]
+    # the precision setting also sets the TF32 flags: restore it first, then the flags
+    torch.set_float32_matmul_precision(s["precision"])
+    cuda.allow_tf32 = s["cuda_tf32"]
+    torch.backends.cudnn.allow_tf32 = s["cudnn_tf32"]
+    cuda.allow_fp16_reduced_precision_reduction = s["fp16_reduced"]
+    cuda.allow_bf16_reduced_precision_reduction = s["bf16_reduced"]
+    if s["cublas_env"] is None:
+        os.environ.pop(CUBLAS_ENV, None)
+    else:
+        os.environ[CUBLAS_ENV] = s["cublas_env"]
+    if torch.get_num_threads() != s["threads"]:
+        torch.set_num_threads(s["threads"])
+
+
 @contextmanager
 def applied(setting: str, device: str):
     """`setting`'s flags for a `with` block (tpdiag rollout's TP=1, in this process); every flag is
     put back on exit."""
-    from tpdiag.api.determinism import _restore, _snapshot
-
-    saved = _snapshot()
+    saved = save_state()
     try:
         apply(setting, device)
         yield snapshot()
     finally:
-        _restore(saved)
+        restore_state(saved)
