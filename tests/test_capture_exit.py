@@ -2,7 +2,7 @@
 two-Linear model, TP=2, one step in a capture, no destroy_process_group at the end) under torchrun,
 again and again, each run exit code 0 and a complete capture. The abort this guards against is a
 race (a gloo worker thread freeing a Python tensor while the interpreter exits:
-tpdiag/runner/gloo_release.py), so the count matters: as many runs as fit in RUNS_S seconds (20 at
+tpdiag/base/gloo_release.py), so the count matters: as many runs as fit in RUNS_S seconds (20 at
 most, 2 at least; TPDIAG_CAPTURE_EXIT_S raises it). On the shared 2-core machine one run took
 15-25 s (12 runs: 213 s), so 2 fit in 30 s and the 20 the issue asks for would take ~6 min: run
 them by hand with TPDIAG_CAPTURE_EXIT_S=600. Plus a gloo-world check that capture's own

@@ -218,7 +218,7 @@ class Capture:
             # Nobody leaves before the capture is on disk: a launcher like torchrun tears the
             # whole job down when one rank dies, and must not kill the writer half-way. (The
             # gathers above waited for gloo's worker threads to let go of their tensors -
-            # runner/gloo_release.py - so none is freed by a worker during interpreter exit,
+            # base/gloo_release.py - so none is freed by a worker during interpreter exit,
             # the "terminate called without an active exception" abort of issue 61; a barrier
             # hands gloo no Python tensor.)
             dist.barrier(group=self.group)

@@ -137,12 +137,12 @@ def _to_owners(mesh, items):
 def _share(norms: list, sharded: dict) -> None:
     """Fill in the norms owned elsewhere: per mesh, one all-reduce of a float64 vector holding
     this rank's owned norms and zeros (x + 0 + ... + 0 = x exactly; NaN and inf stay)."""
-    import torch.distributed as dist
+    from tpdiag.base.gloo_release import all_reduce_settled
 
     for mesh, (device, idx) in sharded.items():
         zero = torch.zeros((), dtype=torch.float64, device=device)
         vec = torch.stack([norms[i] if norms[i] is not None else zero for i in idx])
-        dist.all_reduce(vec, group=mesh.get_group())
+        all_reduce_settled(vec, group=mesh.get_group())
         for k, i in enumerate(idx):
             norms[i] = vec[k]
 

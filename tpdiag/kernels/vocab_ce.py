@@ -21,7 +21,9 @@ def _all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
         return t
     import torch.distributed as dist
 
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    from tpdiag.base.gloo_release import all_reduce_settled
+
+    all_reduce_settled(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tpdiag.errors import Inconclusive
-from tpdiag.runner.gloo_release import settle
+from tpdiag.base.gloo_release import settle
 from tpdiag.probes.recorder import take_lanes
 from tpdiag.probes.stream import Captured, as_tensor, finish
 

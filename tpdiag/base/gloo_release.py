@@ -41,3 +41,20 @@ def settle(tensors, group=None) -> None:
         # the caller's list and this loop's name: 1 C++ owner, the Python object
         while t._use_count() > 1 and time.monotonic() < deadline:
             time.sleep(0.0002)
+
+
+def all_reduce_settled(t, group=None, **kw) -> None:
+    """dist.all_reduce(t, ...) that returns only once no gloo worker holds `t` any more. The
+    wait is for the count of owners `t` had before the call (a tensor a kernel also keeps
+    elsewhere - a pool, a saved activation - has more than one for good): a tensor tpdiag
+    reduces last in a user's step (the grad norm of tpdiag.clip_grad_norm_, the loss's sums)
+    is then never freed by a worker while the user's script exits."""
+    import torch.distributed as dist
+
+    before = t._use_count()
+    dist.all_reduce(t, group=group, **kw)
+    if not is_gloo(group):
+        return
+    deadline = time.monotonic() + LIMIT_S
+    while t._use_count() > before and time.monotonic() < deadline:
+        time.sleep(0.0002)
