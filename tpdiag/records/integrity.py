@@ -70,14 +70,41 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
+# the second pass's folders inside a run directory (runner/drill.py writes them; fixed names, so
+# nothing is read from a path summary.json gives)
+SECOND_PASS_DIRS = ("ops", "region", "ops-all", "region-all")
+
+
+def _second_pass_rows(run_dir: str | None) -> tuple[list[dict], list[str]]:
+    """The records of the run's own second passes (an op-level drill's records are findings of the
+    summary too): their diff.csv rows, and the problems reading them."""
+    from tpdiag.records.rundir import read_rows, run_file
+
+    rows, out = [], []
+    for sub in SECOND_PASS_DIRS if run_dir else ():
+        d = os.path.join(run_dir, sub)
+        if os.path.islink(d) or not os.path.isdir(d) or not os.path.exists(os.path.join(d, "diff.csv")):
+            continue
+        try:
+            rows += read_rows(run_file(d, "diff.csv"))
+        except Inconclusive as e:
+            out.append(str(e).splitlines()[0])
+    return rows, out
+
+
+def _number_problems(degrees: dict, rows: list[dict] | None, run_dir: str | None = None) -> list[str]:
     """The numbers summary.json shows (the first divergence's and each finding's max abs, ULP, mismatch
     fraction, bound) must be diff.csv's for the same record: the report prints them as written, so an
-    edit to summary.json alone (a divergence edited to 0 ULP) must not read as evidence."""
+    edit to summary.json alone (a divergence edited to 0 ULP) must not read as evidence. A record
+    of the second pass (an op inside the module: `.../op#0/aten::mul#0.0`) is checked against that
+    pass's diff.csv."""
     if rows is None:
         return []
     by_key = {(str(r.get("degree")), r.get("key")): r for r in rows}
-    out = []
+    extra, out = _second_pass_rows(run_dir), []
+    for r in extra[0]:
+        by_key.setdefault((str(r.get("degree")), r.get("key")), r)
+    out += extra[1]
     for lab, d in degrees.items():
         if not isinstance(d, dict):
             continue
@@ -129,7 +156,7 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) ->
     if summary.get("status") != "inconclusive" and "failed" in statuses.values():
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
-    out += _number_problems(degrees, rows)
+    out += _number_problems(degrees, rows, run_dir)
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab
                and (r.get("bitwise") is False or r.get("rank_consistent") is False)]
