@@ -96,7 +96,9 @@ def where(fd: dict) -> str:
         text = f"{phase}: {name if name == kind or not kind else f'{kind} {name}'}"
     else:
         text = f"{phase}: {module}" + (f" :: {fd['op']}" if fd.get("op") else "")
-        if kind not in ("out", None):
+        # with an op named, the wrong value is that op's output; the record's kind and name
+        # (`in 0` of the next module, where the module pass first saw it) would point elsewhere
+        if kind not in ("out", None) and not fd.get("op"):
             text += f" ({kind})" if name in (kind, None, "") else f" ({kind} {name})"
     return text
 
