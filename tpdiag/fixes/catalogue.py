@@ -96,7 +96,9 @@ register(Fix("tp-invariant-linear", ("row-parallel-reduction", "column-parallel-
              ("RowwiseParallel forward", "ColwiseParallel dgrad",
               *(f"MoE experts: {m}" for m in MOE_LAYOUTS)),
              "fp32 partials per fixed K group + one tree all-gather of [tokens, N] per layer "
-             "(no weight all-gather)", _linear("tp-invariant-linear"), grouped=True, batch_invariant=2,
+             "(no weight all-gather)", _linear("tp-invariant-linear"), grouped=True,
+             # batch-invariant too: a row-parallel Linear's CPU GEMM runs in fixed row blocks only under it
+             batch_invariant=2,
              check_plan=_check_moe))
 register(Fix("invariant-gemm", ("shape-dependent-gemm", "batch-variant-kernel"),
              ("ColwiseParallel forward/wgrad", "linear/bias/embedding weight grads across micro-batches"),
