@@ -17,8 +17,9 @@ import sys
 # keys whose values differ between any two runs of the same code (times, hosts, the run's paths)
 VOLATILE = re.compile(r"(^|_)(s|sec|secs|seconds|time|times|timing|timings|started|finished|date|"
                       r"pid|host|hostname|elapsed|wall|duration|at|when|out|run_dir|path|dir|cwd|"
-                      r"commit|git|version|tpdiag_version|breakdown|marks|phases_s|timestamp)$")
-SKIP_FILES = re.compile(r"(timing|timings|breakdown|\.log$|\.lock$|progress)")
+                      r"commit|git|version|tpdiag_version|breakdown|marks|phases_s|timestamp|available_bytes)$")
+# rank markers (times and per-phase timings), logs, locks
+SKIP_FILES = re.compile(r"(timing|timings|breakdown|\.done$|\.log$|\.lock$|progress)")
 
 
 def _clean(x, root_old: str, root_new: str):

@@ -184,7 +184,7 @@ def notes_for(dd, row: dict) -> dict:
     """What the reference world noted about this record's re-execution (refusal, discrete ops)."""
     notes = getattr(dd, "oracle_notes", None) or {}
     if row["kind"] == "param_grad":
-        want = (row["step"], "backward", row["module"], "oracle")
+        want = (int(row["step"]), "backward", row["module"], "oracle")
         return next((v for k, v in notes.items() if _of_call(RecordKey.parse(k)) == want), {})
     if row["kind"] == "op":
         return notes.get(record_key(row["step"], row["phase"], row["module"], "oracle", 0,
