@@ -38,6 +38,10 @@ class NotComparable(Inconclusive):
     """Two captures that cannot be compared (different model, shapes, seeds, dtypes)."""
 
 
+class MalformedKey(Inconclusive):
+    """A record key that is not `s{step}/{phase}/{module}/{kind}#{call}[/{name}]` (records/keys.py)."""
+
+
 class UnsupportedLayout(Inconclusive):
     """A DTensor placement tpdiag does not know how to gather into the whole tensor."""
 

@@ -59,10 +59,10 @@ SIZES = "8x4096,1x2048"
 
 def configs(each: bool, groups=(None,)) -> dict[str, tuple[tuple[str, ...], int | None]]:
     """{name: (fixes, G)}; G None: the process default (TPDIAG_TREE_GROUPS or 8, fused)."""
-    from tpdiag.fixes.groups import GROUPED
+    from tpdiag.fixes.groups import uses_groups
 
     def per_g(name, fixes):
-        if not any(f in GROUPED for f in fixes) or groups == (None,):
+        if not uses_groups(fixes) or groups == (None,):
             return {name: (fixes, None)}
         return {f"{name} G={g}": (fixes, g) for g in groups}
 

@@ -93,7 +93,7 @@ def check_groups(tree_groups, tp: int, fixes) -> int:
         if chosen is None:
             if not uses:
                 return 0
-            raise BadInput(f"tree_groups: required with {', '.join(f for f in fixes if f in groups.GROUPED)}: "
+            raise BadInput(f"tree_groups: required with {', '.join(groups.grouped(fixes))}: "
                            "the largest TP degree you will compare (a power of two, e.g. 8), "
                            "the same at every degree")
         tree_groups = chosen[0]
@@ -195,8 +195,10 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
     tp = tp_degree(model)
     g = check_groups(tree_groups, tp, names)
     from tpdiag.api.determinism import deterministic as det
-    from tpdiag.fixes.registry import apply_fixes
+    from tpdiag.fixes.registry import apply_fixes, catalogue
     from tpdiag.kernels.tree import run_groups
+
+    cat = catalogue()
 
     with ExitStack() as stack:
         _ACTIVE.append(model)
@@ -206,10 +208,10 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
         # G first: the fixes check every reduced dimension against it as they install
         stack.enter_context(run_groups(g, group_gemm == "per-group"))
         stack.enter_context(apply_fixes(names, model=model, plan=plan, world=tp))
-        if "invariant-vocab-softmax" in names:
-            from tpdiag.fixes.vocab_loss import invariant_cross_entropy_mode
-
-            stack.enter_context(invariant_cross_entropy_mode())
+        # what a fix takes over from the runner, the user's own loop computes: its own install
+        for f in (cat[n] for n in names):
+            if f.user_install is not None:
+                stack.enter_context(f.user_install())
         yield
 
 
@@ -223,7 +225,7 @@ def clip_grad_norm_(parameters, max_norm: float | None):
     float32 global norm over the grads' shards."""
     import torch
 
-    from tpdiag.fixes import state
+    from tpdiag.fixes import registry
 
     if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))):
         raise BadType(f"max_norm={max_norm!r}: must be a number or None, not {type(max_norm).__name__}")
@@ -232,7 +234,7 @@ def clip_grad_norm_(parameters, max_norm: float | None):
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = list(parameters)
-    if state.active("invariant-grad-norm"):
+    if registry.takes_over("grad-norm"):
         from tpdiag.kernels.grad_norm import grad_norm_and_clip
 
         with torch.no_grad():
@@ -279,14 +281,13 @@ def accumulate_grads(model):
     (MoE experts, unwrapped modules) accumulate as usual. On an exception nothing is applied."""
     from torch import nn
 
-    from tpdiag.fixes import state
-    from tpdiag.fixes.registry import CARRY_FIXES
+    from tpdiag.fixes import registry
     from tpdiag.kernels.grad_carry import window
 
     if not isinstance(model, nn.Module):
         raise BadType(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if not any(state.active(f) for f in CARRY_FIXES):
+    if not registry.carrying():
         raise BadInput("accumulate_grads: no fix that carries weight grads is on; use it inside "
-                       f"tpdiag.invariant(..., fixes=...) with {' or '.join(CARRY_FIXES)} (or 'all')")
+                       f"tpdiag.invariant(..., fixes=...) with {' or '.join(registry.carry_fixes())} (or 'all')")
     with window(model, warn=True):
         yield

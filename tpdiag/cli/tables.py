@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from tpdiag.cli.render import _box, _fmt, _natural_width, _print_table
+from tpdiag.records.causes import short_name
 
-_SHORT_CAUSE = {"row-parallel-reduction": "row-par-reduce", "vocab-parallel-softmax": "vocab-softmax",
-                "shape-dependent-gemm": "shape-gemm", "column-parallel-dgrad": "col-par-dgrad"}
 
 
 def matrix_table(console, matrix: dict) -> None:
@@ -31,7 +30,7 @@ def matrix_table(console, matrix: dict) -> None:
             fd = c.get("first_divergence")
             if fd:
                 lines.append(f"{fd['phase']} {fd['module']} ({fd['kind']})")
-                lines.append(_SHORT_CAUSE.get(fd["cause"], fd["cause"]))
+                lines.append(short_name(fd["cause"]))
             if st in ("bitwise", "divergent"):
                 tm = c.get("token_mult_prob_error")
                 lines.append(f"logprob {_fmt(c.get('logprob_max_abs'))}"

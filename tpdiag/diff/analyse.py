@@ -7,6 +7,7 @@ from tpdiag.base import files as io
 from tpdiag.diff.engine import diff_degree
 from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats, nonfinite_summary
 from tpdiag.errors import Inconclusive
+from tpdiag.records.keys import RecordKey, record_key
 from tpdiag.records.store import RecordSet
 
 SCHEMA = 1
@@ -36,7 +37,7 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
     add_bounds(dd, int(other.world.get("degree", 1)) + (ref_degree if ref_degree > 1 else 0))
     loc = locate(dd, _styles(ref, other))
     divergent = any(not r["bitwise"] or r.get("rank_consistent") is False for r in dd.rows)
-    if [k for k in dd.missing + dd.unmatched if "/op#" not in k]:
+    if [k for k in dd.missing + dd.unmatched if RecordKey.parse(k).kind != "op"]:
         divergent = True  # op sequences may differ across degrees; module records may not
     entry = {
         "status": "divergent" if divergent else "bitwise",
@@ -160,7 +161,7 @@ def hash_suspects(rows: list[dict]) -> list[str]:
         if not r.get("hash_only") or r["bitwise"] or r["phase"] != "forward" or r["kind"] != "out":
             continue
         out = r.get("norm_rel_diff") or 0.0
-        src = by_key.get(f"s{r['step']}/forward/{r['module']}/in#{r['call']}/0")
+        src = by_key.get(record_key(r["step"], "forward", r["module"], "in", r["call"], 0))
         if src is None:
             continue
         inp = 0.0 if src["bitwise"] else (src.get("norm_rel_diff") or 0.0)

@@ -41,6 +41,7 @@ import torch
 
 from tpdiag.diff.bits import UNIT_ROUNDOFF
 from tpdiag.diff.bounds import check, gamma
+from tpdiag.records.keys import RecordKey, record_key
 
 F64 = torch.float64
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "dot")
@@ -63,7 +64,7 @@ def _is_reducing(op: str) -> bool:
 def _inputs(dd, row: dict) -> list:
     out, i = [], 0
     while True:
-        k = f"s{row['step']}/forward/{row['module']}/in#{row['call']}/{i}"
+        k = record_key(row["step"], "forward", row["module"], "in", row["call"], i)
         if k not in dd.tensors:
             return out
         out.append((f"in#{i}", dd.tensors[k]))
@@ -72,7 +73,8 @@ def _inputs(dd, row: dict) -> list:
 
 def _params(dd, row: dict) -> dict:
     step, m = row["step"], row["module"]
-    prefix = f"s0/init/{m}/param_init#0/" if step == 0 else f"s{step - 1}/optimizer/{m}/param#0/"
+    prefix = (RecordKey(0, "init", m, "param_init") if step == 0
+              else RecordKey(step - 1, "optimizer", m, "param")).prefix()
     return {k[len(prefix):]: v for k, v in dd.tensors.items() if k.startswith(prefix)}
 
 

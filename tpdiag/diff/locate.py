@@ -11,6 +11,7 @@ import torch
 from tpdiag.diff import bits, bounds, generic_bound, oracle, router
 from tpdiag.diff.op_verdict import op_verdict
 from tpdiag.diff.engine import DegreeDiff
+from tpdiag.records.keys import record_key
 from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, is_op_of  # noqa: F401
 
 from tpdiag.records.causes import CAUSES  # noqa: F401  (the labels live with the record format)
@@ -35,8 +36,8 @@ LINEAR_CLASSES = ("Linear",)
 
 def _param_key(step: int, module: str, name: str) -> str:
     if step == 0:
-        return f"s0/init/{module}/param_init#0/{name}"
-    return f"s{step - 1}/optimizer/{module}/param#0/{name}"
+        return record_key(0, "init", module, "param_init", 0, name)
+    return record_key(step - 1, "optimizer", module, "param", 0, name)
 
 
 def add_bounds(dd: DegreeDiff, world: int) -> None:
@@ -45,7 +46,7 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         if row["phase"] != "forward" or row["kind"] != "out" or row["cls"] not in LINEAR_CLASSES:
             continue
         k = row["key"]
-        xk = f"s{row['step']}/forward/{row['module']}/in#{row['call']}/0"
+        xk = record_key(row["step"], "forward", row["module"], "in", row["call"], 0)
         wk = _param_key(row["step"], row["module"], "weight")
         bk = _param_key(row["step"], row["module"], "bias")
         if k not in dd.tensors or xk not in dd.tensors or wk not in dd.tensors:
@@ -123,7 +124,7 @@ def _loss_bounds(dd: DegreeDiff) -> None:
     for row in dd.rows:
         by_step.setdefault(row["step"], []).append(row)
     for step, rows in by_step.items():
-        lk = f"s{step}/loss/model/logits#0/logits"
+        lk = record_key(step, "loss", "model", "logits", 0, "logits")
         lp_row = next((r for r in rows if r["kind"] == "logprobs"), None)
         if lk in dd.tensors and lp_row is not None and lp_row["key"] in dd.tensors:
             (l1, ln), (p1, pn) = dd.tensors[lk], dd.tensors[lp_row["key"]]

@@ -48,6 +48,7 @@ import math
 import torch
 
 from tpdiag.diff.bits import UNIT_ROUNDOFF
+from tpdiag.records.keys import RecordKey, record_key
 from tpdiag.records.layout import first_positions
 
 MARGIN = 8.0
@@ -72,14 +73,13 @@ def margin(n: int) -> float:
 def target_key(oracle_key: str) -> str:
     """s0/forward/m/oracle#1/0 -> s0/forward/m/out#1/0 (a module's output);
     s0/forward/m/oracle#0/aten::mm#2.0 -> s0/forward/m/op#0/aten::mm#2.0 (an op's)."""
-    head, _, name = oracle_key.rpartition("/")
-    if name.startswith("param_grad."):
+    k = RecordKey.parse(oracle_key)
+    if k.name.startswith("param_grad."):
         # s0/backward/m/oracle#0/param_grad.weight.c1 -> s0/backward/m/param_grad#0/weight (the
         # calls' float64 grads are summed, as the real grad accumulates)
-        short = name[len("param_grad."):].rsplit(".c", 1)[0]
-        return f"{head.rsplit('/oracle#', 1)[0]}/param_grad#0/{short}"
-    head = head.replace("/oracle#", "/op#" if "::" in name else "/out#")
-    return f"{head}/{name}"
+        short = k.name[len("param_grad."):].rsplit(".c", 1)[0]
+        return record_key(k.step, k.phase, k.module, "param_grad", 0, short)
+    return record_key(k.step, k.phase, k.module, "op" if "::" in k.name else "out", k.call, k.name)
 
 
 def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | None:
@@ -184,12 +184,16 @@ def notes_for(dd, row: dict) -> dict:
     """What the reference world noted about this record's re-execution (refusal, discrete ops)."""
     notes = getattr(dd, "oracle_notes", None) or {}
     if row["kind"] == "param_grad":
-        return next((v for k, v in notes.items()
-                     if k.startswith(f"s{row['step']}/backward/{row['module']}/oracle#")), {})
+        want = (int(row["step"]), "backward", row["module"], "oracle")
+        return next((v for k, v in notes.items() if _of_call(RecordKey.parse(k)) == want), {})
     if row["kind"] == "op":
-        return notes.get(f"s{row['step']}/{row['phase']}/{row['module']}/oracle#0/"
-                         f"{row['name'].rsplit('.', 1)[0]}", {})
-    return notes.get(f"s{row['step']}/forward/{row['module']}/oracle#{row['call']}", {})
+        return notes.get(record_key(row["step"], row["phase"], row["module"], "oracle", 0,
+                                    row["name"].rsplit(".", 1)[0]), {})
+    return notes.get(record_key(row["step"], "forward", row["module"], "oracle", row["call"]), {})
+
+
+def _of_call(k: RecordKey) -> tuple:
+    return k.step, k.phase, k.module, k.kind
 
 
 def verdict_for(dd, row: dict) -> dict | None:

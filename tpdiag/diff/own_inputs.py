@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from tpdiag.records.keys import RecordKey, record_key
+
 MAX_ALL = 64
 # the inputs and output grads shipped to the second pass's reference (a file it loads whole):
 # modules past this many bytes, in the order chosen, are left to the layout bounds
@@ -28,7 +30,7 @@ _KINDS = (("forward", "out"), ("backward", "param_grad"))
 
 
 def _growth(dd, r: dict) -> float:
-    inp = dd.tensors.get(f"s{r['step']}/forward/{r['module']}/in#{r['call']}/0") if r["kind"] == "out" else None
+    inp = dd.tensors.get(record_key(r["step"], "forward", r["module"], "in", r["call"], 0)) if r["kind"] == "out" else None
     out = dd.tensors.get(r["key"])
     if out is None:
         return 0.0
@@ -61,9 +63,9 @@ def modules(dd, first_key: str | None) -> list[str]:
     order = sorted(cands, key=lambda m: (-cands[m], m))[:MAX_ALL]
     size: dict[str, int] = {}
     for k, (_, b) in dd.tensors.items():
-        parts = k.split("/")
-        if len(parts) > 3 and parts[3].startswith(("in#", "grad_out#")) and parts[2] in cands:
-            size[parts[2]] = size.get(parts[2], 0) + b.numel() * b.element_size()
+        rk = RecordKey.parse(k)
+        if rk.kind in ("in", "grad_out") and rk.module in cands:
+            size[rk.module] = size.get(rk.module, 0) + b.numel() * b.element_size()
     out, used = [], 0
     for m in order:
         if used + size.get(m, 0) > BUDGET_BYTES:

@@ -19,14 +19,19 @@ from tpdiag.errors import BadInput
 
 ENV = "TPDIAG_TREE_GROUPS"
 PER_GROUP, FUSED = "per-group", "fused"
-# the fixes whose reductions are cut into the G groups (the others ignore G)
-GROUPED = ("tp-invariant-linear", "invariant-gemm", "invariant-vocab-softmax", "invariant-norm-grad")
 # what a run directory written before G was a run setting used
 LEGACY = (8, FUSED)
 
 
+def grouped(fixes) -> tuple[str, ...]:
+    """The fixes of `fixes` whose reductions are cut into the G groups (the others ignore G)."""
+    from tpdiag.fixes.registry import grouped as of_catalogue
+
+    return of_catalogue(fixes)
+
+
 def uses_groups(fixes) -> bool:
-    return any(f in GROUPED for f in fixes or ())
+    return bool(grouped(fixes))
 
 
 def _pow2(n: int) -> bool:
@@ -70,7 +75,7 @@ def check(degrees, fixes, option: int | None = None) -> None:
                            f"(the default is the largest degree, {max(degrees)})")
     bad = next((d for d in degrees if not _pow2(d)), None)
     if bad is not None and uses_groups(fixes):
-        raise BadInput(f"TP={bad} with {', '.join(f for f in fixes if f in GROUPED)}: the "
+        raise BadInput(f"TP={bad} with {', '.join(grouped(fixes))}: the "
                        "invariant reductions need power-of-two degrees")
 
 

@@ -176,7 +176,8 @@ def linear_fix(flag_name: str, model: nn.Module, plan: dict, world: int):
         from tpdiag.fixes.embedding import embedding_carry
 
         # grad accumulation's carry for the embeddings too (stock outside an open window)
-        with embedding_carry(model) if owner else nullcontext(), state.flag(flag_name):
+        # (apply_fixes marks flag_name active: the wrapped forwards read it at call time)
+        with embedding_carry(model) if owner else nullcontext():
             yield
     finally:
         if owner:

@@ -170,10 +170,7 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
 
             mod.forward = forward
             wrapped.append(mod)
-        from tpdiag.fixes import state
-
-        with state.flag("invariant-norm-grad"):  # read by the hf: grad all-reduce hook
-            yield
+        yield
     finally:
         for mod in wrapped:
             mod.__dict__.pop("forward", None)

@@ -26,18 +26,48 @@ def fix_for_cause(cause: str, op: str | None = None) -> str | None:
     return None
 
 
-# A row's result that depends on how many rows share the call (micro-batch size, decode) can come
-# from any kernel that blocks its work by the rows in the call; together these compute each row
-# the same way whatever the call holds, so they are what removes it
-# (tp-invariant-linear too: a row-parallel Linear's CPU GEMM runs in fixed row blocks only under it)
-BATCH_INVARIANT = ("invariant-gemm", "tp-invariant-linear", "invariant-attention", "invariant-norm-grad",
-                   "invariant-vocab-softmax")
+def available() -> tuple[str, ...]:
+    return tuple(n for n, f in catalogue().items() if f.install is not None)
 
 
-# The fixes whose Functions feed grad accumulation's fp32 carry (kernels/grad_carry.py): the
-# batch-invariant GEMM (linear, bias and embedding weight grads) and the norm weight grad. With
-# either on, the runner opens the accumulation window in every world (runner/micro.py).
-CARRY_FIXES = ("invariant-gemm", "invariant-norm-grad")
+def grouped(names=None) -> tuple[str, ...]:
+    """Of `names` (None: the catalogue), the fixes whose reductions are cut into the G groups."""
+    cat = catalogue()
+    return tuple(n for n in (cat if names is None else names or ()) if n in cat and cat[n].grouped)
+
+
+def carry_fixes(names=None) -> tuple[str, ...]:
+    """Of `names` (None: the catalogue), the fixes whose Functions feed grad accumulation's fp32
+    carry (kernels/grad_carry.py); with one on, the runner opens the accumulation window in every
+    world (runner/micro.py)."""
+    cat = catalogue()
+    return tuple(n for n in (cat if names is None else names or ()) if n in cat and cat[n].carries_grads)
+
+
+def batch_invariant() -> tuple[str, ...]:
+    """The available fixes that compute a row the same whatever rows share its call, in their
+    declared order: together they remove a batch-variant kernel (any kernel that blocks its work
+    by the rows in the call can cause one)."""
+    cat = catalogue()
+    return tuple(sorted((n for n, f in cat.items() if f.batch_invariant and f.install is not None),
+                        key=lambda n: cat[n].batch_invariant))
+
+
+def _on():
+    from tpdiag.fixes import state
+
+    return [f for n, f in catalogue().items() if state.active(n)]
+
+
+def takes_over(what: str) -> bool:
+    """Whether a fix on in this process takes over `what` (catalogue.TAKES_OVER): the loss, the
+    grad norm, a per-head norm's grad all-reduce - asked where that is computed."""
+    return any(what in f.takes_over for f in _on())
+
+
+def carrying() -> bool:
+    """Whether a fix on in this process feeds grad accumulation's fp32 carry."""
+    return any(f.carries_grads for f in _on())
 
 
 def fixes_for_cause(cause: str, op: str | None = None) -> tuple[str, ...]:
@@ -47,8 +77,7 @@ def fixes_for_cause(cause: str, op: str | None = None) -> tuple[str, ...]:
     if cause == "batch-variant-kernel":
         if is_op_of(op, SDPA_OPS):
             return ("invariant-attention",)
-        cat = catalogue()
-        return tuple(n for n in BATCH_INVARIANT if n in cat and cat[n].install is not None)
+        return batch_invariant()
     fix = fix_for_cause(cause, op)
     return (fix,) if fix else ()
 
@@ -62,7 +91,7 @@ def resolve(names) -> tuple[str, ...]:
     if names in (["none"], []):
         return ()
     if names == ["all"]:
-        return tuple(n for n, f in cat.items() if f.install is not None)
+        return available()
     for n in names:
         if n not in cat:
             raise BadInput(f"--fix {n!r}: unknown fix; expected all, auto, none or any of "
@@ -74,8 +103,12 @@ def resolve(names) -> tuple[str, ...]:
 
 @contextmanager
 def apply_fixes(names, model, plan, world: int):
+    """Every fix in `names`, marked active (fixes/state.py) for as long as it is installed."""
+    from tpdiag.fixes import state
+
     cat = catalogue()
     with ExitStack() as stack:
         for n in names:
+            stack.enter_context(state.flag(n))
             stack.enter_context(cat[n].install(model=model, plan=plan, world=world))
         yield

@@ -1,4 +1,6 @@
-"""Which fixes are on in this process (set by their context managers, read by the runner)."""
+"""Which fixes are on in this process: apply_fixes (fixes/registry.py) marks each fix active for
+as long as it is installed. A fix's own code reads its own name; everything else asks by
+property (fixes/registry.py: takes_over, carrying), so it never names a fix."""
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -86,9 +86,8 @@ def load_policy(path: str | None) -> Policy:
             import tomli as tomllib
         except ImportError:
             raise BadInput(f"--policy {path}: reading TOML needs Python 3.11+ or the tomli package") from None
-    from tpdiag.records.causes import CAUSES
-
     from tpdiag.base import files as io
+    from tpdiag.records.causes import labels
 
     try:
         with io.open_regular(path, None, limit=io.LIMIT_SMALL, error=BadInput) as f:
@@ -106,7 +105,7 @@ def load_policy(path: str | None) -> Policy:
     extra = set(data) - _TOP_KEYS
     if extra:
         raise BadInput(f"--policy {path}: unknown key {sorted(extra)[0]!r}; expected {', '.join(sorted(_TOP_KEYS))}")
-    allow = _str_list(path, "allow_causes", data.get("allow_causes", []), CAUSES)
+    allow = _str_list(path, "allow_causes", data.get("allow_causes", []), labels())
     if "non-finite" in allow:
         raise BadInput(f"--policy {path}: allow_causes has 'non-finite'; NaN or Inf at one side only is never "
                        "allowed (fix the model, or gate the degrees that stay finite)")
@@ -135,7 +134,7 @@ def with_allowed(policy: Policy, allow: str | None) -> Policy:
         return policy
     from dataclasses import replace
 
-    from tpdiag.records.causes import CAUSES, cause_class
+    from tpdiag.records.causes import labels, of_class
 
     names = [x.strip() for x in allow.split(",") if x.strip()]
     if not names:
@@ -143,14 +142,14 @@ def with_allowed(policy: Policy, allow: str | None) -> Policy:
     add: list[str] = []
     for n in names:
         if n in PRESETS:
-            add += [c for c in CAUSES if cause_class(c) == "rounding"]
+            add += list(of_class("rounding"))
         elif n == "non-finite":
             raise BadInput("--allow non-finite: NaN or Inf at one side only is never allowed")
-        elif n in CAUSES:
+        elif n in labels():
             add.append(n)
         else:
             raise BadInput(f"--allow {n!r}: expected a preset ({', '.join(PRESETS)}) or a cause name "
-                           f"({', '.join(c for c in CAUSES if c != 'non-finite')})")
+                           f"({', '.join(c for c in labels() if c != 'non-finite')})")
     allowed = tuple(dict.fromkeys(policy.allow_causes + tuple(add)))
     warnings = policy.warnings
     if "unknown" in add and "unknown" not in policy.allow_causes:

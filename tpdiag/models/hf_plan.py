@@ -222,11 +222,12 @@ def _grad_allreduce_now(module, mesh) -> None:
     group = mesh.get_group()
 
     def reduce(p):
-        from tpdiag.fixes import state
+        from tpdiag.fixes import registry
 
-        # under invariant-norm-grad the norm's own backward already summed the heads of
-        # every rank in tree order; reducing again would count them TP times
-        if not state.active("invariant-norm-grad"):
+        # under invariant-norm-grad (the fix that takes this over) the norm's own backward
+        # already summed the heads of every rank in tree order; reducing again would count them
+        # TP times
+        if not registry.takes_over("head-norm-grad-reduce"):
             dist.all_reduce(p.grad, group=group)
 
     for p in module.parameters(recurse=False):

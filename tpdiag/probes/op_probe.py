@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tpdiag.probes.recorder import PHASES, Recorder
+from tpdiag.records.keys import record_key
 
 # Metadata and aliasing ops produce no new numbers; recording them only adds noise.
 _SKIP = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select",
@@ -118,7 +119,7 @@ class OpProbe(TorchDispatchMode):
         finally:
             rec.enabled = True
         if why is not None:
-            rec.oracle_notes[f"s{rec.step}/{rec.phase}/{module}/oracle#0/{name}"] = {"why": why}
+            rec.oracle_notes[record_key(rec.step, rec.phase, module, "oracle", 0, name)] = {"why": why}
             return
         flat, _ = tree_flatten(out64)
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):

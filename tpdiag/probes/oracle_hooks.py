@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tpdiag.probes.recorder import Recorder
+from tpdiag.records.keys import record_key
 
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))
@@ -51,7 +52,7 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
     finally:
         rec.in_oracle, rec.enabled = False, was
     if notes:
-        rec.oracle_notes[f"s{rec.step}/forward/{name}/oracle#{call}"] = notes
+        rec.oracle_notes[record_key(rec.step, "forward", name, "oracle", call)] = notes
     if out64 is None:
         return
     for i, t in enumerate(_tensors(out64)):
@@ -81,7 +82,7 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
         finally:
             rec.in_oracle, rec.enabled = False, was
         if notes:
-            rec.oracle_notes[f"s{step}/backward/{name}/oracle#{call}"] = notes
+            rec.oracle_notes[record_key(step, "backward", name, "oracle", call)] = notes
         for short, t in (grads or {}).items():
             what = "grad_in" if short.startswith("in") and short[2:].isdigit() else "param_grad"
             short = short[2:] if what == "grad_in" else short
@@ -121,7 +122,7 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
 
     step = rec.step
     for label, tensors in own.items():
-        got = _with_inputs(snap, lambda i: f"s{step}/forward/{name}/in#{call}/{i}", tensors)
+        got = _with_inputs(snap, lambda i: record_key(step, "forward", name, "in", call, i), tensors)
         if got is None:
             continue
         rec.in_oracle, was = True, rec.enabled
@@ -129,11 +130,11 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
         try:
             out64, _ = module_oracle(mod, *got)
             grads = None
-            g = tensors.get(f"s{step}/backward/{name}/grad_out#{call}/0")
+            g = tensors.get(record_key(step, "backward", name, "grad_out", call, 0))
             if backward and g is not None:
                 # on the device the module's inputs are (the file was read to the host)
                 g = g.to(next((t.device for t in _tensors(got)), g.device))
-                again = _with_inputs(snap, lambda i: f"s{step}/forward/{name}/in#{call}/{i}", tensors)
+                again = _with_inputs(snap, lambda i: record_key(step, "forward", name, "in", call, i), tensors)
                 grads, _ = module_oracle_grads(mod, *again, g)
         finally:
             rec.in_oracle, rec.enabled = False, was

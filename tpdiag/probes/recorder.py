@@ -21,6 +21,7 @@ from tpdiag.base.dtensors import local_of
 from tpdiag.probes import spans as _spans
 from tpdiag.probes import stream as _stream
 from tpdiag.probes.rows import _DTYPE_NAMES, dtype_name, materialise
+from tpdiag.records.keys import record_key
 
 PHASES = ("init", "forward", "loss", "backward", "optimizer")
 
@@ -197,7 +198,7 @@ class Recorder:
             phase = self._phase
         step = self.step
         if self.prefix is not None:
-            cut = self.prefix.get(f"s{step}/{phase}/{module}/{kind}#{call}/{name}")
+            cut = self.prefix.get(record_key(step, phase, module, kind, call, name))
             if cut is not None and t.dim() > cut[0] and t.shape[cut[0]] == cut[1] * cut[2]:
                 from tpdiag.records.layout import narrow_positions
 
@@ -253,7 +254,7 @@ class Recorder:
             label = placement_label(t)
             local = local_of(t).detach()
         dtype = local.dtype
-        key = f"s{step}/{phase}/{module}/{kind}#{call}/{name}"  # = record_key(meta)
+        key = record_key(step, phase, module, kind, call, name)
         meta = {
             "idx": len(self._records) + len(self._rows), "step": step, "phase": phase,
             "module": module, "kind": kind, "call": call, "name": name,
@@ -389,11 +390,6 @@ def take_lanes(hashbuf, slots: list):
 def is_stale(slot, stale) -> bool:
     """slot: a row or a tuple of rows (take_lanes); stale: the buffer's stale rows."""
     return any(s in stale for s in slot) if isinstance(slot, tuple) else slot in stale
-
-
-def record_key(meta: dict) -> str:
-    """Alignment key across degrees: same model, same step/phase/module/call/name."""
-    return f"s{meta['step']}/{meta['phase']}/{meta['module']}/{meta['kind']}#{meta['call']}/{meta['name']}"
 
 
 def _get_phase(self) -> str:

@@ -4,6 +4,8 @@ a small step pays per record (docs/benchmarks.md, "Host work per record"). A row
 (module_probes' consumers) go in its extras, merged into its meta when it is built."""
 from __future__ import annotations
 
+from tpdiag.records.keys import record_key
+
 _DTYPE_NAMES: dict = {}
 
 
@@ -31,7 +33,7 @@ def materialise(records: list, rows: list) -> None:
             "idx": len(records), "step": step, "phase": phase, "module": module, "kind": kind,
             "call": call, "name": name, "placement": layout, "style": style, "cls": cls,
             "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype), "local_shape": list(shape),
-            "key": f"s{step}/{phase}/{module}/{kind}#{call}/{name}",
+            "key": record_key(step, phase, module, kind, call, name),
         }
         if extras and "piece" in extras:
             # a decode call's row (pieces.add_span): the piece's keys where hash_piece puts them

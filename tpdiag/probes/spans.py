@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from tpdiag.probes.pieces import _GENERAL, _tp_shard, place
+from tpdiag.records.keys import record_key
 
 
 def add_span(rec, kind: str, module: str, name: str, t, call: int, phase: str, layout, style, cls):
@@ -89,7 +90,7 @@ def _plan(rec, pk: tuple, t, layout):
     if t.ndim == 0 or not t.is_contiguous():
         return False
     step, phase, module, kind, call, name = pk[:6]
-    key = f"s{step}/{phase}/{module}/{kind}#{call}/{name}"
+    key = record_key(step, phase, module, kind, call, name)
     where = place(rec, key, t, list(t.shape))
     if where is None:
         return False

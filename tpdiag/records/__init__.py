@@ -7,7 +7,9 @@ styles.py     a TP plan's ParallelStyle as the short label records carry
 rundir.py     a run directory: completion marker, manifest, summary.json, diff.csv's columns and reader
 frames.py     a run directory as pandas DataFrames (`tpdiag.load`); diff.csv is written from its records frame
 provenance.py the versions every manifest carries
-causes.py     cause labels, their classes (bug / non-finite / rounding / unknown), the bug exit code
+causes.py     the cause registry: each label's class (bug / non-finite / rounding / unknown),
+              explanation, short name and advice; the bug exit code
+keys.py       the record key as an object (RecordKey: format, parse; MalformedKey otherwise)
 integrity.py  does a run directory agree with itself (per-rank markers, results, manifest, summary)
 lock.py       one writer per run directory (an flock; a stale one is said)
 

@@ -1,57 +1,7 @@
 """Plain-language verdicts: what differs, why, and what the user can do about it."""
 from __future__ import annotations
 
-# One sentence per stable cause label (DESIGN.md): the mechanism, so the user knows where to look.
-WHY = {
-    "row-parallel-reduction": "a row-parallel layer computes partial sums over its K shard and all-reduces "
-                              "them, so TP changes the order of the K summation",
-    "shape-dependent-gemm": "a column-parallel GEMM ran on a narrower shard and the GEMM kernel chose a "
-                            "different tiling or split-K for that shape; no communication is involved",
-    "shape-dependent-kernel": "a kernel that is no GEMM (an elementwise activation, ...) gave other bits for "
-                              "bitwise-equal inputs and parameters: it took another code path for the rank's "
-                              "narrower local shape (on CPU a vectorised body vs a scalar tail); no "
-                              "communication is involved",
-    "vocab-parallel-softmax": "the loss and logprobs reduce max and sum-of-exp over vocabulary shards in a "
-                              "different order than one full softmax",
-    "column-parallel-dgrad": "the input gradient of a column-parallel layer is a sum over output shards, "
-                             "all-reduced across ranks in a different order",
-    "norm-weight-grad": "the weight gradient of a replicated norm sums per-token terms that are split "
-                        "across ranks",
-    "grad-norm": "the global gradient norm sums per-shard squared norms in a different order, so the clip "
-                 "coefficient differs",
-    "collective-nondeterminism": "the reference does not reproduce itself: a collective or kernel is "
-                                 "nondeterministic (check `tpdiag doctor`)",
-    "rank-inconsistent-replica": "a tensor that must be identical on every rank differs between ranks of "
-                                 "one world (a missing broadcast or all-reduce, or a nondeterministic kernel)",
-    "router-flip": "an MoE router's top-k chose other experts for some tokens because its input differed "
-                   "within rounding upstream (a near-tie between the k-th and (k+1)-th score): a "
-                   "consequence of the first divergence, not a bug in the router",
-    "sharding-bug": "the difference is far beyond the rounding bound of a reordered sum: a wrong result "
-                    "(wrong shard, missing or doubled reduction, wrong scale), not a reordering",
-    "attention-kernel": "an attention kernel (scaled-dot-product / flash / efficient / cuDNN / flex) gave other "
-                        "bits for bitwise-equal inputs: its result depends on the heads or batch per call, or "
-                        "its backward is not deterministic",
-    "nondeterministic-kernel": "the reference does not reproduce itself and the first difference is an op, "
-                               "not a collective: a nondeterministic kernel (atomics, split reductions)",
-    "batch-variant-kernel": "a kernel's result for a row depends on how many rows share its call "
-                            "(micro-batch size, decode vs prefill)",
-    "non-finite": "a NaN or Inf (at one side, or at both: bitwise-equal NaN is still NaN): never rounding",
-    "unknown": "tpdiag cannot name the cause from the layout alone",
-}
-
-ACTION = {
-    "rank-inconsistent-replica": "Find which rank's copy is wrong: the replica must be written by the same "
-                                 "code on every rank (broadcast it, or make the kernel deterministic).",
-    "sharding-bug": "Check this module's entry in the TP plan, or its hand-written collectives (input/output "
-                    "layouts, which dimension is sharded, the order of gathered shards, whether a "
-                    "reduction is missing or a bias or scale is applied per rank) - no numerical fix "
-                    "applies to a wrong result.",
-    "router-flip": "Fix the root cause upstream (the first divergence); a TP-invariant path up to the "
-                   "router keeps every expert choice.",
-    "unknown": "Nothing could judge it (the reason is above). `tpdiag compare` re-executes a first "
-               "divergence without a verdict in float64 and records its ops by itself; a capture "
-               "made with `tpdiag.capture` cannot be re-executed.",
-}
+from tpdiag.records import causes  # what each cause means, and the advice without a fix
 
 KIND_WORDS = {"out": "output", "in": "input", "grad_out": "output gradient", "param_grad": "weight gradient",
               "param": "parameter after the optimizer step", "param_init": "initial parameter",
@@ -124,8 +74,9 @@ def action(cause: str, confirmation: dict | None, fix: str | None, fix_available
         if v == "not-confirmed":
             return (f"fix {confirmation['fix']} -> not-confirmed: it did not make this record bitwise equal, "
                     "so the cause label may be wrong.")
-    if cause in ACTION:
-        return ACTION[cause]
+    advice = causes.REGISTRY[cause].action if cause in causes.REGISTRY else None
+    if advice:
+        return advice
     if fix:
         avail = "" if fix_available else " (not implemented in this build yet)"
         how = (f"{CAPTURE_FIX} ({fix} removes this cause{avail})" if capture
@@ -151,7 +102,7 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
     cause = fd.get("cause") or "unknown"
     fix, available = fix_of(cause, fd.get("op"))
     detail = fd.get("detail") or ""
-    why = f"Cause: {cause} - {fd.get('why') if cause == 'unknown' and fd.get('why') else WHY.get(cause, WHY['unknown'])}."
+    why = f"Cause: {cause} - {fd.get('why') if cause == 'unknown' and fd.get('why') else causes.get(cause).why}."
     if detail:
         why += f" {detail[:1].upper()}{detail[1:]}."
     findings = [f"{f.get('phase')} {f.get('module')} ({KIND_WORDS.get(f.get('kind'), f.get('kind'))}): "

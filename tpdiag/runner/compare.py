@@ -50,11 +50,15 @@ def validate(cfg: CompareConfig) -> dict:
     from tpdiag.models.precheck import check_plan
 
     check_plan(spec, cfg.degrees, cfg.variant)
-    if spec.kind == "hf" and "tp-invariant-linear" in cfg.fixes and max(cfg.degrees) > 1:
-        from tpdiag.fixes.moe import check_plan as check_moe_layouts
+    from tpdiag.fixes.registry import catalogue
+
+    checks = [f.check_plan for n, f in catalogue().items() if n in cfg.fixes and f.check_plan]
+    if spec.kind == "hf" and checks and max(cfg.degrees) > 1:
         from tpdiag.models.precheck import hf_base_plan
 
-        check_moe_layouts(hf_base_plan(spec.value)[1])  # an uncovered MoE layout: one line, no world
+        base = hf_base_plan(spec.value)[1]
+        for check in checks:  # a layout a fix does not cover (MoE experts): one line, no world
+            check(base)
     if cfg.steps < 1:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
     check_axes(cfg, spec)

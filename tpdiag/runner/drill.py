@@ -30,8 +30,9 @@ def _scope(fd: dict) -> str:
 
 
 def _record_module(fd: dict) -> str:
-    # key = s{step}/{phase}/{module}/{kind}#{call}/{name}; module names contain no '/'
-    return fd["key"].split("/")[2]
+    from tpdiag.records.keys import RecordKey
+
+    return RecordKey.parse(fd["key"]).module
 
 
 def needs_verdict(fd: dict) -> bool:

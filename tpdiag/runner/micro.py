@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tpdiag.errors import BadInput
-from tpdiag.fixes.registry import CARRY_FIXES
+from tpdiag.fixes.registry import carry_fixes
 
 IGNORE = -100
 
@@ -75,7 +75,7 @@ def carry_window(cfg, parts, device):
     one piece too (the same code, so the same bits at one piece or several) - else nothing."""
     from contextlib import nullcontext
 
-    if not cfg.backward or not any(f in cfg.fixes for f in CARRY_FIXES):
+    if not cfg.backward or not carry_fixes(cfg.fixes):
         return lambda model: nullcontext()
     from tpdiag.kernels import carry_ops, grad_carry
 
@@ -83,7 +83,7 @@ def carry_window(cfg, parts, device):
         tokens = parts[0][1].numel()
         block = carry_ops.piece_multiple(device)
         if tokens % block:
-            raise BadInput(f"--micro-batch {cfg.micro_batch} with --fix {'/'.join(CARRY_FIXES)}: a "
+            raise BadInput(f"--micro-batch {cfg.micro_batch} with --fix {'/'.join(carry_fixes())}: a "
                            f"micro-batch holds {tokens} tokens; grad accumulation's fp32 carry walks "
                            f"the tokens in blocks of {block} on {device.type}, so every micro-batch must "
                            f"hold a multiple of {block} tokens (sequences x --seq-len)")

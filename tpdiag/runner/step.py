@@ -191,16 +191,16 @@ def grad_norm_and_clip(params, max_norm: float | None):
 
 def _numerics(target):
     """The loss, logprob and grad-norm functions, swapped for invariant ones by their fixes."""
-    from tpdiag.fixes import state
+    from tpdiag.fixes import registry
 
     loss_fn, logprob_fn, norm_fn = target.loss or default_loss, token_logprobs, grad_norm_and_clip
-    if state.active("invariant-vocab-softmax") and target.loss is None:
+    if registry.takes_over("loss") and target.loss is None:
         from tpdiag.kernels import tree, vocab_ce
 
         g, v = tree.n_groups(), target.vocab_size
         loss_fn = lambda lo, lab: vocab_ce.cross_entropy(lo, lab, g, v)  # noqa: E731
         logprob_fn = lambda lo, lab: vocab_ce.token_logprobs(lo, lab, g, v)  # noqa: E731
-    if state.active("invariant-grad-norm"):
+    if registry.takes_over("grad-norm"):
         from tpdiag.kernels.grad_norm import grad_norm_and_clip as norm_fn
     return loss_fn, logprob_fn, norm_fn
 

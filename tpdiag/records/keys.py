@@ -1,0 +1,59 @@
+"""The record key: what aligns one record across degrees, runs and files (events.jsonl, diff.csv,
+summary.json, oracle notes), as `s{step}/{phase}/{module}/{kind}#{call}/{name}`.
+
+Every module that builds or reads a key goes through RecordKey, so the format lives here only
+and a key that does not parse is an error (MalformedKey), never a silent miss of a dict lookup.
+An oracle note about a whole module call has no name: `s{step}/{phase}/{module}/oracle#{call}`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tpdiag.errors import MalformedKey
+
+# phase and module hold no '#', kind neither '/' nor '#': the first '#' ends kind, so a name
+# may hold anything ('aten::cat#0.0', an op's call and output index)
+_KEY = re.compile(r"s(?P<step>\d+)/(?P<phase>[^/#]+)/(?P<module>[^#]*)/(?P<kind>[^/#]+)#(?P<call>\d+)"
+                  r"(?:/(?P<name>.*))?", re.S)
+
+
+@dataclass(frozen=True)
+class RecordKey:
+    step: int
+    phase: str
+    module: str
+    kind: str
+    call: int = 0
+    name: str | None = None  # None: a key of a whole module call (an oracle note)
+
+    def format(self) -> str:
+        return record_key(self.step, self.phase, self.module, self.kind, self.call, self.name)
+
+    __str__ = format
+
+    def prefix(self) -> str:
+        """The key up to and with the '/' before the name: what every name of this call shares."""
+        return f"s{self.step}/{self.phase}/{self.module}/{self.kind}#{self.call}/"
+
+    @classmethod
+    def of(cls, meta: dict) -> RecordKey:
+        """The key of an event or diff row (a dict with step, phase, module, kind, call, name)."""
+        return cls(int(meta["step"]), meta["phase"], meta["module"], meta["kind"], int(meta["call"]),
+                   None if meta.get("name") is None else str(meta["name"]))
+
+    @classmethod
+    def parse(cls, key: str) -> RecordKey:
+        m = _KEY.fullmatch(key) if isinstance(key, str) else None
+        if m is None:
+            raise MalformedKey(f"record key {key!r}: expected s{{step}}/{{phase}}/{{module}}/{{kind}}#{{call}}"
+                               "[/{name}]")
+        d = m.groupdict()
+        return cls(int(d["step"]), d["phase"], d["module"], d["kind"], int(d["call"]), d["name"])
+
+
+def record_key(step, phase: str, module: str, kind: str, call=0, name=None) -> str:
+    """RecordKey(...).format() without the object: the recorder calls it once per record, on the
+    host time a small step pays per record (docs/benchmarks.md)."""
+    head = f"s{step}/{phase}/{module}/{kind}#{call}"
+    return head if name is None else f"{head}/{name}"
