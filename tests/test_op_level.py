@@ -210,3 +210,48 @@ def test_micro_batch_ops_are_numbered_per_piece_and_never_twice(tmp_path):
     # the forward's ops of both pieces merged under the reference's keys (stock: each op's rows
     # are a slice of the reference's; --fix all's row-blocked GEMMs run other op sequences)
     assert len(ops) > 20 and all(k in ref for k in ops)
+
+
+def _late_rank_worker(rank, world, port, q):
+    """rank 1 joins the all-gather 0.5 s late: rank 0's `c10d::_allgather_base_` returns from
+    dispatch with the work still pending, so a record taken then lacks rank 1's half."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from tpdiag.probes.op_probe import OpProbe
+    from tpdiag.probes.recorder import Recorder
+    from tpdiag.probes.stream import as_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rec = Recorder(mode="full")
+    rec.phase = "optimizer"
+    out = torch.zeros(2 * 4)
+    if rank == 1:
+        time.sleep(0.5)
+    with OpProbe(rec):
+        # the single-tensor form, as tpdiag's tree kernels call it with the probes in
+        dist.all_gather_into_tensor(out, torch.full((4,), float(rank + 1)))
+    recs = {m["name"]: as_tensor(t) for m, t in rec.records if m["name"].startswith("c10d::")}
+    if rank == 0:
+        q.put({k: v.tolist() for k, v in recs.items()} | {"out": out.tolist()})
+    dist.destroy_process_group()
+
+
+def test_an_in_place_collective_is_recorded_after_it_completed():
+    """c10d's in-place collectives (what dist.all_gather_into_tensor and kin dispatch) return a
+    Work still running on gloo's thread; the op probe waits on it before it copies the output
+    (before, the record held rank 0's half and zeros where rank 1's came late)."""
+    import warnings
+
+    from conftest import gloo_world
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = gloo_world(_late_rank_worker, 2, timeout=120)
+    want = [1.0] * 4 + [2.0] * 4
+    assert got["out"] == want, got
+    recs = {k: v for k, v in got.items() if k != "out"}
+    assert recs and all(v == want for v in recs.values()), got

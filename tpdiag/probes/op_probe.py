@@ -93,6 +93,13 @@ class OpProbe(TorchDispatchMode):
             for t in flat:
                 if isinstance(t, torch.Tensor):
                     torch.ops._c10d_functional.wait_tensor(t)
+        elif ns == "c10d":
+            # The in-place collectives (`c10d::_allgather_base_`, `allreduce_`, ...: what
+            # dist.all_gather_into_tensor and kin dispatch) return (tensors, Work) with the work
+            # still running on gloo's thread: a copy taken now held part of the numbers, a
+            # different part in every run. Wait on the Work first (the caller's own wait then
+            # finds it done; on CUDA a wait only orders the streams).
+            _wait_works(flat)
         # An in-place or out= op's result is a tensor seen before whose version counter is bumped
         # only after this mode returns (ADInplaceOrView runs above it): recorded as is it would
         # pass for the earlier, unchanged record (and a queued hash would find it changed). A copy
@@ -167,3 +174,15 @@ class _Scoped:
         self.handles.clear()
         while self.depth > 0:  # a call that raised inside a nested pre-hook
             self._post()
+
+
+def _wait_works(flat) -> None:
+    from torch.distributed.distributed_c10d import Work
+
+    for x in flat:
+        if isinstance(x, torch.ScriptObject):
+            try:
+                w = Work.unbox(x)
+            except (RuntimeError, TypeError):  # another script object: not a collective's work
+                continue
+            w.wait()
