@@ -151,6 +151,37 @@ def _start_zygote():
     return _ZYGOTE[0]
 
 
+# Seconds each of the longest test files took in CI (2 workers, --durations; its tests together),
+# only to order the files: pyproject's `--dist loadfile --no-loadscope-reorder` hands files to the
+# workers in collection order, each worker taking the next file when it is almost done. Longest
+# first, so the run ends on short files and neither worker idles long beside the other's last file
+# (xdist's own order, most tests first, put 30-40 s files of 1-2 tests at the end). The figures
+# only order; a stale one costs a little balance, never a test.
+FILE_SECONDS = {
+    "test_hash_capture.py": 140, "test_moe_fixes.py": 95, "test_planted.py": 70, "test_micro_batch.py": 55,
+    "test_hf_zoo.py": 50, "test_hash_batch.py": 50, "test_capture_exit.py": 42, "test_invariant_attention.py": 40,
+    "test_public_api.py": 35, "test_fuzz.py": 35, "test_hf_fixes.py": 33, "test_faults.py": 30,
+    "test_behind.py": 30, "test_load_dtype.py": 28, "test_slice.py": 28, "test_op_level.py": 28,
+    "test_capture.py": 28, "test_fixes.py": 28, "test_tree_triton.py": 25, "test_meta_init.py": 25, "test_hf.py": 25,
+}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files longest first (FILE_SECONDS), then the rest with the most tests first (xdist's own
+    order for loadfile); a file's tests keep their order. The same order in every worker, as
+    xdist requires (it checks the workers collected the same list)."""
+    def file_of(it):
+        return it.nodeid.split("::")[0]  # xdist's loadfile scope
+
+    count: dict = {}
+    first: dict = {}
+    for i, it in enumerate(items):
+        count[file_of(it)] = count.get(file_of(it), 0) + 1
+        first.setdefault(file_of(it), i)
+    items.sort(key=lambda it: (-FILE_SECONDS.get(os.path.basename(file_of(it)), 0.0), -count[file_of(it)],
+                               first[file_of(it)]))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _cli_server():
     """Start run_cli's server with the session, so its imports are done before the first command."""
