@@ -118,11 +118,19 @@ def test_tp_and_micro_batch_axes(grid):
     assert got == want
 
 
-def test_grid_run(tmp_path):
-    out = tmp_path / "run"
-    r = run_cli("compare", "--tp", "1,2", "--micro-batch", "4,2", "--grid", *TINY, "--forward-only", "--no-confirm",
-                "--no-baseline", "--out", str(out), "--format", "json")
+@pytest.fixture(scope="module")
+def stock_grid(tmp_path_factory):
+    """ONE stock grid run, full capture, the whole step: test_grid_run reads it, and it is the
+    full-capture control of test_hash_capture_of_micro_batches_at_tp_2."""
+    out = tmp_path_factory.mktemp("grid") / "run"
+    r = run_cli("compare", "--tp", "1,2", "--micro-batch", "4,2", "--grid", *TINY, "--capture", "full",
+                "--no-confirm", "--no-baseline", "--out", str(out), "--format", "json")
     assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_grid_run(stock_grid, tmp_path):
+    out = stock_grid
     s = _summary(out)
     assert set(s["degrees"]) == {"2"} and set(s["configurations"]) == {"1-mb2", "2-mb2"}
     assert s["configurations"]["2-mb2"]["axis"] == "tp+micro_batch"
@@ -157,7 +165,7 @@ def test_micro_batch_must_divide_the_batch(tmp_path):
     assert not (out / "tp1").exists()
 
 
-def test_hash_capture_of_micro_batches_at_tp_2(tmp_path):
+def test_hash_capture_of_micro_batches_at_tp_2(stock_grid, tmp_path):
     """Hash capture with micro-batches at TP=2 (what a large model gets): a piece's column shard
     is hashed at two offsets (batch rows, the rank's columns), a sharded weight's accumulated grad
     at its TP offset only. Under --fix all every configuration is bitwise through the hashes -
@@ -183,7 +191,7 @@ def test_hash_capture_of_micro_batches_at_tp_2(tmp_path):
     # row-parallel reduction (which of the two first depends on the host's CPU GEMM)
     def firsts(out_s):
         return {k: (v["first_divergence"] or {}).get("key") for k, v in out_s[1]["configurations"].items()}
-    hashed_firsts, full_firsts = firsts(run("stock")), firsts(run("stock-full", capture="full"))
+    hashed_firsts, full_firsts = firsts(run("stock")), firsts((stock_grid, _summary(stock_grid)))
     assert hashed_firsts == full_firsts and all(hashed_firsts.values()), (hashed_firsts, full_firsts)
     assert hashed_firsts["2-mb2"] in ("s0/forward/layers.0.attention.wo/out#0/0",
                                       "s0/forward/layers.0.feed_forward.w2/out#0/0"), hashed_firsts
