@@ -67,12 +67,20 @@ def test_stock_micro_batch_names_batch_variant(tmp_path):
         assert firsts and firsts[0]["module"] == fd["module"], (firsts[:2], fd)
 
 
-def test_user_row_dependent_module_is_rounding_not_bug(tmp_path):
-    """(b) a user module whose reduction splits by the call's row count is the first divergence,
-    batch-variant-kernel, rounding - the float64 oracle agrees it is not a bug."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def rowdep_run(tmp_path_factory):
+    """ONE run of the row-dependent user module at micro-batch 4 vs 1: test (b)'s, and test (c)'s
+    negative control (its logprobs)."""
+    out = tmp_path_factory.mktemp("rowdep") / "run"
     r = run_cli("compare", "--model", "py:tests/models/rowdep.py:target", "--tp", "1", "--micro-batch", "4,1",
                 *TINY, "--no-baseline", "--out", str(out), "--format", "json", "--fail-on-divergence")
+    return out, r
+
+
+def test_user_row_dependent_module_is_rounding_not_bug(rowdep_run):
+    """(b) a user module whose reduction splits by the call's row count is the first divergence,
+    batch-variant-kernel, rounding - the float64 oracle agrees it is not a bug."""
+    out, r = rowdep_run
     assert r.returncode == 1, r.stderr  # divergent, not a bug (4)
     e = _summary(out)["configurations"]["1-mb1"]
     fd = e["first_divergence"]
@@ -83,10 +91,10 @@ def test_user_row_dependent_module_is_rounding_not_bug(tmp_path):
     assert rows["s0/forward/norm/in#0/0"]["bitwise"] == "True"
 
 
-def test_fix_all_logprobs_bitwise_across_micro_batches(tmp_path):
+def test_fix_all_logprobs_bitwise_across_micro_batches(rowdep_run, tmp_path):
     """(c) --fix all: the forward's logprobs are the same bits at micro-batch 4 and 1 (torch.equal);
     the negative control: a batch-variant user module's are not, so the check can fail."""
-    fixed, control = tmp_path / "fixed", tmp_path / "control"
+    fixed, (control, rc) = tmp_path / "fixed", rowdep_run
     r = run_cli("compare", "--tp", "1", "--micro-batch", "4,1", *TINY, "--fix", "all", "--forward-only",
                 "--no-confirm", "--no-baseline", "--out", str(fixed), "--format", "json")
     assert r.returncode == 0, r.stderr
@@ -97,9 +105,8 @@ def test_fix_all_logprobs_bitwise_across_micro_batches(tmp_path):
     rows = list(csv.DictReader(open(fixed / "diff.csv")))
     assert all(r_["bitwise"] == "True" for r_ in rows if r_["kind"] != "loss")
     assert e["status"] == "bitwise" or e["first_divergence"]["kind"] == "loss"
-    r = run_cli("compare", "--model", "py:tests/models/rowdep.py:target", "--tp", "1", "--micro-batch", "4,1",
-                *TINY, "--forward-only", "--no-confirm", "--no-baseline", "--out", str(control), "--format", "json")
-    assert r.returncode == 0, r.stderr
+    # the control: the row-dependent module's run (the same forward, its step and confirmation too)
+    assert rc.returncode == 1, rc.stderr
     a, b = _logprobs(control, "1"), _logprobs(control, "1-mb1")
     assert a.shape == b.shape and not torch.equal(a, b)
 
