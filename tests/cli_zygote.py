@@ -30,11 +30,15 @@ import sys
 
 # environment variables read when the interpreter or torch starts: a request whose values differ
 # from the server's goes to a fresh interpreter (conftest.run_cli)
-# (and the settings of transformers and the Hub: HF_*, TRANSFORMERS_*, USE_TF, ...)
+# (and the settings of transformers and the Hub: HF_*, TRANSFORMERS_*, USE_TF, ...; typer's
+# TYPER_USE_RICH, read when typer is imported)
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "LD_", "TORCH", "PYTORCH", "CUDA",
                     "NCCL", "TRITON", "MALLOC", "TMPDIR", "TPDIAG_TEST_CLI_ZYGOTE", "HF_", "HUGGINGFACE",
-                    "TRANSFORMERS", "USE_", "SAFETENSORS", "TOKENIZERS", "ACCELERATE", "XDG_")
-PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch._dynamo")
+                    "TRANSFORMERS", "USE_", "SAFETENSORS", "TOKENIZERS", "ACCELERATE", "XDG_", "TYPER", "_TYPER")
+# pandas (diff.csv and the records frames: every compare, diff and report), typer, click and rich
+# (the CLI itself): ~0.1-0.3 s of CPU a command, which each command imported on its own
+PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch._dynamo", "pandas",
+           "click", "typer", "rich.console")
 # where installed: transformers' model machinery, which an hf: model's command imports and its fork
 # server preloads (runner/launch.py) - ~1.5 s of CPU each, twice an hf: compare, on the CI machine
 PRELOAD_IF_INSTALLED = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto")

@@ -12,19 +12,19 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from typer.testing import CliRunner
 
 # On 9653b56 a FIFO hung these commands: each runs in a process of its own with a deadline.
 DEADLINE_S = 60
 
 
-def _tpdiag(*args, cwd=ROOT, deadline=DEADLINE_S):
-    env = dict(os.environ, COLUMNS="160")
+def _tpdiag(*args, deadline=DEADLINE_S):
+    # conftest.run_cli: a process of its own (stdin /dev/null, killed at the deadline), forked
+    # from the server that has imported torch rather than a fresh interpreter (~3 s of CPU each)
     t0 = time.monotonic()
     try:
-        p = subprocess.run([sys.executable, "-m", "tpdiag.cli", *args], capture_output=True, text=True,
-                           cwd=cwd, env=env, timeout=deadline)
+        p = run_cli(*args, env={"COLUMNS": "160"}, timeout=deadline)
     except subprocess.TimeoutExpired:
         pytest.fail(f"tpdiag {' '.join(args)}: still running after {deadline} s (blocked)")
     return p, time.monotonic() - t0

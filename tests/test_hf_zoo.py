@@ -15,6 +15,28 @@ zoo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(zoo)
 
 
+@pytest.fixture(autouse=True)
+def _compare_through_run_cli(monkeypatch):
+    """The example's `python -m tpdiag.cli compare ...` through conftest.run_cli: the same console
+    entry point in a process of its own, started from the server that has imported torch and
+    transformers (a fresh interpreter and fork server cost ~7 s of CPU a compare here). Any other
+    command line goes to subprocess.run unchanged; the example's PYTHONPATH=ROOT is run_cli's
+    working directory."""
+    import subprocess
+    import sys
+    import types
+
+    from conftest import run_cli
+
+    def run(args, **kw):
+        if list(args[:3]) != [sys.executable, "-m", "tpdiag.cli"] or kw.get("cwd") != ROOT:
+            return subprocess.run(args, **kw)
+        return run_cli(*args[3:], timeout=kw.get("timeout", 600))
+
+    monkeypatch.setattr(zoo, "subprocess", types.SimpleNamespace(
+        run=run, TimeoutExpired=subprocess.TimeoutExpired, SubprocessError=subprocess.SubprocessError))
+
+
 def test_zoo_handful_llama_qwen3_qwen3_moe(tmp_path):
     rows = {m: zoo.run_one(m, str(tmp_path), limit=300, max_degree=2,
                             extra=("--no-baseline",))

@@ -67,12 +67,20 @@ def test_stock_micro_batch_names_batch_variant(tmp_path):
         assert firsts and firsts[0]["module"] == fd["module"], (firsts[:2], fd)
 
 
-def test_user_row_dependent_module_is_rounding_not_bug(tmp_path):
-    """(b) a user module whose reduction splits by the call's row count is the first divergence,
-    batch-variant-kernel, rounding - the float64 oracle agrees it is not a bug."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def rowdep_run(tmp_path_factory):
+    """ONE run of the row-dependent user module at micro-batch 4 vs 1: test (b)'s, and test (c)'s
+    negative control (its logprobs)."""
+    out = tmp_path_factory.mktemp("rowdep") / "run"
     r = run_cli("compare", "--model", "py:tests/models/rowdep.py:target", "--tp", "1", "--micro-batch", "4,1",
                 *TINY, "--no-baseline", "--out", str(out), "--format", "json", "--fail-on-divergence")
+    return out, r
+
+
+def test_user_row_dependent_module_is_rounding_not_bug(rowdep_run):
+    """(b) a user module whose reduction splits by the call's row count is the first divergence,
+    batch-variant-kernel, rounding - the float64 oracle agrees it is not a bug."""
+    out, r = rowdep_run
     assert r.returncode == 1, r.stderr  # divergent, not a bug (4)
     e = _summary(out)["configurations"]["1-mb1"]
     fd = e["first_divergence"]
@@ -83,10 +91,10 @@ def test_user_row_dependent_module_is_rounding_not_bug(tmp_path):
     assert rows["s0/forward/norm/in#0/0"]["bitwise"] == "True"
 
 
-def test_fix_all_logprobs_bitwise_across_micro_batches(tmp_path):
+def test_fix_all_logprobs_bitwise_across_micro_batches(rowdep_run, tmp_path):
     """(c) --fix all: the forward's logprobs are the same bits at micro-batch 4 and 1 (torch.equal);
     the negative control: a batch-variant user module's are not, so the check can fail."""
-    fixed, control = tmp_path / "fixed", tmp_path / "control"
+    fixed, (control, rc) = tmp_path / "fixed", rowdep_run
     r = run_cli("compare", "--tp", "1", "--micro-batch", "4,1", *TINY, "--fix", "all", "--forward-only",
                 "--no-confirm", "--no-baseline", "--out", str(fixed), "--format", "json")
     assert r.returncode == 0, r.stderr
@@ -97,9 +105,8 @@ def test_fix_all_logprobs_bitwise_across_micro_batches(tmp_path):
     rows = list(csv.DictReader(open(fixed / "diff.csv")))
     assert all(r_["bitwise"] == "True" for r_ in rows if r_["kind"] != "loss")
     assert e["status"] == "bitwise" or e["first_divergence"]["kind"] == "loss"
-    r = run_cli("compare", "--model", "py:tests/models/rowdep.py:target", "--tp", "1", "--micro-batch", "4,1",
-                *TINY, "--forward-only", "--no-confirm", "--no-baseline", "--out", str(control), "--format", "json")
-    assert r.returncode == 0, r.stderr
+    # the control: the row-dependent module's run (the same forward, its step and confirmation too)
+    assert rc.returncode == 1, rc.stderr
     a, b = _logprobs(control, "1"), _logprobs(control, "1-mb1")
     assert a.shape == b.shape and not torch.equal(a, b)
 
@@ -118,11 +125,19 @@ def test_tp_and_micro_batch_axes(grid):
     assert got == want
 
 
-def test_grid_run(tmp_path):
-    out = tmp_path / "run"
-    r = run_cli("compare", "--tp", "1,2", "--micro-batch", "4,2", "--grid", *TINY, "--forward-only", "--no-confirm",
-                "--no-baseline", "--out", str(out), "--format", "json")
+@pytest.fixture(scope="module")
+def stock_grid(tmp_path_factory):
+    """ONE stock grid run, full capture, the whole step: test_grid_run reads it, and it is the
+    full-capture control of test_hash_capture_of_micro_batches_at_tp_2."""
+    out = tmp_path_factory.mktemp("grid") / "run"
+    r = run_cli("compare", "--tp", "1,2", "--micro-batch", "4,2", "--grid", *TINY, "--capture", "full",
+                "--no-confirm", "--no-baseline", "--out", str(out), "--format", "json")
     assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_grid_run(stock_grid, tmp_path):
+    out = stock_grid
     s = _summary(out)
     assert set(s["degrees"]) == {"2"} and set(s["configurations"]) == {"1-mb2", "2-mb2"}
     assert s["configurations"]["2-mb2"]["axis"] == "tp+micro_batch"
@@ -157,7 +172,7 @@ def test_micro_batch_must_divide_the_batch(tmp_path):
     assert not (out / "tp1").exists()
 
 
-def test_hash_capture_of_micro_batches_at_tp_2(tmp_path):
+def test_hash_capture_of_micro_batches_at_tp_2(stock_grid, tmp_path):
     """Hash capture with micro-batches at TP=2 (what a large model gets): a piece's column shard
     is hashed at two offsets (batch rows, the rank's columns), a sharded weight's accumulated grad
     at its TP offset only. Under --fix all every configuration is bitwise through the hashes -
@@ -183,7 +198,7 @@ def test_hash_capture_of_micro_batches_at_tp_2(tmp_path):
     # row-parallel reduction (which of the two first depends on the host's CPU GEMM)
     def firsts(out_s):
         return {k: (v["first_divergence"] or {}).get("key") for k, v in out_s[1]["configurations"].items()}
-    hashed_firsts, full_firsts = firsts(run("stock")), firsts(run("stock-full", capture="full"))
+    hashed_firsts, full_firsts = firsts(run("stock")), firsts((stock_grid, _summary(stock_grid)))
     assert hashed_firsts == full_firsts and all(hashed_firsts.values()), (hashed_firsts, full_firsts)
     assert hashed_firsts["2-mb2"] in ("s0/forward/layers.0.attention.wo/out#0/0",
                                       "s0/forward/layers.0.feed_forward.w2/out#0/0"), hashed_firsts

@@ -83,7 +83,10 @@ def _context(model: str = ""):
     if method == "forkserver":
         # Ranks fork from a server that has imported torch once: start-up is ~0.1 s, not ~2 s.
         # (The server starts with the first world, so this is fixed for the process's life.)
-        extra = ["transformers", "tpdiag.models.hf", "tpdiag.models.hf_plan"] if model.startswith("hf:") else []
+        # an hf: model: transformers' model machinery too (modeling_utils, and scipy through its
+        # losses: ~2 s of CPU), which every rank's build otherwise imported on its own
+        extra = ["transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+                 "tpdiag.models.hf", "tpdiag.models.hf_plan"] if model.startswith("hf:") else []
         ctx.set_forkserver_preload(_PRELOAD + extra)
     return ctx
 
