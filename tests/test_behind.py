@@ -26,7 +26,7 @@ def runs(tmp_path_factory):
     for dtype in DTYPES:
         for case in CASES:
             d = tmp_path_factory.mktemp(f"{case}-{dtype}") / "r"
-            p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--dtype", dtype, "--no-confirm", "--judge-downstream",
+            p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--dtype", dtype, "--no-confirm",
                         "--no-baseline", "--format", "json", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
             assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
             out[case, dtype] = (d, json.loads(p.stdout))

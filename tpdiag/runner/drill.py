@@ -96,9 +96,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                     | {fd["consumers"][0] for fd in fds if fd.get("kind") == "grad_out"
                        and len(fd.get("consumers") or []) == 1}
                     | {m for lab, _ in targets for m in every[lab].get("unjudged", [])})
-    # opt-in (--judge-downstream): with every divergent downstream module added to the float64
-    # set, the region pass's reference computed another step than pass 1's on a planted attention
-    # model (tests/test_invariant_attention.py) - not yet understood, so not on by default
+    # every divergent module past the first divergence, judged on this side's own inputs
+    # (diff/own_inputs.py; --no-judge-downstream: off)
     own = {lab: every[lab]["own_inputs"] for lab, _ in targets
            if cfg.judge_downstream and every[lab].get("own_inputs")}
     oracle = sorted(set(oracle) | {m for ms in own.values() for m in ms})
