@@ -128,3 +128,29 @@ def test_without_the_own_input_verdict_the_averaged_grad_reads_as_rounding(runs,
     assert kv_bugs()
     monkeypatch.setattr(oracle, "apply_own", lambda dd: None)
     assert kv_bugs() == []
+
+
+def test_the_gate_judges_every_round_of_a_fix_chain(runs, tmp_path):
+    """A bug that only a later round of `--fix auto` finds fails the gate (exit 4, naming the
+    round): real runs laid out as compare lays out a chain - the correct twin as round 0 (rounding
+    only), the mistakes' run as round 1 (auto/round1) - and summary.json's fix_chain naming it."""
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(runs["good", "float32"][0], run_dir)
+    shutil.copytree(runs["bugs", "float32"][0], run_dir / "auto" / "round1")
+    # negative control: round 0 alone passes with rounding allowed
+    assert gate(run_dir, "--allow", "rounding").returncode == 0
+    s = json.loads((run_dir / "summary.json").read_text())
+    s["fix_chain"] = [{"round": 0, "fixes": [], "status": "divergent", "class": "rounding"},
+                      {"round": 1, "fixes": ["tp-invariant-linear"], "status": "divergent", "class": "bug"}]
+    (run_dir / "summary.json").write_text(json.dumps(s))
+    p = gate(run_dir, "--allow", "rounding")
+    assert p.returncode == 4, p.stdout
+    head = p.stdout.splitlines()[0]
+    assert "a BUG beyond policy" in head and "TP=2 (fix chain round 1, with tp-invariant-linear)" in head, head
+    assert "module norm, phase backward" in head, head
+    # a round's evidence is checked as round 0's: a missing round is inconclusive, never a pass
+    shutil.rmtree(run_dir / "auto" / "round1")
+    p = gate(run_dir, "--allow", "rounding")
+    assert p.returncode == 2 and "fix chain round 1" in p.stdout, p.stdout

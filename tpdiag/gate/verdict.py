@@ -8,7 +8,7 @@ Any doubt about the evidence is exit 2, never a pass.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tpdiag.base.points import config_name
 from tpdiag.errors import BadInput, Inconclusive
@@ -30,6 +30,8 @@ class Violation:
     key: str = ""
     beyond: float | None = None  # how far beyond rounding (its bound, or the float64 threshold)
     follow: int = 0              # divergent records that follow from this one (grouped under it)
+    round: int = 0               # the fix chain's round (--fix auto) whose run holds the record
+    fixes: tuple = ()            # ... and the fixes that round ran with
 
     @property
     def unit(self) -> str:
@@ -47,7 +49,9 @@ class Violation:
                 if self.follow else "")
         # the loss phase's records are the loss function's (Target.loss), not a module's
         what = "the loss function" if self.phase == "loss" and self.module == "model" else f"module {self.module}"
-        return (f"{config_name(self.degree)}: {what}{op}, phase {self.phase}, record "
+        rnd = (f" (fix chain round {self.round}, with {', '.join(self.fixes) or 'no fix'})"
+               if self.round else "")
+        return (f"{config_name(self.degree)}{rnd}: {what}{op}, phase {self.phase}, record "
                 f"{self.kind} {self.name}, cause {self.cause} (max ULP {ulp}, max abs vs the reference "
                 f"{mabs}{far}): {self.reason}{more}")
 
@@ -409,4 +413,35 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
     if summary.get("status") not in ("bitwise", "divergent") and not errors:
         why = summary.get("error") or "no reason given"
         res.problems.append(f"summary.json status is {summary.get('status')}: {why}")
+    _judge_chain(res, run_dir, summary.get("fix_chain"), policy)
     return res
+
+
+def _judge_chain(res: GateResult, run_dir: str, chain, policy: Policy) -> None:
+    """--fix auto: every later round of the chain is gated as its own run, by the same policy.
+    A later round is the user's run with reorderings fixed away, so what it finds (a bug that the
+    first round's reordering hid, a cause the policy does not allow) is in the user's run too: its
+    violations join the degree's, each naming its round; its evidence problems are the gate's."""
+    if not chain:
+        return
+    if not isinstance(chain, list) or not all(isinstance(r, dict) for r in chain):
+        res.problems.append(f"{run_dir}: summary.json's fix_chain is not a list of rounds (edited?)")
+        return
+    for rnd in chain:
+        i = rnd.get("round")
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            res.problems.append(f"{run_dir}: summary.json's fix_chain has a round numbered {i!r} (edited?)")
+            return
+        if i == 0:
+            continue
+        # where compare wrote it (runner/confirm.auto_chain), beside this run: a moved run directory
+        # still finds its rounds
+        sub = _evaluate(os.path.join(run_dir, "auto", f"round{i}"), policy)
+        res.problems += [f"fix chain round {i}: {p}" for p in sub.problems]
+        fixes = tuple(str(f) for f in rnd.get("fixes") or ())
+        for lab, d in sub.degrees.items():
+            if not d.violations or lab not in res.degrees:
+                continue
+            mine = res.degrees[lab]
+            mine.violations += [replace(v, round=i, fixes=fixes) for v in d.violations]
+            mine.status = "fail"
