@@ -210,6 +210,11 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out) -> tuple[d
     own = {n: p for n, p in mod.named_parameters(recurse=False) if p.requires_grad}
     protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
     leaves = {n: p.detach().to(_up_dtype(p.dtype), copy=True).requires_grad_(True) for n, p in own.items()}
+    # the children's parameters as float64 constants: no grad of theirs is asked for, so no
+    # Function computes one (a fix's Function would return it in float64 for a float32 weight,
+    # which autograd refuses) and nothing reaches the real weights
+    frozen = {n: p.detach().to(_up_dtype(p.dtype)) for n, p in mod.named_parameters()
+              if n not in own and (p.is_floating_point() or p.is_complex())}
     # its floating inputs too (the snapshot's own copies): d loss / d input, in input order
     ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     for i, t in enumerate(ins):
@@ -222,7 +227,7 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out) -> tuple[d
         g = upcast(grad_out.detach())
         # the backward runs under the mode too: its formulas read what the forward saved
         with _isolated(mod), torch.enable_grad(), mode:
-            out = functional_call(mod, leaves, args, kwargs, strict=False)
+            out = functional_call(mod, {**frozen, **leaves}, args, kwargs, strict=False)
             flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
                     and (t.is_floating_point() or t.is_complex()) and t.requires_grad]
             if len(flat) != 1:
