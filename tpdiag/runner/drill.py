@@ -169,7 +169,12 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             fd["values_detail" if hashed else "op_detail"] = (
                 f"the rerun of this region computed another step than the first pass ({differs}): "
                 "its probes changed the numerics or the step is not deterministic; its values are not used")
+            if label in own or own_hash:
+                # fail closed: a bug behind the first divergence may be there unseen
+                entry["downstream_unjudged"] = f"the float64 pass computed another step than the first pass ({differs})"
             continue
+        if sub_entry.get("downstream_unjudged"):  # the own-input pass after a region pass
+            entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
         # every finding the rerun made (the float64 verdicts of other roots among them)
         seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
         for f in sub_entry.get("findings", []):
