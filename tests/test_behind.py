@@ -26,7 +26,7 @@ def runs(tmp_path_factory):
     for dtype in DTYPES:
         for case in CASES:
             d = tmp_path_factory.mktemp(f"{case}-{dtype}") / "r"
-            p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--dtype", dtype, "--no-confirm", "--judge-downstream",
+            p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--dtype", dtype, "--no-confirm",
                         "--no-baseline", "--format", "json", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
             assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
             out[case, dtype] = (d, json.loads(p.stdout))
@@ -119,6 +119,79 @@ def test_without_the_own_input_verdict_the_averaged_grad_reads_as_rounding(runs,
     run_dir, s = runs["bugs", "float32"]
     sub = s["second_pass"]["dir"]
     assert os.path.isdir(sub), s["second_pass"]
+
+    def kv_bugs():
+        entry, _ = analyse_degree(RecordSet(os.path.join(sub, "tp1")), RecordSet(os.path.join(sub, "tp2")), "2")
+        return [f for f in entry["findings"] if (f["module"], f["kind"]) == ("kv", "param_grad")
+                and cause_class(f["cause"]) == "bug"]
+
+    assert kv_bugs()
+    monkeypatch.setattr(oracle, "apply_own", lambda dd: None)
+    assert kv_bugs() == []
+
+
+def test_the_gate_judges_every_round_of_a_fix_chain(runs, tmp_path):
+    """A bug that only a later round of `--fix auto` finds fails the gate (exit 4, naming the
+    round): real runs laid out as compare lays out a chain - the correct twin as round 0 (rounding
+    only), the mistakes' run as round 1 (auto/round1) - and summary.json's fix_chain naming it."""
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(runs["good", "float32"][0], run_dir)
+    shutil.copytree(runs["bugs", "float32"][0], run_dir / "auto" / "round1")
+    # negative control: round 0 alone passes with rounding allowed
+    assert gate(run_dir, "--allow", "rounding").returncode == 0
+    s = json.loads((run_dir / "summary.json").read_text())
+    s["fix_chain"] = [{"round": 0, "fixes": [], "status": "divergent", "class": "rounding"},
+                      {"round": 1, "fixes": ["tp-invariant-linear"], "status": "divergent", "class": "bug"}]
+    (run_dir / "summary.json").write_text(json.dumps(s))
+    p = gate(run_dir, "--allow", "rounding")
+    assert p.returncode == 4, p.stdout
+    head = p.stdout.splitlines()[0]
+    assert "a BUG beyond policy" in head and "TP=2 (fix chain round 1, with tp-invariant-linear)" in head, head
+    assert "module norm, phase backward" in head, head
+    # a round's evidence is checked as round 0's: a missing round is inconclusive, never a pass
+    shutil.rmtree(run_dir / "auto" / "round1")
+    p = gate(run_dir, "--allow", "rounding")
+    assert p.returncode == 2 and "fix chain round 1" in p.stdout, p.stdout
+
+
+@pytest.fixture(scope="module")
+def hash_runs(tmp_path_factory):
+    out = {}
+    for case in ("bugs", "good"):
+        d = tmp_path_factory.mktemp(f"hash-{case}") / "r"
+        p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--capture", "hash", "--no-confirm",
+                    "--no-baseline", "--format", "json", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+        out[case] = (d, json.loads(p.stdout))
+    return out
+
+
+def test_after_a_hash_first_pass_each_module_is_judged_on_its_own_inputs(hash_runs, monkeypatch):
+    """--capture hash: the region pass captures the divergent downstream modules whole and one more
+    pass judges them on their own inputs - the averaged k/v grad is a BUG as in a full-capture run,
+    its twin rounding only."""
+    import os
+
+    from tpdiag.diff import oracle
+    from tpdiag.diff.analyse import analyse_degree
+    from tpdiag.records.store import RecordSet
+
+    run_dir, s = hash_runs["bugs"]
+    d = s["degrees"]["2"]
+    assert s["capture"] == "hash" and "kv" in d["own_inputs_hash"], d.get("own_inputs_hash")
+    kv = {f["name"]: f for f in d["findings"] if (f["module"], f["kind"]) == ("kv", "param_grad")}
+    assert kv["wv"]["cause"] == "sharding-bug" and kv["wv"]["oracle"]["own"], kv
+    assert roots(d).get(("backward", "kv", "param_grad", "wv")) == "sharding-bug", d["findings"]
+    assert d["class"] == "bug"
+    p = gate(run_dir, "--allow", "rounding")
+    assert p.returncode == 4 and "module kv, phase backward, record param_grad wv" in p.stdout, p.stdout
+    twin_dir, t = hash_runs["good"]
+    assert t["class"] == "rounding" and roots(t["degrees"]["2"]) == {}, t["degrees"]["2"]["findings"]
+    assert (twin_dir / "region" / "ops" / "diff.csv").exists()  # the own-input pass ran for the twin too
+    # negative control: the own-input pass's records judged without the own-input verdict
+    sub = os.path.join(run_dir, "region", "ops")
 
     def kv_bugs():
         entry, _ = analyse_degree(RecordSet(os.path.join(sub, "tp1")), RecordSet(os.path.join(sub, "tp2")), "2")

@@ -142,3 +142,23 @@ def test_grad_norm_that_read_the_wrong_grads_is_far():
     assert not bounds.norm_own_errors(grads, other, a, b)["far"]
     wrong = norm32([grads[0], grads[1], grads[2][:32]])  # half of a sharded grad left out
     assert bounds.norm_own_errors(grads, other, a, wrong)["far"]
+
+
+def test_downstream_modules_left_unjudged_are_never_rounding_only():
+    """The own-input pass was wanted but its step could not be used (runner/drill.py): the
+    verdict is not judged, with the line saying why - never "rounding only" (fail closed)."""
+    from tpdiag.cli.render import render_text
+    from tpdiag.diff.classes import add_classes
+
+    fd = {"phase": "forward", "module": "mlp", "kind": "out", "name": "0", "cause": "row-parallel-reduction",
+          "max_abs": 1e-7, "bound": 1e-6, "key": "s0/forward/mlp/out#0/0"}
+    entry = {"status": "divergent", "first_divergence": fd, "findings": []}
+    s = add_classes({"status": "divergent", "reference_label": "1", "degrees": {"2": dict(entry)}})
+    assert s["class"] == "rounding"  # the control: the same entry, judged, is rounding only
+    why = "the float64 pass computed another step than the first pass (TP=1 rank 0: grad_norm)"
+    s = add_classes({"status": "divergent", "reference_label": "1",
+                     "degrees": {"2": {**entry, "downstream_unjudged": why}}})
+    assert s["class"] == "unknown" and s["degrees"]["2"]["class"] == "unknown"
+    text = render_text(s)
+    assert "rounding only" not in text and "not judged" in text.splitlines()[0], text
+    assert "were not judged on their own inputs" in text and "grad_norm" in text, text

@@ -166,10 +166,10 @@ class CompareConfig:
     prefix_from: str = ""         # ... placed as in this earlier decode world (runner/prefix.py)
     flags: str = "deterministic"  # backend flags of every world (runner/flags.py)
     layers: int = 0               # --layers N: the first N decoder layers (models/slice.py); 0: all
-    # --judge-downstream: the second pass also re-executes each divergent module past the first
-    # divergence in float64 from each side's own inputs (diff/own_inputs.py); opt-in until its
-    # extra re-executions are shown to leave the region pass's step unchanged (runner/drill.py)
-    judge_downstream: bool = False
+    # the second pass also re-executes each divergent module past the first divergence in float64
+    # from each side's own inputs (diff/own_inputs.py): a bug behind a harmless reordering is a
+    # bug without any flag; --no-judge-downstream turns it off (only the first divergence judged)
+    judge_downstream: bool = True
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -81,8 +81,9 @@ def compare(
                                            help="rerun the reference against itself first")] = True,
     judge_downstream: Annotated[bool, typer.Option(
         "--judge-downstream/--no-judge-downstream",
-        help="also judge each divergent module past the first divergence in float64 from its own "
-             "inputs (a bug behind a harmless reordering)")] = False,
+        help="judge each divergent module past the first divergence in float64 from its own "
+             "inputs, so a bug behind a harmless reordering is found (on by default; "
+             "--no-judge-downstream judges the first divergence only)")] = True,
     micro_batch: Annotated[Optional[str], typer.Option(help=H.micro_batch())] = None,
     mode: Annotated[Optional[str], typer.Option(help=H.mode())] = None,
     grid: Annotated[bool, typer.Option("--grid", help=H.grid())] = False,

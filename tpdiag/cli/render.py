@@ -192,6 +192,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if fd.get("why"):
             console.print(f"{config_name(label)}: cause {fd['cause']}: {fd['why']}")
         _findings(console, label, d, fd)
+        if d.get("downstream_unjudged"):
+            console.print(f"{config_name(label)}: the divergent modules past the first divergence were not "
+                          f"judged on their own inputs ({d['downstream_unjudged']}): not called rounding only",
+                          markup=False)
         conf = d.get("confirmation")
         if conf:
             after = conf.get("first_divergence_after")

@@ -70,6 +70,10 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
     own = own_inputs.modules(dd, fd.get("key"))
     if own:
         entry["own_inputs"] = own  # judged on this side's own inputs by the second pass
+    elif any(r.get("hash_only") for r in dd.rows):
+        own = own_inputs.hash_modules(dd.rows, fd.get("key"))
+        if own:
+            entry["own_inputs_hash"] = own  # captured whole by the region pass, judged after it
     suspects = hash_suspects(dd.rows)
     if suspects:
         entry["suspects"] = suspects

@@ -18,6 +18,8 @@ def degree_class(entry: dict) -> str | None:
     fd = entry.get("first_divergence") or {}
     causes = [f.get("cause") for f in entry.get("findings") or [] if "follows" not in f]
     classes = {cause_class(c) for c in causes} | ({cause_class(fd.get("cause"))} if fd else set())
+    if entry.get("downstream_unjudged") and classes <= {"rounding"}:
+        return "unknown"  # modules past the first divergence that were to be judged were not
     for c in _ORDER:
         if c in classes:
             return c

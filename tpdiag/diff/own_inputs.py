@@ -13,8 +13,12 @@ side should have produced from what it was given: far from it is a bug wherever 
 Budget: every such module while there are at most MAX_ALL and their inputs and output grads fit
 in BUDGET_BYTES; past that, those whose output moved most beyond what their inputs explain
 (relative difference of the output over the input's; a weight grad first), since a reordering
-passes its input's difference through at about the same size. Whole values only: after a
-hash-only first pass (a large model's default capture) no module is chosen here.
+passes its input's difference through at about the same size.
+
+After a hash-only first pass (a large model's default capture) there are no values to ship:
+`hash_modules` picks the same kind of modules by the hashed records' norms and sizes, the region
+pass captures them whole, and the modules chosen from ITS records (`modules`) are judged in one
+more pass (runner/drill.py).
 """
 from __future__ import annotations
 
@@ -103,3 +107,50 @@ def side_inputs(ref_dir: str, other_dir: str, wanted: set[str]) -> dict[str, tor
             continue  # no one value of this side to re-execute from
         out[om["key"]] = b.contiguous()
     return out
+
+
+_BYTES = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _nbytes(r: dict) -> int:
+    n = 1
+    for d in r.get("shape") or ():
+        n *= int(d)
+    return n * _BYTES.get(str(r.get("dtype") or "").replace("torch.", ""), 4)
+
+
+def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
+    """After a hash-only first pass: the modules `modules` would judge, chosen from the hashed
+    records (the relative change of each record's norm stands in for its values' difference), for
+    the region pass to capture whole. Within MAX_ALL and BUDGET_BYTES of their inputs, outputs and
+    grads (one side)."""
+    by_key = {r["key"]: r for r in rows}
+    cands: dict[str, float] = {}
+    for r in rows:
+        if r["bitwise"] or r.get("rank_consistent") is False or r.get("nonfinite_mismatch") or not r.get("hash_only"):
+            continue
+        if r["key"] == first_key or r.get("oracle"):
+            continue
+        m = r["module"]
+        if (r["phase"], r["kind"]) == ("backward", "param_grad") and m != "model":
+            cands[m] = float("inf")  # a weight grad first, as `modules` ranks them
+        elif (r["phase"], r["kind"]) == ("forward", "out") and m != "model":
+            src = by_key.get(f"s{r['step']}/forward/{m}/in#{r['call']}/0")
+            ri = 0.0 if src is None or src["bitwise"] else (src.get("norm_rel_diff") or 0.0)
+            ro = r.get("norm_rel_diff") or 0.0
+            cands[m] = max(cands.get(m, 0.0), ro / ri if ri > 0 else (float("inf") if ro > 0 else 0.0))
+        elif r["phase"] == "backward" and r["kind"] == "grad_out" and len(r.get("consumers") or []) == 1:
+            c = r["consumers"][0]
+            if c != "model":
+                cands.setdefault(c, 0.0)
+    size: dict[str, int] = {}
+    for r in rows:
+        if r["module"] in cands and r["kind"] in ("in", "out", "grad_out", "param_grad"):
+            size[r["module"]] = size.get(r["module"], 0) + _nbytes(r)
+    out, used = [], 0
+    for m in sorted(cands, key=lambda m: (-cands[m], m))[:MAX_ALL]:
+        if used + size.get(m, 0) > BUDGET_BYTES:
+            continue
+        used += size.get(m, 0)
+        out.append(m)
+    return sorted(out)

@@ -8,7 +8,7 @@ Any doubt about the evidence is exit 2, never a pass.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tpdiag.base.points import config_name
 from tpdiag.errors import BadInput, Inconclusive
@@ -30,6 +30,8 @@ class Violation:
     key: str = ""
     beyond: float | None = None  # how far beyond rounding (its bound, or the float64 threshold)
     follow: int = 0              # divergent records that follow from this one (grouped under it)
+    round: int = 0               # the fix chain's round (--fix auto) whose run holds the record
+    fixes: tuple = ()            # ... and the fixes that round ran with
 
     @property
     def unit(self) -> str:
@@ -47,7 +49,9 @@ class Violation:
                 if self.follow else "")
         # the loss phase's records are the loss function's (Target.loss), not a module's
         what = "the loss function" if self.phase == "loss" and self.module == "model" else f"module {self.module}"
-        return (f"{config_name(self.degree)}: {what}{op}, phase {self.phase}, record "
+        rnd = (f" (fix chain round {self.round}, with {', '.join(self.fixes) or 'no fix'})"
+               if self.round else "")
+        return (f"{config_name(self.degree)}{rnd}: {what}{op}, phase {self.phase}, record "
                 f"{self.kind} {self.name}, cause {self.cause} (max ULP {ulp}, max abs vs the reference "
                 f"{mabs}{far}): {self.reason}{more}")
 
@@ -153,66 +157,6 @@ def nonfinite(r: dict) -> bool:
     return m is not None and (m != m or m == float("inf"))
 
 
-def _verify_records(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
-                    base: str | None = None) -> dict[str, str]:
-    """Re-read every tensor and re-diff it; {label: problem} where the records disagree with diff.csv.
-
-    base: the label of a reference rerun that summary.json calls reproducible; it must still be.
-    """
-    from tpdiag.diff.engine import diff_degree
-    from tpdiag.records.store import RecordSet
-
-    try:
-        ref_rs = RecordSet(dirs[ref])
-    except Inconclusive as e:
-        return {lab: f"reference TP={ref}: {e}" for lab in labels}
-    problems = {}
-    for lab in labels:
-        try:
-            dd = diff_degree(ref_rs, RecordSet(dirs[lab]), lab, keep=lambda m: False)
-        except Inconclusive as e:
-            problems[lab] = str(e).splitlines()[0]
-            continue
-        want = {r["key"]: r for r in csv_rows.get(lab, [])}
-        got = {r["key"]: r for r in dd.rows}
-        if set(want) != set(got):
-            k = sorted(set(want) ^ set(got))[0]
-            problems[lab] = f"records and diff.csv list different records (first {k})"
-            continue
-        # Floats survive the CSV round trip exactly (repr), so plain equality is the right test. Without
-        # per-record hashes an edit that leaves all five metrics unchanged cannot be seen here.
-        # The identity fields and rank_consistent too: the policy matches budgets by module/phase and
-        # judges rank-inconsistent replicas from these columns, so an edited row must not pass for another.
-        metrics = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
-                   "step", "phase", "module", "kind", "call", "name")
-        for k, r in got.items():
-            if any(r[m] != want[k][m] for m in metrics):
-                problems[lab] = f"record {k} does not match diff.csv (records or diff.csv edited after the run)"
-                break
-    if base:
-        try:
-            dd = diff_degree(ref_rs, RecordSet(dirs[base]), base, keep=lambda m: False, values=False)
-            if dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows):
-                problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
-        except Inconclusive as e:
-            problems[base] = str(e).splitlines()[0]
-    return problems
-
-
-def _check_summary(lab: str, d: dict, rows: list[dict]) -> str | None:
-    div_rows = [r for r in rows if r["bitwise"] is False or r["rank_consistent"] is False]
-    if d.get("status") == "bitwise" and div_rows:
-        return f"summary.json says bitwise but diff.csv has {len(div_rows)} divergent records"
-    fd = d.get("first_divergence")
-    # locate's rule: the first divergent module record; an op only where no module record differs
-    firsts = [r for r in div_rows if r.get("kind") != "op"] or div_rows
-    if fd and fd.get("key") and firsts and firsts[0]["key"] != fd["key"]:
-        return f"summary.json first divergence {fd['key']} is not the first divergent record {firsts[0]['key']}"
-    if d.get("status") == "divergent" and not div_rows and not (d.get("missing") or d.get("unmatched")):
-        return "summary.json says divergent but diff.csv has no divergent record"
-    return None
-
-
 def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
     fd = d.get("first_divergence") or {}
     root_cause = fd.get("cause") or "unknown"
@@ -282,43 +226,6 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
                                         "the degrees recorded different sets of records"))
     res.status = "fail" if res.violations else "pass"
     return res
-
-
-def _degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others: list[str],
-                   by_label: dict[str, list[dict]]) -> dict[str, str]:
-    """{label: why this degree's evidence cannot be trusted}; the reference's problems spread to all."""
-    from tpdiag.records.axes import entries
-
-    degrees = entries(summary)
-    worlds = manifest.get("worlds")
-    errors: dict[str, str] = {}
-    if isinstance(worlds, dict):
-        for lab in [ref, *others]:
-            w = worlds.get(lab) or {}
-            if w.get("status") != "ok":
-                status = w.get("status", "missing from manifest.json")
-                errors[lab] = f"world {status}: {w.get('error') or 'no error recorded'}"
-    if ref in errors:
-        return {lab: f"reference TP={ref} {errors[ref]}" for lab in others}
-    for lab in others:
-        if lab in errors:
-            continue
-        if lab not in degrees:
-            errors[lab] = "listed in manifest.json, absent from summary.json"
-        elif degrees[lab].get("status") == "failed":
-            errors[lab] = f"failed: {degrees[lab].get('error')}"
-    base = summary.get("baseline") or {}
-    base_label = str(base["label"]) if base.get("reproducible") and base.get("label") else None
-    from tpdiag.records.rundir import records_dir
-
-    dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *others, *([base_label] if base_label else [])]}
-    errors.update(_verify_records(dirs, ref, [lab for lab in others if lab not in errors], by_label, base_label))
-    for lab in others:
-        if lab not in errors:
-            bad = _check_summary(lab, degrees[lab], by_label[lab])
-            if bad:
-                errors[lab] = bad
-    return errors
 
 
 # What malformed (hand-edited, bit-flipped, foreign) JSON/CSV/records raise deep in the readers and
@@ -394,7 +301,9 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
         if lab not in others:
             res.problems.append(f"policy gates TP={lab} but the run compared only TP={', '.join(others) or 'none'}")
     by_label = {lab: [r for r in rows if r["degree"] == lab] for lab in others}
-    errors = _degree_errors(run_dir, manifest, summary, ref, others, by_label)
+    from tpdiag.gate.evidence import degree_errors
+
+    errors = degree_errors(run_dir, manifest, summary, ref, others, by_label)
     for lab in set(errors) - set(others):
         res.problems.append(f"reference rerun TP={lab}: {errors.pop(lab)}")
     for lab in others:
@@ -409,4 +318,35 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
     if summary.get("status") not in ("bitwise", "divergent") and not errors:
         why = summary.get("error") or "no reason given"
         res.problems.append(f"summary.json status is {summary.get('status')}: {why}")
+    _judge_chain(res, run_dir, summary.get("fix_chain"), policy)
     return res
+
+
+def _judge_chain(res: GateResult, run_dir: str, chain, policy: Policy) -> None:
+    """--fix auto: every later round of the chain is gated as its own run, by the same policy.
+    A later round is the user's run with reorderings fixed away, so what it finds (a bug that the
+    first round's reordering hid, a cause the policy does not allow) is in the user's run too: its
+    violations join the degree's, each naming its round; its evidence problems are the gate's."""
+    if not chain:
+        return
+    if not isinstance(chain, list) or not all(isinstance(r, dict) for r in chain):
+        res.problems.append(f"{run_dir}: summary.json's fix_chain is not a list of rounds (edited?)")
+        return
+    for rnd in chain:
+        i = rnd.get("round")
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            res.problems.append(f"{run_dir}: summary.json's fix_chain has a round numbered {i!r} (edited?)")
+            return
+        if i == 0:
+            continue
+        # where compare wrote it (runner/confirm.auto_chain), beside this run: a moved run directory
+        # still finds its rounds
+        sub = _evaluate(os.path.join(run_dir, "auto", f"round{i}"), policy)
+        res.problems += [f"fix chain round {i}: {p}" for p in sub.problems]
+        fixes = tuple(str(f) for f in rnd.get("fixes") or ())
+        for lab, d in sub.degrees.items():
+            if not d.violations or lab not in res.degrees:
+                continue
+            mine = res.degrees[lab]
+            mine.violations += [replace(v, round=i, fixes=fixes) for v in d.violations]
+            mine.status = "fail"

@@ -218,3 +218,17 @@ def window(model=None, warn: bool = False):
             close(w)
             if missed:
                 _warn(missed)
+
+
+@contextmanager
+def suspended():
+    """No window open inside (the open one, if any, back on exit): a computation that is not the
+    step's own - the float64 oracle re-running a module and its backward (probes/float64.py) -
+    would otherwise add its grads into the step's carries, and through them into the real .grad,
+    or carry a grad of its own that autograd then never returns."""
+    held = list(_WINDOW)
+    _WINDOW.clear()
+    try:
+        yield
+    finally:
+        _WINDOW[:] = held

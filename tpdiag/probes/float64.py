@@ -19,8 +19,16 @@ Refused, with the reason recorded instead of a value: an op that draws random nu
 result is not a function of the inputs; checked before it runs, so no RNG state is consumed),
 an op that writes a tensor the oracle did not create (a buffer, a parameter, a cache: re-running
 it would change the real run), and any error the re-execution raises.
+
+The re-execution never changes what the probed model computes (`_isolated`): state the dispatch
+mode cannot see as a write is put back - an attribute or buffer the module assigns anew (a
+RoPE cache rebuilt in float64), and the gradient-accumulation window the fixes' Functions add
+their weight grads into (kernels/grad_carry.py; the oracle's backward would add its float64
+grads to the step's carries, and so to the real .grad, and return none of its own).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -156,6 +164,27 @@ def _why(e: BaseException) -> str:
     return f"its float64 re-execution raised {type(e).__name__}: {msg}"
 
 
+@contextmanager
+def _isolated(mod: torch.nn.Module):
+    """The re-execution of mod with the step's state out of its reach: no carry window open, and
+    every submodule's attributes, parameters and buffers as they were before, by identity."""
+    from tpdiag.kernels.grad_carry import suspended
+
+    mods = list(mod.modules())
+    saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in mods]
+    try:
+        with suspended():
+            yield
+    finally:
+        for m, attrs, params, bufs in saved:
+            for d, was in ((m.__dict__, attrs), (m._parameters, params), (m._buffers, bufs)):
+                for k in [k for k in d if k not in was]:
+                    del d[k]
+                for k, v in was.items():
+                    if d.get(k, d) is not v:
+                        d[k] = v
+
+
 def module_oracle(mod: torch.nn.Module, args, kwargs) -> tuple[object | None, dict]:
     """(the module's output computed in float64 from float64 copies of args/kwargs, notes) or
     (None, {"why": why not}). args/kwargs should be a `snapshot` taken before the real forward
@@ -163,7 +192,7 @@ def module_oracle(mod: torch.nn.Module, args, kwargs) -> tuple[object | None, di
     protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
     mode = Float64Mode(protected)
     try:
-        with torch.no_grad(), mode:
+        with _isolated(mod), torch.no_grad(), mode:
             out = mod(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure is a reason, never a crash of the run
         return None, {"why": _why(e)}
@@ -181,6 +210,11 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out) -> tuple[d
     own = {n: p for n, p in mod.named_parameters(recurse=False) if p.requires_grad}
     protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
     leaves = {n: p.detach().to(_up_dtype(p.dtype), copy=True).requires_grad_(True) for n, p in own.items()}
+    # the children's parameters as float64 constants: no grad of theirs is asked for, so no
+    # Function computes one (a fix's Function would return it in float64 for a float32 weight,
+    # which autograd refuses) and nothing reaches the real weights
+    frozen = {n: p.detach().to(_up_dtype(p.dtype)) for n, p in mod.named_parameters()
+              if n not in own and (p.is_floating_point() or p.is_complex())}
     # its floating inputs too (the snapshot's own copies): d loss / d input, in input order
     ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     for i, t in enumerate(ins):
@@ -192,8 +226,8 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out) -> tuple[d
     try:
         g = upcast(grad_out.detach())
         # the backward runs under the mode too: its formulas read what the forward saved
-        with torch.enable_grad(), mode:
-            out = functional_call(mod, leaves, args, kwargs, strict=False)
+        with _isolated(mod), torch.enable_grad(), mode:
+            out = functional_call(mod, {**frozen, **leaves}, args, kwargs, strict=False)
             flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
                     and (t.is_floating_point() or t.is_complex()) and t.requires_grad]
             if len(flat) != 1:

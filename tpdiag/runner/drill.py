@@ -97,19 +97,22 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                     | {fd["consumers"][0] for fd in fds if fd.get("kind") == "grad_out"
                        and len(fd.get("consumers") or []) == 1}
                     | {m for lab, _ in targets for m in every[lab].get("unjudged", [])})
-    # opt-in (--judge-downstream): with every divergent downstream module added to the float64
-    # set, the region pass's reference computed another step than pass 1's on a planted attention
-    # model (tests/test_invariant_attention.py) - not yet understood, so not on by default
+    # every divergent module past the first divergence, judged on this side's own inputs
+    # (diff/own_inputs.py; --no-judge-downstream: off)
     own = {lab: every[lab]["own_inputs"] for lab, _ in targets
            if cfg.judge_downstream and every[lab].get("own_inputs")}
     oracle = sorted(set(oracle) | {m for ms in own.values() for m in ms})
     if not hashed and not ops and not oracle:
         return summary
     modules = []
+    # after a hash-only pass: the modules to judge on their own inputs, captured whole by the
+    # region pass and judged in one more pass from its records (_judge_own_after_hash)
+    own_hash = sorted({m for lab, _ in targets for m in every[lab].get("own_inputs_hash", [])}
+                      if hashed and cfg.judge_downstream else ())
     if hashed:
         suspects = {m for lab, _ in targets for m in every[lab].get("suspects", [])}
         modules = sorted({m for fd in fds for m in (_record_module(fd), fd["module"])} | suspects
-                         | set(oracle))
+                         | set(oracle) | set(own_hash))
     if on_status:
         on_status("values" if hashed else "ops" if ops else "float64", ", ".join(modules or scopes or oracle))
     out = os.path.join(run_dir, "region" if hashed else "ops")
@@ -118,7 +121,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         cfg, out=out, degrees=degrees, only=tuple(lab for lab, _ in targets) if axes else (), confirm=False, baseline=False, fix_mode="explicit",
         # no unprobed rerun per world: its step must compute what pass 1's did (_step_differs)
         selfcheck=False, oracle=tuple(oracle), oracle_ops=ops,
-        capture="full" if hashed else cfg.capture, module_include=tuple(modules),
+        # a pass that probes only some modules (the own-input pass after a region pass) keeps them
+        capture="full" if hashed else cfg.capture, module_include=tuple(modules) or cfg.module_include,
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ())
     sub_labels = labels[:1] + [lab for lab, _ in targets] if axes else degree_labels(degrees)
     if own:
@@ -131,7 +135,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
     # not where pass 1 named suspects (outputs that moved far more than their inputs) or
     # unjudged modules: those are judged on every position
     n = prefix.region_positions(cfg, [lab for lab, _ in targets]) if axes and not any(
-        every[lab].get("suspects") or every[lab].get("unjudged") or lab in own
+        every[lab].get("suspects") or every[lab].get("unjudged") or lab in own or own_hash
         for lab, _ in targets) else 0
     sub = None
     if n:
@@ -147,6 +151,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             rerun = replace(rerun, out=out)
     if sub is None:
         sub = run_compare(rerun)
+    if own_hash:
+        sub = _judge_own_after_hash(rerun, sub, out, on_status)
     sub_every = entries(sub)
     # the reference ran pass 1's step (its logits and parameters; its loss-phase records are of
     # the first positions); decode worlds on the first positions checked themselves (worker.py)
@@ -164,7 +170,12 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             fd["values_detail" if hashed else "op_detail"] = (
                 f"the rerun of this region computed another step than the first pass ({differs}): "
                 "its probes changed the numerics or the step is not deterministic; its values are not used")
+            if label in own or own_hash:
+                # fail closed: a bug behind the first divergence may be there unseen
+                entry["downstream_unjudged"] = f"the float64 pass computed another step than the first pass ({differs})"
             continue
+        if sub_entry.get("downstream_unjudged"):  # the own-input pass after a region pass
+            entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
         # every finding the rerun made (the float64 verdicts of other roots among them)
         seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
         for f in sub_entry.get("findings", []):
@@ -214,6 +225,29 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             fd["op_detail"] = "the op-level rerun named no op for this first divergence"
     summary["second_pass"] = {"dir": out, "ops": ops, "oracle": oracle, "scopes": scopes if ops else []}
     return summary
+
+
+def _judge_own_after_hash(rerun: CompareConfig, sub: dict, out: str, on_status) -> dict:
+    """The region pass after a hash-only first pass captured the downstream modules whole: its
+    records are what a full first pass would have had, so the own-input judgement runs from them
+    (one more pass, of the same modules, whose reference re-executes them in float64 from each
+    side's inputs there) and its findings join the region pass's, which join the first pass's."""
+    from tpdiag.records.axes import entries
+
+    own = replace(rerun, granularity="module", op_include=(), oracle_ops=False, oracle=(), oracle_own=())
+    every = entries(sub)
+    if sub.get("status") != "divergent" or not any(d.get("own_inputs") for d in every.values()):
+        return sub
+    # the first divergences keep the region pass's verdicts (judged there with their ops); this
+    # pass only adds the findings of the modules after them
+    import copy
+
+    firsts = {lab: copy.deepcopy(d.get("first_divergence")) for lab, d in every.items()}
+    sub = drill_down(own, sub, out, on_status)
+    for lab, d in entries(sub).items():
+        if lab in firsts:
+            d["first_divergence"] = firsts[lab]
+    return sub
 
 
 def _near_on_own_inputs(entry: dict, sub_dir: str, sub_label: str) -> None:

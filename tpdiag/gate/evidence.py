@@ -1,0 +1,103 @@
+"""The gate's evidence checks: every degree's records re-read and re-diffed must agree with
+diff.csv, and summary.json with both; a degree whose evidence cannot be trusted is an error
+(exit 2), never a pass (gate/verdict.py)."""
+from __future__ import annotations
+
+from tpdiag.errors import Inconclusive
+
+
+def verify_records(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
+                    base: str | None = None) -> dict[str, str]:
+    """Re-read every tensor and re-diff it; {label: problem} where the records disagree with diff.csv.
+
+    base: the label of a reference rerun that summary.json calls reproducible; it must still be.
+    """
+    from tpdiag.diff.engine import diff_degree
+    from tpdiag.records.store import RecordSet
+
+    try:
+        ref_rs = RecordSet(dirs[ref])
+    except Inconclusive as e:
+        return {lab: f"reference TP={ref}: {e}" for lab in labels}
+    problems = {}
+    for lab in labels:
+        try:
+            dd = diff_degree(ref_rs, RecordSet(dirs[lab]), lab, keep=lambda m: False)
+        except Inconclusive as e:
+            problems[lab] = str(e).splitlines()[0]
+            continue
+        want = {r["key"]: r for r in csv_rows.get(lab, [])}
+        got = {r["key"]: r for r in dd.rows}
+        if set(want) != set(got):
+            k = sorted(set(want) ^ set(got))[0]
+            problems[lab] = f"records and diff.csv list different records (first {k})"
+            continue
+        # Floats survive the CSV round trip exactly (repr), so plain equality is the right test. Without
+        # per-record hashes an edit that leaves all five metrics unchanged cannot be seen here.
+        # The identity fields and rank_consistent too: the policy matches budgets by module/phase and
+        # judges rank-inconsistent replicas from these columns, so an edited row must not pass for another.
+        metrics = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
+                   "step", "phase", "module", "kind", "call", "name")
+        for k, r in got.items():
+            if any(r[m] != want[k][m] for m in metrics):
+                problems[lab] = f"record {k} does not match diff.csv (records or diff.csv edited after the run)"
+                break
+    if base:
+        try:
+            dd = diff_degree(ref_rs, RecordSet(dirs[base]), base, keep=lambda m: False, values=False)
+            if dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows):
+                problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
+        except Inconclusive as e:
+            problems[base] = str(e).splitlines()[0]
+    return problems
+
+
+def check_summary(lab: str, d: dict, rows: list[dict]) -> str | None:
+    div_rows = [r for r in rows if r["bitwise"] is False or r["rank_consistent"] is False]
+    if d.get("status") == "bitwise" and div_rows:
+        return f"summary.json says bitwise but diff.csv has {len(div_rows)} divergent records"
+    fd = d.get("first_divergence")
+    # locate's rule: the first divergent module record; an op only where no module record differs
+    firsts = [r for r in div_rows if r.get("kind") != "op"] or div_rows
+    if fd and fd.get("key") and firsts and firsts[0]["key"] != fd["key"]:
+        return f"summary.json first divergence {fd['key']} is not the first divergent record {firsts[0]['key']}"
+    if d.get("status") == "divergent" and not div_rows and not (d.get("missing") or d.get("unmatched")):
+        return "summary.json says divergent but diff.csv has no divergent record"
+    return None
+
+
+def degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others: list[str],
+                   by_label: dict[str, list[dict]]) -> dict[str, str]:
+    """{label: why this degree's evidence cannot be trusted}; the reference's problems spread to all."""
+    from tpdiag.records.axes import entries
+
+    degrees = entries(summary)
+    worlds = manifest.get("worlds")
+    errors: dict[str, str] = {}
+    if isinstance(worlds, dict):
+        for lab in [ref, *others]:
+            w = worlds.get(lab) or {}
+            if w.get("status") != "ok":
+                status = w.get("status", "missing from manifest.json")
+                errors[lab] = f"world {status}: {w.get('error') or 'no error recorded'}"
+    if ref in errors:
+        return {lab: f"reference TP={ref} {errors[ref]}" for lab in others}
+    for lab in others:
+        if lab in errors:
+            continue
+        if lab not in degrees:
+            errors[lab] = "listed in manifest.json, absent from summary.json"
+        elif degrees[lab].get("status") == "failed":
+            errors[lab] = f"failed: {degrees[lab].get('error')}"
+    base = summary.get("baseline") or {}
+    base_label = str(base["label"]) if base.get("reproducible") and base.get("label") else None
+    from tpdiag.records.rundir import records_dir
+
+    dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *others, *([base_label] if base_label else [])]}
+    errors.update(verify_records(dirs, ref, [lab for lab in others if lab not in errors], by_label, base_label))
+    for lab in others:
+        if lab not in errors:
+            bad = check_summary(lab, degrees[lab], by_label[lab])
+            if bad:
+                errors[lab] = bad
+    return errors
