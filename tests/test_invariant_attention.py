@@ -413,6 +413,12 @@ def test_cli_locates_planted_attention_kernel_and_confirms(tmp_path):
     fd = d["first_divergence"]
     assert s["status"] == "divergent" and fd["cause"] == "attention-kernel", fd
     assert "scaled_dot_product" in fd["op"] and fd["phase"] == "forward", fd
+    # the fixed linears' group GEMMs compute each rank's own columns on plain local tensors:
+    # not replicas, so no rank-inconsistent-replica BUG at their ops (there was one before)
+    from tpdiag.records.causes import cause_class
+
+    assert not [f for f in d["findings"] if cause_class(f["cause"]) == "bug"], d["findings"]
+    assert s["class"] != "bug", s["class"]
     conf = d["confirmation"]
     assert conf["fix"] == "invariant-attention" and conf["verdict"] == "confirmed", conf
     assert conf["first_divergence_after"] is None and conf.get("status_after") == "bitwise", conf

@@ -194,6 +194,14 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 uncompared.append({**om, "why": "after a router flip: expert token counts differ"})
                 continue
             raise NotComparable(f"TP={label}: {e}") from None
+        if om["kind"] == "op" and oa.rank_consistent is False and not om.get("placement"):
+            # an op on plain local tensors (inside a fixed kernel or hand-written TP code: no
+            # DTensor placement) whose ranks hold different numbers computed each rank's own part
+            # - a column group, a partial sum - not copies of one replica; its occurrence at TP=1
+            # is one part of the whole. Were the module's output wrong, its own record says so.
+            uncompared.append({**om, "why": "each rank computed its own part (an op on local tensors, "
+                                            "no placement to gather it by)"})
+            continue
         row = {k: om.get(k) for k in ("idx", "key", "step", "phase", "module", "kind", "call", "name",
                                      "cls", "style", "dtype")}
         row["degree"] = label
