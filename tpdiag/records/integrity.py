@@ -72,7 +72,7 @@ def _same(a, b) -> bool:
 
 # the second pass's folders inside a run directory (runner/drill.py writes them; fixed names, so
 # nothing is read from a path summary.json gives)
-SECOND_PASS_DIRS = ("ops", "region", "ops-all", "region-all")
+SECOND_PASS_DIRS = ("ops", "region", "ops-all", "region-all", "region/ops")
 
 
 def _second_pass_rows(run_dir: str | None) -> tuple[list[dict], list[str]]:

@@ -16,7 +16,8 @@ import os
 
 from tpdiag.records.timing import SCHEMA, TOTALS
 
-SECOND_PASS_DIRS = ("region", "region-all", "ops", "ops-all")
+# region/ops: the own-input judgement after a hash-first pass (runner/drill.py)
+SECOND_PASS_DIRS = ("region", "region-all", "ops", "ops-all", "region/ops")
 
 
 def _read(path: str) -> dict:
