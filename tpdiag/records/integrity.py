@@ -100,6 +100,14 @@ def _number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
                 out.append(f"summary.json's TP={lab} {what} {key}: {bad} {rec[bad]!r} but diff.csv says "
                            f"{r[bad]!r} (edited after the run)")
                 break
+        # locate makes every record beyond its bound or rank-inconsistent a finding: one missing from the
+        # summary (a bug deleted) would be judged as a mere consequence of the first divergence
+        found = {f.get("key") for f in d.get("findings") or () if isinstance(f, dict)}
+        lost = next((r["key"] for r in rows if str(r.get("degree")) == lab and r.get("key") not in found
+                     and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)), None)
+        if lost:
+            out.append(f"summary.json's TP={lab} findings lack {lost}, which diff.csv has beyond its bound or "
+                       "inconsistent across ranks (edited after the run)")
     return out
 
 
