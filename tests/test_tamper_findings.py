@@ -6,8 +6,9 @@ record that does not exist - no longer hides it.
 
 One real compare: tests/models/planted/behind.py:bugs at TP=1,2, whose first divergence is a
 correct row-parallel all-reduce (rounding) with a never-reduced norm weight grad (a
-rank-inconsistent replica) and an averaged k/v weight grad behind it. On ed1fba1 every tampering
-below passed the gate under a policy allowing the first divergence's cause (exit 0).
+rank-inconsistent replica) and an averaged k/v weight grad behind it. On ed1fba1, under a policy
+allowing the first divergence's cause, both `follows` cases and the deletion of every finding passed
+the gate (exit 0); a single deletion still failed on the other bug, but was not called an edit.
 """
 import json
 import shutil
@@ -94,3 +95,32 @@ def test_a_deleted_finding_is_inconclusive(run, tmp_path, case, edit):
     res = evaluate(str(run), policy)
     assert res.exit_code == 2 and res.status == "inconclusive", (case, res.lines())
     assert "findings lack" in res.lines()[0], res.lines()[0]
+
+
+def test_only_the_second_pass_s_finding_deleted_is_inconclusive(run, tmp_path):
+    """The averaged k/v weight grad is found only by the second pass (judged on its own inputs), so
+    diff.csv does not mark it: its deletion from summary.json is caught against the second pass's
+    own summary (RUN_DIR/ops/summary.json)."""
+    policy = _policy(run, tmp_path)
+    _edit(run, _drop(lambda f: f.get("from") == "second pass"))
+    res = evaluate(str(run), policy)
+    assert res.exit_code == 2 and "second pass" in res.lines()[0] and "ops/summary.json" in res.lines()[0], \
+        res.lines()
+
+
+def _make_branches(out):
+    p = run_cli("compare", "--model", "py:tests/models/planted/branches.py:bugs", "--tp", "1,2", "--forward-only",
+                "--no-confirm", "--no-baseline", "--format", "json", "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+
+
+def test_an_untouched_run_whose_second_pass_found_an_op_is_judged_not_inconclusive(tmp_path_factory):
+    """The flip side: a finding the second pass made on an op only it recorded (the LayerNorm over a
+    column shard, found at aten::native_layer_norm) is not a record of the main diff.csv. On ed1fba1
+    the gate called this genuine run inconclusive for it (exit 2); it fails on its bugs (exit 4), the
+    LayerNorm's among them rather than grouped under an op the gate never judges."""
+    run = shared_run(tmp_path_factory, "branches-bugs-tp12", _make_branches)
+    res = evaluate(str(run))
+    assert res.exit_code == EXIT_BUG and not res.problems, res.lines()
+    assert any(v.module == "branch.norm" and cause_class(v.cause) == "bug" for v in res.degrees["2"].violations), \
+        res.lines()

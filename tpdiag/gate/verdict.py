@@ -179,7 +179,9 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
     for f in found.values():
         if "follows" in f:
             follows[f["follows"]] = follows.get(f["follows"], 0) + 1
-    by_key = {f.get("key"): f for f in found.values() if f.get("key")}
+    # the findings a follower may be grouped under: those the gate judges here (a record of diff.csv)
+    judged = {r["key"] for r in rows}
+    by_key = {f.get("key"): f for f in found.values() if f.get("key") in judged}
     res = DegreeResult(lab, "pass")
     first_seen = False
     for r in rows:
@@ -241,9 +243,10 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
 
 def _grouped(f: dict, by_key: dict, fd: dict) -> bool:
     """A finding that follows another is grouped under it - not judged on its own - only where that one
-    is a finding (or the first divergence) of this degree at least as grave: a bug under a bug, anything
-    else under anything. locate and the second pass group no other way, so a `follows` written into
-    summary.json to hide a bug under a rounding difference (or under nothing) is judged as a finding."""
+    is a finding (or the first divergence) of this degree that the gate judges (a record of diff.csv, not
+    an op only the second pass recorded) and at least as grave: a bug under a bug, anything else under
+    anything. locate and the second pass group no other way, so a `follows` written into summary.json
+    to hide a bug under a rounding difference (or under nothing) is judged as a finding."""
     from tpdiag.records.causes import cause_class
 
     root = by_key.get(f["follows"]) or (fd if fd.get("key") == f["follows"] else None)
