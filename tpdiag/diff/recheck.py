@@ -9,7 +9,7 @@ come from the oracle pass and are cross-checked against diff.csv by records/inte
 """
 from __future__ import annotations
 
-from tpdiag.errors import Inconclusive, NotComparable
+from tpdiag.errors import Inconclusive
 
 # diff.csv's columns re-derived from the records. Floats survive the CSV round trip exactly (repr), so
 # plain equality is the right test. The identity fields and rank_consistent too: the policy matches
@@ -146,7 +146,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
     for lab in labels:
         try:
             dd, got = recomputed(ref_rs, RecordSet(dirs[lab]), lab)
-        except (Inconclusive, NotComparable) as e:
+        except Inconclusive as e:  # NotComparable too
             problems[lab] = str(e).splitlines()[0]
             continue
         bad = check_rows(lab, dd.rows, csv_rows.get(lab, []))
@@ -159,6 +159,6 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             dd = diff_degree(ref_rs, RecordSet(dirs[base]), base, keep=lambda m: False, values=False)
             if dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows):
                 problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
-        except (Inconclusive, NotComparable) as e:
+        except Inconclusive as e:  # NotComparable too
             problems[base] = str(e).splitlines()[0]
     return problems
