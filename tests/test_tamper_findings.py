@@ -124,3 +124,19 @@ def test_an_untouched_run_whose_second_pass_found_an_op_is_judged_not_inconclusi
     assert res.exit_code == EXIT_BUG and not res.problems, res.lines()
     assert any(v.module == "branch.norm" and cause_class(v.cause) == "bug" for v in res.degrees["2"].violations), \
         res.lines()
+
+
+def test_a_finding_relabelled_as_rounding_is_inconclusive(run, tmp_path):
+    """The rank-inconsistent norm grad given the allowed rounding cause in summary.json alone: diff.csv
+    (re-derived from the records) still has the record inconsistent across ranks, which locate names a
+    bug and no later pass relabels without saying so (cause_before). On ed1fba1: judged allowed."""
+    policy = _policy(run, tmp_path)
+    allowed = next(iter(policy.allow_causes))
+
+    def relabel(d):
+        for f in d["findings"]:
+            if f["module"] == "norm" and f["kind"] == "param_grad":
+                f["cause"] = allowed
+    _edit(run, relabel)
+    res = evaluate(str(run), policy)
+    assert res.exit_code == 2 and "a rounding label" in res.lines()[0], res.lines()

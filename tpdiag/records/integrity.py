@@ -111,6 +111,20 @@ def _number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
         if lost:
             out.append(f"summary.json's TP={lab} findings lack {lost}, which diff.csv has beyond its bound or "
                        "inconsistent across ranks (edited after the run)")
+        # locate names such a record a bug (or non-finite); the passes that name it otherwise say so:
+        # the second pass keeps the bug label it overrode (cause_before), the router relabels it
+        # unknown or router-flip. A rounding label with neither is an edit that would let it pass.
+        from tpdiag.records.causes import cause_class
+
+        far = {r["key"] for r in rows if str(r.get("degree")) == lab
+               and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)}
+        soft = next((f for f in d.get("findings") or () if isinstance(f, dict) and f.get("key") in far
+                     and cause_class(f.get("cause")) not in ("bug", "non-finite") and "cause_before" not in f
+                     and f.get("cause") not in ("unknown", "router-flip")), None)
+        if soft:
+            out.append(f"summary.json's TP={lab} finding {soft.get('key')} has cause {soft.get('cause')!r}, a "
+                       "rounding label for a record diff.csv has beyond its bound or inconsistent across ranks "
+                       "(edited after the run)")
     return out
 
 
