@@ -125,3 +125,24 @@ def test_the_line_names_the_field_and_both_values(run, tmp_path):
     r = _report(run, tmp_path / "r.html")
     assert r.exit_code == 2 and "summary.json's TP=2 loss.value is" in r.output, r.output
     assert repr(s["value"]) in r.output  # the edited value, then what the records give
+
+
+def test_a_tampered_per_step_loss_is_inconclusive(tmp_path_factory, tmp_path):
+    """Two optimizer steps: the report's per-step table comes from summary.json's `steps`. Step 1's
+    loss edited to the reference's: on ed1fba1 the gate passed under a policy allowing its cause and the report
+    exited 0 showing the edit."""
+    from conftest import run_cli, shared_run
+
+    def make(out):
+        p = run_cli("compare", "--tp", "1,2", "--steps", "2", "--no-confirm", "--no-baseline", "--out", str(out))
+        assert p.returncode == 0, p.stderr[-2000:]
+    run = tmp_path / "run"
+    shutil.copytree(shared_run(tmp_path_factory, "tp12-steps2", make), run)
+
+    def edit(e):
+        e["steps"][1]["loss"] = e["steps"][1]["loss_reference"]
+    _tp2(edit)(run)
+    res = evaluate(str(run), _permissive(run, tmp_path))
+    assert res.exit_code == 2 and "steps[1].loss" in res.lines()[0], res.lines()
+    r = _report(run, tmp_path / "r.html")
+    assert r.exit_code == 2 and "steps[1].loss" in r.output, r.output
