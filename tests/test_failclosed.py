@@ -280,7 +280,7 @@ def test_report_numbers_are_diff_csv_s(tampered_base, tmp_path):
     _first_divergence_zeroed(tampered_base)
     html = tmp_path / "r.html"
     r = _cli("report", str(tampered_base), "-o", str(html))
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 2 and "0.0 but diff.csv says" in r.output, r.output  # fails closed, as the gate
     top = html.read_text()
     top = top[:top.index('id="verdict"') + 400]
     assert 'badge inconclusive">inconclusive' in top and "0.0 but diff.csv says" in top, top[-600:]
@@ -297,7 +297,7 @@ def test_report_says_inconclusive_at_the_top_when_evidence_disagrees(tampered_ba
     (tampered_base / "tp2" / "rank1.done").unlink()
     html = tmp_path / "r.html"
     r = _cli("report", str(tampered_base), "-o", str(html))
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 2 and "rank1.done is missing" in r.output, r.output
     text = html.read_text()
     top = text[:text.index('id="verdict"') + 400]
     assert 'badge inconclusive">inconclusive' in top and "rank1.done is missing" in top, top[-600:]

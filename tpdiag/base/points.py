@@ -60,7 +60,7 @@ def parse_micro_batches(text: str | None) -> tuple[int, ...]:
                            "call, e.g. 4,1") from None
     if any(n < 1 for n in out):
         raise BadInput(f"--micro-batch {text!r}: every size must be >= 1")
-    _no_repeat("--micro-batch", text, out)
+    no_repeat("--micro-batch", text, out)
     return tuple(out)
 
 
@@ -71,14 +71,14 @@ def parse_modes(text: str | None) -> tuple[str, ...]:
     for m in out:
         if m not in MODES:
             raise BadInput(f"--mode {text!r}: {m!r} is not a mode; expected one of {', '.join(MODES)}")
-    _no_repeat("--mode", text, out)
+    no_repeat("--mode", text, out)
     return out
 
 
-def _no_repeat(option: str, text, values) -> None:
+def no_repeat(option: str, text, values) -> None:
     """A value listed twice would run a second world of the very configuration the first one is (no
-    label tells them apart) and compare it as another: refused. (`--tp 2,2` is different: its second
-    world is a labelled rerun of the reference, a documented check.)"""
+    label tells them apart) and compare it as another: refused, by compare and rollout alike. (compare's
+    `--tp 2,2` is different: its second world is a labelled rerun of the reference, a documented check.)"""
     seen = set()
     for v in values:
         if v in seen:

@@ -321,7 +321,16 @@ def report(
     try:
         from tpdiag.reports.html import write_report
 
-        path = write_report(run_dir, output)
+        problems: list[str] = []
+        path = write_report(run_dir, output, problems)
+        if problems:
+            # fail closed as the gate does: the page is written (it says inconclusive at the top) but a
+            # run whose evidence disagrees with itself is never reported as done
+            from tpdiag.errors import Inconclusive
+
+            more = f" (and {len(problems) - 1} more, listed in the report)" if len(problems) > 1 else ""
+            raise Inconclusive(f"{run_dir}: inconclusive, the evidence disagrees: {problems[0]}{more}; "
+                               f"report written to {path}")
     except TpdiagError as e:
         fail(e)
     except MALFORMED as e:

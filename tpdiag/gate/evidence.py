@@ -3,54 +3,6 @@ diff.csv, and summary.json with both; a degree whose evidence cannot be trusted 
 (exit 2), never a pass (gate/verdict.py)."""
 from __future__ import annotations
 
-from tpdiag.errors import Inconclusive
-
-
-def verify_records(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
-                    base: str | None = None) -> dict[str, str]:
-    """Re-read every tensor and re-diff it; {label: problem} where the records disagree with diff.csv.
-
-    base: the label of a reference rerun that summary.json calls reproducible; it must still be.
-    """
-    from tpdiag.diff.engine import diff_degree
-    from tpdiag.records.store import RecordSet
-
-    try:
-        ref_rs = RecordSet(dirs[ref])
-    except Inconclusive as e:
-        return {lab: f"reference TP={ref}: {e}" for lab in labels}
-    problems = {}
-    for lab in labels:
-        try:
-            dd = diff_degree(ref_rs, RecordSet(dirs[lab]), lab, keep=lambda m: False)
-        except Inconclusive as e:
-            problems[lab] = str(e).splitlines()[0]
-            continue
-        want = {r["key"]: r for r in csv_rows.get(lab, [])}
-        got = {r["key"]: r for r in dd.rows}
-        if set(want) != set(got):
-            k = sorted(set(want) ^ set(got))[0]
-            problems[lab] = f"records and diff.csv list different records (first {k})"
-            continue
-        # Floats survive the CSV round trip exactly (repr), so plain equality is the right test. Without
-        # per-record hashes an edit that leaves all five metrics unchanged cannot be seen here.
-        # The identity fields and rank_consistent too: the policy matches budgets by module/phase and
-        # judges rank-inconsistent replicas from these columns, so an edited row must not pass for another.
-        metrics = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
-                   "step", "phase", "module", "kind", "call", "name")
-        for k, r in got.items():
-            if any(r[m] != want[k][m] for m in metrics):
-                problems[lab] = f"record {k} does not match diff.csv (records or diff.csv edited after the run)"
-                break
-    if base:
-        try:
-            dd = diff_degree(ref_rs, RecordSet(dirs[base]), base, keep=lambda m: False, values=False)
-            if dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows):
-                problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
-        except Inconclusive as e:
-            problems[base] = str(e).splitlines()[0]
-    return problems
-
 
 def check_summary(lab: str, d: dict, rows: list[dict]) -> str | None:
     div_rows = [r for r in rows if r["bitwise"] is False or r["rank_consistent"] is False]
@@ -94,7 +46,10 @@ def degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others:
     from tpdiag.records.rundir import records_dir
 
     dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *others, *([base_label] if base_label else [])]}
-    errors.update(verify_records(dirs, ref, [lab for lab in others if lab not in errors], by_label, base_label))
+    from tpdiag.diff.recheck import verify
+
+    # every record re-read and re-diffed: diff.csv's rows and summary.json's numbers must be what they give
+    errors.update(verify(dirs, ref, [lab for lab in others if lab not in errors], by_label, degrees, base_label))
     for lab in others:
         if lab not in errors:
             bad = check_summary(lab, degrees[lab], by_label[lab])

@@ -70,8 +70,10 @@ def _same(a, b) -> bool:
     return a == b
 
 
-# the second pass's folders inside a run directory (runner/drill.py writes them; fixed names, so
-# nothing is read from a path summary.json gives)
+# Where runner/drill.py writes the second pass: RUN_DIR/ops (op level, float64), RUN_DIR/region (the
+# values of a hash-first run), "-all" when its first positions did not reproduce pass 1, and
+# region/ops (the own-input judgement after a hash-first pass). Fixed names: nothing is read from a
+# path summary.json gives.
 SECOND_PASS_DIRS = ("ops", "region", "ops-all", "region-all", "region/ops")
 
 
@@ -110,8 +112,11 @@ def _number_problems(degrees: dict, rows: list[dict] | None, run_dir: str | None
             continue
         fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else None
         recs = [("first divergence", fd, ("max_abs", "max_ulp", "mismatch_fraction", "bound"))] if fd else []
+        # a second pass's finding is a record of that pass's own diff.csv (an op it alone recorded):
+        # _second_pass_problems checks it against that pass's summary
         recs += [("finding", f, ("max_abs", "bound")) for f in d.get("findings") or ()
-                 if isinstance(f, dict) and f.get("key") and f.get("cause") != "router-flip"]
+                 if isinstance(f, dict) and f.get("key") and f.get("cause") != "router-flip"
+                 and f.get("from") != "second pass"]
         for what, rec, fields in recs:
             key = rec.get("key")
             if not key:
@@ -127,6 +132,85 @@ def _number_problems(degrees: dict, rows: list[dict] | None, run_dir: str | None
                 out.append(f"summary.json's TP={lab} {what} {key}: {bad} {rec[bad]!r} but diff.csv says "
                            f"{r[bad]!r} (edited after the run)")
                 break
+        # locate makes every record beyond its bound or rank-inconsistent a finding: one missing from the
+        # summary (a bug deleted) would be judged as a mere consequence of the first divergence
+        found = {f.get("key") for f in d.get("findings") or () if isinstance(f, dict)}
+        lost = next((r["key"] for r in rows if str(r.get("degree")) == lab and r.get("key") not in found
+                     and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)), None)
+        if lost:
+            out.append(f"summary.json's TP={lab} findings lack {lost}, which diff.csv has beyond its bound or "
+                       "inconsistent across ranks (edited after the run)")
+        # locate names such a record a bug (or non-finite); the passes that name it otherwise say so:
+        # the second pass keeps the bug label it overrode (cause_before), the router relabels it
+        # unknown or router-flip. A rounding label with neither is an edit that would let it pass.
+        from tpdiag.records.causes import cause_class
+
+        far = {r["key"] for r in rows if str(r.get("degree")) == lab
+               and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)}
+        soft = next((f for f in d.get("findings") or () if isinstance(f, dict) and f.get("key") in far
+                     and cause_class(f.get("cause")) not in ("bug", "non-finite") and "cause_before" not in f
+                     and f.get("cause") not in ("unknown", "router-flip")), None)
+        if soft:
+            out.append(f"summary.json's TP={lab} finding {soft.get('key')} has cause {soft.get('cause')!r}, a "
+                       "rounding label for a record diff.csv has beyond its bound or inconsistent across ranks "
+                       "(edited after the run)")
+    return out
+
+
+_ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used
+
+
+def _second_pass_problems(run_dir: str, summary: dict, degrees: dict) -> list[str]:
+    """The findings only the second pass made (a bug behind a harmless reordering, judged on its own
+    inputs) live in summary.json and in the second pass's own summary: one deleted from summary.json
+    alone would leave the record judged as a consequence of the first divergence."""
+    sp = summary.get("second_pass")
+    if not isinstance(sp, dict):
+        return []
+    name = os.path.basename(str(sp.get("dir") or "").rstrip("/"))
+    if name not in SECOND_PASS_DIRS:
+        return [f"summary.json's second pass dir {sp.get('dir')!r} is not one tpdiag writes "
+                f"({', '.join(SECOND_PASS_DIRS)})"]
+    from tpdiag.records.axes import entries
+    from tpdiag.records.causes import cause_class
+    from tpdiag.records.rundir import run_file
+
+    try:
+        sub = io.read_json(run_file(run_dir, os.path.join(name, "summary.json")))
+    except Inconclusive as e:
+        return [f"summary.json names a second pass in {name}/: {str(e).splitlines()[0]}"]
+    if not isinstance(sub, dict) or not isinstance(sub.get("degrees"), dict):
+        return [f"{name}/summary.json: no 'degrees' table (not a tpdiag summary)"]
+    out = []
+    for lab, sd in entries(sub).items():
+        d = degrees.get(lab)
+        if not isinstance(d, dict) or not isinstance(sd, dict):
+            continue
+        fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else {}
+        findings = [f for f in d.get("findings") or () if isinstance(f, dict)]
+        if any(f.get("cause") == "router-flip" for f in findings) or any(
+                _ANOTHER_STEP in str(fd.get(k) or "") for k in ("op_detail", "values_detail")):
+            continue  # drill.py leaves such findings out on purpose
+        have = {(f.get("phase"), f.get("module"), f.get("kind"), f.get("name")) for f in findings}
+        made = {(f.get("phase"), f.get("module"), f.get("kind"), f.get("name")): f
+                for f in sd.get("findings") or () if isinstance(f, dict)}
+        for f in findings:
+            if f.get("from") != "second pass":
+                continue
+            g = made.get((f.get("phase"), f.get("module"), f.get("kind"), f.get("name")))
+            bad = "not one" if g is None else next(
+                (k for k in ("key", "max_abs", "bound") if k in f and not _same(f[k], g.get(k))), None)
+            if bad:
+                out.append(f"summary.json's TP={lab} second-pass finding {f.get('key')}: "
+                           + ("not one of " if g is None else f"{bad} {f[bad]!r} but ") + f"{name}/summary.json"
+                           + ("'s findings" if g is None else f" says {g.get(bad)!r}") + " (edited after the run)")
+                break
+        lost = next((f for f in sd.get("findings") or () if isinstance(f, dict)
+                     and cause_class(f.get("cause")) == "bug"
+                     and (f.get("phase"), f.get("module"), f.get("kind"), f.get("name")) not in have), None)
+        if lost:
+            out.append(f"summary.json's TP={lab} findings lack {lost.get('key')} ({lost.get('cause')}), which the "
+                       f"second pass's {name}/summary.json found (edited after the run)")
     return out
 
 
@@ -157,6 +241,7 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) ->
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
     out += _number_problems(degrees, rows, run_dir)
+    out += _second_pass_problems(run_dir, summary, degrees)
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab
                and (r.get("bitwise") is False or r.get("rank_consistent") is False)]

@@ -112,6 +112,12 @@ class RecordSet:
             if m.get("world", degree) != degree:
                 raise Inconclusive(f"{epath}: line {i + 1}: world {m['world']!r} but world.json says "
                                    f"degree {degree} (edited or mismatched files)")
+        n = self.world.get("n_records")
+        if _is_int(n) and n != len(self.events):
+            # cut at a line boundary, events.jsonl still parses: only the count the writer put beside it
+            # tells that records are gone (or were added)
+            raise Inconclusive(f"{epath}: holds {len(self.events)} records but world.json says the run wrote "
+                               f"{n} (truncated or edited after the run)")
         path = os.path.join(out_dir, TENSORS)
         if not os.path.isfile(path):
             raise Inconclusive(f"{path}: missing")

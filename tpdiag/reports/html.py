@@ -148,7 +148,15 @@ def build_context(run_dir: str) -> dict:
     by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in labels}
     ok = [lab for lab in labels if degrees[lab].get("status") != "failed"]
     fds = {lab: degrees[lab].get("first_divergence") for lab in labels}
-    dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *labels]}
+    base = summary.get("baseline") if isinstance(summary.get("baseline"), dict) else {}
+    base_label = str(base["label"]) if base.get("reproducible") and base.get("label") is not None else None
+    dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *labels, *([base_label] if base_label else [])]}
+    from tpdiag.diff.recheck import verify
+
+    # As the gate does: every record re-diffed, so an edit to diff.csv and summary.json together (a clean
+    # table over divergent records, a logprob or loss difference made 0) is inconclusive, not shown.
+    problems += [p if f"TP={lab}" in p or p.startswith("reference") else f"TP={lab}: {p}" for lab, p in
+                 verify(dirs, ref, ok, by_label, degrees, base_label).items()]
     ev = evidence.load(dirs, ref, ok, {lab: (fds[lab] or {}).get("key") for lab in ok}) if ok else {}
     capture = summary.get("source") == "capture"
     verdicts = [dict(words.verdict(lab, ref, degrees[lab], _fix_of, capture), label=lab,
@@ -220,16 +228,21 @@ def _code(text: str):
                           for i, p in enumerate(parts)))
 
 
-def render(run_dir: str) -> str:
-    return _env().get_template("report.html").render(**build_context(run_dir))
+def render(run_dir: str, problems: list[str] | None = None) -> str:
+    """problems: where given, the evidence problems the page reports (it says inconclusive at the top)."""
+    ctx = build_context(run_dir)
+    if problems is not None:
+        problems += ctx["evidence_problems"]
+    return _env().get_template("report.html").render(**ctx)
 
 
-def write_report(run_dir: str, out: str | None = None) -> str:
-    """Render RUN_DIR and write it atomically; returns the path written (default RUN_DIR/report.html)."""
+def write_report(run_dir: str, out: str | None = None, problems: list[str] | None = None) -> str:
+    """Render RUN_DIR and write it atomically; returns the path written (default RUN_DIR/report.html).
+    problems: as render's - the CLI fails closed on them (exit 2) after the page is written."""
     path = out or os.path.join(run_dir, "report.html")
     if os.path.isdir(path):
         raise BadInput(f"-o {path!r}: is a directory; expected a file name such as report.html")
-    html = render(run_dir)
+    html = render(run_dir, problems)
     try:
         io.write_bytes(path, html.encode("utf-8"))
     except OSError as e:

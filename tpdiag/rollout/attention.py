@@ -21,10 +21,13 @@ _BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficie
 def parse(text: str) -> tuple[str, ...]:
     from tpdiag.errors import BadInput
 
-    out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",") if p.strip()))
+    out = tuple(p.strip().lower() for p in str(text).split(",") if p.strip())
     bad = [p for p in out if p not in CHOICES]
     if bad or not out:
         raise BadInput(f"--attention {text!r}: expected one or more of {', '.join(CHOICES)}")
+    from tpdiag.base.points import no_repeat
+
+    no_repeat("--attention", text, out)
     return out
 
 

@@ -2,6 +2,7 @@
 bad input is one BadInput naming the option."""
 from __future__ import annotations
 
+from tpdiag.base.points import no_repeat
 from tpdiag.errors import BadInput
 from tpdiag.rollout.compute import MODES
 
@@ -14,7 +15,8 @@ def parse_ints(option: str, text: str) -> tuple[int, ...]:
         raise BadInput(f"{option} {text!r}: expected a comma-separated list of positive integers, e.g. 8,1") from None
     if not out or any(n < 1 for n in out):
         raise BadInput(f"{option} {text!r}: every value must be >= 1")
-    return tuple(dict.fromkeys(out))
+    no_repeat(option, text, out)  # a second world of the same configuration is no second configuration
+    return out
 
 
 def parse_jobs(text: str) -> int:
@@ -32,10 +34,11 @@ def parse_jobs(text: str) -> int:
 
 
 def parse_modes(text: str) -> tuple[str, ...]:
-    out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",")))
+    out = tuple(p.strip().lower() for p in str(text).split(","))
     bad = [m for m in out if m not in MODES]
     if bad or not out:
         raise BadInput(f"--mode {text!r}: expected prefill, decode or both (prefill,decode)")
+    no_repeat("--mode", text, out)
     return out
 
 
@@ -43,26 +46,31 @@ def parse_fixes(text: str) -> tuple[str, ...]:
     """'none,all' -> each a configuration; a set of named fixes is joined with '+'."""
     from tpdiag.fixes.registry import resolve
 
-    out = []
+    out: dict[str, str] = {}  # the fix set -> the item that named it
     for item in str(text).split(","):
         item = item.strip().lower()
         if item in ("none", "stock"):
-            out.append("none")
+            name = "none"
         elif item == "all":
             resolve("all")
-            out.append("all")
+            name = "all"
         else:
-            out.append("+".join(resolve(item.split("+"))))
+            name = "+".join(resolve(item.split("+")))
+        if name in out:
+            same = "is listed twice" if out[name] == item else f"is the same fix set as {out[name]}"
+            raise BadInput(f"--fix {text!r}: {item} {same}; list each fix set once (the first is the reference)")
+        out[name] = item
     if not out:
         raise BadInput(f"--fix {text!r}: expected e.g. none,all")
-    return tuple(dict.fromkeys(out))
+    return tuple(out)
 
 
 def parse_padding(text: str) -> tuple[str, ...]:
     from tpdiag.rollout.compute import PADDINGS
 
-    out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",") if p.strip()))
+    out = tuple(p.strip().lower() for p in str(text).split(",") if p.strip())
     if not out or any(p not in PADDINGS for p in out):
         raise BadInput(f"--padding {text!r}: expected one or more of {', '.join(PADDINGS)} (auto: prefill "
                        "right, decode left as generate())")
+    no_repeat("--padding", text, out)
     return out

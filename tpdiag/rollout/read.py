@@ -56,6 +56,19 @@ class _Bad(Exception):
     """A field problem inside one object; the reader adds the file and the line."""
 
 
+# The value problems found in the object being read. A bad value (a logprob > 0, a negative token id)
+# leaves the object's shape intact, so reading goes on and every such field is named at once; a
+# broken shape (a missing field, a list of the wrong length) still stops the object (_Bad).
+_found: list[str] | None = None
+
+
+def _value_problem(msg: str, placeholder):
+    if _found is None:
+        raise _Bad(msg)
+    _found.append(msg)
+    return placeholder
+
+
 def read_rollout(path: str) -> Rollout:
     from tpdiag.base import files as io
 
@@ -71,6 +84,7 @@ def read_rollout(path: str) -> Rollout:
     if not objects:
         raise BadInput(f"{path}: empty; expected an engine's logprobs (vLLM or SGLang JSON, or "
                        "tpdiag's JSONL)")
+    global _found
     fmt, seqs, bad = None, [], []
     for where, obj in objects:
         kind = _kind(obj)
@@ -82,13 +96,20 @@ def read_rollout(path: str) -> Rollout:
         if fmt is not None and kind != fmt:
             raise BadInput(f"{path} {where}: a {kind} record in a file of {fmt} records")
         fmt = kind
+        _found = []
         try:
             # a sequence with nothing generated has nothing to compare (its `where` keeps its line)
-            seqs.extend(q for q in _READERS[kind](obj, where) if q.n_generated)
+            got = [q for q in _READERS[kind](obj, where) if q.n_generated]
         except _Bad as e:
-            bad.append(f"{path} {where}: {e}")  # every line's problem, not only the first line's
+            _found.append(str(e))
+        finally:
+            found, _found = _found, None
+        if found:
+            bad += [f"{path} {where}: {e}" for e in found]  # every problem of every line, not the first
+        else:
+            seqs.extend(got)
     if bad:
-        more = [f"... and {len(bad) - MAX_LISTED} more lines with problems"] if len(bad) > MAX_LISTED else []
+        more = [f"... and {len(bad) - MAX_LISTED} more problems"] if len(bad) > MAX_LISTED else []
         raise BadInput("\n".join(bad[:MAX_LISTED] + more), lines=True)
     if not seqs:
         raise BadInput(f"{path}: no sequences with generated tokens")
@@ -143,7 +164,7 @@ def _kind(obj) -> str | None:
 
 def _int(v, name: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise _Bad(f"field {name!r}: expected a token id (an integer >= 0), got {v!r}"[:200])
+        return _value_problem(f"field {name!r}: expected a token id (an integer >= 0), got {v!r}"[:200], 0)
     return v
 
 
@@ -155,12 +176,12 @@ def _ids(v, name: str) -> list[int]:
 
 def _lp(v, name: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _Bad(f"field {name!r}: expected a logprob (a number <= 0), got {v!r}"[:200])
+        return _value_problem(f"field {name!r}: expected a logprob (a number <= 0), got {v!r}"[:200], 0.0)
     v = float(v)
     if not math.isfinite(v) or v > 1e-6:
         # -Infinity too: a sampled token had probability > 0, and one infinite number makes every
         # metric infinite or NaN (token_mult_prob_error inf, k3 KL nan) after the model has run
-        raise _Bad(f"field {name!r}: {v!r} is not a logprob (a finite number <= 0)")
+        return _value_problem(f"field {name!r}: {v!r} is not a logprob (a finite number <= 0)", 0.0)
     return v
 
 

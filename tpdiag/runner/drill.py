@@ -166,7 +166,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         differs = ref_differs or (None if n else _step_differs(run_dir, label, out, sub_label))
         if differs:
             # pass 1's probes were proven inert (its self-check); these were not, and did not
-            # compute the same step: nothing they measured is evidence
+            # compute the same step: nothing they measured is evidence (records/integrity.py reads
+            # these words: the rerun's findings are left out on purpose)
             fd["values_detail" if hashed else "op_detail"] = (
                 f"the rerun of this region computed another step than the first pass ({differs}): "
                 "its probes changed the numerics or the step is not deterministic; its values are not used")

@@ -27,10 +27,13 @@ CUBLAS_ENV, CUBLAS_VALUE = "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
 def parse(option: str, text: str) -> tuple[str, ...]:
     from tpdiag.errors import BadInput
 
-    out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",") if p.strip()))
+    out = tuple(p.strip().lower() for p in str(text).split(",") if p.strip())
     bad = [p for p in out if p not in SETTINGS]
     if bad or not out:
         raise BadInput(f"{option} {text!r}: expected {' or '.join(SETTINGS)} (comma-separated to try both)")
+    from tpdiag.base.points import no_repeat
+
+    no_repeat(option, text, out)
     return out
 
 

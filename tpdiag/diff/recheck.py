@@ -1,0 +1,164 @@
+"""Re-derive a run directory's evidence from its records: diff.csv's rows and every number summary.json
+shows (logprob and loss differences, grad norms, record counts, the records only one side holds, the
+per-step table) must be what the records give today. The gate and the report both read this before any
+verdict: a number edited after the run - in summary.json, in diff.csv, or in both - is inconclusive,
+never shown as the run's result.
+
+Only what `analyse_degree` computes from the records alone is re-derived here; the causes and bounds
+come from the oracle pass and are cross-checked against diff.csv by records/integrity.py.
+"""
+from __future__ import annotations
+
+from tpdiag.errors import Inconclusive
+
+# diff.csv's columns re-derived from the records. Floats survive the CSV round trip exactly (repr), so
+# plain equality is the right test. The identity fields and rank_consistent too: the policy matches
+# budgets by module/phase and judges rank-inconsistent replicas from these columns, so an edited row
+# must not pass for another.
+ROW_METRICS = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
+               "step", "phase", "module", "kind", "call", "name")
+
+
+def _keep(m: dict) -> bool:
+    # the whole tensors the summary's numbers come from: logprobs (and the labels that mask them), the
+    # per-step loss and grad norm; nothing else is held
+    return m["kind"] in ("logprobs", "loss", "grad_norm") or (m["kind"] == "batch" and m["name"] == "labels")
+
+
+def _num(v):
+    """JSON carries Inf/NaN as the strings "Infinity"/"NaN" (io.json_safe)."""
+    if isinstance(v, str) and v in ("Infinity", "-Infinity", "NaN"):
+        return float(v.replace("Infinity", "inf"))
+    return v
+
+
+def same(a, b) -> bool:
+    """Equal as a summary number: exact (JSON and CSV write floats by repr), NaN equal to NaN, bools not
+    numbers (`True == 1` must not let an edit through)."""
+    a, b = _num(a), _num(b)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if type(a) in (int, float) and type(b) in (int, float):
+        if a != a and b != b:
+            return True
+        return float(a) == float(b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _first_difference(want, got, path: str):
+    """(dotted path, summary's value, recomputed value) of the first field where they differ, or None."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        for k in list(got) + [k for k in want if k not in got]:
+            bad = _first_difference(want.get(k), got.get(k), f"{path}.{k}")
+            if bad:
+                return bad
+        return None
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        for i, (w, g) in enumerate(zip(want, got)):
+            bad = _first_difference(w, g, f"{path}[{i}]")
+            if bad:
+                return bad
+        return None
+    return None if same(want, got) else (path, want, got)
+
+
+def _show(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def recomputed(ref, other, label: str, values: bool = True):
+    """(DegreeDiff, {field: value}) for the summary fields the records alone determine."""
+    from tpdiag.diff.analyse import _scalar, step_drift
+    from tpdiag.diff.engine import diff_degree
+    from tpdiag.diff.locate import logprob_stats, nonfinite_summary
+
+    dd = diff_degree(ref, other, label, keep=_keep, values=values)
+    loss = {"reference": _scalar(ref, "loss"), "value": _scalar(other, "loss")}
+    if loss["reference"] is not None and loss["value"] is not None:
+        loss["abs_diff"] = abs(loss["value"] - loss["reference"])
+    got = {
+        "logprobs": logprob_stats(dd),
+        "loss": loss,
+        "grad_norm": {"reference": _scalar(ref, "grad_norm"), "value": _scalar(other, "grad_norm")},
+        "n_records": len(dd.rows),
+        "n_divergent": sum(not r["bitwise"] for r in dd.rows),
+        "unmatched": dd.unmatched[:50],
+        "missing": dd.missing[:50],
+        "nonfinite": nonfinite_summary(dd.rows),
+    }
+    steps = step_drift(dd)
+    got["steps"] = steps if len(steps) > 1 else None
+    got["first_divergent_step"] = next((s["step"] for s in steps if not s["bitwise"]), None) if len(steps) > 1 else None
+    return dd, got
+
+
+def check_rows(label: str, rows: list[dict], csv_rows: list[dict]) -> str | None:
+    want = {r["key"]: r for r in csv_rows}
+    if len(want) != len(csv_rows):
+        dup = next(k for k in want if sum(r["key"] == k for r in csv_rows) > 1)
+        return f"diff.csv lists record {dup} of TP={label} twice (edited after the run)"
+    got = {r["key"]: r for r in rows}
+    if set(want) != set(got):
+        k = sorted(set(want) ^ set(got))[0]
+        return f"records and diff.csv list different records (first {k})"
+    for k, r in got.items():
+        bad = next((m for m in ROW_METRICS if not same(r[m], want[k][m])), None)
+        if bad:
+            return (f"record {k} does not match diff.csv ({bad} {want[k][bad]!r} in diff.csv, {r[bad]!r} in the "
+                    "records: records or diff.csv edited after the run)")
+    return None
+
+
+def check_numbers(label: str, entry: dict, got: dict) -> str | None:
+    """The first summary.json number of TP=label that the records do not give, in words."""
+    if not isinstance(entry, dict):
+        return f"summary.json's TP={label} is not a table"
+    for k, v in got.items():
+        if k not in entry and v in (None, [], {}):
+            continue  # an optional field the run did not need (no non-finite record, one step)
+        bad = _first_difference(entry.get(k), v, k)
+        if bad:
+            path, w, g = bad
+            return (f"summary.json's TP={label} {path} is {_show(w)} but the records give {_show(g)} "
+                    "(edited after the run)")
+    return None
+
+
+def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
+           entries: dict[str, dict] | None = None, base: str | None = None) -> dict[str, str]:
+    """{label: problem} where the records disagree with diff.csv or (entries given) with summary.json.
+
+    base: the label of a reference rerun that summary.json calls reproducible; it must still be.
+    """
+    from tpdiag.diff.engine import diff_degree
+    from tpdiag.records.store import RecordSet
+
+    try:
+        ref_rs = RecordSet(dirs[ref])
+    except Inconclusive as e:
+        return {lab: f"reference TP={ref}: {str(e).splitlines()[0]}" for lab in labels}
+    problems = {}
+    for lab in labels:
+        try:
+            dd, got = recomputed(ref_rs, RecordSet(dirs[lab]), lab)
+        except Inconclusive as e:  # NotComparable too
+            problems[lab] = str(e).splitlines()[0]
+            continue
+        bad = check_rows(lab, dd.rows, csv_rows.get(lab, []))
+        if bad is None and entries is not None:
+            bad = check_numbers(lab, entries.get(lab), got)
+        if bad:
+            problems[lab] = bad
+    if base:
+        try:
+            dd = diff_degree(ref_rs, RecordSet(dirs[base]), base, keep=lambda m: False, values=False)
+            if dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows):
+                problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
+        except Inconclusive as e:  # NotComparable too
+            problems[base] = str(e).splitlines()[0]
+    return problems
