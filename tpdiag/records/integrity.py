@@ -181,8 +181,21 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict) -> list[st
         return [f"summary.json names a second pass in {name}/: {str(e).splitlines()[0]}"]
     if not isinstance(sub, dict) or not isinstance(sub.get("degrees"), dict):
         return [f"{name}/summary.json: no 'degrees' table (not a tpdiag summary)"]
+    # after a hash-first pass the own-input judgement is one more pass inside it (region/ops): its
+    # findings join the region pass's
+    nested = os.path.join(name, "ops")
+    inner = {}
+    if name == "region" and os.path.isfile(os.path.join(run_dir, nested, "summary.json")):
+        try:
+            n = io.read_json(run_file(run_dir, os.path.join(nested, "summary.json")))
+        except Inconclusive as e:
+            return [f"the second pass's own-input pass {nested}/: {str(e).splitlines()[0]}"]
+        inner = entries(n) if isinstance(n, dict) and isinstance(n.get("degrees"), dict) else {}
+        name = f"{name}/ and {nested}"
     out = []
     for lab, sd in entries(sub).items():
+        if isinstance(sd, dict) and isinstance(inner.get(lab), dict):
+            sd = {**sd, "findings": [*(sd.get("findings") or ()), *(inner[lab].get("findings") or ())]}
         d = degrees.get(lab)
         if not isinstance(d, dict) or not isinstance(sd, dict):
             continue
