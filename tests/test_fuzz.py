@@ -33,11 +33,13 @@ from typer.testing import CliRunner
 
 from test_faults_more import make_capture, write_targets
 
-FAST = settings(max_examples=150, deadline=2000, derandomize=True, database=None,
+# The deadlines catch a hang, not slowness (speed is the benchmarks' business): on the shared 2-core
+# machine one argument check took 6.4 s under load against a 2 s deadline, a red run for nothing.
+FAST = settings(max_examples=150, deadline=30000, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-READERS = settings(max_examples=120, deadline=5000, derandomize=True, database=None,
+READERS = settings(max_examples=120, deadline=30000, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-SLOW = settings(max_examples=15, deadline=15000, derandomize=True, database=None,
+SLOW = settings(max_examples=15, deadline=60000, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 WOULD_RUN = 99
