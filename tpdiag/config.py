@@ -201,7 +201,8 @@ class CompareConfig:
         """Every configuration this compare runs, the reference first (tpdiag/base/points.py)."""
         from tpdiag.base.points import worlds
 
-        out = worlds(self.degrees, self.micro_batches, self.modes, self.grid, degree_labels)
+        out = worlds(self.degrees, self.micro_batches, self.modes, self.grid, degree_labels,
+                     flags=self.flags, fix="+".join(self.fixes) or "none")
         if self.only:
             out = [out[0]] + [w for w in out[1:] if w.label in self.only]
         return out

@@ -259,13 +259,16 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         degrees[label] = entry
         all_rows.extend(rows)
     if axes:
+        from tpdiag.base.points import recorded_axes
+
+        shown = recorded_axes(axes.values())
         # the TP axis stays in `degrees`; every other configuration sits beside it, same schema
         for label in list(degrees):
             w = axes.get(label)
             if w is None:
                 continue
             degrees[label]["axis"] = w.axis
-            degrees[label]["config"] = w.point.to_dict()
+            degrees[label]["config"] = w.point.to_dict(shown)
             if w.axis != "tp":
                 configurations[label] = degrees.pop(label)
     base = None
@@ -282,7 +285,7 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
                "reference_label": reference, "degrees": degrees}
     if axes and any(w.axis != "tp" for w in axes.values()):
         summary["configurations"] = configurations
-        summary["reference_config"] = axes[reference].point.to_dict()
+        summary["reference_config"] = axes[reference].point.to_dict(shown)
     if ref is not None:
         summary["capture"] = ref.world.get("capture", "full")
         wc = ref.world.get("config") or {}

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-CHOICES = ("auto", "eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+from tpdiag.base.configs import ATTENTIONS as CHOICES  # noqa: E402 - the configuration axis
+
 _BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
              "sdpa-cudnn": "CUDNN_ATTENTION"}
 

@@ -101,7 +101,7 @@ def run(rc, seqs, cfgs, jobs: int, work: str, groups: int, threads: int, on_stat
             pieces.update(res)
     out = {}
     for c in cfgs:
-        keys = [unit_key(c.label, lo, hi) for (_, _, units) in plan for (u, lo, hi) in units if u == c]
+        keys = [unit_key(c.rollout_name(), lo, hi) for (_, _, units) in plan for (u, lo, hi) in units if u == c]
         keys.sort(key=lambda k: int(k.rsplit("@", 1)[1].split(":")[0]))
         parts = [pieces.get(k, {"status": "failed", "reason": "no result"}) for k in keys]
         bad = next((p for p in parts if p["status"] != "ok"), None)
@@ -112,7 +112,7 @@ def run(rc, seqs, cfgs, jobs: int, work: str, groups: int, threads: int, on_stat
         else:
             entry.update(status="ok", logprobs=[x for p in parts for x in p["logprobs"]],
                          flag_values=parts[0].get("flag_values"))
-        out[c.label] = entry
+        out[c.rollout_name()] = entry
     return out
 
 

@@ -216,12 +216,15 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     os.makedirs(out, exist_ok=True)
     configs = cfg.worlds()
     labels = [w.label for w in configs]
+    from tpdiag.base.points import recorded_axes
+
+    shown = recorded_axes(configs)
     backend = "nccl" if device == "cuda" else "gloo"
     manifest = {
         "schema": 1, "tool": "tpdiag compare", "versions": versions(device), "hash_version": HASH_VERSION,
         "device": device_info(device), "backend": backend, "model": cfg.model, "dtype": cfg.dtype,
         "seed": cfg.seed, "degrees": list(cfg.degrees), "labels": labels, "reference": labels[0],
-        "configurations": {w.label: {**w.point.to_dict(), "axis": w.axis} for w in configs},
+        "configurations": {w.label: {**w.point.to_dict(shown), "axis": w.axis} for w in configs},
         "fixes": list(cfg.fixes), "tree_groups": cfg.tree_groups, "group_gemm": cfg.group_gemm,
         "config": cfg.to_dict(), "env": numerics_env(), "flags": cfg.flags,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "preflight": pre, "worlds": {},

@@ -1,0 +1,95 @@
+"""Are two tpdiag trees' run directories the same, timings aside? (issue 62 item 6: a refactor
+keeps every run directory byte-identical.)
+
+    python3 benchmarks/same_rundirs.py OLD_TREE NEW_TREE [WORK_DIR]
+
+runs each case below with `PYTHONPATH=TREE python3 -m tpdiag compare ...` into WORK_DIR/<tree>/<case>
+and compares the two directories file by file: the same file names, safetensors and CSV byte for
+byte, JSON (and JSON lines) equal once the keys that hold times, hosts, process ids and paths are
+dropped. Prints one line per difference; exits 1 if any. OLD_TREE can be a `git archive` of the
+commit before the change.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+TINY = ["--batch-size", "4", "--seq-len", "8", "--no-confirm"]
+CASES = {
+    "tp": ["--tp", "1,2", *TINY],
+    "tp-repeat": ["--tp", "1,1", *TINY, "--forward-only"],
+    "mb-grid": ["--tp", "1,2", "--micro-batch", "4,2", "--grid", *TINY, "--forward-only", "--no-baseline"],
+    "decode": ["--tp", "1", "--mode", "prefill,decode", *TINY, "--forward-only", "--no-baseline"],
+}
+# keys whose values are times, hosts, process ids or paths: never the same between two runs
+VOLATILE = ("wall_s", "timings", "rank_timings", "started", "phases", "host", "pid", "out", "out_dir",
+            "ref_dir", "run_dir", "seconds", "_s", "elapsed", "time", "path", "cpu_count", "preflight")
+
+
+def _strip(x):
+    if isinstance(x, dict):
+        return {k: _strip(v) for k, v in x.items()
+                if not any(k == v_ or (v_.startswith("_") and k.endswith(v_)) for v_ in VOLATILE)}
+    if isinstance(x, list):
+        return [_strip(v) for v in x]
+    return x
+
+
+def _json_lines(path: str):
+    with open(path) as f:
+        text = f.read()
+    try:
+        return [_strip(json.loads(text))]
+    except ValueError:
+        return [_strip(json.loads(line)) for line in text.splitlines() if line.strip()]
+
+
+def _files(root: str) -> set[str]:
+    out = set()
+    for d, _, names in os.walk(root):
+        out |= {os.path.relpath(os.path.join(d, n), root) for n in names}
+    return out
+
+
+def same(a: str, b: str) -> list[str]:
+    fa, fb = _files(a), _files(b)
+    diffs = [f"only in {a}: {n}" for n in sorted(fa - fb)] + [f"only in {b}: {n}" for n in sorted(fb - fa)]
+    for n in sorted(fa & fb):
+        pa, pb = os.path.join(a, n), os.path.join(b, n)
+        if n.endswith((".json", ".jsonl")):
+            if _json_lines(pa) != _json_lines(pb):
+                diffs.append(f"differs (timings aside): {n}")
+        elif n.endswith((".lock", ".done", ".log")):
+            continue
+        else:
+            with open(pa, "rb") as x, open(pb, "rb") as y:
+                if x.read() != y.read():
+                    diffs.append(f"differs (bytes): {n}")
+    return diffs
+
+
+def main(argv: list[str]) -> int:
+    old, new = argv[1], argv[2]
+    work = argv[3] if len(argv) > 3 else "/tmp/same-rundirs"
+    bad = 0
+    for case, args in CASES.items():
+        dirs = []
+        for tag, tree in (("old", old), ("new", new)):
+            out = os.path.join(work, tag, case)
+            if not os.path.exists(os.path.join(out, "summary.json")):
+                env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+                subprocess.run([sys.executable, "-m", "tpdiag", "compare", *args, "--out", out, "--format", "json"],
+                               env=env, stdout=subprocess.DEVNULL, check=False)
+            dirs.append(out)
+        diffs = same(*dirs)
+        print(f"{case}: {'same' if not diffs else f'{len(diffs)} differences'}")
+        for d in diffs:
+            print(f"  {d}")
+        bad += bool(diffs)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
