@@ -25,7 +25,8 @@ CASES = {
 }
 # keys whose values are times, hosts, process ids or paths: never the same between two runs
 VOLATILE = ("wall_s", "timings", "rank_timings", "started", "phases", "host", "pid", "out", "out_dir",
-            "ref_dir", "run_dir", "seconds", "_s", "elapsed", "time", "path", "cpu_count", "preflight")
+            "ref_dir", "run_dir", "seconds", "_s", "s", "elapsed", "time", "path", "cpu_count", "preflight",
+            "time_breakdown")
 
 
 def _strip(x):

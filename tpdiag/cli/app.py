@@ -137,6 +137,7 @@ def compare(
 
             cfg = replace(cfg, out=default_out())
         from tpdiag.records.lock import hold
+        from tpdiag.records.paths import RunDir
 
         with hold(cfg.out) as stale:  # one writer per run directory: a second compare is refused
             if stale:
@@ -261,7 +262,7 @@ def confirm_cmd(
             if stale:
                 console(stderr=True).print(f"note: {stale}", markup=False, soft_wrap=True)
             summary = confirm(cfg, summary, run_dir, only_label=degree, force_fix=fix)
-            io.write_json(os.path.join(run_dir, "summary.json"), summary)
+            io.write_json(RunDir(run_dir).summary, summary)
     except TpdiagError as e:
         fail(e)
     summary["run_dir"] = run_dir

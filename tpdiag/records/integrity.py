@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 
 from tpdiag.base import files as io
+from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
+from tpdiag.records.paths import RESULT, rank_marker, world_file
 
 SCHEMA = 1
 STATUSES = ("bitwise", "divergent", "inconclusive")
@@ -31,26 +33,26 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
     except Inconclusive as e:
         return f"{who}: {e}"
     try:
-        res = io.read_json(os.path.join(d, "result.json"))
+        res = io.read_json(world_file(d, RESULT))
     except Inconclusive as e:
         return f"{who}: {str(e).splitlines()[0]}"
     if not isinstance(res, dict) or res.get("status") != "ok":
         status = res.get("status") if isinstance(res, dict) else res
-        return f"{who}: tp{label}/result.json says {status!r} but manifest.json says ok"
+        return f"{who}: {folder(label)}/{RESULT} says {status!r} but manifest.json says ok"
     if str(res.get("label")) != label or res.get("degree") != degree:
-        return f"{who}: tp{label}/result.json is for TP={res.get('label')} (degree {res.get('degree')!r})"
+        return f"{who}: {folder(label)}/{RESULT} is for TP={res.get('label')} (degree {res.get('degree')!r})"
     if type(degree) is not int or not 1 <= degree <= 1 << 16:
         return f"{who}: manifest.json degree {degree!r} is not a world size"
     try:
         errors = sorted(f for f in os.listdir(d) if f.startswith("rank") and f.endswith(".error"))
     except OSError as e:
-        return f"{who}: tp{label}/ unreadable ({e.strerror or e})"
+        return f"{who}: {folder(label)}/ unreadable ({e.strerror or e})"
     if errors:
-        return f"{who}: tp{label}/{errors[0]} exists (a rank failed) but manifest.json says ok"
+        return f"{who}: {folder(label)}/{errors[0]} exists (a rank failed) but manifest.json says ok"
     for r in range(degree):
-        m = os.path.join(d, f"rank{r}.done")
+        m = world_file(d, rank_marker(r, "done"))
         if not os.path.isfile(m) or os.path.islink(m):
-            return f"{who}: tp{label}/rank{r}.done is missing (the rank never finished its work)"
+            return f"{who}: {folder(label)}/{rank_marker(r, 'done')} is missing (the rank never finished its work)"
     return None
 
 

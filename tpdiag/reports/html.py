@@ -12,7 +12,7 @@ import time
 from tpdiag.base import files as io
 from tpdiag.errors import BadInput
 from tpdiag.records.frames import load, rows_of
-from tpdiag.records.rundir import records_dir
+from tpdiag.records.rundir import RunDir, records_dir
 from tpdiag.reports import words
 
 # Beyond this many rows per degree the records table keeps every divergent row first and
@@ -226,7 +226,7 @@ def render(run_dir: str) -> str:
 
 def write_report(run_dir: str, out: str | None = None) -> str:
     """Render RUN_DIR and write it atomically; returns the path written (default RUN_DIR/report.html)."""
-    path = out or os.path.join(run_dir, "report.html")
+    path = out or RunDir(run_dir).report
     if os.path.isdir(path):
         raise BadInput(f"-o {path!r}: is a directory; expected a file name such as report.html")
     html = render(run_dir)

@@ -8,6 +8,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
+from tpdiag.base.configs import folder
 from tpdiag.errors import BadInput
 from tpdiag.rollout.compute import MODES, Config
 
@@ -320,7 +321,7 @@ def _degrees(rc, seqs, cfgs, groups, on_status, work) -> dict:
     for t in dict.fromkeys(c.tp for c in cfgs):
         mine = [c for c in cfgs if c.tp == t]
         if on_status:
-            on_status(f"tp{t}", "running")
+            on_status(folder(t), "running")
         t0 = time.perf_counter()
         res = run_degree(t, rc, seqs, mine, work, groups)
         secs = round(time.perf_counter() - t0, 3)
@@ -329,7 +330,7 @@ def _degrees(rc, seqs, cfgs, groups, on_status, work) -> dict:
             r = res.get(c.rollout_name(), {"status": "failed", "reason": "no result"})
             out[c.rollout_name()] = {**r, "seconds": r.get("seconds", secs), "world_seconds": secs}
         if on_status:
-            on_status(f"tp{t}", "done")
+            on_status(folder(t), "done")
     return out
 
 

@@ -14,6 +14,8 @@ import time
 import traceback
 from datetime import timedelta
 
+from tpdiag.base.configs import folder
+
 SEQUENCES = "sequences.json"
 RESULTS = "logprobs.json"
 
@@ -45,7 +47,7 @@ def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, u
     from tpdiag.config import WorldConfig
     from tpdiag.runner.launch import run_world
 
-    out_dir = os.path.join(work_dir, f"tp{world}" + ("" if lane is None else f"-lane{lane}"))
+    out_dir = os.path.join(work_dir, folder(world) + ("" if lane is None else f"-lane{lane}"))
     os.makedirs(out_dir, exist_ok=True)
     write_inputs(out_dir, seqs, configs, units, threads)
     cfg = WorldConfig(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,

@@ -204,6 +204,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.diff.analyse import analyse_run
     from tpdiag.runner.determinism import numerics_env
     from tpdiag.kernels.record_hash_ref import HASH_VERSION  # the lane mix its worlds hash with
+    from tpdiag.records.paths import RunDir
     from tpdiag.runner.launch import run_world
 
     from tpdiag.fixes import groups
@@ -214,6 +215,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     device = resolve_device(cfg.device, cfg.degrees)
     out = cfg.out or default_out()
     os.makedirs(out, exist_ok=True)
+    run = RunDir(out)
     configs = cfg.worlds()
     labels = [w.label for w in configs]
     from tpdiag.base.points import recorded_axes
@@ -237,7 +239,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         manifest["slice"] = {"layers": cfg.layers, "total_layers": pre.get("total_layers"),
                              "what": describe(cfg.layers, pre.get("total_layers")),
                              "config": slice_changes(parse_spec(cfg.model, cfg.layers))}
-    io.write_json(os.path.join(out, "manifest.json"), manifest)
+    io.write_json(run.manifest, manifest)
     failed: dict[str, str] = {}
     t0 = time.perf_counter()
     setup_s = t0 - t_start  # checks, device, the manifest's versions
@@ -248,8 +250,8 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         worlds.insert(1, (configs[0].point, base_label))
     for point, label in worlds:
         degree = point.tp
-        ref_dir = os.path.join(out, f"tp{labels[0]}") if label != labels[0] else ""
-        wcfg = cfg.world(degree, label, os.path.join(out, f"tp{label}"), device, ref_dir=ref_dir,
+        ref_dir = run.world(labels[0]) if label != labels[0] else ""
+        wcfg = cfg.world(degree, label, run.world(label), device, ref_dir=ref_dir,
                          micro_batch=point.micro_batch, mode=point.mode)
         if label == labels[0] and (cfg.oracle or cfg.oracle_ops):
             wcfg = wcfg.with_(oracle=cfg.oracle, oracle_ops=cfg.oracle_ops, oracle_own=cfg.oracle_own)
@@ -259,7 +261,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
                                      "numerics": res.numerics}
         if res.status != "ok":
             failed[label] = res.error
-        io.write_json(os.path.join(out, "manifest.json"), manifest)
+        io.write_json(run.manifest, manifest)
     if on_status:
         on_status("diff", "running")
     t_diff = time.perf_counter()
@@ -270,12 +272,12 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     # the whole call, setup included: a rerun's (confirm, fix chain) part of the breakdown
     manifest["wall_s"] = round(time.perf_counter() - t_start, 3)
     manifest["status"] = summary["status"]
-    io.write_json(os.path.join(out, "manifest.json"), manifest)
+    io.write_json(run.manifest, manifest)
     if on_status:
         on_status("diff", "ok")
     if cfg.layers:
         summary["slice"] = manifest["slice"]  # the `ran:` line says what ran
-        io.write_json(os.path.join(out, "summary.json"), summary)
+        io.write_json(run.summary, summary)
     summary["run_dir"] = out
     summary["flags"] = _flags_summary(cfg.flags, manifest["worlds"].get(labels[0]))
     return summary
