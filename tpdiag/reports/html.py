@@ -145,6 +145,9 @@ def build_context(run_dir: str) -> dict:
 
     degrees = entries(summary)
     labels = list(degrees)
+    from tpdiag.base.points import config_name
+
+    plain = all(config_name(lab) == f"TP={lab}" for lab in labels)
     by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in labels}
     ok = [lab for lab in labels if degrees[lab].get("status") != "failed"]
     fds = {lab: degrees[lab].get("first_divergence") for lab in labels}
@@ -177,6 +180,9 @@ def build_context(run_dir: str) -> dict:
         else summary.get("error"), "ref": ref, "evidence_problems": problems,
         "baseline": summary.get("baseline"), "status_after_fixes": summary.get("status_after_fixes"),
         "manifest": manifest, "labels": labels, "ok_labels": ok, "degrees": degrees, "verdicts": verdicts,
+        # a TP-only run's tables read "TP=2" per degree as ever; with other axes in play each
+        # configuration by its axes ("TP=1 mb=2") and the tables are "configuration x module"
+        "names": {lab: config_name(lab) for lab in [ref, *labels]}, "plain": plain,
         "figures": figures, "modules": modules, "open_modules": len(modules) <= OPEN_MODULE_TABLE,
         "records": {lab: _record_rows(by_label[lab], (fds[lab] or {}).get("key")) for lab in ok},
         "n_rows": {lab: len(by_label[lab]) for lab in labels},
