@@ -262,16 +262,10 @@ def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
 
 
 def _sdpa_words(results: dict) -> str:
-    """Which SDPA backend ran (tpdiag.runner.sdpa_ran), in one line: the backends and, where they
-    differ between configurations, which configurations took each."""
-    groups: dict[str, list] = {}
-    for lab, r in results.items():
-        if r.get("status") == "ok":
-            names = ", ".join(sorted((r.get("sdpa_ran") or {}).keys())) or "none (no SDPA call)"
-            groups.setdefault(names, []).append(lab)
-    if len(groups) <= 1:
-        return "".join(f"{k} in every configuration" for k in groups)
-    return "; ".join(f"{k} in {', '.join(labs)}" for k, labs in groups.items())
+    """Which SDPA backend ran (tpdiag.runner.sdpa_ran), in one line."""
+    from tpdiag.runner.sdpa_ran import in_words
+
+    return in_words({lab: r.get("sdpa_ran") or {} for lab, r in results.items() if r.get("status") == "ok"})
 
 
 def _vals(xs) -> str:

@@ -279,14 +279,21 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         summary["slice"] = manifest["slice"]  # the `ran:` line says what ran
         io.write_json(run.summary, summary)
     summary["run_dir"] = out
-    summary["flags"] = _flags_summary(cfg.flags, manifest["worlds"].get(labels[0]))
+    summary["flags"] = _flags_summary(cfg.flags, manifest["worlds"], labels)
     return summary
 
 
-def _flags_summary(setting: str, world: dict | None) -> dict:
-    """The reference world's backend flags as it recorded them, and as one line."""
+def _flags_summary(setting: str, worlds: dict, labels: list) -> dict:
+    """The reference world's backend flags as it recorded them, which SDPA backend each world's
+    attention ran (runner/sdpa_ran.py), and both in one line."""
+    from tpdiag.base.configs import folder
     from tpdiag.runner.flags import one_line
+    from tpdiag.runner.sdpa_ran import in_words
 
-    values = ((world or {}).get("numerics") or {}).get("flag_values")
-    return {"setting": setting, "values": values,
-            "line": one_line(values, setting) if values else f"flags {setting}: not recorded"}
+    values = ((worlds.get(labels[0]) or {}).get("numerics") or {}).get("flag_values")
+    ran = {folder(lab): w["numerics"]["sdpa_ran"] for lab, w in worlds.items()
+           if isinstance((w or {}).get("numerics"), dict) and "sdpa_ran" in w["numerics"]}
+    line = one_line(values, setting) if values else f"flags {setting}: not recorded"
+    if ran:
+        line += f"; SDPA backend that ran: {in_words(ran)}"
+    return {"setting": setting, "values": values, **({"sdpa_ran": in_words(ran)} if ran else {}), "line": line}
