@@ -81,8 +81,10 @@ def main(argv: list[str]) -> int:
             out = os.path.join(work, tag, case)
             if not os.path.exists(os.path.join(out, "summary.json")):
                 env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-                subprocess.run([sys.executable, "-m", "tpdiag", "compare", *args, "--out", out, "--format", "json"],
-                               env=env, stdout=subprocess.DEVNULL, check=False)
+                # run from the tree: `python -m` puts the working directory before PYTHONPATH
+                subprocess.run([sys.executable, "-m", "tpdiag", "compare", *args, "--out", os.path.abspath(out),
+                                "--format", "json"], env=env, cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL,
+                               check=False)
             dirs.append(out)
         diffs = same(*dirs)
         print(f"{case}: {'same' if not diffs else f'{len(diffs)} differences'}")

@@ -102,9 +102,13 @@ class WorldConfig:
     # backend flags (runner/flags.py): 'deterministic' (compare's) or PyTorch's 'default'
     flags: str = "deterministic"
     layers: int = 0  # --layers N: the model's first N decoder layers (models/slice.py); 0: all
+    # the attention implementation (runner/attention.py; the --attention axis); 'auto': the model's own
+    attention: str = "auto"
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if d["attention"] == "auto":
+            del d["attention"]  # world.json as before the axis existed
         d["fixes"] = list(self.fixes)
         d["op_include"] = list(self.op_include)
         d["module_include"] = list(self.module_include)
@@ -170,9 +174,18 @@ class CompareConfig:
     # divergence in float64 from each side's own inputs (diff/own_inputs.py); opt-in until its
     # extra re-executions are shown to leave the region pass's step unchanged (runner/drill.py)
     judge_downstream: bool = False
+    # the attention implementations (runner/attention.py) and padding sides (refused: compare's
+    # sequences carry no padding) as axes; () = the model's own attention
+    attentions: tuple[str, ...] = ()
+    paddings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        for k in ("attentions", "paddings"):  # manifest.json as before these axes existed
+            if d[k]:
+                d[k] = list(d[k])
+            else:
+                del d[k]
         d["degrees"] = list(self.degrees)
         d["micro_batches"] = list(self.micro_batches)
         d["modes"] = list(self.modes)
@@ -190,7 +203,7 @@ class CompareConfig:
         the dataclass, as before."""
         d = dict(d)
         for k in ("degrees", "fixes", "op_include", "module_include", "oracle", "micro_batches",
-                  "modes", "only"):
+                  "modes", "only", "attentions", "paddings"):
             if k in d and d[k] is not None:
                 d[k] = tuple(d[k])
         if d.get("oracle_own"):
@@ -202,7 +215,8 @@ class CompareConfig:
         from tpdiag.base.points import worlds
 
         out = worlds(self.degrees, self.micro_batches, self.modes, self.grid, degree_labels,
-                     flags=self.flags, fix="+".join(self.fixes) or "none")
+                     attentions=self.attentions, paddings=self.paddings, flags=self.flags,
+                     fix="+".join(self.fixes) or "none")
         if self.only:
             out = [out[0]] + [w for w in out[1:] if w.label in self.only]
         return out

@@ -3,7 +3,7 @@
 A configuration (tpdiag.base.configs.Config) is (tp, micro_batch, mode, fix, flags, attention, padding) - the last three are
 the axes engines and trainers differ on besides the shapes: the backend flags (PyTorch's
 defaults or the deterministic settings: tpdiag.runner.flags), the attention implementation
-(the model's own, eager, SDPA, or SDPA restricted to one backend: tpdiag.rollout.attention) and
+(the model's own, eager, SDPA, or SDPA restricted to one backend: tpdiag.runner.attention) and
 which side prompts are padded on. Prefill runs each micro-batch of sequences as
 one call, right-padded (causal attention: a real position never sees the padding, but the call's
 shape - which batch-variant kernels read - is the micro-batch's). Decode runs the way a rollout
@@ -56,7 +56,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
 
     from tpdiag.fixes.registry import apply_fixes, resolve
     from tpdiag.kernels.tree import run_groups
-    from tpdiag.rollout.attention import attention
+    from tpdiag.runner.attention import attention
     from tpdiag.runner import flags
     from tpdiag.runner.decode import supports, why_not
     from tpdiag.runner.logits import whole_vocab

@@ -144,6 +144,7 @@ def check_axes(cfg: CompareConfig, spec) -> None:
                            "one-token call along the sequence over several ranks (sequence parallelism "
                            "splits positions; engines decode without it); run decode at TP=1 (a first "
                            "degree of 1, without --grid) or with the stock variant")
+    _check_attention_padding(cfg, spec)
     if not cfg.micro_batches:
         return
     if spec.kind == "py":
@@ -152,6 +153,28 @@ def check_axes(cfg: CompareConfig, spec) -> None:
             raise BadInput(f"--micro-batch {cfg.micro_batches}: every size must be >= 1")
     else:
         check_micro_batches(cfg.micro_batches, cfg.batch_size)
+
+
+def _check_attention_padding(cfg: CompareConfig, spec) -> None:
+    """--attention: every value an implementation this model can switch to; --padding: refused
+    (nothing to pad), so a comparison that would change nothing is not run as if it tested something."""
+    from tpdiag.base.configs import ATTENTIONS, PADDINGS
+
+    bad = [p for p in cfg.paddings if p not in PADDINGS]
+    if bad:
+        raise BadInput(f"--padding {bad[0]}: expected one of {', '.join(PADDINGS)}")
+    if any(p != "auto" for p in cfg.paddings):
+        raise BadInput(f"--padding {','.join(cfg.paddings)}: not an axis of compare - its sequences fill "
+                       "--seq-len (and decode's prompts are all one length), so there is no padding whose side "
+                       "could change a bit; compare padding sides on an engine's rollout with tpdiag rollout "
+                       "FILE --padding left,right")
+    for a in cfg.attentions:
+        if a not in ATTENTIONS:
+            raise BadInput(f"--attention {a}: expected one of {', '.join(ATTENTIONS)}")
+    if "eager" in cfg.attentions and spec.kind != "hf":
+        raise BadInput("--attention eager: only hf: models switch their attention implementation (the "
+                       "built-in presets run SDPA, a py: model its own code); for this model compare SDPA "
+                       "backends instead, e.g. --attention sdpa-math,sdpa-flash")
 
 
 def device_info(device: str) -> dict:
@@ -252,7 +275,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         degree = point.tp
         ref_dir = run.world(labels[0]) if label != labels[0] else ""
         wcfg = cfg.world(degree, label, run.world(label), device, ref_dir=ref_dir,
-                         micro_batch=point.micro_batch, mode=point.mode)
+                         micro_batch=point.micro_batch, mode=point.mode, attention=point.attention)
         if label == labels[0] and (cfg.oracle or cfg.oracle_ops):
             wcfg = wcfg.with_(oracle=cfg.oracle, oracle_ops=cfg.oracle_ops, oracle_own=cfg.oracle_own)
         res = run_world(wcfg, cfg.timeout, on_status)

@@ -325,7 +325,12 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
 
         # the run's G, the same in every rank of every world (before the fixes read it)
         stack.enter_context(run_groups(cfg.tree_groups, cfg.group_gemm == PER_GROUP))
+        from tpdiag.errors import BadInput
+        from tpdiag.runner.attention import attention
         from tpdiag.runner.sdpa_ran import SdpaRan
+
+        # the configuration's attention implementation (the --attention axis; 'auto': the model's own)
+        stack.enter_context(attention(model, cfg.attention, BadInput))
 
         # which SDPA backend the step's attention ran (the manifest's flags line says it), asked
         # outside the records; outside the fixes, as rollout's (the invariant attention's calls)

@@ -1,4 +1,4 @@
-"""The attention implementation a rollout configuration runs: the model's own (`auto`: what
+"""The attention implementation a configuration runs (rollout's, and compare's --attention axis): the model's own (`auto`: what
 `from_pretrained` picks - SDPA for most transformers models), `eager` (transformers' matmul +
 softmax attention), `sdpa`, or SDPA restricted to one backend (`sdpa-math`, `sdpa-flash`,
 `sdpa-efficient`, `sdpa-cudnn`: torch.nn.attention.sdpa_kernel). Engines and trainers differ here:
