@@ -136,7 +136,7 @@ def parse(text: str, base: Config | None = None) -> Config:
     if rest and rest[-1].startswith("pad") and rest[-1][3:] in PADDINGS:
         got[PADDING] = rest.pop()[3:]
     for n in (2, 1):
-        if len(rest) >= n and "-".join(rest[-n:]) in ATTENTIONS[1:]:
+        if len(rest) >= n and "-".join(rest[-n:]) in ATTENTIONS:
             got[ATTENTION] = "-".join(rest[-n:])
             del rest[-n:]
             break
