@@ -72,19 +72,19 @@ def _engine():
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory):
     """A tiny hf: llama with its generate() rollout; a compare and a rollout of it, each on the
-    attention axis eager,sdpa."""
+    attention axis sdpa-math,sdpa-flash."""
     pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("cfgnames")
     files = _engine().write_all(str(d), n=2, new_tokens=3, top_k=4)
     out = d / "run"
-    r = run_cli("compare", "--model", "hf:" + files["model"], "--tp", "1", "--attention", "eager,sdpa",
+    r = run_cli("compare", "--model", "hf:" + files["model"], "--tp", "1", "--attention", "sdpa-math,sdpa-flash",
                 "--batch-size", "2", "--seq-len", "8", "--forward-only", "--no-confirm", "--no-baseline",
                 "--out", str(out), "--format", "json")
     assert r.returncode in (0, 1), r.stderr
     from tpdiag.rollout.run import RolloutConfig, run_rollout
 
     ro = run_rollout(RolloutConfig(file=files["jsonl"], model="hf:" + files["model"], micro_batch=(2,),
-                                   modes=("prefill",), fixes=("none",), attention=("eager", "sdpa")))
+                                   modes=("prefill",), fixes=("none",), attention=("sdpa-math", "sdpa-flash")))
     return str(out), ro
 
 
@@ -96,24 +96,27 @@ def test_compare_and_rollout_name_a_configuration_alike(hf_runs):
         s = json.load(f)
     with open(RunDir(out).manifest) as f:
         m = json.load(f)
-    assert s["reference_config"] == {"tp": 1, "micro_batch": 0, "mode": "prefill", "attention": "eager"}
-    assert set(s["configurations"]) == {"1-sdpa"} and s["configurations"]["1-sdpa"]["axis"] == "attention"
-    assert s["configurations"]["1-sdpa"]["config"]["attention"] == "sdpa"
-    assert os.path.isdir(RunDir(out).world("1-sdpa")) and RunDir.folder("1-sdpa") == "tp1-sdpa"
-    assert set(ro["configurations"]) == {"tp1-mb2-prefill-none-eager", "tp1-mb2-prefill-none-sdpa"}
+    assert s["reference_config"] == {"tp": 1, "micro_batch": 0, "mode": "prefill", "attention": "sdpa-math"}
+    assert set(s["configurations"]) == {"1-sdpa-flash"}
+    assert s["configurations"]["1-sdpa-flash"]["axis"] == "attention"
+    assert s["configurations"]["1-sdpa-flash"]["config"]["attention"] == "sdpa-flash"
+    assert os.path.isdir(RunDir(out).world("1-sdpa-flash")) and RunDir.folder("1-sdpa-flash") == "tp1-sdpa-flash"
+    assert set(ro["configurations"]) == {"tp1-mb2-prefill-none-sdpa-math", "tp1-mb2-prefill-none-sdpa-flash"}
     # the same configuration, spelled by each command's choice of axes, parses to the same point
-    ref = configs.parse(s["reference_label"], Config(1, 0, "prefill", "none", "deterministic", "eager"))
-    c = configs.parse("1-sdpa", ref)
-    r = configs.parse("tp1-mb2-prefill-none-sdpa")
-    assert (c.tp, c.mode, c.attention) == (r.tp, r.mode, r.attention) == (1, "prefill", "sdpa")
-    assert r.with_(micro_batch=0, flags="deterministic").compare_name(ref) == "tp1-sdpa"
-    # each ran what its name says: eager makes no SDPA call, sdpa does - in compare's manifest as
-    # in rollout's summary (the eager world is the negative control of the switch)
+    ref = configs.parse(s["reference_label"], Config(1, 0, "prefill", "none", "deterministic", "sdpa-math"))
+    c = configs.parse("1-sdpa-flash", ref)
+    r = configs.parse("tp1-mb2-prefill-none-sdpa-flash")
+    assert (c.tp, c.mode, c.attention) == (r.tp, r.mode, r.attention) == (1, "prefill", "sdpa-flash")
+    assert r.with_(micro_batch=0, flags="deterministic").compare_name(ref) == "tp1-sdpa-flash"
+    # each ran the backend its name says, in compare's manifest as in rollout's summary (the
+    # reference's math is the negative control of the switch: without it SDPA runs flash on the CPU)
     ran = {lab: w["numerics"]["sdpa_ran"] for lab, w in m["worlds"].items()}
-    assert ran["1"] == {} and sum(ran["1-sdpa"].values()) > 0, ran
-    assert ro["configurations"]["tp1-mb2-prefill-none-eager"]["sdpa_ran"] == {}
-    assert sum(ro["configurations"]["tp1-mb2-prefill-none-sdpa"]["sdpa_ran"].values()) > 0
-    assert "SDPA backend that ran: none (no SDPA call) in tp1;" in s["flags"]["line"]
+    assert set(ran["1"]) == {"math (cpu)"} and set(ran["1-sdpa-flash"]) == {"flash (cpu)"}, ran
+    assert set(ro["configurations"]["tp1-mb2-prefill-none-sdpa-math"]["sdpa_ran"]) == {"math (cpu)"}
+    assert set(ro["configurations"]["tp1-mb2-prefill-none-sdpa-flash"]["sdpa_ran"]) == {"flash (cpu)"}
+    assert "SDPA backend that ran: math (cpu) in tp1; flash (cpu) in tp1-sdpa-flash" in s["flags"]["line"]
+    if s["status"] == "divergent":  # the kernels' own orders: rounding, named as the attention's
+        assert s["configurations"]["1-sdpa-flash"]["first_divergence"]["cause"] == "attention-kernel"
 
 
 def test_load_frames_carry_the_configuration_columns(hf_runs):
@@ -121,17 +124,17 @@ def test_load_frames_carry_the_configuration_columns(hf_runs):
 
     out, _ = hf_runs
     run = tpdiag.load(out)
-    row = run.degrees.set_index("degree").loc["1-sdpa"]
+    row = run.degrees.set_index("degree").loc["1-sdpa-flash"]
     assert (row["configuration"], row["axis"], row["tp"], row["micro_batch"], row["mode"], row["flags"],
-            row["attention"], row["padding"]) == ("tp1-sdpa", "attention", 1, 0, "prefill", "deterministic",
-                                                  "sdpa", "auto")
-    assert set(run.records["configuration"]) == {"tp1-sdpa"}
+            row["attention"], row["padding"]) == ("tp1-sdpa-flash", "attention", 1, 0, "prefill", "deterministic",
+                                                  "sdpa-flash", "auto")
+    assert set(run.records["configuration"]) == {"tp1-sdpa-flash"}
 
 
 def test_attention_and_padding_refusals():
-    """Where the axis cannot apply, one line and exit 2: eager on a built-in preset (it runs SDPA
-    only), any padding side in compare (its sequences carry no padding)."""
-    r = run_cli("compare", "--tp", "1", "--attention", "eager,sdpa")
-    assert r.returncode == 2 and "only hf: models switch their attention" in r.stderr, r.stderr
+    """Where the axis cannot apply, one line and exit 2: eager attention (other layer inputs than
+    SDPA's), any padding side in compare (its sequences carry no padding)."""
+    r = run_cli("compare", "--tp", "1", "--attention", "sdpa,eager")
+    assert r.returncode == 2 and "--attention eager: not an axis of compare" in r.stderr, r.stderr
     r = run_cli("compare", "--tp", "1,2", "--padding", "left")
     assert r.returncode == 2 and "not an axis of compare" in r.stderr, r.stderr

@@ -147,8 +147,8 @@ def attention() -> str:
     from tpdiag.base.configs import ATTENTIONS
 
     return (f"attention implementations to compare, the first the reference's: {_bar(ATTENTIONS)} (auto: the "
-            "model's own; eager and sdpa switch an hf: model's implementation; sdpa-BACKEND restricts SDPA "
-            "to one backend for any model; docs/rl.md)")
+            "model's own; sdpa-BACKEND: SDPA restricted to one backend; eager is refused here, with the reason: "
+            "it gives the layers other inputs - tpdiag rollout --attention compares it; docs/rl.md)")
 
 
 PADDING = ("padding sides as an axis: refused by compare (its sequences fill --seq-len and decode's prompts "

@@ -155,6 +155,16 @@ def check_axes(cfg: CompareConfig, spec) -> None:
         check_micro_batches(cfg.micro_batches, cfg.batch_size)
 
 
+# compare records every module's inputs; eager attention is given other inputs than SDPA (rollout,
+# which compares logprobs only, has it)
+EAGER_REFUSED = (
+    "--attention eager: not an axis of compare - transformers builds eager attention another mask than "
+    "SDPA's (a float mask tensor where SDPA takes none and masks causally itself), so the decoder layers' "
+    "recorded inputs are not the same records, and the built-in presets and py: models have no eager "
+    "switch; compare SDPA backends here (e.g. --attention sdpa-math,sdpa-flash) and eager against SDPA on "
+    "logprobs with tpdiag rollout FILE --attention eager,sdpa")
+
+
 def _check_attention_padding(cfg: CompareConfig, spec) -> None:
     """--attention: every value an implementation this model can switch to; --padding: refused
     (nothing to pad), so a comparison that would change nothing is not run as if it tested something."""
@@ -171,10 +181,8 @@ def _check_attention_padding(cfg: CompareConfig, spec) -> None:
     for a in cfg.attentions:
         if a not in ATTENTIONS:
             raise BadInput(f"--attention {a}: expected one of {', '.join(ATTENTIONS)}")
-    if "eager" in cfg.attentions and spec.kind != "hf":
-        raise BadInput("--attention eager: only hf: models switch their attention implementation (the "
-                       "built-in presets run SDPA, a py: model its own code); for this model compare SDPA "
-                       "backends instead, e.g. --attention sdpa-math,sdpa-flash")
+    if "eager" in cfg.attentions:
+        raise BadInput(EAGER_REFUSED)
 
 
 def device_info(device: str) -> dict:

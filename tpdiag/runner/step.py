@@ -327,9 +327,17 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         stack.enter_context(run_groups(cfg.tree_groups, cfg.group_gemm == PER_GROUP))
         from tpdiag.errors import BadInput
         from tpdiag.runner.attention import attention
+        from tpdiag.runner.decode import is_hf
         from tpdiag.runner.sdpa_ran import SdpaRan
 
-        # the configuration's attention implementation (the --attention axis; 'auto': the model's own)
+        # the configuration's attention implementation (the --attention axis; 'auto': the model's own):
+        # an SDPA backend within SDPA; never a switch of an hf: model's implementation, which would
+        # build its layers other inputs (another mask) than the reference's (runner/compare.py)
+        if cfg.attention != "auto" and is_hf(model) and model.config._attn_implementation != "sdpa":
+            raise BadInput(f"--attention {cfg.attention}: {type(model).__name__} runs "
+                           f"{model.config._attn_implementation!r} attention, not SDPA: switching it builds "
+                           "its layers another attention mask than the reference's (other records); compare "
+                           "it with tpdiag rollout --attention instead")
         stack.enter_context(attention(model, cfg.attention, BadInput))
 
         # which SDPA backend the step's attention ran (the manifest's flags line says it), asked
