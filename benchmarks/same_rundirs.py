@@ -1,13 +1,14 @@
 """Are two tpdiag trees' run directories the same, timings aside? (issue 62 item 6: a refactor
 keeps every run directory byte-identical.)
 
-    python3 benchmarks/same_rundirs.py OLD_TREE NEW_TREE [WORK_DIR]
+    python3 benchmarks/same_rundirs.py OLD_TREE NEW_TREE [WORK_DIR] [--ignore KEY ...]
 
 runs each case below with `PYTHONPATH=TREE python3 -m tpdiag compare ...` into WORK_DIR/<tree>/<case>
 and compares the two directories file by file: the same file names, safetensors and CSV byte for
 byte, JSON (and JSON lines) equal once the keys that hold times, hosts, process ids and paths are
-dropped. Prints one line per difference; exits 1 if any. OLD_TREE can be a `git archive` of the
-commit before the change.
+dropped (and the keys named by --ignore: what the change adds on purpose, e.g. `--ignore sdpa_ran
+--ignore line` for the SDPA backend compare now records). Prints one line per difference, with the
+key paths that differ; exits 1 if any. OLD_TREE can be a `git archive` of the commit before the change.
 """
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ CASES = {
 # keys whose values are times, hosts, process ids or paths: never the same between two runs
 VOLATILE = ("wall_s", "timings", "rank_timings", "started", "phases", "host", "pid", "out", "out_dir",
             "ref_dir", "run_dir", "seconds", "_s", "s", "elapsed", "time", "path", "cpu_count", "preflight",
-            "time_breakdown")
+            "time_breakdown", "op_run_dir", "second_pass_dir", "dir")
+IGNORED: list[str] = []
 
 
 def _strip(x):
     if isinstance(x, dict):
         return {k: _strip(v) for k, v in x.items()
-                if not any(k == v_ or (v_.startswith("_") and k.endswith(v_)) for v_ in VOLATILE)}
+                if k not in IGNORED and not any(k == v_ or (v_.startswith("_") and k.endswith(v_)) for v_ in VOLATILE)}
     if isinstance(x, list):
         return [_strip(v) for v in x]
     return x
@@ -45,6 +47,16 @@ def _json_lines(path: str):
         return [_strip(json.loads(text))]
     except ValueError:
         return [_strip(json.loads(line)) for line in text.splitlines() if line.strip()]
+
+
+def _paths(x, y, at: str = "") -> list[str]:
+    """Where two JSON values differ, as key paths ('/worlds/1/numerics/sdpa_ran')."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        return [p for k in sorted(set(x) | set(y), key=str) if x.get(k) != y.get(k)
+                for p in _paths(x.get(k), y.get(k), f"{at}/{k}")]
+    if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+        return [p for i, (u, v) in enumerate(zip(x, y)) if u != v for p in _paths(u, v, f"{at}[{i}]")]
+    return [at or "/"]
 
 
 def _files(root: str) -> set[str]:
@@ -60,8 +72,11 @@ def same(a: str, b: str) -> list[str]:
     for n in sorted(fa & fb):
         pa, pb = os.path.join(a, n), os.path.join(b, n)
         if n.endswith((".json", ".jsonl")):
-            if _json_lines(pa) != _json_lines(pb):
-                diffs.append(f"differs (timings aside): {n}")
+            ja, jb = _json_lines(pa), _json_lines(pb)
+            if ja != jb:
+                where = _paths(ja, jb)
+                diffs.append(f"differs (timings aside): {n} at {', '.join(where[:6])}"
+                             f"{f' (+{len(where) - 6})' if len(where) > 6 else ''}")
         elif n.endswith((".lock", ".done", ".log")):
             continue
         else:
@@ -72,6 +87,10 @@ def same(a: str, b: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    while "--ignore" in argv:
+        i = argv.index("--ignore")
+        IGNORED.append(argv[i + 1])
+        del argv[i:i + 2]
     old, new = argv[1], argv[2]
     work = argv[3] if len(argv) > 3 else "/tmp/same-rundirs"
     bad = 0
