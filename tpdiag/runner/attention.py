@@ -25,7 +25,7 @@ def parse(text: str) -> tuple[str, ...]:
     out = tuple(dict.fromkeys(p.strip().lower() for p in str(text).split(",") if p.strip()))
     bad = [p for p in out if p not in CHOICES]
     if bad or not out:
-        raise BadInput(f"--attention {text!r}: expected one or more of {', '.join(CHOICES)}")
+        raise BadInput(f"--attention {text!r}: one or more, comma-separated; expected one of {', '.join(CHOICES)}")
     return out
 
 
