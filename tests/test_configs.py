@@ -138,3 +138,14 @@ def test_attention_and_padding_refusals():
     assert r.returncode == 2 and "--attention eager: not an axis of compare" in r.stderr, r.stderr
     r = run_cli("compare", "--tp", "1,2", "--padding", "left")
     assert r.returncode == 2 and "not an axis of compare" in r.stderr, r.stderr
+
+
+def test_report_names_configurations_by_their_axes(hf_runs):
+    """With an axis beyond TP the report's tables are "configuration x module" and name each
+    configuration by its axes; a TP-only run's stay "Degree x module" (tests/test_report.py)."""
+    from tpdiag.reports.html import render
+
+    out, _ = hf_runs
+    html = render(out)
+    assert "Configuration x module" in html and "Degree x module" not in html
+    assert "max ULP TP=1 sdpa-flash" in html

@@ -44,12 +44,15 @@ def parse_choice(option: str, value: str, choices: tuple[str, ...]) -> str:
 
 
 def degree_labels(degrees: tuple[int, ...]) -> list[str]:
-    """Directory/summary labels: 'tp2'; a repeated degree gets a suffix ('tp1-2') so runs never collide."""
+    """The TP axis' summary keys ('2'; folders 'tp2'): a repeated degree is the same configuration
+    run again ('1-2', tpdiag.base.configs.Config.repeat) so runs never collide."""
+    from tpdiag.base.configs import Config
+
     seen: dict[int, int] = {}
     labels = []
     for d in degrees:
         seen[d] = seen.get(d, 0) + 1
-        labels.append(str(d) if seen[d] == 1 else f"{d}-{seen[d]}")
+        labels.append(Config(d, repeat="" if seen[d] == 1 else str(seen[d])).compare_key(Config(d)))
     return labels
 
 

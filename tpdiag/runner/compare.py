@@ -277,7 +277,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     worlds = [(w.point, w.label) for w in configs]
     base_label = None
     if cfg.baseline and cfg.degrees.count(cfg.degrees[0]) == 1:
-        base_label = f"{labels[0]}-base"
+        base_label = configs[0].point.with_(repeat="base").compare_key(configs[0].point)  # '1-base'
         worlds.insert(1, (configs[0].point, base_label))
     for point, label in worlds:
         degree = point.tp
