@@ -6,7 +6,8 @@ import os
 
 from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
-from tpdiag.records.paths import DIFF_CSV, MANIFEST, SUMMARY, RunDir, is_world_folder  # noqa: F401 - RunDir: importable here
+# RunDir: importable from here too (the run directory's readers and its paths side by side)
+from tpdiag.records.paths import DIFF_CSV, MANIFEST, SUMMARY, RunDir, is_world_folder  # noqa: F401
 
 # diff.csv's columns, in order: the diff engine writes one row per compared record and degree.
 ROW_FIELDS = ["degree", "idx", "key", "step", "phase", "module", "kind", "call", "name", "cls",

@@ -1,9 +1,10 @@
 """The trainer's logprobs for the engine's tokens, in one configuration, in this process (TP=1).
 
-A configuration (tpdiag.base.configs.Config) is (tp, micro_batch, mode, fix, flags, attention, padding) - the last three are
-the axes engines and trainers differ on besides the shapes: the backend flags (PyTorch's
-defaults or the deterministic settings: tpdiag.runner.flags), the attention implementation
-(the model's own, eager, SDPA, or SDPA restricted to one backend: tpdiag.runner.attention) and
+A configuration (tpdiag.base.configs.Config, compare's type too) is (tp, micro_batch, mode, fix,
+flags, attention, padding) - the last three are the axes engines and trainers differ on besides
+the shapes: the backend flags (PyTorch's defaults or the deterministic settings:
+tpdiag.runner.flags), the attention implementation (the model's own, eager, SDPA, or SDPA
+restricted to one backend: tpdiag.runner.attention) and
 which side prompts are padded on. Prefill runs each micro-batch of sequences as
 one call, right-padded (causal attention: a real position never sees the padding, but the call's
 shape - which batch-variant kernels read - is the micro-batch's). Decode runs the way a rollout

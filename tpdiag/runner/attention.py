@@ -1,5 +1,6 @@
-"""The attention implementation a configuration runs (rollout's, and compare's --attention axis): the model's own (`auto`: what
-`from_pretrained` picks - SDPA for most transformers models), `eager` (transformers' matmul +
+"""The attention implementation a configuration runs (rollout's; compare's --attention axis takes
+the SDPA ones): the model's own (`auto`: what `from_pretrained` picks - SDPA for most
+transformers models), `eager` (transformers' matmul +
 softmax attention), `sdpa`, or SDPA restricted to one backend (`sdpa-math`, `sdpa-flash`,
 `sdpa-efficient`, `sdpa-cudnn`: torch.nn.attention.sdpa_kernel). Engines and trainers differ here:
 generate() runs the model's default, a trainer may run eager or flash attention.
