@@ -144,7 +144,7 @@ def check_axes(cfg: CompareConfig, spec) -> None:
                            "one-token call along the sequence over several ranks (sequence parallelism "
                            "splits positions; engines decode without it); run decode at TP=1 (a first "
                            "degree of 1, without --grid) or with the stock variant")
-    _check_attention_padding(cfg, spec)
+    _check_attention_padding(cfg)
     if not cfg.micro_batches:
         return
     if spec.kind == "py":
@@ -165,9 +165,9 @@ EAGER_REFUSED = (
     "logprobs with tpdiag rollout FILE --attention eager,sdpa")
 
 
-def _check_attention_padding(cfg: CompareConfig, spec) -> None:
-    """--attention: every value an implementation this model can switch to; --padding: refused
-    (nothing to pad), so a comparison that would change nothing is not run as if it tested something."""
+def _check_attention_padding(cfg: CompareConfig) -> None:
+    """--attention: an SDPA backend (eager refused: EAGER_REFUSED); --padding: refused (nothing to
+    pad), so a comparison that would change nothing is not run as if it tested something."""
     from tpdiag.base.configs import ATTENTIONS, PADDINGS
 
     bad = [p for p in cfg.paddings if p not in PADDINGS]
