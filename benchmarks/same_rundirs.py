@@ -1,94 +1,117 @@
-"""Are two run directories the same, timings and provenance of the code aside? For a refactor
-that must not change behaviour: run one compare with the old code and one with the new, then
+"""Are two tpdiag trees' run directories the same, timings aside? (issue 62 item 6: a refactor
+keeps every run directory byte-identical.)
 
-    python3 benchmarks/same_rundirs.py OLD_RUN NEW_RUN
+    python3 benchmarks/same_rundirs.py OLD_TREE NEW_TREE [WORK_DIR] [--ignore KEY ...]
 
-It walks both trees and compares every file: JSON and JSON-lines by value with the fields that
-hold wall-clock times, dates, process ids, paths or the code's own version dropped; anything else
-byte for byte. Prints each difference and exits 1 if there is one, 0 if none.
+runs each case below with `PYTHONPATH=TREE python3 -m tpdiag compare ...` into WORK_DIR/<tree>/<case>
+and compares the two directories file by file: the same file names, safetensors and CSV byte for
+byte, JSON (and JSON lines) equal once the keys that hold times, hosts, process ids and paths are
+dropped (and the keys named by --ignore: what the change adds on purpose, e.g. `--ignore sdpa_ran
+--ignore line` for the SDPA backend compare now records). Prints one line per difference, with the
+key paths that differ; exits 1 if any. OLD_TREE can be a `git archive` of the commit before the change.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
+import subprocess
 import sys
 
-# keys whose values differ between any two runs of the same code (times, hosts, the run's paths)
-VOLATILE = re.compile(r"(^|_)(s|sec|secs|seconds|time|times|timing|timings|started|finished|date|"
-                      r"pid|host|hostname|elapsed|wall|duration|at|when|out|run_dir|path|dir|cwd|"
-                      r"commit|git|version|tpdiag_version|breakdown|marks|phases_s|timestamp|available_bytes)$")
-# rank markers (times and per-phase timings), logs, locks
-SKIP_FILES = re.compile(r"(timing|timings|breakdown|\.done$|\.log$|\.lock$|progress)")
+TINY = ["--batch-size", "4", "--seq-len", "8", "--no-confirm"]
+CASES = {
+    "tp": ["--tp", "1,2", *TINY],
+    "tp-repeat": ["--tp", "1,1", *TINY, "--forward-only"],
+    "mb-grid": ["--tp", "1,2", "--micro-batch", "4,2", "--grid", *TINY, "--forward-only", "--no-baseline"],
+    "decode": ["--tp", "1", "--mode", "prefill,decode", *TINY, "--forward-only", "--no-baseline"],
+}
+# keys whose values are times, hosts, process ids or paths: never the same between two runs
+VOLATILE = ("wall_s", "timings", "rank_timings", "started", "phases", "host", "pid", "out", "out_dir",
+            "ref_dir", "run_dir", "seconds", "_s", "s", "elapsed", "time", "path", "cpu_count", "preflight",
+            "time_breakdown", "op_run_dir", "second_pass_dir", "dir")
+IGNORED: list[str] = []
 
 
-def _clean(x, root_old: str, root_new: str):
+def _strip(x):
     if isinstance(x, dict):
-        return {k: _clean(v, root_old, root_new) for k, v in x.items() if not VOLATILE.search(k)}
+        return {k: _strip(v) for k, v in x.items()
+                if k not in IGNORED and not any(k == v_ or (v_.startswith("_") and k.endswith(v_)) for v_ in VOLATILE)}
     if isinstance(x, list):
-        return [_clean(v, root_old, root_new) for v in x]
-    if isinstance(x, str):
-        return x.replace(root_old, "RUN").replace(root_new, "RUN")
+        return [_strip(v) for v in x]
     return x
 
 
-def _load(path: str):
-    with open(path, "rb") as f:
-        data = f.read()
-    if path.endswith(".json"):
-        return json.loads(data)
-    if path.endswith(".jsonl"):
-        return [json.loads(line) for line in data.splitlines() if line.strip()]
-    return data
+def _json_lines(path: str):
+    with open(path) as f:
+        text = f.read()
+    try:
+        return [_strip(json.loads(text))]
+    except ValueError:
+        return [_strip(json.loads(line)) for line in text.splitlines() if line.strip()]
 
 
-def _diff(a, b, where: str, out: list) -> None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if k not in a or k not in b:
-                out.append(f"{where}.{k}: only in {'new' if k not in a else 'old'}")
-            else:
-                _diff(a[k], b[k], f"{where}.{k}", out)
-    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            _diff(x, y, f"{where}[{i}]", out)
-    elif a != b:
-        show = lambda v: (repr(v)[:200])  # noqa: E731
-        out.append(f"{where}: {show(a)} != {show(b)}")
+def _paths(x, y, at: str = "") -> list[str]:
+    """Where two JSON values differ, as key paths ('/worlds/1/numerics/sdpa_ran')."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        return [p for k in sorted(set(x) | set(y), key=str) if x.get(k) != y.get(k)
+                for p in _paths(x.get(k), y.get(k), f"{at}/{k}")]
+    if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+        return [p for i, (u, v) in enumerate(zip(x, y)) if u != v for p in _paths(u, v, f"{at}[{i}]")]
+    return [at or "/"]
 
 
-def compare(old: str, new: str) -> list[str]:
-    out: list[str] = []
-    files = set()
-    for root in (old, new):
-        for d, _, names in os.walk(root):
-            files |= {os.path.relpath(os.path.join(d, n), root) for n in names}
-    for rel in sorted(files):
-        if SKIP_FILES.search(os.path.basename(rel)):
-            continue
-        a, b = os.path.join(old, rel), os.path.join(new, rel)
-        if not os.path.exists(a) or not os.path.exists(b):
-            out.append(f"{rel}: only in {'old' if os.path.exists(a) else 'new'}")
-            continue
-        x, y = _load(a), _load(b)
-        if isinstance(x, bytes):
-            if x != y:
-                out.append(f"{rel}: bytes differ")
-            continue
-        _diff(_clean(x, old, new), _clean(y, old, new), rel, out)
+def _files(root: str) -> set[str]:
+    out = set()
+    for d, _, names in os.walk(root):
+        out |= {os.path.relpath(os.path.join(d, n), root) for n in names}
     return out
 
 
-def main(argv) -> int:
-    if len(argv) != 2:
-        print(__doc__)
-        return 2
-    diffs = compare(*argv)
-    for d in diffs:
-        print(d)
-    print(f"{len(diffs)} difference(s)")
-    return 1 if diffs else 0
+def same(a: str, b: str) -> list[str]:
+    fa, fb = _files(a), _files(b)
+    diffs = [f"only in {a}: {n}" for n in sorted(fa - fb)] + [f"only in {b}: {n}" for n in sorted(fb - fa)]
+    for n in sorted(fa & fb):
+        pa, pb = os.path.join(a, n), os.path.join(b, n)
+        if n.endswith((".json", ".jsonl")):
+            ja, jb = _json_lines(pa), _json_lines(pb)
+            if ja != jb:
+                where = _paths(ja, jb)
+                diffs.append(f"differs (timings aside): {n} at {', '.join(where[:6])}"
+                             f"{f' (+{len(where) - 6})' if len(where) > 6 else ''}")
+        elif n.endswith((".lock", ".done", ".log")):
+            continue
+        else:
+            with open(pa, "rb") as x, open(pb, "rb") as y:
+                if x.read() != y.read():
+                    diffs.append(f"differs (bytes): {n}")
+    return diffs
+
+
+def main(argv: list[str]) -> int:
+    while "--ignore" in argv:
+        i = argv.index("--ignore")
+        IGNORED.append(argv[i + 1])
+        del argv[i:i + 2]
+    old, new = argv[1], argv[2]
+    work = argv[3] if len(argv) > 3 else "/tmp/same-rundirs"
+    bad = 0
+    for case, args in CASES.items():
+        dirs = []
+        for tag, tree in (("old", old), ("new", new)):
+            out = os.path.join(work, tag, case)
+            if not os.path.exists(os.path.join(out, "summary.json")):
+                env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+                # run from the tree: `python -m` puts the working directory before PYTHONPATH
+                subprocess.run([sys.executable, "-m", "tpdiag", "compare", *args, "--out", os.path.abspath(out),
+                                "--format", "json"], env=env, cwd=os.path.abspath(tree), stdout=subprocess.DEVNULL,
+                               check=False)
+            dirs.append(out)
+        diffs = same(*dirs)
+        print(f"{case}: {'same' if not diffs else f'{len(diffs)} differences'}")
+        for d in diffs:
+            print(f"  {d}")
+        bad += bool(diffs)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv))

@@ -40,6 +40,8 @@ def test_report_is_self_contained(report, tp12_run):
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1]).startswith(PNG)
     assert "What to do" in html and "token_mult_prob_error" in html
+    # a TP-only run's tables name degrees as ever (tests/test_configs.py: other axes)
+    assert "Degree x module" in html and "max ULP TP=2" in html
 
 
 def test_default_output_is_in_the_run_dir(tp12_run, tmp_path):

@@ -110,7 +110,7 @@ def test_padding_and_attention_axes_where_they_cannot_run(tmp_path, model_dir):
     assert c["tp1-mb1-prefill-none-padleft"]["same_bits_as"] == "tp1-mb1-prefill-none"
     assert c["tp1-mb1-decode-none-padright"]["status"] == "unavailable"
     assert "left" in c["tp1-mb1-decode-none-padright"]["reason"]
-    from tpdiag.rollout.attention import attention
+    from tpdiag.runner.attention import attention
     from tpdiag.rollout.compute import Unavailable
     from tpdiag.models.tiny_llama import build
 

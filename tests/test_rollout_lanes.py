@@ -96,7 +96,7 @@ def test_split_keeps_micro_batches_whole():
     assert [(lo, hi) for c, lo, hi in units if c == c1] == [(0, 2), (2, 4), (4, 6)]
     assert [(lo, hi) for c, lo, hi in units if c == c2] == [(0, 4), (4, 6)]
     lanes = assign([(*u, cost(*u[:1], seqs, *u[1:])) for u in units], 3)
-    assert sorted((u[0].label, u[1], u[2]) for lane in lanes for u in lane) == sorted((c.label, a, b) for c, a, b in units)
+    assert sorted((u[0].rollout_name(), u[1], u[2]) for lane in lanes for u in lane) == sorted((c.rollout_name(), a, b) for c, a, b in units)
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "two"])

@@ -44,12 +44,15 @@ def parse_choice(option: str, value: str, choices: tuple[str, ...]) -> str:
 
 
 def degree_labels(degrees: tuple[int, ...]) -> list[str]:
-    """Directory/summary labels: 'tp2'; a repeated degree gets a suffix ('tp1-2') so runs never collide."""
+    """The TP axis' summary keys ('2'; folders 'tp2'): a repeated degree is the same configuration
+    run again ('1-2', tpdiag.base.configs.Config.repeat) so runs never collide."""
+    from tpdiag.base.configs import Config
+
     seen: dict[int, int] = {}
     labels = []
     for d in degrees:
         seen[d] = seen.get(d, 0) + 1
-        labels.append(str(d) if seen[d] == 1 else f"{d}-{seen[d]}")
+        labels.append(Config(d, repeat="" if seen[d] == 1 else str(seen[d])).compare_key(Config(d)))
     return labels
 
 
@@ -102,9 +105,13 @@ class WorldConfig:
     # backend flags (runner/flags.py): 'deterministic' (compare's) or PyTorch's 'default'
     flags: str = "deterministic"
     layers: int = 0  # --layers N: the model's first N decoder layers (models/slice.py); 0: all
+    # the attention implementation (runner/attention.py; the --attention axis); 'auto': the model's own
+    attention: str = "auto"
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if d["attention"] == "auto":
+            del d["attention"]  # world.json as before the axis existed
         d["fixes"] = list(self.fixes)
         d["op_include"] = list(self.op_include)
         d["module_include"] = list(self.module_include)
@@ -170,9 +177,18 @@ class CompareConfig:
     # from each side's own inputs (diff/own_inputs.py): a bug behind a harmless reordering is a
     # bug without any flag; --no-judge-downstream turns it off (only the first divergence judged)
     judge_downstream: bool = True
+    # the attention implementations (runner/attention.py) and padding sides (refused: compare's
+    # sequences carry no padding) as axes; () = the model's own attention
+    attentions: tuple[str, ...] = ()
+    paddings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        for k in ("attentions", "paddings"):  # manifest.json as before these axes existed
+            if d[k]:
+                d[k] = list(d[k])
+            else:
+                del d[k]
         d["degrees"] = list(self.degrees)
         d["micro_batches"] = list(self.micro_batches)
         d["modes"] = list(self.modes)
@@ -190,7 +206,7 @@ class CompareConfig:
         the dataclass, as before."""
         d = dict(d)
         for k in ("degrees", "fixes", "op_include", "module_include", "oracle", "micro_batches",
-                  "modes", "only"):
+                  "modes", "only", "attentions", "paddings"):
             if k in d and d[k] is not None:
                 d[k] = tuple(d[k])
         if d.get("oracle_own"):
@@ -201,7 +217,9 @@ class CompareConfig:
         """Every configuration this compare runs, the reference first (tpdiag/base/points.py)."""
         from tpdiag.base.points import worlds
 
-        out = worlds(self.degrees, self.micro_batches, self.modes, self.grid, degree_labels)
+        out = worlds(self.degrees, self.micro_batches, self.modes, self.grid, degree_labels,
+                     attentions=self.attentions, paddings=self.paddings, flags=self.flags,
+                     fix="+".join(self.fixes) or "none")
         if self.only:
             out = [out[0]] + [w for w in out[1:] if w.label in self.only]
         return out

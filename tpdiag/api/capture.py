@@ -34,7 +34,7 @@ from tpdiag.errors import BadInput
 
 SCHEMA = 1
 TOOL = "tpdiag.capture"
-MANIFEST = "manifest.json"
+from tpdiag.records.paths import MANIFEST  # noqa: E402,F401 - a capture's manifest, the run directory's name
 
 # String plans (transformers' tp_plan names or tpdiag's labels) -> the torch style whose label
 # tpdiag's classifier reads. Used for labels only: a capture never applies a plan.

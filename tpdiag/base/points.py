@@ -1,48 +1,48 @@
-"""The configurations one compare runs: a world is a point on the axes (tp, micro_batch, mode).
+"""The configurations one compare runs: a world is a Config (tpdiag/base/configs.py) on the axes
+tp, micro_batch and mode (and attention and padding, where asked for).
 
-Every configuration has a stable label, which names its directory (`tp{label}`) and its entry in
-summary.json. A configuration that differs from the reference only in TP keeps the plain degree
-label ("2", "1-2" for a repeat), so run directories written before the other axes existed read
-the same; any other carries its axes in the label ("1-mb2", "2-mb2", "1-decode").
+Every configuration has a stable label (Config.compare_key), which names its directory (`tp{label}`,
+tpdiag.records.rundir.RunDir) and its entry in summary.json. A configuration that differs from
+the reference only in TP keeps the plain degree label ("2", "1-2" for a repeat), so run directories
+written before the other axes existed read the same; any other carries its axes in the label
+("1-mb2", "2-mb2", "1-decode", "1-eager").
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
+from tpdiag.base.configs import (ATTENTION, ATTENTIONS, MICRO_BATCH, MODE, MODES, PADDING, PADDINGS,  # noqa: F401
+                                 TP, Config)
 from tpdiag.errors import BadInput
 
-# decode: the prompt in one call, then one token per call through the model's KV cache
-# (tpdiag/runner/decode.py), forward only
-MODES = ("prefill", "decode")
-TP, MICRO_BATCH, MODE = "tp", "micro_batch", "mode"
-
-
-@dataclass(frozen=True)
-class Point:
-    tp: int
-    micro_batch: int = 0  # sequences per forward call; 0: the whole batch in one call
-    mode: str = "prefill"
-
-    def to_dict(self) -> dict:
-        return {"tp": self.tp, "micro_batch": self.micro_batch, "mode": self.mode}
+Point = Config  # the name compare's code used before rollout and compare shared the one type
 
 
 @dataclass(frozen=True)
 class World:
     label: str
-    point: Point
+    point: Config
     axis: str  # the axes it differs from the reference in, '+'-joined ("tp", "micro_batch", "tp+micro_batch"); "" for the reference
 
 
 def config_name(label) -> str:
     """How output names a configuration: 'TP=2' for a degree (or a repeat, 'TP=1-2'), else its
-    axes spelled out: '1-mb2' -> 'TP=1 mb=2', '2-decode' -> 'TP=2 decode'."""
+    axes spelled out: '1-mb2' -> 'TP=1 mb=2', '2-decode' -> 'TP=2 decode', '1-padleft' ->
+    'TP=1 pad=left'."""
     parts = str(label).split("-")
     if len(parts) == 1 or parts[1].isdigit():
         return f"TP={label}"
-    words = [f"TP={parts[0]}"] + [f"mb={p[2:]}" if p.startswith("mb") and p[2:].isdigit() else p
-                                  for p in parts[1:]]
+    words = [f"TP={parts[0]}"]
+    for p in parts[1:]:
+        if p.startswith("mb") and p[2:].isdigit():
+            words.append(f"mb={p[2:]}")
+        elif p.startswith("pad") and p[3:] in PADDINGS:
+            words.append(f"pad={p[3:]}")
+        elif words[-1] == "sdpa" and f"sdpa-{p}" in ATTENTIONS:
+            words[-1] = f"sdpa-{p}"
+        else:
+            words.append(p)
     return " ".join(words)
 
 
@@ -100,25 +100,30 @@ def _divisors(n: int) -> list[int]:
 
 
 def worlds(degrees: tuple[int, ...], micro_batches: tuple[int, ...] = (), modes: tuple[str, ...] = ("prefill",),
-           grid: bool = False, degree_labels=None) -> list[World]:
+           grid: bool = False, degree_labels=None, attentions: tuple[str, ...] = (), paddings: tuple[str, ...] = (),
+           flags: str = "default", fix: str = "none") -> list[World]:
     """The reference (the first value of every axis) first, then the TP axis as it always was,
-    then the other axes one at a time, or (grid) every other combination."""
+    then the other axes one at a time, or (grid) every other combination. flags and fix are the
+    run's own (every world's), not axes."""
     mbs = micro_batches or (0,)
     modes = modes or ("prefill",)
-    ref = Point(degrees[0], mbs[0], modes[0])
+    atts = attentions or ("auto",)
+    pads = paddings or ("auto",)
+    ref = Config(degrees[0], mbs[0], modes[0], fix, flags, atts[0], pads[0])
     tp_labels = degree_labels(degrees)
     out = [World(tp_labels[0], ref, "")]
     for d, lab in zip(degrees[1:], tp_labels[1:]):
-        out.append(World(lab, Point(d, mbs[0], modes[0]), TP))
+        out.append(World(lab, ref.with_(tp=d, repeat=lab.partition("-")[2]), TP))
     if grid:
-        others = [Point(d, mb, mo) for d, mb, mo in itertools.product(dict.fromkeys(degrees), mbs, modes)
-                  if (mb, mo) != (mbs[0], modes[0])]
+        others = [ref.with_(tp=d, micro_batch=mb, mode=mo, attention=a, padding=pa)
+                  for d, mb, mo, a, pa in itertools.product(dict.fromkeys(degrees), mbs, modes, atts, pads)
+                  if (mb, mo, a, pa) != (mbs[0], modes[0], atts[0], pads[0])]
     else:
-        others = [Point(degrees[0], mb, modes[0]) for mb in mbs[1:]] + \
-                 [Point(degrees[0], mbs[0], mo) for mo in modes[1:]]
+        others = [ref.with_(micro_batch=mb) for mb in mbs[1:]] + [ref.with_(mode=mo) for mo in modes[1:]] + \
+                 [ref.with_(attention=a) for a in atts[1:]] + [ref.with_(padding=pa) for pa in pads[1:]]
     seen = set()
     for p in others:
-        lab = label_of(p, mbs[0], modes[0])
+        lab = p.compare_key(ref)
         if lab in seen:
             continue
         seen.add(lab)
@@ -126,16 +131,19 @@ def worlds(degrees: tuple[int, ...], micro_batches: tuple[int, ...] = (), modes:
     return out
 
 
-def label_of(p: Point, mb0: int, mode0: str) -> str:
-    lab = str(p.tp)
-    if p.micro_batch != mb0:
-        lab += f"-mb{p.micro_batch}"
-    if p.mode != mode0:
-        lab += f"-{p.mode}"
-    return lab
+def axis_of(p: Config, ref: Config) -> str:
+    return "+".join(p.differs(ref)) or TP  # a rerun of the reference's degree (--tp 1,1) is on the TP axis
 
 
-def axis_of(p: Point, ref: Point) -> str:
-    diff = [name for name, a, b in ((TP, p.tp, ref.tp), (MICRO_BATCH, p.micro_batch, ref.micro_batch),
-                                    (MODE, p.mode, ref.mode)) if a != b]
-    return "+".join(diff) or TP  # a rerun of the reference's degree (--tp 1,1) is on the TP axis
+# the axes a compare records for each configuration (manifest.json's `configurations`, each
+# summary entry's `config`): these always, attention and padding where the run varies them
+COMPARE_AXES = (TP, MICRO_BATCH, MODE)
+
+
+def recorded_axes(worlds) -> tuple[str, ...]:
+    ws = list(worlds)
+    if not ws:
+        return COMPARE_AXES
+    ref = ws[0].point
+    extra = tuple(a for a in (ATTENTION, PADDING) if any(getattr(w.point, a) != getattr(ref, a) for w in ws))
+    return COMPARE_AXES + extra

@@ -87,6 +87,8 @@ def compare(
     micro_batch: Annotated[Optional[str], typer.Option(help=H.micro_batch())] = None,
     mode: Annotated[Optional[str], typer.Option(help=H.mode())] = None,
     grid: Annotated[bool, typer.Option("--grid", help=H.grid())] = False,
+    attention: Annotated[Optional[str], typer.Option(help=H.attention())] = None,
+    padding: Annotated[Optional[str], typer.Option(help=H.PADDING)] = None,
     flags: Annotated[str, typer.Option(help="backend flags of every world: deterministic (reproducible: "
                                             "deterministic algorithms, no TF32, no reduced-precision "
                                             "reductions) or default (PyTorch's own, what engines and "
@@ -115,14 +117,14 @@ def compare(
         fix_mode = fix.strip().lower()
         fixes = () if fix_mode in ("auto", "none") else resolve(fix_mode)
         cfg = CompareConfig(
-            model=model, degrees=parse_degrees(tp, 1 if micro_batch or mode else 2), dtype=parse_choice("--dtype", dtype, DTYPES),
+            model=model, degrees=parse_degrees(tp, 1 if micro_batch or mode or attention else 2), dtype=parse_choice("--dtype", dtype, DTYPES),
             device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps,
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
             seed=seed, variant=variant, baseline=baseline, judge_downstream=judge_downstream, batch_size=batch_size, seq_len=seq_len, layers=layers,
             tree_groups=0 if tree_groups is None else tree_groups, flags=_one_flags(flags),
-            **H.axes(micro_batch, mode, grid))
+            **H.axes(micro_batch, mode, grid, attention, padding))
         from tpdiag.records.lock import refuse_if_held
 
         refuse_if_held(cfg.out)
@@ -257,12 +259,13 @@ def confirm_cmd(
         if fix is not None:
             (fix,) = resolve(fix)
         from tpdiag.records.lock import hold
+        from tpdiag.records.paths import RunDir
 
         with hold(run_dir, "confirm") as stale:
             if stale:
                 console(stderr=True).print(f"note: {stale}", markup=False, soft_wrap=True)
             summary = confirm(cfg, summary, run_dir, only_label=degree, force_fix=fix)
-            io.write_json(os.path.join(run_dir, "summary.json"), summary)
+            io.write_json(RunDir(run_dir).summary, summary)
     except TpdiagError as e:
         fail(e)
     summary["run_dir"] = run_dir

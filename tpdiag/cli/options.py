@@ -139,14 +139,37 @@ def mode() -> str:
 
 
 def grid() -> str:
-    return "compare every combination of --tp, --micro-batch and --mode (default: one axis at a time)"
+    return ("compare every combination of --tp, --micro-batch, --mode and --attention (default: one axis "
+            "at a time)")
 
 
-def axes(micro_batch: str | None, mode: str | None, grid: bool) -> dict:
+def attention() -> str:
+    from tpdiag.base.configs import ATTENTIONS
+
+    return (f"attention implementations to compare, the first the reference's: {_bar(ATTENTIONS)} (auto: the "
+            "model's own; sdpa-BACKEND: SDPA restricted to one backend; eager is refused here, with the reason: "
+            "it gives the layers other inputs - tpdiag rollout --attention compares it; docs/rl.md)")
+
+
+PADDING = ("padding sides as an axis: refused by compare (its sequences fill --seq-len and decode's prompts "
+           "are one length: there is no padding to place); tpdiag rollout --padding compares them")
+
+
+def axes(micro_batch: str | None, mode: str | None, grid: bool, attention: str | None = None,
+         padding: str | None = None) -> dict:
     """compare's CompareConfig keywords for the axes besides TP."""
     from tpdiag.base.points import parse_micro_batches, parse_modes
 
-    return {"micro_batches": parse_micro_batches(micro_batch), "modes": parse_modes(mode), "grid": grid}
+    out = {"micro_batches": parse_micro_batches(micro_batch), "modes": parse_modes(mode), "grid": grid}
+    if attention is not None:
+        from tpdiag.runner.attention import parse
+
+        out["attentions"] = parse(attention)
+    if padding is not None:
+        from tpdiag.rollout.options import parse_padding
+
+        out["paddings"] = parse_padding(padding)
+    return out
 
 
 VERBOSE = ("after the verdict, where the time went: setup, each world, the reference rerun, the diff, "

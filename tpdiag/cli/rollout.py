@@ -51,7 +51,7 @@ def rollout(
     DEBUG["on"] = debug
     try:
         from tpdiag.config import DTYPES, parse_choice
-        from tpdiag.rollout import attention as attn
+        from tpdiag.runner import attention as attn
         from tpdiag.rollout.run import (RolloutConfig, parse_fixes, parse_ints, parse_jobs, parse_modes,
                                         parse_padding, run_rollout)
         from tpdiag.runner import flags as backend_flags

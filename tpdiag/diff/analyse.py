@@ -1,13 +1,12 @@
 """Turn a run directory's per-degree records into summary.json (schema 1) and diff.csv."""
 from __future__ import annotations
 
-import os
-
 from tpdiag.base import files as io
 from tpdiag.diff.engine import diff_degree
 from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats, nonfinite_summary
 from tpdiag.errors import Inconclusive
 from tpdiag.records.keys import RecordKey, record_key
+from tpdiag.records.paths import RunDir
 from tpdiag.records.store import RecordSet
 
 SCHEMA = 1
@@ -97,7 +96,7 @@ def _baseline(run_dir, ref, label, failed, degree) -> dict:
     if label in failed:
         return {"reproducible": None, "label": label, "error": failed[label]}
     try:
-        again = RecordSet(os.path.join(run_dir, f"tp{label}"))
+        again = RecordSet(RunDir(run_dir).world(label))
         entry, _ = analyse_degree(ref, again, label, values=False)  # does the reference reproduce its bits
     except Inconclusive as e:
         return {"reproducible": None, "label": label, "error": str(e)}
@@ -241,7 +240,7 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
     ref_error = failed.get(reference)
     if ref_error is None:
         try:
-            ref = RecordSet(os.path.join(run_dir, f"tp{reference}"))
+            ref = RecordSet(RunDir(run_dir).world(reference))
         except Inconclusive as e:
             ref_error = str(e)
     for label in labels:
@@ -252,7 +251,7 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
             degrees[label] = {"status": "failed", "error": failed[label]}
             continue
         try:
-            other = RecordSet(os.path.join(run_dir, f"tp{label}"))
+            other = RecordSet(RunDir(run_dir).world(label))
             entry, rows = analyse_degree(ref, other, label)
         except Inconclusive as e:
             degrees[label] = {"status": "failed", "error": str(e)}
@@ -264,13 +263,16 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         degrees[label] = entry
         all_rows.extend(rows)
     if axes:
+        from tpdiag.base.points import recorded_axes
+
+        shown = recorded_axes(axes.values())
         # the TP axis stays in `degrees`; every other configuration sits beside it, same schema
         for label in list(degrees):
             w = axes.get(label)
             if w is None:
                 continue
             degrees[label]["axis"] = w.axis
-            degrees[label]["config"] = w.point.to_dict()
+            degrees[label]["config"] = w.point.to_dict(shown)
             if w.axis != "tp":
                 configurations[label] = degrees.pop(label)
     base = None
@@ -287,7 +289,7 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
                "reference_label": reference, "degrees": degrees}
     if axes and any(w.axis != "tp" for w in axes.values()):
         summary["configurations"] = configurations
-        summary["reference_config"] = axes[reference].point.to_dict()
+        summary["reference_config"] = axes[reference].point.to_dict(shown)
     if ref is not None:
         summary["capture"] = ref.world.get("capture", "full")
         wc = ref.world.get("config") or {}
@@ -322,8 +324,8 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
     from tpdiag.diff.classes import add_classes
 
     add_classes(summary)
-    write_csv(os.path.join(run_dir, "diff.csv"), all_rows)
-    io.write_json(os.path.join(run_dir, "summary.json"), summary)
+    write_csv(RunDir(run_dir).diff_csv, all_rows)
+    io.write_json(RunDir(run_dir).summary, summary)
     return summary
 
 

@@ -25,9 +25,14 @@ _WHY_DECODE = ("its inputs were bitwise equal and only the positions per call ch
                "call over the sequence): its result for a row depends on how many rows share the call")
 
 
+_WHY_ATTENTION = ("its inputs were bitwise equal and only the attention implementation changed (eager "
+                  "matmul + softmax, SDPA, or another SDPA backend): another kernel sums in another "
+                  "order")
+
+
 def name_batch_variant(entry: dict, axis: str) -> None:
     """entry: one configuration's summary entry; axis: what it differs from the reference in."""
-    if axis not in ("micro_batch", "mode"):
+    if axis not in ("micro_batch", "mode", "attention"):
         return
     fd = entry.get("first_divergence")
     if not fd or cause_class(fd.get("cause")) in ("bug", "non-finite"):
@@ -36,6 +41,12 @@ def name_batch_variant(entry: dict, axis: str) -> None:
         return
     fd["layout_cause"] = fd.get("cause")
     fd.pop("why", None)
+    if axis == "attention":
+        # the implementation itself is what changed: the attention module's own kernel (rounding,
+        # as the float64 oracle's verdict above would have said otherwise)
+        fd["cause"] = "attention-kernel"
+        fd["why"] = _WHY_ATTENTION
+        return
     if axis == "mode":
         from tpdiag.records.ops import SDPA_OPS, is_op_of
 

@@ -135,7 +135,7 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
         if (r["phase"], r["kind"]) == ("backward", "param_grad") and m != "model":
             cands[m] = float("inf")  # a weight grad first, as `modules` ranks them
         elif (r["phase"], r["kind"]) == ("forward", "out") and m != "model":
-            src = by_key.get(f"s{r['step']}/forward/{m}/in#{r['call']}/0")
+            src = by_key.get(RecordKey(r["step"], "forward", m, "in", r["call"], "0").format())
             ri = 0.0 if src is None or src["bitwise"] else (src.get("norm_rel_diff") or 0.0)
             ro = r.get("norm_rel_diff") or 0.0
             cands[m] = max(cands.get(m, 0.0), ro / ri if ri > 0 else (float("inf") if ro > 0 else 0.0))

@@ -16,6 +16,7 @@ import time
 
 from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive, NotComparable
+from tpdiag.records.paths import WORLD, RunDir, rank_marker, world_file
 
 CAPTURE_TOOL = "tpdiag.capture"
 
@@ -34,14 +35,14 @@ SAME_SETUP = ("device_info", "backend", "versions", "env")
 
 def read_side(path: str) -> dict:
     """A capture's manifest, or a compare run's degree directory (RUN_DIR/tpN) as one."""
-    w = None if os.path.isfile(os.path.join(path, "manifest.json")) else _compare_world(path)
+    w = None if os.path.isfile(RunDir(path).manifest) else _compare_world(path)
     return read_compare_degree(path, w) if w is not None else read_capture(path)
 
 
 def _compare_world(path: str) -> dict | None:
     """world.json of a compare world - it carries its WorldConfig (a capture's has no model
     spec): a capture that lost its manifest stays an incomplete capture, not a compare degree."""
-    wpath = os.path.join(path, "world.json")
+    wpath = world_file(path, WORLD)
     if not os.path.isfile(wpath):
         return None
     try:
@@ -57,7 +58,7 @@ def read_compare_degree(path: str, w: dict) -> dict:
 
     parent = os.path.dirname(os.path.abspath(path.rstrip(os.sep)))
     ranks = int(w.get("degree", 1))
-    undone = [r for r in range(ranks) if not os.path.isfile(os.path.join(path, f"rank{r}.done"))]
+    undone = [r for r in range(ranks) if not os.path.isfile(world_file(path, rank_marker(r, "done")))]
     if undone:
         raise Inconclusive(f"{path}: rank {undone[0]} did not finish this world; rerun the compare")
     try:
@@ -108,14 +109,14 @@ def read_capture(path: str) -> dict:
     if not os.path.isdir(path):
         raise Inconclusive(f"{path}: not a directory; expected a capture directory made by "
                            "tpdiag.capture(model, out=DIR)")
-    mpath = os.path.join(path, "manifest.json")
+    mpath = RunDir(path).manifest
     if not os.path.isfile(mpath):
         raise Inconclusive(f"{path}: not a capture directory (no manifest.json) nor a compare "
                            "degree (RUN_DIR/tpN); make one with tpdiag.capture(model, out=DIR) in "
                            "your job - or it was interrupted (the manifest is written last)")
     m = io.read_json(mpath)
     if isinstance(m, dict) and m.get("tool") == "tpdiag compare":
-        tps = ", ".join(os.path.join(path, "tp" + str(lab)) for lab in m.get("labels") or ())
+        tps = ", ".join(RunDir(path).world(lab) for lab in m.get("labels") or ())
         raise Inconclusive(f"{path}: a tpdiag compare run directory: name one of its degrees "
                            f"({tps or 'RUN_DIR/tpN'}); tpdiag diff compares a degree of one run with "
                            "a degree of another, or two tpdiag.capture directories")
@@ -180,7 +181,7 @@ def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN
 
 def default_out(run_b: str) -> str:
     parent = os.path.dirname(os.path.abspath(run_b.rstrip(os.sep)))
-    if os.path.isfile(os.path.join(run_b, "world.json")) and os.path.isfile(os.path.join(parent, "manifest.json")):
+    if os.path.isfile(world_file(run_b, WORLD)) and os.path.isfile(RunDir(parent).manifest):
         parent = os.path.dirname(parent)  # beside the compare run, not inside it
     return os.path.join(parent, "diff-" + time.strftime("%Y%m%d-%H%M%S"))
 
@@ -230,9 +231,9 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
 
         raise BadInput(f"--out {out!r}: is one of the two inputs; name a new directory")
     os.makedirs(out, exist_ok=True)
-    write_csv(os.path.join(out, "diff.csv"), rows)
-    io.write_json(os.path.join(out, "summary.json"), summary)
-    io.write_json(os.path.join(out, "manifest.json"), {
+    write_csv(RunDir(out).diff_csv, rows)
+    io.write_json(RunDir(out).summary, summary)
+    io.write_json(RunDir(out).manifest, {
         "schema": 1, "tool": "tpdiag diff", "versions": versions("cpu"),
         "runs": {ref_label: os.path.abspath(run_a), label: os.path.abspath(run_b)},
         "degrees": [da, db], "labels": [ref_label, label], "reference": ref_label,

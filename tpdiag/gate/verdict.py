@@ -268,7 +268,7 @@ def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
 
 
 def _evaluate(run_dir: str, policy: Policy) -> GateResult:
-    from tpdiag.records.rundir import incomplete, read_manifest, read_rows, read_summary, run_file
+    from tpdiag.records.rundir import DIFF_CSV, incomplete, read_manifest, read_rows, read_summary, run_file
 
     res = GateResult(os.path.abspath(run_dir), policy)
     from tpdiag.records.check import require_run_dir
@@ -307,7 +307,7 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
 
     # The per-rank evidence, the manifest's schema and worlds, and the summary must agree first.
     try:
-        rows = read_rows(run_file(run_dir, "diff.csv"))
+        rows = read_rows(run_file(run_dir, DIFF_CSV))
         csv_rows = rows
     except Inconclusive as e:
         res.problems.append(str(e).splitlines()[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from tpdiag.errors import BadInput
+from tpdiag.records.paths import RunDir
 
 MAKE = "make one with: tpdiag compare --out DIR"
 
@@ -15,5 +16,5 @@ def require_run_dir(path: str) -> None:
         what = "does not exist" if not os.path.exists(path) else "is a file"
         raise BadInput(f"RUN_DIR {path!r}: not a directory ({what}); expected the --out directory of "
                        f"tpdiag compare ({MAKE})")
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
+    if not os.path.isfile(RunDir(path).manifest):
         raise BadInput(f"RUN_DIR {path!r}: not a run directory (no manifest.json); {MAKE}")

@@ -11,6 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from tpdiag.errors import BadInput
 from tpdiag.records.rundir import ROW_FIELDS, load_run, records_dir
 
 _INT = ("idx", "step", "call", "max_ulp")
@@ -106,8 +107,10 @@ def _table(entries: list[dict], first_cols: tuple[str, ...]):
 class Run:
     """A finished compare's run directory. Frames (one row per ...):
 
-    records   compared record and degree (diff.csv + divergent/first/cause)
-    degrees   compared degree: status, first divergence and its cause, counts, loss, confirmation
+    records   compared record and degree (diff.csv + divergent/first/cause/axis/configuration)
+    degrees   compared configuration: its name and axes (configuration, tp, micro_batch, mode, flags,
+              attention, padding), status, first divergence and its cause, counts, loss,
+              confirmation
     findings  degree and finding (records beyond their rounding bound, inconsistent replicas)
     steps     degree and optimizer step: loss, grad norm, parameter drift, bitwise
     logprobs  degree: how far the token logprobs moved (summary.json's statistics)
@@ -168,23 +171,53 @@ def _bits(t):
     return t.contiguous().flatten().view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
+def configuration_columns(manifest: dict, summary: dict, degrees: dict) -> dict:
+    """{label: {'configuration': its folder name, 'tp': ..., 'micro_batch': ..., every axis}} of each
+    compared configuration (tpdiag.base.configs): the axes its summary entry records, the others
+    the reference's - the run's own fix and flags - for runs of any age (a TP-only run's entries
+    record no axes: their labels are their degrees)."""
+    from tpdiag.base.configs import AXES, Config, parse
+
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    ref_cfg = summary.get("reference_config") if isinstance(summary.get("reference_config"), dict) else {}
+    try:
+        base = Config(int(ref_cfg.get("tp", summary.get("reference"))),
+                      fix="+".join(cfg.get("fixes") or ()) or "none", flags=str(cfg.get("flags") or "deterministic"))
+        base = base.with_(**{k: v for k, v in ref_cfg.items() if k in AXES})
+    except (TypeError, ValueError):
+        return {}
+    out = {}
+    for lab, d in degrees.items():
+        try:
+            c = parse(lab, base).with_(**{k: v for k, v in (d.get("config") or {}).items() if k in AXES})
+        except BadInput:  # a label of a newer tpdiag: its columns stay empty
+            continue
+        # every axis but the fix: compare's fix is the run's own (manifest.json), and the frame's
+        # `fix` column has always been the fix its confirmation tried
+        out[str(lab)] = {"configuration": c.compare_name(base), **c.to_dict([a for a in AXES if a != "fix"])}
+    return out
+
+
 def load(run_dir: str) -> Run:
     """Read a finished compare's RUN_DIR (the same checks as `tpdiag report`: an unfinished or
     edited run is Inconclusive, a missing directory BadInput) into DataFrames."""
+    import pandas as pd
+
     manifest, summary, rows = load_run(run_dir)
     ref = str(summary.get("reference_label") or manifest.get("reference") or summary.get("reference"))
     from tpdiag.records.axes import axis_of_entry, entries
 
     degrees = {k: v for k, v in entries(summary).items() if isinstance(v, dict)}
+    configs = configuration_columns(manifest, summary, degrees)
     rec = records_frame(rows, summary)
+    rec["configuration"] = pd.Series([configs.get(str(lab), {}).get("configuration") for lab in rec["degree"]],
+                                     dtype=object)
     deg, findings, steps, logprobs = [], [], [], []
     for lab, d in degrees.items():
         fd = d.get("first_divergence") or {}
         loss = d.get("loss") or {}
         conf = d["confirmation"] if isinstance(d.get("confirmation"), dict) else {}
-        point = d.get("config") or {}
-        deg.append({"degree": lab, "axis": axis_of_entry(lab, d), "tp": point.get("tp"),
-                    "micro_batch": point.get("micro_batch"), "mode": point.get("mode"),
+        deg.append({"degree": lab, "axis": axis_of_entry(lab, d), **configs.get(str(lab), {}),
                     "status": d.get("status"), "cause": fd.get("cause"),
                     "first_module": fd.get("module"), "first_op": fd.get("op"), "first_phase": fd.get("phase"),
                     "first_key": fd.get("key"), "first_max_ulp": fd.get("max_ulp"),

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 
 from tpdiag.base import files as io
+from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
+from tpdiag.records.paths import RESULT, rank_marker, world_file
 
 SCHEMA = 1
 STATUSES = ("bitwise", "divergent", "inconclusive")
@@ -31,26 +33,26 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
     except Inconclusive as e:
         return f"{who}: {e}"
     try:
-        res = io.read_json(os.path.join(d, "result.json"))
+        res = io.read_json(world_file(d, RESULT))
     except Inconclusive as e:
         return f"{who}: {str(e).splitlines()[0]}"
     if not isinstance(res, dict) or res.get("status") != "ok":
         status = res.get("status") if isinstance(res, dict) else res
-        return f"{who}: tp{label}/result.json says {status!r} but manifest.json says ok"
+        return f"{who}: {folder(label)}/{RESULT} says {status!r} but manifest.json says ok"
     if str(res.get("label")) != label or res.get("degree") != degree:
-        return f"{who}: tp{label}/result.json is for TP={res.get('label')} (degree {res.get('degree')!r})"
+        return f"{who}: {folder(label)}/{RESULT} is for TP={res.get('label')} (degree {res.get('degree')!r})"
     if type(degree) is not int or not 1 <= degree <= 1 << 16:
         return f"{who}: manifest.json degree {degree!r} is not a world size"
     try:
         errors = sorted(f for f in os.listdir(d) if f.startswith("rank") and f.endswith(".error"))
     except OSError as e:
-        return f"{who}: tp{label}/ unreadable ({e.strerror or e})"
+        return f"{who}: {folder(label)}/ unreadable ({e.strerror or e})"
     if errors:
-        return f"{who}: tp{label}/{errors[0]} exists (a rank failed) but manifest.json says ok"
+        return f"{who}: {folder(label)}/{errors[0]} exists (a rank failed) but manifest.json says ok"
     for r in range(degree):
-        m = os.path.join(d, f"rank{r}.done")
+        m = world_file(d, rank_marker(r, "done"))
         if not os.path.isfile(m) or os.path.islink(m):
-            return f"{who}: tp{label}/rank{r}.done is missing (the rank never finished its work)"
+            return f"{who}: {folder(label)}/{rank_marker(r, 'done')} is missing (the rank never finished its work)"
     return None
 
 
@@ -80,15 +82,16 @@ SECOND_PASS_DIRS = ("ops", "region", "ops-all", "region-all", "region/ops")
 def _second_pass_rows(run_dir: str | None) -> tuple[list[dict], list[str]]:
     """The records of the run's own second passes (an op-level drill's records are findings of the
     summary too): their diff.csv rows, and the problems reading them."""
-    from tpdiag.records.rundir import read_rows, run_file
+    from tpdiag.records.paths import DIFF_CSV
+    from tpdiag.records.rundir import RunDir, read_rows, run_file
 
     rows, out = [], []
     for sub in SECOND_PASS_DIRS if run_dir else ():
         d = os.path.join(run_dir, sub)
-        if os.path.islink(d) or not os.path.isdir(d) or not os.path.exists(os.path.join(d, "diff.csv")):
+        if os.path.islink(d) or not os.path.isdir(d) or not os.path.exists(RunDir(d).diff_csv):
             continue
         try:
-            rows += read_rows(run_file(d, "diff.csv"))
+            rows += read_rows(run_file(d, DIFF_CSV))
         except Inconclusive as e:
             out.append(str(e).splitlines()[0])
     return rows, out
@@ -173,10 +176,11 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict) -> list[st
                 f"({', '.join(SECOND_PASS_DIRS)})"]
     from tpdiag.records.axes import entries
     from tpdiag.records.causes import cause_class
-    from tpdiag.records.rundir import run_file
+    from tpdiag.records.paths import SUMMARY
+    from tpdiag.records.rundir import RunDir, run_file
 
     try:
-        sub = io.read_json(run_file(run_dir, os.path.join(name, "summary.json")))
+        sub = io.read_json(run_file(run_dir, os.path.join(name, SUMMARY)))
     except Inconclusive as e:
         return [f"summary.json names a second pass in {name}/: {str(e).splitlines()[0]}"]
     if not isinstance(sub, dict) or not isinstance(sub.get("degrees"), dict):
@@ -185,9 +189,9 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict) -> list[st
     # findings join the region pass's
     nested = os.path.join(name, "ops")
     inner = {}
-    if name == "region" and os.path.isfile(os.path.join(run_dir, nested, "summary.json")):
+    if name == "region" and os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary):
         try:
-            n = io.read_json(run_file(run_dir, os.path.join(nested, "summary.json")))
+            n = io.read_json(run_file(run_dir, os.path.join(nested, SUMMARY)))
         except Inconclusive as e:
             return [f"the second pass's own-input pass {nested}/: {str(e).splitlines()[0]}"]
         inner = entries(n) if isinstance(n, dict) and isinstance(n.get("degrees"), dict) else {}

@@ -6,6 +6,8 @@ import os
 
 from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
+# RunDir: importable from here too (the run directory's readers and its paths side by side)
+from tpdiag.records.paths import DIFF_CSV, MANIFEST, SUMMARY, RunDir, is_world_folder  # noqa: F401
 
 # diff.csv's columns, in order: the diff engine writes one row per compared record and degree.
 ROW_FIELDS = ["degree", "idx", "key", "step", "phase", "module", "kind", "call", "name", "cls",
@@ -29,12 +31,12 @@ def run_file(run_dir: str, name: str) -> str:
 
 def read_manifest(run_dir: str) -> dict:
     """manifest.json: versions, config, degrees, per-world status (written first by compare)."""
-    return io.read_json(run_file(run_dir, "manifest.json"))
+    return io.read_json(run_file(run_dir, MANIFEST))
 
 
 def read_summary(run_dir: str) -> dict:
     """summary.json: the verdict (schema 1)."""
-    return io.read_json(run_file(run_dir, "summary.json"))
+    return io.read_json(run_file(run_dir, SUMMARY))
 
 
 def _parse_row(r: dict) -> dict:
@@ -92,7 +94,7 @@ def is_diff_dir(run_dir: str, manifest) -> bool:
     if not isinstance(manifest, dict) or manifest.get("tool") != "tpdiag diff" or "worlds" in manifest:
         return False
     try:
-        return not any(n.startswith("tp") and os.path.isdir(os.path.join(run_dir, n)) for n in os.listdir(run_dir))
+        return not any(is_world_folder(n) and os.path.isdir(os.path.join(run_dir, n)) for n in os.listdir(run_dir))
     except OSError:
         return False
 
@@ -103,7 +105,7 @@ def records_dir(run_dir: str, manifest: dict, label: str) -> str:
     caller's working directory; a compare's records never lie outside its run directory (a `runs`
     entry or a symlinked tp{label} pointing at another run's records is Inconclusive)."""
     runs = manifest.get("runs") if isinstance(manifest, dict) else None
-    path = os.path.join(run_dir, f"tp{label}")
+    path = RunDir(run_dir).world(label)
     if isinstance(runs, dict) and isinstance(runs.get(label), str):
         path = os.path.join(run_dir, runs[label])  # an absolute entry stays absolute
     if is_diff_dir(run_dir, manifest):
@@ -125,7 +127,7 @@ def load_run(run_dir: str) -> tuple[dict, dict, list[dict]]:
         raise Inconclusive(why)
     summary = read_summary(run_dir)
     if not isinstance(summary, dict) or not isinstance(summary.get("degrees"), dict):
-        raise Inconclusive(f"{os.path.join(run_dir, 'summary.json')}: no 'degrees' table (not a tpdiag summary)")
+        raise Inconclusive(f"{RunDir(run_dir).summary}: no 'degrees' table (not a tpdiag summary)")
     if not isinstance(manifest, dict):
-        raise Inconclusive(f"{os.path.join(run_dir, 'manifest.json')}: not a JSON object")
-    return manifest, summary, read_rows(run_file(run_dir, "diff.csv"))
+        raise Inconclusive(f"{RunDir(run_dir).manifest}: not a JSON object")
+    return manifest, summary, read_rows(run_file(run_dir, DIFF_CSV))

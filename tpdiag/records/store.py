@@ -7,6 +7,7 @@ import torch
 
 from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
+from tpdiag.records.paths import WORLD, world_file
 
 EVENTS = "events.jsonl"
 TENSORS = "records.safetensors"
@@ -25,7 +26,7 @@ def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dic
     from tpdiag.records.hashing import HASH_VERSION
 
     # which lane mix made this record set's hashes (records/hashing.py)
-    io.write_json(os.path.join(out_dir, "world.json"), {**world_meta, "hash_version": HASH_VERSION})
+    io.write_json(world_file(out_dir, WORLD), {**world_meta, "hash_version": HASH_VERSION})
 
 
 def _is_int(v) -> bool:
@@ -81,9 +82,9 @@ def _check_event(m, line: int, path: str) -> None:
 def read_index(out_dir: str) -> tuple[dict, list[dict]]:
     """world.json and the checked events.jsonl of a degree, without opening its tensors."""
     epath = os.path.join(out_dir, EVENTS)
-    world = io.read_json(os.path.join(out_dir, "world.json"))
+    world = io.read_json(world_file(out_dir, WORLD))
     if not isinstance(world, dict):
-        raise Inconclusive(f"{os.path.join(out_dir, 'world.json')}: not a JSON object")
+        raise Inconclusive(f"{world_file(out_dir, WORLD)}: not a JSON object")
     events = io.read_jsonl(epath)
     for i, m in enumerate(events):
         _check_event(m, i + 1, epath)
@@ -97,15 +98,15 @@ class RecordSet:
         self.dir = out_dir
         epath = os.path.join(out_dir, EVENTS)
         self.events = io.read_jsonl(epath)
-        self.world = io.read_json(os.path.join(out_dir, "world.json"))
+        self.world = io.read_json(world_file(out_dir, WORLD))
         if not isinstance(self.world, dict):
-            raise Inconclusive(f"{os.path.join(out_dir, 'world.json')}: not a JSON object")
+            raise Inconclusive(f"{world_file(out_dir, WORLD)}: not a JSON object")
         from tpdiag.records.hashing import hash_version
 
         self.hash_version = hash_version(self.world)
         degree = self.world.get("degree", 1)
         if not _is_int(degree) or not 1 <= degree <= MAX_DEGREE:
-            raise Inconclusive(f"{os.path.join(out_dir, 'world.json')}: degree {degree!r} is not "
+            raise Inconclusive(f"{world_file(out_dir, WORLD)}: degree {degree!r} is not "
                                f"an integer in 1..{MAX_DEGREE}")
         for i, m in enumerate(self.events):
             _check_event(m, i + 1, epath)

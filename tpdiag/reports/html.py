@@ -12,7 +12,7 @@ import time
 from tpdiag.base import files as io
 from tpdiag.errors import BadInput
 from tpdiag.records.frames import load, rows_of
-from tpdiag.records.rundir import records_dir
+from tpdiag.records.rundir import RunDir, records_dir
 from tpdiag.reports import words
 
 # Beyond this many rows per degree the records table keeps every divergent row first and
@@ -145,6 +145,9 @@ def build_context(run_dir: str) -> dict:
 
     degrees = entries(summary)
     labels = list(degrees)
+    from tpdiag.base.points import config_name
+
+    plain = all(config_name(lab) == f"TP={lab}" for lab in labels)
     by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in labels}
     ok = [lab for lab in labels if degrees[lab].get("status") != "failed"]
     fds = {lab: degrees[lab].get("first_divergence") for lab in labels}
@@ -185,6 +188,9 @@ def build_context(run_dir: str) -> dict:
         else summary.get("error"), "ref": ref, "evidence_problems": problems,
         "baseline": summary.get("baseline"), "status_after_fixes": summary.get("status_after_fixes"),
         "manifest": manifest, "labels": labels, "ok_labels": ok, "degrees": degrees, "verdicts": verdicts,
+        # a TP-only run's tables read "TP=2" per degree as ever; with other axes in play each
+        # configuration by its axes ("TP=1 mb=2") and the tables are "configuration x module"
+        "names": {lab: config_name(lab) for lab in [ref, *labels]}, "plain": plain,
         "figures": figures, "modules": modules, "open_modules": len(modules) <= OPEN_MODULE_TABLE,
         "records": {lab: _record_rows(by_label[lab], (fds[lab] or {}).get("key")) for lab in ok},
         "n_rows": {lab: len(by_label[lab]) for lab in labels},
@@ -239,7 +245,7 @@ def render(run_dir: str, problems: list[str] | None = None) -> str:
 def write_report(run_dir: str, out: str | None = None, problems: list[str] | None = None) -> str:
     """Render RUN_DIR and write it atomically; returns the path written (default RUN_DIR/report.html).
     problems: as render's - the CLI fails closed on them (exit 2) after the page is written."""
-    path = out or os.path.join(run_dir, "report.html")
+    path = out or RunDir(run_dir).report
     if os.path.isdir(path):
         raise BadInput(f"-o {path!r}: is a directory; expected a file name such as report.html")
     html = render(run_dir, problems)

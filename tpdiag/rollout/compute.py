@@ -1,9 +1,10 @@
 """The trainer's logprobs for the engine's tokens, in one configuration, in this process (TP=1).
 
-A configuration is (tp, micro_batch, mode, fix, flags, attention, padding) - the last three are
-the axes engines and trainers differ on besides the shapes: the backend flags (PyTorch's
-defaults or the deterministic settings: tpdiag.runner.flags), the attention implementation
-(the model's own, eager, SDPA, or SDPA restricted to one backend: tpdiag.rollout.attention) and
+A configuration (tpdiag.base.configs.Config, compare's type too) is (tp, micro_batch, mode, fix,
+flags, attention, padding) - the last three are the axes engines and trainers differ on besides
+the shapes: the backend flags (PyTorch's defaults or the deterministic settings:
+tpdiag.runner.flags), the attention implementation (the model's own, eager, SDPA, or SDPA
+restricted to one backend: tpdiag.runner.attention) and
 which side prompts are padded on. Prefill runs each micro-batch of sequences as
 one call, right-padded (causal attention: a real position never sees the padding, but the call's
 shape - which batch-variant kernels read - is the micro-batch's). Decode runs the way a rollout
@@ -16,41 +17,12 @@ invariant vocab softmax under --fix.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass
 
+# the one configuration type (compare's worlds are the same type), importable from here as before
+from tpdiag.base.configs import MODES, PADDINGS, Config  # noqa: F401
 from tpdiag.errors import BadInput
 
-MODES = ("prefill", "decode")
-PADDINGS = ("auto", "left", "right")  # auto: prefill right, decode left (generate()'s)
 PAD = 0
-
-
-@dataclass(frozen=True)
-class Config:
-    tp: int
-    micro_batch: int
-    mode: str
-    fix: str  # 'none', 'all', or fix names joined by '+'
-    flags: str = "default"      # tpdiag.runner.flags.SETTINGS
-    attention: str = "auto"     # tpdiag.rollout.attention.CHOICES
-    padding: str = "auto"       # PADDINGS
-
-    @property
-    def label(self) -> str:
-        """tp-mb-mode-fix, then each other axis where it is not its default (labels of runs that
-        do not use them stay what they were)."""
-        out = f"tp{self.tp}-mb{self.micro_batch}-{self.mode}-{self.fix}"
-        if self.flags != "default":
-            out += f"-{self.flags}"
-        if self.attention != "auto":
-            out += f"-{self.attention}"
-        if self.padding != "auto":
-            out += f"-pad{self.padding}"
-        return out
-
-    def to_dict(self) -> dict:
-        return {"tp": self.tp, "micro_batch": self.micro_batch, "mode": self.mode, "fix": self.fix,
-                "flags": self.flags, "attention": self.attention, "padding": self.padding}
 
 
 class Unavailable(Exception):
@@ -85,7 +57,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
 
     from tpdiag.fixes.registry import apply_fixes, resolve
     from tpdiag.kernels.tree import run_groups
-    from tpdiag.rollout.attention import attention
+    from tpdiag.runner.attention import attention
     from tpdiag.runner import flags
     from tpdiag.runner.decode import supports, why_not
     from tpdiag.runner.logits import whole_vocab

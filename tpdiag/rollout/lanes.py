@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import time
 
+from tpdiag.base.configs import folder
+
 
 def split(cfgs, seqs, lanes: int) -> list[tuple]:
     """(config, lo, hi) units: a configuration whole, or - when there are lanes to fill - cut at
@@ -87,12 +89,12 @@ def run(rc, seqs, cfgs, jobs: int, work: str, groups: int, threads: int, on_stat
     def one(item):
         t, k, units = item
         if on_status:
-            on_status(f"tp{t} lane {k}", "running")
+            on_status(f"{folder(t)} lane {k}", "running")
         t0 = time.perf_counter()
         res = run_degree(t, rc, seqs, list(dict.fromkeys(u[0] for u in units)), work, groups, units=units,
                          lane=k, threads=threads if t == 1 else 1, flags=start_flags)
         if on_status:
-            on_status(f"tp{t} lane {k}", f"done in {time.perf_counter() - t0:.1f} s")
+            on_status(f"{folder(t)} lane {k}", f"done in {time.perf_counter() - t0:.1f} s")
         return res
 
     pieces: dict = {}
@@ -101,7 +103,7 @@ def run(rc, seqs, cfgs, jobs: int, work: str, groups: int, threads: int, on_stat
             pieces.update(res)
     out = {}
     for c in cfgs:
-        keys = [unit_key(c.label, lo, hi) for (_, _, units) in plan for (u, lo, hi) in units if u == c]
+        keys = [unit_key(c.rollout_name(), lo, hi) for (_, _, units) in plan for (u, lo, hi) in units if u == c]
         keys.sort(key=lambda k: int(k.rsplit("@", 1)[1].split(":")[0]))
         parts = [pieces.get(k, {"status": "failed", "reason": "no result"}) for k in keys]
         bad = next((p for p in parts if p["status"] != "ok"), None)
@@ -112,7 +114,7 @@ def run(rc, seqs, cfgs, jobs: int, work: str, groups: int, threads: int, on_stat
         else:
             entry.update(status="ok", logprobs=[x for p in parts for x in p["logprobs"]],
                          flag_values=parts[0].get("flag_values"))
-        out[c.label] = entry
+        out[c.rollout_name()] = entry
     return out
 
 

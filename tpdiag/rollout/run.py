@@ -8,6 +8,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
+from tpdiag.base.configs import folder
 from tpdiag.errors import BadInput
 from tpdiag.rollout.compute import MODES, Config
 
@@ -93,7 +94,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             # then every other configuration in lanes - after it: a launch sets the rank
             # environment in this process, which must not reach a GEMM here (the cuBLAS workspace)
             worlds, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values)
-            rest = [c for c in cfgs if c.label not in worlds]
+            rest = [c for c in cfgs if c.rollout_name() not in worlds]
             worlds.update(_worlds(rc, seqs, rest, groups, on_status,
                                   run=lambda work: lanes.run(rc, seqs, rest, jobs, work, groups, n_threads,
                                                              on_status)))
@@ -127,9 +128,9 @@ def _lead(cfgs, seqs, target, model, groups, on_status, flag_values):
         if c.tp != 1:
             continue
         entry, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, collector)
-        out[c.label] = {**entry, **({"logprobs": lps} if lps is not None else {})}
+        out[c.rollout_name()] = {**entry, **({"logprobs": lps} if lps is not None else {})}
         if lps is not None or entry["status"] == "ok":
-            return out, collector, c.label
+            return out, collector, c.rollout_name()
     return out, collector, None
 
 
@@ -139,7 +140,7 @@ def _in_process(c, seqs, target, model, groups, on_status, flag_values, hook):
     from tpdiag.runner.sdpa_ran import SdpaRan
 
     if on_status:
-        on_status(c.label, "running")
+        on_status(c.rollout_name(), "running")
     entry = {"status": "ok"}
     ran = SdpaRan()
     t1 = time.perf_counter()
@@ -169,8 +170,8 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_valu
     collector = collector if collector is not None else processed.Collector(seqs)
     for c in cfgs:
         entry = {**c.to_dict(), "status": "ok"}
-        if c.label in worlds:
-            w = worlds[c.label]
+        if c.rollout_name() in worlds:
+            w = worlds[c.rollout_name()]
             entry.update(seconds=w.get("seconds"), sdpa_ran=w.get("sdpa_ran") or {},
                          **({"world_seconds": w["world_seconds"]} if "world_seconds" in w else {}))
             lps = [x if hasattr(x, "dtype") else _tensor(x) for x in w["logprobs"]] if w["status"] == "ok" else None
@@ -179,7 +180,7 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_valu
         else:
             hook = None
             if stats_from is None:
-                hook, stats_from = collector, c.label
+                hook, stats_from = collector, c.rollout_name()
             got, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, hook)
             entry.update(got)
             if lps is None and hook is not None:
@@ -193,10 +194,10 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_valu
                 # the first configuration before it with the same bits on every compared token
                 entry["same_bits_as"] = next((lab for lab, other in trainer.items()
                                               if metrics.same_bits(seqs, lps, other)), None)
-                trainer[c.label] = lps
-        if c.tp == 1 and c.label not in worlds and on_status:
-            on_status(c.label, entry["status"])
-        results[c.label] = entry
+                trainer[c.rollout_name()] = lps
+        if c.tp == 1 and c.rollout_name() not in worlds and on_status:
+            on_status(c.rollout_name(), entry["status"])
+        results[c.rollout_name()] = entry
     return results, trainer, collector, stats_from
 
 
@@ -261,16 +262,10 @@ def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
 
 
 def _sdpa_words(results: dict) -> str:
-    """Which SDPA backend ran (tpdiag.runner.sdpa_ran), in one line: the backends and, where they
-    differ between configurations, which configurations took each."""
-    groups: dict[str, list] = {}
-    for lab, r in results.items():
-        if r.get("status") == "ok":
-            names = ", ".join(sorted((r.get("sdpa_ran") or {}).keys())) or "none (no SDPA call)"
-            groups.setdefault(names, []).append(lab)
-    if len(groups) <= 1:
-        return "".join(f"{k} in every configuration" for k in groups)
-    return "; ".join(f"{k} in {', '.join(labs)}" for k, labs in groups.items())
+    """Which SDPA backend ran (tpdiag.runner.sdpa_ran), in one line."""
+    from tpdiag.runner.sdpa_ran import in_words
+
+    return in_words({lab: r.get("sdpa_ran") or {} for lab, r in results.items() if r.get("status") == "ok"})
 
 
 def _vals(xs) -> str:
@@ -320,16 +315,16 @@ def _degrees(rc, seqs, cfgs, groups, on_status, work) -> dict:
     for t in dict.fromkeys(c.tp for c in cfgs):
         mine = [c for c in cfgs if c.tp == t]
         if on_status:
-            on_status(f"tp{t}", "running")
+            on_status(folder(t), "running")
         t0 = time.perf_counter()
         res = run_degree(t, rc, seqs, mine, work, groups)
         secs = round(time.perf_counter() - t0, 3)
         for c in mine:
             # a configuration's own compute seconds; world_seconds: its whole world's, start-up included
-            r = res.get(c.label, {"status": "failed", "reason": "no result"})
-            out[c.label] = {**r, "seconds": r.get("seconds", secs), "world_seconds": secs}
+            r = res.get(c.rollout_name(), {"status": "failed", "reason": "no result"})
+            out[c.rollout_name()] = {**r, "seconds": r.get("seconds", secs), "world_seconds": secs}
         if on_status:
-            on_status(f"tp{t}", "done")
+            on_status(folder(t), "done")
     return out
 
 

@@ -14,6 +14,8 @@ import time
 import traceback
 from datetime import timedelta
 
+from tpdiag.base.configs import folder
+
 SEQUENCES = "sequences.json"
 RESULTS = "logprobs.json"
 
@@ -45,7 +47,7 @@ def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, u
     from tpdiag.config import WorldConfig
     from tpdiag.runner.launch import run_world
 
-    out_dir = os.path.join(work_dir, f"tp{world}" + ("" if lane is None else f"-lane{lane}"))
+    out_dir = os.path.join(work_dir, folder(world) + ("" if lane is None else f"-lane{lane}"))
     os.makedirs(out_dir, exist_ok=True)
     write_inputs(out_dir, seqs, configs, units, threads)
     cfg = WorldConfig(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,
@@ -53,7 +55,7 @@ def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, u
                       tree_groups=tree_groups, flags=flags or configs[0].flags)
     res = run_world(cfg, rc.timeout, entry=main)
     if res.status != "ok":
-        keys = [c.label for c in configs] if units is None else [unit_key(c.label, lo, hi) for c, lo, hi in units]
+        keys = [c.rollout_name() for c in configs] if units is None else [unit_key(c.rollout_name(), lo, hi) for c, lo, hi in units]
         return {k: {"status": "failed", "reason": f"TP={world} world failed: {res.error}"} for k in keys}
     return io.read_json(os.path.join(out_dir, RESULTS))
 
@@ -118,7 +120,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     units = inputs.get("units") or [{"config": c, "lo": 0, "hi": len(seqs)} for c in inputs["configs"]]
     for u in units:
         c, lo, hi = Config(**u["config"]), u["lo"], u["hi"]
-        key = c.label if "units" not in inputs else unit_key(c.label, lo, hi)
+        key = c.rollout_name() if "units" not in inputs else unit_key(c.rollout_name(), lo, hi)
         ran = SdpaRan()
         t0 = time.perf_counter()
         try:

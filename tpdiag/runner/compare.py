@@ -148,6 +148,7 @@ def check_axes(cfg: CompareConfig, spec) -> None:
                            "one-token call along the sequence over several ranks (sequence parallelism "
                            "splits positions; engines decode without it); run decode at TP=1 (a first "
                            "degree of 1, without --grid) or with the stock variant")
+    _check_attention_padding(cfg)
     if not cfg.micro_batches:
         return
     if spec.kind == "py":
@@ -156,6 +157,36 @@ def check_axes(cfg: CompareConfig, spec) -> None:
             raise BadInput(f"--micro-batch {cfg.micro_batches}: every size must be >= 1")
     else:
         check_micro_batches(cfg.micro_batches, cfg.batch_size)
+
+
+# compare records every module's inputs; eager attention is given other inputs than SDPA (rollout,
+# which compares logprobs only, has it)
+EAGER_REFUSED = (
+    "--attention eager: not an axis of compare - transformers builds eager attention another mask than "
+    "SDPA's (a float mask tensor where SDPA takes none and masks causally itself), so the decoder layers' "
+    "recorded inputs are not the same records, and the built-in presets and py: models have no eager "
+    "switch; compare SDPA backends here (e.g. --attention sdpa-math,sdpa-flash) and eager against SDPA on "
+    "logprobs with tpdiag rollout FILE --attention eager,sdpa")
+
+
+def _check_attention_padding(cfg: CompareConfig) -> None:
+    """--attention: an SDPA backend (eager refused: EAGER_REFUSED); --padding: refused (nothing to
+    pad), so a comparison that would change nothing is not run as if it tested something."""
+    from tpdiag.base.configs import ATTENTIONS, PADDINGS
+
+    bad = [p for p in cfg.paddings if p not in PADDINGS]
+    if bad:
+        raise BadInput(f"--padding {bad[0]}: expected one of {', '.join(PADDINGS)}")
+    if any(p != "auto" for p in cfg.paddings):
+        raise BadInput(f"--padding {','.join(cfg.paddings)}: not an axis of compare - its sequences fill "
+                       "--seq-len (and decode's prompts are all one length), so there is no padding whose side "
+                       "could change a bit; compare padding sides on an engine's rollout with tpdiag rollout "
+                       "FILE --padding left,right")
+    for a in cfg.attentions:
+        if a not in ATTENTIONS:
+            raise BadInput(f"--attention {a}: expected one of {', '.join(ATTENTIONS)}")
+    if "eager" in cfg.attentions:
+        raise BadInput(EAGER_REFUSED)
 
 
 def device_info(device: str) -> dict:
@@ -208,6 +239,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     from tpdiag.diff.analyse import analyse_run
     from tpdiag.runner.determinism import numerics_env
     from tpdiag.kernels.record_hash_ref import HASH_VERSION  # the lane mix its worlds hash with
+    from tpdiag.records.paths import RunDir
     from tpdiag.runner.launch import run_world
 
     from tpdiag.fixes import groups
@@ -218,14 +250,18 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     device = resolve_device(cfg.device, cfg.degrees)
     out = cfg.out or default_out()
     os.makedirs(out, exist_ok=True)
+    run = RunDir(out)
     configs = cfg.worlds()
     labels = [w.label for w in configs]
+    from tpdiag.base.points import recorded_axes
+
+    shown = recorded_axes(configs)
     backend = "nccl" if device == "cuda" else "gloo"
     manifest = {
         "schema": 1, "tool": "tpdiag compare", "versions": versions(device), "hash_version": HASH_VERSION,
         "device": device_info(device), "backend": backend, "model": cfg.model, "dtype": cfg.dtype,
         "seed": cfg.seed, "degrees": list(cfg.degrees), "labels": labels, "reference": labels[0],
-        "configurations": {w.label: {**w.point.to_dict(), "axis": w.axis} for w in configs},
+        "configurations": {w.label: {**w.point.to_dict(shown), "axis": w.axis} for w in configs},
         "fixes": list(cfg.fixes), "tree_groups": cfg.tree_groups, "group_gemm": cfg.group_gemm,
         "config": cfg.to_dict(), "env": numerics_env(), "flags": cfg.flags,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "preflight": pre, "worlds": {},
@@ -238,20 +274,20 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         manifest["slice"] = {"layers": cfg.layers, "total_layers": pre.get("total_layers"),
                              "what": describe(cfg.layers, pre.get("total_layers")),
                              "config": slice_changes(parse_spec(cfg.model, cfg.layers))}
-    io.write_json(os.path.join(out, "manifest.json"), manifest)
+    io.write_json(run.manifest, manifest)
     failed: dict[str, str] = {}
     t0 = time.perf_counter()
     setup_s = t0 - t_start  # checks, device, the manifest's versions
     worlds = [(w.point, w.label) for w in configs]
     base_label = None
     if cfg.baseline and cfg.degrees.count(cfg.degrees[0]) == 1:
-        base_label = f"{labels[0]}-base"
+        base_label = configs[0].point.with_(repeat="base").compare_key(configs[0].point)  # '1-base'
         worlds.insert(1, (configs[0].point, base_label))
     for point, label in worlds:
         degree = point.tp
-        ref_dir = os.path.join(out, f"tp{labels[0]}") if label != labels[0] else ""
-        wcfg = cfg.world(degree, label, os.path.join(out, f"tp{label}"), device, ref_dir=ref_dir,
-                         micro_batch=point.micro_batch, mode=point.mode)
+        ref_dir = run.world(labels[0]) if label != labels[0] else ""
+        wcfg = cfg.world(degree, label, run.world(label), device, ref_dir=ref_dir,
+                         micro_batch=point.micro_batch, mode=point.mode, attention=point.attention)
         if label == labels[0] and (cfg.oracle or cfg.oracle_ops):
             wcfg = wcfg.with_(oracle=cfg.oracle, oracle_ops=cfg.oracle_ops, oracle_own=cfg.oracle_own)
         res = run_world(wcfg, cfg.timeout, on_status)
@@ -260,7 +296,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
                                      "numerics": res.numerics}
         if res.status != "ok":
             failed[label] = res.error
-        io.write_json(os.path.join(out, "manifest.json"), manifest)
+        io.write_json(run.manifest, manifest)
     if on_status:
         on_status("diff", "running")
     t_diff = time.perf_counter()
@@ -271,21 +307,28 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
     # the whole call, setup included: a rerun's (confirm, fix chain) part of the breakdown
     manifest["wall_s"] = round(time.perf_counter() - t_start, 3)
     manifest["status"] = summary["status"]
-    io.write_json(os.path.join(out, "manifest.json"), manifest)
+    io.write_json(run.manifest, manifest)
     if on_status:
         on_status("diff", "ok")
     if cfg.layers:
         summary["slice"] = manifest["slice"]  # the `ran:` line says what ran
-        io.write_json(os.path.join(out, "summary.json"), summary)
+        io.write_json(run.summary, summary)
     summary["run_dir"] = out
-    summary["flags"] = _flags_summary(cfg.flags, manifest["worlds"].get(labels[0]))
+    summary["flags"] = _flags_summary(cfg.flags, manifest["worlds"], labels)
     return summary
 
 
-def _flags_summary(setting: str, world: dict | None) -> dict:
-    """The reference world's backend flags as it recorded them, and as one line."""
+def _flags_summary(setting: str, worlds: dict, labels: list) -> dict:
+    """The reference world's backend flags as it recorded them, which SDPA backend each world's
+    attention ran (runner/sdpa_ran.py), and both in one line."""
+    from tpdiag.base.configs import folder
     from tpdiag.runner.flags import one_line
+    from tpdiag.runner.sdpa_ran import in_words
 
-    values = ((world or {}).get("numerics") or {}).get("flag_values")
-    return {"setting": setting, "values": values,
-            "line": one_line(values, setting) if values else f"flags {setting}: not recorded"}
+    values = ((worlds.get(labels[0]) or {}).get("numerics") or {}).get("flag_values")
+    ran = {folder(lab): w["numerics"]["sdpa_ran"] for lab, w in worlds.items()
+           if isinstance((w or {}).get("numerics"), dict) and "sdpa_ran" in w["numerics"]}
+    line = one_line(values, setting) if values else f"flags {setting}: not recorded"
+    if ran:
+        line += f"; SDPA backend that ran: {in_words(ran)}"
+    return {"setting": setting, "values": values, **({"sdpa_ran": in_words(ran)} if ran else {}), "line": line}

@@ -10,6 +10,7 @@ import os
 from dataclasses import replace
 
 from tpdiag.config import CompareConfig, degree_labels
+from tpdiag.records.paths import RunDir
 from tpdiag.runner import prefix
 
 
@@ -24,7 +25,7 @@ def _sub(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False) -
 def _key_bitwise(run_dir: str, label: str, key: str) -> bool | None:
     from tpdiag.records.rundir import read_rows
 
-    path = os.path.join(run_dir, "diff.csv")
+    path = RunDir(run_dir).diff_csv
     if not os.path.exists(path):
         return None
     for r in read_rows(path):
@@ -72,7 +73,7 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
     for fix, members in plan.items():
         if on_status:
             on_status("confirm", f"{fix}")
-        out = os.path.join(run_dir, "confirm", fix)
+        out = RunDir(run_dir).confirm_run(fix)
         # decode configurations whose region pass reproduced the first divergence on the first
         # positions: confirmed on the same positions (runner/prefix.py)
         cut = {tuple(every[lab]["first_divergence"].get("positions") or ()) for lab, _ in members}
@@ -115,7 +116,7 @@ def _bitwise_keys(run_dir: str, label: str) -> set[str]:
     """The records of `label` bitwise equal (and rank-consistent) in a rerun's diff.csv."""
     from tpdiag.records.rundir import read_rows
 
-    path = os.path.join(run_dir, "diff.csv")
+    path = RunDir(run_dir).diff_csv
     if not os.path.exists(path):
         return set()
     return {r["key"] for r in read_rows(path) if r["degree"] == label and r["bitwise"] is True
@@ -134,7 +135,7 @@ def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None) 
     if wanted(rcfg, summary):
         summary = drill_down(rcfg, summary, out, on_status)
         add_classes(summary)
-        io.write_json(os.path.join(out, "summary.json"), {k: v for k, v in summary.items() if k != "run_dir"})
+        io.write_json(RunDir(out).summary, {k: v for k, v in summary.items() if k != "run_dir"})
     return summary
 
 
@@ -168,7 +169,7 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
     for i in range(max_rounds):
         if on_status:
             on_status("auto", f"round {i}: {', '.join(fixes) or 'stock'}")
-        out = run_dir if i == 0 else os.path.join(run_dir, "auto", f"round{i}")
+        out = run_dir if i == 0 else RunDir(run_dir).fix_round(i)
         # round 0 is the run the user asked for (its summary is what compare prints): it gets the
         # reference rerun like any compare; the fixed rounds are compared with it
         summary = _round(cfg, out, fixes, cfg.baseline and i == 0, on_status)

@@ -17,6 +17,7 @@ import os
 from dataclasses import replace
 
 from tpdiag.config import CompareConfig, degree_labels
+from tpdiag.records.paths import RunDir
 from tpdiag.runner import prefix
 
 _VALUES = ("max_abs", "max_ulp", "mismatch_fraction", "bound", "bound_ratio", "cause")
@@ -115,7 +116,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                          | set(oracle) | set(own_hash))
     if on_status:
         on_status("values" if hashed else "ops" if ops else "float64", ", ".join(modules or scopes or oracle))
-    out = os.path.join(run_dir, "region" if hashed else "ops")
+    out = RunDir(run_dir).second_pass(hashed)
     degrees = cfg.degrees if axes else (cfg.degrees[0],) + tuple(d for _, d in targets)
     rerun = replace(
         cfg, out=out, degrees=degrees, only=tuple(lab for lab, _ in targets) if axes else (), confirm=False, baseline=False, fix_mode="explicit",
@@ -257,7 +258,7 @@ def _near_on_own_inputs(entry: dict, sub_dir: str, sub_label: str) -> None:
     same record no longer beyond its bound there): not a bug."""
     from tpdiag.records.rundir import read_rows
 
-    path = os.path.join(sub_dir, "diff.csv")
+    path = RunDir(sub_dir).diff_csv
     if not os.path.exists(path):
         return
     near = {r["key"] for r in read_rows(path) if r["degree"] == sub_label and r.get("beyond_bound") is False}
@@ -282,10 +283,10 @@ def _own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict) -> tupl
 
     out = []
     for lab, mods in own.items():
-        tensors = side_inputs(os.path.join(run_dir, f"tp{ref_label}"), os.path.join(run_dir, f"tp{lab}"), set(mods))
+        tensors = side_inputs(RunDir(run_dir).world(ref_label), RunDir(run_dir).world(lab), set(mods))
         if not tensors:
             continue
-        path = os.path.join(run_dir, f"own-inputs-tp{lab}.safetensors")
+        path = RunDir(run_dir).own_inputs(lab)
         save_file(tensors, path)
         out.append((sub_label[lab], path))
     return tuple(out)
@@ -296,11 +297,12 @@ def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str, keys=N
     degree (runner/fingerprint.py), with its TP label; None when every rank's fingerprint
     matches."""
     from tpdiag.base import files as io
+    from tpdiag.records.paths import WORLD
     from tpdiag.runner.fingerprint import first_difference
 
     try:
-        a = io.read_json(os.path.join(run_dir, f"tp{label}", "world.json")).get("fingerprint")
-        b = io.read_json(os.path.join(sub_dir, f"tp{sub_label}", "world.json")).get("fingerprint")
+        a = io.read_json(RunDir(run_dir).world_file(label, WORLD)).get("fingerprint")
+        b = io.read_json(RunDir(sub_dir).world_file(sub_label, WORLD)).get("fingerprint")
     except Exception:  # a failed world wrote no world.json: its own status says why (below)
         return None
     if keys and a and b:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
-SETTINGS = ("default", "deterministic")
+from tpdiag.base.configs import FLAGS as SETTINGS  # noqa: E402 - the configuration axis
+
 CUBLAS_ENV, CUBLAS_VALUE = "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
 
 

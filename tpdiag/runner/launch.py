@@ -14,7 +14,9 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from tpdiag.base.configs import folder
 from tpdiag.config import WorldConfig
+from tpdiag.records.paths import RESULT, world_file
 from tpdiag.runner import progress
 from tpdiag.runner.determinism import RANK_ENV
 
@@ -148,7 +150,7 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     ctx = _context(cfg.model)
     launched_at = time.time()
-    procs = [ctx.Process(target=entry or worker.main, name=f"tpdiag-tp{world}-rank{r}",
+    procs = [ctx.Process(target=entry or worker.main, name=f"tpdiag-{folder(world)}-rank{r}",
                          args=(r, world, "127.0.0.1", store.port, cfg.to_dict(), timeout_s, os.getpid(),
                                launched_at))
              for r in range(world)]
@@ -198,7 +200,7 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
     progress.clear(cfg.out_dir)
     if on_status:
         on_status(cfg.label, result.status)
-    io.write_json(os.path.join(cfg.out_dir, "result.json"), result.to_dict())
+    io.write_json(world_file(cfg.out_dir, RESULT), result.to_dict())
     return result
 
 

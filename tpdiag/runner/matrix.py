@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from tpdiag.base import files as io
 from tpdiag.config import CompareConfig, degree_labels
+from tpdiag.records.paths import WORLD, RunDir
 from tpdiag.errors import BadInput, Inconclusive
 from tpdiag.records.rundir import read_manifest
 
@@ -138,7 +139,7 @@ def _sub_cfg(cfg: CompareConfig, v: Variant, out: str, baseline: bool) -> Compar
 
 def _step_s(run_dir: str, label: str) -> float | None:
     try:
-        w = io.read_json(os.path.join(run_dir, f"tp{label}", "world.json"))
+        w = io.read_json(RunDir(run_dir).world_file(label, WORLD))
         t = (w.get("timings") or {}).get("steps_s")  # all steps of the world together
         n = int((w.get("config") or {}).get("steps") or 1)
         return float(t) / max(n, 1) if t is not None else None
@@ -187,7 +188,7 @@ def _link_records(run_dir: str, sub_dir: str, labels: list[str], manifest: dict)
     """RUN_DIR/tp{label} -> variants/<slug>/tp{label} (relative links survive a move of RUN_DIR);
     where links are not possible the manifest names the directories instead (records_dir reads it)."""
     for lab in labels:
-        link, target = os.path.join(run_dir, f"tp{lab}"), os.path.join(sub_dir, f"tp{lab}")
+        link, target = RunDir(run_dir).world(lab), RunDir(sub_dir).world(lab)
         if not os.path.isdir(target):
             continue
         try:
@@ -217,7 +218,7 @@ def run_matrix(cfg: CompareConfig, variants: list[Variant], on_status=None) -> d
     for v in variants:
         if on_status:
             on_status("variant", v.name)
-        sub_dir = os.path.join(run_dir, "variants", v.slug)
+        sub_dir = RunDir(run_dir).variant(v.slug)
         dirs[v.name] = sub_dir
         summaries[v.name] = run_compare(_sub_cfg(cfg, v, sub_dir, cfg.baseline and v is primary), on_status)
     cells: dict[str, dict[str, dict]] = {}
@@ -255,10 +256,10 @@ def run_matrix(cfg: CompareConfig, variants: list[Variant], on_status=None) -> d
                             for v in variants}
     base = (summary.get("baseline") or {}).get("label")
     _link_records(run_dir, p_dir, labels + ([base] if base else []), manifest)
-    if os.path.exists(os.path.join(p_dir, "diff.csv")):
-        with open(os.path.join(p_dir, "diff.csv"), "rb") as f:
-            io.write_bytes(os.path.join(run_dir, "diff.csv"), f.read())
-    io.write_json(os.path.join(run_dir, "manifest.json"), manifest)
-    io.write_json(os.path.join(run_dir, "summary.json"), summary)
+    if os.path.exists(RunDir(p_dir).diff_csv):
+        with open(RunDir(p_dir).diff_csv, "rb") as f:
+            io.write_bytes(RunDir(run_dir).diff_csv, f.read())
+    io.write_json(RunDir(run_dir).manifest, manifest)
+    io.write_json(RunDir(run_dir).summary, summary)
     summary["run_dir"] = run_dir
     return summary

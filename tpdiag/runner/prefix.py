@@ -20,9 +20,8 @@ positions, and says so.
 """
 from __future__ import annotations
 
-import os
-
 from tpdiag.config import CompareConfig
+from tpdiag.records.paths import WORLD, RunDir
 
 
 def region_positions(cfg: CompareConfig, labels: list[str]) -> int:
@@ -104,7 +103,7 @@ def reproduces(run_dir: str, sub_dir: str, labels, every: dict, sub_every: dict)
         if not fd or sfd.get("key") != fd.get("key"):
             return False
         try:
-            a, b = (io.read_json(os.path.join(decode_dir(d, lab), "world.json")).get("probe_selfcheck") or {}
+            a, b = (io.read_json(RunDir(d).world_file(lab, WORLD)).get("probe_selfcheck") or {}
                     for d in (run_dir, sub_dir))
         except Exception:
             return False
@@ -112,8 +111,8 @@ def reproduces(run_dir: str, sub_dir: str, labels, every: dict, sub_every: dict)
                 b.get("positions"), b.get("logits_hash")):
             return False
     try:
-        before = read_rows(os.path.join(run_dir, "diff.csv"))
-        after = read_rows(os.path.join(sub_dir, "diff.csv"))
+        before = read_rows(RunDir(run_dir).diff_csv)
+        after = read_rows(RunDir(sub_dir).diff_csv)
     except Exception:  # no evidence that the first positions hold every difference
         return False
     again = {(r["degree"], r["key"]): r["bitwise"] for r in after}
@@ -125,4 +124,4 @@ def reproduces(run_dir: str, sub_dir: str, labels, every: dict, sub_every: dict)
 
 def decode_dir(run_dir: str, label: str) -> str:
     """A configuration's world directory in a run directory."""
-    return os.path.join(run_dir, f"tp{label}")
+    return RunDir(run_dir).world(label)

@@ -99,10 +99,12 @@ def describe(err: dict) -> str:
 def rank_tracebacks(run_dir: str) -> list[tuple[str, int, str]]:
     """(world label, rank, traceback) of every rank error marker of a run directory."""
     from tpdiag.base import files as io
+    from tpdiag.base.configs import key
+    from tpdiag.records.paths import RunDir
 
     out = []
-    for path in sorted(glob.glob(os.path.join(run_dir, "tp*", "rank*.error"))):
-        label = os.path.basename(os.path.dirname(path))[2:]
+    for path in sorted(glob.glob(RunDir(run_dir).world_glob("rank*.error"))):
+        label = key(os.path.basename(os.path.dirname(path)))
         try:
             rank = int(os.path.basename(path)[4:].split(".")[0])
             tb = io.read_json(path).get("traceback") or ""

@@ -22,6 +22,19 @@ from __future__ import annotations
 _NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 
 
+def in_words(by_config: dict) -> str:
+    """{configuration: {backend: calls}} in one line: the backends and, where they differ between
+    configurations, which configurations took each ('flash (cpu) in every configuration';
+    'math in tp1-eager; flash in tp1')."""
+    groups: dict[str, list] = {}
+    for lab, counts in by_config.items():
+        names = ", ".join(sorted((counts or {}).keys())) or "none (no SDPA call)"
+        groups.setdefault(names, []).append(lab)
+    if len(groups) <= 1:
+        return "".join(f"{k} in every configuration" for k in groups)
+    return "; ".join(f"{k} in {', '.join(labs)}" for k, labs in groups.items())
+
+
 def backend_name(choice: int, device_type: str) -> str:
     name = _NAMES.get(int(choice), f"backend {int(choice)}")
     return f"{name} (cpu)" if device_type == "cpu" else name
@@ -31,9 +44,12 @@ class SdpaRan:
     """Counts, per backend name, the SDPA calls made inside the `with` block (nestable; one
     thread: it patches a module attribute)."""
 
-    def __init__(self):
+    def __init__(self, pause=None):
+        """pause: a context manager factory under which the backend is asked - compare's recorder
+        paused, so an op probe does not record the question (aten::_fused_sdp_choice) as an op."""
         self.counts: dict[str, int] = {}
         self._saved = None
+        self._pause = pause
 
     def __enter__(self):
         import torch.nn.functional as F
@@ -46,11 +62,16 @@ class SdpaRan:
         self._saved = F.scaled_dot_product_attention
         inner = self._saved
         counts = self.counts
+        pause = self._pause
 
         def sdpa(*args, **kwargs):
             # the call goes on exactly as made: an argument spelled out where the caller left it
             # to its default can take another path in a function mode (the invariant fix's)
-            name = _choice(args, kwargs)
+            if pause is None:
+                name = _choice(args, kwargs)
+            else:
+                with pause():
+                    name = _choice(args, kwargs)
             counts[name] = counts.get(name, 0) + 1
             return inner(*args, **kwargs)
 

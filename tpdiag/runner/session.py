@@ -6,6 +6,7 @@ import time
 from dataclasses import replace
 
 from tpdiag.base import files as io
+from tpdiag.records.paths import RunDir
 from tpdiag.records.rundir import read_summary
 from tpdiag.config import CompareConfig
 
@@ -37,7 +38,7 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
         first["class_round0"] = first.get("class")
         first["class"] = final_class(summary["fix_chain"])
         first["timings"] = _timings(cfg.out, {"fix_chain_s": time.perf_counter() - t0}, t0, checks_s)
-        io.write_json(os.path.join(cfg.out, "summary.json"), first)
+        io.write_json(RunDir(cfg.out).summary, first)
         first["run_dir"] = cfg.out
         return first
     summary = run_compare(replace(cfg, granularity="module") if cfg.granularity == "auto" else cfg,
@@ -60,7 +61,7 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
 
     add_classes(summary)  # the second pass may have judged a first divergence bug or rounding
     summary["timings"] = _timings(cfg.out, extra, t0, checks_s)
-    io.write_json(os.path.join(cfg.out, "summary.json"),
+    io.write_json(RunDir(cfg.out).summary,
                   {k: v for k, v in summary.items() if k != "run_dir"})
     return summary
 
@@ -80,13 +81,14 @@ def _timings(run_dir: str, extra: dict, t0: float, checks_s: float | None = None
     # measured last, so every part above lies inside it
     manifest["time_breakdown"] = breakdown(run_dir, time.perf_counter() - t0, extra.get("second_pass_s"),
                                            checks_s)
-    io.write_json(os.path.join(run_dir, "manifest.json"), manifest)
+    io.write_json(RunDir(run_dir).manifest, manifest)
     out = {"phases": phases, "worlds": _world_timings(manifest), "breakdown": manifest["time_breakdown"]}
     # the second pass is a compare of its own in a subdirectory (runner/drill.py): its worlds'
     # split (start, steps, full-capture gather, write) is where a large model's time goes
-    for sub in ("region", "ops"):
-        if os.path.isfile(os.path.join(run_dir, sub, "manifest.json")):
-            sub_manifest = read_manifest(os.path.join(run_dir, sub))
+    for hashed in (True, False):
+        sub = RunDir(run_dir).second_pass(hashed)
+        if os.path.isfile(RunDir(sub).manifest):
+            sub_manifest = read_manifest(sub)
             out["second_pass_worlds"] = _world_timings(sub_manifest)
             out["second_pass_phases"] = sub_manifest.get("phases") or {}
     return out

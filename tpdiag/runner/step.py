@@ -325,6 +325,24 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
 
         # the run's G, the same in every rank of every world (before the fixes read it)
         stack.enter_context(run_groups(cfg.tree_groups, cfg.group_gemm == PER_GROUP))
+        from tpdiag.errors import BadInput
+        from tpdiag.runner.attention import attention
+        from tpdiag.runner.decode import is_hf
+        from tpdiag.runner.sdpa_ran import SdpaRan
+
+        # the configuration's attention implementation (the --attention axis; 'auto': the model's own):
+        # an SDPA backend within SDPA; never a switch of an hf: model's implementation, which would
+        # build its layers other inputs (another mask) than the reference's (runner/compare.py)
+        if cfg.attention != "auto" and is_hf(model) and model.config._attn_implementation != "sdpa":
+            raise BadInput(f"--attention {cfg.attention}: {type(model).__name__} runs "
+                           f"{model.config._attn_implementation!r} attention, not SDPA: switching it builds "
+                           "its layers another attention mask than the reference's (other records); compare "
+                           "it with tpdiag rollout --attention instead")
+        stack.enter_context(attention(model, cfg.attention, BadInput))
+
+        # which SDPA backend the step's attention ran (the manifest's flags line says it), asked
+        # outside the records; outside the fixes, as rollout's (the invariant attention's calls)
+        ran = stack.enter_context(SdpaRan(pause=rec._paused))
         stack.enter_context(apply_fixes(cfg.fixes, model=model, plan=target.plan, world=world))
         loss_fn, logprob_fn, norm_fn = _numerics(target)
         if cfg.probes:
@@ -437,6 +455,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         timings["steps_s"] = time.perf_counter() - t1
+    timings["numerics"]["sdpa_ran"] = dict(ran.counts)
     if fingerprint:
         from tpdiag.runner.fingerprint import step_fingerprint
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import glob
 import os
 
+from tpdiag.records.paths import RunDir
 from tpdiag.records.timing import SCHEMA, TOTALS
 
 # region/ops: the own-input judgement after a hash-first pass (runner/drill.py)
@@ -93,7 +94,7 @@ def breakdown(run_dir: str, wall_s: float, second_pass_s: float | None = None,
     _first_pass(first, parts)
     _world_totals(first, totals)
     subs = [(d, _read(os.path.join(run_dir, d))) for d in SECOND_PASS_DIRS
-            if os.path.isfile(os.path.join(run_dir, d, "manifest.json"))]
+            if os.path.isfile(RunDir(os.path.join(run_dir, d)).manifest)]
     if second_pass_s is not None:
         parts.append({"part": "second-pass", "what": ", ".join(d for d, _ in subs) or "second pass",
                       "s": second_pass_s, "worlds": {f"{d}/{k}": v for d, m in subs

@@ -1,5 +1,6 @@
-"""The attention implementation a rollout configuration runs: the model's own (`auto`: what
-`from_pretrained` picks - SDPA for most transformers models), `eager` (transformers' matmul +
+"""The attention implementation a configuration runs (rollout's; compare's --attention axis takes
+the SDPA ones): the model's own (`auto`: what `from_pretrained` picks - SDPA for most
+transformers models), `eager` (transformers' matmul +
 softmax attention), `sdpa`, or SDPA restricted to one backend (`sdpa-math`, `sdpa-flash`,
 `sdpa-efficient`, `sdpa-cudnn`: torch.nn.attention.sdpa_kernel). Engines and trainers differ here:
 generate() runs the model's default, a trainer may run eager or flash attention.
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-CHOICES = ("auto", "eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+from tpdiag.base.configs import ATTENTIONS as CHOICES  # noqa: E402 - the configuration axis
+
 _BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
              "sdpa-cudnn": "CUDNN_ATTENTION"}
 
@@ -24,7 +26,7 @@ def parse(text: str) -> tuple[str, ...]:
     out = tuple(p.strip().lower() for p in str(text).split(",") if p.strip())
     bad = [p for p in out if p not in CHOICES]
     if bad or not out:
-        raise BadInput(f"--attention {text!r}: expected one or more of {', '.join(CHOICES)}")
+        raise BadInput(f"--attention {text!r}: one or more, comma-separated; expected one of {', '.join(CHOICES)}")
     from tpdiag.base.points import no_repeat
 
     no_repeat("--attention", text, out)
