@@ -11,6 +11,10 @@ from tpdiag.records.store import RecordSet
 
 ARGS = ("--tp", "1", "--mode", "prefill,decode", "--forward-only", "--batch-size", "1",
         "--seq-len", "64", "--no-baseline", "--format", "json")
+# the region pass runs on the first positions only where no downstream module is judged on its
+# own inputs (those are judged on every position: runner/drill.py); the tests of that mechanism
+# turn the own-input judgement off
+PREFIX_ONLY = ("--no-judge-downstream",)
 
 
 def _bits(t):
@@ -28,7 +32,7 @@ def test_region_and_confirmation_run_the_first_positions_and_equal_the_whole_run
     the whole run's first 48 positions, bit for bit, in both worlds (a full-capture run of every
     position is the check)."""
     cut, whole = tmp_path / "cut", tmp_path / "whole"
-    r = run_cli("compare", *ARGS, "--capture", "hash", "--out", str(cut))
+    r = run_cli("compare", *ARGS, *PREFIX_ONLY, "--capture", "hash", "--out", str(cut))
     assert r.returncode == 0, r.stderr
     d = summary_of(cut)["configurations"]["1-decode"]
     fd, conf = d["first_divergence"], d["confirmation"]
@@ -93,7 +97,7 @@ def test_a_rerun_whose_first_positions_are_not_pass_ones_runs_every_position(tmp
     over the first positions are not pass 1's (the self-checks' hashes differ), so the region
     pass runs every position."""
     out = tmp_path / "pp"
-    r = run_cli("compare", "--model", "py:tests/models/per_process_decode.py:target", *ARGS, "--capture", "hash",
+    r = run_cli("compare", "--model", "py:tests/models/per_process_decode.py:target", *ARGS, *PREFIX_ONLY, "--capture", "hash",
                 "--no-confirm", "--out", str(out))
     assert r.returncode == 0, r.stderr
     s = summary_of(out)
