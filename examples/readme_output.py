@@ -33,11 +33,12 @@ def block(stored: dict) -> str:
     return (f"On a {m['machine']} (gloo, float32, `tiny-llama`), `tpdiag {' '.join(stored['args'])}`:\n\n"
             "```\n" + render_text(stored["summary"]) + "```\n\n"
             f"Wall time of that command: {m['wall_s']:.1f} s (measured by examples/readme_output.py on "
-            f"{m['date']}, torch {m['torch']}). It runs one world per degree, a rerun of the reference and "
-            "one confirmation rerun per divergent degree, one after another, so it grows "
-            "with the number of degrees and with whatever else the machine is running: on this "
-            "project's 2-core machine the same command took 25.7 s when the machine was otherwise idle "
-            "and 57 s while another test suite ran"
+            f"{m['date']}, torch {m['torch']}). It runs one world per degree, a rerun of the reference, "
+            "a second pass that re-executes the divergent modules in float64 (the `rounding at` lines: "
+            "each first divergence and the modules after it, judged on their own inputs) and one "
+            "confirmation rerun per divergent degree, one after another, so it grows with the number "
+            "of degrees and with whatever else the machine is running (57 s once while another test "
+            "suite ran)"
             + (" - the figure above was taken while several other jobs shared the two cores"
                if m["wall_s"] > 60 else "") + ".\n")
 
