@@ -333,6 +333,10 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
         n = follows.get(f.get("key")) or 0
         if n:
             line += f"; and {n} later finding{'s' if n != 1 else ''} that follow{'s' if n == 1 else ''} from it (not listed)"
+        if f.get("detail") and "split the weight tie" in str(f["detail"]):
+            from rich.markup import escape
+
+            line += f": {escape(str(f['detail']))}"  # what the user must change: their plan
         console.print(line)
 
 

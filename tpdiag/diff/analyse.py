@@ -51,6 +51,9 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         "missing": dd.missing[:50],
         "confirmation": None,
     }
+    broken = (other.world.get("timings") or {}).get("ties_broken")
+    if broken and not (ref.world.get("timings") or {}).get("ties_broken"):
+        _broken_ties(entry, dd.rows, broken, label)
     if int(other.world.get("degree", 1)) == 1 and ref_degree == 1:
         from tpdiag.diff.classes import no_sharding_at_tp1
 
@@ -88,6 +91,27 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
                               f"{sc.get('first_mismatch')}): the probes changed its numerics or "
                               "the step is not deterministic run to run; results are not evidence")
     return entry, dd.rows
+
+
+def _broken_ties(entry: dict, rows: list[dict], broken: list, label: str) -> None:
+    """A weight the reference shares between modules that this degree's plan split into separate
+    parameters (models/ties.py): a sharding bug at the first such parameter's weight grad - its
+    grad holds only its own module's uses - whatever its numbers' bound says."""
+    for group in broken:
+        names = [str(n) for n in group if isinstance(n, str)]
+        row = next((r for r in rows for n in names if r["phase"] == "backward" and r["kind"] == "param_grad"
+                    and f"{r['module']}.{r['name']}" == n), None)
+        if row is None:
+            continue
+        f = {"phase": row["phase"], "module": row["module"], "op": None, "kind": row["kind"],
+             "name": row["name"], "step": row["step"], "cause": "sharding-bug", "max_abs": row["max_abs"],
+             "bound": row.get("bound"), "bound_ratio": row.get("bound_ratio"), "key": row["key"],
+             "detail": f"the plan split the weight tie {' = '.join(names)} into {len(names)} parameters at "
+                       f"TP={label}: each gets only its own module's grad (the reference sums every use "
+                       "into one) and they are trained apart from the first optimizer step"}
+        entry["findings"] = [g for g in entry["findings"] if g.get("key") != row["key"]]
+        entry["findings"].insert(0, f)
+        entry["status"] = "divergent"
 
 
 def _baseline(run_dir, ref, label, failed, degree) -> dict:

@@ -89,6 +89,9 @@ def build_sharded(spec: ModelSpec, variant: str, device, seed: int, dtype, mesh,
     mark_config(spec.kind, model, dtype)
     if target.plan:
         check_plan(model, target.plan)
+        from tpdiag.models.ties import broken_ties, tie_groups
+
+        ties = tie_groups(model)
         try:
             parallelize_module(model, mesh, target.plan)
         except (BadInput, torch.OutOfMemoryError):
@@ -113,6 +116,9 @@ def build_sharded(spec: ModelSpec, variant: str, device, seed: int, dtype, mesh,
                                          f"{_first_line(e)}") from None
     target.build = {"init": "sharded", "init_full_peak_bytes": stats["full_peak_bytes"],
                     "init_whole_bytes": stats["whole_bytes"]}
+    broken = broken_ties(model, ties) if target.plan else []
+    if broken:
+        target.build["ties_broken"] = broken
     return target, model
 
 

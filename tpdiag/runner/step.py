@@ -47,11 +47,19 @@ def build_model(cfg: WorldConfig, device: torch.device, world: int):
     if world > 1 and target.plan:
         from torch.distributed.tensor.parallel import parallelize_module
 
+        from tpdiag.models.ties import broken_ties, tie_groups
+
         _check_plan(model, target.plan)
+        ties = tie_groups(model)
         parallelize_module(model, mesh, target.plan)
+        broken = broken_ties(model, ties)
+    else:
+        broken = []
     target.build = {"init": "whole", "init_full_peak_bytes": whole, "init_whole_bytes": whole,
                     "init_reason": reason or ("TP=1" if world == 1 else
                                               f"{spec.kind}: the whole model is built, then sharded")}
+    if broken:
+        target.build["ties_broken"] = broken
     return target, model
 
 
