@@ -92,7 +92,8 @@ def where(fd: dict) -> str:
     phase, module, kind, name = fd.get("phase"), fd.get("module"), fd.get("kind"), fd.get("name")
     if module == "model" and phase == "loss" and kind == "loss":
         return "loss: the loss function (Target.loss or the built-in cross-entropy)"
-    if module == "model":  # whole-model records (logprobs, loss, grad norm) have no module of their own
+    if module == "model" and kind not in ("in", "out", "grad_out") and not fd.get("op"):
+        # whole-model records (logprobs, loss, grad norm) have no module of their own
         text = f"{phase}: {name if name == kind or not kind else f'{kind} {name}'}"
     else:
         text = f"{phase}: {module}" + (f" :: {fd['op']}" if fd.get("op") else "")

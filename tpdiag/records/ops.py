@@ -8,6 +8,10 @@ SDPA_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cud
 ATTENTION_OPS = SDPA_OPS + ("flex_attention",)
 # substrings of a collective's op name (c10d's and the functional ones)
 COLLECTIVE_OPS = ("c10d", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+# substrings of ops that draw random numbers (dropout's mask among them): their draws depend on the
+# shapes and order in which each layout consumes the generator
+RANDOM_OPS = ("bernoulli", "dropout", "::rand", "::normal", "uniform", "multinomial", "randperm",
+              "exponential", "geometric", "cauchy", "log_normal")
 
 
 def is_op_of(op: str | None, family: tuple[str, ...]) -> bool:

@@ -221,6 +221,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                 if k in sfd:
                     fd[k] = sfd[k]
             fd["op_run_dir"] = out
+            if fd.get("cause") == "unknown" and str(fd.get("why", "")).endswith("no op there was recorded"):
+                fd["why"] = _why_at_op(fd["op"])
             if sfd.get("cause") == "attention-kernel":  # a cause only the op's name can tell
                 fd["cause"] = sfd["cause"]
         elif ops and not fd.get("op"):
@@ -309,3 +311,15 @@ def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str, keys=N
         a, b = ([{k: v for k, v in (f or {}).items() if k in keys} for f in x] for x in (a, b))
     where = first_difference(a, b)
     return f"TP={label} {where}" if where else None
+
+
+def _why_at_op(op: str) -> str:
+    """Why a first divergence located at an op is still `unknown` (the module pass's words said no
+    op was recorded; the op-level pass found one)."""
+    from tpdiag.records.ops import RANDOM_OPS, is_op_of
+
+    if is_op_of(op, RANDOM_OPS):
+        return (f"the difference enters at {op}, a random draw: dropout or noise in the sharded region "
+                "draws other numbers at each layout, so the degrees compute different functions - turn "
+                "it off (eval mode, p=0) to compare; neither rounding nor a proven bug")
+    return f"the difference enters at {op} (the op-level pass), and no rule judged it"
