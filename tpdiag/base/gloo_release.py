@@ -35,12 +35,16 @@ def settle(tensors, group=None) -> None:
     once, through the list it passed to the collective). Other backends: nothing to do."""
     if not is_gloo(group):
         return
-    ts = [t for t in tensors if t is not None]
+    for t in tensors:
+        if t is not None:
+            _wait(t, 1)  # the caller's list: 1 C++ owner, the Python object
+
+
+def _wait(t, owners: int) -> None:
+    """Until `t` has no more than `owners` C++ owners (a gloo worker let go), or LIMIT_S passed."""
     deadline = time.monotonic() + LIMIT_S
-    for t in ts:
-        # the caller's list and this loop's name: 1 C++ owner, the Python object
-        while t._use_count() > 1 and time.monotonic() < deadline:
-            time.sleep(0.0002)
+    while t._use_count() > owners and time.monotonic() < deadline:
+        time.sleep(0.0002)
 
 
 def all_reduce_settled(t, group=None, **kw) -> None:
@@ -53,8 +57,5 @@ def all_reduce_settled(t, group=None, **kw) -> None:
 
     before = t._use_count()
     dist.all_reduce(t, group=group, **kw)
-    if not is_gloo(group):
-        return
-    deadline = time.monotonic() + LIMIT_S
-    while t._use_count() > before and time.monotonic() < deadline:
-        time.sleep(0.0002)
+    if is_gloo(group):
+        _wait(t, before)

@@ -12,7 +12,7 @@ import os
 from tpdiag.base import files as io
 from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
-from tpdiag.records.paths import RESULT, rank_marker, world_file
+from tpdiag.records.paths import RESULT, SECOND_PASS_DIRS, rank_marker, world_file
 
 SCHEMA = 1
 STATUSES = ("bitwise", "divergent", "inconclusive")
@@ -72,44 +72,18 @@ def _same(a, b) -> bool:
     return a == b
 
 
-# Where runner/drill.py writes the second pass: RUN_DIR/ops (op level, float64), RUN_DIR/region (the
-# values of a hash-first run), "-all" when its first positions did not reproduce pass 1, and
-# region/ops (the own-input judgement after a hash-first pass). Fixed names: nothing is read from a
-# path summary.json gives.
-SECOND_PASS_DIRS = ("ops", "region", "ops-all", "region-all", "region/ops")
 
 
-def _second_pass_rows(run_dir: str | None) -> tuple[list[dict], list[str]]:
-    """The records of the run's own second passes (an op-level drill's records are findings of the
-    summary too): their diff.csv rows, and the problems reading them."""
-    from tpdiag.records.paths import DIFF_CSV
-    from tpdiag.records.rundir import RunDir, read_rows, run_file
-
-    rows, out = [], []
-    for sub in SECOND_PASS_DIRS if run_dir else ():
-        d = os.path.join(run_dir, sub)
-        if os.path.islink(d) or not os.path.isdir(d) or not os.path.exists(RunDir(d).diff_csv):
-            continue
-        try:
-            rows += read_rows(run_file(d, DIFF_CSV))
-        except Inconclusive as e:
-            out.append(str(e).splitlines()[0])
-    return rows, out
-
-
-def _number_problems(degrees: dict, rows: list[dict] | None, run_dir: str | None = None) -> list[str]:
+def _number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
     """The numbers summary.json shows (the first divergence's and each finding's max abs, ULP, mismatch
     fraction, bound) must be diff.csv's for the same record: the report prints them as written, so an
-    edit to summary.json alone (a divergence edited to 0 ULP) must not read as evidence. A record
+    edit to summary.json alone (a divergence edited to 0 ULP) must not read as evidence. A finding
     of the second pass (an op inside the module: `.../op#0/aten::mul#0.0`) is checked against that
-    pass's diff.csv."""
+    pass's summary by _second_pass_problems."""
     if rows is None:
         return []
     by_key = {(str(r.get("degree")), r.get("key")): r for r in rows}
-    extra, out = _second_pass_rows(run_dir), []
-    for r in extra[0]:
-        by_key.setdefault((str(r.get("degree")), r.get("key")), r)
-    out += extra[1]
+    out = []
     for lab, d in degrees.items():
         if not isinstance(d, dict):
             continue
@@ -257,7 +231,7 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) ->
     if summary.get("status") != "inconclusive" and "failed" in statuses.values():
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
-    out += _number_problems(degrees, rows, run_dir)
+    out += _number_problems(degrees, rows)
     out += _second_pass_problems(run_dir, summary, degrees)
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab

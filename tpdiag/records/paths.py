@@ -20,6 +20,10 @@ from tpdiag.base.configs import folder
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
 DIFF_CSV = "diff.csv"
+# Where runner/drill.py writes the second pass: ops (op level, float64), region (the values of a
+# hash-first run), "-all" when its first positions did not reproduce pass 1, and region/ops (the
+# own-input judgement after a hash-first pass)
+SECOND_PASS_DIRS = ("region", "region-all", "ops", "ops-all", "region/ops")
 REPORT = "report.html"
 # a configuration's folder: what its world wrote (records/store.py: events and tensors beside these)
 WORLD = "world.json"    # the world's config, fingerprint, selfcheck

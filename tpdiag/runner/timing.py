@@ -15,10 +15,9 @@ import glob
 import os
 
 from tpdiag.records.paths import RunDir
+from tpdiag.records.paths import SECOND_PASS_DIRS
 from tpdiag.records.timing import SCHEMA, TOTALS
 
-# region/ops: the own-input judgement after a hash-first pass (runner/drill.py)
-SECOND_PASS_DIRS = ("region", "region-all", "ops", "ops-all", "region/ops")
 
 
 def _read(path: str) -> dict:
