@@ -4,7 +4,9 @@ divergence's inputs are bitwise equal, the only thing that changed is how many r
 call (a decode call holds one position per sequence, prefill the whole sequence), so the cause is
 a batch-variant computation (rounding) - `attention-kernel` where the op is attention - unless
 the float64 oracle or a rounding bound found the result far from the exact one, which no
-re-blocking explains (the oracle's bug verdict stays)."""
+re-blocking explains (the oracle's bug verdict stays). Far with a discrete choice inside (argmax,
+top-k) stays `unknown`: a flipped near tie and a row that depends on its call's other rows (an
+expert capacity) move the output alike (tests/test_batch_coupled.py)."""
 from __future__ import annotations
 
 from tpdiag.records.causes import cause_class
@@ -25,6 +27,17 @@ _WHY_DECODE = ("its inputs were bitwise equal and only the positions per call ch
                "call over the sequence): its result for a row depends on how many rows share the call")
 
 
+_WHY_COUPLED = {
+    "micro_batch": ("either a kernel whose rounding depends on the rows per call flipped that choice "
+                    "(rounding), or the module's result for a row depends on the other rows of its call, "
+                    "e.g. an expert capacity computed from the tokens per call or statistics over the "
+                    "batch (a real difference, not rounding); nothing here tells the two apart"),
+    "mode": ("either a kernel whose rounding depends on the positions per call flipped that choice "
+             "(rounding), or the module's result depends on what else is in its call - decode calls hold "
+             "one position per sequence (a real difference, not rounding); nothing here tells the two apart"),
+}
+
+
 _WHY_ATTENTION = ("its inputs were bitwise equal and only the attention implementation changed (eager "
                   "matmul + softmax, SDPA, or another SDPA backend): another kernel sums in another "
                   "order")
@@ -36,6 +49,16 @@ def name_batch_variant(entry: dict, axis: str) -> None:
         return
     fd = entry.get("first_divergence")
     if not fd or cause_class(fd.get("cause")) in ("bug", "non-finite"):
+        return
+    far = [v for v in (fd.get("oracle"), fd.get("op_oracle")) if v and v.get("far")]
+    if any(v.get("discrete") for v in far):
+        # far from its float64 re-execution, with a discrete choice inside: a batch-variant kernel
+        # can flip a near tie (rounding), but a module whose exact result for a row depends on the
+        # other rows of its call (an expert capacity, statistics over the batch) moves it as far -
+        # neither is proven, so the cause stays unknown (fail closed), never batch-variant rounding
+        if axis in ("micro_batch", "mode"):
+            fd["why"] = (f"{fd.get('why') or 'far from its float64 re-execution, with a discrete choice inside'}"
+                         f"; with its inputs bitwise equal, {_WHY_COUPLED[axis]}")
         return
     if fd.get("cause") not in (None, "unknown") and cause_class(fd["cause"]) != "rounding":
         return

@@ -1,0 +1,35 @@
+"""A module whose result for a row depends on the other rows of its call (an MoE expert capacity
+computed from the tokens per call) moves the logprobs with the micro-batch size far beyond
+rounding, through a discrete choice (argmax). That is not a batch-variant kernel: the verdict
+must not read `rounding only` (it read "batch-variant-kernel ... nothing is wrong" before, with
+the module 1.3e5x rounding from its float64 re-execution). Fail closed: `unknown`, saying what
+either explanation would be. The same model routing every token is rounding (the twin)."""
+import json
+
+from conftest import run_cli
+
+SPEC = "py:tests/models/planted/moe_capacity.py:"
+ARGS = ("--tp", "1", "--micro-batch", "4,1", "--batch-size", "4", "--seq-len", "16", "--no-baseline", "--no-confirm")
+
+
+def _compare(tmp_path, factory):
+    d = tmp_path / factory
+    p = run_cli("compare", "--model", SPEC + factory, *ARGS, "--out", str(d))
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((d / "summary.json").read_text())
+    return d, s, s["configurations"]["1-mb1"]["first_divergence"], p.stdout
+
+
+def test_capacity_dropping_is_not_called_rounding(tmp_path):
+    d, s, fd, out = _compare(tmp_path, "dropping")
+    assert fd["module"] == "blocks.0.moe" and fd["oracle"]["far"] and fd["oracle"]["discrete"], fd
+    assert fd["cause"] == "unknown" and s["class"] != "rounding", (fd["cause"], s["class"])
+    assert "other rows of its call" in fd["why"], fd["why"]
+    assert "nothing is wrong" not in out, out
+    assert run_cli("gate", str(d), "--allow", "rounding").returncode != 0  # unknown never passes
+
+
+def test_routing_every_token_is_rounding(tmp_path):
+    _, s, fd, _ = _compare(tmp_path, "routed")
+    assert s["class"] == "rounding" and fd["cause"] == "batch-variant-kernel", (s["class"], fd)
+    assert not fd["oracle"]["far"], fd["oracle"]
