@@ -1,9 +1,10 @@
 """A module whose result for a row depends on the other rows of its call (an MoE expert capacity
 computed from the tokens per call) moves the logprobs with the micro-batch size far beyond
-rounding, through a discrete choice (argmax). That is not a batch-variant kernel: the verdict
-must not read `rounding only` (it read "batch-variant-kernel ... nothing is wrong" before, with
-the module 1.3e5x rounding from its float64 re-execution). Fail closed: `unknown`, saying what
-either explanation would be. The same model routing every token is rounding (the twin)."""
+rounding, through a discrete choice (argmax). That is not a batch-variant kernel: it read
+"batch-variant-kernel ... nothing is wrong" before, with the module 1.3e5x rounding from its
+float64 re-execution. The op-level pass records the discrete choices (argmax's indices): equal on
+both sides, no flipped tie explains the distance, so it is a BUG at the module, saying why. The
+same model routing every token is rounding (the twin)."""
 import json
 
 from conftest import run_cli
@@ -20,13 +21,14 @@ def _compare(tmp_path, factory):
     return d, s, s["configurations"]["1-mb1"]["first_divergence"], p.stdout
 
 
-def test_capacity_dropping_is_not_called_rounding(tmp_path):
+def test_capacity_dropping_is_a_bug_at_its_module(tmp_path):
     d, s, fd, out = _compare(tmp_path, "dropping")
-    assert fd["module"] == "blocks.0.moe" and fd["oracle"]["far"] and fd["oracle"]["discrete"], fd
-    assert fd["cause"] == "unknown" and s["class"] != "rounding", (fd["cause"], s["class"])
+    assert fd["module"] == "blocks.0.moe" and fd["oracle"]["far"], fd
+    assert fd["oracle"].get("choices_equal") == ["aten::argmax"] and "discrete" not in fd["oracle"], fd["oracle"]
+    assert fd["cause"] == "sharding-bug" and s["class"] == "bug", (fd["cause"], s["class"])
     assert "other rows of its call" in fd["why"], fd["why"]
-    assert "nothing is wrong" not in out, out
-    assert run_cli("gate", str(d), "--allow", "rounding").returncode != 0  # unknown never passes
+    assert "nothing is wrong" not in out and "BUG" in out.splitlines()[0], out
+    assert run_cli("gate", str(d), "--allow", "rounding").returncode == 4
 
 
 def test_routing_every_token_is_rounding(tmp_path):

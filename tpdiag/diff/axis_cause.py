@@ -38,6 +38,15 @@ _WHY_COUPLED = {
 }
 
 
+_WHY_ROWS = {
+    "micro_batch": ("its exact result for a row depends on the other rows of its call (e.g. an expert "
+                    "capacity computed from the tokens per call, statistics over the batch) - a real "
+                    "difference between micro-batch sizes, not rounding"),
+    "mode": ("its exact result depends on what else is in its call (decode calls hold one position per "
+             "sequence) - a real difference between decode and prefill, not rounding"),
+}
+
+
 _WHY_ATTENTION = ("its inputs were bitwise equal and only the attention implementation changed (eager "
                   "matmul + softmax, SDPA, or another SDPA backend): another kernel sums in another "
                   "order")
@@ -48,6 +57,12 @@ def name_batch_variant(entry: dict, axis: str) -> None:
     if axis not in ("micro_batch", "mode", "attention"):
         return
     fd = entry.get("first_divergence")
+    if fd and cause_class(fd.get("cause")) == "bug" and axis in ("micro_batch", "mode") and any(
+            (v or {}).get("choices_equal") for v in (fd.get("oracle"), fd.get("op_oracle"))):
+        v = fd.get("oracle") or fd.get("op_oracle")
+        fd["why"] = (f"its inputs were bitwise equal and so were its discrete choices "
+                     f"({', '.join(v['choices_equal'])}: no flipped tie), yet it is far from its float64 "
+                     f"re-execution: {_WHY_ROWS[axis]}")
     if not fd or cause_class(fd.get("cause")) in ("bug", "non-finite"):
         return
     far = [v for v in (fd.get("oracle"), fd.get("op_oracle")) if v and v.get("far")]

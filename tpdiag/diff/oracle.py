@@ -207,9 +207,25 @@ def verdict_for(dd, row: dict) -> dict | None:
     if got is None:
         return None
     discrete = notes_for(dd, row).get("discrete")
-    if discrete:
+    if discrete and _choices_equal(dd, row, discrete):
+        # no flipped tie: the op-level pass recorded every such choice, bitwise equal on both sides
+        got["choices_equal"] = list(discrete)
+    elif discrete:
         got["discrete"] = list(discrete)
     return got
+
+
+def _choices_equal(dd, row: dict, discrete) -> bool:
+    """Whether each discrete op of this module's call (argmax, top-k, a comparison on floating
+    values: probes/float64.DISCRETE) has op records here (probes/op_probe.py records their
+    outputs) and every one is bitwise equal on both sides."""
+    m = row["module"]
+    for d in discrete:
+        got = [r for r in dd.rows if r["kind"] == "op" and r["step"] == row["step"] and r["phase"] == "forward"
+               and (r["module"] == m or r["module"].startswith(m + ".")) and r["name"].startswith(d + "#")]
+        if not got or not all(r["bitwise"] and r.get("rank_consistent") is not False for r in got):
+            return False
+    return True
 
 
 def describe(v: dict) -> str:

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tpdiag.probes.float64 import DISCRETE
 from tpdiag.probes.recorder import PHASES, Recorder
 from tpdiag.records.keys import record_key
 
@@ -105,8 +106,12 @@ class OpProbe(TorchDispatchMode):
         # pass for the earlier, unchanged record (and a queued hash would find it changed). A copy
         # of its new value is its record.
         mutable = func._schema.is_mutable
+        # a discrete choice on floating values (argmax, top-k indices, a comparison) is recorded
+        # too: equal choices on both sides rule out a flipped near tie (diff/oracle.py)
+        choice = name in DISCRETE and any(isinstance(a, torch.Tensor) and a.is_floating_point()
+                                          for a in tree_flatten((args, kwargs))[0])
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
-            if t.is_floating_point():
+            if t.is_floating_point() or choice:
                 rec.add("op", module, f"{op}#{k}.{i}", t.detach().clone() if mutable else t)
         if self.oracle and rec.phase == "forward" and any(
                 isinstance(x, torch.Tensor) and x.is_floating_point() for x in flat):
