@@ -209,7 +209,16 @@ def classify(row: dict) -> str:
     return "unknown"
 
 
-def _describe(row: dict) -> dict:
+def _caller(module: str, called: set) -> str:
+    """The module whose code computed an input of `module`: its nearest ancestor that was called
+    (has forward records) - a ModuleList or ModuleDict holds children but never runs them."""
+    parent = module.rpartition(".")[0]
+    while parent and parent not in called:
+        parent = parent.rpartition(".")[0]
+    return parent or "model"
+
+
+def _describe(row: dict, called: set = frozenset()) -> dict:
     out = {"phase": row["phase"], "module": row["module"], "op": None, "kind": row["kind"],
            "name": row["name"], "step": row["step"], "key": row["key"], "idx": row["idx"],
            "cause": classify(row), "root_cause": True,
@@ -221,7 +230,7 @@ def _describe(row: dict) -> dict:
     if row["kind"] == "grad_out" and row.get("consumers"):
         out["consumers"] = list(row["consumers"])  # whose backward made it (the second pass's oracle)
     if row["kind"] == "in":
-        parent = row["module"].rpartition(".")[0] or "model"
+        parent = _caller(row["module"], called)
         out["module"] = parent
         out["detail"] = (f"the input of {row['module']} differs although every earlier record was "
                          f"bitwise equal: the first difference is in unprobed code of {parent}")
@@ -293,7 +302,8 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
                 f["follows"] = roots[-1].get("key") or roots[-1]["name"]
             f.setdefault("key", r["key"])
             findings.append(f)
-    fd = _describe(first) if first else None
+    fd = _describe(first, {r["module"] for r in dd.rows if r["phase"] == "forward" and r["kind"] == "out"}) \
+        if first else None
     flips = router.analyse(dd, fd)
     if flips:
         router.relabel_after(findings, fidx, flips)
