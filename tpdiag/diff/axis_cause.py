@@ -42,8 +42,9 @@ _WHY_ROWS = {
     "micro_batch": ("its exact result for a row depends on the other rows of its call (e.g. an expert "
                     "capacity computed from the tokens per call, statistics over the batch) - a real "
                     "difference between micro-batch sizes, not rounding"),
-    "mode": ("its exact result depends on what else is in its call (decode calls hold one position per "
-             "sequence) - a real difference between decode and prefill, not rounding"),
+    "mode": ("its exact result in decode is not prefill's (a decode-only code path, or a dependence on "
+             "what else is in its call: a decode call holds one position per sequence) - a real "
+             "difference between decode and prefill, not rounding"),
 }
 
 
@@ -57,12 +58,15 @@ def name_batch_variant(entry: dict, axis: str) -> None:
     if axis not in ("micro_batch", "mode", "attention"):
         return
     fd = entry.get("first_divergence")
-    if fd and cause_class(fd.get("cause")) == "bug" and axis in ("micro_batch", "mode") and any(
-            (v or {}).get("choices_equal") for v in (fd.get("oracle"), fd.get("op_oracle"))):
-        v = fd.get("oracle") or fd.get("op_oracle")
-        fd["why"] = (f"its inputs were bitwise equal and so were its discrete choices "
-                     f"({', '.join(v['choices_equal'])}: no flipped tie), yet it is far from its float64 "
-                     f"re-execution: {_WHY_ROWS[axis]}")
+    far = [v for v in ((fd or {}).get("oracle"), (fd or {}).get("op_oracle")) if v and v.get("far")]
+    if far and cause_class(fd.get("cause")) == "bug" and axis in ("micro_batch", "mode") \
+            and fd.get("kind") in ("out", "op") and not fd.get("why"):
+        # the far verdict of a call whose inputs were bitwise equal: only the call's other rows
+        # (or positions) changed, and the exact result moved with them
+        same = next((v["choices_equal"] for v in far if v.get("choices_equal")), None)
+        fd["why"] = ("its inputs were bitwise equal" + (f" and so were its discrete choices ({', '.join(same)}: "
+                     "no flipped tie)" if same else "") + f", yet it is far from its float64 re-execution: "
+                     f"{_WHY_ROWS[axis]}")
     if not fd or cause_class(fd.get("cause")) in ("bug", "non-finite"):
         return
     far = [v for v in (fd.get("oracle"), fd.get("op_oracle")) if v and v.get("far")]
