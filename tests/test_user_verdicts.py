@@ -9,6 +9,11 @@
   status cell read `divergent` under a `BUG` headline.
 - rank_seed: a replicated weight seeded by rank; the table showed `0.00e+00 between ranks` (rank
   0's copy vs the reference) instead of the ranks' spread.
+- moe_expert_index.py: experts split over ranks by hand, indexed with the local expert number. The
+  MoE's float64 re-execution makes a discrete choice (the router's max), so its far output was
+  never called a bug, and the verdict led with a consequence (the router's rank-inconsistent grad
+  in backward). A choice whose top-1 margin is far beyond the working precision's rounding cannot
+  be flipped by it: the MoE layer itself is now the bug.
 """
 import json
 
@@ -17,14 +22,16 @@ import pytest
 from conftest import run_cli
 
 SPEC = "py:tests/models/planted/user_verdicts.py:"
+MOE = "py:tests/models/planted/moe_expert_index.py:"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for case in ("autocast", "scale_bug", "rank_seed"):
+    for case, spec in (("autocast", SPEC + "autocast"), ("scale_bug", SPEC + "scale_bug"),
+                       ("rank_seed", SPEC + "rank_seed"), ("moe_bug", MOE + "bug"), ("moe_good", MOE + "good")):
         d = tmp_path_factory.mktemp(case) / "r"
-        p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
+        p = run_cli("compare", "--model", spec, "--tp", "1,2", "--no-baseline", "--no-confirm",
                     "--format", "json", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
         out[case] = (d, json.loads(p.stdout))
@@ -74,3 +81,44 @@ def test_a_rank_inconsistent_init_shows_the_spread_between_ranks(runs, capsys):
     assert fd["max_abs"] == 0.0 and fd["rank_max_abs"] > 0.01, fd  # rank 0 is TP=1's; rank 1 is not
     row = _row(_table(d, capsys))
     assert row[1] == "BUG" and float(row[row.index("between") - 1]) == pytest.approx(fd["rank_max_abs"], rel=0.01), row
+
+
+def test_a_wrong_expert_index_is_a_bug_at_the_moe_layer(runs):
+    from tpdiag.diff.classes import leading_bug
+
+    _, s = runs["moe_bug"]
+    e = s["degrees"]["2"]
+    lead = leading_bug(e)
+    assert s["class"] == "bug" and lead is not None, e.get("findings")
+    assert (lead["phase"], lead["module"], lead["kind"], lead["cause"]) == ("forward", "moe", "out", "sharding-bug"), lead
+    later = [f for f in e["findings"] if f["module"] == "moe.router" and f["phase"] == "backward"]
+    assert later and all(f.get("follows") == lead["key"] for f in later), later
+    _, good = runs["moe_good"]
+    assert good["class"] == "rounding", good["degrees"]["2"].get("findings")
+
+
+def test_a_clear_choice_is_no_discrete_flip_and_a_near_tie_is():
+    import torch
+
+    from tpdiag.probes.float64 import module_oracle
+
+    class Route(torch.nn.Module):
+        def __init__(self, tie):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+            self.tie = tie
+
+        def forward(self, x):
+            p = self.lin(x)
+            if self.tie:  # two experts' scores 1e-7 apart: fp32 rounding can order them either way
+                p = torch.cat([p[:, :1], p[:, :1] + 1e-7, p[:, 2:]], 1)
+            w, i = p.softmax(-1).max(-1)
+            v, _ = p.topk(2, -1)
+            return w * i + v.sum(-1)
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert module_oracle(Route(False), (x,), {})[1] == {}
+    assert module_oracle(Route(True), (x,), {})[1] == {"discrete": ["aten::max", "aten::topk"]}
+    # in bf16 the same margins are within a few roundings: every choice counts
+    assert module_oracle(Route(False).bfloat16(), (x,), {})[1] == {"discrete": ["aten::max", "aten::topk"]}

@@ -179,9 +179,17 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         if sub_entry.get("downstream_unjudged"):  # the own-input pass after a region pass
             entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
         # every finding the rerun made (the float64 verdicts of other roots among them)
-        seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
+        seen = {(f["phase"], f["module"], f["kind"], f["name"]): f for f in entry["findings"]}
+        sub_bugs = {f.get("key") for f in sub_entry.get("findings", [])
+                    if "follows" not in f and cause_class(f.get("cause")) == "bug"}
         for f in sub_entry.get("findings", []):
-            if (f["phase"], f["module"], f["kind"], f["name"]) in seen:
+            mine = seen.get((f["phase"], f["module"], f["kind"], f["name"]))
+            if mine is not None:
+                if "follows" not in mine and f.get("follows") in sub_bugs:
+                    # the rerun judged an earlier record a bug that pass 1 could not (a module
+                    # re-executed from its own inputs): this finding is its consequence there, so
+                    # it is here too - the bug leads, not what it caused downstream
+                    mine["follows"] = f["follows"]
                 continue
             f = {**f, "from": "second pass"}
             flip = next((g for g in entry["findings"] if g.get("cause") == "router-flip" and "after" not in g
