@@ -6,6 +6,11 @@ Every rank holds all the experts' weights (one [E, ...] tensor) and indexes them
           global r E/N + j, so at TP=2 the tokens routed to experts 2 and 3 run experts 0 and 1
   good()  the global index
 
+A correct hand-rolled row-parallel MLP runs first, so the first divergence is its all-reduce
+(rounding) and the MoE is judged downstream, from its own inputs. (With the MoE as the first
+divergence, the op-level rerun of it fails - each rank runs other expert shapes, so the ranks'
+op streams differ - and its verdict stays unknown.)
+
 The mistake is in the forward and makes no near tie: the router's top-1 margins are far beyond
 fp32 rounding, so the float64 re-execution's discrete choice (aten::max) is the one this side
 made, and the wrong output is a bug AT the MoE layer (it was named only later, at the router's
@@ -86,16 +91,32 @@ class MoE(nn.Module):
         return x + out.view_as(x)
 
 
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(FF, D) / D ** 0.5)
+        self.down = nn.Parameter(torch.randn(D, FF) / FF ** 0.5)
+        sum_grad(self.up)
+        sum_grad(self.down)
+
+    def forward(self, x):
+        r, n = world()
+        cols = slice(r * FF // n, (r + 1) * FF // n)
+        h = F.gelu((_Copy.apply(x) if n > 1 else x) @ self.up[cols].t()) @ self.down[:, cols].t()
+        return x + (_Reduce.apply(h) if n > 1 else h)
+
+
 class LM(nn.Module):
     def __init__(self, local_index):
         super().__init__()
         self.embed = nn.Embedding(V, D)
+        self.mlp = MLP()
         self.moe = MoE(local_index)
         self.norm = nn.LayerNorm(D)
         self.head = nn.Linear(D, V, bias=False)
 
     def forward(self, tokens):
-        return self.head(self.norm(self.moe(self.embed(tokens))))
+        return self.head(self.norm(self.moe(self.mlp(self.embed(tokens)))))
 
 
 def _target(local_index):
