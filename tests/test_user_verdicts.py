@@ -13,7 +13,9 @@
   MoE's float64 re-execution makes a discrete choice (the router's max), so its far output was
   never called a bug, and the verdict led with a consequence (the router's rank-inconsistent grad
   in backward). A choice whose top-1 margin is far beyond the working precision's rounding cannot
-  be flipped by it: the MoE layer itself is now the bug.
+  be flipped by it: the MoE layer itself is now the bug. As the FIRST divergence (bug_first) its
+  op-level rerun failed (each rank runs other expert shapes: no one op stream) and nothing judged
+  it; the region is now rerun at module level.
 """
 import json
 
@@ -29,7 +31,8 @@ MOE = "py:tests/models/planted/moe_expert_index.py:"
 def runs(tmp_path_factory):
     out = {}
     for case, spec in (("autocast", SPEC + "autocast"), ("scale_bug", SPEC + "scale_bug"),
-                       ("rank_seed", SPEC + "rank_seed"), ("moe_bug", MOE + "bug"), ("moe_good", MOE + "good")):
+                       ("rank_seed", SPEC + "rank_seed"), ("moe_bug", MOE + "bug"), ("moe_good", MOE + "good"),
+                       ("moe_first", MOE + "bug_first")):
         d = tmp_path_factory.mktemp(case) / "r"
         p = run_cli("compare", "--model", spec, "--tp", "1,2", "--no-baseline", "--no-confirm",
                     "--format", "json", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
@@ -122,3 +125,10 @@ def test_a_clear_choice_is_no_discrete_flip_and_a_near_tie_is():
     assert module_oracle(Route(True), (x,), {})[1] == {"discrete": ["aten::max", "aten::topk"]}
     # in bf16 the same margins are within a few roundings: every choice counts
     assert module_oracle(Route(False).bfloat16(), (x,), {})[1] == {"discrete": ["aten::max", "aten::topk"]}
+
+
+def test_a_first_divergence_whose_ops_differ_per_rank_is_judged_at_module_level(runs):
+    _, s = runs["moe_first"]
+    fd = s["degrees"]["2"]["first_divergence"]
+    assert (fd["module"], fd["kind"], fd["cause"]) == ("moe", "out", "sharding-bug"), fd
+    assert fd["oracle"]["far"] and "judged at module level" in fd["op_detail"], fd

@@ -6,10 +6,11 @@ Every rank holds all the experts' weights (one [E, ...] tensor) and indexes them
           global r E/N + j, so at TP=2 the tokens routed to experts 2 and 3 run experts 0 and 1
   good()  the global index
 
-A correct hand-rolled row-parallel MLP runs first, so the first divergence is its all-reduce
-(rounding) and the MoE is judged downstream, from its own inputs. (With the MoE as the first
-divergence, the op-level rerun of it fails - each rank runs other expert shapes, so the ranks'
-op streams differ - and its verdict stays unknown.)
+In bug() and good() a correct hand-rolled row-parallel MLP runs first, so the first divergence
+is its all-reduce (rounding) and the MoE is judged downstream, from its own inputs. In
+bug_first() the MoE is the first divergence: the op-level rerun of it cannot record one op
+stream (each rank runs its experts on other token counts), so the region is judged at module
+level instead (its verdict was left unknown).
 
 The mistake is in the forward and makes no near tie: the router's top-1 margins are far beyond
 fp32 rounding, so the float64 re-execution's discrete choice (aten::max) is the one this side
@@ -107,10 +108,10 @@ class MLP(nn.Module):
 
 
 class LM(nn.Module):
-    def __init__(self, local_index):
+    def __init__(self, local_index, mlp=True):
         super().__init__()
         self.embed = nn.Embedding(V, D)
-        self.mlp = MLP()
+        self.mlp = MLP() if mlp else nn.Identity()
         self.moe = MoE(local_index)
         self.norm = nn.LayerNorm(D)
         self.head = nn.Linear(D, V, bias=False)
@@ -119,8 +120,8 @@ class LM(nn.Module):
         return self.head(self.norm(self.moe(self.mlp(self.embed(tokens)))))
 
 
-def _target(local_index):
-    return tpdiag.Target(model=LM(local_index), plan={}, vocab_size=V,
+def _target(local_index, mlp=True):
+    return tpdiag.Target(model=LM(local_index, mlp), plan={}, vocab_size=V,
                          inputs=lambda g: torch.randint(0, V, (B, S), generator=g))
 
 
@@ -130,3 +131,10 @@ def bug():
 
 def good():
     return _target(False)
+
+
+def bug_first():
+    t = _target(True, mlp=False)
+    with torch.no_grad():  # a confident router (no top-1 margin near fp32 rounding on tpdiag's batch)
+        t.model.moe.router.weight.mul_(4)
+    return t
