@@ -440,6 +440,8 @@ def test_nan_at_every_degree_or_the_reference_is_non_finite(tmp_path, capsys, fu
     everything = 'allow_causes = ["row-parallel-reduction", "shape-dependent-gemm", "sharding-bug", "unknown"]\n'
     res = evaluate(str(out), load_policy(_policy(tmp_path, everything)))
     assert res.exit_code == 4 and res.first_violation.cause == "non-finite", res.lines()
+    # its own class, not "a BUG" (a wrong result): the headline says which
+    assert "NaN or Inf (NON-FINITE) beyond policy" in res.lines()[0], res.lines()
 
 
 def test_hash_records_holding_nan_at_both_sides_are_non_finite():

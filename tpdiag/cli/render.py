@@ -168,14 +168,17 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         from tpdiag.diff.classes import leading_bug
 
         # a bug leads the row; the first (harmless) divergence is named on a line below
-        fd = leading_bug(d) or d.get("first_divergence") or {}
+        lead = leading_bug(d)
+        fd = lead or d.get("first_divergence") or {}
         lp = d.get("logprobs") or {}
         st = "[green]bitwise[/]" if d["status"] == "bitwise" else "[yellow]divergent[/]"
-        if fd and fd is not d.get("first_divergence"):
-            st = "[bold red]BUG[/]"
+        if lead:  # the bug may be the first divergence itself: the row says BUG either way
+            from tpdiag.records.causes import cause_class
+
+            st = "[bold red]NON-FINITE[/]" if cause_class(lead.get("cause")) == "non-finite" else "[bold red]BUG[/]"
         err = f"{_fmt(fd.get('max_abs'))} / {_bound_cell(fd)}" if fd else "-"
         if fd.get("cause") == "rank-inconsistent-replica":  # its ranks' spread, not a value vs the reference
-            err = f"{_fmt(fd.get('max_abs'))} between ranks"
+            err = f"{_fmt(fd.get('rank_max_abs', fd.get('max_abs')))} between ranks"
         if fd.get("cause") == "non-finite":  # no size to compare with a bound: say what it is
             err = _nonfinite_where(d, label)
         lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"

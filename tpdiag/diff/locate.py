@@ -234,8 +234,13 @@ def _describe(row: dict, called: set = frozenset()) -> dict:
         out["module"] = parent
         out["detail"] = (f"the input of {row['module']} differs although every earlier record was "
                          f"bitwise equal: the first difference is in unprobed code of {parent}")
+    elif row["bitwise"] and row.get("rank_consistent") is False:
+        # rank 0's copy matches the reference; the other ranks' copies of the replica do not
+        out["detail"] = "every input it consumed was bitwise equal; its ranks' copies of it are not"
     else:
         out["detail"] = "every input it consumed was bitwise equal; its output is not"
+    if row.get("rank_consistent") is False and row.get("rank_max_abs") is not None:
+        out["rank_max_abs"] = row["rank_max_abs"]  # the spread between ranks (max_abs is vs the reference)
     return out
 
 

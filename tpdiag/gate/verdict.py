@@ -112,8 +112,13 @@ class GateResult:
     def lines(self) -> list[str]:
         # Each violation is printed once: the first in the headline, the others under their degree.
         first = self.first_violation
+        from tpdiag.records.causes import cause_class
+
+        # a NaN/Inf at one side is its own class (exit 4 too), not a wrong result: say which
+        lead = (("NaN or Inf (NON-FINITE)" if cause_class(first.cause if first else None) == "non-finite" else "a BUG")
+                if self.bug else "first divergent " + (first.unit if first else "record"))
         head = {"pass": "PASS - nothing diverges beyond policy",
-                "fail": (f"FAIL - {'a BUG' if self.bug else 'first divergent ' + (first.unit if first else 'record')} "
+                "fail": (f"FAIL - {lead} "
                          f"beyond policy: {first.line() if first else ''}"),
                 "inconclusive": f"INCONCLUSIVE - {self.problems[0] if self.problems else ''}"}[self.status]
         how = ("allow causes or per-module budgets with --policy FILE.toml" if self.policy.source == Policy.source

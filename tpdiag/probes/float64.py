@@ -100,17 +100,22 @@ def _written(func, args, kwargs) -> list:
 class Float64Mode(TorchDispatchMode):
     """Every op in float64; `owned` are the storages the oracle made (it may write those)."""
 
-    def __init__(self, protected: set[int]):
+    def __init__(self, protected: set[int], working: torch.dtype | None = None):
         super().__init__()
         self.protected = protected  # data_ptrs of the module's parameters and buffers
         self.discrete: list[str] = []  # choices made on floating values (topk, argmax, x > y)
+        # the precision the module really ran in: how close two values must be for its own
+        # rounding to order them otherwise than float64 does (None: every choice counts)
+        self.working = working
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in DISCRETE and _op_name(func) not in self.discrete and any(
-                isinstance(a, torch.Tensor) and a.is_floating_point() for a in tree_flatten(args)[0]):
+        choice = name in DISCRETE and _op_name(func) not in self.discrete and any(
+            isinstance(a, torch.Tensor) and a.is_floating_point() for a in tree_flatten(args)[0])
+        if choice and name not in _SELECT:
             self.discrete.append(_op_name(func))
+            choice = False
         if torch.Tag.nondeterministic_seeded in func.tags and not _sdpa_without_dropout(func, args, kwargs):
             raise OracleRefused(f"it draws random numbers ({_op_name(func)}): its output is not a "
                                 "function of its inputs")
@@ -128,7 +133,60 @@ class Float64Mode(TorchDispatchMode):
         kwargs = {k: (_up_dtype(v) if k in ("dtype", "out_dtype") else v) for k, v in kwargs.items()}
         if name == "_grouped_mm":
             return _grouped_mm64(*upcast(tuple(args)), **upcast(kwargs))
-        return func(*upcast(tuple(args)), **upcast(kwargs))
+        up_args, up_kwargs = upcast(tuple(args)), upcast(kwargs)
+        out = func(*up_args, **up_kwargs)
+        if choice and not _clear_choice(func, up_args, up_kwargs, self.working):
+            self.discrete.append(_op_name(func))
+        return out
+
+
+# index-selecting ops whose choice can be checked for a near tie (_clear_choice)
+_SELECT = {"max", "min", "argmax", "argmin", "topk"}
+# a choice is clear when the values it picks between are further apart, relative to the largest
+# of them, than this many unit roundoffs of the working precision: the module's own rounding
+# (from the same inputs: an oracle from this side's inputs) cannot reorder them. A router's
+# matmul and softmax in fp32 move a value by tens of roundoffs, not thousands.
+_CLEAR_ROUNDOFFS = 2.0 ** 12
+
+
+def _clear_choice(func, args, kwargs, working) -> bool:
+    """True when a max/min/argmax/argmin/topk along a dim picked values no rounding of the
+    working precision could have ordered otherwise: the gap between each row's chosen value and
+    the next candidate (the k-th and (k+1)-th for topk, and between the chosen ones) is beyond
+    _CLEAR_ROUNDOFFS unit roundoffs of the row's largest magnitude. Any other form (a whole-tensor
+    max is a value, not a choice - but kept conservative), or an error: False."""
+    if working is None or not (working.is_floating_point and working != F64):
+        return False
+    try:
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0 or x.numel() == 0:
+            return False
+        base = func.overloadpacket.__name__
+        schema = [a.name for a in func._schema.arguments]
+        if "dim" not in schema:
+            return False
+        named = dict(zip(schema, args))
+        named.update(kwargs)
+        if base == "topk":
+            k = int(named["k"])
+            largest = bool(named.get("largest", True))
+        else:
+            if named.get("dim") is None:
+                return False
+            k, largest = 1, base in ("max", "argmax")
+        d = int(named.get("dim", -1))
+        v = x.movedim(d, -1)
+        if v.shape[-1] <= k:
+            return v.shape[-1] == k and base == "topk"  # nothing left out; order among them is all
+        top = torch.topk(v if largest else -v, k + 1, dim=-1).values
+        gaps = (top[..., :-1] - top[..., 1:]).abs()
+        scale = v.abs().amax(-1, keepdim=True)
+        u = torch.finfo(working).eps / 2
+        if base != "topk":
+            gaps = gaps[..., -1:]
+        return bool((gaps > _CLEAR_ROUNDOFFS * u * scale).all())
+    except Exception:  # noqa: BLE001 - a form this check does not read counts as a choice
+        return False
 
 
 def _grouped_mm64(a, b, offs=None, bias=None, out_dtype=None):
@@ -185,12 +243,22 @@ def _isolated(mod: torch.nn.Module):
                         d[k] = v
 
 
+def working_dtype(mod: torch.nn.Module) -> torch.dtype | None:
+    """The least precise floating dtype the module's parameters and buffers hold (its working
+    precision for the choices it makes); None for a module with no floating tensor, or under
+    autocast (the ops' inputs are cast on the fly: no one dtype of the module says it)."""
+    if torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
+        return None
+    ds = {t.dtype for t in list(mod.parameters()) + list(mod.buffers()) if t.is_floating_point()}
+    return max(ds, key=lambda d: torch.finfo(d).eps) if ds else None
+
+
 def module_oracle(mod: torch.nn.Module, args, kwargs) -> tuple[object | None, dict]:
     """(the module's output computed in float64 from float64 copies of args/kwargs, notes) or
     (None, {"why": why not}). args/kwargs should be a `snapshot` taken before the real forward
     ran; notes["discrete"] lists the discrete choices on floating values it made."""
     protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
-    mode = Float64Mode(protected)
+    mode = Float64Mode(protected, working_dtype(mod))
     try:
         with _isolated(mod), torch.no_grad(), mode:
             out = mod(*args, **kwargs)
@@ -222,7 +290,7 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out) -> tuple[d
             leaves[f"in{i}"] = t.requires_grad_(True)
     if not leaves:
         return None, {}
-    mode = Float64Mode(protected)
+    mode = Float64Mode(protected, working_dtype(mod))
     try:
         g = upcast(grad_out.detach())
         # the backward runs under the mode too: its formulas read what the forward saved

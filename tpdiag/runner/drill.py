@@ -152,6 +152,17 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             rerun = replace(rerun, out=out)
     if sub is None:
         sub = run_compare(rerun)
+    op_failed = ops and not n and _ops_not_spmd(sub)
+    if op_failed:
+        # each rank ran other ops (an MoE's experts on the tokens routed to this rank's experts:
+        # other shapes per rank), so no op stream could be recorded; the modules' own float64
+        # verdicts need no op records - rerun the region at module level rather than judge nothing
+        if on_status:
+            on_status("float64", "module level (the ranks' op streams differ)")
+        out = rerun.out + "-modules"
+        rerun = replace(rerun, out=out, granularity="module", op_include=(), oracle_ops=False)
+        sub = run_compare(rerun)
+        ops = False
     if own_hash:
         sub = _judge_own_after_hash(rerun, sub, out, on_status)
     sub_every = entries(sub)
@@ -179,9 +190,17 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         if sub_entry.get("downstream_unjudged"):  # the own-input pass after a region pass
             entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
         # every finding the rerun made (the float64 verdicts of other roots among them)
-        seen = {(f["phase"], f["module"], f["kind"], f["name"]) for f in entry["findings"]}
+        seen = {(f["phase"], f["module"], f["kind"], f["name"]): f for f in entry["findings"]}
+        sub_bugs = {f.get("key") for f in sub_entry.get("findings", [])
+                    if "follows" not in f and cause_class(f.get("cause")) == "bug"}
         for f in sub_entry.get("findings", []):
-            if (f["phase"], f["module"], f["kind"], f["name"]) in seen:
+            mine = seen.get((f["phase"], f["module"], f["kind"], f["name"]))
+            if mine is not None:
+                if "follows" not in mine and f.get("follows") in sub_bugs:
+                    # the rerun judged an earlier record a bug that pass 1 could not (a module
+                    # re-executed from its own inputs): this finding is its consequence there, so
+                    # it is here too - the bug leads, not what it caused downstream
+                    mine["follows"] = f["follows"]
                 continue
             f = {**f, "from": "second pass"}
             flip = next((g for g in entry["findings"] if g.get("cause") == "router-flip" and "after" not in g
@@ -227,8 +246,19 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
                 fd["cause"] = sfd["cause"]
         elif ops and not fd.get("op"):
             fd["op_detail"] = "the op-level rerun named no op for this first divergence"
+        if op_failed:
+            fd["op_detail"] = ("no op-level rerun: the ranks recorded different op streams (not SPMD at op "
+                               "level); judged at module level")
     summary["second_pass"] = {"dir": out, "ops": ops, "oracle": oracle, "scopes": scopes if ops else []}
     return summary
+
+
+def _ops_not_spmd(sub: dict) -> bool:
+    """A rerun whose worlds failed only because their ranks recorded different op streams."""
+    from tpdiag.records.axes import entries
+
+    failed = [d for d in entries(sub).values() if d.get("status") == "failed"]
+    return bool(failed) and all("not SPMD" in str(d.get("error", "")) for d in failed)
 
 
 def _judge_own_after_hash(rerun: CompareConfig, sub: dict, out: str, on_status) -> dict:
