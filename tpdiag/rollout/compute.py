@@ -155,6 +155,25 @@ def _prefill(model, group, left: bool = False) -> list:
     return [logits[r, :len(s.input_ids) - 1] for r, s in enumerate(group)]
 
 
+def decode_inputs(group, plen: int, steps: int, pad: int):
+    """(ids, mask) [n, plen + steps - 1] of a decode batch, in padded coordinates: each prompt
+    right-aligned at plen (left padding, mask 0), then its generated tokens; the batch's last step
+    is the longest sequence's last token but one (nothing is predicted from its last). As
+    generate() runs it: a sequence that ends early (its EOS) is fed its last token at the next step
+    and the pad token after it, both attended (mask 1) - causal, so its own rows never see them,
+    but a MoE routes them beside the other rows' tokens, and an expert's batch is a GEMM shape."""
+    import torch
+
+    n, L = len(group), plen + steps - 1
+    ids = torch.full((n, L), pad, dtype=torch.long)
+    mask = torch.ones((n, L), dtype=torch.long)
+    for r, s in enumerate(group):
+        fed = s.input_ids[:L - plen + s.prompt_len]
+        ids[r, plen - s.prompt_len:plen - s.prompt_len + len(fed)] = torch.tensor(fed)
+        mask[r, :plen - s.prompt_len] = 0
+    return ids, mask
+
+
 def _decode(model, group) -> list:
     """Logits rows per sequence the way generate() makes them (tpdiag.runner.decode): prompts
     left-padded in one call whose head computes the last row only (generate()'s logits_to_keep=1,
@@ -168,18 +187,7 @@ def _decode(model, group) -> list:
     n = len(group)
     plen = max(s.prompt_len for s in group)
     steps = max(s.n_generated for s in group)
-    # padded coordinates: the prompt right-aligned at plen, then the generated tokens; the batch's
-    # last step is the longest sequence's last token but one (nothing is predicted from its last).
-    # As generate() runs it: a sequence that ends early (its EOS) is fed its last token at the next
-    # step and the pad token after it, both attended (mask 1) - causal, so its own rows never see
-    # them, but a MoE routes them with the other rows' tokens, and an expert's batch is a GEMM shape
-    L = plen + steps - 1
-    ids = torch.full((n, L), pad_id(model), dtype=torch.long)
-    mask = torch.ones((n, L), dtype=torch.long)
-    for r, s in enumerate(group):
-        fed = s.input_ids[:L - plen + s.prompt_len]
-        ids[r, plen - s.prompt_len:plen - s.prompt_len + len(fed)] = torch.tensor(fed)
-        mask[r, :plen - s.prompt_len] = 0
+    ids, mask = decode_inputs(group, plen, steps, pad_id(model))
     ids, mask = ids.to(dev), mask.to(dev)
     try:
         pieces = decode(model, ids, plen, attention_mask=mask, prompt_rows="last")
