@@ -135,11 +135,11 @@ def judge(collector: Collector, vocab: int) -> dict:
                                    f"{t:g})): the engine sampled at temperature {t:g} and renormalised "
                                    "after its sampling filters. Ask it for raw logprobs (vLLM: "
                                    "logprobs_mode=raw_logprobs) or compare with the same processing"}
-    # every token a filter moved it raised: a few tokens off both ways among exact ones (another
-    # token than the engine's at some positions) are not a filter
+    # a filter moves most tokens, and only up: a few tokens off among exact ones (another token than
+    # the engine's at some positions) are not a filter
     moved_any = [x for x in d if abs(x) > FIT_TOL]
     raised_share = sum(1 for x in moved_any if x > 0) / len(moved_any) if moved_any else 0.0
-    if higher >= 0.95 and mean_d > 1e-3 and raised_share >= 0.95:
+    if higher >= 0.95 and mean_d > 1e-3 and raised_share >= 0.95 and len(moved_any) >= 0.5 * n:
         return {"detected": True, "kind": "systematic", **ev,
                 "explanation": f"engine logprobs are at or above the trainer's for {higher:.0%} of tokens "
                                f"(mean +{mean_d:.3g} nats): typical of logprobs renormalised after "
