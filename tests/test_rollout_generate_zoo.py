@@ -121,3 +121,18 @@ def test_moe_batch_with_sequences_ending_at_eos_is_reproduced(tmp_path, monkeypa
     monkeypatch.setattr(compute, "decode_inputs", old)
     s, m = _rollout(tmp_path, rows, model, len(lens))
     assert m["exact_tokens"] < m["tokens"] and s["closest"]["reproduced"] is False
+
+
+def test_model_without_tp_plan_runs_at_tp1_and_is_refused_at_tp2(tmp_path):
+    """stablelm has no TP plan in transformers: TP=1 needs none (it was refused there, 'it cannot
+    run at TP > 1'), and --tp 1,2 is refused in one line before any model is built."""
+    from tpdiag.errors import BadInput
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    model = _write("stablelm", tmp_path / "stablelm")
+    rows = _generate(model, (5, 8, 6, 7), 6)
+    s, m = _rollout(tmp_path, rows, model, 4)
+    assert m["exact_tokens"] == m["tokens"] == 24 and s["closest"]["reproduced"] is True
+    with pytest.raises(BadInput, match="stablelm has no tensor-parallel plan in transformers"):
+        run_rollout(RolloutConfig(file=str(tmp_path / "rollout.jsonl"), model="hf:" + model, tp=(1, 2),
+                                  micro_batch=(4,), modes=("decode",), fixes=("none",)))

@@ -39,7 +39,9 @@ def build(spec_text: str, dtype: str, device: str, seed: int):
 
     spec = parse_spec(spec_text)
     torch.manual_seed(seed)
-    target = build_target(spec, "stock", torch.device(device), seed)
+    # this process's model runs TP=1 only (TP > 1 worlds build their own, and check_plan refuses a
+    # model no plan splits first): an hf: model without a TP plan is still the user's model here
+    target = build_target(spec, "stock", torch.device(device), seed, need_plan=False)
     from tpdiag.models.dtypes import to_run_dtype
 
     model = to_run_dtype(spec.kind, target.model.to(device=torch.device(device)), getattr(torch, dtype))

@@ -58,6 +58,11 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     from tpdiag.rollout import lanes
 
     jobs = rc.jobs if rc.jobs > 0 else lanes.auto_jobs(rc)
+    if max(rc.tp) > 1:
+        from tpdiag.models.precheck import check_plan
+        from tpdiag.models.spec import parse_spec
+
+        check_plan(parse_spec(rc.model), rc.tp)  # before any model is built: no plan, no TP > 1
     if max(rc.tp) > 1 or jobs > 1:
         from tpdiag.runner.launch import prestart
 
