@@ -2,6 +2,7 @@
 
     python examples/engine_repro.py /tmp/repro                 # a GPU: Llama-3.2-1B-shaped, bf16
     python examples/engine_repro.py /tmp/repro --small --device cpu   # a tiny llama, seconds
+    python examples/engine_repro.py /tmp/repro --moe           # a GPU: Qwen3-MoE-shaped, bf16
 
 1. writes a checkpoint (random weights, saved in bf16 with save_pretrained; Llama-3.2-1B's shape:
    hidden 2048, 16 layers, 32/8 heads of 64, ffn 8192, vocab 128256, tied head, rope_theta 5e5
@@ -33,6 +34,18 @@ LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidde
             "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False,
             "mlp_bias": False, "initializer_range": 0.02, "bos_token_id": 128000,
             "eos_token_id": 128001, "dtype": "bfloat16"}
+# --moe: Qwen3-MoE-shaped (a scaled-down Qwen3-30B-A3B: 16 experts, 4 per token); on a GPU generate()
+# runs its decode steps with the experts' batched_mm instead of grouped_mm (_optimize_model_for_decode)
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 1024,
+             "intermediate_size": 3072, "moe_intermediate_size": 384, "num_experts": 16,
+             "num_experts_per_tok": 4, "norm_topk_prob": True, "decoder_sparse_step": 1,
+             "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+             "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+             "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+             "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2, "dtype": "bfloat16"}
+SMALL_MOE = {**QWEN3_MOE, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+             "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
 SMALL = {**LLAMA_1B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
          "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 16, "vocab_size": 512,
          "bos_token_id": 1, "eos_token_id": 2}
@@ -40,11 +53,11 @@ SMALL = {**LLAMA_1B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_l
 
 def write_checkpoint(path: str, config: dict, device: str) -> str:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     os.makedirs(path, exist_ok=True)
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # sharper next-token distributions than the near-uniform init
@@ -82,13 +95,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--small", action="store_true", help="a tiny llama (CPU, seconds)")
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE-shaped model instead of the llama")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("rest", nargs="*", help="after --: more tpdiag rollout options")
     a = ap.parse_args()
-    model = write_checkpoint(os.path.join(a.out, "model"), SMALL if a.small else LLAMA_1B, a.device)
+    shape = (SMALL_MOE if a.small else QWEN3_MOE) if a.moe else (SMALL if a.small else LLAMA_1B)
+    model = write_checkpoint(os.path.join(a.out, "model"), shape, a.device)
     rollout = os.path.join(a.out, "rollout.jsonl")
     n = engine(model, rollout, a.batch, a.prompt, a.new, a.device)
     cmd = [sys.executable, "-m", "tpdiag", "rollout", rollout, "--model", f"hf:{model}", "--dtype", "bfloat16",

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tpdiag.models.spec import ModelSpec
 
 
-def build_target(spec: ModelSpec, variant: str, device, seed: int):
+def build_target(spec: ModelSpec, variant: str, device, seed: int, need_plan: bool = True):
     from tpdiag.models.target import Target
 
     if spec.kind == "builtin":
@@ -30,7 +30,8 @@ def build_target(spec: ModelSpec, variant: str, device, seed: int):
     if spec.kind == "hf":
         from tpdiag.models.hf import load_hf_target
 
-        return load_hf_target(spec.value, variant, device=device, seed=seed, layers=spec.layers)
+        return load_hf_target(spec.value, variant, device=device, seed=seed, layers=spec.layers,
+                              need_plan=need_plan)
     from tpdiag.models.spec import py_target
 
     t = py_target(spec.value, variant)

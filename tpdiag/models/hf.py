@@ -206,9 +206,12 @@ def materialize_hf(model, device, seed: int) -> None:
         materialize(model, device, seed, init_rule(model))
 
 
-def load_hf_target(path: str, variant: str = "stock", device=None, seed: int | None = None, layers: int = 0):
+def load_hf_target(path: str, variant: str = "stock", device=None, seed: int | None = None, layers: int = 0,
+                   need_plan: bool = True):
+    """need_plan False: a model without a TP plan is built with an empty one (a TP=1-only caller:
+    rollout's own TP=1 model)."""
     _check_variant(variant)
-    return _target(path, load_model(path, device, seed, layers), variant)
+    return _target(path, load_model(path, device, seed, layers), variant, need_plan)
 
 
 def meta_hf_target(path: str, variant: str = "stock", layers: int = 0):
@@ -233,11 +236,11 @@ def _check_variant(variant: str) -> None:
                        "LM head's logits left as vocab shards)")
 
 
-def _target(path: str, model, variant: str = "stock"):
+def _target(path: str, model, variant: str = "stock", need_plan: bool = True):
     from tpdiag.models.target import Target
 
     plan = tp_plan_of(model, variant)
-    if not plan:
+    if not plan and need_plan:
         raise BadInput(f"--model hf:{path}: {type(model).__name__} has no tensor-parallel plan "
                        "(no base_model_tp_plan in its config); it cannot run at TP > 1")
     tc = text_config(model.config)

@@ -22,7 +22,7 @@ from contextlib import ExitStack
 from tpdiag.base.configs import MODES, PADDINGS, Config  # noqa: F401
 from tpdiag.errors import BadInput
 
-PAD = 0
+PAD = 0  # models without a pad token of their own (the built-in presets)
 
 
 class Unavailable(Exception):
@@ -39,7 +39,9 @@ def build(spec_text: str, dtype: str, device: str, seed: int):
 
     spec = parse_spec(spec_text)
     torch.manual_seed(seed)
-    target = build_target(spec, "stock", torch.device(device), seed)
+    # this process's model runs TP=1 only (TP > 1 worlds build their own, and check_plan refuses a
+    # model no plan splits first): an hf: model without a TP plan is still the user's model here
+    target = build_target(spec, "stock", torch.device(device), seed, need_plan=False)
     from tpdiag.models.dtypes import to_run_dtype
 
     model = to_run_dtype(spec.kind, target.model.to(device=torch.device(device)), getattr(torch, dtype))
@@ -106,6 +108,22 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
     return out
 
 
+def pad_id(model) -> int:
+    """The token generate() pads with when the caller names none: the generation config's pad token,
+    else the model config's, else its (first) EOS - an engine pads with its tokenizer's, which is
+    this for most checkpoints. Padding is never attended by a real row, but a MoE routes it
+    beside them (the experts' GEMM shapes), so the bits can depend on the id."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        for key in ("pad_token_id", "eos_token_id"):
+            v = getattr(cfg, key, None) if cfg is not None else None
+            if isinstance(v, (list, tuple)):
+                v = v[0] if v else None
+            if isinstance(v, int) and 0 <= v < (vocab if isinstance(vocab, int) else v + 1):
+                return v
+    return PAD
+
+
 def _device(model):
     return next(model.parameters()).device
 
@@ -120,7 +138,7 @@ def _prefill(model, group, left: bool = False) -> list:
     from tpdiag.runner.step import forward_call, logits_of
 
     longest = max(len(s.input_ids) for s in group)
-    ids = torch.full((len(group), longest), PAD, dtype=torch.long)
+    ids = torch.full((len(group), longest), pad_id(model), dtype=torch.long)
     mask = torch.zeros((len(group), longest), dtype=torch.long)
     for r, s in enumerate(group):
         n = len(s.input_ids)
@@ -139,6 +157,25 @@ def _prefill(model, group, left: bool = False) -> list:
     return [logits[r, :len(s.input_ids) - 1] for r, s in enumerate(group)]
 
 
+def decode_inputs(group, plen: int, steps: int, pad: int):
+    """(ids, mask) [n, plen + steps - 1] of a decode batch, in padded coordinates: each prompt
+    right-aligned at plen (left padding, mask 0), then its generated tokens; the batch's last step
+    is the longest sequence's last token but one (nothing is predicted from its last). As
+    generate() runs it: a sequence that ends early (its EOS) is fed its last token at the next step
+    and the pad token after it, both attended (mask 1) - causal, so its own rows never see them,
+    but a MoE routes them beside the other rows' tokens, and an expert's batch is a GEMM shape."""
+    import torch
+
+    n, L = len(group), plen + steps - 1
+    ids = torch.full((n, L), pad, dtype=torch.long)
+    mask = torch.ones((n, L), dtype=torch.long)
+    for r, s in enumerate(group):
+        fed = s.input_ids[:L - plen + s.prompt_len]
+        ids[r, plen - s.prompt_len:plen - s.prompt_len + len(fed)] = torch.tensor(fed)
+        mask[r, :plen - s.prompt_len] = 0
+    return ids, mask
+
+
 def _decode(model, group) -> list:
     """Logits rows per sequence the way generate() makes them (tpdiag.runner.decode): prompts
     left-padded in one call whose head computes the last row only (generate()'s logits_to_keep=1,
@@ -152,13 +189,7 @@ def _decode(model, group) -> list:
     n = len(group)
     plen = max(s.prompt_len for s in group)
     steps = max(s.n_generated for s in group)
-    # padded coordinates: the prompt right-aligned at plen, then the generated tokens but the last
-    # (nothing is predicted from it); a sequence that ends early is fed PAD (causal: unseen)
-    ids = torch.full((n, plen + steps - 1), PAD, dtype=torch.long)
-    mask = torch.ones((n, plen + steps - 1), dtype=torch.long)
-    for r, s in enumerate(group):
-        ids[r, plen - s.prompt_len:plen + s.n_generated - 1] = torch.tensor(s.input_ids[:-1])
-        mask[r, :plen - s.prompt_len] = 0
+    ids, mask = decode_inputs(group, plen, steps, pad_id(model))
     ids, mask = ids.to(dev), mask.to(dev)
     try:
         pieces = decode(model, ids, plen, attention_mask=mask, prompt_rows="last")

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import math
 
-TEMPERATURES = tuple(round(0.5 + 0.05 * i, 2) for i in range(31))  # 0.5 .. 2.0
+# every temperature an RL run samples at that we have seen: 0.05 .. 2 by 0.05, 2.1 .. 4 by 0.1,
+# 4.5 .. 10 by 0.5 (a T between grid points still fits far better than raw, named as the nearest)
+TEMPERATURES = tuple(sorted({round(0.05 * i, 2) for i in range(1, 41)} | {round(2 + 0.1 * i, 1) for i in range(1, 21)}
+                            | {round(4 + 0.5 * i, 1) for i in range(1, 13)}))
 # renormalisation fits when log(prefix mass) matches -diff this closely (nats)
 FIT_TOL = 2e-3
 # the temperature analysis reads at most this many generated tokens (cost: |T| x tokens x vocab)
-MAX_TEMP_TOKENS = 2048
+MAX_TEMP_TOKENS = 1024
 
 
 class Collector:
@@ -47,10 +50,9 @@ class Collector:
         # the smallest k whose prefix mass m has log m closest to -diff
         k = (srt - (-d)[:, None]).abs().argmin(-1)
         fit = (srt.gather(-1, k[:, None])[:, 0] + d).abs()
-        temps = None
+        temps = tfits = None
         if self._temp_tokens < MAX_TEMP_TOKENS:
-            temps = torch.stack([torch.log_softmax(z / t, -1).gather(-1, toks[:, None])[:, 0]
-                                 for t in TEMPERATURES], dim=-1)
+            temps, tfits = _per_temperature(z, toks, eng, rank)
             self._temp_tokens += len(toks)
         for j in range(len(toks)):
             st = {"margin": float(top2[j, 0] - top2[j, 1]), "rank": int(rank[j]),
@@ -62,6 +64,7 @@ class Collector:
                 st["reported_k"] = len(s.top[j])
             if temps is not None:
                 st["temps"] = temps[j].tolist()
+                st["temp_fits"] = tfits[j].tolist()
             self.stats[(i, p + j)] = st
 
 
@@ -117,13 +120,86 @@ def judge(collector: Collector, vocab: int) -> dict:
                     "explanation": f"the engine's numbers are log_softmax(logits / "
                                    f"{TEMPERATURES[best]:g}) to {errs[best]:.2g} nats (raw: {raw:.2g}) - "
                                    "temperature-scaled. Compare with the same temperature, or ask for raw logprobs"}
-    if higher >= 0.95 and mean_d > 1e-3:
+    # 4. temperature, then a top-k / top-p filter renormalised (the order generate() and vLLM apply
+    # them): for one T, every token the engine raised above log_softmax(logits / T) is exactly that
+    # minus log(mass of a prefix of the sorted softmax(logits / T)) - the sort order is T's too
+    tf = [x for x in st if "temp_fits" in x]
+    if tf:
+        best = _temperature_filter_fit(tf)
+        if best is not None:
+            t, n_fit, n_all = best
+            ev.update(temperature_fit=t, filter_fit_tokens=n_fit)
+            return {"detected": True, "kind": "temperature+filter", **ev,
+                    "explanation": f"{n_fit} of {n_all} tokens are exactly log_softmax(logits / {t:g}) "
+                                   "minus log(mass of a top-k/top-p prefix of softmax(logits / "
+                                   f"{t:g})): the engine sampled at temperature {t:g} and renormalised "
+                                   "after its sampling filters. Ask it for raw logprobs (vLLM: "
+                                   "logprobs_mode=raw_logprobs) or compare with the same processing"}
+    # a filter moves most tokens, and only up: a few tokens off among exact ones (another token than
+    # the engine's at some positions) are not a filter
+    moved_any = [x for x in d if abs(x) > FIT_TOL]
+    raised_share = sum(1 for x in moved_any if x > 0) / len(moved_any) if moved_any else 0.0
+    if higher >= 0.95 and mean_d > 1e-3 and raised_share >= 0.95 and len(moved_any) >= 0.5 * n:
         return {"detected": True, "kind": "systematic", **ev,
                 "explanation": f"engine logprobs are at or above the trainer's for {higher:.0%} of tokens "
                                f"(mean +{mean_d:.3g} nats): typical of logprobs renormalised after "
                                "top-k/top-p filtering, though no single filter fits"}
     return {"detected": False, "kind": None, **ev,
             "explanation": "no sign of processing: differences go both ways and fit no filter or temperature"}
+
+
+def _per_temperature(z, toks, eng, rank):
+    """Per token and temperature T: log_softmax(z / T)[token], and the renormalisation fit at T -
+    [error, k, mass before, mass through]: how far the engine's logprob is from that minus log(the
+    mass of the closest prefix of the sorted softmax(z / T) that holds the token: its first k
+    tokens), and that prefix's mass without and with its last token (a top-p threshold lies
+    between them). Error inf where the engine is below log_softmax(z / T): a filter only raises."""
+    import torch
+
+    order = z.argsort(-1, descending=True)  # one order for every T > 0
+    cols = torch.arange(z.shape[-1], device=z.device)
+    holds = cols[None, :] >= rank[:, None]  # prefixes of k + 1 >= rank + 1 tokens hold the token
+    temps, fits = [], []
+    for t in TEMPERATURES:
+        lsm = torch.log_softmax(z / t, -1)
+        own = lsm.gather(-1, toks[:, None])[:, 0]
+        d = eng - own
+        mass = lsm.gather(-1, order).exp().cumsum(-1).clamp(max=1.0)
+        err = (mass.log() + d[:, None]).abs().masked_fill(~holds, float("inf"))
+        e, k = err.min(-1)
+        e = torch.where(d >= -FIT_TOL, e, torch.full_like(e, float("inf")))
+        through = mass.gather(-1, k[:, None])[:, 0]
+        before = torch.where(k > 0, mass.gather(-1, (k - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(through))
+        temps.append(own)
+        fits.append(torch.stack([e, (k + 1).to(e.dtype), before, through, d], dim=-1))
+    return torch.stack(temps, dim=-1), torch.stack(fits, dim=1)
+
+
+def _temperature_filter_fit(st):
+    """(T, tokens that fit, tokens) for a T != 1 at which >= 90% of the tokens are
+    log_softmax(logits / T) renormalised over a prefix of the sorted softmax(logits / T), the
+    raised ones' prefixes one top-k and top-p filter (K the largest prefix, a p every shorter
+    prefix ends at and no prefix of K - 1 tokens reaches), or None. Most fitting tokens win, then
+    the T nearest 1. The filter's consistency is what tells this from noise: with a large vocabulary
+    almost any small raise is some prefix's mass."""
+    best = None
+    for j, t in enumerate(TEMPERATURES):
+        if t == 1.0:
+            continue
+        fits = [x["temp_fits"][j] for x in st]
+        ok = [f for f in fits if f[0] <= FIT_TOL]
+        raised = [f for f in ok if f[4] > FIT_TOL]
+        if len(ok) < 0.9 * len(st) or len(raised) < 2:
+            continue
+        K = max(f[1] for f in raised)
+        lo = max(f[2] for f in raised)
+        hi = min((f[3] for f in raised if f[1] < K), default=1.0)
+        if not lo < hi + FIT_TOL:
+            continue
+        key = (len(ok), -abs(math.log(t)))
+        if best is None or key > best[0]:
+            best = (key, t, len(ok))
+    return None if best is None else (best[1], best[2], len(st))
 
 
 def _k_fit(st) -> dict:

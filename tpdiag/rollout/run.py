@@ -58,6 +58,11 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     from tpdiag.rollout import lanes
 
     jobs = rc.jobs if rc.jobs > 0 else lanes.auto_jobs(rc)
+    if max(rc.tp) > 1:
+        from tpdiag.models.precheck import check_plan
+        from tpdiag.models.spec import parse_spec
+
+        check_plan(parse_spec(rc.model), rc.tp)  # before any model is built: no plan, no TP > 1
     if max(rc.tp) > 1 or jobs > 1:
         from tpdiag.runner.launch import prestart
 
@@ -223,6 +228,13 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     if verdict.get("detected"):
         notes.append("the engine's logprobs look processed: the closest configuration says little "
                      "until the engine reports raw logprobs")
+    invariance = _tp_invariance(rc, seqs, results, trainer)
+    for lab, v in invariance.items():
+        if not v["same_bits"]:
+            notes.append(f"{lab} is not {v['tp1']}'s bits (max |diff| {v['max_abs']:.3g} nats between them): "
+                         "under the fixes a TP degree gives TP=1's bits, so TP > 1 computes something TP=1 "
+                         "does not - a sharding bug, or a reordering no fix covers. `tpdiag compare --model "
+                         f"{rc.model} --tp 1,{v['tp']} --dtype {rc.dtype}` names the module and says which")
     noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {
@@ -238,9 +250,28 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                     "explanation": _closest_words(rc, results, closest, bool(reproduced))},
         "flags": {k: {"values": v, "line": one_line(v, k)} for k, v in (flag_values or {}).items()},
         "sdpa_ran": _sdpa_words(results),
-        "processed": verdict, "configurations": results, "notes": notes,
+        "processed": verdict, "configurations": results, "tp_invariance": invariance, "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
+
+
+def _tp_invariance(rc, seqs, results, trainer) -> dict:
+    """{TP > 1 configuration under a fix: {tp, tp1 (its TP=1 twin), same_bits, max_abs}}: the fixes
+    make a TP degree compute TP=1's bits, so a TP > 1 configuration under them that is not its twin's
+    bits is the trainer's TP path differing from TP=1 beyond the reorderings the fixes remove."""
+    from tpdiag.rollout.metrics import same_bits
+
+    out = {}
+    for c in configurations(rc):
+        lab = c.rollout_name()
+        twin = Config(1, c.micro_batch, c.mode, c.fix, c.flags, c.attention, c.padding).rollout_name()
+        if c.tp == 1 or c.fix == "none" or lab not in trainer or twin not in trainer:
+            continue
+        gaps = [float((x[s.prompt_len - 1:].double() - y[s.prompt_len - 1:].double()).abs().max())
+                for s, x, y in zip(seqs, trainer[lab], trainer[twin])]
+        out[lab] = {"tp": c.tp, "tp1": twin, "same_bits": same_bits(seqs, trainer[lab], trainer[twin]),
+                    "max_abs": max(gaps) if gaps else 0.0}
+    return out
 
 
 def _closest_words(rc, results, closest: list, reproduced: bool) -> str:

@@ -136,6 +136,9 @@ def _hf_steps(model, ids, P, attention_mask, last_only, on_call, generate_args=T
     from transformers import DynamicCache
 
     mask, pos = _mask_and_positions(ids, attention_mask)
+    if generate_args and _generate_inputs(model):
+        yield from _generate_steps(model, ids, P, mask, pos, last_only, on_call)
+        return
     cache = DynamicCache(config=model.config)
     ck = _cache_kw(model)
     for start, stop in _calls(P, ids.shape[1]):
@@ -146,6 +149,66 @@ def _hf_steps(model, ids, P, attention_mask, last_only, on_call, generate_args=T
         o = model(input_ids=ids[:, start:stop], **where, **{ck: cache}, use_cache=True, **keep)
         n = o.logits.shape[1]
         yield Piece(stop - n, stop, o.logits)
+
+
+def _generate_inputs(model) -> bool:
+    """True when this transformers' generate() loop asks the model for its inputs as `_generate_steps`
+    does (`prepare_inputs_for_generation(..., next_sequence_length=...)`: 5.24; a model's override
+    may take it through **kwargs, so the mixin's own signature is the one read)."""
+    import inspect
+
+    if not callable(getattr(model, "prepare_inputs_for_generation", None)):
+        return False
+    try:
+        from transformers.generation.utils import GenerationMixin
+
+        return "next_sequence_length" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    except (ImportError, TypeError, ValueError):
+        return False
+
+
+def _generate_steps(model, ids, P, mask, pos, last_only, on_call):
+    """generate()'s own loop (transformers 5 `_sample`), one position per call after the prompt: the
+    cache generate() builds by default (a DynamicCache of the decoder's text config), each call's
+    inputs made by the model's own `prepare_inputs_for_generation` - a model may override it, e.g.
+    Phi-3 with longrope drops the cache and recomputes the whole prefix at the step that crosses
+    original_max_position_embeddings, where the rope factors switch - the cache taken back from
+    each output (it may be a new one), logits_to_keep=1 where the model takes it, the last row of
+    each call's logits kept, and the steps after the prompt under the model's
+    `_optimize_model_for_decode` (on a GPU, MoE experts switch from grouped_mm to batched_mm for
+    decode)."""
+    import inspect
+    from contextlib import nullcontext
+
+    from transformers import DynamicCache
+
+    tc = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    ck = _cache_kw(model)
+    kw = {ck: DynamicCache(config=tc), "use_cache": True}
+    keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+    if keeps:
+        kw["logits_to_keep"] = 1 if last_only else 0
+    if on_call is not None:
+        on_call(0, P)
+    inputs = model.prepare_inputs_for_generation(ids[:, :P], next_sequence_length=None, is_first_iteration=True,
+                                                 attention_mask=mask[:, :P], position_ids=pos[:, :P], **kw)
+    o = model(**inputs, return_dict=True)
+    yield Piece(P - 1, P, o.logits[:, -1:]) if last_only else Piece(0, P, o.logits)
+    if keeps:
+        kw["logits_to_keep"] = 1
+    optimized = getattr(model, "_optimize_model_for_decode", None)
+    with optimized() if callable(optimized) else nullcontext():
+        for start, stop in _calls(P, ids.shape[1]):
+            if start == 0:
+                continue
+            kw[ck] = getattr(o, ck, None) if getattr(o, ck, None) is not None else kw[ck]
+            if on_call is not None:
+                on_call(start, stop)
+            inputs = model.prepare_inputs_for_generation(ids[:, :stop], next_sequence_length=1,
+                                                         attention_mask=mask[:, :stop],
+                                                         position_ids=pos[:, :stop], **kw)
+            o = model(**inputs, return_dict=True)
+            yield Piece(start, stop, o.logits[:, -1:])
 
 
 def _calls(P: int, L: int):
