@@ -234,7 +234,6 @@ def confirm_cmd(
     try:
         import os
 
-        from tpdiag.base import files as io
         from tpdiag.config import CompareConfig
         from tpdiag.errors import BadInput
         from tpdiag.fixes.registry import resolve
@@ -259,13 +258,14 @@ def confirm_cmd(
         if fix is not None:
             (fix,) = resolve(fix)
         from tpdiag.records.lock import hold
-        from tpdiag.records.paths import RunDir
+        from tpdiag.records.run_files import write_summary
 
         with hold(run_dir, "confirm") as stale:
             if stale:
                 console(stderr=True).print(f"note: {stale}", markup=False, soft_wrap=True)
+            # the run's summary with the confirmations added: the command's one part
             summary = confirm(cfg, summary, run_dir, only_label=degree, force_fix=fix)
-            io.write_json(RunDir(run_dir).summary, summary)
+            write_summary(run_dir, summary)
     except TpdiagError as e:
         fail(e)
     summary["run_dir"] = run_dir
