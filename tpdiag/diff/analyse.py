@@ -50,8 +50,8 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         "missing": dd.missing[:50],
         "confirmation": None,
     }
-    broken = (other.world.get("timings") or {}).get("ties_broken")
-    if broken and not (ref.world.get("timings") or {}).get("ties_broken"):
+    broken = other.world.get("ties_broken")
+    if broken and not ref.world.get("ties_broken"):
         _broken_ties(entry, dd.rows, broken, label)
     if int(other.world.get("degree", 1)) == 1 and ref_degree == 1:
         from tpdiag.diff.classes import no_sharding_at_tp1

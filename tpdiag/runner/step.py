@@ -37,7 +37,10 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the init kernels are asynchronous
     timings["model_s"] = time.perf_counter() - t0  # built, initialised and sharded
-    timings.update(getattr(target, "build", None) or {})  # which init path, its peak bytes
+    build = dict(getattr(target, "build", None) or {})
+    # a fact of the model as sharded, not a timing: world.json's own field (runner/worker.py)
+    rec.ties_broken = build.pop("ties_broken", None) or []
+    timings.update(build)  # which init path, its peak bytes
     timings["numerics"] = _numerics(cfg, model)
     rec.mode = capture_mode(cfg.capture, model)
     rec.world = world
