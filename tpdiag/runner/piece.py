@@ -94,11 +94,11 @@ class Losses:
     """A step's loss over its pieces: one piece's is the step's; several pieces' shares are
     summed, or under the invariant cross-entropy their tokens' logprobs reduced once."""
 
-    def __init__(self, target, fns, labels, n_pieces: int, world: int):
-        self.target, self.n_pieces, self.world = target, n_pieces, world
+    def __init__(self, target, fns, n_total, n_pieces: int, world: int):
+        """n_total: the step's token count (micro.n_tokens), counted once before the steps."""
+        self.target, self.n_total, self.n_pieces, self.world = target, n_total, n_pieces, world
         self.loss_fn, self.logprob_fn, _ = fns
         self.invariant_ce = self.loss_fn is not (target.loss or _default_loss())
-        self.n_total = micro.n_tokens(labels)
         self.sum, self.lps, self.lp, self.dtype = None, [], None, None
 
     @contextmanager

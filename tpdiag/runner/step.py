@@ -65,11 +65,13 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         from tpdiag.runner import micro
 
         parts = micro.split(batch, labels, cfg.micro_batch)
+        # once, before the steps: its torch ops are the op probe's records of step 0's init phase
+        n_total = micro.n_tokens(labels)
         carry = micro.carry_window(cfg, parts, device)
         for step in range(cfg.steps):
             rec.step = step
             keep = fingerprint and step == cfg.steps - 1
-            last = _step(cfg, phases, forward, model, target, world, opt, fns, parts, labels, carry, include, keep)
+            last = _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, carry, include, keep)
         if len(parts) > 1 or forward.pieced:
             from tpdiag.probes.pieces import merge
 
@@ -91,12 +93,12 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     return timings
 
 
-def _step(cfg, phases, forward, model, target, world, opt, fns, parts, labels, carry, include,
+def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, carry, include,
           keep: bool) -> dict | None:
     """One step: every piece's forward, loss and backward inside grad accumulation's window,
     then the optimizer. keep: return the step's final values (detached: the fingerprint's)."""
     rec, several = phases.rec, len(parts) > 1
-    losses = pieces.Losses(target, fns, labels, len(parts), world)
+    losses = pieces.Losses(target, fns, n_total, len(parts), world)
     with ExitStack() as window:
         # the pieces' weight grads: fp32 carries, rounded once as the window closes (runner/micro.py)
         window.enter_context(carry(model))
