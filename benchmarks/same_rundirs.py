@@ -31,22 +31,26 @@ VOLATILE = ("wall_s", "timings", "rank_timings", "started", "phases", "host", "p
 IGNORED: list[str] = []
 
 
-def _strip(x):
+def _strip(x, root: str):
+    """x without its volatile keys, and a path inside the run directory (under a key of its own,
+    as drill's own-input files in the rerun's config) relative to it: the two runs' directories differ."""
     if isinstance(x, dict):
-        return {k: _strip(v) for k, v in x.items()
+        return {k: _strip(v, root) for k, v in x.items()
                 if k not in IGNORED and not any(k == v_ or (v_.startswith("_") and k.endswith(v_)) for v_ in VOLATILE)}
     if isinstance(x, list):
-        return [_strip(v) for v in x]
+        return [_strip(v, root) for v in x]
+    if isinstance(x, str) and x.startswith(root + os.sep):
+        return "<run>" + x[len(root):]
     return x
 
 
-def _json_lines(path: str):
+def _json_lines(path: str, root: str):
     with open(path) as f:
         text = f.read()
     try:
-        return [_strip(json.loads(text))]
+        return [_strip(json.loads(text), root)]
     except ValueError:
-        return [_strip(json.loads(line)) for line in text.splitlines() if line.strip()]
+        return [_strip(json.loads(line), root) for line in text.splitlines() if line.strip()]
 
 
 def _paths(x, y, at: str = "") -> list[str]:
@@ -72,7 +76,7 @@ def same(a: str, b: str) -> list[str]:
     for n in sorted(fa & fb):
         pa, pb = os.path.join(a, n), os.path.join(b, n)
         if n.endswith((".json", ".jsonl")):
-            ja, jb = _json_lines(pa), _json_lines(pb)
+            ja, jb = _json_lines(pa, os.path.abspath(a)), _json_lines(pb, os.path.abspath(b))
             if ja != jb:
                 where = _paths(ja, jb)
                 diffs.append(f"differs (timings aside): {n} at {', '.join(where[:6])}"

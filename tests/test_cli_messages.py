@@ -305,13 +305,13 @@ def test_a_decode_world_shows_its_calls_on_the_status_line(tmp_path):
     from tpdiag.config import CompareConfig
     from tpdiag.models import tiny_llama
     from tpdiag.probes.recorder import Recorder
-    from tpdiag.runner import progress, step
+    from tpdiag.runner import piece, progress
 
     torch.manual_seed(0)
     model = tiny_llama.build("tiny-llama", n_layers=1)
     ids = torch.randint(0, 512, (1, 8))
     with torch.no_grad():
-        step._decode(model, ids, Recorder(enabled=False), report=progress.Reporter(str(tmp_path), 0))
+        piece._decode(model, ids, Recorder(enabled=False), report=progress.Reporter(str(tmp_path), 0))
     assert progress.read(str(tmp_path)) == "decode call 1 of 5"  # the first call's; then a second apart
     assert progress.Reporter(str(tmp_path), 1).path is None  # rank 0 only
     progress.clear(str(tmp_path))

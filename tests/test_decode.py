@@ -42,7 +42,8 @@ def logits(spec, dtype, fix, world, prompt_len=None, calls=None):
     from tpdiag.kernels.tree import run_groups
     from tpdiag.runner import determinism
     from tpdiag.runner.decode import assemble, decode, default_prompt_len
-    from tpdiag.runner.step import build_model, logits_of
+    from tpdiag.runner.build import build_model
+    from tpdiag.runner.logits import logits_of
 
     determinism.setup(1234, "cpu")
     cfg = WorldConfig(model=spec, degree=world, label="t", out_dir="", dtype=dtype)

@@ -59,7 +59,7 @@ def _effects(names=("toy-fix",)) -> dict:
     from tpdiag.api.invariant import check_groups
     from tpdiag.fixes import groups, registry
     from tpdiag.kernels import grad_carry
-    from tpdiag.runner import micro, step
+    from tpdiag.runner import losses, micro
 
     out = {"uses_groups": groups.uses_groups(names),
            "batch_confirm": "toy-fix" in registry.fixes_for_cause("batch-variant-kernel"),
@@ -79,7 +79,7 @@ def _effects(names=("toy-fix",)) -> dict:
     model, plan = _tiny()
     model(torch.randn(3, 8)).sum().backward()
     with tpdiag.invariant(model, plan, fixes=list(names), tree_groups=2 if out["needs_g"] else None):
-        out["norm_swapped"] = step._numerics(SimpleNamespace(loss=None, vocab_size=4))[2].__module__ \
+        out["norm_swapped"] = losses.step_functions(SimpleNamespace(loss=None, vocab_size=4))[2].__module__ \
             == "tpdiag.kernels.grad_norm"
         # the public clip: the invariant one returns its float64 norm, the stock one float32
         out["clip_dtype"] = tpdiag.clip_grad_norm_(model.parameters(), None).dtype

@@ -26,7 +26,7 @@ def _checkpoint(tmp_path, kind, **over) -> str:
 
 def _ours(path: str, dtype: str = "bfloat16"):
     from tpdiag.config import WorldConfig
-    from tpdiag.runner.step import build_model
+    from tpdiag.runner.build import build_model
 
     cfg = WorldConfig(model="hf:" + path, degree=1, label="1", out_dir="", dtype=dtype)
     return build_model(cfg, torch.device("cpu"), 1)[1].eval()
@@ -98,7 +98,7 @@ def test_builtin_keeps_float32_rotary_tables_and_py_model_in_dtype_is_not_recast
 
 def _builtin_bf16():
     from tpdiag.config import WorldConfig
-    from tpdiag.runner.step import build_model
+    from tpdiag.runner.build import build_model
 
     cfg = WorldConfig(model="tiny-llama", degree=1, label="1", out_dir="", dtype="bfloat16")
     return build_model(cfg, torch.device("cpu"), 1)[1]

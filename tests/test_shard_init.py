@@ -51,16 +51,17 @@ def _largest_module_bytes(model) -> int:
 
 def _step(cfg, target, model, world):
     """One forward/loss/backward/AdamW step as the runner does it (no probes): what it produced."""
-    from tpdiag.runner import step
-    from tpdiag.runner.logits import whole_vocab
+    from tpdiag.runner.batch import forward_call, make_batch
+    from tpdiag.runner.logits import logits_of, whole_vocab
+    from tpdiag.runner.losses import default_loss, loss_context
 
-    batch, labels = step.make_batch(cfg, target, torch.device("cpu"))
-    args, kwargs = step.forward_call(model, batch)
+    batch, labels = make_batch(cfg, target, torch.device("cpu"))
+    args, kwargs = forward_call(model, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=False)
-    local_logits = step.logits_of(model(*args, **kwargs))
+    local_logits = logits_of(model(*args, **kwargs))
     logits, _ = whole_vocab(local_logits, model, target.plan, target.vocab_size, world)
-    with step.loss_context(world):
-        loss = step.default_loss(logits, labels)
+    with loss_context(world):
+        loss = default_loss(logits, labels)
         loss.backward()
     out = {"logits": _local(logits).detach().clone(), "loss": _local(loss).detach().clone()}
     out.update({f"grad:{n}": _local(p.grad).clone() for n, p in model.named_parameters()})
@@ -75,7 +76,7 @@ def _worker(specs, rank, world, port, q):
     from tpdiag.config import WorldConfig
     from tpdiag.models import build
     from tpdiag.models.shard_init import ShardedInitUnsupported
-    from tpdiag.runner import step
+    from tpdiag.runner.build import build_model
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -91,7 +92,7 @@ def _worker(specs, rank, world, port, q):
         built = {}
         for path in ("sharded", "whole"):
             build.build_sharded = sharded_build if path == "sharded" else forced_whole
-            target, model = step.build_model(cfg, torch.device("cpu"), world)
+            target, model = build_model(cfg, torch.device("cpu"), world)
             tensors = {k: _bits(_local(v)).clone() for k, v in _tensors(model).items()}
             ties = len({id(v) for v in _tensors(model).values()})  # a tied pair is one object
             built[path] = (target.build, tensors, _step(cfg, target, model, world),

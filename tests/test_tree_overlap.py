@@ -70,7 +70,10 @@ def _model_worker(rank, world, port, q):
     from tpdiag.kernels import tree_overlap
     from tpdiag.runner import determinism
     from tpdiag.runner.logits import whole_vocab
-    from tpdiag.runner.step import _numerics, build_model, forward_call, logits_of, loss_context, make_batch
+    from tpdiag.runner.batch import forward_call, make_batch
+    from tpdiag.runner.build import build_model
+    from tpdiag.runner.logits import logits_of
+    from tpdiag.runner.losses import loss_context, step_functions
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     determinism.setup(0, "cpu")
@@ -94,7 +97,7 @@ def _model_worker(rank, world, port, q):
         tree_overlap.ON[0], tree_overlap.CHUNKS[0], tree_overlap.MIN_ROWS = on, 3, 1
         model.zero_grad(set_to_none=True)
         with apply_fixes(FIXES, model=model, plan=target.plan, world=world):
-            loss_fn, _, _ = _numerics(target)
+            loss_fn, _, _ = step_functions(target)
             local = logits_of(model(*fargs, **fkwargs))
             logits, _ = whole_vocab(local, model, target.plan, target.vocab_size, world)
             with loss_context(world):

@@ -122,7 +122,7 @@ class _KwOnly(nn.Module):
 
 def test_forward_call_binds_the_first_parameter():
     from tpdiag.errors import BadInput
-    from tpdiag.runner.step import forward_call
+    from tpdiag.runner.batch import forward_call
 
     t = torch.zeros(1, 2, dtype=torch.long)
     assert forward_call(_Tokens(), t) == ((t,), {})

@@ -1,7 +1,7 @@
 """Run configuration: frozen, validated, serialisable (`to_dict`) so every record shows its provenance."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from tpdiag.errors import BadInput
 
@@ -41,6 +41,34 @@ def parse_choice(option: str, value: str, choices: tuple[str, ...]) -> str:
     if v not in choices:
         raise BadInput(f"{option} {value!r}: expected one of {', '.join(choices)}")
     return v
+
+
+def _plain(v):
+    """A value as JSON holds it: tuples, nested ones too, as lists."""
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def _frozen(v):
+    """A JSON list back as the tuple the frozen config holds, nested ones too."""
+    return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
+
+
+def to_dict(cfg, omitted: dict) -> dict:
+    """A config's fields, in order, as JSON holds them; a field in `omitted` is left out while it
+    has that value (a field added later: the files of a run without it stay as they were)."""
+    return {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg)
+            if not (f.name in omitted and getattr(cfg, f.name) == omitted[f.name])}
+
+
+def from_dict(cls, d: dict):
+    """to_dict's inverse: a tuple field's list back as a tuple. A key of a newer tpdiag is refused
+    by the dataclass, as before."""
+    tuples = {f.name for f in fields(cls) if isinstance(f.default, tuple)}
+    return cls(**{k: (_frozen(v) if k in tuples else v) for k, v in d.items()})
 
 
 def degree_labels(degrees: tuple[int, ...]) -> list[str]:
@@ -109,25 +137,11 @@ class WorldConfig:
     attention: str = "auto"
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        if d["attention"] == "auto":
-            del d["attention"]  # world.json as before the axis existed
-        d["fixes"] = list(self.fixes)
-        d["op_include"] = list(self.op_include)
-        d["module_include"] = list(self.module_include)
-        d["oracle"] = list(self.oracle)
-        d["oracle_own"] = [list(p) for p in self.oracle_own]
-        return d
+        return to_dict(self, {"attention": "auto"})  # world.json as before the axis existed
 
     @classmethod
     def from_dict(cls, d: dict) -> "WorldConfig":
-        d = dict(d)
-        d["fixes"] = tuple(d.get("fixes", ()))
-        d["op_include"] = tuple(d.get("op_include", ()))
-        d["module_include"] = tuple(d.get("module_include", ()))
-        d["oracle"] = tuple(d.get("oracle", ()))
-        d["oracle_own"] = tuple(tuple(p) for p in d.get("oracle_own", ()))
-        return cls(**d)
+        return from_dict(cls, d)
 
     def with_(self, **kw) -> "WorldConfig":
         return replace(self, **kw)
@@ -183,35 +197,12 @@ class CompareConfig:
     paddings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        for k in ("attentions", "paddings"):  # manifest.json as before these axes existed
-            if d[k]:
-                d[k] = list(d[k])
-            else:
-                del d[k]
-        d["degrees"] = list(self.degrees)
-        d["micro_batches"] = list(self.micro_batches)
-        d["modes"] = list(self.modes)
-        d["only"] = list(self.only)
-        d["oracle"] = list(self.oracle)
-        d["oracle_own"] = [list(p) for p in self.oracle_own]
-        d["fixes"] = list(self.fixes)
-        d["op_include"] = list(self.op_include)
-        d["module_include"] = list(self.module_include)
-        return d
+        return to_dict(self, {"attentions": (), "paddings": ()})  # manifest.json as before these axes
 
     @classmethod
     def from_dict(cls, d: dict) -> "CompareConfig":
-        """A manifest's config (lists where tuples were); keys of a newer tpdiag are refused by
-        the dataclass, as before."""
-        d = dict(d)
-        for k in ("degrees", "fixes", "op_include", "module_include", "oracle", "micro_batches",
-                  "modes", "only", "attentions", "paddings"):
-            if k in d and d[k] is not None:
-                d[k] = tuple(d[k])
-        if d.get("oracle_own"):
-            d["oracle_own"] = tuple(tuple(p) for p in d["oracle_own"])
-        return cls(**d)
+        """A manifest's config (lists where tuples were)."""
+        return from_dict(cls, d)
 
     def worlds(self):
         """Every configuration this compare runs, the reference first (tpdiag/base/points.py)."""

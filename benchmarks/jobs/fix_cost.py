@@ -92,7 +92,10 @@ def worker(rank, world, port, args, size, q):
     from tpdiag.fixes.registry import apply_fixes
     from tpdiag.runner import determinism
     from tpdiag.runner.logits import whole_vocab
-    from tpdiag.runner.step import _numerics, build_model, forward_call, logits_of, loss_context, make_batch
+    from tpdiag.runner.batch import forward_call, make_batch
+    from tpdiag.runner.build import build_model
+    from tpdiag.runner.logits import logits_of
+    from tpdiag.runner.losses import loss_context, step_functions
 
     cuda = args.device == "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -135,7 +138,7 @@ def worker(rank, world, port, args, size, q):
         # G = the world's degree: one group per rank, one invariant GEMM each; a larger G: tree_mm
         with run_groups(g or 0, per_group=g == world), \
                 apply_fixes(fixes, model=model, plan=target.plan, world=world):
-            loss_fn, _, norm_fn = _numerics(target)
+            loss_fn, _, norm_fn = step_functions(target)
             sync()
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)

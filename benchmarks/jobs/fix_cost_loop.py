@@ -28,7 +28,7 @@ def user_step(model, target, fargs, fkwargs, labels, opt, sync, world: int, dev,
     from torch.distributed.tensor import DTensor
 
     import tpdiag
-    from tpdiag.runner.step import logits_of
+    from tpdiag.runner.logits import logits_of
 
     def step(on: bool) -> float:
         switch = (tpdiag.invariant(model, target.plan, fixes="all", tree_groups=world,

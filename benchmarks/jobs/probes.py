@@ -255,7 +255,7 @@ def _after_lines(out: dict, res: dict, modes: list) -> list[str]:
 
 
 def _phase_lines(out: dict, res: dict, modes: list) -> list[str]:
-    """Host time by phase of the step (runner/step.py's marks), each mode's paired difference
+    """Host time by phase of the step (runner/phases.py's marks, timings' phases_s), each mode's paired difference
     from its unprobed step: which phase the probes' cost lands in."""
     names = list(res[modes[0]]["phases"][0]) if res[modes[0]]["phases"] else []
     if not names:

@@ -236,7 +236,9 @@ class Capture:
             "device": str(device), "tool": TOOL, "timings": timings, "n_records": len(stored),
             "config": self._config(),
         })
-        io.write_json(os.path.join(self.out, MANIFEST), self._manifest(backend, device, timings))
+        from tpdiag.records.run_files import write_manifest
+
+        write_manifest(self.out, self._manifest(backend, device, timings))
 
     def _config(self) -> dict:
         return {"seed": self.seed, "backward": self.backward, "params": self.with_params,

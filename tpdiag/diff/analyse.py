@@ -1,7 +1,6 @@
 """Turn a run directory's per-degree records into summary.json (schema 1) and diff.csv."""
 from __future__ import annotations
 
-from tpdiag.base import files as io
 from tpdiag.diff.engine import diff_degree
 from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats, nonfinite_summary
 from tpdiag.errors import Inconclusive
@@ -51,8 +50,8 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         "missing": dd.missing[:50],
         "confirmation": None,
     }
-    broken = (other.world.get("timings") or {}).get("ties_broken")
-    if broken and not (ref.world.get("timings") or {}).get("ties_broken"):
+    broken = other.world.get("ties_broken")
+    if broken and not ref.world.get("ties_broken"):
         _broken_ties(entry, dd.rows, broken, label)
     if int(other.world.get("degree", 1)) == 1 and ref_degree == 1:
         from tpdiag.diff.classes import no_sharding_at_tp1
@@ -349,8 +348,7 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
 
     add_classes(summary)
     write_csv(RunDir(run_dir).diff_csv, all_rows)
-    io.write_json(RunDir(run_dir).summary, summary)
-    return summary
+    return summary  # its caller writes summary.json (records/run_files.py)
 
 
 def write_csv(path: str, rows: list[dict]) -> None:

@@ -232,8 +232,10 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
         raise BadInput(f"--out {out!r}: is one of the two inputs; name a new directory")
     os.makedirs(out, exist_ok=True)
     write_csv(RunDir(out).diff_csv, rows)
-    io.write_json(RunDir(out).summary, summary)
-    io.write_json(RunDir(out).manifest, {
+    from tpdiag.records.run_files import write_manifest, write_summary
+
+    write_summary(out, summary)
+    write_manifest(out, {
         "schema": 1, "tool": "tpdiag diff", "versions": versions("cpu"),
         "runs": {ref_label: os.path.abspath(run_a), label: os.path.abspath(run_b)},
         "degrees": [da, db], "labels": [ref_label, label], "reference": ref_label,

@@ -11,7 +11,7 @@ shape - which batch-variant kernels read - is the micro-batch's). Decode runs th
 engine (and transformers' `generate()`) does: the prompts in one prefill call, left-padded with an
 attention mask, then the generated tokens one step at a time through the model's KV cache
 (tpdiag.runner.decode: transformers' cache for hf: models, the built-in presets' own).
-Logprobs are taken with the trainer's own function (tpdiag.runner.step), and with the fixes'
+Logprobs are taken with the trainer's own function (tpdiag.runner.losses), and with the fixes'
 invariant vocab softmax under --fix.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
     from tpdiag.runner import flags
     from tpdiag.runner.decode import supports, why_not
     from tpdiag.runner.logits import whole_vocab
-    from tpdiag.runner.step import _numerics, loss_context
+    from tpdiag.runner.losses import loss_context, step_functions
 
     if cfg.mode == "decode" and not supports(model):
         raise Unavailable(why_not(model))
@@ -83,7 +83,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
         # compare's worlds do: the fixes' bits then do not depend on the TP degree
         stack.enter_context(run_groups(tree_groups))
         stack.enter_context(apply_fixes(names, model=model, plan=target.plan, world=world))
-        _, logprob_fn, _ = _numerics(target)
+        _, logprob_fn, _ = step_functions(target)
         for start in range(0, len(seqs), cfg.micro_batch):
             idx = list(range(start, min(start + cfg.micro_batch, len(seqs))))
             group = [seqs[i] for i in idx]
@@ -94,7 +94,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
             for i, s, r in zip(idx, group, rows):
                 labels = torch.tensor(s.input_ids[1:], device=r.device)
                 # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
-                # a vocab-sharded DTensor under loss_parallel (tpdiag.runner.step)
+                # a vocab-sharded DTensor under loss_parallel (tpdiag.runner.losses)
                 r, _ = whole_vocab(r, model, target.plan, target.vocab_size, world)
                 # logprobs in float32, as an engine takes them (generate()'s output_logits are
                 # float32 copies; vLLM's sampler upcasts) and as RL trainers do (NeMo RL, verl):
@@ -135,7 +135,8 @@ def _prefill(model, group, left: bool = False) -> list:
     import torch
 
     from tpdiag.runner.decode import Unsupported, prefill_logits
-    from tpdiag.runner.step import forward_call, logits_of
+    from tpdiag.runner.batch import forward_call
+    from tpdiag.runner.logits import logits_of
 
     longest = max(len(s.input_ids) for s in group)
     ids = torch.full((len(group), longest), pad_id(model), dtype=torch.long)

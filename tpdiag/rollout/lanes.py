@@ -9,7 +9,7 @@ whole micro-batches [lo, hi)), and units go to lanes - worlds of the unit's degr
 a world of one rank - that run side by side, each with the model built once.
 
 Same bits as one process because every lane runs the same code on the same shapes under the
-same state: the model built as TP=1 builds it (runner.step.build_model at world 1 = compute.build),
+same state: the model built as TP=1 builds it (runner.build.build_model at world 1 = compute.build),
 each configuration under its own flags (flags.applied), every lane started under the first
 configuration's setting as the in-process run and the single world are (the cuBLAS workspace is
 fixed by the process's first GEMM), the in-process run's CPU thread count, and the same tree

@@ -1,7 +1,7 @@
 """TP > 1 for `tpdiag rollout`: one world per degree, launched and watched by compare's own
 launcher (tpdiag.runner.launch.run_world, with this module's `main` as each rank's entry).
 
-Each rank builds the model sharded as compare's worlds do (tpdiag.runner.step.build_model),
+Each rank builds the model sharded as compare's worlds do (tpdiag.runner.build.build_model),
 computes every configuration of its degree (micro-batch x mode x fix) with the same code as
 TP=1 (tpdiag.rollout.compute), and rank 0 writes the logprobs as JSON (float32 values, exact in
 JSON) in the world's directory. The sequences come in as `sequences.json` there.
@@ -96,7 +96,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     from tpdiag.rollout.read import Sequence
     from tpdiag.runner import determinism
     from tpdiag.runner.sdpa_ran import SdpaRan
-    from tpdiag.runner.step import build_model
+    from tpdiag.runner.build import build_model
 
     determinism.setup(cfg.seed, cfg.device, cfg.flags)
     if cfg.device == "cuda":

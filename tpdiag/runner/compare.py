@@ -236,10 +236,18 @@ def default_out() -> str:
 
 
 def run_compare(cfg: CompareConfig, on_status=None) -> dict:
+    """One compare pass (every configuration's world, then the diff): its summary."""
+    return compare_pass(cfg, on_status)[0]
+
+
+def compare_pass(cfg: CompareConfig, on_status=None):
+    """(summary, RunFiles): one compare pass, and its run directory's files as it wrote them,
+    for the session to add its parts to (records/run_files.py: the files' one writer)."""
     from tpdiag.diff.analyse import analyse_run
     from tpdiag.runner.determinism import numerics_env
     from tpdiag.kernels.record_hash_ref import HASH_VERSION  # the lane mix its worlds hash with
     from tpdiag.records.paths import RunDir
+    from tpdiag.records.run_files import RunFiles
     from tpdiag.runner.launch import run_world
 
     from tpdiag.fixes import groups
@@ -274,7 +282,7 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         manifest["slice"] = {"layers": cfg.layers, "total_layers": pre.get("total_layers"),
                              "what": describe(cfg.layers, pre.get("total_layers")),
                              "config": slice_changes(parse_spec(cfg.model, cfg.layers))}
-    io.write_json(run.manifest, manifest)
+    files = RunFiles(out, manifest)
     failed: dict[str, str] = {}
     t0 = time.perf_counter()
     setup_s = t0 - t_start  # checks, device, the manifest's versions
@@ -291,31 +299,28 @@ def run_compare(cfg: CompareConfig, on_status=None) -> dict:
         if label == labels[0] and (cfg.oracle or cfg.oracle_ops):
             wcfg = wcfg.with_(oracle=cfg.oracle, oracle_ops=cfg.oracle_ops, oracle_own=cfg.oracle_own)
         res = run_world(wcfg, cfg.timeout, on_status)
-        manifest["worlds"][label] = {"degree": degree, "status": res.status, "wall_s": round(res.wall_s, 3),
-                                     "error": res.error, **world_timings(res.rank_timings),
-                                     "numerics": res.numerics}
         if res.status != "ok":
             failed[label] = res.error
-        io.write_json(run.manifest, manifest)
+        files.world(label, {"degree": degree, "status": res.status, "wall_s": round(res.wall_s, 3),
+                               "error": res.error, **world_timings(res.rank_timings), "numerics": res.numerics})
     if on_status:
         on_status("diff", "running")
     t_diff = time.perf_counter()
     summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label,
                           axes={w.label: w for w in configs})
-    manifest["phases"] = {"setup_s": round(setup_s, 3), **compare_phases(
-        manifest["worlds"], labels, base_label, time.perf_counter() - t_diff)}
-    # the whole call, setup included: a rerun's (confirm, fix chain) part of the breakdown
-    manifest["wall_s"] = round(time.perf_counter() - t_start, 3)
-    manifest["status"] = summary["status"]
-    io.write_json(run.manifest, manifest)
-    if on_status:
-        on_status("diff", "ok")
     if cfg.layers:
         summary["slice"] = manifest["slice"]  # the `ran:` line says what ran
-        io.write_json(run.summary, summary)
+    # the summary before the manifest's status: a manifest with one says the summary is this run's
+    files.summary(summary)
+    phases = {"setup_s": round(setup_s, 3), **compare_phases(
+        manifest["worlds"], labels, base_label, time.perf_counter() - t_diff)}
+    # the whole call, setup included: a rerun's (confirm, fix chain) part of the breakdown
+    files.add(phases=phases, wall_s=round(time.perf_counter() - t_start, 3), status=summary["status"])
+    if on_status:
+        on_status("diff", "ok")
     summary["run_dir"] = out
     summary["flags"] = _flags_summary(cfg.flags, manifest["worlds"], labels)
-    return summary
+    return summary, files
 
 
 def _flags_summary(setting: str, worlds: dict, labels: list) -> dict:

@@ -15,11 +15,16 @@ from tpdiag.runner import prefix
 
 
 def _sub(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False) -> dict:
-    from tpdiag.runner.compare import run_compare
+    return _rerun(cfg, out, degrees, fixes, baseline)[0]
+
+
+def _rerun(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False):
+    """(summary, RunFiles) of a rerun in `out`."""
+    from tpdiag.runner.compare import compare_pass
 
     sub = replace(cfg, out=out, degrees=tuple(degrees), fixes=tuple(fixes), fix_mode="explicit",
                   confirm=False, baseline=baseline)
-    return run_compare(sub)
+    return compare_pass(sub)
 
 
 def _key_bitwise(run_dir: str, label: str, key: str) -> bool | None:
@@ -123,20 +128,20 @@ def _bitwise_keys(run_dir: str, label: str) -> set[str]:
             and r.get("rank_consistent") is not False}
 
 
-def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None) -> dict:
+def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None):
     """One round of the fix chain, judged as a plain compare is: its second pass (the float64
-    verdicts, each module on its own inputs) where the compare wants one, then its classes."""
-    from tpdiag.base import files as io
+    verdicts, each module on its own inputs) where the compare wants one, then its classes.
+    Returns (summary, its RunFiles)."""
     from tpdiag.diff.classes import add_classes
     from tpdiag.runner.drill import drill_down, wanted
 
-    summary = _sub(cfg, out, cfg.degrees, fixes, baseline=baseline)
+    summary, files = _rerun(cfg, out, cfg.degrees, fixes, baseline=baseline)
     rcfg = replace(cfg, out=out, fixes=tuple(fixes), fix_mode="explicit", confirm=False, baseline=baseline)
     if wanted(rcfg, summary):
         summary = drill_down(rcfg, summary, out, on_status)
         add_classes(summary)
-        io.write_json(RunDir(out).summary, {k: v for k, v in summary.items() if k != "run_dir"})
-    return summary
+        files.summary(summary)
+    return summary, files
 
 
 def final_class(chain: list[dict]) -> str | None:
@@ -156,9 +161,10 @@ def final_class(chain: list[dict]) -> str | None:
     return last.get("class")
 
 
-def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int = 6) -> dict:
+def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int = 6):
     """Apply fixes for the located causes until bitwise or no fix applies; returns the last
-    round's summary with `fix_chain` (one entry per round) attached."""
+    round's summary with `fix_chain` (one entry per round) attached, and round 0's RunFiles: the
+    run the user asked for, whose files the session completes."""
     from tpdiag.fixes import groups
     from tpdiag.fixes.registry import catalogue, fixes_for_cause
 
@@ -172,7 +178,8 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
         out = run_dir if i == 0 else RunDir(run_dir).fix_round(i)
         # round 0 is the run the user asked for (its summary is what compare prints): it gets the
         # reference rerun like any compare; the fixed rounds are compared with it
-        summary = _round(cfg, out, fixes, cfg.baseline and i == 0, on_status)
+        summary, files = _round(cfg, out, fixes, cfg.baseline and i == 0, on_status)
+        first = files if i == 0 else first
         from tpdiag.records.axes import entries
 
         firsts = {lab: (d.get("first_divergence") or {}) for lab, d in entries(summary).items()}
@@ -204,4 +211,4 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
             break
         fixes += new
     summary["fix_chain"] = chain
-    return summary
+    return summary, first

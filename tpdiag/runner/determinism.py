@@ -16,7 +16,10 @@ RANK_ENV = {
 NUMERICS_ENV = ("TPDIAG_DETERMINISM", "TPDIAG_TREE_GROUPS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO",
                 "NCCL_PROTO", "NCCL_NVLS_ENABLE", "NCCL_MAX_NCHANNELS", "NCCL_MIN_NCHANNELS",
                 "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE", "ONEDNN_MAX_CPU_ISA",
-                "ATEN_CPU_CAPABILITY", "TRITON_INTERPRET", "NVTE_TP_INVARIANT_MODE")
+                "ATEN_CPU_CAPABILITY", "TRITON_INTERPRET", "NVTE_TP_INVARIANT_MODE",
+                # invariant-gemm's fp32 tile on CUDA (kernels/invariant_gemm_config.py): 'ieee' FMA
+                # tiles, else three bf16 pieces per operand - other bits
+                "TPDIAG_FP32_GEMM")
 
 
 def numerics_env() -> dict[str, str]:

@@ -23,7 +23,6 @@ from tpdiag.base import files as io
 from tpdiag.config import CompareConfig, degree_labels
 from tpdiag.records.paths import WORLD, RunDir
 from tpdiag.errors import BadInput, Inconclusive
-from tpdiag.records.rundir import read_manifest
 
 SYNTAX = "PLAN, fix:NAME[+NAME], fix:all or PLAN+fix:..., e.g. stock,stable,fix:all,stable+fix:all"
 
@@ -204,7 +203,8 @@ def _link_records(run_dir: str, sub_dir: str, labels: list[str], manifest: dict)
 def run_matrix(cfg: CompareConfig, variants: list[Variant], on_status=None) -> dict:
     """Run every variant at every degree; returns the primary variant's summary plus "matrix"."""
     from tpdiag.fixes import groups
-    from tpdiag.runner.compare import run_compare
+    from tpdiag.records.run_files import write_manifest, write_summary
+    from tpdiag.runner.compare import compare_pass
 
     cfg = groups.resolve(cfg)  # one G for every variant
     labels = degree_labels(cfg.degrees)
@@ -215,12 +215,14 @@ def run_matrix(cfg: CompareConfig, variants: list[Variant], on_status=None) -> d
     os.makedirs(run_dir, exist_ok=True)
     summaries: dict[str, dict] = {}
     dirs: dict[str, str] = {}
+    files = {}
     for v in variants:
         if on_status:
             on_status("variant", v.name)
         sub_dir = RunDir(run_dir).variant(v.slug)
         dirs[v.name] = sub_dir
-        summaries[v.name] = run_compare(_sub_cfg(cfg, v, sub_dir, cfg.baseline and v is primary), on_status)
+        summaries[v.name], files[v.name] = compare_pass(_sub_cfg(cfg, v, sub_dir, cfg.baseline and v is primary),
+                                                        on_status)
     cells: dict[str, dict[str, dict]] = {}
     for v in variants:
         cells[v.name] = {lab: _cell(summaries[v.name], lab, ref_label, dirs[v.name]) for lab in labels}
@@ -250,7 +252,7 @@ def run_matrix(cfg: CompareConfig, variants: list[Variant], on_status=None) -> d
     summary = {k: v for k, v in summaries[primary.name].items() if k != "run_dir"}
     summary["matrix"] = matrix
     p_dir = dirs[primary.name]
-    manifest = read_manifest(p_dir)
+    manifest = dict(files[primary.name].manifest)  # the primary's, as its pass wrote it
     manifest["matrix_of"] = primary.name
     manifest["variants"] = {v.name: dict(v.to_dict(), run_dir=os.path.relpath(dirs[v.name], run_dir))
                             for v in variants}
@@ -259,7 +261,7 @@ def run_matrix(cfg: CompareConfig, variants: list[Variant], on_status=None) -> d
     if os.path.exists(RunDir(p_dir).diff_csv):
         with open(RunDir(p_dir).diff_csv, "rb") as f:
             io.write_bytes(RunDir(run_dir).diff_csv, f.read())
-    io.write_json(RunDir(run_dir).manifest, manifest)
-    io.write_json(RunDir(run_dir).summary, summary)
+    write_manifest(run_dir, manifest)
+    write_summary(run_dir, summary)
     summary["run_dir"] = run_dir
     return summary

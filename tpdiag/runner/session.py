@@ -5,16 +5,14 @@ import os
 import time
 from dataclasses import replace
 
-from tpdiag.base import files as io
-from tpdiag.records.paths import RunDir
-from tpdiag.records.rundir import read_summary
 from tpdiag.config import CompareConfig
+from tpdiag.records.paths import RunDir
 
 
 def compare_session(cfg: CompareConfig, on_status=None, started: float | None = None) -> dict:
     """started: time.perf_counter() when the command began (its input checks are then the
     breakdown's first part, `checks`)."""
-    from tpdiag.runner.compare import run_compare
+    from tpdiag.runner.compare import compare_pass
     from tpdiag.runner.confirm import auto_chain, confirm
 
     from tpdiag.fixes import groups
@@ -28,8 +26,9 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
     # G once for the whole session: the drill-down, confirm and fix-chain reruns keep it
     cfg = groups.resolve(cfg)
     if cfg.fix_mode == "auto":
-        summary = auto_chain(cfg, cfg.out, on_status)
-        first = read_summary(cfg.out)
+        summary, files = auto_chain(cfg, cfg.out, on_status)
+        # round 0's summary as its round wrote it (the run the user asked for), with the chain's parts
+        first = dict(files.written)
         first["fix_chain"] = summary["fix_chain"]
         first["status_after_fixes"] = summary["status"]
         from tpdiag.runner.confirm import final_class
@@ -37,12 +36,12 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
         # the verdict is the last round's (a bug of any round), not round 0's alone
         first["class_round0"] = first.get("class")
         first["class"] = final_class(summary["fix_chain"])
-        first["timings"] = _timings(cfg.out, {"fix_chain_s": time.perf_counter() - t0}, t0, checks_s)
-        io.write_json(RunDir(cfg.out).summary, first)
+        first["timings"] = _timings(files, {"fix_chain_s": time.perf_counter() - t0}, t0, checks_s)
+        files.summary(first)
         first["run_dir"] = cfg.out
         return first
-    summary = run_compare(replace(cfg, granularity="module") if cfg.granularity == "auto" else cfg,
-                          on_status)
+    summary, files = compare_pass(replace(cfg, granularity="module") if cfg.granularity == "auto" else cfg,
+                                     on_status)
     extra = {}
     from tpdiag.runner.drill import wanted
 
@@ -60,29 +59,27 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
     from tpdiag.diff.classes import add_classes
 
     add_classes(summary)  # the second pass may have judged a first divergence bug or rounding
-    summary["timings"] = _timings(cfg.out, extra, t0, checks_s)
-    io.write_json(RunDir(cfg.out).summary,
-                  {k: v for k, v in summary.items() if k != "run_dir"})
+    summary["timings"] = _timings(files, extra, t0, checks_s)
+    files.summary(summary)
     return summary
 
 
-def _timings(run_dir: str, extra: dict, t0: float, checks_s: float | None = None) -> dict:
+def _timings(files, extra: dict, t0: float, checks_s: float | None = None) -> dict:
     """Wall time per phase of the whole compare and per world (manifest.json keeps the per-rank
-    detail): the manifest's phases plus second pass / confirm / fix chain / total, written back
-    to the manifest's `phases`, and the whole command's `time_breakdown` (runner/timing.py).
-    Every key is optional; readers must not rely on them."""
+    detail): the first pass's phases plus second pass / confirm / fix chain / total, the
+    manifest's `phases` part, and the whole command's `time_breakdown` (runner/timing.py), added
+    to the first pass's manifest (records/run_files.py). Every key is optional; readers must not
+    rely on them."""
     from tpdiag.records.rundir import read_manifest
     from tpdiag.runner.timing import breakdown
 
-    manifest = read_manifest(run_dir)
-    phases = dict(manifest.get("phases") or {})
+    run_dir = files.run_dir.path
+    phases = dict(files.manifest.get("phases") or {})
     phases.update({k: round(v, 3) for k, v in extra.items()})
-    manifest["phases"] = phases
-    # measured last, so every part above lies inside it
-    manifest["time_breakdown"] = breakdown(run_dir, time.perf_counter() - t0, extra.get("second_pass_s"),
-                                           checks_s)
-    io.write_json(RunDir(run_dir).manifest, manifest)
-    out = {"phases": phases, "worlds": _world_timings(manifest), "breakdown": manifest["time_breakdown"]}
+    # measured last, so every part above lies inside it (from the manifests the passes wrote)
+    total = breakdown(run_dir, time.perf_counter() - t0, extra.get("second_pass_s"), checks_s)
+    files.add(phases=phases, time_breakdown=total)
+    out = {"phases": phases, "worlds": _world_timings(files.manifest), "breakdown": total}
     # the second pass is a compare of its own in a subdirectory (runner/drill.py): its worlds'
     # split (start, steps, full-capture gather, write) is where a large model's time goes
     for hashed in (True, False):

@@ -1,0 +1,53 @@
+"""The one writer of a run directory's summary.json and manifest.json.
+
+Each pass returns its part (the diff its summary, a world its result, the session its timings,
+the fix chain its rounds) and the caller assembles the file in memory and writes it whole through
+here - after each part, so an interrupted run leaves the parts so far as a valid file (the
+manifest from the first world on, the summary from the first pass's diff on), as the gate and
+the report expect. No pass reads either file back to patch it; tests/test_run_files.py fails on
+a write of either anywhere else in tpdiag/.
+"""
+from __future__ import annotations
+
+from tpdiag.base import files as io
+from tpdiag.records.paths import RunDir
+
+IN_MEMORY = ("run_dir",)  # what a summary carries for its caller, never written
+
+
+def write_summary(run_dir, summary: dict) -> dict:
+    """summary.json: the summary as assembled so far, less its in-memory keys; returns what it
+    wrote (a later part is added to that, not to a copy read back)."""
+    written = {k: v for k, v in summary.items() if k not in IN_MEMORY}
+    io.write_json(RunDir(run_dir).summary, written)
+    return written
+
+
+def write_manifest(run_dir, manifest: dict) -> None:
+    """manifest.json, whole (a command that writes it once: diff, capture, a matrix)."""
+    io.write_json(RunDir(run_dir).manifest, manifest)
+
+
+class RunFiles:
+    """A compare's manifest.json and summary.json, assembled from their parts. The manifest: the
+    run's head (versions, config, environment), each world's result, then the diff's phases and
+    status and the session's timings - every part written at once, the whole file each time.
+    The summary: `summary()` writes one and keeps what it wrote (`written`) for the next part."""
+
+    def __init__(self, run_dir, head: dict):
+        self.run_dir, self.manifest, self.written = RunDir(run_dir), dict(head), None
+        write_manifest(self.run_dir, self.manifest)
+
+    def world(self, label: str, part: dict) -> None:
+        """A world's result (its status, wall time, timings, numerics)."""
+        self.manifest.setdefault("worlds", {})[label] = part
+        write_manifest(self.run_dir, self.manifest)
+
+    def add(self, **parts) -> None:
+        """Top-level parts of the manifest, set or replaced in place of the same key (its order kept)."""
+        self.manifest.update(parts)
+        write_manifest(self.run_dir, self.manifest)
+
+    def summary(self, summary: dict) -> dict:
+        self.written = write_summary(self.run_dir, summary)
+        return self.written

@@ -1,0 +1,81 @@
+"""A world's model on one rank: built, cast and sharded as the configuration asks."""
+from __future__ import annotations
+
+import torch
+
+from tpdiag.config import WorldConfig
+
+
+def build_model(cfg: WorldConfig, device: torch.device, world: int):
+    """(target, model) on this rank, sharded when world > 1. Built-in presets and hf: models are
+    sharded on the meta device and materialised module by module (no rank holds the whole
+    model: tpdiag.models.shard_init); py: targets, and a model that cannot take that route
+    (the reason in target.build), are built whole, cast, then sharded."""
+    from tpdiag.models.build import build_sharded, build_target
+    from tpdiag.models.spec import parse_spec
+
+    torch.manual_seed(cfg.seed)  # py: targets built on the CPU draw from the global RNG
+    spec, dtype, mesh, reason = parse_spec(cfg.model, cfg.layers), getattr(torch, cfg.dtype), None, None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from tpdiag.models.shard_init import ShardedInitUnsupported
+
+        mesh = init_device_mesh(device.type, (world,))
+        try:
+            built = build_sharded(spec, cfg.variant, device, cfg.seed, dtype, mesh, _check_plan)
+        except ShardedInitUnsupported as e:
+            built, reason = None, str(e)
+        if built is not None:
+            return built
+        torch.manual_seed(cfg.seed)
+    target = build_target(spec, cfg.variant, device, cfg.seed)
+    live = {id(t): t for t in list(target.model.parameters()) + list(target.model.buffers())}
+    whole = sum(t.numel() * t.element_size() for t in live.values())
+    from tpdiag.models.dtypes import to_run_dtype
+
+    # the user's model as the user loads it: not nn.Module.to(dtype) (tpdiag.models.dtypes)
+    model = to_run_dtype(spec.kind, target.model.to(device=device), dtype)
+    if world > 1 and target.plan:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from tpdiag.models.ties import broken_ties, tie_groups
+
+        _check_plan(model, target.plan)
+        ties = tie_groups(model)
+        parallelize_module(model, mesh, target.plan)
+        broken = broken_ties(model, ties)
+    else:
+        broken = []
+    target.build = {"init": "whole", "init_full_peak_bytes": whole, "init_whole_bytes": whole,
+                    "init_reason": reason or ("TP=1" if world == 1 else
+                                              f"{spec.kind}: the whole model is built, then sharded")}
+    if broken:
+        target.build["ties_broken"] = broken
+    return target, model
+
+
+def _check_plan(model, plan: dict) -> None:
+    import fnmatch
+
+    from tpdiag.errors import BadInput
+
+    names = [n for n, _ in model.named_modules()]
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise BadInput(f"plan entry {pattern!r} matches no module of the model")
+    for n in names:
+        hits = [p for p in plan if fnmatch.fnmatchcase(n, p)]
+        if len(hits) > 1:
+            raise BadInput(f"plan entries {hits[0]!r} and {hits[1]!r} both match module {n!r}")
+
+
+def capture_mode(capture: str, model) -> str:
+    """'full' or 'hash'; 'auto' hashes models above AUTO_HASH_PARAMS (counted whole: a
+    DTensor parameter's numel is its global size, so every degree decides the same)."""
+    if capture != "auto":
+        return capture
+    from tpdiag.config import AUTO_HASH_PARAMS
+
+    n = sum(p.numel() for p in model.parameters())
+    return "hash" if n > AUTO_HASH_PARAMS else "full"

@@ -1,0 +1,26 @@
+"""A step's backward and its optimizer step."""
+from __future__ import annotations
+
+
+def backward(phases, loss) -> None:
+    """A piece's backward: its grads' records are the backward phase's (called inside the loss
+    context: loss_parallel's backward must run in it)."""
+    with phases("backward"):
+        loss.backward()
+
+
+def optimizer_step(phases, rec, model, opt, norm_fn, clip_norm, plan, include):
+    """The grads' global norm (clipped if asked), the optimizer's step, the params' records;
+    returns the norm."""
+    from tpdiag.probes.module_probe import record_params
+
+    with phases("optimizer", last="params") as ph:
+        params = list(model.parameters())
+        total = norm_fn(params, clip_norm)
+        rec.add("grad_norm", "model", "total", total)
+        ph.lap("clip")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ph.lap("optimizer")
+        record_params(rec, model, "param", plan, include)
+    return total
