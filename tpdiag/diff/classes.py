@@ -7,6 +7,7 @@ class is the worst over its configurations (bug, non-finite, unknown, rounding).
 """
 from __future__ import annotations
 
+from tpdiag.diff.judge import judged_far as _judged_far
 from tpdiag.records.causes import cause_class
 
 _ORDER = ("bug", "non-finite", "unknown", "rounding")
@@ -55,12 +56,6 @@ def leading_bug(entry: dict) -> dict | None:
     return None
 
 
-def _judged_far(f: dict) -> bool:
-    """A float64 re-execution (from the record's own inputs or equal ones) found it wrong."""
-    return any((f.get(k) or {}).get("far") and not (f.get(k) or {}).get("discrete")
-               for k in ("oracle", "op_oracle"))
-
-
 def _judged_near(f: dict) -> bool:
     """A float64 re-execution of the record ran and found it within rounding. A record no
     re-execution judged stays what its bound says (fail closed: an unjudged downstream bug is
@@ -83,12 +78,11 @@ def no_sharding_at_tp1(entry: dict) -> None:
     its verdict: a Linear's or a norm's bound holds for any summation order, so a record far
     beyond it between two TP=1 worlds is a wrong result (two captures of different code, a
     micro-batch loss scaled wrongly), whatever its label."""
+    from tpdiag.diff.judge import settle
+
     for f in [entry.get("first_divergence")] + list(entry.get("findings") or []):
-        if f and f.get("kind") == "grad_norm" and f.get("cause") == "sharding-bug" \
-                and f.get("bound") is not None and not _judged_far(f):
-            _not_a_bug(f, "grad-norm",
-                       "beyond the grad norm's triangle bound, but nothing is sharded at TP=1 on either "
-                       "side and no float64 re-execution found it wrong")
+        if f:
+            settle(f, tp1_both=True)  # the judge's rule "grad norm beyond its bound at TP=1"
 
 
 def clear_by_confirmation(entry: dict, bitwise_after: set[str]) -> None:
