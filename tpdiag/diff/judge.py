@@ -14,10 +14,10 @@ batch-variant kernel unless what the record itself shows is a bug" reads exactly
 Adding a cause: one entry in records/causes.py and one Rule here (see tests/test_judge.py, which
 adds one in the test and sees it named in a real run directory).
 
-Not judged here yet (issue 62 item 1, what remains): the second pass's copy-back of its verdict
-(runner/drill.py), the own-input pass's and a confirmed fix's clearing of a layout-bound finding
-(runner/drill.py _near_on_own_inputs, diff/classes.py clear_by_confirmation). They run on
-records read back from summary.json, whose recorded verdict the judge takes as it stands.
+The reruns give evidence too: the second pass's verdict on the same record and the op it named
+(runner/drill.py), a finding found within rounding on its own inputs (drill.py), a confirmed fix
+and the records it made bitwise (runner/confirm.py, diff/classes.py). A record read back from a
+summary.json carries no evidence: its recorded verdict stands for the rules that would need it.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class Evidence:
     float64 verdicts as the summary holds them, and the first divergence's op."""
     row: dict | None
     record: dict
+    op: str | None = None          # the first divergent op, as the first pass located it
     op_oracle: dict | None = None  # the first divergent op's float64 verdict, where it judges the record
     flip: str | None = None        # a router-flip record: "consequence" (a divergence before it) or "root"
     after_flip: str | None = None  # the key of a real router flip earlier in the same degree
@@ -50,10 +51,11 @@ class Evidence:
     axis: str = "tp"               # what the configuration differs from the reference in
     noise: int | None = None       # a rerun at the reference's degree (this degree): run-to-run noise
     noise_always: bool = False     # the reference's own rerun: even NaN/Inf there is noise
-
-    @property
-    def op(self) -> str | None:
-        return self.record.get("op")
+    # what the reruns found (runner/drill.py, runner/confirm.py)
+    second: tuple | None = None    # (cause, why) the second pass judged this first divergence with
+    op_pass: tuple | None = None   # (op, cause) the op-level rerun named at this first divergence
+    own_near: str | None = None    # re-executed on its own inputs: within rounding; the first divergence's cause
+    confirmed: dict | None = None  # a confirmed fix: {"fix", "cause" (the confirmed one), "bitwise" (this record after it)}
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,38 @@ def judged_far(f: dict) -> bool:
     """A float64 re-execution (from the record's own inputs or equal ones) found it wrong."""
     return any((f.get(k) or {}).get("far") and not (f.get(k) or {}).get("discrete")
                for k in ("oracle", "op_oracle"))
+
+
+def judged_near(f: dict) -> bool:
+    """A float64 re-execution of the record ran and found it within rounding. A record no
+    re-execution judged stays what its bound says (fail closed: an unjudged downstream bug is
+    never cleared by the confirmation of an upstream rounding)."""
+    verdicts = [f.get(k) for k in ("oracle", "op_oracle") if isinstance(f.get(k), dict) and "far" in f.get(k)]
+    return bool(verdicts) and not judged_far(f)
+
+
+def why_at_op(op: str) -> str:
+    """Why a first divergence located at an op is still `unknown` (the module pass's words said no
+    op was recorded; the op-level pass found one)."""
+    from tpdiag.records.ops import RANDOM_OPS
+
+    if is_op_of(op, RANDOM_OPS):
+        return (f"the difference enters at {op}, a random draw: dropout or noise in the sharded region "
+                "draws other numbers at each layout, so the degrees compute different functions - turn "
+                "it off (eval mode, p=0) to compare; neither rounding nor a proven bug")
+    return f"the difference enters at {op} (the op-level pass), and no rule judged it"
+
+
+def _no_op_recorded(v: Verdict) -> bool:
+    return v.cause == "unknown" and str(v.why or "").endswith("no op there was recorded")
+
+
+def _op_pass_why(ev: Evidence, below) -> str | None:
+    return why_at_op(ev.op_pass[0]) if _no_op_recorded(below()) else below().why
+
+
+def _is_bug(v: Verdict) -> bool:
+    return cause_class(v.cause) == "bug"
 
 
 def baseline_cause(fd: dict | None, degree: int) -> str:
@@ -197,6 +231,32 @@ def _discrete_why(ev: Evidence, below) -> str:
 # ---- the rules, first match wins ----------------------------------------------------------
 
 RULES: list[Rule] = [
+    # a confirmed fix (runner/confirm.py): fixes that only reorder cannot turn a wrong result right
+    Rule("a confirming fix makes it bitwise",
+         lambda ev, b: ev.confirmed is not None and ev.confirmed["bitwise"] and _is_bug(b()),
+         lambda ev, b: ev.confirmed["cause"],
+         lambda ev, b: (f"the confirming fix ({ev.confirmed['fix']}) makes this record bitwise "
+                        "equal: fixes that only reorder cannot turn a wrong result right"), keep="cause_before"),
+    Rule("downstream of a confirmed cause, near float64",
+         lambda ev, b: (ev.confirmed is not None and _is_bug(b()) and judged_near(ev.record)
+                        and b().cause == "sharding-bug" and ev.record.get("bound") is not None),
+         lambda ev, b: ev.confirmed["cause"],
+         lambda ev, b: (f"downstream of the confirmed {ev.confirmed['cause']} ({ev.confirmed['fix']}) and "
+                        "its float64 re-execution found it within rounding"), keep="cause_before"),
+    # the second pass (runner/drill.py)
+    Rule("within rounding on its own inputs",
+         lambda ev, b: (ev.own_near is not None and b().cause == "sharding-bug"
+                        and ev.record.get("bound") is not None and not ev.record.get("oracle")),
+         lambda ev, b: ev.own_near if cause_class(ev.own_near) == "rounding" else "unknown",
+         lambda ev, b: ("beyond its layout bound, which assumed inputs equal to the reference's; re-executed in "
+                        "float64 from this side's own inputs it is within rounding: not a bug"), keep="cause_before"),
+    Rule("the op-level rerun names an attention kernel",
+         lambda ev, b: ev.op_pass is not None and ev.op_pass[1] == "attention-kernel",
+         lambda ev, b: "attention-kernel", _op_pass_why),
+    Rule("the op-level rerun names the op", lambda ev, b: ev.op_pass is not None and _no_op_recorded(b()),
+         lambda ev, b: "unknown", _op_pass_why),
+    Rule("the second pass judged it", lambda ev, b: ev.second is not None,
+         lambda ev, b: ev.second[0], lambda ev, b: ev.second[1]),
     # the configuration: what differs from the reference besides TP
     Rule("attention implementation differs", lambda ev, b: _axis_applies(ev, b, "attention"),
          lambda ev, b: "attention-kernel", lambda ev, b: WHY_ATTENTION, keep="layout_cause"),
@@ -210,8 +270,8 @@ RULES: list[Rule] = [
     # judged as a value (at both worlds alike too) except in the reference's own rerun
     Rule("rerun at the reference's degree",
          lambda ev, b: ev.noise is not None and (ev.noise_always or b().cause != "non-finite"),
-         lambda ev, b: baseline_cause(ev.record, ev.noise),
-         lambda ev, b: WHY_NOISE if baseline_cause(ev.record, ev.noise) == "nondeterministic-kernel" else None),
+         lambda ev, b: baseline_cause({"op": ev.op}, ev.noise),
+         lambda ev, b: WHY_NOISE if baseline_cause({"op": ev.op}, ev.noise) == "nondeterministic-kernel" else None),
     # between two TP=1 worlds the grad norm's triangle bound is too tight for a GPU's serial
     # reduce runs (diff/classes.py no_sharding_at_tp1): a bug only where float64 found it wrong
     Rule("grad norm beyond its bound at TP=1",
@@ -289,7 +349,7 @@ def settle(record: dict, **evidence) -> Verdict:
     """Add `evidence` to what is known of `record`, judge it and write its cause (the only
     writer of `cause` in diff/): cause, why (removed when the verdict gives none) and the
     overridden cause where a rule keeps it."""
-    ev = getattr(record, "evidence", None) or Evidence(row=None, record=record)
+    ev = getattr(record, "evidence", None) or Evidence(row=None, record=record, op=record.get("op"))
     ev = replace(ev, **evidence)
     if isinstance(record, Described):
         record.evidence = ev

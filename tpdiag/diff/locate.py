@@ -264,7 +264,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
         # the first divergent op, and its float64 re-execution where it judges what the module
         # record could not (an input that differs: the op is in the parent's own code)
         judges = op_row is not None and op_row.get("oracle") and (first["kind"] != "out" or not first.get("oracle"))
-        settle(fd, op_oracle=op_verdict(fd, op_row) if judges else None)
+        settle(fd, op=fd["op"], op_oracle=op_verdict(fd, op_row) if judges else None)
     return {"first_divergence": fd, "findings": findings}
 
 
