@@ -106,3 +106,55 @@ def test_a_record_read_back_keeps_its_recorded_verdict():
     assert f["cause"] == "batch-variant-kernel" and f["layout_cause"] == "row-parallel-reduction"
     with pytest.raises(AssertionError):
         judge.judge(Evidence(row=None, record={}), rules=[])
+
+
+# copies of a cause the judge wrote (a matrix cell, the baseline's summary line, the records
+# frame's column): readers, not judges - (file, the start of the value copied)
+_COPIES = {("tpdiag/runner/matrix.py", "fd.get('cause')"), ("tpdiag/diff/analyse.py", "as_noise(fd, degree"),
+           ("tpdiag/records/frames.py", "pd.Series([causes.get(")}
+
+
+def _cause_writes(path: str, text: str) -> list[str]:
+    """Where `text` writes a cause: `x["cause"] = ...`, `{"cause": "<label>"}`, `.update(cause=...)`."""
+    import ast
+
+    def copied(v) -> bool:  # None, or another record's cause read as it stands
+        u = ast.unparse(v)
+        return (isinstance(v, ast.Constant) and v.value is None) or u.endswith((".get('cause')", "['cause']"))
+
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Assign):
+            targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            for t in targets:
+                if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and t.slice.value == "cause":
+                    if not any(path == p and ast.unparse(node.value).startswith(v) for p, v in _COPIES):
+                        out.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Dict):
+            for k, v in zip(node.keys, node.values):
+                if isinstance(k, ast.Constant) and k.value == "cause" and not copied(v):
+                    out.append(f"{path}:{node.lineno}: a cause {ast.unparse(v)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update":
+            if any(kw.arg == "cause" for kw in node.keywords):
+                out.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_cause_is_written_outside_the_judge():
+    import os
+
+    from conftest import ROOT
+
+    found = []
+    for d, _, names in os.walk(os.path.join(ROOT, "tpdiag")):
+        for n in names:
+            rel = os.path.relpath(os.path.join(d, n), ROOT)
+            if n.endswith(".py") and rel != os.path.join("tpdiag", "diff", "judge.py"):
+                with open(os.path.join(d, n)) as f:
+                    found += _cause_writes(rel, f.read())
+    assert not found, found
+    # negative control: the writes the passes made before the judge are caught
+    for snippet in ('fd["cause"] = "attention-kernel"', 'f = {"cause": "router-flip"}', 'f = {"cause": classify(r)}',
+                    'f["cause_before"], f["cause"] = f["cause"], "unknown"',
+                    'f.update(cause="router-flip", root_cause=False)'):
+        assert _cause_writes("x.py", snippet), snippet
