@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from tpdiag.diff.engine import diff_degree
-from tpdiag.diff.locate import add_bounds, baseline_cause, locate, logprob_stats, nonfinite_summary
+from tpdiag.diff.judge import baseline_cause, describe, settle
+from tpdiag.diff.locate import add_bounds, locate, logprob_stats, nonfinite_summary
 from tpdiag.errors import Inconclusive
 from tpdiag.records.keys import RecordKey, record_key
 from tpdiag.records.paths import RunDir
@@ -103,11 +104,12 @@ def _broken_ties(entry: dict, rows: list[dict], broken: list, label: str) -> Non
         if row is None:
             continue
         f = {"phase": row["phase"], "module": row["module"], "op": None, "kind": row["kind"],
-             "name": row["name"], "step": row["step"], "cause": "sharding-bug", "max_abs": row["max_abs"],
+             "name": row["name"], "step": row["step"], "cause": None, "max_abs": row["max_abs"],
              "bound": row.get("bound"), "bound_ratio": row.get("bound_ratio"), "key": row["key"],
              "detail": f"the plan split the weight tie {' = '.join(names)} into {len(names)} parameters at "
                        f"TP={label}: each gets only its own module's grad (the reference sums every use "
                        "into one) and they are trained apart from the first optimizer step"}
+        f = describe(row, f, broken_tie=True)
         entry["findings"] = [g for g in entry["findings"] if g.get("key") != row["key"]]
         entry["findings"].insert(0, f)
         entry["status"] = "divergent"
@@ -128,7 +130,7 @@ def _baseline(run_dir, ref, label, failed, degree) -> dict:
     if not ok:
         fd = entry.get("first_divergence")
         out["first_divergence"] = fd
-        out["cause"] = as_noise(fd, degree)
+        out["cause"] = as_noise(fd, degree, always=True)
     return out
 
 
@@ -140,17 +142,13 @@ def _not_reproducible(degree: int, what, fd: dict | None) -> str:
             "differences between degrees cannot be attributed to TP")
 
 
-def as_noise(fd: dict | None, degree: int) -> str:
+def as_noise(fd: dict | None, degree: int, always: bool = False) -> str:
     """Two runs at the same degree on one machine differ: no TP layout explains it, so the
-    layout-based cause locate() read is replaced by the run-to-run one (baseline_cause)."""
-    cause = baseline_cause(fd, degree)
-    if fd:
-        fd["cause"] = cause
-        fd.pop("why", None)
-        if cause == "nondeterministic-kernel":
-            fd["why"] = ("the reference does not reproduce itself: a kernel is "
-                         "nondeterministic run to run, which no TP layout explains")
-    return cause
+    judge names the run-to-run cause (diff/judge.py). always: the reference's own rerun, where
+    even a NaN/Inf is its noise."""
+    if not fd:
+        return baseline_cause(fd, degree)
+    return settle(fd, noise=degree, noise_always=always).cause
 
 
 def same_degree(entry: dict, label: str, degree: int) -> None:

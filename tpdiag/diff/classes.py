@@ -55,26 +55,6 @@ def leading_bug(entry: dict) -> dict | None:
     return None
 
 
-def _judged_far(f: dict) -> bool:
-    """A float64 re-execution (from the record's own inputs or equal ones) found it wrong."""
-    return any((f.get(k) or {}).get("far") and not (f.get(k) or {}).get("discrete")
-               for k in ("oracle", "op_oracle"))
-
-
-def _judged_near(f: dict) -> bool:
-    """A float64 re-execution of the record ran and found it within rounding. A record no
-    re-execution judged stays what its bound says (fail closed: an unjudged downstream bug is
-    never cleared by the confirmation of an upstream rounding)."""
-    verdicts = [f.get(k) for k in ("oracle", "op_oracle") if isinstance(f.get(k), dict) and "far" in f.get(k)]
-    return bool(verdicts) and not _judged_far(f)
-
-
-def _not_a_bug(f: dict, cause: str, why: str) -> None:
-    f["cause_before"] = f["cause"]
-    f["cause"] = cause
-    f["why"] = why
-
-
 def no_sharding_at_tp1(entry: dict) -> None:
     """Two worlds at TP=1 (a micro-batch or decode configuration beside its reference): nothing
     is sharded, and the grad norm's triangle bound models its rounding as log2-deep sums, too
@@ -83,12 +63,11 @@ def no_sharding_at_tp1(entry: dict) -> None:
     its verdict: a Linear's or a norm's bound holds for any summation order, so a record far
     beyond it between two TP=1 worlds is a wrong result (two captures of different code, a
     micro-batch loss scaled wrongly), whatever its label."""
+    from tpdiag.diff.judge import settle
+
     for f in [entry.get("first_divergence")] + list(entry.get("findings") or []):
-        if f and f.get("kind") == "grad_norm" and f.get("cause") == "sharding-bug" \
-                and f.get("bound") is not None and not _judged_far(f):
-            _not_a_bug(f, "grad-norm",
-                       "beyond the grad norm's triangle bound, but nothing is sharded at TP=1 on either "
-                       "side and no float64 re-execution found it wrong")
+        if f:
+            settle(f, tp1_both=True)  # the judge's rule "grad norm beyond its bound at TP=1"
 
 
 def clear_by_confirmation(entry: dict, bitwise_after: set[str]) -> None:
@@ -96,17 +75,13 @@ def clear_by_confirmation(entry: dict, bitwise_after: set[str]) -> None:
     finding that the fixes make bitwise is not a bug - a reordering cannot turn a wrong result
     right - and neither is one downstream of the confirmed cause that no float64 re-execution
     found within rounding (its layout bound assumed inputs that were equal; they carried the
-    rounding). A downstream record that no re-execution judged keeps its bug verdict."""
+    rounding). A downstream record that no re-execution judged keeps its bug verdict. The rules
+    are the judge's (diff/judge.py); this gives it the confirmation."""
+    from tpdiag.diff.judge import settle
+
     conf = entry.get("confirmation") or {}
     fd = entry.get("first_divergence") or {}
     if conf.get("verdict") != "confirmed" or cause_class(fd.get("cause")) != "rounding":
         return
     for f in entry.get("findings") or []:
-        if cause_class(f.get("cause")) != "bug":
-            continue
-        if f.get("key") in bitwise_after:
-            _not_a_bug(f, fd["cause"], f"the confirming fix ({conf.get('fix')}) makes this record bitwise "
-                                       "equal: fixes that only reorder cannot turn a wrong result right")
-        elif _judged_near(f) and f.get("cause") == "sharding-bug" and f.get("bound") is not None:
-            _not_a_bug(f, fd["cause"], f"downstream of the confirmed {fd['cause']} ({conf.get('fix')}) and "
-                                       "its float64 re-execution found it within rounding")
+        settle(f, confirmed={"fix": conf.get("fix"), "cause": fd["cause"], "bitwise": f.get("key") in bitwise_after})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tpdiag.diff import bits, bounds, generic_bound, oracle, router
+from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
 from tpdiag.diff.op_verdict import op_verdict
 from tpdiag.diff.engine import DegreeDiff
 from tpdiag.records.keys import record_key
@@ -21,16 +22,6 @@ def attention_op(op: str | None) -> bool:
     return is_op_of(op, ATTENTION_OPS)
 
 
-def baseline_cause(fd: dict | None, degree: int) -> str:
-    """Why the reference rerun differs from itself: a collective (only at TP > 1), or else an
-    op/kernel - the first non-reproducible record is an op that is no collective, or TP=1."""
-    op = (fd or {}).get("op")
-    if op and not any(c in op for c in COLLECTIVE_OPS):
-        return "nondeterministic-kernel"
-    return "collective-nondeterminism" if degree > 1 else "nondeterministic-kernel"
-NORM_CLASSES = ("RMSNorm", "LayerNorm", "LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm",
-                "MistralRMSNorm", "GemmaRMSNorm")
-EMBED_CLASSES = ("Embedding", "VocabParallelEmbedding")
 LINEAR_CLASSES = ("Linear",)
 
 
@@ -159,54 +150,9 @@ def _loss_bounds(dd: DegreeDiff) -> None:
 
 
 def classify(row: dict) -> str:
-    if row.get("nonfinite_mismatch"):
-        return "non-finite"  # NaN/Inf at one side only: never a rounding, never within a budget
-    if row.get("rank_consistent") is False:
-        return "rank-inconsistent-replica"
-    if row.get("beyond_bound"):
-        return "sharding-bug"
-    phase, kind, style, cls = row["phase"], row["kind"], row.get("style"), row.get("cls")
-    if phase == "init":
-        return "sharding-bug"  # weights or batch differ before anything ran
-    if phase == "forward":
-        if kind == "out":
-            if style == "rowwise":
-                return "sharding-bug" if cls in EMBED_CLASSES else "row-parallel-reduction"
-            if style in ("colwise", "colwise-gathered"):
-                return "shape-dependent-gemm"
-            if cls in EMBED_CLASSES:
-                return "sharding-bug"
-            if style == "moeexpertsparallel":
-                # transformers' moe_tp_experts: each rank ran its slice of every expert (down_proj
-                # cut on its input dim) and the partial outputs are all-reduced
-                return "row-parallel-reduction"
-            return row.get("generic_cause") or "unknown"
-        return "unknown"
-    if phase == "loss":
-        return "vocab-parallel-softmax" if kind in ("logprobs", "loss") else "unknown"
-    if phase == "backward":
-        if kind == "grad_out":
-            styles = row.get("consumer_styles") or []
-            if any(s in ("colwise", "colwise-gathered") for s in styles):
-                return "column-parallel-dgrad"
-            if any(s == "rowwise" for s in styles):
-                return "shape-dependent-gemm"
-            if not row.get("consumers") and style in ("colwise", "colwise-gathered"):
-                # a column-parallel output no module consumed: the vocab-sharded logits, whose
-                # grad comes from the vocab-parallel loss backward
-                return "vocab-parallel-softmax"
-            return row.get("generic_cause") or "unknown"
-        if kind == "param_grad":
-            if cls in NORM_CLASSES or (cls or "").endswith(("RMSNorm", "LayerNorm")):
-                # model-specific norm classes (Qwen3MoeRMSNorm, DeepseekV3RMSNorm, ...)
-                return "norm-weight-grad"
-            if style in ("colwise", "rowwise", "colwise-gathered"):
-                return "shape-dependent-gemm"
-            return row.get("generic_cause") or "unknown"
-        return "unknown"
-    if phase == "optimizer":
-        return "grad-norm" if kind == "grad_norm" else "unknown"
-    return "unknown"
+    """The cause a record's own row names (its bits, ranks, bound and layout), before any
+    evidence about its op or its configuration: the judge's record rules (diff/judge.py)."""
+    return judge(Evidence(row=row, record=row)).cause
 
 
 def _caller(module: str, called: set) -> str:
@@ -221,12 +167,13 @@ def _caller(module: str, called: set) -> str:
 def _describe(row: dict, called: set = frozenset()) -> dict:
     out = {"phase": row["phase"], "module": row["module"], "op": None, "kind": row["kind"],
            "name": row["name"], "step": row["step"], "key": row["key"], "idx": row["idx"],
-           "cause": classify(row), "root_cause": True,
+           "cause": None, "root_cause": True,
            "max_abs": row["max_abs"], "max_ulp": row["max_ulp"],
            "mismatch_fraction": row["mismatch_fraction"], "bound": row.get("bound"),
            "bound_ratio": row.get("bound_ratio"),
            "style": row.get("style")}
     _explain(out, row)
+    out = describe(row, out)
     if row["kind"] == "grad_out" and row.get("consumers"):
         out["consumers"] = list(row["consumers"])  # whose backward made it (the second pass's oracle)
     if row["kind"] == "in":
@@ -249,8 +196,6 @@ def _explain(out: dict, row: dict) -> None:
         out["bound_model"] = row["bound_model"]
     if row.get("oracle"):
         out["oracle"] = row["oracle"]
-    if out["cause"] == "unknown":
-        out["why"] = generic_bound.why_unknown(row)
 
 
 def _partial_detail(f: dict, row: dict, earlier: list[dict]) -> None:
@@ -286,10 +231,11 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
         if r.get("beyond_bound") or r.get("rank_consistent") is False:
             fidx.append(r["idx"])
             f = {"phase": r["phase"], "module": r["module"], "op": None, "kind": r["kind"],
-                 "name": r["name"], "step": r["step"], "cause": classify(r),
+                 "name": r["name"], "step": r["step"], "cause": None,
                  "max_abs": r.get("rank_max_abs", r["max_abs"]) if r.get("rank_consistent") is False
                  else r["max_abs"], "bound": r.get("bound"), "bound_ratio": r.get("bound_ratio")}
             _explain(f, r)
+            f = describe(r, f)
             _partial_detail(f, r, findings)
             roots = [g for g in findings if "follows" not in g]
             inner = [g for g in roots if _inside(g["module"], r["module"])]
@@ -329,14 +275,11 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
     elif fd is not None and first["kind"] == "op":
         fd["op"] = first["name"].rsplit("#", 1)[0]
         op_row = first
-    if fd is not None and op_row is not None and op_row.get("oracle") and (
-            first["kind"] != "out" or not first.get("oracle")):
-        op_verdict(fd, op_row)
-    if (fd is not None and attention_op(fd["op"]) and not first.get("beyond_bound")
-            and fd["cause"] not in ("rank-inconsistent-replica", "sharding-bug")
-            and not (fd.get("cause") == "unknown" and fd.get("op_oracle"))):
-        # the difference enters in an attention kernel whose inputs were bitwise equal
-        fd["cause"] = "attention-kernel"
+    if fd is not None:
+        # the first divergent op, and its float64 re-execution where it judges what the module
+        # record could not (an input that differs: the op is in the parent's own code)
+        judges = op_row is not None and op_row.get("oracle") and (first["kind"] != "out" or not first.get("oracle"))
+        settle(fd, op=fd["op"], op_oracle=op_verdict(fd, op_row) if judges else None)
     return {"first_divergence": fd, "findings": findings}
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from tpdiag.diff.judge import describe, settle
+
 ROUTER_NAMES = ("gate", "router")
 EXPERTS_NAMES = ("experts",)
 MAX_LISTED = 16  # tokens listed per flip; the count is always whole
@@ -101,11 +103,13 @@ def analyse(dd, first_divergence: dict | None) -> list[dict]:
             experts.append(e)
         f = {"phase": row["phase"], "module": row["module"], "op": None, "kind": row["kind"],
              "name": row["name"], "step": row["step"], "key": row["key"], "idx": row["idx"],
-             "cause": "router-flip", "root_cause": False, "max_abs": None, "bound": None,
+             "cause": None, "root_cause": False, "max_abs": None, "bound": None,
              "bound_ratio": None, "tokens": tokens[:MAX_LISTED], "n_tokens": len(tokens),
              "top_k": k, "experts": experts, "scores": score_key,
              "margin": max(margins) if margins else None}
-        if first_divergence is not None and first_divergence.get("key") != row["key"]:
+        after = first_divergence is not None and first_divergence.get("key") != row["key"]
+        f = describe(row, f, flip="consequence" if after else "root")
+        if after:
             f["root"] = {"key": first_divergence.get("key"), "module": first_divergence.get("module"),
                          "cause": first_divergence.get("cause")}
             f["detail"] = (f"{len(tokens)} token(s) routed to other experts; the reference's top-{k} "
@@ -118,7 +122,6 @@ def analyse(dd, first_divergence: dict | None) -> list[dict]:
         else:
             f["detail"] = (f"{len(tokens)} token(s) routed to other experts although no earlier "
                            "record differed: not a rounding consequence")
-            f["cause"] = "unknown"
         out.append(f)
     return out
 
@@ -126,15 +129,15 @@ def analyse(dd, first_divergence: dict | None) -> list[dict]:
 def _hash_only(row: dict, first_divergence: dict | None) -> dict:
     f = {"phase": row["phase"], "module": row["module"], "op": None, "kind": row["kind"],
          "name": row["name"], "step": row["step"], "key": row["key"], "idx": row["idx"],
-         "cause": "router-flip", "root_cause": False, "max_abs": None, "bound": None,
+         "cause": None, "root_cause": False, "max_abs": None, "bound": None,
          "bound_ratio": None, "tokens": None, "experts": None, "margin": None,
          "detail": "the expert choice differs (hash capture: which tokens is not recorded; "
                    "rerun with --capture full for tokens, experts and margins)"}
-    if first_divergence is not None and first_divergence.get("key") != row["key"]:
+    after = first_divergence is not None and first_divergence.get("key") != row["key"]
+    f = describe(row, f, flip="consequence" if after else "root")
+    if after:
         f["root"] = {"key": first_divergence.get("key"), "module": first_divergence.get("module"),
                      "cause": first_divergence.get("cause")}
-    else:
-        f["cause"] = "unknown"
     return f
 
 
@@ -148,5 +151,5 @@ def relabel_after(findings: list[dict], idxs: list[int], flips: list[dict]) -> N
         return
     first = min(real, key=lambda f: f["idx"])
     for f, i in zip(findings, idxs):
-        if i > first["idx"] and f["cause"] == "sharding-bug":
-            f.update(cause="router-flip", root_cause=False, after=first["key"])
+        if i > first["idx"] and settle(f, after_flip=first["key"]).rule == "after a router flip":
+            f.update(root_cause=False, after=first["key"])

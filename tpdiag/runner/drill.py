@@ -20,7 +20,7 @@ from tpdiag.config import CompareConfig, degree_labels
 from tpdiag.records.paths import RunDir
 from tpdiag.runner import prefix
 
-_VALUES = ("max_abs", "max_ulp", "mismatch_fraction", "bound", "bound_ratio", "cause")
+_VALUES = ("max_abs", "max_ulp", "mismatch_fraction", "bound", "bound_ratio")
 _OPS = ("op", "op_record", "op_detail", "op_max_abs")
 
 
@@ -60,10 +60,11 @@ def wanted(cfg: CompareConfig, summary: dict) -> bool:
         d.get("unjudged") or (cfg.judge_downstream and d.get("own_inputs")) for d in entries(summary).values())
 
 
-_VERDICT = ("cause", "bound", "bound_ratio", "bound_model", "oracle", "why")
+_VERDICT = ("bound", "bound_ratio", "bound_model", "oracle")
 
 
 def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) -> dict:
+    from tpdiag.diff.judge import settle
     from tpdiag.records.causes import cause_class
     from tpdiag.runner.compare import run_compare
 
@@ -223,27 +224,28 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
             continue
         fd["second_pass_dir"] = out
         if hashed:
+            # the whole values, measured where pass 1 had hashes: their verdict is the rerun's
             for k in _VALUES:
                 if k in sfd:
                     fd[k] = sfd[k]
             fd["values_run_dir"] = out
+            settle(fd, second=(sfd.get("cause"), fd.get("why")))
         if sfd.get("oracle") or sfd.get("op_oracle") or (fd.get("cause") == "unknown" and sfd.get("cause")):
             # the rerun judged it against float64 (bug or rounding) or named the reordering
             # from the module's ops: its verdict replaces pass 1's
             for k in _VERDICT + ("op_oracle",):
                 if k in sfd:
                     fd[k] = sfd[k]
-                elif k in ("why", "bound", "op_oracle"):
+                elif k in ("bound", "op_oracle"):
                     fd.pop(k, None)
+            settle(fd, second=(sfd.get("cause"), sfd.get("why")))
         if ops and sfd.get("op"):
             for k in _OPS:
                 if k in sfd:
                     fd[k] = sfd[k]
             fd["op_run_dir"] = out
-            if fd.get("cause") == "unknown" and str(fd.get("why", "")).endswith("no op there was recorded"):
-                fd["why"] = _why_at_op(fd["op"])
-            if sfd.get("cause") == "attention-kernel":  # a cause only the op's name can tell
-                fd["cause"] = sfd["cause"]
+            # the op's name: an attention kernel (a cause only it can tell), or where an unknown enters
+            settle(fd, op_pass=(fd["op"], sfd.get("cause")))
         elif ops and not fd.get("op"):
             fd["op_detail"] = "the op-level rerun named no op for this first divergence"
         if op_failed:
@@ -294,16 +296,13 @@ def _near_on_own_inputs(entry: dict, sub_dir: str, sub_label: str) -> None:
     if not os.path.exists(path):
         return
     near = {r["key"] for r in read_rows(path) if r["degree"] == sub_label and r.get("beyond_bound") is False}
-    for f in entry.get("findings") or []:
-        if f.get("cause") == "sharding-bug" and f.get("bound") is not None and not f.get("oracle") \
-                and f.get("key") in near and "from" not in f:
-            from tpdiag.records.causes import cause_class
+    from tpdiag.diff.judge import settle
 
-            fc = (entry.get("first_divergence") or {}).get("cause")
-            f["cause_before"], f["cause"] = f["cause"], fc if cause_class(fc) == "rounding" else "unknown"
-            f["why"] = ("beyond its layout bound, which assumed inputs equal to the reference's; re-executed in "
-                        "float64 from this side's own inputs it is within rounding: not a bug")
-            f["follows"] = f.get("follows") or (entry.get("first_divergence") or {}).get("key")
+    fd = entry.get("first_divergence") or {}
+    for f in entry.get("findings") or []:
+        if f.get("key") in near and "from" not in f and \
+                settle(f, own_near=fd.get("cause")).rule == "within rounding on its own inputs":
+            f["follows"] = f.get("follows") or fd.get("key")
 
 
 def _own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict) -> tuple:
@@ -341,15 +340,3 @@ def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str, keys=N
         a, b = ([{k: v for k, v in (f or {}).items() if k in keys} for f in x] for x in (a, b))
     where = first_difference(a, b)
     return f"TP={label} {where}" if where else None
-
-
-def _why_at_op(op: str) -> str:
-    """Why a first divergence located at an op is still `unknown` (the module pass's words said no
-    op was recorded; the op-level pass found one)."""
-    from tpdiag.records.ops import RANDOM_OPS, is_op_of
-
-    if is_op_of(op, RANDOM_OPS):
-        return (f"the difference enters at {op}, a random draw: dropout or noise in the sharded region "
-                "draws other numbers at each layout, so the degrees compute different functions - turn "
-                "it off (eval mode, p=0) to compare; neither rounding nor a proven bug")
-    return f"the difference enters at {op} (the op-level pass), and no rule judged it"

@@ -1,0 +1,430 @@
+"""The one cause judge: a record's evidence in, its cause and the reason out.
+
+The passes of diff/ gather EVIDENCE and name no cause: the diff engine and the bounds put bits,
+bounds and float64 verdicts on each record's row; locate adds the first divergent op and that
+op's float64 verdict; router.py the router flips; analyse.py a split weight tie, a same-degree
+rerun, both worlds at TP=1; axis_cause.py the axis a configuration differs in. Each then calls
+`settle(record, **evidence)`, and `judge` turns everything known so far into (cause, why).
+
+RULES is the one ordered list: the first rule that matches wins, so its order IS the precedence
+(before this file it was the order in which seven passes overwrote a shared dict). A rule may
+look at the verdict of the rules after it (`below`): "a decode configuration's difference is a
+batch-variant kernel unless what the record itself shows is a bug" reads exactly so.
+
+Adding a cause: one entry in records/causes.py and one Rule here (see tests/test_judge.py, which
+adds one in the test and sees it named in a real run directory).
+
+The reruns give evidence too: the second pass's verdict on the same record and the op it named
+(runner/drill.py), a finding found within rounding on its own inputs (drill.py), a confirmed fix
+and the records it made bitwise (runner/confirm.py, diff/classes.py). A record read back from a
+summary.json carries no evidence: its recorded verdict stands for the rules that would need it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from tpdiag.records.causes import cause_class
+from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, SDPA_OPS, is_op_of
+
+NORM_CLASSES = ("RMSNorm", "LayerNorm", "LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm",
+                "MistralRMSNorm", "GemmaRMSNorm")
+EMBED_CLASSES = ("Embedding", "VocabParallelEmbedding")
+BATCH_VARIANT = "batch-variant-kernel"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What is known about one record. `row` is its diff row (bits, bounds, float64 verdicts,
+    layout: engine.py, locate.add_bounds, oracle.py); None for a record read back from a
+    summary, whose recorded verdict then stands for everything the row would have said.
+    `record` is the described record itself (the first divergence or a finding): its bound and
+    float64 verdicts as the summary holds them, and the first divergence's op."""
+    row: dict | None
+    record: dict
+    op: str | None = None          # the first divergent op, as the first pass located it
+    op_oracle: dict | None = None  # the first divergent op's float64 verdict, where it judges the record
+    flip: str | None = None        # a router-flip record: "consequence" (a divergence before it) or "root"
+    after_flip: str | None = None  # the key of a real router flip earlier in the same degree
+    broken_tie: bool = False       # a weight grad of a tie the plan split (models/ties.py)
+    tp1_both: bool = False         # both worlds at TP=1: nothing is sharded
+    axis: str = "tp"               # what the configuration differs from the reference in
+    noise: int | None = None       # a rerun at the reference's degree (this degree): run-to-run noise
+    noise_always: bool = False     # the reference's own rerun: even NaN/Inf there is noise
+    # what the reruns found (runner/drill.py, runner/confirm.py)
+    second: tuple | None = None    # (cause, why) the second pass judged this first divergence with
+    op_pass: tuple | None = None   # (op, cause) the op-level rerun named at this first divergence
+    own_near: str | None = None    # re-executed on its own inputs: within rounding; the first divergence's cause
+    confirmed: dict | None = None  # a confirmed fix: {"fix", "cause" (the confirmed one), "bitwise" (this record after it)}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    cause: str
+    why: str | None = None
+    rule: str = ""
+    # the cause a rule overrode, under the name the summary keeps it by (layout_cause, cause_before)
+    kept: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    when: Callable[[Evidence, Callable[[], Verdict]], bool]
+    cause: Callable[[Evidence, Callable[[], Verdict]], str]
+    why: Callable[[Evidence, Callable[[], Verdict]], str | None] = lambda ev, below: None
+    keep: str | None = None  # record the overridden cause under this key
+
+
+# ---- the reasons the rules give ------------------------------------------------------------
+
+WHY_AXIS = {
+    "param_grad": ("the weight grad sums over every token; with gradient accumulation the tokens "
+                   "are summed per micro-batch and the micro-batches' sums added, another order"),
+    "loss": ("the step's loss is the micro-batches' shares added, not one mean over every token: "
+             "another summation order"),
+    "grad_norm": "the grads it reads were accumulated over micro-batches in another order",
+}
+WHY_MICRO_BATCH = ("its inputs were bitwise equal and only the number of rows in its call changed (micro-batch "
+                   "size): its result for a row depends on how many rows share the call")
+WHY_DECODE = ("its inputs were bitwise equal and only the positions per call changed (decode: the "
+              "prompt in one call, then one position per sequence per call, against prefill's one "
+              "call over the sequence): its result for a row depends on how many rows share the call")
+WHY_ATTENTION = ("its inputs were bitwise equal and only the attention implementation changed (eager "
+                 "matmul + softmax, SDPA, or another SDPA backend): another kernel sums in another "
+                 "order")
+# along the micro-batch and decode axes, where a record's inputs were bitwise equal
+WHY_ROWS = {
+    "micro_batch": ("its exact result for a row depends on the other rows of its call (e.g. an expert "
+                    "capacity computed from the tokens per call, statistics over the batch) - a real "
+                    "difference between micro-batch sizes, not rounding"),
+    "mode": ("its exact result in decode is not prefill's (a decode-only code path, or a dependence on "
+             "what else is in its call: a decode call holds one position per sequence) - a real "
+             "difference between decode and prefill, not rounding"),
+}
+WHY_COUPLED = {
+    "micro_batch": ("either a kernel whose rounding depends on the rows per call flipped that choice "
+                    "(rounding), or the module's result for a row depends on the other rows of its call, "
+                    "e.g. an expert capacity computed from the tokens per call or statistics over the "
+                    "batch (a real difference, not rounding); nothing here tells the two apart"),
+    "mode": ("either a kernel whose rounding depends on the positions per call flipped that choice "
+             "(rounding), or the module's result depends on what else is in its call - decode calls hold "
+             "one position per sequence (a real difference, not rounding); nothing here tells the two apart"),
+}
+WHY_NOISE = ("the reference does not reproduce itself: a kernel is "
+             "nondeterministic run to run, which no TP layout explains")
+WHY_TP1 = ("beyond the grad norm's triangle bound, but nothing is sharded at TP=1 on either "
+           "side and no float64 re-execution found it wrong")
+
+
+# ---- evidence predicates -------------------------------------------------------------------
+
+def _row(ev: Evidence, key: str):
+    return (ev.row or {}).get(key)
+
+
+def judged_far(f: dict) -> bool:
+    """A float64 re-execution (from the record's own inputs or equal ones) found it wrong."""
+    return any((f.get(k) or {}).get("far") and not (f.get(k) or {}).get("discrete")
+               for k in ("oracle", "op_oracle"))
+
+
+def judged_near(f: dict) -> bool:
+    """A float64 re-execution of the record ran and found it within rounding. A record no
+    re-execution judged stays what its bound says (fail closed: an unjudged downstream bug is
+    never cleared by the confirmation of an upstream rounding)."""
+    verdicts = [f.get(k) for k in ("oracle", "op_oracle") if isinstance(f.get(k), dict) and "far" in f.get(k)]
+    return bool(verdicts) and not judged_far(f)
+
+
+def why_at_op(op: str) -> str:
+    """Why a first divergence located at an op is still `unknown` (the module pass's words said no
+    op was recorded; the op-level pass found one)."""
+    from tpdiag.records.ops import RANDOM_OPS
+
+    if is_op_of(op, RANDOM_OPS):
+        return (f"the difference enters at {op}, a random draw: dropout or noise in the sharded region "
+                "draws other numbers at each layout, so the degrees compute different functions - turn "
+                "it off (eval mode, p=0) to compare; neither rounding nor a proven bug")
+    return f"the difference enters at {op} (the op-level pass), and no rule judged it"
+
+
+def _no_op_recorded(v: Verdict) -> bool:
+    return v.cause == "unknown" and str(v.why or "").endswith("no op there was recorded")
+
+
+def _op_pass_why(ev: Evidence, below) -> str | None:
+    return why_at_op(ev.op_pass[0]) if _no_op_recorded(below()) else below().why
+
+
+def _is_bug(v: Verdict) -> bool:
+    return cause_class(v.cause) == "bug"
+
+
+def baseline_cause(fd: dict | None, degree: int) -> str:
+    """Why the reference rerun differs from itself: a collective (only at TP > 1), or else an
+    op/kernel - the first non-reproducible record is an op that is no collective, or TP=1."""
+    op = (fd or {}).get("op")
+    if op and not any(c in op for c in COLLECTIVE_OPS):
+        return "nondeterministic-kernel"
+    return "collective-nondeterminism" if degree > 1 else "nondeterministic-kernel"
+
+
+def _axis_applies(ev: Evidence, below, axis: str) -> bool:
+    # a configuration on another axis runs the same layout and rows: what differs is how many
+    # rows share a call - unless the record's own evidence shows a wrong result, or shows no
+    # rounding (far with a choice that may have flipped; an input whose op nothing judged)
+    return ev.axis == axis and cause_class(below().cause) not in ("bug", "non-finite") and not (
+        _row_axis(ev) and (_far_discrete(ev) or _input_unjudged(ev)))
+
+
+def _verdicts(ev: Evidence) -> list:
+    """The record's float64 verdicts: its module's, its op's."""
+    return [v for v in (ev.record.get("oracle"), ev.record.get("op_oracle"), ev.op_oracle) if isinstance(v, dict)]
+
+
+def _row_axis(ev: Evidence) -> bool:
+    return ev.axis in ("micro_batch", "mode")
+
+
+def _far_discrete(ev: Evidence) -> bool:
+    # far from float64 with a discrete choice inside that could have flipped: a flipped near tie
+    # and a row that depends on its call's other rows move the output alike
+    return any(v.get("far") and v.get("discrete") for v in _verdicts(ev))
+
+
+def _input_unjudged(ev: Evidence) -> bool:
+    # an input that differs although every earlier record was equal: computed in the caller's own
+    # code, and no op there was judged near its float64 value (a view or slice is not recorded)
+    return ev.record.get("kind") == "in" and not (ev.op_oracle is not None and not ev.op_oracle.get("far"))
+
+
+def _row_bug_why(ev: Evidence, below) -> str:
+    same = next((v["choices_equal"] for v in _verdicts(ev) if v.get("far") and v.get("choices_equal")), None)
+    return ("its inputs were bitwise equal" + (f" and so were its discrete choices ({', '.join(same)}: "
+            "no flipped tie)" if same else "") + f", yet it is far from its float64 re-execution: "
+            f"{WHY_ROWS[ev.axis]}")
+
+
+def _op_kind(op: str) -> str:
+    from tpdiag.diff.generic_bound import GEMM_OPS
+
+    if is_op_of(op, ATTENTION_OPS):
+        return "attention-kernel"
+    if op.split("::")[-1] in GEMM_OPS:
+        return "shape-dependent-gemm"
+    if any(c in op for c in COLLECTIVE_OPS):
+        return "row-parallel-reduction"
+    return "shape-dependent-kernel"
+
+
+def layout_cause(row: dict) -> str | None:
+    """The reordering a record's phase, kind and TP style name when its bits differ within
+    rounding (None: the layout names none). Read only after the non-finite, rank and bound rules."""
+    phase, kind, style, cls = row["phase"], row["kind"], row.get("style"), row.get("cls")
+    if phase == "init":
+        return "sharding-bug"  # weights or batch differ before anything ran
+    if phase == "forward":
+        if kind != "out":
+            return None
+        if style == "rowwise":
+            return "sharding-bug" if cls in EMBED_CLASSES else "row-parallel-reduction"
+        if style in ("colwise", "colwise-gathered"):
+            return "shape-dependent-gemm"
+        if cls in EMBED_CLASSES:
+            return "sharding-bug"
+        if style == "moeexpertsparallel":
+            # transformers' moe_tp_experts: each rank ran its slice of every expert (down_proj
+            # cut on its input dim) and the partial outputs are all-reduced
+            return "row-parallel-reduction"
+        return row.get("generic_cause")
+    if phase == "loss":
+        return "vocab-parallel-softmax" if kind in ("logprobs", "loss") else None
+    if phase == "backward":
+        if kind == "grad_out":
+            styles = row.get("consumer_styles") or []
+            if any(s in ("colwise", "colwise-gathered") for s in styles):
+                return "column-parallel-dgrad"
+            if any(s == "rowwise" for s in styles):
+                return "shape-dependent-gemm"
+            if not row.get("consumers") and style in ("colwise", "colwise-gathered"):
+                # a column-parallel output no module consumed: the vocab-sharded logits, whose
+                # grad comes from the vocab-parallel loss backward
+                return "vocab-parallel-softmax"
+            return row.get("generic_cause")
+        if kind == "param_grad":
+            if cls in NORM_CLASSES or (cls or "").endswith(("RMSNorm", "LayerNorm")):
+                # model-specific norm classes (Qwen3MoeRMSNorm, DeepseekV3RMSNorm, ...)
+                return "norm-weight-grad"
+            if style in ("colwise", "rowwise", "colwise-gathered"):
+                return "shape-dependent-gemm"
+            return row.get("generic_cause")
+        return None
+    if phase == "optimizer":
+        return "grad-norm" if kind == "grad_norm" else None
+    return None
+
+
+def _why_unknown(ev: Evidence, below) -> str | None:
+    from tpdiag.diff.generic_bound import why_unknown
+
+    return why_unknown(ev.row)
+
+
+def _discrete_why(ev: Evidence, below) -> str:
+    return (f"{ev.op} is far from its float64 re-execution, but it makes a discrete choice on "
+            "floating values that a rounding difference can flip")
+
+
+# ---- the rules, first match wins ----------------------------------------------------------
+
+RULES: list[Rule] = [
+    # a confirmed fix (runner/confirm.py): fixes that only reorder cannot turn a wrong result right
+    Rule("a confirming fix makes it bitwise",
+         lambda ev, b: ev.confirmed is not None and ev.confirmed["bitwise"] and _is_bug(b()),
+         lambda ev, b: ev.confirmed["cause"],
+         lambda ev, b: (f"the confirming fix ({ev.confirmed['fix']}) makes this record bitwise "
+                        "equal: fixes that only reorder cannot turn a wrong result right"), keep="cause_before"),
+    Rule("downstream of a confirmed cause, near float64",
+         lambda ev, b: (ev.confirmed is not None and _is_bug(b()) and judged_near(ev.record)
+                        and b().cause == "sharding-bug" and ev.record.get("bound") is not None),
+         lambda ev, b: ev.confirmed["cause"],
+         lambda ev, b: (f"downstream of the confirmed {ev.confirmed['cause']} ({ev.confirmed['fix']}) and "
+                        "its float64 re-execution found it within rounding"), keep="cause_before"),
+    # the second pass (runner/drill.py)
+    Rule("within rounding on its own inputs",
+         lambda ev, b: (ev.own_near is not None and b().cause == "sharding-bug"
+                        and ev.record.get("bound") is not None and not ev.record.get("oracle")),
+         lambda ev, b: ev.own_near if cause_class(ev.own_near) == "rounding" else "unknown",
+         lambda ev, b: ("beyond its layout bound, which assumed inputs equal to the reference's; re-executed in "
+                        "float64 from this side's own inputs it is within rounding: not a bug"), keep="cause_before"),
+    Rule("the op-level rerun names an attention kernel",
+         lambda ev, b: ev.op_pass is not None and ev.op_pass[1] == "attention-kernel",
+         lambda ev, b: "attention-kernel", _op_pass_why),
+    Rule("the op-level rerun names the op", lambda ev, b: ev.op_pass is not None and _no_op_recorded(b()),
+         lambda ev, b: "unknown", _op_pass_why),
+    Rule("the second pass judged it", lambda ev, b: ev.second is not None,
+         lambda ev, b: ev.second[0], lambda ev, b: ev.second[1]),
+    # the configuration: what differs from the reference besides TP
+    # micro-batch and decode: what the record itself shows comes before "only the rows per call
+    # changed" - a far float64 verdict on equal inputs is a bug with its reason; far with a choice
+    # that could have flipped, or an input whose op nothing judged, shows no rounding either
+    Rule("far on equal inputs, along the micro-batch or decode axis",
+         lambda ev, b: (_row_axis(ev) and ev.record.get("kind") in ("out", "op") and _is_bug(b())
+                        and any(v.get("far") for v in _verdicts(ev)) and not b().why),
+         lambda ev, b: b().cause, _row_bug_why),
+    Rule("attention implementation differs", lambda ev, b: _axis_applies(ev, b, "attention"),
+         lambda ev, b: "attention-kernel", lambda ev, b: WHY_ATTENTION, keep="layout_cause"),
+    Rule("decode vs prefill", lambda ev, b: _axis_applies(ev, b, "mode"),
+         lambda ev, b: "attention-kernel" if is_op_of(ev.op, SDPA_OPS) else BATCH_VARIANT,
+         lambda ev, b: WHY_DECODE, keep="layout_cause"),
+    Rule("micro-batch size differs", lambda ev, b: _axis_applies(ev, b, "micro_batch"),
+         lambda ev, b: BATCH_VARIANT, lambda ev, b: WHY_AXIS.get(ev.record.get("kind"), WHY_MICRO_BATCH),
+         keep="layout_cause"),
+    # what the axis rules above leave alone: no rounding shown (fail closed)
+    Rule("far with a discrete choice inside, along the micro-batch or decode axis",
+         lambda ev, b: _row_axis(ev) and _far_discrete(ev) and cause_class(b().cause) not in ("bug", "non-finite"),
+         lambda ev, b: "unknown",
+         lambda ev, b: (f"{b().why or 'far from its float64 re-execution, with a discrete choice inside'}; "
+                        f"with its inputs bitwise equal, {WHY_COUPLED[ev.axis]}")),
+    Rule("an input no op judged, along the micro-batch or decode axis",
+         lambda ev, b: (_row_axis(ev) and _input_unjudged(ev) and b().cause == "unknown"),
+         lambda ev, b: "unknown",
+         lambda ev, b: (f"{ev.record.get('detail', 'an input differs')}; no op there was judged against its "
+                        "float64 re-execution (a view or indexing op is not recorded), so neither rounding nor "
+                        "a bug is shown")),
+    # a rerun at the reference's own degree: no TP layout explains a difference; NaN/Inf is
+    # judged as a value (at both worlds alike too) except in the reference's own rerun
+    Rule("rerun at the reference's degree",
+         lambda ev, b: ev.noise is not None and (ev.noise_always or b().cause != "non-finite"),
+         lambda ev, b: baseline_cause({"op": ev.op}, ev.noise),
+         lambda ev, b: WHY_NOISE if baseline_cause({"op": ev.op}, ev.noise) == "nondeterministic-kernel" else None),
+    # between two TP=1 worlds the grad norm's triangle bound is too tight for a GPU's serial
+    # reduce runs (diff/classes.py no_sharding_at_tp1): a bug only where float64 found it wrong
+    Rule("grad norm beyond its bound at TP=1",
+         lambda ev, b: (ev.tp1_both and ev.record.get("kind") == "grad_norm" and b().cause == "sharding-bug"
+                        and ev.record.get("bound") is not None and not judged_far(ev.record)),
+         lambda ev, b: "grad-norm", lambda ev, b: WHY_TP1, keep="cause_before"),
+    # records of their own kind
+    Rule("router flip after the first divergence", lambda ev, b: ev.flip == "consequence",
+         lambda ev, b: "router-flip"),
+    Rule("router flip with nothing before it", lambda ev, b: ev.flip == "root", lambda ev, b: "unknown"),
+    Rule("split weight tie", lambda ev, b: ev.broken_tie, lambda ev, b: "sharding-bug"),
+    # a finding after a real router flip: tokens that ran other experts are beyond any bound
+    Rule("after a router flip", lambda ev, b: ev.after_flip is not None and b().cause == "sharding-bug",
+         lambda ev, b: "router-flip", lambda ev, b: b().why),
+    # the first divergent op, re-executed in float64, judges what its module record could not
+    Rule("op far from its float64 re-execution",
+         lambda ev, b: ev.op_oracle is not None and ev.op_oracle["far"] and not ev.op_oracle.get("discrete"),
+         lambda ev, b: "sharding-bug"),
+    Rule("op far from float64, but a discrete choice",
+         lambda ev, b: ev.op_oracle is not None and ev.op_oracle["far"], lambda ev, b: "unknown", _discrete_why),
+    # an attention kernel whose inputs were bitwise equal (the reason below stays, as it always has)
+    Rule("attention op, inputs equal",
+         lambda ev, b: (ev.op_oracle is None and is_op_of(ev.op, ATTENTION_OPS) and not _row(ev, "beyond_bound")
+                        and b().cause not in ("rank-inconsistent-replica", "sharding-bug")),
+         lambda ev, b: "attention-kernel", lambda ev, b: b().why),
+    Rule("op near its float64 re-execution", lambda ev, b: ev.op_oracle is not None,
+         lambda ev, b: _op_kind(ev.op)),
+    # the record's own bits, ranks and bound
+    Rule("as recorded (read back from a summary)", lambda ev, b: ev.row is None,
+         lambda ev, b: ev.record.get("cause") or "unknown", lambda ev, b: ev.record.get("why")),
+    Rule("non-finite", lambda ev, b: bool(_row(ev, "nonfinite_mismatch")), lambda ev, b: "non-finite"),
+    Rule("ranks differ", lambda ev, b: _row(ev, "rank_consistent") is False,
+         lambda ev, b: "rank-inconsistent-replica"),
+    Rule("beyond its rounding bound", lambda ev, b: bool(_row(ev, "beyond_bound")), lambda ev, b: "sharding-bug"),
+    Rule("layout names the reordering", lambda ev, b: layout_cause(ev.row) is not None,
+         lambda ev, b: layout_cause(ev.row)),
+    Rule("nothing names it", lambda ev, b: True, lambda ev, b: "unknown", _why_unknown),
+]
+
+
+def judge(ev: Evidence, rules: list[Rule] | None = None) -> Verdict:
+    """The cause of the first rule in `rules` (RULES) that matches `ev`, with its reason."""
+    rules = RULES if rules is None else rules
+    for i, rule in enumerate(rules):
+        memo: list[Verdict] = []
+
+        def below(i=i, memo=memo) -> Verdict:
+            if not memo:
+                memo.append(judge(ev, rules[i + 1:]))
+            return memo[0]
+
+        if rule.when(ev, below):
+            kept = dict(memo[0].kept) if memo else {}
+            if rule.keep:
+                kept[rule.keep] = below().cause
+            return Verdict(rule.cause(ev, below), rule.why(ev, below), rule.name, kept)
+    raise AssertionError("the last rule matches every record")
+
+
+class Described(dict):
+    """A first divergence or finding as the summary holds it, carrying the evidence its cause was
+    judged from (an attribute: json writes the dict, and a copy read back has only its verdict)."""
+    evidence: Evidence | None = None
+
+
+def describe(row: dict | None, fields: dict, **evidence) -> Described:
+    """A new described record for `row`, judged from its evidence."""
+    d = Described(fields)
+    d.evidence = Evidence(row=row, record=d, **evidence)
+    settle(d)
+    return d
+
+
+def settle(record: dict, **evidence) -> Verdict:
+    """Add `evidence` to what is known of `record`, judge it and write its cause (the only
+    writer of `cause` in diff/): cause, why (removed when the verdict gives none) and the
+    overridden cause where a rule keeps it."""
+    ev = getattr(record, "evidence", None) or Evidence(row=None, record=record, op=record.get("op"))
+    ev = replace(ev, **evidence)
+    if isinstance(record, Described):
+        record.evidence = ev
+    v = judge(ev)
+    record["cause"] = v.cause
+    if v.why:
+        record["why"] = v.why
+    else:
+        record.pop("why", None)
+    record.update(v.kept)
+    return v
