@@ -27,10 +27,12 @@ def _reanalyse(src, tmp_path):
     from tpdiag.diff.analyse import analyse_run
     from tpdiag.gate.verdict import evaluate
     from tpdiag.records.rundir import read_summary
+    from tpdiag.records.run_files import write_summary
 
     run = tmp_path / "run"
     shutil.copytree(src, run)
-    analyse_run(str(run), "1", ["2"], {}, 1)
+    summary = analyse_run(str(run), "1", ["2"], {}, 1)  # returns it; the one writer writes it
+    write_summary(str(run), summary)
     d = read_summary(str(run))["degrees"]["2"]
     return d, evaluate(str(run))
 
