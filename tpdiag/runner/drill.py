@@ -63,7 +63,12 @@ def wanted(cfg: CompareConfig, summary: dict) -> bool:
 _VERDICT = ("bound", "bound_ratio", "bound_model", "oracle")
 
 
-def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) -> dict:
+def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, later: list | None = None) -> dict:
+    """later: where the session confirms afterwards, a list the own-input pass after a region pass
+    is appended to (a callable taking the confirmed summary) instead of running now: after the
+    confirmation it judges only the modules the confirming fix leaves divergent (a bug verdict on
+    a record the fixes make bitwise is dismissed anyway: DESIGN.md), and none where the fix leaves
+    no divergence - at real sizes the largest part of the second pass."""
     from tpdiag.diff.judge import settle
     from tpdiag.records.causes import cause_class
     from tpdiag.runner.compare import run_compare
@@ -164,95 +169,153 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None) 
         rerun = replace(rerun, out=out, granularity="module", op_include=(), oracle_ops=False)
         sub = run_compare(rerun)
         ops = False
-    if own_hash:
+    def merge(sub: dict) -> None:
+        """The copy-back of a rerun's summary into pass 1's entries (the own-input pass after the
+        confirmation merges its findings the same way)."""
+        sub_every = entries(sub)
+        # the reference ran pass 1's step (its logits and parameters; its loss-phase records are of
+        # the first positions); decode worlds on the first positions checked themselves (worker.py)
+        ref_differs = _step_differs(run_dir, labels[0], out, sub_labels[0], ("logits", "params") if n else None)
+        what = "full-capture" if hashed else "op-level" if ops else "float64"
+        for (label, _), sub_label in zip(targets, sub_labels[1:]):
+            entry = every[label]
+            fd = entry["first_divergence"]
+            sub_entry = sub_every.get(sub_label) or {}
+            sfd = sub_entry.get("first_divergence") or {}
+            differs = ref_differs or (None if n else _step_differs(run_dir, label, out, sub_label))
+            if differs:
+                # pass 1's probes were proven inert (its self-check); these were not, and did not
+                # compute the same step: nothing they measured is evidence (records/integrity.py reads
+                # these words: the rerun's findings are left out on purpose)
+                fd["values_detail" if hashed else "op_detail"] = (
+                    f"the rerun of this region computed another step than the first pass ({differs}): "
+                    "its probes changed the numerics or the step is not deterministic; its values are not used")
+                if label in own or own_hash:
+                    # fail closed: a bug behind the first divergence may be there unseen
+                    entry["downstream_unjudged"] = f"the float64 pass computed another step than the first pass ({differs})"
+                continue
+            if sub_entry.get("downstream_unjudged"):  # the own-input pass after a region pass
+                entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
+            # every finding the rerun made (the float64 verdicts of other roots among them)
+            seen = {(f["phase"], f["module"], f["kind"], f["name"]): f for f in entry["findings"]}
+            sub_bugs = {f.get("key") for f in sub_entry.get("findings", [])
+                        if "follows" not in f and cause_class(f.get("cause")) == "bug"}
+            for f in sub_entry.get("findings", []):
+                mine = seen.get((f["phase"], f["module"], f["kind"], f["name"]))
+                if mine is not None:
+                    if "follows" not in mine and f.get("follows") in sub_bugs:
+                        # the rerun judged an earlier record a bug that pass 1 could not (a module
+                        # re-executed from its own inputs): this finding is its consequence there, so
+                        # it is here too - the bug leads, not what it caused downstream
+                        mine["follows"] = f["follows"]
+                    continue
+                f = {**f, "from": "second pass"}
+                flip = next((g for g in entry["findings"] if g.get("cause") == "router-flip" and "after" not in g
+                             and g.get("step") == f.get("step") and g.get("phase") == "forward"), None)
+                if flip is not None and (f.get("after") or f.get("cause") == "sharding-bug" and f.get("phase") != "forward"):
+                    # tokens that ran other experts are beyond any rounding by construction
+                    # (router.py): the flip explains it, as it does pass 1's later records
+                    continue
+                same = next((g for g in entry["findings"] + [fd] if "follows" not in g and g.get("module") == f["module"]
+                             and g.get("step") == f["step"] and cause_class(g.get("cause")) == "bug"), None)
+                if "follows" not in f and same is not None:
+                    f["follows"] = same.get("key")  # one root per module (locate.py)
+                entry["findings"].append(f)
+            if label in own:
+                _near_on_own_inputs(entry, out, sub_label)
+            if sfd.get("key") != fd["key"]:
+                fd["values_detail" if hashed else "op_detail"] = (
+                    f"the {what} rerun of this region did not reproduce this first divergence "
+                    f"({sub_entry.get('status', 'failed')})")
+                continue
+            fd["second_pass_dir"] = out
+            if hashed:
+                # the whole values, measured where pass 1 had hashes: their verdict is the rerun's
+                for k in _VALUES:
+                    if k in sfd:
+                        fd[k] = sfd[k]
+                fd["values_run_dir"] = out
+                settle(fd, second=(sfd.get("cause"), fd.get("why")))
+            if sfd.get("oracle") or sfd.get("op_oracle") or (fd.get("cause") == "unknown" and sfd.get("cause")):
+                # the rerun judged it against float64 (bug or rounding) or named the reordering
+                # from the module's ops: its verdict replaces pass 1's
+                for k in _VERDICT + ("op_oracle",):
+                    if k in sfd:
+                        fd[k] = sfd[k]
+                    elif k in ("bound", "op_oracle"):
+                        fd.pop(k, None)
+                settle(fd, second=(sfd.get("cause"), sfd.get("why")))
+            if ops and sfd.get("op"):
+                for k in _OPS:
+                    if k in sfd:
+                        fd[k] = sfd[k]
+                fd["op_run_dir"] = out
+                # the op's name: an attention kernel (a cause only it can tell), or where an unknown enters
+                settle(fd, op_pass=(fd["op"], sfd.get("cause")))
+            elif ops and not fd.get("op"):
+                fd["op_detail"] = "the op-level rerun named no op for this first divergence"
+            if op_failed:
+                fd["op_detail"] = ("no op-level rerun: the ranks recorded different op streams (not SPMD at op "
+                                   "level); judged at module level")
+
+    if own_hash and later is not None:
+        region = sub
+
+        def own_after_confirm(confirmed: dict) -> None:
+            left = _own_left(region, targets, sub_labels, confirmed)
+            sub_every = entries(region)
+            # what the late pass judged, per configuration (none: the fix left them all bitwise)
+            confirmed.setdefault("second_pass", {})["own_after_confirm"] = {
+                lab: list((sub_every.get(sl) or {}).get("own_inputs") or [])
+                for (lab, _), sl in zip(targets, sub_labels[1:])}
+            if left is not None:
+                merge(_judge_own_after_hash(rerun, left, out, on_status))
+                _reclear(confirmed, [lab for lab, _ in targets])
+
+        later.append(own_after_confirm)
+    elif own_hash:
         sub = _judge_own_after_hash(rerun, sub, out, on_status)
-    sub_every = entries(sub)
-    # the reference ran pass 1's step (its logits and parameters; its loss-phase records are of
-    # the first positions); decode worlds on the first positions checked themselves (worker.py)
-    ref_differs = _step_differs(run_dir, labels[0], out, sub_labels[0], ("logits", "params") if n else None)
-    what = "full-capture" if hashed else "op-level" if ops else "float64"
-    for (label, _), sub_label in zip(targets, sub_labels[1:]):
-        entry = every[label]
-        fd = entry["first_divergence"]
-        sub_entry = sub_every.get(sub_label) or {}
-        sfd = sub_entry.get("first_divergence") or {}
-        differs = ref_differs or (None if n else _step_differs(run_dir, label, out, sub_label))
-        if differs:
-            # pass 1's probes were proven inert (its self-check); these were not, and did not
-            # compute the same step: nothing they measured is evidence (records/integrity.py reads
-            # these words: the rerun's findings are left out on purpose)
-            fd["values_detail" if hashed else "op_detail"] = (
-                f"the rerun of this region computed another step than the first pass ({differs}): "
-                "its probes changed the numerics or the step is not deterministic; its values are not used")
-            if label in own or own_hash:
-                # fail closed: a bug behind the first divergence may be there unseen
-                entry["downstream_unjudged"] = f"the float64 pass computed another step than the first pass ({differs})"
-            continue
-        if sub_entry.get("downstream_unjudged"):  # the own-input pass after a region pass
-            entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
-        # every finding the rerun made (the float64 verdicts of other roots among them)
-        seen = {(f["phase"], f["module"], f["kind"], f["name"]): f for f in entry["findings"]}
-        sub_bugs = {f.get("key") for f in sub_entry.get("findings", [])
-                    if "follows" not in f and cause_class(f.get("cause")) == "bug"}
-        for f in sub_entry.get("findings", []):
-            mine = seen.get((f["phase"], f["module"], f["kind"], f["name"]))
-            if mine is not None:
-                if "follows" not in mine and f.get("follows") in sub_bugs:
-                    # the rerun judged an earlier record a bug that pass 1 could not (a module
-                    # re-executed from its own inputs): this finding is its consequence there, so
-                    # it is here too - the bug leads, not what it caused downstream
-                    mine["follows"] = f["follows"]
-                continue
-            f = {**f, "from": "second pass"}
-            flip = next((g for g in entry["findings"] if g.get("cause") == "router-flip" and "after" not in g
-                         and g.get("step") == f.get("step") and g.get("phase") == "forward"), None)
-            if flip is not None and (f.get("after") or f.get("cause") == "sharding-bug" and f.get("phase") != "forward"):
-                # tokens that ran other experts are beyond any rounding by construction
-                # (router.py): the flip explains it, as it does pass 1's later records
-                continue
-            same = next((g for g in entry["findings"] + [fd] if "follows" not in g and g.get("module") == f["module"]
-                         and g.get("step") == f["step"] and cause_class(g.get("cause")) == "bug"), None)
-            if "follows" not in f and same is not None:
-                f["follows"] = same.get("key")  # one root per module (locate.py)
-            entry["findings"].append(f)
-        if label in own:
-            _near_on_own_inputs(entry, out, sub_label)
-        if sfd.get("key") != fd["key"]:
-            fd["values_detail" if hashed else "op_detail"] = (
-                f"the {what} rerun of this region did not reproduce this first divergence "
-                f"({sub_entry.get('status', 'failed')})")
-            continue
-        fd["second_pass_dir"] = out
-        if hashed:
-            # the whole values, measured where pass 1 had hashes: their verdict is the rerun's
-            for k in _VALUES:
-                if k in sfd:
-                    fd[k] = sfd[k]
-            fd["values_run_dir"] = out
-            settle(fd, second=(sfd.get("cause"), fd.get("why")))
-        if sfd.get("oracle") or sfd.get("op_oracle") or (fd.get("cause") == "unknown" and sfd.get("cause")):
-            # the rerun judged it against float64 (bug or rounding) or named the reordering
-            # from the module's ops: its verdict replaces pass 1's
-            for k in _VERDICT + ("op_oracle",):
-                if k in sfd:
-                    fd[k] = sfd[k]
-                elif k in ("bound", "op_oracle"):
-                    fd.pop(k, None)
-            settle(fd, second=(sfd.get("cause"), sfd.get("why")))
-        if ops and sfd.get("op"):
-            for k in _OPS:
-                if k in sfd:
-                    fd[k] = sfd[k]
-            fd["op_run_dir"] = out
-            # the op's name: an attention kernel (a cause only it can tell), or where an unknown enters
-            settle(fd, op_pass=(fd["op"], sfd.get("cause")))
-        elif ops and not fd.get("op"):
-            fd["op_detail"] = "the op-level rerun named no op for this first divergence"
-        if op_failed:
-            fd["op_detail"] = ("no op-level rerun: the ranks recorded different op streams (not SPMD at op "
-                               "level); judged at module level")
+    merge(sub)
     summary["second_pass"] = {"dir": out, "ops": ops, "oracle": oracle, "scopes": scopes if ops else []}
     return summary
+
+
+def _own_left(region: dict, targets, sub_labels, confirmed: dict) -> dict | None:
+    """The region pass's summary with each configuration's own-input modules cut to those its
+    confirming fix left divergent (all of them where no fix confirmed a rounding cause); None when
+    no module is left to judge."""
+    from tpdiag.records.axes import entries
+    from tpdiag.records.causes import cause_class
+    from tpdiag.records.rundir import read_rows
+
+    every, sub_every, left = entries(confirmed), entries(region), False
+    for (label, _), sub_label in zip(targets, sub_labels[1:]):
+        sub_entry = sub_every.get(sub_label) or {}
+        mods = list(sub_entry.get("own_inputs") or [])
+        conf = (every.get(label) or {}).get("confirmation") or {}
+        fd = (every.get(label) or {}).get("first_divergence") or {}
+        if mods and conf.get("verdict") == "confirmed" and cause_class(fd.get("cause")) == "rounding" \
+                and conf.get("run_dir") and os.path.exists(RunDir(conf["run_dir"]).diff_csv):
+            rows = [r for r in read_rows(RunDir(conf["run_dir"]).diff_csv) if r["degree"] == label]
+            if rows or conf.get("status_after") == "bitwise":
+                moved = {r["module"] for r in rows if r["bitwise"] is not True or r.get("rank_consistent") is False}
+                mods = [m for m in mods if m in moved]
+        sub_entry["own_inputs"] = mods
+        left = left or bool(mods)
+    return region if left else None
+
+
+def _reclear(summary: dict, labels) -> None:
+    """The confirmation's dismissals again, over the findings the late own-input pass added."""
+    from tpdiag.diff.classes import clear_by_confirmation
+    from tpdiag.records.axes import entries
+    from tpdiag.runner.confirm import _bitwise_keys
+
+    every = entries(summary)
+    for label in labels:
+        conf = (every.get(label) or {}).get("confirmation") or {}
+        if conf.get("run_dir"):
+            clear_by_confirmation(every[label], _bitwise_keys(conf["run_dir"], label))
 
 
 def _ops_not_spmd(sub: dict) -> bool:
