@@ -15,7 +15,8 @@ def compare(tmp_path, *args):
 
 
 def test_row_parallel_divergence_enters_through_the_all_reduce(tmp_path):
-    s = compare(tmp_path, "--tp", "1,4", "--no-confirm")
+    # the first divergent op, found by pass 1 at op granularity: no own-input pass after it
+    s = compare(tmp_path, "--tp", "1,4", "--no-confirm", "--no-judge-downstream")
     fd = s["degrees"]["4"]["first_divergence"]
     assert fd["module"] in ("layers.0.attention.wo", "layers.0.feed_forward.w2")
     assert fd["op"] == "_c10d_functional::all_reduce" and "only at this degree" in fd["op_detail"]
@@ -116,8 +117,9 @@ def test_op_records_of_collectives_are_reproducible(tmp_path):
     all-reduce is still the first divergent op against TP=1."""
     runs = []
     for r in ("a", "b"):
+        # the records of pass 1 are what is compared: no own-input judgement past the first divergence
         p = run_cli("compare", "--tp", "1,2", "--granularity", "op", "--no-baseline", "--no-confirm",
-                    "--out", str(tmp_path / r), "--format", "json")
+                    "--no-judge-downstream", "--out", str(tmp_path / r), "--format", "json")
         assert p.returncode == 0, p.stderr
         runs.append(json.loads(p.stdout))
     fd = runs[0]["degrees"]["2"]["first_divergence"]
@@ -141,8 +143,8 @@ def test_module_and_op_granularity_agree_on_the_records_they_share(tmp_path):
     for g in ("module", "op"):
         p = run_cli("compare", "--model", "py:" + os.path.join(os.path.dirname(__file__), "models",
                                                        "handwritten.py") + ":row_bias_bug",
-                    "--tp", "1,2", "--forward-only", "--no-confirm", "--no-baseline",
-                    "--granularity", g, "--out", str(tmp_path / g), "--format", "json")
+                    "--tp", "1,2", "--forward-only", "--no-confirm", "--no-baseline", "--no-judge-downstream",
+                    "--granularity", g, "--out", str(tmp_path / g), "--format", "json")  # pass 1's rows
         assert p.returncode == 0, p.stderr
         rows[g] = {r["key"]: r for r in csv.DictReader(open(tmp_path / g / "diff.csv"))
                    if r["kind"] != "op"}
