@@ -12,12 +12,10 @@ OUT_PROJ = ("layers.0.attention.wo", "layers.0.feed_forward.w2")
 
 @pytest.fixture(scope="module")
 def matrix_run(tmp_path_factory):
-    """ONE real matrix: stock, stable, fix:all at TP=1,2 (gloo). Its cells are first divergences,
-    statuses and logprob errors: no own-input judgement past the first divergence (a second pass
-    of both worlds in each divergent variant)."""
+    """ONE real matrix: stock, stable, fix:all at TP=1,2 (gloo)."""
     out = tmp_path_factory.mktemp("matrix") / "run"
     p = run_cli("compare", "--tp", "1,2", "--variants", "stock,stable,fix:all", "--no-confirm",
-                "--no-baseline", "--no-judge-downstream", "--out", str(out), "--format", "json")
+                "--no-baseline", "--out", str(out), "--format", "json")
     assert p.returncode == 0, p.stderr + p.stdout
     return out, json.loads(p.stdout)
 
