@@ -126,8 +126,9 @@ def test_decode_without_forward_only_runs_decode_forward_only_and_says_so(tmp_pa
     import json
 
     out = tmp_path / "run"
+    # what each world ran and recorded (pass 1): no own-input judgement past the first divergence
     r = run_cli("compare", "--tp", "1,2", "--mode", "prefill,decode", "--batch-size", "2", "--seq-len", "8",
-                "--no-baseline", "--no-confirm", "--out", str(out))
+                "--no-baseline", "--no-confirm", "--no-judge-downstream", "--out", str(out))
     assert r.returncode == 0, r.stderr
     ran = next(x for x in r.stdout.splitlines() if x.startswith("ran:"))
     assert ran == ("ran: 1 step at each degree (forward, backward and optimizer step); 1-decode: forward "

@@ -6,9 +6,10 @@ from conftest import run_cli
 
 def test_raising_rank_fails_only_its_degree(tmp_path):
     # no baseline rerun and no confirmation: neither is what this checks (a failed degree beside
-    # one that still reports), and they were two more worlds
+    # one that still reports), and they were two more worlds; nor TP=4's own-input judgement
+    # (a second pass of TP=1 and TP=4): that it still reports is its status
     p = run_cli("compare", "--tp", "1,2,4", "--out", str(tmp_path / "r"), "--format", "json",
-                "--no-baseline", "--no-confirm", env={"TPDIAG_FAULT": "raise:1@2"})
+                "--no-baseline", "--no-confirm", "--no-judge-downstream", env={"TPDIAG_FAULT": "raise:1@2"})
     assert p.returncode == 2, p.stderr
     s = json.loads(p.stdout)
     assert s["status"] == "inconclusive"

@@ -206,13 +206,15 @@ def targets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(targets, tmp_path_factory):
     """Two compares started at the same moment into different directories (each binds its own
-    rendezvous port): a plain model, and one whose TP=2 activations hold +inf (then NaN)."""
+    rendezvous port): a plain model, and one whose TP=2 activations hold +inf (then NaN). The plain
+    run's readers check its first divergence and damage its records: no own-input judgement there
+    (a second pass of both worlds); the NaN run keeps the default flow, the gate's input included."""
     base = tmp_path_factory.mktemp("pair")
     runs = {}
-    for name, func in (("plain", "plain_target"), ("nan", "nan_target")):
+    for name, func, extra in (("plain", "plain_target", ("--no-judge-downstream",)), ("nan", "nan_target", ())):
         tag = uuid.uuid4().hex
         out = base / name
-        p = start("compare", "--model", f"py:{targets}:{func}", "--tp", "1,2", *SMALL, "--out", str(out),
+        p = start("compare", "--model", f"py:{targets}:{func}", "--tp", "1,2", *SMALL, *extra, "--out", str(out),
                   "--format", "json", tag=tag)
         runs[name] = (p, out, tag)
     done = {}

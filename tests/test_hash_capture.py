@@ -205,10 +205,11 @@ def test_hash_run_finds_what_the_full_run_finds(stock_run, hash_run):
 
 
 def test_hash_mode_names_a_rank_inconsistent_replica(tmp_path):
+    # the first divergence's verdict is what is checked (the region pass's): no own-input pass after it
     p = run_cli("compare", "--model", "py:tests/models/rank_noise.py:target", "--tp", "1,2",
                 "--fix", "tp-invariant-linear",  # the planted noise first, whatever the CPU's sums
-                "--capture", "hash", "--no-baseline", "--no-confirm", "--out", str(tmp_path / "r"),
-                "--format", "json")
+                "--capture", "hash", "--no-baseline", "--no-confirm", "--no-judge-downstream",
+                "--out", str(tmp_path / "r"), "--format", "json")
     assert p.returncode == 0, p.stderr
     fd = json.loads(p.stdout)["degrees"]["2"]["first_divergence"]
     assert fd["module"] == "layers.0.ffn_norm" and fd["cause"] == "rank-inconsistent-replica", fd
@@ -247,8 +248,9 @@ def test_region_pass_proves_its_step_by_fingerprint(hash_run, tmp_path):
     full capture - only in the region pass - is caught there, and its values are not used."""
     def run(env):
         out = tmp_path / ("bad" + str(len(list(tmp_path.iterdir()))))
+        # the region pass is what is checked, as in hash_run: no own-input pass after it
         p = run_cli("compare", "--tp", "1,2", "--capture", "hash", "--no-baseline", "--no-confirm",
-                    "--out", str(out), "--format", "json", env=env)
+                    "--no-judge-downstream", "--out", str(out), "--format", "json", env=env)
         assert p.returncode == 0, p.stderr
         return out, json.loads(p.stdout)["degrees"]["2"]["first_divergence"]
 

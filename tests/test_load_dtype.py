@@ -110,8 +110,9 @@ def test_tp2_keeps_the_same_dtypes_and_records_them(tmp_path):
     each world ran under."""
     path = _checkpoint(tmp_path, "llama", rope_theta=500000.0)
     out = tmp_path / "run"
+    # the worlds' dtypes and flags: no own-input judgement past the first divergence
     p = run_cli("compare", "--model", "hf:" + path, "--tp", "1,2", "--dtype", "bfloat16", "--forward-only",
-                "--no-confirm", "--no-baseline", "--out", str(out))
+                "--no-confirm", "--no-baseline", "--no-judge-downstream", "--out", str(out))
     assert p.returncode == 0, p.stderr + p.stdout
     assert "flags deterministic: deterministic algorithms on" in p.stdout
     man = json.loads((out / "manifest.json").read_text())

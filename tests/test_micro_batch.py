@@ -128,10 +128,11 @@ def test_tp_and_micro_batch_axes(grid):
 @pytest.fixture(scope="module")
 def stock_grid(tmp_path_factory):
     """ONE stock grid run, full capture, the whole step: test_grid_run reads it, and it is the
-    full-capture control of test_hash_capture_of_micro_batches_at_tp_2."""
+    full-capture control of test_hash_capture_of_micro_batches_at_tp_2. Neither reads a verdict on
+    the modules past the first divergence: no own-input judgement (a second pass of every world)."""
     out = tmp_path_factory.mktemp("grid") / "run"
     r = run_cli("compare", "--tp", "1,2", "--micro-batch", "4,2", "--grid", *TINY, "--capture", "full",
-                "--no-confirm", "--no-baseline", "--out", str(out), "--format", "json")
+                "--no-confirm", "--no-baseline", "--no-judge-downstream", "--out", str(out), "--format", "json")
     assert r.returncode == 0, r.stderr
     return out
 
@@ -182,8 +183,10 @@ def test_hash_capture_of_micro_batches_at_tp_2(stock_grid, tmp_path):
 
     def run(name, *extra, capture="hash"):
         out = tmp_path / name
+        # first divergences and hashes are compared, as in stock_grid: no own-input judgement past them
         r = run_cli("compare", "--tp", "1,2", "--micro-batch", "4,2", "--grid", *TINY, *extra, "--capture",
-                    capture, "--no-confirm", "--no-baseline", "--out", str(out), "--format", "json")
+                    capture, "--no-confirm", "--no-baseline", "--no-judge-downstream", "--out", str(out),
+                    "--format", "json")
         assert r.returncode == 0, r.stderr
         return out, _summary(out)
 

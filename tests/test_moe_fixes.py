@@ -37,9 +37,10 @@ def runs(tmp_path_factory):
             out[kind]["auto"] = _compare(base / f"{kind}-auto", spec, "1,2", "--fix", "auto")
             out[kind]["stock"] = out[kind]["auto"]
         else:
-            # forward only: the control is the experts' forward output
+            # forward only: the control is the experts' forward output, read from the first pass's
+            # diff.csv - no own-input judgement of the modules past it (a second pass of both worlds)
             out[kind]["stock"] = _compare(base / f"{kind}-stock", spec, "1,2", "--no-confirm",
-                                          "--forward-only")
+                                          "--forward-only", "--no-judge-downstream")
     return out
 
 

@@ -32,8 +32,9 @@ def test_slice_runs_the_real_first_layers_bitwise(tmp_path):
     p = run_cli("compare", "--model", spec, "--tp", "1,1", "--forward-only", "--no-baseline", "--no-confirm",
                 "--format", "json", "--out", str(full))
     assert p.returncode == 0, p.stderr
+    # what a slice records and says: no own-input judgement past the first divergence
     p = run_cli("compare", "--model", spec, "--layers", "1", "--tp", "1,2", "--forward-only", "--no-confirm",
-                "--verbose", "--out", str(cut))
+                "--no-judge-downstream", "--verbose", "--out", str(cut))
     assert p.returncode == 0, p.stderr
     assert "model: the first 1 of 3 decoder layers with the real embedding and head (--layers 1)" in p.stdout
     # --verbose: where the time went, after the verdict
