@@ -309,13 +309,16 @@ def _reclear(summary: dict, labels) -> None:
     """The confirmation's dismissals again, over the findings the late own-input pass added."""
     from tpdiag.diff.classes import clear_by_confirmation
     from tpdiag.records.axes import entries
-    from tpdiag.runner.confirm import _bitwise_keys
+    from tpdiag.records.rundir import read_rows
 
     every = entries(summary)
     for label in labels:
         conf = (every.get(label) or {}).get("confirmation") or {}
-        if conf.get("run_dir"):
-            clear_by_confirmation(every[label], _bitwise_keys(conf["run_dir"], label))
+        path = RunDir(conf["run_dir"]).diff_csv if conf.get("run_dir") else ""
+        if path and os.path.exists(path):
+            # the records the confirming rerun left bitwise (and rank-consistent), as confirm reads them
+            clear_by_confirmation(every[label], {r["key"] for r in read_rows(path) if r["degree"] == label
+                                                 and r["bitwise"] is True and r.get("rank_consistent") is not False})
 
 
 def _ops_not_spmd(sub: dict) -> bool:
