@@ -38,3 +38,19 @@ def test_routing_every_token_is_rounding(tmp_path):
     _, s, fd, _ = _compare(tmp_path, "routed")
     assert s["class"] == "rounding" and fd["cause"] == "batch-variant-kernel", (s["class"], fd)
     assert not fd["oracle"]["far"], fd["oracle"]
+
+
+def test_in_bf16_a_float64_run_that_chose_otherwise_is_no_reference(tmp_path):
+    # bf16: the float64 re-execution's argmax picks other experts than the bf16 reference's, so the
+    # reference is itself far from it (0.165, 42 roundings) and a threshold scaled by that judged
+    # this side "near" (0.33 against 1.32): batch-variant-kernel, "nothing is wrong". Now the
+    # float64 value is no reference: unknown (fail closed)
+    d = tmp_path / "bf16"
+    p = run_cli("compare", "--model", SPEC + "dropping", *ARGS, "--dtype", "bfloat16", "--out", str(d))
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((d / "summary.json").read_text())
+    fd = s["configurations"]["1-mb1"]["first_divergence"]
+    assert fd["oracle"].get("no_reference") and fd["oracle"]["ref_err"] > 8 * fd["oracle"]["floor"], fd["oracle"]
+    assert fd["cause"] == "unknown" and s["class"] != "rounding", (fd["cause"], s["class"])
+    assert "nothing is wrong" not in p.stdout, p.stdout
+    assert run_cli("gate", str(d), "--allow", "rounding").returncode == 1

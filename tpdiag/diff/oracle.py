@@ -207,12 +207,27 @@ def verdict_for(dd, row: dict) -> dict | None:
     if got is None:
         return None
     discrete = notes_for(dd, row).get("discrete")
-    if discrete and _choices_equal(dd, row, discrete):
+    if discrete and _no_reference(got):
+        _mark_no_reference(got, discrete)
+    elif discrete and _choices_equal(dd, row, discrete):
         # no flipped tie: the op-level pass recorded every such choice, bitwise equal on both sides
         got["choices_equal"] = list(discrete)
     elif discrete:
         got["discrete"] = list(discrete)
     return got
+
+
+def _no_reference(v: dict) -> bool:
+    """A module with discrete choices whose reference is itself more than MARGIN roundings from the
+    float64 re-execution: the float64 run chose otherwise (a bf16 router's near tie), so its value
+    is no reference for either side and a threshold scaled by the reference's distance judges
+    nothing (a bf16 capacity-dropping MoE read "near" at 0.33 against an "allowed" 1.32)."""
+    return v.get("floor", 0) > 0 and v["ref_err"] > v["margin"] * v["floor"]
+
+
+def _mark_no_reference(v: dict, discrete) -> None:
+    # read as far with a choice that may have flipped: never near (a reordering), never a bug
+    v["far"], v["discrete"], v["no_reference"] = True, list(discrete), True
 
 
 def _choices_equal(dd, row: dict, discrete) -> bool:
@@ -290,6 +305,8 @@ def apply_own(dd) -> None:
         if v is None:
             continue
         discrete = notes_for(dd, row).get("discrete")
+        if discrete and _no_reference(v):
+            _mark_no_reference(v, discrete)
         row["oracle"] = v
         if v["far"] and discrete:
             v["discrete"] = list(discrete)
@@ -366,7 +383,11 @@ def apply(dd) -> None:
             continue
         row["oracle"] = v
         if v["far"] and v.get("discrete"):
-            row["cause_why"] = (f"{describe(v)}: far from it, but it makes a discrete choice on "
+            row["cause_why"] = (f"{describe(v)}: the reference itself is more than {v['margin']:g} roundings from "
+                                f"it - the float64 run chose otherwise at its discrete choices "
+                                f"({', '.join(v['discrete'])}) - so it is no reference: neither rounding nor a "
+                                "bug is shown" if v.get("no_reference") else
+                                f"{describe(v)}: far from it, but it makes a discrete choice on "
                                 f"floating values ({', '.join(v['discrete'])}) that a rounding "
                                 "difference inside it can flip, so it is not called a bug")
             row["oracle_flip"] = True
