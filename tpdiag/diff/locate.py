@@ -305,11 +305,8 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
     that, the first op in that window that has no reference value (a TP-only collective)."""
     rows = dd.rows
     i = rows.index(first)
-    j = i - 1
-    while j >= 0 and rows[j]["kind"] == "op":
-        j -= 1
-    lo = rows[j]["idx"] if j >= 0 else -1
-    window = rows[j + 1:i]
+    start, lo = oracle.op_window(rows, i)
+    window = rows[start:i]
     hit = next((r for r in window if not r["bitwise"]), None)
     extra = sorted((m for m in dd.uncompared if lo < m["idx"] < first["idx"]
                     and m["why"] in ("only at this degree", "collective output before wait_tensor")),
@@ -319,7 +316,7 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
         # difference entered through it (its own output is not comparable)
         return extra[0]
     if hit is None and not extra:
-        hit = _earlier_op(rows, j, first)
+        hit = _earlier_op(rows, start - 1, first)
     return hit
 
 

@@ -331,6 +331,16 @@ _UNEQUAL_OPS = ("only at this degree", "collective output before wait_tensor", "
                 "each rank computed its own part")
 
 
+def op_window(rows: list[dict], i: int) -> tuple[int, int]:
+    """The ops recorded in the module call whose record (or op) is rows[i] - a module record is
+    written after its ops: the index in rows where they start, and the idx of the record before
+    them (-1: none)."""
+    j = i - 1
+    while j >= 0 and rows[j]["kind"] == "op":
+        j -= 1
+    return j + 1, (rows[j]["idx"] if j >= 0 else -1)
+
+
 def _after_uncompared_op(dd, row: dict) -> bool:
     """An op of this degree that the reference has no value for (a hand-written all-reduce that
     TP=1 skips, a rank's own partial) ran in the same module call before `row`: its output may be
@@ -338,12 +348,7 @@ def _after_uncompared_op(dd, row: dict) -> bool:
     of row is no exact answer for this side. (An autocast bf16 row-parallel sum: the all-reduce
     rounds the ranks' bf16 partials, and the float32 residual add after it is then 1 bf16 ULP
     from the reference's - 900x an fp32 rounding, called a bug before.)"""
-    rows = dd.rows
-    i = rows.index(row)
-    j = i - 1
-    while j >= 0 and rows[j]["kind"] == "op":
-        j -= 1
-    lo = rows[j]["idx"] if j >= 0 else -1
+    _, lo = op_window(dd.rows, dd.rows.index(row))
     return any(m.get("kind") == "op" and lo < m["idx"] < row["idx"] and str(m.get("why", "")).startswith(_UNEQUAL_OPS)
                for m in getattr(dd, "uncompared", None) or ())
 

@@ -131,3 +131,13 @@ def load_run(run_dir: str) -> tuple[dict, dict, list[dict]]:
     if not isinstance(manifest, dict):
         raise Inconclusive(f"{RunDir(run_dir).manifest}: not a JSON object")
     return manifest, summary, read_rows(run_file(run_dir, DIFF_CSV))
+
+
+def bitwise_keys(run_dir: str, label: str) -> set[str]:
+    """The records of configuration `label` bitwise equal (and rank-consistent) in a run's
+    diff.csv; empty when it has none."""
+    path = RunDir(run_dir).diff_csv
+    if not os.path.exists(path):
+        return set()
+    return {r["key"] for r in read_rows(path) if r["degree"] == label and r["bitwise"] is True
+            and r.get("rank_consistent") is not False}

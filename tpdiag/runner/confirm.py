@@ -109,23 +109,13 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
                 "status_after": after_entry.get("status"), "run_dir": out,
                 **({"positions": list(cut)} if axes and cut else {})}
             from tpdiag.diff.classes import clear_by_confirmation
+            from tpdiag.records.rundir import bitwise_keys
 
-            clear_by_confirmation(every[label], _bitwise_keys(out, sub_label))
+            clear_by_confirmation(every[label], bitwise_keys(out, sub_label))
     from tpdiag.diff.classes import add_classes
 
     add_classes(summary)  # every flow (compare, `tpdiag confirm`) ends with the confirmed verdict
     return summary
-
-
-def _bitwise_keys(run_dir: str, label: str) -> set[str]:
-    """The records of `label` bitwise equal (and rank-consistent) in a rerun's diff.csv."""
-    from tpdiag.records.rundir import read_rows
-
-    path = RunDir(run_dir).diff_csv
-    if not os.path.exists(path):
-        return set()
-    return {r["key"] for r in read_rows(path) if r["degree"] == label and r["bitwise"] is True
-            and r.get("rank_consistent") is not False}
 
 
 def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None):

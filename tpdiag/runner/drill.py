@@ -309,16 +309,13 @@ def _reclear(summary: dict, labels) -> None:
     """The confirmation's dismissals again, over the findings the late own-input pass added."""
     from tpdiag.diff.classes import clear_by_confirmation
     from tpdiag.records.axes import entries
-    from tpdiag.records.rundir import read_rows
+    from tpdiag.records.rundir import bitwise_keys
 
     every = entries(summary)
     for label in labels:
         conf = (every.get(label) or {}).get("confirmation") or {}
-        path = RunDir(conf["run_dir"]).diff_csv if conf.get("run_dir") else ""
-        if path and os.path.exists(path):
-            # the records the confirming rerun left bitwise (and rank-consistent), as confirm reads them
-            clear_by_confirmation(every[label], {r["key"] for r in read_rows(path) if r["degree"] == label
-                                                 and r["bitwise"] is True and r.get("rank_consistent") is not False})
+        if conf.get("run_dir"):
+            clear_by_confirmation(every[label], bitwise_keys(conf["run_dir"], label))
 
 
 def _ops_not_spmd(sub: dict) -> bool:
