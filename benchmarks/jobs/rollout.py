@@ -6,7 +6,8 @@ forward only: 2 N tokens + the causal attention term), and check that every --jo
 every configuration's logprobs bit for bit as the first one does.
 
     python -m benchmarks rollout                                  # one GPU: TP=1, jobs 1 vs auto
-    python -m benchmarks rollout --tp 1,2 --fix none,all          # two GPUs: issue 56's 16 configurations
+    python -m benchmarks rollout --fix none,all --jobs 1,auto,4   # one GPU: issue 56's 8 TP=1 configurations
+    python -m benchmarks rollout --tp 1,2 --fix none,all --jobs 1,auto,4   # two GPUs: issue 56's 16
     python -m benchmarks rollout --small --device cpu --prompt 16 --new 12 --jobs 1,2   # CPU smoke
 
 Each rollout runs in its own process (`python -m benchmarks.jobs.rollout --one ...`: the wall time
@@ -133,8 +134,14 @@ def main(argv: list[str]) -> dict:
             print(f"  {lab:40s} {sec:8.2f} {fmt(m):>8s}  {ex}")
             rows[lab] = {"s": sec, "mfu": m, "status": r["status"]}
         print(f"  SDPA backend that ran: {s.get('sdpa_ran')}")
+        for note in s.get("notes", []):
+            if note.startswith("ran in lanes"):
+                print(f"  {note.split(', a configuration')[0]}")
+        for lane, v in sorted(s.get("bench_lanes", {}).items(), key=lambda kv: -kv[1]["ended_at"]):
+            print(f"  {lane}: {v['seconds']:.1f} s, ended {v['ended_at']:.1f} s into the rollout")
         runs.append({"jobs": jobs, "rc": rc, "wall_s": round(wall, 2), "rollout_s": s["seconds"],
-                     "configurations": rows, "same_bits_as_first": same, "sdpa_ran": s.get("sdpa_ran")})
+                     "configurations": rows, "lanes": s.get("bench_lanes"), "same_bits_as_first": same,
+                     "sdpa_ran": s.get("sdpa_ran")})
     gen_mfu = mfu(flops, gen_s, 1, peak)
     print(f"\ngenerate() (the engine, load included): {gen_s:.1f} s, forward MFU {fmt(gen_mfu)}; gpu {gpu}")
     return {"tp": a.tp, "micro_batch": a.micro_batch, "mode": a.mode, "fix": a.fix, "flags": a.flags,
@@ -179,8 +186,15 @@ def _one(argv: list[str]) -> int:
                        fixes=parse_fixes(a.fix), dtype=a.dtype, device=a.device,
                        flags=backend_flags.parse("--flags", a.flags), attention=attn.parse("auto"),
                        padding=parse_padding("auto"), jobs=parse_jobs(a.jobs))
-    got = {}
-    s = run_rollout(rc, on_logprobs=got.update)
+    got, lane_s = {}, {}
+    t0 = time.perf_counter()
+
+    def status(what, state):  # each lane's wall time, start-up included: the critical path
+        if " lane " in what and state.startswith("done in "):
+            lane_s[what] = {"seconds": float(state.split()[2]), "ended_at": round(time.perf_counter() - t0, 2)}
+
+    s = run_rollout(rc, on_status=status, on_logprobs=got.update)
+    s["bench_lanes"] = lane_s
     from tpdiag.base import files as io
 
     with open(out + ".json", "w") as f:

@@ -37,9 +37,10 @@ def rollout(
     top: Annotated[int, typer.Option(help="worst tokens to list")] = 10,
     timeout: Annotated[float, typer.Option(help="seconds per TP > 1 world")] = 300.0,
     jobs: Annotated[str, typer.Option(help="concurrent worlds per TP degree, a configuration's micro-batches "
-                                           "split between them (the same bits): auto (1 on cpu; on cuda one per "
-                                           "4 CPU cores, at most 8, for TP=1 - TP > 1 one world) or N (every "
-                                           "degree); 1: one process per degree, one after another")] = "auto",
+                                           "split between them (the same bits): auto (1 on cpu; on cuda one process "
+                                           "per 3 CPU cores of each GPU, at most 6 a GPU, shared between the "
+                                           "degrees by their work, spread over the GPUs) or N (every degree); "
+                                           "1: one process per degree, one after another")] = "auto",
     fmt: Format = "text",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     debug: Debug = False,

@@ -32,7 +32,7 @@ class RolloutConfig:
     attention: tuple[str, ...] = ("auto",)
     padding: tuple[str, ...] = ("auto",)
     # concurrent worlds per TP degree (tpdiag.rollout.lanes); 1: TP=1 in this process and one
-    # world per other degree, one configuration after another; 0: auto (lanes.auto_jobs)
+    # world per other degree, one configuration after another; 0: auto (lanes.lanes_per_degree)
     jobs: int = 1
 
 
@@ -57,7 +57,8 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     seqs = ro.sequences
     from tpdiag.rollout import lanes
 
-    jobs = rc.jobs if rc.jobs > 0 else lanes.auto_jobs(rc)
+    counts = lanes.lanes_per_degree(rc, configurations(rc), seqs)
+    jobs = max(counts.values())
     if max(rc.tp) > 1:
         from tpdiag.models.precheck import check_plan
         from tpdiag.models.spec import parse_spec
@@ -101,12 +102,13 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             worlds, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values)
             rest = [c for c in cfgs if c.rollout_name() not in worlds]
             worlds.update(_worlds(rc, seqs, rest, groups, on_status,
-                                  run=lambda work: lanes.run(rc, seqs, rest, jobs, work, groups, n_threads,
+                                  run=lambda work: lanes.run(rc, seqs, rest, counts, work, groups, n_threads,
                                                              on_status)))
             results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
                                                                on_status, flag_values, collector, stats_from)
-        notes.append(f"ran in lanes: up to {jobs} worlds per TP degree side by side, a configuration's "
-                     "micro-batches split between them (tpdiag.rollout.lanes; the same bits as --jobs 1)")
+        notes.append(f"ran in lanes: {', '.join(f'{n} TP={t}' for t, n in counts.items())} worlds side by "
+                     "side, a configuration's micro-batches split between them (tpdiag.rollout.lanes; the "
+                     "same bits as --jobs 1)")
     else:
         worlds = _worlds(rc, seqs, [c for c in cfgs if c.tp > 1], groups, on_status)
         with threads:

@@ -20,14 +20,15 @@ SEQUENCES = "sequences.json"
 RESULTS = "logprobs.json"
 
 
-def write_inputs(out_dir: str, seqs, configs, units=None, threads: int = 1) -> None:
+def write_inputs(out_dir: str, seqs, configs, units=None, threads: int = 1, first_gpu: int = 0) -> None:
     """units: [(config, lo, hi)] - each configuration over the sequences [lo, hi) (lo a multiple
     of its micro-batch, so its micro-batches are the whole run's); None: every configuration
-    over every sequence. threads: torch's CPU threads in each rank (the in-process TP=1's count)."""
+    over every sequence. threads: torch's CPU threads in each rank (the in-process TP=1's count).
+    first_gpu: rank r runs on CUDA device (first_gpu + r) mod the devices (tpdiag.rollout.lanes)."""
     from tpdiag.base import files as io
 
     io.write_json(os.path.join(out_dir, SEQUENCES), {
-        "configs": [c.to_dict() for c in configs], "threads": threads,
+        "configs": [c.to_dict() for c in configs], "threads": threads, "first_gpu": first_gpu,
         **({} if units is None else {"units": [{"config": c.to_dict(), "lo": lo, "hi": hi} for c, lo, hi in units]}),
         "sequences": [{"input_ids": s.input_ids, "prompt_len": s.prompt_len, "logprobs": s.logprobs,
                        "has_prompt_logprobs": s.prompt_logprobs is not None} for s in seqs]})
@@ -38,7 +39,7 @@ def unit_key(label: str, lo: int, hi: int) -> str:
 
 
 def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, units=None, lane: int | None = None,
-               threads: int = 1, flags: str | None = None) -> dict:
+               threads: int = 1, flags: str | None = None, first_gpu: int = 0) -> dict:
     """{label: {'status': 'ok', 'logprobs': [[...] per sequence]} | {'status', 'reason'}} - keyed
     by unit_key(label, lo, hi) when `units` are given (one lane of several: tpdiag.rollout.lanes).
     flags: the setting the ranks start under (before their first GEMM); default the first
@@ -49,7 +50,7 @@ def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, u
 
     out_dir = os.path.join(work_dir, folder(world) + ("" if lane is None else f"-lane{lane}"))
     os.makedirs(out_dir, exist_ok=True)
-    write_inputs(out_dir, seqs, configs, units, threads)
+    write_inputs(out_dir, seqs, configs, units, threads, first_gpu)
     cfg = WorldConfig(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,
                       device=rc.device, backward=False, seed=rc.seed, probes=False, selfcheck=False,
                       tree_groups=tree_groups, flags=flags or configs[0].flags)
@@ -99,9 +100,12 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     from tpdiag.runner.build import build_model
 
     determinism.setup(cfg.seed, cfg.device, cfg.flags)
+    inputs = io.read_json(os.path.join(cfg.out_dir, SEQUENCES))
     if cfg.device == "cuda":
-        torch.cuda.set_device(rank)
-        device, backend = torch.device("cuda", rank), "nccl"
+        # before anything touches CUDA: the device mesh and NCCL take the device set here
+        gpu = (int(inputs.get("first_gpu") or 0) + rank) % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(gpu)
+        device, backend = torch.device("cuda", gpu), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
     store = dist.TCPStore(host, port, world_size=world + 1, is_master=False,
@@ -109,7 +113,6 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s),
                             **({"device_id": device} if backend == "nccl" else {}))
-    inputs = io.read_json(os.path.join(cfg.out_dir, SEQUENCES))
     seqs = [Sequence(s["input_ids"], s["prompt_len"], s["logprobs"],
                      [] if s["has_prompt_logprobs"] else None) for s in inputs["sequences"]]
     target, model = build_model(cfg, device, world)
