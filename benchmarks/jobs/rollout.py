@@ -176,7 +176,7 @@ def _one(argv: list[str]) -> int:
     for k in ("--model", "--dtype", "--device", "--tp", "--micro-batch", "--mode", "--fix", "--flags", "--jobs"):
         ap.add_argument(k)
     a = ap.parse_args(rest)
-    from tpdiag.rollout import attention as attn
+    from tpdiag.runner import attention as attn
     from tpdiag.rollout.run import (RolloutConfig, parse_fixes, parse_ints, parse_jobs, parse_modes,
                                     parse_padding)
     from tpdiag.runner import flags as backend_flags

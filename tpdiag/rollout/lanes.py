@@ -126,10 +126,12 @@ def share(work: dict, units: dict, slots: int) -> dict[int, int]:
         used += t
 
 
-def run(rc, seqs, cfgs, counts: dict, work: str, groups: int, threads: int, on_status=None) -> dict:
+def run(rc, seqs, cfgs, counts: dict, work: str, groups: int, threads: int, on_status=None, cancel=None,
+        launches=None) -> dict:
     """{label: {'status', 'logprobs' | 'reason', 'seconds', 'sdpa_ran', 'flag_values'}} of every
     configuration in `cfgs` (any degrees), computed in counts[t] concurrent worlds of each degree t
-    (lanes_per_degree), the lanes spread over the GPUs (placement)."""
+    (lanes_per_degree), the lanes spread over the GPUs (placement). cancel: ends every world now;
+    launches: told how many worlds start, then of each start (tpdiag.rollout.early.Launches)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tpdiag.rollout.world import run_degree, unit_key
@@ -153,12 +155,15 @@ def run(rc, seqs, cfgs, counts: dict, work: str, groups: int, threads: int, on_s
         t0 = time.perf_counter()
         res = run_degree(t, rc, seqs, list(dict.fromkeys(u[0] for u in units)), work, groups, units=units,
                          lane=k, threads=threads if t == 1 else 1, flags=start_flags,
-                         first_gpu=placement(t, k, gpus))
+                         first_gpu=placement(t, k, gpus), cancel=cancel,
+                         on_launch=launches.one if launches is not None else None)
         if on_status:
             on_status(f"{folder(t)} lane {k}", f"done in {time.perf_counter() - t0:.1f} s")
         return res
 
     pieces: dict = {}
+    if launches is not None:
+        launches.expect(len(plan))
     with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
         for res in pool.map(one, plan):
             pieces.update(res)

@@ -70,13 +70,6 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
         # the fork server's imports (torch, transformers: seconds) run while this process builds
         # its model, not after (every world's ranks fork from it; its environment is theirs)
         prestart(rc.model)
-    target, model = build(rc.model, rc.dtype, rc.device, rc.seed)
-    vocab = target.vocab_size
-    for s in seqs:
-        big = max(s.input_ids)
-        if big >= vocab:
-            raise BadInput(f"{rc.file} {s.where}: token id {big} is outside the model's vocabulary "
-                           f"({vocab}): is --model the engine's model?")
     notes = []
     cfgs = configurations(rc)
     big = max(rc.tp)
@@ -84,36 +77,51 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
         from tpdiag.models.spec import check_degrees, parse_spec
 
         check_degrees(parse_spec(rc.model), [t for t in rc.tp if t > 1])
-        notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's); "
-                     f"TP=1 ran {'in this process' if jobs == 1 else 'here and in lanes'}, on one thread "
-                     "too (the fixes' CPU kernels can give other bits with more threads)")
     # the fixes' tree groups: the largest degree, as compare's default (power of two), else the default
     groups = big if big > 1 and not big & (big - 1) else 0
-    threads = _one_thread() if big > 1 else nullcontext()
-    flag_values: dict[str, dict] = {}
+    # lanes: started before this process builds its model, which they do not wait for (rollout/early.py)
+    early, saved_env = None, None
     if jobs > 1:
-        with threads:
-            import torch
+        from tpdiag.rollout.early import start
 
-            n_threads = torch.get_num_threads()
-            # the margins' configuration (the first TP=1 one that runs) here, as one process would;
-            # then every other configuration in lanes - after it: a launch sets the rank
-            # environment in this process, which must not reach a GEMM here (the cuBLAS workspace)
-            worlds, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values)
-            rest = [c for c in cfgs if c.rollout_name() not in worlds]
-            worlds.update(_worlds(rc, seqs, rest, groups, on_status,
-                                  run=lambda work: lanes.run(rc, seqs, rest, counts, work, groups, n_threads,
-                                                             on_status)))
-            results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
-                                                               on_status, flag_values, collector, stats_from)
-        notes.append(f"ran in lanes: {', '.join(f'{n} TP={t}' for t, n in counts.items())} worlds side by "
-                     "side, a configuration's micro-batches split between them (tpdiag.rollout.lanes; the "
-                     "same bits as --jobs 1)")
-    else:
-        worlds = _worlds(rc, seqs, [c for c in cfgs if c.tp > 1], groups, on_status)
-        with threads:
-            results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
-                                                               on_status, flag_values)
+        early, saved_env = start(rc, seqs, cfgs, counts, groups, big, on_status)
+    try:
+        target, model = build(rc.model, rc.dtype, rc.device, rc.seed)
+        vocab = target.vocab_size
+        for s in seqs:
+            top = max(s.input_ids)
+            if top >= vocab:
+                raise BadInput(f"{rc.file} {s.where}: token id {top} is outside the model's vocabulary "
+                               f"({vocab}): is --model the engine's model?")
+        if big > 1:
+            notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's); "
+                         f"TP=1 ran {'in this process' if jobs == 1 else 'here and in lanes'}, on one thread "
+                         "too (the fixes' CPU kernels can give other bits with more threads)")
+        threads = _one_thread() if big > 1 else nullcontext()
+        flag_values: dict[str, dict] = {}
+        if early is not None:
+            with threads:
+                # the margins' configuration (the first TP=1 one that runs) here, as one process would;
+                # every other configuration in the lanes (a TP=1 one run here too - its first did not
+                # run - takes this process's result: the same bits)
+                lead, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values)
+                worlds = {**early.result(), **lead}
+                results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
+                                                                   on_status, flag_values, collector, stats_from)
+            notes.append(f"ran in lanes: {', '.join(f'{n} TP={t}' for t, n in counts.items())} worlds side by "
+                         "side, a configuration's micro-batches split between them (tpdiag.rollout.lanes; the "
+                         "same bits as --jobs 1)")
+        else:
+            worlds = _worlds(rc, seqs, [c for c in cfgs if c.tp > 1], groups, on_status)
+            with threads:
+                results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
+                                                                   on_status, flag_values)
+    finally:
+        if early is not None:
+            from tpdiag.rollout.early import put_back
+
+            early.close()  # the lanes ended - or, if this process failed, cancelled
+            put_back(saved_env)
     if on_logprobs is not None:
         on_logprobs(trainer)
     for w in worlds.values():
@@ -311,9 +319,9 @@ def _tensor(values):
     return torch.tensor([float("nan") if isinstance(v, str) else v for v in values], dtype=torch.float32)
 
 
-def _worlds(rc: RolloutConfig, seqs, cfgs, groups: int, on_status, run=None) -> dict:
-    """Every configuration in `cfgs`' logprobs from worlds: one per TP > 1 degree
-    (tpdiag.rollout.world), or `run(work_dir)`'s (lanes)."""
+def _worlds(rc: RolloutConfig, seqs, cfgs, groups: int, on_status) -> dict:
+    """Every configuration in `cfgs`' logprobs from worlds: one per TP > 1 degree, one after another
+    (tpdiag.rollout.world; --jobs 1 - the lanes are tpdiag.rollout.early's)."""
     if not cfgs:
         return {}
     import os
@@ -329,16 +337,12 @@ def _worlds(rc: RolloutConfig, seqs, cfgs, groups: int, on_status, run=None) -> 
     prestart(rc.model)
     work = tempfile.mkdtemp(prefix="tpdiag-rollout-")
     try:
-        if run is not None:
-            return run(work)
         return _degrees(rc, seqs, cfgs, groups, on_status, work)
     finally:
+        from tpdiag.rollout.early import put_back
+
         shutil.rmtree(work, ignore_errors=True)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        put_back(saved_env)
 
 
 def _degrees(rc, seqs, cfgs, groups, on_status, work) -> dict:

@@ -39,11 +39,13 @@ def unit_key(label: str, lo: int, hi: int) -> str:
 
 
 def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, units=None, lane: int | None = None,
-               threads: int = 1, flags: str | None = None, first_gpu: int = 0) -> dict:
+               threads: int = 1, flags: str | None = None, first_gpu: int = 0, cancel=None,
+               on_launch=None) -> dict:
     """{label: {'status': 'ok', 'logprobs': [[...] per sequence]} | {'status', 'reason'}} - keyed
     by unit_key(label, lo, hi) when `units` are given (one lane of several: tpdiag.rollout.lanes).
     flags: the setting the ranks start under (before their first GEMM); default the first
-    configuration's."""
+    configuration's. cancel: an Event that ends the world now; on_launch(): called once the
+    launcher has set up this process's side (its environment included) and starts the ranks."""
     from tpdiag.base import files as io
     from tpdiag.config import WorldConfig
     from tpdiag.runner.launch import run_world
@@ -54,7 +56,8 @@ def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, u
     cfg = WorldConfig(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,
                       device=rc.device, backward=False, seed=rc.seed, probes=False, selfcheck=False,
                       tree_groups=tree_groups, flags=flags or configs[0].flags)
-    res = run_world(cfg, rc.timeout, entry=main)
+    launched = (lambda _label, state: on_launch() if state == "running" else None) if on_launch else None
+    res = run_world(cfg, rc.timeout, on_status=launched, entry=main, cancel=cancel)
     if res.status != "ok":
         keys = [c.rollout_name() for c in configs] if units is None else [unit_key(c.rollout_name(), lo, hi) for c, lo, hi in units]
         return {k: {"status": "failed", "reason": f"TP={world} world failed: {res.error}"} for k in keys}

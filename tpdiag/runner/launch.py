@@ -120,9 +120,10 @@ def prestart(model: str = "") -> None:
 _MARKER = re.compile(r"rank[0-9]+\.(done|error)")
 
 
-def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) -> WorldResult:
+def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None, cancel=None) -> WorldResult:
     """`entry`: each rank's function, with worker.main's arguments and contract (rankR.done /
-    rankR.error markers in cfg.out_dir); default worker.main (compare's step)."""
+    rankR.error markers in cfg.out_dir); default worker.main (compare's step). `cancel`: an
+    Event another thread sets to end the world now (its ranks killed; status 'failed')."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -185,6 +186,10 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
                 result = _failure(cfg, procs, world, t0)
                 if result is not None:
                     break
+            if cancel is not None and cancel.is_set():
+                result = WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
+                                     error="cancelled")
+                break
             if time.monotonic() > deadline:
                 pending = [r for r in range(world) if not done[r]]
                 result = WorldResult(cfg.label, world, "failed", cfg.out_dir, time.perf_counter() - t0,
@@ -193,7 +198,7 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None) ->
             time.sleep(0.02)
     finally:
         # Interrupted (Ctrl-C, SIGTERM) or failed: no grace, the ranks are killed now.
-        _reap(procs, grace_s=3.0 if result is not None else 0.0)
+        _reap(procs, grace_s=3.0 if result is not None and result.error != "cancelled" else 0.0)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
         del store
