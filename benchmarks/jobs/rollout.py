@@ -123,7 +123,8 @@ def main(argv: list[str]) -> dict:
             same = _same_bits(ref, lps)
             ok = ok and same
         print(f"\n--jobs {jobs}: wall {wall:.1f} s (rollout's own {s['seconds']:.1f} s); generate() + load "
-              f"{gen_s:.1f} s; {len(s['configurations'])} configurations"
+              f"{gen_s:.1f} s (stock forward MFU {fmt(mfu(flops, gen_s, 1, peak))}); "
+              f"{len(s['configurations'])} configurations"
               + ("" if same is None else f"; every logprob bit for bit as --jobs {a.jobs.split(',')[0]}: {same}"))
         print(f"  {'configuration':40s} {'s':>8s} {'fwd MFU':>8s}  exact")
         rows = {}
