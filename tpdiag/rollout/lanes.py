@@ -80,7 +80,7 @@ def unit_cost(c, seqs, lo: int, hi: int, device: str = "cpu") -> float:
     lane, whatever the number of sequences it runs: the shapes repeat across micro-batches)."""
     w = weight(c) * cost(c, seqs, lo, hi)
     if device == "cuda" and c.mode == "decode" and c.fix == "none" and c.flags == "default" \
-            and c.attention != "eager":
+            and c.attention in ("auto", "sdpa", "sdpa-cudnn"):
         w += GRAPH_WEIGHT * max(s.n_generated for s in seqs[lo:hi])
     return w
 
