@@ -57,3 +57,4 @@ def test_placement_spreads_lanes_over_the_gpus():
     assert [placement(2, k, 4) for k in range(3)] == [0, 2, 0]   # a TP=2 lane's ranks on (0,1), (2,3)
     assert [placement(2, k, 2) for k in range(3)] == [0, 0, 0]
     assert [placement(1, k, 1) for k in range(3)] == [0, 0, 0]   # one GPU (or the CPU): all there
+    assert [placement(2, k, 3) for k in range(3)] == [0, 0, 1]   # never past the last GPU: (0,1), (0,1), (1,2)

@@ -66,7 +66,8 @@ FIX_WEIGHT = 2.0
 # stock SDPA on CUDA runs cuDNN's attention (PyTorch's default flags on an H200), which builds a
 # graph the first time a process meets a shape - every decode step is a new KV length: on an H200
 # (dfe0339) 128 batch-4 decode calls took 8.6 s under PyTorch's defaults (cuDNN) and 2.7 s under
-# the deterministic flags (flash), ~1.5 stock calls a step; each lane that runs a piece pays it
+# the deterministic flags (flash) - ~1.5 stock calls a step, the first decode configuration's
+# other first-time costs included (not measured apart); each lane that runs a piece pays it
 GRAPH_WEIGHT = 1.5
 
 
@@ -193,11 +194,12 @@ def _add(dicts) -> dict:
 
 
 def placement(degree: int, lane: int, gpus: int) -> int:
-    """The GPU of a lane's rank 0 (rank r on (first + r) mod gpus): the lanes round-robin over the
-    GPUs, so each GPU holds about as many processes. Every lane runs the same kernels on any GPU of
+    """The GPU of a lane's rank 0 (rank r on GPU first + r): the lanes round-robin over the GPUs, so
+    each GPU holds about as many processes. Every lane runs the same kernels on any GPU of
     one machine's identical GPUs - the cuBLAS heuristics, Triton's compiled code and cuDNN's plans
     follow the device's architecture and SM count, which are the same."""
-    return (lane * degree) % max(1, gpus)
+    first = (lane * degree) % max(1, gpus)
+    return first if first + degree <= gpus else 0  # a world's ranks on distinct GPUs (NCCL's rule)
 
 
 def auto_budget(rc) -> tuple[int, int]:

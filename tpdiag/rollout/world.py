@@ -24,7 +24,7 @@ def write_inputs(out_dir: str, seqs, configs, units=None, threads: int = 1, firs
     """units: [(config, lo, hi)] - each configuration over the sequences [lo, hi) (lo a multiple
     of its micro-batch, so its micro-batches are the whole run's); None: every configuration
     over every sequence. threads: torch's CPU threads in each rank (the in-process TP=1's count).
-    first_gpu: rank r runs on CUDA device (first_gpu + r) mod the devices (tpdiag.rollout.lanes)."""
+    first_gpu: rank r runs on CUDA device first_gpu + r (tpdiag.rollout.lanes.placement)."""
     from tpdiag.base import files as io
 
     io.write_json(os.path.join(out_dir, SEQUENCES), {
@@ -106,7 +106,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     inputs = io.read_json(os.path.join(cfg.out_dir, SEQUENCES))
     if cfg.device == "cuda":
         # before anything touches CUDA: the device mesh and NCCL take the device set here
-        gpu = (int(inputs.get("first_gpu") or 0) + rank) % max(1, torch.cuda.device_count())
+        gpu = int(inputs.get("first_gpu") or 0) + rank
         torch.cuda.set_device(gpu)
         device, backend = torch.device("cuda", gpu), "nccl"
     else:
