@@ -100,8 +100,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("rest", nargs="*", help="after --: more tpdiag rollout options")
-    a = ap.parse_args()
+    argv = sys.argv[1:]
+    # argparse gives a trailing nargs="*" positional nothing once the one before it has matched: the
+    # options after `--` are split off here
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    a.rest = argv[cut + 1:]  # after --: more tpdiag rollout options
     shape = (SMALL_MOE if a.small else QWEN3_MOE) if a.moe else (SMALL if a.small else LLAMA_1B)
     model = write_checkpoint(os.path.join(a.out, "model"), shape, a.device)
     rollout = os.path.join(a.out, "rollout.jsonl")
