@@ -28,6 +28,7 @@ def test_bad_input_from_the_build_cancels_the_started_lanes_and_the_environment_
     from tpdiag.rollout.run import RolloutConfig, run_rollout
 
     monkeypatch.delenv(CUBLAS, raising=False)
+    monkeypatch.setenv("TPDIAG_PRESTART", "0")  # no fork server: no world starts here
     seen = {}
 
     def fake_lanes(rc, seqs, cfgs, counts, work, groups, threads, on_status=None, cancel=None, launches=None):
