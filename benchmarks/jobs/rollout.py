@@ -8,7 +8,7 @@ every configuration's logprobs bit for bit as the first one does.
     python -m benchmarks rollout                                  # one GPU: TP=1, jobs 1 vs auto
     python -m benchmarks rollout --fix none,all --jobs 1,auto,4   # one GPU: issue 56's 8 TP=1 configurations
     python -m benchmarks rollout --tp 1,2 --fix none,all --jobs 1,auto,4   # two GPUs: issue 56's 16
-    python -m benchmarks rollout --tp 1,2 --fix none,all --jobs auto,auto:4,auto:7  # auto's budget swept
+    python -m benchmarks rollout --tp 1,2 --fix none,all --jobs auto,auto:4,auto:7,auto:5:1  # auto swept
     python -m benchmarks rollout --small --device cpu --prompt 16 --new 12 --jobs 1,2   # CPU smoke
 
 Each rollout runs in its own process (`python -m benchmarks.jobs.rollout --one ...`: the wall time
@@ -51,7 +51,8 @@ def parse(argv):
     ap.add_argument("--flags", default="default")
     ap.add_argument("--jobs", default="1,auto", help="--jobs values to run, each a whole rollout (the first is "
                                                       "the bit-check's reference); auto:P is auto with P "
-                                                      "processes a GPU instead of its CPU-count rule (a sweep)")
+                                                      "processes a GPU instead of its CPU-count rule, auto:P:M "
+                                                      "also at most M lanes per TP > 1 degree (a sweep)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per rollout")
     ap.add_argument("--peak-tflops", type=float, default=None)
     return ap.parse_args(argv)
@@ -189,11 +190,18 @@ def _one(argv: list[str]) -> int:
                        fixes=parse_fixes(a.fix), dtype=a.dtype, device=a.device,
                        flags=backend_flags.parse("--flags", a.flags), attention=attn.parse("auto"),
                        padding=parse_padding("auto"), jobs=parse_jobs(a.jobs.split(":")[0]))
-    if a.jobs.startswith("auto:"):  # the sweep's knob: auto's processes per GPU, the rest of auto as is
+    if a.jobs.startswith("auto:"):
+        # the sweep's knobs: auto:P - P processes a GPU; auto:P:M - and at most M lanes per TP > 1
+        # degree (auto:P:1 is the TP > 1 single world of 1012b3a, the TP=1 lanes spread over the GPUs)
         from tpdiag.rollout import lanes
 
+        knobs = [int(x) for x in a.jobs.split(":")[1:]]
         gpus = lanes._gpu_count(rc)
-        lanes.auto_budget = lambda rc, n=int(a.jobs.split(":")[1]): (gpus, n)
+        lanes.auto_budget = lambda rc: (gpus, knobs[0])
+        if len(knobs) > 1:
+            share = lanes.share
+            lanes.share = lambda work, units, slots: share(
+                work, {t: (min(n, knobs[1]) if t > 1 else n) for t, n in units.items()}, slots)
     got, lane_s = {}, {}
     t0 = time.perf_counter()
 
