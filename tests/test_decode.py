@@ -39,7 +39,7 @@ def logits(spec, dtype, fix, world, prompt_len=None, calls=None):
 
     from tpdiag.config import WorldConfig
     from tpdiag.fixes.registry import apply_fixes, resolve
-    from tpdiag.kernels.tree import run_groups
+    from tpdiag.kernels.tree import install_tree_groups
     from tpdiag.runner import determinism
     from tpdiag.runner.decode import assemble, decode, default_prompt_len
     from tpdiag.runner.build import build_model
@@ -52,7 +52,7 @@ def logits(spec, dtype, fix, world, prompt_len=None, calls=None):
     ids = torch.randint(0, target.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
     P = prompt_len or default_prompt_len(S)
     on_call = (lambda a, b: calls.append((a, b))) if calls is not None else None
-    with torch.no_grad(), run_groups(2), apply_fixes(resolve(fix), model=model, plan=target.plan, world=world):
+    with torch.no_grad(), install_tree_groups(2), apply_fixes(resolve(fix), model=model, plan=target.plan, world=world):
         pre = logits_of(model(ids))
         dec = assemble(decode(model, ids, P, on_call=on_call))
     whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731

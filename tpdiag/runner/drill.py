@@ -71,7 +71,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     no divergence - at real sizes the largest part of the second pass."""
     from tpdiag.diff.judge import settle
     from tpdiag.records.causes import cause_class
-    from tpdiag.runner.compare import run_compare
+    from tpdiag.runner.compare import compare_pass
 
     from tpdiag.records.axes import entries
 
@@ -146,7 +146,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         for lab, _ in targets) else 0
     sub = None
     if n:
-        sub = run_compare(replace(rerun, positions=n, prefix_from=prefix.decode_dir(run_dir, targets[0][0])))
+        sub = compare_pass(replace(rerun, positions=n, prefix_from=prefix.decode_dir(run_dir, targets[0][0])))[0]
         if prefix.reproduces(run_dir, out, [lab for lab, _ in targets], every, entries(sub)):
             for lab, _ in targets:
                 every[lab]["first_divergence"]["positions"] = [n, cfg.seq_len]
@@ -157,7 +157,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
             out = rerun.out + "-all"
             rerun = replace(rerun, out=out)
     if sub is None:
-        sub = run_compare(rerun)
+        sub = compare_pass(rerun)[0]
     op_failed = ops and not n and _ops_not_spmd(sub)
     if op_failed:
         # each rank ran other ops (an MoE's experts on the tokens routed to this rank's experts:
@@ -167,7 +167,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
             on_status("float64", "module level (the ranks' op streams differ)")
         out = rerun.out + "-modules"
         rerun = replace(rerun, out=out, granularity="module", op_include=(), oracle_ops=False)
-        sub = run_compare(rerun)
+        sub = compare_pass(rerun)[0]
         ops = False
     def merge(sub: dict) -> None:
         """The copy-back of a rerun's summary into pass 1's entries (the own-input pass after the

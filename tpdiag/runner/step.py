@@ -160,14 +160,14 @@ def _contexts(stack: ExitStack, cfg: WorldConfig, model, target, world: int, rec
     from tpdiag.errors import BadInput
     from tpdiag.fixes.groups import PER_GROUP
     from tpdiag.fixes.registry import apply_fixes
-    from tpdiag.kernels.tree import run_groups
+    from tpdiag.kernels.tree import install_tree_groups
     from tpdiag.runner.attention import attention
     from tpdiag.runner.decode import is_hf
     from tpdiag.runner.losses import step_functions
     from tpdiag.runner.sdpa_ran import SdpaRan
 
     # the run's G, the same in every rank of every world (before the fixes read it)
-    stack.enter_context(run_groups(cfg.tree_groups, cfg.group_gemm == PER_GROUP))
+    stack.enter_context(install_tree_groups(cfg.tree_groups, cfg.group_gemm == PER_GROUP))
     # the configuration's attention implementation (the --attention axis; 'auto': the model's own):
     # an SDPA backend within SDPA; never a switch of an hf: model's implementation, which would
     # build its layers other inputs (another mask) than the reference's (runner/compare.py)
