@@ -46,7 +46,7 @@ def logits(spec, dtype, fix, world, prompt_len=None, calls=None):
     from tpdiag.runner.logits import logits_of
 
     determinism.setup(1234, "cpu")
-    cfg = WorldConfig(model=spec, degree=world, label="t", out_dir="", dtype=dtype)
+    cfg = WorldConfig.of(model=spec, degree=world, label="t", out_dir="", dtype=dtype)
     target, model = build_model(cfg, torch.device("cpu"), world)
     model.eval()
     ids = torch.randint(0, target.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
@@ -164,7 +164,7 @@ def test_forward_only_worlds_build_no_autograd_graph(mode, monkeypatch):
     determinism.setup(1234, "cpu")
     for backward in (False, True) if mode == "prefill" else (False,):
         seen.clear()
-        cfg = WorldConfig(model="tiny-llama", degree=1, label="t", out_dir="", batch_size=1, seq_len=6,
+        cfg = WorldConfig.of(model="tiny-llama", degree=1, label="t", out_dir="", batch_size=1, seq_len=6,
                           backward=backward, mode=mode, probes=False, selfcheck=False)
         step.run(cfg, torch.device("cpu"), 1, Recorder())
         assert seen and set(seen) == {backward}, (mode, backward, seen)

@@ -87,7 +87,7 @@ def test_a_world_with_every_module_reexecuted_computes_the_same_bits(tmp_path):
     model = tiny_llama.build("tiny-llama", n_layers=1)
     names = tuple(n or "model" for n, _ in model.named_modules())
     fixes = ("tp-invariant-linear", "invariant-gemm", "invariant-norm-grad")
-    base = CompareConfig(model="tiny-llama", degrees=(1, 2), fixes=fixes, fix_mode="explicit", confirm=False,
+    base = CompareConfig.of(model="tiny-llama", degrees=(1, 2), fixes=fixes, fix_mode="explicit", confirm=False,
                          baseline=False, layers=1)
     from dataclasses import replace
 

@@ -291,10 +291,7 @@ def compare_pass(cfg: CompareConfig, on_status=None):
     for point, label in worlds:
         degree = point.tp
         ref_dir = run.world(labels[0]) if label != labels[0] else ""
-        wcfg = cfg.world(degree, label, run.world(label), device, ref_dir=ref_dir,
-                         micro_batch=point.micro_batch, mode=point.mode, attention=point.attention)
-        if label == labels[0] and (cfg.oracle or cfg.oracle_ops):
-            wcfg = wcfg.with_(oracle=cfg.oracle, oracle_ops=cfg.oracle_ops, oracle_own=cfg.oracle_own)
+        wcfg = cfg.world(point, label, run.world(label), device, ref_dir=ref_dir, reference=label == labels[0])
         res = run_world(wcfg, cfg.timeout, on_status)
         if res.status != "ok":
             failed[label] = res.error
