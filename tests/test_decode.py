@@ -165,6 +165,6 @@ def test_forward_only_worlds_build_no_autograd_graph(mode, monkeypatch):
     for backward in (False, True) if mode == "prefill" else (False,):
         seen.clear()
         cfg = WorldConfig.of(model="tiny-llama", degree=1, label="t", out_dir="", batch_size=1, seq_len=6,
-                          backward=backward, mode=mode, probes=False, selfcheck=False)
+                             backward=backward, mode=mode, probes=False, selfcheck=False)
         step.run(cfg, torch.device("cpu"), 1, Recorder())
         assert seen and set(seen) == {backward}, (mode, backward, seen)

@@ -88,11 +88,9 @@ def test_a_world_with_every_module_reexecuted_computes_the_same_bits(tmp_path):
     names = tuple(n or "model" for n, _ in model.named_modules())
     fixes = ("tp-invariant-linear", "invariant-gemm", "invariant-norm-grad")
     base = CompareConfig.of(model="tiny-llama", degrees=(1, 2), fixes=fixes, fix_mode="explicit", confirm=False,
-                         baseline=False, layers=1)
-    from dataclasses import replace
-
-    compare_pass(replace(base, out=str(tmp_path / "plain")))
-    compare_pass(replace(base, out=str(tmp_path / "oracle"), oracle=names))
+                            baseline=False, layers=1)
+    compare_pass(base.with_(out=str(tmp_path / "plain")))
+    compare_pass(base.with_(out=str(tmp_path / "oracle"), oracle=names))
     fp = [json.loads((tmp_path / d / "tp1" / "world.json").read_text())["fingerprint"] for d in ("plain", "oracle")]
     assert fp[0] and fp[0] == fp[1], fp
     a, b = (RecordSet(str(tmp_path / d / "tp1")) for d in ("plain", "oracle"))

@@ -88,7 +88,7 @@ def _worker(specs, rank, world, port, q):
     results = {}
     for name, kind, variant, dtype in CASES:
         cfg = WorldConfig.of(model=specs[kind], degree=world, label=str(world), out_dir="",
-                          dtype=dtype, variant=variant, batch_size=2, seq_len=8)
+                             dtype=dtype, variant=variant, batch_size=2, seq_len=8)
         built = {}
         for path in ("sharded", "whole"):
             build.build_sharded = sharded_build if path == "sharded" else forced_whole

@@ -116,8 +116,8 @@ def worker(rank, world, port, args, size, q):
         dist.init_process_group("gloo", rank=rank, world_size=world)
     batch_size, seq = size
     cfg = WorldConfig.of(model=args.model, degree=world, label=str(world), out_dir="/tmp/x",
-                      dtype=args.dtype, device=args.device, batch_size=batch_size, seq_len=seq,
-                      variant=args.variant)
+                         dtype=args.dtype, device=args.device, batch_size=batch_size, seq_len=seq,
+                         variant=args.variant)
     target, model = build_model(cfg, dev, world)
     batch, labels = make_batch(cfg, target, dev)
     fargs, fkwargs = forward_call(model, batch)

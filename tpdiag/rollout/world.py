@@ -51,8 +51,8 @@ def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, u
     os.makedirs(out_dir, exist_ok=True)
     write_inputs(out_dir, seqs, configs, units, threads)
     cfg = WorldConfig.of(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,
-                      device=rc.device, backward=False, seed=rc.seed, probes=False, selfcheck=False,
-                      tree_groups=tree_groups, flags=flags or configs[0].flags)
+                         device=rc.device, backward=False, seed=rc.seed, probes=False, selfcheck=False,
+                         tree_groups=tree_groups, flags=flags or configs[0].flags)
     res = run_world(cfg, rc.timeout, entry=main)
     if res.status != "ok":
         keys = [c.rollout_name() for c in configs] if units is None else [unit_key(c.rollout_name(), lo, hi) for c, lo, hi in units]
