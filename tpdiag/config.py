@@ -59,20 +59,6 @@ def _frozen(v):
     return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
 
 
-def to_dict(cfg, omitted: dict) -> dict:
-    """A flat config's fields, in order, as JSON holds them; a field in `omitted` is left out while
-    it has that value (a field added later: the files of a run without it stay as they were)."""
-    return {f.name: _plain(getattr(cfg, f.name)) for f in fields(cfg)
-            if not (f.name in omitted and getattr(cfg, f.name) == omitted[f.name])}
-
-
-def from_dict(cls, d: dict):
-    """to_dict's inverse: a tuple field's list back as a tuple. A key of a newer tpdiag is refused
-    by the dataclass, as before."""
-    tuples = {f.name for f in fields(cls) if isinstance(f.default, tuple)}
-    return cls(**{k: (_frozen(v) if k in tuples else v) for k, v in d.items()})
-
-
 def degree_labels(degrees: tuple[int, ...]) -> list[str]:
     """The TP axis' summary keys ('2'; folders 'tp2'): a repeated degree is the same configuration
     run again ('1-2', tpdiag.base.configs.Config.repeat) so runs never collide."""
