@@ -77,14 +77,15 @@ def test_parts_are_separate():
 
 def test_an_older_flat_config_loads():
     """A manifest written before attentions/paddings existed (and with every key flat) loads; a key
-    of a newer tpdiag is refused."""
+    of a newer tpdiag is refused (bad input: one line, exit 2)."""
     from tpdiag.config import CompareConfig
+    from tpdiag.errors import BadInput
 
     d = _through_json(_rerun_cfg().with_(attentions=()).to_dict())
     assert "attentions" not in d
     back = CompareConfig.from_dict(d)
     assert back.attentions == () and back.rerun.oracle == ("layers.0",)
-    with pytest.raises(TypeError):
+    with pytest.raises(BadInput, match="from_the_future"):
         CompareConfig.from_dict({**d, "from_the_future": 1})
 
 

@@ -1,4 +1,8 @@
-"""Run configuration: frozen, validated, serialisable (`to_dict`) so every record shows its provenance."""
+"""Run configuration: frozen, validated, serialisable (`to_dict`) so every record shows its provenance.
+
+A configuration is nested: the user's run settings (RunSettings), the configuration point (a
+compare's Axes, a world's tpdiag.base.configs.Config), and what only tpdiag's own reruns set
+(RerunSpec); on disk it is the flat dict the run directory has always held (_Nested)."""
 from __future__ import annotations
 
 import functools
@@ -139,8 +143,12 @@ class _Nested:
     @classmethod
     def from_dict(cls, d: dict):
         """to_dict's inverse (also of what an older tpdiag wrote: a key added since takes its
-        default); a key of a newer tpdiag is refused (TypeError), as before."""
+        default); a key this tpdiag does not know (a newer one wrote it) is refused."""
         lay = _layout(cls)
+        unknown = [k for k in d if k not in lay and k not in cls._PARTS]
+        if unknown:
+            raise BadInput(f"the run's config has {', '.join(map(repr, unknown))}, which this tpdiag does not "
+                           "know (written by a newer tpdiag?)")
         return cls.of(**{k: (_frozen(v) if k in lay and isinstance(lay[k][2].default, tuple) else v)
                          for k, v in d.items()})
 
