@@ -30,7 +30,8 @@ out = []
 for kw in json.loads(sys.argv[2]):
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
     setup(1234, "cpu")
-    cfg = WorldConfig(model="tiny-llama", degree=1, label="1", out_dir=tempfile.mkdtemp(), capture="full",
+    # WorldConfig.of: the nested config (flat keys); a tree before it took them directly
+    cfg = getattr(WorldConfig, "of", WorldConfig)(model="tiny-llama", degree=1, label="1", out_dir=tempfile.mkdtemp(), capture="full",
                       layers=1, **kw)
     rec = Recorder()
     step.run(cfg, torch.device("cpu"), 1, rec, fingerprint=True)

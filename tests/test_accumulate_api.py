@@ -156,7 +156,7 @@ def test_the_grad_probe_records_a_carried_grad_once_even_if_autograd_touches_it_
     the window's value."""
     import tpdiag
     from tpdiag.fixes.registry import apply_fixes, resolve
-    from tpdiag.kernels.tree import run_groups
+    from tpdiag.kernels.tree import install_tree_groups
     from tpdiag.probes.module_probe import module_probes
     from tpdiag.probes.recorder import Recorder
 
@@ -166,7 +166,7 @@ def test_the_grad_probe_records_a_carried_grad_once_even_if_autograd_touches_it_
     ids, labels = _batch(target.vocab_size)
     rec = Recorder()
     emb = model.tok_embeddings.weight
-    with run_groups(2), apply_fixes(resolve("all"), model=model, plan=target.plan, world=1), \
+    with install_tree_groups(2), apply_fixes(resolve("all"), model=model, plan=target.plan, world=1), \
             module_probes(model, rec, plan=target.plan, backward=True):
         rec.phase = "forward"
         with tpdiag.accumulate_grads(model):

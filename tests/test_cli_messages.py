@@ -284,7 +284,7 @@ def test_progress_shows_on_a_terminal_only():
     from tpdiag.cli.render import progress
     from tpdiag.config import CompareConfig
 
-    cfg = CompareConfig(degrees=(1, 2))
+    cfg = CompareConfig.of(degrees=(1, 2))
     for terminal, quiet, shown in ((True, False, True), (True, True, False), (False, False, False)):
         buf = io.StringIO()
         with progress(Console(file=buf, force_terminal=terminal, width=100), cfg, quiet) as on_status:
@@ -317,7 +317,7 @@ def test_a_decode_world_shows_its_calls_on_the_status_line(tmp_path):
     progress.clear(str(tmp_path))
     assert progress.read(str(tmp_path)) is None
     buf = io.StringIO()
-    with live(Console(file=buf, force_terminal=True, width=120), CompareConfig(degrees=(1, 2))) as on_status:
+    with live(Console(file=buf, force_terminal=True, width=120), CompareConfig.of(degrees=(1, 2))) as on_status:
         on_status("2", "running")
         on_status("2", "running:decode call 3 of 9")
     assert "running, decode call 3 of 9" in buf.getvalue()

@@ -39,20 +39,20 @@ def logits(spec, dtype, fix, world, prompt_len=None, calls=None):
 
     from tpdiag.config import WorldConfig
     from tpdiag.fixes.registry import apply_fixes, resolve
-    from tpdiag.kernels.tree import run_groups
+    from tpdiag.kernels.tree import install_tree_groups
     from tpdiag.runner import determinism
     from tpdiag.runner.decode import assemble, decode, default_prompt_len
     from tpdiag.runner.build import build_model
     from tpdiag.runner.logits import logits_of
 
     determinism.setup(1234, "cpu")
-    cfg = WorldConfig(model=spec, degree=world, label="t", out_dir="", dtype=dtype)
+    cfg = WorldConfig.of(model=spec, degree=world, label="t", out_dir="", dtype=dtype)
     target, model = build_model(cfg, torch.device("cpu"), world)
     model.eval()
     ids = torch.randint(0, target.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
     P = prompt_len or default_prompt_len(S)
     on_call = (lambda a, b: calls.append((a, b))) if calls is not None else None
-    with torch.no_grad(), run_groups(2), apply_fixes(resolve(fix), model=model, plan=target.plan, world=world):
+    with torch.no_grad(), install_tree_groups(2), apply_fixes(resolve(fix), model=model, plan=target.plan, world=world):
         pre = logits_of(model(ids))
         dec = assemble(decode(model, ids, P, on_call=on_call))
     whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
@@ -164,7 +164,7 @@ def test_forward_only_worlds_build_no_autograd_graph(mode, monkeypatch):
     determinism.setup(1234, "cpu")
     for backward in (False, True) if mode == "prefill" else (False,):
         seen.clear()
-        cfg = WorldConfig(model="tiny-llama", degree=1, label="t", out_dir="", batch_size=1, seq_len=6,
-                          backward=backward, mode=mode, probes=False, selfcheck=False)
+        cfg = WorldConfig.of(model="tiny-llama", degree=1, label="t", out_dir="", batch_size=1, seq_len=6,
+                             backward=backward, mode=mode, probes=False, selfcheck=False)
         step.run(cfg, torch.device("cpu"), 1, Recorder())
         assert seen and set(seen) == {backward}, (mode, backward, seen)

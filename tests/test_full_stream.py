@@ -41,8 +41,8 @@ def _step_records(world: int, mode: str, spill_dir=None):
     from tpdiag.runner import step
     from tpdiag.runner.gather import gather_records
 
-    cfg = WorldConfig(model="tiny-llama", degree=world, label=str(world), out_dir="", dtype="float32",
-                      device="cpu", batch_size=2, seq_len=8, selfcheck=False, capture="full")
+    cfg = WorldConfig.of(model="tiny-llama", degree=world, label=str(world), out_dir="", dtype="float32",
+                         device="cpu", batch_size=2, seq_len=8, selfcheck=False, capture="full")
     saved = stream.record_full
     if mode == "old":
         stream.record_full = _old_record_full

@@ -135,7 +135,7 @@ def test_hash_mode_keeps_no_tensor_and_no_graph():
     from tpdiag.probes.recorder import KEEP_WHOLE, Recorder
     from tpdiag.runner import step
 
-    cfg = WorldConfig(model="tiny-llama", degree=1, label="1", out_dir="", capture="hash")
+    cfg = WorldConfig.of(model="tiny-llama", degree=1, label="1", out_dir="", capture="hash")
     rec = Recorder()
     seen = []
     orig = rec.add

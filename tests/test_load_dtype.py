@@ -28,7 +28,7 @@ def _ours(path: str, dtype: str = "bfloat16"):
     from tpdiag.config import WorldConfig
     from tpdiag.runner.build import build_model
 
-    cfg = WorldConfig(model="hf:" + path, degree=1, label="1", out_dir="", dtype=dtype)
+    cfg = WorldConfig.of(model="hf:" + path, degree=1, label="1", out_dir="", dtype=dtype)
     return build_model(cfg, torch.device("cpu"), 1)[1].eval()
 
 
@@ -100,7 +100,7 @@ def _builtin_bf16():
     from tpdiag.config import WorldConfig
     from tpdiag.runner.build import build_model
 
-    cfg = WorldConfig(model="tiny-llama", degree=1, label="1", out_dir="", dtype="bfloat16")
+    cfg = WorldConfig.of(model="tiny-llama", degree=1, label="1", out_dir="", dtype="bfloat16")
     return build_model(cfg, torch.device("cpu"), 1)[1]
 
 

@@ -140,10 +140,10 @@ def test_parse_variants():
 
     assert v.fix_mode == "all" and set(v.fixes) == {n for n, f in catalogue().items() if f.install}
     assert parse_variant("stock").is_stock and not parse_variant("stable").is_stock
-    vs = parse_variants("stock, stable ,stable+fix:all", CompareConfig(degrees=(1, 2)))
+    vs = parse_variants("stock, stable ,stable+fix:all", CompareConfig.of(degrees=(1, 2)))
     assert [x.name for x in vs] == ["stock", "stable", "stable+fix:all"]
     with pytest.raises(BadInput):
-        parse_variants("fix:all,fix:all", CompareConfig(degrees=(1, 2)))
+        parse_variants("fix:all,fix:all", CompareConfig.of(degrees=(1, 2)))
 
 
 def test_full_shape_from_two_sharded_sides():

@@ -82,17 +82,15 @@ def test_a_world_with_every_module_reexecuted_computes_the_same_bits(tmp_path):
     from tpdiag.config import CompareConfig
     from tpdiag.models import tiny_llama
     from tpdiag.records.store import RecordSet
-    from tpdiag.runner.compare import run_compare
+    from tpdiag.runner.compare import compare_pass
 
     model = tiny_llama.build("tiny-llama", n_layers=1)
     names = tuple(n or "model" for n, _ in model.named_modules())
     fixes = ("tp-invariant-linear", "invariant-gemm", "invariant-norm-grad")
-    base = CompareConfig(model="tiny-llama", degrees=(1, 2), fixes=fixes, fix_mode="explicit", confirm=False,
-                         baseline=False, layers=1)
-    from dataclasses import replace
-
-    run_compare(replace(base, out=str(tmp_path / "plain")))
-    run_compare(replace(base, out=str(tmp_path / "oracle"), oracle=names))
+    base = CompareConfig.of(model="tiny-llama", degrees=(1, 2), fixes=fixes, fix_mode="explicit", confirm=False,
+                            baseline=False, layers=1)
+    compare_pass(base.with_(out=str(tmp_path / "plain")))
+    compare_pass(base.with_(out=str(tmp_path / "oracle"), oracle=names))
     fp = [json.loads((tmp_path / d / "tp1" / "world.json").read_text())["fingerprint"] for d in ("plain", "oracle")]
     assert fp[0] and fp[0] == fp[1], fp
     a, b = (RecordSet(str(tmp_path / d / "tp1")) for d in ("plain", "oracle"))

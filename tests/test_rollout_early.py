@@ -72,8 +72,8 @@ def test_a_cancelled_world_ends_at_once_and_its_ranks_are_killed(tmp_path):
     out = str(tmp_path / "tp1")
     os.makedirs(out)
     world.write_inputs(out, seqs, [Config(1, 1, "decode", "none")])
-    cfg = WorldConfig(model="tiny-llama", degree=1, label="1", out_dir=out, dtype="float32", device="cpu",
-                      backward=False, seed=1, probes=False, selfcheck=False, flags="default")
+    cfg = WorldConfig.of(model="tiny-llama", degree=1, label="1", out_dir=out, dtype="float32", device="cpu",
+                         backward=False, seed=1, probes=False, selfcheck=False, flags="default")
     cancel = threading.Event()
     # cancelled as the ranks start: none can have built a model and written its result by the
     # launcher's first look

@@ -87,8 +87,8 @@ def _worker(specs, rank, world, port, q):
 
     results = {}
     for name, kind, variant, dtype in CASES:
-        cfg = WorldConfig(model=specs[kind], degree=world, label=str(world), out_dir="",
-                          dtype=dtype, variant=variant, batch_size=2, seq_len=8)
+        cfg = WorldConfig.of(model=specs[kind], degree=world, label=str(world), out_dir="",
+                             dtype=dtype, variant=variant, batch_size=2, seq_len=8)
         built = {}
         for path in ("sharded", "whole"):
             build.build_sharded = sharded_build if path == "sharded" else forced_whole

@@ -151,9 +151,9 @@ def test_layers_bad_input_is_one_line(tmp_path):
     from tpdiag.runner.compare import validate
 
     spec = write_tiny("llama", tmp_path / "m")
-    for cfg, words in ((CompareConfig(model=spec, degrees=(1, 2), layers=3), "the model has 2 decoder layers"),
-                       (CompareConfig(model=spec, degrees=(1, 2), layers=-1), "must be >= 1"),
-                       (CompareConfig(model="py:tests/models/unsharded.py:target", degrees=(1, 2), layers=1),
+    for cfg, words in ((CompareConfig.of(model=spec, degrees=(1, 2), layers=3), "the model has 2 decoder layers"),
+                       (CompareConfig.of(model=spec, degrees=(1, 2), layers=-1), "must be >= 1"),
+                       (CompareConfig.of(model="py:tests/models/unsharded.py:target", degrees=(1, 2), layers=1),
                         "a py: target builds its own model")):
         with pytest.raises(BadInput, match=words):
             validate(cfg)

@@ -52,7 +52,7 @@ _SCRIPT = textwrap.dedent("""
         w = torch.randn(N, K, generator=gen).to(bf)        # row-parallel weight [N, K]
         dy = torch.randn(M, K, generator=gen).to(bf)       # column dgrad: dy [M, Nc] @ wc [Nc, Kc]
         wc = torch.randn(K, N, generator=gen).to(bf)
-        with tree.run_groups(G, per_group=True):
+        with tree.install_tree_groups(G, per_group=True):
             assert tree.n_groups() == G and tree.gemm_per_group()
             # TP=1: every group is one call on its slice, the groups added in the tree
             ref, c1 = counted(lambda: gl.RowLinearPartial.apply(x, w, G))

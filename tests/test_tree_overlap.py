@@ -79,8 +79,8 @@ def _model_worker(rank, world, port, q):
     determinism.setup(0, "cpu")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = WorldConfig(model="tiny-llama", degree=world, label=str(world), out_dir="/tmp/x",
-                      batch_size=2, seq_len=16)
+    cfg = WorldConfig.of(model="tiny-llama", degree=world, label=str(world), out_dir="/tmp/x",
+                         batch_size=2, seq_len=16)
     target, model = build_model(cfg, torch.device("cpu"), world)
     batch, labels = make_batch(cfg, target, torch.device("cpu"))
     fargs, fkwargs = forward_call(model, batch)

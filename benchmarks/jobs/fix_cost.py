@@ -115,9 +115,9 @@ def worker(rank, world, port, args, size, q):
         dev = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world)
     batch_size, seq = size
-    cfg = WorldConfig(model=args.model, degree=world, label=str(world), out_dir="/tmp/x",
-                      dtype=args.dtype, device=args.device, batch_size=batch_size, seq_len=seq,
-                      variant=args.variant)
+    cfg = WorldConfig.of(model=args.model, degree=world, label=str(world), out_dir="/tmp/x",
+                         dtype=args.dtype, device=args.device, batch_size=batch_size, seq_len=seq,
+                         variant=args.variant)
     target, model = build_model(cfg, dev, world)
     batch, labels = make_batch(cfg, target, dev)
     fargs, fkwargs = forward_call(model, batch)
@@ -125,7 +125,7 @@ def worker(rank, world, port, args, size, q):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     from tpdiag.kernels import tree_overlap
-    from tpdiag.kernels.tree import run_groups
+    from tpdiag.kernels.tree import install_tree_groups
 
     overlap_env = tree_overlap.ON[0]  # TPDIAG_TREE_OVERLAP as the process read it
 
@@ -136,7 +136,7 @@ def worker(rank, world, port, args, size, q):
         # --overlap: the tree all-reduce in row chunks under the GEMMs (kernels/tree_overlap.py)
         tree_overlap.ON[0] = config[2] if len(config) > 2 else overlap_env
         # G = the world's degree: one group per rank, one invariant GEMM each; a larger G: tree_mm
-        with run_groups(g or 0, per_group=g == world), \
+        with install_tree_groups(g or 0, per_group=g == world), \
                 apply_fixes(fixes, model=model, plan=target.plan, world=world):
             loss_fn, _, norm_fn = step_functions(target)
             sync()

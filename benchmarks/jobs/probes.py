@@ -66,8 +66,8 @@ def overhead(args) -> dict:
     dev_type = "cuda" if torch.cuda.is_available() else "cpu"
     determinism.setup(0, dev_type)
     dev = torch.device(dev_type, 0) if dev_type == "cuda" else torch.device("cpu")
-    base = WorldConfig(model=args.model, degree=1, label="1", out_dir="", dtype=args.dtype,
-                       device=dev_type, batch_size=args.batch, seq_len=args.seq, selfcheck=False)
+    base = WorldConfig.of(model=args.model, degree=1, label="1", out_dir="", dtype=args.dtype,
+                          device=dev_type, batch_size=args.batch, seq_len=args.seq, selfcheck=False)
     built = step.build_model(base, dev, 1)
     step.build_model = lambda cfg, device, world: built  # one model for every mode and round
     nparams = sum(p.numel() for p in built[1].parameters())
@@ -373,8 +373,8 @@ def profile_step(args) -> dict:
         require_cuda("probes profile --kineto")
     determinism.setup(0, dev_type)
     dev = torch.device(dev_type, 0) if dev_type == "cuda" else torch.device("cpu")
-    cfg = WorldConfig(model=args.model, degree=1, label="1", out_dir="", dtype=args.dtype, device=dev_type,
-                      batch_size=args.batch, seq_len=args.seq, selfcheck=False, capture="hash")
+    cfg = WorldConfig.of(model=args.model, degree=1, label="1", out_dir="", dtype=args.dtype, device=dev_type,
+                         batch_size=args.batch, seq_len=args.seq, selfcheck=False, capture="hash")
     built = step.build_model(cfg, dev, 1)
     step.build_model = lambda cfg, device, world: built
     if args.kineto:

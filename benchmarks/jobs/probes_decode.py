@@ -29,9 +29,9 @@ def decode_host(args) -> dict:
     cuda = getattr(args, "cuda", False)
     dev = host_model(cuda, "probes decode-host --cuda")
     seq = args.seq if args.seq else 128
-    base = WorldConfig(model="llama-1b", degree=1, label="1", out_dir="", dtype="float32",
-                       device="cuda" if cuda else "cpu", batch_size=1, seq_len=seq, selfcheck=False,
-                       backward=False, capture="hash")
+    base = WorldConfig.of(model="llama-1b", degree=1, label="1", out_dir="", dtype="float32",
+                          device="cuda" if cuda else "cpu", batch_size=1, seq_len=seq, selfcheck=False,
+                          backward=False, capture="hash")
     ref = Recorder()
     step.run(base, dev, 1, ref)
     piece_ref = {m["key"]: list(m.get("full_shape") or m["local_shape"]) for m, _ in ref.records}

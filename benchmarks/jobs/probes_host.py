@@ -31,8 +31,8 @@ def host(args) -> dict:
 
     cuda = getattr(args, "cuda", False)
     dev = host_model(cuda, "probes host --cuda")
-    base = WorldConfig(model="llama-1b", degree=1, label="1", out_dir="", dtype="float32",
-                       device="cuda" if cuda else "cpu", batch_size=1, seq_len=16, selfcheck=False)
+    base = WorldConfig.of(model="llama-1b", degree=1, label="1", out_dir="", dtype="float32",
+                          device="cuda" if cuda else "cpu", batch_size=1, seq_len=16, selfcheck=False)
     # hash-gc: Python's cyclic GC left on during the probed step (TPDIAG_PROBE_GC=1), the A/B of
     # module_probes' GC pause; hooks-only / rows-only as in `probes overhead`
     times: dict = {"none": [], "hash": [], "hash-gc": [], "hash-hooks": [], "hooks-only": [], "rows-only": []}

@@ -196,7 +196,7 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
     g = check_groups(tree_groups, tp, names)
     from tpdiag.api.determinism import deterministic as det
     from tpdiag.fixes.registry import apply_fixes, catalogue
-    from tpdiag.kernels.tree import run_groups
+    from tpdiag.kernels.tree import install_tree_groups
 
     cat = catalogue()
 
@@ -206,7 +206,7 @@ def invariant(model, plan: dict, *, fixes="all", tree_groups: int | None = None,
         if deterministic:
             stack.enter_context(det())
         # G first: the fixes check every reduced dimension against it as they install
-        stack.enter_context(run_groups(g, group_gemm == "per-group"))
+        stack.enter_context(install_tree_groups(g, group_gemm == "per-group"))
         stack.enter_context(apply_fixes(names, model=model, plan=plan, world=tp))
         # what a fix takes over from the runner, the user's own loop computes: its own install
         for f in (cat[n] for n in names):

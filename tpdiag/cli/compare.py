@@ -89,7 +89,7 @@ def compare(
         fmt = check_format(fmt)
         fix_mode = fix.strip().lower()
         fixes = () if fix_mode in ("auto", "none") else resolve(fix_mode)
-        cfg = CompareConfig(
+        cfg = CompareConfig.of(
             model=model, degrees=parse_degrees(tp, 1 if micro_batch or mode or attention else 2), dtype=parse_choice("--dtype", dtype, DTYPES),
             device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps,
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
@@ -109,9 +109,7 @@ def compare(
 
         validate(cfg)
         if not cfg.out:
-            from dataclasses import replace
-
-            cfg = replace(cfg, out=default_out())
+            cfg = cfg.with_(out=default_out())
         from tpdiag.records.lock import hold
 
         with hold(cfg.out) as stale:  # one writer per run directory: a second compare is refused

@@ -13,7 +13,6 @@ and `tpdiag diff` refuses two runs that differ in them.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 from tpdiag.errors import BadInput
 
@@ -85,7 +84,7 @@ def resolve(cfg):
     if cfg.tree_groups and cfg.group_gemm:
         return cfg
     g, gemm = choose(cfg.degrees, cfg.tree_groups or None)
-    return replace(cfg, tree_groups=g, group_gemm=gemm)
+    return cfg.with_(tree_groups=g, group_gemm=gemm)
 
 
 def of_config(c: dict) -> tuple[int, str]:

@@ -9,8 +9,9 @@ adjacent groups, which form a subtree; the ranks' subtree roots are all-gathered
 is finished in rank order. The sum is therefore the same tree at every TP: bitwise equal.
 
 G is a run-level setting (tpdiag/fixes/groups.py chooses it: by default the largest degree a run
-compares) that every rank of every world of the run installs with `run_groups` before its fixes;
-a process that installs none reads TPDIAG_TREE_GROUPS, else 8.
+compares) that every rank of every world of the run installs in its process (a global, set for the
+scope of `install_tree_groups`) before its fixes; a process that installs none reads
+TPDIAG_TREE_GROUPS, else 8.
 """
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ from tpdiag.errors import BadInput
 from tpdiag.kernels import alloc
 
 
-_RUN: dict = {}  # {"groups": G, "per_group": bool} while run_groups is active
+_INSTALLED: dict = {}  # {"groups": G, "per_group": bool} while install_tree_groups is active
 
 
 def n_groups() -> int:
-    g = _RUN.get("groups")
+    g = _INSTALLED.get("groups")
     return g if g else int(os.environ.get("TPDIAG_TREE_GROUPS", "8"))
 
 
@@ -36,23 +37,23 @@ def gemm_per_group() -> bool:
     degree - the run's largest degree holds one group per rank. False (no run setting, or G
     above every degree): a rank's groups in one fused tree_mm call. The two give other bits, so
     every world of a run takes the same one (fixes/groups.py)."""
-    return bool(_RUN.get("per_group"))
+    return bool(_INSTALLED.get("per_group"))
 
 
 @contextmanager
-def run_groups(groups: int, per_group: bool = True):
+def install_tree_groups(groups: int, per_group: bool = True):
     """Install the run's G (and its group GEMM) in this process; groups 0 installs nothing.
     A user training at TP=T with the fixes picks groups=T: one group per rank."""
-    saved = dict(_RUN)
+    saved = dict(_INSTALLED)
     if groups:
         if groups < 1 or groups & (groups - 1):
             raise BadInput(f"tree groups {groups}: must be a power of two >= 1")
-        _RUN.update(groups=int(groups), per_group=bool(per_group))
+        _INSTALLED.update(groups=int(groups), per_group=bool(per_group))
     try:
         yield
     finally:
-        _RUN.clear()
-        _RUN.update(saved)
+        _INSTALLED.clear()
+        _INSTALLED.update(saved)
 
 
 def check(dim: int, world: int, what: str) -> int:

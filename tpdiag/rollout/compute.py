@@ -58,7 +58,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
     import torch
 
     from tpdiag.fixes.registry import apply_fixes, resolve
-    from tpdiag.kernels.tree import run_groups
+    from tpdiag.kernels.tree import install_tree_groups
     from tpdiag.runner.attention import attention
     from tpdiag.runner import flags
     from tpdiag.runner.decode import supports, why_not
@@ -81,7 +81,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
         stack.enter_context(attention(model, cfg.attention, Unavailable))
         # every configuration of a run takes the same tree groups G (the largest TP tried), as
         # compare's worlds do: the fixes' bits then do not depend on the TP degree
-        stack.enter_context(run_groups(tree_groups))
+        stack.enter_context(install_tree_groups(tree_groups))
         stack.enter_context(apply_fixes(names, model=model, plan=target.plan, world=world))
         _, logprob_fn, _ = step_functions(target)
         for start in range(0, len(seqs), cfg.micro_batch):

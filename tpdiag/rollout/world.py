@@ -53,9 +53,9 @@ def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, u
     out_dir = os.path.join(work_dir, folder(world) + ("" if lane is None else f"-lane{lane}"))
     os.makedirs(out_dir, exist_ok=True)
     write_inputs(out_dir, seqs, configs, units, threads, first_gpu)
-    cfg = WorldConfig(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,
-                      device=rc.device, backward=False, seed=rc.seed, probes=False, selfcheck=False,
-                      tree_groups=tree_groups, flags=flags or configs[0].flags)
+    cfg = WorldConfig.of(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,
+                         device=rc.device, backward=False, seed=rc.seed, probes=False, selfcheck=False,
+                         tree_groups=tree_groups, flags=flags or configs[0].flags)
     launched = (lambda _label, state: on_launch() if state == "running" else None) if on_launch else None
     res = run_world(cfg, rc.timeout, on_status=launched, entry=main, cancel=cancel)
     if res.status != "ok":

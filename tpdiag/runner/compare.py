@@ -235,14 +235,11 @@ def default_out() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
-def run_compare(cfg: CompareConfig, on_status=None) -> dict:
-    """One compare pass (every configuration's world, then the diff): its summary."""
-    return compare_pass(cfg, on_status)[0]
-
-
 def compare_pass(cfg: CompareConfig, on_status=None):
-    """(summary, RunFiles): one compare pass, and its run directory's files as it wrote them,
-    for the session to add its parts to (records/run_files.py: the files' one writer)."""
+    """(summary, RunFiles): one compare pass (every configuration's world, then the diff), and
+    its run directory's files as it wrote them, for the session to add its parts to
+    (records/run_files.py: the files' one writer). The command - this pass, then the second
+    pass, confirmation and fix chain - is runner/session.py's compare_session."""
     from tpdiag.diff.analyse import analyse_run
     from tpdiag.runner.determinism import numerics_env
     from tpdiag.kernels.record_hash_ref import HASH_VERSION  # the lane mix its worlds hash with
@@ -294,10 +291,7 @@ def compare_pass(cfg: CompareConfig, on_status=None):
     for point, label in worlds:
         degree = point.tp
         ref_dir = run.world(labels[0]) if label != labels[0] else ""
-        wcfg = cfg.world(degree, label, run.world(label), device, ref_dir=ref_dir,
-                         micro_batch=point.micro_batch, mode=point.mode, attention=point.attention)
-        if label == labels[0] and (cfg.oracle or cfg.oracle_ops):
-            wcfg = wcfg.with_(oracle=cfg.oracle, oracle_ops=cfg.oracle_ops, oracle_own=cfg.oracle_own)
+        wcfg = cfg.world(point, label, run.world(label), device, ref_dir=ref_dir, reference=label == labels[0])
         res = run_world(wcfg, cfg.timeout, on_status)
         if res.status != "ok":
             failed[label] = res.error

@@ -7,7 +7,6 @@ later or disappears. Each rerun lives in its own sub-directory with its own summ
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 from tpdiag.config import CompareConfig, degree_labels
 from tpdiag.records.paths import RunDir
@@ -22,8 +21,8 @@ def _rerun(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False)
     """(summary, RunFiles) of a rerun in `out`."""
     from tpdiag.runner.compare import compare_pass
 
-    sub = replace(cfg, out=out, degrees=tuple(degrees), fixes=tuple(fixes), fix_mode="explicit",
-                  confirm=False, baseline=baseline)
+    sub = cfg.with_(out=out, degrees=tuple(degrees), fixes=tuple(fixes), fix_mode="explicit",
+                    confirm=False, baseline=baseline)
     return compare_pass(sub)
 
 
@@ -84,8 +83,8 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
         cut = {tuple(every[lab]["first_divergence"].get("positions") or ()) for lab, _ in members}
         cut = cut.pop() if len(cut) == 1 else ()
         if axes:
-            sub = _sub(replace(cfg, only=tuple(lab for lab, _ in members), positions=cut[0] if cut else 0,
-                               prefix_from=prefix.decode_dir(run_dir, members[0][0]) if cut else ""),
+            sub = _sub(cfg.with_(only=tuple(lab for lab, _ in members), positions=cut[0] if cut else 0,
+                                 prefix_from=prefix.decode_dir(run_dir, members[0][0]) if cut else ""),
                        out, cfg.degrees, list(cfg.fixes) + fix.split("+"))
             sub_labels = [lab for lab, _ in members]
         else:
@@ -126,7 +125,7 @@ def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None):
     from tpdiag.runner.drill import drill_down, wanted
 
     summary, files = _rerun(cfg, out, cfg.degrees, fixes, baseline=baseline)
-    rcfg = replace(cfg, out=out, fixes=tuple(fixes), fix_mode="explicit", confirm=False, baseline=baseline)
+    rcfg = cfg.with_(out=out, fixes=tuple(fixes), fix_mode="explicit", confirm=False, baseline=baseline)
     if wanted(rcfg, summary):
         summary = drill_down(rcfg, summary, out, on_status)
         add_classes(summary)

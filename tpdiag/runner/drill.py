@@ -14,7 +14,6 @@ It copies what it measured into pass 1's first divergence. Large models stay che
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 from tpdiag.config import CompareConfig, degree_labels
 from tpdiag.records.paths import RunDir
@@ -71,7 +70,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     no divergence - at real sizes the largest part of the second pass."""
     from tpdiag.diff.judge import settle
     from tpdiag.records.causes import cause_class
-    from tpdiag.runner.compare import run_compare
+    from tpdiag.runner.compare import compare_pass
 
     from tpdiag.records.axes import entries
 
@@ -124,17 +123,17 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         on_status("values" if hashed else "ops" if ops else "float64", ", ".join(modules or scopes or oracle))
     out = RunDir(run_dir).second_pass(hashed)
     degrees = cfg.degrees if axes else (cfg.degrees[0],) + tuple(d for _, d in targets)
-    rerun = replace(
-        cfg, out=out, degrees=degrees, only=tuple(lab for lab, _ in targets) if axes else (), confirm=False, baseline=False, fix_mode="explicit",
+    rerun = cfg.with_(
+        out=out, degrees=degrees, only=tuple(lab for lab, _ in targets) if axes else (), confirm=False, baseline=False, fix_mode="explicit",
         # no unprobed rerun per world: its step must compute what pass 1's did (_step_differs)
         selfcheck=False, oracle=tuple(oracle), oracle_ops=ops,
         # a pass that probes only some modules (the own-input pass after a region pass) keeps them
-        capture="full" if hashed else cfg.capture, module_include=tuple(modules) or cfg.module_include,
+        capture="full" if hashed else cfg.capture, module_include=tuple(modules) or cfg.rerun.module_include,
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ())
     sub_labels = labels[:1] + [lab for lab, _ in targets] if axes else degree_labels(degrees)
     if own:
-        rerun = replace(rerun, oracle_own=_own_files(run_dir, labels[0], own,
-                                                     dict(zip([lab for lab, _ in targets], sub_labels[1:]))))
+        rerun = rerun.with_(oracle_own=_own_files(run_dir, labels[0], own,
+                                                  dict(zip([lab for lab, _ in targets], sub_labels[1:]))))
     # decode configurations: first on their first positions (runner/prefix.py), where that
     # reproduces every target's first divergence and every difference pass 1 found in what it
     # records; its decode worlds prove their own probes inert (their self-check), its reference
@@ -146,7 +145,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         for lab, _ in targets) else 0
     sub = None
     if n:
-        sub = run_compare(replace(rerun, positions=n, prefix_from=prefix.decode_dir(run_dir, targets[0][0])))
+        sub = compare_pass(rerun.with_(positions=n, prefix_from=prefix.decode_dir(run_dir, targets[0][0])))[0]
         if prefix.reproduces(run_dir, out, [lab for lab, _ in targets], every, entries(sub)):
             for lab, _ in targets:
                 every[lab]["first_divergence"]["positions"] = [n, cfg.seq_len]
@@ -155,9 +154,9 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                 on_status("values" if hashed else "ops", "every position (the first ones did not reproduce it)")
             sub, n = None, 0
             out = rerun.out + "-all"
-            rerun = replace(rerun, out=out)
+            rerun = rerun.with_(out=out)
     if sub is None:
-        sub = run_compare(rerun)
+        sub = compare_pass(rerun)[0]
     op_failed = ops and not n and _ops_not_spmd(sub)
     if op_failed:
         # each rank ran other ops (an MoE's experts on the tokens routed to this rank's experts:
@@ -166,8 +165,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         if on_status:
             on_status("float64", "module level (the ranks' op streams differ)")
         out = rerun.out + "-modules"
-        rerun = replace(rerun, out=out, granularity="module", op_include=(), oracle_ops=False)
-        sub = run_compare(rerun)
+        rerun = rerun.with_(out=out, granularity="module", op_include=(), oracle_ops=False)
+        sub = compare_pass(rerun)[0]
         ops = False
     def merge(sub: dict) -> None:
         """The copy-back of a rerun's summary into pass 1's entries (the own-input pass after the
@@ -333,7 +332,7 @@ def _judge_own_after_hash(rerun: CompareConfig, sub: dict, out: str, on_status) 
     side's inputs there) and its findings join the region pass's, which join the first pass's."""
     from tpdiag.records.axes import entries
 
-    own = replace(rerun, granularity="module", op_include=(), oracle_ops=False, oracle=(), oracle_own=())
+    own = rerun.with_(granularity="module", op_include=(), oracle_ops=False, oracle=(), oracle_own=())
     every = entries(sub)
     if sub.get("status") != "divergent" or not any(d.get("own_inputs") for d in every.values()):
         return sub

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tpdiag.base import files as io
 from tpdiag.config import CompareConfig, degree_labels
@@ -132,7 +132,7 @@ def _sub_cfg(cfg: CompareConfig, v: Variant, out: str, baseline: bool) -> Compar
     # --granularity auto's op drill-down belongs to a single compare (session.py); the matrix
     # cells locate at module level (op stays op).
     gran = "module" if cfg.granularity == "auto" else cfg.granularity
-    return replace(cfg, out=out, variant=v.plan, fixes=v.fixes, fix_mode=v.fix_mode,
+    return cfg.with_(out=out, variant=v.plan, fixes=v.fixes, fix_mode=v.fix_mode,
                    confirm=False, baseline=baseline, granularity=gran)
 
 

@@ -60,12 +60,12 @@ def prefix_map(decode_dir: str, seq_len: int) -> dict:
 
 
 def setup(cfg, rec, batch, labels, prompt_len, L: int):
-    """The world's batch, labels and prompt length for a run of cfg.positions positions: a
+    """The world's batch, labels and prompt length for a run of cfg.rerun.positions positions: a
     decode world keeps the first n tokens (the whole sequence's prompt length); the reference
     records the first n positions of prefix_from's placed records."""
     import torch
 
-    n = cfg.positions
+    n = cfg.rerun.positions
     if not n or not isinstance(batch, torch.Tensor) or not L:
         return batch, labels, prompt_len
     if cfg.mode == "decode":
@@ -73,8 +73,8 @@ def setup(cfg, rec, batch, labels, prompt_len, L: int):
 
         rec.piece_prefix = (n, L)
         return batch[:, :n], labels[:, :n], prompt_len or default_prompt_len(L)
-    if cfg.prefix_from:
-        rec.prefix = prefix_map(cfg.prefix_from, L)
+    if cfg.rerun.prefix_from:
+        rec.prefix = prefix_map(cfg.rerun.prefix_from, L)
         rec.prefix_n = n
     return batch, labels, prompt_len
 
@@ -82,8 +82,8 @@ def setup(cfg, rec, batch, labels, prompt_len, L: int):
 def cut_loss_inputs(cfg, logits, local_logits, labels):
     """The reference's logits and labels for its loss-phase records on a run of the first
     positions: the decode world's logprobs and loss are over those positions only."""
-    n = cfg.positions
-    if not n or cfg.mode != "prefill" or not cfg.prefix_from:
+    n = cfg.rerun.positions
+    if not n or cfg.mode != "prefill" or not cfg.rerun.prefix_from:
         return logits, local_logits, labels
     return logits[:, :n], local_logits[:, :n], labels[:, :n]
 

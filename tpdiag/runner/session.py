@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 
 from tpdiag.config import CompareConfig
 from tpdiag.records.paths import RunDir
@@ -40,8 +39,8 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
         files.summary(first)
         first["run_dir"] = cfg.out
         return first
-    summary, files = compare_pass(replace(cfg, granularity="module") if cfg.granularity == "auto" else cfg,
-                                     on_status)
+    summary, files = compare_pass(cfg.with_(granularity="module") if cfg.granularity == "auto" else cfg,
+                                  on_status)
     extra = {}
     from tpdiag.runner.drill import wanted
 

@@ -54,7 +54,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         phases = Phases(rec)
         from tpdiag.probes.module_probe import record_params
 
-        include = set(cfg.module_include) or None
+        include = set(cfg.rerun.module_include) or None
         with phases("init", timed=False):
             for k, v in batch_items(batch):
                 rec.add("batch", "model", k, v)
@@ -145,8 +145,8 @@ def _inputs(cfg: WorldConfig, target, model, device, rec: Recorder, decode_check
     seq = batch.shape[1] if isinstance(batch, torch.Tensor) and batch.dim() > 1 else 0
     if cfg.mode == "decode" and decode_check and isinstance(batch, torch.Tensor):
         prompt_len, checked = decode_prefix(batch.shape[1], decode_check)
-        if cfg.positions:
-            checked = min(checked, cfg.positions)
+        if cfg.rerun.positions:
+            checked = min(checked, cfg.rerun.positions)
         if decode_only_check:
             batch, labels = batch[:, :checked], labels[:, :checked]
     batch, labels, prompt_len = prefix.setup(cfg, rec, batch, labels, prompt_len, seq)
@@ -160,14 +160,14 @@ def _contexts(stack: ExitStack, cfg: WorldConfig, model, target, world: int, rec
     from tpdiag.errors import BadInput
     from tpdiag.fixes.groups import PER_GROUP
     from tpdiag.fixes.registry import apply_fixes
-    from tpdiag.kernels.tree import run_groups
+    from tpdiag.kernels.tree import install_tree_groups
     from tpdiag.runner.attention import attention
     from tpdiag.runner.decode import is_hf
     from tpdiag.runner.losses import step_functions
     from tpdiag.runner.sdpa_ran import SdpaRan
 
     # the run's G, the same in every rank of every world (before the fixes read it)
-    stack.enter_context(run_groups(cfg.tree_groups, cfg.group_gemm == PER_GROUP))
+    stack.enter_context(install_tree_groups(cfg.tree_groups, cfg.group_gemm == PER_GROUP))
     # the configuration's attention implementation (the --attention axis; 'auto': the model's own):
     # an SDPA backend within SDPA; never a switch of an hf: model's implementation, which would
     # build its layers other inputs (another mask) than the reference's (runner/compare.py)
@@ -186,11 +186,11 @@ def _contexts(stack: ExitStack, cfg: WorldConfig, model, target, world: int, rec
         from tpdiag.probes.module_probe import module_probes
 
         stack.enter_context(module_probes(model, rec, plan=target.plan, backward=cfg.backward,
-                                          include=set(cfg.module_include) or None,
-                                          oracle=set(cfg.oracle) or None, own=dict(cfg.oracle_own) or None))
+                                          include=set(cfg.rerun.module_include) or None,
+                                          oracle=set(cfg.rerun.oracle) or None, own=dict(cfg.rerun.oracle_own) or None))
         if cfg.granularity == "op":
             from tpdiag.probes.op_probe import OpProbe
 
-            stack.enter_context(OpProbe(rec, include=set(cfg.op_include) or None,
-                                        oracle=cfg.oracle_ops, model=model))
+            stack.enter_context(OpProbe(rec, include=set(cfg.rerun.op_include) or None,
+                                        oracle=cfg.rerun.oracle_ops, model=model))
     return ran, fns

@@ -152,7 +152,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
 
     # a decode rerun of the first positions (runner/prefix.py) has no step of pass 1's to match
     # its fingerprint with: it proves its own probes inert (a prompt call and 16 one-token calls)
-    check = cfg.selfcheck or bool(cfg.positions and cfg.mode == "decode")
+    check = cfg.rerun.selfcheck or bool(cfg.rerun.positions and cfg.mode == "decode")
     decode_calls = DECODE_SELFCHECK_CALLS if check and cfg.mode == "decode" else 0
     ref_shapes = _ref_shapes(cfg, world)
     piece_ref = _piece_ref(cfg)
@@ -182,7 +182,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     if world > 1:
         fingerprint = [None] * world
         dist.all_gather_object(fingerprint, rec.fingerprint)
-    if cfg.oracle or cfg.oracle_ops:  # float64 re-executions, inside steps_s
+    if cfg.rerun.oracle or cfg.rerun.oracle_ops:  # float64 re-executions, inside steps_s
         timings["float64_s"] = rec.oracle_s
     if rec.piece_varying:  # decode calls' records left out as they grew (probes/pieces.grows)
         timings["piece_records_left_out"] = sum(rec.piece_varying.values())
