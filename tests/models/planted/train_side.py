@@ -101,20 +101,20 @@ class MLP(nn.Module):
 
 
 class LM(nn.Module):
-    def __init__(self, f="once", dropout_seed=None):
+    def __init__(self, f="once", dropout_seed=None, per_rank=True):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.mlp = MLP(f)
         self.norm = nn.LayerNorm(DIM)
         # split by the plan (ColwiseParallel): each rank's logits are its vocab shard
         self.head = nn.Linear(DIM, VOCAB, bias=False)
-        self.dropout_seed = dropout_seed
+        self.dropout_seed, self.per_rank = dropout_seed, per_rank
 
     def forward(self, tokens):
         h = self.mlp(self.embed(tokens))
         if self.dropout_seed is not None:
             # the mistake: a generator per rank (as for data parallelism) on a replicated tensor
-            g = torch.Generator().manual_seed(self.dropout_seed + rank_world()[0])
+            g = torch.Generator().manual_seed(self.dropout_seed + rank_world()[0] * self.per_rank)
             keep = (torch.rand(h.shape, generator=g) >= 0.1).to(h.dtype)
             h = h * keep / 0.9
         return self.head(self.norm(h))
@@ -173,22 +173,7 @@ def rep_dropout():
 
 def rep_dropout_good():
     """The twin: one seed for the replicated stream, the same mask on every rank."""
-    m = LM(dropout_seed=7)
-    m.dropout_seed = None
-    return _target(_SameSeedDropout(m))
-
-
-class _SameSeedDropout(nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, tokens):
-        lm = self.lm
-        h = lm.mlp(lm.embed(tokens))
-        g = torch.Generator().manual_seed(7)
-        h = h * (torch.rand(h.shape, generator=g) >= 0.1).to(h.dtype) / 0.9
-        return lm.head(lm.norm(h))
+    return _target(LM(dropout_seed=7, per_rank=False))
 
 
 class _SumGradOf(torch.autograd.Function):
