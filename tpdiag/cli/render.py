@@ -101,6 +101,10 @@ def where(fd: dict) -> str:
         # (`in 0` of the next module, where the module pass first saw it) would point elsewhere
         if kind not in ("out", None) and not fd.get("op"):
             text += f" ({kind})" if name in (kind, None, "") else f" ({kind} {name})"
+        if kind == "grad_out" and not fd.get("op") and fd.get("consumers"):
+            # the grad at a module's output is what the modules that read it returned: a wrong
+            # one (a missing or doubled all-reduce in a consumer's backward) is fixed there
+            text += f", returned by the backward of {', '.join(fd['consumers'])}"
     return text
 
 

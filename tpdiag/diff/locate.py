@@ -236,6 +236,8 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
                  else r["max_abs"], "bound": r.get("bound"), "bound_ratio": r.get("bound_ratio")}
             _explain(f, r)
             f = describe(r, f)
+            if r["kind"] == "grad_out" and r.get("consumers"):
+                f["consumers"] = list(r["consumers"])  # whose backward made it: where the user looks
             _partial_detail(f, r, findings)
             roots = [g for g in findings if "follows" not in g]
             inner = [g for g in roots if _inside(g["module"], r["module"])]
