@@ -92,6 +92,9 @@ def where(fd: dict) -> str:
     phase, module, kind, name = fd.get("phase"), fd.get("module"), fd.get("kind"), fd.get("name")
     if module == "model" and phase == "loss" and kind == "loss":
         return "loss: the loss function (Target.loss or the built-in cross-entropy)"
+    if module == "model" and kind in ("param_init", "param_grad", "param") and name and not fd.get("op"):
+        # a parameter of the root module itself (a tied weight the model holds directly)
+        return f"{phase}: {name} ({kind}; a parameter of the root module)"
     if module == "model" and kind not in ("in", "out", "grad_out") and not fd.get("op"):
         # whole-model records (logprobs, loss, grad norm) have no module of their own
         text = f"{phase}: {name if name == kind or not kind else f'{kind} {name}'}"

@@ -10,9 +10,14 @@ torch.distributed autograd Functions), each with its correct twin (`good`):
   ce_edge     vocab-parallel cross-entropy whose target mask is off by one at the shard's upper
               edge (`<= per`): a label equal to the first id of the NEXT shard is also picked by
               this rank (its clamped last logit) - only tokens at a shard edge are wrong
+  ce_smooth_local  label smoothing whose mean logit divides the all-reduced sum by the local
+              vocab partition instead of the vocabulary (twin: `ce_smooth`)
   tied_one    embedding and head share one weight, each rank using its vocab rows; the
               embedding's side all-reduces its grad (through an autograd Function on the weight),
               the head's side does not - the tied grad is half summed, the replicas drift
+  tp_dropout_same  dropout on the column-parallel hidden shard, every rank drawing its shard's mask
+              from one seed: the ranks' masks are the same numbers (correlated), not TP=1's mask;
+              its twin `tp_dropout_sliced` draws the whole mask from the seed and keeps its columns
   rep_dropout dropout on the replicated residual stream (after the all-reduce) drawn from a
               generator seeded with the rank: the replicas see different masks
 Hidden 32, vocab 32, seq 8: seconds per world on the CPU.
@@ -81,8 +86,9 @@ def sum_grad(p):
 
 
 class MLP(nn.Module):
-    def __init__(self, f="once"):
+    def __init__(self, f="once", dropout=None):
         super().__init__()
+        self.dropout = dropout
         self.up = nn.Parameter(torch.randn(HIDDEN, DIM) / DIM ** 0.5)
         self.down = nn.Parameter(torch.randn(DIM, HIDDEN) / HIDDEN ** 0.5)
         sum_grad(self.up)
@@ -97,14 +103,21 @@ class MLP(nn.Module):
         if self.f == "twice":
             xs = copy(xs)
         h = F.gelu(xs @ self.up[cols].t())
+        if self.dropout is not None:
+            g = torch.Generator().manual_seed(7)  # the same seed on every rank
+            if self.dropout == "same":  # the mistake: each rank draws its shard's mask from it
+                keep = torch.rand(h.shape, generator=g) >= 0.1
+            else:  # "sliced": the whole mask drawn, this rank's columns kept (TP=1's mask)
+                keep = (torch.rand(*h.shape[:-1], HIDDEN, generator=g) >= 0.1)[..., cols]
+            h = h * keep.to(h.dtype) / 0.9
         return x + reduce(h @ self.down[:, cols].t())
 
 
 class LM(nn.Module):
-    def __init__(self, f="once", dropout_seed=None, per_rank=True):
+    def __init__(self, f="once", dropout_seed=None, per_rank=True, tp_dropout=None):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.mlp = MLP(f)
+        self.mlp = MLP(f, tp_dropout)
         self.norm = nn.LayerNorm(DIM)
         # split by the plan (ColwiseParallel): each rank's logits are its vocab shard
         self.head = nn.Linear(DIM, VOCAB, bias=False)
@@ -135,6 +148,11 @@ def vocab_parallel_ce(local_logits, labels, bug=None):
     inside = (local >= 0) & ((local <= per) if bug == "edge" else (local < per))
     picked = z.gather(1, local.clamp(0, per - 1).unsqueeze(1)).squeeze(1) * (inside & keep)
     target = reduce(picked)
+    if bug in ("smooth", "smooth_local"):
+        # label smoothing 0.1: the mean logit over the vocabulary, from the shards' sums; the
+        # mistake (Megatron-LM issue 737) divides by the local partition size, not the vocabulary
+        mean = reduce(z.sum(-1)) / (per if bug == "smooth_local" else per * n)
+        return (((lse - 0.9 * target - 0.1 * mean)) * keep).sum() / keep.sum()
     return ((lse - target) * keep).sum() / keep.sum()
 
 
@@ -165,6 +183,22 @@ def ce_max():
 
 def ce_edge():
     return _target(LM(), ce="edge")
+
+
+def tp_dropout_same():
+    return _target(LM(tp_dropout="same"))
+
+
+def tp_dropout_sliced():
+    return _target(LM(tp_dropout="sliced"))
+
+
+def ce_smooth():
+    return _target(LM(), ce="smooth")
+
+
+def ce_smooth_local():
+    return _target(LM(), ce="smooth_local")
 
 
 def rep_dropout():
