@@ -335,6 +335,8 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
         rec = f"{f['kind']} {f['name']}" if f["kind"] != "op" else f"op {f['name']}"
         what = (f"{f['phase']} {f['module']} ({rec})" if not (f["phase"] == "loss" and f["module"] == "model")
                 else f"loss: the loss function ({rec})")
+        if f["kind"] == "grad_out" and f.get("consumers"):
+            what += f", returned by the backward of {', '.join(f['consumers'])}"
         # a replica's value is its ranks' spread; every other one is against the reference
         vs = "between ranks" if f["cause"] == "rank-inconsistent-replica" else "vs the reference"
         r = f.get("bound_ratio")
