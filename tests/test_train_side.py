@@ -10,7 +10,9 @@ the embedding's side only - named `backward: weight (param_grad; a parameter of 
 module)`, no longer `backward: param_grad weight` as if it were a whole-model record like the
 loss; and a dropout mask drawn per shard from one seed in the column-parallel region - the first
 divergent op is the draw, said to be one (it read "no rounding model fits ... MLP computes
-something else")."""
+something else"); and dropout on the replicated residual stream drawn from a generator seeded by
+the rank - the input of the norm after it is rank-inconsistent, and the line now says it was
+computed in the model's own forward code (it read `forward: norm (in 0)`, pointing at the norm)."""
 import json
 
 import pytest
@@ -26,7 +28,7 @@ def runs(tmp_path_factory):
     # (f_missing, the all-reduce forgotten, reads the same with rank-inconsistent-replica: not
     # rerun here, the same naming path)
     for case, more in (("good", ()), ("f_twice", ()), ("tied_one", ()),
-                       ("tp_dropout_same", ("--forward-only",))):
+                       ("tp_dropout_same", ("--forward-only",)), ("rep_dropout", ("--forward-only",))):
         d = tmp_path_factory.mktemp(case) / "r"
         p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
                     *more, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
@@ -72,3 +74,12 @@ def test_a_mask_drawn_per_shard_is_said_to_be_a_random_draw(runs):
     assert (fd["module"], fd["op"], fd["cause"]) == ("mlp", "aten::rand", "unknown"), fd
     assert "a random draw" in fd["why"] and "computes something else" not in fd["why"], fd
     assert run_cli("gate", str(d), "--allow", "rounding").returncode == 1  # unknown never passes
+
+
+def test_an_input_made_in_the_callers_code_names_that_code(runs):
+    d, s, stdout = runs["rep_dropout"]
+    lead = next(f for f in s["degrees"]["2"]["findings"] if "follows" not in f)
+    assert (lead["phase"], lead["module"], lead["kind"], lead["cause"], lead["made_in"]) == (
+        "forward", "norm", "in", "rank-inconsistent-replica", "model"), lead
+    assert "at TP=2 forward: norm (in 0), computed in model's own forward code" in stdout, stdout
+    assert run_cli("gate", str(d)).returncode == 4

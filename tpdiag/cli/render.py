@@ -104,11 +104,21 @@ def where(fd: dict) -> str:
         # (`in 0` of the next module, where the module pass first saw it) would point elsewhere
         if kind not in ("out", None) and not fd.get("op"):
             text += f" ({kind})" if name in (kind, None, "") else f" ({kind} {name})"
-        if kind == "grad_out" and not fd.get("op") and fd.get("consumers"):
-            # the grad at a module's output is what the modules that read it returned: a wrong
-            # one (a missing or doubled all-reduce in a consumer's backward) is fixed there
-            text += f", returned by the backward of {', '.join(fd['consumers'])}"
+        text += made_by(fd)
     return text
+
+
+def made_by(fd: dict) -> str:
+    """Where a wrong input or grad was computed: the grad at a module's output is what the modules
+    that read it returned (a missing or doubled all-reduce in a consumer's backward is fixed
+    there); an input that differs first is computed in its caller's own code."""
+    if fd.get("op"):
+        return ""
+    if fd.get("kind") == "grad_out" and fd.get("consumers"):
+        return f", returned by the backward of {', '.join(fd['consumers'])}"
+    if fd.get("kind") == "in" and fd.get("made_in"):
+        return f", computed in {fd['made_in']}'s own forward code"
+    return ""
 
 
 def ran(summary: dict) -> str | None:
@@ -335,8 +345,7 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
         rec = f"{f['kind']} {f['name']}" if f["kind"] != "op" else f"op {f['name']}"
         what = (f"{f['phase']} {f['module']} ({rec})" if not (f["phase"] == "loss" and f["module"] == "model")
                 else f"loss: the loss function ({rec})")
-        if f["kind"] == "grad_out" and f.get("consumers"):
-            what += f", returned by the backward of {', '.join(f['consumers'])}"
+        what += made_by(f)
         # a replica's value is its ranks' spread; every other one is against the reference
         vs = "between ranks" if f["cause"] == "rank-inconsistent-replica" else "vs the reference"
         r = f.get("bound_ratio")
