@@ -13,7 +13,9 @@
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 tests/user_tp_clip.py --out DIR --bug clip_local
     tpdiag diff DIR_TP1 DIR_TP2
 
-tests/test_train_side.py runs it at TP=1 and TP=2 and reads the diff's verdict.
+Run by hand at TP=1 and TP=2 for docs/causes.md's table (every mistake reads BUG, gate 4; `none`
+rounding only, gate 1). Not run by the suite: tpdiag already named each one, and four torchrun
+launches per case would cost CI ~2 minutes.
 """
 from __future__ import annotations
 
