@@ -92,6 +92,9 @@ def where(fd: dict) -> str:
     phase, module, kind, name = fd.get("phase"), fd.get("module"), fd.get("kind"), fd.get("name")
     if module == "model" and phase == "loss" and kind == "loss":
         return "loss: the loss function (Target.loss or the built-in cross-entropy)"
+    if module == "model" and kind in ("param_init", "param_grad", "param") and name and not fd.get("op"):
+        # a parameter of the root module itself (a tied weight the model holds directly)
+        return f"{phase}: {name} ({kind}; a parameter of the root module)"
     if module == "model" and kind not in ("in", "out", "grad_out") and not fd.get("op"):
         # whole-model records (logprobs, loss, grad norm) have no module of their own
         text = f"{phase}: {name if name == kind or not kind else f'{kind} {name}'}"
@@ -101,7 +104,21 @@ def where(fd: dict) -> str:
         # (`in 0` of the next module, where the module pass first saw it) would point elsewhere
         if kind not in ("out", None) and not fd.get("op"):
             text += f" ({kind})" if name in (kind, None, "") else f" ({kind} {name})"
+        text += made_by(fd)
     return text
+
+
+def made_by(fd: dict) -> str:
+    """Where a wrong input or grad was computed: the grad at a module's output is what the modules
+    that read it returned (a missing or doubled all-reduce in a consumer's backward is fixed
+    there); an input that differs first is computed in its caller's own code."""
+    if fd.get("op"):
+        return ""
+    if fd.get("kind") == "grad_out" and fd.get("consumers"):
+        return f", returned by the backward of {', '.join(fd['consumers'])}"
+    if fd.get("kind") == "in" and fd.get("made_in"):
+        return f", computed in {fd['made_in']}'s own forward code"
+    return ""
 
 
 def ran(summary: dict) -> str | None:
@@ -328,6 +345,7 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
         rec = f"{f['kind']} {f['name']}" if f["kind"] != "op" else f"op {f['name']}"
         what = (f"{f['phase']} {f['module']} ({rec})" if not (f["phase"] == "loss" and f["module"] == "model")
                 else f"loss: the loss function ({rec})")
+        what += made_by(f)
         # a replica's value is its ranks' spread; every other one is against the reference
         vs = "between ranks" if f["cause"] == "rank-inconsistent-replica" else "vs the reference"
         r = f.get("bound_ratio")

@@ -268,7 +268,15 @@ def layout_cause(row: dict) -> str | None:
 def _why_unknown(ev: Evidence, below) -> str | None:
     from tpdiag.diff.generic_bound import why_unknown
 
-    return why_unknown(ev.row)
+    why = why_unknown(ev.row)
+    refused = _row(ev, "oracle_refused")
+    return f"{why}; its float64 re-execution was refused: {refused}" if refused else why
+
+
+def _random_first_op(ev: Evidence, below) -> bool:
+    from tpdiag.records.ops import RANDOM_OPS
+
+    return is_op_of(ev.op, RANDOM_OPS) and below().cause == "unknown"
 
 
 def _discrete_why(ev: Evidence, below) -> str:
@@ -303,6 +311,10 @@ RULES: list[Rule] = [
          lambda ev, b: "attention-kernel", _op_pass_why),
     Rule("the op-level rerun names the op", lambda ev, b: ev.op_pass is not None and _no_op_recorded(b()),
          lambda ev, b: "unknown", _op_pass_why),
+    # the first op that differs draws random numbers (a dropout mask drawn per shard): the degrees
+    # compute different functions, which no bound or float64 re-execution can judge
+    Rule("the first divergent op is a random draw", _random_first_op,
+         lambda ev, b: "unknown", lambda ev, b: why_at_op(ev.op)),
     Rule("the second pass judged it", lambda ev, b: ev.second is not None,
          lambda ev, b: ev.second[0], lambda ev, b: ev.second[1]),
     # the configuration: what differs from the reference besides TP

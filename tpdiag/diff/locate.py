@@ -227,6 +227,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
     first = next((r for r in diverged if r["kind"] != "op"), None) or next(iter(diverged), None)
     op_row = _first_op(dd, first) if first is not None and first["kind"] != "op" else None
     findings, fidx = [], []
+    called = {r["module"] for r in dd.rows if r["phase"] == "forward" and r["kind"] == "out"}
     for r in dd.rows:
         if r.get("beyond_bound") or r.get("rank_consistent") is False:
             fidx.append(r["idx"])
@@ -236,6 +237,10 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
                  else r["max_abs"], "bound": r.get("bound"), "bound_ratio": r.get("bound_ratio")}
             _explain(f, r)
             f = describe(r, f)
+            if r["kind"] == "grad_out" and r.get("consumers"):
+                f["consumers"] = list(r["consumers"])  # whose backward made it: where the user looks
+            elif r["kind"] == "in" and r["phase"] == "forward":
+                f["made_in"] = _caller(r["module"], called)  # whose own code computed the input
             _partial_detail(f, r, findings)
             roots = [g for g in findings if "follows" not in g]
             inner = [g for g in roots if _inside(g["module"], r["module"])]
@@ -253,8 +258,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
                 f["follows"] = roots[-1].get("key") or roots[-1]["name"]
             f.setdefault("key", r["key"])
             findings.append(f)
-    fd = _describe(first, {r["module"] for r in dd.rows if r["phase"] == "forward" and r["kind"] == "out"}) \
-        if first else None
+    fd = _describe(first, called) if first else None
     flips = router.analyse(dd, fd)
     if flips:
         router.relabel_after(findings, fidx, flips)

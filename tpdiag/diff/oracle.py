@@ -353,6 +353,21 @@ def _after_uncompared_op(dd, row: dict) -> bool:
                for m in getattr(dd, "uncompared", None) or ())
 
 
+def _note_refusals(dd) -> None:
+    """A divergent forward output or weight grad whose float64 re-execution the reference refused
+    (a random draw, an in-place write of state): the reason is evidence for an `unknown` verdict -
+    without it the verdict read "no rounding model fits", as if the module computed something else."""
+    if not getattr(dd, "oracle_notes", None):
+        return
+    for row in dd.rows:
+        if (row["bitwise"] and row.get("rank_consistent") is not False) or row["key"] in (getattr(dd, "oracle", None) or {}):
+            continue
+        if (row["phase"], row["kind"]) in (("forward", "out"), ("backward", "param_grad")):
+            why = notes_for(dd, row).get("why")
+            if why:
+                row["oracle_refused"] = why
+
+
 def apply(dd) -> None:
     """Judge every divergent forward output and op whose inputs were equal and which has an
     oracle value. Sets row['oracle'] and, when far, beyond_bound (a bug); when near, leaves the
@@ -363,6 +378,7 @@ def apply(dd) -> None:
             o = _grad_in_oracle(dd, row)
             if o is not None:
                 dd.oracle[row["key"]] = o
+    _note_refusals(dd)
     if not getattr(dd, "oracle", None):
         return
     first_seen = False
