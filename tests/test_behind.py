@@ -109,10 +109,10 @@ def test_the_gate_exit_codes(runs, dtype):
 
 def test_without_the_own_input_verdict_the_averaged_grad_reads_as_rounding(runs, monkeypatch):
     """Negative control: the second pass's records judged again in process, once as shipped and
-    once without the own-input float64 verdict (diff/oracle.apply_own): only the first finds kv."""
+    once without the own-input float64 verdict (diff/oracle_own.apply_own): only the first finds kv."""
     import os
 
-    from tpdiag.diff import oracle
+    from tpdiag.diff import oracle_own
     from tpdiag.diff.analyse import analyse_degree
     from tpdiag.records.store import RecordSet
 
@@ -126,7 +126,7 @@ def test_without_the_own_input_verdict_the_averaged_grad_reads_as_rounding(runs,
                 and cause_class(f["cause"]) == "bug"]
 
     assert kv_bugs()
-    monkeypatch.setattr(oracle, "apply_own", lambda dd: None)
+    monkeypatch.setattr(oracle_own, "apply_own", lambda dd: None)
     assert kv_bugs() == []
 
 
@@ -174,7 +174,7 @@ def test_after_a_hash_first_pass_each_module_is_judged_on_its_own_inputs(hash_ru
     its twin rounding only."""
     import os
 
-    from tpdiag.diff import oracle
+    from tpdiag.diff import oracle_own
     from tpdiag.diff.analyse import analyse_degree
     from tpdiag.records.store import RecordSet
 
@@ -199,5 +199,5 @@ def test_after_a_hash_first_pass_each_module_is_judged_on_its_own_inputs(hash_ru
                 and cause_class(f["cause"]) == "bug"]
 
     assert kv_bugs()
-    monkeypatch.setattr(oracle, "apply_own", lambda dd: None)
+    monkeypatch.setattr(oracle_own, "apply_own", lambda dd: None)
     assert kv_bugs() == []

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from tpdiag.records.causes import cause_class
+from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layout_cause  # noqa: F401
+from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_MICRO_BATCH,  # noqa: F401
+                                 WHY_NOISE, WHY_ROWS, WHY_TP1)
 from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, SDPA_OPS, is_op_of
 
-NORM_CLASSES = ("RMSNorm", "LayerNorm", "LlamaRMSNorm", "Qwen3RMSNorm", "Qwen2RMSNorm",
-                "MistralRMSNorm", "GemmaRMSNorm")
-EMBED_CLASSES = ("Embedding", "VocabParallelEmbedding")
 BATCH_VARIANT = "batch-variant-kernel"
 
 
@@ -74,47 +74,6 @@ class Rule:
     cause: Callable[[Evidence, Callable[[], Verdict]], str]
     why: Callable[[Evidence, Callable[[], Verdict]], str | None] = lambda ev, below: None
     keep: str | None = None  # record the overridden cause under this key
-
-
-# ---- the reasons the rules give ------------------------------------------------------------
-
-WHY_AXIS = {
-    "param_grad": ("the weight grad sums over every token; with gradient accumulation the tokens "
-                   "are summed per micro-batch and the micro-batches' sums added, another order"),
-    "loss": ("the step's loss is the micro-batches' shares added, not one mean over every token: "
-             "another summation order"),
-    "grad_norm": "the grads it reads were accumulated over micro-batches in another order",
-}
-WHY_MICRO_BATCH = ("its inputs were bitwise equal and only the number of rows in its call changed (micro-batch "
-                   "size): its result for a row depends on how many rows share the call")
-WHY_DECODE = ("its inputs were bitwise equal and only the positions per call changed (decode: the "
-              "prompt in one call, then one position per sequence per call, against prefill's one "
-              "call over the sequence): its result for a row depends on how many rows share the call")
-WHY_ATTENTION = ("its inputs were bitwise equal and only the attention implementation changed (eager "
-                 "matmul + softmax, SDPA, or another SDPA backend): another kernel sums in another "
-                 "order")
-# along the micro-batch and decode axes, where a record's inputs were bitwise equal
-WHY_ROWS = {
-    "micro_batch": ("its exact result for a row depends on the other rows of its call (e.g. an expert "
-                    "capacity computed from the tokens per call, statistics over the batch) - a real "
-                    "difference between micro-batch sizes, not rounding"),
-    "mode": ("its exact result in decode is not prefill's (a decode-only code path, or a dependence on "
-             "what else is in its call: a decode call holds one position per sequence) - a real "
-             "difference between decode and prefill, not rounding"),
-}
-WHY_COUPLED = {
-    "micro_batch": ("either a kernel whose rounding depends on the rows per call flipped that choice "
-                    "(rounding), or the module's result for a row depends on the other rows of its call, "
-                    "e.g. an expert capacity computed from the tokens per call or statistics over the "
-                    "batch (a real difference, not rounding); nothing here tells the two apart"),
-    "mode": ("either a kernel whose rounding depends on the positions per call flipped that choice "
-             "(rounding), or the module's result depends on what else is in its call - decode calls hold "
-             "one position per sequence (a real difference, not rounding); nothing here tells the two apart"),
-}
-WHY_NOISE = ("the reference does not reproduce itself: a kernel is "
-             "nondeterministic run to run, which no TP layout explains")
-WHY_TP1 = ("beyond the grad norm's triangle bound, but nothing is sharded at TP=1 on either "
-           "side and no float64 re-execution found it wrong")
 
 
 # ---- evidence predicates -------------------------------------------------------------------
@@ -204,65 +163,6 @@ def _row_bug_why(ev: Evidence, below) -> str:
     return ("its inputs were bitwise equal" + (f" and so were its discrete choices ({', '.join(same)}: "
             "no flipped tie)" if same else "") + f", yet it is far from its float64 re-execution: "
             f"{WHY_ROWS[ev.axis]}")
-
-
-def _op_kind(op: str) -> str:
-    from tpdiag.diff.generic_bound import GEMM_OPS
-
-    if is_op_of(op, ATTENTION_OPS):
-        return "attention-kernel"
-    if op.split("::")[-1] in GEMM_OPS:
-        return "shape-dependent-gemm"
-    if any(c in op for c in COLLECTIVE_OPS):
-        return "row-parallel-reduction"
-    return "shape-dependent-kernel"
-
-
-def layout_cause(row: dict) -> str | None:
-    """The reordering a record's phase, kind and TP style name when its bits differ within
-    rounding (None: the layout names none). Read only after the non-finite, rank and bound rules."""
-    phase, kind, style, cls = row["phase"], row["kind"], row.get("style"), row.get("cls")
-    if phase == "init":
-        return "sharding-bug"  # weights or batch differ before anything ran
-    if phase == "forward":
-        if kind != "out":
-            return None
-        if style == "rowwise":
-            return "sharding-bug" if cls in EMBED_CLASSES else "row-parallel-reduction"
-        if style in ("colwise", "colwise-gathered"):
-            return "shape-dependent-gemm"
-        if cls in EMBED_CLASSES:
-            return "sharding-bug"
-        if style == "moeexpertsparallel":
-            # transformers' moe_tp_experts: each rank ran its slice of every expert (down_proj
-            # cut on its input dim) and the partial outputs are all-reduced
-            return "row-parallel-reduction"
-        return row.get("generic_cause")
-    if phase == "loss":
-        return "vocab-parallel-softmax" if kind in ("logprobs", "loss") else None
-    if phase == "backward":
-        if kind == "grad_out":
-            styles = row.get("consumer_styles") or []
-            if any(s in ("colwise", "colwise-gathered") for s in styles):
-                return "column-parallel-dgrad"
-            if any(s == "rowwise" for s in styles):
-                return "shape-dependent-gemm"
-            if not row.get("consumers") and style in ("colwise", "colwise-gathered"):
-                # a column-parallel output no module consumed: the vocab-sharded logits, whose
-                # grad comes from the vocab-parallel loss backward
-                return "vocab-parallel-softmax"
-            return row.get("generic_cause")
-        if kind == "param_grad":
-            if cls in NORM_CLASSES or (cls or "").endswith(("RMSNorm", "LayerNorm")):
-                # model-specific norm classes (Qwen3MoeRMSNorm, DeepseekV3RMSNorm, ...)
-                return "norm-weight-grad"
-            if style in ("colwise", "rowwise", "colwise-gathered"):
-                return "shape-dependent-gemm"
-            return row.get("generic_cause")
-        return None
-    if phase == "optimizer":
-        return "grad-norm" if kind == "grad_norm" else None
-    return None
 
 
 def _why_unknown(ev: Evidence, below) -> str | None:
@@ -377,7 +277,7 @@ RULES: list[Rule] = [
                         and b().cause not in ("rank-inconsistent-replica", "sharding-bug")),
          lambda ev, b: "attention-kernel", lambda ev, b: b().why),
     Rule("op near its float64 re-execution", lambda ev, b: ev.op_oracle is not None,
-         lambda ev, b: _op_kind(ev.op)),
+         lambda ev, b: op_kind(ev.op)),
     # the record's own bits, ranks and bound
     Rule("as recorded (read back from a summary)", lambda ev, b: ev.row is None,
          lambda ev, b: ev.record.get("cause") or "unknown", lambda ev, b: ev.record.get("why")),

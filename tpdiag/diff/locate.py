@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds, generic_bound, oracle, router
+from tpdiag.diff import bits, bounds, generic_bound, oracle, oracle_own, router
 from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
 from tpdiag.diff.op_verdict import op_verdict
 from tpdiag.diff.engine import DegreeDiff
@@ -60,7 +60,7 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         row["beyond_bound"] = chk.beyond
     generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
     oracle.apply(dd)  # any module or op the reference re-executed in float64: bug or rounding
-    oracle.apply_own(dd)  # ... and past the first divergence, from this side's own inputs
+    oracle_own.apply_own(dd)  # ... and past the first divergence, from this side's own inputs
     for row in dd.rows:
         if row.get("oracle") and not row.get("beyond_bound") and not row.get("oracle_flip") \
                 and row["kind"] == "out" and not row.get("generic_cause"):

@@ -207,8 +207,8 @@ def verdict_for(dd, row: dict) -> dict | None:
     if got is None:
         return None
     discrete = notes_for(dd, row).get("discrete")
-    if discrete and _no_reference(got):
-        _mark_no_reference(got, discrete)
+    if discrete and no_reference(got):
+        mark_no_reference(got, discrete)
     elif discrete and _choices_equal(dd, row, discrete):
         # no flipped tie: the op-level pass recorded every such choice, bitwise equal on both sides
         got["choices_equal"] = list(discrete)
@@ -217,7 +217,7 @@ def verdict_for(dd, row: dict) -> dict | None:
     return got
 
 
-def _no_reference(v: dict) -> bool:
+def no_reference(v: dict) -> bool:
     """A module with discrete choices whose reference is itself more than MARGIN roundings from the
     float64 re-execution: the float64 run chose otherwise (a bf16 router's near tie), so its value
     is no reference for either side and a threshold scaled by the reference's distance judges
@@ -225,7 +225,7 @@ def _no_reference(v: dict) -> bool:
     return v.get("floor", 0) > 0 and v["ref_err"] > v["margin"] * v["floor"]
 
 
-def _mark_no_reference(v: dict, discrete) -> None:
+def mark_no_reference(v: dict, discrete) -> None:
     # read as far with a choice that may have flipped: never near (a reordering), never a bug
     v["far"], v["discrete"], v["no_reference"] = True, list(discrete), True
 
@@ -266,64 +266,6 @@ def _grad_in_oracle(dd, row: dict):
     if not grads_equal(dd, probe):
         return None
     return got[0][1][0]
-
-
-def _own_grad_in(dd, row: dict, table: dict):
-    """A grad_out record's value from its one consumer's float64 backward (table: the grad_in
-    re-executions from the reference's inputs or from this side's)."""
-    cons = row.get("consumers") or []
-    if len(cons) != 1:
-        return None
-    got = [(k, v) for k, v in table.items() if k[0] == row["step"] and k[1] == cons[0]]
-    if len(got) != 1 or len(got[0][1]) != 1:
-        return None
-    return got[0][1][0]
-
-
-def apply_own(dd) -> None:
-    """Every divergent record past the first that the reference's own oracle could not judge
-    (its inputs differ), judged against the reference module re-run on this side's inputs."""
-    own = getattr(dd, "oracle_own", None)
-    if not own and not getattr(dd, "grad_in_own", None):
-        return
-    for row in dd.rows:
-        if row["bitwise"] or row.get("oracle") or row.get("nonfinite_mismatch") \
-                or row.get("rank_consistent") is False or row["key"] not in dd.tensors:
-            continue
-        k = row["key"]
-        if row["phase"] == "backward" and row["kind"] == "grad_out":
-            o_n, o_ref = _own_grad_in(dd, row, dd.grad_in_own), _own_grad_in(dd, row, dd.grad_in)
-        elif (row["phase"], row["kind"]) in (("forward", "out"), ("backward", "param_grad")):
-            o_n, o_ref = own.get(k), dd.oracle.get(k)
-        else:
-            continue
-        if o_n is None:
-            continue
-        y_ref, y_n = dd.tensors[k]
-        v = judge_own(y_ref, y_n, None if o_ref is None else first_positions(o_ref, y_n, row.get("positions")),
-                      first_positions(o_n, y_n, row.get("positions")))
-        if v is None:
-            continue
-        discrete = notes_for(dd, row).get("discrete")
-        if discrete and _no_reference(v):
-            _mark_no_reference(v, discrete)
-        row["oracle"] = v
-        if v["far"] and discrete:
-            v["discrete"] = list(discrete)
-            row["oracle_flip"] = True
-            continue
-        what = "float64 re-execution of the " + {"param_grad": "module's backward", "grad_out": "consumer's backward"}.get(
-            row["kind"], "module") + " from this side's own inputs"
-        if v["far"]:
-            row["beyond_bound"] = True
-            row["bound_ratio"] = max(row.get("bound_ratio") or 0.0, v["ratio"])
-            row.pop("generic_cause", None)
-        elif row.get("beyond_bound"):
-            # a layout bound on inputs that already differed was too tight: the module, given
-            # exactly what this side gave it, computed its value within rounding
-            row["beyond_bound"] = False
-            row["bound_ratio"] = v["ratio"]
-        row["bound_model"] = f"{row['bound_model']}; {what}" if row.get("bound_model") else what
 
 
 # ops left uncompared whose output differs from, or has no counterpart at, the reference
