@@ -229,8 +229,11 @@ def test_hash_mode_names_a_rank_inconsistent_replica(tmp_path):
 
 
 def test_fix_all_is_bitwise_in_hash_mode(tmp_path):
-    """The negative control is the stock hash run above (divergent at every degree)."""
-    p = run_cli("compare", "--tp", "1,2,4", "--capture", "hash", "--fix", "all", "--no-baseline",
+    """The negative control is the stock hash run above (divergent at every degree). TP=1,2: that
+    hash mode's verdicts at TP=4 and 8 are the full run's, bitwise rows included, is
+    test_hash_run_finds_what_the_full_run_finds; that --fix all is bitwise at TP=4 and 8 is
+    test_fixes.py's test_fix_all_is_bitwise_at_every_degree."""
+    p = run_cli("compare", "--tp", "1,2", "--capture", "hash", "--fix", "all", "--no-baseline",
                 "--out", str(tmp_path / "r"), "--format", "json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
