@@ -340,3 +340,12 @@ def stock_run(tmp_path_factory):
 def tp12_run(tmp_path_factory):
     """ONE real compare at TP=1,2 shared by the report and gate tests; tests edit copies, never this."""
     return shared_run(tmp_path_factory, "tp12", _compare_into("--tp", "1,2", "--no-confirm", "--format", "json"))
+
+
+@pytest.fixture(scope="session")
+def fixall12_run(tmp_path_factory):
+    """ONE real `--tp 1,2 --fix all` compare of the built-in model (no baseline rerun, no
+    confirmation), shared by test_diff_runs (its worlds, diffed) and test_invariant_attention
+    (its verdict): each file ran the same compare of its own."""
+    return shared_run(tmp_path_factory, "fixall12", _compare_into("--tp", "1,2", "--fix", "all", "--no-confirm",
+                                                                  "--no-baseline"))
