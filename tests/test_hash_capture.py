@@ -109,7 +109,7 @@ for dt, big in ((torch.float32, 1e30), (torch.bfloat16, 3e38), (torch.float16, 6
 # 1 to several column groups, narrow [R, CB] tiles with R > 1 and word pairs. Each row's tensor
 # is the smallest whose launches keep the tiles (R, CB, ROW_ITERS, EVEN, word pairs), program
 # count, step (dq, dr), a program's several chunks and wrap / no wrap between column groups that
-# [6, 40, 300] and [5, 3000] gave (1/7 of the interpreted chunks): [1, 10, 260] / [6, 9, 260]
+# [6, 40, 300] and [5, 3000] gave (a quarter of the interpreted tiles): [1, 10, 260] / [6, 9, 260]
 # (its 130-wide shard) for the [6, 40, 300] rows, [1538] / [5, 2664] for the whole [5, 3000]
 SMALL, WIDE = ((64, 3, 1), (64, 3, 2), (16, 2, 3)), ((128, 2, 13),)
 steps = set()
