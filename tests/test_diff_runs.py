@@ -11,12 +11,10 @@ from conftest import run_cli
 
 
 @pytest.fixture(scope="module")
-def fixed_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fixed") / "run"
-    # no baseline rerun: the diffs below read tp1 and tp2 only
-    p = run_cli("compare", "--tp", "1,2", "--fix", "all", "--no-confirm", "--no-baseline", "--out", str(out))
-    assert p.returncode == 0, p.stderr + p.stdout
-    return out
+def fixed_run(fixall12_run):
+    # conftest's session run (no baseline rerun: the diffs below read tp1 and tp2 only); readers
+    # only - nothing here writes into it
+    return fixall12_run
 
 
 def _diff(a, b, tmp_path, *extra):

@@ -26,10 +26,12 @@ def test_fix_all_is_bitwise_at_every_degree(tmp_path, dtype):
         assert d["logprobs"]["bitwise"] and d["logprobs"]["token_mult_prob_error"] == 1.0
 
 
+# invariant-grad-norm's case (the other two fixes on: the first divergence is the grad norm) is
+# round 2 of test_fix_auto_chain_ends_bitwise's chain - the same fixes at the same TP=1,4 - which
+# asserts it there; it ran as a compare of its own here
 @pytest.mark.parametrize("dropped,cause,kind", [
     ("tp-invariant-linear", "row-parallel-reduction", "out"),
     ("invariant-vocab-softmax", "vocab-parallel-softmax", "logprobs"),
-    ("invariant-grad-norm", "grad-norm", "grad_norm"),
 ])
 def test_each_fix_is_necessary(tmp_path, dropped, cause, kind):
     rest = ",".join(f for f in ALL if f != dropped)
@@ -73,6 +75,10 @@ def test_fix_auto_chain_ends_bitwise(tmp_path):
     causes = [fd["cause"] for r in chain[:-1] for fd in r["first_divergence"].values() if fd]
     assert causes == ["row-parallel-reduction", "vocab-parallel-softmax", "grad-norm"]
     assert set(chain[-1]["fixes"]) == set(ALL)
+    # invariant-grad-norm is necessary (test_each_fix_is_necessary's third case): with the other
+    # two fixes on, the grad norm is what differs
+    assert set(chain[2]["fixes"]) == set(ALL) - {"invariant-grad-norm"}
+    assert chain[2]["status"] == "divergent" and chain[2]["first_divergence"]["4"]["kind"] == "grad_norm", chain[2]
     from test_timing import assert_breakdown
 
     tb = assert_breakdown(tmp_path / "r")  # round 0 is the first pass; each fixed round a part

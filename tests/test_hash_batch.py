@@ -216,9 +216,11 @@ rh.triton_ok = lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T and
 torch.manual_seed(0)
 # a 16-bit record spans more chunks than a launch has programs: a launch of it alone gets more
 # programs per SM (record_hash.FILL_2BYTE) than one it shares, so the programs' partial lane
-# sums - each added into the row unreduced - are grouped differently
-x = torch.randn(40, 8192).to(torch.bfloat16)
-others = [torch.randn(40, 8192).to(torch.bfloat16) for _ in range(3)]  # the same launch key as x
+# sums - each added into the row unreduced - are grouped differently. x: 17 chunks, one more
+# than the 16 programs of a 4-record launch (the 20 of [40, 8192] gave 20 programs against 16);
+# the others set the launch's record count only: one whole chunk each, the same launch key as x
+x = torch.randn(34, 8192).to(torch.bfloat16)
+others = [torch.randn(2, 8192).to(torch.bfloat16) for _ in range(3)]
 
 def rec_of(tensors):
     r = Recorder(mode="hash")

@@ -106,22 +106,35 @@ for dt, big in ((torch.float32, 1e30), (torch.bfloat16, 3e38), (torch.float16, 6
     assert torch.equal(ia, ib) and int(ib[2]) == 0, (dt, ia, ib)
 # program counts against the chunk grid: a program's chunks are stepped without a division
 # (chunk -> row group, column group carried by NPROG = dq * N_COL + dr), with 1..13 programs over
-# 1 to several column groups, narrow [R, CB] tiles with R > 1 and word pairs. [6, 12, 300]: the
-# 72 rows of its 150-wide shard give each launch below the tiles, program count (52 at 13 waves)
-# and step (dq, dr) that [6, 40, 300] gave, with fewer chunks a program: 3/10 of the interpreted work
-for shape, dim, ways, dt in (((6, 12, 300), 2, 2, torch.bfloat16), ((5, 3000), None, 1, torch.bfloat16),
-                             ((9, 70), 1, 2, torch.float32), ((7, 2, 130), 2, 1, torch.float16)):
+# 1 to several column groups, narrow [R, CB] tiles with R > 1 and word pairs. Each row's tensor
+# is the smallest whose launches keep the tiles (R, CB, ROW_ITERS, EVEN, word pairs), program
+# count, step (dq, dr), a program's several chunks and wrap / no wrap between column groups that
+# [6, 40, 300] and [5, 3000] gave (a quarter of the interpreted tiles): [1, 10, 260] / [6, 9, 260]
+# (its 130-wide shard) for the [6, 40, 300] rows, [1538] / [5, 2664] for the whole [5, 3000]
+SMALL, WIDE = ((64, 3, 1), (64, 3, 2), (16, 2, 3)), ((128, 2, 13),)
+steps = set()
+for shape, dim, ways, dt, launches in (((1, 10, 260), 2, 2, torch.bfloat16, SMALL),
+                                       ((6, 9, 260), 2, 2, torch.bfloat16, WIDE),
+                                       ((1538,), None, 1, torch.bfloat16, SMALL),
+                                       ((5, 2664), None, 1, torch.bfloat16, WIDE),
+                                       ((9, 70), 1, 2, torch.float32, SMALL + WIDE),
+                                       ((7, 2, 130), 2, 1, torch.float16, SMALL + WIDE)):
     full = torch.randn(*shape).to(dt)
     p = full if dim is None else full.chunk(ways, dim=dim)[-1].contiguous()
     args = rh.slab(p.shape, dim, None if dim is None else shape[dim], 0 if dim is None else shape[dim] - p.shape[dim])
     ia, _ = rh.lanes_torch(p, *args)
     ia[:2] &= rh.M32
-    for block, iters, waves in ((64, 3, 1), (64, 3, 2), (16, 2, 3), (128, 2, 13)):
+    for block, iters, waves in launches:
+        pl = rh.plan(args[0], args[1] * args[2], block, iters)
+        nprog = min(pl[3] * pl[4], waves * 4)  # _sm_count is 4 off CUDA
+        steps.add((nprog // pl[4] > 0, nprog % pl[4] > 0, pl[0] > 1))
         # word pairs are bf16's only: for another dtype pairs=True is the same launch as False
         for pairs in (False, True) if dt == torch.bfloat16 else (False,):
             ib, _ = rh.triton_lanes(p, *args, block=block, iters=iters, waves=waves, pairs=pairs)
             ib[:2] &= rh.M32
             assert torch.equal(ia, ib), (shape, dim, dt, block, iters, waves, pairs, ia, ib)
+# steps of whole row groups only, of column groups only, of both; tiles of several rows
+assert {s[:2] for s in steps} == {(True, False), (False, True), (True, True)} and any(s[2] for s in steps), steps
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
@@ -216,8 +229,11 @@ def test_hash_mode_names_a_rank_inconsistent_replica(tmp_path):
 
 
 def test_fix_all_is_bitwise_in_hash_mode(tmp_path):
-    """The negative control is the stock hash run above (divergent at every degree)."""
-    p = run_cli("compare", "--tp", "1,2,4", "--capture", "hash", "--fix", "all", "--no-baseline",
+    """The negative control is the stock hash run above (divergent at every degree). TP=1,2: that
+    hash mode's verdicts at TP=4 and 8 are the full run's, bitwise rows included, is
+    test_hash_run_finds_what_the_full_run_finds; that --fix all is bitwise at TP=4 and 8 is
+    test_fixes.py's test_fix_all_is_bitwise_at_every_degree."""
+    p = run_cli("compare", "--tp", "1,2", "--capture", "hash", "--fix", "all", "--no-baseline",
                 "--out", str(tmp_path / "r"), "--format", "json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)

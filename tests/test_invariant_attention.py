@@ -396,8 +396,12 @@ def compare(tmp_path, *args):
     return json.loads(p.stdout)
 
 
-def test_cli_fix_all_tiny_llama_stays_bitwise(tmp_path):
-    s = compare(tmp_path, "--model", "tiny-llama", "--tp", "1,2", "--fix", "all", "--no-confirm")
+def test_cli_fix_all_tiny_llama_stays_bitwise(fixall12_run):
+    # conftest's session compare of tiny-llama (the built-in model) at TP=1,2 with --fix all,
+    # invariant-attention among them (test_diff_runs diffs the same run's worlds)
+    m = json.loads((fixall12_run / "manifest.json").read_text())
+    assert m["model"] == "tiny-llama" and "invariant-attention" in m["fixes"], (m["model"], m["fixes"])
+    s = json.loads((fixall12_run / "summary.json").read_text())
     assert s["status"] == "bitwise", json.dumps(s["degrees"], indent=1)[:2000]
     assert s["degrees"]["2"]["n_divergent"] == 0
 

@@ -2,6 +2,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 from conftest import run_cli
@@ -14,13 +15,25 @@ def compare(tmp_path, *args):
     return json.loads(p.stdout)
 
 
-def test_row_parallel_divergence_enters_through_the_all_reduce(tmp_path):
-    # the first divergent op, found by pass 1 at op granularity: no own-input pass after it
-    s = compare(tmp_path, "--tp", "1,4", "--no-confirm", "--no-judge-downstream")
-    fd = s["degrees"]["4"]["first_divergence"]
+@pytest.fixture(scope="module")
+def op_pair(tmp_path_factory):
+    """ONE stock compare at op granularity, --tp 1,2,2 (the TP=2 world twice: tp2 and tp2-2, each
+    its own processes and process group), read by the two tests below. The first divergent op is
+    found by pass 1: no own-input judgement past it. (The first test ran a TP=1,4 compare of its
+    own: the all-reduce a row-parallel divergence enters through is the same op at any degree.)"""
+    out = tmp_path_factory.mktemp("oppair") / "a"
+    p = run_cli("compare", "--tp", "1,2,2", "--granularity", "op", "--no-baseline", "--no-confirm",
+                "--no-judge-downstream", "--out", str(out), "--format", "json")
+    assert p.returncode == 0, p.stderr
+    return out, json.loads(p.stdout)
+
+
+def test_row_parallel_divergence_enters_through_the_all_reduce(op_pair):
+    out, s = op_pair
+    fd = s["degrees"]["2"]["first_divergence"]
     assert fd["module"] in ("layers.0.attention.wo", "layers.0.feed_forward.w2")
     assert fd["op"] == "_c10d_functional::all_reduce" and "only at this degree" in fd["op_detail"]
-    w = json.loads((tmp_path / "r" / "tp4" / "world.json").read_text())
+    w = json.loads((out / "tp2" / "world.json").read_text())
     assert w["probe_selfcheck"]["equal"]  # the dispatch mode observes only
 
 
@@ -70,20 +83,20 @@ def test_shape_dependent_gemm_on_cpu_is_found_and_confirmed(tmp_path):
 
 def test_auto_records_ops_only_inside_the_first_divergent_module(tmp_path):
     p = run_cli("compare", "--out", str(tmp_path / "r"), "--format", "json", "--granularity", "auto",
-                "--no-baseline", "--no-confirm", "--tp", "1,4")
+                "--no-baseline", "--no-confirm", "--tp", "1,2")  # the ops pass's scope, at any degree
     assert p.returncode == 0, p.stderr
-    fd = json.loads(p.stdout)["degrees"]["4"]["first_divergence"]
+    fd = json.loads(p.stdout)["degrees"]["2"]["first_divergence"]
     assert fd["op"] == "_c10d_functional::all_reduce"
     # pass 1 kept no ops; pass 2 kept only the ops of that one module
-    assert '"kind": "op"' not in (tmp_path / "r" / "tp4" / "events.jsonl").read_text()
-    ops = [line for line in (tmp_path / "r" / "ops" / "tp4" / "events.jsonl").read_text().splitlines()
+    assert '"kind": "op"' not in (tmp_path / "r" / "tp2" / "events.jsonl").read_text()
+    ops = [line for line in (tmp_path / "r" / "ops" / "tp2" / "events.jsonl").read_text().splitlines()
            if '"kind": "op"' in line]
     assert 0 < len(ops) < 20 and all(fd["module"] in line for line in ops)
     from test_timing import assert_breakdown
 
     tb = assert_breakdown(tmp_path / "r")
     (sp,) = [p for p in tb["parts"] if p["part"] == "second-pass"]
-    assert sp["what"] == "ops" and set(sp["worlds"]) == {"ops/1", "ops/4"} and sp["s"] > 0
+    assert sp["what"] == "ops" and set(sp["worlds"]) == {"ops/1", "ops/2"} and sp["s"] > 0
     # the ops pass re-executed the module's ops in float64 in its reference world
     assert tb["totals"]["float64_s"] > 0
     ref = json.loads((tmp_path / "r" / "ops" / "manifest.json").read_text())["worlds"]["1"]["timings"]
@@ -111,22 +124,17 @@ def test_in_place_op_record_holds_its_new_value():
     assert torch.equal(recs["aten::mul#0.0"], x * 3.0) and not torch.equal(recs["aten::mul#0.0"], y)
 
 
-def test_op_records_of_collectives_are_reproducible(tmp_path):
+def test_op_records_of_collectives_are_reproducible(op_pair):
     """The same TP=2 world twice at op granularity: bitwise, collectives included (a functional
     collective's output recorded before its wait changed from run to run); the row-parallel
     all-reduce is still the first divergent op against TP=1. The two TP=2 worlds are one compare's
-    (--tp 1,2,2: tp2 and tp2-2, each its own processes and process group) - the second compare
-    this ran before added only another TP=1 world."""
-    # the records of pass 1 are what is compared: no own-input judgement past the first divergence
-    p = run_cli("compare", "--tp", "1,2,2", "--granularity", "op", "--no-baseline", "--no-confirm",
-                "--no-judge-downstream", "--out", str(tmp_path / "a"), "--format", "json")
-    assert p.returncode == 0, p.stderr
-    s = json.loads(p.stdout)
+    (op_pair) - the second compare this ran before added only another TP=1 world."""
+    out, s = op_pair
     for label in ("2", "2-2"):
         assert s["degrees"][label]["first_divergence"]["op"] == "_c10d_functional::all_reduce", label
-    ev = (tmp_path / "a" / "tp2" / "events.jsonl").read_text()
+    ev = (out / "tp2" / "events.jsonl").read_text()
     assert ev.count("_c10d_functional::all_reduce") > 10
-    p = run_cli("diff", str(tmp_path / "a" / "tp2"), str(tmp_path / "a" / "tp2-2"), "--format", "json")
+    p = run_cli("diff", str(out / "tp2"), str(out / "tp2-2"), "--format", "json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["status"] == "bitwise"
 
