@@ -175,7 +175,7 @@ FILE_SECONDS = {
     "test_op_level.py": 120, "test_micro_batch_carry.py": 35, "test_benchmarks.py": 35, "test_hf_fixes.py": 35,
     "test_slice.py": 35, "test_public_api.py": 35, "test_rollout_lanes.py": 30, "test_user_models.py": 30,
     "test_sequence_parallel.py": 30, "test_doc_blocks.py": 30, "test_failclosed.py": 25,
-    "test_tree_triton.py": 25, "test_gate.py": 25, "test_report.py": 25, "test_meta_init.py": 57,
+    "test_tree_triton.py": 38, "test_gate.py": 25, "test_report.py": 25, "test_meta_init.py": 57,
     "test_readme_output.py": 20, "test_compare.py": 20, "test_precheck_paths.py": 20,
     "test_accumulate_gpt2.py": 20, "test_moe.py": 20, "test_import_rules.py": 20,
     "test_grad_norm_dist.py": 15, "test_decode_prefix.py": 15, "test_decode.py": 15,
@@ -184,6 +184,7 @@ FILE_SECONDS = {
     "test_rollout_generate_zoo.py": 35, "test_judge.py": 30, "test_own_after_confirm.py": 30,
     "test_batch_coupled.py": 25, "test_decode_input_bug.py": 20, "test_rollout_tp_bug.py": 20,
     "test_rollout_processed.py": 15,
+    "test_train_side.py": 55, "test_rollout_early.py": 15, "test_hash_mix.py": 38, 
 }
 
 
