@@ -106,11 +106,11 @@ def test_state_the_restore_cannot_put_back_means_a_rebuild(tmp_path):
     """An attribute the step sets (a lazily made flag that scales the logits once set): the
     probed run builds its own model, and says why; without that check (the negative control)
     it would start from the flag the unprobed run set, and the self-check fails."""
-    s, out = _compare(tmp_path, "ok", "lazy", "--tp", "1", "--no-baseline")
+    s, out = _compare(tmp_path, "ok", "lazy", "--tp", "1,1", "--no-baseline", "--forward-only")
     w = _world(out, "1")
     assert w["probe_selfcheck"]["equal"] is True
     assert "_warm" in w["timings"]["selfcheck_rebuilt"]
-    s, out = _compare(tmp_path, "bad", "lazy", "--tp", "1", "--no-baseline", code=2,
+    s, out = _compare(tmp_path, "bad", "lazy", "--tp", "1,1", "--no-baseline", "--forward-only", code=2,
                       env={"TPDIAG_TEST_RESTORE_SKIP": "attributes"})
     assert _world(out, "1")["probe_selfcheck"]["equal"] is False
 

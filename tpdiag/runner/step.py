@@ -46,10 +46,10 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     timings = {}
     target, model, timings["model_s"] = built or build(cfg, device, world)
     t0 = time.perf_counter() - timings["model_s"]  # build_s counts the build wherever it ran
-    build = dict(getattr(target, "build", None) or {})
+    built_how = dict(getattr(target, "build", None) or {})
     # a fact of the model as sharded, not a timing: world.json's own field (runner/worker.py)
-    rec.ties_broken = build.pop("ties_broken", None) or []
-    timings.update(build)  # which init path, its peak bytes
+    rec.ties_broken = built_how.pop("ties_broken", None) or []
+    timings.update(built_how)  # which init path, its peak bytes
     timings["numerics"] = _numerics(cfg, model)
     rec.mode = capture_mode(cfg.capture, model)
     rec.world = world
