@@ -164,7 +164,11 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         from tpdiag.runner.pristine import Pristine
 
         built = build(cfg, device, world)
+        t_copy = time.perf_counter()
         kept = Pristine.take(built[1])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        phases["selfcheck_copy_s"] = time.perf_counter() - t_copy  # inside selfcheck_s
         bare = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "bare"), piece_ref=piece_ref)
         # a decode world's unprobed run: the prompt call and the first DECODE_SELFCHECK_CALLS
         # one-token calls, not all of them (at 1 x 2048 the whole was 26 s of a 85 s world)
