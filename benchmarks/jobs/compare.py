@@ -13,7 +13,8 @@ confirmation and the worlds' wall times. Named sets of runs (--set):
            #20's command (--no-confirm), the same from a safetensors checkpoint, and the default flow
   more     sequence parallelism, hf: with --fix all, --granularity auto
   oom      llama-1b fp32 under TPDIAG_CUDA_MEM_FRACTION=0.07: a real CUDA OOM, reported cleanly
-  axes     the RL axes (issue #39 item 5): llama-1b bf16 --micro-batch 8,1 at 8 x 4096 and
+  axes     the RL axes (issue #39 item 5): llama-1b bf16 --micro-batch 8,1 (and 8,4,2,1:
+           mb8421-8x4096) at 8 x 4096 and
            --mode prefill,decode at 1 x 2048 (default flow, TP=1, one GPU); --fix all along each
            axis at smaller sizes (--tp 1,2 --grid for decode: two GPUs)
   smoke    tiny-llama fp32 on CPU (gloo), no baseline/confirmation: the job's code path
@@ -86,6 +87,9 @@ SETS: dict[str, list[tuple]] = {
     # a run's own --tp comes after the set's and wins (click keeps an option's last value)
     "axes": [("mb-8x4096", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "8", "--seq-len", "4096",
                             "--micro-batch", "8,1"], {}, 300),
+             # issue #59: the second pass's diff of whole tensors (73 s of 192 s at 7623391)
+             ("mb8421-8x4096", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "8", "--seq-len",
+                                "4096", "--micro-batch", "8,4,2,1"], {}, 420),
              ("decode-1x2048", L1B + ["--mode", "prefill,decode", "--forward-only"], {}, 480),
              ("mb-fix", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "4", "--seq-len", "1024",
                          "--micro-batch", "4,1", "--fix", "all", "--no-confirm"], {}, 240),

@@ -47,6 +47,23 @@ def _assemble_pair(rm: dict, rt: torch.Tensor, om: dict, ot: torch.Tensor):
     return ra, oa
 
 
+def _read_pair(ref: RecordSet, rm: dict, other: RecordSet, om: dict) -> tuple:
+    """Both records' stored tensors, each checked against its stored hash - a whole pass over the
+    tensor, most of a second pass's diff on the host - except where the check cannot change
+    anything: both index hashes equal (one lane mix) and the two tensors bitwise equal. An edit
+    of either file then makes the two differ, and both are checked (the edited one fails)."""
+    rt, ot = ref.tensor(rm, verify=False), other.tensor(om, verify=False)
+    h = rm.get("stored_hash")
+    if (h is not None and h == om.get("stored_hash") and ref.hash_version == other.hash_version
+            and ref.known_hashes() and bits.bitwise_equal(rt, ot)):
+        ref.vouch(rm)
+        other.vouch(om)
+    else:
+        ref.verify(rm, rt)
+        other.verify(om, ot)
+    return rt, ot
+
+
 def _pair_tensors(ra: Assembled, oa: Assembled):
     if ra.full is not None and oa.full is not None:
         return ra.full, oa.full
@@ -127,10 +144,13 @@ def _judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
     NaN at every degree would read "bitwise". Any record holding one is a non-finite finding (never
     bitwise, max_abs infinite so that no budget passes it) naming the side(s) that hold it."""
     fwd = row.get("phase") == "forward"
-    va, vb = bits.held_nonfinite(a, fwd), bits.held_nonfinite(b, fwd)
+    same = row["bitwise"]  # the same bits hold the same NaN and Inf: one side's pass is enough
+    va = bits.held_nonfinite(a, fwd)
+    vb = va if same else bits.held_nonfinite(b, fwd)
     if not (va or vb or row["nonfinite_mismatch"]):
         return
-    ha, hb = va or bits.held_nonfinite(a), vb or bits.held_nonfinite(b)
+    ha = va or bits.held_nonfinite(a)
+    hb = ha if same else vb or bits.held_nonfinite(b)
     row["nonfinite_side"] = "both" if ha and hb else "reference" if ha else "degree"
     if row["nonfinite_mismatch"]:
         return
@@ -179,7 +199,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 rows.append(row)
             continue
         try:
-            ra, oa = _assemble_pair(rm, ref.tensor(rm), om, other.tensor(om))
+            rt, ot = _read_pair(ref, rm, other, om)
+            ra, oa = _assemble_pair(rm, rt, om, ot)
             a, b = _pair_tensors(ra, oa)
             a = first_positions(a, b, om.get("positions"))
             if om["kind"] == "op" and (a.shape != b.shape or a.dtype != b.dtype):

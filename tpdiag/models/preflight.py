@@ -12,8 +12,8 @@ reference, the line proposes what does fit: `--layers N`, the first N decoder la
 real embedding and head (models/slice.py), and on GPUs the smallest degree that holds the
 whole model as the reference (`--tp D,...`). The bound can only let through a run that then
 runs out of memory, never refuse one that fits; what it proposes keeps the bound within
-PROPOSE_SHARE of the memory, room for what the bound leaves out (the unprobed self-check's
-model, records and hash buffers, float32 copies inside kernels, the allocator's slack).
+PROPOSE_SHARE of the memory, room for what the bound leaves out (the copy of the parameters
+the self-check puts back for the probed run - runner/pristine.py -, records and hash buffers, float32 copies inside kernels, the allocator's slack).
 """
 from __future__ import annotations
 

@@ -145,7 +145,9 @@ class RecordSet:
     def hash_only(self) -> bool:
         return any(m.get("stored") == "hash" for m in self.events)
 
-    def tensor(self, meta: dict) -> torch.Tensor:
+    def tensor(self, meta: dict, verify: bool = True) -> torch.Tensor:
+        """The record's stored tensor, checked against its index (dtype, shape) and, unless
+        verify=False (then the caller checks it: verify() or vouch()), its stored hash."""
         if meta.get("stored") == "hash":
             raise Inconclusive(f"{self.dir}: record {meta['key']} was captured as a hash only "
                                "(--capture hash); rerun with --capture full for its values")
@@ -162,20 +164,35 @@ class RecordSet:
             raise Inconclusive(f"{self.dir}: record {meta['key']} is stored as "
                                f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}, its index says "
                                f"{meta['dtype']}{want} (edited or mismatched files)")
+        if verify:
+            self.verify(meta, t)
+        return t
+
+    def known_hashes(self) -> bool:
+        """Whether this set's stored hashes are of a lane mix this tpdiag computes."""
+        from tpdiag.records.hashing import MIXES
+
+        return self.hash_version in MIXES
+
+    def verify(self, meta: dict, t: torch.Tensor) -> None:
+        """The record's tensor (as tensor() read it) is what the run stored: its hash."""
         want_hash = meta.get("stored_hash")
         if want_hash is not None and meta["idx"] not in self._verified:
             from tpdiag.records.hashing import MIXES, tensor_hash
 
-            if self.hash_version not in MIXES:
+            if not self.known_hashes():
                 raise Inconclusive(f"{self.dir}: world.json names hash version {self.hash_version!r}, "
                                    f"not one this tpdiag knows ({MIXES}): edited, or a newer tpdiag's run")
             if tensor_hash(t, self.hash_version) != want_hash:
                 raise Inconclusive(f"{self.dir}: record {meta['key']} does not match its hash "
                                    "(the tensor file was edited after the run)")
-            # the file is mapped read-only for this set's life: a record read again (bounds,
-            # oracle, report) is the bytes just checked
-            self._verified.add(meta["idx"])
-        return t
+            self.vouch(meta)
+
+    def vouch(self, meta: dict) -> None:
+        """Count the record's tensor as checked (verify(), or the pair check in diff/engine.py):
+        the file is mapped read-only for this set's life, so a record read again (bounds,
+        oracle, report) is the bytes just checked."""
+        self._verified.add(meta["idx"])
 
 
 def _line(e: BaseException) -> str:

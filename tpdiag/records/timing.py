@@ -67,7 +67,7 @@ def read_breakdown(manifest) -> tuple[dict | None, list[str]]:
 
 
 _TOTAL_WORDS = (("start_s", "start (spawn, imports, process group)"), ("model_build_s", "model build"),
-                ("selfcheck_s", "unprobed self-check run (its build included)"),
+                ("selfcheck_s", "unprobed self-check run (the world's build included)"),
                 ("steps_s", "probed steps"), ("float64_s", "float64 re-execution (inside the steps)"),
                 ("triton_compile_s", "Triton compiles (inside the runs)"), ("gather_s", "gather"),
                 ("write_s", "write"))

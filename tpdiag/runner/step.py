@@ -25,22 +25,31 @@ def decode_prefix(seq_len: int, calls: int) -> tuple[int, int]:
     return P, min(seq_len, P + calls)
 
 
-def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
-        fingerprint: bool = False, decode_check: int = 0, decode_only_check: bool = False) -> dict:
-    """One world's steps; fingerprint=True: rec.fingerprint = the last step's final values'
-    hashes (runner/fingerprint.py), taken after the step's timing. A decode world with
-    decode_check=K: rec.decode_check = (positions, hash of the logits of the prompt call and
-    the first K one-token calls); decode_only_check: run only those calls (the self-check)."""
-    timings = {}
+def build(cfg: WorldConfig, device: torch.device, world: int) -> tuple:
+    """(target, model, seconds): the world's model built, initialised and sharded."""
     t0 = time.perf_counter()
     target, model = build_model(cfg, device, world)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the init kernels are asynchronous
-    timings["model_s"] = time.perf_counter() - t0  # built, initialised and sharded
-    build = dict(getattr(target, "build", None) or {})
+    return target, model, time.perf_counter() - t0
+
+
+def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
+        fingerprint: bool = False, decode_check: int = 0, decode_only_check: bool = False,
+        built: tuple | None = None) -> dict:
+    """One world's steps; fingerprint=True: rec.fingerprint = the last step's final values'
+    hashes (runner/fingerprint.py), taken after the step's timing. A decode world with
+    decode_check=K: rec.decode_check = (positions, hash of the logits of the prompt call and
+    the first K one-token calls); decode_only_check: run only those calls (the self-check).
+    built: build()'s (target, model, seconds) to run on - model_s is then its seconds - instead
+    of building one."""
+    timings = {}
+    target, model, timings["model_s"] = built or build(cfg, device, world)
+    t0 = time.perf_counter() - timings["model_s"]  # build_s counts the build wherever it ran
+    built_how = dict(getattr(target, "build", None) or {})
     # a fact of the model as sharded, not a timing: world.json's own field (runner/worker.py)
-    rec.ties_broken = build.pop("ties_broken", None) or []
-    timings.update(build)  # which init path, its peak bytes
+    rec.ties_broken = built_how.pop("ties_broken", None) or []
+    timings.update(built_how)  # which init path, its peak bytes
     timings["numerics"] = _numerics(cfg, model)
     rec.mode = capture_mode(cfg.capture, model)
     rec.world = world

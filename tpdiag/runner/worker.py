@@ -123,7 +123,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     from tpdiag.probes.stream import close_stores
     from tpdiag.runner import determinism
     from tpdiag.runner.gather import gather_records
-    from tpdiag.runner.step import run
+    from tpdiag.runner.step import build, run
 
     determinism.setup(cfg.seed, cfg.device, cfg.flags)
     if cfg.device == "cuda":
@@ -157,23 +157,38 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     ref_shapes = _ref_shapes(cfg, world)
     piece_ref = _piece_ref(cfg)
     first_run = time.time()
+    built = None
     if check:
-        # The same step with no probes: what the model computes when nobody watches.
+        # The same step with no probes: what the model computes when nobody watches. One build
+        # for both runs: the probed run starts from the build's own bits, put back (pristine.py)
+        from tpdiag.runner.pristine import Pristine
+
+        built = build(cfg, device, world)
+        t_copy = time.perf_counter()
+        kept = Pristine.take(built[1])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        phases["selfcheck_copy_s"] = time.perf_counter() - t_copy  # inside selfcheck_s
         bare = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "bare"), piece_ref=piece_ref)
         # a decode world's unprobed run: the prompt call and the first DECODE_SELFCHECK_CALLS
         # one-token calls, not all of them (at 1 x 2048 the whole was 26 s of a 85 s world)
         bare_t = run(cfg.with_(probes=False), device, world, bare, decode_check=decode_calls,
-                     decode_only_check=True)
+                     decode_only_check=True, built=built)
         phases["selfcheck_s"] = time.perf_counter() - t0
-        phases["selfcheck_model_s"] = bare_t["model_s"]  # its own build, inside selfcheck_s
+        phases["selfcheck_model_s"] = bare_t["model_s"]  # the world's build, inside selfcheck_s
         first_built = first_run + bare_t["model_s"]
         if device.type == "cuda":
             phases["selfcheck_peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+        built, why = _reuse(built, kept, device)
+        if why:  # the probed run builds its own, as a rebuild gives what a restore could not
+            phases["selfcheck_rebuilt"] = why
+        del kept
     rec = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "rec"), piece_ref=piece_ref)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     probed_run = time.time()
-    timings = run(cfg, device, world, rec, fingerprint=True, decode_check=decode_calls)
+    timings = run(cfg, device, world, rec, fingerprint=True, decode_check=decode_calls, built=built)
+    del built
     if not check:
         first_built = probed_run + timings["model_s"]
     if device.type == "cuda":
@@ -220,6 +235,20 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
     dist.barrier()
     timings["max_rss_bytes"] = _max_rss_bytes()
     return timings
+
+
+def _reuse(built: tuple, kept, device) -> tuple:
+    """(built for the probed run or None, why not): the model the unprobed run used, its built
+    state restored - model_s is then the restore's seconds - or None to build anew."""
+    t0 = time.perf_counter()
+    why = kept if isinstance(kept, str) else kept.restore()
+    if why:
+        return None, why
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    return (built[0], built[1], time.perf_counter() - t0), None
 
 
 def _profiled(rank: int, label: str, fn, *args):
