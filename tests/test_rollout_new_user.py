@@ -1,7 +1,10 @@
-"""`tpdiag rollout` of an hf: checkpoint saved in bf16, without --dtype bfloat16 (the default is
-float32): an engine that loads the checkpoint as saved computes in bf16, nothing reproduces it,
-and the closest line could only say 'another dtype'. A note now names both dtypes and the option.
-Found as a new user (a tiny Llama saved with save_pretrained in bf16, generate() as the engine)."""
+"""What a new user's mistakes read as in `tpdiag rollout` (found following README and docs/rl.md with
+a tiny Llama saved by save_pretrained in bf16 and generate() as the engine):
+
+- the bf16 checkpoint run without --dtype bfloat16 (the default is float32): nothing reproduces
+  the engine and the closest line could only say 'another dtype'; a note now names both dtypes;
+- the wrong --model (tiny-llama, vocabulary 512, for the engine's 64): every logprob lower, read
+  as 'renormalised after top-k/top-p filtering' alone; the line now names another model too."""
 import json
 
 import pytest
@@ -19,8 +22,15 @@ def ckpt(tmp_path_factory):
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=32)
     d = tmp_path_factory.mktemp("ckpt")
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(d / "model"))
+    # the engine's own logprobs of its tokens (a forward of the checkpoint, float32 log-softmax)
+    m = LlamaForCausalLM.from_pretrained(str(d / "model"), dtype=torch.bfloat16)
+    seqs = [[3, 9, 27, 17, 51, 8, 30], [5, 6, 40, 2, 33, 12, 60]]
+    with torch.no_grad():
+        lp = torch.log_softmax(m(torch.tensor(seqs)).logits.float(), -1)
     f = d / "rollout.jsonl"
-    f.write_text(json.dumps({"input_ids": [3, 9, 27, 17, 51], "prompt_len": 3, "logprobs": [-4.1, -4.2]}) + "\n")
+    f.write_text("".join(json.dumps({"input_ids": s, "prompt_len": 3,
+                                     "logprobs": [lp[b, j - 1, s[j]].item() for j in range(3, len(s))]}) + "\n"
+                         for b, s in enumerate(seqs)))
     return str(d / "model"), str(f)
 
 
@@ -52,3 +62,13 @@ def test_saved_dtype_reads_both_spellings(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(body))
         assert saved_dtype(str(tmp_path)) == want, body
     assert saved_dtype(str(tmp_path / "missing")) is None
+
+
+def test_another_model_is_named_beside_processing(ckpt):
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    s = run_rollout(RolloutConfig(file=ckpt[1], model="tiny-llama", micro_batch=(2,), modes=("prefill",),
+                                  fixes=("none",), top=0))
+    assert s["metrics"]["mean_diff"] > 1.0  # log(512 / 64) nats: each engine logprob is higher
+    assert s["processed"]["kind"] == "systematic"
+    assert "or of another model than --model" in s["processed"]["explanation"]
