@@ -56,3 +56,19 @@ def test_bad_tree_groups_env_is_one_line_exit_2(value, needle, tmp_path, monkeyp
     lines = [line for line in r.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "TPDIAG_TREE_GROUPS" in lines[0] and needle in lines[0], r.output
     assert not (tmp_path / "r").exists()
+
+
+def test_a_model_named_without_its_prefix_gets_the_spec_it_meant(tmp_path):
+    """A new user's first hf: run: `--model ./ckpt` (the save_pretrained directory) read only
+    'unknown model'; the line now gives the spec with its prefix (and a plain name still none)."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "model.py").write_text("")
+    for model, hint in [(str(tmp_path / "ckpt"), f"(a model directory: --model hf:{tmp_path / 'ckpt'})"),
+                        (str(tmp_path / "model.py"), f"(a Python file: --model py:{tmp_path / 'model.py'}:FUNC"),
+                        ("tiny-lama", None)]:
+        r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r"), "--model", model])
+        lines = [line for line in r.output.strip().splitlines() if line.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and "unknown model" in lines[0], r.output
+        assert (hint in lines[0]) if hint else lines[0].endswith("hf:DIR or py:FILE.py:FUNC"), r.output
+    assert not (tmp_path / "r").exists()

@@ -52,11 +52,18 @@ def test_run_directory_contract(stock_run):
 
 
 def test_reference_against_itself_is_bitwise(tmp_path):
+    # an earlier run's `tpdiag report` page in the directory: before, it stayed beside this run's
+    # files and showed the old verdict; another file of the user's there is not tpdiag's to delete
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "report.html").write_text("<p>an earlier run: divergent</p>")
+    (tmp_path / "r" / "notes.txt").write_text("mine")
     p = run_cli("compare", "--tp", "1,1", "--out", str(tmp_path / "r"), "--format", "json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert s["status"] == "bitwise" and s["degrees"]["1-2"]["status"] == "bitwise"
     assert s["degrees"]["1-2"]["first_divergence"] is None  # label of the rerun
+    assert not (tmp_path / "r" / "report.html").exists()
+    assert (tmp_path / "r" / "notes.txt").read_text() == "mine"
 
 
 def test_unsharded_plan_is_bitwise_at_tp2(tmp_path):

@@ -42,6 +42,8 @@ def test_stock_run_fails_naming_the_first_divergent_module(tp12_run, tmp_path):
     # a module-granularity run: its words say module and name no op
     assert fd.get("op") is None and "first divergent module beyond policy" in first and "op -" not in first
     assert "TP=2: fail (1 record beyond policy" in p.stdout
+    # compare called this run rounding only: the option that lets it through is named
+    assert "policy: default (nothing may diverge) (--allow rounding lets rounding-class causes through;" in p.stdout
     assert f"::error title=tpdiag::first divergent module beyond policy: TP=2: module {fd['module']}" in p.stdout
     suite = ET.parse(junit).getroot().find("testsuite")
     cases = suite.findall("testcase")

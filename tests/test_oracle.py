@@ -181,3 +181,48 @@ def test_grouped_mm_is_reexecuted_group_by_group_in_float64():
     want = torch.cat([a[:2].double() @ b[0].double(), a[2:].double() @ b[2].double()])
     assert torch.equal(out, want)
     assert torch.allclose(out.float(), torch._grouped_mm(a, b, offs=offs), atol=1e-5)
+
+
+
+_NORMED = """
+import warnings, torch
+from torch import nn
+from tpdiag.probes.float64 import module_oracle, snapshot
+warnings.simplefilter("always")
+torch.manual_seed(0)
+m = nn.Sequential(nn.RMSNorm(8), nn.Linear(8, 16, bias=False))
+x = torch.randn(2, 3, 8)
+if MODE == "oracle":
+    out, notes = module_oracle(m, *snapshot(((x,), {})))
+    x64 = x.double()
+    ref = nn.functional.linear(nn.functional.rms_norm(x64, (8,), m[0].weight.double()), m[1].weight.double())
+    print("dtype", out.dtype, "notes", notes, "close", torch.allclose(out, ref, rtol=1e-13, atol=0))
+else:  # what the oracle's first op does unguarded: a float64 input beside the float32 weight
+    with torch.no_grad():
+        nn.functional.rms_norm(x.double(), (8,), m[0].weight)
+"""
+
+
+@pytest.mark.parametrize("mode", ["oracle", "control"])
+def test_module_oracle_keeps_torch_dtype_warnings_out_of_the_output(mode):
+    """Before: `tpdiag compare` of a py: model with torch's nn.RMSNorm in a block printed torch's
+    'Mismatch dtype between input and weight ... Cannot dispatch to fused implementation' above
+    the verdict (the oracle hands rms_norm a float64 input while the weight is still the float32
+    parameter; the unfused ops it falls back to run in float64). torch warns once per process, so
+    each side runs in a fresh interpreter; the control shows the warning is there to be hidden."""
+    import os
+    import subprocess
+    import sys
+
+    import tpdiag
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tpdiag.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", f"MODE = {mode!r}\n" + _NORMED], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    if mode == "oracle":
+        assert "Mismatch dtype" not in r.stderr, r.stderr
+        assert r.stdout.split() == ["dtype", "torch.float64", "notes", "{}", "close", "True"], r.stdout
+    else:
+        assert "Mismatch dtype between input and weight" in r.stderr, r.stderr

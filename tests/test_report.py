@@ -137,3 +137,24 @@ def test_report_in_headless_chromium(report, tp12_run, tmp_path):
     colours = {tuple(c) for c in rgb[:: 97]}
     assert len(colours) > 20  # text, badges and cards drawn, not a blank page
     assert (rgb < 128).any(axis=1).mean() > 0.005
+
+
+@pytest.mark.parametrize("degrees", [1, 3])
+def test_heatmap_fits_long_module_names(degrees):
+    """An hf: model's names ('model.layers.0.self_attn.o_proj') rotated under a one-row heatmap:
+    the figure was 2 inches tall, constrained layout collapsed the axes and `tpdiag report`
+    printed matplotlib's 'constrained_layout not applied' warning (tpdiag compare --model hf:DIR
+    --tp 1,2, then tpdiag report)."""
+    import warnings
+
+    from tpdiag.reports import plots
+
+    mods = ["model.embed_tokens"] + [f"model.layers.{i}.{m}" for i in range(2) for m in
+                                     ("input_layernorm", "self_attn.q_proj", "self_attn.o_proj",
+                                      "post_attention_layernorm", "mlp.gate_proj", "mlp.down_proj")]
+    labels = [str(2 ** (i + 1)) for i in range(degrees)]
+    vals = [[0.0] * 3 + [float(j) for j in range(len(mods) - 3)] for _ in labels]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        uri = plots.module_heatmap(labels, mods, vals, {"2": mods[3]})
+    assert base64.b64decode(uri.split(",", 1)[1]).startswith(PNG)

@@ -64,3 +64,19 @@ def test_the_list_is_capped_with_how_many_more(tmp_path):
     code, lines = _rollout(f, "--tp", "1")
     assert code == 2 and len(lines) == 21, lines
     assert all("field 'logprobs[" in ln for ln in lines[:20]) and lines[20].endswith("and 10 more problems"), lines
+
+
+# rollout's --fix takes fix sets; compare's `auto` (fix and rerun until nothing diverges) is not
+# one. Before: both lines read "unknown fix; expected all, auto, none or ..." - offering `auto`,
+# which the same option had just refused.
+@pytest.mark.parametrize("value,what", [
+    ("auto", "--fix 'auto': auto is compare's (fix and rerun until nothing diverges); rollout tries fix sets: "
+             "none, all, or fixes joined with '+'"),
+    ("al", "--fix 'al': unknown fix 'al'; expected none, all, or any of tp-invariant-linear,"),
+    ("none,tp-invariant-linear+invariant-gem", "unknown fix 'invariant-gem'; expected none, all, or any of"),
+])
+def test_a_wrong_fix_names_what_rollout_takes(tmp_path, value, what):
+    f = _file(tmp_path, [GOOD])
+    code, lines = _rollout(f, "--tp", "1", "--micro-batch", "1", "--mode", "prefill", "--fix", value)
+    assert code == 2 and len(lines) == 1 and what in lines[0], lines
+    assert "auto," not in lines[0], lines

@@ -121,8 +121,10 @@ class GateResult:
                 "fail": (f"FAIL - {lead} "
                          f"beyond policy: {first.line() if first else ''}"),
                 "inconclusive": f"INCONCLUSIVE - {self.problems[0] if self.problems else ''}"}[self.status]
-        how = ("allow causes or per-module budgets with --policy FILE.toml" if self.policy.source == Policy.source
-               else "format")
+        # compare may just have said "rounding only, nothing is wrong": the one option that
+        # lets that through is named first
+        how = ("--allow rounding lets rounding-class causes through; causes or per-module budgets with "
+               "--policy FILE.toml" if self.policy.source == Policy.source else "format")
         out = [f"gate: {head}", f"policy: {self.policy.source} ({how}: docs/ci.md, 'The policy file')"]
         out += [f"warning: {w}" for w in self.policy.warnings]
         out += [f"evidence: {p}" for p in self.problems[1:]]

@@ -113,3 +113,19 @@ def mark_config(kind: str, model: nn.Module, dtype: torch.dtype) -> None:
     cfg = getattr(model, "config", None)
     if kind == "hf" and cfg is not None and hasattr(cfg, "dtype"):
         cfg.dtype = dtype
+
+
+def saved_dtype(hf_dir: str) -> str | None:
+    """The dtype an hf: checkpoint says it was saved in (config.json `dtype`, before transformers 5
+    `torch_dtype`), e.g. "bfloat16"; None when it says none. An engine loading it with
+    `dtype="auto"` (vLLM's default) computes in it, whatever --dtype the trainer side runs."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    saved = (cfg.get("dtype") or cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
+    return saved.replace("torch.", "") if isinstance(saved, str) and saved != "auto" else None

@@ -64,8 +64,14 @@ def _parse_spec(spec: str) -> ModelSpec:
                 raise BadInput(f"--model {spec!r}: {e}") from None
             src = os.path.abspath(src)
         return ModelSpec("py", f"{src}:{func}")
+    # the likeliest slip: a checkpoint directory or a model file named without its prefix
+    hint = ""
+    if os.path.isfile(os.path.join(spec, "config.json")):
+        hint = f" (a model directory: --model hf:{spec})"
+    elif spec.endswith(".py") and os.path.isfile(spec):
+        hint = f" (a Python file: --model py:{spec}:FUNC, FUNC returning a tpdiag.Target)"
     raise BadInput(f"--model {spec!r}: unknown model; expected one of {', '.join(PRESETS)}, "
-                   "hf:DIR or py:FILE.py:FUNC")
+                   f"hf:DIR or py:FILE.py:FUNC{hint}")
 
 
 def _load_py_func(value: str):

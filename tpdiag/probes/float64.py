@@ -28,6 +28,7 @@ grads to the step's carries, and so to the real .grad, and return none of its ow
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -231,7 +232,12 @@ def _isolated(mod: torch.nn.Module):
     mods = list(mod.modules())
     saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in mods]
     try:
-        with suspended():
+        with suspended(), warnings.catch_warnings():
+            # a composite op (rms_norm, layer_norm) sees the float64 input beside the float32
+            # weight before the mode upcasts it and warns it cannot use its fused kernel; the
+            # decomposed ops it falls back to run in float64, so the warning is only noise in the
+            # user's output
+            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
             yield
     finally:
         for m, attrs, params, bufs in saved:

@@ -101,7 +101,14 @@ def module_heatmap(labels: list[str], modules: list[str], values: list[list[floa
 
     arr = np.array([[np.nan if v is None else float(v) for v in row] for row in values])
     width = min(13.0, max(6.0, 0.22 * len(modules) + 2))
-    fig, (ax,) = _figure(width, 1.6 + 0.42 * len(labels))
+    step = max(1, math.ceil(len(modules) / MAX_TICK_LABELS))
+    ticks = list(range(0, len(modules), step))
+    size = 7 if len(ticks) > 24 else 8
+    # the module names stand rotated under the cells: the figure is as tall as the longest one
+    # (about 0.6 em a character) on top of the rows, or constrained layout collapses the axes -
+    # an hf: model's 'model.layers.0.self_attn.o_proj' at one degree did (matplotlib warned)
+    names = max(len(modules[j]) for j in ticks) * size * 0.62 / 72
+    fig, (ax,) = _figure(width, 1.1 + 0.42 * len(labels) + names)
     pos = arr[arr > 0]
     norm = LogNorm(vmin=max(1.0, float(pos.min())) if pos.size else 1.0,
                    vmax=max(2.0, float(pos.max())) if pos.size else 2.0)
@@ -112,9 +119,7 @@ def module_heatmap(labels: list[str], modules: list[str], values: list[list[floa
     im = ax.imshow(masked, cmap=colormaps["viridis"], norm=norm, aspect="auto", interpolation="nearest")
     fig.colorbar(im, ax=ax, label="max ULP (log)", pad=0.01)
     ax.set_yticks(range(len(labels)), [f"TP={lab}" for lab in labels])
-    step = max(1, math.ceil(len(modules) / MAX_TICK_LABELS))
-    ticks = list(range(0, len(modules), step))
-    ax.set_xticks(ticks, [modules[j] for j in ticks], rotation=90, fontsize=7 if len(ticks) > 24 else 8)
+    ax.set_xticks(ticks, [modules[j] for j in ticks], rotation=90, fontsize=size)
     if step > 1:
         ax.set_xlabel(f"{len(modules)} modules in execution order (every {step}th labelled)")
     from matplotlib.patches import Rectangle

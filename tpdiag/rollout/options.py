@@ -54,8 +54,13 @@ def parse_fixes(text: str) -> tuple[str, ...]:
         elif item == "all":
             resolve("all")
             name = "all"
+        elif item == "auto":
+            # compare's auto fixes a located cause and reruns; a rollout locates nothing, so a
+            # fix set has to be named (registry's message would offer auto back)
+            raise BadInput(f"--fix {text!r}: auto is compare's (fix and rerun until nothing "
+                           "diverges); rollout tries fix sets: none, all, or fixes joined with '+'")
         else:
-            name = "+".join(resolve(item.split("+")))
+            name = "+".join(_resolve(text, item))
         if name in out:
             same = "is listed twice" if out[name] == item else f"is the same fix set as {out[name]}"
             raise BadInput(f"--fix {text!r}: {item} {same}; list each fix set once (the first is the reference)")
@@ -63,6 +68,19 @@ def parse_fixes(text: str) -> tuple[str, ...]:
     if not out:
         raise BadInput(f"--fix {text!r}: expected e.g. none,all")
     return tuple(out)
+
+
+def _resolve(text: str, item: str) -> tuple[str, ...]:
+    from tpdiag.fixes.registry import catalogue, resolve
+
+    try:
+        return resolve(item.split("+"))
+    except BadInput as e:
+        bad = next((n for n in item.split("+") if n not in catalogue()), None)
+        if bad is None:
+            raise
+        raise BadInput(f"--fix {text!r}: unknown fix {bad!r}; expected none, all, or any of "
+                       f"{', '.join(catalogue())} (several joined with '+')") from None
 
 
 def parse_padding(text: str) -> tuple[str, ...]:

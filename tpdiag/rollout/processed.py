@@ -143,7 +143,9 @@ def judge(collector: Collector, vocab: int) -> dict:
         return {"detected": True, "kind": "systematic", **ev,
                 "explanation": f"engine logprobs are at or above the trainer's for {higher:.0%} of tokens "
                                f"(mean +{mean_d:.3g} nats): typical of logprobs renormalised after "
-                               "top-k/top-p filtering, though no single filter fits"}
+                               "top-k/top-p filtering, though no single filter fits - or of another "
+                               "model than --model (a smaller vocabulary, other weights: the file "
+                               "does not say which model made it)"}
     return {"detected": False, "kind": None, **ev,
             "explanation": "no sign of processing: differences go both ways and fit no filter or temperature"}
 

@@ -93,6 +93,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if top >= vocab:
                 raise BadInput(f"{rc.file} {s.where}: token id {top} is outside the model's vocabulary "
                                f"({vocab}): is --model the engine's model?")
+        notes += _dtype_note(rc)
         if big > 1:
             notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's); "
                          f"TP=1 ran {'in this process' if jobs == 1 else 'here and in lanes'}, on one thread "
@@ -130,6 +131,21 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                 flag_values.setdefault(k, v)
     return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
                     flag_values)
+
+
+def _dtype_note(rc) -> list[str]:
+    """A bf16 checkpoint run without --dtype bfloat16 (the default is float32) is not reproduced,
+    and the closest line can only say 'another dtype': name the two."""
+    from tpdiag.models.dtypes import saved_dtype
+    from tpdiag.models.spec import parse_spec
+
+    spec = parse_spec(rc.model)
+    saved = saved_dtype(spec.value) if spec.kind == "hf" else None
+    if saved is None or saved == rc.dtype:
+        return []
+    return [f"the checkpoint is saved in {saved} (its config.json) and the trainer ran {rc.dtype} "
+            f"(--dtype): an engine that loads it as saved computes in {saved} - add --dtype {saved} "
+            "to try that"]
 
 
 def _lead(cfgs, seqs, target, model, groups, on_status, flag_values):
