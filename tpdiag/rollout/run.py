@@ -136,16 +136,10 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
 def _dtype_note(rc) -> list[str]:
     """A bf16 checkpoint run without --dtype bfloat16 (the default is float32) is not reproduced,
     and the closest line can only say 'another dtype': name the two."""
-    from tpdiag.models.dtypes import saved_dtype
-    from tpdiag.models.spec import parse_spec
+    from tpdiag.models.dtypes import checkpoint_dtype
 
-    spec = parse_spec(rc.model)
-    saved = saved_dtype(spec.value) if spec.kind == "hf" else None
-    if saved is None or saved == rc.dtype:
-        return []
-    return [f"the checkpoint is saved in {saved} (its config.json) and the trainer ran {rc.dtype} "
-            f"(--dtype): an engine that loads it as saved computes in {saved} - add --dtype {saved} "
-            "to try that"]
+    got = checkpoint_dtype(rc.model, rc.dtype)
+    return [got["note"]] if got and got["note"] else []
 
 
 def _lead(cfgs, seqs, target, model, groups, on_status, flag_values):
