@@ -255,6 +255,9 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                          "under the fixes a TP degree gives TP=1's bits, so TP > 1 computes something TP=1 "
                          "does not - a sharding bug, or a reordering no fix covers. `tpdiag compare --model "
                          f"{rc.model} --tp 1,{v['tp']} --dtype {rc.dtype}` names the module and says which")
+    from tpdiag.rollout.todo import what_to_do
+
+    todo = what_to_do(rc, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc))
     noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {
@@ -270,6 +273,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                     "explanation": _closest_words(rc, results, closest, bool(reproduced))},
         "flags": {k: {"values": v, "line": one_line(v, k)} for k, v in (flag_values or {}).items()},
         "sdpa_ran": _sdpa_words(results),
+        "what_to_do": todo,
         "processed": verdict, "configurations": results, "tp_invariance": invariance, "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
