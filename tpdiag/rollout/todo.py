@@ -25,7 +25,6 @@ def what_to_do(rc, seqs, results: dict, reference: str, reproduced: list, proces
     token_mult_prob_error (the trainer's), threshold}."""
     cfgs = {c.rollout_name(): c for c in _configurations(rc)}
     m = results[reference]["metrics"]
-    gap = _gap(reference, m)
     out = {"trainer": reference, "engine_like": None, "differs": [],
            "token_mult_prob_error": m["token_mult_prob_error"], "threshold": NEMO_RL_THRESHOLD}
     if reference in reproduced:
@@ -45,28 +44,26 @@ def what_to_do(rc, seqs, results: dict, reference: str, reproduced: list, proces
         return {**out, "case": "settings", "engine_like": like, "differs": differs,
                 "line": (f"the engine's logprobs are {like}'s bit for bit, not the trainer's configuration "
                          f"({reference}); they differ in {len(differs)} setting{'s' if len(differs) != 1 else ''}. "
-                         f"{said}. {gap}")}
+                         f"{said}. {_gap(m, ', from these settings alone')}")}
     first = []
     if processed.get("detected"):
-        first.append("ask the engine for raw logprobs (the processed line above: vLLM "
+        first.append("ask the engine for raw logprobs (the processed line above; vLLM: "
                      "logprobs_mode=raw_logprobs) and run again - processing alone moves every token")
     if notes_dtype:
-        first.append("run again with the dtype the checkpoint is saved in (the checkpoint note below)")
+        first.append("run again with the dtype the checkpoint is saved in (the checkpoint note above)")
     if any(not v["same_bits"] for v in invariance.values()):
-        first.append("the TP note below: a TP degree under the fixes is not TP=1's bits - `tpdiag compare` "
-                     "names the module")
+        first.append("read the TP note above: a TP degree under the fixes is not TP=1's bits (`tpdiag "
+                     "compare` names the module)")
     untried = _untried(rc, len(seqs))
+    if untried:
+        first.append(f"try the settings engines differ on that were not tried: {untried}")
     head = ("nothing tried reproduces the engine: it computed something the trainer does not in any "
-            "configuration here, so the nearest explains nothing and rounding is not shown to be all of the gap")
-    if first:
-        body = "first " + "; then ".join(first)
-    else:
-        body = ("what is left is outside the trainer's settings: another model or weights, another dtype, "
-                "processing of the logprobs, or the engine's own kernels (paged or flash attention, fused "
-                "or CUDA-graph GEMMs)")
-        if untried:
-            body += f"; settings engines differ on that were not tried: {untried}"
-    return {**out, "case": "none", "line": f"{head}. {body}. {gap}"}
+            "configuration here, so the nearest explains nothing and the gap is not shown to be rounding")
+    rest = ("the engine computed with something outside the trainer's settings: another model or weights, "
+            "another dtype, processing of its logprobs, or kernels of its own (paged or flash attention, "
+            "fused or CUDA-graph GEMMs)")
+    body = ("First " + "; then ".join(first) + f". If still none reproduces, {rest}") if first else rest[0].upper() + rest[1:]
+    return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '')}"}
 
 
 def _configurations(rc):
@@ -75,12 +72,12 @@ def _configurations(rc):
     return configurations(rc)
 
 
-def _gap(reference: str, m: dict) -> str:
+def _gap(m: dict, cause: str) -> str:
     e = m["token_mult_prob_error"]
-    where = "over" if e > NEMO_RL_THRESHOLD else "within"
+    over = e > NEMO_RL_THRESHOLD
     return (f"The trainer as configured reads token_mult_prob_error {e:.7f} ({m['exact_tokens']}/{m['tokens']} "
-            f"exact): {where} NeMo RL's {NEMO_RL_THRESHOLD} for a healthy run"
-            + (" - by the gap above alone" if where == "over" else ""))
+            f"exact): {'over' if over else 'within'} NeMo RL's {NEMO_RL_THRESHOLD} for a healthy run"
+            + (cause if over else ""))
 
 
 def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> str:
