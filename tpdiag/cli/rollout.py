@@ -167,4 +167,6 @@ def rollout_report(console, s: dict) -> None:
     for n in s.get("notes", []):
         w(f"note: {n}", soft_wrap=True)
     if s.get("what_to_do"):  # a summary of an older tpdiag has none
-        console.print(f"[bold]what to do:[/] {s['what_to_do']['line']}", soft_wrap=True)
+        from rich.markup import escape
+
+        console.print(f"[bold]what to do:[/] {escape(s['what_to_do']['line'])}", soft_wrap=True)

@@ -18,12 +18,12 @@ RUN_AS_ENGINE = ("to match bitwise, run the trainer with the engine's value; or 
                  "rounding, harmless unless you need the engine's bits")
 
 
-def what_to_do(rc, seqs, results: dict, reference: str, reproduced: list, processed: dict,
+def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, reproduced: list, processed: dict,
                invariance: dict, notes_dtype: list) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
     token_mult_prob_error (the trainer's), threshold}."""
-    cfgs = {c.rollout_name(): c for c in _configurations(rc)}
+    cfgs = {c.rollout_name(): c for c in configurations}
     m = results[reference]["metrics"]
     out = {"trainer": reference, "engine_like": None, "differs": [],
            "token_mult_prob_error": m["token_mult_prob_error"], "threshold": NEMO_RL_THRESHOLD}
@@ -64,12 +64,6 @@ def what_to_do(rc, seqs, results: dict, reference: str, reproduced: list, proces
             "fused or CUDA-graph GEMMs)")
     body = ("First " + "; then ".join(first) + f". If still none reproduces, {rest}") if first else rest[0].upper() + rest[1:]
     return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '')}"}
-
-
-def _configurations(rc):
-    from tpdiag.rollout.run import configurations
-
-    return configurations(rc)
 
 
 def _gap(m: dict, cause: str) -> str:
