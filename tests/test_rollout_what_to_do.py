@@ -127,6 +127,18 @@ def test_nothing_reproduces_names_what_was_not_tried(fp32):
     assert s["closest"]["reproduced"] is False and todo["case"] == "none" and todo["engine_like"] is None
     assert todo["line"].startswith("nothing tried reproduces the engine")
     assert "--mode decode" in todo["line"] and "--micro-batch 4" not in todo["line"]  # 4 was tried
+    assert "raw logprobs" not in todo["line"] and "dtype the checkpoint" not in todo["line"]  # no such lead here
+
+
+def test_every_axis_has_words_of_its_own():
+    # an axis added to the configuration type later must say what it means, not the fallback
+    from tpdiag.base.configs import AXES, Config
+    from tpdiag.rollout.todo import OTHER_AXIS, _meaning
+
+    a, b = Config(1, 4, "prefill", "none"), Config(2, 1, "decode", "all", "deterministic", "eager", "left")
+    for axis in AXES:
+        words = _meaning(axis, getattr(a, axis), getattr(b, axis), a, b, 4)
+        assert words != OTHER_AXIS and "rounding" in words, axis
 
 
 def test_bf16_checkpoint_in_float32_says_the_dtype_first(bf16):

@@ -14,7 +14,8 @@ from tpdiag.base.configs import Config
 
 # NeMo RL's threshold: a run whose token_mult_prob_error is above it is flagged (docs/rl.md)
 NEMO_RL_THRESHOLD = 1.05
-RUN_AS_ENGINE = ("to match bitwise, run the trainer with the engine's value; or leave it: the gap is "
+# an axis without words of its own (tests/test_rollout_what_to_do.py fails on one)
+OTHER_AXIS = ("to match bitwise, run the trainer with the engine's value; or leave it: the gap is "
                  "rounding, harmless unless you need the engine's bits")
 
 
@@ -116,7 +117,7 @@ def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> 
     if axis == "padding":
         return (f"the engine padded prompts on the {_side(theirs, like)}, your trainer on the {_side(mine, ref)}: "
                 "each call's shape and the padding's place differ - rounding; pad as the engine does to match")
-    return RUN_AS_ENGINE  # an axis added later without words of its own
+    return OTHER_AXIS
 
 
 def _side(padding: str, c: Config) -> str:
