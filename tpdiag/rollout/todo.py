@@ -63,7 +63,10 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     rest = ("the engine computed with something outside the trainer's settings: another model or weights, "
             "another dtype, processing of its logprobs, or kernels of its own (paged or flash attention, "
             "fused or CUDA-graph GEMMs)")
-    body = ("First " + "; then ".join(first) + f". If still none reproduces, {rest}") if first else rest[0].upper() + rest[1:]
+    if first:
+        body = "First " + "; then ".join(first) + f". If still none reproduces, {rest}"
+    else:
+        body = rest[0].upper() + rest[1:]
     return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '')}"}
 
 
