@@ -121,6 +121,15 @@ def test_micro_batch_is_named_with_the_engines_batch(fp32):
            "those of 4 per call (its whole batch)" in todo["line"]
 
 
+def test_two_settings_are_named_each(fp32):
+    s = _rollout(fp32, micro_batch=(1, 4), modes=("prefill", "decode"))
+    todo = s["what_to_do"]
+    assert todo["trainer"] == "tp1-mb1-prefill-none" and todo["engine_like"] == "tp1-mb4-decode-none"
+    assert [d["axis"] for d in todo["differs"]] == ["micro_batch", "mode"]
+    assert "they differ in 2 settings. micro-batch 1 -> 4: " in todo["line"]
+    assert "; mode prefill -> decode: " in todo["line"]
+
+
 def test_nothing_reproduces_names_what_was_not_tried(fp32):
     s = _rollout(fp32, micro_batch=(4,), modes=("prefill",))
     todo = s["what_to_do"]
