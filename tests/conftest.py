@@ -182,6 +182,7 @@ FILE_SECONDS = {
     "test_full_stream.py": 10, "test_carry_gemm.py": 10, "test_shard_init.py": 10,
     "test_accumulate_api.py": 10, "test_tied_split.py": 25, "test_user_verdicts.py": 70,
     "test_rollout_generate_zoo.py": 35, "test_judge.py": 30, "test_own_after_confirm.py": 30,
+    "test_rollout_what_to_do.py": 25, "test_compare_dtype_note.py": 30,
     "test_batch_coupled.py": 25, "test_decode_input_bug.py": 20, "test_rollout_tp_bug.py": 20,
     "test_rollout_processed.py": 15,
     "test_train_side.py": 55, "test_rollout_early.py": 15, "test_hash_mix.py": 38, 

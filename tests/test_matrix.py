@@ -14,6 +14,12 @@ OUT_PROJ = ("layers.0.attention.wo", "layers.0.feed_forward.w2")
 def matrix_run(tmp_path_factory):
     """ONE real matrix: stock, stable, fix:all at TP=1,2 (gloo)."""
     out = tmp_path_factory.mktemp("matrix") / "run"
+    # an earlier run's `tpdiag report` pages here (the top's and a variant's): this run must not
+    # leave them beside its files showing the old verdict (test_stale_reports_are_gone)
+    (out / "variants" / "stable").mkdir(parents=True)
+    for page in (out / "report.html", out / "variants" / "stable" / "report.html"):
+        page.write_text("<p>an earlier run: divergent</p>")
+    (out / "notes.txt").write_text("mine")
     p = run_cli("compare", "--tp", "1,2", "--variants", "stock,stable,fix:all", "--no-confirm",
                 "--no-baseline", "--out", str(out), "--format", "json")
     assert p.returncode == 0, p.stderr + p.stdout
@@ -41,6 +47,13 @@ def test_matrix_shape_and_files(matrix_run):
         assert m["cells"][v]["2"]["step_s"] > 0 and m["cells"][v]["2"]["step_time_vs_stock"] > 0
     assert m["cells"]["stock"]["2"]["step_time_vs_stock"] == 1.0
     assert m["runs"]["stable"]["plan"] == "stable" and m["runs"]["fix:all"]["fixes"]
+
+
+def test_stale_reports_are_gone(matrix_run):
+    out = matrix_run[0]
+    assert not (out / "report.html").exists()
+    assert not (out / "variants" / "stable" / "report.html").exists()
+    assert (out / "notes.txt").read_text() == "mine"  # the user's own file stays
 
 
 def test_fix_all_cell_is_bitwise(matrix_run):

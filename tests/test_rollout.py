@@ -108,6 +108,9 @@ def test_top_k_renormalised_logprobs_are_detected(files):
     assert pr["detected"] is True and pr["kind"] == "top-k" and pr["fit_k"] == 4
     assert s["metrics"]["mean_diff"] > 0.01  # renormalising raises every logprob
     assert any("processed" in n for n in s["notes"])
+    # what to do first: raw logprobs (tests/test_rollout_what_to_do.py: a raw file is not told so)
+    assert s["what_to_do"]["case"] == "none"
+    assert "First ask the engine for raw logprobs" in s["what_to_do"]["line"]
 
 
 @pytest.mark.parametrize("body,where", [

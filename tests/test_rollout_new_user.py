@@ -49,8 +49,9 @@ def test_a_bf16_checkpoint_run_in_float32_is_named(ckpt):
 
     assert saved_dtype(ckpt[0]) == "bfloat16"  # what save_pretrained wrote, read back
     assert _notes(ckpt, "float32") == [
-        "the checkpoint is saved in bfloat16 (its config.json) and the trainer ran float32 (--dtype): an "
-        "engine that loads it as saved computes in bfloat16 - add --dtype bfloat16 to try that"]
+        "the checkpoint is saved in bfloat16 (its config.json) and this run computes in float32 (--dtype): "
+        "`from_pretrained(DIR)` loads it in bfloat16 (transformers >= 5 loads as saved; `dtype=torch.float32` "
+        "loads float32), as an engine does - add --dtype bfloat16 to run the model as it is loaded"]
     assert _notes(ckpt, "bfloat16") == []  # control: the matching dtype says nothing
 
 

@@ -157,6 +157,8 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         console.print(ran(summary))
     if (summary.get("flags") or {}).get("line"):
         console.print(summary["flags"]["line"], markup=False, soft_wrap=True)
+    if (summary.get("checkpoint_dtype") or {}).get("note"):
+        console.print(f"note: {summary['checkpoint_dtype']['note']}", markup=False, soft_wrap=True)
     if base is not None and base.get("reproducible") is None:  # the rerun failed: nothing was checked
         console.print("baseline: [red]the reference rerun failed[/]; reproducibility not checked")
     elif base is not None:

@@ -166,3 +166,7 @@ def rollout_report(console, s: dict) -> None:
         _print_table(console, t)
     for n in s.get("notes", []):
         w(f"note: {n}", soft_wrap=True)
+    if s.get("what_to_do"):  # a summary of an older tpdiag has none
+        from rich.markup import escape
+
+        console.print(f"[bold]what to do:[/] {escape(s['what_to_do']['line'])}", soft_wrap=True)

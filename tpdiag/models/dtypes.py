@@ -129,3 +129,24 @@ def saved_dtype(hf_dir: str) -> str | None:
         return None
     saved = (cfg.get("dtype") or cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
     return saved.replace("torch.", "") if isinstance(saved, str) and saved != "auto" else None
+
+
+def checkpoint_dtype(spec_text: str, dtype: str) -> dict | None:
+    """{saved, ran, note} for an hf: checkpoint whose config.json names the dtype it was saved in
+    (None for other models, or a checkpoint that names none); note is None where they agree.
+    transformers >= 5 loads a checkpoint as saved unless told otherwise (`dtype="auto"` is
+    from_pretrained's default), and so do engines (vLLM's `dtype="auto"`): a bf16 checkpoint run
+    here in float32 is not the model the user's code computes with."""
+    from tpdiag.models.spec import parse_spec
+
+    spec = parse_spec(spec_text)
+    saved = saved_dtype(spec.value) if spec.kind == "hf" else None
+    if saved is None:
+        return None
+    note = None
+    if saved != dtype:
+        note = (f"the checkpoint is saved in {saved} (its config.json) and this run computes in {dtype} "
+                f"(--dtype): `from_pretrained(DIR)` loads it in {saved} (transformers >= 5 loads as saved; "
+                f"`dtype=torch.{dtype}` loads {dtype}), as an engine does - add --dtype {saved} to run the "
+                "model as it is loaded")
+    return {"saved": saved, "ran": dtype, "note": note}

@@ -23,6 +23,17 @@ def write_summary(run_dir, summary: dict) -> dict:
     return written
 
 
+def drop_stale_report(run_dir) -> None:
+    """A compare into an earlier run's directory replaces its files; `tpdiag report`'s page of
+    that run would stay beside them, showing the old verdict as this run's. Only tpdiag's own
+    page goes: any other file of the user's there is not tpdiag's to delete."""
+    import os
+
+    report = RunDir(run_dir).report
+    if os.path.isfile(report):
+        os.unlink(report)
+
+
 def write_manifest(run_dir, manifest: dict) -> None:
     """manifest.json, whole (a command that writes it once: diff, capture, a matrix)."""
     io.write_json(RunDir(run_dir).manifest, manifest)

@@ -136,16 +136,10 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
 def _dtype_note(rc) -> list[str]:
     """A bf16 checkpoint run without --dtype bfloat16 (the default is float32) is not reproduced,
     and the closest line can only say 'another dtype': name the two."""
-    from tpdiag.models.dtypes import saved_dtype
-    from tpdiag.models.spec import parse_spec
+    from tpdiag.models.dtypes import checkpoint_dtype
 
-    spec = parse_spec(rc.model)
-    saved = saved_dtype(spec.value) if spec.kind == "hf" else None
-    if saved is None or saved == rc.dtype:
-        return []
-    return [f"the checkpoint is saved in {saved} (its config.json) and the trainer ran {rc.dtype} "
-            f"(--dtype): an engine that loads it as saved computes in {saved} - add --dtype {saved} "
-            "to try that"]
+    got = checkpoint_dtype(rc.model, rc.dtype)
+    return [got["note"]] if got and got["note"] else []
 
 
 def _lead(cfgs, seqs, target, model, groups, on_status, flag_values):
@@ -261,6 +255,9 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                          "under the fixes a TP degree gives TP=1's bits, so TP > 1 computes something TP=1 "
                          "does not - a sharding bug, or a reordering no fix covers. `tpdiag compare --model "
                          f"{rc.model} --tp 1,{v['tp']} --dtype {rc.dtype}` names the module and says which")
+    from tpdiag.rollout.todo import what_to_do
+
+    todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc))
     noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {
@@ -276,6 +273,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                     "explanation": _closest_words(rc, results, closest, bool(reproduced))},
         "flags": {k: {"values": v, "line": one_line(v, k)} for k, v in (flag_values or {}).items()},
         "sdpa_ran": _sdpa_words(results),
+        "what_to_do": todo,
         "processed": verdict, "configurations": results, "tp_invariance": invariance, "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }

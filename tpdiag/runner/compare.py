@@ -304,6 +304,11 @@ def compare_pass(cfg: CompareConfig, on_status=None):
                           axes={w.label: w for w in configs})
     if cfg.layers:
         summary["slice"] = manifest["slice"]  # the `ran:` line says what ran
+    from tpdiag.models.dtypes import checkpoint_dtype
+
+    saved = checkpoint_dtype(cfg.model, cfg.dtype)
+    if saved:  # a bf16 checkpoint run in float32 (the default) is not the model the user loads
+        summary["checkpoint_dtype"] = saved
     # the summary before the manifest's status: a manifest with one says the summary is this run's
     files.summary(summary)
     phases = {"setup_s": round(setup_s, 3), **compare_phases(

@@ -213,6 +213,12 @@ def run_matrix(cfg: CompareConfig, variants: list[Variant], on_status=None) -> d
     stock = next((v for v in variants if v.is_stock), None)
     run_dir = cfg.out
     os.makedirs(run_dir, exist_ok=True)
+    from tpdiag.records.run_files import drop_stale_report
+
+    # an earlier run's page, at the top or of a variant, would show its verdict as this run's
+    drop_stale_report(run_dir)
+    for v in variants:
+        drop_stale_report(RunDir(run_dir).variant(v.slug))
     summaries: dict[str, dict] = {}
     dirs: dict[str, str] = {}
     files = {}

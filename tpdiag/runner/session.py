@@ -24,11 +24,9 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
         checks_s = None
     # G once for the whole session: the drill-down, confirm and fix-chain reruns keep it
     cfg = groups.resolve(cfg)
-    # a compare into an earlier run's directory replaces its files; `tpdiag report`'s page of
-    # that run would stay beside them, showing the old verdict as this run's
-    report = RunDir(cfg.out).report
-    if os.path.isfile(report):
-        os.unlink(report)
+    from tpdiag.records.run_files import drop_stale_report
+
+    drop_stale_report(cfg.out)
     if cfg.fix_mode == "auto":
         summary, files = auto_chain(cfg, cfg.out, on_status)
         # round 0's summary as its round wrote it (the run the user asked for), with the chain's parts

@@ -1,0 +1,143 @@
+"""`tpdiag rollout`'s `what to do:` line, as compare's (tpdiag.cli.render.what_to_do): from the
+trainer's configuration (the reference: the first configuration that ran) to the engine.
+
+Three cases. The trainer's configuration reproduces the engine: nothing to do. Another one does:
+the settings that differ between the two, each with what it means for the user and how to match
+it, and the trainer's gap in NeMo RL's terms (token_mult_prob_error against its 1.05). None does:
+the engine computed something the trainer cannot in any configuration tried - what tpdiag found
+that would explain it first (processed logprobs, the checkpoint's dtype, a TP path that is not
+TP=1's), else what is left (another model, dtype or processing, or the engine's own kernels).
+"""
+from __future__ import annotations
+
+from tpdiag.base.configs import Config
+
+# NeMo RL's threshold: a run whose token_mult_prob_error is above it is flagged (docs/rl.md)
+NEMO_RL_THRESHOLD = 1.05
+# an axis without words of its own (tests/test_rollout_what_to_do.py fails on one)
+OTHER_AXIS = ("to match bitwise, run the trainer with the engine's value; or leave it: the gap is "
+                 "rounding, harmless unless you need the engine's bits")
+
+
+def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, reproduced: list, processed: dict,
+               invariance: dict, notes_dtype: list) -> dict:
+    """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
+    nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
+    token_mult_prob_error (the trainer's), threshold}."""
+    cfgs = {c.rollout_name(): c for c in configurations}
+    m = results[reference]["metrics"]
+    out = {"trainer": reference, "engine_like": None, "differs": [],
+           "token_mult_prob_error": m["token_mult_prob_error"], "threshold": NEMO_RL_THRESHOLD}
+    if reference in reproduced:
+        return {**out, "case": "nothing",
+                "line": (f"nothing to do: the trainer's configuration ({reference}) computes the engine's "
+                         f"logprobs bit for bit ({m['exact_tokens']}/{m['tokens']} tokens exact, "
+                         "token_mult_prob_error exactly 1)")}
+    if reproduced:
+        ref = cfgs[reference]
+        # the reproducing configuration that changes the fewest of the trainer's settings
+        like = min(reproduced, key=lambda lab: (len(cfgs[lab].differs(ref)), reproduced.index(lab)))
+        differs = [{"axis": a, "trainer": getattr(ref, a), "engine": getattr(cfgs[like], a),
+                    "meaning": _meaning(a, getattr(ref, a), getattr(cfgs[like], a), ref, cfgs[like], len(seqs))}
+                   for a in cfgs[like].differs(ref)]
+        said = "; ".join(f"{d['axis'].replace('_', '-')} {d['trainer']} -> {d['engine']}: {d['meaning']}"
+                         for d in differs)
+        return {**out, "case": "settings", "engine_like": like, "differs": differs,
+                "line": (f"the engine's logprobs are {like}'s bit for bit, not the trainer's configuration "
+                         f"({reference}); they differ in {len(differs)} setting{'s' if len(differs) != 1 else ''}. "
+                         f"{said}. {_gap(m, ', from these settings alone')}")}
+    first = []
+    if processed.get("detected"):
+        first.append("ask the engine for raw logprobs (the processed line above; vLLM: "
+                     "logprobs_mode=raw_logprobs) and run again - processing alone moves every token")
+    if notes_dtype:
+        first.append("run again with the dtype the checkpoint is saved in (the checkpoint note above)")
+    if any(not v["same_bits"] for v in invariance.values()):
+        first.append("read the TP note above: a TP degree under the fixes is not TP=1's bits (`tpdiag "
+                     "compare` names the module)")
+    untried = _untried(rc, len(seqs))
+    if untried:
+        first.append(f"try the settings engines differ on that were not tried: {untried}")
+    head = ("nothing tried reproduces the engine: it computed something the trainer does not in any "
+            "configuration here, so the nearest explains nothing and the gap is not shown to be rounding")
+    rest = ("the engine computed with something outside the trainer's settings: another model or weights, "
+            "another dtype, processing of its logprobs, or kernels of its own (paged or flash attention, "
+            "fused or CUDA-graph GEMMs)")
+    if first:
+        body = "First " + "; then ".join(first) + f". If still none reproduces, {rest}"
+    else:
+        body = rest[0].upper() + rest[1:]
+    return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '')}"}
+
+
+def _gap(m: dict, cause: str) -> str:
+    e = m["token_mult_prob_error"]
+    over = e > NEMO_RL_THRESHOLD
+    return (f"The trainer as configured reads token_mult_prob_error {e:.7f} ({m['exact_tokens']}/{m['tokens']} "
+            f"exact): {'over' if over else 'within'} NeMo RL's {NEMO_RL_THRESHOLD} for a healthy run"
+            + (cause if over else ""))
+
+
+def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> str:
+    """What one setting's difference means for the user, and how to match it."""
+    if axis == "mode":
+        if mine == "prefill":
+            return ("your trainer scores each micro-batch in one prefill call; the engine decoded token by token "
+                    "through its KV cache: other GEMM shapes (one row a step), so its kernels sum in another "
+                    "order - rounding, harmless unless you need bitwise; to match bitwise, recompute through the "
+                    "KV cache as the engine decodes (what --mode decode runs), or run batch-invariant kernels on "
+                    "both sides (the fixes; docs/decode.md)")
+        return ("the engine scored in one prefill call per micro-batch, as a trainer does, not token by token "
+                "through a KV cache: other GEMM shapes - rounding; to match bitwise, score in one prefill call")
+    if axis == "micro_batch":
+        return (f"your trainer runs {mine} sequence{'s' if mine != 1 else ''} per forward call, the engine's "
+                f"numbers are those of {theirs} per call{' (its whole batch)' if theirs == batch else ''}: GEMMs "
+                "and reductions choose their split by the batch's shape (batch-variant kernels) - rounding; "
+                f"to match bitwise, run {theirs} per call, or batch-invariant kernels on both sides (the fixes)")
+    if axis == "tp":
+        return (f"the engine's numbers are TP={theirs}'s, your trainer's TP={mine}: a TP degree sums partial "
+                "results across ranks in another order - rounding; to match bitwise, run the trainer at "
+                f"TP={theirs}, or TP-invariant kernels on both sides (the fixes; `tpdiag compare --fix auto`)")
+    if axis == "fix":
+        if theirs == "none":
+            return (f"the engine ran stock kernels and the trainer the fixes ({mine}): they sum in other orders - "
+                    "rounding; drop the fixes on the trainer's side to match")
+        return (f"the engine's numbers are those under tpdiag's fixes ({theirs}), your trainer's "
+                f"{'stock kernels' if mine == 'none' else mine}: the fixes change the order kernels sum in - "
+                "rounding; run the trainer with the same fixes to match")
+    if axis == "flags":
+        return (f"the engine ran PyTorch's {theirs} backend flags, your trainer {mine} (deterministic "
+                "algorithms, TF32, reduced-precision reductions: docs/rl.md's --flags table) - they pick other "
+                "kernels, rounding; set the trainer's flags as the engine's to match")
+    if axis == "attention":
+        backend = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
+                   "sdpa-cudnn": "CUDNN_ATTENTION"}.get(theirs)
+        how = (f'attn_implementation="sdpa" under torch.nn.attention.sdpa_kernel(SDPBackend.{backend})' if backend
+               else f'from_pretrained(..., attn_implementation="{theirs}")' if theirs != "auto"
+               else "the model's own attention (from_pretrained's default)")
+        return (f"the engine's attention is {theirs}, your trainer's {mine}: another attention kernel, which sums "
+                f"in another order - rounding; to match bitwise, use {how} in the trainer")
+    if axis == "padding":
+        return (f"the engine padded prompts on the {_side(theirs, like)}, your trainer on the {_side(mine, ref)}: "
+                "each call's shape and the padding's place differ - rounding; pad as the engine does to match")
+    return OTHER_AXIS
+
+
+def _side(padding: str, c: Config) -> str:
+    if padding == "auto":
+        return "left (generate()'s)" if c.mode == "decode" else "right"
+    return padding
+
+
+def _untried(rc, batch: int) -> str:
+    out = []
+    if "decode" not in rc.modes:
+        out.append("--mode decode (token by token through the KV cache, as engines run)")
+    if batch not in rc.micro_batch:
+        out.append(f"--micro-batch {batch} (the engine's batch, in one call)")
+    if rc.attention == ("auto",):
+        out.append("--attention eager,sdpa")
+    if "default" not in rc.flags:
+        out.append("--flags default (PyTorch's, what engines run)")
+    return ", ".join(out)
+
