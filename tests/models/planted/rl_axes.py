@@ -1,0 +1,194 @@
+"""User-written Llamas with mistakes an RL team hits along the axes where a trainer's logprobs
+and a rollout engine's part: decode vs prefill, TP in decode, micro-batch size. Each has a
+correct twin (the same code with the mistake fixed) that must read rounding or identical.
+
+- static_cache / static_cache_ok: a gpt-fast-style preallocated KV cache. The buggy one sizes it
+  from the config's KV-head count, which is the rank's count only at TP=1; at TP=2 a rank's local
+  heads fill the first slots and attention reads zeros for the rest. Wrong only in decode at
+  TP > 1 (prefill takes no cache).
+      tpdiag compare --model py:tests/models/planted/rl_axes.py:static_cache --tp 1,2 --mode prefill,decode --forward-only
+- window / window_ok: sliding-window attention whose cached path (one query per call) keeps the
+  last W + 1 keys where the prefill mask keeps W. Wrong only in decode.
+      tpdiag compare --model py:tests/models/planted/rl_axes.py:window --mode prefill,decode --forward-only
+- restart / restart_ok: attention that takes its RoPE positions from its own KV cache (HF-style,
+  positions computed inside the layer); the buggy one numbers each call's tokens from 0, so every
+  decode step rotates its query and key as position 0. Wrong only in decode.
+      tpdiag compare --model py:tests/models/planted/rl_axes.py:restart --mode prefill,decode --forward-only
+- batch_center / token_center: a "centering" norm after the embedding whose mean was meant per
+  token (dim -1) but is taken over the batch and positions (dims 0, 1): each row's result depends
+  on the other rows of its call, so the logprobs move with the micro-batch size.
+      tpdiag compare --model py:tests/models/planted/rl_axes.py:batch_center --micro-batch 4,1
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tpdiag
+from tpdiag.models import tiny_llama
+from tpdiag.models.plans import llama_plan
+
+WINDOW = 3
+CFG = dict(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+
+
+def _cfg():
+    return tiny_llama.LlamaConfig(**CFG)
+
+
+class StaticLayerKV:
+    """One layer's keys/values in buffers allocated at the first call, written in place."""
+
+    def __init__(self, heads, max_len):
+        self.heads, self.max_len, self.pos = heads, max_len, 0
+        self.k = self.v = None
+
+    def update(self, k, v):
+        B, S, h, D = k.shape
+        if self.k is None:
+            heads = self.heads or h   # None: the heads this rank computes
+            self.k, self.v = k.new_zeros(B, self.max_len, heads, D), v.new_zeros(B, self.max_len, heads, D)
+        self.k[:, self.pos:self.pos + S, :h] = k
+        self.v[:, self.pos:self.pos + S, :h] = v
+        self.pos += S
+        return self.k[:, :self.pos], self.v[:, :self.pos]
+
+
+class StaticCache:
+    def __init__(self, n_layers, heads, max_len):
+        self.layers = [StaticLayerKV(heads, max_len) for _ in range(n_layers)]
+
+    @property
+    def length(self):
+        return self.layers[0].pos
+
+
+class StaticCacheLlama(tiny_llama.TinyLlama):
+    def __init__(self, cfg, from_config):
+        super().__init__(cfg)
+        self.from_config = from_config
+
+    def new_kv_cache(self):
+        heads = self.cfg.n_kv_heads if self.from_config else None
+        return StaticCache(len(self.layers), heads, self.cfg.max_seq_len)
+
+
+class WindowAttention(tiny_llama.Attention):
+    def __init__(self, cfg, keep):
+        super().__init__(cfg)
+        self.keep = keep   # keys the cached one-query path keeps: WINDOW is right
+
+    def forward(self, x, cos, sin, kv=None):
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, -1, self.head_dim)
+        k = self.wk(x).view(B, S, -1, self.head_dim)
+        v = self.wv(x).view(B, S, -1, self.head_dim)
+        q, k = tiny_llama.apply_rope(q, cos, sin), tiny_llama.apply_rope(k, cos, sin)
+        if kv is not None:
+            k, v = kv.update(k, v)
+        rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        if S == 1 and k.shape[1] > 1:
+            k, v = k[:, -self.keep:], v[:, -self.keep:]
+            mask = None
+        else:  # a whole (prompt) sequence: causal within the window
+            i = torch.arange(S, device=x.device)[:, None] + (k.shape[1] - S)
+            j = torch.arange(k.shape[1], device=x.device)[None, :]
+            mask = (j <= i) & (j > i - WINDOW)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(o.transpose(1, 2).reshape(B, S, -1))
+
+
+class PosAttention(tiny_llama.Attention):
+    """Rotates by positions it counts itself: the cached positions come first."""
+
+    def __init__(self, cfg, restart):
+        super().__init__(cfg)
+        self.restart = restart
+        cos, sin = tiny_llama.rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x, cos, sin, kv=None):
+        start = 0 if (kv is None or kv.k is None or self.restart) else kv.k.shape[1]
+        S = x.shape[1]
+        return super().forward(x, self.cos[start:start + S], self.sin[start:start + S],
+                               **({} if kv is None else {"kv": kv}))
+
+
+class Center(nn.Module):
+    """Subtract a mean and rescale - meant per token."""
+
+    def __init__(self, dim, dims):
+        super().__init__()
+        self.dims = dims
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return (x - x.mean(dim=self.dims, keepdim=True)) * self.weight
+
+
+class CenteredLlama(tiny_llama.TinyLlama):
+    def __init__(self, cfg, dims):
+        super().__init__(cfg)
+        self.center = Center(cfg.dim, dims)
+
+    def forward(self, input_ids, cache=None):
+        S = input_ids.shape[1]
+        cos, sin = self.rope_cos[:S], self.rope_sin[:S]
+        h = self.center(self.tok_embeddings(input_ids))
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def _target(model):
+    return tpdiag.Target(model=model, plan=llama_plan(), vocab_size=model.cfg.vocab_size)
+
+
+def _window(keep):
+    model = tiny_llama.TinyLlama(_cfg())
+    for layer in model.layers:
+        layer.attention = WindowAttention(model.cfg, keep)
+    model.reset_parameters()
+    return _target(model)
+
+
+def _restart(restart):
+    model = tiny_llama.TinyLlama(_cfg())
+    for layer in model.layers:
+        layer.attention = PosAttention(model.cfg, restart)
+    model.reset_parameters()
+    return _target(model)
+
+
+def restart():
+    return _restart(True)
+
+
+def restart_ok():
+    return _restart(False)
+
+
+def static_cache():
+    return _target(StaticCacheLlama(_cfg(), from_config=True))
+
+
+def static_cache_ok():
+    return _target(StaticCacheLlama(_cfg(), from_config=False))
+
+
+def window():
+    return _window(WINDOW + 1)
+
+
+def window_ok():
+    return _window(WINDOW)
+
+
+def batch_center():
+    return _target(CenteredLlama(_cfg(), dims=(0, 1)))
+
+
+def token_center():
+    return _target(CenteredLlama(_cfg(), dims=-1))
