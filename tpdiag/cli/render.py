@@ -246,6 +246,9 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         console.print(f"[bold]after fixes:[/] {summary['status_after_fixes']}")
     if summary.get("error"):
         console.print(f"[red]{summary['error']}[/]")
+    missing = _not_run_line(summary)
+    if missing:
+        console.print(missing)
     todo = what_to_do(summary)
     if todo:
         console.print(f"[bold]what to do:[/] {todo}")
@@ -362,7 +365,29 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
         console.print(line)
 
 
+def _not_run_line(summary: dict) -> str | None:
+    """Names the combinations a one-axis-at-a-time run left out, so no verdict reads as covering them."""
+    from tpdiag.records.axes import combination_name, not_run
+
+    missing = not_run(summary)
+    if not missing:
+        return None
+    ref = summary.get("reference_config") or {}
+    names = ", ".join(combination_name(c, ref) for c in missing)
+    return (f"not run: {names} (the axes were compared one at a time; `--grid` runs every "
+            "combination - a mistake that shows only there is in none of the configurations above)")
+
+
 def what_to_do(summary: dict) -> str | None:
+    todo = _what_to_do(summary)
+    if todo and todo.startswith("nothing is wrong") and _not_run_line(summary):
+        # rounding holds for what ran: the combinations left out were not looked at
+        todo = "nothing is wrong in the configurations that ran" + todo[len("nothing is wrong"):] + \
+            "; the combinations not run (above) were not checked: `--grid` runs them"
+    return todo
+
+
+def _what_to_do(summary: dict) -> str | None:
     c = summary.get("class")
     if summary.get("status") != "divergent" or not c:
         return None

@@ -1,16 +1,17 @@
 """User-written Llamas with mistakes an RL team hits along the axes where a trainer's logprobs
 and a rollout engine's part: decode vs prefill, TP in decode, micro-batch size. Each has a
-correct twin (the same code with the mistake fixed) that must read rounding or identical.
+correct twin (the same code with the mistake fixed) that must read rounding or identical; the
+three decode mistakes share one twin, `decode_ok` (one model with all three fixed).
 
-- static_cache / static_cache_ok: a gpt-fast-style preallocated KV cache. The buggy one sizes it
+- static_cache: a gpt-fast-style preallocated KV cache. The buggy one sizes it
   from the config's KV-head count, which is the rank's count only at TP=1; at TP=2 a rank's local
   heads fill the first slots and attention reads zeros for the rest. Wrong only in decode at
   TP > 1 (prefill takes no cache).
-      tpdiag compare --model py:tests/models/planted/rl_axes.py:static_cache --tp 1,2 --mode prefill,decode --forward-only
-- window / window_ok: sliding-window attention whose cached path (one query per call) keeps the
+      tpdiag compare --model py:tests/models/planted/rl_axes.py:static_cache --tp 1,2 --mode prefill,decode --grid --forward-only
+- window: sliding-window attention whose cached path (one query per call) keeps the
   last W + 1 keys where the prefill mask keeps W. Wrong only in decode.
       tpdiag compare --model py:tests/models/planted/rl_axes.py:window --mode prefill,decode --forward-only
-- restart / restart_ok: attention that takes its RoPE positions from its own KV cache (HF-style,
+- restart: attention that takes its RoPE positions from its own KV cache (HF-style,
   positions computed inside the layer); the buggy one numbers each call's tokens from 0, so every
   decode step rotates its query and key as position 0. Wrong only in decode.
       tpdiag compare --model py:tests/models/planted/rl_axes.py:restart --mode prefill,decode --forward-only
@@ -42,6 +43,10 @@ class StaticLayerKV:
         self.heads, self.max_len, self.pos = heads, max_len, 0
         self.k = self.v = None
 
+    @property
+    def length(self):
+        return self.pos
+
     def update(self, k, v):
         B, S, h, D = k.shape
         if self.k is None:
@@ -62,23 +67,22 @@ class StaticCache:
         return self.layers[0].pos
 
 
-class StaticCacheLlama(tiny_llama.TinyLlama):
-    def __init__(self, cfg, from_config):
-        super().__init__(cfg)
-        self.from_config = from_config
-
-    def new_kv_cache(self):
-        heads = self.cfg.n_kv_heads if self.from_config else None
-        return StaticCache(len(self.layers), heads, self.cfg.max_seq_len)
-
-
 class WindowAttention(tiny_llama.Attention):
-    def __init__(self, cfg, keep):
+    """Sliding-window attention (WINDOW keys) that rotates by positions it counts itself, the
+    cached ones first (HF-style: positions inside the layer)."""
+
+    def __init__(self, cfg, keep, restart):
         super().__init__(cfg)
-        self.keep = keep   # keys the cached one-query path keeps: WINDOW is right
+        self.keep = keep        # keys the cached one-query path keeps: WINDOW is right
+        self.restart = restart  # number each call's tokens from 0: wrong
+        cos, sin = tiny_llama.rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x, cos, sin, kv=None):
         B, S, _ = x.shape
+        start = 0 if (kv is None or kv.length == 0 or self.restart) else kv.length
+        cos, sin = self.cos[start:start + S], self.sin[start:start + S]
         q = self.wq(x).view(B, S, -1, self.head_dim)
         k = self.wk(x).view(B, S, -1, self.head_dim)
         v = self.wv(x).view(B, S, -1, self.head_dim)
@@ -99,21 +103,17 @@ class WindowAttention(tiny_llama.Attention):
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 
-class PosAttention(tiny_llama.Attention):
-    """Rotates by positions it counts itself: the cached positions come first."""
-
-    def __init__(self, cfg, restart):
+class DecodeLlama(tiny_llama.TinyLlama):
+    def __init__(self, cfg, cache_from_config=False, keep=WINDOW, restart=False):
         super().__init__(cfg)
-        self.restart = restart
-        cos, sin = tiny_llama.rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.cache_from_config = cache_from_config
+        for layer in self.layers:
+            layer.attention = WindowAttention(cfg, keep, restart)
+        self.reset_parameters()
 
-    def forward(self, x, cos, sin, kv=None):
-        start = 0 if (kv is None or kv.k is None or self.restart) else kv.k.shape[1]
-        S = x.shape[1]
-        return super().forward(x, self.cos[start:start + S], self.sin[start:start + S],
-                               **({} if kv is None else {"kv": kv}))
+    def new_kv_cache(self):
+        heads = self.cfg.n_kv_heads if self.cache_from_config else None
+        return StaticCache(len(self.layers), heads, self.cfg.max_seq_len)
 
 
 class Center(nn.Module):
@@ -146,44 +146,21 @@ def _target(model):
     return tpdiag.Target(model=model, plan=llama_plan(), vocab_size=model.cfg.vocab_size)
 
 
-def _window(keep):
-    model = tiny_llama.TinyLlama(_cfg())
-    for layer in model.layers:
-        layer.attention = WindowAttention(model.cfg, keep)
-    model.reset_parameters()
-    return _target(model)
-
-
-def _restart(restart):
-    model = tiny_llama.TinyLlama(_cfg())
-    for layer in model.layers:
-        layer.attention = PosAttention(model.cfg, restart)
-    model.reset_parameters()
-    return _target(model)
-
-
-def restart():
-    return _restart(True)
-
-
-def restart_ok():
-    return _restart(False)
-
-
 def static_cache():
-    return _target(StaticCacheLlama(_cfg(), from_config=True))
-
-
-def static_cache_ok():
-    return _target(StaticCacheLlama(_cfg(), from_config=False))
+    return _target(DecodeLlama(_cfg(), cache_from_config=True))
 
 
 def window():
-    return _window(WINDOW + 1)
+    return _target(DecodeLlama(_cfg(), keep=WINDOW + 1))
 
 
-def window_ok():
-    return _window(WINDOW)
+def restart():
+    return _target(DecodeLlama(_cfg(), restart=True))
+
+
+def decode_ok():
+    """The twin of the three decode mistakes: the same model with each of them fixed."""
+    return _target(DecodeLlama(_cfg()))
 
 
 def batch_center():
