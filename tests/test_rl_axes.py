@@ -31,7 +31,7 @@ def runs(tmp_path_factory):
     out = {}
     for case, (factory, args) in CASES.items():
         d = tmp_path_factory.mktemp(case) / "r"
-        p = run_cli("compare", "--model", SPEC + factory, *args, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        p = run_cli("compare", "--model", SPEC + factory, *args, "--out", str(d))
         assert p.returncode == 0, (case, p.stderr[-3000:])
         gate = run_cli("gate", str(d), "--allow", "rounding").returncode
         out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, gate)
