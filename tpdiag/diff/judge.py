@@ -26,8 +26,8 @@ from typing import Callable
 
 from tpdiag.records.causes import cause_class
 from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layout_cause  # noqa: F401
-from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_MICRO_BATCH,  # noqa: F401
-                                 WHY_NOISE, WHY_ROWS, WHY_TP1)
+from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN,  # noqa: F401
+                                 WHY_MICRO_BATCH, WHY_NOISE, WHY_ROWS, WHY_TP1)
 from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, SDPA_OPS, is_op_of
 
 BATCH_VARIANT = "batch-variant-kernel"
@@ -225,6 +225,11 @@ RULES: list[Rule] = [
          lambda ev, b: (_row_axis(ev) and ev.record.get("kind") in ("out", "op") and _is_bug(b())
                         and any(v.get("far") for v in _verdicts(ev)) and not b().why),
          lambda ev, b: b().cause, _row_bug_why),
+    Rule("loss beyond its bound across micro-batch sizes",
+         lambda ev, b: (ev.axis == "micro_batch" and ev.record.get("kind") == "loss"
+                        and ev.record.get("root_cause") is True  # the first divergence: logits equal
+                        and b().cause == "sharding-bug" and not b().why),
+         lambda ev, b: b().cause, lambda ev, b: WHY_LOSS_MEAN),
     Rule("attention implementation differs", lambda ev, b: _axis_applies(ev, b, "attention"),
          lambda ev, b: "attention-kernel", lambda ev, b: WHY_ATTENTION, keep="layout_cause"),
     Rule("decode vs prefill", lambda ev, b: _axis_applies(ev, b, "mode"),

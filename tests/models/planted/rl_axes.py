@@ -19,6 +19,11 @@ three decode mistakes share one twin, `decode_ok` (one model with all three fixe
   token (dim -1) but is taken over the batch and positions (dims 0, 1): each row's result depends
   on the other rows of its call, so the logprobs move with the micro-batch size.
       tpdiag compare --model py:tests/models/planted/rl_axes.py:batch_center --micro-batch 4,1
+- seq_mean / seq_mean_as_token: a correct model with a GRPO-style loss (a mean over sequences of
+  each sequence's token mean) and responses of different lengths. Declared (loss_mean="sequence")
+  it is rounding across micro-batch sizes; weighted per micro-batch by tokens (the default) its
+  loss moves with the micro-batch size - named at the loss, saying why.
+      tpdiag compare --model py:tests/models/planted/rl_axes.py:seq_mean --micro-batch 4,1
 """
 import torch
 import torch.nn.functional as F
@@ -169,3 +174,38 @@ def batch_center():
 
 def token_center():
     return _target(CenteredLlama(_cfg(), dims=-1))
+
+
+PROMPTS = (1, 3, 2, 5)   # each sequence's prompt length: the responses differ in length
+
+
+def _response_inputs(g):
+    ids = torch.randint(0, CFG["vocab_size"], (len(PROMPTS), 8), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    for i, p in enumerate(PROMPTS):
+        labels[i, :p] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _seq_mean_loss(logits, labels):
+    """GRPO-style: each sequence's token mean, then the mean over sequences."""
+    tok = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=-100,
+                          reduction="none").view(labels.shape)
+    keep = (labels != -100).to(tok.dtype)
+    return ((tok * keep).sum(1) / keep.sum(1)).mean()
+
+
+def seq_mean():
+    """A correct model whose loss is a mean over sequences of per-sequence token means (GRPO),
+    declared as such: micro-batches weighted by their share of the sequences."""
+    t = _target(tiny_llama.TinyLlama(_cfg()))
+    t.inputs, t.loss, t.loss_mean = _response_inputs, _seq_mean_loss, "sequence"
+    return t
+
+
+def seq_mean_as_token():
+    """The same loss, left at the default loss_mean ("token"): each micro-batch weighted by its
+    share of the tokens, which is not how a mean over sequences splits."""
+    t = seq_mean()
+    t.loss_mean = "token"
+    return t
