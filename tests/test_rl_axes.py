@@ -23,7 +23,8 @@ MICRO = ("--tp", "1", "--micro-batch", "4,1", "--batch-size", "4", "--seq-len", 
 CASES = {"window": ("window", DECODE), "restart": ("restart", DECODE),
          "static_cache": ("static_cache", TP_DECODE), "decode_ok": ("decode_ok", TP_DECODE),
          "static_cache_axes": ("static_cache", tuple(a for a in TP_DECODE if a != "--grid")),
-         "batch_center": ("batch_center", MICRO), "token_center": ("token_center", MICRO)}
+         "batch_center": ("batch_center", MICRO), "token_center": ("token_center", MICRO),
+         "seq_mean_as_token": ("seq_mean_as_token", MICRO)}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,27 @@ def test_the_correct_twin_is_rounding(runs, case):
     assert s["class"] == "rounding", (s["class"], out)
     assert all(e.get("class") in ("rounding", None) for e in s["configurations"].values()), s["configurations"]
     assert "BUG" not in out and gate == 0
+
+
+def test_a_sequence_mean_loss_declared_as_such_is_no_bug(runs):
+    # token_center's loss is GRPO's (each sequence's token mean, averaged over sequences) over
+    # responses of different lengths, declared loss_mean="sequence". Micro-batches weighted by
+    # their share of the tokens (all there was before loss_mean) made the loss a BUG at 1-mb1;
+    # that is what the same model left at the default reads, now saying why
+    s, out, gate = runs["seq_mean_as_token"]
+    fd = s["configurations"]["1-mb1"]["first_divergence"]
+    assert fd["kind"] == "loss" and fd["cause"] == "sharding-bug" and gate == 4, fd
+    assert "loss_mean" in fd["why"] and "logits were bitwise equal" in fd["why"], fd["why"]
+    assert s["configurations"]["1-mb1"]["logprobs"]["bitwise"]
+    s_ok, _, gate_ok = runs["token_center"]
+    assert s_ok["configurations"]["1-mb1"]["status"] == "bitwise" and gate_ok == 0, s_ok["configurations"]
+
+
+def test_an_unknown_loss_mean_is_refused_in_one_line(tmp_path):
+    p = run_cli("compare", "--model", SPEC + "bad_loss_mean", *MICRO, "--out", str(tmp_path / "r"))
+    assert p.returncode == 2 and not (tmp_path / "r").exists(), p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "Target.loss_mean 'mean'" in err[0] and "token, sequence, sum" in err[0], err
 
 
 def test_one_axis_at_a_time_names_the_combinations_it_did_not_run(runs):

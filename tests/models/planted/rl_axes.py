@@ -19,11 +19,12 @@ three decode mistakes share one twin, `decode_ok` (one model with all three fixe
   token (dim -1) but is taken over the batch and positions (dims 0, 1): each row's result depends
   on the other rows of its call, so the logprobs move with the micro-batch size.
       tpdiag compare --model py:tests/models/planted/rl_axes.py:batch_center --micro-batch 4,1
-- seq_mean / seq_mean_as_token: a correct model with a GRPO-style loss (a mean over sequences of
-  each sequence's token mean) and responses of different lengths. Declared (loss_mean="sequence")
-  it is rounding across micro-batch sizes; weighted per micro-batch by tokens (the default) its
-  loss moves with the micro-batch size - named at the loss, saying why.
-      tpdiag compare --model py:tests/models/planted/rl_axes.py:seq_mean --micro-batch 4,1
+  token_center has a GRPO-style loss (a mean over sequences of each sequence's token mean) over
+  responses of different lengths, declared (loss_mean="sequence"): rounding across micro-batch
+  sizes. seq_mean_as_token is the same model and loss left at the default loss_mean ("token"):
+  each micro-batch weighted by its share of the tokens, so its loss moves with the micro-batch
+  size - named at the loss, saying why.
+      tpdiag compare --model py:tests/models/planted/rl_axes.py:seq_mean_as_token --micro-batch 4,1
 """
 import torch
 import torch.nn.functional as F
@@ -168,14 +169,6 @@ def decode_ok():
     return _target(DecodeLlama(_cfg()))
 
 
-def batch_center():
-    return _target(CenteredLlama(_cfg(), dims=(0, 1)))
-
-
-def token_center():
-    return _target(CenteredLlama(_cfg(), dims=-1))
-
-
 PROMPTS = (1, 3, 2, 5)   # each sequence's prompt length: the responses differ in length
 
 
@@ -195,17 +188,27 @@ def _seq_mean_loss(logits, labels):
     return ((tok * keep).sum(1) / keep.sum(1)).mean()
 
 
-def seq_mean():
-    """A correct model whose loss is a mean over sequences of per-sequence token means (GRPO),
-    declared as such: micro-batches weighted by their share of the sequences."""
-    t = _target(tiny_llama.TinyLlama(_cfg()))
-    t.inputs, t.loss, t.loss_mean = _response_inputs, _seq_mean_loss, "sequence"
+def _centered(dims, loss_mean="sequence"):
+    """With a GRPO-style loss declared as a mean over sequences: micro-batches weighted by their
+    share of the sequences."""
+    t = _target(CenteredLlama(_cfg(), dims=dims))
+    t.inputs, t.loss, t.loss_mean = _response_inputs, _seq_mean_loss, loss_mean
     return t
+
+
+def batch_center():
+    return _centered((0, 1))
+
+
+def token_center():
+    return _centered(-1)
 
 
 def seq_mean_as_token():
     """The same loss, left at the default loss_mean ("token"): each micro-batch weighted by its
     share of the tokens, which is not how a mean over sequences splits."""
-    t = seq_mean()
-    t.loss_mean = "token"
-    return t
+    return _centered(-1, "token")
+
+
+def bad_loss_mean():
+    return _centered(-1, "mean")
