@@ -58,9 +58,9 @@ def test_a_mistake_on_an_rl_axis_is_a_bug_at_its_module(runs, case, config, modu
 
 
 @pytest.mark.parametrize("case", ["decode_ok", "token_center"])
-def test_the_correct_twin_is_rounding(runs, case):
+def test_the_correct_twin_is_rounding_or_bitwise(runs, case):
     s, out, gate = runs[case]
-    assert s["class"] == "rounding", (s["class"], out)
+    assert s["class"] == "rounding" or (s["status"] == "bitwise" and s["class"] is None), (s["class"], out)
     assert all(e.get("class") in ("rounding", None) for e in s["configurations"].values()), s["configurations"]
     assert "BUG" not in out and gate == 0
 
