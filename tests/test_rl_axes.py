@@ -20,7 +20,7 @@ DECODE = ("--tp", "1", "--mode", "prefill,decode") + TINY
 TP_DECODE = ("--tp", "1,2", "--mode", "prefill,decode", "--grid") + TINY
 MICRO = ("--tp", "1", "--micro-batch", "4,1", "--batch-size", "4", "--seq-len", "8", "--forward-only",
          "--no-baseline", "--no-confirm")
-CASES = {"window": ("window", DECODE), "restart": ("restart", DECODE),
+CASES = {"window": ("window", DECODE), "restart": ("restart", DECODE), "dropout_on": ("dropout_on", DECODE),
          "static_cache": ("static_cache", TP_DECODE), "decode_ok": ("decode_ok", TP_DECODE),
          "static_cache_axes": ("static_cache", tuple(a for a in TP_DECODE if a != "--grid")),
          "batch_center": ("batch_center", MICRO), "token_center": ("token_center", MICRO),
@@ -63,6 +63,17 @@ def test_the_correct_twin_is_rounding_or_bitwise(runs, case):
     assert s["class"] == "rounding" or (s["status"] == "bitwise" and s["class"] is None), (s["class"], out)
     assert all(e.get("class") in ("rounding", None) for e in s["configurations"].values()), s["configurations"]
     assert "BUG" not in out and gate == 0
+
+
+def test_a_random_draw_left_on_in_decode_is_unknown_saying_so(runs):
+    # dropout with training=True: decode and prefill draw other masks. It read "... in the sharded
+    # region draws other numbers at each layout, so the degrees compute different functions" - at
+    # TP=1, where nothing is sharded; now it names the calls
+    s, out, gate = runs["dropout_on"]
+    fd = s["configurations"]["1-decode"]["first_divergence"]
+    assert "bernoulli" in fd["op"] and fd["cause"] == "unknown" and s["class"] != "rounding", fd
+    assert "decode's one position per call" in fd["why"] and "sharded region" not in fd["why"], fd["why"]
+    assert gate == 1
 
 
 def test_a_sequence_mean_loss_declared_as_such_is_no_bug(runs):

@@ -15,6 +15,10 @@ three decode mistakes share one twin, `decode_ok` (one model with all three fixe
   positions computed inside the layer); the buggy one numbers each call's tokens from 0, so every
   decode step rotates its query and key as position 0. Wrong only in decode.
       tpdiag compare --model py:tests/models/planted/rl_axes.py:restart --mode prefill,decode --forward-only
+- dropout_on: functional dropout with training=True (meant self.training): each call draws its
+  own mask, so decode and prefill compute different functions. Not a wrong result a float64 run
+  can show, nor rounding: `unknown` at the draw, saying why (the gate never passes it).
+      tpdiag compare --model py:tests/models/planted/rl_axes.py:dropout_on --mode prefill,decode --forward-only
 - batch_center / token_center: a "centering" norm after the embedding whose mean was meant per
   token (dim -1) but is taken over the batch and positions (dims 0, 1): each row's result depends
   on the other rows of its call, so the logprobs move with the micro-batch size.
@@ -122,6 +126,20 @@ class DecodeLlama(tiny_llama.TinyLlama):
         return StaticCache(len(self.layers), heads, self.cfg.max_seq_len)
 
 
+class DropoutOn(DecodeLlama):
+    """Embedding dropout written with the functional form and training=True where
+    training=self.training was meant: on at inference too, so an engine's logprobs are random."""
+
+    def forward(self, input_ids, cache=None):
+        S = input_ids.shape[1]
+        start = cache.length if cache is not None else 0
+        cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]
+        h = F.dropout(self.tok_embeddings(input_ids), 0.1, training=True)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, **({} if cache is None else {"kv": cache.layers[i]}))
+        return self.output(self.norm(h))
+
+
 class Center(nn.Module):
     """Subtract a mean and rescale - meant per token."""
 
@@ -162,6 +180,10 @@ def window():
 
 def restart():
     return _target(DecodeLlama(_cfg(), restart=True))
+
+
+def dropout_on():
+    return _target(DropoutOn(_cfg()))
 
 
 def decode_ok():
