@@ -248,6 +248,11 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         console.print(f"[bold]after fixes:[/] {summary['status_after_fixes']}")
     if summary.get("error"):
         console.print(f"[red]{summary['error']}[/]")
+    from tpdiag.cli.advice import not_run_line, what_to_do
+
+    missing = not_run_line(summary)
+    if missing:
+        console.print(missing)
     todo = what_to_do(summary)
     if todo:
         console.print(f"[bold]what to do:[/] {todo}")
@@ -362,44 +367,6 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
 
             line += f": {escape(str(f['detail']))}"  # what the user must change: their plan
         console.print(line)
-
-
-def what_to_do(summary: dict) -> str | None:
-    c = summary.get("class")
-    if summary.get("status") != "divergent" or not c:
-        return None
-    run = summary.get("run_dir") or "RUN_DIR"
-    if c == "bug":
-        return (f"fix the model code at the BUG above (a wrong result that no kernel fix removes); "
-                f"`tpdiag report {run}` shows its values against the reference")
-    if c == "non-finite":
-        return "find where the NaN/Inf first appears (the finding above); no fix or policy hides it"
-    if c == "unknown":
-        if summary.get("fix_chain"):
-            return ("the fixes did not remove every difference and nothing could judge what is left "
-                    f"(the last fix chain round above); `tpdiag report {run}` shows the values")
-        return ("nothing could judge the first divergence (the reason is above); "
-                f"`tpdiag report {run}` shows its values")
-    if summary.get("fix_chain") and summary.get("status_after_fixes") == "bitwise":
-        return ("nothing is wrong: the fixes of the chain above remove every difference (they only "
-                "reorder computations); keep them on where you need bitwise equality")
-    if summary.get("fix_chain"):
-        return ("nothing is wrong: what is left after the fix chain above is rounding only (judged in its "
-                "last round); no available fix removes the rest")
-    from tpdiag.records.axes import entries
-
-    if summary.get("source") == "capture":
-        # a capture's model is the user's own loop: `compare --fix` cannot run it
-        from tpdiag.reports.words import CAPTURE_FIX
-
-        return ("nothing is wrong: the captures differ by rounding only. Harmless unless you need "
-                f"bitwise equality across TP; {CAPTURE_FIX}")
-    if all(config_name(lab) == f"TP={lab}" for lab in entries(summary)):
-        return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
-                "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")
-    return ("nothing is wrong: the configurations differ by rounding only. Harmless unless you need "
-            "bitwise equality across them; then `tpdiag compare --fix auto` applies the fixes that remove "
-            "what they cover (docs/micro-batch.md and docs/decode.md say what they do not)")
 
 
 def render_text(summary: dict, width: int = 200) -> str:

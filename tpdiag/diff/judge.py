@@ -26,8 +26,8 @@ from typing import Callable
 
 from tpdiag.records.causes import cause_class
 from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layout_cause  # noqa: F401
-from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_MICRO_BATCH,  # noqa: F401
-                                 WHY_NOISE, WHY_ROWS, WHY_TP1)
+from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN,  # noqa: F401
+                                 WHY_MICRO_BATCH, WHY_NOISE, WHY_ROWS, WHY_TP1)
 from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, SDPA_OPS, is_op_of
 
 BATCH_VARIANT = "batch-variant-kernel"
@@ -96,11 +96,19 @@ def judged_near(f: dict) -> bool:
     return bool(verdicts) and not judged_far(f)
 
 
-def why_at_op(op: str) -> str:
+def why_at_op(op: str, axis: str = "tp") -> str:
     """Why a first divergence located at an op is still `unknown` (the module pass's words said no
     op was recorded; the op-level pass found one)."""
     from tpdiag.records.ops import RANDOM_OPS
 
+    if is_op_of(op, RANDOM_OPS) and axis in ("micro_batch", "mode"):
+        # the draw follows the calls, not a layout: a draw left on at inference is the user's to see
+        calls = "micro-batches" if axis == "micro_batch" else "decode's one position per call"
+        return (f"the difference enters at {op}, a random draw: the tokens go through it in other calls "
+                f"({calls}), so they draw other numbers and the configurations compute different "
+                "functions. Left on at inference (dropout with training=True, noise) it makes an "
+                "engine's logprobs random; turn it off (eval mode, p=0) to compare; neither rounding nor "
+                "a proven bug")
     if is_op_of(op, RANDOM_OPS):
         return (f"the difference enters at {op}, a random draw: dropout or noise in the sharded region "
                 "draws other numbers at each layout, so the degrees compute different functions - turn "
@@ -113,7 +121,7 @@ def _no_op_recorded(v: Verdict) -> bool:
 
 
 def _op_pass_why(ev: Evidence, below) -> str | None:
-    return why_at_op(ev.op_pass[0]) if _no_op_recorded(below()) else below().why
+    return why_at_op(ev.op_pass[0], ev.axis) if _no_op_recorded(below()) else below().why
 
 
 def _is_bug(v: Verdict) -> bool:
@@ -214,7 +222,7 @@ RULES: list[Rule] = [
     # the first op that differs draws random numbers (a dropout mask drawn per shard): the degrees
     # compute different functions, which no bound or float64 re-execution can judge
     Rule("the first divergent op is a random draw", _random_first_op,
-         lambda ev, b: "unknown", lambda ev, b: why_at_op(ev.op)),
+         lambda ev, b: "unknown", lambda ev, b: why_at_op(ev.op, ev.axis)),
     Rule("the second pass judged it", lambda ev, b: ev.second is not None,
          lambda ev, b: ev.second[0], lambda ev, b: ev.second[1]),
     # the configuration: what differs from the reference besides TP
@@ -225,6 +233,11 @@ RULES: list[Rule] = [
          lambda ev, b: (_row_axis(ev) and ev.record.get("kind") in ("out", "op") and _is_bug(b())
                         and any(v.get("far") for v in _verdicts(ev)) and not b().why),
          lambda ev, b: b().cause, _row_bug_why),
+    Rule("loss beyond its bound across micro-batch sizes",
+         lambda ev, b: (ev.axis == "micro_batch" and ev.record.get("kind") == "loss"
+                        and ev.record.get("root_cause") is True  # the first divergence: logits equal
+                        and b().cause == "sharding-bug" and not b().why),
+         lambda ev, b: b().cause, lambda ev, b: WHY_LOSS_MEAN),
     Rule("attention implementation differs", lambda ev, b: _axis_applies(ev, b, "attention"),
          lambda ev, b: "attention-kernel", lambda ev, b: WHY_ATTENTION, keep="layout_cause"),
     Rule("decode vs prefill", lambda ev, b: _axis_applies(ev, b, "mode"),

@@ -8,6 +8,14 @@ WHY_AXIS = {
              "another summation order"),
     "grad_norm": "the grads it reads were accumulated over micro-batches in another order",
 }
+# a loss beyond its bound across micro-batch sizes whose logits were bitwise equal: the pieces'
+# losses, weighted as runner/micro.py weights them, are not the whole batch's loss
+WHY_LOSS_MEAN = ("its logits were bitwise equal, and the micro-batches' losses, each weighted as "
+                 "Target.loss_mean says (default \"token\": by its share of the tokens), do not add up to "
+                 "the whole batch's loss: the loss is not that kind of mean (a mean over sequences, e.g. "
+                 "GRPO's per-sequence token means, is loss_mean=\"sequence\"; a sum, \"sum\"), or it couples "
+                 "the sequences of a call. A trainer that weights micro-batches this way moves its loss "
+                 "with the micro-batch size")
 WHY_MICRO_BATCH = ("its inputs were bitwise equal and only the number of rows in its call changed (micro-batch "
                    "size): its result for a row depends on how many rows share the call")
 WHY_DECODE = ("its inputs were bitwise equal and only the positions per call changed (decode: the "

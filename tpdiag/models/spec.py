@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from tpdiag.errors import BadInput
 
+LOSS_MEANS = ("token", "sequence", "sum")  # Target.loss_mean
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -153,6 +155,9 @@ def py_target(value: str, variant: str = "stock"):
         t = fn()
     if not isinstance(t, Target):
         raise BadInput(f"--model py:{value}: returned {type(t).__name__}, expected tpdiag.Target")
+    if t.loss_mean not in LOSS_MEANS:
+        raise BadInput(f"--model py:{value}: Target.loss_mean {t.loss_mean!r}: expected one of "
+                       f"{', '.join(LOSS_MEANS)} (what the loss is a mean over)")
     if variant != "stock":
         if variant not in t.variants:
             raise BadInput(f"plan variant {variant!r}: this target offers "

@@ -19,6 +19,12 @@ class Target:
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Largest degree the model can be split into (heads, kv heads, vocab, ffn); None: unknown.
     divisors: dict[str, int] = field(default_factory=dict)
+    # What `loss` is a mean over, so a micro-batched step weights each micro-batch's loss as the
+    # whole batch's loss weights it: "token" (a mean over the batch's unmasked tokens: each
+    # micro-batch by its share of the tokens), "sequence" (a mean over sequences, e.g. GRPO's
+    # per-sequence token means averaged: by its share of the sequences), "sum" (no mean: each as
+    # it is). A loss weighted the wrong way moves with the micro-batch size beyond rounding.
+    loss_mean: str = "token"
     # Meta-device build (opt-in: a FUNC with a `device` parameter is called with the meta
     # device): init(fqn, module) fills that module's own parameters and buffers on the run's
     # device, called children first with the RNG seeded from (seed, fqn). None: each module's

@@ -42,10 +42,16 @@ def split(batch, labels, micro_batch: int) -> list[tuple[object, torch.Tensor]]:
     return out
 
 
-def piece_loss(target, loss_fn, logits, local_logits, labels, n_total, invariant_ce: bool):
+def piece_loss(target, loss_fn, logits, local_logits, labels, n_total, invariant_ce: bool, rows_total=None):
     """One piece's share of the whole batch's mean loss (see the module's docstring)."""
     if target.loss is not None:
-        # a user loss is opaque: its piece mean weighted by the piece's share of the tokens
+        # a user loss is opaque: its value on the piece, weighted as the whole batch's mean
+        # weights the piece (Target.loss_mean): by its share of the tokens, of the sequences, or not
+        mean = getattr(target, "loss_mean", "token")
+        if mean == "sum":
+            return target.loss(local_logits, labels)
+        if mean == "sequence":
+            return target.loss(local_logits, labels) * (labels.shape[0] / rows_total)
         n = (labels != IGNORE).sum()
         return target.loss(local_logits, labels) * (n / n_total)
     if invariant_ce:

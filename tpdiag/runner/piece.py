@@ -94,9 +94,11 @@ class Losses:
     """A step's loss over its pieces: one piece's is the step's; several pieces' shares are
     summed, or under the invariant cross-entropy their tokens' logprobs reduced once."""
 
-    def __init__(self, target, fns, n_total, n_pieces: int, world: int):
-        """n_total: the step's token count (micro.n_tokens), counted once before the steps."""
+    def __init__(self, target, fns, n_total, n_pieces: int, world: int, rows_total: int | None = None):
+        """n_total: the step's token count (micro.n_tokens), counted once before the steps;
+        rows_total: its sequences (a Target.loss_mean of "sequence" weights pieces by them)."""
         self.target, self.n_total, self.n_pieces, self.world = target, n_total, n_pieces, world
+        self.rows_total = rows_total
         self.loss_fn, self.logprob_fn, _ = fns
         self.invariant_ce = self.loss_fn is not (target.loss or _default_loss())
         self.sum, self.lps, self.lp, self.dtype = None, [], None, None
@@ -119,7 +121,7 @@ class Losses:
                 rec.add("loss", "model", "loss", loss)
             else:
                 loss = micro.piece_loss(target, self.loss_fn, lo.logits, lo.local, lo.labels, self.n_total,
-                                        self.invariant_ce)
+                                        self.invariant_ce, self.rows_total)
                 self.sum = loss.detach() if self.sum is None else self.sum + loss.detach()
                 self.lps.append(self.lp)
             yield loss

@@ -107,7 +107,7 @@ def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, 
     """One step: every piece's forward, loss and backward inside grad accumulation's window,
     then the optimizer. keep: return the step's final values (detached: the fingerprint's)."""
     rec, several = phases.rec, len(parts) > 1
-    losses = pieces.Losses(target, fns, n_total, len(parts), world)
+    losses = pieces.Losses(target, fns, n_total, len(parts), world, sum(lab.shape[0] for _, lab in parts))
     with ExitStack() as window:
         # the pieces' weight grads: fp32 carries, rounded once as the window closes (runner/micro.py)
         window.enter_context(carry(model))

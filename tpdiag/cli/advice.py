@@ -1,0 +1,65 @@
+"""The lines after compare's tables that tell the user what to do: the advice for the run's
+class, and the axis combinations a one-axis-at-a-time run did not look at."""
+from __future__ import annotations
+
+from tpdiag.base.points import config_name
+
+
+def not_run_line(summary: dict) -> str | None:
+    """Names the combinations a one-axis-at-a-time run left out, so no verdict reads as covering them."""
+    from tpdiag.records.axes import combination_name, not_run
+
+    missing = not_run(summary)
+    if not missing:
+        return None
+    ref = summary.get("reference_config") or {}
+    names = ", ".join(combination_name(c, ref) for c in missing)
+    return (f"not run: {names} (the axes were compared one at a time; `--grid` runs every "
+            "combination - a mistake that shows only there is in none of the configurations above)")
+
+
+def what_to_do(summary: dict) -> str | None:
+    todo = _what_to_do(summary)
+    if todo and todo.startswith("nothing is wrong") and not_run_line(summary):
+        # rounding holds for what ran: the combinations left out were not looked at
+        todo = "nothing is wrong in the configurations that ran" + todo[len("nothing is wrong"):] + \
+            "; the combinations not run (above) were not checked: `--grid` runs them"
+    return todo
+
+
+def _what_to_do(summary: dict) -> str | None:
+    c = summary.get("class")
+    if summary.get("status") != "divergent" or not c:
+        return None
+    run = summary.get("run_dir") or "RUN_DIR"
+    if c == "bug":
+        return (f"fix the model code at the BUG above (a wrong result that no kernel fix removes); "
+                f"`tpdiag report {run}` shows its values against the reference")
+    if c == "non-finite":
+        return "find where the NaN/Inf first appears (the finding above); no fix or policy hides it"
+    if c == "unknown":
+        if summary.get("fix_chain"):
+            return ("the fixes did not remove every difference and nothing could judge what is left "
+                    f"(the last fix chain round above); `tpdiag report {run}` shows the values")
+        return ("nothing could judge the first divergence (the reason is above); "
+                f"`tpdiag report {run}` shows its values")
+    if summary.get("fix_chain") and summary.get("status_after_fixes") == "bitwise":
+        return ("nothing is wrong: the fixes of the chain above remove every difference (they only "
+                "reorder computations); keep them on where you need bitwise equality")
+    if summary.get("fix_chain"):
+        return ("nothing is wrong: what is left after the fix chain above is rounding only (judged in its "
+                "last round); no available fix removes the rest")
+    from tpdiag.records.axes import entries
+
+    if summary.get("source") == "capture":
+        # a capture's model is the user's own loop: `compare --fix` cannot run it
+        from tpdiag.reports.words import CAPTURE_FIX
+
+        return ("nothing is wrong: the captures differ by rounding only. Harmless unless you need "
+                f"bitwise equality across TP; {CAPTURE_FIX}")
+    if all(config_name(lab) == f"TP={lab}" for lab in entries(summary)):
+        return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
+                "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")
+    return ("nothing is wrong: the configurations differ by rounding only. Harmless unless you need "
+            "bitwise equality across them; then `tpdiag compare --fix auto` applies the fixes that remove "
+            "what they cover (docs/micro-batch.md and docs/decode.md say what they do not)")
