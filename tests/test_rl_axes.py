@@ -97,7 +97,7 @@ def test_an_unknown_loss_mean_is_refused_in_one_line(tmp_path):
     assert len(err) == 1 and "Target.loss_mean 'mean'" in err[0] and "token, sequence, sum" in err[0], err
 
 
-def test_one_axis_at_a_time_names_the_combinations_it_did_not_run(runs):
+def test_one_axis_at_a_time_names_the_combinations_it_did_not_run(runs, capsys):
     s, out, _ = runs["static_cache_axes"]
     assert set(s["configurations"]) == {"1-decode"} and s["class"] == "rounding", s["configurations"]
     lines = out.splitlines()
@@ -105,6 +105,14 @@ def test_one_axis_at_a_time_names_the_combinations_it_did_not_run(runs):
     assert missing and missing[0].startswith("not run: TP=2 decode ") and "--grid" in missing[0], out
     todo = next(ln for ln in lines if ln.startswith("what to do:"))
     assert todo.startswith("what to do: nothing is wrong in the configurations that ran"), todo
+    # --format json says the same to a machine
+    from tpdiag.cli.common import emit_summary
+
+    capsys.readouterr()
+    emit_summary(s, "json")
+    assert json.loads(capsys.readouterr().out)["not_run"] == ["TP=2 decode"]
     # with --grid the same model is a BUG at TP=2 decode, and nothing is left out
     s_grid, grid_out, _ = runs["static_cache"]
     assert s_grid["class"] == "bug" and "not run:" not in grid_out
+    emit_summary(s_grid, "json")
+    assert "not_run" not in json.loads(capsys.readouterr().out)

@@ -144,7 +144,13 @@ def print_rank_tracebacks(run_dir: str | None, variant: str | None = None) -> No
 def emit_summary(summary: dict, fmt: str, baseline_skipped: str | None = None) -> None:
     if fmt == "json":
         from tpdiag.base import files as io
+        from tpdiag.records.axes import combination_name, not_run
 
+        # a machine reads what a one-axis-at-a-time run left out as the text's `not run:` line says it
+        missing = not_run(summary)
+        if missing:
+            ref = summary.get("reference_config") or {}
+            summary = dict(summary, not_run=[combination_name(c, ref) for c in missing])
         sys.stdout.write(io.dumps(summary, indent=2) + "\n")  # strict JSON: no bare NaN
     else:
         from tpdiag.cli.render import summary_tables
