@@ -353,3 +353,24 @@ def fixall12_run(tmp_path_factory):
     (its verdict): each file ran the same compare of its own."""
     return shared_run(tmp_path_factory, "fixall12", _compare_into("--tp", "1,2", "--fix", "all", "--no-confirm",
                                                                   "--no-baseline"))
+
+
+# tiny-llama at TP=1, micro-batch 4 against 1 (float32; test_micro_batch's TINY shapes)
+_MB41 = ("--tp", "1", "--micro-batch", "4,1", "--batch-size", "4", "--seq-len", "8", "--dtype", "float32",
+         "--no-confirm", "--no-baseline")
+
+
+@pytest.fixture(scope="session")
+def mb41_stock_run(tmp_path_factory):
+    """ONE stock micro-batch 4 vs 1 compare (the default judgement): test_micro_batch's
+    batch-variant test reads its verdict, test_micro_batch_carry's float32 negative control its
+    weight grads - each file ran the same compare of its own."""
+    return shared_run(tmp_path_factory, "mb41stock", _compare_into(*_MB41))
+
+
+@pytest.fixture(scope="session")
+def mb41_fixall_run(tmp_path_factory):
+    """ONE `--fix all` micro-batch 4 vs 1 compare of the whole step: test_micro_batch_carry's
+    float32 case reads every record, test_micro_batch's fix-all test its logprobs and forward
+    records (it ran a forward-only compare of its own: the same forward, fewer records)."""
+    return shared_run(tmp_path_factory, "mb41fixall", _compare_into(*_MB41, "--fix", "all"))
