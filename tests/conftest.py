@@ -361,6 +361,19 @@ _MB41 = ("--tp", "1", "--micro-batch", "4,1", "--batch-size", "4", "--seq-len", 
 
 
 @pytest.fixture(scope="session")
+def behind_bugs_run(tmp_path_factory):
+    """ONE default-flow compare (no rerun, no confirmation) of tests/models/planted/behind.py:bugs
+    at TP=1,2 in float32: test_behind's float32 `bugs` case and test_tamper_findings' runs (which
+    edit copies) - each file ran the same compare of its own."""
+    def make(out):
+        p = run_cli("compare", "--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2", "--dtype",
+                    "float32", "--no-confirm", "--judge-downstream", "--no-baseline", "--format", "json",
+                    "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    return shared_run(tmp_path_factory, "behind-bugs", make)
+
+
+@pytest.fixture(scope="session")
 def mb41_stock_run(tmp_path_factory):
     """ONE stock micro-batch 4 vs 1 compare (the default judgement): test_micro_batch's
     batch-variant test reads its verdict, test_micro_batch_carry's float32 negative control its

@@ -20,16 +20,9 @@ from tpdiag.gate import evaluate, load_policy
 from tpdiag.records.causes import EXIT_BUG, cause_class
 
 
-def _make(out):
-    p = run_cli("compare", "--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2", "--no-confirm",
-                "--judge-downstream", "--no-baseline", "--format", "json", "--out", str(out),
-                env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
-
-
 @pytest.fixture(scope="session")
-def behind_run(tmp_path_factory):
-    return shared_run(tmp_path_factory, "behind-bugs", _make)
+def behind_run(behind_bugs_run):
+    return behind_bugs_run  # conftest's session run, test_behind's float32 `bugs` case too
 
 
 @pytest.fixture()
