@@ -378,6 +378,20 @@ def behind_bugs_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def branches_bugs_run(tmp_path_factory):
+    """ONE default-flow forward-only compare (no rerun, no confirmation) of the planted catalogue's
+    forward mistakes side by side (tests/models/planted/branches.py:bugs) at TP=1,2,4: test_planted
+    judges each mistake at TP=2 and 4, test_tamper_findings gates the untouched run - it ran the
+    same compare at TP=1,2 of its own."""
+    def make(out):
+        p = run_cli("compare", "--model", "py:tests/models/planted/branches.py:bugs", "--tp", "1,2,4",
+                    "--no-confirm", "--no-baseline", "--forward-only", "--format", "json", "--out", str(out),
+                    env={"OMP_NUM_THREADS": "1"}, timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    return shared_run(tmp_path_factory, "branches-bugs", make)
+
+
+@pytest.fixture(scope="session")
 def mb41_stock_run(tmp_path_factory):
     """ONE stock micro-batch 4 vs 1 compare (the default judgement): test_micro_batch's
     batch-variant test reads its verdict, test_micro_batch_carry's float32 negative control its
