@@ -164,28 +164,32 @@ def _start_zygote():
 # measured: it went out among the last files) and test_tied_split below 10 (25). Session 4 of
 # 2026-11-29 (helper hci2): test_hash_capture, test_hash_batch, test_op_level, test_fixes and
 # test_invariant_attention lowered by the CPU seconds their changed tests measured less, side by
-# side (docs/benchmarks.md, "The test suite's wall time").
+# side (docs/benchmarks.md, "The test suite's wall time"). Session 4 (helper hci3): test_diagnosis,
+# test_planted, test_fixes, test_moe_fixes, test_matrix, test_faults_more, test_diff_runs, test_hf,
+# test_micro_batch(_carry), test_behind, test_compare, test_user_verdicts, test_capture,
+# test_train_side, test_timing and test_rollout are their CPU seconds in a cpuacct cgroup holding
+# the whole pytest tree (`pytest -n 0 FILE`), the session runs they ask for included.
 FILE_SECONDS = {
-    "test_hash_capture.py": 150, "test_diagnosis.py": 155, "test_planted.py": 140, "test_fixes.py": 130,
-    "test_matrix.py": 77, "test_micro_batch.py": 77, "test_moe_fixes.py": 89, "test_faults_more.py": 78,
-    "test_diff_runs.py": 85, "test_hf.py": 70, "test_timing.py": 60, "test_behind.py": 55, "test_fuzz.py": 55,
-    "test_capture.py": 50, "test_hf_zoo.py": 50, "test_rollout.py": 50, "test_hash_batch.py": 40,
+    "test_hash_capture.py": 150, "test_diagnosis.py": 98, "test_planted.py": 85, "test_fixes.py": 78,
+    "test_matrix.py": 76, "test_micro_batch.py": 52, "test_moe_fixes.py": 84, "test_faults_more.py": 67,
+    "test_diff_runs.py": 61, "test_hf.py": 60, "test_timing.py": 28, "test_behind.py": 55, "test_fuzz.py": 55,
+    "test_capture.py": 39, "test_hf_zoo.py": 50, "test_rollout.py": 23, "test_hash_batch.py": 40,
     "test_capture_exit.py": 40, "test_invariant_attention.py": 32, "test_faults.py": 40,
     "test_load_dtype.py": 40, "test_handwritten_tp.py": 40, "test_cli_messages.py": 40,
-    "test_op_level.py": 120, "test_micro_batch_carry.py": 35, "test_benchmarks.py": 35, "test_hf_fixes.py": 35,
+    "test_op_level.py": 120, "test_micro_batch_carry.py": 21, "test_benchmarks.py": 35, "test_hf_fixes.py": 35,
     "test_slice.py": 35, "test_public_api.py": 35, "test_rollout_lanes.py": 30, "test_user_models.py": 30,
     "test_sequence_parallel.py": 30, "test_doc_blocks.py": 30, "test_failclosed.py": 25,
     "test_tree_triton.py": 38, "test_gate.py": 25, "test_report.py": 25, "test_meta_init.py": 57,
-    "test_readme_output.py": 20, "test_compare.py": 20, "test_precheck_paths.py": 20,
+    "test_readme_output.py": 20, "test_compare.py": 45, "test_precheck_paths.py": 20,
     "test_accumulate_gpt2.py": 20, "test_moe.py": 20, "test_import_rules.py": 20,
     "test_grad_norm_dist.py": 15, "test_decode_prefix.py": 15, "test_decode.py": 15,
     "test_full_stream.py": 10, "test_carry_gemm.py": 10, "test_shard_init.py": 10,
-    "test_accumulate_api.py": 10, "test_tied_split.py": 25, "test_user_verdicts.py": 70,
+    "test_accumulate_api.py": 10, "test_tied_split.py": 25, "test_user_verdicts.py": 42,
     "test_rollout_generate_zoo.py": 35, "test_judge.py": 30, "test_own_after_confirm.py": 30,
     "test_rollout_what_to_do.py": 25, "test_compare_dtype_note.py": 30,
     "test_batch_coupled.py": 25, "test_decode_input_bug.py": 20, "test_rollout_tp_bug.py": 20,
     "test_rollout_processed.py": 15,
-    "test_train_side.py": 55, "test_rollout_early.py": 15, "test_hash_mix.py": 38, 
+    "test_train_side.py": 39, "test_rollout_early.py": 15, "test_hash_mix.py": 38, 
 }
 
 
@@ -354,3 +358,51 @@ def fixall12_run(tmp_path_factory):
     (its verdict): each file ran the same compare of its own."""
     return shared_run(tmp_path_factory, "fixall12", _compare_into("--tp", "1,2", "--fix", "all", "--no-confirm",
                                                                   "--no-baseline"))
+
+
+# tiny-llama at TP=1, micro-batch 4 against 1 (float32; test_micro_batch's TINY shapes)
+_MB41 = ("--tp", "1", "--micro-batch", "4,1", "--batch-size", "4", "--seq-len", "8", "--dtype", "float32",
+         "--no-confirm", "--no-baseline")
+
+
+@pytest.fixture(scope="session")
+def behind_bugs_run(tmp_path_factory):
+    """ONE default-flow compare (no rerun, no confirmation) of tests/models/planted/behind.py:bugs
+    at TP=1,2 in float32: test_behind's float32 `bugs` case and test_tamper_findings' runs (which
+    edit copies) - each file ran the same compare of its own."""
+    def make(out):
+        p = run_cli("compare", "--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2", "--dtype",
+                    "float32", "--no-confirm", "--judge-downstream", "--no-baseline", "--format", "json",
+                    "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    return shared_run(tmp_path_factory, "behind-bugs", make)
+
+
+@pytest.fixture(scope="session")
+def branches_bugs_run(tmp_path_factory):
+    """ONE default-flow forward-only compare (no rerun, no confirmation) of the planted catalogue's
+    forward mistakes side by side (tests/models/planted/branches.py:bugs) at TP=1,2,4: test_planted
+    judges each mistake at TP=2 and 4, test_tamper_findings gates the untouched run - it ran the
+    same compare at TP=1,2 of its own."""
+    def make(out):
+        p = run_cli("compare", "--model", "py:tests/models/planted/branches.py:bugs", "--tp", "1,2,4",
+                    "--no-confirm", "--no-baseline", "--forward-only", "--format", "json", "--out", str(out),
+                    env={"OMP_NUM_THREADS": "1"}, timeout=900)
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    return shared_run(tmp_path_factory, "branches-bugs", make)
+
+
+@pytest.fixture(scope="session")
+def mb41_stock_run(tmp_path_factory):
+    """ONE stock micro-batch 4 vs 1 compare (the default judgement): test_micro_batch's
+    batch-variant test reads its verdict, test_micro_batch_carry's float32 negative control its
+    weight grads - each file ran the same compare of its own."""
+    return shared_run(tmp_path_factory, "mb41stock", _compare_into(*_MB41))
+
+
+@pytest.fixture(scope="session")
+def mb41_fixall_run(tmp_path_factory):
+    """ONE `--fix all` micro-batch 4 vs 1 compare of the whole step: test_micro_batch_carry's
+    float32 case reads every record, test_micro_batch's fix-all test its logprobs and forward
+    records (it ran a forward-only compare of its own: the same forward, fewer records)."""
+    return shared_run(tmp_path_factory, "mb41fixall", _compare_into(*_MB41, "--fix", "all"))

@@ -45,24 +45,25 @@ def test_each_fix_is_necessary(tmp_path, dropped, cause, kind):
 def test_confirm_moves_the_first_divergence(tmp_path):
     # no baseline rerun: the confirmation is what this checks (test_fix_auto_chain_ends_bitwise
     # checks the baseline beside a chain)
-    # nor the own-input pass (its two worlds would join the count below)
-    p = run_cli("compare", "--tp", "1,4", "--out", str(tmp_path / "r"), "--format", "json", "--no-baseline",
+    # nor the own-input pass (its two worlds would join the count below); TP=2: the confirmation
+    # is one rerun whatever the degree (the fixes at TP=4 are test_fix_all_is_bitwise_at_every_degree's)
+    p = run_cli("compare", "--tp", "1,2", "--out", str(tmp_path / "r"), "--format", "json", "--no-baseline",
                 "--no-judge-downstream")
     assert p.returncode == 0, p.stderr
-    d = json.loads(p.stdout)["degrees"]["4"]
+    d = json.loads(p.stdout)["degrees"]["2"]
     conf = d["confirmation"]
     assert d["first_divergence"]["cause"] == "row-parallel-reduction"
     assert conf["fix"] == "tp-invariant-linear" and conf["verdict"] == "confirmed"
     after = conf["first_divergence_after"]
     assert after is None or after["idx"] > d["first_divergence"]["idx"]
     on_disk = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert on_disk["degrees"]["4"]["confirmation"]["verdict"] == "confirmed"
+    assert on_disk["degrees"]["2"]["confirmation"]["verdict"] == "confirmed"
     from test_timing import assert_breakdown
 
     tb = assert_breakdown(tmp_path / "r")  # the confirmation rerun is a part of its own
     (c,) = [p for p in tb["parts"] if p["part"] == "confirm"]
-    assert c["what"] == "tp-invariant-linear" and set(c["worlds"]) == {"1", "4"} and c["s"] > 0
-    assert tb["totals"]["worlds"] == 4  # TP=1, TP=4 (no baseline rerun), and the confirmation's two
+    assert c["what"] == "tp-invariant-linear" and set(c["worlds"]) == {"1", "2"} and c["s"] > 0
+    assert tb["totals"]["worlds"] == 4  # TP=1, TP=2 (no baseline rerun), and the confirmation's two
 
 
 def test_fix_auto_chain_ends_bitwise(tmp_path):

@@ -38,16 +38,13 @@ def test_pieces_hash_as_shards_of_the_whole():
     assert take_lanes(rec.hashbuf, list(rec.lanes))[0][0, :3].tolist() != lanes[0]
 
 
-def test_stock_micro_batch_names_batch_variant(tmp_path):
+def test_stock_micro_batch_names_batch_variant(mb41_stock_run):
     """(a) stock tiny-llama, TP 1, micro-batch 4 vs 1: gradient accumulation sums the weight
     grads in another order, and the host's CPU GEMM may split 32 rows and 8 differently (MKL on
     one x86 host is batch-invariant at these shapes, on another not at attention.wq): the first
     divergence is a weight grad or a forward GEMM, cause batch-variant-kernel, class rounding;
     where the forward is first, nothing before it differs."""
-    out = tmp_path / "run"
-    r = run_cli("compare", "--tp", "1", "--micro-batch", "4,1", *TINY, "--no-confirm", "--no-baseline",
-                "--out", str(out), "--format", "json")
-    assert r.returncode == 0, r.stderr
+    out = mb41_stock_run  # conftest's session run: `--tp 1 --micro-batch 4,1` at these TINY shapes
     s = _summary(out)
     assert s["degrees"] == {} and set(s["configurations"]) == {"1-mb1"}
     e = s["configurations"]["1-mb1"]
@@ -91,13 +88,12 @@ def test_user_row_dependent_module_is_rounding_not_bug(rowdep_run):
     assert rows["s0/forward/norm/in#0/0"]["bitwise"] == "True"
 
 
-def test_fix_all_logprobs_bitwise_across_micro_batches(rowdep_run, tmp_path):
+def test_fix_all_logprobs_bitwise_across_micro_batches(rowdep_run, mb41_fixall_run):
     """(c) --fix all: the forward's logprobs are the same bits at micro-batch 4 and 1 (torch.equal);
     the negative control: a batch-variant user module's are not, so the check can fail."""
-    fixed, (control, rc) = tmp_path / "fixed", rowdep_run
-    r = run_cli("compare", "--tp", "1", "--micro-batch", "4,1", *TINY, "--fix", "all", "--forward-only",
-                "--no-confirm", "--no-baseline", "--out", str(fixed), "--format", "json")
-    assert r.returncode == 0, r.stderr
+    # conftest's session run (the whole step, which test_micro_batch_carry reads too): its
+    # forward records are those of a forward-only run
+    fixed, (control, rc) = mb41_fixall_run, rowdep_run
     assert torch.equal(_logprobs(fixed, "1"), _logprobs(fixed, "1-mb1"))
     e = _summary(fixed)["configurations"]["1-mb1"]
     # every forward record is bitwise; the step's loss is the micro-batches' shares added (another

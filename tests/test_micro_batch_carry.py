@@ -22,12 +22,23 @@ def _compare(out, *args):
     return summary_of(out)
 
 
+def _run(request, tmp_path, dtype, name, *args):
+    """float32: conftest's session run of these args (test_micro_batch reads it too); else a
+    compare of its own."""
+    if dtype == "float32":
+        out = request.getfixturevalue(f"mb41_{name}_run")
+    else:
+        out = tmp_path / name
+        _compare(out, "--tp", "1", "--micro-batch", "4,1", "--dtype", dtype, *args)
+    return out, summary_of(out)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fix_all_weight_grads_bitwise_across_micro_batches(tmp_path, dtype):
-    fixed = _compare(tmp_path / "fixed", "--tp", "1", "--micro-batch", "4,1", "--dtype", dtype, "--fix", "all")
+def test_fix_all_weight_grads_bitwise_across_micro_batches(request, tmp_path, dtype):
+    fixed_dir, fixed = _run(request, tmp_path, dtype, "fixall", "--fix", "all")
     e = fixed["configurations"]["1-mb1"]
     assert fixed["status"] == "bitwise" and e["status"] == "bitwise", e.get("first_divergence")
-    rows = _rows(tmp_path / "fixed", "1-mb1")
+    rows = _rows(fixed_dir, "1-mb1")
     step = [r for r in rows if r["kind"] in STEP]
     # every parameter's grad and updated value was compared (21 in tiny-llama), and the norm
     assert sum(r["kind"] == "param_grad" for r in step) == 21
@@ -35,10 +46,10 @@ def test_fix_all_weight_grads_bitwise_across_micro_batches(tmp_path, dtype):
     assert sum(r["kind"] == "grad_norm" for r in step) == 1
     assert all(r["bitwise"] == "True" for r in rows), [r["key"] for r in rows if r["bitwise"] != "True"]
     # negative control: stock, the same records - gradient accumulation's other summation order
-    stock = _compare(tmp_path / "stock", "--tp", "1", "--micro-batch", "4,1", "--dtype", dtype)
+    stock_dir, stock = _run(request, tmp_path, dtype, "stock")
     s = stock["configurations"]["1-mb1"]
     assert s["status"] == "divergent"
-    bad = [r for r in _rows(tmp_path / "stock", "1-mb1") if r["kind"] == "param_grad" and r["bitwise"] != "True"]
+    bad = [r for r in _rows(stock_dir, "1-mb1") if r["kind"] == "param_grad" and r["bitwise"] != "True"]
     assert any(r["name"] == "weight" for r in bad), s["first_divergence"]
 
 

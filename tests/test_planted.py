@@ -36,8 +36,9 @@ def bug_modules(entry) -> dict:
 
 
 @pytest.fixture(scope="module")
-def branch_bugs(tmp_path_factory):
-    return compare(tmp_path_factory.mktemp("bugs"), "branches.py:bugs", "--forward-only")
+def branch_bugs(branches_bugs_run):
+    # conftest's session run of compare(..., "branches.py:bugs", "--forward-only") (test_tamper_findings gates it)
+    return json.loads((branches_bugs_run / "summary.json").read_text())
 
 
 @pytest.fixture(scope="module")

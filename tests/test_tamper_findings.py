@@ -14,22 +14,14 @@ import json
 import shutil
 
 import pytest
-from conftest import run_cli, shared_run
 
 from tpdiag.gate import evaluate, load_policy
 from tpdiag.records.causes import EXIT_BUG, cause_class
 
 
-def _make(out):
-    p = run_cli("compare", "--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2", "--no-confirm",
-                "--judge-downstream", "--no-baseline", "--format", "json", "--out", str(out),
-                env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
-
-
 @pytest.fixture(scope="session")
-def behind_run(tmp_path_factory):
-    return shared_run(tmp_path_factory, "behind-bugs", _make)
+def behind_run(behind_bugs_run):
+    return behind_bugs_run  # conftest's session run, test_behind's float32 `bugs` case too
 
 
 @pytest.fixture()
@@ -108,18 +100,12 @@ def test_only_the_second_pass_s_finding_deleted_is_inconclusive(run, tmp_path):
         res.lines()
 
 
-def _make_branches(out):
-    p = run_cli("compare", "--model", "py:tests/models/planted/branches.py:bugs", "--tp", "1,2", "--forward-only",
-                "--no-confirm", "--no-baseline", "--format", "json", "--out", str(out), env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
-
-
-def test_an_untouched_run_whose_second_pass_found_an_op_is_judged_not_inconclusive(tmp_path_factory):
+def test_an_untouched_run_whose_second_pass_found_an_op_is_judged_not_inconclusive(branches_bugs_run):
     """The flip side: a finding the second pass made on an op only it recorded (the LayerNorm over a
     column shard, found at aten::native_layer_norm) is not a record of the main diff.csv. On ed1fba1
     the gate called this genuine run inconclusive for it (exit 2); it fails on its bugs (exit 4), the
     LayerNorm's among them rather than grouped under an op the gate never judges."""
-    run = shared_run(tmp_path_factory, "branches-bugs-tp12", _make_branches)
+    run = branches_bugs_run  # conftest's session run (TP=1,2,4; test_planted's catalogue reads it too)
     res = evaluate(str(run))
     assert res.exit_code == EXIT_BUG and not res.problems, res.lines()
     assert any(v.module == "branch.norm" and cause_class(v.cause) == "bug" for v in res.degrees["2"].violations), \
