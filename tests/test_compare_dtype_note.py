@@ -12,13 +12,10 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_configs import save_tiny_bf16_llama
+    from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=32)
-    d = tmp_path_factory.mktemp("ckpt") / "model"
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(d))
+    d = save_tiny_bf16_llama(tmp_path_factory.mktemp("ckpt") / "model")
     # what the user's own code loads it as, without a dtype: the note must say the same
     assert LlamaForCausalLM.from_pretrained(str(d)).model.embed_tokens.weight.dtype == torch.bfloat16
     return str(d)

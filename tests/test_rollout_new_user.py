@@ -15,13 +15,11 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_configs import save_tiny_bf16_llama
+    from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=32)
     d = tmp_path_factory.mktemp("ckpt")
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(d / "model"))
+    save_tiny_bf16_llama(d / "model")
     # the engine's own logprobs of its tokens (a forward of the checkpoint, float32 log-softmax)
     m = LlamaForCausalLM.from_pretrained(str(d / "model"), dtype=torch.bfloat16)
     seqs = [[3, 9, 27, 17, 51, 8, 30], [5, 6, 40, 2, 33, 12, 60]]

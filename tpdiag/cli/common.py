@@ -3,6 +3,7 @@ library error becomes a message and an exit code (rich is imported here and in r
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
@@ -141,9 +142,26 @@ def print_rank_tracebacks(run_dir: str | None, variant: str | None = None) -> No
         sys.stderr.write(f"--- {where}TP={label} rank {rank} traceback ---\n{tb.rstrip()}\n")
 
 
+@contextmanager
+def reported():
+    """The library's typed errors as one-line messages and their exit codes; Ctrl-C as 130."""
+    try:
+        yield
+    except TpdiagError as e:
+        fail(e)
+    except KeyboardInterrupt:
+        console(stderr=True).print("interrupted")
+        raise typer.Exit(130)
+
+
+def write_json(obj) -> None:
+    from tpdiag.base import files as io
+
+    sys.stdout.write(io.dumps(obj, indent=2) + "\n")  # strict JSON: no bare NaN
+
+
 def emit_summary(summary: dict, fmt: str, baseline_skipped: str | None = None) -> None:
     if fmt == "json":
-        from tpdiag.base import files as io
         from tpdiag.records.axes import combination_name, not_run
 
         # a machine reads what a one-axis-at-a-time run left out as the text's `not run:` line says it
@@ -151,7 +169,7 @@ def emit_summary(summary: dict, fmt: str, baseline_skipped: str | None = None) -
         if missing:
             ref = summary.get("reference_config") or {}
             summary = dict(summary, not_run=[combination_name(c, ref) for c in missing])
-        sys.stdout.write(io.dumps(summary, indent=2) + "\n")  # strict JSON: no bare NaN
+        write_json(summary)
     else:
         from tpdiag.cli.render import summary_tables
 

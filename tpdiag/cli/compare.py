@@ -7,7 +7,7 @@ import typer
 
 from tpdiag.cli import options as H
 from tpdiag.cli.common import (DEBUG, FAIL_HELP, QUIET_HELP, Debug, Format, check_format, console, emit_summary,
-                               exit_for, fail, print_rank_tracebacks)
+                               exit_for, fail, print_rank_tracebacks, reported)
 from tpdiag.errors import TpdiagError
 
 
@@ -81,7 +81,7 @@ def compare(
     import time
 
     entered = time.perf_counter()  # the time breakdown's start: the input checks count too
-    try:
+    with reported():
         from tpdiag.config import (CAPTURES, DEVICES, DTYPES, GRANULARITIES, CompareConfig, parse_choice,
                                    parse_degrees)
         from tpdiag.fixes.registry import resolve
@@ -124,11 +124,6 @@ def compare(
                     summary = compare_session(cfg, on_status, started=entered)
             else:
                 summary = compare_session(cfg, started=entered)
-    except TpdiagError as e:
-        fail(e)
-    except KeyboardInterrupt:
-        console(stderr=True).print("interrupted")
-        raise typer.Exit(130)
     skipped = None
     if "baseline" not in summary:  # say why the reference was not rerun: no baseline line reads as a pass
         skipped = ("--no-baseline" if not cfg.baseline
@@ -146,7 +141,7 @@ def compare(
 def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergence: bool,
                     quiet: bool = False) -> None:
     """`compare --variants`: every variant at every degree (tpdiag/runner/matrix.py)."""
-    try:
+    with reported():
         from tpdiag.errors import BadInput
         from tpdiag.runner.matrix import parse_variants, run_matrix
 
@@ -164,11 +159,6 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
                 summary = run_matrix(cfg, vs, on_status)
         else:
             summary = run_matrix(cfg, vs)
-    except TpdiagError as e:
-        fail(e)
-    except KeyboardInterrupt:
-        console(stderr=True).print("interrupted")
-        raise typer.Exit(130)
     emit_summary(summary, fmt)
     if fmt == "text":
         from tpdiag.cli.tables import matrix_table

@@ -8,9 +8,8 @@ from typing import Annotated
 import typer
 
 from tpdiag.cli import options as H
-from tpdiag.cli.common import DEBUG, QUIET_HELP, Debug, Format, check_format, console, fail
+from tpdiag.cli.common import DEBUG, QUIET_HELP, Debug, Format, check_format, console, reported, write_json
 from tpdiag.cli.render import _box, _print_table
-from tpdiag.errors import TpdiagError
 
 
 def rollout(
@@ -50,7 +49,7 @@ def rollout(
     FILE: vLLM (logprobs.content / prompt_logprobs with token ids), SGLang (meta_info's
     input/output_token_logprobs) or tpdiag's JSONL; format in docs/rl.md."""
     DEBUG["on"] = debug
-    try:
+    with reported():
         from tpdiag.config import DTYPES, parse_choice
         from tpdiag.runner import attention as attn
         from tpdiag.rollout.run import (RolloutConfig, parse_fixes, parse_ints, parse_jobs, parse_modes,
@@ -77,15 +76,8 @@ def rollout(
             err = console(stderr=True)
             on_status = lambda label, st: err.print(f"  {label}: {st}")  # noqa: E731
         summary = run_rollout(rc, on_status)
-    except TpdiagError as e:
-        fail(e)
-    except KeyboardInterrupt:
-        console(stderr=True).print("interrupted")
-        raise typer.Exit(130)
     if fmt == "json":
-        from tpdiag.base import files as io
-
-        sys.stdout.write(io.dumps(summary, indent=2) + "\n")
+        write_json(summary)
     else:
         rollout_report(console(), summary)
 
