@@ -154,7 +154,8 @@ def reported():
         raise typer.Exit(130)
 
 
-def write_json(obj) -> None:
+def print_json(obj) -> None:
+    """obj as strict JSON on stdout (--format json)."""
     from tpdiag.base import files as io
 
     sys.stdout.write(io.dumps(obj, indent=2) + "\n")  # strict JSON: no bare NaN
@@ -169,7 +170,7 @@ def emit_summary(summary: dict, fmt: str, baseline_skipped: str | None = None) -
         if missing:
             ref = summary.get("reference_config") or {}
             summary = dict(summary, not_run=[combination_name(c, ref) for c in missing])
-        write_json(summary)
+        print_json(summary)
     else:
         from tpdiag.cli.render import summary_tables
 

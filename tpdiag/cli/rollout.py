@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from tpdiag.cli import options as H
-from tpdiag.cli.common import DEBUG, QUIET_HELP, Debug, Format, check_format, console, reported, write_json
+from tpdiag.cli.common import DEBUG, QUIET_HELP, Debug, Format, check_format, console, reported, print_json
 from tpdiag.cli.render import _box, _print_table
 
 
@@ -77,7 +77,7 @@ def rollout(
             on_status = lambda label, st: err.print(f"  {label}: {st}")  # noqa: E731
         summary = run_rollout(rc, on_status)
     if fmt == "json":
-        write_json(summary)
+        print_json(summary)
     else:
         rollout_report(console(), summary)
 
