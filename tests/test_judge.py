@@ -160,3 +160,25 @@ def test_no_cause_is_written_outside_the_judge():
                     'f["cause_before"], f["cause"] = f["cause"], "unknown"',
                     'f.update(cause="router-flip", root_cause=False)'):
         assert _cause_writes("x.py", snippet), snippet
+
+
+def test_an_attention_op_found_later_replaces_the_no_op_reason():
+    # an `hf:` decode configuration, as `compare --mode prefill,decode` judged it: the module pass
+    # sees o_proj's input differ and no op recorded; the op-level pass then names the SDPA kernel.
+    # The reason used to stay "... and no op there was recorded" beside the op it names.
+    sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    row = {"phase": "forward", "kind": "in", "style": "rowwise", "cls": "Linear", "name": "0", "step": 0,
+           "module": "model.layers.0.self_attn.o_proj", "key": "s0/forward/model.layers.0.self_attn.o_proj/in#0/0",
+           "bitwise": False, "beyond_bound": False, "bound": None}
+    f = describe(row, {"kind": "in", "cause": None})
+    assert f["cause"] == "unknown" and f["why"].endswith("no op there was recorded")  # nothing named yet
+    settle(f, axis="mode", op=sdpa)
+    assert f["cause"] == "attention-kernel"
+    assert "no op there was recorded" not in f["why"] and sdpa in f["why"] and judge.WHY_DECODE in f["why"]
+    # the second pass's verdict and the op-level pass's name keep the same reason
+    settle(f, second=(f["cause"], f["why"]), op_pass=(sdpa, "attention-kernel"))
+    assert f["cause"] == "attention-kernel" and "no op there was recorded" not in f["why"] and sdpa in f["why"]
+    # at TP > 1 the reason is the call shape, not decode's positions
+    g = describe(row, {"kind": "in", "cause": None})
+    settle(g, op=sdpa)
+    assert g["cause"] == "attention-kernel" and sdpa in g["why"] and "fewer heads per call" in g["why"]

@@ -230,3 +230,22 @@ def test_a_per_call_value_is_one_record_only_if_every_piece_agrees(mode):
     assert merged([same, same]) == ["s0/forward/router/out#0/0"]
     keys = merged([same, same.flip(0)])
     assert keys == ["s0/forward/router/out#0/0.piece0", "s0/forward/router/out#0/0.piece1"], keys
+
+
+def test_micro_batch_is_checked_before_the_model_is_built(tmp_path, monkeypatch):
+    # a new user's `compare --model hf:DIR --micro-batch 4,1` (the default --batch-size is 2) waited
+    # ~20 s on a busy 2-core machine - transformers imported, the model built on the meta device
+    # for the plan check - before its one-line error: the axes need no model and come first
+    from tpdiag.config import CompareConfig
+    from tpdiag.errors import BadInput
+    from tpdiag.models import precheck
+    from tpdiag.runner.compare import validate
+
+    def built(*a, **k):
+        raise AssertionError("the model was built before the micro-batch check")
+
+    monkeypatch.setattr(precheck, "check_plan", built)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 64}')
+    cfg = CompareConfig.of(model=f"hf:{tmp_path}", degrees=(1, 2), micro_batches=(4, 1), batch_size=2)
+    with pytest.raises(BadInput, match="--micro-batch 4: must divide --batch-size 2"):
+        validate(cfg)

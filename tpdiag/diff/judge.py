@@ -124,6 +124,24 @@ def _op_pass_why(ev: Evidence, below) -> str | None:
     return why_at_op(ev.op_pass[0], ev.axis) if _no_op_recorded(below()) else below().why
 
 
+# why an attention kernel's output differs on bitwise-equal inputs, by what the configuration changed
+_WHY_ATTENTION_OP = {
+    "mode": WHY_DECODE, "micro_batch": WHY_MICRO_BATCH, "attention": WHY_ATTENTION,
+    "tp": ("its inputs were bitwise equal (each rank's own heads) and its output is not: the kernel ran on "
+           "another call shape (fewer heads per call at TP > 1) and summed in another order"),
+}
+
+
+def _attention_op_why(ev: Evidence, below) -> str | None:
+    """The module pass's reason, unless it said no op was recorded: the op-level pass has since named
+    the attention op, so that reason would contradict the op the record names."""
+    v = below()
+    if not _no_op_recorded(v):
+        return v.why
+    why = _WHY_ATTENTION_OP.get(ev.axis, _WHY_ATTENTION_OP["tp"])
+    return f"the difference enters at {ev.op}, an attention kernel: {why}"
+
+
 def _is_bug(v: Verdict) -> bool:
     return cause_class(v.cause) == "bug"
 
@@ -288,7 +306,7 @@ RULES: list[Rule] = [
     Rule("attention op, inputs equal",
          lambda ev, b: (ev.op_oracle is None and is_op_of(ev.op, ATTENTION_OPS) and not _row(ev, "beyond_bound")
                         and b().cause not in ("rank-inconsistent-replica", "sharding-bug")),
-         lambda ev, b: "attention-kernel", lambda ev, b: b().why),
+         lambda ev, b: "attention-kernel", _attention_op_why),
     Rule("op near its float64 re-execution", lambda ev, b: ev.op_oracle is not None,
          lambda ev, b: op_kind(ev.op)),
     # the record's own bits, ranks and bound

@@ -41,6 +41,9 @@ def validate(cfg: CompareConfig) -> dict:
     from tpdiag.models.spec import check_degrees, parse_spec
 
     spec = parse_spec(cfg.model, cfg.layers)
+    # the axes need no model: checked before anything that builds one (an hf: plan check imports
+    # transformers and builds the model on the meta device - seconds on a busy machine)
+    check_axes(cfg, spec)
     if cfg.layers:
         from tpdiag.models.capacity import model_dims
         from tpdiag.models.slice import check_layers
@@ -61,7 +64,6 @@ def validate(cfg: CompareConfig) -> dict:
             check(base)
     if cfg.steps < 1:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
-    check_axes(cfg, spec)
     import math
 
     if not math.isfinite(cfg.timeout) or cfg.timeout <= 0 or cfg.timeout > 7 * 86400:
