@@ -132,6 +132,16 @@ def test_malformed_file_is_one_line_exit_2(tmp_path, body, where):
     assert "Traceback" not in r.stderr
 
 
+def test_a_negative_top_is_refused(tmp_path):
+    # `--top -1` listed no worst tokens without a word (it was clamped to 0)
+    f = tmp_path / "r.jsonl"
+    f.write_text('{"input_ids": [1, 2, 3], "prompt_len": 1, "logprobs": [-0.5, -0.1]}\n')
+    r = run_cli("rollout", str(f), "--model", "tiny-llama", "--device", "cpu", "--top", "-1")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == ["error: --top -1: must be >= 0 (the number of worst tokens to list; "
+                                             "0 lists none)"], r.stderr
+
+
 def test_tp2_world_and_builtin_decode(files):
     """TP=2 runs in a real gloo world through compare's launcher; tiny-llama (the same vocab,
     other weights: the engine's numbers are not its own) decodes through its own KV cache."""

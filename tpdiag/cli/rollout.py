@@ -20,7 +20,8 @@ def rollout(
                                          "own (gloo on cpu, NCCL on cuda)")] = "1",
     micro_batch: Annotated[str, typer.Option(help="micro-batch sizes to try: sequences per forward call")] = "8,1",
     mode: Annotated[str, typer.Option(help="prefill (one call per micro-batch) and/or decode (prompt, then one "
-                                           "token per step through the KV cache; hf: models)")] = "prefill,decode",
+                                           "token per step through the KV cache: hf: models, the built-in presets, "
+                                           "a py: model with new_kv_cache(); docs/decode.md)")] = "prefill,decode",
     fix: Annotated[str, typer.Option(help="fix sets to try, comma-separated: none, all, or NAME+NAME "
                                           f"({', '.join(H.fix_names())})")] = "none,all",
     flags: Annotated[str, typer.Option(help="backend flags to try: default (PyTorch's own, what engines and "
@@ -33,7 +34,7 @@ def rollout(
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
-    top: Annotated[int, typer.Option(help="worst tokens to list")] = 10,
+    top: Annotated[int, typer.Option(help="worst tokens to list (0: none)")] = 10,
     timeout: Annotated[float, typer.Option(help="seconds per TP > 1 world")] = 300.0,
     jobs: Annotated[str, typer.Option(help="concurrent worlds per TP degree, a configuration's micro-batches "
                                            "split between them (the same bits): auto (1 on cpu; on cuda one process "
@@ -57,6 +58,10 @@ def rollout(
         from tpdiag.runner import flags as backend_flags
 
         fmt = check_format(fmt)
+        if top < 0:  # was read as 0 without a word: a user asking for -1 meant something else
+            from tpdiag.errors import BadInput
+
+            raise BadInput(f"--top {top}: must be >= 0 (the number of worst tokens to list; 0 lists none)")
         dev = parse_choice("--device", device, ("auto", "cpu", "cuda"))
         if dev == "auto":
             import torch
@@ -65,7 +70,7 @@ def rollout(
         rc = RolloutConfig(file=file, model=model, tp=parse_ints("--tp", tp),
                            micro_batch=parse_ints("--micro-batch", micro_batch), modes=parse_modes(mode),
                            fixes=parse_fixes(fix), dtype=parse_choice("--dtype", dtype, DTYPES),
-                           device=dev, seed=seed, top=max(0, top), timeout=timeout,
+                           device=dev, seed=seed, top=top, timeout=timeout,
                            flags=backend_flags.parse("--flags", flags), attention=attn.parse(attention),
                            padding=parse_padding(padding), jobs=parse_jobs(jobs))
         from tpdiag.models.spec import parse_spec

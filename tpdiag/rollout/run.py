@@ -94,6 +94,9 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                 raise BadInput(f"{rc.file} {s.where}: token id {top} is outside the model's vocabulary "
                                f"({vocab}): is --model the engine's model?")
         notes += _dtype_note(rc)
+        from tpdiag.rollout import padded
+
+        pad_note = padded.note(seqs, model)  # said only where nothing reproduces the engine (_summary)
         if big > 1:
             notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's); "
                          f"TP=1 ran {'in this process' if jobs == 1 else 'here and in lanes'}, on one thread "
@@ -130,7 +133,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if v:
                 flag_values.setdefault(k, v)
     return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-                    flag_values)
+                    flag_values, pad_note)
 
 
 def _dtype_note(rc) -> list[str]:
@@ -227,7 +230,7 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_valu
 
 
 def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-             flag_values=None) -> dict:
+             flag_values=None, pad_note=None) -> dict:
     from tpdiag.rollout import metrics, processed
     from tpdiag.runner.flags import one_line
 
@@ -248,6 +251,10 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     if verdict.get("detected"):
         notes.append("the engine's logprobs look processed: the closest configuration says little "
                      "until the engine reports raw logprobs")
+    # a prompt that begins with pad tokens is the user's own where a configuration reproduces the engine
+    pad_note = None if reproduced else pad_note
+    if pad_note:
+        notes.append(pad_note)
     invariance = _tp_invariance(rc, seqs, results, trainer)
     for lab, v in invariance.items():
         if not v["same_bits"]:
@@ -257,7 +264,8 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                          f"{rc.model} --tp 1,{v['tp']} --dtype {rc.dtype}` names the module and says which")
     from tpdiag.rollout.todo import what_to_do
 
-    todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc))
+    todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc),
+                      bool(pad_note))
     noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {

@@ -20,7 +20,7 @@ OTHER_AXIS = ("to match bitwise, run the trainer with the engine's value; or lea
 
 
 def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, reproduced: list, processed: dict,
-               invariance: dict, notes_dtype: list) -> dict:
+               invariance: dict, notes_dtype: list, padded: bool = False) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
     token_mult_prob_error (the trainer's), threshold}."""
@@ -47,6 +47,9 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                          f"({reference}); they differ in {len(differs)} setting{'s' if len(differs) != 1 else ''}. "
                          f"{said}. {_gap(m, ', from these settings alone')}")}
     first = []
+    if padded:  # every token moves with it: before anything else
+        first.append("write the sequences without the engine's left padding (the pad token note above) and "
+                     "run again")
     if processed.get("detected"):
         first.append("ask the engine for raw logprobs (the processed line above; vLLM: "
                      "logprobs_mode=raw_logprobs) and run again - processing alone moves every token")
@@ -133,7 +136,8 @@ def _untried(rc, batch: int) -> str:
     out = []
     if "decode" not in rc.modes:
         out.append("--mode decode (token by token through the KV cache, as engines run)")
-    if batch not in rc.micro_batch:
+    # a micro-batch at least the batch runs the whole batch in one call, as the engine did
+    if not any(m >= batch for m in rc.micro_batch):
         out.append(f"--micro-batch {batch} (the engine's batch, in one call)")
     if rc.attention == ("auto",):
         out.append("--attention eager,sdpa")
