@@ -170,6 +170,12 @@ def emit_summary(summary: dict, fmt: str, baseline_skipped: str | None = None) -
         if missing:
             ref = summary.get("reference_config") or {}
             summary = dict(summary, not_run=[combination_name(c, ref) for c in missing])
+        from tpdiag.cli.advice import what_to_do
+
+        # and the text's `what to do:` line, as rollout's JSON has it (a script acts on the verdict)
+        todo = what_to_do(summary)
+        if todo:
+            summary = dict(summary, what_to_do=todo)
         print_json(summary)
     else:
         from tpdiag.cli.render import summary_tables
