@@ -95,8 +95,20 @@ def test_prompt_len_and_last_only_pieces():
         pieces = decode(model, ids, 4, prompt_rows="last")
         assert [(p.start, p.stop, p.logits.shape[1]) for p in pieces] == [(3, 4, 1), (4, 5, 1), (5, 6, 1)]
         assert [(p.start, p.stop) for p in decode(model, ids, 6)] == [(0, 6)]  # the whole prompt
-        with pytest.raises(Unsupported, match="attention mask"):
+        with pytest.raises(Unsupported, match="^the built-in KV cache takes no attention mask"):
             decode(model, ids, 3, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
+
+        # a py: model's cache is its own: the refusal named it "the built-in KV cache"
+        class UserLM(torch.nn.Module):
+            def new_kv_cache(self):
+                return []
+
+            def forward(self, tokens, cache=None):
+                return model(tokens)
+
+        with pytest.raises(Unsupported, match=r"^UserLM's KV cache \(new_kv_cache\(\), forward\(tokens, "
+                                              r"cache=\.\.\.\)\) takes no attention mask"):
+            decode(UserLM(), ids, 3, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]]))
         with pytest.raises(Unsupported, match="prompt length"):
             decode(model, ids, 0)
         with pytest.raises(Unsupported, match="no KV cache"):

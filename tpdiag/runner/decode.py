@@ -89,7 +89,7 @@ def decode(model, ids, prompt_len: int, *, attention_mask=None, prompt_rows: str
         raise Unsupported(why_not(model))
     if is_hf(model):
         if not generate_args:
-            _no_padding(attention_mask)
+            _no_padding(attention_mask, model)
         return list(_hf_steps(model, ids, prompt_len, attention_mask, prompt_rows == "last", on_call,
                               generate_args))
     return list(_cache_steps(model, ids, prompt_len, attention_mask, prompt_rows == "last", on_call))
@@ -113,14 +113,14 @@ def prefill_logits(model, ids, attention_mask=None):
     if is_hf(model):
         mask, pos = _mask_and_positions(ids, attention_mask)
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-    _no_padding(attention_mask)
+    _no_padding(attention_mask, model, cache=False)
     return logits_of(model(ids))
 
 
 def _cache_steps(model, ids, P, attention_mask, last_only, on_call):
     from tpdiag.runner.logits import logits_of
 
-    _no_padding(attention_mask)
+    _no_padding(attention_mask, model)
     cache = model.new_kv_cache()
     for start, stop in _calls(P, ids.shape[1]):
         if on_call is not None:
@@ -227,11 +227,19 @@ def _mask_and_positions(ids, attention_mask):
     return mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _no_padding(attention_mask) -> None:
+def _no_padding(attention_mask, model, cache: bool = True) -> None:
     if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise Unsupported("the built-in KV cache takes no attention mask: left-padded prompts of "
-                          "different lengths in one call need one (use micro-batch 1, or prompts of "
-                          "one length)")
+        # named by whose it is: a py: model's cache is the user's own, not tpdiag's
+        own = type(model).__module__.startswith("tpdiag.")
+        if is_hf(model):
+            what = "compare's decode call (the tokens and transformers' cache alone)"
+        elif own:
+            what = "the built-in KV cache" if cache else "the built-in model"
+        else:
+            what = (f"{type(model).__name__}'s KV cache (new_kv_cache(), forward(tokens, cache=...))" if cache
+                    else f"{type(model).__name__}'s forward(tokens)")
+        raise Unsupported(f"{what} takes no attention mask: left-padded prompts of different lengths in one "
+                          "call need one (use micro-batch 1, or prompts of one length)")
 
 
 def _cache_kw(model) -> str:
