@@ -44,8 +44,13 @@ def _what_to_do(summary: dict) -> str | None:
         return ("nothing could judge the first divergence (the reason is above); "
                 f"`tpdiag report {run}` shows its values")
     if summary.get("fix_chain") and summary.get("status_after_fixes") == "bitwise":
+        fixes = ",".join(summary["fix_chain"][-1].get("fixes") or [])
+        # what to type in the user's own loop, not only that the fixes exist (README: Train with the fixes on)
+        keep = (f"; to train with them on, wrap your loop in `with tpdiag.invariant(model, plan, fixes=\"{fixes}\", "
+                "tree_groups=G):` with G the largest TP degree you compare, the same at every degree"
+                if fixes else "")
         return ("nothing is wrong: the fixes of the chain above remove every difference (they only "
-                "reorder computations); keep them on where you need bitwise equality")
+                "reorder computations); keep them on where you need bitwise equality" + keep)
     if summary.get("fix_chain"):
         return ("nothing is wrong: what is left after the fix chain above is rounding only (judged in its "
                 "last round); no available fix removes the rest")

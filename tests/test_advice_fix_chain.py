@@ -1,0 +1,30 @@
+"""`compare --fix auto` whose chain ends bitwise said "keep them on where you need bitwise equality"
+and not how: the line now gives the `tpdiag.invariant` call with the chain's fixes, and that call,
+copied from the line, runs."""
+import re
+
+import torch
+from torch import nn
+
+
+def test_a_bitwise_fix_chain_says_how_to_train_with_its_fixes():
+    from tpdiag.cli.advice import what_to_do
+
+    chain = [{"round": 0, "fixes": []}, {"round": 1, "fixes": ["tp-invariant-linear"]},
+             {"round": 2, "fixes": ["tp-invariant-linear", "invariant-norm-grad"]}]
+    line = what_to_do({"status": "divergent", "class": "rounding", "fix_chain": chain,
+                       "status_after_fixes": "bitwise"})
+    assert line.startswith("nothing is wrong: the fixes of the chain above remove every difference"), line
+    call = re.search(r"`with (tpdiag\.invariant\(model, plan, fixes=\"([^\"]+)\", tree_groups=G\)):`", line)
+    assert call and call.group(2) == "tp-invariant-linear,invariant-norm-grad", line
+    # the call as the line writes it, G = 2, on a model at TP=1 (the same plan, unapplied)
+    import tpdiag
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.RMSNorm(16), nn.Linear(16, 8))
+    plan = {"0": "colwise", "2": "rowwise"}
+    with eval(call.group(1).replace("G", "2"), {"tpdiag": tpdiag, "model": model, "plan": plan}):
+        model(torch.randn(2, 8)).sum().backward()
+    # a chain that ends divergent gives no call
+    line = what_to_do({"status": "divergent", "class": "rounding", "fix_chain": chain,
+                       "status_after_fixes": "divergent"})
+    assert "tpdiag.invariant" not in line
