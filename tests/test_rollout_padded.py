@@ -88,3 +88,21 @@ def test_a_micro_batch_over_the_batch_is_the_engines_one_call():
 
     assert "--micro-batch" not in _untried(RolloutConfig(file="f", micro_batch=(8, 1)), 4)
     assert "--micro-batch 4 (the engine's batch" in _untried(RolloutConfig(file="f", micro_batch=(2, 1)), 4)
+
+
+def test_a_trainer_degree_alone_is_told_to_try_tp1(engine):
+    # `--tp 2` alone (the trainer's production degree): the untried settings did not name TP=1,
+    # and the TP note said TP=1 had run in this process
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+    from tpdiag.rollout.todo import _untried
+
+    assert _untried(RolloutConfig(file="f", tp=(2,), micro_batch=(8,)), 4).startswith(
+        "--tp 2,1 (your degree stays the reference; TP=1 is what generate()")
+    assert "--tp" not in _untried(RolloutConfig(file="f", tp=(2, 1), micro_batch=(8,)), 4)
+    # the built-in model at TP=2 (the tiny checkpoint's one KV head does not split): another model than
+    # the engine's, so nothing reproduces it - the lines are what is checked
+    s = run_rollout(RolloutConfig(file=engine[2], model="tiny-llama", tp=(2,), micro_batch=(2,), modes=("prefill",),
+                                  fixes=("none",), top=0))
+    tp = [n for n in s["notes"] if n.startswith("TP > 1 ran in worlds")]
+    assert tp == ["TP > 1 ran in worlds of one process per rank, one thread each (as compare's)"], s["notes"]
+    assert s["what_to_do"]["case"] == "none" and "--tp 2,1 (your degree stays the reference" in s["what_to_do"]["line"]

@@ -98,9 +98,11 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
 
         pad_note = padded.note(seqs, model)  # said only where nothing reproduces the engine (_summary)
         if big > 1:
-            notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's); "
-                         f"TP=1 ran {'in this process' if jobs == 1 else 'here and in lanes'}, on one thread "
-                         "too (the fixes' CPU kernels can give other bits with more threads)")
+            # TP=1 is named only where it ran (`--tp 2` alone: the note said it ran here)
+            notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's)"
+                         + (f"; TP=1 ran {'in this process' if jobs == 1 else 'here and in lanes'}, on one "
+                            "thread too (the fixes' CPU kernels can give other bits with more threads)"
+                            if 1 in rc.tp else ""))
         threads = _one_thread() if big > 1 else nullcontext()
         flag_values: dict[str, dict] = {}
         if early is not None:

@@ -134,6 +134,9 @@ def _side(padding: str, c: Config) -> str:
 
 def _untried(rc, batch: int) -> str:
     out = []
+    if 1 not in rc.tp:
+        out.append(f"--tp {_vals(rc.tp)},1 (your degree stays the reference; TP=1 is what generate() and an "
+                   "engine on one GPU run - else add the engine's own degree)")
     if "decode" not in rc.modes:
         out.append("--mode decode (token by token through the KV cache, as engines run)")
     # a micro-batch at least the batch runs the whole batch in one call, as the engine did
@@ -145,3 +148,6 @@ def _untried(rc, batch: int) -> str:
         out.append("--flags default (PyTorch's, what engines run)")
     return ", ".join(out)
 
+
+def _vals(xs) -> str:
+    return ",".join(str(x) for x in xs)
