@@ -75,3 +75,39 @@ def test_noise_and_replaced_tokens_are_not_called_processing(tmp_path, model):
         x["input_ids"][-1] = (x["input_ids"][-1] + 7) % 128
     pr = _processed(tmp_path, rows, model)
     assert pr["detected"] is False, pr
+
+
+def test_top_k_with_ties_at_the_kth_is_top_k():
+    # transformers' top-k keeps every token tied with the K-th (`scores < topk(...)[..., -1]` is what
+    # it removes): on a bf16 model the kept count varies with the ties and the fit read "top-p ~ 0.39"
+    # for generate()'s default top_k=50. Rows whose 4th probability is tied with others, kept
+    # whole: one K (4) fits every row once ties count.
+    from tpdiag.rollout.processed import Collector, judge
+    from tpdiag.rollout.read import Sequence
+
+    rows = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 1.0, 0.0, 0.0],    # the 4th tied with the 3rd and 5th
+                         [5.0, 4.0, 3.5, 3.0, 3.0, 3.0, 1.0, 0.0],    # the 4th tied with the 5th and 6th
+                         [5.0, 4.0, 3.5, 3.0, 2.0, 1.0, 0.0, -1.0],   # no tie: 4 kept
+                         [6.0, 4.0, 3.0, 2.5, 2.5, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    seqs, picked = [], [0, 2, 1, 3]
+    for r, t in zip(rows, picked):
+        kept = r >= r.topk(4).values[-1]                              # TopKLogitsWarper with ties
+        lp = torch.log_softmax(r.masked_fill(~kept, float("-inf")), -1)[t]
+        seqs.append(Sequence([7, t], 1, [float(lp)], where=f"line {len(seqs) + 1}"))
+    col = Collector(seqs)
+    for i, r in enumerate(rows):
+        col(i, r[None].float())
+    v = judge(col, vocab=8)
+    assert v["detected"] and v["kind"] == "top-k" and v["fit_k"] == 4 and v["fit_k_max"] == 4, v
+    assert "top-k=4, ties kept" in v["explanation"] and "generate(): output_logits" in v["explanation"]
+    # control: kept sets no one K explains (2, 3 and 5 tokens, no ties) are still top-p
+    seqs = []
+    for r, n in zip(rows[2:3].repeat(3, 1), (2, 3, 5)):
+        kept = torch.zeros(8, dtype=torch.bool)
+        kept[r.sort(descending=True).indices[:n]] = True
+        seqs.append(Sequence([7, 0], 1, [float(torch.log_softmax(r.masked_fill(~kept, float("-inf")), -1)[0])],
+                             where="line 1"))
+    col = Collector(seqs)
+    for i in range(3):
+        col(i, rows[2:3].float())
+    assert judge(col, vocab=8)["kind"] == "top-p"

@@ -46,17 +46,22 @@ class Collector:
         rank = (lsm > own[:, None]).sum(-1)
         eng = torch.tensor(s.logprobs, dtype=torch.float64, device=z.device)
         d = eng - own
-        srt = lsm.exp().sort(-1, descending=True).values.cumsum(-1).log()
+        probs = lsm.exp().sort(-1, descending=True).values
+        srt = probs.cumsum(-1).log()
         # the smallest k whose prefix mass m has log m closest to -diff
         k = (srt - (-d)[:, None]).abs().argmin(-1)
         fit = (srt.gather(-1, k[:, None])[:, 0] + d).abs()
+        # where the k-th probability is tied with those before it (bf16 logits tie often), a top-K
+        # that keeps every token tied with its K-th (transformers' TopKLogitsWarper) keeps k tokens for
+        # any K in [k_lo, k]: the first index of that tie
+        k_lo = (probs == probs.gather(-1, k[:, None])).int().argmax(-1)
         temps = tfits = None
         if self._temp_tokens < MAX_TEMP_TOKENS:
             temps, tfits = _per_temperature(z, toks, eng, rank)
             self._temp_tokens += len(toks)
         for j in range(len(toks)):
             st = {"margin": float(top2[j, 0] - top2[j, 1]), "rank": int(rank[j]),
-                  "k": int(k[j]) + 1, "fit": float(fit[j]), "diff": float(d[j])}
+                  "k": int(k[j]) + 1, "k_lo": int(k_lo[j]) + 1, "fit": float(fit[j]), "diff": float(d[j])}
             if s.top is not None and s.top[j]:
                 ids = torch.tensor([t for t, _ in s.top[j]], device=z.device)
                 st["reported_mass"] = math.fsum(math.exp(lp) for _, lp in s.top[j])
@@ -106,7 +111,8 @@ def judge(collector: Collector, vocab: int) -> dict:
                 "explanation": f"{len(fits)} of {len(moved)} raised tokens are exactly "
                                f"the trainer's logprob minus log(mass of its {kf['fit_describe']}): the engine "
                                "renormalised after sampling filters. Ask it for raw logprobs (vLLM: "
-                               "logprobs_mode=raw_logprobs) or compare with the same filter applied"}
+                               "logprobs_mode=raw_logprobs; generate(): output_logits, not output_scores) or "
+                               "compare with the same filter applied"}
     # 3. temperature
     tt = [x["temps"] for x in st if "temps" in x]
     if tt:
@@ -211,6 +217,14 @@ def _k_fit(st) -> dict:
         return {"fit_kind": "top-k", "fit_k": ks[0], "fit_describe": f"top {ks[0]} tokens (top-k={ks[0]})"}
     if not moved:
         return {"fit_kind": "renormalised", "fit_describe": "kept tokens"}
+    # one K for every token once the ties at the K-th probability are kept: top-k, not top-p (read
+    # as top-p ~ 0.39 for generate()'s default top_k=50 on a bf16 model)
+    lo, hi = max(x.get("k_lo", x["k"]) for x in moved), min(x["k"] for x in moved)
+    if lo <= hi:
+        k = lo if lo == hi else f"{lo}..{hi}"
+        return {"fit_kind": "top-k", "fit_k": lo, "fit_k_max": hi,
+                "fit_describe": (f"top {k} tokens, with every token tied with the last kept (top-k={k}, ties "
+                                 "kept as transformers' top-k keeps them)")}
     p = min(math.exp(-x["diff"]) for x in moved)
     return {"fit_kind": "top-p", "fit_p": p, "fit_ks": ks[:8],
             "fit_describe": f"smallest prefix holding >= {p:.3g} of the mass (top-p ~ {p:.3g})"}
