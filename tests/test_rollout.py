@@ -119,6 +119,9 @@ def test_top_k_renormalised_logprobs_are_detected(files):
     ('{"input_ids": [1, 2, 3], "prompt_len": 1, "logprobs": [-0.5, -0.1]}\n{"input_ids": [1, \n',
      "line 2: not JSON"),
     ('{"choices": [{"logprobs": {"content": []}}]}', "prompt_token_ids"),
+    # a missing field says what it holds (it named the field alone)
+    ('{"input_ids": [1, 2, 3], "logprobs": [-0.5, -0.1]}\n',
+     "line 1: missing field 'prompt_len' (the number of prompt tokens at the start of input_ids)"),
     ('{"meta_info": {"input_token_logprobs": [[null, 1, "a"]], "output_token_logprobs": [[0.5, 2, "b"]]}}',
      "meta_info.output_token_logprobs[0][0]"),
 ])

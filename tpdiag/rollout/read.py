@@ -193,20 +193,29 @@ def _lps(v, name: str, n: int | None = None, what: str = "") -> list[float]:
     return [_lp(x, f"{name}[{i}]") for i, x in enumerate(v)]
 
 
-def _get(obj: dict, key: str, name: str | None = None):
+def _get(obj: dict, key: str, name: str | None = None, what: str = ""):
     if not isinstance(obj, dict) or key not in obj:
-        raise _Bad(f"missing field {name or key!r}")
+        raise _Bad(f"missing field {name or key!r}" + (f" ({what})" if what else ""))
     return obj[key]
+
+
+# what each field of tpdiag's JSONL holds, for a line that lacks it (docs/rl.md, 'What it reads')
+JSONL_FIELDS = {
+    "input_ids": "the prompt's token ids followed by the generated ones, without padding",
+    "prompt_len": "the number of prompt tokens at the start of input_ids",
+    "logprobs": "the engine's logprob of each generated token, input_ids[prompt_len:]",
+}
 
 
 # --- tpdiag JSONL ---------------------------------------------------------------------------
 
 def _read_token_lines(obj: dict, where: str) -> list[Sequence]:
-    ids = _ids(_get(obj, "input_ids"), "input_ids")
-    p = _get(obj, "prompt_len")
+    ids = _ids(_get(obj, "input_ids", what=JSONL_FIELDS["input_ids"]), "input_ids")
+    p = _get(obj, "prompt_len", what=JSONL_FIELDS["prompt_len"])
     if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= len(ids):
         raise _Bad(f"field 'prompt_len': {p!r}, expected an integer in 1..len(input_ids)={len(ids)}")
-    lps = _lps(_get(obj, "logprobs"), "logprobs", len(ids) - p, " (len(input_ids) - prompt_len)")
+    lps = _lps(_get(obj, "logprobs", what=JSONL_FIELDS["logprobs"]), "logprobs", len(ids) - p,
+               " (len(input_ids) - prompt_len)")
     plp = None
     if obj.get("prompt_logprobs") is not None:
         plp = _lps(obj["prompt_logprobs"], "prompt_logprobs", p - 1, " (prompt_len - 1)")
