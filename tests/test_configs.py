@@ -149,3 +149,5 @@ def test_report_names_configurations_by_their_axes(hf_runs):
     html = render(out)
     assert "Configuration x module" in html and "Degree x module" not in html
     assert "max ULP TP=1 sdpa-flash" in html
+    # the header lists them too (it read "degrees 1 (reference TP=1)" for a run of two configurations)
+    assert "configurations TP=1, TP=1 sdpa-flash (reference TP=1)" in " ".join(html.split()), html[:3000]
