@@ -196,7 +196,7 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
             res.violations.append(Violation(lab, r["phase"], fd.get("module", r["module"]) if root else r["module"],
                                             fd.get("op") if root else None, r["kind"], r["name"], "non-finite",
                                             r["max_ulp"], r["max_abs"],
-                                            "NaN or Inf at one side only: no budget or cause allows it", r["key"]))
+                                            "NaN or Inf (at one side or both): no budget or cause allows it", r["key"]))
             continue
         if policy.phases is not None and r["phase"] not in policy.phases and cause_class(finding) != "bug":
             # a bug-class finding (a wrong result, a replica whose ranks disagree) is judged in every phase,
