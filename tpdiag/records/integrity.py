@@ -223,7 +223,7 @@ def _unnamed_second_pass(run_dir: str, summary: dict, degrees: dict) -> list[str
             theirs = mine  # unreadable: not proven an earlier run's
         if theirs is not None and theirs >= mine:
             return [f"{name}/ holds a second pass of this run (started after it) but summary.json names no second "
-                    "pass (edited after the run)"]
+                    "pass (edited after the run, or the compare was stopped during it)"]
     return []
 
 
