@@ -90,6 +90,8 @@ EDITS = {
     "manifest dtype": _settings("dtype", "bfloat16"),
     "manifest seed": _settings("seed", 7),
     "manifest hash version": lambda r: _json_edit(r / "manifest.json", lambda d: d.update(hash_version=1)),
+    "manifest config removed, model edited": lambda r: _json_edit(
+        r / "manifest.json", lambda d: (d.pop("config"), d.update(model="hf:/models/other"))),
     "records.safetensors symlinked out": _symlinked_out("records.safetensors"),
     "events.jsonl symlinked out": _symlinked_out("events.jsonl"),
     "result.json symlinked out": _symlinked_out("result.json"),
@@ -140,6 +142,31 @@ def test_load_checks_what_the_report_checks(tp12):
     with pytest.raises(Inconclusive, match="says TP=2 is bitwise but diff.csv has"):
         tpdiag.load(str(tp12))
     assert tpdiag.load(str(tp12), check=False).summary["status"] == "bitwise"
+
+
+def _flip_a_record_bit(path):
+    """One bit of the first stored tensor (the batch: bitwise equal at both degrees in the run)."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    first = min(v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    data[8 + n + first + 3] ^= 0x01
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, path)  # a new file of the same name and size, as a copy over it would leave
+
+
+def test_a_record_edited_between_two_checks_in_one_process_is_caught(tp12, tmp_path):
+    """A long-lived process (a notebook, a CI script calling gate.evaluate twice) checks a run, then
+    its records change: the second check must read them again, not trust the first one's hashes
+    (a guard for any per-process cache of verified record hashes)."""
+    policy = _permissive(tp12, tmp_path)
+    assert evaluate(str(tp12), policy).exit_code == 0
+    _flip_a_record_bit(tp12 / "tp2" / "records.safetensors")
+    res = evaluate(str(tp12), policy)
+    assert res.exit_code == 2 and res.status == "inconclusive", res.lines()
 
 
 # -- the bugs run: the second pass's finding, and the bugs behind a phase list -----------------

@@ -34,12 +34,12 @@ _TOP_SETTINGS = ("model", "dtype", "seed")
 
 def _settings_problem(manifest: dict, d: str, label: str, who: str) -> str | None:
     """Where world.json's settings (and record hash version) are not manifest.json's."""
-    cfg = manifest.get("config")
-    if not isinstance(cfg, dict):
-        return None  # problems() says the manifest is not a complete run
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     for k in _TOP_SETTINGS:
         if k in manifest and k in cfg and manifest[k] != cfg[k]:
             return f"manifest.json says {k} {manifest[k]!r} but its own config says {cfg[k]!r} (edited after the run)"
+    # the top-level copies stand in for a config removed from the manifest
+    cfg = {**{k: manifest[k] for k in _TOP_SETTINGS if k in manifest}, **cfg}
     try:
         world = io.read_json(world_file(d, WORLD))
     except Inconclusive as e:
