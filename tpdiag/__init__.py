@@ -7,7 +7,7 @@ from __future__ import annotations
 _LAZY = {
     "Target": ("tpdiag.models.target", "Target"),
     "capture": ("tpdiag.api.capture", "capture"),
-    "load": ("tpdiag.records.frames", "load"),
+    "load": ("tpdiag.api.load", "load"),
     "builtin_target": ("tpdiag.models.spec", "builtin_target"),
     # train with the invariant kernels on (docs/training.md)
     "invariant": ("tpdiag.api.invariant", "invariant"),

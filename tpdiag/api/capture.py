@@ -154,6 +154,11 @@ class Capture:
     def batch(self, **tensors: torch.Tensor) -> None:
         """The step's inputs (token ids, labels, masks): recorded as compare records its batch."""
         for name, t in tensors.items():
+            if isinstance(t, torch.Tensor) and t.numel() == 0:
+                # no tokens: every later record is empty or NaN (a mean over nothing), and two such
+                # captures would compare as a non-finite finding or as bitwise about nothing
+                raise BadInput(f"cap.batch({name}=...): an empty tensor (shape {list(t.shape)}); a step "
+                               "needs at least one token to compare")
             self._add("batch", name, t, "init")
 
     def logits(self, t: torch.Tensor) -> None:

@@ -69,6 +69,9 @@ def linear_bound(x1, xn, w1, wn, y1, yn, world: int, b1=None, bn=None) -> torch.
 
 
 def check(y1: torch.Tensor, yn: torch.Tensor, bound: torch.Tensor) -> BoundCheck:
+    if y1.numel() == 0:
+        # a call on no rows (an expert no token was routed to): nothing can differ
+        return BoundCheck(0.0, 0.0, False)
     d = (yn.to(torch.float64) - y1.to(torch.float64)).abs()
     d = torch.where(torch.isnan(d), torch.full_like(d, float("inf")), d)
     ratio = d / bound.clamp_min(torch.finfo(torch.float64).tiny)

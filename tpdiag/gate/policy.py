@@ -114,6 +114,10 @@ def load_policy(path: str | None) -> Policy:
     budgets = data.get("budgets", {})
     if not isinstance(budgets, dict):
         raise BadInput(f"--policy {path}: budgets must be tables, e.g. [budgets.\"layers.*.wo\"] max_ulp = 64")
+    if data.get("degrees") == []:
+        # no degree gated: every run, a bug's included, would pass on no evidence checked
+        raise BadInput(f"--policy {path}: degrees = [] gates no degree, so any run would pass; list the degrees "
+                       "to gate, or leave degrees out to gate every one")
     return Policy(
         allow_causes=allow, warnings=warnings,
         budgets=tuple(_budget(path, g, t) for g, t in budgets.items()),

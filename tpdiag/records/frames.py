@@ -1,4 +1,4 @@
-"""A run directory as pandas DataFrames: `tpdiag.load(run_dir)`.
+"""A run directory as pandas DataFrames: what `tpdiag.load(run_dir)` returns (api/load.py checks it first).
 
 `records` is the one table of compared records: `compare` writes diff.csv from it
 (`records_frame` + `write_diff_csv`) and the HTML report renders its records, module and
@@ -198,9 +198,10 @@ def configuration_columns(manifest: dict, summary: dict, degrees: dict) -> dict:
     return out
 
 
-def load(run_dir: str) -> Run:
-    """Read a finished compare's RUN_DIR (the same checks as `tpdiag report`: an unfinished or
-    edited run is Inconclusive, a missing directory BadInput) into DataFrames."""
+def read(run_dir: str) -> Run:
+    """A finished compare's RUN_DIR as DataFrames, its evidence unchecked: a missing directory is
+    BadInput, an unfinished run Inconclusive. `tpdiag.load` (api/load.py) and `tpdiag report` check
+    the evidence too (an edited run is Inconclusive there)."""
     import pandas as pd
 
     manifest, summary, rows = load_run(run_dir)

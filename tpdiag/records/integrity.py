@@ -12,7 +12,7 @@ import os
 from tpdiag.base import files as io
 from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
-from tpdiag.records.paths import RESULT, SECOND_PASS_DIRS, rank_marker, world_file
+from tpdiag.records.paths import EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
 
 SCHEMA = 1
 STATUSES = ("bitwise", "divergent", "inconclusive")
@@ -21,6 +21,54 @@ STATUSES = ("bitwise", "divergent", "inconclusive")
 def schema_ok(v) -> bool:
     # `true == 1` in Python: a schema must be the integer itself, not a bool or a float.
     return type(v) is int and v == SCHEMA
+
+
+# What every world of one compare ran with (CompareConfig.world copies them from the compare's own
+# settings; the axes - degree, micro-batch, mode, fix - are what differ between worlds): a world.json
+# that disagrees with manifest.json is another run's records, or the manifest was edited to describe
+# a run that never happened (another model, dtype or seed would pass as this one).
+_SAME_SETTINGS = ("model", "dtype", "seed", "batch_size", "seq_len", "steps", "layers")
+# manifest.json's own copies of settings its config holds
+_TOP_SETTINGS = ("model", "dtype", "seed")
+
+
+def _settings_problem(manifest: dict, d: str, label: str, who: str) -> str | None:
+    """Where world.json's settings (and record hash version) are not manifest.json's."""
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    for k in _TOP_SETTINGS:
+        if k in manifest and k in cfg and manifest[k] != cfg[k]:
+            return f"manifest.json says {k} {manifest[k]!r} but its own config says {cfg[k]!r} (edited after the run)"
+    # the top-level copies stand in for a config removed from the manifest
+    cfg = {**{k: manifest[k] for k in _TOP_SETTINGS if k in manifest}, **cfg}
+    try:
+        world = io.read_json(world_file(d, WORLD))
+    except Inconclusive as e:
+        return f"{who}: {str(e).splitlines()[0]}"
+    wcfg = world.get("config") if isinstance(world, dict) else None
+    if not isinstance(wcfg, dict):
+        return f"{who}: {folder(label)}/{WORLD} has no config (not what tpdiag compare writes)"
+    for k in _SAME_SETTINGS:
+        if k in cfg and wcfg.get(k) != cfg[k]:
+            return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k)!r} but manifest.json says {cfg[k]!r} "
+                    "(another run's records, or manifest.json edited)")
+    hv = manifest.get("hash_version")
+    if "hash_version" in world and hv != world["hash_version"]:
+        return (f"{who}: {folder(label)}/{WORLD} hashed its records with version {world['hash_version']!r} but "
+                f"manifest.json says {hv!r} (edited after the run)")
+    return None
+
+
+def _outside(run_dir: str, d: str, label: str, who: str) -> str | None:
+    """A world's own files are read only from inside the run directory: a file of tpN/ that is a
+    symlink out of it (a copy of other records, another run's world) is refused, as a symlinked tpN
+    is (records_dir)."""
+    root = os.path.realpath(run_dir)
+    for name in (EVENTS, TENSORS, WORLD, RESULT):
+        p = os.path.join(d, name)
+        if os.path.islink(p) and os.path.commonpath([os.path.realpath(p), root]) != root:
+            return (f"{who}: {folder(label)}/{name} is a symlink out of the run directory (to "
+                    f"{os.path.realpath(p)}); refused")
+    return None
 
 
 def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str | None = None) -> str | None:
@@ -32,6 +80,9 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
         d = records_dir(run_dir, manifest, label)
     except Inconclusive as e:
         return f"{who}: {e}"
+    why = _outside(run_dir, d, label, who)
+    if why:
+        return why
     try:
         res = io.read_json(world_file(d, RESULT))
     except Inconclusive as e:
@@ -53,7 +104,7 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
         m = world_file(d, rank_marker(r, "done"))
         if not os.path.isfile(m) or os.path.islink(m):
             return f"{who}: {folder(label)}/{rank_marker(r, 'done')} is missing (the rank never finished its work)"
-    return None
+    return _settings_problem(manifest, d, label, who)
 
 
 def _num(v):
@@ -137,13 +188,52 @@ def _number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
 _ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used
 
 
+def _started(manifest) -> float | None:
+    import datetime
+
+    try:
+        return datetime.datetime.strptime(manifest["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def _unnamed_second_pass(run_dir: str, summary: dict, degrees: dict) -> list[str]:
+    """summary.json names no second pass: then none ran. One that did - named by a first divergence, or
+    its folder in the run directory started after this run did (an earlier compare's, in a reused
+    directory, started before) - was removed from summary.json together with the findings only it made
+    (a sharding-bug behind a harmless reordering would pass)."""
+    for lab, d in degrees.items():
+        fd = d.get("first_divergence") if isinstance(d, dict) else None
+        if isinstance(fd, dict) and fd.get("second_pass_dir"):
+            return [f"summary.json's TP={lab} first divergence names the second pass {fd['second_pass_dir']!r} but "
+                    "summary.json has no second_pass (edited after the run)"]
+    from tpdiag.records.rundir import RunDir, read_manifest
+
+    try:
+        mine = _started(read_manifest(run_dir))
+    except Inconclusive:
+        return []  # problems() reports the manifest itself
+    for name in SECOND_PASS_DIRS:
+        sub = os.path.join(run_dir, name)
+        if mine is None or "/" in name or not os.path.isfile(RunDir(sub).manifest):
+            continue
+        try:
+            theirs = _started(read_manifest(sub))
+        except Inconclusive:
+            theirs = mine  # unreadable: not proven an earlier run's
+        if theirs is not None and theirs >= mine:
+            return [f"{name}/ holds a second pass of this run (started after it) but summary.json names no second "
+                    "pass (edited after the run, or the compare was stopped during it)"]
+    return []
+
+
 def _second_pass_problems(run_dir: str, summary: dict, degrees: dict) -> list[str]:
     """The findings only the second pass made (a bug behind a harmless reordering, judged on its own
     inputs) live in summary.json and in the second pass's own summary: one deleted from summary.json
     alone would leave the record judged as a consequence of the first divergence."""
     sp = summary.get("second_pass")
     if not isinstance(sp, dict):
-        return []
+        return _unnamed_second_pass(run_dir, summary, degrees)
     name = os.path.basename(str(sp.get("dir") or "").rstrip("/"))
     if name not in SECOND_PASS_DIRS:
         return [f"summary.json's second pass dir {sp.get('dir')!r} is not one tpdiag writes "
@@ -257,6 +347,16 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) ->
     for lab in labels[1:]:
         if lab not in degrees:
             out.append(f"manifest.json lists TP={lab}, absent from summary.json")
+    # the gate says this too (gate/verdict.py, the same words); the report and load() need it here
+    for lab in degrees:
+        if lab not in labels[1:]:
+            out.append(f"summary.json has TP={lab}, which manifest.json does not list")
+    ref, degs = summary.get("reference_label"), manifest.get("degrees")
+    if ref is not None and str(ref) != labels[0]:
+        out.append(f"summary.json's reference TP={ref} is not manifest.json's TP={labels[0]} (edited after the run)")
+    elif isinstance(degs, list) and degs and summary.get("reference") not in (None, degs[0]):
+        out.append(f"summary.json's reference degree {summary.get('reference')!r} is not manifest.json's "
+                   f"{degs[0]!r} (edited after the run)")
     base = summary.get("baseline") if isinstance(summary.get("baseline"), dict) else None
     base_label = str(base["label"]) if base and base.get("label") is not None else None
     if base_label is not None and base_label not in worlds:

@@ -28,6 +28,8 @@ REPORT = "report.html"
 # a configuration's folder: what its world wrote (records/store.py: events and tensors beside these)
 WORLD = "world.json"    # the world's config, fingerprint, selfcheck
 RESULT = "result.json"  # the launcher's verdict on the world (runner/launch.py)
+EVENTS = "events.jsonl"  # one line per record (records/store.py)
+TENSORS = "records.safetensors"  # the records' tensors
 
 
 def rank_marker(rank: int, what: str) -> str:

@@ -7,10 +7,7 @@ import torch
 
 from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
-from tpdiag.records.paths import WORLD, world_file
-
-EVENTS = "events.jsonl"
-TENSORS = "records.safetensors"
+from tpdiag.records.paths import EVENTS, TENSORS, WORLD, world_file
 MAX_DEGREE = 1024  # sanity bound on world.json's degree: shards are rebuilt by repeating/concatenating
 
 

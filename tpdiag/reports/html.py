@@ -11,7 +11,7 @@ import time
 
 from tpdiag.base import files as io
 from tpdiag.errors import BadInput
-from tpdiag.records.frames import load, rows_of
+from tpdiag.records.frames import read, rows_of
 from tpdiag.records.rundir import RunDir, records_dir
 from tpdiag.reports import words
 
@@ -134,13 +134,14 @@ def build_context(run_dir: str) -> dict:
     from tpdiag.reports import evidence, plots
 
     # The tables below render the frames `tpdiag.load` returns (diff.csv is written from the same records frame).
-    run = load(run_dir)
+    run = read(run_dir)
     manifest, summary, ref = run.manifest, run.summary, run.reference
     rows = rows_of(run.records)
-    from tpdiag.records import integrity
+    from tpdiag.diff.evidence import problems as evidence_problems
 
-    # Evidence that disagrees with the summary makes the whole report inconclusive, said at the top.
-    problems = integrity.problems(run_dir, manifest, summary, rows)
+    # Evidence that disagrees with the summary makes the whole report inconclusive, said at the top
+    # (the same checks as tpdiag.load's, re-diff included).
+    problems = evidence_problems(run_dir, manifest, summary, rows)
     from tpdiag.records.axes import entries
 
     degrees = entries(summary)
@@ -154,12 +155,6 @@ def build_context(run_dir: str) -> dict:
     base = summary.get("baseline") if isinstance(summary.get("baseline"), dict) else {}
     base_label = str(base["label"]) if base.get("reproducible") and base.get("label") is not None else None
     dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *labels, *([base_label] if base_label else [])]}
-    from tpdiag.diff.recheck import verify
-
-    # As the gate does: every record re-diffed, so an edit to diff.csv and summary.json together (a clean
-    # table over divergent records, a logprob or loss difference made 0) is inconclusive, not shown.
-    problems += [p if f"TP={lab}" in p or p.startswith("reference") else f"TP={lab}: {p}" for lab, p in
-                 verify(dirs, ref, ok, by_label, degrees, base_label).items()]
     ev = evidence.load(dirs, ref, ok, {lab: (fds[lab] or {}).get("key") for lab in ok}) if ok else {}
     capture = summary.get("source") == "capture"
     verdicts = [dict(words.verdict(lab, ref, degrees[lab], _fix_of, capture), label=lab,

@@ -237,7 +237,7 @@ def default_out() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
-def compare_pass(cfg: CompareConfig, on_status=None):
+def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True):
     """(summary, RunFiles): one compare pass (every configuration's world, then the diff), and
     its run directory's files as it wrote them, for the session to add its parts to
     (records/run_files.py: the files' one writer). The command - this pass, then the second
@@ -316,7 +316,11 @@ def compare_pass(cfg: CompareConfig, on_status=None):
     phases = {"setup_s": round(setup_s, 3), **compare_phases(
         manifest["worlds"], labels, base_label, time.perf_counter() - t_diff)}
     # the whole call, setup included: a rerun's (confirm, fix chain) part of the breakdown
-    files.add(phases=phases, wall_s=round(time.perf_counter() - t_start, 3), status=summary["status"])
+    # finish=False: the caller has more passes to run into this directory (the second pass, the fix
+    # chain) and gives the manifest its status after them; until then the run reads as incomplete,
+    # so a compare killed during them never leaves this pass's summary looking like the whole run's
+    files.add(phases=phases, wall_s=round(time.perf_counter() - t_start, 3),
+              **({"status": summary["status"]} if finish else {}))
     if on_status:
         on_status("diff", "ok")
     summary["run_dir"] = out

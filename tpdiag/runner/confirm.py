@@ -17,13 +17,13 @@ def _sub(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False) -
     return _rerun(cfg, out, degrees, fixes, baseline)[0]
 
 
-def _rerun(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False):
-    """(summary, RunFiles) of a rerun in `out`."""
+def _rerun(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False, finish: bool = True):
+    """(summary, RunFiles) of a rerun in `out` (finish: as compare_pass's)."""
     from tpdiag.runner.compare import compare_pass
 
     sub = cfg.with_(out=out, degrees=tuple(degrees), fixes=tuple(fixes), fix_mode="explicit",
                     confirm=False, baseline=baseline)
-    return compare_pass(sub)
+    return compare_pass(sub, finish=finish)
 
 
 def _key_bitwise(run_dir: str, label: str, key: str) -> bool | None:
@@ -117,19 +117,22 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
     return summary
 
 
-def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None):
+def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None, finish: bool = True):
     """One round of the fix chain, judged as a plain compare is: its second pass (the float64
     verdicts, each module on its own inputs) where the compare wants one, then its classes.
-    Returns (summary, its RunFiles)."""
+    Its manifest gets its status after the second pass (finish=False: round 0, the session's own
+    run directory, which the session finishes). Returns (summary, its RunFiles)."""
     from tpdiag.diff.classes import add_classes
     from tpdiag.runner.drill import drill_down, wanted
 
-    summary, files = _rerun(cfg, out, cfg.degrees, fixes, baseline=baseline)
+    summary, files = _rerun(cfg, out, cfg.degrees, fixes, baseline=baseline, finish=False)
     rcfg = cfg.with_(out=out, fixes=tuple(fixes), fix_mode="explicit", confirm=False, baseline=baseline)
     if wanted(rcfg, summary):
         summary = drill_down(rcfg, summary, out, on_status)
         add_classes(summary)
         files.summary(summary)
+    if finish:
+        files.add(status=summary["status"])
     return summary, files
 
 
@@ -167,7 +170,7 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
         out = run_dir if i == 0 else RunDir(run_dir).fix_round(i)
         # round 0 is the run the user asked for (its summary is what compare prints): it gets the
         # reference rerun like any compare; the fixed rounds are compared with it
-        summary, files = _round(cfg, out, fixes, cfg.baseline and i == 0, on_status)
+        summary, files = _round(cfg, out, fixes, cfg.baseline and i == 0, on_status, finish=i != 0)
         first = files if i == 0 else first
         from tpdiag.records.axes import entries
 

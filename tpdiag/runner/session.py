@@ -40,10 +40,13 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
         first["class"] = final_class(summary["fix_chain"])
         first["timings"] = _timings(files, {"fix_chain_s": time.perf_counter() - t0}, t0, checks_s)
         files.summary(first)
+        files.add(status=first["status"])  # last: the run directory is complete from here on
         first["run_dir"] = cfg.out
         return first
+    # the manifest's status is written last, after the second pass and the confirmation: a compare
+    # killed between them leaves an incomplete run, never the first pass's summary as the verdict
     summary, files = compare_pass(cfg.with_(granularity="module") if cfg.granularity == "auto" else cfg,
-                                  on_status)
+                                  on_status, finish=False)
     extra = {}
     from tpdiag.runner.drill import wanted
 
@@ -70,6 +73,7 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
     add_classes(summary)  # the second pass may have judged a first divergence bug or rounding
     summary["timings"] = _timings(files, extra, t0, checks_s)
     files.summary(summary)
+    files.add(status=summary["status"])  # last: the run directory is complete from here on
     return summary
 
 

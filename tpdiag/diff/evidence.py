@@ -1,0 +1,28 @@
+"""Does a finished run directory's evidence agree with itself? The checks `tpdiag report` and
+`tpdiag.load` both run before they show anything: records/integrity.py (the verdict files and the
+per-rank evidence) and a re-read and re-diff of every record (recheck.verify), so a summary or a
+diff.csv edited after the run is inconclusive, never shown as the run's result. The gate runs the
+same two with its own per-degree bookkeeping (gate/evidence.py)."""
+from __future__ import annotations
+
+
+def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict]) -> list[str]:
+    """Every disagreement, in words (empty: the run is what its files say). rows: diff.csv's, typed."""
+    from tpdiag.diff.recheck import verify
+    from tpdiag.records import integrity
+    from tpdiag.records.axes import entries
+    from tpdiag.records.rundir import records_dir
+
+    out = integrity.problems(run_dir, manifest, summary, rows)
+    degrees = entries(summary)
+    ref = str(summary.get("reference_label") or manifest.get("reference") or summary.get("reference"))
+    by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in degrees}
+    ok = [lab for lab in degrees if isinstance(degrees[lab], dict) and degrees[lab].get("status") != "failed"]
+    base = summary.get("baseline") if isinstance(summary.get("baseline"), dict) else {}
+    base_label = str(base["label"]) if base.get("reproducible") and base.get("label") is not None else None
+    dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *degrees, *([base_label] if base_label else [])]}
+    # every record re-diffed: an edit to diff.csv and summary.json together (a clean table over divergent
+    # records, a logprob or loss difference made 0) is inconclusive, not shown
+    out += [p if f"TP={lab}" in p or p.startswith("reference") else f"TP={lab}: {p}" for lab, p in
+            verify(dirs, ref, ok, by_label, degrees, base_label).items()]
+    return out
