@@ -78,6 +78,7 @@ class _Template:
         import socket
 
         from tpdiag.runner.determinism import RANK_ENV
+        from tpdiag.runner.launch import SAFE_PATH_MARK
 
         env = dict(os.environ)
         theirs = startup_env(env)
@@ -87,6 +88,12 @@ class _Template:
                 theirs.pop(k)
         mine = startup_env(_SERVER_ENV)
         mine.pop("PYTHONPATH", None)
+        # PYTHONSAFEPATH set by the launcher for its fork server alone (runner/launch.py _safe_path):
+        # what it changes, no working directory on sys.path, the template's sys.path below does.
+        # Compared as a start-up variable, it sent every command since ec304e1 to a fresh fork
+        # server (~3 s of CPU a command importing torch again)
+        if env.get(SAFE_PATH_MARK) == "1" and "PYTHONSAFEPATH" not in mine:
+            theirs.pop("PYTHONSAFEPATH", None)
         flags = [*mp_util._args_from_interpreter_flags(), "-c"]  # the template's own: same interpreter
         if self.sock is None or args[1:-1] != flags or not args[-1].startswith(_FORKSERVER_CMD) or theirs != mine:
             return orig(path, args, passfds)
@@ -96,7 +103,9 @@ class _Template:
             return orig(path, args, passfds)
         preload = ast.literal_eval(call.args[2])
         pp = _pythonpath(env)
-        sys_path = ["", *dict.fromkeys(pp), *(p for p in _BASE_PATH if p not in pp)]  # `python -c`'s
+        # `python -c`'s: the working directory ('') first, unless PYTHONSAFEPATH
+        cwd = [] if env.get("PYTHONSAFEPATH") else [""]
+        sys_path = [*cwd, *dict.fromkeys(pp), *(p for p in _BASE_PATH if p not in pp)]
         msg = json.dumps({"env": env, "cwd": os.getcwd(), "preload": preload, "sys_path": sys_path})
         socket.send_fds(self.sock, [msg.encode()], list(passfds))
         self.sock.close()

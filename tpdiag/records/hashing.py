@@ -8,6 +8,7 @@ ever gathering a tensor. The hash also covers dtype and (whole) shape.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -41,6 +42,7 @@ def check_same_hash_version(va: int, vb: int, name_a: str, name_b: str) -> None:
                        f"(hash version {HASH_VERSION})")
 
 
+@functools.lru_cache(maxsize=4096)
 def _head(dtype: str, shape) -> int:
     # hashlib, not hash(): Python's str hash changes from process to process
     return int.from_bytes(hashlib.sha256(f"{dtype}{tuple(shape)}".encode()).digest()[:8], "little")
@@ -49,17 +51,23 @@ def _head(dtype: str, shape) -> int:
 def hash_of_lanes(lane_a: int, lane_b: int, dtype: str, shape) -> str:
     """16 hex digits from a whole tensor's lanes, its dtype ('float32') and its shape."""
     v = (lane_a & M32) | ((lane_b & M32) << 32)
-    return format(v ^ _head(dtype.replace("torch.", ""), shape), "016x")
+    return format(v ^ _head(dtype.replace("torch.", ""), tuple(shape)), "016x")
 
 
 def tensor_hash(t: torch.Tensor, version: int = HASH_VERSION) -> str:
     """The hash of a whole tensor (one host sync); `version`: the lane mix (an old run
     directory's, to check its stored tensors)."""
-    from tpdiag.kernels.record_hash import shard_lanes
+    t = t.detach()
+    if type(t) is torch.Tensor and t.device.type == "cpu":
+        from tpdiag.kernels.record_hash_ref import whole_lanes
 
-    # the lanes alone: a stored tensor's hash (checked on every read) needs no statistics
-    ints, _ = shard_lanes(t.detach(), mix=version, stats=False)
-    a, b = (int(v) for v in ints[:2].tolist())
+        a, b = whole_lanes(t, version)  # the same lanes, no tensors made per record
+    else:
+        from tpdiag.kernels.record_hash import shard_lanes
+
+        # the lanes alone: a stored tensor's hash (checked on every read) needs no statistics
+        ints, _ = shard_lanes(t, mix=version, stats=False)
+        a, b = (int(v) for v in ints[:2].tolist())
     return hash_of_lanes(a, b, str(t.dtype), t.shape)
 
 

@@ -1,0 +1,50 @@
+"""run_cli's commands take their fork server from cli_zygote's template (torch already imported),
+not from a fresh `python -c` that imports torch again (~3 s of CPU a command on the 2-core CI
+machine). Since the launcher set PYTHONSAFEPATH for its fork server (ec304e1), the template read it
+as a changed start-up variable and every command fell back to a fresh server, unnoticed: the
+tests passed, only slower. A rank here reports its parent - the fork server - by its command line."""
+import json
+import os
+import time
+
+import pytest
+
+import conftest
+from conftest import run_cli
+
+TARGET = '''import multiprocessing, os
+import tpdiag
+from tpdiag.models import tiny_llama
+
+
+def target():
+    if multiprocessing.parent_process() is not None:  # a rank: its parent is the fork server
+        with open(os.path.join({out!r}, f"rank-{{os.getpid()}}"), "w") as f:
+            f.write(open(f"/proc/{{os.getppid()}}/cmdline").read().replace("\\0", " "))
+    model = tiny_llama.build("tiny-llama", n_layers=1)
+    return tpdiag.Target(model=model, plan={{}}, vocab_size=model.cfg.vocab_size)
+'''
+
+
+def test_ranks_fork_from_the_template(tmp_path):
+    if os.environ.get("TPDIAG_TEST_CLI_ZYGOTE", "1") == "0" or os.environ.get("TPDIAG_TEST_FORKSERVER_TEMPLATE", "1") == "0":
+        pytest.skip("the tests' CLI server or its fork-server template is off")
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc: a rank cannot read its parent's command line")
+    z = conftest._start_zygote()
+    deadline = time.time() + 120
+    while not z.ready():  # until the server has imported torch, run_cli takes a fresh interpreter
+        assert time.time() < deadline, "the CLI server did not finish its imports"
+        time.sleep(0.1)
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    model = tmp_path / "model.py"
+    model.write_text(TARGET.format(out=str(seen)))
+    p = run_cli("compare", "--model", f"py:{model}:target", "--tp", "1,1", "--forward-only", "--no-baseline",
+                "--no-confirm", "--no-judge-downstream", "--out", str(tmp_path / "r"), "--format", "json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["status"] == "bitwise"
+    parents = [f.read_text() for f in seen.iterdir()]
+    assert parents, "no rank built the target"
+    # the template is a fork of the server: its command line is the server's own
+    assert all("cli_zygote.py" in c and "forkserver" not in c for c in parents), parents
