@@ -23,7 +23,10 @@ DIFF_CSV = "diff.csv"
 # Where runner/drill.py writes the second pass: ops (op level, float64), region (the values of a
 # hash-first run), "-all" when its first positions did not reproduce pass 1, and region/ops (the
 # own-input judgement after a hash-first pass)
-SECOND_PASS_DIRS = ("region", "region-all", "ops", "ops-all", "region/ops")
+# runner/drill.py's names: "-all" when the first positions did not reproduce the divergence,
+# "-modules" when the ranks' op streams differ (an MoE routing other tokens per rank) and the op pass
+# falls back to module level - a genuine run's second pass, never "not one tpdiag writes"
+SECOND_PASS_DIRS = ("region", "region-all", "ops", "ops-all", "ops-modules", "ops-all-modules", "region/ops")
 REPORT = "report.html"
 # a configuration's folder: what its world wrote (records/store.py: events and tensors beside these)
 WORLD = "world.json"    # the world's config, fingerprint, selfcheck
