@@ -27,8 +27,9 @@ def test_fix_all_is_bitwise_at_every_degree(tmp_path, dtype):
 
 
 # invariant-grad-norm's case (the other two fixes on: the first divergence is the grad norm) is
-# round 2 of test_fix_auto_chain_ends_bitwise's chain - the same fixes at the same TP=1,4 - which
-# asserts it there; it ran as a compare of its own here
+# round 2 of test_fix_auto_chain_ends_bitwise's chain - the same fixes at the same TP=1,2 - which
+# asserts it there; it ran as a compare of its own here. TP=2 (was 1,4): each dropped fix gives
+# the same cause there; the fixes at TP=4 and 8 are test_fix_all_is_bitwise_at_every_degree's
 @pytest.mark.parametrize("dropped,cause,kind", [
     ("tp-invariant-linear", "row-parallel-reduction", "out"),
     ("invariant-vocab-softmax", "vocab-parallel-softmax", "logprobs"),
@@ -37,8 +38,8 @@ def test_each_fix_is_necessary(tmp_path, dropped, cause, kind):
     rest = ",".join(f for f in ALL if f != dropped)
     # a negative control: the first divergence is what it shows, so no own-input judgement of
     # the records past it (a second pass of both worlds)
-    s = compare(tmp_path, "--tp", "1,4", "--fix", rest, "--no-judge-downstream")
-    fd = s["degrees"]["4"]["first_divergence"]
+    s = compare(tmp_path, "--tp", "1,2", "--fix", rest, "--no-judge-downstream")
+    fd = s["degrees"]["2"]["first_divergence"]
     assert s["status"] == "divergent" and fd["cause"] == cause and fd["kind"] == kind, fd
 
 
@@ -67,7 +68,8 @@ def test_confirm_moves_the_first_divergence(tmp_path):
 
 
 def test_fix_auto_chain_ends_bitwise(tmp_path):
-    p = run_cli("compare", "--tp", "1,4", "--fix", "auto", "--out", str(tmp_path / "r"), "--format", "json")
+    # TP=1,2: the chain names the same three causes in the same order as at TP=4 and 8
+    p = run_cli("compare", "--tp", "1,2", "--fix", "auto", "--out", str(tmp_path / "r"), "--format", "json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     chain = s["fix_chain"]
@@ -79,7 +81,7 @@ def test_fix_auto_chain_ends_bitwise(tmp_path):
     # invariant-grad-norm is necessary (test_each_fix_is_necessary's third case): with the other
     # two fixes on, the grad norm is what differs
     assert set(chain[2]["fixes"]) == set(ALL) - {"invariant-grad-norm"}
-    assert chain[2]["status"] == "divergent" and chain[2]["first_divergence"]["4"]["kind"] == "grad_norm", chain[2]
+    assert chain[2]["status"] == "divergent" and chain[2]["first_divergence"]["2"]["kind"] == "grad_norm", chain[2]
     from test_timing import assert_breakdown
 
     tb = assert_breakdown(tmp_path / "r")  # round 0 is the first pass; each fixed round a part

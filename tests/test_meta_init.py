@@ -53,7 +53,8 @@ def dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(dirs, tmp_path_factory):
     """One compare at TP=1,2 per model kind (no rerun, no confirmation, no own-input judgement past
-    the first divergence: the init is the point).
+    the first divergence, forward only - the init records come before the forward: the init is
+    the point).
     hf: without weights needs no run of its own: tests/test_hf.py's llama and qwen3 compares
     (TP=1,2,4, meta-built) assert every `init` record bitwise; the built-in's is tp12_run."""
     base = tmp_path_factory.mktemp("meta_runs")
@@ -63,7 +64,7 @@ def runs(dirs, tmp_path_factory):
     for name, spec in specs.items():
         d = base / name
         p = run_cli("compare", "--model", spec, "--tp", "1,2", "--out", str(d), "--no-confirm",
-                    "--no-baseline", "--no-judge-downstream", "--format", "json")
+                    "--no-baseline", "--no-judge-downstream", "--forward-only", "--format", "json")
         assert p.returncode == 0, p.stderr + p.stdout
         out[name] = (d, json.loads(p.stdout))
     return out
