@@ -28,7 +28,7 @@ from tpdiag.records.causes import cause_class
 from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layout_cause  # noqa: F401
 from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN,  # noqa: F401
                                  WHY_MICRO_BATCH, WHY_NOISE, WHY_ROWS, WHY_TP1)
-from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, SDPA_OPS, is_op_of
+from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, PICK_OPS, SDPA_OPS, is_op_of
 
 BATCH_VARIANT = "batch-variant-kernel"
 
@@ -56,6 +56,7 @@ class Evidence:
     op_pass: tuple | None = None   # (op, cause) the op-level rerun named at this first divergence
     own_near: str | None = None    # re-executed on its own inputs: within rounding; the first divergence's cause
     confirmed: dict | None = None  # a confirmed fix: {"fix", "cause" (the confirmed one), "bitwise" (this record after it)}
+    source_equal: bool | None = None  # the first divergent op is a pick: its source bitwise equal (diff/locate.py)
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,18 @@ def _discrete_why(ev: Evidence, below) -> str:
             "floating values that a rounding difference can flip")
 
 
+def _pick_why(ev: Evidence, below) -> str:
+    from tpdiag.records.keys import RecordKey
+
+    r = ev.record
+    where = f"in the forward code of {r.get('module')}"
+    if r.get("kind") == "in":
+        where += f", computing input {r.get('name')} of {RecordKey.parse(r['key']).module}"
+    return (f"{ev.op} {where} picks elements of one of the model's own parameters or buffers "
+            "(recorded beside it, bitwise equal at both sides) and computes no number, so no rounding moves "
+            "it: it picked other elements - a wrong position, offset or shard")
+
+
 # ---- the rules, first match wins ----------------------------------------------------------
 
 RULES: list[Rule] = [
@@ -279,6 +292,10 @@ RULES: list[Rule] = [
     Rule("after a router flip", lambda ev, b: ev.after_flip is not None and b().cause == "sharding-bug",
          lambda ev, b: "router-flip", lambda ev, b: b().why),
     # the first divergent op, re-executed in float64, judges what its module record could not
+    Rule("a pick of the model's own tensor differs",
+         lambda ev, b: (ev.op_oracle is not None and ev.op_oracle["far"] and is_op_of(ev.op, PICK_OPS)
+                        and ev.source_equal is True),
+         lambda ev, b: "sharding-bug", _pick_why),
     Rule("op far from its float64 re-execution",
          lambda ev, b: ev.op_oracle is not None and ev.op_oracle["far"] and not ev.op_oracle.get("discrete"),
          lambda ev, b: "sharding-bug"),

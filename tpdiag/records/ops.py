@@ -13,6 +13,9 @@ COLLECTIVE_OPS = ("c10d", "all_reduce", "all_gather", "reduce_scatter", "all_to_
 RANDOM_OPS = ("bernoulli", "dropout", "::rand", "::normal", "uniform", "multinomial", "randperm",
               "exponential", "geometric", "cauchy", "log_normal")
 
+# picks of elements (views): they compute no number, so from equal sources they give equal bits
+PICK_OPS = ("aten::slice", "aten::select")
+
 
 def is_op_of(op: str | None, family: tuple[str, ...]) -> bool:
     return bool(op) and any(a in op for a in family)
