@@ -293,7 +293,7 @@ RULES: list[Rule] = [
          lambda ev, b: "router-flip", lambda ev, b: b().why),
     # the first divergent op, re-executed in float64, judges what its module record could not
     Rule("a pick of the model's own tensor differs",
-         lambda ev, b: (ev.op_oracle is not None and ev.op_oracle["far"] and is_op_of(ev.op, PICK_OPS)
+         lambda ev, b: (ev.op_oracle is not None and ev.op_oracle["far"] and ev.op in PICK_OPS
                         and ev.source_equal is True),
          lambda ev, b: "sharding-bug", _pick_why),
     Rule("op far from its float64 re-execution",

@@ -330,7 +330,7 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
 def _pick_source_equal(dd: DegreeDiff, op_row: dict | None) -> bool | None:
     """For a pick (slice, select) of the model's own tensor: whether its source, recorded once
     beside it (probes/op_probe.py), is bitwise equal at both sides; None for any other op."""
-    if op_row is None or not is_op_of(op_row.get("name"), PICK_OPS) or op_row.get("kind") != "op":
+    if op_row is None or op_row.get("kind") != "op" or str(op_row.get("name")).rsplit("#", 1)[0] not in PICK_OPS:
         return None
     key = op_row["key"].rsplit(".", 1)[0] + ".src"
     src = next((r for r in dd.rows if r["key"] == key), None)

@@ -23,12 +23,13 @@ _SKIP = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice",
          "empty", "zeros", "ones", "full", "fill_", "lift_fresh", "arange", "new_empty",
          "new_zeros", "copy_", "is_same_size", "_has_compatible_shallow_copy_type", "view_as",
          "contiguous", "zero_", "resize_", "set_", "_local_scalar_dense"}
-# ...except a slice or select of the model's own tensor (a RoPE table's rows, a parameter's
+# ...except a slice or select of the model's own tensor (and an index or index_select, recorded
+# anyway, gets its source recorded too) (a RoPE table's rows, a parameter's
 # columns picked in a forward): a pick computes no number, so where its source is the same at
 # both sides a different result is a different pick - a wrong position or shard, which nothing
 # else recorded would show (tests/models/planted/rope_decode.py). Recorded as a copy: the
 # source may be written in place later (a preallocated cache).
-_PICKS = {"slice", "select"}
+_PICKS = {"slice", "select", "index", "index_select"}
 
 
 class OpProbe(TorchDispatchMode):
