@@ -2,8 +2,8 @@
 forward_code.py), each beside its twin, run as a user runs them. A pick of the model's own
 parameter (a tied head's rows by F.linear, learned positions by index) is recorded with its source
 (probes/op_probe.py): the source bitwise equal, the pick not -> BUG at the pick, gate exit 4.
-Before (main at 8e99245): head_slice read BUG at the model's output with no op named; flat_pos
-read `unknown` at the input of `up` (gate 1)."""
+Main at 8e99245 already read BUG for all three (an op far from its float64 re-execution), naming
+head_slice's matmul after the pick; now the pick itself, and why a pick cannot be rounding."""
 import json
 
 import pytest
