@@ -97,3 +97,39 @@ def flat_pos():
 
 def row_pos():
     return _target(LM(None, pos=True))
+
+
+class ResidualLM(nn.Module):
+    """A DTensor-planned MLP (up column-, down row-parallel); the residual is added in the model's
+    forward. The mistake: at TP > 1 the residual is added a second time (the author thought the
+    row-parallel output still lacked it)."""
+
+    def __init__(self, twice: bool):
+        super().__init__()
+        self.twice = twice
+        self.emb = nn.Embedding(V, D)
+        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        y = self.mlp(h)
+        out = h + y
+        if self.twice and world()[1] > 1:
+            out = out + h
+        return self.head(self.norm(out))
+
+
+def _mlp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+
+
+def residual_twice():
+    return tpdiag.Target(model=ResidualLM(True), plan=_mlp_plan(), vocab_size=V, inputs=_tokens)
+
+
+def residual_once():
+    return tpdiag.Target(model=ResidualLM(False), plan=_mlp_plan(), vocab_size=V, inputs=_tokens)
