@@ -286,7 +286,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
         # record could not (an input that differs: the op is in the parent's own code)
         judges = op_row is not None and op_row.get("oracle") and (first["kind"] != "out" or not first.get("oracle"))
         settle(fd, op=fd["op"], op_oracle=op_verdict(fd, op_row) if judges else None,
-               source_equal=_pick_source_equal(dd, op_row))
+               source_equal=_pick_source_equal(dd, op_row), caller_oracle=_caller_verdict(dd, first, fd))
     return {"first_divergence": fd, "findings": findings}
 
 
@@ -325,6 +325,19 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
     if hit is None and not extra:
         hit = _earlier_op(rows, start - 1, first)
     return hit
+
+
+def _caller_verdict(dd: DegreeDiff, first: dict, fd: dict) -> dict | None:
+    """For an input that differs: the float64 verdict on its caller's output, re-executed from the
+    caller's inputs - bitwise equal at both sides, as every record before `first` is."""
+    if first["kind"] != "in" or first["phase"] != "forward":
+        return None
+    out = next((r for r in dd.rows if r["phase"] == "forward" and r["kind"] == "out" and r["module"] == fd["module"]
+                and r["step"] == first["step"] and r["idx"] > first["idx"]), None)
+    v = (out or {}).get("oracle")
+    if not isinstance(v, dict) or "far" not in v or v.get("own") or not oracle.inputs_equal(dd, out):
+        return None
+    return {**v, "record": out["key"]}
 
 
 def _pick_source_equal(dd: DegreeDiff, op_row: dict | None) -> bool | None:
