@@ -13,7 +13,11 @@ from conftest import run_cli
 SPEC = "py:tests/models/planted/forward_code.py:"
 TP = ("--tp", "1,2")
 MB = ("--tp", "1", "--micro-batch", "2,1")
-CASES = {"head_slice": TP, "shard_max": TP, "head_ok": TP, "flat_pos": MB, "row_pos": MB}
+NC = ("--no-confirm",)
+CASES = {"head_slice": TP + NC, "shard_max": TP + NC, "head_ok": TP + NC, "flat_pos": MB + NC, "row_pos": MB + NC,
+         # the mistake sits behind a rounding (the row-parallel sum before it): the confirmation
+         # rerun's next first divergence is judged too
+         "residual_twice": TP, "residual_once": TP}
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +26,7 @@ def runs(tmp_path_factory):
     for case, axes in CASES.items():
         d = tmp_path_factory.mktemp(case) / "r"
         p = run_cli("compare", "--model", SPEC + case, *axes, "--forward-only", "--no-baseline",
-                    "--no-confirm", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+                    "--out", str(d), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, (case, p.stderr[-3000:])
         s = json.loads((d / "summary.json").read_text())
         out[case] = (s, p.stdout, run_cli("gate", str(d), "--allow", "rounding").returncode)
@@ -51,7 +55,20 @@ def test_a_pick_of_the_models_own_tensor_says_so(runs):
     assert fd["op_oracle"]["ref_err"] == 0.0  # a pick is exact: the reference IS its float64 value
 
 
-@pytest.mark.parametrize("case", ["head_ok", "row_pos"])
+def test_a_mistake_behind_a_rounding_is_found_by_the_confirmation(runs):
+    """Main at 8e99245: `rounding only` (the row-parallel sum's rounding came first; the confirming
+    rerun's next divergence, the input of norm, read `unknown` and was dropped), gate exit 0."""
+    s, stdout, gate = runs["residual_twice"]
+    e = s["degrees"]["2"]
+    assert e["first_divergence"]["cause"] == "row-parallel-reduction", e["first_divergence"]
+    bug = next(f for f in e["findings"] if f.get("cause") == "sharding-bug")
+    assert bug["from"].startswith("confirmation") and bug["made_in"] == "model" and bug["op"] == "aten::add", bug
+    assert "computes another function" in bug["why"], bug["why"]
+    assert s["class"] == "bug" and "BUG     forward: model :: aten::add" in stdout, stdout[-2000:]
+    assert gate == 4
+
+
+@pytest.mark.parametrize("case", ["head_ok", "row_pos", "residual_once"])
 def test_the_twins_are_not_bugs(runs, case):
     s, stdout, gate = runs[case]
     assert s["class"] in ("rounding", "bitwise", None) and "BUG" not in stdout, (case, s.get("class"), stdout[-1500:])
