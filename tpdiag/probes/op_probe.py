@@ -23,12 +23,12 @@ _SKIP = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice",
          "empty", "zeros", "ones", "full", "fill_", "lift_fresh", "arange", "new_empty",
          "new_zeros", "copy_", "is_same_size", "_has_compatible_shallow_copy_type", "view_as",
          "contiguous", "zero_", "resize_", "set_", "_local_scalar_dense"}
-# ...except a slice or select of the model's own tensor (and an index or index_select, recorded
-# anyway, gets its source recorded too) (a RoPE table's rows, a parameter's
-# columns picked in a forward): a pick computes no number, so where its source is the same at
-# both sides a different result is a different pick - a wrong position or shard, which nothing
-# else recorded would show (tests/models/planted/rope_decode.py). Recorded as a copy: the
-# source may be written in place later (a preallocated cache).
+# ...except a pick of the model's own tensor (a RoPE table's rows, a parameter's columns taken in
+# a forward: slice, select; index and index_select, floating ops recorded anyway): it is recorded
+# with its source, once. A pick computes no number, so where its source is the same at both sides
+# a different result is a different pick - a wrong position or shard, which nothing else recorded
+# would show (tests/models/planted/rope_decode.py, diff/judge.py). Copied: the source may be
+# written in place later.
 _PICKS = {"slice", "select", "index", "index_select"}
 
 
@@ -71,7 +71,7 @@ class OpProbe(TorchDispatchMode):
         not the model's own numbers); else None."""
         src = args[0] if args else None
         if self._tensors is None or type(src) not in (torch.Tensor, torch.nn.Parameter) \
-                or not src.is_floating_point():
+                or not src.is_floating_point() or src.layout != torch.strided or src.is_meta:
             return None
         hit = self._tensors.get(src.untyped_storage().data_ptr())
         return hit[0] if hit is not None and src._version == hit[1] else None
@@ -83,7 +83,8 @@ class OpProbe(TorchDispatchMode):
 
         self._tensors = {t.untyped_storage().data_ptr(): (t, t._version) for t in itertools.chain(
             self._model.parameters(), self._model.buffers())
-            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() and t.is_floating_point()}
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() and t.is_floating_point()
+            and t.layout == torch.strided and not t.is_meta}
 
     def _wanted(self, module: str) -> bool:
         if self.include is None:
