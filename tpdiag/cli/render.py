@@ -99,7 +99,9 @@ def where(fd: dict) -> str:
         # whole-model records (logprobs, loss, grad norm) have no module of their own
         text = f"{phase}: {name if name == kind or not kind else f'{kind} {name}'}"
     else:
-        text = f"{phase}: {module}" + (f" :: {fd['op']}" if fd.get("op") else "")
+        # an input's op ran in its caller's own code (a finding keeps the record's module, `made_in` the caller)
+        at = fd.get("made_in") if kind == "in" and fd.get("op") and fd.get("made_in") else module
+        text = f"{phase}: {at}" + (f" :: {fd['op']}" if fd.get("op") else "")
         # with an op named, the wrong value is that op's output; the record's kind and name
         # (`in 0` of the next module, where the module pass first saw it) would point elsewhere
         if kind not in ("out", None) and not fd.get("op"):

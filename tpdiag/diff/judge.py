@@ -28,7 +28,7 @@ from tpdiag.records.causes import cause_class
 from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layout_cause  # noqa: F401
 from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN,  # noqa: F401
                                  WHY_MICRO_BATCH, WHY_NOISE, WHY_ROWS, WHY_TP1)
-from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, SDPA_OPS, is_op_of
+from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, PICK_OPS, SDPA_OPS, is_op_of
 
 BATCH_VARIANT = "batch-variant-kernel"
 
@@ -56,6 +56,8 @@ class Evidence:
     op_pass: tuple | None = None   # (op, cause) the op-level rerun named at this first divergence
     own_near: str | None = None    # re-executed on its own inputs: within rounding; the first divergence's cause
     confirmed: dict | None = None  # a confirmed fix: {"fix", "cause" (the confirmed one), "bitwise" (this record after it)}
+    source_equal: bool | None = None  # the first divergent op is a pick: its source bitwise equal (diff/locate.py)
+    caller_oracle: dict | None = None  # an input that differs: its caller's output against its float64 re-execution
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,29 @@ def _discrete_why(ev: Evidence, below) -> str:
             "floating values that a rounding difference can flip")
 
 
+def _pick_why(ev: Evidence, below) -> str:
+    from tpdiag.records.keys import RecordKey
+
+    r = ev.record
+    where = f"in the forward code of {r.get('module')}"
+    if r.get("kind") == "in":
+        where += f", computing input {r.get('name')} of {RecordKey.parse(r['key']).module}"
+    return (f"{ev.op} {where} picks elements of one of the model's own parameters or buffers "
+            "(recorded beside it, bitwise equal at both sides) and computes no number, so no rounding moves "
+            "it: it picked other elements - a wrong position, offset or shard")
+
+
+def _caller_why(ev: Evidence, below) -> str:
+    from tpdiag.records.keys import RecordKey
+
+    r, v = ev.record, ev.caller_oracle
+    at = f" (the first op that differs: {ev.op})" if ev.op else ""
+    return (f"input {r.get('name')} of {RecordKey.parse(r['key']).module} is computed in the forward code of "
+            f"{r.get('module')}{at}; {r.get('module')}'s inputs were bitwise equal, and its output, re-executed "
+            f"whole in float64, is {v['ratio']:.2g}x beyond rounding: its code computes another function from "
+            "here on (this input, or a module it calls after it) - a wrong result, not a reordering")
+
+
 # ---- the rules, first match wins ----------------------------------------------------------
 
 RULES: list[Rule] = [
@@ -297,6 +322,17 @@ RULES: list[Rule] = [
     Rule("after a router flip", lambda ev, b: ev.after_flip is not None and b().cause == "sharding-bug",
          lambda ev, b: "router-flip", lambda ev, b: b().why),
     # the first divergent op, re-executed in float64, judges what its module record could not
+    Rule("a pick of the model's own tensor differs",
+         lambda ev, b: (ev.op_oracle is not None and ev.op_oracle["far"] and ev.op in PICK_OPS
+                        and ev.source_equal is True),
+         lambda ev, b: "sharding-bug", _pick_why),
+    # an input computed by code no op judged: the code that computed it (its caller), re-executed
+    # whole in float64 from its bitwise-equal inputs, is far - it computes another function
+    Rule("the caller of a divergent input is far from float64",
+         lambda ev, b: (ev.record.get("kind") == "in" and ev.caller_oracle is not None and ev.caller_oracle["far"]
+                        and not ev.caller_oracle.get("discrete") and (ev.op_oracle is None or not ev.op_oracle["far"])
+                        and cause_class(b().cause) != "bug"),
+         lambda ev, b: "sharding-bug", _caller_why),
     Rule("op far from its float64 re-execution",
          lambda ev, b: ev.op_oracle is not None and ev.op_oracle["far"] and not ev.op_oracle.get("discrete"),
          lambda ev, b: "sharding-bug"),

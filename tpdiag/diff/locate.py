@@ -13,7 +13,7 @@ from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_ca
 from tpdiag.diff.op_verdict import op_verdict
 from tpdiag.diff.engine import DegreeDiff
 from tpdiag.records.keys import record_key
-from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, is_op_of  # noqa: F401
+from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, PICK_OPS, is_op_of  # noqa: F401
 
 from tpdiag.records.causes import CAUSES  # noqa: F401  (the labels live with the record format)
 
@@ -225,9 +225,11 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             row["consumer_styles"] = [style_of_module.get(c) for c in (row.get("consumers") or [])]
     diverged = [r for r in dd.rows if not r["bitwise"] or r.get("rank_consistent") is False]
     first = next((r for r in diverged if r["kind"] != "op"), None) or next(iter(diverged), None)
-    op_row = _first_op(dd, first) if first is not None and first["kind"] != "op" else None
-    findings, fidx = [], []
     called = {r["module"] for r in dd.rows if r["phase"] == "forward" and r["kind"] == "out"}
+    op_row = _first_op(dd, first) if first is not None and first["kind"] != "op" else None
+    if op_row is None and first is not None and first["kind"] == "in" and first["phase"] == "forward":
+        op_row = _caller_op(dd, first, _caller(first["module"], called))
+    findings, fidx = [], []
     for r in dd.rows:
         if r.get("beyond_bound") or r.get("rank_consistent") is False:
             fidx.append(r["idx"])
@@ -283,7 +285,8 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
         # the first divergent op, and its float64 re-execution where it judges what the module
         # record could not (an input that differs: the op is in the parent's own code)
         judges = op_row is not None and op_row.get("oracle") and (first["kind"] != "out" or not first.get("oracle"))
-        settle(fd, op=fd["op"], op_oracle=op_verdict(fd, op_row) if judges else None)
+        settle(fd, op=fd["op"], op_oracle=op_verdict(fd, op_row) if judges else None,
+               source_equal=_pick_source_equal(dd, op_row), caller_oracle=_caller_verdict(dd, first, fd))
     return {"first_divergence": fd, "findings": findings}
 
 
@@ -322,6 +325,41 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
     if hit is None and not extra:
         hit = _earlier_op(rows, start - 1, first)
     return hit
+
+
+def _caller_verdict(dd: DegreeDiff, first: dict, fd: dict) -> dict | None:
+    """For an input that differs: the float64 verdict on its caller's output, re-executed from the
+    caller's inputs - bitwise equal at both sides, as every record before `first` is."""
+    if first["kind"] != "in" or first["phase"] != "forward":
+        return None
+    out = next((r for r in dd.rows if r["phase"] == "forward" and r["kind"] == "out" and r["module"] == fd["module"]
+                and r["step"] == first["step"] and r["idx"] > first["idx"]), None)
+    v = (out or {}).get("oracle")
+    if not isinstance(v, dict) or "far" not in v or v.get("own") or not oracle.inputs_equal(dd, out):
+        return None
+    return {**v, "record": out["key"]}
+
+
+def _pick_source_equal(dd: DegreeDiff, op_row: dict | None) -> bool | None:
+    """For a pick (slice, select) of the model's own tensor: whether its source, recorded once
+    beside it (probes/op_probe.py), is bitwise equal at both sides; None for any other op."""
+    if op_row is None or op_row.get("kind") != "op" or str(op_row.get("name")).rsplit("#", 1)[0] not in PICK_OPS:
+        return None
+    key = op_row["key"].rsplit(".", 1)[0] + ".src"
+    src = next((r for r in dd.rows if r["key"] == key), None)
+    return src is not None and src["bitwise"] and src.get("rank_consistent") is not False
+
+
+def _caller_op(dd: DegreeDiff, first: dict, caller: str) -> dict | None:
+    """An input that differs was computed in its caller's own code, which may have run before the
+    sibling calls recorded between it and the input (RoPE rows picked before the embedding runs):
+    the first divergent op of the caller itself in the same step's forward. Every module record
+    before `first` is bitwise equal, so what it computed first differs there."""
+    for r in dd.rows[:dd.rows.index(first)]:
+        if r["kind"] == "op" and not r["bitwise"] and r["module"] == caller \
+                and r["step"] == first["step"] and r["phase"] == "forward":
+            return r
+    return None
 
 
 def _earlier_op(rows: list[dict], j: int, first: dict) -> dict | None:

@@ -23,6 +23,13 @@ _SKIP = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice",
          "empty", "zeros", "ones", "full", "fill_", "lift_fresh", "arange", "new_empty",
          "new_zeros", "copy_", "is_same_size", "_has_compatible_shallow_copy_type", "view_as",
          "contiguous", "zero_", "resize_", "set_", "_local_scalar_dense"}
+# ...except a pick of the model's own tensor (a RoPE table's rows, a parameter's columns taken in
+# a forward: slice, select; index and index_select, floating ops recorded anyway): it is recorded
+# with its source, once. A pick computes no number, so where its source is the same at both sides
+# a different result is a different pick - a wrong position or shard, which nothing else recorded
+# would show (tests/models/planted/rope_decode.py, diff/judge.py). Copied: the source may be
+# written in place later.
+_PICKS = {"slice", "select", "index", "index_select"}
 
 
 class OpProbe(TorchDispatchMode):
@@ -43,8 +50,10 @@ class OpProbe(TorchDispatchMode):
         # (probes/float64.py) and recorded as kind "oracle" under the op's record name
         self.oracle = oracle
         self._scoped = _Scoped.of(self, model, include)
+        self._model, self._tensors, self._sources = model, None, set()
 
     def __enter__(self):
+        self._own_tensors()
         if self._scoped is not None:
             self._scoped.install()
             return self
@@ -56,6 +65,27 @@ class OpProbe(TorchDispatchMode):
             return None
         return super().__exit__(*exc)
 
+    def _owned(self, args):
+        """The model's plain parameter or buffer that args[0] is (a view of), while the step has
+        not written it in place since the probe was entered (a preallocated cache is activations,
+        not the model's own numbers); else None."""
+        src = args[0] if args else None
+        if self._tensors is None or type(src) not in (torch.Tensor, torch.nn.Parameter) \
+                or not src.is_floating_point() or src.layout != torch.strided or src.is_meta:
+            return None
+        hit = self._tensors.get(src.untyped_storage().data_ptr())
+        return hit[0] if hit is not None and src._version == hit[1] else None
+
+    def _own_tensors(self) -> None:
+        if self._model is None:
+            return
+        import itertools
+
+        self._tensors = {t.untyped_storage().data_ptr(): (t, t._version) for t in itertools.chain(
+            self._model.parameters(), self._model.buffers())
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() and t.is_floating_point()
+            and t.layout == torch.strided and not t.is_meta}
+
     def _wanted(self, module: str) -> bool:
         if self.include is None:
             return True
@@ -64,7 +94,10 @@ class OpProbe(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name in _SKIP or not self.rec.enabled:
+        if not self.rec.enabled:
+            return out
+        src = self._owned(args) if name in _PICKS else None
+        if name in _SKIP and src is None:
             return out
         rec = self.rec
         module = rec.stack[-1] if (rec.phase == "forward" and rec.stack) else rec.phase
@@ -105,11 +138,16 @@ class OpProbe(TorchDispatchMode):
         # only after this mode returns (ADInplaceOrView runs above it): recorded as is it would
         # pass for the earlier, unchanged record (and a queued hash would find it changed). A copy
         # of its new value is its record.
-        mutable = func._schema.is_mutable
+        mutable = func._schema.is_mutable or name in _PICKS
         # a discrete choice on floating values (argmax, top-k indices, a comparison) is recorded
         # too: equal choices on both sides rule out a flipped near tie (diff/oracle.py)
         choice = name in DISCRETE and any(isinstance(a, torch.Tensor) and a.is_floating_point()
                                           for a in tree_flatten((args, kwargs))[0])
+        if src is not None and (module, op, k) not in self._sources:
+            # the source, once: that it is the same at both sides is what makes a different pick
+            # a wrong one (diff/judge.py); a parameter or buffer the step has not written
+            self._sources.add((module, op, k))
+            rec.add("op", module, f"{op}#{k}.src", src.detach().clone())
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
             if t.is_floating_point() or choice:
                 rec.add("op", module, f"{op}#{k}.{i}", t.detach().clone() if mutable else t)

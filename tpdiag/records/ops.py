@@ -13,6 +13,10 @@ COLLECTIVE_OPS = ("c10d", "all_reduce", "all_gather", "reduce_scatter", "all_to_
 RANDOM_OPS = ("bernoulli", "dropout", "::rand", "::normal", "uniform", "multinomial", "randperm",
               "exponential", "geometric", "cauchy", "log_normal")
 
+# picks of elements (exact op names): they compute no number, so from an equal source and equal
+# indices they give equal bits
+PICK_OPS = ("aten::slice", "aten::select", "aten::index", "aten::index_select")
+
 
 def is_op_of(op: str | None, family: tuple[str, ...]) -> bool:
     return bool(op) and any(a in op for a in family)

@@ -83,13 +83,19 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
         cut = {tuple(every[lab]["first_divergence"].get("positions") or ()) for lab, _ in members}
         cut = cut.pop() if len(cut) == 1 else ()
         if axes:
-            sub = _sub(cfg.with_(only=tuple(lab for lab, _ in members), positions=cut[0] if cut else 0,
+            sub, files = _rerun(cfg.with_(only=tuple(lab for lab, _ in members), positions=cut[0] if cut else 0,
                                  prefix_from=prefix.decode_dir(run_dir, members[0][0]) if cut else ""),
-                       out, cfg.degrees, list(cfg.fixes) + fix.split("+"))
+                       out, cfg.degrees, list(cfg.fixes) + fix.split("+"), finish=False)
             sub_labels = [lab for lab, _ in members]
         else:
-            sub = _sub(cfg, out, [ref_degree] + [deg for _, deg in members], list(cfg.fixes) + fix.split("+"))
+            sub, files = _rerun(cfg, out, [ref_degree] + [deg for _, deg in members], list(cfg.fixes) + fix.split("+"),
+                                finish=False)
             sub_labels = degree_labels(tuple([ref_degree] + [deg for _, deg in members]))[1:]
+        if not cut:
+            sub = _judge_after(cfg, sub, files, out, fix, [lab for lab, _ in members] if axes else None,
+                               None if axes else [ref_degree] + [deg for _, deg in members], on_status)
+        # the rerun's status goes last, after its own second pass (as compare_pass's finish)
+        files.add(status=sub["status"])
         sub_every = entries(sub)
         for (label, _), sub_label in zip(members, sub_labels):
             before = every[label]["first_divergence"]
@@ -111,10 +117,52 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
             from tpdiag.records.rundir import bitwise_keys
 
             clear_by_confirmation(every[label], bitwise_keys(out, sub_label))
+            _bug_after(every[label], after, fix)
     from tpdiag.diff.classes import add_classes
 
     add_classes(summary)  # every flow (compare, `tpdiag confirm`) ends with the confirmed verdict
     return summary
+
+
+def _judge_after(cfg: CompareConfig, sub: dict, files, out: str, fix: str, only, degrees, on_status=None) -> dict:
+    """The confirmation rerun's next first divergence, judged as a fix chain's round is where
+    nothing named it (`unknown`): a wrong result that the confirmed rounding hid shows there (a
+    residual added twice at TP > 1, behind the row-parallel sum's rounding), and a verdict of
+    "rounding only" would let it through."""
+    from tpdiag.records.axes import entries
+    from tpdiag.runner.drill import drill_down, wanted
+
+    if not any((e.get("first_divergence") or {}).get("cause") == "unknown" for e in entries(sub).values()):
+        return sub
+    fixes = tuple(cfg.fixes) + tuple(fix.split("+"))
+    rcfg = cfg.with_(out=out, fixes=fixes, fix_mode="explicit", confirm=False, baseline=False)
+    rcfg = rcfg.with_(only=tuple(only)) if only else rcfg.with_(degrees=tuple(degrees))
+    if not wanted(rcfg, sub):
+        return sub
+    from tpdiag.diff.classes import add_classes
+
+    sub = drill_down(rcfg, sub, out, on_status)
+    add_classes(sub)
+    files.summary(sub)
+    return sub
+
+
+def _bug_after(entry: dict, after: dict | None, fix: str) -> None:
+    """A bug the confirmation rerun found at its first divergence is a root finding of this
+    configuration: fixes only reorder, so a wrong result under them is wrong without them."""
+    from tpdiag.records.causes import cause_class
+
+    if not after or cause_class(after.get("cause")) != "bug" or entry.get("confirmation", {}).get("verdict") != "confirmed":
+        return
+    from tpdiag.records.keys import RecordKey
+
+    f = {k: after[k] for k in ("phase", "module", "op", "kind", "name", "step", "cause", "why", "max_abs",
+                               "bound", "bound_ratio", "key") if k in after}
+    if f.get("kind") == "in":
+        # filed under the record's own module, as locate files an input finding (the gate matches
+        # it to that row of this run's diff.csv); the code that computed it is its caller
+        f["made_in"], f["module"] = f["module"], RecordKey.parse(f["key"]).module
+    entry.setdefault("findings", []).append({**f, "from": f"confirmation ({fix})"})
 
 
 def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None, finish: bool = True):

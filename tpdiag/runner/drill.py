@@ -102,7 +102,10 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                      if (fd.get("phase"), fd.get("kind")) in (("forward", "out"), ("backward", "param_grad"))}
                     | {fd["consumers"][0] for fd in fds if fd.get("kind") == "grad_out"
                        and len(fd.get("consumers") or []) == 1}
-                    | {m for lab, _ in targets for m in every[lab].get("unjudged", [])})
+                    | {m for lab, _ in targets for m in every[lab].get("unjudged", [])}
+                    # an input that differs was computed by its caller's own code: the caller,
+                    # whose inputs were equal, re-executed whole (diff/judge.py: caller_oracle)
+                    | {fd["module"] for fd in fds if (fd.get("phase"), fd.get("kind")) == ("forward", "in")})
     # every divergent module past the first divergence, judged on this side's own inputs
     # (diff/own_inputs.py; --no-judge-downstream: off)
     own = {lab: every[lab]["own_inputs"] for lab, _ in targets

@@ -25,3 +25,21 @@ class OffByOne(tiny_llama.TinyLlama):
 def target():
     cfg = tiny_llama.LlamaConfig(**{**tiny_llama.PRESETS["tiny-llama"], "n_layers": 1})
     return tpdiag.Target(model=OffByOne(cfg), plan=llama_plan(), vocab_size=cfg.vocab_size)
+
+
+class Right(OffByOne):
+    """The twin: every call rotates at its own positions."""
+
+    def forward(self, input_ids, cache=None):
+        start = cache.length if cache is not None else 0
+        S = input_ids.shape[1]
+        cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]
+        h = self.tok_embeddings(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, **({} if cache is None else {"kv": cache.layers[i]}))
+        return self.output(self.norm(h))
+
+
+def twin():
+    cfg = tiny_llama.LlamaConfig(**{**tiny_llama.PRESETS["tiny-llama"], "n_layers": 1})
+    return tpdiag.Target(model=Right(cfg), plan=llama_plan(), vocab_size=cfg.vocab_size)
