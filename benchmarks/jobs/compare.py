@@ -91,6 +91,10 @@ SETS: dict[str, list[tuple]] = {
              ("mb8421-8x4096", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "8", "--seq-len",
                                 "4096", "--micro-batch", "8,4,2,1"], {}, 420),
              ("decode-1x2048", L1B + ["--mode", "prefill,decode", "--forward-only"], {}, 480),
+             # the same without the own-input judgement of the modules after the first divergence
+             # (57 of them at a63e3e7: their region pass runs every position, then one more pass)
+             ("decode-1x2048-first", L1B + ["--mode", "prefill,decode", "--forward-only", "--no-judge-downstream"],
+              {}, 300),
              ("mb-fix", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "4", "--seq-len", "1024",
                          "--micro-batch", "4,1", "--fix", "all", "--no-confirm"], {}, 240),
              ("mb-fix-grid", ["--model", "llama-1b", "--dtype", "bfloat16", "--batch-size", "2", "--seq-len", "512",
