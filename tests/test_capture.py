@@ -57,6 +57,8 @@ def test_diff_names_the_first_divergence(captures, tmp_path):
                 "--format", "json")
     assert p.returncode == 0, p.stderr + p.stdout
     s = json.loads(p.stdout)
+    # the printed JSON is summary.json plus where it is and the text's "what to do:" line
+    assert s.pop("what_to_do").startswith("nothing is wrong")
     assert s == {**json.loads((out / "summary.json").read_text()), "run_dir": str(out)}
     assert s["schema"] == 1 and s["status"] == "divergent" and s["reference"] == 1
     d = s["degrees"]["2"]

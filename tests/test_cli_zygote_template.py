@@ -31,6 +31,10 @@ def test_ranks_fork_from_the_template(tmp_path):
         pytest.skip("the tests' CLI server or its fork-server template is off")
     if not os.path.isdir("/proc/self"):
         pytest.skip("no /proc: a rank cannot read its parent's command line")
+    # the server for this process's environment as it is now: one whose start-up environment an
+    # earlier in-process test changed is replaced at the next command (conftest._zygote)
+    if conftest._zygote(dict(os.environ)) is not None:
+        conftest._ZYGOTE_LOCK.release()
     z = conftest._start_zygote()
     deadline = time.time() + 120
     while not z.ready():  # until the server has imported torch, run_cli takes a fresh interpreter

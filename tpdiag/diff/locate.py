@@ -315,8 +315,11 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
     start, lo = oracle.op_window(rows, i)
     window = rows[start:i]
     hit = next((r for r in window if not r["bitwise"]), None)
+    # a pick only this degree records (a rank slicing its shard of a parameter: a full slice at
+    # TP=1 dispatches no op) computes nothing: it is not where a difference enters
     extra = sorted((m for m in dd.uncompared if lo < m["idx"] < first["idx"]
-                    and m["why"] in ("only at this degree", "collective output before wait_tensor")),
+                    and m["why"] in ("only at this degree", "collective output before wait_tensor")
+                    and str(m["name"]).rsplit("#", 1)[0] not in PICK_OPS),
                    key=lambda m: m["idx"])
     if extra and (hit is None or extra[0]["idx"] < hit["idx"] and extra[0]["name"].startswith("c10d::")):
         # a hand-written in-place collective ran before the first differing shared op: the

@@ -102,7 +102,7 @@ def prestart(model: str = "") -> None:
         return
     # RANK_ENV goes to the server (so to every rank) but not to this process: here torch is not
     # imported yet, and OMP_NUM_THREADS=1 would make the diff, which runs here, single-threaded
-    saved = {k: os.environ.get(k) for k in [*RANK_ENV, "PYTHONSAFEPATH", SAFE_PATH_MARK]}
+    saved = _env_of([*RANK_ENV, "PYTHONSAFEPATH", SAFE_PATH_MARK])
     try:
         ctx = _context(model)
         if ctx.get_start_method() == "forkserver" and threading.current_thread() is threading.main_thread():
@@ -110,11 +110,19 @@ def prestart(model: str = "") -> None:
 
             forkserver.ensure_running()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _restore_env(saved)
+
+
+def _env_of(names) -> dict:
+    return {k: os.environ.get(k) for k in names}
+
+
+def _restore_env(saved: dict) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 _MARKER = re.compile(r"rank[0-9]+\.(done|error)")
@@ -149,6 +157,10 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None, ca
     t0 = time.perf_counter()
     store = dist.TCPStore("127.0.0.1", 0, world_size=world + 1, is_master=True,
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    # RANK_ENV and PYTHONSAFEPATH are for the ranks (the fork server, or a spawned/forked rank, takes
+    # them at its start), not for the caller: a library user's process (a notebook, a test session)
+    # would keep OMP_NUM_THREADS=1 and PYTHONSAFEPATH for every later subprocess
+    saved = _env_of([*RANK_ENV, "PYTHONSAFEPATH", SAFE_PATH_MARK])
     ctx = _context(cfg.model)
     launched_at = time.time()
     procs = [ctx.Process(target=entry or worker.main, name=f"tpdiag-{folder(world)}-rank{r}",
@@ -160,8 +172,11 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None, ca
     result = None
     old_term = _terminate_as_interrupt()
     try:
-        for p in procs:
-            _start(ctx, p)
+        try:
+            for p in procs:
+                _start(ctx, p)
+        finally:
+            _restore_env(saved)
         deadline = time.monotonic() + timeout_s
         shown, polled = None, time.monotonic()
         while result is None:
