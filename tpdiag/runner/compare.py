@@ -237,11 +237,16 @@ def default_out() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
-def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True):
+def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, records_from: dict | None = None):
     """(summary, RunFiles): one compare pass (every configuration's world, then the diff), and
     its run directory's files as it wrote them, for the session to add its parts to
     (records/run_files.py: the files' one writer). The command - this pass, then the second
-    pass, confirmation and fix chain - is runner/session.py's compare_session."""
+    pass, confirmation and fix chain - is runner/session.py's compare_session.
+
+    records_from: {label: world folder} of non-reference configurations an earlier pass of this
+    run may already have run (runner/drill.py: the own-input pass after a region pass, whose only
+    new work is the reference's float64 re-execution): a world whose config there is this pass's
+    (its folders aside) is not run again; its files are linked into this pass's folder."""
     from tpdiag.diff.analyse import analyse_run
     from tpdiag.runner.determinism import numerics_env
     from tpdiag.kernels.record_hash_ref import HASH_VERSION  # the lane mix its worlds hash with
@@ -294,6 +299,10 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True):
         degree = point.tp
         ref_dir = run.world(labels[0]) if label != labels[0] else ""
         wcfg = cfg.world(point, label, run.world(label), device, ref_dir=ref_dir, reference=label == labels[0])
+        earlier = (records_from or {}).get(label) if label != labels[0] else None
+        if earlier and _same_world(earlier, wcfg):
+            files.world(label, _linked(earlier, run.world(label), degree))
+            continue
         res = run_world(wcfg, cfg.timeout, on_status)
         if res.status != "ok":
             failed[label] = res.error
@@ -326,6 +335,51 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True):
     summary["run_dir"] = out
     summary["flags"] = _flags_summary(cfg.flags, manifest["worlds"], labels)
     return summary, files
+
+
+# where a world's config names its own folders: two passes' worlds differ there and nowhere else
+_FOLDERS = ("out_dir", "ref_dir")
+
+
+def _same_world(earlier: str, wcfg) -> bool:
+    """Whether the world folder `earlier` (an earlier pass's, finished ok) ran exactly wcfg: the
+    same settings, configuration, probes and rerun spec - so its records are the ones wcfg's world
+    would write (its step is deterministic: pass 1's self-check, and the earlier pass's step
+    fingerprint checked against pass 1's)."""
+    from tpdiag.records.paths import RESULT, WORLD, rank_marker
+
+    try:
+        world = io.read_json(os.path.join(earlier, WORLD))
+        done = io.read_json(os.path.join(earlier, RESULT)).get("status") == "ok"
+    except Exception:  # noqa: BLE001 - no readable world: run it
+        return False
+    if not done or not all(os.path.isfile(os.path.join(earlier, rank_marker(r, "done")))
+                           for r in range(wcfg.point.tp)):
+        return False
+    mine, theirs = wcfg.to_dict(), world.get("config")
+    if not isinstance(theirs, dict):
+        return False
+    return {k: v for k, v in mine.items() if k not in _FOLDERS} == \
+        {k: v for k, v in theirs.items() if k not in _FOLDERS}
+
+
+def _linked(earlier: str, folder: str, degree: int) -> dict:
+    """The earlier world's files in this pass's folder (hard links: GBs of records cost nothing;
+    a copy where the file system refuses links), and its manifest entry: ok, no time spent."""
+    import shutil
+
+    os.makedirs(folder, exist_ok=True)
+    for name in sorted(os.listdir(earlier)):
+        src, dst = os.path.join(earlier, name), os.path.join(folder, name)
+        if not os.path.isfile(src) or os.path.islink(src):
+            continue
+        if os.path.exists(dst):
+            os.remove(dst)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    return {"degree": degree, "status": "ok", "wall_s": 0.0, "error": None, "records_from": earlier}
 
 
 def _flags_summary(setting: str, worlds: dict, labels: list) -> dict:
