@@ -301,7 +301,7 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         wcfg = cfg.world(point, label, run.world(label), device, ref_dir=ref_dir, reference=label == labels[0])
         earlier = (records_from or {}).get(label) if label != labels[0] else None
         if earlier and _same_world(earlier, wcfg):
-            files.world(label, _linked(earlier, run.world(label), degree))
+            files.world(label, _linked(earlier, run.world(label), label, degree))
             continue
         res = run_world(wcfg, cfg.timeout, on_status)
         if res.status != "ok":
@@ -363,10 +363,18 @@ def _same_world(earlier: str, wcfg) -> bool:
         {k: v for k, v in theirs.items() if k not in _FOLDERS}
 
 
-def _linked(earlier: str, folder: str, degree: int) -> dict:
+def _linked(earlier: str, folder: str, label: str, degree: int) -> dict:
     """The earlier world's files in this pass's folder (hard links: GBs of records cost nothing;
-    a copy where the file system refuses links), and its manifest entry: ok, no time spent."""
+    a copy where the file system refuses links), and its manifest entry: ok, no time spent, the
+    numerics its world recorded (its pass's manifest)."""
     import shutil
+
+    from tpdiag.records.rundir import read_manifest
+
+    try:
+        numerics = read_manifest(os.path.dirname(earlier))["worlds"][label].get("numerics")
+    except Exception:  # noqa: BLE001 - the manifest's numerics are a record of what ran, not evidence
+        numerics = None
 
     os.makedirs(folder, exist_ok=True)
     for name in sorted(os.listdir(earlier)):
@@ -379,7 +387,8 @@ def _linked(earlier: str, folder: str, degree: int) -> dict:
             os.link(src, dst)
         except OSError:
             shutil.copy2(src, dst)
-    return {"degree": degree, "status": "ok", "wall_s": 0.0, "error": None, "records_from": earlier}
+    return {"degree": degree, "status": "ok", "wall_s": 0.0, "error": None, "numerics": numerics,
+            "records_from": earlier}
 
 
 def _flags_summary(setting: str, worlds: dict, labels: list) -> dict:
