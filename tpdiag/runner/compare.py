@@ -291,6 +291,7 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
     t0 = time.perf_counter()
     setup_s = t0 - t_start  # checks, device, the manifest's versions
     worlds = [(w.point, w.label) for w in configs]
+    without_ops: list = []  # linked worlds read without their op records (_same_world)
     base_label = None
     if cfg.baseline and cfg.degrees.count(cfg.degrees[0]) == 1:
         base_label = configs[0].point.with_(repeat="base").compare_key(configs[0].point)  # '1-base'
@@ -300,8 +301,11 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         ref_dir = run.world(labels[0]) if label != labels[0] else ""
         wcfg = cfg.world(point, label, run.world(label), device, ref_dir=ref_dir, reference=label == labels[0])
         earlier = (records_from or {}).get(label) if label != labels[0] else None
-        if earlier and _same_world(earlier, wcfg):
-            files.world(label, _linked(earlier, run.world(label), label, degree))
+        same = _same_world(earlier, wcfg) if earlier else None
+        if same:
+            files.world(label, _linked(earlier, run.world(label), label, degree, same))
+            if same == "without ops":
+                without_ops.append(label)
             continue
         res = run_world(wcfg, cfg.timeout, on_status)
         if res.status != "ok":
@@ -312,7 +316,7 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         on_status("diff", "running")
     t_diff = time.perf_counter()
     summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label,
-                          axes={w.label: w for w in configs})
+                          axes={w.label: w for w in configs}, without_ops=tuple(without_ops))
     if cfg.layers:
         summary["slice"] = manifest["slice"]  # the `ran:` line says what ran
     from tpdiag.models.dtypes import checkpoint_dtype
@@ -341,29 +345,37 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
 _FOLDERS = ("out_dir", "ref_dir")
 
 
-def _same_world(earlier: str, wcfg) -> bool:
-    """Whether the world folder `earlier` (an earlier pass's, finished ok) ran exactly wcfg: the
-    same settings, configuration, probes and rerun spec - so its records are the ones wcfg's world
-    would write (its step is deterministic: pass 1's self-check, and the earlier pass's step
-    fingerprint checked against pass 1's)."""
+def _same_world(earlier: str, wcfg) -> str | None:
+    """How the world folder `earlier` (an earlier pass's, finished ok) ran wcfg: "same" - the same
+    settings, configuration, probes and rerun spec, so its records are the ones wcfg's world would
+    write (its step is deterministic: pass 1's self-check, and the earlier pass's step fingerprint
+    checked against pass 1's); "without ops" - the same, but it also recorded the ops of some
+    modules where wcfg records none (the op probe changes no number: the same check), so its
+    records less the ops are wcfg's; None - run wcfg."""
     from tpdiag.records.paths import RESULT, WORLD, rank_marker
 
     try:
         world = io.read_json(os.path.join(earlier, WORLD))
         done = io.read_json(os.path.join(earlier, RESULT)).get("status") == "ok"
     except Exception:  # noqa: BLE001 - no readable world: run it
-        return False
+        return None
     if not done or not all(os.path.isfile(os.path.join(earlier, rank_marker(r, "done")))
                            for r in range(wcfg.point.tp)):
-        return False
+        return None
     mine, theirs = wcfg.to_dict(), world.get("config")
     if not isinstance(theirs, dict):
-        return False
-    return {k: v for k, v in mine.items() if k not in _FOLDERS} == \
-        {k: v for k, v in theirs.items() if k not in _FOLDERS}
+        return None
+    mine, theirs = ({k: v for k, v in d.items() if k not in _FOLDERS} for d in (mine, theirs))
+    if mine == theirs:
+        return "same"
+    ops = ("granularity", "op_include")
+    if (mine.get("granularity"), mine.get("op_include")) == ("module", []) and theirs.get("granularity") == "op" \
+            and {k: v for k, v in mine.items() if k not in ops} == {k: v for k, v in theirs.items() if k not in ops}:
+        return "without ops"
+    return None
 
 
-def _linked(earlier: str, folder: str, label: str, degree: int) -> dict:
+def _linked(earlier: str, folder: str, label: str, degree: int, how: str) -> dict:
     """The earlier world's files in this pass's folder (hard links: GBs of records cost nothing;
     a copy where the file system refuses links), and its manifest entry: ok, no time spent, the
     numerics its world recorded (its pass's manifest)."""
@@ -388,7 +400,7 @@ def _linked(earlier: str, folder: str, label: str, degree: int) -> dict:
         except OSError:
             shutil.copy2(src, dst)
     return {"degree": degree, "status": "ok", "wall_s": 0.0, "error": None, "numerics": numerics,
-            "records_from": earlier}
+            "records_from": earlier, **({"records_read": "without its op records"} if how == "without ops" else {})}
 
 
 def _flags_summary(setting: str, worlds: dict, labels: list) -> dict:
