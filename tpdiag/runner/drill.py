@@ -353,7 +353,9 @@ def _judge_own_after_hash(rerun: CompareConfig, sub: dict, out: str, on_status) 
     # (drill_down's merge: _step_differs): they are not run again (compare_pass: records_from
     # where their configs match). Only the reference runs - at real sizes a decode world is most
     # of a region pass (llama-1b 1 x 2048: 51 of 68 s of this pass on an H200).
-    region = {lab: RunDir(out).world(lab) for lab in every if lab != sub.get("reference_label")}
+    # TPDIAG_OWN_PASS_RERUN=1: every world runs again (the A/B of the link: tests/test_own_pass_links.py)
+    region = {} if os.environ.get("TPDIAG_OWN_PASS_RERUN", "0") == "1" else {
+        lab: RunDir(out).world(lab) for lab in every if lab != sub.get("reference_label")}
     sub = drill_down(own, sub, out, on_status, records_from=region)
     for lab, d in entries(sub).items():
         if lab in firsts:
