@@ -197,7 +197,7 @@ FILE_SECONDS = {
     "test_rollout_generate_zoo.py": 35, "test_judge.py": 30, "test_own_after_confirm.py": 30,
     "test_rollout_what_to_do.py": 25, "test_compare_dtype_note.py": 30,
     "test_batch_coupled.py": 25, "test_decode_input_bug.py": 20, "test_rollout_tp_bug.py": 20,
-    "test_rollout_processed.py": 15,
+    "test_rollout_processed.py": 15, "test_own_pass_links.py": 30,
     "test_train_side.py": 39, "test_rollout_early.py": 15, "test_hash_mix.py": 38,
     "test_decode_compare.py": 62, "test_rl_axes.py": 50, "test_hf_plans.py": 46, "test_tamper_numbers.py": 33,
     "test_selfcheck_restore.py": 24, "test_op_bug_gate.py": 21, "test_py_target.py": 20, "test_configs.py": 19,

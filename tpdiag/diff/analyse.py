@@ -249,9 +249,12 @@ def step_drift(dd) -> list[dict]:
 
 
 def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[str, str],
-                reference_degree: int, baseline: str | None = None, axes: dict | None = None) -> dict:
+                reference_degree: int, baseline: str | None = None, axes: dict | None = None,
+                without_ops: tuple = ()) -> dict:
     """labels: every non-reference label; failed: {label: error} for worlds that did not finish;
-    axes: {label: tpdiag.base.points.World} where the run has axes besides TP (None: TP only)."""
+    axes: {label: tpdiag.base.points.World} where the run has axes besides TP (None: TP only);
+    without_ops: labels whose folders also hold op records this run did not ask for (an earlier
+    pass's world, runner/compare.py), read without them."""
     from tpdiag.diff.axis_cause import name_batch_variant
 
     degrees: dict[str, dict] = {}
@@ -272,7 +275,7 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
             degrees[label] = {"status": "failed", "error": failed[label]}
             continue
         try:
-            other = RecordSet(RunDir(run_dir).world(label))
+            other = RecordSet(RunDir(run_dir).world(label), drop_kinds=("op",) if label in without_ops else ())
             entry, rows = analyse_degree(ref, other, label)
         except Inconclusive as e:
             degrees[label] = {"status": "failed", "error": str(e)}

@@ -91,7 +91,11 @@ def read_index(out_dir: str) -> tuple[dict, list[dict]]:
 class RecordSet:
     """Read side. Tensors load lazily; a truncated or edited file is Inconclusive, never misread."""
 
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str, drop_kinds: tuple[str, ...] = ()):
+        """drop_kinds: the set without these records, as a world that recorded none of them would
+        have written it (runner/compare.py: an earlier pass's world that also recorded ops, read
+        by a pass that records none): the rest keep their order and are numbered from 0 again,
+        as such a world numbers them; their tensors are read by the numbers stored."""
         self.dir = out_dir
         epath = os.path.join(out_dir, EVENTS)
         self.events = io.read_jsonl(epath)
@@ -131,6 +135,11 @@ class RecordSet:
         if missing:
             raise Inconclusive(f"{path}: {len(missing)} records listed in {EVENTS} are missing "
                                f"(first: {missing[0]})")
+        self._stored: dict = {}  # idx -> the number its tensor is stored under, where they differ
+        if drop_kinds:
+            kept = [m for m in self.events if m["kind"] not in drop_kinds]
+            self._stored = {i: m["idx"] for i, m in enumerate(kept)}
+            self.events = [{**m, "idx": i} for i, m in enumerate(kept)]
         self.by_key = {}
         self._verified: set = set()  # idx of records whose stored hash was checked
         for m in self.events:
@@ -149,7 +158,7 @@ class RecordSet:
             raise Inconclusive(f"{self.dir}: record {meta['key']} was captured as a hash only "
                                "(--capture hash); rerun with --capture full for its values")
         try:
-            t = self._f.get_tensor(str(meta["idx"]))
+            t = self._f.get_tensor(str(self._stored.get(meta["idx"], meta["idx"])))
         except Exception as e:
             raise Inconclusive(f"{self.dir}: record {meta['key']} unreadable ({_line(e)})") from None
         # The stored tensor must be what the index says it is: an edited header or index that

@@ -237,11 +237,16 @@ def default_out() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
-def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True):
+def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, records_from: dict | None = None):
     """(summary, RunFiles): one compare pass (every configuration's world, then the diff), and
     its run directory's files as it wrote them, for the session to add its parts to
     (records/run_files.py: the files' one writer). The command - this pass, then the second
-    pass, confirmation and fix chain - is runner/session.py's compare_session."""
+    pass, confirmation and fix chain - is runner/session.py's compare_session.
+
+    records_from: {label: world folder} of non-reference configurations an earlier pass of this
+    run may already have run (runner/drill.py: the own-input pass after a region pass, whose only
+    new work is the reference's float64 re-execution): a world whose config there is this pass's
+    (its folders aside) is not run again; its files are linked into this pass's folder."""
     from tpdiag.diff.analyse import analyse_run
     from tpdiag.runner.determinism import numerics_env
     from tpdiag.kernels.record_hash_ref import HASH_VERSION  # the lane mix its worlds hash with
@@ -286,6 +291,7 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True):
     t0 = time.perf_counter()
     setup_s = t0 - t_start  # checks, device, the manifest's versions
     worlds = [(w.point, w.label) for w in configs]
+    without_ops: list = []  # linked worlds read without their op records (_same_world)
     base_label = None
     if cfg.baseline and cfg.degrees.count(cfg.degrees[0]) == 1:
         base_label = configs[0].point.with_(repeat="base").compare_key(configs[0].point)  # '1-base'
@@ -294,6 +300,13 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True):
         degree = point.tp
         ref_dir = run.world(labels[0]) if label != labels[0] else ""
         wcfg = cfg.world(point, label, run.world(label), device, ref_dir=ref_dir, reference=label == labels[0])
+        earlier = (records_from or {}).get(label) if label != labels[0] else None
+        same = _same_world(earlier, wcfg) if earlier else None
+        if same:
+            files.world(label, _linked(earlier, run.world(label), label, degree, same))
+            if same == "without ops":
+                without_ops.append(label)
+            continue
         res = run_world(wcfg, cfg.timeout, on_status)
         if res.status != "ok":
             failed[label] = res.error
@@ -303,7 +316,7 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True):
         on_status("diff", "running")
     t_diff = time.perf_counter()
     summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label,
-                          axes={w.label: w for w in configs})
+                          axes={w.label: w for w in configs}, without_ops=tuple(without_ops))
     if cfg.layers:
         summary["slice"] = manifest["slice"]  # the `ran:` line says what ran
     from tpdiag.models.dtypes import checkpoint_dtype
@@ -326,6 +339,73 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True):
     summary["run_dir"] = out
     summary["flags"] = _flags_summary(cfg.flags, manifest["worlds"], labels)
     return summary, files
+
+
+# where a world's config names its own folders: two passes' worlds differ there and nowhere else
+_FOLDERS = ("out_dir", "ref_dir")
+
+
+def _same_world(earlier: str, wcfg) -> str | None:
+    """How the world folder `earlier` (an earlier pass's, finished ok) ran wcfg: "same" - the same
+    settings, configuration, probes and rerun spec, so its records are the ones wcfg's world would
+    write (its step is deterministic: pass 1's self-check, and the earlier pass's step fingerprint
+    checked against pass 1's); "without ops" - the same, but it also recorded the ops of some
+    modules where wcfg records none (the op probe changes no number: the same check), so its
+    records less the ops are wcfg's; None - run wcfg."""
+    from tpdiag.records.paths import RESULT, WORLD, rank_marker
+
+    try:
+        world = io.read_json(os.path.join(earlier, WORLD))
+        done = io.read_json(os.path.join(earlier, RESULT)).get("status") == "ok"
+    except Exception:  # noqa: BLE001 - no readable world: run it
+        return None
+    if not done or not all(os.path.isfile(os.path.join(earlier, rank_marker(r, "done")))
+                           for r in range(wcfg.point.tp)):
+        return None
+    mine, theirs = wcfg.to_dict(), world.get("config")
+    if not isinstance(theirs, dict):
+        return None
+    mine, theirs = ({k: v for k, v in d.items() if k not in _FOLDERS} for d in (mine, theirs))
+    if mine == theirs:
+        return "same"
+    ops = ("granularity", "op_include")
+    if (mine.get("granularity"), mine.get("op_include")) == ("module", []) and theirs.get("granularity") == "op" \
+            and {k: v for k, v in mine.items() if k not in ops} == {k: v for k, v in theirs.items() if k not in ops}:
+        return "without ops"
+    return None
+
+
+def _linked(earlier: str, folder: str, label: str, degree: int, how: str) -> dict:
+    """The earlier world's files in this pass's folder (hard links: GBs of records cost nothing;
+    a copy where the file system refuses links), and its manifest entry: ok, no time spent, the
+    numerics its world recorded (its pass's manifest)."""
+    import shutil
+
+    from tpdiag.records.rundir import read_manifest
+
+    try:
+        numerics = read_manifest(os.path.dirname(earlier))["worlds"][label].get("numerics")
+    except Exception:  # noqa: BLE001 - the manifest's numerics are a record of what ran, not evidence
+        numerics = None
+
+    from tpdiag.runner.launch import _MARKER
+
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(folder):  # an earlier run's rank markers here, as run_world drops them
+        if _MARKER.fullmatch(name) and not os.path.isdir(os.path.join(folder, name)):
+            os.unlink(os.path.join(folder, name))
+    for name in sorted(os.listdir(earlier)):
+        src, dst = os.path.join(earlier, name), os.path.join(folder, name)
+        if not os.path.isfile(src) or os.path.islink(src):
+            continue
+        if os.path.exists(dst):
+            os.remove(dst)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    return {"degree": degree, "status": "ok", "wall_s": 0.0, "error": None, "numerics": numerics,
+            "records_from": earlier, **({"records_read": "without its op records"} if how == "without ops" else {})}
 
 
 def _flags_summary(setting: str, worlds: dict, labels: list) -> dict:

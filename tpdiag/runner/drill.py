@@ -62,12 +62,16 @@ def wanted(cfg: CompareConfig, summary: dict) -> bool:
 _VERDICT = ("bound", "bound_ratio", "bound_model", "oracle")
 
 
-def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, later: list | None = None) -> dict:
+def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, later: list | None = None,
+               records_from: dict | None = None) -> dict:
     """later: where the session confirms afterwards, a list the own-input pass after a region pass
     is appended to (a callable taking the confirmed summary) instead of running now: after the
     confirmation it judges only the modules the confirming fix leaves divergent (a bug verdict on
     a record the fixes make bitwise is dismissed anyway: DESIGN.md), and none where the fix leaves
-    no divergence - at real sizes the largest part of the second pass."""
+    no divergence - at real sizes the largest part of the second pass.
+    records_from: {label: world folder} of the configurations whose records an earlier pass made
+    with this pass's probes (the own-input pass reads the region pass's: _judge_own_after_hash);
+    taken where a world would run exactly as it ran there (runner/compare.py)."""
     from tpdiag.diff.judge import settle
     from tpdiag.records.causes import cause_class
     from tpdiag.runner.compare import compare_pass
@@ -159,7 +163,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
             out = rerun.out + "-all"
             rerun = rerun.with_(out=out)
     if sub is None:
-        sub = compare_pass(rerun)[0]
+        sub = compare_pass(rerun, records_from=records_from)[0]
     op_failed = ops and not n and _ops_not_spmd(sub)
     if op_failed:
         # each rank ran other ops (an MoE's experts on the tokens routed to this rank's experts:
@@ -344,7 +348,15 @@ def _judge_own_after_hash(rerun: CompareConfig, sub: dict, out: str, on_status) 
     import copy
 
     firsts = {lab: copy.deepcopy(d.get("first_divergence")) for lab, d in every.items()}
-    sub = drill_down(own, sub, out, on_status)
+    # its other worlds run as the region pass's did (the same modules whole, the same ops, every
+    # position; only the reference's float64 oracle is new), their step proven pass 1's there
+    # (drill_down's merge: _step_differs): they are not run again (compare_pass: records_from
+    # where their configs match). Only the reference runs - at real sizes a decode world is most
+    # of a region pass (llama-1b 1 x 2048: 51 of 68 s of this pass on an H200).
+    # TPDIAG_OWN_PASS_RERUN=1: every world runs again (the A/B of the link: tests/test_own_pass_links.py)
+    region = {} if os.environ.get("TPDIAG_OWN_PASS_RERUN", "0") == "1" else {
+        lab: RunDir(out).world(lab) for lab in every if lab != sub.get("reference_label")}
+    sub = drill_down(own, sub, out, on_status, records_from=region)
     for lab, d in entries(sub).items():
         if lab in firsts:
             d["first_divergence"] = firsts[lab]

@@ -1,0 +1,75 @@
+"""The own-input pass after a region pass (runner/drill.py: _judge_own_after_hash) runs only the
+reference: its other worlds would record again exactly what the region pass's recorded, so their
+folders are linked from there (runner/compare.py: records_from) - read without their op records
+where the region pass also recorded ops and this pass records none. The run directory's verdict
+files are those of the pass that reruns every world (TPDIAG_OWN_PASS_RERUN=1, the control)."""
+import json
+import os
+import sys
+
+from conftest import ROOT, run_cli
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from same_rundirs import _json_lines  # noqa: E402  (timings, hosts and paths dropped)
+
+HASH = ("--capture", "hash", "--no-confirm", "--no-baseline", "--format", "json")
+DECODE = ("--tp", "1", "--mode", "prefill,decode", "--forward-only", "--dtype", "bfloat16",
+          "--batch-size", "1", "--seq-len", "16")
+BEHIND = ("--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2")
+
+
+def _pair(tmp_path, name, args):
+    """(linked, rerun-all) run directories of one compare."""
+    out = []
+    for rerun in ("0", "1"):
+        d = tmp_path / f"{name}-{rerun}"
+        p = run_cli("compare", *args, *HASH, "--out", str(d),
+                    env={"OMP_NUM_THREADS": "1", "TPDIAG_OWN_PASS_RERUN": rerun})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+        out.append(d)
+    return out
+
+
+def _same_verdict_files(a, b):
+    for name in ("summary.json", "diff.csv", "region/summary.json", "region/ops/summary.json",
+                 "region/ops/diff.csv"):
+        pa, pb = str(a / name), str(b / name)
+        if name.endswith(".csv"):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+        else:
+            assert _json_lines(pa, str(a)) == _json_lines(pb, str(b)), name
+
+
+def _worlds(d):
+    return json.loads((d / "region" / "ops" / "manifest.json").read_text())["worlds"]
+
+
+def test_the_decode_world_is_not_run_again_and_the_verdict_is_the_same(tmp_path):
+    linked, rerun = _pair(tmp_path, "decode", DECODE)
+    s = json.loads((linked / "summary.json").read_text())
+    d = s["configurations"]["1-decode"]
+    assert d["own_inputs_hash"], d  # the downstream modules waited for the own-input pass
+    w = _worlds(linked)
+    assert w["1-decode"]["records_from"] == str(linked / "region" / "tp1-decode"), w
+    assert w["1-decode"]["wall_s"] == 0.0 and w["1"]["wall_s"] > 0, w
+    assert os.path.samefile(linked / "region" / "ops" / "tp1-decode" / "records.safetensors",
+                            linked / "region" / "tp1-decode" / "records.safetensors")
+    # the control ran it again
+    assert "records_from" not in _worlds(rerun)["1-decode"] and _worlds(rerun)["1-decode"]["wall_s"] > 0
+    _same_verdict_files(linked, rerun)
+
+
+def test_a_world_that_also_recorded_ops_is_read_without_them(tmp_path):
+    """At TP=2 the first divergence's verdict came with its ops in the region pass; the own-input
+    pass records modules only: the TP=2 world's ops are left out and the rest numbered as a
+    module-level world numbers them (diff.csv's idx, byte for byte the control's). The bug behind
+    the first divergence is still found, judged on the TP=2 side's own inputs."""
+    linked, rerun = _pair(tmp_path, "behind", BEHIND)
+    w = _worlds(linked)
+    assert w["2"]["records_from"] == str(linked / "region" / "tp2"), w
+    assert w["2"]["records_read"] == "without its op records", w
+    assert "records_from" not in _worlds(rerun)["2"]
+    _same_verdict_files(linked, rerun)
+    d = json.loads((linked / "summary.json").read_text())["degrees"]["2"]
+    kv = {f["name"]: f for f in d["findings"] if (f["module"], f["kind"]) == ("kv", "param_grad")}
+    assert kv["wv"]["cause"] == "sharding-bug" and kv["wv"]["oracle"]["own"], kv
