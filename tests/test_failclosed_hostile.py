@@ -97,6 +97,11 @@ EDITS = {
     "result.json symlinked out": _symlinked_out("result.json"),
     "summary reference edited": lambda r: _json_edit(r / "summary.json",
                                                      lambda d: d.update(reference=2, reference_label="2")),
+    # the reference rerun reproduced it bitwise: summary.json edited to say it did not, or to say
+    # nothing of it (the report then printed "NOT reproducible" / the gate passed either way)
+    "summary baseline says not reproducible": lambda r: _json_edit(
+        r / "summary.json", lambda d: d["baseline"].update(reproducible=False)),
+    "summary baseline removed": lambda r: _json_edit(r / "summary.json", lambda d: d.pop("baseline")),
 }
 
 

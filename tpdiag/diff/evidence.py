@@ -19,10 +19,19 @@ def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict]) -> l
     by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in degrees}
     ok = [lab for lab in degrees if isinstance(degrees[lab], dict) and degrees[lab].get("status") != "failed"]
     base = summary.get("baseline") if isinstance(summary.get("baseline"), dict) else {}
-    base_label = str(base["label"]) if base.get("reproducible") and base.get("label") is not None else None
+    base_label = reported_rerun(manifest, base)
     dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *degrees, *([base_label] if base_label else [])]}
     # every record re-diffed: an edit to diff.csv and summary.json together (a clean table over divergent
     # records, a logprob or loss difference made 0) is inconclusive, not shown
     out += [p if f"TP={lab}" in p or p.startswith("reference") else f"TP={lab}: {p}" for lab, p in
-            verify(dirs, ref, ok, by_label, degrees, base_label).items()]
+            verify(dirs, ref, ok, by_label, degrees, base_label, bool(base.get("reproducible"))).items()]
     return out
+
+
+def reported_rerun(manifest: dict, base: dict) -> str | None:
+    """The reference rerun whose records can say whether summary.json's baseline is true: one it
+    reports that the manifest ran to the end (a rerun that failed has no records to re-diff)."""
+    if base.get("label") is None:
+        return None
+    w = (manifest.get("worlds") or {}).get(str(base["label"]))
+    return str(base["label"]) if base.get("reproducible") or (isinstance(w, dict) and w.get("status") == "ok") else None

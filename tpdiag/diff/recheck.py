@@ -130,10 +130,12 @@ def check_numbers(label: str, entry: dict, got: dict) -> str | None:
 
 
 def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
-           entries: dict[str, dict] | None = None, base: str | None = None) -> dict[str, str]:
+           entries: dict[str, dict] | None = None, base: str | None = None,
+           base_reproducible: bool = True) -> dict[str, str]:
     """{label: problem} where the records disagree with diff.csv or (entries given) with summary.json.
 
-    base: the label of a reference rerun that summary.json calls reproducible; it must still be.
+    base: the label of the reference rerun summary.json reports; its records must say what
+    summary.json says of it (base_reproducible: bitwise equal to the reference's, or not).
     """
     from tpdiag.diff.engine import diff_degree
     from tpdiag.records.store import RecordSet
@@ -157,8 +159,15 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
     if base:
         try:
             dd = diff_degree(ref_rs, RecordSet(dirs[base]), base, keep=lambda m: False, values=False)
-            if dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows):
-                problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
+            differs = bool(dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows))
         except Inconclusive as e:  # NotComparable too
-            problems[base] = str(e).splitlines()[0]
+            if base_reproducible:
+                problems[base] = str(e).splitlines()[0]
+            differs = None  # not comparable: not reproducible, as summary.json says
+        if base_reproducible and differs:
+            problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
+        elif not base_reproducible and differs is False:
+            # the other way round: a reproducible reference edited to read as nondeterministic
+            problems[base] = ("summary.json calls the reference rerun not reproducible but its records are "
+                              "bitwise the reference's (edited after the run)")
     return problems

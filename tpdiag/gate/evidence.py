@@ -42,14 +42,17 @@ def degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others:
         elif degrees[lab].get("status") == "failed":
             errors[lab] = f"failed: {degrees[lab].get('error')}"
     base = summary.get("baseline") or {}
-    base_label = str(base["label"]) if base.get("reproducible") and base.get("label") else None
+    from tpdiag.diff.evidence import reported_rerun
+
+    base_label = reported_rerun(manifest, base)
     from tpdiag.records.rundir import records_dir
 
     dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *others, *([base_label] if base_label else [])]}
     from tpdiag.diff.recheck import verify
 
     # every record re-read and re-diffed: diff.csv's rows and summary.json's numbers must be what they give
-    errors.update(verify(dirs, ref, [lab for lab in others if lab not in errors], by_label, degrees, base_label))
+    errors.update(verify(dirs, ref, [lab for lab in others if lab not in errors], by_label, degrees, base_label,
+                         bool(base.get("reproducible"))))
     for lab in others:
         if lab not in errors:
             bad = check_summary(lab, degrees[lab], by_label[lab])

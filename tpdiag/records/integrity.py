@@ -361,6 +361,10 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) ->
     base_label = str(base["label"]) if base and base.get("label") is not None else None
     if base_label is not None and base_label not in worlds:
         out.append(f"summary.json reports the reference rerun TP={base_label}, which manifest.json never ran")
+    reruns = [k for k, w in worlds.items() if k not in labels and isinstance(w, dict) and w.get("status") == "ok"]
+    if base is None and reruns:
+        out.append(f"manifest.json ran the reference rerun TP={reruns[0]} but summary.json reports no baseline "
+                   "(edited after the run)")
     for lab in labels + ([base_label] if base_label in worlds else []):
         w = worlds.get(lab)
         if not isinstance(w, dict):
