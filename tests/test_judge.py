@@ -36,7 +36,10 @@ def _reanalyse(src, tmp_path):
     # gate reads the directory as edited (records/integrity.py: a second pass summary.json omits)
     for name in SECOND_PASS_DIRS:
         shutil.rmtree(run / name, ignore_errors=True)
-    summary = analyse_run(str(run), "1", ["2"], {}, 1)  # returns it; the one writer writes it
+    # with the run's reference rerun, as the compare judged it (a summary that drops a baseline
+    # the manifest ran reads as edited: records/integrity.py)
+    base = "1-base" if (run / "tp1-base").is_dir() else None
+    summary = analyse_run(str(run), "1", ["2"], {}, 1, base)  # returns it; the one writer writes it
     write_summary(str(run), summary)
     d = read_summary(str(run))["degrees"]["2"]
     return d, evaluate(str(run))
