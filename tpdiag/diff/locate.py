@@ -319,7 +319,7 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
     # TP=1 dispatches no op) computes nothing: it is not where a difference enters
     extra = sorted((m for m in dd.uncompared if lo < m["idx"] < first["idx"]
                     and m["why"] in ("only at this degree", "collective output before wait_tensor")
-                    and str(m["name"]).rsplit("#", 1)[0] not in PICK_OPS),
+                    and not _is_pick(m)),
                    key=lambda m: m["idx"])
     if extra and (hit is None or extra[0]["idx"] < hit["idx"] and extra[0]["name"].startswith("c10d::")):
         # a hand-written in-place collective ran before the first differing shared op: the
@@ -343,10 +343,16 @@ def _caller_verdict(dd: DegreeDiff, first: dict, fd: dict) -> dict | None:
     return {**v, "record": out["key"]}
 
 
+def _is_pick(row: dict) -> bool:
+    """An op record of a pick (its name less the call suffix is exactly one of PICK_OPS: aten::index
+    is one, aten::index_put is not)."""
+    return str(row.get("name")).rsplit("#", 1)[0] in PICK_OPS
+
+
 def _pick_source_equal(dd: DegreeDiff, op_row: dict | None) -> bool | None:
     """For a pick (slice, select) of the model's own tensor: whether its source, recorded once
     beside it (probes/op_probe.py), is bitwise equal at both sides; None for any other op."""
-    if op_row is None or op_row.get("kind") != "op" or str(op_row.get("name")).rsplit("#", 1)[0] not in PICK_OPS:
+    if op_row is None or op_row.get("kind") != "op" or not _is_pick(op_row):
         return None
     key = op_row["key"].rsplit(".", 1)[0] + ".src"
     src = next((r for r in dd.rows if r["key"] == key), None)

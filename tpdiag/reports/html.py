@@ -152,9 +152,7 @@ def build_context(run_dir: str) -> dict:
     by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in labels}
     ok = [lab for lab in labels if degrees[lab].get("status") != "failed"]
     fds = {lab: degrees[lab].get("first_divergence") for lab in labels}
-    base = summary.get("baseline") if isinstance(summary.get("baseline"), dict) else {}
-    base_label = str(base["label"]) if base.get("reproducible") and base.get("label") is not None else None
-    dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *labels, *([base_label] if base_label else [])]}
+    dirs = {lab: records_dir(run_dir, manifest, lab) for lab in [ref, *labels]}
     ev = evidence.load(dirs, ref, ok, {lab: (fds[lab] or {}).get("key") for lab in ok}) if ok else {}
     capture = summary.get("source") == "capture"
     verdicts = [dict(words.verdict(lab, ref, degrees[lab], _fix_of, capture), label=lab,

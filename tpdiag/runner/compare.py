@@ -388,12 +388,9 @@ def _linked(earlier: str, folder: str, label: str, degree: int, how: str) -> dic
     except Exception:  # noqa: BLE001 - the manifest's numerics are a record of what ran, not evidence
         numerics = None
 
-    from tpdiag.runner.launch import _MARKER
+    from tpdiag.runner.launch import drop_markers
 
-    os.makedirs(folder, exist_ok=True)
-    for name in os.listdir(folder):  # an earlier run's rank markers here, as run_world drops them
-        if _MARKER.fullmatch(name) and not os.path.isdir(os.path.join(folder, name)):
-            os.unlink(os.path.join(folder, name))
+    drop_markers(folder)  # an earlier run's rank markers here, as run_world drops them
     for name in sorted(os.listdir(earlier)):
         src, dst = os.path.join(earlier, name), os.path.join(folder, name)
         if not os.path.isfile(src) or os.path.islink(src):

@@ -13,10 +13,6 @@ from tpdiag.records.paths import RunDir
 from tpdiag.runner import prefix
 
 
-def _sub(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False) -> dict:
-    return _rerun(cfg, out, degrees, fixes, baseline)[0]
-
-
 def _rerun(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False, finish: bool = True):
     """(summary, RunFiles) of a rerun in `out` (finish: as compare_pass's)."""
     from tpdiag.runner.compare import compare_pass
@@ -130,21 +126,27 @@ def _judge_after(cfg: CompareConfig, sub: dict, files, out: str, fix: str, only,
     residual added twice at TP > 1, behind the row-parallel sum's rounding), and a verdict of
     "rounding only" would let it through."""
     from tpdiag.records.axes import entries
-    from tpdiag.runner.drill import drill_down, wanted
 
     if not any((e.get("first_divergence") or {}).get("cause") == "unknown" for e in entries(sub).values()):
         return sub
     fixes = tuple(cfg.fixes) + tuple(fix.split("+"))
     rcfg = cfg.with_(out=out, fixes=fixes, fix_mode="explicit", confirm=False, baseline=False)
     rcfg = rcfg.with_(only=tuple(only)) if only else rcfg.with_(degrees=tuple(degrees))
-    if not wanted(rcfg, sub):
-        return sub
-    from tpdiag.diff.classes import add_classes
+    return _drilled(rcfg, sub, files, out, on_status)
 
-    sub = drill_down(rcfg, sub, out, on_status)
-    add_classes(sub)
-    files.summary(sub)
-    return sub
+
+def _drilled(rcfg: CompareConfig, summary: dict, files, out: str, on_status=None) -> dict:
+    """summary after its second pass, where rcfg wants one: judged, its classes added, its
+    summary.json rewritten by its one writer (files)."""
+    from tpdiag.diff.classes import add_classes
+    from tpdiag.runner.drill import drill_down, wanted
+
+    if not wanted(rcfg, summary):
+        return summary
+    summary = drill_down(rcfg, summary, out, on_status)
+    add_classes(summary)
+    files.summary(summary)
+    return summary
 
 
 def _bug_after(entry: dict, after: dict | None, fix: str) -> None:
@@ -170,15 +172,9 @@ def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None, 
     verdicts, each module on its own inputs) where the compare wants one, then its classes.
     Its manifest gets its status after the second pass (finish=False: round 0, the session's own
     run directory, which the session finishes). Returns (summary, its RunFiles)."""
-    from tpdiag.diff.classes import add_classes
-    from tpdiag.runner.drill import drill_down, wanted
-
     summary, files = _rerun(cfg, out, cfg.degrees, fixes, baseline=baseline, finish=False)
     rcfg = cfg.with_(out=out, fixes=tuple(fixes), fix_mode="explicit", confirm=False, baseline=baseline)
-    if wanted(rcfg, summary):
-        summary = drill_down(rcfg, summary, out, on_status)
-        add_classes(summary)
-        files.summary(summary)
+    summary = _drilled(rcfg, summary, files, out, on_status)
     if finish:
         files.add(status=summary["status"])
     return summary, files

@@ -102,7 +102,7 @@ def prestart(model: str = "") -> None:
         return
     # RANK_ENV goes to the server (so to every rank) but not to this process: here torch is not
     # imported yet, and OMP_NUM_THREADS=1 would make the diff, which runs here, single-threaded
-    saved = _env_of([*RANK_ENV, "PYTHONSAFEPATH", SAFE_PATH_MARK])
+    saved = _rank_vars()
     try:
         ctx = _context(model)
         if ctx.get_start_method() == "forkserver" and threading.current_thread() is threading.main_thread():
@@ -113,8 +113,19 @@ def prestart(model: str = "") -> None:
         _restore_env(saved)
 
 
-def _env_of(names) -> dict:
-    return {k: os.environ.get(k) for k in names}
+def drop_markers(folder: str) -> None:
+    """A world folder made ready for a world: only the markers a rank writes (rankN.done,
+    rankN.error) from an earlier run there are removed - any other file in tpN/ is not tpdiag's to
+    delete."""
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(folder):
+        if _MARKER.fullmatch(name) and not os.path.isdir(os.path.join(folder, name)):
+            os.unlink(os.path.join(folder, name))
+
+
+def _rank_vars() -> dict:
+    """This process's own values of what _context sets for the ranks (None: unset), for _restore_env."""
+    return {k: os.environ.get(k) for k in (*RANK_ENV, "PYTHONSAFEPATH", SAFE_PATH_MARK)}
 
 
 def _restore_env(saved: dict) -> None:
@@ -148,19 +159,14 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None, ca
         from tpdiag.errors import BadInput
 
         raise BadInput(f"--timeout {timeout_s!r}: expected a finite number of seconds > 0") from None
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    for name in os.listdir(cfg.out_dir):
-        # Only the markers a rank writes (rankN.done, rankN.error) from an earlier run here: any other
-        # file in tpN/ is not tpdiag's to delete.
-        if _MARKER.fullmatch(name) and not os.path.isdir(os.path.join(cfg.out_dir, name)):
-            os.unlink(os.path.join(cfg.out_dir, name))
+    drop_markers(cfg.out_dir)
     t0 = time.perf_counter()
     store = dist.TCPStore("127.0.0.1", 0, world_size=world + 1, is_master=True,
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     # RANK_ENV and PYTHONSAFEPATH are for the ranks (the fork server, or a spawned/forked rank, takes
     # them at its start), not for the caller: a library user's process (a notebook, a test session)
     # would keep OMP_NUM_THREADS=1 and PYTHONSAFEPATH for every later subprocess
-    saved = _env_of([*RANK_ENV, "PYTHONSAFEPATH", SAFE_PATH_MARK])
+    saved = _rank_vars()
     ctx = _context(cfg.model)
     launched_at = time.time()
     procs = [ctx.Process(target=entry or worker.main, name=f"tpdiag-{folder(world)}-rank{r}",
