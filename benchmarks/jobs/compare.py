@@ -25,7 +25,8 @@ confirmation and the worlds' wall times. Named sets of runs (--set):
            one GPU): the first world's start at issue #20's size
   time     where the time goes (manifest.json time_breakdown, printed per run): llama-1b bf16
            1 x 2048 and a Llama-3.1-8B-shaped hf: config (make_tiny_hf.py --shape llama-8b) cut to
-           its first 4 layers (--layers 4), then the whole 8B (8b); default --tp 1,1 (two TP=1
+           its first 4 layers (--layers 4), then the whole 8B (8b), and a 70B-shaped one's first 4
+           layers (t-70b-4l); default --tp 1,1 (two TP=1
            worlds: one GPU) - `time-breakdown`
 
     python -m benchmarks compare-1b [--tp 1,2,4]
@@ -52,6 +53,7 @@ TINY_HF = os.path.join(ROOT, "examples", "make_tiny_hf.py")
 MED = ["--model", "medium-llama", "--seq-len", "256", "--batch-size", "4"]
 Q4B = ["--model", "hf:/tmp/hf-qwen3-4b", "--dtype", "bfloat16", "--seq-len", "1024", "--batch-size", "2"]
 L8B = ["--model", "hf:/tmp/hf-llama-8b", "--dtype", "bfloat16", "--seq-len", "2048", "--batch-size", "1"]
+L70B = ["--model", "hf:/tmp/hf-llama-70b", "--dtype", "bfloat16", "--seq-len", "2048", "--batch-size", "1"]
 L1B = ["--model", "llama-1b", "--dtype", "bfloat16", "--seq-len", "2048", "--batch-size", "1"]
 
 # set -> [(name, compare args, extra env, seconds)]; tp None: the set's --tp
@@ -107,7 +109,10 @@ SETS: dict[str, list[tuple]] = {
                                 "--forward-only", "--fix", "all", "--no-confirm", "--tp", "1,2", "--grid"], {}, 200)],
     # issue #59 item 1: each run's breakdown (setup, worlds, rerun, diff, second pass, confirmations;
     # model build, float64, Triton compiles) is printed after the table
-    "time": [("t-l1b", L1B, {}, 150), ("t-8b-4l", L8B + ["--layers", "4"], {}, 150), ("t-8b", L8B, {}, 300)],
+    "time": [("t-l1b", L1B, {}, 150), ("t-8b-4l", L8B + ["--layers", "4"], {}, 150), ("t-8b", L8B, {}, 300),
+             # issue #59 item 3: a 70B-shaped config does not fit TP=1; its first 4 layers with the
+             # real embedding and head (--layers 4) do
+             ("t-70b-4l", L70B + ["--layers", "4"], {}, 300)],
     "smoke": [("smoke-fp32", ["--dtype", "float32", "--no-baseline", "--no-confirm"], {}, 240)],
     # the fork server started before the input checks (runner/launch.prestart) or, as before, with
     # the first world: A/B pairs, alternating; read each run's first world's spawn_s and start
@@ -218,7 +223,8 @@ def main(argv: list[str]) -> dict:
             subprocess.run([sys.executable, TINY_HF, m, f"/tmp/hf-{m}"], check=True, capture_output=True)
         made = {"hf:/tmp/hf-qwen3-4b": ("qwen3", "qwen3-4b", []),
                 "hf:/tmp/hf-qwen3-4b-st": ("qwen3", "qwen3-4b", ["--weights"]),
-                "hf:/tmp/hf-llama-8b": ("llama", "llama-8b", [])}
+                "hf:/tmp/hf-llama-8b": ("llama", "llama-8b", []),
+                "hf:/tmp/hf-llama-70b": ("llama", "llama-70b", [])}
         for target, (kind, shape, extra) in made.items():
             if any(target in r[1] for r in args.runs):
                 t0 = time.monotonic()
