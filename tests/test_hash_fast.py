@@ -67,3 +67,24 @@ def test_tensor_hash_on_cpu_is_the_definition():
     assert tensor_hash(torch.zeros(0)) == hash_of_lanes(0, 0, "torch.float32", (0,))
     assert tensor_hash(torch.tensor(2.5)) == hash_of_lanes(*reference_lanes(torch.tensor(2.5)),
                                                            "torch.float32", ())
+
+
+@pytest.mark.parametrize("mix", [1, 2])
+def test_whole_lanes_in_threaded_pieces_is_the_definition(mix, monkeypatch):
+    # a compare's parent hashes a big record in pieces on several threads: the lanes of the pieces,
+    # each hashed at its own offset, add up to the whole tensor's (exact integers, any order)
+    from tpdiag.kernels.record_hash_ref import M32, _pieces, whole_lanes
+
+    monkeypatch.setenv("TPDIAG_HASH_THREADS", "3")
+    for t in _tensors():
+        n = t.numel() * (2 if t.is_complex() else 1)
+        assert len(_pieces(n, 7)) == 3  # 7-word chunks: three pieces, the last one short
+        want = tuple(x & M32 for x in reference_lanes(t, mix))
+        assert whole_lanes(t, mix, chunk=7) == want, t.dtype
+        # negative control: a piece hashed at offset 0 instead of its own is another hash
+        import tpdiag.kernels.record_hash_ref as ref
+
+        real = ref._lanes_numpy
+        monkeypatch.setattr(ref, "_lanes_numpy", lambda v, sn, fb, ob, one, m, c: real(v, sn, fb, 0, one, m, c))
+        assert whole_lanes(t, mix, chunk=7) != want, t.dtype
+        monkeypatch.setattr(ref, "_lanes_numpy", real)

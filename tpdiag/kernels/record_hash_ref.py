@@ -175,8 +175,40 @@ def whole_lanes(t: torch.Tensor, mix: int = HASH_VERSION, chunk: int = CHUNK) ->
         raise ValueError(f"unknown record-hash mix {mix!r} (known: {MIXES})")
     v, _ = _raw(t)
     n = v.numel()
-    la, lb = _lanes_numpy(v, n, n, 0, True, mix, max(1, min(chunk, n)))  # one slab at offset 0
-    return la & M32, lb & M32
+    chunk = max(1, min(chunk, n))
+    pieces = _pieces(n, chunk)
+    if len(pieces) == 1:
+        la, lb = _lanes_numpy(v, n, n, 0, True, mix, chunk)  # one slab at offset 0
+        return la & M32, lb & M32
+    # The lanes are sums over words of a function of (word, its index): a piece starting at word
+    # s is hashed as a slab at offset s and the pieces' sums added - exact integers, so the same
+    # lanes in any order. numpy's ufuncs let go of the GIL: a compare's parent, which checks every
+    # record it reads (GBs at 8B), runs the pieces on its idle cores (32 s -> a few on a GPU host).
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(pieces)) as ex:  # joined here: no thread outlives the call (forks)
+        parts = list(ex.map(lambda p: _lanes_numpy(v[p[0]:p[1]], n, n, p[0], True, mix, chunk), pieces))
+    return sum(a for a, _ in parts) & M32, sum(b for _, b in parts) & M32
+
+
+def _pieces(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of whole chunks, one per worker thread: at least 8 chunks a piece
+    (below that a thread's start costs more than it saves), at most TPDIAG_HASH_THREADS (default:
+    the CPUs this process may run on, up to 16) pieces."""
+    import os
+
+    env = os.environ.get("TPDIAG_HASH_THREADS")
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    workers = max(1, int(env) if env and env.isdigit() else min(16, cpus))
+    chunks = -(-n // chunk)
+    k = max(1, min(workers, chunks // 8))
+    if k == 1:
+        return [(0, n)]
+    per = -(-chunks // k) * chunk
+    return [(s, min(n, s + per)) for s in range(0, n, per)]
 
 
 _UNSIGNED = {1: "uint8", 2: "uint16", 4: "uint32"}
