@@ -27,7 +27,10 @@ def _write_error(path: str, e: OSError) -> WriteError:
     return err
 
 
-def _atomic(path: str, write) -> None:
+def _atomic(path: str, write, sync: bool = True) -> None:
+    """write(f) into a temp file renamed to path: a reader sees the whole file or none. sync=False
+    skips the fsync (durability across a power loss, not atomicity): for record files of GBs, whose
+    every tensor is hash-checked when read - a file the disk lost reads as edited, fail closed."""
     d = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(d, exist_ok=True)
@@ -39,7 +42,8 @@ def _atomic(path: str, write) -> None:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         try:

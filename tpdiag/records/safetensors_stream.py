@@ -65,4 +65,6 @@ def write(path: str, tensors: dict, metadata: dict | None = None) -> None:
             else:
                 t.write_to(f)
 
-    io._atomic(path, body)
+    # no fsync: a region pass writes GBs a world, and the fsync waited for the disk (the reader
+    # checks every record's hash: a file lost in a crash fails closed, it does not pass)
+    io._atomic(path, body, sync=False)
