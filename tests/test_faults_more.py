@@ -366,16 +366,33 @@ def test_disk_full_in_process_leaves_nothing_half_written(tmp_path, monkeypatch)
     assert json.loads(target.read_text()) == {"status": "old"}
     _no_half_files(tmp_path)
 
-    # The records file fails: no index (events.jsonl) is ever written, so the degree is incomplete.
-    calls = []
+    # The records file fails (written without fsync: the disk fills up in its write): no index
+    # (events.jsonl) is ever written, so the degree is incomplete.
+    monkeypatch.setattr(io.os, "fsync", real_fsync)
+    real_fdopen, calls = os.fdopen, []
 
-    def full_on_first(fd):
+    class _Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return self.f.__exit__(*a)
+
+        def write(self, b):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, k):
+            return getattr(self.f, k)
+
+    def fdopen_full_on_first(fd, *a, **kw):
         calls.append(fd)
-        if len(calls) == 1:
-            full(fd)
-        real_fsync(fd)
+        f = real_fdopen(fd, *a, **kw)
+        return _Full(f) if len(calls) == 1 else f
 
-    monkeypatch.setattr(io.os, "fsync", full_on_first)
+    monkeypatch.setattr(io.os, "fdopen", fdopen_full_on_first)
     meta = {"idx": 0, "key": "s0/init/model/batch#0/x", "step": 0, "phase": "init", "module": "model",
             "kind": "batch", "call": 0, "name": "x", "placement": None, "style": None, "cls": None,
             "dtype": "float32", "local_shape": [4], "stored": "single", "world": 1}
