@@ -24,8 +24,13 @@ def grad_norm_and_clip(params, max_norm: float | None):
     """Global L2 norm of all grads (sharded ones reduced across ranks), clip if asked."""
     from torch.distributed.tensor import DTensor
 
+    params = list(params)
+    whole = shard_norms([p for p in params if not isinstance(p, DTensor)])
     norms = []
     for p in params:
+        if id(p) in whole:  # a plain shard: the norm of every rank's part (a rank may hold no grad)
+            norms.append(whole[id(p)])
+            continue
         if p.grad is None:
             continue
         n = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
@@ -38,6 +43,46 @@ def grad_norm_and_clip(params, max_norm: float | None):
         scale_grads([p.grad for p in params if p.grad is not None],
                     torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
+
+
+def shard_norms(params: list) -> dict:
+    """{id(param): the whole grad's norm} for the plain parameters whose grads differ between
+    the ranks: each rank holds its own shard (Megatron's layers keep only their slice, a plain
+    tensor with nothing saying so). A replica's grad is the same on every rank (one that is not
+    is a rank-inconsistent replica, named at its own grad record); counting a shard's norm as a
+    replica's makes each rank clip by another norm, and a correct model's replicas drift at the
+    step - a BUG of tpdiag's making. Collectives: one for the count, one for four float64 numbers
+    a parameter (three moments of its grad and its float32 norm); none without a plain param."""
+    import torch.distributed as dist
+
+    if not params or not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    dev = next((p.grad.device for p in params if p.grad is not None), params[0].device)
+    f64, n = torch.float64, dist.get_world_size()
+    count = torch.tensor([len(params)], device=dev)
+    counts = [torch.empty_like(count) for _ in range(n)]
+    dist.all_gather(counts, count)
+    if any(int(c) != len(params) for c in counts):  # ranks of other structures: nothing to pair
+        return {}
+    rows = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            rows.append(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0], dtype=f64, device=dev))
+            continue
+        rows.append(torch.stack([torch.ones((), dtype=f64, device=g.device), g.sum(dtype=f64),
+                                 torch.linalg.vector_norm(g, dtype=f64), g.flatten()[1::2].sum(dtype=f64),
+                                 torch.linalg.vector_norm(g, dtype=torch.float32).to(f64)]).to(dev))
+    mine = torch.stack(rows)
+    every = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(every, mine)
+    out = {}
+    for i, p in enumerate(params):
+        if all(torch.equal(e[i, :4], mine[i, :4]) for e in every):
+            continue
+        # the ranks' float32 norms (exact in float64), combined in rank order on every rank
+        out[id(p)] = torch.linalg.vector_norm(torch.stack([e[i, 4] for e in every]).float())
+    return out
 
 
 def step_functions(target):
