@@ -1,0 +1,109 @@
+"""Mistakes in a user's PARALLEL code (tests/models/planted/parallel_code.py), each beside its
+correct twin, run as a user runs them: `tpdiag compare py:... --tp 1,2`, then `tpdiag gate`.
+
+- mega_ok: Megatron's Column/RowParallelLinear written by hand, each rank holding only its SHARD of
+  the weights (plain tensors). Correct - yet main at c4d0501 read BUG, `optimizer: grad_norm
+  total, rank-inconsistent-replica` (gate exit 4): tpdiag's own grad norm counted a plain shard's
+  norm as a replica's, so each rank clipped by its own local norm and the replicas drifted at the
+  step. A plain grad whose values differ between the ranks is now a shard: its norm is the ranks'
+  norms' norm (runner/losses.py shard_norms).
+- mega_dgrad: the column layer's own autograd Function forgets the input grad's all-reduce: the
+  forward is exact, BUG in backward, named at the grad returned by mlp.up's backward.
+- embed_last: a vocab-parallel embedding masking each shard's last id: BUG at embed in forward.
+- split_loss_mean: the loss split over the ranks by positions, each rank's MEAN over its unmasked
+  tokens averaged over the ranks (uneven counts: the prompt is masked): BUG at the loss.
+- plan_local_norm: a `{fqn: style}` plan leaving the up projection column-sharded before a
+  non-affine LayerNorm over the whole hidden width: BUG at that norm's op. Its twin gathers first.
+"""
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import gloo_world, run_cli
+
+SPEC = "py:tests/models/planted/parallel_code.py:"
+CASES = ("embed_last", "split_loss_mean", "split_loss_ok", "mega_dgrad", "mega_ok", "plan_local_norm", "plan_gather")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for case in CASES:
+        d = tmp_path_factory.mktemp(case) / "r"
+        p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
+                    "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
+        out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, run_cli("gate", str(d)).returncode)
+    return out
+
+
+def _lead(s):
+    from tpdiag.diff.classes import leading_bug
+
+    return leading_bug(s["degrees"]["2"])
+
+
+@pytest.mark.parametrize("case", ["split_loss_ok", "mega_ok", "plan_gather"])
+def test_the_twins_are_rounding_only(runs, case):
+    s, stdout, gate = runs[case]
+    assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), (case, s["degrees"]["2"].get("findings"))
+    assert "BUG" not in stdout and gate == 1, (case, gate, stdout[-1500:])  # divergent, never 4
+
+
+@pytest.mark.parametrize("case,where", [
+    ("embed_last", ("forward", "embed", "out", "sharding-bug")),
+    ("mega_dgrad", ("backward", "embed", "grad_out", "rank-inconsistent-replica")),
+    ("split_loss_mean", ("loss", "model", "loss", "sharding-bug")),
+    ("plan_local_norm", ("forward", "ffn", "out", "sharding-bug")),
+])
+def test_a_mistake_in_the_parallel_code_is_a_bug_where_it_sits(runs, case, where):
+    s, stdout, gate = runs[case]
+    lead = _lead(s)
+    assert s["class"] == "bug" and lead is not None, (case, s["degrees"]["2"].get("findings"))
+    assert (lead["phase"], lead["module"], lead["kind"], lead["cause"]) == where, (case, lead)
+    assert gate == 4, case
+
+
+def test_a_column_layers_forgotten_dgrad_reduce_names_its_backward(runs):
+    s, stdout, _ = runs["mega_dgrad"]
+    lead = _lead(s)
+    assert lead["consumers"] == ["mlp", "mlp.up"], lead
+    assert "backward: embed (grad_out 0), returned by the backward of mlp, mlp.up" in stdout, stdout
+
+
+def test_the_plan_mistake_is_named_at_the_norms_op(runs):
+    s, _, _ = runs["plan_local_norm"]
+    assert _lead(s)["op"] == "aten::native_layer_norm", _lead(s)
+
+
+def _norms(rank, world, port, q):
+    import os
+    from types import SimpleNamespace
+
+    from tpdiag.runner.losses import grad_norm_and_clip
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(0)
+    shard, rep, only0 = torch.randn(8, 3, generator=g), torch.randn(5, generator=g), torch.randn(4, generator=g)
+    params = [SimpleNamespace(grad=shard[rank * 4:(rank + 1) * 4].clone()),  # each rank its rows
+              SimpleNamespace(grad=rep.clone()),  # a replica: the same grad on both ranks
+              SimpleNamespace(grad=only0.clone() if rank == 0 else None)]  # used on rank 0 only
+    total = grad_norm_and_clip(params, None)
+    every = [torch.empty_like(total) for _ in range(world)]
+    dist.all_gather(every, total)
+    if rank == 0:
+        whole = torch.linalg.vector_norm(torch.cat([shard.flatten(), rep, only0]).double()).item()
+        q.put({"totals": [t.item() for t in every], "whole": whole})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_plain_shards_are_normed_over_the_ranks_and_replicas_once():
+    got = gloo_world(_norms, 2)
+    a, b = got["totals"]
+    assert a == b, got  # the same norm, so the same clip, on every rank
+    assert a == pytest.approx(got["whole"], rel=1e-6), got
