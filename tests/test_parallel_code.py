@@ -56,7 +56,8 @@ def test_the_twins_are_rounding_only(runs, case):
     ("embed_last", ("forward", "embed", "out", "sharding-bug")),
     ("mega_dgrad", ("backward", "embed", "grad_out", "rank-inconsistent-replica")),
     ("split_loss_mean", ("loss", "model", "loss", "sharding-bug")),
-    ("plan_local_norm", ("forward", "ffn", "out", "sharding-bug")),
+    # the norm is in ffn's own forward: the wrong record is ffn.down's input, made in ffn
+    ("plan_local_norm", ("forward", "ffn", "in", "sharding-bug")),
 ])
 def test_a_mistake_in_the_parallel_code_is_a_bug_where_it_sits(runs, case, where):
     s, stdout, gate = runs[case]
@@ -74,15 +75,17 @@ def test_a_column_layers_forgotten_dgrad_reduce_names_its_backward(runs):
 
 
 def test_the_plan_mistake_is_named_at_the_norms_op(runs):
-    s, _, _ = runs["plan_local_norm"]
+    s, stdout, _ = runs["plan_local_norm"]
     assert _lead(s)["op"] == "aten::native_layer_norm", _lead(s)
+    assert "BUG (a wrong result, not rounding) at TP=2 forward: ffn :: aten::native_layer_norm" in stdout, stdout
 
 
 def _norms(rank, world, port, q):
     import os
     from types import SimpleNamespace
 
-    from tpdiag.runner.losses import grad_norm_and_clip
+    from tpdiag.kernels import grad_norm as gn
+    from tpdiag.runner.losses import _with_plain_shards, grad_norm_and_clip
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -92,18 +95,29 @@ def _norms(rank, world, port, q):
     params = [SimpleNamespace(grad=shard[rank * 4:(rank + 1) * 4].clone()),  # each rank its rows
               SimpleNamespace(grad=rep.clone()),  # a replica: the same grad on both ranks
               SimpleNamespace(grad=only0.clone() if rank == 0 else None)]  # used on rank 0 only
-    total = grad_norm_and_clip(params, None)
-    every = [torch.empty_like(total) for _ in range(world)]
-    dist.all_gather(every, total)
+    got = {"stock": grad_norm_and_clip(params, None), "invariant": _with_plain_shards(gn.grad_norm_and_clip)(params, None),
+           # negative control: each grad taken as whole on its rank (what both did before)
+           "local": gn.grad_norm_and_clip(params, None).float()}
+    out = {}
+    for k, t in got.items():
+        every = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(every, t)
+        out[k] = [e.item() for e in every]
+    # the replicas alone (no plain shard): the kernel's own bits, the wrapper adds nothing
+    reps = [SimpleNamespace(grad=rep.clone()), SimpleNamespace(grad=rep[:2].clone())]
+    out["reps_same"] = torch.equal(_with_plain_shards(gn.grad_norm_and_clip)(reps, None), gn.grad_norm_and_clip(reps, None))
     if rank == 0:
-        whole = torch.linalg.vector_norm(torch.cat([shard.flatten(), rep, only0]).double()).item()
-        q.put({"totals": [t.item() for t in every], "whole": whole})
+        out["whole"] = torch.linalg.vector_norm(torch.cat([shard.flatten(), rep, only0]).double()).item()
+        q.put(out)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def test_plain_shards_are_normed_over_the_ranks_and_replicas_once():
     got = gloo_world(_norms, 2)
-    a, b = got["totals"]
-    assert a == b, got  # the same norm, so the same clip, on every rank
-    assert a == pytest.approx(got["whole"], rel=1e-6), got
+    for k in ("stock", "invariant"):
+        a, b = got[k]
+        assert a == b, (k, got)  # the same norm, so the same clip, on every rank
+        assert a == pytest.approx(got["whole"], rel=1e-6), (k, got)
+    assert got["local"][0] != got["local"][1], got
+    assert got["reps_same"]

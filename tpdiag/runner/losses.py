@@ -111,8 +111,11 @@ def _with_plain_shards(norm_fn):
     whole tensors cannot be rebuilt (nothing says along which dim they were cut), so that part
     of the norm is not TP-invariant - but it is the same on every rank, where the kernel alone
     would take each rank's shard as a whole grad. No plain shard: the kernel's own bits."""
+    import functools
+
     from torch.distributed.tensor import DTensor
 
+    @functools.wraps(norm_fn)  # still the kernel's norm (tests/test_fix_properties.py asks whose)
     def fn(params, max_norm):
         from tpdiag.kernels.grad_norm import clip_coefficient, norm_dtype, scale_grads
 
