@@ -6,7 +6,8 @@ correct twin, run as a user runs them: `tpdiag compare py:... --tp 1,2`, then `t
   total, rank-inconsistent-replica` (gate exit 4): tpdiag's own grad norm counted a plain shard's
   norm as a replica's, so each rank clipped by its own local norm and the replicas drifted at the
   step. A plain grad whose values differ between the ranks is now a shard: its norm is the ranks'
-  norms' norm (runner/losses.py shard_norms).
+  norms' norm (runner/losses.py shard_norms). The same with `--fix all` (invariant-grad-norm's
+  kernel took each rank's plain shard as a whole grad).
 - mega_dgrad: the column layer's own autograd Function forgets the input grad's all-reduce: the
   forward is exact, BUG in backward, named at the grad returned by mlp.up's backward.
 - embed_last: a vocab-parallel embedding masking each shard's last id: BUG at embed in forward.
@@ -24,15 +25,18 @@ import torch.distributed as dist
 from conftest import gloo_world, run_cli
 
 SPEC = "py:tests/models/planted/parallel_code.py:"
-CASES = ("embed_last", "split_loss_mean", "split_loss_ok", "mega_dgrad", "mega_ok", "plan_local_norm", "plan_gather")
+CASES = {c: (c, ()) for c in ("embed_last", "split_loss_mean", "split_loss_ok", "mega_dgrad", "mega_ok",
+                               "plan_local_norm", "plan_gather")}
+# under invariant-grad-norm the kernel took each rank's plain shard as a whole grad: the same BUG
+CASES["mega_ok_fix_all"] = ("mega_ok", ("--fix", "all"))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for case in CASES:
+    for case, (func, more) in CASES.items():
         d = tmp_path_factory.mktemp(case) / "r"
-        p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
+        p = run_cli("compare", "--model", SPEC + func, "--tp", "1,2", "--no-baseline", "--no-confirm", *more,
                     "--out", str(d), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
         out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, run_cli("gate", str(d)).returncode)
@@ -45,7 +49,7 @@ def _lead(s):
     return leading_bug(s["degrees"]["2"])
 
 
-@pytest.mark.parametrize("case", ["split_loss_ok", "mega_ok", "plan_gather"])
+@pytest.mark.parametrize("case", ["split_loss_ok", "mega_ok", "mega_ok_fix_all", "plan_gather"])
 def test_the_twins_are_rounding_only(runs, case):
     s, stdout, gate = runs[case]
     assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), (case, s["degrees"]["2"].get("findings"))
