@@ -21,12 +21,16 @@ hbug5). Vocab 32, hidden 32, seq 8: seconds per world on the CPU.
                  GEMMs and its input-grad all-reduce in one autograd Function. mega_dgrad: that
                  backward forgets the all-reduce (the forward is exact; the input grad is each
                  rank's partial). mega_bias: the row-parallel layer adds its bias on every rank
-                 before the all-reduce (TP times the bias).
+                 before the all-reduce (TP times the bias). mega_ok, the twin, read BUG on
+                 c4d0501 (tpdiag's own grad norm took the plain shards for replicas).
   plan_local_norm / plan_gather  a DTensor plan mistake that runs without an error: the MLP's
                  up projection marked `ColwiseParallel()` where its consumer, a non-affine
                  LayerNorm over the hidden width (NormFormer's FFN norm), expects the whole
                  width - each rank normalises its shard with the shard's own statistics. Twin:
                  `ColwiseParallel(output_layouts=Replicate())` (the shards gathered first).
+
+    tpdiag compare --model py:tests/models/planted/parallel_code.py:mega_ok --tp 1,2
+tests/test_parallel_code.py; docs/causes.md has every case's verdict.
 """
 import torch
 import torch.distributed as dist
