@@ -125,3 +125,15 @@ def test_plain_shards_are_normed_over_the_ranks_and_replicas_once():
         assert a == pytest.approx(got["whole"], rel=1e-6), (k, got)
     assert got["local"][0] != got["local"][1], got
     assert got["reps_same"]
+
+
+def test_logits_of_each_ranks_positions_are_refused_in_one_line(tmp_path):
+    """A model sequence-parallel to its head returns each rank's positions' logits. tpdiag's own
+    logprobs need every position's: main at c4d0501 failed the world with F.cross_entropy's words
+    ("ValueError: Expected input batch_size (8) to match target batch_size (16)"), naming nothing."""
+    p = run_cli("compare", "--model", SPEC + "seq_logits", "--tp", "1,2", "--no-baseline", "--no-confirm",
+                "--forward-only", "--out", str(tmp_path / "r"), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "rank 0 raised BadInput: the model returned logits of shape (2, 4, 32), 8 positions (16 over the 2 " \
+           "ranks: each rank's own positions?), for labels of shape (2, 8)" in p.stdout, p.stdout[-2000:]
+    assert "gather sequence- or context-parallel logits" in p.stdout
