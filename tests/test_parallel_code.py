@@ -10,6 +10,7 @@ correct twin, run as a user runs them: `tpdiag compare py:... --tp 1,2`, then `t
   kernel took each rank's plain shard as a whole grad).
 - mega_dgrad: the column layer's own autograd Function forgets the input grad's all-reduce: the
   forward is exact, BUG in backward, named at the grad returned by mlp.up's backward.
+- mega_bias: the row-parallel layer adds its bias on every rank before the all-reduce: BUG there.
 - embed_last: a vocab-parallel embedding masking each shard's last id: BUG at embed in forward.
 - split_loss_mean: the loss split over the ranks by positions, each rank's MEAN over its unmasked
   tokens averaged over the ranks (uneven counts: the prompt is masked): BUG at the loss.
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from conftest import gloo_world, run_cli
 
 SPEC = "py:tests/models/planted/parallel_code.py:"
-CASES = {c: (c, ()) for c in ("embed_last", "split_loss_mean", "split_loss_ok", "mega_dgrad", "mega_ok",
+CASES = {c: (c, ()) for c in ("embed_last", "split_loss_mean", "split_loss_ok", "mega_dgrad", "mega_bias", "mega_ok",
                                "plan_local_norm", "plan_gather")}
 # under invariant-grad-norm the kernel took each rank's plain shard as a whole grad: the same BUG
 CASES["mega_ok_fix_all"] = ("mega_ok", ("--fix", "all"))
@@ -60,6 +61,7 @@ def test_the_twins_are_rounding_only(runs, case):
     ("embed_last", ("forward", "embed", "out", "sharding-bug")),
     ("mega_dgrad", ("backward", "embed", "grad_out", "rank-inconsistent-replica")),
     ("split_loss_mean", ("loss", "model", "loss", "sharding-bug")),
+    ("mega_bias", ("forward", "mlp.down", "out", "sharding-bug")),
     # the norm is in ffn's own forward: the wrong record is ffn.down's input, made in ffn
     ("plan_local_norm", ("forward", "ffn", "in", "sharding-bug")),
 ])
@@ -99,7 +101,8 @@ def _norms(rank, world, port, q):
     params = [SimpleNamespace(grad=shard[rank * 4:(rank + 1) * 4].clone()),  # each rank its rows
               SimpleNamespace(grad=rep.clone()),  # a replica: the same grad on both ranks
               SimpleNamespace(grad=only0.clone() if rank == 0 else None)]  # used on rank 0 only
-    got = {"stock": grad_norm_and_clip(params, None), "invariant": _with_plain_shards(gn.grad_norm_and_clip)(params, None),
+    invariant = _with_plain_shards(gn.grad_norm_and_clip)
+    got = {"stock": grad_norm_and_clip(params, None), "invariant": invariant(params, None),
            # negative control: each grad taken as whole on its rank (what both did before)
            "local": gn.grad_norm_and_clip(params, None).float()}
     out = {}
@@ -109,7 +112,7 @@ def _norms(rank, world, port, q):
         out[k] = [e.item() for e in every]
     # the replicas alone (no plain shard): the kernel's own bits, the wrapper adds nothing
     reps = [SimpleNamespace(grad=rep.clone()), SimpleNamespace(grad=rep[:2].clone())]
-    out["reps_same"] = torch.equal(_with_plain_shards(gn.grad_norm_and_clip)(reps, None), gn.grad_norm_and_clip(reps, None))
+    out["reps_same"] = torch.equal(invariant(reps, None), gn.grad_norm_and_clip(reps, None))
     if rank == 0:
         out["whole"] = torch.linalg.vector_norm(torch.cat([shard.flatten(), rep, only0]).double()).item()
         q.put(out)

@@ -86,7 +86,9 @@ def check_positions(logits, labels, world: int) -> None:
     from tpdiag.errors import BadInput
 
     shape, want = tuple(logits.shape), tuple(labels.shape)
-    sharded = f" ({n * world} over the {world} ranks: each rank's own positions?)" if n * world == labels.numel() else ""
+    sharded = ""
+    if n * world == labels.numel():
+        sharded = f" ({n * world} over the {world} ranks: each rank's own positions?)"
     raise BadInput(f"the model returned logits of shape {shape}, {n} positions{sharded}, for labels of shape "
                    f"{want}: tpdiag reads the logits of every position of the batch on every rank - gather "
                    "sequence- or context-parallel logits before the model returns them")
