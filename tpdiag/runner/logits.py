@@ -71,3 +71,24 @@ def logits_of(out):
     if isinstance(out, (tuple, list)):
         return out[0]
     raise TypeError(f"cannot find logits in model output of type {type(out).__name__}")
+
+
+def check_positions(logits, labels, world: int) -> None:
+    """Refuse, in one line, logits that do not cover the batch's positions - what
+    F.cross_entropy would refuse anyway, in its words ("Expected input batch_size (8) to match
+    target batch_size (16)"), from inside tpdiag's logprobs: logits a sequence- or context-
+    parallel model left on each rank's positions."""
+    n = 1
+    for d in logits.shape[:-1]:
+        n *= int(d)
+    if n == labels.numel():
+        return
+    from tpdiag.errors import BadInput
+
+    shape, want = tuple(logits.shape), tuple(labels.shape)
+    sharded = ""
+    if n * world == labels.numel():
+        sharded = f" ({n * world} over the {world} ranks: each rank's own positions?)"
+    raise BadInput(f"the model returned logits of shape {shape}, {n} positions{sharded}, for labels of shape "
+                   f"{want}: tpdiag reads the logits of every position of the batch on every rank - gather "
+                   "sequence- or context-parallel logits before the model returns them")

@@ -24,8 +24,13 @@ def grad_norm_and_clip(params, max_norm: float | None):
     """Global L2 norm of all grads (sharded ones reduced across ranks), clip if asked."""
     from torch.distributed.tensor import DTensor
 
+    params = list(params)
+    whole = shard_norms([p for p in params if not isinstance(p, DTensor)], torch.float32)
     norms = []
     for p in params:
+        if id(p) in whole:  # a plain shard: the norm of every rank's part (a rank may hold no grad)
+            norms.append(whole[id(p)])
+            continue
         if p.grad is None:
             continue
         n = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
@@ -40,6 +45,49 @@ def grad_norm_and_clip(params, max_norm: float | None):
     return total
 
 
+def shard_norms(params: list, dtype: torch.dtype) -> dict:
+    """{id(param): the whole grad's norm} for the plain parameters whose grads differ between
+    the ranks: each rank holds its own shard (Megatron's layers keep only their slice, a plain
+    tensor with nothing saying so). A replica's grad is the same on every rank (one that is not
+    is a rank-inconsistent replica, named at its own grad record); counting a shard's norm as a
+    replica's makes each rank clip by another norm, and a correct model's replicas drift at the
+    step - a BUG of tpdiag's making. Collectives: one for the count, one for five float64 numbers
+    a parameter (whether it has a grad, three moments of it, its norm in `dtype`); none without a
+    plain param. (A world here is one TP group: no data-parallel ranks whose grads differ.)"""
+    import torch.distributed as dist
+
+    if not params or not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    dev = next((p.grad.device for p in params if p.grad is not None), None)
+    if dev is None:  # no grad here (others may have some): the params' device
+        dev = getattr(params[0], "device", torch.device("cpu"))
+    f64, n = torch.float64, dist.get_world_size()
+    count = torch.tensor([len(params)], device=dev)
+    counts = [torch.empty_like(count) for _ in range(n)]
+    dist.all_gather(counts, count)
+    if any(int(c) != len(params) for c in counts):  # ranks of other structures: nothing to pair
+        return {}
+    rows = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            rows.append(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0], dtype=f64, device=dev))
+            continue
+        rows.append(torch.stack([torch.ones((), dtype=f64, device=g.device), g.sum(dtype=f64),
+                                 torch.linalg.vector_norm(g, dtype=f64), g.flatten()[1::2].sum(dtype=f64),
+                                 torch.linalg.vector_norm(g, dtype=dtype).to(f64)]).to(dev))
+    mine = torch.stack(rows)
+    every = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(every, mine)
+    out = {}
+    for i, p in enumerate(params):
+        if all(torch.equal(e[i, :4], mine[i, :4]) for e in every):
+            continue
+        # the ranks' norms (exact in float64), combined in rank order on every rank
+        out[id(p)] = torch.linalg.vector_norm(torch.stack([e[i, 4] for e in every]).to(dtype))
+    return out
+
+
 def step_functions(target):
     """The loss, logprob and grad-norm functions, swapped for invariant ones by their fixes."""
     from tpdiag.fixes import registry
@@ -52,8 +100,36 @@ def step_functions(target):
         loss_fn = lambda lo, lab: vocab_ce.cross_entropy(lo, lab, g, v)  # noqa: E731
         logprob_fn = lambda lo, lab: vocab_ce.token_logprobs(lo, lab, g, v)  # noqa: E731
     if registry.takes_over("grad-norm"):
-        from tpdiag.kernels.grad_norm import grad_norm_and_clip as norm_fn
+        from tpdiag.kernels import grad_norm
+
+        norm_fn = _with_plain_shards(grad_norm.grad_norm_and_clip)
     return loss_fn, logprob_fn, norm_fn
+
+
+def _with_plain_shards(norm_fn):
+    """invariant-grad-norm's norm, with plain shards (shard_norms) normed over the ranks: their
+    whole tensors cannot be rebuilt (nothing says along which dim they were cut), so that part
+    of the norm is not TP-invariant - but it is the same on every rank, where the kernel alone
+    would take each rank's shard as a whole grad. No plain shard: the kernel's own bits."""
+    import functools
+
+    from torch.distributed.tensor import DTensor
+
+    @functools.wraps(norm_fn)  # still the kernel's norm (tests/test_fix_properties.py asks whose)
+    def fn(params, max_norm):
+        from tpdiag.kernels.grad_norm import clip_coefficient, norm_dtype, scale_grads
+
+        params = list(params)
+        whole = shard_norms([p for p in params if not isinstance(p, DTensor)], torch.float64)
+        if not whole:
+            return norm_fn(params, max_norm)
+        rest = norm_fn([p for p in params if id(p) not in whole], None)
+        total = torch.linalg.vector_norm(torch.stack([rest.to(torch.float64), *whole.values()]))
+        grads = [p.grad for p in params if p.grad is not None]
+        if max_norm is not None and grads:
+            scale_grads(grads, clip_coefficient(total, max_norm, norm_dtype(grads)))
+        return total
+    return fn
 
 
 def loss_context(world: int):

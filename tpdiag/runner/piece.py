@@ -13,7 +13,7 @@ import torch
 from tpdiag.probes.recorder import Recorder
 from tpdiag.runner import micro, prefix
 from tpdiag.runner.batch import forward_call
-from tpdiag.runner.logits import logits_of, whole_vocab
+from tpdiag.runner.logits import check_positions, logits_of, whole_vocab
 
 
 class _Call:
@@ -87,6 +87,7 @@ def forward(cfg, phases, fwd, model, plan, vocab_size: int, world: int, piece, l
         logits, _ = whole_vocab(local, model, plan, vocab_size, world)
         whole = logits  # the fingerprint's: the step pass 1 computed (runner/drill.py)
         logits, local, labels = prefix.cut_loss_inputs(cfg, logits, local, labels)
+        check_positions(logits, labels, world)
     return Logits(out, logits, local, whole, labels)
 
 
