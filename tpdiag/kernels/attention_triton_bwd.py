@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head, _last_dim_unit,
+from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head, _block_and_head_at, _last_dim_unit,
                                              _load_rows, _mm, _prec, _tile, config_for, desc,
                                              tma_ok, wide)
 
@@ -79,8 +79,20 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                  PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
                  I64: tl.constexpr):
-    # BH0: the first (batch, KV head) of this launch (a chunk of heads whose dS fits DS)
-    pid_n, bhl = _block_and_head(NB, BH, G)
+    _dkdv_program(tl.program_id(0), Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh,
+                  svn, HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0, CAUSAL, BM, BN, D, PREC, EVEN, STORE_DS,
+                  LOADS, I64)
+
+
+@triton.jit
+def _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                  HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
+                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                  PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
+                  I64: tl.constexpr):
+    # program `pid` of the dk/dv pass; BH0: the first (batch, KV head) of this launch (a chunk of
+    # heads whose dS fits DS)
+    pid_n, bhl = _block_and_head_at(pid, NB, BH, G)
     pid_n = NB - 1 - pid_n  # key block 0 sees every query row: the most work
     bhk = BH0 + bhl
     b = bhk // HK
@@ -169,7 +181,18 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
                H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
                CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
-    pid_m, bh = _block_and_head(NB, BH, G)
+    _dq_program(tl.program_id(0), Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                H, REP, L, S, qk_scale, sm_scale, NB, BH, G, CAUSAL, BM, BN, D, PREC, EVEN, I64, True)
+
+
+@triton.jit
+def _dq_program(pid, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
+                CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, STORE_DELTA: tl.constexpr):
+    # program `pid` of the dq recompute pass; STORE_DELTA: this pass writes delta for the dk/dv
+    # pass after it (else a delta pass did, and the dk/dv programs may be reading it now)
+    pid_m, bh = _block_and_head_at(pid, NB, BH, G)
     b = bh // H
     h = bh % H
     hk = h // REP
@@ -182,7 +205,8 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
     # rowsum(O * dO) (fp32, one fixed order per row) for the dk/dv pass
     q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, L, EVEN, I64)
     do, delta = _do_and_delta(O + hb, DO + hb, io, rmask, EVEN)
-    tl.store(DELTA + bh.to(tl.int64) * L + offs_m, delta, mask=rmask)
+    if STORE_DELTA:
+        tl.store(DELTA + bh.to(tl.int64) * L + offs_m, delta, mask=rmask)
     if EVEN:
         lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m)
     else:
@@ -204,6 +228,26 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
     else:
         tl.store(DQ + hb + io, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
 
+
+
+@triton.jit(do_not_specialize=["NK", "BHK", "GK", "NQ", "BH", "GQ"])  # one compile for any launch order
+def _fused_kernel(Q, QD, K, V, O, DO, DOD, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                  HK, REP, L, S, qk_scale, sm_scale, NK, BHK, GK, NQ, BH, GQ,
+                  CAUSAL: tl.constexpr, KV_M: tl.constexpr, KV_N: tl.constexpr, Q_M: tl.constexpr,
+                  Q_N: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, EVEN_KV: tl.constexpr,
+                  EVEN_Q: tl.constexpr, LOADS: tl.constexpr, I64: tl.constexpr):
+    # the recompute backward's two passes in one grid (AttnConfig.bwd_fused): programs
+    # [0, NK * BHK) are the dk/dv pass's, the rest the dq pass's; delta is already in DELTA.
+    # QD / DOD: q and dO as the dk/dv loops load them (descriptors where LOADS)
+    pid = tl.program_id(0)
+    if pid < NK * BHK:
+        _dkdv_program(pid, QD, K, V, DOD, LSE, DELTA, DK, DV, DK, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                      HK, REP, L, S, qk_scale, sm_scale, NK, BHK, GK, 0, CAUSAL, KV_M, KV_N, D, PREC, EVEN_KV, 0,
+                      LOADS, I64)
+    else:
+        _dq_program(pid - NK * BHK, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                    HK * REP, REP, L, S, qk_scale, sm_scale, NQ, BH, GQ, CAUSAL, Q_M, Q_N, D, PREC, EVEN_Q, I64,
+                    False)
 
 
 @triton.jit(do_not_specialize=["NB", "BH"])
@@ -285,6 +329,8 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
     do = do.contiguous()
     if stores_ds(cfg, q.shape[2], k.shape[2], q.element_size()) and q.numel() and k.numel():
         return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
+    if cfg.bwd_fused and q.numel() and k.numel():
+        return fused_pass(do, q, k, v, o, lse, causal, scale, cfg)
     # dq first: it also writes delta, which the dk/dv pass reads
     dq, delta = dq_pass(do, q, k, v, o, lse, causal, scale, cfg)
     return (dq,) + dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, loads=cfg.bwd_tma)
@@ -398,3 +444,24 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
         EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store, LOADS=loads, I64=wide(q, k, v, do),
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return dk, dv
+
+
+def fused_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
+    """-> (dq, dk, dv) by recompute in one launch after the delta pass (AttnConfig.bwd_fused);
+    q/k/v with unit last stride, dO and O contiguous."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    delta = delta_pass(do, o, cfg)  # complete before any program of the one launch reads it
+    dq = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, Hk, S, D, dtype=k.dtype, device=q.device)
+    dv = torch.empty(B, Hk, S, D, dtype=v.dtype, device=q.device)
+    nk, nq = triton.cdiv(S, cfg.kv_n), triton.cdiv(L, cfg.q_m)
+    loads = cfg.bwd_tma and tma_ok(q, do)
+    qd, dod = (desc(q, cfg.kv_m), desc(do, cfg.kv_m)) if loads else (q, do)
+    _fused_kernel[(nk * B * Hk + nq * B * H,)](
+        q, qd, k, v, o, do, dod, lse, delta, dq, dk, dv, *_strides(q, k, v), Hk, H // Hk, L, S,
+        scale * LOG2E, scale, nk, B * Hk, min(cfg.kv_group, B * Hk), nq, B * H, min(cfg.q_group, B * H),
+        CAUSAL=causal, KV_M=cfg.kv_m, KV_N=cfg.kv_n, Q_M=cfg.q_m, Q_N=cfg.q_n, D=D, PREC=_prec(q),
+        EVEN_KV=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, EVEN_Q=L % cfg.q_m == 0 and S % cfg.q_n == 0,
+        LOADS=loads, I64=wide(q, k, v, do), num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+    return dq, dk, dv

@@ -1,0 +1,110 @@
+"""invariant-attention's one-launch recompute backward (AttnConfig.bwd_fused) and the D=64 tiles
+under the Triton interpreter (CPU), and the attention job's `--configs` sweep: its checks can
+fail, and its smoke run times and checks the shipped and a fused config side by side."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r"""
+import json, sys
+import torch
+from dataclasses import replace
+from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
+if sys.argv[1] == "no-delta":  # the negative control: the fused launch without its delta pass
+    sys.path.insert(0, "tests")
+    from module_copy import patched
+    atb = patched(atb, "delta = delta_pass(do, o, cfg)  # complete before", "delta = torch.zeros_like(lse)  #",
+                  "atb_nodelta")
+def bits(t): return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+def beq(a, b): return a.shape == b.shape and torch.equal(bits(a), bits(b))
+def both(q, k, v, do, causal, cfg):
+    o, lse = at.forward(q, k, v, causal, 0.125, cfg)
+    return (o,) + tuple(atb.backward(do, q, k, v, o, lse, causal, 0.125, cfg))
+g = torch.Generator().manual_seed(0)
+res = {}
+d64 = at.config_for(torch.bfloat16, 64)  # the shipped D=64 tiles (128-row blocks: L = 40 is one, masked)
+small = at.AttnConfig(16, 16, 4, 1, 16, 32, 4, 1, 32, 16, 4, 1)
+cases = (("d64-bf16-causal", torch.bfloat16, 40, 40, True, d64, ("two-launch", "fused")),
+         ("small-fp32-causal-L<S", torch.float32, 24, 40, True, small, ("two-launch", "fused-groups-tma")),
+         ("small-fp32-L>S", torch.float32, 40, 24, False, small, ("fused",)))
+variants = {"two-launch": {}, "fused": {"bwd_fused": True},
+            "fused-groups-tma": {"bwd_fused": True, "bwd_tma": True, "kv_group": 3, "q_group": 2}}
+for name, dt, L, S, causal, cfg, tags in cases[1:2] if sys.argv[1] == "no-delta" else cases:
+    D = 64 if cfg is d64 else 16
+    q, do = (torch.randn(2, 4, L, D, generator=g).to(dt) for _ in range(2))
+    k, v = (torch.randn(2, 2, S, D, generator=g).to(dt) for _ in range(2))
+    two = both(q, k, v, do, causal, cfg)
+    for tag in tags:
+        c = replace(cfg, **variants[tag])
+        full = two if tag == "two-launch" else both(q, k, v, do, causal, c)
+        half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, c)
+        one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
+        res[f"{name}/{tag}"] = {
+            "same_as_two_launch": [beq(a, b) for a, b in zip(full, two)],
+            "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:], full[3][:, 1:]))),
+            "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
+            "repro": all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full))}
+print("RESULT", json.dumps(res))
+"""
+
+
+def _script(mode):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.split("RESULT", 1)[1])
+
+
+def test_fused_backward_gives_the_two_launch_bits_and_stays_invariant():
+    res = _script("shipped")
+    assert len(res) == 5
+    for case, r in res.items():
+        assert r["heads"] and r["batch"] and r["repro"], (case, r)  # TP head slices, batch rows, reruns
+        assert r["same_as_two_launch"] == [True] * 4, (case, r)  # o, dq, dk, dv
+    # negative control: without its delta pass the fused launch's dk is other bits (the check reads them)
+    bad = _script("no-delta")
+    assert not bad["small-fp32-causal-L<S/fused-groups-tma"]["same_as_two_launch"][2], bad
+
+
+def test_config_sweep_checks_can_fail():
+    """The sweep's invariance checks on functions that are not invariant: a head count or batch size
+    leaking into the values, and different bits from the reference."""
+    from benchmarks import attention_configs as ac
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 4, 8, 16, generator=g) for _ in range(4))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    fine = ac._checks(torch, lambda q, k, v: sdpa(q, k, v) * 1.0, q, k, v, do, ref=ac._run(torch, sdpa, q, k, v, do))
+    assert ac._invariant(fine) and all(fine["same_bits"].values())
+    heads = ac._checks(torch, lambda q, k, v: sdpa(q, k, v) * q.shape[1], q, k, v, do)
+    assert not heads["tp2"]["o"] and not heads["tp4"]["o"] and heads["batch"]["o"] and not ac._invariant(heads)
+    rows = ac._checks(torch, lambda q, k, v: sdpa(q, k, v) * q.shape[0], q, k, v, do, ref=ac._run(torch, sdpa, q, k, v, do))
+    assert not rows["batch"]["o"] and rows["tp2"]["o"] and not any(rows["same_bits"].values())
+    assert not ac.rows_ok({"rows": {"inv:x": {"invariant": False}}}) and ac.rows_ok({"rows": {"sdpa-math": {}}})
+
+
+def test_configs_smoke_times_and_checks_shipped_and_fused(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "configs.json"
+    p = subprocess.run([sys.executable, "-m", "benchmarks", "--no-record", "attention", "--configs", "d64-only",
+                        "--smoke", "--only", "fused", "--rounds", "1", "--json", str(out)],
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["ok"] and list(res["dims"]) == ["64"]
+    d = res["dims"]["64"]
+    rows = d["rows"]
+    assert set(rows) == {"sdpa-math", "inv:shipped", "inv:fused"} and d["fastest_stock"] == "sdpa-math"
+    for n in ("inv:shipped", "inv:fused"):
+        c = rows[n]["checks"]
+        assert rows[n]["invariant"] and set(c) == {"repro", "tp2", "batch", "same_bits"}, (n, c)
+        assert all(c["same_bits"].values()) and rows[n]["x_fastest_stock"] > 0 and len(rows[n]["rounds_ms"]) == 1
+    assert rows["inv:fused"]["changes"] == {"bwd_fused": 1}
+    assert d["best"] in ("inv:shipped", "inv:fused") and "HEAD_DIM_CONFIGS entry" in p.stdout
