@@ -1,7 +1,7 @@
 """Candidate AttnConfigs of invariant attention side by side with the stock SDPA backends, at
 head_dim 64 and 128 in one process (issue 59 item 4: <= 1.05x of the fastest stock SDPA at D=64).
 
-    python -m benchmarks attention --configs d64 [--budget-s 420] [--rounds 3] [--json PATH]
+    python -m benchmarks attention --configs d64 [--budget-s 400] [--rounds 3] [--json PATH]
     python -m benchmarks attention --configs d64 --smoke [--only fused,q64]   # CPU, interpreter
 
 Sizes: D=64 at the job's --batch/--heads/--seq (B8 H32 S4096), D=128 at half the batch and heads
@@ -13,12 +13,15 @@ count (causal fwd 4*B*H*L*S*D/2, fwd+bwd 3.5x that, whatever the kernel recomput
 bitwise checks: the TP=2/4 head slices and the batch halves equal the full call's rows (the
 invariance a config must keep), a rerun equals the first (reproducible), and whether its bits
 equal the shipped config's (`same_bits`: expected where only warps, stages, launch groups, TMA,
-the fused launch or the key tile of the dk/dv pass change; a different key block of the forward
-(fwd_n), query block of the dk/dv pass (kv_m) or key block of the dq pass (q_n) regroups a sum
-and may change the bits - still invariant, as every TP degree and batch takes the same config).
-Then the fastest candidates, the shipped config and the fastest stock backend are timed again,
-interleaved, `--rounds` times (the medians are the figures to read). Candidates not reached
-within --budget-s (compiles dominate) are listed as skipped. The table's last line is the
+the fused launch, the row tiles of the forward and the dq pass or the key tile of the dk/dv pass
+change; a different key block of the forward (fwd_n), query block of the dk/dv pass (kv_m) or key
+block of the dq pass (q_n) regroups a sum and may change the bits - still invariant, as every TP
+degree and batch takes the same config).
+Then "combo": the fastest forward-only change with the fastest backward-only change (each faster
+than the shipped config's pass), checked and timed as a candidate. Then the three fastest
+candidates, the shipped config and the fastest stock backend are timed again, interleaved,
+`--rounds` times (the medians are the figures to read). Candidates not reached within
+--budget-s (compiles dominate) are listed as skipped. The table's last line is the
 AttnConfig to put in HEAD_DIM_CONFIGS for the fastest invariant candidate.
 """
 from __future__ import annotations
@@ -30,12 +33,17 @@ import statistics
 import time
 
 # (name, head dims, AttnConfig fields changed from that head dim's shipped config). Ordered by
-# what the last sweeps suggest (docs/benchmarks.md, "Invariant attention"): the budget may end
-# the list early.
+# what the last sweeps and public tunings suggest (docs/benchmarks.md, "Invariant attention"): the
+# budget may end the list early. "tutorial": the backward tiles of Triton's fused-attention
+# tutorial (dk/dv 32 query rows x 128 keys, dq 128 rows x 32 keys, 4 warps, 5 stages).
+TUTORIAL = {"kv_m": 32, "kv_n": 128, "kv_warps": 4, "kv_stages": 5, "q_m": 128, "q_n": 32, "q_warps": 4, "q_stages": 5}
 CANDIDATES = [
     ("fused", (64,), {"bwd_fused": 1}),
     ("fused+fw4+tma", (64,), {"bwd_fused": 1, "fwd_warps": 4, "bwd_tma": 1}),
     ("fw4+tma", (64,), {"fwd_warps": 4, "bwd_tma": 1}),
+    ("tutorial", (64,), TUTORIAL),
+    ("tutorial-s3", (64,), {**TUTORIAL, "kv_stages": 3, "q_stages": 3}),
+    ("fused+tutorial", (64,), {**TUTORIAL, "bwd_fused": 1}),
     ("fw4+tma+groups4", (64,), {"fwd_warps": 4, "bwd_tma": 1, "fwd_group": 4, "kv_group": 4, "q_group": 4}),
     ("fused+fw4+tma+groups4", (64,), {"bwd_fused": 1, "fwd_warps": 4, "bwd_tma": 1, "fwd_group": 4,
                                       "kv_group": 4, "q_group": 4}),
@@ -239,11 +247,11 @@ def run(args) -> dict:
         cands = [("shipped", {})] + [(n, c) for n, ds, c in CANDIDATES
                                      if D in ds and (not args.only or n in args.only.split(","))]
         cfgs = {}
-        for name, changes in cands:
+        def candidate(name, changes):
             if name != "shipped" and time.time() - t_start > args.budget_s:
-                rows[name] = {"skipped": f"past --budget-s {args.budget_s}", "changes": changes}
-                print(D, name, "skipped (budget)", flush=True)
-                continue
+                rows[f"inv:{name}"] = {"skipped": f"past --budget-s {args.budget_s}", "changes": changes}
+                print(D, f"inv:{name}", "skipped (budget)", flush=True)
+                return
             try:
                 cfg = dataclasses.replace(shipped, **(_smoke_changes(changes) if smoke else changes))
                 f = inv(cfg)
@@ -258,6 +266,11 @@ def run(args) -> dict:
             r["changes"] = changes
             rows[f"inv:{name}"] = r
             print(D, f"inv:{name}", json.dumps(r), flush=True)
+        for name, changes in cands:
+            candidate(name, changes)
+        combo = _combo(rows)
+        if combo:
+            candidate("combo", combo)
         ok = [n for n in rows if n.startswith("inv:") and rows[n].get("invariant")]
         stock_ok = [n for n in stock_fns if "fwdbwd_ms" in rows[n]]
         fastest = min(stock_ok, key=lambda n: rows[n]["fwdbwd_ms"]) if stock_ok else None
@@ -298,6 +311,29 @@ def run(args) -> dict:
     result["seconds"] = round(time.time() - t_start, 1)
     result["ok"] = all(rows_ok(d) for d in result["dims"].values())
     return emit(result, lines, args.json)
+
+
+def _combo(rows: dict) -> dict | None:
+    """The forward-only change with the fastest forward and the backward-only change with the
+    fastest backward (fwd+bwd less fwd), each faster than the shipped config's, together; None
+    where either is missing or they touch the same fields."""
+    ship = rows.get("inv:shipped", {})
+    if "fwdbwd_ms" not in ship:
+        return None
+    fwd, bwd = {}, {}
+    for n, r in rows.items():
+        ch = r.get("changes") or {}
+        if not n.startswith("inv:") or not r.get("invariant") or not ch or n == "inv:combo":
+            continue
+        if all(f.startswith("fwd_") for f in ch):
+            fwd[n] = r["fwd_ms"]
+        elif not any(f.startswith("fwd_") for f in ch):
+            bwd[n] = r["fwdbwd_ms"] - r["fwd_ms"]
+    bf = min(fwd, key=fwd.get, default=None)
+    bb = min(bwd, key=bwd.get, default=None)
+    if not bf or not bb or fwd[bf] >= ship["fwd_ms"] or bwd[bb] >= ship["fwdbwd_ms"] - ship["fwd_ms"]:
+        return None
+    return {**rows[bf]["changes"], **rows[bb]["changes"]}
 
 
 def rows_ok(d: dict) -> bool:

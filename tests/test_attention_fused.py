@@ -90,6 +90,21 @@ def test_config_sweep_checks_can_fail():
     assert not ac.rows_ok({"rows": {"inv:x": {"invariant": False}}}) and ac.rows_ok({"rows": {"sdpa-math": {}}})
 
 
+def test_combo_joins_the_fastest_forward_and_backward_changes():
+    from benchmarks.attention_configs import _combo
+
+    def r(fwd, both, **changes):
+        return {"fwd_ms": fwd, "fwdbwd_ms": both, "invariant": True, "changes": changes}
+    rows = {"sdpa-cudnn": {"fwd_ms": 1.0, "fwdbwd_ms": 4.0}, "inv:shipped": r(1.5, 5.5),
+            "inv:fw4": r(1.4, 5.6, fwd_warps=4), "inv:fs2": r(1.45, 5.3, fwd_stages=2),
+            "inv:fused": r(1.5, 5.4, bwd_fused=1), "inv:kv": r(1.6, 5.55, kv_stages=2),
+            "inv:both": r(1.0, 3.0, fwd_warps=8, bwd_tma=1),  # touches both passes: not a part
+            "inv:broken": {**r(1.0, 1.1, q_warps=2), "invariant": False}}
+    assert _combo(rows) == {"fwd_warps": 4, "bwd_fused": 1}  # fastest forward 1.4, backward 3.9
+    rows["inv:fused"]["fwdbwd_ms"] = rows["inv:kv"]["fwdbwd_ms"] = 6.0  # no backward change pays
+    assert _combo(rows) is None
+
+
 def test_configs_smoke_times_and_checks_shipped_and_fused(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "configs.json"

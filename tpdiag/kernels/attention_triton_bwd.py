@@ -12,6 +12,9 @@ in a fixed order. dq comes one of two ways (AttnConfig.ds_mib), each determinist
   key blocks in a fixed order - 5 products and a write and read of dS (O(L * S) memory per head,
   so heads go in chunks whose dS fits ds_mib MiB; a head's sums are its own, so the chunking
   moves no bit). delta comes from its own small pass first.
+The recompute path may also run as one launch (AttnConfig.bwd_fused): delta's small pass, then a
+grid whose first programs are the dk/dv pass's and the rest the dq pass's - the same programs,
+each summing in the same order; only when each runs moves.
 
 One-pass backwards without the recompute were built, checked bitwise and measured slower on an
 H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes): dq partials
@@ -27,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head, _block_and_head_at, _last_dim_unit,
-                                             _load_rows, _mm, _prec, _tile, config_for, desc,
-                                             tma_ok, wide)
+from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head, _block_and_head_at,
+                                             _last_dim_unit, _load_rows, _mm, _prec, _tile, config_for,
+                                             desc, tma_ok, wide)
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L, S,
