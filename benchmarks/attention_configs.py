@@ -250,6 +250,11 @@ def run(args) -> dict:
                 rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
             print(D, name, json.dumps(rows[name]), flush=True)
         ref = _run(torch, inv(shipped), q, k, v, do)
+        try:
+            passes = _passes(torch, bench, q, k, v, do, shipped, causal, next(iter(stock_fns.values())))
+        except Exception as e:  # the breakdown is a reading aid: its failure stops nothing
+            passes = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        print(D, "passes", json.dumps(passes), flush=True)
         cands = [("shipped", {})] + [(n, c) for n, ds, c in CANDIDATES
                                      if D in ds and (not args.only or n in args.only.split(","))]
         cfgs = {}
@@ -303,6 +308,7 @@ def run(args) -> dict:
                 r["x_fastest_stock"] = r["fwdbwd_ms"] / base
         best = min(ok, key=lambda n: rows[n]["fwdbwd_ms"]) if ok else None
         result["dims"][D] = {"shape": [B, H, S, D], "fastest_stock": fastest, "rows": rows, "best": best,
+                             "passes": passes,
                              "best_config": cfgs[best[4:]].to_dict() if best else None,
                              "shipped_config": shipped.to_dict()}
         for n, r in rows.items():
@@ -316,11 +322,44 @@ def run(args) -> dict:
             x = r.get("x_fastest_stock")
             lines.append(f"{D:3d} {n:28} {r['fwd_ms']:8.3f} {r['fwdbwd_ms']:8.3f} {x if x is None else round(x, 3)!s:>6} "
                          f"{r['tflops']:7.1f} {inv_s:>4} {same:>9}  {r.get('changes', '')}")
+        if "error" not in passes:
+            lines.append(f"{D:3d} passes (shipped tiles, recompute path; TFLOP/s of the products each runs): " + ", ".join(
+                f"{n} {p['ms']:.3f} ms" + (f" {p['tflops']:.0f}" if p.get("tflops") else "") for n, p in passes.items()))
         if best:
             lines.append(f"{D:3d} fastest invariant: {best} - HEAD_DIM_CONFIGS entry: AttnConfig(**{cfgs[best[4:]].to_dict()})")
     result["seconds"] = round(time.time() - t_start, 1)
     result["ok"] = all(rows_ok(d) for d in result["dims"].values())
     return emit(result, lines, args.json)
+
+
+def _passes(torch, bench, q, k, v, do, cfg, causal: bool, stock) -> dict:
+    """Each pass of the recompute path at the shipped tiles alone (forward 2 block products, dq 3, dk/dv 4, the
+    delta pass; the fused launch 7 after its delta pass) beside the first stock backend's forward
+    and backward (5 products): ms and TFLOP/s of the products each actually runs - where D=64's
+    time goes against D=128's."""
+    from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
+
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    unit = 2 * B * H * L * S * D * (0.5 if causal else 1.0)  # one block product over the pairs
+    sc = 1.0 / math.sqrt(D)
+    rec = dataclasses.replace(cfg, ds_mib=0)
+    o, lse = at.forward(q, k, v, causal, sc, rec)
+    _, delta = atb.dq_pass(do, q, k, v, o, lse, causal, sc, rec)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    og = stock(qg, kg, vg)
+    calls = {"fwd": (2, lambda: at.forward(q, k, v, causal, sc, rec)),
+             "delta": (0, lambda: atb.delta_pass(do, o, rec)),
+             "dq": (3, lambda: atb.dq_pass(do, q, k, v, o, lse, causal, sc, rec)),
+             "dkdv": (4, lambda: atb.dkdv_pass(do, q, k, v, lse, delta, causal, sc, rec, loads=rec.bwd_tma)),
+             "fused": (7, lambda: atb.fused_pass(do, q, k, v, o, lse, causal, sc, rec)),
+             "stock-fwd": (2, lambda: stock(q, k, v)),
+             "stock-bwd": (5, lambda: torch.autograd.grad(og, (qg, kg, vg), do, retain_graph=True))}
+    out = {}
+    for n, (products, fn) in calls.items():
+        ms = bench(fn)
+        out[n] = {"ms": ms, "tflops": round(products * unit / ms / 1e9, 1) if products else None}
+    return out
 
 
 def _combo(rows: dict) -> dict | None:
