@@ -47,7 +47,8 @@ for name, dt, L, S, causal, cfg, tags in cases[1:2] if sys.argv[1] == "no-delta"
         one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
         res[f"{name}/{tag}"] = {
             "same_as_two_launch": [beq(a, b) for a, b in zip(full, two)],
-            "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:], full[3][:, 1:]))),
+            "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:],
+                                                          full[3][:, 1:]))),
             "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
             "repro": all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full))}
 print("RESULT", json.dumps(res))
@@ -85,7 +86,8 @@ def test_config_sweep_checks_can_fail():
     assert ac._invariant(fine) and all(fine["same_bits"].values())
     heads = ac._checks(torch, lambda q, k, v: sdpa(q, k, v) * q.shape[1], q, k, v, do, tps=(2, 4))
     assert not heads["tp2"]["o"] and not heads["tp4"]["o"] and heads["batch"]["o"] and not ac._invariant(heads)
-    rows = ac._checks(torch, lambda q, k, v: sdpa(q, k, v) * q.shape[0], q, k, v, do, ref=ac._run(torch, sdpa, q, k, v, do))
+    rows = ac._checks(torch, lambda q, k, v: sdpa(q, k, v) * q.shape[0], q, k, v, do,
+                      ref=ac._run(torch, sdpa, q, k, v, do))
     assert not rows["batch"]["o"] and rows["tp2"]["o"] and not any(rows["same_bits"].values())
     assert not ac.rows_ok({"rows": {"inv:x": {"invariant": False}}}) and ac.rows_ok({"rows": {"sdpa-math": {}}})
 
