@@ -72,6 +72,9 @@ def _parse(argv):
                    help="--configs: interleaved re-timings of the fastest candidates, shipped and stock")
     p.add_argument("--smoke", action="store_true",
                    help="--configs on the CPU under the Triton interpreter, tiny shapes (timings mean nothing)")
+    p.add_argument("--sass", action="store_true",
+                   help="no GPU: the kernels compiled for sm_90 - registers, spills, each inner loop's instruction "
+                        "mix at the shipped D=64/D=128 tiles and the --only candidates (benchmarks/attention_sass.py)")
     args = p.parse_args(argv)
     if args.smoke and not args.configs:
         p.error("--smoke goes with --configs")
@@ -280,6 +283,10 @@ def _fmt_ok(d: dict | None) -> str:
 
 def main(argv=None) -> dict:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.sass:
+        from benchmarks.attention_sass import main_sass
+
+        return main_sass(args)
     if args.configs:
         from benchmarks.attention_configs import run
 

@@ -127,3 +127,42 @@ def test_configs_smoke_times_and_checks_shipped_and_fused(tmp_path):
     assert d["best"] in ("inv:shipped", "inv:fused") and "HEAD_DIM_CONFIGS entry" in p.stdout
     assert set(d["passes"]) == {"fwd", "delta", "dq", "dkdv", "fused", "stock-fwd", "stock-bwd"}
     assert all(x["ms"] > 0 for x in d["passes"].values())
+
+
+def test_kernels_compile_for_sm90_with_one_exp2_a_pair():
+    """The D=64 kernels - the fused launch among them, which the interpreter runs but never
+    compiles - compiled for sm_90 on the CPU (Triton's bundled ptxas, `attention --sass`): every
+    innermost loop holds tensor-core products and one MUFU (exp2) per (query, key) pair a thread
+    holds; the fused kernel's four loops are the dk/dv pass's two and the dq pass's two."""
+    pytest.importorskip("triton")
+    code = """
+import dataclasses, json
+from benchmarks.attention_sass import _compile, _kernels, _loops
+from tpdiag.kernels import attention_triton as at
+out = {}
+try:
+    for p, (k, types, consts, warps, stages, bm, bn, _) in _kernels(dataclasses.replace(at.D64, bwd_fused=True), 64).items():
+        out[p] = {"loops": _loops(_compile(k, types, consts, warps, stages)[0]), "warps": warps}
+except FileNotFoundError as e:  # a Triton build without the CUDA tools
+    out = {"skip": str(e)}
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(env, PYTHONPATH=ROOT), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(f"no ptxas/cuobjdump in this Triton: {got['skip']}")
+    from tpdiag.kernels import attention_triton as at
+
+    cfg = at.D64
+    fused, fwd = got["fused"]["loops"], got["fwd"]["loops"]
+    assert len(fused) == 4 and len(fwd) == 2
+    assert all(lp["HGMMA"] > 0 for lp in fused + fwd)
+    # dk/dv loops: kv_m x kv_n pairs, dq loops: q_m x q_n, over 32 lanes x the launch's warps
+    per_thread = [cfg.kv_m * cfg.kv_n // (32 * cfg.kv_warps)] * 2 + [cfg.q_m * cfg.q_n // (32 * cfg.kv_warps)] * 2
+    assert [lp["MUFU"] for lp in fused] == per_thread
+    # the forward adds one exp2 for each row a thread holds (the running max's rescale)
+    pairs = cfg.fwd_m * cfg.fwd_n // (32 * cfg.fwd_warps)
+    assert all(pairs < lp["MUFU"] <= pairs + 4 for lp in fwd), fwd
