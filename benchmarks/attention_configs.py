@@ -50,6 +50,7 @@ CANDIDATES = [
     ("fused-s2", (64,), {"bwd_fused": 1, "kv_stages": 2}),
     ("fused-w8", (64,), {"bwd_fused": 1, "kv_warps": 8, "q_warps": 8}),
     ("fwd128x128", (64,), {"fwd_n": 128}),
+    ("fwd128x128w4", (64,), {"fwd_n": 128, "fwd_warps": 4}),
     ("fwd-s4", (64,), {"fwd_stages": 4}),
     ("fwd-s2", (64,), {"fwd_stages": 2}),
     ("kv-s2", (64,), {"kv_stages": 2}),
