@@ -41,6 +41,11 @@ CANDIDATES = [
     ("fused", (64,), {"bwd_fused": 1}),
     ("fused+fw4+tma", (64,), {"bwd_fused": 1, "fwd_warps": 4, "bwd_tma": 1}),
     ("fw4+tma", (64,), {"fwd_warps": 4, "bwd_tma": 1}),
+    # dS of every 2nd / 4th key block stored, the rest recomputed by dq (ds_every): half or a
+    # quarter of the dS traffic for half or three quarters of the recompute
+    ("mix-2", (64,), {"ds_mib": 2048, "ds_every": 2, "kv_group": 4, "q_group": 4}),
+    ("mix-4", (64,), {"ds_mib": 2048, "ds_every": 4, "kv_group": 4, "q_group": 4}),
+    ("mix-2-tma", (64,), {"ds_mib": 2048, "ds_every": 2, "bwd_tma": 1, "kv_group": 4, "q_group": 4}),
     ("tutorial", (64,), TUTORIAL),
     ("tutorial-s3", (64,), {**TUTORIAL, "kv_stages": 3, "q_stages": 3}),
     ("fused+tutorial", (64,), {**TUTORIAL, "bwd_fused": 1}),

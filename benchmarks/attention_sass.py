@@ -80,12 +80,18 @@ def _kernels(cfg, D: int) -> dict:
                              EVEN_KV=True, EVEN_Q=True, LOADS=False, I64=False),
                         cfg.kv_warps, cfg.kv_stages, None, None, None)
         return out
+    if cfg.ds_mib and cfg.ds_every > 1:
+        out["dq-mix"] = (atb._dq_mix_kernel, {**{n: P16 for n in ("DS", "Q", "K", "V", "DO", "DQ")}, **scal},
+                         dict(CAUSAL=True, BM=cfg.q_m, BN=cfg.q_n, KV_N=cfg.kv_n, EVERY=cfg.ds_every, D=D,
+                              PREC="tf32", EVEN=True, I64=False),
+                         cfg.q_warps, cfg.q_stages, cfg.q_m, cfg.q_n, 3)
     out["dq"] = (atb._dq_kernel, {**{n: P16 for n in ("Q", "K", "V", "O", "DO", "DQ")}, **scal},
                  dict(CAUSAL=True, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC="tf32", EVEN=True, I64=False),
                  cfg.q_warps, cfg.q_stages, cfg.q_m, cfg.q_n, 3)
     out["dkdv"] = (atb._dkdv_kernel, {**{n: P16 for n in ("Q", "K", "V", "DO", "DK", "DV", "DS")}, **scal},
                    dict(CAUSAL=True, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC="tf32", EVEN=True,
-                        STORE_DS=1 if cfg.ds_mib else 0, LOADS=False, I64=False),
+                        STORE_DS=1 if cfg.ds_mib else 0, LOADS=False, I64=False,
+                        DS_EVERY=max(1, cfg.ds_every) if cfg.ds_mib else 1),
                    cfg.kv_warps, cfg.kv_stages, cfg.kv_m, cfg.kv_n, 4)
     return out
 

@@ -16,11 +16,13 @@ import json, sys
 import torch
 from dataclasses import replace
 from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
-if sys.argv[1] == "no-delta":  # the negative control: the fused launch without its delta pass
-    sys.path.insert(0, "tests")
-    from module_copy import patched
+sys.path.insert(0, "tests")
+from module_copy import patched
+if sys.argv[1] == "no-delta":  # a negative control: the fused launch without its delta pass
     atb = patched(atb, "delta = delta_pass(do, o, cfg)  # complete before", "delta = torch.zeros_like(lse)  #",
                   "atb_nodelta")
+if sys.argv[1] == "mix-reads-all":  # a negative control: dq reads dS where the dk/dv pass kept none
+    atb = patched(atb, "if (start_n // KV_N) % EVERY == 0:", "if True:", "atb_mixall")
 def bits(t): return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 def beq(a, b): return a.shape == b.shape and torch.equal(bits(a), bits(b))
 def both(q, k, v, do, causal, cfg):
@@ -30,12 +32,16 @@ g = torch.Generator().manual_seed(0)
 res = {}
 d64 = at.config_for(torch.bfloat16, 64)  # the shipped D=64 tiles (128-row blocks: L = 40 is one, masked)
 small = at.AttnConfig(16, 16, 4, 1, 16, 32, 4, 1, 32, 16, 4, 1)
+stored = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 32, 16, 4, 1, ds_mib=1)
 cases = (("d64-bf16-causal", torch.bfloat16, 40, 40, True, d64, ("two-launch", "fused")),
          ("small-fp32-causal-L<S", torch.float32, 24, 40, True, small, ("two-launch", "fused-groups-tma")),
-         ("small-fp32-L>S", torch.float32, 40, 24, False, small, ("fused",)))
+         ("small-fp32-L>S", torch.float32, 40, 24, False, small, ("fused",)),
+         ("stored-bf16-causal", torch.bfloat16, 40, 40, True, stored, ("mix-2",)))
 variants = {"two-launch": {}, "fused": {"bwd_fused": True},
-            "fused-groups-tma": {"bwd_fused": True, "bwd_tma": True, "kv_group": 3, "q_group": 2}}
-for name, dt, L, S, causal, cfg, tags in cases[1:2] if sys.argv[1] == "no-delta" else cases:
+            "fused-groups-tma": {"bwd_fused": True, "bwd_tma": True, "kv_group": 3, "q_group": 2},
+            "mix-2": {"ds_every": 2, "q_group": 2}}
+picked = {"no-delta": cases[1:2], "mix-reads-all": cases[3:]}.get(sys.argv[1], cases)
+for name, dt, L, S, causal, cfg, tags in picked:
     D = 64 if cfg is d64 else 16
     q, do = (torch.randn(2, 4, L, D, generator=g).to(dt) for _ in range(2))
     k, v = (torch.randn(2, 2, S, D, generator=g).to(dt) for _ in range(2))
@@ -51,6 +57,11 @@ for name, dt, L, S, causal, cfg, tags in cases[1:2] if sys.argv[1] == "no-delta"
                                                           full[3][:, 1:]))),
             "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
             "repro": all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full))}
+        if c.ds_every:  # the key blocks whose dS the dk/dv pass did not keep are never read
+            o, lse = at.forward(q, k, v, causal, 0.125, c)
+            nan = atb._backward_ds(do, q, k, v, o, lse, causal, 0.125, c, chunk=1,
+                                   ds=torch.full((2, S, L), float("nan"), dtype=dt))
+            res[f"{name}/{tag}"]["poison_unread"] = all(beq(a, b) for a, b in zip(nan, full[1:]))
 print("RESULT", json.dumps(res))
 """
 
@@ -63,15 +74,22 @@ def _script(mode):
     return json.loads(p.stdout.split("RESULT", 1)[1])
 
 
-def test_fused_backward_gives_the_two_launch_bits_and_stays_invariant():
+def test_fused_and_mixed_backwards_give_the_two_launch_bits_and_stay_invariant():
     res = _script("shipped")
-    assert len(res) == 5
+    assert len(res) == 6
     for case, r in res.items():
         assert r["heads"] and r["batch"] and r["repro"], (case, r)  # TP head slices, batch rows, reruns
-        assert r["same_as_two_launch"] == [True] * 4, (case, r)  # o, dq, dk, dv
+        # o, dq, dk, dv; the mixed dq (ds_every) == the stored-dS path's, in bf16 (fp32 dS would be
+        # summed in another order by each pass)
+        assert r["same_as_two_launch"] == [True] * 4, (case, r)
+        assert r.get("poison_unread", True), (case, r)
+    assert "poison_unread" in res["stored-bf16-causal/mix-2"]
     # negative control: without its delta pass the fused launch's dk is other bits (the check reads them)
     bad = _script("no-delta")
     assert not bad["small-fp32-causal-L<S/fused-groups-tma"]["same_as_two_launch"][2], bad
+    # and dq reading every block's dS, kept or not, reads the NaN poison the dk/dv pass left
+    bad = _script("mix-reads-all")
+    assert not any(r["poison_unread"] for r in bad.values()), bad
 
 
 def test_config_sweep_checks_can_fail():

@@ -66,13 +66,21 @@ class AttnConfig:
     # are the two-launch path's (invariant as those are); where the warps and stages are the dq
     # pass's too (the D=64 tiles) its bits should be too - the attention job checks (same_bits)
     bwd_fused: bool = False
+    # > 1 (with ds_mib): the stored-dS backward keeps the dS of every ds_every-th key block of the
+    # dk/dv pass only and its dq recomputes the others - dS traffic traded for products where both
+    # alone leave the other resource idle (D=64); where stored it is the recompute's bf16 dS, so
+    # the bits should not move. By key-block index only: every TP degree and batch the same
+    ds_every: int = 0
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
         if self.fwd_m % self.fwd_n or self.kv_n % self.kv_m or self.q_m % self.q_n:
             raise ValueError(f"AttnConfig {self}: fwd_m, kv_n and q_m must be multiples of fwd_n, kv_m, q_n")
-        if min(self.fwd_group, self.kv_group, self.q_group) < 1 or min(self.ds_mib, self.qds_warps) < 0:
-            raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib and qds_warps >= 0")
+        if min(self.fwd_group, self.kv_group, self.q_group) < 1 or min(self.ds_mib, self.qds_warps, self.ds_every) < 0:
+            raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib, qds_warps and ds_every >= 0")
+        if self.ds_every > 1 and self.kv_n % self.q_n:
+            # a dq step must lie within one dk/dv key block, whose dS is kept or not as a whole
+            raise ValueError(f"AttnConfig {self}: ds_every needs kv_n a multiple of q_n")
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

@@ -14,7 +14,10 @@ in a fixed order. dq comes one of two ways (AttnConfig.ds_mib), each determinist
   moves no bit). delta comes from its own small pass first.
 The recompute path may also run as one launch (AttnConfig.bwd_fused): delta's small pass, then a
 grid whose first programs are the dk/dv pass's and the rest the dq pass's - the same programs,
-each summing in the same order; only when each runs moves.
+each summing in the same order; only when each runs moves. And the two ways may share the work
+(AttnConfig.ds_every = K > 1, with ds_mib): the dk/dv pass stores the dS of every K-th key block
+only, and dq reads those back and recomputes the rest - the same bf16 dS into the same products
+in the same order, for 1/K of the dS traffic and (K-1)/K of the recompute.
 
 One-pass backwards without the recompute were built, checked bitwise and measured slower on an
 H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes): dq partials
@@ -36,12 +39,13 @@ from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L, S,
-                qk_scale, DS, ds_idx, n0, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
+                qk_scale, DS, ds_idx, n0, keep, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, STORE_DS: tl.constexpr,
                 LOADS: tl.constexpr, I64: tl.constexpr):
     # STORE_DS: 0 no dS, 1 dS by plain stores, 2 by TMA (DS a [heads, S, L] descriptor: the
-    # store leaves from shared memory while the next block's products run). LOADS: q_src and
-    # do_src are [B, H, L, D] descriptors (rows past L read as 0), else this head's base pointers
+    # store leaves from shared memory while the next block's products run); `keep`: whether this
+    # key block's dS is stored (AttnConfig.ds_every). LOADS: q_src and do_src are [B, H, L, D]
+    # descriptors (rows past L read as 0), else this head's base pointers
     offs_m0 = tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     for start_m in range(lo, hi, BM):
@@ -64,14 +68,16 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base,
         dpt = _mm(v, tl.trans(do), PREC)
         dst = (pt * (dpt - delta[None, :])).to(q.dtype)
         if STORE_DS == 2:
-            DS.store([ds_idx, n0, start_m], tl.reshape(dst, [1, BN, BM]))
+            if keep:
+                DS.store([ds_idx, n0, start_m], tl.reshape(dst, [1, BN, BM]))
         elif STORE_DS == 1:
-            # dS^T of this head, [S, L]: rows of keys, contiguous over query rows
-            ds_ptr = DS + ds_idx.to(tl.int64) * S * L + offs_n[:, None].to(tl.int64) * L + rows[None, :]
-            if EVEN:
-                tl.store(ds_ptr, dst)
-            else:
-                tl.store(ds_ptr, dst, mask=(offs_n[:, None] < S) & (rows[None, :] < L))
+            if keep:
+                # dS^T of this head, [S, L]: rows of keys, contiguous over query rows
+                ds_ptr = DS + ds_idx.to(tl.int64) * S * L + offs_n[:, None].to(tl.int64) * L + rows[None, :]
+                if EVEN:
+                    tl.store(ds_ptr, dst)
+                else:
+                    tl.store(ds_ptr, dst, mask=(offs_n[:, None] < S) & (rows[None, :] < L))
         dk += _mm(dst, q, PREC)
     return dk, dv
 
@@ -81,10 +87,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
                  HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                  PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
-                 I64: tl.constexpr):
+                 I64: tl.constexpr, DS_EVERY: tl.constexpr):
     _dkdv_program(tl.program_id(0), Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh,
                   svn, HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0, CAUSAL, BM, BN, D, PREC, EVEN, STORE_DS,
-                  LOADS, I64)
+                  LOADS, I64, DS_EVERY)
 
 
 @triton.jit
@@ -92,11 +98,14 @@ def _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, 
                   HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
                   CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                   PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
-                  I64: tl.constexpr):
+                  I64: tl.constexpr, DS_EVERY: tl.constexpr):
     # program `pid` of the dk/dv pass; BH0: the first (batch, KV head) of this launch (a chunk of
-    # heads whose dS fits DS)
+    # heads whose dS fits DS); DS_EVERY > 1: dS of every DS_EVERY-th key block only
     pid_n, bhl = _block_and_head_at(pid, NB, BH, G)
     pid_n = NB - 1 - pid_n  # key block 0 sees every query row: the most work
+    keep = True
+    if DS_EVERY > 1:
+        keep = pid_n % DS_EVERY == 0
     bhk = BH0 + bhl
     b = bhk // HK
     hk = bhk % HK
@@ -125,14 +134,14 @@ def _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, 
             lo = tl.minimum(n0, L)
             mid = tl.minimum(n0 + BN, L)
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
-                                 lo, mid, L, S, qk_scale, DS, ds_idx, n0, True, EVEN, BM, BN, D, PREC,
+                                 lo, mid, L, S, qk_scale, DS, ds_idx, n0, keep, True, EVEN, BM, BN, D, PREC,
                                  STORE_DS, LOADS, I64)
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
-                                 mid, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
+                                 mid, L, L, S, qk_scale, DS, ds_idx, n0, keep, False, EVEN, BM, BN, D, PREC,
                                  STORE_DS, LOADS, I64)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
-                                 0, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
+                                 0, L, L, S, qk_scale, DS, ds_idx, n0, keep, False, EVEN, BM, BN, D, PREC,
                                  STORE_DS, LOADS, I64)
     # the head's base in int64, the offsets within it in int32 (pointer first: no int64 tiles)
     hb = bhk.to(tl.int64) * S * D
@@ -246,7 +255,7 @@ def _fused_kernel(Q, QD, K, V, O, DO, DOD, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqm
     if pid < NK * BHK:
         _dkdv_program(pid, QD, K, V, DOD, LSE, DELTA, DK, DV, DK, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                       HK, REP, L, S, qk_scale, sm_scale, NK, BHK, GK, 0, CAUSAL, KV_M, KV_N, D, PREC, EVEN_KV, 0,
-                      LOADS, I64)
+                      LOADS, I64, 1)
     else:
         _dq_program(pid - NK * BHK, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                     HK * REP, REP, L, S, qk_scale, sm_scale, NQ, BH, GQ, CAUSAL, Q_M, Q_N, D, PREC, EVEN_Q, I64,
@@ -323,6 +332,84 @@ def _dq_ds_kernel(DS, K, DQ, skb, skh, skn, H, REP, L, S, sm_scale, NB, BH, G, B
         tl.store(dq_ptr, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < L)
 
 
+@triton.jit
+def _dq_mix_inner(dq, q, do, lse, delta, DS, ds_idx, k_base, v_base, skn, svn, offs_m, lo, hi, L, S, qk_scale,
+                  DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, KV_N: tl.constexpr,
+                  EVERY: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, I64: tl.constexpr):
+    # key blocks lo, lo + BN, ... < hi in ascending order; a block whose dk/dv key block (KV_N
+    # keys) stored its dS reads it back, the others recompute it as _dq_inner does - the same
+    # bf16 dS either way, into the same product in the same order
+    offs_n0 = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    for start_n in range(lo, hi, BN):
+        cols = start_n + offs_n0
+        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN, I64)
+        if (start_n // KV_N) % EVERY == 0:
+            ptrs = DS + ds_idx.to(tl.int64) * S * L + cols[:, None].to(tl.int64) * L + offs_m[None, :]
+            if EVEN:
+                dst = tl.load(ptrs)
+            else:
+                dst = tl.load(ptrs, mask=(cols[:, None] < S) & (offs_m[None, :] < L), other=0.0)
+            if DIAG:
+                dst = tl.where(cols[:, None] <= offs_m[None, :], dst, 0.0)
+            ds = tl.trans(dst)
+        else:
+            v = _load_rows(v_base, cols, svn, offs_d, S, EVEN, I64)
+            s = _mm(q, tl.trans(k), PREC) * qk_scale
+            p = tl.math.exp2(s - lse[:, None])
+            if DIAG:
+                p = tl.where(cols[None, :] <= offs_m[:, None], p, 0.0)
+            if not EVEN:
+                p = tl.where(cols[None, :] < S, p, 0.0)
+            dp = _mm(do, tl.trans(v), PREC)
+            ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq += _mm(ds, k, PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=["NB", "BH", "G", "BH0"])  # one compile for any launch order
+def _dq_mix_kernel(DS, Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                   H, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
+                   CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KV_N: tl.constexpr,
+                   EVERY: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, EVEN: tl.constexpr,
+                   I64: tl.constexpr):
+    # dq of row block pid_m from stored dS where the dk/dv pass kept it (AttnConfig.ds_every),
+    # recomputed elsewhere; dO contiguous [B, H, L, D]; delta from the delta pass
+    pid_m, bhl = _block_and_head(NB, BH, G)
+    bh = BH0 + bhl
+    b = bh // H
+    h = bh % H
+    hk = h // REP
+    m0 = pid_m * BM
+    offs_m = m0 + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, L, EVEN, I64)
+    do = _load_rows(DO + bh.to(tl.int64) * L * D, offs_m, D, offs_d, L, EVEN, I64)
+    if EVEN:
+        lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m)
+        delta = tl.load(DELTA + bh.to(tl.int64) * L + offs_m)
+    else:
+        lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
+        delta = tl.load(DELTA + bh.to(tl.int64) * L + offs_m, mask=offs_m < L, other=0.0)
+    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    dq = tl.zeros([BM, D], tl.float32)
+    if CAUSAL:
+        diag = tl.minimum(m0, S)  # BM is a multiple of BN
+        dq = _dq_mix_inner(dq, q, do, lse, delta, DS, bhl, k_base, v_base, skn, svn, offs_m, 0, diag, L, S,
+                           qk_scale, False, EVEN, BN, KV_N, EVERY, D, PREC, I64)
+        dq = _dq_mix_inner(dq, q, do, lse, delta, DS, bhl, k_base, v_base, skn, svn, offs_m, diag,
+                           tl.minimum(m0 + BM, S), L, S, qk_scale, True, EVEN, BN, KV_N, EVERY, D, PREC, I64)
+    else:
+        dq = _dq_mix_inner(dq, q, do, lse, delta, DS, bhl, k_base, v_base, skn, svn, offs_m, 0, S, L, S,
+                           qk_scale, False, EVEN, BN, KV_N, EVERY, D, PREC, I64)
+    dq_ptr = DQ + bh.to(tl.int64) * L * D + offs_m[:, None] * D + offs_d[None, :]
+    if EVEN:
+        tl.store(dq_ptr, (dq * sm_scale).to(DQ.dtype.element_ty))
+    else:
+        tl.store(dq_ptr, (dq * sm_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < L)
+
+
 def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | None = None):
     """-> (dq, dk, dv) from the forward's (o, lse); dq by the path cfg.ds_mib names."""
     cfg = cfg or config_for(q.dtype, q.shape[-1])
@@ -369,7 +456,10 @@ def _backward_ds(do, q, k, v, o, lse, causal, scale, cfg, chunk: int | None = No
         n = min(chunk, B * Hk - c0)
         dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, out=(dk, dv), ds=ds, bh0=c0, nbh=n, tma=tma,
                   loads=cfg.bwd_tma)
-        dq_ds_pass(ds, k, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep, tma=tma, loads=cfg.bwd_tma)
+        if cfg.ds_every > 1:
+            dq_mix_pass(ds, do, q, k, v, lse, delta, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep)
+        else:
+            dq_ds_pass(ds, k, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep, tma=tma, loads=cfg.bwd_tma)
     return dq, dk, dv
 
 
@@ -389,6 +479,23 @@ def dq_ds_pass(ds, k, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int,
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(dq),
         EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, TMA=tma, LOADS=loads, I64=wide(k),
         num_warps=cfg.qds_warps or cfg.q_warps, num_stages=cfg.q_stages)
+    return dq
+
+
+def dq_mix_pass(ds, do, q, k, v, lse, delta, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int,
+                nbh: int):
+    """dq of query (batch, head) pairs bh0 .. bh0 + nbh - 1 into `dq`: from their stored dS^T in
+    `ds` for the key blocks the dk/dv pass kept (AttnConfig.ds_every), recomputed for the rest;
+    dO contiguous, delta from delta_pass. Pointer loads only."""
+    _, H, L, D = dq.shape
+    Hk, S = k.shape[1], k.shape[2]
+    nq = triton.cdiv(L, cfg.q_m)
+    _dq_mix_kernel[(nq * nbh,)](
+        ds, q, k, v, do, lse, delta, dq, *_strides(q, k, v), H, H // Hk, L, S, scale * LOG2E, scale,
+        nq, nbh, min(cfg.q_group, nbh), bh0,
+        CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, KV_N=cfg.kv_n, EVERY=cfg.ds_every, D=D, PREC=_prec(dq),
+        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, I64=wide(q, k, v, do),
+        num_warps=cfg.q_warps, num_stages=cfg.q_stages)
     return dq
 
 
@@ -445,7 +552,7 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
         scale * LOG2E, scale, nk, nbh, min(cfg.kv_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store, LOADS=loads, I64=wide(q, k, v, do),
-        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+        DS_EVERY=max(1, cfg.ds_every) if store else 1, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return dk, dv
 
 
