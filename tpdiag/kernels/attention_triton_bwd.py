@@ -350,8 +350,8 @@ def _dq_mix_inner(dq, q, do, lse, delta, DS, ds_idx, k_base, v_base, skn, svn, o
                 dst = tl.load(ptrs)
             else:
                 dst = tl.load(ptrs, mask=(cols[:, None] < S) & (offs_m[None, :] < L), other=0.0)
-            if DIAG:
-                dst = tl.where(cols[:, None] <= offs_m[None, :], dst, 0.0)
+            if DIAG:  # nothing kept above the diagonal: whatever is there reads as 0
+                dst = tl.where(offs_m[None, :] >= cols[:, None], dst, 0.0)
             ds = tl.trans(dst)
         else:
             v = _load_rows(v_base, cols, svn, offs_d, S, EVEN, I64)
