@@ -22,7 +22,9 @@ if sys.argv[1] == "no-delta":  # a negative control: the fused launch without it
     atb = patched(atb, "delta = delta_pass(do, o, cfg)  # complete before", "delta = torch.zeros_like(lse)  #",
                   "atb_nodelta")
 if sys.argv[1] == "mix-reads-all":  # a negative control: dq reads dS where the dk/dv pass kept none
-    atb = patched(atb, "if (start_n // KV_N) % EVERY == 0:", "if True:", "atb_mixall")
+    from tpdiag.kernels import attention_triton_bwd_programs as programs
+    atb._dq_mix_kernel = patched(programs, "if (start_n // KV_N) % EVERY == 0:", "if True:",
+                                 "programs_mixall")._dq_mix_kernel
 def bits(t): return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 def beq(a, b): return a.shape == b.shape and torch.equal(bits(a), bits(b))
 def both(q, k, v, do, causal, cfg):
