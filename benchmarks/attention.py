@@ -8,6 +8,10 @@ warn_only=True)), and the error against a float64 reference at a smaller shape.
 
     python benchmarks/attention.py [--batch 8 --seq 4096 --heads 32 --dim 64 --dtype bfloat16]
                                    [--sweep] [--no-flex] [--json PATH]
+    python -m benchmarks attention --configs d64 [--budget-s 420] [--only NAME,...] [--smoke]
+
+--configs: candidate AttnConfigs at head_dim 64 and 128 against the stock backends, bitwise
+checked, in one process (benchmarks/attention_configs.py).
 
 `main(argv) -> dict` is the entry point for `python -m benchmarks attention`.
 """
@@ -57,7 +61,24 @@ def _parse(argv):
     p.add_argument("--reruns", type=int, default=20,
                    help="invariant backends: dq/dk/dv of this many reruns, each bitwise equal to the first")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    p.add_argument("--configs", choices=["d64", "d64-only", "d128"], default=None,
+                   help="time attention_configs.CANDIDATES side by side with the stock backends (d64: "
+                        "D=64 at --batch/--heads and D=128 at half of each; d64-only, d128: one head dim)")
+    p.add_argument("--only", default="", help="--configs: these candidates only (comma-separated names)")
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="--configs: start no further candidate after this many seconds (compiles dominate; "
+                        "the shipped configs and the D=128 stock backends still run)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--configs: interleaved re-timings of the fastest candidates, shipped and stock")
+    p.add_argument("--smoke", action="store_true",
+                   help="--configs on the CPU under the Triton interpreter, tiny shapes (timings mean nothing)")
+    p.add_argument("--sass", action="store_true",
+                   help="no GPU: the kernels compiled for sm_90 - registers, spills, each inner loop's instruction "
+                        "mix at the shipped D=64/D=128 tiles and the --only candidates (benchmarks/attention_sass.py)")
+    args = p.parse_args(argv)
+    if args.smoke and not args.configs:
+        p.error("--smoke goes with --configs")
+    return args
 
 
 def _backends(args, torch, F):
@@ -262,6 +283,14 @@ def _fmt_ok(d: dict | None) -> str:
 
 def main(argv=None) -> dict:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.sass:
+        from benchmarks.attention_sass import main_sass
+
+        return main_sass(args)
+    if args.configs:
+        from benchmarks.attention_configs import run
+
+        return run(args)
     import torch
     import torch.nn.functional as F
     import triton

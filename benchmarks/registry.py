@@ -70,7 +70,9 @@ JOBS: dict[str, Job] = {
                           "CUDA (NCCL), one GPU; --tp 1,2,4 for more", prefix=("--set", "time"),
                           table=("run", "rc", "status", "wall_s", "time_breakdown.wall_s",
                                  "time_breakdown.totals.*")),
-    "attention": Job("benchmarks.attention", "attention fix benchmark", "see the job's --help",
+    "attention": Job("benchmarks.attention", "attention fix benchmark; --configs d64: candidate tiles at "
+                     "D=64/128 vs stock SDPA", "CUDA; --configs d64 --smoke on CPU (Triton interpreter)",
+                     smoke_env=INTERP,
                       table=("meta.shape", "meta.dtype", "backends.*.fwdbwd_ms", "backends.*.ratio_to_fastest_stock")),
     "rollout": Job("benchmarks.jobs.rollout", "`tpdiag rollout` speed: generate() on a Llama-3.2-1B-shaped bf16 "
                    "checkpoint, then the rollout grid per --jobs value: seconds and forward MFU per "

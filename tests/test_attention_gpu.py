@@ -3,7 +3,8 @@ loads' bits - forward (fwd_tma) and backward loops (bwd_tma) - at the shipped ti
 lengths, GQA and q/k/v in [B, L, H, D] memory; and rows past 2^31 elements of one batch row read
 their own memory on the GPU too (tests/test_attention_offsets.py is the interpreter's check).
 Run on an H200 at b4b07e9 (with all 12 cases of a wider grid): 3 TMA/pointer cases passed before a
-170 s limit; the rest and the 2^31 case were not reached - not run to the end on a GPU yet."""
+170 s limit; the rest and the 2^31 case were not reached - not run to the end on a GPU yet. The
+fused and mixed backwards' cases (bwd_fused, ds_every; 2026-11-29): not run on a GPU yet."""
 from dataclasses import replace
 
 import pytest
@@ -70,3 +71,39 @@ def test_rows_past_2_31_elements():
         dq1 = atb.backward(cut(do), cut(q), k, v, o1, lse1, False, 0.1, cfg)[0]
         assert _beq(dq1, cut(dq))
         del o, lse, dq
+
+
+@pytest.mark.parametrize("D,L,causal", [(64, 1000, True), (64, 4096, True), (128, 1000, False)])
+def test_fused_backward_gives_the_two_launch_bits(D, L, causal):
+    """bwd_fused on the GPU: one launch of the dk/dv and dq programs after the delta pass gives the
+    two-launch recompute path's bits at the shipped tiles (delta from its own pass, not the dq
+    pass's: the interpreter cannot tell those apart), and keeps the TP=2 head slices' bits."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, do = (torch.randn(2, 8, L, D, generator=g, device="cuda").bfloat16() for _ in range(2))
+    k, v = (torch.randn(2, 4, L, D, generator=g, device="cuda").bfloat16() for _ in range(2))
+    cfg = replace(at.config_for(torch.bfloat16, D), ds_mib=0)
+    o, lse = at.forward(q, k, v, causal, D ** -0.5, cfg)
+    two = atb.backward(do, q, k, v, o, lse, causal, D ** -0.5, cfg)
+    one = atb.backward(do, q, k, v, o, lse, causal, D ** -0.5, replace(cfg, bwd_fused=True))
+    assert all(_beq(x, y) for x, y in zip(one, two))
+    half = atb.backward(do[:, 4:], q[:, 4:], k[:, 2:], v[:, 2:], o[:, 4:].contiguous(),
+                        lse.view(2, 8, L)[:, 4:].reshape(8, L), causal, D ** -0.5, replace(cfg, bwd_fused=True))
+    assert all(_beq(x, y) for x, y in zip(half, (one[0][:, 4:], one[1][:, 2:], one[2][:, 2:])))
+
+
+@pytest.mark.parametrize("every", [2, 4])
+def test_mixed_backward_gives_the_stored_ds_bits(every):
+    """ds_every on the GPU: dS kept for every 2nd / 4th key block, the rest recomputed by dq, gives
+    the stored-dS path's bits (and so the recompute path's, where those two agree) at the D=64
+    tiles, chunked or not."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, do = (torch.randn(2, 8, 1000, 64, generator=g, device="cuda").bfloat16() for _ in range(2))
+    k, v = (torch.randn(2, 4, 1000, 64, generator=g, device="cuda").bfloat16() for _ in range(2))
+    cfg = replace(at.config_for(torch.bfloat16, 64), ds_mib=2048)
+    o, lse = at.forward(q, k, v, True, 0.125, cfg)
+    ref = atb.backward(do, q, k, v, o, lse, True, 0.125, cfg)
+    mix = atb.backward(do, q, k, v, o, lse, True, 0.125, replace(cfg, ds_every=every))
+    assert all(_beq(x, y) for x, y in zip(mix, ref))
+    nan = atb._backward_ds(do.contiguous(), q, k, v, o, lse, True, 0.125, replace(cfg, ds_every=every), chunk=1,
+                           ds=torch.full((2, 1000, 1000), float("nan"), device="cuda", dtype=torch.bfloat16))
+    assert all(_beq(x, y) for x, y in zip(nan, mix))

@@ -209,9 +209,11 @@ def test_tiles_follow_dtype_and_head_dim_only():
     d128 = at.config_for(torch.bfloat16, 128)
     assert d128 == at.HEAD_DIM_CONFIGS[(torch.bfloat16, 128)] != at.CONFIGS[torch.bfloat16]
     assert at.config_for(torch.float16, 128) == d128
+    assert at.config_for(torch.bfloat16, 64) == at.config_for(torch.float16, 64) == at.HEAD_DIM_CONFIGS[(torch.bfloat16, 64)]
     for dt in (torch.bfloat16, torch.float16, torch.float32):
-        for d in (16, 32, 64):
+        for d in (16, 32):
             assert at.config_for(dt, d) == at.CONFIGS[dt]
+    assert at.config_for(torch.float32, 64) == at.CONFIGS[torch.float32]
     assert at.config_for(torch.float32, 128) == at.CONFIGS[torch.float32]
     import inspect
 

@@ -60,13 +60,27 @@ class AttnConfig:
     bwd_tma: bool = False
     # warps of the dq pass that reads dS back (0: q_warps; its tiles are q_m x q_n)
     qds_warps: int = 0
+    # the recompute backward (ds_mib = 0, or dS over budget) in one launch: delta by its own small
+    # pass first (as the stored-dS path's), then the dk/dv programs and the dq programs side by
+    # side in one grid, at the dk/dv pass's warps and stages. Each program's sums and their order
+    # are the two-launch path's (invariant as those are); where the warps and stages are the dq
+    # pass's too (the D=64 tiles) its bits should be too - the attention job checks (same_bits)
+    bwd_fused: bool = False
+    # > 1 (with ds_mib): the stored-dS backward keeps the dS of every ds_every-th key block of the
+    # dk/dv pass only and its dq recomputes the others - dS traffic traded for products where both
+    # alone leave the other resource idle (D=64); where stored it is the recompute's bf16 dS, so
+    # the bits should not move. By key-block index only: every TP degree and batch the same
+    ds_every: int = 0
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
         if self.fwd_m % self.fwd_n or self.kv_n % self.kv_m or self.q_m % self.q_n:
             raise ValueError(f"AttnConfig {self}: fwd_m, kv_n and q_m must be multiples of fwd_n, kv_m, q_n")
-        if min(self.fwd_group, self.kv_group, self.q_group) < 1 or min(self.ds_mib, self.qds_warps) < 0:
-            raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib and qds_warps >= 0")
+        if min(self.fwd_group, self.kv_group, self.q_group) < 1 or min(self.ds_mib, self.qds_warps, self.ds_every) < 0:
+            raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib, qds_warps and ds_every >= 0")
+        if self.ds_every > 1 and self.kv_n % self.q_n:
+            # a dq step must lie within one dk/dv key block, whose dS is kept or not as a whole
+            raise ValueError(f"AttnConfig {self}: ds_every needs kv_n a multiple of q_n")
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -88,9 +102,14 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # at 8 (qds_warps); the recompute dq (where one head's dS exceeds the budget) stays at 8, 1.4x
 # faster there. The forward and the dk/dv pass launch 4 heads per scheduling group (fwd_group,
 # kv_group): 8% and 1-2% faster than head by head with TMA loads on an H200 (docs/benchmarks.md).
-HEAD_DIM_CONFIGS = {(dt, 128): AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, fwd_group=4, kv_group=4,
-                                          q_group=4, ds_mib=2048, bwd_tma=True, qds_warps=4)
-                    for dt in (torch.bfloat16, torch.float16)}
+# head_dim 64 (Llama 3.2 1B/3B, many smaller models): the default tiles, named here so a sweep's
+# winner has its place (`python -m benchmarks attention --configs d64` prints the entry). dq
+# recomputes there: its dS would be 8 GiB at B8 H32 S4096 and its traffic costs more than the two
+# products it saves (docs/benchmarks.md, "Invariant attention").
+D128 = AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, fwd_group=4, kv_group=4, q_group=4, ds_mib=2048,
+                  bwd_tma=True, qds_warps=4)
+D64 = AttnConfig()
+HEAD_DIM_CONFIGS = {(dt, d): cfg for dt in (torch.bfloat16, torch.float16) for d, cfg in ((64, D64), (128, D128))}
 DS_MIB_ENV = "TPDIAG_ATTENTION_DS_MIB"  # a smaller dS budget (0: recompute), where memory is short
 
 
@@ -147,7 +166,12 @@ def _block_and_head(NB, BH, G):
     group's blocks largest-work first (block NB - 1 - rank for the row-block passes; the caller
     turns it round for the dk/dv pass). Only the launch order moves: what a program computes
     does not depend on it."""
-    pid = tl.program_id(0)
+    return _block_and_head_at(tl.program_id(0), NB, BH, G)
+
+
+@triton.jit
+def _block_and_head_at(pid, NB, BH, G):
+    # _block_and_head of program `pid` of its pass (a launch may hold two passes: bwd_fused)
     g0 = (pid // (G * NB)) * G
     gn = tl.minimum(G, BH - g0)
     r = pid - g0 * NB

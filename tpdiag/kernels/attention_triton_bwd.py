@@ -12,6 +12,8 @@ in a fixed order. dq comes one of two ways (AttnConfig.ds_mib), each determinist
   key blocks in a fixed order - 5 products and a write and read of dS (O(L * S) memory per head,
   so heads go in chunks whose dS fits ds_mib MiB; a head's sums are its own, so the chunking
   moves no bit). delta comes from its own small pass first.
+The recompute path may also run as one launch (AttnConfig.bwd_fused), and the two ways may share
+the work (AttnConfig.ds_every): attention_triton_bwd_programs.py, with the programs' bodies.
 
 One-pass backwards without the recompute were built, checked bitwise and measured slower on an
 H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes): dq partials
@@ -27,141 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head, _last_dim_unit,
-                                             _load_rows, _mm, _prec, _tile, config_for, desc,
-                                             tma_ok, wide)
-
-@triton.jit
-def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L, S,
-                qk_scale, DS, ds_idx, n0, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, STORE_DS: tl.constexpr,
-                LOADS: tl.constexpr, I64: tl.constexpr):
-    # STORE_DS: 0 no dS, 1 dS by plain stores, 2 by TMA (DS a [heads, S, L] descriptor: the
-    # store leaves from shared memory while the next block's products run). LOADS: q_src and
-    # do_src are [B, H, L, D] descriptors (rows past L read as 0), else this head's base pointers
-    offs_m0 = tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    for start_m in range(lo, hi, BM):
-        rows = start_m + offs_m0
-        q = _tile(q_src, b, h, start_m, rows, sqm, offs_d, L, BM, D, EVEN, I64, LOADS)
-        do = _tile(do_src, b, h, start_m, rows, D, offs_d, L, BM, D, EVEN, I64, LOADS)
-        if EVEN:
-            lse = tl.load(LSE + row_base + rows)
-            delta = tl.load(DELTA + row_base + rows)
-        else:
-            lse = tl.load(LSE + row_base + rows, mask=rows < L, other=0.0)
-            delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
-        st = _mm(k, tl.trans(q), PREC) * qk_scale  # [BN, BM]
-        pt = tl.math.exp2(st - lse[None, :])
-        if DIAG:
-            pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
-        if not EVEN:
-            pt = tl.where(rows[None, :] < L, pt, 0.0)
-        dv += _mm(pt.to(do.dtype), do, PREC)
-        dpt = _mm(v, tl.trans(do), PREC)
-        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
-        if STORE_DS == 2:
-            DS.store([ds_idx, n0, start_m], tl.reshape(dst, [1, BN, BM]))
-        elif STORE_DS == 1:
-            # dS^T of this head, [S, L]: rows of keys, contiguous over query rows
-            ds_ptr = DS + ds_idx.to(tl.int64) * S * L + offs_n[:, None].to(tl.int64) * L + rows[None, :]
-            if EVEN:
-                tl.store(ds_ptr, dst)
-            else:
-                tl.store(ds_ptr, dst, mask=(offs_n[:, None] < S) & (rows[None, :] < L))
-        dk += _mm(dst, q, PREC)
-    return dk, dv
-
+from tpdiag.kernels.attention_triton import (LOG2E, AttnConfig, _block_and_head, _last_dim_unit, _mm, _prec,
+                                             _tile, config_for, desc, tma_ok, wide)
+from tpdiag.kernels.attention_triton_bwd_programs import (_dkdv_program, _do_and_delta, _dq_mix_kernel,
+                                                          _dq_program, _fused_kernel)
 
 @triton.jit(do_not_specialize=["NB", "BH", "G", "BH0"])  # one compile for any launch order
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                  HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                  PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
-                 I64: tl.constexpr):
-    # BH0: the first (batch, KV head) of this launch (a chunk of heads whose dS fits DS)
-    pid_n, bhl = _block_and_head(NB, BH, G)
-    pid_n = NB - 1 - pid_n  # key block 0 sees every query row: the most work
-    bhk = BH0 + bhl
-    b = bhk // HK
-    hk = bhk % HK
-    n0 = pid_n * BN
-    offs_n = n0 + tl.arange(0, BN)
-    offs_d = tl.arange(0, D)
-    nmask = offs_n[:, None] < S
-    k = _load_rows(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh, offs_n, skn, offs_d, S, EVEN, I64)
-    v = _load_rows(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh, offs_n, svn, offs_d, S, EVEN, I64)
-    dk = tl.zeros([BN, D], tl.float32)
-    dv = tl.zeros([BN, D], tl.float32)
-    H = HK * REP
-    for r in range(0, REP):  # this KV head's query heads, in head order
-        h = hk * REP + r
-        if LOADS:
-            q_src = Q
-            do_src = DO
-        else:
-            q_src = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-            do_src = DO + (b * H + h).to(tl.int64) * L * D  # dO is contiguous [B, H, L, D]
-        row_base = (b * H + h).to(tl.int64) * L
-        ds_idx = bhl * REP + r  # this query head in the launch's dS scratch
-        if CAUSAL:
-            # query rows [n0, n0 + BN) straddle the diagonal (BN is a multiple of BM); later
-            # rows see the whole key block
-            lo = tl.minimum(n0, L)
-            mid = tl.minimum(n0 + BN, L)
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
-                                 lo, mid, L, S, qk_scale, DS, ds_idx, n0, True, EVEN, BM, BN, D, PREC,
-                                 STORE_DS, LOADS, I64)
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
-                                 mid, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
-                                 STORE_DS, LOADS, I64)
-        else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
-                                 0, L, L, S, qk_scale, DS, ds_idx, n0, False, EVEN, BM, BN, D, PREC,
-                                 STORE_DS, LOADS, I64)
-    # the head's base in int64, the offsets within it in int32 (pointer first: no int64 tiles)
-    hb = bhk.to(tl.int64) * S * D
-    out = offs_n[:, None] * D + offs_d[None, :]
-    if EVEN:
-        tl.store(DK + hb + out, (dk * sm_scale).to(DK.dtype.element_ty))
-        tl.store(DV + hb + out, dv.to(DV.dtype.element_ty))
-    else:
-        tl.store(DK + hb + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=nmask)
-        tl.store(DV + hb + out, dv.to(DV.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
-def _do_and_delta(O, DO, io, rmask, EVEN: tl.constexpr):
-    """(dO rows, delta = rowsum(O * dO) in fp32, one fixed order per row) at offsets io."""
-    if EVEN:
-        do = tl.load(DO + io)
-        o = tl.load(O + io)
-    else:
-        do = tl.load(DO + io, mask=rmask[:, None], other=0.0)
-        o = tl.load(O + io, mask=rmask[:, None], other=0.0)
-    return do, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-
-
-@triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
-              DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PREC: tl.constexpr, I64: tl.constexpr):
-    offs_n0 = tl.arange(0, BN)
-    offs_d = tl.arange(0, D)
-    for start_n in range(lo, hi, BN):
-        cols = start_n + offs_n0
-        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN, I64)
-        v = _load_rows(v_base, cols, svn, offs_d, S, EVEN, I64)
-        s = _mm(q, tl.trans(k), PREC) * qk_scale
-        p = tl.math.exp2(s - lse[:, None])
-        if DIAG:
-            p = tl.where(cols[None, :] <= offs_m[:, None], p, 0.0)
-        if not EVEN:
-            p = tl.where(cols[None, :] < S, p, 0.0)
-        dp = _mm(do, tl.trans(v), PREC)
-        ds = p * (dp - delta[:, None])
-        dq += _mm(ds.to(k.dtype), k, PREC)
-    return dq
+                 I64: tl.constexpr, DS_EVERY: tl.constexpr):
+    _dkdv_program(tl.program_id(0), Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh,
+                  svn, HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0, CAUSAL, BM, BN, D, PREC, EVEN, STORE_DS,
+                  LOADS, I64, DS_EVERY)
 
 
 @triton.jit(do_not_specialize=["NB", "BH", "G"])  # one compile for any launch order
@@ -169,41 +50,8 @@ def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb
                H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
                CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
-    pid_m, bh = _block_and_head(NB, BH, G)
-    b = bh // H
-    h = bh % H
-    hk = h // REP
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    rmask = offs_m < L
-    hb = bh.to(tl.int64) * L * D
-    io = offs_m[:, None] * D + offs_d[None, :]
-    # O and dO are contiguous [B, H, L, D]; this pass runs first and writes delta =
-    # rowsum(O * dO) (fp32, one fixed order per row) for the dk/dv pass
-    q = _load_rows(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh, offs_m, sqm, offs_d, L, EVEN, I64)
-    do, delta = _do_and_delta(O + hb, DO + hb, io, rmask, EVEN)
-    tl.store(DELTA + bh.to(tl.int64) * L + offs_m, delta, mask=rmask)
-    if EVEN:
-        lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m)
-    else:
-        lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m, mask=rmask, other=0.0)
-    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
-    dq = tl.zeros([BM, D], tl.float32)
-    if CAUSAL:
-        diag = tl.minimum(pid_m * BM, S)  # BM is a multiple of BN
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, diag, S, qk_scale,
-                       False, EVEN, BN, D, PREC, I64)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, diag,
-                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC, I64)
-    else:
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, S, S, qk_scale,
-                       False, EVEN, BN, D, PREC, I64)
-    if EVEN:
-        tl.store(DQ + hb + io, (dq * sm_scale).to(DQ.dtype.element_ty))
-    else:
-        tl.store(DQ + hb + io, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None])
-
+    _dq_program(tl.program_id(0), Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                H, REP, L, S, qk_scale, sm_scale, NB, BH, G, CAUSAL, BM, BN, D, PREC, EVEN, I64, True)
 
 
 @triton.jit(do_not_specialize=["NB", "BH"])
@@ -285,6 +133,8 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
     do = do.contiguous()
     if stores_ds(cfg, q.shape[2], k.shape[2], q.element_size()) and q.numel() and k.numel():
         return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
+    if cfg.bwd_fused and q.numel() and k.numel():
+        return fused_pass(do, q, k, v, o, lse, causal, scale, cfg)
     # dq first: it also writes delta, which the dk/dv pass reads
     dq, delta = dq_pass(do, q, k, v, o, lse, causal, scale, cfg)
     return (dq,) + dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, loads=cfg.bwd_tma)
@@ -320,7 +170,10 @@ def _backward_ds(do, q, k, v, o, lse, causal, scale, cfg, chunk: int | None = No
         n = min(chunk, B * Hk - c0)
         dkdv_pass(do, q, k, v, lse, delta, causal, scale, cfg, out=(dk, dv), ds=ds, bh0=c0, nbh=n, tma=tma,
                   loads=cfg.bwd_tma)
-        dq_ds_pass(ds, k, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep, tma=tma, loads=cfg.bwd_tma)
+        if cfg.ds_every > 1:
+            dq_mix_pass(ds, do, q, k, v, lse, delta, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep)
+        else:
+            dq_ds_pass(ds, k, dq, causal, scale, cfg, bh0=c0 * rep, nbh=n * rep, tma=tma, loads=cfg.bwd_tma)
     return dq, dk, dv
 
 
@@ -340,6 +193,23 @@ def dq_ds_pass(ds, k, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int,
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(dq),
         EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, TMA=tma, LOADS=loads, I64=wide(k),
         num_warps=cfg.qds_warps or cfg.q_warps, num_stages=cfg.q_stages)
+    return dq
+
+
+def dq_mix_pass(ds, do, q, k, v, lse, delta, dq, causal: bool, scale: float, cfg: AttnConfig, bh0: int,
+                nbh: int):
+    """dq of query (batch, head) pairs bh0 .. bh0 + nbh - 1 into `dq`: from their stored dS^T in
+    `ds` for the key blocks the dk/dv pass kept (AttnConfig.ds_every), recomputed for the rest;
+    dO contiguous, delta from delta_pass. Pointer loads only."""
+    _, H, L, D = dq.shape
+    Hk, S = k.shape[1], k.shape[2]
+    nq = triton.cdiv(L, cfg.q_m)
+    _dq_mix_kernel[(nq * nbh,)](
+        ds, q, k, v, do, lse, delta, dq, *_strides(q, k, v), H, H // Hk, L, S, scale * LOG2E, scale,
+        nq, nbh, min(cfg.q_group, nbh), bh0,
+        CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, KV_N=cfg.kv_n, EVERY=cfg.ds_every, D=D, PREC=_prec(dq),
+        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, I64=wide(q, k, v, do),
+        num_warps=cfg.q_warps, num_stages=cfg.q_stages)
     return dq
 
 
@@ -396,5 +266,26 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
         scale * LOG2E, scale, nk, nbh, min(cfg.kv_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store, LOADS=loads, I64=wide(q, k, v, do),
-        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+        DS_EVERY=max(1, cfg.ds_every) if store else 1, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return dk, dv
+
+
+def fused_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
+    """-> (dq, dk, dv) by recompute in one launch after the delta pass (AttnConfig.bwd_fused);
+    q/k/v with unit last stride, dO and O contiguous."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    delta = delta_pass(do, o, cfg)  # complete before any program of the one launch reads it
+    dq = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, Hk, S, D, dtype=k.dtype, device=q.device)
+    dv = torch.empty(B, Hk, S, D, dtype=v.dtype, device=q.device)
+    nk, nq = triton.cdiv(S, cfg.kv_n), triton.cdiv(L, cfg.q_m)
+    loads = cfg.bwd_tma and tma_ok(q, do)
+    qd, dod = (desc(q, cfg.kv_m), desc(do, cfg.kv_m)) if loads else (q, do)
+    _fused_kernel[(nk * B * Hk + nq * B * H,)](
+        q, qd, k, v, o, do, dod, lse, delta, dq, dk, dv, *_strides(q, k, v), Hk, H // Hk, L, S,
+        scale * LOG2E, scale, nk, B * Hk, min(cfg.kv_group, B * Hk), nq, B * H, min(cfg.q_group, B * H),
+        CAUSAL=causal, KV_M=cfg.kv_m, KV_N=cfg.kv_n, Q_M=cfg.q_m, Q_N=cfg.q_n, D=D, PREC=_prec(q),
+        EVEN_KV=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, EVEN_Q=L % cfg.q_m == 0 and S % cfg.q_n == 0,
+        LOADS=loads, I64=wide(q, k, v, do), num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+    return dq, dk, dv
