@@ -186,7 +186,11 @@ class HostStore:
         pool = _POOL.get((self.chunk_bytes, self.pinned))
         if pool:
             return pool.pop()
-        return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        from tpdiag.kernels import alloc
+
+        # every byte read back is a record's, copied in first (alignment gaps are only ever
+        # spilled with the chunk, never read): no deterministic-mode fill of the whole chunk
+        return alloc.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def _seal(self, c: _Chunk) -> None:
         if self.pinned and c.event is None:
