@@ -24,8 +24,8 @@ from tpdiag.runner.determinism import RANK_ENV
 # CPU in every rank on a 2-core CI machine when not already in the fork server (it starts no thread)
 _PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch._inductor", "tpdiag.runner.worker",
             "tpdiag.runner.step", "tpdiag.models.tiny_llama",
-            # what every world's rank imported on its own past the modules above (~40 modules, ~0.03 s
-            # of CPU a rank with bytecode cached, ~0.08 s without): the build, the probes, the
+            # what every world's rank imported on its own past the modules above (30 modules: 5 ms of
+            # CPU a rank from bytecode, 30 ms compiled from source): the build, the probes, the
             # record hash, the gather and the records' writing
             "tpdiag.models.build", "tpdiag.models.meta_init", "tpdiag.models.shard_init", "tpdiag.models.ties",
             "tpdiag.probes.module_probe", "tpdiag.probes.collectives", "tpdiag.probes.oracle_hooks",
