@@ -212,7 +212,8 @@ def pytest_configure(config):
     reads a .pyc it finds, but never wrote one here, so every process compiled each tpdiag module it
     imported from source: each CLI command, its fork server, and every rank of every world (the
     30 modules a rank imported past its fork server's preload: 30 ms of CPU from source, 5 ms from
-    bytecode; the whole package 0.49 s against 0.27 s). The files land in __pycache__ (.gitignore); a stale one is ignored by the import."""
+    bytecode; the whole package 0.49 s against 0.27 s). The files land in __pycache__
+    (.gitignore); the import ignores a stale one."""
     if not sys.dont_write_bytecode or hasattr(config, "workerinput"):
         return
     import compileall

@@ -107,8 +107,8 @@ def materialize(model: nn.Module, device, seed: int, init_module: InitFn) -> nn.
         for fqn, mod in _post_order(model):
             s = stream_seed(seed, fqn)
             # the CPU generator alone (the device's CUDA one below): torch.manual_seed also queued
-            # a lazy seed of every other backend, with a formatted stack each, per module of
-            # every build on a CPU rank (~0.3 ms a module at a rank's stack depth; 31 a tiny-llama TP=2 rank)
+            # a lazy seed of every other backend, with a formatted stack each, per module of every
+            # build on a CPU rank (~0.3 ms a module at a rank's stack depth; 31 in a TP=2 rank)
             torch.default_generator.manual_seed(s)
             if cuda:
                 with torch.cuda.device(device):

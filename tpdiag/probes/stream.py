@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from tpdiag.kernels import alloc
 from tpdiag.probes.host_budget import default_budget, parse_bytes
 
 BUDGET_ENV = "TPDIAG_HOST_BUDGET"   # bytes of host memory for captured records (K/M/G suffixes)
@@ -186,8 +187,6 @@ class HostStore:
         pool = _POOL.get((self.chunk_bytes, self.pinned))
         if pool:
             return pool.pop()
-        from tpdiag.kernels import alloc
-
         # every byte read back is a record's, copied in first (alignment gaps are only ever
         # spilled with the chunk, never read): no deterministic-mode fill of the whole chunk
         return alloc.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned)
@@ -299,8 +298,6 @@ class HostStore:
 
     def read(self, cap: Captured) -> torch.Tensor:
         self._check_error()
-        from tpdiag.kernels import alloc
-
         out = alloc.empty(cap.nbytes, dtype=torch.uint8)  # the segments below write every byte
         at = 0
         for c, off, k in cap.segs:
