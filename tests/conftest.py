@@ -207,6 +207,25 @@ FILE_SECONDS = {
 }
 
 
+def pytest_configure(config):
+    """Where the environment turns bytecode writing off (PYTHONDONTWRITEBYTECODE: set on the
+    project's machines), compile tpdiag and the tests once, before any worker starts. Python still
+    reads a .pyc it finds, but never wrote one here, so every process compiled each tpdiag module it
+    imported from source: each CLI command, its fork server, and every rank of every world (the
+    30 modules a rank imported past its fork server's preload: 30 ms of CPU from source, 5 ms from
+    bytecode; the whole package 0.49 s against 0.27 s). The files land in __pycache__
+    (.gitignore); the import ignores a stale one."""
+    if not sys.dont_write_bytecode or hasattr(config, "workerinput"):
+        return
+    import compileall
+
+    for d in ("tpdiag", "tests"):
+        try:
+            compileall.compile_dir(os.path.join(ROOT, d), quiet=2)
+        except OSError:  # a read-only checkout: the tests run as before, only slower
+            pass
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Files longest first (FILE_SECONDS), then the rest with the most tests first (xdist's own
     order for loadfile); a file's tests keep their order. The same order in every worker, as

@@ -236,3 +236,38 @@ def test_streamed_safetensors_bytes_equal_safetensors_save(tmp_path):
     changed.view(torch.int32)[0, 0] ^= 1
     safetensors_stream.write(str(path), {**held, "20": changed}, {"schema": "1"})
     assert len(path.read_bytes()) == len(ref) and path.read_bytes() != ref
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_host_chunk_is_not_filled_in_deterministic_mode():
+    """tpdiag's ranks run with deterministic algorithms on, where torch fills every `empty` with
+    NaN: a 128 MiB host chunk was written whole (~0.1 s of CPU, and every page resident, in each
+    rank of every world) before the first record's few KiB were copied in. Only the pages a record
+    touches may become resident; the control - a plain torch.empty of the same size under the
+    same mode - shows the measure sees a fill."""
+    from tpdiag.probes.stream import HostStore
+
+    size = 64 << 20
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        before = _rss()
+        control = torch.empty(size, dtype=torch.uint8)
+        filled = _rss() - before
+        del control
+        store = HostStore(torch.device("cpu"), chunk=size, budget=4 * size)
+        x = torch.arange(1024, dtype=torch.float32)
+        before = _rss()
+        cap = store.put(x)
+        grew = _rss() - before
+        assert torch.equal(cap.get().view(torch.int32), x.view(torch.int32))
+        assert torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
+        store.close()
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+    assert filled > size // 2, filled  # the control: a filled chunk is resident
+    assert grew < size // 8, (grew, filled)

@@ -137,7 +137,7 @@ def materialize_sharded(model: nn.Module, device, seed: int, init_module: InitFn
             for i in unit:
                 fqn, mod = order[i]
                 s = stream_seed(seed, fqn)
-                torch.manual_seed(s)
+                torch.default_generator.manual_seed(s)  # as meta_init.materialize: the device's below
                 if cuda:
                     with torch.cuda.device(device):
                         torch.cuda.manual_seed(s)

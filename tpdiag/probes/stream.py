@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from tpdiag.kernels import alloc
 from tpdiag.probes.host_budget import default_budget, parse_bytes
 
 BUDGET_ENV = "TPDIAG_HOST_BUDGET"   # bytes of host memory for captured records (K/M/G suffixes)
@@ -186,7 +187,9 @@ class HostStore:
         pool = _POOL.get((self.chunk_bytes, self.pinned))
         if pool:
             return pool.pop()
-        return torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        # every byte read back is a record's, copied in first (alignment gaps are only ever
+        # spilled with the chunk, never read): no deterministic-mode fill of the whole chunk
+        return alloc.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     def _seal(self, c: _Chunk) -> None:
         if self.pinned and c.event is None:
@@ -295,7 +298,7 @@ class HostStore:
 
     def read(self, cap: Captured) -> torch.Tensor:
         self._check_error()
-        out = torch.empty(cap.nbytes, dtype=torch.uint8)
+        out = alloc.empty(cap.nbytes, dtype=torch.uint8)  # the segments below write every byte
         at = 0
         for c, off, k in cap.segs:
             self._bytes(c, off, k, out[at:at + k])

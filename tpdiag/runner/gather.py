@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tpdiag.errors import Inconclusive
 from tpdiag.base.gloo_release import settle
+from tpdiag.kernels import alloc
 from tpdiag.probes.recorder import take_lanes
 from tpdiag.probes.stream import Captured, as_tensor, finish
 
@@ -93,7 +94,8 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     for window in _windows(sizes, _window_bytes()):
         parts = [piece(i, a, b) for i, a, b in window]
         buf = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-        gathered = [torch.empty_like(buf) for _ in range(world)] if rank == 0 else None
+        # unfilled (deterministic mode's NaN fill): the gather writes each whole
+        gathered = [alloc.empty_like(buf) for _ in range(world)] if rank == 0 else None
         if group is None:
             dist.gather(buf, gathered, dst=0)
         else:

@@ -23,7 +23,17 @@ from tpdiag.runner.determinism import RANK_ENV
 # torch._inductor: torch.use_deterministic_algorithms (determinism.setup) imports it, ~0.75 s of
 # CPU in every rank on a 2-core CI machine when not already in the fork server (it starts no thread)
 _PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch._inductor", "tpdiag.runner.worker",
-            "tpdiag.runner.step", "tpdiag.models.tiny_llama"]
+            "tpdiag.runner.step", "tpdiag.models.tiny_llama",
+            # what every world's rank imported on its own past the modules above (30 modules: 5 ms of
+            # CPU a rank from bytecode, 30 ms compiled from source): the build, the probes, the
+            # record hash, the gather and the records' writing
+            "tpdiag.models.build", "tpdiag.models.meta_init", "tpdiag.models.shard_init", "tpdiag.models.ties",
+            "tpdiag.probes.module_probe", "tpdiag.probes.collectives", "tpdiag.probes.oracle_hooks",
+            "tpdiag.kernels.record_hash", "tpdiag.kernels.grad_norm", "tpdiag.kernels.grad_carry",
+            "tpdiag.kernels.tree", "tpdiag.fixes.attention", "tpdiag.diff.bits", "tpdiag.records.store",
+            "tpdiag.runner.gather", "tpdiag.runner.decode", "tpdiag.runner.determinism",
+            "tpdiag.runner.fingerprint", "tpdiag.runner.flags", "tpdiag.runner.losses",
+            "tpdiag.runner.pristine", "tpdiag.runner.sdpa_ran", "tpdiag.runner.attention"]
 
 
 @dataclass
