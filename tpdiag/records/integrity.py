@@ -55,6 +55,22 @@ def _settings_problem(manifest: dict, d: str, label: str, who: str) -> str | Non
     if "hash_version" in world and hv != world["hash_version"]:
         return (f"{who}: {folder(label)}/{WORLD} hashed its records with version {world['hash_version']!r} but "
                 f"manifest.json says {hv!r} (edited after the run)")
+    # A world.json without the version is an older tpdiag's run (read as record format 1, re-checked
+    # like any run); one naming another version than the manifest's is a world another tpdiag wrote, in
+    # a reused directory or copied in, read beside this run's as if one tool had made both.
+    from tpdiag.records.store import check_format
+
+    try:
+        check_format(world, f"{folder(label)}/{WORLD}")  # another layout: say that, not the version
+    except Inconclusive as e:
+        return f"{who}: {e}"
+    mv = (manifest.get("versions") or {}).get("tpdiag") if isinstance(manifest.get("versions"), dict) else None
+    wv = world.get("tpdiag")
+    if "record_format" in world and wv is None:
+        return f"{who}: {folder(label)}/{WORLD} names a record format but no tpdiag version (edited after the run)"
+    if wv is not None and wv != mv:
+        return (f"{who}: {folder(label)}/{WORLD} was written by tpdiag {wv!r} but manifest.json by tpdiag {mv!r} "
+                "(another tpdiag's records in this run directory, or edited)")
     return None
 
 
