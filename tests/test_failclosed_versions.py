@@ -58,7 +58,7 @@ def test_world_json_names_its_record_format_and_tpdiag(tp12):
 def test_an_older_run_without_the_fields_is_read_and_rechecked(tp12, tmp_path):
     """The control: world.json files from before the fields existed read as format 1 and pass."""
     for w in _worlds(tp12):
-        _json_edit(w, lambda d: (d.pop("record_format"), d.pop("tpdiag")))
+        _json_edit(w, lambda d: (d.pop("record_format", None), d.pop("tpdiag", None)))
     res = evaluate(str(tp12), _rounding(tmp_path))
     assert res.exit_code == 0, res.lines()
 

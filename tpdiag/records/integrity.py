@@ -265,6 +265,15 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict) -> list[st
         return [f"summary.json names a second pass in {name}/: {str(e).splitlines()[0]}"]
     if not isinstance(sub, dict) or not isinstance(sub.get("degrees"), dict):
         return [f"{name}/summary.json: no 'degrees' table (not a tpdiag summary)"]
+    # A second pass whose worlds failed (a full disk, a crash, a timeout) judged nothing: the float64
+    # verdicts and the findings only it makes (a bug behind a harmless reordering) are missing, and the
+    # first pass's layout bound alone is no verdict (DESIGN: bounds sharpen the oracle, never replace it).
+    broken = next(((lab, d) for lab, d in entries(sub).items() if isinstance(d, dict) and d.get("status") == "failed"),
+                  None)
+    if broken or sub.get("status") == "inconclusive":
+        why = f"TP={broken[0]}: {broken[1].get('error') or 'failed'}" if broken else "inconclusive"
+        return [f"the second pass in {name}/ failed ({str(why).splitlines()[0][:300]}): its float64 verdicts and the "
+                "findings only it makes are missing; run the compare again"]
     # after a hash-first pass the own-input judgement is one more pass inside it (region/ops): its
     # findings join the region pass's
     nested = os.path.join(name, "ops")
