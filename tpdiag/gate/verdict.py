@@ -334,6 +334,12 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
         rows, csv_rows = [], None
     # diff.csv is re-derived from the records below; summary.json's numbers must be diff.csv's.
     res.problems += integrity.problems(run_dir, manifest, summary, csv_rows)
+    from tpdiag.diff import overrides
+    from tpdiag.diff.evidence import problems as run_problems
+    from tpdiag.records.rundir import is_diff_dir
+
+    if not is_diff_dir(run_dir, manifest):
+        res.problems += overrides.problems(run_dir, manifest, summary, run_problems)  # a confirmation, re-derived
     for lab in policy.degrees or ():
         if lab not in others:
             res.problems.append(f"policy gates TP={lab} but the run compared only TP={', '.join(others) or 'none'}")
