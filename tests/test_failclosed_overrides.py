@@ -109,3 +109,21 @@ def test_the_confirmation_run_edited_to_agree_is_caught_by_its_records(run):
     _edit(run / "summary.json", _relabel())
     res = evaluate(str(run), with_allowed(load_policy(None), "rounding"))
     assert res.exit_code == 2 and "the confirmation of TP=2 (confirm/tp-invariant-linear)" in res.problems[0], res.lines()
+
+
+def test_a_second_pass_bug_deleted_from_both_summaries_is_inconclusive(run, tmp_path):
+    """The sharding-bug only the second pass found, deleted from summary.json AND ops/summary.json: the
+    cross-check between the two found nothing missing and the gate passed (exit 0, a policy allowing the
+    run's other causes). The second pass's own diff.csv still has the record beyond its bound."""
+    policy = load_policy(str(tmp_path / "p.toml")) if (tmp_path / "p.toml").write_text(
+        'allow_causes = ["row-parallel-reduction", "rank-inconsistent-replica"]\n') else None
+    assert evaluate(str(run), policy).exit_code == EXIT_BUG  # the control
+
+    def drop(s):
+        d = s["degrees"]["2"]
+        d["findings"] = [f for f in d["findings"] if f["cause"] != "sharding-bug"]
+    _edit(run / "summary.json", drop)
+    _edit(run / "ops" / "summary.json", drop)
+    res = evaluate(str(run), policy)
+    assert res.exit_code == 2 and res.problems[0].startswith("the second pass in ops/: summary.json's TP=2 findings "
+                                                             "lack s0/backward/kv/param_grad#0/wv"), res.lines()
