@@ -12,6 +12,7 @@ import os
 from tpdiag.base import files as io
 from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
+from tpdiag.records.numbers import number_problems, same
 from tpdiag.records.paths import EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
 
 SCHEMA = 1
@@ -123,84 +124,6 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
     return _settings_problem(manifest, d, label, who)
 
 
-def _num(v):
-    """A summary number as a float: JSON carries Inf/NaN as the strings "Infinity"/"NaN" (io.json_safe)."""
-    if isinstance(v, str) and v in ("Infinity", "-Infinity", "NaN"):
-        return float(v.replace("Infinity", "inf"))
-    return v
-
-
-def _same(a, b) -> bool:
-    a, b = _num(a), _num(b)
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True
-    if type(a) in (int, float) and type(b) in (int, float):
-        return float(a) == float(b)  # CSV and JSON both write floats by repr: exact
-    return a == b
-
-
-
-
-def _number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
-    """The numbers summary.json shows (the first divergence's and each finding's max abs, ULP, mismatch
-    fraction, bound) must be diff.csv's for the same record: the report prints them as written, so an
-    edit to summary.json alone (a divergence edited to 0 ULP) must not read as evidence. A finding
-    of the second pass (an op inside the module: `.../op#0/aten::mul#0.0`) is checked against that
-    pass's summary by _second_pass_problems."""
-    if rows is None:
-        return []
-    by_key = {(str(r.get("degree")), r.get("key")): r for r in rows}
-    out = []
-    for lab, d in degrees.items():
-        if not isinstance(d, dict):
-            continue
-        fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else None
-        recs = [("first divergence", fd, ("max_abs", "max_ulp", "mismatch_fraction", "bound"))] if fd else []
-        # a second pass's finding is a record of that pass's own diff.csv (an op it alone recorded):
-        # _second_pass_problems checks it against that pass's summary
-        recs += [("finding", f, ("max_abs", "bound")) for f in d.get("findings") or ()
-                 if isinstance(f, dict) and f.get("key") and f.get("cause") != "router-flip"
-                 and f.get("from") != "second pass"]
-        for what, rec, fields in recs:
-            key = rec.get("key")
-            if not key:
-                continue
-            r = by_key.get((lab, key))
-            if r is None:
-                out.append(f"summary.json's TP={lab} {what} {key} is not a record of diff.csv")
-                break
-            if what == "finding" and r.get("rank_consistent") is False:
-                fields = ("bound",)  # its max abs is between the ranks' copies, not in diff.csv
-            bad = next((k for k in fields if k in rec and r.get(k) is not None and not _same(rec[k], r[k])), None)
-            if bad:
-                out.append(f"summary.json's TP={lab} {what} {key}: {bad} {rec[bad]!r} but diff.csv says "
-                           f"{r[bad]!r} (edited after the run)")
-                break
-        # locate makes every record beyond its bound or rank-inconsistent a finding: one missing from the
-        # summary (a bug deleted) would be judged as a mere consequence of the first divergence
-        found = {f.get("key") for f in d.get("findings") or () if isinstance(f, dict)}
-        lost = next((r["key"] for r in rows if str(r.get("degree")) == lab and r.get("key") not in found
-                     and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)), None)
-        if lost:
-            out.append(f"summary.json's TP={lab} findings lack {lost}, which diff.csv has beyond its bound or "
-                       "inconsistent across ranks (edited after the run)")
-        # locate names such a record a bug (or non-finite); the passes that name it otherwise say so:
-        # the second pass keeps the bug label it overrode (cause_before), the router relabels it
-        # unknown or router-flip. A rounding label with neither is an edit that would let it pass.
-        from tpdiag.records.causes import cause_class
-
-        far = {r["key"] for r in rows if str(r.get("degree")) == lab
-               and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)}
-        soft = next((f for f in d.get("findings") or () if isinstance(f, dict) and f.get("key") in far
-                     and cause_class(f.get("cause")) not in ("bug", "non-finite") and "cause_before" not in f
-                     and f.get("cause") not in ("unknown", "router-flip")), None)
-        if soft:
-            out.append(f"summary.json's TP={lab} finding {soft.get('key')} has cause {soft.get('cause')!r}, a "
-                       "rounding label for a record diff.csv has beyond its bound or inconsistent across ranks "
-                       "(edited after the run)")
-    return out
-
-
 _ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used
 
 
@@ -306,7 +229,7 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, sub: bool 
                 continue
             g = made.get((f.get("phase"), f.get("module"), f.get("kind"), f.get("name")))
             bad = "not one" if g is None else next(
-                (k for k in ("key", "max_abs", "bound") if k in f and not _same(f[k], g.get(k))), None)
+                (k for k in ("key", "max_abs", "bound") if k in f and not same(f[k], g.get(k))), None)
             if bad:
                 out.append(f"summary.json's TP={lab} second-pass finding {f.get('key')}: "
                            + ("not one of " if g is None else f"{bad} {f[bad]!r} but ") + f"{name}/summary.json"
@@ -364,7 +287,7 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, su
     if summary.get("status") != "inconclusive" and "failed" in statuses.values():
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
-    out += _number_problems(degrees, rows)
+    out += number_problems(degrees, rows)
     out += _second_pass_problems(run_dir, summary, degrees, sub)
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab
