@@ -166,14 +166,14 @@ def _unnamed_second_pass(run_dir: str, summary: dict, degrees: dict) -> list[str
     return []
 
 
-def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, sub: bool = False) -> list[str]:
+def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bool = False) -> list[str]:
     """The findings only the second pass made (a bug behind a harmless reordering, judged on its own
     inputs) live in summary.json and in the second pass's own summary: one deleted from summary.json
     alone would leave the record judged as a consequence of the first divergence."""
     sp = summary.get("second_pass")
     if not isinstance(sp, dict):
-        # a second pass's own folder (sub): the pass inside it (region/ops) is its parent's to check
-        return [] if sub else _unnamed_second_pass(run_dir, summary, degrees)
+        # a second pass's own folder (inside a run): the pass inside it (region/ops) is its parent's to check
+        return [] if inside else _unnamed_second_pass(run_dir, summary, degrees)
     name = os.path.basename(str(sp.get("dir") or "").rstrip("/"))
     if name not in SECOND_PASS_DIRS:
         return [f"summary.json's second pass dir {sp.get('dir')!r} is not one tpdiag writes "
@@ -255,15 +255,15 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, sub: bool 
             sub_sum = io.read_json(run_file(run_dir, os.path.join(sub_name, SUMMARY)))
             out += [f"the second pass in {sub_name}/: {p}" for p in problems(
                 sub_dir, read_manifest(sub_dir), sub_sum, read_rows(run_file(run_dir, os.path.join(sub_name, "diff.csv"))),
-                sub=True)]
+                inside=True)]
         except Inconclusive as e:
             out.append(f"the second pass in {sub_name}/: {str(e).splitlines()[0]}")
     return out
 
 
-def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, sub: bool = False) -> list[str]:
+def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, inside: bool = False) -> list[str]:
     """Every disagreement between manifest.json, summary.json, diff.csv's rows (when given) and the
-    per-rank evidence, in words. sub: run_dir is a second pass's folder of a run."""
+    per-rank evidence, in words. inside: run_dir is a second pass's folder of a run."""
     out: list[str] = []
     if not isinstance(manifest, dict):
         return [f"{run_dir}/manifest.json: not a JSON object"]
@@ -288,7 +288,7 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, su
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
     out += number_problems(degrees, rows)
-    out += _second_pass_problems(run_dir, summary, degrees, sub)
+    out += _second_pass_problems(run_dir, summary, degrees, inside)
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab
                and (r.get("bitwise") is False or r.get("rank_consistent") is False)]
