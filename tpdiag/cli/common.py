@@ -45,8 +45,11 @@ def fail(e: BaseException) -> None:
     msgs = str(e).splitlines()[:1] if str(e).strip() else [words_for(e)]
     if getattr(e, "lines", False):
         msgs = [m for m in str(e).splitlines() if m.strip()]
+    from rich.markup import escape
+
     for msg in msgs:
-        console(stderr=True).print(f"[bold red]error:[/] {msg}", markup=True, soft_wrap=True)
+        # the message is text (it may quote a module name or a path with [brackets]), only the label is markup
+        console(stderr=True).print(f"[bold red]error:[/] {escape(msg)}", markup=True, soft_wrap=True)
     raise typer.Exit(code)
 
 

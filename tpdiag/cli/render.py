@@ -150,6 +150,11 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     from rich import box
     from rich.table import Table
 
+    # Every string of the run (module names of a py: model, paths, error texts) prints as text: a module
+    # named `w[/]x` was read as rich markup and the whole verdict was lost to a MarkupError (exit 2).
+    # The lines printed with markup=False take the raw summary.
+    raw, summary = summary, _as_text(summary)
+
     status = summary["status"]
     color = {"bitwise": "green", "divergent": "yellow", "inconclusive": "red"}.get(status, "white")
     console.print(f"[bold]verdict:[/] [{color}]{status}[/]{_class_words(summary)}{_bug_words(summary)} "
@@ -158,9 +163,9 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
     if ran(summary):
         console.print(ran(summary))
     if (summary.get("flags") or {}).get("line"):
-        console.print(summary["flags"]["line"], markup=False, soft_wrap=True)
+        console.print(raw["flags"]["line"], markup=False, soft_wrap=True)
     if (summary.get("checkpoint_dtype") or {}).get("note"):
-        console.print(f"note: {summary['checkpoint_dtype']['note']}", markup=False, soft_wrap=True)
+        console.print(f"note: {raw['checkpoint_dtype']['note']}", markup=False, soft_wrap=True)
     if base is not None and base.get("reproducible") is None:  # the rerun failed: nothing was checked
         console.print("baseline: [red]the reference rerun failed[/]; reproducibility not checked")
     elif base is not None:
@@ -219,8 +224,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         _findings(console, label, d, fd)
         if d.get("downstream_unjudged"):
             console.print(f"{config_name(label)}: the divergent modules past the first divergence were not "
-                          f"judged on their own inputs ({d['downstream_unjudged']}): not called rounding only",
-                          markup=False)
+                          f"judged on their own inputs ({d['downstream_unjudged']}): not called rounding only")
         conf = d.get("confirmation")
         if conf:
             after = conf.get("first_divergence_after")
@@ -260,6 +264,19 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         console.print(f"[bold]what to do:[/] {todo}")
     if summary.get("run_dir"):
         console.print(f"run directory: {summary['run_dir']}  (tpdiag report {summary['run_dir']})")
+
+
+def _as_text(v):
+    """A copy of a summary with every string escaped for rich markup (keys too: labels print)."""
+    from rich.markup import escape
+
+    if isinstance(v, str):
+        return escape(v)
+    if isinstance(v, dict):
+        return {(escape(k) if isinstance(k, str) else k): _as_text(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_as_text(x) for x in v]
+    return v
 
 
 def _nonfinite_where(d: dict, label: str) -> str:
@@ -365,9 +382,7 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
         if n:
             line += f"; and {n} later finding{'s' if n != 1 else ''} that follow{'s' if n == 1 else ''} from it (not listed)"
         if f.get("detail") and "split the weight tie" in str(f["detail"]):
-            from rich.markup import escape
-
-            line += f": {escape(str(f['detail']))}"  # what the user must change: their plan
+            line += f": {f['detail']}"  # what the user must change: their plan (escaped by summary_tables)
         console.print(line)
 
 

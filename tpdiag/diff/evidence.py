@@ -25,6 +25,12 @@ def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict]) -> l
     # records, a logprob or loss difference made 0) is inconclusive, not shown
     out += [p if f"TP={lab}" in p or p.startswith("reference") else f"TP={lab}: {p}" for lab, p in
             verify(dirs, ref, ok, by_label, degrees, base_label, bool(base.get("reproducible"))).items()]
+    from tpdiag.records.rundir import is_diff_dir
+
+    if not is_diff_dir(run_dir, manifest):
+        from tpdiag.diff import overrides
+
+        out += overrides.problems(run_dir, manifest, summary, problems)  # a confirmation, re-derived from its run
     return out
 
 

@@ -233,6 +233,14 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
                                             r["max_ulp"], r["max_abs"], why, r["key"],
                                             beyond=src.get("bound_ratio"),
                                             follow=follows.get(src.get("key") or r["key"], 0)))
+    if d.get("downstream_unjudged") and "unknown" not in policy.allow_causes and not res.violations:
+        # compare called this degree unjudged (class unknown, never "rounding only"): the modules past the
+        # first divergence that were to be judged on their own inputs were not, so a bug may sit there
+        # unseen. Only a policy that allows `unknown` by name passes it.
+        res.violations.append(Violation(lab, fd.get("phase", "-"), fd.get("module", "-"), None, fd.get("kind", "-"),
+                                        fd.get("name", "-"), "unknown", fd.get("max_ulp"), fd.get("max_abs"),
+                                        f"not judged: {d['downstream_unjudged']} (cause unknown is not in allow_causes)",
+                                        fd.get("key", "")))
     structural = d.get("missing") or d.get("unmatched")
     if structural and not any(r["bitwise"] is False or r["rank_consistent"] is False for r in rows):
         # Divergent only because records exist at one degree and not the other: no cause can allow that.
@@ -326,6 +334,12 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
         rows, csv_rows = [], None
     # diff.csv is re-derived from the records below; summary.json's numbers must be diff.csv's.
     res.problems += integrity.problems(run_dir, manifest, summary, csv_rows)
+    from tpdiag.diff import overrides
+    from tpdiag.diff.evidence import problems as run_problems
+    from tpdiag.records.rundir import is_diff_dir
+
+    if not is_diff_dir(run_dir, manifest):
+        res.problems += overrides.problems(run_dir, manifest, summary, run_problems)  # a confirmation, re-derived
     for lab in policy.degrees or ():
         if lab not in others:
             res.problems.append(f"policy gates TP={lab} but the run compared only TP={', '.join(others) or 'none'}")

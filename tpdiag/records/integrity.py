@@ -12,6 +12,7 @@ import os
 from tpdiag.base import files as io
 from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
+from tpdiag.records.numbers import number_problems, same
 from tpdiag.records.paths import EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
 
 SCHEMA = 1
@@ -55,6 +56,22 @@ def _settings_problem(manifest: dict, d: str, label: str, who: str) -> str | Non
     if "hash_version" in world and hv != world["hash_version"]:
         return (f"{who}: {folder(label)}/{WORLD} hashed its records with version {world['hash_version']!r} but "
                 f"manifest.json says {hv!r} (edited after the run)")
+    # A world.json without the version is an older tpdiag's run (read as record format 1, re-checked
+    # like any run); one naming another version than the manifest's is a world another tpdiag wrote, in
+    # a reused directory or copied in, read beside this run's as if one tool had made both.
+    from tpdiag.records.store import check_format
+
+    try:
+        check_format(world, f"{folder(label)}/{WORLD}")  # another layout: say that, not the version
+    except Inconclusive as e:
+        return f"{who}: {e}"
+    mv = (manifest.get("versions") or {}).get("tpdiag") if isinstance(manifest.get("versions"), dict) else None
+    wv = world.get("tpdiag")
+    if "record_format" in world and wv is None:
+        return f"{who}: {folder(label)}/{WORLD} names a record format but no tpdiag version (edited after the run)"
+    if wv is not None and wv != mv:
+        return (f"{who}: {folder(label)}/{WORLD} was written by tpdiag {wv!r} but manifest.json by tpdiag {mv!r} "
+                "(another tpdiag's records in this run directory, or edited)")
     return None
 
 
@@ -107,84 +124,6 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
     return _settings_problem(manifest, d, label, who)
 
 
-def _num(v):
-    """A summary number as a float: JSON carries Inf/NaN as the strings "Infinity"/"NaN" (io.json_safe)."""
-    if isinstance(v, str) and v in ("Infinity", "-Infinity", "NaN"):
-        return float(v.replace("Infinity", "inf"))
-    return v
-
-
-def _same(a, b) -> bool:
-    a, b = _num(a), _num(b)
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True
-    if type(a) in (int, float) and type(b) in (int, float):
-        return float(a) == float(b)  # CSV and JSON both write floats by repr: exact
-    return a == b
-
-
-
-
-def _number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
-    """The numbers summary.json shows (the first divergence's and each finding's max abs, ULP, mismatch
-    fraction, bound) must be diff.csv's for the same record: the report prints them as written, so an
-    edit to summary.json alone (a divergence edited to 0 ULP) must not read as evidence. A finding
-    of the second pass (an op inside the module: `.../op#0/aten::mul#0.0`) is checked against that
-    pass's summary by _second_pass_problems."""
-    if rows is None:
-        return []
-    by_key = {(str(r.get("degree")), r.get("key")): r for r in rows}
-    out = []
-    for lab, d in degrees.items():
-        if not isinstance(d, dict):
-            continue
-        fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else None
-        recs = [("first divergence", fd, ("max_abs", "max_ulp", "mismatch_fraction", "bound"))] if fd else []
-        # a second pass's finding is a record of that pass's own diff.csv (an op it alone recorded):
-        # _second_pass_problems checks it against that pass's summary
-        recs += [("finding", f, ("max_abs", "bound")) for f in d.get("findings") or ()
-                 if isinstance(f, dict) and f.get("key") and f.get("cause") != "router-flip"
-                 and f.get("from") != "second pass"]
-        for what, rec, fields in recs:
-            key = rec.get("key")
-            if not key:
-                continue
-            r = by_key.get((lab, key))
-            if r is None:
-                out.append(f"summary.json's TP={lab} {what} {key} is not a record of diff.csv")
-                break
-            if what == "finding" and r.get("rank_consistent") is False:
-                fields = ("bound",)  # its max abs is between the ranks' copies, not in diff.csv
-            bad = next((k for k in fields if k in rec and r.get(k) is not None and not _same(rec[k], r[k])), None)
-            if bad:
-                out.append(f"summary.json's TP={lab} {what} {key}: {bad} {rec[bad]!r} but diff.csv says "
-                           f"{r[bad]!r} (edited after the run)")
-                break
-        # locate makes every record beyond its bound or rank-inconsistent a finding: one missing from the
-        # summary (a bug deleted) would be judged as a mere consequence of the first divergence
-        found = {f.get("key") for f in d.get("findings") or () if isinstance(f, dict)}
-        lost = next((r["key"] for r in rows if str(r.get("degree")) == lab and r.get("key") not in found
-                     and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)), None)
-        if lost:
-            out.append(f"summary.json's TP={lab} findings lack {lost}, which diff.csv has beyond its bound or "
-                       "inconsistent across ranks (edited after the run)")
-        # locate names such a record a bug (or non-finite); the passes that name it otherwise say so:
-        # the second pass keeps the bug label it overrode (cause_before), the router relabels it
-        # unknown or router-flip. A rounding label with neither is an edit that would let it pass.
-        from tpdiag.records.causes import cause_class
-
-        far = {r["key"] for r in rows if str(r.get("degree")) == lab
-               and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)}
-        soft = next((f for f in d.get("findings") or () if isinstance(f, dict) and f.get("key") in far
-                     and cause_class(f.get("cause")) not in ("bug", "non-finite") and "cause_before" not in f
-                     and f.get("cause") not in ("unknown", "router-flip")), None)
-        if soft:
-            out.append(f"summary.json's TP={lab} finding {soft.get('key')} has cause {soft.get('cause')!r}, a "
-                       "rounding label for a record diff.csv has beyond its bound or inconsistent across ranks "
-                       "(edited after the run)")
-    return out
-
-
 _ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used
 
 
@@ -227,13 +166,14 @@ def _unnamed_second_pass(run_dir: str, summary: dict, degrees: dict) -> list[str
     return []
 
 
-def _second_pass_problems(run_dir: str, summary: dict, degrees: dict) -> list[str]:
+def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bool = False) -> list[str]:
     """The findings only the second pass made (a bug behind a harmless reordering, judged on its own
     inputs) live in summary.json and in the second pass's own summary: one deleted from summary.json
     alone would leave the record judged as a consequence of the first divergence."""
     sp = summary.get("second_pass")
     if not isinstance(sp, dict):
-        return _unnamed_second_pass(run_dir, summary, degrees)
+        # a second pass's own folder (inside a run): the pass inside it (region/ops) is its parent's to check
+        return [] if inside else _unnamed_second_pass(run_dir, summary, degrees)
     name = os.path.basename(str(sp.get("dir") or "").rstrip("/"))
     if name not in SECOND_PASS_DIRS:
         return [f"summary.json's second pass dir {sp.get('dir')!r} is not one tpdiag writes "
@@ -249,6 +189,15 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict) -> list[st
         return [f"summary.json names a second pass in {name}/: {str(e).splitlines()[0]}"]
     if not isinstance(sub, dict) or not isinstance(sub.get("degrees"), dict):
         return [f"{name}/summary.json: no 'degrees' table (not a tpdiag summary)"]
+    # A second pass whose worlds failed (a full disk, a crash, a timeout) judged nothing: the float64
+    # verdicts and the findings only it makes (a bug behind a harmless reordering) are missing, and the
+    # first pass's layout bound alone is no verdict (DESIGN: bounds sharpen the oracle, never replace it).
+    broken = next(((lab, d) for lab, d in entries(sub).items() if isinstance(d, dict) and d.get("status") == "failed"),
+                  None)
+    if broken or sub.get("status") == "inconclusive":
+        why = f"TP={broken[0]}: {broken[1].get('error') or 'failed'}" if broken else "inconclusive"
+        return [f"the second pass in {name}/ failed ({str(why).splitlines()[0][:300]}): its float64 verdicts and the "
+                "findings only it makes are missing; run the compare again"]
     # after a hash-first pass the own-input judgement is one more pass inside it (region/ops): its
     # findings join the region pass's
     nested = os.path.join(name, "ops")
@@ -280,7 +229,7 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict) -> list[st
                 continue
             g = made.get((f.get("phase"), f.get("module"), f.get("kind"), f.get("name")))
             bad = "not one" if g is None else next(
-                (k for k in ("key", "max_abs", "bound") if k in f and not _same(f[k], g.get(k))), None)
+                (k for k in ("key", "max_abs", "bound") if k in f and not same(f[k], g.get(k))), None)
             if bad:
                 out.append(f"summary.json's TP={lab} second-pass finding {f.get('key')}: "
                            + ("not one of " if g is None else f"{bad} {f[bad]!r} but ") + f"{name}/summary.json"
@@ -292,12 +241,29 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict) -> list[st
         if lost:
             out.append(f"summary.json's TP={lab} findings lack {lost.get('key')} ({lost.get('cause')}), which the "
                        f"second pass's {name}/summary.json found (edited after the run)")
+    # The second pass's own files must agree with each other as a run's do (its diff.csv's records beyond
+    # their bound are findings of its summary, its numbers are diff.csv's, its worlds finished): a bug it
+    # found, deleted from both summaries, passed the gate. Its records are not re-diffed here (the cost of
+    # a second re-diff of every op record): an edit of its diff.csv too is the documented limit.
+    for sub_name in [os.path.basename(str(sp.get("dir")).rstrip("/"))] + ([nested] if inner else []):
+        if out:
+            break
+        from tpdiag.records.rundir import read_manifest, read_rows
+
+        sub_dir = os.path.join(run_dir, sub_name)
+        try:
+            sub_sum = io.read_json(run_file(run_dir, os.path.join(sub_name, SUMMARY)))
+            out += [f"the second pass in {sub_name}/: {p}" for p in problems(
+                sub_dir, read_manifest(sub_dir), sub_sum, read_rows(run_file(run_dir, os.path.join(sub_name, "diff.csv"))),
+                inside=True)]
+        except Inconclusive as e:
+            out.append(f"the second pass in {sub_name}/: {str(e).splitlines()[0]}")
     return out
 
 
-def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) -> list[str]:
+def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, inside: bool = False) -> list[str]:
     """Every disagreement between manifest.json, summary.json, diff.csv's rows (when given) and the
-    per-rank evidence, in words."""
+    per-rank evidence, in words. inside: run_dir is a second pass's folder of a run."""
     out: list[str] = []
     if not isinstance(manifest, dict):
         return [f"{run_dir}/manifest.json: not a JSON object"]
@@ -321,8 +287,8 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None) ->
     if summary.get("status") != "inconclusive" and "failed" in statuses.values():
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
-    out += _number_problems(degrees, rows)
-    out += _second_pass_problems(run_dir, summary, degrees)
+    out += number_problems(degrees, rows)
+    out += _second_pass_problems(run_dir, summary, degrees, inside)
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab
                and (r.get("bitwise") is False or r.get("rank_consistent") is False)]

@@ -70,8 +70,19 @@ def hold(run_dir: str, command: str = "compare"):
                 "an earlier run was killed there; its files are replaced")
     me = {"pid": os.getpid(), "host": platform.node(), "command": command,
           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(me).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+    except OSError as e:
+        # a full disk (ENOSPC) or a quota: one line naming the directory, not a bare OSError - and nothing
+        # of ours left behind
+        for undo in (lambda: os.unlink(path), lambda: os.close(fd)) + ((lambda: os.rmdir(run_dir),) if created else ()):
+            try:
+                undo()
+            except OSError:
+                pass
+        raise BadInput(f"--out {run_dir}: cannot write its lock file ({e.strerror or e}); "
+                       "free some space or use another --out") from None
     try:
         yield note
     finally:

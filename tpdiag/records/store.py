@@ -9,6 +9,11 @@ from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
 from tpdiag.records.paths import EVENTS, TENSORS, WORLD, world_file
 MAX_DEGREE = 1024  # sanity bound on world.json's degree: shards are rebuilt by repeating/concatenating
+# The layout of a record set (events.jsonl's fields, how tensors are stored and keyed): bump it with any
+# change a reader of the previous layout would misread. A world.json written before the field existed
+# (no "record_format") is the first layout, which is still this one. A set of another format is refused
+# in one line, never read as this one (the lane mix has its own version: records/hashing.py).
+RECORD_FORMAT = 1
 
 
 def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dict) -> None:
@@ -20,10 +25,26 @@ def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dic
     # Tensors first, index last: an index that exists always points at complete tensors.
     safetensors_stream.write(os.path.join(out_dir, TENSORS), tensors, metadata={"schema": "1"})
     io.write_jsonl(os.path.join(out_dir, EVENTS), [m for m, _ in stored])
+    from tpdiag import __version__
     from tpdiag.records.hashing import HASH_VERSION
 
-    # which lane mix made this record set's hashes (records/hashing.py)
-    io.write_json(world_file(out_dir, WORLD), {**world_meta, "hash_version": HASH_VERSION})
+    # which lane mix made this record set's hashes (records/hashing.py), in which layout, by which tpdiag
+    # (the manifest's version must be the same: integrity.py)
+    io.write_json(world_file(out_dir, WORLD), {**world_meta, "hash_version": HASH_VERSION,
+                                               "record_format": RECORD_FORMAT, "tpdiag": __version__})
+
+
+def check_format(world: dict, path: str) -> None:
+    """Refuse a record set written in another layout than this tpdiag reads (Inconclusive, one line)."""
+    v = world.get("record_format", 1)
+    if _is_int(v) and v == RECORD_FORMAT:
+        return
+    from tpdiag import __version__
+
+    by = world.get("tpdiag")
+    who = f"tpdiag {by}" if isinstance(by, str) else "another tpdiag"
+    raise Inconclusive(f"{path}: record format {v!r} (written by {who}); this tpdiag ({__version__}) reads "
+                       f"format {RECORD_FORMAT}: read it with the tpdiag that wrote it, or run it again with this one")
 
 
 def _is_int(v) -> bool:
@@ -82,6 +103,7 @@ def read_index(out_dir: str) -> tuple[dict, list[dict]]:
     world = io.read_json(world_file(out_dir, WORLD))
     if not isinstance(world, dict):
         raise Inconclusive(f"{world_file(out_dir, WORLD)}: not a JSON object")
+    check_format(world, world_file(out_dir, WORLD))
     events = io.read_jsonl(epath)
     for i, m in enumerate(events):
         _check_event(m, i + 1, epath)
@@ -102,6 +124,7 @@ class RecordSet:
         self.world = io.read_json(world_file(out_dir, WORLD))
         if not isinstance(self.world, dict):
             raise Inconclusive(f"{world_file(out_dir, WORLD)}: not a JSON object")
+        check_format(self.world, world_file(out_dir, WORLD))
         from tpdiag.records.hashing import hash_version
 
         self.hash_version = hash_version(self.world)

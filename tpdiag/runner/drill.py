@@ -200,6 +200,11 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                     # fail closed: a bug behind the first divergence may be there unseen
                     entry["downstream_unjudged"] = f"the float64 pass computed another step than the first pass ({differs})"
                 continue
+            if sub_entry.get("status") == "failed":
+                # fail closed: a rerun whose worlds failed (a full disk, a crash) judged nothing - neither
+                # the first divergence in float64 nor a bug behind it (records/integrity.py says so too)
+                entry["downstream_unjudged"] = (f"the {what} rerun failed: "
+                                                f"{str(sub_entry.get('error') or 'no error recorded').splitlines()[0][:300]}")
             if sub_entry.get("downstream_unjudged"):  # the own-input pass after a region pass
                 entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
             # every finding the rerun made (the float64 verdicts of other roots among them)

@@ -1,0 +1,82 @@
+"""summary.json's numbers and findings against diff.csv's rows: the numbers the report prints must be
+diff.csv's for the same record, and every record beyond its bound or inconsistent across ranks must be a
+finding with a bug label unless a later pass relabelled it (records/integrity.py reads this first)."""
+from __future__ import annotations
+
+
+def _num(v):
+    """A summary number as a float: JSON carries Inf/NaN as the strings "Infinity"/"NaN" (io.json_safe)."""
+    if isinstance(v, str) and v in ("Infinity", "-Infinity", "NaN"):
+        return float(v.replace("Infinity", "inf"))
+    return v
+
+
+def same(a, b) -> bool:
+    a, b = _num(a), _num(b)
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if type(a) in (int, float) and type(b) in (int, float):
+        return float(a) == float(b)  # CSV and JSON both write floats by repr: exact
+    return a == b
+
+
+
+
+def number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
+    """The numbers summary.json shows (the first divergence's and each finding's max abs, ULP, mismatch
+    fraction, bound) must be diff.csv's for the same record: the report prints them as written, so an
+    edit to summary.json alone (a divergence edited to 0 ULP) must not read as evidence. A finding
+    of the second pass (an op inside the module: `.../op#0/aten::mul#0.0`) is checked against that
+    pass's summary by _second_pass_problems."""
+    if rows is None:
+        return []
+    by_key = {(str(r.get("degree")), r.get("key")): r for r in rows}
+    out = []
+    for lab, d in degrees.items():
+        if not isinstance(d, dict):
+            continue
+        fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else None
+        recs = [("first divergence", fd, ("max_abs", "max_ulp", "mismatch_fraction", "bound"))] if fd else []
+        # a second pass's finding is a record of that pass's own diff.csv (an op it alone recorded):
+        # _second_pass_problems checks it against that pass's summary
+        recs += [("finding", f, ("max_abs", "bound")) for f in d.get("findings") or ()
+                 if isinstance(f, dict) and f.get("key") and f.get("cause") != "router-flip"
+                 and f.get("from") != "second pass"]
+        for what, rec, fields in recs:
+            key = rec.get("key")
+            if not key:
+                continue
+            r = by_key.get((lab, key))
+            if r is None:
+                out.append(f"summary.json's TP={lab} {what} {key} is not a record of diff.csv")
+                break
+            if what == "finding" and r.get("rank_consistent") is False:
+                fields = ("bound",)  # its max abs is between the ranks' copies, not in diff.csv
+            bad = next((k for k in fields if k in rec and r.get(k) is not None and not same(rec[k], r[k])), None)
+            if bad:
+                out.append(f"summary.json's TP={lab} {what} {key}: {bad} {rec[bad]!r} but diff.csv says "
+                           f"{r[bad]!r} (edited after the run)")
+                break
+        # locate makes every record beyond its bound or rank-inconsistent a finding: one missing from the
+        # summary (a bug deleted) would be judged as a mere consequence of the first divergence
+        found = {f.get("key") for f in d.get("findings") or () if isinstance(f, dict)}
+        lost = next((r["key"] for r in rows if str(r.get("degree")) == lab and r.get("key") not in found
+                     and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)), None)
+        if lost:
+            out.append(f"summary.json's TP={lab} findings lack {lost}, which diff.csv has beyond its bound or "
+                       "inconsistent across ranks (edited after the run)")
+        # locate names such a record a bug (or non-finite); the passes that name it otherwise say so:
+        # the second pass keeps the bug label it overrode (cause_before), the router relabels it
+        # unknown or router-flip. A rounding label with neither is an edit that would let it pass.
+        from tpdiag.records.causes import cause_class
+
+        far = {r["key"] for r in rows if str(r.get("degree")) == lab
+               and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)}
+        soft = next((f for f in d.get("findings") or () if isinstance(f, dict) and f.get("key") in far
+                     and cause_class(f.get("cause")) not in ("bug", "non-finite") and "cause_before" not in f
+                     and f.get("cause") not in ("unknown", "router-flip")), None)
+        if soft:
+            out.append(f"summary.json's TP={lab} finding {soft.get('key')} has cause {soft.get('cause')!r}, a "
+                       "rounding label for a record diff.csv has beyond its bound or inconsistent across ranks "
+                       "(edited after the run)")
+    return out
