@@ -24,6 +24,26 @@ def _stream_signature(metas: list[dict]) -> int:
     return int.from_bytes(h.digest()[:7], "little")
 
 
+def _at_boundaries(records, lanes, device, group, world: int):
+    """The streams with the records inside blocks whose ranks ran per-rank work (an expert-parallel
+    MoE's own experts: runner/per_rank.py) left out, when that makes them the same on every rank;
+    else Inconclusive, as before."""
+    from tpdiag.runner.per_rank import at_boundaries
+
+    cut = at_boundaries(records, lanes, group, world)
+    if cut is not None:
+        records, lanes, _ = cut
+        sig = torch.tensor([_stream_signature([m for m, _ in records]),
+                            sum(_nbytes(t) for _, t in records if t is not None)], dtype=torch.int64, device=device)
+        sigs = [torch.empty_like(sig) for _ in range(world)]
+        dist.all_gather(sigs, sig, group=group)
+        settle([sig, *sigs], group)
+        if all(torch.equal(s, sigs[0]) for s in sigs):
+            return records, lanes
+    raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
+                       "dtypes per rank); the model is not SPMD under this plan")
+
+
 def _as_bytes(t) -> torch.Tensor:
     t = as_tensor(t)
     return t.contiguous().reshape(-1).view(torch.uint8)
@@ -65,8 +85,9 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     dist.all_gather(sigs, sig, group=group)
     settle([sig, *sigs], group)
     if any(not torch.equal(s, sigs[0]) for s in sigs):
-        raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
-                           "dtypes per rank); the model is not SPMD under this plan")
+        records, lanes = _at_boundaries(records, lanes, device, group, world)
+        metas = [m for m, _ in records]
+        sizes = [_nbytes(t) for _, t in records if t is not None]
     hashed = _gather_lanes(records, lanes, hashbuf, device, group, world, rank)
     kept_all = [(m, t) for m, t in records if t is not None]
     # A record whose shard hashes the same on every rank is a replica: rank 0 keeps its own copy

@@ -1,0 +1,104 @@
+"""Per-rank work inside one module: compare at that module's boundary.
+
+An expert-parallel MoE written the way Megatron-LM and DeepSpeed write it runs, on each rank, only
+its own experts - submodules that are other experts per rank (`local_experts.0` is expert 0 on
+rank 0 and expert 2 on rank 1), or are named by their global expert id (`experts.2` exists on rank
+1 only) - on however many tokens the all-to-all sent them. Those records are not shards of one
+tensor: no gather rebuilds TP=1's `local_experts.0` from them, and comparing them by name would
+compare one expert against another. The block that holds them is SPMD again at its boundary (its
+input and output are the same tensors on every rank, the all-to-all's combine having put every
+token back), so that is where the world is compared: every record inside the block (its
+submodules' records and the ops its own forward ran) is left out on every rank, the block's own
+module records are kept, and the world says which block it compared at its boundary and why
+(`per_rank` in world.json; the diff leaves the reference's records inside it out as well).
+
+Where no such block exists (the per-rank records are not inside a module whose own records agree
+on every rank) the world is as inconclusive as before: nothing here invents a comparison.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+ROOT = "model"
+
+
+def _inside(module: str, block: str) -> bool:
+    return module == block or module.startswith(block + ".")
+
+
+def _sig(m: dict) -> tuple:
+    return (m["dtype"], tuple(m["local_shape"]))
+
+
+def boundaries(per_rank: list[list[dict]]) -> dict[str, list[str]] | None:
+    """{block: [modules inside it whose records differ per rank]} from every rank's record metas
+    (key, module, kind, dtype, local_shape), or None when some per-rank record is in no block
+    whose own module records agree on every rank (or none differs at module level: an op stream
+    that differs only in its ops is left to the caller)."""
+    maps = [{m["key"]: m for m in metas} for metas in per_rank]
+    keys = set().union(*maps)
+    differing = set()  # modules with a module-level record that is not the same on every rank
+    for k in keys:
+        ms = [mp.get(k) for mp in maps]
+        m = next(x for x in ms if x is not None)
+        if m["kind"] == "op":
+            continue
+        if any(x is None for x in ms) or len({_sig(x) for x in ms}) > 1:
+            differing.add(m["module"])
+    if not differing:
+        return None
+    # a block's own module records are the same on every rank: one "out" of its forward at least
+    spmd_out = {m["module"] for m in per_rank[0] if m["kind"] == "out" and m["phase"] == "forward"
+                and m["module"] not in differing and all(m["key"] in mp for mp in maps[1:])}
+    blocks = {}
+    for mod in sorted(differing):
+        if mod == ROOT or "." not in mod:
+            return None  # a top-level module (or the model itself) differs: no block holds it
+        parent = mod
+        while True:
+            parent = parent.rpartition(".")[0]
+            if not parent:
+                return None
+            if parent in spmd_out:
+                break
+        blocks.setdefault(parent, set()).add(mod)
+    outer = {b: v for b, v in blocks.items() if not any(o != b and _inside(b, o) for o in blocks)}
+    for b in blocks:
+        if b not in outer:
+            o = next(o for o in outer if _inside(b, o))
+            outer[o] |= blocks[b] | {b}
+    return {b: sorted(v) for b, v in sorted(outer.items())}
+
+
+def _kept(m: dict, blocks) -> bool:
+    mod = m["module"]
+    for b in blocks:
+        if mod == b:
+            return m["kind"] != "op"  # the block's own ops ran on per-rank shapes
+        if mod.startswith(b + "."):
+            return False
+    return True
+
+
+def at_boundaries(records: list, lanes: list | None, group, world: int):
+    """(records, lanes, {block: modules}) with every record inside a per-rank block left out on
+    this rank, or None when the streams cannot be made the same that way (Inconclusive stays)."""
+    if lanes is not None and len(lanes) != len(records):
+        return None
+    mine = [{k: m.get(k) for k in ("key", "module", "kind", "phase", "dtype", "local_shape")}
+            for m, _ in records]
+    every = [None] * world
+    dist.all_gather_object(every, mine, group=group)
+    blocks = boundaries(every)
+    if not blocks:
+        return None
+    # every rank keeps the same keys in the same order, or the comparison is off
+    kept = [[m["key"] for m in metas if _kept(m, blocks)] for metas in every]
+    if any(k != kept[0] for k in kept[1:]):
+        return None
+    keep = [i for i, (m, _) in enumerate(records) if _kept(m, blocks)]
+    for i in keep:
+        m = records[i][0]
+        if m["module"] in blocks:
+            m["per_rank_inside"] = blocks[m["module"]]
+    return ([records[i] for i in keep], [lanes[i] for i in keep] if lanes is not None else None, blocks)
