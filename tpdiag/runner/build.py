@@ -47,6 +47,10 @@ def build_model(cfg: WorldConfig, device: torch.device, world: int):
         broken = broken_ties(model, ties)
     else:
         broken = []
+    if world > 1:
+        from tpdiag.runner.per_rank import mark_params
+
+        mark_params(model, world)  # an expert-parallel model's own experts (its grad norm)
     target.build = {"init": "whole", "init_full_peak_bytes": whole, "init_whole_bytes": whole,
                     "init_reason": reason or ("TP=1" if world == 1 else
                                               f"{spec.kind}: the whole model is built, then sharded")}

@@ -102,3 +102,48 @@ def at_boundaries(records: list, lanes: list | None, group, world: int):
         if m["module"] in blocks:
             m["per_rank_inside"] = blocks[m["module"]]
     return ([records[i] for i in keep], [lanes[i] for i in keep] if lanes is not None else None, blocks)
+
+
+PER_RANK = "_tpdiag_per_rank"
+
+
+def mark_params(model, world: int) -> int:
+    """Mark the plain (not DTensor) parameters that are not one replica on every rank - a name some
+    rank lacks (experts keyed by global id), or other bits under one name (`local_experts.0` is
+    another expert per rank) - so the step's grad norm counts each rank's own (update.py), as
+    Megatron's expert-parallel norm does, instead of taking one rank's copy for all. Returns how
+    many were marked."""
+    from torch.distributed.tensor import DTensor
+
+    from tpdiag.records.hashing import tensor_hash
+
+    plain = [(n, p) for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    mine = {n: (tuple(p.shape), str(p.dtype), tensor_hash(p)) for n, p in plain}
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    marked = 0
+    for n, p in plain:
+        if any(e.get(n) != mine[n] for e in every):
+            setattr(p, PER_RANK, True)
+            marked += 1
+    return marked
+
+
+def norm_over_ranks(params, norm_fn, max_norm):
+    """The grad norm when some parameters are per-rank (mark_params): the replicas' norm and the
+    per-rank ones' squared norm summed over the ranks, then clipped as norm_fn clips."""
+    import torch
+
+    own = [p for p in params if getattr(p, PER_RANK, False)]
+    shared = [p for p in params if not getattr(p, PER_RANK, False)]
+    dev = params[0].device  # an empty list's norm is a CPU zero: the all-reduce needs the device
+    a = norm_fn(shared, None).to(device=dev, dtype=torch.float32)
+    b = norm_fn(own, None).to(device=dev, dtype=torch.float32) ** 2
+    dist.all_reduce(b)
+    total = torch.sqrt(a * a + b)
+    grads = [p.grad for p in params if p.grad is not None]
+    if max_norm is not None and grads:
+        from tpdiag.kernels.grad_norm import scale_grads
+
+        scale_grads(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
