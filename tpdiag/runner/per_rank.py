@@ -96,6 +96,11 @@ def at_boundaries(records: list, lanes: list | None, group, world: int):
     kept = [[m["key"] for m in metas if _kept(m, blocks)] for metas in every]
     if any(k != kept[0] for k in kept[1:]):
         return None
+    # name what is left out: the outermost modules inside each block with records on some rank
+    left = {m["module"] for metas in every for m in metas if not _kept(m, blocks)}
+    for b in blocks:
+        inner = {x for x in left if x.startswith(b + ".")}
+        blocks[b] = sorted(x for x in inner if not any(x.startswith(y + ".") for y in inner))
     keep = [i for i, (m, _) in enumerate(records) if _kept(m, blocks)]
     for i in keep:
         m = records[i][0]
