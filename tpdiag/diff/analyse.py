@@ -1,7 +1,7 @@
 """Turn a run directory's per-degree records into summary.json (schema 1) and diff.csv."""
 from __future__ import annotations
 
-from tpdiag.diff.engine import diff_degree, per_rank_blocks
+from tpdiag.diff.engine import diff_degree, per_rank_blocks, per_rank_ops
 from tpdiag.diff.judge import baseline_cause, describe, settle
 from tpdiag.diff.locate import add_bounds, locate, logprob_stats, nonfinite_summary
 from tpdiag.errors import Inconclusive
@@ -29,11 +29,12 @@ def _scalar(rs: RecordSet, kind: str, step: int = 0):
     return float(t.flatten()[0].double()) if t.numel() else None
 
 
-def per_rank_why(inside: list) -> str:
+def per_rank_why(inside: list, ops=()) -> str:
     return ("compared at its boundary only: inside it the ranks ran per-rank work (other modules or token "
             "counts per rank, as an expert-parallel MoE's own experts), not shards of one tensor, so its "
             f"submodules ({', '.join(inside[:4])}{' ...' if len(inside) > 4 else ''}) and its own ops are left "
-            "out; its input and output, the same tensors on every rank, are compared")
+            "out; its input and output, the same tensors on every rank, are compared"
+            + (f" (and the op streams that differ per rank with it: {', '.join(ops)})" if ops else ""))
 
 
 def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = True) -> tuple[dict, list[dict]]:
@@ -61,7 +62,9 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
     blocks = per_rank_blocks(other)
     if blocks:
         # what this degree compared only at a block's boundary (runner/per_rank.py), said in the verdict
-        entry["per_rank"] = {b: {"inside": inside, "why": per_rank_why(inside)} for b, inside in blocks.items()}
+        ops = per_rank_ops(other)
+        entry["per_rank"] = {b: {"inside": inside, "why": per_rank_why(inside, ops), **({"ops_left_out": ops} if ops else {})}
+                             for b, inside in blocks.items()}
     broken = other.world.get("ties_broken")
     if broken and not ref.world.get("ties_broken"):
         _broken_ties(entry, dd.rows, broken, label)

@@ -140,6 +140,11 @@ def per_rank_blocks(rs: RecordSet) -> dict[str, list[str]]:
             if isinstance(m.get("per_rank_inside"), list)}
 
 
+def per_rank_ops(rs: RecordSet) -> list[str]:
+    """The op streams ("phase: module") that world left out because they differed per rank."""
+    return next((m["per_rank_ops"] for m in rs.events if isinstance(m.get("per_rank_ops"), list)), [])
+
+
 def _inside_block(m: dict, blocks: dict) -> bool:
     """A reference record the other world left out inside a per-rank block: not missing there."""
     mod = m["module"]

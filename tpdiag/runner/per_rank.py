@@ -70,14 +70,32 @@ def boundaries(per_rank: list[list[dict]]) -> dict[str, list[str]] | None:
     return {b: sorted(v) for b, v in sorted(outer.items())}
 
 
-def _kept(m: dict, blocks) -> bool:
+def _kept(m: dict, blocks, op_groups=()) -> bool:
     mod = m["module"]
+    if m["kind"] == "op" and (m["phase"], mod) in op_groups:
+        return False
     for b in blocks:
         if mod == b:
             return m["kind"] != "op"  # the block's own ops ran on per-rank shapes
         if mod.startswith(b + "."):
             return False
     return True
+
+
+def _op_groups(every: list[list[dict]], blocks) -> set:
+    """(phase, module) of the op streams outside the blocks that still differ per rank - the
+    backward's ops, which autograd runs with no module to attribute them to, include the
+    experts' backward. An op's key counts its occurrences in its stream, so after one op that
+    differs the rest of that stream no longer lines up: the whole stream is left out, and the
+    module records of that phase compare the same values."""
+    maps = [{m["key"]: m for m in metas if m["kind"] == "op" and _kept(m, blocks)} for metas in every]
+    groups = set()
+    for k in set().union(*maps):
+        ms = [mp.get(k) for mp in maps]
+        if any(x is None for x in ms) or len({_sig(x) for x in ms}) > 1:
+            m = next(x for x in ms if x is not None)
+            groups.add((m["phase"], m["module"]))
+    return groups
 
 
 def at_boundaries(records: list, lanes: list | None, group, world: int):
@@ -92,8 +110,9 @@ def at_boundaries(records: list, lanes: list | None, group, world: int):
     blocks = boundaries(every)
     if not blocks:
         return None
+    ops = _op_groups(every, blocks)
     # every rank keeps the same keys in the same order, or the comparison is off
-    kept = [[m["key"] for m in metas if _kept(m, blocks)] for metas in every]
+    kept = [[m["key"] for m in metas if _kept(m, blocks, ops)] for metas in every]
     if any(k != kept[0] for k in kept[1:]):
         return None
     # name what is left out: the outermost modules inside each block with records on some rank
@@ -101,11 +120,13 @@ def at_boundaries(records: list, lanes: list | None, group, world: int):
     for b in blocks:
         inner = {x for x in left if x.startswith(b + ".")}
         blocks[b] = sorted(x for x in inner if not any(x.startswith(y + ".") for y in inner))
-    keep = [i for i, (m, _) in enumerate(records) if _kept(m, blocks)]
+    keep = [i for i, (m, _) in enumerate(records) if _kept(m, blocks, ops)]
     for i in keep:
         m = records[i][0]
         if m["module"] in blocks:
             m["per_rank_inside"] = blocks[m["module"]]
+            if ops:
+                m["per_rank_ops"] = sorted(f"{ph}: {mod}" for ph, mod in ops)
     return ([records[i] for i in keep], [lanes[i] for i in keep] if lanes is not None else None, blocks)
 
 
