@@ -146,7 +146,8 @@ def per_rank_ops(rs: RecordSet) -> list[str]:
 
 
 def _inside_block(m: dict, blocks: dict) -> bool:
-    """A reference record the other world left out inside a per-rank block: not missing there."""
+    """A reference record inside a per-rank block that the other world has not (left out, or a module
+    only the reference has: TP=1's local_experts.3): not missing there. What both have is compared."""
     mod = m["module"]
     return any(mod.startswith(b + ".") or (mod == b and m["kind"] == "op") for b in blocks)
 

@@ -70,31 +70,53 @@ def boundaries(per_rank: list[list[dict]]) -> dict[str, list[str]] | None:
     return {b: sorted(v) for b, v in sorted(outer.items())}
 
 
-def _kept(m: dict, blocks, op_groups=()) -> bool:
+def _per_rank_inside(every: list[list[dict]], blocks) -> set:
+    """The modules inside the blocks whose records are not one module's on every rank: a module
+    whose records differ per rank, or whose parameters do (`local_experts.1` can be called on as
+    many tokens on both ranks and still be another expert on each), and every module above or
+    below one inside its block. A module that is the same everywhere (the router, on each rank's
+    share of the tokens) is kept: its records are shards or replicas like any other's."""
+    maps = [{m["key"]: m for m in metas} for metas in every]
+    inside = {m["module"] for metas in every for m in metas
+              if any(m["module"].startswith(b + ".") for b in blocks)}
+    bad = set()
+    for k in set().union(*maps):
+        ms = [mp.get(k) for mp in maps]
+        m = next(x for x in ms if x is not None)
+        if m["module"] not in inside or m["kind"] == "op":
+            continue
+        if any(x is None for x in ms) or len({_sig(x) for x in ms}) > 1:
+            bad.add(m["module"])
+        elif m["kind"] == "param_init" and (ms[0].get("hash") is None or len({x.get("hash") for x in ms}) > 1):
+            bad.add(m["module"])  # another expert's weights under one name (or no hash to tell)
+    return {x for x in inside if any(x == y or x.startswith(y + ".") or y.startswith(x + ".") for y in bad)}
+
+
+def _kept(m: dict, blocks, op_groups=(), drop=()) -> bool:
     mod = m["module"]
-    if m["kind"] == "op" and (m["phase"], mod) in op_groups:
+    if m["kind"] == "op" and ((m["phase"], mod) in op_groups or m["phase"] in op_groups):
         return False
-    for b in blocks:
-        if mod == b:
-            return m["kind"] != "op"  # the block's own ops ran on per-rank shapes
-        if mod.startswith(b + "."):
-            return False
-    return True
+    if mod in blocks:
+        return m["kind"] != "op"  # the block's own ops ran on per-rank shapes
+    return mod not in drop
 
 
-def _op_groups(every: list[list[dict]], blocks) -> set:
-    """(phase, module) of the op streams outside the blocks that still differ per rank - the
-    backward's ops, which autograd runs with no module to attribute them to, include the
+def _op_groups(every: list[list[dict]], blocks, drop) -> set:
+    """(phase, module) of the op streams outside the dropped modules that still differ per rank -
+    the backward's ops, which autograd runs with no module to attribute them to, include the
     experts' backward. An op's key counts its occurrences in its stream, so after one op that
     differs the rest of that stream no longer lines up: the whole stream is left out, and the
-    module records of that phase compare the same values."""
-    maps = [{m["key"]: m for m in metas if m["kind"] == "op" and _kept(m, blocks)} for metas in every]
+    module records of that phase compare the same values. Where a left-out module has parameters,
+    the optimizer's ops (one sequence per parameter, other parameters per rank) are left out too."""
+    maps = [{m["key"]: m for m in metas if m["kind"] == "op" and _kept(m, blocks, drop=drop)} for metas in every]
     groups = set()
     for k in set().union(*maps):
         ms = [mp.get(k) for mp in maps]
         if any(x is None for x in ms) or len({_sig(x) for x in ms}) > 1:
             m = next(x for x in ms if x is not None)
             groups.add((m["phase"], m["module"]))
+    if any(m["kind"] == "param_init" and m["module"] in drop for metas in every for m in metas):
+        groups.add("optimizer")
     return groups
 
 
@@ -103,30 +125,30 @@ def at_boundaries(records: list, lanes: list | None, group, world: int):
     this rank, or None when the streams cannot be made the same that way (Inconclusive stays)."""
     if lanes is not None and len(lanes) != len(records):
         return None
-    mine = [{k: m.get(k) for k in ("key", "module", "kind", "phase", "dtype", "local_shape")}
-            for m, _ in records]
+    mine = [{**{k: m.get(k) for k in ("key", "module", "kind", "phase", "dtype", "local_shape")},
+             **({"hash": m.get("hash")} if m.get("kind") == "param_init" else {})} for m, _ in records]
     every = [None] * world
     dist.all_gather_object(every, mine, group=group)
     blocks = boundaries(every)
     if not blocks:
         return None
-    ops = _op_groups(every, blocks)
+    drop = _per_rank_inside(every, blocks)
+    ops = _op_groups(every, blocks, drop)
     # every rank keeps the same keys in the same order, or the comparison is off
-    kept = [[m["key"] for m in metas if _kept(m, blocks, ops)] for metas in every]
+    kept = [[m["key"] for m in metas if _kept(m, blocks, ops, drop)] for metas in every]
     if any(k != kept[0] for k in kept[1:]):
         return None
-    # name what is left out: the outermost modules inside each block with records on some rank
-    left = {m["module"] for metas in every for m in metas if not _kept(m, blocks)}
+    # name what is left out: the outermost modules inside each block
     for b in blocks:
-        inner = {x for x in left if x.startswith(b + ".")}
+        inner = {x for x in drop if x.startswith(b + ".")}
         blocks[b] = sorted(x for x in inner if not any(x.startswith(y + ".") for y in inner))
-    keep = [i for i, (m, _) in enumerate(records) if _kept(m, blocks, ops)]
+    keep = [i for i, (m, _) in enumerate(records) if _kept(m, blocks, ops, drop)]
     for i in keep:
         m = records[i][0]
         if m["module"] in blocks:
             m["per_rank_inside"] = blocks[m["module"]]
             if ops:
-                m["per_rank_ops"] = sorted(f"{ph}: {mod}" for ph, mod in ops)
+                m["per_rank_ops"] = sorted(g if isinstance(g, str) else f"{g[0]}: {g[1]}" for g in ops)
     return ([records[i] for i in keep], [lanes[i] for i in keep] if lanes is not None else None, blocks)
 
 
