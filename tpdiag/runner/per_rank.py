@@ -115,7 +115,8 @@ def _op_groups(every: list[list[dict]], blocks, drop) -> set:
         if any(x is None for x in ms) or len({_sig(x) for x in ms}) > 1:
             m = next(x for x in ms if x is not None)
             groups.add((m["phase"], m["module"]))
-    if any(m["kind"] == "param_init" and m["module"] in drop for metas in every for m in metas):
+    if any(m["kind"] == "param_init" and m["module"] in drop for metas in every for m in metas) and any(
+            m["kind"] == "op" and m["phase"] == "optimizer" for metas in every for m in metas):
         groups.add("optimizer")
     return groups
 

@@ -19,7 +19,7 @@ tokens. At TP=1 the same code runs every expert on every token, no collective.
                   2 on expert 1's tokens
 
 Every rank draws every expert's weights (so each expert has TP=1's weights) and keeps its own.
-The router's weight grad covers the rank's own tokens: summed over the ranks (a hook), as
+The router's weight grad covers the rank's own tokens: summed over the ranks (in its backward), as
 Megatron's sequence-parallel grads are.
 """
 import torch
@@ -86,13 +86,28 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None
 
 
-def _sum_grad(p):
-    def hook(g):
-        if world()[1] > 1:
-            g = g.clone()
-            dist.all_reduce(g)
+class _SumGrad(torch.autograd.Function):
+    """The router weight as it is; backward: its grad summed over the ranks (each rank's covers its
+    own tokens only), as Megatron all-reduces its sequence-parallel grads."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g)
         return g
-    p.register_hook(hook)
+
+
+class Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Linear(D, E, bias=False).weight  # nn.Linear's init
+
+    def forward(self, x):
+        return F.linear(x, _SumGrad.apply(self.weight) if world()[1] > 1 else self.weight)
 
 
 class Expert(nn.Module):
@@ -109,8 +124,7 @@ class EPMoE(nn.Module):
     def __init__(self, keyed, bug):
         super().__init__()
         r, n = world()
-        self.router = nn.Linear(D, E, bias=False)
-        _sum_grad(self.router.weight)
+        self.router = Router()
         every = [Expert() for _ in range(E)]  # every rank draws every expert: TP=1's weights
         per = E // n
         self.bug = bug
