@@ -38,7 +38,7 @@ def _per_rank(s):
 def test_the_correct_models_read_rounding_at_most(runs, name):
     d, s, out = runs[name]
     e = s["degrees"]["2"]
-    assert s["status"] in ("bitwise", "divergent") and s.get("class", "rounding") == "rounding" and not e["findings"], (
+    assert s["status"] in ("bitwise", "divergent") and s.get("class") in (None, "rounding") and not e["findings"], (
         s["status"], s.get("class"), e.get("error"), e.get("first_divergence"), e["findings"])
     inside = _per_rank(s)["moe"]["inside"]
     experts = "moe.local_experts." if name == "megatron" else "moe.experts."
@@ -63,7 +63,7 @@ def test_a_full_step_is_rounding_where_the_router_grad_is_summed(runs):
     d, s, _ = runs["megatron"]
     fd = s["degrees"]["2"]["first_divergence"]
     assert (fd["module"], fd["phase"], fd["kind"]) == ("moe.router", "backward", "param_grad"), fd
-    assert not fd["oracle"]["far"], fd["oracle"]
+    assert not fd["oracle"]["far"] and s["class"] == "rounding", (fd["oracle"], s["class"])
     norm = [r for r in csv.DictReader(open(d / "diff.csv")) if r["kind"] == "grad_norm"]
     assert norm and norm[0]["rank_consistent"] == "True", norm
 
@@ -98,3 +98,21 @@ def test_a_block_is_found_only_where_its_own_records_agree():
     bad = [m("embed", "out", [2, 4]), m("moe", "out", [2, 4]), m("moe.x", "out", [1])]
     bad1 = [m("embed", "out", [2, 4]), m("moe", "out", [3, 4]), m("moe.x", "out", [2])]
     assert boundaries([bad, bad1]) is None
+
+
+def test_an_expert_with_as_many_tokens_on_every_rank_is_still_left_out():
+    # local_experts.0 can be sent as many tokens on both ranks: its records then have one shape,
+    # but its weights are another expert's per rank - left out with its siblings; the router (one
+    # module on every rank) is kept
+    from tpdiag.runner.per_rank import _per_rank_inside, boundaries
+
+    def m(module, kind, shape, h=None):
+        return {"key": f"{module}/{kind}", "module": module, "kind": kind, "phase": "forward",
+                "dtype": "float32", "local_shape": shape, "hash": h}
+
+    r = [[m("moe", "in", [4]), m("moe", "out", [4]), m("moe.router", "param_init", [2], "r"),
+          m("moe.router", "out", [2, 4]), m(f"moe.le.0", "param_init", [3], f"e{e0}"), m("moe.le.0", "out", [5, 4]),
+          m("moe.le.1", "out", [n1, 4])] for e0, n1 in ((0, 2), (2, 6))]
+    blocks = boundaries(r)
+    assert blocks == {"moe": ["moe.le.1"]}, blocks
+    assert _per_rank_inside(r, blocks) == {"moe.le.0", "moe.le.1"}
