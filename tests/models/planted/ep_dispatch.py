@@ -218,3 +218,22 @@ def keyed():
 
 def keyed_bug():
     return _target(True, "placement")
+
+
+def megatron_even():
+    """megatron() on a batch whose experts 0 and 2, and 1 and 3, are sent as many tokens: at TP=2
+    each rank's local_experts.j runs on as many rows as the other rank's - records of one shape,
+    of another expert per rank."""
+    t = _target(False)
+    moe, embed, draw = t.model.moe, t.model.embed, t.inputs
+
+    def inputs(g):
+        while True:
+            ids = draw(g)
+            with torch.no_grad():
+                idx = (embed(ids).reshape(-1, D) @ moe.router.weight.t()).topk(TOP, -1).indices
+            c = torch.bincount(idx.flatten(), minlength=E)
+            if c[0] == c[2] and c[1] == c[3]:
+                return ids
+    t.inputs = inputs
+    return t
