@@ -140,6 +140,16 @@ def per_rank_blocks(rs: RecordSet) -> dict[str, list[str]]:
             if isinstance(m.get("per_rank_inside"), list)}
 
 
+def per_rank_params(rs: RecordSet) -> dict[str, list]:
+    """{module.param: [its initial hash per rank]}: the parameters a world left out inside its
+    per-rank blocks (runner/per_rank.py)."""
+    out = {}
+    for m in rs.events:
+        if isinstance(m.get("per_rank_params"), dict):
+            out.update(m["per_rank_params"])
+    return out
+
+
 def per_rank_ops(rs: RecordSet) -> list[str]:
     """The op streams ("phase: module") that world left out because they differed per rank."""
     return next((m["per_rank_ops"] for m in rs.events if isinstance(m.get("per_rank_ops"), list)), [])

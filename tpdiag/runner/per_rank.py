@@ -45,11 +45,23 @@ def boundaries(per_rank: list[list[dict]]) -> dict[str, list[str]] | None:
             continue
         if any(x is None for x in ms) or len({_sig(x) for x in ms}) > 1:
             differing.add(m["module"])
+        elif m["kind"] == "param_init" and None not in {x.get("hash") for x in ms} \
+                and len({x.get("hash") for x in ms}) > 1:
+            # other weights under one name per rank: another expert on each (the diff checks that
+            # each is one of the reference's - diff/per_rank.py - else it is a rank-inconsistent
+            # replica after all)
+            differing.add(m["module"])
     if not differing:
         return None
-    # a block's own module records are the same on every rank: one "out" of its forward at least
+    # a block's own module records are the same on every rank: one "out" of its forward at least,
+    # and that output is one tensor - the same bits on every rank (every token back in place after
+    # the combine) or a DTensor - not another expert's rows of one shape on each rank
+    def whole(m):
+        hs = [mp[m["key"]].get("hash") for mp in maps]
+        return m.get("placement") is not None or None in hs or len(set(hs)) == 1
+
     spmd_out = {m["module"] for m in per_rank[0] if m["kind"] == "out" and m["phase"] == "forward"
-                and m["module"] not in differing and all(m["key"] in mp for mp in maps[1:])}
+                and m["module"] not in differing and all(m["key"] in mp for mp in maps[1:]) and whole(m)}
     blocks = {}
     for mod in sorted(differing):
         if mod == ROOT or "." not in mod:
@@ -121,13 +133,26 @@ def _op_groups(every: list[list[dict]], blocks, drop) -> set:
     return groups
 
 
+def _params_left_out(every: list[list[dict]], block: str, drop) -> dict:
+    """{module.name: [its initial hash on each rank]} for the parameters left out inside `block`:
+    the diff checks each is one of the reference's own (another expert's), not weights no TP=1
+    module has."""
+    out = {}
+    for r, metas in enumerate(every):
+        for m in metas:
+            if m["kind"] == "param_init" and m["module"] in drop and m["module"].startswith(block + "."):
+                out.setdefault(f"{m['module']}.{m['name']}", [None] * len(every))[r] = m.get("hash")
+    return out
+
+
 def at_boundaries(records: list, lanes: list | None, group, world: int):
     """(records, lanes, {block: modules}) with every record inside a per-rank block left out on
     this rank, or None when the streams cannot be made the same that way (Inconclusive stays)."""
     if lanes is not None and len(lanes) != len(records):
         return None
-    mine = [{**{k: m.get(k) for k in ("key", "module", "kind", "phase", "dtype", "local_shape")},
-             **({"hash": m.get("hash")} if m.get("kind") == "param_init" else {})} for m, _ in records]
+    mine = [{**{k: m.get(k) for k in ("key", "module", "kind", "phase", "dtype", "local_shape", "name")},
+             **({"hash": m.get("hash"), "placement": m.get("placement")}
+                if m.get("kind") in ("param_init", "out") else {})} for m, _ in records]
     every = [None] * world
     dist.all_gather_object(every, mine, group=group)
     blocks = boundaries(every)
@@ -150,6 +175,9 @@ def at_boundaries(records: list, lanes: list | None, group, world: int):
             m["per_rank_inside"] = blocks[m["module"]]
             if ops:
                 m["per_rank_ops"] = sorted(g if isinstance(g, str) else f"{g[0]}: {g[1]}" for g in ops)
+            params = _params_left_out(every, m["module"], drop)
+            if params:
+                m["per_rank_params"] = params
     return ([records[i] for i in keep], [lanes[i] for i in keep] if lanes is not None else None, blocks)
 
 

@@ -208,6 +208,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         close_stores(bare.records)
     t1 = time.perf_counter()
     stored = gather_records(rec.records, device, lanes=rec.lanes, hashbuf=rec.hashbuf, stream=True,
+                            per_rank=rec.per_rank_params > 0,
                             spill_dir=_spill(cfg, rank, "out"))
     timings["gather_s"] = time.perf_counter() - t1
     # spawned -> process group -> first model built, initialised and sharded

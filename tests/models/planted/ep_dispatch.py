@@ -126,6 +126,11 @@ class EPMoE(nn.Module):
         r, n = world()
         self.router = Router()
         every = [Expert() for _ in range(E)]  # every rank draws every expert: TP=1's weights
+        if bug == "seeded" and n > 1:
+            # the mistake: each rank seeds its own experts - not TP=1's weights
+            with torch.random.fork_rng():
+                torch.manual_seed(1000 + r)
+                every = [Expert() for _ in range(E)]
         per = E // n
         self.bug = bug
         # global ids of this rank's experts, in the order its chunks arrive
@@ -237,3 +242,9 @@ def megatron_even():
                 return ids
     t.inputs = inputs
     return t
+
+
+def megatron_seeded():
+    """megatron() with each rank drawing its experts from a seed of its own: at TP=2 the experts
+    are not TP=1's (nor each other's) - a model that differs per rank, not expert placement."""
+    return _target(False, "seeded")
