@@ -113,7 +113,8 @@ def test_an_expert_with_as_many_tokens_on_every_rank_is_still_left_out():
     r = [[m("moe", "in", [4]), m("moe", "out", [4]), m("moe.router", "param_init", [2], "r"),
           m("moe.router", "out", [2, 4]), m(f"moe.le.0", "param_init", [3], f"e{e0}"), m("moe.le.0", "out", [5, 4]),
           m("moe.le.1", "out", [n1, 4])] for e0, n1 in ((0, 2), (2, 6))]
-    blocks = boundaries(r)
+    ref = {"moe.le.0/param_init": [3], "moe.router/param_init": [2]}  # the reference's parameter shapes
+    blocks = boundaries(r, ref)
     assert blocks == {"moe": ["moe.le.0", "moe.le.1"]}, blocks
     assert _per_rank_inside(r, blocks) == {"moe.le.0", "moe.le.1"}
     # only the expert's inner Linear holds weights (other per rank); the expert's output has one
@@ -121,4 +122,9 @@ def test_an_expert_with_as_many_tokens_on_every_rank_is_still_left_out():
     # the same bits on every rank, is
     r = [[m("moe", "in", [4], "x"), m("moe", "out", [4], "y"), m("moe.le.0.fc", "param_init", [3], f"w{k}"),
           m("moe.le.0.fc", "out", [5, 4], f"o{k}"), m("moe.le.0", "out", [5, 4], f"o{k}")] for k in range(2)]
-    assert boundaries(r) == {"moe": ["moe.le.0.fc"]}, boundaries(r)
+    ref = {"moe.le.0.fc/param_init": [3]}
+    assert boundaries(r, ref) == {"moe": ["moe.le.0.fc"]}, boundaries(r, ref)
+    # a hand-sharded weight (the reference's is whole, twice as large) is a shard, not another
+    # module per rank: no block, the gather rebuilds it as before
+    assert boundaries(r, {"moe.le.0.fc/param_init": [6]}) is None
+    assert boundaries(r) is None  # no reference to tell: the parameter signal is not used

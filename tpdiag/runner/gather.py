@@ -24,13 +24,13 @@ def _stream_signature(metas: list[dict]) -> int:
     return int.from_bytes(h.digest()[:7], "little")
 
 
-def _at_boundaries(records, lanes, device, group, world: int, spmd: bool = False):
+def _at_boundaries(records, lanes, device, group, world: int, ref_params=None, spmd: bool = False):
     """The streams with the records inside blocks whose ranks ran per-rank work (an expert-parallel
     MoE's own experts: runner/per_rank.py) left out, when that makes them the same on every rank;
     else Inconclusive, as before - or, where the streams were the same already (spmd), as they are."""
     from tpdiag.runner.per_rank import at_boundaries
 
-    cut = at_boundaries(records, lanes, group, world)
+    cut = at_boundaries(records, lanes, group, world, ref_params)
     if cut is not None:
         kept, kept_lanes, _ = cut
         sig = torch.tensor([_stream_signature([m for m, _ in kept]),
@@ -57,7 +57,7 @@ def _nbytes(t) -> int:
 
 def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torch.device,
                    group=None, lanes: list | None = None, hashbuf=None, *, stream: bool = False,
-                   spill_dir: str | None = None, per_rank: bool = False):
+                   spill_dir: str | None = None, per_rank: dict | None = None):
     """Returns, on rank 0 of `group` (default: the world), [(meta, stored_tensor)] with
     meta['stored'] in {'single','stacked','hash'}; on other ranks None. Raises Inconclusive if
     the ranks recorded different streams. A hash-mode record (tensor None; lanes[i] its row of
@@ -65,8 +65,9 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     share. A full-mode record's tensor may be held on the host (probes/stream.Captured): it is
     gathered in windows of at most TPDIAG_GATHER_WINDOW bytes. stream=True: stored tensors
     are returned as Captured (host memory, spilled to spill_dir past the budget), not tensors.
-    per_rank: the model holds parameters that are not one replica (runner/per_rank.py): its
-    per-rank blocks are looked for even where every record has one shape on every rank."""
+    per_rank: the reference's parameter shapes (runner/per_rank.reference_params), given where the
+    model holds parameters that are not one replica: its per-rank blocks are looked for even where
+    every record has one shape on every rank."""
     finish(records)
     metas = [m for m, _ in records]
     world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -89,7 +90,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     dist.all_gather(sigs, sig, group=group)
     settle([sig, *sigs], group)
     if per_rank or any(not torch.equal(s, sigs[0]) for s in sigs):
-        records, lanes = _at_boundaries(records, lanes, device, group, world,
+        records, lanes = _at_boundaries(records, lanes, device, group, world, per_rank,
                                         spmd=all(torch.equal(s, sigs[0]) for s in sigs))
         metas = [m for m, _ in records]
         sizes = [_nbytes(t) for _, t in records if t is not None]

@@ -30,11 +30,14 @@ def _sig(m: dict) -> tuple:
     return (m["dtype"], tuple(m["local_shape"]))
 
 
-def boundaries(per_rank: list[list[dict]]) -> dict[str, list[str]] | None:
+def boundaries(per_rank: list[list[dict]], ref_params: dict | None = None) -> dict[str, list[str]] | None:
     """{block: [modules inside it whose records differ per rank]} from every rank's record metas
-    (key, module, kind, dtype, local_shape), or None when some per-rank record is in no block
-    whose own module records agree on every rank (or none differs at module level: an op stream
-    that differs only in its ops is left to the caller)."""
+    (key, module, kind, dtype, local_shape; hash and placement of parameters and outputs), or None
+    when some per-rank record is in no block whose own module records agree on every rank (or none
+    differs at module level: an op stream that differs only in its ops is left to the caller).
+    ref_params: the reference's parameter shapes by record key; a parameter with other bits per rank
+    makes its module per-rank only where it is whole there (another expert per rank), not a shard
+    of the reference's (a hand-sharded weight, which the gather rebuilds as before)."""
     maps = [{m["key"]: m for m in metas} for metas in per_rank]
     keys = set().union(*maps)
     differing = set()  # modules with a module-level record that is not the same on every rank
@@ -46,10 +49,11 @@ def boundaries(per_rank: list[list[dict]]) -> dict[str, list[str]] | None:
         if any(x is None for x in ms) or len({_sig(x) for x in ms}) > 1:
             differing.add(m["module"])
         elif m["kind"] == "param_init" and None not in {x.get("hash") for x in ms} \
-                and len({x.get("hash") for x in ms}) > 1:
-            # other weights under one name per rank: another expert on each (the diff checks that
-            # each is one of the reference's - diff/per_rank.py - else it is a rank-inconsistent
-            # replica after all)
+                and len({x.get("hash") for x in ms}) > 1 and ref_params is not None \
+                and list(ref_params.get(k) or []) == list(m["local_shape"]):
+            # other whole weights under one name per rank: another expert on each (the diff checks
+            # that each is one of the reference's - diff/analyse.py _not_the_references - and says
+            # so where one is not)
             differing.add(m["module"])
     if not differing:
         return None
@@ -145,7 +149,22 @@ def _params_left_out(every: list[list[dict]], block: str, drop) -> dict:
     return out
 
 
-def at_boundaries(records: list, lanes: list | None, group, world: int):
+def reference_params(ref_dir: str) -> dict | None:
+    """{record key: shape} of the reference's parameters, when it ran at TP=1 (else None)."""
+    if not ref_dir:
+        return None
+    try:
+        from tpdiag.records.store import read_index
+
+        meta, events = read_index(ref_dir)
+    except Exception:  # no readable reference: the parameter signal is not used
+        return None
+    if meta.get("degree") != 1:
+        return None
+    return {m["key"]: m["local_shape"] for m in events if m["kind"] == "param_init"}
+
+
+def at_boundaries(records: list, lanes: list | None, group, world: int, ref_params: dict | None = None):
     """(records, lanes, {block: modules}) with every record inside a per-rank block left out on
     this rank, or None when the streams cannot be made the same that way (Inconclusive stays)."""
     if lanes is not None and len(lanes) != len(records):
@@ -155,7 +174,7 @@ def at_boundaries(records: list, lanes: list | None, group, world: int):
                 if m.get("kind") in ("param_init", "out") else {})} for m, _ in records]
     every = [None] * world
     dist.all_gather_object(every, mine, group=group)
-    blocks = boundaries(every)
+    blocks = boundaries(every, ref_params)
     if not blocks:
         return None
     drop = _per_rank_inside(every, blocks)
