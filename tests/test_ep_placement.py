@@ -4,7 +4,9 @@ nothing differs in shape - each rank's `local_experts.0` was read as a rank-inco
 a false BUG at `init` (gate 4); its weights are the reference's expert 0 and expert 2, so the MoE
 block is compared at its boundary as with uneven counts. `megatron_seeded`: each rank draws its
 experts from a seed of its own - its weights are none of the reference's, which the comparison at
-the boundary must not hide: BUG, and the verdict says the experts are not the reference's."""
+the boundary must not hide: BUG, and the verdict says the experts are not the reference's.
+`hand_sharded` (tests/models/planted/hand_sharded.py): weights cut per rank by hand are shards,
+compared as before."""
 import json
 
 import pytest
@@ -12,16 +14,18 @@ import pytest
 from conftest import run_cli
 
 SPEC = "py:tests/models/planted/ep_dispatch.py:"
-ARGS = ("--tp", "1,2", "--forward-only", "--no-baseline", "--no-confirm")
+ARGS = ("--tp", "1,2", "--no-baseline", "--no-confirm")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("epp")
     out = {}
-    for name in ("megatron_even", "megatron_seeded"):
+    for name in ("megatron_even", "megatron_seeded", "hand_sharded"):
         d = base / name
-        p = run_cli("compare", "--model", SPEC + name, *ARGS, "--out", str(d))
+        spec = "py:tests/models/planted/hand_sharded.py:target" if name == "hand_sharded" else SPEC + name
+        extra = () if name == "hand_sharded" else ("--forward-only",)
+        p = run_cli("compare", "--model", spec, *ARGS, *extra, "--out", str(d))
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
         out[name] = (d, json.loads((d / "summary.json").read_text()), p.stdout)
     return out
@@ -43,3 +47,14 @@ def test_experts_seeded_per_rank_are_not_the_reference_s(runs):
     assert "none of the reference's parameters" in e["per_rank"]["moe"]["not_the_reference"], e["per_rank"]
     assert "none of the reference's parameters" in out, out
     assert run_cli("gate", str(d), "--allow", "rounding").returncode == 4
+
+
+def test_hand_sharded_weights_are_shards_and_their_grad_norm_sums_them(runs):
+    # other bits of one shape per rank, like experts - but shards of the reference's weights: no
+    # block, every record compared as before; a full step (the grad norm over every rank's shard)
+    # is rounding only, where the norm over one rank's shard read BUG before
+    d, s, out = runs["hand_sharded"]
+    e = s["degrees"]["2"]
+    assert s["backward"] and "per_rank" not in e and s["class"] == "rounding" and not e["findings"], (s["class"], e.get("per_rank"), e["findings"])
+    assert e["first_divergence"]["cause"] == "row-parallel-reduction", e["first_divergence"]
+    assert run_cli("gate", str(d), "--allow", "rounding").returncode == 0
