@@ -167,13 +167,15 @@ def reference_params(ref_dir: str) -> dict | None:
 def at_boundaries(records: list, lanes: list | None, group, world: int, ref_params: dict | None = None):
     """(records, lanes, {block: modules}) with every record inside a per-rank block left out on
     this rank, or None when the streams cannot be made the same that way (Inconclusive stays)."""
-    if lanes is not None and len(lanes) != len(records):
-        return None
     mine = [{**{k: m.get(k) for k in ("key", "module", "kind", "phase", "dtype", "local_shape", "name")},
              **({"hash": m.get("hash"), "placement": m.get("placement")}
                 if m.get("kind") in ("param_init", "out") else {})} for m, _ in records]
     every = [None] * world
-    dist.all_gather_object(every, mine, group=group)
+    # every rank decides from the same lists, so all take the same branch (and the same collectives)
+    dist.all_gather_object(every, [lanes is None or len(lanes) == len(records), mine], group=group)
+    if not all(ok for ok, _ in every):
+        return None
+    every = [metas for _, metas in every]
     blocks = boundaries(every, ref_params)
     if not blocks:
         return None
@@ -188,16 +190,18 @@ def at_boundaries(records: list, lanes: list | None, group, world: int, ref_para
         inner = {x for x in drop if x.startswith(b + ".")}
         blocks[b] = sorted(x for x in inner if not any(x.startswith(y + ".") for y in inner))
     keep = [i for i, (m, _) in enumerate(records) if _kept(m, blocks, ops, drop)]
+    out = []
     for i in keep:
-        m = records[i][0]
-        if m["module"] in blocks:
-            m["per_rank_inside"] = blocks[m["module"]]
+        m, t = records[i]
+        if m["module"] in blocks:  # a copy: the caller may still go on with the records as they were
+            m = {**m, "per_rank_inside": blocks[m["module"]]}
             if ops:
                 m["per_rank_ops"] = sorted(g if isinstance(g, str) else f"{g[0]}: {g[1]}" for g in ops)
             params = _params_left_out(every, m["module"], drop)
             if params:
                 m["per_rank_params"] = params
-    return ([records[i] for i in keep], [lanes[i] for i in keep] if lanes is not None else None, blocks)
+        out.append((m, t))
+    return out, [lanes[i] for i in keep] if lanes is not None else None, blocks
 
 
 PER_RANK = "_tpdiag_per_rank"
