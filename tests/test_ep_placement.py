@@ -21,10 +21,11 @@ ARGS = ("--tp", "1,2", "--no-baseline", "--no-confirm")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("epp")
     out = {}
-    for name in ("megatron_even", "megatron_seeded", "hand_sharded"):
+    for name in ("megatron_even", "megatron_seeded", "hand_sharded", "keyed_bug"):
         d = base / name
         spec = "py:tests/models/planted/hand_sharded.py:target" if name == "hand_sharded" else SPEC + name
-        extra = () if name == "hand_sharded" else ("--forward-only",)
+        extra = () if name == "hand_sharded" else ("--forward-only", "--capture", "hash") if name == "keyed_bug" \
+            else ("--forward-only",)
         p = run_cli("compare", "--model", spec, *ARGS, *extra, "--out", str(d))
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
         out[name] = (d, json.loads((d / "summary.json").read_text()), p.stdout)
@@ -58,3 +59,20 @@ def test_hand_sharded_weights_are_shards_and_their_grad_norm_sums_them(runs):
     assert s["backward"] and "per_rank" not in e and s["class"] == "rounding" and not e["findings"], (s["class"], e.get("per_rank"), e["findings"])
     assert e["first_divergence"]["cause"] == "row-parallel-reduction", e["first_divergence"]
     assert run_cli("gate", str(d), "--allow", "rounding").returncode == 0
+
+
+def test_a_hash_first_run_s_region_pass_at_module_level_is_read_as_the_run_s(runs, monkeypatch):
+    # hash capture: the region pass (the first divergence's whole values) cannot record the MoE's
+    # op stream (other ops per rank) and falls back to module level, RUN_DIR/region-modules - a
+    # directory the gate read as "not one tpdiag writes" (inconclusive, exit 2; on main also for
+    # tests/models/ep_moe.py); it reads the BUG now
+    d, s, out = runs["keyed_bug"]
+    assert s["second_pass"]["dir"].rstrip("/").endswith("region-modules"), s["second_pass"]
+    assert s["class"] == "bug" and s["degrees"]["2"]["first_divergence"]["module"] == "moe"
+    assert run_cli("gate", str(d), "--allow", "rounding").returncode == 4
+    from tpdiag.records import integrity
+
+    # negative control: without the name, the same directory reads as tampered
+    monkeypatch.setattr(integrity, "SECOND_PASS_DIRS", tuple(n for n in integrity.SECOND_PASS_DIRS if n != "region-modules"))
+    problems = integrity._second_pass_problems(str(d), s, s["degrees"])
+    assert any("not one tpdiag writes" in p for p in problems), problems
