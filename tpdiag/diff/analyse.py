@@ -1,7 +1,7 @@
 """Turn a run directory's per-degree records into summary.json (schema 1) and diff.csv."""
 from __future__ import annotations
 
-from tpdiag.diff.engine import diff_degree
+from tpdiag.diff.engine import diff_degree, per_rank_blocks, per_rank_ops, per_rank_params
 from tpdiag.diff.judge import baseline_cause, describe, settle
 from tpdiag.diff.locate import add_bounds, locate, logprob_stats, nonfinite_summary
 from tpdiag.errors import Inconclusive
@@ -29,6 +29,14 @@ def _scalar(rs: RecordSet, kind: str, step: int = 0):
     return float(t.flatten()[0].double()) if t.numel() else None
 
 
+def per_rank_why(inside: list, ops=()) -> str:
+    return ("compared at its boundary only: inside it the ranks ran per-rank work (other modules or token "
+            "counts per rank, as an expert-parallel MoE's own experts), not shards of one tensor, so its "
+            f"submodules ({', '.join(inside[:4])}{' ...' if len(inside) > 4 else ''}) and its own ops are left "
+            "out; its input and output, the same tensors on every rank, are compared"
+            + (f" (and the op streams that differ per rank with it: {', '.join(ops)})" if ops else ""))
+
+
 def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = True) -> tuple[dict, list[dict]]:
     dd = diff_degree(ref, other, label, values=values)
     # A reference at TP=R > 1 rounds its own R partial sums too: its share joins the bound.
@@ -51,6 +59,13 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         "missing": dd.missing[:50],
         "confirmation": None,
     }
+    blocks = per_rank_blocks(other)
+    if blocks:
+        # what this degree compared only at a block's boundary (runner/per_rank.py), said in the verdict
+        ops = per_rank_ops(other)
+        entry["per_rank"] = {b: {"inside": inside, "why": per_rank_why(inside, ops), **({"ops_left_out": ops} if ops else {})}
+                             for b, inside in blocks.items()}
+        _not_the_references(entry, ref, other, label, dd.rows)
     broken = other.world.get("ties_broken")
     if broken and not ref.world.get("ties_broken"):
         _broken_ties(entry, dd.rows, broken, label)
@@ -91,6 +106,39 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
                               f"{sc.get('first_mismatch')}): the probes changed its numerics or "
                               "the step is not deterministic run to run; results are not evidence")
     return entry, dd.rows
+
+
+def _not_the_references(entry: dict, ref: RecordSet, other: RecordSet, label: str, rows: list[dict]) -> None:
+    """A parameter left out inside a per-rank block must be, on every rank, one of the reference's
+    own (another expert's weights under this rank's name); weights no reference parameter has are
+    not expert placement but a model that differs from the reference's (experts seeded per rank).
+    Said at the block's output record (its parameters are not in diff.csv): on the finding there,
+    or as a rank-inconsistent-replica finding of its own where that record is no finding."""
+    known = {m.get("hash") for m in ref.events if m["kind"] == "param_init"}
+    for name, hashes in per_rank_params(other).items():
+        bad = [r for r, h in enumerate(hashes) if h is not None and h not in known]
+        if not bad:
+            continue
+        block = next((b for b in per_rank_blocks(other) if name.startswith(b + ".")), None)
+        row = next((r for r in rows if r["module"] == block and r["kind"] == "out" and r["phase"] == "forward"), None)
+        if row is None:
+            continue
+        why = (f"{name} on rank {', '.join(map(str, bad))} of TP={label} is none of the reference's parameters: "
+               "the per-rank modules inside this block are not the reference's modules placed per rank (as experts "
+               "seeded per rank) - this degree does not run the reference's model")
+        entry["per_rank"][block]["not_the_reference"] = why
+        fd = entry.get("first_divergence") or {}
+        hit = next((f for f in entry["findings"] + [fd] if f.get("key") == row["key"]), None)
+        if hit is not None:
+            hit["per_rank_weights"] = why
+            return
+        f = describe(row, {"phase": "forward", "module": block, "op": None, "kind": "out", "name": row["name"],
+                           "step": row["step"], "cause": None, "max_abs": row.get("max_abs"), "bound": row.get("bound"),
+                           "key": row["key"], "detail": why})
+        f["cause"], f["why"] = "rank-inconsistent-replica", why
+        entry["findings"].insert(0, f)
+        entry["status"] = "divergent"
+        return
 
 
 def _broken_ties(entry: dict, rows: list[dict], broken: list, label: str) -> None:

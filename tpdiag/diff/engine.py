@@ -133,6 +133,35 @@ def _partial_sum(row: dict, ref: torch.Tensor, copies: list) -> None:
         row["rank_partial_sum"] = {"sum_max_abs": sum_off, "copy_max_abs": off}
 
 
+def per_rank_blocks(rs: RecordSet) -> dict[str, list[str]]:
+    """{block: its per-rank submodules}: the modules this world compared at their boundary only
+    (runner/per_rank.py: an expert-parallel MoE's experts are other experts per rank)."""
+    return {m["module"]: m["per_rank_inside"] for m in rs.events
+            if isinstance(m.get("per_rank_inside"), list)}
+
+
+def per_rank_params(rs: RecordSet) -> dict[str, list]:
+    """{module.param: [its initial hash per rank]}: the parameters a world left out inside its
+    per-rank blocks (runner/per_rank.py)."""
+    out = {}
+    for m in rs.events:
+        if isinstance(m.get("per_rank_params"), dict):
+            out.update(m["per_rank_params"])
+    return out
+
+
+def per_rank_ops(rs: RecordSet) -> list[str]:
+    """The op streams ("phase: module") that world left out because they differed per rank."""
+    return next((m["per_rank_ops"] for m in rs.events if isinstance(m.get("per_rank_ops"), list)), [])
+
+
+def _inside_block(m: dict, blocks: dict) -> bool:
+    """A reference record inside a per-rank block that the other world has not (left out, or a module
+    only the reference has: TP=1's local_experts.3): not missing there. What both have is compared."""
+    mod = m["module"]
+    return any(mod.startswith(b + ".") or (mod == b and m["kind"] == "op") for b in blocks)
+
+
 def _after_flip(rows: list[dict]) -> bool:
     from tpdiag.diff.router import flipped
 
@@ -265,8 +294,9 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     # a forward-only world (a decode configuration beside a reference that ran the whole step)
     # has no backward or optimizer records to miss
     skip = () if (other.world.get("config") or {}).get("backward", True) else ("backward", "optimizer")
+    per_rank = per_rank_blocks(other)
     missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"
-               and m["phase"] not in skip]
+               and m["phase"] not in skip and not _inside_block(m, per_rank)]
     dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key

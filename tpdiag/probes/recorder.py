@@ -112,6 +112,7 @@ class Recorder:
     fingerprint: dict | None = None             # the step's final values' hashes (runner/fingerprint.py)
     decode_check: tuple | None = None           # (positions, hash of their logits): runner/worker.py
     ties_broken: list = field(default_factory=list)  # tied weights the plan split (world.json's own field)
+    per_rank_params: int = 0                    # plain parameters not one replica (runner/per_rank.py)
     world: int = 1
     rank: int = 0
     # hash mode at TP > 1: each record's whole shape at the reference (TP=1), which says where

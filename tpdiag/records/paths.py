@@ -25,8 +25,10 @@ DIFF_CSV = "diff.csv"
 # own-input judgement after a hash-first pass)
 # runner/drill.py's names: "-all" when the first positions did not reproduce the divergence,
 # "-modules" when the ranks' op streams differ (an MoE routing other tokens per rank) and the op pass
-# falls back to module level - a genuine run's second pass, never "not one tpdiag writes"
-SECOND_PASS_DIRS = ("region", "region-all", "ops", "ops-all", "ops-modules", "ops-all-modules", "region/ops")
+# falls back to module level - a genuine run's second pass, never "not one tpdiag writes" (the region
+# pass of a hash-first run falls back the same way: region-modules)
+SECOND_PASS_DIRS = ("region", "region-all", "ops", "ops-all", "ops-modules", "ops-all-modules", "region-modules",
+                    "region-all-modules", "region/ops")
 REPORT = "report.html"
 # a configuration's folder: what its world wrote (records/store.py: events and tensors beside these)
 WORLD = "world.json"    # the world's config, fingerprint, selfcheck

@@ -47,11 +47,18 @@ def build_model(cfg: WorldConfig, device: torch.device, world: int):
         broken = broken_ties(model, ties)
     else:
         broken = []
+    per_rank = 0
+    if world > 1:
+        from tpdiag.runner.per_rank import mark_params
+
+        per_rank = mark_params(model, world)  # an expert-parallel model's own experts (grad norm, gather)
     target.build = {"init": "whole", "init_full_peak_bytes": whole, "init_whole_bytes": whole,
                     "init_reason": reason or ("TP=1" if world == 1 else
                                               f"{spec.kind}: the whole model is built, then sharded")}
     if broken:
         target.build["ties_broken"] = broken
+    if per_rank:
+        target.build["per_rank_params"] = per_rank
     return target, model
 
 

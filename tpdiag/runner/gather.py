@@ -25,6 +25,28 @@ def _stream_signature(metas: list[dict]) -> int:
     return int.from_bytes(h.digest()[:7], "little")
 
 
+def _at_boundaries(records, lanes, device, group, world: int, ref_params=None, spmd: bool = False):
+    """The streams with the records inside blocks whose ranks ran per-rank work (an expert-parallel
+    MoE's own experts: runner/per_rank.py) left out, when that makes them the same on every rank;
+    else Inconclusive, as before - or, where the streams were the same already (spmd), as they are."""
+    from tpdiag.runner.per_rank import at_boundaries
+
+    cut = at_boundaries(records, lanes, group, world, ref_params)
+    if cut is not None:
+        kept, kept_lanes, _ = cut
+        sig = torch.tensor([_stream_signature([m for m, _ in kept]),
+                            sum(_nbytes(t) for _, t in kept if t is not None)], dtype=torch.int64, device=device)
+        sigs = [torch.empty_like(sig) for _ in range(world)]
+        dist.all_gather(sigs, sig, group=group)
+        settle([sig, *sigs], group)
+        if all(torch.equal(s, sigs[0]) for s in sigs):
+            return kept, kept_lanes
+    if spmd:
+        return records, lanes
+    raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
+                       "dtypes per rank); the model is not SPMD under this plan")
+
+
 def _as_bytes(t) -> torch.Tensor:
     t = as_tensor(t)
     return t.contiguous().reshape(-1).view(torch.uint8)
@@ -36,14 +58,17 @@ def _nbytes(t) -> int:
 
 def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torch.device,
                    group=None, lanes: list | None = None, hashbuf=None, *, stream: bool = False,
-                   spill_dir: str | None = None):
+                   spill_dir: str | None = None, per_rank: dict | None = None):
     """Returns, on rank 0 of `group` (default: the world), [(meta, stored_tensor)] with
     meta['stored'] in {'single','stacked','hash'}; on other ranks None. Raises Inconclusive if
     the ranks recorded different streams. A hash-mode record (tensor None; lanes[i] its row of
     `hashbuf`) is stored as its whole-tensor hash and statistics, composed from every rank's
     share. A full-mode record's tensor may be held on the host (probes/stream.Captured): it is
     gathered in windows of at most TPDIAG_GATHER_WINDOW bytes. stream=True: stored tensors
-    are returned as Captured (host memory, spilled to spill_dir past the budget), not tensors."""
+    are returned as Captured (host memory, spilled to spill_dir past the budget), not tensors.
+    per_rank: the reference's parameter shapes (runner/per_rank.reference_params), given where the
+    model holds parameters that are not one replica: its per-rank blocks are looked for even where
+    every record has one shape on every rank."""
     finish(records)
     metas = [m for m, _ in records]
     world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -65,9 +90,11 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     sigs = [torch.empty_like(sig) for _ in range(world)]
     dist.all_gather(sigs, sig, group=group)
     settle([sig, *sigs], group)
-    if any(not torch.equal(s, sigs[0]) for s in sigs):
-        raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
-                           "dtypes per rank); the model is not SPMD under this plan")
+    if per_rank or any(not torch.equal(s, sigs[0]) for s in sigs):
+        records, lanes = _at_boundaries(records, lanes, device, group, world, per_rank,
+                                        spmd=all(torch.equal(s, sigs[0]) for s in sigs))
+        metas = [m for m, _ in records]
+        sizes = [_nbytes(t) for _, t in records if t is not None]
     hashed = _gather_lanes(records, lanes, hashbuf, device, group, world, rank)
     kept_all = [(m, t) for m, t in records if t is not None]
     # A record whose shard hashes the same on every rank is a replica: rank 0 keeps its own copy

@@ -56,6 +56,11 @@ def shard_norms(params: list, dtype: torch.dtype) -> dict:
     plain param. (A world here is one TP group: no data-parallel ranks whose grads differ.)"""
     import torch.distributed as dist
 
+    from tpdiag.runner.per_rank import PER_RANK
+
+    # parameters marked per-rank at build (runner/per_rank.mark_params: other bits or names per rank)
+    # are normed over the ranks by update.py already: combining them here too counted them twice
+    params = [p for p in params if not getattr(p, PER_RANK, False)]
     if not params or not dist.is_initialized() or dist.get_world_size() == 1:
         return {}
     dev = next((p.grad.device for p in params if p.grad is not None), None)

@@ -49,6 +49,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     built_how = dict(getattr(target, "build", None) or {})
     # a fact of the model as sharded, not a timing: world.json's own field (runner/worker.py)
     rec.ties_broken = built_how.pop("ties_broken", None) or []
+    rec.per_rank_params = built_how.pop("per_rank_params", 0)
     timings.update(built_how)  # which init path, its peak bytes
     timings["numerics"] = _numerics(cfg, model)
     rec.mode = capture_mode(cfg.capture, model)

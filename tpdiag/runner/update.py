@@ -13,10 +13,14 @@ def optimizer_step(phases, rec, model, opt, norm_fn, clip_norm, plan, include):
     """The grads' global norm (clipped if asked), the optimizer's step, the params' records;
     returns the norm."""
     from tpdiag.probes.module_probe import record_params
+    from tpdiag.runner.per_rank import PER_RANK, norm_over_ranks
 
     with phases("optimizer", last="params") as ph:
         params = list(model.parameters())
-        total = norm_fn(params, clip_norm)
+        if any(getattr(p, PER_RANK, False) for p in params):
+            total = norm_over_ranks(params, norm_fn, clip_norm)  # an expert-parallel model's own experts
+        else:
+            total = norm_fn(params, clip_norm)
         rec.add("grad_norm", "model", "total", total)
         ph.lap("clip")
         opt.step()

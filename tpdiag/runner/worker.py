@@ -208,6 +208,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         close_stores(bare.records)
     t1 = time.perf_counter()
     stored = gather_records(rec.records, device, lanes=rec.lanes, hashbuf=rec.hashbuf, stream=True,
+                            per_rank=_reference_params(cfg) if rec.per_rank_params else None,
                             spill_dir=_spill(cfg, rank, "out"))
     timings["gather_s"] = time.perf_counter() - t1
     # spawned -> process group -> first model built, initialised and sharded
@@ -327,6 +328,12 @@ def _probe_selfcheck(bare, probed, device) -> dict:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return {"equal": bool(flag.item()), "checked": checked, "first_mismatch": bad[0] if bad else None,
             **extra}
+
+
+def _reference_params(cfg):
+    from tpdiag.runner.per_rank import reference_params
+
+    return reference_params(cfg.ref_dir)
 
 
 def _ref_shapes(cfg, world: int) -> dict:
