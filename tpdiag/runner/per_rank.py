@@ -237,8 +237,9 @@ def norm_over_ranks(params, norm_fn, max_norm):
     own = [p for p in params if getattr(p, PER_RANK, False)]
     shared = [p for p in params if not getattr(p, PER_RANK, False)]
     dev = params[0].device  # an empty list's norm is a CPU zero: the all-reduce needs the device
-    a = norm_fn(shared, None).to(device=dev, dtype=torch.float32)
-    b = norm_fn(own, None).to(device=dev, dtype=torch.float32) ** 2
+    # in norm_fn's own dtype: the invariant-grad-norm fix's norm is float64, the reference's too
+    a = norm_fn(shared, None).to(device=dev)
+    b = norm_fn(own, None).to(device=dev, dtype=a.dtype) ** 2
     dist.all_reduce(b)
     total = torch.sqrt(a * a + b)
     grads = [p.grad for p in params if p.grad is not None]
