@@ -102,13 +102,15 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # at 8 (qds_warps); the recompute dq (where one head's dS exceeds the budget) stays at 8, 1.4x
 # faster there. The forward and the dk/dv pass launch 4 heads per scheduling group (fwd_group,
 # kv_group): 8% and 1-2% faster than head by head with TMA loads on an H200 (docs/benchmarks.md).
-# head_dim 64 (Llama 3.2 1B/3B, many smaller models): the default tiles, named here so a sweep's
-# winner has its place (`python -m benchmarks attention --configs d64` prints the entry). dq
-# recomputes there: its dS would be 8 GiB at B8 H32 S4096 and its traffic costs more than the two
-# products it saves (docs/benchmarks.md, "Invariant attention").
+# head_dim 64 (Llama 3.2 1B/3B, many smaller models): the default tiles. dq recomputes there: its
+# dS would be 8 GiB at B8 H32 S4096 and its traffic costs more than the two products it saves
+# (docs/benchmarks.md, "Invariant attention"). The recompute backward runs in one launch
+# (bwd_fused): the same bits as two launches (tests/test_attention_fused.py, and on an H200),
+# fwd+bwd 1.088x cuDNN against 1.115x at B8 H32 S4096 (`python -m benchmarks attention
+# --configs d64-only`, one H200, 0d4236d).
 D128 = AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, fwd_group=4, kv_group=4, q_group=4, ds_mib=2048,
                   bwd_tma=True, qds_warps=4)
-D64 = AttnConfig()
+D64 = AttnConfig(bwd_fused=True)
 HEAD_DIM_CONFIGS = {(dt, d): cfg for dt in (torch.bfloat16, torch.float16) for d, cfg in ((64, D64), (128, D128))}
 DS_MIB_ENV = "TPDIAG_ATTENTION_DS_MIB"  # a smaller dS budget (0: recompute), where memory is short
 
