@@ -134,8 +134,7 @@ def _not_the_references(entry: dict, ref: RecordSet, other: RecordSet, label: st
             return
         f = describe(row, {"phase": "forward", "module": block, "op": None, "kind": "out", "name": row["name"],
                            "step": row["step"], "cause": None, "max_abs": row.get("max_abs"), "bound": row.get("bound"),
-                           "key": row["key"], "detail": why})
-        f["cause"], f["why"] = "rank-inconsistent-replica", why
+                           "key": row["key"], "detail": why}, not_reference=why)
         entry["findings"].insert(0, f)
         entry["status"] = "divergent"
         return

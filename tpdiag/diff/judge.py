@@ -47,6 +47,7 @@ class Evidence:
     flip: str | None = None        # a router-flip record: "consequence" (a divergence before it) or "root"
     after_flip: str | None = None  # the key of a real router flip earlier in the same degree
     broken_tie: bool = False       # a weight grad of a tie the plan split (models/ties.py)
+    not_reference: str | None = None  # a per-rank block whose weights are none of the reference's (why)
     tp1_both: bool = False         # both worlds at TP=1: nothing is sharded
     axis: str = "tp"               # what the configuration differs from the reference in
     noise: int | None = None       # a rerun at the reference's degree (this degree): run-to-run noise
@@ -318,6 +319,10 @@ RULES: list[Rule] = [
          lambda ev, b: "router-flip"),
     Rule("router flip with nothing before it", lambda ev, b: ev.flip == "root", lambda ev, b: "unknown"),
     Rule("split weight tie", lambda ev, b: ev.broken_tie, lambda ev, b: "sharding-bug"),
+    # a per-rank block (runner/per_rank.py) whose left-out weights are none of the reference's: each
+    # rank runs a model of its own (experts seeded per rank), whatever the block's output shows
+    Rule("per-rank weights not the reference's", lambda ev, b: ev.not_reference is not None,
+         lambda ev, b: "rank-inconsistent-replica", lambda ev, b: ev.not_reference),
     # a finding after a real router flip: tokens that ran other experts are beyond any bound
     Rule("after a router flip", lambda ev, b: ev.after_flip is not None and b().cause == "sharding-bug",
          lambda ev, b: "router-flip", lambda ev, b: b().why),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from tpdiag.errors import Inconclusive
+from tpdiag.records.paths import RunDir
 
 _CONFIRMING = "the confirming fix ("        # judge.py's words for each rule's `why`
 _DOWNSTREAM = "downstream of the confirmed "
@@ -25,8 +26,6 @@ def _confirm_dir(run_dir: str, conf: dict) -> str | None:
     directory still finds it), or None where the summary names none."""
     if not conf.get("run_dir"):
         return None
-    from tpdiag.records.paths import RunDir
-
     return RunDir(run_dir).confirm_run(os.path.basename(str(conf["run_dir"]).rstrip("/")))
 
 
@@ -42,7 +41,7 @@ def _confirmation(run_dir: str, lab: str, entry: dict, seen: dict, check) -> tup
         return f"summary.json's TP={lab} confirmation of {conf['fix']!r} names the run of another fix ({d})", set()
     if d not in seen:
         try:
-            m, s, rows = read_manifest(d), read_summary(d), read_rows(os.path.join(d, "diff.csv"))
+            m, s, rows = read_manifest(d), read_summary(d), read_rows(RunDir(d).diff_csv)
             bad = check(d, m, s, rows)
             if not bad and m.get("status") is None:
                 bad = ["manifest.json has no final status (the rerun never finished)"]
@@ -87,7 +86,7 @@ def _own_near(run_dir: str, summary: dict, lab: str) -> set:
     if name not in SECOND_PASS_DIRS:
         return set()  # records/integrity.py says so
     try:
-        rows = read_rows(os.path.join(run_dir, name, "diff.csv"))
+        rows = read_rows(RunDir(os.path.join(run_dir, name)).diff_csv)
     except Inconclusive:
         return set()
     return {r["key"] for r in rows if r["degree"] == lab and r.get("beyond_bound") is False}

@@ -13,7 +13,7 @@ from tpdiag.base import files as io
 from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
 from tpdiag.records.numbers import number_problems, same
-from tpdiag.records.paths import EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
+from tpdiag.records.paths import DIFF_CSV, EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
 
 SCHEMA = 1
 STATUSES = ("bitwise", "divergent", "inconclusive")
@@ -254,7 +254,7 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
         try:
             sub_sum = io.read_json(run_file(run_dir, os.path.join(sub_name, SUMMARY)))
             out += [f"the second pass in {sub_name}/: {p}" for p in problems(
-                sub_dir, read_manifest(sub_dir), sub_sum, read_rows(run_file(run_dir, os.path.join(sub_name, "diff.csv"))),
+                sub_dir, read_manifest(sub_dir), sub_sum, read_rows(run_file(run_dir, os.path.join(sub_name, DIFF_CSV))),
                 inside=True)]
         except Inconclusive as e:
             out.append(f"the second pass in {sub_name}/: {str(e).splitlines()[0]}")
