@@ -39,6 +39,8 @@ import time
 TUTORIAL = {"kv_m": 32, "kv_n": 128, "kv_warps": 4, "kv_stages": 5, "q_m": 128, "q_n": 32, "q_warps": 4, "q_stages": 5}
 CANDIDATES = [
     ("fused", (64,), {"bwd_fused": 1}),
+    # the two-launch recompute backward (the D=64 entry before 2ff413b): fused vs not side by side
+    ("two-launch", (64,), {"bwd_fused": 0}),
     ("fused+fw4+tma", (64,), {"bwd_fused": 1, "fwd_warps": 4, "bwd_tma": 1}),
     ("fw4+tma", (64,), {"fwd_warps": 4, "bwd_tma": 1}),
     # dS of every 2nd / 4th key block stored, the rest recomputed by dq (ds_every): half or a
