@@ -130,6 +130,48 @@ def test_plain_shards_are_normed_over_the_ranks_and_replicas_once():
     assert got["reps_same"]
 
 
+def _norm_ops(rank, world, port, q):
+    import os
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tpdiag.runner import losses
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(0)
+    shard, rep = torch.randn(8, 3, generator=g), torch.randn(5, generator=g)
+    params = [SimpleNamespace(grad=shard[rank * 4:(rank + 1) * 4].clone()), SimpleNamespace(grad=rep.clone())]
+    out = {}
+    for name, fn in (("shipped", losses.shard_norms), ("inner", losses._shard_norms)):
+        with Count() as c:
+            found = fn(params, torch.float32)
+        out[name] = (len(c.ops), len(found))
+    if rank == 0:
+        q.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_shard_check_adds_no_op_to_the_optimizer_phase():
+    # an op probe numbers the optimizer's ops per kind; the check runs at TP > 1 only, so ops of its
+    # own would shift every later op record against TP=1's (--granularity op): it records none
+    got = gloo_world(_norm_ops, 2)
+    assert got["shipped"] == (0, 1), got  # no op seen, the shard still found
+    assert got["inner"][0] > 0 and got["inner"][1] == 1, got  # negative control: the same work, seen
+
+
 def test_logits_of_each_ranks_positions_are_refused_in_one_line(tmp_path):
     """A model sequence-parallel to its head returns each rank's positions' logits. tpdiag's own
     logprobs need every position's: main at c4d0501 failed the world with F.cross_entropy's words

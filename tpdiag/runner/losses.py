@@ -48,8 +48,9 @@ def grad_norm_and_clip(params, max_norm: float | None):
 def shard_norms(params: list, dtype: torch.dtype) -> dict:
     """{id(param): the whole grad's norm} for the plain parameters whose grads differ between
     the ranks: each rank holds its own shard (Megatron's layers keep only their slice, a plain
-    tensor with nothing saying so). A replica's grad is the same on every rank (one that is not
-    is a rank-inconsistent replica, named at its own grad record); counting a shard's norm as a
+    tensor with nothing saying so). A replica's grad is the same on every rank; one that a bug
+    made differ per rank is combined the same way here, and named at its own grad record (a
+    rank-inconsistent replica: tests/test_behind.py). Counting a shard's norm as a
     replica's makes each rank clip by another norm, and a correct model's replicas drift at the
     step - a BUG of tpdiag's making. Collectives: one for the count, one for five float64 numbers
     a parameter (whether it has a grad, three moments of it, its norm in `dtype`); none without a
@@ -63,6 +64,17 @@ def shard_norms(params: list, dtype: torch.dtype) -> dict:
     params = [p for p in params if not getattr(p, PER_RANK, False)]
     if not params or not dist.is_initialized() or dist.get_world_size() == 1:
         return {}
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # bookkeeping at TP > 1 only, not the step's computation: no op records of it (an op probe
+    # numbers the optimizer's ops; ops TP=1 does not run would shift every later one)
+    with _disable_current_modes():
+        return _shard_norms(params, dtype)
+
+
+def _shard_norms(params: list, dtype: torch.dtype) -> dict:
+    import torch.distributed as dist
+
     dev = next((p.grad.device for p in params if p.grad is not None), None)
     if dev is None:  # no grad here (others may have some): the params' device
         dev = getattr(params[0], "device", torch.device("cpu"))

@@ -212,7 +212,7 @@ def mark_params(model, world: int) -> int:
     rank lacks (experts keyed by global id), or other bits under one name (`local_experts.0` is
     another expert per rank) - so the step's grad norm counts each rank's own (update.py), as
     Megatron's expert-parallel norm does, instead of taking one rank's copy for all. Returns how
-    many were marked."""
+    many names were marked on any rank (the same number on every rank)."""
     from torch.distributed.tensor import DTensor
 
     from tpdiag.records.hashing import tensor_hash
@@ -221,12 +221,12 @@ def mark_params(model, world: int) -> int:
     mine = {n: (tuple(p.shape), str(p.dtype), tensor_hash(p)) for n, p in plain}
     every = [None] * world
     dist.all_gather_object(every, mine)
-    marked = 0
     for n, p in plain:
         if any(e.get(n) != mine[n] for e in every):
             setattr(p, PER_RANK, True)
-            marked += 1
-    return marked
+    # the count every rank computes alike (names marked on any rank): it decides collectives
+    # (update.py's norm over the ranks), so a rank with none of its own marked must still join
+    return sum(1 for n in set().union(*every) if len({repr(e.get(n)) for e in every}) > 1)
 
 
 def norm_over_ranks(params, norm_fn, max_norm):

@@ -13,11 +13,12 @@ def optimizer_step(phases, rec, model, opt, norm_fn, clip_norm, plan, include):
     """The grads' global norm (clipped if asked), the optimizer's step, the params' records;
     returns the norm."""
     from tpdiag.probes.module_probe import record_params
-    from tpdiag.runner.per_rank import PER_RANK, norm_over_ranks
+    from tpdiag.runner.per_rank import norm_over_ranks
 
     with phases("optimizer", last="params") as ph:
         params = list(model.parameters())
-        if any(getattr(p, PER_RANK, False) for p in params):
+        # every rank alike (mark_params' count), not this rank's own marks: the norm's all-reduce
+        if getattr(rec, "per_rank_params", 0):
             total = norm_over_ranks(params, norm_fn, clip_norm)  # an expert-parallel model's own experts
         else:
             total = norm_fn(params, clip_norm)
