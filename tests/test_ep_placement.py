@@ -76,3 +76,21 @@ def test_a_hash_first_run_s_region_pass_at_module_level_is_read_as_the_run_s(run
     monkeypatch.setattr(integrity, "SECOND_PASS_DIRS", tuple(n for n in integrity.SECOND_PASS_DIRS if n != "region-modules"))
     problems = integrity._second_pass_problems(str(d), s, s["degrees"])
     assert any("not one tpdiag writes" in p for p in problems), problems
+
+
+def test_the_gate_fails_weights_not_the_reference_s_even_where_the_block_reads_bitwise():
+    # per-rank weights that are none of the reference's: another model whatever the block's output
+    # shows. Where that output reads bitwise (no row is a violation) the gate judged nothing and
+    # passed; the degree's per_rank entry is judged on its own now
+    from tpdiag.gate.policy import load_policy, with_allowed
+    from tpdiag.gate.verdict import _judge
+
+    d = {"status": "bitwise", "findings": [], "per_rank": {"moe": {"inside": ["moe.local_experts.0"],
+                                                                   "not_the_reference": "moe.local_experts.0.w is none"}}}
+    for allow in (None, "rounding"):
+        res = _judge("2", d, [], with_allowed(load_policy(None), allow))
+        assert res.status == "fail" and [v.cause for v in res.violations] == ["rank-inconsistent-replica"], res
+        assert res.violations[0].module == "moe" and "none" in res.violations[0].reason
+    # negative control: the same degree without the entry passes
+    del d["per_rank"]["moe"]["not_the_reference"]
+    assert _judge("2", d, [], load_policy(None)).status == "pass"

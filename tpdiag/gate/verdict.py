@@ -241,6 +241,15 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
                                         fd.get("name", "-"), "unknown", fd.get("max_ulp"), fd.get("max_abs"),
                                         f"not judged: {d['downstream_unjudged']} (cause unknown is not in allow_causes)",
                                         fd.get("key", "")))
+    for block, e in (d.get("per_rank") or {}).items():
+        # a per-rank block (runner/per_rank.py) whose left-out weights are none of the reference's:
+        # the degree runs another model whatever the block's output reads - bitwise included, where
+        # no row above is a violation - so it is judged here, as a bug only allow_causes can pass
+        why = e.get("not_the_reference") if isinstance(e, dict) else None
+        if why and "rank-inconsistent-replica" not in policy.allow_causes and not any(
+                v.module == block and v.cause == "rank-inconsistent-replica" for v in res.violations):
+            res.violations.append(Violation(lab, "forward", str(block), None, "out", "-", "rank-inconsistent-replica",
+                                            None, None, str(why)))
     structural = d.get("missing") or d.get("unmatched")
     if structural and not any(r["bitwise"] is False or r["rank_consistent"] is False for r in rows):
         # Divergent only because records exist at one degree and not the other: no cause can allow that.
