@@ -187,6 +187,30 @@ def _judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
                max_rel=float("inf"), max_ulp=None)
 
 
+# Phases a degree may run as another algorithm wholesale (loss_parallel's vocab-parallel cross
+# entropy, the invariant vocab softmax's groups, a sharded grad norm): their op records line up by
+# occurrence count only where both degrees ran the same ops.
+_ALGO_PHASES = ("loss", "optimizer")
+
+
+def _op_sequences(rs: RecordSet) -> dict:
+    """{(step, phase, module, call): [op, ...]} of the compute ops (collectives aside: a degree adds
+    its own) a phase in _ALGO_PHASES or the unattributed backward ran, in order."""
+    seq: dict = {}
+    for m in rs.events:
+        # ... and the backward's ops no module claims (the loss's own backward among them)
+        if m["kind"] == "op" and (m["phase"] in _ALGO_PHASES or m["module"] == m["phase"] == "backward"):
+            base, _, occ = str(m["name"]).rpartition("#")
+            if occ.endswith(".0") and not base.startswith(("c10d::", "_c10d_functional::")):
+                seq.setdefault((m["step"], m["phase"], m["module"], m.get("call")), []).append(base)
+    return seq
+
+
+def _other_algorithm(ref: RecordSet, other: RecordSet) -> set:
+    a, b = _op_sequences(ref), _op_sequences(other)
+    return {g for g in set(a) | set(b) if a.get(g) != b.get(g)}
+
+
 def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values: bool = True) -> DegreeDiff:
     """keep(meta) -> bool: which assembled pairs to keep in memory (for bounds and plots).
     values: judge NaN/Inf held at both sides as findings (False for a reference rerun, whose question
@@ -195,6 +219,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     tensors = {}
     seen = set()
     oracle_metas = [m for m in ref.events if m["kind"] == "oracle"]
+    other_algorithm = _other_algorithm(ref, other)
     for om in other.events:
         key = om["key"]
         rm = ref.by_key.get(key)
@@ -204,6 +229,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 uncompared.append({**om, "why": "only at this degree"})
             continue
         seen.add(key)
+        if om["kind"] == "op" and (om["step"], om["phase"], om["module"], om.get("call")) in other_algorithm:
+            # the n-th add of one algorithm is not the n-th add of another: the phase's own records
+            # (loss, logprobs, grad norm, params) compare what both computed
+            uncompared.append({**om, "why": "the degrees ran other ops in this phase (another algorithm)"})
+            continue
         if any((p or "").startswith("partial") for p in (om.get("placement"), rm.get("placement"))):
             # an unreduced partial sum (a DTensor op before its all-reduce) is not a value of
             # the reference's computation; its reduced result is compared where it appears
