@@ -187,28 +187,45 @@ def _judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
                max_rel=float("inf"), max_ulp=None)
 
 
-# Phases a degree may run as another algorithm wholesale (loss_parallel's vocab-parallel cross
-# entropy, the invariant vocab softmax's groups, a sharded grad norm): their op records line up by
-# occurrence count only where both degrees ran the same ops.
+# Phases a degree may run as another algorithm (loss_parallel's vocab-parallel cross entropy, the
+# invariant vocab softmax's groups, a sharded grad norm): their op records line up by occurrence
+# count only as far as both degrees ran the same ops.
 _ALGO_PHASES = ("loss", "optimizer")
 
 
-def _op_sequences(rs: RecordSet) -> dict:
-    """{(step, phase, module, call): [op, ...]} of the compute ops (collectives aside: a degree adds
-    its own) a phase in _ALGO_PHASES or the unattributed backward ran, in order."""
+def _op_positions(rs: RecordSet) -> tuple[dict, dict]:
+    """({group: [op, ...]} of the compute ops (collectives aside: a degree adds its own) each group
+    - (step, phase, module, call) of a phase in _ALGO_PHASES or the unattributed backward - ran in
+    order, {record key: (group, how many compute ops of its group ran up to it)})."""
     seq: dict = {}
+    pos: dict = {}
     for m in rs.events:
-        # ... and the backward's ops no module claims (the loss's own backward among them)
-        if m["kind"] == "op" and (m["phase"] in _ALGO_PHASES or m["module"] == m["phase"] == "backward"):
-            base, _, occ = str(m["name"]).rpartition("#")
-            if occ.endswith(".0") and not base.startswith(("c10d::", "_c10d_functional::")):
-                seq.setdefault((m["step"], m["phase"], m["module"], m.get("call")), []).append(base)
-    return seq
+        if m["kind"] != "op" or not (m["phase"] in _ALGO_PHASES or m["module"] == m["phase"] == "backward"):
+            continue
+        g = (m["step"], m["phase"], m["module"], m.get("call"))
+        base, _, occ = str(m["name"]).rpartition("#")
+        if occ.endswith(".0") and not base.startswith(("c10d::", "_c10d_functional::")):
+            seq.setdefault(g, []).append(base)
+        pos[m["key"]] = (g, len(seq.get(g, ())))
+    return seq, pos
 
 
 def _other_algorithm(ref: RecordSet, other: RecordSet) -> set:
-    a, b = _op_sequences(ref), _op_sequences(other)
-    return {g for g in set(a) | set(b) if a.get(g) != b.get(g)}
+    """Keys of `other`'s op records past the ops both degrees ran alike in their group: up to
+    there the n-th op of a kind is the same op at both (same ops, same order); past the first op
+    that differs, the n-th add of one algorithm is not the n-th add of the other."""
+    sa, _ = _op_positions(ref)
+    sb, pb = _op_positions(other)
+    common = {}
+    for g, b in sb.items():
+        a, n = sa.get(g, []), 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        # the optimizer's ops are per parameter, and a degree's parameters are other tensors (local
+        # shards, the fixes' groups): its n-th norm is another parameter's norm once the streams
+        # differ at all - nothing of the group lines up then
+        common[g] = n if a == b or g[1] != "optimizer" else 0
+    return {k for k, (g, i) in pb.items() if i > common.get(g, 0)}
 
 
 def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values: bool = True) -> DegreeDiff:
@@ -229,7 +246,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 uncompared.append({**om, "why": "only at this degree"})
             continue
         seen.add(key)
-        if om["kind"] == "op" and (om["step"], om["phase"], om["module"], om.get("call")) in other_algorithm:
+        if om["kind"] == "op" and key in other_algorithm:
             # the n-th add of one algorithm is not the n-th add of another: the phase's own records
             # (loss, logprobs, grad norm, params) compare what both computed
             uncompared.append({**om, "why": "the degrees ran other ops in this phase (another algorithm)"})
