@@ -90,52 +90,9 @@ def _norms(rank, world, port, q):
     import os
     from types import SimpleNamespace
 
-    from tpdiag.kernels import grad_norm as gn
-    from tpdiag.runner.losses import _with_plain_shards, grad_norm_and_clip
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    g = torch.Generator().manual_seed(0)
-    shard, rep, only0 = torch.randn(8, 3, generator=g), torch.randn(5, generator=g), torch.randn(4, generator=g)
-    params = [SimpleNamespace(grad=shard[rank * 4:(rank + 1) * 4].clone()),  # each rank its rows
-              SimpleNamespace(grad=rep.clone()),  # a replica: the same grad on both ranks
-              SimpleNamespace(grad=only0.clone() if rank == 0 else None)]  # used on rank 0 only
-    invariant = _with_plain_shards(gn.grad_norm_and_clip)
-    got = {"stock": grad_norm_and_clip(params, None), "invariant": invariant(params, None),
-           # negative control: each grad taken as whole on its rank (what both did before)
-           "local": gn.grad_norm_and_clip(params, None).float()}
-    out = {}
-    for k, t in got.items():
-        every = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(every, t)
-        out[k] = [e.item() for e in every]
-    # the replicas alone (no plain shard): the kernel's own bits, the wrapper adds nothing
-    reps = [SimpleNamespace(grad=rep.clone()), SimpleNamespace(grad=rep[:2].clone())]
-    out["reps_same"] = torch.equal(invariant(reps, None), gn.grad_norm_and_clip(reps, None))
-    if rank == 0:
-        out["whole"] = torch.linalg.vector_norm(torch.cat([shard.flatten(), rep, only0]).double()).item()
-        q.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def test_plain_shards_are_normed_over_the_ranks_and_replicas_once():
-    got = gloo_world(_norms, 2)
-    for k in ("stock", "invariant"):
-        a, b = got[k]
-        assert a == b, (k, got)  # the same norm, so the same clip, on every rank
-        assert a == pytest.approx(got["whole"], rel=1e-6), (k, got)
-    assert got["local"][0] != got["local"][1], got
-    assert got["reps_same"]
-
-
-def _norm_ops(rank, world, port, q):
-    import os
-    from types import SimpleNamespace
-
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from tpdiag.kernels import grad_norm as gn
     from tpdiag.runner import losses
 
     class Count(TorchDispatchMode):
@@ -151,23 +108,53 @@ def _norm_ops(rank, world, port, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     g = torch.Generator().manual_seed(0)
-    shard, rep = torch.randn(8, 3, generator=g), torch.randn(5, generator=g)
-    params = [SimpleNamespace(grad=shard[rank * 4:(rank + 1) * 4].clone()), SimpleNamespace(grad=rep.clone())]
+    shard, rep, only0 = torch.randn(8, 3, generator=g), torch.randn(5, generator=g), torch.randn(4, generator=g)
+    params = [SimpleNamespace(grad=shard[rank * 4:(rank + 1) * 4].clone()),  # each rank its rows
+              SimpleNamespace(grad=rep.clone()),  # a replica: the same grad on both ranks
+              SimpleNamespace(grad=only0.clone() if rank == 0 else None)]  # used on rank 0 only
+    invariant = losses._with_plain_shards(gn.grad_norm_and_clip)
+    got = {"stock": losses.grad_norm_and_clip(params, None), "invariant": invariant(params, None),
+           # negative control: each grad taken as whole on its rank (what both did before)
+           "local": gn.grad_norm_and_clip(params, None).float()}
     out = {}
+    for k, t in got.items():
+        every = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(every, t)
+        out[k] = [e.item() for e in every]
+    # the replicas alone (no plain shard): the kernel's own bits, the wrapper adds nothing
+    reps = [SimpleNamespace(grad=rep.clone()), SimpleNamespace(grad=rep[:2].clone())]
+    out["reps_same"] = torch.equal(invariant(reps, None), gn.grad_norm_and_clip(reps, None))
+    # the ops the shard check runs, seen by a dispatch mode (as an op probe sees them)
     for name, fn in (("shipped", losses.shard_norms), ("inner", losses._shard_norms)):
         with Count() as c:
-            found = fn(params, torch.float32)
+            found = fn(params[:2], torch.float32)
         out[name] = (len(c.ops), len(found))
     if rank == 0:
+        out["whole"] = torch.linalg.vector_norm(torch.cat([shard.flatten(), rep, only0]).double()).item()
         q.put(out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_the_shard_check_adds_no_op_to_the_optimizer_phase():
+@pytest.fixture(scope="module")
+def norms():
+    return gloo_world(_norms, 2)
+
+
+def test_plain_shards_are_normed_over_the_ranks_and_replicas_once(norms):
+    got = norms
+    for k in ("stock", "invariant"):
+        a, b = got[k]
+        assert a == b, (k, got)  # the same norm, so the same clip, on every rank
+        assert a == pytest.approx(got["whole"], rel=1e-6), (k, got)
+    assert got["local"][0] != got["local"][1], got
+    assert got["reps_same"]
+
+
+def test_the_shard_check_adds_no_op_to_the_optimizer_phase(norms):
     # an op probe numbers the optimizer's ops per kind; the check runs at TP > 1 only, so ops of its
     # own would shift every later op record against TP=1's (--granularity op): it records none
-    got = gloo_world(_norm_ops, 2)
+    got = norms
     assert got["shipped"] == (0, 1), got  # no op seen, the shard still found
     assert got["inner"][0] > 0 and got["inner"][1] == 1, got  # negative control: the same work, seen
 

@@ -38,10 +38,9 @@ def grad_norm_and_clip(params, max_norm: float | None):
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
     if max_norm is not None and norms:
         # as torch's clip_grad_norm_: the coefficient stays on the device (no host sync)
-        from tpdiag.kernels.grad_norm import scale_grads
+        from tpdiag.kernels.grad_norm import clip_coefficient, scale_grads
 
-        scale_grads([p.grad for p in params if p.grad is not None],
-                    torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        scale_grads([p.grad for p in params if p.grad is not None], clip_coefficient(total, max_norm, total.dtype))
     return total
 
 

@@ -231,7 +231,9 @@ def mark_params(model, world: int) -> int:
 
 def norm_over_ranks(params, norm_fn, max_norm):
     """The grad norm when some parameters are per-rank (mark_params): the replicas' norm and the
-    per-rank ones' squared norm summed over the ranks, then clipped as norm_fn clips."""
+    per-rank ones' squared norm summed over the ranks, then clipped as the stock step clips
+    (torch's coefficient from the total in its own dtype, not rounded to the grads' as the
+    invariant kernel's is)."""
     import torch
 
     own = [p for p in params if getattr(p, PER_RANK, False)]
@@ -244,7 +246,7 @@ def norm_over_ranks(params, norm_fn, max_norm):
     total = torch.sqrt(a * a + b)
     grads = [p.grad for p in params if p.grad is not None]
     if max_norm is not None and grads:
-        from tpdiag.kernels.grad_norm import scale_grads
+        from tpdiag.kernels.grad_norm import clip_coefficient, scale_grads
 
-        scale_grads(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        scale_grads(grads, clip_coefficient(total, max_norm, total.dtype))
     return total
