@@ -34,17 +34,22 @@ def _at_boundaries(records, lanes, device, group, world: int, ref_params=None, s
     cut = at_boundaries(records, lanes, group, world, ref_params)
     if cut is not None:
         kept, kept_lanes, _ = cut
-        sig = torch.tensor([_stream_signature([m for m, _ in kept]),
-                            sum(_nbytes(t) for _, t in kept if t is not None)], dtype=torch.int64, device=device)
-        sigs = [torch.empty_like(sig) for _ in range(world)]
-        dist.all_gather(sigs, sig, group=group)
-        settle([sig, *sigs], group)
-        if all(torch.equal(s, sigs[0]) for s in sigs):
+        if _same_stream(kept, device, group, world):
             return kept, kept_lanes
     if spmd:
         return records, lanes
     raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
                        "dtypes per rank); the model is not SPMD under this plan")
+
+
+def _same_stream(records, device, group, world: int) -> bool:
+    """Whether every rank recorded the same stream: the same records (key, shape, dtype) and bytes."""
+    sig = torch.tensor([_stream_signature([m for m, _ in records]),
+                        sum(_nbytes(t) for _, t in records if t is not None)], dtype=torch.int64, device=device)
+    sigs = [torch.empty_like(sig) for _ in range(world)]
+    dist.all_gather(sigs, sig, group=group)
+    settle([sig, *sigs], group)
+    return all(torch.equal(s, sigs[0]) for s in sigs)
 
 
 def _as_bytes(t) -> torch.Tensor:
@@ -70,7 +75,6 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     model holds parameters that are not one replica: its per-rank blocks are looked for even where
     every record has one shape on every rank."""
     finish(records)
-    metas = [m for m, _ in records]
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     if world == 1:
@@ -84,17 +88,10 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
                             t if stream else as_tensor(t)))
         return _with_stored_hash(out)
 
+    spmd = _same_stream(records, device, group, world)
+    if per_rank or not spmd:
+        records, lanes = _at_boundaries(records, lanes, device, group, world, per_rank, spmd=spmd)
     sizes = [_nbytes(t) for _, t in records if t is not None]
-    total = sum(sizes)
-    sig = torch.tensor([_stream_signature(metas), total], dtype=torch.int64, device=device)
-    sigs = [torch.empty_like(sig) for _ in range(world)]
-    dist.all_gather(sigs, sig, group=group)
-    settle([sig, *sigs], group)
-    if per_rank or any(not torch.equal(s, sigs[0]) for s in sigs):
-        records, lanes = _at_boundaries(records, lanes, device, group, world, per_rank,
-                                        spmd=all(torch.equal(s, sigs[0]) for s in sigs))
-        metas = [m for m, _ in records]
-        sizes = [_nbytes(t) for _, t in records if t is not None]
     hashed = _gather_lanes(records, lanes, hashbuf, device, group, world, rank)
     kept_all = [(m, t) for m, t in records if t is not None]
     # A record whose shard hashes the same on every rank is a replica: rank 0 keeps its own copy
