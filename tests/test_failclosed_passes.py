@@ -60,6 +60,9 @@ def test_compare_does_not_call_it_rounding_only(broken_second_pass):
     assert s["degrees"]["2"]["class"] == "unknown", s["degrees"]["2"]
     sub = json.loads((out / "ops" / "summary.json").read_text())
     assert "WriteError" in sub["degrees"]["2"]["error"], sub  # the write really failed
+    # compare's own exit code: a world of its second pass failed - inconclusive (2), as the gate says
+    # (it exited 0 before, with the verdict of the first pass alone)
+    assert r.exit_code == 2 and "the second pass in ops/ failed" in r.output, (r.exit_code, r.output)
 
 
 def test_gate_report_and_load_say_the_second_pass_failed(broken_second_pass, tmp_path):

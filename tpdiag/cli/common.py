@@ -189,6 +189,14 @@ def emit_summary(summary: dict, fmt: str, baseline_skipped: str | None = None) -
 def exit_for(summary: dict, fail_on_divergence: bool) -> None:
     if summary["status"] == "inconclusive":
         raise typer.Exit(2)
+    from tpdiag.records.integrity import second_pass_failed
+
+    failed = second_pass_failed(summary.get("run_dir"), summary)
+    if failed:  # fail closed: the verdict printed is the first pass's alone (DESIGN: a world failed -> 2)
+        from rich.markup import escape
+
+        console(stderr=True).print(f"[bold red]inconclusive:[/] {escape(failed)}", markup=True, soft_wrap=True)
+        raise typer.Exit(2)
     if fail_on_divergence and summary["status"] == "divergent":
         from tpdiag.records.causes import EXIT_BUG
 

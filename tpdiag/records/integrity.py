@@ -166,6 +166,47 @@ def _unnamed_second_pass(run_dir: str, summary: dict, degrees: dict) -> list[str
     return []
 
 
+def _pass_failed(sub) -> str | None:
+    """Why a second pass's own summary says it judged nothing (a world failed, or it was inconclusive)."""
+    from tpdiag.records.axes import entries
+
+    if not isinstance(sub, dict) or not isinstance(sub.get("degrees"), dict):
+        return None
+    broken = next(((lab, d) for lab, d in entries(sub).items() if isinstance(d, dict) and d.get("status") == "failed"),
+                  None)
+    if broken:
+        return f"TP={broken[0]}: {broken[1].get('error') or 'failed'}"
+    return "inconclusive" if sub.get("status") == "inconclusive" else None
+
+
+def _failed_words(name: str, why: str) -> str:
+    return (f"the second pass in {name}/ failed ({str(why).splitlines()[0][:300]}): its float64 verdicts and the "
+            "findings only it makes are missing; run the compare again")
+
+
+def second_pass_failed(run_dir: str, summary: dict) -> str | None:
+    """One line when the run's second pass (or the own-input pass inside it) has worlds that failed:
+    compare's own exit code is then 2 (DESIGN: a world failed - the result is inconclusive), as the
+    gate's is. None where the run has no second pass or it finished."""
+    from tpdiag.records.paths import SUMMARY
+
+    sp = summary.get("second_pass") if isinstance(summary, dict) else None
+    if not isinstance(sp, dict) or not run_dir:
+        return None
+    name = os.path.basename(str(sp.get("dir") or "").rstrip("/"))
+    for sub_name in (name, os.path.join(name, "ops")):
+        path = os.path.join(run_dir, sub_name, SUMMARY)
+        if not os.path.isfile(path):
+            continue
+        try:
+            why = _pass_failed(io.read_json(path))
+        except Inconclusive as e:
+            why = str(e).splitlines()[0]
+        if why:
+            return _failed_words(sub_name, why)
+    return None
+
+
 def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bool = False) -> list[str]:
     """The findings only the second pass made (a bug behind a harmless reordering, judged on its own
     inputs) live in summary.json and in the second pass's own summary: one deleted from summary.json
@@ -192,12 +233,9 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
     # A second pass whose worlds failed (a full disk, a crash, a timeout) judged nothing: the float64
     # verdicts and the findings only it makes (a bug behind a harmless reordering) are missing, and the
     # first pass's layout bound alone is no verdict (DESIGN: bounds sharpen the oracle, never replace it).
-    broken = next(((lab, d) for lab, d in entries(sub).items() if isinstance(d, dict) and d.get("status") == "failed"),
-                  None)
-    if broken or sub.get("status") == "inconclusive":
-        why = f"TP={broken[0]}: {broken[1].get('error') or 'failed'}" if broken else "inconclusive"
-        return [f"the second pass in {name}/ failed ({str(why).splitlines()[0][:300]}): its float64 verdicts and the "
-                "findings only it makes are missing; run the compare again"]
+    why = _pass_failed(sub)
+    if why:
+        return [_failed_words(name, why)]
     # after a hash-first pass the own-input judgement is one more pass inside it (region/ops): its
     # findings join the region pass's
     nested = os.path.join(name, "ops")
