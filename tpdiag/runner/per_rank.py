@@ -231,9 +231,11 @@ def mark_params(model, world: int) -> int:
 
 def norm_over_ranks(params, norm_fn, max_norm):
     """The grad norm when some parameters are per-rank (mark_params): the replicas' norm and the
-    per-rank ones' squared norm summed over the ranks, then clipped as the stock step clips
-    (torch's coefficient from the total in its own dtype, not rounded to the grads' as the
-    invariant kernel's is)."""
+    per-rank ones' squared norm summed over the ranks, then clipped as norm_fn itself clips: the
+    stock norm (float32) from its total as it is, the invariant-grad-norm fix's (float64) from its
+    total rounded to the grads' dtype first - the coefficient the reference's own norm_fn uses
+    where no parameter is per-rank (a float64 coefficient rounds once more on its way into the
+    grads' multiply and can differ from it by an ulp: a false difference in every update)."""
     import torch
 
     own = [p for p in params if getattr(p, PER_RANK, False)]
@@ -246,7 +248,8 @@ def norm_over_ranks(params, norm_fn, max_norm):
     total = torch.sqrt(a * a + b)
     grads = [p.grad for p in params if p.grad is not None]
     if max_norm is not None and grads:
-        from tpdiag.kernels.grad_norm import clip_coefficient, scale_grads
+        from tpdiag.kernels.grad_norm import clip_coefficient, norm_dtype, scale_grads
 
-        scale_grads(grads, clip_coefficient(total, max_norm, total.dtype))
+        dtype = norm_dtype(grads) if total.dtype == torch.float64 else total.dtype
+        scale_grads(grads, clip_coefficient(total, max_norm, dtype))
     return total
