@@ -15,7 +15,9 @@ from conftest import run_cli
 
 SPEC = "py:tests/models/planted/ep_dispatch.py:"
 ARGS = ("--tp", "1,2", "--no-baseline", "--no-confirm")
-RUNS = {"megatron": (), "keyed": ("--forward-only",), "megatron_bug": ("--forward-only",), "keyed_bug": ()}
+RUNS = {"megatron": (), "keyed": ("--forward-only",), "megatron_bug": ("--forward-only",), "keyed_bug": (),
+        # hash capture (the default above 100M parameters), a full step
+        "megatron_even@hash": ("--capture", "hash"), "keyed_bug@hash": ("--capture", "hash")}
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +25,8 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("epd")
     out = {}
     for name, extra in RUNS.items():
-        d = base / name
-        p = run_cli("compare", "--model", SPEC + name, *ARGS, *extra, "--out", str(d))
+        d = base / name.replace("@", "_")
+        p = run_cli("compare", "--model", SPEC + name.split("@")[0], *ARGS, *extra, "--out", str(d))
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-3000:]
         out[name] = (d, json.loads((d / "summary.json").read_text()), p.stdout)
     return out
@@ -128,3 +130,26 @@ def test_an_expert_with_as_many_tokens_on_every_rank_is_still_left_out():
     # module per rank: no block, the gather rebuilds it as before
     assert boundaries(r, {"moe.le.0.fc/param_init": [6]}) is None
     assert boundaries(r) is None  # no reference to tell: the parameter signal is not used
+
+
+def test_hash_capture_tells_experts_with_even_token_counts_from_replicas(runs):
+    # every expert sent as many tokens on both ranks: one shape per record everywhere, and under hash
+    # capture the records held no per-rank hash - the experts' weights read as a replica that differs
+    # per rank: a false rank-inconsistent-replica BUG at init, gate 4. Each rank's own hashes (from
+    # its lanes) tell them apart now, and each is one of the reference's parameters (its full_hash)
+    d, s, out = runs["megatron_even@hash"]
+    e = s["degrees"]["2"]
+    assert s.get("class") in (None, "rounding") and not e["findings"], (s.get("class"), e.get("first_divergence"))
+    assert _per_rank(s)["moe"]["inside"] == ["moe.local_experts.0", "moe.local_experts.1"], _per_rank(s)
+    assert "none of the reference's parameters" not in out, out
+    assert run_cli("gate", str(d), "--allow", "rounding").returncode == 0
+
+
+def test_hash_capture_bug_behind_a_block_gates_4(runs):
+    # the hash-first run's region pass falls back to module level (region-modules/) and its own-input
+    # pass (region-modules/ops/) finds a bug behind the block: the gate read that finding as edited
+    # after the run (it looked for the nested pass under region/ only) - exit 2, "INCONCLUSIVE"
+    d, s, out = runs["keyed_bug@hash"]
+    assert s["class"] == "bug" and s["degrees"]["2"]["first_divergence"]["module"] == "moe", s["degrees"]["2"]
+    g = run_cli("gate", str(d), "--allow", "rounding")
+    assert g.returncode == 4, g.stdout[-2000:] + g.stderr[-2000:]

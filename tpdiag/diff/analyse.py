@@ -114,7 +114,9 @@ def _not_the_references(entry: dict, ref: RecordSet, other: RecordSet, label: st
     not expert placement but a model that differs from the reference's (experts seeded per rank).
     Said at the block's output record (its parameters are not in diff.csv): on the finding there,
     or as a rank-inconsistent-replica finding of its own where that record is no finding."""
-    known = {m.get("hash") for m in ref.events if m["kind"] == "param_init"}
+    # a hash-capture reference's parameters have their whole hash as full_hash (at TP=1 the lanes of
+    # the one tensor: the same function as each rank's hash of its own whole expert)
+    known = {m.get(k) for m in ref.events if m["kind"] == "param_init" for k in ("hash", "full_hash")} - {None}
     for name, hashes in per_rank_params(other).items():
         bad = [r for r, h in enumerate(hashes) if h is not None and h not in known]
         if not bad:

@@ -240,7 +240,7 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
     # findings join the region pass's
     nested = os.path.join(name, "ops")
     inner = {}
-    if name == "region" and os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary):
+    if name.startswith("region") and os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary):
         try:
             n = io.read_json(run_file(run_dir, os.path.join(nested, SUMMARY)))
         except Inconclusive as e:

@@ -25,13 +25,13 @@ def _stream_signature(metas: list[dict]) -> int:
     return int.from_bytes(h.digest()[:7], "little")
 
 
-def _at_boundaries(records, lanes, device, group, world: int, ref_params=None, spmd: bool = False):
+def _at_boundaries(records, lanes, device, group, world: int, ref_params=None, spmd: bool = False, hashbuf=None):
     """The streams with the records inside blocks whose ranks ran per-rank work (an expert-parallel
     MoE's own experts: runner/per_rank.py) left out, when that makes them the same on every rank;
     else Inconclusive, as before - or, where the streams were the same already (spmd), as they are."""
     from tpdiag.runner.per_rank import at_boundaries
 
-    cut = at_boundaries(records, lanes, group, world, ref_params)
+    cut = at_boundaries(records, lanes, group, world, ref_params, _own_hashes(records, lanes, hashbuf))
     if cut is not None:
         kept, kept_lanes, _ = cut
         if _same_stream(kept, device, group, world):
@@ -40,6 +40,31 @@ def _at_boundaries(records, lanes, device, group, world: int, ref_params=None, s
         return records, lanes
     raise Inconclusive("ranks recorded different event streams (different modules, shapes or "
                        "dtypes per rank); the model is not SPMD under this plan")
+
+
+def _own_hashes(records, lanes, hashbuf) -> dict:
+    """{position: this rank's hash of its tensor} for the hash-mode parameter and output records
+    (their meta holds no hash: only lanes in the buffer). Under one name each rank may hold another
+    expert, called on as many tokens on every rank: one shape everywhere, and only the bits tell its
+    weights from a replica's and its output from a block's output every rank shares - which full
+    capture's meta hash told and hash capture's did not (a false rank-inconsistent-replica BUG at
+    init). One host read of those rows."""
+    from tpdiag.kernels.hash_buffer import STALE
+    from tpdiag.records.hashing import hash_of_lanes
+
+    if hashbuf is None or lanes is None or len(lanes) != len(records):
+        return {}
+    at = [i for i, (m, t) in enumerate(records) if t is None and m.get("kind") in ("param_init", "out")
+          and m.get("hash") is None and lanes[i] is not None]
+    if not at:
+        return {}
+    ints, _ = take_lanes(hashbuf, [lanes[i] for i in at])
+    out = {}
+    for i, row in zip(at, ints.cpu().tolist()):
+        if row[2] != STALE:  # changed in place before it was hashed: no evidence
+            m = records[i][0]
+            out[i] = hash_of_lanes(row[0], row[1], m["dtype"], m["local_shape"])
+    return out
 
 
 def _same_stream(records, device, group, world: int) -> bool:
@@ -90,7 +115,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
 
     spmd = _same_stream(records, device, group, world)
     if per_rank or not spmd:
-        records, lanes = _at_boundaries(records, lanes, device, group, world, per_rank, spmd=spmd)
+        records, lanes = _at_boundaries(records, lanes, device, group, world, per_rank, spmd=spmd, hashbuf=hashbuf)
     sizes = [_nbytes(t) for _, t in records if t is not None]
     hashed = _gather_lanes(records, lanes, hashbuf, device, group, world, rank)
     kept_all = [(m, t) for m, t in records if t is not None]

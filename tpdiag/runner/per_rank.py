@@ -164,12 +164,15 @@ def reference_params(ref_dir: str) -> dict | None:
     return {m["key"]: m["local_shape"] for m in events if m["kind"] == "param_init"}
 
 
-def at_boundaries(records: list, lanes: list | None, group, world: int, ref_params: dict | None = None):
+def at_boundaries(records: list, lanes: list | None, group, world: int, ref_params: dict | None = None,
+                  param_hashes: dict | None = None):
     """(records, lanes, {block: modules}) with every record inside a per-rank block left out on
-    this rank, or None when the streams cannot be made the same that way (Inconclusive stays)."""
+    this rank, or None when the streams cannot be made the same that way (Inconclusive stays).
+    param_hashes: {position: hash} of the parameter and output records whose meta has none (hash capture)."""
+    hashes = param_hashes or {}
     mine = [{**{k: m.get(k) for k in ("key", "module", "kind", "phase", "dtype", "local_shape", "name")},
-             **({"hash": m.get("hash"), "placement": m.get("placement")}
-                if m.get("kind") in ("param_init", "out") else {})} for m, _ in records]
+             **({"hash": m.get("hash") or hashes.get(i), "placement": m.get("placement")}
+                if m.get("kind") in ("param_init", "out") else {})} for i, (m, _) in enumerate(records)]
     every = [None] * world
     # every rank decides from the same lists, so all take the same branch (and the same collectives)
     dist.all_gather_object(every, [lanes is None or len(lanes) == len(records), mine], group=group)
