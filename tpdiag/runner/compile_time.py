@@ -34,6 +34,10 @@ def compile_meter(device_type: str):
     started: list[float] = []
     total = {"s": 0.0, "n": 0}
 
+    import os
+
+    log = os.environ.get("TPDIAG_COMPILE_LOG")  # a JSON line a compile: which kernel, which specialisation
+
     def pre(*args, **kwargs):
         # a truthy answer skips the compile: only the hook that was there may say so
         skip = prev_pre(*args, **kwargs) if prev_pre else None
@@ -43,8 +47,11 @@ def compile_meter(device_type: str):
 
     def post(*args, **kwargs):
         if started:
-            total["s"] += time.perf_counter() - started.pop()
+            s = time.perf_counter() - started.pop()
+            total["s"] += s
             total["n"] += 1
+            if log:
+                _log(log, s, kwargs)
         return prev_post(*args, **kwargs) if prev_post else None
 
     rt.jit_cache_hook, rt.jit_post_compile_hook = pre, post
@@ -53,3 +60,18 @@ def compile_meter(device_type: str):
     finally:
         rt.jit_cache_hook, rt.jit_post_compile_hook = prev_pre, prev_post
         out.update(triton_compile_s=total["s"], triton_compiles=total["n"])
+
+
+def _log(path: str, s: float, kwargs: dict) -> None:
+    import json
+    import os
+
+    fn = kwargs.get("fn")
+    consts = (kwargs.get("compile") or {}).get("constants") or {}
+    line = {"pid": os.getpid(), "s": round(s, 4), "name": getattr(fn, "name", None) or str(fn),
+            "repr": str(kwargs.get("repr"))[:2000], "constants": {str(k): repr(v) for k, v in consts.items()}}
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    except OSError:  # a diagnostic: never the run's failure
+        pass
