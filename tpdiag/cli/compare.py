@@ -104,6 +104,9 @@ def compare(
         from tpdiag.runner.launch import prestart
 
         prestart(cfg.model)  # the fork server's imports overlap the checks below
+        from tpdiag.runner.launch import prewarm
+
+        prewarm(cfg.device, cfg.degrees, cfg.dtype)  # GPUs: Triton's compiles overlap them too
         from tpdiag.runner.compare import default_out, validate
         from tpdiag.runner.session import compare_session
 

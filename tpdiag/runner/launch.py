@@ -123,6 +123,22 @@ def prestart(model: str = "") -> None:
         _restore_env(saved)
 
 
+def prewarm(device: str, degrees, dtype: str) -> None:
+    """On GPUs, compile the record-hash kernels' usual variants in the background
+    (kernels/hash_warm.py) while this process checks the input: a fresh machine's first world
+    otherwise compiles them one after another. Processes left running exit by themselves."""
+    from tpdiag.models.capacity import guess_device
+
+    if guess_device(device, degrees) != "cuda":
+        return
+    from tpdiag.kernels import hash_warm
+
+    _WARM.extend(hash_warm.start([dtype, "float32"]))
+
+
+_WARM: list = []
+
+
 def drop_markers(folder: str) -> None:
     """A world folder made ready for a world: only the markers a rank writes (rankN.done,
     rankN.error) from an earlier run there are removed - any other file in tpN/ is not tpdiag's to

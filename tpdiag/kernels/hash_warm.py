@@ -1,0 +1,97 @@
+"""Compile the record-hash kernels' usual variants ahead of the worlds, into Triton's on-disk cache.
+
+Each distinct (dtype, tile plan, alignment) of a record is a variant of `_hash_kernel` or
+`_hash_batch_kernel` that Triton compiles the first time a process launches it: 1-2.5 s each on
+an H200 host, one after another, inside the world that first meets it. On a fresh machine a
+llama-1b compare's first world compiled 7 of them (12 s of its 17.5 s) and its second pass's
+first world 4 more (H200, `compare --set axes --only mb-8x4096`, TPDIAG_COMPILE_LOG). A later
+process finds them in the cache and loads each in ~2 ms.
+
+`start()` runs `python -m tpdiag.kernels.hash_warm` in a few background processes while the
+parent checks its inputs: each hashes a slice of small tensors, one of each variant a language
+model's records use (whole tensors big and small, scalars, last-dim shards), through the same
+launch paths the probes take, so Triton keys them as the worlds will. Nothing they compute is
+kept; a variant they miss compiles where it is met, as before. TPDIAG_WARM=0: off (A/B).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# (shape, split dim or None, the split dim's full size) - each a tile plan (record_hash.plan)
+# the probes meet in a language model: whole tensors past a chunk (even, not even, odd word
+# counts), between one tile and a chunk, smaller than a tile (norm weights, per-head norms,
+# scalars: the loss, the grad norm), and shards split on their last dim (rows of a
+# column-parallel output at TP > 1) with as many rows as a chunk's tiles and not.
+_BIG = 4 * 16384
+SHAPES = (((_BIG,), None, None), ((_BIG + 16,), None, None), ((_BIG + 2,), None, None), ((_BIG + 1,), None, None),
+          ((2048,), None, None), ((1024,), None, None), ((3000,), None, None), ((128,), None, None),
+          ((64,), None, None), ((1,), None, None), ((64, 1024), 1, 2048), ((5, 1024), 1, 2048),
+          ((64, 2048), 1, 4096), ((64, 64), 1, 128), ((64, 16384), 1, 32768))
+
+
+def jobs(dtypes: list[str]) -> list[tuple[str, int]]:
+    """(dtype, shape index) of every tensor to hash, each through both launch paths."""
+    return [(d, i) for d in dtypes for i in range(len(SHAPES))]
+
+
+def start(dtypes, device_index: int = 0, procs: int | None = None) -> list:
+    """Background processes warming the cache for these dtypes (names: 'bfloat16'); [] where
+    off. The caller may leave them: each exits when its slice is done (seconds)."""
+    if os.environ.get("TPDIAG_WARM", "1") == "0":
+        return []
+    names = sorted({str(d).replace("torch.", "") for d in dtypes} & {"float32", "bfloat16", "float16"})
+    if not names:
+        return []
+    n = len(jobs(names))
+    procs = procs or max(1, min(n, (os.cpu_count() or 2) // 2, 6))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": _visible(device_index)}
+    out = []
+    for part in range(procs):
+        try:
+            out.append(subprocess.Popen(
+                [sys.executable, "-m", "tpdiag.kernels.hash_warm", ",".join(names), f"{part}/{procs}"],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True))
+        except OSError:  # a warm-up is never the run's failure
+            break
+    return out
+
+
+def _visible(index: int) -> str:
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if seen:
+        ids = [s for s in seen.split(",") if s.strip()]
+        return ids[index] if index < len(ids) else ids[0]
+    return str(index)
+
+
+def warm(names: list[str], part: int, parts: int) -> int:
+    """Hash this part's slice of the tensors; returns how many it hashed."""
+    import torch
+
+    from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels.hash_buffer import HashBuffer
+
+    dev = torch.device("cuda", 0)
+    done = 0
+    for k, (name, i) in enumerate(jobs(names)):
+        if k % parts != part:
+            continue
+        shape, dim, full = SHAPES[i]
+        t = torch.zeros(shape, dtype=getattr(torch, name), device=dev)
+        if not rh.triton_ok(t):
+            return done
+        rh.shard_lanes(t, dim, full, 0)  # one record alone: _hash_kernel
+        hb = HashBuffer(dev)
+        hb.add(t, dim, full, 0)  # queued records: _hash_batch_kernel
+        hb.flush()
+        done += 1
+    torch.cuda.synchronize(dev)
+    return done
+
+
+if __name__ == "__main__":
+    p, n = sys.argv[2].split("/")
+    warm(sys.argv[1].split(","), int(p), int(n))
