@@ -66,10 +66,14 @@ def _log(path: str, s: float, kwargs: dict) -> None:
     import json
     import os
 
+    import time
+
     fn = kwargs.get("fn")
-    consts = (kwargs.get("compile") or {}).get("constants") or {}
-    line = {"pid": os.getpid(), "s": round(s, 4), "name": getattr(fn, "name", None) or str(fn),
-            "repr": str(kwargs.get("repr"))[:2000], "constants": {str(k): repr(v) for k, v in consts.items()}}
+    comp = kwargs.get("compile") or {}
+    consts = comp.get("constants") or {}
+    line = {"pid": os.getpid(), "t": round(time.time(), 3), "s": round(s, 4), "name": getattr(fn, "name", None) or str(fn),
+            "key": str(comp.get("key"))[:3000], "signature": str(comp.get("signature"))[:1000],
+            "constants": {str(k): repr(v) for k, v in consts.items()}}
     try:
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")

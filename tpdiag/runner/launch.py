@@ -125,15 +125,15 @@ def prestart(model: str = "") -> None:
 
 def prewarm(device: str, degrees, dtype: str) -> None:
     """On GPUs, compile the record-hash kernels' usual variants in the background
-    (kernels/hash_warm.py) while this process checks the input: a fresh machine's first world
+    (runner/warm.py) while this process checks the input: a fresh machine's first world
     otherwise compiles them one after another. Processes left running exit by themselves."""
     from tpdiag.models.capacity import guess_device
 
     if guess_device(device, degrees) != "cuda":
         return
-    from tpdiag.kernels import hash_warm
+    from tpdiag.runner import warm
 
-    _WARM.extend(hash_warm.start([dtype, "float32"]))
+    _WARM.extend(warm.start([dtype, "float32"]))
 
 
 _WARM: list = []

@@ -7,7 +7,7 @@ llama-1b compare's first world compiled 7 of them (12 s of its 17.5 s) and its s
 first world 4 more (H200, `compare --set axes --only mb-8x4096`, TPDIAG_COMPILE_LOG). A later
 process finds them in the cache and loads each in ~2 ms.
 
-`start()` runs `python -m tpdiag.kernels.hash_warm` in a few background processes while the
+`start()` runs `python -m tpdiag.runner.warm` in a few background processes while the
 parent checks its inputs: each hashes a slice of small tensors, one of each variant a language
 model's records use (whole tensors big and small, scalars, last-dim shards), through the same
 launch paths the probes take, so Triton keys them as the worlds will. Nothing they compute is
@@ -25,15 +25,16 @@ import sys
 # scalars: the loss, the grad norm), and shards split on their last dim (rows of a
 # column-parallel output at TP > 1) with as many rows as a chunk's tiles and not.
 _BIG = 4 * 16384
-SHAPES = (((_BIG,), None, None), ((_BIG + 16,), None, None), ((_BIG + 2,), None, None), ((_BIG + 1,), None, None),
-          ((2048,), None, None), ((1024,), None, None), ((3000,), None, None), ((128,), None, None),
-          ((64,), None, None), ((1,), None, None), ((64, 1024), 1, 2048), ((5, 1024), 1, 2048),
+# the ones a first world meets first lead (each process takes every n-th: they start side by side)
+SHAPES = (((_BIG,), None, None), ((1,), None, None), ((2048,), None, None), ((64, 1024), 1, 2048),
+          ((_BIG + 16,), None, None), ((128,), None, None), ((1024,), None, None), ((_BIG + 2,), None, None),
+          ((_BIG + 1,), None, None), ((3000,), None, None), ((64,), None, None), ((5, 1024), 1, 2048),
           ((64, 2048), 1, 4096), ((64, 64), 1, 128), ((64, 16384), 1, 32768))
 
 
 def jobs(dtypes: list[str]) -> list[tuple[str, int]]:
     """(dtype, shape index) of every tensor to hash, each through both launch paths."""
-    return [(d, i) for d in dtypes for i in range(len(SHAPES))]
+    return [(d, i) for i in range(len(SHAPES)) for d in dtypes]
 
 
 def start(dtypes, device_index: int = 0, procs: int | None = None) -> list:
@@ -51,7 +52,7 @@ def start(dtypes, device_index: int = 0, procs: int | None = None) -> list:
     for part in range(procs):
         try:
             out.append(subprocess.Popen(
-                [sys.executable, "-m", "tpdiag.kernels.hash_warm", ",".join(names), f"{part}/{procs}"],
+                [sys.executable, "-m", "tpdiag.runner.warm", ",".join(names), f"{part}/{procs}"],
                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True))
         except OSError:  # a warm-up is never the run's failure
@@ -74,21 +75,24 @@ def warm(names: list[str], part: int, parts: int) -> int:
     from tpdiag.kernels import record_hash as rh
     from tpdiag.kernels.hash_buffer import HashBuffer
 
+    from tpdiag.runner.compile_time import compile_meter
+
     dev = torch.device("cuda", 0)
     done = 0
-    for k, (name, i) in enumerate(jobs(names)):
-        if k % parts != part:
-            continue
-        shape, dim, full = SHAPES[i]
-        t = torch.zeros(shape, dtype=getattr(torch, name), device=dev)
-        if not rh.triton_ok(t):
-            return done
-        rh.shard_lanes(t, dim, full, 0)  # one record alone: _hash_kernel
-        hb = HashBuffer(dev)
-        hb.add(t, dim, full, 0)  # queued records: _hash_batch_kernel
-        hb.flush()
-        done += 1
-    torch.cuda.synchronize(dev)
+    with compile_meter("cuda"):  # TPDIAG_COMPILE_LOG: these compiles logged as a world's are
+        for k, (name, i) in enumerate(jobs(names)):
+            if k % parts != part:
+                continue
+            shape, dim, full = SHAPES[i]
+            t = torch.zeros(shape, dtype=getattr(torch, name), device=dev)
+            if not rh.triton_ok(t):
+                return done
+            rh.shard_lanes(t, dim, full, 0)  # one record alone: _hash_kernel
+            hb = HashBuffer(dev)
+            hb.add(t, dim, full, 0)  # queued records: _hash_batch_kernel
+            hb.flush()
+            done += 1
+        torch.cuda.synchronize(dev)
     return done
 
 
