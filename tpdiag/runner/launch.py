@@ -123,7 +123,7 @@ def prestart(model: str = "") -> None:
         _restore_env(saved)
 
 
-def prewarm(device: str, degrees, dtype: str) -> None:
+def prewarm(device: str, degrees, dtype: str, model: str = "") -> None:
     """On GPUs, compile the record-hash kernels' usual variants in the background
     (runner/warm.py) while this process checks the input: a fresh machine's first world
     otherwise compiles them one after another. Processes left running exit by themselves."""
@@ -133,7 +133,11 @@ def prewarm(device: str, degrees, dtype: str) -> None:
         return
     from tpdiag.runner import warm
 
-    _WARM.extend(warm.start([dtype, "float32"]))
+    saved = _rank_vars()
+    try:
+        _WARM.extend(warm.start(_context(model), [dtype, "float32"]))
+    finally:
+        _restore_env(saved)
 
 
 _WARM: list = []

@@ -7,8 +7,7 @@ llama-1b compare's first world compiled 7 of them (12 s of its 17.5 s) and its s
 first world 4 more (H200, `compare --set axes --only mb-8x4096`, TPDIAG_COMPILE_LOG). A later
 process finds them in the cache and loads each in ~2 ms.
 
-`start()` runs `python -m tpdiag.runner.warm` in a few background processes while the
-parent checks its inputs: each hashes a slice of small tensors, one of each variant a language
+`start()` runs `warm()` in a few background processes while the parent checks its inputs: each hashes a slice of small tensors, one of each variant a language
 model's records use (whole tensors big and small, scalars, last-dim shards), through the same
 launch paths the probes take, so Triton keys them as the worlds will. Nothing they compute is
 kept; a variant they miss compiles where it is met, as before. TPDIAG_WARM=0: off (A/B).
@@ -16,8 +15,6 @@ kept; a variant they miss compiles where it is met, as before. TPDIAG_WARM=0: of
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 # (shape, split dim or None, the split dim's full size) - each a tile plan (record_hash.plan)
 # the probes meet in a language model: whole tensors past a chunk (even, not even, odd word
@@ -37,9 +34,12 @@ def jobs(dtypes: list[str]) -> list[tuple[str, int]]:
     return [(d, i) for i in range(len(SHAPES)) for d in dtypes]
 
 
-def start(dtypes, device_index: int = 0, procs: int | None = None) -> list:
-    """Background processes warming the cache for these dtypes (names: 'bfloat16'); [] where
-    off. The caller may leave them: each exits when its slice is done (seconds)."""
+def start(ctx, dtypes, procs: int | None = None) -> list:
+    """Background processes warming the cache for these dtypes (names: 'bfloat16'), started from
+    `ctx` - the fork server the worlds start from (runner/launch.py), so that they import, key and
+    store the kernels exactly as a world does (started as a fresh interpreter they compiled under
+    the same in-memory key, yet no world found what they stored). [] where off. Daemons: each ends
+    when its slice is done (seconds), or with this process."""
     if os.environ.get("TPDIAG_WARM", "1") == "0":
         return []
     names = sorted({str(d).replace("torch.", "") for d in dtypes} & {"float32", "bfloat16", "float16"})
@@ -47,29 +47,19 @@ def start(dtypes, device_index: int = 0, procs: int | None = None) -> list:
         return []
     n = len(jobs(names))
     procs = procs or max(1, min(n, (os.cpu_count() or 2) // 2, 6))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": _visible(device_index)}
     out = []
     for part in range(procs):
         try:
-            out.append(subprocess.Popen(
-                [sys.executable, "-m", "tpdiag.runner.warm", ",".join(names), f"{part}/{procs}"],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True))
-        except OSError:  # a warm-up is never the run's failure
+            p = ctx.Process(target=warm, args=(names, part, procs), daemon=True)
+            p.start()
+        except Exception:  # noqa: BLE001 - a warm-up is never the run's failure
             break
+        out.append(p)
     return out
 
 
-def _visible(index: int) -> str:
-    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if seen:
-        ids = [s for s in seen.split(",") if s.strip()]
-        return ids[index] if index < len(ids) else ids[0]
-    return str(index)
-
-
 def warm(names: list[str], part: int, parts: int) -> int:
-    """Hash this part's slice of the tensors; returns how many it hashed."""
+    """Hash this part's slice of the tensors on the first visible GPU; returns how many it hashed."""
     import torch
 
     from tpdiag.kernels import record_hash as rh
@@ -94,8 +84,3 @@ def warm(names: list[str], part: int, parts: int) -> int:
             done += 1
         torch.cuda.synchronize(dev)
     return done
-
-
-if __name__ == "__main__":
-    p, n = sys.argv[2].split("/")
-    warm(sys.argv[1].split(","), int(p), int(n))
