@@ -332,3 +332,9 @@ def desc(t: torch.Tensor, rows: int, cols: int | None = None):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1] * (t.dim() - 2) + [rows, cols or t.shape[-1]])
+
+
+# every process keys these kernels alike, whichever it launches first (kernels/jit_keys.py)
+from tpdiag.kernels.jit_keys import settle as _settle_keys  # noqa: E402
+
+_settle_keys(globals())

@@ -175,6 +175,9 @@ def _triton():
         # M and N are never specialised (value 1, divisibility): the compiled kernel,
         # hence every dot instruction, is the same for every M and N.
         g[name] = triton.jit(fn, do_not_specialize=["M", "N"])
+    from tpdiag.kernels.jit_keys import settle
+
+    settle({name: g[name] for name in _JIT_FUNCTIONS})  # one disk key whichever launches first
     return triton
 
 
