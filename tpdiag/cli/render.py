@@ -1,4 +1,5 @@
-"""Rich rendering for the CLI (the only place besides cli.py that touches rich)."""
+"""Rich rendering of a run's verdict for the CLI: the tables, the finding lines, the text form (the live
+status is progress.py; the other tables tables.py)."""
 from __future__ import annotations
 
 from tpdiag.base.points import config_name
