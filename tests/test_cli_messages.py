@@ -281,7 +281,7 @@ def test_progress_shows_on_a_terminal_only():
 
     from rich.console import Console
 
-    from tpdiag.cli.render import progress
+    from tpdiag.cli.progress import progress
     from tpdiag.config import CompareConfig
 
     cfg = CompareConfig.of(degrees=(1, 2))
@@ -301,7 +301,7 @@ def test_a_decode_world_shows_its_calls_on_the_status_line(tmp_path):
     import torch
     from rich.console import Console
 
-    from tpdiag.cli.render import progress as live
+    from tpdiag.cli.progress import progress as live
     from tpdiag.config import CompareConfig
     from tpdiag.models import tiny_llama
     from tpdiag.probes.recorder import Recorder

@@ -121,7 +121,7 @@ def compare(
             if variants is not None:
                 return _compare_matrix(cfg, variants, variant, fmt, fail_on_divergence, quiet)
             if fmt == "text":
-                from tpdiag.cli.render import progress
+                from tpdiag.cli.progress import progress
 
                 with progress(console(stderr=True), cfg, quiet) as on_status:
                     summary = compare_session(cfg, on_status, started=entered)
@@ -156,7 +156,7 @@ def _compare_matrix(cfg, variants: str, variant: str, fmt: str, fail_on_divergen
                            "e.g. --variants stock,stable")
         vs = parse_variants(variants, cfg)
         if fmt == "text":
-            from tpdiag.cli.render import progress
+            from tpdiag.cli.progress import progress
 
             with progress(console(stderr=True), cfg, quiet) as on_status:
                 summary = run_matrix(cfg, vs, on_status)

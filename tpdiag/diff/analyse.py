@@ -4,8 +4,9 @@ from __future__ import annotations
 from tpdiag.diff.engine import diff_degree, per_rank_blocks, per_rank_ops, per_rank_params
 from tpdiag.diff.judge import baseline_cause, describe, settle
 from tpdiag.diff.locate import add_bounds, locate, logprob_stats, nonfinite_summary
+from tpdiag.diff.suspects import hash_suspects, unjudged_modules
 from tpdiag.errors import Inconclusive
-from tpdiag.records.keys import RecordKey, record_key
+from tpdiag.records.keys import RecordKey
 from tpdiag.records.paths import RunDir
 from tpdiag.records.store import RecordSet
 
@@ -221,67 +222,6 @@ def same_degree(entry: dict, label: str, degree: int) -> None:
         # a finding, not a failure: two probed runs differ, so the step is what varies
         entry.pop("error")
         entry["status"] = "divergent"
-
-
-# A hash-only record has no values to bound-check. Its norm still says how much it moved: a
-# module whose output moved far more than its input (relative L2 norm difference, a lower bound
-# on the relative error) is worth a look with whole tensors. This only picks modules for the
-# region pass; the finding itself comes from the rounding bound there.
-SUSPECT_MIN, SUSPECT_RATIO, MAX_SUSPECTS = 1e-3, 100.0, 8
-
-
-def hash_suspects(rows: list[dict]) -> list[str]:
-    by_key = {r["key"]: r for r in rows}
-    scored = []
-    for r in rows:
-        if not r.get("hash_only") or r["bitwise"] or r["phase"] != "forward" or r["kind"] != "out":
-            continue
-        out = r.get("norm_rel_diff") or 0.0
-        src = by_key.get(record_key(r["step"], "forward", r["module"], "in", r["call"], 0))
-        if src is None:
-            continue
-        inp = 0.0 if src["bitwise"] else (src.get("norm_rel_diff") or 0.0)
-        if out > SUSPECT_MIN and out > SUSPECT_RATIO * inp:
-            scored.append((out / inp if inp > 0 else float("inf"), r["module"]))
-    scored.sort(key=lambda x: -x[0])
-    return sorted({m for _, m in scored[:MAX_SUSPECTS]})
-
-
-MAX_UNJUDGED = 8
-
-
-def unjudged_modules(dd) -> list[str]:
-    """Modules whose forward output differs although their inputs and parameters were equal, and
-    that no layout bound judged: each is a root of its own (a bug in one branch does not explain
-    another), and the second pass re-executes each in float64 (runner/drill.py)."""
-    from tpdiag.diff.locate import classify
-    from tpdiag.diff.oracle import inputs_equal
-
-    from tpdiag.diff.oracle import grads_equal
-
-    out, moved = [], []
-    for r in dd.rows:
-        if r["phase"] == "backward" and r["kind"] == "param_grad" and not r["bitwise"] \
-                and r.get("rank_consistent") is not False and classify(r) == "unknown" \
-                and r["module"] not in out and len(out) < MAX_UNJUDGED and grads_equal(dd, r):
-            out.append(r["module"])  # a weight grad wrong although all its module saw was equal
-            continue
-        if r["phase"] != "forward" or r["kind"] != "out" or r["bitwise"]:
-            continue
-        m = r["module"]
-        # a parent whose child's output already differed: the child is the root (and a whole
-        # model's float64 re-execution is the costliest of all)
-        inner = any(c.startswith(m + ".") or m == "model" for c in moved if c != m)
-        moved.append(m)
-        if inner or r.get("oracle") or r.get("beyond_bound") or r.get("rank_consistent") is False:
-            continue
-        if classify(r) != "unknown":  # named by its layout or judged by a bound
-            continue
-        if m not in out and inputs_equal(dd, r):
-            out.append(m)
-        if len(out) >= MAX_UNJUDGED:
-            break
-    return out
 
 
 def step_drift(dd) -> list[dict]:

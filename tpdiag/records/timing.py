@@ -11,7 +11,7 @@ import math
 
 SCHEMA = 1
 PART_KINDS = ("checks", "setup", "world", "diff", "second-pass", "confirm", "fix-chain", "other")
-# sums over every world of the command (overlapping the parts): docs/how-it-works.md#timing-fields
+# sums over every world of the command (overlapping the parts): docs/internals.md#timing-fields
 TOTALS = ("worlds", "start_s", "model_build_s", "selfcheck_s", "steps_s", "gather_s", "write_s",
           "float64_s", "triton_compile_s", "triton_compiles")
 # parts are rounded to the millisecond each: their sum may pass wall_s by that much per part
