@@ -12,7 +12,7 @@ import os
 from tpdiag.base import files as io
 from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
-from tpdiag.records.numbers import number_problems, same
+from tpdiag.records.numbers import confirmation_problems, number_problems, same
 from tpdiag.records.paths import DIFF_CSV, EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
 
 SCHEMA = 1
@@ -299,6 +299,18 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
     return out
 
 
+def _confirmation_rows(run_dir: str, fix: str):
+    """The rows of the confirmation rerun's diff.csv for `fix` (confirm/FIX/), None when unreadable."""
+    from tpdiag.records.rundir import read_rows, run_file
+
+    if os.sep in fix or fix in ("", ".", ".."):
+        return None
+    try:
+        return read_rows(run_file(run_dir, os.path.join("confirm", fix, DIFF_CSV)))
+    except (Inconclusive, OSError):
+        return None
+
+
 def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, inside: bool = False) -> list[str]:
     """Every disagreement between manifest.json, summary.json, diff.csv's rows (when given) and the
     per-rank evidence, in words. inside: run_dir is a second pass's folder of a run."""
@@ -326,6 +338,8 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
     out += number_problems(degrees, rows)
+    if rows is not None:
+        out += confirmation_problems(degrees, lambda fix: _confirmation_rows(run_dir, fix))
     out += _second_pass_problems(run_dir, summary, degrees, inside)
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab

@@ -22,6 +22,42 @@ def same(a, b) -> bool:
 
 
 
+def confirmation_of(f: dict) -> str | None:
+    """The fix whose confirmation rerun found this finding (runner/confirm.py files a bug its rerun
+    found as "confirmation (FIX)"): its numbers are that rerun's diff.csv's, measured under the
+    fixes, not this run's (an ulp apart where the fix reorders the sums before it)."""
+    w = f.get("from")
+    if isinstance(w, str) and w.startswith("confirmation (") and w.endswith(")"):
+        return w[len("confirmation ("):-1]
+    return None
+
+
+def confirmation_problems(degrees: dict, rows_of) -> list[str]:
+    """Each finding a confirmation rerun found against that rerun's own diff.csv (rows_of(fix):
+    its rows, or None when it has none to read - then the finding is no evidence)."""
+    out = []
+    for lab, d in degrees.items():
+        if not isinstance(d, dict):
+            continue
+        for f in d.get("findings") or ():
+            fix = confirmation_of(f) if isinstance(f, dict) else None
+            if fix is None:
+                continue
+            rows = rows_of(fix)
+            r = None if rows is None else next(
+                (r for r in rows if str(r.get("degree")) == lab and r.get("key") == f.get("key")), None)
+            if r is None:
+                out.append(f"summary.json's TP={lab} finding {f.get('key')} from the confirmation by {fix} "
+                           "is not a record of that confirmation's diff.csv")
+                continue
+            bad = next((k for k in ("max_abs", "bound") if k in f and r.get(k) is not None and not same(f[k], r[k])),
+                       None)
+            if bad:
+                out.append(f"summary.json's TP={lab} finding {f.get('key')}: {bad} {f[bad]!r} but the confirmation's "
+                           f"diff.csv says {r[bad]!r} (edited after the run)")
+    return out
+
+
 def number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
     """The numbers summary.json shows (the first divergence's and each finding's max abs, ULP, mismatch
     fraction, bound) must be diff.csv's for the same record: the report prints them as written, so an
@@ -41,7 +77,7 @@ def number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
         # _second_pass_problems checks it against that pass's summary
         recs += [("finding", f, ("max_abs", "bound")) for f in d.get("findings") or ()
                  if isinstance(f, dict) and f.get("key") and f.get("cause") != "router-flip"
-                 and f.get("from") != "second pass"]
+                 and f.get("from") != "second pass" and confirmation_of(f) is None]
         for what, rec, fields in recs:
             key = rec.get("key")
             if not key:

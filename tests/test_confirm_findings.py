@@ -1,0 +1,53 @@
+"""A bug that only the confirmation rerun found (runner/confirm.py files it as "confirmation (FIX)")
+carries that rerun's numbers, measured under the fixes. The gate checked them against the first
+pass's diff.csv: a sliding window off by one in decode (tests/models/planted/rl_axes.py `window`),
+one float32 ulp apart there, read "edited after the run" - exit 2 for an untouched run whose
+verdict is a BUG (exit 4). They are checked against the confirmation's own diff.csv now; an edit
+of one is still exit 2."""
+import csv
+import json
+import shutil
+
+import pytest
+
+from conftest import run_cli
+
+ARGS = ("--model", "py:tests/models/planted/rl_axes.py:window", "--tp", "1", "--mode", "prefill,decode",
+        "--batch-size", "2", "--seq-len", "8", "--forward-only", "--no-baseline")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("confirm_found") / "r"
+    p = run_cli("compare", *ARGS, "--out", str(d))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return d
+
+
+def _found(d):
+    s = json.loads((d / "summary.json").read_text())
+    e = s["configurations"]["1-decode"]
+    return s, [f for f in e["findings"] if str(f.get("from", "")).startswith("confirmation (")]
+
+
+def test_the_confirmations_finding_carries_its_own_numbers_and_the_gate_reads_a_bug(run):
+    s, found = _found(run)
+    assert found, "the confirmation rerun found no bug of its own here: the case no longer tests this"
+    f = found[0]
+    fix = f["from"][len("confirmation ("):-1]
+    rows = {r["key"]: r for r in csv.DictReader(open(run / "confirm" / fix / "diff.csv")) if r["degree"] == "1-decode"}
+    assert float(rows[f["key"]]["max_abs"]) == f["max_abs"], (rows[f["key"]]["max_abs"], f["max_abs"])
+    g = run_cli("gate", str(run), "--allow", "rounding")
+    assert g.returncode == 4, g.stdout[-2000:]
+
+
+def test_an_edited_confirmation_finding_is_inconclusive(run, tmp_path):
+    d = tmp_path / "edited"
+    shutil.copytree(run, d)
+    s, found = _found(d)
+    for f in s["configurations"]["1-decode"]["findings"]:
+        if f is not None and str(f.get("from", "")).startswith("confirmation ("):
+            f["max_abs"] = f["max_abs"] / 2
+    (d / "summary.json").write_text(json.dumps(s))
+    g = run_cli("gate", str(d), "--allow", "rounding")
+    assert g.returncode == 2 and "confirmation" in g.stdout.splitlines()[0], g.stdout[-2000:]
