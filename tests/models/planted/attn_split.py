@@ -1,0 +1,175 @@
+"""Attention split over the TP ranks by heads, with the two layout mistakes people make when the
+heads are not one plain Linear per q/k/v (helper hbug6). Vocab 32, hidden 32, 4 heads of 8,
+seq 8: seconds per world on the CPU.
+
+  qkv_wholesale / qkv_per_head  one fused QKV Linear, sharded by a torchtitan-style plan
+                 (`ColwiseParallel()` on it, `RowwiseParallel()` on the out projection). The
+                 mistake: the fused weight is laid out [q | k | v] (all q rows, then all k, then
+                 all v) and the forward cuts the rank's local output in three - the plan gives
+                 rank r a contiguous block of rows, so at TP=2 rank 0's "k" is the second half of
+                 the q heads and its "v" the first half of the k heads: the TP=2 model computes
+                 another function, with no error. Twin: Megatron's layout, the rows grouped per
+                 head [q_h | k_h | v_h], so a contiguous block is whole heads with their own k, v.
+  gqa_rep_grad / gqa_rep_ok  grouped-query attention with fewer kv heads than TP ranks (4 query
+                 heads, 1 kv head), written by hand: q column-parallel by heads, the kv head
+                 REPLICATED on every rank (Megatron / vLLM replicate kv heads when kv_heads < TP),
+                 out projection row-parallel. Each rank's kv weight grad covers only its own
+                 query heads, so the replicas' grads must be summed over the ranks. The mistake:
+                 they are not (the forward is exact; the replicas drift at the step). Twin: summed.
+
+    tpdiag compare --model py:tests/models/planted/attn_split.py:qkv_wholesale --tp 1,2
+tests/test_attn_split.py; docs/causes.md has every case's verdict.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tpdiag
+
+VOCAB, DIM, HEADS, BATCH, SEQ = 32, 32, 4, 2, 8
+HD = DIM // HEADS
+
+
+def rank_world():
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _tokens(g):
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def _attend(q, k, v):
+    """[b, s, h, hd] each -> [b, s, h * hd]."""
+    b, s = q.shape[:2]
+    y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+    return y.transpose(1, 2).reshape(b, s, -1)
+
+
+class FusedAttn(nn.Module):
+    def __init__(self, per_head: bool):
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.o = nn.Linear(DIM, DIM, bias=False)
+        self.per_head = per_head
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        y = self.qkv(x)  # at TP > 1 this rank's block of the fused rows (the plan's local output)
+        if self.per_head:  # rows grouped per head: a block of rows is whole heads
+            q, k, v = y.view(b, s, -1, 3 * HD).split(HD, -1)
+        else:  # the mistake: [q | k | v] cut by the LOCAL width
+            q, k, v = (t.reshape(b, s, -1, HD) for t in y.chunk(3, -1))
+        return self.o(_attend(q, k, v))
+
+
+class FusedLM(nn.Module):
+    def __init__(self, per_head):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.attn = FusedAttn(per_head)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.head(self.norm(h + self.attn(h)))
+
+
+def _fused(per_head):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return tpdiag.Target(model=FusedLM(per_head), plan={"attn.qkv": ColwiseParallel(), "attn.o": RowwiseParallel()},
+                         vocab_size=VOCAB, inputs=_tokens)
+
+
+def qkv_wholesale():
+    return _fused(False)
+
+
+def qkv_per_head():
+    return _fused(True)
+
+
+class _Reduce(torch.autograd.Function):
+    """Megatron's g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, t):
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Copy(torch.autograd.Function):
+    """Megatron's f: identity forward, the ranks' partial input grads all-reduced in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g)
+        return g
+
+
+def sum_grad(p):
+    """Each rank holds the whole parameter and uses its slice (or its heads): sum the grads."""
+    def hook(g):
+        if rank_world()[1] > 1:
+            g = g.clone()
+            dist.all_reduce(g)
+        return g
+    p.register_hook(hook)
+
+
+class GQAttn(nn.Module):
+    """4 query heads, 1 kv head; every rank holds the whole weights and uses its query heads."""
+
+    def __init__(self, kv_summed: bool):
+        super().__init__()
+        self.wq = nn.Parameter(torch.randn(DIM, DIM) / DIM ** 0.5)
+        self.wk = nn.Parameter(torch.randn(HD, DIM) / DIM ** 0.5)
+        self.wv = nn.Parameter(torch.randn(HD, DIM) / DIM ** 0.5)
+        self.wo = nn.Parameter(torch.randn(DIM, DIM) / DIM ** 0.5)
+        for p in (self.wq, self.wo) + ((self.wk, self.wv) if kv_summed else ()):
+            sum_grad(p)  # the mistake (kv_summed=False): the replicated kv head's grads left per rank
+
+    def forward(self, x):
+        r, n = rank_world()
+        b, s, _ = x.shape
+        rows = slice(r * DIM // n, (r + 1) * DIM // n)
+        xs = _Copy.apply(x) if n > 1 else x
+        q = (xs @ self.wq[rows].t()).view(b, s, -1, HD)
+        k, v = ((xs @ w.t()).view(b, s, 1, HD).expand_as(q) for w in (self.wk, self.wv))
+        out = _attend(q, k, v) @ self.wo[:, rows].t()
+        return _Reduce.apply(out) if n > 1 else out
+
+
+class GQALM(nn.Module):
+    def __init__(self, kv_summed):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.attn = GQAttn(kv_summed)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.head(self.norm(h + self.attn(h)))
+
+
+def gqa_rep_grad():
+    return tpdiag.Target(model=GQALM(False), plan={}, vocab_size=VOCAB, inputs=_tokens)
+
+
+def gqa_rep_ok():
+    return tpdiag.Target(model=GQALM(True), plan={}, vocab_size=VOCAB, inputs=_tokens)
