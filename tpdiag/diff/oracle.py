@@ -48,7 +48,7 @@ import math
 import torch
 
 from tpdiag.diff.bits import UNIT_ROUNDOFF
-from tpdiag.records.keys import RecordKey, record_key
+from tpdiag.records.keys import RecordKey, record_key, sole_consumer
 from tpdiag.records.layout import first_positions
 
 MARGIN = 8.0
@@ -255,10 +255,9 @@ def _grad_in_oracle(dd, row: dict):
     """A grad_out record of X whose one consumer C took X's output as its one floating input in
     one call: C's float64 input grad is the exact value for both sides, if everything C saw
     (its inputs, parameters and output grad) was equal."""
-    cons = row.get("consumers") or []
-    if len(cons) != 1:
+    c = sole_consumer(row.get("consumers"))
+    if c is None:
         return None
-    c = cons[0]
     got = [(k, v) for k, v in dd.grad_in.items() if k[0] == row["step"] and k[1] == c]
     if len(got) != 1 or len(got[0][1]) != 1:
         return None
