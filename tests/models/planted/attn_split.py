@@ -16,6 +16,7 @@ seq 8: seconds per world on the CPU.
                  out projection row-parallel. Each rank's kv weight grad covers only its own
                  query heads, so the replicas' grads must be summed over the ranks. The mistake:
                  they are not (the forward is exact; the replicas drift at the step). Twin: summed.
+  attn_ok        both twins in one model (the fused attention, then the GQA one): one run for both.
 
     tpdiag compare --model py:tests/models/planted/attn_split.py:qkv_wholesale --tp 1,2
 tests/test_attn_split.py; docs/causes.md has every case's verdict.
@@ -167,9 +168,27 @@ class GQALM(nn.Module):
         return self.head(self.norm(h + self.attn(h)))
 
 
+class BothLM(FusedLM):
+    def __init__(self):
+        super().__init__(per_head=True)
+        self.gqa = GQAttn(kv_summed=True)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.attn(h)
+        return self.head(self.norm(h + self.gqa(h)))
+
+
 def gqa_rep_grad():
     return tpdiag.Target(model=GQALM(False), plan={}, vocab_size=VOCAB, inputs=_tokens)
 
 
 def gqa_rep_ok():
     return tpdiag.Target(model=GQALM(True), plan={}, vocab_size=VOCAB, inputs=_tokens)
+
+
+def attn_ok():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return tpdiag.Target(model=BothLM(), plan={"attn.qkv": ColwiseParallel(), "attn.o": RowwiseParallel()},
+                         vocab_size=VOCAB, inputs=_tokens)

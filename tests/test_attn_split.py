@@ -1,0 +1,71 @@
+"""Attention split by heads with the layout mistakes of a fused QKV and of GQA with fewer kv heads
+than ranks (tests/models/planted/attn_split.py), and a vocab-parallel z-loss from the local
+log-sum-exp (tests/models/planted/zloss.py), run as a user runs them: `tpdiag compare py:...
+--tp 1,2`, then `tpdiag gate`. Each read right on main at f0a5d0e; kept as regressions.
+
+- qkv_wholesale: the fused [q|k|v] weight cut in rank blocks by `ColwiseParallel()`, the local
+  output chunked in three: another function at TP=2, named at the attention op that reads it.
+- gqa_rep_grad: the replicated kv head's weight grads never summed over the ranks.
+- zloss_local: the z-loss squares each rank's own shard's log-sum-exp.
+- attn_ok / zloss_ok: the twins.
+"""
+import json
+
+import pytest
+
+from conftest import run_cli
+
+CASES = {"qkv_wholesale": "attn_split.py", "gqa_rep_grad": "attn_split.py", "attn_ok": "attn_split.py",
+         "zloss_local": "zloss.py", "zloss_ok": "zloss.py"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for case, f in CASES.items():
+        d = tmp_path_factory.mktemp(case) / "r"
+        p = run_cli("compare", "--model", f"py:tests/models/planted/{f}:{case}", "--tp", "1,2", "--no-baseline",
+                    "--no-confirm", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
+        out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, run_cli("gate", str(d)).returncode)
+    return out
+
+
+def _lead(s):
+    from tpdiag.diff.classes import leading_bug
+
+    return leading_bug(s["degrees"]["2"])
+
+
+@pytest.mark.parametrize("case", ["attn_ok", "zloss_ok"])
+def test_the_twins_are_rounding_only(runs, case):
+    s, stdout, gate = runs[case]
+    assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), (case, s["degrees"]["2"].get("findings"))
+    assert "BUG" not in stdout and gate == 1, (case, gate, stdout[-1500:])
+
+
+@pytest.mark.parametrize("case,where", [
+    ("qkv_wholesale", ("forward", "attn", "out", "sharding-bug")),
+    ("gqa_rep_grad", ("backward", "attn", "param_grad", "rank-inconsistent-replica")),
+    ("zloss_local", ("loss", "model", "loss", "rank-inconsistent-replica")),
+])
+def test_a_head_layout_or_loss_mistake_is_a_bug_where_it_sits(runs, case, where):
+    s, stdout, gate = runs[case]
+    lead = _lead(s)
+    assert s["class"] == "bug" and lead is not None, (case, s["degrees"]["2"].get("findings"))
+    assert (lead["phase"], lead["module"], lead["kind"], lead["cause"]) == where, (case, lead)
+    assert "BUG (a wrong result, not rounding) at TP=2" in stdout and gate == 4, (case, gate, stdout[-1500:])
+
+
+def test_the_fused_qkv_is_named_at_the_attention_that_reads_the_wrong_heads(runs):
+    s, stdout, _ = runs["qkv_wholesale"]
+    lead = _lead(s)
+    assert lead["op"] == "aten::_scaled_dot_product_flash_attention_for_cpu", lead
+    assert lead["bound_ratio"] > 1e4, lead
+
+
+def test_only_the_replicated_kv_heads_grads_are_named(runs):
+    s, _, _ = runs["gqa_rep_grad"]
+    roots = {(f["module"], f["name"]) for f in s["degrees"]["2"]["findings"]
+             if "follows" not in f and f["cause"] == "rank-inconsistent-replica"}
+    assert roots == {("attn", "wk"), ("attn", "wv")}, s["degrees"]["2"]["findings"]
