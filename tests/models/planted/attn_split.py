@@ -17,6 +17,12 @@ seq 8: seconds per world on the CPU.
                  query heads, so the replicas' grads must be summed over the ranks. The mistake:
                  they are not (the forward is exact; the replicas drift at the step). Twin: summed.
   attn_ok        both twins in one model (the fused attention, then the GQA one): one run for both.
+  rope_flat / rope_per_head  partial rotary (GPT-NeoX's rotary_pct: ROT = 4 of each head's 8 dims)
+                 on q and k column-parallel by heads (plan: local outputs). The mistake: the rotary
+                 applied to the first ROT columns of the rank's FLAT projection before the view into
+                 heads - at TP=1 that is head 0's first dims, at TP=2 rank 1 also rotates its own
+                 first head (global head 2): the TP=2 model computes another function. Twin: each
+                 head's first ROT dims.
 
     tpdiag compare --model py:tests/models/planted/attn_split.py:qkv_wholesale --tp 1,2
 tests/test_attn_split.py; docs/causes.md has every case's verdict.
@@ -92,6 +98,64 @@ def qkv_wholesale():
 
 def qkv_per_head():
     return _fused(True)
+
+
+ROT = HD // 2
+
+
+def _rotate(x):
+    """RoPE on the last dim of x ([b, s, ..., ROT]) at positions 0..s-1."""
+    s = x.shape[1]
+    inv = 1.0 / (10000 ** (torch.arange(0, ROT, 2, dtype=torch.float32) / ROT))
+    ang = torch.arange(s, dtype=torch.float32)[:, None] * inv[None]  # [s, ROT/2]
+    ang = ang.view(1, s, *([1] * (x.dim() - 3)), ROT // 2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+
+
+def _partial(x, per_head):
+    """Rotary on the first ROT dims, the rest passed through."""
+    if per_head:
+        return torch.cat((_rotate(x[..., :ROT]), x[..., ROT:]), -1)
+    b, s = x.shape[:2]
+    flat = x.reshape(b, s, -1)  # the mistake: the first ROT columns of the rank's whole projection
+    return torch.cat((_rotate(flat[..., :ROT]), flat[..., ROT:]), -1).view_as(x)
+
+
+class RopeAttn(nn.Module):
+    def __init__(self, per_head: bool):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.per_head = per_head
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, HD) for w in (self.wq, self.wk, self.wv))
+        q, k = _partial(q, self.per_head), _partial(k, self.per_head)
+        return self.wo(_attend(q, k, v))
+
+
+class RopeLM(FusedLM):
+    def __init__(self, per_head):
+        super().__init__(per_head=True)
+        self.attn = RopeAttn(per_head)
+
+
+def _rope(per_head):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {f"attn.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+    plan["attn.wo"] = RowwiseParallel()
+    return tpdiag.Target(model=RopeLM(per_head), plan=plan, vocab_size=VOCAB, inputs=_tokens)
+
+
+def rope_flat():
+    return _rope(False)
+
+
+def rope_per_head():
+    return _rope(True)
 
 
 class _Reduce(torch.autograd.Function):
