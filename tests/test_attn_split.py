@@ -8,6 +8,12 @@ log-sum-exp (tests/models/planted/zloss.py), run as a user runs them: `tpdiag co
 - gqa_rep_grad: the replicated kv head's weight grads never summed over the ranks.
 - zloss_local: the z-loss squares each rank's own shard's log-sum-exp.
 - attn_ok / zloss_ok: the twins.
+- rope_flat: partial rotary on the first columns of the rank's flat q/k projection (not each
+  head's). In bf16 main read `unknown` (gate 1): its rank-local rotary ops are left uncompared
+  ("each rank computed its own part"), which barred the float64 verdict on the first compared op
+  after them (the cat, 20% off where rounding allows 3%), and the module's own output was 3.0% off
+  where 8 bf16 roundings allow 3.1%. Only a collective (or unreduced partial) in between bars it
+  now. rope_per_head (each head's first dims) is its twin.
 - zloss_local in bf16: the same BUG; its finding line set the ranks' spread against the
   reference's bound ("2.65e-05 > bound 2.55e-02") on main.
 """
@@ -19,7 +25,9 @@ from conftest import run_cli
 
 CASES = {"qkv_wholesale": ("attn_split.py", ()), "gqa_rep_grad": ("attn_split.py", ()),
          "attn_ok": ("attn_split.py", ()), "zloss_local": ("zloss.py", ()), "zloss_ok": ("zloss.py", ()),
-         "zloss_local_bf16": ("zloss.py", ("--dtype", "bfloat16"))}
+         "zloss_local_bf16": ("zloss.py", ("--dtype", "bfloat16")),
+         "rope_flat_bf16": ("attn_split.py", ("--dtype", "bfloat16")),
+         "rope_per_head_bf16": ("attn_split.py", ("--dtype", "bfloat16"))}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +48,7 @@ def _lead(s):
     return leading_bug(s["degrees"]["2"])
 
 
-@pytest.mark.parametrize("case", ["attn_ok", "zloss_ok"])
+@pytest.mark.parametrize("case", ["attn_ok", "zloss_ok", "rope_per_head_bf16"])
 def test_the_twins_are_rounding_only(runs, case):
     s, stdout, gate = runs[case]
     assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), (case, s["degrees"]["2"].get("findings"))
@@ -53,6 +61,7 @@ def test_the_twins_are_rounding_only(runs, case):
     ("gqa_rep_grad", ("backward", "attn", "param_grad", "rank-inconsistent-replica")),
     ("zloss_local", ("loss", "model", "loss", "rank-inconsistent-replica")),
     ("zloss_local_bf16", ("loss", "model", "loss", "rank-inconsistent-replica")),
+    ("rope_flat_bf16", ("forward", "attn", "in", "sharding-bug")),
 ])
 def test_a_head_layout_or_loss_mistake_is_a_bug_where_it_sits(runs, case, where):
     s, stdout, gate = runs[case]
@@ -83,3 +92,10 @@ def test_a_spread_between_ranks_is_not_set_against_the_references_bound(runs):
     s, stdout, _ = runs["zloss_local_bf16"]
     line = next(x for x in stdout.splitlines() if x.startswith("finding TP=2: loss"))
     assert "rank-inconsistent-replica, max abs between ranks" in line and "bound" not in line, line
+
+
+def test_a_rotary_on_the_flat_projection_is_named_at_its_op_in_bf16(runs):
+    s, stdout, gate = runs["rope_flat_bf16"]
+    lead = _lead(s)
+    assert lead["op"] == "aten::cat" and lead["op_oracle"]["far"] and lead["op_oracle"]["ratio"] > 4, lead
+    assert "BUG (a wrong result, not rounding) at TP=2 forward: attn :: aten::cat" in stdout, stdout
