@@ -183,8 +183,11 @@ def grads_equal(dd, row: dict) -> bool:
 def notes_for(dd, row: dict) -> dict:
     """What the reference world noted about this record's re-execution (refusal, discrete ops)."""
     notes = getattr(dd, "oracle_notes", None) or {}
-    if row["kind"] == "param_grad":
-        want = (int(row["step"]), "backward", row["module"], "oracle")
+    if row["kind"] in ("param_grad", "grad_out"):
+        # a grad_out is judged by its consumer's backward: that module's choices, not its producer's
+        # (an MoE's argmax behind the norm whose grad it returns: a flip read as a bug in bf16)
+        m = row["module"] if row["kind"] == "param_grad" else sole_consumer(row.get("consumers"))
+        want = (int(row["step"]), "backward", m, "oracle")
         return next((v for k, v in notes.items() if _of_call(RecordKey.parse(k)) == want), {})
     if row["kind"] == "op":
         return notes.get(record_key(row["step"], row["phase"], row["module"], "oracle", 0,
