@@ -69,6 +69,9 @@ def test_positions_not_offset_by_the_ranks_start_are_a_bug_in_the_models_code(ru
            "code" in stdout, stdout
     assert "forward: model (in 0)" not in stdout
     assert gate == 4
+    from tpdiag.reports.words import where  # the report's verdict read "at the input of model"
+
+    assert where(fd) == "the input of wpe, computed in model's own forward code in the forward pass of step 0"
 
 
 def test_the_one_consumer_of_a_grad_is_the_outermost():
