@@ -1,7 +1,8 @@
 """Attention split by heads with the layout mistakes of a fused QKV and of GQA with fewer kv heads
 than ranks (tests/models/planted/attn_split.py), and a vocab-parallel z-loss from the local
 log-sum-exp (tests/models/planted/zloss.py), run as a user runs them: `tpdiag compare py:...
---tp 1,2`, then `tpdiag gate`. Each read right on main at f0a5d0e; kept as regressions.
+--tp 1,2`, then `tpdiag gate`. All but rope_flat in bf16 read right on main at f0a5d0e (kept as
+regressions).
 
 - qkv_wholesale: the fused [q|k|v] weight cut in rank blocks by `ColwiseParallel()`, the local
   output chunked in three: another function at TP=2, named at the attention op that reads it.
