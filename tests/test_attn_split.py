@@ -8,7 +8,9 @@ regressions).
   output chunked in three: another function at TP=2, named at the attention op that reads it.
 - gqa_rep_grad: the replicated kv head's weight grads never summed over the ranks.
 - zloss_local: the z-loss squares each rank's own shard's log-sum-exp.
-- attn_ok / zloss_ok: the twins.
+- gqa_round_robin: 2 kv heads at TP=4, each rank's replicated kv head taken round-robin
+  (`r % kv_heads`, not `r * kv_heads // TP`): BUG at TP=4 only (`--tp 1,4 --forward-only`).
+- attn_ok / zloss_ok / gqa_blocked: the twins.
 - rope_flat: partial rotary on the first columns of the rank's flat q/k projection (not each
   head's). In bf16 main read `unknown` (gate 1): its rank-local rotary ops are left uncompared
   ("each rank computed its own part"), which barred the float64 verdict on the first compared op
@@ -24,29 +26,36 @@ import pytest
 
 from conftest import run_cli
 
-CASES = {"qkv_wholesale": ("attn_split.py", ()), "gqa_rep_grad": ("attn_split.py", ()),
-         "attn_ok": ("attn_split.py", ()), "zloss_local": ("zloss.py", ()), "zloss_ok": ("zloss.py", ()),
-         "zloss_local_bf16": ("zloss.py", ("--dtype", "bfloat16")),
-         "rope_flat_bf16": ("attn_split.py", ("--dtype", "bfloat16")),
-         "rope_per_head_bf16": ("attn_split.py", ("--dtype", "bfloat16"))}
+BF16 = ("--dtype", "bfloat16")
+# case: (file, degrees, more options); a `_bf16` suffix runs the same factory in bfloat16
+CASES = {"qkv_wholesale": ("attn_split.py", "1,2", ()), "gqa_rep_grad": ("attn_split.py", "1,2", ()),
+         "attn_ok": ("attn_split.py", "1,2", ()), "zloss_local": ("zloss.py", "1,2", ()),
+         "zloss_ok": ("zloss.py", "1,2", ()), "zloss_local_bf16": ("zloss.py", "1,2", BF16),
+         "rope_flat_bf16": ("attn_split.py", "1,2", BF16), "rope_per_head_bf16": ("attn_split.py", "1,2", BF16),
+         # kv_heads < TP only at TP=4; the mistake is in the forward
+         "gqa_round_robin": ("attn_split.py", "1,4", ("--forward-only",)),
+         "gqa_blocked": ("attn_split.py", "1,4", ("--forward-only",))}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for case, (f, more) in CASES.items():
+    for case, (f, tp, more) in CASES.items():
         d = tmp_path_factory.mktemp(case) / "r"
-        p = run_cli("compare", "--model", f"py:tests/models/planted/{f}:{case.removesuffix('_bf16')}", "--tp", "1,2",
+        p = run_cli("compare", "--model", f"py:tests/models/planted/{f}:{case.removesuffix('_bf16')}", "--tp", tp,
                     "--no-baseline", "--no-confirm", *more, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
         out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, run_cli("gate", str(d)).returncode)
     return out
 
 
-def _lead(s):
+def leading(s, degree="2"):
     from tpdiag.diff.classes import leading_bug
 
-    return leading_bug(s["degrees"]["2"])
+    return leading_bug(s["degrees"][degree])
+
+
+_lead = leading
 
 
 @pytest.mark.parametrize("case", ["attn_ok", "zloss_ok", "rope_per_head_bf16"])
@@ -100,3 +109,13 @@ def test_a_rotary_on_the_flat_projection_is_named_at_its_op_in_bf16(runs):
     lead = _lead(s)
     assert lead["op"] == "aten::cat" and lead["op_oracle"]["far"] and lead["op_oracle"]["ratio"] > 4, lead
     assert "BUG (a wrong result, not rounding) at TP=2 forward: attn :: aten::cat" in stdout, stdout
+
+
+def test_a_replicated_kv_head_taken_round_robin_is_a_bug_at_tp4(runs):
+    s, stdout, gate = runs["gqa_round_robin"]
+    lead = leading(s, "4")
+    assert s["class"] == "bug" and lead is not None, s["degrees"]["4"].get("findings")
+    assert (lead["phase"], lead["module"], lead["cause"]) == ("forward", "attn", "sharding-bug"), lead
+    assert "BUG (a wrong result, not rounding) at TP=4 forward: attn" in stdout and gate == 4, (gate, stdout[-1500:])
+    s, stdout, gate = runs["gqa_blocked"]  # the twin: kv head r * kv_heads // TP
+    assert s["class"] == "rounding" and "BUG" not in stdout and gate == 1, (gate, stdout[-1500:])

@@ -16,6 +16,12 @@ seq 8: seconds per world on the CPU.
                  out projection row-parallel. Each rank's kv weight grad covers only its own
                  query heads, so the replicas' grads must be summed over the ranks. The mistake:
                  they are not (the forward is exact; the replicas drift at the step). Twin: summed.
+  gqa_round_robin / gqa_blocked  4 query heads, 2 kv heads, written by hand for any TP: up to TP=2
+                 each rank holds whole kv heads; at TP=4 (kv_heads < TP) each rank holds one kv head,
+                 replicated on the two ranks whose query heads read it. The mistake: that kv head
+                 taken round-robin (`r % kv_heads`) where query head g reads kv head g // 2 (rank r
+                 needs `r * kv_heads // TP`): right at TP=2, wrong at TP=4 (ranks 1 and 2 swap).
+                 Run at `--tp 1,2,4`. Twin: blocked.
   attn_ok        both twins in one model (the fused attention, then the GQA one): one run for both.
   rope_flat / rope_per_head  partial rotary (GPT-NeoX's rotary_pct: ROT = 4 of each head's 8 dims)
                  on q and k column-parallel by heads (plan: local outputs). The mistake: the rotary
@@ -219,11 +225,45 @@ class GQAttn(nn.Module):
         return _Reduce.apply(out) if n > 1 else out
 
 
+KV = 2
+
+
+class GQA2Attn(nn.Module):
+    """4 query heads, 2 kv heads; every rank holds the whole weights and uses its heads."""
+
+    def __init__(self, round_robin: bool):
+        super().__init__()
+        self.wq = nn.Parameter(torch.randn(DIM, DIM) / DIM ** 0.5)
+        self.wk = nn.Parameter(torch.randn(KV * HD, DIM) / DIM ** 0.5)
+        self.wv = nn.Parameter(torch.randn(KV * HD, DIM) / DIM ** 0.5)
+        self.wo = nn.Parameter(torch.randn(DIM, DIM) / DIM ** 0.5)
+        for p in (self.wq, self.wk, self.wv, self.wo):
+            sum_grad(p)  # each rank's grad covers the rows (columns) it used
+        self.round_robin = round_robin
+
+    def forward(self, x):
+        r, n = rank_world()
+        b, s, _ = x.shape
+        hq = HEADS // n
+        cols = slice(r * hq * HD, (r + 1) * hq * HD)
+        xs = _Copy.apply(x) if n > 1 else x
+        q = (xs @ self.wq[cols].t()).view(b, s, hq, HD)
+        if n <= KV:  # whole kv heads per rank
+            kv = list(range(r * KV // n, (r + 1) * KV // n))
+        else:  # kv_heads < TP: one kv head per rank, replicated; the mistake: round-robin
+            kv = [r % KV if self.round_robin else r * KV // n]
+        rows = torch.cat([torch.arange(h * HD, (h + 1) * HD) for h in kv])
+        k, v = ((xs @ w[rows].t()).view(b, s, len(kv), HD).repeat_interleave(hq // len(kv), 2)
+                for w in (self.wk, self.wv))
+        out = _attend(q, k, v) @ self.wo[:, cols].t()
+        return _Reduce.apply(out) if n > 1 else out
+
+
 class GQALM(nn.Module):
     def __init__(self, kv_summed):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.attn = GQAttn(kv_summed)
+        self.attn = GQAttn(kv_summed) if isinstance(kv_summed, bool) else GQA2Attn(kv_summed == "round_robin")
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -245,6 +285,14 @@ class BothLM(FusedLM):
 
 def gqa_rep_grad():
     return tpdiag.Target(model=GQALM(False), plan={}, vocab_size=VOCAB, inputs=_tokens)
+
+
+def gqa_round_robin():
+    return tpdiag.Target(model=GQALM("round_robin"), plan={}, vocab_size=VOCAB, inputs=_tokens)
+
+
+def gqa_blocked():
+    return tpdiag.Target(model=GQALM("blocked"), plan={}, vocab_size=VOCAB, inputs=_tokens)
 
 
 def gqa_rep_ok():
