@@ -54,6 +54,10 @@ def where(fd: dict) -> str:
     if module == "model" and kind not in ("in", "out", "grad_out") and not fd.get("op"):
         # whole-model records (logprobs, loss, grad norm) have no module of their own
         text = f"{phase}: {name if name == kind or not kind else f'{kind} {name}'}"
+    elif kind == "in" and not fd.get("op") and fd.get("key") and _record_module(fd["key"]) != module:
+        # a first divergence at an input is filed under its caller (`module`), whose code computed it;
+        # "model (in 0)" read as the model's own input (the tokens, bitwise equal): name whose input
+        text = f"{phase}: {_record_module(fd['key'])} ({kind} {name}), computed in {module}'s own forward code"
     else:
         # an input's op ran in its caller's own code (a finding keeps the record's module, `made_in` the caller)
         at = fd.get("made_in") if kind == "in" and fd.get("op") and fd.get("made_in") else module
@@ -64,6 +68,12 @@ def where(fd: dict) -> str:
             text += f" ({kind})" if name in (kind, None, "") else f" ({kind} {name})"
         text += made_by(fd)
     return text
+
+
+def _record_module(key: str) -> str:
+    from tpdiag.records.keys import RecordKey
+
+    return RecordKey.parse(key).module
 
 
 def made_by(fd: dict) -> str:
@@ -336,7 +346,8 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
         vs = "between ranks" if f["cause"] == "rank-inconsistent-replica" else "vs the reference"
         r = f.get("bound_ratio")
         line = (f"[red]finding[/] {config_name(label)}: {what}: {f['cause']}, max abs {vs} {_fmt(f['max_abs'])}"
-                + (f" > bound {_fmt(f['bound'])}" if f.get("bound") else "")
+                # the bound is against the reference: no measure of a spread between ranks
+                + (f" > bound {_fmt(f['bound'])}" if f.get("bound") and vs == "vs the reference" else "")
                 + (f", {r:.3g}x beyond rounding" if r and r > 1 and cause_class(f["cause"]) == "bug" else ""))
         n = follows.get(f.get("key")) or 0
         if n:

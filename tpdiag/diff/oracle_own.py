@@ -5,16 +5,17 @@ first divergence against the reference's own re-execution)."""
 from __future__ import annotations
 
 from tpdiag.diff.oracle import mark_no_reference, no_reference, judge_own, notes_for
+from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
 
 
 def _own_grad_in(dd, row: dict, table: dict):
     """A grad_out record's value from its one consumer's float64 backward (table: the grad_in
     re-executions from the reference's inputs or from this side's)."""
-    cons = row.get("consumers") or []
-    if len(cons) != 1:
+    c = sole_consumer(row.get("consumers"))
+    if c is None:
         return None
-    got = [(k, v) for k, v in table.items() if k[0] == row["step"] and k[1] == cons[0]]
+    got = [(k, v) for k, v in table.items() if k[0] == row["step"] and k[1] == c]
     if len(got) != 1 or len(got[0][1]) != 1:
         return None
     return got[0][1][0]

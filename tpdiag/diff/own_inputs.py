@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.records.keys import RecordKey, record_key
+from tpdiag.records.keys import RecordKey, record_key, sole_consumer
 
 MAX_ALL = 64
 # the inputs and output grads shipped to the second pass's reference (a file it loads whole):
@@ -64,12 +64,12 @@ def modules(dd, first_key: str | None) -> list[str]:
         if r["key"] == first_key or r.get("oracle") or r["key"] not in dd.tensors:
             continue
         m = r["module"]
-        if m in partial or ((r.get("consumers") or [None])[0] in partial and r["kind"] == "grad_out"):
+        if m in partial or (r["kind"] == "grad_out" and sole_consumer(r.get("consumers")) in partial):
             continue
         if (r["phase"], r["kind"]) in _KINDS and m != "model":
             cands[m] = max(cands.get(m, 0.0), _growth(dd, r))
-        elif r["phase"] == "backward" and r["kind"] == "grad_out" and len(r.get("consumers") or []) == 1:
-            c = r["consumers"][0]
+        elif r["phase"] == "backward" and r["kind"] == "grad_out" and sole_consumer(r.get("consumers")):
+            c = sole_consumer(r["consumers"])
             if c != "model":
                 cands.setdefault(c, 0.0)
     order = sorted(cands, key=lambda m: (-cands[m], m))[:MAX_ALL]
@@ -147,8 +147,8 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
             ri = 0.0 if src is None or src["bitwise"] else (src.get("norm_rel_diff") or 0.0)
             ro = r.get("norm_rel_diff") or 0.0
             cands[m] = max(cands.get(m, 0.0), ro / ri if ri > 0 else (float("inf") if ro > 0 else 0.0))
-        elif r["phase"] == "backward" and r["kind"] == "grad_out" and len(r.get("consumers") or []) == 1:
-            c = r["consumers"][0]
+        elif r["phase"] == "backward" and r["kind"] == "grad_out" and sole_consumer(r.get("consumers")):
+            c = sole_consumer(r["consumers"])
             if c != "model":
                 cands.setdefault(c, 0.0)
     size: dict[str, int] = {}

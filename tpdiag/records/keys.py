@@ -57,3 +57,13 @@ def record_key(step, phase: str, module: str, kind: str, call=0, name=None) -> s
     host time a small step pays per record (docs/benchmarks.md)."""
     head = f"s{step}/{phase}/{module}/{kind}#{call}"
     return head if name is None else f"{head}/{name}"
+
+
+def sole_consumer(consumers) -> str | None:
+    """The one module whose backward computed a grad_out record: the modules that read that output,
+    less those inside another of them. A parent that hands its input straight to a child (Megatron's
+    column layer called first in its MLP) lists both, and the outer one's backward computes the
+    whole grad, its child's share included; None where unrelated modules read it."""
+    cs = set(consumers or ())
+    outer = {c for c in cs if not any(c.startswith(o + ".") for o in cs)}
+    return next(iter(outer)) if len(outer) == 1 else None

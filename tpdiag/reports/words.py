@@ -24,7 +24,16 @@ def where(fd: dict) -> str:
     if name not in (None, "0", "total", fd.get("kind")):
         what += f" {name}"
     op = f" (op {fd['op']})" if fd.get("op") else ""
-    return f"the {what} of {fd.get('module')}{op} in the {fd.get('phase')} pass of step {fd.get('step', 0)}"
+    module = fd.get("module")
+    if fd.get("kind") == "in" and fd.get("key"):
+        from tpdiag.records.keys import RecordKey
+
+        rec = RecordKey.parse(fd["key"]).module
+        if rec != module:
+            # a first divergence at an input is filed under the caller whose code computed it:
+            # "the input of model" read as the model's own input (the tokens, bitwise equal)
+            module = f"{rec}, computed in {module}'s own forward code"
+    return f"the {what} of {module}{op} in the {fd.get('phase')} pass of step {fd.get('step', 0)}"
 
 
 def size_sentence(fd: dict) -> str:

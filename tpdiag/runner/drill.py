@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from tpdiag.config import CompareConfig, degree_labels
+from tpdiag.records.keys import sole_consumer
 from tpdiag.records.paths import RunDir
 from tpdiag.runner import prefix
 
@@ -104,8 +105,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     # every op the reference records in the scopes
     oracle = sorted({_record_module(fd) for fd in fds
                      if (fd.get("phase"), fd.get("kind")) in (("forward", "out"), ("backward", "param_grad"))}
-                    | {fd["consumers"][0] for fd in fds if fd.get("kind") == "grad_out"
-                       and len(fd.get("consumers") or []) == 1}
+                    | {sole_consumer(fd["consumers"]) for fd in fds if fd.get("kind") == "grad_out"
+                       and sole_consumer(fd.get("consumers"))}
                     | {m for lab, _ in targets for m in every[lab].get("unjudged", [])}
                     # an input that differs was computed by its caller's own code: the caller,
                     # whose inputs were equal, re-executed whole (diff/judge.py: caller_oracle)
