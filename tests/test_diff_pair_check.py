@@ -119,7 +119,7 @@ def _numel(r) -> int:
 def test_an_edited_row_shard_is_still_refused(tp12_run, tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
 
-    from tpdiag.diff import engine, pair_memo
+    from tpdiag.diff import engine, pair_memo, pair_read
     from tpdiag.records.store import RecordSet
 
     key = _stacked_rows_equal(tp12_run)[0][0]
@@ -136,7 +136,7 @@ def test_an_edited_row_shard_is_still_refused(tp12_run, tmp_path, monkeypatch):
         engine.diff_degree(*_sets(tmp_path, "tp2"), "2")
     # negative control: checked by the index hashes' lanes alone (no bytes comparison), the edit
     # would pass as the stored record and read as a divergence of the run
-    monkeypatch.setattr(engine, "_same_stored_bytes", lambda *a: True)
+    monkeypatch.setattr(pair_read, "same_stored_bytes", lambda *a: True)
     pair_memo.clear()
     rows = engine.diff_degree(*_sets(tmp_path, "tp2"), "2").rows
     assert next(r for r in rows if r["key"] == key)["bitwise"] is False

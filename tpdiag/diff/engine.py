@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpdiag.diff import bits, pair_memo
+from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.errors import NotComparable
 from tpdiag.records.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess, first_positions
 from tpdiag.records.store import RecordSet
@@ -47,41 +48,6 @@ def _assemble_pair(rm: dict, rt: torch.Tensor, om: dict, ot: torch.Tensor):
     if ra.full is None and oa.full is not None:
         ra = assemble(rm, rt, list(oa.full.shape))
     return ra, oa
-
-
-def _read_pair(ref: RecordSet, rm: dict, other: RecordSet, om: dict) -> tuple:
-    """Both records' stored tensors, each checked against its stored hash - a whole pass over the
-    tensor, most of a second pass's diff on the host - except where the check cannot change
-    anything: both index hashes hold the same lanes (one lane mix) and the two tensors' flat
-    bytes are equal. Then each file's check passes exactly when the other's does; an edit of
-    either file makes the bytes differ, and both are checked (the edited one fails). Equal lanes
-    with other shapes: a stack of row shards [world, n/world, ...] (TP=2's column-parallel
-    weights, their grads, the embedding) and the reference's whole [n, ...], the same bytes in
-    the same order."""
-    rt, ot = ref.tensor(rm, verify=False), other.tensor(om, verify=False)
-    if _same_stored_bytes(ref, rm, rt, other, om, ot):
-        ref.vouch(rm)
-        other.vouch(om)
-    else:
-        ref.verify(rm, rt)
-        other.verify(om, ot)
-    return rt, ot
-
-
-def _same_stored_bytes(ref: RecordSet, rm: dict, rt: torch.Tensor, other: RecordSet, om: dict,
-                       ot: torch.Tensor) -> bool:
-    from tpdiag.records.hashing import lanes_of
-
-    h, g = rm.get("stored_hash"), om.get("stored_hash")
-    if h is None or g is None or ref.hash_version != other.hash_version or not ref.known_hashes():
-        return False
-    if rt.dtype != ot.dtype or rt.numel() != ot.numel():
-        return False
-    if h != g and (rt.shape == ot.shape or lanes_of(h, rm["dtype"], rt.shape) != lanes_of(g, om["dtype"], ot.shape)):
-        return False
-    if rt.shape == ot.shape:
-        return bits.bitwise_equal(rt, ot)
-    return torch.equal(bits.raw_bits(rt).reshape(-1), bits.raw_bits(ot).reshape(-1))
 
 
 def _pair_tensors(ra: Assembled, oa: Assembled):
@@ -351,7 +317,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         if a.shape != b.shape or a.dtype != b.dtype:
             raise NotComparable(f"TP={label}: {key}: {a.dtype}{list(a.shape)} at the reference vs "
                                 f"{b.dtype}{list(b.shape)}")
-        # both tensors were checked (_read_pair): a pair of the same content measured earlier in
+        # both tensors were checked (pair_read.py): a pair of the same content measured earlier in
         # this process (the region pass's, diffed again by the own-input pass) is not measured again
         content = pair_memo.pair_key(ref, rm, other, om, values)
         measured = pair_memo.get(content)

@@ -7,7 +7,7 @@ before: the same bytes, a second full pass of float64 temporaries over GBs of re
 same numbers (llama-1b 2 layers, 1 x 128 on 2 CPU cores: 44 of the own-input diff's 119 s).
 
 The key is the pair's two stored hashes and their index entries (all but the record's number):
-it is looked up only after diff/engine._read_pair read both tensors and checked them - each
+it is looked up only after diff/pair_read.read_pair read both tensors and checked them - each
 against its stored hash, or both at once where their flat bytes are equal - so the bytes in hand
 are the bytes those hashes name, and an edit of either file fails that check before any lookup.
 A pair whose metas differ (another layout, other positions, another dtype) has another key.
@@ -52,3 +52,21 @@ def put(key, value) -> None:
 
 def clear() -> None:
     _MEMO.clear()
+
+
+def cached(key, compute):
+    """compute()'s result, or the one it gave for this key earlier in the process (key None:
+    computed every time). The key names the function that computes (a replaced one is another
+    key) and the content keys of the checked pairs it reads."""
+    got = get(key)
+    if got is not None:
+        return got[0]
+    value = compute()
+    put(key, (value,))
+    return value
+
+
+def of(dd, *keys: str) -> tuple | None:
+    """The content keys of these records' pairs in a DegreeDiff (None where one has none)."""
+    out = tuple(dd.contents.get(k) for k in keys)
+    return None if None in out else out
