@@ -55,7 +55,7 @@ def test_equal_pair_needs_no_hash_pass_and_gives_the_same_rows(tp12_run, monkeyp
 
 
 def test_an_edited_record_is_still_refused(tp12_run, tmp_path, monkeypatch):
-    from tpdiag.diff import bits, engine
+    from tpdiag.diff import bits, engine, pair_memo
 
     meta = _edit(tp12_run / "tp1-base", tmp_path / "tp1-base")
     shutil.copytree(tp12_run / "tp1", tmp_path / "tp1")
@@ -64,5 +64,79 @@ def test_an_edited_record_is_still_refused(tp12_run, tmp_path, monkeypatch):
     # negative control: a pair check that trusted the index hashes alone would pass the edited
     # record on to the comparison, which reads the edit as a divergence of the run
     monkeypatch.setattr(bits, "bitwise_equal", lambda a, b: True)
+    pair_memo.clear()  # the unedited pair's measures (the test above) are not this pair's
     rows = engine.diff_degree(*_sets(tmp_path), "1-base").rows
     assert [r["key"] for r in rows if not r["bitwise"]] == [meta["key"]]
+
+
+def _stacked_rows_equal(run) -> list:
+    """TP=2's records stored as a stack of row shards whose bytes, in order, are the reference's
+    whole tensor (a column-parallel weight at init): [(key, numel)]."""
+    from tpdiag.diff import bits
+
+    ref, other = _sets(run, "tp2")
+    out = []
+    for om in other.events:
+        rm = ref.by_key.get(om["key"])
+        if om.get("stored") != "stacked" or rm is None or rm.get("stored") != "single":
+            continue
+        rt, ot = ref.tensor(rm), other.tensor(om)
+        if rt.dtype == ot.dtype and rt.numel() == ot.numel() and rt.shape != ot.shape \
+                and torch.equal(bits.raw_bits(rt).reshape(-1), bits.raw_bits(ot).reshape(-1)):
+            out.append((om["key"], rt.numel()))
+    return out
+
+
+def test_row_shards_equal_to_the_whole_need_no_hash_pass(tp12_run, monkeypatch):
+    """A stack of row shards and the reference's whole tensor hold the same bytes in the same
+    order: their hashes hold the same lanes (records/hashing.lanes_of), so one bytes comparison
+    checks both, as for two equal whole tensors - and the rows are those of hashing both."""
+    from tpdiag.diff import engine, pair_memo
+
+    stacked = _stacked_rows_equal(tp12_run)
+    assert stacked  # the TP=2 world has them (its column-parallel weights)
+    pair_memo.clear()
+    calls = _count_hashes(monkeypatch)
+    rows = engine.diff_degree(*_sets(tp12_run, "tp2"), "2").rows
+    spared = list(calls)
+    pair_memo.clear()
+    calls.clear()
+    monkeypatch.setattr(engine, "_read_pair", lambda ref, rm, other, om: (ref.tensor(rm), other.tensor(om)))
+    assert engine.diff_degree(*_sets(tp12_run, "tp2"), "2").rows == rows
+    assert len(calls) - len(spared) >= 2 * len(stacked)  # both sides of each such pair spared
+    for n in {n for _, n in stacked}:  # and their tensors, where no other record has their size
+        if sum(1 for _, m in stacked if m == n) == sum(1 for r in rows if _numel(r) == n):
+            assert n not in spared
+
+
+def _numel(r) -> int:
+    n = 1
+    for d in r["shape"]:
+        n *= d
+    return n
+
+
+def test_an_edited_row_shard_is_still_refused(tp12_run, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from tpdiag.diff import engine, pair_memo, pair_read
+    from tpdiag.records.store import RecordSet
+
+    key = _stacked_rows_equal(tp12_run)[0][0]
+    shutil.copytree(tp12_run / "tp1", tmp_path / "tp1")
+    shutil.copytree(tp12_run / "tp2", tmp_path / "tp2")
+    meta = RecordSet(str(tmp_path / "tp2")).by_key[key]
+    tensors = load_file(str(tmp_path / "tp2" / "records.safetensors"))
+    t = tensors[str(meta["idx"])].clone()
+    t.view(-1)[-1] = torch.nextafter(t.view(-1)[-1], torch.tensor(1.0, dtype=t.dtype))
+    tensors[str(meta["idx"])] = t
+    save_file(tensors, str(tmp_path / "tp2" / "records.safetensors"), metadata={"schema": "1"})
+    pair_memo.clear()
+    with pytest.raises(Inconclusive, match=f"record {key} does not match its hash"):
+        engine.diff_degree(*_sets(tmp_path, "tp2"), "2")
+    # negative control: checked by the index hashes' lanes alone (no bytes comparison), the edit
+    # would pass as the stored record and read as a divergence of the run
+    monkeypatch.setattr(pair_read, "same_stored_bytes", lambda *a: True)
+    pair_memo.clear()
+    rows = engine.diff_degree(*_sets(tmp_path, "tp2"), "2").rows
+    assert next(r for r in rows if r["key"] == key)["bitwise"] is False

@@ -2,7 +2,7 @@
 import torch
 
 from tpdiag.diff.engine import DegreeDiff
-from tpdiag.diff.locate import _loss_bounds
+from tpdiag.diff.loss_bounds import loss_bounds as _loss_bounds
 
 
 def _rows():

@@ -113,10 +113,11 @@ def test_compile_meter_times_between_tritons_hooks():
     try:
         with compile_meter("cuda") as out:
             for _ in range(2):
-                assert not knobs.runtime.jit_cache_hook(key="k")
+                assert not knobs.runtime.jit_cache_hook(key="k", repr="_lanes[num_warps=4](x: *bf16)")
                 time.sleep(0.02)
                 knobs.runtime.jit_post_compile_hook(key="k")
         assert out["triton_compiles"] == 2 and out["triton_compile_s"] >= 0.04, out
+        assert out["triton_kernels"] == ["_lanes[num_warps=4](x: *bf16)"] * 2  # which ones compiled
         assert len(seen) == 2  # the user's hook still ran
         assert knobs.runtime.jit_cache_hook is None and knobs.runtime.jit_post_compile_hook is not None
         with compile_meter("cpu") as out:

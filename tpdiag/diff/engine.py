@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpdiag.diff import bits
+from tpdiag.diff import bits, pair_memo
+from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.errors import NotComparable
 from tpdiag.records.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess, first_positions
 from tpdiag.records.store import RecordSet
@@ -28,6 +29,8 @@ class DegreeDiff:
     oracle_own: dict = field(default_factory=dict)
     grad_in_own: dict = field(default_factory=dict)
     _equal_index: dict | None = None  # diff/oracle._index's lookups, built once
+    # record key -> its checked pair's content key (diff/pair_memo.py), where both sides have one
+    contents: dict = field(default_factory=dict)
 
 
 def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
@@ -45,23 +48,6 @@ def _assemble_pair(rm: dict, rt: torch.Tensor, om: dict, ot: torch.Tensor):
     if ra.full is None and oa.full is not None:
         ra = assemble(rm, rt, list(oa.full.shape))
     return ra, oa
-
-
-def _read_pair(ref: RecordSet, rm: dict, other: RecordSet, om: dict) -> tuple:
-    """Both records' stored tensors, each checked against its stored hash - a whole pass over the
-    tensor, most of a second pass's diff on the host - except where the check cannot change
-    anything: both index hashes equal (one lane mix) and the two tensors bitwise equal. An edit
-    of either file then makes the two differ, and both are checked (the edited one fails)."""
-    rt, ot = ref.tensor(rm, verify=False), other.tensor(om, verify=False)
-    h = rm.get("stored_hash")
-    if (h is not None and h == om.get("stored_hash") and ref.hash_version == other.hash_version
-            and ref.known_hashes() and bits.bitwise_equal(rt, ot)):
-        ref.vouch(rm)
-        other.vouch(om)
-    else:
-        ref.verify(rm, rt)
-        other.verify(om, ot)
-    return rt, ot
 
 
 def _pair_tensors(ra: Assembled, oa: Assembled):
@@ -168,6 +154,23 @@ def _after_flip(rows: list[dict]) -> bool:
     return any(flipped(r) for r in rows)
 
 
+def _measure(row: dict, a: torch.Tensor, b: torch.Tensor, oa: Assembled, values: bool) -> None:
+    """The pair's bit comparison, its NaN/Inf and, for a replica whose ranks differ, how far."""
+    c = bits.compare(b, a)
+    row["nonfinite_mismatch"] = c.nonfinite is not None
+    row["nonfinite"] = c.nonfinite
+    row.update(bitwise=c.bitwise, max_abs=c.max_abs, max_rel=c.max_rel, max_ulp=c.max_ulp,
+               mismatch_fraction=c.mismatch_fraction, bound=None, beyond_bound=None)
+    if values:
+        _judge_values(row, a, b)
+    if oa.rank_consistent is False:
+        row["rank_max_abs"] = max(
+            float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())
+            if s.is_floating_point() else float(not torch.equal(s, oa.shards[0]))
+            for s in oa.shards)
+        _partial_sum(row, a, oa.shards)
+
+
 def _judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
     """NaN/Inf judged as values, not bits: bitwise comparison makes NaN equal NaN, so a loss that is
     NaN at every degree would read "bitwise". Any record holding one is a non-finite finding (never
@@ -233,7 +236,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     values: judge NaN/Inf held at both sides as findings (False for a reference rerun, whose question
     is only whether the bits reproduce)."""
     rows, unmatched, uncompared = [], [], []
-    tensors = {}
+    tensors, contents = {}, {}
     seen = set()
     oracle_metas = [m for m in ref.events if m["kind"] == "oracle"]
     other_algorithm = _other_algorithm(ref, other)
@@ -314,19 +317,19 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         if a.shape != b.shape or a.dtype != b.dtype:
             raise NotComparable(f"TP={label}: {key}: {a.dtype}{list(a.shape)} at the reference vs "
                                 f"{b.dtype}{list(b.shape)}")
-        c = bits.compare(b, a)
-        row["nonfinite_mismatch"] = c.nonfinite is not None
-        row["nonfinite"] = c.nonfinite
-        row.update(bitwise=c.bitwise, max_abs=c.max_abs, max_rel=c.max_rel, max_ulp=c.max_ulp,
-                   mismatch_fraction=c.mismatch_fraction, bound=None, beyond_bound=None)
-        if values:
-            _judge_values(row, a, b)
+        # both tensors were checked (pair_read.py): a pair of the same content measured earlier in
+        # this process (the region pass's, diffed again by the own-input pass) is not measured again
+        content = pair_memo.pair_key(ref, rm, other, om, values)
+        measured = pair_memo.get(content)
+        if measured is None:
+            before = dict(row)
+            _measure(row, a, b, oa, values)
+            measured = {k: v for k, v in row.items() if k not in before or v is not before[k]}
+            pair_memo.put(content, measured)
+        row.update(measured)
+        if content is not None:
+            contents[key] = content
         if oa.rank_consistent is False:
-            row["rank_max_abs"] = max(
-                float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())
-                if s.is_floating_point() else float(not torch.equal(s, oa.shards[0]))
-                for s in oa.shards)
-            _partial_sum(row, a, oa.shards)
             if row.get("rank_partial_sum") and om["kind"] == "grad_out":
                 # an activation grad each rank holds as its share of a sum reduced later in
                 # backward (the rope path behind MLA's kv_a_proj, whose style all-reduces it):
@@ -344,7 +347,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     per_rank = per_rank_blocks(other)
     missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"
                and m["phase"] not in skip and not _inside_block(m, per_rank)]
-    dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared)
+    dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds, generic_bound, oracle, oracle_own, router
+from tpdiag.diff import bits, bounds, generic_bound, oracle, oracle_own, pair_memo, router
+from tpdiag.diff.loss_bounds import loss_bounds
 from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
 from tpdiag.diff.op_verdict import op_verdict
 from tpdiag.diff.engine import DegreeDiff
@@ -51,13 +52,19 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         if (xn.shape != x1.shape or wn.shape != w1.shape or x1.shape[:-1] != y1.shape[:-1]
                 or w1.shape[0] != y1.shape[-1]):
             continue  # not whole tensors (e.g. stacked shards of two same-degree TP>1 worlds)
-        b = bounds.linear_bound(x1, xn, w1, wn, y1, yn, world, b1, bn)
-        if b.shape != y1.shape:
+        def measure():
+            b = bounds.linear_bound(x1, xn, w1, wn, y1, yn, world, b1, bn)
+            if b.shape != y1.shape:
+                return ()
+            chk = bounds.check(y1, yn, b)
+            return chk.bound, chk.ratio, chk.beyond
+
+        # the same records' bound, measured earlier in this process (diff/pair_memo.py)
+        ids = pair_memo.of(dd, k, xk, wk, *((bk,) if b1 is not None else ()))
+        got = pair_memo.cached(ids and ("linear", bounds.linear_bound, bounds.check, world, ids), measure)
+        if not got:
             continue
-        chk = bounds.check(y1, yn, b)
-        row["bound"] = chk.bound
-        row["bound_ratio"] = chk.ratio
-        row["beyond_bound"] = chk.beyond
+        row["bound"], row["bound_ratio"], row["beyond_bound"] = got
     generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
     oracle.apply(dd)  # any module or op the reference re-executed in float64: bug or rounding
     oracle_own.apply_own(dd)  # ... and past the first divergence, from this side's own inputs
@@ -81,7 +88,7 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
                            if r.get("kind") == "op" and r.get("step") == row["step"]
                            and r.get("phase") == "backward")
             row["generic_cause"] = "row-parallel-reduction" if reducing else "shape-dependent-gemm"
-    _loss_bounds(dd)
+    loss_bounds(dd)
     # NaN/Inf where the reference has a finite value (or the reverse) is no rounding: a wrong
     # result. Its first appearance is the finding; everything after merely inherits it.
     first_nonfinite = next((r for r in dd.rows if r.get("nonfinite_mismatch")), None)
@@ -99,54 +106,6 @@ def nonfinite_summary(rows: list[dict]) -> dict | None:
     return {"records": len(nf), "nan_records": sum(r.get("nonfinite") == "NaN" for r in nf),
             "first": {k: f.get(k) for k in ("key", "phase", "module", "kind", "name", "step")}
             | {"value": (f.get("nonfinite") or "NaN or Inf").lower(), "side": f.get("nonfinite_side") or "degree"}}  # "nan": JSON's "NaN" reads back as a float
-
-
-def _set(row: dict, bound: float, diff: float) -> None:
-    row["bound"] = bound
-    row["bound_ratio"] = diff / bound if bound > 0 else (0.0 if diff == 0 else float("inf"))
-    row["beyond_bound"] = diff > bound
-
-
-def _loss_bounds(dd: DegreeDiff) -> None:
-    """Bounds for the logprobs and the loss (from the logits) and for the grad norm (from the
-    grads): a loss that is wrong at TP > 1 (a log(TP) offset, a local vocab size) is a finding,
-    not a 'vocab-parallel-softmax' reordering. Assumes a cross-entropy-like loss."""
-    by_step: dict = {}
-    for row in dd.rows:
-        by_step.setdefault(row["step"], []).append(row)
-    for step, rows in by_step.items():
-        lk = record_key(step, "loss", "model", "logits", 0, "logits")
-        lp_row = next((r for r in rows if r["kind"] == "logprobs"), None)
-        if lk in dd.tensors and lp_row is not None and lp_row["key"] in dd.tensors:
-            (l1, ln), (p1, pn) = dd.tensors[lk], dd.tensors[lp_row["key"]]
-            if l1.shape == ln.shape and p1.numel() == l1.numel() // l1.shape[-1]:
-                eb = bounds.logprob_bound(l1, ln, p1, pn)
-                d = (pn.double().reshape(-1) - p1.double().reshape(-1)).abs()
-                chk = bounds.check(p1.reshape(-1), pn.reshape(-1), eb)
-                _set(lp_row, chk.bound, float(d.flatten()[int((d / eb).argmax())]))
-                lp_row["bound_ratio"], lp_row["beyond_bound"] = chk.ratio, chk.beyond
-                loss_row = next((r for r in rows if r["kind"] == "loss"), None)
-                if loss_row is not None and loss_row["key"] in dd.tensors:
-                    la, lb = dd.tensors[loss_row["key"]]
-                    a, b = (float(t.double().reshape(-1)[0]) for t in (la, lb))
-                    _set(loss_row, bounds.mean_bound(eb, a, b, p1.numel(), la.dtype), abs(b - a))
-        gn = next((r for r in rows if r["kind"] == "grad_norm"), None)
-        if gn is not None and gn["key"] in dd.tensors:
-            grads = [r["key"] for r in rows if r["kind"] == "param_grad"]
-            # every grad the norm read, or no bound: hash capture keeps whole values only for the
-            # first divergence, and a triangle bound over some of the grads is too small - it
-            # called a grad norm over rounding-different grads a bug (llama-1b, micro-batch 8 vs 1)
-            pairs = [dd.tensors[k] for k in grads if k in dd.tensors] if all(k in dd.tensors for k in grads) else []
-            if pairs and all(a.shape == b.shape for a, b in pairs):
-                a, b = (float(t.double().reshape(-1)[0]) for t in dd.tensors[gn["key"]])
-                g1, gn_ = [p[0] for p in pairs], [p[1] for p in pairs]
-                _set(gn, bounds.norm_bound(g1, gn_, a, b), abs(b - a))
-                # beyond the triangle bound but faithful to its own grads: the bound's rounding
-                # model was too tight (a GPU's serial reduce runs), not a wrong norm
-                own = bounds.norm_own_errors(g1, gn_, a, b)
-                gn["norm_own"] = own
-                if gn["beyond_bound"] and not own["far"]:
-                    gn["beyond_bound"] = False
 
 
 def classify(row: dict) -> str:

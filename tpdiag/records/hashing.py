@@ -54,6 +54,13 @@ def hash_of_lanes(lane_a: int, lane_b: int, dtype: str, shape) -> str:
     return format(v ^ _head(dtype.replace("torch.", ""), tuple(shape)), "016x")
 
 
+def lanes_of(h: str, dtype: str, shape) -> int:
+    """The two lanes a hash holds (hash_of_lanes without its dtype and shape): the lanes are sums
+    over the raw words by flat position, so two tensors of one dtype whose flat bytes are equal
+    have equal lanes whatever their shapes (a [2, n/2, m] stack of row shards and its [n, m] whole)."""
+    return int(h, 16) ^ _head(dtype.replace("torch.", ""), tuple(shape))
+
+
 def tensor_hash(t: torch.Tensor, version: int = HASH_VERSION) -> str:
     """The hash of a whole tensor (one host sync); `version`: the lane mix (an old run
     directory's, to check its stored tensors)."""

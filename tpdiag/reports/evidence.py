@@ -17,7 +17,7 @@ class _Subset:
         self.events = [m for m in rs.events if m["key"] in keys]
         self.by_key = {m["key"]: m for m in self.events}
         self.tensor = rs.tensor
-        # the stored-hash check (diff/engine._read_pair) as the whole set does it
+        # the stored-hash check (diff/pair_read.py) as the whole set does it
         self.hash_version, self.known_hashes, self.verify, self.vouch = (
             rs.hash_version, rs.known_hashes, rs.verify, rs.vouch)
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+# the compiled kernels' names a rank's timings keep (rankN.done, the manifest's rank_timings)
+MAX_NAMES, NAME_CHARS = 64, 300
+
 
 @contextmanager
 def compile_meter(device_type: str):
@@ -33,6 +36,7 @@ def compile_meter(device_type: str):
     prev_pre, prev_post = rt.jit_cache_hook, rt.jit_post_compile_hook
     started: list[float] = []
     total = {"s": 0.0, "n": 0}
+    names: list[str] = []
 
     import os
 
@@ -43,6 +47,11 @@ def compile_meter(device_type: str):
         skip = prev_pre(*args, **kwargs) if prev_pre else None
         if not skip:
             started.append(time.perf_counter())
+            # which kernel and specialisation (Triton's repr: name, options, argument types): a
+            # world that compiles what an earlier world of the run compiled says which (issue 59)
+            name = kwargs.get("repr") or getattr(kwargs.get("fn"), "name", None)
+            if isinstance(name, str) and len(names) < MAX_NAMES:
+                names.append(name[:NAME_CHARS])
         return skip
 
     def post(*args, **kwargs):
@@ -60,6 +69,8 @@ def compile_meter(device_type: str):
     finally:
         rt.jit_cache_hook, rt.jit_post_compile_hook = prev_pre, prev_post
         out.update(triton_compile_s=total["s"], triton_compiles=total["n"])
+        if names:
+            out["triton_kernels"] = names
 
 
 def _log(path: str, s: float, kwargs: dict) -> None:

@@ -1,0 +1,71 @@
+"""The loss phase's bounds: the logprobs and the loss from the logits, the grad norm from the grads."""
+from __future__ import annotations
+
+from tpdiag.diff import bounds, pair_memo
+from tpdiag.diff.engine import DegreeDiff
+from tpdiag.records.keys import record_key
+
+
+def _set(row: dict, bound: float, diff: float) -> None:
+    row["bound"] = bound
+    row["bound_ratio"] = diff / bound if bound > 0 else (0.0 if diff == 0 else float("inf"))
+    row["beyond_bound"] = diff > bound
+
+
+def loss_bounds(dd: DegreeDiff) -> None:
+    """Bounds for the logprobs and the loss (from the logits) and for the grad norm (from the
+    grads): a loss that is wrong at TP > 1 (a log(TP) offset, a local vocab size) is a finding,
+    not a 'vocab-parallel-softmax' reordering. Assumes a cross-entropy-like loss."""
+    by_step: dict = {}
+    for row in dd.rows:
+        by_step.setdefault(row["step"], []).append(row)
+    for step, rows in by_step.items():
+        lk = record_key(step, "loss", "model", "logits", 0, "logits")
+        lp_row = next((r for r in rows if r["kind"] == "logprobs"), None)
+        if lk in dd.tensors and lp_row is not None and lp_row["key"] in dd.tensors:
+            (l1, ln), (p1, pn) = dd.tensors[lk], dd.tensors[lp_row["key"]]
+            if l1.shape == ln.shape and p1.numel() == l1.numel() // l1.shape[-1]:
+                loss_row = next((r for r in rows if r["kind"] == "loss"), None)
+                if loss_row is not None and loss_row["key"] not in dd.tensors:
+                    loss_row = None
+
+                def measure():
+                    eb = bounds.logprob_bound(l1, ln, p1, pn)
+                    d = (pn.double().reshape(-1) - p1.double().reshape(-1)).abs()
+                    chk = bounds.check(p1.reshape(-1), pn.reshape(-1), eb)
+                    lp = chk.bound, float(d.flatten()[int((d / eb).argmax())]), chk.ratio, chk.beyond
+                    if loss_row is None:
+                        return lp, None
+                    la, lb = dd.tensors[loss_row["key"]]
+                    a, b = (float(t.double().reshape(-1)[0]) for t in (la, lb))
+                    return lp, (bounds.mean_bound(eb, a, b, p1.numel(), la.dtype), abs(b - a))
+
+                # the same records' bounds, measured earlier in this process (diff/pair_memo.py)
+                ids = pair_memo.of(dd, lk, lp_row["key"], *((loss_row["key"],) if loss_row else ()))
+                lp, loss = pair_memo.cached(ids and ("logprob", bounds.logprob_bound, bounds.check,
+                                                     bounds.mean_bound, ids), measure)
+                _set(lp_row, lp[0], lp[1])
+                lp_row["bound_ratio"], lp_row["beyond_bound"] = lp[2], lp[3]
+                if loss is not None:
+                    _set(loss_row, *loss)
+        gn = next((r for r in rows if r["kind"] == "grad_norm"), None)
+        if gn is not None and gn["key"] in dd.tensors:
+            grads = [r["key"] for r in rows if r["kind"] == "param_grad"]
+            # every grad the norm read, or no bound: hash capture keeps whole values only for the
+            # first divergence, and a triangle bound over some of the grads is too small - it
+            # called a grad norm over rounding-different grads a bug (llama-1b, micro-batch 8 vs 1)
+            pairs = [dd.tensors[k] for k in grads if k in dd.tensors] if all(k in dd.tensors for k in grads) else []
+            if pairs and all(a.shape == b.shape for a, b in pairs):
+                a, b = (float(t.double().reshape(-1)[0]) for t in dd.tensors[gn["key"]])
+                g1, gn_ = [p[0] for p in pairs], [p[1] for p in pairs]
+                # the same records' bound, measured earlier in this process (diff/pair_memo.py);
+                # beyond the triangle bound but faithful to its own grads: the bound's rounding
+                # model was too tight (a GPU's serial reduce runs), not a wrong norm
+                ids = pair_memo.of(dd, gn["key"], *grads)
+                bound, own = pair_memo.cached(
+                    ids and ("norm", bounds.norm_bound, bounds.norm_own_errors, ids),
+                    lambda: (bounds.norm_bound(g1, gn_, a, b), bounds.norm_own_errors(g1, gn_, a, b)))
+                _set(gn, bound, abs(b - a))
+                gn["norm_own"] = own
+                if gn["beyond_bound"] and not own["far"]:
+                    gn["beyond_bound"] = False
