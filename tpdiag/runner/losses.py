@@ -14,8 +14,12 @@ def default_loss(logits, labels):
 
 
 def token_logprobs(logits, labels):
-    """log p(label) per token; the vocab-parallel log-softmax runs on sharded logits."""
-    lp = -F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE,
+    """log p(label) per token, in float32 from the logits upcast (an exact cast) as RL trainers
+    take them (NeMo RL, verl) and as engines report them (generate()'s output_logits, vLLM's
+    sampler): a bf16 log-softmax rounds each logprob to 8 bits, and the logprob error between two
+    degrees would be mostly that rounding (2 ULP of a bf16 logprob near -5 is 0.0625). The
+    vocab-parallel log-softmax runs on sharded logits (the cast keeps their placement)."""
+    lp = -F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE,
                           reduction="none")
     return lp
 
