@@ -152,9 +152,12 @@ def judge(collector: Collector, vocab: int) -> dict:
         return {"detected": True, "kind": "systematic", **ev,
                 "explanation": f"engine logprobs are at or above the trainer's for {higher:.0%} of tokens "
                                f"(mean +{mean_d:.3g} nats): typical of logprobs renormalised after "
-                               "top-k/top-p filtering, though no single filter fits - or of another "
-                               "model than --model (a smaller vocabulary, other weights: the file "
-                               "does not say which model made it)"}
+                               "top-k/top-p filtering, though no temperature and filter fits - as "
+                               "when a penalty moved the logits of tokens already seen first "
+                               "(generate()'s repetition_penalty, vLLM's repetition/presence/frequency "
+                               "penalties: not modelled here) - or of another model than --model (a "
+                               "smaller vocabulary, other weights: the file does not say which model "
+                               "made it)"}
     return {"detected": False, "kind": None, **ev,
             "explanation": "no sign of processing: differences go both ways and fit no filter or temperature"}
 
