@@ -106,3 +106,16 @@ def test_a_trainer_degree_alone_is_told_to_try_tp1(engine):
     tp = [n for n in s["notes"] if n.startswith("TP > 1 ran in worlds")]
     assert tp == ["TP > 1 ran in worlds of one process per rank, one thread each (as compare's)"], s["notes"]
     assert s["what_to_do"]["case"] == "none" and "--tp 2,1 (your degree stays the reference" in s["what_to_do"]["line"]
+    # the processed-logprobs check reads a TP=1 configuration's logits: it said "no configuration ran"
+    assert s["processed"]["detected"] is None
+    assert s["processed"]["explanation"].startswith("not judged: it reads the trainer's logits in a TP=1 "
+                                                     "configuration and --tp has no 1; add 1 to --tp"), s["processed"]
+    import io
+
+    from rich.console import Console
+
+    from tpdiag.cli.rollout import rollout_report
+
+    buf = io.StringIO()
+    rollout_report(Console(file=buf, width=200), s)
+    assert "raw or processed logprobs: not judged" in buf.getvalue()

@@ -122,7 +122,9 @@ def rollout_report(console, s: dict) -> None:
     if s.get("sdpa_ran"):
         w(f"SDPA backend that ran: {s['sdpa_ran']}", soft_wrap=True)
     pr = s["processed"]
-    tag = "[bold red]processed logprobs[/]" if pr.get("detected") else "raw logprobs"
+    # detected None: not judged - "raw" would claim what was not checked
+    tag = {True: "[bold red]processed logprobs[/]", False: "raw logprobs"}.get(pr.get("detected"),
+                                                                              "raw or processed logprobs")
     console.print(f"{tag}: {pr['explanation']}", markup=True, soft_wrap=True)
 
     t = Table(title="configurations (the engine vs the trainer)", box=_box(console, box.SIMPLE_HEAD))
