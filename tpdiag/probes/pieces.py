@@ -346,7 +346,8 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
     if rows and all(m.get("piece_fold") == rows for m, _ in parts):
         # each sequence's rows of every call, in position order: [B, positions, ...] made flat
         t = torch.cat([x.unflatten(d, (rows, -1)) for x in ts], d + 1).flatten(d, d + 1)
-    elif ts[0].ndim and d is not None and (whole_d == sum(x.shape[d] for x in ts) or (whole is None and not same)):
+    elif ts[0].ndim and d is not None and _joinable(ts, d) and (whole_d == sum(x.shape[d] for x in ts)
+                                                                or (whole is None and not same)):
         t = torch.cat(ts, d)
     elif same:
         t = ts[0]  # the same per-call value in every piece
@@ -358,6 +359,14 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
         # the hash of exactly this tensor: gather stores it as is and need not hash it again
         m0["hash"], m0["_hash_is_tensor"] = _hash(t), True
     return [(m0, t, None)]
+
+
+def _joinable(ts: list, d: int) -> bool:
+    """Whether the pieces agree on every dim but d (their positions): a decode call's sliding-window
+    attention mask is [B, 1, 1, window] where the prompt call's is [B, 1, P, P] - positions along
+    dim 2 but another key length, not slices of the reference's [B, 1, L, L]."""
+    return all(x.ndim == ts[0].ndim and x.shape[:d] == ts[0].shape[:d] and x.shape[d + 1:] == ts[0].shape[d + 1:]
+               for x in ts)
 
 
 def _own(m0: dict, m: dict) -> dict:
