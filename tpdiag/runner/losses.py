@@ -26,8 +26,10 @@ def token_logprobs(logits, labels):
     log-softmax is its own, so blocks of rows give the whole tensor's bits. The vocab-parallel
     log-softmax runs on sharded logits (a DTensor: one call, the cast keeps its placement)."""
     lo, lab = logits.flatten(0, -2), labels.flatten()
-    if lo.dtype == torch.float32 or type(lo) is not torch.Tensor:
-        return -F.cross_entropy(lo.float(), lab, ignore_index=IGNORE, reduction="none")
+    if lo.dtype not in (torch.bfloat16, torch.float16) or type(lo) is not torch.Tensor:
+        # float32 or float64 as they are; a DTensor (a vocab shard under loss_parallel) in one call
+        lo = lo.float() if lo.dtype in (torch.bfloat16, torch.float16) else lo
+        return -F.cross_entropy(lo, lab, ignore_index=IGNORE, reduction="none")
     rows = max(1, CHUNK_ELEMENTS // max(lo.shape[-1], 1))
     return torch.cat([-F.cross_entropy(lo[a:a + rows].float(), lab[a:a + rows], ignore_index=IGNORE,
                                        reduction="none") for a in range(0, lo.shape[0], rows)])
