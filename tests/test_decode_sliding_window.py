@@ -2,7 +2,9 @@
 calls' attention mask is [B, 1, 1, window] where the prompt call's is [B, 1, P, P] - the calls'
 positions along dim 2 but another key length. Merging the calls' records cat them along the
 positions and the world failed ("Sizes of tensors must match except in dimension 2. Expected size 8
-but got size 4"); now they are each call's own records and the world runs."""
+but got size 4"); now they are each call's own records and the world runs. Under hash capture the
+calls' hash lanes were added up as slices of the reference's mask, and the first divergence read
+"forward: model (in 1)" (the mask, unknown) instead of the attention's own records."""
 import json
 
 import pytest
@@ -12,7 +14,8 @@ from tests.conftest import run_cli
 pytest.importorskip("transformers")
 
 
-def test_sliding_window_decode_world_runs(tmp_path):
+@pytest.mark.parametrize("capture", ["full", "hash"])
+def test_sliding_window_decode_world_runs(tmp_path, capture):
     from transformers import AutoConfig
 
     AutoConfig.for_model("mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -22,9 +25,10 @@ def test_sliding_window_decode_world_runs(tmp_path):
     out = tmp_path / "run"
     p = run_cli("compare", "--model", f"hf:{tmp_path / 'm'}", "--tp", "2", "--mode", "prefill,decode",
                 "--forward-only", "--no-baseline", "--no-confirm", "--no-judge-downstream", "--out", str(out),
-                "--format", "json")
+                "--capture", capture, "--format", "json")
     assert p.returncode == 0, p.stderr + p.stdout
     s = json.loads((out / "summary.json").read_text())
     entry = s["configurations"]["2-decode"]
     assert entry["status"] in ("bitwise", "divergent"), entry
-    assert entry["first_divergence"]["phase"] == "forward", entry
+    fd = entry["first_divergence"]
+    assert fd["phase"] == "forward" and fd["module"].startswith("model.layers.0.self_attn"), fd
