@@ -136,6 +136,9 @@ def test_attention_and_padding_refusals():
     SDPA's), any padding side in compare (its sequences carry no padding)."""
     r = run_cli("compare", "--tp", "1", "--attention", "sdpa,eager")
     assert r.returncode == 2 and "--attention eager: not an axis of compare" in r.stderr, r.stderr
+    # eager alone runs every configuration eager, for an hf: model: the presets have no switch
+    r = run_cli("compare", "--tp", "1,2", "--attention", "eager")
+    assert r.returncode == 2 and "--attention eager: only hf: models switch" in r.stderr, r.stderr
     r = run_cli("compare", "--tp", "1,2", "--padding", "left")
     assert r.returncode == 2 and "not an axis of compare" in r.stderr, r.stderr
 

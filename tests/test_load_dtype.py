@@ -122,3 +122,41 @@ def test_tp2_keeps_the_same_dtypes_and_records_them(tmp_path):
         assert n["buffer_dtypes"]["model.rotary_emb.inv_freq"] == "float32", label
         assert n["param_dtypes"] == {"bfloat16": 21}, label
         assert n["flag_values"]["deterministic_algorithms"] is True
+    # the logprobs are the trainer's: transformers' own bf16 logits upcast to float32, then
+    # log-softmax (NeMo RL, verl; generate()'s output_logits) - bit for bit at TP=1. They were a
+    # bf16 log-softmax (each logprob rounded to 8 bits: 2 of its ULPs near -5 are 0.0625, and the
+    # TP=2 logprob error read mostly that rounding)
+    from transformers import AutoModelForCausalLM
+
+    from tpdiag.records.store import RecordSet
+
+    rs = RecordSet(str(out / "tp1"))
+    batch = {e["name"]: rs.tensor(e) for e in rs.events if e["kind"] == "batch"}
+    lp = rs.tensor(next(e for e in rs.events if e["kind"] == "logprobs"))
+    torch.set_num_threads(1)  # the worlds' ranks run on one thread (a GEMM's bits can depend on it)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = model(batch["input_ids"]).logits
+    labels = batch["labels"].flatten()
+    scored = labels != -100
+    theirs = logits.float().log_softmax(-1).flatten(0, 1)[torch.arange(len(labels)), labels.clamp(min=0)]
+    assert lp.dtype == torch.float32
+    assert torch.equal(lp[scored], theirs[scored])
+
+
+def test_logprobs_in_blocks_of_rows_are_the_whole_tensors(monkeypatch):
+    # compare's logprobs upcast 16-bit logits a block of rows at a time (never a whole [T, V] float32
+    # copy): the same bits as the whole tensor's upcast log-softmax, ignored labels included
+    from tpdiag.runner import losses
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 25, 96, generator=g) * 4).to(torch.bfloat16)
+    labels = torch.randint(0, 96, (2, 25), generator=g)
+    labels[0, :3] = -100
+    whole = -torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                               reduction="none")
+    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 96 * 7)  # 7 rows a block: 8 blocks, the last of 1
+    got = losses.token_logprobs(logits, labels)
+    assert got.dtype == torch.float32 and torch.equal(got, whole)
+    assert torch.equal(got, logits.float().log_softmax(-1).flatten(0, 1).gather(
+        -1, labels.flatten().clamp(min=0)[:, None])[:, 0].masked_fill(labels.flatten() == -100, 0.0))

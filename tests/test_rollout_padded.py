@@ -106,3 +106,47 @@ def test_a_trainer_degree_alone_is_told_to_try_tp1(engine):
     tp = [n for n in s["notes"] if n.startswith("TP > 1 ran in worlds")]
     assert tp == ["TP > 1 ran in worlds of one process per rank, one thread each (as compare's)"], s["notes"]
     assert s["what_to_do"]["case"] == "none" and "--tp 2,1 (your degree stays the reference" in s["what_to_do"]["line"]
+    # the processed-logprobs check reads a TP=1 configuration's logits: it said "no configuration ran"
+    assert s["processed"]["detected"] is None
+    assert s["processed"]["explanation"].startswith("not judged: it reads the trainer's logits in a TP=1 "
+                                                     "configuration and --tp has no 1; add 1 to --tp"), s["processed"]
+    import io
+
+    from rich.console import Console
+
+    from tpdiag.cli.rollout import rollout_report
+
+    buf = io.StringIO()
+    rollout_report(Console(file=buf, width=200), s)
+    assert "raw or processed logprobs: not judged" in buf.getvalue()
+
+
+def test_one_reason_is_printed_once_for_every_configuration_it_stops():
+    # gemma2 has no SDPA in transformers: `--attention eager,sdpa --tp 1,2 --mode decode,prefill`
+    # printed transformers' paragraph once per sdpa configuration (4 times)
+    import io
+
+    from rich.console import Console
+
+    from tpdiag.cli.rollout import rollout_report
+
+    why = "attention sdpa: transformers cannot set it for Gemma2ForCausalLM: no SDPA yet"
+    ok = {"status": "ok", "seconds": 0.1, "same_bits_as": None,
+          "metrics": {"token_mult_prob_error": 1.0, "max_abs": 0.0, "mean_diff": 0.0, "k3_kl": 0.0,
+                      "exact_tokens": 4, "tokens": 4}}
+    confs = {"tp1-mb4-decode-none-eager": ok,
+             "tp1-mb4-decode-none-sdpa": {"status": "unavailable", "reason": why, "seconds": 0.0},
+             "tp2-mb4-decode-none-sdpa": {"status": "unavailable", "reason": why, "seconds": 0.0},
+             "tp2-mb4-prefill-none-sdpa": {"status": "failed", "reason": "RuntimeError: boom", "seconds": 0.0}}
+    s = {"file": "f", "format": "jsonl", "sequences": 1, "generated_tokens": 4, "model": "hf:m",
+         "dtype": "bfloat16", "device": "cpu", "reference": "tp1-mb4-decode-none-eager",
+         "metrics": ok["metrics"], "processed": {"detected": False, "explanation": "x"},
+         "configurations": confs, "closest": {"configurations": ["tp1-mb4-decode-none-eager"],
+                                              "reproduced": True, "explanation": "y"},
+         "worst_tokens": [], "notes": []}
+    buf = io.StringIO()
+    rollout_report(Console(file=buf, width=300), s)
+    out = buf.getvalue()
+    assert out.count(why) == 1, out
+    assert f"tp1-mb4-decode-none-sdpa, tp2-mb4-decode-none-sdpa unavailable: {why}" in out
+    assert "tp2-mb4-prefill-none-sdpa failed: RuntimeError: boom" in out

@@ -62,6 +62,24 @@ def test_temperature_then_top_p_from_generate_scores_is_named(tmp_path, model):
     assert "temperature 0.7" in pr["explanation"]
 
 
+def test_temperature_then_top_k_then_top_p_is_named(tmp_path, model):
+    # generate()'s top-p measures mass after top-k renormalised the K kept, so the kept prefixes
+    # reach p of the top-K mass, not of the whole: no one p of the whole fit and the verdict read
+    # "log_softmax(logits / 0.55) ... temperature-scaled" (a plain T nearer than raw, named first)
+    pr = _processed(tmp_path, _engine(model, scores=True, temperature=0.7, top_k=20, top_p=0.9), model)
+    assert pr["detected"] is True and pr["kind"] == "temperature+filter" and pr["temperature_fit"] == 0.7, pr
+    assert "temperature 0.7" in pr["explanation"]
+
+
+def test_a_repetition_penalty_is_named_among_the_causes(tmp_path, model):
+    # generate()'s repetition_penalty divides the seen tokens' logits before temperature and the
+    # filters: nothing here models it, and the 'systematic' line named only filters and another model
+    pr = _processed(tmp_path, _engine(model, scores=True, temperature=0.7, top_k=20, top_p=0.9,
+                                      repetition_penalty=1.3), model)
+    assert pr["detected"] is True and pr["kind"] == "systematic", pr
+    assert "repetition_penalty" in pr["explanation"]
+
+
 def test_noise_and_replaced_tokens_are_not_called_processing(tmp_path, model):
     # raw logits at T=0.7: the engine's numbers are the trainer's
     pr = _processed(tmp_path, _engine(model, temperature=0.7), model)

@@ -147,7 +147,8 @@ def attention() -> str:
     from tpdiag.base.configs import ATTENTIONS
 
     return (f"attention implementations to compare, the first the reference's: {_bar(ATTENTIONS)} (auto: the "
-            "model's own; sdpa-BACKEND: SDPA restricted to one backend; eager is refused here, with the reason: "
+            "model's own; sdpa-BACKEND: SDPA restricted to one backend; eager alone: every configuration eager, an "
+            "hf: model as attn_implementation=\"eager\" loads it; eager beside another is refused, with the reason: "
             "it gives the layers other inputs - tpdiag rollout --attention compares it; docs/rl.md)")
 
 

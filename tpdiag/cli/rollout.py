@@ -122,7 +122,9 @@ def rollout_report(console, s: dict) -> None:
     if s.get("sdpa_ran"):
         w(f"SDPA backend that ran: {s['sdpa_ran']}", soft_wrap=True)
     pr = s["processed"]
-    tag = "[bold red]processed logprobs[/]" if pr.get("detected") else "raw logprobs"
+    # detected None: not judged - "raw" would claim what was not checked
+    tag = {True: "[bold red]processed logprobs[/]", False: "raw logprobs"}.get(pr.get("detected"),
+                                                                              "raw or processed logprobs")
     console.print(f"{tag}: {pr['explanation']}", markup=True, soft_wrap=True)
 
     t = Table(title="configurations (the engine vs the trainer)", box=_box(console, box.SIMPLE_HEAD))
@@ -141,9 +143,14 @@ def rollout_report(console, s: dict) -> None:
                   _g(c["k3_kl"]), f"{c['exact_tokens']}/{c['tokens']}", r.get("same_bits_as") or "",
                   _g(r.get("seconds")))
     _print_table(console, t)
+    # one line per reason: an attention implementation the model lacks makes every configuration
+    # of that value unavailable with transformers' same paragraph (8 lines of it at --tp 1,2)
+    why: dict[tuple, list[str]] = {}
     for label, r in s["configurations"].items():
         if r["status"] != "ok":
-            w(f"{label} {r['status']}: {r.get('reason', '')}", soft_wrap=True)
+            why.setdefault((r["status"], r.get("reason", "")), []).append(label)
+    for (status, reason), labels in why.items():
+        w(f"{', '.join(labels)} {status}: {reason}", soft_wrap=True)
     if "explanation" in s["closest"]:
         w(f"closest to the engine: {s['closest']['explanation']}", soft_wrap=True)
     else:  # a summary of an older tpdiag

@@ -331,6 +331,11 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
                 return [(m0, None, lanes[0])]
             # pieces that differ: each piece's own (unmatched at the reference), as full capture
             return [(_own(m0, m), None, lane) for (m, _), lane in zip(parts, lanes)]
+        shapes = [m.get("local_shape") for m, _ in parts]
+        d = parts[0][0].get("piece_dim", 0)
+        if d is not None and None not in shapes and not _joinable(shapes, d):
+            # not slices of one whole (a sliding-window mask: _joinable): each piece's own
+            return [(_own(m0, m), None, lane) for (m, _), lane in zip(parts, lanes)]
         # a piece's slot may itself be rows (a piece that is also a TP shard, batch > 1), or the
         # slots of many calls (add_span's row, a list)
         return [(m0, None, tuple(x for s in lanes for x in (s if isinstance(s, (tuple, list)) else (s,))))]
@@ -346,7 +351,8 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
     if rows and all(m.get("piece_fold") == rows for m, _ in parts):
         # each sequence's rows of every call, in position order: [B, positions, ...] made flat
         t = torch.cat([x.unflatten(d, (rows, -1)) for x in ts], d + 1).flatten(d, d + 1)
-    elif ts[0].ndim and d is not None and (whole_d == sum(x.shape[d] for x in ts) or (whole is None and not same)):
+    elif ts[0].ndim and d is not None and _joinable([x.shape for x in ts], d) and (
+            whole_d == sum(x.shape[d] for x in ts) or (whole is None and not same)):
         t = torch.cat(ts, d)
     elif same:
         t = ts[0]  # the same per-call value in every piece
@@ -358,6 +364,14 @@ def _merged(rec, parts: list, lanes: list, same: bool = False) -> list:
         # the hash of exactly this tensor: gather stores it as is and need not hash it again
         m0["hash"], m0["_hash_is_tensor"] = _hash(t), True
     return [(m0, t, None)]
+
+
+def _joinable(shapes: list, d: int) -> bool:
+    """Whether the pieces' shapes agree on every dim but d (their positions): a decode call's
+    sliding-window attention mask is [B, 1, 1, window] where the prompt call's is [B, 1, P, P] -
+    positions along dim 2 but another key length, not slices of the reference's [B, 1, L, L]."""
+    s0 = list(shapes[0])
+    return all(len(s) == len(s0) and list(s[:d]) == s0[:d] and list(s[d + 1:]) == s0[d + 1:] for s in shapes)
 
 
 def _own(m0: dict, m: dict) -> dict:

@@ -21,6 +21,9 @@ TEMPERATURES = tuple(sorted({round(0.05 * i, 2) for i in range(1, 41)} | {round(
 FIT_TOL = 2e-3
 # the temperature analysis reads at most this many generated tokens (cost: |T| x tokens x vocab)
 MAX_TEMP_TOKENS = 1024
+# a top-k filter before top-p is recognised up to this K (the masses of the first K_MAX sorted
+# tokens kept per token and temperature: float32, 1024 x |T| x K_MAX x 4 bytes = 37 MB at most)
+K_MAX = 128
 
 
 class Collector:
@@ -55,9 +58,9 @@ class Collector:
         # that keeps every token tied with its K-th (transformers' TopKLogitsWarper) keeps k tokens for
         # any K in [k_lo, k]: the first index of that tie
         k_lo = (probs == probs.gather(-1, k[:, None])).int().argmax(-1)
-        temps = tfits = None
+        temps = tfits = heads = None
         if self._temp_tokens < MAX_TEMP_TOKENS:
-            temps, tfits = _per_temperature(z, toks, eng, rank)
+            temps, tfits, heads = _per_temperature(z, toks, eng, rank)
             self._temp_tokens += len(toks)
         for j in range(len(toks)):
             st = {"margin": float(top2[j, 0] - top2[j, 1]), "rank": int(rank[j]),
@@ -70,6 +73,7 @@ class Collector:
             if temps is not None:
                 st["temps"] = temps[j].tolist()
                 st["temp_fits"] = tfits[j].tolist()
+                st["temp_heads"] = heads[j]
             self.stats[(i, p + j)] = st
 
 
@@ -113,22 +117,17 @@ def judge(collector: Collector, vocab: int) -> dict:
                                "renormalised after sampling filters. Ask it for raw logprobs (vLLM: "
                                "logprobs_mode=raw_logprobs; generate(): output_logits, not output_scores) or "
                                "compare with the same filter applied"}
-    # 3. temperature
-    tt = [x["temps"] for x in st if "temps" in x]
-    if tt:
-        eng = [x["diff"] + x["temps"][TEMPERATURES.index(1.0)] for x in st if "temps" in x]
-        errs = [math.fsum(abs(e - row[k]) for e, row in zip(eng, tt)) / len(tt) for k in range(len(TEMPERATURES))]
-        best = min(range(len(errs)), key=errs.__getitem__)
-        raw = errs[TEMPERATURES.index(1.0)]
-        ev.update(temperature_fit=TEMPERATURES[best], temperature_fit_error=errs[best], raw_error=raw)
-        if TEMPERATURES[best] != 1.0 and errs[best] < raw / 10:
-            return {"detected": True, "kind": "temperature", **ev,
-                    "explanation": f"the engine's numbers are log_softmax(logits / "
-                                   f"{TEMPERATURES[best]:g}) to {errs[best]:.2g} nats (raw: {raw:.2g}) - "
-                                   "temperature-scaled. Compare with the same temperature, or ask for raw logprobs"}
+    # 3. temperature alone, to rounding: log_softmax(logits / T) for one T on the grid
+    temp = _temperature_fit(st)
+    if temp is not None:
+        ev.update(temperature_fit=temp["t"], temperature_fit_error=temp["err"], raw_error=temp["raw"])
+        if temp["t"] != 1.0 and temp["err"] <= FIT_TOL:
+            return _temperature_verdict(temp, ev)
     # 4. temperature, then a top-k / top-p filter renormalised (the order generate() and vLLM apply
     # them): for one T, every token the engine raised above log_softmax(logits / T) is exactly that
-    # minus log(mass of a prefix of the sorted softmax(logits / T)) - the sort order is T's too
+    # minus log(mass of a prefix of the sorted softmax(logits / T)) - the sort order is T's too.
+    # Tried before an approximate temperature: a filter on top of T=0.7 is matched far better by
+    # some plain T (0.55) than by raw logits, and naming that T would hide the filter
     tf = [x for x in st if "temp_fits" in x]
     if tf:
         best = _temperature_filter_fit(tf)
@@ -141,6 +140,10 @@ def judge(collector: Collector, vocab: int) -> dict:
                                    f"{t:g})): the engine sampled at temperature {t:g} and renormalised "
                                    "after its sampling filters. Ask it for raw logprobs (vLLM: "
                                    "logprobs_mode=raw_logprobs) or compare with the same processing"}
+    # 5. a temperature that fits far better than raw but not to rounding: a T between grid points,
+    # or a trainer whose logits are not the engine's bits (another dtype) - named as the nearest
+    if temp is not None and temp["t"] != 1.0 and temp["err"] < temp["raw"] / 10:
+        return _temperature_verdict(temp, ev)
     # a filter moves most tokens, and only up: a few tokens off among exact ones (another token than
     # the engine's at some positions) are not a filter
     moved_any = [x for x in d if abs(x) > FIT_TOL]
@@ -149,25 +152,48 @@ def judge(collector: Collector, vocab: int) -> dict:
         return {"detected": True, "kind": "systematic", **ev,
                 "explanation": f"engine logprobs are at or above the trainer's for {higher:.0%} of tokens "
                                f"(mean +{mean_d:.3g} nats): typical of logprobs renormalised after "
-                               "top-k/top-p filtering, though no single filter fits - or of another "
-                               "model than --model (a smaller vocabulary, other weights: the file "
-                               "does not say which model made it)"}
+                               "top-k/top-p filtering, though no temperature and filter fits - as "
+                               "when a penalty moved the logits of tokens already seen first "
+                               "(generate()'s repetition_penalty, vLLM's repetition/presence/frequency "
+                               "penalties: not modelled here) - or of another model than --model (a "
+                               "smaller vocabulary, other weights: the file does not say which model "
+                               "made it)"}
     return {"detected": False, "kind": None, **ev,
             "explanation": "no sign of processing: differences go both ways and fit no filter or temperature"}
 
 
+def _temperature_fit(st):
+    """{'t', 'err', 'raw'}: the grid temperature whose log_softmax(logits / T) is nearest the
+    engine's numbers (mean |error|, nats) and raw logits' error; None without temperature rows."""
+    tt = [x["temps"] for x in st if "temps" in x]
+    if not tt:
+        return None
+    eng = [x["diff"] + x["temps"][TEMPERATURES.index(1.0)] for x in st if "temps" in x]
+    errs = [math.fsum(abs(e - row[k]) for e, row in zip(eng, tt)) / len(tt) for k in range(len(TEMPERATURES))]
+    best = min(range(len(errs)), key=errs.__getitem__)
+    return {"t": TEMPERATURES[best], "err": errs[best], "raw": errs[TEMPERATURES.index(1.0)]}
+
+
+def _temperature_verdict(temp, ev) -> dict:
+    return {"detected": True, "kind": "temperature", **ev,
+            "explanation": f"the engine's numbers are log_softmax(logits / "
+                           f"{temp['t']:g}) to {temp['err']:.2g} nats (raw: {temp['raw']:.2g}) - "
+                           "temperature-scaled. Compare with the same temperature, or ask for raw logprobs"}
+
+
 def _per_temperature(z, toks, eng, rank):
-    """Per token and temperature T: log_softmax(z / T)[token], and the renormalisation fit at T -
-    [error, k, mass before, mass through]: how far the engine's logprob is from that minus log(the
+    """Per token and temperature T: log_softmax(z / T)[token], the renormalisation fit at T -
+    [error, k, mass before, mass through, diff]: how far the engine's logprob is from that minus log(the
     mass of the closest prefix of the sorted softmax(z / T) that holds the token: its first k
     tokens), and that prefix's mass without and with its last token (a top-p threshold lies
-    between them). Error inf where the engine is below log_softmax(z / T): a filter only raises."""
+    between them) - and the masses of the first K_MAX prefixes (a top-k before top-p renormalises
+    by one of them). Error inf where the engine is below log_softmax(z / T): a filter only raises."""
     import torch
 
     order = z.argsort(-1, descending=True)  # one order for every T > 0
     cols = torch.arange(z.shape[-1], device=z.device)
     holds = cols[None, :] >= rank[:, None]  # prefixes of k + 1 >= rank + 1 tokens hold the token
-    temps, fits = [], []
+    temps, fits, heads = [], [], []
     for t in TEMPERATURES:
         lsm = torch.log_softmax(z / t, -1)
         own = lsm.gather(-1, toks[:, None])[:, 0]
@@ -180,34 +206,58 @@ def _per_temperature(z, toks, eng, rank):
         before = torch.where(k > 0, mass.gather(-1, (k - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(through))
         temps.append(own)
         fits.append(torch.stack([e, (k + 1).to(e.dtype), before, through, d], dim=-1))
-    return torch.stack(temps, dim=-1), torch.stack(fits, dim=1)
+        heads.append(mass[:, :K_MAX].float().cpu())
+    return torch.stack(temps, dim=-1), torch.stack(fits, dim=1), torch.stack(heads, dim=1)
 
 
 def _temperature_filter_fit(st):
     """(T, tokens that fit, tokens) for a T != 1 at which >= 90% of the tokens are
     log_softmax(logits / T) renormalised over a prefix of the sorted softmax(logits / T), the
-    raised ones' prefixes one top-k and top-p filter (K the largest prefix, a p every shorter
-    prefix ends at and no prefix of K - 1 tokens reaches), or None. Most fitting tokens win, then
-    the T nearest 1. The filter's consistency is what tells this from noise: with a large vocabulary
+    raised ones' prefixes one top-k and top-p filter, or None. Most fitting tokens win, then the T
+    nearest 1. The filter's consistency is what tells this from noise: with a large vocabulary
     almost any small raise is some prefix's mass."""
     best = None
     for j, t in enumerate(TEMPERATURES):
         if t == 1.0:
             continue
-        fits = [x["temp_fits"][j] for x in st]
-        ok = [f for f in fits if f[0] <= FIT_TOL]
-        raised = [f for f in ok if f[4] > FIT_TOL]
-        if len(ok) < 0.9 * len(st) or len(raised) < 2:
+        idx = [i for i, x in enumerate(st) if x["temp_fits"][j][0] <= FIT_TOL]
+        raised = [i for i in idx if st[i]["temp_fits"][j][4] > FIT_TOL]
+        if len(idx) < 0.9 * len(st) or len(raised) < 2:
             continue
-        K = max(f[1] for f in raised)
-        lo = max(f[2] for f in raised)
-        hi = min((f[3] for f in raised if f[1] < K), default=1.0)
-        if not lo < hi + FIT_TOL:
+        if not _one_filter([st[i]["temp_fits"][j] for i in raised],
+                           [st[i].get("temp_heads") for i in raised], j):
             continue
-        key = (len(ok), -abs(math.log(t)))
+        key = (len(idx), -abs(math.log(t)))
         if best is None or key > best[0]:
-            best = (key, t, len(ok))
+            best = (key, t, len(idx))
     return None if best is None else (best[1], best[2], len(st))
+
+
+def _one_filter(fits, heads, j) -> bool:
+    """Do the raised tokens' kept prefixes [error, k, mass before, mass through, diff] come from one
+    top-k K and one top-p p? top-p keeps the smallest prefix whose mass reaches p, measured after
+    top-k renormalised the K kept (transformers' TopPLogitsWarper after TopKLogitsWarper; vLLM's
+    top-k/top-p sampler): a token whose prefix k < K has before < p * M_K <= through, M_K the
+    mass of the first K; one whose k = K only before < p * M_K (top-k cut it first). K runs from
+    the largest prefix to K_MAX, and without a top-k (M = 1, K the largest prefix)."""
+    import torch
+
+    f = torch.tensor(fits, dtype=torch.float64)
+    k, before, through = f[:, 1].long(), f[:, 2], f[:, 3]
+    kmax = int(k.max())
+
+    def consistent(m, K):
+        cut = k < K
+        lo = float((before / m).max())
+        hi = float((through[cut] / m[cut]).min()) if bool(cut.any()) else 1.0
+        return lo < hi + FIT_TOL
+
+    if consistent(torch.ones_like(before), kmax):
+        return True
+    if any(h is None for h in heads):
+        return False
+    cols = torch.stack([h[j] for h in heads]).double()  # [raised tokens, K_MAX]: mass of the first K
+    return any(consistent(cols[:, K - 1], K) for K in range(kmax, min(K_MAX, cols.shape[1]) + 1))
 
 
 def _k_fit(st) -> dict:

@@ -138,6 +138,18 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                     flag_values, pad_note)
 
 
+def _not_judged(rc, results) -> str:
+    """Why the processed-logprobs check did not run: it reads the logits rows of the first TP=1
+    configuration that runs, in this process (a TP > 1 world sends back logprobs, not rows)."""
+    if 1 not in rc.tp:
+        why = "--tp has no 1"
+    else:
+        why = "no TP=1 configuration ran (" + "; ".join(
+            f"{k}: {v['status']}" for k, v in results.items() if k.startswith("tp1-")) + ")"
+    return (f"not judged: it reads the trainer's logits in a TP=1 configuration and {why}; "
+            "add 1 to --tp to judge it (the worst tokens' margins and ranks come from it too)")
+
+
 def _dtype_note(rc) -> list[str]:
     """A bf16 checkpoint run without --dtype bfloat16 (the default is float32) is not reproduced,
     and the closest line can only say 'another dtype': name the two."""
@@ -249,7 +261,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     best = metrics.closeness(results[ranked[0]]["metrics"])
     closest = reproduced or [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
     verdict = processed.judge(collector, vocab) if stats_from else {
-        "detected": None, "kind": None, "explanation": "not judged: no configuration ran"}
+        "detected": None, "kind": None, "explanation": _not_judged(rc, results)}
     if verdict.get("detected"):
         notes.append("the engine's logprobs look processed: the closest configuration says little "
                      "until the engine reports raw logprobs")

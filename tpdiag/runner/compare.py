@@ -150,7 +150,7 @@ def check_axes(cfg: CompareConfig, spec) -> None:
                            "one-token call along the sequence over several ranks (sequence parallelism "
                            "splits positions; engines decode without it); run decode at TP=1 (a first "
                            "degree of 1, without --grid) or with the stock variant")
-    _check_attention_padding(cfg)
+    _check_attention_padding(cfg, spec.kind)
     if not cfg.micro_batches:
         return
     if spec.kind == "py":
@@ -162,18 +162,24 @@ def check_axes(cfg: CompareConfig, spec) -> None:
 
 
 # compare records every module's inputs; eager attention is given other inputs than SDPA (rollout,
-# which compares logprobs only, has it)
+# which compares logprobs only, has it). Eager alone - every configuration eager, as a trainer that
+# loads with attn_implementation="eager" runs at each of its degrees - compares like with like
 EAGER_REFUSED = (
     "--attention eager: not an axis of compare - transformers builds eager attention another mask than "
     "SDPA's (a float mask tensor where SDPA takes none and masks causally itself), so the decoder layers' "
-    "recorded inputs are not the same records, and the built-in presets and py: models have no eager "
-    "switch; compare SDPA backends here (e.g. --attention sdpa-math,sdpa-flash) and eager against SDPA on "
-    "logprobs with tpdiag rollout FILE --attention eager,sdpa")
+    "recorded inputs are not the same records; `--attention eager` alone runs every configuration eager "
+    "(an hf: model, as from_pretrained(..., attn_implementation=\"eager\") loads it); compare SDPA backends "
+    "here (e.g. --attention sdpa-math,sdpa-flash) and eager against SDPA on logprobs with tpdiag rollout "
+    "FILE --attention eager,sdpa")
+EAGER_NOT_HF = (
+    "--attention eager: only hf: models switch their attention implementation (transformers' "
+    "set_attn_implementation); the built-in presets run SDPA and a py: model runs its own code")
 
 
-def _check_attention_padding(cfg: CompareConfig) -> None:
-    """--attention: an SDPA backend (eager refused: EAGER_REFUSED); --padding: refused (nothing to
-    pad), so a comparison that would change nothing is not run as if it tested something."""
+def _check_attention_padding(cfg: CompareConfig, kind: str) -> None:
+    """--attention: SDPA backends, or eager alone for an hf: model (beside others refused:
+    EAGER_REFUSED); --padding: refused (nothing to pad), so a comparison that would change nothing
+    is not run as if it tested something. kind: the model spec's (hf, py, builtin)."""
     from tpdiag.base.configs import ATTENTIONS, PADDINGS
 
     bad = [p for p in cfg.paddings if p not in PADDINGS]
@@ -187,8 +193,10 @@ def _check_attention_padding(cfg: CompareConfig) -> None:
     for a in cfg.attentions:
         if a not in ATTENTIONS:
             raise BadInput(f"--attention {a}: expected one of {', '.join(ATTENTIONS)}")
-    if "eager" in cfg.attentions:
+    if "eager" in cfg.attentions and len(cfg.attentions) > 1:
         raise BadInput(EAGER_REFUSED)
+    if "eager" in cfg.attentions and kind != "hf":
+        raise BadInput(EAGER_NOT_HF)
 
 
 def device_info(device: str) -> dict:

@@ -13,11 +13,26 @@ def default_loss(logits, labels):
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE)
 
 
+# float32 elements of one upcast block of 16-bit logits: [T, V] is upcast a few hundred rows at a time
+# (152k-wide vocab: ~440 rows, 256 MiB), never whole (llama-1b at 8 x 4096 tokens: 17 GB)
+CHUNK_ELEMENTS = 1 << 26
+
+
 def token_logprobs(logits, labels):
-    """log p(label) per token; the vocab-parallel log-softmax runs on sharded logits."""
-    lp = -F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE,
-                          reduction="none")
-    return lp
+    """log p(label) per token, in float32 from the logits upcast (an exact cast) as RL trainers
+    take them (NeMo RL, verl) and as engines report them (generate()'s output_logits, vLLM's
+    sampler): a bf16 log-softmax rounds each logprob to 8 bits, and the logprob error between two
+    degrees would be mostly that rounding (2 ULP of a bf16 logprob near -5 is 0.0625). Each row's
+    log-softmax is its own, so blocks of rows give the whole tensor's bits. The vocab-parallel
+    log-softmax runs on sharded logits (a DTensor: one call, the cast keeps its placement)."""
+    lo, lab = logits.flatten(0, -2), labels.flatten()
+    if lo.dtype not in (torch.bfloat16, torch.float16) or type(lo) is not torch.Tensor:
+        # float32 or float64 as they are; a DTensor (a vocab shard under loss_parallel) in one call
+        lo = lo.float() if lo.dtype in (torch.bfloat16, torch.float16) else lo
+        return -F.cross_entropy(lo, lab, ignore_index=IGNORE, reduction="none")
+    rows = max(1, CHUNK_ELEMENTS // max(lo.shape[-1], 1))
+    return torch.cat([-F.cross_entropy(lo[a:a + rows].float(), lab[a:a + rows], ignore_index=IGNORE,
+                                       reduction="none") for a in range(0, lo.shape[0], rows)])
 
 
 def grad_norm_and_clip(params, max_norm: float | None):

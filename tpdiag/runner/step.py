@@ -179,9 +179,10 @@ def _contexts(stack: ExitStack, cfg: WorldConfig, model, target, world: int, rec
     # the run's G, the same in every rank of every world (before the fixes read it)
     stack.enter_context(install_tree_groups(cfg.tree_groups, cfg.group_gemm == PER_GROUP))
     # the configuration's attention implementation (the --attention axis; 'auto': the model's own):
-    # an SDPA backend within SDPA; never a switch of an hf: model's implementation, which would
+    # an SDPA backend within SDPA, or eager in every configuration (compare refuses eager beside
+    # another value); never a switch from SDPA to another in one configuration only, which would
     # build its layers other inputs (another mask) than the reference's (runner/compare.py)
-    if cfg.attention != "auto" and is_hf(model) and model.config._attn_implementation != "sdpa":
+    if cfg.attention not in ("auto", "eager") and is_hf(model) and model.config._attn_implementation != "sdpa":
         raise BadInput(f"--attention {cfg.attention}: {type(model).__name__} runs "
                        f"{model.config._attn_implementation!r} attention, not SDPA: switching it builds "
                        "its layers another attention mask than the reference's (other records); compare "
