@@ -232,6 +232,10 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                              and g.get("step") == f["step"] and cause_class(g.get("cause")) == "bug"), None)
                 if "follows" not in f and same is not None:
                     f["follows"] = same.get("key")  # one root per module (locate.py)
+                elif "follows" not in f:
+                    inner = _inside_consumer(f, entry["findings"] + [fd])
+                    if inner is not None:
+                        f["follows"] = inner.get("key")
                 entry["findings"].append(f)
             if label in own:
                 _near_on_own_inputs(entry, out, sub_label)
@@ -290,6 +294,21 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     merge(sub)
     summary["second_pass"] = {"dir": out, "ops": ops, "oracle": oracle, "scopes": scopes if ops else []}
     return summary
+
+
+def _inside_consumer(f: dict, findings: list) -> dict | None:
+    """The bug a grad_out finding follows where the one module whose backward computed it holds a
+    bug-class finding inside it (an MLP whose down projection is wrong hands its norm a wrong
+    grad): that finding leads, as a parent's output follows its child's in locate.py."""
+    from tpdiag.records.causes import cause_class
+    from tpdiag.records.keys import sole_consumer
+
+    c = sole_consumer(f.get("consumers")) if f.get("kind") == "grad_out" else None
+    if c is None:
+        return None
+    return next((g for g in findings if g is not f and "follows" not in g and g.get("step") == f.get("step")
+                 and cause_class(g.get("cause")) == "bug" and isinstance(g.get("module"), str)
+                 and (g["module"] == c or g["module"].startswith(c + "."))), None)
 
 
 def _own_left(region: dict, targets, sub_labels, confirmed: dict) -> dict | None:

@@ -11,6 +11,14 @@ from tpdiag.records.paths import RunDir
 def compare_session(cfg: CompareConfig, on_status=None, started: float | None = None) -> dict:
     """started: time.perf_counter() when the command began (its input checks are then the
     breakdown's first part, `checks`)."""
+    from tpdiag.diff import pair_memo
+
+    # the own-input pass's diff reads the region diff's pairs again: measured once per compare
+    with pair_memo.session():
+        return _session(cfg, on_status, started)
+
+
+def _session(cfg: CompareConfig, on_status=None, started: float | None = None) -> dict:
     from tpdiag.runner.compare import compare_pass
     from tpdiag.runner.confirm import auto_chain, confirm
 
