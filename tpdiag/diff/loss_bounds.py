@@ -1,6 +1,8 @@
 """The loss phase's bounds: the logprobs and the loss from the logits, the grad norm from the grads."""
 from __future__ import annotations
 
+import torch
+
 from tpdiag.diff import bounds, pair_memo
 from tpdiag.diff.engine import DegreeDiff
 from tpdiag.records.keys import record_key
@@ -38,7 +40,14 @@ def loss_bounds(dd: DegreeDiff) -> None:
                         return lp, None
                     la, lb = dd.tensors[loss_row["key"]]
                     a, b = (float(t.double().reshape(-1)[0]) for t in (la, lb))
-                    return lp, (bounds.mean_bound(eb, a, b, p1.numel(), la.dtype), abs(b - a))
+                    # a 16-bit loss (stock cross_entropy on bf16 logits) rounds each token's
+                    # log-softmax to its dtype before the mean, where the logprobs record is float32
+                    # (runner/losses.py): that rounding is the loss's own, per element
+                    el = eb
+                    if la.dtype in (torch.bfloat16, torch.float16) and p1.dtype != la.dtype:
+                        el = eb + bounds.UNIT_ROUNDOFF[la.dtype] * (
+                            p1.reshape(-1).double().abs() + pn.reshape(-1).double().abs()).to(eb.dtype)
+                    return lp, (bounds.mean_bound(el, a, b, p1.numel(), la.dtype), abs(b - a))
 
                 # the same records' bounds, measured earlier in this process (diff/pair_memo.py)
                 ids = pair_memo.of(dd, lk, lp_row["key"], *((loss_row["key"],) if loss_row else ()))

@@ -236,8 +236,11 @@ def mark_no_reference(v: dict, discrete) -> None:
 def _choices_equal(dd, row: dict, discrete) -> bool:
     """Whether each discrete op of this module's call (argmax, top-k, a comparison on floating
     values: probes/float64.DISCRETE) has op records here (probes/op_probe.py records their
-    outputs) and every one is bitwise equal on both sides."""
-    m = row["module"]
+    outputs) and every one is bitwise equal on both sides. A grad_out's choices are its one
+    consumer's (notes_for reads them there), so its ops are looked for there too."""
+    from tpdiag.records.keys import sole_consumer
+
+    m = (sole_consumer(row.get("consumers")) if row.get("kind") == "grad_out" else None) or row["module"]
     for d in discrete:
         got = [r for r in dd.rows if r["kind"] == "op" and r["step"] == row["step"] and r["phase"] == "forward"
                and (r["module"] == m or r["module"].startswith(m + ".")) and r["name"].startswith(d + "#")]

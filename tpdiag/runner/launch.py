@@ -129,8 +129,8 @@ def prewarm(device: str, degrees, dtype: str, model: str = "") -> None:
     otherwise compiles them one after another. Processes left running exit by themselves."""
     from tpdiag.models.capacity import guess_device
 
-    if guess_device(device, degrees) != "cuda":
-        return
+    if guess_device(device, degrees) != "cuda" or os.environ.get("TPDIAG_PRESTART", "1") == "0":
+        return  # without prestart the thread would start the fork server, outside the rank environment
     from tpdiag.runner import warm
 
     saved = _rank_vars()

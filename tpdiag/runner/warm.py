@@ -46,7 +46,9 @@ def start(ctx, dtypes, procs: int | None = None) -> list:
     if not names:
         return []
     n = len(jobs(names))
-    procs = procs or max(1, min(n, (os.cpu_count() or 2) // 2, 6))
+    # each holds a CUDA context (~0.5 GiB of GPU 0) while the memory preflight reads what is free:
+    # few, so that it under-reads by little
+    procs = procs or max(1, min(n, (os.cpu_count() or 2) // 2, 4))
     out = []
     for part in range(procs):
         try:
