@@ -1,4 +1,4 @@
-"""What the diff measured of a record pair, kept for the rest of the process by the pair's content.
+"""What the diff measured of a record pair, kept for the rest of the compare by the pair's content.
 
 Why: the own-input pass after a region pass (runner/drill.py) diffs the region's records again -
 its other worlds are the region pass's files, linked; its reference ran the same step again (its
