@@ -140,3 +140,26 @@ def test_an_edited_row_shard_is_still_refused(tp12_run, tmp_path, monkeypatch):
     pair_memo.clear()
     rows = engine.diff_degree(*_sets(tmp_path, "tp2"), "2").rows
     assert next(r for r in rows if r["key"] == key)["bitwise"] is False
+
+
+def test_an_index_hash_that_is_no_hash_is_refused_in_one_line(tp12_run, tmp_path):
+    # a row-shard stack [2, n/2, ...] against the reference's whole tensor is checked by one bytes
+    # comparison where both index hashes hold the same lanes; an index hash edited to something that
+    # is no hex number raised ValueError out of that comparison (a traceback) - now each side's own
+    # check refuses it
+    import json
+
+    from tpdiag.diff.analyse import analyse_degree
+    from tpdiag.records.store import RecordSet
+
+    for w in ("tp1", "tp2"):
+        shutil.copytree(tp12_run / w, tmp_path / w)
+    path = tmp_path / "tp2" / "events.jsonl"
+    lines = path.read_text().splitlines()
+    stacked = next(i for i, ln in enumerate(lines) if json.loads(ln).get("stored") == "stacked")
+    m = json.loads(lines[stacked])
+    m["stored_hash"] = "not-a-hash"
+    lines[stacked] = json.dumps(m)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(Inconclusive):
+        analyse_degree(RecordSet(str(tmp_path / "tp1")), RecordSet(str(tmp_path / "tp2")), "2")
