@@ -51,3 +51,17 @@ def test_an_edited_confirmation_finding_is_inconclusive(run, tmp_path):
     (d / "summary.json").write_text(json.dumps(s))
     g = run_cli("gate", str(d), "--allow", "rounding")
     assert g.returncode == 2 and "confirmation" in g.stdout.splitlines()[0], g.stdout[-2000:]
+
+
+def test_a_repeated_degree_is_read_under_the_reruns_own_label():
+    # `--tp 1,2,2`: the second TP=2 is "2-2" in the run and plain "2" in the confirmation rerun,
+    # which confirms it alone; its finding is read under the rerun's label (confirm_label). Read
+    # under "2-2" it was "not a record of that confirmation's diff.csv" - exit 2, untouched run
+    from tpdiag.records.numbers import confirmation_problems
+
+    f = {"key": "s0/forward/m/out#0/0", "from": "confirmation (fx)", "max_abs": 0.5, "bound": 1e-6}
+    rows = [{"degree": "2", "key": f["key"], "max_abs": 0.5, "bound": 1e-6}]
+    assert confirmation_problems({"2-2": {"findings": [{**f, "confirm_label": "2"}]}}, lambda fix: rows) == []
+    assert confirmation_problems({"2-2": {"findings": [f]}}, lambda fix: rows)  # no label: not found
+    edited = {**f, "confirm_label": "2", "max_abs": 0.25}
+    assert "edited after the run" in confirmation_problems({"2-2": {"findings": [edited]}}, lambda fix: rows)[0]

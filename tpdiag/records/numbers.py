@@ -44,8 +44,9 @@ def confirmation_problems(degrees: dict, rows_of) -> list[str]:
             if fix is None:
                 continue
             rows = rows_of(fix)
+            sub = str(f.get("confirm_label") or lab)  # the rerun's own label for this configuration
             r = None if rows is None else next(
-                (r for r in rows if str(r.get("degree")) == lab and r.get("key") == f.get("key")), None)
+                (r for r in rows if str(r.get("degree")) == sub and r.get("key") == f.get("key")), None)
             if r is None:
                 out.append(f"summary.json's TP={lab} finding {f.get('key')} from the confirmation by {fix} "
                            "is not a record of that confirmation's diff.csv")

@@ -113,7 +113,7 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
             from tpdiag.records.rundir import bitwise_keys
 
             clear_by_confirmation(every[label], bitwise_keys(out, sub_label))
-            _bug_after(every[label], after, fix)
+            _bug_after(every[label], after, fix, sub_label)
     from tpdiag.diff.classes import add_classes
 
     add_classes(summary)  # every flow (compare, `tpdiag confirm`) ends with the confirmed verdict
@@ -149,7 +149,7 @@ def _drilled(rcfg: CompareConfig, summary: dict, files, out: str, on_status=None
     return summary
 
 
-def _bug_after(entry: dict, after: dict | None, fix: str) -> None:
+def _bug_after(entry: dict, after: dict | None, fix: str, sub_label: str) -> None:
     """A bug the confirmation rerun found at its first divergence is a root finding of this
     configuration: fixes only reorder, so a wrong result under them is wrong without them."""
     from tpdiag.records.causes import cause_class
@@ -164,7 +164,8 @@ def _bug_after(entry: dict, after: dict | None, fix: str) -> None:
         # filed under the record's own module, as locate files an input finding (the gate matches
         # it to that row of this run's diff.csv); the code that computed it is its caller
         f["made_in"], f["module"] = f["module"], RecordKey.parse(f["key"]).module
-    entry.setdefault("findings", []).append({**f, "from": f"confirmation ({fix})"})
+    # confirm_label: its label in the rerun's own diff.csv (`--tp 1,2,2` confirms "2-2" as "2")
+    entry.setdefault("findings", []).append({**f, "from": f"confirmation ({fix})", "confirm_label": sub_label})
 
 
 def _round(cfg: CompareConfig, out: str, fixes, baseline: bool, on_status=None, finish: bool = True):
