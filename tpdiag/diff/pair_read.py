@@ -10,16 +10,19 @@ from tpdiag.records.store import RecordSet
 
 def read_pair(ref: RecordSet, rm: dict, other: RecordSet, om: dict) -> tuple:
     """Both records' stored tensors, each checked against its stored hash - a whole pass over the
-    tensor, most of a second pass's diff on the host - except where the check cannot change
-    anything: both index hashes hold the same lanes (one lane mix) and the two tensors' flat
-    bytes are equal. Then each file's check passes exactly when the other's does; an edit of
-    either file makes the bytes differ, and both are checked (the edited one fails). Equal lanes
+    tensor, most of a second pass's diff on the host - except where one check answers for both:
+    both index hashes hold the same lanes (one lane mix) and the two tensors' flat bytes are
+    equal. Then each file's check passes exactly when the other's does, and the reference's is
+    made (once per reference record, whatever the degrees): an edit of one file makes the bytes
+    differ and both are checked; the same edit of both fails the reference's check. Equal lanes
     with other shapes: a stack of row shards [world, n/world, ...] (TP=2's column-parallel
     weights, their grads, the embedding) and the reference's whole [n, ...], the same bytes in
     the same order."""
     rt, ot = ref.tensor(rm, verify=False), other.tensor(om, verify=False)
     if same_stored_bytes(ref, rm, rt, other, om, ot):
-        ref.vouch(rm)
+        # not neither: two files edited alike stay equal (a record both sides hold, then bounds
+        # read from it); the reference's check fails them
+        ref.verify(rm, rt)
         other.vouch(om)
     else:
         ref.verify(rm, rt)
