@@ -19,6 +19,7 @@ from tpdiag.config import CompareConfig, degree_labels
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.paths import RunDir
 from tpdiag.runner import prefix
+from tpdiag.runner.drill_own import inside_consumer, near_on_own_inputs, own_files, own_left, step_differs
 
 _VALUES = ("max_abs", "max_ulp", "mismatch_fraction", "bound", "bound_ratio")
 _OPS = ("op", "op_record", "op_detail", "op_max_abs")
@@ -133,14 +134,14 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     degrees = cfg.degrees if axes else (cfg.degrees[0],) + tuple(d for _, d in targets)
     rerun = cfg.with_(
         out=out, degrees=degrees, only=tuple(lab for lab, _ in targets) if axes else (), confirm=False, baseline=False, fix_mode="explicit",
-        # no unprobed rerun per world: its step must compute what pass 1's did (_step_differs)
+        # no unprobed rerun per world: its step must compute what pass 1's did (step_differs)
         selfcheck=False, oracle=tuple(oracle), oracle_ops=ops,
         # a pass that probes only some modules (the own-input pass after a region pass) keeps them
         capture="full" if hashed else cfg.capture, module_include=tuple(modules) or cfg.rerun.module_include,
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ())
     sub_labels = labels[:1] + [lab for lab, _ in targets] if axes else degree_labels(degrees)
     if own:
-        rerun = rerun.with_(oracle_own=_own_files(run_dir, labels[0], own,
+        rerun = rerun.with_(oracle_own=own_files(run_dir, labels[0], own,
                                                   dict(zip([lab for lab, _ in targets], sub_labels[1:]))))
     # decode configurations: first on their first positions (runner/prefix.py), where that
     # reproduces every target's first divergence and every difference pass 1 found in what it
@@ -182,14 +183,14 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         sub_every = entries(sub)
         # the reference ran pass 1's step (its logits and parameters; its loss-phase records are of
         # the first positions); decode worlds on the first positions checked themselves (worker.py)
-        ref_differs = _step_differs(run_dir, labels[0], out, sub_labels[0], ("logits", "params") if n else None)
+        ref_differs = step_differs(run_dir, labels[0], out, sub_labels[0], ("logits", "params") if n else None)
         what = "full-capture" if hashed else "op-level" if ops else "float64"
         for (label, _), sub_label in zip(targets, sub_labels[1:]):
             entry = every[label]
             fd = entry["first_divergence"]
             sub_entry = sub_every.get(sub_label) or {}
             sfd = sub_entry.get("first_divergence") or {}
-            differs = ref_differs or (None if n else _step_differs(run_dir, label, out, sub_label))
+            differs = ref_differs or (None if n else step_differs(run_dir, label, out, sub_label))
             if differs:
                 # pass 1's probes were proven inert (its self-check); these were not, and did not
                 # compute the same step: nothing they measured is evidence (records/integrity.py reads
@@ -233,12 +234,12 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                 if "follows" not in f and same is not None:
                     f["follows"] = same.get("key")  # one root per module (locate.py)
                 elif "follows" not in f:
-                    inner = _inside_consumer(f, entry["findings"] + [fd])
+                    inner = inside_consumer(f, entry["findings"] + [fd])
                     if inner is not None:
                         f["follows"] = inner.get("key")
                 entry["findings"].append(f)
             if label in own:
-                _near_on_own_inputs(entry, out, sub_label)
+                near_on_own_inputs(entry, out, sub_label)
             if sfd.get("key") != fd["key"]:
                 fd["values_detail" if hashed else "op_detail"] = (
                     f"the {what} rerun of this region did not reproduce this first divergence "
@@ -278,7 +279,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         region = sub
 
         def own_after_confirm(confirmed: dict) -> None:
-            left = _own_left(region, targets, sub_labels, confirmed)
+            left = own_left(region, targets, sub_labels, confirmed)
             sub_every = entries(region)
             # what the late pass judged, per configuration (none: the fix left them all bitwise)
             confirmed.setdefault("second_pass", {})["own_after_confirm"] = {
@@ -296,44 +297,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     return summary
 
 
-def _inside_consumer(f: dict, findings: list) -> dict | None:
-    """The bug a grad_out finding follows where the one module whose backward computed it holds a
-    bug-class finding inside it (an MLP whose down projection is wrong hands its norm a wrong
-    grad): that finding leads, as a parent's output follows its child's in locate.py."""
-    from tpdiag.records.causes import cause_class
-    from tpdiag.records.keys import sole_consumer
-
-    c = sole_consumer(f.get("consumers")) if f.get("kind") == "grad_out" else None
-    if c is None:
-        return None
-    return next((g for g in findings if g is not f and "follows" not in g and g.get("step") == f.get("step")
-                 and cause_class(g.get("cause")) == "bug" and isinstance(g.get("module"), str)
-                 and (g["module"] == c or g["module"].startswith(c + "."))), None)
 
 
-def _own_left(region: dict, targets, sub_labels, confirmed: dict) -> dict | None:
-    """The region pass's summary with each configuration's own-input modules cut to those its
-    confirming fix left divergent (all of them where no fix confirmed a rounding cause); None when
-    no module is left to judge."""
-    from tpdiag.records.axes import entries
-    from tpdiag.records.causes import cause_class
-    from tpdiag.records.rundir import read_rows
-
-    every, sub_every, left = entries(confirmed), entries(region), False
-    for (label, _), sub_label in zip(targets, sub_labels[1:]):
-        sub_entry = sub_every.get(sub_label) or {}
-        mods = list(sub_entry.get("own_inputs") or [])
-        conf = (every.get(label) or {}).get("confirmation") or {}
-        fd = (every.get(label) or {}).get("first_divergence") or {}
-        if mods and conf.get("verdict") == "confirmed" and cause_class(fd.get("cause")) == "rounding" \
-                and conf.get("run_dir") and os.path.exists(RunDir(conf["run_dir"]).diff_csv):
-            rows = [r for r in read_rows(RunDir(conf["run_dir"]).diff_csv) if r["degree"] == label]
-            if rows or conf.get("status_after") == "bitwise":
-                moved = {r["module"] for r in rows if r["bitwise"] is not True or r.get("rank_consistent") is False}
-                mods = [m for m in mods if m in moved]
-        sub_entry["own_inputs"] = mods
-        left = left or bool(mods)
-    return region if left else None
 
 
 def _reclear(summary: dict, labels) -> None:
@@ -375,7 +340,7 @@ def _judge_own_after_hash(rerun: CompareConfig, sub: dict, out: str, on_status) 
     firsts = {lab: copy.deepcopy(d.get("first_divergence")) for lab, d in every.items()}
     # its other worlds run as the region pass's did (the same modules whole, the same ops, every
     # position; only the reference's float64 oracle is new), their step proven pass 1's there
-    # (drill_down's merge: _step_differs): they are not run again (compare_pass: records_from
+    # (drill_down's merge: step_differs): they are not run again (compare_pass: records_from
     # where their configs match). Only the reference runs - at real sizes a decode world is most
     # of a region pass (llama-1b 1 x 2048: 51 of 68 s of this pass on an H200).
     # TPDIAG_OWN_PASS_RERUN=1: every world runs again (the A/B of the link: tests/test_own_pass_links.py)
@@ -386,59 +351,3 @@ def _judge_own_after_hash(rerun: CompareConfig, sub: dict, out: str, on_status) 
         if lab in firsts:
             d["first_divergence"] = firsts[lab]
     return sub
-
-
-def _near_on_own_inputs(entry: dict, sub_dir: str, sub_label: str) -> None:
-    """A first-pass finding from a layout bound (which assumed equal inputs) that the second pass,
-    re-executing its module in float64 from this side's own inputs, found within rounding (the
-    same record no longer beyond its bound there): not a bug."""
-    from tpdiag.records.rundir import read_rows
-
-    path = RunDir(sub_dir).diff_csv
-    if not os.path.exists(path):
-        return
-    near = {r["key"] for r in read_rows(path) if r["degree"] == sub_label and r.get("beyond_bound") is False}
-    from tpdiag.diff.judge import settle
-
-    fd = entry.get("first_divergence") or {}
-    for f in entry.get("findings") or []:
-        if f.get("key") in near and "from" not in f and \
-                settle(f, own_near=fd.get("cause")).rule == "within rounding on its own inputs":
-            f["follows"] = f.get("follows") or fd.get("key")
-
-
-def _own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict) -> tuple:
-    """Each target world's whole inputs and output grads of its own-input modules, from pass 1's
-    records, in a file the second pass's reference reads (keyed by the label it has there)."""
-    from safetensors.torch import save_file
-
-    from tpdiag.diff.own_inputs import side_inputs
-
-    out = []
-    for lab, mods in own.items():
-        tensors = side_inputs(RunDir(run_dir).world(ref_label), RunDir(run_dir).world(lab), set(mods))
-        if not tensors:
-            continue
-        path = RunDir(run_dir).own_inputs(lab)
-        save_file(tensors, path)
-        out.append((sub_label[lab], path))
-    return tuple(out)
-
-
-def _step_differs(run_dir: str, label: str, sub_dir: str, sub_label: str, keys=None) -> str | None:
-    """Where the region pass's world first computed another step than pass 1's at the same
-    degree (runner/fingerprint.py), with its TP label; None when every rank's fingerprint
-    matches."""
-    from tpdiag.base import files as io
-    from tpdiag.records.paths import WORLD
-    from tpdiag.runner.fingerprint import first_difference
-
-    try:
-        a = io.read_json(RunDir(run_dir).world_file(label, WORLD)).get("fingerprint")
-        b = io.read_json(RunDir(sub_dir).world_file(sub_label, WORLD)).get("fingerprint")
-    except Exception:  # a failed world wrote no world.json: its own status says why (below)
-        return None
-    if keys and a and b:
-        a, b = ([{k: v for k, v in (f or {}).items() if k in keys} for f in x] for x in (a, b))
-    where = first_difference(a, b)
-    return f"TP={label} {where}" if where else None
