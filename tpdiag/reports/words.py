@@ -124,6 +124,22 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
         findings.append(f"{follows} more record{'s' if follows != 1 else ''} beyond rounding follow"
                         f"{'s' if follows == 1 else ''} from the findings above (their inputs already differed)")
     kind = {"bug": "BUG: ", "non-finite": "NON-FINITE: ", "rounding": "Rounding: "}.get(d.get("class"), "")
-    return {"status": st, "headline": f"{kind}TP={label} first differs from TP={ref} at {where(fd)}.",
+    headline = f"{kind}TP={label} first differs from TP={ref} at {where(fd)}."
+    bug = _bug_behind(d, fd)
+    if bug is not None:
+        # the verdict names where the wrong result is, as the CLI's first line does: the first
+        # divergence here is a harmless reordering before it
+        headline = (f"{kind}TP={label} computes a wrong result at {where(bug)} ({bug.get('cause')}); it first "
+                    f"differs from TP={ref} earlier, at {where(fd)} ({cause}: rounding).")
+    return {"status": st, "headline": headline,
             "why": why, "size": size_sentence(fd), "action": action(cause, d.get("confirmation"), fix, available, capture),
             "findings": findings}
+
+
+def _bug_behind(d: dict, fd: dict) -> dict | None:
+    """The first root bug-class finding of a degree whose own first divergence is rounding (a bug
+    behind a harmless reordering); None otherwise."""
+    if d.get("class") != "bug" or causes.cause_class(fd.get("cause")) == "bug":
+        return None
+    return next((f for f in d.get("findings") or () if isinstance(f, dict) and "follows" not in f
+                 and causes.cause_class(f.get("cause")) == "bug"), None)

@@ -1,0 +1,29 @@
+"""The report's verdict line for a bug behind a harmless reordering: the CLI's first line names the
+bug, the report's read "BUG: TP=2 first differs from TP=1 at ... mlp.down ... (row-parallel-reduction)"
+- the harmless first divergence, the bug only further down under Findings (helper hbug6). It names
+where the wrong result is now, and the first divergence as the rounding it is."""
+from tpdiag.reports.words import verdict
+
+
+def _d(cls, findings):
+    fd = {"cause": "row-parallel-reduction", "phase": "forward", "module": "layers.0.feed_forward.w2",
+          "kind": "out", "step": 0, "max_abs": 1e-6}
+    return {"status": "divergent", "class": cls, "first_divergence": fd, "findings": findings}
+
+
+BUG = {"cause": "sharding-bug", "phase": "forward", "module": "layers.1.feed_forward.w2", "kind": "out",
+       "step": 0, "max_abs": 0.5, "bound": 1e-6}
+
+
+def test_a_bug_behind_a_reordering_is_the_headline():
+    h = verdict("2", "1", _d("bug", [BUG]), lambda c, op: (None, False))["headline"]
+    assert h.startswith("BUG: TP=2 computes a wrong result at the output of layers.1.feed_forward.w2"), h
+    assert "layers.0.feed_forward.w2" in h and "rounding" in h, h
+
+
+def test_rounding_and_a_bug_at_the_first_divergence_keep_their_headline():
+    h = verdict("2", "1", _d("rounding", []), lambda c, op: (None, False))["headline"]
+    assert h.startswith("Rounding: TP=2 first differs from TP=1 at"), h
+    # a finding that follows another is no root of its own
+    h = verdict("2", "1", _d("bug", [{**BUG, "follows": "x"}]), lambda c, op: (None, False))["headline"]
+    assert "computes a wrong result" not in h, h
