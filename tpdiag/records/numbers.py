@@ -35,7 +35,7 @@ def confirmation_of(f: dict) -> str | None:
 def confirmation_problems(degrees: dict, rows_of) -> list[str]:
     """Each finding a confirmation rerun found against that rerun's own diff.csv (rows_of(fix):
     its rows, or None when it has none to read - then the finding is no evidence)."""
-    out = []
+    out, read = [], {}
     for lab, d in degrees.items():
         if not isinstance(d, dict):
             continue
@@ -43,7 +43,9 @@ def confirmation_problems(degrees: dict, rows_of) -> list[str]:
             fix = confirmation_of(f) if isinstance(f, dict) else None
             if fix is None:
                 continue
-            rows = rows_of(fix)
+            if fix not in read:  # one read of each confirmation's diff.csv
+                read[fix] = rows_of(fix)
+            rows = read[fix]
             sub = str(f.get("confirm_label") or lab)  # the rerun's own label for this configuration
             r = None if rows is None else next(
                 (r for r in rows if str(r.get("degree")) == sub and r.get("key") == f.get("key")), None)

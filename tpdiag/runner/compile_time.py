@@ -9,6 +9,8 @@ as torch code, and nothing is reported (an absent field, not a zero that reads a
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from contextlib import contextmanager
 
@@ -37,9 +39,6 @@ def compile_meter(device_type: str):
     started: list[float] = []
     total = {"s": 0.0, "n": 0}
     names: list[str] = []
-
-    import os
-
     log = os.environ.get("TPDIAG_COMPILE_LOG")  # a JSON line a compile: which kernel, which specialisation
 
     def pre(*args, **kwargs):
@@ -74,11 +73,6 @@ def compile_meter(device_type: str):
 
 
 def _log(path: str, s: float, kwargs: dict) -> None:
-    import json
-    import os
-
-    import time
-
     fn = kwargs.get("fn")
     comp = kwargs.get("compile") or {}
     consts = comp.get("constants") or {}

@@ -110,15 +110,21 @@ def prestart(model: str = "") -> None:
     TPDIAG_PRESTART=0 (A/B). If the input is bad, the server exits with this process."""
     if os.environ.get("TPDIAG_PRESTART", "1") == "0":
         return
-    # RANK_ENV goes to the server (so to every rank) but not to this process: here torch is not
-    # imported yet, and OMP_NUM_THREADS=1 would make the diff, which runs here, single-threaded
+    _server_context(model, start=True)
+
+
+def _server_context(model: str, start: bool = False):
+    """The ranks' start context; start: its fork server started now. RANK_ENV goes to the server
+    (so to every rank) but not to this process: here torch is not imported yet, and
+    OMP_NUM_THREADS=1 would make the diff, which runs here, single-threaded."""
     saved = _rank_vars()
     try:
         ctx = _context(model)
-        if ctx.get_start_method() == "forkserver" and threading.current_thread() is threading.main_thread():
+        if start and ctx.get_start_method() == "forkserver" and threading.current_thread() is threading.main_thread():
             from multiprocessing import forkserver
 
             forkserver.ensure_running()
+        return ctx
     finally:
         _restore_env(saved)
 
@@ -133,11 +139,7 @@ def prewarm(device: str, degrees, dtype: str, model: str = "") -> None:
         return  # without prestart the thread would start the fork server, outside the rank environment
     from tpdiag.runner import warm
 
-    saved = _rank_vars()
-    try:
-        ctx = _context(model)
-    finally:
-        _restore_env(saved)
+    ctx = _server_context(model)
     # a process the fork server starts waits for the server's own imports (torch: seconds): from a
     # thread, so that those go on overlapping the checks (started inline, they added ~6 s to an
     # H200 compare's checks: 10.7 s -> 16.0-18.8 s)

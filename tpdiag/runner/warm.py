@@ -7,9 +7,10 @@ llama-1b compare's first world compiled 7 of them (12 s of its 17.5 s) and its s
 first world 4 more (H200, `compare --set axes --only mb-8x4096`, TPDIAG_COMPILE_LOG). A later
 process finds them in the cache and loads each in ~2 ms.
 
-`start()` runs `warm()` in a few background processes while the parent checks its inputs: each hashes a slice of small tensors, one of each variant a language
-model's records use (whole tensors big and small, scalars, last-dim shards), through the same
-launch paths the probes take, so Triton keys them as the worlds will. Nothing they compute is
+`start()` runs `warm()` in a few background processes while the parent checks its inputs: each
+hashes a slice of small tensors, one of each variant a language model's records use (whole
+tensors big and small, scalars, last-dim shards), through the same launch paths the probes take,
+so Triton keys them as the worlds will. Nothing they compute is
 kept; a variant they miss compiles where it is met, as before. TPDIAG_WARM=0: off (A/B).
 """
 from __future__ import annotations
