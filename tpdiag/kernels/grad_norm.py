@@ -193,7 +193,14 @@ def grad_norm_and_clip(params, max_norm: float | None) -> torch.Tensor:
 def _norm_and_clip(params: list, max_norm: float | None) -> torch.Tensor:
     total = grad_norm(params)
     if max_norm is not None:
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            scale_grads(grads, clip_coefficient(total, max_norm, norm_dtype(grads)))
+        clip_grads([p.grad for p in params if p.grad is not None], total, max_norm)
     return total
+
+
+def clip_grads(grads: list, total: torch.Tensor, max_norm: float) -> None:
+    """Scale the grads as `total`'s norm clips them: an invariant float64 total rounded to the
+    grads' dtype first (torch's own norm dtype: norm_dtype), any other total (the stock float32
+    norm) as it is - every clip of a step, stock or fixed, per-rank or not, by one rule."""
+    if grads:
+        dtype = norm_dtype(grads) if total.dtype == torch.float64 else total.dtype
+        scale_grads(grads, clip_coefficient(total, max_norm, dtype))

@@ -53,9 +53,9 @@ def grad_norm_and_clip(params, max_norm: float | None):
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
     if max_norm is not None and norms:
         # as torch's clip_grad_norm_: the coefficient stays on the device (no host sync)
-        from tpdiag.kernels.grad_norm import clip_coefficient, scale_grads
+        from tpdiag.kernels.grad_norm import clip_grads
 
-        scale_grads([p.grad for p in params if p.grad is not None], clip_coefficient(total, max_norm, total.dtype))
+        clip_grads([p.grad for p in params if p.grad is not None], total, max_norm)
     return total
 
 
@@ -148,7 +148,7 @@ def _with_plain_shards(norm_fn):
 
     @functools.wraps(norm_fn)  # still the kernel's norm (tests/test_fix_properties.py asks whose)
     def fn(params, max_norm):
-        from tpdiag.kernels.grad_norm import clip_coefficient, norm_dtype, scale_grads
+        from tpdiag.kernels.grad_norm import clip_grads
 
         params = list(params)
         whole = shard_norms([p for p in params if not isinstance(p, DTensor)], torch.float64)
@@ -156,9 +156,8 @@ def _with_plain_shards(norm_fn):
             return norm_fn(params, max_norm)
         rest = norm_fn([p for p in params if id(p) not in whole], None)
         total = torch.linalg.vector_norm(torch.stack([rest.to(torch.float64), *whole.values()]))
-        grads = [p.grad for p in params if p.grad is not None]
-        if max_norm is not None and grads:
-            scale_grads(grads, clip_coefficient(total, max_norm, norm_dtype(grads)))
+        if max_norm is not None:
+            clip_grads([p.grad for p in params if p.grad is not None], total, max_norm)
         return total
     return fn
 

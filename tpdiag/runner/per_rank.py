@@ -249,10 +249,8 @@ def norm_over_ranks(params, norm_fn, max_norm):
     b = norm_fn(own, None).to(device=dev, dtype=a.dtype) ** 2
     dist.all_reduce(b)
     total = torch.sqrt(a * a + b)
-    grads = [p.grad for p in params if p.grad is not None]
-    if max_norm is not None and grads:
-        from tpdiag.kernels.grad_norm import clip_coefficient, norm_dtype, scale_grads
+    if max_norm is not None:
+        from tpdiag.kernels.grad_norm import clip_grads
 
-        dtype = norm_dtype(grads) if total.dtype == torch.float64 else total.dtype
-        scale_grads(grads, clip_coefficient(total, max_norm, dtype))
+        clip_grads([p.grad for p in params if p.grad is not None], total, max_norm)
     return total
