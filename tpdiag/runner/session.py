@@ -12,10 +12,23 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
     """started: time.perf_counter() when the command began (its input checks are then the
     breakdown's first part, `checks`)."""
     from tpdiag.diff import pair_memo
+    from tpdiag.records.hashing import checks_on
 
     # the own-input pass's diff reads the region diff's pairs again: measured once per compare
-    with pair_memo.session():
+    with pair_memo.session(), checks_on(_check_device(cfg)):
         return _session(cfg, on_status, started)
+
+
+def _check_device(cfg: CompareConfig):
+    """Where this process re-hashes the big records it reads (records/hashing.checks_on): the
+    first GPU when the worlds run on GPUs - never under TPDIAG_START_METHOD=fork (a rank forked
+    from a process holding a CUDA context cannot use CUDA); TPDIAG_CHECK_DEVICE=cpu: the host."""
+    if os.environ.get("TPDIAG_CHECK_DEVICE", "auto") == "cpu" or \
+            os.environ.get("TPDIAG_START_METHOD", "forkserver") == "fork":
+        return None
+    from tpdiag.models.capacity import guess_device
+
+    return "cuda:0" if guess_device(cfg.device, cfg.degrees) == "cuda" else None
 
 
 def _session(cfg: CompareConfig, on_status=None, started: float | None = None) -> dict:
