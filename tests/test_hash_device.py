@@ -73,6 +73,28 @@ def test_the_parent_checks_on_its_gpu_only_when_it_may(monkeypatch):
     monkeypatch.setenv("TPDIAG_START_METHOD", "fork")
     assert _check_device(CompareConfig().with_(device="cuda", degrees=(1, 2))) is None
     monkeypatch.setenv("TPDIAG_START_METHOD", "forkserver")
+    from tpdiag.base import gpu_shared
+
+    # exclusive-process GPUs (or no driver): a context here would lock rank 0 out of its GPU
+    monkeypatch.setattr(gpu_shared, "shareable", lambda ordinal=0: False)
+    assert _check_device(CompareConfig().with_(device="cuda", degrees=(1, 2))) is None
+    monkeypatch.setattr(gpu_shared, "shareable", lambda ordinal=0: True)
     assert _check_device(CompareConfig().with_(device="cuda", degrees=(1, 2))) == "cuda:0"
     monkeypatch.setenv("TPDIAG_CHECK_DEVICE", "cpu")
     assert _check_device(CompareConfig().with_(device="cuda", degrees=(1, 2))) is None
+
+
+def test_no_driver_reads_as_not_shareable():
+    from tpdiag.base.gpu_shared import shareable
+
+    if not torch.cuda.is_available():
+        assert shareable(0) is False
+        return
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        pytest.skip("no nvidia-smi to read the compute mode from")
+    first = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"],
+                           capture_output=True, text=True).stdout.split()[0]  # CUDA_VISIBLE_DEVICES unset
+    assert shareable(0) is (first == "Default")

@@ -21,14 +21,16 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
 
 def _check_device(cfg: CompareConfig):
     """Where this process re-hashes the big records it reads (records/hashing.checks_on): the
-    first GPU when the worlds run on GPUs - never under TPDIAG_START_METHOD=fork (a rank forked
-    from a process holding a CUDA context cannot use CUDA); TPDIAG_CHECK_DEVICE=cpu: the host."""
+    first GPU when the worlds run on GPUs and it is in the default compute mode (base/gpu_shared)
+    - never under TPDIAG_START_METHOD=fork (a rank forked from a process holding a CUDA context
+    cannot use CUDA); TPDIAG_CHECK_DEVICE=cpu: the host."""
     if os.environ.get("TPDIAG_CHECK_DEVICE", "auto") == "cpu" or \
             os.environ.get("TPDIAG_START_METHOD", "forkserver") == "fork":
         return None
+    from tpdiag.base.gpu_shared import shareable
     from tpdiag.models.capacity import guess_device
 
-    return "cuda:0" if guess_device(cfg.device, cfg.degrees) == "cuda" else None
+    return "cuda:0" if guess_device(cfg.device, cfg.degrees) == "cuda" and shareable(0) else None
 
 
 def _session(cfg: CompareConfig, on_status=None, started: float | None = None) -> dict:
