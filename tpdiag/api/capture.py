@@ -215,7 +215,7 @@ class Capture:
             if self.group_rank == 0:
                 self._write(stored, device, t1)
         finally:
-            from tpdiag.probes.stream import release_pool
+            from tpdiag.probes.host_store import release_pool
 
             close_stores(self.rec.records, stored or [])
             release_pool()  # pinned host memory goes back to the user's process
