@@ -80,7 +80,8 @@ class Capture:
     def __enter__(self) -> "Capture":
         import torch.distributed as dist
 
-        from tpdiag.probes.module_probe import module_probes, record_params
+        from tpdiag.probes.model_walk import record_params
+        from tpdiag.probes.module_probe import module_probes
         from tpdiag.probes.recorder import Recorder
 
         if self._used:
@@ -167,7 +168,7 @@ class Capture:
     def params(self) -> None:
         """Parameters as they are now: call after the optimizer step."""
         if self.active:
-            from tpdiag.probes.module_probe import record_params
+            from tpdiag.probes.model_walk import record_params
 
             phase, self.rec.phase = self.rec.phase, "optimizer"
             record_params(self.rec, self.model, "param", self.plan)
