@@ -6,7 +6,7 @@ called alone vs the same heads of the full call: output and dq/dk/dv), batch-sli
 run-to-run reproducibility of dq/dk/dv (checks under torch.use_deterministic_algorithms(True,
 warn_only=True)), and the error against a float64 reference at a smaller shape.
 
-    python benchmarks/attention.py [--batch 8 --seq 4096 --heads 32 --dim 64 --dtype bfloat16]
+    python -m benchmarks.attention [--batch 8 --seq 4096 --heads 32 --dim 64 --dtype bfloat16]
                                    [--sweep] [--no-flex] [--json PATH]
     python -m benchmarks attention --configs d64 [--budget-s 420] [--only NAME,...] [--smoke]
 
@@ -23,6 +23,8 @@ import json
 import math
 import sys
 import time
+
+from benchmarks.emit import emit
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "float32": "float32"}
 
@@ -396,17 +398,6 @@ def main(argv=None) -> dict:
                      f"{_fmt_ok(r.get('repro')):>10} {_fmt_ok(_strip_n(r.get('reruns'))):>7} {err:>28}")
     result["fastest_stock_ms"] = fastest
     return emit(result, lines, args.json)
-
-
-def emit(result: dict, lines: list[str], json_path: str | None) -> dict:
-    """The run's table printed and kept in `result`, and the whole of it written as JSON where
-    asked (the attention benchmarks' common tail)."""
-    result["table"] = "\n".join(lines)
-    print(result["table"], flush=True)
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(result, fh, indent=1, default=str)
-    return result
 
 
 if __name__ == "__main__":

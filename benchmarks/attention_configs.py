@@ -217,7 +217,7 @@ def run(args) -> dict:
     import torch.nn.functional as F
     import triton
 
-    from benchmarks.attention import emit
+    from benchmarks.emit import emit
     from tpdiag.kernels import attention_triton as at
 
     smoke, causal = args.smoke, not args.no_causal

@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
     for row in res["rounds"]:
         lines.append(f"round: cudnn {row['cudnn'][1]:.4f} shipped {row['shipped'][1]:.4f} ({row['ratio_shipped']:.3f}x) "
                      f"new {row['new'][1]:.4f} ({row['ratio_new']:.3f}x)")
-    from benchmarks.attention import emit
+    from benchmarks.emit import emit
 
     return emit(res, lines, args.json)
 

@@ -144,7 +144,7 @@ def sass(args) -> dict:
 
 def main_sass(args) -> dict:
     """--sass: print the table and write the JSON where asked."""
-    from benchmarks.attention import emit
+    from benchmarks.emit import emit
 
     if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter compiles nothing
         raise SystemExit("attention --sass compiles for sm_90: run it without TRITON_INTERPRET=1 (and without --smoke)")

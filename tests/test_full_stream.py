@@ -132,7 +132,8 @@ def test_record_keeps_value_changed_in_place_later(tmp_path):
     aliased the tensor would have no negatives)."""
     from tpdiag.probes.module_probe import module_probes
     from tpdiag.probes.recorder import Recorder
-    from tpdiag.probes.stream import HostStore, as_tensor
+    from tpdiag.probes.host_store import HostStore
+    from tpdiag.probes.stream import as_tensor
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 4))
@@ -156,7 +157,7 @@ def test_record_keeps_value_changed_in_place_later(tmp_path):
 
 
 def test_host_store_spill_dedupe_and_close(tmp_path):
-    from tpdiag.probes.stream import HostStore
+    from tpdiag.probes.host_store import HostStore
 
     spill = tmp_path / "spill"
     s = HostStore(torch.device("cpu"), budget=1024, chunk=256, spill_dir=str(spill))
@@ -199,7 +200,8 @@ def test_host_store_spill_dedupe_and_close(tmp_path):
 
 def test_bad_budget_is_a_typed_error(monkeypatch):
     from tpdiag.errors import BadInput
-    from tpdiag.probes.stream import HostStore, parse_bytes
+    from tpdiag.probes.host_budget import parse_bytes
+    from tpdiag.probes.host_store import HostStore
 
     assert parse_bytes("2G", "X") == 2 << 30 and parse_bytes("512k", "X") == 512 << 10
     monkeypatch.setenv("TPDIAG_HOST_BUDGET", "lots")
@@ -211,7 +213,7 @@ def test_bad_budget_is_a_typed_error(monkeypatch):
 def test_streamed_safetensors_bytes_equal_safetensors_save(tmp_path):
     from safetensors.torch import save
 
-    from tpdiag.probes.stream import HostStore
+    from tpdiag.probes.host_store import HostStore
     from tpdiag.records import safetensors_stream
 
     g = torch.Generator().manual_seed(0)
@@ -249,7 +251,7 @@ def test_a_host_chunk_is_not_filled_in_deterministic_mode():
     rank of every world) before the first record's few KiB were copied in. Only the pages a record
     touches may become resident; the control - a plain torch.empty of the same size under the
     same mode - shows the measure sees a fill."""
-    from tpdiag.probes.stream import HostStore
+    from tpdiag.probes.host_store import HostStore
 
     size = 64 << 20
     was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()

@@ -120,7 +120,7 @@ def test_unknown_placement_is_a_typed_error():
     from torch.distributed.tensor import placement_types as pt
 
     from tpdiag.errors import Inconclusive, UnsupportedLayout
-    from tpdiag.probes.recorder import label_of_placement
+    from tpdiag.base.dtensors import label_of_placement
 
     class OddShard(pt.Shard):  # a Shard subclass whose layout tpdiag cannot know
         pass

@@ -16,7 +16,9 @@ def seconds(fn, rep: int) -> float:
 # record_hash_triton.py > FILE`), timed side by side with this tree's kernel - `probes hash`'s
 # "base kernel" rows and `probes overhead`'s hash-base mode. Its launches use 7a273bb's register
 # caps (_base_narrow_regs; a base of another commit may have had other caps) and a direct-launch
-# cache of their own.
+# cache of their own. Since 07e5b36 the kernel file imports one tile's arithmetic from
+# tpdiag/kernels/record_hash_tile.py, which comes from the tree that runs: a base of that commit
+# or later times its own chunk walk with this tree's tile code (an older base is one whole file).
 BASE_KERNEL_ENV = "PROBES_BASE_KERNEL"
 _BASE: dict = {}
 

@@ -20,7 +20,6 @@ same bits with and without the capture.
 """
 from __future__ import annotations
 
-import fnmatch
 import os
 import sys
 import time
@@ -30,23 +29,13 @@ from contextlib import ExitStack
 
 import torch
 
+from tpdiag.api.capture_layouts import (apply_layouts, check_layout, collective_device, fingerprint, group_of,
+                                        included, plan_label, records_here, style_plan)
 from tpdiag.errors import BadInput
 
 SCHEMA = 1
 TOOL = "tpdiag.capture"
 from tpdiag.records.paths import MANIFEST  # noqa: E402,F401 - a capture's manifest, the run directory's name
-
-# String plans (transformers' tp_plan names or tpdiag's labels) -> the torch style whose label
-# tpdiag's classifier reads. Used for labels only: a capture never applies a plan.
-_STYLE_WORDS = {
-    "colwise": "colwise", "colwise_rep": "colwise", "colwise_gather_output": "colwise",
-    "packed_colwise": "colwise", "embedding_colwise": "colwise",
-    "colwise-gathered": "colwise-gathered",
-    "rowwise": "rowwise", "rowwise_rep": "rowwise", "rowwise_split_input": "rowwise",
-    "packed_rowwise": "rowwise", "embedding_rowwise": "rowwise",
-    "sequence": "sequence", "sequence_parallel": "sequence",
-}
-
 
 def capture(model: torch.nn.Module, out: str, plan: dict | None = None,
             layouts: dict[str, str] | None = None, *, group=None, seed: int | None = None,
@@ -77,9 +66,9 @@ class Capture:
             raise BadInput("capture(out=...): a run directory is required")
         self.model, self.out = model, str(out)
         self.raw_plan = dict(plan or {})
-        self.plan = _style_plan(plan or {})
-        self.layouts = {k: _check_layout(k, v) for k, v in (layouts or {}).items()}
-        self.group = _group_of(group)
+        self.plan = style_plan(plan or {})
+        self.layouts = {k: check_layout(k, v) for k, v in (layouts or {}).items()}
+        self.group = group_of(group)
         self.seed, self.backward, self.with_params = seed, backward, params
         self.module_globs = list(modules) if modules else None
         self.rec = None
@@ -91,7 +80,8 @@ class Capture:
     def __enter__(self) -> "Capture":
         import torch.distributed as dist
 
-        from tpdiag.probes.module_probe import module_probes, record_params
+        from tpdiag.probes.model_walk import record_params
+        from tpdiag.probes.module_probe import module_probes
         from tpdiag.probes.recorder import Recorder
 
         if self._used:
@@ -99,7 +89,7 @@ class Capture:
             raise BadInput(f"capture(out={self.out!r}) was already entered once; make a new "
                            "tpdiag.capture(...) (with another out=) for each block to record")
         self._used = True
-        self.active = _records_here(self.group)
+        self.active = records_here(self.group)
         if not self.active:
             return self
         self.degree = dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -116,7 +106,7 @@ class Capture:
         self.rec = Recorder(spill_dir=os.path.join(self.out, f".spill-rank{self.group_rank}"))
         self.t0 = time.perf_counter()
         self._stack = ExitStack()
-        include = _included(self.model, self.module_globs)
+        include = included(self.model, self.module_globs)
         self._stack.enter_context(module_probes(self.model, self.rec, plan=self.plan,
                                                 backward=self.backward, include=include))
         if self.with_params:
@@ -178,7 +168,7 @@ class Capture:
     def params(self) -> None:
         """Parameters as they are now: call after the optimizer step."""
         if self.active:
-            from tpdiag.probes.module_probe import record_params
+            from tpdiag.probes.model_walk import record_params
 
             phase, self.rec.phase = self.rec.phase, "optimizer"
             record_params(self.rec, self.model, "param", self.plan)
@@ -204,8 +194,8 @@ class Capture:
 
         from tpdiag.runner.gather import gather_records
 
-        _apply_layouts(self.rec.records, self.layouts)
-        device = _collective_device(self.group)
+        apply_layouts(self.rec.records, self.layouts)
+        device = collective_device(self.group)
         t1 = time.perf_counter()
         from tpdiag.probes.stream import close_stores
 
@@ -215,7 +205,7 @@ class Capture:
             if self.group_rank == 0:
                 self._write(stored, device, t1)
         finally:
-            from tpdiag.probes.stream import release_pool
+            from tpdiag.probes.host_store import release_pool
 
             close_stores(self.rec.records, stored or [])
             release_pool()  # pinned host memory goes back to the user's process
@@ -264,133 +254,11 @@ class Capture:
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "seed": self.seed, "dtype": dtypes.most_common(1)[0][0] if dtypes else None,
             "config": self._config(), "layouts": self.layouts,
-            "plan": {k: _label(v) for k, v in self.plan.items()},
+            "plan": {k: plan_label(v) for k, v in self.plan.items()},
             "model": {"class": type(self.model).__name__, "fingerprint": self.fingerprint},
             "env": numerics_env(), "timings": timings, "argv": sys.argv,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-
-
-# -- layouts, plans, groups ---------------------------------------------------------------------
-def _check_layout(key: str, value: str) -> str:
-    v = str(value).strip().lower()
-    if v == "replicate":
-        return v
-    if v.startswith("shard:"):
-        try:
-            int(v.split(":", 1)[1])
-            return v
-        except ValueError:
-            pass
-    raise BadInput(f"capture(layouts={{{key!r}: {value!r}}}): expected 'shard:D' or 'replicate'")
-
-
-def _style_plan(plan: dict) -> dict:
-    out = {}
-    for k, v in plan.items():
-        if isinstance(v, str):
-            word = _STYLE_WORDS.get(v.strip().lower())
-            if word is not None:
-                out[k] = _style_for(word)
-        else:
-            out[k] = v
-    return out
-
-
-def _style_for(word: str):
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
-    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel,
-            "colwise-gathered": lambda: ColwiseParallel(input_layouts=Shard(-1))}[word]()
-
-
-def _label(style) -> str | None:
-    from tpdiag.records.styles import style_label
-
-    return style_label(style)
-
-
-def _group_of(group):
-    if group is None:
-        return None
-    if type(group).__name__ == "DeviceMesh":
-        if group.ndim != 1:
-            raise BadInput(f"capture(group=mesh): the mesh has {group.ndim} dims; pass the TP "
-                           "dimension, e.g. mesh['tp']")
-        return group.get_group()
-    return group
-
-
-def _records_here(group) -> bool:
-    """Whether this rank records: every rank of the default group, else the ranks of the one
-    TP group that holds global rank 0 (one capture per job, not one per data-parallel replica)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or group is None:
-        return True
-    ranks = dist.get_process_group_ranks(group)
-    return dist.get_rank() in ranks and 0 in ranks
-
-
-def _collective_device(group) -> torch.device:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _included(model, globs) -> set[str] | None:
-    if not globs:
-        return None
-    names = {(n or "model") for n, _ in model.named_modules()}
-    return {n for n in names if any(fnmatch.fnmatchcase(n, g) for g in globs)}
-
-
-def _layout_for(meta: dict, layouts: dict[str, str]) -> str | None:
-    if meta["kind"] in ("out", "grad_out"):
-        name = meta["module"]
-    elif meta["kind"] in ("param_init", "param", "param_grad"):
-        name = f"{meta['module']}.{meta['name']}"
-    else:
-        return None
-    for pattern, layout in layouts.items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return layout
-    return None
-
-
-def _apply_layouts(records, layouts: dict[str, str]) -> None:
-    """Give plain-tensor records the user's layout (a DTensor's own placement always wins)."""
-    if not layouts:
-        return
-    for meta, t in records:
-        if meta.get("placement") is not None:
-            continue
-        lay = _layout_for(meta, layouts)
-        if lay and lay.startswith("shard:") and t.dim():
-            lay = f"shard:{int(lay.split(':')[1]) % t.dim()}"
-        if lay:
-            meta["placement"] = lay
-
-
-def fingerprint(model, layouts: dict[str, str], degree: int) -> dict:
-    """Param names, global shapes (DTensor, or a plain shard with a layout) and dtypes."""
-    from torch.distributed.tensor import DTensor
-
-    params = {}
-    for name, p in model.named_parameters():
-        shape, local = list(p.shape), False
-        if not isinstance(p, DTensor):
-            mname, _, short = name.rpartition(".")
-            lay = _layout_for({"kind": "param", "module": mname or "model", "name": short}, layouts)
-            if lay and lay.startswith("shard:") and p.dim():
-                shape[int(lay.split(":")[1]) % p.dim()] *= degree
-            elif lay != "replicate":
-                local = degree > 1  # a plain tensor at TP > 1 may be a shard: shape is local
-        params[name] = {"shape": shape, "dtype": str(p.dtype).replace("torch.", ""), "local": local}
-    return {"n_params": len(params), "params": params}
 
 
 class _CallableModule(types.ModuleType):

@@ -1,7 +1,7 @@
 """`tpdiag gate` on GitHub Actions: one workflow-command annotation for the run page."""
 from __future__ import annotations
 
-from tpdiag.gate.verdict import GateResult
+from tpdiag.gate.result import GateResult
 
 
 def github_annotation(res: GateResult) -> str | None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from tpdiag.gate.verdict import DegreeResult, GateResult
+from tpdiag.gate.result import DegreeResult, GateResult
 
 
 def junit_xml(res: GateResult) -> bytes:

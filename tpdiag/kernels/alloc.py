@@ -7,7 +7,7 @@ wrote gives the same bits run to run. The fixes' buffers are written element by 
 anything reads them (a GEMM's C, a collective's receive buffer, an `out=` add), so the fill is a
 pass over memory that buys nothing: on llama-1b bf16 at 8 x 4096, TP=2, H100, the fixes' own
 fills were ~21 ms of a ~620 ms step (benchmarks/trace_gaps.py on a fix-cost trace). Full capture's
-host chunks (probes/stream.py) are the same case, and a large one: each 128 MiB chunk was filled
+host chunks (probes/host_store.py) are the same case, and a large one: each 128 MiB chunk was filled
 whole (~0.1 s of CPU a chunk on the 2-core CI machine, every rank of every world, and every page of
 it resident) though a record's copy writes only the bytes it reads back. The user's setting is
 restored at once; every other allocation keeps it.

@@ -2,7 +2,7 @@
 
 `torch.distributed.all_reduce(t)` and its in-place kin write `t` without bumping its version
 counter (c10d's ops are not autograd in-place ops; torch 2.13). The recorder copies a tensor it
-has recorded before only when its identity or version counters changed (probes/stream.py, and
+has recorded before only when its identity or version counters changed (probes/host_store.py, and
 hash mode's `_hashed`), so a child module's partial sum, all-reduced in place by its parent,
 was recorded again as the partial: the parent's output read as rank-inconsistent at op
 granularity (the op probe had recorded the partial first) and consistent at module granularity.

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tpdiag.probes.oracle_hooks import oracle_backward_hook, record_oracle, record_own_oracles
+from tpdiag.probes.model_walk import Walk, plan_memo
 from tpdiag.probes.recorder import Recorder
 from tpdiag.probes.rows import consumers_of, extras, module_of
 
@@ -55,8 +56,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
     walks = rec._walks
     walked = None
     try:
-        info = _plan_memo(plan)
-        walked = _Walk(model)
+        info = plan_memo(plan)
+        walked = Walk(model)
         classes = walked.classes
         # per module: (name, style, output partial, output grad partial, class) - one lookup per
         # hook call (host time per record). The class is looked up by name, as records always had
@@ -328,78 +329,3 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
             rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
 
     return hook
-
-
-def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None = None,
-                  include: set[str] | None = None) -> None:
-    if not rec.enabled:  # records nothing: no module walk either
-        return
-    walked = rec._walks.get(id(model)) or _Walk(model)
-    style = _style_memo(plan)
-    add = rec.add
-    with _no_modes():
-        for mname, short, p, cls in walked.params:
-            if include is not None and (mname or "model") not in include:
-                continue
-            add(kind, mname or "model", short, p, style=style(mname), cls=cls)
-
-
-class _Walk:
-    """A model's modules and parameters, walked once per module_probes block (record_params
-    reads it twice a step): names by module, classes by name, parameters with their owner."""
-    __slots__ = ("names", "classes", "params")
-
-    def __init__(self, model: nn.Module):
-        self.names = {}
-        self.classes = {}    # by record name ("model" for the root; a later namesake wins)
-        raw = {}             # by module path ("" for the root)
-        for n, m in model.named_modules():
-            c = type(m).__name__
-            self.names[m] = n or "model"
-            self.classes[n or "model"] = c
-            raw[n] = c
-        root = type(model).__name__
-        self.params = []     # (owner path, short name, parameter, owner class)
-        for pname, p in model.named_parameters():
-            mname, _, short = pname.rpartition(".")
-            self.params.append((mname, short, p, raw.get(mname, root)))
-
-
-_STYLE_MEMOS: dict = {}
-
-
-def _style_memo(plan: dict | None):
-    """style_of(name, plan), memoised per plan: the plan's fnmatch patterns were matched against
-    every module and parameter name twice a step (host time a small step pays). Keyed by the
-    plan's patterns and its style objects, which the memo keeps alive (their ids stay theirs)."""
-    from tpdiag.records.styles import style_of
-
-    return _memo(plan, "style", lambda name, plan: style_of(name, plan))
-
-
-def _plan_memo(plan: dict | None):
-    """name -> (style, output partial, output grad partial) under the plan, memoised as
-    _style_memo (the partial flags were matched per module name on every module_probes entry)."""
-    from tpdiag.records.styles import output_grad_partial, output_partial, style_of
-
-    return _memo(plan, "info", lambda name, plan: (style_of(name, plan), output_partial(name, plan),
-                                                   output_grad_partial(name, plan)))
-
-
-def _memo(plan: dict | None, what: str, fn):
-    plan = plan or {}
-    key = (what, tuple((k, id(v)) for k, v in plan.items()))
-    hit = _STYLE_MEMOS.get(key)
-    if hit is None:
-        if len(_STYLE_MEMOS) > 64:
-            _STYLE_MEMOS.clear()
-        memo: dict = {}
-
-        def get(name: str, _plan=dict(plan)):
-            s = memo.get(name, memo)
-            if s is memo:
-                s = memo[name] = fn(name, _plan)
-            return s
-
-        hit = _STYLE_MEMOS[key] = get
-    return hit

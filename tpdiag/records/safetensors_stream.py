@@ -1,6 +1,6 @@
 """records.safetensors written one tensor at a time: the same bytes as safetensors.torch.save,
 without building the whole file in memory (full capture at scale: tens of GB of records, most
-of them still in host chunks or spill files - probes/stream.py).
+of them still in host chunks or spill files - probes/host_store.py).
 
 The layout safetensors writes: an 8-byte little-endian header length, a compact JSON header
 ({"__metadata__": ..., then every tensor's dtype, shape and data_offsets}) padded with spaces to a
@@ -45,7 +45,7 @@ def header(tensors: dict, metadata: dict | None) -> tuple[bytes, list]:
 
 
 def write(path: str, tensors: dict, metadata: dict | None = None) -> None:
-    """tensors: name -> torch.Tensor (any device) or probes.stream.Captured (anything with
+    """tensors: name -> torch.Tensor (any device) or probes.host_store.Captured (anything with
     dtype, shape, numel(), element_size() and write_to(file))."""
     from tpdiag.base import files as io
 

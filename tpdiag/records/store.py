@@ -20,7 +20,7 @@ def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dic
     os.makedirs(out_dir, exist_ok=True)
     from tpdiag.records import safetensors_stream
 
-    # a tensor or a host-held record (probes/stream.Captured), written one at a time
+    # a tensor or a host-held record (probes/host_store.Captured), written one at a time
     tensors = {str(m["idx"]): t for m, t in stored if t is not None}
     # Tensors first, index last: an index that exists always points at complete tensors.
     safetensors_stream.write(os.path.join(out_dir, TENSORS), tensors, metadata={"schema": "1"})

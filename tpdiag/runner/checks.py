@@ -72,7 +72,7 @@ def validate(cfg: CompareConfig) -> dict:
     from tpdiag.kernels.record_hash import narrow_regs_knob
 
     narrow_regs_knob()  # TPDIAG_HASH_NARROW_REGS
-    from tpdiag.probes.stream import check_env
+    from tpdiag.probes.host_store import check_env
 
     check_env()  # TPDIAG_HOST_BUDGET, TPDIAG_HOST_CHUNK (full capture)
     if spec.kind in ("builtin", "hf"):

@@ -15,7 +15,8 @@ from tpdiag.errors import Inconclusive
 from tpdiag.base.gloo_release import settle
 from tpdiag.kernels import alloc
 from tpdiag.probes.recorder import take_lanes
-from tpdiag.probes.stream import Captured, as_tensor, finish
+from tpdiag.probes.host_store import Captured
+from tpdiag.probes.stream import as_tensor, finish
 
 
 def _stream_signature(metas: list[dict]) -> int:
@@ -93,7 +94,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     meta['stored'] in {'single','stacked','hash'}; on other ranks None. Raises Inconclusive if
     the ranks recorded different streams. A hash-mode record (tensor None; lanes[i] its row of
     `hashbuf`) is stored as its whole-tensor hash and statistics, composed from every rank's
-    share. A full-mode record's tensor may be held on the host (probes/stream.Captured): it is
+    share. A full-mode record's tensor may be held on the host (probes/host_store.Captured): it is
     gathered in windows of at most TPDIAG_GATHER_WINDOW bytes. stream=True: stored tensors
     are returned as Captured (host memory, spilled to spill_dir past the budget), not tensors.
     per_rank: the reference's parameter shapes (runner/per_rank.reference_params), given where the
@@ -129,7 +130,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     per_record = {}  # rank 0: {position in kept: [per window, per rank byte pieces]}
     out_store = None
     if rank == 0 and stream:
-        from tpdiag.probes.stream import HostStore
+        from tpdiag.probes.host_store import HostStore
 
         out_store = HostStore(torch.device("cpu"), spill_dir=spill_dir)
     stored = {}
@@ -209,7 +210,7 @@ def _replica(m: dict, local, world: int, stream: bool):
 def _window_bytes() -> int:
     import os
 
-    from tpdiag.probes.stream import parse_bytes
+    from tpdiag.probes.host_budget import parse_bytes
 
     v = os.environ.get("TPDIAG_GATHER_WINDOW")
     return parse_bytes(v, "TPDIAG_GATHER_WINDOW") if v else 256 << 20

@@ -62,7 +62,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     with ExitStack() as stack:
         ran, fns = _contexts(stack, cfg, model, target, world, rec)
         phases = Phases(rec)
-        from tpdiag.probes.module_probe import record_params
+        from tpdiag.probes.model_walk import record_params
 
         include = set(cfg.rerun.module_include) or None
         with phases("init", timed=False):

@@ -12,7 +12,7 @@ def backward(phases, loss) -> None:
 def optimizer_step(phases, rec, model, opt, norm_fn, clip_norm, plan, include):
     """The grads' global norm (clipped if asked), the optimizer's step, the params' records;
     returns the norm."""
-    from tpdiag.probes.module_probe import record_params
+    from tpdiag.probes.model_walk import record_params
     from tpdiag.runner.per_rank import norm_over_ranks
 
     with phases("optimizer", last="params") as ph:
