@@ -31,6 +31,12 @@ def rollout(
                                                 "sdpa, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn")] = "auto",
     padding: Annotated[str, typer.Option(help="padding sides to try: auto (prefill right, decode left as "
                                               "generate()), left, right")] = "auto",
+    sampling: Annotated[str, typer.Option(help="the engine's generate() sampling settings when its logprobs are "
+                                               "its processed scores (output_scores): NAME=VALUE,... of "
+                                               "temperature, top_k, top_p, min_p, typical_p, repetition_penalty, "
+                                               "no_repeat_ngram_size; the trainer's logits go through generate()'s "
+                                               "own processors first (hf: models; docs/rl.md). none: raw "
+                                               "logprobs")] = "none",
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
@@ -53,6 +59,7 @@ def rollout(
     with reported():
         from tpdiag.config import DTYPES, parse_choice
         from tpdiag.runner import attention as attn
+        from tpdiag.rollout import sampling as rollout_sampling
         from tpdiag.rollout.run import (RolloutConfig, parse_fixes, parse_ints, parse_jobs, parse_modes,
                                         parse_padding, run_rollout)
         from tpdiag.runner import flags as backend_flags
@@ -72,7 +79,8 @@ def rollout(
                            fixes=parse_fixes(fix), dtype=parse_choice("--dtype", dtype, DTYPES),
                            device=dev, seed=seed, top=top, timeout=timeout,
                            flags=backend_flags.parse("--flags", flags), attention=attn.parse(attention),
-                           padding=parse_padding(padding), jobs=parse_jobs(jobs))
+                           padding=parse_padding(padding), jobs=parse_jobs(jobs),
+                           sampling=rollout_sampling.parse(sampling))
         from tpdiag.models.spec import parse_spec
 
         parse_spec(model)
@@ -121,9 +129,14 @@ def rollout_report(console, s: dict) -> None:
         w(f["line"], soft_wrap=True)
     if s.get("sdpa_ran"):
         w(f"SDPA backend that ran: {s['sdpa_ran']}", soft_wrap=True)
+    if s.get("sampling"):
+        w(f"sampling: the trainer's logits of each generated token go through generate()'s processors before "
+          f"the logprob: {s['sampling']['processors']}", soft_wrap=True)
     pr = s["processed"]
     # detected None: not judged - "raw" would claim what was not checked
-    tag = {True: "[bold red]processed logprobs[/]", False: "raw logprobs"}.get(pr.get("detected"),
+    tag = {True: "[bold red]processed logprobs[/]",
+           False: "logprobs as --sampling processes them" if s.get("sampling") else "raw logprobs"}.get(
+        pr.get("detected"),
                                                                               "raw or processed logprobs")
     console.print(f"{tag}: {pr['explanation']}", markup=True, soft_wrap=True)
 

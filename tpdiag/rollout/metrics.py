@@ -25,10 +25,19 @@ def pairs(seqs, trainer: list) -> list[tuple[int, int, float, float]]:
     return out
 
 
-def non_finite(seqs, trainer: list) -> str | None:
+def non_finite(seqs, trainer: list, sampled: bool = False) -> str | None:
     """Why this configuration's logprobs cannot be compared (NaN/Inf where the engine has a
-    number), or None."""
+    number), or None. sampled: the generated tokens' rows went through --sampling's filters, where
+    -inf is a token the filters removed, not a kernel's doing."""
     bad = [(i, pos) for i, pos, _, t in pairs(seqs, trainer) if not math.isfinite(t)]
+    cut = [(i, pos) for i, pos, _, t in pairs(seqs, trainer) if t == -math.inf]
+    if sampled and bad and cut == bad:
+        i, pos = bad[0]
+        return (f"--sampling's filters removed the engine's sampled token at {len(bad)} token"
+                f"{'s' if len(bad) != 1 else ''} (processed logprob -inf), first sequence {i} position {pos}: "
+                "this configuration's logits put it past a filter's edge (top_k, top_p, min_p, typical_p) "
+                "where the engine's kept it - logits that differ by rounding move a token across the edge. "
+                "The engine's own configuration keeps every token it sampled")
     for i, (s, t) in enumerate(zip(seqs, trainer)):
         if s.prompt_logprobs is not None:
             tl = t.tolist()

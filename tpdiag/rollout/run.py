@@ -34,6 +34,9 @@ class RolloutConfig:
     # concurrent worlds per TP degree (tpdiag.rollout.lanes); 1: TP=1 in this process and one
     # world per other degree, one configuration after another; 0: auto (lanes.lanes_per_degree)
     jobs: int = 1
+    # the engine's generate() sampling settings, when its logprobs are its processed scores:
+    # ((name, value), ...) whose processors the trainer's rows go through (tpdiag.rollout.sampling)
+    sampling: tuple = ()
 
 
 # the option parsers live in rollout/options.py; importable from here as before
@@ -57,6 +60,13 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     seqs = ro.sequences
     from tpdiag.rollout import lanes
 
+    if rc.sampling:
+        from tpdiag.models.spec import parse_spec
+
+        kind = parse_spec(rc.model).kind
+        if kind != "hf":
+            raise BadInput(f"--sampling applies transformers' generate() processors to the trainer's logits: it "
+                           f"needs an hf: model, not a {kind} one ({rc.model})")
     counts = lanes.lanes_per_degree(rc, configurations(rc), seqs)
     jobs = max(counts.values())
     if max(rc.tp) > 1:
@@ -94,6 +104,11 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                 raise BadInput(f"{rc.file} {s.where}: token id {top} is outside the model's vocabulary "
                                f"({vocab}): is --model the engine's model?")
         notes += _dtype_note(rc)
+        sampled = None
+        if rc.sampling:
+            from tpdiag.rollout import sampling
+
+            sampled = {"settings": dict(rc.sampling), "processors": sampling.describe(model, rc.sampling)}
         from tpdiag.rollout import padded
 
         pad_note = padded.note(seqs, model)  # said only where nothing reproduces the engine (_summary)
@@ -110,7 +125,8 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                 # the margins' configuration (the first TP=1 one that runs) here, as one process would;
                 # every other configuration in the lanes (a TP=1 one run here too - its first did not
                 # run - takes this process's result: the same bits)
-                lead, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values)
+                lead, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values,
+                                                   rc.sampling)
                 worlds = {**early.result(), **lead}
                 results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
                                                                    on_status, flag_values, collector, stats_from)
@@ -135,7 +151,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if v:
                 flag_values.setdefault(k, v)
     return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-                    flag_values, pad_note)
+                    flag_values, pad_note, sampled)
 
 
 def _not_judged(rc, results) -> str:
@@ -159,7 +175,7 @@ def _dtype_note(rc) -> list[str]:
     return [got["note"]] if got and got["note"] else []
 
 
-def _lead(cfgs, seqs, target, model, groups, on_status, flag_values):
+def _lead(cfgs, seqs, target, model, groups, on_status, flag_values, sampling=()):
     """The TP=1 configurations up to the first that runs, here, the first with the margins'
     collector - as _compute takes them: ({label: world-style entry}, collector, its label)."""
     from tpdiag.rollout import processed
@@ -169,14 +185,14 @@ def _lead(cfgs, seqs, target, model, groups, on_status, flag_values):
     for c in cfgs:
         if c.tp != 1:
             continue
-        entry, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, collector)
+        entry, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, collector, sampling)
         out[c.rollout_name()] = {**entry, **({"logprobs": lps} if lps is not None else {})}
         if lps is not None or entry["status"] == "ok":
             return out, collector, c.rollout_name()
     return out, collector, None
 
 
-def _in_process(c, seqs, target, model, groups, on_status, flag_values, hook):
+def _in_process(c, seqs, target, model, groups, on_status, flag_values, hook, sampling=()):
     """(entry: status, reason, seconds, sdpa_ran; logprobs or None) of one TP=1 configuration."""
     from tpdiag.rollout.compute import Unavailable, logprobs
     from tpdiag.runner.sdpa_ran import SdpaRan
@@ -190,7 +206,7 @@ def _in_process(c, seqs, target, model, groups, on_status, flag_values, hook):
     try:
         with ran:
             lps = logprobs(c, target, model, seqs, on_logits=hook, tree_groups=groups,
-                           on_flags=lambda k, v: flag_values.setdefault(k, v))
+                           on_flags=lambda k, v: flag_values.setdefault(k, v), sampling=sampling)
     except Unavailable as e:
         entry.update(status="unavailable", reason=str(e))
     except Exception as e:  # noqa: BLE001 - one configuration failing leaves the others
@@ -223,12 +239,12 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_valu
             hook = None
             if stats_from is None:
                 hook, stats_from = collector, c.rollout_name()
-            got, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, hook)
+            got, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, hook, rc.sampling)
             entry.update(got)
             if lps is None and hook is not None:
                 stats_from = None
         if lps is not None:
-            bad = metrics.non_finite(seqs, lps)
+            bad = metrics.non_finite(seqs, lps, sampled=bool(rc.sampling))
             if bad:
                 entry.update(status="failed", reason=bad)
             else:
@@ -244,7 +260,7 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_valu
 
 
 def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-             flag_values=None, pad_note=None) -> dict:
+             flag_values=None, pad_note=None, sampled=None) -> dict:
     from tpdiag.rollout import metrics, processed
     from tpdiag.runner.flags import one_line
 
@@ -262,6 +278,10 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     closest = reproduced or [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
     verdict = processed.judge(collector, vocab) if stats_from else {
         "detected": None, "kind": None, "explanation": _not_judged(rc, results)}
+    if sampled:
+        # the check read the processed rows: what it says is about what --sampling did not cover
+        verdict["explanation"] = (f"with --sampling's processing ({sampled['processors']}) applied to the "
+                                  f"trainer's logits: {verdict['explanation']}")
     if verdict.get("detected"):
         notes.append("the engine's logprobs look processed: the closest configuration says little "
                      "until the engine reports raw logprobs")
@@ -296,7 +316,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         "flags": {k: {"values": v, "line": one_line(v, k)} for k, v in (flag_values or {}).items()},
         "sdpa_ran": _sdpa_words(results),
         "what_to_do": todo,
-        "processed": verdict, "configurations": results, "tp_invariance": invariance, "notes": notes,
+        "processed": verdict, "sampling": sampled, "configurations": results, "tp_invariance": invariance, "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
 
