@@ -36,8 +36,9 @@ def non_finite(seqs, trainer: list, sampled: bool = False) -> str | None:
         return (f"--sampling's filters removed the engine's sampled token at {len(bad)} token"
                 f"{'s' if len(bad) != 1 else ''} (processed logprob -inf), first sequence {i} position {pos}: "
                 "this configuration's logits put it past a filter's edge (top_k, top_p, min_p, typical_p) "
-                "where the engine's kept it - logits that differ by rounding move a token across the edge. "
-                "The engine's own configuration keeps every token it sampled")
+                "where the engine's kept it - logits that differ by rounding move a token across the edge - "
+                "or --sampling's settings are not the engine's. The engine's own logits under its own "
+                "settings keep every token it sampled")
     for i, (s, t) in enumerate(zip(seqs, trainer)):
         if s.prompt_logprobs is not None:
             tl = t.tolist()
