@@ -267,7 +267,8 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     ok = [lab for lab in results if lab in trainer]
     if not ok:
         raise BadInput("no configuration could run for this model: "
-                       + "; ".join(f"{k}: {v.get('reason')}" for k, v in results.items()))
+                       + "; ".join(f"{k}: {v.get('reason')}" for k, v in results.items())
+                       + (f" (--sampling ran generate()'s processors: {sampled['processors']})" if sampled else ""))
     reference = ok[0]
     ref_m = results[reference]["metrics"]
     # the engine reproduced: every token it gave a number for is the trainer's float32 bit for bit;

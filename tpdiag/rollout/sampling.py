@@ -55,10 +55,10 @@ def processors(model, sampling, prompt_ids, prompt_mask):
     try:
         gc, _ = prep(None, do_sample=True, **dict(sampling))
         gc.validate()
-    except ValueError as e:
+        return get(generation_config=gc, input_ids_seq_length=prompt_ids.shape[1], encoder_input_ids=prompt_ids,
+                   device=prompt_ids.device, model_kwargs={"attention_mask": prompt_mask})
+    except ValueError as e:  # a processor checks its own value (a temperature <= 0)
         raise BadInput(f"--sampling: transformers refuses these settings: {str(e).splitlines()[0]}") from None
-    return get(generation_config=gc, input_ids_seq_length=prompt_ids.shape[1], encoder_input_ids=prompt_ids,
-               device=prompt_ids.device, model_kwargs={"attention_mask": prompt_mask})
 
 
 def describe(model, sampling) -> str:
