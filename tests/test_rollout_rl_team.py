@@ -133,3 +133,17 @@ def test_generates_processed_scores_are_reproduced_with_its_sampling_settings(tm
     assert "--sampling" in s["processed"]["explanation"] and "--sampling" in s["what_to_do"]["line"]
     s, _ = rollout(tmp_path, rows, path, modes=("decode",), sampling=(("repetition_penalty", 1.1), ("temperature", 0.8)))
     assert s["closest"]["reproduced"] is False and s["metrics"]["exact_tokens"] == 0
+
+
+def test_gemma3s_norm_keeps_its_formula_under_the_fixes(tmp_path):
+    # Gemma3's q_norm/k_norm compute x * (1 + w); invariant-norm-grad replaced them by w * rms(x): the
+    # fixed trainer was another model (max |diff| 0.667 nats against the engine, the stock trainer
+    # 0.0113), and at TP=1 alone it failed ("q_norm (heads): reduced dimension 20 is not divisible by
+    # 8 groups": the norm's input is [B, heads, S, D] there)
+    path = save_bf16("gemma3_text", tmp_path / "g", **ARCHS["gemma3_text"])
+    files, _ = engine(path, **SAMPLE)
+    s, _ = rollout(tmp_path, files["raw"], path, modes=("prefill",), fixes=("none", "invariant-norm-grad", "all"))
+    c = s["configurations"]
+    assert c["tp1-mb8-prefill-invariant-norm-grad"].get("same_bits_as") == "tp1-mb8-prefill-none", c
+    assert c["tp1-mb8-prefill-all"]["status"] == "ok"
+    assert c["tp1-mb8-prefill-all"]["metrics"]["max_abs"] < 0.05, c["tp1-mb8-prefill-all"]["metrics"]
