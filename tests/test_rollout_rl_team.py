@@ -121,10 +121,16 @@ def test_generates_processed_scores_are_reproduced_with_its_sampling_settings(tm
     path = save_bf16(kind, tmp_path / kind, **ARCHS[kind])
     files, _ = engine(path, **SAMPLE)
     rows = files["scores"]
-    s, _ = rollout(tmp_path, rows, path, modes=("decode",), sampling=tuple(SAMPLE.items()))
+    n = sum(len(x["logprobs"]) for x in rows)
+    s, _ = rollout(tmp_path, rows, path, sampling=tuple(SAMPLE.items()))
     m = s["metrics"]
-    assert m["exact_tokens"] == m["tokens"] == sum(len(x["logprobs"]) for x in rows), m
-    assert s["closest"]["reproduced"] is True
+    assert m["exact_tokens"] == m["tokens"] == n, m
+    assert s["closest"]["reproduced"] is True and s["closest"]["configurations"] == ["tp1-mb8-decode-none"]
+    # the prefill is compared too: over the tokens its filters keep (a sampled token its logits put
+    # past a filter's edge is counted, not compared)
+    p = s["configurations"]["tp1-mb8-prefill-none"]
+    assert p["status"] == "ok" and p["metrics"]["exact_tokens"] < p["metrics"]["tokens"]
+    assert p["metrics"]["tokens"] + p["metrics"].get("filtered_out", {}).get("tokens", 0) == n
     assert s["sampling"]["processors"] == ("repetition_penalty=1.1, temperature=0.8, top_k=40, top_p=0.95, "
                                            "min_p=0.02")
     # negative controls: the raw trainer (what tpdiag compared before), and the filters left out

@@ -106,3 +106,23 @@ def test_parse():
     assert parse(" temperature=0.8, top-k=40 ,min_p=0.02") == (("temperature", 0.8), ("top_k", 40), ("min_p", 0.02))
     with pytest.raises(BadInput, match="frequency_penalty"):
         parse("frequency_penalty=0.5")
+
+
+def test_a_token_the_filters_removed_is_left_out_and_named():
+    # a prefill whose logits differ from the engine's by rounding can put a sampled token past a
+    # top_p/min_p edge: its processed logprob is -inf. It failed the whole configuration ("a kernel
+    # of this configuration produced them") and, where every configuration did, the run
+    import math
+
+    from tpdiag.rollout.metrics import non_finite, reproduces, summarise
+    from tpdiag.rollout.read import Sequence
+
+    seqs = [Sequence([5, 1, 2, 3], 1, [-0.5, -1.0, -2.0], where="line 1")]
+    trainer = [torch.tensor([-0.5, -math.inf, -2.0])]
+    m = summarise(seqs, trainer, sampled=True)
+    assert m["tokens"] == 2 and m["exact_tokens"] == 2 and m["filtered_out"]["tokens"] == 1
+    assert "line 1, position 2" in m["filtered_out"]["line"] and not reproduces(seqs, m)
+    assert non_finite(seqs, trainer, sampled=True) is None
+    assert "a kernel of this configuration" in non_finite(seqs, trainer)  # raw logprobs: -inf is a kernel's
+    everything = [torch.full((3,), -math.inf)]
+    assert non_finite(seqs, everything, sampled=True).startswith("every generated token: --sampling's filters")

@@ -153,7 +153,9 @@ def rollout_report(console, s: dict) -> None:
         c = r["metrics"]
         name = label + (mark if label in closest else "")
         t.add_row(name, f"{c['token_mult_prob_error']:.7f}", _g(c["max_abs"]), f"{c['mean_diff']:+.3g}",
-                  _g(c["k3_kl"]), f"{c['exact_tokens']}/{c['tokens']}", r.get("same_bits_as") or "",
+                  _g(c["k3_kl"]), f"{c['exact_tokens']}/{c['tokens']}"
+                  + (f" +{c['filtered_out']['tokens']} cut" if c.get("filtered_out") else ""),
+                  r.get("same_bits_as") or "",
                   _g(r.get("seconds")))
     _print_table(console, t)
     # one line per reason: an attention implementation the model lacks makes every configuration
@@ -164,6 +166,10 @@ def rollout_report(console, s: dict) -> None:
             why.setdefault((r["status"], r.get("reason", "")), []).append(label)
     for (status, reason), labels in why.items():
         w(f"{', '.join(labels)} {status}: {reason}", soft_wrap=True)
+    for label, r in s["configurations"].items():
+        cut = (r.get("metrics") or {}).get("filtered_out")
+        if cut:  # its numbers are over the tokens it kept: say which it lost
+            w(f"{label}: {cut['line']}; its numbers are over the other tokens", soft_wrap=True)
     if "explanation" in s["closest"]:
         w(f"closest to the engine: {s['closest']['explanation']}", soft_wrap=True)
     else:  # a summary of an older tpdiag

@@ -82,7 +82,8 @@ class Collector:
 
 def judge(collector: Collector, vocab: int) -> dict:
     """{'detected': bool, 'kind': ..., 'explanation': ..., evidence}."""
-    st = list(collector.stats.values())
+    # a token --sampling's filters removed on the trainer's side (-inf) says nothing of processing
+    st = [x for x in collector.stats.values() if math.isfinite(x["diff"])]
     if not st:
         return {"detected": False, "kind": None, "explanation": "no generated tokens"}
     d = [x["diff"] for x in st]

@@ -248,7 +248,7 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_valu
             if bad:
                 entry.update(status="failed", reason=bad)
             else:
-                entry["metrics"] = metrics.summarise(seqs, lps)
+                entry["metrics"] = metrics.summarise(seqs, lps, sampled=bool(rc.sampling))
                 # the first configuration before it with the same bits on every compared token
                 entry["same_bits_as"] = next((lab for lab, other in trainer.items()
                                               if metrics.same_bits(seqs, lps, other)), None)
@@ -306,7 +306,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     return {
         "schema": 1, "command": "rollout", "file": rc.file, "format": ro.format, "model": rc.model,
         "dtype": rc.dtype, "device": rc.device, "seed": rc.seed,
-        "sequences": len(seqs), "generated_tokens": ref_m["tokens"],
+        "sequences": len(seqs), "generated_tokens": sum(len(x.logprobs) for x in seqs),
         "reference": reference, "metrics": ref_m, "worst_tokens": worst,
         "margins_from": stats_from, "near_tie_nats": metrics.near_tie_nats(noise),
         "closest": {"configurations": closest, "reproduced": bool(reproduced),
@@ -326,6 +326,8 @@ def _tp_invariance(rc, seqs, results, trainer) -> dict:
     """{TP > 1 configuration under a fix: {tp, tp1 (its TP=1 twin), same_bits, max_abs}}: the fixes
     make a TP degree compute TP=1's bits, so a TP > 1 configuration under them that is not its twin's
     bits is the trainer's TP path differing from TP=1 beyond the reorderings the fixes remove."""
+    import torch
+
     from tpdiag.rollout.metrics import same_bits
 
     out = {}
@@ -334,7 +336,8 @@ def _tp_invariance(rc, seqs, results, trainer) -> dict:
         twin = Config(1, c.micro_batch, c.mode, c.fix, c.flags, c.attention, c.padding).rollout_name()
         if c.tp == 1 or c.fix == "none" or lab not in trainer or twin not in trainer:
             continue
-        gaps = [float((x[s.prompt_len - 1:].double() - y[s.prompt_len - 1:].double()).abs().max())
+        # where both are -inf (a token --sampling's filters removed on both sides) they agree
+        gaps = [float(torch.where(x == y, 0.0, x.double() - y.double())[s.prompt_len - 1:].abs().max())
                 for s, x, y in zip(seqs, trainer[lab], trainer[twin])]
         out[lab] = {"tp": c.tp, "tp1": twin, "same_bits": same_bits(seqs, trainer[lab], trainer[twin]),
                     "max_abs": max(gaps) if gaps else 0.0}
