@@ -32,7 +32,7 @@ def rollout(
     padding: Annotated[str, typer.Option(help="padding sides to try: auto (prefill right, decode left as "
                                               "generate()), left, right")] = "auto",
     sampling: Annotated[str, typer.Option(help="the engine's generate() sampling settings when its logprobs are "
-                                               "its processed scores (output_scores): NAME=VALUE,... of "
+                                               "its processed scores (output_scores): comma-separated NAME=VALUE of "
                                                "temperature, top_k, top_p, min_p, typical_p, repetition_penalty, "
                                                "no_repeat_ngram_size; the trainer's logits go through generate()'s "
                                                "own processors first (hf: models; docs/rl.md). none: raw "
