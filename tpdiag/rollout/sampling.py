@@ -76,7 +76,8 @@ def describe(model, sampling) -> str:
         if key is None:
             words.append(name)
         else:
-            words.append(f"{key}={value:g}" + ("" if key in named else " (transformers' default, not in --sampling)"))
+            shown = f"{value:g}" if isinstance(value, (int, float)) else str(value)
+            words.append(f"{key}={shown}" + ("" if key in named else " (transformers' default, not in --sampling)"))
     return ", ".join(words) if words else "none (these settings process nothing)"
 
 
