@@ -30,6 +30,10 @@ from tpdiag.errors import BadInput
 from tpdiag.kernels import tree
 from tpdiag.kernels.norm_grad import RMSNormSP
 
+# set on a per-head norm whose forward and backward this fix took over: the weight-grad all-reduce
+# transformers' replicated_with_grad_allreduce does (tpdiag.models.hf_plan) is then its backward's
+HEAD_NORM_FIXED = "_tpdiag_head_norm_fixed"
+
 
 def _eps(mod) -> float | None:
     for attr in ("eps", "variance_epsilon"):
@@ -203,11 +207,13 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
                 return y
 
             mod.forward = forward
+            setattr(mod, HEAD_NORM_FIXED, True)  # its weight-grad all-reduce is this backward's now
             wrapped.append(mod)
         yield
     finally:
         for mod in wrapped:
             mod.__dict__.pop("forward", None)
+            mod.__dict__.pop(HEAD_NORM_FIXED, None)
         for mod, own in replicated:
             if own is not None:
                 mod.forward = own
