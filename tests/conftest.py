@@ -188,7 +188,7 @@ FILE_SECONDS = {
     "test_capture.py": 39, "test_hf_zoo.py": 50, "test_rollout.py": 23, "test_hash_batch.py": 40,
     "test_capture_exit.py": 40, "test_invariant_attention.py": 32, "test_faults.py": 33,
     "test_load_dtype.py": 40, "test_handwritten_tp.py": 40, "test_cli_messages.py": 40,
-    "test_op_level.py": 117, "test_micro_batch_carry.py": 21, "test_benchmarks.py": 35, "test_hf_fixes.py": 35,
+    "test_op_level.py": 117, "test_micro_batch_carry.py": 21, "test_benchmarks.py": 35, "test_hf_fixes.py": 60,
     "test_slice.py": 35, "test_public_api.py": 35, "test_rollout_lanes.py": 30, "test_user_models.py": 30,
     "test_sequence_parallel.py": 24, "test_doc_blocks.py": 30, "test_failclosed.py": 25,
     "test_tree_triton.py": 38, "test_gate.py": 25, "test_report.py": 25, "test_meta_init.py": 56,
