@@ -137,7 +137,8 @@ def test_generates_processed_scores_are_reproduced_with_its_sampling_settings(tm
     s, _ = rollout(tmp_path, rows, path, modes=("decode",))
     assert s["metrics"]["exact_tokens"] == 0 and s["processed"]["detected"] is True
     assert "--sampling" in s["processed"]["explanation"] and "--sampling" in s["what_to_do"]["line"]
-    s, _ = rollout(tmp_path, rows, path, modes=("decode",), sampling=(("repetition_penalty", 1.1), ("temperature", 0.8)))
+    s, _ = rollout(tmp_path, rows, path, modes=("decode",),
+                   sampling=(("repetition_penalty", 1.1), ("temperature", 0.8)))
     assert s["closest"]["reproduced"] is False and s["metrics"]["exact_tokens"] == 0
 
 

@@ -45,7 +45,8 @@ def _scores(path, **sample):
     res = m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True,
                      output_scores=True, return_dict_in_generate=True, pad_token_id=0, **sample)
     return [{"input_ids": res.sequences[r, P - n:].tolist(), "prompt_len": n,
-             "logprobs": [float(torch.log_softmax(s[r], -1)[res.sequences[r, P + j]]) for j, s in enumerate(res.scores)]}
+             "logprobs": [float(torch.log_softmax(s[r], -1)[res.sequences[r, P + j]])
+                          for j, s in enumerate(res.scores)]}
             for r, n in enumerate(lens)]
 
 
@@ -67,7 +68,8 @@ def test_generates_default_top_k_is_applied_and_named(tmp_path, model):
     rows = _scores(model, temperature=0.7)
     s = _run(tmp_path, rows, model, sampling=(("temperature", 0.7),))
     assert s["closest"]["reproduced"] is True, s["metrics"]
-    assert s["sampling"]["processors"] == "temperature=0.7, top_k=50 (transformers' default, not in --sampling)"
+    assert s["sampling"]["processors"] == ("temperature=0.7, top_k=50 (not in --sampling: generate()'s default for "
+                                           "this checkpoint)")
     # control: temperature alone, without the default top-k, is not the engine's scores
     s = _run(tmp_path, rows, model, sampling=(("temperature", 0.7), ("top_k", 0)))
     assert s["closest"]["reproduced"] is False

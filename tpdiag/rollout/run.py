@@ -317,7 +317,8 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         "flags": {k: {"values": v, "line": one_line(v, k)} for k, v in (flag_values or {}).items()},
         "sdpa_ran": _sdpa_words(results),
         "what_to_do": todo,
-        "processed": verdict, "sampling": sampled, "configurations": results, "tp_invariance": invariance, "notes": notes,
+        "processed": verdict, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
+        "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
 

@@ -77,7 +77,8 @@ def describe(model, sampling) -> str:
             words.append(name)
         else:
             shown = f"{value:g}" if isinstance(value, (int, float)) else str(value)
-            words.append(f"{key}={shown}" + ("" if key in named else " (transformers' default, not in --sampling)"))
+            words.append(f"{key}={shown}" + ("" if key in named else
+                                             " (not in --sampling: generate()'s default for this checkpoint)"))
     return ", ".join(words) if words else "none (these settings process nothing)"
 
 
