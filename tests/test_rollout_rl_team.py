@@ -95,7 +95,7 @@ def test_rl_teams_rollout_and_trainer_are_transformers_bits(tmp_path, kind):
     rows = files["raw"]
     assert len(rows) == 8 and len({len(x["input_ids"]) for x in rows}) > 1
     # the rollout: generate()'s raw logprobs are tpdiag's decode at the engine's batch
-    s, got = rollout(tmp_path, rows, path)
+    s, got = rollout(tmp_path, rows, path, micro_batch=(8, 1))
     m = s["configurations"]["tp1-mb8-decode-none"]["metrics"]
     assert m["exact_tokens"] == m["tokens"] == sum(len(x["logprobs"]) for x in rows)
     assert s["closest"]["reproduced"] is True and s["processed"]["detected"] is False
@@ -112,6 +112,11 @@ def test_rl_teams_rollout_and_trainer_are_transformers_bits(tmp_path, kind):
     for i, x in enumerate(rows):
         mine = lsm[i, :len(x["input_ids"]) - 1].gather(-1, torch.tensor(x["input_ids"][1:])[:, None])[:, 0]
         assert torch.equal(mine, got["tp1-mb8-prefill-none"][i]), (kind, i)
+        # micro-batch 1: one sequence per forward, as a trainer with micro-batch 1 runs it
+        with torch.no_grad():
+            one = model(torch.tensor([x["input_ids"]])).logits[0, :-1].float().log_softmax(-1)
+        assert torch.equal(one.gather(-1, torch.tensor(x["input_ids"][1:])[:, None])[:, 0],
+                           got["tp1-mb1-prefill-none"][i]), (kind, i)
     # the prefill is not the engine: the comparison can fail (its negative control)
     assert s["configurations"]["tp1-mb8-prefill-none"]["metrics"]["exact_tokens"] < m["tokens"]
 
