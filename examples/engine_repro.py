@@ -68,8 +68,10 @@ def write_checkpoint(path: str, config: dict, device: str) -> str:
     return path
 
 
-def engine(path: str, out: str, batch: int, prompt: int, new: int, device: str) -> int:
-    """generate() as an engine runs it; writes tpdiag's JSONL; returns the tokens generated."""
+def engine(path: str, out: str, batch: int, prompt: int, new: int, device: str, sampling: str = "") -> int:
+    """generate() as an engine runs it; writes tpdiag's JSONL; returns the tokens generated.
+    sampling: 'temperature=0.8,top_p=0.95,...' - generate() samples with these and the logprobs
+    come from its processed scores (output_scores), as `tpdiag rollout --sampling` recomputes them."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -78,15 +80,24 @@ def engine(path: str, out: str, batch: int, prompt: int, new: int, device: str) 
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=g).to(device)
     torch.manual_seed(2)
     t0 = time.perf_counter()
-    res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                         min_new_tokens=new, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                         use_cache=True, output_logits=True, return_dict_in_generate=True,
-                         pad_token_id=0)
+    settings = {"top_k": 0, "top_p": 1.0, "temperature": 1.0}
+    for item in filter(None, sampling.split(",")):
+        key, _, value = item.partition("=")
+        settings[key.strip()] = int(value) if key.strip() in ("top_k", "no_repeat_ngram_size") else float(value)
+    if sampling:
+        # no EOS: every sequence `new` tokens, without min_new_tokens' processor in the scores
+        model.generation_config.eos_token_id = None
+    else:
+        settings["min_new_tokens"] = new
+    res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=True,
+                         use_cache=True, output_logits=True, output_scores=bool(sampling),
+                         return_dict_in_generate=True, pad_token_id=0, **settings)
     print(f"engine: generate() {batch} x ({prompt} + {new}) in {time.perf_counter() - t0:.1f} s", flush=True)
     with open(out, "w") as f:
         for r in range(batch):
             seq = res.sequences[r].tolist()
-            lps = [float(torch.log_softmax(s[r].float(), -1)[seq[prompt + j]]) for j, s in enumerate(res.logits)]
+            steps = res.scores if sampling else res.logits
+            lps = [float(torch.log_softmax(s[r].float(), -1)[seq[prompt + j]]) for j, s in enumerate(steps)]
             f.write(json.dumps({"input_ids": seq, "prompt_len": prompt, "logprobs": lps}) + "\n")
     return batch * new
 
@@ -100,6 +111,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--sampling", default="", help="generate()'s settings (temperature=0.8,top_p=0.95,...): "
+                                                   "logprobs from its processed scores, rollout run with --sampling")
     argv = sys.argv[1:]
     # argparse gives a trailing nargs="*" positional nothing once the one before it has matched: the
     # options after `--` are split off here
@@ -109,7 +122,9 @@ def main() -> int:
     shape = (SMALL_MOE if a.small else QWEN3_MOE) if a.moe else (SMALL if a.small else LLAMA_1B)
     model = write_checkpoint(os.path.join(a.out, "model"), shape, a.device)
     rollout = os.path.join(a.out, "rollout.jsonl")
-    n = engine(model, rollout, a.batch, a.prompt, a.new, a.device)
+    n = engine(model, rollout, a.batch, a.prompt, a.new, a.device, a.sampling)
+    if a.sampling:
+        a.rest = ["--sampling", a.sampling, *a.rest]
     cmd = [sys.executable, "-m", "tpdiag", "rollout", rollout, "--model", f"hf:{model}", "--dtype", "bfloat16",
            "--device", a.device, "--tp", "1", "--micro-batch", f"{a.batch},1", "--mode", "prefill,decode",
            "--fix", "none", "--format", "json", *a.rest]

@@ -181,13 +181,14 @@ FILE_SECONDS = {
     "test_forward_code.py": 45, "test_rollout_padded.py": 25, "test_failclosed_hostile.py": 22, "test_ep_moe.py": 9,
     "test_attention_fused.py": 45,
     "test_compare_eager.py": 20, "test_decode_sliding_window.py": 20,  # htrial6 (alone, loaded machine)
+    "test_rollout_sampling.py": 25, "test_rollout_rl_team.py": 15,  # htrial7 (alone, 13 s and 30 s wall)
     "test_hash_capture.py": 150, "test_diagnosis.py": 98, "test_planted.py": 85, "test_fixes.py": 66,
     "test_matrix.py": 76, "test_micro_batch.py": 52, "test_moe_fixes.py": 84, "test_faults_more.py": 67,
     "test_diff_runs.py": 61, "test_hf.py": 60, "test_timing.py": 28, "test_behind.py": 55, "test_fuzz.py": 55,
     "test_capture.py": 39, "test_hf_zoo.py": 50, "test_rollout.py": 23, "test_hash_batch.py": 40,
     "test_capture_exit.py": 40, "test_invariant_attention.py": 32, "test_faults.py": 33,
     "test_load_dtype.py": 40, "test_handwritten_tp.py": 40, "test_cli_messages.py": 40,
-    "test_op_level.py": 117, "test_micro_batch_carry.py": 21, "test_benchmarks.py": 35, "test_hf_fixes.py": 35,
+    "test_op_level.py": 117, "test_micro_batch_carry.py": 21, "test_benchmarks.py": 35, "test_hf_fixes.py": 60,
     "test_slice.py": 35, "test_public_api.py": 35, "test_rollout_lanes.py": 30, "test_user_models.py": 30,
     "test_sequence_parallel.py": 24, "test_doc_blocks.py": 30, "test_failclosed.py": 25,
     "test_tree_triton.py": 38, "test_gate.py": 25, "test_report.py": 25, "test_meta_init.py": 56,

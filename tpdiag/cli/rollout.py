@@ -31,6 +31,12 @@ def rollout(
                                                 "sdpa, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn")] = "auto",
     padding: Annotated[str, typer.Option(help="padding sides to try: auto (prefill right, decode left as "
                                               "generate()), left, right")] = "auto",
+    sampling: Annotated[str, typer.Option(help="the engine's generate() sampling settings when its logprobs are "
+                                               "its processed scores (output_scores): comma-separated NAME=VALUE of "
+                                               "temperature, top_k, top_p, min_p, typical_p, repetition_penalty, "
+                                               "no_repeat_ngram_size; the trainer's logits go through generate()'s "
+                                               "own processors first (hf: models; docs/rl.md). none: raw "
+                                               "logprobs")] = "none",
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
@@ -53,6 +59,7 @@ def rollout(
     with reported():
         from tpdiag.config import DTYPES, parse_choice
         from tpdiag.runner import attention as attn
+        from tpdiag.rollout import sampling as rollout_sampling
         from tpdiag.rollout.run import (RolloutConfig, parse_fixes, parse_ints, parse_jobs, parse_modes,
                                         parse_padding, run_rollout)
         from tpdiag.runner import flags as backend_flags
@@ -72,7 +79,8 @@ def rollout(
                            fixes=parse_fixes(fix), dtype=parse_choice("--dtype", dtype, DTYPES),
                            device=dev, seed=seed, top=top, timeout=timeout,
                            flags=backend_flags.parse("--flags", flags), attention=attn.parse(attention),
-                           padding=parse_padding(padding), jobs=parse_jobs(jobs))
+                           padding=parse_padding(padding), jobs=parse_jobs(jobs),
+                           sampling=rollout_sampling.parse(sampling))
         from tpdiag.models.spec import parse_spec
 
         parse_spec(model)
@@ -121,9 +129,14 @@ def rollout_report(console, s: dict) -> None:
         w(f["line"], soft_wrap=True)
     if s.get("sdpa_ran"):
         w(f"SDPA backend that ran: {s['sdpa_ran']}", soft_wrap=True)
+    if s.get("sampling"):
+        w(f"sampling: the trainer's logits of each generated token go through generate()'s processors before "
+          f"the logprob: {s['sampling']['processors']}", soft_wrap=True)
     pr = s["processed"]
     # detected None: not judged - "raw" would claim what was not checked
-    tag = {True: "[bold red]processed logprobs[/]", False: "raw logprobs"}.get(pr.get("detected"),
+    tag = {True: "[bold red]processed logprobs[/]",
+           False: "logprobs as --sampling processes them" if s.get("sampling") else "raw logprobs"}.get(
+        pr.get("detected"),
                                                                               "raw or processed logprobs")
     console.print(f"{tag}: {pr['explanation']}", markup=True, soft_wrap=True)
 
@@ -140,7 +153,9 @@ def rollout_report(console, s: dict) -> None:
         c = r["metrics"]
         name = label + (mark if label in closest else "")
         t.add_row(name, f"{c['token_mult_prob_error']:.7f}", _g(c["max_abs"]), f"{c['mean_diff']:+.3g}",
-                  _g(c["k3_kl"]), f"{c['exact_tokens']}/{c['tokens']}", r.get("same_bits_as") or "",
+                  _g(c["k3_kl"]), f"{c['exact_tokens']}/{c['tokens']}"
+                  + (f" +{c['filtered_out']['tokens']} cut" if c.get("filtered_out") else ""),
+                  r.get("same_bits_as") or "",
                   _g(r.get("seconds")))
     _print_table(console, t)
     # one line per reason: an attention implementation the model lacks makes every configuration
@@ -151,6 +166,10 @@ def rollout_report(console, s: dict) -> None:
             why.setdefault((r["status"], r.get("reason", "")), []).append(label)
     for (status, reason), labels in why.items():
         w(f"{', '.join(labels)} {status}: {reason}", soft_wrap=True)
+    for label, r in s["configurations"].items():
+        cut = (r.get("metrics") or {}).get("filtered_out")
+        if cut:  # its numbers are over the tokens it kept: say which it lost
+            w(f"{label}: {cut['line']}; its numbers are over the other tokens", soft_wrap=True)
     if "explanation" in s["closest"]:
         w(f"closest to the engine: {s['closest']['explanation']}", soft_wrap=True)
     else:  # a summary of an older tpdiag

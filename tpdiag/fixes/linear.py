@@ -64,6 +64,23 @@ class _GatherColumns(torch.autograd.Function):
         return g[..., r * ctx.width:(r + 1) * ctx.width].contiguous()
 
 
+class _SplitColumns(torch.autograd.Function):
+    """This rank's slice of a replicated input's last dim (what a row-parallel style whose input is
+    Replicate - transformers' rowwise_split_input, rowwise_rep - hands its local GEMM); backward
+    all-gathers the slices' grads into the replicated input's whole grad (exact)."""
+
+    @staticmethod
+    def forward(ctx, x, width):
+        r = tree.rank() if tree.world_size() > 1 else 0
+        return x[..., r * width:(r + 1) * width].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        if tree.world_size() == 1:
+            return g, None
+        return tree.cat_stacked(tree.all_gather_stacked(g.contiguous()), -1), None
+
+
 def _hf_output(name: str, style: str, obj) -> str:
     """What the transformers style hands on: 'local' (column shard) or 'full'."""
     out = getattr(obj, "output_layouts", None)
@@ -113,6 +130,10 @@ def _wrap(name: str, mod: nn.Linear, style: str, obj, world: int):
         xl, wl = _local(x), _local(w)
         bl = _local(b) if b is not None else None
         if style == "rowwise":
+            if hf and xl.shape[-1] != wl.shape[-1] and xl.shape[-1] == wl.shape[-1] * world:
+                # the style takes the whole input and splits it (transformers' rowwise_split_input:
+                # OLMo2's o_proj after q/k/v gathered their columns)
+                xl = _SplitColumns.apply(xl, wl.shape[-1])
             y = row_parallel_linear(xl, wl, None if sb is not None else bl, local_groups, sw)
             if sb is not None:  # the replicated bias: its grad, a sum over tokens, carried too
                 y = ColBias.apply(y, bl, 1, sb)

@@ -30,6 +30,10 @@ from tpdiag.errors import BadInput
 from tpdiag.kernels import tree
 from tpdiag.kernels.norm_grad import RMSNormSP
 
+# set on a per-head norm whose forward and backward this fix took over: the weight-grad all-reduce
+# transformers' replicated_with_grad_allreduce does (tpdiag.models.hf_plan) is then its backward's
+HEAD_NORM_FIXED = "_tpdiag_head_norm_fixed"
+
 
 def _eps(mod) -> float | None:
     for attr in ("eps", "variance_epsilon"):
@@ -57,6 +61,31 @@ def _same_as_stock(mod, eps: float) -> bool:
     x = torch.randn(2, 3, w.shape[0], generator=g).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
         ref, y = mod.forward(x), _rms(x, eps) * w  # forward: no hooks
+    return (ref.dtype == y.dtype and ref.shape == y.shape
+            and torch.equal(ref.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)))
+
+
+def _styled_same_as_stock(mod, eps: float) -> bool:
+    """_same_as_stock for a norm a plan style shards or replicates: the class's own forward (not the
+    style's hooks) on a replicated copy of the seeded input where the weight is a replicated
+    DTensor. A weight sharded some other way is taken as the stock formula (not checked)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    w = mod.weight
+    if not isinstance(w, DTensor):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 3, w.shape[0], generator=g).to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            ref, y = type(mod).forward(mod, x), _rms(x, eps) * w
+    elif all(isinstance(p, Replicate) for p in w.placements):
+        wl = w.to_local()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 3, wl.shape[0], generator=g).to(device=wl.device, dtype=wl.dtype)
+        with torch.no_grad():
+            ref = type(mod).forward(mod, DTensor.from_local(x, w.device_mesh, list(w.placements), run_check=False))
+            ref, y = (ref.to_local() if isinstance(ref, DTensor) else ref), _rms(x, eps) * wl
+    else:
+        return True
     return (ref.dtype == y.dtype and ref.shape == y.shape
             and torch.equal(ref.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)))
 
@@ -156,6 +185,15 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
             if eps is None or getattr(mod, "bias", None) is not None or not hasattr(mod, "weight"):
                 raise BadInput(f"--fix invariant-norm-grad: {name} ({type(mod).__name__}) is not an "
                                "RMSNorm; only RMSNorm is supported")
+            try:
+                other = not _styled_same_as_stock(mod, eps)
+            except Exception:  # noqa: BLE001 - a forward that takes no seeded input here: installed as before
+                other = False
+            if other:
+                # a norm of another formula (Gemma's x * (1 + w)): the invariant kernel computes w * rms(x)
+                # and would change the forward (0.67 nats in a tiny Gemma3's logprobs); left stock,
+                # so a norm-weight-grad there stays unconfirmed rather than fixed into another model
+                continue
 
             def forward(x, _mod=mod, _eps=eps, _name=name, _gdim=gdim, _style=style):
                 xl = x.to_local() if isinstance(x, DTensor) else x
@@ -169,11 +207,13 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
                 return y
 
             mod.forward = forward
+            setattr(mod, HEAD_NORM_FIXED, True)  # its weight-grad all-reduce is this backward's now
             wrapped.append(mod)
         yield
     finally:
         for mod in wrapped:
             mod.__dict__.pop("forward", None)
+            mod.__dict__.pop(HEAD_NORM_FIXED, None)
         for mod, own in replicated:
             if own is not None:
                 mod.forward = own

@@ -223,11 +223,12 @@ def _grad_allreduce_now(module, mesh) -> None:
 
     def reduce(p):
         from tpdiag.fixes import registry
+        from tpdiag.fixes.norm import HEAD_NORM_FIXED
 
         # under invariant-norm-grad (the fix that takes this over) the norm's own backward
         # already summed the heads of every rank in tree order; reducing again would count them
-        # TP times
-        if not registry.takes_over("head-norm-grad-reduce"):
+        # TP times. A norm the fix left stock (another formula: Gemma's) is reduced here still
+        if not (registry.takes_over("head-norm-grad-reduce") and getattr(module, HEAD_NORM_FIXED, False)):
             dist.all_reduce(p.grad, group=group)
 
     for p in module.parameters(recurse=False):

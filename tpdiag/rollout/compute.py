@@ -50,11 +50,12 @@ def build(spec_text: str, dtype: str, device: str, seed: int):
 
 
 def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, tree_groups: int = 0,
-             on_flags=None) -> list:
+             on_flags=None, sampling=()) -> list:
     """Per sequence a float32 tensor [len - 1]: the trainer's logprob of input_ids[t] at t-1.
     on_logits(i, rows): the logits rows [len - 1, vocab] of sequence i (in decode, the prompt's
     rows are NaN unless the engine gave prompt logprobs). on_flags(setting, snapshot): the backend
-    flags this configuration ran under (tpdiag.runner.flags.snapshot)."""
+    flags this configuration ran under (tpdiag.runner.flags.snapshot). sampling: generate()'s
+    settings whose processors the generated tokens' rows go through first (tpdiag.rollout.sampling)."""
     import torch
 
     from tpdiag.fixes.registry import apply_fixes, resolve
@@ -91,16 +92,27 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
                 rows = _prefill(model, group, left=cfg.padding == "left")
             else:
                 rows = _decode(model, group)
-            for i, s, r in zip(idx, group, rows):
-                labels = torch.tensor(s.input_ids[1:], device=r.device)
+            wholes = []
+            for r in rows:
                 # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
                 # a vocab-sharded DTensor under loss_parallel (tpdiag.runner.losses)
                 r, _ = whole_vocab(r, model, target.plan, target.vocab_size, world)
                 # logprobs in float32, as an engine takes them (generate()'s output_logits are
                 # float32 copies; vLLM's sampler upcasts) and as RL trainers do (NeMo RL, verl):
                 # a bf16 log-softmax rounds every logprob to 8 bits
-                r = r.float()
-                with loss_context(world):
+                wholes.append(r.float())
+            sharded = world
+            if sampling:
+                from tpdiag.rollout import sampling as proc
+
+                # generate()'s processors read whole rows: the vocabulary gathered first
+                plen = max(s.prompt_len for s in group)
+                ids, mask = decode_inputs(group, plen, max(s.n_generated for s in group), pad_id(model))
+                wholes = proc.apply(model, sampling, group, [_whole(r) for r in wholes], ids, mask, plen)
+                sharded = 1
+            for i, s, r in zip(idx, group, wholes):
+                labels = torch.tensor(s.input_ids[1:], device=r.device)
+                with loss_context(sharded):
                     lp = logprob_fn(r, labels)
                 out[i] = _whole(lp).float().cpu()
                 if on_logits is not None:

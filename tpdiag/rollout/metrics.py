@@ -25,10 +25,18 @@ def pairs(seqs, trainer: list) -> list[tuple[int, int, float, float]]:
     return out
 
 
-def non_finite(seqs, trainer: list) -> str | None:
+def non_finite(seqs, trainer: list, sampled: bool = False) -> str | None:
     """Why this configuration's logprobs cannot be compared (NaN/Inf where the engine has a
-    number), or None."""
-    bad = [(i, pos) for i, pos, _, t in pairs(seqs, trainer) if not math.isfinite(t)]
+    number), or None. sampled: the generated tokens' rows went through --sampling's filters, where
+    -inf is a token the filters removed, not a kernel's doing."""
+    ps = pairs(seqs, trainer)
+    bad = [(i, pos) for i, pos, _, t in ps if not math.isfinite(t)]
+    cut = [(i, pos) for i, pos, _, t in ps if t == -math.inf]
+    if sampled and bad and cut == bad:
+        if len(cut) < len(ps):
+            return None  # compared over the tokens its filters keep (summarise: filtered_out)
+        i, pos = bad[0]
+        return f"every generated token: {filtered_words(len(cut), seqs[i].where, pos)}"
     for i, (s, t) in enumerate(zip(seqs, trainer)):
         if s.prompt_logprobs is not None:
             tl = t.tolist()
@@ -38,6 +46,14 @@ def non_finite(seqs, trainer: list) -> str | None:
     i, pos = bad[0]
     return (f"non-finite trainer logprobs (NaN/Inf) at {len(bad)} tokens, first sequence {i} position "
             f"{pos}: a kernel of this configuration produced them")
+
+
+def filtered_words(n: int, where: str, pos: int) -> str:
+    return (f"--sampling's filters removed the engine's sampled token at {n} token{'s' if n != 1 else ''} "
+            f"(processed logprob -inf; first: {where}, position {pos}): this configuration's logits put it "
+            "past a filter's edge (top_k, top_p, min_p, typical_p) where the engine's kept it - logits that "
+            "differ by rounding move a token across the edge - or --sampling's settings are not the "
+            "engine's. The engine's own logits under its own settings keep every token it sampled")
 
 
 def same_bits(seqs, a: list, b: list) -> bool:
@@ -77,7 +93,7 @@ def _k3(d: list[float]) -> float:
 def beyond_range(seqs, trainer: list, limit: int = 10) -> dict | None:
     """Generated tokens whose engine or trainer logprob is below LOGPROB_FLOOR: named, since every
     metric over them is dominated by a number no float32 computation gives a sampled token."""
-    bad = [(i, pos, e, t) for i, pos, e, t in pairs(seqs, trainer) if min(e, t) < LOGPROB_FLOOR]
+    bad = [(i, pos, e, t) for i, pos, e, t in pairs(seqs, trainer) if LOGPROB_FLOOR > min(e, t) > -math.inf]
     if not bad:
         return None
     return {"tokens": len(bad), "floor": LOGPROB_FLOOR,
@@ -85,8 +101,12 @@ def beyond_range(seqs, trainer: list, limit: int = 10) -> dict | None:
                       for i, pos, e, t in bad[:limit]]}
 
 
-def summarise(seqs, trainer: list) -> dict:
+def summarise(seqs, trainer: list, sampled: bool = False) -> dict:
+    """sampled: a token --sampling's filters removed (trainer -inf) is left out of the numbers and
+    counted (filtered_out); such a configuration never reproduces the engine."""
     ps = pairs(seqs, trainer)
+    cut = [p for p in ps if p[3] == -math.inf] if sampled else []
+    ps = [p for p in ps if p[3] != -math.inf] if cut else ps
     n = len(ps)
     d = [e - t for _, _, e, t in ps]
     m = {"tokens": n,
@@ -97,6 +117,9 @@ def summarise(seqs, trainer: list) -> dict:
          "k3_kl": _k3(d),
          # the engine's number is the trainer's float32 exactly
          "exact_tokens": sum(1 for x in d if x == 0.0)}
+    if cut:
+        i, pos = cut[0][:2]
+        m["filtered_out"] = {"tokens": len(cut), "line": filtered_words(len(cut), seqs[i].where, pos)}
     far = beyond_range(seqs, trainer)
     if far is not None:
         m["beyond_range"] = far
@@ -127,7 +150,8 @@ def worst_tokens(seqs, trainer: list, stats: dict, top: int, noise: float) -> li
     """The `top` generated tokens with the largest |diff| (none that agree exactly), with the trainer's top-2 margin there
     (stats[(seq, pos)] from the first configuration) - near-ties flagged. `noise`: the largest
     rounding-sized |diff| (0 where the engine's logprobs are processed: not noise)."""
-    ps = sorted((p for p in pairs(seqs, trainer) if p[2] != p[3]), key=lambda p: -abs(p[2] - p[3]))[:top]
+    ps = sorted((p for p in pairs(seqs, trainer) if p[2] != p[3] and p[3] != -math.inf),
+                key=lambda p: -abs(p[2] - p[3]))[:top]
     out = []
     for i, pos, e, t in ps:
         st = stats.get((i, pos), {})
@@ -142,7 +166,7 @@ def worst_tokens(seqs, trainer: list, stats: dict, top: int, noise: float) -> li
 
 def reproduces(seqs, m: dict) -> bool:
     """Every generated token (and every prompt token the engine gave a number for) exact."""
-    if m["exact_tokens"] != m["tokens"]:
+    if m["exact_tokens"] != m["tokens"] or m.get("filtered_out"):
         return False
     p = m.get("prompt")
     return p is None or p["exact_tokens"] == p["tokens"]
@@ -150,4 +174,4 @@ def reproduces(seqs, m: dict) -> bool:
 
 def closeness(m: dict) -> tuple:
     """Sort key: the configuration whose numbers are nearest the engine's first."""
-    return (m["mean_abs"], m["max_abs"])
+    return (bool(m.get("filtered_out")), m["mean_abs"], m["max_abs"])

@@ -17,6 +17,9 @@ import math
 # 4.5 .. 10 by 0.5 (a T between grid points still fits far better than raw, named as the nearest)
 TEMPERATURES = tuple(sorted({round(0.05 * i, 2) for i in range(1, 41)} | {round(2 + 0.1 * i, 1) for i in range(1, 21)}
                             | {round(4 + 0.5 * i, 1) for i in range(1, 13)}))
+# generate()'s processing, reproduced on the trainer's side (tpdiag.rollout.sampling)
+SAMPLING_HINT = ("generate()'s output_scores: --sampling temperature=T,top_k=K,top_p=P,min_p=M,"
+                 "repetition_penalty=R with the engine's values, bit for bit")
 # renormalisation fits when log(prefix mass) matches -diff this closely (nats)
 FIT_TOL = 2e-3
 # the temperature analysis reads at most this many generated tokens (cost: |T| x tokens x vocab)
@@ -79,7 +82,8 @@ class Collector:
 
 def judge(collector: Collector, vocab: int) -> dict:
     """{'detected': bool, 'kind': ..., 'explanation': ..., evidence}."""
-    st = list(collector.stats.values())
+    # a token --sampling's filters removed on the trainer's side (-inf) says nothing of processing
+    st = [x for x in collector.stats.values() if math.isfinite(x["diff"])]
     if not st:
         return {"detected": False, "kind": None, "explanation": "no generated tokens"}
     d = [x["diff"] for x in st]
@@ -116,7 +120,7 @@ def judge(collector: Collector, vocab: int) -> dict:
                                f"the trainer's logprob minus log(mass of its {kf['fit_describe']}): the engine "
                                "renormalised after sampling filters. Ask it for raw logprobs (vLLM: "
                                "logprobs_mode=raw_logprobs; generate(): output_logits, not output_scores) or "
-                               "compare with the same filter applied"}
+                               f"compare with the same filter applied ({SAMPLING_HINT})"}
     # 3. temperature alone, to rounding: log_softmax(logits / T) for one T on the grid
     temp = _temperature_fit(st)
     if temp is not None:
@@ -139,7 +143,7 @@ def judge(collector: Collector, vocab: int) -> dict:
                                    "minus log(mass of a top-k/top-p prefix of softmax(logits / "
                                    f"{t:g})): the engine sampled at temperature {t:g} and renormalised "
                                    "after its sampling filters. Ask it for raw logprobs (vLLM: "
-                                   "logprobs_mode=raw_logprobs) or compare with the same processing"}
+                                   f"logprobs_mode=raw_logprobs) or compare with the same processing ({SAMPLING_HINT})"}
     # 5. a temperature that fits far better than raw but not to rounding: a T between grid points,
     # or a trainer whose logits are not the engine's bits (another dtype) - named as the nearest
     if temp is not None and temp["t"] != 1.0 and temp["err"] < temp["raw"] / 10:
@@ -153,11 +157,11 @@ def judge(collector: Collector, vocab: int) -> dict:
                 "explanation": f"engine logprobs are at or above the trainer's for {higher:.0%} of tokens "
                                f"(mean +{mean_d:.3g} nats): typical of logprobs renormalised after "
                                "top-k/top-p filtering, though no temperature and filter fits - as "
-                               "when a penalty moved the logits of tokens already seen first "
-                               "(generate()'s repetition_penalty, vLLM's repetition/presence/frequency "
-                               "penalties: not modelled here) - or of another model than --model (a "
-                               "smaller vocabulary, other weights: the file does not say which model "
-                               "made it)"}
+                               "when a penalty moved the logits of tokens already seen first, or min_p "
+                               "cut the tail (generate()'s repetition_penalty and min_p: give the engine's "
+                               f"settings, {SAMPLING_HINT}; vLLM's presence/frequency penalties are not "
+                               "modelled) - or of another model than --model (a smaller vocabulary, other "
+                               "weights: the file does not say which model made it)"}
     return {"detected": False, "kind": None, **ev,
             "explanation": "no sign of processing: differences go both ways and fit no filter or temperature"}
 
@@ -178,7 +182,8 @@ def _temperature_verdict(temp, ev) -> dict:
     return {"detected": True, "kind": "temperature", **ev,
             "explanation": f"the engine's numbers are log_softmax(logits / "
                            f"{temp['t']:g}) to {temp['err']:.2g} nats (raw: {temp['raw']:.2g}) - "
-                           "temperature-scaled. Compare with the same temperature, or ask for raw logprobs"}
+                           f"temperature-scaled. Compare with the same temperature ({SAMPLING_HINT}), or ask "
+                           "for raw logprobs"}
 
 
 def _per_temperature(z, toks, eng, rank):

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from tpdiag.base.configs import folder
 
 
-def _lead(cfgs, seqs, target, model, groups, on_status, flag_values):
+def _lead(cfgs, seqs, target, model, groups, on_status, flag_values, sampling=()):
     """The TP=1 configurations up to the first that runs, here, the first with the margins'
     collector - as _compute takes them: ({label: world-style entry}, collector, its label)."""
     from tpdiag.rollout import processed
@@ -19,14 +19,14 @@ def _lead(cfgs, seqs, target, model, groups, on_status, flag_values):
     for c in cfgs:
         if c.tp != 1:
             continue
-        entry, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, collector)
+        entry, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, collector, sampling)
         out[c.rollout_name()] = {**entry, **({"logprobs": lps} if lps is not None else {})}
         if lps is not None or entry["status"] == "ok":
             return out, collector, c.rollout_name()
     return out, collector, None
 
 
-def _in_process(c, seqs, target, model, groups, on_status, flag_values, hook):
+def _in_process(c, seqs, target, model, groups, on_status, flag_values, hook, sampling=()):
     """(entry: status, reason, seconds, sdpa_ran; logprobs or None) of one TP=1 configuration."""
     from tpdiag.rollout.compute import Unavailable, logprobs
     from tpdiag.runner.sdpa_ran import SdpaRan
@@ -40,7 +40,7 @@ def _in_process(c, seqs, target, model, groups, on_status, flag_values, hook):
     try:
         with ran:
             lps = logprobs(c, target, model, seqs, on_logits=hook, tree_groups=groups,
-                           on_flags=lambda k, v: flag_values.setdefault(k, v))
+                           on_flags=lambda k, v: flag_values.setdefault(k, v), sampling=sampling)
     except Unavailable as e:
         entry.update(status="unavailable", reason=str(e))
     except Exception as e:  # noqa: BLE001 - one configuration failing leaves the others
@@ -73,16 +73,16 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_valu
             hook = None
             if stats_from is None:
                 hook, stats_from = collector, c.rollout_name()
-            got, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, hook)
+            got, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, hook, rc.sampling)
             entry.update(got)
             if lps is None and hook is not None:
                 stats_from = None
         if lps is not None:
-            bad = metrics.non_finite(seqs, lps)
+            bad = metrics.non_finite(seqs, lps, sampled=bool(rc.sampling))
             if bad:
                 entry.update(status="failed", reason=bad)
             else:
-                entry["metrics"] = metrics.summarise(seqs, lps)
+                entry["metrics"] = metrics.summarise(seqs, lps, sampled=bool(rc.sampling))
                 # the first configuration before it with the same bits on every compared token
                 entry["same_bits_as"] = next((lab for lab, other in trainer.items()
                                               if metrics.same_bits(seqs, lps, other)), None)

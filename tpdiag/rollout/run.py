@@ -34,6 +34,9 @@ class RolloutConfig:
     # concurrent worlds per TP degree (tpdiag.rollout.lanes); 1: TP=1 in this process and one
     # world per other degree, one configuration after another; 0: auto (lanes.lanes_per_degree)
     jobs: int = 1
+    # the engine's generate() sampling settings, when its logprobs are its processed scores:
+    # ((name, value), ...) whose processors the trainer's rows go through (tpdiag.rollout.sampling)
+    sampling: tuple = ()
 
 
 # the option parsers live in rollout/options.py; importable from here as before
@@ -57,6 +60,13 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     seqs = ro.sequences
     from tpdiag.rollout import lanes
 
+    if rc.sampling:
+        from tpdiag.models.spec import parse_spec
+
+        kind = parse_spec(rc.model).kind
+        if kind != "hf":
+            raise BadInput(f"--sampling applies transformers' generate() processors to the trainer's logits: it "
+                           f"needs an hf: model, not a {kind} one ({rc.model})")
     counts = lanes.lanes_per_degree(rc, configurations(rc), seqs)
     jobs = max(counts.values())
     if max(rc.tp) > 1:
@@ -94,6 +104,11 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                 raise BadInput(f"{rc.file} {s.where}: token id {top} is outside the model's vocabulary "
                                f"({vocab}): is --model the engine's model?")
         notes += _dtype_note(rc)
+        sampled = None
+        if rc.sampling:
+            from tpdiag.rollout import sampling
+
+            sampled = {"settings": dict(rc.sampling), "processors": sampling.describe(model, rc.sampling)}
         from tpdiag.rollout import padded
 
         pad_note = padded.note(seqs, model)  # said only where nothing reproduces the engine (_summary)
@@ -110,7 +125,8 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                 # the margins' configuration (the first TP=1 one that runs) here, as one process would;
                 # every other configuration in the lanes (a TP=1 one run here too - its first did not
                 # run - takes this process's result: the same bits)
-                lead, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values)
+                lead, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values,
+                                                   rc.sampling)
                 worlds = {**early.result(), **lead}
                 results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
                                                                    on_status, flag_values, collector, stats_from)
@@ -135,7 +151,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if v:
                 flag_values.setdefault(k, v)
     return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-                    flag_values, pad_note)
+                    flag_values, pad_note, sampled)
 
 
 def _not_judged(rc, results) -> str:
@@ -160,14 +176,15 @@ def _dtype_note(rc) -> list[str]:
 
 
 def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-             flag_values=None, pad_note=None) -> dict:
+             flag_values=None, pad_note=None, sampled=None) -> dict:
     from tpdiag.rollout import metrics, processed
     from tpdiag.runner.flags import one_line
 
     ok = [lab for lab in results if lab in trainer]
     if not ok:
         raise BadInput("no configuration could run for this model: "
-                       + "; ".join(f"{k}: {v.get('reason')}" for k, v in results.items()))
+                       + "; ".join(f"{k}: {v.get('reason')}" for k, v in results.items())
+                       + (f" (--sampling ran generate()'s processors: {sampled['processors']})" if sampled else ""))
     reference = ok[0]
     ref_m = results[reference]["metrics"]
     # the engine reproduced: every token it gave a number for is the trainer's float32 bit for bit;
@@ -178,6 +195,10 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     closest = reproduced or [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
     verdict = processed.judge(collector, vocab) if stats_from else {
         "detected": None, "kind": None, "explanation": _not_judged(rc, results)}
+    if sampled:
+        # the check read the processed rows: what it says is about what --sampling did not cover
+        verdict["explanation"] = (f"with --sampling's processing ({sampled['processors']}) applied to the "
+                                  f"trainer's logits: {verdict['explanation']}")
     if verdict.get("detected"):
         notes.append("the engine's logprobs look processed: the closest configuration says little "
                      "until the engine reports raw logprobs")
@@ -201,7 +222,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     return {
         "schema": 1, "command": "rollout", "file": rc.file, "format": ro.format, "model": rc.model,
         "dtype": rc.dtype, "device": rc.device, "seed": rc.seed,
-        "sequences": len(seqs), "generated_tokens": ref_m["tokens"],
+        "sequences": len(seqs), "generated_tokens": sum(len(x.logprobs) for x in seqs),
         "reference": reference, "metrics": ref_m, "worst_tokens": worst,
         "margins_from": stats_from, "near_tie_nats": metrics.near_tie_nats(noise),
         "closest": {"configurations": closest, "reproduced": bool(reproduced),
@@ -212,7 +233,8 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         "flags": {k: {"values": v, "line": one_line(v, k)} for k, v in (flag_values or {}).items()},
         "sdpa_ran": _sdpa_words(results),
         "what_to_do": todo,
-        "processed": verdict, "configurations": results, "tp_invariance": invariance, "notes": notes,
+        "processed": verdict, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
+        "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
 
@@ -221,6 +243,8 @@ def _tp_invariance(rc, seqs, results, trainer) -> dict:
     """{TP > 1 configuration under a fix: {tp, tp1 (its TP=1 twin), same_bits, max_abs}}: the fixes
     make a TP degree compute TP=1's bits, so a TP > 1 configuration under them that is not its twin's
     bits is the trainer's TP path differing from TP=1 beyond the reorderings the fixes remove."""
+    import torch
+
     from tpdiag.rollout.metrics import same_bits
 
     out = {}
@@ -229,7 +253,8 @@ def _tp_invariance(rc, seqs, results, trainer) -> dict:
         twin = Config(1, c.micro_batch, c.mode, c.fix, c.flags, c.attention, c.padding).rollout_name()
         if c.tp == 1 or c.fix == "none" or lab not in trainer or twin not in trainer:
             continue
-        gaps = [float((x[s.prompt_len - 1:].double() - y[s.prompt_len - 1:].double()).abs().max())
+        # where both are -inf (a token --sampling's filters removed on both sides) they agree
+        gaps = [float(torch.where(x == y, 0.0, x.double() - y.double())[s.prompt_len - 1:].abs().max())
                 for s, x, y in zip(seqs, trainer[lab], trainer[twin])]
         out[lab] = {"tp": c.tp, "tp1": twin, "same_bits": same_bits(seqs, trainer[lab], trainer[twin]),
                     "max_abs": max(gaps) if gaps else 0.0}

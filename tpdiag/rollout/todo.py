@@ -52,7 +52,8 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                      "run again")
     if processed.get("detected"):
         first.append("ask the engine for raw logprobs (the processed line above; vLLM: "
-                     "logprobs_mode=raw_logprobs; generate(): output_logits, not output_scores) and run again - "
+                     "logprobs_mode=raw_logprobs; generate(): output_logits, not output_scores, or its "
+                     "settings with --sampling to process the trainer's logits as generate() did) and run again - "
                      "processing alone moves every token")
     if notes_dtype:
         first.append("run again with the dtype the checkpoint is saved in (the checkpoint note above)")
