@@ -163,6 +163,12 @@ def _measure(row: dict, a: torch.Tensor, b: torch.Tensor, oa: Assembled, values:
                mismatch_fraction=c.mismatch_fraction, bound=None, beyond_bound=None)
     if values:
         _judge_values(row, a, b)
+    if not c.bitwise and not row["nonfinite_mismatch"] and not row.get("nonfinite_side"):
+        from tpdiag.diff.scale import coherent_scale
+
+        scale = coherent_scale(a, b)
+        if scale is not None:
+            row["scale"] = scale
     if oa.rank_consistent is False:
         row["rank_max_abs"] = max(
             float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())
