@@ -41,13 +41,21 @@ def _any_mesh(model):
     return next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
 
 
+_MESH: dict = {}  # device type -> (the default group it was made for, its mesh): one per world
+
+
 def _world_mesh(device_type: str):
     """The world's 1-D mesh (tpdiag's world is one TP group), for a model that holds no DTensor:
-    Megatron-style layers written by hand, each rank keeping its plain shard."""
+    Megatron-style layers written by hand, each rank keeping its plain shard. Made once per
+    default group (a decode world asks at every call)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(dist.group.WORLD, device_type)
+    group = dist.group.WORLD
+    hit = _MESH.get(device_type)
+    if hit is None or hit[0] is not group:
+        hit = _MESH[device_type] = (group, DeviceMesh.from_group(group, device_type))
+    return hit[1]
 
 
 def whole_vocab(logits, model, plan: dict, vocab: int, world: int):
