@@ -1,4 +1,5 @@
-"""More of a user's hand-written TP mistakes (tests/models/planted/tp_gathers.py, tp_heads.py), each
+"""More of a user's hand-written TP mistakes (tests/models/planted/tp_gathers.py, tp_heads.py,
+tp_router.py), each
 beside its correct twin, run as a user runs them: `tpdiag compare py:... --tp 1,2`, then `tpdiag gate`.
 
 - gather_dim0: a gather_output column layer whose all_gather_into_tensor stack (dim 0) is viewed as
@@ -14,6 +15,8 @@ beside its correct twin, run as a user runs them: `tpdiag compare py:... --tp 1,
 - grad_sync_all: a DDP-style average of every grad over the (TP-only) world, shards included: BUG
   at the first shard's weight grad.
 - heads_view: q/k/v viewed as (B, S, n_heads, -1) with the GLOBAL head count: BUG at the attention.
+- router_split: a plan wildcard that makes an MoE's router ColwiseParallel (each rank routes over its
+  half of the experts, with local ids): BUG at the MoE, its ranks disagree.
 """
 import json
 
@@ -24,6 +27,7 @@ from conftest import run_cli
 CASES = {c: ("tp_gathers", c, ()) for c in ("gather_dim0", "gather_ok", "vocab_pad", "vocab_pad_ok", "vocab_split_ok",
                                               "grad_sync_all", "grad_sync_ok")}
 CASES.update({c: ("tp_heads", c, ()) for c in ("heads_view", "heads_ok")})
+CASES.update({c: ("tp_router", c, ()) for c in ("router_split", "router_ok")})
 # hash capture: the padded head's records hashed without their padding (probes/recorder.py); they
 # were "unknown" layout there, and the twin read `not judged`
 CASES["vocab_pad_ok_hash"] = ("tp_gathers", "vocab_pad_ok", ("--capture", "hash"))
@@ -48,7 +52,7 @@ def _lead(s):
 
 
 @pytest.mark.parametrize("case", ["gather_ok", "vocab_pad_ok", "vocab_split_ok", "grad_sync_ok", "heads_ok",
-                                  "vocab_pad_ok_hash"])
+                                  "vocab_pad_ok_hash", "router_ok"])
 def test_the_twins_are_rounding_only(runs, case):
     s, stdout, gate = runs[case]
     assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), (case, s["degrees"]["2"].get("findings"))
@@ -80,6 +84,15 @@ def test_each_mistake_is_a_bug_where_it_sits(runs, case, where, ratio, said):
     assert lead["bound_ratio"] > ratio, (case, lead)
     assert f"BUG (a wrong result, not rounding) at TP=2 {said}" in stdout, stdout
     assert gate == 4, case
+
+
+def test_a_router_caught_by_the_plan_routes_each_rank_its_own_way(runs):
+    s, stdout, gate = runs["router_split"]
+    lead = _lead(s)
+    assert s["class"] == "bug" and lead is not None, s["degrees"]["2"].get("findings")
+    assert (lead["phase"], lead["module"], lead["kind"], lead["cause"]) == (
+        "forward", "moe", "out", "rank-inconsistent-replica"), lead
+    assert "BUG (a wrong result, not rounding) at TP=2 forward: moe" in stdout and gate == 4
 
 
 def test_the_grad_sync_names_every_shard_it_averaged(runs):
