@@ -29,7 +29,8 @@ def test_an_sdpa_choice_for_a_model_without_sdpa_is_refused_before_any_world(tmp
     assert p.returncode == 2, p.stdout + p.stderr
     lines = [x for x in (p.stdout + p.stderr).splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].lower().startswith("error: "), lines
-    assert lines[0][len("error: "):].startswith("--attention sdpa: Gemma2ForCausalLM runs 'eager' attention, not SDPA"), lines
+    want = "--attention sdpa: Gemma2ForCausalLM runs 'eager' attention, not SDPA"
+    assert lines[0][len("error: "):].startswith(want), lines
     assert not out.exists()  # no world ran (the reference used to, then every other world failed)
 
 

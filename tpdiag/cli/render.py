@@ -185,7 +185,8 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if fd and lead not in (None, fd):
             console.print(f"{config_name(label)}: first divergence (before the bug, {fd.get('cause')}): {where(fd)}")
             if lead.get("why") and not (lead.get("oracle") or lead.get("op_oracle")):
-                console.print(f"{config_name(label)}: BUG at {where(lead)}: {lead['why']}", markup=False, soft_wrap=True)
+                console.print(f"{config_name(label)}: BUG at {where(lead)}: {lead['why']}", markup=False,
+                              soft_wrap=True)
         if fd.get("oracle") or fd.get("op_oracle"):
             console.print(f"{config_name(label)}: {oracle_line(fd)}")
         if fd.get("why"):
