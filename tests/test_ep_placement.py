@@ -94,3 +94,40 @@ def test_the_gate_fails_weights_not_the_reference_s_even_where_the_block_reads_b
     # negative control: the same degree without the entry passes
     del d["per_rank"]["moe"]["not_the_reference"]
     assert _judge("2", d, [], load_policy(None)).status == "pass"
+
+
+def test_a_reference_expert_hashed_stale_is_no_evidence_of_other_weights(runs):
+    # a reference parameter changed in place between its record and its queued hash has no hash
+    # (kernels/hash_buffer.py STALE): the per-rank experts that matched it matched "none of the
+    # reference's parameters" - a false BUG. Read from the real seeded run, the reference's events
+    # marked stale in memory as a hash capture marks them
+    from tpdiag.diff.analyse import _not_the_references
+    from tpdiag.records.store import RecordSet
+
+    d, s, _ = runs["megatron_seeded"]
+    ref, other = RecordSet(str(d / "tp1")), RecordSet(str(d / "tp2"))
+
+    def entry():
+        e = json.loads(json.dumps(s["degrees"]["2"]))
+        e["per_rank"]["moe"].pop("not_the_reference")
+        return e
+
+    e = entry()  # positive control: the seeded experts are none of the reference's
+    _not_the_references(e, ref, other, "2", [])
+    assert "none of the reference's parameters" in e["per_rank"]["moe"]["not_the_reference"]
+
+    def stale(pick):
+        for m in ref.events:
+            if m["kind"] == "param_init" and pick(m["module"]):
+                m.update(hash=None, full_hash=None, hash_layout="stale")
+
+    stale(lambda mod: not mod.startswith("moe."))  # outside the block: the experts' own hashes still tell
+    e = entry()
+    _not_the_references(e, ref, other, "2", [])
+    assert "not_the_reference" in e["per_rank"]["moe"] and "weights_unchecked" not in e["per_rank"]["moe"]
+    stale(lambda mod: mod.startswith("moe.local_experts."))
+    e = entry()
+    _not_the_references(e, ref, other, "2", [])
+    pr = e["per_rank"]["moe"]
+    assert "not_the_reference" not in pr, pr
+    assert "changed in place before it was hashed" in pr["weights_unchecked"], pr

@@ -192,8 +192,10 @@ class Capture:
     def _finish(self) -> None:
         import torch.distributed as dist
 
+        from tpdiag.probes.pieces import last_grads
         from tpdiag.runner.gather import gather_records
 
+        last_grads(self.rec)  # a step accumulating grads over micro-batches: each grad's last record
         apply_layouts(self.rec.records, self.layouts)
         device = collective_device(self.group)
         t1 = time.perf_counter()

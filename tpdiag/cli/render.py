@@ -181,8 +181,12 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         fd = d.get("first_divergence") or {}
         from tpdiag.diff.classes import leading_bug
 
-        if fd and leading_bug(d) not in (None, fd):
+        lead = leading_bug(d)
+        if fd and lead not in (None, fd):
             console.print(f"{config_name(label)}: first divergence (before the bug, {fd.get('cause')}): {where(fd)}")
+            if lead.get("why") and not (lead.get("oracle") or lead.get("op_oracle")):
+                console.print(f"{config_name(label)}: BUG at {where(lead)}: {lead['why']}", markup=False,
+                              soft_wrap=True)
         if fd.get("oracle") or fd.get("op_oracle"):
             console.print(f"{config_name(label)}: {oracle_line(fd)}")
         if fd.get("why"):
@@ -190,8 +194,9 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         _findings(console, label, d, fd)
         for block, pr in (d.get("per_rank") or {}).items():
             console.print(f"{config_name(label)}: {block}: {pr.get('why')}", markup=False, soft_wrap=True)
-            if pr.get("not_the_reference"):
-                console.print(f"{config_name(label)}: {block}: {pr['not_the_reference']}", markup=False, soft_wrap=True)
+            for key in ("not_the_reference", "weights_unchecked"):
+                if pr.get(key):
+                    console.print(f"{config_name(label)}: {block}: {pr[key]}", markup=False, soft_wrap=True)
         if d.get("downstream_unjudged"):
             console.print(f"{config_name(label)}: the divergent modules past the first divergence were not "
                           f"judged on their own inputs ({d['downstream_unjudged']}): not called rounding only")

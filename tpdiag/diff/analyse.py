@@ -125,6 +125,15 @@ def _not_the_references(entry: dict, ref: RecordSet, other: RecordSet, label: st
         block = next((b for b in per_rank_blocks(other) if name.startswith(b + ".")), None)
         if block is None:
             continue
+        unhashed = _unhashed_inside(ref, block)
+        if unhashed:
+            # the reference's own copy may be the one whose hash it never took: no evidence either way
+            # (the block's boundary is still compared; a false BUG here named a correct placement)
+            entry["per_rank"][block]["weights_unchecked"] = (
+                f"{name} on rank {', '.join(map(str, bad))} of TP={label} matches none of the reference's hashed "
+                f"parameters, but the reference's {unhashed} changed in place before it was hashed: whether "
+                "this degree's per-rank weights are the reference's is not known")
+            continue
         why = (f"{name} on rank {', '.join(map(str, bad))} of TP={label} is none of the reference's parameters: "
                "the per-rank modules inside this block are not the reference's modules placed per rank (as experts "
                "seeded per rank) - this degree does not run the reference's model")
@@ -144,6 +153,15 @@ def _not_the_references(entry: dict, ref: RecordSet, other: RecordSet, label: st
         entry["findings"].insert(0, f)
         entry["status"] = "divergent"
         return
+
+
+def _unhashed_inside(ref: RecordSet, block: str) -> str | None:
+    """The first of the reference's parameters inside `block` that has no hash (changed in place
+    between its record and its queued hash: kernels/hash_buffer.py STALE), else None."""
+    for m in ref.events:
+        if m["kind"] == "param_init" and m["module"].startswith(block + ".") and m.get("hash_layout") == "stale":
+            return f"{m['module']}.{m['name']}"
+    return None
 
 
 def _broken_ties(entry: dict, rows: list[dict], broken: list, label: str) -> None:

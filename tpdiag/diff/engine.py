@@ -154,8 +154,11 @@ def _after_flip(rows: list[dict]) -> bool:
     return any(flipped(r) for r in rows)
 
 
-def _measure(row: dict, a: torch.Tensor, b: torch.Tensor, oa: Assembled, values: bool) -> None:
-    """The pair's bit comparison, its NaN/Inf and, for a replica whose ranks differ, how far."""
+def _measure(row: dict, a: torch.Tensor, b: torch.Tensor, oa: Assembled, values: bool, scaled: bool = False) -> None:
+    """The pair's bit comparison, its NaN/Inf and, for a replica whose ranks differ, how far.
+    scaled: look for one factor between the pair (diff/scale.py) - in a diff of captures, where no
+    float64 re-execution judges a record past the first divergence (compare's own-input pass does,
+    with its verdict and distance)."""
     c = bits.compare(b, a)
     row["nonfinite_mismatch"] = c.nonfinite is not None
     row["nonfinite"] = c.nonfinite
@@ -163,6 +166,12 @@ def _measure(row: dict, a: torch.Tensor, b: torch.Tensor, oa: Assembled, values:
                mismatch_fraction=c.mismatch_fraction, bound=None, beyond_bound=None)
     if values:
         _judge_values(row, a, b)
+    if scaled and not c.bitwise and not row["nonfinite_mismatch"] and not row.get("nonfinite_side"):
+        from tpdiag.diff.scale import coherent_scale
+
+        scale = coherent_scale(a, b)
+        if scale is not None:
+            row["scale"] = scale
     if oa.rank_consistent is False:
         row["rank_max_abs"] = max(
             float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())
@@ -240,6 +249,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     seen = set()
     oracle_metas = [m for m in ref.events if m["kind"] == "oracle"]
     other_algorithm = _other_algorithm(ref, other)
+    # a capture has no float64 re-execution to judge its records past the first divergence
+    captured = any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other))
     for om in other.events:
         key = om["key"]
         rm = ref.by_key.get(key)
@@ -323,7 +334,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         measured = pair_memo.get(content)
         if measured is None:
             before = dict(row)
-            _measure(row, a, b, oa, values)
+            _measure(row, a, b, oa, values, captured)
             measured = {k: v for k, v in row.items() if k not in before or v is not before[k]}
             pair_memo.put(content, measured)
         row.update(measured)

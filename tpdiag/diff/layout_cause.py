@@ -51,9 +51,10 @@ def layout_cause(row: dict) -> str | None:
                 return "column-parallel-dgrad"
             if any(s == "rowwise" for s in styles):
                 return "shape-dependent-gemm"
-            if not row.get("consumers") and style in ("colwise", "colwise-gathered"):
+            if not row.get("consumers") and (style in ("colwise", "colwise-gathered") or _plain_last_shard(row)):
                 # a column-parallel output no module consumed: the vocab-sharded logits, whose
-                # grad comes from the vocab-parallel loss backward
+                # grad comes from the vocab-parallel loss backward (a plain shard: Megatron's
+                # ColumnParallelLinear head written by hand, parallel_output=True)
                 return "vocab-parallel-softmax"
             return row.get("generic_cause")
         if kind == "param_grad":
@@ -67,3 +68,10 @@ def layout_cause(row: dict) -> str | None:
     if phase == "optimizer":
         return "grad-norm" if kind == "grad_norm" else None
     return None
+
+
+def _plain_last_shard(row: dict) -> bool:
+    """A record of plain tensors that the diff gathered along their last dim (no plan style: the
+    layout came from the shapes, records/layout.py)."""
+    shape = row.get("shape") or []
+    return row.get("style") is None and bool(shape) and row.get("layout") == f"shard:{len(shape) - 1}"

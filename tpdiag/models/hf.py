@@ -161,6 +161,20 @@ def meta_build(path: str, config=None, layers: int = 0):
     return None if mapping is None else (model, mapping)
 
 
+def attention_of(path: str, layers: int = 0) -> str:
+    """The attention implementation transformers picks for hf:DIR (what a world runs under
+    `--attention auto`: SDPA for most models, eager for one that has no SDPA path, as Gemma2), read
+    from a build on the meta device (no memory, no init)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _config(path, layers)
+    with _build_errors(path):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    return str(model.config._attn_implementation)
+
+
 def init_rule(model):
     """The per-module rule of a meta-built transformers model (tpdiag.models.meta_init): the
     `_init_weights` of the module's nearest enclosing PreTrainedModel (what transformers' own

@@ -263,6 +263,31 @@ def merge(rec) -> None:
         rec.lanes.append(lane)
 
 
+def last_grads(rec) -> int:
+    """Keep only the last record of each parameter's grad in a step; returns how many were dropped.
+    A user's own step that accumulates grads over micro-batches (several backward calls under
+    `tpdiag.capture`) records each parameter's grad after every backward, under one key: the grad
+    accumulates in place, so the last is the step's - as merge keeps for compare's own pieces. The
+    earlier ones made the capture unreadable ("record ... listed twice")."""
+    from tpdiag.probes.stream import finish
+
+    records = rec.records
+    last = {m["key"]: i for i, (m, _) in enumerate(records) if m["kind"] == "param_grad"}
+    drop = {i for i, (m, _) in enumerate(records) if m["kind"] == "param_grad" and last[m["key"]] != i}
+    if not drop:
+        return 0
+    finish(records)  # full capture: every host copy complete before any record goes
+    lanes = list(rec.lanes)
+    kept = [(m, t, lanes[i]) for i, (m, t) in enumerate(records) if i not in drop]
+    rec._records[:] = []
+    rec.lanes[:] = []
+    for n, (m, t, lane) in enumerate(kept):
+        m["idx"] = n
+        rec._records.append((m, t))
+        rec.lanes.append(lane)
+    return len(drop)
+
+
 def _same(rec, parts: list) -> bool:
     """Whether one key's pieces (full capture) are one value: bitwise equal, and not a record
     that grew call by call (grows: only its first calls were kept)."""

@@ -241,7 +241,7 @@ class Recorder:
             elif layout_.startswith("strided:"):
                 slot = self._hash_strided(t, local, layout_)
             else:
-                slot = self._hash(local, dim, size, offset, t)
+                slot = self._hash(_unpadded(local, dim, size, offset), dim, size, offset, t)
                 self._hashed[id(t)] = (weakref.ref(t), version, where, slot)
             self.lanes.append(slot)
             self._rows.append((meta, None))
@@ -318,8 +318,22 @@ class Recorder:
 
         d = shard_dim(shape, list(full), self.world)
         if d is None:
-            return "unknown", shape, None, None, 0
+            from tpdiag.records.layout import padded_dim
+
+            d = padded_dim(shape, list(full), self.world)
+            if d is None or self.rank * shape[d] >= full[d]:
+                return "unknown", shape, None, None, 0
+            # a shard of a tensor padded to a multiple of TP (records/layout.py): its rows past
+            # the whole are padding, left out of the hash (the caller narrows it: _unpadded)
         return f"shard:{d}", list(full), d, full[d], self.rank * shape[d]
+
+
+def _unpadded(local, dim, size, offset):
+    """local without the rows past the whole tensor's end (a padded shard's padding; a copy, so
+    its hash is of the values now), else local itself."""
+    if dim is None or offset + local.shape[dim] <= size:
+        return local
+    return local.narrow(dim, 0, size - offset).contiguous()
 
 
 def _same(seen, t, version: tuple, where: tuple) -> bool:

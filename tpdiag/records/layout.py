@@ -103,6 +103,26 @@ def shard_dim(local: list[int], full: list[int], n: int) -> int | None:
     return None
 
 
+def padded_dim(local: list[int], full: list[int], n: int) -> int | None:
+    """The dim of a shard of a tensor padded to a multiple of n (Megatron's vocab padding,
+    `make_vocab_size_divisible_by`: ceil(V/n) rows per rank, the padding at the end), else None."""
+    if len(local) != len(full):
+        return None
+    dims = [d for d in range(len(full)) if local[d] != full[d]]
+    if len(dims) == 1 and local[dims[0]] * n > full[dims[0]] and local[dims[0]] == -(-full[dims[0]] // n):
+        return dims[0]
+    return None
+
+
+def _gather_padded(meta: dict, shards: list, local: list[int], full: list[int], n: int, kept):
+    """The shards concatenated and the padding cut: the padding's rows are no part of the model
+    (TP=1 has none), so they are not compared; a wrong range still shows in the rows kept."""
+    d = padded_dim(local, full, n)
+    if d is None:
+        raise NotComparable(f"{meta['key']}: shards of shape {local} at TP={n} cannot be gathered into {full}")
+    return Assembled(torch.cat(shards, dim=d).narrow(d, 0, full[d]), kept, f"shard:{d}", None)
+
+
 def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> Assembled:
     n = meta.get("world", 1)
     p = meta.get("placement")
@@ -122,8 +142,7 @@ def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> A
             return Assembled(stored, None, p or "replicate", True)
         d = shard_dim(local, list(full_hint), n)
         if d is None:
-            raise NotComparable(f"{meta['key']}: shape {local} at TP={n} cannot be gathered into "
-                                f"{list(full_hint)}")
+            return _gather_padded(meta, [stored] * n, local, list(full_hint), n, shards)
         return Assembled(torch.cat([stored] * n, dim=d), shards, f"shard:{d}", None)
     shards = list(stored.unbind(0))
     if p and p.startswith("shard:"):
@@ -141,8 +160,7 @@ def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> A
         d = shard_dim(local, list(full_hint), n)
         if d is not None:
             return Assembled(torch.cat(shards, dim=d), shards, f"shard:{d}", None)
-        raise NotComparable(f"{meta['key']}: shards of shape {local} at TP={n} cannot be gathered "
-                            f"into {list(full_hint)}")
+        return _gather_padded(meta, shards, local, list(full_hint), n, shards)
     return Assembled(None, shards, "stacked", None)
 
 

@@ -33,6 +33,13 @@ def parse(text: str) -> tuple[str, ...]:
     return out
 
 
+def not_sdpa(choice: str, model_name: str, impl: str) -> str:
+    """compare's refusal of an SDPA choice for a model whose own attention is not SDPA."""
+    return (f"--attention {choice}: {model_name} runs {impl!r} attention, not SDPA: switching it builds "
+            "its layers another attention mask than the reference's (other records); compare it with "
+            "tpdiag rollout --attention instead")
+
+
 @contextmanager
 def attention(model, choice: str, unavailable=RuntimeError):
     """Run the block with `choice`'s attention; `unavailable(reason)` is raised where this model

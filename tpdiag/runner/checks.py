@@ -47,6 +47,7 @@ def validate(cfg: CompareConfig) -> dict:
 
         check_layers(spec, cfg.layers, model_dims(spec).get("total_layers") if spec.kind != "py" else None)
     check_degrees(spec, cfg.degrees)
+    _check_sdpa(cfg, spec)
     from tpdiag.models.precheck import check_plan
 
     check_plan(spec, cfg.degrees, cfg.variant)
@@ -108,6 +109,23 @@ def validate(cfg: CompareConfig) -> dict:
 
         groups.check(cfg.degrees, cfg.fixes, cfg.tree_groups)
     return pre
+
+
+def _check_sdpa(cfg: CompareConfig, spec) -> None:
+    """An SDPA choice (`sdpa`, `sdpa-math`, ...) for an hf: model whose own attention is not SDPA
+    (Gemma2: eager): refused here in one line, where every world would raise it (runner/step.py)
+    after the reference had run."""
+    sdpa = [a for a in cfg.attentions if a not in ("auto", "eager")]
+    if spec.kind != "hf" or not sdpa:
+        return
+    from tpdiag.models.hf import _config, attention_of
+
+    impl = attention_of(spec.value, cfg.layers)
+    if impl != "sdpa":
+        from tpdiag.runner.attention import not_sdpa
+
+        arch = (getattr(_config(spec.value, cfg.layers), "architectures", None) or ["the model"])[0]
+        raise BadInput(not_sdpa(sdpa[0], arch, impl))
 
 
 def _gpus(device: str) -> int | None:

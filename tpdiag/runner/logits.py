@@ -41,24 +41,49 @@ def _any_mesh(model):
     return next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
 
 
+_MESH: dict = {}  # device type -> (the default group it was made for, its mesh): one per world
+
+
+def _world_mesh(device_type: str):
+    """The world's 1-D mesh (tpdiag's world is one TP group), for a model that holds no DTensor:
+    Megatron-style layers written by hand, each rank keeping its plain shard. Made once per
+    default group (a decode world asks at every call)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.group.WORLD
+    hit = _MESH.get(device_type)
+    if hit is None or hit[0] is not group:
+        hit = _MESH[device_type] = (group, DeviceMesh.from_group(group, device_type))
+    return hit[1]
+
+
 def whole_vocab(logits, model, plan: dict, vocab: int, world: int):
     """(logits for tpdiag, rule): `logits` as a vocab-sharded DTensor when they are a plain
-    local shard of the vocab (rule 'plan:<module>' or 'shape'), else unchanged (rule None)."""
+    local shard of the vocab (rule 'plan:<module>' or 'shape'), else unchanged (rule None).
+    A shard of a vocabulary padded to a multiple of TP (Megatron's `make_vocab_size_divisible_by`:
+    ceil(V/TP) rows per rank, the padding at the end) is gathered and its padding cut (rule
+    'padded'): the padding's ids are no tokens, and TP=1 has none of them - counted in tpdiag's
+    log-softmax, every logprob would differ with TP, the user's correct code as much as a
+    mistake (tests/models/planted/tp_gathers.py vocab_pad_ok)."""
     if world <= 1 or type(logits) is not torch.Tensor or logits.ndim < 2:
         return logits, None
     n = logits.shape[-1]
-    if n == vocab or n * world != vocab:
+    padded = n * world > vocab and n == -(-vocab // world)
+    if n == vocab or (n * world != vocab and not padded):
         return logits, None
     name, mesh = _head_of(model, plan or {}, vocab)
     rule = f"plan:{name}" if name is not None else "shape"
     if mesh is None:
-        mesh = _any_mesh(model)
-    if mesh is None:
-        return logits, None
+        mesh = _any_mesh(model) or _world_mesh(logits.device.type)
     from torch.distributed.tensor import DTensor, Shard
 
     # the rank order of the mesh is the vocab order of ColwiseParallel's weight shards
-    return DTensor.from_local(logits, mesh, [Shard(logits.ndim - 1)], run_check=False), rule
+    whole = DTensor.from_local(logits, mesh, [Shard(logits.ndim - 1)], run_check=False)
+    if padded:
+        # one all-gather; its backward hands each rank its own columns of the grad
+        return whole.full_tensor()[..., :vocab], "padded"
+    return whole, rule
 
 
 def logits_of(out):

@@ -183,10 +183,9 @@ def _contexts(stack: ExitStack, cfg: WorldConfig, model, target, world: int, rec
     # another value); never a switch from SDPA to another in one configuration only, which would
     # build its layers other inputs (another mask) than the reference's (runner/compare.py)
     if cfg.attention not in ("auto", "eager") and is_hf(model) and model.config._attn_implementation != "sdpa":
-        raise BadInput(f"--attention {cfg.attention}: {type(model).__name__} runs "
-                       f"{model.config._attn_implementation!r} attention, not SDPA: switching it builds "
-                       "its layers another attention mask than the reference's (other records); compare "
-                       "it with tpdiag rollout --attention instead")
+        from tpdiag.runner.attention import not_sdpa
+
+        raise BadInput(not_sdpa(cfg.attention, type(model).__name__, model.config._attn_implementation))
     stack.enter_context(attention(model, cfg.attention, BadInput))
     # which SDPA backend the step's attention ran (the manifest's flags line says it), asked
     # outside the records; outside the fixes, as rollout's (the invariant attention's calls)

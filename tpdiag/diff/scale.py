@@ -1,0 +1,54 @@
+"""A record that is the reference's times one factor: a scale, not a reordering.
+
+A reordering moves each element by its own few roundings, uncorrelated with the element itself;
+it never multiplies a whole tensor by one number. A loss or a grad divided by another count (the
+micro-batches counted with the TP ranks, an AVG where a SUM belongs, a loss multiplied by TP)
+does exactly that: b = c a, every element, with c far from 1. Such a record needs no bound to be
+judged - where tpdiag has none (an activation grad, a weight grad past the first divergence in a
+capture, which nothing re-executes) its layout named a reordering for a 2x grad (tests/
+user_accum.py). Looked for in diffs of captures only: compare re-executes such records in float64
+from their own inputs (diff/oracle_own.py), a verdict with its distance, which it keeps. Found only where the fit is clean: |c - 1| >= 5% (bf16's unit roundoff is 0.4%;
+rounding does not move a whole tensor coherently by a tenth of that) and the residual after the
+scale under a tenth of the difference (rounding noise leaves a residual as large as the
+difference itself); at least 16 elements (a scalar's "scale" is any difference).
+"""
+from __future__ import annotations
+
+import torch
+
+MIN_SCALE = 0.05     # |c - 1| at least this
+MAX_RESIDUAL = 0.1   # ||b - c a|| at most this fraction of ||b - a||
+MIN_ELEMENTS = 16
+CHUNK = 1 << 18
+
+
+def coherent_scale(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """c where b is c * a (a clean fit, c at least 5% from 1), else None. a, b: finite floats of one
+    shape (the reference's and this side's whole tensors)."""
+    if not a.is_floating_point() or a.numel() < MIN_ELEMENTS or a.shape != b.shape:
+        return None
+    xa, xb = a.reshape(-1), b.reshape(-1)
+    aa = ab = bb = 0.0
+    for s in range(0, xa.numel(), CHUNK):
+        pa, pb = xa[s:s + CHUNK].to(torch.float64), xb[s:s + CHUNK].to(torch.float64)
+        aa += float(pa.dot(pa))
+        ab += float(pa.dot(pb))
+        bb += float(pb.dot(pb))
+    if not aa > 0 or not all(map(_finite, (aa, ab, bb))):
+        return None
+    c = ab / aa
+    residual2 = max(bb - ab * ab / aa, 0.0)
+    diff2 = max(aa - 2 * ab + bb, 0.0)
+    if abs(c - 1) < MIN_SCALE or residual2 > MAX_RESIDUAL ** 2 * diff2:
+        return None
+    return c
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def scale_why(c: float) -> str:
+    return (f"every element is {c:.4g}x the reference's (one factor, the residual under a tenth of the "
+            "difference): a loss or grad divided or multiplied by another count - no reordering scales "
+            "a whole tensor")
