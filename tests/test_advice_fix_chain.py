@@ -28,3 +28,20 @@ def test_a_bitwise_fix_chain_says_how_to_train_with_its_fixes():
     line = what_to_do({"status": "divergent", "class": "rounding", "fix_chain": chain,
                        "status_after_fixes": "divergent"})
     assert "tpdiag.invariant" not in line
+
+
+def test_a_fix_already_on_is_not_advised_again():
+    # Gemma3 under --fix all: the norm-weight-grad left is rounding, and its fix was on (the norm's
+    # x * (1 + w) form is not one invariant-norm-grad wraps): `--fix auto` would change nothing
+    from tpdiag.cli.advice import what_to_do
+
+    def summary(reason):
+        return {"status": "divergent", "class": "rounding", "degrees": {"2": {
+            "status": "divergent", "first_divergence": {"cause": "norm-weight-grad"},
+            "confirmation": {"fix": "invariant-norm-grad", "verdict": "no-fix", "reason": reason}}}}
+
+    line = what_to_do(summary("invariant-norm-grad was already on"))
+    assert "already on" in line and "--fix auto` would not remove it" in line, line
+    # control: a cause with no fix at all keeps the usual advice
+    line = what_to_do(summary("no available fix for cause 'norm-weight-grad'"))
+    assert "already on" not in line and "`tpdiag compare --fix auto` applies the fixes" in line, line

@@ -62,6 +62,13 @@ def _what_to_do(summary: dict) -> str | None:
 
         return ("nothing is wrong: the captures differ by rounding only. Harmless unless you need "
                 f"bitwise equality across TP; {CAPTURE_FIX}")
+    on = sorted({(d.get("confirmation") or {}).get("fix") for d in entries(summary).values()
+                 if str((d.get("confirmation") or {}).get("reason", "")).endswith("was already on")} - {None})
+    if on:
+        # --fix auto reruns with the fixes the cause names: they were on, so it would change nothing
+        return (f"nothing is wrong: the difference is rounding only. Its cause's fix ({', '.join(on)}) was "
+                "already on and did not remove it: this module is not one the fix covers (docs/models.md), "
+                "so `--fix auto` would not remove it either")
     if all(config_name(lab) == f"TP={lab}" for lab in entries(summary)):
         return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
                 "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")
