@@ -138,11 +138,35 @@ class HostStore:
             from tpdiag.kernels.record_hash import shard_lanes
 
             ln = shard_lanes(src, stats=False)[0]  # a hash: no statistics needed
+        segs = self._copy_in([src.reshape(-1).view(torch.uint8)] if n else [])
+        cap = Captured(self, segs, src.dtype, src.shape, n, ln)
+        self.seen[id(owner)] = (weakref.ref(owner), version, cap)
+        self.stats["records"] += 1
+        self.stats["captured_bytes"] += n
+        self.stats["copied_bytes"] += n
+        return cap
+
+    def put_bytes(self, parts: list, dtype, shape) -> Captured:
+        """One record made of these uint8 pieces, in order (a gathered stack: each rank's shard,
+        each maybe in several windows' pieces), copied into the chunks once - no whole tensor
+        assembled first (the gather's stack and clones were two more copies of every byte)."""
+        self._check_error()
+        parts = [p for p in parts if p.numel()]
+        n = sum(p.numel() for p in parts)
+        if n != torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size():
+            raise ValueError(f"put_bytes: {n} bytes do not make a {dtype} tensor of shape {tuple(shape)}")
+        cap = Captured(self, self._copy_in(parts), dtype, shape, n)
+        self.stats["records"] += 1
+        self.stats["captured_bytes"] += n
+        self.stats["copied_bytes"] += n
+        return cap
+
+    def _copy_in(self, flats: list) -> list:
+        """Segments (chunk, offset, bytes) holding these flat uint8 tensors' bytes one after another."""
         segs = []
-        if n:
-            flat = src.reshape(-1).view(torch.uint8)
-            stream = torch.cuda.current_stream(self.device) if self.pinned else None
-            at = 0
+        stream = torch.cuda.current_stream(self.device) if self.pinned and flats else None
+        for flat in flats:
+            n, at = flat.numel(), 0
             while at < n:
                 c = self._room(stream)
                 off = c.used
@@ -151,12 +175,7 @@ class HostStore:
                 c.used = -(-(off + k) // ALIGN) * ALIGN
                 segs.append((c, off, k))
                 at += k
-        cap = Captured(self, segs, src.dtype, src.shape, n, ln)
-        self.seen[id(owner)] = (weakref.ref(owner), version, cap)
-        self.stats["records"] += 1
-        self.stats["captured_bytes"] += n
-        self.stats["copied_bytes"] += n
-        return cap
+        return segs
 
     def _room(self, stream) -> _Chunk:
         c = self.cur
