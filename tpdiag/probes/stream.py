@@ -295,8 +295,13 @@ class HostStore:
                 self.cond.wait()
         self._check_error()
 
-    def _bytes(self, c: _Chunk, off: int, k: int, out: torch.Tensor | None):
-        """Chunk bytes [off, off + k) copied into out (or returned as a fresh tensor)."""
+    def _bytes(self, c: _Chunk, off: int, k: int, out: torch.Tensor | None, copy: bool = True):
+        """Chunk bytes [off, off + k) copied into out (or returned as a fresh tensor). copy=False
+        (out None): a view of the chunk where it is in memory, for a caller that is done with it
+        before this store takes another record - write_to, on the recording thread, the only one
+        that puts: the spill writer may drop the chunk meanwhile, never refill it (a record
+        file's bytes written straight from the chunks: at a region pass's GBs a world, one
+        memory copy of each less)."""
         if c.event is None and self.pinned and c is self.cur:
             self._seal(c)
         if c.event is not None:
@@ -304,7 +309,7 @@ class HostStore:
         with self.cond:
             if c.buf is not None:
                 if out is None:
-                    return c.buf[off:off + k].clone()
+                    return c.buf[off:off + k] if not copy else c.buf[off:off + k].clone()
                 out.copy_(c.buf[off:off + k])
                 return out
             path = c.path
@@ -326,7 +331,7 @@ class HostStore:
 
     def write_to(self, cap: Captured, f) -> None:
         for c, off, k in cap.segs:
-            f.write(memoryview(self._bytes(c, off, k, None).numpy()))
+            f.write(memoryview(self._bytes(c, off, k, None, copy=False).numpy()))
 
     def close(self) -> None:
         """Stop the writer, drop the spill files and host chunks (the records become unreadable)."""
