@@ -26,6 +26,7 @@ from tpdiag.probes.host_budget import default_budget, parse_bytes
 
 BUDGET_ENV = "TPDIAG_HOST_BUDGET"   # bytes of host memory for captured records (K/M/G suffixes)
 CHUNK_ENV = "TPDIAG_HOST_CHUNK"     # bytes per host chunk
+PINNED_ENV = "TPDIAG_HOST_PINNED"  # 0: full capture's host chunks not pinned (A/B, CUDA only)
 DEFAULT_CHUNK = 128 << 20
 ALIGN = 64                          # record offsets in a chunk: every dtype's view stays aligned
 
@@ -42,6 +43,10 @@ def check_env() -> None:
     for name in (BUDGET_ENV, CHUNK_ENV):
         if os.environ.get(name):
             parse_bytes(os.environ[name], name)
+    if os.environ.get(PINNED_ENV, "1") not in ("0", "1"):
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"{PINNED_ENV}={os.environ[PINNED_ENV]!r}: expected 0 or 1")
 
 
 def release_pool() -> None:
@@ -92,7 +97,11 @@ class HostStore:
     def __init__(self, device: torch.device, *, budget: int | None = None,
                  spill_dir: str | None = None, chunk: int | None = None):
         self.device = torch.device(device)
-        self.pinned = self.device.type == "cuda"
+        # TPDIAG_HOST_PINNED=0: pageable chunks and synchronous copies (A/B). A world is a fresh
+        # process, so every chunk it captures into is pinned anew (~1.5 GB/s on an H200 host):
+        # several seconds for the GBs a second pass's reference captures once - not yet weighed
+        # against the pageable copies' own cost on a GPU
+        self.pinned = self.device.type == "cuda" and os.environ.get(PINNED_ENV, "1") != "0"
         env_chunk, env_budget = os.environ.get(CHUNK_ENV), os.environ.get(BUDGET_ENV)
         self.chunk_bytes = chunk or (parse_bytes(env_chunk, CHUNK_ENV) if env_chunk else DEFAULT_CHUNK)
         self.chunk_bytes = max(ALIGN, self.chunk_bytes - self.chunk_bytes % ALIGN)
