@@ -117,3 +117,25 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+
+
+def test_piece_lanes_at_offsets_sum_to_the_whole_cuda():
+    """The same on a GPU, through shard_lanes (what StackLanes calls): Triton's launch path for
+    float32 / bfloat16, torch's for int64; pieces of a window at odd element offsets."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from tpdiag.kernels.record_hash import M32, shard_lanes
+    from tpdiag.kernels.record_hash_ref import whole_lanes
+
+    g = torch.Generator().manual_seed(1)
+    for full in (torch.randn(3 * 70001, generator=g), torch.randn(2 * 40000, generator=g).to(torch.bfloat16),
+                 torch.arange(5001, dtype=torch.int64)):
+        n = full.numel()
+        cuts = (0, 7, n // 2, n // 2 + 9, n)
+        a = b = 0
+        for s, e in zip(cuts, cuts[1:]):
+            ints, _ = shard_lanes(full[s:e].clone().cuda(), dim=0, full=n, offset=s, stats=False)
+            a, b = a + int(ints[0]), b + int(ints[1])
+        assert (a & M32, b & M32) == whole_lanes(full), full.dtype
