@@ -338,6 +338,23 @@ class HostStore:
             at += k
         return out.view(cap.dtype).reshape(cap.shape)
 
+    def read_into(self, cap: Captured, a: int, b: int, out: torch.Tensor) -> None:
+        """Bytes [a, b) of a record into `out` (uint8, b - a bytes, host or device): straight from
+        the chunks (or spill files), with no whole copy of the record made first."""
+        self._check_error()
+        at = 0  # where the current segment starts in the record
+        for c, off, k in cap.segs:
+            lo, hi = max(a, at), min(b, at + k)
+            if lo < hi:
+                dst = out[lo - a:hi - a]
+                if dst.device.type == "cpu":
+                    self._bytes(c, off + lo - at, hi - lo, dst)
+                else:  # a spilled chunk is read into host memory first
+                    dst.copy_(self._bytes(c, off + lo - at, hi - lo, None, copy=False))
+            at += k
+            if at >= b:
+                break
+
     def write_to(self, cap: Captured, f) -> None:
         for c, off, k in cap.segs:
             f.write(memoryview(self._bytes(c, off, k, None, copy=False).numpy()))

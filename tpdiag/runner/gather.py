@@ -78,6 +78,17 @@ def _same_stream(records, device, group, world: int) -> bool:
     return all(torch.equal(s, sigs[0]) for s in sigs)
 
 
+def _fill(dst: torch.Tensor, t, a: int, b: int, whole: dict) -> None:
+    """Bytes [a, b) of a record's shard (a tensor, or one held on the host) into dst. whole: the
+    last tensor record's flat bytes, kept for its next window."""
+    if isinstance(t, Captured):
+        t.store.read_into(t, a, b, dst)
+        return
+    if whole.get("t") is not t:
+        whole.update(t=t, b=_as_bytes(t))
+    dst.copy_(whole["b"][a:b])
+
+
 def _as_bytes(t) -> torch.Tensor:
     t = as_tensor(t)
     return t.contiguous().reshape(-1).view(torch.uint8)
@@ -134,19 +145,16 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
 
         out_store = HostStore(torch.device("cpu"), spill_dir=spill_dir)
     stored = {}
-    cache = [None, None]  # a record split over windows is read from the host once
     lanes_of_stack = StackLanes(kept, device, rank, world)
-
-    def piece(i, a, b):
-        if cache[0] != i:
-            cache[:] = [i, _as_bytes(kept[i][1])]
-        return cache[1][a:b]
-
+    whole = {}  # a tensor record's flat bytes, made once where it is not contiguous
     for window in _windows(sizes, _window_bytes()):
-        parts = [piece(i, a, b) for i, a, b in window]
-        buf = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+        # each piece copied once, from where the record is held into the window (a record held on
+        # the host was read whole, then concatenated, then moved: two more copies of every byte)
+        buf = alloc.empty(sum(b - a for _, a, b in window), dtype=torch.uint8, device=device)
         off = 0
-        for i, a, b in window:  # this rank's share of each stored hash, hashed where it lies now
+        for i, a, b in window:
+            _fill(buf[off:off + b - a], kept[i][1], a, b, whole)
+            # this rank's share of each stored hash, hashed where it lies now
             lanes_of_stack.add(i, buf[off:off + b - a], a)
             off += b - a
         # unfilled (deterministic mode's NaN fill): the gather writes each whole
