@@ -37,7 +37,7 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
                                        ("TPDIAG_HASH_CAP_MB", "0"), ("TPDIAG_HASH_CAP_MB", "1G"),
                                        ("TPDIAG_HASH_NARROW_REGS", "16"), ("TPDIAG_HASH_NARROW_REGS", "x"),
                                        ("TPDIAG_HOST_BUDGET", "lots"),
-                                       ("TPDIAG_HOST_CHUNK", "-1")])
+                                       ("TPDIAG_HOST_CHUNK", "-1"), ("TPDIAG_HOST_PINNED", "no")])
 def test_bad_hash_queue_env_is_one_line_exit_2(var, value, tmp_path, monkeypatch):
     monkeypatch.setenv(var, value)
     r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r")])

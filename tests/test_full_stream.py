@@ -184,6 +184,16 @@ def test_host_store_spill_dedupe_and_close(tmp_path):
     f = io.BytesIO()
     caps[4].write_to(f)
     assert f.getvalue() == want[4].numpy().tobytes()
+    # any byte range of a record spanning chunks, some spilled (what the gather's windows read)
+    raw = want[4].numpy().tobytes()
+    for a, b in ((0, len(raw)), (0, 1), (5, 300), (250, 700), (len(raw) - 3, len(raw))):
+        out = torch.full((b - a,), 7, dtype=torch.uint8)
+        s.read_into(caps[4], a, b, out)
+        assert out.numpy().tobytes() == raw[a:b], (a, b)
+    # a record stacked from pieces: its bytes in order, as one record
+    st = s.put_bytes([torch.frombuffer(bytearray(raw[:300]), dtype=torch.uint8),
+                      torch.frombuffer(bytearray(raw[300:]), dtype=torch.uint8)], torch.float32, (257,))
+    assert torch.equal(_ints(st.get()), _ints(want[4]))
     s.close()
     assert not spill.exists()
     # no spill directory given: a temporary one, removed on close

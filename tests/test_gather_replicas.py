@@ -41,7 +41,8 @@ def _worker(rank, world, port, q):
     real_gather = dist.gather
 
     def counting(t, *a, **k):
-        moved.append(t.numel())
+        if t.dtype == torch.uint8:  # the records' bytes (not the stored hashes' lanes: int64)
+            moved.append(t.numel())
         return real_gather(t, *a, **k)
 
     dist.gather = counting

@@ -20,6 +20,7 @@ from tpdiag.probes.host_budget import default_budget, parse_bytes
 
 BUDGET_ENV = "TPDIAG_HOST_BUDGET"   # bytes of host memory for captured records (K/M/G suffixes)
 CHUNK_ENV = "TPDIAG_HOST_CHUNK"     # bytes per host chunk
+PINNED_ENV = "TPDIAG_HOST_PINNED"  # 0: full capture's host chunks not pinned (A/B, CUDA only)
 DEFAULT_CHUNK = 128 << 20
 ALIGN = 64                          # record offsets in a chunk: every dtype's view stays aligned
 
@@ -36,6 +37,10 @@ def check_env() -> None:
     for name in (BUDGET_ENV, CHUNK_ENV):
         if os.environ.get(name):
             parse_bytes(os.environ[name], name)
+    if os.environ.get(PINNED_ENV, "1") not in ("0", "1"):
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"{PINNED_ENV}={os.environ[PINNED_ENV]!r}: expected 0 or 1")
 
 
 def release_pool() -> None:
@@ -81,7 +86,11 @@ class HostStore:
     def __init__(self, device: torch.device, *, budget: int | None = None,
                  spill_dir: str | None = None, chunk: int | None = None):
         self.device = torch.device(device)
-        self.pinned = self.device.type == "cuda"
+        # TPDIAG_HOST_PINNED=0: pageable chunks and synchronous copies (A/B). A world is a fresh
+        # process, so every chunk it captures into is pinned anew (~1.5 GB/s on an H200 host):
+        # several seconds for the GBs a second pass's reference captures once - not yet weighed
+        # against the pageable copies' own cost on a GPU
+        self.pinned = self.device.type == "cuda" and os.environ.get(PINNED_ENV, "1") != "0"
         env_chunk, env_budget = os.environ.get(CHUNK_ENV), os.environ.get(BUDGET_ENV)
         self.chunk_bytes = chunk or (parse_bytes(env_chunk, CHUNK_ENV) if env_chunk else DEFAULT_CHUNK)
         self.chunk_bytes = max(ALIGN, self.chunk_bytes - self.chunk_bytes % ALIGN)
@@ -127,11 +136,35 @@ class HostStore:
             from tpdiag.kernels.record_hash import shard_lanes
 
             ln = shard_lanes(src, stats=False)[0]  # a hash: no statistics needed
+        segs = self._copy_in([src.reshape(-1).view(torch.uint8)] if n else [])
+        cap = Captured(self, segs, src.dtype, src.shape, n, ln)
+        self.seen[id(owner)] = (weakref.ref(owner), version, cap)
+        self.stats["records"] += 1
+        self.stats["captured_bytes"] += n
+        self.stats["copied_bytes"] += n
+        return cap
+
+    def put_bytes(self, parts: list, dtype, shape) -> Captured:
+        """One record made of these uint8 pieces, in order (a gathered stack: each rank's shard,
+        each maybe in several windows' pieces), copied into the chunks once - no whole tensor
+        assembled first (the gather's stack and clones were two more copies of every byte)."""
+        self._check_error()
+        parts = [p for p in parts if p.numel()]
+        n = sum(p.numel() for p in parts)
+        if n != torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size():
+            raise ValueError(f"put_bytes: {n} bytes do not make a {dtype} tensor of shape {tuple(shape)}")
+        cap = Captured(self, self._copy_in(parts), dtype, shape, n)
+        self.stats["records"] += 1
+        self.stats["captured_bytes"] += n
+        self.stats["copied_bytes"] += n
+        return cap
+
+    def _copy_in(self, flats: list) -> list:
+        """Segments (chunk, offset, bytes) holding these flat uint8 tensors' bytes one after another."""
         segs = []
-        if n:
-            flat = src.reshape(-1).view(torch.uint8)
-            stream = torch.cuda.current_stream(self.device) if self.pinned else None
-            at = 0
+        stream = torch.cuda.current_stream(self.device) if self.pinned and flats else None
+        for flat in flats:
+            n, at = flat.numel(), 0
             while at < n:
                 c = self._room(stream)
                 off = c.used
@@ -140,12 +173,7 @@ class HostStore:
                 c.used = -(-(off + k) // ALIGN) * ALIGN
                 segs.append((c, off, k))
                 at += k
-        cap = Captured(self, segs, src.dtype, src.shape, n, ln)
-        self.seen[id(owner)] = (weakref.ref(owner), version, cap)
-        self.stats["records"] += 1
-        self.stats["captured_bytes"] += n
-        self.stats["copied_bytes"] += n
-        return cap
+        return segs
 
     def _room(self, stream) -> _Chunk:
         c = self.cur
@@ -265,8 +293,13 @@ class HostStore:
                 self.cond.wait()
         self._check_error()
 
-    def _bytes(self, c: _Chunk, off: int, k: int, out: torch.Tensor | None):
-        """Chunk bytes [off, off + k) copied into out (or returned as a fresh tensor)."""
+    def _bytes(self, c: _Chunk, off: int, k: int, out: torch.Tensor | None, copy: bool = True):
+        """Chunk bytes [off, off + k) copied into out (or returned as a fresh tensor). copy=False
+        (out None): a view of the chunk where it is in memory, for a caller that is done with it
+        before this store takes another record - write_to, on the recording thread, the only one
+        that puts: the spill writer may drop the chunk meanwhile, never refill it (a record
+        file's bytes written straight from the chunks: at a region pass's GBs a world, one
+        memory copy of each less)."""
         if c.event is None and self.pinned and c is self.cur:
             self._seal(c)
         if c.event is not None:
@@ -274,7 +307,7 @@ class HostStore:
         with self.cond:
             if c.buf is not None:
                 if out is None:
-                    return c.buf[off:off + k].clone()
+                    return c.buf[off:off + k] if not copy else c.buf[off:off + k].clone()
                 out.copy_(c.buf[off:off + k])
                 return out
             path = c.path
@@ -294,9 +327,26 @@ class HostStore:
             at += k
         return out.view(cap.dtype).reshape(cap.shape)
 
+    def read_into(self, cap: Captured, a: int, b: int, out: torch.Tensor) -> None:
+        """Bytes [a, b) of a record into `out` (uint8, b - a bytes, host or device): straight from
+        the chunks (or spill files), with no whole copy of the record made first."""
+        self._check_error()
+        at = 0  # where the current segment starts in the record
+        for c, off, k in cap.segs:
+            lo, hi = max(a, at), min(b, at + k)
+            if lo < hi:
+                dst = out[lo - a:hi - a]
+                if dst.device.type == "cpu":
+                    self._bytes(c, off + lo - at, hi - lo, dst)
+                else:  # a spilled chunk is read into host memory first
+                    dst.copy_(self._bytes(c, off + lo - at, hi - lo, None, copy=False))
+            at += k
+            if at >= b:
+                break
+
     def write_to(self, cap: Captured, f) -> None:
         for c, off, k in cap.segs:
-            f.write(memoryview(self._bytes(c, off, k, None).numpy()))
+            f.write(memoryview(self._bytes(c, off, k, None, copy=False).numpy()))
 
     def close(self) -> None:
         """Stop the writer, drop the spill files and host chunks (the records become unreadable)."""

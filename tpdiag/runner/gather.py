@@ -17,6 +17,7 @@ from tpdiag.kernels import alloc
 from tpdiag.probes.recorder import take_lanes
 from tpdiag.probes.host_store import Captured
 from tpdiag.probes.stream import as_tensor, finish
+from tpdiag.runner.gather_hash import PIECE_ALIGN, StackLanes, stored_hash
 
 
 def _stream_signature(metas: list[dict]) -> int:
@@ -78,6 +79,17 @@ def _same_stream(records, device, group, world: int) -> bool:
     return all(torch.equal(s, sigs[0]) for s in sigs)
 
 
+def _fill(dst: torch.Tensor, t, a: int, b: int, whole: dict) -> None:
+    """Bytes [a, b) of a record's shard (a tensor, or one held on the host) into dst. whole: the
+    last tensor record's flat bytes, kept for its next window."""
+    if isinstance(t, Captured):
+        t.store.read_into(t, a, b, dst)
+        return
+    if whole.get("t") is not t:
+        whole.update(t=t, b=_as_bytes(t))
+    dst.copy_(whole["b"][a:b])
+
+
 def _as_bytes(t) -> torch.Tensor:
     t = as_tensor(t)
     return t.contiguous().reshape(-1).view(torch.uint8)
@@ -123,7 +135,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     # A record whose shard hashes the same on every rank is a replica: rank 0 keeps its own copy
     # and no byte moves (hash mode decides replicas the same way). At 4B that is the logits, the
     # largest record of a region pass, 0.6 GB a rank.
-    same = _same_on_every_rank(kept_all, device, group, world)
+    same, differ = _same_on_every_rank(kept_all, device, group, world)
     moved = [i for i in range(len(kept_all)) if i not in same]
     kept = [kept_all[i] for i in moved]
     sizes = [sizes[i] for i in moved]
@@ -134,16 +146,18 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
 
         out_store = HostStore(torch.device("cpu"), spill_dir=spill_dir)
     stored = {}
-    cache = [None, None]  # a record split over windows is read from the host once
-
-    def piece(i, a, b):
-        if cache[0] != i:
-            cache[:] = [i, _as_bytes(kept[i][1])]
-        return cache[1][a:b]
-
+    lanes_of_stack = StackLanes(kept, device, rank, world)
+    whole = {}  # a tensor record's flat bytes, made once where it is not contiguous
     for window in _windows(sizes, _window_bytes()):
-        parts = [piece(i, a, b) for i, a, b in window]
-        buf = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+        # each piece copied once, from where the record is held into the window (a record held on
+        # the host was read whole, then concatenated, then moved: two more copies of every byte)
+        buf = alloc.empty(sum(b - a for _, a, b in window), dtype=torch.uint8, device=device)
+        off = 0
+        for i, a, b in window:
+            _fill(buf[off:off + b - a], kept[i][1], a, b, whole)
+            # this rank's share of each stored hash, hashed where it lies now
+            lanes_of_stack.add(i, buf[off:off + b - a], a)
+            off += b - a
         # unfilled (deterministic mode's NaN fill): the gather writes each whole
         gathered = [alloc.empty_like(buf) for _ in range(world)] if rank == 0 else None
         if group is None:
@@ -160,9 +174,13 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
             off += b - a
             if b == sizes[i]:  # the record's last piece: decide what to store
                 pieces = per_record.pop(i)
-                stored[i] = _decide(kept[i][0], kept[i][1], pieces, world, out_store, stream)
+                stored[i] = _decide(kept[i][0], kept[i][1], pieces, world, out_store, stream,
+                                    differ=moved[i] in differ)
+    per_rank_lanes = lanes_of_stack.gather(group) if kept else []
     if rank != 0:
         return None
+    for j, (meta, _) in stored.items():
+        meta["stored_hash"] = stored_hash(meta, kept[j][1], per_rank_lanes[j])
     stored = {moved[j]: v for j, v in stored.items()}
     for i in same:
         stored[i] = _replica(*kept_all[i], world, stream)
@@ -177,12 +195,13 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     return _with_stored_hash(out)
 
 
-def _same_on_every_rank(kept, device, group, world: int) -> set[int]:
-    """Positions in `kept` whose shard hash (meta['hash'], made on the device when recorded)
-    every rank shares: one small all_gather. A record without a hash is never in it."""
+def _same_on_every_rank(kept, device, group, world: int) -> tuple[set[int], set[int]]:
+    """(positions in `kept` whose shard hash (meta['hash'], made on the device when recorded)
+    every rank shares, positions where every rank has one and they are not all equal - whose
+    bytes then differ): one small all_gather. A record without a hash is in neither."""
     rank = dist.get_rank(group)
     if not kept:
-        return set()
+        return set(), set()
     codes = []
     for m, _ in kept:
         h = m.get("hash")
@@ -195,8 +214,9 @@ def _same_on_every_rank(kept, device, group, world: int) -> set[int]:
     dist.all_gather(every, mine, group=group)
     settle([mine, *every], group)
     every = torch.stack(every).cpu()
-    ok = (every[:, :, 0] == 1).all(0) & (every[:, :, 1] == every[0:1, :, 1]).all(0)
-    return set(torch.nonzero(ok).flatten().tolist())
+    present = (every[:, :, 0] == 1).all(0)
+    ok = present & (every[:, :, 1] == every[0:1, :, 1]).all(0)
+    return set(torch.nonzero(ok).flatten().tolist()), set(torch.nonzero(present & ~ok).flatten().tolist())
 
 
 def _replica(m: dict, local, world: int, stream: bool):
@@ -224,6 +244,13 @@ def _windows(sizes: list[int], limit: int):
         a = 0
         while True:
             k = min(n - a, limit - used)
+            if k < n - a:  # cut inside a record at whole elements of any dtype (gather_hash.py)
+                k -= k % PIECE_ALIGN
+                if k == 0 and window:
+                    yield window
+                    window, used = [], 0
+                    continue
+                k = k or min(n - a, PIECE_ALIGN)  # a window narrower than that: one piece past it
             window.append((i, a, a + k))
             used += k
             a += k
@@ -236,12 +263,17 @@ def _windows(sizes: list[int], limit: int):
         yield window
 
 
-def _decide(m: dict, local, pieces: list, world: int, out_store, stream: bool):
-    """One record's stored form from every rank's bytes (pieces: per window, per rank)."""
-    shards_b = [torch.cat([p[r] for p in pieces]) if len(pieces) > 1 else pieces[0][r]
-                for r in range(world)]
-    equal = all(torch.equal(shards_b[0], s) for s in shards_b[1:])
+def _decide(m: dict, local, pieces: list, world: int, out_store, stream: bool, differ: bool = False):
+    """One record's stored form from every rank's bytes (pieces: per window, per rank); its
+    stored hash is added by the caller (runner/gather_hash.py). differ: the ranks' hashes of
+    their shards were not all equal, so neither are their bytes (not compared again)."""
     dtype, shape = local.dtype, local.shape
+    if differ:
+        equal = False
+    else:
+        shards_b = [torch.cat([p[r] for p in pieces]) if len(pieces) > 1 else pieces[0][r]
+                    for r in range(world)]
+        equal = all(torch.equal(shards_b[0], s) for s in shards_b[1:])
     if equal:
         meta = {**m, "stored": "single", "ranks_equal": True, "world": world}
         if isinstance(local, Captured) and stream:
@@ -249,13 +281,11 @@ def _decide(m: dict, local, pieces: list, world: int, out_store, stream: bool):
         # clone: a slice of the byte buffer need not be aligned for the element type
         return meta, shards_b[0].clone().view(dtype).reshape(shape)
     meta = {**m, "stored": "stacked", "ranks_equal": False, "world": world}
-    st = torch.stack([s.clone().view(dtype).reshape(shape) for s in shards_b])
+    # the stack's bytes are the shards' one after another: copied once, where they are kept
+    ordered = [p[r] for r in range(world) for p in pieces]
     if out_store is None:
-        return meta, st
-    from tpdiag.records.hashing import tensor_hash
-
-    meta["stored_hash"] = tensor_hash(st)
-    return meta, out_store.put(st)
+        return meta, torch.cat(ordered).view(dtype).reshape(world, *shape)
+    return meta, out_store.put_bytes(ordered, dtype, (world, *shape))
 
 
 def _with_stored_hash(out):
