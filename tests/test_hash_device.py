@@ -100,3 +100,19 @@ def test_no_driver_reads_as_not_shareable():
     first = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"],
                            capture_output=True, text=True).stdout.split()[0]
     assert shareable(0) is (first == "Default")
+
+
+def test_a_device_that_fails_falls_back_to_the_host(monkeypatch):
+    # the parent's GPU full (a world's memory) or a driver error: the check still runs, on the host
+    monkeypatch.setattr(hashing, "_DEVICE_MIN", 0)
+    t = _tensor(torch.bfloat16, 5000, seed=5)
+    host = tensor_hash(t)
+
+    def full(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(hashing, "device_lanes", full)
+    with checks_on("cpu"):
+        assert tensor_hash(t) == host
+        assert hashing._DEVICE[0] is None  # not tried again inside the block
+    assert hashing._DEVICE[0] is None

@@ -111,10 +111,13 @@ def tensor_hash(t: torch.Tensor, version: int = HASH_VERSION) -> str:
         from tpdiag.kernels.record_hash_ref import whole_lanes
 
         dev = _DEVICE[0]
+        lanes = None
         if dev is not None and t.numel() * t.element_size() >= _DEVICE_MIN:
-            a, b = device_lanes(t, dev, version)
-        else:
-            a, b = whole_lanes(t, version)  # the same lanes, no tensors made per record
+            try:
+                lanes = device_lanes(t, dev, version)
+            except RuntimeError:  # no room on the GPU, a driver error: the host's lanes are the same
+                _DEVICE[0] = None  # for the rest of the block
+        a, b = lanes if lanes is not None else whole_lanes(t, version)  # no tensors made per record
     else:
         from tpdiag.kernels.record_hash import shard_lanes
 
