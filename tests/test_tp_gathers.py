@@ -112,6 +112,14 @@ def test_padded_shards_are_gathered_and_their_padding_cut():
     assert padded_dim([16, 32], [32, 32], 2) is None  # even: a plain shard (shard_dim's)
     assert padded_dim([17, 32], [31, 32], 2) is None  # more than ceil(V/TP) rows: no padding rule
     assert padded_dim([16, 16], [31, 32], 2) is None  # two dims differ
+    # replicas, not padding: 2 KV heads at TP=4 (rank r holds head r // 2), 4 at TP=8, 3 at TP=4
+    # (its last rank would hold padding only) - cut as padding they read a false difference
+    assert padded_dim([2, 1, 5, 8], [2, 2, 5, 8], 4) is None and padded_dim([2, 1, 5, 8], [2, 4, 5, 8], 8) is None
+    assert padded_dim([1, 4], [3, 4], 4) is None
+    heads = torch.randn(2, 2, 5, 8)
+    kv = {"key": "s0/forward/attn/in#0/0", "world": 4, "local_shape": [2, 1, 5, 8], "stored": "ranks"}
+    with pytest.raises(NotComparable, match="cannot be gathered"):
+        assemble(kv, torch.stack([heads[:, r // 2:r // 2 + 1] for r in range(4)]), [2, 2, 5, 8])
     whole = torch.randn(31, 4)
     padded = torch.cat([whole, torch.zeros(1, 4)])
     meta = {"key": "s0/init/head/param_init#0/weight", "world": 2, "local_shape": [16, 4], "stored": "ranks"}
