@@ -45,3 +45,24 @@ def test_a_fix_already_on_is_not_advised_again():
     # control: a cause with no fix at all keeps the usual advice
     line = what_to_do(summary("no available fix for cause 'norm-weight-grad'"))
     assert "already on" not in line and "`tpdiag compare --fix auto` applies the fixes" in line, line
+
+
+def test_a_fix_already_on_at_one_degree_still_advises_auto_for_another():
+    # TP=2's cause's fix was on, TP=4's cause has a fix that was off: `--fix auto` can still remove
+    # TP=4's difference, so the line must not say it would not (helper hreview7)
+    from tpdiag.cli.advice import what_to_do
+
+    def entry(reason, fix):
+        return {"status": "divergent", "first_divergence": {"cause": "norm-weight-grad"},
+                "confirmation": {"fix": fix, "verdict": "no-fix", "reason": reason}}
+
+    line = what_to_do({"status": "divergent", "class": "rounding", "degrees": {
+        "2": entry("invariant-norm-grad was already on", "invariant-norm-grad"),
+        "4": {"status": "divergent", "first_divergence": {"cause": "row-parallel-reduction"},
+              "confirmation": {"fix": "tp-invariant-linear", "verdict": "confirmed"}}}})
+    assert "would not remove it" not in line and "`tpdiag compare --fix auto` applies the fixes" in line, line
+    # control: both degrees' fixes already on
+    line = what_to_do({"status": "divergent", "class": "rounding", "degrees": {
+        "2": entry("invariant-norm-grad was already on", "invariant-norm-grad"),
+        "4": entry("invariant-norm-grad was already on", "invariant-norm-grad")}})
+    assert "`--fix auto` would not remove it" in line, line

@@ -131,3 +131,22 @@ def test_a_reference_expert_hashed_stale_is_no_evidence_of_other_weights(runs):
     pr = e["per_rank"]["moe"]
     assert "not_the_reference" not in pr, pr
     assert "changed in place before it was hashed" in pr["weights_unchecked"], pr
+
+
+def test_one_stale_reference_expert_excuses_no_more_weights_than_itself(runs):
+    # each unhashed reference parameter can be at most one of the per-rank weights: one stale expert
+    # parameter left every seeded weight of the block unchecked (a check weakened, helper hreview7)
+    from tpdiag.diff.analyse import _not_the_references
+    from tpdiag.records.store import RecordSet
+
+    d, s, _ = runs["megatron_seeded"]
+    ref, other = RecordSet(str(d / "tp1")), RecordSet(str(d / "tp2"))
+    experts = [m for m in ref.events if m["kind"] == "param_init" and m["module"].startswith("moe.local_experts.")]
+    assert len(experts) > 1, experts
+    experts[0].update(hash=None, full_hash=None, hash_layout="stale")
+    e = json.loads(json.dumps(s["degrees"]["2"]))
+    e["per_rank"]["moe"].pop("not_the_reference")
+    _not_the_references(e, ref, other, "2", [])
+    pr = e["per_rank"]["moe"]
+    assert "none of the reference's parameters" in pr.get("not_the_reference", ""), pr
+    assert "weights_unchecked" not in pr, pr

@@ -108,6 +108,31 @@ def test_a_scale_is_told_from_rounding_noise():
     assert coherent_scale(torch.zeros(64), torch.ones(64)) is None
 
 
+def test_a_norm_one_element_carries_is_no_scale():
+    """A tensor whose norm is one element's (a one-hot grad, an outlier activation) differs along
+    itself whatever moved that element: its rounding past the first divergence is no one factor."""
+    import torch
+
+    from tpdiag.diff.scale import coherent_scale
+
+    g = torch.Generator().manual_seed(0)
+    one = torch.zeros(64)
+    one[3] = 1.0
+    moved = one.clone()
+    moved[3] = 1.0625
+    assert coherent_scale(one, moved) is None
+    a = 0.01 * torch.randn(4096, generator=g)
+    a[0] = 50.0  # an outlier: ~all of a's norm
+    b = a * (1 + 4e-3 * torch.randn(4096, generator=g))  # rounding-sized noise everywhere
+    b[0] = 53.0  # the outlier 6% off
+    assert coherent_scale(a, b) is None
+    # scaled whole by 2 where 6 elements carry the norm, or all of a's but the outlier: a scale
+    spread = torch.zeros(64)
+    spread[:6] = 1.0
+    assert coherent_scale(spread, 2 * spread) == pytest.approx(2.0)
+    assert coherent_scale(a[1:], 2 * a[1:]) == pytest.approx(2.0)
+
+
 def test_without_the_scale_the_doubled_grads_read_as_rounding(captures, monkeypatch):
     """Negative control, in process: the same captures analysed with the scale check off."""
     from tpdiag.diff import pair_memo, scale

@@ -118,20 +118,23 @@ def _not_the_references(entry: dict, ref: RecordSet, other: RecordSet, label: st
     # a hash-capture reference's parameters have their whole hash as full_hash (at TP=1 the lanes of
     # the one tensor: the same function as each rank's hash of its own whole expert)
     known = {m.get(k) for m in ref.events if m["kind"] == "param_init" for k in ("hash", "full_hash")} - {None}
-    for name, hashes in per_rank_params(other).items():
+    params = per_rank_params(other)
+    for name, hashes in params.items():
         bad = [r for r, h in enumerate(hashes) if h is not None and h not in known]
         if not bad:
             continue
         block = next((b for b in per_rank_blocks(other) if name.startswith(b + ".")), None)
         if block is None:
             continue
-        unhashed = _unhashed_inside(ref, block)
-        if unhashed:
+        stale = _unhashed_inside(ref, block)
+        if stale and len(_unknown_in(params, block, known)) <= len(stale):
             # the reference's own copy may be the one whose hash it never took: no evidence either way
-            # (the block's boundary is still compared; a false BUG here named a correct placement)
+            # (the block's boundary is still compared; a false BUG here named a correct placement).
+            # Each unhashed parameter is at most one weight: more distinct unknown weights than
+            # unhashed parameters are, some of them, none of the reference's whatever those were
             entry["per_rank"][block]["weights_unchecked"] = (
                 f"{name} on rank {', '.join(map(str, bad))} of TP={label} matches none of the reference's hashed "
-                f"parameters, but the reference's {unhashed} changed in place before it was hashed: whether "
+                f"parameters, but the reference's {stale[0]} changed in place before it was hashed: whether "
                 "this degree's per-rank weights are the reference's is not known")
             continue
         why = (f"{name} on rank {', '.join(map(str, bad))} of TP={label} is none of the reference's parameters: "
@@ -155,13 +158,17 @@ def _not_the_references(entry: dict, ref: RecordSet, other: RecordSet, label: st
         return
 
 
-def _unhashed_inside(ref: RecordSet, block: str) -> str | None:
-    """The first of the reference's parameters inside `block` that has no hash (changed in place
-    between its record and its queued hash: kernels/hash_buffer.py STALE), else None."""
-    for m in ref.events:
-        if m["kind"] == "param_init" and m["module"].startswith(block + ".") and m.get("hash_layout") == "stale":
-            return f"{m['module']}.{m['name']}"
-    return None
+def _unhashed_inside(ref: RecordSet, block: str) -> list[str]:
+    """The reference's parameters inside `block` that have no hash (changed in place between their
+    record and their queued hash: kernels/hash_buffer.py STALE)."""
+    return [f"{m['module']}.{m['name']}" for m in ref.events
+            if m["kind"] == "param_init" and m["module"].startswith(block + ".") and m.get("hash_layout") == "stale"]
+
+
+def _unknown_in(params: dict, block: str, known: set) -> set:
+    """The distinct per-rank weight hashes inside `block` that are none of the reference's hashed ones."""
+    return {h for name, hashes in params.items() if name.startswith(block + ".")
+            for h in hashes if h is not None and h not in known}
 
 
 def _broken_ties(entry: dict, rows: list[dict], broken: list, label: str) -> None:

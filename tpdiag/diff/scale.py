@@ -6,11 +6,18 @@ micro-batches counted with the TP ranks, an AVG where a SUM belongs, a loss mult
 does exactly that: b = c a, every element, with c far from 1. Such a record needs no bound to be
 judged - where tpdiag has none (an activation grad, a weight grad past the first divergence in a
 capture, which nothing re-executes) its layout named a reordering for a 2x grad (tests/
-user_accum.py). Looked for in diffs of captures only: compare re-executes such records in float64
-from their own inputs (diff/oracle_own.py), a verdict with its distance, which it keeps. Found only where the fit is clean: |c - 1| >= 5% (bf16's unit roundoff is 0.4%;
+user_accum.py). Looked for in diffs of captures, and in compare's backward records: a grad that a
+user's own loss backward made (a hand-written vocab-parallel cross-entropy) has no bound and no
+float64 re-execution there, and its layout named a 2x logits grad `vocab-parallel-softmax`
+(helper hreview7). Read only where the row has no bound. Found only where the fit is clean: |c - 1| >= 5% (bf16's unit roundoff is 0.4%;
 rounding does not move a whole tensor coherently by a tenth of that) and the residual after the
 scale under a tenth of the difference (rounding noise leaves a residual as large as the
-difference itself); at least 16 elements (a scalar's "scale" is any difference).
+difference itself); at least 16 elements (a scalar's "scale" is any difference), and at least
+6 carrying a's norm (its participation ratio (sum a^2)^2 / sum a^4): a tensor whose norm is one
+element's (a one-hot grad, an outlier activation) is a scalar with small values around it - its
+difference is that element's own rounding, parallel to a whatever caused it. Rounding spread over k
+such elements lies within the fit's tenth of a radian of a's direction with odds ~0.1^(k-1); the
+logits grad of a few tokens' cross-entropy (one -1 a row) has about as many carriers as tokens.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import torch
 MIN_SCALE = 0.05     # |c - 1| at least this
 MAX_RESIDUAL = 0.1   # ||b - c a|| at most this fraction of ||b - a||
 MIN_ELEMENTS = 16
+MIN_CARRIERS = 6     # the participation ratio of a's squares at least this
 CHUNK = 1 << 18
 
 
@@ -28,13 +36,15 @@ def coherent_scale(a: torch.Tensor, b: torch.Tensor) -> float | None:
     if not a.is_floating_point() or a.numel() < MIN_ELEMENTS or a.shape != b.shape:
         return None
     xa, xb = a.reshape(-1), b.reshape(-1)
-    aa = ab = bb = 0.0
+    aa = ab = bb = a4 = 0.0
     for s in range(0, xa.numel(), CHUNK):
         pa, pb = xa[s:s + CHUNK].to(torch.float64), xb[s:s + CHUNK].to(torch.float64)
-        aa += float(pa.dot(pa))
+        sq = pa * pa
+        aa += float(sq.sum())
+        a4 += float(sq.dot(sq))
         ab += float(pa.dot(pb))
         bb += float(pb.dot(pb))
-    if not aa > 0 or not all(map(_finite, (aa, ab, bb))):
+    if not aa > 0 or not all(map(_finite, (aa, ab, bb, a4))) or aa * aa < MIN_CARRIERS * a4:
         return None
     c = ab / aa
     residual2 = max(bb - ab * ab / aa, 0.0)

@@ -105,13 +105,17 @@ def shard_dim(local: list[int], full: list[int], n: int) -> int | None:
 
 def padded_dim(local: list[int], full: list[int], n: int) -> int | None:
     """The dim of a shard of a tensor padded to a multiple of n (Megatron's vocab padding,
-    `make_vocab_size_divisible_by`: ceil(V/n) rows per rank, the padding at the end), else None."""
+    `make_vocab_size_divisible_by`: ceil(V/n) rows per rank, the padding at the end), else None.
+    Every rank holds some of the whole (the padding is less than a shard): shards whose n copies
+    are twice the whole or more are replicas - KV heads replicated where TP exceeds their count
+    (2 heads at TP=4: rank r holds head r // 2), which cut as padding would read a false difference."""
     if len(local) != len(full):
         return None
     dims = [d for d in range(len(full)) if local[d] != full[d]]
-    if len(dims) == 1 and local[dims[0]] * n > full[dims[0]] and local[dims[0]] == -(-full[dims[0]] // n):
-        return dims[0]
-    return None
+    if len(dims) != 1:
+        return None
+    k, f = local[dims[0]], full[dims[0]]
+    return dims[0] if k * n > f and k == -(-f // n) and (n - 1) * k < f else None
 
 
 def _gather_padded(meta: dict, shards: list, local: list[int], full: list[int], n: int, kept):

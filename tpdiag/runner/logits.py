@@ -69,7 +69,9 @@ def whole_vocab(logits, model, plan: dict, vocab: int, world: int):
     if world <= 1 or type(logits) is not torch.Tensor or logits.ndim < 2:
         return logits, None
     n = logits.shape[-1]
-    padded = n * world > vocab and n == -(-vocab // world)
+    from tpdiag.records.layout import padded_dim
+
+    padded = padded_dim([n], [vocab], world) == 0
     if n == vocab or (n * world != vocab and not padded):
         return logits, None
     name, mesh = _head_of(model, plan or {}, vocab)
