@@ -82,6 +82,11 @@ def test_the_parent_checks_on_its_gpu_only_when_it_may(monkeypatch):
     assert _check_device(CompareConfig().with_(device="cuda", degrees=(1, 2))) == "cuda:0"
     monkeypatch.setenv("TPDIAG_CHECK_DEVICE", "cpu")
     assert _check_device(CompareConfig().with_(device="cuda", degrees=(1, 2))) is None
+    from tpdiag.errors import BadInput
+
+    monkeypatch.setenv("TPDIAG_CHECK_DEVICE", "gpu")
+    with pytest.raises(BadInput, match="expected auto or cpu"):
+        _check_device(CompareConfig().with_(device="cuda", degrees=(1, 2)))
 
 
 def test_no_driver_reads_as_not_shareable():

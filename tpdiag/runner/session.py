@@ -24,8 +24,12 @@ def _check_device(cfg: CompareConfig):
     first GPU when the worlds run on GPUs and it is in the default compute mode (base/gpu_shared)
     - never under TPDIAG_START_METHOD=fork (a rank forked from a process holding a CUDA context
     cannot use CUDA); TPDIAG_CHECK_DEVICE=cpu: the host."""
-    if os.environ.get("TPDIAG_CHECK_DEVICE", "auto") == "cpu" or \
-            os.environ.get("TPDIAG_START_METHOD", "forkserver") == "fork":
+    where = os.environ.get("TPDIAG_CHECK_DEVICE", "auto")
+    if where not in ("auto", "cpu"):
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"TPDIAG_CHECK_DEVICE={where!r}: expected auto or cpu")
+    if where == "cpu" or os.environ.get("TPDIAG_START_METHOD", "forkserver") == "fork":
         return None
     from tpdiag.base.gpu_shared import shareable
     from tpdiag.models.capacity import guess_device
