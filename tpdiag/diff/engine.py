@@ -157,9 +157,8 @@ def _after_flip(rows: list[dict]) -> bool:
 def _measure(row: dict, a: torch.Tensor, b: torch.Tensor, oa: Assembled, values: bool, scaled: bool = False) -> None:
     """The pair's bit comparison, its NaN/Inf and, for a replica whose ranks differ, how far.
     scaled: look for one factor between the pair (diff/scale.py) - in a diff of captures, where no
-    float64 re-execution judges a record past the first divergence, and for compare's backward
-    records, whose grads a user's own loss backward may have made with no bound (the judge reads
-    the factor only where the row has no bound)."""
+    float64 re-execution judges a record past the first divergence (compare's own-input pass does,
+    with its verdict and distance)."""
     c = bits.compare(b, a)
     row["nonfinite_mismatch"] = c.nonfinite is not None
     row["nonfinite"] = c.nonfinite
@@ -250,9 +249,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     seen = set()
     oracle_metas = [m for m in ref.events if m["kind"] == "oracle"]
     other_algorithm = _other_algorithm(ref, other)
-    # a capture has no float64 re-execution to judge its records past the first divergence; nor has
-    # compare for a grad the user's own loss backward made (a hand-written vocab-parallel
-    # cross-entropy: its logits' grad has no bound, and a 2x there read `vocab-parallel-softmax`)
+    # a capture has no float64 re-execution to judge its records past the first divergence
     captured = any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other))
     for om in other.events:
         key = om["key"]
@@ -337,7 +334,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         measured = pair_memo.get(content)
         if measured is None:
             before = dict(row)
-            _measure(row, a, b, oa, values, captured or row["phase"] == "backward")
+            _measure(row, a, b, oa, values, captured)
             measured = {k: v for k, v in row.items() if k not in before or v is not before[k]}
             pair_memo.put(content, measured)
         row.update(measured)

@@ -161,9 +161,8 @@ RULES: list[Rule] = [
     Rule("ranks differ", lambda ev, b: _row(ev, "rank_consistent") is False,
          lambda ev, b: "rank-inconsistent-replica"),
     Rule("beyond its rounding bound", lambda ev, b: bool(_row(ev, "beyond_bound")), lambda ev, b: "sharding-bug"),
-    # no bound needed: one factor times the reference's whole tensor (diff/scale.py); where a bound
-    # was found and held, the bound's evidence stands
-    Rule("the reference's times one factor", lambda ev, b: _row(ev, "scale") is not None and _row(ev, "bound") is None,
+    # no bound needed: one factor times the reference's whole tensor (diff/scale.py)
+    Rule("the reference's times one factor", lambda ev, b: _row(ev, "scale") is not None,
          lambda ev, b: "sharding-bug", lambda ev, b: scale_why(_row(ev, "scale"))),
     Rule("layout names the reordering", lambda ev, b: layout_cause(ev.row) is not None,
          lambda ev, b: layout_cause(ev.row)),

@@ -190,8 +190,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
         op_row = _caller_op(dd, first, _caller(first["module"], called))
     findings, fidx = [], []
     for r in dd.rows:
-        if r.get("beyond_bound") or r.get("rank_consistent") is False or (r.get("scale") is not None
-                                                                         and r.get("bound") is None):
+        if r.get("beyond_bound") or r.get("rank_consistent") is False or r.get("scale") is not None:
             fidx.append(r["idx"])
             f = {"phase": r["phase"], "module": r["module"], "op": None, "kind": r["kind"],
                  "name": r["name"], "step": r["step"], "cause": None,
