@@ -25,7 +25,7 @@ import pytest
 from conftest import run_cli
 
 CASES = {c: ("tp_gathers", c, ()) for c in ("gather_dim0", "gather_ok", "vocab_pad", "vocab_pad_ok", "vocab_split_ok",
-                                              "grad_sync_all", "grad_sync_ok")}
+                                              "vocab_split_copy", "grad_sync_all", "grad_sync_ok")}
 CASES.update({c: ("tp_heads", c, ()) for c in ("heads_view", "heads_ok")})
 CASES.update({c: ("tp_router", c, ()) for c in ("router_split", "router_ok")})
 # hash capture: the padded head's records hashed without their padding (probes/recorder.py); they
@@ -127,3 +127,16 @@ def test_padded_shards_are_gathered_and_their_padding_cut():
     assert torch.equal(a.full, whole) and a.layout == "shard:0" and a.rank_consistent is None
     with pytest.raises(NotComparable, match="cannot be gathered"):
         assemble({**meta, "local_shape": [15, 4]}, torch.stack([whole[:15], whole[15:30]]), [31, 4])
+
+
+def test_a_hand_written_losss_grad_times_tp_is_a_bug_not_the_vocab_softmax(runs):
+    # the logits' grad of a user's own vocab-parallel loss has no bound and nothing re-executes it:
+    # named by its layout alone, every grad TP times read `vocab-parallel-softmax`, rounding only
+    # (gate 1). The one-factor check (diff/scale.py) now reads compare's backward records too
+    s, stdout, gate = runs["vocab_split_copy"]
+    lead = _lead(s)
+    assert s["class"] == "bug" and lead is not None, s["degrees"]["2"]
+    assert (lead["phase"], lead["module"], lead["kind"], lead["cause"]) == (
+        "backward", "head", "grad_out", "sharding-bug"), lead
+    assert lead["why"].startswith("every element is 2x the reference's"), lead
+    assert "BUG (a wrong result, not rounding) at TP=2 backward: head" in stdout and gate == 4

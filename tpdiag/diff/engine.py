@@ -334,7 +334,12 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         measured = pair_memo.get(content)
         if measured is None:
             before = dict(row)
-            _measure(row, a, b, oa, values, captured)
+            # the grad of an output no module consumed (the logits of the user's own loss): nothing
+            # bounds or re-executes it in compare, and a hand-written vocab-parallel loss whose
+            # backward scales every grad (its loss through Megatron's copy by mistake) read as the
+            # vocab-parallel softmax's rounding; a grad with a consumer is judged from it instead
+            _measure(row, a, b, oa, values, captured or (row["phase"] == "backward" and row["kind"] == "grad_out"
+                                                           and not row.get("consumers")))
             measured = {k: v for k, v in row.items() if k not in before or v is not before[k]}
             pair_memo.put(content, measured)
         row.update(measured)

@@ -14,6 +14,8 @@ seq 8: seconds per world on the CPU.
                leaves the padding's logits in the softmax (each adds exp(0 - max) to the sum). At
                TP=1 there is no padding. Twin: the padding's logits set to -inf first.
                vocab_split_ok: the same head and loss on 32 ids (no padding at TP=2).
+               vocab_split_copy: vocab_split_ok's loss through Megatron's f (copy) by mistake: its
+               grad all-reduced, every grad TP times.
   grad_sync_all / grad_sync_ok  a data-parallel style grad sync (each grad averaged over the default
                process group, DDP's way) in a job whose only group is the TP group. The mistake:
                every parameter is synced, the column and row shards too - each rank's shard grad
@@ -210,6 +212,14 @@ def vocab_pad_ok():
 
 def vocab_split_ok():
     return _pad(True, VOCAB)
+
+
+def vocab_split_copy():
+    """vocab_split_ok whose loss goes through Megatron's f (copy: identity forward, all-reduce
+    backward) by mistake: the loss's grad, 1 on every rank, is summed to TP - every grad TP times,
+    the loss and the logits as the twin's (helper hreview7)."""
+    return tpdiag.Target(model=PadLM(VOCAB), plan={}, vocab_size=VOCAB, inputs=lambda g: _tokens(g, VOCAB),
+                         loss=lambda logits, labels: copy(padded_ce(logits, labels, VOCAB, True)))
 
 
 class RowLinear(nn.Module):
