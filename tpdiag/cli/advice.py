@@ -62,13 +62,12 @@ def _what_to_do(summary: dict) -> str | None:
 
         return ("nothing is wrong: the captures differ by rounding only. Harmless unless you need "
                 f"bitwise equality across TP; {CAPTURE_FIX}")
-    divergent = [d for d in entries(summary).values() if d.get("status") == "divergent"]
-    on = sorted({(d.get("confirmation") or {}).get("fix") for d in divergent
-                 if str((d.get("confirmation") or {}).get("reason", "")).endswith("was already on")} - {None})
+    confirmations = [d.get("confirmation") or {} for d in entries(summary).values()
+                     if d.get("status") == "divergent"]
     # said only where it holds of every divergent degree: one whose cause's fix was off is one
     # `--fix auto` can still make bitwise
-    if on and all(str((d.get("confirmation") or {}).get("reason", "")).endswith("was already on")
-                  for d in divergent):
+    if confirmations and all(str(c.get("reason", "")).endswith("was already on") for c in confirmations):
+        on = sorted({c["fix"] for c in confirmations if c.get("fix")})
         # --fix auto reruns with the fixes the cause names: they were on, so it would change nothing
         return (f"nothing is wrong: the difference is rounding only. Its cause's fix ({', '.join(on)}) was "
                 "already on and did not remove it: this module is not one the fix covers (docs/models.md), "
