@@ -73,16 +73,14 @@ _PIECE = 256 << 20  # bytes copied to the device at a time: a bounded buffer, wh
 
 @contextlib.contextmanager
 def checks_on(device):
-    """Hash big host tensors on `device` (a CUDA device; None: on the host) inside the block.
-    The device's cache is emptied after: the process's GPU memory is the worlds' again."""
+    """Hash big host tensors on `device` (a CUDA device; None: on the host) inside the block
+    (device_lanes gives the GPU's memory back after each record)."""
     before = _DEVICE[0]
     _DEVICE[0] = torch.device(device) if device is not None else None
     try:
         yield
     finally:
         _DEVICE[0] = before
-        if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
 
 
 def device_lanes(t: torch.Tensor, device, version: int = HASH_VERSION, piece: int = _PIECE) -> tuple[int, int]:
