@@ -13,7 +13,9 @@ in a fixed order. dq comes one of two ways (AttnConfig.ds_mib), each determinist
   so heads go in chunks whose dS fits ds_mib MiB; a head's sums are its own, so the chunking
   moves no bit). delta comes from its own small pass first.
 The recompute path may also run as one launch (AttnConfig.bwd_fused), and the two ways may share
-the work (AttnConfig.ds_every): attention_triton_bwd_programs.py, with the programs' bodies.
+the work (AttnConfig.ds_every): attention_triton_bwd_programs.py, with the programs' bodies. A
+candidate, AttnConfig.dq_ordered: dq added by the dk/dv programs in a fixed key-block order
+(attention_triton_ordered.py).
 
 One-pass backwards without the recompute were built, checked bitwise and measured slower on an
 H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes): dq partials
@@ -131,6 +133,10 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
     if k.shape[2] == 0:  # no keys: the forward gave zeros
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(k), torch.zeros_like(v)
     do = do.contiguous()
+    if cfg.dq_ordered and q.numel() and k.numel():
+        from tpdiag.kernels.attention_triton_ordered import ordered_pass
+
+        return ordered_pass(do, q, k, v, lse, delta_pass(do, o, cfg), causal, scale, cfg)
     if stores_ds(cfg, q.shape[2], k.shape[2], q.element_size()) and q.numel() and k.numel():
         return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
     if cfg.bwd_fused and q.numel() and k.numel():
