@@ -48,7 +48,7 @@ GPU_LIMIT = 1 << 24
 
 # ld.acquire.gpu until the counter reaches $2 or $3 polls pass; $0: the last value read. ${:uid}:
 # a label of its own wherever the compiler copies this asm
-_WAIT_PTX = """{
+_WAIT_PTX = tl.constexpr("""{
 .reg .pred wp;
 .reg .u32 wn;
 mov.u32 wn, 0;
@@ -60,33 +60,39 @@ setp.ge.u32 wp, $0, $2;
 setp.lt.u32 wp, wn, $3;
 @wp bra WAIT${:uid};
 DONE${:uid}:
-}"""
-_RELEASE_PTX = "st.release.gpu.global.u32 [$1], $2;\nmov.u32 $0, 0;"
+}""")
+_RELEASE_PTX = tl.constexpr("red.release.gpu.global.add.u32 [$1], 1;\nmov.u32 $0, 0;")
 
 
 @triton.jit
-def _wait(lock, k, ERR, limit, SYNC: tl.constexpr):
-    # until the counter at `lock` reads k (acquire: the earlier adders' adds are visible after)
+def _wait(lock, k, ERR, limit, SYNC: tl.constexpr, NT: tl.constexpr):
+    # until rank k's turn at `lock` (acquire: the earlier adders' adds are visible after).
+    # SYNC 1: every thread polls and every thread of an adder releases its own adds (no CTA
+    # barrier in the step loop: one costs Triton its pipelining of the loop's loads), so rank k's
+    # turn is NT * k; SYNC 2: a barrier, then one count per adder
     if SYNC == 1:
-        c = tl.inline_asm_elementwise(_WAIT_PTX, "=r,l,r,r", [lock, k, limit], dtype=tl.int32,
+        c = tl.inline_asm_elementwise(_WAIT_PTX, "=r,l,r,r", [lock, k * NT, limit], dtype=tl.int32,
                                       is_pure=False, pack=1)
+        bad = c < k * NT
     else:
         c = tl.atomic_cas(lock, k, k, sem="acquire")
         i = 1
         while (c != k) & (i < limit):
             c = tl.atomic_cas(lock, k, k, sem="acquire")
             i += 1
-    if c != k:
+        bad = c != k
+    if bad:
         tl.atomic_xchg(ERR, 1)
 
 
 @triton.jit
 def _release(lock, k, SYNC: tl.constexpr):
-    # the counter at `lock` := k once every thread's adds are visible (barrier, then release)
-    tl.debug_barrier()
+    # the next rank's turn once this adder's adds are visible
     if SYNC == 1:
-        tl.inline_asm_elementwise(_RELEASE_PTX, "=r,l,r", [lock, k], dtype=tl.int32, is_pure=False, pack=1)
+        # each thread: red.release.gpu, +1 (its own adds before it)
+        tl.inline_asm_elementwise(_RELEASE_PTX, "=r,l", [lock], dtype=tl.int32, is_pure=False, pack=1)
     else:
+        tl.debug_barrier()  # every thread's adds issued before the counter moves on
         tl.atomic_xchg(lock, k, sem="release")
 
 
@@ -94,7 +100,8 @@ def _release(lock, k, SYNC: tl.constexpr):
 def _ordered_inner(dk, dv, k, v, offs_n, pid_n, q_src, do_src, b, h, LSE, DELTA, ACC, DQ, lock_base, ERR, row_base,
                    sqm, lo, hi, L, S, NB, qk_scale, sm_scale, limit, CAUSAL: tl.constexpr, DIAG: tl.constexpr,
                    EVEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
-                   I64: tl.constexpr, SYNC: tl.constexpr, FINAL: tl.constexpr, ASCEND: tl.constexpr):
+                   I64: tl.constexpr, SYNC: tl.constexpr, FINAL: tl.constexpr, ASCEND: tl.constexpr,
+                   NT: tl.constexpr):
     # the dk/dv pass's step (_dkdv_inner: the same products in the same order, so dk and dv keep
     # its bits) plus this key block's dq partial, added in rank order
     offs_m0 = tl.arange(0, BM)
@@ -140,7 +147,7 @@ def _ordered_inner(dk, dv, k, v, offs_n, pid_n, q_src, do_src, b, h, LSE, DELTA,
         acc_base = ACC + row_base * D  # ACC and DQ: [B * H * L, D], contiguous
         dq_base = DQ + row_base * D
         if rank > 0:
-            _wait(lock, rank, ERR, limit, SYNC)
+            _wait(lock, rank, ERR, limit, SYNC, NT)
         if FINAL and rank == nmax:
             # the last adder: the sum so far (L2: never a stale L1 line), its own, dq rounded once
             if rank > 0:
@@ -172,7 +179,7 @@ def _ordered_kernel(Q, K, V, DO, LSE, DELTA, ACC, DQ, DK, DV, LOCK, ERR, sqb, sq
                     HK, REP, L, S, NM, qk_scale, sm_scale, NB, BH, G, limit,
                     CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
                     EVEN: tl.constexpr, I64: tl.constexpr, SYNC: tl.constexpr, FINAL: tl.constexpr,
-                    ASCEND: tl.constexpr):
+                    ASCEND: tl.constexpr, NT: tl.constexpr):
     # launch order: key blocks from the highest down, heads in groups of G (_block_and_head_at):
     # key block n + 1 of a head always launches before key block n (ASCEND: the other way round)
     blk, bhk = _block_and_head_at(tl.program_id(0), NB, BH, G)
@@ -202,14 +209,14 @@ def _ordered_kernel(Q, K, V, DO, LSE, DELTA, ACC, DQ, DK, DV, LOCK, ERR, sqb, sq
             mid = tl.minimum(n0 + BN, L)
             dk, dv = _ordered_inner(dk, dv, k, v, offs_n, pid_n, q_src, do_src, b, h, LSE, DELTA, ACC, DQ, lock_base,
                                     ERR, row_base, sqm, lo, mid, L, S, NB, qk_scale, sm_scale, limit, CAUSAL, True,
-                                    EVEN, BM, BN, D, PREC, I64, SYNC, FINAL, ASCEND)
+                                    EVEN, BM, BN, D, PREC, I64, SYNC, FINAL, ASCEND, NT)
             dk, dv = _ordered_inner(dk, dv, k, v, offs_n, pid_n, q_src, do_src, b, h, LSE, DELTA, ACC, DQ, lock_base,
                                     ERR, row_base, sqm, mid, L, L, S, NB, qk_scale, sm_scale, limit, CAUSAL, False,
-                                    EVEN, BM, BN, D, PREC, I64, SYNC, FINAL, ASCEND)
+                                    EVEN, BM, BN, D, PREC, I64, SYNC, FINAL, ASCEND, NT)
         else:
             dk, dv = _ordered_inner(dk, dv, k, v, offs_n, pid_n, q_src, do_src, b, h, LSE, DELTA, ACC, DQ, lock_base,
                                     ERR, row_base, sqm, 0, L, L, S, NB, qk_scale, sm_scale, limit, CAUSAL, False,
-                                    EVEN, BM, BN, D, PREC, I64, SYNC, FINAL, ASCEND)
+                                    EVEN, BM, BN, D, PREC, I64, SYNC, FINAL, ASCEND, NT)
     hb = bhk.to(tl.int64) * S * D
     out = offs_n[:, None] * D + offs_d[None, :]
     if EVEN:
@@ -255,7 +262,7 @@ def ordered_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnC
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), Hk, H // Hk, L, S, nm,
         scale * LOG2E, scale, nk, B * Hk, min(cfg.kv_group, B * Hk), limit,
         CAUSAL=causal, BM=BM, BN=BN, D=D, PREC=_prec(q), EVEN=L % BM == 0 and S % BN == 0,
-        I64=wide(q, k, v, do), SYNC=sync, FINAL=final, ASCEND=ascend,
+        I64=wide(q, k, v, do), SYNC=sync, FINAL=final, ASCEND=ascend, NT=32 * cfg.kv_warps,
         num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     if interp:
         if err.item():
