@@ -148,29 +148,20 @@ def _ordered_inner(dk, dv, k, v, offs_n, pid_n, q_src, do_src, b, h, LSE, DELTA,
         dq_base = DQ + row_base * D
         if rank > 0:
             _wait(lock, rank, ERR, limit, SYNC, NT)
-        if FINAL and rank == nmax:
-            # the last adder: the sum so far (L2: never a stale L1 line), its own, dq rounded once
-            if rank > 0:
-                if EVEN:
-                    part += tl.load(acc_base + io, cache_modifier=".cg")
-                else:
-                    part += tl.load(acc_base + io, mask=rmask, other=0.0, cache_modifier=".cg")
-            if EVEN:
-                tl.store(dq_base + io, (part * sm_scale).to(DQ.dtype.element_ty))
-            else:
-                tl.store(dq_base + io, (part * sm_scale).to(DQ.dtype.element_ty), mask=rmask)
+        # where each piece goes, by masks rather than branches (Triton 3.6's pipeliner fails on
+        # stores inside an if in the loop): the first adder stores, the others add, the last
+        # (FINAL) reads the sum back and writes dq instead
+        first = rank == 0
+        last = rank == nmax
+        if FINAL:
+            more = rmask & (rank < nmax)
+            prev = tl.load(acc_base + io, mask=rmask & last & (rank > 0), other=0.0, cache_modifier=".cg")
+            tl.store(dq_base + io, ((part + prev) * sm_scale).to(DQ.dtype.element_ty), mask=rmask & last)
         else:
-            if rank == 0:
-                if EVEN:
-                    tl.store(acc_base + io, part)
-                else:
-                    tl.store(acc_base + io, part, mask=rmask)
-            else:
-                if EVEN:
-                    tl.atomic_add(acc_base + io, part, sem="relaxed")
-                else:
-                    tl.atomic_add(acc_base + io, part, mask=rmask, sem="relaxed")
-            _release(lock, rank + 1, SYNC)
+            more = rmask
+        tl.store(acc_base + io, part, mask=more & first)
+        tl.atomic_add(acc_base + io, part, mask=more & (rank > 0), sem="relaxed")
+        _release(lock, rank + 1, SYNC)  # after the last adder too: nobody waits for that count
     return dk, dv
 
 
