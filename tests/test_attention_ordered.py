@@ -119,3 +119,45 @@ def test_a_broken_launch_order_raises_instead_of_hanging():
     pytest.importorskip("triton")
     res = _script("broken-launch")
     assert res["raised"] and "launch order" in res["raised"], res
+
+
+def test_ordered_step_loop_keeps_its_pipelined_loads_on_sm90():
+    """The ordered kernel compiled for sm_90 on the CPU (Triton's bundled ptxas, `attention --sass`):
+    with the PTX waits (dq_ordered=1) the step loops still load q and dO by cp.async (LDGSTS: the
+    software pipeline), hold 5 products where the dk/dv pass holds 4, and one exp2 a pair; with
+    Triton's atomic_cas loop and CTA barrier (dq_ordered=2) the pipeline is gone - the negative
+    control, and why the PTX waits exist."""
+    pytest.importorskip("triton")
+    code = """
+import dataclasses, json, re
+from benchmarks.attention_sass import _compile, _kernels, _loops
+from tpdiag.kernels import attention_triton as at
+out = {}
+try:
+    for sync in (1, 2):
+        cfg = dataclasses.replace(at.D64, dq_ordered=sync, cast_pass=True)
+        ks = _kernels(cfg, 64)
+        for p in ("ordered", "dkdv") if sync == 1 else ("ordered",):
+            k, types, consts, warps, stages = ks[p][:5] if p == "ordered" else _kernels(at.D64, 64)[p][:5]
+            sass = _compile(k, types, consts, warps, stages)[0]
+            out[f"{p}{sync}"] = {"ldgsts": len(re.findall(r"\\sLDGSTS", sass)), "loops": _loops(sass)}
+except FileNotFoundError as e:  # a Triton build without the CUDA tools
+    out = {"skip": str(e)}
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(env, PYTHONPATH=ROOT), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(f"no ptxas/cuobjdump in this Triton: {got['skip']}")
+    from tpdiag.kernels import attention_triton as at
+
+    ordered, dkdv, looped = got["ordered1"], got["dkdv1"], got["ordered2"]
+    assert ordered["ldgsts"] > 0 and dkdv["ldgsts"] > 0 and looped["ldgsts"] == 0, got
+    steps = [lp for lp in ordered["loops"] if lp["HGMMA"]]  # the spin loops hold no product
+    assert len(steps) == 2 and len([lp for lp in dkdv["loops"] if lp["HGMMA"]]) == 2, got
+    assert all(4 * lp["HGMMA"] == 5 * d["HGMMA"] for lp, d in zip(steps, dkdv["loops"])), got
+    pairs = at.D64.kv_m * at.D64.kv_n // (32 * at.D64.kv_warps)
+    assert all(lp["MUFU"] == pairs and lp["LDL"] == 0 and lp["STL"] == 0 for lp in steps), got

@@ -143,7 +143,10 @@ def _ordered_inner(dk, dv, k, v, offs_n, pid_n, q_src, do_src, b, h, LSE, DELTA,
             io = rows[:, None].to(tl.int64) * D + offs_d[None, :]
         else:
             io = rows[:, None] * D + offs_d[None, :]
-        rmask = rows[:, None] < L
+        if EVEN:
+            rmask = tl.full([BM, D], 1, tl.int1)  # no row past L: uniform predicates only
+        else:
+            rmask = tl.broadcast_to(rows[:, None] < L, [BM, D])
         acc_base = ACC + row_base * D  # ACC and DQ: [B * H * L, D], contiguous
         dq_base = DQ + row_base * D
         if rank > 0:
@@ -151,16 +154,18 @@ def _ordered_inner(dk, dv, k, v, offs_n, pid_n, q_src, do_src, b, h, LSE, DELTA,
         # where each piece goes, by masks rather than branches (Triton 3.6's pipeliner fails on
         # stores inside an if in the loop): the first adder stores, the others add, the last
         # (FINAL) reads the sum back and writes dq instead
-        first = rank == 0
-        last = rank == nmax
+        # (tl.where of a scalar condition: the interpreter takes no `&` of a mask and a scalar)
         if FINAL:
-            more = rmask & (rank < nmax)
-            prev = tl.load(acc_base + io, mask=rmask & last & (rank > 0), other=0.0, cache_modifier=".cg")
-            tl.store(dq_base + io, ((part + prev) * sm_scale).to(DQ.dtype.element_ty), mask=rmask & last)
+            last = rank == nmax
+            prev = tl.load(acc_base + io, mask=tl.where(last & (rank > 0), rmask, False), other=0.0,
+                           cache_modifier=".cg")
+            tl.store(dq_base + io, ((part + prev) * sm_scale).to(DQ.dtype.element_ty),
+                     mask=tl.where(last, rmask, False))
+            more = tl.where(last, False, rmask)
         else:
             more = rmask
-        tl.store(acc_base + io, part, mask=more & first)
-        tl.atomic_add(acc_base + io, part, mask=more & (rank > 0), sem="relaxed")
+        tl.store(acc_base + io, part, mask=tl.where(rank == 0, more, False))
+        tl.atomic_add(acc_base + io, part, mask=tl.where(rank > 0, more, False), sem="relaxed")
         _release(lock, rank + 1, SYNC)  # after the last adder too: nobody waits for that count
     return dk, dv
 
