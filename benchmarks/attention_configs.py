@@ -41,8 +41,8 @@ CANDIDATES = [
     # dq added by the dk/dv programs in one fixed key-block order behind counters (dq_ordered:
     # 5 block products a pair, not 7; 1: PTX waits, 2: Triton atomic_cas loops), the last adder
     # rounding dq or a cast pass (cast_pass); other dq bits than the recompute path's
-    ("ordered", (64,), {"dq_ordered": 1}),
     ("ordered-cast", (64,), {"dq_ordered": 1, "cast_pass": 1}),
+    ("ordered", (64,), {"dq_ordered": 1}),
     ("ordered-loop", (64,), {"dq_ordered": 2}),
     ("ordered-g4", (64,), {"dq_ordered": 1, "kv_group": 4}),
     ("ordered-kv128w8", (64,), {"dq_ordered": 1, "kv_n": 128, "kv_warps": 8}),

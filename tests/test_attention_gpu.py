@@ -4,7 +4,8 @@ lengths, GQA and q/k/v in [B, L, H, D] memory; and rows past 2^31 elements of on
 their own memory on the GPU too (tests/test_attention_offsets.py is the interpreter's check).
 Run on an H200 at b4b07e9 (with all 12 cases of a wider grid): 3 TMA/pointer cases passed before a
 170 s limit; the rest and the 2^31 case were not reached - not run to the end on a GPU yet. The
-fused and mixed backwards' cases (bwd_fused, ds_every; 2026-11-29): not run on a GPU yet."""
+fused and mixed backwards' cases (bwd_fused, ds_every; 2026-11-29) and the ordered-dq candidate's
+(dq_ordered, its PTX waits only here): not run on a GPU yet."""
 from dataclasses import replace
 
 import pytest
