@@ -25,13 +25,16 @@ predecessor has finished, so a wait is satisfied at once. Every wait is bounded 
 past it the program sets an error flag and goes on, and the caller raises (CPU) or fails a
 device-side assert (CUDA) - never a hang.
 
-Waiting, two ways (dq_ordered): 1 - a PTX spin (ld.acquire.gpu) and a release store
-(st.release.gpu after a CTA barrier) as inline asm, so the step loop holds no nested loop and
-Triton still pipelines its loads; 2 - Triton's own atomic_cas loop (what the interpreter always
-runs; on a GPU the nested loop costs the step loop its pipelining). Non-causal calls keep the
-same order and stay correct, but there every key block walks every query block from the first,
-so key block n waits on n + 1 from its first step: tuned for causal only. Imports Triton at
-import time.
+Waiting, two ways (dq_ordered): 1 - PTX as inline asm: every thread spins on ld.acquire.gpu
+and, after its adds, releases them itself by red.release.gpu (+1 a thread, so rank k's turn is
+at 32 * warps * k): no CTA barrier and no nested loop in the step loop, which keeps Triton's
+software pipelining of its loads (a barrier there or a `while` loop loses it; `attention --sass`
+shows it); 2 - Triton's atomic_cas loop behind a barrier, one count per adder (what the
+interpreter always runs; a GPU comparison). The first adder's store, the others' adds and the
+last one's read-back are masked by the rank, never branched on (Triton 3.6's pipeliner fails on
+stores inside an if in the loop). Non-causal calls keep the same order and stay correct, but
+there every key block walks every query block from the first, so key block n waits on n + 1
+from its first step: tuned for causal only. Imports Triton at import time.
 """
 from __future__ import annotations
 
@@ -157,8 +160,9 @@ def _ordered_inner(dk, dv, k, v, offs_n, pid_n, q_src, do_src, b, h, LSE, DELTA,
         # (tl.where of a scalar condition: the interpreter takes no `&` of a mask and a scalar)
         if FINAL:
             last = rank == nmax
+            # volatile: read after this iteration's wait, never prefetched by the pipeliner
             prev = tl.load(acc_base + io, mask=tl.where(last & (rank > 0), rmask, False), other=0.0,
-                           cache_modifier=".cg")
+                           volatile=True)
             tl.store(dq_base + io, ((part + prev) * sm_scale).to(DQ.dtype.element_ty),
                      mask=tl.where(last, rmask, False))
             more = tl.where(last, False, rmask)
