@@ -45,7 +45,7 @@ CANDIDATES = [
     ("ordered", (64,), {"dq_ordered": 1}),
     ("ordered-loop", (64,), {"dq_ordered": 2}),
     ("ordered-g4", (64,), {"dq_ordered": 1, "kv_group": 4}),
-    ("ordered-kv128w8", (64,), {"dq_ordered": 1, "kv_n": 128, "kv_warps": 8}),
+    ("ordered-kv128w8", (64,), {"dq_ordered": 1, "cast_pass": 1, "kv_n": 128, "kv_warps": 8}),
     ("fused", (64,), {"bwd_fused": 1}),
     # the two-launch recompute backward (the D=64 entry before 2ff413b): fused vs not side by side
     ("two-launch", (64,), {"bwd_fused": 0}),
