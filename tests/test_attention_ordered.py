@@ -110,9 +110,8 @@ def test_ordered_dq_is_invariant_reproducible_and_accurate():
     # negative control: another fixed order of the same partials is other dq bits (the order is
     # what the checks above hold fixed; in bf16 at these sizes the rounding hides it), and so is
     # the recompute path's sum
-    assert not res["fp32-causal-L<S-uneven"]["other_order_dq_same"], res
-    assert not res["fp32-full-uneven"]["other_order_dq_same"], res
-    assert sum(not r["dq_same_as_recompute"] for r in res.values()) >= 3, res
+    assert not any(res[c]["dq_same_as_recompute"] or res[c]["other_order_dq_same"]
+                   for c in ("fp32-causal-L<S-uneven", "fp32-full-uneven")), res
 
 
 def test_a_broken_launch_order_raises_instead_of_hanging():
