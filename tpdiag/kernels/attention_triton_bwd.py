@@ -22,8 +22,8 @@ H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes
 added in key-block order behind a per-query-block counter (commit eefece6), 8.5-9.8 ms - the
 wait, L2 read and release fence sit on every step's critical path; dq partials as int64 atomics
 on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. The candidate AttnConfig.dq_ordered
-(attention_triton_ordered.py) rebuilds the first so that nobody waits in the steady state and the
-step loop keeps its pipelined loads (docs/benchmarks.md, "Ordered dq at D=64"). TMA descriptor
+(attention_triton_ordered.py) rebuilds the first with fire-and-forget adds and a step loop that
+keeps its pipelined loads (eefece6's compiles to none; docs/benchmarks.md, "Ordered dq at D=64"). TMA descriptor
 loads in the loops (AttnConfig.bwd_tma: the same bits) pay at head_dim 128 only
 (docs/benchmarks.md; at D=64 within the run-to-run spread, as at commit cfdb13d). Imports Triton
 at import time.
