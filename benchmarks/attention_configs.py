@@ -38,14 +38,6 @@ import time
 # tutorial (dk/dv 32 query rows x 128 keys, dq 128 rows x 32 keys, 4 warps, 5 stages).
 TUTORIAL = {"kv_m": 32, "kv_n": 128, "kv_warps": 4, "kv_stages": 5, "q_m": 128, "q_n": 32, "q_warps": 4, "q_stages": 5}
 CANDIDATES = [
-    # dq added by the dk/dv programs in one fixed key-block order behind counters (dq_ordered:
-    # 5 block products a pair, not 7; 1: PTX waits, 2: Triton atomic_cas loops), the last adder
-    # rounding dq or a cast pass (cast_pass); other dq bits than the recompute path's
-    ("ordered-cast", (64,), {"dq_ordered": 1, "cast_pass": 1}),
-    ("ordered", (64,), {"dq_ordered": 1}),
-    ("ordered-loop", (64,), {"dq_ordered": 2}),
-    ("ordered-g4", (64,), {"dq_ordered": 1, "kv_group": 4}),
-    ("ordered-kv128w8", (64,), {"dq_ordered": 1, "cast_pass": 1, "kv_n": 128, "kv_warps": 8}),
     ("fused", (64,), {"bwd_fused": 1}),
     # the two-launch recompute backward (the D=64 entry before 2ff413b): fused vs not side by side
     ("two-launch", (64,), {"bwd_fused": 0}),
@@ -360,11 +352,10 @@ def _table_lines(D: int, rows: dict, passes: dict, best: str | None, cfgs: dict)
 
 def _passes(torch, bench, q, k, v, do, cfg, causal: bool, stock) -> dict:
     """Each pass of the recompute path at the shipped tiles alone (forward 2 block products, dq 3,
-    dk/dv 4, the delta pass; the fused launch 7 after its delta pass; the ordered-dq pass 5) beside the first stock
+    dk/dv 4, the delta pass; the fused launch 7 after its delta pass) beside the first stock
     backend's forward and backward (5 products): ms and TFLOP/s of the products each actually
     runs - where D=64's time goes against D=128's."""
     from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
-    from tpdiag.kernels.attention_triton_ordered import ordered_pass
 
     B, H, L, D = q.shape
     S = k.shape[2]
@@ -380,9 +371,6 @@ def _passes(torch, bench, q, k, v, do, cfg, causal: bool, stock) -> dict:
              "dq": (3, lambda: atb.dq_pass(do, q, k, v, o, lse, causal, sc, rec)),
              "dkdv": (4, lambda: atb.dkdv_pass(do, q, k, v, lse, delta, causal, sc, rec, loads=rec.bwd_tma)),
              "fused": (7, lambda: atb.fused_pass(do, q, k, v, o, lse, causal, sc, rec)),
-             # the dk/dv pass with dq added in order (5 products; its delta pass apart)
-             "ordered": (5, lambda: ordered_pass(do, q, k, v, lse, delta, causal, sc,
-                                                 dataclasses.replace(rec, dq_ordered=1))),
              "stock-fwd": (2, lambda: stock(q, k, v)),
              "stock-bwd": (5, lambda: torch.autograd.grad(og, (qg, kg, vg), do, retain_graph=True))}
     out = {}

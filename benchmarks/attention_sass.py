@@ -80,17 +80,6 @@ def _kernels(cfg, D: int) -> dict:
                              EVEN_KV=True, EVEN_Q=True, LOADS=False, I64=False),
                         cfg.kv_warps, cfg.kv_stages, None, None, None)
         return out
-    if cfg.dq_ordered:
-        # the ordered-dq backward: the dk/dv programs with dq's product and its ordered add (5)
-        from tpdiag.kernels import attention_triton_ordered as ato
-
-        out["ordered"] = (ato._ordered_kernel,
-                          {**{n: P16 for n in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}, "ACC": PF, "LOCK": "*i32",
-                           "ERR": "*i32", **scal},
-                          dict(CAUSAL=True, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC="tf32", EVEN=True, I64=False,
-                               SYNC=cfg.dq_ordered, FINAL=not cfg.cast_pass, ASCEND=False, NT=32 * cfg.kv_warps),
-                          cfg.kv_warps, cfg.kv_stages, cfg.kv_m, cfg.kv_n, 5)
-        return out
     if cfg.ds_mib and cfg.ds_every > 1:
         out["dq-mix"] = (atb._dq_mix_kernel, {**{n: P16 for n in ("DS", "Q", "K", "V", "DO", "DQ")}, **scal},
                          dict(CAUSAL=True, BM=cfg.q_m, BN=cfg.q_n, KV_N=cfg.kv_n, EVERY=cfg.ds_every, D=D,

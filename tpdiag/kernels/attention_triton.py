@@ -71,14 +71,6 @@ class AttnConfig:
     # alone leave the other resource idle (D=64); where stored it is the recompute's bf16 dS, so
     # the bits should not move. By key-block index only: every TP degree and batch the same
     ds_every: int = 0
-    # a candidate (issue 59 item 4; not in HEAD_DIM_CONFIGS until measured faster): the dk/dv
-    # programs also add each block's dq partial into an fp32 scratch, every query block's partials
-    # in one fixed key-block order behind a counter (attention_triton_ordered.py) - 5 block
-    # products a pair, not 7. 1: PTX waits; 2: Triton atomic_cas loops (what the interpreter runs).
-    # cast_pass: a separate pass rounds dq (else the last adder does). dq's bits are not the
-    # recompute path's (another order of the same fp32 partials); dk and dv's are
-    dq_ordered: int = 0
-    cast_pass: bool = False
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
@@ -89,8 +81,6 @@ class AttnConfig:
         if self.ds_every > 1 and self.kv_n % self.q_n:
             # a dq step must lie within one dk/dv key block, whose dS is kept or not as a whole
             raise ValueError(f"AttnConfig {self}: ds_every needs kv_n a multiple of q_n")
-        if self.dq_ordered not in (0, 1, 2):
-            raise ValueError(f"AttnConfig {self}: dq_ordered is 0 (off), 1 (PTX waits) or 2 (Triton waits)")
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

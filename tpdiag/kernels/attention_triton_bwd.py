@@ -13,20 +13,15 @@ in a fixed order. dq comes one of two ways (AttnConfig.ds_mib), each determinist
   so heads go in chunks whose dS fits ds_mib MiB; a head's sums are its own, so the chunking
   moves no bit). delta comes from its own small pass first.
 The recompute path may also run as one launch (AttnConfig.bwd_fused), and the two ways may share
-the work (AttnConfig.ds_every): attention_triton_bwd_programs.py, with the programs' bodies. A
-candidate, AttnConfig.dq_ordered: dq added by the dk/dv programs in a fixed key-block order
-(attention_triton_ordered.py).
+the work (AttnConfig.ds_every): attention_triton_bwd_programs.py, with the programs' bodies.
 
 One-pass backwards without the recompute were built, checked bitwise and measured slower on an
 H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes): dq partials
 added in key-block order behind a per-query-block counter (commit eefece6), 8.5-9.8 ms - the
 wait, L2 read and release fence sit on every step's critical path; dq partials as int64 atomics
-on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. The candidate AttnConfig.dq_ordered
-(attention_triton_ordered.py) rebuilds the first with fire-and-forget adds and a step loop that
-keeps its pipelined loads (eefece6's compiles to none; docs/benchmarks.md, "Ordered dq at D=64"). TMA descriptor
-loads in the loops (AttnConfig.bwd_tma: the same bits) pay at head_dim 128 only
-(docs/benchmarks.md; at D=64 within the run-to-run spread, as at commit cfdb13d). Imports Triton
-at import time.
+on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. TMA descriptor loads in the loops
+(AttnConfig.bwd_tma: the same bits) pay at head_dim 128 only (docs/benchmarks.md; at D=64 within
+the run-to-run spread, as at commit cfdb13d). Imports Triton at import time.
 """
 from __future__ import annotations
 
@@ -136,10 +131,6 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
     if k.shape[2] == 0:  # no keys: the forward gave zeros
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(k), torch.zeros_like(v)
     do = do.contiguous()
-    if cfg.dq_ordered and q.numel() and k.numel():
-        from tpdiag.kernels.attention_triton_ordered import ordered_pass
-
-        return ordered_pass(do, q, k, v, lse, delta_pass(do, o, cfg), causal, scale, cfg)
     if stores_ds(cfg, q.shape[2], k.shape[2], q.element_size()) and q.numel() and k.numel():
         return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
     if cfg.bwd_fused and q.numel() and k.numel():
