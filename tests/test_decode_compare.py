@@ -25,7 +25,7 @@ def test_decode_calls_are_placed_as_positions_of_the_reference():
     reference's shape says (a module's [B, S, D]: dim 1; a [S, D] table: dim 0); merged, hash
     lanes equal the whole tensor's and full capture is the whole tensor, bit for bit; a
     reordered sequence's lanes do not."""
-    from tpdiag.probes.pieces import merge
+    from tpdiag.probes.piece_merge import merge
     from tpdiag.probes.recorder import Recorder, take_lanes
 
     x, table = torch.randn(2, 8, 4), torch.randn(8, 3)
@@ -212,7 +212,7 @@ def test_flat_rows_of_b_sequences_merge_into_prefills_tensor(mode):
     at its own positions: the calls' pieces merge into exactly prefill's [B * L, N] - the tensor
     under full capture, its lanes under hash capture - and calls merged in the wrong order do
     not (the negative control)."""
-    from tpdiag.probes.pieces import merge
+    from tpdiag.probes.piece_merge import merge
     from tpdiag.probes.recorder import Recorder, take_lanes
 
     B, L, P, N = 2, 6, 3, 5

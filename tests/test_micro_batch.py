@@ -14,7 +14,7 @@ _summary, _logprobs = summary_of, logprobs_of
 def test_pieces_hash_as_shards_of_the_whole():
     """Hash capture: each micro-batch's slice is hashed at its offset, and the merged record's
     lanes are the whole tensor's, bit for bit (and a reordered batch's are not)."""
-    from tpdiag.probes.pieces import merge
+    from tpdiag.probes.piece_merge import merge
     from tpdiag.probes.recorder import Recorder, take_lanes
 
     x = torch.randn(4, 8, 16)
@@ -209,7 +209,7 @@ def test_a_per_call_value_is_one_record_only_if_every_piece_agrees(mode):
     as a router's expert counts) is kept once when every micro-batch gave the same bits, and
     per piece (`.pieceN`, unmatched at the reference) when they differ - in hash capture too, where
     piece 0's lanes used to stand for all of them unchecked."""
-    from tpdiag.probes.pieces import merge
+    from tpdiag.probes.piece_merge import merge
     from tpdiag.probes.recorder import Recorder
 
     def merged(values):

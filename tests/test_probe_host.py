@@ -260,7 +260,7 @@ def test_decode_span_rows_are_the_general_paths_records(monkeypatch, world):
     in the same order) and the same lanes, at batch 1 and 2 (folded rows), at TP=1 and as rank 1 of
     TP=2 (plain local shards: columns, heads - a piece that is also a shard, one row per sequence),
     with a cache that grows (left out alike) and keys placed only from a later call on."""
-    from tpdiag.probes import pieces, spans
+    from tpdiag.probes import piece_merge, spans
     from tpdiag.probes.recorder import Recorder, take_lanes
     from tpdiag.probes.rows import extras
 
@@ -305,7 +305,7 @@ def test_decode_span_rows_are_the_general_paths_records(monkeypatch, world):
             if k == 2:  # a consumer noted at a later call (module_probes' extras)
                 extras(r).setdefault("consumers", []).append("next")
         rec.end_pieces()
-        pieces.merge(rec)
+        piece_merge.merge(rec)
         monkeypatch.undo()
         return rec
 

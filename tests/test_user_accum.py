@@ -3,7 +3,7 @@ gloo worlds (tests/user_accum.py), then `tpdiag diff` as a user runs it.
 
 Main at bb2f420: every such capture, TP=1's too, was refused by `tpdiag diff` ("record
 s0/backward/head/param_grad#0/weight listed twice": each parameter's grad was recorded after every
-backward under one key) - now each grad's last record of the step is kept (probes/pieces.py
+backward under one key) - now each grad's last record of the step is kept (probes/piece_merge.py
 last_grads). And the mistake `accum_tp` (the micro-batch count computed with the TP ranks as
 data-parallel ones: every grad twice TP=1's) read `rounding only` (gate 1): the first divergence is
 a harmless row-parallel reduction, and the 2x grads had no bound - the head's output grad was

@@ -192,7 +192,7 @@ class Capture:
     def _finish(self) -> None:
         import torch.distributed as dist
 
-        from tpdiag.probes.pieces import last_grads
+        from tpdiag.probes.piece_merge import last_grads
         from tpdiag.runner.gather import gather_records
 
         last_grads(self.rec)  # a step accumulating grads over micro-batches: each grad's last record

@@ -83,7 +83,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
             keep = fingerprint and step == cfg.steps - 1
             last = _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, carry, include, keep)
         if len(parts) > 1 or forward.pieced:
-            from tpdiag.probes.pieces import merge
+            from tpdiag.probes.piece_merge import merge
 
             with rec._paused():  # the merge's own torch ops are not records (op probe)
                 merge(rec)  # the pieces' records made the whole step's, in the reference's order
