@@ -83,6 +83,12 @@ def checks_on(device):
         _DEVICE[0] = before
 
 
+def check_device():
+    """The device checks_on set for this block (None: the host). The diff's float64 bounds and
+    judgements run there too (diff/on_device.py): one decision where the parent may use a GPU."""
+    return _DEVICE[0]
+
+
 def device_lanes(t: torch.Tensor, device, version: int = HASH_VERSION, piece: int = _PIECE) -> tuple[int, int]:
     """(lane_a, lane_b) mod 2**32 of host tensor t, hashed on `device` a piece at a time, each
     piece placed at its flat offset: whole_lanes(t)'s lanes."""
@@ -102,6 +108,27 @@ def device_lanes(t: torch.Tensor, device, version: int = HASH_VERSION, piece: in
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # the worlds that run after this diff get GPU 0's memory back
     return la & M32, lb & M32
+
+
+def warm(device):
+    """Start `device`'s CUDA context and compile the hash kernel for the dtypes records mostly
+    have, in a background thread (returned, started; None where there is nothing to warm): their
+    first use costs ~3.5 s on an H200 host, which the second pass's worlds can hide. The lanes of
+    the warm-up tensors are thrown away - nothing is judged by them."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    import threading
+
+    def run():
+        try:
+            for dtype in (torch.bfloat16, torch.float32, torch.float16, torch.int64):
+                device_lanes(torch.zeros(_DEVICE_MIN // 2, dtype=dtype), device)
+        except Exception:  # noqa: BLE001 - a warm-up only: the real use reports its own errors
+            pass
+
+    th = threading.Thread(target=run, name="tpdiag-warm-hash", daemon=True)
+    th.start()
+    return th
 
 
 def tensor_hash(t: torch.Tensor, version: int = HASH_VERSION) -> str:

@@ -81,8 +81,12 @@ def _session(cfg: CompareConfig, on_status=None, started: float | None = None) -
     # (runner/drill.py: it then judges only what the confirming fix leaves divergent)
     later: list = [] if cfg.confirm else None
     if wanted(cfg, summary):
+        from tpdiag.records.hashing import check_device, warm
         from tpdiag.runner.drill import drill_down
 
+        # the second-pass diff re-hashes GBs on the parent's GPU: its CUDA context and kernel
+        # compile (~3.5 s) start now, behind the region pass's worlds
+        warm(check_device())
         t1 = time.perf_counter()
         summary = drill_down(cfg, summary, cfg.out, on_status, later=later)
         extra["second_pass_s"] = time.perf_counter() - t1
