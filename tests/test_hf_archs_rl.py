@@ -1,6 +1,7 @@
 """An RL team's run on architectures the other hf: tests do not load from a checkpoint: Phi-3 (fused
 qkv_proj and gate_up_proj), Granite (embedding/residual/attention multipliers, logits scaling),
-GPT-NeoX (fused per-head query_key_value, partial rotary, parallel residual) and Cohere with
+GPT-NeoX (fused per-head query_key_value, partial rotary, parallel residual), Starcoder2 (LayerNorm
+and Linear biases, a sliding window shorter than the sequences) and Cohere with
 use_qk_norm (Command R+: per-head LayerNorm q/k norms, logit_scale, tied embeddings, parallel
 attention + MLP). A tiny checkpoint saved in bf16 with save_pretrained, loaded as the trainer
 loads it (from_pretrained(DIR, dtype=torch.bfloat16)), one generate() call with sampling:
@@ -28,6 +29,7 @@ ARCHS = {
                     attention_multiplier=0.0078125),
     "gpt_neox": dict(partial_rotary_factor=0.25, use_parallel_residual=True, num_key_value_heads=4),
     "cohere": dict(use_qk_norm=True, logit_scale=0.0625, tie_word_embeddings=True),
+    "starcoder2": dict(sliding_window=4, use_bias=True),
 }
 
 
