@@ -164,14 +164,14 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
 
     from tpdiag.records.styles import style_of
 
-    from tpdiag.fixes.norm_heads import head_layernorm_like, wrap_head_layernorm
+    from tpdiag.fixes.norm_heads import cohere_layernorm_like, wrap_cohere_layernorm
 
     wrapped, replicated = [], []
     try:
         for name, mod in model.named_modules():
             style = style_of(name, plan or {})
-            if head_layernorm_like(mod):  # one weight row per head (Cohere's q/k norms): cut like the heads
-                replicated.append((mod, wrap_head_layernorm(mod)))
+            if cohere_layernorm_like(mod):  # Cohere's: per-head q/k norms cut like the heads, and replicated ones
+                replicated.append((mod, wrap_cohere_layernorm(name, mod)))
                 continue
             if style not in ("sequence", "replicatedwithgradallreduce"):
                 if style is not None or isinstance(getattr(mod, "weight", None), DTensor) \

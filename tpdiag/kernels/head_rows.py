@@ -14,23 +14,37 @@ import torch
 
 
 class HeadRowsScale(torch.autograd.Function):
-    """xhat [..., H, D] float32, w [H, D] -> w.float() * xhat; dw summed head by head."""
+    """xhat [..., H, D] float32, w [H, D] -> w.float() * xhat; dw summed head by head.
+
+    site: grad accumulation's carry of the weight (kernels/grad_carry.py) or None: inside an open
+    window each head's rows go into its row of the fp32 carry in fixed token blocks, so micro-batches
+    give one sum's bits too (its shape is the local [H, D]: a DTensor weight's carry is its shard)."""
 
     @staticmethod
-    def forward(ctx, xhat, w):
+    def forward(ctx, xhat, w, site=None):
         ctx.save_for_backward(xhat, w)
+        ctx.site = site
         return w.to(torch.float32) * xhat
 
     @staticmethod
     def backward(ctx, g):
+        from tpdiag.kernels import carry_ops
+        from tpdiag.kernels.grad_carry import live
+
         xhat, w = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = g * w.to(torch.float32)
         if ctx.needs_input_grad[1]:
             terms = (g * xhat).reshape(-1, *w.shape)
-            dw = torch.stack([terms[:, h].contiguous().sum(0) for h in range(w.shape[0])]).to(w.dtype)
-        return dx, dw
+            if live(ctx.site):
+                carry = ctx.site.zeros(w.shape, w.device)
+                ctx.site.walk(terms.shape[0], carry_ops.torch_block(terms.device))
+                for h in range(w.shape[0]):
+                    carry_ops.add_colsum(carry[h], terms[:, h])
+            else:
+                dw = torch.stack([terms[:, h].contiguous().sum(0) for h in range(w.shape[0])]).to(w.dtype)
+        return dx, dw, None
 
 
 def reference_head_layernorm(x, w, eps):
