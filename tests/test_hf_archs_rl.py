@@ -127,3 +127,20 @@ def test_cohere_rollout_at_tp2_under_the_fixes_is_tp1s_bits(tmp_path):
     m = c["tp2-mb8-decode-none"]["metrics"]
     assert m["exact_tokens"] < m["tokens"] and m["max_abs"] < 0.05, m
     assert s["closest"]["configurations"] == ["tp1-mb8-decode-none"] and s["closest"]["reproduced"] is True
+
+
+def test_cohere_norm_grads_across_micro_batches_found_and_fixed(tmp_path):
+    # gradient accumulation over 2 micro-batches of 1 vs one of 2: Cohere's LayerNorm (no
+    # normalized_shape, float32 formula) was no norm the fix carried, so `--fix all` read
+    # batch-variant-kernel at model.norm's weight grad; its replicated norms now carry their grad in
+    # fixed token blocks, its per-head q/k norms head by head
+    path = save_bf16("cohere", tmp_path / "cohere", **ARCHS["cohere"])
+    rest = "tp-invariant-linear,invariant-gemm,invariant-vocab-softmax,invariant-grad-norm,invariant-attention"
+    p = run_cli("compare", "--model", "hf:" + path, "--tp", "1", "--micro-batch", "2,1", "--out", str(tmp_path / "r"),
+                "--format", "json", "--no-baseline", "--dtype", "bfloat16", "--fix", rest)
+    assert p.returncode == 0, p.stderr[-2000:]
+    c = json.loads(p.stdout)["configurations"]["1-mb1"]
+    fd = c["first_divergence"]
+    assert fd["cause"] == "batch-variant-kernel" and fd["kind"] == "param_grad" and "norm" in fd["module"], fd
+    assert c["confirmation"]["fix"] == "invariant-norm-grad", c["confirmation"]
+    assert c["confirmation"]["verdict"] == "confirmed" and c["confirmation"]["status_after"] == "bitwise"
