@@ -144,3 +144,23 @@ def test_cohere_norm_grads_across_micro_batches_found_and_fixed(tmp_path):
     assert fd["cause"] == "batch-variant-kernel" and fd["kind"] == "param_grad" and "norm" in fd["module"], fd
     assert c["confirmation"]["fix"] == "invariant-norm-grad", c["confirmation"]
     assert c["confirmation"]["verdict"] == "confirmed" and c["confirmation"]["status_after"] == "bitwise"
+
+
+@pytest.mark.parametrize("kind", ["granite", "cohere"])
+def test_an_eager_attention_engine_is_reproduced_with_attention_eager(tmp_path, kind, monkeypatch):
+    # the trainer and engine load with from_pretrained(..., attn_implementation="eager"): Granite's
+    # attention_multiplier is eager's scaling, Cohere's q/k norms feed it
+    from transformers import AutoModelForCausalLM
+
+    path = save_bf16(kind, tmp_path / kind, **ARCHS[kind])
+    load = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: load(*a, attn_implementation="eager", **k))
+    files, model = engine(path, **SAMPLE)
+    assert model.config._attn_implementation == "eager"
+    s, _ = rollout(tmp_path, files["raw"], path, modes=("decode",), attention=("eager", "auto"))
+    c = s["configurations"]
+    n = sum(len(x["logprobs"]) for x in files["raw"])
+    assert c["tp1-mb8-decode-none-eager"]["metrics"]["exact_tokens"] == n
+    # negative control: the model's own (SDPA) attention is another kernel
+    assert c["tp1-mb8-decode-none"]["metrics"]["exact_tokens"] < n
