@@ -164,3 +164,32 @@ def test_an_eager_attention_engine_is_reproduced_with_attention_eager(tmp_path, 
     assert c["tp1-mb8-decode-none-eager"]["metrics"]["exact_tokens"] == n
     # negative control: the model's own (SDPA) attention is another kernel
     assert c["tp1-mb8-decode-none"]["metrics"]["exact_tokens"] < n
+
+
+def test_phi_qk_layernorm_under_transformers_plan_is_a_bug_and_the_right_plan_is_rounding(tmp_path):
+    # Phi with qk_layernorm: a LayerNorm over head_dim applied to the rank's local heads; transformers'
+    # plan has no entry for it, so each rank's weight/bias grad sums its own heads only and the
+    # replicas part - a real bug of that plan (the user's tp_plan="auto" run has it), named as one.
+    # The plan with its grads all-reduced (written in config.json, as a user would) is rounding only
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = tmp_path / "phi"
+    cfg = AutoConfig.for_model("phi", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
+                               max_position_embeddings=256, qk_layernorm=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    s = _compare(str(d), tmp_path / "stock", "--no-confirm")
+    deg = s["degrees"]["2"]
+    assert deg["class"] == "bug", json.dumps(deg)[:1500]
+    bad = {(f["module"].rsplit(".", 1)[-1], f["cause"]) for f in deg["findings"]}
+    assert ("q_layernorm", "rank-inconsistent-replica") in bad and ("k_layernorm", "rank-inconsistent-replica") in bad
+    raw = json.loads((d / "config.json").read_text())
+    raw["base_model_tp_plan"] = {**cfg.base_model_tp_plan,
+                                 "layers.*.self_attn.q_layernorm": "replicated_with_grad_allreduce",
+                                 "layers.*.self_attn.k_layernorm": "replicated_with_grad_allreduce"}
+    (d / "config.json").write_text(json.dumps(raw))
+    s = _compare(str(d), tmp_path / "right", "--no-confirm")
+    deg = s["degrees"]["2"]
+    assert deg["class"] != "bug" and not [f for f in deg.get("findings", []) if f["cause"] in
+                                          ("rank-inconsistent-replica", "sharding-bug")], json.dumps(deg)[:1500]
