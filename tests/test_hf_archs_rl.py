@@ -189,7 +189,11 @@ def test_phi_qk_layernorm_under_transformers_plan_is_a_bug_and_the_right_plan_is
                                  "layers.*.self_attn.q_layernorm": "replicated_with_grad_allreduce",
                                  "layers.*.self_attn.k_layernorm": "replicated_with_grad_allreduce"}
     (d / "config.json").write_text(json.dumps(raw))
-    s = _compare(str(d), tmp_path / "right", "--no-confirm")
+    # under --fix all (which refused that plan's LayerNorms before, failing the reference world): the
+    # norms are left stock, their grads all-reduced, and what remains is their weight grads' order
+    s = _compare(str(d), tmp_path / "right", "--no-confirm", "--fix", "all")
     deg = s["degrees"]["2"]
     assert deg["class"] != "bug" and not [f for f in deg.get("findings", []) if f["cause"] in
                                           ("rank-inconsistent-replica", "sharding-bug")], json.dumps(deg)[:1500]
+    fd = deg["first_divergence"]
+    assert fd["cause"] == "norm-weight-grad" and fd["module"].endswith("layernorm"), fd

@@ -188,8 +188,13 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
             gdim = 1 if style == "sequence" else -2
             eps = _eps(mod)
             if eps is None or getattr(mod, "bias", None) is not None or not hasattr(mod, "weight"):
+                if style != "sequence":
+                    # a per-head norm of another kind (Phi's qk_layernorm: a LayerNorm with a bias) under
+                    # transformers' grad all-reduce: left stock, all-reduce included, as Gemma's are, so
+                    # a norm-weight-grad there stays unconfirmed rather than failing the whole run
+                    continue
                 raise BadInput(f"--fix invariant-norm-grad: {name} ({type(mod).__name__}) is not an "
-                               "RMSNorm; only RMSNorm is supported")
+                               "RMSNorm; only RMSNorm is supported under SequenceParallel")
             try:
                 other = not _styled_same_as_stock(mod, eps)
             except Exception:  # noqa: BLE001 - a forward that takes no seeded input here: installed as before
