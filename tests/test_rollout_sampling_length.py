@@ -79,6 +79,11 @@ def test_what_cannot_be_reproduced_is_refused_in_one_line(tmp_path, ckpt):
     p = _cli(str(other), f, "temperature=0.8,top_k=40")
     assert p.returncode == 2 and "forced_eos_token_id (2, the checkpoint's generation_config)" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+    # and its own min_length: counted with generate()'s padded batch prompt, which the file does not give
+    (other / "generation_config.json").write_text(json.dumps({**gen, "min_length": 12}))
+    p = _cli(str(other), f, "temperature=0.8,top_k=40")
+    assert p.returncode == 2 and "min_length=12 (the checkpoint's generation_config)" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
 
 
 def test_parse_list_values():

@@ -15,7 +15,8 @@ generate()'s scores. Prompt logprobs are not processed (an engine reports them r
 
 Length-dependent processors: min_new_tokens counts from the prompt (any micro-batch gives
 generate()'s steps); forced_eos_token_id forces EOS at generate()'s last step, max_length - 1, which
-tpdiag knows only from max_new_tokens - without it that processor is refused, never guessed.
+tpdiag knows only from max_new_tokens - without it that processor is refused, never guessed; so is
+a checkpoint's own min_length (it counts generate()'s padded batch prompt).
 """
 from __future__ import annotations
 
@@ -144,6 +145,12 @@ def processors(model, sampling, prompt_ids, prompt_mask):
         gc.validate()
         if gc.forced_eos_token_id is not None and "max_new_tokens" not in kw:
             raise BadInput(_FORCED_EOS.format(src=f"{gc.forced_eos_token_id}, the checkpoint's generation_config"))
+        if gc.min_length and "min_new_tokens" not in kw and getattr(gc, "eos_token_id", None) is not None:
+            # generate()'s min_length counts its whole batch's padded prompt, which a rollout file does
+            # not give (a micro-batch's own padding is another length): not reproduced, never guessed
+            raise BadInput(f"--sampling: min_length={gc.min_length} (the checkpoint's generation_config) bans EOS "
+                           "until the sequence, counted with generate()'s padded batch prompt, is that long; the "
+                           "rollout file does not give that length: give min_new_tokens=N instead if generate() had one")
         # as generate() does before building them: the EOS tensor the min-length and bad-words
         # processors read (no EOS, no min-length processor: generate() adds none either), and
         # max_length / min_length from max_new_tokens / min_new_tokens and the prompt's length
