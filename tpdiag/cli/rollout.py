@@ -34,7 +34,9 @@ def rollout(
     sampling: Annotated[str, typer.Option(help="the engine's generate() sampling settings when its logprobs are "
                                                "its processed scores (output_scores): comma-separated NAME=VALUE of "
                                                "temperature, top_k, top_p, min_p, typical_p, repetition_penalty, "
-                                               "no_repeat_ngram_size; the trainer's logits go through generate()'s "
+                                               "no_repeat_ngram_size, min_new_tokens, eos_token_id, bad_words_ids, "
+                                               "sequence_bias (JSON lists), forced_eos_token_id (with "
+                                               "max_new_tokens); the trainer's logits go through generate()'s "
                                                "own processors first (hf: models; docs/rl.md). none: raw "
                                                "logprobs")] = "none",
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",

@@ -120,7 +120,8 @@ def _norm(model, plan, world):
 
 
 register(Fix("invariant-norm-grad", ("norm-weight-grad",),
-             ("RMSNorm under SequenceParallel", "replicated RMSNorm weight grads across micro-batches"),
+             ("RMSNorm under SequenceParallel", "replicated RMSNorm weight grads across micro-batches",
+              "per-head LayerNorm q/k norms ([heads, head_dim] weight: Cohere's use_qk_norm)"),
              "weight-grad sums per fixed sequence group, one tree all-gather of [hidden] per norm; "
              "with micro-batches a replicated norm's weight grad into an fp32 carry in fixed token blocks",
              _norm, grouped=True, batch_invariant=4, carries_grads=True,

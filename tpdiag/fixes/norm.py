@@ -164,10 +164,15 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
 
     from tpdiag.records.styles import style_of
 
+    from tpdiag.fixes.norm_heads import cohere_layernorm_like, wrap_cohere_layernorm
+
     wrapped, replicated = [], []
     try:
         for name, mod in model.named_modules():
             style = style_of(name, plan or {})
+            if cohere_layernorm_like(mod):  # Cohere's: per-head q/k norms cut like the heads, and replicated ones
+                replicated.append((mod, wrap_cohere_layernorm(name, mod)))
+                continue
             if style not in ("sequence", "replicatedwithgradallreduce"):
                 if style is not None or isinstance(getattr(mod, "weight", None), DTensor) \
                         or getattr(getattr(mod, "weight", None), "device", None) == torch.device("meta"):
@@ -183,8 +188,13 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
             gdim = 1 if style == "sequence" else -2
             eps = _eps(mod)
             if eps is None or getattr(mod, "bias", None) is not None or not hasattr(mod, "weight"):
+                if style != "sequence":
+                    # a per-head norm of another kind (Phi's qk_layernorm: a LayerNorm with a bias) under
+                    # transformers' grad all-reduce: left stock, all-reduce included, as Gemma's are, so
+                    # a norm-weight-grad there stays unconfirmed rather than failing the whole run
+                    continue
                 raise BadInput(f"--fix invariant-norm-grad: {name} ({type(mod).__name__}) is not an "
-                               "RMSNorm; only RMSNorm is supported")
+                               "RMSNorm; only RMSNorm is supported under SequenceParallel")
             try:
                 other = not _styled_same_as_stock(mod, eps)
             except Exception:  # noqa: BLE001 - a forward that takes no seeded input here: installed as before

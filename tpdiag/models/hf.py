@@ -105,8 +105,27 @@ def load_model(path: str, device=None, seed: int | None = None, layers: int = 0)
             _refuse_pickled(path)
             # The runner seeded the RNG: the full model's init is the same on every rank/degree.
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    _generation_config(model, path)
     model.train()
     return model
+
+
+def _generation_config(model, path: str) -> None:
+    """The checkpoint's generation_config.json on the model, as from_pretrained puts it there: generate()
+    merges it into every call (a Qwen3 checkpoint's top_k=20, temperature=0.6), so `rollout --sampling`
+    and the decode's pad token read it. A model built from its config alone got the config's defaults
+    (top_k=50: another sampler than the user's generate())."""
+    f = os.path.join(path, "generation_config.json")
+    can = getattr(model, "can_generate", None)
+    if not os.path.isfile(f) or not callable(can) or not can():
+        return
+    from transformers import GenerationConfig
+
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - an unusable file is a bad spec, in one line
+        raise BadInput(f"--model hf:{path}: generation_config.json not usable by transformers: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 class _build_errors:

@@ -5,7 +5,9 @@ A plain table {model_type: {fqn pattern: style name}} in transformers' own plan 
 - transformers has none for the model type (an empty plan, or one that splits only the embedding
   - gpt_oss in transformers 5.24), or
 - transformers' plan holds an entry known to be wrong (KNOWN_BROKEN: doge's dt_proj), so a
-  transformers release that fixes its plan is used as it is.
+  transformers release that fixes its plan is used as it is, or
+- transformers' plan leaves out modules a config option adds (EXTRA: cohere's use_qk_norm per-head
+  norms): its plan plus the missing entries.
 The user's own plan always wins: a `base_model_tp_plan` written in the checkpoint's config.json
 (read by transformers as a config attribute) is never replaced (docs/models.md).
 
@@ -77,6 +79,25 @@ DOGE = {
 
 PLANS: dict[str, dict[str, str]] = {"gpt_oss": GPT_OSS, "doge": DOGE}
 
+# cohere with use_qk_norm (Command R+): q_norm/k_norm are LayerNorms whose weight is one row per
+# head, [heads, head_dim] and [kv_heads, head_dim], applied to the rank's local heads after the
+# column-parallel q/k projections. transformers' plan leaves them replicated, so at TP=2 the norm
+# multiplies [.., heads/2, head_dim] by [heads, head_dim] ("The size of tensor a (4) must match the
+# size of tensor b (2)", the degree fails). Cut like the heads (`colwise` on [rows, head_dim] is
+# Shard(0)) and run on the local rows (`local_params`); each rank's rows then get exactly their
+# own heads' grad, so no all-reduce is needed (unlike qwen3's one shared head_dim weight).
+COHERE_QK_NORM = {
+    "layers.*.self_attn.q_norm": "local_params",
+    "layers.*.self_attn.q_norm.weight": "colwise",
+    "layers.*.self_attn.k_norm": "local_params",
+    "layers.*.self_attn.k_norm.weight": "colwise",
+}
+
+# {model_type: (config predicate, entries)}: entries added to transformers' plan for a config
+# option the plan does not shard; added only where transformers' plan has no entry of that name
+# (a release that shards them is used as it is).
+EXTRA: dict = {"cohere": (lambda c: bool(getattr(c, "use_qk_norm", False)), COHERE_QK_NORM)}
+
 # {model_type: {(pattern, style)}}: entries of transformers' plan known to be wrong; a plan that
 # holds one is replaced by the table's.
 KNOWN_BROKEN: dict[str, set] = {"doge": {("layers.*.self_attn.dt_proj", "rowwise")}}
@@ -88,8 +109,13 @@ def splits_nothing(plan: dict | None) -> bool:
     return not [k for k in (plan or {}) if "embed" not in k]
 
 
-def table_plan(model_type: str, plan: dict | None) -> dict | None:
-    """The table's plan for `model_type` when transformers' `plan` needs it, else None."""
+def table_plan(model_type: str, plan: dict | None, config=None) -> dict | None:
+    """The table's plan for `model_type` (whose text config is `config`) when transformers' `plan`
+    needs it, else None."""
+    extra = EXTRA.get(model_type)
+    if extra is not None and plan and config is not None and extra[0](config) \
+            and not set(extra[1]) & set(plan):
+        return {**plan, **extra[1]}
     ours = PLANS.get(model_type)
     if ours is None:
         return None
@@ -118,7 +144,7 @@ def resolve(config, path: str) -> str:
         return "user"
     tc = config.get_text_config() if hasattr(config, "get_text_config") else config
     ours = table_plan(str(getattr(tc, "model_type", "") or getattr(config, "model_type", "")),
-                      getattr(tc, "base_model_tp_plan", None))
+                      getattr(tc, "base_model_tp_plan", None), tc)
     if ours is None:
         return "transformers"
     tc.base_model_tp_plan = ours

@@ -43,7 +43,8 @@ def hf_base_plan(path: str) -> tuple[str, dict | None]:
     from tpdiag.models import plans_hf
 
     if not plans_hf.user_plan(path):
-        plan = plans_hf.table_plan(model_type, plan) or plan
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        plan = plans_hf.table_plan(model_type, plan, text) or plan
     return model_type, plan
 
 

@@ -67,6 +67,9 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
         if kind != "hf":
             raise BadInput(f"--sampling applies transformers' generate() processors to the trainer's logits: it "
                            f"needs an hf: model, not a {kind} one ({rc.model})")
+        from tpdiag.rollout import sampling as rollout_sampling
+
+        rollout_sampling.check(seqs, rc.sampling)
     counts = lanes.lanes_per_degree(rc, configurations(rc), seqs)
     jobs = max(counts.values())
     if max(rc.tp) > 1:
