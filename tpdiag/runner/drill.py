@@ -140,6 +140,12 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         capture="full" if hashed else cfg.capture, module_include=tuple(modules) or cfg.rerun.module_include,
         granularity="op" if ops else "module", op_include=tuple(scopes) if ops else ())
     sub_labels = labels[:1] + [lab for lab, _ in targets] if axes else degree_labels(degrees)
+    if axes:
+        from tpdiag.diff.analyse import grid_single_axis
+
+        # the TP-only worlds that pass 1 found bitwise are not rerun here: say what they showed
+        single = grid_single_axis({w.label: w for w in cfg.worlds()}, every)
+        rerun = rerun.with_(single_axis=tuple((lab, ax) for lab, ax in single.items() if lab in rerun.rerun.only))
     if own:
         rerun = rerun.with_(oracle_own=own_files(run_dir, labels[0], own,
                                                   dict(zip([lab for lab, _ in targets], sub_labels[1:]))))
