@@ -216,9 +216,6 @@ class RerunSpec:
     defaults."""
 
     only: tuple[str, ...] = ()           # just these configurations' labels beside the reference
-    # grid configurations whose TP alone was bitwise in pass 1: (label, the one axis left) - the
-    # region pass does not rerun that TP-only world (diff/analyse.py grid_single_axis)
-    single_axis: tuple[tuple[str, str], ...] = ()
     positions: int = 0                   # decode configurations: the first positions only
     prefix_from: str = ""                # ... placed as in this earlier decode world (runner/prefix.py)
     # float64 oracle (probes/float64.py): these modules' calls, and with oracle_ops every op
@@ -271,7 +268,7 @@ class WorldConfig(_Nested):
                 ("point", "repeat"): None}
     _DEFAULTS = {"device": "cpu", "capture": "full"}
     # world.json as before these existed: a world selects no worlds; the axes it did not have
-    _OMITTED = {"only": (), "single_axis": (), "attention": "auto", "padding": "auto"}
+    _OMITTED = {"only": (), "attention": "auto", "padding": "auto"}
     _FILE_ORDER = ("model", "degree", "label", "out_dir", "dtype", "device", "backward", "steps", "seed",
                    "batch_size", "seq_len", "lr", "clip_norm", "fixes", "granularity", "variant", "probes",
                    "selfcheck", "op_include", "capture", "module_include", "ref_dir", "tree_groups",
@@ -306,7 +303,7 @@ class CompareConfig(_Nested):
     rerun: RerunSpec = field(default_factory=RerunSpec)
 
     _PARTS = {"settings": RunSettings, "axes": Axes, "rerun": RerunSpec}
-    _OMITTED = {"attentions": (), "paddings": (), "single_axis": ()}  # manifest.json as before these axes
+    _OMITTED = {"attentions": (), "paddings": ()}  # manifest.json as before these axes
     _FILE_ORDER = ("model", "degrees", "dtype", "device", "backward", "steps", "fixes", "fix_mode", "confirm",
                    "granularity", "out", "timeout", "seed", "batch_size", "seq_len", "variant", "baseline",
                    "op_include", "capture", "module_include", "extra", "tree_groups", "group_gemm", "selfcheck",

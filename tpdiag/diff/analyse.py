@@ -267,7 +267,7 @@ def step_drift(dd) -> list[dict]:
 
 def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[str, str],
                 reference_degree: int, baseline: str | None = None, axes: dict | None = None,
-                without_ops: tuple = (), single_axis: dict | None = None) -> dict:
+                without_ops: tuple = ()) -> dict:
     """labels: every non-reference label; failed: {label: error} for worlds that did not finish;
     axes: {label: tpdiag.base.points.World} where the run has axes besides TP (None: TP only);
     without_ops: labels whose folders also hold op records this run did not ask for (an earlier
@@ -305,9 +305,8 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         all_rows.extend(rows)
     if axes:
         # a grid configuration whose TP alone is bitwise differs in its other axis only
-        for label, axis in {**grid_single_axis(axes, degrees), **(single_axis or {})}.items():
-            if label in degrees:
-                name_batch_variant(degrees[label], axis)
+        for label, axis in grid_single_axis(axes, degrees).items():
+            name_batch_variant(degrees[label], axis)
         from tpdiag.base.points import recorded_axes
 
         shown = recorded_axes(axes.values())

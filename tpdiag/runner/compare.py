@@ -136,8 +136,7 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         on_status("diff", "running")
     t_diff = time.perf_counter()
     summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label,
-                          axes={w.label: w for w in configs}, without_ops=tuple(without_ops),
-                          single_axis=dict(cfg.rerun.single_axis))
+                          axes={w.label: w for w in configs}, without_ops=tuple(without_ops))
     if cfg.layers:
         summary["slice"] = manifest["slice"]  # the `ran:` line says what ran
     from tpdiag.models.dtypes import checkpoint_dtype
