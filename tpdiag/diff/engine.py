@@ -8,7 +8,7 @@ import torch
 from tpdiag.diff import bits, pair_memo
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.errors import NotComparable
-from tpdiag.records.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess, first_positions
+from tpdiag.records.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess, first_positions, vocab_padded
 from tpdiag.records.store import RecordSet
 
 
@@ -290,7 +290,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             continue
         try:
             rt, ot = _read_pair(ref, rm, other, om)
-            ra, oa = _assemble_pair(rm, rt, om, ot)
+            ra, oa = vocab_padded(rm, rt, om, ot, ref.world.get("vocab_padding"),
+                                  other.world.get("vocab_padding")) or _assemble_pair(rm, rt, om, ot)
             a, b = _pair_tensors(ra, oa)
             a = first_positions(a, b, om.get("positions"))
             if om["kind"] == "op" and (a.shape != b.shape or a.dtype != b.dtype):

@@ -99,7 +99,8 @@ def padded_ce(local_logits, labels, mask_pad: bool):
     lse = torch.log(_reduce(torch.exp(z - m).sum(-1))) + m.squeeze(-1)
     local = y - r * per
     inside = (local >= 0) & (local < per)
-    target = _reduce(z.gather(1, local.clamp(0, per - 1).unsqueeze(1)).squeeze(1) * (inside & keep))
+    # masked_fill, not a product: rank 1's logits are all padding, -inf where masked (-inf * 0 is NaN)
+    target = _reduce(z.gather(1, local.clamp(0, per - 1).unsqueeze(1)).squeeze(1).masked_fill(~(inside & keep), 0.0))
     return ((lse - target) * keep).sum() / keep.sum()
 
 
