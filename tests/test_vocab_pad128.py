@@ -5,8 +5,8 @@ hand-written column-parallel head and Megatron's vocab-parallel cross-entropy, r
 Main at c2294f0 read the correct twin as a BUG (`rank-inconsistent-replica` at the head's init: the
 ranks' [128, 16] shards taken for copies of the reference's [128, 16] weight), and tpdiag's own
 logprobs counted the TP=1 padding. The padded records are now gathered and both sides cut to the
-real vocab (records/layout.py vocab_padded, runner/logits.py): the twin reads rounding only, and
-the padding left in the softmax is a BUG at the loss.
+real vocab (records/layout.py vocab_padded, runner/logits.py; under hash capture left to the
+values): the twin reads rounding only, and the padding left in the softmax is a BUG at the loss.
 """
 import json
 
@@ -19,10 +19,11 @@ from conftest import run_cli
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for case in ("pad128_ok", "pad128_mass"):
+    for case, more in (("pad128_ok", ()), ("pad128_mass", ()), ("pad128_ok_hash", ("--capture", "hash"))):
         d = tmp_path_factory.mktemp(case) / "r"
-        p = run_cli("compare", "--model", f"py:tests/models/planted/vocab_pad128.py:{case}", "--tp", "1,2",
-                    "--no-baseline", "--no-confirm", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        p = run_cli("compare", "--model", f"py:tests/models/planted/vocab_pad128.py:{case.removesuffix('_hash')}",
+                    "--tp", "1,2", "--no-baseline", "--no-confirm", *more, "--out", str(d),
+                    env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
         out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, run_cli("gate", str(d)).returncode, d)
     return out
@@ -38,6 +39,14 @@ def test_megatron_padding_compares_cleanly(runs):
     rows = (d / "diff.csv").read_text().splitlines()
     head = next(r for r in rows if "s0/init/head/param_init#0/weight" in r)
     assert ",100x16," in head and ",True,," in head, head  # cut to the real vocab, bitwise
+
+
+def test_hash_capture_leaves_the_padded_shards_to_the_values(runs):
+    # hashed per rank, the [128, 16] shards read as a replica whose ranks differ (a false BUG at
+    # the head's init); they are left uncompared, the logits, loss and grads judge them
+    s, stdout, gate, _ = runs["pad128_ok_hash"]
+    assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), s["degrees"]["2"]
+    assert "BUG" not in stdout and gate == 1, (gate, stdout[-1500:])
 
 
 def test_padding_left_in_the_softmax_is_a_bug(runs):
