@@ -368,4 +368,3 @@ def _single_axis(sub: dict, cfg, every: dict, sub_label: dict) -> None:
         entry = sub_every.get(sub_label.get(label))
         if entry is not None:
             name_batch_variant(entry, axis)
-
