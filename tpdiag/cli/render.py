@@ -304,9 +304,9 @@ def _bound_cell(fd: dict) -> str:
 def oracle_line(fd: dict) -> str:
     """The float64 verdict in words (diff/oracle.py)."""
     v = fd.get("oracle") or fd.get("op_oracle")
-    what = ("its op" if not fd.get("oracle") else
-            {"param_grad": "the module's backward", "grad_out": "its consumer's backward"}.get(
-                fd.get("kind"), "the module"))
+    what = v.get("what") or ("its op" if not fd.get("oracle") else
+                             {"param_grad": "the module's backward", "grad_out": "its consumer's backward"}.get(
+                                 fd.get("kind"), "the module"))
     unit = "relative " if v.get("relative") else ""
     dist = (f"this side {v['err']:.2e} from it, the reference {v['ref_err']:.2e} ({unit}2-norm; "
             f"rounding allows {v['threshold']:.2e})")

@@ -304,6 +304,9 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         degrees[label] = entry
         all_rows.extend(rows)
     if axes:
+        # a grid configuration whose TP alone is bitwise differs in its other axis only
+        for label, axis in grid_single_axis(axes, degrees).items():
+            name_batch_variant(degrees[label], axis)
         from tpdiag.base.points import recorded_axes
 
         shown = recorded_axes(axes.values())
@@ -367,6 +370,24 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
     add_classes(summary)
     write_csv(RunDir(run_dir).diff_csv, all_rows)
     return summary  # its caller writes summary.json (records/run_files.py)
+
+
+def grid_single_axis(axes: dict, entries: dict) -> dict[str, str]:
+    """{label: axis} for each grid configuration that differs from the reference in TP and one
+    other axis (TP=2 decode) where the configuration at its TP alone is bitwise equal to the
+    reference (under the fixes): it differs in that other axis only, and is named as that axis's
+    configuration is (a sliding-window decode at TP=2 under `--fix all` read `unknown` where TP=1's
+    decode read rounding). entries: {label: summary entry} of pass 1."""
+    out = {}
+    for label, w in axes.items():
+        parts = w.axis.split("+")
+        if len(parts) != 2 or parts[0] != "tp":
+            continue
+        alone = next((lab for lab, v in axes.items() if v.axis == "tp" and v.point.tp == w.point.tp
+                      and not v.point.repeat), None)
+        if alone is not None and (entries.get(alone) or {}).get("status") == "bitwise":
+            out[label] = parts[1]
+    return out
 
 
 def write_csv(path: str, rows: list[dict]) -> None:

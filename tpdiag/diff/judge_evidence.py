@@ -163,8 +163,11 @@ def _far_discrete(ev: Evidence) -> bool:
 
 def _input_unjudged(ev: Evidence) -> bool:
     # an input that differs although every earlier record was equal: computed in the caller's own
-    # code, and no op there was judged near its float64 value (a view or slice is not recorded)
-    return ev.record.get("kind") == "in" and not (ev.op_oracle is not None and not ev.op_oracle.get("far"))
+    # code, and no op there was judged near its float64 value (a view or slice is not recorded),
+    # nor the caller's output, re-executed whole in float64 from its bitwise-equal inputs (a
+    # sliding-window decode's attention over its cache: an op stream prefill does not run)
+    return ev.record.get("kind") == "in" and not (ev.op_oracle is not None and not ev.op_oracle.get("far")) \
+        and not (ev.caller_oracle is not None and not ev.caller_oracle.get("far"))
 
 
 def _row_bug_why(ev: Evidence, below) -> str:

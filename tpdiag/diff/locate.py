@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds, generic_bound, oracle, oracle_own, pair_memo, router
+from tpdiag.diff import bits, bounds, generic_bound, loss_grad, oracle, oracle_own, pair_memo, router
 from tpdiag.diff.loss_bounds import loss_bounds
 from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
 from tpdiag.diff.op_verdict import op_verdict
@@ -89,6 +89,8 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
                            and r.get("phase") == "backward")
             row["generic_cause"] = "row-parallel-reduction" if reducing else "shape-dependent-gemm"
     loss_bounds(dd)
+    # the logits' grad: a user's own loss backward, judged against a cross-entropy's float64 grad
+    loss_grad.judge_logits_grad(dd, world)
     # NaN/Inf where the reference has a finite value (or the reverse) is no rounding: a wrong
     # result. Its first appearance is the finding; everything after merely inherits it.
     first_nonfinite = next((r for r in dd.rows if r.get("nonfinite_mismatch")), None)

@@ -21,6 +21,26 @@ def _own_grad_in(dd, row: dict, table: dict):
     return got[0][1][0]
 
 
+# the reference's own relative distance from its float64 re-execution above which that value is
+# no reference for the record: far beyond any dtype's rounding (bf16's unit roundoff is 0.4%)
+NO_REFERENCE = 0.05
+
+
+def _scaled_instead(row: dict, y_ref, y_n) -> bool:
+    """A record the module's float64 re-execution does not reproduce even at the reference - a
+    user's grad hook rescales it (a static loss scale undone per parameter) - is no evidence of
+    rounding: both sides are "near" only because the level is the reference's own O(1) distance.
+    Such a record is judged as a capture's is, by one factor times the reference's (diff/scale.py):
+    the replicated grads divided by S * TP where S belongs (tests/models/planted/tp_misc.py
+    scale_tp) read `rounding only`."""
+    from tpdiag.diff.scale import coherent_scale
+
+    c = coherent_scale(y_ref, y_n)
+    if c is not None:
+        row["scale"] = c
+    return c is not None
+
+
 def apply_own(dd) -> None:
     """Every divergent record past the first that the reference's own oracle could not judge
     (its inputs differ), judged against the reference module re-run on this side's inputs."""
@@ -48,6 +68,8 @@ def apply_own(dd) -> None:
         discrete = notes_for(dd, row).get("discrete")
         if discrete and no_reference(v):
             mark_no_reference(v, discrete)
+        if not v["far"] and v.get("ref_err", 0.0) > NO_REFERENCE and _scaled_instead(row, y_ref, y_n):
+            continue  # no verdict from a value that is no reference
         row["oracle"] = v
         if v["far"] and discrete:
             v["discrete"] = list(discrete)

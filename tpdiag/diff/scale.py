@@ -8,9 +8,10 @@ judged - where tpdiag has none (an activation grad, a weight grad past the first
 capture, which nothing re-executes) its layout named a reordering for a 2x grad (tests/
 user_accum.py). Looked for in diffs of captures, and in compare only for the grad of an output no
 module consumed (the logits of a user's own loss: nothing bounds or re-executes it there, and a
-hand-written vocab-parallel loss whose backward scaled every grad read as the softmax's rounding);
-compare re-executes other records in float64 from their own inputs (diff/oracle_own.py), a verdict
-with its distance, which it keeps. Found only where the fit is clean: |c - 1| >= 5% (bf16's unit roundoff is 0.4%;
+hand-written vocab-parallel loss whose backward scaled every grad read as the softmax's rounding),
+and for a record whose module's float64 re-execution does not reproduce even the reference's (a
+user's grad hook rescales it: diff/oracle_own.py); compare re-executes other records in float64 from
+their own inputs (diff/oracle_own.py), a verdict with its distance, which it keeps. Found only where the fit is clean: |c - 1| >= 5% (bf16's unit roundoff is 0.4%;
 rounding does not move a whole tensor coherently by a tenth of that) and the residual after the
 scale under a tenth of the difference (rounding noise leaves a residual as large as the
 difference itself); at least 16 elements (a scalar's "scale" is any difference), and at least

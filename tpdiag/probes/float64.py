@@ -227,12 +227,13 @@ def _why(e: BaseException) -> str:
 def _isolated(mod: torch.nn.Module):
     """The re-execution of mod with the step's state out of its reach: no carry window open, and
     every submodule's attributes, parameters and buffers as they were before, by identity."""
+    from tpdiag.fixes.attention import exact_attention
     from tpdiag.kernels.grad_carry import suspended
 
     mods = list(mod.modules())
     saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in mods]
     try:
-        with suspended(), warnings.catch_warnings():
+        with suspended(), exact_attention(), warnings.catch_warnings():
             # a composite op (rms_norm, layer_norm) sees the float64 input beside the float32
             # weight before the mode upcasts it and warns it cannot use its fused kernel; the
             # decomposed ops it falls back to run in float64, so the warning is only noise in the

@@ -62,6 +62,9 @@ class Recorder:
     fingerprint: dict | None = None             # the step's final values' hashes (runner/fingerprint.py)
     decode_check: tuple | None = None           # (positions, hash of their logits): runner/worker.py
     ties_broken: list = field(default_factory=list)  # tied weights the plan split (world.json's own field)
+    # the model's logits hold a padded vocab (Megatron's make_vocab_size_divisible_by): {"vocab": real
+    # ids, "local": this rank's width} (world.json's own field; records/layout.py vocab_padded)
+    vocab_padding: dict | None = None
     per_rank_params: int = 0                    # plain parameters not one replica (runner/per_rank.py)
     world: int = 1
     rank: int = 0

@@ -262,10 +262,13 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
         have = {(f.get("phase"), f.get("module"), f.get("kind"), f.get("name")) for f in findings}
         made = {(f.get("phase"), f.get("module"), f.get("kind"), f.get("name")): f
                 for f in sd.get("findings") or () if isinstance(f, dict)}
+        by_key = {f.get("key"): f for f in sd.get("findings") or () if isinstance(f, dict) and f.get("key")}
         for f in findings:
             if f.get("from") != "second pass":
                 continue
-            g = made.get((f.get("phase"), f.get("module"), f.get("kind"), f.get("name")))
+            # by its key first: a module called twice (a rotary applied to q, then k) has two findings
+            # of one (phase, module, kind, name), its calls apart
+            g = by_key.get(f.get("key")) or made.get((f.get("phase"), f.get("module"), f.get("kind"), f.get("name")))
             bad = "not one" if g is None else next(
                 (k for k in ("key", "max_abs", "bound") if k in f and not same(f[k], g.get(k))), None)
             if bad:

@@ -127,6 +127,49 @@ def _gather_padded(meta: dict, shards: list, local: list[int], full: list[int], 
     return Assembled(torch.cat(shards, dim=d).narrow(d, 0, full[d]), kept, f"shard:{d}", None)
 
 
+def vocab_padded_dim(ref_meta: dict, full: list[int], meta: dict, ref_pad: dict | None,
+                     pad: dict | None) -> int | None:
+    """The dim of a record of a padded vocab whose padded size differs with TP (vocab_padded), from
+    the shapes alone: the one dim of the reference's padded width that is this rank's padded width,
+    where the plain rules cannot gather it (padded_dim, shard_dim); else None."""
+    n = meta.get("world", 1)
+    if not pad or n <= 1 or ref_meta.get("world", 1) != 1 or meta.get("placement"):
+        return None
+    vocab, width = int(pad["vocab"]), int(pad["local"])
+    local = local_shape(meta)
+    ref_width = int((ref_pad or {}).get("local", vocab))
+    if len(full) != len(local) or width * n < vocab or ref_width < vocab:
+        return None
+    dims = [d for d in range(len(full)) if full[d] == ref_width and local[d] == width
+            and all(full[i] == local[i] for i in range(len(full)) if i != d)]
+    if len(dims) != 1 or width * n == full[dims[0]] or padded_dim(local, full, n) is not None:
+        return None
+    return dims[0]
+
+
+def vocab_padded(ref_meta: dict, ref_stored: torch.Tensor, meta: dict, stored: torch.Tensor,
+                 ref_pad: dict | None, pad: dict | None) -> tuple[Assembled, Assembled] | None:
+    """(reference, this side) of a record of a padded vocab whose padded size differs with TP -
+    Megatron's default, the vocab padded to a multiple of 128 * TP: 100 ids are 128 rows at TP=1,
+    256 at TP=2 (128 a rank, rank 1's all padding) - gathered and both cut to the real vocab (the
+    padding's rows are no part of the model; a wrong handling of them shows in the rows kept and
+    the loss). pad / ref_pad: the worlds' `vocab_padding` (runner/piece.py: their logits were a
+    padded vocab, {"vocab", "local" width}). Only where vocab_padded_dim finds the dim and the
+    ranks' copies differ (equal copies are a replica); else None."""
+    if meta.get("stored") == "single" or list(stored.shape[1:]) != local_shape(meta):
+        return None
+    d = vocab_padded_dim(ref_meta, list(ref_stored.shape), meta, ref_pad, pad)
+    if d is None:
+        return None
+    shards = list(stored.unbind(0))
+    if all(torch.equal(s, shards[0]) for s in shards[1:]):
+        return None
+    vocab = int(pad["vocab"])
+    whole = torch.cat(shards, dim=d).narrow(d, 0, vocab)
+    return (Assembled(ref_stored.narrow(d, 0, vocab), None, "replicate", None),
+            Assembled(whole, shards, f"shard:{d}", None))
+
+
 def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> Assembled:
     n = meta.get("world", 1)
     p = meta.get("placement")

@@ -292,6 +292,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         later.append(own_after_confirm)
     elif own_hash:
         sub = _judge_own_after_hash(rerun, sub, out, on_status)
+    if axes:
+        _single_axis(sub, cfg, every, dict(zip([lab for lab, _ in targets], sub_labels[1:])))
     merge(sub)
     summary["second_pass"] = {"dir": out, "ops": ops, "oracle": oracle, "scopes": scopes if ops else []}
     return summary
@@ -351,3 +353,18 @@ def _judge_own_after_hash(rerun: CompareConfig, sub: dict, out: str, on_status) 
         if lab in firsts:
             d["first_divergence"] = firsts[lab]
     return sub
+
+
+def _single_axis(sub: dict, cfg, every: dict, sub_label: dict) -> None:
+    """A grid target whose TP-only configuration pass 1 found bitwise is judged, in the region
+    pass's summary, along its other axis (diff/analyse.py grid_single_axis): the region pass does
+    not rerun that bitwise world, so its own diff could not tell."""
+    from tpdiag.diff.analyse import grid_single_axis
+    from tpdiag.diff.axis_cause import name_batch_variant
+    from tpdiag.records.axes import entries
+
+    sub_every = entries(sub)
+    for label, axis in grid_single_axis({w.label: w for w in cfg.worlds()}, every).items():
+        entry = sub_every.get(sub_label.get(label))
+        if entry is not None:
+            name_batch_variant(entry, axis)

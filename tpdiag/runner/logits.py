@@ -66,12 +66,18 @@ def whole_vocab(logits, model, plan: dict, vocab: int, world: int):
     'padded'): the padding's ids are no tokens, and TP=1 has none of them - counted in tpdiag's
     log-softmax, every logprob would differ with TP, the user's correct code as much as a
     mistake (tests/models/planted/tp_gathers.py vocab_pad_ok)."""
-    if world <= 1 or type(logits) is not torch.Tensor or logits.ndim < 2:
+    if type(logits) is not torch.Tensor or logits.ndim < 2:
         return logits, None
     n = logits.shape[-1]
+    if world <= 1:
+        # Megatron pads at TP=1 too (to a multiple of 128 by default): the rows past the real vocab
+        # are no tokens, and the padded size differs with TP - counted, every logprob would differ
+        return (logits[..., :vocab], "padded") if n > vocab else (logits, None)
     from tpdiag.records.layout import padded_dim
 
-    padded = padded_dim([n], [vocab], world) == 0
+    # padding of less than a shard (ceil(V/TP) rows per rank), or Megatron's default: the vocab
+    # padded to a multiple of 128 * TP, so a rank may hold padding only (100 ids: 128 rows each)
+    padded = padded_dim([n], [vocab], world) == 0 or (n * world > vocab and n != vocab)
     if n == vocab or (n * world != vocab and not padded):
         return logits, None
     name, mesh = _head_of(model, plan or {}, vocab)
@@ -84,7 +90,11 @@ def whole_vocab(logits, model, plan: dict, vocab: int, world: int):
     whole = DTensor.from_local(logits, mesh, [Shard(logits.ndim - 1)], run_check=False)
     if padded:
         # one all-gather; its backward hands each rank its own columns of the grad
-        return whole.full_tensor()[..., :vocab], "padded"
+        full = whole.full_tensor()
+        if n > vocab and all(torch.equal(c, full[..., :n]) for c in full.split(n, -1)[1:]):
+            # every rank holds the same padded logits (a gathered head): a replica, not shards
+            return logits[..., :vocab], "padded"
+        return full[..., :vocab], "padded"
     return whole, rule
 
 

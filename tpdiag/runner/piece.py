@@ -84,7 +84,10 @@ def forward(cfg, phases, fwd, model, plan, vocab_size: int, world: int, piece, l
         fwd.check(phases.rec, local)
         # an unmarked local vocab shard (ColwiseParallel's default use_local_output=True) is
         # re-marked whole for tpdiag; a user loss still gets what the model returned
-        logits, _ = whole_vocab(local, model, plan, vocab_size, world)
+        logits, rule = whole_vocab(local, model, plan, vocab_size, world)
+        if rule and rule.startswith("padded"):
+            # the diff gathers and cuts the model's padded records by it (records/layout.py)
+            phases.rec.vocab_padding = {"vocab": int(vocab_size), "local": int(local.shape[-1])}
         whole = logits  # the fingerprint's: the step pass 1 computed (runner/drill.py)
         logits, local, labels = prefix.cut_loss_inputs(cfg, logits, local, labels)
         check_positions(logits, labels, world)

@@ -229,6 +229,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             "oracle_notes": rec.oracle_notes,
             # the tied weights the plan split (models/ties.py), read by the diff (diff/analyse.py)
             **({"ties_broken": rec.ties_broken} if rec.ties_broken else {}),
+            **({"vocab_padding": rec.vocab_padding} if rec.vocab_padding else {}),
             "total_s": time.perf_counter() - t0,
         })
         timings["write_s"] = time.perf_counter() - t1 - timings["gather_s"]

@@ -1,0 +1,132 @@
+"""The logits' grad of the loss, judged against its float64 value: a user's own loss backward.
+
+The grad of the logits is the grad of an output no module consumed: no module's float64 backward
+re-executes it, and a user's hand-written vocab-parallel cross-entropy (Megatron's
+_VocabParallelCrossEntropy as an autograd Function) computes it in its own backward, one vocab
+shard per rank. A backward that is wrong on ONE rank (the one-hot not subtracted there, its shard
+scaled, a softmax over its local exp sum) leaves the loss and logprobs exact and read as the
+vocab-parallel softmax's rounding (tests/models/planted/vocab_loss.py).
+
+Of a cross-entropy the grad is known in closed form from the logits z and the labels y: row t is
+w_t (softmax(z_t) - onehot(y_t)), w_t the token's weight in the reduction (1/count for a mean over
+the kept tokens, 0 for an ignored one, whatever the user's mean is). The weights are fitted to the
+REFERENCE's grad (least squares per row), so this side's grad is judged against
+o = w (softmax(z) - onehot(y)) in float64 from its own logits, as diff/oracle.py judges a module
+against its float64 re-execution: far when
+
+    ||g_N - o_N|| / ||o_N||  >  A(n) * max(||g_ref - o_ref|| / ||o_ref||, u)
+
+The reference's own distance measures the rounding of this very loss, data and dtype, and with it
+anything the closed form leaves out (a small z-loss, label smoothing): both sides carry that alike.
+Judged only where the form holds at the reference (its relative distance at most FORM_ROUNDINGS
+unit roundoffs): a loss of another form (a sum of other terms, a per-token weight that depends on
+the logits) is left to the layout's reordering cause, as before.
+"""
+from __future__ import annotations
+
+import torch
+
+from tpdiag.diff.bits import UNIT_ROUNDOFF
+from tpdiag.records.keys import record_key
+
+IGNORE = -100
+FORM_ROUNDINGS = 64  # the reference within this many roundings of the closed form: a cross-entropy
+BLOCK = 1 << 22      # float64 elements of [T, V] per block (32 MiB an array, whatever the vocab)
+
+
+def judge_logits_grad(dd, world: int) -> None:
+    """Set the oracle verdict on each divergent grad of the logits (a backward grad_out that no
+    module consumed, of the logits' shape) whose reference grad is a cross-entropy's."""
+    for row in dd.rows:
+        if (row["phase"] != "backward" or row["kind"] != "grad_out" or row.get("consumers")
+                or row["bitwise"] or row.get("nonfinite_mismatch") or row.get("oracle")
+                or row.get("scale") is not None or row["key"] not in dd.tensors):
+            # (one factor times the reference's: diff/scale.py names that bug, with its reason)
+            continue
+        step = row["step"]
+        lk = record_key(step, "loss", "model", "logits", 0, "logits")
+        yk = next((k for k in (record_key(step, "init", "model", "batch", 0, "labels"),
+                               record_key(0, "init", "model", "batch", 0, "labels")) if k in dd.tensors), None)
+        if lk not in dd.tensors or yk is None:
+            continue
+        (z1, zn), (y1, _) = dd.tensors[lk], dd.tensors[yk]
+        g1, gn = dd.tensors[row["key"]]
+        if not (g1.is_floating_point() and g1.shape == gn.shape == z1.shape == zn.shape
+                and y1.numel() * z1.shape[-1] == z1.numel() and not y1.is_floating_point()):
+            continue
+        v = _verdict(z1, zn, y1, g1, gn, UNIT_ROUNDOFF.get(g1.dtype, UNIT_ROUNDOFF[torch.float32]), world)
+        if v is None:
+            continue
+        row["oracle"] = v
+        row["bound_model"] = "float64 cross-entropy grad from the logits (weights fitted to the reference's)"
+        if row.get("bound") is None or v["far"]:
+            row["bound_ratio"] = max(row.get("bound_ratio") or 0.0, v["ratio"]) if v["far"] else v["ratio"]
+            row["beyond_bound"] = v["far"]
+        if v["far"]:
+            v["what"] += _worst_shard(v)
+
+
+def _verdict(z1, zn, y1, g1, gn, u: float, world: int) -> dict | None:
+    from tpdiag.diff.oracle import margin
+
+    V = z1.shape[-1]
+    z1, zn, g1, gn = (t.reshape(-1, V) for t in (z1, zn, g1, gn))
+    y = y1.reshape(-1)
+    e1 = s1 = en = sn = 0.0
+    # this side's error per vocab shard (TP's contiguous blocks): a far verdict names the rank
+    # whose shard holds most of it
+    blocks = world if world > 1 and V % world == 0 else 1
+    eb = torch.zeros(blocks, dtype=torch.float64)
+    same = torch.equal(z1, zn)  # this side's logits the reference's: one softmax serves both
+    rows = max(1, BLOCK // V)
+    for a in range(0, z1.shape[0], rows):
+        yy = y[a:a + rows]
+        p1 = _ce_grad(z1[a:a + rows], yy)
+        r1 = g1[a:a + rows].to(torch.float64)
+        if not (torch.isfinite(p1).all() and torch.isfinite(r1).all()):
+            return None
+        pp = (p1 * p1).sum(-1)
+        w = torch.where(pp > 0, (r1 * p1).sum(-1) / pp.clamp_min(1e-300), torch.zeros_like(pp)).unsqueeze(-1)
+        o1 = w * p1
+        on = o1 if same else w * _ce_grad(zn[a:a + rows], yy)
+        rn = gn[a:a + rows].to(torch.float64)
+        if not torch.isfinite(rn).all():
+            return None
+        e1 += float(((r1 - o1) ** 2).sum())
+        s1 += float((o1 * o1).sum())
+        dn = (rn - on) ** 2
+        en += float(dn.sum())
+        sn += float((on * on).sum())
+        eb += dn.reshape(dn.shape[0], blocks, -1).sum((0, 2))
+    if not (s1 > 0 and sn > 0):
+        return None
+    ref_rel, err = (e1 / s1) ** 0.5, (en / sn) ** 0.5
+    if ref_rel > FORM_ROUNDINGS * u:
+        return None  # the reference's grad is no cross-entropy's: another loss form
+    n = z1.numel()
+    thr = margin(n) * max(ref_rel, u)
+    share = (eb / max(en, 1e-300)).tolist()
+    return {"far": err > thr, "ratio": err / thr, "ref_err": ref_rel, "err": err, "floor": u,
+            "margin": margin(n), "threshold": thr, "relative": True, "n": n, "own": True,
+            "blocks": blocks, "block_share": share,
+            "what": "a cross-entropy's grad from the logits (token weights fitted to the reference's)"}
+
+
+def _ce_grad(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """softmax(z) - onehot(y) in float64; an ignored or out-of-range label has no one-hot."""
+    p = torch.softmax(z.to(torch.float64), -1)
+    ok = (y >= 0) & (y < z.shape[-1])
+    rows = torch.nonzero(ok).squeeze(-1)
+    p[rows, y[rows]] -= 1.0
+    return p
+
+
+def _worst_shard(v: dict) -> str:
+    """', 99% of this side's error in rank 1's vocab shard,' where one shard holds most of it."""
+    share = v.get("block_share") or []
+    if len(share) < 2:
+        return ""
+    i = max(range(len(share)), key=share.__getitem__)
+    if share[i] < 0.5:
+        return ""
+    return f", {share[i]:.0%} of this side's error in rank {i}'s vocab shard,"
