@@ -88,3 +88,34 @@ def test_the_closed_form_judges_each_side_on_its_own_logits():
     lse = torch.logsumexp(zl, -1)
     other = torch.nn.functional.cross_entropy(zl, y) + 1e-2 * (lse ** 2).mean()
     assert _verdict(z, z, y, torch.autograd.grad(other, zl)[0], gn, u, 2) is None
+
+
+def test_a_token_weight_that_is_a_function_of_the_logits_is_no_bug():
+    """PPO's clipped ratio exp(logp - logp_old) times the advantage: each row is a cross-entropy
+    form with a weight that moves with the logits. With this side's logits a few roundings apart,
+    the reference's fitted weights read a correct loss far (ratio ~4 in float32); each side's own
+    fit judges only the form within the rows, and a one-shard mistake is still far."""
+    from tpdiag.diff.loss_grad import _verdict
+
+    gen = torch.Generator().manual_seed(0)
+    T, V = 32, 64
+    u = 2.0 ** -24
+    z1 = torch.randn(T, V, generator=gen) * 3
+    zn = z1 * (1 + 4 * u * torch.randn(T, V, generator=gen))
+    y = torch.randint(0, V, (T,), generator=gen)
+    old = torch.log_softmax(z1, -1).gather(1, y[:, None]).squeeze(1) + 0.1 * torch.randn(T, generator=gen)
+    adv = torch.randn(T, generator=gen)
+
+    def grad(z):
+        z = z.clone().requires_grad_()
+        r = (torch.log_softmax(z, -1).gather(1, y[:, None]).squeeze(1) - old).exp()
+        return torch.autograd.grad(-torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).mean(), z)[0]
+
+    g1, gn = grad(z1), grad(zn)
+    assert not torch.equal(z1, zn)
+    near = _verdict(z1, zn, y, g1, gn, u, 2)
+    assert near is not None and not near["far"], near
+    bad = gn.clone()
+    bad[:, V // 2:] *= 1.01  # one shard 1% off (the row's own fit shares it out between the shards)
+    far = _verdict(z1, zn, y, g1, bad, u, 2)
+    assert far["far"] and far["ratio"] > 100, far
