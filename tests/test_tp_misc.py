@@ -15,6 +15,7 @@ twin, run as a user runs them: `tpdiag compare py:... --tp 1,2`, then `tpdiag ga
 import json
 
 import pytest
+import torch
 
 from conftest import run_cli
 
@@ -59,3 +60,22 @@ def test_each_mistake_is_a_bug_and_the_gate_says_so(runs, case, where, said):
         assert lead["why"].startswith("every element is 0.5x the reference's"), lead
         bugs = {(f["module"], f["name"]) for f in s["degrees"]["2"]["findings"] if f["cause"] == "sharding-bug"}
         assert bugs == {("head", "weight"), ("norm", "weight"), ("norm", "bias"), ("embed", "weight")}, bugs
+
+
+def test_one_factor_judges_only_a_reference_that_is_its_float64_value_scaled():
+    """diff/oracle_own.py's rule for a record far from its own float64 re-execution at the reference:
+    the grad hook's mark is a reference that is one factor times that value (scale_tp: 1/S). A
+    reference far from it by rounding alone - catastrophic cancellation, each row's output
+    dominated by its mean's rounding, one offset the two sides round their own ways - also moves by
+    "one factor" between the sides: on 626f7d4 it was given that factor (a BUG), not the near verdict."""
+    from tpdiag.diff.oracle_own import _scaled_instead
+
+    g = torch.Generator().manual_seed(0)
+    f = 1e-7 * torch.randn(64, generator=g, dtype=torch.float64)   # x - mean, exactly
+    y_ref, y_n = (f - 3e-5).float(), (f - 4.5e-5).float()        # each side's mean rounded its way
+    row = {}
+    assert not _scaled_instead(row, y_ref, y_n, f) and "scale" not in row
+    # the hook: the reference S times below its module's float64 grad, this side 2S
+    v = torch.randn(64, generator=g, dtype=torch.float64)
+    row = {}
+    assert _scaled_instead(row, (v / 1024).float(), (v / 2048).float(), v) and abs(row["scale"] - 0.5) < 1e-3

@@ -26,15 +26,20 @@ def _own_grad_in(dd, row: dict, table: dict):
 NO_REFERENCE = 0.05
 
 
-def _scaled_instead(row: dict, y_ref, y_n) -> bool:
+def _scaled_instead(row: dict, y_ref, y_n, o_ref) -> bool:
     """A record the module's float64 re-execution does not reproduce even at the reference - a
     user's grad hook rescales it (a static loss scale undone per parameter) - is no evidence of
     rounding: both sides are "near" only because the level is the reference's own O(1) distance.
     Such a record is judged as a capture's is, by one factor times the reference's (diff/scale.py):
     the replicated grads divided by S * TP where S belongs (tests/models/planted/tp_misc.py
-    scale_tp) read `rounding only`."""
+    scale_tp) read `rounding only`. Only where the reference is itself one factor times its float64
+    value (the hook's mark): a reference far from it by its own rounding (catastrophic cancellation:
+    a row's output dominated by its mean's rounding, one offset that each side rounds its own way)
+    also moves by "one factor" between the sides, and is rounding."""
     from tpdiag.diff.scale import coherent_scale
 
+    if o_ref is None or o_ref.shape != y_ref.shape or coherent_scale(o_ref, y_ref) is None:
+        return False
     c = coherent_scale(y_ref, y_n)
     if c is not None:
         row["scale"] = c
@@ -61,14 +66,14 @@ def apply_own(dd) -> None:
         if o_n is None:
             continue
         y_ref, y_n = dd.tensors[k]
-        v = judge_own(y_ref, y_n, None if o_ref is None else first_positions(o_ref, y_n, row.get("positions")),
-                      first_positions(o_n, y_n, row.get("positions")))
+        o_ref = None if o_ref is None else first_positions(o_ref, y_n, row.get("positions"))
+        v = judge_own(y_ref, y_n, o_ref, first_positions(o_n, y_n, row.get("positions")))
         if v is None:
             continue
         discrete = notes_for(dd, row).get("discrete")
         if discrete and no_reference(v):
             mark_no_reference(v, discrete)
-        if not v["far"] and v.get("ref_err", 0.0) > NO_REFERENCE and _scaled_instead(row, y_ref, y_n):
+        if not v["far"] and v.get("ref_err", 0.0) > NO_REFERENCE and _scaled_instead(row, y_ref, y_n, o_ref):
             continue  # no verdict from a value that is no reference
         row["oracle"] = v
         if v["far"] and discrete:
