@@ -92,30 +92,36 @@ def test_the_closed_form_judges_each_side_on_its_own_logits():
 
 def test_a_token_weight_that_is_a_function_of_the_logits_is_no_bug():
     """PPO's clipped ratio exp(logp - logp_old) times the advantage: each row is a cross-entropy
-    form with a weight that moves with the logits. With this side's logits a few roundings apart,
-    the reference's fitted weights read a correct loss far (ratio ~4 in float32); each side's own
-    fit judges only the form within the rows, and a one-shard mistake is still far."""
+    form with a weight that moves with logp. The reference's fitted weights read this correct loss
+    far (on 626f7d4) both where this side's logits are a few roundings apart (ratio ~4 in float32)
+    and where they are bitwise equal but logp comes from a vocab-parallel log-softmax (two shards'
+    exp sums: ratio ~3 at logits of scale 10). Each side's own fit judges the form within the rows:
+    near, and a one-shard mistake is still far and named by its shard."""
     from tpdiag.diff.loss_grad import _verdict
 
     gen = torch.Generator().manual_seed(0)
-    T, V = 32, 64
+    T, V = 64, 1024
     u = 2.0 ** -24
-    z1 = torch.randn(T, V, generator=gen) * 3
+    z1 = torch.randn(T, V, generator=gen) * 10
     zn = z1 * (1 + 4 * u * torch.randn(T, V, generator=gen))
     y = torch.randint(0, V, (T,), generator=gen)
     old = torch.log_softmax(z1, -1).gather(1, y[:, None]).squeeze(1) + 0.1 * torch.randn(T, generator=gen)
     adv = torch.randn(T, generator=gen)
 
-    def grad(z):
+    def grad(z, sharded=False):
         z = z.clone().requires_grad_()
-        r = (torch.log_softmax(z, -1).gather(1, y[:, None]).squeeze(1) - old).exp()
+        zs = z - z.amax(-1, keepdim=True).detach()
+        lse = (zs[:, :V // 2].exp().sum(-1) + zs[:, V // 2:].exp().sum(-1)).log() if sharded else \
+            torch.logsumexp(zs, -1)
+        r = (zs.gather(1, y[:, None]).squeeze(1) - lse - old).exp()
         return torch.autograd.grad(-torch.minimum(r * adv, r.clamp(0.8, 1.2) * adv).mean(), z)[0]
 
-    g1, gn = grad(z1), grad(zn)
+    g1 = grad(z1)
     assert not torch.equal(z1, zn)
-    near = _verdict(z1, zn, y, g1, gn, u, 2)
-    assert near is not None and not near["far"], near
-    bad = gn.clone()
-    bad[:, V // 2:] *= 1.01  # one shard 1% off (the row's own fit shares it out between the shards)
-    far = _verdict(z1, zn, y, g1, bad, u, 2)
-    assert far["far"] and far["ratio"] > 100, far
+    for z, gn in ((zn, grad(zn)), (z1, grad(z1, sharded=True))):
+        near = _verdict(z1, z, y, g1, gn, u, 2)
+        assert near is not None and not near["far"], near
+        bad = gn.clone()
+        bad[:, V // 2:] *= 1.01  # one shard 1% off
+        far = _verdict(z1, z, y, g1, bad, u, 2)
+        assert far["far"] and far["ratio"] > 100 and far["block_share"][1] > 0.9, far

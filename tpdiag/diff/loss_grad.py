@@ -9,14 +9,14 @@ vocab-parallel softmax's rounding (tests/models/planted/vocab_loss.py).
 
 Of a cross-entropy the grad is known in closed form from the logits z and the labels y: row t is
 w_t (softmax(z_t) - onehot(y_t)), w_t the token's weight in the reduction (1/count for a mean over
-the kept tokens, 0 for an ignored one, an RL loss's advantage, whatever the user's mean is). The
-weights are fitted to the REFERENCE's grad (least squares per row) where the two sides' logits are
-bitwise equal; where they differ, each side's to its own grad - a token's weight may be a function
-of the logits (PPO's ratio exp(logp - logp_old): the logits' rounding moves it by percents, and can
-cross a clip bound), so only the form within each row is judged there, which is where a one-rank
-vocab-shard mistake shows. This side's grad is judged against o = w (softmax(z) - onehot(y)) in
-float64 from its own logits, as diff/oracle.py judges a module against its float64 re-execution:
-far when
+the kept tokens, 0 for an ignored one, an RL loss's advantage, whatever the user's mean is). Each
+side's weights are fitted to its own grad (least squares per row): a token's weight may be a
+function of the logits (PPO's ratio exp(logp - logp_old) - the logits' rounding, or a vocab-parallel
+log-softmax's on equal logits, moves it by many roundings, and can cross a clip bound), so what is
+judged is the form within each row, which is where a one-rank vocab-shard mistake shows (a per-row
+factor alone is not judged here; one factor over the whole grad is diff/scale.py's). This side's
+grad is judged against o = w (softmax(z) - onehot(y)) in float64 from its own logits, as
+diff/oracle.py judges a module against its float64 re-execution: far when
 
     ||g_N - o_N|| / ||o_N||  >  A(n) * max(||g_ref - o_ref|| / ||o_ref||, u)
 
@@ -89,23 +89,24 @@ def _verdict(z1, zn, y1, g1, gn, u: float, world: int) -> dict | None:
         r1 = g1[a:a + rows].to(torch.float64)
         if not (torch.isfinite(p1).all() and torch.isfinite(r1).all()):
             return None
-        o1 = _fit(r1, p1) * p1
+        w1 = _fit(r1, p1)
+        o1 = w1 * p1
         rn = gn[a:a + rows].to(torch.float64)
         if not torch.isfinite(rn).all():
             return None
-        if same:
-            on = o1
-        else:
-            # logits apart: a token's weight may be a function of them (PPO's ratio exp(logp - old)
-            # a few roundings of the logits move by percents, a clip bound crossed), so this side's
-            # weights are its own fit; the form within each row is still the cross-entropy's
-            pn = _ce_grad(zn[a:a + rows], yy)
-            on = _fit(rn, pn) * pn
+        pn = p1 if same else _ce_grad(zn[a:a + rows], yy)
+        # this side's weights are its own fit: a token's weight may be a function of the logits
+        # (PPO's ratio exp(logp - old) moves by the logits' rounding, and by a vocab-parallel
+        # log-softmax's even on equal logits; a clip bound may be crossed): what is judged is the
+        # form within each row, where a one-rank vocab-shard mistake shows
+        on = _fit(rn, pn) * pn
         e1 += float(((r1 - o1) ** 2).sum())
         s1 += float((o1 * o1).sum())
-        dn = (rn - on) ** 2
-        en += float(dn.sum())
+        en += float(((rn - on) ** 2).sum())
         sn += float((on * on).sum())
+        # which shard: the residual against the reference's weights (the own fit shares a shard's
+        # error out over the row; a weight that moved with the logits only blurs this)
+        dn = (rn - w1 * pn) ** 2
         eb += dn.reshape(dn.shape[0], blocks, -1).sum((0, 2))
     if not (s1 > 0 and sn > 0):
         return None
@@ -114,7 +115,7 @@ def _verdict(z1, zn, y1, g1, gn, u: float, world: int) -> dict | None:
         return None  # the reference's grad is no cross-entropy's: another loss form
     n = z1.numel()
     thr = margin(n) * max(ref_rel, u)
-    share = (eb / max(en, 1e-300)).tolist()
+    share = (eb / max(float(eb.sum()), 1e-300)).tolist()
     return {"far": err > thr, "ratio": err / thr, "ref_err": ref_rel, "err": err, "floor": u,
             "margin": margin(n), "threshold": thr, "relative": True, "n": n, "own": True,
             "blocks": blocks, "block_share": share,
