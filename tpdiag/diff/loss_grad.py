@@ -62,7 +62,7 @@ def judge_logits_grad(dd, world: int) -> None:
         if v is None:
             continue
         row["oracle"] = v
-        row["bound_model"] = "float64 cross-entropy grad from the logits (weights fitted to the reference's)"
+        row["bound_model"] = "float64 cross-entropy grad from the logits (each side's token weights its own fit)"
         if row.get("bound") is None or v["far"]:
             row["bound_ratio"] = max(row.get("bound_ratio") or 0.0, v["ratio"]) if v["far"] else v["ratio"]
             row["beyond_bound"] = v["far"]
@@ -119,7 +119,7 @@ def _verdict(z1, zn, y1, g1, gn, u: float, world: int) -> dict | None:
     return {"far": err > thr, "ratio": err / thr, "ref_err": ref_rel, "err": err, "floor": u,
             "margin": margin(n), "threshold": thr, "relative": True, "n": n, "own": True,
             "blocks": blocks, "block_share": share,
-            "what": "a cross-entropy's grad from the logits (token weights fitted to the reference's)"}
+            "what": "a cross-entropy's grad from the logits (each side's token weights its own fit)"}
 
 
 def _fit(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
