@@ -270,7 +270,8 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
             # of one (phase, module, kind, name), its calls apart
             g = by_key.get(f.get("key")) or made.get((f.get("phase"), f.get("module"), f.get("kind"), f.get("name")))
             bad = "not one" if g is None else next(
-                (k for k in ("key", "max_abs", "bound") if k in f and not same(f[k], g.get(k))), None)
+                (k for k in ("key", "phase", "module", "kind", "name", "max_abs", "bound")
+                 if k in f and not same(f[k], g.get(k))), None)
             if bad:
                 out.append(f"summary.json's TP={lab} second-pass finding {f.get('key')}: "
                            + ("not one of " if g is None else f"{bad} {f[bad]!r} but ") + f"{name}/summary.json"
