@@ -33,7 +33,7 @@ _SAME_SETTINGS = ("model", "dtype", "seed", "batch_size", "seq_len", "steps", "l
 _TOP_SETTINGS = ("model", "dtype", "seed")
 
 
-def _settings_problem(manifest: dict, d: str, label: str, who: str) -> str | None:
+def _settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) -> str | None:
     """Where world.json's settings (and record hash version) are not manifest.json's."""
     cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     for k in _TOP_SETTINGS:
@@ -48,6 +48,11 @@ def _settings_problem(manifest: dict, d: str, label: str, who: str) -> str | Non
     wcfg = world.get("config") if isinstance(world, dict) else None
     if not isinstance(wcfg, dict):
         return f"{who}: {folder(label)}/{WORLD} has no config (not what tpdiag compare writes)"
+    from tpdiag.records.sides import world_identity_problem
+
+    why = world_identity_problem(world, label, degree, f"{folder(label)}/{WORLD}")
+    if why:
+        return f"{who}: {why}"
     for k in _SAME_SETTINGS:
         if k in cfg and wcfg.get(k) != cfg[k]:
             return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k)!r} but manifest.json says {cfg[k]!r} "
@@ -121,7 +126,7 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
         m = world_file(d, rank_marker(r, "done"))
         if not os.path.isfile(m) or os.path.islink(m):
             return f"{who}: {folder(label)}/{rank_marker(r, 'done')} is missing (the rank never finished its work)"
-    return _settings_problem(manifest, d, label, who)
+    return _settings_problem(manifest, d, label, who, degree)
 
 
 _ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used
@@ -349,7 +354,10 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
     from tpdiag.records.rundir import is_diff_dir
 
     if is_diff_dir(run_dir, manifest):
-        return out  # `tpdiag diff`: its evidence is the two captures, re-diffed by the gate
+        # `tpdiag diff`: its evidence is the two captures, re-diffed by the gate - two runs, not one twice
+        from tpdiag.records.sides import diff_side_problems
+
+        return out + diff_side_problems(run_dir, manifest)
     if manifest.get("tool") != "tpdiag compare":
         # the per-rank checks below run whatever `tool` says: an edited field must not switch them off
         out.append(f"manifest.json tool {manifest.get('tool')!r}: a run directory of tpdiag compare says "
