@@ -14,6 +14,7 @@ from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
 from tpdiag.records.numbers import confirmation_problems, number_problems, same
 from tpdiag.records.paths import DIFF_CSV, EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
+from tpdiag.records.rundir import is_diff_dir
 
 SCHEMA = 1
 STATUSES = ("bitwise", "divergent", "inconclusive")
@@ -28,9 +29,12 @@ def schema_ok(v) -> bool:
 # settings; the axes - degree, micro-batch, mode, fix - are what differ between worlds): a world.json
 # that disagrees with manifest.json is another run's records, or the manifest was edited to describe
 # a run that never happened (another model, dtype or seed would pass as this one).
-_SAME_SETTINGS = ("model", "dtype", "seed", "batch_size", "seq_len", "steps", "layers")
+# The fixes, plan variant and numerics flags too: a --fix all run (bitwise) whose manifest.json was edited
+# to say no fix ran passed the default gate as the stock model's TP=1,2 being bitwise (red team, round 5).
+_SAME_SETTINGS = ("model", "dtype", "seed", "batch_size", "seq_len", "steps", "layers", "fixes", "variant", "flags",
+                  "tree_groups", "group_gemm")
 # manifest.json's own copies of settings its config holds
-_TOP_SETTINGS = ("model", "dtype", "seed")
+_TOP_SETTINGS = ("model", "dtype", "seed", "fixes", "flags", "tree_groups", "group_gemm")
 
 
 def _settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) -> str | None:
@@ -343,6 +347,10 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
     out += number_problems(degrees, rows)
+    from tpdiag.records.sides import what_ran_problems
+
+    if not is_diff_dir(run_dir, manifest):
+        out += what_ran_problems(manifest, summary)
     if rows is not None:
         out += confirmation_problems(degrees, lambda fix: _confirmation_rows(run_dir, fix))
     out += _second_pass_problems(run_dir, summary, degrees, inside)
@@ -351,8 +359,6 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
                and (r.get("bitwise") is False or r.get("rank_consistent") is False)]
         if st == "bitwise" and div:
             out.append(f"summary.json says TP={lab} is bitwise but diff.csv has {len(div)} divergent records")
-    from tpdiag.records.rundir import is_diff_dir
-
     if is_diff_dir(run_dir, manifest):
         # `tpdiag diff`: its evidence is the two captures, re-diffed by the gate - two runs, not one twice
         from tpdiag.records.sides import diff_side_problems
@@ -368,6 +374,11 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
         out.append("manifest.json lists no worlds or labels (not a complete tpdiag compare run)")
         return out
     labels = [str(x) for x in labels]
+    from tpdiag.records.sides import labels_problem
+
+    why = labels_problem(manifest)
+    if why:
+        out.append(why)
     if str(manifest.get("reference")) != labels[0]:
         out.append(f"manifest.json reference {manifest.get('reference')!r} is not its first label {labels[0]!r}")
     for lab in labels[1:]:

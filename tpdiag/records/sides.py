@@ -86,3 +86,42 @@ def diff_side_problems(run_dir: str, manifest: dict) -> list[str]:
                 out.append(f"{f} is a world of degree {have!r} but this tpdiag diff's manifest.json says {want!r} "
                            "(another run's records, or edited)")
     return out
+
+
+def what_ran_problems(manifest: dict, summary: dict) -> list[str]:
+    """summary.json's account of what ran (the fixes, the steps - analyse.py copies them from the reference
+    world) must be manifest.json's: a report or gate reader takes a fix-free bitwise verdict from it."""
+    cfg = manifest.get("config")
+    if not isinstance(cfg, dict):
+        return []
+    out = []
+    if isinstance(cfg.get("fixes"), list) and "degrees" in summary and list(summary.get("fixes") or []) != cfg["fixes"]:
+        out.append(f"summary.json says the fixes {list(summary.get('fixes') or [])!r} ran but manifest.json says "
+                   f"{cfg['fixes']!r} (edited after the run)")
+    if "steps" in summary and "steps" in cfg and summary["steps"] != cfg["steps"]:
+        out.append(f"summary.json says {summary['steps']!r} steps ran but manifest.json says {cfg['steps']!r} "
+                   "(edited after the run)")
+    return out
+
+
+def labels_problem(manifest: dict) -> str | None:
+    """manifest.json's configurations must be the ones its own config runs: a configuration cut from the
+    labels, the worlds, summary.json and diff.csv together (its folder removed) - one degree of three,
+    a micro-batch or decode configuration - is a run that compared less than it was asked to."""
+    cfg, labels = manifest.get("config"), manifest.get("labels")
+    if not isinstance(cfg, dict) or not isinstance(labels, list):
+        return None  # integrity.problems says a compare's manifest lists no labels
+    from tpdiag.config import CompareConfig
+    from tpdiag.errors import BadInput
+
+    try:
+        want = [w.label for w in CompareConfig.from_dict(cfg).worlds()]
+    except (BadInput, TypeError, ValueError, KeyError, AttributeError) as e:
+        return f"manifest.json's config is not one this tpdiag runs ({str(e).splitlines()[0][:200] if str(e) else e!r})"
+    if [str(x) for x in labels] != want:
+        return (f"manifest.json lists the configurations {', '.join(map(str, labels))} but its config runs "
+                f"{', '.join(want)} (a configuration removed, or edited after the run)")
+    degs = manifest.get("degrees")
+    if isinstance(degs, list) and isinstance(cfg.get("degrees"), list) and degs != cfg["degrees"]:
+        return f"manifest.json says the degrees {degs!r} but its own config says {cfg['degrees']!r} (edited after the run)"
+    return None
