@@ -10,10 +10,12 @@ between the forgery and a pass:
 - a `--steps 2` run with step 1's records cut from both worlds (n_records edited to match): a BUG only
   step 1 shows (exit 4) passed `--allow rounding` (exit 0);
 - `tpdiag diff RUN/tp2 RUN/tp2` (a run against itself) exited 0 "bitwise" and its gate passed; so did the
-  gate of a diff of a run and a byte copy of it.
+  gate of a diff of a run and a byte copy of it;
+- a `--fix auto` run with `fix_chain` removed from summary.json: its later rounds, gated as the user's run
+  (exit 1 under a policy allowing round 0's cause alone), went ungated (exit 0).
 
 Edits are made to copies of conftest's session runs (tp12_run, fixall12_run, and the TP=1,2 --steps 2
-run test_tamper_numbers makes, shared by name).
+run test_tamper_numbers makes, shared by name) and of one forward-only `--fix auto` compare of its own.
 """
 import json
 import shutil
@@ -182,3 +184,41 @@ def test_a_diff_of_a_run_and_its_copy_is_inconclusive(tp12_run, tmp_path):
     assert r.exit_code == 0, r.output
     res = evaluate(str(d), load_policy(None))
     assert res.exit_code == 2 and "copies of one run" in res.problems[0], res.lines()
+
+
+# -- --fix auto: every round the compare ran is gated ----------------------------------------------
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    from conftest import run_cli, shared_run
+
+    def make(out):
+        p = run_cli("compare", "--tp", "1,2", "--fix", "auto", "--forward-only", "--no-confirm", "--no-baseline",
+                    "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-2000:]
+    return shared_run(tmp_path_factory, "tp12-auto-fwd", make)
+
+
+def _round0_cause(run, tmp_path):
+    """A policy allowing round 0's cause alone: a later round's other cause fails it (gated as the user's run)."""
+    s = json.loads((run / "summary.json").read_text())
+    p = tmp_path / "round0.toml"
+    p.write_text(f'allow_causes = ["{s["degrees"]["2"]["first_divergence"]["cause"]}"]\n')
+    return load_policy(str(p))
+
+
+@pytest.mark.parametrize("cut", ["fix_chain removed", "fix_chain cut to round 0", "chain and rounds removed"])
+def test_a_fix_chain_cut_from_the_summary_is_inconclusive(auto_run, tmp_path, cut):
+    run = tmp_path / "run"
+    shutil.copytree(auto_run, run, symlinks=True)
+    policy = _round0_cause(run, tmp_path)
+    chain = json.loads((run / "summary.json").read_text())["fix_chain"]
+    assert len(chain) > 1 and json.loads((run / "manifest.json").read_text())["fix_chain_rounds"] == len(chain)
+    assert evaluate(str(run), policy).exit_code == 1  # the control: a later round's cause is not allowed
+    if cut == "fix_chain cut to round 0":
+        _json_edit(run / "summary.json", lambda s: s.update(fix_chain=s["fix_chain"][:1]))
+    else:
+        _json_edit(run / "summary.json", lambda s: s.pop("fix_chain"))
+    if cut == "chain and rounds removed":
+        shutil.rmtree(run / "auto")
+    res = evaluate(str(run), policy)
+    assert res.exit_code == 2 and "fix chain" in res.problems[0], res.lines()

@@ -347,10 +347,12 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
     out += number_problems(degrees, rows)
-    from tpdiag.records.sides import what_ran_problems
+    from tpdiag.records.sides import fix_chain_problems, what_ran_problems
 
     if not is_diff_dir(run_dir, manifest):
         out += what_ran_problems(manifest, summary)
+        if not inside:
+            out += fix_chain_problems(run_dir, manifest, summary)
     if rows is not None:
         out += confirmation_problems(degrees, lambda fix: _confirmation_rows(run_dir, fix))
     out += _second_pass_problems(run_dir, summary, degrees, inside)

@@ -125,3 +125,49 @@ def labels_problem(manifest: dict) -> str | None:
     if isinstance(degs, list) and isinstance(cfg.get("degrees"), list) and degs != cfg["degrees"]:
         return f"manifest.json says the degrees {degs!r} but its own config says {cfg['degrees']!r} (edited after the run)"
     return None
+
+
+def fix_chain_problems(run_dir: str, manifest: dict, summary: dict) -> list[str]:
+    """`--fix auto`: every round the compare ran is gated (gate/verdict._judge_chain), so none may be
+    missing from summary.json's fix_chain - a later round that finds a bug a reordering hid is the user's
+    model's bug too, and a chain cut before it (or removed) passed `--allow rounding` on round 0 alone.
+    manifest.json says how many rounds ran (`fix_chain_rounds`, written with its final status); a round's
+    folder auto/roundN/ this run wrote must be in the chain too."""
+    chain = summary.get("fix_chain")
+    n = manifest.get("fix_chain_rounds")
+    if chain is not None and (not isinstance(chain, list) or not all(isinstance(r, dict) for r in chain)):
+        return []  # gate/verdict._judge_chain says so
+    rounds = [r.get("round") for r in chain or ()]
+    if rounds != list(range(len(rounds))):
+        return [f"summary.json's fix_chain has the rounds {rounds!r}, not 0..{len(rounds) - 1} (edited after the run)"]
+    if n is not None and (type(n) is not int or n != len(rounds)):
+        return [f"manifest.json says the fix chain ran {n!r} rounds but summary.json's fix_chain lists {len(rounds)} "
+                "(rounds removed, or edited after the run)"]
+    mine = _started(manifest)
+    try:
+        folders = os.listdir(os.path.join(run_dir, "auto"))
+    except OSError:
+        folders = []
+    for name in sorted(folders):
+        i = name[5:]
+        sub = os.path.join(run_dir, "auto", name)
+        if not (name.startswith("round") and i.isdigit() and int(i) >= max(len(rounds), 1)
+                and os.path.isfile(os.path.join(sub, MANIFEST))):
+            continue
+        try:
+            theirs = _started(io.read_json(os.path.join(sub, MANIFEST)))
+        except Inconclusive:
+            theirs = mine  # unreadable: not proven an earlier run's
+        if mine is None or theirs is None or theirs >= mine:
+            return [f"auto/{name}/ holds a round of this run's fix chain that summary.json's fix_chain does not list "
+                    "(rounds removed, or edited after the run)"]
+    return []
+
+
+def _started(manifest) -> float | None:
+    import datetime
+
+    try:
+        return datetime.datetime.strptime(manifest["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except (TypeError, KeyError, ValueError):
+        return None
