@@ -54,7 +54,9 @@ def _settings_problem(manifest: dict, d: str, label: str, who: str, degree=None)
         return f"{who}: {folder(label)}/{WORLD} has no config (not what tpdiag compare writes)"
     from tpdiag.records.sides import world_identity_problem
 
-    why = world_identity_problem(world, label, degree, f"{folder(label)}/{WORLD}")
+    entry = (manifest.get("worlds") or {}).get(label) if isinstance(manifest.get("worlds"), dict) else None
+    linked = entry.get("records_from") if isinstance(entry, dict) else None
+    why = world_identity_problem(world, label, degree, f"{folder(label)}/{WORLD}", cfg.get("out"), linked)
     if why:
         return f"{who}: {why}"
     for k in _SAME_SETTINGS:

@@ -18,11 +18,24 @@ from tpdiag.errors import Inconclusive
 from tpdiag.records.paths import MANIFEST, WORLD, world_file
 
 
-def world_identity_problem(world: dict, label: str, degree, where: str) -> str | None:
+def world_identity_problem(world: dict, label: str, degree, where: str, run_out=None, linked=None) -> str | None:
     """Where world.json describes another world than the manifest's TP=label at `degree`: another
     degree's records copied in (its events name their world size too, so a copied set stays
-    self-consistent - only world.json's own degree and label, and its one fingerprint per rank, tell)."""
+    self-consistent - only world.json's own degree and label, and its one fingerprint per rank, tell),
+    or a world another compare wrote (run_out: manifest.json's config `out`, where this compare wrote its
+    worlds; both paths are as the run wrote them, so a run directory moved or copied whole still agrees).
+    linked: the manifest's `records_from` - a world an earlier pass of this compare ran, linked in
+    (runner/compare._linked): its world.json names that folder."""
     cfg = world.get("config") if isinstance(world.get("config"), dict) else {}
+    od = cfg.get("out_dir")
+    if isinstance(linked, str) and linked and isinstance(od, str) and od:
+        if not _same_path(od, linked):
+            return (f"{where} was written into {od}, but manifest.json says this world's records are those of "
+                    f"{linked}: a world of another run copied in")
+    elif isinstance(run_out, str) and run_out and isinstance(od, str) and od and \
+            not _same_path(os.path.dirname(od), run_out):
+        return (f"{where} was written into {od}, by another compare than this run's (which wrote into {run_out}): "
+                "a world of another run copied in")
     for name, have in (("degree", world.get("degree")), ("label", world.get("label")),
                        ("config degree", cfg.get("degree", degree)), ("config label", cfg.get("label", label))):
         want = degree if "degree" in name else label
@@ -35,6 +48,17 @@ def world_identity_problem(world: dict, label: str, degree, where: str) -> str |
         return (f"{where} holds {len(fp)} rank fingerprint(s) for a world of {degree} ranks: another world's "
                 "records copied in, or edited after the run")
     return None
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Two paths one compare wrote, either absolute or relative to where it ran."""
+    a, b = os.path.normpath(a), os.path.normpath(b)
+    if a == b:
+        return True
+    if os.path.isabs(a) == os.path.isabs(b):
+        return False
+    rel, full = (a, b) if not os.path.isabs(a) else (b, a)
+    return full.endswith(os.sep + rel)
 
 
 def _side_file(path: str) -> str | None:
