@@ -378,11 +378,6 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
         out.append("manifest.json lists no worlds or labels (not a complete tpdiag compare run)")
         return out
     labels = [str(x) for x in labels]
-    from tpdiag.records.sides import labels_problem
-
-    why = labels_problem(manifest)
-    if why:
-        out.append(why)
     if str(manifest.get("reference")) != labels[0]:
         out.append(f"manifest.json reference {manifest.get('reference')!r} is not its first label {labels[0]!r}")
     for lab in labels[1:]:
@@ -392,6 +387,11 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
     for lab in degrees:
         if lab not in labels[1:]:
             out.append(f"summary.json has TP={lab}, which manifest.json does not list")
+    from tpdiag.records.sides import labels_problem
+
+    why = labels_problem(manifest)
+    if why:
+        out.append(why)
     ref, degs = summary.get("reference_label"), manifest.get("degrees")
     if ref is not None and str(ref) != labels[0]:
         out.append(f"summary.json's reference TP={ref} is not manifest.json's TP={labels[0]} (edited after the run)")
