@@ -6,11 +6,12 @@ between the forgery and a pass:
 - tp1/'s world.json, events.jsonl and records.safetensors copied over tp2/ (the second pass removed):
   a divergent TP=1,2 run read "bitwise" under the default policy (exit 0);
 - a `--fix all` run (bitwise) whose manifest.json says no fix ran: the stock model read bitwise (exit 0);
-- a configuration cut from manifest.json's labels while its config still runs it;
+- a configuration cut from manifest.json's labels while its config still runs it; a world another compare of
+  the same settings wrote, copied in (read as this run's: exit 1 like the run itself);
 - a `--steps 2` run with step 1's records cut from both worlds (n_records edited to match): a BUG only
   step 1 shows (exit 4) passed `--allow rounding` (exit 0);
-- `tpdiag diff RUN/tp2 RUN/tp2` (a run against itself) exited 0 "bitwise" and its gate passed; so did the
-  gate of a diff of a run and a byte copy of it;
+- the directory `tpdiag diff RUN/tp2 RUN/tp2` writes (a run against itself: "bitwise") passed the gate; so
+  did a diff of a run and a byte copy of it;
 - a `--fix auto` run with `fix_chain` removed from summary.json: its later rounds, gated as the user's run
   (exit 1 under a policy allowing round 0's cause alone), went ungated (exit 0).
 
@@ -92,6 +93,15 @@ def test_the_reference_s_records_copied_over_a_degree_are_inconclusive(tp12):
     assert r.exit_code == 2 and "world of degree 1" in r.output, r.output
 
 
+def test_a_world_of_another_compare_is_inconclusive(tp12, stock_run):
+    """conftest's TP=1,2,4,8 compare ran the same model and settings: its tp2/ re-diffs to this run's
+    diff.csv exactly (exit 1 on main, as the untouched run), but it is another run's evidence."""
+    shutil.rmtree(tp12 / "tp2")
+    shutil.copytree(stock_run / "tp2", tp12 / "tp2")
+    res = evaluate(str(tp12), load_policy(None))
+    assert res.exit_code == 2 and "by another compare than this run's" in res.problems[0], res.lines()
+
+
 def _no_fixes(run, summary_too):
     def edit(d):
         d["fixes"] = []
@@ -148,9 +158,16 @@ def test_a_step_cut_from_both_worlds_is_inconclusive(steps2_run, tmp_path, monke
 
 
 # -- tpdiag diff: two runs, not one twice ---------------------------------------------------------
-def test_diff_refuses_a_run_against_itself(tp12_run, tmp_path):
-    r = _cli("diff", tp12_run / "tp2", f"{tp12_run / 'tp2'}/", "--out", tmp_path / "d")
-    assert r.exit_code == 2 and "is RUN_A" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+def test_the_gate_of_a_diff_of_a_run_against_itself_is_inconclusive(tp12_run, tmp_path):
+    """`tpdiag diff A A` still says what it computed (bitwise: test_capture's sanity check), but its
+    directory is no evidence of anything: the gate and the report call it inconclusive."""
+    d = tmp_path / "d"
+    r = _cli("diff", tp12_run / "tp2", f"{tp12_run / 'tp2'}/", "--out", d)
+    assert r.exit_code == 0, r.output
+    res = evaluate(str(d), load_policy(None))
+    assert res.exit_code == 2 and "both sides of this tpdiag diff are" in res.problems[0], res.lines()
+    r = _cli("report", d, "-o", tmp_path / "r.html")
+    assert r.exit_code == 2 and "a run diffed against itself" in r.output, r.output
 
 
 def test_a_diff_of_one_run_twice_is_inconclusive(tp12_run, tmp_path):
