@@ -15,6 +15,8 @@ from tpdiag.errors import Inconclusive
 from tpdiag.records.numbers import confirmation_problems, number_problems, same
 from tpdiag.records.paths import DIFF_CSV, EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
 from tpdiag.records.rundir import is_diff_dir
+from tpdiag.records.sides import fix_chain_problems, labels_problem, what_ran_problems, world_identity_problem
+from tpdiag.records.sides import started as _started
 
 SCHEMA = 1
 STATUSES = ("bitwise", "divergent", "inconclusive")
@@ -52,8 +54,6 @@ def _settings_problem(manifest: dict, d: str, label: str, who: str, degree=None)
     wcfg = world.get("config") if isinstance(world, dict) else None
     if not isinstance(wcfg, dict):
         return f"{who}: {folder(label)}/{WORLD} has no config (not what tpdiag compare writes)"
-    from tpdiag.records.sides import world_identity_problem
-
     entry = (manifest.get("worlds") or {}).get(label) if isinstance(manifest.get("worlds"), dict) else None
     linked = entry.get("records_from") if isinstance(entry, dict) else None
     why = world_identity_problem(world, label, degree, f"{folder(label)}/{WORLD}", cfg.get("out"), linked)
@@ -136,15 +136,6 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
 
 
 _ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used
-
-
-def _started(manifest) -> float | None:
-    import datetime
-
-    try:
-        return datetime.datetime.strptime(manifest["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
-    except (TypeError, KeyError, ValueError):
-        return None
 
 
 def _unnamed_second_pass(run_dir: str, summary: dict, degrees: dict) -> list[str]:
@@ -349,8 +340,6 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
     out += number_problems(degrees, rows)
-    from tpdiag.records.sides import fix_chain_problems, what_ran_problems
-
     if not is_diff_dir(run_dir, manifest):
         out += what_ran_problems(manifest, summary)
         if not inside:
@@ -387,8 +376,6 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
     for lab in degrees:
         if lab not in labels[1:]:
             out.append(f"summary.json has TP={lab}, which manifest.json does not list")
-    from tpdiag.records.sides import labels_problem
-
     why = labels_problem(manifest)
     if why:
         out.append(why)

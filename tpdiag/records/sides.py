@@ -167,7 +167,7 @@ def fix_chain_problems(run_dir: str, manifest: dict, summary: dict) -> list[str]
     if n is not None and (type(n) is not int or n != len(rounds)):
         return [f"manifest.json says the fix chain ran {n!r} rounds but summary.json's fix_chain lists {len(rounds)} "
                 "(rounds removed, or edited after the run)"]
-    mine = _started(manifest)
+    mine = started(manifest)
     try:
         folders = os.listdir(os.path.join(run_dir, "auto"))
     except OSError:
@@ -179,7 +179,7 @@ def fix_chain_problems(run_dir: str, manifest: dict, summary: dict) -> list[str]
                 and os.path.isfile(os.path.join(sub, MANIFEST))):
             continue
         try:
-            theirs = _started(io.read_json(os.path.join(sub, MANIFEST)))
+            theirs = started(io.read_json(os.path.join(sub, MANIFEST)))
         except Inconclusive:
             theirs = mine  # unreadable: not proven an earlier run's
         if mine is None or theirs is None or theirs >= mine:
@@ -188,7 +188,7 @@ def fix_chain_problems(run_dir: str, manifest: dict, summary: dict) -> list[str]
     return []
 
 
-def _started(manifest) -> float | None:
+def started(manifest) -> float | None:
     import datetime
 
     try:
