@@ -14,6 +14,9 @@ from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
 from tpdiag.records.numbers import confirmation_problems, number_problems, same
 from tpdiag.records.paths import DIFF_CSV, EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
+from tpdiag.records.rundir import is_diff_dir
+from tpdiag.records.sides import fix_chain_problems, labels_problem, what_ran_problems, world_identity_problem
+from tpdiag.records.sides import started as _started
 
 SCHEMA = 1
 STATUSES = ("bitwise", "divergent", "inconclusive")
@@ -28,12 +31,15 @@ def schema_ok(v) -> bool:
 # settings; the axes - degree, micro-batch, mode, fix - are what differ between worlds): a world.json
 # that disagrees with manifest.json is another run's records, or the manifest was edited to describe
 # a run that never happened (another model, dtype or seed would pass as this one).
-_SAME_SETTINGS = ("model", "dtype", "seed", "batch_size", "seq_len", "steps", "layers")
+# The fixes, plan variant and numerics flags too: a --fix all run (bitwise) whose manifest.json was edited
+# to say no fix ran passed the default gate as the stock model's TP=1,2 being bitwise (red team, round 5).
+_SAME_SETTINGS = ("model", "dtype", "seed", "batch_size", "seq_len", "steps", "layers", "fixes", "variant", "flags",
+                  "tree_groups", "group_gemm")
 # manifest.json's own copies of settings its config holds
-_TOP_SETTINGS = ("model", "dtype", "seed")
+_TOP_SETTINGS = ("model", "dtype", "seed", "fixes", "flags", "tree_groups", "group_gemm")
 
 
-def _settings_problem(manifest: dict, d: str, label: str, who: str) -> str | None:
+def _settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) -> str | None:
     """Where world.json's settings (and record hash version) are not manifest.json's."""
     cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     for k in _TOP_SETTINGS:
@@ -48,6 +54,11 @@ def _settings_problem(manifest: dict, d: str, label: str, who: str) -> str | Non
     wcfg = world.get("config") if isinstance(world, dict) else None
     if not isinstance(wcfg, dict):
         return f"{who}: {folder(label)}/{WORLD} has no config (not what tpdiag compare writes)"
+    entry = (manifest.get("worlds") or {}).get(label) if isinstance(manifest.get("worlds"), dict) else None
+    linked = entry.get("records_from") if isinstance(entry, dict) else None
+    why = world_identity_problem(world, label, degree, f"{folder(label)}/{WORLD}", cfg.get("out"), linked)
+    if why:
+        return f"{who}: {why}"
     for k in _SAME_SETTINGS:
         if k in cfg and wcfg.get(k) != cfg[k]:
             return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k)!r} but manifest.json says {cfg[k]!r} "
@@ -121,19 +132,10 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
         m = world_file(d, rank_marker(r, "done"))
         if not os.path.isfile(m) or os.path.islink(m):
             return f"{who}: {folder(label)}/{rank_marker(r, 'done')} is missing (the rank never finished its work)"
-    return _settings_problem(manifest, d, label, who)
+    return _settings_problem(manifest, d, label, who, degree)
 
 
 _ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used
-
-
-def _started(manifest) -> float | None:
-    import datetime
-
-    try:
-        return datetime.datetime.strptime(manifest["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
-    except (TypeError, KeyError, ValueError):
-        return None
 
 
 def _unnamed_second_pass(run_dir: str, summary: dict, degrees: dict) -> list[str]:
@@ -342,6 +344,10 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
     out += number_problems(degrees, rows)
+    if not is_diff_dir(run_dir, manifest):
+        out += what_ran_problems(manifest, summary)
+        if not inside:
+            out += fix_chain_problems(run_dir, manifest, summary)
     if rows is not None:
         out += confirmation_problems(degrees, lambda fix: _confirmation_rows(run_dir, fix))
     out += _second_pass_problems(run_dir, summary, degrees, inside)
@@ -350,10 +356,11 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
                and (r.get("bitwise") is False or r.get("rank_consistent") is False)]
         if st == "bitwise" and div:
             out.append(f"summary.json says TP={lab} is bitwise but diff.csv has {len(div)} divergent records")
-    from tpdiag.records.rundir import is_diff_dir
-
     if is_diff_dir(run_dir, manifest):
-        return out  # `tpdiag diff`: its evidence is the two captures, re-diffed by the gate
+        # `tpdiag diff`: its evidence is the two captures, re-diffed by the gate - two runs, not one twice
+        from tpdiag.records.sides import diff_side_problems
+
+        return out + diff_side_problems(run_dir, manifest)
     if manifest.get("tool") != "tpdiag compare":
         # the per-rank checks below run whatever `tool` says: an edited field must not switch them off
         out.append(f"manifest.json tool {manifest.get('tool')!r}: a run directory of tpdiag compare says "
@@ -373,6 +380,9 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
     for lab in degrees:
         if lab not in labels[1:]:
             out.append(f"summary.json has TP={lab}, which manifest.json does not list")
+    why = labels_problem(manifest)
+    if why:
+        out.append(why)
     ref, degs = summary.get("reference_label"), manifest.get("degrees")
     if ref is not None and str(ref) != labels[0]:
         out.append(f"summary.json's reference TP={ref} is not manifest.json's TP={labels[0]} (edited after the run)")

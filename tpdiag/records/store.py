@@ -143,6 +143,7 @@ class RecordSet:
             # tells that records are gone (or were added)
             raise Inconclusive(f"{epath}: holds {len(self.events)} records but world.json says the run wrote "
                                f"{n} (truncated or edited after the run)")
+        _check_steps(self.world, self.events, epath)
         path = os.path.join(out_dir, TENSORS)
         if not os.path.isfile(path):
             raise Inconclusive(f"{path}: missing")
@@ -222,6 +223,23 @@ class RecordSet:
         the file is mapped read-only for this set's life, so a record read again (bounds,
         oracle, report) is the bytes just checked."""
         self._verified.add(meta["idx"])
+
+
+def _check_steps(world: dict, events: list[dict], epath: str) -> None:
+    """A compare world (world.json's config names its model) records every step it ran: a step's records
+    cut from both sides alike (and n_records edited to match) re-diff clean, so a bug only a later step
+    shows passed the gate (red team, round 5). A capture's steps are the user's loop's: not checked."""
+    cfg = world.get("config")
+    steps = cfg.get("steps") if isinstance(cfg, dict) and "model" in cfg else None
+    if not _is_int(steps) or steps < 1 or not events:
+        return
+    seen = {m["step"] for m in events}
+    gone = sorted(set(range(steps)) - seen)
+    extra = sorted(seen - set(range(steps)))
+    if gone or extra:
+        what = (f"no record of step {gone[0]}" if gone else f"records of step {extra[0]}")
+        raise Inconclusive(f"{epath}: {what}, but world.json says the world ran {steps} step(s) (records removed, "
+                           "or edited after the run)")
 
 
 def _line(e: BaseException) -> str:

@@ -67,7 +67,8 @@ def _session(cfg: CompareConfig, on_status=None, started: float | None = None) -
         first["class"] = final_class(summary["fix_chain"])
         first["timings"] = _timings(files, {"fix_chain_s": time.perf_counter() - t0}, t0, checks_s)
         files.summary(first)
-        files.add(status=first["status"])  # last: the run directory is complete from here on
+        # how many rounds ran, beside the status: a chain cut from summary.json is then seen (records/sides.py)
+        files.add(fix_chain_rounds=len(summary["fix_chain"]), status=first["status"])  # last: complete from here on
         first["run_dir"] = cfg.out
         return first
     # the manifest's status is written last, after the second pass and the confirmation: a compare

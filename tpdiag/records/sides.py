@@ -1,0 +1,197 @@
+"""Whose records are these? A world's files must be the world the manifest says ran, and the two sides of
+a `tpdiag diff` two different runs. Found by a red-team review (round 5): a divergent TP=1,2 run whose tp2/
+was overwritten by tp1/'s world.json, events.jsonl and records.safetensors - diff.csv and summary.json
+re-derived from the files with tpdiag's own code, the second pass removed - passed the default gate as
+"bitwise" (exit 0); so did `tpdiag diff RUN/tp2 RUN/tp2` (a capture against itself).
+
+Only file reads (records/ is the contract layer). What no reader can tell without a key: a forger who
+edits every JSON field of a copied world consistently (degree, label, each record's `world`, the
+fingerprints) - docs/ci.md says so. These checks make the cheap forgeries - files copied, not rewritten -
+fail closed.
+"""
+from __future__ import annotations
+
+import os
+
+from tpdiag.base import files as io
+from tpdiag.errors import Inconclusive
+from tpdiag.records.paths import MANIFEST, WORLD, world_file
+
+
+def world_identity_problem(world: dict, label: str, degree, where: str, run_out=None, linked=None) -> str | None:
+    """Where world.json describes another world than the manifest's TP=label at `degree`: another
+    degree's records copied in (its events name their world size too, so a copied set stays
+    self-consistent - only world.json's own degree and label, and its one fingerprint per rank, tell),
+    or a world another compare wrote (run_out: manifest.json's config `out`, where this compare wrote its
+    worlds; both paths are as the run wrote them, so a run directory moved or copied whole still agrees).
+    linked: the manifest's `records_from` - a world an earlier pass of this compare ran, linked in
+    (runner/compare._linked): its world.json names that folder."""
+    cfg = world.get("config") if isinstance(world.get("config"), dict) else {}
+    od = cfg.get("out_dir")
+    if isinstance(linked, str) and linked and isinstance(od, str) and od:
+        if not _same_path(od, linked):
+            return (f"{where} was written into {od}, but manifest.json says this world's records are those of "
+                    f"{linked}: a world of another run copied in")
+    elif isinstance(run_out, str) and run_out and isinstance(od, str) and od and \
+            not _same_path(os.path.dirname(od), run_out):
+        return (f"{where} was written into {od}, by another compare than this run's (which wrote into {run_out}): "
+                "a world of another run copied in")
+    for name, have in (("degree", world.get("degree")), ("label", world.get("label")),
+                       ("config degree", cfg.get("degree", degree)), ("config label", cfg.get("label", label))):
+        want = degree if "degree" in name else label
+        same = (type(have) is int and have == want) if "degree" in name else str(have) == str(want)
+        if not same:
+            return (f"{where} is the world of {name} {have!r} but manifest.json ran TP={label} (degree {degree!r}) "
+                    "here: another world's records copied in, or edited after the run")
+    fp = world.get("fingerprint")
+    if isinstance(fp, list) and type(degree) is int and len(fp) != degree:
+        return (f"{where} holds {len(fp)} rank fingerprint(s) for a world of {degree} ranks: another world's "
+                "records copied in, or edited after the run")
+    return None
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Two paths one compare wrote, either absolute or relative to where it ran."""
+    a, b = os.path.normpath(a), os.path.normpath(b)
+    if a == b:
+        return True
+    if os.path.isabs(a) == os.path.isabs(b):
+        return False
+    rel, full = (a, b) if not os.path.isabs(a) else (b, a)
+    return full.endswith(os.sep + rel)
+
+
+def _side_file(path: str) -> str | None:
+    """The file that says which run a diff side is: a compare world's world.json, a capture's manifest."""
+    for name in (WORLD, MANIFEST):
+        p = world_file(path, name) if name == WORLD else os.path.join(path, name)
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def diff_side_problems(run_dir: str, manifest: dict) -> list[str]:
+    """A `tpdiag diff` directory's two sides must be two runs: not one directory named twice (a capture
+    diffed against itself is bitwise whatever it holds), not a byte-for-byte copy of one (a rerun writes
+    its own times and timings), and each of the degree the manifest says it is."""
+    runs = manifest.get("runs")
+    labels = manifest.get("labels")
+    degrees = manifest.get("degrees")
+    if not isinstance(runs, dict) or not isinstance(labels, list) or len(labels) != 2:
+        return ["manifest.json of a tpdiag diff names no two runs (edited, or not what tpdiag diff writes)"]
+    paths = [runs.get(str(lab)) for lab in labels]
+    if not all(isinstance(p, str) and p for p in paths):
+        return [f"manifest.json of a tpdiag diff names no run for {', '.join(map(str, labels))} (edited)"]
+    paths = [p if os.path.isabs(p) else os.path.join(run_dir, p) for p in paths]
+    if os.path.realpath(paths[0]) == os.path.realpath(paths[1]):
+        return [f"both sides of this tpdiag diff are {os.path.realpath(paths[0])}: a run diffed against itself "
+                "is bitwise whatever it holds; diff two runs"]
+    files = [_side_file(p) for p in paths]
+    out = []
+    if all(files):
+        try:
+            with io.open_regular(files[0], encoding=None) as a, io.open_regular(files[1], encoding=None) as b:
+                if a.read() == b.read():
+                    out.append(f"the two sides of this tpdiag diff ({paths[0]}, {paths[1]}) are copies of one run "
+                               f"(their {os.path.basename(files[0])} are byte for byte the same); diff two runs")
+        except (OSError, Inconclusive):
+            pass  # unreadable: the re-diff of the records says so
+    if isinstance(degrees, list) and len(degrees) == 2:
+        for p, f, want in zip(paths, files, degrees):
+            if f is None or os.path.basename(f) != WORLD:
+                continue
+            try:
+                w = io.read_json(f)
+            except Inconclusive as e:
+                out.append(str(e).splitlines()[0])
+                continue
+            have = w.get("degree") if isinstance(w, dict) else None
+            if type(have) is not int or have != want:
+                out.append(f"{f} is a world of degree {have!r} but this tpdiag diff's manifest.json says {want!r} "
+                           "(another run's records, or edited)")
+    return out
+
+
+def what_ran_problems(manifest: dict, summary: dict) -> list[str]:
+    """summary.json's account of what ran (the fixes, the steps - analyse.py copies them from the reference
+    world) must be manifest.json's: a report or gate reader takes a fix-free bitwise verdict from it."""
+    cfg = manifest.get("config")
+    if not isinstance(cfg, dict):
+        return []
+    out = []
+    if isinstance(cfg.get("fixes"), list) and "degrees" in summary and list(summary.get("fixes") or []) != cfg["fixes"]:
+        out.append(f"summary.json says the fixes {list(summary.get('fixes') or [])!r} ran but manifest.json says "
+                   f"{cfg['fixes']!r} (edited after the run)")
+    if "steps" in summary and "steps" in cfg and summary["steps"] != cfg["steps"]:
+        out.append(f"summary.json says {summary['steps']!r} steps ran but manifest.json says {cfg['steps']!r} "
+                   "(edited after the run)")
+    return out
+
+
+def labels_problem(manifest: dict) -> str | None:
+    """manifest.json's configurations must be the ones its own config runs: a configuration cut from the
+    labels, the worlds, summary.json and diff.csv together (its folder removed) - one degree of three,
+    a micro-batch or decode configuration - is a run that compared less than it was asked to."""
+    cfg, labels = manifest.get("config"), manifest.get("labels")
+    if not isinstance(cfg, dict) or not isinstance(labels, list):
+        return None  # integrity.problems says a compare's manifest lists no labels
+    from tpdiag.config import CompareConfig
+    from tpdiag.errors import BadInput
+
+    try:
+        want = [w.label for w in CompareConfig.from_dict(cfg).worlds()]
+    except (BadInput, TypeError, ValueError, KeyError, AttributeError) as e:
+        return f"manifest.json's config is not one this tpdiag runs ({str(e).splitlines()[0][:200] if str(e) else e!r})"
+    if [str(x) for x in labels] != want:
+        return (f"manifest.json lists the configurations {', '.join(map(str, labels))} but its config runs "
+                f"{', '.join(want)} (a configuration removed, or edited after the run)")
+    degs = manifest.get("degrees")
+    if isinstance(degs, list) and isinstance(cfg.get("degrees"), list) and degs != cfg["degrees"]:
+        return f"manifest.json says the degrees {degs!r} but its own config says {cfg['degrees']!r} (edited after the run)"
+    return None
+
+
+def fix_chain_problems(run_dir: str, manifest: dict, summary: dict) -> list[str]:
+    """`--fix auto`: every round the compare ran is gated (gate/verdict._judge_chain), so none may be
+    missing from summary.json's fix_chain - a later round that finds a bug a reordering hid is the user's
+    model's bug too, and a chain cut before it (or removed) passed `--allow rounding` on round 0 alone.
+    manifest.json says how many rounds ran (`fix_chain_rounds`, written with its final status); a round's
+    folder auto/roundN/ this run wrote must be in the chain too."""
+    chain = summary.get("fix_chain")
+    n = manifest.get("fix_chain_rounds")
+    if chain is not None and (not isinstance(chain, list) or not all(isinstance(r, dict) for r in chain)):
+        return []  # gate/verdict._judge_chain says so
+    rounds = [r.get("round") for r in chain or ()]
+    if rounds != list(range(len(rounds))):
+        return [f"summary.json's fix_chain has the rounds {rounds!r}, not 0..{len(rounds) - 1} (edited after the run)"]
+    if n is not None and (type(n) is not int or n != len(rounds)):
+        return [f"manifest.json says the fix chain ran {n!r} rounds but summary.json's fix_chain lists {len(rounds)} "
+                "(rounds removed, or edited after the run)"]
+    mine = started(manifest)
+    try:
+        folders = os.listdir(os.path.join(run_dir, "auto"))
+    except OSError:
+        folders = []
+    for name in sorted(folders):
+        i = name[5:]
+        sub = os.path.join(run_dir, "auto", name)
+        if not (name.startswith("round") and i.isdigit() and int(i) >= max(len(rounds), 1)
+                and os.path.isfile(os.path.join(sub, MANIFEST))):
+            continue
+        try:
+            theirs = started(io.read_json(os.path.join(sub, MANIFEST)))
+        except Inconclusive:
+            theirs = mine  # unreadable: not proven an earlier run's
+        if mine is None or theirs is None or theirs >= mine:
+            return [f"auto/{name}/ holds a round of this run's fix chain that summary.json's fix_chain does not list "
+                    "(rounds removed, or edited after the run)"]
+    return []
+
+
+def started(manifest) -> float | None:
+    import datetime
+
+    try:
+        return datetime.datetime.strptime(manifest["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except (TypeError, KeyError, ValueError):
+        return None
