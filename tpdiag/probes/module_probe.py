@@ -20,11 +20,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tpdiag.probes.oracle_hooks import oracle_backward_hook, record_oracle, record_own_oracles
+from tpdiag.probes.oracle_hooks import (inputs_differ, oracle_backward_hook, param_grad_norms, record_oracle,
+                                        record_own_oracles)
 from tpdiag.probes.model_walk import Walk, plan_memo
 from tpdiag.probes.recorder import Recorder
 from tpdiag.probes.rows import consumers_of, extras, module_of
 
+_NORMS = os.environ.get("TPDIAG_OWN_NORMS", "1") != "0"
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))  # output / input positions as record names
 
@@ -80,6 +82,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
 
         snaps: dict = {}  # (module, call) -> float64 snapshot of its inputs (oracle modules)
         loaded: dict = {}
+        # (step, module, short) -> the float64 weight grads held until the real one is
+        # accumulated (oracle_hooks.param_grad_norms), for the weight grad hooks put in below
+        pend: dict = {}
+        hooked: dict = {}
 
         def own_inputs() -> dict:
             if not loaded:
@@ -130,11 +136,18 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             call = calls.get(mod, 0)
             snap = snaps.pop((mod, call), None) if snaps else None
             if snap is not None:
-                record_oracle(rec, mod, name, call, snap, style, cls)
+                # its inputs differ at every other world: the diff reads the reference's own
+                # re-execution for two norms only (probes/oracle_hooks.NORMS); TPDIAG_OWN_NORMS=0:
+                # the float64 values whole (the A/B: tests/test_own_norms.py)
+                differ = bool(own) and _NORMS and inputs_differ(rec, snap, name, call, own_inputs())
+                if differ and backward:
+                    for short in hooked.get(name, ()):
+                        pend.setdefault((rec.step, name, short), [])
+                record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None)
                 if own:
                     record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward)
                 if backward:
-                    oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls)
+                    oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend)
             with _no_modes():
                 for i, t in enumerate(_tensors(out)):
                     idx = _IDX[i] if i < _NIDX else str(i)
@@ -167,8 +180,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 mname = mname or "model"
                 if include is not None and mname not in include or not p.requires_grad:
                     continue
+                hooked.setdefault(mname, []).append(short)
                 handles.append(p.register_post_accumulate_grad_hook(
-                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname))))
+                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname), pend)))
         # record_params inside this block reads the same walk (no module walk per call)
         walks[id(model)] = walked
         from tpdiag.probes.collectives import forget_written
@@ -308,7 +322,7 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
     return hook
 
 
-def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
+def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: dict | None = None):
     from tpdiag.kernels.grad_carry import carried
 
     def hook(p):
@@ -327,5 +341,7 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
             g = g.full_tensor()
         with _no_modes():
             rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
+            if pend:
+                param_grad_norms(rec, pend, mname, short, g, cls)
 
     return hook
