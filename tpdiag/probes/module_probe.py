@@ -26,7 +26,6 @@ from tpdiag.probes.model_walk import Walk, plan_memo
 from tpdiag.probes.recorder import Recorder
 from tpdiag.probes.rows import consumers_of, extras, module_of
 
-_NORMS = os.environ.get("TPDIAG_OWN_NORMS", "1") != "0"
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))  # output / input positions as record names
 
@@ -139,7 +138,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 # its inputs differ at every other world: the diff reads the reference's own
                 # re-execution for two norms only (probes/oracle_hooks.NORMS); TPDIAG_OWN_NORMS=0:
                 # the float64 values whole (the A/B: tests/test_own_norms.py)
-                differ = bool(own) and _NORMS and inputs_differ(rec, snap, name, call, own_inputs())
+                differ = bool(own) and os.environ.get("TPDIAG_OWN_NORMS", "1") != "0" and inputs_differ(rec, snap, name, call, own_inputs())
                 if differ and backward:
                     for short in hooked.get(name, ()):
                         pend.setdefault((rec.step, name, short), [])
