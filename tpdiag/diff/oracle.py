@@ -84,7 +84,14 @@ def target_key(oracle_key: str) -> str:
 
 def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | None:
     """The verdict for one record (see the module doc), or None when it cannot be formed
-    (shapes differ, non-finite values: those are findings of their own)."""
+    (shapes differ, non-finite values: those are findings of their own). Its float64 norms on the
+    parent's check device where it has one (diff/on_device.py)."""
+    from tpdiag.diff import on_device
+
+    return on_device.run(_judge, y_ref, y_n, o)
+
+
+def _judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | None:
     if y_ref.shape != y_n.shape or tuple(o.shape) != tuple(y_ref.shape):
         return None
     if not (y_ref.is_floating_point() or y_ref.is_complex()):
@@ -111,6 +118,14 @@ def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | Non
 
 def judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, o_n: torch.Tensor,
               ref_norms: torch.Tensor | None = None) -> dict | None:
+    """_judge_own on the parent's check device where it has one (diff/on_device.py)."""
+    from tpdiag.diff import on_device
+
+    return on_device.run(_judge_own, y_ref, y_n, o_ref, o_n, ref_norms)
+
+
+def _judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, o_n: torch.Tensor,
+               ref_norms: torch.Tensor | None = None) -> dict | None:
     """A record past the first divergence, judged on its own inputs: o_n is the reference's
     module re-executed in float64 from THIS side's inputs (diff/own_inputs.py), o_ref from the
     reference's. Each side's relative distance from its own exact value; this side far when
@@ -119,7 +134,7 @@ def judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None
     conditioning included), as in judge(); without o_ref only the one-rounding floor u.
     ref_norms: [||o_ref||, ||y_ref - o_ref||] where the reference's world kept those instead of
     o_ref (probes/oracle_hooks.NORMS; NaN in the second where the shapes differed there)."""
-    got = judge(y_n, y_n, o_n)
+    got = _judge(y_n, y_n, o_n)
     if got is None:
         return None
     cd = torch.complex128 if o_n.is_complex() or y_n.is_complex() else torch.float64

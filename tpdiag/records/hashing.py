@@ -83,6 +83,12 @@ def checks_on(device):
         _DEVICE[0] = before
 
 
+def check_device():
+    """The device checks_on set for this block (None: the host). The diff's float64 bounds and
+    judgements run there too (diff/on_device.py): one decision where the parent may use a GPU."""
+    return _DEVICE[0]
+
+
 def device_lanes(t: torch.Tensor, device, version: int = HASH_VERSION, piece: int = _PIECE) -> tuple[int, int]:
     """(lane_a, lane_b) mod 2**32 of host tensor t, hashed on `device` a piece at a time, each
     piece placed at its flat offset: whole_lanes(t)'s lanes."""
