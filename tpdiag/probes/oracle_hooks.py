@@ -60,6 +60,13 @@ def ref_norms(y, o: torch.Tensor) -> torch.Tensor:
     return torch.stack([s, e]).cpu()
 
 
+def _plain_like(y, o: torch.Tensor) -> bool:
+    """y is the value the reference records, as it is here (a plain floating tensor of o's shape):
+    its norms stand for the diff's. Anything else keeps o whole (the diff judges it as before)."""
+    return type(y) is torch.Tensor and y.is_floating_point() and not o.is_complex() \
+        and tuple(y.shape) == tuple(o.shape)
+
+
 def inputs_differ(rec: Recorder, snap, name: str, call: int, own: dict) -> bool:
     """Whether, at EVERY other world of the pass (own: {label: its shipped inputs}, one entry per
     world: runner/drill_own.own_files), this call's floating inputs were shipped whole and at least
@@ -110,9 +117,9 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
     for i, t in enumerate(_tensors(out64)):
         if t.is_floating_point() or t.is_complex():
             idx = _IDX[i] if i < _NIDX else str(i)
-            if ys is not None and not t.is_complex():
-                rec.add("oracle", name, idx + NORMS, ref_norms(ys[i] if i < len(ys) else None, t), call=call,
-                        style=style, cls=cls)
+            y = ys[i] if ys is not None and i < len(ys) else None
+            if _plain_like(y, t):
+                rec.add("oracle", name, idx + NORMS, ref_norms(y, t), call=call, style=style, cls=cls)
             else:
                 rec.add("oracle", name, idx, t, call=call, style=style, cls=cls)
 
@@ -123,7 +130,7 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
     the module's weight grads for this call are computed again in float64 from the same
     snapshot (probes/float64.py, module_oracle_grads) and recorded as oracle records
     `param_grad.SHORT.cCALL`, with its input grads as `grad_in.I.cCALL`. The hook returns None: the real grad is untouched.
-    pend: {(step, module, short): [float64 grad per call]} where only the norms of the weight grad
+    pend: {(step, module, short): [(call, cls, float64 grad)]} where only the norms of the weight grad
     against the real one are read (inputs_differ at some call): held for param_grad_norms, which
     records them when the real grad is accumulated, instead of the float64 grads."""
     outs = [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad and t.grad_fn is not None]
@@ -147,7 +154,7 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
             what = "grad_in" if short.startswith("in") and short[2:].isdigit() else "param_grad"
             short = short[2:] if what == "grad_in" else short
             if what == "param_grad" and pend is not None and (step, name, short) in pend:
-                pend[(step, name, short)].append(t)
+                pend[(step, name, short)].append((call, cls, t))
                 continue
             rec.add("oracle", name, f"{what}.{short}.c{call}", t, phase="backward", cls=cls)
         return None
@@ -163,10 +170,14 @@ def param_grad_norms(rec: Recorder, pend: dict, mname: str, short: str, g, cls) 
     got = pend.pop((rec.step, mname, short), None)
     if not got:
         return
-    o = got[0]
-    for t in got[1:]:
+    o = got[0][2]
+    for _, _, t in got[1:]:
         o = o + t
-    rec.add("oracle", mname, f"param_grad.{short}{NORMS}", ref_norms(g, o), phase="backward", cls=cls)
+    if _plain_like(g, o):
+        rec.add("oracle", mname, f"param_grad.{short}{NORMS}", ref_norms(g, o), phase="backward", cls=cls)
+        return
+    for call, c, t in got:  # not a value whose norms stand for the diff's: each call's whole, as before
+        rec.add("oracle", mname, f"param_grad.{short}.c{call}", t, phase="backward", cls=c)
 
 
 def _with_inputs(snap, key_of, tensors: dict):
