@@ -60,6 +60,13 @@ def ref_norms(y, o: torch.Tensor) -> torch.Tensor:
     return torch.stack([s, e]).cpu()
 
 
+def _norms_paused(rec: Recorder, y, o: torch.Tensor) -> torch.Tensor:
+    """ref_norms with the recorder paused: its norms and subtraction are no ops of the step (an op
+    probe recorded them into the reference's op stream, which the other world has not)."""
+    with rec._paused():
+        return ref_norms(y, o)
+
+
 def _plain_like(y, o: torch.Tensor) -> bool:
     """y is the value the reference records, as it is here (a plain floating tensor of o's shape):
     its norms stand for the diff's. Anything else keeps o whole (the diff judges it as before)."""
@@ -119,7 +126,7 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
             idx = _IDX[i] if i < _NIDX else str(i)
             y = ys[i] if ys is not None and i < len(ys) else None
             if _plain_like(y, t):
-                rec.add("oracle", name, idx + NORMS, ref_norms(y, t), call=call, style=style, cls=cls)
+                rec.add("oracle", name, idx + NORMS, _norms_paused(rec, y, t), call=call, style=style, cls=cls)
             else:
                 rec.add("oracle", name, idx, t, call=call, style=style, cls=cls)
 
@@ -174,7 +181,7 @@ def param_grad_norms(rec: Recorder, pend: dict, mname: str, short: str, g, cls) 
     for _, _, t in got[1:]:
         o = o + t
     if _plain_like(g, o):
-        rec.add("oracle", mname, f"param_grad.{short}{NORMS}", ref_norms(g, o), phase="backward", cls=cls)
+        rec.add("oracle", mname, f"param_grad.{short}{NORMS}", _norms_paused(rec, g, o), phase="backward", cls=cls)
         return
     for call, c, t in got:  # not a value whose norms stand for the diff's: each call's whole, as before
         rec.add("oracle", mname, f"param_grad.{short}.c{call}", t, phase="backward", cls=c)
