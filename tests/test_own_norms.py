@@ -137,3 +137,18 @@ def test_judge_own_from_the_norms_is_judge_own_from_the_values():
     assert judge_own(y_ref, y_n, None, o_n, ref_norms=ref_norms(y_ref[:32], o_ref)) == other
     # negative control: without the figures only the one-rounding floor is left - another threshold
     assert judge_own(y_ref, y_n, None, o_n)["threshold"] != whole["threshold"]
+
+
+def test_the_norms_are_no_ops_of_the_step(tmp_path):
+    """Under an op probe (a decode configuration's second pass records ops and judges on own inputs
+    at once) the norms' own vector_norm, sub and stack are not recorded as the reference's ops: each
+    was read `missing` at the decode world before they ran with the recorder paused."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--tp", "1", "--mode", "prefill,decode", "--batch-size", "4", "--seq-len", "8",
+                "--no-confirm", "--forward-only", "--no-baseline", "--format", "json", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    assert any(m["name"].endswith("~norms") for m in _events(d / "ops" / "tp1"))
+    assert any(m["kind"] == "op" for m in _events(d / "ops" / "tp1"))
+    ops = json.loads((d / "ops" / "summary.json").read_text())["configurations"]["1-decode"]
+    assert ops["missing"] == [], ops["missing"]
