@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tpdiag.probes.oracle_hooks import (inputs_differ, oracle_backward_hook, param_grad_norms, record_oracle,
+from tpdiag.probes.oracle_hooks import (grad_out_differs, inputs_differ, oracle_backward_hook, param_grad_norms, record_oracle,
                                         record_own_oracles)
 from tpdiag.probes.model_walk import Walk, plan_memo
 from tpdiag.probes.recorder import Recorder
@@ -86,6 +86,18 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         pend: dict = {}
         hooked: dict = {}
 
+        def grad_pend(g, name: str, call: int) -> None:
+            """A module called once whose output grad differs at every world: the diff reads its
+            weight grads' re-execution for two norms only (grads_equal is false there) - the
+            embedding's, whose inputs (the tokens) are equal, ~0.5 GB of float64 at llama-1b. A
+            module called more than once is left to its inputs (its calls' grads would part)."""
+            if os.environ.get("TPDIAG_OWN_NORMS", "1") == "0" or counts.get((rec.step, "forward", name), 0) != 1:
+                return
+            if any(k not in pend for k in ((rec.step, name, s) for s in hooked.get(name, ()))) \
+                    and grad_out_differs(rec, g, name, call, own_inputs()):
+                for short in hooked.get(name, ()):
+                    pend.setdefault((rec.step, name, short), [])
+
         def own_inputs() -> dict:
             if not loaded:
                 from safetensors.torch import load_file
@@ -146,7 +158,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 if own:
                     record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward)
                 if backward:
-                    oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend)
+                    oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend,
+                                         (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None)
             with _no_modes():
                 for i, t in enumerate(_tensors(out)):
                     idx = _IDX[i] if i < _NIDX else str(i)

@@ -102,6 +102,23 @@ def inputs_differ(rec: Recorder, snap, name: str, call: int, own: dict) -> bool:
     return True
 
 
+def grad_out_differs(rec: Recorder, g, name: str, call: int, own: dict) -> bool:
+    """Whether the output grad g this call received differs in bits from the one shipped for
+    EVERY other world of the pass (as inputs_differ): the diff then finds the module's grad_out
+    record not bitwise, so it judges its weight grads on their own inputs only."""
+    if not own or rec.world != 1 or rec.piece is not None or rec.prefix is not None \
+            or type(g) is not torch.Tensor or not g.is_floating_point():
+        return False
+    for tensors in own.values():
+        got = tensors.get(record_key(rec.step, "backward", name, "grad_out", call, 0))
+        if got is None or tuple(got.shape) != tuple(g.shape) or not got.is_floating_point():
+            return False
+        if torch.equal(got.to(device=g.device, dtype=torch.float64).view(torch.int64),
+                       g.detach().to(torch.float64).view(torch.int64)):
+            return False
+    return True
+
+
 def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls, norms_of=None) -> None:
     """Re-execute mod in float64 from its input snapshot; record each floating output (in the
     positions its real outputs have) or, when refused, why (rec.oracle_notes).
@@ -132,14 +149,16 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
 
 
 def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, snap, out,
-                          handles: list, cls, pend: dict | None = None) -> None:
+                          handles: list, cls, pend: dict | None = None, on_grad=None) -> None:
     """A module with one floating output that requires grad: when that output's grad arrives,
     the module's weight grads for this call are computed again in float64 from the same
     snapshot (probes/float64.py, module_oracle_grads) and recorded as oracle records
     `param_grad.SHORT.cCALL`, with its input grads as `grad_in.I.cCALL`. The hook returns None: the real grad is untouched.
     pend: {(step, module, short): [(call, cls, float64 grad)]} where only the norms of the weight grad
     against the real one are read (inputs_differ at some call): held for param_grad_norms, which
-    records them when the real grad is accumulated, instead of the float64 grads."""
+    records them when the real grad is accumulated, instead of the float64 grads; on_grad(g), called
+    first, may add the module's entries there (module_probe: a one-call module whose output grad
+    differs at every world)."""
     outs = [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad and t.grad_fn is not None]
     if len(outs) != 1:
         return
@@ -147,6 +166,10 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
 
     def hook(g):
         from tpdiag.probes.float64 import module_oracle_grads
+
+        if on_grad is not None:
+            with rec._paused():
+                on_grad(g)
 
         rec.in_oracle, was = True, rec.enabled
         rec.enabled = False
