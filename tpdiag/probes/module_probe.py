@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tpdiag.probes.oracle_hooks import (grad_out_differs, inputs_differ, oracle_backward_hook, param_grad_norms, record_oracle,
-                                        record_own_oracles)
+from tpdiag.probes.oracle_hooks import (grad_out_differs, inputs_differ, oracle_backward_hook, param_grad_norms,
+                                        record_oracle, record_own_oracles)
 from tpdiag.probes.model_walk import Walk, plan_memo
 from tpdiag.probes.recorder import Recorder
 from tpdiag.probes.rows import consumers_of, extras, module_of
@@ -150,7 +150,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 # its inputs differ at every other world: the diff reads the reference's own
                 # re-execution for two norms only (probes/oracle_hooks.NORMS); TPDIAG_OWN_NORMS=0:
                 # the float64 values whole (the A/B: tests/test_own_norms.py)
-                differ = bool(own) and os.environ.get("TPDIAG_OWN_NORMS", "1") != "0" and inputs_differ(rec, snap, name, call, own_inputs())
+                differ = False
+                if own and os.environ.get("TPDIAG_OWN_NORMS", "1") != "0":
+                    with rec._paused():  # its comparisons are no ops of the step (an op probe's scope)
+                        differ = inputs_differ(rec, snap, name, call, own_inputs())
                 if differ and backward:
                     for short in hooked.get(name, ()):
                         pend.setdefault((rec.step, name, short), [])
