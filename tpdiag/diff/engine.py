@@ -28,6 +28,9 @@ class DegreeDiff:
     # the same from THIS side's own inputs (diff/own_inputs.py): record key -> float64 tensor
     oracle_own: dict = field(default_factory=dict)
     grad_in_own: dict = field(default_factory=dict)
+    # record key -> [||o||, ||y_ref - o||] of the reference's own re-execution o, where its world
+    # kept only those (probes/oracle_hooks.NORMS: the inputs differed at every other world)
+    oracle_norms: dict = field(default_factory=dict)
     _equal_index: dict | None = None  # diff/oracle._index's lookups, built once
     # record key -> its checked pair's content key (diff/pair_memo.py), where both sides have one
     contents: dict = field(default_factory=dict)
@@ -374,12 +377,18 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
+        from tpdiag.records.keys import ORACLE_NORMS as NORMS
 
         wanted = {r["key"] for r in rows if not r["bitwise"]}
         for m in oracle_metas:
             name, at, side = m["name"].partition("@")
             if at and side != label:
                 continue  # re-executed from another world's inputs
+            if not at and name.endswith(NORMS):
+                k = target_key(m["key"][:len(m["key"]) - len(NORMS)])
+                if k in wanted:
+                    dd.oracle_norms[k] = ref.tensor(m)
+                continue
             oracle, grad_in = (dd.oracle_own, dd.grad_in_own) if at else (dd.oracle, dd.grad_in)
             if name.startswith("grad_in."):
                 # d loss / d input I of a consumer: judged against its producer's grad_out

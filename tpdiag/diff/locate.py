@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds, generic_bound, loss_grad, oracle, oracle_own, pair_memo, router
+from tpdiag.diff import bits, bounds, generic_bound, loss_grad, on_device, oracle, oracle_own, pair_memo, router
 from tpdiag.diff.loss_bounds import loss_bounds
 from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
 from tpdiag.diff.op_verdict import op_verdict
@@ -53,11 +53,15 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
                 or w1.shape[0] != y1.shape[-1]):
             continue  # not whole tensors (e.g. stacked shards of two same-degree TP>1 worlds)
         def measure():
-            b = bounds.linear_bound(x1, xn, w1, wn, y1, yn, world, b1, bn)
-            if b.shape != y1.shape:
-                return ()
-            chk = bounds.check(y1, yn, b)
-            return chk.bound, chk.ratio, chk.beyond
+            def work(x1, xn, w1, wn, y1, yn, b1, bn):
+                b = bounds.linear_bound(x1, xn, w1, wn, y1, yn, world, b1, bn)
+                if b.shape != y1.shape:
+                    return ()
+                chk = bounds.check(y1, yn, b)
+                return chk.bound, chk.ratio, chk.beyond
+
+            # its float64 GEMMs on the parent's check device where it has one (diff/on_device.py)
+            return on_device.run(work, x1, xn, w1, wn, y1, yn, b1, bn)
 
         # the same records' bound, measured earlier in this process (diff/pair_memo.py)
         ids = pair_memo.of(dd, k, xk, wk, *((bk,) if b1 is not None else ()))
@@ -68,6 +72,7 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
     generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
     oracle.apply(dd)  # any module or op the reference re-executed in float64: bug or rounding
     oracle_own.apply_own(dd)  # ... and past the first divergence, from this side's own inputs
+    on_device.release()
     for row in dd.rows:
         if row.get("oracle") and not row.get("beyond_bound") and not row.get("oracle_flip") \
                 and row["kind"] == "out" and not row.get("generic_cause"):

@@ -84,7 +84,14 @@ def target_key(oracle_key: str) -> str:
 
 def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | None:
     """The verdict for one record (see the module doc), or None when it cannot be formed
-    (shapes differ, non-finite values: those are findings of their own)."""
+    (shapes differ, non-finite values: those are findings of their own). Its float64 norms on the
+    parent's check device where it has one (diff/on_device.py)."""
+    from tpdiag.diff import on_device
+
+    return on_device.run(_judge, y_ref, y_n, o)
+
+
+def _judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | None:
     if y_ref.shape != y_n.shape or tuple(o.shape) != tuple(y_ref.shape):
         return None
     if not (y_ref.is_floating_point() or y_ref.is_complex()):
@@ -109,14 +116,25 @@ def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | Non
             "relative": s > 0, "n": n}
 
 
-def judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, o_n: torch.Tensor) -> dict | None:
+def judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, o_n: torch.Tensor,
+              ref_norms: torch.Tensor | None = None) -> dict | None:
+    """_judge_own on the parent's check device where it has one (diff/on_device.py)."""
+    from tpdiag.diff import on_device
+
+    return on_device.run(_judge_own, y_ref, y_n, o_ref, o_n, ref_norms)
+
+
+def _judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, o_n: torch.Tensor,
+               ref_norms: torch.Tensor | None = None) -> dict | None:
     """A record past the first divergence, judged on its own inputs: o_n is the reference's
     module re-executed in float64 from THIS side's inputs (diff/own_inputs.py), o_ref from the
     reference's. Each side's relative distance from its own exact value; this side far when
         e_N / ||o_N|| > A * max(e_ref / ||o_ref||, u)
     - the reference's own error on its own inputs measures this computation's rounding (its
-    conditioning included), as in judge(); without o_ref only the one-rounding floor u."""
-    got = judge(y_n, y_n, o_n)
+    conditioning included), as in judge(); without o_ref only the one-rounding floor u.
+    ref_norms: [||o_ref||, ||y_ref - o_ref||] where the reference's world kept those instead of
+    o_ref (probes/oracle_hooks.NORMS; NaN in the second where the shapes differed there)."""
+    got = _judge(y_n, y_n, o_n)
     if got is None:
         return None
     cd = torch.complex128 if o_n.is_complex() or y_n.is_complex() else torch.float64
@@ -127,6 +145,10 @@ def judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None
     if o_ref is not None and tuple(o_ref.shape) == tuple(y_ref.shape) and y_ref.shape == y_n.shape:
         s_r = float(torch.linalg.vector_norm(o_ref.to(cd)))
         e_r = float(torch.linalg.vector_norm(y_ref.to(cd) - o_ref.to(cd)))
+        if math.isfinite(e_r):
+            ref_rel = e_r / s_r if s_r > 0 else e_r
+    elif o_ref is None and ref_norms is not None and y_ref.shape == y_n.shape:
+        s_r, e_r = (float(x) for x in ref_norms.to(torch.float64).reshape(-1)[:2])
         if math.isfinite(e_r):
             ref_rel = e_r / s_r if s_r > 0 else e_r
     if s_n == 0:
@@ -339,6 +361,15 @@ def apply(dd) -> None:
         first, first_seen = not first_seen, True
         if not ((row["phase"] == "forward" and row["kind"] in ("out", "op"))
                 or (row["phase"] == "backward" and row["kind"] in ("param_grad", "grad_out"))):
+            continue
+        if row["key"] not in dd.oracle and row["key"] in getattr(dd, "oracle_norms", {}) \
+                and not row.get("nonfinite_mismatch") and row["kind"] in ("out", "param_grad") \
+                and (inputs_equal(dd, row) if row["kind"] == "out" else grads_equal(dd, row)):
+            # the reference's world kept only the norms of its float64 value, having seen this
+            # record's inputs differ (probes/oracle_hooks.inputs_differ): read equal here, they
+            # contradict it - no verdict from a value that is not there (fail closed: unknown)
+            row["oracle_refused"] = ("the reference world kept only the norms of its float64 re-execution "
+                                     "(its inputs differed there), which judge no record of equal inputs")
             continue
         if row["key"] not in dd.oracle or row.get("nonfinite_mismatch") or row["bitwise"]:
             continue

@@ -57,17 +57,20 @@ def apply_own(dd) -> None:
                 or row.get("rank_consistent") is False or row["key"] not in dd.tensors:
             continue
         k = row["key"]
+        norms = None
         if row["phase"] == "backward" and row["kind"] == "grad_out":
             o_n, o_ref = _own_grad_in(dd, row, dd.grad_in_own), _own_grad_in(dd, row, dd.grad_in)
         elif (row["phase"], row["kind"]) in (("forward", "out"), ("backward", "param_grad")):
             o_n, o_ref = own.get(k), dd.oracle.get(k)
+            # the reference's world kept only its re-execution's norms (probes/oracle_hooks.NORMS)
+            norms = (getattr(dd, "oracle_norms", None) or {}).get(k) if o_ref is None else None
         else:
             continue
         if o_n is None:
             continue
         y_ref, y_n = dd.tensors[k]
         o_ref = None if o_ref is None else first_positions(o_ref, y_n, row.get("positions"))
-        v = judge_own(y_ref, y_n, o_ref, first_positions(o_n, y_n, row.get("positions")))
+        v = judge_own(y_ref, y_n, o_ref, first_positions(o_n, y_n, row.get("positions")), ref_norms=norms)
         if v is None:
             continue
         discrete = notes_for(dd, row).get("discrete")

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tpdiag.probes.oracle_hooks import oracle_backward_hook, record_oracle, record_own_oracles
+from tpdiag.probes.oracle_hooks import (grad_out_differs, inputs_differ, oracle_backward_hook, param_grad_norms,
+                                        record_oracle, record_own_oracles)
 from tpdiag.probes.model_walk import Walk, plan_memo
 from tpdiag.probes.recorder import Recorder
 from tpdiag.probes.rows import consumers_of, extras, module_of
@@ -80,6 +81,22 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
 
         snaps: dict = {}  # (module, call) -> float64 snapshot of its inputs (oracle modules)
         loaded: dict = {}
+        # (step, module, short) -> the float64 weight grads held until the real one is
+        # accumulated (oracle_hooks.param_grad_norms), for the weight grad hooks put in below
+        pend: dict = {}
+        hooked: dict = {}
+
+        def grad_pend(g, name: str, call: int) -> None:
+            """A module called once whose output grad differs at every world: the diff reads its
+            weight grads' re-execution for two norms only (grads_equal is false there) - the
+            embedding's, whose inputs (the tokens) are equal, ~0.5 GB of float64 at llama-1b. A
+            module called more than once is left to its inputs (its calls' grads would part)."""
+            if os.environ.get("TPDIAG_OWN_NORMS", "1") == "0" or counts.get((rec.step, "forward", name), 0) != 1:
+                return
+            if any(k not in pend for k in ((rec.step, name, s) for s in hooked.get(name, ()))) \
+                    and grad_out_differs(rec, g, name, call, own_inputs()):
+                for short in hooked.get(name, ()):
+                    pend.setdefault((rec.step, name, short), [])
 
         def own_inputs() -> dict:
             if not loaded:
@@ -130,11 +147,22 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             call = calls.get(mod, 0)
             snap = snaps.pop((mod, call), None) if snaps else None
             if snap is not None:
-                record_oracle(rec, mod, name, call, snap, style, cls)
+                # its inputs differ at every other world: the diff reads the reference's own
+                # re-execution for two norms only (probes/oracle_hooks.NORMS); TPDIAG_OWN_NORMS=0:
+                # the float64 values whole (the A/B: tests/test_own_norms.py)
+                differ = False
+                if own and os.environ.get("TPDIAG_OWN_NORMS", "1") != "0":
+                    with rec._paused():  # its comparisons are no ops of the step (an op probe's scope)
+                        differ = inputs_differ(rec, snap, name, call, own_inputs())
+                if differ and backward:
+                    for short in hooked.get(name, ()):
+                        pend.setdefault((rec.step, name, short), [])
+                record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None)
                 if own:
                     record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward)
                 if backward:
-                    oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls)
+                    oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend,
+                                         (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None)
             with _no_modes():
                 for i, t in enumerate(_tensors(out)):
                     idx = _IDX[i] if i < _NIDX else str(i)
@@ -167,8 +195,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 mname = mname or "model"
                 if include is not None and mname not in include or not p.requires_grad:
                     continue
+                hooked.setdefault(mname, []).append(short)
                 handles.append(p.register_post_accumulate_grad_hook(
-                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname))))
+                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname), pend)))
         # record_params inside this block reads the same walk (no module walk per call)
         walks[id(model)] = walked
         from tpdiag.probes.collectives import forget_written
@@ -308,7 +337,7 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
     return hook
 
 
-def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
+def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: dict | None = None):
     from tpdiag.kernels.grad_carry import carried
 
     def hook(p):
@@ -327,5 +356,7 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls):
             g = g.full_tensor()
         with _no_modes():
             rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
+            if pend:
+                param_grad_norms(rec, pend, mname, short, g, cls)
 
     return hook

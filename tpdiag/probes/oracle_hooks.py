@@ -4,6 +4,7 @@ snapshot of its inputs, and its backward from the output grad it received, recor
 probes neither record nor count the calls the re-execution makes."""
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 
@@ -12,7 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tpdiag.probes.recorder import Recorder
-from tpdiag.records.keys import record_key
+from tpdiag.records.keys import ORACLE_NORMS, record_key
 
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))
@@ -39,9 +40,90 @@ def timed(rec: Recorder):
         rec.oracle_s += time.perf_counter() - t0
 
 
-def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls) -> None:
+# The name suffix of an oracle record that holds [||o||, ||y - o||] (float64) instead of o: the
+# reference's own re-execution o of a module whose inputs differ at every other world of the pass,
+# y the reference's real record. There the diff reads o for those two norms only
+# (diff/oracle.judge_own), never whole (diff/oracle.apply judges a record against o only where
+# the inputs were equal); writing o whole was ~2 GB of a llama-1b own-input reference at 1 x 2048.
+NORMS = ORACLE_NORMS
+
+
+def ref_norms(y, o: torch.Tensor) -> torch.Tensor:
+    """[||o||, ||y - o||] in float64 as diff/oracle.judge_own computes them from the whole o (NaN
+    for the second where y is no plain tensor of o's shape: judge_own then takes the floor)."""
+    o = o.detach().to(torch.float64)
+    s = torch.linalg.vector_norm(o)
+    if type(y) is torch.Tensor and tuple(y.shape) == tuple(o.shape) and y.is_floating_point():
+        e = torch.linalg.vector_norm(y.detach().to(device=o.device, dtype=torch.float64) - o)
+    else:
+        e = torch.full((), math.nan, dtype=torch.float64, device=o.device)
+    return torch.stack([s, e]).cpu()
+
+
+def _norms_paused(rec: Recorder, y, o: torch.Tensor) -> torch.Tensor:
+    """ref_norms with the recorder paused: its norms and subtraction are no ops of the step (an op
+    probe recorded them into the reference's op stream, which the other world has not)."""
+    with rec._paused():
+        return ref_norms(y, o)
+
+
+def _plain_like(y, o: torch.Tensor) -> bool:
+    """y is the value the reference records, as it is here (a plain floating tensor of o's shape):
+    its norms stand for the diff's. Anything else keeps o whole (the diff judges it as before)."""
+    return type(y) is torch.Tensor and y.is_floating_point() and not o.is_complex() \
+        and tuple(y.shape) == tuple(o.shape)
+
+
+def inputs_differ(rec: Recorder, snap, name: str, call: int, own: dict) -> bool:
+    """Whether, at EVERY other world of the pass (own: {label: its shipped inputs}, one entry per
+    world: runner/drill_own.own_files), this call's floating inputs were shipped whole and at least
+    one differs in bits from the reference's: the diff then finds this call's input records not
+    bitwise (its own comparison of the same tensors), so it judges the module's records on their
+    own inputs only - from the norms of the reference's re-execution. Only a one-rank reference,
+    a step in one piece and no decode prefix, where the reference's record is the value here."""
+    if not own or rec.world != 1 or rec.piece is not None or rec.prefix is not None:
+        return False
+    flat = [t for t in tree_flatten(snap)[0] if isinstance(t, torch.Tensor)]
+    if any(t.is_complex() for t in flat):
+        return False
+    for tensors in own.values():
+        differ = False
+        for i, t in enumerate(flat):
+            if not t.is_floating_point():
+                continue
+            got = tensors.get(record_key(rec.step, "forward", name, "in", call, i))
+            if got is None or tuple(got.shape) != tuple(t.shape):
+                return False
+            # the snapshot is float64 (an exact upcast): distinct bits stay distinct
+            differ = differ or not torch.equal(
+                got.to(device=t.device, dtype=torch.float64).view(torch.int64), t.to(torch.float64).view(torch.int64))
+        if not differ:
+            return False
+    return True
+
+
+def grad_out_differs(rec: Recorder, g, name: str, call: int, own: dict) -> bool:
+    """Whether the output grad g this call received differs in bits from the one shipped for
+    EVERY other world of the pass (as inputs_differ): the diff then finds the module's grad_out
+    record not bitwise, so it judges its weight grads on their own inputs only."""
+    if not own or rec.world != 1 or rec.piece is not None or rec.prefix is not None \
+            or type(g) is not torch.Tensor or not g.is_floating_point():
+        return False
+    for tensors in own.values():
+        got = tensors.get(record_key(rec.step, "backward", name, "grad_out", call, 0))
+        if got is None or tuple(got.shape) != tuple(g.shape) or not got.is_floating_point():
+            return False
+        if torch.equal(got.to(device=g.device, dtype=torch.float64).view(torch.int64),
+                       g.detach().to(torch.float64).view(torch.int64)):
+            return False
+    return True
+
+
+def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls, norms_of=None) -> None:
     """Re-execute mod in float64 from its input snapshot; record each floating output (in the
-    positions its real outputs have) or, when refused, why (rec.oracle_notes)."""
+    positions its real outputs have) or, when refused, why (rec.oracle_notes).
+    norms_of: the module's real outputs, where only their norms against the re-execution are
+    read (inputs_differ): each recorded as ref_norms(y, o) under NAME~norms."""
     from tpdiag.probes.float64 import module_oracle
 
     rec.in_oracle, was = True, rec.enabled
@@ -55,17 +137,28 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
         rec.oracle_notes[record_key(rec.step, "forward", name, "oracle", call)] = notes
     if out64 is None:
         return
+    ys = _tensors(norms_of) if norms_of is not None else None
     for i, t in enumerate(_tensors(out64)):
         if t.is_floating_point() or t.is_complex():
-            rec.add("oracle", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
+            idx = _IDX[i] if i < _NIDX else str(i)
+            y = ys[i] if ys is not None and i < len(ys) else None
+            if _plain_like(y, t):
+                rec.add("oracle", name, idx + NORMS, _norms_paused(rec, y, t), call=call, style=style, cls=cls)
+            else:
+                rec.add("oracle", name, idx, t, call=call, style=style, cls=cls)
 
 
 def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, snap, out,
-                          handles: list, cls) -> None:
+                          handles: list, cls, pend: dict | None = None, on_grad=None) -> None:
     """A module with one floating output that requires grad: when that output's grad arrives,
     the module's weight grads for this call are computed again in float64 from the same
     snapshot (probes/float64.py, module_oracle_grads) and recorded as oracle records
-    `param_grad.SHORT.cCALL`, with its input grads as `grad_in.I.cCALL`. The hook returns None: the real grad is untouched."""
+    `param_grad.SHORT.cCALL`, with its input grads as `grad_in.I.cCALL`. The hook returns None: the real grad is untouched.
+    pend: {(step, module, short): [(call, cls, float64 grad)]} where only the norms of the weight grad
+    against the real one are read (inputs_differ at some call): held for param_grad_norms, which
+    records them when the real grad is accumulated, instead of the float64 grads; on_grad(g), called
+    first, may add the module's entries there (module_probe: a one-call module whose output grad
+    differs at every world)."""
     outs = [t for t in _tensors(out) if t.is_floating_point() and t.requires_grad and t.grad_fn is not None]
     if len(outs) != 1:
         return
@@ -73,6 +166,10 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
 
     def hook(g):
         from tpdiag.probes.float64 import module_oracle_grads
+
+        if on_grad is not None:
+            with rec._paused():
+                on_grad(g)
 
         rec.in_oracle, was = True, rec.enabled
         rec.enabled = False
@@ -86,10 +183,31 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
         for short, t in (grads or {}).items():
             what = "grad_in" if short.startswith("in") and short[2:].isdigit() else "param_grad"
             short = short[2:] if what == "grad_in" else short
+            if what == "param_grad" and pend is not None and (step, name, short) in pend:
+                pend[(step, name, short)].append((call, cls, t))
+                continue
             rec.add("oracle", name, f"{what}.{short}.c{call}", t, phase="backward", cls=cls)
         return None
 
     handles.append(outs[0].register_hook(hook))
+
+
+def param_grad_norms(rec: Recorder, pend: dict, mname: str, short: str, g, cls) -> None:
+    """The real weight grad g of (mname, short) was accumulated: its pending float64 grads, summed
+    over the calls in the order the diff sums their records, recorded as ref_norms(g, sum) under
+    `param_grad.SHORT~norms`. A one-piece step accumulates each grad once, after every call's
+    backward; nothing pending (no call pended, or no float64 grad came): nothing recorded."""
+    got = pend.pop((rec.step, mname, short), None)
+    if not got:
+        return
+    o = got[0][2]
+    for _, _, t in got[1:]:
+        o = o + t
+    if _plain_like(g, o):
+        rec.add("oracle", mname, f"param_grad.{short}{NORMS}", _norms_paused(rec, g, o), phase="backward", cls=cls)
+        return
+    for call, c, t in got:  # not a value whose norms stand for the diff's: each call's whole, as before
+        rec.add("oracle", mname, f"param_grad.{short}.c{call}", t, phase="backward", cls=c)
 
 
 def _with_inputs(snap, key_of, tensors: dict):

@@ -59,6 +59,11 @@ def record_key(step, phase: str, module: str, kind: str, call=0, name=None) -> s
     return head if name is None else f"{head}/{name}"
 
 
+# The name suffix of an oracle record holding [||o||, ||y - o||] (float64) instead of the float64
+# value o itself (probes/oracle_hooks.py writes it, diff/oracle.judge_own reads it).
+ORACLE_NORMS = "~norms"
+
+
 def sole_consumer(consumers) -> str | None:
     """The one module whose backward computed a grad_out record: the modules that read that output,
     less those inside another of them. A parent that hands its input straight to a child (Megatron's

@@ -76,16 +76,18 @@ def near_on_own_inputs(entry: dict, sub_dir: str, sub_label: str) -> None:
 
 def own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict) -> tuple:
     """Each target world's whole inputs and output grads of its own-input modules, from pass 1's
-    records, in a file the second pass's reference reads (keyed by the label it has there)."""
+    records, in a file the second pass's reference reads (keyed by the label it has there). Every
+    target has one, empty where it judges none: the reference keeps only the norms of its own
+    re-execution of a module whose inputs differ at every world it is compared with
+    (probes/oracle_hooks.inputs_differ), so it must see every one."""
     from safetensors.torch import save_file
 
     from tpdiag.diff.own_inputs import side_inputs
 
     out = []
-    for lab, mods in own.items():
-        tensors = side_inputs(RunDir(run_dir).world(ref_label), RunDir(run_dir).world(lab), set(mods))
-        if not tensors:
-            continue
+    for lab in sub_label:
+        mods = own.get(lab) or ()
+        tensors = side_inputs(RunDir(run_dir).world(ref_label), RunDir(run_dir).world(lab), set(mods)) if mods else {}
         path = RunDir(run_dir).own_inputs(lab)
         save_file(tensors, path)
         out.append((sub_label[lab], path))

@@ -1,0 +1,156 @@
+"""The own-input pass's reference keeps only what the diff reads of its own float64 re-execution
+of a module whose inputs differ at every compared world: [||o||, ||y_ref - o||] (records named
+`~norms`, probes/oracle_hooks.py), not o (at llama-1b 1 x 2048 ~2 GB of float64). The verdicts
+are those of the whole values (TPDIAG_OWN_NORMS=0, the control); the figures are records like any
+other - an edit of one is refused by its stored hash; and a `~norms` record met where the diff
+finds the inputs equal (where it would need o whole) judges nothing: unknown, never a verdict."""
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from tpdiag.errors import Inconclusive
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from same_rundirs import _json_lines  # noqa: E402  (timings, hosts and paths dropped)
+
+ARGS = ("--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2", "--capture", "hash",
+        "--no-confirm", "--no-baseline", "--format", "json")
+VERDICTS = ("summary.json", "diff.csv", "region/summary.json", "region/ops/summary.json", "region/ops/diff.csv")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    out = {}
+    for norms in ("1", "0"):
+        d = tmp_path_factory.mktemp(f"norms{norms}") / "r"
+        p = run_cli("compare", *ARGS, "--out", str(d), env={"OMP_NUM_THREADS": "1", "TPDIAG_OWN_NORMS": norms})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+        out[norms] = d
+    return out
+
+
+def _events(world):
+    with open(world / "events.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_the_verdicts_are_those_of_the_whole_values(pair):
+    new, old = pair["1"], pair["0"]
+    for name in VERDICTS:
+        if name.endswith(".csv"):
+            assert (new / name).read_bytes() == (old / name).read_bytes(), name
+        else:
+            assert _json_lines(str(new / name), str(new)) == _json_lines(str(old / name), str(old)), name
+    ref_new, ref_old = new / "region" / "ops" / "tp1", old / "region" / "ops" / "tp1"
+    norms = [m for m in _events(ref_new) if m["kind"] == "oracle" and m["name"].endswith("~norms")]
+    # the k/v block whose averaged weight grads are the bug, the norm and the head: forward and backward
+    assert {(m["phase"], m["module"]) for m in norms} >= {("forward", "kv"), ("backward", "kv"),
+                                                          ("forward", "head"), ("backward", "head")}, norms
+    assert all(m["local_shape"] == [2] and m["dtype"] == "float64" for m in norms)
+    assert not any(m["kind"] == "oracle" and m["name"].endswith("~norms") for m in _events(ref_old))
+    whole = {(m["phase"], m["module"]) for m in _events(ref_new) if m["kind"] == "oracle" and "@" not in m["name"]
+             and not m["name"].startswith("grad_in.") and not m["name"].endswith("~norms")}
+    assert not whole & {(m["phase"], m["module"]) for m in norms}  # no float64 value kept beside its norms
+    # the first divergence (the MLP's all-reduce) and the embedding's forward had equal inputs: whole;
+    # the embedding's weight grad (its output grad differs) by its norms
+    assert {("forward", "mlp"), ("forward", "embed")} <= whole
+    assert any(m["name"] == "param_grad.weight~norms" and m["module"] == "embed" for m in norms)
+    assert os.path.getsize(ref_new / "records.safetensors") < os.path.getsize(ref_old / "records.safetensors")
+    d = json.loads((new / "summary.json").read_text())["degrees"]["2"]
+    kv = {f["name"]: f for f in d["findings"] if (f["module"], f["kind"]) == ("kv", "param_grad")}
+    assert kv["wv"]["cause"] == "sharding-bug" and kv["wv"]["oracle"]["own"], kv
+
+
+def _diff(ops):
+    from tpdiag.diff import engine, oracle, oracle_own, pair_memo
+    from tpdiag.records.store import RecordSet
+
+    pair_memo.clear()
+    dd = engine.diff_degree(RecordSet(str(ops / "tp1")), RecordSet(str(ops / "tp2")), "2", keep=lambda m: True)
+    oracle.apply(dd)
+    oracle_own.apply_own(dd)
+    return dd
+
+
+def test_an_edited_norms_record_is_refused(pair, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from tpdiag.records.store import RecordSet
+
+    ops = tmp_path / "ops"
+    shutil.copytree(pair["1"] / "region" / "ops", ops)
+    ref = RecordSet(str(ops / "tp1"))
+    meta = next(m for m in ref.events if m["key"] == "s0/backward/kv/oracle#0/param_grad.wv~norms")
+    target = "s0/backward/kv/param_grad#0/wv"
+    before = _diff(ops).rows
+    row = next(r for r in before if r["key"] == target)
+    assert row["oracle"]["own"] and row["beyond_bound"]
+    tensors = load_file(str(ops / "tp1" / "records.safetensors"))
+    t = tensors[str(meta["idx"])].clone()
+    t[1] = t[0] * 0.5  # the reference as far from its float64 value as the bug: the grad would read rounding
+    tensors[str(meta["idx"])] = t
+    save_file(tensors, str(ops / "tp1" / "records.safetensors"), metadata={"schema": "1"})
+    with pytest.raises(Inconclusive, match="does not match its hash"):
+        _diff(ops)
+    # negative control: read without its hash check, the edited figure would decide the verdict
+    real = RecordSet.tensor
+    monkeypatch.setattr(RecordSet, "tensor", lambda self, m, verify=True: real(self, m, verify=False))
+    edited = next(r for r in _diff(ops).rows if r["key"] == target)
+    assert not edited["beyond_bound"] and edited["oracle"]["ref_err"] != row["oracle"]["ref_err"]
+
+
+def test_norms_met_with_equal_inputs_judge_nothing(pair):
+    """Where the diff reads a module's inputs as equal it judges against o whole (diff/oracle.apply):
+    a `~norms` record there contradicts what the reference's world saw - refused, not a verdict."""
+    from tpdiag.diff import oracle
+
+    dd = _diff(pair["1"] / "region" / "ops")
+    assert dd.oracle_norms
+    k = next(k for k in dd.oracle_norms if "/forward/" in k)
+    row = next(r for r in dd.rows if r["key"] == k)
+    assert row["oracle"]["own"]  # judged on its own inputs from the norms
+    for r in dd.rows:  # the module's inputs read as equal
+        if (r["step"], r["phase"], r["module"], r["kind"]) == (row["step"], "forward", row["module"], "in"):
+            r["bitwise"] = True
+    dd._equal_index = None
+    row.pop("oracle")
+    oracle.apply(dd)
+    assert "judge no record of equal inputs" in row["oracle_refused"] and "oracle" not in row
+
+
+def test_judge_own_from_the_norms_is_judge_own_from_the_values():
+    from tpdiag.diff.oracle import judge_own
+    from tpdiag.probes.oracle_hooks import ref_norms
+
+    g = torch.Generator().manual_seed(0)
+    o_ref = torch.randn(64, 48, generator=g, dtype=torch.float64)
+    o_n = o_ref + 1e-3 * torch.randn(64, 48, generator=g, dtype=torch.float64)
+    y_ref = (o_ref + 1e-3 * torch.randn(64, 48, generator=g, dtype=torch.float64)).to(torch.float32)
+    y_n = o_n.to(torch.float32)
+    whole = judge_own(y_ref, y_n, o_ref, o_n)
+    assert judge_own(y_ref, y_n, None, o_n, ref_norms=ref_norms(y_ref, o_ref)) == whole
+    # of another shape there: the floor, as from the whole value of another shape
+    other = judge_own(y_ref, y_n, o_ref[:32], o_n)
+    assert judge_own(y_ref, y_n, None, o_n, ref_norms=ref_norms(y_ref[:32], o_ref)) == other
+    # negative control: without the figures only the one-rounding floor is left - another threshold
+    assert judge_own(y_ref, y_n, None, o_n)["threshold"] != whole["threshold"]
+
+
+def test_the_norms_are_no_ops_of_the_step(tmp_path):
+    """Under an op probe (a decode configuration's second pass records ops and judges on own inputs
+    at once) the norms' own vector_norm, sub and stack are not recorded as the reference's ops: each
+    was read `missing` at the decode world before they ran with the recorder paused."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--tp", "1", "--mode", "prefill,decode", "--batch-size", "4", "--seq-len", "8",
+                "--no-confirm", "--forward-only", "--no-baseline", "--format", "json", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    assert any(m["name"].endswith("~norms") for m in _events(d / "ops" / "tp1"))
+    assert any(m["kind"] == "op" for m in _events(d / "ops" / "tp1"))
+    ops = json.loads((d / "ops" / "summary.json").read_text())["configurations"]["1-decode"]
+    assert ops["missing"] == [], ops["missing"]
