@@ -51,7 +51,8 @@ def test_the_verdicts_are_those_of_the_whole_values(pair):
     # the k/v block whose averaged weight grads are the bug, the norm and the head: forward and backward
     assert {(m["phase"], m["module"]) for m in norms} >= {("forward", "kv"), ("backward", "kv"),
                                                           ("forward", "head"), ("backward", "head")}, norms
-    assert all(m["local_shape"] == [2] and m["dtype"] == "float64" for m in norms)
+    # [||o||, ||y - o||, o.o, o.y, y.y, sum o^4, numel] (probes/oracle_hooks.ref_norms)
+    assert all(m["local_shape"] == [7] and m["dtype"] == "float64" for m in norms)
     assert not any(m["kind"] == "oracle" and m["name"].endswith("~norms") for m in _events(ref_old))
     whole = {(m["phase"], m["module"]) for m in _events(ref_new) if m["kind"] == "oracle" and "@" not in m["name"]
              and not m["name"].startswith("grad_in.") and not m["name"].endswith("~norms")}
@@ -154,3 +155,26 @@ def test_the_norms_are_no_ops_of_the_step(tmp_path):
     assert any(m["kind"] == "op" for m in _events(d / "ops" / "tp1"))
     ops = json.loads((d / "ops" / "summary.json").read_text())["configurations"]["1-decode"]
     assert ops["missing"] == [], ops["missing"]
+
+
+def test_the_sums_tell_a_reference_scaled_from_its_float64_value():
+    """A record the reference's world kept as sums only: diff/oracle_own's one-factor rule (a grad
+    hook that rescales the reference - tests/test_tp_misc.py scale_tp) reads them as it reads the
+    whole float64 value; a reference off its float64 value by rounding noise is no scale."""
+    from tpdiag.diff.oracle_own import _scaled_instead
+    from tpdiag.probes.oracle_hooks import ref_norms
+
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(64, 48, generator=g, dtype=torch.float64)
+    y_ref = (o / 3).to(torch.float32)  # the hook's mark: the reference is its float64 value / S
+    y_n = y_ref * 0.5                  # this side rescaled by S * TP
+    row_whole, row_sums = {}, {}
+    assert _scaled_instead(row_whole, y_ref, y_n, o)
+    assert _scaled_instead(row_sums, y_ref, y_n, None, ref_norms(y_ref, o))
+    assert row_sums["scale"] == pytest.approx(row_whole["scale"]) == pytest.approx(0.5)
+    # control: a reference that is its float64 value plus noise (no factor) - neither path scales
+    noisy = (o + 0.2 * torch.randn(64, 48, generator=g, dtype=torch.float64)).to(torch.float32)
+    assert not _scaled_instead({}, noisy, noisy * 0.5, o)
+    assert not _scaled_instead({}, noisy, noisy * 0.5, None, ref_norms(noisy, o))
+    # and records of the older two-figure form never scale (no sums to fit)
+    assert not _scaled_instead({}, y_ref, y_n, None, ref_norms(y_ref, o)[:2])

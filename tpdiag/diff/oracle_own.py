@@ -4,6 +4,8 @@ float64 on THIS side's own inputs (diff/own_inputs.py chose the modules; diff/or
 first divergence against the reference's own re-execution)."""
 from __future__ import annotations
 
+import torch
+
 from tpdiag.diff.oracle import mark_no_reference, no_reference, judge_own, notes_for
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
@@ -26,7 +28,7 @@ def _own_grad_in(dd, row: dict, table: dict):
 NO_REFERENCE = 0.05
 
 
-def _scaled_instead(row: dict, y_ref, y_n, o_ref) -> bool:
+def _scaled_instead(row: dict, y_ref, y_n, o_ref, norms=None) -> bool:
     """A record the module's float64 re-execution does not reproduce even at the reference - a
     user's grad hook rescales it (a static loss scale undone per parameter) - is no evidence of
     rounding: both sides are "near" only because the level is the reference's own O(1) distance.
@@ -36,9 +38,15 @@ def _scaled_instead(row: dict, y_ref, y_n, o_ref) -> bool:
     value (the hook's mark): a reference far from it by its own rounding (catastrophic cancellation:
     a row's output dominated by its mean's rounding, one offset that each side rounds its own way)
     also moves by "one factor" between the sides, and is rounding."""
-    from tpdiag.diff.scale import coherent_scale
+    from tpdiag.diff.scale import coherent_scale, scale_of_sums
 
-    if o_ref is None or o_ref.shape != y_ref.shape or coherent_scale(o_ref, y_ref) is None:
+    if o_ref is None:
+        # the reference's world kept the sums of its re-execution against its record instead
+        # (probes/oracle_hooks.ref_norms: [.., o.o, o.y, y.y, sum o^4, numel])
+        sums = [float(x) for x in norms.to(torch.float64).reshape(-1)] if norms is not None else []
+        if len(sums) < 7 or scale_of_sums(*sums[2:6], int(sums[6])) is None:
+            return False
+    elif o_ref.shape != y_ref.shape or coherent_scale(o_ref, y_ref) is None:
         return False
     c = coherent_scale(y_ref, y_n)
     if c is not None:
@@ -76,7 +84,7 @@ def apply_own(dd) -> None:
         discrete = notes_for(dd, row).get("discrete")
         if discrete and no_reference(v):
             mark_no_reference(v, discrete)
-        if not v["far"] and v.get("ref_err", 0.0) > NO_REFERENCE and _scaled_instead(row, y_ref, y_n, o_ref):
+        if not v["far"] and v.get("ref_err", 0.0) > NO_REFERENCE and _scaled_instead(row, y_ref, y_n, o_ref, norms):
             continue  # no verdict from a value that is no reference
         row["oracle"] = v
         if v["far"] and discrete:

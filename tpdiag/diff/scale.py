@@ -46,7 +46,13 @@ def coherent_scale(a: torch.Tensor, b: torch.Tensor) -> float | None:
         a4 += float(sq.dot(sq))
         ab += float(pa.dot(pb))
         bb += float(pb.dot(pb))
-    if not aa > 0 or not all(map(_finite, (aa, ab, bb, a4))) or aa * aa < MIN_CARRIERS * a4:
+    return scale_of_sums(aa, ab, bb, a4, xa.numel())
+
+
+def scale_of_sums(aa: float, ab: float, bb: float, a4: float, n: int) -> float | None:
+    """coherent_scale from its sums (a.a, a.b, b.b, sum a^4) and a's element count: where a world
+    kept only those of a value the diff never reads whole (probes/oracle_hooks.ref_norms)."""
+    if n < MIN_ELEMENTS or not aa > 0 or not all(map(_finite, (aa, ab, bb, a4))) or aa * aa < MIN_CARRIERS * a4:
         return None
     c = ab / aa
     residual2 = max(bb - ab * ab / aa, 0.0)

@@ -49,15 +49,22 @@ NORMS = ORACLE_NORMS
 
 
 def ref_norms(y, o: torch.Tensor) -> torch.Tensor:
-    """[||o||, ||y - o||] in float64 as diff/oracle.judge_own computes them from the whole o (NaN
-    for the second where y is no plain tensor of o's shape: judge_own then takes the floor)."""
+    """[||o||, ||y - o||, o.o, o.y, y.y, sum o^4, numel] in float64: the first two as
+    diff/oracle.judge_own computes them from the whole o (NaN for the second where y is no plain
+    tensor of o's shape: judge_own then takes the floor), the rest the sums diff/scale.py fits one
+    factor with (whether the reference is its float64 value times one factor: a user's grad hook
+    rescaled it - diff/oracle_own.py); NaN where y is no plain tensor of o's shape."""
     o = o.detach().to(torch.float64)
     s = torch.linalg.vector_norm(o)
+    nan = torch.full((), math.nan, dtype=torch.float64, device=o.device)
     if type(y) is torch.Tensor and tuple(y.shape) == tuple(o.shape) and y.is_floating_point():
-        e = torch.linalg.vector_norm(y.detach().to(device=o.device, dtype=torch.float64) - o)
+        yy = y.detach().to(device=o.device, dtype=torch.float64)
+        e = torch.linalg.vector_norm(yy - o)
+        oo, oy, y2, o4 = s * s, (o * yy).sum(), (yy * yy).sum(), (o * o).square().sum()
     else:
-        e = torch.full((), math.nan, dtype=torch.float64, device=o.device)
-    return torch.stack([s, e]).cpu()
+        e = oo = oy = y2 = o4 = nan
+    n = torch.full((), float(o.numel()), dtype=torch.float64, device=o.device)
+    return torch.stack([s, e, oo, oy, y2, o4, n]).cpu()
 
 
 def _norms_paused(rec: Recorder, y, o: torch.Tensor) -> torch.Tensor:
