@@ -15,8 +15,8 @@ between the forgery and a pass:
 - a `--fix auto` run with `fix_chain` removed from summary.json: its later rounds, gated as the user's run
   (exit 1 under a policy allowing round 0's cause alone), went ungated (exit 0).
 
-Edits are made to copies of conftest's session runs (tp12_run, fixall12_run, and the TP=1,2 --steps 2
-run test_tamper_numbers makes, shared by name) and of one forward-only `--fix auto` compare of its own.
+Edits are made to copies of conftest's session runs (tp12_run, fixall12_run, and test_steps' TP=1,2 --steps 2
+run of tests/models/planted/step_stale.py:stale_reduce, shared by name) and of one forward-only `--fix auto` compare of its own.
 """
 import json
 import shutil
@@ -131,10 +131,11 @@ def test_a_configuration_its_config_runs_cut_from_the_labels_is_inconclusive(tp1
 def steps2_run(tmp_path_factory):
     from conftest import run_cli, shared_run
 
-    def make(out):  # test_tamper_numbers' run, shared by name under xdist
-        p = run_cli("compare", "--tp", "1,2", "--steps", "2", "--no-confirm", "--no-baseline", "--out", str(out))
+    def make(out):  # test_steps' run, shared by name under xdist: a BUG only step 1 shows
+        p = run_cli("compare", "--model", "py:tests/models/planted/step_stale.py:stale_reduce", "--tp", "1,2",
+                    "--steps", "2", "--no-confirm", "--no-baseline", "--out", str(out), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-2000:]
-    return shared_run(tmp_path_factory, "tp12-steps2", make)
+    return shared_run(tmp_path_factory, "steps2-stale_reduce", make)
 
 
 def test_a_step_cut_from_both_worlds_is_inconclusive(steps2_run, tmp_path, monkeypatch):

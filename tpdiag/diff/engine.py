@@ -122,6 +122,30 @@ def _partial_sum(row: dict, ref: torch.Tensor, copies: list) -> None:
         row["rank_partial_sum"] = {"sum_max_abs": sum_off, "copy_max_abs": off}
 
 
+def _reduced_partials(rows: list, tensors: dict, uncompared: list) -> None:
+    """A module's forward input that each rank holds as its share of a sum (_partial_sum) which the
+    module itself reduces - its output of that call is one value on every rank: the user's own
+    all-reduce written as an nn.Module (Megatron's reduce-from-model-parallel region). A partial,
+    not a replica never reduced: left uncompared as a DTensor partial is; were it never reduced,
+    the module's output would show it. (Read `rank-inconsistent-replica`, a BUG, on correct code.)"""
+    outs = {(r["step"], r["module"], r.get("call")): r for r in rows
+            if r["phase"] == "forward" and r["kind"] == "out"}
+    keep = []
+    for r in rows:
+        if r["phase"] == "forward" and r["kind"] == "in" and r.get("rank_partial_sum") \
+                and r.get("rank_consistent") is False:
+            o = outs.get((r["step"], r["module"], r.get("call")))
+            if o is not None and o.get("rank_consistent") is not False:
+                uncompared.append({**{k: r[k] for k in ("key", "idx", "step", "phase", "module", "kind", "name", "call")
+                                      if k in r},
+                                   "why": "unreduced partial sum (the ranks' copies add up to the reference; "
+                                          "the module reduces it: its output is one value on every rank)"})
+                tensors.pop(r["key"], None)
+                continue
+        keep.append(r)
+    rows[:] = keep
+
+
 def per_rank_blocks(rs: RecordSet) -> dict[str, list[str]]:
     """{block: its per-rank submodules}: the modules this world compared at their boundary only
     (runner/per_rank.py: an expert-parallel MoE's experts are other experts per rank)."""
@@ -368,6 +392,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         rows.append(row)
         if keep is None or keep(om):
             tensors[key] = (a, b)
+    _reduced_partials(rows, tensors, uncompared)
     # a forward-only world (a decode configuration beside a reference that ran the whole step)
     # has no backward or optimizer records to miss
     skip = () if (other.world.get("config") or {}).get("backward", True) else ("backward", "optimizer")

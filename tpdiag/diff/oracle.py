@@ -189,7 +189,14 @@ def inputs_equal(dd, row: dict) -> bool:
     m, step = row["module"], row["step"]
     if (step, m, row["call"]) in ix["bad_in"]:
         return False
-    return not any(p == m or p.startswith(m + ".") for p in ix["bad_params"].get(step, ()))
+    return params_equal(dd, m, step)
+
+
+def params_equal(dd, module: str, step: int) -> bool:
+    """Whether every recorded parameter of the module (and of its children) that step `step`'s
+    forward read is bitwise equal at both sides: from step 1 on they are the step before's update,
+    which at TP > 1 differs by its own rounding - the reference's module is then not this side's."""
+    return not any(p == module or p.startswith(module + ".") for p in _index(dd)["bad_params"].get(step, ()))
 
 
 def grads_equal(dd, row: dict) -> bool:
