@@ -228,4 +228,5 @@ def _wait_works(flat) -> None:
                 w = Work.unbox(x)
             except (RuntimeError, TypeError):  # another script object: not a collective's work
                 continue
-            w.wait()
+            if w is not None:  # NCCL (torch 2.11) boxes an in-place collective's work as None here
+                w.wait()
