@@ -184,7 +184,7 @@ def padded_ce(local_logits, labels, vocab: int, mask_pad: bool):
     z = local_logits.flatten(0, -2).float()
     real = min(max(vocab - r * per, 0), per)  # this rank's ids that exist
     if mask_pad and real < per:
-        z = z.masked_fill(torch.arange(per) >= real, float("-inf"))
+        z = z.masked_fill(torch.arange(per, device=z.device) >= real, float("-inf"))
     y = labels.flatten()
     keep = y != -100
     m = z.detach().amax(-1, keepdim=True)
