@@ -9,7 +9,7 @@
   by shape at TP > 1, so step 1 returns step 0's reduced output) is still a BUG there, at its module;
   its twin (the memo keyed by the input itself) is rounding only. The twin read BUG at step 0 on main:
   the memo module's input is each rank's partial sum, which it reduces itself - read as a replica
-  whose ranks differ (diff/engine._reduced_partials).
+  whose ranks differ (diff/partials.reduced).
 """
 import json
 

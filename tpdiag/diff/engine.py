@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpdiag.diff import bits, pair_memo
+from tpdiag.diff import bits, pair_memo, partials
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.errors import NotComparable
 from tpdiag.records.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess, first_positions, local_shape, vocab_padded, vocab_padded_dim
@@ -31,7 +31,7 @@ class DegreeDiff:
     # record key -> [||o||, ||y_ref - o||] of the reference's own re-execution o, where its world
     # kept only those (probes/oracle_hooks.NORMS: the inputs differed at every other world)
     oracle_norms: dict = field(default_factory=dict)
-    _equal_index: dict | None = None  # diff/oracle._index's lookups, built once
+    _equal_index: dict | None = None  # diff/equal_inputs._index's lookups, built once
     # record key -> its checked pair's content key (diff/pair_memo.py), where both sides have one
     contents: dict = field(default_factory=dict)
 
@@ -106,46 +106,6 @@ def _hash_row(rm: dict, om: dict, label: str, values: bool = True):
     return row, None
 
 
-def _partial_sum(row: dict, ref: torch.Tensor, copies: list) -> None:
-    """A replica whose ranks' copies add up to the reference is a rank-partial sum that was
-    never all-reduced (a replicated parameter updated from activations that are sharded, its
-    grad summed over each rank's columns only). Marked when the sum over ranks is at least
-    1000x closer to the reference than the copy furthest from it: a wrong replica of any other
-    kind does not sum to the reference."""
-    if not ref.is_floating_point() or any(c.shape != ref.shape for c in copies) or len(copies) < 2:
-        return
-    r = ref.to(torch.float64)
-    off = max(float((c.to(torch.float64) - r).abs().max()) for c in copies)
-    total = torch.stack([c.to(torch.float64) for c in copies]).sum(0)
-    sum_off = float((total - r).abs().max())
-    if off > 0 and sum_off * 1000 <= off:
-        row["rank_partial_sum"] = {"sum_max_abs": sum_off, "copy_max_abs": off}
-
-
-def _reduced_partials(rows: list, tensors: dict, uncompared: list) -> None:
-    """A module's forward input that each rank holds as its share of a sum (_partial_sum) which the
-    module itself reduces - its output of that call is one value on every rank: the user's own
-    all-reduce written as an nn.Module (Megatron's reduce-from-model-parallel region). A partial,
-    not a replica never reduced: left uncompared as a DTensor partial is; were it never reduced,
-    the module's output would show it. (Read `rank-inconsistent-replica`, a BUG, on correct code.)"""
-    outs = {(r["step"], r["module"], r.get("call")): r for r in rows
-            if r["phase"] == "forward" and r["kind"] == "out"}
-    keep = []
-    for r in rows:
-        if r["phase"] == "forward" and r["kind"] == "in" and r.get("rank_partial_sum") \
-                and r.get("rank_consistent") is False:
-            o = outs.get((r["step"], r["module"], r.get("call")))
-            if o is not None and o.get("rank_consistent") is not False:
-                uncompared.append({**{k: r[k] for k in ("key", "idx", "step", "phase", "module", "kind", "name", "call")
-                                      if k in r},
-                                   "why": "unreduced partial sum (the ranks' copies add up to the reference; "
-                                          "the module reduces it: its output is one value on every rank)"})
-                tensors.pop(r["key"], None)
-                continue
-        keep.append(r)
-    rows[:] = keep
-
-
 def per_rank_blocks(rs: RecordSet) -> dict[str, list[str]]:
     """{block: its per-rank submodules}: the modules this world compared at their boundary only
     (runner/per_rank.py: an expert-parallel MoE's experts are other experts per rank)."""
@@ -204,7 +164,7 @@ def _measure(row: dict, a: torch.Tensor, b: torch.Tensor, oa: Assembled, values:
             float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())
             if s.is_floating_point() else float(not torch.equal(s, oa.shards[0]))
             for s in oa.shards)
-        _partial_sum(row, a, oa.shards)
+        partials.partial_sum(row, a, oa.shards)
 
 
 def _judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -392,7 +352,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         rows.append(row)
         if keep is None or keep(om):
             tensors[key] = (a, b)
-    _reduced_partials(rows, tensors, uncompared)
+    partials.reduced(rows, tensors, uncompared)
     # a forward-only world (a decode configuration beside a reference that ran the whole step)
     # has no backward or optimizer records to miss
     skip = () if (other.world.get("config") or {}).get("backward", True) else ("backward", "optimizer")

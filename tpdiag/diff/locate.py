@@ -166,7 +166,7 @@ def _explain(out: dict, row: dict) -> None:
 
 def _partial_detail(f: dict, row: dict, earlier: list[dict]) -> None:
     """Say what a rank-inconsistent replica is when its ranks' copies sum to the reference
-    (engine._partial_sum), and point the replicas it desynchronised later in that step to it."""
+    (diff/partials.partial_sum), and point the replicas it desynchronised later in that step to it."""
     ps = row.get("rank_partial_sum")
     if ps is not None:
         f["partial_sum"] = True

@@ -48,6 +48,7 @@ import math
 import torch
 
 from tpdiag.diff.bits import UNIT_ROUNDOFF
+from tpdiag.diff.equal_inputs import grads_equal, inputs_equal, params_equal  # noqa: F401 (read from here too)
 from tpdiag.records.keys import RecordKey, record_key, sole_consumer
 from tpdiag.records.layout import first_positions
 
@@ -158,55 +159,6 @@ def _judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | Non
     thr = got["margin"] * level
     return {"far": err > thr, "ratio": err / thr, "ref_err": ref_rel, "err": err, "floor": u,
             "margin": got["margin"], "threshold": thr, "relative": True, "n": got["n"], "own": True}
-
-
-def _index(dd) -> dict:
-    """What inputs_equal and grads_equal look up, from one pass over the rows (they are asked
-    for many records: a scan per record was quadratic in a large model's records)."""
-    got = getattr(dd, "_equal_index", None)
-    if got is not None and got["n"] == len(dd.rows):
-        return got
-    ix = {"n": len(dd.rows), "bad_in": set(), "calls": {}, "bad_params": {}, "bad_grad_out": set()}
-    for r in dd.rows:
-        k, st, m = r["kind"], r["step"], r["module"]
-        if k == "in" and r["phase"] == "forward":
-            ix["calls"].setdefault((st, m), set()).add(r["call"])
-            if not r["bitwise"]:
-                ix["bad_in"].add((st, m, r["call"]))
-        elif k in ("param_init", "param") and not r["bitwise"]:
-            # the parameters a step's forward read: the init for step 0, else the step before's update
-            ix["bad_params"].setdefault(0 if k == "param_init" else st + 1, set()).add(m)
-        elif k == "grad_out" and r["phase"] == "backward" and not r["bitwise"]:
-            ix["bad_grad_out"].add((st, m))
-    dd._equal_index = ix
-    return ix
-
-
-def inputs_equal(dd, row: dict) -> bool:
-    """Every input of this call and every parameter of the module (and of its children) that
-    the run recorded is bitwise equal: the oracle's value is the exact answer for both sides."""
-    ix = _index(dd)
-    m, step = row["module"], row["step"]
-    if (step, m, row["call"]) in ix["bad_in"]:
-        return False
-    return params_equal(dd, m, step)
-
-
-def params_equal(dd, module: str, step: int) -> bool:
-    """Whether every recorded parameter of the module (and of its children) that step `step`'s
-    forward read is bitwise equal at both sides: from step 1 on they are the step before's update,
-    which at TP > 1 differs by its own rounding - the reference's module is then not this side's."""
-    return not any(p == module or p.startswith(module + ".") for p in _index(dd)["bad_params"].get(step, ()))
-
-
-def grads_equal(dd, row: dict) -> bool:
-    """A weight grad's module: its inputs, parameters and every output grad of the step equal."""
-    ix = _index(dd)
-    m, step = row["module"], row["step"]
-    for c in ix["calls"].get((step, m)) or {0}:
-        if not inputs_equal(dd, {"module": m, "step": step, "call": c}):
-            return False
-    return (step, m) not in ix["bad_grad_out"]
 
 
 def notes_for(dd, row: dict) -> dict:

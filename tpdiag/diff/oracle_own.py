@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for, params_equal
+from tpdiag.diff.equal_inputs import params_equal
+from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
 

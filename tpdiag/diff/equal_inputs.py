@@ -1,0 +1,54 @@
+"""Whether a record's inputs were bitwise equal at both sides: every forward input of the call and
+every parameter its module read (from step 1 on, the step before's update), or - for a weight
+grad - those and every output grad of the step. Where they were, the reference's float64
+re-execution is the exact value for both sides (diff/oracle.py)."""
+from __future__ import annotations
+
+
+def _index(dd) -> dict:
+    """What inputs_equal and grads_equal look up, from one pass over the rows (they are asked
+    for many records: a scan per record was quadratic in a large model's records)."""
+    got = getattr(dd, "_equal_index", None)
+    if got is not None and got["n"] == len(dd.rows):
+        return got
+    ix = {"n": len(dd.rows), "bad_in": set(), "calls": {}, "bad_params": {}, "bad_grad_out": set()}
+    for r in dd.rows:
+        k, st, m = r["kind"], r["step"], r["module"]
+        if k == "in" and r["phase"] == "forward":
+            ix["calls"].setdefault((st, m), set()).add(r["call"])
+            if not r["bitwise"]:
+                ix["bad_in"].add((st, m, r["call"]))
+        elif k in ("param_init", "param") and not r["bitwise"]:
+            # the parameters a step's forward read: the init for step 0, else the step before's update
+            ix["bad_params"].setdefault(0 if k == "param_init" else st + 1, set()).add(m)
+        elif k == "grad_out" and r["phase"] == "backward" and not r["bitwise"]:
+            ix["bad_grad_out"].add((st, m))
+    dd._equal_index = ix
+    return ix
+
+
+def inputs_equal(dd, row: dict) -> bool:
+    """Every input of this call and every parameter of the module (and of its children) that
+    the run recorded is bitwise equal: the oracle's value is the exact answer for both sides."""
+    ix = _index(dd)
+    m, step = row["module"], row["step"]
+    if (step, m, row["call"]) in ix["bad_in"]:
+        return False
+    return params_equal(dd, m, step)
+
+
+def params_equal(dd, module: str, step: int) -> bool:
+    """Whether every recorded parameter of the module (and of its children) that step `step`'s
+    forward read is bitwise equal at both sides: from step 1 on they are the step before's update,
+    which at TP > 1 differs by its own rounding - the reference's module is then not this side's."""
+    return not any(p == module or p.startswith(module + ".") for p in _index(dd)["bad_params"].get(step, ()))
+
+
+def grads_equal(dd, row: dict) -> bool:
+    """A weight grad's module: its inputs, parameters and every output grad of the step equal."""
+    ix = _index(dd)
+    m, step = row["module"], row["step"]
+    for c in ix["calls"].get((step, m)) or {0}:
+        if not inputs_equal(dd, {"module": m, "step": step, "call": c}):
+            return False
+    return (step, m) not in ix["bad_grad_out"]
