@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tpdiag.diff import bits, generic_bound
-from tpdiag.diff.engine import DegreeDiff, _partial_sum
+from tpdiag.diff.engine import DegreeDiff
+from tpdiag.diff.partials import partial_sum as _partial_sum
 from tpdiag.diff.locate import classify, locate
 
 KEY = "s0/forward/experts.act_fn/out#0/0"
