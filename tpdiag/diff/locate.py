@@ -72,7 +72,6 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
     generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
     oracle.apply(dd)  # any module or op the reference re-executed in float64: bug or rounding
     oracle_own.apply_own(dd)  # ... and past the first divergence, from this side's own inputs
-    on_device.release()
     for row in dd.rows:
         if row.get("oracle") and not row.get("beyond_bound") and not row.get("oracle_flip") \
                 and row["kind"] == "out" and not row.get("generic_cause"):
@@ -96,6 +95,7 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
     loss_bounds(dd)
     # the logits' grad: a user's own loss backward, judged against a cross-entropy's float64 grad
     loss_grad.judge_logits_grad(dd, world)
+    on_device.release()
     # NaN/Inf where the reference has a finite value (or the reverse) is no rounding: a wrong
     # result. Its first appearance is the finding; everything after merely inherits it.
     first_nonfinite = next((r for r in dd.rows if r.get("nonfinite_mismatch")), None)

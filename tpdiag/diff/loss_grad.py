@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import torch
 
+from tpdiag.diff import on_device
 from tpdiag.diff.bits import UNIT_ROUNDOFF
 from tpdiag.records.keys import record_key
 
-IGNORE = -100
 FORM_ROUNDINGS = 64  # the reference within this many roundings of the closed form: a cross-entropy
 BLOCK = 1 << 22      # float64 elements of [T, V] per block (32 MiB an array, whatever the vocab)
 
@@ -58,7 +58,9 @@ def judge_logits_grad(dd, world: int) -> None:
         if not (g1.is_floating_point() and g1.shape == gn.shape == z1.shape == zn.shape
                 and y1.numel() * z1.shape[-1] == z1.numel() and not y1.is_floating_point()):
             continue
-        v = _verdict(z1, zn, y1, g1, gn, UNIT_ROUNDOFF.get(g1.dtype, UNIT_ROUNDOFF[torch.float32]), world)
+        # its float64 softmaxes ([T, V] a side) on the parent's check device where it has one
+        v = on_device.run(_verdict, z1, zn, y1, g1, gn, UNIT_ROUNDOFF.get(g1.dtype, UNIT_ROUNDOFF[torch.float32]),
+                          world)
         if v is None:
             continue
         row["oracle"] = v
@@ -80,7 +82,7 @@ def _verdict(z1, zn, y1, g1, gn, u: float, world: int) -> dict | None:
     # this side's error per vocab shard (TP's contiguous blocks): a far verdict names the rank
     # whose shard holds most of it
     blocks = world if world > 1 and V % world == 0 else 1
-    eb = torch.zeros(blocks, dtype=torch.float64)
+    eb = torch.zeros(blocks, dtype=torch.float64, device=z1.device)
     same = torch.equal(z1, zn)  # this side's logits the reference's: one softmax serves both
     rows = max(1, BLOCK // V)
     for a in range(0, z1.shape[0], rows):
