@@ -101,12 +101,17 @@ def inputs_differ(rec: Recorder, snap, name: str, call: int, own: dict) -> bool:
             got = tensors.get(record_key(rec.step, "forward", name, "in", call, i))
             if got is None or tuple(got.shape) != tuple(t.shape):
                 return False
-            # the snapshot is float64 (an exact upcast): distinct bits stay distinct
-            differ = differ or not torch.equal(
-                got.to(device=t.device, dtype=torch.float64).view(torch.int64), t.to(torch.float64).view(torch.int64))
+            differ = differ or not _same_bits(got, t)
         if not differ:
             return False
     return True
+
+
+def _same_bits(shipped: torch.Tensor, here: torch.Tensor) -> bool:
+    """Whether another world's shipped value and this one are bit for bit equal, compared as float64
+    (an exact upcast of either: distinct bits stay distinct) on this one's device."""
+    return torch.equal(shipped.to(device=here.device, dtype=torch.float64).view(torch.int64),
+                       here.to(torch.float64).view(torch.int64))
 
 
 def grad_out_differs(rec: Recorder, g, name: str, call: int, own: dict) -> bool:
@@ -120,8 +125,7 @@ def grad_out_differs(rec: Recorder, g, name: str, call: int, own: dict) -> bool:
         got = tensors.get(record_key(rec.step, "backward", name, "grad_out", call, 0))
         if got is None or tuple(got.shape) != tuple(g.shape) or not got.is_floating_point():
             return False
-        if torch.equal(got.to(device=g.device, dtype=torch.float64).view(torch.int64),
-                       g.detach().to(torch.float64).view(torch.int64)):
+        if _same_bits(got, g.detach()):
             return False
     return True
 
