@@ -116,10 +116,28 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
     if cfg.baseline and cfg.degrees.count(cfg.degrees[0]) == 1:
         base_label = configs[0].point.with_(repeat="base").compare_key(configs[0].point)  # '1-base'
         worlds.insert(1, (configs[0].point, base_label))
+    def world_cfg(point, label):
+        ref_dir = run.world(labels[0]) if label != labels[0] else ""
+        return cfg.world(point, label, run.world(label), device, ref_dir=ref_dir, reference=label == labels[0])
+
+    def record(label, degree, res, **where):
+        if res.status != "ok":
+            failed[label] = res.error
+        files.world(label, {"degree": degree, "status": res.status, "wall_s": round(res.wall_s, 3),
+                            "error": res.error, **world_timings(res.rank_timings), "numerics": res.numerics,
+                            **where})
+
+    beside = None  # the reference's rerun, run beside it on another GPU (runner/side_by_side.py)
+    if base_label is not None:
+        from tpdiag.runner.side_by_side import side_gpu
+
+        ref_cfg, base_cfg = world_cfg(*worlds[0]), world_cfg(*worlds[1])
+        offset = side_gpu(device, ref_cfg, base_cfg)
+        if offset:
+            beside = (ref_cfg, base_cfg, offset)
     for point, label in worlds:
         degree = point.tp
-        ref_dir = run.world(labels[0]) if label != labels[0] else ""
-        wcfg = cfg.world(point, label, run.world(label), device, ref_dir=ref_dir, reference=label == labels[0])
+        wcfg = world_cfg(point, label)
         earlier = (records_from or {}).get(label) if label != labels[0] else None
         same = _same_world(earlier, wcfg) if earlier else None
         if same:
@@ -127,11 +145,17 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
             if same == "without ops":
                 without_ops.append(label)
             continue
-        res = run_world(wcfg, cfg.timeout, on_status)
-        if res.status != "ok":
-            failed[label] = res.error
-        files.world(label, {"degree": degree, "status": res.status, "wall_s": round(res.wall_s, 3),
-                               "error": res.error, **world_timings(res.rank_timings), "numerics": res.numerics})
+        if beside is not None and label == base_label:
+            continue  # run with the reference
+        if beside is not None and label == labels[0]:
+            from tpdiag.runner.side_by_side import run_pair
+
+            res, base, offset = run_pair(beside[0], beside[1], cfg.timeout, on_status, beside[2])
+            record(label, degree, res, gpu=0)
+            record(base_label, degree, base, gpu=offset,
+                   **({"beside": labels[0]} if offset else {"beside_failed": "ran again on GPU 0 after the reference"}))
+            continue
+        record(label, degree, run_world(wcfg, cfg.timeout, on_status))
     if on_status:
         on_status("diff", "running")
     t_diff = time.perf_counter()

@@ -174,12 +174,16 @@ def _restore_env(saved: dict) -> None:
 
 
 _MARKER = re.compile(r"rank[0-9]+\.(done|error)")
+# the ranks' environment is this process's, set around their start and restored after it
+_LAUNCHING = threading.Lock()
 
 
-def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None, cancel=None) -> WorldResult:
+def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None, cancel=None,
+              gpu_offset: int = 0) -> WorldResult:
     """`entry`: each rank's function, with worker.main's arguments and contract (rankR.done /
     rankR.error markers in cfg.out_dir); default worker.main (compare's step). `cancel`: an
-    Event another thread sets to end the world now (its ranks killed; status 'failed')."""
+    Event another thread sets to end the world now (its ranks killed; status 'failed').
+    `gpu_offset`: worker.main's rank R runs on GPU R + gpu_offset."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -203,23 +207,30 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None, ca
     # RANK_ENV and PYTHONSAFEPATH are for the ranks (the fork server, or a spawned/forked rank, takes
     # them at its start), not for the caller: a library user's process (a notebook, a test session)
     # would keep OMP_NUM_THREADS=1 and PYTHONSAFEPATH for every later subprocess
-    saved = _rank_vars()
-    ctx = _context(cfg.model)
+    with _LAUNCHING:  # two worlds side by side (runner/side_by_side.py): one sets and restores at a time
+        saved = _rank_vars()
+        try:
+            ctx = _context(cfg.model)
+        finally:
+            _restore_env(saved)
     launched_at = time.time()
     procs = [ctx.Process(target=entry or worker.main, name=f"tpdiag-{folder(world)}-rank{r}",
                          args=(r, world, "127.0.0.1", store.port, cfg.to_dict(), timeout_s, os.getpid(),
-                               launched_at))
+                               launched_at), kwargs={"gpu_offset": gpu_offset} if gpu_offset else {})
              for r in range(world)]
     if on_status:
         on_status(cfg.label, "running")
     result = None
     old_term = _terminate_as_interrupt()
     try:
-        try:
-            for p in procs:
-                _start(ctx, p)
-        finally:
-            _restore_env(saved)
+        with _LAUNCHING:
+            saved = _rank_vars()
+            try:
+                _context(cfg.model)  # the ranks' environment, for the fork server's start
+                for p in procs:
+                    _start(ctx, p)
+            finally:
+                _restore_env(saved)
         deadline = time.monotonic() + timeout_s
         shown, polled = None, time.monotonic()
         while result is None:

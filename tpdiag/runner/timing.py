@@ -73,7 +73,14 @@ def _first_pass(manifest: dict, parts: list) -> None:
             continue
         what = (f"{config_name(ref)} (reference)" if lab == ref else
                 f"{config_name(ref)} (reference rerun)" if lab == f"{ref}-base" else config_name(lab))
-        parts.append({"part": "world", "what": what, "label": lab, "s": w["wall_s"]})
+        s = w["wall_s"]
+        beside = (manifest.get("worlds") or {}).get(w.get("beside")) if w.get("beside") else None
+        if isinstance(beside, dict) and _num(beside.get("wall_s")) is not None:
+            # run at once with that world (runner/side_by_side.py): parts stay disjoint, so this
+            # one is only what it ran past the other's end
+            what += f" - {s:.1f} s beside it on GPU {w.get('gpu')}"
+            s = round(max(0.0, s - beside["wall_s"]), 3)
+        parts.append({"part": "world", "what": what, "label": lab, "s": s})
     if _num(phases.get("diff_s")) is not None:
         parts.append({"part": "diff", "what": "align, compare, locate, judge", "s": phases["diff_s"]})
 

@@ -17,8 +17,9 @@ def marker(out_dir: str, rank: int, what: str) -> str:
 
 
 def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s: float,
-         launcher_pid: int | None = None, launched_at: float | None = None) -> None:
-    """`launched_at`: the launcher's time.time() when it started the world's ranks."""
+         launcher_pid: int | None = None, launched_at: float | None = None, gpu_offset: int = 0) -> None:
+    """`launched_at`: the launcher's time.time() when it started the world's ranks. `gpu_offset`:
+    rank R runs on GPU R + gpu_offset (a TP=1 world beside another, runner/side_by_side.py)."""
     entered = time.time()
     if os.environ.pop("TPDIAG_SET_PYTHONSAFEPATH", None):
         os.environ.pop("PYTHONSAFEPATH", None)  # launch._safe_path's, for the fork server only
@@ -35,7 +36,7 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
 
         with compile_meter(cfg.device) as compiled:  # Triton's JIT compiles, wherever they fall
             timings = _profiled(rank, cfg.label, _run, rank, world, host, port, cfg, timeout_s,
-                                entered, launched_at)
+                                entered, launched_at, gpu_offset)
         timings.update(compiled)
         # the rank's phase timings travel in its marker: the launcher collects every rank's
         numerics = timings.pop("numerics", None)
@@ -113,7 +114,7 @@ def _start_time(pid: int):
 
 
 def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
-         entered: float | None = None, launched_at: float | None = None) -> dict:
+         entered: float | None = None, launched_at: float | None = None, gpu_offset: int = 0) -> dict:
     """This rank's work; returns its per-phase wall times (s) and peak memory (bytes)."""
     import torch
     import torch.distributed as dist
@@ -127,8 +128,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
 
     determinism.setup(cfg.seed, cfg.device, cfg.flags)
     if cfg.device == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+        torch.cuda.set_device(rank + gpu_offset)
+        device = torch.device("cuda", rank + gpu_offset)
         frac = os.environ.get("TPDIAG_CUDA_MEM_FRACTION")  # fault injection: a real OOM on a big GPU
         if frac:
             torch.cuda.set_per_process_memory_fraction(float(frac), device)
