@@ -71,3 +71,23 @@ def test_run_pair_gives_the_sequential_records_and_restores_the_environment(tmp_
     a, b, offset = side_by_side.run_pair(ref, base, 120.0, None, 1)
     assert (a.status, b.status, offset) == ("ok", "ok", 0)
     assert sorted(calls) == [("1", 0), ("1-base", 0), ("1-base", 1)]
+
+
+def test_breakdown_counts_a_world_run_beside_another_once():
+    """The breakdown's parts stay disjoint (records/timing.read_breakdown refuses parts adding up
+    past the wall time): a rerun run beside the reference adds only what it ran past its end."""
+    from tpdiag.records.timing import read_breakdown
+    from tpdiag.runner.timing import _first_pass
+
+    manifest = {"reference": "1", "phases": {"setup_s": 0.1, "diff_s": 0.5}, "worlds": {
+        "1": {"wall_s": 2.0, "gpu": 0}, "1-base": {"wall_s": 2.5, "gpu": 1, "beside": "1"}, "2": {"wall_s": 3.0}}}
+    parts: list = []
+    _first_pass(manifest, parts)
+    s = {p.get("label"): p["s"] for p in parts if p["part"] == "world"}
+    assert s == {"1": 2.0, "1-base": 0.5, "2": 3.0}
+    assert "beside it on GPU 1" in [p for p in parts if p.get("label") == "1-base"][0]["what"]
+    tb, problems = read_breakdown({"time_breakdown": {"schema": 1, "wall_s": 6.1, "parts": parts}})
+    assert tb is not None and not problems
+    # counted whole (the old sum), the same parts pass the wall time: the reader says so
+    whole = [dict(p, s=2.5) if p.get("label") == "1-base" else p for p in parts]
+    assert read_breakdown({"time_breakdown": {"schema": 1, "wall_s": 6.1, "parts": whole}})[1]

@@ -146,7 +146,27 @@ def _measure(row: dict, a: torch.Tensor, b: torch.Tensor, oa: Assembled, values:
     scaled: look for one factor between the pair (diff/scale.py) - in a diff of captures, where no
     float64 re-execution judges a record past the first divergence (compare's own-input pass does,
     with its verdict and distance)."""
-    c = bits.compare(b, a)
+    equal = a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits.raw_bits(a), bits.raw_bits(b))
+    if equal:  # one pass on the host: most records, nothing to measure
+        _measure_pair(row, a, b, values, scaled, True)
+    else:
+        # the float64 measures of a pair that differs on the parent's check device (diff/on_device.py):
+        # maxima of exact differences, IEEE quotients and integer ULP counts - the same numbers on
+        # either device; the one-factor fit's sums differ in their last bits only
+        from tpdiag.diff import on_device
+
+        on_device.run(_measure_pair, row, a, b, values, scaled, False)
+    if oa.rank_consistent is False:
+        row["rank_max_abs"] = max(
+            float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())
+            if s.is_floating_point() else float(not torch.equal(s, oa.shards[0]))
+            for s in oa.shards)
+        partials.partial_sum(row, a, oa.shards)
+
+
+def _measure_pair(row: dict, a: torch.Tensor, b: torch.Tensor, values: bool, scaled: bool, equal: bool) -> None:
+    """The bit comparison, NaN/Inf and one-factor measures of a pair, into row (wherever a and b are)."""
+    c = bits.compare(b, a, equal=equal)
     row["nonfinite_mismatch"] = c.nonfinite is not None
     row["nonfinite"] = c.nonfinite
     row.update(bitwise=c.bitwise, max_abs=c.max_abs, max_rel=c.max_rel, max_ulp=c.max_ulp,
@@ -159,12 +179,6 @@ def _measure(row: dict, a: torch.Tensor, b: torch.Tensor, oa: Assembled, values:
         scale = coherent_scale(a, b)
         if scale is not None:
             row["scale"] = scale
-    if oa.rank_consistent is False:
-        row["rank_max_abs"] = max(
-            float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())
-            if s.is_floating_point() else float(not torch.equal(s, oa.shards[0]))
-            for s in oa.shards)
-        partials.partial_sum(row, a, oa.shards)
 
 
 def _judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -39,8 +39,9 @@ def coherent_scale(a: torch.Tensor, b: torch.Tensor) -> float | None:
         return None
     xa, xb = a.reshape(-1), b.reshape(-1)
     aa = ab = bb = a4 = 0.0
-    for s in range(0, xa.numel(), CHUNK):
-        pa, pb = xa[s:s + CHUNK].to(torch.float64), xb[s:s + CHUNK].to(torch.float64)
+    chunk = 1 << 26 if a.is_cuda else CHUNK  # a GPU's chunk: one launch and sync each (diff/bits.py)
+    for s in range(0, xa.numel(), chunk):
+        pa, pb = xa[s:s + chunk].to(torch.float64), xb[s:s + chunk].to(torch.float64)
         sq = pa * pa
         aa += float(sq.sum())
         a4 += float(sq.dot(sq))

@@ -9,7 +9,7 @@ model run the same kernels on the same inputs to the same bits; a rerun whose bi
 is a reproducibility failure the user needs to hear of either way, and the world entry says on
 which GPU each ran. A rerun that fails beside the reference (the second GPU busy with another job:
 out of memory) runs again on GPU 0 after it, as it did before this. TPDIAG_SIDE_BY_SIDE=0: one
-after the other (A/B).
+after the other (A/B); =force: on the host too (a test hook).
 """
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ import threading
 
 def side_gpu(device: str, ref_cfg, base_cfg) -> int:
     """The GPU offset the rerun may run on beside the reference (1), or 0: after it, on GPU 0."""
-    if os.environ.get("TPDIAG_SIDE_BY_SIDE", "1") == "0" or device != "cuda":
+    knob = os.environ.get("TPDIAG_SIDE_BY_SIDE", "1")
+    if knob == "0" or ref_cfg.degree != 1 or base_cfg.degree != 1 or base_cfg.micro_batch \
+            or base_cfg.mode == "decode":
         return 0
-    if ref_cfg.degree != 1 or base_cfg.degree != 1 or base_cfg.micro_batch or base_cfg.mode == "decode":
-        return 0
+    if device != "cuda":
+        # the test hook: two gloo worlds at once on the host (a GPU offset means nothing there)
+        return 1 if knob == "force" else 0
     import torch
 
     try:
