@@ -112,6 +112,15 @@ def mean_bound(elem_bound: torch.Tensor, y1: float, yn: float, n: int,
     return float(elem_bound.mean()) + gamma(n, u) * (abs(y1) + abs(yn)) + u_out * (abs(y1) + abs(yn))
 
 
+def _sum_sq(a: torch.Tensor) -> float:
+    return float((a.to(torch.float64) ** 2).sum())
+
+
+def _sum_sq_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    f = torch.float64
+    return float(((b.to(f) - a.to(f)) ** 2).sum())
+
+
 def norm_own_errors(grads1: list, gradsn: list, total1: float, totaln: float) -> dict:
     """Each side's grad norm against the float64 norm of ITS OWN recorded grads - the local
     oracle of a reduction: a norm that read the wrong grads (a shard missing, a replica counted
@@ -123,9 +132,11 @@ def norm_own_errors(grads1: list, gradsn: list, total1: float, totaln: float) ->
     rounding of the norm), A = 8 as for any one-output float64 verdict."""
     import math
 
-    f = torch.float64
-    e1 = math.sqrt(sum(float((a.to(f) ** 2).sum()) for a in grads1))
-    en = math.sqrt(sum(float((b.to(f) ** 2).sum()) for b in gradsn))
+    from tpdiag.diff import on_device
+
+    # float64 sums of squares on the parent's check device where it has one (diff/on_device.py)
+    e1 = math.sqrt(sum(on_device.run(_sum_sq, a) for a in grads1))
+    en = math.sqrt(sum(on_device.run(_sum_sq, b) for b in gradsn))
     err1, errn = abs(total1 - e1), abs(totaln - en)
     n = max(sum(a.numel() for a in grads1), 2)
     floor = (gamma(math.ceil(math.log2(n)) + 1, UNIT_ROUNDOFF[torch.float32])
@@ -138,9 +149,11 @@ def norm_own_errors(grads1: list, gradsn: list, total1: float, totaln: float) ->
 def norm_bound(grads1: list, gradsn: list, total1: float, totaln: float) -> float:
     """|norm_N - norm_1| <= ||g_N - g_1||_2 (triangle inequality) + each side's rounding of a
     sum of squares over n elements (gamma_n, relative) and the square root."""
-    f = torch.float64
-    diff2 = sum(float(((b.to(f) - a.to(f)) ** 2).sum()) for a, b in zip(grads1, gradsn))
     import math
+
+    from tpdiag.diff import on_device
+
+    diff2 = sum(on_device.run(_sum_sq_diff, a, b) for a, b in zip(grads1, gradsn))
 
     n = sum(a.numel() for a in grads1)
     u = UNIT_ROUNDOFF[torch.float32]

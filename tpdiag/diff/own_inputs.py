@@ -33,15 +33,22 @@ BUDGET_BYTES = 1 << 30
 _KINDS = (("forward", "out"), ("backward", "param_grad"))
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    s = float(torch.linalg.vector_norm(a))
+    return float(torch.linalg.vector_norm(b - a)) / s if s > 0 else 0.0
+
+
 def _growth(dd, r: dict) -> float:
+    from tpdiag.diff import on_device
+
     inp = dd.tensors.get(record_key(r["step"], "forward", r["module"], "in", r["call"], 0)) if r["kind"] == "out" else None
     out = dd.tensors.get(r["key"])
     if out is None:
         return 0.0
-    def rel(pair):
-        a, b = (t.double() for t in pair)
-        s = float(torch.linalg.vector_norm(a))
-        return float(torch.linalg.vector_norm(b - a)) / s if s > 0 else 0.0
+
+    def rel(pair):  # float64 norms on the parent's check device where it has one: an order, not a verdict
+        return on_device.run(_rel, *pair)
     ri = rel(inp) if inp is not None and inp[0].shape == inp[1].shape and inp[0].is_floating_point() else 0.0
     ro = rel(out) if out[0].is_floating_point() else 0.0
     return ro / ri if ri > 0 else (float("inf") if ro > 0 else 0.0)
