@@ -51,3 +51,30 @@ def test_bias_after_the_reduce_is_rounding(tmp_path):
     s, out, gate = _run(tmp_path, "bias_after")
     assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), s["degrees"]["2"]
     assert gate == 1 and "BUG" not in out, out[-1500:]
+
+
+def test_rank0_bias_under_hash_capture_leads_with_its_grad(tmp_path):
+    # pass 1 (hashes) has no record of the bias grad (rank 1 has none), so it names the step's
+    # params first; the region pass names the grad, which that finding follows. On top of
+    # runner/missing_grads.py alone, each was made to follow the other: no lead, the summary read
+    # 'rounding only' while `gate` exited 4.
+    from tpdiag.diff.classes import leading_bug
+
+    s, out, gate = _run(tmp_path, "rank0_bias", "--capture", "hash")
+    lead = leading_bug(s["degrees"]["2"])
+    assert s["class"] == "bug" and lead is not None, s["degrees"]["2"]
+    assert (lead["key"], lead["cause"]) == ("s0/backward/mlp/param_grad#0/bias", "rank-inconsistent-replica"), lead
+    assert "rounding only" not in out and gate == 4, out[-1500:]
+
+
+def test_findings_that_follow_each_other_are_both_roots():
+    from tpdiag.diff.classes import degree_class, leading_bug, roots
+
+    a = {"key": "a", "cause": "rank-inconsistent-replica", "follows": "b"}
+    b = {"key": "b", "cause": "rank-inconsistent-replica", "follows": "a"}
+    into = {"key": "c", "cause": "sharding-bug", "follows": "a"}
+    entry = {"status": "divergent", "first_divergence": {"cause": "row-parallel-reduction"}, "findings": [a, b, into]}
+    assert roots(entry["findings"]) == [a, b]
+    assert degree_class(entry) == "bug" and leading_bug(entry) is a
+    fd_only = {**entry, "findings": [{"key": "d", "cause": "sharding-bug", "follows": "the first divergence"}]}
+    assert degree_class(fd_only) == "rounding" and leading_bug(fd_only) is None
