@@ -35,7 +35,8 @@ def test_megatron_padding_compares_cleanly(runs):
     assert "BUG" not in stdout and gate == 1, (gate, stdout[-1500:])
     assert s["degrees"]["2"]["logprobs"]["bitwise"], s["degrees"]["2"]["logprobs"]
     for w in ("tp1", "tp2"):
-        assert json.loads((d / w / "world.json").read_text())["vocab_padding"] == {"vocab": 100, "local": 128}
+        assert json.loads((d / w / "world.json").read_text())["vocab_padding"] == {"vocab": 100, "local": 128,
+                                                                                 "modules": ["head", "model"]}
     rows = (d / "diff.csv").read_text().splitlines()
     head = next(r for r in rows if "s0/init/head/param_init#0/weight" in r)
     assert ",100x16," in head and ",True,," in head, head  # cut to the real vocab, bitwise

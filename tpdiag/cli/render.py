@@ -44,7 +44,15 @@ def _fmt(x, spec=".2e"):
 
 
 def where(fd: dict) -> str:
-    """A record in words: 'forward: layers.0.attention.wo', 'loss: logprobs', 'backward: output (grad_out 0)'."""
+    """A record in words: 'forward: layers.0.attention.wo', 'loss: logprobs', 'backward: output (grad_out 0)';
+    a record of a later step says which ('step 1 backward: mlp (param_grad gain)'): under --steps N a
+    mistake that only step 1 shows read as if step 0 held it."""
+    step = fd.get("step")
+    text = _where(fd)
+    return f"step {step} {text}" if isinstance(step, int) and step > 0 else text
+
+
+def _where(fd: dict) -> str:
     phase, module, kind, name = fd.get("phase"), fd.get("module"), fd.get("kind"), fd.get("name")
     if module == "model" and phase == "loss" and kind == "loss":
         return "loss: the loss function (Target.loss or the built-in cross-entropy)"

@@ -12,11 +12,29 @@ from tpdiag.records.causes import cause_class
 _ORDER = ("bug", "non-finite", "unknown", "rounding")
 
 
+def roots(findings: list) -> list:
+    """The findings no other explains: those that follow nothing, and those whose `follows` chain
+    comes back to them (two findings each said to follow the other explain neither - counted as
+    roots, so the class fails closed: such a cycle once read 'rounding only' where `gate` read BUG)."""
+    by_key = {f.get("key"): f for f in findings if f.get("key")}
+    out = []
+    for f in findings:
+        seen, g = set(), f
+        while "follows" in g and id(g) not in seen:
+            seen.add(id(g))
+            g = by_key.get(g["follows"])
+            if g is None:
+                break
+        if "follows" not in f or g is f:
+            out.append(f)
+    return out
+
+
 def degree_class(entry: dict) -> str | None:
     if entry.get("status") != "divergent":
         return None
     fd = entry.get("first_divergence") or {}
-    causes = [f.get("cause") for f in entry.get("findings") or [] if "follows" not in f]
+    causes = [f.get("cause") for f in roots(entry.get("findings") or [])]
     classes = {cause_class(c) for c in causes} | ({cause_class(fd.get("cause"))} if fd else set())
     if entry.get("downstream_unjudged") and classes <= {"rounding"}:
         return "unknown"  # modules past the first divergence that were to be judged were not
@@ -47,9 +65,9 @@ def leading_bug(entry: dict) -> dict | None:
     fd = entry.get("first_divergence") or {}
     if cause_class(fd.get("cause")) in ("bug", "non-finite"):
         return fd
-    roots = [f for f in entry.get("findings") or [] if "follows" not in f]
+    first = roots(entry.get("findings") or [])
     for want in ("bug", "non-finite"):
-        hit = next((f for f in roots if cause_class(f.get("cause")) == want), None)
+        hit = next((f for f in first if cause_class(f.get("cause")) == want), None)
         if hit is not None:
             return hit
     return None

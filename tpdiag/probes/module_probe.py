@@ -50,6 +50,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
     if gc_was:
         gc.disable()
     handles = []
+    producers = None
     # grad hooks put in by _tap: (hook dict, key), taken out on exit (TPDIAG_PROBE_TAPS=0:
     # Tensor.register_hook for every output, A/B)
     taps = [] if os.environ.get("TPDIAG_PROBE_TAPS", "1") != "0" else None
@@ -72,6 +73,11 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         # a WeakTensorKeyDictionary builds a Python key object per lookup, ~3 lookups per module
         # call (host time per record); the weakref tells a live entry from a dead tensor's id reused.
         producer: dict = {}
+
+        def producers(t) -> list:
+            return [module_of(m) for m in _producers(producer, t)]
+
+        rec.producers = producers
         # this call's index per module, pairing its outputs with its inputs (a plain dict: an
         # attribute set on the module goes through nn.Module.__setattr__, ~10 us per call)
         calls: dict = {}
@@ -205,6 +211,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         with forget_written(rec):
             yield rec
     finally:
+        if producers is not None and rec.producers is producers:
+            rec.producers = None
         if walked is not None and walks.get(id(model)) is walked:
             del walks[id(model)]
         for h in handles:

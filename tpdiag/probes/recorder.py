@@ -65,6 +65,9 @@ class Recorder:
     # the model's logits hold a padded vocab (Megatron's make_vocab_size_divisible_by): {"vocab": real
     # ids, "local": this rank's width} (world.json's own field; records/layout.py vocab_padded)
     vocab_padding: dict | None = None
+    # module_probes' lookup while its hooks are in: tensor -> names of the modules whose output it
+    # is (or views), so a forward's logits name the modules that produced them (runner/piece.py)
+    producers: object = None
     per_rank_params: int = 0                    # plain parameters not one replica (runner/per_rank.py)
     world: int = 1
     rank: int = 0

@@ -140,11 +140,30 @@ def vocab_padded_dim(ref_meta: dict, full: list[int], meta: dict, ref_pad: dict 
     ref_width = int((ref_pad or {}).get("local", vocab))
     if len(full) != len(local) or width * n < vocab or ref_width < vocab:
         return None
+    if local == list(full) and "modules" in pad and not _vocab_record(meta, pad["modules"]):
+        # every real id on rank 0 (vocab <= its padded width): the shard has the reference's whole
+        # shape, so any record with a dim of that width would match - a hidden state of 128 in a
+        # model padded to 128 read as a vocab shard hid its ranks' differences, and the head's
+        # [128, 128] weight, ambiguous, read as a replica whose ranks differ (a false BUG)
+        return None
     dims = [d for d in range(len(full)) if full[d] == ref_width and local[d] == width
             and all(full[i] == local[i] for i in range(len(full)) if i != d)]
+    if len(dims) > 1 and "modules" in pad and _vocab_record(meta, pad["modules"]):
+        # a square [padded, padded] weight of the head: its rows are the vocab (nn.Linear's
+        # out_features, the logits' last dim)
+        dims = [0] if meta.get("kind", "").startswith("param") else [len(full) - 1]
     if len(dims) != 1 or width * n == full[dims[0]] or padded_dim(local, full, n) is not None:
         return None
     return dims[0]
+
+
+# the records of the modules that produced the padded logits that hold the padded vocab: their
+# outputs (the logits' last dim), the grads of those, their own parameters (the head's rows)
+_VOCAB_KINDS = ("out", "grad_out", "param_init", "param_grad", "param")
+
+
+def _vocab_record(meta: dict, modules) -> bool:
+    return meta.get("module") in modules and meta.get("kind") in _VOCAB_KINDS
 
 
 def vocab_padded(ref_meta: dict, ref_stored: torch.Tensor, meta: dict, stored: torch.Tensor,

@@ -213,6 +213,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
             seen = {(f["phase"], f["module"], f["kind"], f["name"]): f for f in entry["findings"]}
             sub_bugs = {f.get("key") for f in sub_entry.get("findings", [])
                         if "follows" not in f and cause_class(f.get("cause")) == "bug"}
+            sub_follows = {f.get("key"): f.get("follows") for f in sub_entry.get("findings", [])}
             for f in sub_entry.get("findings", []):
                 mine = seen.get((f["phase"], f["module"], f["kind"], f["name"]))
                 if mine is not None:
@@ -231,8 +232,11 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                     continue
                 same = next((g for g in entry["findings"] + [fd] if "follows" not in g and g.get("module") == f["module"]
                              and g.get("step") == f["step"] and cause_class(g.get("cause")) == "bug"), None)
-                if "follows" not in f and same is not None:
-                    f["follows"] = same.get("key")  # one root per module (locate.py)
+                if "follows" not in f and same is not None and sub_follows.get(same.get("key")) != f.get("key"):
+                    # one root per module (locate.py) - unless the rerun found `same` to follow from
+                    # f (an earlier record pass 1 could not judge: a grad it had no record of), where
+                    # f leads; each following the other left no lead, and the run read rounding only
+                    f["follows"] = same.get("key")
                 elif "follows" not in f:
                     inner = inside_consumer(f, entry["findings"] + [fd])
                     if inner is not None:

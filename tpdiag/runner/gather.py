@@ -127,6 +127,12 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
         return _with_stored_hash(out)
 
     spmd = _same_stream(records, device, group, world)
+    if not spmd:
+        from tpdiag.runner.missing_grads import fill_missing_grads
+
+        filled = fill_missing_grads(records, lanes, group, world)
+        if filled is not None and _same_stream(filled[0], device, group, world):
+            (records, lanes), spmd = filled, True
     if per_rank or not spmd:
         records, lanes = _at_boundaries(records, lanes, device, group, world, per_rank, spmd=spmd, hashbuf=hashbuf)
     sizes = [_nbytes(t) for _, t in records if t is not None]

@@ -91,8 +91,11 @@ def whole_vocab(logits, model, plan: dict, vocab: int, world: int):
     if padded:
         # one all-gather; its backward hands each rank its own columns of the grad
         full = whole.full_tensor()
-        if n > vocab and all(torch.equal(c, full[..., :n]) for c in full.split(n, -1)[1:]):
-            # every rank holds the same padded logits (a gathered head): a replica, not shards
+        if n > vocab and all(torch.equal(c[..., :vocab], full[..., :vocab]) for c in full.split(n, -1)[1:]):
+            # every rank holds the same logits of the real ids (a gathered head): a replica, not
+            # shards - whatever its padding holds, which is no token and may differ per rank (each
+            # rank masking only its own range's padding); read as shards, rank 0's columns would
+            # be every rank's logits and the other ranks' logit grads zero: a false BUG at the head
             return logits[..., :vocab], "padded"
         return full[..., :vocab], "padded"
     return whole, rule

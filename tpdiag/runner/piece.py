@@ -87,7 +87,13 @@ def forward(cfg, phases, fwd, model, plan, vocab_size: int, world: int, piece, l
         logits, rule = whole_vocab(local, model, plan, vocab_size, world)
         if rule and rule.startswith("padded"):
             # the diff gathers and cuts the model's padded records by it (records/layout.py)
-            phases.rec.vocab_padding = {"vocab": int(vocab_size), "local": int(local.shape[-1])}
+            rec = phases.rec
+            rec.vocab_padding = {"vocab": int(vocab_size), "local": int(local.shape[-1])}
+            if rec.producers is not None:
+                # the modules whose output the padded logits are: where a rank's shard has the
+                # reference's whole shape (every real id on rank 0), the shape cannot tell their
+                # records from a hidden state of the padded width (records/layout.py)
+                rec.vocab_padding["modules"] = sorted(set(rec.producers(local)))
         whole = logits  # the fingerprint's: the step pass 1 computed (runner/drill.py)
         logits, local, labels = prefix.cut_loss_inputs(cfg, logits, local, labels)
         check_positions(logits, labels, world)
