@@ -36,23 +36,25 @@ def lighten() -> None:
     grid = getattr(getattr(ti, "GridExecutor", None), "__call__", None)
     if patch_lang is None or grid is None or not hasattr(ti, "_LangPatchScope"):
         return
-    launches: list[set] = []  # per running launch: the language-module sets patched for it
-
-    def _langs(fn):
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+    # per running launch: the language-module sets patched for it, and the functions seen (their
+    # module sets worked out once a launch: walking a module's globals at every call cost 3%)
+    launches: list[tuple[set, set]] = []
 
     def _patch_lang(fn):
         if not launches:
             return patch_lang(fn)
-        key = _langs(fn)
-        if key in launches[-1]:
+        patched, seen = launches[-1]
+        if fn in seen:
             return ti._LangPatchScope()  # already in place for this launch: nothing to undo either
-        scope = patch_lang(fn)
-        launches[-1].add(key)
-        return scope
+        key = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        seen.add(fn)
+        if key in patched:
+            return ti._LangPatchScope()
+        patched.add(key)
+        return patch_lang(fn)
 
     def _grid_call(self, *args, **kwargs):
-        launches.append(set())
+        launches.append((set(), set()))
         try:
             return grid(self, *args, **kwargs)
         finally:
