@@ -94,6 +94,9 @@ def import_triton():
         raise RuntimeError("invariant-gemm's Triton path needs triton (pip install 'tpdiag[triton]'); "
                            "the CPU path (cpu_mm) works without it") from e
     triton, tl = _triton_mod, _tl
+    from tpdiag.kernels.interpreter_patch import lighten
+
+    lighten()  # the interpreter's per-helper re-patching skipped (interpreter_patch.py)
     g = globals()
     for name in _JIT_FUNCTIONS:
         fn = g[name]

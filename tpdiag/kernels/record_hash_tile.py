@@ -13,6 +13,10 @@ import os
 import triton
 import triton.language as tl
 
+from tpdiag.kernels.interpreter_patch import lighten
+
+lighten()  # the interpreter's per-helper re-patching skipped (interpreter_patch.py)
+
 # The word-pairs path has three bits of inline PTX (_high_k, _high_bits, _max_pairs). The
 # interpreter runs no PTX, so there (the CPU's tests) the same values come from plain Triton ops;
 # tests/test_benchmarks.py compiles the PTX path for sm_90 on the CPU, and `python -m benchmarks

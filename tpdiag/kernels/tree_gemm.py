@@ -189,6 +189,9 @@ def _kernels():
     import triton.language as _tl
 
     triton, tl = _triton, _tl
+    from tpdiag.kernels.interpreter_patch import lighten
+
+    lighten()  # the interpreter's per-helper re-patching skipped (interpreter_patch.py)
     for name in ("_group_acc", "_pair_acc", "_tree_unpaired"):
         globals()[name] = _triton.jit(globals()[name])
     return _triton.jit(_tree_mm_kernel)
