@@ -198,6 +198,14 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     closest = reproduced or [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
     verdict = processed.judge(collector, vocab) if stats_from else {
         "detected": None, "kind": None, "explanation": _not_judged(rc, results)}
+    if reproduced and not sampled and verdict.get("detected"):
+        # a configuration's raw log-softmax is every number the engine gave, bit for bit: whatever a
+        # fit on another configuration's rows suggested, the engine's logprobs are raw
+        verdict = {k: v for k, v in verdict.items() if not k.startswith("fit_")}
+        verdict.update(detected=False, kind=None, explanation=(
+            f"{', '.join(reproduced)} give{'s' if len(reproduced) == 1 else ''} every engine logprob bit "
+            "for bit from the trainer's raw logits, so the engine did not process them (a fit on "
+            f"{stats_from}'s rows is rounding)"))
     if sampled:
         # the check read the processed rows: what it says is about what --sampling did not cover
         verdict["explanation"] = (f"with --sampling's processing ({sampled['processors']}) applied to the "
