@@ -224,10 +224,14 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                          "under the fixes a TP degree gives TP=1's bits, so TP > 1 computes something TP=1 "
                          "does not - a sharding bug, or a reordering no fix covers. `tpdiag compare --model "
                          f"{rc.model} --tp 1,{v['tp']} --dtype {rc.dtype}` names the module and says which")
+    from tpdiag.rollout import batch_leak
     from tpdiag.rollout.todo import what_to_do
 
+    leak = batch_leak.find(cfgs, seqs, trainer)
+    if leak:
+        notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc),
-                      bool(pad_note))
+                      bool(pad_note), leak)
     noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {
@@ -245,6 +249,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         "sdpa_ran": _sdpa_words(results),
         "what_to_do": todo,
         "processed": verdict, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
+        "batch_leak": leak,
         "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
