@@ -129,3 +129,61 @@ def test_top_k_with_ties_at_the_kth_is_top_k():
     for i in range(3):
         col(i, rows[2:3].float())
     assert judge(col, vocab=8)["kind"] == "top-p"
+
+
+def _seqs_from(rows, shifts):
+    """One generated token per row (its top token), the engine's logprob the trainer's plus shift."""
+    from tpdiag.rollout.read import Sequence
+
+    seqs = []
+    for r, sh in zip(rows, shifts):
+        t = int(r.argmax())
+        seqs.append(Sequence([7, t], 1, [float(torch.log_softmax(r, -1)[t].float()) + sh],
+                             where=f"line {len(seqs) + 1}"))
+    return seqs
+
+
+def _judge(rows, shifts):
+    from tpdiag.rollout.processed import Collector, judge
+
+    col = Collector(_seqs_from(rows, shifts))
+    for i, r in enumerate(rows):
+        col(i, r[None])
+    return judge(col, vocab=rows.shape[1])
+
+
+def test_one_raised_token_beside_lowered_ones_is_not_a_filter():
+    # a raw bf16 deepseek_v3 rollout against its prefill: 75 of 79 tokens exact, one raised 0.0038,
+    # one lowered 0.0076 - read "1 of 1 raised tokens are exactly ... top-k=251" of a vocabulary of
+    # 256 (any small raise is some tail prefix's mass), and "the engine's logprobs look processed"
+    g = torch.Generator().manual_seed(0)
+    rows = (torch.randn(40, 256, generator=g, dtype=torch.float64) * 0.3).float().double()
+    tail = [float(-torch.log_softmax(r, -1).exp().sort(descending=True).values[:251].sum().log()) for r in rows]
+    shifts = [0.0] * 40
+    shifts[0] = tail[0]            # raised exactly by the mass of its top 251: fits top-k=251
+    shifts[1] = -tail[0] * 2       # lowered further: noise of that size goes both ways
+    v = _judge(rows, shifts)
+    assert v["detected"] is False and v["kind"] is None, v
+    # control: two tokens raised by their top-251 mass, none lowered: a top-k is still named
+    shifts[1] = tail[1]
+    v = _judge(rows, shifts)
+    assert v["detected"] is True and v["kind"] == "top-k" and v["fit_k"] == 251, v
+
+
+def test_a_reproduced_raw_engine_is_never_called_processed(tmp_path, model, monkeypatch):
+    # whatever the fit on the first configuration's rows says, a configuration whose raw
+    # log-softmax is every engine number bit for bit shows the engine's logprobs are raw
+    from tpdiag.rollout import processed
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    f = tmp_path / "r.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in _engine(model)))
+    monkeypatch.setattr(processed, "judge", lambda col, vocab: {
+        "detected": True, "kind": "top-k", "fit_kind": "top-k", "fit_k": 251, "explanation": "a fit"})
+    s = run_rollout(RolloutConfig(file=str(f), model="hf:" + model, micro_batch=(4,), modes=("prefill", "decode"),
+                                  fixes=("none",)))
+    assert s["closest"]["reproduced"] is True and s["closest"]["configurations"] == ["tp1-mb4-decode-none"]
+    pr = s["processed"]
+    assert pr["detected"] is False and pr["kind"] is None and "fit_k" not in pr, pr
+    assert pr["explanation"].startswith("tp1-mb4-decode-none gives every engine logprob bit for bit"), pr
+    assert not any("look processed" in n for n in s["notes"]), s["notes"]

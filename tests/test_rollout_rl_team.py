@@ -99,6 +99,8 @@ def test_rl_teams_rollout_and_trainer_are_transformers_bits(tmp_path, kind):
     m = s["configurations"]["tp1-mb8-decode-none"]["metrics"]
     assert m["exact_tokens"] == m["tokens"] == sum(len(x["logprobs"]) for x in rows)
     assert s["closest"]["reproduced"] is True and s["processed"]["detected"] is False
+    # the engine's batch is rounding away from its sequences decoded alone: no batch note
+    assert s["batch_leak"] is None, s["batch_leak"]
     # the trainer: tpdiag's prefill of the batch is the user's own forward of from_pretrained's model
     # (right-padded, attention mask), log_softmax of the float32 logits, bit for bit
     L = max(len(x["input_ids"]) for x in rows)

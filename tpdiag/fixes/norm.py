@@ -28,7 +28,7 @@ from torch import nn
 
 from tpdiag.errors import BadInput
 from tpdiag.kernels import tree
-from tpdiag.kernels.norm_grad import RMSNormSP
+from tpdiag.kernels.norm_grad import OffsetRMSNormSP, RMSNormSP
 
 # set on a per-head norm whose forward and backward this fix took over: the weight-grad all-reduce
 # transformers' replicated_with_grad_allreduce does (tpdiag.models.hf_plan) is then its backward's
@@ -65,25 +65,36 @@ def _same_as_stock(mod, eps: float) -> bool:
             and torch.equal(ref.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)))
 
 
-def _styled_same_as_stock(mod, eps: float) -> bool:
+def _rms_offset(x, w, eps: float):
+    """Gemma's / Qwen3-Next's RMSNorm: (x_hat * (1 + w)) in float32, then x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).type_as(x)
+
+
+def _styled_same_as_stock(mod, eps: float, formula=None) -> bool:
     """_same_as_stock for a norm a plan style shards or replicates: the class's own forward (not the
     style's hooks) on a replicated copy of the seeded input where the weight is a replicated
-    DTensor. A weight sharded some other way is taken as the stock formula (not checked)."""
+    DTensor. A weight sharded some other way is taken as the stock formula (not checked).
+    formula(x, w, eps): the formula checked; default w * _rms(x)."""
     from torch.distributed.tensor import DTensor, Replicate
+
+    if formula is None:
+        def formula(x, w, eps):
+            return _rms(x, eps) * w
 
     w = mod.weight
     if not isinstance(w, DTensor):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(2, 3, w.shape[0], generator=g).to(device=w.device, dtype=w.dtype)
         with torch.no_grad():
-            ref, y = type(mod).forward(mod, x), _rms(x, eps) * w
+            ref, y = type(mod).forward(mod, x), formula(x, w, eps)
     elif all(isinstance(p, Replicate) for p in w.placements):
         wl = w.to_local()
         g = torch.Generator().manual_seed(0)
         x = torch.randn(2, 3, wl.shape[0], generator=g).to(device=wl.device, dtype=wl.dtype)
         with torch.no_grad():
             ref = type(mod).forward(mod, DTensor.from_local(x, w.device_mesh, list(w.placements), run_check=False))
-            ref, y = (ref.to_local() if isinstance(ref, DTensor) else ref), _rms(x, eps) * wl
+            ref, y = (ref.to_local() if isinstance(ref, DTensor) else ref), formula(x, wl, eps)
     else:
         return True
     return (ref.dtype == y.dtype and ref.shape == y.shape
@@ -158,6 +169,30 @@ def _wrap_replicated(name: str, mod):
     return own
 
 
+def _heads_dim(x) -> int:
+    """The heads dim of a per-head norm's input: -2 for [B, S, heads, D] (Qwen3 normalises before
+    the transpose), -3 for [B, heads, S, D] (Gemma3 after it). The heads are the projection's inner
+    dim, so in a view of its output they have the smaller stride; a tie (one local head) is -2: a
+    rank with one head cuts it into one group, along any dim. Cut along the sequence instead, the
+    groups of TP=1 (S/G rows) and TP=2 are other sums: Gemma3's k_norm weight grad, 64 ULP."""
+    return -3 if x.dim() >= 4 and x.stride(-3) < x.stride(-2) else -2
+
+
+def _head_groups(heads: int, world: int, what: str) -> int:
+    """Groups of a per-head norm's weight grad: gcd(heads, G), the same at every degree of the run
+    (G and the model's head count are), whole heads each, a whole number per rank wherever the
+    degree divides the heads. G alone failed a model with fewer heads than G (a TP=1 rollout's G is
+    8: a 4-head Qwen3's --fix all configurations failed, 'reduced dimension 4 is not divisible by 8
+    groups'; Qwen3-30B-A3B has 4 KV heads)."""
+    import math
+
+    tree.check(tree.n_groups(), world, what)  # G itself: a power of two the degree divides
+    g = math.gcd(heads, tree.n_groups())
+    if g % world:
+        raise BadInput(f"{what}: {heads} heads cannot be cut into {world} ranks' whole groups")
+    return g
+
+
 @contextmanager
 def norm_fix(model: nn.Module, plan: dict, world: int):
     from torch.distributed.tensor import DTensor, Shard
@@ -199,19 +234,31 @@ def norm_fix(model: nn.Module, plan: dict, world: int):
                 other = not _styled_same_as_stock(mod, eps)
             except Exception:  # noqa: BLE001 - a forward that takes no seeded input here: installed as before
                 other = False
+            kernel = RMSNormSP
             if other:
-                # a norm of another formula (Gemma's x * (1 + w)): the invariant kernel computes w * rms(x)
-                # and would change the forward (0.67 nats in a tiny Gemma3's logprobs); left stock,
-                # so a norm-weight-grad there stays unconfirmed rather than fixed into another model
-                continue
+                # a norm of another formula must keep it (w * rms(x) in place of Gemma's x * (1 + w)
+                # moved a tiny Gemma3's logprobs 0.67 nats): Gemma's / Qwen3-Next's (1 + w) has a
+                # kernel of its own (its weight grad summed by the stock formula's terms); any other
+                # formula is left stock, so a norm-weight-grad there stays unconfirmed
+                try:
+                    offset = style != "sequence" and _styled_same_as_stock(mod, eps, _rms_offset)
+                except Exception:  # noqa: BLE001 - not this formula either
+                    offset = False
+                if not offset:
+                    continue
+                kernel = OffsetRMSNormSP
 
-            def forward(x, _mod=mod, _eps=eps, _name=name, _gdim=gdim, _style=style):
+            def forward(x, _mod=mod, _eps=eps, _name=name, _gdim=gdim, _style=style, _kernel=kernel):
                 xl = x.to_local() if isinstance(x, DTensor) else x
-                what = "sequence length" if _gdim == 1 else "heads"
-                groups = tree.check(xl.shape[_gdim] * world, world, f"{_name} ({what})")
+                if _gdim != 1:
+                    _gdim = _heads_dim(xl)
+                if _gdim == 1:
+                    groups = tree.check(xl.shape[_gdim] * world, world, f"{_name} (sequence length)")
+                else:
+                    groups = _head_groups(xl.shape[_gdim] * world, world, f"{_name} (heads)")
                 w = _mod.weight
                 wl = w.to_local() if isinstance(w, DTensor) else w
-                y = RMSNormSP.apply(xl, wl, _eps, groups // world, _gdim)
+                y = _kernel.apply(xl, wl, _eps, groups // world, _gdim)
                 if isinstance(w, DTensor) and _style == "sequence":
                     return DTensor.from_local(y, w.device_mesh, [Shard(1)], run_check=False)
                 return y

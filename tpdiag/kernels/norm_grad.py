@@ -70,6 +70,43 @@ class RMSNormSP(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+class OffsetRMSNormSP(torch.autograd.Function):
+    """Gemma's and Qwen3-Next's RMSNorm, (x_hat * (1 + w.float())).type_as(x) with x_hat in
+    float32 (their q_norm/k_norm), on x_local sharded on `group_dim`: the forward is that formula's
+    bits; the row statistics are taken group by group as RMSNormSP's, and dgamma = sum of
+    g.float() * x_hat (float32, as the stock backward of the formula sums it) by fixed groups added
+    by one fp32 tree across ranks. Torch ops on every device (a per-head norm is small)."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps: float, local_groups: int, group_dim: int = 1):
+        xf = x.float()
+        r = torch.cat([torch.rsqrt(xg.pow(2).mean(-1, keepdim=True) + eps)
+                       for xg in xf.chunk(local_groups, dim=group_dim)], dim=group_dim)
+        ctx.save_for_backward(x, w, r)
+        ctx.local_groups = local_groups
+        ctx.group_dim = group_dim
+        return (xf * r * (1.0 + w.float())).type_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, r = ctx.saved_tensors
+        xhat = x.float() * r
+        gf = g.float()
+        k, gd = ctx.local_groups, ctx.group_dim
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            gy = gf * (1.0 + w.float())
+            dots = torch.cat([(a.contiguous() * b.contiguous()).mean(-1, keepdim=True)
+                              for a, b in zip(gy.chunk(k, dim=gd), xhat.chunk(k, dim=gd))], dim=gd)
+            dx = (r * (gy - xhat * dots)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            terms = gf * xhat
+            dims = tuple(range(terms.dim() - 1))
+            parts = [t.contiguous().sum(dim=dims) for t in terms.chunk(k, dim=gd)]
+            dw = tree_all_reduce(tree_sum(parts), w.dtype)
+        return dx, dw, None, None, None
+
+
 def reference_rmsnorm(x, w, eps):
     """float64 reference."""
     xd = x.double()

@@ -198,6 +198,14 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     closest = reproduced or [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
     verdict = processed.judge(collector, vocab) if stats_from else {
         "detected": None, "kind": None, "explanation": _not_judged(rc, results)}
+    if reproduced and not sampled and verdict.get("detected"):
+        # a configuration's raw log-softmax is every number the engine gave, bit for bit: whatever a
+        # fit on another configuration's rows suggested, the engine's logprobs are raw
+        verdict = {k: v for k, v in verdict.items() if not k.startswith("fit_")}
+        verdict.update(detected=False, kind=None, explanation=(
+            f"{', '.join(reproduced)} give{'s' if len(reproduced) == 1 else ''} every engine logprob bit "
+            "for bit from the trainer's raw logits, so the engine did not process them (a fit on "
+            f"{stats_from}'s rows is rounding)"))
     if sampled:
         # the check read the processed rows: what it says is about what --sampling did not cover
         verdict["explanation"] = (f"with --sampling's processing ({sampled['processors']}) applied to the "
@@ -216,10 +224,14 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                          "under the fixes a TP degree gives TP=1's bits, so TP > 1 computes something TP=1 "
                          "does not - a sharding bug, or a reordering no fix covers. `tpdiag compare --model "
                          f"{rc.model} --tp 1,{v['tp']} --dtype {rc.dtype}` names the module and says which")
+    from tpdiag.rollout import batch_leak
     from tpdiag.rollout.todo import what_to_do
 
+    leak = batch_leak.find(cfgs, seqs, trainer)
+    if leak:
+        notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc),
-                      bool(pad_note))
+                      bool(pad_note), leak)
     noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {
@@ -237,6 +249,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         "sdpa_ran": _sdpa_words(results),
         "what_to_do": todo,
         "processed": verdict, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
+        "batch_leak": leak,
         "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }

@@ -20,7 +20,7 @@ OTHER_AXIS = ("to match bitwise, run the trainer with the engine's value; or lea
 
 
 def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, reproduced: list, processed: dict,
-               invariance: dict, notes_dtype: list, padded: bool = False) -> dict:
+               invariance: dict, notes_dtype: list, padded: bool = False, leak: dict | None = None) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
     token_mult_prob_error (the trainer's), threshold}."""
@@ -42,14 +42,25 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                    for a in cfgs[like].differs(ref)]
         said = "; ".join(f"{d['axis'].replace('_', '-')} {d['trainer']} -> {d['engine']}: {d['meaning']}"
                          for d in differs)
+        # the configuration the engine is, far from its own sequences alone (rollout/batch_leak.py):
+        # its numbers are the model's batch bug, so no setting's gap to them is rounding
+        lead = (f"first: the engine's numbers are not the model's for a batched sequence - {like} is "
+                f"{leak['gap']:.3g} nats (mean) from {leak['alone']}, {leak['ratio']:.0f}x rounding (the batch note "
+                f"above): fix the model's {leak['mode']} path, or score and sample one sequence per call, "
+                "before matching the settings below; "
+                if leak and leak["configuration"] == like else "")
         return {**out, "case": "settings", "engine_like": like, "differs": differs,
-                "line": (f"the engine's logprobs are {like}'s bit for bit, not the trainer's configuration "
+                "line": lead + (f"the engine's logprobs are {like}'s bit for bit, not the trainer's configuration "
                          f"({reference}); they differ in {len(differs)} setting{'s' if len(differs) != 1 else ''}. "
                          f"{said}. {_gap(m, ', from these settings alone')}")}
     first = []
     if padded:  # every token moves with it: before anything else
         first.append("write the sequences without the engine's left padding (the pad token note above) and "
                      "run again")
+    if leak:
+        first.append(f"read the batch note above ({leak['configuration']} is {leak['gap']:.3g} nats (mean) from "
+                     f"{leak['alone']}, {leak['ratio']:.0f}x rounding): the model's {leak['mode']} path lets a "
+                     "call's other sequences into a sequence's logprobs")
     if processed.get("detected"):
         first.append("ask the engine for raw logprobs (the processed line above; vLLM: "
                      "logprobs_mode=raw_logprobs; generate(): output_logits, not output_scores, or its "

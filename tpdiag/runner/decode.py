@@ -15,8 +15,8 @@ The prompt length is the caller's choice; DEFAULT: half the sequence (`default_p
 half the positions come from the prompt's prefill call (M = B * P rows per GEMM) and half from
 single-token steps (M = B rows) - both kinds of call are covered whatever the sequence length.
 
-Caches driven: transformers' DynamicCache for `hf:` models (left padding through an attention
-mask and position ids, as generate() does), and any model with `new_kv_cache()` whose forward
+Caches driven: transformers' DynamicCache for `hf:` models, or the model's own where generate()
+gives it none (left padding through an attention mask and position ids, as generate() does), and any model with `new_kv_cache()` whose forward
 takes `cache=` (the built-in presets: tpdiag.models.tiny_llama; a py: model may do the same).
 Forward only, under torch.no_grad() by the caller or not: nothing here needs grads.
 """
@@ -133,22 +133,43 @@ def _cache_steps(model, ids, P, attention_mask, last_only, on_call):
 
 
 def _hf_steps(model, ids, P, attention_mask, last_only, on_call, generate_args=True):
-    from transformers import DynamicCache
-
     mask, pos = _mask_and_positions(ids, attention_mask)
     if generate_args and _generate_inputs(model):
         yield from _generate_steps(model, ids, P, mask, pos, last_only, on_call)
         return
-    cache = DynamicCache(config=model.config)
+    cache = _new_cache(model, model.config)
     ck = _cache_kw(model)
     for start, stop in _calls(P, ids.shape[1]):
         if on_call is not None:
             on_call(start, stop)
         keep = {"logits_to_keep": 1 if last_only else 0} if start == 0 else {}
         where = {"attention_mask": mask[:, :stop], "position_ids": pos[:, start:stop]} if generate_args else {}
-        o = model(input_ids=ids[:, start:stop], **where, **{ck: cache}, use_cache=True, **keep)
+        o = model(input_ids=ids[:, start:stop], **where, **({ck: cache} if cache is not None else {}),
+                  use_cache=True, **keep)
+        cache = _returned_cache(o, ck, cache)
         n = o.logits.shape[1]
         yield Piece(stop - n, stop, o.logits)
+
+
+def _new_cache(model, config):
+    """The cache generate() starts with: a DynamicCache of the config, or None where transformers says
+    the model builds its own (`_supports_default_dynamic_cache()` False: MiniMax's linear-attention
+    MiniMaxCache, which refuses a DynamicCache) - the model's forward then makes it at the first call."""
+    from transformers import DynamicCache
+
+    own = getattr(model, "_supports_default_dynamic_cache", None)
+    if callable(own) and not own():
+        return None
+    return DynamicCache(config=config)
+
+
+def _returned_cache(out, ck, cache):
+    """The cache to hand the next call: the one the output carries (generate() takes it back from
+    each output; a model that built its own returns it there), else the one passed in."""
+    got = getattr(out, ck, None)
+    if got is None and ck != "past_key_values":
+        got = getattr(out, "past_key_values", None)
+    return got if got is not None else cache
 
 
 def _generate_inputs(model) -> bool:
@@ -180,11 +201,12 @@ def _generate_steps(model, ids, P, mask, pos, last_only, on_call):
     import inspect
     from contextlib import nullcontext
 
-    from transformers import DynamicCache
-
     tc = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     ck = _cache_kw(model)
-    kw = {ck: DynamicCache(config=tc), "use_cache": True}
+    kw = {"use_cache": True}
+    cache = _new_cache(model, tc)
+    if cache is not None:  # generate() passes no cache to a model that makes its own
+        kw[ck] = cache
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
     if keeps:
         kw["logits_to_keep"] = 1 if last_only else 0
@@ -201,7 +223,9 @@ def _generate_steps(model, ids, P, mask, pos, last_only, on_call):
         for start, stop in _calls(P, ids.shape[1]):
             if start == 0:
                 continue
-            kw[ck] = getattr(o, ck, None) if getattr(o, ck, None) is not None else kw[ck]
+            cache = _returned_cache(o, ck, kw.get(ck))
+            if cache is not None:
+                kw[ck] = cache
             if on_call is not None:
                 on_call(start, stop)
             inputs = model.prepare_inputs_for_generation(ids[:, :stop], next_sequence_length=1,
