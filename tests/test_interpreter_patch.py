@@ -1,5 +1,6 @@
 """kernels/interpreter_patch.py: under the Triton interpreter a launch patches triton.language once,
 not again at every jit helper call, and the kernel's results are the same bits either way."""
+import pytest
 from conftest import interpreter_result
 
 SCRIPT = r"""
@@ -8,6 +9,10 @@ import json
 import torch
 import triton.runtime.interpreter as ti
 
+if not all(hasattr(ti, n) for n in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+    # another Triton release: lighten() installs nothing there (kernels/interpreter_patch.py)
+    print("RESULT " + json.dumps({"skip": "this Triton's interpreter has not the internals the patch replaces"}))
+    raise SystemExit(0)
 calls = [0]
 orig, grid = ti._patch_lang, ti.GridExecutor.__call__
 
@@ -48,6 +53,8 @@ print("RESULT " + json.dumps({"want": want.tolist(), "fast": fast, "again": agai
 
 def test_a_launch_patches_the_language_once_and_computes_the_same_bits():
     r = interpreter_result(SCRIPT)
+    if "skip" in r:
+        pytest.skip(r["skip"])
     n_fast, n_again, n_slow = r["n"]
     assert r["fast"] == r["again"] == r["slow"] == r["want"], r
     # once a launch for each set of language modules its functions see (the kernel's and its
