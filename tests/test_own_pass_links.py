@@ -1,8 +1,10 @@
 """The own-input pass after a region pass (runner/drill.py: _judge_own_after_hash) runs only the
 reference: its other worlds would record again exactly what the region pass's recorded, so their
 folders are linked from there (runner/compare.py: records_from) - read without their op records
-where the region pass also recorded ops and this pass records none. The run directory's verdict
-files are those of the pass that reruns every world (TPDIAG_OWN_PASS_RERUN=1, the control)."""
+where the region pass also recorded ops and this pass records none. The reference itself writes
+only its float64 records and reads the rest from the region reference's folder (records_base,
+records/store.py). The run directory's verdict files are those of the pass that reruns every world
+and writes every record (TPDIAG_OWN_PASS_RERUN=1, the control)."""
 import json
 import os
 import sys
@@ -18,13 +20,13 @@ DECODE = ("--tp", "1", "--mode", "prefill,decode", "--forward-only", "--dtype", 
 BEHIND = ("--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2")
 
 
-def _pair(tmp_path, name, args):
+def _pair(tmp_path, name, args, env=None):
     """(linked, rerun-all) run directories of one compare."""
     out = []
     for rerun in ("0", "1"):
         d = tmp_path / f"{name}-{rerun}"
         p = run_cli("compare", *args, *HASH, "--out", str(d),
-                    env={"OMP_NUM_THREADS": "1", "TPDIAG_OWN_PASS_RERUN": rerun})
+                    env={"OMP_NUM_THREADS": "1", "TPDIAG_OWN_PASS_RERUN": rerun, **(env or {})})
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
         out.append(d)
     return out
@@ -44,6 +46,18 @@ def _worlds(d):
     return json.loads((d / "region" / "ops" / "manifest.json").read_text())["worlds"]
 
 
+def _kinds(folder):
+    return {json.loads(line)["kind"] for line in (folder / "events.jsonl").read_text().splitlines()}
+
+
+def _wrote_only_float64(d):
+    """The own-input pass's reference wrote its float64 records only, its base the region reference."""
+    w = _worlds(d)
+    assert w["1"]["records_base"] == str(d / "region" / "tp1"), w
+    assert _kinds(d / "region" / "ops" / "tp1") == {"oracle"}
+    assert {"in", "out"} <= _kinds(d / "region" / "tp1")
+
+
 def test_the_decode_world_is_not_run_again_and_the_verdict_is_the_same(tmp_path):
     linked, rerun = _pair(tmp_path, "decode", DECODE)
     s = json.loads((linked / "summary.json").read_text())
@@ -56,6 +70,8 @@ def test_the_decode_world_is_not_run_again_and_the_verdict_is_the_same(tmp_path)
                             linked / "region" / "tp1-decode" / "records.safetensors")
     # the control ran it again
     assert "records_from" not in _worlds(rerun)["1-decode"] and _worlds(rerun)["1-decode"]["wall_s"] > 0
+    _wrote_only_float64(linked)
+    assert "records_base" not in _worlds(rerun)["1"] and len(_kinds(rerun / "region" / "ops" / "tp1")) > 3
     _same_verdict_files(linked, rerun)
 
 
@@ -69,7 +85,19 @@ def test_a_world_that_also_recorded_ops_is_read_without_them(tmp_path):
     assert w["2"]["records_from"] == str(linked / "region" / "tp2"), w
     assert w["2"]["records_read"] == "without its op records", w
     assert "records_from" not in _worlds(rerun)["2"]
+    _wrote_only_float64(linked)
+    assert "records_base" not in _worlds(rerun)["1"]
     _same_verdict_files(linked, rerun)
     d = json.loads((linked / "summary.json").read_text())["degrees"]["2"]
     kv = {f["name"]: f for f in d["findings"] if (f["module"], f["kind"]) == ("kv", "param_grad")}
     assert kv["wv"]["cause"] == "sharding-bug" and kv["wv"]["oracle"]["own"], kv
+
+
+def test_the_reference_writes_every_record_again_under_the_knob(tmp_path):
+    """TPDIAG_OWN_REF_BASE=0 (the A/B of records_base): the own-input pass's reference writes
+    every record, the other worlds still linked; the verdict files are the same."""
+    linked, rerun = _pair(tmp_path, "knob", BEHIND, env={"TPDIAG_OWN_REF_BASE": "0"})
+    w = _worlds(linked)
+    assert "records_base" not in w["1"] and w["2"]["records_from"], w
+    assert len(_kinds(linked / "region" / "ops" / "tp1")) > 3
+    _same_verdict_files(linked, rerun)

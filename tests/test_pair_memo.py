@@ -26,16 +26,17 @@ def _count(monkeypatch, mod, name) -> list:
 
 
 def test_the_second_diff_of_the_same_records_measures_nothing_again(tp12_run, monkeypatch):
-    from tpdiag.diff import bits, bounds, pair_memo
+    from tpdiag.diff import bits, bounds, own_inputs, pair_memo
 
     compares = _count(monkeypatch, bits, "compare")
     linear = _count(monkeypatch, bounds, "linear_bound")  # before the first diff: one key for both
+    growth = _count(monkeypatch, own_inputs, "_growth_of")  # the own-input modules' pick
     with pair_memo.session():  # one compare's (runner/session.py)
         entry, rows = _diff(tp12_run)
-        assert compares and linear and any(not r["bitwise"] for r in rows)
-        first = (len(compares), len(linear))
+        assert compares and linear and growth and any(not r["bitwise"] for r in rows)
+        first = (len(compares), len(linear), len(growth))
         again, rows_again = _diff(tp12_run)
-        assert (len(compares), len(linear)) == first  # nothing measured the second time
+        assert (len(compares), len(linear), len(growth)) == first  # nothing measured the second time
         assert rows_again == rows and again == entry
     # the session over, nothing is kept: measured afresh, the same
     assert _diff(tp12_run) == (entry, rows)

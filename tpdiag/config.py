@@ -262,18 +262,23 @@ class WorldConfig(_Nested):
     clip_norm: float | None = 1.0
     probes: bool = True
     rerun: RerunSpec = field(default_factory=RerunSpec)
+    # the own-input pass's reference (runner/drill.py): the folder of the region pass's reference,
+    # whose records this world's step would write again byte for byte (the same probes, the same
+    # step: its fingerprint); this world writes only its float64 ("oracle") records and its record
+    # set reads the rest from there (records/store.py: RecordSet)
+    records_base: str = ""
 
     _PARTS = {"settings": RunSettings, "point": Config, "rerun": RerunSpec}
     _RENAMED = {("point", "tp"): "degree", ("point", "fix"): None, ("point", "flags"): None,
                 ("point", "repeat"): None}
     _DEFAULTS = {"device": "cpu", "capture": "full"}
     # world.json as before these existed: a world selects no worlds; the axes it did not have
-    _OMITTED = {"only": (), "attention": "auto", "padding": "auto"}
+    _OMITTED = {"only": (), "attention": "auto", "padding": "auto", "records_base": ""}
     _FILE_ORDER = ("model", "degree", "label", "out_dir", "dtype", "device", "backward", "steps", "seed",
                    "batch_size", "seq_len", "lr", "clip_norm", "fixes", "granularity", "variant", "probes",
                    "selfcheck", "op_include", "capture", "module_include", "ref_dir", "tree_groups",
                    "group_gemm", "oracle", "oracle_ops", "oracle_own", "micro_batch", "mode", "positions",
-                   "prefix_from", "flags", "layers", "attention")
+                   "prefix_from", "flags", "layers", "attention", "records_base")
 
     def _synced(self) -> "WorldConfig":
         s = self.settings

@@ -110,6 +110,9 @@ class Recorder:
     # first prefix_n positions
     prefix: dict | None = None
     prefix_n: int = 0
+    # record only these kinds (None: every kind): the own-input pass's reference, whose other
+    # records are the region pass's reference's (WorldConfig.records_base)
+    only_kinds: tuple | None = None
 
     @property
     def piece_whole(self) -> int | None:
@@ -151,6 +154,8 @@ class Recorder:
         """Record t; returns the record (its meta, or a pending row: `extras` gives the dict
         later keys go in), or None when nothing was recorded."""
         if not self.enabled or not isinstance(t, torch.Tensor):
+            return None
+        if self.only_kinds is not None and kind not in self.only_kinds:
             return None
         if phase is None:
             phase = self._phase

@@ -15,7 +15,8 @@ from tpdiag.errors import Inconclusive
 from tpdiag.records.numbers import confirmation_problems, number_problems, same
 from tpdiag.records.paths import DIFF_CSV, EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
 from tpdiag.records.rundir import is_diff_dir
-from tpdiag.records.sides import fix_chain_problems, labels_problem, what_ran_problems, world_identity_problem
+from tpdiag.records.sides import base_world_problem, fix_chain_problems, labels_problem, what_ran_problems
+from tpdiag.records.sides import world_identity_problem
 from tpdiag.records.sides import started as _started
 
 SCHEMA = 1
@@ -132,7 +133,7 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
         m = world_file(d, rank_marker(r, "done"))
         if not os.path.isfile(m) or os.path.islink(m):
             return f"{who}: {folder(label)}/{rank_marker(r, 'done')} is missing (the rank never finished its work)"
-    return _settings_problem(manifest, d, label, who, degree)
+    return _settings_problem(manifest, d, label, who, degree) or base_world_problem(run_dir, d, who, degree)
 
 
 _ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used

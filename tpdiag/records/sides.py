@@ -15,7 +15,7 @@ import os
 
 from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
-from tpdiag.records.paths import MANIFEST, WORLD, world_file
+from tpdiag.records.paths import EVENTS, MANIFEST, RESULT, TENSORS, WORLD, rank_marker, world_file
 
 
 def world_identity_problem(world: dict, label: str, degree, where: str, run_out=None, linked=None) -> str | None:
@@ -195,3 +195,38 @@ def started(manifest) -> float | None:
         return datetime.datetime.strptime(manifest["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
     except (TypeError, KeyError, ValueError):
         return None
+
+
+def base_world_problem(run_dir: str, d: str, who: str, degree) -> str | None:
+    """A world that wrote only its float64 records (the own-input pass's reference) reads the rest from
+    its base, the region pass's reference (records/store.py): that folder must be a finished world of
+    the enclosing run, read from inside it, of this world's configuration and step."""
+    from tpdiag.records.store import base_dir, base_problem
+
+    try:
+        world = io.read_json(world_file(d, WORLD))
+        base = base_dir(d, world) if isinstance(world, dict) else None
+    except Inconclusive as e:
+        return f"{who}: {str(e).splitlines()[0]}"
+    if base is None:
+        return None
+    root = os.path.realpath(os.path.dirname(os.path.normpath(run_dir)))
+    if os.path.commonpath([os.path.realpath(base), root]) != root:
+        return f"{who}: its base {base} resolves to {os.path.realpath(base)}, outside the run directory; refused"
+    for name in (EVENTS, TENSORS, WORLD, RESULT):
+        p = os.path.join(base, name)
+        if os.path.islink(p) and os.path.commonpath([os.path.realpath(p), root]) != root:
+            return f"{who}: its base's {name} is a symlink out of the run directory; refused"
+    try:
+        res = io.read_json(world_file(base, RESULT))
+        below = io.read_json(world_file(base, WORLD))
+    except Inconclusive as e:
+        return f"{who}: its base: {str(e).splitlines()[0]}"
+    if not isinstance(res, dict) or res.get("status") != "ok" or not isinstance(below, dict):
+        return f"{who}: its base {base} is not a world that finished ok"
+    for r in range(degree):
+        m = world_file(base, rank_marker(r, "done"))
+        if not os.path.isfile(m) or os.path.islink(m):
+            return f"{who}: its base's {rank_marker(r, 'done')} is missing (the rank never finished its work)"
+    why = base_problem(world, below, base)
+    return f"{who}: {why}" if why else None

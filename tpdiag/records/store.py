@@ -14,6 +14,14 @@ MAX_DEGREE = 1024  # sanity bound on world.json's degree: shards are rebuilt by 
 # (no "record_format") is the first layout, which is still this one. A set of another format is refused
 # in one line, never read as this one (the lane mix has its own version: records/hashing.py).
 RECORD_FORMAT = 1
+# A world whose config names a `records_base` (WorldConfig: the own-input pass's reference) records
+# only OWN_KINDS; the rest of its set is its base's records less those kinds - and less its ops where
+# the base recorded ops and this world records none (base_drop)
+OWN_KINDS = ("oracle",)
+# where a world with a base may differ from the base's world (world.json's config): its folders and
+# what only its float64 re-execution is (the records of these kinds are its own)
+_BASE_MAY_DIFFER = ("out_dir", "ref_dir", "records_base", "oracle", "oracle_ops", "oracle_own", "granularity",
+                    "op_include")
 
 
 def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dict) -> None:
@@ -98,7 +106,8 @@ def _check_event(m, line: int, path: str) -> None:
 
 
 def read_index(out_dir: str) -> tuple[dict, list[dict]]:
-    """world.json and the checked events.jsonl of a degree, without opening its tensors."""
+    """world.json and the checked events.jsonl of a degree, without opening its tensors (a world
+    with a records_base: its base's events less base_drop's kinds, then its own)."""
     epath = os.path.join(out_dir, EVENTS)
     world = io.read_json(world_file(out_dir, WORLD))
     if not isinstance(world, dict):
@@ -107,7 +116,72 @@ def read_index(out_dir: str) -> tuple[dict, list[dict]]:
     events = io.read_jsonl(epath)
     for i, m in enumerate(events):
         _check_event(m, i + 1, epath)
+    base = base_dir(out_dir, world)
+    if base is not None:
+        below, under = read_index(base)
+        why = base_problem(world, below, base)
+        if why:
+            raise Inconclusive(f"{world_file(out_dir, WORLD)}: {why}")
+        drop = base_drop(world["config"], below["config"])
+        events = [m for m in under if m["kind"] not in drop] + events
     return world, events
+
+
+def base_dir(out_dir: str, world: dict) -> str | None:
+    """The folder a world's `records_base` names, found from this world's own folder (both paths as
+    the compare wrote them, so a run directory moved whole still agrees): a world folder beside
+    this pass's run directory (region/ops/tp1 -> region/tp1), nothing else; None without one."""
+    cfg = world.get("config")
+    base = cfg.get("records_base") if isinstance(cfg, dict) else None
+    if not base:
+        return None
+    od = cfg.get("out_dir")
+    where = world_file(out_dir, WORLD)
+    if not isinstance(base, str) or not isinstance(od, str) or not od or os.path.isabs(base) != os.path.isabs(od):
+        raise Inconclusive(f"{where}: records_base {base!r} is not a folder of this run (edited after the run)")
+    from tpdiag.records.paths import is_world_folder
+
+    parts = os.path.relpath(os.path.normpath(base), os.path.normpath(od)).split(os.sep)
+    if len(parts) != 3 or parts[:2] != ["..", ".."] or not is_world_folder(parts[2]):
+        raise Inconclusive(f"{where}: records_base {base!r} is not a world folder beside this pass's run directory "
+                           "(edited after the run)")
+    return os.path.normpath(os.path.join(out_dir, *parts))
+
+
+def base_drop(cfg: dict, bcfg: dict) -> tuple | None:
+    """The kinds a world with a base (config cfg) reads none of from its base (config bcfg): its own
+    kinds, and the base's ops where it records none; None where it records other ops than the base."""
+    ops = ("granularity", "op_include")
+    if [cfg.get(k) for k in ops] == [bcfg.get(k) for k in ops]:
+        return OWN_KINDS
+    if [cfg.get(k) for k in ops] == ["module", []]:
+        return ("op",) + OWN_KINDS
+    return None
+
+
+def base_problem(world: dict, below: dict, base: str) -> str | None:
+    """Why `below` (the base's world.json) is not the world whose other records this world stands on:
+    another configuration or settings, another step (their fingerprints: the step's logits, loss and
+    every updated parameter, per rank), or a base of its own."""
+    cfg, bcfg = world.get("config"), below.get("config")
+    if not isinstance(bcfg, dict) or not isinstance(cfg, dict):
+        return f"its base {base} has no config (not what tpdiag compare writes)"
+    if bcfg.get("records_base"):
+        return f"its base {base} reads its records from another base (not what tpdiag compare writes)"
+    if base_drop(cfg, bcfg) is None:
+        return f"its base {base} recorded other ops than this world (not what tpdiag compare writes)"
+    for k in ("label", "degree"):
+        if below.get(k) != world.get(k):
+            return f"its base {base} is the world of {k} {below.get(k)!r}, not {world.get(k)!r} (mismatched files)"
+    mine, theirs = ({k: v for k, v in c.items() if k not in _BASE_MAY_DIFFER} for c in (cfg, bcfg))
+    if mine != theirs:
+        k = next(k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k))
+        return f"its base {base} ran {k} {theirs.get(k)!r}, this world {mine.get(k)!r} (another world's records)"
+    fp = world.get("fingerprint")
+    if not isinstance(fp, list) or not fp or not all(fp) or below.get("fingerprint") != fp:
+        return (f"its base {base} computed another step (their step fingerprints differ): its records are not "
+                "this world's")
+    return None
 
 
 class RecordSet:
@@ -117,7 +191,13 @@ class RecordSet:
         """drop_kinds: the set without these records, as a world that recorded none of them would
         have written it (runner/compare.py: an earlier pass's world that also recorded ops, read
         by a pass that records none): the rest keep their order and are numbered from 0 again,
-        as such a world numbers them; their tensors are read by the numbers stored."""
+        as such a world numbers them; their tensors are read by the numbers stored.
+
+        A world whose config names a `records_base` (the own-input pass's reference: it wrote only
+        its float64 records) is read as the whole set it stands for: the base world's records less
+        base_drop's kinds, then its own, numbered on from there; each tensor read from the file it is in and
+        checked against its own stored hash, the base proven the same world's same step first
+        (base_problem)."""
         self.dir = out_dir
         epath = os.path.join(out_dir, EVENTS)
         self.events = io.read_jsonl(epath)
@@ -143,7 +223,9 @@ class RecordSet:
             # tells that records are gone (or were added)
             raise Inconclusive(f"{epath}: holds {len(self.events)} records but world.json says the run wrote "
                                f"{n} (truncated or edited after the run)")
-        _check_steps(self.world, self.events, epath)
+        base = base_dir(out_dir, self.world)
+        if base is None:
+            _check_steps(self.world, self.events, epath)
         path = os.path.join(out_dir, TENSORS)
         if not os.path.isfile(path):
             raise Inconclusive(f"{path}: missing")
@@ -160,16 +242,46 @@ class RecordSet:
             raise Inconclusive(f"{path}: {len(missing)} records listed in {EVENTS} are missing "
                                f"(first: {missing[0]})")
         self._stored: dict = {}  # idx -> the number its tensor is stored under, where they differ
+        self._file: dict = {}  # idx -> the open file its tensor is in, where not this folder's
+        self.base = None  # the base's RecordSet (a world with a records_base)
+        if base is not None:
+            self._union(base, epath)
         if drop_kinds:
-            kept = [m for m in self.events if m["kind"] not in drop_kinds]
-            self._stored = {i: m["idx"] for i, m in enumerate(kept)}
-            self.events = [{**m, "idx": i} for i, m in enumerate(kept)]
+            kept = [(i, m) for i, m in enumerate(self.events) if m["kind"] not in drop_kinds]
+            stored, files = self._stored, self._file
+            self._stored = {j: stored.get(m["idx"], m["idx"]) for j, (_, m) in enumerate(kept)}
+            self._file = {j: files[m["idx"]] for j, (_, m) in enumerate(kept) if m["idx"] in files}
+            self.events = [{**m, "idx": j} for j, (_, m) in enumerate(kept)]
         self.by_key = {}
         self._verified: set = set()  # idx of records whose stored hash was checked
         for m in self.events:
             if m["key"] in self.by_key:
                 raise Inconclusive(f"{epath}: record {m['key']} listed twice")
             self.by_key[m["key"]] = m
+
+    def _union(self, base: str, epath: str) -> None:
+        """The base world's records (less base_drop's kinds) first, then this folder's own (OWN_KINDS only)."""
+        other = [m["key"] for m in self.events if m["kind"] not in OWN_KINDS]
+        if other:
+            raise Inconclusive(f"{epath}: record {other[0]} is of a kind a world reading its other records from "
+                               f"{base} does not write (edited or mismatched files)")
+        top = io.read_json(world_file(base, WORLD))
+        why = base_problem(self.world, top, base) if isinstance(top, dict) else f"its base {base} has no world.json"
+        if why:
+            raise Inconclusive(f"{world_file(self.dir, WORLD)}: {why}")
+        below = RecordSet(base, drop_kinds=base_drop(self.world["config"], top["config"]))
+        if below.world != top:
+            raise Inconclusive(f"{world_file(base, WORLD)}: changed while read (read it again)")
+        if below.hash_version != self.hash_version:
+            raise Inconclusive(f"{world_file(self.dir, WORLD)}: hash version {self.hash_version!r} but its base "
+                               f"{base} hashed with {below.hash_version!r} (mismatched files)")
+        nb = len(below.events)
+        self._file = {i: below._f for i in range(nb)}
+        self._stored = {i: below._stored.get(i, i) for i in range(nb)}
+        self._stored.update({nb + m["idx"]: m["idx"] for m in self.events})
+        self.events = below.events + [{**m, "idx": nb + m["idx"]} for m in self.events]
+        _check_steps(self.world, self.events, epath)
+        self.base = below
 
     @property
     def hash_only(self) -> bool:
@@ -182,7 +294,8 @@ class RecordSet:
             raise Inconclusive(f"{self.dir}: record {meta['key']} was captured as a hash only "
                                "(--capture hash); rerun with --capture full for its values")
         try:
-            t = self._f.get_tensor(str(self._stored.get(meta["idx"], meta["idx"])))
+            i = meta["idx"]
+            t = self._file.get(i, self._f).get_tensor(str(self._stored.get(i, i)))
         except Exception as e:
             raise Inconclusive(f"{self.dir}: record {meta['key']} unreadable ({_line(e)})") from None
         # The stored tensor must be what the index says it is: an edited header or index that

@@ -128,7 +128,7 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
                             **where})
 
     beside = None  # the reference's rerun, run beside it on another GPU (runner/side_by_side.py)
-    if base_label is not None:
+    if base_label is not None and not (records_from or {}).get(labels[0]):  # not a reference with a base
         from tpdiag.runner.side_by_side import side_gpu
 
         ref_cfg, base_cfg = world_cfg(*worlds[0]), world_cfg(*worlds[1])
@@ -139,6 +139,12 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         degree = point.tp
         wcfg = world_cfg(point, label)
         earlier = (records_from or {}).get(label) if label != labels[0] else None
+        based = (records_from or {}).get(label) if label == labels[0] else None
+        if based and _base_world(based, wcfg):
+            # the own-input pass's reference: it runs the step (its float64 re-executions need the
+            # module's state there) but writes only its float64 records; the rest are the region
+            # reference's, read from its folder (records/store.py) - ~1.4 GB not written again
+            wcfg = wcfg.with_(records_base=based)
         same = _same_world(earlier, wcfg) if earlier else None
         if same:
             files.world(label, _linked(earlier, run.world(label), label, degree, same))
@@ -155,7 +161,8 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
             record(base_label, degree, base, gpu=offset,
                    **({"beside": labels[0]} if offset else {"beside_failed": "ran again on GPU 0 after the reference"}))
             continue
-        record(label, degree, run_world(wcfg, cfg.timeout, on_status))
+        record(label, degree, run_world(wcfg, cfg.timeout, on_status),
+               **({"records_base": wcfg.records_base} if wcfg.records_base else {}))
     if on_status:
         on_status("diff", "running")
     t_diff = time.perf_counter()
@@ -217,6 +224,32 @@ def _same_world(earlier: str, wcfg) -> str | None:
             and {k: v for k, v in mine.items() if k not in ops} == {k: v for k, v in theirs.items() if k not in ops}:
         return "without ops"
     return None
+
+
+def _base_world(earlier: str, wcfg) -> bool:
+    """Whether wcfg (a reference world) may write only its float64 records and read the rest from the
+    world folder `earlier` (an earlier pass's reference, finished ok): a prefill world of one rank that
+    records the earlier world's ops or none, whose config is the earlier world's but for its folders
+    and its float64 re-execution (records/store.py: base_problem, which the reader checks again, fingerprints too).
+    TPDIAG_OWN_REF_BASE=0: it writes every record (the A/B: tests/test_own_pass_links.py)."""
+    from tpdiag.records.paths import RESULT, WORLD, rank_marker
+    from tpdiag.records.store import base_problem
+
+    if os.environ.get("TPDIAG_OWN_REF_BASE", "1") == "0" or not wcfg.rerun.oracle_own:
+        return False
+    p = wcfg.point
+    if (p.tp, p.micro_batch, p.mode) != (1, 0, "prefill"):
+        return False
+    try:
+        world = io.read_json(os.path.join(earlier, WORLD))
+        done = io.read_json(os.path.join(earlier, RESULT)).get("status") == "ok"
+    except Exception:  # noqa: BLE001 - no readable world: the reference writes its own
+        return False
+    if not done or not os.path.isfile(os.path.join(earlier, rank_marker(0, "done"))):
+        return False
+    mine = {"config": wcfg.with_(records_base=earlier).to_dict(), "label": wcfg.label, "degree": p.tp,
+            "fingerprint": world.get("fingerprint")}  # the step's is checked where the records are read
+    return base_problem(mine, world, earlier) is None
 
 
 def _linked(earlier: str, folder: str, label: str, degree: int, how: str) -> dict:

@@ -350,8 +350,14 @@ def _judge_own_after_hash(rerun: CompareConfig, sub: dict, out: str, on_status) 
     # where their configs match). Only the reference runs - at real sizes a decode world is most
     # of a region pass (llama-1b 1 x 2048: 51 of 68 s of this pass on an H200).
     # TPDIAG_OWN_PASS_RERUN=1: every world runs again (the A/B of the link: tests/test_own_pass_links.py)
+    # The reference runs (its float64 re-executions need the step's modules) but, where it records
+    # nothing else the region reference did not, writes only its float64 records and reads the rest
+    # from there (compare_pass: records_from of the reference; TPDIAG_OWN_REF_BASE=0: it writes all)
     region = {} if os.environ.get("TPDIAG_OWN_PASS_RERUN", "0") == "1" else {
-        lab: RunDir(out).world(lab) for lab in every if lab != sub.get("reference_label")}
+        lab: RunDir(out).world(lab) for lab in every}
+    ref = sub.get("reference_label")
+    if region and ref is not None:
+        region[ref] = RunDir(out).world(ref)
     sub = drill_down(own, sub, out, on_status, records_from=region)
     for lab, d in entries(sub).items():
         if lab in firsts:

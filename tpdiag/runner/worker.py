@@ -184,7 +184,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         if why:  # the probed run builds its own, as a rebuild gives what a restore could not
             phases["selfcheck_rebuilt"] = why
         del kept
-    rec = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "rec"), piece_ref=piece_ref)
+    rec = Recorder(ref_shapes=ref_shapes, spill_dir=_spill(cfg, rank, "rec"), piece_ref=piece_ref,
+                   only_kinds=store.OWN_KINDS if cfg.records_base else None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     probed_run = time.time()
