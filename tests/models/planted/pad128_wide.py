@@ -117,8 +117,8 @@ class LM(nn.Module):
         x = self.embed(tokens)
         h = x + self.mlp(x)
         if self.rank_drop:
-            g = torch.Generator().manual_seed(11 + rank_world()[0])  # the mistake: seeded per rank
-            h = h * (torch.rand(h.shape, generator=g) >= 0.1).to(h.dtype) / 0.9
+            g = torch.Generator(device=h.device).manual_seed(11 + rank_world()[0])  # the mistake: seeded per rank
+            h = h * (torch.rand(h.shape, generator=g, device=h.device) >= 0.1).to(h.dtype) / 0.9
         return self.head(self.norm(h))
 
 
