@@ -192,7 +192,12 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         lead = leading_bug(d)
         if fd and lead not in (None, fd):
             console.print(f"{config_name(label)}: first divergence (before the bug, {fd.get('cause')}): {where(fd)}")
-            if lead.get("why") and not (lead.get("oracle") or lead.get("op_oracle")):
+            if lead.get("oracle") or lead.get("op_oracle"):
+                # the bug's own float64 verdict (what it was held against, where its error sits),
+                # as when it is the first divergence: behind a rounding difference (a GPU's
+                # vocab-parallel softmax) it read as a bare finding
+                console.print(f"{config_name(label)}: {oracle_line(lead)}")
+            elif lead.get("why"):
                 console.print(f"{config_name(label)}: BUG at {where(lead)}: {lead['why']}", markup=False,
                               soft_wrap=True)
         if fd.get("oracle") or fd.get("op_oracle"):
