@@ -150,6 +150,7 @@ class OpProbe(TorchDispatchMode):
             rec.add("op", module, f"{op}#{k}.src", src.detach().clone())
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
             if t.is_floating_point() or choice:
+                t = written(name, i, t, args)
                 rec.add("op", module, f"{op}#{k}.{i}", t.detach().clone() if mutable else t)
         if self.oracle and rec.phase == "forward" and any(
                 isinstance(x, torch.Tensor) and x.is_floating_point() for x in flat):
@@ -174,7 +175,31 @@ class OpProbe(TorchDispatchMode):
         flat, _ = tree_flatten(out64)
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
             if t.is_floating_point():
-                rec.add("oracle", module, f"{name}.{i}", t)
+                rec.add("oracle", module, f"{name}.{i}", written(func.overloadpacket.__name__, i, t, args))
+
+
+# Outputs a kernel allocates past what it writes: memory-efficient attention's log-sum-exp has its
+# query rows rounded up to 32 per head, and only the first L are the softmax's (the rest is whatever
+# the memory held - on 2x H200 a correct float32 model with 8 positions read `non-finite` at
+# `_scaled_dot_product_efficient_attention#0.1`). {op: the query rows it wrote, from its args}
+_ROWS_WRITTEN = {
+    "_scaled_dot_product_efficient_attention": lambda args: args[0].shape[-2],  # query [B, H, L, E]
+    # query [B, M, H, K]; varlen (cu_seqlens_q given): rows up to max_seqlen_q
+    "_efficient_attention_forward": lambda args: (args[6] if len(args) > 6 and args[4] is not None
+                                                  and isinstance(args[6], int) else args[0].shape[1]),
+}
+
+
+def written(name: str, i: int, t: torch.Tensor, args) -> torch.Tensor:
+    """The part of output i of op `name` that the op wrote: all of it but the rows _ROWS_WRITTEN cuts."""
+    rows = _ROWS_WRITTEN.get(name)
+    if rows is None or i != 1 or t.dim() < 1:
+        return t
+    try:
+        n = int(rows(args))
+    except (IndexError, TypeError, AttributeError):
+        return t
+    return t[..., :n].contiguous() if 0 <= n < t.shape[-1] else t
 
 
 class _Scoped:
