@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from tpdiag.base import files as io
+from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
 from tpdiag.records.paths import MANIFEST, WORLD, world_file
 
@@ -47,6 +48,65 @@ def world_identity_problem(world: dict, label: str, degree, where: str, run_out=
     if isinstance(fp, list) and type(degree) is int and len(fp) != degree:
         return (f"{where} holds {len(fp)} rank fingerprint(s) for a world of {degree} ranks: another world's "
                 "records copied in, or edited after the run")
+    return None
+
+
+# What every world of one compare ran with (CompareConfig.world copies them from the compare's own
+# settings; the axes - degree, micro-batch, mode, fix - are what differ between worlds): a world.json
+# that disagrees with manifest.json is another run's records, or the manifest was edited to describe
+# a run that never happened (another model, dtype or seed would pass as this one).
+# The fixes, plan variant and numerics flags too: a --fix all run (bitwise) whose manifest.json was edited
+# to say no fix ran passed the default gate as the stock model's TP=1,2 being bitwise (red team, round 5).
+_SAME_SETTINGS = ("model", "dtype", "seed", "batch_size", "seq_len", "steps", "layers", "fixes", "variant", "flags",
+                  "tree_groups", "group_gemm")
+# manifest.json's own copies of settings its config holds
+_TOP_SETTINGS = ("model", "dtype", "seed", "fixes", "flags", "tree_groups", "group_gemm")
+
+
+def settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) -> str | None:
+    """Where world.json's settings (and record hash version) are not manifest.json's."""
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    for k in _TOP_SETTINGS:
+        if k in manifest and k in cfg and manifest[k] != cfg[k]:
+            return f"manifest.json says {k} {manifest[k]!r} but its own config says {cfg[k]!r} (edited after the run)"
+    # the top-level copies stand in for a config removed from the manifest
+    cfg = {**{k: manifest[k] for k in _TOP_SETTINGS if k in manifest}, **cfg}
+    try:
+        world = io.read_json(world_file(d, WORLD))
+    except Inconclusive as e:
+        return f"{who}: {str(e).splitlines()[0]}"
+    wcfg = world.get("config") if isinstance(world, dict) else None
+    if not isinstance(wcfg, dict):
+        return f"{who}: {folder(label)}/{WORLD} has no config (not what tpdiag compare writes)"
+    entry = (manifest.get("worlds") or {}).get(label) if isinstance(manifest.get("worlds"), dict) else None
+    linked = entry.get("records_from") if isinstance(entry, dict) else None
+    why = world_identity_problem(world, label, degree, f"{folder(label)}/{WORLD}", cfg.get("out"), linked)
+    if why:
+        return f"{who}: {why}"
+    for k in _SAME_SETTINGS:
+        if k in cfg and wcfg.get(k) != cfg[k]:
+            return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k)!r} but manifest.json says {cfg[k]!r} "
+                    "(another run's records, or manifest.json edited)")
+    hv = manifest.get("hash_version")
+    if "hash_version" in world and hv != world["hash_version"]:
+        return (f"{who}: {folder(label)}/{WORLD} hashed its records with version {world['hash_version']!r} but "
+                f"manifest.json says {hv!r} (edited after the run)")
+    # A world.json without the version is an older tpdiag's run (read as record format 1, re-checked
+    # like any run); one naming another version than the manifest's is a world another tpdiag wrote, in
+    # a reused directory or copied in, read beside this run's as if one tool had made both.
+    from tpdiag.records.store import check_format
+
+    try:
+        check_format(world, f"{folder(label)}/{WORLD}")  # another layout: say that, not the version
+    except Inconclusive as e:
+        return f"{who}: {e}"
+    mv = (manifest.get("versions") or {}).get("tpdiag") if isinstance(manifest.get("versions"), dict) else None
+    wv = world.get("tpdiag")
+    if "record_format" in world and wv is None:
+        return f"{who}: {folder(label)}/{WORLD} names a record format but no tpdiag version (edited after the run)"
+    if wv is not None and wv != mv:
+        return (f"{who}: {folder(label)}/{WORLD} was written by tpdiag {wv!r} but manifest.json by tpdiag {mv!r} "
+                "(another tpdiag's records in this run directory, or edited)")
     return None
 
 
