@@ -11,7 +11,13 @@ inconclusive, exit 2.
 manifest.json's `status` (compare's last write, the summary's status told again) edited to another
 verdict than summary.json's also passed (exit 0) and reported cleanly: now the evidence disagrees.
 
-Edits are made to copies of conftest's session run tp12_run (tiny-llama at TP=1,2, with its ops/ pass).
+The second pass's folder was never tied to its run: another compare's ops/ (another model size, step
+count or configuration) copied over this run's passed with that run's float64 verdicts read as this
+run's. Now its manifest must have been written into this run's folder, with this run's settings,
+started after it.
+
+Edits are made to copies of conftest's session runs tp12_run (tiny-llama at TP=1,2, with its ops/
+pass) and stock_run (TP=1,2,4,8: another compare's ops/).
 """
 import json
 import os
@@ -107,3 +113,50 @@ def test_the_report_and_gate_json_say_so(tp12, tmp_path):
     assert r.exit_code == 2, r.output
     d = json.loads(r.output)
     assert d["status"] == "inconclusive" and any("the second pass in ops/" in p for p in d["problems"]), d
+
+
+# -- the second pass of another run ---------------------------------------------------------------
+def test_another_compare_s_second_pass_is_inconclusive(tp12, stock_run):
+    assert (stock_run / "ops" / "summary.json").is_file()
+    shutil.rmtree(tp12 / "ops")
+    shutil.copytree(stock_run / "ops", tp12 / "ops", symlinks=True)
+    res = evaluate(str(tp12), _rounding())
+    assert res.exit_code == 2 and res.status == "inconclusive", res.lines()
+    assert any("the second pass in ops/: ops/manifest.json was written into" in p for p in res.problems), res.problems
+
+
+def _ops_manifest(fn):
+    def edit(r):
+        p = r / "ops" / "manifest.json"
+        d = json.loads(p.read_text())
+        fn(d)
+        p.write_text(json.dumps(d))
+    return edit
+
+
+PASS_EDITS = {
+    # written into this run's folder (its out as this run's), but another run's settings
+    "another step count": (_ops_manifest(lambda d: d["config"].update(steps=2)), "ran steps 2 but manifest.json says 1"),
+    "another seed": (_ops_manifest(lambda d: d["config"].update(seed=7)), "ran seed 7"),
+    "started before the run": (_ops_manifest(lambda d: d.update(started="2001-01-01T00:00:00+0000")),
+                               "before this run did"),
+    "no config": (_ops_manifest(lambda d: d.pop("config")), "has no config"),
+}
+
+
+@pytest.mark.parametrize("case", list(PASS_EDITS))
+def test_a_second_pass_not_of_this_run_is_inconclusive(tp12, case):
+    edit, words = PASS_EDITS[case]
+    edit(tp12)
+    res = evaluate(str(tp12), _rounding())
+    assert res.exit_code == 2 and res.status == "inconclusive", (case, res.lines())
+    assert any(words in p for p in res.problems), (case, res.problems)
+
+
+def test_a_run_directory_moved_whole_still_passes(tp12, tmp_path):
+    """The control for the above: the paths are compared as the run wrote them, so a run directory
+    moved (or copied) whole - to a name with spaces, quotes and non-ASCII letters - still passes."""
+    moved = tmp_path / "moved \u00fc 'x' $HOME"
+    shutil.move(str(tp12), str(moved))
+    res = evaluate(str(moved), _rounding())
+    assert res.exit_code == 0, res.lines()

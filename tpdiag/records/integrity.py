@@ -15,7 +15,8 @@ from tpdiag.errors import Inconclusive
 from tpdiag.records.numbers import confirmation_problems, number_problems, same
 from tpdiag.records.paths import DIFF_CSV, EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
 from tpdiag.records.rundir import is_diff_dir
-from tpdiag.records.sides import fix_chain_problems, labels_problem, settings_problem, what_ran_problems
+from tpdiag.records.sides import fix_chain_problems, labels_problem, pass_identity_problem, settings_problem
+from tpdiag.records.sides import what_ran_problems
 from tpdiag.records.sides import started as _started
 
 SCHEMA = 1
@@ -166,7 +167,8 @@ def second_pass_failed(run_dir: str, summary: dict) -> str | None:
     return None
 
 
-def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bool = False) -> list[str]:
+def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bool = False,
+                          manifest: dict | None = None) -> list[str]:
     """The findings only the second pass made (a bug behind a harmless reordering, judged on its own
     inputs) live in summary.json and in the second pass's own summary: one deleted from summary.json
     alone would leave the record judged as a consequence of the first divergence."""
@@ -254,8 +256,14 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
         sub_dir = os.path.join(run_dir, sub_name)
         try:
             sub_sum = io.read_json(run_file(run_dir, os.path.join(sub_name, SUMMARY)))
+            sub_manifest = read_manifest(sub_dir)
+            why = pass_identity_problem(read_manifest(run_dir) if manifest is None else manifest, sub_manifest,
+                                        sub_name)
+            if why:
+                out.append(f"the second pass in {sub_name}/: {why}")
+                break
             out += [f"the second pass in {sub_name}/: {p}" for p in problems(
-                sub_dir, read_manifest(sub_dir), sub_sum, read_rows(run_file(run_dir, os.path.join(sub_name, DIFF_CSV))),
+                sub_dir, sub_manifest, sub_sum, read_rows(run_file(run_dir, os.path.join(sub_name, DIFF_CSV))),
                 inside=True)]
         except Inconclusive as e:
             out.append(f"the second pass in {sub_name}/: {str(e).splitlines()[0]}")
@@ -319,7 +327,7 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
             out += fix_chain_problems(run_dir, manifest, summary)
     if rows is not None:
         out += confirmation_problems(degrees, lambda fix: _confirmation_rows(run_dir, fix))
-    out += _second_pass_problems(run_dir, summary, degrees, inside)
+    out += _second_pass_problems(run_dir, summary, degrees, inside, manifest)
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab
                and (r.get("bitwise") is False or r.get("rank_consistent") is False)]
