@@ -1,4 +1,5 @@
-"""Fail closed, round 6 (red team hred9): the second pass's record files, and manifest.json's status.
+"""Fail closed, round 6 (red team hred9): the second pass's record files and folder, manifest.json's
+status, and summary.json's account of what ran (the backward, each configuration's axes).
 
 The second pass (RUN/ops/) is where the float64 verdicts and the findings only it makes come from, but
 only its JSON files were checked: its worlds' events.jsonl and records.safetensors were never opened.
@@ -17,7 +18,7 @@ run's. Now its manifest must have been written into this run's folder, with this
 started after it.
 
 Edits are made to copies of conftest's session runs tp12_run (tiny-llama at TP=1,2, with its ops/
-pass) and stock_run (TP=1,2,4,8: another compare's ops/).
+pass), stock_run (TP=1,2,4,8: another compare's ops/) and mb41_stock_run (micro-batch 4 vs 1).
 """
 import json
 import os
@@ -160,3 +161,60 @@ def test_a_run_directory_moved_whole_still_passes(tp12, tmp_path):
     shutil.move(str(tp12), str(moved))
     res = evaluate(str(moved), _rounding())
     assert res.exit_code == 0, res.lines()
+
+
+# -- what ran: a configuration's axes, the backward ---------------------------------------------
+# summary.json's `backward` and each configuration's `config`/`axis` (and manifest.json's
+# `configurations`) were read, never checked: a micro-batch or decode configuration relabelled as
+# another, or a run that ran backward said forward-only, passed (exit 0) describing another comparison.
+@pytest.fixture()
+def mb41(mb41_stock_run, tmp_path):
+    dst = tmp_path / "mb41"
+    shutil.copytree(mb41_stock_run, dst, symlinks=True)
+    return dst
+
+
+def _other(run):
+    s = json.loads((run / "summary.json").read_text())
+    return next(lab for lab in s["configurations"] if lab != s["reference_label"])
+
+
+def _relabel(where):
+    def edit(r):
+        lab = _other(r)
+        if where in ("summary", "both"):
+            p = r / "summary.json"
+            d = json.loads(p.read_text())
+            assert d["configurations"][lab]["config"]["micro_batch"] == 1
+            d["configurations"][lab]["config"]["micro_batch"] = 4
+            p.write_text(json.dumps(d))
+        if where in ("manifest", "both"):
+            p = r / "manifest.json"
+            d = json.loads(p.read_text())
+            d["configurations"][lab]["micro_batch"] = 4
+            p.write_text(json.dumps(d))
+    return edit
+
+
+def test_the_untouched_micro_batch_run_passes_allowing_rounding(mb41):
+    res = evaluate(str(mb41), _rounding())
+    assert res.exit_code == 0, res.lines()
+
+
+@pytest.mark.parametrize("where,words", [("summary", "but manifest.json says"), ("manifest", "but manifest.json says"),
+                                         ("both", "but its config runs")])
+def test_a_configuration_relabelled_is_inconclusive(mb41, where, words):
+    _relabel(where)(mb41)
+    res = evaluate(str(mb41), _rounding())
+    assert res.exit_code == 2 and res.status == "inconclusive", (where, res.lines())
+    assert any(words in p and _other(mb41) in p for p in res.problems), (where, res.problems)
+
+
+def test_backward_said_not_run_is_inconclusive(tp12):
+    p = tp12 / "summary.json"
+    d = json.loads(p.read_text())
+    assert d["backward"] is True
+    d["backward"] = False
+    p.write_text(json.dumps(d))
+    res = evaluate(str(tp12), _rounding())
+    assert res.exit_code == 2 and any("summary.json says backward False" in q for q in res.problems), res.lines()

@@ -212,6 +212,23 @@ def what_ran_problems(manifest: dict, summary: dict) -> list[str]:
     if "steps" in summary and "steps" in cfg and summary["steps"] != cfg["steps"]:
         out.append(f"summary.json says {summary['steps']!r} steps ran but manifest.json says {cfg['steps']!r} "
                    "(edited after the run)")
+    # a forward-only account of a run that ran backward reads its backward records as never compared
+    if "backward" in summary and "backward" in cfg and summary["backward"] is not cfg["backward"]:
+        out.append(f"summary.json says backward {summary['backward']!r} but manifest.json says {cfg['backward']!r} "
+                   "(edited after the run)")
+    # what each configuration is (its TP, micro-batch, mode): the report and the CLI say "decode vs
+    # prefill" from these, so a decode configuration relabelled prefill would describe another comparison
+    confs = manifest.get("configurations")
+    from tpdiag.records.axes import entries
+
+    for lab, d in entries(summary).items() if isinstance(confs, dict) else ():
+        want = confs.get(lab)
+        if not isinstance(d, dict) or "config" not in d or not isinstance(want, dict):
+            continue
+        point = {k: v for k, v in want.items() if k != "axis"}
+        if d["config"] != point or ("axis" in d and d["axis"] != want.get("axis")):
+            out.append(f"summary.json says TP={lab} is {d['config']!r} (axis {d.get('axis')!r}) but manifest.json "
+                       f"says {point!r} (axis {want.get('axis')!r}) (edited after the run)")
     return out
 
 
@@ -232,6 +249,17 @@ def labels_problem(manifest: dict) -> str | None:
     if [str(x) for x in labels] != want:
         return (f"manifest.json lists the configurations {', '.join(map(str, labels))} but its config runs "
                 f"{', '.join(want)} (a configuration removed, or edited after the run)")
+    confs = manifest.get("configurations")
+    if isinstance(confs, dict):
+        from tpdiag.base.points import recorded_axes
+
+        worlds = CompareConfig.from_dict(cfg).worlds()
+        shown = recorded_axes(worlds)
+        for w in worlds:
+            point = {**w.point.to_dict(shown), "axis": w.axis}
+            if confs.get(w.label) != point:
+                return (f"manifest.json says the configuration {w.label} is {confs.get(w.label)!r} but its config "
+                        f"runs {point!r} (edited after the run)")
     degs = manifest.get("degrees")
     if isinstance(degs, list) and isinstance(cfg.get("degrees"), list) and degs != cfg["degrees"]:
         return f"manifest.json says the degrees {degs!r} but its own config says {cfg['degrees']!r} (edited after the run)"
