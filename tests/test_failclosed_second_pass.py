@@ -218,3 +218,40 @@ def test_backward_said_not_run_is_inconclusive(tp12):
     p.write_text(json.dumps(d))
     res = evaluate(str(tp12), _rounding())
     assert res.exit_code == 2 and any("summary.json says backward False" in q for q in res.problems), res.lines()
+
+
+# -- the account of the flags and the verdict's class -------------------------------------------
+# summary.json's `flags` (the numerics flags, an axis of their own) and `class` (the headline: bug /
+# rounding / ...) were shown as written: edited to another setting, or the class to None, the gate passed
+# (exit 0) and the report printed the edit.
+def _summary(fn):
+    def edit(r):
+        p = r / "summary.json"
+        d = json.loads(p.read_text())
+        fn(d)
+        p.write_text(json.dumps(d))
+    return edit
+
+
+ACCOUNT_EDITS = {
+    "flags setting": (_summary(lambda d: d["flags"].update(setting="default")),
+                      "summary.json says the flags 'default' ran but manifest.json says 'deterministic'"),
+    "flag values": (_summary(lambda d: d["flags"]["values"].update(matmul_tf32=True)),
+                    "summary.json's flag values are not the ones"),
+    "class of TP=2": (_summary(lambda d: d["degrees"]["2"].update({"class": None})),
+                      "summary.json says TP=2 is class None but its causes give 'rounding'"),
+    "class of the run": (_summary(lambda d: d.update({"class": "unknown"})),
+                         "summary.json says the run is class 'unknown' but its causes give 'rounding'"),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCOUNT_EDITS))
+def test_an_edited_account_is_inconclusive_for_gate_and_load(tp12, case):
+    import tpdiag
+
+    edit, words = ACCOUNT_EDITS[case]
+    edit(tp12)
+    res = evaluate(str(tp12), _rounding())
+    assert res.exit_code == 2 and any(words in p for p in res.problems), (case, res.lines())
+    with pytest.raises(Inconclusive, match="evidence disagrees"):
+        tpdiag.load(str(tp12))

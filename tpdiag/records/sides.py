@@ -212,6 +212,17 @@ def what_ran_problems(manifest: dict, summary: dict) -> list[str]:
     if "steps" in summary and "steps" in cfg and summary["steps"] != cfg["steps"]:
         out.append(f"summary.json says {summary['steps']!r} steps ran but manifest.json says {cfg['steps']!r} "
                    "(edited after the run)")
+    # the numerics flags are an axis of their own (DESIGN): the account of them must be the run's
+    flags, worlds, labels = summary.get("flags"), manifest.get("worlds"), manifest.get("labels")
+    if isinstance(flags, dict) and "flags" in cfg and flags.get("setting") != cfg["flags"]:
+        out.append(f"summary.json says the flags {flags.get('setting')!r} ran but manifest.json says {cfg['flags']!r} "
+                   "(edited after the run)")
+    elif isinstance(flags, dict) and isinstance(worlds, dict) and isinstance(labels, list) and labels:
+        ref = worlds.get(str(labels[0]))
+        numerics = ref.get("numerics") if isinstance(ref, dict) else None
+        if isinstance(numerics, dict) and "flag_values" in numerics and flags.get("values") != numerics["flag_values"]:
+            out.append("summary.json's flag values are not the ones manifest.json's reference world recorded "
+                       "(edited after the run)")
     # a forward-only account of a run that ran backward reads its backward records as never compared
     if "backward" in summary and "backward" in cfg and summary["backward"] is not cfg["backward"]:
         out.append(f"summary.json says backward {summary['backward']!r} but manifest.json says {cfg['backward']!r} "
