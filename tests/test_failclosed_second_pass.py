@@ -240,8 +240,8 @@ ACCOUNT_EDITS = {
                     "summary.json's flag values are not the ones"),
     "class of TP=2": (_summary(lambda d: d["degrees"]["2"].update({"class": None})),
                       "summary.json says TP=2 is class None but its causes give 'rounding'"),
-    "class of the run": (_summary(lambda d: d.update({"class": "unknown"})),
-                         "summary.json says the run is class 'unknown' but its causes give 'rounding'"),
+    "class of the run": (_summary(lambda d: d.update({"class": "harmless"})),
+                         "summary.json says the run is class 'harmless' but its causes give 'rounding'"),
 }
 
 
