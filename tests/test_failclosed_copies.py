@@ -63,6 +63,9 @@ def _reforge(run, lab="2", ref="1"):
             s["class"] = e["class"] = None
         else:
             (e.get("first_divergence") or {}).pop("second_pass_dir", None)
+        from tpdiag.diff.classes import add_classes
+
+        add_classes(s)  # the classes too are what the edited findings give (the gate re-derives them)
     _json_edit(run / "summary.json", edit)
     for name in ("ops", "region"):
         shutil.rmtree(run / name, ignore_errors=True)

@@ -58,6 +58,36 @@ def add_classes(summary: dict) -> dict:
     return summary
 
 
+def class_problems(summary: dict) -> list[str]:
+    """summary.json's classes (bug / non-finite / unknown / rounding) must be what its own causes give:
+    the CLI's and the report's headline reads them, so a bug run edited to class "rounding" (or None)
+    would lead with rounding over its sharding-bug findings. `--fix auto`'s top-level class is the chain's
+    last round's (runner/session.py), so only its per-configuration classes are re-derived. Only a class
+    milder than its causes' is a problem: one graver than them hides nothing (the gate judges the causes
+    themselves), and findings edited to `follows` are the gate's to catch (tests/test_tamper_findings.py)."""
+    from tpdiag.records.axes import entries
+
+    def milder(said, want) -> bool:
+        rank = {c: i for i, c in enumerate(_ORDER)}
+        return rank.get(said, len(_ORDER)) > rank.get(want, len(_ORDER))
+
+    out, found = [], set()
+    for lab, entry in entries(summary).items():
+        if not isinstance(entry, dict):
+            continue
+        want = degree_class(entry)
+        if want:
+            found.add(want)
+        if "class" in entry and milder(entry["class"], want):
+            out.append(f"summary.json says TP={lab} is class {entry['class']!r} but its causes give {want!r} "
+                       "(edited after the run)")
+    want = next((c for c in _ORDER if c in found), None)
+    if "class" in summary and "fix_chain" not in summary and milder(summary["class"], want):
+        out.append(f"summary.json says the run is class {summary['class']!r} but its causes give {want!r} "
+                   "(edited after the run)")
+    return out
+
+
 def leading_bug(entry: dict) -> dict | None:
     """The record a reader should see first: the first bug-class (or non-finite) root finding -
     or the first divergence when that is one - else None. A harmless reordering before it is

@@ -14,6 +14,9 @@ def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict]) -> l
     from tpdiag.records.rundir import records_dir
 
     out = integrity.problems(run_dir, manifest, summary, rows)
+    from tpdiag.diff.classes import class_problems
+
+    out += class_problems(summary)
     degrees = entries(summary)
     ref = str(summary.get("reference_label") or manifest.get("reference") or summary.get("reference"))
     by_label = {lab: sorted((r for r in rows if r["degree"] == lab), key=lambda r: r["idx"] or 0) for lab in degrees}

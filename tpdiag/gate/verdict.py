@@ -200,6 +200,9 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
         rows, csv_rows = [], None
     # diff.csv is re-derived from the records below; summary.json's numbers must be diff.csv's.
     res.problems += integrity.problems(run_dir, manifest, summary, csv_rows)
+    from tpdiag.diff.classes import class_problems
+
+    res.problems += class_problems(summary)
     from tpdiag.diff import overrides
     from tpdiag.diff.evidence import problems as run_problems
     from tpdiag.records.rundir import is_diff_dir

@@ -15,8 +15,8 @@ from tpdiag.errors import Inconclusive
 from tpdiag.records.numbers import confirmation_problems, number_problems, same
 from tpdiag.records.paths import DIFF_CSV, EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
 from tpdiag.records.rundir import is_diff_dir
-from tpdiag.records.sides import base_world_problem, fix_chain_problems, labels_problem, what_ran_problems
-from tpdiag.records.sides import world_identity_problem
+from tpdiag.records.sides import base_world_problem, fix_chain_problems, labels_problem, pass_identity_problem
+from tpdiag.records.sides import settings_problem, what_ran_problems
 from tpdiag.records.sides import started as _started
 
 SCHEMA = 1
@@ -26,65 +26,6 @@ STATUSES = ("bitwise", "divergent", "inconclusive")
 def schema_ok(v) -> bool:
     # `true == 1` in Python: a schema must be the integer itself, not a bool or a float.
     return type(v) is int and v == SCHEMA
-
-
-# What every world of one compare ran with (CompareConfig.world copies them from the compare's own
-# settings; the axes - degree, micro-batch, mode, fix - are what differ between worlds): a world.json
-# that disagrees with manifest.json is another run's records, or the manifest was edited to describe
-# a run that never happened (another model, dtype or seed would pass as this one).
-# The fixes, plan variant and numerics flags too: a --fix all run (bitwise) whose manifest.json was edited
-# to say no fix ran passed the default gate as the stock model's TP=1,2 being bitwise (red team, round 5).
-_SAME_SETTINGS = ("model", "dtype", "seed", "batch_size", "seq_len", "steps", "layers", "fixes", "variant", "flags",
-                  "tree_groups", "group_gemm")
-# manifest.json's own copies of settings its config holds
-_TOP_SETTINGS = ("model", "dtype", "seed", "fixes", "flags", "tree_groups", "group_gemm")
-
-
-def _settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) -> str | None:
-    """Where world.json's settings (and record hash version) are not manifest.json's."""
-    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
-    for k in _TOP_SETTINGS:
-        if k in manifest and k in cfg and manifest[k] != cfg[k]:
-            return f"manifest.json says {k} {manifest[k]!r} but its own config says {cfg[k]!r} (edited after the run)"
-    # the top-level copies stand in for a config removed from the manifest
-    cfg = {**{k: manifest[k] for k in _TOP_SETTINGS if k in manifest}, **cfg}
-    try:
-        world = io.read_json(world_file(d, WORLD))
-    except Inconclusive as e:
-        return f"{who}: {str(e).splitlines()[0]}"
-    wcfg = world.get("config") if isinstance(world, dict) else None
-    if not isinstance(wcfg, dict):
-        return f"{who}: {folder(label)}/{WORLD} has no config (not what tpdiag compare writes)"
-    entry = (manifest.get("worlds") or {}).get(label) if isinstance(manifest.get("worlds"), dict) else None
-    linked = entry.get("records_from") if isinstance(entry, dict) else None
-    why = world_identity_problem(world, label, degree, f"{folder(label)}/{WORLD}", cfg.get("out"), linked)
-    if why:
-        return f"{who}: {why}"
-    for k in _SAME_SETTINGS:
-        if k in cfg and wcfg.get(k) != cfg[k]:
-            return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k)!r} but manifest.json says {cfg[k]!r} "
-                    "(another run's records, or manifest.json edited)")
-    hv = manifest.get("hash_version")
-    if "hash_version" in world and hv != world["hash_version"]:
-        return (f"{who}: {folder(label)}/{WORLD} hashed its records with version {world['hash_version']!r} but "
-                f"manifest.json says {hv!r} (edited after the run)")
-    # A world.json without the version is an older tpdiag's run (read as record format 1, re-checked
-    # like any run); one naming another version than the manifest's is a world another tpdiag wrote, in
-    # a reused directory or copied in, read beside this run's as if one tool had made both.
-    from tpdiag.records.store import check_format
-
-    try:
-        check_format(world, f"{folder(label)}/{WORLD}")  # another layout: say that, not the version
-    except Inconclusive as e:
-        return f"{who}: {e}"
-    mv = (manifest.get("versions") or {}).get("tpdiag") if isinstance(manifest.get("versions"), dict) else None
-    wv = world.get("tpdiag")
-    if "record_format" in world and wv is None:
-        return f"{who}: {folder(label)}/{WORLD} names a record format but no tpdiag version (edited after the run)"
-    if wv is not None and wv != mv:
-        return (f"{who}: {folder(label)}/{WORLD} was written by tpdiag {wv!r} but manifest.json by tpdiag {mv!r} "
-                "(another tpdiag's records in this run directory, or edited)")
-    return None
 
 
 def _outside(run_dir: str, d: str, label: str, who: str) -> str | None:
@@ -100,8 +41,11 @@ def _outside(run_dir: str, d: str, label: str, who: str) -> str | None:
     return None
 
 
-def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str | None = None) -> str | None:
-    """Why the records of a world the manifest calls ok cannot be trusted, or None."""
+def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str | None = None,
+                   layout: bool = False) -> str | None:
+    """Why the records of a world the manifest calls ok cannot be trusted, or None. layout: also open
+    its record set and check every stored record's dtype and shape against its index (a world nobody
+    re-diffs: a second pass's)."""
     from tpdiag.records.rundir import records_dir
 
     who = f"reference rerun TP={label}" if label == base else f"TP={label}"
@@ -133,7 +77,20 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
         m = world_file(d, rank_marker(r, "done"))
         if not os.path.isfile(m) or os.path.islink(m):
             return f"{who}: {folder(label)}/{rank_marker(r, 'done')} is missing (the rank never finished its work)"
-    return _settings_problem(manifest, d, label, who, degree) or base_world_problem(run_dir, d, who, degree)
+    why = settings_problem(manifest, d, label, who, degree) or base_world_problem(run_dir, d, who, degree)
+    if why or not layout:
+        return why
+    # The second pass's records are not re-diffed (its diff.csv is trusted as the first pass's is not),
+    # but they are its float64 verdicts' evidence: a tensor file truncated by a crashed copy, or another
+    # world's events.jsonl or records.safetensors in their place, is a corrupt capture (DESIGN: exit 2),
+    # found from the index and the file's header without reading the tensors.
+    from tpdiag.records.store import RecordSet
+
+    try:
+        RecordSet(d).check_layout()
+    except Inconclusive as e:
+        return f"{who}: {str(e).splitlines()[0]}"
+    return None
 
 
 _ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used
@@ -210,7 +167,8 @@ def second_pass_failed(run_dir: str, summary: dict) -> str | None:
     return None
 
 
-def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bool = False) -> list[str]:
+def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bool = False,
+                          manifest: dict | None = None) -> list[str]:
     """The findings only the second pass made (a bug behind a harmless reordering, judged on its own
     inputs) live in summary.json and in the second pass's own summary: one deleted from summary.json
     alone would leave the record judged as a consequence of the first divergence."""
@@ -298,8 +256,14 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
         sub_dir = os.path.join(run_dir, sub_name)
         try:
             sub_sum = io.read_json(run_file(run_dir, os.path.join(sub_name, SUMMARY)))
+            sub_manifest = read_manifest(sub_dir)
+            why = pass_identity_problem(read_manifest(run_dir) if manifest is None else manifest, sub_manifest,
+                                        sub_name)
+            if why:
+                out.append(f"the second pass in {sub_name}/: {why}")
+                break
             out += [f"the second pass in {sub_name}/: {p}" for p in problems(
-                sub_dir, read_manifest(sub_dir), sub_sum, read_rows(run_file(run_dir, os.path.join(sub_name, DIFF_CSV))),
+                sub_dir, sub_manifest, sub_sum, read_rows(run_file(run_dir, os.path.join(sub_name, DIFF_CSV))),
                 inside=True)]
         except Inconclusive as e:
             out.append(f"the second pass in {sub_name}/: {str(e).splitlines()[0]}")
@@ -321,6 +285,18 @@ def _confirmation_rows(run_dir: str, fix: str):
 def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, inside: bool = False) -> list[str]:
     """Every disagreement between manifest.json, summary.json, diff.csv's rows (when given) and the
     per-rank evidence, in words. inside: run_dir is a second pass's folder of a run."""
+    out = _problems(run_dir, manifest, summary, rows, inside)
+    # compare gives the manifest the summary's status as its last write (runner/session.py): the two
+    # are one verdict told twice, and a reader of either must not find another (said last: the
+    # evidence behind either verdict comes first)
+    if isinstance(manifest, dict) and isinstance(summary, dict) and "status" in manifest \
+            and manifest["status"] != summary.get("status"):
+        out.append(f"manifest.json says the run is {manifest['status']!r} but summary.json says "
+                   f"{summary.get('status')!r} (edited after the run)")
+    return out
+
+
+def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: bool) -> list[str]:
     out: list[str] = []
     if not isinstance(manifest, dict):
         return [f"{run_dir}/manifest.json: not a JSON object"]
@@ -351,7 +327,7 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
             out += fix_chain_problems(run_dir, manifest, summary)
     if rows is not None:
         out += confirmation_problems(degrees, lambda fix: _confirmation_rows(run_dir, fix))
-    out += _second_pass_problems(run_dir, summary, degrees, inside)
+    out += _second_pass_problems(run_dir, summary, degrees, inside, manifest)
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab
                and (r.get("bitwise") is False or r.get("rank_consistent") is False)]
@@ -407,7 +383,7 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
             if statuses.get(lab) not in (None, "failed") or (lab == labels[0] and summary.get("status") != "inconclusive"):
                 out.append(f"TP={lab}: manifest.json says the world {w.get('status')} but summary.json does not")
             continue
-        why = _world_problem(run_dir, manifest, lab, w.get("degree"), base_label)
+        why = _world_problem(run_dir, manifest, lab, w.get("degree"), base_label, layout=inside)
         if why:
             out.append(why)
     return out

@@ -26,6 +26,12 @@ _NAMES = {
 }
 
 
+def torch_dtype_name(code: str) -> str | None:
+    """A header's dtype code as torch names the dtype ("F32" -> "float32"); None for a code not above."""
+    d = next((t for t, c in _NAMES.items() if c == code), None)
+    return None if d is None else str(d).replace("torch.", "")
+
+
 def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 

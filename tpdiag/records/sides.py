@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from tpdiag.base import files as io
+from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
 from tpdiag.records.paths import EVENTS, MANIFEST, RESULT, TENSORS, WORLD, rank_marker, world_file
 
@@ -47,6 +48,92 @@ def world_identity_problem(world: dict, label: str, degree, where: str, run_out=
     if isinstance(fp, list) and type(degree) is int and len(fp) != degree:
         return (f"{where} holds {len(fp)} rank fingerprint(s) for a world of {degree} ranks: another world's "
                 "records copied in, or edited after the run")
+    return None
+
+
+# What every world of one compare ran with (CompareConfig.world copies them from the compare's own
+# settings; the axes - degree, micro-batch, mode, fix - are what differ between worlds): a world.json
+# that disagrees with manifest.json is another run's records, or the manifest was edited to describe
+# a run that never happened (another model, dtype or seed would pass as this one).
+# The fixes, plan variant and numerics flags too: a --fix all run (bitwise) whose manifest.json was edited
+# to say no fix ran passed the default gate as the stock model's TP=1,2 being bitwise (red team, round 5).
+_SAME_SETTINGS = ("model", "dtype", "seed", "batch_size", "seq_len", "steps", "layers", "fixes", "variant", "flags",
+                  "tree_groups", "group_gemm")
+# manifest.json's own copies of settings its config holds
+_TOP_SETTINGS = ("model", "dtype", "seed", "fixes", "flags", "tree_groups", "group_gemm")
+
+
+def settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) -> str | None:
+    """Where world.json's settings (and record hash version) are not manifest.json's."""
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    for k in _TOP_SETTINGS:
+        if k in manifest and k in cfg and manifest[k] != cfg[k]:
+            return f"manifest.json says {k} {manifest[k]!r} but its own config says {cfg[k]!r} (edited after the run)"
+    # the top-level copies stand in for a config removed from the manifest
+    cfg = {**{k: manifest[k] for k in _TOP_SETTINGS if k in manifest}, **cfg}
+    try:
+        world = io.read_json(world_file(d, WORLD))
+    except Inconclusive as e:
+        return f"{who}: {str(e).splitlines()[0]}"
+    wcfg = world.get("config") if isinstance(world, dict) else None
+    if not isinstance(wcfg, dict):
+        return f"{who}: {folder(label)}/{WORLD} has no config (not what tpdiag compare writes)"
+    entry = (manifest.get("worlds") or {}).get(label) if isinstance(manifest.get("worlds"), dict) else None
+    linked = entry.get("records_from") if isinstance(entry, dict) else None
+    why = world_identity_problem(world, label, degree, f"{folder(label)}/{WORLD}", cfg.get("out"), linked)
+    if why:
+        return f"{who}: {why}"
+    for k in _SAME_SETTINGS:
+        if k in cfg and wcfg.get(k) != cfg[k]:
+            return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k)!r} but manifest.json says {cfg[k]!r} "
+                    "(another run's records, or manifest.json edited)")
+    hv = manifest.get("hash_version")
+    if "hash_version" in world and hv != world["hash_version"]:
+        return (f"{who}: {folder(label)}/{WORLD} hashed its records with version {world['hash_version']!r} but "
+                f"manifest.json says {hv!r} (edited after the run)")
+    # A world.json without the version is an older tpdiag's run (read as record format 1, re-checked
+    # like any run); one naming another version than the manifest's is a world another tpdiag wrote, in
+    # a reused directory or copied in, read beside this run's as if one tool had made both.
+    from tpdiag.records.store import check_format
+
+    try:
+        check_format(world, f"{folder(label)}/{WORLD}")  # another layout: say that, not the version
+    except Inconclusive as e:
+        return f"{who}: {e}"
+    mv = (manifest.get("versions") or {}).get("tpdiag") if isinstance(manifest.get("versions"), dict) else None
+    wv = world.get("tpdiag")
+    if "record_format" in world and wv is None:
+        return f"{who}: {folder(label)}/{WORLD} names a record format but no tpdiag version (edited after the run)"
+    if wv is not None and wv != mv:
+        return (f"{who}: {folder(label)}/{WORLD} was written by tpdiag {wv!r} but manifest.json by tpdiag {mv!r} "
+                "(another tpdiag's records in this run directory, or edited)")
+    return None
+
+
+def pass_identity_problem(manifest: dict, sub, name: str) -> str | None:
+    """A later pass's folder of this run (the second pass: ops/, region/...) must be this run's: written
+    where this compare wrote it (its config `out` this run's own joined with the folder's name, both as
+    the run wrote them, so a run directory moved whole still agrees), with this run's settings, started
+    after it. Another run's ops/ copied in (another step count, a decode configuration's) passed
+    `gate --allow rounding` with that run's float64 verdicts read as this run's (red team, hred9)."""
+    cfg = manifest.get("config") if isinstance(manifest, dict) else None
+    scfg = sub.get("config") if isinstance(sub, dict) else None
+    if not isinstance(cfg, dict):
+        return None  # integrity.problems says what is wrong with the run's own manifest
+    if not isinstance(scfg, dict):
+        return f"{name}/manifest.json has no config (not what tpdiag compare writes)"
+    out, sout = cfg.get("out"), scfg.get("out")
+    if isinstance(out, str) and out and not (isinstance(sout, str) and sout and _same_path(sout, os.path.join(out, name))):
+        return (f"{name}/manifest.json was written into {sout!r}, not this run's {os.path.join(out, name)!r}: "
+                "another run's second pass copied in, or edited after the run")
+    for k in _SAME_SETTINGS:
+        if k in cfg and scfg.get(k) != cfg[k]:
+            return (f"{name}/manifest.json ran {k} {scfg.get(k)!r} but manifest.json says {cfg[k]!r} (another run's "
+                    "second pass copied in, or edited after the run)")
+    mine, theirs = started(manifest), started(sub)
+    if mine is not None and theirs is not None and theirs < mine:
+        return (f"{name}/ started at {sub.get('started')}, before this run did ({manifest.get('started')}): an "
+                "earlier run's second pass, not this run's")
     return None
 
 
@@ -125,6 +212,34 @@ def what_ran_problems(manifest: dict, summary: dict) -> list[str]:
     if "steps" in summary and "steps" in cfg and summary["steps"] != cfg["steps"]:
         out.append(f"summary.json says {summary['steps']!r} steps ran but manifest.json says {cfg['steps']!r} "
                    "(edited after the run)")
+    # the numerics flags are an axis of their own (DESIGN): the account of them must be the run's
+    flags, worlds, labels = summary.get("flags"), manifest.get("worlds"), manifest.get("labels")
+    if isinstance(flags, dict) and "flags" in cfg and flags.get("setting") != cfg["flags"]:
+        out.append(f"summary.json says the flags {flags.get('setting')!r} ran but manifest.json says {cfg['flags']!r} "
+                   "(edited after the run)")
+    elif isinstance(flags, dict) and isinstance(worlds, dict) and isinstance(labels, list) and labels:
+        ref = worlds.get(str(labels[0]))
+        numerics = ref.get("numerics") if isinstance(ref, dict) else None
+        if isinstance(numerics, dict) and "flag_values" in numerics and flags.get("values") != numerics["flag_values"]:
+            out.append("summary.json's flag values are not the ones manifest.json's reference world recorded "
+                       "(edited after the run)")
+    # a forward-only account of a run that ran backward reads its backward records as never compared
+    if "backward" in summary and "backward" in cfg and summary["backward"] is not cfg["backward"]:
+        out.append(f"summary.json says backward {summary['backward']!r} but manifest.json says {cfg['backward']!r} "
+                   "(edited after the run)")
+    # what each configuration is (its TP, micro-batch, mode): the report and the CLI say "decode vs
+    # prefill" from these, so a decode configuration relabelled prefill would describe another comparison
+    confs = manifest.get("configurations")
+    from tpdiag.records.axes import entries
+
+    for lab, d in entries(summary).items() if isinstance(confs, dict) else ():
+        want = confs.get(lab)
+        if not isinstance(d, dict) or "config" not in d or not isinstance(want, dict):
+            continue
+        point = {k: v for k, v in want.items() if k != "axis"}
+        if d["config"] != point or ("axis" in d and d["axis"] != want.get("axis")):
+            out.append(f"summary.json says TP={lab} is {d['config']!r} (axis {d.get('axis')!r}) but manifest.json "
+                       f"says {point!r} (axis {want.get('axis')!r}) (edited after the run)")
     return out
 
 
@@ -145,6 +260,17 @@ def labels_problem(manifest: dict) -> str | None:
     if [str(x) for x in labels] != want:
         return (f"manifest.json lists the configurations {', '.join(map(str, labels))} but its config runs "
                 f"{', '.join(want)} (a configuration removed, or edited after the run)")
+    confs = manifest.get("configurations")
+    if isinstance(confs, dict):
+        from tpdiag.base.points import recorded_axes
+
+        worlds = CompareConfig.from_dict(cfg).worlds()
+        shown = recorded_axes(worlds)
+        for w in worlds:
+            point = {**w.point.to_dict(shown), "axis": w.axis}
+            if confs.get(w.label) != point:
+                return (f"manifest.json says the configuration {w.label} is {confs.get(w.label)!r} but its config "
+                        f"runs {point!r} (edited after the run)")
     degs = manifest.get("degrees")
     if isinstance(degs, list) and isinstance(cfg.get("degrees"), list) and degs != cfg["degrees"]:
         return f"manifest.json says the degrees {degs!r} but its own config says {cfg['degrees']!r} (edited after the run)"

@@ -300,16 +300,55 @@ class RecordSet:
             raise Inconclusive(f"{self.dir}: record {meta['key']} unreadable ({_line(e)})") from None
         # The stored tensor must be what the index says it is: an edited header or index that
         # points a record at another tensor is caught here, not compared as if it were the record.
-        want = list(meta["local_shape"])
-        if meta.get("stored") == "stacked":
-            want = [meta["world"], *want]
-        if str(t.dtype).replace("torch.", "") != meta["dtype"] or list(t.shape) != want:
-            raise Inconclusive(f"{self.dir}: record {meta['key']} is stored as "
-                               f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}, its index says "
-                               f"{meta['dtype']}{want} (edited or mismatched files)")
+        self._check_stored(meta, str(t.dtype).replace("torch.", ""), list(t.shape))
         if verify:
             self.verify(meta, t)
         return t
+
+    def _check_stored(self, meta: dict, dtype: str | None, shape: list) -> None:
+        """dtype None: a safetensors dtype code this tpdiag does not name (only the shape is checked)."""
+        want = list(meta["local_shape"])
+        if meta.get("stored") == "stacked":
+            want = [meta["world"], *want]
+        if (dtype is not None and dtype != meta["dtype"]) or shape != want:
+            raise Inconclusive(f"{self.dir}: record {meta['key']} is stored as {dtype or '?'}{shape}, its index "
+                               f"says {meta['dtype']}{want} (edited or mismatched files)")
+
+    def check_layout(self) -> None:
+        """Every stored record's dtype and shape are what its index says, from the file's header alone
+        (no tensor bytes read): the check for a record set nobody re-diffs (a second pass's worlds,
+        records/integrity.py), so its tensor file swapped for another world's, or its index for
+        another's, is Inconclusive. The bytes themselves are checked by their hashes only when read."""
+        from tpdiag.records.safetensors_stream import torch_dtype_name
+
+        for m in self.events:
+            if m.get("stored") == "hash":
+                continue
+            try:
+                s = self._file.get(m["idx"], self._f).get_slice(str(self._stored.get(m["idx"], m["idx"])))
+                shape, code = list(s.get_shape()), s.get_dtype()
+            except Exception as e:
+                raise Inconclusive(f"{self.dir}: record {m['key']} unreadable ({_line(e)})") from None
+            try:
+                self._check_stored(m, torch_dtype_name(code), shape)
+            except Inconclusive:
+                # Some records' index shape is not their stored one (an op's per-call pieces of a
+                # data-dependent shape, seen in a micro-batch run's ops pass): the bytes are then the
+                # run's own when they are what its hash says - another world's tensor never is.
+                if not self._own_bytes(m):
+                    raise
+
+    def _own_bytes(self, meta: dict) -> bool:
+        from tpdiag.records.hashing import tensor_hash
+
+        want = meta.get("stored_hash")
+        if want is None or not self.known_hashes():
+            return False
+        try:
+            t = self._file.get(meta["idx"], self._f).get_tensor(str(self._stored.get(meta["idx"], meta["idx"])))
+        except Exception:  # noqa: BLE001 - unreadable: not the run's bytes
+            return False
+        return tensor_hash(t, self.hash_version) == want
 
     def known_hashes(self) -> bool:
         """Whether this set's stored hashes are of a lane mix this tpdiag computes."""
