@@ -108,3 +108,22 @@ def test_reordering_is_named_by_the_modules_ops():
         assert row["beyond_bound"] is False and row["generic_cause"] == cause, (ops, row)
         if cause == "unknown":
             assert "its ops were not recorded" in row["cause_why"]
+
+
+def test_weights_named_cause_says_how_it_was_judged():
+    # a module with no ops recorded, named by its row-parallel weight (diff/generic_bound._weights_cause):
+    # judged inside its length-k bound, its why must say so - on e403778..9bf6702 it always read
+    # "near its float64 re-execution", a float64 run that never happened on this path
+    from types import SimpleNamespace
+
+    rows = [{"kind": "param_init", "module": "mlp.down", "layout": "shard:1", "shape": [4, 8]},
+            {"kind": "out", "module": "mlp", "step": 0, "phase": "forward"}]
+    dd = SimpleNamespace(rows=rows, uncompared=[])
+    cause, why = generic_bound.reorder_cause(dd, rows[1], 8)
+    assert cause == "row-parallel-reduction"
+    assert "within the rounding bound of its length-8 reduction" in why and "float64" not in why, why
+    cause, why = generic_bound.reorder_cause(dd, rows[1], None)
+    assert cause == "row-parallel-reduction" and "near its float64 re-execution" in why, why
+    # control: no sharded matrix, no name
+    dd.rows = rows[1:]
+    assert generic_bound.reorder_cause(dd, rows[1], 8)[0] == "unknown"

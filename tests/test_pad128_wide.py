@@ -72,3 +72,18 @@ def test_square_head_weight_takes_its_rows():
     assert vocab_padded_dim(ref_act, [2, 8, 128], act, pad, pad) == 2  # the head's output: the logits' dim
     old = {"vocab": 100, "local": 128}  # a run before the modules were recorded: the shape rule
     assert vocab_padded_dim(ref_act, [2, 8, 128], hidden, old, old) == 2
+
+
+def test_no_producer_found_reads_as_the_shape_rule():
+    # vocab_padding's "modules" empty (the logits no probed module's output): on 9bf6702 every record
+    # whose shard has the whole shape read as no vocab record - the head's own padded output too, a
+    # replica whose ranks differ (a false BUG); it is now the shape rule, as for a run without the field
+    from tpdiag.records.layout import vocab_padded_dim
+
+    act = {"world": 2, "stored": "stacked", "placement": None, "local_shape": [2, 8, 128], "module": "head",
+           "kind": "out"}
+    ref_act = {**act, "world": 1}
+    empty = {"vocab": 100, "local": 128, "modules": []}
+    assert vocab_padded_dim(ref_act, [2, 8, 128], act, empty, empty) == 2
+    found = {**empty, "modules": ["head"]}  # control: with the producer known, a hidden state stays a replica
+    assert vocab_padded_dim(ref_act, [2, 8, 128], {**act, "module": "norm", "kind": "in"}, found, found) is None

@@ -91,3 +91,38 @@ def test_breakdown_counts_a_world_run_beside_another_once():
     # counted whole (the old sum), the same parts pass the wall time: the reader says so
     whole = [dict(p, s=2.5) if p.get("label") == "1-base" else p for p in parts]
     assert read_breakdown({"time_breakdown": {"schema": 1, "wall_s": 6.1, "parts": whole}})[1]
+
+
+def test_an_interrupt_while_the_rerun_runs_on_cancels_it(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM, raised as KeyboardInterrupt) after the reference ended, while the main thread
+    waits for the rerun: the rerun is cancelled (its ranks killed), not left to a daemon thread. On
+    9bf6702 the wait was outside the try: the rerun never saw the cancel."""
+    import threading
+
+    import pytest
+
+    from tpdiag.runner import launch
+
+    ref, base = _pair(tmp_path)
+    seen = {}
+
+    def fake(cfg, timeout_s, on_status=None, entry=None, cancel=None, gpu_offset=0):
+        if cancel is None:  # the reference: done at once
+            return launch.WorldResult(cfg.label, cfg.degree, "ok", cfg.out_dir, 0.0)
+        seen["cancelled"] = cancel.wait(10.0)  # the rerun: runs on until cancelled
+        return launch.WorldResult(cfg.label, cfg.degree, "failed", cfg.out_dir, 0.0, error="cancelled")
+
+    class Interrupted(threading.Thread):
+        joins = 0
+
+        def join(self, timeout=None):
+            Interrupted.joins += 1
+            if Interrupted.joins == 1:
+                raise KeyboardInterrupt  # the signal, delivered during the wait
+            return super().join(timeout)
+
+    monkeypatch.setattr(launch, "run_world", fake)
+    monkeypatch.setattr(side_by_side.threading, "Thread", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        side_by_side.run_pair(ref, base, 60.0, None, 1)
+    assert seen == {"cancelled": True}

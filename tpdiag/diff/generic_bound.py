@@ -269,8 +269,9 @@ def _module_ops(dd, row: dict) -> list[tuple[str, str | None]]:
     return ops
 
 
-def _weights_cause(dd, row: dict) -> tuple[str, str] | None:
-    """The reordering a module's own sharded weights name when its ops were not recorded: a matrix
+def _weights_cause(dd, row: dict, what: str) -> tuple[str, str] | None:
+    """The reordering a module's own sharded weights name when its ops were not recorded (`what`: how
+    it was judged rounding - its bound's or its float64 re-execution's words): a matrix
     cut on its input dim (an F.linear weight [out, in] sharded on dim 1, each rank summing its
     slice of K) makes partial sums the module reduces - `row-parallel-reduction`; one cut on its
     output dim only, a GEMM on another shape - `shape-dependent-gemm`. None: no sharded matrix."""
@@ -282,7 +283,7 @@ def _weights_cause(dd, row: dict) -> tuple[str, str] | None:
     names = {"shard:1": "row-parallel-reduction", "shard:0": "shape-dependent-gemm"}
     for cut in ("shard:1", "shard:0"):
         if cut in cuts:
-            return names[cut], (f"rounding: near its float64 re-execution; its ops were not recorded, and "
+            return names[cut], (f"rounding: {what}; its ops were not recorded, and "
                                 f"its weights are cut on their {'input' if cut == 'shard:1' else 'output'} "
                                 f"dim ({cut}), which names the reordering")
     return None
@@ -295,10 +296,10 @@ def reorder_cause(dd, row: dict, k: int | None) -> tuple[str, str | None]:
             else "near its float64 re-execution")
     ops = _module_ops(dd, row)
     if not ops:
-        by_layout = _weights_cause(dd, row)
+        by_layout = _weights_cause(dd, row, what)
         if by_layout is not None:
             # judged rounding all the same: `unknown` would fail the gate closed on a reordering
-            # the float64 run proved (ops go unrecorded where the ranks' op streams differ, a
+            # its bound or the float64 run proved (ops go unrecorded where the ranks' op streams differ, a
             # bias added on rank 0 only: no op-level rerun)
             return by_layout
         return "unknown", (f"rounding: {what} (a reordering, not a wrong result); its ops were not "

@@ -140,7 +140,11 @@ def vocab_padded_dim(ref_meta: dict, full: list[int], meta: dict, ref_pad: dict 
     ref_width = int((ref_pad or {}).get("local", vocab))
     if len(full) != len(local) or width * n < vocab or ref_width < vocab:
         return None
-    if local == list(full) and "modules" in pad and not _vocab_record(meta, pad["modules"]):
+    # the producing modules where they were found: an empty list (logits no probed module's output)
+    # knows nothing - read as "no record holds the vocab" it would make the head's own padded output
+    # a replica whose ranks differ (a false BUG): the shape rule then, as for a run without the field
+    mods = pad.get("modules") or None
+    if local == list(full) and mods and not _vocab_record(meta, mods):
         # every real id on rank 0 (vocab <= its padded width): the shard has the reference's whole
         # shape, so any record with a dim of that width would match - a hidden state of 128 in a
         # model padded to 128 read as a vocab shard hid its ranks' differences, and the head's
@@ -148,7 +152,7 @@ def vocab_padded_dim(ref_meta: dict, full: list[int], meta: dict, ref_pad: dict 
         return None
     dims = [d for d in range(len(full)) if full[d] == ref_width and local[d] == width
             and all(full[i] == local[i] for i in range(len(full)) if i != d)]
-    if len(dims) > 1 and "modules" in pad and _vocab_record(meta, pad["modules"]):
+    if len(dims) > 1 and mods and _vocab_record(meta, mods):
         # a square [padded, padded] weight of the head: its rows are the vocab (nn.Linear's
         # out_features, the logits' last dim)
         dims = [0] if meta.get("kind", "").startswith("param") else [len(full) - 1]

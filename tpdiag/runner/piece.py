@@ -93,7 +93,9 @@ def forward(cfg, phases, fwd, model, plan, vocab_size: int, world: int, piece, l
                 # the modules whose output the padded logits are: where a rank's shard has the
                 # reference's whole shape (every real id on rank 0), the shape cannot tell their
                 # records from a hidden state of the padded width (records/layout.py)
-                rec.vocab_padding["modules"] = sorted(set(rec.producers(local)))
+                mods = sorted(set(rec.producers(local)))
+                if mods:  # none found: no field, the shape rule (records/layout.py)
+                    rec.vocab_padding["modules"] = mods
         whole = logits  # the fingerprint's: the step pass 1 computed (runner/drill.py)
         logits, local, labels = prefix.cut_loss_inputs(cfg, logits, local, labels)
         check_positions(logits, labels, world)

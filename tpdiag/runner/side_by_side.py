@@ -57,11 +57,13 @@ def run_pair(ref_cfg, base_cfg, timeout_s: float, on_status, offset: int):
     t.start()
     try:
         ref = run_world(ref_cfg, timeout_s, on_status)
+        # in the try too: a Ctrl-C or SIGTERM (raised here as KeyboardInterrupt) while the rerun
+        # runs on would leave its ranks to a daemon thread that exits without reaping them
+        t.join()
     except BaseException:
         cancel.set()  # interrupted: the rerun's ranks are killed too
         t.join()
         raise
-    t.join()
     if "err" in box:
         raise box["err"]
     base = box["res"]
