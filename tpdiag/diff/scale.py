@@ -39,7 +39,9 @@ def coherent_scale(a: torch.Tensor, b: torch.Tensor) -> float | None:
         return None
     xa, xb = a.reshape(-1), b.reshape(-1)
     aa = ab = bb = a4 = 0.0
-    chunk = 1 << 26 if a.is_cuda else CHUNK  # a GPU's chunk: one launch and sync each (diff/bits.py)
+    from tpdiag.diff.bits import DEVICE_CHUNK
+
+    chunk = DEVICE_CHUNK if a.is_cuda else CHUNK  # a GPU's chunk: one launch and sync each
     for s in range(0, xa.numel(), chunk):
         pa, pb = xa[s:s + chunk].to(torch.float64), xb[s:s + chunk].to(torch.float64)
         sq = pa * pa

@@ -295,7 +295,8 @@ class RecordSet:
                                "(--capture hash); rerun with --capture full for its values")
         try:
             i = meta["idx"]
-            t = self._file.get(i, self._f).get_tensor(str(self._stored.get(i, i)))
+            f, name = self._slot(i)
+            t = f.get_tensor(name)
         except Exception as e:
             raise Inconclusive(f"{self.dir}: record {meta['key']} unreadable ({_line(e)})") from None
         # The stored tensor must be what the index says it is: an edited header or index that
@@ -325,7 +326,8 @@ class RecordSet:
             if m.get("stored") == "hash":
                 continue
             try:
-                s = self._file.get(m["idx"], self._f).get_slice(str(self._stored.get(m["idx"], m["idx"])))
+                f, name = self._slot(m["idx"])
+                s = f.get_slice(name)
                 shape, code = list(s.get_shape()), s.get_dtype()
             except Exception as e:
                 raise Inconclusive(f"{self.dir}: record {m['key']} unreadable ({_line(e)})") from None
@@ -339,16 +341,19 @@ class RecordSet:
                     raise
 
     def _own_bytes(self, meta: dict) -> bool:
-        from tpdiag.records.hashing import tensor_hash
-
-        want = meta.get("stored_hash")
-        if want is None or not self.known_hashes():
+        """Whether the record's stored bytes are what its stored hash says (verify(), as a yes/no)."""
+        if meta.get("stored_hash") is None or not self.known_hashes():
             return False
         try:
-            t = self._file.get(meta["idx"], self._f).get_tensor(str(self._stored.get(meta["idx"], meta["idx"])))
-        except Exception:  # noqa: BLE001 - unreadable: not the run's bytes
+            f, name = self._slot(meta["idx"])
+            self.verify(meta, f.get_tensor(name))
+        except Exception:  # noqa: BLE001 - unreadable or another tensor: not the run's bytes
             return False
-        return tensor_hash(t, self.hash_version) == want
+        return True
+
+    def _slot(self, idx: int):
+        """(the open file a record's tensor is in, the number it is stored under there)."""
+        return self._file.get(idx, self._f), str(self._stored.get(idx, idx))
 
     def known_hashes(self) -> bool:
         """Whether this set's stored hashes are of a lane mix this tpdiag computes."""

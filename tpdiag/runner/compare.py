@@ -131,10 +131,10 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
     if base_label is not None and not (records_from or {}).get(labels[0]):  # not a reference with a base
         from tpdiag.runner.side_by_side import side_gpu
 
-        ref_cfg, base_cfg = world_cfg(*worlds[0]), world_cfg(*worlds[1])
-        offset = side_gpu(device, ref_cfg, base_cfg)
+        base_cfg = world_cfg(*worlds[1])
+        offset = side_gpu(device, world_cfg(*worlds[0]), base_cfg)
         if offset:
-            beside = (ref_cfg, base_cfg, offset)
+            beside = (base_cfg, offset)
     for point, label in worlds:
         degree = point.tp
         wcfg = world_cfg(point, label)
@@ -156,7 +156,7 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         if beside is not None and label == labels[0]:
             from tpdiag.runner.side_by_side import run_pair
 
-            res, base, offset = run_pair(beside[0], beside[1], cfg.timeout, on_status, beside[2])
+            res, base, offset = run_pair(wcfg, beside[0], cfg.timeout, on_status, beside[1])
             record(label, degree, res, gpu=0)
             record(base_label, degree, base, gpu=offset,
                    **({"beside": labels[0]} if offset else {"beside_failed": "ran again on GPU 0 after the reference"}))
@@ -196,6 +196,22 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
 _FOLDERS = ("out_dir", "ref_dir")
 
 
+def _finished(earlier: str, ranks: int) -> dict | None:
+    """The world.json of the world folder `earlier` where that world finished ok (its result and
+    every rank's done marker), else None."""
+    from tpdiag.records.paths import RESULT, WORLD, rank_marker
+
+    try:
+        world = io.read_json(os.path.join(earlier, WORLD))
+        done = io.read_json(os.path.join(earlier, RESULT)).get("status") == "ok"
+    except Exception:  # noqa: BLE001 - no readable world
+        return None
+    if not done or not isinstance(world, dict) or not all(
+            os.path.isfile(os.path.join(earlier, rank_marker(r, "done"))) for r in range(ranks)):
+        return None
+    return world
+
+
 def _same_world(earlier: str, wcfg) -> str | None:
     """How the world folder `earlier` (an earlier pass's, finished ok) ran wcfg: "same" - the same
     settings, configuration, probes and rerun spec, so its records are the ones wcfg's world would
@@ -203,15 +219,8 @@ def _same_world(earlier: str, wcfg) -> str | None:
     checked against pass 1's); "without ops" - the same, but it also recorded the ops of some
     modules where wcfg records none (the op probe changes no number: the same check), so its
     records less the ops are wcfg's; None - run wcfg."""
-    from tpdiag.records.paths import RESULT, WORLD, rank_marker
-
-    try:
-        world = io.read_json(os.path.join(earlier, WORLD))
-        done = io.read_json(os.path.join(earlier, RESULT)).get("status") == "ok"
-    except Exception:  # noqa: BLE001 - no readable world: run it
-        return None
-    if not done or not all(os.path.isfile(os.path.join(earlier, rank_marker(r, "done")))
-                           for r in range(wcfg.point.tp)):
+    world = _finished(earlier, wcfg.point.tp)
+    if world is None:
         return None
     mine, theirs = wcfg.to_dict(), world.get("config")
     if not isinstance(theirs, dict):
@@ -232,7 +241,6 @@ def _base_world(earlier: str, wcfg) -> bool:
     records the earlier world's ops or none, whose config is the earlier world's but for its folders
     and its float64 re-execution (records/store.py: base_problem, which the reader checks again, fingerprints too).
     TPDIAG_OWN_REF_BASE=0: it writes every record (the A/B: tests/test_own_pass_links.py)."""
-    from tpdiag.records.paths import RESULT, WORLD, rank_marker
     from tpdiag.records.store import base_problem
 
     if os.environ.get("TPDIAG_OWN_REF_BASE", "1") == "0" or not wcfg.rerun.oracle_own:
@@ -240,12 +248,8 @@ def _base_world(earlier: str, wcfg) -> bool:
     p = wcfg.point
     if (p.tp, p.micro_batch, p.mode) != (1, 0, "prefill"):
         return False
-    try:
-        world = io.read_json(os.path.join(earlier, WORLD))
-        done = io.read_json(os.path.join(earlier, RESULT)).get("status") == "ok"
-    except Exception:  # noqa: BLE001 - no readable world: the reference writes its own
-        return False
-    if not done or not os.path.isfile(os.path.join(earlier, rank_marker(0, "done"))):
+    world = _finished(earlier, 1)
+    if world is None:  # no finished world there: the reference writes its own
         return False
     mine = {"config": wcfg.with_(records_base=earlier).to_dict(), "label": wcfg.label, "degree": p.tp,
             "fingerprint": world.get("fingerprint")}  # the step's is checked where the records are read
