@@ -71,12 +71,13 @@ def test_batch_leak_reads_the_mean_gap_against_the_runs_own_rounding():
     seqs = [Sequence(list(range(3, 13)), 4, [-1.0] * 6, where=f"line {i + 1}") for i in range(4)]
     base = torch.linspace(-3.0, -0.5, 9)
 
-    def run(decode_batch_shift):
+    def run(decode_batch_shift, rounding=True):
         t = {}
         for mb in (4, 1):
             for mode in ("prefill", "decode"):
                 lp = [base.clone() for _ in seqs]
-                lp[0][5] += 1e-3 * (mb == 1) + 2e-3 * (mode == "decode")   # rounding: one token, a little
+                if rounding:
+                    lp[0][5] += 1e-3 * (mb == 1) + 2e-3 * (mode == "decode")   # rounding: one token, a little
                 if mode == "decode" and mb == 4:
                     for x in lp[1:]:
                         x[3:] += decode_batch_shift                     # the padded sequences, every token
@@ -88,6 +89,15 @@ def test_batch_leak_reads_the_mean_gap_against_the_runs_own_rounding():
     # controls: a decode batch moved by rounding-sized amounts is not named, nor one with nothing to
     # measure rounding against (no micro-batch 1 prefill)
     assert run(1e-3) is None
+    # kernels that give the same bits at every other call shape: nothing to take a ratio to, and the
+    # leak is named all the same (main at 2d251fd returned None: 'no rounding to measure against')
+    leak = run(0.05, rounding=False)
+    assert leak["configuration"] == "tp1-mb4-decode-none" and leak["rounding"] == 0.0 and leak["ratio"] is None, leak
+    assert "every other setting gives the same bits" in leak["line"], leak["line"]
+    from tpdiag.rollout.todo import _times
+
+    assert _times(leak) == "where every other setting is bitwise" and _times(run(0.05)).endswith("x rounding")
+    assert run(5e-4, rounding=False) is None  # below the floor: not named
     cfgs = [Config(1, 4, "decode"), Config(1, 1, "decode")]
     t = {c.rollout_name(): [base.clone() + (0.05 if c.micro_batch == 4 else 0.0) for _ in seqs] for c in cfgs}
     assert batch_leak.find(cfgs, seqs, t) is None

@@ -67,16 +67,20 @@ def find(configurations: list[Config], seqs, trainer: dict) -> dict | None:
                 if g is not None:
                     base[name] = g[0]
         rounding = max(base.values(), default=0.0)
-        if rounding <= 0.0 or gap <= FLOOR or gap <= RATIO * rounding:
+        # no baseline measured: nothing to hold the gap against. Every baseline bitwise: this run's
+        # kernels gave no rounding between call shapes at all, so a gap past FLOOR is not rounding
+        if not base or gap <= FLOOR or gap <= RATIO * rounding:
             continue
         said = ", ".join(f"{k} {v:.3g}" for k, v in base.items())
+        against = (f"{gap / rounding:.0f}x the largest mean gap the other settings show ({said})" if rounding > 0
+                   else f"while every other setting gives the same bits ({said})")
         line = (f"{c.rollout_name()} is {gap:.3g} nats (mean |diff|; max {most:.3g}) from the same sequences "
-                f"one per call ({alone}), {gap / rounding:.0f}x the largest mean gap the other settings show "
-                f"({said}): in this model's "
+                f"one per call ({alone}), {against}: in this model's "
                 f"{c.mode} a sequence's logprobs depend on the other sequences in its call beyond rounding "
                 f"(the {'left' if c.mode == 'decode' else 'right'} padding of shorter prompts, or another "
                 f"row, reaching it) - a bug in the model's {c.mode} path (transformers' code for an hf: "
                 "model), not a kernel's rounding; an engine that batches this way reports these numbers")
         return {"configuration": c.rollout_name(), "alone": alone, "mode": c.mode, "gap": gap, "max_abs": most,
-                "rounding": rounding, "ratio": gap / rounding, "baselines": base, "line": line}
+                "rounding": rounding, "ratio": gap / rounding if rounding > 0 else None, "baselines": base,
+                "line": line}
     return None

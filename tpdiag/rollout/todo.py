@@ -45,7 +45,7 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
         # the configuration the engine is, far from its own sequences alone (rollout/batch_leak.py):
         # its numbers are the model's batch bug, so no setting's gap to them is rounding
         lead = (f"first: the engine's numbers are not the model's for a batched sequence - {like} is "
-                f"{leak['gap']:.3g} nats (mean) from {leak['alone']}, {leak['ratio']:.0f}x rounding (the batch note "
+                f"{leak['gap']:.3g} nats (mean) from {leak['alone']}, {_times(leak)} (the batch note "
                 f"above): fix the model's {leak['mode']} path, or score and sample one sequence per call, "
                 "before matching the settings below; "
                 if leak and leak["configuration"] == like else "")
@@ -59,7 +59,7 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                      "run again")
     if leak:
         first.append(f"read the batch note above ({leak['configuration']} is {leak['gap']:.3g} nats (mean) from "
-                     f"{leak['alone']}, {leak['ratio']:.0f}x rounding): the model's {leak['mode']} path lets a "
+                     f"{leak['alone']}, {_times(leak)}): the model's {leak['mode']} path lets a "
                      "call's other sequences into a sequence's logprobs")
     if processed.get("detected"):
         first.append("ask the engine for raw logprobs (the processed line above; vLLM: "
@@ -164,3 +164,9 @@ def _untried(rc, batch: int) -> str:
 
 def _vals(xs) -> str:
     return ",".join(str(x) for x in xs)
+
+
+def _times(leak: dict) -> str:
+    """How far past rounding a batch leak is: a ratio, or none to take where every other setting
+    gave the same bits (rollout/batch_leak.py)."""
+    return f"{leak['ratio']:.0f}x rounding" if leak.get("ratio") else "where every other setting is bitwise"
