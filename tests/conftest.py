@@ -181,8 +181,7 @@ def _start_zygote():
 # (211.9 CPU s over 540 s of wall: each file's wall times 0.392); test_hash_capture and test_op_level
 # lowered by what their changed tests measured less. Session 11 (helper hci10): test_diagnosis,
 # test_planted, test_fixes, test_matrix, test_faults_more, test_op_level and test_hf at their CPU
-# seconds in a cpuacct cgroup (`pytest -n 0 FILE`, load 9-16), test_matrix and test_hf after their cuts
-# (docs/benchmarks.md).
+# seconds in a cpuacct cgroup (`pytest -n 0 FILE`, load 9-16), test_hf after its cut (docs/benchmarks.md).
 FILE_SECONDS = {
     # this session's new files (measured alone on a loaded machine, scaled): placed, not left last
     "test_forward_code.py": 45, "test_rollout_padded.py": 25, "test_failclosed_hostile.py": 22, "test_ep_moe.py": 9,
@@ -196,7 +195,7 @@ FILE_SECONDS = {
     "test_side_by_side.py": 30,  # the lead (alone, loaded machine: 37 s)
     "test_rollout_own_cache.py": 35,  # htrial9 (alone, loaded machine: 28-35 s)
     "test_hash_capture.py": 130, "test_diagnosis.py": 72, "test_planted.py": 45, "test_fixes.py": 52,
-    "test_matrix.py": 35, "test_micro_batch.py": 52, "test_moe_fixes.py": 84, "test_faults_more.py": 79,
+    "test_matrix.py": 45, "test_micro_batch.py": 52, "test_moe_fixes.py": 84, "test_faults_more.py": 79,
     "test_diff_runs.py": 61, "test_hf.py": 38, "test_timing.py": 28, "test_behind.py": 55, "test_fuzz.py": 55,
     "test_capture.py": 39, "test_hf_zoo.py": 50, "test_rollout.py": 23, "test_hash_batch.py": 26,
     "test_capture_exit.py": 40, "test_invariant_attention.py": 32, "test_faults.py": 33,
