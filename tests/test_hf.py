@@ -22,6 +22,7 @@ def _compare(tmp_path_factory, kind):
     # - the first divergence, its layout bound, diff.csv's rows, events.jsonl - and pass 1's
     # layout-bound findings stay findings without it (it clears only those its float64
     # re-execution finds within rounding). It judges these two models at TP=1,2 in test_hf_zoo.py
+    # and an hf: model at TP=4 (gpt_oss, TP=1,4) in test_hf_plans.py
     p = run_cli("compare", "--model", spec, "--tp", "1,2,4", "--out", str(out), "--no-confirm",
                 "--no-baseline", "--no-judge-downstream", "--format", "json")
     assert p.returncode == 0, p.stderr + p.stdout
