@@ -179,7 +179,9 @@ def _start_zygote():
 # (test_attention_fused, test_hash_batch, test_tree_triton, test_hash_mix, test_invariant_gemm,
 # test_tree_gemm, ...) at their share of one `pytest -n 0` of them after kernels/interpreter_patch.py
 # (211.9 CPU s over 540 s of wall: each file's wall times 0.392); test_hash_capture and test_op_level
-# lowered by what their changed tests measured less.
+# lowered by what their changed tests measured less. Session 11 (helper hci10): test_diagnosis,
+# test_planted, test_fixes, test_matrix, test_faults_more, test_op_level and test_hf at their CPU
+# seconds in a cpuacct cgroup (`pytest -n 0 FILE`, load 9-16), test_hf after its cut (docs/benchmarks.md).
 FILE_SECONDS = {
     # this session's new files (measured alone on a loaded machine, scaled): placed, not left last
     "test_forward_code.py": 45, "test_rollout_padded.py": 25, "test_failclosed_hostile.py": 22, "test_ep_moe.py": 9,
@@ -192,13 +194,13 @@ FILE_SECONDS = {
     "test_steps.py": 12,  # the lead (alone: 10 s)
     "test_side_by_side.py": 30,  # the lead (alone, loaded machine: 37 s)
     "test_rollout_own_cache.py": 35,  # htrial9 (alone, loaded machine: 28-35 s)
-    "test_hash_capture.py": 130, "test_diagnosis.py": 98, "test_planted.py": 85, "test_fixes.py": 66,
-    "test_matrix.py": 76, "test_micro_batch.py": 52, "test_moe_fixes.py": 84, "test_faults_more.py": 67,
-    "test_diff_runs.py": 61, "test_hf.py": 60, "test_timing.py": 28, "test_behind.py": 55, "test_fuzz.py": 55,
+    "test_hash_capture.py": 130, "test_diagnosis.py": 72, "test_planted.py": 45, "test_fixes.py": 52,
+    "test_matrix.py": 45, "test_micro_batch.py": 52, "test_moe_fixes.py": 84, "test_faults_more.py": 79,
+    "test_diff_runs.py": 61, "test_hf.py": 38, "test_timing.py": 28, "test_behind.py": 55, "test_fuzz.py": 55,
     "test_capture.py": 39, "test_hf_zoo.py": 50, "test_rollout.py": 23, "test_hash_batch.py": 26,
     "test_capture_exit.py": 40, "test_invariant_attention.py": 32, "test_faults.py": 33,
     "test_load_dtype.py": 40, "test_handwritten_tp.py": 40, "test_cli_messages.py": 40,
-    "test_op_level.py": 102, "test_micro_batch_carry.py": 21, "test_benchmarks.py": 35, "test_hf_fixes.py": 60,
+    "test_op_level.py": 78, "test_micro_batch_carry.py": 21, "test_benchmarks.py": 35, "test_hf_fixes.py": 60,
     "test_slice.py": 35, "test_public_api.py": 35, "test_rollout_lanes.py": 30, "test_user_models.py": 30,
     "test_sequence_parallel.py": 24, "test_doc_blocks.py": 30, "test_failclosed.py": 25,
     "test_tree_triton.py": 25, "test_gate.py": 25, "test_report.py": 25, "test_meta_init.py": 56,

@@ -106,6 +106,9 @@ def test_text_table_and_report(matrix_run, tmp_path):
 def test_non_one_reference(tmp_path):
     """--tp 4,2: TP=2 against a sharded TP=4 reference (both sides gathered by shape ratio), and
     the baseline TP=4 rerun against TP=4 (unmarked shards of one degree compared shard by shard)."""
+    # the default judgement (the own-input pass included): the only compare in the suite whose
+    # reference is sharded, so the only one that judges downstream modules against a TP>1 reference
+    # (--no-judge-downstream would save ~6 of its ~14 CPU s and that coverage with them)
     p = run_cli("compare", "--tp", "4,2", "--no-confirm", "--out", str(tmp_path / "r"), "--format", "json")
     assert p.returncode == 0, p.stderr + p.stdout
     s = json.loads(p.stdout)
