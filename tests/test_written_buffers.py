@@ -39,3 +39,49 @@ def test_a_buffer_the_forward_writes_per_rank_is_the_bug(case, tmp_path):
     assert "optimizer: moe (buffer bias, written during the step)" in p.stdout, p.stdout[-2000:]
     assert "unknown" not in p.stdout, p.stdout[-2000:]
     assert gate == 4
+
+
+def test_a_module_that_writes_its_own_buffer_is_still_judged_in_float64(tmp_path):
+    """tests/models/planted/amax_history.py:amax_max, correct: an FP8-style fake-quantised column-parallel
+    layer whose forward writes its amax history (a buffer, all-reduced with MAX: bitwise TP=1's). The
+    first divergence is the row-parallel all-reduce of the MLP holding it. On 2d251fd that module's
+    float64 re-execution was refused ('it writes state in place'): cause unknown, verdict 'not judged'.
+    The re-execution now starts each buffer the real forward wrote from a float64 copy of its value
+    before that forward (probes/float64.buffers_before), which it may write: rounding, named."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/amax_history.py:amax_max", "--tp", "1,2",
+                "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
+    fd = e["first_divergence"]
+    assert (fd["key"], fd["cause"]) == ("s0/forward/mlp/out#0/0", "row-parallel-reduction"), fd
+    assert "writes state" not in p.stdout and "unknown" not in p.stdout, p.stdout[-2000:]
+    assert e["class"] == "rounding" and not e.get("findings"), e.get("findings")
+
+
+def test_the_float64_reexecution_starts_a_written_buffer_from_its_value_before_the_forward():
+    import torch
+    from torch import nn
+
+    from tpdiag.probes.float64 import buffers_before, module_oracle, snapshot
+
+    class Ema(nn.Module):  # scales by the running value it read, then updates it
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("run", torch.full((3,), 2.0))
+
+        def forward(self, x):
+            y = x * self.run
+            self.run.mul_(0.5).add_(0.5 * x.abs())
+            return y
+
+    m, x = Ema(), torch.randn(3)
+    snap, bufs = snapshot(((x,), {})), buffers_before(m)
+    y = m(x)
+    after = m.run.clone()
+    out, notes = module_oracle(m, *snap, buffers=bufs)
+    assert out is not None, notes
+    assert out.dtype == torch.float64 and torch.equal(out, x.double() * 2.0)   # read the value before
+    assert torch.equal(m.run, after) and torch.equal(y, x * 2.0)               # the real buffer untouched
+    out, notes = module_oracle(m, *snap)  # no snapshot of the buffers: refused as before
+    assert out is None and "writes state" in notes["why"]

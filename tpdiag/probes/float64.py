@@ -81,6 +81,39 @@ def snapshot(x):
     return tree_map(one, x)
 
 
+def buffers_before(mod: torch.nn.Module) -> list:
+    """The module's buffers as they are now, before its real forward: each (owner, name, the tensor,
+    its version counter, a private copy). A forward that writes its own state (a load-balancing
+    bias, an amax history, a running statistic) leaves the module holding the new values by the
+    time it is re-executed; the re-execution must start from the ones the real forward read."""
+    seen: dict = {}
+    out = []
+    for m in mod.modules():
+        for k, b in m._buffers.items():
+            if b is None:
+                continue
+            copy = seen.get(id(b))
+            if copy is None:
+                copy = seen[id(b)] = b.detach().clone()
+            out.append((m, k, b, b._version, copy))
+    return out
+
+
+def _as_before(buffers) -> None:
+    """Inside _isolated: each buffer the real forward wrote (its version moved, or another tensor
+    put in its place) replaced, for the re-execution only, by a float64 copy of the value it had
+    before that forward - the oracle's own tensor, which it may write as the real forward wrote the
+    real one. A buffer the real forward left alone stays (a write to it is still refused)."""
+    made: dict = {}
+    for m, k, was, version, copy in buffers or ():
+        if m._buffers.get(k) is was and was._version == version:
+            continue
+        mine = made.get(id(copy))
+        if mine is None:
+            mine = made[id(copy)] = copy.to(_up_dtype(copy.dtype), copy=True)
+        m._buffers[k] = mine
+
+
 def _op_name(func) -> str:
     return f"{getattr(func, 'namespace', 'aten')}::{func.overloadpacket.__name__}"
 
@@ -260,21 +293,24 @@ def working_dtype(mod: torch.nn.Module) -> torch.dtype | None:
     return max(ds, key=lambda d: torch.finfo(d).eps) if ds else None
 
 
-def module_oracle(mod: torch.nn.Module, args, kwargs) -> tuple[object | None, dict]:
+def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None) -> tuple[object | None, dict]:
     """(the module's output computed in float64 from float64 copies of args/kwargs, notes) or
     (None, {"why": why not}). args/kwargs should be a `snapshot` taken before the real forward
-    ran; notes["discrete"] lists the discrete choices on floating values it made."""
+    ran, buffers its `buffers_before` list (the buffers it wrote start from their values before it);
+    notes["discrete"] lists the discrete choices on floating values it made."""
     protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
     mode = Float64Mode(protected, working_dtype(mod))
     try:
-        with _isolated(mod), torch.no_grad(), mode:
-            out = mod(*args, **kwargs)
+        with _isolated(mod), torch.no_grad():
+            _as_before(buffers)
+            with mode:
+                out = mod(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure is a reason, never a crash of the run
         return None, {"why": _why(e)}
     return out, ({"discrete": mode.discrete} if mode.discrete else {})
 
 
-def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out) -> tuple[dict | None, dict]:
+def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=None) -> tuple[dict | None, dict]:
     """({direct parameter name: d loss / d param, "inI": d loss / d input I}, notes) in float64
     for one call of `mod`, whose output's grad was `grad_out`: the module's forward again in
     float64 from its input snapshot, with float64 leaf copies of its own (direct) parameters,
@@ -301,14 +337,16 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out) -> tuple[d
     try:
         g = upcast(grad_out.detach())
         # the backward runs under the mode too: its formulas read what the forward saved
-        with _isolated(mod), torch.enable_grad(), mode:
-            out = functional_call(mod, {**frozen, **leaves}, args, kwargs, strict=False)
-            flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
-                    and (t.is_floating_point() or t.is_complex()) and t.requires_grad]
-            if len(flat) != 1:
-                return None, {"why": "its float64 re-execution has not exactly one differentiable output"}
-            got = torch.autograd.grad(flat[0], list(leaves.values()), g.to(flat[0].dtype),
-                                      allow_unused=True)
+        with _isolated(mod), torch.enable_grad():
+            _as_before(buffers)
+            with mode:
+                out = functional_call(mod, {**frozen, **leaves}, args, kwargs, strict=False)
+                flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                        and (t.is_floating_point() or t.is_complex()) and t.requires_grad]
+                if len(flat) != 1:
+                    return None, {"why": "its float64 re-execution has not exactly one differentiable output"}
+                got = torch.autograd.grad(flat[0], list(leaves.values()), g.to(flat[0].dtype),
+                                          allow_unused=True)
     except Exception as e:  # noqa: BLE001
         return None, {"why": _why(e)}
     grads = {n: t.detach() for n, t in zip(leaves, got) if t is not None}
