@@ -85,3 +85,28 @@ def test_the_float64_reexecution_starts_a_written_buffer_from_its_value_before_t
     assert torch.equal(m.run, after) and torch.equal(y, x * 2.0)               # the real buffer untouched
     out, notes = module_oracle(m, *snap)  # no snapshot of the buffers: refused as before
     assert out is None and "writes state" in notes["why"]
+
+
+def test_a_buffer_written_wrong_on_every_rank_alike_is_judged_against_its_float64_value(tmp_path):
+    """amax_history.py:amax_sum: the amax all-reduced with SUM, so every rank holds the same wrong
+    amax (no rank inconsistency to see) and step 1 quantises with another scale. On 2d251fd it read
+    'not judged (cause unknown)' (the MLP's float64 re-execution refused: it writes state); with that
+    re-execution allowed and the buffer recorded, 'rounding only' (no record judged the buffer; step
+    1's differences passed as the spread of step 0's rounding), gate exit 1. Now the layer, whose step-0 forward read only equal inputs, is re-executed
+    in float64 in the second pass, which keeps the value it writes into the buffer: the buffer record
+    is the BUG, far beyond rounding; the first divergence stays the MLP's all-reduce (rounding)."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/amax_history.py:amax_sum", "--tp", "1,2",
+                "--steps", "2", "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    from tpdiag.diff.classes import leading_bug
+
+    e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
+    assert e["first_divergence"]["cause"] == "row-parallel-reduction", e["first_divergence"]
+    lead = leading_bug(e)
+    assert lead is not None and (lead["key"], lead["cause"]) == ("s0/optimizer/mlp.up/buffer#0/amax",
+                                                                 "sharding-bug"), lead
+    assert lead["oracle"]["far"] and lead["bound_ratio"] > 1e3, lead
+    assert "BUG" in p.stdout.splitlines()[0] and "optimizer: mlp.up (buffer amax" in p.stdout, p.stdout[-2000:]
+    assert run_cli("gate", str(d)).returncode == 4

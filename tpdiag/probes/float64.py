@@ -105,6 +105,7 @@ def _as_before(buffers) -> None:
     before that forward - the oracle's own tensor, which it may write as the real forward wrote the
     real one. A buffer the real forward left alone stays (a write to it is still refused)."""
     made: dict = {}
+    swapped = []
     for m, k, was, version, copy in buffers or ():
         if m._buffers.get(k) is was and was._version == version:
             continue
@@ -112,6 +113,20 @@ def _as_before(buffers) -> None:
         if mine is None:
             mine = made[id(copy)] = copy.to(_up_dtype(copy.dtype), copy=True)
         m._buffers[k] = mine
+        swapped.append((m, k))
+    return swapped
+
+
+def _written_values(mod: torch.nn.Module, swapped) -> dict:
+    """{path of the buffer under mod ('amax', 'sub.amax'): the float64 value the re-execution left
+    in it} for the buffers _as_before put in - what the real forward should have written there."""
+    names = {m: n for n, m in mod.named_modules()}
+    out = {}
+    for m, k in swapped:
+        t = m._buffers.get(k)
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and m in names:
+            out[f"{names[m]}.{k}" if names[m] else k] = t.detach()
+    return out
 
 
 def _op_name(func) -> str:
@@ -297,17 +312,22 @@ def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None) -> tuple[obj
     """(the module's output computed in float64 from float64 copies of args/kwargs, notes) or
     (None, {"why": why not}). args/kwargs should be a `snapshot` taken before the real forward
     ran, buffers its `buffers_before` list (the buffers it wrote start from their values before it);
-    notes["discrete"] lists the discrete choices on floating values it made."""
+    notes["discrete"] lists the discrete choices on floating values it made, notes["written"] the
+    float64 values it left in those buffers (_written_values)."""
     protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
     mode = Float64Mode(protected, working_dtype(mod))
     try:
         with _isolated(mod), torch.no_grad():
-            _as_before(buffers)
+            swapped = _as_before(buffers)
             with mode:
                 out = mod(*args, **kwargs)
+            written = _written_values(mod, swapped)
     except Exception as e:  # noqa: BLE001 - any failure is a reason, never a crash of the run
         return None, {"why": _why(e)}
-    return out, ({"discrete": mode.discrete} if mode.discrete else {})
+    notes = {"discrete": mode.discrete} if mode.discrete else {}
+    if written:
+        notes["written"] = written  # tensors: taken out by the caller, never kept as a note
+    return out, notes
 
 
 def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=None) -> tuple[dict | None, dict]:

@@ -130,6 +130,9 @@ def grad_out_differs(rec: Recorder, g, name: str, call: int, own: dict) -> bool:
     return True
 
 
+BUFFER = "buffer."  # an oracle record of a buffer the forward wrote: buffer.PATH (under the module)
+
+
 def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls, norms_of=None,
                   buffers=None) -> None:
     """Re-execute mod in float64 from its input snapshot; record each floating output (in the
@@ -146,6 +149,10 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
             out64, notes = module_oracle(mod, *snap, buffers=buffers)
     finally:
         rec.in_oracle, rec.enabled = False, was
+    # the state its forward wrote, as the float64 run left it: judged against the buffer records
+    # of the step (probes/model_walk.record_written_buffers; diff/oracle.target_key)
+    for path, t in (notes.pop("written", None) or {}).items():
+        rec.add("oracle", name, f"{BUFFER}{path}", t, call=call, cls=cls)
     if notes:
         rec.oracle_notes[record_key(rec.step, "forward", name, "oracle", call)] = notes
     if out64 is None:
