@@ -184,6 +184,14 @@ class Float64Mode(TorchDispatchMode):
             return _grouped_mm64(*upcast(tuple(args)), **upcast(kwargs))
         up_args, up_kwargs = upcast(tuple(args)), upcast(kwargs)
         out = func(*up_args, **up_kwargs)
+        if isinstance(out, torch.Tensor) and (out.is_floating_point() or out.is_complex()) \
+                and out.dtype != _up_dtype(out.dtype) \
+                and not any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0]):
+            # a factory given no dtype (`torch.zeros(n)`) makes the default dtype: float32 here
+            # would make every later op see a float64 COPY of it, so the module's own in-place
+            # fill of it (`load[e] = ...`, an index_add_ into an accumulator) went to the copy and
+            # was lost without a word
+            out = out.to(_up_dtype(out.dtype))
         if choice and not _clear_choice(func, up_args, up_kwargs, self.working):
             self.discrete.append(_op_name(func))
         return out
