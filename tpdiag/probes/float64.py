@@ -12,7 +12,7 @@ How: the call runs under `Float64Mode`, a TorchDispatchMode that hands every ate
 copies of its floating inputs (complex128 for complex) and rewrites every floating dtype
 argument to float64, so code that casts on its own (`x.float()`, `.to(weight.dtype)`,
 `softmax(dtype=torch.float32)`, a `torch.zeros(..., dtype=torch.bfloat16)` buffer) stays in
-float64. Parameters are upcast where an op reads them: no copy of the module is made. The
+float64; a factory given no dtype (`torch.zeros(n)`) makes float64 too. Parameters are upcast where an op reads them: no copy of the module is made. The
 module runs as the reference world runs it (TP=1: its collectives over a group of one).
 
 Refused, with the reason recorded instead of a value: an op that draws random numbers (its
