@@ -56,6 +56,9 @@ def _where(fd: dict) -> str:
     phase, module, kind, name = fd.get("phase"), fd.get("module"), fd.get("kind"), fd.get("name")
     if module == "model" and phase == "loss" and kind == "loss":
         return "loss: the loss function (Target.loss or the built-in cross-entropy)"
+    if kind == "buffer" and not fd.get("op"):
+        # kept state (not a parameter) that the step's own code wrote: read by the next step
+        return f"{phase}: {module} (buffer {name}, written during the step)"
     if module == "model" and kind in ("param_init", "param_grad", "param") and name and not fd.get("op"):
         # a parameter of the root module itself (a tied weight the model holds directly)
         return f"{phase}: {name} ({kind}; a parameter of the root module)"

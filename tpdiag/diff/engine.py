@@ -398,7 +398,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             k = target_key(m["key"][:len(m["key"]) - len(side) - 1] if at else m["key"])
             if k in wanted:
                 t = ref.tensor(m)
-                oracle[k] = oracle[k] + t if k in oracle else t  # a weight grad's calls
+                # a weight grad's calls add up; a written buffer holds what its last call left
+                oracle[k] = oracle[k] + t if k in oracle and not name.startswith("buffer.") else t
     notes = ref.world.get("oracle_notes") if isinstance(ref.world, dict) else None
     if isinstance(notes, dict):
         dd.oracle_notes = notes

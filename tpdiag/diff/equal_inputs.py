@@ -18,8 +18,9 @@ def _index(dd) -> dict:
             ix["calls"].setdefault((st, m), set()).add(r["call"])
             if not r["bitwise"]:
                 ix["bad_in"].add((st, m, r["call"]))
-        elif k in ("param_init", "param") and not r["bitwise"]:
+        elif k in ("param_init", "param", "buffer") and not r["bitwise"]:
             # the parameters a step's forward read: the init for step 0, else the step before's update
+            # (a buffer the step before wrote is read as one)
             ix["bad_params"].setdefault(0 if k == "param_init" else st + 1, set()).add(m)
         elif k == "grad_out" and r["phase"] == "backward" and not r["bitwise"]:
             ix["bad_grad_out"].add((st, m))

@@ -75,6 +75,12 @@ def target_key(oracle_key: str) -> str:
     """s0/forward/m/oracle#1/0 -> s0/forward/m/out#1/0 (a module's output);
     s0/forward/m/oracle#0/aten::mm#2.0 -> s0/forward/m/op#0/aten::mm#2.0 (an op's)."""
     k = RecordKey.parse(oracle_key)
+    if k.name.startswith("buffer."):
+        # s0/forward/m/oracle#0/buffer.sub.amax -> s0/optimizer/m.sub/buffer#0/amax (the state the
+        # forward wrote, recorded after the step: probes/model_walk.record_written_buffers)
+        path, _, short = k.name[len("buffer."):].rpartition(".")
+        owner = f"{k.module}.{path}" if path and k.module != "model" else (path or k.module)
+        return record_key(k.step, "optimizer", owner, "buffer", 0, short)
     if k.name.startswith("param_grad."):
         # s0/backward/m/oracle#0/param_grad.weight.c1 -> s0/backward/m/param_grad#0/weight (the
         # calls' float64 grads are summed, as the real grad accumulates)
@@ -178,6 +184,20 @@ def notes_for(dd, row: dict) -> dict:
 
 def _of_call(k: RecordKey) -> tuple:
     return k.step, k.phase, k.module, k.kind
+
+
+def forward_equal(dd, module: str, step: int) -> bool:
+    """Every call of the module's forward in that step saw bitwise-equal inputs and parameters
+    (and the step before left its buffers equal): the state it wrote has one exact value for both
+    sides, its float64 re-execution's."""
+    calls = _index_calls(dd).get((step, module))
+    return bool(calls) and all(inputs_equal(dd, {"module": module, "step": step, "call": c}) for c in calls)
+
+
+def _index_calls(dd) -> dict:
+    from tpdiag.diff.equal_inputs import _index
+
+    return _index(dd)["calls"]
 
 
 def verdict_for(dd, row: dict) -> dict | None:
@@ -319,7 +339,8 @@ def apply(dd) -> None:
             continue
         first, first_seen = not first_seen, True
         if not ((row["phase"] == "forward" and row["kind"] in ("out", "op"))
-                or (row["phase"] == "backward" and row["kind"] in ("param_grad", "grad_out"))):
+                or (row["phase"] == "backward" and row["kind"] in ("param_grad", "grad_out"))
+                or row["kind"] == "buffer"):
             continue
         if row["key"] not in dd.oracle and row["key"] in getattr(dd, "oracle_norms", {}) \
                 and not row.get("nonfinite_mismatch") and row["kind"] in ("out", "param_grad") \
@@ -340,6 +361,8 @@ def apply(dd) -> None:
             continue
         if row["kind"] == "param_grad" and not grads_equal(dd, row):
             continue
+        if row["kind"] == "buffer" and not forward_equal(dd, row["module"], row["step"]):
+            continue
         v = verdict_for(dd, row)
         if v is None:
             continue
@@ -355,7 +378,8 @@ def apply(dd) -> None:
             row["oracle_flip"] = True
             continue
         what = "float64 re-execution of the " + {"op": "op", "param_grad": "module's backward",
-                                                 "grad_out": "consumer's backward"}.get(row["kind"], "module")
+                                                 "grad_out": "consumer's backward",
+                                                 "buffer": "forward that wrote it"}.get(row["kind"], "module")
         if row.get("bound") is None:
             row["bound_ratio"] = v["ratio"]
             row["beyond_bound"] = v["far"]

@@ -33,16 +33,23 @@ MAX_UNJUDGED = 8
 
 
 def unjudged_modules(dd) -> list[str]:
-    """Modules whose forward output differs although their inputs and parameters were equal, and
-    that no layout bound judged: each is a root of its own (a bug in one branch does not explain
+    """Modules whose forward output (or a buffer it wrote) differs although their inputs and
+    parameters were equal, and that no layout bound judged: each is a root of its own (a bug in one branch does not explain
     another), and the second pass re-executes each in float64 (runner/drill.py)."""
     from tpdiag.diff.locate import classify
     from tpdiag.diff.oracle import inputs_equal
 
     from tpdiag.diff.oracle import grads_equal
 
+    from tpdiag.diff.oracle import forward_equal
+
     out, moved = [], []
     for r in dd.rows:
+        if r["kind"] == "buffer" and not r["bitwise"] and r.get("rank_consistent") is not False \
+                and not r.get("oracle") and r["module"] not in out and len(out) < MAX_UNJUDGED \
+                and forward_equal(dd, r["module"], r["step"]):
+            out.append(r["module"])  # state its forward wrote, wrong although all it read was equal
+            continue
         if r["phase"] == "backward" and r["kind"] == "param_grad" and not r["bitwise"] \
                 and r.get("rank_consistent") is not False and classify(r) == "unknown" \
                 and r["module"] not in out and len(out) < MAX_UNJUDGED and grads_equal(dd, r):

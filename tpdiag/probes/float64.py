@@ -12,7 +12,7 @@ How: the call runs under `Float64Mode`, a TorchDispatchMode that hands every ate
 copies of its floating inputs (complex128 for complex) and rewrites every floating dtype
 argument to float64, so code that casts on its own (`x.float()`, `.to(weight.dtype)`,
 `softmax(dtype=torch.float32)`, a `torch.zeros(..., dtype=torch.bfloat16)` buffer) stays in
-float64. Parameters are upcast where an op reads them: no copy of the module is made. The
+float64; a factory given no dtype (`torch.zeros(n)`) makes float64 too. Parameters are upcast where an op reads them: no copy of the module is made. The
 module runs as the reference world runs it (TP=1: its collectives over a group of one).
 
 Refused, with the reason recorded instead of a value: an op that draws random numbers (its
@@ -81,6 +81,54 @@ def snapshot(x):
     return tree_map(one, x)
 
 
+def buffers_before(mod: torch.nn.Module) -> list:
+    """The module's buffers as they are now, before its real forward: each (owner, name, the tensor,
+    its version counter, a private copy). A forward that writes its own state (a load-balancing
+    bias, an amax history, a running statistic) leaves the module holding the new values by the
+    time it is re-executed; the re-execution must start from the ones the real forward read."""
+    seen: dict = {}
+    out = []
+    for m in mod.modules():
+        for k, b in m._buffers.items():
+            if b is None:
+                continue
+            copy = seen.get(id(b))
+            if copy is None:
+                copy = seen[id(b)] = b.detach().clone()
+            out.append((m, k, b, b._version, copy))
+    return out
+
+
+def _as_before(buffers) -> None:
+    """Inside _isolated: each buffer the real forward wrote (its version moved, or another tensor
+    put in its place) replaced, for the re-execution only, by a float64 copy of the value it had
+    before that forward - the oracle's own tensor, which it may write as the real forward wrote the
+    real one. A buffer the real forward left alone stays (a write to it is still refused)."""
+    made: dict = {}
+    swapped = []
+    for m, k, was, version, copy in buffers or ():
+        if m._buffers.get(k) is was and was._version == version:
+            continue
+        mine = made.get(id(copy))
+        if mine is None:
+            mine = made[id(copy)] = copy.to(_up_dtype(copy.dtype), copy=True)
+        m._buffers[k] = mine
+        swapped.append((m, k))
+    return swapped
+
+
+def _written_values(mod: torch.nn.Module, swapped) -> dict:
+    """{path of the buffer under mod ('amax', 'sub.amax'): the float64 value the re-execution left
+    in it} for the buffers _as_before put in - what the real forward should have written there."""
+    names = {m: n for n, m in mod.named_modules()}
+    out = {}
+    for m, k in swapped:
+        t = m._buffers.get(k)
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and m in names:
+            out[f"{names[m]}.{k}" if names[m] else k] = t.detach()
+    return out
+
+
 def _op_name(func) -> str:
     return f"{getattr(func, 'namespace', 'aten')}::{func.overloadpacket.__name__}"
 
@@ -136,6 +184,14 @@ class Float64Mode(TorchDispatchMode):
             return _grouped_mm64(*upcast(tuple(args)), **upcast(kwargs))
         up_args, up_kwargs = upcast(tuple(args)), upcast(kwargs)
         out = func(*up_args, **up_kwargs)
+        if isinstance(out, torch.Tensor) and (out.is_floating_point() or out.is_complex()) \
+                and out.dtype != _up_dtype(out.dtype) \
+                and not any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0]):
+            # a factory given no dtype (`torch.zeros(n)`) makes the default dtype: float32 here
+            # would make every later op see a float64 COPY of it, so the module's own in-place
+            # fill of it (`load[e] = ...`, an index_add_ into an accumulator) went to the copy and
+            # was lost without a word
+            out = out.to(_up_dtype(out.dtype))
         if choice and not _clear_choice(func, up_args, up_kwargs, self.working):
             self.discrete.append(_op_name(func))
         return out
@@ -260,21 +316,29 @@ def working_dtype(mod: torch.nn.Module) -> torch.dtype | None:
     return max(ds, key=lambda d: torch.finfo(d).eps) if ds else None
 
 
-def module_oracle(mod: torch.nn.Module, args, kwargs) -> tuple[object | None, dict]:
+def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None) -> tuple[object | None, dict]:
     """(the module's output computed in float64 from float64 copies of args/kwargs, notes) or
     (None, {"why": why not}). args/kwargs should be a `snapshot` taken before the real forward
-    ran; notes["discrete"] lists the discrete choices on floating values it made."""
+    ran, buffers its `buffers_before` list (the buffers it wrote start from their values before it);
+    notes["discrete"] lists the discrete choices on floating values it made, notes["written"] the
+    float64 values it left in those buffers (_written_values)."""
     protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
     mode = Float64Mode(protected, working_dtype(mod))
     try:
-        with _isolated(mod), torch.no_grad(), mode:
-            out = mod(*args, **kwargs)
+        with _isolated(mod), torch.no_grad():
+            swapped = _as_before(buffers)
+            with mode:
+                out = mod(*args, **kwargs)
+            written = _written_values(mod, swapped)
     except Exception as e:  # noqa: BLE001 - any failure is a reason, never a crash of the run
         return None, {"why": _why(e)}
-    return out, ({"discrete": mode.discrete} if mode.discrete else {})
+    notes = {"discrete": mode.discrete} if mode.discrete else {}
+    if written:
+        notes["written"] = written  # tensors: taken out by the caller, never kept as a note
+    return out, notes
 
 
-def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out) -> tuple[dict | None, dict]:
+def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=None) -> tuple[dict | None, dict]:
     """({direct parameter name: d loss / d param, "inI": d loss / d input I}, notes) in float64
     for one call of `mod`, whose output's grad was `grad_out`: the module's forward again in
     float64 from its input snapshot, with float64 leaf copies of its own (direct) parameters,
@@ -301,14 +365,16 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out) -> tuple[d
     try:
         g = upcast(grad_out.detach())
         # the backward runs under the mode too: its formulas read what the forward saved
-        with _isolated(mod), torch.enable_grad(), mode:
-            out = functional_call(mod, {**frozen, **leaves}, args, kwargs, strict=False)
-            flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
-                    and (t.is_floating_point() or t.is_complex()) and t.requires_grad]
-            if len(flat) != 1:
-                return None, {"why": "its float64 re-execution has not exactly one differentiable output"}
-            got = torch.autograd.grad(flat[0], list(leaves.values()), g.to(flat[0].dtype),
-                                      allow_unused=True)
+        with _isolated(mod), torch.enable_grad():
+            _as_before(buffers)
+            with mode:
+                out = functional_call(mod, {**frozen, **leaves}, args, kwargs, strict=False)
+                flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                        and (t.is_floating_point() or t.is_complex()) and t.requires_grad]
+                if len(flat) != 1:
+                    return None, {"why": "its float64 re-execution has not exactly one differentiable output"}
+                got = torch.autograd.grad(flat[0], list(leaves.values()), g.to(flat[0].dtype),
+                                          allow_unused=True)
     except Exception as e:  # noqa: BLE001
         return None, {"why": _why(e)}
     grads = {n: t.detach() for n, t in zip(leaves, got) if t is not None}

@@ -24,6 +24,38 @@ def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None 
             add(kind, mname or "model", short, p, style=style(mname), cls=cls)
 
 
+def buffer_state(model: nn.Module) -> dict:
+    """Each floating buffer's (tensor id, version counter), by (owner path, short name): what
+    record_written_buffers compares against after a step."""
+    return {_split(n): (id(b), b._version) for n, b in model.named_buffers() if b.is_floating_point()}
+
+
+def record_written_buffers(rec: Recorder, model: nn.Module, before: dict, plan: dict | None = None,
+                           include: set[str] | None = None) -> None:
+    """Record, as kind "buffer", every floating buffer the step wrote (in place or reassigned):
+    state a training forward keeps for the next step (a load-balancing bias, running statistics)
+    is read by later steps like a parameter, yet no parameter record holds it - a replica written
+    differently on each rank was seen only at a later step's output, with no input of it differing
+    (its cause unknown, or a bug named downstream)."""
+    if not rec.enabled:
+        return
+    style = _style_memo(plan)
+    with torch._C.DisableTorchFunction():
+        for n, b in model.named_buffers():
+            key = _split(n)
+            if not b.is_floating_point() or before.get(key) == (id(b), b._version):
+                continue
+            mname, short = key
+            if include is not None and (mname or "model") not in include:
+                continue
+            rec.add("buffer", mname or "model", short, b, style=style(mname))
+
+
+def _split(name: str) -> tuple[str, str]:
+    mname, _, short = name.rpartition(".")
+    return mname, short
+
+
 class Walk:
     """A model's modules and parameters, walked once per module_probes block (record_params
     reads it twice a step): names by module, classes by name, parameters with their owner."""

@@ -121,9 +121,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             counts[ck] = call + 1
             stack.append(name)
             if oracle and name in oracle and rec.enabled:
-                from tpdiag.probes.float64 import snapshot
+                from tpdiag.probes.float64 import buffers_before, snapshot
 
-                snaps[(mod, call)] = snapshot((args, kwargs or {}))
+                # its buffers too: a forward that writes them is re-executed from what it read
+                snaps[(mod, call)] = (snapshot((args, kwargs or {})), buffers_before(mod))
             with _no_modes():
                 for i, t in enumerate(_tensors(args, kwargs)):
                     add("in", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
@@ -151,7 +152,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             if perturb == name and isinstance(out, torch.Tensor):
                 out = out * (1 + 2.0 ** -10)
             call = calls.get(mod, 0)
-            snap = snaps.pop((mod, call), None) if snaps else None
+            snap, bufs = snaps.pop((mod, call), (None, None)) if snaps else (None, None)
             if snap is not None:
                 # its inputs differ at every other world: the diff reads the reference's own
                 # re-execution for two norms only (probes/oracle_hooks.NORMS); TPDIAG_OWN_NORMS=0:
@@ -163,12 +164,13 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 if differ and backward:
                     for short in hooked.get(name, ()):
                         pend.setdefault((rec.step, name, short), [])
-                record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None)
+                record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None, buffers=bufs)
                 if own:
-                    record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward)
+                    record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward, buffers=bufs)
                 if backward:
                     oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend,
-                                         (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None)
+                                         (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None,
+                                         buffers=bufs)
             with _no_modes():
                 for i, t in enumerate(_tensors(out)):
                     idx = _IDX[i] if i < _NIDX else str(i)

@@ -130,20 +130,29 @@ def grad_out_differs(rec: Recorder, g, name: str, call: int, own: dict) -> bool:
     return True
 
 
-def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls, norms_of=None) -> None:
+BUFFER = "buffer."  # an oracle record of a buffer the forward wrote: buffer.PATH (under the module)
+
+
+def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls, norms_of=None,
+                  buffers=None) -> None:
     """Re-execute mod in float64 from its input snapshot; record each floating output (in the
     positions its real outputs have) or, when refused, why (rec.oracle_notes).
     norms_of: the module's real outputs, where only their norms against the re-execution are
-    read (inputs_differ): each recorded as ref_norms(y, o) under NAME~norms."""
+    read (inputs_differ): each recorded as ref_norms(y, o) under NAME~norms. buffers: the module's
+    buffers before its real forward (probes/float64.buffers_before), where it may have written them."""
     from tpdiag.probes.float64 import module_oracle
 
     rec.in_oracle, was = True, rec.enabled
     rec.enabled = False
     try:
         with timed(rec):
-            out64, notes = module_oracle(mod, *snap)
+            out64, notes = module_oracle(mod, *snap, buffers=buffers)
     finally:
         rec.in_oracle, rec.enabled = False, was
+    # the state its forward wrote, as the float64 run left it: judged against the buffer records
+    # of the step (probes/model_walk.record_written_buffers; diff/oracle.target_key)
+    for path, t in (notes.pop("written", None) or {}).items():
+        rec.add("oracle", name, f"{BUFFER}{path}", t, call=call, cls=cls)
     if notes:
         rec.oracle_notes[record_key(rec.step, "forward", name, "oracle", call)] = notes
     if out64 is None:
@@ -160,7 +169,7 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
 
 
 def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, snap, out,
-                          handles: list, cls, pend: dict | None = None, on_grad=None) -> None:
+                          handles: list, cls, pend: dict | None = None, on_grad=None, buffers=None) -> None:
     """A module with one floating output that requires grad: when that output's grad arrives,
     the module's weight grads for this call are computed again in float64 from the same
     snapshot (probes/float64.py, module_oracle_grads) and recorded as oracle records
@@ -186,7 +195,7 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
         rec.enabled = False
         try:
             with timed(rec):
-                grads, notes = module_oracle_grads(mod, *snap, g)
+                grads, notes = module_oracle_grads(mod, *snap, g, buffers=buffers)
         finally:
             rec.in_oracle, rec.enabled = False, was
         if notes:
@@ -243,7 +252,7 @@ def _with_inputs(snap, key_of, tensors: dict):
 
 
 def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap, own: dict,
-                       style, cls, backward: bool) -> None:
+                       style, cls, backward: bool, buffers=None) -> None:
     """This (reference) module re-executed in float64 from each other world's own recorded
     inputs - its forward, and with its output grad there its backward - recorded as oracle
     records whose names end in `@LABEL` (diff/own_inputs.py says why)."""
@@ -260,14 +269,14 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
             # counted in float64_s with the other re-executions (it was not: in the own-input
             # pass's reference these are most of that world's float64 work)
             with timed(rec):
-                out64, _ = module_oracle(mod, *got)
+                out64, _ = module_oracle(mod, *got, buffers=buffers)
                 grads = None
                 g = tensors.get(record_key(step, "backward", name, "grad_out", call, 0))
                 if backward and g is not None:
                     # on the device the module's inputs are (the file was read to the host)
                     g = g.to(next((t.device for t in _tensors(got)), g.device))
                     again = _with_inputs(snap, lambda i: record_key(step, "forward", name, "in", call, i), tensors)
-                    grads, _ = module_oracle_grads(mod, *again, g)
+                    grads, _ = module_oracle_grads(mod, *again, g, buffers=buffers)
         finally:
             rec.in_oracle, rec.enabled = False, was
         for i, t in enumerate(_tensors(out64) if out64 is not None else ()):

@@ -5,6 +5,7 @@ from tpdiag.records import causes  # what each cause means, and the advice witho
 
 KIND_WORDS = {"out": "output", "in": "input", "grad_out": "output gradient", "param_grad": "weight gradient",
               "param": "parameter after the optimizer step", "param_init": "initial parameter",
+              "buffer": "buffer the step wrote",
               "logprobs": "logprobs", "loss": "loss", "grad_norm": "gradient norm", "batch": "batch"}
 
 

@@ -108,6 +108,9 @@ def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, 
     """One step: every piece's forward, loss and backward inside grad accumulation's window,
     then the optimizer. keep: return the step's final values (detached: the fingerprint's)."""
     rec, several = phases.rec, len(parts) > 1
+    from tpdiag.probes.model_walk import buffer_state
+
+    buffers = buffer_state(model) if cfg.backward else None
     losses = pieces.Losses(target, fns, n_total, len(parts), world, sum(lab.shape[0] for _, lab in parts))
     with ExitStack() as window:
         # the pieces' weight grads: fp32 carries, rounded once as the window closes (runner/micro.py)
@@ -129,7 +132,7 @@ def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, 
             loss = losses.step(rec)
     total = None
     if cfg.backward:
-        total = update.optimizer_step(phases, rec, model, opt, fns[2], cfg.clip_norm, target.plan, include)
+        total = update.optimizer_step(phases, rec, model, opt, fns[2], cfg.clip_norm, target.plan, include, buffers)
     if not keep:
         return None
     return {"logits": lo.whole.detach(), "logprobs": losses.lp.detach(), "loss": loss.detach(),

@@ -9,10 +9,11 @@ def backward(phases, loss) -> None:
         loss.backward()
 
 
-def optimizer_step(phases, rec, model, opt, norm_fn, clip_norm, plan, include):
-    """The grads' global norm (clipped if asked), the optimizer's step, the params' records;
+def optimizer_step(phases, rec, model, opt, norm_fn, clip_norm, plan, include, buffers=None):
+    """The grads' global norm (clipped if asked), the optimizer's step, the params' records and
+    those of the buffers the step wrote (buffers: model_walk.buffer_state at the step's start);
     returns the norm."""
-    from tpdiag.probes.model_walk import record_params
+    from tpdiag.probes.model_walk import record_params, record_written_buffers
     from tpdiag.runner.per_rank import norm_over_ranks
 
     with phases("optimizer", last="params") as ph:
@@ -28,4 +29,6 @@ def optimizer_step(phases, rec, model, opt, norm_fn, clip_norm, plan, include):
         opt.zero_grad(set_to_none=True)
         ph.lap("optimizer")
         record_params(rec, model, "param", plan, include)
+        if buffers is not None:
+            record_written_buffers(rec, model, buffers, plan, include)
     return total

@@ -1,0 +1,112 @@
+"""State a training forward writes into a BUFFER (tests/models/planted/balance_bias.py: DeepSeek-V3's
+auxiliary-loss-free load-balancing bias, nudged after use from each rank's own experts' load, the
+load's all-reduce forgotten). Step 0 is right; the replicated bias differs between the ranks after
+it, and step 1 routes by it.
+
+On 2d251fd no record held a buffer: the first divergence was step 1's `moe` output, every input it
+read bitwise equal, cause `unknown` (its float64 re-execution refused: it writes state), and the BUG
+was named downstream at step 1's `moe.router` output grad. Now every floating buffer the step wrote
+is recorded after the step (kind "buffer", read by the next step's forward as a parameter is): the
+bias itself is the BUG, rank-inconsistent, at step 0. The twin (the load all-reduced) is bitwise.
+"""
+import json
+
+import pytest
+
+from conftest import run_cli
+
+
+@pytest.mark.parametrize("case", ["local_load", "global_load"])
+def test_a_buffer_the_forward_writes_per_rank_is_the_bug(case, tmp_path):
+    from tpdiag.diff.classes import leading_bug
+
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", f"py:tests/models/planted/balance_bias.py:{case}", "--tp", "1,2",
+                "--steps", "2", "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    s = json.loads((d / "summary.json").read_text())
+    e = s["degrees"]["2"]
+    gate = run_cli("gate", str(d)).returncode
+    if case == "global_load":
+        assert e["status"] == "bitwise", e.get("first_divergence")
+        assert gate == 0
+        return
+    fd = e["first_divergence"]
+    assert (fd["key"], fd["cause"]) == ("s0/optimizer/moe/buffer#0/bias", "rank-inconsistent-replica"), fd
+    lead = leading_bug(e)
+    assert lead is not None and lead["key"] == fd["key"], lead
+    assert "optimizer: moe (buffer bias, written during the step)" in p.stdout, p.stdout[-2000:]
+    assert "unknown" not in p.stdout, p.stdout[-2000:]
+    assert gate == 4
+
+
+def test_a_module_that_writes_its_own_buffer_is_still_judged_in_float64(tmp_path):
+    """tests/models/planted/amax_history.py:amax_max, correct: an FP8-style fake-quantised column-parallel
+    layer whose forward writes its amax history (a buffer, all-reduced with MAX: bitwise TP=1's). The
+    first divergence is the row-parallel all-reduce of the MLP holding it. On 2d251fd that module's
+    float64 re-execution was refused ('it writes state in place'): cause unknown, verdict 'not judged'.
+    The re-execution now starts each buffer the real forward wrote from a float64 copy of its value
+    before that forward (probes/float64.buffers_before), which it may write: rounding, named."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/amax_history.py:amax_max", "--tp", "1,2",
+                "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
+    fd = e["first_divergence"]
+    assert (fd["key"], fd["cause"]) == ("s0/forward/mlp/out#0/0", "row-parallel-reduction"), fd
+    assert "writes state" not in p.stdout and "unknown" not in p.stdout, p.stdout[-2000:]
+    assert e["class"] == "rounding" and not e.get("findings"), e.get("findings")
+
+
+def test_the_float64_reexecution_starts_a_written_buffer_from_its_value_before_the_forward():
+    import torch
+    from torch import nn
+
+    from tpdiag.probes.float64 import buffers_before, module_oracle, snapshot
+
+    class Ema(nn.Module):  # scales by the running value it read, then updates it
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("run", torch.full((3,), 2.0))
+
+        def forward(self, x):
+            y = x * self.run
+            self.run.mul_(0.5).add_(0.5 * x.abs())
+            return y
+
+    m, x = Ema(), torch.randn(3)
+    snap, bufs = snapshot(((x,), {})), buffers_before(m)
+    y = m(x)
+    after = m.run.clone()
+    out, notes = module_oracle(m, *snap, buffers=bufs)
+    assert out is not None, notes
+    assert out.dtype == torch.float64 and torch.equal(out, x.double() * 2.0)   # read the value before
+    assert torch.equal(m.run, after) and torch.equal(y, x * 2.0)               # the real buffer untouched
+    out, notes = module_oracle(m, *snap)  # no snapshot of the buffers: refused as before
+    assert out is None and "writes state" in notes["why"]
+
+
+def test_a_buffer_written_wrong_on_every_rank_alike_is_judged_against_its_float64_value(tmp_path):
+    """amax_history.py:amax_sum: the amax all-reduced with SUM, so every rank holds the same wrong
+    amax (no rank inconsistency to see) and step 1 quantises with another scale. On 2d251fd it read
+    'not judged (cause unknown)' (the MLP's float64 re-execution refused: it writes state); with that
+    re-execution allowed and the buffer recorded, 'rounding only' (no record judged the buffer; step
+    1's differences passed as the spread of step 0's rounding), gate exit 1. Now the layer, whose step-0 forward read only equal inputs, is re-executed
+    in float64 in the second pass, which keeps the value it writes into the buffer: the buffer record
+    is the BUG, far beyond rounding; the first divergence stays the MLP's all-reduce (rounding)."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/amax_history.py:amax_sum", "--tp", "1,2",
+                "--steps", "2", "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    from tpdiag.diff.classes import leading_bug
+
+    e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
+    assert e["first_divergence"]["cause"] == "row-parallel-reduction", e["first_divergence"]
+    lead = leading_bug(e)
+    assert lead is not None and (lead["key"], lead["cause"]) == ("s0/optimizer/mlp.up/buffer#0/amax",
+                                                                 "sharding-bug"), lead
+    assert lead["oracle"]["far"] and lead["bound_ratio"] > 1e3, lead
+    assert "BUG" in p.stdout.splitlines()[0] and "optimizer: mlp.up (buffer amax" in p.stdout, p.stdout[-2000:]
+    assert run_cli("gate", str(d)).returncode == 4
