@@ -205,6 +205,8 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if fd.get("why"):
             console.print(f"{config_name(label)}: cause {fd['cause']}: {fd['why']}")
         _findings(console, label, d, fd)
+        for block, pr in (d.get("per_piece") or {}).items():
+            console.print(f"{config_name(label)}: {block}: {pr.get('why')}", markup=False, soft_wrap=True)
         for block, pr in (d.get("per_rank") or {}).items():
             console.print(f"{config_name(label)}: {block}: {pr.get('why')}", markup=False, soft_wrap=True)
             for key in ("not_the_reference", "weights_unchecked"):
