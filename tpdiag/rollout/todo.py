@@ -156,7 +156,11 @@ def _untried(rc, batch: int) -> str:
     if not any(m >= batch for m in rc.micro_batch):
         out.append(f"--micro-batch {batch} (the engine's batch, in one call)")
     if rc.attention == ("auto",):
-        out.append("--attention eager,sdpa")
+        if str(rc.model).strip().startswith("hf:"):
+            out.append("--attention eager,sdpa")
+        else:  # eager is only hf: models' to switch, and sdpa is what auto runs here
+            out.append("--attention auto,sdpa-math,sdpa-flash (the SDPA backend, where the model calls "
+                       "F.scaled_dot_product_attention)")
     if "default" not in rc.flags:
         out.append("--flags default (PyTorch's, what engines run)")
     return ", ".join(out)
