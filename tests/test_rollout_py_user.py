@@ -6,7 +6,8 @@ engine a sampler that recomputes the whole prefix for every token:
   right-padded batch; decode is `unavailable`, naming why;
 - nothing reproduces the engine, and `what to do:` lists settings to try. It listed
   `--attention eager,sdpa`, which such a model cannot take (eager is only hf: models' to switch:
-  `unavailable`; sdpa is what auto runs); it now names the SDPA backends, and they run."""
+  `unavailable`; sdpa is what auto runs); it now names the SDPA backends, and they run. With
+  prefill alone it also listed `--mode decode`, which such a model cannot run; no longer."""
 import json
 import os
 
@@ -79,6 +80,8 @@ def test_a_torchtitan_style_trainer_is_the_users_forward_and_the_advice_runs(tmp
     # what it names runs on this model (eager would be unavailable)
     s, _ = _run(f, modes=("prefill",), micro_batch=(1,), attention=("auto", "sdpa-math", "sdpa-flash"))
     assert all(e["status"] == "ok" for e in s["configurations"].values()), s["configurations"]
+    # prefill alone: decode is not named either, which this model cannot run (it was: unavailable)
+    assert s["what_to_do"]["case"] == "none" and "--mode decode" not in s["what_to_do"]["line"], s["what_to_do"]
     s, _ = _run(f, modes=("prefill",), micro_batch=(1,), attention=("auto", "eager"))
     assert s["configurations"]["tp1-mb1-prefill-none-eager"]["status"] == "unavailable"
 
@@ -89,3 +92,5 @@ def test_an_hf_model_is_still_told_eager_and_sdpa():
 
     assert "--attention eager,sdpa" in _untried(RolloutConfig(file="f", model="hf:/some/dir"), 4)
     assert "--attention eager" not in _untried(RolloutConfig(file="f", model="tiny-llama"), 4)
+    prefill = RolloutConfig(file="f", model="tiny-llama", modes=("prefill",))
+    assert "--mode decode" in _untried(prefill, 4) and "--mode decode" not in _untried(prefill, 4, False)
