@@ -372,6 +372,9 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
         n = follows.get(f.get("key")) or 0
         if n:
             line += f"; and {n} later finding{'s' if n != 1 else ''} that follow{'s' if n == 1 else ''} from it (not listed)"
+        if str(f.get("from") or "").startswith("confirmation"):
+            # the same record again, from the confirmation rerun (under the fix): other numbers
+            line += f" - in the {f['from'].replace('confirmation (', 'confirmation rerun (under ')}"
         if f.get("detail") and "split the weight tie" in str(f["detail"]):
             line += f": {f['detail']}"  # what the user must change: their plan (escaped by summary_tables)
         console.print(line)
