@@ -31,6 +31,18 @@ def test_moe_experts_across_pieces_are_compared_at_their_boundary(tmp_path, axis
     blocks = e.get("per_piece") or {}
     assert sorted(blocks) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], blocks
     assert all("model.layers.0.mlp.experts.act_fn" in v["inside"] for k, v in blocks.items() if ".0." in k)
+    assert all("compared at its boundary only" in v["why"] for v in blocks.values())
+    # printed once per configuration, not once per experts module (one per layer in a deep MoE)
+    from tpdiag.cli.common import emit_summary
+    from tpdiag.records.rundir import read_summary
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        emit_summary(read_summary(str(tmp_path / "r")), "text")
+    said = [x for x in out.getvalue().splitlines() if "compared at its boundary only" in x]
+    assert len(said) == 1 and "model.layers.0.mlp.experts, model.layers.1.mlp.experts: MoE experts" in said[0], said
     # the experts module's own output is still compared (in float32 at micro-batch 1 it is where the
     # pieces' other GEMM shapes first show, judged on its own inputs as rounding)
     rows = [r for r in open(tmp_path / "r" / "diff.csv").read().splitlines()

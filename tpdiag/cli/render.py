@@ -205,8 +205,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if fd.get("why"):
             console.print(f"{config_name(label)}: cause {fd['cause']}: {fd['why']}")
         _findings(console, label, d, fd)
-        for block, pr in (d.get("per_piece") or {}).items():
-            console.print(f"{config_name(label)}: {block}: {pr.get('why')}", markup=False, soft_wrap=True)
+        pieces = list((d.get("per_piece") or {}).items())
+        if pieces:  # one line for every experts module (a deep MoE has one per layer)
+            names = ", ".join(b for b, _ in pieces[:2]) + (f" and {len(pieces) - 2} more" if len(pieces) > 2 else "")
+            console.print(f"{config_name(label)}: {names}: {pieces[0][1].get('why')}", markup=False, soft_wrap=True)
         for block, pr in (d.get("per_rank") or {}).items():
             console.print(f"{config_name(label)}: {block}: {pr.get('why')}", markup=False, soft_wrap=True)
             for key in ("not_the_reference", "weights_unchecked"):

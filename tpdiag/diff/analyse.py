@@ -30,9 +30,9 @@ def _scalar(rs: RecordSet, kind: str, step: int = 0):
     return float(t.flatten()[0].double()) if t.numel() else None
 
 
-PER_PIECE_WHY = ("compared at its boundary only: inside it the rows are each call's tokens grouped by expert, "
-                 "which a micro-batch or decode call holds other numbers of, so its submodules and its own ops "
-                 "are left out; its input, output and grads, per token, are compared")
+PER_PIECE_WHY = ("MoE experts, each compared at its boundary only: inside, the rows are each call's tokens grouped "
+                 "by expert, which a micro-batch or decode call holds other numbers of, so the submodules and own "
+                 "ops are left out; the input, output and grads, per token, are compared")
 
 
 def per_rank_why(inside: list, ops=()) -> str:
