@@ -194,6 +194,9 @@ FILE_SECONDS = {
     "test_steps.py": 12,  # the lead (alone: 10 s)
     "test_side_by_side.py": 30,  # the lead (alone, loaded machine: 37 s)
     "test_rollout_own_cache.py": 35,  # htrial9 (alone, loaded machine: 28-35 s)
+    "test_moe_pieces.py": 40, "test_hf_checkpoint_init.py": 24, "test_rollout_py_user.py": 14,  # htrial10
+    "test_linear_subclass_fix.py": 12, "test_complex_records.py": 30,  # htrial10 (alone, loaded machine)
+    "test_plan_warnings.py": 35,  # htrial10
     "test_hash_capture.py": 130, "test_diagnosis.py": 72, "test_planted.py": 45, "test_fixes.py": 52,
     "test_matrix.py": 45, "test_micro_batch.py": 52, "test_moe_fixes.py": 84, "test_faults_more.py": 79,
     "test_diff_runs.py": 61, "test_hf.py": 38, "test_timing.py": 28, "test_behind.py": 55, "test_fuzz.py": 55,

@@ -65,3 +65,22 @@ def test_a_repeated_degree_is_read_under_the_reruns_own_label():
     assert confirmation_problems({"2-2": {"findings": [f]}}, lambda fix: rows)  # no label: not found
     edited = {**f, "confirm_label": "2", "max_abs": 0.25}
     assert "edited after the run" in confirmation_problems({"2-2": {"findings": [edited]}}, lambda fix: rows)[0]
+
+
+def test_the_output_says_which_finding_is_the_confirmations(run):
+    # the same record found in the first pass and again in the confirmation rerun (other numbers,
+    # under the fix) printed as two identical-looking `finding` lines (an Apertus checkpoint at TP=2:
+    # alpha_n 1.25e-02 and 6.16e-03 between ranks); the confirmation's now says it is
+    from tpdiag.cli.common import emit_summary
+    from tpdiag.records.rundir import read_summary
+
+    s, found = _found(run)
+    fix = found[0]["from"][len("confirmation ("):-1]
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        emit_summary(read_summary(str(run)), "text")
+    lines = [x for x in out.getvalue().splitlines() if x.startswith("finding") and found[0]["module"] in x]
+    assert any(x.endswith(f"- in the confirmation rerun (under {fix})") for x in lines), out.getvalue()

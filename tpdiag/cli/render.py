@@ -208,6 +208,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if fd.get("why"):
             console.print(f"{config_name(label)}: cause {fd['cause']}: {fd['why']}")
         _findings(console, label, d, fd)
+        pieces = list((d.get("per_piece") or {}).items())
+        if pieces:  # one line for every experts module (a deep MoE has one per layer)
+            names = ", ".join(b for b, _ in pieces[:2]) + (f" and {len(pieces) - 2} more" if len(pieces) > 2 else "")
+            console.print(f"{config_name(label)}: {names}: {pieces[0][1].get('why')}", markup=False, soft_wrap=True)
         for block, pr in (d.get("per_rank") or {}).items():
             console.print(f"{config_name(label)}: {block}: {pr.get('why')}", markup=False, soft_wrap=True)
             for key in ("not_the_reference", "weights_unchecked"):
@@ -373,6 +377,9 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
         n = follows.get(f.get("key")) or 0
         if n:
             line += f"; and {n} later finding{'s' if n != 1 else ''} that follow{'s' if n == 1 else ''} from it (not listed)"
+        if str(f.get("from") or "").startswith("confirmation"):
+            # the same record again, from the confirmation rerun (under the fix): other numbers
+            line += f" - in the {f['from'].replace('confirmation (', 'confirmation rerun (under ')}"
         if f.get("detail") and "split the weight tie" in str(f["detail"]):
             line += f": {f['detail']}"  # what the user must change: their plan (escaped by summary_tables)
         console.print(line)

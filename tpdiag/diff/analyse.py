@@ -1,7 +1,7 @@
 """Turn a run directory's per-degree records into summary.json (schema 1) and diff.csv."""
 from __future__ import annotations
 
-from tpdiag.diff.engine import diff_degree, per_rank_blocks, per_rank_ops, per_rank_params
+from tpdiag.diff.engine import diff_degree, per_piece_blocks, per_rank_blocks, per_rank_ops, per_rank_params
 from tpdiag.diff.judge import baseline_cause, describe, settle
 from tpdiag.diff.locate import add_bounds, locate, logprob_stats, nonfinite_summary
 from tpdiag.diff.suspects import hash_suspects, unjudged_modules
@@ -28,6 +28,11 @@ def _scalar(rs: RecordSet, kind: str, step: int = 0):
         return None
     t = rs.tensor(m)
     return float(t.flatten()[0].double()) if t.numel() else None
+
+
+PER_PIECE_WHY = ("MoE experts, each compared at its boundary only: inside, the rows are each call's tokens grouped "
+                 "by expert, which a micro-batch or decode call holds other numbers of, so the submodules and own "
+                 "ops are left out; the input, output and grads, per token, are compared")
 
 
 def per_rank_why(inside: list, ops=()) -> str:
@@ -60,6 +65,9 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         "missing": dd.missing[:50],
         "confirmation": None,
     }
+    pieces = per_piece_blocks(other)
+    if pieces:
+        entry["per_piece"] = {b: {"inside": inside, "why": PER_PIECE_WHY} for b, inside in pieces.items()}
     blocks = per_rank_blocks(other)
     if blocks:
         # what this degree compared only at a block's boundary (runner/per_rank.py), said in the verdict

@@ -113,6 +113,14 @@ def per_rank_blocks(rs: RecordSet) -> dict[str, list[str]]:
             if isinstance(m.get("per_rank_inside"), list)}
 
 
+def per_piece_blocks(rs: RecordSet) -> dict[str, list[str]]:
+    """{block: its submodules left out}: the MoE experts modules whose dispatch this world's pieces
+    (micro-batches, decode calls) could not place in the whole call (probes/piece_merge.py), so
+    they are compared at their boundary only."""
+    return {m["module"]: m["per_piece_inside"] for m in rs.events
+            if isinstance(m.get("per_piece_inside"), list)}
+
+
 def per_rank_params(rs: RecordSet) -> dict[str, list]:
     """{module.param: [its initial hash per rank]}: the parameters a world left out inside its
     per-rank blocks (runner/per_rank.py)."""
@@ -370,7 +378,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     # a forward-only world (a decode configuration beside a reference that ran the whole step)
     # has no backward or optimizer records to miss
     skip = () if (other.world.get("config") or {}).get("backward", True) else ("backward", "optimizer")
-    per_rank = per_rank_blocks(other)
+    per_rank = {**per_rank_blocks(other), **per_piece_blocks(other)}
     missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"
                and m["phase"] not in skip and not _inside_block(m, per_rank)]
     dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents)

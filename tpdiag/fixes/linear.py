@@ -158,11 +158,8 @@ def _wrap_replicated(name: str, mod: nn.Linear):
     own = mod.__dict__.get("forward")
     orig = mod.forward
 
-    def forward(x, *args, **kwargs):
+    def carried(x):
         w, b = mod.weight, mod.bias
-        if (args or kwargs or not (state.active(BLOCKED) and grad_carry.is_open())
-                or not w.requires_grad or any(isinstance(t, DTensor) for t in (x, w, b))):
-            return orig(x, *args, **kwargs)
         from tpdiag.kernels.carry_functions import CarryLinear
 
         y = CarryLinear.apply(x, w, grad_carry.site(w, f"{name}.weight"))
@@ -170,8 +167,39 @@ def _wrap_replicated(name: str, mod: nn.Linear):
             return y
         return ColBias.apply(y, b, 1, grad_carry.site(b, f"{name}.bias") if b.requires_grad else None)
 
+    # a subclass with a forward of its own (PhiMoE's router: an nn.Linear returning (logits,
+    # weights, experts)) keeps it: only its own F.linear on its weight goes through the carry
+    subclass = own is None and type(mod).forward is not nn.Linear.forward
+
+    def forward(x, *args, **kwargs):
+        w, b = mod.weight, mod.bias
+        if (not (state.active(BLOCKED) and grad_carry.is_open()) or not w.requires_grad
+                or any(isinstance(t, DTensor) for t in (x, w, b))):
+            return orig(x, *args, **kwargs)
+        if subclass:
+            with _LinearOf(w, b, carried):
+                return orig(x, *args, **kwargs)
+        if args or kwargs:
+            return orig(x, *args, **kwargs)
+        return carried(x)
+
     mod.forward = forward
     return own
+
+
+class _LinearOf(torch.overrides.TorchFunctionMode):
+    """F.linear(x, weight, bias) on one Linear's own weight and bias -> fn(x); any other call as is."""
+
+    def __init__(self, weight, bias, fn):
+        super().__init__()
+        self.weight, self.bias, self.fn = weight, bias, fn
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and len(args) >= 2 and args[1] is self.weight \
+                and (args[2] if len(args) > 2 else kwargs.get("bias")) is self.bias:
+            return self.fn(args[0])
+        return func(*args, **kwargs)
 
 
 @contextmanager

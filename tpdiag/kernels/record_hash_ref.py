@@ -51,15 +51,20 @@ def _raw(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         return t.view(torch.uint8), 0xFF
     if size == 2:
         return t.view(torch.int16), 0xFFFF
-    if size in (4, 8):
+    if size in (4, 8, 16):  # 16: complex128 (the float64 re-execution of a complex64 RoPE table)
         return t.view(torch.int32), M32
     raise TypeError(f"cannot hash dtype {t.dtype}")
+
+
+def _per(t: torch.Tensor) -> int:
+    """32-bit words per element."""
+    return max(1, t.element_size() // 4) if t.dtype != torch.bool else 1
 
 
 def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The tensor's raw bits as int64 words in [0, 2**32), flat; and words per element."""
     v, mask = _raw(t)
-    return v.to(torch.int64) & mask, 2 if t.element_size() == 8 else 1
+    return v.to(torch.int64) & mask, _per(t)
 
 
 def _stats_torch(t: torch.Tensor):
@@ -120,7 +125,7 @@ def lanes_fast(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=None
     if mix not in MIXES:
         raise ValueError(f"unknown record-hash mix {mix!r} (known: {MIXES})")
     v, mask = _raw(t)
-    per = 2 if t.element_size() == 8 else 1
+    per = _per(t)
     n = v.numel()
     L_w, b_w, F_w, o_w = (L * per, b, F * per, o * per) if b == 1 else (L, b * per, F, o)
     slab_n = L_w * b_w

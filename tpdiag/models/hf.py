@@ -90,7 +90,7 @@ def load_model(path: str, device=None, seed: int | None = None, layers: int = 0)
         built = meta_build(path, config, layers) if device is not None else None
         if built is not None:
             model, mapping = built
-            materialize_hf(model, device, 0 if seed is None else seed)
+            materialize_hf(model, device, 0 if seed is None else seed, frozenset(mapping or ()))
             if mapping is not None:
                 from tpdiag.models import weights
 
@@ -231,12 +231,14 @@ def init_guard():
     return hf_init.guard_torch_init_functions()
 
 
-def materialize_hf(model, device, seed: int) -> None:
-    """A meta-built transformers model on `device`, every module initialised by init_rule."""
+def materialize_hf(model, device, seed: int, loaded: frozenset[str] = frozenset()) -> None:
+    """A meta-built transformers model on `device`, every module initialised by init_rule;
+    `loaded`: the tensors a checkpoint fills next (no rule need fill them: Apertus' XIELU
+    alpha_p/alpha_n are set in the activation's __init__, lost on meta)."""
     from tpdiag.models.meta_init import materialize
 
     with init_guard():
-        materialize(model, device, seed, init_rule(model))
+        materialize(model, device, seed, init_rule(model), loaded)
 
 
 def load_hf_target(path: str, variant: str = "stock", device=None, seed: int | None = None, layers: int = 0,

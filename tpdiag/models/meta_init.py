@@ -93,11 +93,13 @@ def _allocate(model: nn.Module, device: torch.device) -> list[tuple[str, torch.T
     return allocated
 
 
-def materialize(model: nn.Module, device, seed: int, init_module: InitFn) -> nn.Module:
+def materialize(model: nn.Module, device, seed: int, init_module: InitFn,
+                loaded: frozenset[str] = frozenset()) -> nn.Module:
     """Allocate `model`'s meta tensors on `device` and run `init_module(fqn, module)` for every
     module, children first, with the RNG reseeded from (seed, fqn) before each. The rule fills
     the module's own parameters and buffers (recomputed buffers such as rotary tables too).
-    The global RNG state is restored afterwards. Raises BadInput naming a tensor left unfilled."""
+    The global RNG state is restored afterwards. Raises BadInput naming a tensor left unfilled,
+    except the tensors named in `loaded` (the caller copies a checkpoint's into them next)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -114,20 +116,23 @@ def materialize(model: nn.Module, device, seed: int, init_module: InitFn) -> nn.
                 with torch.cuda.device(device):
                     torch.cuda.manual_seed(s)
             init_module(fqn, mod)
-    check_initialised(model, allocated)
+    check_initialised(model, allocated, loaded)
     return model
 
 
-def check_initialised(model: nn.Module, allocated) -> None:
-    """No meta tensor left anywhere, and no NaN (the allocation's fill) in what was allocated."""
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + \
-            list(model.named_buffers(remove_duplicate=False)):
+def check_initialised(model: nn.Module, allocated, loaded: frozenset[str] = frozenset()) -> None:
+    """No meta tensor left anywhere, and no NaN (the allocation's fill) in what was allocated,
+    except in the tensors named in `loaded` (a tied tensor by any of its names)."""
+    named = list(model.named_parameters(remove_duplicate=False)) + \
+        list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
         if t is not None and t.is_meta:
             raise BadInput(f"{name}: still on the meta device after initialisation")
     live = {id(t) for t in list(model.parameters()) + list(model.buffers())}
+    skip = {id(t) for name, t in named if name in loaded}
     for name, t in allocated:
-        if id(t) not in live:  # replaced by its rule (module.weight = ...): nothing left to fill
-            continue
+        if id(t) not in live or id(t) in skip:  # replaced by its rule (module.weight = ...), or the
+            continue                            # checkpoint's: nothing left to fill
         if (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any()):
             raise BadInput(f"{name}: not initialised by its module's init rule (a meta-built model "
                            "must have every parameter and buffer filled by its rule: "

@@ -36,8 +36,9 @@ from torch import nn
 from tpdiag.errors import BadInput
 from tpdiag.models.meta_init import InitFn, _post_order, nan_like, stream_seed
 
-# fill(original tensor, full tensor): what the rules left is overwritten (checkpoint weights)
-FillFn = Callable[[torch.Tensor, torch.Tensor], None]
+# fill(original tensor, full tensor) -> whether it wrote it: what the rules left is overwritten
+# (checkpoint weights)
+FillFn = Callable[[torch.Tensor, torch.Tensor], bool]
 
 
 class ShardedInitUnsupported(Exception):
@@ -184,13 +185,16 @@ def _finish(t, occ, full, fresh: bool, dtype, name: str, fill, DTensor):
         if cur is None or cur.is_meta:
             raise BadInput(f"{name}: still on the meta device after initialisation")
         full = cur
-    elif fresh and (full.is_floating_point() or full.is_complex()) and bool(torch.isnan(full).any()):
+        fresh = False
+    data = full.detach()
+    # a tensor the checkpoint holds needs no rule: Apertus' XIELU alpha_p/alpha_n are set in the
+    # activation's __init__ (lost on meta) and no _init_weights fills them, but its checkpoint does
+    loaded = fill is not None and fill(t, data)
+    if fresh and not loaded and (full.is_floating_point() or full.is_complex()) \
+            and bool(torch.isnan(full).any()):
         raise BadInput(f"{name}: not initialised by its module's init rule (a meta-built model "
                        "must have every parameter and buffer filled by its rule: "
                        "docs/models.md, 'Meta-device build')")
-    data = full.detach()
-    if fill is not None:
-        fill(t, data)
     if data.is_floating_point() or data.is_complex():
         # the run's dtype of this tensor (tpdiag.models.dtypes), before the split as the whole path
         want = dtype(name, t) if callable(dtype) else dtype

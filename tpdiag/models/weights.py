@@ -61,7 +61,8 @@ def load(model: nn.Module, mapping: dict[str, tuple[str, str]], device) -> None:
 def filler(model: nn.Module, mapping: dict[str, tuple[str, str]], device):
     """fill(tensor, full) for tpdiag.models.shard_init: copy the checkpoint tensors mapped to
     `tensor` (a tensor of `model` as it is now, e.g. a meta DTensor after the plan) into its
-    full tensor, in load()'s order; each file is opened once, lazily."""
+    full tensor, in load()'s order; each file is opened once, lazily. It returns whether the
+    checkpoint had the tensor (then what the init rule left there does not matter)."""
     from tpdiag.base.files import open_safetensors
 
     names = _names(model)
@@ -75,10 +76,11 @@ def filler(model: nn.Module, mapping: dict[str, tuple[str, str]], device):
     with ExitStack() as stack:
         files: dict = {}
 
-        def fill(t: torch.Tensor, full: torch.Tensor) -> None:
+        def fill(t: torch.Tensor, full: torch.Tensor) -> bool:
             for path, key in sources.get(id(t), ()):
                 if path not in files:
                     files[path] = stack.enter_context(open_safetensors(path, str(torch.device(device))))
                 full.copy_(files[path].get_tensor(key))
+            return id(t) in sources
 
         yield fill

@@ -34,6 +34,8 @@ def merge(rec) -> None:
                    + _same_lanes(rec, [[records[j][0] for j in ms] for ms in const],
                                  [[lanes[j] for j in ms] for ms in const]))
     same = {ms[0]: f for ms, f in zip(full + const, flags)}
+    experts = {m["module"] for m, _ in records if m.get("style") in EXPERT_STYLES}
+    inside: dict[str, set] = {}  # experts module -> its submodules left out
     out = []  # (sort key, meta, tensor, lane)
     for i, (m, t) in enumerate(records):
         if "piece" not in m:
@@ -42,6 +44,12 @@ def merge(rec) -> None:
         members = groups.get(m["key"])
         if members is None or members[0] != i:
             continue  # merged with its key's first piece
+        block = _experts_of(m, experts) if len(members) > 1 else None
+        if block is not None:
+            inside.setdefault(block, set())
+            if m["module"] != block:
+                inside[block].add(m["module"])
+            continue
         if m["kind"] == "param_grad":  # accumulated in place over the pieces: the last is the step's
             j = members[-1]
             mm = {k: v for k, v in records[j][0].items() if k != "piece"}
@@ -51,6 +59,12 @@ def merge(rec) -> None:
                                           same.get(i, False)):
             out.append(((m["step"], PHASE_RANK.get(m["phase"], 5), i), meta, tensor, lane))
     out.sort(key=lambda x: x[0])
+    marked = set()
+    for _, m, _, _ in out:
+        if m["module"] in inside and m["module"] not in marked:
+            # the diff leaves the reference's records inside it out too (diff/engine.py)
+            m["per_piece_inside"] = sorted(inside[m["module"]])
+            marked.add(m["module"])
     rec._records[:] = []
     rec.lanes[:] = []
     for n, (_, m, t, lane) in enumerate(out):
@@ -82,6 +96,22 @@ def last_grads(rec) -> int:
         rec._records.append((m, t))
         rec.lanes.append(lane)
     return len(drop)
+
+
+# an MoE experts module (transformers' experts: moe_tp_experts in the plan, whose style every
+# degree records, TP=1 too)
+EXPERT_STYLES = ("moeexpertsparallel",)
+
+
+def _experts_of(m: dict, experts: set):
+    """The experts module whose dispatch `m` is inside (its ops, its submodules' records), else None.
+    There the rows are the call's (token, slot) pairs grouped by expert: a piece's rows are no slice
+    of the whole call's (concatenated they are in another order; a piece holds another number per
+    expert), unlike the module's own inputs, output and grads, which are per token and compared."""
+    mod = m["module"]
+    if m["kind"] == "op" and mod in experts:
+        return mod
+    return next((e for e in experts if mod.startswith(e + ".")), None)
 
 
 def _same(rec, parts: list) -> bool:

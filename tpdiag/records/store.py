@@ -29,7 +29,7 @@ def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dic
     from tpdiag.records import safetensors_stream
 
     # a tensor or a host-held record (probes/host_store.Captured), written one at a time
-    tensors = {str(m["idx"]): t for m, t in stored if t is not None}
+    tensors = {str(m["idx"]): _storable(t) for m, t in stored if t is not None}
     # Tensors first, index last: an index that exists always points at complete tensors.
     safetensors_stream.write(os.path.join(out_dir, TENSORS), tensors, metadata={"schema": "1"})
     io.write_jsonl(os.path.join(out_dir, EVENTS), [m for m, _ in stored])
@@ -40,6 +40,20 @@ def write(out_dir: str, stored: list[tuple[dict, torch.Tensor]], world_meta: dic
     # (the manifest's version must be the same: integrity.py)
     io.write_json(world_file(out_dir, WORLD), {**world_meta, "hash_version": HASH_VERSION,
                                                "record_format": RECORD_FORMAT, "tpdiag": __version__})
+
+
+def _storable(t):
+    """safetensors has no complex128 (the float64 re-execution of a complex64 input: torchtitan's
+    freqs_cis): stored as its float64 [..., 2] view, read back by _restore."""
+    if t.dtype != torch.complex128:
+        return t
+    return torch.view_as_real((t if isinstance(t, torch.Tensor) else t.get()).contiguous())
+
+
+def _restore(meta: dict, t: torch.Tensor) -> torch.Tensor:
+    if meta.get("dtype") == "complex128" and t.dtype == torch.float64 and t.dim() and t.shape[-1] == 2:
+        return torch.view_as_complex(t)
+    return t
 
 
 def check_format(world: dict, path: str) -> None:
@@ -296,7 +310,7 @@ class RecordSet:
         try:
             i = meta["idx"]
             f, name = self._slot(i)
-            t = f.get_tensor(name)
+            t = _restore(meta, f.get_tensor(name))
         except Exception as e:
             raise Inconclusive(f"{self.dir}: record {meta['key']} unreadable ({_line(e)})") from None
         # The stored tensor must be what the index says it is: an edited header or index that
@@ -331,8 +345,10 @@ class RecordSet:
                 shape, code = list(s.get_shape()), s.get_dtype()
             except Exception as e:
                 raise Inconclusive(f"{self.dir}: record {m['key']} unreadable ({_line(e)})") from None
+            if m.get("dtype") == "complex128" and code == "F64" and shape[-1:] == [2]:
+                code, shape = None, shape[:-1]  # _storable's view (no C128 code to name)
             try:
-                self._check_stored(m, torch_dtype_name(code), shape)
+                self._check_stored(m, torch_dtype_name(code) if code else "complex128", shape)
             except Inconclusive:
                 # Some records' index shape is not their stored one (an op's per-call pieces of a
                 # data-dependent shape, seen in a micro-batch run's ops pass): the bytes are then the
@@ -346,7 +362,7 @@ class RecordSet:
             return False
         try:
             f, name = self._slot(meta["idx"])
-            self.verify(meta, f.get_tensor(name))
+            self.verify(meta, _restore(meta, f.get_tensor(name)))
         except Exception:  # noqa: BLE001 - unreadable or another tensor: not the run's bytes
             return False
         return True

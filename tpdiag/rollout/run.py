@@ -100,6 +100,9 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
         early, saved_env = start(rc, seqs, cfgs, counts, groups, big, on_status)
     try:
         target, model = build(rc.model, rc.dtype, rc.device, rc.seed)
+        from tpdiag.runner.decode import supports
+
+        decodable = supports(model)  # else --mode decode is no advice: unavailable for this model
         vocab = target.vocab_size
         for s in seqs:
             top = max(s.input_ids)
@@ -154,7 +157,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if v:
                 flag_values.setdefault(k, v)
     return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-                    flag_values, pad_note, sampled)
+                    flag_values, pad_note, sampled, decodable)
 
 
 def _not_judged(rc, results) -> str:
@@ -179,7 +182,7 @@ def _dtype_note(rc) -> list[str]:
 
 
 def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-             flag_values=None, pad_note=None, sampled=None) -> dict:
+             flag_values=None, pad_note=None, sampled=None, decodable: bool = True) -> dict:
     from tpdiag.rollout import metrics, processed
     from tpdiag.runner.flags import one_line
 
@@ -231,7 +234,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     if leak:
         notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc),
-                      bool(pad_note), leak)
+                      bool(pad_note), leak, decodable)
     noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {

@@ -20,7 +20,8 @@ OTHER_AXIS = ("to match bitwise, run the trainer with the engine's value; or lea
 
 
 def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, reproduced: list, processed: dict,
-               invariance: dict, notes_dtype: list, padded: bool = False, leak: dict | None = None) -> dict:
+               invariance: dict, notes_dtype: list, padded: bool = False, leak: dict | None = None,
+               decodable: bool = True) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
     token_mult_prob_error (the trainer's), threshold}."""
@@ -71,7 +72,7 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     if any(not v["same_bits"] for v in invariance.values()):
         first.append("read the TP note above: a TP degree under the fixes is not TP=1's bits (`tpdiag "
                      "compare` names the module)")
-    untried = _untried(rc, len(seqs))
+    untried = _untried(rc, len(seqs), decodable)
     if untried:
         first.append(f"try the settings engines differ on that were not tried: {untried}")
     head = ("nothing tried reproduces the engine: it computed something the trainer does not in any "
@@ -145,18 +146,22 @@ def _side(padding: str, c: Config) -> str:
     return padding
 
 
-def _untried(rc, batch: int) -> str:
+def _untried(rc, batch: int, decodable: bool = True) -> str:
     out = []
     if 1 not in rc.tp:
         out.append(f"--tp {_vals(rc.tp)},1 (your degree stays the reference; TP=1 is what generate() and an "
                    "engine on one GPU run - else add the engine's own degree)")
-    if "decode" not in rc.modes:
+    if "decode" not in rc.modes and decodable:
         out.append("--mode decode (token by token through the KV cache, as engines run)")
     # a micro-batch at least the batch runs the whole batch in one call, as the engine did
     if not any(m >= batch for m in rc.micro_batch):
         out.append(f"--micro-batch {batch} (the engine's batch, in one call)")
     if rc.attention == ("auto",):
-        out.append("--attention eager,sdpa")
+        if str(rc.model).strip().startswith("hf:"):
+            out.append("--attention eager,sdpa")
+        else:  # eager is only hf: models' to switch, and sdpa is what auto runs here
+            out.append("--attention auto,sdpa-math,sdpa-flash (the SDPA backend, where the model calls "
+                       "F.scaled_dot_product_attention)")
     if "default" not in rc.flags:
         out.append("--flags default (PyTorch's, what engines run)")
     return ", ".join(out)

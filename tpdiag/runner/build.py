@@ -43,7 +43,10 @@ def build_model(cfg: WorldConfig, device: torch.device, world: int):
 
         _check_plan(model, target.plan)
         ties = tie_groups(model)
-        parallelize_module(model, mesh, target.plan)
+        from tpdiag.models.build import plan_warnings
+
+        with plan_warnings():
+            parallelize_module(model, mesh, target.plan)
         broken = broken_ties(model, ties)
     else:
         broken = []
