@@ -18,7 +18,8 @@ from tpdiag.errors import Inconclusive
 
 
 def test_judge_own_side_is_judge_own_from_the_values():
-    from tpdiag.diff.oracle import REFUSED, judge_own, judge_own_side
+    from tpdiag.diff.oracle import judge_own
+    from tpdiag.diff.own_side import REFUSED, judge_own_side
     from tpdiag.probes.oracle_hooks import ref_norms
     from tpdiag.probes.own_side_norms import side_record
     from tpdiag.records.hashing import HASH_VERSION

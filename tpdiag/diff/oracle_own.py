@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from tpdiag.diff.equal_inputs import params_equal
-from tpdiag.diff.oracle import REFUSED, judge_own, judge_own_side, mark_no_reference, no_reference, notes_for
+from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
+from tpdiag.diff.own_side import REFUSED, judge_own_side
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
 
