@@ -25,10 +25,12 @@ VERDICTS = ("summary.json", "diff.csv", "region/summary.json", "region/ops/summa
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    """"1": the default; "0": TPDIAG_OWN_NORMS=0; "side0": TPDIAG_OWN_SIDE_NORMS=0 (the weight grads
+    re-executed from TP=2's inputs whole: tests/test_own_side_norms.py)."""
     out = {}
-    for norms in ("1", "0"):
+    for norms, env in (("1", {}), ("0", {"TPDIAG_OWN_NORMS": "0"}), ("side0", {"TPDIAG_OWN_SIDE_NORMS": "0"})):
         d = tmp_path_factory.mktemp(f"norms{norms}") / "r"
-        p = run_cli("compare", *ARGS, "--out", str(d), env={"OMP_NUM_THREADS": "1", "TPDIAG_OWN_NORMS": norms})
+        p = run_cli("compare", *ARGS, "--out", str(d), env={"OMP_NUM_THREADS": "1", **env})
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
         out[norms] = d
     return out
@@ -180,3 +182,76 @@ def test_the_sums_tell_a_reference_scaled_from_its_float64_value():
     assert not _scaled_instead({}, noisy, noisy * 0.5, None, ref_norms(noisy, o))
     # and records of the older two-figure form never scale (no sums to fit)
     assert not _scaled_instead({}, y_ref, y_n, None, ref_norms(y_ref, o)[:2])
+
+
+def test_the_verdicts_are_those_of_the_whole_weight_grads(pair):
+    """TPDIAG_OWN_SIDE_NORMS=0: the control (tests/test_own_side_norms.py has the figures' own tests)."""
+    new, old = pair["1"], pair["side0"]
+    for name in VERDICTS:
+        if name.endswith(".csv"):
+            assert (new / name).read_bytes() == (old / name).read_bytes(), name
+        else:
+            assert _json_lines(str(new / name), str(new)) == _json_lines(str(old / name), str(old)), name
+    ref_new, ref_old = new / "region" / "ops" / "tp1", old / "region" / "ops" / "tp1"
+    side = {m["module"]: m for m in _events(ref_new) if m["name"].endswith("~norms@2")}
+    # the k/v block's averaged weight grads (the bug), the MLP's, the embedding's and the head's
+    assert {"kv", "mlp", "embed", "head"} <= set(side), side
+    assert all(m["local_shape"] == [6] and m["dtype"] == "float64" and m["kind"] == "oracle" for m in side.values())
+    whole_new = {(m["module"], m["name"]) for m in _events(ref_new) if m["name"].startswith("param_grad.")
+                 and m["name"].endswith("@2")}
+    whole_old = {(m["module"], m["name"]) for m in _events(ref_old) if m["name"].startswith("param_grad.")
+                 and m["name"].endswith("@2")}
+    assert not any(n.endswith("~norms@2") for _, n in whole_old)  # the control kept them whole
+    assert ("kv", "param_grad.wv.c0@2") in whole_old and ("kv", "param_grad.wv.c0@2") not in whole_new
+    # the norm's weight grad: its TP=2 ranks differ (no one value to ship), whole as before
+    assert ("norm", "param_grad.weight.c0@2") in whole_new
+    assert os.path.getsize(ref_new / "records.safetensors") < os.path.getsize(ref_old / "records.safetensors")
+    d = json.loads((new / "summary.json").read_text())["degrees"]["2"]
+    kv = {f["name"]: f for f in d["findings"] if (f["module"], f["kind"]) == ("kv", "param_grad")}
+    assert kv["wv"]["cause"] == "sharding-bug" and kv["wv"]["oracle"]["own"], kv
+
+
+TARGET = "s0/backward/kv/param_grad#0/wv"
+
+
+def test_an_edited_side_norms_record_is_refused(pair, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    from tpdiag.records.store import RecordSet
+
+    shutil.copytree(pair["1"] / "region", tmp_path / "region")
+    ops = tmp_path / "region" / "ops"
+    meta = next(m for m in _events(ops / "tp1") if m["key"] == "s0/backward/kv/oracle#0/param_grad.wv~norms@2")
+    row = next(r for r in _diff(ops).rows if r["key"] == TARGET)
+    assert row["oracle"]["own"] and row["beyond_bound"]
+    tensors = load_file(str(ops / "tp1" / "records.safetensors"))
+    t = tensors[str(meta["idx"])].clone()
+    t[1] = t[0] * 1e-7  # TP=2 as close to its float64 value as rounding: the bug would read rounding
+    tensors[str(meta["idx"])] = t
+    save_file(tensors, str(ops / "tp1" / "records.safetensors"), metadata={"schema": "1"})
+    with pytest.raises(Inconclusive, match="does not match its hash"):
+        _diff(ops)
+    # negative control: read without its hash check, the edited figure would decide the verdict
+    real = RecordSet.tensor
+    monkeypatch.setattr(RecordSet, "tensor", lambda self, m, verify=True: real(self, m, verify=False))
+    edited = next(r for r in _diff(ops).rows if r["key"] == TARGET)
+    assert not edited["beyond_bound"] and edited["oracle"]["err"] < row["oracle"]["err"]
+
+
+def test_figures_of_another_value_judge_nothing(pair):
+    """The figures name the TP=2 record they were taken against by its hash: met beside another
+    value (here: the diff's copy of the record changed after its read), no verdict from them."""
+    from tpdiag.diff import oracle_own
+
+    dd = _diff(pair["1"] / "region" / "ops")
+    assert TARGET in dd.oracle_own_norms and TARGET not in dd.oracle_own
+    row = next(r for r in dd.rows if r["key"] == TARGET)
+    assert row["oracle"]["own"] and row["beyond_bound"]
+    y_ref, y_n = dd.tensors[TARGET]
+    y_n = y_n.clone()
+    y_n.view(-1)[0] = y_ref.view(-1)[0]  # one element of another value (the bug's half is gone there)
+    dd.tensors[TARGET] = (y_ref, y_n)
+    for k in ("oracle", "beyond_bound", "bound_ratio", "bound_model"):
+        row.pop(k, None)
+    oracle_own.apply_own(dd)
+    assert "oracle" not in row and "another value than this side's record" in row["oracle_refused"]

@@ -31,6 +31,11 @@ class DegreeDiff:
     # record key -> [||o||, ||y_ref - o||] of the reference's own re-execution o, where its world
     # kept only those (probes/oracle_hooks.NORMS: the inputs differed at every other world)
     oracle_norms: dict = field(default_factory=dict)
+    # record key -> the figures of the reference's re-execution o_n from THIS side's inputs against
+    # this side's record, where its world kept those (probes/own_side_norms.py), and the lane mix
+    # their hash of that record is in
+    oracle_own_norms: dict = field(default_factory=dict)
+    hash_version: int | None = None
     _equal_index: dict | None = None  # diff/equal_inputs._index's lookups, built once
     # record key -> its checked pair's content key (diff/pair_memo.py), where both sides have one
     contents: dict = field(default_factory=dict)
@@ -381,7 +386,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     per_rank = {**per_rank_blocks(other), **per_piece_blocks(other)}
     missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"
                and m["phase"] not in skip and not _inside_block(m, per_rank)]
-    dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents)
+    dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents,
+                    hash_version=ref.hash_version)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
         from tpdiag.records.keys import ORACLE_NORMS as NORMS
@@ -391,10 +397,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             name, at, side = m["name"].partition("@")
             if at and side != label:
                 continue  # re-executed from another world's inputs
-            if not at and name.endswith(NORMS):
-                k = target_key(m["key"][:len(m["key"]) - len(NORMS)])
+            if name.endswith(NORMS):
+                full = m["key"][:len(m["key"]) - len(side) - 1] if at else m["key"]
+                k = target_key(full[:len(full) - len(NORMS)])
                 if k in wanted:
-                    dd.oracle_norms[k] = ref.tensor(m)
+                    (dd.oracle_own_norms if at else dd.oracle_norms)[k] = ref.tensor(m)
                 continue
             oracle, grad_in = (dd.oracle_own, dd.grad_in_own) if at else (dd.oracle, dd.grad_in)
             if name.startswith("grad_in."):

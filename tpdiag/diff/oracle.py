@@ -112,7 +112,11 @@ def _judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | No
     e_ref = float(torch.linalg.vector_norm(a - r))
     e_n = float(torch.linalg.vector_norm(b - r))
     s = float(torch.linalg.vector_norm(r))
-    u = UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32])
+    return _verdict(e_ref, e_n, s, n, UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32]))
+
+
+def _verdict(e_ref: float, e_n: float, s: float, n: int, u: float) -> dict:
+    """judge()'s verdict from its norms (module doc)."""
     level = max(e_ref, u * s)
     margin_ = margin(n)
     thr = margin_ * level
@@ -147,6 +151,11 @@ def _judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | Non
     cd = torch.complex128 if o_n.is_complex() or y_n.is_complex() else torch.float64
     s_n = float(torch.linalg.vector_norm(o_n.to(cd)))
     e_n = float(torch.linalg.vector_norm(y_n.to(cd) - o_n.to(cd)))
+    return _own_verdict(got, y_ref, y_n, o_ref, ref_norms, s_n, e_n, cd)
+
+
+def _own_verdict(got: dict, y_ref, y_n, o_ref, ref_norms, s_n: float, e_n: float, cd) -> dict:
+    """_judge_own's verdict from this side's norms (got: _judge(y_n, y_n, o_n)'s)."""
     u = UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32])
     ref_rel = 0.0
     if o_ref is not None and tuple(o_ref.shape) == tuple(y_ref.shape) and y_ref.shape == y_n.shape:

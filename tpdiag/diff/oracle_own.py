@@ -8,6 +8,7 @@ import torch
 
 from tpdiag.diff.equal_inputs import params_equal
 from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
+from tpdiag.diff.own_side import REFUSED, judge_own_side
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
 
@@ -58,8 +59,9 @@ def _scaled_instead(row: dict, y_ref, y_n, o_ref, norms=None) -> bool:
 def apply_own(dd) -> None:
     """Every divergent record past the first that the reference's own oracle could not judge
     (its inputs differ), judged against the reference module re-run on this side's inputs."""
-    own = getattr(dd, "oracle_own", None)
-    if not own and not getattr(dd, "grad_in_own", None):
+    own = getattr(dd, "oracle_own", None) or {}
+    side = getattr(dd, "oracle_own_norms", None) or {}
+    if not own and not side and not getattr(dd, "grad_in_own", None):
         return
     for row in dd.rows:
         if row["bitwise"] or row.get("oracle") or row.get("nonfinite_mismatch") \
@@ -73,20 +75,28 @@ def apply_own(dd) -> None:
         judged_by = sole_consumer(row.get("consumers")) if row["kind"] == "grad_out" else row["module"]
         if judged_by is None or not params_equal(dd, judged_by, row["step"]):
             continue
-        norms = None
+        norms = side_n = None
         if row["phase"] == "backward" and row["kind"] == "grad_out":
             o_n, o_ref = _own_grad_in(dd, row, dd.grad_in_own), _own_grad_in(dd, row, dd.grad_in)
         elif (row["phase"], row["kind"]) in (("forward", "out"), ("backward", "param_grad")):
             o_n, o_ref = own.get(k), dd.oracle.get(k)
             # the reference's world kept only its re-execution's norms (probes/oracle_hooks.NORMS)
             norms = (getattr(dd, "oracle_norms", None) or {}).get(k) if o_ref is None else None
+            # and of its re-execution from this side's inputs (probes/own_side_norms.py)
+            side_n = side.get(k) if o_n is None and not row.get("positions") else None
         else:
             continue
-        if o_n is None:
+        if o_n is None and side_n is None:
             continue
         y_ref, y_n = dd.tensors[k]
         o_ref = None if o_ref is None else first_positions(o_ref, y_n, row.get("positions"))
-        v = judge_own(y_ref, y_n, o_ref, first_positions(o_n, y_n, row.get("positions")), ref_norms=norms)
+        if side_n is not None:
+            v = judge_own_side(y_ref, y_n, o_ref, side_n, dd.hash_version, ref_norms=norms)
+            if v is REFUSED:
+                row["oracle_refused"] = REFUSED["refused"]
+                continue
+        else:
+            v = judge_own(y_ref, y_n, o_ref, first_positions(o_n, y_n, row.get("positions")), ref_norms=norms)
         if v is None:
             continue
         discrete = notes_for(dd, row).get("discrete")

@@ -110,26 +110,32 @@ def modules(dd, first_key: str | None) -> list[str]:
     return sorted(out)
 
 
-def side_inputs(ref_dir: str, other_dir: str, wanted: set[str]) -> dict[str, torch.Tensor]:
+def side_inputs(ref_dir: str, other_dir: str, wanted: set[str], grads: bool = False) -> dict[str, torch.Tensor]:
     """{record key: this side's whole tensor} for the forward inputs and output grads of the
-    `wanted` modules, assembled as the diff assembles them (shards joined, replicas checked)."""
+    `wanted` modules, assembled as the diff assembles them (shards joined, replicas checked).
+    grads: their weight grads too - the records the reference's world takes the norms of its
+    float64 weight grads against (probes/own_side_norms.py), assembled as diff/engine.py does."""
     from tpdiag.diff.engine import _assemble_pair, _pair_tensors
     from tpdiag.errors import NotComparable
-    from tpdiag.records.layout import first_positions
+    from tpdiag.records.layout import first_positions, vocab_padded
     from tpdiag.records.store import RecordSet
 
     ref, other = RecordSet(ref_dir), RecordSet(other_dir)
+    kinds = (("forward", "in"), ("backward", "grad_out")) + ((("backward", "param_grad"),) if grads else ())
     out = {}
     for om in other.events:
         if om["module"] not in wanted or om.get("stored") == "hash":
             continue
-        if (om["phase"], om["kind"]) not in (("forward", "in"), ("backward", "grad_out")):
+        if (om["phase"], om["kind"]) not in kinds:
             continue
         rm = ref.by_key.get(om["key"])
         if rm is None or rm.get("stored") == "hash":
             continue
         try:
-            ra, oa = _assemble_pair(rm, ref.tensor(rm), om, other.tensor(om))
+            rt, ot = ref.tensor(rm), other.tensor(om)
+            padded = vocab_padded(rm, rt, om, ot, ref.world.get("vocab_padding"), other.world.get("vocab_padding")) \
+                if om["kind"] == "param_grad" else None
+            ra, oa = padded or _assemble_pair(rm, rt, om, ot)
             a, b = _pair_tensors(ra, oa)
         except NotComparable:
             continue

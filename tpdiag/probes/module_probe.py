@@ -91,6 +91,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         # accumulated (oracle_hooks.param_grad_norms), for the weight grad hooks put in below
         pend: dict = {}
         hooked: dict = {}
+        # (step, module, short) -> {label: [shipped record, float64 grads]}: the same for the weight
+        # grads re-executed from another world's inputs (probes/own_side_norms.py)
+        side_pend: dict = {}
 
         def grad_pend(g, name: str, call: int) -> None:
             """A module called once whose output grad differs at every world: the diff reads its
@@ -166,7 +169,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                         pend.setdefault((rec.step, name, short), [])
                 record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None, buffers=bufs)
                 if own:
-                    record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward, buffers=bufs)
+                    record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward,
+                                       side_pend, hooked, buffers=bufs)
                 if backward:
                     oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend,
                                          (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None,
@@ -205,7 +209,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     continue
                 hooked.setdefault(mname, []).append(short)
                 handles.append(p.register_post_accumulate_grad_hook(
-                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname), pend)))
+                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname), pend, side_pend)))
         # record_params inside this block reads the same walk (no module walk per call)
         walks[id(model)] = walked
         from tpdiag.probes.collectives import forget_written
@@ -347,7 +351,8 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
     return hook
 
 
-def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: dict | None = None):
+def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: dict | None = None,
+                     side_pend: dict | None = None):
     from tpdiag.kernels.grad_carry import carried
 
     def hook(p):
@@ -368,5 +373,9 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: di
             rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
             if pend:
                 param_grad_norms(rec, pend, mname, short, g, cls)
+            if side_pend:
+                from tpdiag.probes.own_side_norms import flush
+
+                flush(rec, side_pend, mname, short, cls)
 
     return hook

@@ -252,10 +252,15 @@ def _with_inputs(snap, key_of, tensors: dict):
 
 
 def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap, own: dict,
-                       style, cls, backward: bool, buffers=None) -> None:
+                       style, cls, backward: bool, side_pend: dict | None = None, hooked=None,
+                       buffers=None) -> None:
     """This (reference) module re-executed in float64 from each other world's own recorded
     inputs - its forward, and with its output grad there its backward - recorded as oracle
-    records whose names end in `@LABEL` (diff/own_inputs.py says why)."""
+    records whose names end in `@LABEL` (diff/own_inputs.py says why).
+    side_pend: where a weight grad's float64 value is held until the real grad is accumulated,
+    to be kept as its norms against the other world's shipped record (probes/own_side_norms.py;
+    hooked: {module: the parameter names whose accumulated grad the probe sees})."""
+    from tpdiag.probes import own_side_norms
     from tpdiag.probes.float64 import module_oracle, module_oracle_grads
 
     step = rec.step
@@ -286,4 +291,9 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
         for short, t in (grads or {}).items():
             what = "grad_in" if short.startswith("in") and short[2:].isdigit() else "param_grad"
             short = short[2:] if what == "grad_in" else short
+            y = own_side_norms.wanted(rec, tensors, step, name, short, t, hooked) \
+                if what == "param_grad" and side_pend is not None else None
+            if y is not None:
+                own_side_norms.hold(side_pend, rec, label, name, short, call, cls, t, y)
+                continue
             rec.add("oracle", name, f"{what}.{short}.c{call}@{label}", t, phase="backward", cls=cls)

@@ -248,6 +248,10 @@ class RecordSet:
 
             self._f = safe_open(path, framework="pt")
             keys = set(self._f.keys())
+            from tpdiag.records import checked
+
+            # id(open file) -> the file's identity when opened (records/checked.py)
+            self._idents = {id(self._f): checked.identity(path)}
         except Exception as e:
             raise Inconclusive(f"{path}: unreadable or truncated safetensors ({_line(e)})") from None
         missing = [str(m["idx"]) for m in self.events
@@ -290,6 +294,7 @@ class RecordSet:
             raise Inconclusive(f"{world_file(self.dir, WORLD)}: hash version {self.hash_version!r} but its base "
                                f"{base} hashed with {below.hash_version!r} (mismatched files)")
         nb = len(below.events)
+        self._idents.update(below._idents)
         self._file = {i: below._f for i in range(nb)}
         self._stored = {i: below._stored.get(i, i) for i in range(nb)}
         self._stored.update({nb + m["idx"]: m["idx"] for m in self.events})
@@ -386,16 +391,40 @@ class RecordSet:
             if not self.known_hashes():
                 raise Inconclusive(f"{self.dir}: world.json names hash version {self.hash_version!r}, "
                                    f"not one this tpdiag knows ({MIXES}): edited, or a newer tpdiag's run")
+            # the same bytes of the same file, checked by another set of this compare (the
+            # own-input diff's sets over the region pass's files): not hashed again
+            if self.checked_before(meta):
+                self.vouch(meta)
+                return
             if tensor_hash(t, self.hash_version) != want_hash:
                 raise Inconclusive(f"{self.dir}: record {meta['key']} does not match its hash "
                                    "(the tensor file was edited after the run)")
             self.vouch(meta)
 
+    def _checked_key(self, meta: dict):
+        """The record's stored tensor as records/checked.py names it (None: never counted as checked)."""
+        from tpdiag.records import checked
+
+        f, name = self._slot(meta["idx"])
+        return checked.key(self._idents.get(id(f)), name, meta.get("stored_hash"), self.hash_version)
+
+    def checked_before(self, meta: dict) -> bool:
+        """Whether this set, or another set of this compare over the same file, checked the
+        record's stored tensor against its stored hash (records/checked.py)."""
+        from tpdiag.records import checked
+
+        return meta["idx"] in self._verified or checked.seen(self._checked_key(meta))
+
     def vouch(self, meta: dict) -> None:
         """Count the record's tensor as checked (verify(), or the pair check in diff/engine.py):
         the file is mapped read-only for this set's life, so a record read again (bounds,
-        oracle, report) is the bytes just checked."""
+        oracle, report) is the bytes just checked. Other sets of this compare over the same file
+        count it too (records/checked.py)."""
+        from tpdiag.records import checked
+
         self._verified.add(meta["idx"])
+        if meta.get("stored_hash") is not None and self.known_hashes():
+            checked.add(self._checked_key(meta))
 
 
 def _check_steps(world: dict, events: list[dict], epath: str) -> None:

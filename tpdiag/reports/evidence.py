@@ -18,8 +18,8 @@ class _Subset:
         self.by_key = {m["key"]: m for m in self.events}
         self.tensor = rs.tensor
         # the stored-hash check (diff/pair_read.py) as the whole set does it
-        self.hash_version, self.known_hashes, self.verify, self.vouch = (
-            rs.hash_version, rs.known_hashes, rs.verify, rs.vouch)
+        self.hash_version, self.known_hashes, self.verify, self.vouch, self.checked_before = (
+            rs.hash_version, rs.known_hashes, rs.verify, rs.vouch, rs.checked_before)
 
 
 def _scalars(rs: RecordSet, kind: str) -> dict[int, float]:

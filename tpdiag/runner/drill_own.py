@@ -83,11 +83,16 @@ def own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict) -> tuple
     from safetensors.torch import save_file
 
     from tpdiag.diff.own_inputs import side_inputs
+    from tpdiag.probes import own_side_norms
 
+    # with their weight grads: the reference keeps its float64 weight grads from these inputs as
+    # norms against them (probes/own_side_norms.py; TPDIAG_OWN_SIDE_NORMS=0: whole, nothing shipped)
+    grads = own_side_norms.enabled()
     out = []
     for lab in sub_label:
         mods = own.get(lab) or ()
-        tensors = side_inputs(RunDir(run_dir).world(ref_label), RunDir(run_dir).world(lab), set(mods)) if mods else {}
+        tensors = side_inputs(RunDir(run_dir).world(ref_label), RunDir(run_dir).world(lab), set(mods),
+                              grads=grads) if mods else {}
         path = RunDir(run_dir).own_inputs(lab)
         save_file(tensors, path)
         out.append((sub_label[lab], path))
