@@ -48,9 +48,9 @@ def start(ctx, dtypes, procs: int | None = None) -> list:
         return []
     n = len(jobs(names))
     # each holds a CUDA context (~0.5 GiB of GPU 0) while the memory preflight reads what is free:
-    # few, so that it under-reads by little. A core in four: 4 on a 16-core H200 host, where they
-    # took ~17 s for the ~50 variants while the first worlds compiled the same ones beside them;
-    # 8 on a 32-core one. TPDIAG_WARM_PROCS=N: that many (A/B)
+    # few, so that it under-reads by little. Eight were no faster than four on a fresh 2x H200
+    # (llama-1b TP=1,2 at 6ae20d6: 15.9 s of compiles inside the worlds against 14.6 s, one run
+    # each): the worlds meet the variants sooner than either finishes. TPDIAG_WARM_PROCS=N: N (A/B)
     procs = procs or _procs(n)
     out = []
     for part in range(procs):
@@ -70,7 +70,7 @@ def _procs(n: int) -> int:
             return max(1, min(n, int(knob)))
         except ValueError:
             pass
-    return max(1, min(n, (os.cpu_count() or 2) // 4, 8))
+    return max(1, min(n, (os.cpu_count() or 2) // 2, 4))
 
 
 def warm(names: list[str], part: int, parts: int) -> int:
