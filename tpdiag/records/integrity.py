@@ -81,13 +81,14 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
     if why or not layout:
         return why
     # The second pass's records are not re-diffed (its diff.csv is trusted as the first pass's is not),
-    # but they are its float64 verdicts' evidence: a tensor file truncated by a crashed copy, or another
-    # world's events.jsonl or records.safetensors in their place, is a corrupt capture (DESIGN: exit 2),
-    # found from the index and the file's header without reading the tensors.
+    # but they are its float64 verdicts' evidence: a tensor file truncated by a crashed copy, another
+    # world's events.jsonl or records.safetensors in their place, or a value edited inside the file is a
+    # corrupt capture (DESIGN: exit 2), found from the index, the file's header and each record's stored
+    # hash (its bytes read once, as the first pass's re-diff reads every record's).
     from tpdiag.records.store import RecordSet
 
     try:
-        RecordSet(d).check_layout()
+        RecordSet(d).check_every_record()
     except Inconclusive as e:
         return f"{who}: {str(e).splitlines()[0]}"
     return None
