@@ -110,12 +110,14 @@ def settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) 
     return None
 
 
-def pass_identity_problem(manifest: dict, sub, name: str) -> str | None:
+def pass_identity_problem(manifest: dict, sub, name: str, added_fixes: tuple = (), here: str | None = None) -> str | None:
     """A later pass's folder of this run (the second pass: ops/, region/...) must be this run's: written
     where this compare wrote it (its config `out` this run's own joined with the folder's name, both as
     the run wrote them, so a run directory moved whole still agrees), with this run's settings, started
     after it. Another run's ops/ copied in (another step count, a decode configuration's) passed
-    `gate --allow rounding` with that run's float64 verdicts read as this run's (red team, hred9)."""
+    `gate --allow rounding` with that run's float64 verdicts read as this run's (red team, hred9).
+    added_fixes: the fixes this pass ran on top of the run's (a confirmation's, confirm/<fix>/). here: the
+    folder's path as read now - `tpdiag confirm` on a run directory moved since writes into it there."""
     cfg = manifest.get("config") if isinstance(manifest, dict) else None
     scfg = sub.get("config") if isinstance(sub, dict) else None
     if not isinstance(cfg, dict):
@@ -123,17 +125,22 @@ def pass_identity_problem(manifest: dict, sub, name: str) -> str | None:
     if not isinstance(scfg, dict):
         return f"{name}/manifest.json has no config (not what tpdiag compare writes)"
     out, sout = cfg.get("out"), scfg.get("out")
-    if isinstance(out, str) and out and not (isinstance(sout, str) and sout and _same_path(sout, os.path.join(out, name))):
+    moved_here = isinstance(sout, str) and sout and here is not None and _same_path(sout, os.path.abspath(here))
+    if isinstance(out, str) and out and not moved_here and not (
+            isinstance(sout, str) and sout and _same_path(sout, os.path.join(out, name))):
         return (f"{name}/manifest.json was written into {sout!r}, not this run's {os.path.join(out, name)!r}: "
-                "another run's second pass copied in, or edited after the run")
+                "another run's pass copied in, or edited after the run")
     for k in _SAME_SETTINGS:
-        if k in cfg and scfg.get(k) != cfg[k]:
-            return (f"{name}/manifest.json ran {k} {scfg.get(k)!r} but manifest.json says {cfg[k]!r} (another run's "
-                    "second pass copied in, or edited after the run)")
+        want = cfg.get(k)
+        if k == "fixes" and added_fixes and isinstance(want, list):
+            want = [*want, *added_fixes]
+        if k in cfg and scfg.get(k) != want:
+            return (f"{name}/manifest.json ran {k} {scfg.get(k)!r} but manifest.json says {want!r} (another run's "
+                    "pass copied in, or edited after the run)")
     mine, theirs = started(manifest), started(sub)
     if mine is not None and theirs is not None and theirs < mine:
         return (f"{name}/ started at {sub.get('started')}, before this run did ({manifest.get('started')}): an "
-                "earlier run's second pass, not this run's")
+                "earlier run's pass, not this run's")
     return None
 
 
