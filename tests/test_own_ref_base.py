@@ -94,3 +94,17 @@ def test_a_base_outside_the_pass_is_refused(run, tmp_path):
         RecordSet(str(_own(d)))
     g = _gate(d)
     assert g.returncode == 2 and "records_base" in g.stdout + g.stderr, g.stdout + g.stderr
+
+
+def test_a_base_dropped_from_world_json_is_inconclusive(run, tmp_path):
+    # red team hred10: world.json's records_base removed, the own-input reference read as a set of its own
+    # (its float64 records alone) - on a rounding-only run (tiny-llama --capture hash) the gate passed it
+    # (exit 0); the manifest's worlds entry names the base the compare ran it on
+    d = _copy(run, tmp_path)
+    p = _own(d) / "world.json"
+    w = json.loads(p.read_text())
+    assert w["config"].pop("records_base")
+    p.write_text(json.dumps(w))
+    g = _gate(d)
+    assert g.returncode == 2 and "records_base None is not the base manifest.json ran it on" in g.stdout, \
+        g.stdout + g.stderr

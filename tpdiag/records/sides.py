@@ -83,6 +83,14 @@ def settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) 
     why = world_identity_problem(world, label, degree, f"{folder(label)}/{WORLD}", cfg.get("out"), linked)
     if why:
         return f"{who}: {why}"
+    # A world that wrote only its float64 records reads the rest from its base (records/store.py): the
+    # compare that ran it says which (manifest.json's worlds[label].records_base). world.json's base
+    # dropped, the world read as a set of its own - its float64 records alone (red team hred10).
+    mine = entry.get("records_base") if isinstance(entry, dict) else None
+    theirs = wcfg.get("records_base") or None
+    if (mine or theirs) and not (isinstance(mine, str) and isinstance(theirs, str) and _same_path(mine, theirs)):
+        return (f"{who}: {folder(label)}/{WORLD}'s records_base {theirs!r} is not the base manifest.json ran it on "
+                f"({mine!r}): edited after the run")
     for k in _SAME_SETTINGS:
         if k in cfg and wcfg.get(k) != cfg[k]:
             return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k)!r} but manifest.json says {cfg[k]!r} "
