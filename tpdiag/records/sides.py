@@ -308,6 +308,9 @@ def fix_chain_problems(run_dir: str, manifest: dict, summary: dict) -> list[str]
     if n is not None and (type(n) is not int or n != len(rounds)):
         return [f"manifest.json says the fix chain ran {n!r} rounds but summary.json's fix_chain lists {len(rounds)} "
                 "(rounds removed, or edited after the run)"]
+    why = _rounds_identity_problem(run_dir, manifest, chain or [])
+    if why:
+        return [why]
     mine = started(manifest)
     try:
         folders = os.listdir(os.path.join(run_dir, "auto"))
@@ -327,6 +330,35 @@ def fix_chain_problems(run_dir: str, manifest: dict, summary: dict) -> list[str]
             return [f"auto/{name}/ holds a round of this run's fix chain that summary.json's fix_chain does not list "
                     "(rounds removed, or edited after the run)"]
     return []
+
+
+def _rounds_identity_problem(run_dir: str, manifest: dict, chain: list) -> str | None:
+    """Each later round's folder (auto/roundN/) is this run's, as a second pass's is: written into this
+    run's auto/roundN/, with its settings and the round's fixes (summary.json's fix_chain: the run's own,
+    then those the chain added), started after it. Another run's round copied in (a round that found
+    nothing, over one that found a bug) is gated as its own run and passed (red team hred10)."""
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else None
+    if cfg is None:
+        return None
+    own = cfg.get("fixes") if isinstance(cfg.get("fixes"), list) else []
+    for rnd in chain:
+        i = rnd.get("round")
+        if type(i) is not int or i < 1:
+            continue
+        name = f"auto/round{i}"
+        fixes = rnd.get("fixes")
+        if not isinstance(fixes, list) or fixes[:len(own)] != own:
+            return (f"summary.json's fix_chain round {i} ran the fixes {fixes!r}, not the run's own {own!r} and "
+                    "those the chain added (edited after the run)")
+        sub = os.path.join(run_dir, name)
+        try:
+            theirs = io.read_json(os.path.join(sub, MANIFEST))
+        except Inconclusive:
+            continue  # gate/verdict._judge_chain evaluates the round and says what is wrong with it
+        why = pass_identity_problem(manifest, theirs, name, tuple(fixes[len(own):]), here=sub)
+        if why:
+            return f"the fix chain's round {i}: {why}"
+    return None
 
 
 def started(manifest) -> float | None:
