@@ -108,3 +108,21 @@ def test_a_base_dropped_from_world_json_is_inconclusive(run, tmp_path):
     g = _gate(d)
     assert g.returncode == 2 and "records_base None is not the base manifest.json ran it on" in g.stdout, \
         g.stdout + g.stderr
+
+
+@pytest.mark.parametrize("gone,words", [("summary.json", "ran (its manifest.json is there) but its summary.json is missing"),
+                                        ("", "is missing, but region/summary.json left modules to judge")])
+def test_the_own_input_pass_removed_is_inconclusive(run, tmp_path, gone, words):
+    # red team hred10: region/ops/summary.json (or the whole own-input pass) deleted - its findings, a bug
+    # judged on its own inputs, dropped unseen with it - passed gate --allow rounding (exit 0) on a
+    # rounding-only run (tiny-llama --capture hash); here the planted bugs' run read as FAIL (exit 4)
+    d = _copy(run, tmp_path)
+    p = d / "region" / "ops" / gone
+    if gone:
+        p.unlink()
+    else:
+        import shutil
+
+        shutil.rmtree(p)
+    g = _gate(d)
+    assert g.returncode == 2 and words in g.stdout, g.stdout + g.stderr

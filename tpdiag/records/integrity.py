@@ -127,6 +127,33 @@ def _unnamed_second_pass(run_dir: str, summary: dict, degrees: dict) -> list[str
     return []
 
 
+def _own_pass_wanted(sp: dict, region: dict) -> bool:
+    """Whether runner/drill.py ran the own-input pass after a hash-first region pass: with a confirmation,
+    for the modules the confirming fix left divergent (summary.json's second_pass.own_after_confirm), else
+    for every module the region pass left to judge (_judge_own_after_hash)."""
+    from tpdiag.records.axes import entries
+
+    late = sp.get("own_after_confirm")
+    if isinstance(late, dict):
+        return any(late.values())
+    return region.get("status") == "divergent" and any(
+        isinstance(d, dict) and d.get("own_inputs") for d in entries(region).values())
+
+
+def _ran_here(run_dir: str, nested: str) -> str | None:
+    """One line when the pass in `nested` is this run's (started after it) but has no summary.json."""
+    from tpdiag.records.rundir import RunDir, read_manifest
+
+    try:
+        mine, theirs = _started(read_manifest(run_dir)), _started(read_manifest(os.path.join(run_dir, nested)))
+    except Inconclusive:
+        mine = theirs = None  # unreadable: not proven an earlier run's
+    if mine is not None and theirs is not None and theirs < mine:
+        return None
+    return (f"the second pass's own-input pass {nested}/ ran (its manifest.json is there) but its summary.json is "
+            f"missing: {RunDir(os.path.join(run_dir, nested)).summary} (deleted, or the run was cut short)")
+
+
 def _pass_failed(sub) -> str | None:
     """Why a second pass's own summary says it judged nothing (a world failed, or it was inconclusive)."""
     from tpdiag.records.axes import entries
@@ -202,6 +229,17 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
     # findings join the region pass's
     nested = os.path.join(name, "ops")
     inner = {}
+    if name.startswith("region") and not os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary) \
+            and os.path.isfile(RunDir(os.path.join(run_dir, nested)).manifest):
+        # the own-input pass ran (its manifest is there): without its summary its findings - a bug judged
+        # on its own inputs - were dropped unseen, with the pass itself (red team hred10)
+        why = _ran_here(run_dir, nested)
+        if why:
+            return [why]
+    if name.startswith("region") and not os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary) \
+            and _own_pass_wanted(sp, sub):
+        return [f"the second pass's own-input pass {nested}/ is missing, but {name}/summary.json left modules to "
+                "judge on their own inputs (deleted, or the run was cut short)"]
     if name.startswith("region") and os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary):
         try:
             n = io.read_json(run_file(run_dir, os.path.join(nested, SUMMARY)))
