@@ -127,33 +127,6 @@ def _unnamed_second_pass(run_dir: str, summary: dict, degrees: dict) -> list[str
     return []
 
 
-def _own_pass_wanted(sp: dict, region: dict) -> bool:
-    """Whether runner/drill.py ran the own-input pass after a hash-first region pass: with a confirmation,
-    for the modules the confirming fix left divergent (summary.json's second_pass.own_after_confirm), else
-    for every module the region pass left to judge (_judge_own_after_hash)."""
-    from tpdiag.records.axes import entries
-
-    late = sp.get("own_after_confirm")
-    if isinstance(late, dict):
-        return any(late.values())
-    return region.get("status") == "divergent" and any(
-        isinstance(d, dict) and d.get("own_inputs") for d in entries(region).values())
-
-
-def _ran_here(run_dir: str, nested: str) -> str | None:
-    """One line when the pass in `nested` is this run's (started after it) but has no summary.json."""
-    from tpdiag.records.rundir import RunDir, read_manifest
-
-    try:
-        mine, theirs = _started(read_manifest(run_dir)), _started(read_manifest(os.path.join(run_dir, nested)))
-    except Inconclusive:
-        mine = theirs = None  # unreadable: not proven an earlier run's
-    if mine is not None and theirs is not None and theirs < mine:
-        return None
-    return (f"the second pass's own-input pass {nested}/ ran (its manifest.json is there) but its summary.json is "
-            f"missing: {RunDir(os.path.join(run_dir, nested)).summary} (deleted, or the run was cut short)")
-
-
 def _pass_failed(sub) -> str | None:
     """Why a second pass's own summary says it judged nothing (a world failed, or it was inconclusive)."""
     from tpdiag.records.axes import entries
@@ -229,15 +202,17 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
     # findings join the region pass's
     nested = os.path.join(name, "ops")
     inner = {}
+    from tpdiag.records.own_pass import own_pass_wanted, ran_here
+
     if name.startswith("region") and not os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary) \
             and os.path.isfile(RunDir(os.path.join(run_dir, nested)).manifest):
         # the own-input pass ran (its manifest is there): without its summary its findings - a bug judged
         # on its own inputs - were dropped unseen, with the pass itself (red team hred10)
-        why = _ran_here(run_dir, nested)
+        why = ran_here(run_dir, nested)
         if why:
             return [why]
     if name.startswith("region") and not os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary) \
-            and _own_pass_wanted(sp, sub):
+            and own_pass_wanted(sp, sub):
         return [f"the second pass's own-input pass {nested}/ is missing, but {name}/summary.json left modules to "
                 "judge on their own inputs (deleted, or the run was cut short)"]
     if name.startswith("region") and os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary):
@@ -335,36 +310,6 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
     return out
 
 
-def _baseline_problems(manifest: dict, summary: dict, base: dict | None) -> list[str]:
-    """The reference rerun decides whether anything else may be blamed (diff/analyse.py): one that failed
-    or did not reproduce the reference makes the run inconclusive. A compare configured with a rerun
-    (config baseline true, the reference's degree listed once: runner/compare.py) reports it; its
-    baseline, and the rerun's world with it, removed from both files, with the status made divergent,
-    passed the gate as a run whose reference reproduced (red team hred10)."""
-    if summary.get("status") == "inconclusive":
-        return []
-    if base is not None:
-        w = (manifest.get("worlds") or {}).get(str(base.get("label")))
-        if base.get("label") is None:
-            # diff/analyse.py names its rerun always: without the name its records are never re-read
-            return ["summary.json's baseline names no reference rerun (edited after the run)"]
-        if base.get("reproducible") is True and not (isinstance(w, dict) and w.get("status") == "ok"):
-            return [f"summary.json says the reference rerun TP={base['label']} reproduced the reference but "
-                    f"manifest.json says its world {w.get('status') if isinstance(w, dict) else 'never ran'} "
-                    "(edited after the run)"]
-        if base.get("reproducible") is not True:
-            what = "failed" if base.get("reproducible") is None else "did not reproduce the reference"
-            return [f"summary.json says the reference rerun TP={base.get('label')} {what}, but the run's status is "
-                    f"{summary.get('status')!r}, not inconclusive (edited after the run)"]
-        return []
-    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
-    degs = cfg.get("degrees")
-    if cfg.get("baseline") is True and isinstance(degs, list) and degs and degs.count(degs[0]) == 1:
-        return ["manifest.json's config ran a reference rerun (baseline true) but summary.json reports no baseline "
-                "(removed, or edited after the run)"]
-    return []
-
-
 def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: bool) -> list[str]:
     out: list[str] = []
     if not isinstance(manifest, dict):
@@ -443,7 +388,9 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
     if base is None and reruns:
         out.append(f"manifest.json ran the reference rerun TP={reruns[0]} but summary.json reports no baseline "
                    "(edited after the run)")
-    out += _baseline_problems(manifest, summary, base)
+    from tpdiag.records.baseline import baseline_problems
+
+    out += baseline_problems(manifest, summary, base)
     for lab in labels + ([base_label] if base_label in worlds else []):
         w = worlds.get(lab)
         if not isinstance(w, dict):
