@@ -243,3 +243,21 @@ def test_a_fix_chain_cut_from_the_summary_is_inconclusive(auto_run, tmp_path, cu
         shutil.rmtree(run / "auto")
     res = evaluate(str(run), policy)
     assert res.exit_code == 2 and "fix chain" in res.problems[0], res.lines()
+
+
+def test_a_round_of_the_chain_copied_over_another_is_inconclusive(auto_run, tmp_path):
+    """Red team hred10: a later round's folder was gated as its own run, never tied to the chain: the
+    last round (bitwise) copied over round 1 (the cause round 0's policy does not allow) passed the gate
+    (exit 0, the control exit 1). Each round's manifest must be this run's auto/roundN/, with the fixes
+    summary.json's fix_chain says that round ran."""
+    run = tmp_path / "run"
+    shutil.copytree(auto_run, run, symlinks=True)
+    policy = _round0_cause(run, tmp_path)
+    chain = json.loads((run / "summary.json").read_text())["fix_chain"]
+    assert len(chain) > 2 and chain[-1]["status"] == "bitwise", chain
+    assert evaluate(str(run), policy).exit_code == 1  # the control
+    shutil.rmtree(run / "auto" / "round1")
+    shutil.copytree(run / "auto" / f"round{len(chain) - 1}", run / "auto" / "round1", symlinks=True)
+    res = evaluate(str(run), policy)
+    assert res.exit_code == 2 and any("the fix chain's round 1: auto/round1/manifest.json was written into" in p
+                                      for p in res.problems), res.lines()

@@ -69,6 +69,30 @@ def _tensors_linked_to(src):
     return edit
 
 
+def _flip_a_value(r, name="records.safetensors"):
+    """One bit of one stored value flipped inside ops/tp2's tensor file, its header untouched: the dtype
+    and shape of every record still agree with the index, only the record's stored hash tells."""
+    import struct
+
+    p = r / "ops" / "tp2" / name
+    b = bytearray(p.read_bytes())
+    n = struct.unpack("<Q", b[:8])[0]
+    header = json.loads(b[8:8 + n])
+    start, end = max((v["data_offsets"] for k, v in header.items() if k != "__metadata__"),
+                     key=lambda o: o[1] - o[0])  # the largest tensor: a float record
+    b[8 + n + (start + end) // 2 // 4 * 4] ^= 1
+    p.write_bytes(bytes(b))
+
+
+def _hash_dropped_and_a_value_flipped(r):
+    p = r / "ops" / "tp2" / "events.jsonl"
+    lines = [json.loads(x) for x in p.read_text().splitlines()]
+    for m in lines:
+        m.pop("stored_hash", None)
+    p.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    _flip_a_value(r)
+
+
 def _manifest_status(r):
     p = r / "manifest.json"
     d = json.loads(p.read_text())
@@ -81,6 +105,10 @@ EDITS = {
     "ops/tp2 tensors truncated": (_truncated, "truncated"),
     "ops/tp2 records are ops/tp1's": (_records_of("tp1"), "world 1 but world.json says degree 2"),
     "ops/tp2 tensors linked to ops/tp1's": (_tensors_linked_to("tp1"), "its index says"),
+    # hred10: the second pass's tensor bytes were never read by the gate (its diff.csv is trusted): a value
+    # edited inside the file, its header intact, passed `gate --allow rounding` (exit 0) on b953259
+    "ops/tp2 a value edited": (_flip_a_value, "does not match its hash"),
+    "ops/tp2 hashes dropped, a value edited": (_hash_dropped_and_a_value_flipped, "has no stored hash"),
     "manifest status bitwise": (_manifest_status, "manifest.json says the run is 'bitwise' but summary.json says"),
 }
 

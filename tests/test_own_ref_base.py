@@ -94,3 +94,35 @@ def test_a_base_outside_the_pass_is_refused(run, tmp_path):
         RecordSet(str(_own(d)))
     g = _gate(d)
     assert g.returncode == 2 and "records_base" in g.stdout + g.stderr, g.stdout + g.stderr
+
+
+def test_a_base_dropped_from_world_json_is_inconclusive(run, tmp_path):
+    # red team hred10: world.json's records_base removed, the own-input reference read as a set of its own
+    # (its float64 records alone) - on a rounding-only run (tiny-llama --capture hash) the gate passed it
+    # (exit 0); the manifest's worlds entry names the base the compare ran it on
+    d = _copy(run, tmp_path)
+    p = _own(d) / "world.json"
+    w = json.loads(p.read_text())
+    assert w["config"].pop("records_base")
+    p.write_text(json.dumps(w))
+    g = _gate(d)
+    assert g.returncode == 2 and "records_base None is not the base manifest.json ran it on" in g.stdout, \
+        g.stdout + g.stderr
+
+
+@pytest.mark.parametrize("gone,words", [("summary.json", "ran (its manifest.json is there) but its summary.json is missing"),
+                                        ("", "is missing, but region/summary.json left modules to judge")])
+def test_the_own_input_pass_removed_is_inconclusive(run, tmp_path, gone, words):
+    # red team hred10: region/ops/summary.json (or the whole own-input pass) deleted - its findings, a bug
+    # judged on its own inputs, dropped unseen with it - passed gate --allow rounding (exit 0) on a
+    # rounding-only run (tiny-llama --capture hash); here the planted bugs' run read as FAIL (exit 4)
+    d = _copy(run, tmp_path)
+    p = d / "region" / "ops" / gone
+    if gone:
+        p.unlink()
+    else:
+        import shutil
+
+        shutil.rmtree(p)
+    g = _gate(d)
+    assert g.returncode == 2 and words in g.stdout, g.stdout + g.stderr

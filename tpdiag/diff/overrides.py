@@ -29,7 +29,7 @@ def _confirm_dir(run_dir: str, conf: dict) -> str | None:
     return RunDir(run_dir).confirm_run(os.path.basename(str(conf["run_dir"]).rstrip("/")))
 
 
-def _confirmation(run_dir: str, lab: str, entry: dict, seen: dict, check) -> tuple[str | None, set]:
+def _confirmation(run_dir: str, lab: str, entry: dict, seen: dict, check, manifest: dict) -> tuple[str | None, set]:
     """(problem or None, the record keys the confirmation's records have bitwise) for one configuration."""
     from tpdiag.records.rundir import read_manifest, read_rows, read_summary
 
@@ -42,7 +42,13 @@ def _confirmation(run_dir: str, lab: str, entry: dict, seen: dict, check) -> tup
     if d not in seen:
         try:
             m, s, rows = read_manifest(d), read_summary(d), read_rows(RunDir(d).diff_csv)
-            bad = check(d, m, s, rows)
+            # this run's own rerun first: another run's confirm/<fix>/ copied in (another seed, another
+            # model) agrees with itself and confirmed that run's divergence, not this one's (red team hred10)
+            from tpdiag.records.sides import pass_identity_problem
+
+            why = pass_identity_problem(manifest, m, os.path.relpath(d, run_dir),
+                                        tuple(os.path.basename(d).split("+")), here=d)
+            bad = [why] if why else check(d, m, s, rows)
             if not bad and m.get("status") is None:
                 bad = ["manifest.json has no final status (the rerun never finished)"]
             seen[d] = (bad[0] if bad else None, s, rows)
@@ -71,6 +77,16 @@ def _confirmation(run_dir: str, lab: str, entry: dict, seen: dict, check) -> tup
                     f"{(after or {}).get('key')!r} (edited after the run)"), set()
     if conf.get("verdict") in ("confirmed", "not-confirmed") and conf["verdict"] != want:
         return f"{where}: summary.json says {conf['verdict']} but its records say {want} (edited after the run)", set()
+    after = after_entry.get("first_divergence")
+    from tpdiag.records.causes import cause_class
+
+    if want == "confirmed" and isinstance(after, dict) and cause_class(after.get("cause")) == "bug" and not any(
+            isinstance(f, dict) and f.get("key") == after.get("key") and f.get("from") == f"confirmation ({conf.get('fix')})"
+            for f in entry.get("findings") or ()):
+        # runner/confirm._bug_after files the bug the rerun found at its next first divergence: fixes only
+        # reorder, so it is this run's bug too - removed from summary.json, the run passed as rounding
+        return (f"{where}: its rerun found {after.get('cause')} at {after.get('key')}, which summary.json's findings "
+                "lack (edited after the run)"), set()
     return None, bitwise if want == "confirmed" else set()
 
 
@@ -116,7 +132,7 @@ def problems(run_dir: str, manifest: dict, summary: dict, check) -> list[str]:
                 continue
         elif conf.get("verdict") == "confirmed" or relabelled or os.path.isdir(d):
             # (a confirmation that clears nothing lets nothing through: a rerun that wrote nothing is not asked for)
-            bad, bitwise = _confirmation(run_dir, lab, entry, seen, check)
+            bad, bitwise = _confirmation(run_dir, lab, entry, seen, check, manifest)
             if bad:
                 out.append(bad)
                 continue
@@ -140,4 +156,65 @@ def problems(run_dir: str, manifest: dict, summary: dict, check) -> list[str]:
                 out.append(f"summary.json's TP={lab} finding {key} reads {f.get('cause')!r} over locate's "
                            f"{f.get('cause_before')!r}, which the run's own files do not support (edited after the run)")
                 break
-    return out
+    return out + _unreported(run_dir, manifest, summary)
+
+
+def _unreported(run_dir: str, manifest: dict, summary: dict) -> list[str]:
+    """A confirmation that ran must be in summary.json: runner/session.py confirms every divergent
+    configuration of a compare run with --confirm (a verdict for each: confirmed, not-confirmed or
+    no-fix), and a rerun of this run's in confirm/<fix>/ is named by the configuration it confirmed. A
+    confirmation removed from summary.json (with the bug only its rerun found, and its folder) passed the
+    gate as a run never confirmed (red team hred10)."""
+    from tpdiag.records.axes import entries
+    from tpdiag.records.rundir import read_manifest
+    from tpdiag.records.sides import started
+
+    every = {lab: e for lab, e in entries(summary).items() if isinstance(e, dict)}
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    if cfg.get("confirm") is True and cfg.get("fix_mode") != "auto" and summary.get("status") == "divergent":
+        for lab, e in every.items():
+            conf = e.get("confirmation")
+            if e.get("status") == "divergent" and isinstance(e.get("first_divergence"), dict) and not (
+                    isinstance(conf, dict) and conf.get("verdict") in ("confirmed", "not-confirmed", "no-fix")):
+                return [f"summary.json's TP={lab} has no confirmation, but the run confirmed every divergent "
+                        "configuration (manifest.json: confirm true; edited after the run)"]
+            why = _no_fix_problem(lab, e, cfg) if isinstance(conf, dict) and conf.get("verdict") == "no-fix" else None
+            if why:
+                return [why]
+    named = {os.path.basename(str(e["confirmation"]["run_dir"]).rstrip("/")) for e in every.values()
+             if isinstance(e.get("confirmation"), dict) and e["confirmation"].get("run_dir")}
+    mine = started(manifest)
+    try:
+        folders = sorted(os.listdir(os.path.join(run_dir, "confirm")))
+    except OSError:
+        folders = []
+    for name in folders:
+        sub = RunDir(run_dir).confirm_run(name)
+        if name in named or not os.path.isfile(RunDir(sub).manifest):
+            continue
+        try:
+            theirs = started(read_manifest(sub))
+        except Inconclusive:
+            theirs = mine  # unreadable: not proven an earlier run's
+        if mine is None or theirs is None or theirs >= mine:
+            return [f"confirm/{name}/ holds a confirmation rerun of this run (started after it) that no configuration "
+                    "of summary.json names (its confirmation removed, or edited after the run)"]
+    return []
+
+
+def _no_fix_problem(lab: str, entry: dict, cfg: dict) -> str | None:
+    """runner/confirm.py says no-fix only where no fix in the catalogue removes the located cause, or every
+    one that does was already on: a no-fix over a cause a fix removes hides the rerun's verdict."""
+    from tpdiag.fixes.registry import catalogue, fixes_for_cause
+
+    fd = entry["first_divergence"]
+    on = cfg.get("fixes") if isinstance(cfg.get("fixes"), list) else []
+    fix = entry["confirmation"].get("fix")
+    if isinstance(fix, str) and fix and set(fix.split("+")) <= set(on):
+        return None  # `tpdiag confirm --fix X` with X already on: nothing to rerun
+    names = fixes_for_cause(str(fd.get("cause")), fd.get("op"))
+    left = tuple(n for n in names if n not in on)
+    if left and all(catalogue()[n].install is not None for n in left):
+        return (f"summary.json's TP={lab} confirmation says no-fix, but {'+'.join(left)} removes its cause "
+                f"{fd.get('cause')!r} and was not on (edited after the run)")
+    return None

@@ -81,13 +81,14 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
     if why or not layout:
         return why
     # The second pass's records are not re-diffed (its diff.csv is trusted as the first pass's is not),
-    # but they are its float64 verdicts' evidence: a tensor file truncated by a crashed copy, or another
-    # world's events.jsonl or records.safetensors in their place, is a corrupt capture (DESIGN: exit 2),
-    # found from the index and the file's header without reading the tensors.
+    # but they are its float64 verdicts' evidence: a tensor file truncated by a crashed copy, another
+    # world's events.jsonl or records.safetensors in their place, or a value edited inside the file is a
+    # corrupt capture (DESIGN: exit 2), found from the index, the file's header and each record's stored
+    # hash (its bytes read once, as the first pass's re-diff reads every record's).
     from tpdiag.records.store import RecordSet
 
     try:
-        RecordSet(d).check_layout()
+        RecordSet(d).check_every_record()
     except Inconclusive as e:
         return f"{who}: {str(e).splitlines()[0]}"
     return None
@@ -201,6 +202,19 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
     # findings join the region pass's
     nested = os.path.join(name, "ops")
     inner = {}
+    from tpdiag.records.own_pass import own_pass_wanted, ran_here
+
+    if name.startswith("region") and not os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary) \
+            and os.path.isfile(RunDir(os.path.join(run_dir, nested)).manifest):
+        # the own-input pass ran (its manifest is there): without its summary its findings - a bug judged
+        # on its own inputs - were dropped unseen, with the pass itself (red team hred10)
+        why = ran_here(run_dir, nested)
+        if why:
+            return [why]
+    if name.startswith("region") and not os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary) \
+            and own_pass_wanted(sp, sub):
+        return [f"the second pass's own-input pass {nested}/ is missing, but {name}/summary.json left modules to "
+                "judge on their own inputs (deleted, or the run was cut short)"]
     if name.startswith("region") and os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary):
         try:
             n = io.read_json(run_file(run_dir, os.path.join(nested, SUMMARY)))
@@ -374,6 +388,9 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
     if base is None and reruns:
         out.append(f"manifest.json ran the reference rerun TP={reruns[0]} but summary.json reports no baseline "
                    "(edited after the run)")
+    from tpdiag.records.baseline import baseline_problems
+
+    out += baseline_problems(manifest, summary, base)
     for lab in labels + ([base_label] if base_label in worlds else []):
         w = worlds.get(lab)
         if not isinstance(w, dict):

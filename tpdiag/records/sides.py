@@ -83,6 +83,14 @@ def settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) 
     why = world_identity_problem(world, label, degree, f"{folder(label)}/{WORLD}", cfg.get("out"), linked)
     if why:
         return f"{who}: {why}"
+    # A world that wrote only its float64 records reads the rest from its base (records/store.py): the
+    # compare that ran it says which (manifest.json's worlds[label].records_base). world.json's base
+    # dropped, the world read as a set of its own - its float64 records alone (red team hred10).
+    mine = entry.get("records_base") if isinstance(entry, dict) else None
+    theirs = wcfg.get("records_base") or None
+    if (mine or theirs) and not (isinstance(mine, str) and isinstance(theirs, str) and _same_path(mine, theirs)):
+        return (f"{who}: {folder(label)}/{WORLD}'s records_base {theirs!r} is not the base manifest.json ran it on "
+                f"({mine!r}): edited after the run")
     for k in _SAME_SETTINGS:
         if k in cfg and wcfg.get(k) != cfg[k]:
             return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k)!r} but manifest.json says {cfg[k]!r} "
@@ -110,12 +118,14 @@ def settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) 
     return None
 
 
-def pass_identity_problem(manifest: dict, sub, name: str) -> str | None:
+def pass_identity_problem(manifest: dict, sub, name: str, added_fixes: tuple = (), here: str | None = None) -> str | None:
     """A later pass's folder of this run (the second pass: ops/, region/...) must be this run's: written
     where this compare wrote it (its config `out` this run's own joined with the folder's name, both as
     the run wrote them, so a run directory moved whole still agrees), with this run's settings, started
     after it. Another run's ops/ copied in (another step count, a decode configuration's) passed
-    `gate --allow rounding` with that run's float64 verdicts read as this run's (red team, hred9)."""
+    `gate --allow rounding` with that run's float64 verdicts read as this run's (red team, hred9).
+    added_fixes: the fixes this pass ran on top of the run's (a confirmation's, confirm/<fix>/). here: the
+    folder's path as read now - `tpdiag confirm` on a run directory moved since writes into it there."""
     cfg = manifest.get("config") if isinstance(manifest, dict) else None
     scfg = sub.get("config") if isinstance(sub, dict) else None
     if not isinstance(cfg, dict):
@@ -123,17 +133,22 @@ def pass_identity_problem(manifest: dict, sub, name: str) -> str | None:
     if not isinstance(scfg, dict):
         return f"{name}/manifest.json has no config (not what tpdiag compare writes)"
     out, sout = cfg.get("out"), scfg.get("out")
-    if isinstance(out, str) and out and not (isinstance(sout, str) and sout and _same_path(sout, os.path.join(out, name))):
+    moved_here = isinstance(sout, str) and sout and here is not None and _same_path(sout, os.path.abspath(here))
+    if isinstance(out, str) and out and not moved_here and not (
+            isinstance(sout, str) and sout and _same_path(sout, os.path.join(out, name))):
         return (f"{name}/manifest.json was written into {sout!r}, not this run's {os.path.join(out, name)!r}: "
-                "another run's second pass copied in, or edited after the run")
+                "another run's pass copied in, or edited after the run")
     for k in _SAME_SETTINGS:
-        if k in cfg and scfg.get(k) != cfg[k]:
-            return (f"{name}/manifest.json ran {k} {scfg.get(k)!r} but manifest.json says {cfg[k]!r} (another run's "
-                    "second pass copied in, or edited after the run)")
+        want = cfg.get(k)
+        if k == "fixes" and added_fixes and isinstance(want, list):
+            want = [*want, *added_fixes]
+        if k in cfg and scfg.get(k) != want:
+            return (f"{name}/manifest.json ran {k} {scfg.get(k)!r} but manifest.json says {want!r} (another run's "
+                    "pass copied in, or edited after the run)")
     mine, theirs = started(manifest), started(sub)
     if mine is not None and theirs is not None and theirs < mine:
         return (f"{name}/ started at {sub.get('started')}, before this run did ({manifest.get('started')}): an "
-                "earlier run's second pass, not this run's")
+                "earlier run's pass, not this run's")
     return None
 
 
@@ -293,6 +308,9 @@ def fix_chain_problems(run_dir: str, manifest: dict, summary: dict) -> list[str]
     if n is not None and (type(n) is not int or n != len(rounds)):
         return [f"manifest.json says the fix chain ran {n!r} rounds but summary.json's fix_chain lists {len(rounds)} "
                 "(rounds removed, or edited after the run)"]
+    why = _rounds_identity_problem(run_dir, manifest, chain or [])
+    if why:
+        return [why]
     mine = started(manifest)
     try:
         folders = os.listdir(os.path.join(run_dir, "auto"))
@@ -312,6 +330,35 @@ def fix_chain_problems(run_dir: str, manifest: dict, summary: dict) -> list[str]
             return [f"auto/{name}/ holds a round of this run's fix chain that summary.json's fix_chain does not list "
                     "(rounds removed, or edited after the run)"]
     return []
+
+
+def _rounds_identity_problem(run_dir: str, manifest: dict, chain: list) -> str | None:
+    """Each later round's folder (auto/roundN/) is this run's, as a second pass's is: written into this
+    run's auto/roundN/, with its settings and the round's fixes (summary.json's fix_chain: the run's own,
+    then those the chain added), started after it. Another run's round copied in (a round that found
+    nothing, over one that found a bug) is gated as its own run and passed (red team hred10)."""
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else None
+    if cfg is None:
+        return None
+    own = cfg.get("fixes") if isinstance(cfg.get("fixes"), list) else []
+    for rnd in chain:
+        i = rnd.get("round")
+        if type(i) is not int or i < 1:
+            continue
+        name = f"auto/round{i}"
+        fixes = rnd.get("fixes")
+        if not isinstance(fixes, list) or fixes[:len(own)] != own:
+            return (f"summary.json's fix_chain round {i} ran the fixes {fixes!r}, not the run's own {own!r} and "
+                    "those the chain added (edited after the run)")
+        sub = os.path.join(run_dir, name)
+        try:
+            theirs = io.read_json(os.path.join(sub, MANIFEST))
+        except Inconclusive:
+            continue  # gate/verdict._judge_chain evaluates the round and says what is wrong with it
+        why = pass_identity_problem(manifest, theirs, name, tuple(fixes[len(own):]), here=sub)
+        if why:
+            return f"the fix chain's round {i}: {why}"
+    return None
 
 
 def started(manifest) -> float | None:

@@ -334,16 +334,20 @@ class RecordSet:
             raise Inconclusive(f"{self.dir}: record {meta['key']} is stored as {dtype or '?'}{shape}, its index "
                                f"says {meta['dtype']}{want} (edited or mismatched files)")
 
-    def check_layout(self) -> None:
-        """Every stored record's dtype and shape are what its index says, from the file's header alone
-        (no tensor bytes read): the check for a record set nobody re-diffs (a second pass's worlds,
-        records/integrity.py), so its tensor file swapped for another world's, or its index for
-        another's, is Inconclusive. The bytes themselves are checked by their hashes only when read."""
+    def check_every_record(self, need_hash: bool = True) -> None:
+        """Every stored record is what its index says - its dtype and shape from the file's header, its
+        bytes by its stored hash: the check for a record set nobody re-diffs (a second pass's worlds,
+        records/integrity.py), and the records a re-diff never read (diff/recheck.verify: a decode or
+        micro-batch configuration's reference's backward, which nothing is compared with). Its tensor
+        file swapped for another world's, or its index for another's, fails the header; a value edited
+        inside the file, its header intact, fails only the hash (the second pass's float64 verdicts stood
+        on bytes nobody read again: red team hred10). need_hash: a stored record without a hash is refused
+        (a compare world's: every one has its hash) rather than passed unchecked."""
         from tpdiag.records.safetensors_stream import torch_dtype_name
 
         for m in self.events:
-            if m.get("stored") == "hash":
-                continue
+            if m.get("stored") == "hash" or m["idx"] in self._verified:
+                continue  # (read and checked already: the re-diff's records, recheck.verify)
             try:
                 f, name = self._slot(m["idx"])
                 s = f.get_slice(name)
@@ -360,6 +364,18 @@ class RecordSet:
                 # run's own when they are what its hash says - another world's tensor never is.
                 if not self._own_bytes(m):
                     raise
+                continue
+            if m.get("stored_hash") is None:
+                if not need_hash:
+                    continue  # verify()'s rule: a record set written without hashes has none to check
+                # a compare world stores every tensor with its hash (runner/gather.py): one without was edited
+                raise Inconclusive(f"{self.dir}: record {m['key']} has no stored hash, so its bytes cannot be "
+                                   "checked (edited after the run)")
+            try:
+                t = f.get_tensor(name)
+            except Exception as e:
+                raise Inconclusive(f"{self.dir}: record {m['key']} unreadable ({_line(e)})") from None
+            self.verify(m, t)
 
     def _own_bytes(self, meta: dict) -> bool:
         """Whether the record's stored bytes are what its stored hash says (verify(), as a yes/no)."""
