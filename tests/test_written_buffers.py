@@ -110,3 +110,64 @@ def test_a_buffer_written_wrong_on_every_rank_alike_is_judged_against_its_float6
     assert lead["oracle"]["far"] and lead["bound_ratio"] > 1e3, lead
     assert "BUG" in p.stdout.splitlines()[0] and "optimizer: mlp.up (buffer amax" in p.stdout, p.stdout[-2000:]
     assert run_cli("gate", str(d)).returncode == 4
+
+
+def test_nested_oracle_modules_share_one_copy_of_a_buffer_until_it_is_written(monkeypatch):
+    """A buffer under several re-executed modules (the model, its block, the block's layer) is
+    copied once per value, not once per module: on 2f72fdf each pre-forward hook cloned every buffer
+    of its subtree anew and the copies lived to the backward (the oracle's backward hook holds
+    them) - a KV cache at real size held depth times over. The copy is still the value each call
+    read: a buffer written between two calls is copied again, and the float64 re-execution of the
+    module that wrote it starts from the value before (as it did)."""
+    import torch
+    from torch import nn
+
+    from tpdiag.probes import float64
+    from tpdiag.probes.module_probe import module_probes
+    from tpdiag.probes.recorder import Recorder
+
+    class Layer(nn.Module):  # reads a large table, and writes a running value after use
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("table", torch.randn(64, 4))
+            self.register_buffer("run", torch.ones(4))
+
+        def forward(self, x):
+            y = self.lin(x * self.run) + self.table[:x.shape[0]]
+            with torch.no_grad():
+                self.run.mul_(0.5).add_(0.5 * x.abs().mean(0))
+            return y
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = Layer()
+
+        def forward(self, x):
+            return self.layer(x).relu()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(x) + self.block(x)  # two calls: the second reads the written `run`
+
+    lists = []
+    real = float64.buffers_before
+    monkeypatch.setattr(float64, "buffers_before", lambda *a, **k: lists.append(real(*a, **k)) or lists[-1])
+    m, x = Model(), torch.randn(3, 4)
+    run0 = m.block.layer.run.clone()
+    with module_probes(m, Recorder(mode="full"), oracle={"model", "block", "block.layer"}):
+        m(x).sum().backward()
+    assert len(lists) == 5  # model; block and its layer, twice
+    copies = {(id(b), k): [] for b in [m.block.layer] for k in ("table", "run")}
+    for got in lists:
+        for owner, k, b, version, copy in got:
+            copies[(id(owner), k)].append(copy)
+    tables, runs = copies[(id(m.block.layer), "table")], copies[(id(m.block.layer), "run")]
+    assert all(t is tables[0] for t in tables), "an unchanged buffer is copied once"
+    assert all(r is runs[0] for r in runs[:3]) and runs[3] is runs[4] and runs[3] is not runs[0]
+    assert torch.equal(runs[0], run0) and not torch.equal(runs[3], run0)  # the value each call read
