@@ -171,3 +171,26 @@ def test_nested_oracle_modules_share_one_copy_of_a_buffer_until_it_is_written(mo
     assert all(t is tables[0] for t in tables), "an unchanged buffer is copied once"
     assert all(r is runs[0] for r in runs[:3]) and runs[3] is runs[4] and runs[3] is not runs[0]
     assert torch.equal(runs[0], run0) and not torch.equal(runs[3], run0)  # the value each call read
+
+
+@pytest.mark.parametrize("case", ["local_load", "global_load"])
+def test_a_buffer_written_on_one_rank_only_is_recorded_on_every_rank(case, tmp_path):
+    """tests/models/planted/balance_tol.py: the load-balancing bias nudged only where the loads'
+    spread passes a tolerance, each rank deciding from its own experts' load (local_load): at TP=2
+    one rank writes the bias and the other does not. On 2f72fdf only the writing rank recorded it:
+    the ranks' record streams differed and the run read 'inconclusive: ... the model is not SPMD'
+    (exit 2), the wrong replica unnamed (2d251fd, recording no buffer, named it downstream at step
+    1). Every rank now records a buffer any rank wrote: the bias is the rank-inconsistent replica, at
+    step 0. The twin (the loads all-reduced first) stays bitwise."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", f"py:tests/models/planted/balance_tol.py:{case}", "--tp", "1,2",
+                "--steps", "2", "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
+    if case == "global_load":
+        assert e["status"] == "bitwise", e.get("first_divergence")
+        return
+    fd = e["first_divergence"]
+    assert (fd["key"], fd["cause"]) == ("s0/optimizer/moe/buffer#0/bias", "rank-inconsistent-replica"), fd
+    assert "BUG" in p.stdout.splitlines()[0] and "inconclusive" not in p.stdout, p.stdout[-2000:]
