@@ -194,3 +194,16 @@ def test_a_buffer_written_on_one_rank_only_is_recorded_on_every_rank(case, tmp_p
     fd = e["first_divergence"]
     assert (fd["key"], fd["cause"]) == ("s0/optimizer/moe/buffer#0/bias", "rank-inconsistent-replica"), fd
     assert "BUG" in p.stdout.splitlines()[0] and "inconclusive" not in p.stdout, p.stdout[-2000:]
+
+
+def test_the_verdict_line_of_a_buffer_names_the_forward_that_wrote_it():
+    """A buffer's float64 value is what its writer's forward left in it (diff/oracle.apply's
+    bound_model says so); the headline's line said 'the module re-executed in float64', as for an
+    output (2f72fdf)."""
+    from tpdiag.cli.render import oracle_line
+
+    v = {"far": True, "ratio": 1.3e5, "err": 0.99, "ref_err": 2.5e-8, "threshold": 7.6e-6, "relative": True}
+    fd = {"phase": "optimizer", "module": "mlp.up", "kind": "buffer", "name": "amax", "cause": "sharding-bug",
+          "oracle": v}
+    line = oracle_line(fd)
+    assert "the forward that wrote it re-executed in float64" in line and "BUG" in line, line
