@@ -207,3 +207,25 @@ def test_the_verdict_line_of_a_buffer_names_the_forward_that_wrote_it():
           "oracle": v}
     line = oracle_line(fd)
     assert "the forward that wrote it re-executed in float64" in line and "BUG" in line, line
+
+
+def test_a_shared_buffer_copy_is_not_reused_after_a_write_the_version_counter_missed():
+    """A write through `.data` moves no version counter: an enclosing module that writes its child's
+    buffer that way before calling it leaves the child reading other bits than the copy made at the
+    enclosing call - that copy, reused, would start the child's float64 re-execution from a value it
+    never read. The bits are compared before a copy is shared."""
+    import torch
+    from torch import nn
+
+    from tpdiag.probes.float64 import buffers_before
+
+    child = nn.BatchNorm1d(3)
+    parent = nn.Sequential(child)
+    shared = {}
+    first = buffers_before(parent, shared)
+    again = buffers_before(child, shared)
+    assert all(a[4] is b[4] for a, b in zip(first, again))  # unchanged: one copy
+    child.running_mean.data.add_(1.0)                       # no version counter moves
+    later = {k: c for _, k, _, _, c in buffers_before(child, shared)}
+    assert torch.equal(later["running_mean"], child.running_mean)
+    assert later["running_var"] is {k: c for _, k, _, _, c in first}["running_var"]

@@ -100,13 +100,25 @@ def buffers_before(mod: torch.nn.Module, shared: dict | None = None) -> list:
                 continue
             got = seen.get(id(b))
             # the copies are never written (_as_before writes a float64 copy of one), so one serves
-            # every call that read the same bits; weak: it lives as long as a snapshot holds it
+            # every call that read the same bits; weak: it lives as long as a snapshot holds it. The
+            # bits are compared too: a write through `.data` moves no version counter
             copy = got[2]() if got is not None and got[0]() is b and got[1] == b._version else None
+            if copy is not None and not _same_bits(copy, b):
+                copy = None
             if copy is None:
                 copy = b.detach().clone()
                 seen[id(b)] = (weakref.ref(b), b._version, weakref.ref(copy))
             out.append((m, k, b, b._version, copy))
     return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same values (a DTensor's local shards: comparing two DTensors would be a
+    collective); False where they cannot be compared (a meta tensor), or hold a NaN."""
+    try:
+        return torch.equal(getattr(a, "_local_tensor", a).detach(), getattr(b, "_local_tensor", b).detach())
+    except Exception:  # noqa: BLE001 - not comparable: a fresh copy, as before any was shared
+        return False
 
 
 def _as_before(buffers) -> None:
