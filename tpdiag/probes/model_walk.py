@@ -80,10 +80,11 @@ def _written_anywhere(rec: Recorder, wrote: set[str]) -> set[int]:
     from tpdiag.base.gloo_release import settle
 
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flags = torch.zeros(_SLOTS, dtype=torch.uint8, device=dev)
-    if slots:
-        flags[torch.tensor(sorted(slots), device=dev)] = 1
-    with rec._paused():  # the map's own ops and collective are no records
+    # the map's own ops and collective are no records, and skip torch-function modes (record_params)
+    with rec._paused(), torch._C.DisableTorchFunction():
+        flags = torch.zeros(_SLOTS, dtype=torch.uint8, device=dev)
+        if slots:
+            flags[torch.tensor(sorted(slots), device=dev)] = 1
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         settle([flags])
         return set(flags.nonzero().flatten().tolist())
