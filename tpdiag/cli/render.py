@@ -325,7 +325,9 @@ def oracle_line(fd: dict) -> str:
     """The float64 verdict in words (diff/oracle.py)."""
     v = fd.get("oracle") or fd.get("op_oracle")
     what = v.get("what") or ("its op" if not fd.get("oracle") else
-                             {"param_grad": "the module's backward", "grad_out": "its consumer's backward"}.get(
+                             {"param_grad": "the module's backward", "grad_out": "its consumer's backward",
+                              # a buffer's float64 value is the one its writer's forward left in it
+                              "buffer": "the forward that wrote it"}.get(
                                  fd.get("kind"), "the module"))
     unit = "relative " if v.get("relative") else ""
     dist = (f"this side {v['err']:.2e} from it, the reference {v['ref_err']:.2e} ({unit}2-norm; "

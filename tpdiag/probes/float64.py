@@ -81,22 +81,44 @@ def snapshot(x):
     return tree_map(one, x)
 
 
-def buffers_before(mod: torch.nn.Module) -> list:
+def buffers_before(mod: torch.nn.Module, shared: dict | None = None) -> list:
     """The module's buffers as they are now, before its real forward: each (owner, name, the tensor,
     its version counter, a private copy). A forward that writes its own state (a load-balancing
     bias, an amax history, a running statistic) leaves the module holding the new values by the
-    time it is re-executed; the re-execution must start from the ones the real forward read."""
-    seen: dict = {}
+    time it is re-executed; the re-execution must start from the ones the real forward read.
+    shared: one dict for every call of a forward (probes/module_probe.py): a buffer unchanged since
+    an enclosing module's call copied it (the same tensor, the same version counter) takes that
+    copy - copied afresh at each level, a buffer of a layer whose model, block and attention are
+    all re-executed was held depth times over, to the step's backward (a KV cache at real size)."""
+    import weakref
+
+    seen: dict = {} if shared is None else shared
     out = []
     for m in mod.modules():
         for k, b in m._buffers.items():
             if b is None:
                 continue
-            copy = seen.get(id(b))
+            got = seen.get(id(b))
+            # the copies are never written (_as_before writes a float64 copy of one), so one serves
+            # every call that read the same bits; weak: it lives as long as a snapshot holds it. The
+            # bits are compared too: a write through `.data` moves no version counter
+            copy = got[2]() if got is not None and got[0]() is b and got[1] == b._version else None
+            if copy is not None and not _same_bits(copy, b):
+                copy = None
             if copy is None:
-                copy = seen[id(b)] = b.detach().clone()
+                copy = b.detach().clone()
+                seen[id(b)] = (weakref.ref(b), b._version, weakref.ref(copy))
             out.append((m, k, b, b._version, copy))
     return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same values (a DTensor's local shards: comparing two DTensors would be a
+    collective); False where they cannot be compared (a meta tensor), or hold a NaN."""
+    try:
+        return torch.equal(getattr(a, "_local_tensor", a).detach(), getattr(b, "_local_tensor", b).detach())
+    except Exception:  # noqa: BLE001 - not comparable: a fresh copy, as before any was shared
+        return False
 
 
 def _as_before(buffers) -> None:

@@ -36,19 +36,58 @@ def record_written_buffers(rec: Recorder, model: nn.Module, before: dict, plan: 
     state a training forward keeps for the next step (a load-balancing bias, running statistics)
     is read by later steps like a parameter, yet no parameter record holds it - a replica written
     differently on each rank was seen only at a later step's output, with no input of it differing
-    (its cause unknown, or a bug named downstream)."""
+    (its cause unknown, or a bug named downstream). Written on ANY rank of the world
+    (_written_anywhere): every rank records the same buffers."""
     if not rec.enabled:
         return
     style = _style_memo(plan)
+    floating = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+    wrote = {n for n, b in floating if before.get(_split(n)) != (id(b), b._version)}
+    marked = _written_anywhere(rec, wrote)
     with torch._C.DisableTorchFunction():
-        for n, b in model.named_buffers():
-            key = _split(n)
-            if not b.is_floating_point() or before.get(key) == (id(b), b._version):
+        for n, b in floating:
+            if _slot(n) not in marked:
                 continue
-            mname, short = key
+            mname, short = _split(n)
             if include is not None and (mname or "model") not in include:
                 continue
             rec.add("buffer", mname or "model", short, b, style=style(mname))
+
+
+# the slots of the buffers' names that one world's ranks agree on (_written_anywhere)
+_SLOTS = 1 << 14
+
+
+def _slot(name: str) -> int:
+    import zlib
+
+    return zlib.crc32(name.encode()) % _SLOTS
+
+
+def _written_anywhere(rec: Recorder, wrote: set[str]) -> set[int]:
+    """The slots of the buffers any rank of the world wrote this step, one all-reduce (MAX) of a
+    fixed-size map of name slots, so that no rank's buffers (their number, their names) change what
+    the ranks exchange. A write a rank makes on its own (a bias nudged only where that rank's own
+    load passes a tolerance) left its buffer record on that rank only: the ranks' record streams
+    differed and the run read "inconclusive: the model is not SPMD", a wrong replica unnamed. A
+    buffer whose name shares a written one's slot is recorded too (the same at every degree: the
+    rule is the same where there is no other rank)."""
+    import torch.distributed as dist
+
+    slots = {_slot(n) for n in wrote}
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return slots
+    from tpdiag.base.gloo_release import settle
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # the map's own ops and collective are no records, and skip torch-function modes (record_params)
+    with rec._paused(), torch._C.DisableTorchFunction():
+        flags = torch.zeros(_SLOTS, dtype=torch.uint8, device=dev)
+        if slots:
+            flags[torch.tensor(sorted(slots), device=dev)] = 1
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        settle([flags])
+        return set(flags.nonzero().flatten().tolist())
 
 
 def _split(name: str) -> tuple[str, str]:

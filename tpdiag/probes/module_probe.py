@@ -86,6 +86,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         counts = rec._calls
 
         snaps: dict = {}  # (module, call) -> float64 snapshot of its inputs (oracle modules)
+        copies: dict = {}  # the buffers' copies those take, one per unchanged buffer (buffers_before)
         loaded: dict = {}
         # (step, module, short) -> the float64 weight grads held until the real one is
         # accumulated (oracle_hooks.param_grad_norms), for the weight grad hooks put in below
@@ -127,7 +128,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 from tpdiag.probes.float64 import buffers_before, snapshot
 
                 # its buffers too: a forward that writes them is re-executed from what it read
-                snaps[(mod, call)] = (snapshot((args, kwargs or {})), buffers_before(mod))
+                snaps[(mod, call)] = (snapshot((args, kwargs or {})), buffers_before(mod, copies))
             with _no_modes():
                 for i, t in enumerate(_tensors(args, kwargs)):
                     add("in", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
