@@ -37,7 +37,7 @@ def test_complex128_records_are_stored_and_read_back(tmp_path):
               "call": 0, "name": "0", "dtype": "float32", "local_shape": [5], "stored_hash": tensor_hash(r)}]
     write(str(tmp_path), [(metas[0], t), (metas[1], r)], {"degree": 1, "rank": 0, "world": 1})
     rs = RecordSet(str(tmp_path))
-    rs.check_layout()
+    rs.check_every_record()
     got = rs.tensor(rs.events[0])
     assert got.dtype == torch.complex128 and torch.equal(torch.view_as_real(got), torch.view_as_real(t))
     assert torch.equal(rs.tensor(rs.events[1]), r)
@@ -50,5 +50,8 @@ def test_a_torchtitan_style_model_is_judged(tmp_path):
     s = json.loads(p.stdout)
     assert s["status"] == "divergent" and s["class"] == "rounding", json.dumps(s["degrees"])[:2000]
     fd = s["degrees"]["2"]["first_divergence"]
-    assert fd["cause"] == "row-parallel-reduction" and fd["oracle"]["far"] is False, fd
+    # on the host the first divergence is wo's all-reduce; on 2x H200 (NCCL) it was w1's GEMM of
+    # another shape (shape-dependent-gemm), rounding all the same
+    causes = {"row-parallel-reduction"} | ({"shape-dependent-gemm"} if torch.cuda.is_available() else set())
+    assert fd["cause"] in causes and fd["oracle"]["far"] is False, fd
     assert not s["degrees"]["2"].get("downstream_unjudged"), s["degrees"]["2"].get("downstream_unjudged")
