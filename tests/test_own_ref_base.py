@@ -10,7 +10,8 @@ from conftest import run_cli
 from safetensors.torch import load_file, save_file
 
 from tpdiag.errors import Inconclusive
-from tpdiag.records.store import RecordSet, base_drop, read_index
+from tpdiag.records.base_world import base_drop
+from tpdiag.records.store import RecordSet, read_index
 
 ARGS = ("--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2", "--capture", "hash", "--no-confirm",
         "--no-baseline", "--format", "json")

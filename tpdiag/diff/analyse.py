@@ -1,7 +1,8 @@
 """Turn a run directory's per-degree records into summary.json (schema 1) and diff.csv."""
 from __future__ import annotations
 
-from tpdiag.diff.engine import diff_degree, per_piece_blocks, per_rank_blocks, per_rank_ops, per_rank_params
+from tpdiag.diff.engine import diff_degree
+from tpdiag.diff.left_out import per_piece_blocks, per_rank_blocks, per_rank_ops, per_rank_params
 from tpdiag.diff.judge import baseline_cause, describe, settle
 from tpdiag.diff.locate import add_bounds, locate, logprob_stats, nonfinite_summary
 from tpdiag.diff.suspects import hash_suspects, unjudged_modules

@@ -34,14 +34,11 @@ MAX_UNJUDGED = 8
 
 def unjudged_modules(dd) -> list[str]:
     """Modules whose forward output (or a buffer it wrote) differs although their inputs and
-    parameters were equal, and that no layout bound judged: each is a root of its own (a bug in one branch does not explain
-    another), and the second pass re-executes each in float64 (runner/drill.py)."""
+    parameters were equal, and that no layout bound judged: each is a root of its own (a bug in one
+    branch does not explain another), and the second pass re-executes each in float64
+    (runner/drill.py)."""
     from tpdiag.diff.locate import classify
-    from tpdiag.diff.oracle import inputs_equal
-
-    from tpdiag.diff.oracle import grads_equal
-
-    from tpdiag.diff.oracle import forward_equal
+    from tpdiag.diff.oracle import forward_equal, grads_equal, inputs_equal
 
     out, moved = [], []
     for r in dd.rows:

@@ -374,7 +374,7 @@ def base_world_problem(run_dir: str, d: str, who: str, degree) -> str | None:
     """A world that wrote only its float64 records (the own-input pass's reference) reads the rest from
     its base, the region pass's reference (records/store.py): that folder must be a finished world of
     the enclosing run, read from inside it, of this world's configuration and step."""
-    from tpdiag.records.store import base_dir, base_problem
+    from tpdiag.records.base_world import base_dir, base_problem
 
     try:
         world = io.read_json(world_file(d, WORLD))

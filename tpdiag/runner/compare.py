@@ -241,7 +241,7 @@ def _base_world(earlier: str, wcfg) -> bool:
     records the earlier world's ops or none, whose config is the earlier world's but for its folders
     and its float64 re-execution (records/store.py: base_problem, which the reader checks again, fingerprints too).
     TPDIAG_OWN_REF_BASE=0: it writes every record (the A/B: tests/test_own_pass_links.py)."""
-    from tpdiag.records.store import base_problem
+    from tpdiag.records.base_world import base_problem
 
     if os.environ.get("TPDIAG_OWN_REF_BASE", "1") == "0" or not wcfg.rerun.oracle_own:
         return False

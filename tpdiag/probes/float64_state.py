@@ -1,0 +1,90 @@
+"""The float64 re-execution's dtypes and the state a forward writes (probes/float64.py): each
+floating dtype's float64 (complex128) counterpart, and a module's buffers as they were before its real
+forward - a forward that writes its own state (a load-balancing bias, an amax history, a running
+statistic) leaves the module holding the new values by the time it is re-executed, and the
+re-execution must start from the ones the real forward read."""
+from __future__ import annotations
+
+import torch
+
+F64 = torch.float64
+_UP = {torch.float32: F64, torch.float16: F64, torch.bfloat16: F64, torch.complex64: torch.complex128,
+       torch.complex32: torch.complex128}
+# a float8 dtype reads as floating too; no float64 value rounds back to it faithfully, but as an
+# oracle input it is exact
+
+
+def _up_dtype(d):
+    if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex):
+        return _UP.get(d, F64 if d.is_floating_point else d)
+    return d
+
+
+def buffers_before(mod: torch.nn.Module, shared: dict | None = None) -> list:
+    """The module's buffers as they are now, before its real forward: each (owner, name, the tensor,
+    its version counter, a private copy). A forward that writes its own state (a load-balancing
+    bias, an amax history, a running statistic) leaves the module holding the new values by the
+    time it is re-executed; the re-execution must start from the ones the real forward read.
+    shared: one dict for every call of a forward (probes/module_probe.py): a buffer unchanged since
+    an enclosing module's call copied it (the same tensor, the same version counter) takes that
+    copy - copied afresh at each level, a buffer of a layer whose model, block and attention are
+    all re-executed was held depth times over, to the step's backward (a KV cache at real size)."""
+    import weakref
+
+    seen: dict = {} if shared is None else shared
+    out = []
+    for m in mod.modules():
+        for k, b in m._buffers.items():
+            if b is None:
+                continue
+            got = seen.get(id(b))
+            # the copies are never written (_as_before writes a float64 copy of one), so one serves
+            # every call that read the same bits; weak: it lives as long as a snapshot holds it. The
+            # bits are compared too: a write through `.data` moves no version counter
+            copy = got[2]() if got is not None and got[0]() is b and got[1] == b._version else None
+            if copy is not None and not _same_bits(copy, b):
+                copy = None
+            if copy is None:
+                copy = b.detach().clone()
+                seen[id(b)] = (weakref.ref(b), b._version, weakref.ref(copy))
+            out.append((m, k, b, b._version, copy))
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b hold the same values (a DTensor's local shards: comparing two DTensors would be a
+    collective); False where they cannot be compared (a meta tensor), or hold a NaN."""
+    try:
+        return torch.equal(getattr(a, "_local_tensor", a).detach(), getattr(b, "_local_tensor", b).detach())
+    except Exception:  # noqa: BLE001 - not comparable: a fresh copy, as before any was shared
+        return False
+
+
+def _as_before(buffers) -> None:
+    """Inside _isolated: each buffer the real forward wrote (its version moved, or another tensor
+    put in its place) replaced, for the re-execution only, by a float64 copy of the value it had
+    before that forward - the oracle's own tensor, which it may write as the real forward wrote the
+    real one. A buffer the real forward left alone stays (a write to it is still refused)."""
+    made: dict = {}
+    swapped = []
+    for m, k, was, version, copy in buffers or ():
+        if m._buffers.get(k) is was and was._version == version:
+            continue
+        mine = made.get(id(copy))
+        if mine is None:
+            mine = made[id(copy)] = copy.to(_up_dtype(copy.dtype), copy=True)
+        m._buffers[k] = mine
+        swapped.append((m, k))
+    return swapped
+
+
+def _written_values(mod: torch.nn.Module, swapped) -> dict:
+    """{path of the buffer under mod ('amax', 'sub.amax'): the float64 value the re-execution left
+    in it} for the buffers _as_before put in - what the real forward should have written there."""
+    names = {m: n for n, m in mod.named_modules()}
+    out = {}
+    for m, k in swapped:
+        t = m._buffers.get(k)
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and m in names:
+            out[f"{names[m]}.{k}" if names[m] else k] = t.detach()
+    return out
