@@ -145,14 +145,39 @@ def test_the_gate_judges_every_round_of_a_fix_chain(runs, tmp_path):
     import shutil
 
     run_dir = tmp_path / "r"
-    shutil.copytree(runs["good", "float32"][0], run_dir)
-    shutil.copytree(runs["bugs", "float32"][0], run_dir / "auto" / "round1")
+    good, bugs = runs["good", "float32"][0], runs["bugs", "float32"][0]
+    shutil.copytree(good, run_dir)
+    r1 = run_dir / "auto" / "round1"
+    shutil.copytree(bugs, r1)
     # negative control: round 0 alone passes with rounding allowed
     assert gate(run_dir, "--allow", "rounding").returncode == 0
     s = json.loads((run_dir / "summary.json").read_text())
     s["fix_chain"] = [{"round": 0, "fixes": [], "status": "divergent", "class": "rounding"},
                       {"round": 1, "fixes": ["tp-invariant-linear"], "status": "divergent", "class": "bug"}]
     (run_dir / "summary.json").write_text(json.dumps(s))
+    # another run's folder as it is, copied in as a round, is not this run's round (records/sides.py)
+    p = gate(run_dir, "--allow", "rounding")
+    assert p.returncode == 2 and "another run" in p.stdout, p.stdout
+    # relabelled as compare writes a round - written into auto/round1, this run's model, with the
+    # round's fix, started with the run - the round's own records are judged
+    top = json.loads((run_dir / "manifest.json").read_text())
+    model, started = top["config"]["model"], top["started"]
+    theirs = json.loads((bugs / "manifest.json").read_text())["config"]["model"]
+
+    def relabel(x, key=None):
+        if isinstance(x, dict):
+            return {k: ["tp-invariant-linear"] if k == "fixes" and v == [] else relabel(v, k) for k, v in x.items()}
+        if isinstance(x, list):
+            return [relabel(v) for v in x]
+        if key == "started":
+            return started  # the fixture made the mistakes' run first: a round starts after its run
+        return x.replace(str(bugs), str(r1)).replace(theirs, model) if isinstance(x, str) else x
+
+    for f in r1.rglob("*.json"):
+        d = relabel(json.loads(f.read_text()))
+        if f.name == "summary.json" and "degrees" in d:
+            d["fixes"] = ["tp-invariant-linear"]
+        f.write_text(json.dumps(d))
     p = gate(run_dir, "--allow", "rounding")
     assert p.returncode == 4, p.stdout
     head = p.stdout.splitlines()[0]

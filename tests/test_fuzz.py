@@ -227,8 +227,9 @@ def base(tmp_path_factory):
     make_capture(root / "C", targets, perturb=1e-3)
     diff_runs(str(root / "A"), str(root / "B"), str(root / "AB"))
     diff_runs(str(root / "A"), str(root / "C"), str(root / "AC"))
-    verdict = {d: evaluate(str(root / d)).exit_code for d in ("AB", "AC")}
-    assert verdict == {"AB": 0, "AC": 4}, verdict
+    got = {d: evaluate(str(root / d)) for d in ("AB", "AC")}
+    verdict = {d: r.exit_code for d, r in got.items()}
+    assert verdict == {"AB": 0, "AC": 4}, {d: (r.exit_code, r.problems) for d, r in got.items()}
     files = sorted(os.path.relpath(os.path.join(dp, f), root) for dp, _, fs in os.walk(root) for f in fs
                    if not f.endswith(".py"))
     return root, files, verdict
