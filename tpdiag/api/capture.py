@@ -227,11 +227,16 @@ class Capture:
         from tpdiag.records import store
 
         backend = dist.get_backend(self.group) if dist.is_initialized() else None
+        import uuid
+
         timings = {"capture_s": round(t1 - self.t0, 3), "gather_s": round(time.perf_counter() - t1, 3)}
+        # a capture's own name: `tpdiag diff` refuses two sides whose world.json are byte for byte the
+        # same (a run and its copy, records/sides.py), and two captures of one deterministic step
+        # differed only by their millisecond timings - equal now and then, refused as copies
         store.write(self.out, stored, {
             "degree": self.degree, "label": str(self.degree), "backend": backend,
             "device": str(device), "tool": TOOL, "timings": timings, "n_records": len(stored),
-            "config": self._config(),
+            "config": self._config(), "capture_id": uuid.uuid4().hex,
         })
         from tpdiag.records.run_files import write_manifest
 

@@ -7,7 +7,7 @@ import torch
 
 from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
-from tpdiag.records.base_world import OWN_KINDS, base_dir, base_drop
+from tpdiag.records.base_world import OWN_KINDS, base_dir, base_drop, base_problem
 from tpdiag.records.paths import EVENTS, TENSORS, WORLD, world_file
 MAX_DEGREE = 1024  # sanity bound on world.json's degree: shards are rebuilt by repeating/concatenating
 # The layout of a record set (events.jsonl's fields, how tensors are stored and keyed): bump it with any
@@ -308,7 +308,8 @@ class RecordSet:
                 raise Inconclusive(f"{self.dir}: record {m['key']} has no stored hash, so its bytes cannot be "
                                    "checked (edited after the run)")
             try:
-                t = f.get_tensor(name)
+                # as tensor() reads it: a complex128 record is stored as its float64 view (_storable)
+                t = _restore(m, f.get_tensor(name))
             except Exception as e:
                 raise Inconclusive(f"{self.dir}: record {m['key']} unreadable ({_line(e)})") from None
             self.verify(m, t)
