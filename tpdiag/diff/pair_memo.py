@@ -14,30 +14,19 @@ A pair whose metas differ (another layout, other positions, another dtype) has a
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 
-_MEMO: dict = {}
+from tpdiag.base.scoped import Scoped
+
 # a few hundred bytes an entry; a long session starts over here
 MAX_ENTRIES = 50_000
 # Kept only inside session() (one compare: its region diff and the own-input diff after it), and
 # dropped when it ends: a process that runs the diff again later - a notebook, the test suite, a
 # gate after a compare - measures afresh with the code it has then (a measure patched in one test
 # answered for the same content in the next: a false BUG at init, a non-bitwise pair as bitwise).
-_ACTIVE = [0]
-
-
-@contextlib.contextmanager
-def session():
-    """Pairs measured inside this block are kept for the rest of it (nested blocks share it)."""
-    _ACTIVE[0] += 1
-    try:
-        yield
-    finally:
-        _ACTIVE[0] -= 1
-        if not _ACTIVE[0]:
-            _MEMO.clear()
+_MEMO = Scoped(MAX_ENTRIES)
+session = _MEMO.session
 
 
 def pair_key(ref, rm: dict, other, om: dict, *extra) -> tuple | None:
@@ -54,18 +43,13 @@ def _canon(m: dict) -> str:
 
 
 def get(key):
-    if key is None or not _ACTIVE[0]:
-        return None
     v = _MEMO.get(key)
     return copy.deepcopy(v) if v is not None else None
 
 
 def put(key, value) -> None:
-    if key is None or not _ACTIVE[0]:
-        return
-    if len(_MEMO) >= MAX_ENTRIES:
-        _MEMO.clear()
-    _MEMO[key] = copy.deepcopy(value)
+    if key is not None and _MEMO.active:  # the copy only where it is kept
+        _MEMO.put(key, copy.deepcopy(value))
 
 
 def clear() -> None:

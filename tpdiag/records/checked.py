@@ -18,29 +18,18 @@ TPDIAG_CHECK_ONCE=0: every set hashes every tensor it reads (the old path, the A
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
-_CHECKED: set = set()
-_ACTIVE = [0]
+from tpdiag.base.scoped import Scoped
+
 # a key is ~100 bytes; a long session starts over here
 MAX_ENTRIES = 200_000
-
-
-@contextlib.contextmanager
-def session():
-    """Tensors checked inside this block count as checked for the rest of it (nested blocks share it)."""
-    _ACTIVE[0] += 1
-    try:
-        yield
-    finally:
-        _ACTIVE[0] -= 1
-        if not _ACTIVE[0]:
-            _CHECKED.clear()
+_CHECKED = Scoped(MAX_ENTRIES)
+session = _CHECKED.session
 
 
 def _on() -> bool:
-    return bool(_ACTIVE[0]) and os.environ.get("TPDIAG_CHECK_ONCE", "1") != "0"
+    return _CHECKED.active and os.environ.get("TPDIAG_CHECK_ONCE", "1") != "0"
 
 
 def identity(path: str) -> tuple | None:
@@ -60,12 +49,9 @@ def key(ident: tuple | None, name: str, stored_hash, version: int) -> tuple | No
 
 def seen(k: tuple | None) -> bool:
     """Whether a set of this compare checked the tensor this key names."""
-    return k is not None and _on() and k in _CHECKED
+    return k is not None and _on() and _CHECKED.get(k) is not None
 
 
 def add(k: tuple | None) -> None:
-    if k is None or not _on():
-        return
-    if len(_CHECKED) >= MAX_ENTRIES:
-        _CHECKED.clear()
-    _CHECKED.add(k)
+    if _on():
+        _CHECKED.put(k, True)

@@ -248,12 +248,7 @@ class RecordSet:
         if meta.get("stored") == "hash":
             raise Inconclusive(f"{self.dir}: record {meta['key']} was captured as a hash only "
                                "(--capture hash); rerun with --capture full for its values")
-        try:
-            i = meta["idx"]
-            f, name = self._slot(i)
-            t = _restore(meta, f.get_tensor(name))
-        except Exception as e:
-            raise Inconclusive(f"{self.dir}: record {meta['key']} unreadable ({_line(e)})") from None
+        t = self._stored_tensor(meta)
         # The stored tensor must be what the index says it is: an edited header or index that
         # points a record at another tensor is caught here, not compared as if it were the record.
         self._check_stored(meta, str(t.dtype).replace("torch.", ""), list(t.shape))
@@ -307,23 +302,26 @@ class RecordSet:
                 # a compare world stores every tensor with its hash (runner/gather.py): one without was edited
                 raise Inconclusive(f"{self.dir}: record {m['key']} has no stored hash, so its bytes cannot be "
                                    "checked (edited after the run)")
-            try:
-                # as tensor() reads it: a complex128 record is stored as its float64 view (_storable)
-                t = _restore(m, f.get_tensor(name))
-            except Exception as e:
-                raise Inconclusive(f"{self.dir}: record {m['key']} unreadable ({_line(e)})") from None
-            self.verify(m, t)
+            self.verify(m, self._stored_tensor(m))
 
     def _own_bytes(self, meta: dict) -> bool:
         """Whether the record's stored bytes are what its stored hash says (verify(), as a yes/no)."""
         if meta.get("stored_hash") is None or not self.known_hashes():
             return False
         try:
-            f, name = self._slot(meta["idx"])
-            self.verify(meta, _restore(meta, f.get_tensor(name)))
+            self.verify(meta, self._stored_tensor(meta))
         except Exception:  # noqa: BLE001 - unreadable or another tensor: not the run's bytes
             return False
         return True
+
+    def _stored_tensor(self, meta: dict) -> torch.Tensor:
+        """The record's tensor as its file holds it, in its own dtype (a complex128 record is stored as
+        its float64 view: _storable), unchecked; unreadable is Inconclusive."""
+        try:
+            f, name = self._slot(meta["idx"])
+            return _restore(meta, f.get_tensor(name))
+        except Exception as e:
+            raise Inconclusive(f"{self.dir}: record {meta['key']} unreadable ({_line(e)})") from None
 
     def _slot(self, idx: int):
         """(the open file a record's tensor is in, the number it is stored under there)."""
