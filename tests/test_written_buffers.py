@@ -229,3 +229,30 @@ def test_a_shared_buffer_copy_is_not_reused_after_a_write_the_version_counter_mi
     later = {k: c for _, k, _, _, c in buffers_before(child, shared)}
     assert torch.equal(later["running_mean"], child.running_mean)
     assert later["running_var"] is {k: c for _, k, _, _, c in first}["running_var"]
+
+
+@pytest.mark.parametrize("case", ["amax_sum", "amax_max"])
+def test_a_written_buffer_is_judged_against_its_owners_float64_run_not_an_ancestors(case, tmp_path):
+    """tests/models/planted/amax_fp8_input.py: the MLP casts its input to FP8 (e5m2) before its `up`
+    layer, whose amax buffer is all-reduced with SUM (amax_sum: about twice TP=1's, every rank alike).
+    The MLP (the first divergence) and `up` are both re-executed in float64; the MLP's run, recorded
+    last, computes up's input without the FP8 rounding (float64 has no FP8 cast), so its amax is a
+    few percent from what `up` really read. On 0428e29 that last value judged the buffer while its
+    equal-inputs check read `up`'s: the reference 1e-2 from it, the SUM's 2x inside 128 x that, and
+    the run read 'rounding only'. The owner's own re-execution now judges it: BUG, far beyond."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", f"py:tests/models/planted/amax_fp8_input.py:{case}", "--tp", "1,2",
+                "--steps", "2", "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    from tpdiag.diff.classes import leading_bug
+
+    e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
+    assert e["first_divergence"]["cause"] == "row-parallel-reduction", e["first_divergence"]
+    if case == "amax_max":
+        assert e["class"] == "rounding" and leading_bug(e) is None, e.get("findings")
+        return
+    lead = leading_bug(e)
+    assert lead is not None and (lead["key"], lead["cause"]) == ("s0/optimizer/mlp.up/buffer#0/amax",
+                                                                 "sharding-bug"), lead
+    assert lead["oracle"]["ref_err"] < 1e-6 and lead["bound_ratio"] > 1e3, lead

@@ -40,6 +40,9 @@ class DegreeDiff:
     _equal_index: dict | None = None  # diff/equal_inputs._index's lookups, built once
     # record key -> its checked pair's content key (diff/pair_memo.py), where both sides have one
     contents: dict = field(default_factory=dict)
+    # buffer record key -> (step, module) of the float64 re-execution its oracle value came from
+    # (the nearest re-executed module holding the buffer: its owner where that was re-executed)
+    oracle_writer: dict = field(default_factory=dict)
 
 
 def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
@@ -357,6 +360,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         from tpdiag.records.keys import ORACLE_NORMS as NORMS
 
         wanted = {r["key"] for r in rows if not r["bitwise"]}
+        writer_depth: dict = {}  # (own side, buffer key) -> its oracle's path depth under the writer
         for m in oracle_metas:
             name, at, side = m["name"].partition("@")
             if at and side != label:
@@ -375,10 +379,24 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 grad_in.setdefault(k, []).append(ref.tensor(m))
                 continue
             k = target_key(m["key"][:len(m["key"]) - len(side) - 1] if at else m["key"])
-            if k in wanted:
-                t = ref.tensor(m)
-                # a weight grad's calls add up; a written buffer holds what its last call left
-                oracle[k] = oracle[k] + t if k in oracle and not name.startswith("buffer.") else t
+            if k not in wanted:
+                continue
+            if name.startswith("buffer."):
+                # a written buffer holds what its owner's last call left: an ancestor's float64 run
+                # (recorded after its child's) computed the owner's inputs in float64 too, no exact
+                # value of what the owner read (an FP8 cast above it: a SUM-reduced amax read
+                # 'rounding only'); the nearest writer, its last call, judges
+                near = name.count(".")
+                if k in oracle and near > writer_depth.get((at, k), near):
+                    continue
+                writer_depth[(at, k)] = near
+                oracle[k] = ref.tensor(m)
+                if not at:
+                    dd.oracle_writer[k] = (int(m["step"]), m["module"])
+                continue
+            t = ref.tensor(m)
+            # a weight grad's calls add up
+            oracle[k] = oracle[k] + t if k in oracle else t
     notes = ref.world.get("oracle_notes") if isinstance(ref.world, dict) else None
     if isinstance(notes, dict):
         dd.oracle_notes = notes

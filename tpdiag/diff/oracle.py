@@ -185,10 +185,26 @@ def notes_for(dd, row: dict) -> dict:
         m = row["module"] if row["kind"] == "param_grad" else sole_consumer(row.get("consumers"))
         want = (int(row["step"]), "backward", m, "oracle")
         return next((v for k, v in notes.items() if _of_call(RecordKey.parse(k)) == want), {})
+    if row["kind"] == "buffer":
+        # what the step left in a buffer is its writer's every call's doing: each call's choices
+        # (a choice made at the second call only was not read, and a flip was called a bug)
+        want = (int(row["step"]), "forward", writer_of(dd, row), "oracle")
+        got = [v for k, v in notes.items() if _of_call(RecordKey.parse(k)) == want]
+        merged = {k: v for n in got for k, v in n.items() if k != "discrete"}
+        discrete = list(dict.fromkeys(d for n in got for d in n.get("discrete") or ()))
+        return {**merged, **({"discrete": discrete} if discrete else {})}
     if row["kind"] == "op":
         return notes.get(record_key(row["step"], row["phase"], row["module"], "oracle", 0,
                                     row["name"].rsplit(".", 1)[0]), {})
     return notes.get(record_key(row["step"], "forward", row["module"], "oracle", row["call"]), {})
+
+
+def writer_of(dd, row: dict) -> str:
+    """The module whose float64 re-execution holds a buffer record's oracle value (diff/engine.py
+    picks the nearest re-executed one, the buffer's owner where that was re-executed): its inputs
+    must be equal and its choices are the ones that count."""
+    got = (getattr(dd, "oracle_writer", None) or {}).get(row["key"])
+    return got[1] if got else row["module"]
 
 
 def _of_call(k: RecordKey) -> tuple:
@@ -370,7 +386,7 @@ def apply(dd) -> None:
             continue
         if row["kind"] == "param_grad" and not grads_equal(dd, row):
             continue
-        if row["kind"] == "buffer" and not forward_equal(dd, row["module"], row["step"]):
+        if row["kind"] == "buffer" and not forward_equal(dd, writer_of(dd, row), row["step"]):
             continue
         v = verdict_for(dd, row)
         if v is None:
