@@ -256,3 +256,48 @@ def test_a_written_buffer_is_judged_against_its_owners_float64_run_not_an_ancest
     assert lead is not None and (lead["key"], lead["cause"]) == ("s0/optimizer/mlp.up/buffer#0/amax",
                                                                  "sharding-bug"), lead
     assert lead["oracle"]["ref_err"] < 1e-6 and lead["bound_ratio"] > 1e3, lead
+
+
+@pytest.mark.parametrize("case", ["local", "synced"])
+def test_a_buffer_written_where_the_version_counter_cannot_see_is_recorded(case, tmp_path):
+    """tests/models/planted/amax_data.py: the amax written through `.data` and, where the ranks sync
+    it, by an in-place all-reduce on the buffer - neither moves the version counter. On 0428e29 no
+    buffer record was made: local (the all-reduce forgotten, each rank its own amax) read 'rounding
+    only', gate exit 1. The step's start now keeps a copy of each floating buffer's bytes
+    (model_walk.buffer_state) and a buffer whose bytes changed is recorded: the replica is the BUG at
+    step 0; the twin's amax is recorded and bitwise TP=1's."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", f"py:tests/models/planted/amax_data.py:{case}", "--tp", "1,2",
+                "--steps", "2", "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
+    events = [json.loads(line) for line in (d / "tp2" / "events.jsonl").read_text().splitlines()]
+    assert "s0/optimizer/mlp.up/buffer#0/amax" in {m["key"] for m in events}
+    if case == "synced":
+        assert e["class"] == "rounding" and not e.get("findings"), e.get("findings")
+        return
+    from tpdiag.diff.classes import leading_bug
+
+    lead = leading_bug(e)
+    assert lead is not None and (lead["key"], lead["cause"]) == ("s0/optimizer/mlp.up/buffer#0/amax",
+                                                                 "rank-inconsistent-replica"), lead
+    assert run_cli("gate", str(d)).returncode == 4
+
+
+def test_a_micro_batch_that_reads_what_the_one_before_it_wrote_is_named(tmp_path):
+    """amax_history.py:amax_max at TP=1, micro-batches of 2 sequences against 1: the second piece's
+    forward quantises with the amax the first piece's forward wrote, where the whole batch's call read
+    the step's starting value. On 0428e29 the verdict said 'its exact result for a row depends on the
+    other rows of its call' - no row of the call is involved. The step now notes the buffers written
+    before a later piece (world.json piece_state) and the reason names the buffer and the pieces."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/amax_history.py:amax_max", "--tp", "1",
+                "--micro-batch", "2,1", "--steps", "1", "--seq-len", "8", "--no-confirm", "--no-baseline",
+                "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    entry = json.loads((d / "summary.json").read_text())["configurations"]["1-mb1"]
+    fd = entry["first_divergence"]
+    assert fd["module"] == "mlp.up" and fd["cause"] == "sharding-bug", fd
+    assert "buffer mlp.up.amax" in fd["why"] and "the micro-batch before it wrote" in fd["why"], fd["why"]
+    assert "other rows of its call" not in fd["why"], fd["why"]

@@ -397,7 +397,32 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             t = ref.tensor(m)
             # a weight grad's calls add up
             oracle[k] = oracle[k] + t if k in oracle else t
+    _mark_piece_state(rows, ref.world, other.world)
     notes = ref.world.get("oracle_notes") if isinstance(ref.world, dict) else None
     if isinstance(notes, dict):
         dd.oracle_notes = notes
     return dd
+
+
+def _mark_piece_state(rows: list[dict], ref_world, other_world) -> None:
+    """A forward record of a module holding a buffer that a micro-batch's forward wrote before a
+    later micro-batch of the step ran (world.json piece_state, runner/step.py): row["piece_state"]
+    names the buffers and the side(s) whose later pieces read them. Such a piece reads what the one
+    before it wrote, where one call over the whole batch read the value the step started with - a
+    real difference between micro-batch sizes, which "depends on the other rows of its call" misnamed
+    (an FP8 amax written by every forward)."""
+    sides = [(w.get("piece_state") or {}) if isinstance(w, dict) else {} for w in (ref_world, other_world)]
+    if not any(sides):
+        return
+    for r in rows:
+        if r["phase"] != "forward":
+            continue
+        m = r["module"]
+        hit = {}
+        for label, state in zip(("at the reference", "in this configuration"), sides):
+            for b in state.get(str(r["step"])) or ():
+                if m == "model" or b.startswith(m + "."):
+                    hit.setdefault(b, []).append(label)
+        if hit:
+            r["piece_state"] = {b: hit[b] for b in sorted(hit)}
+
