@@ -301,3 +301,33 @@ def test_a_micro_batch_that_reads_what_the_one_before_it_wrote_is_named(tmp_path
     assert fd["module"] == "mlp.up" and fd["cause"] == "sharding-bug", fd
     assert "buffer mlp.up.amax" in fd["why"] and "the micro-batch before it wrote" in fd["why"], fd["why"]
     assert "other rows of its call" not in fd["why"], fd["why"]
+
+
+def test_the_float64_reexecution_starts_from_the_value_before_a_data_write():
+    """A forward that writes its buffer through `.data` (no version counter moves): on 0428e29 its
+    float64 re-execution read the buffer as the real forward LEFT it (x * the new running value) and
+    wrote the real buffer again through `.data`. The bytes are compared with the copy taken before
+    the forward (float64_state._as_before): it starts from the value the forward read."""
+    import torch
+    from torch import nn
+
+    from tpdiag.probes.float64 import buffers_before, module_oracle, snapshot
+
+    class Ema(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("run", torch.full((3,), 2.0))
+
+        def forward(self, x):
+            y = x * self.run
+            self.run.data.mul_(0.5).add_(0.5 * x.abs())
+            return y
+
+    m, x = Ema(), torch.randn(3)
+    snap, bufs = snapshot(((x,), {})), buffers_before(m)
+    m(x)
+    after = m.run.clone()
+    out, notes = module_oracle(m, *snap, buffers=bufs)
+    assert out is not None and torch.equal(out, x.double() * 2.0), (out, notes)
+    assert torch.equal(m.run, after)  # the real buffer untouched
+    assert torch.equal(notes["written"]["run"], 0.5 * 2.0 + 0.5 * x.double().abs())
