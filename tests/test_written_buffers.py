@@ -331,3 +331,32 @@ def test_the_float64_reexecution_starts_from_the_value_before_a_data_write():
     assert out is not None and torch.equal(out, x.double() * 2.0), (out, notes)
     assert torch.equal(m.run, after)  # the real buffer untouched
     assert torch.equal(notes["written"]["run"], 0.5 * 2.0 + 0.5 * x.double().abs())
+
+
+@pytest.mark.parametrize("case", ["logged", "read"])
+def test_a_per_rank_statistic_no_step_reads_is_no_bug(case, tmp_path):
+    """tests/models/planted/load_stats.py: `seen` counts each rank's own experts' tokens, so its replicas
+    differ by design. logged: nothing reads it - on 0428e29 it read BUG rank-inconsistent-replica, gate
+    exit 4, though the model computes TP=1's values bitwise. It now reads `unknown`, saying the buffer
+    differs across ranks and no recorded step reads it (step 1's MoE bitwise on every rank). read: the
+    bias is nudged from `seen`, so step 1 routes by per-rank state: the BUG stays, saying step 1 reads it."""
+    from tpdiag.diff.classes import leading_bug
+
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", f"py:tests/models/planted/load_stats.py:{case}", "--tp", "1,2",
+                "--steps", "2", "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
+    fd = e["first_divergence"]
+    gate = run_cli("gate", str(d)).returncode
+    if case == "logged":
+        assert (fd["key"], fd["cause"]) == ("s0/optimizer/moe/buffer#0/seen", "unknown"), fd
+        assert "not read by any recorded step" in fd["why"], fd["why"]
+        assert leading_bug(e) is None and "BUG" not in p.stdout, p.stdout[-2000:]
+        assert gate not in (0, 4), gate
+        return
+    lead = leading_bug(e)
+    assert lead is not None and lead["cause"] == "rank-inconsistent-replica", lead
+    assert "step 1 reads it" in lead["why"], lead
+    assert gate == 4
