@@ -360,3 +360,74 @@ def test_a_per_rank_statistic_no_step_reads_is_no_bug(case, tmp_path):
     assert lead is not None and lead["cause"] == "rank-inconsistent-replica", lead
     assert "step 1 reads it" in lead["why"], lead
     assert gate == 4
+
+
+def test_a_buffer_written_under_a_child_named_model_maps_to_its_own_record():
+    """HF's CausalLM root and its `model` child both record as "model". Their float64 re-executions
+    each named a buffer they wrote by its path under themselves: the child's `rotary.inv_freq` mapped
+    to a record of a module `rotary` that does not exist (0428e29: two oracle records, one pointing
+    nowhere; with the root's refused or not re-executed, the buffer was left unjudged without a word).
+    The oracle record now names the buffer by its path in the model, written once by its nearest
+    re-executed writer (probes/oracle_hooks.buffer_path, nearer_writer)."""
+    import torch
+    from torch import nn
+
+    from tpdiag.diff.oracle import target_key
+    from tpdiag.probes.module_probe import module_probes
+    from tpdiag.probes.recorder import Recorder
+
+    class Rotary(nn.Module):  # a table rebuilt in the forward (dynamic RoPE's inv_freq)
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.ones(4))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.inv_freq.copy_(1.0 / (1.0 + x.abs().amax(0)))
+            return x * self.inv_freq
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rotary = Rotary()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(self.rotary(x))
+
+    class CausalLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Body()
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.head(self.model(x))
+
+    m, x = CausalLM(), torch.randn(3, 4)
+    rec = Recorder(mode="full")
+    with module_probes(m, rec, oracle={"model"}):
+        m(x).sum().backward()
+    got = [(meta["key"], target_key(meta["key"])) for meta, _ in rec.records
+           if meta["kind"] == "oracle" and "/buffer." in meta["key"]]
+    assert [t for _, t in got] == ["s0/optimizer/model.rotary/buffer#0/inv_freq"], got
+
+
+def test_a_differing_buffer_no_float64_run_judged_says_why():
+    """A buffer the step wrote, differing, that no float64 re-execution left a value for (its writer
+    refused: it draws random numbers; or not re-executed) was left with no word of why (0428e29):
+    the refusal, or the missing re-execution, is now its reason."""
+    from types import SimpleNamespace
+
+    from tpdiag.diff import oracle
+
+    def row(module, name, idx):
+        return {"key": f"s0/optimizer/{module}/buffer#0/{name}", "step": 0, "phase": "optimizer",
+                "module": module, "kind": "buffer", "call": 0, "name": name, "idx": idx, "bitwise": False}
+
+    rows = [row("noisy", "amax", 0), row("plain", "stat", 1)]
+    dd = SimpleNamespace(rows=rows, oracle={}, oracle_writer={},
+                         oracle_notes={"s0/forward/noisy/oracle#0": {"why": "it draws random numbers (aten::bernoulli)"}})
+    oracle.apply(dd)
+    assert rows[0]["oracle_refused"] == "it draws random numbers (aten::bernoulli)", rows[0]
+    assert "no float64 re-execution" in rows[1]["oracle_refused"], rows[1]

@@ -357,7 +357,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                     hash_version=ref.hash_version)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
-        from tpdiag.records.keys import ORACLE_NORMS as NORMS
+        from tpdiag.records.keys import ORACLE_NORMS as NORMS, RecordKey
 
         wanted = {r["key"] for r in rows if not r["bitwise"]}
         writer_depth: dict = {}  # (own side, buffer key) -> its oracle's path depth under the writer
@@ -386,7 +386,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 # (recorded after its child's) computed the owner's inputs in float64 too, no exact
                 # value of what the owner read (an FP8 cast above it: a SUM-reduced amax read
                 # 'rounding only'); the nearest writer, its last call, judges
-                near = name.count(".")
+                near = _depth(RecordKey.parse(k).module) - _depth(m["module"])
                 if k in oracle and near > writer_depth.get((at, k), near):
                     continue
                 writer_depth[(at, k)] = near
@@ -402,6 +402,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     if isinstance(notes, dict):
         dd.oracle_notes = notes
     return dd
+
+
+def _depth(module: str) -> int:
+    """A record name's depth in the model: 0 for the root ("model"), 1 for its children."""
+    return 0 if module == "model" else module.count(".") + 1
 
 
 def _mark_piece_state(rows: list[dict], ref_world, other_world) -> None:

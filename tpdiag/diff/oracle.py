@@ -76,11 +76,11 @@ def target_key(oracle_key: str) -> str:
     s0/forward/m/oracle#0/aten::mm#2.0 -> s0/forward/m/op#0/aten::mm#2.0 (an op's)."""
     k = RecordKey.parse(oracle_key)
     if k.name.startswith("buffer."):
-        # s0/forward/m/oracle#0/buffer.sub.amax -> s0/optimizer/m.sub/buffer#0/amax (the state the
-        # forward wrote, recorded after the step: probes/model_walk.record_written_buffers)
-        path, _, short = k.name[len("buffer."):].rpartition(".")
-        owner = f"{k.module}.{path}" if path and k.module != "model" else (path or k.module)
-        return record_key(k.step, "optimizer", owner, "buffer", 0, short)
+        # s0/forward/m/oracle#0/buffer.m.sub.amax -> s0/optimizer/m.sub/buffer#0/amax (the state the
+        # forward wrote, recorded after the step: probes/model_walk.record_written_buffers; its path
+        # in the model, probes/oracle_hooks.buffer_path)
+        owner, _, short = k.name[len("buffer."):].rpartition(".")
+        return record_key(k.step, "optimizer", owner or "model", "buffer", 0, short)
     if k.name.startswith("param_grad."):
         # s0/backward/m/oracle#0/param_grad.weight.c1 -> s0/backward/m/param_grad#0/weight (the
         # calls' float64 grads are summed, as the real grad accumulates)
@@ -343,6 +343,11 @@ def _note_refusals(dd) -> None:
             why = notes_for(dd, row).get("why")
             if why:
                 row["oracle_refused"] = why
+        elif row["kind"] == "buffer" and row.get("rank_consistent") is not False:
+            # state the step wrote that no float64 run left a value for: said, never left silently
+            row["oracle_refused"] = notes_for(dd, row).get("why") or (
+                f"no float64 re-execution in this pass left a value for it ({row['module']}'s forward, or "
+                "the code that wrote it, was not re-executed)")
 
 
 def apply(dd) -> None:

@@ -143,15 +143,19 @@ def _split(name: str) -> tuple[str, str]:
 class Walk:
     """A model's modules and parameters, walked once per module_probes block (record_params
     reads it twice a step): names by module, classes by name, parameters with their owner."""
-    __slots__ = ("names", "classes", "params")
+    __slots__ = ("names", "classes", "params", "paths")
 
     def __init__(self, model: nn.Module):
         self.names = {}
+        # by module: its path ("" for the root). Record names are not unique (HF's root and its
+        # `model` child both record as "model"); a path is
+        self.paths = {}
         self.classes = {}    # by record name ("model" for the root; a later namesake wins)
         raw = {}             # by module path ("" for the root)
         for n, m in model.named_modules():
             c = type(m).__name__
             self.names[m] = n or "model"
+            self.paths[m] = n
             self.classes[n or "model"] = c
             raw[n] = c
         root = type(model).__name__
