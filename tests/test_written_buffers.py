@@ -431,3 +431,31 @@ def test_a_differing_buffer_no_float64_run_judged_says_why():
     oracle.apply(dd)
     assert rows[0]["oracle_refused"] == "it draws random numbers (aten::bernoulli)", rows[0]
     assert "no float64 re-execution" in rows[1]["oracle_refused"], rows[1]
+
+
+@pytest.mark.parametrize("case", ["amax_sum", "amax_max"])
+def test_a_reader_of_a_buffer_written_wrong_earlier_in_the_step_is_not_the_bug(case, tmp_path):
+    """tests/models/planted/amax_current.py: FP8 current scaling - `mlp.observer` writes the amax
+    (all-reduced with SUM: wrong), and `mlp.quant` beside it reads that buffer in the same forward. No
+    input record of `quant` holds the amax it read: on 0428e29 its inputs read bitwise equal and it
+    was named the BUG (3e4x beyond rounding), though its code is right. Its inputs are no longer
+    taken as known equal (diff/written_state.py): it reads `unknown`, naming the buffer; the bug is
+    named where the wrong write is (the MLP holding the observer, and the observer's buffer)."""
+    from tpdiag.diff.classes import leading_bug
+
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", f"py:tests/models/planted/amax_current.py:{case}", "--tp", "1,2",
+                "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
+    if case == "amax_max":
+        assert e["class"] == "rounding" and leading_bug(e) is None, e.get("findings")
+        return
+    fd = e["first_divergence"]
+    assert fd["module"] == "mlp.quant" and fd["cause"] == "unknown", fd
+    assert "may read buffer amax of mlp.observer" in fd["why"], fd["why"]
+    lead = leading_bug(e)
+    assert lead is not None and lead["module"] in ("mlp", "mlp.observer"), lead
+    causes = {f["key"]: f["cause"] for f in e["findings"] if "key" in f}
+    assert causes.get("s0/optimizer/mlp.observer/buffer#0/amax") == "sharding-bug", causes
+    assert causes.get("s0/forward/mlp.quant/out#0/0") != "sharding-bug", causes

@@ -363,11 +363,19 @@ def apply(dd) -> None:
     _note_refusals(dd)
     if not getattr(dd, "oracle", None):
         return
+    from tpdiag.diff import written_state
+
+    wrong = written_state.wrong_buffers(dd, forward_equal, verdict_for, writer_of)
     first_seen = False
     for row in dd.rows:
         if row["bitwise"] and row.get("rank_consistent") is not False:
             continue
         first, first_seen = not first_seen, True
+        if row["kind"] in ("out", "op"):
+            why = written_state.read_after(dd, row, wrong)
+            if why:
+                row["oracle_refused"] = row["reads_written"] = why
+                continue
         if not ((row["phase"] == "forward" and row["kind"] in ("out", "op"))
                 or (row["phase"] == "backward" and row["kind"] in ("param_grad", "grad_out"))
                 or row["kind"] == "buffer"):
