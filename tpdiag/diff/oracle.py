@@ -189,7 +189,8 @@ def notes_for(dd, row: dict) -> dict:
         # what the step left in a buffer is its writer's every call's doing: each call's choices
         # (a choice made at the second call only was not read, and a flip was called a bug)
         want = (int(row["step"]), "forward", writer_of(dd, row), "oracle")
-        got = [v for k, v in notes.items() if _of_call(RecordKey.parse(k)) == want]
+        # the notes of its calls (name None), not of its ops' own re-executions
+        got = [v for k, v in notes.items() if _of_call(p := RecordKey.parse(k)) == want and p.name is None]
         merged = {k: v for n in got for k, v in n.items() if k != "discrete"}
         discrete = list(dict.fromkeys(d for n in got for d in n.get("discrete") or ()))
         return {**merged, **({"discrete": discrete} if discrete else {})}
