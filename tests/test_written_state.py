@@ -237,3 +237,23 @@ def test_a_reader_of_a_buffer_written_wrong_earlier_in_the_step_is_not_the_bug(c
     causes = {f["key"]: f["cause"] for f in e["findings"] if "key" in f}
     assert causes.get("s0/optimizer/mlp.observer/buffer#0/amax") == "sharding-bug", causes
     assert causes.get("s0/forward/mlp.quant/out#0/0") != "sharding-bug", causes
+
+
+def test_a_buffers_choices_are_every_call_of_its_writer():
+    """A module called twice in a step writes its buffer at each call; what the step leaves is the
+    last call's doing, and a choice either call made may have flipped it. On 0428e29 a buffer read its
+    owner's call 0 notes only: a top-k at call 1 went unseen and a far value was called a bug. It now
+    reads every call of the module whose float64 run holds its value (diff/engine.oracle_writer), and
+    not that module's ops' own notes."""
+    from types import SimpleNamespace
+
+    from tpdiag.diff.oracle import notes_for
+
+    key = "s0/optimizer/moe/buffer#0/bias"
+    row = {"key": key, "step": 0, "phase": "optimizer", "module": "moe", "kind": "buffer", "call": 0, "name": "bias"}
+    dd = SimpleNamespace(oracle_writer={key: (0, "moe")}, oracle_notes={
+        "s0/forward/moe/oracle#0": {},
+        "s0/forward/moe/oracle#1": {"discrete": ["aten::topk"]},
+        "s0/forward/moe/oracle#0/aten::sort": {"why": "an op's own refusal"},
+        "s0/forward/other/oracle#0": {"discrete": ["aten::argmax"]}})
+    assert notes_for(dd, row) == {"discrete": ["aten::topk"]}
