@@ -49,6 +49,9 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
     # A reference at TP=R > 1 rounds its own R partial sums too: its share joins the bound.
     ref_degree = int(ref.world.get("degree", 1))
     add_bounds(dd, int(other.world.get("degree", 1)) + (ref_degree if ref_degree > 1 else 0))
+    from tpdiag.diff import replicas
+
+    replicas.mark(dd)  # a replica that differs across ranks: read by a later step, or not
     loc = locate(dd, _styles(ref, other))
     divergent = any(not r["bitwise"] or r.get("rank_consistent") is False for r in dd.rows)
     if [k for k in dd.missing + dd.unmatched if RecordKey.parse(k).kind != "op"]:

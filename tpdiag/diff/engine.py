@@ -38,8 +38,12 @@ class DegreeDiff:
     oracle_own_norms: dict = field(default_factory=dict)
     hash_version: int | None = None
     _equal_index: dict | None = None  # diff/equal_inputs._index's lookups, built once
+    _started: tuple | None = None  # diff/written_state._started's, built once
     # record key -> its checked pair's content key (diff/pair_memo.py), where both sides have one
     contents: dict = field(default_factory=dict)
+    # buffer record key -> (step, module) of the float64 re-execution its oracle value came from
+    # (the nearest re-executed module holding the buffer: its owner where that was re-executed)
+    oracle_writer: dict = field(default_factory=dict)
 
 
 def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
@@ -354,9 +358,10 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                     hash_version=ref.hash_version)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
-        from tpdiag.records.keys import ORACLE_NORMS as NORMS
+        from tpdiag.records.keys import ORACLE_NORMS as NORMS, RecordKey
 
         wanted = {r["key"] for r in rows if not r["bitwise"]}
+        writer_depth: dict = {}  # (own side, buffer key) -> its oracle's path depth under the writer
         for m in oracle_metas:
             name, at, side = m["name"].partition("@")
             if at and side != label:
@@ -375,11 +380,55 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 grad_in.setdefault(k, []).append(ref.tensor(m))
                 continue
             k = target_key(m["key"][:len(m["key"]) - len(side) - 1] if at else m["key"])
-            if k in wanted:
-                t = ref.tensor(m)
-                # a weight grad's calls add up; a written buffer holds what its last call left
-                oracle[k] = oracle[k] + t if k in oracle and not name.startswith("buffer.") else t
+            if k not in wanted:
+                continue
+            if name.startswith("buffer."):
+                # a written buffer holds what its owner's last call left: an ancestor's float64 run
+                # (recorded after its child's) computed the owner's inputs in float64 too, no exact
+                # value of what the owner read (an FP8 cast above it: a SUM-reduced amax read
+                # 'rounding only'); the nearest writer, its last call, judges
+                near = _depth(RecordKey.parse(k).module) - _depth(m["module"])
+                if k in oracle and near > writer_depth.get((at, k), near):
+                    continue
+                writer_depth[(at, k)] = near
+                oracle[k] = ref.tensor(m)
+                if not at:
+                    dd.oracle_writer[k] = (int(m["step"]), m["module"])
+                continue
+            t = ref.tensor(m)
+            # a weight grad's calls add up
+            oracle[k] = oracle[k] + t if k in oracle else t
+    _mark_piece_state(rows, ref.world, other.world)
     notes = ref.world.get("oracle_notes") if isinstance(ref.world, dict) else None
     if isinstance(notes, dict):
         dd.oracle_notes = notes
     return dd
+
+
+def _depth(module: str) -> int:
+    """A record name's depth in the model: 0 for the root ("model"), 1 for its children."""
+    return 0 if module == "model" else module.count(".") + 1
+
+
+def _mark_piece_state(rows: list[dict], ref_world, other_world) -> None:
+    """A forward record of a module holding a buffer that a micro-batch's forward wrote before a
+    later micro-batch of the step ran (world.json piece_state, runner/step.py): row["piece_state"]
+    names the buffers and the side(s) whose later pieces read them. Such a piece reads what the one
+    before it wrote, where one call over the whole batch read the value the step started with - a
+    real difference between micro-batch sizes, which "depends on the other rows of its call" misnamed
+    (an FP8 amax written by every forward)."""
+    sides = [(w.get("piece_state") or {}) if isinstance(w, dict) else {} for w in (ref_world, other_world)]
+    if not any(sides):
+        return
+    for r in rows:
+        if r["phase"] != "forward":
+            continue
+        m = r["module"]
+        hit = {}
+        for label, state in zip(("at the reference", "in this configuration"), sides):
+            for b in state.get(str(r["step"])) or ():
+                if m == "model" or b.startswith(m + "."):
+                    hit.setdefault(b, []).append(label)
+        if hit:
+            r["piece_state"] = {b: hit[b] for b in sorted(hit)}
+

@@ -158,8 +158,13 @@ RULES: list[Rule] = [
     Rule("as recorded (read back from a summary)", lambda ev, b: ev.row is None,
          lambda ev, b: ev.record.get("cause") or "unknown", lambda ev, b: ev.record.get("why")),
     Rule("non-finite", lambda ev, b: bool(_row(ev, "nonfinite_mismatch")), lambda ev, b: "non-finite"),
+    # a per-rank statistic no recorded step reads (diff/replicas.py): its replicas differ, but no
+    # result of the model's numerics is shown wrong
+    Rule("a replica no recorded step reads",
+         lambda ev, b: _row(ev, "rank_consistent") is False and (_row(ev, "replica_read") or {}).get("read") is False,
+         lambda ev, b: "unknown", lambda ev, b: _row(ev, "replica_read")["why"]),
     Rule("ranks differ", lambda ev, b: _row(ev, "rank_consistent") is False,
-         lambda ev, b: "rank-inconsistent-replica"),
+         lambda ev, b: "rank-inconsistent-replica", lambda ev, b: (_row(ev, "replica_read") or {}).get("why")),
     Rule("beyond its rounding bound", lambda ev, b: bool(_row(ev, "beyond_bound")), lambda ev, b: "sharding-bug"),
     # no bound needed: one factor times the reference's whole tensor (diff/scale.py)
     Rule("the reference's times one factor", lambda ev, b: _row(ev, "scale") is not None,

@@ -174,7 +174,22 @@ def _row_bug_why(ev: Evidence, below) -> str:
     same = next((v["choices_equal"] for v in _verdicts(ev) if v.get("far") and v.get("choices_equal")), None)
     return ("its inputs were bitwise equal" + (f" and so were its discrete choices ({', '.join(same)}: "
             "no flipped tie)" if same else "") + f", yet it is far from its float64 re-execution: "
-            f"{WHY_ROWS[ev.axis]}")
+            f"{why_piece_state(ev) or WHY_ROWS[ev.axis]}")
+
+
+def why_piece_state(ev: Evidence) -> str | None:
+    """Along the micro-batch axis, a module holding a buffer that an earlier micro-batch's forward
+    wrote in the same step (diff/engine._mark_piece_state): a later piece reads what the piece before
+    it wrote, where one call over the whole batch read the value the step started with."""
+    got = (ev.row or {}).get("piece_state") or ev.record.get("piece_state")
+    if ev.axis != "micro_batch" or not got:
+        return None
+    names = ", ".join(sorted(got))
+    where = sorted({s for sides in got.values() for s in sides})
+    return (f"it reads state its own forward writes (buffer {names}): a later micro-batch's call reads what "
+            f"the micro-batch before it wrote in the same step ({' and '.join(where)}), where a call over "
+            "more rows read the value the step started with - the micro-batch size changes what it "
+            "computes, not its rounding")
 
 
 def _why_unknown(ev: Evidence, below) -> str | None:

@@ -76,11 +76,11 @@ def target_key(oracle_key: str) -> str:
     s0/forward/m/oracle#0/aten::mm#2.0 -> s0/forward/m/op#0/aten::mm#2.0 (an op's)."""
     k = RecordKey.parse(oracle_key)
     if k.name.startswith("buffer."):
-        # s0/forward/m/oracle#0/buffer.sub.amax -> s0/optimizer/m.sub/buffer#0/amax (the state the
-        # forward wrote, recorded after the step: probes/model_walk.record_written_buffers)
-        path, _, short = k.name[len("buffer."):].rpartition(".")
-        owner = f"{k.module}.{path}" if path and k.module != "model" else (path or k.module)
-        return record_key(k.step, "optimizer", owner, "buffer", 0, short)
+        # s0/forward/m/oracle#0/buffer.m.sub.amax -> s0/optimizer/m.sub/buffer#0/amax (the state the
+        # forward wrote, recorded after the step: probes/model_walk.record_written_buffers; its path
+        # in the model, probes/oracle_hooks.buffer_path)
+        owner, _, short = k.name[len("buffer."):].rpartition(".")
+        return record_key(k.step, "optimizer", owner or "model", "buffer", 0, short)
     if k.name.startswith("param_grad."):
         # s0/backward/m/oracle#0/param_grad.weight.c1 -> s0/backward/m/param_grad#0/weight (the
         # calls' float64 grads are summed, as the real grad accumulates)
@@ -185,10 +185,27 @@ def notes_for(dd, row: dict) -> dict:
         m = row["module"] if row["kind"] == "param_grad" else sole_consumer(row.get("consumers"))
         want = (int(row["step"]), "backward", m, "oracle")
         return next((v for k, v in notes.items() if _of_call(RecordKey.parse(k)) == want), {})
+    if row["kind"] == "buffer":
+        # what the step left in a buffer is its writer's every call's doing: each call's choices
+        # (a choice made at the second call only was not read, and a flip was called a bug)
+        want = (int(row["step"]), "forward", writer_of(dd, row), "oracle")
+        # the notes of its calls (name None), not of its ops' own re-executions
+        got = [v for k, v in notes.items() if _of_call(p := RecordKey.parse(k)) == want and p.name is None]
+        merged = {k: v for n in got for k, v in n.items() if k != "discrete"}
+        discrete = list(dict.fromkeys(d for n in got for d in n.get("discrete") or ()))
+        return {**merged, **({"discrete": discrete} if discrete else {})}
     if row["kind"] == "op":
         return notes.get(record_key(row["step"], row["phase"], row["module"], "oracle", 0,
                                     row["name"].rsplit(".", 1)[0]), {})
     return notes.get(record_key(row["step"], "forward", row["module"], "oracle", row["call"]), {})
+
+
+def writer_of(dd, row: dict) -> str:
+    """The module whose float64 re-execution holds a buffer record's oracle value (diff/engine.py
+    picks the nearest re-executed one, the buffer's owner where that was re-executed): its inputs
+    must be equal and its choices are the ones that count."""
+    got = (getattr(dd, "oracle_writer", None) or {}).get(row["key"])
+    return got[1] if got else row["module"]
 
 
 def _of_call(k: RecordKey) -> tuple:
@@ -327,6 +344,11 @@ def _note_refusals(dd) -> None:
             why = notes_for(dd, row).get("why")
             if why:
                 row["oracle_refused"] = why
+        elif row["kind"] == "buffer" and row.get("rank_consistent") is not False:
+            # state the step wrote that no float64 run left a value for: said, never left silently
+            row["oracle_refused"] = notes_for(dd, row).get("why") or (
+                f"no float64 re-execution in this pass left a value for it ({row['module']}'s forward, or "
+                "the code that wrote it, was not re-executed)")
 
 
 def apply(dd) -> None:
@@ -342,11 +364,19 @@ def apply(dd) -> None:
     _note_refusals(dd)
     if not getattr(dd, "oracle", None):
         return
+    from tpdiag.diff import written_state
+
+    wrong = written_state.wrong_buffers(dd, forward_equal, verdict_for, writer_of)
     first_seen = False
     for row in dd.rows:
         if row["bitwise"] and row.get("rank_consistent") is not False:
             continue
         first, first_seen = not first_seen, True
+        if row["kind"] in ("out", "op"):
+            why = written_state.read_after(dd, row, wrong)
+            if why:
+                row["oracle_refused"] = row["reads_written"] = why
+                continue
         if not ((row["phase"] == "forward" and row["kind"] in ("out", "op"))
                 or (row["phase"] == "backward" and row["kind"] in ("param_grad", "grad_out"))
                 or row["kind"] == "buffer"):
@@ -370,7 +400,7 @@ def apply(dd) -> None:
             continue
         if row["kind"] == "param_grad" and not grads_equal(dd, row):
             continue
-        if row["kind"] == "buffer" and not forward_equal(dd, row["module"], row["step"]):
+        if row["kind"] == "buffer" and not forward_equal(dd, writer_of(dd, row), row["step"]):
             continue
         v = verdict_for(dd, row)
         if v is None:

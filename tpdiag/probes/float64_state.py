@@ -68,7 +68,8 @@ def _as_before(buffers) -> None:
     made: dict = {}
     swapped = []
     for m, k, was, version, copy in buffers or ():
-        if m._buffers.get(k) is was and was._version == version:
+        # its bytes too: a write through `.data` moves no version counter (model_walk.written_since)
+        if m._buffers.get(k) is was and was._version == version and _same_bits(copy, was):
             continue
         mine = made.get(id(copy))
         if mine is None:

@@ -24,10 +24,55 @@ def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None 
             add(kind, mname or "model", short, p, style=style(mname), cls=cls)
 
 
+# the bytes of floating buffers buffer_state copies at a step's start, per model: a write the
+# version counter cannot see is found by comparing them after the step; buffers past it are
+# compared by version counter and tensor only (docs/causes.md says so)
+COPY_CAP = 256 << 20
+
+
 def buffer_state(model: nn.Module) -> dict:
-    """Each floating buffer's (tensor id, version counter), by (owner path, short name): what
-    record_written_buffers compares against after a step."""
-    return {_split(n): (id(b), b._version) for n, b in model.named_buffers() if b.is_floating_point()}
+    """Each floating buffer's (tensor id, version counter, a copy of its bytes or None past
+    COPY_CAP), by (owner path, short name): what written_since compares against. The copy: an
+    in-place c10d collective on a buffer (all_reduce, broadcast) and a write through `.data` move no
+    version counter, so a replica synced, or nudged per rank, that way was never recorded."""
+    out, left = {}, COPY_CAP
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        for n, b in model.named_buffers():
+            if not b.is_floating_point():
+                continue
+            local = getattr(b, "_local_tensor", b)
+            size = local.numel() * local.element_size()
+            copy = local.detach().clone() if size <= left else None
+            left -= size if copy is not None else 0
+            out[_split(n)] = (id(b), b._version, copy)
+    return out
+
+
+def written_since(model: nn.Module, before: dict) -> set[str]:
+    """The floating buffers (full names) written since `before` (buffer_state): another tensor put
+    in, its version counter moved, or its bytes changed where they were copied."""
+    out = set()
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        for n, b in model.named_buffers():
+            if not b.is_floating_point():
+                continue
+            was = before.get(_split(n))
+            if was is None or was[:2] != (id(b), b._version) or not _same_bytes(was[2], b):
+                out.add(n)
+    return out
+
+
+def _same_bytes(copy, b) -> bool:
+    """b's bytes as the copy holds them (NaN-safe: bits, not values); True where no copy was made
+    (the version counter alone then says)."""
+    if copy is None:
+        return True
+    local = getattr(b, "_local_tensor", b).detach()
+    if local.shape != copy.shape or local.dtype != copy.dtype or local.device != copy.device:
+        return False
+    if local.numel() == 0:
+        return True
+    return torch.equal(local.contiguous().reshape(-1).view(torch.uint8), copy.contiguous().reshape(-1).view(torch.uint8))
 
 
 def record_written_buffers(rec: Recorder, model: nn.Module, before: dict, plan: dict | None = None,
@@ -42,7 +87,7 @@ def record_written_buffers(rec: Recorder, model: nn.Module, before: dict, plan: 
         return
     style = _style_memo(plan)
     floating = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
-    wrote = {n for n, b in floating if before.get(_split(n)) != (id(b), b._version)}
+    wrote = written_since(model, before)
     marked = _written_anywhere(rec, wrote)
     with torch._C.DisableTorchFunction():
         for n, b in floating:
@@ -98,15 +143,19 @@ def _split(name: str) -> tuple[str, str]:
 class Walk:
     """A model's modules and parameters, walked once per module_probes block (record_params
     reads it twice a step): names by module, classes by name, parameters with their owner."""
-    __slots__ = ("names", "classes", "params")
+    __slots__ = ("names", "classes", "params", "paths")
 
     def __init__(self, model: nn.Module):
         self.names = {}
+        # by module: its path ("" for the root). Record names are not unique (HF's root and its
+        # `model` child both record as "model"); a path is
+        self.paths = {}
         self.classes = {}    # by record name ("model" for the root; a later namesake wins)
         raw = {}             # by module path ("" for the root)
         for n, m in model.named_modules():
             c = type(m).__name__
             self.names[m] = n or "model"
+            self.paths[m] = n
             self.classes[n or "model"] = c
             raw[n] = c
         root = type(model).__name__

@@ -168,7 +168,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 if differ and backward:
                     for short in hooked.get(name, ()):
                         pend.setdefault((rec.step, name, short), [])
-                record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None, buffers=bufs)
+                record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None, buffers=bufs,
+                              path=walked.paths.get(mod, name), oracle=oracle)
                 if own:
                     record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward,
                                        side_pend, hooked, buffers=bufs)

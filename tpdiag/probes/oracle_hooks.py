@@ -130,16 +130,36 @@ def grad_out_differs(rec: Recorder, g, name: str, call: int, own: dict) -> bool:
     return True
 
 
-BUFFER = "buffer."  # an oracle record of a buffer the forward wrote: buffer.PATH (under the module)
+BUFFER = "buffer."  # an oracle record of a buffer the forward wrote: buffer.PATH (its path in the model)
+
+
+def buffer_path(module_path: str, rel: str) -> str:
+    """A buffer's path in the model from its path under the re-executed module: the oracle record
+    names it so (relative to the module, HF's `model` child - recorded as "model", as the root is -
+    named its rotary_emb.inv_freq as the root's, no record of it: left unjudged without a word)."""
+    return f"{module_path}.{rel}" if module_path else rel
+
+
+def nearer_writer(full: str, module_path: str, oracle) -> bool:
+    """A module between this one and the buffer's owner (the owner included) is re-executed too:
+    its float64 run starts from what the owner really read, this one's from float64 values computed
+    above it (diff/engine.py judges a buffer by its nearest writer)."""
+    if not oracle:
+        return False
+    owner = full.rpartition(".")[0]
+    parts = owner.split(".") if owner else []
+    depth = len(module_path.split(".")) if module_path else 0
+    return any(".".join(parts[:i]) in oracle for i in range(depth + 1, len(parts) + 1))
 
 
 def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls, norms_of=None,
-                  buffers=None) -> None:
+                  buffers=None, path: str | None = None, oracle=None) -> None:
     """Re-execute mod in float64 from its input snapshot; record each floating output (in the
     positions its real outputs have) or, when refused, why (rec.oracle_notes).
     norms_of: the module's real outputs, where only their norms against the re-execution are
     read (inputs_differ): each recorded as ref_norms(y, o) under NAME~norms. buffers: the module's
-    buffers before its real forward (probes/float64.buffers_before), where it may have written them."""
+    buffers before its real forward (probes/float64.buffers_before), where it may have written them.
+    path: the module's path in the model ("" for the root), oracle: the names re-executed."""
     from tpdiag.probes.float64 import module_oracle
 
     rec.in_oracle, was = True, rec.enabled
@@ -151,8 +171,10 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
         rec.in_oracle, rec.enabled = False, was
     # the state its forward wrote, as the float64 run left it: judged against the buffer records
     # of the step (probes/model_walk.record_written_buffers; diff/oracle.target_key)
-    for path, t in (notes.pop("written", None) or {}).items():
-        rec.add("oracle", name, f"{BUFFER}{path}", t, call=call, cls=cls)
+    for rel, t in (notes.pop("written", None) or {}).items():
+        full = buffer_path(path if path is not None else ("" if name == "model" else name), rel)
+        if not nearer_writer(full, path if path is not None else name, oracle):
+            rec.add("oracle", name, f"{BUFFER}{full}", t, call=call, cls=cls)
     if notes:
         rec.oracle_notes[record_key(rec.step, "forward", name, "oracle", call)] = notes
     if out64 is None:

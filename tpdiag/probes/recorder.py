@@ -61,6 +61,9 @@ class Recorder:
     mode: str = "full"                          # full | hash
     fingerprint: dict | None = None             # the step's final values' hashes (runner/fingerprint.py)
     decode_check: tuple | None = None           # (positions, hash of their logits): runner/worker.py
+    # step -> the floating buffers a micro-batch's forward wrote before a later micro-batch of the
+    # same step ran (runner/step.py): that piece read them, the whole batch's one call did not
+    piece_state: dict = field(default_factory=dict)
     ties_broken: list = field(default_factory=list)  # tied weights the plan split (world.json's own field)
     # the model's logits hold a padded vocab (Megatron's make_vocab_size_divisible_by): {"vocab": real
     # ids, "local": this rank's width} (world.json's own field; records/layout.py vocab_padded)

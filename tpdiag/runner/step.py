@@ -108,15 +108,22 @@ def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, 
     """One step: every piece's forward, loss and backward inside grad accumulation's window,
     then the optimizer. keep: return the step's final values (detached: the fingerprint's)."""
     rec, several = phases.rec, len(parts) > 1
-    from tpdiag.probes.model_walk import buffer_state
+    from tpdiag.probes.model_walk import buffer_state, written_since
 
-    buffers = buffer_state(model) if cfg.backward else None
+    # the buffers as the step found them: those it wrote are recorded after it, and a micro-batch
+    # that reads one an earlier micro-batch wrote is named (diff/engine.py, piece_state)
+    buffers = buffer_state(model) if rec.enabled and (cfg.backward or several) else None
     losses = pieces.Losses(target, fns, n_total, len(parts), world, sum(lab.shape[0] for _, lab in parts))
     with ExitStack() as window:
         # the pieces' weight grads: fp32 carries, rounded once as the window closes (runner/micro.py)
         window.enter_context(carry(model))
         for k, (piece, piece_labels) in enumerate(parts):
             if several:
+                if k and buffers is not None:
+                    wrote = written_since(model, buffers)
+                    if wrote:
+                        had = rec.piece_state.get(str(rec.step), [])
+                        rec.piece_state[str(rec.step)] = sorted(set(had) | wrote)
                 rec.begin_piece(k, len(parts))
             lo = pieces.forward(cfg, phases, forward, model, target.plan, target.vocab_size, world,
                                 piece, piece_labels, several)
@@ -132,7 +139,8 @@ def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, 
             loss = losses.step(rec)
     total = None
     if cfg.backward:
-        total = update.optimizer_step(phases, rec, model, opt, fns[2], cfg.clip_norm, target.plan, include, buffers)
+        total = update.optimizer_step(phases, rec, model, opt, fns[2], cfg.clip_norm, target.plan, include,
+                                      buffers if cfg.backward else None)
     if not keep:
         return None
     return {"logits": lo.whole.detach(), "logprobs": losses.lp.detach(), "loss": loss.detach(),

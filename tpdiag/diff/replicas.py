@@ -1,0 +1,62 @@
+"""Whether a buffer whose replicas differ across the ranks is read (diff/judge.py's rules read
+row["replica_read"]). A per-rank statistic kept for the logs (each rank's own experts' token counts)
+differs across the ranks by design and no forward reads it: called `rank-inconsistent-replica`, a BUG,
+it named no wrong result of the model's numerics. A replica the next step reads (a load-balancing bias
+nudged from each rank's own counts) is one. What the records show, at the buffer's owner module:
+
+  read     a later step's forward output of the owner is rank-inconsistent although its inputs were
+           not, or differs from the reference although its inputs were bitwise equal
+  unread   the next recorded step's forward outputs of the owner are bitwise the reference's on every
+           rank (or it is not called again); at the last recorded step, the same buffer was shown
+           unread at an earlier step
+  not shown otherwise (no later step recorded, or its inputs there differ too): the BUG stays,
+           saying so (fail closed)
+"""
+from __future__ import annotations
+
+
+def mark(dd) -> None:
+    rows = dd.rows
+    wrote = [r for r in rows if r["kind"] == "buffer" and r.get("rank_consistent") is False]
+    if not wrote:
+        return
+    last = max(r["step"] for r in rows)
+    fwd: dict = {}
+    for r in rows:
+        if r["phase"] == "forward" and r["kind"] in ("in", "out"):
+            fwd.setdefault((r["step"], r["module"], r["kind"]), []).append(r)
+    unread: set = set()
+    for r in sorted(wrote, key=lambda r: r["step"]):
+        m, s, name = r["module"], r["step"], r["name"]
+        what = f"buffer {name} of {m}"
+        if s == last:
+            if (m, name) in unread:
+                r["replica_read"] = {"read": False, "why": (
+                    f"{what} differs across ranks; not read by any recorded step: at the earlier steps its value "
+                    f"did not change {m}'s forward either (bitwise the reference's on every rank)")}
+            else:
+                r["replica_read"] = {"read": None, "why": (
+                    f"{what} differs across ranks, and no later step is recorded to show whether anything reads "
+                    "it (run one step more: a per-rank statistic nobody reads is no wrong result)")}
+            continue
+        outs, ins = fwd.get((s + 1, m, "out"), []), fwd.get((s + 1, m, "in"), [])
+        ins_equal = all(i["bitwise"] and i.get("rank_consistent") is not False for i in ins)
+        ins_consistent = all(i.get("rank_consistent") is not False for i in ins)
+        if any(o.get("rank_consistent") is False for o in outs) and ins_consistent:
+            r["replica_read"] = {"read": True, "why": (
+                f"{what} differs across ranks and step {s + 1} reads it: {m}'s forward output there differs "
+                "across ranks, its inputs not")}
+        elif any(not o["bitwise"] for o in outs) and ins_equal:
+            r["replica_read"] = {"read": True, "why": (
+                f"{what} differs across ranks and step {s + 1} reads it: {m}'s forward output there differs, "
+                "its inputs bitwise equal")}
+        elif all(o["bitwise"] and o.get("rank_consistent") is not False for o in outs):
+            unread.add((m, name))
+            r["replica_read"] = {"read": False, "why": (
+                f"{what} differs across ranks; not read by any recorded step: {m}'s forward at step {s + 1} is "
+                "bitwise the reference's on every rank" if outs else
+                f"{what} differs across ranks; not read by any recorded step: {m} is not called again")}
+        else:
+            r["replica_read"] = {"read": None, "why": (
+                f"{what} differs across ranks; whether step {s + 1} reads it is not shown ({m}'s inputs "
+                "there differ too)")}
