@@ -14,6 +14,7 @@ from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_ca
 from tpdiag.diff.op_verdict import op_verdict
 from tpdiag.diff.engine import DegreeDiff
 from tpdiag.records.keys import record_key
+from tpdiag.records.scored import scored_mask
 from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, PICK_OPS, is_op_of  # noqa: F401
 
 from tpdiag.records.causes import CAUSES  # noqa: F401  (the labels live with the record format)
@@ -390,9 +391,9 @@ def logprob_stats(dd: DegreeDiff) -> dict | None:
     a, b = dd.tensors[key]
     bitwise = bits.bitwise_equal(a, b)
     a, b = a.to(torch.float64).flatten(), b.to(torch.float64).flatten()
-    mask = torch.ones_like(a, dtype=torch.bool)
-    if lab in dd.tensors:
-        mask = dd.tensors[lab][0].flatten() != -100
+    mask = scored_mask(dd.tensors[lab][0], a) if lab in dd.tensors else None
+    if mask is None:
+        mask = torch.ones_like(a, dtype=torch.bool)
     d = (b - a).abs()[mask]
     return {"bitwise": bitwise, "max_abs": float(d.max()) if d.numel() else 0.0,
             "mean_abs": float(d.mean()) if d.numel() else 0.0,
