@@ -136,3 +136,6 @@ def test_hf_deepseek_v2_mla_rope_grad_is_named_for_what_it_sums(tmp_path):
     assert fd["module"].endswith("self_attn.kv_a_proj_with_mqa") and fd["kind"] == "param_grad", fd
     assert fd["cause"] == "column-parallel-dgrad" and not fd["oracle"]["far"], fd
     assert "each rank's share of a sum over the heads" in fd["detail"] and d["findings"] == [], fd
+    # --no-confirm under --fix all: the cause's fix was on, so `--fix auto` has nothing to add (it
+    # read "then `tpdiag compare --fix auto` applies the fixes that remove it")
+    assert "tp-invariant-linear) was already on" in s["what_to_do"], s["what_to_do"]
