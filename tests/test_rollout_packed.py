@@ -3,9 +3,9 @@ sequences end to end in one row, position_ids restarting at 0 for each, no atten
 tpdiag rollout's `--padding packed`.
 
 - Qwen2 saved in bf16, one generate() batch: `tp1-mb8-prefill-none-padpacked` is the user's own
-  packed forward (`model(ids, position_ids=pos, use_cache=False)`) bit for bit; the padded trainer
-  is not (another call shape). The user's packed forward without `use_cache=False` attends across
-  documents (transformers builds a cache and then ignores the restarts): far from it.
+  packed forward (`model(ids, position_ids=pos, use_cache=False)`) bit for bit. The user's packed
+  forward without `use_cache=False` attends across documents (transformers builds a cache and
+  then ignores the restarts): far from it.
 - LFM2 (short-convolution layers): its conv runs over the whole packed row, so a sequence's logprobs
   take in the sequences packed before it - the batch note names the packed configuration.
 """
@@ -38,9 +38,8 @@ def test_packed_prefill_is_the_users_packed_forward(tmp_path):
     mine = _user_packed(model, rows, use_cache=False)
     packed = got["tp1-mb8-prefill-none-padpacked"]
     assert all(torch.equal(a, b) for a, b in zip(mine, packed))
-    # negative controls: the right-padded batch is another call (some sequence's bits differ), and
-    # packing without use_cache=False lets every document see the ones before it
-    assert not all(torch.equal(a, b) for a, b in zip(got["tp1-mb8-prefill-none"], packed))
+    # negative control: packing without use_cache=False lets every document see the ones before it
+    # (whether the right-padded batch has other bits depends on the CPU's kernels: not asserted)
     leaky = _user_packed(model, rows)
     assert max((a - b).abs().max().item() for a, b in zip(leaky, packed)) > 0.1
     assert s["configurations"]["tp1-mb8-prefill-none-padpacked"]["status"] == "ok"
