@@ -50,11 +50,14 @@ def test_packed_prefill_of_a_conv_model_is_named_a_leak(tmp_path):
     path = save_bf16("lfm2", tmp_path / "l", layer_types=["conv", "full_attention"])
     files, _ = engine(path, temperature=1.0)
     s, _ = rollout(tmp_path, files["raw"], path, micro_batch=(8, 1), modes=("prefill", "decode"),
-                   padding=("auto", "packed"))
+                   padding=("packed", "auto"))
     c = s["configurations"]
     assert "decode has no packed form" in c["tp1-mb8-decode-none-padpacked"]["reason"], c["tp1-mb8-decode-none-padpacked"]
     leak = s["batch_leak"]
     assert leak is not None and leak["configuration"] == "tp1-mb8-prefill-none-padpacked", leak
     assert leak["alone"] == "tp1-mb1-prefill-none-padpacked" and "packed before it" in leak["line"]
-    # the padded prefill of the same batch is rounding away from its sequences alone (no note of its own)
     assert leak["gap"] > 10 * leak["rounding"]
+    # the packed trainer against generate(): what differs, and how to match it
+    assert s["closest"]["configurations"] == ["tp1-mb8-decode-none"], s["closest"]
+    assert ("padding packed -> auto: the engine padded on the left (generate()'s), your trainer packed its "
+            "sequences into one row") in s["what_to_do"]["line"], s["what_to_do"]["line"]
