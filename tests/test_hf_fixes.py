@@ -111,3 +111,31 @@ def test_per_head_norms_with_fewer_heads_than_tree_groups_are_bitwise(tmp_path):
                        intermediate_size=128, vocab_size=128)
     s = compare(tmp_path, model, "--tp", "1,2", "--tree-groups", "8", "--fix", "all", "--no-confirm")
     assert s["status"] == "bitwise", json.dumps(s["degrees"])[:1500]
+
+
+def test_hf_deepseek_v2_mla_rope_grad_is_named_for_what_it_sums(tmp_path):
+    # MLA: kv_a_proj_with_mqa is replicated; its output's rope columns feed k_rot, expanded over the
+    # heads TP shards, and the mla_kv_a_proj style all-reduces each rank's sum over its own heads in
+    # the backward. Under --fix all TP=2 differs from TP=1 at kv_a_proj's weight grad, by rounding.
+    # It read `shape-dependent-gemm` ("every input it consumed was bitwise equal"), whose fix
+    # (invariant-gemm) was already on - a replicated Linear runs the same GEMM at every degree. The
+    # difference is the heads' sum split across ranks: a dgrad summed over sharded columns
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("deepseek_v2", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
+                               max_position_embeddings=64, q_lora_rank=None, kv_lora_rank=32,
+                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
+                               tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "dsv2")
+    s = compare(tmp_path, f"hf:{tmp_path / 'dsv2'}", "--tp", "1,2", "--dtype", "bfloat16", "--fix", "all",
+                "--no-confirm", "--batch-size", "1", "--seq-len", "8")
+    d = s["degrees"]["2"]
+    fd = d["first_divergence"]
+    assert fd["module"].endswith("self_attn.kv_a_proj_with_mqa") and fd["kind"] == "param_grad", fd
+    assert fd["cause"] == "column-parallel-dgrad" and not fd["oracle"]["far"], fd
+    assert "each rank's share of a sum over the heads" in fd["detail"] and d["findings"] == [], fd
+    # --no-confirm under --fix all: the cause's fix was on, so `--fix auto` has nothing to add (it
+    # read "then `tpdiag compare --fix auto` applies the fixes that remove it")
+    assert "tp-invariant-linear) was already on" in s["what_to_do"], s["what_to_do"]

@@ -29,7 +29,9 @@ from tpdiag.errors import BadInput
 MODES = ("prefill", "decode")
 FLAGS = ("default", "deterministic")  # tpdiag.runner.flags.SETTINGS
 ATTENTIONS = ("auto", "eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
-PADDINGS = ("auto", "left", "right")  # auto: prefill right, decode left (generate()'s)
+# auto: prefill right, decode left (generate()'s); packed: prefill only, a micro-batch's sequences
+# in one row with position ids restarting per sequence (TRL's and verl's padding-free packing)
+PADDINGS = ("auto", "left", "right", "packed")
 TP, MICRO_BATCH, MODE, FIX, FLAG, ATTENTION, PADDING = (
     "tp", "micro_batch", "mode", "fix", "flags", "attention", "padding")
 AXES = (TP, MICRO_BATCH, MODE, FIX, FLAG, ATTENTION, PADDING)

@@ -27,6 +27,20 @@ def what_to_do(summary: dict) -> str | None:
     return todo
 
 
+def _ran_with_its_fix(summary: dict, confirmations: list) -> list[str]:
+    """Without confirmations (--no-confirm): the fixes every divergent degree's cause names, where
+    the run already had each of them on (empty otherwise) - `--fix auto` would add nothing."""
+    if not confirmations or any(confirmations):
+        return []
+    from tpdiag.fixes.registry import fix_for_cause
+    from tpdiag.records.axes import entries
+
+    on = set(summary.get("fixes") or ())
+    firsts = [d.get("first_divergence") or {} for d in entries(summary).values() if d.get("status") == "divergent"]
+    need = {fix_for_cause(fd.get("cause") or "", fd.get("op")) for fd in firsts}
+    return sorted(need) if on and firsts and None not in need and need <= on else []
+
+
 def _what_to_do(summary: dict) -> str | None:
     c = summary.get("class")
     if summary.get("status") != "divergent" or not c:
@@ -66,8 +80,9 @@ def _what_to_do(summary: dict) -> str | None:
                      if d.get("status") == "divergent"]
     # said only where it holds of every divergent degree: one whose cause's fix was off is one
     # `--fix auto` can still make bitwise
-    if confirmations and all(str(c.get("reason", "")).endswith("was already on") for c in confirmations):
-        on = sorted({c["fix"] for c in confirmations if c.get("fix")})
+    on = _ran_with_its_fix(summary, confirmations)
+    if on or confirmations and all(str(c.get("reason", "")).endswith("was already on") for c in confirmations):
+        on = on or sorted({c["fix"] for c in confirmations if c.get("fix")})
         # --fix auto reruns with the fixes the cause names: they were on, so it would change nothing
         return (f"nothing is wrong: the difference is rounding only. Its cause's fix ({', '.join(on)}) was "
                 "already on and did not remove it: this module is not one the fix covers (docs/models.md), "

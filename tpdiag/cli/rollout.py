@@ -30,7 +30,9 @@ def rollout(
     attention: Annotated[str, typer.Option(help="attention implementations to try: auto (the model's own), eager, "
                                                 "sdpa, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn")] = "auto",
     padding: Annotated[str, typer.Option(help="padding sides to try: auto (prefill right, decode left as "
-                                              "generate()), left, right")] = "auto",
+                                              "generate()), left, right, packed (prefill: a micro-batch's "
+                                              "sequences in one row, position ids restarting, as TRL/verl pack "
+                                              "them; hf: models)")] = "auto",
     sampling: Annotated[str, typer.Option(help="the engine's generate() sampling settings when its logprobs are "
                                                "its processed scores (output_scores): comma-separated NAME=VALUE of "
                                                "temperature, top_k, top_p, min_p, typical_p, repetition_penalty, "

@@ -14,6 +14,7 @@ from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_ca
 from tpdiag.diff.op_verdict import op_verdict
 from tpdiag.diff.engine import DegreeDiff
 from tpdiag.records.keys import record_key
+from tpdiag.records.scored import scored_mask
 from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, PICK_OPS, is_op_of  # noqa: F401
 
 from tpdiag.records.causes import CAUSES  # noqa: F401  (the labels live with the record format)
@@ -91,7 +92,15 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
             reducing = any(generic_bound._is_reducing(r["name"]) for r in dd.uncompared
                            if r.get("kind") == "op" and r.get("step") == row["step"]
                            and r.get("phase") == "backward")
-            row["generic_cause"] = "row-parallel-reduction" if reducing else "shape-dependent-gemm"
+            if _partial_grad_out(dd, row):
+                # its output grad was each rank's share of a sum over sharded heads (MLA's rope
+                # columns: k_rot expanded over the heads, all-reduced by the mla_kv_a_proj style's
+                # backward): TP=1 sums every head in one reduction, TP=N adds N rounded partials.
+                # A replicated Linear runs the same GEMM shapes at every degree, so no GEMM is at fault
+                row["generic_cause"] = "column-parallel-dgrad"
+                row["partial_grad_out"] = True
+            else:
+                row["generic_cause"] = "row-parallel-reduction" if reducing else "shape-dependent-gemm"
     loss_bounds(dd)
     # the logits' grad: a user's own loss backward, judged against a cross-entropy's float64 grad
     loss_grad.judge_logits_grad(dd, world)
@@ -102,6 +111,13 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
     if first_nonfinite is not None:
         first_nonfinite["beyond_bound"] = True
         first_nonfinite["bound_ratio"] = float("inf")
+
+
+def _partial_grad_out(dd, row: dict) -> bool:
+    """Was this module's output grad left uncompared as an unreduced partial (each rank's share,
+    reduced later in the backward by the module's own style: diff/engine.py)?"""
+    return any(u.get("module") == row["module"] and u.get("kind") == "grad_out" and u.get("step") == row["step"]
+               and str(u.get("why", "")).startswith("unreduced partial") for u in getattr(dd, "uncompared", ()) or ())
 
 
 def nonfinite_summary(rows: list[dict]) -> dict | None:
@@ -147,6 +163,12 @@ def _describe(row: dict, called: set = frozenset()) -> dict:
         out["module"] = parent
         out["detail"] = (f"the input of {row['module']} differs although every earlier record was "
                          f"bitwise equal: the first difference is in unprobed code of {parent}")
+    elif row.get("partial_grad_out"):
+        out["partial_grad_out"] = True
+        out["detail"] = ("its input was bitwise equal; its output grad was each rank's share of a sum over the "
+                         "heads TP shards (MLA's rope columns, all-reduced by the mla_kv_a_proj style's own "
+                         "backward) - TP=1 sums every head in one reduction, so the reduced grad and the weight "
+                         "grad from it differ by rounding; no fix in the catalogue reorders that sum")
     elif row["bitwise"] and row.get("rank_consistent") is False:
         # rank 0's copy matches the reference; the other ranks' copies of the replica do not
         out["detail"] = "every input it consumed was bitwise equal; its ranks' copies of it are not"
@@ -369,9 +391,9 @@ def logprob_stats(dd: DegreeDiff) -> dict | None:
     a, b = dd.tensors[key]
     bitwise = bits.bitwise_equal(a, b)
     a, b = a.to(torch.float64).flatten(), b.to(torch.float64).flatten()
-    mask = torch.ones_like(a, dtype=torch.bool)
-    if lab in dd.tensors:
-        mask = dd.tensors[lab][0].flatten() != -100
+    mask = scored_mask(dd.tensors[lab][0], a) if lab in dd.tensors else None
+    if mask is None:
+        mask = torch.ones_like(a, dtype=torch.bool)
     d = (b - a).abs()[mask]
     return {"bitwise": bitwise, "max_abs": float(d.max()) if d.numel() else 0.0,
             "mean_abs": float(d.mean()) if d.numel() else 0.0,

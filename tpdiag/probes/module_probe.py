@@ -115,8 +115,16 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 loaded.update({lab: load_file(path) for lab, path in own.items()})
             return loaded
 
+        recomputes: dict = {}
+
         def pre_hook(mod, args, kwargs):
             if rec.in_oracle:  # an oracle re-execution runs this module's children: no records
+                return None
+            if torch._C._current_graph_task_id() != -1:
+                # a forward inside the backward: activation checkpointing recomputing what the
+                # step's forward already ran and recorded (gradient_checkpointing_enable()). Not a
+                # call of the step: recorded, it numbered every checkpointed module's calls twice
+                # and a capture with it could not be diffed against one without
                 return None
             name, style, _, _, cls = infos[mod]
             # = rec.call_index(name), inline (host time per module call)
@@ -151,6 +159,19 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             if rec.in_oracle:
                 return None
             name, style, part_out, part_grad, cls = infos[mod]
+            if torch._C._current_graph_task_id() != -1:
+                # the recompute (pre_hook): its outputs' grads are the step's where the backward
+                # runs through them (reentrant checkpointing: the forward ran without a graph), as
+                # the forward's call of the same number
+                ck = (rec.step, name)
+                call = recomputes[ck] = recomputes.get(ck, -1) + 1
+                if backward:
+                    for i, t in enumerate(_tensors(out)):
+                        if t.requires_grad and t.grad_fn is not None:
+                            idx = _IDX[i] if i < _NIDX else str(i)
+                            handles.append(t.register_hook(_grad_hook(rec, name, idx, call, style, cls, None,
+                                                                      part_grad)))
+                return None
             if stack and stack[-1] == name:
                 stack.pop()
             if perturb == name and isinstance(out, torch.Tensor):

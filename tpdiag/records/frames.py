@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tpdiag.errors import BadInput
 from tpdiag.records.rundir import ROW_FIELDS, load_run, records_dir
+from tpdiag.records.scored import scored_mask
 
 _INT = ("idx", "step", "call", "max_ulp")
 _FLOAT = ("max_abs", "max_rel", "mismatch_fraction", "bound")
@@ -154,7 +155,8 @@ class Run:
             a64, b64 = a.to(torch.float64).flatten(), b.to(torch.float64).flatten()
             n = a64.numel()
             seq = int(a.shape[-1]) if a.dim() > 1 else n
-            scored = (labels.flatten() != -100).tolist() if labels is not None and labels.numel() == n else [True] * n
+            m = scored_mask(labels, a64)
+            scored = m.tolist() if m is not None else [True] * n
             parts.append(pd.DataFrame({
                 "degree": str(lab), "step": step, "sequence": [i // seq for i in range(n)],
                 "position": [i % seq for i in range(n)], "scored": scored,

@@ -55,10 +55,14 @@ def _logprob_series(dd, lp_key: str | None, lab_key: str | None) -> dict | None:
     a, b = (t.to(torch.float64).flatten() for t in dd.tensors[lp_key])
     mask, seq = None, None
     lab = dd.tensors[lab_key][0] if lab_key in dd.tensors else None
-    # Labels and logprobs line up token for token only when their sizes agree; otherwise no mask.
-    if lab is not None and lab.numel() == a.numel():
-        mask = (lab.flatten() != -100).tolist()
-        seq = int(lab.shape[-1]) if lab.dim() > 1 else None
+    # labels as the step scored them (records/scored.py: shifted already, or shifted inside the
+    # model as transformers does); sizes that do not line up: no mask
+    from tpdiag.records.scored import scored_mask
+
+    m = scored_mask(lab, a)
+    if m is not None:
+        mask = m.tolist()
+        seq = (int(lab.shape[-1]) - (lab.numel() != a.numel())) if lab.dim() > 1 else None
     return {"diff": (b - a).tolist(), "mask": mask, "seq_len": seq}
 
 

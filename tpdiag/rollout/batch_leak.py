@@ -58,10 +58,13 @@ def find(configurations: list[Config], seqs, trainer: dict) -> dict | None:
             continue
         gap, most = got
         base = {}
-        for name, x, y in ((f"{other} at micro-batch {c.micro_batch} against 1", lab(c, mode=other),
-                            lab(c, mode=other, micro_batch=1)),
-                           ("prefill against decode at micro-batch 1", lab(c, micro_batch=1, mode="prefill"),
-                            lab(c, micro_batch=1, mode="decode"))):
+        # decode has no packed form: a packed prefill's rounding between call shapes is read padded
+        pad = "auto" if c.padding == "packed" else c.padding
+        for name, x, y in ((f"{other} at micro-batch {c.micro_batch} against 1", lab(c, mode=other, padding=pad),
+                            lab(c, mode=other, micro_batch=1, padding=pad)),
+                           ("prefill against decode at micro-batch 1",
+                            lab(c, micro_batch=1, mode="prefill", padding=pad),
+                            lab(c, micro_batch=1, mode="decode", padding=pad))):
             if x in trainer and y in trainer:
                 g = _gap(seqs, trainer[x], trainer[y])
                 if g is not None:
@@ -74,12 +77,16 @@ def find(configurations: list[Config], seqs, trainer: dict) -> dict | None:
         said = ", ".join(f"{k} {v:.3g}" for k, v in base.items())
         against = (f"{gap / rounding:.0f}x the largest mean gap the other settings show ({said})" if rounding > 0
                    else f"while every other setting gives the same bits ({said})")
+        reach = ("the sequences packed before it in its row" if c.padding == "packed" else
+                 f"the {'left' if c.mode == 'decode' else 'right'} padding of shorter prompts")
         line = (f"{c.rollout_name()} is {gap:.3g} nats (mean |diff|; max {most:.3g}) from the same sequences "
                 f"one per call ({alone}), {against}: in this model's "
                 f"{c.mode} a sequence's logprobs depend on the other sequences in its call beyond rounding "
-                f"(the {'left' if c.mode == 'decode' else 'right'} padding of shorter prompts, or another "
-                f"row, reaching it) - a bug in the model's {c.mode} path (transformers' code for an hf: "
-                "model), not a kernel's rounding; an engine that batches this way reports these numbers")
+                f"({reach}, or another row, reaching it) - a bug in the model's {c.mode} path "
+                "(transformers' code for an hf: model), not a kernel's rounding; "
+                + ("a trainer that packs this model's sequences trains on these numbers: pad instead (its "
+                   "layers do not all restart at the position ids)" if c.padding == "packed" else
+                   "an engine that batches this way reports these numbers"))
         return {"configuration": c.rollout_name(), "alone": alone, "mode": c.mode, "gap": gap, "max_abs": most,
                 "rounding": rounding, "ratio": gap / rounding if rounding > 0 else None, "baselines": base,
                 "line": line}

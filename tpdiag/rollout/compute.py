@@ -73,6 +73,9 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
     if cfg.mode == "decode" and cfg.padding == "right":
         raise Unavailable("decode pads prompts on the left, as generate() does: right padding would "
                           "put padding between a prompt and its generated tokens")
+    if cfg.mode == "decode" and cfg.padding == "packed":
+        raise Unavailable("decode has no packed form: generate() left-pads its prompts (packing is a "
+                          "trainer's prefill)")
     names = () if cfg.fix == "none" else resolve("all" if cfg.fix == "all" else cfg.fix.split("+"))
     out: list = [None] * len(seqs)
     with ExitStack() as stack, torch.no_grad():
@@ -88,7 +91,9 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
         for start in range(0, len(seqs), cfg.micro_batch):
             idx = list(range(start, min(start + cfg.micro_batch, len(seqs))))
             group = [seqs[i] for i in idx]
-            if cfg.mode == "prefill":
+            if cfg.mode == "prefill" and cfg.padding == "packed":
+                rows = _packed(model, group)
+            elif cfg.mode == "prefill":
                 rows = _prefill(model, group, left=cfg.padding == "left")
             else:
                 rows = _decode(model, group)
@@ -168,6 +173,31 @@ def _prefill(model, group, left: bool = False) -> list:
     args, kwargs = forward_call(model, ids)
     logits = logits_of(model(*args, **kwargs))
     return [logits[r, :len(s.input_ids) - 1] for r, s in enumerate(group)]
+
+
+def _packed(model, group) -> list:
+    """Logits rows per sequence from one call of one row: the micro-batch's sequences end to end,
+    position ids restarting at 0 for each, no attention mask and no cache, as TRL and verl pack
+    them padding-free. transformers reads the restarts as document boundaries (masking_utils'
+    find_packed_sequence_indices) only where the mask is None and there is no cache: a forward with
+    its default use_cache=True builds a DynamicCache first, and every document then attends to the
+    ones before it. The GEMMs see one row of sum(len) tokens - other shapes than padding's."""
+    import torch
+
+    from tpdiag.runner.decode import is_hf
+
+    if not is_hf(model):
+        raise Unavailable("padding packed: only hf: models take position ids that restart inside a row "
+                          "(a built-in preset or a py: model's forward takes the tokens alone)")
+    ids = torch.tensor([[t for s in group for t in s.input_ids]], device=_device(model))
+    pos = torch.tensor([[p for s in group for p in range(len(s.input_ids))]], device=ids.device)
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    out, at = [], 0
+    for s in group:
+        n = len(s.input_ids)
+        out.append(logits[0, at:at + n - 1])
+        at += n
+    return out
 
 
 def decode_inputs(group, plen: int, steps: int, pad: int):

@@ -134,6 +134,15 @@ def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> 
                else "the model's own attention (from_pretrained's default)")
         return (f"the engine's attention is {theirs}, your trainer's {mine}: another attention kernel, which sums "
                 f"in another order - rounding; to match bitwise, use {how} in the trainer")
+    if axis == "padding" and "packed" in (mine, theirs):
+        def did(p, c):
+            return ("packed its sequences into one row (position ids restarting)" if p == "packed"
+                    else f"padded on the {_side(p, c)}")
+        how = ("pack as it does: the sequences end to end in one row, position_ids restarting at 0 for "
+               "each, no attention_mask, use_cache=False" if theirs == "packed" else
+               f"pad on the {_side(theirs, like)} as it does")
+        return (f"the engine {did(theirs, like)}, your trainer {did(mine, ref)}: one row of every sequence "
+                f"against a padded batch - other GEMM shapes, rounding; to match bitwise, {how}")
     if axis == "padding":
         return (f"the engine padded prompts on the {_side(theirs, like)}, your trainer on the {_side(mine, ref)}: "
                 "each call's shape and the padding's place differ - rounding; pad as the engine does to match")

@@ -266,6 +266,10 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                     elif k in ("bound", "op_oracle"):
                         fd.pop(k, None)
                 settle(fd, second=(sfd.get("cause"), sfd.get("why")))
+                if sfd.get("partial_grad_out"):
+                    # pass 1 kept no value of the output grad (each rank's share, left uncompared)
+                    # and said every input was equal: the rerun's detail says what was summed
+                    fd["partial_grad_out"], fd["detail"] = True, sfd["detail"]
             if ops and sfd.get("op"):
                 for k in _OPS:
                     if k in sfd:
