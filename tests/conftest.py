@@ -22,6 +22,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # OpenBLAS is set, before numpy loads here or in any subprocess, to a core type whose sgemm is
 # row-invariant - whatever the environment says.
 os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
+# torch sets TORCHINDUCTOR_CACHE_DIR in its process's environment the first time anything asks for
+# inductor's cache directory (torch._inductor.runtime.cache_dir_utils.cache_dir: a transformers
+# model built or saved in a test's own process does). The variable is a start-up one for run_cli's
+# server (cli_zygote.STARTUP_PREFIXES), so that change replaced the server mid-session: its imports
+# again (~8 s of CPU) and the next command a fresh interpreter with a fresh fork server - 40 s of
+# wall for test_hf_fixes' olmo2 test against 7 s for its gemma3 twin. Set here to the value torch
+# gives it (default_cache_dir, made absolute), so no process of the session ever sees it change.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import re
+    import tempfile
+
+    try:
+        _user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        _user = f"uid_{os.getuid()}" if callable(getattr(os, "getuid", None)) else "unknown_user"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(
+        os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", _user)))
 
 
 def interpreter_result(script: str, *args: str, unset=(), cwd=None, timeout=300):
