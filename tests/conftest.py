@@ -253,6 +253,13 @@ FILE_SECONDS = {
     "test_attention_offsets.py": 4, "test_failclosed_markup.py": 2, "test_gather_stack_hash.py": 8,
     "test_oracle_inert.py": 2, "test_diff_pair_check.py": 2, "test_user_accum.py": 2, "test_hash_fast.py": 2,
     "test_op_algorithm.py": 2,
+    # session 12 (helper hci11): files that had no figure, so went out after every listed one; 15 of
+    # them in one `pytest -n 0` (104.6 CPU s over 168 s of wall, load 4-9), each file's share of the CPU
+    # by its wall (test_written_buffers ran first: the session's first commands are in its share)
+    "test_written_buffers.py": 28, "test_sdpa_refused.py": 16, "test_failclosed_confirmation.py": 16,
+    "test_rank0_bias.py": 8, "test_pair_memo.py": 6, "test_failclosed_unread.py": 5, "test_tree_overlap.py": 5,
+    "test_pad128_wide.py": 4, "test_own_ref_base.py": 4, "test_step_sync.py": 3, "test_gathered_pad.py": 3,
+    "test_oracle_factories.py": 3, "test_no_bug_at_tp1.py": 2,
 }
 
 
