@@ -52,3 +52,31 @@ def test_ranks_fork_from_the_template(tmp_path):
     assert parents, "no rank built the target"
     # the template is a fork of the server: its command line is the server's own
     assert all("cli_zygote.py" in c and "forkserver" not in c for c in parents), parents
+
+
+def test_torch_s_inductor_cache_dir_never_changes_the_servers_start_up_environment(monkeypatch):
+    """torch writes TORCHINDUCTOR_CACHE_DIR into its process's environment the first time inductor's
+    cache directory is asked for (a transformers model built or saved in-process asks): a start-up
+    variable for run_cli's server, whose change replaced the server mid-session (its imports again,
+    the next command a fresh interpreter: test_hf_fixes' olmo2 test). conftest, imported where it is
+    unset, sets it first - to the very value torch writes, so no process of the session sees another."""
+    import subprocess
+    import sys
+
+    from cli_zygote import startup_env
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    p = subprocess.run([sys.executable, "-c", "import os, conftest; print(os.environ.get('TORCHINDUCTOR_CACHE_DIR'))"],
+                       cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    preset = p.stdout.strip().splitlines()[-1]
+    before = startup_env(dict(os.environ))
+    cache_dir()
+    assert startup_env(dict(os.environ)) == before
+    # unset, the same call writes it (the server's replacement): the value conftest chose
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in startup_env(dict(os.environ))
+    cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == preset
