@@ -229,6 +229,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     other_algorithm = _other_algorithm(ref, other)
     # a capture has no float64 re-execution to judge its records past the first divergence
     captured = any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other))
+    updates = None
+    if captured and values:
+        from tpdiag.diff.scale import Updates
+
+        updates = Updates()  # the user's own optimizer: its update judged by one factor
     for om in other.events:
         key = om["key"]
         rm = ref.by_key.get(key)
@@ -329,6 +334,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             measured = {k: v for k, v in row.items() if k not in before or v is not before[k]}
             pair_memo.put(content, measured)
         row.update(measured)
+        if updates is not None and om["kind"] in ("param_init", "param") and not row.get("nonfinite_mismatch"):
+            updates.judge(row, a, b)
         if content is not None:
             contents[key] = content
         if oa.rank_consistent is False:
