@@ -170,8 +170,14 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                         pend.setdefault((rec.step, name, short), [])
                 record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None, buffers=bufs)
                 if own:
-                    record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward,
-                                       side_pend, hooked, buffers=bufs)
+                    # a call during backward is an activation checkpoint's recompute (reentrant:
+                    # torch.utils.checkpoint(use_reentrant=True), Megatron's): its float64 grads
+                    # from the recorded output grad are the forward call's, made there already -
+                    # again here they were the same records twice ("grad_in.0.c0@2 listed twice":
+                    # a correct checkpointed model read "not judged", gate 2)
+                    record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls,
+                                       backward and rec._phase != "backward", side_pend, hooked,
+                                       buffers=bufs)
                 if backward:
                     oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend,
                                          (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None,
