@@ -40,6 +40,7 @@ class DegreeDiff:
     _equal_index: dict | None = None  # diff/equal_inputs._index's lookups, built once
     # record key -> its checked pair's content key (diff/pair_memo.py), where both sides have one
     contents: dict = field(default_factory=dict)
+    captured: bool = False  # a diff of captures (tpdiag.capture): the user's own loss and optimizer
 
 
 def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
@@ -358,7 +359,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"
                and m["phase"] not in skip and not _inside_block(m, per_rank)]
     dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents,
-                    hash_version=ref.hash_version)
+                    hash_version=ref.hash_version, captured=captured)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
         from tpdiag.records.keys import ORACLE_NORMS as NORMS
