@@ -109,7 +109,8 @@ def grad_bound(dd, rows: list[dict]) -> None:
             if r["phase"] == "forward" and r["kind"] == "out"}
     for g in rows:
         if (g["phase"] != "backward" or g["kind"] != "grad_out" or g.get("consumers") or g["bitwise"]
-                or g.get("bound") is not None or g.get("rank_consistent") is False):
+                or g.get("bound") is not None or g.get("rank_consistent") is False
+                or g.get("scale") is not None):  # one factor: diff/scale.py names it, with its reason
             continue
         o = outs.get((g["step"], g["module"], g.get("call"), g["name"]))
         if o is None or o["key"] not in dd.tensors or g["key"] not in dd.tensors:
