@@ -44,6 +44,7 @@ class DegreeDiff:
     # buffer record key -> (step, module) of the float64 re-execution its oracle value came from
     # (the nearest re-executed module holding the buffer: its owner where that was re-executed)
     oracle_writer: dict = field(default_factory=dict)
+    captured: bool = False  # a diff of captures (tpdiag.capture): the user's own loss and optimizer
 
 
 def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
@@ -233,6 +234,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     other_algorithm = _other_algorithm(ref, other)
     # a capture has no float64 re-execution to judge its records past the first divergence
     captured = any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other))
+    updates = None
+    if captured and values:
+        from tpdiag.diff.scale import Updates
+
+        updates = Updates()  # the user's own optimizer: its update judged by one factor
     for om in other.events:
         key = om["key"]
         rm = ref.by_key.get(key)
@@ -333,6 +339,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             measured = {k: v for k, v in row.items() if k not in before or v is not before[k]}
             pair_memo.put(content, measured)
         row.update(measured)
+        if updates is not None and om["kind"] in ("param_init", "param") and not row.get("nonfinite_mismatch"):
+            updates.judge(row, a, b)
         if content is not None:
             contents[key] = content
         if oa.rank_consistent is False:
@@ -355,7 +363,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"
                and m["phase"] not in skip and not _inside_block(m, per_rank)]
     dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents,
-                    hash_version=ref.hash_version)
+                    hash_version=ref.hash_version, captured=captured)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
         from tpdiag.records.keys import ORACLE_NORMS as NORMS, RecordKey

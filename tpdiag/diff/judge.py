@@ -168,7 +168,7 @@ RULES: list[Rule] = [
     Rule("beyond its rounding bound", lambda ev, b: bool(_row(ev, "beyond_bound")), lambda ev, b: "sharding-bug"),
     # no bound needed: one factor times the reference's whole tensor (diff/scale.py)
     Rule("the reference's times one factor", lambda ev, b: _row(ev, "scale") is not None,
-         lambda ev, b: "sharding-bug", lambda ev, b: scale_why(_row(ev, "scale"))),
+         lambda ev, b: "sharding-bug", lambda ev, b: scale_why(_row(ev, "scale"), _row(ev, "scale_of"))),
     Rule("layout names the reordering", lambda ev, b: layout_cause(ev.row) is not None,
          lambda ev, b: layout_cause(ev.row)),
     Rule("nothing names it", lambda ev, b: True, lambda ev, b: "unknown", _why_unknown),

@@ -57,6 +57,14 @@ def loss_bounds(dd: DegreeDiff) -> None:
                 lp_row["bound_ratio"], lp_row["beyond_bound"] = lp[2], lp[3]
                 if loss is not None:
                     _set(loss_row, *loss)
+        if dd.captured:
+            from tpdiag.diff.loss_first_order import first_order_bound
+
+            first_order_bound(dd, step, rows)  # a user's own loss: no logprobs records, no code to re-run
+        from tpdiag.diff.loss_first_order import grad_bound
+
+        # the logits' grad of a user's loss (compare: Target.loss; a capture: its own loss)
+        grad_bound(dd, rows)
         gn = next((r for r in rows if r["kind"] == "grad_norm"), None)
         if gn is not None and gn["key"] in dd.tensors:
             grads = [r["key"] for r in rows if r["kind"] == "param_grad"]

@@ -65,11 +65,60 @@ def scale_of_sums(aa: float, ab: float, bb: float, a4: float, n: int) -> float |
     return c
 
 
+# the params a diff of captures holds for their update (a pair per param, both sides whole): past
+# this many bytes the later params' updates are left to the one-factor check of their values
+UPDATE_BYTES = 1 << 30
+
+
+class Updates:
+    """Each param's value before the step, to judge the step's UPDATE (new - old) by one factor.
+
+    A user's own optimizer in a capture whose learning rate is computed from another count or shape
+    at TP > 1 (the world size taken for data-parallel replicas, a Muon-style sqrt(rows / cols) read
+    from the LOCAL shard) moves each param by c times the reference's step: the new values are not
+    c times the reference's (the old value dominates), so no check saw it, and every grad before it
+    being bitwise or a reordering, the capture read "rounding only". A reordering of the grads moves
+    each element's update by its own few roundings (an Adam step at step 0 is lr * sign(g), the
+    same bits but where g is within rounding of 0; a clip coefficient's last bit is 1 + 1e-7); it
+    never scales a whole update by 5% with a residual under a tenth of the difference."""
+
+    def __init__(self):
+        self.before: dict = {}
+        self.bytes = 0
+
+    def judge(self, row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
+        """row: a param_init or param record's row (a, b: the reference's and this side's whole
+        values); a param record whose old values are held gets row["scale"] where its update is one
+        factor times the reference's."""
+        if not a.is_floating_point() or a.shape != b.shape:
+            return
+        name = (row.get("module"), row.get("name"))
+        old = self.before.get(name)
+        if (row.get("kind") == "param" and old is not None and old[0].shape == a.shape
+                and row.get("scale") is None and not row.get("bitwise", True)):
+            da = a.to(torch.float64) - old[0].to(torch.float64)
+            db = b.to(torch.float64) - old[1].to(torch.float64)
+            if bool(torch.isfinite(da).all()) and bool(torch.isfinite(db).all()):
+                c = coherent_scale(da, db)
+                if c is not None:
+                    row["scale"] = c
+                    row["scale_of"] = "update"
+        size = 0 if old is not None else 2 * a.numel() * a.element_size()
+        if old is not None or self.bytes + size <= UPDATE_BYTES:
+            self.bytes += size
+            self.before[name] = (a, b)
+
+
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
 
-def scale_why(c: float) -> str:
+def scale_why(c: float, of: str | None = None) -> str:
+    if of == "update":
+        return (f"its update (this step's change of the parameter) is {c:.4g}x the reference's (one "
+                "factor, the residual under a tenth of the difference): a learning rate or step "
+                "computed from another count or shape (the world size, a local shard's shape) - no "
+                "reordering of the grads scales a whole update")
     return (f"every element is {c:.4g}x the reference's (one factor, the residual under a tenth of the "
             "difference): a loss or grad divided or multiplied by another count - no reordering scales "
             "a whole tensor")

@@ -115,7 +115,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 loaded.update({lab: load_file(path) for lab, path in own.items()})
             return loaded
 
+        # (step, module) -> its recomputes so far, each taken for the forward call of that number;
+        # (step, module, call) -> the snapshot of a forward call that ran without a graph
         recomputes: dict = {}
+        no_graph: dict = {}
 
         def pre_hook(mod, args, kwargs):
             if rec.in_oracle:  # an oracle re-execution runs this module's children: no records
@@ -165,6 +168,15 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 # the forward's call of the same number
                 ck = (rec.step, name)
                 call = recomputes[ck] = recomputes.get(ck, -1) + 1
+                # the float64 backward of an oracle module whose forward call had no graph to hook
+                # (reentrant: the forward ran under no_grad) is hooked here, from that call's snapshot
+                # (without it the checkpointed block's input grads went unjudged and a grad the
+                # backward carries down read a false sharding-bug)
+                later = no_graph.pop((rec.step, name, call), None) if no_graph else None
+                if later is not None and backward:
+                    oracle_backward_hook(rec, mod, name, call, later[0], out, handles, cls, pend,
+                                         (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None,
+                                         buffers=later[1])
                 if backward:
                     for i, t in enumerate(_tensors(out)):
                         if t.requires_grad and t.grad_fn is not None:
@@ -192,12 +204,19 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None, buffers=bufs,
                               path=walked.paths.get(mod, name), oracle=oracle)
                 if own:
+                    # once a call: an activation checkpoint's recompute returned above (made again
+                    # there, its float64 grads were the same records twice - "grad_in.0.c0@2 listed
+                    # twice": a correct checkpointed model read "not judged", gate 2)
                     record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward,
                                        side_pend, hooked, buffers=bufs)
                 if backward:
-                    oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend,
-                                         (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None,
-                                         buffers=bufs)
+                    if not any(t.grad_fn is not None for t in _tensors(out)):
+                        # no graph (a reentrant checkpoint's forward): hooked at its recompute
+                        no_graph[(rec.step, name, call)] = (snap, bufs)
+                    else:
+                        oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend,
+                                             (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None,
+                                             buffers=bufs)
             with _no_modes():
                 for i, t in enumerate(_tensors(out)):
                     idx = _IDX[i] if i < _NIDX else str(i)

@@ -119,6 +119,9 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
                 f"{f.get('cause')}, max |difference| {fmt(f.get('max_abs'))}"
                 + (f" > bound {fmt(f.get('bound'))}" if f.get("bound") else "")
                 + (f" ({f['detail']})" if f.get("partial_sum") else "")
+                # the CLI's BUG line gives its reason (one factor, the float64 distance): so does the report
+                + (f": {f['why']}" if f.get("why") and causes.cause_class(f.get("cause")) == "bug"
+                   and not f.get("partial_sum") else "")
                 for f in d.get("findings") or [] if "follows" not in f]
     follows = sum(1 for f in d.get("findings") or [] if "follows" in f)
     if follows:
@@ -132,8 +135,14 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
         # divergence here is a harmless reordering before it
         headline = (f"{kind}TP={label} computes a wrong result at {where(bug)} ({bug.get('cause')}); it first "
                     f"differs from TP={ref} earlier, at {where(fd)} ({cause}: rounding).")
+    todo = action(cause, d.get("confirmation"), fix, available, capture)
+    if bug is not None:
+        # the first divergence's own advice ("Rounding, not a bug: harmless ...") is about the
+        # reordering before the bug; the CLI's `what to do` is about the bug, and so is this
+        todo = (f"Fix the code at the wrong result ({where(bug)}): no kernel fix removes it. The first "
+                f"divergence before it ({cause}) is rounding, and no gate policy passes the wrong result.")
     return {"status": st, "headline": headline,
-            "why": why, "size": size_sentence(fd), "action": action(cause, d.get("confirmation"), fix, available, capture),
+            "why": why, "size": size_sentence(fd), "action": todo,
             "findings": findings}
 
 

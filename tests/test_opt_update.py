@@ -1,0 +1,83 @@
+"""A user's own optimizer in a captured TP loop (tests/user_opt_shard.py: a hand-written AdamW over a
+DTensor plan, two steps, gloo worlds), then `tpdiag diff` and `tpdiag gate` as a user runs them.
+
+Main at 0428e29 read both mistakes `rounding only` (gate 1): `lr_local_shape` (a Muon-style
+sqrt(rows / cols) lr scale read from the LOCAL shard: up's update 0.707x TP=1's) and `lr_world` (the
+linear scaling rule with the TP ranks counted as replicas: every update 2x). Their first divergence
+is a harmless row-parallel reduction; the params after the step differ by far more than rounding,
+but no bound covers a user's optimizer and the new values are not one factor times the reference's
+(the old value dominates). The UPDATE (new - old) is: diff/scale.Updates judges it by one factor."""
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, gloo_world, run_cli
+
+
+def _worker(rank, world, port, q):
+    import sys
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import user_opt_shard
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    user_opt_shard.steps(os.environ["OPT_OUT"], os.environ["OPT_BUG"])
+    dist.barrier()
+    if rank == 0:
+        q.put("done")
+
+
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory):
+    base = tmp_path_factory.mktemp("opt")
+    mp = pytest.MonkeyPatch()
+    try:
+        for n, bug in ((1, "none"), (2, "none"), (2, "lr_local_shape"), (2, "lr_world")):
+            mp.setenv("OPT_OUT", str(base / f"{n}-{bug}"))
+            mp.setenv("OPT_BUG", bug)
+            mp.setenv("OMP_NUM_THREADS", "1")
+            assert gloo_world(_worker, n, timeout=180) == "done"
+    finally:
+        mp.undo()
+    return base
+
+
+def _diff(captures, tmp_path, other):
+    out = tmp_path / other
+    p = run_cli("diff", str(captures / "1-none"), str(captures / other), "--out", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = run_cli("report", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return (json.loads((out / "summary.json").read_text()), p.stdout, run_cli("gate", str(out)).returncode,
+            (out / "report.html").read_text())
+
+
+def test_the_correct_optimizer_is_rounding_only(captures, tmp_path):
+    s, stdout, gate, _ = _diff(captures, tmp_path, "2-none")
+    d = s["degrees"]["2"]
+    assert s["class"] == "rounding" and not d["findings"], d["findings"]
+    # the params did move apart (by the grads' rounding): the update check saw them and passed them
+    assert not d["steps"][0]["bitwise"] and d["steps"][1]["param_max_abs"] > 0, d["steps"]
+    assert "BUG" not in stdout and gate == 1, stdout
+
+
+@pytest.mark.parametrize("bug,module,factor", [("lr_local_shape", "up", 2 ** -0.5), ("lr_world", "embed", 2.0)])
+def test_an_update_scaled_at_tp2_is_a_bug(captures, tmp_path, bug, module, factor):
+    from tpdiag.diff.classes import leading_bug
+
+    s, stdout, gate, report = _diff(captures, tmp_path, f"2-{bug}")
+    lead = leading_bug(s["degrees"]["2"])
+    assert s["class"] == "bug" and lead is not None, s["degrees"]["2"]
+    assert (lead["step"], lead["phase"], lead["module"], lead["kind"], lead["name"], lead["cause"]) == \
+        (0, "optimizer", module, "param", "weight", "sharding-bug"), lead
+    said = f"its update (this step's change of the parameter) is {factor:.4g}x the reference's"
+    assert lead["why"].startswith(said), lead["why"]
+    assert f"BUG (a wrong result, not rounding) at TP=2 optimizer: {module} (param weight)" in stdout, stdout
+    assert gate == 4
+    # the report says what the CLI says: the bug, its reason, and no "harmless" advice for it
+    assert "computes a wrong result" in report and said in report.replace("&#39;", "'"), report[-3000:]
+    assert "Rounding, not a bug" not in report
