@@ -48,7 +48,7 @@ def _nbytes(r: dict) -> int:
     return n * _BYTES.get(str(r.get("dtype") or "").replace("torch.", ""), 4)
 
 
-def _left_in_rows(rows: list[dict], first_key, events: dict) -> list[str]:
+def _left_in_rows(rows: list[dict], first_key, events: dict, ref_events: dict) -> list[str]:
     """The modules diff/own_inputs.modules cannot fail to choose, read from the pass's diff.csv and its
     world's index alone: a divergent forward output or weight grad past the first divergence, consistent
     across ranks, finite, with whole values at both sides. Leaner than `modules` on purpose (it has the
@@ -66,8 +66,9 @@ def _left_in_rows(rows: list[dict], first_key, events: dict) -> list[str]:
             continue
         if (r["phase"], r["kind"]) not in _KINDS or r["module"] in ("model", *uncompared):
             continue
-        m = events.get(r["key"]) or {}
-        if m.get("stored") in (None, "hash") or not isinstance(r.get("max_abs"), float) \
+        m, rm = events.get(r["key"]) or {}, ref_events.get(r["key"]) or {}
+        if m.get("stored") in (None, "hash") or rm.get("stored") in (None, "hash") \
+                or not isinstance(r.get("max_abs"), float) \
                 or r["max_abs"] != r["max_abs"] or r["max_abs"] in (float("inf"), float("-inf")):
             continue  # hashed (no values to re-execute from) or non-finite
         if size.get(r["module"], 0) <= _BUDGET:
@@ -87,16 +88,19 @@ def own_pass_left(run_dir: str, name: str, region: dict, judge_downstream) -> st
 
     if judge_downstream is False or region.get("status") != "divergent":
         return None
-    rows = None
+    rows, ref = None, None
     for lab, d in entries(region).items():
         if not isinstance(d, dict) or d.get("own_inputs") or d.get("status") != "divergent":
             continue
         if rows is None:
             rows = read_rows(RunDir(os.path.join(run_dir, name)).diff_csv)
         fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else {}
+        if ref is None:
+            _, below = read_index(RunDir(os.path.join(run_dir, name)).world(str(region.get("reference_label"))))
+            ref = {m["key"]: m for m in below}
         _, events = read_index(RunDir(os.path.join(run_dir, name)).world(lab))
         left = _left_in_rows([r for r in rows if r.get("degree") == lab], fd.get("key"),
-                             {m["key"]: m for m in events})
+                             {m["key"]: m for m in events}, ref)
         if left:
             return (f"{name}/summary.json's TP={lab} names no module to judge on its own inputs, but its diff.csv "
                     f"and records leave {len(left)} ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}) and "
