@@ -82,3 +82,14 @@ def test_a_rank_marker_cut_or_another_ranks_is_inconclusive(run, tmp_path, marke
         b = p.read_bytes()
         p.write_bytes(b[:int(len(b) * cut)])
     _inconclusive(d, words)
+
+
+def test_tpdiag_diff_of_a_world_with_a_cut_marker_is_refused(run, tmp_path):
+    from typer.testing import CliRunner
+
+    from tpdiag.cli import app
+
+    d = _copy(run, tmp_path)
+    (d / "tp2" / "rank1.done").write_bytes(b"")
+    r = CliRunner().invoke(app, ["diff", str(d / "tp1"), str(d / "tp2"), "--out", str(tmp_path / "dd")])
+    assert r.exit_code == 2 and "rank 1 did not finish this world (rank1.done is unreadable" in r.output, r.output
