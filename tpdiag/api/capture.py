@@ -80,10 +80,6 @@ class Capture:
     def __enter__(self) -> "Capture":
         import torch.distributed as dist
 
-        from tpdiag.probes.model_walk import record_params
-        from tpdiag.probes.module_probe import module_probes
-        from tpdiag.probes.recorder import Recorder
-
         if self._used:
             # A second `with` on one capture would write over the first one's records in `out`.
             raise BadInput(f"capture(out={self.out!r}) was already entered once; make a new "
@@ -95,12 +91,31 @@ class Capture:
         self.degree = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.group_rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         self._check_plan()
-        if self.group_rank == 0:
-            # An earlier capture in DIR must not pass for this one if this one is interrupted.
-            try:
-                os.unlink(os.path.join(self.out, MANIFEST))
-            except FileNotFoundError:
-                pass
+        self._lock = ExitStack()
+        try:
+            if self.group_rank == 0:
+                # One writer per DIR, as compare holds its --out: two jobs capturing into one DIR at once
+                # (a script started twice) would leave one's world.json over the other's records, each
+                # file whole (red team hred11). The flock goes with the process, however it ends.
+                from tpdiag.records.lock import hold
+
+                self._lock.enter_context(hold(self.out, "capture", unlockable_ok=True))
+                # An earlier capture in DIR must not pass for this one if this one is interrupted.
+                try:
+                    os.unlink(os.path.join(self.out, MANIFEST))
+                except FileNotFoundError:
+                    pass
+            self._enter_probes()
+        except BaseException:
+            self._lock.close()
+            raise
+        return self
+
+    def _enter_probes(self) -> None:
+        from tpdiag.probes.module_probe import module_probes
+        from tpdiag.probes.model_walk import record_params
+        from tpdiag.probes.recorder import Recorder
+
         self.fingerprint = fingerprint(self.model, self.layouts, self.degree)
         # full capture streams records to the host; past the budget they spill here (removed at exit)
         self.rec = Recorder(spill_dir=os.path.join(self.out, f".spill-rank{self.group_rank}"))
@@ -112,7 +127,6 @@ class Capture:
         if self.with_params:
             record_params(self.rec, self.model, "param_init", self.plan)
         self.rec.phase = "forward"
-        return self
 
     def _check_plan(self) -> None:
         """compare's pre-launch plan checks (models/precheck.py), before anything is recorded:
@@ -128,6 +142,12 @@ class Capture:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self.active:
             return False
+        try:
+            return self._exit(exc_type)
+        finally:
+            self._lock.close()  # DIR is free once the capture is on disk (or given up)
+
+    def _exit(self, exc_type) -> bool:
         self._stack.close()  # probes removed whatever happens
         if exc_type is not None:
             # no gather: a peer may be gone; no manifest: DIR is not a capture. The host records

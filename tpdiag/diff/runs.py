@@ -58,9 +58,12 @@ def read_compare_degree(path: str, w: dict) -> dict:
 
     parent = os.path.dirname(os.path.abspath(path.rstrip(os.sep)))
     ranks = int(w.get("degree", 1))
-    undone = [r for r in range(ranks) if not os.path.isfile(world_file(path, rank_marker(r, "done")))]
-    if undone:
-        raise Inconclusive(f"{path}: rank {undone[0]} did not finish this world; rerun the compare")
+    from tpdiag.records.markers import undone
+
+    gone = undone(path, ranks)
+    if gone:
+        raise Inconclusive(f"{path}: rank {gone[0]} did not finish this world ({rank_marker(gone[0], 'done')} "
+                           f"{gone[1]}); rerun the compare")
     try:
         m = read_manifest(parent)
     except Exception:  # noqa: BLE001 - a copied-out degree dir: its own world.json still says enough

@@ -12,7 +12,7 @@ import os
 from tpdiag.base import files as io
 from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
-from tpdiag.records.numbers import confirmation_problems, number_problems, same
+from tpdiag.records.numbers import confirmation_problems, count_problems, number_problems, same
 from tpdiag.records.paths import DIFF_CSV, EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
 from tpdiag.records.rundir import is_diff_dir
 from tpdiag.records.sides import base_world_problem, fix_chain_problems, labels_problem, pass_identity_problem
@@ -73,10 +73,11 @@ def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str |
         return f"{who}: {folder(label)}/ unreadable ({e.strerror or e})"
     if errors:
         return f"{who}: {folder(label)}/{errors[0]} exists (a rank failed) but manifest.json says ok"
-    for r in range(degree):
-        m = world_file(d, rank_marker(r, "done"))
-        if not os.path.isfile(m) or os.path.islink(m):
-            return f"{who}: {folder(label)}/{rank_marker(r, 'done')} is missing (the rank never finished its work)"
+    from tpdiag.records.markers import undone
+
+    gone = undone(d, degree)
+    if gone:
+        return f"{who}: {folder(label)}/{rank_marker(gone[0], 'done')} {gone[1]}"
     why = settings_problem(manifest, d, label, who, degree) or base_world_problem(run_dir, d, who, degree)
     if why or not layout:
         return why
@@ -202,7 +203,7 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
     # findings join the region pass's
     nested = os.path.join(name, "ops")
     inner = {}
-    from tpdiag.records.own_pass import own_pass_wanted, ran_here
+    from tpdiag.records.own_pass import own_pass_left, own_pass_wanted, ran_here
 
     if name.startswith("region") and not os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary) \
             and os.path.isfile(RunDir(os.path.join(run_dir, nested)).manifest):
@@ -215,6 +216,11 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
             and own_pass_wanted(sp, sub):
         return [f"the second pass's own-input pass {nested}/ is missing, but {name}/summary.json left modules to "
                 "judge on their own inputs (deleted, or the run was cut short)"]
+    if name.startswith("region") and not os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary) \
+            and not isinstance(sp.get("own_after_confirm"), dict):
+        why = own_pass_left(run_dir, name, sub, ((manifest or {}).get("config") or {}).get("judge_downstream"))
+        if why:
+            return [why]
     if name.startswith("region") and os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary):
         try:
             n = io.read_json(run_file(run_dir, os.path.join(nested, SUMMARY)))
@@ -335,6 +341,8 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
     out += number_problems(degrees, rows)
+    if inside:  # the first pass's rows are the gate's own re-diff; a second pass's are read as written
+        out += count_problems(degrees, rows)
     if not is_diff_dir(run_dir, manifest):
         out += what_ran_problems(manifest, summary)
         if not inside:

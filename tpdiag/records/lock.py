@@ -34,9 +34,11 @@ def _who(h: dict) -> str:
 
 
 @contextmanager
-def hold(run_dir: str, command: str = "compare"):
+def hold(run_dir: str, command: str = "compare", unlockable_ok: bool = False):
     """Yields None, or a one-line note when a stale lock (its process gone) was found and taken over.
-    Raises BadInput when another live process holds RUN_DIR."""
+    Raises BadInput when another live process holds RUN_DIR. unlockable_ok: a file system without
+    flock (Lustre mounted without it: ENOSYS) yields None unlocked instead of refusing (tpdiag.capture,
+    under the user's own launcher, ran there before it took the lock)."""
     import fcntl
 
     created = not os.path.isdir(run_dir)
@@ -52,6 +54,16 @@ def hold(run_dir: str, command: str = "compare"):
         except BlockingIOError:
             os.close(fd)
             raise in_use(run_dir, _who(_holder(path))) from None
+        except OSError as e:
+            os.close(fd)
+            if unlockable_ok:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                yield None
+                return
+            raise BadInput(f"--out {run_dir}: cannot lock it ({e.strerror or e})") from None
         # The holder before us may have unlinked the file between our open and our flock: then we hold
         # a lock on a file nobody else will ever open. Only the file at the path counts.
         try:

@@ -119,3 +119,23 @@ def number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
                        "rounding label for a record diff.csv has beyond its bound or inconsistent across ranks "
                        "(edited after the run)")
     return out
+
+
+def count_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
+    """A pass's diff.csv must hold as many rows of each configuration as its summary.json compared
+    (n_records) and as many divergent ones (n_divergent): a second pass's diff.csv is not re-derived from
+    its records, and one cut short (a half-written disk, a copy that stopped) read as the whole -
+    every row beyond its bound that it lost was a finding it no longer demanded (red team hred11:
+    region/diff.csv cut in half passed `gate --allow rounding`)."""
+    if rows is None:
+        return []
+    for lab, d in degrees.items():
+        if not isinstance(d, dict) or d.get("status") not in ("bitwise", "divergent"):
+            continue
+        mine = [r for r in rows if str(r.get("degree")) == lab]
+        div = sum(1 for r in mine if r.get("bitwise") is not True)  # diff/analyse.py's n_divergent
+        for what, have, said in (("rows", len(mine), d.get("n_records")), ("divergent rows", div, d.get("n_divergent"))):
+            if isinstance(said, int) and have != said:
+                return [f"diff.csv has {have} {what} of TP={lab} but summary.json says {said} (cut short, or "
+                        "edited after the run)"]
+    return []

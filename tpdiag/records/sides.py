@@ -397,9 +397,10 @@ def base_world_problem(run_dir: str, d: str, who: str, degree) -> str | None:
         return f"{who}: its base: {str(e).splitlines()[0]}"
     if not isinstance(res, dict) or res.get("status") != "ok" or not isinstance(below, dict):
         return f"{who}: its base {base} is not a world that finished ok"
-    for r in range(degree):
-        m = world_file(base, rank_marker(r, "done"))
-        if not os.path.isfile(m) or os.path.islink(m):
-            return f"{who}: its base's {rank_marker(r, 'done')} is missing (the rank never finished its work)"
+    from tpdiag.records.markers import undone
+
+    gone = undone(base, degree)
+    if gone:
+        return f"{who}: its base's {rank_marker(gone[0], 'done')} {gone[1]}"
     why = base_problem(world, below, base)
     return f"{who}: {why}" if why else None

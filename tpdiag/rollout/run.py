@@ -290,6 +290,12 @@ def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
     tried = (f"tp {_vals(rc.tp)}, micro-batch {_vals(rc.micro_batch)}, mode {_vals(rc.modes)}, fix "
              f"{_vals(rc.fixes)}, flags {_vals(rc.flags)}, attention {_vals(rc.attention)}, padding "
              f"{_vals(rc.padding)}")
+    # a configuration that failed gave no bits: "none tried gives them" would count it as tried and not
+    # matching (red team hred11: a TP=2 world killed read as TP=2 tried)
+    failed = [k for k, r in results.items() if isinstance(r, dict) and r.get("status") == "failed"]
+    if failed:
+        tried += (f"; {len(failed)} of them failed and are not compared ({', '.join(failed[:3])}"
+                  f"{', ...' if len(failed) > 3 else ''}; why: above): the engine's may be among those")
     return (f"not reproduced: no configuration tried gives the engine's bits ({tried}). The nearest, "
             f"{closest[0]}, matches {m['exact_tokens']}/{m['tokens']} tokens (mean |diff| "
             f"{m['mean_abs']:.3g}, max {m['max_abs']:.3g}); it is nearest, not an explanation. Not "
