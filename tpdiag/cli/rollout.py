@@ -32,7 +32,9 @@ def rollout(
     padding: Annotated[str, typer.Option(help="padding sides to try: auto (prefill right, decode left as "
                                               "generate()), left, right, packed (prefill: a micro-batch's "
                                               "sequences in one row, position ids restarting, as TRL/verl pack "
-                                              "them; hf: models)")] = "auto",
+                                              "them; hf: models), static (decode through a KV cache preallocated to "
+                                              "the max length, generate(cache_implementation=\"static\"); hf: "
+                                              "models)")] = "auto",
     sampling: Annotated[str, typer.Option(help="the engine's generate() sampling settings when its logprobs are "
                                                "its processed scores (output_scores): comma-separated NAME=VALUE of "
                                                "temperature, top_k, top_p, min_p, typical_p, repetition_penalty, "

@@ -295,7 +295,10 @@ def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
             f"{m['mean_abs']:.3g}, max {m['max_abs']:.3g}); it is nearest, not an explanation. Not "
             "matched: the engine computed with something none of these has - its own kernels "
             "(paged or flash attention, fused or CUDA-graph GEMMs, its sampler's logprobs), "
-            "another dtype, other weights or model code, or flags outside the ones tried")
+            "another dtype, other weights or model code, or flags outside the ones tried"
+            + (" - or a static KV cache (generate(cache_implementation=\"static\"), TRL's "
+               "cache_implementation: --padding auto,static tries it)"
+               if "decode" in rc.modes and "static" not in rc.padding else ""))
 
 
 def _sdpa_words(results: dict) -> str:
