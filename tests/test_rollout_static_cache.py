@@ -102,3 +102,77 @@ def test_padding_static_is_parsed_and_named():
     assert c.rollout_name() == STATIC and parse(STATIC) == c
     with pytest.raises(BadInput, match="static: decode through a static KV cache"):
         parse_padding("statik")
+    # on a GPU generate() compiles a static cache's forward: said, as tpdiag's decode is eager
+    from tpdiag.rollout.run import RolloutConfig, _static_note
+
+    assert "torch.compile" in _static_note(RolloutConfig(file="f", device="cuda", padding=("auto", "static")))[0]
+    assert _static_note(RolloutConfig(file="f", device="cpu", padding=("auto", "static"))) == []
+    assert _static_note(RolloutConfig(file="f", device="cuda")) == []
+
+
+def _generate_rows(model, new, eos=2):
+    """One sampled generate(cache_implementation="static") call over LENS left-padded: rows of
+    tpdiag's JSONL with the raw logprobs (output_logits)."""
+    from tests.test_rollout_rl_team import LENS
+
+    g = torch.Generator().manual_seed(1)
+    P = max(LENS)
+    ids = torch.zeros(len(LENS), P, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(LENS):
+        ids[r, P - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
+        mask[r, P - n:] = 1
+    torch.manual_seed(1)
+    res = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, eos_token_id=eos,
+                         cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+    lp = torch.stack(res.logits, 1).float().log_softmax(-1)
+    rows = []
+    for b in range(len(ids)):
+        gen = res.sequences[b, P:].tolist()
+        gen = gen[:gen.index(eos) + 1] if eos in gen else gen
+        rows.append({"input_ids": ids[b][mask[b].bool()].tolist() + gen, "prompt_len": int(mask[b].sum()),
+                     "logprobs": [lp[b, j, t].item() for j, t in enumerate(gen)]})
+    return rows
+
+
+def test_an_earlier_longer_generate_sets_the_cache_length(tmp_path):
+    """transformers keeps a model's longest static cache (_previous_max_cache_length): a generate()
+    after a longer one on the same model attends over the longer cache. In float32 the CPU's SDPA
+    gives other bits at each key length, so only --max-cache-len of the earlier call's
+    max_length - 1 reproduces it; the default (this batch's own length) does not."""
+    from transformers import AutoModelForCausalLM
+
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    path = save_bf16("qwen2", tmp_path / "q")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    _generate_rows(model, new=16)  # an earlier call: cache 8 + 16 - 1 = 23 positions
+    rows = _generate_rows(model, new=10)
+    assert max(len(x["logprobs"]) for x in rows) == 10
+    f = tmp_path / "e.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+
+    def exact(n):
+        s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="float32", micro_batch=(8,),
+                                      modes=("decode",), fixes=("none",), padding=("static",), max_cache_len=n))
+        m = s["configurations"][STATIC]["metrics"]
+        return m["exact_tokens"], m["tokens"]
+
+    got, n = exact(23)
+    assert got == n
+    got, n = exact(0)  # 8 + 10 - 1 = 17 positions: not the engine's cache
+    assert got < n
+    from tpdiag.errors import BadInput
+
+    with pytest.raises(BadInput, match="a static KV cache of 12 positions cannot hold a micro-batch's 17"):
+        exact(12)
+
+
+def test_max_cache_len_without_static_padding_is_refused(tmp_path):
+    from tpdiag.errors import BadInput
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps({"input_ids": [3, 4, 5, 6], "prompt_len": 2, "logprobs": [-1.0, -1.0]}) + "\n")
+    with pytest.raises(BadInput, match="--max-cache-len 20: the length of --padding static's KV cache"):
+        run_rollout(RolloutConfig(file=str(f), model="tiny-llama", max_cache_len=20))

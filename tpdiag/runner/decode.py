@@ -141,7 +141,9 @@ def _cache_steps(model, ids, P, attention_mask, last_only, on_call):
 def _hf_steps(model, ids, P, attention_mask, last_only, on_call, generate_args=True, static_len=None):
     mask, pos = _mask_and_positions(ids, attention_mask)
     if static_len is not None and static_len < ids.shape[1]:
-        raise Unsupported(f"a static cache of {static_len} positions cannot hold {ids.shape[1]}")
+        raise Unsupported(f"a static KV cache of {static_len} positions cannot hold a micro-batch's "
+                          f"{ids.shape[1]} (its longest prompt and most generated tokens, less one): "
+                          "is --max-cache-len the engine's?")
     if generate_args and _generate_inputs(model):
         yield from _generate_steps(model, ids, P, mask, pos, last_only, on_call, static_len)
         return
