@@ -151,9 +151,9 @@ def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> 
                     else f"with no KV cache (one prefill call, padded on the {_side(p, c)})")
         how = ('generate(cache_implementation="static"): the cache preallocated to the max length' if
                theirs == "static" else "without a static cache")
-        return (f"the engine decoded {did(theirs, like)}, your trainer ran {did(mine, ref)}: a static cache's "
-                "steps attend over every preallocated position (the unwritten ones masked), a dynamic cache's "
-                "over the positions seen so far - other attention shapes, rounding; to match bitwise, decode "
+        return (f"the engine decoded {did(theirs, like)}, your trainer ran {did(mine, ref)}: every call "
+                "through a static cache attends over all its preallocated positions (the unwritten ones masked), "
+                "through a dynamic one over the positions seen so far - other attention shapes, rounding; to match bitwise, decode "
                 f"as it does, {how}")
     if axis == "padding":
         return (f"the engine padded prompts on the {_side(theirs, like)}, your trainer on the {_side(mine, ref)}: "
