@@ -176,3 +176,27 @@ def test_max_cache_len_without_static_padding_is_refused(tmp_path):
     f.write_text(json.dumps({"input_ids": [3, 4, 5, 6], "prompt_len": 2, "logprobs": [-1.0, -1.0]}) + "\n")
     with pytest.raises(BadInput, match="--max-cache-len 20: the length of --padding static's KV cache"):
         run_rollout(RolloutConfig(file=str(f), model="tiny-llama", max_cache_len=20))
+
+
+def test_a_static_decode_leak_is_read_against_the_padded_prefill():
+    """The batch note for a static decode: prefill has no static cache, so its rounding baselines
+    are the padded prefill's (with padding static there is none to read: no note at all)."""
+    from tpdiag.base.configs import Config
+    from tpdiag.rollout import batch_leak
+    from tpdiag.rollout.read import Sequence
+
+    seqs = [Sequence(list(range(3, 13)), 4, [-1.0] * 6, where=f"line {i + 1}") for i in range(4)]
+    base = torch.linspace(-3.0, -0.5, 9)
+    cfgs = [Config(1, mb, "decode", padding="static") for mb in (4, 1)] + [Config(1, mb, "prefill") for mb in (4, 1)]
+    t = {}
+    for c in cfgs:
+        lp = [base.clone() for _ in seqs]
+        lp[0][5] += 1e-3 * (c.micro_batch == 1) + 2e-3 * (c.mode == "decode")  # rounding: one token
+        if c.mode == "decode" and c.micro_batch == 4:
+            for x in lp[1:]:
+                x[3:] += 0.05  # the padded sequences, every token
+        t[c.rollout_name()] = lp
+    leak = batch_leak.find(cfgs, seqs, t)
+    assert leak is not None and leak["configuration"] == "tp1-mb4-decode-none-padstatic", leak
+    assert leak["alone"] == "tp1-mb1-decode-none-padstatic" and len(leak["baselines"]) == 2, leak
+    assert leak["ratio"] > 10

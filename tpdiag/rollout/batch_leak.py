@@ -58,9 +58,9 @@ def find(configurations: list[Config], seqs, trainer: dict) -> dict | None:
             continue
         gap, most = got
         base = {}
-        # decode has no packed form and prefill no static cache: the other mode's rounding between
-        # call shapes is read at its own padding
-        pad = {"prefill": "auto" if c.padding == "static" else c.padding,
+        # decode has no packed form: a packed prefill's rounding between call shapes is read padded;
+        # prefill has no static cache: a static decode's prefill baselines are read padded
+        pad = {"prefill": "auto" if c.padding in ("packed", "static") else c.padding,
                "decode": "auto" if c.padding == "packed" else c.padding}
         for name, x, y in ((f"{other} at micro-batch {c.micro_batch} against 1",
                             lab(c, mode=other, padding=pad[other]),
