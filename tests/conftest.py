@@ -260,6 +260,8 @@ FILE_SECONDS = {
     "test_rank0_bias.py": 8, "test_pair_memo.py": 6, "test_failclosed_unread.py": 5, "test_tree_overlap.py": 5,
     "test_pad128_wide.py": 4, "test_own_ref_base.py": 4, "test_step_sync.py": 3, "test_gathered_pad.py": 3,
     "test_oracle_factories.py": 3, "test_no_bug_at_tp1.py": 2,
+    # session 12 (helper hstatic11): measured alone, `pytest -n 0` (17.1 user + 1.6 sys CPU s, load 6)
+    "test_rollout_static_cache.py": 19,
 }
 
 

@@ -41,7 +41,7 @@ def test_minimax_generate_is_reproduced_by_decode_with_the_models_own_cache(tmp_
 
     from tpdiag.runner import decode
 
-    monkeypatch.setattr(decode, "_new_cache", lambda model, config: DynamicCache(config=config))
+    monkeypatch.setattr(decode, "_new_cache", lambda model, config, static_len=None: DynamicCache(config=config))
     from tpdiag.errors import BadInput
 
     with pytest.raises(BadInput, match="tp1-mb8-decode-none: ValueError: MiniMax uses cache of its own"):

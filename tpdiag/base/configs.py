@@ -30,8 +30,10 @@ MODES = ("prefill", "decode")
 FLAGS = ("default", "deterministic")  # tpdiag.runner.flags.SETTINGS
 ATTENTIONS = ("auto", "eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 # auto: prefill right, decode left (generate()'s); packed: prefill only, a micro-batch's sequences
-# in one row with position ids restarting per sequence (TRL's and verl's padding-free packing)
-PADDINGS = ("auto", "left", "right", "packed")
+# in one row with position ids restarting per sequence (TRL's and verl's padding-free packing);
+# static: decode only, left-padded, the KV cache preallocated to generate()'s max length and every
+# step's keys padded to it (generate(cache_implementation="static"), TRL's cache_implementation)
+PADDINGS = ("auto", "left", "right", "packed", "static")
 TP, MICRO_BATCH, MODE, FIX, FLAG, ATTENTION, PADDING = (
     "tp", "micro_batch", "mode", "fix", "flags", "attention", "padding")
 AXES = (TP, MICRO_BATCH, MODE, FIX, FLAG, ATTENTION, PADDING)

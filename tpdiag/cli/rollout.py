@@ -32,7 +32,9 @@ def rollout(
     padding: Annotated[str, typer.Option(help="padding sides to try: auto (prefill right, decode left as "
                                               "generate()), left, right, packed (prefill: a micro-batch's "
                                               "sequences in one row, position ids restarting, as TRL/verl pack "
-                                              "them; hf: models)")] = "auto",
+                                              "them; hf: models), static (decode through a KV cache preallocated to "
+                                              "the max length, generate(cache_implementation=\"static\"); hf: "
+                                              "models)")] = "auto",
     sampling: Annotated[str, typer.Option(help="the engine's generate() sampling settings when its logprobs are "
                                                "its processed scores (output_scores): comma-separated NAME=VALUE of "
                                                "temperature, top_k, top_p, min_p, typical_p, repetition_penalty, "
@@ -41,6 +43,11 @@ def rollout(
                                                "max_new_tokens); the trainer's logits go through generate()'s "
                                                "own processors first (hf: models; docs/rl.md). none: raw "
                                                "logprobs")] = "none",
+    max_cache_len: Annotated[int, typer.Option(help="--padding static's KV cache length: generate()'s max_length - 1 "
+                                                    "(the batch's longest prompt + max_new_tokens - 1), or its "
+                                                    "generation_config.max_cache_len, or a longer earlier call's "
+                                                    "on the same model (transformers keeps the longest); 0: the "
+                                                    "longest prompt + the most generated tokens - 1")] = 0,
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
@@ -84,7 +91,7 @@ def rollout(
                            device=dev, seed=seed, top=top, timeout=timeout,
                            flags=backend_flags.parse("--flags", flags), attention=attn.parse(attention),
                            padding=parse_padding(padding), jobs=parse_jobs(jobs),
-                           sampling=rollout_sampling.parse(sampling))
+                           sampling=rollout_sampling.parse(sampling), max_cache_len=max_cache_len)
         from tpdiag.models.spec import parse_spec
 
         parse_spec(model)

@@ -58,13 +58,16 @@ def find(configurations: list[Config], seqs, trainer: dict) -> dict | None:
             continue
         gap, most = got
         base = {}
-        # decode has no packed form: a packed prefill's rounding between call shapes is read padded
-        pad = "auto" if c.padding == "packed" else c.padding
-        for name, x, y in ((f"{other} at micro-batch {c.micro_batch} against 1", lab(c, mode=other, padding=pad),
-                            lab(c, mode=other, micro_batch=1, padding=pad)),
+        # decode has no packed form: a packed prefill's rounding between call shapes is read padded;
+        # prefill has no static cache: a static decode's prefill baselines are read padded
+        pad = {"prefill": "auto" if c.padding in ("packed", "static") else c.padding,
+               "decode": "auto" if c.padding == "packed" else c.padding}
+        for name, x, y in ((f"{other} at micro-batch {c.micro_batch} against 1",
+                            lab(c, mode=other, padding=pad[other]),
+                            lab(c, mode=other, micro_batch=1, padding=pad[other])),
                            ("prefill against decode at micro-batch 1",
-                            lab(c, micro_batch=1, mode="prefill", padding=pad),
-                            lab(c, micro_batch=1, mode="decode", padding=pad))):
+                            lab(c, micro_batch=1, mode="prefill", padding=pad["prefill"]),
+                            lab(c, micro_batch=1, mode="decode", padding=pad["decode"]))):
             if x in trainer and y in trainer:
                 g = _gap(seqs, trainer[x], trainer[y])
                 if g is not None:

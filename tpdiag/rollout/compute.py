@@ -50,12 +50,13 @@ def build(spec_text: str, dtype: str, device: str, seed: int):
 
 
 def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, tree_groups: int = 0,
-             on_flags=None, sampling=()) -> list:
+             on_flags=None, sampling=(), max_cache_len: int = 0) -> list:
     """Per sequence a float32 tensor [len - 1]: the trainer's logprob of input_ids[t] at t-1.
     on_logits(i, rows): the logits rows [len - 1, vocab] of sequence i (in decode, the prompt's
     rows are NaN unless the engine gave prompt logprobs). on_flags(setting, snapshot): the backend
     flags this configuration ran under (tpdiag.runner.flags.snapshot). sampling: generate()'s
-    settings whose processors the generated tokens' rows go through first (tpdiag.rollout.sampling)."""
+    settings whose processors the generated tokens' rows go through first (tpdiag.rollout.sampling).
+    max_cache_len: padding static's cache length (0: generate()'s for the micro-batch, _decode)."""
     import torch
 
     from tpdiag.fixes.registry import apply_fixes, resolve
@@ -76,6 +77,9 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
     if cfg.mode == "decode" and cfg.padding == "packed":
         raise Unavailable("decode has no packed form: generate() left-pads its prompts (packing is a "
                           "trainer's prefill)")
+    if cfg.mode == "prefill" and cfg.padding == "static":
+        raise Unavailable("padding static is generate(cache_implementation=\"static\")'s decode (a KV cache "
+                          "preallocated to its max length); a prefill call has no cache")
     names = () if cfg.fix == "none" else resolve("all" if cfg.fix == "all" else cfg.fix.split("+"))
     out: list = [None] * len(seqs)
     with ExitStack() as stack, torch.no_grad():
@@ -96,7 +100,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
             elif cfg.mode == "prefill":
                 rows = _prefill(model, group, left=cfg.padding == "left")
             else:
-                rows = _decode(model, group)
+                rows = _decode(model, group, static=cfg.padding == "static", max_cache_len=max_cache_len)
             wholes = []
             for r in rows:
                 # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
@@ -219,11 +223,17 @@ def decode_inputs(group, plen: int, steps: int, pad: int):
     return ids, mask
 
 
-def _decode(model, group) -> list:
+def _decode(model, group, static: bool = False, max_cache_len: int = 0) -> list:
     """Logits rows per sequence the way generate() makes them (tpdiag.runner.decode): prompts
     left-padded in one call whose head computes the last row only (generate()'s logits_to_keep=1,
     as engines do: the head's GEMM at M=1 row is part of what decode means), then one token per
-    step through the cache, positions counted from each row's first token."""
+    step through the cache, positions counted from each row's first token.
+    static: generate(cache_implementation="static")'s StaticCache, of generate()'s length
+    max_length - 1 = the longest prompt + max_new_tokens - 1, taking max_new_tokens as the longest
+    sequence's generated count (right where one sequence ran to max_new_tokens), or max_cache_len
+    where the user names it. The length is the attention's key length at every call: on the
+    project's CPU float32 SDPA gave other bits at 17 and 18 keys, bf16 SDPA at fewer than 16 keys
+    and at 16 or more (docs/rl.md)."""
     import torch
 
     from tpdiag.runner.decode import Unsupported, decode, prefill_logits
@@ -235,7 +245,8 @@ def _decode(model, group) -> list:
     ids, mask = decode_inputs(group, plen, steps, pad_id(model))
     ids, mask = ids.to(dev), mask.to(dev)
     try:
-        pieces = decode(model, ids, plen, attention_mask=mask, prompt_rows="last")
+        pieces = decode(model, ids, plen, attention_mask=mask, prompt_rows="last",
+                        static_len=(max_cache_len or ids.shape[1]) if static else None)
         prompt_rows = [None] * n
         if any(s.prompt_logprobs is not None for s in group):  # an engine's prompt logprobs: its prefill's rows
             full = prefill_logits(model, ids[:, :plen], mask[:, :plen])

@@ -37,6 +37,9 @@ class RolloutConfig:
     # the engine's generate() sampling settings, when its logprobs are its processed scores:
     # ((name, value), ...) whose processors the trainer's rows go through (tpdiag.rollout.sampling)
     sampling: tuple = ()
+    # --padding static's cache length (generate()'s max_length - 1, or its max_cache_len); 0: the
+    # micro-batch's longest prompt + its most generated tokens - 1 (tpdiag.rollout.compute._decode)
+    max_cache_len: int = 0
 
 
 # the option parsers live in rollout/options.py; importable from here as before
@@ -70,6 +73,11 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
         from tpdiag.rollout import sampling as rollout_sampling
 
         rollout_sampling.check(seqs, rc.sampling)
+    if rc.max_cache_len and "static" not in rc.padding:
+        raise BadInput(f"--max-cache-len {rc.max_cache_len}: the length of --padding static's KV cache; add "
+                       "static to --padding (e.g. --padding auto,static)")
+    if rc.max_cache_len < 0:
+        raise BadInput(f"--max-cache-len {rc.max_cache_len}: must be >= 1 (0: generate()'s, from the sequences)")
     counts = lanes.lanes_per_degree(rc, configurations(rc), seqs)
     jobs = max(counts.values())
     if max(rc.tp) > 1:
@@ -109,7 +117,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if top >= vocab:
                 raise BadInput(f"{rc.file} {s.where}: token id {top} is outside the model's vocabulary "
                                f"({vocab}): is --model the engine's model?")
-        notes += _dtype_note(rc)
+        notes += _dtype_note(rc) + _static_note(rc)
         sampled = None
         if rc.sampling:
             from tpdiag.rollout import sampling
@@ -132,7 +140,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                 # every other configuration in the lanes (a TP=1 one run here too - its first did not
                 # run - takes this process's result: the same bits)
                 lead, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values,
-                                                   rc.sampling)
+                                                   rc.sampling, rc.max_cache_len)
                 worlds = {**early.result(), **lead}
                 results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
                                                                    on_status, flag_values, collector, stats_from)
@@ -170,6 +178,16 @@ def _not_judged(rc, results) -> str:
             f"{k}: {v['status']}" for k, v in results.items() if k.startswith("tp1-")) + ")"
     return (f"not judged: it reads the trainer's logits in a TP=1 configuration and {why}; "
             "add 1 to --tp to judge it (the worst tokens' margins and ranks come from it too)")
+
+
+def _static_note(rc) -> list[str]:
+    """On a GPU, generate() compiles its forward when the cache is static (transformers'
+    _valid_auto_compile_criteria: cuda and a compileable cache); tpdiag's static decode is eager."""
+    if "static" not in rc.padding or "decode" not in rc.modes or rc.device != "cuda":
+        return []
+    return ['padding static decodes eagerly; on a GPU, generate(cache_implementation="static") runs its forward '
+            "under torch.compile unless called with disable_compile=True - a compiled engine is reproduced only "
+            "where inductor's kernels sum as the eager ones (not checked here)"]
 
 
 def _dtype_note(rc) -> list[str]:
@@ -301,7 +319,10 @@ def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
             f"{m['mean_abs']:.3g}, max {m['max_abs']:.3g}); it is nearest, not an explanation. Not "
             "matched: the engine computed with something none of these has - its own kernels "
             "(paged or flash attention, fused or CUDA-graph GEMMs, its sampler's logprobs), "
-            "another dtype, other weights or model code, or flags outside the ones tried")
+            "another dtype, other weights or model code, or flags outside the ones tried"
+            + (" - or a static KV cache (generate(cache_implementation=\"static\"), TRL's "
+               "cache_implementation: --padding auto,static tries it)"
+               if "decode" in rc.modes and "static" not in rc.padding else ""))
 
 
 def _sdpa_words(results: dict) -> str:

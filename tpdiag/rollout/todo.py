@@ -143,6 +143,18 @@ def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> 
                f"pad on the {_side(theirs, like)} as it does")
         return (f"the engine {did(theirs, like)}, your trainer {did(mine, ref)}: one row of every sequence "
                 f"against a padded batch - other GEMM shapes, rounding; to match bitwise, {how}")
+    if axis == "padding" and "static" in (mine, theirs):
+        def did(p, c):
+            if p == "static":
+                return 'through a static KV cache (generate(cache_implementation="static"))'
+            return ("through the default dynamic KV cache" if c.mode == "decode"
+                    else f"with no KV cache (one prefill call, padded on the {_side(p, c)})")
+        how = ('generate(cache_implementation="static"): the cache preallocated to the max length' if
+               theirs == "static" else "without a static cache")
+        return (f"the engine decoded {did(theirs, like)}, your trainer ran {did(mine, ref)}: every call "
+                "through a static cache attends over all its preallocated positions (the unwritten ones masked), "
+                "through a dynamic one over the positions seen so far - other attention shapes, rounding; to match bitwise, decode "
+                f"as it does, {how}")
     if axis == "padding":
         return (f"the engine padded prompts on the {_side(theirs, like)}, your trainer on the {_side(mine, ref)}: "
                 "each call's shape and the padding's place differ - rounding; pad as the engine does to match")
@@ -150,6 +162,8 @@ def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> 
 
 
 def _side(padding: str, c: Config) -> str:
+    if padding == "static":
+        return "left, through a static KV cache"
     if padding == "auto":
         return "left (generate()'s)" if c.mode == "decode" else "right"
     return padding
@@ -173,6 +187,9 @@ def _untried(rc, batch: int, decodable: bool = True) -> str:
                        "F.scaled_dot_product_attention)")
     if "default" not in rc.flags:
         out.append("--flags default (PyTorch's, what engines run)")
+    if "static" not in rc.padding and decodable and str(rc.model).strip().startswith("hf:"):
+        out.append("--padding auto,static (decode through a static KV cache, as generate("
+                   "cache_implementation=\"static\") and TRL's cache_implementation=\"static\" run)")
     return ", ".join(out)
 
 

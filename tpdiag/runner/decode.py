@@ -71,7 +71,8 @@ def why_not(model) -> str:
 
 
 def decode(model, ids, prompt_len: int, *, attention_mask=None, prompt_rows: str = "all",
-           on_call: Callable[[int, int], None] | None = None, generate_args: bool = True) -> list[Piece]:
+           on_call: Callable[[int, int], None] | None = None, generate_args: bool = True,
+           static_len: int | None = None) -> list[Piece]:
     """The pieces of logits of ids [B, L]: the prompt ids[:, :prompt_len] in one call, then one
     position per call. prompt_rows 'all': the prompt call's piece covers positions 0..P-1;
     'last': only P-1 (the head on one row per sequence, generate()'s logits_to_keep=1 - an hf:
@@ -79,7 +80,9 @@ def decode(model, ids, prompt_len: int, *, attention_mask=None, prompt_rows: str
     of prompts of different lengths) is for hf: models; the built-in cache takes none.
     generate_args False (compare's decode world, no padding): an hf: model gets the tokens and the
     cache alone, as the trainer's prefill call gets the tokens alone - its modules then see the
-    same inputs (transformers derives the positions from the cache), so their records line up."""
+    same inputs (transformers derives the positions from the cache), so their records line up.
+    static_len: an hf: model's cache is transformers' StaticCache of that many positions (what
+    generate(cache_implementation="static") preallocates: max_length - 1), not a DynamicCache."""
     if prompt_rows not in ("all", "last"):
         raise ValueError(f"prompt_rows {prompt_rows!r}: expected 'all' or 'last'")
     L = ids.shape[1]
@@ -91,7 +94,10 @@ def decode(model, ids, prompt_len: int, *, attention_mask=None, prompt_rows: str
         if not generate_args:
             _no_padding(attention_mask, model)
         return list(_hf_steps(model, ids, prompt_len, attention_mask, prompt_rows == "last", on_call,
-                              generate_args))
+                              generate_args, static_len))
+    if static_len is not None:
+        raise Unsupported(f"a static KV cache is transformers' StaticCache (hf: models): {type(model).__name__} "
+                          "has its own cache")
     return list(_cache_steps(model, ids, prompt_len, attention_mask, prompt_rows == "last", on_call))
 
 
@@ -132,12 +138,16 @@ def _cache_steps(model, ids, P, attention_mask, last_only, on_call):
             yield Piece(start, stop, out)
 
 
-def _hf_steps(model, ids, P, attention_mask, last_only, on_call, generate_args=True):
+def _hf_steps(model, ids, P, attention_mask, last_only, on_call, generate_args=True, static_len=None):
     mask, pos = _mask_and_positions(ids, attention_mask)
+    if static_len is not None and static_len < ids.shape[1]:
+        raise Unsupported(f"a static KV cache of {static_len} positions cannot hold a micro-batch's "
+                          f"{ids.shape[1]} (its longest prompt and most generated tokens, less one): "
+                          "is --max-cache-len the engine's?")
     if generate_args and _generate_inputs(model):
-        yield from _generate_steps(model, ids, P, mask, pos, last_only, on_call)
+        yield from _generate_steps(model, ids, P, mask, pos, last_only, on_call, static_len)
         return
-    cache = _new_cache(model, model.config)
+    cache = _new_cache(model, model.config, static_len)
     ck = _cache_kw(model)
     for start, stop in _calls(P, ids.shape[1]):
         if on_call is not None:
@@ -151,15 +161,25 @@ def _hf_steps(model, ids, P, attention_mask, last_only, on_call, generate_args=T
         yield Piece(stop - n, stop, o.logits)
 
 
-def _new_cache(model, config):
+def _new_cache(model, config, static_len=None):
     """The cache generate() starts with: a DynamicCache of the config, or None where transformers says
     the model builds its own (`_supports_default_dynamic_cache()` False: MiniMax's linear-attention
-    MiniMaxCache, which refuses a DynamicCache) - the model's forward then makes it at the first call."""
+    MiniMaxCache, which refuses a DynamicCache) - the model's forward then makes it at the first call.
+    static_len: generate(cache_implementation="static")'s StaticCache of that many positions - every
+    call then attends over all of them (the unwritten ones masked): other attention shapes than the
+    DynamicCache's, which holds only the positions seen so far."""
     from transformers import DynamicCache
 
     own = getattr(model, "_supports_default_dynamic_cache", None)
     if callable(own) and not own():
+        if static_len is not None:  # generate() ignores cache_implementation for these (it warns)
+            raise Unsupported(f"{type(model).__name__} builds its own cache: generate() ignores "
+                              "cache_implementation=\"static\" for it (nothing static to reproduce)")
         return None
+    if static_len is not None:
+        from transformers import StaticCache
+
+        return StaticCache(config=config, max_cache_len=static_len)
     return DynamicCache(config=config)
 
 
@@ -188,7 +208,7 @@ def _generate_inputs(model) -> bool:
         return False
 
 
-def _generate_steps(model, ids, P, mask, pos, last_only, on_call):
+def _generate_steps(model, ids, P, mask, pos, last_only, on_call, static_len=None):
     """generate()'s own loop (transformers 5 `_sample`), one position per call after the prompt: the
     cache generate() builds by default (a DynamicCache of the decoder's text config), each call's
     inputs made by the model's own `prepare_inputs_for_generation` - a model may override it, e.g.
@@ -204,7 +224,7 @@ def _generate_steps(model, ids, P, mask, pos, last_only, on_call):
     tc = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     ck = _cache_kw(model)
     kw = {"use_cache": True}
-    cache = _new_cache(model, tc)
+    cache = _new_cache(model, tc, static_len)
     if cache is not None:  # generate() passes no cache to a model that makes its own
         kw[ck] = cache
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters

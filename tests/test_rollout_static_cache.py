@@ -1,0 +1,202 @@
+"""A rollout engine with a static KV cache: transformers' generate(cache_implementation="static")
+(TRL's GRPO `cache_implementation="static"`) preallocates the cache to max_length - 1 positions and
+every call attends over all of them, the unwritten ones masked. `tpdiag rollout --padding static`
+decodes through that cache.
+
+- A tiny Qwen2 saved in bf16, one sampled generate(cache_implementation="static") call over
+  left-padded prompts of different lengths: `tp1-mb8-decode-none-padstatic` is generate()'s own
+  logprobs (its output_logits) bit for bit, and the CLI names it among the configurations that
+  reproduce the engine.
+- Negative control: tpdiag's dynamic-cache decode (`tp1-mb8-decode-none`, what reproduces the
+  default generate()) is not those bits on this CPU (0 of 80 tokens here): the cache's length is
+  the attention's key length, and SDPA's kernel sums over it in another order. Without --padding
+  static nothing decoded reproduces the engine, and the summary says to try it.
+"""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.test_rollout_rl_team import engine, save_bf16  # noqa: E402
+
+STATIC = "tp1-mb8-decode-none-padstatic"
+DYNAMIC = "tp1-mb8-decode-none"
+
+
+def _cli(tmp_path, rows, path, *args):
+    from typer.testing import CliRunner
+
+    from tpdiag.cli import app
+
+    f = tmp_path / "r.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    r = CliRunner().invoke(app, ["rollout", str(f), "--model", "hf:" + path, "--dtype", "bfloat16",
+                                 "--device", "cpu", "--micro-batch", "8", "--fix", "none", "--format", "json",
+                                 *args])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def test_static_cache_decode_is_generates_static_logprobs(tmp_path):
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    path = save_bf16("qwen2", tmp_path / "q")
+    files, _ = engine(path, temperature=1.0, cache_implementation="static")
+    rows = files["raw"]
+    assert len(rows) == 8 and len({x["prompt_len"] for x in rows}) > 1  # left padding in the engine's batch
+    f = tmp_path / "e.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    got = {}
+    s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="bfloat16", micro_batch=(8,),
+                                  modes=("decode", "prefill"), fixes=("none",), padding=("auto", "static")),
+                    on_logprobs=got.update)
+    # (1) generate(cache_implementation="static")'s own logprobs (float32 log_softmax of its
+    # output_logits, as the engine helper writes them), every generated token bit for bit
+    for i, x in enumerate(rows):
+        engine_lp = torch.tensor(x["logprobs"], dtype=torch.float32)
+        assert torch.equal(got[STATIC][i][x["prompt_len"] - 1:], engine_lp), i
+    # (2) the dynamic-cache decode is not the static engine's bits
+    assert not all(torch.equal(got[DYNAMIC][i][x["prompt_len"] - 1:], torch.tensor(x["logprobs"]))
+                   for i, x in enumerate(rows))
+    c = s["configurations"]
+    assert c[DYNAMIC]["metrics"]["exact_tokens"] < c[DYNAMIC]["metrics"]["tokens"]
+    assert "a prefill call has no cache" in c["tp1-mb8-prefill-none-padstatic"]["reason"]
+
+    # the CLI on the engine's file names the static configuration; without it, decode reproduces
+    # nothing and the summary says what to try
+    s = _cli(tmp_path, rows, path, "--mode", "decode", "--padding", "auto,static")
+    assert s["closest"]["reproduced"] is True and s["closest"]["configurations"] == [STATIC], s["closest"]
+    s = _cli(tmp_path, rows, path, "--mode", "decode")
+    assert s["closest"]["reproduced"] is False
+    assert "--padding auto,static" in s["closest"]["explanation"]
+    assert "--padding auto,static" in s["what_to_do"]["line"]
+
+
+def test_the_static_configuration_does_not_reproduce_the_default_generate(tmp_path):
+    """The other direction: the default generate() (DynamicCache) is tpdiag's dynamic decode, and
+    the static configuration is not it - the what-to-do line names the cache as the difference."""
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    path = save_bf16("qwen2", tmp_path / "q")
+    files, _ = engine(path, temperature=1.0)
+    f = tmp_path / "e.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in files["raw"]))
+    s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="bfloat16", micro_batch=(8,),
+                                  modes=("decode",), fixes=("none",), padding=("static", "auto")))
+    c = s["configurations"]
+    assert c[DYNAMIC]["metrics"]["exact_tokens"] == c[DYNAMIC]["metrics"]["tokens"]
+    assert c[STATIC]["metrics"]["exact_tokens"] < c[STATIC]["metrics"]["tokens"]
+    assert s["closest"]["configurations"] == [DYNAMIC]
+    assert "through a static KV cache" in s["what_to_do"]["line"], s["what_to_do"]["line"]
+
+
+def test_padding_static_is_parsed_and_named():
+    from tpdiag.base.configs import Config, parse
+    from tpdiag.errors import BadInput
+    from tpdiag.rollout.options import parse_padding
+
+    assert parse_padding("auto,static") == ("auto", "static")
+    c = Config(1, 8, "decode", padding="static")
+    assert c.rollout_name() == STATIC and parse(STATIC) == c
+    with pytest.raises(BadInput, match="static: decode through a static KV cache"):
+        parse_padding("statik")
+    # on a GPU generate() compiles a static cache's forward: said, as tpdiag's decode is eager
+    from tpdiag.rollout.run import RolloutConfig, _static_note
+
+    assert "torch.compile" in _static_note(RolloutConfig(file="f", device="cuda", padding=("auto", "static")))[0]
+    assert _static_note(RolloutConfig(file="f", device="cpu", padding=("auto", "static"))) == []
+    assert _static_note(RolloutConfig(file="f", device="cuda")) == []
+
+
+def _generate_rows(model, new, eos=2):
+    """One sampled generate(cache_implementation="static") call over LENS left-padded: rows of
+    tpdiag's JSONL with the raw logprobs (output_logits)."""
+    from tests.test_rollout_rl_team import LENS
+
+    g = torch.Generator().manual_seed(1)
+    P = max(LENS)
+    ids = torch.zeros(len(LENS), P, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(LENS):
+        ids[r, P - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
+        mask[r, P - n:] = 1
+    torch.manual_seed(1)
+    res = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, eos_token_id=eos,
+                         cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+    lp = torch.stack(res.logits, 1).float().log_softmax(-1)
+    rows = []
+    for b in range(len(ids)):
+        gen = res.sequences[b, P:].tolist()
+        gen = gen[:gen.index(eos) + 1] if eos in gen else gen
+        rows.append({"input_ids": ids[b][mask[b].bool()].tolist() + gen, "prompt_len": int(mask[b].sum()),
+                     "logprobs": [lp[b, j, t].item() for j, t in enumerate(gen)]})
+    return rows
+
+
+def test_an_earlier_longer_generate_sets_the_cache_length(tmp_path):
+    """transformers keeps a model's longest static cache (_previous_max_cache_length): a generate()
+    after a longer one on the same model attends over the longer cache. In float32 the CPU's SDPA
+    gives other bits at each key length, so only --max-cache-len of the earlier call's
+    max_length - 1 reproduces it; the default (this batch's own length) does not."""
+    from transformers import AutoModelForCausalLM
+
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    path = save_bf16("qwen2", tmp_path / "q")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    _generate_rows(model, new=16)  # an earlier call: cache 8 + 16 - 1 = 23 positions
+    rows = _generate_rows(model, new=10)
+    assert max(len(x["logprobs"]) for x in rows) == 10
+    f = tmp_path / "e.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+
+    def exact(n):
+        s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="float32", micro_batch=(8,),
+                                      modes=("decode",), fixes=("none",), padding=("static",), max_cache_len=n))
+        m = s["configurations"][STATIC]["metrics"]
+        return m["exact_tokens"], m["tokens"]
+
+    got, n = exact(23)
+    assert got == n
+    got, n = exact(0)  # 8 + 10 - 1 = 17 positions: not the engine's cache
+    assert got < n
+    from tpdiag.errors import BadInput
+
+    with pytest.raises(BadInput, match="a static KV cache of 12 positions cannot hold a micro-batch's 17"):
+        exact(12)
+
+
+def test_max_cache_len_without_static_padding_is_refused(tmp_path):
+    from tpdiag.errors import BadInput
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps({"input_ids": [3, 4, 5, 6], "prompt_len": 2, "logprobs": [-1.0, -1.0]}) + "\n")
+    with pytest.raises(BadInput, match="--max-cache-len 20: the length of --padding static's KV cache"):
+        run_rollout(RolloutConfig(file=str(f), model="tiny-llama", max_cache_len=20))
+
+
+def test_a_static_decode_leak_is_read_against_the_padded_prefill():
+    """The batch note for a static decode: prefill has no static cache, so its rounding baselines
+    are the padded prefill's (with padding static there is none to read: no note at all)."""
+    from tpdiag.base.configs import Config
+    from tpdiag.rollout import batch_leak
+    from tpdiag.rollout.read import Sequence
+
+    seqs = [Sequence(list(range(3, 13)), 4, [-1.0] * 6, where=f"line {i + 1}") for i in range(4)]
+    base = torch.linspace(-3.0, -0.5, 9)
+    cfgs = [Config(1, mb, "decode", padding="static") for mb in (4, 1)] + [Config(1, mb, "prefill") for mb in (4, 1)]
+    t = {}
+    for c in cfgs:
+        lp = [base.clone() for _ in seqs]
+        lp[0][5] += 1e-3 * (c.micro_batch == 1) + 2e-3 * (c.mode == "decode")  # rounding: one token
+        if c.mode == "decode" and c.micro_batch == 4:
+            for x in lp[1:]:
+                x[3:] += 0.05  # the padded sequences, every token
+        t[c.rollout_name()] = lp
+    leak = batch_leak.find(cfgs, seqs, t)
+    assert leak is not None and leak["configuration"] == "tp1-mb4-decode-none-padstatic", leak
+    assert leak["alone"] == "tp1-mb1-decode-none-padstatic" and len(leak["baselines"]) == 2, leak
+    assert leak["ratio"] > 10
