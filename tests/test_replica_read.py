@@ -3,7 +3,10 @@ stats_elsewhere.py: `moe.balance` holds the balancing state the `moe` around it 
 On b260af8 diff/replicas.py asked only the owner's next forward whether the buffer is read: "not read
 by any recorded step: moe.balance is not called again" - held_elsewhere, whose next step routes by the
 per-rank bias, read `unknown` at its first divergence. The nearest module above the owner that is
-called at the next step is asked now; "unread" needs it and every module above it bitwise there."""
+called at the next step is asked now; "unread" needs it and every module above it bitwise there, and
+every grad of that step's backward: held_backward reads `seen` in a custom backward only (its forward
+bitwise at every step) and read `unknown`, gate 1, with no BUG anywhere - on b260af8, and with the
+first half of this fix alone."""
 import json
 
 import pytest
@@ -11,7 +14,7 @@ import pytest
 from conftest import run_cli
 
 
-@pytest.mark.parametrize("case", ["held_elsewhere", "held_logged"])
+@pytest.mark.parametrize("case", ["held_elsewhere", "held_logged", "held_backward"])
 def test_a_buffer_held_by_an_uncalled_module_is_judged_by_its_reader(case, tmp_path):
     from tpdiag.diff.classes import leading_bug
 
@@ -26,6 +29,11 @@ def test_a_buffer_held_by_an_uncalled_module_is_judged_by_its_reader(case, tmp_p
         assert (fd["key"], fd["cause"]) == ("s0/optimizer/moe.balance/buffer#0/seen", "unknown"), fd
         assert "not read by any recorded step: moe's forward at step 1 is bitwise" in fd["why"], fd["why"]
         assert leading_bug(e) is None and gate == 1, (gate, p.stdout[-2000:])
+        return
+    if case == "held_backward":
+        assert (fd["key"], fd["cause"]) == ("s0/optimizer/moe.balance/buffer#0/seen", "rank-inconsistent-replica"), fd
+        assert "its forward is bitwise, but its backward is not" in fd["why"], fd["why"]
+        assert leading_bug(e) is not None and gate == 4, (gate, e.get("findings"))
         return
     assert (fd["key"], fd["cause"]) == ("s0/optimizer/moe.balance/buffer#0/bias", "rank-inconsistent-replica"), fd
     assert "step 1 reads it: moe's forward output there differs" in fd["why"], fd["why"]

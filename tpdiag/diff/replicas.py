@@ -7,9 +7,10 @@ the next step: a holder of state never called itself is read by the module aroun
 
   read     a later step's forward output of the owner is rank-inconsistent although its inputs were
            not, or differs from the reference although its inputs were bitwise equal
-  unread   the next recorded step's forward outputs of the owner are bitwise the reference's on every
-           rank (or it is not called again); at the last recorded step, the same buffer was shown
-           unread at an earlier step
+  unread   the next recorded step's forward outputs of the owner (and of every module above it) are
+           bitwise the reference's on every rank (or none is called again), and so is every grad of
+           that step's backward (a buffer read in the backward only leaves the forward bitwise); at the
+           last recorded step, the same buffer was shown unread at an earlier step
   not shown otherwise (no later step recorded, or its inputs there differ too): the BUG stays,
            saying so (fail closed)
 """
@@ -23,9 +24,13 @@ def mark(dd) -> None:
         return
     last = max(r["step"] for r in rows)
     fwd: dict = {}
+    moved: dict = {}  # step -> a backward grad there that is not the reference's bitwise on every rank
     for r in rows:
         if r["phase"] == "forward" and r["kind"] in ("in", "out"):
             fwd.setdefault((r["step"], r["module"], r["kind"]), []).append(r)
+        elif r["phase"] == "backward" and r["kind"] in ("grad_out", "param_grad") \
+                and (not r["bitwise"] or r.get("rank_consistent") is False):
+            moved.setdefault(r["step"], r)
     unread: set = set()
     for r in sorted(wrote, key=lambda r: r["step"]):
         m, s, name = r["module"], r["step"], r["name"]
@@ -59,7 +64,8 @@ def mark(dd) -> None:
             r["replica_read"] = {"read": True, "why": (
                 f"{what} differs across ranks and step {s + 1} reads it: {near}'s forward output there differs, "
                 "its inputs bitwise equal")}
-        elif all(o["bitwise"] and o.get("rank_consistent") is not False for o in outs + above):
+        elif all(o["bitwise"] and o.get("rank_consistent") is not False for o in outs + above) \
+                and (s + 1) not in moved:
             unread.add((m, name))
             r["replica_read"] = {"read": False, "why": (
                 f"{what} differs across ranks; not read by any recorded step: {near}'s forward at step {s + 1} "
@@ -67,6 +73,12 @@ def mark(dd) -> None:
                 + (f", and so is every module above it ({', '.join(called[1:])})" if above else "")
                 if outs else f"{what} differs across ranks; not read by any recorded step: neither {m} nor any "
                 "module above it is called again")}
+        elif (s + 1) in moved and all(o["bitwise"] and o.get("rank_consistent") is not False for o in outs + above):
+            # a buffer read in the backward only (a custom autograd function's saved state) leaves
+            # every forward bitwise: a grad of the step that is not the reference's may be its doing
+            r["replica_read"] = {"read": None, "why": (
+                f"{what} differs across ranks; whether step {s + 1} reads it is not shown: its forward is "
+                f"bitwise, but its backward is not ({moved[s + 1]['key']}) - a buffer read in the backward")}
         else:
             r["replica_read"] = {"read": None, "why": (
                 f"{what} differs across ranks; whether step {s + 1} reads it is not shown ({near}'s inputs "

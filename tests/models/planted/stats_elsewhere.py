@@ -6,6 +6,9 @@ module that reads and writes it (helper hreview11). The replicas of `balance.see
 
   held_elsewhere  a BUG (the next step's routing differs across the ranks)
   held_logged     the twin: `seen` kept for the logs, never read (the bias from the all-reduced counts)
+  held_backward   `seen` read in the backward only: the MoE's output grad is damped by the tokens seen so
+                  far (a custom autograd function; the bias from the all-reduced counts): a BUG, its
+                  forward bitwise at every step
 
     tpdiag compare --model py:tests/models/planted/stats_elsewhere.py:held_elsewhere --tp 1,2 --steps 2
 """
@@ -67,9 +70,24 @@ class Balance(nn.Module):
         self.register_buffer("seen", torch.zeros(E))
 
 
+class _Damp(torch.autograd.Function):
+    """Identity forward; the grad damped by the tokens `seen` so far (read in the backward only)."""
+
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.save_for_backward(seen.clone())
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        seen, = ctx.saved_tensors
+        return g / (1.0 + 1e-3 * seen.sum()), None
+
+
 class MoE(nn.Module):
-    def __init__(self, read_seen):
+    def __init__(self, read_seen, damp=False):
         super().__init__()
+        self.damp = damp
         self.router = nn.Linear(D, E, bias=False)
         self.w1 = nn.Parameter(torch.randn(E, FF, D) / D ** 0.5)
         self.w2 = nn.Parameter(torch.randn(E, D, FF) / FF ** 0.5)
@@ -83,6 +101,8 @@ class MoE(nn.Module):
         per = E // n
         t = x.reshape(-1, D)
         t = _Copy.apply(t) if n > 1 else t
+        if self.damp:
+            t = _Damp.apply(t, self.balance.seen)
         scores = torch.sigmoid(self.router(t))
         idx = (scores + self.balance.bias).argmax(-1)       # the bias picks the expert only
         w = scores.gather(1, idx[:, None])
@@ -122,6 +142,12 @@ def _target(read_seen):
                       inputs=lambda g: torch.randint(0, V, (B, S), generator=g))
     with torch.no_grad():  # a confident router: no top-1 margin near fp32 rounding on tpdiag's batch
         t.model.moe.router.weight.mul_(4)
+    return t
+
+
+def held_backward():
+    t = _target(False)
+    t.model.moe.damp = True
     return t
 
 
