@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from tpdiag.probes.oracle_hooks import (grad_out_differs, inputs_differ, oracle_backward_hook, param_grad_norms,
                                         record_oracle, record_own_oracles)
 from tpdiag.probes.model_walk import Walk, plan_memo
+from tpdiag.probes.recompute import Recomputes
 from tpdiag.probes.recorder import Recorder
 from tpdiag.probes.rows import consumers_of, extras, module_of
 
@@ -115,9 +116,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 loaded.update({lab: load_file(path) for lab, path in own.items()})
             return loaded
 
-        # (step, module) -> its recomputes so far, each taken for the forward call of that number;
-        # (step, module, call) -> the snapshot of a forward call that ran without a graph
-        recomputes: dict = {}
+        # which forward call each recompute is (probes/recompute.py); (step, module, call) -> the
+        # snapshot of a forward call that ran without a graph
+        recomputes = Recomputes()
         no_graph: dict = {}
 
         def pre_hook(mod, args, kwargs):
@@ -128,12 +129,16 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 # step's forward already ran and recorded (gradient_checkpointing_enable()). Not a
                 # call of the step: recorded, it numbered every checkpointed module's calls twice
                 # and a capture with it could not be diffed against one without
+                if backward:
+                    recomputes.recompute(rec.step, mod, infos[mod][0], _tensors(args, kwargs))
                 return None
             name, style, _, _, cls = infos[mod]
             # = rec.call_index(name), inline (host time per module call)
             ck = (rec.step, rec._phase, name)
             call = calls[mod] = counts.get(ck, 0)
             counts[ck] = call + 1
+            if backward and not torch.is_grad_enabled():
+                recomputes.forward(rec.step, mod, name, call, _tensors(args, kwargs))
             stack.append(name)
             if oracle and name in oracle and rec.enabled:
                 from tpdiag.probes.float64 import buffers_before, snapshot
@@ -165,9 +170,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             if torch._C._current_graph_task_id() != -1:
                 # the recompute (pre_hook): its outputs' grads are the step's where the backward
                 # runs through them (reentrant checkpointing: the forward ran without a graph), as
-                # the forward's call of the same number
-                ck = (rec.step, name)
-                call = recomputes[ck] = recomputes.get(ck, -1) + 1
+                # the forward's call it recomputes
+                call = recomputes.recompute_done(rec.step, mod, name)
                 # the float64 backward of an oracle module whose forward call had no graph to hook
                 # (reentrant: the forward ran under no_grad) is hooked here, from that call's snapshot
                 # (without it the checkpointed block's input grads went unjudged and a grad the
@@ -186,6 +190,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 return None
             if stack and stack[-1] == name:
                 stack.pop()
+            if recomputes.open is not None:
+                recomputes.forward_done(mod)
             if perturb == name and isinstance(out, torch.Tensor):
                 out = out * (1 + 2.0 ** -10)
             call = calls.get(mod, 0)
