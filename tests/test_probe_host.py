@@ -373,7 +373,7 @@ def _probed(monkeypatch, hooks: bool, user_hook: bool):
 
 @pytest.mark.parametrize("user_hook", [False, True])
 def test_modules_probed_through_forward_record_what_hooks_record(monkeypatch, user_hook):
-    """_wrap_forward (a module without hooks) and hooks: the same records, keys, metas and lanes,
+    """wrap_forward (probes/forward_wrap.py: a module without hooks) and hooks: the same records, keys, metas and lanes,
     for keyword arguments, a parent returning its child's output and an instance-level forward;
     a module with a user's hook keeps the hook path (its output seen after the user's hook)."""
     wrapped = _probed(monkeypatch, False, user_hook)

@@ -32,6 +32,21 @@ def _u(dtype) -> float:
     return UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF[torch.float32])
 
 
+CHUNK = 1 << 24  # elements a float64 piece (128 MiB): a 2048 x 128k logits pair whole was 4 x 2.1 GB
+
+
+def _chunks64(*ts):
+    """Equal-shaped tensors' float64 pieces side by side, along their first dim (rows whole)."""
+    n = ts[0].shape[0] if ts[0].dim() else 1
+    per_row = max(1, ts[0].numel() // max(1, n))
+    step = max(1, CHUNK // per_row)
+    if ts[0].dim() == 0:
+        yield tuple(t.double() for t in ts)
+        return
+    for i in range(0, n, step):
+        yield tuple(t[i:i + step].double() for t in ts)
+
+
 def first_order_bound(dd, step: int, rows: list[dict]) -> None:
     """Set the loss row's bound (and beyond_bound) of `step` from the model's outputs and their
     grads, where dd holds them all (a capture: rows without a loss bound of their own)."""
@@ -68,13 +83,13 @@ def first_order_bound(dd, step: int, rows: list[dict]) -> None:
                 return  # an output that moved with no grad to weigh it by
             continue
         ga, gb = dd.tensors[g["key"]]
-        if ga.shape != za.shape or gb.shape != zb.shape:
+        if ga.shape != za.shape or gb.shape != zb.shape or za.shape != zb.shape:
             return
-        za64, zb64, ga64, gb64 = (t.double() for t in (za, zb, ga, gb))
-        if not all(bool(torch.isfinite(t).all()) for t in (za64, zb64, ga64, gb64)):
-            return
-        pred += float(((ga64 + gb64) / 2 * (zb64 - za64)).sum())
-        mag += float((torch.maximum(ga64.abs(), gb64.abs()) * torch.maximum(za64.abs(), zb64.abs())).sum())
+        for za64, zb64, ga64, gb64 in _chunks64(za, zb, ga, gb):
+            if not all(bool(torch.isfinite(t).all()) for t in (za64, zb64, ga64, gb64)):
+                return
+            pred += float(((ga64 + gb64) / 2 * (zb64 - za64)).sum())
+            mag += float((torch.maximum(ga64.abs(), gb64.abs()) * torch.maximum(za64.abs(), zb64.abs())).sum())
         u_in = max(u_in, _u(za.dtype))
     u = _u(la.dtype)
     bound = MARGIN * abs(pred) + ROUNDINGS * u * (mag + max(abs(a), abs(b))) + INPUT_ROUNDINGS * u_in * mag
@@ -119,16 +134,22 @@ def grad_bound(dd, rows: list[dict]) -> None:
         if (not za.is_floating_point() or not ga.is_floating_point() or za.shape != ga.shape
                 or zb.shape != gb.shape or za.shape != zb.shape or za.dim() < 2 or za.numel() < 16):
             continue
-        z1, z2 = za.double().reshape(-1, za.shape[-1]), zb.double().reshape(-1, zb.shape[-1])
-        g1, g2 = ga.double().reshape(-1, ga.shape[-1]), gb.double().reshape(-1, gb.shape[-1])
-        if not all(bool(torch.isfinite(t).all()) for t in (z1, z2, g1, g2)):
+        width = za.shape[-1]
+        dz, scales, moved, finite = 0.0, [], [], True
+        for z1, z2, g1, g2 in _chunks64(*(t.reshape(-1, width) for t in (za, zb, ga, gb))):
+            if not all(bool(torch.isfinite(t).all()) for t in (z1, z2, g1, g2)):
+                finite = False
+                break
+            dz = max(dz, float((z2 - z1).abs().max()))
+            scales.append(torch.maximum(g1.norm(dim=-1), g2.norm(dim=-1)))
+            moved.append((g2 - g1).norm(dim=-1))
+        if not finite:
             continue
-        dz = float((z2 - z1).abs().max())
-        scale = torch.maximum(g1.norm(dim=-1), g2.norm(dim=-1))
+        scale = torch.cat(scales)
         live = scale > 0
         if int(live.sum()) < 2:
             continue
-        rel = (g2 - g1).norm(dim=-1)[live] / scale[live]
+        rel = torch.cat(moved)[live] / scale[live]
         tol = GRAD_ROUNDINGS * max(dz, _u(ga.dtype), _u(za.dtype) if dz == 0 else 0.0)
         beyond = float((rel > tol).double().mean())
         if beyond < GRAD_SPREAD:

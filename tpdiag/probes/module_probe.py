@@ -3,13 +3,12 @@
 Hooks observe only: no tensor is replaced and no autograd node is inserted, so the probed run
 computes exactly what the unprobed run computes (grads of a tensor used by several modules
 are accumulated in the same order). A module with no forward hooks of its own is probed through
-a wrapper of its `forward` instead of hooks (_wrap_forward: the same calls see the same
+a wrapper of its `forward` instead of hooks (probes/forward_wrap.py: the same calls see the same
 arguments and outputs, at less host time; TPDIAG_PROBE_HOOKS=1 uses hooks everywhere).
 Everything registered or wrapped is undone on exit.
 """
 from __future__ import annotations
 
-import functools
 import gc
 import os
 import weakref
@@ -22,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from tpdiag.probes.oracle_hooks import (grad_out_differs, inputs_differ, oracle_backward_hook, param_grad_norms,
                                         record_oracle, record_own_oracles)
+from tpdiag.probes.forward_wrap import global_module_hooks, unwrap, wrap_forward
 from tpdiag.probes.model_walk import Walk, plan_memo
 from tpdiag.probes.recompute import Recomputes
 from tpdiag.probes.recorder import Recorder
@@ -218,6 +218,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 if backward:
                     if not any(t.grad_fn is not None for t in _tensors(out)):
                         # no graph (a reentrant checkpoint's forward): hooked at its recompute
+                        for k in [k for k in no_graph if k[0] != rec.step]:
+                            del no_graph[k]  # never recomputed (a frozen module under no_grad): dropped
                         no_graph[(rec.step, name, call)] = (snap, bufs)
                     else:
                         oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend,
@@ -238,13 +240,13 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                             _tap(t, hook, taps)
             return out if perturb == name else None
 
-        # TPDIAG_PROBE_HOOKS=1: every module through hooks (the path before _wrap_forward)
-        plain_calls = not _global_module_hooks() and os.environ.get("TPDIAG_PROBE_HOOKS") != "1"
+        # TPDIAG_PROBE_HOOKS=1: every module through hooks (the path before wrap_forward)
+        plain_calls = not global_module_hooks() and os.environ.get("TPDIAG_PROBE_HOOKS") != "1"
         for mod, (name, *_) in infos.items():
             if include is not None and name not in include:
                 continue
             if plain_calls and not (mod._forward_pre_hooks or mod._forward_hooks) \
-                    and _wrap_forward(mod, pre_hook, fwd_hook, wrapped):
+                    and wrap_forward(mod, pre_hook, fwd_hook, wrapped):
                 continue
             # prepend: see the input as the previous module produced it, before a TP style's
             # own pre-hook converts it to a DTensor.
@@ -273,57 +275,15 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             h.remove()
         for hooks, key in taps or ():
             hooks.pop(key, None)
-        _unwrap(wrapped)
+        unwrap(wrapped)
         if gc_was:
             gc.enable()
 
 
-_NONE = object()
 # The records' own tensor calls (detach, data_ptr, the hash queue's views) skip torch-function
 # modes: a fix that is one (invariant-attention's) would see each of them (~3,400 Python calls
 # per decode call of a 16-layer model on the CPU), and none of them is its to change.
 _no_modes = torch._C.DisableTorchFunction
-
-
-def _global_module_hooks() -> bool:
-    from torch.nn.modules import module as m
-
-    return bool(m._global_forward_pre_hooks or m._global_forward_hooks)
-
-
-def _wrap_forward(mod: nn.Module, pre_hook, fwd_hook, wrapped: list) -> bool:
-    """Probe a module that has no forward hooks through its `forward` instead of hooks: a module
-    with any hook takes nn.Module's slow call path (a closure, the hook loops, the backward-hook
-    checks), ~10 us per call on a 2-core host and most of what the hooks alone cost a step
-    (`python -m benchmarks probes host`); without hooks the call goes straight to forward. The
-    same calls, arguments and outputs reach pre_hook and fwd_hook as hooks would pass them: no
-    other hook runs around this module's forward (none is registered, nor a global one)."""
-    own = mod.__dict__.get("forward", _NONE)
-    inner = mod.forward
-
-    def forward(*args, **kwargs):
-        pre_hook(mod, args, kwargs)
-        out = inner(*args, **kwargs)
-        res = fwd_hook(mod, args, kwargs, out)
-        return out if res is None else res
-
-    try:
-        functools.update_wrapper(forward, inner)  # the signature, for code that inspects it
-        mod.__dict__["forward"] = forward
-    except (AttributeError, TypeError):  # a module that will not take one (TorchScript)
-        return False
-    wrapped.append((mod, own, forward))
-    return True
-
-
-def _unwrap(wrapped: list) -> None:
-    for mod, own, ours in wrapped:
-        if mod.__dict__.get("forward") is not ours:
-            continue  # replaced inside the block by someone else: theirs stays
-        if own is _NONE:
-            del mod.__dict__["forward"]
-        else:
-            mod.__dict__["forward"] = own
 
 
 def _root(t: torch.Tensor) -> torch.Tensor | None:
