@@ -121,9 +121,13 @@ def grad_bound(dd, rows: list[dict]) -> None:
     themselves: a discrete choice in the loss flipped by rounding (a mask at a threshold) moves
     the few rows at the threshold, not most of them."""
     outs = {(r["step"], r["module"], r.get("call"), r["name"]): r for r in rows
-            if r["phase"] == "forward" and r["kind"] == "out"}
+            if r.get("phase") == "forward" and r.get("kind") == "out"}
+    roots: dict = {}  # step -> the root's outputs' value pairs (what the loss read)
+    for r in outs.values():
+        if r["module"] == "model" and r["key"] in dd.tensors:
+            roots.setdefault(r["step"], []).append(dd.tensors[r["key"]])
     for g in rows:
-        if (g["phase"] != "backward" or g["kind"] != "grad_out" or g.get("consumers") or g["bitwise"]
+        if (g.get("phase") != "backward" or g.get("kind") != "grad_out" or g.get("consumers") or g["bitwise"]
                 or g.get("bound") is not None or g.get("rank_consistent") is False
                 or g.get("scale") is not None):  # one factor: diff/scale.py names it, with its reason
             continue
@@ -131,6 +135,14 @@ def grad_bound(dd, rows: list[dict]) -> None:
         if o is None or o["key"] not in dd.tensors or g["key"] not in dd.tensors:
             continue
         (za, zb), (ga, gb) = dd.tensors[o["key"]], dd.tensors[g["key"]]
+        # only the loss's own input: the root's output (or the module whose output the root returns,
+        # the same values at both sides). An inner output no probed module consumed (a projection
+        # read by ops) gets its grad through the rest of the backward, whose own noise - a
+        # nondeterministic kernel - is no loss's curvature (tests/test_diagnosis.py read a false BUG)
+        if g["module"] != "model" and not any(
+                ra.shape == za.shape and rb.shape == zb.shape and torch.equal(ra, za) and torch.equal(rb, zb)
+                for ra, rb in roots.get(g["step"], ())):
+            continue
         if (not za.is_floating_point() or not ga.is_floating_point() or za.shape != ga.shape
                 or zb.shape != gb.shape or za.shape != zb.shape or za.dim() < 2 or za.numel() < 16):
             continue
