@@ -63,3 +63,13 @@ def test_tpdiag_clip_under_the_switch_is_bitwise(captures, tmp_path):
     s, stdout, gate = _diff(captures, tmp_path, "tpdiag")
     assert s["status"] == "bitwise" and gate == 0, stdout
     assert "clip_grad_norm_" not in stdout
+
+
+def test_the_report_gives_the_same_advice(captures, tmp_path):
+    import html
+    import re
+
+    _diff(captures, tmp_path, "torch")
+    assert run_cli("report", str(tmp_path / "torch")).returncode == 0
+    text = html.unescape(re.sub(r"<[^>]+>", " ", (tmp_path / "torch" / "report.html").read_text()))
+    assert "clip with tpdiag.clip_grad_norm_" in " ".join(text.split())

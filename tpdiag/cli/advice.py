@@ -78,11 +78,9 @@ def _what_to_do(summary: dict) -> str | None:
              f"bitwise equality across TP; {CAPTURE_FIX}")
         firsts = [d.get("first_divergence") or {} for d in entries(summary).values() if d.get("status") == "divergent"]
         if any(fd.get("cause") == "grad-norm" for fd in firsts):
-            # the switch cannot reach torch's own clip: a loop under tpdiag.invariant that clips with
-            # it still sums the norm's shards in the TP layout's order (helper htrial12: every grad
-            # bitwise, the grad norm 1 ULP off; bitwise with tpdiag.clip_grad_norm_)
-            s += ("; the first difference is the grad norm: `tpdiag.invariant` leaves torch's own "
-                  "`clip_grad_norm_` as it is - clip with `tpdiag.clip_grad_norm_` (docs/training.md)")
+            from tpdiag.reports.words import CAPTURE_CLIP
+
+            s += f"; the first difference is the grad norm: {CAPTURE_CLIP}"
         return s
     confirmations = [d.get("confirmation") or {} for d in entries(summary).values()
                      if d.get("status") == "divergent"]
