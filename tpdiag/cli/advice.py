@@ -74,8 +74,14 @@ def _what_to_do(summary: dict) -> str | None:
         # a capture's model is the user's own loop: `compare --fix` cannot run it
         from tpdiag.reports.words import CAPTURE_FIX
 
-        return ("nothing is wrong: the captures differ by rounding only. Harmless unless you need "
-                f"bitwise equality across TP; {CAPTURE_FIX}")
+        s = ("nothing is wrong: the captures differ by rounding only. Harmless unless you need "
+             f"bitwise equality across TP; {CAPTURE_FIX}")
+        firsts = [d.get("first_divergence") or {} for d in entries(summary).values() if d.get("status") == "divergent"]
+        if any(fd.get("cause") == "grad-norm" for fd in firsts):
+            from tpdiag.reports.words import CAPTURE_CLIP
+
+            s += f"; the first difference is the grad norm: {CAPTURE_CLIP}"
+        return s
     confirmations = [d.get("confirmation") or {} for d in entries(summary).values()
                      if d.get("status") == "divergent"]
     # said only where it holds of every divergent degree: one whose cause's fix was off is one

@@ -356,6 +356,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         if keep is None or keep(om):
             tensors[key] = (a, b)
     partials.reduced(rows, tensors, uncompared)
+    partials.reduced_after_backward(rows, tensors, uncompared)
     # a forward-only world (a decode configuration beside a reference that ran the whole step)
     # has no backward or optimizer records to miss
     skip = () if (other.world.get("config") or {}).get("backward", True) else ("backward", "optimizer")

@@ -44,3 +44,32 @@ def reduced(rows: list, tensors: dict, uncompared: list) -> None:
                 continue
         keep.append(r)
     rows[:] = keep
+
+
+def reduced_after_backward(rows: list, tensors: dict, uncompared: list) -> None:
+    """A replicated parameter's grad that each rank holds as its share of a sum (partial_sum) when
+    its backward ends, and that the user's own loop all-reduces before the optimizer step:
+    Megatron-style sequence parallelism (norm weights applied to each rank's sequence shard as
+    plain tensors, their grads all-reduced in finalize_model_grads). The capture records a grad
+    where autograd accumulates it, before that all-reduce; the parameter after the step (cap.params)
+    being one value on every rank shows it was reduced. Left uncompared as a DTensor partial is.
+    Never reduced, the ranks step from different grads and the parameter's replicas part: the
+    grad stays a finding, and so does it where no parameter after the step is recorded (fail closed).
+    (tests/test_user_sp_norm.py: the correct loop read `rank-inconsistent-replica`, a BUG.)"""
+    after = {(r["step"], r["module"], r["name"]): r for r in rows
+             if r["phase"] == "optimizer" and r["kind"] == "param"}
+    keep = []
+    for r in rows:
+        if r["phase"] == "backward" and r["kind"] == "param_grad" and r.get("rank_partial_sum") \
+                and r.get("rank_consistent") is False:
+            p = after.get((r["step"], r["module"], r["name"]))
+            if p is not None and p.get("rank_consistent") is True:
+                uncompared.append({**{k: r[k] for k in ("key", "idx", "step", "phase", "module", "kind", "name", "call")
+                                      if k in r},
+                                   "why": "unreduced partial grad (the ranks' copies add up to the reference; "
+                                          "reduced after the backward: the parameter after the step is one value "
+                                          "on every rank)"})
+                tensors.pop(r["key"], None)
+                continue
+        keep.append(r)
+    rows[:] = keep

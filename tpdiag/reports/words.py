@@ -69,6 +69,11 @@ def size_sentence(fd: dict) -> str:
 
 CAPTURE_FIX = ("then turn the fixes on in your own loop: `with tpdiag.invariant(model, plan, "
                "fixes=\"all\", tree_groups=G):` around it (docs/training.md), and capture again")
+# the switch cannot reach torch's own clip: a loop under tpdiag.invariant that clips with it still
+# sums the norm's shards in the TP layout's order (tests/test_user_inv_clip.py: every grad bitwise,
+# the grad norm 2 ULP off; bitwise with tpdiag.clip_grad_norm_)
+CAPTURE_CLIP = ("`tpdiag.invariant` leaves torch's own `clip_grad_norm_` as it is - clip with "
+                "`tpdiag.clip_grad_norm_` (docs/training.md)")
 
 
 def action(cause: str, confirmation: dict | None, fix: str | None, fix_available: bool,
@@ -89,7 +94,8 @@ def action(cause: str, confirmation: dict | None, fix: str | None, fix_available
         return advice
     if fix:
         avail = "" if fix_available else " (not implemented in this build yet)"
-        how = (f"{CAPTURE_FIX} ({fix} removes this cause{avail})" if capture
+        how = (f"{CAPTURE_FIX} ({fix} removes this cause{avail}"
+               + (f"; {CAPTURE_CLIP}" if cause == "grad-norm" else "") + ")" if capture
                else f"then rerun with `--fix {fix}`{avail}")
         return (f"Rounding, not a bug: harmless unless you need bitwise equality with the reference; "
                 f"{how}. To accept it in CI, put \"{cause}\" in "

@@ -1,0 +1,75 @@
+"""A user's own TP step under `tpdiag.invariant`, recorded with `tpdiag.capture` (gloo worlds,
+tests/user_inv_clip.py), diffed as a user does (helper htrial12).
+
+With torch's own `clip_grad_norm_` every forward and backward record is bitwise and the grad norm
+is not (the switch does not reach torch's clip: docs/training.md). Main at 81c200d told this user
+only "turn the fixes on in your own loop ... and capture again" - they were on; the advice names
+`tpdiag.clip_grad_norm_` now (cli/advice.py), and with it the captures are bitwise (gate 0)."""
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, gloo_world, run_cli
+
+
+def _worker(rank, world, port, q):
+    import sys
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import user_inv_clip
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    user_inv_clip.step(os.environ["ICLIP_OUT"], os.environ["ICLIP"])
+    dist.barrier()
+    if rank == 0:
+        q.put("done")
+
+
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory):
+    base = tmp_path_factory.mktemp("invclip")
+    mp = pytest.MonkeyPatch()
+    try:
+        for n, clip in ((1, "torch"), (2, "torch"), (1, "tpdiag"), (2, "tpdiag")):
+            mp.setenv("ICLIP_OUT", str(base / f"{n}-{clip}"))
+            mp.setenv("ICLIP", clip)
+            mp.setenv("OMP_NUM_THREADS", "1")
+            assert gloo_world(_worker, n, timeout=180) == "done"
+    finally:
+        mp.undo()
+    return base
+
+
+def _diff(captures, tmp_path, clip):
+    out = tmp_path / clip
+    p = run_cli("diff", str(captures / f"1-{clip}"), str(captures / f"2-{clip}"), "--out", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads((out / "summary.json").read_text()), p.stdout, run_cli("gate", str(out)).returncode
+
+
+def test_torch_clip_under_the_switch_is_named_in_the_advice(captures, tmp_path):
+    s, stdout, gate = _diff(captures, tmp_path, "torch")
+    fd = s["degrees"]["2"]["first_divergence"]
+    assert s["class"] == "rounding" and gate == 1, stdout
+    assert (fd["phase"], fd["kind"], fd["cause"]) == ("optimizer", "grad_norm", "grad-norm"), fd
+    assert "clip with `tpdiag.clip_grad_norm_`" in " ".join(stdout.split()), stdout
+
+
+def test_tpdiag_clip_under_the_switch_is_bitwise(captures, tmp_path):
+    s, stdout, gate = _diff(captures, tmp_path, "tpdiag")
+    assert s["status"] == "bitwise" and gate == 0, stdout
+    assert "clip_grad_norm_" not in stdout
+
+
+def test_the_report_gives_the_same_advice(captures, tmp_path):
+    import html
+    import re
+
+    _diff(captures, tmp_path, "torch")
+    assert run_cli("report", str(tmp_path / "torch")).returncode == 0
+    text = html.unescape(re.sub(r"<[^>]+>", " ", (tmp_path / "torch" / "report.html").read_text()))
+    assert "clip with tpdiag.clip_grad_norm_" in " ".join(text.split())
