@@ -6,7 +6,9 @@ the KV head its query heads attend to. Vocab 32, hidden 32, heads of 8.
   gqa_rank_mod  the rank picks KV head `rank % n_kv` ("rank r owns KV head r", wrapped): right at
                 TP=2 (one KV head per rank), wrong at TP=4 - ranks 1 and 2 attend with each
                 other's KV head (query head g belongs to KV head g // (n_heads / n_kv)).
-  gqa_ok        the twin: the KV head of the rank's first query head.
+  gqa_rank_mod_deep  the same after a correct GQA block (`first`): the mistake's inputs already
+                differ from TP=1's by rounding
+  gqa_ok        the twin (gqa_ok_deep: after the correct block): the KV head of the rank's first query head.
 
     tpdiag compare --model py:tests/models/planted/gqa_rank.py:gqa_rank_mod --tp 1,2,4
 tests/test_gqa_rank.py.
@@ -96,25 +98,37 @@ class GQA(nn.Module):
 
 
 class LM(nn.Module):
-    def __init__(self, wrap_by_rank):
+    def __init__(self, wrap_by_rank, deep):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
+        # deep: a correct block first, whose all-reduce already rounds otherwise than TP=1's
+        self.first = GQA(False) if deep else None
         self.attn = GQA(wrap_by_rank)
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens):
         h = self.embed(tokens)
+        if self.first is not None:
+            h = h + self.first(h)
         return self.head(self.norm(h + self.attn(h)))
 
 
-def _target(wrap_by_rank):
-    return tpdiag.Target(model=LM(wrap_by_rank), plan={}, vocab_size=VOCAB,
+def _target(wrap_by_rank, deep=False):
+    return tpdiag.Target(model=LM(wrap_by_rank, deep), plan={}, vocab_size=VOCAB,
                          inputs=lambda g: torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
 
 
 def gqa_rank_mod():
     return _target(True)
+
+
+def gqa_rank_mod_deep():
+    return _target(True, deep=True)
+
+
+def gqa_ok_deep():
+    return _target(False, deep=True)
 
 
 def gqa_ok():
