@@ -89,16 +89,17 @@ def target_key(oracle_key: str) -> str:
     return record_key(k.step, k.phase, k.module, "op" if "::" in k.name else "out", k.call, k.name)
 
 
-def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | None:
+def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor, partials: float = 0.0) -> dict | None:
     """The verdict for one record (see the module doc), or None when it cannot be formed
     (shapes differ, non-finite values: those are findings of their own). Its float64 norms on the
-    parent's check device where it has one (diff/on_device.py)."""
+    parent's check device where it has one (diff/on_device.py). partials: sqrt(sum_r ||p_r||^2)
+    of the rank partials this side rounded and summed (diff/rank_partials.py), 0 where none."""
     from tpdiag.diff import on_device
 
-    return on_device.run(_judge, y_ref, y_n, o)
+    return on_device.run(_judge, y_ref, y_n, o, partials)
 
 
-def _judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | None:
+def _judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor, partials: float = 0.0) -> dict | None:
     if y_ref.shape != y_n.shape or tuple(o.shape) != tuple(y_ref.shape):
         return None
     if not (y_ref.is_floating_point() or y_ref.is_complex()):
@@ -112,12 +113,14 @@ def _judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | No
     e_ref = float(torch.linalg.vector_norm(a - r))
     e_n = float(torch.linalg.vector_norm(b - r))
     s = float(torch.linalg.vector_norm(r))
-    return _verdict(e_ref, e_n, s, n, UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32]))
+    return _verdict(e_ref, e_n, s, n, UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32]), partials)
 
 
-def _verdict(e_ref: float, e_n: float, s: float, n: int, u: float) -> dict:
-    """judge()'s verdict from its norms (module doc)."""
-    level = max(e_ref, u * s)
+def _verdict(e_ref: float, e_n: float, s: float, n: int, u: float, partials: float = 0.0) -> dict:
+    """judge()'s verdict from its norms (module doc); partials: judge()'s."""
+    # rounding each rank's partial once is a rounding the reference never made: where the
+    # partials cancel it dwarfs e_ref and u s (diff/rank_partials.py)
+    level = max(e_ref, u * s, u * partials)
     margin_ = margin(n)
     thr = margin_ * level
     ratio = e_n / thr if thr > 0 else (0.0 if e_n == 0 else math.inf)
@@ -229,11 +232,14 @@ def _index_calls(dd) -> dict:
 def verdict_for(dd, row: dict) -> dict | None:
     """judge() on this record against its oracle, with the reference world's notes; None when
     there is no oracle value for it."""
+    from tpdiag.diff import rank_partials
+
     o = (getattr(dd, "oracle", None) or {}).get(row["key"])
     pair = dd.tensors.get(row["key"])
     if o is None or pair is None:
         return None
-    got = judge(pair[0], pair[1], first_positions(o, pair[1], row.get("positions")))
+    got = judge(pair[0], pair[1], first_positions(o, pair[1], row.get("positions")),
+                rank_partials.partials_in(dd, row))
     if got is None:
         return None
     discrete = notes_for(dd, row).get("discrete")
