@@ -3,7 +3,9 @@ in bf16 each rank's partial, 30x the output, is rounded before the all-reduce - 
 one GEMM never makes. The float64 oracle scaled by TP=1's own error alone called it a BUG
 (81c200d: `forward: mlp.down`, then `forward: mlp`, 2.2x beyond rounding, gate 4); its level now
 includes one rounding of the partials (diff/rank_partials.py), for the Linear and for the block
-around it. The same arithmetic still calls a wrong sum of those partials far."""
+around it, and past the first divergence (the own-input verdict of a second such block, which read
+BUG at `forward: mlp2.down`, 2.4x). The same arithmetic still calls a wrong sum of those partials
+far."""
 import pytest
 import torch
 
@@ -12,16 +14,17 @@ from conftest import compare_planted
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return compare_planted(tmp_path_factory, {"cancel": ("cancel_rowwise", "cancel_rowwise",
-                                                         ("--tp", "1,2", "--dtype", "bfloat16"))})
+    return compare_planted(tmp_path_factory, {c: ("cancel_rowwise", c, ("--tp", "1,2", "--dtype", "bfloat16"))
+                                              for c in ("cancel_rowwise", "cancel_rowwise_deep")})
 
 
-def test_cancelling_rank_partials_in_bf16_are_rounding(runs):
-    s, stdout, gate = runs["cancel"]
+@pytest.mark.parametrize("case", ["cancel_rowwise", "cancel_rowwise_deep"])
+def test_cancelling_rank_partials_in_bf16_are_rounding(runs, case):
+    s, stdout, gate = runs[case]
     d = s["degrees"]["2"]
     assert s["class"] == "rounding" and not d.get("findings"), d
     fd = d["first_divergence"]
-    assert (fd["module"], fd["cause"]) == ("mlp.down", "row-parallel-reduction"), fd
+    assert (fd["module"], fd["cause"]) == ("blocks.0.down", "row-parallel-reduction"), fd
     assert "BUG" not in stdout and gate == 1, stdout
 
 

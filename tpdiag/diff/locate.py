@@ -71,10 +71,9 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         if not got:
             continue
         row["bound"], row["bound_ratio"], row["beyond_bound"] = got
-        if not row["bitwise"] and rank_partials.reduces_over_ranks(params.get(wk)) \
-                and torch.equal(x1, xn) and torch.equal(w1, wn):
-            # the oracle's floor for a sum of rounded rank partials (diff/rank_partials.py)
-            p = rank_partials.partials_norm(x1, w1, world)
+        if not row["bitwise"] and rank_partials.reduces_over_ranks(params.get(wk)):
+            # the oracle's floor for a sum of rounded rank partials: THIS side's (diff/rank_partials.py)
+            p = rank_partials.partials_norm(xn, wn, world)
             if p is not None:
                 row["rank_partials_norm"] = p
     generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records

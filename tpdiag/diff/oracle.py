@@ -131,15 +131,15 @@ def _verdict(e_ref: float, e_n: float, s: float, n: int, u: float, partials: flo
 
 
 def judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, o_n: torch.Tensor,
-              ref_norms: torch.Tensor | None = None) -> dict | None:
+              ref_norms: torch.Tensor | None = None, partials: float = 0.0) -> dict | None:
     """_judge_own on the parent's check device where it has one (diff/on_device.py)."""
     from tpdiag.diff import on_device
 
-    return on_device.run(_judge_own, y_ref, y_n, o_ref, o_n, ref_norms)
+    return on_device.run(_judge_own, y_ref, y_n, o_ref, o_n, ref_norms, partials)
 
 
 def _judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, o_n: torch.Tensor,
-               ref_norms: torch.Tensor | None = None) -> dict | None:
+               ref_norms: torch.Tensor | None = None, partials: float = 0.0) -> dict | None:
     """A record past the first divergence, judged on its own inputs: o_n is the reference's
     module re-executed in float64 from THIS side's inputs (diff/own_inputs.py), o_ref from the
     reference's. Each side's relative distance from its own exact value; this side far when
@@ -154,11 +154,12 @@ def _judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | Non
     cd = torch.complex128 if o_n.is_complex() or y_n.is_complex() else torch.float64
     s_n = float(torch.linalg.vector_norm(o_n.to(cd)))
     e_n = float(torch.linalg.vector_norm(y_n.to(cd) - o_n.to(cd)))
-    return _own_verdict(got, y_ref, y_n, o_ref, ref_norms, s_n, e_n, cd)
+    return _own_verdict(got, y_ref, y_n, o_ref, ref_norms, s_n, e_n, cd, partials)
 
 
-def _own_verdict(got: dict, y_ref, y_n, o_ref, ref_norms, s_n: float, e_n: float, cd) -> dict:
-    """_judge_own's verdict from this side's norms (got: _judge(y_n, y_n, o_n)'s)."""
+def _own_verdict(got: dict, y_ref, y_n, o_ref, ref_norms, s_n: float, e_n: float, cd, partials: float = 0.0) -> dict:
+    """_judge_own's verdict from this side's norms (got: _judge(y_n, y_n, o_n)'s); partials:
+    this side's rank partials' norm (judge()'s)."""
     u = UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32])
     ref_rel = 0.0
     if o_ref is not None and tuple(o_ref.shape) == tuple(y_ref.shape) and y_ref.shape == y_n.shape:
@@ -172,7 +173,7 @@ def _own_verdict(got: dict, y_ref, y_n, o_ref, ref_norms, s_n: float, e_n: float
             ref_rel = e_r / s_r if s_r > 0 else e_r
     if s_n == 0:
         return {**got, "own": True}
-    level = max(ref_rel, u)
+    level = max(ref_rel, u, u * partials / s_n)
     err = e_n / s_n
     thr = got["margin"] * level
     return {"far": err > thr, "ratio": err / thr, "ref_err": ref_rel, "err": err, "floor": u,

@@ -6,7 +6,8 @@ model that learned to subtract one feature path from another. Plan: `mlp.down`
 never makes - so TP=2 is further from the float64 value than TP=1 by far more than 8 of TP=1's
 roundings, yet by one rounding of the partials: rounding, not a bug. Vocab 32, hidden 32.
 
-  cancel_rowwise  the model above (K = 30)
+  cancel_rowwise       the model above (K = 30)
+  cancel_rowwise_deep  two such blocks: the second's inputs already differ by the first's rounding
 
     tpdiag compare --model py:tests/models/planted/cancel_rowwise.py:cancel_rowwise --tp 1,2 --dtype bfloat16
 tests/test_partials_cancel.py.
@@ -35,21 +36,31 @@ class MLP(nn.Module):
 
 
 class LM(nn.Module):
-    def __init__(self):
+    def __init__(self, blocks):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.mlp = MLP()
+        self.blocks = nn.ModuleList(MLP() for _ in range(blocks))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens):
         h = self.embed(tokens)
-        return self.head(self.norm(h + self.mlp(h)))
+        for mlp in self.blocks:
+            h = h + mlp(h)
+        return self.head(self.norm(h))
 
 
-def cancel_rowwise():
+def _target(blocks):
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    return tpdiag.Target(model=LM(), plan={"mlp.down": RowwiseParallel(input_layouts=Replicate())},
+    return tpdiag.Target(model=LM(blocks), plan={"blocks.*.down": RowwiseParallel(input_layouts=Replicate())},
                          vocab_size=VOCAB, inputs=lambda g: torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+def cancel_rowwise():
+    return _target(1)
+
+
+def cancel_rowwise_deep():
+    return _target(2)
