@@ -309,6 +309,21 @@ def _cli_server():
     yield
 
 
+def compare_planted(tmp_path_factory, cases):
+    """`tpdiag compare` of each planted user model, as a user runs it, then `tpdiag gate`:
+    {case: (summary.json, stdout, gate's exit code)}. cases: {case: (file, FUNC, extra args)}."""
+    import json
+
+    out = {}
+    for case, (f, func, more) in cases.items():
+        d = tmp_path_factory.mktemp(case) / "r"
+        p = run_cli("compare", "--model", f"py:tests/models/planted/{f}.py:{func}", "--no-baseline", "--no-confirm",
+                    *more, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
+        out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, run_cli("gate", str(d)).returncode)
+    return out
+
+
 def summary_of(run_dir):
     """A run directory's summary.json."""
     import json

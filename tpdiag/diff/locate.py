@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds, generic_bound, loss_grad, on_device, oracle, oracle_own, pair_memo, router
+from tpdiag.diff import bits, bounds, generic_bound, loss_grad, on_device, oracle, oracle_own, pair_memo, rank_partials, router
 from tpdiag.diff.loss_bounds import loss_bounds
 from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
 from tpdiag.diff.op_verdict import op_verdict
@@ -35,6 +35,7 @@ def _param_key(step: int, module: str, name: str) -> str:
 
 def add_bounds(dd: DegreeDiff, world: int) -> None:
     """Attach a rounding bound to every Linear forward output (the ops where a bug would hide)."""
+    params = {r["key"]: r for r in dd.rows if r["kind"] in ("param_init", "param")}
     for row in dd.rows:
         if row["phase"] != "forward" or row["kind"] != "out" or row["cls"] not in LINEAR_CLASSES:
             continue
@@ -70,6 +71,11 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
         if not got:
             continue
         row["bound"], row["bound_ratio"], row["beyond_bound"] = got
+        if not row["bitwise"] and rank_partials.reduces_over_ranks(params.get(wk)):
+            # the oracle's floor for a sum of rounded rank partials: THIS side's (diff/rank_partials.py)
+            p = rank_partials.partials_norm(xn, wn, world)
+            if p is not None:
+                row["rank_partials_norm"] = p
     generic_bound.add_generic_bounds(dd, world)  # modules with no layout: from their own records
     oracle.apply(dd)  # any module or op the reference re-executed in float64: bug or rounding
     oracle_own.apply_own(dd)  # ... and past the first divergence, from this side's own inputs

@@ -89,16 +89,17 @@ def target_key(oracle_key: str) -> str:
     return record_key(k.step, k.phase, k.module, "op" if "::" in k.name else "out", k.call, k.name)
 
 
-def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | None:
+def judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor, partials: float = 0.0) -> dict | None:
     """The verdict for one record (see the module doc), or None when it cannot be formed
     (shapes differ, non-finite values: those are findings of their own). Its float64 norms on the
-    parent's check device where it has one (diff/on_device.py)."""
+    parent's check device where it has one (diff/on_device.py). partials: sqrt(sum_r ||p_r||^2)
+    of the rank partials this side rounded and summed (diff/rank_partials.py), 0 where none."""
     from tpdiag.diff import on_device
 
-    return on_device.run(_judge, y_ref, y_n, o)
+    return on_device.run(_judge, y_ref, y_n, o, partials)
 
 
-def _judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | None:
+def _judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor, partials: float = 0.0) -> dict | None:
     if y_ref.shape != y_n.shape or tuple(o.shape) != tuple(y_ref.shape):
         return None
     if not (y_ref.is_floating_point() or y_ref.is_complex()):
@@ -112,12 +113,14 @@ def _judge(y_ref: torch.Tensor, y_n: torch.Tensor, o: torch.Tensor) -> dict | No
     e_ref = float(torch.linalg.vector_norm(a - r))
     e_n = float(torch.linalg.vector_norm(b - r))
     s = float(torch.linalg.vector_norm(r))
-    return _verdict(e_ref, e_n, s, n, UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32]))
+    return _verdict(e_ref, e_n, s, n, UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32]), partials)
 
 
-def _verdict(e_ref: float, e_n: float, s: float, n: int, u: float) -> dict:
-    """judge()'s verdict from its norms (module doc)."""
-    level = max(e_ref, u * s)
+def _verdict(e_ref: float, e_n: float, s: float, n: int, u: float, partials: float = 0.0) -> dict:
+    """judge()'s verdict from its norms (module doc); partials: judge()'s."""
+    # rounding each rank's partial once is a rounding the reference never made: where the
+    # partials cancel it dwarfs e_ref and u s (diff/rank_partials.py)
+    level = max(e_ref, u * s, u * partials)
     margin_ = margin(n)
     thr = margin_ * level
     ratio = e_n / thr if thr > 0 else (0.0 if e_n == 0 else math.inf)
@@ -128,15 +131,15 @@ def _verdict(e_ref: float, e_n: float, s: float, n: int, u: float) -> dict:
 
 
 def judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, o_n: torch.Tensor,
-              ref_norms: torch.Tensor | None = None) -> dict | None:
+              ref_norms: torch.Tensor | None = None, partials: float = 0.0) -> dict | None:
     """_judge_own on the parent's check device where it has one (diff/on_device.py)."""
     from tpdiag.diff import on_device
 
-    return on_device.run(_judge_own, y_ref, y_n, o_ref, o_n, ref_norms)
+    return on_device.run(_judge_own, y_ref, y_n, o_ref, o_n, ref_norms, partials)
 
 
 def _judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, o_n: torch.Tensor,
-               ref_norms: torch.Tensor | None = None) -> dict | None:
+               ref_norms: torch.Tensor | None = None, partials: float = 0.0) -> dict | None:
     """A record past the first divergence, judged on its own inputs: o_n is the reference's
     module re-executed in float64 from THIS side's inputs (diff/own_inputs.py), o_ref from the
     reference's. Each side's relative distance from its own exact value; this side far when
@@ -151,11 +154,12 @@ def _judge_own(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | Non
     cd = torch.complex128 if o_n.is_complex() or y_n.is_complex() else torch.float64
     s_n = float(torch.linalg.vector_norm(o_n.to(cd)))
     e_n = float(torch.linalg.vector_norm(y_n.to(cd) - o_n.to(cd)))
-    return _own_verdict(got, y_ref, y_n, o_ref, ref_norms, s_n, e_n, cd)
+    return _own_verdict(got, y_ref, y_n, o_ref, ref_norms, s_n, e_n, cd, partials)
 
 
-def _own_verdict(got: dict, y_ref, y_n, o_ref, ref_norms, s_n: float, e_n: float, cd) -> dict:
-    """_judge_own's verdict from this side's norms (got: _judge(y_n, y_n, o_n)'s)."""
+def _own_verdict(got: dict, y_ref, y_n, o_ref, ref_norms, s_n: float, e_n: float, cd, partials: float = 0.0) -> dict:
+    """_judge_own's verdict from this side's norms (got: _judge(y_n, y_n, o_n)'s); partials:
+    this side's rank partials' norm (judge()'s)."""
     u = UNIT_ROUNDOFF.get(y_ref.dtype, UNIT_ROUNDOFF[torch.float32])
     ref_rel = 0.0
     if o_ref is not None and tuple(o_ref.shape) == tuple(y_ref.shape) and y_ref.shape == y_n.shape:
@@ -169,7 +173,7 @@ def _own_verdict(got: dict, y_ref, y_n, o_ref, ref_norms, s_n: float, e_n: float
             ref_rel = e_r / s_r if s_r > 0 else e_r
     if s_n == 0:
         return {**got, "own": True}
-    level = max(ref_rel, u)
+    level = max(ref_rel, u, u * partials / s_n)
     err = e_n / s_n
     thr = got["margin"] * level
     return {"far": err > thr, "ratio": err / thr, "ref_err": ref_rel, "err": err, "floor": u,
@@ -229,11 +233,14 @@ def _index_calls(dd) -> dict:
 def verdict_for(dd, row: dict) -> dict | None:
     """judge() on this record against its oracle, with the reference world's notes; None when
     there is no oracle value for it."""
+    from tpdiag.diff import rank_partials
+
     o = (getattr(dd, "oracle", None) or {}).get(row["key"])
     pair = dd.tensors.get(row["key"])
     if o is None or pair is None:
         return None
-    got = judge(pair[0], pair[1], first_positions(o, pair[1], row.get("positions")))
+    got = judge(pair[0], pair[1], first_positions(o, pair[1], row.get("positions")),
+                rank_partials.partials_in(dd, row))
     if got is None:
         return None
     discrete = notes_for(dd, row).get("discrete")

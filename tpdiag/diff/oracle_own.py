@@ -8,6 +8,7 @@ import torch
 
 from tpdiag.diff.equal_inputs import params_equal
 from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
+from tpdiag.diff import rank_partials
 from tpdiag.diff.own_side import REFUSED, judge_own_side
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
@@ -92,12 +93,14 @@ def apply_own(dd) -> None:
         y_ref, y_n = dd.tensors[k]
         o_ref = None if o_ref is None else first_positions(o_ref, y_n, row.get("positions"))
         if side_n is not None:
-            v = judge_own_side(y_ref, y_n, o_ref, side_n, dd.hash_version, ref_norms=norms)
+            v = judge_own_side(y_ref, y_n, o_ref, side_n, dd.hash_version, ref_norms=norms,
+                               partials=rank_partials.partials_in(dd, row))
             if v is REFUSED:
                 row["oracle_refused"] = REFUSED["refused"]
                 continue
         else:
-            v = judge_own(y_ref, y_n, o_ref, first_positions(o_n, y_n, row.get("positions")), ref_norms=norms)
+            v = judge_own(y_ref, y_n, o_ref, first_positions(o_n, y_n, row.get("positions")), ref_norms=norms,
+                          partials=rank_partials.partials_in(dd, row))
         if v is None:
             continue
         discrete = notes_for(dd, row).get("discrete")

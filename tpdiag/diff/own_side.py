@@ -12,7 +12,7 @@ from tpdiag.diff.oracle import _own_verdict, _verdict
 
 
 def judge_own_side(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor | None, side: torch.Tensor,
-                   hash_version: int, ref_norms: torch.Tensor | None = None) -> dict | None:
+                   hash_version: int, ref_norms: torch.Tensor | None = None, partials: float = 0.0) -> dict | None:
     """judge_own where the reference's world kept, of its re-execution o_n from this side's inputs,
     only [||o_n||, ||y_n - o_n||, o_n finite, numel, y_n's hash] (probes/own_side_norms.py): the
     same verdict from the same figures. REFUSED where that hash is not this side's record's (the
@@ -31,7 +31,7 @@ def judge_own_side(y_ref: torch.Tensor, y_n: torch.Tensor, o_ref: torch.Tensor |
         return None
     s_n, e_n = f[S], f[E]
     got = _verdict(e_n, e_n, s_n, max(1, y_n.numel()), UNIT_ROUNDOFF.get(y_n.dtype, UNIT_ROUNDOFF[torch.float32]))
-    return _own_verdict(got, y_ref, y_n, o_ref, ref_norms, s_n, e_n, torch.float64)
+    return _own_verdict(got, y_ref, y_n, o_ref, ref_norms, s_n, e_n, torch.float64, partials)
 
 
 # judge_own_side's answer where the figures are not of this side's record

@@ -1,0 +1,57 @@
+"""The size of the per-rank partial sums a row-parallel Linear's all-reduce adds (diff/oracle.py).
+
+y = x W^T with W's input dim split over T ranks is, at TP=T, sum_r p_r with p_r = x_r W_r^T
+computed by each rank and ROUNDED to the output dtype before the sum. Each rounding is up to
+u |p_r| - a rounding TP=1 never makes: its GEMM accumulates the whole dot product and rounds once,
+u |y|. Where the partials cancel (|p_r| >> |y|) the reordering's error is the partials' roundings,
+far more than the reference's own error, and a float64 oracle scaled by the reference's error
+alone calls a correct RowwiseParallel a bug (bf16, partials 30x the output: 2.2x "beyond
+rounding"; tests/test_partials_cancel.py). The one-rounding level of the partials,
+u sqrt(sum_r ||p_r||^2), is what such a sum may lose (bounds.linear_bound's (T+1) u_out |x||W|
+term, in the oracle's 2-norm)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def partials_norm(x: torch.Tensor, w: torch.Tensor, world: int) -> float | None:
+    """sqrt(sum_r ||x_r W_r^T||^2) over the T = world chunks of the input dim (DTensor's Shard
+    chunks: torch.chunk), in float64; None when it cannot be formed."""
+    if world < 2 or x.shape[-1] != w.shape[-1] or not (x.is_floating_point() and w.is_floating_point()):
+        return None
+    k = x.shape[-1]
+    x64, w64 = x.to(torch.float64), w.to(torch.float64)
+    total = 0.0
+    for cols in torch.arange(k).chunk(world):
+        if cols.numel():
+            total += float(torch.linalg.vector_norm(x64[..., cols] @ w64[:, cols].T)) ** 2
+    return math.sqrt(total) if math.isfinite(total) else None
+
+
+def reduces_over_ranks(weight_row: dict | None) -> bool:
+    """A Linear weight split along its input dim at this degree (a RowwiseParallel plan, or a
+    weight recorded so): its output is a sum of rank partials."""
+    return bool(weight_row) and weight_row.get("layout") == "shard:1"
+
+
+def partials_in(dd, row: dict) -> float:
+    """sqrt(sum ||p_r||^2) of the rank partials this side rounded and summed in this forward call
+    (the module doc): the record's own, or its sub-modules' in the same call - a block whose
+    output is its row-parallel projection's plus a residual carries the same roundings."""
+    if row["phase"] != "forward" or row["kind"] != "out":
+        return 0.0
+    if row.get("rank_partials_norm"):
+        return row["rank_partials_norm"]
+    if not any(r.get("rank_partials_norm") for r in dd.rows):
+        return 0.0
+    start = next((r["idx"] for r in dd.rows if r["kind"] == "in" and r["phase"] == "forward"
+                  and r["module"] == row["module"] and r["step"] == row["step"] and r.get("call") == row.get("call")),
+                 None)
+    if start is None:
+        return 0.0
+    pre = row["module"] + "." if row["module"] != "model" else ""
+    got = [r["rank_partials_norm"] for r in dd.rows if r.get("rank_partials_norm") and r["step"] == row["step"]
+           and start < r["idx"] < row["idx"] and r["module"].startswith(pre)]
+    return math.sqrt(sum(p * p for p in got))
