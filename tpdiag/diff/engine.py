@@ -39,6 +39,7 @@ class DegreeDiff:
     hash_version: int | None = None
     _equal_index: dict | None = None  # diff/equal_inputs._index's lookups, built once
     _started: tuple | None = None  # diff/written_state._started's, built once
+    _partials_ix: tuple | None = None  # diff/rank_partials._index's, built once
     # record key -> its checked pair's content key (diff/pair_memo.py), where both sides have one
     contents: dict = field(default_factory=dict)
     # buffer record key -> (step, module) of the float64 re-execution its oracle value came from

@@ -25,12 +25,10 @@ from __future__ import annotations
 import torch
 
 from tpdiag.records.keys import RecordKey, record_key, sole_consumer
+# the budget and kinds are the records' (records/own_pass.py reads a run's choice back with them)
+from tpdiag.records.own_pass import OWN_BUDGET_BYTES as BUDGET_BYTES, OWN_KINDS as _KINDS, nbytes
 
 MAX_ALL = 64
-# the inputs and output grads shipped to the second pass's reference (a file it loads whole):
-# modules past this many bytes, in the order chosen, are left to the layout bounds
-BUDGET_BYTES = 1 << 30
-_KINDS = (("forward", "out"), ("backward", "param_grad"))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -146,14 +144,8 @@ def side_inputs(ref_dir: str, other_dir: str, wanted: set[str], grads: bool = Fa
     return out
 
 
-_BYTES = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2}
-
-
 def _nbytes(r: dict) -> int:
-    n = 1
-    for d in r.get("shape") or ():
-        n *= int(d)
-    return n * _BYTES.get(str(r.get("dtype") or "").replace("torch.", ""), 4)
+    return nbytes([int(d) for d in r.get("shape") or ()], r.get("dtype"))
 
 
 def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:

@@ -44,14 +44,30 @@ def partials_in(dd, row: dict) -> float:
         return 0.0
     if row.get("rank_partials_norm"):
         return row["rank_partials_norm"]
-    if not any(r.get("rank_partials_norm") for r in dd.rows):
+    starts, normed = _index(dd)
+    if not normed:
         return 0.0
-    start = next((r["idx"] for r in dd.rows if r["kind"] == "in" and r["phase"] == "forward"
-                  and r["module"] == row["module"] and r["step"] == row["step"] and r.get("call") == row.get("call")),
-                 None)
+    start = starts.get((row["step"], row["module"], row.get("call")))
     if start is None:
         return 0.0
     pre = row["module"] + "." if row["module"] != "model" else ""
-    got = [r["rank_partials_norm"] for r in dd.rows if r.get("rank_partials_norm") and r["step"] == row["step"]
-           and start < r["idx"] < row["idx"] and r["module"].startswith(pre)]
+    got = [p for idx, step, module, p in normed
+           if step == row["step"] and start < idx < row["idx"] and module.startswith(pre)]
     return math.sqrt(sum(p * p for p in got))
+
+
+def _index(dd) -> tuple[dict, list]:
+    """({(step, module, call): idx of its first forward input}, [(idx, step, module, norm)] of the
+    rows with a partials norm), built once per diff: asked for every judged record, a scan of the
+    rows each time was quadratic in them."""
+    ix = getattr(dd, "_partials_ix", None)
+    if ix is None or ix[0] != len(dd.rows):
+        starts: dict = {}
+        normed = []
+        for r in dd.rows:
+            if r["kind"] == "in" and r["phase"] == "forward":
+                starts.setdefault((r["step"], r["module"], r.get("call")), r["idx"])
+            if r.get("rank_partials_norm"):
+                normed.append((r["idx"], r["step"], r["module"], r["rank_partials_norm"]))
+        ix = dd._partials_ix = (len(dd.rows), starts, normed)
+    return ix[1], ix[2]

@@ -56,6 +56,7 @@ def mark(dd) -> None:
         above = [o for x in called[1:] for o in fwd[(s + 1, x, "out")]]
         ins_equal = all(i["bitwise"] and i.get("rank_consistent") is not False for i in ins)
         ins_consistent = all(i.get("rank_consistent") is not False for i in ins)
+        forward_clean = all(o["bitwise"] and o.get("rank_consistent") is not False for o in outs + above)
         if any(o.get("rank_consistent") is False for o in outs) and ins_consistent:
             r["replica_read"] = {"read": True, "why": (
                 f"{what} differs across ranks and step {s + 1} reads it: {near}'s forward output there differs "
@@ -64,8 +65,7 @@ def mark(dd) -> None:
             r["replica_read"] = {"read": True, "why": (
                 f"{what} differs across ranks and step {s + 1} reads it: {near}'s forward output there differs, "
                 "its inputs bitwise equal")}
-        elif all(o["bitwise"] and o.get("rank_consistent") is not False for o in outs + above) \
-                and (s + 1) not in moved:
+        elif forward_clean and (s + 1) not in moved:
             unread.add((m, name))
             r["replica_read"] = {"read": False, "why": (
                 f"{what} differs across ranks; not read by any recorded step: {near}'s forward at step {s + 1} "
@@ -73,7 +73,7 @@ def mark(dd) -> None:
                 + (f", and so is every module above it ({', '.join(called[1:])})" if above else "")
                 if outs else f"{what} differs across ranks; not read by any recorded step: neither {m} nor any "
                 "module above it is called again")}
-        elif (s + 1) in moved and all(o["bitwise"] and o.get("rank_consistent") is not False for o in outs + above):
+        elif forward_clean:  # and a grad of step s + 1 moved
             # a buffer read in the backward only (a custom autograd function's saved state) leaves
             # every forward bitwise: a grad of the step that is not the reference's may be its doing
             r["replica_read"] = {"read": None, "why": (

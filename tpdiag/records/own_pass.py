@@ -35,17 +35,25 @@ def ran_here(run_dir: str, nested: str) -> str | None:
             f"missing: {RunDir(os.path.join(run_dir, nested)).summary} (deleted, or the run was cut short)")
 
 
-_KINDS = (("forward", "out"), ("backward", "param_grad"))
-# diff/own_inputs.py's BUDGET_BYTES: modules whose inputs alone are past it are left to the layout bounds
-_BUDGET = 1 << 30
+# the records the own-input pass judges a module by (diff/own_inputs.py chooses with them too)
+OWN_KINDS = (("forward", "out"), ("backward", "param_grad"))
+# the inputs and output grads shipped to the second pass's reference (a file it loads whole):
+# modules past this many bytes, in the order chosen, are left to the layout bounds
+OWN_BUDGET_BYTES = 1 << 30
 _BYTES = {"float64": 8, "int64": 8, "complex64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _nbytes(r: dict) -> int:
+def nbytes(dims, dtype) -> int:
+    """Bytes of a record of these dims (ints) and dtype name ("torch." or not; 4 where unknown)."""
     n = 1
-    for d in str(r.get("shape") or "").split("x"):
-        n *= int(d) if d.isdigit() else 1
-    return n * _BYTES.get(str(r.get("dtype") or "").replace("torch.", ""), 4)
+    for d in dims:
+        n *= d
+    return n * _BYTES.get(str(dtype or "").replace("torch.", ""), 4)
+
+
+def _nbytes(r: dict) -> int:
+    """A diff.csv row's (its shape written "AxB")."""
+    return nbytes([int(d) if d.isdigit() else 1 for d in str(r.get("shape") or "").split("x")], r.get("dtype"))
 
 
 def _left_in_rows(rows: list[dict], first_key, events: dict, ref_events: dict) -> list[str]:
@@ -64,14 +72,14 @@ def _left_in_rows(rows: list[dict], first_key, events: dict, ref_events: dict) -
     for r in rows:
         if r["bitwise"] is not False or r.get("rank_consistent") is not True or r["key"] == first_key:
             continue
-        if (r["phase"], r["kind"]) not in _KINDS or r["module"] in ("model", *uncompared):
+        if (r["phase"], r["kind"]) not in OWN_KINDS or r["module"] in ("model", *uncompared):
             continue
         m, rm = events.get(r["key"]) or {}, ref_events.get(r["key"]) or {}
         if m.get("stored") in (None, "hash") or rm.get("stored") in (None, "hash") \
                 or not isinstance(r.get("max_abs"), float) \
                 or r["max_abs"] != r["max_abs"] or r["max_abs"] in (float("inf"), float("-inf")):
             continue  # hashed (no values to re-execute from) or non-finite
-        if size.get(r["module"], 0) <= _BUDGET:
+        if size.get(r["module"], 0) <= OWN_BUDGET_BYTES:
             out.add(r["module"])
     return sorted(out)
 

@@ -73,11 +73,11 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
         from tpdiag.rollout import sampling as rollout_sampling
 
         rollout_sampling.check(seqs, rc.sampling)
+    if rc.max_cache_len < 0:
+        raise BadInput(f"--max-cache-len {rc.max_cache_len}: must be >= 1 (0: generate()'s, from the sequences)")
     if rc.max_cache_len and "static" not in rc.padding:
         raise BadInput(f"--max-cache-len {rc.max_cache_len}: the length of --padding static's KV cache; add "
                        "static to --padding (e.g. --padding auto,static)")
-    if rc.max_cache_len < 0:
-        raise BadInput(f"--max-cache-len {rc.max_cache_len}: must be >= 1 (0: generate()'s, from the sequences)")
     counts = lanes.lanes_per_degree(rc, configurations(rc), seqs)
     jobs = max(counts.values())
     if max(rc.tp) > 1:

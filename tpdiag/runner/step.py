@@ -139,8 +139,7 @@ def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, 
             loss = losses.step(rec)
     total = None
     if cfg.backward:
-        total = update.optimizer_step(phases, rec, model, opt, fns[2], cfg.clip_norm, target.plan, include,
-                                      buffers if cfg.backward else None)
+        total = update.optimizer_step(phases, rec, model, opt, fns[2], cfg.clip_norm, target.plan, include, buffers)
     if not keep:
         return None
     return {"logits": lo.whole.detach(), "logprobs": losses.lp.detach(), "loss": loss.detach(),
