@@ -105,9 +105,27 @@ def test_padding_static_is_parsed_and_named():
     # on a GPU generate() compiles a static cache's forward: said, as tpdiag's decode is eager
     from tpdiag.rollout.run import RolloutConfig, _static_note
 
-    assert "torch.compile" in _static_note(RolloutConfig(file="f", device="cuda", padding=("auto", "static")))[0]
+    assert "--padding static,compiled" in _static_note(RolloutConfig(file="f", device="cuda",
+                                                                     padding=("auto", "static")))[0]
     assert _static_note(RolloutConfig(file="f", device="cpu", padding=("auto", "static"))) == []
     assert _static_note(RolloutConfig(file="f", device="cuda")) == []
+    assert _static_note(RolloutConfig(file="f", device="cuda", padding=("static", "compiled"))) == []
+    assert parse_padding("static,compiled") == ("static", "compiled")
+    assert Config(1, 8, "decode", padding="compiled").rollout_name() == "tp1-mb8-decode-none-padcompiled"
+
+
+def test_compiled_static_decode_is_refused_where_generate_does_not_compile(tmp_path):
+    """generate() compiles a static cache's decode only on a GPU (tests/test_rollout_gpu.py checks
+    the bits there): on the CPU `--padding compiled` is not a configuration an engine runs - the
+    summary says so, and a --max-cache-len with it alone is its static cache's."""
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps({"input_ids": [3, 4, 5, 6], "prompt_len": 2, "logprobs": [-1.0, -1.0]}) + "\n")
+    s = run_rollout(RolloutConfig(file=str(f), model="tiny-llama", micro_batch=(1,), modes=("decode",),
+                                  fixes=("none",), padding=("auto", "compiled"), max_cache_len=8))
+    why = s["configurations"]["tp1-mb1-decode-none-padcompiled"]["reason"]
+    assert "only on cuda / xpu" in why and "--padding static" in why, why
 
 
 def _generate_rows(model, new, eos=2):

@@ -33,7 +33,11 @@ ATTENTIONS = ("auto", "eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficien
 # in one row with position ids restarting per sequence (TRL's and verl's padding-free packing);
 # static: decode only, left-padded, the KV cache preallocated to generate()'s max length and every
 # step's keys padded to it (generate(cache_implementation="static"), TRL's cache_implementation)
-PADDINGS = ("auto", "left", "right", "packed", "static")
+# compiled: static, the decode steps through the model's torch.compile'd forward as generate() runs
+# them on a GPU unless called with disable_compile=True (TRL's GRPOTrainer passes it: static there)
+PADDINGS = ("auto", "left", "right", "packed", "static", "compiled")
+# the paddings that decode through generate()'s StaticCache
+STATIC_PADDINGS = ("static", "compiled")
 TP, MICRO_BATCH, MODE, FIX, FLAG, ATTENTION, PADDING = (
     "tp", "micro_batch", "mode", "fix", "flags", "attention", "padding")
 AXES = (TP, MICRO_BATCH, MODE, FIX, FLAG, ATTENTION, PADDING)

@@ -33,8 +33,10 @@ def rollout(
                                               "generate()), left, right, packed (prefill: a micro-batch's "
                                               "sequences in one row, position ids restarting, as TRL/verl pack "
                                               "them; hf: models), static (decode through a KV cache preallocated to "
-                                              "the max length, generate(cache_implementation=\"static\"); hf: "
-                                              "models)")] = "auto",
+                                              "the max length, generate(cache_implementation=\"static\", "
+                                              "disable_compile=True) as TRL runs it; hf: models), compiled "
+                                              "(static, its decode steps torch.compile'd as generate() runs them "
+                                              "on a GPU by default)")] = "auto",
     sampling: Annotated[str, typer.Option(help="the engine's generate() sampling settings when its logprobs are "
                                                "its processed scores (output_scores): comma-separated NAME=VALUE of "
                                                "temperature, top_k, top_p, min_p, typical_p, repetition_penalty, "

@@ -13,7 +13,7 @@ Stock configurations only (fix none): the fixes change what is batch-variant.
 """
 from __future__ import annotations
 
-from tpdiag.base.configs import Config
+from tpdiag.base.configs import STATIC_PADDINGS, Config
 
 # far beyond the rounding the run shows elsewhere (mean |diff|), and not itself rounding-sized
 RATIO = 10.0
@@ -60,7 +60,7 @@ def find(configurations: list[Config], seqs, trainer: dict) -> dict | None:
         base = {}
         # decode has no packed form: a packed prefill's rounding between call shapes is read padded;
         # prefill has no static cache: a static decode's prefill baselines are read padded
-        pad = {"prefill": "auto" if c.padding in ("packed", "static") else c.padding,
+        pad = {"prefill": "auto" if c.padding in ("packed", *STATIC_PADDINGS) else c.padding,
                "decode": "auto" if c.padding == "packed" else c.padding}
         for name, x, y in ((f"{other} at micro-batch {c.micro_batch} against 1",
                             lab(c, mode=other, padding=pad[other]),

@@ -19,8 +19,11 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 # the one configuration type (compare's worlds are the same type), importable from here as before
-from tpdiag.base.configs import MODES, PADDINGS, Config  # noqa: F401
+from tpdiag.base.configs import MODES, PADDINGS, STATIC_PADDINGS, Config  # noqa: F401
 from tpdiag.errors import BadInput
+
+# where generate() compiles a static cache's forward (transformers' _valid_auto_compile_criteria)
+COMPILING_DEVICES = ("cuda", "xpu")
 
 PAD = 0  # models without a pad token of their own (the built-in presets)
 
@@ -77,9 +80,14 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
     if cfg.mode == "decode" and cfg.padding == "packed":
         raise Unavailable("decode has no packed form: generate() left-pads its prompts (packing is a "
                           "trainer's prefill)")
-    if cfg.mode == "prefill" and cfg.padding == "static":
-        raise Unavailable("padding static is generate(cache_implementation=\"static\")'s decode (a KV cache "
-                          "preallocated to its max length); a prefill call has no cache")
+    if cfg.mode == "prefill" and cfg.padding in STATIC_PADDINGS:
+        raise Unavailable(f"padding {cfg.padding} is generate(cache_implementation=\"static\")'s decode (a KV "
+                          "cache preallocated to its max length); a prefill call has no cache")
+    if cfg.padding == "compiled" and _device(model).type not in COMPILING_DEVICES:
+        # transformers' _valid_auto_compile_criteria: elsewhere generate() runs a static cache eagerly
+        raise Unavailable(f"padding compiled is generate()'s torch.compile'd decode, which it runs only on "
+                          f"{' / '.join(COMPILING_DEVICES)}; on {_device(model).type} generate(cache_implementation="
+                          "\"static\") is eager: --padding static")
     names = () if cfg.fix == "none" else resolve("all" if cfg.fix == "all" else cfg.fix.split("+"))
     out: list = [None] * len(seqs)
     with ExitStack() as stack, torch.no_grad():
@@ -100,7 +108,8 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
             elif cfg.mode == "prefill":
                 rows = _prefill(model, group, left=cfg.padding == "left")
             else:
-                rows = _decode(model, group, static=cfg.padding == "static", max_cache_len=max_cache_len)
+                rows = _decode(model, group, static=cfg.padding in STATIC_PADDINGS, max_cache_len=max_cache_len,
+                               compiled=cfg.padding == "compiled")
             wholes = []
             for r in rows:
                 # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
@@ -223,7 +232,7 @@ def decode_inputs(group, plen: int, steps: int, pad: int):
     return ids, mask
 
 
-def _decode(model, group, static: bool = False, max_cache_len: int = 0) -> list:
+def _decode(model, group, static: bool = False, max_cache_len: int = 0, compiled: bool = False) -> list:
     """Logits rows per sequence the way generate() makes them (tpdiag.runner.decode): prompts
     left-padded in one call whose head computes the last row only (generate()'s logits_to_keep=1,
     as engines do: the head's GEMM at M=1 row is part of what decode means), then one token per
@@ -233,7 +242,8 @@ def _decode(model, group, static: bool = False, max_cache_len: int = 0) -> list:
     sequence's generated count (right where one sequence ran to max_new_tokens), or max_cache_len
     where the user names it. The length is the attention's key length at every call: on the
     project's CPU float32 SDPA gave other bits at 17 and 18 keys, bf16 SDPA at fewer than 16 keys
-    and at 16 or more (docs/rl.md)."""
+    and at 16 or more (docs/rl.md). compiled: the steps after the prompt through the model's
+    torch.compile'd call, generate()'s on a GPU (tpdiag.runner.decode)."""
     import torch
 
     from tpdiag.runner.decode import Unsupported, decode, prefill_logits
@@ -246,7 +256,7 @@ def _decode(model, group, static: bool = False, max_cache_len: int = 0) -> list:
     ids, mask = ids.to(dev), mask.to(dev)
     try:
         pieces = decode(model, ids, plen, attention_mask=mask, prompt_rows="last",
-                        static_len=(max_cache_len or ids.shape[1]) if static else None)
+                        static_len=(max_cache_len or ids.shape[1]) if static else None, compiled=compiled)
         prompt_rows = [None] * n
         if any(s.prompt_logprobs is not None for s in group):  # an engine's prompt logprobs: its prefill's rows
             full = prefill_logits(model, ids[:, :plen], mask[:, :plen])

@@ -90,6 +90,7 @@ def parse_padding(text: str) -> tuple[str, ...]:
     if not out or any(p not in PADDINGS for p in out):
         raise BadInput(f"--padding {text!r}: expected one or more of {', '.join(PADDINGS)} (auto: prefill "
                        "right, decode left as generate(); packed: prefill in one row per micro-batch; static: decode "
-                       "through a static KV cache, generate(cache_implementation=\"static\"))")
+                       "through a static KV cache, generate(cache_implementation=\"static\"); compiled: static with "
+                       "generate()'s torch.compile on a GPU)")
     no_repeat("--padding", text, out)
     return out

@@ -8,6 +8,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+from tpdiag.base.configs import STATIC_PADDINGS
 from tpdiag.errors import BadInput
 from tpdiag.rollout.compute import MODES, Config
 from tpdiag.rollout.recompute import _compute, _lead, _one_thread, _worlds
@@ -75,7 +76,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
         rollout_sampling.check(seqs, rc.sampling)
     if rc.max_cache_len < 0:
         raise BadInput(f"--max-cache-len {rc.max_cache_len}: must be >= 1 (0: generate()'s, from the sequences)")
-    if rc.max_cache_len and "static" not in rc.padding:
+    if rc.max_cache_len and not set(STATIC_PADDINGS) & set(rc.padding):
         raise BadInput(f"--max-cache-len {rc.max_cache_len}: the length of --padding static's KV cache; add "
                        "static to --padding (e.g. --padding auto,static)")
     counts = lanes.lanes_per_degree(rc, configurations(rc), seqs)
@@ -183,11 +184,12 @@ def _not_judged(rc, results) -> str:
 def _static_note(rc) -> list[str]:
     """On a GPU, generate() compiles its forward when the cache is static (transformers'
     _valid_auto_compile_criteria: cuda and a compileable cache); tpdiag's static decode is eager."""
-    if "static" not in rc.padding or "decode" not in rc.modes or rc.device != "cuda":
+    if "static" not in rc.padding or "compiled" in rc.padding or "decode" not in rc.modes or rc.device != "cuda":
         return []
-    return ['padding static decodes eagerly; on a GPU, generate(cache_implementation="static") runs its forward '
-            "under torch.compile unless called with disable_compile=True - a compiled engine is reproduced only "
-            "where inductor's kernels sum as the eager ones (not checked here)"]
+    return ['padding static decodes eagerly, as generate(cache_implementation="static", disable_compile=True) '
+            "(TRL's GRPOTrainer); without disable_compile generate() runs a static cache's decode steps under "
+            "torch.compile on a GPU, other kernels (on an H200 the eager decode matched none of such an engine's "
+            "sequences): --padding static,compiled tries both"]
 
 
 def _dtype_note(rc) -> list[str]:
@@ -322,7 +324,7 @@ def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
             "another dtype, other weights or model code, or flags outside the ones tried"
             + (" - or a static KV cache (generate(cache_implementation=\"static\"), TRL's "
                "cache_implementation: --padding auto,static tries it)"
-               if "decode" in rc.modes and "static" not in rc.padding else ""))
+               if "decode" in rc.modes and not set(STATIC_PADDINGS) & set(rc.padding) else ""))
 
 
 def _sdpa_words(results: dict) -> str:

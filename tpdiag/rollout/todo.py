@@ -10,7 +10,7 @@ TP=1's), else what is left (another model, dtype or processing, or the engine's 
 """
 from __future__ import annotations
 
-from tpdiag.base.configs import Config
+from tpdiag.base.configs import STATIC_PADDINGS, Config
 
 # NeMo RL's threshold: a run whose token_mult_prob_error is above it is flagged (docs/rl.md)
 NEMO_RL_THRESHOLD = 1.05
@@ -143,14 +143,21 @@ def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> 
                f"pad on the {_side(theirs, like)} as it does")
         return (f"the engine {did(theirs, like)}, your trainer {did(mine, ref)}: one row of every sequence "
                 f"against a padded batch - other GEMM shapes, rounding; to match bitwise, {how}")
-    if axis == "padding" and "static" in (mine, theirs):
+    if axis == "padding" and {mine, theirs} == set(STATIC_PADDINGS):
+        return (f"the engine decoded through a static KV cache {'under' if theirs == 'compiled' else 'without'} "
+                f"torch.compile, your trainer {'under' if mine == 'compiled' else 'without'} it: generate() compiles a "
+                "static cache's decode steps on a GPU unless called with disable_compile=True, and inductor's kernels "
+                "sum in other orders than the eager ones - rounding; to match bitwise, "
+                + ("let it compile as generate() does" if theirs == "compiled" else "pass disable_compile=True as it did"))
+    if axis == "padding" and {mine, theirs} & set(STATIC_PADDINGS):
         def did(p, c):
-            if p == "static":
-                return 'through a static KV cache (generate(cache_implementation="static"))'
+            if p in STATIC_PADDINGS:
+                return ('through a static KV cache (generate(cache_implementation="static")'
+                        + (", compiled)" if p == "compiled" else ")"))
             return ("through the default dynamic KV cache" if c.mode == "decode"
                     else f"with no KV cache (one prefill call, padded on the {_side(p, c)})")
         how = ('generate(cache_implementation="static"): the cache preallocated to the max length' if
-               theirs == "static" else "without a static cache")
+               theirs in STATIC_PADDINGS else "without a static cache")
         return (f"the engine decoded {did(theirs, like)}, your trainer ran {did(mine, ref)}: every call "
                 "through a static cache attends over all its preallocated positions (the unwritten ones masked), "
                 "through a dynamic one over the positions seen so far - other attention shapes, rounding; to match bitwise, decode "
@@ -162,7 +169,7 @@ def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> 
 
 
 def _side(padding: str, c: Config) -> str:
-    if padding == "static":
+    if padding in STATIC_PADDINGS:
         return "left, through a static KV cache"
     if padding == "auto":
         return "left (generate()'s)" if c.mode == "decode" else "right"
@@ -187,7 +194,7 @@ def _untried(rc, batch: int, decodable: bool = True) -> str:
                        "F.scaled_dot_product_attention)")
     if "default" not in rc.flags:
         out.append("--flags default (PyTorch's, what engines run)")
-    if "static" not in rc.padding and decodable and str(rc.model).strip().startswith("hf:"):
+    if not set(STATIC_PADDINGS) & set(rc.padding) and decodable and str(rc.model).strip().startswith("hf:"):
         out.append("--padding auto,static (decode through a static KV cache, as generate("
                    "cache_implementation=\"static\") and TRL's cache_implementation=\"static\" run)")
     return ", ".join(out)

@@ -72,7 +72,7 @@ def why_not(model) -> str:
 
 def decode(model, ids, prompt_len: int, *, attention_mask=None, prompt_rows: str = "all",
            on_call: Callable[[int, int], None] | None = None, generate_args: bool = True,
-           static_len: int | None = None) -> list[Piece]:
+           static_len: int | None = None, compiled: bool = False) -> list[Piece]:
     """The pieces of logits of ids [B, L]: the prompt ids[:, :prompt_len] in one call, then one
     position per call. prompt_rows 'all': the prompt call's piece covers positions 0..P-1;
     'last': only P-1 (the head on one row per sequence, generate()'s logits_to_keep=1 - an hf:
@@ -82,7 +82,10 @@ def decode(model, ids, prompt_len: int, *, attention_mask=None, prompt_rows: str
     cache alone, as the trainer's prefill call gets the tokens alone - its modules then see the
     same inputs (transformers derives the positions from the cache), so their records line up.
     static_len: an hf: model's cache is transformers' StaticCache of that many positions (what
-    generate(cache_implementation="static") preallocates: max_length - 1), not a DynamicCache."""
+    generate(cache_implementation="static") preallocates: max_length - 1), not a DynamicCache.
+    compiled (with static_len): the calls after the prompt go through the model's own
+    get_compiled_call(generation_config.compile_config) - the torch.compile'd forward generate()
+    runs a static cache's decode steps through on a GPU (its prefill stays eager, as there)."""
     if prompt_rows not in ("all", "last"):
         raise ValueError(f"prompt_rows {prompt_rows!r}: expected 'all' or 'last'")
     L = ids.shape[1]
@@ -94,8 +97,8 @@ def decode(model, ids, prompt_len: int, *, attention_mask=None, prompt_rows: str
         if not generate_args:
             _no_padding(attention_mask, model)
         return list(_hf_steps(model, ids, prompt_len, attention_mask, prompt_rows == "last", on_call,
-                              generate_args, static_len))
-    if static_len is not None:
+                              generate_args, static_len, compiled))
+    if static_len is not None or compiled:
         raise Unsupported(f"a static KV cache is transformers' StaticCache (hf: models): {type(model).__name__} "
                           "has its own cache")
     return list(_cache_steps(model, ids, prompt_len, attention_mask, prompt_rows == "last", on_call))
@@ -138,15 +141,19 @@ def _cache_steps(model, ids, P, attention_mask, last_only, on_call):
             yield Piece(start, stop, out)
 
 
-def _hf_steps(model, ids, P, attention_mask, last_only, on_call, generate_args=True, static_len=None):
+def _hf_steps(model, ids, P, attention_mask, last_only, on_call, generate_args=True, static_len=None,
+              compiled=False):
     mask, pos = _mask_and_positions(ids, attention_mask)
     if static_len is not None and static_len < ids.shape[1]:
         raise Unsupported(f"a static KV cache of {static_len} positions cannot hold a micro-batch's "
                           f"{ids.shape[1]} (its longest prompt and most generated tokens, less one): "
                           "is --max-cache-len the engine's?")
     if generate_args and _generate_inputs(model):
-        yield from _generate_steps(model, ids, P, mask, pos, last_only, on_call, static_len)
+        yield from _generate_steps(model, ids, P, mask, pos, last_only, on_call, static_len, compiled)
         return
+    if compiled:
+        raise Unsupported("a compiled decode follows generate()'s own loop (transformers 5.24's "
+                          "prepare_inputs_for_generation), which this transformers does not have")
     cache = _new_cache(model, model.config, static_len)
     ck = _cache_kw(model)
     for start, stop in _calls(P, ids.shape[1]):
@@ -208,7 +215,7 @@ def _generate_inputs(model) -> bool:
         return False
 
 
-def _generate_steps(model, ids, P, mask, pos, last_only, on_call, static_len=None):
+def _generate_steps(model, ids, P, mask, pos, last_only, on_call, static_len=None, compiled=False):
     """generate()'s own loop (transformers 5 `_sample`), one position per call after the prompt: the
     cache generate() builds by default (a DynamicCache of the decoder's text config), each call's
     inputs made by the model's own `prepare_inputs_for_generation` - a model may override it, e.g.
@@ -238,6 +245,18 @@ def _generate_steps(model, ids, P, mask, pos, last_only, on_call, static_len=Non
     yield Piece(P - 1, P, o.logits[:, -1:]) if last_only else Piece(0, P, o.logits)
     if keeps:
         kw["logits_to_keep"] = 1
+    # generate() compiles `self.__call__` once per model and compile config (get_compiled_call) and
+    # runs every step after the prompt through it: inductor's kernels, not the eager ones, sum there
+    step = model
+    if compiled:
+        # as the first generate() of a fresh engine process: dynamo's compile state is the process's
+        # (a later call's graphs are recompiled with dynamic shapes - other kernels, other bits), so
+        # each micro-batch starts from none, and the model's cached compiled call goes with it
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        model.__dict__.pop("_compiled_call", None)
+        step = model.get_compiled_call(getattr(model.generation_config, "compile_config", None))
     optimized = getattr(model, "_optimize_model_for_decode", None)
     with optimized() if callable(optimized) else nullcontext():
         for start, stop in _calls(P, ids.shape[1]):
@@ -251,8 +270,10 @@ def _generate_steps(model, ids, P, mask, pos, last_only, on_call, static_len=Non
             inputs = model.prepare_inputs_for_generation(ids[:, :stop], next_sequence_length=1,
                                                          attention_mask=mask[:, :stop],
                                                          position_ids=pos[:, :stop], **kw)
-            o = model(**inputs, return_dict=True)
-            yield Piece(start, stop, o.logits[:, -1:])
+            o = step(**inputs, return_dict=True)
+            # under CUDA graphs (compile mode reduce-overhead) the next replay writes the same output
+            # buffer: generate() copies the row out too
+            yield Piece(start, stop, o.logits[:, -1:].clone() if compiled else o.logits[:, -1:])
 
 
 def _calls(P: int, L: int):

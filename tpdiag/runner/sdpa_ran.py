@@ -59,12 +59,20 @@ class SdpaRan:
         # never take a call (stock attention under --fix all: other bits)
         import tpdiag.fixes.attention  # noqa: F401
 
+        from torch.compiler import is_compiling
+
         self._saved = F.scaled_dot_product_attention
         inner = self._saved
         counts = self.counts
         pause = self._pause
 
         def sdpa(*args, **kwargs):
+            if is_compiling():
+                # traced by dynamo (rollout --padding compiled: generate()'s compiled decode): the
+                # question and the count would break the user's graph into pieces - other fusions,
+                # other bits (an H200: none of a compiled engine's sequences matched with them). The
+                # call is the user's own there; its backend is inductor's choice, not counted
+                return inner(*args, **kwargs)
             # the call goes on exactly as made: an argument spelled out where the caller left it
             # to its default can take another path in a function mode (the invariant fix's)
             if pause is None:
