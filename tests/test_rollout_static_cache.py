@@ -112,6 +112,12 @@ def test_padding_static_is_parsed_and_named():
     assert _static_note(RolloutConfig(file="f", device="cuda", padding=("static", "compiled"))) == []
     assert parse_padding("static,compiled") == ("static", "compiled")
     assert Config(1, 8, "decode", padding="compiled").rollout_name() == "tp1-mb8-decode-none-padcompiled"
+    # where nothing reproduced, what is left to try names the compiled decode on a GPU only
+    from tpdiag.rollout.todo import _untried
+
+    assert "--padding auto,static,compiled" in _untried(RolloutConfig(file="f", model="hf:x", device="cuda",
+                                                                      padding=("auto", "static")), 4)
+    assert "compiled" not in _untried(RolloutConfig(file="f", model="hf:x", device="cpu"), 4)
 
 
 def test_compiled_static_decode_is_refused_where_generate_does_not_compile(tmp_path):

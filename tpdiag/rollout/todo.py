@@ -195,8 +195,13 @@ def _untried(rc, batch: int, decodable: bool = True) -> str:
     if "default" not in rc.flags:
         out.append("--flags default (PyTorch's, what engines run)")
     if not set(STATIC_PADDINGS) & set(rc.padding) and decodable and str(rc.model).strip().startswith("hf:"):
-        out.append("--padding auto,static (decode through a static KV cache, as generate("
-                   "cache_implementation=\"static\") and TRL's cache_implementation=\"static\" run)")
+        out.append("--padding auto,static" + (",compiled" if rc.device == "cuda" else "")
+                   + " (decode through a static KV cache, as generate(cache_implementation=\"static\") and "
+                   "TRL's cache_implementation=\"static\" run" + ("; compiled: generate()'s torch.compile'd "
+                   "decode on a GPU, without disable_compile" if rc.device == "cuda" else "") + ")")
+    elif "static" in rc.padding and "compiled" not in rc.padding and rc.device == "cuda" and decodable:
+        out.append(f"--padding {_vals(rc.padding)},compiled (generate(cache_implementation=\"static\") without "
+                   "disable_compile compiles its decode steps on a GPU)")
     return ", ".join(out)
 
 
