@@ -58,6 +58,14 @@ def test_grads_reduced_by_the_loop_after_the_backward_are_rounding_only(captures
     d = s["degrees"]["2"]
     assert s["class"] == "rounding" and not d["findings"], d["findings"]
     assert "BUG" not in stdout and gate == 1
+    # the partial grads left uncompared are said, not silently dropped: summary.json, the CLI, the report
+    nc = d["not_compared"]
+    assert any("norm" in k and "param_grad" in k for k in nc["module_records"]), nc
+    assert nc["why"] and nc["records"] >= len(nc["module_records"])
+    assert "not compared (" in stdout, stdout
+    from tpdiag.reports.words import verdict
+
+    assert any(f.startswith("Not compared: ") for f in verdict("2", "1", d, lambda c, o: (None, False))["findings"])
     # the norms' grads as recorded are each rank's half: not compared, and said why
     rows = [r for r in open(tmp_path / "2-none" / "diff.csv").read().splitlines()
             if "/param_grad#0/weight" in r and "norm" in r.split(",")[5]]

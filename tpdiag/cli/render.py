@@ -217,6 +217,13 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
             for key in ("not_the_reference", "weights_unchecked"):
                 if pr.get(key):
                     console.print(f"{config_name(label)}: {block}: {pr[key]}", markup=False, soft_wrap=True)
+        nc = d.get("not_compared") or {}
+        if nc.get("module_records"):  # module records (not only ops) whose values are evidence neither way
+            keys = nc["module_records"]
+            more = len(keys) - 3 + nc.get("module_records_more", 0)
+            console.print(f"{config_name(label)}: not compared ({', '.join(f'{k} {n}' for k, n in nc['why'].items())}): "
+                          f"{', '.join(keys[:3])}{f' and {more} more' if more > 0 else ''} - summary.json not_compared",
+                          markup=False, soft_wrap=True)
         if d.get("downstream_unjudged"):
             console.print(f"{config_name(label)}: the divergent modules past the first divergence were not "
                           f"judged on their own inputs ({d['downstream_unjudged']}): not called rounding only")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tpdiag.diff.engine import diff_degree
-from tpdiag.diff.left_out import per_piece_blocks, per_rank_blocks, per_rank_ops, per_rank_params
+from tpdiag.diff.left_out import not_compared, per_piece_blocks, per_rank_blocks, per_rank_ops, per_rank_params
 from tpdiag.diff.judge import baseline_cause, describe, settle
 from tpdiag.diff.locate import add_bounds, locate, logprob_stats, nonfinite_summary
 from tpdiag.diff.suspects import hash_suspects, unjudged_modules
@@ -94,6 +94,9 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
     unjudged = unjudged_modules(dd)
     if unjudged:
         entry["unjudged"] = unjudged
+    left = not_compared(dd)
+    if left:
+        entry["not_compared"] = left
     from tpdiag.diff import own_inputs
 
     fd = entry["first_divergence"] or {}

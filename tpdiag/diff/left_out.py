@@ -42,3 +42,28 @@ def _inside_block(m: dict, blocks: dict) -> bool:
     only the reference has: TP=1's local_experts.3): not missing there. What both have is compared."""
     mod = m["module"]
     return any(mod.startswith(b + ".") or (mod == b and m["kind"] == "op") for b in blocks)
+
+
+# a few of the module records left uncompared, by key, in summary.json (a deep model has hundreds
+# of op records so left: counted by reason, not listed)
+MAX_NOT_COMPARED_KEYS = 20
+
+
+def not_compared(dd) -> dict | None:
+    """What this degree recorded but did not compare with the reference, and why (diff/engine.py,
+    diff/partials.py): unreduced partial sums (each rank's share), collectives before their wait,
+    ops only one degree ran... Their values are evidence neither way, so the verdict says they
+    exist: {records, ops, why: {reason: count}, module_records: [key, ...]}; None if none."""
+    left = list(getattr(dd, "uncompared", None) or ())
+    if not left:
+        return None
+    why: dict[str, int] = {}
+    for m in left:
+        # the reason's kind, without the record-specific detail after it
+        w = str(m.get("why") or "unknown").split(" (")[0].split(":")[0].strip()
+        why[w] = why.get(w, 0) + 1
+    modules = sorted({m["key"] for m in left if m.get("kind") != "op" and m.get("key")})
+    return {"records": len(left), "ops": sum(m.get("kind") == "op" for m in left),
+            "why": dict(sorted(why.items(), key=lambda kv: -kv[1])),
+            "module_records": modules[:MAX_NOT_COMPARED_KEYS],
+            **({"module_records_more": len(modules) - MAX_NOT_COMPARED_KEYS} if len(modules) > MAX_NOT_COMPARED_KEYS else {})}

@@ -112,9 +112,11 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
                 "why": "", "size": "", "action": "Fix the failure and rerun; nothing is concluded for this degree.",
                 "findings": []}
     fd = d.get("first_divergence")
+    left = _not_compared(d)
     if st == "bitwise" or not fd:
-        return {"status": st or "unknown", "headline": f"TP={label} is bitwise equal to TP={ref} in every record.",
-                "why": "", "size": "", "action": "", "findings": []}
+        return {"status": st or "unknown",
+                "headline": f"TP={label} is bitwise equal to TP={ref} in every {'compared ' if left else ''}record.",
+                "why": "", "size": "", "action": "", "findings": left}
     cause = fd.get("cause") or "unknown"
     fix, available = fix_of(cause, fd.get("op"))
     detail = fd.get("detail") or ""
@@ -133,6 +135,7 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
     if follows:
         findings.append(f"{follows} more record{'s' if follows != 1 else ''} beyond rounding follow"
                         f"{'s' if follows == 1 else ''} from the findings above (their inputs already differed)")
+    findings += _not_compared(d)
     kind = {"bug": "BUG: ", "non-finite": "NON-FINITE: ", "rounding": "Rounding: "}.get(d.get("class"), "")
     headline = f"{kind}TP={label} first differs from TP={ref} at {where(fd)}."
     bug = _bug_behind(d, fd)
@@ -150,6 +153,20 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
     return {"status": st, "headline": headline,
             "why": why, "size": size_sentence(fd), "action": todo,
             "findings": findings}
+
+
+def _not_compared(d: dict) -> list[str]:
+    """The records this degree left uncompared (summary.json not_compared), in one line: evidence
+    neither way, so the report says they exist."""
+    nc = d.get("not_compared") or {}
+    if not nc.get("records"):
+        return []
+    keys = nc.get("module_records") or []
+    more = nc.get("module_records_more", 0)
+    return [f"Not compared: {nc['records']} record{'s' if nc['records'] != 1 else ''} ("
+            + ", ".join(f"{w} {n}" for w, n in (nc.get("why") or {}).items()) + ")"
+            + (f"; module records among them: {', '.join(keys)}{f' and {more} more' if more else ''}" if keys else "")
+            + " - their values are evidence neither way."]
 
 
 def _bug_behind(d: dict, fd: dict) -> dict | None:
