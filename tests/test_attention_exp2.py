@@ -84,31 +84,36 @@ variants = {"dq": dict(exp_soft=1), "kv": dict(exp_soft=2), "all-q": dict(exp_so
 cases = [(torch.bfloat16, 40, 40, True, ("dq", "kv", "all-q")), (torch.bfloat16, 24, 40, False, ("all-q",))]
 if sys.argv[1] == "by-program":
     cases = [(torch.bfloat16, 40, 40, True, ("dq",))]
+neg = sys.argv[1] == "by-program"
 for dt, L, S, causal, tags in cases:
     q, do = (torch.randn(2, 4, L, 16, generator=g).to(dt) for _ in range(2))
     k, v = (torch.randn(2, 2, S, 16, generator=g).to(dt) for _ in range(2))
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    r = reference_sdpa(q64, k64, v64, is_causal=causal, scale=0.25, enable_gqa=True)
-    r.backward(do.double())
-    refs = (r.detach(), q64.grad, k64.grad, v64.grad)
-    plain = both(q, k, v, do, causal, base)
+    if not neg:
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        r = reference_sdpa(q64, k64, v64, is_causal=causal, scale=0.25, enable_gqa=True)
+        r.backward(do.double())
+        refs = (r.detach(), q64.grad, k64.grad, v64.grad)
+        plain = both(q, k, v, do, causal, base)
     for tag in tags:
         c = replace(base, **variants[tag])
         full = both(q, k, v, do, causal, c)
         half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, c)
-        one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
-        out = {
+        out = res[f"{dt}-{L}-{S}-{causal}/{tag}"] = {
             "heads": [beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:],
-                                                       full[3][:, 1:]))],
-            "batch": [beq(a, b[1:]) for a, b in zip(one, full)],
-            "repro": all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full)),
-            # o, dq, dk, dv: which of them the soft loops moved off exp2's bits
-            "same_as_exp2": [beq(a, b) for a, b in zip(full, plain)],
-            "err": max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(full, refs))}
-        if causal:  # a shorter sequence's rows: o and dq of the first 24 queries see the first 24 keys only
-            short = both(q[:, :, :24], k[:, :, :24], v[:, :, :24], do[:, :, :24], causal, c)
-            out["prefix"] = [beq(short[0], full[0][:, :, :24]), beq(short[1], full[1][:, :, :24])]
-        res[f"{dt}-{L}-{S}-{causal}/{tag}"] = out
+                                                       full[3][:, 1:]))]}
+        if neg:
+            continue
+        one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
+        out["batch"] = [beq(a, b[1:]) for a, b in zip(one, full)]
+        # o, dq, dk, dv: which of them the soft loops moved off exp2's bits
+        out["same_as_exp2"] = [beq(a, b) for a, b in zip(full, plain)]
+        out["err"] = max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(full, refs))
+        if tag == "all-q":  # every soft loop at once: reruns, and (causal) a shorter sequence's rows -
+            # o and dq of the first 24 queries see the first 24 keys only
+            out["repro"] = all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full))
+            if causal:
+                short = both(q[:, :, :24], k[:, :, :24], v[:, :, :24], do[:, :, :24], causal, c)
+                out["prefix"] = [beq(short[0], full[0][:, :, :24]), beq(short[1], full[1][:, :, :24])]
 print("RESULT", json.dumps(res))
 """
 
@@ -141,13 +146,14 @@ def test_polynomial_exp2_against_float64_and_its_columns():
 def test_soft_exp2_attention_is_accurate_and_invariant():
     pytest.importorskip("triton")
     res = _script(ATTN, "shipped")
-    assert len(res) == 4
+    assert len(res) == 4 and "repro" in res["torch.bfloat16-40-40-True/all-q"]
+    assert "prefix" in res["torch.bfloat16-40-40-True/all-q"]
     # o, dq, dk, dv the same bits as with exp2 alone: each loop moves its own outputs only, and the
     # forward's o moves all four
     moved = {"dq": [True, False, True, True], "kv": [True, True, False, False], "all-q": [False] * 4}
     for case, r in res.items():
         tag = case.split("/")[1]
-        assert all(r["heads"]) and all(r["batch"]) and r["repro"], (case, r)  # TP=2 heads, batch rows, reruns
+        assert all(r["heads"]) and all(r["batch"]) and r.get("repro", True), (case, r)  # TP=2 heads, batch, reruns
         assert r.get("prefix", [True, True]) == [True, True], (case, r)  # not by the sequence length
         assert r["err"] < 2e-2, (case, r)  # test_invariant_attention's bf16 tolerance
         assert r["same_as_exp2"] == moved[tag], (case, r)
