@@ -108,6 +108,8 @@ for dt, L, S, causal, tags in cases:
         # o, dq, dk, dv: which of them the soft loops moved off exp2's bits
         out["same_as_exp2"] = [beq(a, b) for a, b in zip(full, plain)]
         out["err"] = max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(full, refs))
+        if tag == "dq":  # the one-launch backward hands each loop its own choice (dq's, not dk/dv's)
+            out["fused"] = all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, replace(c, bwd_fused=True)), full))
         if tag == "all-q":  # every soft loop at once: reruns, and (causal) a shorter sequence's rows -
             # o and dq of the first 24 queries see the first 24 keys only
             out["repro"] = all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full))
@@ -148,6 +150,7 @@ def test_soft_exp2_attention_is_accurate_and_invariant():
     res = _script(ATTN, "shipped")
     assert len(res) == 4 and "repro" in res["torch.bfloat16-40-40-True/all-q"]
     assert "prefix" in res["torch.bfloat16-40-40-True/all-q"]
+    assert res["torch.bfloat16-40-40-True/dq"]["fused"]
     # o, dq, dk, dv the same bits as with exp2 alone: each loop moves its own outputs only, and the
     # forward's o moves all four
     moved = {"dq": [True, False, True, True], "kv": [True, True, False, False], "all-q": [False] * 4}
