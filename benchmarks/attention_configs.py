@@ -73,6 +73,18 @@ CANDIDATES = [
     ("ds-128", (64,), {"ds_mib": 128, "bwd_tma": 1, "kv_group": 4, "q_group": 4}),
     ("ds-512", (64,), {"ds_mib": 512, "bwd_tma": 1, "kv_group": 4, "q_group": 4}),
     ("fwd-s2@128", (128,), {"fwd_stages": 2}),
+    # exp2 partly by a polynomial on the FMA pipe (AttnConfig.exp_soft, kernels/exp2_soft.py):
+    # bits 1 the dq loop, 2 the dk/dv loop, 4 the forward; a quarter (every 4) or half (every 2) of
+    # a tile's columns; degree 3 unless named. Other bits than the shipped config's (still
+    # invariant). The quarters first: at the shipped tiles they balance MUFU lanes and issue slots
+    # per tensor clock best (`--sass`: dq 0.5 / 0.73-0.93 against 0.67 / 0.58-0.78 shipped)
+    ("soft-dq-q", (64,), {"exp_soft": 1, "exp_soft_every": 4}),
+    ("soft-both-q", (64,), {"exp_soft": 3, "exp_soft_every": 4}),
+    ("soft-dq", (64,), {"exp_soft": 1, "exp_soft_every": 2}),
+    ("soft-both", (64,), {"exp_soft": 3, "exp_soft_every": 2}),
+    ("soft-kv", (64,), {"exp_soft": 2, "exp_soft_every": 2}),
+    ("soft-both-d5", (64,), {"exp_soft": 3, "exp_soft_every": 2, "exp_soft_deg": 5}),
+    ("soft-all-q", (64,), {"exp_soft": 7, "exp_soft_every": 4}),
 ]
 STOCK = ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
 # the interpreter's tiles (--smoke): small, so a candidate's changes still fit (multiples kept)
@@ -398,7 +410,7 @@ def _combo(rows: dict) -> dict | None:
             continue
         if all(f.startswith("fwd_") for f in ch):
             fwd[n] = r["fwd_ms"]
-        elif not any(f.startswith("fwd_") for f in ch):
+        elif not any(f.startswith("fwd_") for f in ch) and not ch.get("exp_soft", 0) & 4:  # 4: the forward's exp2
             bwd[n] = r["fwdbwd_ms"] - r["fwd_ms"]
     bf = min(fwd, key=fwd.get, default=None)
     bb = min(bwd, key=bwd.get, default=None)

@@ -71,13 +71,15 @@ def _kernels(cfg, D: int) -> dict:
 
     scal = {"qk_scale": "fp32", "sm_scale": "fp32", "LSE": PF, "DELTA": PF}
     out = {"fwd": (at._fwd_kernel, {**{n: P16 for n in "QKVO"}, **scal},
-                   dict(CAUSAL=True, BM=cfg.fwd_m, BN=cfg.fwd_n, D=D, PREC="tf32", EVEN=True, TMA=False, I64=False),
+                   dict(CAUSAL=True, BM=cfg.fwd_m, BN=cfg.fwd_n, D=D, PREC="tf32", EVEN=True, TMA=False, I64=False,
+                        SOFT=cfg.soft(4), DEG=cfg.exp_soft_deg),
                    cfg.fwd_warps, cfg.fwd_stages, cfg.fwd_m, cfg.fwd_n, 2)}
     if cfg.bwd_fused:
         out["fused"] = (atb._fused_kernel, {**{n: P16 for n in ("Q", "QD", "K", "V", "O", "DO", "DOD", "DQ", "DK", "DV")},
                                             **scal},
                         dict(CAUSAL=True, KV_M=cfg.kv_m, KV_N=cfg.kv_n, Q_M=cfg.q_m, Q_N=cfg.q_n, D=D, PREC="tf32",
-                             EVEN_KV=True, EVEN_Q=True, LOADS=False, I64=False),
+                             EVEN_KV=True, EVEN_Q=True, LOADS=False, I64=False, SOFT_KV=cfg.soft(2),
+                             SOFT_Q=cfg.soft(1), DEG=cfg.exp_soft_deg),
                         cfg.kv_warps, cfg.kv_stages, None, None, None)
         return out
     if cfg.ds_mib and cfg.ds_every > 1:
@@ -86,12 +88,14 @@ def _kernels(cfg, D: int) -> dict:
                               PREC="tf32", EVEN=True, I64=False),
                          cfg.q_warps, cfg.q_stages, cfg.q_m, cfg.q_n, 3)
     out["dq"] = (atb._dq_kernel, {**{n: P16 for n in ("Q", "K", "V", "O", "DO", "DQ")}, **scal},
-                 dict(CAUSAL=True, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC="tf32", EVEN=True, I64=False),
+                 dict(CAUSAL=True, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC="tf32", EVEN=True, I64=False,
+                      SOFT=cfg.soft(1), DEG=cfg.exp_soft_deg),
                  cfg.q_warps, cfg.q_stages, cfg.q_m, cfg.q_n, 3)
     out["dkdv"] = (atb._dkdv_kernel, {**{n: P16 for n in ("Q", "K", "V", "DO", "DK", "DV", "DS")}, **scal},
                    dict(CAUSAL=True, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC="tf32", EVEN=True,
                         STORE_DS=1 if cfg.ds_mib else 0, LOADS=False, I64=False,
-                        DS_EVERY=max(1, cfg.ds_every) if cfg.ds_mib else 1),
+                        DS_EVERY=max(1, cfg.ds_every) if cfg.ds_mib else 1, SOFT=cfg.soft(2),
+                        DEG=cfg.exp_soft_deg),
                    cfg.kv_warps, cfg.kv_stages, cfg.kv_m, cfg.kv_n, 4)
     return out
 

@@ -123,6 +123,12 @@ def test_combo_joins_the_fastest_forward_and_backward_changes():
             "inv:both": r(1.0, 3.0, fwd_warps=8, bwd_tma=1),  # touches both passes: not a part
             "inv:broken": {**r(1.0, 1.1, q_warps=2), "invariant": False}}
     assert _combo(rows) == {"fwd_warps": 4, "bwd_fused": 1}  # fastest forward 1.4, backward 3.9
+    # exp2 by polynomial in the forward's loop too (exp_soft bit 4) touches both passes: not a part
+    rows["inv:soft-all"] = r(1.45, 3.0, exp_soft=7, exp_soft_every=4)
+    assert _combo(rows) == {"fwd_warps": 4, "bwd_fused": 1}
+    rows["inv:soft-all"]["changes"]["exp_soft"] = 3  # the backward's loops only: a backward change
+    assert _combo(rows) == {"fwd_warps": 4, "exp_soft": 3, "exp_soft_every": 4}
+    del rows["inv:soft-all"]
     rows["inv:fused"]["fwdbwd_ms"] = rows["inv:kv"]["fwdbwd_ms"] = 6.0  # no backward change pays
     assert _combo(rows) is None
 

@@ -4,7 +4,9 @@ lengths, GQA and q/k/v in [B, L, H, D] memory; and rows past 2^31 elements of on
 their own memory on the GPU too (tests/test_attention_offsets.py is the interpreter's check).
 Run on an H200 at b4b07e9 (with all 12 cases of a wider grid): 3 TMA/pointer cases passed before a
 170 s limit; the rest and the 2^31 case were not reached - not run to the end on a GPU yet. The
-fused and mixed backwards' cases (bwd_fused, ds_every; 2026-11-29): not run on a GPU yet."""
+fused and mixed backwards' cases (bwd_fused, ds_every; 2026-11-29): not run on a GPU yet; nor
+the exp2-by-polynomial cases (exp_soft, 2026-11-30; their bodies ran under the interpreter at
+L = 40 only)."""
 from dataclasses import replace
 
 import pytest
@@ -16,7 +18,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb  # noqa: E402
+from tpdiag.kernels.exp2_soft import exp2_mixed  # noqa: E402
 
 
 def _bits(t):
@@ -107,3 +113,62 @@ def test_mixed_backward_gives_the_stored_ds_bits(every):
     nan = atb._backward_ds(do.contiguous(), q, k, v, o, lse, True, 0.125, replace(cfg, ds_every=every), chunk=1,
                            ds=torch.full((2, 1000, 1000), float("nan"), device="cuda", dtype=torch.bfloat16))
     assert all(_beq(x, y) for x, y in zip(nan, mix))
+
+
+@triton.jit
+def _exp2_tile(X, Y, R: tl.constexpr, C: tl.constexpr, EVERY: tl.constexpr, DEG: tl.constexpr):
+    o = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    tl.store(Y + o, exp2_mixed(tl.load(X + o), R, C, EVERY, DEG))
+
+
+def test_soft_exp2_columns_and_error_on_the_gpu():
+    """exp2_mixed compiled (AttnConfig.exp_soft), on a loaded tile: the columns the interpreter's
+    tests check take the polynomial, the rest the MUFU's bits; and the polynomial's error against
+    float64 within the bound the interpreter holds it to (its Horner steps are FMAs here)."""
+    from tpdiag.kernels.exp2_soft import MAX_REL_ERR
+
+    def run(x, every, deg):
+        y = torch.empty_like(x)
+        _exp2_tile[(1,)](x, y, x.shape[0], x.shape[1], every, deg, num_warps=4)
+        return y
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.rand(256, 64, generator=g, device="cuda") * -40 + 2
+    ref = torch.exp2(x.double())
+    for deg in (3, 4, 5):
+        assert float(((run(x, 1, deg).double() - ref).abs() / ref).max()) <= MAX_REL_ERR[deg]
+    mufu, poly = run(x, 0, 3), run(x, 1, 3)
+    c = torch.arange(64, device="cuda")
+    for every, cols in ((2, c % 2 == 1), (4, torch.isin(c % 16, torch.tensor([9, 11, 13, 15], device="cuda")))):
+        y = run(x, every, 3)
+        assert torch.equal(y[:, cols], poly[:, cols]) and torch.equal(y[:, ~cols], mufu[:, ~cols])
+
+
+@pytest.mark.parametrize("changes", [dict(exp_soft=3, exp_soft_every=4), dict(exp_soft=7, exp_soft_every=2),
+                                     dict(exp_soft=3, exp_soft_every=2, exp_soft_deg=5)])
+def test_soft_exp2_attention_stays_invariant_and_accurate(changes):
+    """exp_soft at the shipped D=64 tiles on the GPU (the benchmark's candidates): the TP=2 head
+    slices, a batch row and a rerun bitwise, and o, dq, dk, dv within the interpreter tests' bf16
+    tolerance of float64 attention."""
+    from tpdiag.kernels.attention import reference_sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    L = 1000
+    q, do = (torch.randn(2, 8, L, 64, generator=g, device="cuda").bfloat16() for _ in range(2))
+    k, v = (torch.randn(2, 4, L, 64, generator=g, device="cuda").bfloat16() for _ in range(2))
+    cfg = replace(at.config_for(torch.bfloat16, 64), **changes)
+
+    def both(q, k, v, do):
+        o, lse = at.forward(q, k, v, True, 0.125, cfg)
+        return (o,) + tuple(atb.backward(do, q, k, v, o, lse, True, 0.125, cfg))
+
+    full = both(q, k, v, do)
+    half = both(q[:, 4:], k[:, 2:], v[:, 2:], do[:, 4:])
+    assert all(_beq(x, y) for x, y in zip(half, (full[0][:, 4:], full[1][:, 4:], full[2][:, 2:], full[3][:, 2:])))
+    assert all(_beq(x, y[1:]) for x, y in zip(both(q[1:], k[1:], v[1:], do[1:]), full))
+    assert all(_beq(x, y) for x, y in zip(both(q, k, v, do), full))
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    r = reference_sdpa(q64, k64, v64, is_causal=True, scale=0.125, enable_gqa=True)
+    r.backward(do.double())
+    for a, b in zip(full, (r.detach(), q64.grad, k64.grad, v64.grad)):
+        assert float((a.double() - b).abs().max() / b.abs().max()) < 2e-2

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from tpdiag.errors import BadInput
+from tpdiag.kernels.exp2_soft import exp2_mixed
 from tpdiag.kernels.interpreter_patch import lighten
 
 lighten()  # the interpreter's per-helper re-patching skipped (interpreter_patch.py)
@@ -74,6 +75,15 @@ class AttnConfig:
     # alone leave the other resource idle (D=64); where stored it is the recompute's bf16 dS, so
     # the bits should not move. By key-block index only: every TP degree and batch the same
     ds_every: int = 0
+    # exp2 partly by a polynomial on the FMA pipe beside the MUFU (kernels/exp2_soft.py): a bitmask
+    # of the loops that do it - 1 the dq recompute loop, 2 the dk/dv loop, 4 the forward - where
+    # 1 in exp_soft_every columns of the tile (1 every column, 2 the odd ones, 4 a quarter:
+    # exp2_mixed) take a polynomial of degree exp_soft_deg (3, 4, 5). Other bits than exp2's,
+    # still invariant (by column within a tile only); the MUFU may bound the D=64 backward
+    # (`--sass`), not measured yet: off (issue 59 item 4). The stored-dS paths' dq keeps exp2
+    exp_soft: int = 0
+    exp_soft_every: int = 2
+    exp_soft_deg: int = 3
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
@@ -84,6 +94,18 @@ class AttnConfig:
         if self.ds_every > 1 and self.kv_n % self.q_n:
             # a dq step must lie within one dk/dv key block, whose dS is kept or not as a whole
             raise ValueError(f"AttnConfig {self}: ds_every needs kv_n a multiple of q_n")
+        if not 0 <= self.exp_soft < 8 or self.exp_soft_every not in (1, 2, 4) or self.exp_soft_deg not in (3, 4, 5):
+            raise ValueError(f"AttnConfig {self}: exp_soft a bitmask of 1, 2, 4; exp_soft_every 1, 2 or 4; "
+                             "exp_soft_deg 3, 4 or 5")
+        cols = [n for bit, n in ((1, self.q_n), (2, self.kv_m), (4, self.fwd_n)) if self.exp_soft & bit]
+        if self.exp_soft_every == 4 and any(n % 16 for n in cols):
+            # a quarter is 4 columns of every 16 (exp2_mixed)
+            raise ValueError(f"AttnConfig {self}: exp_soft_every 4 needs the soft loops' column tiles "
+                             "(q_n, kv_m, fwd_n) multiples of 16")
+
+    def soft(self, loop: int) -> int:
+        """The exp2_mixed EVERY of a loop (1 dq, 2 dk/dv, 4 forward): 0 where it keeps exp2."""
+        return self.exp_soft_every if self.exp_soft & loop else 0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -185,7 +207,8 @@ def _block_and_head_at(pid, NB, BH, G):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, S, qk_scale,
                DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               PREC: tl.constexpr, TMA: tl.constexpr, I64: tl.constexpr):
+               PREC: tl.constexpr, TMA: tl.constexpr, I64: tl.constexpr, BM: tl.constexpr, SOFT: tl.constexpr,
+               DEG: tl.constexpr):
     # key blocks lo, lo+BN, ... < hi in ascending order; DIAG: blocks that need the causal mask.
     # TMA: k_src / v_src are [B, Hk, S, D] descriptors (rows past S read as 0), else this head's
     # base pointers
@@ -204,7 +227,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, 
         if not EVEN:
             s = tl.where(cols[None, :] < S, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        p = exp2_mixed(s * qk_scale - m_new[:, None], BM, BN, SOFT, DEG)  # AttnConfig.exp_soft
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, PREC)
@@ -216,7 +239,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, 
 def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                 H, REP, L, S, qk_scale, NB, BH, G,
                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, I64: tl.constexpr):
+                PREC: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr, I64: tl.constexpr,
+                SOFT: tl.constexpr = 0, DEG: tl.constexpr = 3):
     # TMA: Q, K, V, O are [B, H(k), L/S, D] descriptors - the same products in the same order as
     # pointer loads (the same bits), 9% faster at head_dim 128 on an H200 (docs/benchmarks.md)
     pid_m, bh = _block_and_head(NB, BH, G)
@@ -242,12 +266,13 @@ def _fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, so
         # blocks left of the diagonal need no mask; BM is a multiple of BN
         diag = tl.minimum(m0, S)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, 0, diag, S,
-                                   qk_scale, False, EVEN, BN, D, PREC, TMA, I64)
+                                   qk_scale, False, EVEN, BN, D, PREC, TMA, I64, BM, SOFT, DEG)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, diag,
-                                   tl.minimum(m0 + BM, S), S, qk_scale, True, EVEN, BN, D, PREC, TMA, I64)
+                                   tl.minimum(m0 + BM, S), S, qk_scale, True, EVEN, BN, D, PREC, TMA, I64, BM, SOFT,
+                                   DEG)
     else:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, b, hk, skn, svn, offs_m, 0, S, S,
-                                   qk_scale, False, EVEN, BN, D, PREC, TMA, I64)
+                                   qk_scale, False, EVEN, BN, D, PREC, TMA, I64, BM, SOFT, DEG)
     acc = (acc / l_i[:, None]).to(q.dtype)
     lse_ptr = LSE + bh.to(tl.int64) * L + offs_m
     if TMA:
@@ -294,6 +319,7 @@ def forward(q, k, v, causal: bool, scale: float, cfg: AttnConfig | None = None):
                                nb, B * H, min(cfg.fwd_group, B * H),
                                CAUSAL=causal, BM=cfg.fwd_m, BN=cfg.fwd_n, D=D, PREC=_prec(q),
                                EVEN=L % cfg.fwd_m == 0 and S % cfg.fwd_n == 0, TMA=tma, I64=wide(q, k, v),
+                               SOFT=cfg.soft(4), DEG=cfg.exp_soft_deg,
                                num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages)
     return o, lse
 

@@ -39,19 +39,20 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, s
                  HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                  PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
-                 I64: tl.constexpr, DS_EVERY: tl.constexpr):
+                 I64: tl.constexpr, DS_EVERY: tl.constexpr, SOFT: tl.constexpr = 0, DEG: tl.constexpr = 3):
     _dkdv_program(tl.program_id(0), Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh,
                   svn, HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0, CAUSAL, BM, BN, D, PREC, EVEN, STORE_DS,
-                  LOADS, I64, DS_EVERY)
+                  LOADS, I64, DS_EVERY, SOFT, DEG)
 
 
 @triton.jit(do_not_specialize=["NB", "BH", "G"])  # one compile for any launch order
 def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
                CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
+               PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, SOFT: tl.constexpr = 0,
+               DEG: tl.constexpr = 3):
     _dq_program(tl.program_id(0), Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-                H, REP, L, S, qk_scale, sm_scale, NB, BH, G, CAUSAL, BM, BN, D, PREC, EVEN, I64, True)
+                H, REP, L, S, qk_scale, sm_scale, NB, BH, G, CAUSAL, BM, BN, D, PREC, EVEN, I64, True, SOFT, DEG)
 
 
 @triton.jit(do_not_specialize=["NB", "BH"])
@@ -239,8 +240,8 @@ def dq_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
         q, k, v, o, do, lse, delta, dq, *_strides(q, k, v), H, H // Hk, L, S, scale * LOG2E, scale,
         nq, B * H, min(cfg.q_group, B * H),
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(q),
-        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, I64=wide(q, k, v, do),
-        num_warps=cfg.q_warps, num_stages=cfg.q_stages)
+        EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, I64=wide(q, k, v, do), SOFT=cfg.soft(1),
+        DEG=cfg.exp_soft_deg, num_warps=cfg.q_warps, num_stages=cfg.q_stages)
     return dq, delta
 
 
@@ -266,7 +267,8 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
         scale * LOG2E, scale, nk, nbh, min(cfg.kv_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store, LOADS=loads, I64=wide(q, k, v, do),
-        DS_EVERY=max(1, cfg.ds_every) if store else 1, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+        DS_EVERY=max(1, cfg.ds_every) if store else 1, SOFT=cfg.soft(2), DEG=cfg.exp_soft_deg,
+        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return dk, dv
 
 
@@ -287,7 +289,8 @@ def fused_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig)
         scale * LOG2E, scale, nk, B * Hk, min(cfg.kv_group, B * Hk), nq, B * H, min(cfg.q_group, B * H),
         CAUSAL=causal, KV_M=cfg.kv_m, KV_N=cfg.kv_n, Q_M=cfg.q_m, Q_N=cfg.q_n, D=D, PREC=_prec(q),
         EVEN_KV=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, EVEN_Q=L % cfg.q_m == 0 and S % cfg.q_n == 0,
-        LOADS=loads, I64=wide(q, k, v, do), num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+        LOADS=loads, I64=wide(q, k, v, do), SOFT_KV=cfg.soft(2), SOFT_Q=cfg.soft(1), DEG=cfg.exp_soft_deg,
+        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
     return dq, dk, dv
 
 

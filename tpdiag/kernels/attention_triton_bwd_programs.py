@@ -18,13 +18,14 @@ import triton
 import triton.language as tl
 
 from tpdiag.kernels.attention_triton import _block_and_head, _block_and_head_at, _load_rows, _mm, _tile
+from tpdiag.kernels.exp2_soft import exp2_mixed
 
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L, S,
                 qk_scale, DS, ds_idx, n0, keep, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr,
                 BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, STORE_DS: tl.constexpr,
-                LOADS: tl.constexpr, I64: tl.constexpr):
+                LOADS: tl.constexpr, I64: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr):
     # STORE_DS: 0 no dS, 1 dS by plain stores, 2 by TMA (DS a [heads, S, L] descriptor: the
     # store leaves from shared memory while the next block's products run); `keep`: whether this
     # key block's dS is stored (AttnConfig.ds_every). LOADS: q_src and do_src are [B, H, L, D]
@@ -42,7 +43,7 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base,
             lse = tl.load(LSE + row_base + rows, mask=rows < L, other=0.0)
             delta = tl.load(DELTA + row_base + rows, mask=rows < L, other=0.0)
         st = _mm(k, tl.trans(q), PREC) * qk_scale  # [BN, BM]
-        pt = tl.math.exp2(st - lse[None, :])
+        pt = exp2_mixed(st - lse[None, :], BN, BM, SOFT, DEG)  # AttnConfig.exp_soft: by query column
         if DIAG:
             pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
         if not EVEN:
@@ -70,7 +71,7 @@ def _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, 
                   HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
                   CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                   PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
-                  I64: tl.constexpr, DS_EVERY: tl.constexpr):
+                  I64: tl.constexpr, DS_EVERY: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr):
     # program `pid` of the dk/dv pass; BH0: the first (batch, KV head) of this launch (a chunk of
     # heads whose dS fits DS); DS_EVERY > 1: dS of every DS_EVERY-th key block only
     pid_n, bhl = _block_and_head_at(pid, NB, BH, G)
@@ -107,14 +108,14 @@ def _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, 
             mid = tl.minimum(n0 + BN, L)
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
                                  lo, mid, L, S, qk_scale, DS, ds_idx, n0, keep, True, EVEN, BM, BN, D, PREC,
-                                 STORE_DS, LOADS, I64)
+                                 STORE_DS, LOADS, I64, SOFT, DEG)
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
                                  mid, L, L, S, qk_scale, DS, ds_idx, n0, keep, False, EVEN, BM, BN, D, PREC,
-                                 STORE_DS, LOADS, I64)
+                                 STORE_DS, LOADS, I64, SOFT, DEG)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
                                  0, L, L, S, qk_scale, DS, ds_idx, n0, keep, False, EVEN, BM, BN, D, PREC,
-                                 STORE_DS, LOADS, I64)
+                                 STORE_DS, LOADS, I64, SOFT, DEG)
     # the head's base in int64, the offsets within it in int32 (pointer first: no int64 tiles)
     hb = bhk.to(tl.int64) * S * D
     out = offs_n[:, None] * D + offs_d[None, :]
@@ -141,7 +142,7 @@ def _do_and_delta(O, DO, io, rmask, EVEN: tl.constexpr):
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
               DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PREC: tl.constexpr, I64: tl.constexpr):
+              PREC: tl.constexpr, I64: tl.constexpr, BM: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr):
     offs_n0 = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
@@ -149,7 +150,7 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S
         k = _load_rows(k_base, cols, skn, offs_d, S, EVEN, I64)
         v = _load_rows(v_base, cols, svn, offs_d, S, EVEN, I64)
         s = _mm(q, tl.trans(k), PREC) * qk_scale
-        p = tl.math.exp2(s - lse[:, None])
+        p = exp2_mixed(s - lse[:, None], BM, BN, SOFT, DEG)  # AttnConfig.exp_soft: by key column
         if DIAG:
             p = tl.where(cols[None, :] <= offs_m[:, None], p, 0.0)
         if not EVEN:
@@ -164,7 +165,8 @@ def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S
 def _dq_program(pid, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                 H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, STORE_DELTA: tl.constexpr):
+                PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, STORE_DELTA: tl.constexpr,
+                SOFT: tl.constexpr, DEG: tl.constexpr):
     # program `pid` of the dq recompute pass; STORE_DELTA: this pass writes delta for the dk/dv
     # pass after it (else a delta pass did, and the dk/dv programs may be reading it now)
     pid_m, bh = _block_and_head_at(pid, NB, BH, G)
@@ -192,12 +194,12 @@ def _dq_program(pid, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, sk
     if CAUSAL:
         diag = tl.minimum(pid_m * BM, S)  # BM is a multiple of BN
         dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, diag, S, qk_scale,
-                       False, EVEN, BN, D, PREC, I64)
+                       False, EVEN, BN, D, PREC, I64, BM, SOFT, DEG)
         dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, diag,
-                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC, I64)
+                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC, I64, BM, SOFT, DEG)
     else:
         dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, S, S, qk_scale,
-                       False, EVEN, BN, D, PREC, I64)
+                       False, EVEN, BN, D, PREC, I64, BM, SOFT, DEG)
     if EVEN:
         tl.store(DQ + hb + io, (dq * sm_scale).to(DQ.dtype.element_ty))
     else:
@@ -209,7 +211,8 @@ def _fused_kernel(Q, QD, K, V, O, DO, DOD, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqm
                   HK, REP, L, S, qk_scale, sm_scale, NK, BHK, GK, NQ, BH, GQ,
                   CAUSAL: tl.constexpr, KV_M: tl.constexpr, KV_N: tl.constexpr, Q_M: tl.constexpr,
                   Q_N: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, EVEN_KV: tl.constexpr,
-                  EVEN_Q: tl.constexpr, LOADS: tl.constexpr, I64: tl.constexpr):
+                  EVEN_Q: tl.constexpr, LOADS: tl.constexpr, I64: tl.constexpr, SOFT_KV: tl.constexpr = 0,
+                  SOFT_Q: tl.constexpr = 0, DEG: tl.constexpr = 3):
     # the recompute backward's two passes in one grid (AttnConfig.bwd_fused): programs
     # [0, NK * BHK) are the dk/dv pass's, the rest the dq pass's; delta is already in DELTA.
     # QD / DOD: q and dO as the dk/dv loops load them (descriptors where LOADS)
@@ -217,11 +220,11 @@ def _fused_kernel(Q, QD, K, V, O, DO, DOD, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqm
     if pid < NK * BHK:
         _dkdv_program(pid, QD, K, V, DOD, LSE, DELTA, DK, DV, DK, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                       HK, REP, L, S, qk_scale, sm_scale, NK, BHK, GK, 0, CAUSAL, KV_M, KV_N, D, PREC, EVEN_KV, 0,
-                      LOADS, I64, 1)
+                      LOADS, I64, 1, SOFT_KV, DEG)
     else:
         _dq_program(pid - NK * BHK, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                     HK * REP, REP, L, S, qk_scale, sm_scale, NQ, BH, GQ, CAUSAL, Q_M, Q_N, D, PREC, EVEN_Q, I64,
-                    False)
+                    False, SOFT_Q, DEG)
 
 
 @triton.jit
