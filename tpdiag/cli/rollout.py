@@ -47,7 +47,11 @@ def rollout(
                                                     "(the batch's longest prompt + max_new_tokens - 1), or its "
                                                     "generation_config.max_cache_len, or a longer earlier call's "
                                                     "on the same model (transformers keeps the longest); 0: the "
-                                                    "longest prompt + the most generated tokens - 1")] = 0,
+                                                    "longest prompt + max_new_tokens - 1")] = 0,
+    max_new_tokens: Annotated[int, typer.Option(help="generate()'s max_new_tokens, which sets --padding static's "
+                                                     "KV cache length (each micro-batch's longest prompt + it - 1); "
+                                                     "0: --sampling's, else the rollout's most generated tokens "
+                                                     "(right unless every sequence stopped at EOS early)")] = 0,
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
@@ -91,7 +95,8 @@ def rollout(
                            device=dev, seed=seed, top=top, timeout=timeout,
                            flags=backend_flags.parse("--flags", flags), attention=attn.parse(attention),
                            padding=parse_padding(padding), jobs=parse_jobs(jobs),
-                           sampling=rollout_sampling.parse(sampling), max_cache_len=max_cache_len)
+                           sampling=rollout_sampling.parse(sampling), max_cache_len=max_cache_len,
+                           max_new_tokens=max_new_tokens)
         from tpdiag.models.spec import parse_spec
 
         parse_spec(model)
