@@ -109,6 +109,18 @@ def rollout(
         print_json(summary)
     else:
         rollout_report(console(), summary)
+    failed = [k for k, r in summary["configurations"].items() if r.get("status") == "failed"]
+    if failed:
+        # DESIGN.md: a world failed -> 2. The report above stands for the configurations that ran;
+        # the ones that failed gave no bits, so the run as asked for is incomplete
+        from rich.markup import escape
+
+        n = len(failed)
+        console(stderr=True).print(
+            f"[bold red]inconclusive:[/] {n} configuration{'s' if n != 1 else ''} failed and gave no logprobs "
+            f"({escape(', '.join(failed[:4]))}{', ...' if n > 4 else ''}; why: in the report): the verdict "
+            "covers only those that ran (exit 2)", markup=True, soft_wrap=True)
+        raise typer.Exit(2)
 
 
 
