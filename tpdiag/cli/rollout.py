@@ -28,7 +28,8 @@ def rollout(
                                             "trainers run) and/or deterministic (deterministic algorithms, no "
                                             "TF32, no reduced-precision reductions); docs/rl.md")] = "default",
     attention: Annotated[str, typer.Option(help="attention implementations to try: auto (the model's own), eager, "
-                                                "sdpa, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn")] = "auto",
+                                                "sdpa, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, flex "
+                                                "(attn_implementation=\"flex_attention\"; hf: models)")] = "auto",
     padding: Annotated[str, typer.Option(help="padding sides to try: auto (prefill right, decode left as "
                                               "generate()), left, right, packed (prefill: a micro-batch's "
                                               "sequences in one row, position ids restarting, as TRL/verl pack "
