@@ -224,3 +224,96 @@ def test_a_static_decode_leak_is_read_against_the_padded_prefill():
     assert leak is not None and leak["configuration"] == "tp1-mb4-decode-none-padstatic", leak
     assert leak["alone"] == "tp1-mb1-decode-none-padstatic" and len(leak["baselines"]) == 2, leak
     assert leak["ratio"] > 10
+
+
+def _static_batch(model, eos, seed, new=12):
+    """One sampled generate(cache_implementation="static") over LENS left-padded, stopping at any of
+    `eos`: rows of tpdiag's JSONL with the raw logprobs."""
+    from tests.test_rollout_rl_team import LENS
+
+    g = torch.Generator().manual_seed(1)
+    P = max(LENS)
+    ids = torch.zeros(len(LENS), P, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(LENS):
+        ids[r, P - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
+        mask[r, P - n:] = 1
+    torch.manual_seed(seed)
+    res = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, eos_token_id=eos,
+                         pad_token_id=0, cache_implementation="static", output_logits=True,
+                         return_dict_in_generate=True)
+    lp = torch.stack(res.logits, 1).float().log_softmax(-1)
+    rows = []
+    for b in range(len(ids)):
+        gen = res.sequences[b, P:].tolist()
+        end = next((j for j, t in enumerate(gen) if t in eos), None)
+        gen = gen if end is None else gen[:end + 1]
+        rows.append({"input_ids": ids[b][mask[b].bool()].tolist() + gen, "prompt_len": int(mask[b].sum()),
+                     "logprobs": [lp[b, j, t].item() for j, t in enumerate(gen)]})
+    return rows
+
+
+def test_a_batch_that_stopped_at_eos_early_keeps_generates_cache_length(tmp_path):
+    """generate(cache_implementation="static", max_new_tokens=12) sizes its cache from max_new_tokens
+    whether or not the batch stops early at EOS. Two such calls of 4 (float32, where the CPU's SDPA
+    gives other bits at each key length): one whose sequences all stop after 1-4 tokens, one that
+    runs to 12. Each --micro-batch 4 is one call; the default length now takes max_new_tokens from
+    the whole file (12, from the batch that ran out), and reproduces both - before, the early
+    batch's cache was its own 4 steps long (2 of its 10 tokens exact). A file of the early batch
+    alone cannot say 12: a note says the length is a lower bound, and --max-new-tokens 12 reproduces
+    it."""
+    from transformers import AutoModelForCausalLM
+
+    from tpdiag.errors import BadInput
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    path = save_bf16("qwen2", tmp_path / "q")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    early = _static_batch(model, list(range(2, 60)), seed=0)  # 58 of 256 ids stop it
+    late = _static_batch(model, [2], seed=0)
+    assert max(len(x["logprobs"]) for x in early) < 12 == max(len(x["logprobs"]) for x in late)
+
+    def run(rows, name, **kw):
+        f = tmp_path / name
+        f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+        got = {}
+        s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="float32", micro_batch=(4,),
+                                      modes=("decode",), fixes=("none",), padding=("static",), **kw),
+                        on_logprobs=got.update)
+        return s, got["tp1-mb4-decode-none-padstatic"]
+
+    def exact(rows, lps):
+        return [torch.equal(lps[i][x["prompt_len"] - 1:], torch.tensor(x["logprobs"])) for i, x in enumerate(rows)]
+
+    s, lps = run(early + late, "both.jsonl")
+    assert all(exact(early + late, lps)), exact(early + late, lps)
+    s, lps = run(early, "early.jsonl")  # control: the early batch alone at its own 4 steps is not the engine
+    assert not all(exact(early, lps))
+    s, lps = run(early, "early.jsonl", max_new_tokens=12)
+    assert all(exact(early, lps))
+    with pytest.raises(BadInput, match="--max-new-tokens=3: line 1 has 12 generated tokens"):
+        run(late, "late.jsonl", max_new_tokens=3)
+    with pytest.raises(BadInput, match="--max-new-tokens 12: it sets --padding static's KV cache length"):
+        run_rollout(RolloutConfig(file=str(tmp_path / "late.jsonl"), model="hf:" + path, max_new_tokens=12))
+
+
+def test_the_static_length_note_names_a_file_that_cannot_say_it(tmp_path):
+    """Every sequence ending at the model's EOS: the file does not give max_new_tokens, and a note says
+    the length taken is the least it can be."""
+    from tpdiag.rollout import static_len
+    from tpdiag.rollout.read import Sequence
+    from tpdiag.rollout.run import RolloutConfig
+
+    class M:
+        class generation_config:
+            eos_token_id = [2, 7]
+
+    seqs = [Sequence([5, 6, 9, 2], 2, [-1.0, -1.0]), Sequence([5, 6, 9, 4, 7], 2, [-1.0] * 3)]
+    rc = RolloutConfig(file="f", modes=("decode",), padding=("static",))
+    assert "taken as 3, the least it can be - pass --max-new-tokens N" in static_len.note(rc, seqs, M)[0]
+    assert static_len.resolve(rc, seqs) == 3
+    assert static_len.note(RolloutConfig(file="f", modes=("decode",), padding=("static",), max_new_tokens=9),
+                           seqs, M) == []
+    ran_out = seqs + [Sequence([5, 6, 9, 4, 4], 2, [-1.0] * 3)]  # no EOS: it ran to max_new_tokens
+    assert static_len.note(rc, ran_out, M) == []
+    assert static_len.note(RolloutConfig(file="f", modes=("decode",)), seqs, M) == []

@@ -28,7 +28,7 @@ from tpdiag.errors import BadInput
 # (tpdiag/runner/decode.py), forward only
 MODES = ("prefill", "decode")
 FLAGS = ("default", "deterministic")  # tpdiag.runner.flags.SETTINGS
-ATTENTIONS = ("auto", "eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+ATTENTIONS = ("auto", "eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex")
 # auto: prefill right, decode left (generate()'s); packed: prefill only, a micro-batch's sequences
 # in one row with position ids restarting per sequence (TRL's and verl's padding-free packing);
 # static: decode only, left-padded, the KV cache preallocated to generate()'s max length and every

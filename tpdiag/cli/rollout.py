@@ -28,7 +28,8 @@ def rollout(
                                             "trainers run) and/or deterministic (deterministic algorithms, no "
                                             "TF32, no reduced-precision reductions); docs/rl.md")] = "default",
     attention: Annotated[str, typer.Option(help="attention implementations to try: auto (the model's own), eager, "
-                                                "sdpa, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn")] = "auto",
+                                                "sdpa, sdpa-math, sdpa-flash, sdpa-efficient, sdpa-cudnn, flex "
+                                                "(attn_implementation=\"flex_attention\"; hf: models)")] = "auto",
     padding: Annotated[str, typer.Option(help="padding sides to try: auto (prefill right, decode left as "
                                               "generate()), left, right, packed (prefill: a micro-batch's "
                                               "sequences in one row, position ids restarting, as TRL/verl pack "
@@ -49,7 +50,11 @@ def rollout(
                                                     "(the batch's longest prompt + max_new_tokens - 1), or its "
                                                     "generation_config.max_cache_len, or a longer earlier call's "
                                                     "on the same model (transformers keeps the longest); 0: the "
-                                                    "longest prompt + the most generated tokens - 1")] = 0,
+                                                    "longest prompt + max_new_tokens - 1")] = 0,
+    max_new_tokens: Annotated[int, typer.Option(help="generate()'s max_new_tokens, which sets --padding static's "
+                                                     "KV cache length (each micro-batch's longest prompt + it - 1); "
+                                                     "0: --sampling's, else the rollout's most generated tokens "
+                                                     "(right unless every sequence stopped at EOS early)")] = 0,
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
@@ -93,7 +98,8 @@ def rollout(
                            device=dev, seed=seed, top=top, timeout=timeout,
                            flags=backend_flags.parse("--flags", flags), attention=attn.parse(attention),
                            padding=parse_padding(padding), jobs=parse_jobs(jobs),
-                           sampling=rollout_sampling.parse(sampling), max_cache_len=max_cache_len)
+                           sampling=rollout_sampling.parse(sampling), max_cache_len=max_cache_len,
+                           max_new_tokens=max_new_tokens)
         from tpdiag.models.spec import parse_spec
 
         parse_spec(model)
@@ -106,6 +112,18 @@ def rollout(
         print_json(summary)
     else:
         rollout_report(console(), summary)
+    failed = [k for k, r in summary["configurations"].items() if r.get("status") == "failed"]
+    if failed:
+        # DESIGN.md: a world failed -> 2. The report above stands for the configurations that ran;
+        # the ones that failed gave no bits, so the run as asked for is incomplete
+        from rich.markup import escape
+
+        n = len(failed)
+        console(stderr=True).print(
+            f"[bold red]inconclusive:[/] {n} configuration{'s' if n != 1 else ''} failed and gave no logprobs "
+            f"({escape(', '.join(failed[:4]))}{', ...' if n > 4 else ''}; why: in the report): the verdict "
+            "covers only those that ran (exit 2)", markup=True, soft_wrap=True)
+        raise typer.Exit(2)
 
 
 

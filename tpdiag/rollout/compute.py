@@ -53,13 +53,14 @@ def build(spec_text: str, dtype: str, device: str, seed: int):
 
 
 def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, tree_groups: int = 0,
-             on_flags=None, sampling=(), max_cache_len: int = 0) -> list:
+             on_flags=None, sampling=(), max_cache_len: int = 0, max_new_tokens: int = 0) -> list:
     """Per sequence a float32 tensor [len - 1]: the trainer's logprob of input_ids[t] at t-1.
     on_logits(i, rows): the logits rows [len - 1, vocab] of sequence i (in decode, the prompt's
     rows are NaN unless the engine gave prompt logprobs). on_flags(setting, snapshot): the backend
     flags this configuration ran under (tpdiag.runner.flags.snapshot). sampling: generate()'s
     settings whose processors the generated tokens' rows go through first (tpdiag.rollout.sampling).
-    max_cache_len: padding static's cache length (0: generate()'s for the micro-batch, _decode)."""
+    max_cache_len: padding static's cache length (0: generate()'s for the micro-batch, _decode);
+    max_new_tokens: generate()'s, which sets that length (0: the micro-batch's most generated tokens)."""
     import torch
 
     from tpdiag.fixes.registry import apply_fixes, resolve
@@ -109,7 +110,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
                 rows = _prefill(model, group, left=cfg.padding == "left")
             else:
                 rows = _decode(model, group, static=cfg.padding in STATIC_PADDINGS, max_cache_len=max_cache_len,
-                               compiled=cfg.padding == "compiled")
+                               max_new_tokens=max_new_tokens, compiled=cfg.padding == "compiled")
             wholes = []
             for r in rows:
                 # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
@@ -232,15 +233,17 @@ def decode_inputs(group, plen: int, steps: int, pad: int):
     return ids, mask
 
 
-def _decode(model, group, static: bool = False, max_cache_len: int = 0, compiled: bool = False) -> list:
+def _decode(model, group, static: bool = False, max_cache_len: int = 0, max_new_tokens: int = 0,
+            compiled: bool = False) -> list:
     """Logits rows per sequence the way generate() makes them (tpdiag.runner.decode): prompts
     left-padded in one call whose head computes the last row only (generate()'s logits_to_keep=1,
     as engines do: the head's GEMM at M=1 row is part of what decode means), then one token per
     step through the cache, positions counted from each row's first token.
     static: generate(cache_implementation="static")'s StaticCache, of generate()'s length
-    max_length - 1 = the longest prompt + max_new_tokens - 1, taking max_new_tokens as the longest
-    sequence's generated count (right where one sequence ran to max_new_tokens), or max_cache_len
-    where the user names it. The length is the attention's key length at every call: on the
+    max_length - 1 = the longest prompt + max_new_tokens - 1 (max_new_tokens: generate()'s, as the
+    user names it or the whole rollout's most generated tokens - tpdiag.rollout.static_len - never
+    fewer than this micro-batch's), or max_cache_len where the user names it. A batch whose
+    sequences all stopped at EOS early ran fewer steps, not a shorter cache. The length is the attention's key length at every call: on the
     project's CPU float32 SDPA gave other bits at 17 and 18 keys, bf16 SDPA at fewer than 16 keys
     and at 16 or more (docs/rl.md). compiled: the steps after the prompt through the model's
     torch.compile'd call, generate()'s on a GPU (tpdiag.runner.decode)."""
@@ -256,7 +259,8 @@ def _decode(model, group, static: bool = False, max_cache_len: int = 0, compiled
     ids, mask = ids.to(dev), mask.to(dev)
     try:
         pieces = decode(model, ids, plen, attention_mask=mask, prompt_rows="last",
-                        static_len=(max_cache_len or ids.shape[1]) if static else None, compiled=compiled)
+                        static_len=(max_cache_len or plen + max(steps, max_new_tokens) - 1) if static else None,
+                        compiled=compiled)
         prompt_rows = [None] * n
         if any(s.prompt_logprobs is not None for s in group):  # an engine's prompt logprobs: its prefill's rows
             full = prefill_logits(model, ids[:, :plen], mask[:, :plen])

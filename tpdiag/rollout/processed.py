@@ -189,8 +189,11 @@ def _temperature_verdict(temp, ev) -> dict:
     return {"detected": True, "kind": "temperature", **ev,
             "explanation": f"the engine's numbers are log_softmax(logits / "
                            f"{temp['t']:g}) to {temp['err']:.2g} nats (raw: {temp['raw']:.2g}) - "
-                           f"temperature-scaled. Compare with the same temperature ({SAMPLING_HINT}), or ask "
-                           "for raw logprobs"}
+                           f"temperature-scaled. Compare with the same temperature and no filter: --sampling "
+                           f"temperature={temp['t']:g},top_k=0 makes every trainer logprob log_softmax(float32 "
+                           "logits / T), as generate()'s output_scores and a trainer that divides its float32 "
+                           "logits compute it (top_k=0: none was seen here, and generate()'s default top_k=50 "
+                           "applies where --sampling does not turn it off) - or ask for raw logprobs"}
 
 
 def _per_temperature(z, toks, eng, rank):

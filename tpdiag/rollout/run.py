@@ -41,6 +41,9 @@ class RolloutConfig:
     # --padding static's cache length (generate()'s max_length - 1, or its max_cache_len); 0: the
     # micro-batch's longest prompt + its most generated tokens - 1 (tpdiag.rollout.compute._decode)
     max_cache_len: int = 0
+    # generate()'s max_new_tokens: --padding static's cache length is each micro-batch's longest
+    # prompt + it - 1; 0: --sampling's, else the rollout's most generated tokens (rollout/static_len.py)
+    max_new_tokens: int = 0
 
 
 # the option parsers live in rollout/options.py; importable from here as before
@@ -60,6 +63,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     from tpdiag.rollout.read import read_rollout
 
     t0 = time.perf_counter()
+    user_rc = rc
     ro = read_rollout(rc.file)
     seqs = ro.sequences
     from tpdiag.rollout import lanes
@@ -79,6 +83,12 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     if rc.max_cache_len and not set(STATIC_PADDINGS) & set(rc.padding):
         raise BadInput(f"--max-cache-len {rc.max_cache_len}: the length of --padding static's KV cache; add "
                        "static to --padding (e.g. --padding auto,static)")
+    from dataclasses import replace
+
+    from tpdiag.rollout import static_len
+
+    # resolved once for the whole file: every lane and world takes the same cache length
+    rc = replace(rc, max_new_tokens=static_len.resolve(rc, seqs))
     counts = lanes.lanes_per_degree(rc, configurations(rc), seqs)
     jobs = max(counts.values())
     if max(rc.tp) > 1:
@@ -118,7 +128,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if top >= vocab:
                 raise BadInput(f"{rc.file} {s.where}: token id {top} is outside the model's vocabulary "
                                f"({vocab}): is --model the engine's model?")
-        notes += _dtype_note(rc) + _static_note(rc)
+        notes += _dtype_note(rc) + _static_note(rc) + static_len.note(user_rc, seqs, model)
         sampled = None
         if rc.sampling:
             from tpdiag.rollout import sampling
@@ -141,7 +151,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                 # every other configuration in the lanes (a TP=1 one run here too - its first did not
                 # run - takes this process's result: the same bits)
                 lead, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values,
-                                                   rc.sampling, rc.max_cache_len)
+                                                   rc.sampling, rc.max_cache_len, rc.max_new_tokens)
                 worlds = {**early.result(), **lead}
                 results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
                                                                    on_status, flag_values, collector, stats_from)

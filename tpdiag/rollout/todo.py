@@ -127,10 +127,13 @@ def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> 
                 "algorithms, TF32, reduced-precision reductions: docs/rl.md's --flags table) - they pick other "
                 "kernels, rounding; set the trainer's flags as the engine's to match")
     if axis == "attention":
+        from tpdiag.runner.attention import IMPLEMENTATIONS
+
         backend = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
                    "sdpa-cudnn": "CUDNN_ATTENTION"}.get(theirs)
         how = (f'attn_implementation="sdpa" under torch.nn.attention.sdpa_kernel(SDPBackend.{backend})' if backend
-               else f'from_pretrained(..., attn_implementation="{theirs}")' if theirs != "auto"
+               else f'from_pretrained(..., attn_implementation="{IMPLEMENTATIONS.get(theirs, theirs)}")'
+               if theirs != "auto"
                else "the model's own attention (from_pretrained's default)")
         return (f"the engine's attention is {theirs}, your trainer's {mine}: another attention kernel, which sums "
                 f"in another order - rounding; to match bitwise, use {how} in the trainer")

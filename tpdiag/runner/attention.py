@@ -2,7 +2,8 @@
 the SDPA ones): the model's own (`auto`: what `from_pretrained` picks - SDPA for most
 transformers models), `eager` (transformers' matmul +
 softmax attention), `sdpa`, or SDPA restricted to one backend (`sdpa-math`, `sdpa-flash`,
-`sdpa-efficient`, `sdpa-cudnn`: torch.nn.attention.sdpa_kernel). Engines and trainers differ here:
+`sdpa-efficient`, `sdpa-cudnn`: torch.nn.attention.sdpa_kernel), or `flex` (transformers'
+`flex_attention`: torch's flex_attention, compiled; rollout only). Engines and trainers differ here:
 generate() runs the model's default, a trainer may run eager or flash attention.
 
 For hf: models the implementation is switched with transformers' own `set_attn_implementation`
@@ -16,6 +17,8 @@ from contextlib import contextmanager
 
 from tpdiag.base.configs import ATTENTIONS as CHOICES  # noqa: E402 - the configuration axis
 
+# transformers' attn_implementation of a choice that is not SDPA's
+IMPLEMENTATIONS = {"eager": "eager", "flex": "flex_attention"}
 _BACKENDS = {"sdpa-math": "MATH", "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
              "sdpa-cudnn": "CUDNN_ATTENTION"}
 
@@ -49,7 +52,7 @@ def attention(model, choice: str, unavailable=RuntimeError):
     if choice == "auto":
         yield
         return
-    impl = "eager" if choice == "eager" else "sdpa"
+    impl = IMPLEMENTATIONS.get(choice, "sdpa")
     saved = None
     if is_hf(model):
         saved = model.config._attn_implementation
@@ -62,8 +65,8 @@ def attention(model, choice: str, unavailable=RuntimeError):
             if model.config._attn_implementation != impl:
                 raise unavailable(f"attention {choice}: {type(model).__name__} does not switch its "
                                   "attention implementation")
-    elif impl == "eager":
-        raise unavailable("attention eager: only hf: models switch their attention implementation "
+    elif impl != "sdpa":
+        raise unavailable(f"attention {choice}: only hf: models switch their attention implementation "
                           "(the built-in presets run SDPA; a py: model runs its own code)")
     try:
         if choice in _BACKENDS:

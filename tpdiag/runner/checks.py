@@ -115,7 +115,7 @@ def _check_sdpa(cfg: CompareConfig, spec) -> None:
     """An SDPA choice (`sdpa`, `sdpa-math`, ...) for an hf: model whose own attention is not SDPA
     (Gemma2: eager): refused here in one line, where every world would raise it (runner/step.py)
     after the reference had run."""
-    sdpa = [a for a in cfg.attentions if a not in ("auto", "eager")]
+    sdpa = [a for a in cfg.attentions if a not in ("auto", "eager", "flex")]
     if spec.kind != "hf" or not sdpa:
         return
     from tpdiag.models.hf import _config, attention_of
@@ -186,6 +186,10 @@ EAGER_REFUSED = (
     "(an hf: model, as from_pretrained(..., attn_implementation=\"eager\") loads it); compare SDPA backends "
     "here (e.g. --attention sdpa-math,sdpa-flash) and eager against SDPA on logprobs with tpdiag rollout "
     "FILE --attention eager,sdpa")
+FLEX_REFUSED = (
+    "--attention flex: not an axis of compare - transformers' flex_attention builds a BlockMask where SDPA "
+    "takes none, and compiles its kernel per shape; compare an engine's flex_attention logprobs with "
+    "tpdiag rollout FILE --attention auto,flex")
 EAGER_NOT_HF = (
     "--attention eager: only hf: models switch their attention implementation (transformers' "
     "set_attn_implementation); the built-in presets run SDPA and a py: model runs its own code")
@@ -208,6 +212,8 @@ def _check_attention_padding(cfg: CompareConfig, kind: str) -> None:
     for a in cfg.attentions:
         if a not in ATTENTIONS:
             raise BadInput(f"--attention {a}: expected one of {', '.join(ATTENTIONS)}")
+    if "flex" in cfg.attentions:
+        raise BadInput(FLEX_REFUSED)
     if "eager" in cfg.attentions and len(cfg.attentions) > 1:
         raise BadInput(EAGER_REFUSED)
     if "eager" in cfg.attentions and kind != "hf":
