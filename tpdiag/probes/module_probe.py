@@ -87,6 +87,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         counts = rec._calls
 
         snaps: dict = {}  # (module, call) -> float64 snapshot of its inputs (oracle modules)
+        # [step, the model's buffers and parameters by storage] (float64.state_names), once a step:
+        # which other module's state a re-executed call read
+        state_names: list = [None, None]
         copies: dict = {}  # the buffers' copies those take, one per unchanged buffer (buffers_before)
         loaded: dict = {}
         # (step, module, short) -> the float64 weight grads held until the real one is
@@ -207,8 +210,12 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 if differ and backward:
                     for short in hooked.get(name, ()):
                         pend.setdefault((rec.step, name, short), [])
+                if state_names[0] != rec.step:
+                    from tpdiag.probes.float64 import state_names as names_of
+
+                    state_names[:] = [rec.step, names_of(model)]
                 record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None, buffers=bufs,
-                              path=walked.paths.get(mod, name), oracle=oracle)
+                              path=walked.paths.get(mod, name), oracle=oracle, names=state_names[1])
                 if own:
                     # once a call: an activation checkpoint's recompute returned above (made again
                     # there, its float64 grads were the same records twice - "grad_in.0.c0@2 listed
