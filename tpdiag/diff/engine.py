@@ -44,6 +44,8 @@ class DegreeDiff:
     # (probes/float64.module_oracle's notes["reads"]; diff/written_state.read_after)
     oracle_reads_noted: bool = False
     _partials_ix: tuple | None = None  # diff/rank_partials._index's, built once
+    _weight_rows: tuple | None = None  # diff/rank_partials._cut_weight's, built once
+    world: int = 0  # the ranks whose partials this side sums (locate.add_bounds sets it)
     # record key -> its checked pair's content key (diff/pair_memo.py), where both sides have one
     contents: dict = field(default_factory=dict)
     # buffer record key -> (step, module) of the float64 re-execution its oracle value came from
