@@ -123,6 +123,33 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         # snapshot of a forward call that ran without a graph
         recomputes = Recomputes()
         no_graph: dict = {}
+        # A module called more than once in a step, in a reentrant activation checkpoint (its forward
+        # ran without a graph): each segment's backward is an inner backward of its own, and each
+        # adds into the weight's .grad - the accumulate hook fired once per segment and the step
+        # recorded `param_grad ... listed twice` (ckpt_twice.py:twice_ok: the reference failed,
+        # the run inconclusive). Such a weight's grad is held and recorded once, as the step's
+        # backward ends (flush_held, queued from a recompute, which runs in that backward).
+        no_grad_calls: set = set()  # (step, module) called with grad off where a backward follows
+        held: dict = {}  # (step, module, short) -> (the parameter, its record function)
+        twice_at = [None]  # the step whose flush is queued
+
+        def hold(mname: str, short: str, p, record) -> bool:
+            if (rec.step, mname) not in no_grad_calls or counts.get((rec.step, "forward", mname), 0) < 2:
+                return False
+            held[(rec.step, mname, short)] = (p, record)
+            if twice_at[0] != rec.step:
+                # no recompute queued the flush (a call under torch.no_grad, no checkpoint): this
+                # hook runs in the step's one backward
+                twice_at[0] = rec.step
+                torch.autograd.Variable._execution_engine.queue_callback(lambda step=rec.step: flush_held(step))
+            return True
+
+        def flush_held(step) -> None:
+            for k in [k for k in held if k[0] == step]:
+                p, record = held.pop(k)
+                record(p)
+            for k in [k for k in no_grad_calls if k[0] == step]:
+                no_grad_calls.discard(k)
 
         def pre_hook(mod, args, kwargs):
             if rec.in_oracle:  # an oracle re-execution runs this module's children: no records
@@ -134,6 +161,12 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 # and a capture with it could not be diffed against one without
                 if backward:
                     recomputes.recompute(rec.step, mod, infos[mod][0], _tensors(args, kwargs))
+                    if twice_at[0] != rec.step and any(k[0] == rec.step for k in no_grad_calls):
+                        # here the step's own (outer) backward runs: its end comes after every
+                        # segment's inner backward (reentrant), where the held weight grads are final
+                        twice_at[0] = rec.step
+                        torch.autograd.Variable._execution_engine.queue_callback(
+                            lambda step=rec.step: flush_held(step))
                 return None
             name, style, _, _, cls = infos[mod]
             # = rec.call_index(name), inline (host time per module call)
@@ -142,6 +175,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             counts[ck] = call + 1
             if backward and not torch.is_grad_enabled():
                 recomputes.forward(rec.step, mod, name, call, _tensors(args, kwargs))
+                no_grad_calls.add((rec.step, name))
             stack.append(name)
             if oracle and name in oracle and rec.enabled:
                 from tpdiag.probes.float64 import buffers_before, snapshot
@@ -266,7 +300,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     continue
                 hooked.setdefault(mname, []).append(short)
                 handles.append(p.register_post_accumulate_grad_hook(
-                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname), pend, side_pend)))
+                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname), pend, side_pend,
+                                     hold)))
         # record_params inside this block reads the same walk (no module walk per call)
         walks[id(model)] = walked
         from tpdiag.probes.collectives import forget_written
@@ -367,7 +402,9 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
 
 
 def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: dict | None = None,
-                     side_pend: dict | None = None):
+                     side_pend: dict | None = None, hold=None):
+    """hold(mname, short, p, record): True where the grad is held to be recorded once, later (a
+    module called in two reentrant checkpoints: module_probes)."""
     from tpdiag.kernels.grad_carry import carried
 
     def hook(p):
@@ -377,6 +414,11 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: di
             # vocab-parallel embedding's was recorded here and again at the close); the close
             # runs this hook once with the real grad
             return
+        if hold is not None and hold(mname, short, p, record):
+            return
+        record(p)
+
+    def record(p):
         g = p.grad
         if type(g) is not torch.Tensor and getattr(g, "placements", None) \
                 and any(pl.is_partial() for pl in g.placements):
