@@ -131,9 +131,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         # backward ends (flush_held, queued from a recompute, which runs in that backward).
         no_grad_calls: set = set()  # (step, module) called with grad off where a backward follows
         held: dict = {}  # (step, module, short) -> (the parameter, its record function)
-        twice_at = [None]  # the step whose flush is queued
+        twice_at = [None]  # the step whose flush is queued, until it runs
 
         def hold(mname: str, short: str, p, record) -> bool:
+            # counts: this piece's forward calls (Recorder.begin_piece starts them again)
             if (rec.step, mname) not in no_grad_calls or counts.get((rec.step, "forward", mname), 0) < 2:
                 return False
             held[(rec.step, mname, short)] = (p, record)
@@ -145,6 +146,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             return True
 
         def flush_held(step) -> None:
+            twice_at[0] = None  # a later backward of the step (the next micro-batch's) queues its own
             for k in [k for k in held if k[0] == step]:
                 p, record = held.pop(k)
                 record(p)
