@@ -8,7 +8,10 @@ backward record of the checkpointed model is bitwise the same model's without ch
 import importlib.util
 import pathlib
 
+import pytest
 import torch
+
+from conftest import compare_planted
 
 from tpdiag.probes.module_probe import module_probes
 from tpdiag.probes.recorder import Recorder
@@ -52,3 +55,56 @@ def test_a_module_in_two_checkpoints_records_each_calls_own_grads():
     assert sorted(ckpt) == sorted(plain)
     wrong = [k for k in plain if not torch.equal(ckpt[k], plain[k])]
     assert not wrong, wrong
+
+
+def test_a_block_with_weights_in_two_checkpoints_records_each_weight_grad_once():
+    """ckpt_twice.py's LoopLM: one MLP applied twice, each application in its own reentrant
+    checkpoint. Each segment's inner backward adds into the weights' .grad, and the accumulate hook
+    recorded each weight grad once per segment: on 170f498 `param_grad ... listed twice` and the
+    reference failed (the run inconclusive). The grad is now held and recorded once, as the step's
+    backward ends: every backward record - each weight grad once, with the sum of both applications -
+    is bitwise the un-checkpointed model's, and the float64 grads of both calls are there."""
+    planted = _planted()
+
+    def records(ckpt):
+        torch.manual_seed(0)
+        model = planted.LoopLM(ckpt)
+        tokens = torch.randint(0, planted.VOCAB, (planted.BATCH, planted.SEQ),
+                               generator=torch.Generator().manual_seed(1))
+        rec = Recorder()
+        with module_probes(model, rec, plan={}, backward=True, oracle={"mlp", "mlp.up"}):
+            rec.phase = "forward"
+            out = model(tokens)
+            rec.phase = "backward"
+            out.float().pow(2).mean().backward()
+        finish(rec.records)
+        return [(m["key"], as_tensor(t)) for m, t in rec.records if m["phase"] == "backward"]
+
+    ckpt, plain = records(True), records(False)
+    keys = [k for k, _ in ckpt]
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+    grads = [k for k in keys if "/param_grad#" in k and k.startswith("s0/backward/mlp.")]
+    assert sorted(grads) == ["s0/backward/mlp.down/param_grad#0/bias", "s0/backward/mlp.down/param_grad#0/weight",
+                             "s0/backward/mlp.up/param_grad#0/bias", "s0/backward/mlp.up/param_grad#0/weight"], grads
+    assert any("oracle" in k and k.endswith(".c0") for k in keys) and any("oracle" in k and k.endswith(".c1") for k in keys)
+    plain_d = dict(plain)
+    assert sorted(keys) == sorted(plain_d)
+    wrong = [k for k, t in ckpt if not torch.equal(t, plain_d[k])]
+    assert not wrong, wrong
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return compare_planted(tmp_path_factory, {c: ("ckpt_twice", c, ("--tp", "1,2")) for c in ("twice_ok", "twice_scaled")})
+
+
+def test_a_correct_block_in_two_checkpoints_reads_rounding_and_a_planted_one_the_bug(runs):
+    from tpdiag.diff.classes import leading_bug
+
+    s, stdout, gate = runs["twice_ok"]
+    assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), s["degrees"]["2"]
+    assert gate == 1, stdout
+    s, stdout, gate = runs["twice_scaled"]
+    lead = leading_bug(s["degrees"]["2"])
+    assert lead is not None and (lead["module"], lead["cause"]) == ("mlp", "sharding-bug"), lead
+    assert gate == 4, stdout

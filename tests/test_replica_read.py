@@ -40,3 +40,31 @@ def test_a_buffer_held_by_an_uncalled_module_is_judged_by_its_reader(case, tmp_p
     lead = leading_bug(e)
     assert lead is not None and lead["key"] == fd["key"], lead
     assert gate == 4
+
+
+@pytest.fixture(scope="module")
+def later(tmp_path_factory):
+    from conftest import compare_planted
+
+    return compare_planted(tmp_path_factory, {
+        "after_warmup": ("replica_later", "after_warmup", ("--tp", "1,2", "--steps", "3")),
+        "beside": ("replica_later", "beside", ("--tp", "1,2", "--steps", "2"))})
+
+
+@pytest.mark.parametrize("case,step", [("after_warmup", 2), ("beside", 1)])
+def test_a_replica_read_later_or_beside_its_owner_is_read(later, case, step):
+    """tests/models/planted/replica_later.py: a per-rank amax (its MAX all-reduce forgotten) read by
+    `quant`, a module beside its owner. after_warmup: written at step 0 only, first read at step 2 (a
+    warm-up step between): on 170f498 step 1 alone was asked - "not read by any recorded step", cause
+    `unknown`. beside: read at the next step by `quant` while the owner's own output never changes:
+    on 170f498 "whether step 1 reads it is not shown". Every step until the buffer is written again is
+    asked now, and a step whose first record that differs across ranks is a module's output, its inputs
+    and parameters the same on every rank, reads per-rank state: rank-inconsistent-replica, read."""
+    from tpdiag.diff.classes import leading_bug
+
+    s, stdout, gate = later[case]
+    e = s["degrees"]["2"]
+    fd = e["first_divergence"]
+    assert (fd["key"], fd["cause"]) == ("s0/optimizer/block.observer/buffer#0/amax", "rank-inconsistent-replica"), fd
+    assert f"step {step} reads per-rank state: block.quant's forward output" in fd["why"], fd["why"]
+    assert leading_bug(e)["key"] == fd["key"] and gate == 4, (gate, stdout[-2000:])

@@ -257,3 +257,72 @@ def test_a_buffers_choices_are_every_call_of_its_writer():
         "s0/forward/moe/oracle#0/aten::sort": {"why": "an op's own refusal"},
         "s0/forward/other/oracle#0": {"discrete": ["aten::argmax"]}})
     assert notes_for(dd, row) == {"discrete": ["aten::topk"]}
+
+
+def test_a_later_module_that_reads_no_written_buffer_is_judged(tmp_path):
+    """tests/models/planted/amax_then_bug.py:swapped: `observer` keeps a per-rank amax (its MAX
+    all-reduce forgotten: the replicas differ) that nothing reads in the step, and `proj` after it -
+    a hand-written column-parallel layer and its GELU - gathers the ranks' columns in reversed order.
+    On 170f498 every module whose record came after the observer's forward was refused ("it may read
+    buffer amax of observer"): proj's forward read `unknown`, the real bug named at its weight grad
+    only. The reference's float64 re-execution of proj now notes which other modules' buffers it read
+    (none): proj's forward is judged, a sharding-bug; the buffer stays a finding of its own."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/amax_then_bug.py:swapped", "--tp", "1,2",
+                "--seq-len", "8", "--no-confirm", "--no-baseline", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
+    causes = {f["key"]: f["cause"] for f in e["findings"] if "key" in f}
+    assert causes.get("s0/forward/proj/out#0/0") == "sharding-bug", e["findings"]
+    assert causes.get("s0/optimizer/observer/buffer#0/amax") == "rank-inconsistent-replica", causes
+    assert e["first_divergence"]["module"] == "proj" and e["first_divergence"]["cause"] == "sharding-bug", \
+        e["first_divergence"]
+
+
+def test_the_float64_reexecution_notes_the_state_a_call_reads_from_outside():
+    """What diff/written_state reads: the buffers of other modules a re-executed call read (by their
+    path in the model), and a count of other outside tensors (a global, a shared object's tensor);
+    its own parameters, buffers, tensor attributes, inputs and constants are no note."""
+    import torch
+    from torch import nn
+
+    from tpdiag.probes.float64 import module_oracle, snapshot, state_names
+
+    kept = torch.full((4,), 2.0)  # a global the user's code reads
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("amax", torch.ones(()))
+
+    class Reader(nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.cache = torch.arange(4.0)
+            self.scaling = [scale]  # shared, not a submodule
+
+        def forward(self, x):
+            return self.lin(x) * self.scaling[0].amax + self.cache + torch.tensor(3.0)
+
+    class Own(Reader):
+        def forward(self, x):
+            return self.lin(x) + self.cache + torch.tensor(3.0)
+
+    class Global(Reader):
+        def forward(self, x):
+            return self.lin(x) * kept
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = Scale()
+            self.reader, self.own, self.glob = Reader(self.scale), Own(self.scale), Global(self.scale)
+
+    r, x = Root(), torch.randn(3, 4)
+    names = state_names(r)
+    got = {n: module_oracle(getattr(r, n), *snapshot(((x,), {})), names=names) for n in ("reader", "own", "glob")}
+    assert all(out is not None for out, _ in got.values()), got
+    assert got["reader"][1] == {"reads": ["scale.amax"]}, got["reader"][1]
+    assert got["own"][1] == {}, got["own"][1]
+    assert got["glob"][1] == {"reads_unnamed": 1}, got["glob"][1]

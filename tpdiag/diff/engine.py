@@ -39,7 +39,13 @@ class DegreeDiff:
     hash_version: int | None = None
     _equal_index: dict | None = None  # diff/equal_inputs._index's lookups, built once
     _started: tuple | None = None  # diff/written_state._started's, built once
+    _reexec: tuple | None = None  # diff/written_state._reexecuted's, built once
+    # the reference's float64 re-executions noted the other modules' buffers each call read
+    # (probes/float64.module_oracle's notes["reads"]; diff/written_state.read_after)
+    oracle_reads_noted: bool = False
     _partials_ix: tuple | None = None  # diff/rank_partials._index's, built once
+    _weight_rows: tuple | None = None  # diff/rank_partials._cut_weight's, built once
+    world: int = 0  # the ranks whose partials this side sums (locate.add_bounds sets it)
     # record key -> its checked pair's content key (diff/pair_memo.py), where both sides have one
     contents: dict = field(default_factory=dict)
     # buffer record key -> (step, module) of the float64 re-execution its oracle value came from
@@ -412,6 +418,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     notes = ref.world.get("oracle_notes") if isinstance(ref.world, dict) else None
     if isinstance(notes, dict):
         dd.oracle_notes = notes
+    dd.oracle_reads_noted = isinstance(ref.world, dict) and ref.world.get("oracle_reads_noted") is True
     return dd
 
 

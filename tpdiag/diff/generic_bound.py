@@ -132,7 +132,9 @@ def _affine_model(x1, xn, w1, wn, b1, bn, y1, yn, world: int):
 
 
 def _candidates(dd, row: dict, world: int):
-    """Yield (description, bound) for every model the reference fits."""
+    """Yield (description, bound, K, affine) for every model the reference fits; affine: (this
+    side's x, its [out, K] matrix, the parameter's name, the parameter's dim that is K) for
+    y = c x W^T + b, None for a copy."""
     y1, yn = dd.tensors[row["key"]]
     ins = [(n, p) for n, p in _inputs(dd, row)
            if p[0].is_floating_point() and p[0].shape == p[1].shape]
@@ -142,7 +144,7 @@ def _candidates(dd, row: dict, world: int):
         if x1.shape == y1.shape:
             got = _copy_model(x1, xn, y1, yn)
             if got is not None:
-                yield f"y = {got[1]:.6g} * {name}", got[0], x1.shape[-1] if x1.dim() else 1
+                yield f"y = {got[1]:.6g} * {name}", got[0], x1.shape[-1] if x1.dim() else 1, None
     for name, (x1, xn) in ins:
         if x1.dim() < 1 or x1.shape[:-1] != y1.shape[:-1]:
             continue
@@ -159,7 +161,8 @@ def _candidates(dd, row: dict, world: int):
                     got = _affine_model(x1, xn, v1, vn, b1, bn, y1, yn, world)
                     if got is not None:
                         desc = f"y = {got[1]:.6g} * {name} @ {wname}{orient}" + (f" + {bname}" if bname else "")
-                        yield desc, got[0], k
+                        # the weight's input dim: W's dim 1 as W^T is used, dim 0 as W is
+                        yield desc, got[0], k, (xn, vn, wname, 1 if orient == "^T" else 0)
                         break
 
 
@@ -205,13 +208,13 @@ def add_generic_bounds(dd, world: int) -> None:
                                 "takes no tensor), so no rounding bound could be derived")
             continue
         best = None
-        for desc, bound, k in _candidates(dd, row, world):
+        for desc, bound, k, affine in _candidates(dd, row, world):
             chk = check(y1, yn, bound)
             # several models may fit the reference (a scale of 1 fits copy and affine alike):
             # keep the most lenient verdict, so a bug is claimed only if every fitting model is
             # exceeded
             if best is None or chk.ratio < best[1].ratio:
-                best = (desc, chk, k)
+                best = (desc, chk, k, affine)
         if best is None and _kernel_path(dd, row, y1, yn):
             continue
         if best is None:
@@ -220,14 +223,42 @@ def add_generic_bounds(dd, world: int) -> None:
                 f"input nor c*(x W^T)+b of an input x and one of its own parameters W, so no bound "
                 f"could be derived ({row.get('cls') or 'module'} computes something else)")
             continue
-        desc, chk, k = best
+        desc, chk, k, affine = best
         row["bound"], row["bound_ratio"], row["beyond_bound"] = chk.bound, chk.ratio, chk.beyond
         row["bound_model"] = desc
+        if affine is not None and world > 1:
+            _partials(dd, row, affine, world)
         if not chk.beyond:
             cause, why = reorder_cause(dd, row, k)
             row["generic_cause"] = cause
             if why:
                 row["cause_why"] = why
+
+
+def _partials(dd, row: dict, affine, world: int) -> None:
+    """A hand-written row-parallel layer (its own F.linear on its slice of K, its own all-reduce, no
+    plan): the float64 oracle's floor for the rank partials it rounded and summed
+    (diff/rank_partials.py), which a plan's RowwiseParallel Linear gets in locate.add_bounds. Taken
+    where the matrix its output fits is recorded cut on the dim that is K - the ranks' shards of
+    it, one contiguous chunk each, are smaller than the reference's there: each rank can only have
+    summed its own chunk of K - and, where the module's ops were recorded, one of them is a reducing
+    collective (a weight all-gathered before one whole GEMM makes no partials). In bf16 a correct
+    such layer whose partials cancel read `sharding-bug`, 2.8x (planted cancel_handwritten.py)."""
+    from tpdiag.diff import rank_partials
+
+    xn, vn, wname, kdim = affine
+    step, m = row["step"], row["module"]
+    wkey = (record_key(0, "init", m, "param_init", 0, wname) if step == 0
+            else record_key(step - 1, "optimizer", m, "param", 0, wname))
+    wrow = next((r for r in dd.rows if r["key"] == wkey), None)
+    if wrow is None or wrow.get("layout") != f"shard:{kdim}":
+        return
+    ops = [n for n, _ in _module_ops(dd, row)]
+    if ops and not any(_is_reducing(n) for n in ops):
+        return
+    p = rank_partials.partials_norm(xn, vn, world)
+    if p is not None:
+        row["rank_partials_norm"] = p
 
 
 def _kernel_path(dd, row: dict, y1, yn) -> bool:

@@ -35,6 +35,7 @@ def _param_key(step: int, module: str, name: str) -> str:
 
 def add_bounds(dd: DegreeDiff, world: int) -> None:
     """Attach a rounding bound to every Linear forward output (the ops where a bug would hide)."""
+    dd.world = world
     params = {r["key"]: r for r in dd.rows if r["kind"] in ("param_init", "param")}
     for row in dd.rows:
         if row["phase"] != "forward" or row["kind"] != "out" or row["cls"] not in LINEAR_CLASSES:

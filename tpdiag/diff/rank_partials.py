@@ -39,7 +39,10 @@ def reduces_over_ranks(weight_row: dict | None) -> bool:
 def partials_in(dd, row: dict) -> float:
     """sqrt(sum ||p_r||^2) of the rank partials this side rounded and summed in this forward call
     (the module doc): the record's own, or its sub-modules' in the same call - a block whose
-    output is its row-parallel projection's plus a residual carries the same roundings."""
+    output is its row-parallel projection's plus a residual carries the same roundings. For an
+    input grad (a grad_out record) those of its column-parallel consumers (dgrad_partials)."""
+    if row["phase"] == "backward" and row["kind"] == "grad_out":
+        return dgrad_partials(dd, row)
     if row["phase"] != "forward" or row["kind"] != "out":
         return 0.0
     if row.get("rank_partials_norm"):
@@ -71,3 +74,54 @@ def _index(dd) -> tuple[dict, list]:
                 normed.append((r["idx"], r["step"], r["module"], r["rank_partials_norm"]))
         ix = dd._partials_ix = (len(dd.rows), starts, normed)
     return ix[1], ix[2]
+
+
+def dgrad_partials(dd, row: dict) -> float:
+    """The backward mirror, for the grad_out record of X: a consumer of X whose weight W [out, in]
+    is recorded cut on its output dim (a column-parallel Linear - a plan's ColwiseParallel or
+    hand-written; the ranks' shards) computes X's grad as sum_r g_r W_r, each rank's share, over
+    its own output columns, rounded before the all-reduce. Where those cancel (W's rows [K a;
+    -K a + b] whose two halves a block adds) they dwarf the reference's error: a correct bf16
+    hand-written column layer read `sharding-bug`, 2.3x (planted cancel_handwritten.py:cancel_col).
+    sqrt(sum over such consumers and ranks of ||g_r W_r||^2), this side's g and W; 0 where none."""
+    cons = row.get("consumers") or ()
+    if not cons or row["key"] not in dd.tensors:
+        return 0.0
+    width = dd.tensors[row["key"]][1].shape[-1] if dd.tensors[row["key"]][1].dim() else None
+    world = int(getattr(dd, "world", 0) or 0)
+    total = 0.0
+    for m in cons:
+        w = _cut_weight(dd, row["step"], m)
+        g = dd.tensors.get(f"s{row['step']}/backward/{m}/grad_out#0/0")
+        if w is None or g is None or world < 2:
+            continue
+        wn, gn = w[1], g[1]
+        if wn.dim() != 2 or gn.shape[-1] != wn.shape[0] or wn.shape[1] != width \
+                or not (gn.is_floating_point() and wn.is_floating_point()):
+            continue
+        g64, w64 = gn.to(torch.float64), wn.to(torch.float64)
+        for rows in torch.arange(wn.shape[0]).chunk(world):
+            if rows.numel():
+                total += float(torch.linalg.vector_norm(g64[..., rows] @ w64[rows])) ** 2
+    return math.sqrt(total) if math.isfinite(total) else 0.0
+
+
+def _cut_weight(dd, step: int, module: str):
+    """(reference, this side) of the module's `weight` as its forward at `step` read it, where that
+    is recorded cut on its output dim (layout shard:0); None otherwise."""
+    from tpdiag.records.keys import record_key
+
+    key = (record_key(0, "init", module, "param_init", 0, "weight") if step == 0
+           else record_key(step - 1, "optimizer", module, "param", 0, "weight"))
+    if key not in dd.tensors:
+        return None
+    rows = getattr(dd, "_weight_rows", None)
+    if rows is None or rows[0] != len(dd.rows):
+        rows = (len(dd.rows), {r["key"]: r for r in dd.rows if r["kind"] in ("param_init", "param")})
+        try:
+            dd._weight_rows = rows
+        except AttributeError:
+            pass
+    r = rows[1].get(key)
+    return dd.tensors[key] if r is not None and r.get("layout") == "shard:0" else None
+

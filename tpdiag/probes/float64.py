@@ -93,13 +93,20 @@ def _written(func, args, kwargs) -> list:
 class Float64Mode(TorchDispatchMode):
     """Every op in float64; `owned` are the storages the oracle made (it may write those)."""
 
-    def __init__(self, protected: set[int], working: torch.dtype | None = None):
+    def __init__(self, protected: set[int], working: torch.dtype | None = None, known: set[int] | None = None):
         super().__init__()
         self.protected = protected  # data_ptrs of the module's parameters and buffers
         self.discrete: list[str] = []  # choices made on floating values (topk, argmax, x > y)
         # the precision the module really ran in: how close two values must be for its own
         # rounding to order them otherwise than float64 does (None: every choice counts)
         self.working = working
+        # the storages the call may read as its own (its input snapshot, its parameters, buffers
+        # and tensor attributes, what its ops made); None: not watched. Any other storage an op
+        # reads is state from outside its inputs - another module's buffer, a tensor kept in a
+        # shared object or a global (`foreign`, storage ptr -> tensor): a value its input records do
+        # not hold (diff/written_state.py reads which)
+        self.known = known
+        self.foreign: dict[int, torch.Tensor] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -118,6 +125,12 @@ class Float64Mode(TorchDispatchMode):
                     raise OracleRefused(f"it writes state in place ({_op_name(func)} on a "
                                         f"{str(t.dtype).replace('torch.', '')} tensor it did not "
                                         "create): re-running it would change the real run")
+        if self.known is not None and not name.startswith("lift_fresh"):  # torch.tensor(3.0): made here
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    p = _ptr(t)
+                    if p > 0 and p not in self.known and p not in self.foreign:
+                        self.foreign[p] = t
         sch = func._schema.arguments
         args = list(args)
         for i, a in enumerate(args):
@@ -125,7 +138,10 @@ class Float64Mode(TorchDispatchMode):
                 args[i] = _up_dtype(a)
         kwargs = {k: (_up_dtype(v) if k in ("dtype", "out_dtype") else v) for k, v in kwargs.items()}
         if name == "_grouped_mm":
-            return _grouped_mm64(*upcast(tuple(args)), **upcast(kwargs))
+            out = _grouped_mm64(*upcast(tuple(args)), **upcast(kwargs))
+            if self.known is not None:
+                self.known.add(_ptr(out))
+            return out
         up_args, up_kwargs = upcast(tuple(args)), upcast(kwargs)
         out = func(*up_args, **up_kwargs)
         if isinstance(out, torch.Tensor) and (out.is_floating_point() or out.is_complex()) \
@@ -136,6 +152,8 @@ class Float64Mode(TorchDispatchMode):
             # fill of it (`load[e] = ...`, an index_add_ into an accumulator) went to the copy and
             # was lost without a word
             out = out.to(_up_dtype(out.dtype))
+        if self.known is not None:
+            self.known.update(p for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and (p := _ptr(t)) > 0)
         if choice and not _clear_choice(func, up_args, up_kwargs, self.working):
             self.discrete.append(_op_name(func))
         return out
@@ -260,26 +278,60 @@ def working_dtype(mod: torch.nn.Module) -> torch.dtype | None:
     return max(ds, key=lambda d: torch.finfo(d).eps) if ds else None
 
 
-def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None) -> tuple[object | None, dict]:
+def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None, names=None) -> tuple[object | None, dict]:
     """(the module's output computed in float64 from float64 copies of args/kwargs, notes) or
     (None, {"why": why not}). args/kwargs should be a `snapshot` taken before the real forward
     ran, buffers its `buffers_before` list (the buffers it wrote start from their values before it);
     notes["discrete"] lists the discrete choices on floating values it made, notes["written"] the
-    float64 values it left in those buffers (_written_values)."""
+    float64 values it left in those buffers (_written_values).
+    names: {storage ptr: path} of the model's buffers and parameters, where the state the call read
+    from outside its inputs and its own subtree is wanted: notes["reads"] the paths of other
+    modules' buffers it read, notes["reads_unnamed"] how many other outside tensors (kept in a
+    shared object or a global: what they hold is not known). Another module's parameter is no note
+    (parameters are compared as records of their own)."""
     protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
     mode = Float64Mode(protected, working_dtype(mod))
     try:
         with _isolated(mod), torch.no_grad():
             swapped = _as_before(buffers)
+            if names is not None:
+                mode.known = _own_storages(mod, (args, kwargs))
             with mode:
                 out = mod(*args, **kwargs)
             written = _written_values(mod, swapped)
     except Exception as e:  # noqa: BLE001 - any failure is a reason, never a crash of the run
         return None, {"why": _why(e)}
     notes = {"discrete": mode.discrete} if mode.discrete else {}
+    if names is not None and mode.foreign:
+        params = names.get("params", {})
+        bufs = sorted({names["buffers"][p] for p in mode.foreign if p in names["buffers"]})
+        unnamed = sum(1 for p in mode.foreign if p not in names["buffers"] and p not in params)
+        if bufs:
+            notes["reads"] = bufs
+        if unnamed:
+            notes["reads_unnamed"] = unnamed
     if written:
         notes["written"] = written  # tensors: taken out by the caller, never kept as a note
     return out, notes
+
+
+def _own_storages(mod: torch.nn.Module, inputs) -> set[int]:
+    """The storages a call of mod reads as its own: its inputs (the snapshot), the parameters,
+    buffers and plain tensor attributes of its subtree (as they are after _as_before)."""
+    got = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+    got += list(mod.parameters()) + list(mod.buffers())
+    for m in mod.modules():
+        got += [v for v in m.__dict__.values() if isinstance(v, torch.Tensor)]
+    return {p for t in got if (p := _ptr(t)) > 0}
+
+
+def state_names(model: torch.nn.Module) -> dict:
+    """{"buffers": {storage ptr: path}, "params": {storage ptr: path}} of a model (module_oracle's
+    names): a buffer read by a module that does not hold it is named by its path in the model."""
+    bufs = {_ptr(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+    params = {_ptr(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    return {"buffers": {p: n for p, n in bufs.items() if p > 0},
+            "params": {p: n for p, n in params.items() if p > 0}}
 
 
 def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=None) -> tuple[dict | None, dict]:

@@ -87,6 +87,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         counts = rec._calls
 
         snaps: dict = {}  # (module, call) -> float64 snapshot of its inputs (oracle modules)
+        # [step, the model's buffers and parameters by storage] (float64.state_names), once a step:
+        # which other module's state a re-executed call read
+        state_names: list = [None, None]
         copies: dict = {}  # the buffers' copies those take, one per unchanged buffer (buffers_before)
         loaded: dict = {}
         # (step, module, short) -> the float64 weight grads held until the real one is
@@ -120,6 +123,35 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         # snapshot of a forward call that ran without a graph
         recomputes = Recomputes()
         no_graph: dict = {}
+        # A module called more than once in a step, in a reentrant activation checkpoint (its forward
+        # ran without a graph): each segment's backward is an inner backward of its own, and each
+        # adds into the weight's .grad - the accumulate hook fired once per segment and the step
+        # recorded `param_grad ... listed twice` (ckpt_twice.py:twice_ok: the reference failed,
+        # the run inconclusive). Such a weight's grad is held and recorded once, as the step's
+        # backward ends (flush_held, queued from a recompute, which runs in that backward).
+        no_grad_calls: set = set()  # (step, module) called with grad off where a backward follows
+        held: dict = {}  # (step, module, short) -> (the parameter, its record function)
+        twice_at = [None]  # the step whose flush is queued, until it runs
+
+        def hold(mname: str, short: str, p, record) -> bool:
+            # counts: this piece's forward calls (Recorder.begin_piece starts them again)
+            if (rec.step, mname) not in no_grad_calls or counts.get((rec.step, "forward", mname), 0) < 2:
+                return False
+            held[(rec.step, mname, short)] = (p, record)
+            if twice_at[0] != rec.step:
+                # no recompute queued the flush (a call under torch.no_grad, no checkpoint): this
+                # hook runs in the step's one backward
+                twice_at[0] = rec.step
+                torch.autograd.Variable._execution_engine.queue_callback(lambda step=rec.step: flush_held(step))
+            return True
+
+        def flush_held(step) -> None:
+            twice_at[0] = None  # a later backward of the step (the next micro-batch's) queues its own
+            for k in [k for k in held if k[0] == step]:
+                p, record = held.pop(k)
+                record(p)
+            for k in [k for k in no_grad_calls if k[0] == step]:
+                no_grad_calls.discard(k)
 
         def pre_hook(mod, args, kwargs):
             if rec.in_oracle:  # an oracle re-execution runs this module's children: no records
@@ -131,6 +163,12 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 # and a capture with it could not be diffed against one without
                 if backward:
                     recomputes.recompute(rec.step, mod, infos[mod][0], _tensors(args, kwargs))
+                    if twice_at[0] != rec.step and any(k[0] == rec.step for k in no_grad_calls):
+                        # here the step's own (outer) backward runs: its end comes after every
+                        # segment's inner backward (reentrant), where the held weight grads are final
+                        twice_at[0] = rec.step
+                        torch.autograd.Variable._execution_engine.queue_callback(
+                            lambda step=rec.step: flush_held(step))
                 return None
             name, style, _, _, cls = infos[mod]
             # = rec.call_index(name), inline (host time per module call)
@@ -139,6 +177,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             counts[ck] = call + 1
             if backward and not torch.is_grad_enabled():
                 recomputes.forward(rec.step, mod, name, call, _tensors(args, kwargs))
+                no_grad_calls.add((rec.step, name))
             stack.append(name)
             if oracle and name in oracle and rec.enabled:
                 from tpdiag.probes.float64 import buffers_before, snapshot
@@ -207,8 +246,12 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 if differ and backward:
                     for short in hooked.get(name, ()):
                         pend.setdefault((rec.step, name, short), [])
+                if state_names[0] != rec.step:
+                    from tpdiag.probes.float64 import state_names as names_of
+
+                    state_names[:] = [rec.step, names_of(model)]
                 record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None, buffers=bufs,
-                              path=walked.paths.get(mod, name), oracle=oracle)
+                              path=walked.paths.get(mod, name), oracle=oracle, names=state_names[1])
                 if own:
                     # once a call: an activation checkpoint's recompute returned above (made again
                     # there, its float64 grads were the same records twice - "grad_in.0.c0@2 listed
@@ -259,7 +302,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     continue
                 hooked.setdefault(mname, []).append(short)
                 handles.append(p.register_post_accumulate_grad_hook(
-                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname), pend, side_pend)))
+                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname), pend, side_pend,
+                                     hold)))
         # record_params inside this block reads the same walk (no module walk per call)
         walks[id(model)] = walked
         from tpdiag.probes.collectives import forget_written
@@ -360,7 +404,9 @@ def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_me
 
 
 def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: dict | None = None,
-                     side_pend: dict | None = None):
+                     side_pend: dict | None = None, hold=None):
+    """hold(mname, short, p, record): True where the grad is held to be recorded once, later (a
+    module called in two reentrant checkpoints: module_probes)."""
     from tpdiag.kernels.grad_carry import carried
 
     def hook(p):
@@ -370,6 +416,11 @@ def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: di
             # vocab-parallel embedding's was recorded here and again at the close); the close
             # runs this hook once with the real grad
             return
+        if hold is not None and hold(mname, short, p, record):
+            return
+        record(p)
+
+    def record(p):
         g = p.grad
         if type(g) is not torch.Tensor and getattr(g, "placements", None) \
                 and any(pl.is_partial() for pl in g.placements):

@@ -153,20 +153,22 @@ def nearer_writer(full: str, module_path: str, oracle) -> bool:
 
 
 def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, style, cls, norms_of=None,
-                  buffers=None, path: str | None = None, oracle=None) -> None:
+                  buffers=None, path: str | None = None, oracle=None, names=None) -> None:
     """Re-execute mod in float64 from its input snapshot; record each floating output (in the
     positions its real outputs have) or, when refused, why (rec.oracle_notes).
     norms_of: the module's real outputs, where only their norms against the re-execution are
     read (inputs_differ): each recorded as ref_norms(y, o) under NAME~norms. buffers: the module's
     buffers before its real forward (probes/float64.buffers_before), where it may have written them.
-    path: the module's path in the model ("" for the root), oracle: the names re-executed."""
+    path: the module's path in the model ("" for the root), oracle: the names re-executed.
+    names: the model's state by storage (probes/float64.state_names): the buffers of other modules
+    the call read are noted (notes["reads"]; diff/written_state.py)."""
     from tpdiag.probes.float64 import module_oracle
 
     rec.in_oracle, was = True, rec.enabled
     rec.enabled = False
     try:
         with timed(rec):
-            out64, notes = module_oracle(mod, *snap, buffers=buffers)
+            out64, notes = module_oracle(mod, *snap, buffers=buffers, names=names)
     finally:
         rec.in_oracle, rec.enabled = False, was
     # the state its forward wrote, as the float64 run left it: judged against the buffer records

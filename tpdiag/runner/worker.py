@@ -229,6 +229,10 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             "fingerprint": fingerprint,
             # float64 re-executions refused (probes/float64.py): record key -> why
             "oracle_notes": rec.oracle_notes,
+            # ... and each re-executed call's notes name the other modules' buffers it read
+            # (notes["reads"]): a call re-executed without such a note read none
+            # (diff/written_state.read_after)
+            "oracle_reads_noted": True,
             # the tied weights the plan split (models/ties.py), read by the diff (diff/analyse.py)
             **({"ties_broken": rec.ties_broken} if rec.ties_broken else {}),
             # step -> buffers a micro-batch wrote before a later one of the step read them

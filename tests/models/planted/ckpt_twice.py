@@ -4,9 +4,12 @@ recompute runs first. Vocab 32, hidden 32; DTensor plans (ColwiseParallel up, Ro
 down), correct at every TP.
 
   twice_ok          one MLP applied twice (a looped / weight-shared block, as ALBERT does), each
-                    application checkpointed: the reference run stops, `param_grad ... listed
-                    twice` (each segment's inner backward accumulates the weight grad: not handled)
+                    application checkpointed: each segment's inner backward accumulates the weight
+                    grad (the run had stopped, `param_grad ... listed twice`; now recorded once,
+                    as the step's backward ends: rounding only)
   twice_plain       the same, no checkpointing (rounding only)
+  twice_scaled      twice_ok whose MLP scales its hidden by BASE / its width (a width multiplier
+                    read from the activation): at TP=2 the width is the rank's shard - a bug
   shared_act_ok     two checkpointed blocks sharing one nn.GELU module (rounding only; its two
                     calls' grads each recorded under their own call: tests/test_ckpt_recompute.py)
   shared_act_plain  the same, no checkpointing
@@ -33,12 +36,18 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class ScaledMLP(MLP):
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        return self.down(h * (HIDDEN / h.shape[-1]))
+
+
 class LoopLM(nn.Module):
-    def __init__(self, ckpt=True):
+    def __init__(self, ckpt=True, mlp=MLP):
         super().__init__()
         self.ckpt = ckpt
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.mlp = MLP()
+        self.mlp = mlp()
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -54,10 +63,10 @@ def _tokens(g):
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
 
-def _planned(ckpt):
+def _planned(ckpt, mlp=MLP):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return tpdiag.Target(model=LoopLM(ckpt), vocab_size=VOCAB, inputs=_tokens,
+    return tpdiag.Target(model=LoopLM(ckpt, mlp), vocab_size=VOCAB, inputs=_tokens,
                          plan={"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
 
 
@@ -67,6 +76,10 @@ def twice_ok():
 
 def twice_plain():
     return _planned(False)
+
+
+def twice_scaled():
+    return _planned(True, ScaledMLP)
 
 
 class Block(nn.Module):

@@ -1,0 +1,53 @@
+"""A hand-written row-parallel layer whose rank partials cancel (tests/models/planted/cancel_handwritten.py):
+the user's own F.linear on its slice of K and its own all-reduce, no plan. In bf16 each rank's partial,
+30x the output, is rounded before the all-reduce. diff/rank_partials gave its floor only to a plan's
+RowwiseParallel Linear: on 170f498 this correct layer read `sharding-bug` (`forward: block.down`, 2.8x
+beyond rounding, gate 4). Its weight, recorded cut on its input dim (the ranks' shards), now gives it
+the same floor (diff/generic_bound._partials); a bias every rank adds beside it (`block.proj`) is
+still the BUG. The backward mirror (cancel_col): a hand-written column-parallel layer whose rows cancel
+makes each rank's share of the input grad 30x the sum, rounded before the all-reduce - on 170f498
+`backward: embed (grad_out 0)` read `sharding-bug`, 2.3x; its consumers' weights cut on their output
+dim now give the grad the same floor (rank_partials.dgrad_partials); a second block whose input grad's
+all-reduce is forgotten (cancel_col_bug) is still the BUG."""
+import pytest
+
+from conftest import compare_planted
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return compare_planted(tmp_path_factory, {c: ("cancel_handwritten", c, ("--tp", "1,2", "--dtype", "bfloat16"))
+                                              for c in ("cancel_hand_bias", "cancel_col", "cancel_col_bug")})
+
+
+def test_a_correct_handwritten_row_parallel_layer_is_rounding_and_a_bias_beside_it_the_bug(runs):
+    from tpdiag.diff.classes import leading_bug
+
+    s, stdout, gate = runs["cancel_hand_bias"]
+    d = s["degrees"]["2"]
+    fd = d["first_divergence"]
+    assert (fd["module"], fd["cause"]) == ("block.down", "row-parallel-reduction"), fd
+    lead = leading_bug(d)
+    assert lead is not None and (lead["module"], lead["cause"]) == ("block.proj", "sharding-bug"), lead
+    causes = {f["key"]: f["cause"] for f in d["findings"] if "key" in f}
+    assert "s0/forward/block.down/out#0/0" not in causes, causes
+    assert gate == 4, stdout
+
+
+def test_a_correct_handwritten_column_parallel_input_grad_with_cancelling_partials_is_rounding(runs):
+    s, stdout, gate = runs["cancel_col"]
+    d = s["degrees"]["2"]
+    assert s["class"] == "rounding" and not d.get("findings"), d.get("findings")
+    fd = d["first_divergence"]
+    assert (fd["key"], fd["cause"]) == ("s0/backward/embed/grad_out#0/0", "column-parallel-dgrad"), fd
+    assert "BUG" not in stdout and gate == 1, stdout
+
+
+def test_a_forgotten_input_grad_all_reduce_after_it_is_still_the_bug(runs):
+    from tpdiag.diff.classes import leading_bug
+
+    s, stdout, gate = runs["cancel_col_bug"]
+    lead = leading_bug(s["degrees"]["2"])
+    assert lead is not None and lead["key"] == "s0/backward/block/grad_out#0/0", lead
+    assert lead["cause"] in ("sharding-bug", "rank-inconsistent-replica"), lead
+    assert gate == 4, stdout
