@@ -8,7 +8,9 @@ bound); their UPDATE is 2x the reference's - and diff.csv has no column for that
 findings deleted from summary.json (or relabelled rounding under the first divergence) passed
 `gate --allow rounding` (exit 0): integrity demanded a finding only for a row beyond its bound or
 inconsistent across ranks. The gate's re-diff now re-derives the factor and demands its finding
-(diff/recheck.check_scaled): inconclusive (exit 2).
+(diff/recheck.check_scaled): inconclusive (exit 2). So did the findings relabelled `unknown` under a
+rounding finding written in on a record within its bound (a root locate never makes:
+records/labels.made_problems).
 """
 import json
 import os
@@ -96,12 +98,40 @@ def _relabel(d):
                  follows=d["first_divergence"]["key"])
 
 
-@pytest.mark.parametrize("edit", [_drop, _relabel], ids=["findings-deleted", "relabelled-rounding"])
+def _fake_root(run):
+    """A rounding finding written in on a record diff.csv has divergent but within its bound (none of
+    locate's), every real finding `unknown` and grouped under it: the roots' class reads rounding."""
+    import csv
+
+    rows = [r for r in csv.DictReader((run / "diff.csv").open()) if r["degree"] == "2"]
+    s = json.loads((run / "summary.json").read_text())
+    d = s["degrees"]["2"]
+    taken = {f["key"] for f in d["findings"]} | {d["first_divergence"]["key"]}
+    r = next(r for r in reversed(rows) if r["bitwise"] == "False" and r["beyond_bound"] != "True"
+             and r["rank_consistent"] != "False" and r["key"] not in taken)
+    for f in d["findings"]:
+        f.update(cause="unknown", follows=r["key"])
+        f.pop("why", None)
+    d["findings"].insert(0, {"phase": r["phase"], "module": r["module"], "op": None, "kind": r["kind"],
+                             "name": r["name"], "step": int(r["step"]), "key": r["key"], "idx": int(r["idx"]),
+                             "cause": d["first_divergence"]["cause"], "max_abs": float(r["max_abs"])})
+    d["class"] = s["class"] = "rounding"
+    (run / "summary.json").write_text(json.dumps(s))
+    return r["key"]
+
+
+@pytest.mark.parametrize("edit", [_drop, _relabel, None], ids=["findings-deleted", "relabelled-rounding",
+                                                              "unknown-under-a-written-in-root"])
 def test_an_update_finding_edited_away_is_inconclusive(run, tmp_path, edit):
-    _edit(run, edit)
+    if edit is None:
+        key = _fake_root(run)
+        words = (key, "not a record tpdiag makes a finding")
+    else:
+        _edit(run, edit)
+        words = (LEAD, "2x the reference's")
     res = evaluate(str(run), _rounding())
     assert res.exit_code == 2 and res.status == "inconclusive", res.lines()
-    assert any(LEAD in p and "2x the reference's" in p for p in res.problems), res.problems
+    assert any(all(w in p for w in words) for p in res.problems), res.problems
     g = run_cli("gate", str(run), "--allow", "rounding", "--format", "json")
     assert g.returncode == 2 and json.loads(g.stdout)["status"] != "pass", g.stdout[-2000:] + g.stderr[-2000:]
     r = run_cli("report", str(run), "-o", str(tmp_path / "r.html"))

@@ -215,6 +215,9 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
 
     if not is_diff_dir(run_dir, manifest):
         res.problems += overrides.problems(run_dir, manifest, summary, run_problems)  # a confirmation, re-derived
+        from tpdiag.diff import oracle_evidence
+
+        res.problems += oracle_evidence.problems(run_dir, summary)  # a float64 verdict's re-execution is on disk
     for lab in policy.degrees or ():
         if lab not in others:
             res.problems.append(f"policy gates TP={lab} but the run compared only TP={', '.join(others) or 'none'}")

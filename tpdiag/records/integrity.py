@@ -344,9 +344,9 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
     out += number_problems(degrees, rows)
-    from tpdiag.records.labels import flip_problems
+    from tpdiag.records.labels import flip_problems, made_problems
 
-    out += flip_problems(degrees, rows)
+    out += flip_problems(degrees, rows) + made_problems(degrees, rows)
     if inside:  # the first pass's rows are the gate's own re-diff; a second pass's are read as written
         out += count_problems(degrees, rows)
     if not is_diff_dir(run_dir, manifest):

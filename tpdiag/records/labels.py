@@ -118,3 +118,30 @@ def unjudged_problems(summary: dict, degrees: dict, rows: list[dict] | None) -> 
                     f"so only the second pass's float64 re-execution judges it, yet summary.json names no second "
                     f"pass and labels it {fd.get('cause')!r} (edited after the run)"]
     return []
+
+
+def made_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
+    """A finding with a rounding label must be a record diff/locate.py makes a finding - beyond its bound,
+    or inconsistent across ranks, in diff.csv (re-derived by the gate) - unless a later pass made it (`from`)
+    or relabelled it (`cause_before`); router-flip is flip_problems'. A rounding finding written in on a
+    record within its bound gave the gate a root to group the real findings under, relabelled `unknown`:
+    a `tpdiag diff` whose loss is a BUG (tests/user_loss_shard.py: entropy_local) passed `gate --allow
+    rounding` so (red team hred13)."""
+    from tpdiag.records.causes import cause_class
+
+    if rows is None:
+        return []
+    by_key = {(str(r.get("degree")), r.get("key")): r for r in rows}
+    for lab, d in degrees.items():
+        if not isinstance(d, dict):
+            continue
+        for f in d.get("findings") or ():
+            if not isinstance(f, dict) or cause_class(f.get("cause")) != "rounding" or f.get("cause") == "router-flip" \
+                    or "cause_before" in f or "from" in f:
+                continue
+            r = by_key.get((lab, f.get("key")))
+            if r is not None and r.get("beyond_bound") is not True and r.get("rank_consistent") is not False:
+                return [f"summary.json's TP={lab} finding {f.get('key')} has cause {f.get('cause')!r}, but diff.csv has "
+                        "that record within its bound and consistent across ranks: not a record tpdiag makes a finding "
+                        "(edited after the run)"]
+    return []
