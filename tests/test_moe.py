@@ -24,7 +24,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("moe")
     return {"flip": _compare(base, "target"),
             "fixed": _compare(base, "target", "--fix", "tp-invariant-linear"),
-            "wide": _compare(base, "target_wide")}
+            "wide": _compare(base, "target_wide"), "dir": base / "target" / "run"}
 
 
 def test_router_flip_points_at_its_root(runs):
@@ -43,6 +43,14 @@ def test_router_flip_points_at_its_root(runs):
     assert 0 < f["margin"] < 1e-6 and e["scores_bitwise"] is False
     # the flip matters: the token ran another expert (far beyond the 1e-7 rounding of the rest)
     assert d["logprobs"]["max_abs"] > 1e-3
+
+
+def test_a_real_flip_passes_the_gate_as_rounding(runs):
+    """The gate checks a router-flip label against diff.csv's expert choices (records/labels.py): the
+    run's own flip, an assignment that differs before it, is accepted (tests/test_tamper_labels.py: one
+    written onto a bug's findings is not)."""
+    p = run_cli("gate", str(runs["dir"]), "--allow", "rounding")
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_no_flip_without_the_reordered_sum(runs):

@@ -126,3 +126,31 @@ def test_a_finding_relabelled_as_rounding_is_inconclusive(run, tmp_path):
     _edit(run, relabel)
     res = evaluate(str(run), policy)
     assert res.exit_code == 2 and "a rounding label" in res.lines()[0], res.lines()
+
+
+def _unknown_under_fd(d):
+    """Every finding `unknown` (not bug-class, so no longer demanded a bug label for its record) and written to
+    follow the rounding first divergence - grouped under it, never judged."""
+    fd = d["first_divergence"]["key"]
+    for f in d["findings"]:
+        f.update(cause="unknown", follows=fd)
+        f.pop("why", None)
+
+
+def test_bugs_relabelled_unknown_under_the_first_divergence_do_not_pass(run, tmp_path):
+    """red team hred13. On 170f498 summary.json edited so (its classes left as they were: the roots' are
+    the rounding first divergence's) passed a policy allowing that cause (exit 0); so did the second pass's
+    ops/summary.json edited the same way beside it. Now summary.json alone is inconclusive (the second pass
+    judged those records bugs: records/labels.pass_label_problems), and with both edited the gate groups
+    no `unknown` under a first divergence that is no finding, so it judges them (gate/verdict._grouped)."""
+    policy = _policy(run, tmp_path)
+    _edit(run, _unknown_under_fd)
+    res = evaluate(str(run), policy)
+    assert res.exit_code == 2 and "the second pass in ops/ judged it" in res.lines()[0], res.lines()
+    sub = json.loads((run / "ops" / "summary.json").read_text())
+    _unknown_under_fd(sub["degrees"]["2"])
+    (run / "ops" / "summary.json").write_text(json.dumps(sub))
+    res = evaluate(str(run), policy)
+    assert res.exit_code == 1 and not res.problems, res.lines()
+    assert {(v.module, v.cause) for v in res.degrees["2"].violations} >= {("norm", "unknown"), ("kv", "unknown")}, \
+        res.lines()

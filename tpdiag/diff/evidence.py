@@ -34,6 +34,9 @@ def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict]) -> l
         from tpdiag.diff import overrides
 
         out += overrides.problems(run_dir, manifest, summary, problems)  # a confirmation, re-derived from its run
+        from tpdiag.diff import oracle_evidence
+
+        out += oracle_evidence.problems(run_dir, summary)  # a float64 verdict's re-execution is on disk
     return out
 
 

@@ -114,6 +114,29 @@ def check_rows(label: str, rows: list[dict], csv_rows: list[dict]) -> str | None
     return None
 
 
+def check_scaled(label: str, entry: dict, rows: list[dict]) -> str | None:
+    """A record one factor times the reference's (diff/scale.py: a whole tensor, or a capture's update
+    of a param) is a finding with a bug label (diff/locate.py), as one beyond its bound is - but diff.csv
+    has no column for the factor, so integrity's check of the findings against diff.csv could not see one
+    deleted: a `tpdiag diff` whose optimizer stepped every param 2x (tests/user_opt_shard.py: lr_world),
+    its findings deleted from summary.json, passed `gate --allow rounding` (red team hred13). The factor
+    is re-derived here with the rows."""
+    from tpdiag.records.causes import cause_class
+
+    found = {f.get("key"): f for f in (entry or {}).get("findings") or () if isinstance(f, dict)}
+    for r in rows:
+        if r.get("scale") is None or r.get("bitwise"):
+            continue
+        f = found.get(r["key"])
+        if f is None:
+            return (f"summary.json's TP={label} findings lack {r['key']}, whose records are {r['scale']:.4g}x the "
+                    "reference's (one factor: a bug) (edited after the run)")
+        if cause_class(f.get("cause")) == "rounding" and "cause_before" not in f and f.get("cause") != "router-flip":
+            return (f"summary.json's TP={label} finding {r['key']} has cause {f.get('cause')!r}, a rounding label "
+                    f"for records {r['scale']:.4g}x the reference's (edited after the run)")
+    return None
+
+
 def check_numbers(label: str, entry: dict, got: dict) -> str | None:
     """The first summary.json number of TP=label that the records do not give, in words."""
     if not isinstance(entry, dict):
@@ -156,7 +179,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             continue
         bad = check_rows(lab, dd.rows, csv_rows.get(lab, []))
         if bad is None and entries is not None:
-            bad = check_numbers(lab, entries.get(lab), got)
+            bad = check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
         if bad:
             problems[lab] = bad
     if base:

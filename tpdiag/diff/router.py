@@ -13,35 +13,11 @@ from __future__ import annotations
 import torch
 
 from tpdiag.diff.judge import describe, settle
+# what an expert choice is: the gate checks a router-flip label against it too (records/labels.py)
+from tpdiag.records.labels import (EXPERTS_NAMES, ROUTER_NAMES, flipped, is_assignment,  # noqa: F401
+                                   is_experts, is_router)
 
-ROUTER_NAMES = ("gate", "router")
-EXPERTS_NAMES = ("experts",)
 MAX_LISTED = 16  # tokens listed per flip; the count is always whole
-
-
-def _last(module: str) -> str:
-    return module.rpartition(".")[2]
-
-
-def is_router(row: dict) -> bool:
-    cls = row.get("cls") or ""
-    return _last(row["module"]) in ROUTER_NAMES or cls.endswith(("Router", "TopkRouter", "Gate"))
-
-
-def is_experts(row: dict) -> bool:
-    cls = row.get("cls") or ""
-    return _last(row["module"]) in EXPERTS_NAMES or cls.endswith("Experts")
-
-
-def is_assignment(row: dict) -> bool:
-    """An expert-assignment record: the router's integer output or the experts' integer input."""
-    if row["phase"] != "forward" or not str(row.get("dtype", "")).startswith(("int", "uint")):
-        return False
-    return (row["kind"] == "out" and is_router(row)) or (row["kind"] == "in" and is_experts(row))
-
-
-def flipped(row: dict) -> bool:
-    return is_assignment(row) and not row["bitwise"]
 
 
 def _block(module: str) -> str:

@@ -125,7 +125,13 @@ def _grouped(f: dict, by_key: dict, fd: dict) -> bool:
     to hide a bug under a rounding difference (or under nothing) is judged as a finding."""
     from tpdiag.records.causes import cause_class
 
-    root = by_key.get(f["follows"]) or (fd if fd.get("key") == f["follows"] else None)
+    # the first divergence alone (not itself a finding) is followed only by a finding a later pass judged
+    # on its own inputs (runner/drill_own.py: cause_before kept) or one the second pass judged (checked against
+    # its summary): locate's own followers name a finding. Written into the rest - or into an `unknown` of the
+    # second pass, both summaries edited - it hid bugs relabelled `unknown` (red team hred13).
+    fd_root = fd.get("key") == f["follows"] and ("cause_before" in f or (
+        f.get("from") == "second pass" and cause_class(f.get("cause")) != "unknown"))
+    root = by_key.get(f["follows"]) or (fd if fd_root else None)
     if root is None or root is f:
         return False
     return cause_class(f.get("cause")) != "bug" or cause_class(root.get("cause")) == "bug"
@@ -209,6 +215,9 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
 
     if not is_diff_dir(run_dir, manifest):
         res.problems += overrides.problems(run_dir, manifest, summary, run_problems)  # a confirmation, re-derived
+        from tpdiag.diff import oracle_evidence
+
+        res.problems += oracle_evidence.problems(run_dir, summary)  # a float64 verdict's re-execution is on disk
     for lab in policy.degrees or ():
         if lab not in others:
             res.problems.append(f"policy gates TP={lab} but the run compared only TP={', '.join(others) or 'none'}")

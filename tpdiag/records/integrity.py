@@ -240,6 +240,9 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
         if any(f.get("cause") == "router-flip" for f in findings) or any(
                 _ANOTHER_STEP in str(fd.get(k) or "") for k in ("op_detail", "values_detail")):
             continue  # drill.py leaves such findings out on purpose
+        from tpdiag.records.labels import pass_label_problems
+
+        out += pass_label_problems(lab, d, sd, name)
         have = {(f.get("phase"), f.get("module"), f.get("kind"), f.get("name")) for f in findings}
         made = {(f.get("phase"), f.get("module"), f.get("kind"), f.get("name")): f
                 for f in sd.get("findings") or () if isinstance(f, dict)}
@@ -341,10 +344,17 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
         lab = next(lab for lab, s in statuses.items() if s == "failed")
         out.append(f"summary.json says {summary.get('status')} but TP={lab} failed")
     out += number_problems(degrees, rows)
+    from tpdiag.records.labels import flip_problems, made_problems
+
+    out += flip_problems(degrees, rows) + made_problems(degrees, rows)
     if inside:  # the first pass's rows are the gate's own re-diff; a second pass's are read as written
         out += count_problems(degrees, rows)
     if not is_diff_dir(run_dir, manifest):
         out += what_ran_problems(manifest, summary)
+        if not inside:
+            from tpdiag.records.labels import unjudged_problems
+
+            out += unjudged_problems(summary, degrees, rows)
         if not inside:
             out += fix_chain_problems(run_dir, manifest, summary)
     if rows is not None:
