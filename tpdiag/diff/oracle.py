@@ -412,6 +412,10 @@ def apply(dd) -> None:
         v = verdict_for(dd, row)
         if v is None:
             continue
+        if row["kind"] == "buffer" and writer_of(dd, row) != row["module"]:
+            # judged by another module's float64 run (the nearest re-executed writer): named, so the
+            # gate can find that evidence (diff/oracle_evidence.py)
+            v = {**v, "module": writer_of(dd, row)}
         row["oracle"] = v
         if v["far"] and v.get("discrete"):
             row["cause_why"] = (f"{describe(v)}: the reference itself is more than {v['margin']:g} roundings from "

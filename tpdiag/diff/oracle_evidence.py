@@ -14,8 +14,11 @@ import os
 
 def _modules(fd: dict) -> set[str]:
     """The modules whose float64 re-execution judges this record: its own, or, for an output grad, its sole
-    consumer's (runner/drill.py picks those), or the caller that computed an input."""
+    consumer's (runner/drill.py picks those), or the caller that computed an input, or for a buffer the
+    writer whose run judged it."""
     mods = {fd.get("module")}
+    if isinstance(fd.get("oracle"), dict):
+        mods.add(fd["oracle"].get("module"))  # a buffer judged by the module that wrote it (diff/oracle.py)
     mods |= {c for c in fd.get("consumers") or () if isinstance(c, str)}
     if isinstance(fd.get("made_in"), str):
         mods.add(fd["made_in"])
