@@ -146,11 +146,10 @@ def grid() -> str:
 def attention() -> str:
     from tpdiag.base.configs import ATTENTIONS
 
-    return (f"attention implementations to compare, the first the reference's: "
-            f"{_bar(tuple(a for a in ATTENTIONS if a != 'flex'))} (auto: the "
+    return (f"attention implementations to compare, the first the reference's: {_bar(ATTENTIONS)} (auto: the "
             "model's own; sdpa-BACKEND: SDPA restricted to one backend; eager alone: every configuration eager, an "
             "hf: model as attn_implementation=\"eager\" loads it; eager beside another is refused, with the reason: "
-            "it gives the layers other inputs - tpdiag rollout --attention compares it, and flex; docs/rl.md)")
+            "it gives the layers other inputs - tpdiag rollout --attention compares it; flex: refused, rollout's only; docs/rl.md)")
 
 
 PADDING = ("padding sides as an axis: refused by compare (its sequences fill --seq-len and decode's prompts "

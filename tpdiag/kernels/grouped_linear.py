@@ -28,6 +28,7 @@ import torch
 
 from tpdiag.kernels import carry_ops, tree_overlap
 from tpdiag.kernels.grad_carry import live
+from tpdiag.kernels.shaped import shaped
 from tpdiag.kernels.tree import TreeAllReduce, gemm_per_group, tree_all_reduce, tree_sum
 from tpdiag.kernels.vocab_ce_triton import triton_path
 
@@ -68,7 +69,7 @@ def _mm(a, b):
         # than the tensor cores save: llama-1b bf16 fix step at TP=2 on 2x H200, +74-88% with
         # bf16x6 vs +33% with this tile. Fixed per call site, so the same bits at every TP.
         out = triton_mm(a.reshape(-1, a.shape[-1]), b, config=_fp32_config(a))
-        return out.reshape(*a.shape[:-1], b.shape[-1])
+        return shaped(out, *a.shape[:-1], b.shape[-1])
     return _rows_mm(a, b)
 
 
@@ -108,7 +109,7 @@ class RowLinearPartial(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.groups = groups
         ctx.site = site  # grad accumulation's carry for w (None: w's grad returned as usual)
-        return _row_partial(x.reshape(-1, x.shape[-1]), w, groups).reshape(*x.shape[:-1], w.shape[0])
+        return shaped(_row_partial(x.reshape(-1, x.shape[-1]), w, groups), *x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, g):
@@ -177,7 +178,7 @@ def row_reduced(ctx, x, w, groups: int, site=None) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     y = tree_overlap.reduce_in_chunks(lambda r0, r1: _row_partial(x2[r0:r1], w, groups), rows,
                                       w.shape[0], x.dtype, x.device)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return shaped(y, *x.shape[:-1], w.shape[0])
 
 
 def _tensor_cores(x, w) -> bool:
@@ -210,7 +211,7 @@ class ColLinear(torch.autograd.Function):
             # blocks' bits at every TP - one launch, no weight copies, no concatenation.
             from tpdiag.kernels.invariant_gemm import triton_mm
 
-            return triton_mm(x.reshape(-1, x.shape[-1]), w.t()).reshape(*x.shape[:-1], w.shape[0])
+            return shaped(triton_mm(x.reshape(-1, x.shape[-1]), w.t()), *x.shape[:-1], w.shape[0])
         if blocked:
             # off the Triton path: fixed N blocks, the same GEMM shape at every TP (CPU BLAS /
             # cuBLAS choose by shape, so equal shapes give equal bits)

@@ -32,7 +32,10 @@ def row_blocked_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a2 = torch.cat([a2, a2.new_zeros(pad, K)])
     a2 = a2.contiguous()
     out = torch.cat([torch.matmul(a2[i:i + ROWS], b) for i in range(0, a2.shape[0], ROWS)])
-    return out[:M].reshape(*lead, b.shape[-1])
+    from tpdiag.kernels.shaped import shaped
+
+    # no view of the temporary (a Function's output the user's model may scale in place: shaped.py)
+    return shaped(out[:M], *lead, b.shape[-1])
 
 
 def reference_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -242,7 +242,9 @@ def tree_reduce_scattered(part: torch.Tensor, out_dtype: torch.dtype | None = No
         mine = tree_sum_stacked_to(recv.view(w, chunk), out_dtype)
     out = alloc.empty(w * chunk, dtype=out_dtype, device=part.device)
     all_gather_flat(out, mine, group)
-    return out[:n].view(part.shape)
+    from tpdiag.kernels.shaped import shaped
+
+    return shaped(out[:n], *part.shape)  # no view of the temporary: kernels/shaped.py
 
 
 class TreeAllReduce(torch.autograd.Function):
