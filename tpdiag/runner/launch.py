@@ -143,7 +143,10 @@ def prewarm(device: str, degrees, dtype: str, model: str = "", cfg=None) -> None
     ctx = _server_context(model)
 
     def run():
-        gemm, first = warm.gemm_spec(cfg) if cfg is not None else (None, False)
+        try:  # bad input (TPDIAG_TREE_GROUPS=x) is the checks' to report, in their one line
+            gemm, first = warm.gemm_spec(cfg) if cfg is not None else (None, False)
+        except Exception:  # noqa: BLE001 - a warm-up is never the run's failure
+            gemm, first = None, False
         _WARM.extend(warm.start(ctx, [dtype, "float32"], gemm=gemm, gemm_first=first))
 
     # a process the fork server starts waits for the server's own imports (torch: seconds): from a
