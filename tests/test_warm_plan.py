@@ -22,7 +22,8 @@ def test_batch_variants_lead_and_fix_gemms_come_last():
     assert kinds[:n] == ["batch"] * n and kinds[n:2 * n] == ["one"] * n and steps[2 * n:] == [("gemm", spec)]
     # every (kernel, dtype, shape) once
     assert len(set(steps[:2 * n])) == 2 * n
-    assert {(s[1], s[2]) for s in steps[:n]} == {(d, i) for d in ("bfloat16", "float32") for i in range(len(warm.SHAPES))}
+    every = {(d, i) for d in ("bfloat16", "float32") for i in range(len(warm.SHAPES))}
+    assert {(s[1], s[2]) for s in steps[:n]} == every
     # with the fix on from the first pass its GEMMs lead instead; without it, none
     assert warm.plan(["bfloat16"], spec, gemm_first=True)[0] == ("gemm", spec)
     assert all(s[0] != "gemm" for s in warm.plan(["bfloat16"]))
@@ -36,7 +37,8 @@ def test_gemm_spec_follows_the_run():
     assert warm.gemm_spec(CompareConfig.of(**{**base, "degrees": (1, 2, 4)}))[0][5:7] == (4, True)
     assert warm.gemm_spec(CompareConfig.of(**base, tree_groups=8))[0][5:7] == (8, False)
     assert warm.gemm_spec(CompareConfig.of(**base, confirm=False)) == (None, False)
-    assert warm.gemm_spec(CompareConfig.of(**base, fixes=("invariant-attention",), fix_mode="explicit")) == (None, False)
+    other = CompareConfig.of(**base, fixes=("invariant-attention",), fix_mode="explicit")
+    assert warm.gemm_spec(other) == (None, False)
     spec, first = warm.gemm_spec(CompareConfig.of(**base, fixes=("tp-invariant-linear",), fix_mode="explicit"))
     assert spec is not None and first is True
     assert warm.gemm_spec(CompareConfig.of(**{**base, "model": "py:x.py:f"})) == (None, False)
