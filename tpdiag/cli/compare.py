@@ -106,7 +106,7 @@ def compare(
         prestart(cfg.model)  # the fork server's imports overlap the checks below
         from tpdiag.runner.launch import prewarm
 
-        prewarm(cfg.device, cfg.degrees, cfg.dtype, cfg.model)  # GPUs: Triton's compiles overlap them too
+        prewarm(cfg.device, cfg.degrees, cfg.dtype, cfg.model, cfg)  # GPUs: Triton's compiles overlap them too
         from tpdiag.runner.compare import default_out, validate
         from tpdiag.runner.session import compare_session
 

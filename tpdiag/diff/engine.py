@@ -160,7 +160,7 @@ def _measure_pair(row: dict, a: torch.Tensor, b: torch.Tensor, values: bool, sca
     row["nonfinite"] = c.nonfinite
     row.update(bitwise=c.bitwise, max_abs=c.max_abs, max_rel=c.max_rel, max_ulp=c.max_ulp,
                mismatch_fraction=c.mismatch_fraction, bound=None, beyond_bound=None)
-    if values:
+    if values and not c.finite:  # finite: compare saw every element of both (no NaN, no Inf)
         _judge_values(row, a, b)
     if scaled and not c.bitwise and not row["nonfinite_mismatch"] and not row.get("nonfinite_side"):
         from tpdiag.diff.scale import coherent_scale

@@ -129,10 +129,11 @@ def _server_context(model: str, start: bool = False):
         _restore_env(saved)
 
 
-def prewarm(device: str, degrees, dtype: str, model: str = "") -> None:
+def prewarm(device: str, degrees, dtype: str, model: str = "", cfg=None) -> None:
     """On GPUs, compile the record-hash kernels' usual variants in the background
     (runner/warm.py) while this process checks the input: a fresh machine's first world
-    otherwise compiles them one after another. Processes left running exit by themselves."""
+    otherwise compiles them one after another. cfg (a CompareConfig): the fix GEMMs its worlds
+    will run are warmed too (warm.gemm_spec). Processes left running exit by themselves."""
     from tpdiag.models.capacity import guess_device
 
     if guess_device(device, degrees) != "cuda" or os.environ.get("TPDIAG_PRESTART", "1") == "0":
@@ -140,11 +141,18 @@ def prewarm(device: str, degrees, dtype: str, model: str = "") -> None:
     from tpdiag.runner import warm
 
     ctx = _server_context(model)
+
+    def run():
+        try:  # bad input (TPDIAG_TREE_GROUPS=x) is the checks' to report, in their one line
+            gemm, first = warm.gemm_spec(cfg) if cfg is not None else (None, False)
+        except Exception:  # noqa: BLE001 - a warm-up is never the run's failure
+            gemm, first = None, False
+        _WARM.extend(warm.start(ctx, [dtype, "float32"], gemm=gemm, gemm_first=first))
+
     # a process the fork server starts waits for the server's own imports (torch: seconds): from a
     # thread, so that those go on overlapping the checks (started inline, they added ~6 s to an
     # H200 compare's checks: 10.7 s -> 16.0-18.8 s)
-    threading.Thread(target=lambda: _WARM.extend(warm.start(ctx, [dtype, "float32"])), daemon=True,
-                     name="tpdiag-prewarm").start()
+    threading.Thread(target=run, daemon=True, name="tpdiag-prewarm").start()
 
 
 _WARM: list = []
