@@ -352,14 +352,14 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
     if not is_diff_dir(run_dir, manifest):
         out += what_ran_problems(manifest, summary)
         if not inside:
-            from tpdiag.records.labels import unjudged_problems
-
-            out += unjudged_problems(summary, degrees, rows)
-        if not inside:
             out += fix_chain_problems(run_dir, manifest, summary)
     if rows is not None:
         out += confirmation_problems(degrees, lambda fix: _confirmation_rows(run_dir, fix))
     out += _second_pass_problems(run_dir, summary, degrees, inside, manifest)
+    if not inside and not is_diff_dir(run_dir, manifest):
+        from tpdiag.records.labels import unjudged_problems
+
+        out += unjudged_problems(summary, degrees, rows)  # after: what names the pass removed says it first
     for lab, st in statuses.items():
         div = [r for r in rows or () if str(r.get("degree")) == lab
                and (r.get("bitwise") is False or r.get("rank_consistent") is False)]
