@@ -119,6 +119,11 @@ def scale_why(c: float, of: str | None = None) -> str:
                 "factor, the residual under a tenth of the difference): a learning rate or step "
                 "computed from another count or shape (the world size, a local shard's shape) - no "
                 "reordering of the grads scales a whole update")
+    if of == "residual":
+        return (f"the part of it that its module's float64 re-execution does not compute (a term of "
+                f"the user's own: a grad hook's weight decay, a loss scale) is {c:.4g}x the "
+                "reference's, the rest within rounding: that term computed another number of times at "
+                "this degree (every rank adding it before the ranks' sum) - no reordering scales it")
     return (f"every element is {c:.4g}x the reference's (one factor, the residual under a tenth of the "
             "difference): a loss or grad divided or multiplied by another count - no reordering scales "
             "a whole tensor")
