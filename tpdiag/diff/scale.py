@@ -127,3 +127,14 @@ def scale_why(c: float, of: str | None = None) -> str:
     return (f"every element is {c:.4g}x the reference's (one factor, the residual under a tenth of the "
             "difference): a loss or grad divided or multiplied by another count - no reordering scales "
             "a whole tensor")
+
+
+def narrowed_why(dtype: str | None) -> str | None:
+    """A record beyond its rounding bound whose every element is a value of a narrower dtype
+    (diff/bits.narrowed_to): precision lost to a cast at this degree, not a reordering."""
+    if dtype is None:
+        return None
+    return (f"every element at this degree is a {dtype} value and the reference's are not: the value "
+            f"was cast to {dtype} here (a collective or a copy in {dtype} where the reference keeps its "
+            "dtype) - precision lost at this degree only, not a reordering; where it is meant, the cast "
+            "is the difference")

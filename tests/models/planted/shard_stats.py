@@ -1,7 +1,7 @@
 """Statistics over a SHARDED dimension, written by hand (helper hbug13b): a user's MLP whose
 column-parallel up projection feeds an RMSNorm over the (sharded) hidden width, a vocab-parallel
-cross-entropy combining the shards' logsumexps, a replicated bias initialised per rank, and a
-row-parallel input grad all-reduced in bf16. Each rank holds the whole weights and uses its slice
+cross-entropy combining the shards' logsumexps, a replicated bias initialised per rank, weight
+decay in a grad hook, and all-reduces in bf16. Each rank holds the whole weights and uses its slice
 (the grads summed over the ranks by a hook). Vocab 32, dim 16, hidden 32, seq 8.
 
   rms_local      the FFN norm's mean square taken over the rank's own columns ("local
@@ -17,9 +17,16 @@ row-parallel input grad all-reduced in bf16. Each rank holds the whole weights a
   bias_rank_seed the replicated bias drawn after `torch.manual_seed(rank)`: the ranks hold other
                  "replicas" from step 0.                                                 BUG
   bias_ok        the same bias drawn from one seed on every rank.                         rounding
+  wd_twice       L2 weight decay (g + wd * p) added in each sharded weight's grad hook BEFORE the
+                 ranks' grads are summed: TP times at TP > 1.                          BUG
+  wd_ok          the decay added after the sum.                                          rounding
+  grad_bf16      f's backward all-reduces the input grad in bfloat16 in a float32 model. BUG
+  out_bf16       the row-parallel all-reduce (its own module, ffn.sum_ranks) in bfloat16 in a
+                 float32 model: precision lost at TP > 1 only.                           BUG
 
     tpdiag compare --model py:tests/models/planted/shard_stats.py:rms_stat_g --tp 1,2
-tests/test_shard_stats.py; docs/causes.md has every case's verdict.
+tests/test_shard_stats.py (wd_*), tests/test_cast_bf16.py (out_bf16); docs/causes.md has every
+case's verdict.
 """
 import torch
 import torch.distributed as dist
@@ -81,6 +88,22 @@ class _CopyBf16(torch.autograd.Function):
         return h.to(g.dtype)
 
 
+class SumRanks(nn.Module):
+    """The row-parallel all-reduce as a module of its own; `bf16`: "in bfloat16, to halve the
+    traffic", in a float32 model."""
+
+    def __init__(self, bf16=False):
+        super().__init__()
+        self.bf16 = bf16
+
+    def forward(self, t):
+        if rank_world()[1] == 1:
+            return t
+        if not self.bf16:
+            return _Reduce.apply(t)
+        return _Reduce.apply(t.to(torch.bfloat16)).to(t.dtype)
+
+
 def reduce(t):
     return _Reduce.apply(t) if rank_world()[1] > 1 else t
 
@@ -119,6 +142,7 @@ class NormedFFN(nn.Module):
     def __init__(self, stats: str, comm_bf16=False, decay=None):
         super().__init__()
         self.comm_bf16 = comm_bf16
+        self.sum_ranks = SumRanks(bf16=comm_bf16 == "forward")
         self.up = nn.Parameter(torch.randn(HIDDEN, DIM) / DIM ** 0.5)
         self.gain = nn.Parameter(1 + 0.1 * torch.randn(HIDDEN))
         self.down = nn.Parameter(torch.randn(DIM, HIDDEN) / HIDDEN ** 0.5)
@@ -129,7 +153,7 @@ class NormedFFN(nn.Module):
     def forward(self, x):
         r, n = rank_world()
         cols = slice(r * HIDDEN // n, (r + 1) * HIDDEN // n)
-        x_in = _CopyBf16.apply(x) if self.comm_bf16 and n > 1 else copy(x)
+        x_in = _CopyBf16.apply(x) if self.comm_bf16 is True and n > 1 else copy(x)
         h = F.gelu(x_in @ self.up[cols].t())
         ss = h.pow(2).sum(-1, keepdim=True)
         if self.stats == "local":  # the mistake: the shard's own mean square
@@ -139,7 +163,7 @@ class NormedFFN(nn.Module):
         else:
             ms = _sum_all(ss) / HIDDEN
         h = h * torch.rsqrt(ms + EPS) * self.gain[cols]
-        return x + reduce(h @ self.down[:, cols].t())
+        return x + self.sum_ranks(h @ self.down[:, cols].t())
 
 
 class StatsLM(nn.Module):
@@ -245,3 +269,7 @@ def wd_twice():
 
 def wd_ok():
     return tpdiag.Target(model=StatsLM(decay="after"), plan={}, vocab_size=VOCAB, inputs=_tokens)
+
+
+def out_bf16():
+    return tpdiag.Target(model=StatsLM(comm_bf16="forward"), plan={}, vocab_size=VOCAB, inputs=_tokens)
