@@ -30,7 +30,6 @@ from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECOD
                                  WHY_MICRO_BATCH, WHY_NOISE, WHY_TP1)
 from tpdiag.records.ops import ATTENTION_OPS, PICK_OPS, SDPA_OPS, is_op_of
 from tpdiag.diff.scale import narrowed_why, scale_why
-
 # the evidence, the verdict and the predicates and reasons the rules below are written in
 from tpdiag.diff.judge_evidence import (Evidence, Rule, Verdict, baseline_cause, judged_far, judged_near,
                                         why_at_op, _attention_op_why, _axis_applies, _caller_why,
