@@ -9,6 +9,11 @@ py:... --tp 1,2`, then `tpdiag gate`.
   The two sides' residuals from their own re-executions are now compared: parallel, one factor
   apart (2x), not one offset -> sharding-bug at `backward: ffn (param_grad up)`, gate 4.
 - wd_ok: the decay added after the sum (once at every degree): rounding only, gate 1.
+- rms_local: an RMSNorm over the column-parallel hidden width from the rank's own columns, before
+  the row-parallel all-reduce written as a module of its own (ffn.sum_ranks). Main at 80a2189 named
+  that module's input `rank-inconsistent-replica`: its copies are the ranks' shares of the sum the
+  module reduces (its output one value on every rank), not replicas; shares that do not add up are
+  a `sharding-bug` (diff/partials.reduced), found down to the norm's op `ffn :: aten::mul`.
 """
 import json
 
@@ -23,7 +28,7 @@ SPEC = "py:tests/models/planted/shard_stats.py:"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for case in ("wd_twice", "wd_ok"):
+    for case in ("wd_twice", "wd_ok", "rms_local"):
         d = tmp_path_factory.mktemp(case) / "r"
         p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
                     "--out", str(d), env={"OMP_NUM_THREADS": "1"})
@@ -50,6 +55,19 @@ def test_weight_decay_added_once_is_rounding_only(runs):
     assert "BUG" not in stdout and gate == 1, (gate, stdout[-1500:])
 
 
+def test_a_norm_over_the_ranks_own_columns_is_a_sharding_bug_at_its_op(runs):
+    from tpdiag.diff.classes import leading_bug
+
+    s, stdout, gate = runs["rms_local"]
+    d = s["degrees"]["2"]
+    lead = leading_bug(d)
+    assert s["class"] == "bug" and gate == 4
+    assert (lead["phase"], lead["module"], lead["cause"]) == ("forward", "ffn", "sharding-bug"), lead
+    assert lead.get("op") == "aten::mul", lead
+    assert "rank-inconsistent-replica" not in stdout, stdout[-2000:]
+    assert all(f["cause"] == "sharding-bug" for f in d["findings"] if f["module"] == "ffn.sum_ranks"), d["findings"]
+
+
 def test_the_residual_rule_leaves_one_offset_to_rounding():
     """Catastrophic cancellation (test_tp_misc's example: each side's row mean rounded its own way,
     one offset per side) moves the residual by "one factor" as well, but the difference is one
@@ -70,3 +88,9 @@ def test_the_residual_rule_leaves_one_offset_to_rounding():
     # the same term at both sides: no finding
     row = {}
     assert not _residual_scaled(row, y_ref, y_ref.clone(), *_residual_norms(y_ref, y_ref, grad, grad, None, None))
+    # two unrelated residuals, one 20x the other (each side's own rounding): nearly parallel by
+    # their lengths alone, so no factor is read from them
+    r = 1e-3 * torch.randn(64, generator=g, dtype=torch.float64)
+    y_ref, y_n = (grad + r).float(), (grad + 0.05 * torch.randn(64, generator=g, dtype=torch.float64) * 1e-3).float()
+    row = {}
+    assert not _residual_scaled(row, y_ref, y_n, *_residual_norms(y_ref, y_n, grad, grad, None, None))

@@ -102,7 +102,9 @@ def _residual_scaled(row: dict, y_ref, y_n, e_ref: float, e_n: float) -> bool:
     c = e_n / e_ref
     d_y = y_n.to(torch.float64) - y_ref.to(torch.float64)
     d = float(torch.linalg.vector_norm(d_y))
-    if abs(c - 1) < MIN_SCALE or not math.isfinite(d) or d == 0:
+    # beyond 8x either way two unrelated residuals (each side's own rounding) look parallel too:
+    # the longer one is nearly their difference
+    if abs(c - 1) < MIN_SCALE or not 1 / MAX_RATIO <= c <= MAX_RATIO or not math.isfinite(d) or d == 0:
         return False
     if abs(d - abs(e_n - e_ref)) > MAX_RESIDUAL * d:  # not parallel: another term, or rounding
         return False
@@ -114,6 +116,7 @@ def _residual_scaled(row: dict, y_ref, y_n, e_ref: float, e_n: float) -> bool:
 
 # a difference whose spread about its mean is under this share of its norm is one offset repeated
 OFFSET_SPREAD = 0.5
+MAX_RATIO = 8.0
 
 
 def apply_own(dd) -> None:

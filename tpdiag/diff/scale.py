@@ -138,3 +138,11 @@ def narrowed_why(dtype: str | None) -> str | None:
             f"was cast to {dtype} here (a collective or a copy in {dtype} where the reference keeps its "
             "dtype) - precision lost at this degree only, not a reordering; where it is meant, the cast "
             "is the difference")
+
+
+def shares_why(module: str) -> str:
+    """A forward input whose ranks' copies differ, of a module whose output is one value on every
+    rank (diff/partials.reduced): each rank's share of the sum the module reduces, not adding up."""
+    return (f"each rank's copy is its share of a sum that {module} reduces itself (its output is one "
+            "value on every rank), and the shares do not add up to the reference's value: computed wrong "
+            "before the reduction, not a replica left unreduced")
