@@ -183,3 +183,28 @@ def _mismatch_stats(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, bool, float
     # NaN vs NaN with different payloads: a mismatch, not an ULP distance
     u = torch.where(both, ulp_distance(a, b), 0)
     return nan_mismatch, inf_pattern, float(finite_d.max()), float(rel.max()), int(u.max()), False
+
+
+# at least this many nonzero elements before a record is read as held in a narrower dtype, and at
+# most this share of the reference's nonzero elements already representable in it
+NARROW_MIN, NARROW_REF_SHARE = 16, 0.5
+
+
+def narrowed_to(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """The narrower dtype ("bfloat16", "float16") every element of b - this side's record, float32
+    or float64 - is a value of while most of the reference a's elements are not: this degree cast
+    the value to that dtype (a collective or an activation kept in bfloat16 where the reference
+    keeps float32). A reordering keeps the record's own precision; a cast loses it, which the
+    rounding bound of the record's dtype reads as a wrong result - this says which one it is."""
+    if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float64) or a.shape != b.shape:
+        return None
+    nz_b, nz_a = b != 0, a != 0
+    if int(nz_b.sum()) < NARROW_MIN or int(nz_a.sum()) < NARROW_MIN:
+        return None
+    for dt, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        if not bool(torch.isfinite(b).all()) or not bool((b.to(dt).to(b.dtype) == b).all()):
+            continue
+        held = (a.to(dt).to(a.dtype) == a) & nz_a
+        if float(held.sum()) <= NARROW_REF_SHARE * float(nz_a.sum()):
+            return name
+    return None

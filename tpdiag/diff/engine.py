@@ -162,6 +162,10 @@ def _measure_pair(row: dict, a: torch.Tensor, b: torch.Tensor, values: bool, sca
                mismatch_fraction=c.mismatch_fraction, bound=None, beyond_bound=None)
     if values and not c.finite:  # finite: compare saw every element of both (no NaN, no Inf)
         _judge_values(row, a, b)
+    if not c.bitwise and not row["nonfinite_mismatch"]:
+        narrow = bits.narrowed_to(a, b)
+        if narrow is not None:
+            row["narrowed"] = narrow
     if scaled and not c.bitwise and not row["nonfinite_mismatch"] and not row.get("nonfinite_side"):
         from tpdiag.diff.scale import coherent_scale
 

@@ -29,7 +29,7 @@ from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layou
 from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN,  # noqa: F401
                                  WHY_MICRO_BATCH, WHY_NOISE, WHY_TP1)
 from tpdiag.records.ops import ATTENTION_OPS, PICK_OPS, SDPA_OPS, is_op_of
-from tpdiag.diff.scale import scale_why
+from tpdiag.diff.scale import narrowed_why, scale_why, shares_why
 # the evidence, the verdict and the predicates and reasons the rules below are written in
 from tpdiag.diff.judge_evidence import (Evidence, Rule, Verdict, baseline_cause, judged_far, judged_near,
                                         why_at_op, _attention_op_why, _axis_applies, _caller_why,
@@ -163,9 +163,12 @@ RULES: list[Rule] = [
     Rule("a replica no recorded step reads",
          lambda ev, b: _row(ev, "rank_consistent") is False and (_row(ev, "replica_read") or {}).get("read") is False,
          lambda ev, b: "unknown", lambda ev, b: _row(ev, "replica_read")["why"]),
+    Rule("shares that do not add up", lambda ev, b: _row(ev, "rank_consistent") is False and bool(_row(ev, "shares_of")),
+         lambda ev, b: "sharding-bug", lambda ev, b: shares_why(_row(ev, "shares_of"))),
     Rule("ranks differ", lambda ev, b: _row(ev, "rank_consistent") is False,
          lambda ev, b: "rank-inconsistent-replica", lambda ev, b: (_row(ev, "replica_read") or {}).get("why")),
-    Rule("beyond its rounding bound", lambda ev, b: bool(_row(ev, "beyond_bound")), lambda ev, b: "sharding-bug"),
+    Rule("beyond its rounding bound", lambda ev, b: bool(_row(ev, "beyond_bound")), lambda ev, b: "sharding-bug",
+         lambda ev, b: narrowed_why(_row(ev, "narrowed"))),
     # no bound needed: one factor times the reference's whole tensor (diff/scale.py)
     Rule("the reference's times one factor", lambda ev, b: _row(ev, "scale") is not None,
          lambda ev, b: "sharding-bug", lambda ev, b: scale_why(_row(ev, "scale"), _row(ev, "scale_of"))),

@@ -233,6 +233,8 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
                  "max_abs": r.get("rank_max_abs", r["max_abs"]) if r.get("rank_consistent") is False
                  else r["max_abs"], "bound": r.get("bound"), "bound_ratio": r.get("bound_ratio")}
             _explain(f, r)
+            if r.get("narrowed"):
+                f["narrowed"] = r["narrowed"]
             f = describe(r, f)
             if r["kind"] == "grad_out" and r.get("consumers"):
                 f["consumers"] = list(r["consumers"])  # whose backward made it: where the user looks

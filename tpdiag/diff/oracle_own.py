@@ -4,6 +4,8 @@ float64 on THIS side's own inputs (diff/own_inputs.py chose the modules; diff/or
 first divergence against the reference's own re-execution)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tpdiag.diff.equal_inputs import params_equal
@@ -57,6 +59,66 @@ def _scaled_instead(row: dict, y_ref, y_n, o_ref, norms=None) -> bool:
     return c is not None
 
 
+def _residual_norms(y_ref, y_n, o_ref, o_n, norms, side_n) -> tuple[float, float] | None:
+    """(||y_ref - o_ref||, ||y_n - o_n||): each side's distance from its own float64 re-execution,
+    from the values or from the norms a world kept instead (probes/oracle_hooks.NORMS: [||o||,
+    ||y - o||, ..]; probes/own_side_norms.py: [||o_n||, ||y_n - o_n||, ..])."""
+    from tpdiag.probes.own_side_norms import E
+
+    def dist(y, o):
+        return float(torch.linalg.vector_norm(y.to(torch.float64) - o.to(torch.float64)))
+
+    if o_ref is not None:
+        e_ref = dist(y_ref, o_ref) if o_ref.shape == y_ref.shape else None
+    elif norms is not None and norms.numel() >= 2:
+        e_ref = float(norms.to(torch.float64).reshape(-1)[1])
+    else:
+        e_ref = None
+    if o_n is not None:
+        e_n = dist(y_n, o_n) if o_n.shape == y_n.shape else None
+    elif side_n is not None and side_n.numel() > E:
+        e_n = float(side_n.to(torch.float64).reshape(-1)[E])
+    else:
+        e_n = None
+    return None if e_ref is None or e_n is None else (e_ref, e_n)
+
+
+def _residual_scaled(row: dict, y_ref, y_n, e_ref: float, e_n: float) -> bool:
+    """A record its module's float64 re-execution does not reproduce even at the reference, nor is
+    one factor times it: the user adds a term of their own that the re-execution does not compute
+    (L2 weight decay in a grad hook: g + wd * p). That term is each side's residual r = y - o from
+    its own re-execution. Computed the same way at every degree it is the same at every degree
+    (the params are equal here) and "near" stands; where this side's residual is one factor c times
+    the reference's, the term was computed another number of times (every rank adding it before
+    the ranks' grads are summed: TP times) - no reordering does that. Known from the norms alone:
+    the records' difference is the residuals' (the re-executions from the two sides' inputs agree
+    to rounding), and ||r_n - r_ref|| = | ||r_n|| - ||r_ref|| | only where they are parallel. A
+    difference that is one offset repeated (a mean's rounding under catastrophic cancellation, each
+    side rounding it its own way: _scaled_instead) is left to the near verdict."""
+    from tpdiag.diff.scale import MAX_RESIDUAL, MIN_SCALE
+
+    if not (e_ref > 0 and math.isfinite(e_ref) and math.isfinite(e_n)) or y_ref.shape != y_n.shape:
+        return False
+    c = e_n / e_ref
+    d_y = y_n.to(torch.float64) - y_ref.to(torch.float64)
+    d = float(torch.linalg.vector_norm(d_y))
+    # beyond 8x either way two unrelated residuals (each side's own rounding) look parallel too:
+    # the longer one is nearly their difference
+    if abs(c - 1) < MIN_SCALE or not 1 / MAX_RATIO <= c <= MAX_RATIO or not math.isfinite(d) or d == 0:
+        return False
+    if abs(d - abs(e_n - e_ref)) > MAX_RESIDUAL * d:  # not parallel: another term, or rounding
+        return False
+    if float(torch.linalg.vector_norm(d_y - d_y.mean())) < OFFSET_SPREAD * d:
+        return False
+    row["scale"], row["scale_of"] = c, "residual"
+    return True
+
+
+# a difference whose spread about its mean is under this share of its norm is one offset repeated
+OFFSET_SPREAD = 0.5
+MAX_RATIO = 8.0
+
+
 def apply_own(dd) -> None:
     """Every divergent record past the first that the reference's own oracle could not judge
     (its inputs differ), judged against the reference module re-run on this side's inputs."""
@@ -106,8 +168,13 @@ def apply_own(dd) -> None:
         discrete = notes_for(dd, row).get("discrete")
         if discrete and no_reference(v):
             mark_no_reference(v, discrete)
-        if not v["far"] and v.get("ref_err", 0.0) > NO_REFERENCE and _scaled_instead(row, y_ref, y_n, o_ref, norms):
-            continue  # no verdict from a value that is no reference
+        if not v["far"] and v.get("ref_err", 0.0) > NO_REFERENCE:
+            if _scaled_instead(row, y_ref, y_n, o_ref, norms):
+                continue  # no verdict from a value that is no reference
+            es = _residual_norms(y_ref, y_n, o_ref, None if o_n is None else first_positions(o_n, y_n, row.get("positions")),
+                                 norms, side_n)
+            if es is not None and _residual_scaled(row, y_ref, y_n, *es):
+                continue  # the user's own term, computed another number of times
         row["oracle"] = v
         if v["far"] and discrete:
             v["discrete"] = list(discrete)

@@ -42,6 +42,14 @@ def reduced(rows: list, tensors: dict, uncompared: list) -> None:
                                           "the module reduces it: its output is one value on every rank)"})
                 tensors.pop(r["key"], None)
                 continue
+        elif r["phase"] == "forward" and r["kind"] == "in" and r.get("rank_consistent") is False:
+            o = outs.get((r["step"], r["module"], r.get("call")))
+            if o is not None and o.get("rank_consistent") is True:
+                # the module makes one value of the ranks' copies (its own all-reduce): they are
+                # shares of a sum, not replicas - shares that do not add up were computed wrong
+                # before it (a norm's statistics over the rank's own columns), no replica left
+                # unreduced (shard_stats.py:rms_local read `rank-inconsistent-replica` here)
+                r["shares_of"] = r["module"]
         keep.append(r)
     rows[:] = keep
 

@@ -119,6 +119,30 @@ def scale_why(c: float, of: str | None = None) -> str:
                 "factor, the residual under a tenth of the difference): a learning rate or step "
                 "computed from another count or shape (the world size, a local shard's shape) - no "
                 "reordering of the grads scales a whole update")
+    if of == "residual":
+        return (f"the part of it that its module's float64 re-execution does not compute (a term of "
+                f"the user's own: a grad hook's weight decay, a loss scale) is {c:.4g}x the "
+                "reference's, the rest within rounding: that term computed another number of times at "
+                "this degree (every rank adding it before the ranks' sum) - no reordering scales it")
     return (f"every element is {c:.4g}x the reference's (one factor, the residual under a tenth of the "
             "difference): a loss or grad divided or multiplied by another count - no reordering scales "
             "a whole tensor")
+
+
+def narrowed_why(dtype: str | None) -> str | None:
+    """A record beyond its rounding bound whose every element is a value of a narrower dtype
+    (diff/bits.narrowed_to): precision lost to a cast at this degree, not a reordering."""
+    if dtype is None:
+        return None
+    return (f"every element at this degree is a {dtype} value and the reference's are not: the value "
+            f"was cast to {dtype} here (a collective or a copy in {dtype} where the reference keeps its "
+            "dtype) - precision lost at this degree only, not a reordering; where it is meant, the cast "
+            "is the difference")
+
+
+def shares_why(module: str) -> str:
+    """A forward input whose ranks' copies differ, of a module whose output is one value on every
+    rank (diff/partials.reduced): each rank's share of the sum the module reduces, not adding up."""
+    return (f"each rank's copy is its share of a sum that {module} reduces itself (its output is one "
+            "value on every rank), and the shares do not add up to the reference's value: computed wrong "
+            "before the reduction, not a replica left unreduced")
