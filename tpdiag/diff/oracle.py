@@ -307,6 +307,24 @@ def _grad_in_oracle(dd, row: dict):
     return got[0][1][0]
 
 
+def _with_other_path(dd, row: dict, o) -> None:
+    """The oracle value of a grad_out record: its consumer's float64 input grad, plus the grad of
+    a residual add's path where the parent's code also read the output (diff/other_paths.py);
+    none where the reference is far from it and nothing recorded explains the rest."""
+    from tpdiag.diff import other_paths
+
+    key, d = other_paths.split(dd, row, o)
+    if key == "":
+        row["oracle_refused"] = other_paths.UNEXPLAINED.format(d)
+        return
+    if key is not None:
+        if not other_paths.path_equal(dd, key):
+            return  # that path's grad differs already: judged past the first divergence (oracle_own)
+        row["other_path"] = key
+        o = other_paths.with_path(dd, key, o, 0)
+    dd.oracle[row["key"]] = o
+
+
 # ops left uncompared whose output differs from, or has no counterpart at, the reference. Not among
 # them: an op each rank ran on its own local values ("each rank computed its own part") - with no
 # collective after it in the window, the ranks' results never met, so a compared op after it
@@ -367,7 +385,7 @@ def apply(dd) -> None:
                 and getattr(dd, "grad_in", None) and row["key"] in dd.tensors:
             o = _grad_in_oracle(dd, row)
             if o is not None:
-                dd.oracle[row["key"]] = o
+                _with_other_path(dd, row, o)
     _note_refusals(dd)
     if not getattr(dd, "oracle", None):
         return
@@ -430,6 +448,11 @@ def apply(dd) -> None:
         what = "float64 re-execution of the " + {"op": "op", "param_grad": "module's backward",
                                                  "grad_out": "consumer's backward",
                                                  "buffer": "forward that wrote it"}.get(row["kind"], "module")
+        if row.get("other_path"):
+            from tpdiag.diff.other_paths import what as path_words
+
+            what += path_words(dd, row["other_path"])
+            v["what"] = "its consumer's backward" + path_words(dd, row["other_path"])
         if row.get("bound") is None:
             row["bound_ratio"] = v["ratio"]
             row["beyond_bound"] = v["far"]
