@@ -64,7 +64,6 @@ def test_a_reference_far_from_an_unexplained_single_consumer_value_is_not_judged
     import torch
 
     from tpdiag.diff import other_paths
-    from tpdiag.diff.oracle import _with_other_path
 
     class DD:
         pass
@@ -79,11 +78,11 @@ def test_a_reference_far_from_an_unexplained_single_consumer_value_is_not_judged
     o = y.to(torch.float64) * 0.5  # the consumer's share only
     dd.tensors = {"k1": (unrelated, unrelated), "k2": (y, y * 3)}
     row = dd.rows[1]
-    _with_other_path(dd, row, o)
+    other_paths.attach(dd, row, o)
     assert "k2" not in dd.oracle and "not judged" in row["oracle_refused"], row
     # the other half recorded before it: explained, and the sum judges it
     dd.tensors["k1"] = (y * 0.5, y * 0.5)
     row.pop("oracle_refused")
-    _with_other_path(dd, row, o)
+    other_paths.attach(dd, row, o)
     assert row["other_path"] == "k1" and torch.equal(dd.oracle["k2"], y.to(torch.float64)), row
     assert other_paths.split(dd, row, y.to(torch.float64)) == (None, 0.0)

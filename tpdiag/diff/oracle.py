@@ -307,24 +307,6 @@ def _grad_in_oracle(dd, row: dict):
     return got[0][1][0]
 
 
-def _with_other_path(dd, row: dict, o) -> None:
-    """The oracle value of a grad_out record: its consumer's float64 input grad, plus the grad of
-    a residual add's path where the parent's code also read the output (diff/other_paths.py);
-    none where the reference is far from it and nothing recorded explains the rest."""
-    from tpdiag.diff import other_paths
-
-    key, d = other_paths.split(dd, row, o)
-    if key == "":
-        row["oracle_refused"] = other_paths.UNEXPLAINED.format(d)
-        return
-    if key is not None:
-        if not other_paths.path_equal(dd, key):
-            return  # that path's grad differs already: judged past the first divergence (oracle_own)
-        row["other_path"] = key
-        o = other_paths.with_path(dd, key, o, 0)
-    dd.oracle[row["key"]] = o
-
-
 # ops left uncompared whose output differs from, or has no counterpart at, the reference. Not among
 # them: an op each rank ran on its own local values ("each rank computed its own part") - with no
 # collective after it in the window, the ranks' results never met, so a compared op after it
@@ -380,12 +362,14 @@ def apply(dd) -> None:
     """Judge every divergent forward output and op whose inputs were equal and which has an
     oracle value. Sets row['oracle'] and, when far, beyond_bound (a bug); when near, leaves the
     rounding cause to the layout or the ops."""
+    from tpdiag.diff import other_paths
+
     for row in dd.rows:
         if row["phase"] == "backward" and row["kind"] == "grad_out" and not row["bitwise"] \
                 and getattr(dd, "grad_in", None) and row["key"] in dd.tensors:
             o = _grad_in_oracle(dd, row)
             if o is not None:
-                _with_other_path(dd, row, o)
+                other_paths.attach(dd, row, o)
     _note_refusals(dd)
     if not getattr(dd, "oracle", None):
         return
@@ -449,10 +433,8 @@ def apply(dd) -> None:
                                                  "grad_out": "consumer's backward",
                                                  "buffer": "forward that wrote it"}.get(row["kind"], "module")
         if row.get("other_path"):
-            from tpdiag.diff.other_paths import what as path_words
-
-            what += path_words(dd, row["other_path"])
-            v["what"] = "its consumer's backward" + path_words(dd, row["other_path"])
+            what += other_paths.what(dd, row["other_path"])
+            v["what"] = "its consumer's backward" + other_paths.what(dd, row["other_path"])
         if row.get("bound") is None:
             row["bound_ratio"] = v["ratio"]
             row["beyond_bound"] = v["far"]

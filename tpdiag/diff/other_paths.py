@@ -64,6 +64,22 @@ def split(dd, row: dict, o: torch.Tensor) -> tuple[str | None, float]:
     return (None, d0) if d0 <= NO_REFERENCE else ("", d0)
 
 
+def attach(dd, row: dict, o: torch.Tensor) -> None:
+    """dd.oracle's value for a grad_out record at the first divergence: its consumer's float64
+    input grad, plus the other path's grad where split() finds one (bitwise equal at both sides:
+    then one exact value for both); none, and the reason, where nothing explains the reference."""
+    key, d = split(dd, row, o)
+    if key == "":
+        row["oracle_refused"] = UNEXPLAINED.format(d)
+        return
+    if key is not None:
+        if not path_equal(dd, key):
+            return  # that path's grad differs already: judged past the first divergence (oracle_own)
+        row["other_path"] = key
+        o = with_path(dd, key, o, 0)
+    dd.oracle[row["key"]] = o
+
+
 def with_path(dd, key: str, o: torch.Tensor, side: int) -> torch.Tensor:
     """o + the other path's grad as side `side` (0: the reference, 1: this side) recorded it."""
     return o.to(torch.float64) + dd.tensors[key][side].to(torch.float64)
