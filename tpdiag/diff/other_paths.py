@@ -11,8 +11,8 @@ scaled by that distance judged nothing - a doubled input grad read "rounding onl
 The add passes its output's grad through unchanged, so the other path's grad is the grad of the
 add's output, which is the grad_out record of the module whose output was added (the block's).
 It is found from the records: among the grad_out records of the same step and shape recorded
-before this one (backward made them first), the one p for which the reference matches o + p far
-better than o alone. o + p (this side's own p past the first divergence) is then the exact value
+before this one (backward made them first; the nearest CANDIDATES), the first p for which the
+reference matches o + p far better than o alone. o + p (this side's own p past the first divergence) is then the exact value
 of the sum for each side, up to one rounding of the add (the floor u ||o||). A reference far
 from o that no such p explains is not judged: never rounding against a value the reference
 itself is far from."""
@@ -26,6 +26,10 @@ NO_REFERENCE = 0.05
 # how much closer o + p must bring the reference than o alone to call p the other path: an
 # unrelated grad added moves it further away; the true path leaves only the rounding (1e-7 in fp32)
 BETTER = 8.0
+
+# how many earlier grad_out records of its shape are tried (a float64 norm of the whole tensor
+# each, for every judged input grad: all of them was quadratic in the depth of the model)
+CANDIDATES = 8
 
 UNEXPLAINED = ("its consumer's float64 backward is no exact value of it: the reference is {:.2e} from it "
                "(relative 2-norm), so the grad also flows outside that module (a residual add in the "
@@ -48,8 +52,9 @@ def split(dd, row: dict, o: torch.Tensor) -> tuple[str | None, float]:
         return None, 0.0
     o64 = o.to(torch.float64)
     d0 = _dist(y_ref, o64)
-    best, d_best = None, d0
-    for r in dd.rows:
+    tried = 0
+    # nearest first: the add's output grad is made just before the consumer's backward runs
+    for r in sorted(dd.rows, key=lambda r: -r["idx"]):
         if (r["kind"] != "grad_out" or r["phase"] != "backward" or r["step"] != row["step"]
                 or r["idx"] >= row["idx"] or r["key"] not in dd.tensors):
             continue
@@ -57,10 +62,11 @@ def split(dd, row: dict, o: torch.Tensor) -> tuple[str | None, float]:
         if tuple(p.shape) != tuple(y_ref.shape) or p.dtype != y_ref.dtype:
             continue
         d = _dist(y_ref, o64 + p.to(torch.float64))
-        if d * BETTER < d_best:
-            best, d_best = r["key"], d
-    if best is not None:
-        return best, d_best
+        if d * BETTER < d0:
+            return r["key"], d
+        tried += 1
+        if tried >= CANDIDATES:
+            break
     return (None, d0) if d0 <= NO_REFERENCE else ("", d0)
 
 
