@@ -362,12 +362,14 @@ def apply(dd) -> None:
     """Judge every divergent forward output and op whose inputs were equal and which has an
     oracle value. Sets row['oracle'] and, when far, beyond_bound (a bug); when near, leaves the
     rounding cause to the layout or the ops."""
+    from tpdiag.diff import other_paths
+
     for row in dd.rows:
         if row["phase"] == "backward" and row["kind"] == "grad_out" and not row["bitwise"] \
                 and getattr(dd, "grad_in", None) and row["key"] in dd.tensors:
             o = _grad_in_oracle(dd, row)
             if o is not None:
-                dd.oracle[row["key"]] = o
+                other_paths.attach(dd, row, o)
     _note_refusals(dd)
     if not getattr(dd, "oracle", None):
         return
@@ -430,6 +432,9 @@ def apply(dd) -> None:
         what = "float64 re-execution of the " + {"op": "op", "param_grad": "module's backward",
                                                  "grad_out": "consumer's backward",
                                                  "buffer": "forward that wrote it"}.get(row["kind"], "module")
+        if row.get("other_path"):
+            what += other_paths.what(dd, row["other_path"])
+            v["what"] = "its consumer's backward" + other_paths.what(dd, row["other_path"])
         if row.get("bound") is None:
             row["bound_ratio"] = v["ratio"]
             row["beyond_bound"] = v["far"]

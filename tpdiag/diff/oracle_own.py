@@ -10,7 +10,7 @@ import torch
 
 from tpdiag.diff.equal_inputs import params_equal
 from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
-from tpdiag.diff import rank_partials
+from tpdiag.diff import other_paths, rank_partials
 from tpdiag.diff.own_side import REFUSED, judge_own_side
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
@@ -142,6 +142,16 @@ def apply_own(dd) -> None:
         norms = side_n = None
         if row["phase"] == "backward" and row["kind"] == "grad_out":
             o_n, o_ref = _own_grad_in(dd, row, dd.grad_in_own), _own_grad_in(dd, row, dd.grad_in)
+            if o_n is not None and o_ref is not None and k in dd.tensors:
+                # a residual add beside its consumer: each side's own grad through it added
+                # (diff/other_paths.py); none explaining the reference's distance: not judged
+                path, d = other_paths.split(dd, row, o_ref)
+                if path == "":
+                    row["oracle_refused"] = other_paths.UNEXPLAINED.format(d)
+                    continue
+                if path is not None:
+                    row["other_path"] = path
+                    o_n, o_ref = other_paths.with_path(dd, path, o_n, 1), other_paths.with_path(dd, path, o_ref, 0)
         elif (row["phase"], row["kind"]) in (("forward", "out"), ("backward", "param_grad")):
             o_n, o_ref = own.get(k), dd.oracle.get(k)
             # the reference's world kept only its re-execution's norms (probes/oracle_hooks.NORMS)
@@ -175,13 +185,15 @@ def apply_own(dd) -> None:
                                  norms, side_n)
             if es is not None and _residual_scaled(row, y_ref, y_n, *es):
                 continue  # the user's own term, computed another number of times
+        if row.get("other_path"):
+            v["what"] = "its consumer's backward" + other_paths.what(dd, row["other_path"])
         row["oracle"] = v
         if v["far"] and discrete:
             v["discrete"] = list(discrete)
             row["oracle_flip"] = True
             continue
         what = "float64 re-execution of the " + {"param_grad": "module's backward", "grad_out": "consumer's backward"}.get(
-            row["kind"], "module") + " from this side's own inputs"
+            row["kind"], "module") + other_paths.what(dd, row.get("other_path")) + " from this side's own inputs"
         if v["far"]:
             row["beyond_bound"] = True
             row["bound_ratio"] = max(row.get("bound_ratio") or 0.0, v["ratio"])
