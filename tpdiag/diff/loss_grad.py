@@ -63,6 +63,9 @@ def judge_logits_grad(dd, world: int) -> None:
                           world)
         if v is None:
             continue
+        # computed here from the recorded logits and labels, no second-pass re-execution: the gate's
+        # evidence check (diff/oracle_evidence.py) looks for none
+        v["from"] = "logits"
         row["oracle"] = v
         row["bound_model"] = "float64 cross-entropy grad from the logits (each side's token weights its own fit)"
         if row.get("bound") is None or v["far"]:

@@ -25,6 +25,13 @@ def _modules(fd: dict) -> set[str]:
     return {m for m in mods if isinstance(m, str)}
 
 
+def _from_logits(fd: dict) -> bool:
+    """The grad of the logits judged against the float64 cross-entropy grad computed from the recorded
+    logits and labels (diff/loss_grad.py): only a backward output grad no module consumed can be."""
+    return (fd["oracle"].get("from") == "logits" and fd.get("phase") == "backward"
+            and fd.get("kind") == "grad_out" and not fd.get("consumers"))
+
+
 def problems(run_dir: str, summary: dict) -> list[str]:
     from tpdiag.errors import Inconclusive
     from tpdiag.records.axes import entries
@@ -37,6 +44,8 @@ def problems(run_dir: str, summary: dict) -> list[str]:
         fd = d.get("first_divergence") if isinstance(d, dict) else None
         if not isinstance(fd, dict) or not isinstance(fd.get("oracle"), dict) or not fd.get("second_pass_dir"):
             continue
+        if _from_logits(fd):
+            continue  # diff/loss_grad.py: the logits' cross-entropy grad, computed from the records
         name = os.path.basename(str(fd["second_pass_dir"]).rstrip("/"))
         if name not in SECOND_PASS_DIRS:
             continue  # records/integrity.py names it
