@@ -333,9 +333,28 @@ def _after_uncompared_op(dd, row: dict) -> bool:
     of row is no exact answer for this side. (An autocast bf16 row-parallel sum: the all-reduce
     rounds the ranks' bf16 partials, and the float32 residual add after it is then 1 bf16 ULP
     from the reference's - 900x an fp32 rounding, called a bug before.)"""
-    _, lo = op_window(dd.rows, dd.rows.index(row))
-    return any(m.get("kind") == "op" and lo < m["idx"] < row["idx"] and str(m.get("why", "")).startswith(_UNEQUAL_OPS)
-               for m in getattr(dd, "uncompared", None) or ())
+    i = dd.rows.index(row)
+    _, lo = op_window(dd.rows, i)
+    hi = next((r["idx"] for r in dd.rows[i + 1:] if r["kind"] != "op"), float("inf"))
+    uncompared = [m for m in getattr(dd, "uncompared", None) or () if m.get("kind") == "op" and lo < m["idx"] < hi]
+    if any(m["idx"] < row["idx"] and str(m.get("why", "")).startswith(_UNEQUAL_OPS) for m in uncompared):
+        return True
+    # A rank's own part that the ranks' values later meet in a collective of this module call (a
+    # shard's own max, shifted away after an all-reduce of the maxes: online softmax) is a per-rank
+    # value of another computation than TP=1's, not a column of TP=1's: an op that consumed it
+    # before that collective holds numbers TP=1 never had, and far from TP=1's float64 value says
+    # nothing - the module's own record judges what the call computed (a correct online softmax over
+    # a column-parallel width read BUG at its `h - m`). With no collective after it, the parts never
+    # meet and the rule above stands (diff/oracle.py: _UNEQUAL_OPS).
+    own = [m["idx"] for m in uncompared if m["idx"] < row["idx"] and str(m.get("why", "")).startswith(_OWN_PART)]
+    if not own:
+        return False
+    ops = uncompared + [r for r in dd.rows if r["kind"] == "op" and lo < r["idx"] < hi]
+    return any(str(c.get("name", "")).startswith(_COLLECTIVES) and c["idx"] > min(own) for c in ops)
+
+
+_OWN_PART = "each rank computed its own part"
+_COLLECTIVES = ("c10d::", "_c10d_functional::")
 
 
 def _note_refusals(dd) -> None:

@@ -1,0 +1,50 @@
+"""A softmax over a column-parallel hidden width written by hand (tests/models/planted/vocab_lookup.py,
+helper hbug13d), run as a user runs it: `tpdiag compare py:... --tp 1,2`, then `tpdiag gate`.
+
+- gate_rescale: online softmax - each rank subtracts its OWN max, then rescales its exp terms by
+  exp(m_r - max) after an all-reduce of the maxes: mathematically the whole width's softmax.
+  Main at 2cd4cc0 read it BUG (`forward: ffn (op aten::sub#0.0)`, 5.5e5x): the op-level rerun
+  judged `h - m_r` against TP=1's float64 `h - max` although m_r (the shard's amax, left uncompared:
+  "each rank computed its own part") is another number per rank that the module's later all-reduce
+  shifts away. Such an op is not judged now (diff/oracle.py: _after_uncompared_op); the module's
+  own float64 verdict reads rounding.
+- gate_local: the rank's own max kept, the ranks' exp-sums summed unscaled: another function, BUG
+  at `forward: ffn`, gate 4 (before and after).
+"""
+import json
+
+import pytest
+
+from conftest import run_cli
+
+SPEC = "py:tests/models/planted/vocab_lookup.py:"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for case in ("gate_rescale", "gate_local"):
+        d = tmp_path_factory.mktemp(case) / "r"
+        p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
+                    "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
+        out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, run_cli("gate", str(d)).returncode)
+    return out
+
+
+def test_an_online_softmax_over_shards_is_rounding_only(runs):
+    s, stdout, gate = runs["gate_rescale"]
+    d = s["degrees"]["2"]
+    assert s["class"] == "rounding", d.get("findings")
+    assert not [f for f in d.get("findings", []) if f.get("cause") == "sharding-bug"], d["findings"]
+    assert d["first_divergence"]["module"] == "ffn" and d["first_divergence"]["oracle"]["far"] is False
+    assert "BUG" not in stdout and gate == 1, (gate, stdout[-1500:])
+
+
+def test_a_softmax_from_each_shards_own_max_is_a_bug(runs):
+    from tpdiag.diff.classes import leading_bug
+
+    s, stdout, gate = runs["gate_local"]
+    lead = leading_bug(s["degrees"]["2"])
+    assert s["class"] == "bug" and lead is not None and gate == 4
+    assert (lead["phase"], lead["module"], lead["cause"]) == ("forward", "ffn", "sharding-bug"), lead
