@@ -8,6 +8,13 @@ helper hbug13d), run as a user runs it: `tpdiag compare py:... --tp 1,2`, then `
   "each rank computed its own part") is another number per rank that the module's later all-reduce
   shifts away. Such an op is not judged now (diff/oracle.py: _after_uncompared_op); the module's
   own float64 verdict reads rounding.
+- gate_rescale_module: the same, the maxes all-reduced by a module of its own (ffn.max_ranks). Main
+  read BUG there too (gate 4): the op `h - m_r` (the collective in the submodule's records, outside
+  the op window) and ffn.max_ranks's input, each rank's own max, read as a wrong replica. That
+  input - the ranks' copies having TP=1's value as their elementwise max, the module's output one
+  value on every rank - is a share of a MAX now (diff/partials.py), left uncompared as a partial sum is.
+- gate_rescale_sign: that module's rescale with its sign flipped - BUG at ffn (the max's shares
+  being uncompared hides no bug).
 - gate_local: the rank's own max kept, the ranks' exp-sums summed unscaled: another function, BUG
   at `forward: ffn`, gate 4 (before and after).
 """
@@ -23,7 +30,7 @@ SPEC = "py:tests/models/planted/vocab_lookup.py:"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for case in ("gate_rescale", "gate_local"):
+    for case in ("gate_rescale", "gate_rescale_module", "gate_local", "gate_rescale_sign"):
         d = tmp_path_factory.mktemp(case) / "r"
         p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
                     "--out", str(d), env={"OMP_NUM_THREADS": "1"})
@@ -32,8 +39,9 @@ def runs(tmp_path_factory):
     return out
 
 
-def test_an_online_softmax_over_shards_is_rounding_only(runs):
-    s, stdout, gate = runs["gate_rescale"]
+@pytest.mark.parametrize("case", ["gate_rescale", "gate_rescale_module"])
+def test_an_online_softmax_over_shards_is_rounding_only(runs, case):
+    s, stdout, gate = runs[case]
     d = s["degrees"]["2"]
     assert s["class"] == "rounding", d.get("findings")
     assert not [f for f in d.get("findings", []) if f.get("cause") == "sharding-bug"], d["findings"]
@@ -41,10 +49,11 @@ def test_an_online_softmax_over_shards_is_rounding_only(runs):
     assert "BUG" not in stdout and gate == 1, (gate, stdout[-1500:])
 
 
-def test_a_softmax_from_each_shards_own_max_is_a_bug(runs):
+@pytest.mark.parametrize("case", ["gate_local", "gate_rescale_sign"])
+def test_a_softmax_from_each_shards_own_max_is_a_bug(runs, case):
     from tpdiag.diff.classes import leading_bug
 
-    s, stdout, gate = runs["gate_local"]
+    s, stdout, gate = runs[case]
     lead = leading_bug(s["degrees"]["2"])
     assert s["class"] == "bug" and lead is not None and gate == 4
     assert (lead["phase"], lead["module"], lead["cause"]) == ("forward", "ffn", "sharding-bug"), lead

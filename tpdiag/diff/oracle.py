@@ -336,21 +336,28 @@ def _after_uncompared_op(dd, row: dict) -> bool:
     i = dd.rows.index(row)
     _, lo = op_window(dd.rows, i)
     hi = next((r["idx"] for r in dd.rows[i + 1:] if r["kind"] != "op"), float("inf"))
-    uncompared = [m for m in getattr(dd, "uncompared", None) or () if m.get("kind") == "op" and lo < m["idx"] < hi]
-    if any(m["idx"] < row["idx"] and str(m.get("why", "")).startswith(_UNEQUAL_OPS) for m in uncompared):
+    uncompared = getattr(dd, "uncompared", None) or ()
+    if any(m.get("kind") == "op" and lo < m["idx"] < row["idx"] and str(m.get("why", "")).startswith(_UNEQUAL_OPS)
+           for m in uncompared):
         return True
-    # A rank's own part that the ranks' values later meet in a collective of this module call (a
-    # shard's own max, shifted away after an all-reduce of the maxes: online softmax) is a per-rank
-    # value of another computation than TP=1's, not a column of TP=1's: an op that consumed it
-    # before that collective holds numbers TP=1 never had, and far from TP=1's float64 value says
-    # nothing - the module's own record judges what the call computed (a correct online softmax over
-    # a column-parallel width read BUG at its `h - m`). With no collective after it, the parts never
-    # meet and the rule above stands (diff/oracle.py: _UNEQUAL_OPS).
-    own = [m["idx"] for m in uncompared if m["idx"] < row["idx"] and str(m.get("why", "")).startswith(_OWN_PART)]
+    # A rank's own part that the ranks' values later meet - in a collective of the module's own
+    # code, or in a submodule that reduces it (its input left uncompared as the ranks' shares: a
+    # shard's own max, all-reduced MAX, then shifted away - an online softmax over a column-parallel
+    # width) - is a per-rank value of another computation than TP=1's, not a column of TP=1's: an
+    # op that consumed it holds numbers TP=1 never had, and far from TP=1's float64 value says
+    # nothing; the module's own record judges what the call computed (a correct online softmax read
+    # BUG at its `h - m`). Where the parts never meet, the rule above stands (_UNEQUAL_OPS).
+    own = [m["idx"] for m in uncompared if m.get("kind") == "op" and lo < m["idx"] < row["idx"]
+           and str(m.get("why", "")).startswith(_OWN_PART)]
     if not own:
         return False
-    ops = uncompared + [r for r in dd.rows if r["kind"] == "op" and lo < r["idx"] < hi]
-    return any(str(c.get("name", "")).startswith(_COLLECTIVES) and c["idx"] > min(own) for c in ops)
+    ops = [m for m in list(uncompared) + dd.rows if m.get("kind") == "op" and min(own) < m["idx"] < hi]
+    if any(str(c.get("name", "")).startswith(_COLLECTIVES) for c in ops):
+        return True
+    end = next((r["idx"] for r in dd.rows[i + 1:] if r["module"] == row["module"] and r["kind"] == "out"
+                and r["step"] == row["step"] and r["phase"] == row["phase"]), float("inf"))
+    return any(m.get("kind") == "in" and min(own) < m["idx"] < end and str(m.get("why", "")).startswith("unreduced partial")
+               for m in uncompared)
 
 
 _OWN_PART = "each rank computed its own part"

@@ -20,6 +20,14 @@ def partial_sum(row: dict, ref: torch.Tensor, copies: list) -> None:
     sum_off = float((total - r).abs().max())
     if off > 0 and sum_off * 1000 <= off:
         row["rank_partial_sum"] = {"sum_max_abs": sum_off, "copy_max_abs": off}
+        return
+    # each rank's share of a max (a shard's own max before the all-reduce MAX of an online softmax):
+    # the elementwise max (or min) over the ranks' copies is the reference's value
+    for how, agg in (("max", torch.amax), ("min", torch.amin)):
+        got = float((agg(torch.stack([c.to(torch.float64) for c in copies]), 0) - r).abs().max())
+        if off > 0 and got * 1000 <= off:
+            row["rank_partial_extreme"] = {"reduce": how, "reduced_max_abs": got, "copy_max_abs": off}
+            return
 
 
 def reduced(rows: list, tensors: dict, uncompared: list) -> None:
@@ -32,13 +40,15 @@ def reduced(rows: list, tensors: dict, uncompared: list) -> None:
             if r["phase"] == "forward" and r["kind"] == "out"}
     keep = []
     for r in rows:
-        if r["phase"] == "forward" and r["kind"] == "in" and r.get("rank_partial_sum") \
-                and r.get("rank_consistent") is False:
+        share = r.get("rank_partial_sum") or r.get("rank_partial_extreme")
+        if r["phase"] == "forward" and r["kind"] == "in" and share and r.get("rank_consistent") is False:
             o = outs.get((r["step"], r["module"], r.get("call")))
             if o is not None and o.get("rank_consistent") is not False:
+                how = share.get("reduce", "sum")
+                what = ("add up to the reference" if how == "sum" else f"have the reference as their elementwise {how}")
                 uncompared.append({**{k: r[k] for k in ("key", "idx", "step", "phase", "module", "kind", "name", "call")
                                       if k in r},
-                                   "why": "unreduced partial sum (the ranks' copies add up to the reference; "
+                                   "why": f"unreduced partial {how} (the ranks' copies {what}; "
                                           "the module reduces it: its output is one value on every rank)"})
                 tensors.pop(r["key"], None)
                 continue

@@ -16,6 +16,8 @@ slice; a grad hook sums the ranks' grads. Vocab 32, dim 16, hidden 32, seq 8.
   gate_ok       the max all-reduced (MAX) first, then the exp-sums summed.              rounding
   gate_rescale  each rank's own max, its exp terms rescaled by exp(m_r - max) before the sum
                 (online softmax): mathematically the whole width's softmax.           rounding
+  gate_rescale_module  the same, the maxes all-reduced by a module of its own.         rounding
+  gate_rescale_sign    that module's rescale written exp(max - m_r): the sign flipped. BUG
 
     tpdiag compare --model py:tests/models/planted/vocab_lookup.py:lookup_wrap --tp 1,2
 tests/test_vocab_lookup.py.
@@ -128,6 +130,13 @@ class VocabParallelEmbedding(nn.Module):
         return reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
+class MaxRanks(nn.Module):
+    """The all-reduce of the shards' maxes as a module of its own."""
+
+    def forward(self, m):
+        return _Max.apply(m) if rank_world()[1] > 1 else m
+
+
 class GatedFFN(nn.Module):
     """up (column-parallel) -> softmax over the hidden width with a temperature -> down."""
 
@@ -138,6 +147,7 @@ class GatedFFN(nn.Module):
         sum_grad(self.up)
         sum_grad(self.down)
         self.gate, self.avg_dgrad = gate, avg_dgrad
+        self.max_ranks = MaxRanks()
 
     def forward(self, x):
         r, n = rank_world()
@@ -149,6 +159,10 @@ class GatedFFN(nn.Module):
         e = torch.exp(h - m)  # "local" keeps the rank's own max: the ranks' sums are unlike terms
         if self.gate == "rescale" and n > 1:  # online-softmax style: each shard's terms moved to the
             e = e * torch.exp(m - _Max.apply(m))  # common max afterwards - the same function
+        if self.gate == "rescale_module":
+            e = e * torch.exp(m - self.max_ranks(m))
+        if self.gate == "rescale_sign":  # the mistake: the shift's sign flipped
+            e = e * torch.exp(self.max_ranks(m) - m)
         p = e / sum_all(e.sum(-1, keepdim=True))
         return x + reduce((p * HIDDEN) @ self.down[:, cols].t())
 
@@ -197,6 +211,14 @@ def gate_local():
 
 def gate_rescale():
     return _target(gate="rescale")
+
+
+def gate_rescale_module():
+    return _target(gate="rescale_module")
+
+
+def gate_rescale_sign():
+    return _target(gate="rescale_sign")
 
 
 def gate_ok():
