@@ -47,6 +47,7 @@ import math
 
 import torch
 
+from tpdiag.diff import partials
 from tpdiag.diff.bits import UNIT_ROUNDOFF
 from tpdiag.diff.equal_inputs import grads_equal, inputs_equal, params_equal  # noqa: F401 (read from here too)
 from tpdiag.records.keys import RecordKey, record_key, sole_consumer
@@ -356,7 +357,8 @@ def _after_uncompared_op(dd, row: dict) -> bool:
         return True
     end = next((r["idx"] for r in dd.rows[i + 1:] if r["module"] == row["module"] and r["kind"] == "out"
                 and r["step"] == row["step"] and r["phase"] == row["phase"]), float("inf"))
-    return any(m.get("kind") == "in" and min(own) < m["idx"] < end and str(m.get("why", "")).startswith("unreduced partial")
+    return any(m.get("kind") == "in" and min(own) < m["idx"] < end
+               and str(m.get("why", "")).startswith(("unreduced partial", partials.COMBINED))
                for m in uncompared)
 
 

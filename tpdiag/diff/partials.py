@@ -36,8 +36,11 @@ def reduced(rows: list, tensors: dict, uncompared: list) -> None:
     all-reduce written as an nn.Module (Megatron's reduce-from-model-parallel region). A partial,
     not a replica never reduced: left uncompared as a DTensor partial is; were it never reduced,
     the module's output would show it. (Read `rank-inconsistent-replica`, a BUG, on correct code.)"""
-    outs = {(r["step"], r["module"], r.get("call")): r for r in rows
-            if r["phase"] == "forward" and r["kind"] == "out"}
+    outs, every_out = {}, {}
+    for r in rows:
+        if r["phase"] == "forward" and r["kind"] == "out":
+            outs[(r["step"], r["module"], r.get("call"))] = r
+            every_out.setdefault((r["step"], r["module"], r.get("call")), []).append(r)
     keep = []
     for r in rows:
         share = r.get("rank_partial_sum") or r.get("rank_partial_extreme")
@@ -54,6 +57,13 @@ def reduced(rows: list, tensors: dict, uncompared: list) -> None:
                 continue
         elif r["phase"] == "forward" and r["kind"] == "in" and r.get("rank_consistent") is False:
             o = outs.get((r["step"], r["module"], r.get("call")))
+            if o is not None and o.get("rank_consistent") is True and _combined(r, every_out[(r["step"], r["module"], r.get("call"))]):
+                uncompared.append({**{k: r[k] for k in ("key", "idx", "step", "phase", "module", "kind", "name", "call")
+                                      if k in r},
+                                   "why": f"{COMBINED} (the module makes one value on every rank of them, "
+                                          "1000x or more closer to the reference's than the ranks' values are)"})
+                tensors.pop(r["key"], None)
+                continue
             if o is not None and o.get("rank_consistent") is True:
                 # the module makes one value of the ranks' copies (its own all-reduce): they are
                 # shares of a sum, not replicas - shares that do not add up were computed wrong
@@ -62,6 +72,23 @@ def reduced(rows: list, tensors: dict, uncompared: list) -> None:
                 r["shares_of"] = r["module"]
         keep.append(r)
     rows[:] = keep
+
+
+COMBINED = "the ranks' own values"
+
+
+def _combined(row: dict, outs: list) -> bool:
+    """The ranks' different values of a module input that the module combines into outputs all of
+    which are at least 1000x closer to the reference than the input's copies (partial_sum's test):
+    each rank's own statistic (a shard's mean and M2, combined by Chan's formula after an
+    all-gather) that make the reference's value, not a replica nor shares computed wrong - those
+    leave the output as far as they are (shard_stats.py:rms_local). (chan_module in
+    tests/models/planted/vocab_lookup.py read BUG at the combining module's input.)"""
+    off = row.get("max_abs")
+    if not off or not outs:
+        return False
+    return all(o.get("max_abs") is not None and o.get("rank_consistent") is not False
+               and o["max_abs"] * 1000 <= off for o in outs)
 
 
 def reduced_after_backward(rows: list, tensors: dict, uncompared: list) -> None:

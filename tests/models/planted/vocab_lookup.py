@@ -13,6 +13,12 @@ slice; a grad hook sums the ranks' grads. Vocab 32, dim 16, hidden 32, seq 8.
                 input grad 1/TP of what it is - a mistake in the BACKWARD alone.         BUG
   gate_local    the softmax over the hidden width subtracts each rank's OWN max and sums the
                 ranks' exp-sums without rescaling them to a common max: another function. BUG
+  chan_ok       a LayerNorm over the column-parallel hidden width from each shard's (mean, M2),
+                combined by Chan's parallel formula after an all-gather: the whole width's
+                statistics.                                                            rounding
+  chan_module   the same, combined by a module of its own (ffn.combine).              rounding
+  chan_within   that module sums the shards' M2s alone (the spread of the shards' means left
+                out of the variance).                                                    BUG
   gate_ok       the max all-reduced (MAX) first, then the exp-sums summed.              rounding
   gate_rescale  each rank's own max, its exp terms rescaled by exp(m_r - max) before the sum
                 (online softmax): mathematically the whole width's softmax.           rounding
@@ -167,11 +173,64 @@ class GatedFFN(nn.Module):
         return x + reduce((p * HIDDEN) @ self.down[:, cols].t())
 
 
+def gather_ranks(t):
+    """[TP, *t.shape]: every rank's t, on every rank (its backward hands each rank its grad)."""
+    if rank_world()[1] == 1:
+        return t.unsqueeze(0)
+    from torch.distributed.nn.functional import all_gather
+
+    return torch.stack(all_gather(t))
+
+
+class CombineMoments(nn.Module):
+    """Chan's parallel combination of the ranks' (mean, M2) over equal-sized shards; `within`: the
+    mistake of summing the M2s alone (the spread between the shards' means left out)."""
+
+    def __init__(self, within=False):
+        super().__init__()
+        self.within = within
+
+    def forward(self, mean, m2):
+        means, m2s = gather_ranks(mean), gather_ranks(m2)
+        mu = means.mean(0)
+        per = HIDDEN // means.shape[0]
+        if self.within:
+            return mu, m2s.sum(0) / HIDDEN
+        return mu, (m2s.sum(0) + per * (means - mu).pow(2).sum(0)) / HIDDEN
+
+
+class ChanFFN(nn.Module):
+    """up (column-parallel) -> LayerNorm over the HIDDEN width from the shards' moments -> gelu ->
+    down (row-parallel). `module`: the moments combined by a module of its own."""
+
+    def __init__(self, module: bool):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(HIDDEN, DIM) / DIM ** 0.5)
+        self.down = nn.Parameter(torch.randn(DIM, HIDDEN) / HIDDEN ** 0.5)
+        sum_grad(self.up)
+        sum_grad(self.down)
+        self.combine = CombineMoments(module == "within") if module else None
+
+    def forward(self, x):
+        r, n = rank_world()
+        cols = slice(r * HIDDEN // n, (r + 1) * HIDDEN // n)
+        h = copy(x) @ self.up[cols].t()
+        mean = h.mean(-1, keepdim=True)
+        d = h - mean  # each shard's deviations from its own mean (Welford/Chan style)
+        m2 = d.pow(2).sum(-1, keepdim=True)
+        if self.combine is not None:
+            mu, var = self.combine(mean, m2)
+        else:
+            mu, var = CombineMoments().forward(mean, m2)
+        h = (d + (mean - mu)) * torch.rsqrt(var + 1e-5)
+        return x + reduce(F.gelu(h) @ self.down[:, cols].t())
+
+
 class LookupLM(nn.Module):
-    def __init__(self, lookup="mask", gate="all", avg_dgrad=False):
+    def __init__(self, lookup="mask", gate="all", avg_dgrad=False, chan=None):
         super().__init__()
         self.embed = VocabParallelEmbedding(lookup)
-        self.ffn = GatedFFN(gate, avg_dgrad)
+        self.ffn = GatedFFN(gate, avg_dgrad) if chan is None else ChanFFN(chan if chan != "inline" else None)
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -219,6 +278,18 @@ def gate_rescale_module():
 
 def gate_rescale_sign():
     return _target(gate="rescale_sign")
+
+
+def chan_ok():
+    return _target(chan="inline")
+
+
+def chan_module():
+    return _target(chan="module")
+
+
+def chan_within():
+    return _target(chan="within")
 
 
 def gate_ok():
