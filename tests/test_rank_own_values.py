@@ -7,7 +7,7 @@ helper hbug13d), run as a user runs it: `tpdiag compare py:... --tp 1,2`, then `
   Main at 2cd4cc0 read it BUG (`forward: ffn (op aten::sub#0.0)`, 5.5e5x): the op-level rerun
   judged `h - m_r` against TP=1's float64 `h - max` although m_r (the shard's amax, left uncompared:
   "each rank computed its own part") is another number per rank that the module's later all-reduce
-  shifts away. Such an op is not judged now (diff/oracle.py: _after_uncompared_op); the module's
+  shifts away. Such an op is not judged now (diff/op_inputs.py: after_uncompared_op); the module's
   own float64 verdict reads rounding.
 - gate_rescale_module: the same, the maxes all-reduced by a module of its own (ffn.max_ranks). Main
   read BUG there too (gate 4): the op `h - m_r` (the collective in the submodule's records, outside
