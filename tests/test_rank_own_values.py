@@ -16,7 +16,10 @@ helper hbug13d), run as a user runs it: `tpdiag compare py:... --tp 1,2`, then `
   value on every rank - is a share of a MAX now (diff/partials.py), left uncompared as a partial sum is.
 - gate_rescale_sign: that module's rescale with its sign flipped - BUG at ffn (the max's shares
   being uncompared hides no bug).
-- chan_module: a LayerNorm over the hidden width from each shard's (mean, M2), combined by Chan's
+- chan_ok: a LayerNorm over the hidden width from each shard's (mean, M2), combined by Chan's
+  formula after an all-gather in ffn's own code: main read BUG at `ffn (op aten::sub#0.0)` (h -
+  mean_r), 2.5e5x, as gate_rescale; rounding now.
+- chan_module: the same LayerNorm over the hidden width from each shard's (mean, M2), combined by Chan's
   formula in a module of its own (ffn.combine) after an all-gather. Main read BUG (gate 4) at
   ffn.combine's input: the ranks' own means, neither replicas nor shares of a sum. The combining
   module's outputs being 1000x or more closer to the reference than those inputs, they are the
@@ -37,7 +40,7 @@ SPEC = "py:tests/models/planted/vocab_lookup.py:"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for case in ("gate_rescale", "gate_rescale_module", "chan_module", "gate_local", "gate_rescale_sign", "chan_within"):
+    for case in ("gate_rescale", "gate_rescale_module", "chan_ok", "chan_module", "gate_local", "gate_rescale_sign", "chan_within"):
         d = tmp_path_factory.mktemp(case) / "r"
         p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
                     "--out", str(d), env={"OMP_NUM_THREADS": "1"})
@@ -46,7 +49,7 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("case", ["gate_rescale", "gate_rescale_module", "chan_module"])
+@pytest.mark.parametrize("case", ["gate_rescale", "gate_rescale_module", "chan_ok", "chan_module"])
 def test_own_values_combined_right_are_rounding_only(runs, case):
     s, stdout, gate = runs[case]
     d = s["degrees"]["2"]
