@@ -47,6 +47,7 @@ import math
 
 import torch
 
+from tpdiag.diff.op_inputs import after_uncompared_op, op_window  # noqa: F401 (op_window read from here)
 from tpdiag.diff.bits import UNIT_ROUNDOFF
 from tpdiag.diff.equal_inputs import grads_equal, inputs_equal, params_equal  # noqa: F401 (read from here too)
 from tpdiag.records.keys import RecordKey, record_key, sole_consumer
@@ -307,37 +308,6 @@ def _grad_in_oracle(dd, row: dict):
     return got[0][1][0]
 
 
-# ops left uncompared whose output differs from, or has no counterpart at, the reference. Not among
-# them: an op each rank ran on its own local values ("each rank computed its own part") - with no
-# collective after it in the window, the ranks' results never met, so a compared op after it
-# that is not TP=1's value within rounding computed another function from the module's equal
-# inputs (a partial rotary on the first columns of a rank's flat projection, bf16: only the
-# module's output was judged, 3% off where 8 bf16 roundings allow 3.1%, so it read `unknown`)
-_UNEQUAL_OPS = ("only at this degree", "collective output before wait_tensor", "unreduced partial sum")
-
-
-def op_window(rows: list[dict], i: int) -> tuple[int, int]:
-    """The ops recorded in the module call whose record (or op) is rows[i] - a module record is
-    written after its ops: the index in rows where they start, and the idx of the record before
-    them (-1: none)."""
-    j = i - 1
-    while j >= 0 and rows[j]["kind"] == "op":
-        j -= 1
-    return j + 1, (rows[j]["idx"] if j >= 0 else -1)
-
-
-def _after_uncompared_op(dd, row: dict) -> bool:
-    """An op of this degree that the reference has no value for (a hand-written all-reduce that
-    TP=1 skips, a rank's unreduced partial sum) ran in the same module call before `row`: its output may be
-    one of row's inputs, so row's inputs are not known to be equal - the reference's float64 value
-    of row is no exact answer for this side. (An autocast bf16 row-parallel sum: the all-reduce
-    rounds the ranks' bf16 partials, and the float32 residual add after it is then 1 bf16 ULP
-    from the reference's - 900x an fp32 rounding, called a bug before.)"""
-    _, lo = op_window(dd.rows, dd.rows.index(row))
-    return any(m.get("kind") == "op" and lo < m["idx"] < row["idx"] and str(m.get("why", "")).startswith(_UNEQUAL_OPS)
-               for m in getattr(dd, "uncompared", None) or ())
-
-
 def _note_refusals(dd) -> None:
     """A divergent forward output or weight grad whose float64 re-execution the reference refused
     (a random draw, an in-place write of state): the reason is evidence for an `unknown` verdict -
@@ -403,7 +373,7 @@ def apply(dd) -> None:
             continue
         # an op's inputs are the ops before it: equal only for the run's first divergent record,
         # and only when no op before it in its module had no reference value to compare
-        if row["kind"] == "op" and (not first or _after_uncompared_op(dd, row)):
+        if row["kind"] == "op" and (not first or after_uncompared_op(dd, row)):
             continue
         if row["kind"] == "out" and not inputs_equal(dd, row):
             continue
