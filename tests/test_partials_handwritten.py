@@ -58,6 +58,10 @@ def test_a_forgotten_input_grad_all_reduce_after_it_is_still_the_bug(runs, case)
 
     s, stdout, gate = runs[case]
     lead = leading_bug(s["degrees"]["2"])
-    assert lead is not None and lead["key"] == "s0/backward/block/grad_out#0/0", lead
+    # block's input grad: each rank's share, which adds up to the reference within bf16's rounding -
+    # read as an unreduced partial grad and left uncompared, as it is in float32; then the first record
+    # it makes wrong, block.up's weight grad (reviewer hreview13: diff/partials.partial_sum in bf16)
+    assert lead is not None and lead["key"] in ("s0/backward/block/grad_out#0/0",
+                                                "s0/backward/block.up/param_grad#0/weight"), lead
     assert lead["cause"] in ("sharding-bug", "rank-inconsistent-replica"), lead
     assert gate == 4, stdout
