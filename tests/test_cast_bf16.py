@@ -50,3 +50,35 @@ def test_narrowed_to_needs_every_element_of_this_side_and_not_the_references():
     c = a.to(torch.bfloat16).float()
     c[3] = a[3]
     assert narrowed_to(a, c) is None
+
+
+def test_narrowed_to_reads_no_whole_record_when_its_leading_elements_rule_a_cast_out():
+    """Every divergent record is asked (diff/engine._measure_pair); a float32 reordering's values are of
+    no narrower dtype, which its first elements already show. Reviewer hreview13: on c8df0f6 each such
+    record took a dozen whole-tensor passes here (`b != 0`, `a != 0`, isfinite, two round trips through
+    bfloat16 and float16) - half again compare()'s own cost on a 4M-element record. Counted with a
+    dispatch mode: no op may touch more elements than the probe."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from tpdiag.diff.bits import NARROW_PROBE, narrowed_to
+
+    class Widest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten((args, kwargs or {}, out))[0]:
+                if isinstance(t, torch.Tensor) and func is not torch.ops.aten.view.default \
+                        and func is not torch.ops.aten.slice.Tensor:
+                    self.most = max(self.most, t.numel())
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1 << 16, generator=g)
+    b = a * (1 + 2 ** -20)
+    with Widest() as w:
+        assert narrowed_to(a, b) is None
+    assert w.most <= NARROW_PROBE, w.most
+    # a cast is still found: the probe only rules out
+    assert narrowed_to(a, a.to(torch.bfloat16).float()) == "bfloat16"

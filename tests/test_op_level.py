@@ -269,3 +269,25 @@ def test_an_in_place_collective_is_recorded_after_it_completed():
     assert got["out"] == want, got
     recs = {k: v for k, v in got.items() if k != "out"}
     assert recs and all(v == want for v in recs.values()), got
+
+
+def test_an_allocation_of_a_strided_buffer_is_no_op_record():
+    """autograd's AccumulateGrad clones a grad it cannot steal into `new_empty_strided` + `copy_`
+    (torch's clone_obey_contract), and it cannot steal one whose refcount a probe's queued record
+    still holds - a race, per rank: a correct model's op-granularity run (ckpt_twice.py:shared_act_ok,
+    `compare --granularity op`) recorded `backward/op#0/aten::new_empty_strided` on one rank only and
+    failed "ranks recorded different event streams" about one run in three (reviewer hreview13; on
+    170f498 as on c8df0f6). An allocation computes no number (its bytes are uninitialised): no record,
+    as `empty` and `new_empty` already were not."""
+    from tpdiag.probes.op_probe import OpProbe
+    from tpdiag.probes.recorder import Recorder
+
+    rec = Recorder(mode="full")
+    rec.phase = "backward"
+    x = torch.randn(4, 8)
+    with OpProbe(rec):
+        a = x.new_empty_strided((4, 8), (1, 4))
+        a.copy_(x)
+        b = torch.empty_strided((4, 8), (8, 1))
+        b.copy_(x * 2.0)
+    assert [m["name"] for m, _ in rec.records] == ["aten::mul#0.0"], [m["name"] for m, _ in rec.records]

@@ -28,10 +28,11 @@ SPEC = "py:tests/models/planted/shard_stats.py:"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for case in ("wd_twice", "wd_ok", "rms_local"):
+    for case in ("wd_twice", "wd_ok", "rms_local", "wd_ok-bf16", "rms_local-bf16"):
         d = tmp_path_factory.mktemp(case) / "r"
-        p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
-                    "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        more = ("--dtype", "bfloat16") if case.endswith("-bf16") else ()
+        p = run_cli("compare", "--model", SPEC + case.removesuffix("-bf16"), "--tp", "1,2", "--no-baseline",
+                    "--no-confirm", *more, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
         out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, run_cli("gate", str(d)).returncode)
     return out
@@ -49,8 +50,13 @@ def test_weight_decay_added_on_every_rank_before_the_sum_is_a_bug(runs):
     assert gate == 4
 
 
-def test_weight_decay_added_once_is_rounding_only(runs):
-    s, stdout, gate = runs["wd_ok"]
+@pytest.mark.parametrize("case", ["wd_ok", "wd_ok-bf16"])
+def test_weight_decay_added_once_is_rounding_only(runs, case):
+    """wd_ok-bf16 (reviewer hreview13): on c8df0f6 (and 170f498) `ffn.sum_ranks`' input - each rank's
+    bf16 share of the sum of squares its module all-reduces - read `sharding-bug` ("shares that do not
+    add up"): the shares add up to the reference within bf16's own rounding, not within 1/1000 of a
+    copy's distance (diff/partials.partial_sum)."""
+    s, stdout, gate = runs[case]
     assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), s["degrees"]["2"].get("findings")
     assert "BUG" not in stdout and gate == 1, (gate, stdout[-1500:])
 
@@ -62,6 +68,9 @@ def test_a_norm_over_the_ranks_own_columns_is_a_sharding_bug_at_its_op(runs):
     d = s["degrees"]["2"]
     lead = leading_bug(d)
     assert s["class"] == "bug" and gate == 4
+    # in bf16 too: its shares are wrong by far more than bf16's rounding
+    sb = runs["rms_local-bf16"][0]
+    assert sb["class"] == "bug" and runs["rms_local-bf16"][2] == 4, sb["degrees"]["2"].get("first_divergence")
     assert (lead["phase"], lead["module"], lead["cause"]) == ("forward", "ffn", "sharding-bug"), lead
     assert lead.get("op") == "aten::mul", lead
     assert "rank-inconsistent-replica" not in stdout, stdout[-2000:]

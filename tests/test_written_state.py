@@ -326,3 +326,42 @@ def test_the_float64_reexecution_notes_the_state_a_call_reads_from_outside():
     assert got["reader"][1] == {"reads": ["scale.amax"]}, got["reader"][1]
     assert got["own"][1] == {}, got["own"][1]
     assert got["glob"][1] == {"reads_unnamed": 1}, got["glob"][1]
+
+
+def test_a_tensor_attribute_that_is_another_modules_buffer_is_a_read_of_that_buffer():
+    """A module that keeps another module's buffer as a plain attribute (`self.amax = observer.amax`:
+    nn.Module stores a tensor that is no parameter or buffer of its own in its __dict__) reads that
+    buffer. Reviewer hreview13: on c8df0f6 every tensor attribute of the call's subtree counted as its
+    own state, so the read went unnoted - diff/written_state then judged the reader on inputs its
+    records do not hold (the buffer, written earlier in the step and differing), where a read is to
+    be refused. A tensor attribute of its own stays no note."""
+    import torch
+    from torch import nn
+
+    from tpdiag.probes.float64 import module_oracle, snapshot, state_names
+
+    class Observer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("amax", torch.ones(()))
+
+    class Quant(nn.Module):
+        def __init__(self, observer):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.amax = observer.amax  # the observer's buffer itself, held as a plain attribute
+            self.offset = torch.arange(4.0)  # a tensor attribute of its own
+
+        def forward(self, x):
+            return self.lin(x) / self.amax + self.offset
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.observer = Observer()
+            self.quant = Quant(self.observer)
+
+    r, x = Root(), torch.randn(3, 4)
+    out, notes = module_oracle(r.quant, *snapshot(((x,), {})), names=state_names(r))
+    assert out is not None, notes
+    assert notes == {"reads": ["observer.amax"]}, notes

@@ -6,14 +6,15 @@ same two with its own per-degree bookkeeping (gate/evidence.py)."""
 from __future__ import annotations
 
 
-def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict]) -> list[str]:
-    """Every disagreement, in words (empty: the run is what its files say). rows: diff.csv's, typed."""
+def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict], rerun: bool = False) -> list[str]:
+    """Every disagreement, in words (empty: the run is what its files say). rows: diff.csv's, typed.
+    rerun: run_dir is a confirmation's rerun (confirm/FIX/, diff/overrides.py), which runs no second pass."""
     from tpdiag.diff.recheck import verify
     from tpdiag.records import integrity
     from tpdiag.records.axes import entries
     from tpdiag.records.rundir import records_dir
 
-    out = integrity.problems(run_dir, manifest, summary, rows)
+    out = integrity.problems(run_dir, manifest, summary, rows, rerun=rerun)
     from tpdiag.diff.classes import class_problems
 
     out += class_problems(summary)

@@ -48,7 +48,7 @@ def _confirmation(run_dir: str, lab: str, entry: dict, seen: dict, check, manife
 
             why = pass_identity_problem(manifest, m, os.path.relpath(d, run_dir),
                                         tuple(os.path.basename(d).split("+")), here=d)
-            bad = [why] if why else check(d, m, s, rows)
+            bad = [why] if why else check(d, m, s, rows, rerun=True)
             if not bad and m.get("status") is None:
                 bad = ["manifest.json has no final status (the rerun never finished)"]
             seen[d] = (bad[0] if bad else None, s, rows)

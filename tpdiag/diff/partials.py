@@ -16,9 +16,17 @@ def partial_sum(row: dict, ref: torch.Tensor, copies: list) -> None:
         return
     r = ref.to(torch.float64)
     off = max(float((c.to(torch.float64) - r).abs().max()) for c in copies)
-    total = torch.stack([c.to(torch.float64) for c in copies]).sum(0)
-    sum_off = float((total - r).abs().max())
-    if off > 0 and sum_off * 1000 <= off:
+    c64 = torch.stack([c.to(torch.float64) for c in copies])
+    total = c64.sum(0)
+    err = (total - r).abs()
+    sum_off = float(err.max())
+    # or, element by element, within the rounding of the shares and of the reference in their own
+    # dtype: in bfloat16 each share is rounded at its own magnitude (2^-9 of it), so the shares of a
+    # correct sum add up only to ~1/256 of a copy's distance - under the 1000x above. A correct
+    # bf16 norm whose statistics a module of the user's own all-reduces (shard_stats.py:wd_ok,
+    # rms_ok) read `sharding-bug` (reviewer hreview13)
+    tol = PARTIAL_ROUNDINGS * torch.finfo(ref.dtype).eps * (c64.abs().sum(0) + r.abs())
+    if off > 0 and (sum_off * 1000 <= off or (off > float(tol.max()) and bool((err <= tol).all()))):
         row["rank_partial_sum"] = {"sum_max_abs": sum_off, "copy_max_abs": off}
         return
     # each rank's share of a max (a shard's own max before the all-reduce MAX of an online softmax):
@@ -28,6 +36,11 @@ def partial_sum(row: dict, ref: torch.Tensor, copies: list) -> None:
         if off > 0 and got * 1000 <= off:
             row["rank_partial_extreme"] = {"reduce": how, "reduced_max_abs": got, "copy_max_abs": off}
             return
+
+
+# the roundings (in eps of the record's dtype, times the magnitudes summed) the ranks' shares may
+# miss the reference by and still be read as its partial sums
+PARTIAL_ROUNDINGS = 4
 
 
 def reduced(rows: list, tensors: dict, uncompared: list) -> None:

@@ -291,11 +291,14 @@ def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None, names=None) 
     (parameters are compared as records of their own)."""
     protected = {_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
     mode = Float64Mode(protected, working_dtype(mod))
+    mine = {_ptr(b) for b in mod.buffers()}  # before _as_before swaps them for their copies
     try:
         with _isolated(mod), torch.no_grad():
             swapped = _as_before(buffers)
             if names is not None:
-                mode.known = _own_storages(mod, (args, kwargs))
+                # a tensor attribute that is another module's buffer (`self.amax = observer.amax`) is
+                # that buffer, read: never the call's own state
+                mode.known = _own_storages(mod, (args, kwargs)) - (set(names["buffers"]) - mine)
             with mode:
                 out = mod(*args, **kwargs)
             written = _written_values(mod, swapped)

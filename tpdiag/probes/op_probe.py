@@ -21,6 +21,9 @@ _SKIP = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice",
          "detach", "alias", "split", "split_with_sizes", "unsqueeze", "squeeze", "as_strided",
          "unbind", "chunk", "clone", "_to_copy", "empty_like", "zeros_like", "ones_like",
          "empty", "zeros", "ones", "full", "fill_", "lift_fresh", "arange", "new_empty",
+         # allocations (autograd clones a grad it cannot steal through new_empty_strided + copy_:
+         # whether it can depends on who still holds the grad - per rank, per run)
+         "empty_strided", "new_empty_strided",
          "new_zeros", "copy_", "is_same_size", "_has_compatible_shallow_copy_type", "view_as",
          "contiguous", "zero_", "resize_", "set_", "_local_scalar_dense"}
 # ...except a pick of the model's own tensor (a RoPE table's rows, a parameter's columns taken in

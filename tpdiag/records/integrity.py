@@ -305,10 +305,12 @@ def _confirmation_rows(run_dir: str, fix: str):
         return None
 
 
-def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, inside: bool = False) -> list[str]:
+def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, inside: bool = False,
+             rerun: bool = False) -> list[str]:
     """Every disagreement between manifest.json, summary.json, diff.csv's rows (when given) and the
-    per-rank evidence, in words. inside: run_dir is a second pass's folder of a run."""
-    out = _problems(run_dir, manifest, summary, rows, inside)
+    per-rank evidence, in words. inside: run_dir is a second pass's folder of a run; rerun: a
+    confirmation's rerun (confirm/FIX/), which runs no second pass of its own."""
+    out = _problems(run_dir, manifest, summary, rows, inside, rerun)
     # compare gives the manifest the summary's status as its last write (runner/session.py): the two
     # are one verdict told twice, and a reader of either must not find another (said last: the
     # evidence behind either verdict comes first)
@@ -319,7 +321,7 @@ def problems(run_dir: str, manifest, summary, rows: list[dict] | None = None, in
     return out
 
 
-def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: bool) -> list[str]:
+def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: bool, rerun: bool = False) -> list[str]:
     out: list[str] = []
     if not isinstance(manifest, dict):
         return [f"{run_dir}/manifest.json: not a JSON object"]
@@ -356,7 +358,10 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
     if rows is not None:
         out += confirmation_problems(degrees, lambda fix: _confirmation_rows(run_dir, fix))
     out += _second_pass_problems(run_dir, summary, degrees, inside, manifest)
-    if not inside and not is_diff_dir(run_dir, manifest):
+    # a confirmation's rerun runs no second pass (runner/confirm.py): its first divergence at a micro-batch
+    # or decode configuration is named rounding by its equal inputs alone (judge.py's axis rule), with no
+    # bound - a correct MoE at --micro-batch 2,1 read "edited after the run" there, gate exit 2
+    if not inside and not rerun and not is_diff_dir(run_dir, manifest):
         from tpdiag.records.labels import unjudged_problems
 
         out += unjudged_problems(summary, degrees, rows)  # after: what names the pass removed says it first

@@ -126,8 +126,14 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                       if hashed and cfg.judge_downstream else ())
     if hashed:
         suspects = {m for lab, _ in targets for m in every[lab].get("suspects", [])}
+        # an output grad's every consumer (the oracle re-executes the outer one only): their weights
+        # and output grads, whole, are what its rank-partials floor is formed from
+        # (diff/rank_partials.dgrad_partials) - without them a correct bf16 column-parallel layer
+        # whose partials cancel read `sharding-bug` here, rounding in a full capture
+        consumers = {c for fd in fds if fd.get("kind") == "grad_out" for c in fd.get("consumers") or ()
+                     if isinstance(c, str)}
         modules = sorted({m for fd in fds for m in (_record_module(fd), fd["module"])} | suspects
-                         | set(oracle) | set(own_hash))
+                         | set(oracle) | set(own_hash) | consumers)
     if on_status:
         on_status("values" if hashed else "ops" if ops else "float64", ", ".join(modules or scopes or oracle))
     out = RunDir(run_dir).second_pass(hashed)
