@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from tpdiag.records.keys import record_key
+
 
 def partials_norm(x: torch.Tensor, w: torch.Tensor, world: int) -> float | None:
     """sqrt(sum_r ||x_r W_r^T||^2) over the T = world chunks of the input dim (DTensor's Shard
@@ -92,7 +94,7 @@ def dgrad_partials(dd, row: dict) -> float:
     total = 0.0
     for m in cons:
         w = _cut_weight(dd, row["step"], m)
-        g = dd.tensors.get(f"s{row['step']}/backward/{m}/grad_out#0/0")
+        g = dd.tensors.get(record_key(row["step"], "backward", m, "grad_out", 0, "0"))
         if w is None or g is None or world < 2:
             continue
         wn, gn = w[1], g[1]
