@@ -38,6 +38,11 @@ ATTENTIONS = ("auto", "eager", "sdpa", "sdpa-math", "sdpa-flash", "sdpa-efficien
 PADDINGS = ("auto", "left", "right", "packed", "static", "compiled")
 # the paddings that decode through generate()'s StaticCache
 STATIC_PADDINGS = ("static", "compiled")
+
+
+def any_static(paddings) -> bool:
+    """Whether any of these paddings decodes through generate()'s StaticCache."""
+    return any(p in STATIC_PADDINGS for p in paddings)
 TP, MICRO_BATCH, MODE, FIX, FLAG, ATTENTION, PADDING = (
     "tp", "micro_batch", "mode", "fix", "flags", "attention", "padding")
 AXES = (TP, MICRO_BATCH, MODE, FIX, FLAG, ATTENTION, PADDING)

@@ -8,7 +8,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from tpdiag.base.configs import STATIC_PADDINGS
+from tpdiag.base.configs import any_static
 from tpdiag.errors import BadInput
 from tpdiag.rollout.compute import MODES, Config
 from tpdiag.rollout.recompute import _compute, _lead, _one_thread, _worlds
@@ -80,7 +80,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
         rollout_sampling.check(seqs, rc.sampling)
     if rc.max_cache_len < 0:
         raise BadInput(f"--max-cache-len {rc.max_cache_len}: must be >= 1 (0: generate()'s, from the sequences)")
-    if rc.max_cache_len and not set(STATIC_PADDINGS) & set(rc.padding):
+    if rc.max_cache_len and not any_static(rc.padding):
         raise BadInput(f"--max-cache-len {rc.max_cache_len}: the length of --padding static's KV cache; add "
                        "static to --padding (e.g. --padding auto,static)")
     from dataclasses import replace
@@ -334,7 +334,7 @@ def _closest_words(rc, results, closest: list, reproduced: bool) -> str:
             "another dtype, other weights or model code, or flags outside the ones tried"
             + (" - or a static KV cache (generate(cache_implementation=\"static\"), TRL's "
                "cache_implementation: --padding auto,static tries it)"
-               if "decode" in rc.modes and not set(STATIC_PADDINGS) & set(rc.padding) else ""))
+               if "decode" in rc.modes and not any_static(rc.padding) else ""))
 
 
 def _sdpa_words(results: dict) -> str:

@@ -6,12 +6,8 @@ where one of them ran to max_new_tokens; every generate() call of a rollout is g
 max_new_tokens, so one sequence anywhere in the file that ran out names it for all."""
 from __future__ import annotations
 
-from tpdiag.base.configs import STATIC_PADDINGS
+from tpdiag.base.configs import any_static
 from tpdiag.errors import BadInput
-
-
-def _static(rc) -> bool:
-    return bool(set(STATIC_PADDINGS) & set(rc.padding))
 
 
 def resolve(rc, seqs) -> int:
@@ -20,7 +16,7 @@ def resolve(rc, seqs) -> int:
     configuration asks for it."""
     if rc.max_new_tokens < 0:
         raise BadInput(f"--max-new-tokens {rc.max_new_tokens}: must be >= 1 (0: from the rollout's sequences)")
-    if not _static(rc) or "decode" not in rc.modes:
+    if not any_static(rc.padding) or "decode" not in rc.modes:
         if rc.max_new_tokens:
             raise BadInput(f"--max-new-tokens {rc.max_new_tokens}: it sets --padding static's KV cache length "
                            "(generate()'s max_length - 1); add static to --padding and decode to --mode "
@@ -40,7 +36,7 @@ def resolve(rc, seqs) -> int:
 def note(rc, seqs, model) -> list[str]:
     """Where every sequence ends at the model's EOS and the user named no max_new_tokens, the file
     does not say how long generate()'s static cache was: the length taken is the least it can be."""
-    if not _static(rc) or "decode" not in rc.modes or rc.max_cache_len or rc.max_new_tokens \
+    if not any_static(rc.padding) or "decode" not in rc.modes or rc.max_cache_len or rc.max_new_tokens \
             or dict(rc.sampling).get("max_new_tokens"):
         return []
     eos = _eos(model, rc.sampling)

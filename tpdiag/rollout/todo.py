@@ -10,7 +10,7 @@ TP=1's), else what is left (another model, dtype or processing, or the engine's 
 """
 from __future__ import annotations
 
-from tpdiag.base.configs import STATIC_PADDINGS, Config
+from tpdiag.base.configs import STATIC_PADDINGS, Config, any_static
 
 # NeMo RL's threshold: a run whose token_mult_prob_error is above it is flagged (docs/rl.md)
 NEMO_RL_THRESHOLD = 1.05
@@ -197,7 +197,7 @@ def _untried(rc, batch: int, decodable: bool = True) -> str:
                        "F.scaled_dot_product_attention)")
     if "default" not in rc.flags:
         out.append("--flags default (PyTorch's, what engines run)")
-    if not set(STATIC_PADDINGS) & set(rc.padding) and decodable and str(rc.model).strip().startswith("hf:"):
+    if not any_static(rc.padding) and decodable and str(rc.model).strip().startswith("hf:"):
         out.append("--padding auto,static" + (",compiled" if rc.device == "cuda" else "")
                    + " (decode through a static KV cache, as generate(cache_implementation=\"static\") and "
                    "TRL's cache_implementation=\"static\" run" + ("; compiled: generate()'s torch.compile'd "
