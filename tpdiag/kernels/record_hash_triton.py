@@ -97,12 +97,9 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     cc = tl.arange(0, TT)
     if DENSE:
         r = BLK // SLAB                          # slabs a tile
-        lane_row = cc // (SLAB // EW)
-        ccw = cc - lane_row * (SLAB // EW)       # the lane's word within its slab
     else:
         r = 1
-        lane_row = cc * 0
-        ccw = cc
+    lane_row, ccw = _lanes(cc, SLAB, EW, DENSE)  # each word's slab in the tile, word in the slab
     # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element (per word with
     # PAIRS: the high element's + C2 rides in its multiply, see _accum_pairs) for the position
     if PAIRS:
@@ -137,15 +134,16 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     # chunk -> (row group, column group) without a division a chunk: NPROG = dq * N_COL + dr
     dq = NPROG // N_COL
     dr = NPROG % N_COL
+    # two walks over the program's chunks: the full ones (the common case) unrolled and unmasked,
+    # then a ragged record's last chunks masked. One walk with both in it held registers across
+    # the full chunks' loop for the masked one (sm_90, fp32 whole tensors: 96 -> 158, 3 programs
+    # an SM instead of 5; `probes sass`)
     rg = (pid // N_COL).to(tl.int64)
     cg = (pid % N_COL).to(tl.int64)
     for _ in range(pid, TOTAL, NPROG):
         row0, col0 = _chunk_origin(rg, cg, r, BLK, ITERS, ROW_ITERS)
-        start = row0 * SLAB + col0  # int64 element offset of the chunk's first tile
-        kc2 = ((((row0 * F_B + O_B + col0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
-        kc2 = tl.full([1], 0, tl.uint32) + kc2
-        wstart = start >> 1 if PAIRS else start  # in words (PAIRS: SLAB and col0 even)
         if _chunk_full(row0, col0, A, SLAB, r, BLK, ITERS, ROW_ITERS):
+            kc2, wstart = _chunk_start(row0, col0, SLAB, F_B, O_B, PAIRS)
             for it in tl.static_range(ITERS):
                 # along a slab or dense: tile `it` is the constant it * TT words further, an
                 # immediate the loads take; stacked: it slabs further (SLAB's runtime stride)
@@ -162,11 +160,18 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
                     acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
                         raw, None, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
                         WIDTH, IS_BF16, 1, TT, True, MIX)
-        else:
-            # a ragged record's last chunks: the tiles that hold an element, each masked (a masked
-            # word is 0: finite, adds to no statistic; its lanes are masked in _accum*)
+        rg, cg = _next_chunk(rg, cg, dq, dr, N_COL)
+    rg = (pid // N_COL).to(tl.int64)
+    cg = (pid % N_COL).to(tl.int64)
+    for _ in range(pid, TOTAL, NPROG):
+        row0, col0 = _chunk_origin(rg, cg, r, BLK, ITERS, ROW_ITERS)
+        if not _chunk_full(row0, col0, A, SLAB, r, BLK, ITERS, ROW_ITERS):
+            # the tiles that hold an element, each masked (a masked word is 0: finite, adds to no
+            # statistic; its lanes are masked in _accum*)
+            kc2, wstart = _chunk_start(row0, col0, SLAB, F_B, O_B, PAIRS)
+            m_row, m_col = _lanes(cc, SLAB, EW, DENSE)
             for it in range(_chunk_tiles(row0, col0, A, SLAB, r, BLK, ITERS, ROW_ITERS)):
-                mask = _tile_mask(row0, col0, it, lane_row, ccw * EW, A, SLAB, r, BLK, ROW_ITERS)
+                mask = _tile_mask(row0, col0, it, m_row, m_col * EW, A, SLAB, r, BLK, ROW_ITERS)
                 if ROW_ITERS == 1:
                     off = wstart + it * (tl.zeros([], tl.int64) + (SLAB >> 1 if PAIRS else SLAB))
                 else:
@@ -209,6 +214,17 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
 
 
 @triton.jit
+def _lanes(cc, SLAB, EW: tl.constexpr, DENSE: tl.constexpr):
+    """(slab in the tile, word in the slab) of each lane `cc` of a tile: a dense tile holds
+    BLK / SLAB whole slabs of SLAB // EW words; any other, one stretch of one slab."""
+    if DENSE:
+        lane_row = cc // (SLAB // EW)
+        return lane_row, cc - lane_row * (SLAB // EW)
+    else:
+        return cc * 0, cc
+
+
+@triton.jit
 def _next_chunk(rg, cg, dq, dr, N_COL):
     """(row group, column group) of the chunk NPROG = dq * N_COL + dr after (rg, cg)."""
     cg = cg + dr
@@ -224,6 +240,15 @@ def _chunk_origin(rg, cg, r, BLK: tl.constexpr, ITERS: tl.constexpr, ROW_ITERS: 
         return rg * (r * ITERS), cg * BLK
     else:
         return rg, cg * (BLK * ITERS)
+
+
+@triton.jit
+def _chunk_start(row0, col0, SLAB, F_B, O_B, PAIRS: tl.constexpr):
+    """(k * C2 of the chunk's first element [1], its first word's offset) for the chunk at (row0,
+    col0): the int64 index arithmetic, once a chunk."""
+    start = row0 * SLAB + col0
+    kc2 = ((((row0 * F_B + O_B + col0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
+    return tl.full([1], 0, tl.uint32) + kc2, start >> 1 if PAIRS else start  # PAIRS: SLAB, col0 even
 
 
 @triton.jit
