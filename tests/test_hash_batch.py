@@ -126,8 +126,8 @@ try:
     assert torch.equal(got, want(u)), (got, want(u))
     # negative control: that plan launched with 4-tile chunks hashes a quarter of the record
     key, _w, row = rh.batch_entry(u, None, None, 0, 0)
-    assert key[7] == 16, key
-    bad = key[:7] + (4,) + key[8:]
+    assert key[5] == 16, key  # (width, bf16, block, layout, slab16, ITERS, aligned)
+    bad = key[:5] + (4,) + key[6:]
     table = torch.tensor([row], dtype=torch.int64)
     oi, of = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64)
     rh.batch_launch(bad, table, 1, 4, oi, of)
