@@ -276,7 +276,7 @@ def test_narrow_tiles_plan_and_register_cap(monkeypatch):
     assert rh.plan(4096, 512, rh.BLOCK, it16)[2] == 2
     assert rh.plan(4096, 2048, rh.BLOCK, it16)[2] == 1
     assert rh.plan(4096, 500, rh.BLOCK, it16)[2] == 1  # ragged: strided, one slab a tile
-    assert rh.plan(1, 500, rh.BLOCK, it16)[2] == 0  # one slab (a small whole tensor): along it
+    assert rh.plan(1, 512, rh.BLOCK, it16)[2] == 1  # one short slab (a small whole tensor): not dense
     monkeypatch.setattr(rh, "_NARROW_REGS", [])
     monkeypatch.delenv("TPDIAG_HASH_NARROW_REGS", raising=False)
     assert [rh.narrow_regs(ri, w, p) for ri, w, p in ((0, 16, True), (1, 16, True), (2, 16, True), (2, 16, False),

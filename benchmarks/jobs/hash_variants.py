@@ -69,7 +69,8 @@ def compile_keys(rh, kernel: str, t, dim, full, offset) -> tuple | None:
     `kernel`'s launch path of record-hash module `rh`; None where no Triton kernel runs."""
     import torch
 
-    if t.dtype not in rh._TRITON_T or t.numel() == 0:
+    # rh.triton_ok's test but for the device (the tensors here are the CPU's)
+    if t.dtype not in rh._TRITON_T or t.numel() < getattr(rh, "TRITON_MIN_NUMEL", 1):
         return None
     seen = []
     direct, cuda_raw = rh._direct, None

@@ -197,17 +197,18 @@ def slab(local_shape, dim: int | None, full: int | None, offset: int) -> tuple[i
 def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[int, int, int, int, int, bool]:
     """(R, CB, ROW_ITERS, row groups, column groups, EVEN) for `a` slabs of `slab_n` elements:
     a tile is R x CB = block elements, a chunk `iters` tiles. ROW_ITERS (the kernels' one
-    layout constexpr): 0, tiles along the slab - a whole tensor or a first-dim shard (one slab)
-    and slabs of a chunk or more; 1, one a slab, stacked over the slabs (R 1, CB block); 2,
-    dense - slabs a power of two up to `block` long, R = block / CB whole slabs a tile, the chunk
-    contiguous. EVEN (every chunk full) is the kernels' runtime branch, not a variant: a record
-    meets one compiled variant of its dtype and layout whatever its sizes (a fresh machine
-    compiled each (R, CB, EVEN, ...) it met inside the first worlds, docs/scale.md)."""
-    if a == 1 or slab_n >= block * iters:
+    layout constexpr): 0, tiles along the slab - slabs of a chunk or more (whole tensors, first-dim
+    shards); 1, one tile a slab, stacked over the slabs (R 1, CB block; a shorter whole tensor is
+    one such slab, its chunks one tile each, hashed by as many programs); 2, dense - A > 1 slabs
+    a power of two up to `block` long, R = block / CB whole slabs a tile, the chunk contiguous.
+    EVEN (every chunk full) is the kernels' runtime branch, not a variant: a record meets one
+    compiled variant of its dtype and layout whatever its sizes (a fresh machine compiled each
+    (R, CB, EVEN, ...) it met inside the first worlds, docs/scale.md)."""
+    if slab_n >= block * iters:
         r, cb, row_iters = 1, block, 0
         n_row, n_col = a, -(-slab_n // (block * iters))
         even = slab_n % (block * iters) == 0
-    elif slab_n <= block and slab_n & (slab_n - 1) == 0:
+    elif a > 1 and slab_n <= block and slab_n & (slab_n - 1) == 0:
         cb = max(slab_n, 1)
         r, row_iters = block // cb, 2
         n_row, n_col = -(-a // (r * iters)), 1
@@ -337,9 +338,15 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def triton_ok(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels take t (other subclasses go through torch dispatch)."""
-    return (type(t) is torch.Tensor and t.is_cuda and t.dtype in _TRITON_T and t.numel() > 0
+    """Whether the Triton kernels take t (other subclasses go through torch dispatch). Not a
+    single element (the loss, a grad norm): Triton specialises SLAB == 1, a variant of each kernel
+    and dtype that a fresh machine compiled for a handful of records (`python -m benchmarks
+    hash-variants`); the torch path's few small ops hash it, the same lanes."""
+    return (type(t) is torch.Tensor and t.is_cuda and t.dtype in _TRITON_T and t.numel() >= TRITON_MIN_NUMEL
             and not _TORCH_ONLY and _available())
+
+
+TRITON_MIN_NUMEL = 2
 
 
 # --------------------------------------------------------------------------------------

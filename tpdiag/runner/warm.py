@@ -22,16 +22,16 @@ import os
 
 # (shape, split dim or None, the split dim's full size) - one a compiled variant of each kernel
 # (record_hash.plan's layouts; since 58bc672 a record's sizes pick no variant of their own: EVEN,
-# the tile's rows and columns are runtime values): a tensor tiled along its one slab (whole
-# tensors, first-dim shards, slabs of a chunk or more: most records), a dense last-dim shard
-# (slabs a power of two up to a tile: a column-parallel output at TP > 1), a scalar (SLAB == 1:
-# the one-record kernel's specialisation; 16-bit data read element by element in both), a strided
-# last-dim shard, and an odd-sized whole tensor (the one-record kernel's SLAB % 16 != 0). A llama
-# compare's records meet 4 of the batch kernel and 4 of the one-record kernel at TP=1,2, all here
-# (`python -m benchmarks hash-variants`; the plan before 58bc672 had 15 shapes, 45 variants)
+# the tile's rows and columns are runtime values): a tensor tiled along its one slab (slabs of a
+# chunk or more: most records), a dense last-dim shard (slabs a power of two up to a tile: a
+# column-parallel output at TP > 1), a strided one (and a whole tensor shorter than a chunk: one
+# such slab), and an odd-sized whole tensor (SLAB % 16 != 0: the one-record kernel's
+# specialisation; 16-bit data read element by element in both). A llama compare's records meet
+# 4 variants of each kernel at TP=1,2, all here (`python -m benchmarks hash-variants`; before
+# 58bc672 they met 11 and the warm-up's 15 shapes compiled 45)
 _BIG = 4 * 16384
 # the ones a first world meets first lead (each process takes every n-th: they start side by side)
-SHAPES = (((_BIG,), None, None), ((64, 1024), 1, 2048), ((1,), None, None), ((64, 2048), 1, 4096),
+SHAPES = (((_BIG,), None, None), ((2048,), None, None), ((64, 1024), 1, 2048), ((64, 2048), 1, 4096),
           ((_BIG + 1,), None, None))
 
 
