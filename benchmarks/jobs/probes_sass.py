@@ -137,7 +137,7 @@ def sass(args) -> dict:
     base = base_kernel_path()
     variants = [("", contextlib.nullcontext)]  # (label suffix, the kernels it compiles)
     if base:
-        variants.append((f", base kernel ({os.path.basename(base)})", lambda: base_kernel(base)))
+        variants.append((f", base kernel ({os.path.basename(base)})", lambda: base_kernel(base, launch=False)))
     for tag, ctx in variants:
         with ctx():
             for label, width, bf16, pairs, slab in LAYOUTS:
