@@ -48,6 +48,10 @@ JOBS: dict[str, Job] = {
     "hash-collisions": Job("benchmarks.jobs.hash_collisions", "record-hash lane mixes (v1, v2 and two "
                            "rejected) under TP-like perturbations: collision rates at truncated widths "
                            "against a random function's", "CPU (numpy); args: [TRIALS] [PAIR_TRIALS]"),
+    "hash-variants": Job("benchmarks.jobs.hash_variants", "record-hash kernels' compiled variants that a "
+                         "compare's records need (default: llama-1b bf16 1 x 2048 TP=1,2 shapes) and which the "
+                         "warm-up compiles, counted from shapes through the launch paths; --base REV: before/after",
+                         "CPU; args: [RECORDS] [--base REV]", table=("records", "runs.*.variants", "runs.*.not_warmed")),
     "oracle-threshold": Job("benchmarks.jobs.oracle_threshold", "the float64 verdict's threshold: the smallest "
                             "planted error (scale, one head) still called a bug, bf16 and float32, by record "
                             "size; the correct reordering's ratio beside it", "CPU; args: [SEEDS]",

@@ -126,8 +126,8 @@ try:
     assert torch.equal(got, want(u)), (got, want(u))
     # negative control: that plan launched with 4-tile chunks hashes a quarter of the record
     key, _w, row = rh.batch_entry(u, None, None, 0, 0)
-    assert key[7] == 16, key
-    bad = key[:7] + (4,) + key[8:]
+    assert key[5] == 16, key  # (width, bf16, block, layout, slab16, ITERS, aligned)
+    bad = key[:5] + (4,) + key[6:]
     table = torch.tensor([row], dtype=torch.int64)
     oi, of = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64)
     rh.batch_launch(bad, table, 1, 4, oi, of)
@@ -187,11 +187,11 @@ def test_direct_launch_passes_every_kernel_parameter():
     args = rh.batch_args(key, table, 4, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64))
     assert len(args) == len(batch), (len(args), batch)
     named = dict(zip(batch, args))
-    width, is_bf16, r, cb, row_iters, even, slab16, iters, aligned = key
-    assert iters == rh.iters_for(16)
+    width, is_bf16, blk, row_iters, slab16, iters, aligned = key
+    assert iters == rh.iters_for(16) and blk == rh.BLOCK
     assert {k: named[k] for k in rh.BATCH_CONSTEXPRS} == {
-        "WIDTH": 16, "IS_BF16": True, "R": r, "CB": cb, "ITERS": iters, "ROW_ITERS": row_iters,
-        "EVEN": even, "ALIGNED": aligned, "SLAB16": slab16, "PAIRS": rh.PAIRS[0], "MIX": rh.HASH_VERSION}
+        "WIDTH": 16, "IS_BF16": True, "BLK": blk, "ITERS": iters, "ROW_ITERS": row_iters,
+        "ALIGNED": aligned, "SLAB16": slab16, "PAIRS": rh.PAIRS[0], "MIX": rh.HASH_VERSION}
     assert named["NPROG"] == 4 and named["table_ptr"] is table
 
     seen = []
@@ -275,7 +275,8 @@ def test_narrow_tiles_plan_and_register_cap(monkeypatch):
     assert rh.plan(1, 1 << 22, rh.BLOCK, it16)[2] == 0
     assert rh.plan(4096, 512, rh.BLOCK, it16)[2] == 2
     assert rh.plan(4096, 2048, rh.BLOCK, it16)[2] == 1
-    assert rh.plan(4096, 500, rh.BLOCK, it16)[2] == 1  # ragged: the tile is 512 wide
+    assert rh.plan(4096, 500, rh.BLOCK, it16)[2] == 1  # ragged: strided, one slab a tile
+    assert rh.plan(1, 512, rh.BLOCK, it16)[2] == 1  # one short slab (a small whole tensor): not dense
     monkeypatch.setattr(rh, "_NARROW_REGS", [])
     monkeypatch.delenv("TPDIAG_HASH_NARROW_REGS", raising=False)
     assert [rh.narrow_regs(ri, w, p) for ri, w, p in ((0, 16, True), (1, 16, True), (2, 16, True), (2, 16, False),

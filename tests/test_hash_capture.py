@@ -118,7 +118,10 @@ for shape, dim, ways, dt, launches in (((1, 10, 260), 2, 2, torch.bfloat16, SMAL
                                        ((1538,), None, 1, torch.bfloat16, SMALL),
                                        ((5, 2664), None, 1, torch.bfloat16, WIDE),
                                        ((9, 70), 1, 2, torch.float32, SMALL + WIDE),
-                                       ((7, 2, 130), 2, 1, torch.float16, SMALL + WIDE)):
+                                       ((7, 2, 130), 2, 1, torch.float16, SMALL + WIDE),
+                                       # dense tiles of several slabs (record_hash.plan's layout 2:
+                                       # a power-of-two shard, R = block / 32 > 1), word pairs
+                                       ((12, 64), 1, 2, torch.bfloat16, SMALL + WIDE)):
     full = torch.randn(*shape).to(dt)
     p = full if dim is None else full.chunk(ways, dim=dim)[-1].contiguous()
     args = rh.slab(p.shape, dim, None if dim is None else shape[dim], 0 if dim is None else shape[dim] - p.shape[dim])

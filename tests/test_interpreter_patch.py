@@ -28,7 +28,7 @@ from tpdiag.kernels import record_hash as rh
 rh._triton()
 assert ti._patch_lang is not counted and ti.GridExecutor.__call__ is not grid  # installed
 torch.manual_seed(0)
-full = torch.randn(4, 8, 64).to(torch.bfloat16)
+full = torch.randn(4, 8, 1024).to(torch.bfloat16)  # 8 tiles: helper calls enough to count
 p = full.chunk(4, dim=0)[1].contiguous()
 args = rh.slab(p.shape, 0, 4, 1)
 

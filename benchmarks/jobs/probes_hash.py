@@ -283,11 +283,11 @@ def launch_cost(args) -> dict:
     words = x.view(torch.int16)
     ints = torch.zeros(64, 4, dtype=torch.int64, device=dev)
     floats = torch.zeros(64, 2, dtype=torch.float64, device=dev)
-    r, cb, row_iters, n_row, n_col, even = rh.plan(a, L * b)
+    _, _, row_iters, n_row, n_col, _ = rh.plan(a, L * b)
     nprog = min(n_row * n_col, rh.WAVES * rh._sm_count(dev))
     raw = lambda: rh._triton()._hash_kernel[(nprog,)](words, ints, floats, 0, a, L * b, F * b, o * b, n_col, n_row * n_col,  # noqa: E731
-                                             nprog, WIDTH=16, IS_BF16=True, R=r, CB=cb, ITERS=rh.ITERS,
-                                             ROW_ITERS=row_iters, EVEN=even, num_warps=rh.WARPS)
+                                             nprog, WIDTH=16, IS_BF16=True, BLK=rh.BLOCK, ITERS=rh.ITERS,
+                                             ROW_ITERS=row_iters, num_warps=rh.WARPS)
     res = {"raw kernel launch (Triton JIT dispatch)": per_call(raw)}
     for fast in (False, True):
         rh._FAST[0] = fast

@@ -43,10 +43,14 @@ def loop_mix(width: int, bf16: bool, pairs: bool, warps: int | None = None, mix:
 
     warps = warps or rh.WARPS
     iters = iters or rh.ITERS
-    r, cb, row_iters = (1, rh.BLOCK, 0) if slab is None else rh.plan(1 << 20, slab, rh.BLOCK, iters)[:3]
+    row_iters = 0 if slab is None else rh.plan(1 << 20, slab, rh.BLOCK, iters)[2]
     k = rh._triton()._hash_batch_kernel
-    consts = {"WIDTH": width, "IS_BF16": bf16, "R": r, "CB": cb, "ITERS": iters, "ROW_ITERS": row_iters,
-              "EVEN": True, "ALIGNED": True, "SLAB16": True, "PAIRS": pairs, "MIX": mix or rh.HASH_VERSION}
+    consts = {"WIDTH": width, "IS_BF16": bf16, "BLK": rh.BLOCK, "ITERS": iters, "ROW_ITERS": row_iters,
+              "ALIGNED": True, "SLAB16": True, "PAIRS": pairs, "MIX": mix or rh.HASH_VERSION}
+    if "R" in k.arg_names:  # an older kernel (base_kernel): its tile constexprs and EVEN
+        r, cb, _ = (1, rh.BLOCK, 0) if slab is None else _old_plan(slab, iters)
+        consts = {"WIDTH": width, "IS_BF16": bf16, "R": r, "CB": cb, "ITERS": iters, "ROW_ITERS": row_iters,
+                  "EVEN": True, "ALIGNED": True, "SLAB16": True, "PAIRS": pairs, "MIX": mix or rh.HASH_VERSION}
     sig = {"table_ptr": "*i64", "ints_ptr": "*i64", "floats_ptr": "*fp64", "NPROG": "i32",
            **{n: "constexpr" for n in consts}}
     src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in consts.items()},
@@ -61,14 +65,18 @@ def loop_mix(width: int, bf16: bool, pairs: bool, warps: int | None = None, mix:
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     reg = re.search(r"REG:(\d+)", res)
     ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(@!?P\d\s+)?([A-Z0-9_.]+)", sass)
-    body = None
-    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+@!?P\d\s+BRA\s+0x([0-9a-f]+)", sass):
-        at, to = int(m.group(1), 16), int(m.group(2), 16)
-        if to < at:  # the first backward branch: the hashing loop's
-            body = (to, at)
-            break
-    sel = [op for a, _, op in ins if body and body[0] <= int(a, 16) <= body[1]]
-    per_thread = r * cb * iters // (32 * warps)
+    # loops: backward branches. The hashing loop (over a program's chunks) is the one with the most
+    # global loads (its full chunks' ITERS unrolled tiles); a loop nested in it - a ragged record's
+    # masked tiles - does not run for a full chunk, and is left out of the count
+    loops = [(int(m.group(2), 16), int(m.group(1), 16))
+             for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?P\d\s+)?BRA\s+0x([0-9a-f]+)", sass)
+             if int(m.group(2), 16) < int(m.group(1), 16)]
+    loads = lambda lo, hi: sum(1 for a, _, op in ins if lo <= int(a, 16) <= hi and op.startswith("LDG"))  # noqa: E731
+    body = max(loops, key=lambda lp: (loads(*lp), lp[1] - lp[0]), default=None)
+    inner = [lp for lp in loops if body and lp != body and body[0] <= lp[0] and lp[1] <= body[1]]
+    sel = [op for a, _, op in ins if body and body[0] <= int(a, 16) <= body[1]
+           and not any(lo <= int(a, 16) <= hi for lo, hi in inner)]
+    per_thread = rh.BLOCK * iters // (32 * warps)
     counts = collections.Counter(op.split(".")[0] for op in sel)
     n_int = sum(c for op, c in counts.items() if op in INT_OPS)
     registers = int(reg.group(1)) if reg else None
@@ -94,6 +102,19 @@ LAYOUTS = (("bf16 word pairs, whole", 16, True, True, None), ("bf16 word pairs, 
            ("fp32, 2048 wide", 32, False, False, 2048), ("fp32, 512 wide", 32, False, False, 512))
 
 
+def _old_plan(slab: int, iters: int) -> tuple[int, int, int]:
+    """(R, CB, ROW_ITERS) the kernels before 58bc672 tiled a last-dim shard `slab` wide with (their
+    tile's rows and columns were constexprs; a base kernel of that age takes them)."""
+    cb = min(rh_block(), max(16, 1 << (max(slab, 1) - 1).bit_length()))
+    return rh_block() // cb, cb, 2 if slab == cb else 1
+
+
+def rh_block() -> int:
+    from tpdiag.kernels import record_hash as rh
+
+    return rh.BLOCK
+
+
 def sass(args) -> dict:
     rows = []
     for label, width, bf16, pairs in CASES:
@@ -116,7 +137,7 @@ def sass(args) -> dict:
     base = base_kernel_path()
     variants = [("", contextlib.nullcontext)]  # (label suffix, the kernels it compiles)
     if base:
-        variants.append((f", base kernel ({os.path.basename(base)})", lambda: base_kernel(base)))
+        variants.append((f", base kernel ({os.path.basename(base)})", lambda: base_kernel(base, launch=False)))
     for tag, ctx in variants:
         with ctx():
             for label, width, bf16, pairs, slab in LAYOUTS:

@@ -39,8 +39,9 @@ def base_kernel_path() -> str | None:
 
 
 @contextmanager
-def base_kernel(path: str):
-    """record_hash's launches use the kernels of `path` inside the block."""
+def base_kernel(path: str, launch: bool = True):
+    """record_hash's launches use the kernels of `path` inside the block (launch=False: compiled
+    only, as `probes sass` does - any age of kernel)."""
     import importlib.util
 
     from tpdiag.kernels import record_hash as rh
@@ -51,6 +52,11 @@ def base_kernel(path: str):
         spec.loader.exec_module(mod)
         _BASE[path] = (mod, {})
     mod, cache = _BASE[path]
+    if launch and "BLK" not in mod._hash_kernel.arg_names:
+        # this tree's launches pass BLK and no R / CB / EVEN (since 58bc672): an older kernel
+        # file cannot take them - time that commit in a run of its own instead
+        raise SystemExit(f"{BASE_KERNEL_ENV}={path!r}: a kernel from before 58bc672 (constexprs R, CB, EVEN); "
+                         "run `probes hash` at that commit instead")
     saved = rh._triton, rh._COMPILED, rh.narrow_regs
     try:
         rh._triton, rh._COMPILED, rh.narrow_regs = (lambda: mod), cache, _base_narrow_regs

@@ -171,7 +171,7 @@ class HashBuffer:
         if r and self.batch > 1 and t.is_contiguous() and t.numel():
             ok = self._takes.get((dtype, t.is_cuda))
             if ok is None:  # rh.triton_ok by dtype and device, once per buffer
-                ok = self._takes[(dtype, t.is_cuda)] = rh.triton_ok(torch.empty(1, dtype=dtype, device=t.device))
+                ok = self._takes[(dtype, t.is_cuda)] = rh.triton_ok(torch.empty(rh.TRITON_MIN_NUMEL, dtype=dtype, device=t.device))
             if ok:
                 ptr = t.data_ptr()
                 hit = _ENTRIES.get((shape, dtype, None, None, 0, ptr % 16))

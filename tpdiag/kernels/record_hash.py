@@ -196,18 +196,27 @@ def slab(local_shape, dim: int | None, full: int | None, offset: int) -> tuple[i
 
 def plan(a: int, slab_n: int, block: int = BLOCK, iters: int = ITERS) -> tuple[int, int, int, int, int, bool]:
     """(R, CB, ROW_ITERS, row groups, column groups, EVEN) for `a` slabs of `slab_n` elements:
-    a tile is R x CB = block elements (registers), a chunk `iters` tiles. ROW_ITERS: 0, tiles
-    along the slab; 1, stacked over the slabs; 2, stacked over slabs exactly CB long (dense: the
-    chunk is contiguous, its tiles at constant offsets)."""
+    a tile is R x CB = block elements, a chunk `iters` tiles. ROW_ITERS (the kernels' one
+    layout constexpr): 0, tiles along the slab - slabs of a chunk or more (whole tensors, first-dim
+    shards); 1, one tile a slab, stacked over the slabs (R 1, CB block; a shorter whole tensor is
+    one such slab, its chunks one tile each, hashed by as many programs); 2, dense - A > 1 slabs
+    a power of two up to `block` long, R = block / CB whole slabs a tile, the chunk contiguous.
+    EVEN (every chunk full) is the kernels' runtime branch, not a variant: a record meets one
+    compiled variant of its dtype and layout whatever its sizes (a fresh machine compiled each
+    (R, CB, EVEN, ...) it met inside the first worlds, docs/scale.md)."""
     if slab_n >= block * iters:
         r, cb, row_iters = 1, block, 0
         n_row, n_col = a, -(-slab_n // (block * iters))
         even = slab_n % (block * iters) == 0
+    elif a > 1 and slab_n <= block and slab_n & (slab_n - 1) == 0:
+        cb = max(slab_n, 1)
+        r, row_iters = block // cb, 2
+        n_row, n_col = -(-a // (r * iters)), 1
+        even = a % (r * iters) == 0
     else:
-        cb = min(block, max(16, 1 << (max(slab_n, 1) - 1).bit_length()))
-        r, row_iters = block // cb, 2 if slab_n == cb else 1
-        n_row, n_col = -(-a // (r * iters)), -(-slab_n // cb)
-        even = slab_n % cb == 0 and a % (r * iters) == 0
+        r, cb, row_iters = 1, block, 1
+        n_row, n_col = -(-a // iters), -(-slab_n // block)
+        even = slab_n % block == 0 and a % iters == 0
     return r, cb, row_iters, n_row, max(1, n_col), even
 
 
@@ -234,7 +243,7 @@ def triton_lanes(t: torch.Tensor, a: int, L: int, b: int, F: int, o: int, out=No
     total = n_row * n_col
     nprog = min(total, waves * _sm_count(t.device))
     args = (words, ints, floats, row, a, slab_n, F * b, o * b, n_col, total, nprog,
-            width, t.dtype == torch.bfloat16, r, cb, iters, row_iters, even,
+            width, t.dtype == torch.bfloat16, block, iters, row_iters,
             bool(PAIRS[0] if pairs is None else pairs) and t.dtype == torch.bfloat16 and slab_n % 2 == 0
             and words.data_ptr() % 4 == 0 and pairs_ok(t.device), mix)
     _launch(args, nprog, warps, t.device)
@@ -271,13 +280,13 @@ _FAST = [os.environ.get("TPDIAG_HASH_FASTLAUNCH", "1") != "0"]
 def _launch(args, nprog: int, warps: int, device) -> None:
     words, slab_n = args[0], args[5]
     small = max(args[3:11]) < 2**31
-    regs = narrow_regs(args[16], args[11], args[18])
+    regs = narrow_regs(args[15], args[11], args[16])
     key = ("one", device.index, args[11:], warps, words.data_ptr() % 16 == 0,
            args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0, slab_n == 1,
            slab_n % 16 == 0, small, regs)
     _direct(key, (nprog, 1, 1), args, device, lambda: _triton()._hash_kernel[(nprog,)](
-        *args[:11], WIDTH=args[11], IS_BF16=args[12], R=args[13], CB=args[14], ITERS=args[15],
-        ROW_ITERS=args[16], EVEN=args[17], PAIRS=args[18], MIX=args[19], num_warps=warps,
+        *args[:11], WIDTH=args[11], IS_BF16=args[12], BLK=args[13], ITERS=args[14],
+        ROW_ITERS=args[15], PAIRS=args[16], MIX=args[17], num_warps=warps,
         **_cap(regs, device)))
 
 
@@ -329,9 +338,15 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def triton_ok(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels take t (other subclasses go through torch dispatch)."""
-    return (type(t) is torch.Tensor and t.is_cuda and t.dtype in _TRITON_T and t.numel() > 0
+    """Whether the Triton kernels take t (other subclasses go through torch dispatch). Not a
+    single element (the loss, a grad norm): Triton specialises SLAB == 1, a variant of each kernel
+    and dtype that a fresh machine compiled for a handful of records (`python -m benchmarks
+    hash-variants`); the torch path's few small ops hash it, the same lanes."""
+    return (type(t) is torch.Tensor and t.is_cuda and t.dtype in _TRITON_T and t.numel() >= TRITON_MIN_NUMEL
             and not _TORCH_ONLY and _available())
+
+
+TRITON_MIN_NUMEL = 2
 
 
 # --------------------------------------------------------------------------------------
@@ -356,9 +371,9 @@ def batch_entry(t: torch.Tensor, dim, full, offset, row: int):
         # for this row hashes chunks of that length (a tile count changed later - the
         # benchmarks' hash-itersN - cannot pair a plan with another chunk length)
         iters = iters_for(width)
-        r, cb, row_iters, n_row, n_col, even = plan(a, slab_n, BLOCK, iters)
-        hit = _ENTRY[shape_key] = ((width, t.dtype == torch.bfloat16, r, cb, row_iters, even, slab_n % 16 == 0,
-                                    iters), [a, slab_n, F * b, o * b, n_col, n_row * n_col])
+        _, _, row_iters, n_row, n_col, _ = plan(a, slab_n, BLOCK, iters)
+        hit = _ENTRY[shape_key] = ((width, t.dtype == torch.bfloat16, BLOCK, row_iters, slab_n % 16 == 0, iters),
+                                   [a, slab_n, F * b, o * b, n_col, n_row * n_col])
     words = t.contiguous().view(_TRITON_T[t.dtype][1])
     ptr = words.data_ptr()
     return hit[0] + (ptr % 16 == 0,), words, [ptr, row, *hit[1]]
@@ -370,10 +385,10 @@ def batch_launch(key, table: torch.Tensor, n: int, nprog: int, ints: torch.Tenso
     (int64 [n, TABLE_COLS], on the device), the hashes go to rows of (ints, floats)."""
     args = batch_args(key, table, nprog, ints, floats)
     dev = ints.device
-    width, is_bf16, _, _, row_iters, _, slab16, _, aligned = key
+    width, is_bf16, _, row_iters, slab16, _, aligned = key
     # the batch kernel reads words where PAIRS and the record allows it (_hash_batch_kernel)
-    regs = narrow_regs(row_iters, width, bool(args[13] and is_bf16 and aligned and slab16))
-    ck = ("batch", dev.index, key, args[13:], warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
+    regs = narrow_regs(row_iters, width, bool(args[11] and is_bf16 and aligned and slab16))
+    ck = ("batch", dev.index, key, args[11:], warps, table.data_ptr() % 16 == 0, ints.data_ptr() % 16 == 0,
           floats.data_ptr() % 16 == 0, regs)
     _direct(ck, (nprog, n, 1), args, dev, lambda: _triton()._hash_batch_kernel[(nprog, n)](
         *args[:4], **dict(zip(BATCH_CONSTEXPRS, args[4:])), num_warps=warps, **_cap(regs, dev)))
@@ -387,14 +402,13 @@ def _cap(regs: int | None, device) -> dict:
 # _hash_batch_kernel's constexprs in its parameter order. A compiled kernel launched directly
 # (_direct) takes every parameter, constexprs included, positionally: one missing is a
 # TypeError on the GPU only (session 8's MIX was, until tests/test_hash_batch.py checked this).
-BATCH_CONSTEXPRS = ("WIDTH", "IS_BF16", "R", "CB", "ITERS", "ROW_ITERS", "EVEN", "ALIGNED", "SLAB16",
-                    "PAIRS", "MIX")
+BATCH_CONSTEXPRS = ("WIDTH", "IS_BF16", "BLK", "ITERS", "ROW_ITERS", "ALIGNED", "SLAB16", "PAIRS", "MIX")
 
 
 def batch_args(key, table, nprog: int, ints, floats) -> tuple:
     """_hash_batch_kernel's arguments, all of them, in its parameter order."""
-    width, is_bf16, r, cb, row_iters, even, slab16, iters, aligned = key
-    return (table, ints, floats, nprog, width, is_bf16, r, cb, iters, row_iters, even, aligned, slab16,
+    width, is_bf16, blk, row_iters, slab16, iters, aligned = key
+    return (table, ints, floats, nprog, width, is_bf16, blk, iters, row_iters, aligned, slab16,
             PAIRS[0] and pairs_ok(ints.device), HASH_VERSION)
 
 

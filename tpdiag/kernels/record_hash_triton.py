@@ -18,20 +18,18 @@ from tpdiag.kernels.record_hash_tile import _PTX, _accum, _accum_pairs, _as_f32
 
 @triton.jit(do_not_specialize=["ROW", "A", "F_B", "O_B", "N_COL", "TOTAL", "NPROG"])
 def _hash_kernel(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
-                 WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
-                 ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                 PAIRS: tl.constexpr = False, MIX: tl.constexpr = 2):
+                 WIDTH: tl.constexpr, IS_BF16: tl.constexpr, BLK: tl.constexpr, ITERS: tl.constexpr,
+                 ROW_ITERS: tl.constexpr, PAIRS: tl.constexpr = False, MIX: tl.constexpr = 2):
     """One record: its chunks over NPROG persistent programs (see _hash_chunks)."""
     _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG,
-                 tl.program_id(0), WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN, PAIRS, MIX)
+                 tl.program_id(0), WIDTH, IS_BF16, BLK, ITERS, ROW_ITERS, PAIRS, MIX)
 
 
 @triton.jit(do_not_specialize=["NPROG"])
 def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
-                       WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
-                       ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                       ALIGNED: tl.constexpr, SLAB16: tl.constexpr, PAIRS: tl.constexpr = True,
-                       MIX: tl.constexpr = 2):
+                       WIDTH: tl.constexpr, IS_BF16: tl.constexpr, BLK: tl.constexpr, ITERS: tl.constexpr,
+                       ROW_ITERS: tl.constexpr, ALIGNED: tl.constexpr, SLAB16: tl.constexpr,
+                       PAIRS: tl.constexpr = True, MIX: tl.constexpr = 2):
     """Many records in one launch (grid: NPROG x records), each described by a row of `table`
     (int64: data pointer, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL). The records of one launch share
     the constexprs; ALIGNED / SLAB16 restore what the one-record kernel gets from Triton's
@@ -52,23 +50,29 @@ def _hash_batch_kernel(table_ptr, ints_ptr, floats_ptr, NPROG,
             SLAB = tl.multiple_of(SLAB, 16)
         _hash_chunks(w_ptr, ints_ptr, floats_ptr, tl.load(rec + 1), tl.load(rec + 2), SLAB,
                      tl.load(rec + 4), tl.load(rec + 5), tl.load(rec + 6), TOTAL, NPROG, pid,
-                     WIDTH, IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN,
-                     PAIRS and IS_BF16 and ALIGNED and SLAB16, MIX)
+                     WIDTH, IS_BF16, BLK, ITERS, ROW_ITERS, PAIRS and IS_BF16 and ALIGNED and SLAB16, MIX)
 
 
 @triton.jit
 def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOTAL, NPROG, pid,
-                 WIDTH: tl.constexpr, IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr,
-                 ITERS: tl.constexpr, ROW_ITERS: tl.constexpr, EVEN: tl.constexpr,
-                 PAIRS: tl.constexpr, MIX: tl.constexpr):
-    """A program hashes chunks - ITERS tiles of R slabs x CB elements, side by side along the
-    slabs, or for narrow slabs (ROW_ITERS) stacked over them - and adds its shares to
-    row ROW of the record buffer with atomics: integer adds (the lanes, the non-finite count)
-    and an integer max (max |x| as the bits of a non-negative float64, which order like the
-    values) are exact in any order; the two float sums are statistics, not evidence, and may
-    vary in their last bits. Persistent: NPROG programs stride over the TOTAL chunks, so a
-    record costs a few hundred atomics on its row, not one per chunk (contention on one
-    address serialises them). EVEN: every chunk is full, no masks (the common case).
+                 WIDTH: tl.constexpr, IS_BF16: tl.constexpr, BLK: tl.constexpr, ITERS: tl.constexpr,
+                 ROW_ITERS: tl.constexpr, PAIRS: tl.constexpr, MIX: tl.constexpr):
+    """A program hashes chunks - ITERS tiles of BLK elements: along a slab (ROW_ITERS 0), one a
+    slab stacked over the slabs (1), or for slabs of a power of two up to BLK (2, dense) BLK /
+    SLAB whole slabs a tile, contiguous - and adds its shares to row ROW of the record buffer
+    with atomics: integer adds (the lanes, the non-finite count) and an integer max (max |x| as
+    the bits of a non-negative float64, which order like the values) are exact in any order; the
+    two float sums are statistics, not evidence, and may vary in their last bits. Persistent:
+    NPROG programs stride over the TOTAL chunks, so a record costs a few hundred atomics on its
+    row, not one per chunk (contention on one address serialises them).
+
+    One compiled variant serves every record of a layout (record_hash.plan): the tile is one
+    register row of BLK elements whatever the slab width (a dense tile's lanes know their slab
+    and column from SLAB, worked out once a program), and whether a chunk is full is a runtime
+    branch - full chunks (the common case) run the unrolled, unmasked loop, the last chunks of a
+    ragged record a masked loop over its tiles that are in. Each specialised integer was a
+    variant that a fresh machine compiled (~1-2.5 s each on an H200 host) inside the first
+    worlds (docs/scale.md).
 
     Statistics, fast path: plain sums and max |x| of every element, no finiteness test per
     element (at 2 bytes an element the integer/compare pipe, not memory, was the limit: the
@@ -79,82 +83,108 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     non-finite element, or finite ones whose fp32 sum or square overflows - the program
     re-reads its chunks for the statistics alone, testing each element (_stats_exact). The
     lanes never depend on which path ran."""
-    # PAIRS (bf16, SLAB even, 4-byte aligned): a tile is [R, CB / 2] 32-bit words of two
-    # elements each - half the loads, the high half's fp32 bits a multiply-add, one max for both
-    # halves (_accum_pairs; fp16 gains nothing: its conversion is not a bit move; `probes sass`)
-    TW: tl.constexpr = CB // 2 if PAIRS else CB
-    # FLAT (dense rows, ROW_ITERS 2, R > 1): the R slabs of a tile are contiguous, so the tile is
-    # held as ONE row of R * TW words - the whole tensor's register layout - whose lanes' row
-    # offsets (lane // TW) * F_B * C2 are folded into the per-lane position constant once a
-    # program. bf16 word pairs 512 wide, sm_90 (`probes sass` with Triton 3.9 on the CPU, the
-    # statistics path already a loop): 95 registers as [R, TW], 66 as one row, as for whole tiles.
-    # An H200 read fp32 512-wide shards at 4275-4284 GB/s this way (uncapped), against 3867-3903
-    # for the [R, TW] tiles capped (docs/benchmarks.md, session 18)
-    FLAT: tl.constexpr = ROW_ITERS == 2 and R > 1
-    RT: tl.constexpr = 1 if FLAT else R          # rows of the tile as registers hold it
-    TT: tl.constexpr = R * TW if FLAT else TW    # words (or elements) a register row
-    rr = tl.arange(0, RT)
+    # PAIRS (bf16, SLAB even, 4-byte aligned): a tile is BLK / 2 32-bit words of two elements
+    # each - half the loads, the high half's fp32 bits a multiply-add, one max for both halves
+    # (_accum_pairs; fp16 gains nothing: its conversion is not a bit move; `probes sass`)
+    EW: tl.constexpr = 2 if PAIRS else 1         # elements a word
+    TT: tl.constexpr = BLK // EW                 # words a tile, held as ONE register row
+    # DENSE (ROW_ITERS 2): the R slabs of a tile are contiguous, one row of R * TW words whose
+    # lanes' row offsets (lane // TW) * F_B * C2 are folded into the per-lane position constant
+    # once a program. bf16 word pairs 512 wide, sm_90 (`probes sass` with Triton 3.9 on the CPU):
+    # 95 registers as [R, TW], 66 as one row. An H200 read fp32 512-wide shards at 4275-4284 GB/s
+    # this way (uncapped), against 3867-3903 for [R, TW] tiles capped (docs/benchmarks.md)
+    DENSE: tl.constexpr = ROW_ITERS == 2
     cc = tl.arange(0, TT)
+    if DENSE:
+        r = BLK // SLAB                          # slabs a tile
+    else:
+        r = 1
+    lane_row, ccw = _lanes(cc, SLAB, EW, DENSE)  # each word's slab in the tile, word in the slab
     # k * C2 = (slab start + j0) * C2 + cc * C2 (mod 2**32): one add per element (per word with
     # PAIRS: the high element's + C2 rides in its multiply, see _accum_pairs) for the position
-    ccw = cc % TW if FLAT else cc
     if PAIRS:
         cc_c2 = ccw.to(tl.uint32) * tl.full([TT], 0x0BD794EE, tl.uint32)  # 2 * C2
     else:
         cc_c2 = ccw.to(tl.uint32) * tl.full([TT], 0x85EBCA77, tl.uint32)
-    if FLAT:
+    if DENSE:
         fb_c2 = (((F_B.to(tl.int64) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
-        cc_c2 += (cc // TW).to(tl.uint32) * fb_c2
+        cc_c2 += lane_row.to(tl.uint32) * fb_c2
     cc_c2 = cc_c2[None, :]
-    c1 = tl.full([RT, TT], 0x9E3779B1, tl.uint32)
-    c3 = tl.full([RT, TT], 0x85EBCA6B, tl.uint32)
-    acc_a = tl.zeros([RT, TT], dtype=tl.uint32)
-    acc_b = tl.zeros([RT, TT], dtype=tl.uint32)
-    acc_s = tl.zeros([RT, TT], dtype=tl.float32)
-    acc_q = tl.zeros([RT, TT], dtype=tl.float32)
+    c1 = tl.full([1, TT], 0x9E3779B1, tl.uint32)
+    c3 = tl.full([1, TT], 0x85EBCA6B, tl.uint32)
+    acc_a = tl.zeros([1, TT], dtype=tl.uint32)
+    acc_b = tl.zeros([1, TT], dtype=tl.uint32)
+    acc_s = tl.zeros([1, TT], dtype=tl.float32)
+    acc_q = tl.zeros([1, TT], dtype=tl.float32)
     if PAIRS and _PTX:
-        acc_m = tl.zeros([RT, TT], dtype=tl.uint32)  # max |x| of both halves as bf16x2 (_max_pairs)
+        acc_m = tl.zeros([1, TT], dtype=tl.uint32)  # max |x| of both halves as bf16x2 (_max_pairs)
     else:
-        acc_m = tl.zeros([RT, TT], dtype=tl.float32)
+        acc_m = tl.zeros([1, TT], dtype=tl.float32)
     if PAIRS:
         base = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     else:
         base = w_ptr
-    # tile `it` of a chunk = its first tile moved by `it` steps: CB columns along the slab, or R
+    # tile `it` of a chunk = its first tile moved by `it` steps: BLK columns along the slab, or r
     # slabs (ROW_ITERS); its positions' k * C2 move by the step's k times C2 (mod 2**32, linear)
     # - the int64 index arithmetic is done once a chunk, not once a tile
     if ROW_ITERS:
-        k_step = ((((F_B.to(tl.int64) * R) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
+        k_step = ((((F_B.to(tl.int64) * r) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
     else:
-        k_step = tl.full([], (CB * 0x85EBCA77) & 0xFFFFFFFF, tl.uint32)
+        k_step = tl.full([], (BLK * 0x85EBCA77) & 0xFFFFFFFF, tl.uint32)
     # chunk -> (row group, column group) without a division a chunk: NPROG = dq * N_COL + dr
     dq = NPROG // N_COL
     dr = NPROG % N_COL
+    # two walks over the program's chunks: the full ones (the common case) unrolled and unmasked,
+    # then a ragged record's last chunks masked. One walk with both in it held registers across
+    # the full chunks' loop for the masked one (sm_90, fp32 whole tensors: 96 -> 158, 3 programs
+    # an SM instead of 5; `probes sass`)
     rg = (pid // N_COL).to(tl.int64)
     cg = (pid % N_COL).to(tl.int64)
     for _ in range(pid, TOTAL, NPROG):
-        rows, col0, start, kc2 = _chunk_at(rg, cg, rr, SLAB, F_B, O_B, R, CB, ITERS, ROW_ITERS)
-        for it in tl.static_range(ITERS):
-            if not EVEN:  # one mask a tile, for its load and its lanes
-                rows_t, col0_t = _tile_rows(rows, col0, it, R, CB, ROW_ITERS)
-                if FLAT:  # dense rows: every column is in, the row is the lane's
-                    mask = (rows_t[:, None] + (cc // TW)[None, :]) < A
+        row0, col0 = _chunk_origin(rg, cg, r, BLK, ITERS, ROW_ITERS)
+        if _chunk_full(row0, col0, A, SLAB, r, BLK, ITERS, ROW_ITERS):
+            kc2, wstart = _chunk_start(row0, col0, SLAB, F_B, O_B, PAIRS)
+            for it in tl.static_range(ITERS):
+                # along a slab or dense: tile `it` is the constant it * TT words further, an
+                # immediate the loads take; stacked: it slabs further (SLAB's runtime stride)
+                if ROW_ITERS == 1:
+                    off = wstart + it * (tl.zeros([], tl.int64) + (SLAB >> 1 if PAIRS else SLAB))
                 else:
-                    mask = _tile_mask(rows_t, col0_t, cc, A, SLAB, PAIRS)
-            else:
-                mask = None
-            if PAIRS:
-                # words: a tile of TW words from the word offsets (once a chunk), so along a slab
-                # tile `it` is the constant it * TW further - the loads take it as an immediate
-                raw = _load_tile(base, start >> 1, it, cc, mask, R, TW, SLAB >> 1, ROW_ITERS, EVEN)
-                acc_a, acc_b, acc_s, acc_q, acc_m = _accum_pairs(
-                    raw, mask, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
-                    RT, TT, EVEN, MIX)
-            else:
-                raw = _load_tile(base, start, it, cc, mask, R, CB, SLAB, ROW_ITERS, EVEN)
-                acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
-                    raw, mask, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
-                    WIDTH, IS_BF16, RT, TT, EVEN, MIX)
+                    off = wstart + it * TT
+                raw = tl.load(base + off + cc[None, :])
+                if PAIRS:
+                    acc_a, acc_b, acc_s, acc_q, acc_m = _accum_pairs(
+                        raw, None, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
+                        1, TT, True, MIX)
+                else:
+                    acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
+                        raw, None, kc2 + it * k_step, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
+                        WIDTH, IS_BF16, 1, TT, True, MIX)
+        rg, cg = _next_chunk(rg, cg, dq, dr, N_COL)
+    rg = (pid // N_COL).to(tl.int64)
+    cg = (pid % N_COL).to(tl.int64)
+    for _ in range(pid, TOTAL, NPROG):
+        row0, col0 = _chunk_origin(rg, cg, r, BLK, ITERS, ROW_ITERS)
+        if not _chunk_full(row0, col0, A, SLAB, r, BLK, ITERS, ROW_ITERS):
+            # the tiles that hold an element, each masked (a masked word is 0: finite, adds to no
+            # statistic; its lanes are masked in _accum*)
+            kc2, wstart = _chunk_start(row0, col0, SLAB, F_B, O_B, PAIRS)
+            m_row, m_col = _lanes(cc, SLAB, EW, DENSE)
+            for it in range(_chunk_tiles(row0, col0, A, SLAB, r, BLK, ITERS, ROW_ITERS)):
+                mask = _tile_mask(row0, col0, it, m_row, m_col * EW, A, SLAB, r, BLK, ROW_ITERS)
+                if ROW_ITERS == 1:
+                    off = wstart + it * (tl.zeros([], tl.int64) + (SLAB >> 1 if PAIRS else SLAB))
+                else:
+                    off = wstart + it * TT
+                raw = tl.load(base + off + cc[None, :], mask=mask, other=0)
+                kt = kc2 + tl.cast(it, tl.uint32) * k_step
+                if PAIRS:
+                    acc_a, acc_b, acc_s, acc_q, acc_m = _accum_pairs(
+                        raw, mask, kt, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m, 1, TT, False, MIX)
+                else:
+                    acc_a, acc_b, acc_s, acc_q, acc_m = _accum(
+                        raw, mask, kt, cc_c2, c1, c3, acc_a, acc_b, acc_s, acc_q, acc_m,
+                        WIDTH, IS_BF16, 1, TT, False, MIX)
         rg, cg = _next_chunk(rg, cg, dq, dr, N_COL)
     fmax = 3.4028234663852886e38
     poisoned = tl.sum(tl.sum(((tl.abs(acc_s) <= fmax) & (tl.abs(acc_q) <= fmax)).to(tl.int32) ^ 1,
@@ -166,10 +196,10 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
         acc_m = tl.maximum((mw << 16).to(tl.float32, bitcast=True),
                            (mw & 0xFFFF0000).to(tl.float32, bitcast=True))
     max_m = tl.max(tl.max(acc_m, axis=1), axis=0)
-    count_n = tl.sum(tl.sum(tl.zeros([RT, TT], dtype=tl.int32), axis=1), axis=0)
+    count_n = tl.sum(tl.sum(tl.zeros([1, TT], dtype=tl.int32), axis=1), axis=0)
     if poisoned > 0:  # rare: see the docstring
         sum_s, sum_q, max_m, count_n = _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH,
-                                                    IS_BF16, R, CB, ITERS, ROW_ITERS, EVEN)
+                                                    IS_BF16, BLK, ITERS, ROW_ITERS)
     row_i = ints_ptr + ROW * 4
     row_f = floats_ptr + ROW * 2
     # relaxed: nothing reads the row before the launch ends (a kernel boundary orders it), and
@@ -184,6 +214,17 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
 
 
 @triton.jit
+def _lanes(cc, SLAB, EW: tl.constexpr, DENSE: tl.constexpr):
+    """(slab in the tile, word in the slab) of each lane `cc` of a tile: a dense tile holds
+    BLK / SLAB whole slabs of SLAB // EW words; any other, one stretch of one slab."""
+    if DENSE:
+        lane_row = cc // (SLAB // EW)
+        return lane_row, cc - lane_row * (SLAB // EW)
+    else:
+        return cc * 0, cc
+
+
+@triton.jit
 def _next_chunk(rg, cg, dq, dr, N_COL):
     """(row group, column group) of the chunk NPROG = dq * N_COL + dr after (rg, cg)."""
     cg = cg + dr
@@ -192,96 +233,99 @@ def _next_chunk(rg, cg, dq, dr, N_COL):
 
 
 @triton.jit
-def _chunk_at(rg, cg, rr, SLAB, F_B, O_B, R: tl.constexpr, CB: tl.constexpr, ITERS: tl.constexpr,
-              ROW_ITERS: tl.constexpr):
-    """The first tile of the chunk at (rg, cg): its slabs [R], first column, element offsets of
-    its rows [R] (int64) and its rows' first position times C2 mod 2**32 [R]."""
-    rows, col0 = _tile_at(rg, cg, 0, rr, R, CB, ITERS, ROW_ITERS)
-    kc2 = ((((rows * F_B + O_B + col0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
-    return rows, col0, rows * SLAB + col0, kc2
-
-
-@triton.jit
-def _tile_rows(rows, col0, it, R: tl.constexpr, CB: tl.constexpr, ROW_ITERS: tl.constexpr):
-    """(slabs, first column) of tile `it` of the chunk whose first tile is at (rows, col0)."""
+def _chunk_origin(rg, cg, r, BLK: tl.constexpr, ITERS: tl.constexpr, ROW_ITERS: tl.constexpr):
+    """(first slab, first column) of the chunk at row group rg, column group cg (int64): along a
+    slab a chunk is ITERS * BLK columns of one slab; stacked, ITERS * r slabs of BLK columns."""
     if ROW_ITERS:
-        return rows + it * R, col0
+        return rg * (r * ITERS), cg * BLK
     else:
-        return rows, col0 + it * CB
+        return rg, cg * (BLK * ITERS)
 
 
 @triton.jit
-def _load_tile(base, start, it, cc, mask, R: tl.constexpr, CB: tl.constexpr, SLAB,
-               ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
-    """The raw words of tile `it` of the chunk whose first tile's rows start at offsets `start`
-    (in words of the load's width: elements, or element pairs with SLAB and CB halved);
-    `mask` (not EVEN): the tile's. A masked word is 0: finite, adds to no statistic."""
+def _chunk_start(row0, col0, SLAB, F_B, O_B, PAIRS: tl.constexpr):
+    """(k * C2 of the chunk's first element [1], its first word's offset) for the chunk at (row0,
+    col0): the int64 index arithmetic, once a chunk."""
+    start = row0 * SLAB + col0
+    kc2 = ((((row0 * F_B + O_B + col0) & 0xFFFFFFFF) * 0x85EBCA77) & 0xFFFFFFFF).to(tl.uint32)
+    return tl.full([1], 0, tl.uint32) + kc2, start >> 1 if PAIRS else start  # PAIRS: SLAB, col0 even
+
+
+@triton.jit
+def _chunk_full(row0, col0, A, SLAB, r, BLK: tl.constexpr, ITERS: tl.constexpr, ROW_ITERS: tl.constexpr):
+    """Whether every element of the chunk at (row0, col0) is in the record: no masks."""
+    if ROW_ITERS == 2:  # dense: a tile's slabs are whole
+        return row0 + r * ITERS <= A
+    elif ROW_ITERS == 1:
+        return (row0 + ITERS <= A) & (col0 + BLK <= SLAB)
+    else:
+        return col0 + BLK * ITERS <= SLAB
+
+
+@triton.jit
+def _chunk_tiles(row0, col0, A, SLAB, r, BLK: tl.constexpr, ITERS: tl.constexpr, ROW_ITERS: tl.constexpr):
+    """How many of the chunk's tiles hold an element (the others come after them), int32."""
+    if ROW_ITERS:
+        n = (A - row0 + r - 1) // r
+    else:
+        n = (SLAB - col0 + BLK - 1) // BLK
+    return tl.minimum(n, ITERS).to(tl.int32)
+
+
+@triton.jit
+def _tile_mask(row0, col0, it, lane_row, lane_col, A, SLAB, r, BLK: tl.constexpr, ROW_ITERS: tl.constexpr):
+    """[1, words] mask of tile `it` of the chunk at (row0, col0); lane_row / lane_col: each
+    word's slab in the tile and first element's column in it (with PAIRS SLAB is even, so both
+    halves of a word are in or both out)."""
     if ROW_ITERS == 2:
-        # dense rows (SLAB == CB: a column shard as wide as the tile, the common TP shard): tile
-        # `it` is it * R * CB further, a constant the loads take as an immediate, not a 64-bit
-        # multiply-add of SLAB's runtime stride a tile (2.3% fewer instructions in the sm_90 loop)
-        off = start + it * R * CB
-    elif ROW_ITERS:
-        off = start + (it * R) * (tl.zeros([], tl.int64) + SLAB)  # int64 (SLAB may be a constexpr 1)
+        m = (row0 + it * r + lane_row) < A
+    elif ROW_ITERS == 1:
+        m = ((row0 + it + lane_row) < A) & ((col0 + lane_col) < SLAB)  # lane_row 0: a vector
     else:
-        off = start + it * CB
-    ptrs = base + off[:, None] + cc[None, :]
-    if EVEN:
-        raw = tl.load(ptrs)
-    else:
-        raw = tl.load(ptrs, mask=mask, other=0)
-    return raw
+        m = (col0 + it * BLK + lane_col) < SLAB
+    return m[None, :]
 
 
 @triton.jit
-def _tile_mask(rows, col0, cc, A, SLAB, PAIRS: tl.constexpr):
-    # PAIRS: SLAB is even, both halves of a word are in or both out
-    return (rows < A)[:, None] & ((col0 + (2 if PAIRS else 1) * cc) < SLAB)[None, :]
-
-
-@triton.jit
-def _tile_at(rg, cg, it, rr, R: tl.constexpr, CB: tl.constexpr, ITERS: tl.constexpr,
-             ROW_ITERS: tl.constexpr):
-    """(slab indices a [R], first column) of tile `it` of the chunk at row group rg, column
-    group cg."""
-    if ROW_ITERS:
-        rows = (rg * ITERS + it) * R + rr
-        col0 = cg * CB
-    else:
-        rows = rg * R + rr
-        col0 = (cg * ITERS + it) * CB
-    return rows, col0
-
-
-@triton.jit
-def _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH: tl.constexpr,
-                 IS_BF16: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, ITERS: tl.constexpr,
-                 ROW_ITERS: tl.constexpr, EVEN: tl.constexpr):
+def _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH: tl.constexpr, IS_BF16: tl.constexpr,
+                 BLK: tl.constexpr, ITERS: tl.constexpr, ROW_ITERS: tl.constexpr):
     """The statistics of a program's chunks with a finiteness test per element, reduced: the
     sums and max |x| of the finite elements and the non-finite count (the torch path's
-    definition). Element by element, whatever the caller's tile (PAIRS or not)."""
-    rr = tl.arange(0, R)
-    cc = tl.arange(0, CB)
-    acc_s = tl.zeros([R, CB], dtype=tl.float32)
-    acc_q = tl.zeros([R, CB], dtype=tl.float32)
-    acc_m = tl.zeros([R, CB], dtype=tl.float32)
-    acc_n = tl.zeros([R, CB], dtype=tl.int32)
+    definition). Element by element, every tile masked, whatever the caller's words."""
+    cc = tl.arange(0, BLK)
+    if ROW_ITERS == 2:
+        r = BLK // SLAB
+        lane_row = cc // SLAB
+        lane_col = cc - lane_row * SLAB
+    else:
+        r = 1
+        lane_row = cc * 0
+        lane_col = cc
+    acc_s = tl.zeros([BLK], dtype=tl.float32)
+    acc_q = tl.zeros([BLK], dtype=tl.float32)
+    acc_m = tl.zeros([BLK], dtype=tl.float32)
+    acc_n = tl.zeros([BLK], dtype=tl.int32)
     for chunk in range(pid, TOTAL, NPROG):
         rg = (chunk // N_COL).to(tl.int64)
         cg = (chunk % N_COL).to(tl.int64)
+        row0, col0 = _chunk_origin(rg, cg, r, BLK, ITERS, ROW_ITERS)
         # a loop, not unrolled: a kernel's registers are those of its hungriest part, and this
         # rare path unrolled (ITERS tiles of loads in flight) set them for the whole kernel -
         # fewer programs an SM for every record, not just a poisoned one. bf16 word pairs, sm_90
         # (`probes sass`, Triton 3.6 on an H200 machine): whole tiles 72 -> 66 registers, 2048-wide
-        # shards 113 -> 78 (this change alone); 512-wide 168 -> 64 with FLAT below
+        # shards 113 -> 78 (this change alone); 512-wide 168 -> 64 with the dense tile
         for it in range(ITERS):
-            rows, col0 = _tile_at(rg, cg, it, rr, R, CB, ITERS, ROW_ITERS)
-            ptrs = w_ptr + (rows * SLAB + col0)[:, None] + cc[None, :]
-            if EVEN:
-                raw = tl.load(ptrs)
+            if ROW_ITERS == 2:
+                rows = row0 + it * r + lane_row
+                cols = lane_col
+            elif ROW_ITERS == 1:
+                rows = row0 + it + lane_row
+                cols = col0 + lane_col
             else:
-                mask = (rows < A)[:, None] & ((col0 + cc) < SLAB)[None, :]
-                raw = tl.load(ptrs, mask=mask, other=0)
+                rows = row0 + lane_row
+                cols = col0 + it * BLK + lane_col
+            mask = (rows < A) & (cols < SLAB)
+            raw = tl.load(w_ptr + rows * SLAB + cols, mask=mask, other=0)
             v = _as_f32(raw, WIDTH, IS_BF16)
             fin = tl.abs(v) <= 3.4028234663852886e38     # false for NaN and +-inf
             vf = tl.where(fin, v, 0.0)
@@ -289,8 +333,7 @@ def _stats_exact(w_ptr, A, SLAB, N_COL, TOTAL, NPROG, pid, WIDTH: tl.constexpr,
             acc_q += vf * vf
             acc_m = tl.maximum(acc_m, tl.abs(vf))
             acc_n += tl.where(fin, 0, 1)
-    return (tl.sum(tl.sum(acc_s, axis=1), axis=0), tl.sum(tl.sum(acc_q, axis=1), axis=0),
-            tl.max(tl.max(acc_m, axis=1), axis=0), tl.sum(tl.sum(acc_n, axis=1), axis=0))
+    return tl.sum(acc_s, axis=0), tl.sum(acc_q, axis=0), tl.max(acc_m, axis=0), tl.sum(acc_n, axis=0)
 
 
 # every process keys these kernels alike, whichever it launches first (kernels/jit_keys.py)
