@@ -66,3 +66,24 @@ def test_a_fix_already_on_at_one_degree_still_advises_auto_for_another():
         "2": entry("invariant-norm-grad was already on", "invariant-norm-grad"),
         "4": entry("invariant-norm-grad was already on", "invariant-norm-grad")}})
     assert "`--fix auto` would not remove it" in line, line
+
+
+def test_a_capture_whose_difference_arises_between_probed_modules_says_what_to_do():
+    """A capture of a qk-norm over the local columns (F.rms_norm inside the attention's own forward)
+    read `cause unknown: ... no op there was recorded` and then only "nothing could judge the first
+    divergence" (helper hnew14): the line now says how to give that code a record."""
+    from tpdiag.cli.advice import what_to_do
+    from tpdiag.diff.generic_bound import why_unknown
+
+    fd = {"phase": "forward", "module": "layers.0.attention", "kind": "in", "name": "0", "cause": "unknown"}
+    fd["why"] = why_unknown({**fd, "module": "layers.0.attention.wo"})
+
+    def summary(source):
+        return {"status": "divergent", "class": "unknown", "source": source, "run_dir": "runs/d",
+                "degrees": {"2": {"status": "divergent", "first_divergence": fd}}}
+
+    line = what_to_do(summary("capture"))
+    assert "move that code into a submodule of its own" in line and "tpdiag compare --model py:" in line, line
+    assert line.endswith("`tpdiag report runs/d` shows its values"), line
+    # a compare run's own second pass records those ops: the advice for it is unchanged
+    assert what_to_do(summary(None)).startswith("nothing could judge the first divergence"), what_to_do(summary(None))
