@@ -154,7 +154,13 @@ def py_target(value: str, variant: str = "stock"):
     else:
         t = fn()
     if not isinstance(t, Target):
-        raise BadInput(f"--model py:{value}: returned {type(t).__name__}, expected tpdiag.Target")
+        import torch.nn as nn
+
+        # the natural first try is to return the model itself: say what to wrap it in
+        what = (f"{type(t).__name__} (an nn.Module: return tpdiag.Target(model=..., plan=..., "
+                "vocab_size=...) around it, docs/models-py.md)" if isinstance(t, nn.Module)
+                else type(t).__name__)
+        raise BadInput(f"--model py:{value}: returned {what}, expected tpdiag.Target")
     if t.loss_mean not in LOSS_MEANS:
         raise BadInput(f"--model py:{value}: Target.loss_mean {t.loss_mean!r}: expected one of "
                        f"{', '.join(LOSS_MEANS)} (what the loss is a mean over)")
