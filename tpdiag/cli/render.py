@@ -73,6 +73,8 @@ def _where(fd: dict) -> str:
         # an input's op ran in its caller's own code (a finding keeps the record's module, `made_in` the caller)
         at = fd.get("made_in") if kind == "in" and fd.get("op") and fd.get("made_in") else module
         text = f"{phase}: {at}" + (f" :: {fd['op']}" if fd.get("op") else "")
+        if fd.get("op") and fd.get("op_at"):
+            text += f" (at {fd['op_at']})"  # which of the module's ops: its line in the user's code
         # with an op named, the wrong value is that op's output; the record's kind and name
         # (`in 0` of the next module, where the module pass first saw it) would point elsewhere
         if kind not in ("out", None) and not fd.get("op"):

@@ -26,6 +26,7 @@ class Violation:
     follow: int = 0              # divergent records that follow from this one (grouped under it)
     round: int = 0               # the fix chain's round (--fix auto) whose run holds the record
     fixes: tuple = ()            # ... and the fixes that round ran with
+    op_at: str = ""              # the op's line in the user's code ('model.py:63 in forward')
 
     @property
     def unit(self) -> str:
@@ -37,7 +38,8 @@ class Violation:
         mabs = "-" if self.max_abs is None else f"{self.max_abs:.3g}"
         # module-granularity records name no op; an op named is where the difference entered,
         # the numbers are the record's
-        op = f" (the difference enters at op {self.op})" if self.op else ""
+        op = (f" (the difference enters at op {self.op}" + (f" at {self.op_at}" if self.op_at else "") + ")"
+              if self.op else "")
         far = f"; {self.beyond:.3g}x beyond rounding" if self.beyond and self.beyond > 1 else ""
         more = (f"; and {_count(self.follow, 'record')} that follow from it (not listed)"
                 if self.follow else "")

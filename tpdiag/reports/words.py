@@ -24,7 +24,7 @@ def where(fd: dict) -> str:
     name = fd.get("name")
     if name not in (None, "0", "total", fd.get("kind")):
         what += f" {name}"
-    op = f" (op {fd['op']})" if fd.get("op") else ""
+    op = (f" (op {fd['op']}" + (f" at {fd['op_at']}" if fd.get("op_at") else "") + ")") if fd.get("op") else ""
     module = fd.get("module")
     if fd.get("kind") == "in" and fd.get("key"):
         from tpdiag.records.keys import RecordKey
