@@ -2,7 +2,8 @@
 projection normalised before it is split into heads, `F.rms_norm(xq, xq.shape[-1:])` - which at
 TP > 1, after a column-parallel wq that returns each rank's local columns, normalises over the
 local columns only. A wrong result at TP=2 inside the attention's own forward; `qk_ok` normalises
-each head (the head_dim is whole on every rank), which TP leaves bitwise."""
+each head (the head_dim is whole on every rank): rounding only at `--tp 1,2 --forward-only`, its
+first divergence `attention.wo`'s row-parallel-reduction."""
 import torch.nn.functional as F
 from torch import nn
 
