@@ -89,6 +89,16 @@ def _record_module(key: str) -> str:
     return RecordKey.parse(key).module
 
 
+def _chain_at(fd: dict) -> str:
+    """A fix chain round's first divergence (phase, module, kind: no record name is kept) as the
+    table names records: 'loss: logprobs', 'backward: norm (param_grad)' - it read 'at model' and
+    'at norm', which said neither the record nor the phase."""
+    phase, module, kind = fd.get("phase"), fd.get("module"), fd.get("kind")
+    if module == "model" and kind and kind not in ("in", "out", "grad_out"):
+        return f"{phase}: {kind}"
+    return f"{phase}: {module}" + (f" ({kind})" if kind and kind != "out" else "")
+
+
 def made_by(fd: dict) -> str:
     """Where a wrong input or grad was computed: the grad at a module's output is what the modules
     that read it returned (a missing or doubled all-reduce in a consumer's backward is fixed
@@ -251,7 +261,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if fd.get("positions"):
             console.print(f"{config_name(label)}: {_on_positions(fd['positions'])}")
     for rnd in summary.get("fix_chain") or []:
-        firsts = ", ".join(f"{config_name(lab)}: {fd['cause']} at {fd['module']}" for lab, fd in
+        firsts = ", ".join(f"{config_name(lab)}: {fd['cause']} at {_chain_at(fd)}" for lab, fd in
                            rnd["first_divergence"].items() if fd) or "-"
         cls = {"bug": ", BUG", "non-finite": ", NON-FINITE", "unknown": ", not judged",
                "rounding": ", rounding"}.get(rnd.get("class"), "")
