@@ -26,5 +26,7 @@ def test_a_bug_at_an_op_names_the_users_line(tmp_path):
     assert fd["op"] == "aten::mul" and fd["op_at"].endswith(at), fd
     g = run_cli("gate", str(out), timeout=120)
     assert g.returncode == 4 and f"enters at op aten::mul at {at})" in g.stdout, g.stdout
+    # the record is wo's input, filed under the attention whose code computed it: say whose
+    assert "record in 0 of attention.wo," in g.stdout, g.stdout
     r = run_cli("report", str(out), timeout=120)
     assert r.returncode == 0 and f"(op aten::mul at {at})" in (out / "report.html").read_text()

@@ -48,8 +48,23 @@ class Violation:
         rnd = (f" (fix chain round {self.round}, with {', '.join(self.fixes) or 'no fix'})"
                if self.round else "")
         return (f"{config_name(self.degree)}{rnd}: {what}{op}, phase {self.phase}, record "
-                f"{self.kind} {self.name}, cause {self.cause} (max ULP {ulp}, max abs vs the reference "
+                f"{self.kind} {self.name}{self._of()}, cause {self.cause} (max ULP {ulp}, max abs vs the reference "
                 f"{mabs}{far}): {self.reason}{more}")
+
+
+    def _of(self) -> str:
+        """' of M' where the record is another module's than the one named (an input that differs
+        first is filed under its caller): 'module attention ..., record in 0' read as the
+        attention's own input, bitwise equal, where the record was attention.wo's."""
+        if not self.key:
+            return ""
+        from tpdiag.records.keys import MalformedKey, RecordKey
+
+        try:
+            rec = RecordKey.parse(self.key).module
+        except MalformedKey:  # a key of another form: named as before
+            return ""
+        return f" of {rec}" if rec != self.module else ""
 
 
 def _count(n: int, noun: str) -> str:
