@@ -14,6 +14,8 @@ MODEL = os.path.join("tests", "models", "planted", "first_try.py")
 @pytest.mark.parametrize("func,needles", [
     ("just_the_model", ["returned TinyLM (an nn.Module: return tpdiag.Target(model=..., plan=..., "
                         "vocab_size=...) around it"]),
+    ("TinyLM", ["TinyLM is an nn.Module class; name a function that returns "
+                "tpdiag.Target(model=TinyLM(...), plan=..., vocab_size=...)"]),
     ("tokenizer_vocab", ["Target.vocab_size is 1000 but the model's largest embedding, tok_embeddings, "
                          "has 128 rows", "set vocab_size to the model's vocabulary"]),
 ])

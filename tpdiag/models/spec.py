@@ -147,6 +147,16 @@ def py_target(value: str, variant: str = "stock"):
     from tpdiag.models.target import Target
 
     fn = _load_py_func(value)
+    import inspect
+
+    import torch.nn as nn
+
+    if inspect.isclass(fn) and issubclass(fn, nn.Module):
+        # the model class named where its Target's function belongs: called with no arguments it
+        # failed in every world with its own __init__'s TypeError
+        raise BadInput(f"--model py:{value}: {fn.__name__} is an nn.Module class; name a function that "
+                       f"returns tpdiag.Target(model={fn.__name__}(...), plan=..., vocab_size=...) "
+                       "(docs/models-py.md)")
     if takes_device(fn):
         meta = torch.device("meta")
         with meta:

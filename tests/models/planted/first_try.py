@@ -1,6 +1,7 @@
-"""A new user's first py: targets (helper hnew14): a small torchtitan-shaped LM written twice wrong
-the way a first try is - FUNC returns the model itself instead of a tpdiag.Target, and the Target's
-vocab_size is the tokenizer's (1000) while the embedding was built for 128 tokens."""
+"""A new user's first py: targets (helper hnew14): a small torchtitan-shaped LM named wrong the way a
+first try does - `py:first_try.py:TinyLM` (the model class, not a function returning a Target), FUNC
+returning the model itself instead of a tpdiag.Target, and a Target whose vocab_size is the
+tokenizer's (1000) while the embedding was built for 128 tokens."""
 import torch.nn.functional as F
 from torch import nn
 
