@@ -27,3 +27,16 @@ def test_rounding_and_a_bug_at_the_first_divergence_keep_their_headline():
     # a finding that follows another is no root of its own
     h = verdict("2", "1", _d("bug", [{**BUG, "follows": "x"}]), lambda c, op: (None, False))["headline"]
     assert "computes a wrong result" not in h, h
+
+
+def test_the_report_names_where_a_confirmed_fix_moves_the_divergence_as_the_terminal_does():
+    """The terminal read `first divergence moves to loss: logprobs (vocab-parallel-softmax)`, the report
+    `moves to model (loss)` - another record name, no cause (helper hnew14, the README's tiny-llama run)."""
+    from tpdiag.reports.words import action
+
+    after = {"phase": "loss", "module": "model", "kind": "logprobs", "name": "logprobs", "step": 0,
+             "cause": "vocab-parallel-softmax"}
+    s = action("row-parallel-reduction", {"fix": "tp-invariant-linear", "verdict": "confirmed",
+                                          "first_divergence_after": after}, "tp-invariant-linear", True)
+    assert "moves to the logprobs of model in the loss pass of step 0 (vocab-parallel-softmax)." in s, s
+    assert "model (loss)" not in s, s

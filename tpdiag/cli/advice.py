@@ -41,6 +41,15 @@ def _ran_with_its_fix(summary: dict, confirmations: list) -> list[str]:
     return sorted(need) if on and firsts and None not in need and need <= on else []
 
 
+def _in_unprobed_code(summary: dict) -> bool:
+    """An unjudged first divergence at a module's input whose difference arose in its caller's own code."""
+    from tpdiag.records.axes import entries
+
+    return any(d.get("status") == "divergent" and (d.get("first_divergence") or {}).get("cause") == "unknown"
+               and str((d.get("first_divergence") or {}).get("why") or "").endswith("no op there was recorded")
+               for d in entries(summary).values())
+
+
 def _what_to_do(summary: dict) -> str | None:
     c = summary.get("class")
     if summary.get("status") != "divergent" or not c:
@@ -55,6 +64,14 @@ def _what_to_do(summary: dict) -> str | None:
         if summary.get("fix_chain"):
             return ("the fixes did not remove every difference and nothing could judge what is left "
                     f"(the last fix chain round above); `tpdiag report {run}` shows the values")
+        if summary.get("source") == "capture" and _in_unprobed_code(summary):
+            # a capture records module boundaries only: the user's next step is to give that code
+            # a boundary, or to let compare's second pass record it op by op
+            return ("the first divergence arises in a module's own forward code between the modules it "
+                    "calls, where a capture records nothing: move that code into a submodule of its own "
+                    "(its output is then recorded, which locates the difference) and capture again, or run the model with "
+                    "`tpdiag compare --model py:FILE.py:FUNC` (docs/models-py.md), whose second pass records "
+                    f"and judges that code op by op; `tpdiag report {run}` shows its values")
         return ("nothing could judge the first divergence (the reason is above); "
                 f"`tpdiag report {run}` shows its values")
     if summary.get("fix_chain") and summary.get("status_after_fixes") == "bitwise":

@@ -36,9 +36,10 @@ def compare(
     confirm: Annotated[bool, typer.Option("--confirm/--no-confirm",
                                           help="rerun each divergent degree with the fix for its located "
                                                "cause to confirm it")] = True,
-    granularity: Annotated[str, typer.Option(help=f"{H.choice('GRANULARITIES')} (op: every compute op; auto: "
-                                                  "modules first, then ops inside the first divergent "
-                                                  "module)")] = "module",
+    granularity: Annotated[str, typer.Option(help=f"{H.choice('GRANULARITIES')} (module: module records, then "
+                                                  "the ops inside the first divergent module in a second pass "
+                                                  "whenever its verdict needs them; op: every compute op in "
+                                                  "the first pass; auto: that second pass always)")] = "module",
     capture: Annotated[str, typer.Option(
         help="full (every record whole) | hash (hashes + statistics on the device, whole values "
              "for the first divergence only, in a second pass) | auto (hash above 100M params)")] = "auto",

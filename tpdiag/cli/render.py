@@ -73,6 +73,8 @@ def _where(fd: dict) -> str:
         # an input's op ran in its caller's own code (a finding keeps the record's module, `made_in` the caller)
         at = fd.get("made_in") if kind == "in" and fd.get("op") and fd.get("made_in") else module
         text = f"{phase}: {at}" + (f" :: {fd['op']}" if fd.get("op") else "")
+        if fd.get("op") and fd.get("op_at"):
+            text += f" (at {fd['op_at']})"  # which of the module's ops: its line in the user's code
         # with an op named, the wrong value is that op's output; the record's kind and name
         # (`in 0` of the next module, where the module pass first saw it) would point elsewhere
         if kind not in ("out", None) and not fd.get("op"):
@@ -85,6 +87,16 @@ def _record_module(key: str) -> str:
     from tpdiag.records.keys import RecordKey
 
     return RecordKey.parse(key).module
+
+
+def _chain_at(fd: dict) -> str:
+    """A fix chain round's first divergence (phase, module, kind: no record name is kept) as the
+    table names records: 'loss: logprobs', 'backward: norm (param_grad)' - it read 'at model' and
+    'at norm', which said neither the record nor the phase."""
+    phase, module, kind = fd.get("phase"), fd.get("module"), fd.get("kind")
+    if module == "model" and kind and kind not in ("in", "out", "grad_out"):
+        return f"{phase}: {kind}"
+    return f"{phase}: {module}" + (f" ({kind})" if kind and kind != "out" else "")
 
 
 def made_by(fd: dict) -> str:
@@ -249,7 +261,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if fd.get("positions"):
             console.print(f"{config_name(label)}: {_on_positions(fd['positions'])}")
     for rnd in summary.get("fix_chain") or []:
-        firsts = ", ".join(f"{config_name(lab)}: {fd['cause']} at {fd['module']}" for lab, fd in
+        firsts = ", ".join(f"{config_name(lab)}: {fd['cause']} at {_chain_at(fd)}" for lab, fd in
                            rnd["first_divergence"].items() if fd) or "-"
         cls = {"bug": ", BUG", "non-finite": ", NON-FINITE", "unknown": ", not judged",
                "rounding": ", rounding"}.get(rnd.get("class"), "")

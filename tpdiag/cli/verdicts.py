@@ -21,7 +21,7 @@ def report(
 ) -> None:
     """Write one self-contained HTML report (verdict, plots, tables) for a run directory.
 
-    RUN_DIR: the --out directory of a tpdiag compare run."""
+    RUN_DIR: the --out directory of a tpdiag compare run, or of tpdiag diff."""
     DEBUG["on"] = debug
     try:
         from tpdiag.reports.html import write_report
@@ -57,7 +57,7 @@ def gate(
 ) -> None:
     """Exit 0 when nothing diverges beyond the policy, 1 when something does (4: a bug or NaN/Inf), 2 on incomplete evidence.
 
-    RUN_DIR: the --out directory of a tpdiag compare run. The policy file's format: docs/ci.md."""
+    RUN_DIR: the --out directory of a tpdiag compare run, or of tpdiag diff. The policy file's format: docs/ci.md."""
     DEBUG["on"] = debug
     import os
 

@@ -327,6 +327,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         row["shape"] = list(b.shape)
         row["rank_consistent"] = oa.rank_consistent
         row["consumers"] = om.get("consumers")
+        if om.get("at"):
+            row["at"] = om["at"]  # an op's line in the user's code (probes/op_probe.py)
         if om.get("positions"):
             row["positions"] = om["positions"]  # a decode run of the first positions (runner/prefix.py)
         if (a.shape != b.shape or a.dtype != b.dtype) and _after_flip(rows):

@@ -268,6 +268,8 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
     if fd is not None and op_row is not None:
         fd["op"] = op_row["name"].rsplit("#", 1)[0]
         fd["op_record"] = op_row["key"]
+        if op_row.get("at"):
+            fd["op_at"] = op_row["at"]
         if "why" in op_row:
             # every op the reference also ran was bitwise equal up to here: the difference
             # enters through an op that exists only at this degree (a collective)
@@ -277,6 +279,8 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             fd["op_max_abs"] = op_row["max_abs"]
     elif fd is not None and first["kind"] == "op":
         fd["op"] = first["name"].rsplit("#", 1)[0]
+        if first.get("at"):
+            fd["op_at"] = first["at"]
         op_row = first
     if fd is not None:
         # the first divergent op, and its float64 re-execution where it judges what the module

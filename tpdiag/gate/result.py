@@ -26,6 +26,7 @@ class Violation:
     follow: int = 0              # divergent records that follow from this one (grouped under it)
     round: int = 0               # the fix chain's round (--fix auto) whose run holds the record
     fixes: tuple = ()            # ... and the fixes that round ran with
+    op_at: str = ""              # the op's line in the user's code ('model.py:63 in forward')
 
     @property
     def unit(self) -> str:
@@ -37,7 +38,8 @@ class Violation:
         mabs = "-" if self.max_abs is None else f"{self.max_abs:.3g}"
         # module-granularity records name no op; an op named is where the difference entered,
         # the numbers are the record's
-        op = f" (the difference enters at op {self.op})" if self.op else ""
+        op = (f" (the difference enters at op {self.op}" + (f" at {self.op_at}" if self.op_at else "") + ")"
+              if self.op else "")
         far = f"; {self.beyond:.3g}x beyond rounding" if self.beyond and self.beyond > 1 else ""
         more = (f"; and {_count(self.follow, 'record')} that follow from it (not listed)"
                 if self.follow else "")
@@ -46,8 +48,23 @@ class Violation:
         rnd = (f" (fix chain round {self.round}, with {', '.join(self.fixes) or 'no fix'})"
                if self.round else "")
         return (f"{config_name(self.degree)}{rnd}: {what}{op}, phase {self.phase}, record "
-                f"{self.kind} {self.name}, cause {self.cause} (max ULP {ulp}, max abs vs the reference "
+                f"{self.kind} {self.name}{self._of()}, cause {self.cause} (max ULP {ulp}, max abs vs the reference "
                 f"{mabs}{far}): {self.reason}{more}")
+
+
+    def _of(self) -> str:
+        """' of M' where the record is another module's than the one named (an input that differs
+        first is filed under its caller): 'module attention ..., record in 0' read as the
+        attention's own input, bitwise equal, where the record was attention.wo's."""
+        if not self.key:
+            return ""
+        from tpdiag.records.keys import MalformedKey, RecordKey
+
+        try:
+            rec = RecordKey.parse(self.key).module
+        except MalformedKey:  # a key of another form: named as before
+            return ""
+        return f" of {rec}" if rec != self.module else ""
 
 
 def _count(n: int, noun: str) -> str:

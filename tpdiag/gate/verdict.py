@@ -89,7 +89,8 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
                                             fd.get("op") if root else None, r["kind"], r["name"], cause,
                                             r["max_ulp"], r["max_abs"], why, r["key"],
                                             beyond=src.get("bound_ratio"),
-                                            follow=follows.get(src.get("key") or r["key"], 0)))
+                                            follow=follows.get(src.get("key") or r["key"], 0),
+                                            op_at=(fd.get("op_at") or "") if root else ""))
     if d.get("downstream_unjudged") and "unknown" not in policy.allow_causes and not res.violations:
         # compare called this degree unjudged (class unknown, never "rounding only"): the modules past the
         # first divergence that were to be judged on their own inputs were not, so a bug may sit there

@@ -108,6 +108,23 @@ def check_plan(spec, degrees, variant: str = "stock") -> None:
         return
     check_model_plan(t.model, t.plan, tp, f"--model py:{spec.value}", f"py:{spec.value}",
                      t.divisors)
+    if t.inputs is None:
+        check_vocab(t.model, t.vocab_size, f"--model py:{spec.value}")
+
+
+def check_vocab(model, vocab_size: int, who: str) -> None:
+    """Refuse a Target.vocab_size that no nn.Embedding of the model has rows for: tpdiag's random
+    tokens are drawn from [0, vocab_size), and every world failed with `IndexError: index out of
+    range in self` inside the user's forward, which names neither the vocab_size nor the fix."""
+    import torch
+
+    rows = {n: m.num_embeddings for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    if rows and max(rows.values()) < vocab_size:
+        name, n = max(rows.items(), key=lambda kv: kv[1])
+        raise BadInput(f"{who}: Target.vocab_size is {vocab_size} but the model's largest embedding, "
+                       f"{name}, has {n} rows: the random token ids tpdiag draws from [0, {vocab_size}) "
+                       "would index past it; set vocab_size to the model's vocabulary (or give "
+                       "Target.inputs that draws the tokens)")
 
 
 def check_model_plan(model, plan: dict, degrees, who: str, of: str, divisors: dict | None = None,

@@ -147,6 +147,16 @@ def py_target(value: str, variant: str = "stock"):
     from tpdiag.models.target import Target
 
     fn = _load_py_func(value)
+    import inspect
+
+    import torch.nn as nn
+
+    if inspect.isclass(fn) and issubclass(fn, nn.Module):
+        # the model class named where its Target's function belongs: called with no arguments it
+        # failed in every world with its own __init__'s TypeError
+        raise BadInput(f"--model py:{value}: {fn.__name__} is an nn.Module class; name a function that "
+                       f"returns tpdiag.Target(model={fn.__name__}(...), plan=..., vocab_size=...) "
+                       "(docs/models-py.md)")
     if takes_device(fn):
         meta = torch.device("meta")
         with meta:
@@ -154,7 +164,13 @@ def py_target(value: str, variant: str = "stock"):
     else:
         t = fn()
     if not isinstance(t, Target):
-        raise BadInput(f"--model py:{value}: returned {type(t).__name__}, expected tpdiag.Target")
+        import torch.nn as nn
+
+        # the natural first try is to return the model itself: say what to wrap it in
+        what = (f"{type(t).__name__} (an nn.Module: return tpdiag.Target(model=..., plan=..., "
+                "vocab_size=...) around it, docs/models-py.md)" if isinstance(t, nn.Module)
+                else type(t).__name__)
+        raise BadInput(f"--model py:{value}: returned {what}, expected tpdiag.Target")
     if t.loss_mean not in LOSS_MEANS:
         raise BadInput(f"--model py:{value}: Target.loss_mean {t.loss_mean!r}: expected one of "
                        f"{', '.join(LOSS_MEANS)} (what the loss is a mean over)")

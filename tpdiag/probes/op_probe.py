@@ -12,8 +12,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tpdiag.base.user_code import calling_line
 from tpdiag.probes.float64 import DISCRETE
 from tpdiag.probes.recorder import PHASES, Recorder
+from tpdiag.probes.rows import extras
 from tpdiag.records.keys import record_key
 
 # Metadata and aliasing ops produce no new numbers; recording them only adds noise.
@@ -151,10 +153,17 @@ class OpProbe(TorchDispatchMode):
             # a wrong one (diff/judge.py); a parameter or buffer the step has not written
             self._sources.add((module, op, k))
             rec.add("op", module, f"{op}#{k}.src", src.detach().clone())
+        at = None
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
             if t.is_floating_point() or choice:
                 t = written(name, i, t, args)
-                rec.add("op", module, f"{op}#{k}.{i}", t.detach().clone() if mutable else t)
+                r = rec.add("op", module, f"{op}#{k}.{i}", t.detach().clone() if mutable else t)
+                if r is not None:
+                    # the line of the user's code that ran it: `aten::mul` alone does not say
+                    # which of a forward's muls made the difference
+                    at = at or calling_line()
+                    if at:
+                        extras(r)["at"] = at
         if self.oracle and rec.phase == "forward" and any(
                 isinstance(x, torch.Tensor) and x.is_floating_point() for x in flat):
             self._oracle(func, args, kwargs, module, f"{op}#{k}")

@@ -24,7 +24,7 @@ def where(fd: dict) -> str:
     name = fd.get("name")
     if name not in (None, "0", "total", fd.get("kind")):
         what += f" {name}"
-    op = f" (op {fd['op']})" if fd.get("op") else ""
+    op = (f" (op {fd['op']}" + (f" at {fd['op_at']}" if fd.get("op_at") else "") + ")") if fd.get("op") else ""
     module = fd.get("module")
     if fd.get("kind") == "in" and fd.get("key"):
         from tpdiag.records.keys import RecordKey
@@ -83,7 +83,11 @@ def action(cause: str, confirmation: dict | None, fix: str | None, fix_available
         after = confirmation.get("first_divergence_after")
         if v == "confirmed":
             s = (f"fix {confirmation['fix']} -> confirmed: with it this record becomes bitwise equal"
-                 + (f"; the first divergence moves to {after.get('module')} ({after.get('phase')})."
+                 # the record and its cause, as the terminal's `fix ... -> confirmed` line names them
+                 # (it read "moves to model (loss)" where the terminal said "loss: logprobs
+                 # (vocab-parallel-softmax)")
+                 + (f"; the first divergence moves to {where(after)}"
+                    + (f" ({after['cause']})." if after.get("cause") else ".")
                     if isinstance(after, dict) else " and nothing diverges any more."))
             return s
         if v == "not-confirmed":

@@ -22,7 +22,7 @@ from tpdiag.runner import prefix
 from tpdiag.runner.drill_own import inside_consumer, near_on_own_inputs, own_files, own_left, step_differs
 
 _VALUES = ("max_abs", "max_ulp", "mismatch_fraction", "bound", "bound_ratio")
-_OPS = ("op", "op_record", "op_detail", "op_max_abs")
+_OPS = ("op", "op_record", "op_detail", "op_max_abs", "op_at")
 
 
 def _scope(fd: dict) -> str:

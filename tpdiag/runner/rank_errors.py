@@ -8,38 +8,10 @@ from __future__ import annotations
 
 import glob
 import os
-import sysconfig
 import traceback
 
-_INTERNAL: list = []
-
-
-def _internal_dirs() -> list[str]:
-    if not _INTERNAL:
-        import torch
-
-        import tpdiag
-
-        dirs = [os.path.dirname(tpdiag.__file__), os.path.dirname(torch.__file__)]
-        try:
-            import importlib.util
-
-            spec = importlib.util.find_spec("transformers")
-            if spec is not None and spec.origin:
-                dirs.append(os.path.dirname(spec.origin))
-        except (ImportError, ValueError):
-            pass
-        for key in ("stdlib", "platstdlib"):
-            p = sysconfig.get_paths().get(key)
-            if p:
-                dirs.append(p)
-        _INTERNAL.extend(os.path.realpath(d) + os.sep for d in dirs)
-    return _INTERNAL
-
-
-def _shown(path: str) -> str:
-    rel = os.path.relpath(path)
-    return rel if not rel.startswith("..") else path
+from tpdiag.base.user_code import internal_dirs as _internal_dirs
+from tpdiag.base.user_code import shown as _shown
 
 
 def user_frame(exc: BaseException) -> str | None:

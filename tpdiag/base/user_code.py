@@ -1,0 +1,61 @@
+"""Which frames are the user's own code: not tpdiag's, torch's, transformers' or the standard
+library's.
+
+A rank's exception (runner/rank_errors.py) and a recorded op (probes/op_probe.py: `aten::mul` of
+a module's own forward - which of its muls?) both point the user at the innermost such frame.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+
+_INTERNAL: list = []
+_SEEN: dict = {}  # co_filename -> internal? (a walk per recorded op must not resolve paths again)
+
+
+def internal_dirs() -> list[str]:
+    if not _INTERNAL:
+        import torch
+
+        import tpdiag
+
+        dirs = [os.path.dirname(tpdiag.__file__), os.path.dirname(torch.__file__)]
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec("transformers")
+            if spec is not None and spec.origin:
+                dirs.append(os.path.dirname(spec.origin))
+        except (ImportError, ValueError):
+            pass
+        for key in ("stdlib", "platstdlib"):
+            p = sysconfig.get_paths().get(key)
+            if p:
+                dirs.append(p)
+        _INTERNAL.extend(os.path.realpath(d) + os.sep for d in dirs)
+    return _INTERNAL
+
+
+def shown(path: str) -> str:
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+
+
+def _internal(filename: str) -> bool:
+    hit = _SEEN.get(filename)
+    if hit is None:
+        hit = _SEEN[filename] = filename.startswith("<") or any(
+            os.path.realpath(filename).startswith(d) for d in internal_dirs())
+    return hit
+
+
+def calling_line() -> str | None:
+    """'FILE:LINE in FUNC' of the innermost frame of the running stack in the user's own code;
+    None when there is none (an op of torch's or tpdiag's own, a library model)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if not _internal(f.f_code.co_filename):
+            return f"{shown(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+        f = f.f_back
+    return None
