@@ -54,7 +54,8 @@ def rollout(
     max_new_tokens: Annotated[int, typer.Option(help="generate()'s max_new_tokens, which sets --padding static's "
                                                      "KV cache length (each micro-batch's longest prompt + it - 1); "
                                                      "0: --sampling's, else the rollout's most generated tokens "
-                                                     "(right unless every sequence stopped at EOS early)")] = 0,
+                                                     "where one ran out, else the checkpoint's generation_config "
+                                                     "max_new_tokens (or max_length), else that most")] = 0,
     logprob: Annotated[str, typer.Option(help="the trainer's logprob recipe, every configuration's: log-softmax "
                                               "(logits.float().log_softmax(-1) gathered at the token), logsumexp "
                                               "(x = logits.float(); x.gather(-1, ids) - x.logsumexp(-1): TRL's "

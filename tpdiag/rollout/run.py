@@ -95,7 +95,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     from tpdiag.rollout import static_len
 
     # resolved once for the whole file: every lane and world takes the same cache length
-    rc = replace(rc, max_new_tokens=static_len.resolve(rc, seqs))
+    rc = replace(rc, max_new_tokens=static_len.resolve(rc, seqs), max_cache_len=static_len.cache_len(rc, seqs))
     counts = lanes.lanes_per_degree(rc, configurations(rc), seqs)
     jobs = max(counts.values())
     if max(rc.tp) > 1:
