@@ -131,3 +131,18 @@ def test_a_trainer_temperature_beside_samplings_is_refused(team):
     with pytest.raises(BadInput, match="name the temperature once"):
         rollout(tmp, files["scores"], path, modes=("decode",), recipe=parse("log-softmax", T),
                 sampling=(("temperature", T), ("top_k", 0)))
+
+
+def test_a_tp2_world_takes_the_recipe(team):
+    """The recipe travels to the TP > 1 worlds: under --fix all TP=2's logprobs are TP=1's bits
+    (the log-softmax of bf16 logits divided by T in bf16; a world that took tpdiag's default would
+    not divide at all), and stock TP=1 is the user's own recipe."""
+    from tpdiag.rollout.recipe import parse
+
+    tmp, path, files, user = team
+    rows = files["raw"]
+    key = ("log-softmax", T, "model")
+    s, got = rollout(tmp, rows, path, modes=("prefill",), tp=(1, 2), fixes=("none", "all"), recipe=parse(*key))
+    assert s["tp_invariance"]["tp2-mb8-prefill-all"]["same_bits"], s["tp_invariance"]
+    assert all(torch.equal(got["tp2-mb8-prefill-all"][i], got["tp1-mb8-prefill-all"][i]) for i in range(len(rows)))
+    assert _same(user[key], rows, got["tp1-mb8-prefill-none"]) == len(rows)
