@@ -78,3 +78,33 @@ def test_a_static_engine_without_max_new_tokens_takes_the_checkpoints(tmp_path, 
     # the control: the least length the file allows (what tpdiag took before) is not generate()'s
     s, lps = run(max_new_tokens=most)
     assert not s["closest"]["reproduced"]
+
+
+def test_a_checkpoints_max_cache_len_sizes_the_static_cache(tmp_path):
+    """generate() sizes a static cache max(max_length - 1, generation_config.max_cache_len): a
+    checkpoint whose generation config sets max_cache_len 24 attends over 24 positions where the
+    batch asks for 17. In float32 the CPU's SDPA gives other bits at each key length: tpdiag took
+    the batch's own 17 before (not every token: 34 of 40 by hand; the control) and takes the
+    checkpoint's 24 now (every token), with a note."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from tests.test_rollout_static_cache import _generate_rows
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    path = save_bf16("qwen2", tmp_path / "q")
+    GenerationConfig(eos_token_id=2, pad_token_id=0, max_cache_len=24).save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rows = _generate_rows(model, new=10)  # the batch's own cache: 8 + 10 - 1 = 17 positions
+    f = tmp_path / "e.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+
+    def run(**over):
+        s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="float32", micro_batch=(8,),
+                                      modes=("decode",), fixes=("none",), padding=("static",), **over))
+        m = s["configurations"]["tp1-mb8-decode-none-padstatic"]["metrics"]
+        return s, m["exact_tokens"], m["tokens"]
+
+    s, got, n = run()
+    assert got == n and any("generation_config.max_cache_len 24" in x for x in s["notes"]), s["notes"]
+    _, got, n = run(max_cache_len=17)
+    assert got < n

@@ -42,14 +42,30 @@ def resolve(rc, seqs) -> int:
 
 
 def cache_len(rc, seqs) -> int:
-    """--padding static's fixed cache length where nothing else names it: the checkpoint's
-    generation_config.max_length - 1 (generate()'s cache whatever the prompt, when called without
-    max_new_tokens and the checkpoint sets no max_new_tokens); else rc.max_cache_len as given."""
-    if rc.max_cache_len or not any_static(rc.padding) or "decode" not in rc.modes or rc.max_new_tokens \
-            or dict(rc.sampling).get("max_new_tokens"):
+    """--padding static's fixed cache length where the user names none (0: each micro-batch's own):
+    the checkpoint's generation_config.max_length - 1 (generate()'s cache whatever the prompt, when
+    called without max_new_tokens and the checkpoint sets no max_new_tokens), raised to its
+    generation_config.max_cache_len - generate() sizes the cache max(max_length - 1, max_cache_len) -
+    where that is at least every micro-batch's own length (then it is every micro-batch's length)."""
+    if rc.max_cache_len or not any_static(rc.padding) or "decode" not in rc.modes:
         return rc.max_cache_len
-    got = _from_checkpoint(rc, seqs)
-    return got[1] - 1 if got and got[0] == "max_length" else 0
+    got = None
+    if not (rc.max_new_tokens or dict(rc.sampling).get("max_new_tokens")):
+        got = _from_checkpoint(rc, seqs)
+    length = got[1] - 1 if got and got[0] == "max_length" else 0
+    floor = _floor(rc, seqs)
+    return max(floor, length) if floor else length
+
+
+def _floor(rc, seqs) -> int:
+    """The checkpoint's generation_config.max_cache_len where it is every micro-batch's cache: at
+    least the file's longest prompt + max_new_tokens - 1 (a micro-batch asks for no more); else 0."""
+    gc = _generation_config(rc.model)
+    n = getattr(gc, "max_cache_len", None) if gc is not None else None
+    if not isinstance(n, int) or n < 1:
+        return 0
+    need = max(s.prompt_len for s in seqs) + resolve(rc, seqs) - 1
+    return n if n >= need else 0
 
 
 def _from_checkpoint(rc, seqs):
@@ -92,8 +108,13 @@ def _generation_config(spec_text: str):
 def note(rc, seqs, model) -> list[str]:
     """Where every sequence ends at the model's EOS and the user named no max_new_tokens, the file
     does not say how long generate()'s static cache was: the length taken is the least it can be."""
-    if not any_static(rc.padding) or "decode" not in rc.modes or rc.max_cache_len or rc.max_new_tokens \
-            or dict(rc.sampling).get("max_new_tokens"):
+    if not any_static(rc.padding) or "decode" not in rc.modes or rc.max_cache_len:
+        return []
+    floor = _floor(rc, seqs)
+    if floor:
+        return [f"padding static: the checkpoint's generation_config.max_cache_len {floor} sizes generate()'s static "
+                "cache (the larger of it and max_length - 1, here it): taken as every micro-batch's cache length"]
+    if rc.max_new_tokens or dict(rc.sampling).get("max_new_tokens"):
         return []
     eos = _eos(model, rc.sampling)
     if not eos or not all(s.n_generated and s.input_ids[-1] in eos for s in seqs):
