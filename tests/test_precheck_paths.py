@@ -29,6 +29,9 @@ def _hf_dir(tmp_path, kind: str) -> str:
     (f"py:{MODEL}:target_bad_plan", "1,2", "plan entry 'blocks.*.fc1' matches no module"),
     (f"py:{MODEL}:target", "1,3", "--tp 3: does not divide embed vocab=128"),
     ("hf:stablelm", "1,2", "stablelm has no tensor-parallel plan"),
+    # a plan of the embedding alone is a plan: it was called "no base_model_tp_plan" before
+    ("hf:diffllama", "1,2", "diffllama's tensor-parallel plan in transformers splits only embed_tokens "
+                            "(base_model_tp_plan: no layer is split"),
 ])
 def test_matrix_refused_before_any_world_starts(tmp_path, spec, tp, needle):
     if spec.startswith("hf:"):

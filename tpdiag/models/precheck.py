@@ -96,8 +96,12 @@ def check_plan(spec, degrees, variant: str = "stock") -> None:
         # a plan that splits only the embedding leaves every layer replicated: no more a TP model
         # than none (tpdiag's table, models/plans_hf.py, already filled in what it knows)
         if model_type and splits_nothing(plan):
-            raise BadInput(f"--model hf:{spec.value}: {model_type} has no tensor-parallel plan in "
-                           "transformers (no base_model_tp_plan; at most the LM head would be split), "
+            # an embedding-only plan (DiffLlama's embed_tokens) is a plan: "no plan" misstated it
+            what = (f"'s tensor-parallel plan in transformers splits only {', '.join(plan)} (base_model_tp_plan: "
+                    "no layer is split; at most the LM head would be too)" if plan else
+                    " has no tensor-parallel plan in transformers (no base_model_tp_plan; at most the LM head "
+                    "would be split)")
+            raise BadInput(f"--model hf:{spec.value}: {model_type}{what}, "
                            f"so TP={tp[0]} would not be the model at TP={tp[0]}; give it a plan as "
                            "base_model_tp_plan in its config.json or as a py: target (docs/models.md)")
         return

@@ -53,14 +53,15 @@ def build(spec_text: str, dtype: str, device: str, seed: int):
 
 
 def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, tree_groups: int = 0,
-             on_flags=None, sampling=(), max_cache_len: int = 0, max_new_tokens: int = 0) -> list:
+             on_flags=None, sampling=(), max_cache_len: int = 0, max_new_tokens: int = 0, recipe=None) -> list:
     """Per sequence a float32 tensor [len - 1]: the trainer's logprob of input_ids[t] at t-1.
     on_logits(i, rows): the logits rows [len - 1, vocab] of sequence i (in decode, the prompt's
     rows are NaN unless the engine gave prompt logprobs). on_flags(setting, snapshot): the backend
     flags this configuration ran under (tpdiag.runner.flags.snapshot). sampling: generate()'s
     settings whose processors the generated tokens' rows go through first (tpdiag.rollout.sampling).
     max_cache_len: padding static's cache length (0: generate()'s for the micro-batch, _decode);
-    max_new_tokens: generate()'s, which sets that length (0: the micro-batch's most generated tokens)."""
+    max_new_tokens: generate()'s, which sets that length (0: the micro-batch's most generated tokens).
+    recipe: the trainer's logprob recipe (tpdiag.rollout.recipe.Recipe; None: the default)."""
     import torch
 
     from tpdiag.fixes.registry import apply_fixes, resolve
@@ -89,6 +90,9 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
         raise Unavailable(f"padding compiled is generate()'s torch.compile'd decode, which it runs only on "
                           f"{' / '.join(COMPILING_DEVICES)}; on {_device(model).type} generate(cache_implementation="
                           "\"static\") is eager: --padding static")
+    from tpdiag.rollout import recipe as trainer_recipe
+
+    recipe = recipe or trainer_recipe.Recipe()
     names = () if cfg.fix == "none" else resolve("all" if cfg.fix == "all" else cfg.fix.split("+"))
     out: list = [None] * len(seqs)
     with ExitStack() as stack, torch.no_grad():
@@ -111,16 +115,25 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
             else:
                 rows = _decode(model, group, static=cfg.padding in STATIC_PADDINGS, max_cache_len=max_cache_len,
                                max_new_tokens=max_new_tokens, compiled=cfg.padding == "compiled")
-            wholes = []
+            wholes, undivided = [], []
             for r in rows:
                 # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
                 # a vocab-sharded DTensor under loss_parallel (tpdiag.runner.losses)
                 r, _ = whole_vocab(r, model, target.plan, target.vocab_size, world)
+                if not recipe.default:
+                    # the user's recipe on the whole vocabulary: a division or a log-softmax in bf16
+                    # rounds per element, the same bits on a shard or the whole
+                    wholes.append(trainer_recipe.rows(_whole(r), recipe))
+                    if recipe.temperature != 1.0:
+                        # the processed check reads the engine against the model's own logits: a
+                        # trainer's division is the trainer's, not a processing the engine did
+                        undivided.append(_whole(r).float())
+                    continue
                 # logprobs in float32, as an engine takes them (generate()'s output_logits are
                 # float32 copies; vLLM's sampler upcasts) and as RL trainers do (NeMo RL, verl):
                 # a bf16 log-softmax rounds every logprob to 8 bits
                 wholes.append(r.float())
-            sharded = world
+            sharded = world if recipe.default else 1
             if sampling:
                 from tpdiag.rollout import sampling as proc
 
@@ -129,13 +142,16 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
                 ids, mask = decode_inputs(group, plen, max(s.n_generated for s in group), pad_id(model))
                 wholes = proc.apply(model, sampling, group, [_whole(r) for r in wholes], ids, mask, plen)
                 sharded = 1
-            for i, s, r in zip(idx, group, wholes):
+            for k, (i, s, r) in enumerate(zip(idx, group, wholes)):
                 labels = torch.tensor(s.input_ids[1:], device=r.device)
-                with loss_context(sharded):
-                    lp = logprob_fn(r, labels)
+                if recipe.default:
+                    with loss_context(sharded):
+                        lp = logprob_fn(r, labels)
+                else:
+                    lp = trainer_recipe.token_logprobs(r, labels, recipe)
                 out[i] = _whole(lp).float().cpu()
                 if on_logits is not None:
-                    on_logits(i, _whole(r).float())
+                    on_logits(i, undivided[k] if undivided else _whole(r).float())
     return out
 
 

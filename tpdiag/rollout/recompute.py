@@ -10,7 +10,7 @@ from tpdiag.base.configs import folder
 
 
 def _lead(cfgs, seqs, target, model, groups, on_status, flag_values, sampling=(), max_cache_len=0,
-          max_new_tokens=0):
+          max_new_tokens=0, recipe=None):
     """The TP=1 configurations up to the first that runs, here, the first with the margins'
     collector - as _compute takes them: ({label: world-style entry}, collector, its label)."""
     from tpdiag.rollout import processed
@@ -21,7 +21,7 @@ def _lead(cfgs, seqs, target, model, groups, on_status, flag_values, sampling=()
         if c.tp != 1:
             continue
         entry, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, collector, sampling,
-                                 max_cache_len, max_new_tokens)
+                                 max_cache_len, max_new_tokens, recipe)
         out[c.rollout_name()] = {**entry, **({"logprobs": lps} if lps is not None else {})}
         if lps is not None or entry["status"] == "ok":
             return out, collector, c.rollout_name()
@@ -29,7 +29,7 @@ def _lead(cfgs, seqs, target, model, groups, on_status, flag_values, sampling=()
 
 
 def _in_process(c, seqs, target, model, groups, on_status, flag_values, hook, sampling=(), max_cache_len=0,
-                max_new_tokens=0):
+                max_new_tokens=0, recipe=None):
     """(entry: status, reason, seconds, sdpa_ran; logprobs or None) of one TP=1 configuration."""
     from tpdiag.rollout.compute import Unavailable, logprobs
     from tpdiag.runner.sdpa_ran import SdpaRan
@@ -44,7 +44,7 @@ def _in_process(c, seqs, target, model, groups, on_status, flag_values, hook, sa
         with ran:
             lps = logprobs(c, target, model, seqs, on_logits=hook, tree_groups=groups,
                            on_flags=lambda k, v: flag_values.setdefault(k, v), sampling=sampling,
-                           max_cache_len=max_cache_len, max_new_tokens=max_new_tokens)
+                           max_cache_len=max_cache_len, max_new_tokens=max_new_tokens, recipe=recipe)
     except Unavailable as e:
         entry.update(status="unavailable", reason=str(e))
     except Exception as e:  # noqa: BLE001 - one configuration failing leaves the others
@@ -78,7 +78,7 @@ def _compute(rc, cfgs, worlds, seqs, target, model, groups, on_status, flag_valu
             if stats_from is None:
                 hook, stats_from = collector, c.rollout_name()
             got, lps = _in_process(c, seqs, target, model, groups, on_status, flag_values, hook, rc.sampling,
-                                   rc.max_cache_len, rc.max_new_tokens)
+                                   rc.max_cache_len, rc.max_new_tokens, rc.recipe)
             entry.update(got)
             if lps is None and hook is not None:
                 stats_from = None

@@ -44,6 +44,9 @@ class RolloutConfig:
     # generate()'s max_new_tokens: --padding static's cache length is each micro-batch's longest
     # prompt + it - 1; 0: --sampling's, else the rollout's most generated tokens (rollout/static_len.py)
     max_new_tokens: int = 0
+    # the trainer's logprob recipe (tpdiag.rollout.recipe.Recipe; None: log_softmax of the float32
+    # logits gathered at the token), every configuration's
+    recipe: object = None
 
 
 # the option parsers live in rollout/options.py; importable from here as before
@@ -78,6 +81,10 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
         from tpdiag.rollout import sampling as rollout_sampling
 
         rollout_sampling.check(seqs, rc.sampling)
+    if rc.recipe is not None:
+        from tpdiag.rollout.recipe import check_sampling
+
+        check_sampling(rc.recipe, rc.sampling)
     if rc.max_cache_len < 0:
         raise BadInput(f"--max-cache-len {rc.max_cache_len}: must be >= 1 (0: generate()'s, from the sequences)")
     if rc.max_cache_len and not any_static(rc.padding):
@@ -88,7 +95,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     from tpdiag.rollout import static_len
 
     # resolved once for the whole file: every lane and world takes the same cache length
-    rc = replace(rc, max_new_tokens=static_len.resolve(rc, seqs))
+    rc = replace(rc, max_new_tokens=static_len.resolve(rc, seqs), max_cache_len=static_len.cache_len(rc, seqs))
     counts = lanes.lanes_per_degree(rc, configurations(rc), seqs)
     jobs = max(counts.values())
     if max(rc.tp) > 1:
@@ -151,7 +158,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                 # every other configuration in the lanes (a TP=1 one run here too - its first did not
                 # run - takes this process's result: the same bits)
                 lead, collector, stats_from = _lead(cfgs, seqs, target, model, groups, on_status, flag_values,
-                                                   rc.sampling, rc.max_cache_len, rc.max_new_tokens)
+                                                   rc.sampling, rc.max_cache_len, rc.max_new_tokens, rc.recipe)
                 worlds = {**early.result(), **lead}
                 results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
                                                                    on_status, flag_values, collector, stats_from)
@@ -177,6 +184,14 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
                 flag_values.setdefault(k, v)
     return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
                     flag_values, pad_note, sampled, decodable)
+
+
+def _recipe_entry(rc) -> dict:
+    """The trainer's logprob recipe every configuration ran (docs/rl.md, --logprob)."""
+    from tpdiag.rollout.recipe import Recipe
+
+    r = rc.recipe or Recipe()
+    return {**r.to_dict(), "formula": r.describe()}
 
 
 def _not_judged(rc, results) -> str:
@@ -235,10 +250,13 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         # a configuration's raw log-softmax is every number the engine gave, bit for bit: whatever a
         # fit on another configuration's rows suggested, the engine's logprobs are raw
         verdict = {k: v for k, v in verdict.items() if not k.startswith("fit_")}
+        t = (rc.recipe.temperature if rc.recipe is not None else 1.0)
         verdict.update(detected=False, kind=None, explanation=(
             f"{', '.join(reproduced)} give{'s' if len(reproduced) == 1 else ''} every engine logprob bit "
-            "for bit from the trainer's raw logits, so the engine did not process them (a fit on "
-            f"{stats_from}'s rows is rounding)"))
+            + ("for bit from the trainer's raw logits, so the engine did not process them (a fit on "
+               f"{stats_from}'s rows is rounding)" if t == 1.0 else
+               f"for bit from the trainer's logits divided by its temperature {t:g} (--trainer-temperature): "
+               "the engine's logprobs are at that temperature, with no filter")))
     if sampled:
         # the check read the processed rows: what it says is about what --sampling did not cover
         verdict["explanation"] = (f"with --sampling's processing ({sampled['processors']}) applied to the "
@@ -246,6 +264,12 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     if verdict.get("detected"):
         notes.append("the engine's logprobs look processed: the closest configuration says little "
                      "until the engine reports raw logprobs")
+    if not reproduced and rc.recipe is not None and not rc.recipe.default:
+        notes.append(f"every configuration took the trainer's logprob recipe ({rc.recipe.describe()}); an engine "
+                     "reports log_softmax of its float32 logits (generate()'s output_logits, vLLM's sampler), at "
+                     "its temperature where it processes them: where the recipe is not that, no configuration "
+                     "has the engine's bits even with the engine's logits - run without --logprob/"
+                     "--trainer-temperature to see whether the logits are the engine's")
     # a prompt that begins with pad tokens is the user's own where a configuration reproduces the engine
     pad_note = None if reproduced else pad_note
     if pad_note:
@@ -281,6 +305,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         "flags": {k: {"values": v, "line": one_line(v, k)} for k, v in (flag_values or {}).items()},
         "sdpa_ran": _sdpa_words(results),
         "what_to_do": todo,
+        "logprob_recipe": _recipe_entry(rc),
         "processed": verdict, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
         "batch_leak": leak,
         "notes": notes,

@@ -21,7 +21,7 @@ RESULTS = "logprobs.json"
 
 
 def write_inputs(out_dir: str, seqs, configs, units=None, threads: int = 1, first_gpu: int = 0,
-                 sampling=(), max_cache_len: int = 0, max_new_tokens: int = 0) -> None:
+                 sampling=(), max_cache_len: int = 0, max_new_tokens: int = 0, recipe=None) -> None:
     """units: [(config, lo, hi)] - each configuration over the sequences [lo, hi) (lo a multiple
     of its micro-batch, so its micro-batches are the whole run's); None: every configuration
     over every sequence. threads: torch's CPU threads in each rank (the in-process TP=1's count).
@@ -31,7 +31,7 @@ def write_inputs(out_dir: str, seqs, configs, units=None, threads: int = 1, firs
     io.write_json(os.path.join(out_dir, SEQUENCES), {
         "configs": [c.to_dict() for c in configs], "threads": threads, "first_gpu": first_gpu,
         "sampling": [list(kv) for kv in sampling], "max_cache_len": int(max_cache_len),
-        "max_new_tokens": int(max_new_tokens),
+        "max_new_tokens": int(max_new_tokens), **({"recipe": recipe.to_dict()} if recipe is not None else {}),
         **({} if units is None else {"units": [{"config": c.to_dict(), "lo": lo, "hi": hi} for c, lo, hi in units]}),
         "sequences": [{"input_ids": s.input_ids, "prompt_len": s.prompt_len, "logprobs": s.logprobs,
                        "has_prompt_logprobs": s.prompt_logprobs is not None} for s in seqs]})
@@ -56,7 +56,7 @@ def run_degree(world: int, rc, seqs, configs, work_dir: str, tree_groups: int, u
     out_dir = os.path.join(work_dir, folder(world) + ("" if lane is None else f"-lane{lane}"))
     os.makedirs(out_dir, exist_ok=True)
     write_inputs(out_dir, seqs, configs, units, threads, first_gpu, rc.sampling, rc.max_cache_len,
-                 rc.max_new_tokens)
+                 rc.max_new_tokens, rc.recipe)
     cfg = WorldConfig.of(model=rc.model, degree=world, label=str(world), out_dir=out_dir, dtype=rc.dtype,
                          device=rc.device, backward=False, seed=rc.seed, probes=False, selfcheck=False,
                          tree_groups=tree_groups, flags=flags or configs[0].flags)
@@ -102,6 +102,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     from tpdiag.base import files as io
     from tpdiag.rollout.compute import Config, Unavailable, logprobs
     from tpdiag.rollout.read import Sequence
+    from tpdiag.rollout.recipe import Recipe
     from tpdiag.runner import determinism
     from tpdiag.runner.sdpa_ran import SdpaRan
     from tpdiag.runner.build import build_model
@@ -139,7 +140,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
                                on_flags=lambda k, v: flag_values.setdefault(k, v),
                                sampling=tuple(tuple(kv) for kv in inputs.get("sampling") or ()),
                                max_cache_len=int(inputs.get("max_cache_len") or 0),
-                               max_new_tokens=int(inputs.get("max_new_tokens") or 0))
+                               max_new_tokens=int(inputs.get("max_new_tokens") or 0),
+                               recipe=Recipe(**inputs["recipe"]) if inputs.get("recipe") else None)
         except Unavailable as e:
             out[key] = {"status": "unavailable", "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - one configuration failing leaves the others

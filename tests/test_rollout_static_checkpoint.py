@@ -1,0 +1,110 @@
+"""`--padding static` where the engine called generate(cache_implementation="static") without
+max_new_tokens: generate() then takes the checkpoint's own generation_config.max_new_tokens (the
+cache: the padded prompt + it - 1), else its max_length (a cache of max_length - 1 whatever the
+prompt). When every sequence stopped at EOS the file does not say the length; tpdiag took the least
+it can be (the most tokens generated), and no configuration reproduced the engine (0 of 11 tokens
+here, both settings). It now reads the checkpoint's generation config, as from_pretrained does, and
+`tp1-mb4-decode-none-padstatic` is generate()'s own logprobs bit for bit (torch.equal per sequence);
+a note names where the length came from. The control: the least length (--max-new-tokens of the
+most generated) is not those bits."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.test_rollout_rl_team import LENS, save_bf16  # noqa: E402
+
+EOS = list(range(3, 200, 2))  # half the vocabulary: every sequence ends early, at an EOS
+STATIC = "tp1-mb4-decode-none-padstatic"
+
+
+def _engine(path):
+    """The user's engine: from_pretrained, one sampled generate(cache_implementation="static") with
+    no max_new_tokens over LENS left-padded; rows of tpdiag's JSONL from output_logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(1)
+    P = max(LENS)
+    ids = torch.zeros(len(LENS), P, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(LENS):
+        ids[r, P - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
+        mask[r, P - n:] = 1
+    torch.manual_seed(1)
+    res = model.generate(ids, attention_mask=mask, do_sample=True, cache_implementation="static",
+                         output_logits=True, return_dict_in_generate=True)
+    lp = torch.stack(res.logits, 1).float().log_softmax(-1)
+    rows = []
+    for b in range(len(ids)):
+        new = res.sequences[b, P:].tolist()
+        end = next((j for j, t in enumerate(new) if t in EOS), None)
+        new = new if end is None else new[:end + 1]
+        rows.append({"input_ids": ids[b][mask[b].bool()].tolist() + new, "prompt_len": int(mask[b].sum()),
+                     "logprobs": [lp[b, j, t].item() for j, t in enumerate(new)]})
+    return rows
+
+
+@pytest.mark.parametrize("setting,words", [
+    ({"max_new_tokens": 24}, "generation_config max_new_tokens 24"),
+    ({"max_length": 30}, "generation_config max_length 30 (a static cache of 29 positions)"),
+])
+def test_a_static_engine_without_max_new_tokens_takes_the_checkpoints(tmp_path, setting, words):
+    from transformers import GenerationConfig
+
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    path = save_bf16("qwen2", tmp_path / "q")
+    GenerationConfig(eos_token_id=EOS, pad_token_id=0, **setting).save_pretrained(path)
+    rows = _engine(path)
+    most = max(len(x["logprobs"]) for x in rows)
+    assert all(x["input_ids"][-1] in EOS for x in rows) and most < 10  # the file does not say the length
+    f = tmp_path / "e.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+
+    def run(**over):
+        got = {}
+        s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="bfloat16", micro_batch=(4,),
+                                      modes=("decode",), fixes=("none",), padding=("static",), **over),
+                        on_logprobs=got.update)
+        return s, got[STATIC]
+
+    s, lps = run()
+    for i, x in enumerate(rows):
+        assert torch.equal(lps[i][x["prompt_len"] - 1:], torch.tensor(x["logprobs"], dtype=torch.float32)), i
+    assert s["closest"]["reproduced"] and any(words in n for n in s["notes"]), s["notes"]
+    # the control: the least length the file allows (what tpdiag took before) is not generate()'s
+    s, lps = run(max_new_tokens=most)
+    assert not s["closest"]["reproduced"]
+
+
+def test_a_checkpoints_max_cache_len_sizes_the_static_cache(tmp_path):
+    """generate() sizes a static cache max(max_length - 1, generation_config.max_cache_len): a
+    checkpoint whose generation config sets max_cache_len 24 attends over 24 positions where the
+    batch asks for 17. In float32 the CPU's SDPA gives other bits at each key length: tpdiag took
+    the batch's own 17 before (not every token: 34 of 40 by hand; the control) and takes the
+    checkpoint's 24 now (every token), with a note."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from tests.test_rollout_static_cache import _generate_rows
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    path = save_bf16("qwen2", tmp_path / "q")
+    GenerationConfig(eos_token_id=2, pad_token_id=0, max_cache_len=24).save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rows = _generate_rows(model, new=10)  # the batch's own cache: 8 + 10 - 1 = 17 positions
+    f = tmp_path / "e.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+
+    def run(**over):
+        s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="float32", micro_batch=(8,),
+                                      modes=("decode",), fixes=("none",), padding=("static",), **over))
+        m = s["configurations"]["tp1-mb8-decode-none-padstatic"]["metrics"]
+        return s, m["exact_tokens"], m["tokens"]
+
+    s, got, n = run()
+    assert got == n and any("generation_config.max_cache_len 24" in x for x in s["notes"]), s["notes"]
+    _, got, n = run(max_cache_len=17)
+    assert got < n

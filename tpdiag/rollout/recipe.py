@@ -1,0 +1,105 @@
+"""`tpdiag rollout --logprob`: the trainer's own logprob recipe - how it turns logits rows into the
+logprob of each token - where it is not tpdiag's default (the float32 log-softmax gathered at the
+token: generate()'s output_logits as docs/rl.md writes them, NeMo RL, verl's fallback).
+
+Every recipe below is the same number in exact arithmetic; in floating point each rounds
+differently, and a ratio built from two of them is not 1 bit for bit:
+- `log-softmax`: `logits.float().log_softmax(-1).gather(-1, ids)` (tpdiag's default).
+- `logsumexp`: `x = logits.float(); x.gather(-1, ids) - x.logsumexp(-1)` - TRL's
+  `selective_log_softmax` and verl's `logprobs_from_logits_v2` for float32/float64 logits, OpenRLHF's
+  `log_probs_from_logits`: the subtraction rounds once more than log_softmax's own
+  `x - max - log(sum)`.
+- `model-dtype`: `logits.log_softmax(-1).gather(-1, ids)` in the logits' own dtype, then upcast -
+  TRL's and verl's v2 row loop for bf16/fp16 logits: every logprob rounded to 8 bits (bf16).
+A trainer's temperature (`--trainer-temperature T`) divides the logits before the recipe: after the
+float32 cast (`logits.float() / T`), or with `--temperature-in model` before it, in the logits'
+dtype (`(logits / T).float()`: TRL's GRPO and verl divide the bf16 logits in place), which rounds
+every quotient to bf16 first.
+A recipe other than the default reads the whole vocabulary (a TP > 1 world gathers its shards
+first) and takes the place of the fixes' invariant vocab softmax: it is the user's function.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpdiag.errors import BadInput
+
+RECIPES = ("log-softmax", "logsumexp", "model-dtype")
+DIVIDE_IN = ("float32", "model")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str = "log-softmax"
+    temperature: float = 1.0
+    divide_in: str = "float32"  # DIVIDE_IN: the division after the float cast, or before it
+
+    @property
+    def default(self) -> bool:
+        return self.name == "log-softmax" and self.temperature == 1.0
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "temperature": self.temperature, "divide_in": self.divide_in}
+
+    def describe(self) -> str:
+        t = self.temperature
+        if self.name == "model-dtype":
+            lo = "logits" if t == 1.0 else f"(logits / {t:g})"
+            return f"{lo}.log_softmax(-1).gather(-1, ids).float() (in the logits' dtype)"
+        lo = "logits.float()" if t == 1.0 else (f"(logits / {t:g}).float()" if self.divide_in == "model"
+                                                else f"(logits.float() / {t:g})")
+        if self.name == "logsumexp":
+            return f"x = {lo}; x.gather(-1, ids) - x.logsumexp(-1)"
+        return f"{lo}.log_softmax(-1).gather(-1, ids)"
+
+
+def parse(name: str = "log-softmax", temperature: float = 1.0, divide_in: str = "float32") -> Recipe:
+    n = str(name).strip().lower()
+    if n not in RECIPES:
+        raise BadInput(f"--logprob {name!r}: expected one of {', '.join(RECIPES)} (log-softmax: "
+                       "logits.float().log_softmax(-1) gathered; logsumexp: gather - logsumexp in float32; "
+                       "model-dtype: log_softmax in the logits' own dtype; docs/rl.md)")
+    d = str(divide_in).strip().lower()
+    if d not in DIVIDE_IN:
+        raise BadInput(f"--temperature-in {divide_in!r}: expected float32 (logits.float() / T) or model "
+                       "((logits / T).float(): the division in the logits' own dtype)")
+    t = float(temperature)
+    if not t > 0 or t != t or t == float("inf"):
+        raise BadInput(f"--trainer-temperature {temperature!r}: must be a positive number (1: no division)")
+    if n == "model-dtype" and t != 1.0 and d == "float32":
+        raise BadInput("--logprob model-dtype takes the log-softmax in the logits' own dtype: its temperature is "
+                       "divided in that dtype too; add --temperature-in model")
+    return Recipe(n, t, d)
+
+
+def check_sampling(recipe: Recipe, sampling) -> None:
+    """--sampling runs generate()'s processors (its temperature included) on float32 rows: a trainer's
+    own division on top of them would divide twice, and a log-softmax in bf16 is no processor's input."""
+    if not sampling:
+        return
+    if recipe.temperature != 1.0:
+        raise BadInput("--trainer-temperature with --sampling: --sampling models the engine's processed scores, "
+                       "its temperature included (--sampling temperature=T); name the temperature once")
+    if recipe.name == "model-dtype":
+        raise BadInput("--logprob model-dtype with --sampling: generate()'s processors run on float32 rows; "
+                       "a log-softmax in the logits' dtype has no processed form")
+
+
+def rows(r, recipe: Recipe):
+    """The rows the recipe's log-softmax reads: float32 (or the logits' dtype for model-dtype),
+    divided by the trainer's temperature where the trainer divides."""
+    if recipe.temperature != 1.0 and (recipe.divide_in == "model" or recipe.name == "model-dtype"):
+        r = r / recipe.temperature  # rounded to the logits' dtype, as the trainer's own division
+    if recipe.name != "model-dtype":
+        r = r.float()
+        if recipe.temperature != 1.0 and recipe.divide_in == "float32":
+            r = r / recipe.temperature
+    return r
+
+
+def token_logprobs(r, labels, recipe: Recipe):
+    """float32 [n]: the logprob of labels[i] at rows r[i], as the recipe takes it."""
+    lab = labels.unsqueeze(-1)
+    if recipe.name == "logsumexp":
+        return r.gather(-1, lab).squeeze(-1) - r.logsumexp(-1)
+    return r.log_softmax(-1).gather(-1, lab).squeeze(-1).float()
