@@ -43,13 +43,13 @@ def _worker(rank, world, port, q):
         table = {}
         for name in os.listdir(path):
             with open(os.path.join(path, name), "rb") as f:
-                table.update(pickle.load(f))
+                table.update(pickle.load(f)["table"])
         for k, v in table.items():  # every remembered output one row longer
             if isinstance(v, TensorMeta):
                 table[k] = TensorMeta((v.shape[0] + 1, *v.shape[1:]), v.stride, v.dtype)
         if rank == 0:
             with open(os.path.join(path, "poison.pkl"), "wb") as f:
-                pickle.dump(table, f)
+                pickle.dump({"torch": torch.__version__, "table": table}, f)
         dist.barrier()
     out = {}
     if mode == "first":  # the reference: the second program, computed here with no memo at all
@@ -103,6 +103,7 @@ def test_a_folder_others_can_write_is_not_read(tmp_path, monkeypatch):
     from tpdiag.runner import meta_memo
 
     monkeypatch.setattr(meta_memo.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.delenv("TPDIAG_META_MEMO", raising=False)  # the session's shared one (conftest)
     pid = os.getpid()
     path = meta_memo._folder(pid, meta_memo._born(pid))
     os.mkdir(path, 0o755)
@@ -124,3 +125,26 @@ def test_off_switch(tmp_path, monkeypatch):
     meta_memo.launcher_folder()
     (made,) = os.listdir(tmp_path)
     assert os.stat(tmp_path / made).st_mode & 0o777 == 0o700
+
+
+def test_a_shared_folder_merges_and_skips_another_torch(tmp_path, monkeypatch):
+    from tpdiag.runner import meta_memo
+
+    for i in range(meta_memo.MERGE_AT):
+        with open(tmp_path / f"{i}.pkl", "wb") as f:
+            pickle.dump({"torch": torch.__version__, "table": {("op", i): i}}, f)
+    with open(tmp_path / "other.pkl", "wb") as f:  # another torch's answers are never read
+        pickle.dump({"torch": "0.0", "table": {("op", -1): -1}}, f)
+    memo = meta_memo.Memo(str(tmp_path))
+    assert memo.table == {("op", i): i for i in range(meta_memo.MERGE_AT)}
+    memo.new[("op", "new")] = memo.table[("op", "new")] = "x"
+    memo.save()
+    (merged,) = (n for n in os.listdir(tmp_path) if n != "other.pkl")
+    assert merged.endswith(".pkl")
+    assert meta_memo.Memo(str(tmp_path)).table == memo.table
+    # the launcher makes a shared folder it names, and leaves it at its exit
+    shared = tmp_path / "shared"
+    monkeypatch.setenv("TPDIAG_META_MEMO", str(shared))
+    monkeypatch.setattr(meta_memo, "_OWNER", {})
+    meta_memo.launcher_folder()
+    assert shared.is_dir() and os.stat(shared).st_mode & 0o777 == 0o700

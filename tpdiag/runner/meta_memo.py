@@ -34,26 +34,33 @@ def _born(pid: int) -> str | None:
         return None
 
 
+def _shared() -> str | None:
+    """TPDIAG_META_MEMO=/abs/folder: one memo for every launcher that names it (a test session's,
+    a user's many compares), made if missing, never removed; its entries carry torch's version."""
+    v = os.environ.get("TPDIAG_META_MEMO", "1")
+    return v if os.path.isabs(v) else None
+
+
 def launcher_folder() -> None:
     """Launcher side, before a world starts: this process's folder, made once (mode 0700) and
     removed at its exit. A process forked from a launcher (the tests' CLI server) makes its own."""
     pid = os.getpid()
     if pid in _OWNER or os.environ.get("TPDIAG_META_MEMO", "1") == "0":
         return
+    shared = _shared()
     born = _born(pid)
-    if born is None:
+    if born is None and shared is None:
         return
-    path = _folder(pid, born)
+    path = shared or _folder(pid, born)
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
+        os.makedirs(path, 0o700, exist_ok=True)
     except OSError:
         return  # no memo: the ranks compute as before
     _OWNER[pid] = path
-    import atexit
+    if shared is None:
+        import atexit
 
-    atexit.register(_remove, pid, path)
+        atexit.register(_remove, pid, path)
 
 
 def _remove(pid: int, path: str) -> None:
@@ -88,17 +95,21 @@ class Memo:
     """Rank side: installed on DTensor's propagator; save() writes what this rank added."""
 
     def __init__(self, path: str):
-        self.path, self.table, self.new, self.hits = path, {}, {}, 0
+        import torch
+
+        self.path, self.table, self.new, self.hits, self.read = path, {}, {}, 0, []
+        self.version = torch.__version__
         for name in sorted(os.listdir(path)):
             if not name.endswith(".pkl"):
                 continue
             try:
                 with open(os.path.join(path, name), "rb") as f:
                     part = pickle.load(f)
-            except Exception:  # noqa: BLE001 - a file half written by a killed rank: computed again
+            except Exception:  # noqa: BLE001 - gone (merged by another rank) or unreadable: computed again
                 continue
-            if isinstance(part, dict):
-                self.table.update(part)
+            if isinstance(part, dict) and part.get("torch") == self.version and isinstance(part.get("table"), dict):
+                self.table.update(part["table"])
+                self.read.append(name)
 
     def install(self) -> None:
         from torch.distributed.tensor import DTensor, _sharding_prop
@@ -126,35 +137,53 @@ class Memo:
         prop._propagate_tensor_meta_non_cached = remembered
 
     def save(self) -> None:
+        """What this rank added, in a file of its own (written whole, then renamed). Past MERGE_AT
+        files it writes the whole table and removes the files it read, so a long-lived shared
+        folder stays a few files: a rank that listed one of those meanwhile computes it again."""
         if not self.new:
             return
-        final = os.path.join(self.path, f"{os.getpid()}.pkl")
-        part = final + ".part"
+        merge = len(self.read) >= MERGE_AT
+        part = None
         try:
-            with open(part, "wb") as f:
-                pickle.dump(self.new, f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(part, final)
+            fd, part = tempfile.mkstemp(dir=self.path, prefix=f"{os.getpid()}-", suffix=".part")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump({"torch": self.version, "table": self.table if merge else self.new}, f,
+                            protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(part, part[:-len(".part")] + ".pkl")
+            part = None
+            for name in self.read if merge else ():
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                except OSError:
+                    pass
         except Exception:  # noqa: BLE001 - a memo never fails a rank
-            try:
-                os.unlink(part)
-            except OSError:
-                pass
+            if part is not None:
+                try:
+                    os.unlink(part)
+                except OSError:
+                    pass
+
+
+MERGE_AT = 32
 
 
 def rank_memo(launcher_pid: int | None) -> Memo | None:
-    """Rank side: the launcher's memo installed in this rank, or None (no folder: computed as before)."""
+    """Rank side: the launcher's memo (or the shared one) installed in this rank, or None (no
+    folder, or one others can write: computed as before)."""
     if not launcher_pid or os.environ.get("TPDIAG_META_MEMO", "1") == "0":
         return None
-    born = _born(launcher_pid)
-    if born is None:
-        return None
-    path = _folder(launcher_pid, born)
+    path = _shared()
+    if path is None:
+        born = _born(launcher_pid)
+        if born is None:
+            return None
+        path = _folder(launcher_pid, born)
     try:
         st = os.stat(path)
     except OSError:
         return None
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None  # not the launcher's own folder
+        return None  # not this user's own folder: nothing is unpickled from it
     try:
         memo = Memo(path)
         memo.install()
