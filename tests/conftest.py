@@ -280,6 +280,9 @@ FILE_SECONDS = {
     "test_confirm_findings.py": 3, "test_failclosed_passes.py": 3, "test_gathered_pad.py": 3, "test_oracle_factories.py": 3, "test_own_norms.py": 3,
     "test_step_sync.py": 3, "test_tamper_findings.py": 3, "test_diff_pair_check.py": 2, "test_failclosed_markup.py": 2, "test_hash_fast.py": 2,
     "test_no_bug_at_tp1.py": 2, "test_op_algorithm.py": 2, "test_oracle_inert.py": 2, "test_user_accum.py": 2,
+    # session 14 (helper hci14): new files, `pytest -n 0 FILE` in a cpuacct cgroup less pytest's own
+    # start (10.8 CPU s with the server's imports): three 2-rank gloo worlds, and no world
+    "test_meta_memo.py": 3, "test_float64_args.py": 1,
 }
 
 
