@@ -136,12 +136,16 @@ def test_a_shared_folder_merges_and_skips_another_torch(tmp_path, monkeypatch):
     with open(tmp_path / "other.pkl", "wb") as f:  # another torch's answers are never read
         pickle.dump({"torch": "0.0", "table": {("op", -1): -1}}, f)
     memo = meta_memo.Memo(str(tmp_path))
+    assert memo.table == {}  # read at the first DTensor op, not before
+    memo.load()
     assert memo.table == {("op", i): i for i in range(meta_memo.MERGE_AT)}
     memo.new[("op", "new")] = memo.table[("op", "new")] = "x"
     memo.save()
     (merged,) = (n for n in os.listdir(tmp_path) if n != "other.pkl")
     assert merged.endswith(".pkl")
-    assert meta_memo.Memo(str(tmp_path)).table == memo.table
+    again = meta_memo.Memo(str(tmp_path))
+    again.load()
+    assert again.table == memo.table
     # the launcher makes a shared folder it names, and leaves it at its exit
     shared = tmp_path / "shared"
     monkeypatch.setenv("TPDIAG_META_MEMO", str(shared))

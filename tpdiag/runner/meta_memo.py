@@ -98,12 +98,17 @@ class Memo:
         import torch
 
         self.path, self.table, self.new, self.hits, self.read = path, {}, {}, 0, []
-        self.version = torch.__version__
-        for name in sorted(os.listdir(path)):
+        self.version, self.loaded = torch.__version__, False
+
+    def load(self) -> None:
+        """The folder's answers, read at the rank's first DTensor op (a TP=1 world or a model
+        sharded by hand reads nothing)."""
+        self.loaded = True
+        for name in sorted(os.listdir(self.path)):
             if not name.endswith(".pkl"):
                 continue
             try:
-                with open(os.path.join(path, name), "rb") as f:
+                with open(os.path.join(self.path, name), "rb") as f:
                     part = pickle.load(f)
             except Exception:  # noqa: BLE001 - gone (merged by another rank) or unreadable: computed again
                 continue
@@ -127,6 +132,11 @@ class Memo:
                        tuple(sorted((k, _spell(v, DTensorSpec)) for k, v in op_schema.kwargs_schema.items())))
             except _Skip:
                 return compute(op_schema)
+            if not self.loaded:
+                try:
+                    self.load()
+                except OSError:  # the folder gone: computed as before
+                    pass
             if key in self.table:
                 self.hits += 1
                 return self.table[key]
