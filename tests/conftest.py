@@ -41,6 +41,25 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(
         os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", _user)))
 
+# One DTensor output-shape memo (tpdiag/runner/meta_memo.py) for the whole session, both xdist
+# workers and every CLI they start: without it each command's first TP>1 world ran every op once more
+# on fake tensors in every rank (~0.25 CPU s a tiny-llama TP=2 rank), for shapes an earlier test's
+# world had already answered. The answers are keyed by op, global shapes, strides, dtypes and plain
+# arguments; tests/test_meta_memo.py shows a world reading them computes the same bits as one that
+# does not. Removed by the process that made it, at its end.
+_MEMO_MADE = None
+if "TPDIAG_META_MEMO" not in os.environ:
+    import tempfile
+
+    _MEMO_MADE = os.environ["TPDIAG_META_MEMO"] = tempfile.mkdtemp(prefix="tpdiag-test-dtmeta-")
+
+
+def pytest_unconfigure(config):
+    if _MEMO_MADE and not hasattr(config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(_MEMO_MADE, ignore_errors=True)
+
 
 def interpreter_result(script: str, *args: str, unset=(), cwd=None, timeout=300):
     """The JSON a script prints after its last 'RESULT ' line, run in a subprocess under the Triton
@@ -261,6 +280,9 @@ FILE_SECONDS = {
     "test_confirm_findings.py": 3, "test_failclosed_passes.py": 3, "test_gathered_pad.py": 3, "test_oracle_factories.py": 3, "test_own_norms.py": 3,
     "test_step_sync.py": 3, "test_tamper_findings.py": 3, "test_diff_pair_check.py": 2, "test_failclosed_markup.py": 2, "test_hash_fast.py": 2,
     "test_no_bug_at_tp1.py": 2, "test_op_algorithm.py": 2, "test_oracle_inert.py": 2, "test_user_accum.py": 2,
+    # session 14 (helper hci14): new files, `pytest -n 0 FILE` in a cpuacct cgroup less pytest's own
+    # start (10.8 CPU s with the server's imports): three 2-rank gloo worlds, and no world
+    "test_meta_memo.py": 3, "test_float64_args.py": 1,
 }
 
 

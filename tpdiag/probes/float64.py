@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 # the buffers a forward writes, started from their values before it (probes/float64_state.py)
 from tpdiag.probes.float64_state import F64, _as_before, _up_dtype, _written_values, buffers_before  # noqa: F401
+from tpdiag.probes.float64_args import _map_args, _tensors, _upcast_one
 
 _MAX_WHY = 300
 # ops that make a discrete choice from floating values: a rounding-level difference before one
@@ -52,13 +53,7 @@ class OracleRefused(Exception):
 
 def upcast(x):
     """A float64 (complex128) copy of every floating (complex) tensor in a pytree; others as is."""
-    def one(t):
-        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
-            d = _up_dtype(t.dtype)
-            return t.detach().to(d) if t.dtype != d else t.detach()
-        return t
-
-    return tree_map(one, x)
+    return tree_map(_upcast_one, x)
 
 
 def snapshot(x):
@@ -126,11 +121,10 @@ class Float64Mode(TorchDispatchMode):
                                         f"{str(t.dtype).replace('torch.', '')} tensor it did not "
                                         "create): re-running it would change the real run")
         if self.known is not None and not name.startswith("lift_fresh"):  # torch.tensor(3.0): made here
-            for t in tree_flatten((args, kwargs))[0]:
-                if isinstance(t, torch.Tensor):
-                    p = _ptr(t)
-                    if p > 0 and p not in self.known and p not in self.foreign:
-                        self.foreign[p] = t
+            for t in _tensors((args, kwargs), []):
+                p = _ptr(t)
+                if p > 0 and p not in self.known and p not in self.foreign:
+                    self.foreign[p] = t
         sch = func._schema.arguments
         args = list(args)
         for i, a in enumerate(args):
@@ -142,18 +136,17 @@ class Float64Mode(TorchDispatchMode):
             if self.known is not None:
                 self.known.add(_ptr(out))
             return out
-        up_args, up_kwargs = upcast(tuple(args)), upcast(kwargs)
+        up_args, up_kwargs = _map_args(_upcast_one, tuple(args)), _map_args(_upcast_one, kwargs)
         out = func(*up_args, **up_kwargs)
         if isinstance(out, torch.Tensor) and (out.is_floating_point() or out.is_complex()) \
-                and out.dtype != _up_dtype(out.dtype) \
-                and not any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0]):
+                and out.dtype != _up_dtype(out.dtype) and not _tensors((args, kwargs), []):
             # a factory given no dtype (`torch.zeros(n)`) makes the default dtype: float32 here
             # would make every later op see a float64 COPY of it, so the module's own in-place
             # fill of it (`load[e] = ...`, an index_add_ into an accumulator) went to the copy and
             # was lost without a word
             out = out.to(_up_dtype(out.dtype))
         if self.known is not None:
-            self.known.update(p for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and (p := _ptr(t)) > 0)
+            self.known.update(p for t in _tensors(out, []) if (p := _ptr(t)) > 0)
         if choice and not _clear_choice(func, up_args, up_kwargs, self.working):
             self.discrete.append(_op_name(func))
         return out

@@ -33,7 +33,8 @@ _PRELOAD = ["torch", "torch.distributed.tensor.parallel", "torch._inductor", "tp
             "tpdiag.kernels.tree", "tpdiag.fixes.attention", "tpdiag.diff.bits", "tpdiag.records.store",
             "tpdiag.runner.gather", "tpdiag.runner.decode", "tpdiag.runner.determinism",
             "tpdiag.runner.fingerprint", "tpdiag.runner.flags", "tpdiag.runner.losses",
-            "tpdiag.runner.pristine", "tpdiag.runner.sdpa_ran", "tpdiag.runner.attention"]
+            "tpdiag.runner.pristine", "tpdiag.runner.sdpa_ran", "tpdiag.runner.attention",
+            "tpdiag.runner.meta_memo"]
 
 
 @dataclass
@@ -209,6 +210,9 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None, ca
 
         raise BadInput(f"--timeout {timeout_s!r}: expected a finite number of seconds > 0") from None
     drop_markers(cfg.out_dir)
+    from tpdiag.runner.meta_memo import launcher_folder
+
+    launcher_folder()
     t0 = time.perf_counter()
     store = dist.TCPStore("127.0.0.1", 0, world_size=world + 1, is_master=True,
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))

@@ -28,6 +28,9 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
 
     _watch_launcher(launcher_pid)
     cfg = WorldConfig.from_dict(cfg_dict)
+    from tpdiag.runner.meta_memo import rank_memo
+
+    memo = rank_memo(launcher_pid)
     os.environ["TPDIAG_RANK"] = str(rank)
     # every rank of a world runs on this host: full capture's default host budget is shared
     os.environ.setdefault("TPDIAG_LOCAL_RANKS", str(world))
@@ -38,6 +41,8 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
             timings = _profiled(rank, cfg.label, _run, rank, world, host, port, cfg, timeout_s,
                                 entered, launched_at, gpu_offset)
         timings.update(compiled)
+        if memo is not None:  # before the marker: the launcher's next world reads it
+            memo.save()
         # the rank's phase timings travel in its marker: the launcher collects every rank's
         numerics = timings.pop("numerics", None)
         io.write_json(marker(cfg.out_dir, rank, "done"), {"rank": rank, "time": time.time(),

@@ -1,0 +1,154 @@
+"""runner/meta_memo.py: DTensor's output-shape propagation remembered across worlds, in real 2-rank
+gloo worlds. A world that reads what an earlier world (other placements) found computes the same
+bits, global shapes and strides as a world that computes them itself; the memo's answers are the
+ones DTensor uses (a poisoned memo changes the outcome); the key tells apart what changes the
+answer (stride, dtype, a dim argument, a float's sign)."""
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from conftest import gloo_world
+
+
+def _program(mesh, placements):
+    from torch.distributed.tensor import distribute_tensor
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 6, generator=g), torch.randn(6, 4, generator=g)
+    x, w = distribute_tensor(a, mesh, [placements[0]]), distribute_tensor(b, mesh, [placements[1]])
+    y = x @ w
+    z = torch.softmax(y, -1).sum(0) + y.t().contiguous().sum(1) * 2.0
+    t = y.t()  # a strided view: its stride is part of what is propagated
+    outs = [y, z, t, (t * -0.0).sum(0), y.to(torch.float64).mean(1)]
+    # bytes, not tensors: a tensor on the queue is shared through an fd the exiting rank closes
+    return [(tuple(o.shape), tuple(o.stride()), str(o.dtype), o.full_tensor().contiguous().numpy().tobytes())
+            for o in outs]
+
+
+def _worker(rank, world, port, q):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    from tpdiag.runner import meta_memo
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    path, mode = os.environ["MEMO_DIR"], os.environ["MEMO_MODE"]
+    if mode == "poisoned":
+        table = {}
+        for name in os.listdir(path):
+            with open(os.path.join(path, name), "rb") as f:
+                table.update(pickle.load(f)["table"])
+        for k, v in table.items():  # every remembered output one row longer
+            if isinstance(v, TensorMeta):
+                table[k] = TensorMeta((v.shape[0] + 1, *v.shape[1:]), v.stride, v.dtype)
+        if rank == 0:
+            with open(os.path.join(path, "poison.pkl"), "wb") as f:
+                pickle.dump({"torch": torch.__version__, "table": table}, f)
+        dist.barrier()
+    out = {}
+    if mode == "first":  # the reference: the second program, computed here with no memo at all
+        out["fresh"] = _program(mesh, (Replicate(), Shard(1)))
+        spec = lambda shape, stride, dtype: DTensorSpec(mesh, (Replicate(),), TensorMeta(torch.Size(shape), stride, dtype))  # noqa: E731
+        base = meta_memo._spell((spec((8, 6), (6, 1), torch.float32), 0), DTensorSpec)
+        out["keys_differ"] = [base != meta_memo._spell(other, DTensorSpec) for other in (
+            (spec((8, 6), (1, 8), torch.float32), 0), (spec((8, 6), (6, 1), torch.float64), 0),
+            (spec((8, 6), (6, 1), torch.float32), 1), (spec((8, 6), (6, 1), torch.float32), True))]
+        out["keys_differ"].append(meta_memo._spell((0.0,), DTensorSpec) != meta_memo._spell((-0.0,), DTensorSpec))
+    memo = meta_memo.Memo(path)
+    memo.install()
+    # the first world's program has other placements: what the later world reads is the memo's
+    placements = (Shard(0), Replicate()) if mode == "first" else (Replicate(), Shard(1))
+    try:
+        out["result"] = _program(mesh, placements)
+    except Exception as e:  # noqa: BLE001 - the poisoned memo's outcome
+        out["error"] = type(e).__name__
+    out.update(loaded=len(memo.table) - len(memo.new), hits=memo.hits, new=len(memo.new))
+    if mode == "first":
+        memo.save()
+        dist.barrier()
+    if rank == 0:
+        q.put(out)
+    dist.barrier()
+
+
+def test_a_later_world_reads_the_memo_and_computes_the_same(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMO_DIR", str(tmp_path))
+    monkeypatch.setenv("MEMO_MODE", "first")
+    first = gloo_world(_worker, 2)
+    assert first["new"] > 0 and first["loaded"] == 0
+    assert len(os.listdir(tmp_path)) == 2  # one file a rank, written whole (no .part left)
+    assert all(first["keys_differ"]), first["keys_differ"]
+    monkeypatch.setenv("MEMO_MODE", "read")
+    read = gloo_world(_worker, 2)
+    assert read["loaded"] == first["new"] and read["hits"] > 0
+    fresh = first["fresh"]
+    assert len(read["result"]) == len(fresh)
+    for (shape, stride, dtype, full), (shape0, stride0, dtype0, full0) in zip(read["result"], fresh):
+        assert (shape, stride, dtype) == (shape0, stride0, dtype0)
+        assert full == full0  # bitwise
+    # negative control: the memo's answers are what DTensor uses - one wrong shape, another outcome
+    monkeypatch.setenv("MEMO_MODE", "poisoned")
+    poisoned = gloo_world(_worker, 2)
+    assert poisoned["hits"] > 0
+    assert "error" in poisoned or [r[0] for r in poisoned["result"]] != [r[0] for r in fresh]
+
+
+def test_a_folder_others_can_write_is_not_read(tmp_path, monkeypatch):
+    from tpdiag.runner import meta_memo
+
+    monkeypatch.setattr(meta_memo.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.delenv("TPDIAG_META_MEMO", raising=False)  # the session's shared one (conftest)
+    pid = os.getpid()
+    path = meta_memo._folder(pid, meta_memo._born(pid))
+    os.mkdir(path, 0o755)
+    os.chmod(path, 0o777)
+    assert meta_memo.rank_memo(pid) is None
+    os.rmdir(path)
+    assert meta_memo.rank_memo(pid) is None  # no folder: computed as before
+
+
+def test_off_switch(tmp_path, monkeypatch):
+    from tpdiag.runner import meta_memo
+
+    monkeypatch.setattr(meta_memo.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("TPDIAG_META_MEMO", "0")
+    monkeypatch.setattr(meta_memo, "_OWNER", {})
+    meta_memo.launcher_folder()
+    assert os.listdir(tmp_path) == []
+    monkeypatch.delenv("TPDIAG_META_MEMO")
+    meta_memo.launcher_folder()
+    (made,) = os.listdir(tmp_path)
+    assert os.stat(tmp_path / made).st_mode & 0o777 == 0o700
+
+
+def test_a_shared_folder_merges_and_skips_another_torch(tmp_path, monkeypatch):
+    from tpdiag.runner import meta_memo
+
+    for i in range(meta_memo.MERGE_AT):
+        with open(tmp_path / f"{i}.pkl", "wb") as f:
+            pickle.dump({"torch": torch.__version__, "table": {("op", i): i}}, f)
+    with open(tmp_path / "other.pkl", "wb") as f:  # another torch's answers are never read
+        pickle.dump({"torch": "0.0", "table": {("op", -1): -1}}, f)
+    memo = meta_memo.Memo(str(tmp_path))
+    assert memo.table == {}  # read at the first DTensor op, not before
+    memo.load()
+    assert memo.table == {("op", i): i for i in range(meta_memo.MERGE_AT)}
+    memo.new[("op", "new")] = memo.table[("op", "new")] = "x"
+    memo.save()
+    (merged,) = (n for n in os.listdir(tmp_path) if n != "other.pkl")
+    assert merged.endswith(".pkl")
+    again = meta_memo.Memo(str(tmp_path))
+    again.load()
+    assert again.table == memo.table
+    # the launcher makes a shared folder it names, and leaves it at its exit
+    shared = tmp_path / "shared"
+    monkeypatch.setenv("TPDIAG_META_MEMO", str(shared))
+    monkeypatch.setattr(meta_memo, "_OWNER", {})
+    meta_memo.launcher_folder()
+    assert shared.is_dir() and os.stat(shared).st_mode & 0o777 == 0o700

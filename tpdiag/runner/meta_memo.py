@@ -1,0 +1,202 @@
+"""DTensor's output-shape propagation, remembered across the worlds one launcher starts.
+
+Before DTensor runs an op for the first time with given input specs, it runs the op once more on
+fake tensors of the inputs' global shapes to learn the output's global shape, stride and dtype
+(ShardingPropagator._propagate_tensor_meta_non_cached). Its caches live in the process, so every
+rank of every world paid it again: about half of a tiny model's TP=2 rank on a CPU. The answer
+is a function of the op, the inputs' global (shape, stride, dtype, device type) and the non-tensor
+arguments alone - not of the placements, the degree or the rank - so one launcher's worlds share
+it: each rank reads what earlier ranks found from a folder its launcher made, and adds what it
+found itself before its completion marker. An argument of any other kind (a plain tensor, a
+symbolic size, an object this key does not spell) is never remembered: computed as before.
+Nothing numeric changes: the ranks compute the same values from the same specs.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+
+_OWNER: dict = {}  # launcher side: this process's pid -> its folder
+
+
+def _folder(launcher_pid: int, born: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"tpdiag-dtmeta-{launcher_pid}-{born}")
+
+
+def _born(pid: int) -> str | None:
+    """The process's start time (/proc; None without it: no memo)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _shared() -> str | None:
+    """TPDIAG_META_MEMO=/abs/folder: one memo for every launcher that names it (a test session's,
+    a user's many compares), made if missing, never removed; its entries carry torch's version."""
+    v = os.environ.get("TPDIAG_META_MEMO", "1")
+    return v if os.path.isabs(v) else None
+
+
+def launcher_folder() -> None:
+    """Launcher side, before a world starts: this process's folder, made once (mode 0700) and
+    removed at its exit. A process forked from a launcher (the tests' CLI server) makes its own."""
+    pid = os.getpid()
+    if pid in _OWNER or os.environ.get("TPDIAG_META_MEMO", "1") == "0":
+        return
+    shared = _shared()
+    born = _born(pid)
+    if born is None and shared is None:
+        return
+    path = shared or _folder(pid, born)
+    try:
+        os.makedirs(path, 0o700, exist_ok=True)
+    except OSError:
+        return  # no memo: the ranks compute as before
+    _OWNER[pid] = path
+    if shared is None:
+        import atexit
+
+        atexit.register(_remove, pid, path)
+
+
+def _remove(pid: int, path: str) -> None:
+    if os.getpid() == pid:  # not in a forked child that inherited the registration
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class _Skip(Exception):
+    pass
+
+
+def _spell(x, spec_type):
+    if isinstance(x, spec_type):
+        m = x.tensor_meta
+        if m is None or not all(type(n) is int for n in (*m.shape, *m.stride)):
+            raise _Skip
+        return ("T", tuple(m.shape), tuple(m.stride), str(m.dtype), str(x.mesh.device_type))
+    if x is None or type(x) in (bool, int, str):
+        return (type(x).__name__, x)
+    if type(x) is float:
+        return ("float", repr(x))  # -0.0 and 0.0 are equal keys otherwise
+    import torch
+
+    if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return (type(x).__name__, str(x))
+    if type(x) in (list, tuple):
+        return (type(x).__name__, tuple(_spell(i, spec_type) for i in x))
+    raise _Skip
+
+
+class Memo:
+    """Rank side: installed on DTensor's propagator; save() writes what this rank added."""
+
+    def __init__(self, path: str):
+        import torch
+
+        self.path, self.table, self.new, self.hits, self.read = path, {}, {}, 0, []
+        self.version, self.loaded = torch.__version__, False
+
+    def load(self) -> None:
+        """The folder's answers, read at the rank's first DTensor op (a TP=1 world or a model
+        sharded by hand reads nothing)."""
+        self.loaded = True
+        for name in sorted(os.listdir(self.path)):
+            if not name.endswith(".pkl"):
+                continue
+            try:
+                with open(os.path.join(self.path, name), "rb") as f:
+                    part = pickle.load(f)
+            except Exception:  # noqa: BLE001 - gone (merged by another rank) or unreadable: computed again
+                continue
+            if isinstance(part, dict) and part.get("torch") == self.version and isinstance(part.get("table"), dict):
+                self.table.update(part["table"])
+                self.read.append(name)
+
+    def install(self) -> None:
+        from torch.distributed.tensor import DTensor, _sharding_prop
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        compute = prop._propagate_tensor_meta_non_cached
+        tracing = _sharding_prop._are_we_tracing
+
+        def remembered(op_schema):
+            if tracing():
+                return compute(op_schema)
+            try:
+                key = (str(op_schema.op), _spell(tuple(op_schema.args_schema), DTensorSpec),
+                       tuple(sorted((k, _spell(v, DTensorSpec)) for k, v in op_schema.kwargs_schema.items())))
+            except _Skip:
+                return compute(op_schema)
+            if not self.loaded:
+                try:
+                    self.load()
+                except OSError:  # the folder gone: computed as before
+                    pass
+            if key in self.table:
+                self.hits += 1
+                return self.table[key]
+            out = compute(op_schema)
+            self.table[key] = self.new[key] = out
+            return out
+
+        prop._propagate_tensor_meta_non_cached = remembered
+
+    def save(self) -> None:
+        """What this rank added, in a file of its own (written whole, then renamed). Past MERGE_AT
+        files it writes the whole table and removes the files it read, so a long-lived shared
+        folder stays a few files: a rank that listed one of those meanwhile computes it again."""
+        if not self.new:
+            return
+        merge = len(self.read) >= MERGE_AT
+        part = None
+        try:
+            fd, part = tempfile.mkstemp(dir=self.path, prefix=f"{os.getpid()}-", suffix=".part")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump({"torch": self.version, "table": self.table if merge else self.new}, f,
+                            protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(part, part[:-len(".part")] + ".pkl")
+            part = None
+            for name in self.read if merge else ():
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                except OSError:
+                    pass
+        except Exception:  # noqa: BLE001 - a memo never fails a rank
+            if part is not None:
+                try:
+                    os.unlink(part)
+                except OSError:
+                    pass
+
+
+MERGE_AT = 32
+
+
+def rank_memo(launcher_pid: int | None) -> Memo | None:
+    """Rank side: the launcher's memo (or the shared one) installed in this rank, or None (no
+    folder, or one others can write: computed as before)."""
+    if not launcher_pid or os.environ.get("TPDIAG_META_MEMO", "1") == "0":
+        return None
+    path = _shared()
+    if path is None:
+        born = _born(launcher_pid)
+        if born is None:
+            return None
+        path = _folder(launcher_pid, born)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None  # not this user's own folder: nothing is unpickled from it
+    try:
+        memo = Memo(path)
+        memo.install()
+    except Exception:  # noqa: BLE001 - another torch's propagator, an unreadable folder: as before
+        return None
+    return memo
