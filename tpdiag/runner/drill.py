@@ -99,6 +99,14 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     # ops where asked (auto, op) and, in the default flow, wherever a forward first divergence
     # still has no verdict: the run names the op by itself
     judge = [fd for fd in fds if fd.get("phase") == "forward" and needs_verdict(fd)]
+    if hashed:
+        # a forward record whose ranks' hashes differ may be each rank's share of a sum a module of
+        # the caller reduces (runner/drill._shares): its caller's ops too, so that the reduction,
+        # read whole, is named where it becomes the first divergence (mega_split.py:split_ok)
+        shares = [fd for fd in fds if (fd.get("phase"), fd.get("kind")) == ("forward", "out")
+                  and fd.get("cause") == "rank-inconsistent-replica" and "." in fd["module"]]
+        scopes = sorted(set(scopes) | {fd["module"].rsplit(".", 1)[0] for fd in shares})
+        judge += shares
     ops = bool(scopes) and (cfg.granularity in ("auto", "op") or bool(judge))
     if ops and cfg.granularity == "module" and not hashed:
         scopes = sorted({_scope(fd) for fd in judge})
@@ -116,6 +124,14 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                     # show the ranks' copies to be shares it reduces (diff/partials.py), and then the first
                     # divergence is its output, judged here (shard_stats.py:rms_ok read BUG at its input)
                     | ({_record_module(fd) for fd in fds if (fd.get("phase"), fd.get("kind")) == ("forward", "in")}
+                       if summary.get("capture") == "hash" else set())
+                    # ... and where the first divergence is itself a share (a row-parallel layer's partial
+                    # returned to its caller: mega_split.py:split_ok), the modules whose forward input
+                    # pass 1 found differing in that step: the one reducing it is among them
+                    | ({_record_module(f) for lab, _ in targets for f in every[lab].get("findings") or ()
+                        for fd in [every[lab]["first_divergence"]]
+                        if (f.get("phase"), f.get("kind"), f.get("step")) == ("forward", "in", fd.get("step"))
+                        and (fd.get("phase"), fd.get("kind")) == ("forward", "out")}
                        if summary.get("capture") == "hash" else set()))
     # every divergent module past the first divergence, judged on this side's own inputs
     # (diff/own_inputs.py; --no-judge-downstream: off)
