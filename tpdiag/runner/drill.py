@@ -273,6 +273,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                 entry["findings"].append(f)
             if label in own:
                 near_on_own_inputs(entry, out, sub_label)
+            if sub_entry.get("not_judged"):  # the grads past the first divergence it could not judge
+                entry["not_judged"] = sub_entry["not_judged"]
             if sfd.get("key") != fd["key"]:
                 fd["values_detail" if hashed else "op_detail"] = (
                     f"the {what} rerun of this region did not reproduce this first divergence "
