@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
         p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
                     "--out", str(d), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
-        out[case] = (json.loads((d / "summary.json").read_text()), p.stdout)
+        out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, d)
     return out
 
 
@@ -37,12 +37,14 @@ def runs(tmp_path_factory):
 def test_a_grad_read_outside_any_module_is_said_not_judged(runs, case):
     from tpdiag.diff.not_judged import NO_MODULE
 
-    s, stdout = runs[case]
+    s, stdout, d = runs[case]
     nj = s["degrees"]["2"].get("not_judged") or {}
     assert BLOCK_GRAD in nj.get("keys", []), s["degrees"]["2"].keys()
     assert nj["why"].get(NO_MODULE), nj
     line = next((x for x in stdout.splitlines() if "not judged past the first divergence" in x), "")
     assert BLOCK_GRAD in line and NO_MODULE in line, stdout[-2000:]
+    assert run_cli("report", str(d)).returncode == 0
+    assert "Not judged past the first divergence" in (d / "report.html").read_text()
 
 
 def test_the_gate_behind_f_shows_how_far_the_unjudged_grad_moved(runs):
