@@ -236,7 +236,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                                                 f"{str(sub_entry.get('error') or 'no error recorded').splitlines()[0][:300]}")
             if sub_entry.get("downstream_unjudged"):  # the own-input pass after a region pass
                 entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
-            if hashed and sfd and _shares(fd, entry, sub_entry):
+            if hashed and sfd and _shares(fd, entry, sub_entry, run_dir, label):
                 fd = entry["first_divergence"]  # before the findings: none may follow one dropped
             # every finding the rerun made (the float64 verdicts of other roots among them)
             seen = {(f["phase"], f["module"], f["kind"], f["name"]): f for f in entry["findings"]}
@@ -345,7 +345,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
 _SHARES = "shares of a value their module reduces"
 
 
-def _shares(fd: dict, entry: dict, sub_entry: dict) -> bool:
+def _shares(fd: dict, entry: dict, sub_entry: dict, run_dir: str, label: str) -> bool:
     """Pass 1's first divergence a record whose per-rank hashes differ, which the full-capture
     rerun read whole and found to be each rank's share of a value its module makes one on every
     rank (diff/partials.py; left_out.SHARE_WHYS): no difference. Hashes cannot tell shares that add
@@ -357,6 +357,15 @@ def _shares(fd: dict, entry: dict, sub_entry: dict) -> bool:
     if fd.get("key") not in shares:
         return False
     sfd = sub_entry["first_divergence"]
+    # its position in pass 1's records, as every record of this summary has (a confirmation compares
+    # it with its rerun's, whose records are pass 1's: runner/confirm.py)
+    from tpdiag.records.rundir import read_rows
+
+    idx = next((r["idx"] for r in read_rows(RunDir(run_dir).diff_csv)
+                if str(r.get("degree")) == str(label) and r.get("key") == sfd.get("key")), None)
+    if idx is None:
+        return False  # not a record of pass 1: its verdict stands (fail closed)
+    sfd["idx"] = idx
     entry["findings"] = [f for f in entry.get("findings") or [] if f.get("key") not in shares]
     entry["first_divergence"] = sfd
     sfd["values_detail"] = (f"pass 1's first divergence {fd['key']} (per-rank hashes) is, read whole, each "
