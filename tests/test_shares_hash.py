@@ -70,3 +70,19 @@ def test_shares_the_region_pass_did_not_read_are_an_edit(runs, tmp_path):
     (d / "summary.json").write_text(json.dumps(s))
     p = run_cli("gate", str(d), "--allow", "rounding")
     assert p.returncode == 2, p.stdout[-2000:]
+
+
+def test_the_confirmation_rerun_reads_the_shares_whole_too(tmp_path):
+    """With the confirmation on (the default flow), its rerun is hash-captured as well: its first
+    divergence was the shares again, read `sharding-bug` from hashes ("first divergence moves to
+    forward: ffn.sum_ranks (in 0) ... (sharding-bug)"); a fix confirmed there would have filed it as a
+    BUG (runner/confirm._bug_after). The rerun's region pass now reads them whole (confirm._judge_after)."""
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", SPEC + "rms_ok", "--tp", "1,2", "--no-baseline", "--capture", "hash",
+                "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    s = json.loads((d / "summary.json").read_text())
+    e = s["degrees"]["2"]
+    after = e["confirmation"]["first_divergence_after"]
+    assert s["class"] == "rounding" and after["cause"] == "row-parallel-reduction", after
+    assert run_cli("gate", str(d)).returncode == 1
