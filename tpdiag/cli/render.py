@@ -239,6 +239,14 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
             console.print(f"{config_name(label)}: not compared ({', '.join(f'{k} {n}' for k, n in nc['why'].items())}): "
                           f"{', '.join(keys[:3])}{f' and {more} more' if more > 0 else ''} - summary.json not_compared",
                           markup=False, soft_wrap=True)
+        nj = d.get("not_judged") or {}
+        if nj.get("keys"):  # divergent grads past the first divergence that no check could judge
+            more = nj["records"] - min(3, len(nj["keys"]))
+            console.print(f"{config_name(label)}: not judged past the first divergence ({nj['records']} activation "
+                          f"grad{'s' if nj['records'] != 1 else ''}, up to {nj.get('max_rel', 0):.3g} relative to "
+                          f"the reference; {'; '.join(nj['why'])}): {', '.join(nj['keys'][:3])}"
+                          f"{f' and {more} more' if more > 0 else ''} - summary.json not_judged",
+                          markup=False, soft_wrap=True)
         if d.get("downstream_unjudged"):
             console.print(f"{config_name(label)}: the divergent modules past the first divergence were not "
                           f"judged on their own inputs ({d['downstream_unjudged']}): not called rounding only")

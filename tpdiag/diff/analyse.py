@@ -97,9 +97,12 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
     left = not_compared(dd)
     if left:
         entry["not_compared"] = left
-    from tpdiag.diff import own_inputs
+    from tpdiag.diff import not_judged, own_inputs
 
     fd = entry["first_divergence"] or {}
+    silent = not_judged.grads(dd, fd.get("key"))
+    if silent:
+        entry["not_judged"] = silent  # said, never passed over (diff/not_judged.py)
     own = own_inputs.modules(dd, fd.get("key"))
     if own:
         entry["own_inputs"] = own  # judged on this side's own inputs by the second pass

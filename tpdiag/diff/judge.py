@@ -163,6 +163,11 @@ RULES: list[Rule] = [
     Rule("a replica no recorded step reads",
          lambda ev, b: _row(ev, "rank_consistent") is False and (_row(ev, "replica_read") or {}).get("read") is False,
          lambda ev, b: "unknown", lambda ev, b: _row(ev, "replica_read")["why"]),
+    # ... or whose only reader in sight is a module that varies per rank by itself (diff/replicas._varies):
+    # no step is shown to read it, and nothing shown wrong - unknown, with the reason
+    Rule("a replica beside a module that varies per rank",
+         lambda ev, b: _row(ev, "rank_consistent") is False and (_row(ev, "replica_read") or {}).get("varies") is True,
+         lambda ev, b: "unknown", lambda ev, b: _row(ev, "replica_read")["why"]),
     Rule("shares that do not add up", lambda ev, b: _row(ev, "rank_consistent") is False and bool(_row(ev, "shares_of")),
          lambda ev, b: "sharding-bug", lambda ev, b: shares_why(_row(ev, "shares_of"))),
     Rule("ranks differ", lambda ev, b: _row(ev, "rank_consistent") is False,

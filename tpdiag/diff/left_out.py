@@ -44,6 +44,10 @@ def _inside_block(m: dict, blocks: dict) -> bool:
     return any(mod.startswith(b + ".") or (mod == b and m["kind"] == "op") for b in blocks)
 
 
+# the reasons (diff/partials.py) that say the ranks' copies were read whole and found to be shares of
+# one value (a sum, a max, statistics combined) - no difference at all
+SHARE_WHYS = ("unreduced partial", "the ranks' own values")
+
 # a few of the module records left uncompared, by key, in summary.json (a deep model has hundreds
 # of op records so left: counted by reason, not listed)
 MAX_NOT_COMPARED_KEYS = 20
@@ -63,7 +67,13 @@ def not_compared(dd) -> dict | None:
         w = str(m.get("why") or "unknown").split(" (")[0].split(":")[0].strip()
         why[w] = why.get(w, 0) + 1
     modules = sorted({m["key"] for m in left if m.get("kind") != "op" and m.get("key")})
+    # the module records whose whole values showed each rank's copy to be its share of a value the
+    # module makes one on every rank (diff/partials.py): a hash-first pass cannot tell such shares
+    # from wrong ones, and its verdict on them yields to these (runner/drill.py)
+    shares = sorted({m["key"] for m in left if m.get("kind") != "op" and m.get("key")
+                     and str(m.get("why") or "").startswith(SHARE_WHYS)})
     return {"records": len(left), "ops": sum(m.get("kind") == "op" for m in left),
+            **({"shares": shares} if shares else {}),
             "why": dict(sorted(why.items(), key=lambda kv: -kv[1])),
             "module_records": modules[:MAX_NOT_COMPARED_KEYS],
             **({"module_records_more": len(modules) - MAX_NOT_COMPARED_KEYS} if len(modules) > MAX_NOT_COMPARED_KEYS else {})}

@@ -44,11 +44,17 @@ def mark(dd) -> None:
         if r["kind"] == "buffer":
             writes.setdefault((r["module"], r["name"]), set()).add(r["step"])
     unread: set = set()
+    varied: dict = {}  # (module, name) -> the module that varies per rank by itself, beside it (_varies)
     for r in sorted(wrote, key=lambda r: r["step"]):
         m, s, name = r["module"], r["step"], r["name"]
         what = f"buffer {name} of {m}"
         if s == last:
-            if (m, name) in unread:
+            if (m, name) in varied and (m, name) not in unread:
+                r["replica_read"] = {"read": None, "varies": True, "why": (
+                    f"{what} differs across ranks, and no later step is recorded to show whether anything reads "
+                    f"it; at the earlier steps the only sign of a reader was {varied[(m, name)]}, whose ranks "
+                    "differed on the same inputs before this buffer did (a kernel whose result varies per rank)")}
+            elif (m, name) in unread:
                 r["replica_read"] = {"read": False, "why": (
                     f"{what} differs across ranks; not read by any recorded step: at the earlier steps its value "
                     f"did not change {m}'s forward either (bitwise the reference's on every rank)")}
@@ -63,10 +69,15 @@ def mark(dd) -> None:
         # called unread from the next step alone
         again = min((t for t in writes.get((m, name), ()) if t > s), default=last)
         got = None
+        # the first step after which this buffer's replicas differed: a module whose ranks differed by
+        # that step, on the same inputs, did so without its value (diff/replicas._varies)
+        since = min(w["step"] for w in wrote if (w["module"], w["name"]) == (m, name))
         for t in range(s + 1, again + 1):
-            got = _at_step(r, t, fwd, moved, first_split, split_params)
+            got = _at_step(r, t, fwd, moved, first_split, split_params, since)
             if got["read"] is not False:
                 break
+        if got.get("varies"):
+            varied[(m, name)] = got["module"]
         if got["read"] is False:
             unread.add((m, name))
             if again > s + 1:
@@ -74,7 +85,20 @@ def mark(dd) -> None:
         r["replica_read"] = got
 
 
-def _at_step(r: dict, t: int, fwd: dict, moved: dict, first_split: dict, split_params: set) -> dict:
+def _varies(module: str, since: int, fwd: dict) -> int | None:
+    """The first step up to `since` at which `module`'s forward output already differed across the
+    ranks although its inputs did not: before the buffer's replicas differed, so not by reading it -
+    a kernel whose result varies per rank (a nondeterministic GPU kernel: atomics), or state of its
+    own. None where no such step is recorded."""
+    for u in range(since + 1):
+        outs, ins = fwd.get((u, module, "out"), []), fwd.get((u, module, "in"), [])
+        if any(o.get("rank_consistent") is False for o in outs) and all(i.get("rank_consistent") is not False for i in ins):
+            return u
+    return None
+
+
+def _at_step(r: dict, t: int, fwd: dict, moved: dict, first_split: dict, split_params: set,
+             since: int | None = None) -> dict:
     """Whether step t reads buffer r's value (the module doc): read True, False (unread there) or
     None (not shown), and why."""
     m, name = r["module"], r["name"]
@@ -107,6 +131,16 @@ def _at_step(r: dict, t: int, fwd: dict, moved: dict, first_split: dict, split_p
         # the step's first record whose ranks differ is that module's output, its inputs and
         # parameters the same on every rank - per-rank state read there; the owner's own output
         # never changes (replica_later.py:beside read "not shown", by luck not "unread")
+        u = _varies(split["module"], r["step"] if since is None else since, fwd)
+        if u is not None:
+            # ... unless that module's ranks differed on equal inputs already, before this buffer's
+            # did: then its split at step t shows nothing about this buffer (a nondeterministic kernel
+            # made every unread per-rank buffer a BUG: tests/models/planted/varies_rank.py)
+            return {"read": None, "varies": True, "module": split["module"], "why": (
+                f"{what} differs across ranks; whether step {t} reads it is not shown: {split['module']}'s forward "
+                f"output there is the step's first record that differs across ranks, but it differed across ranks "
+                f"on the same inputs at step {u} already, before this buffer did - a kernel whose result varies "
+                "per rank (nondeterministic), not evidence that it reads this buffer")}
         return {"read": True, "why": (
             f"{what} differs across ranks and step {t} reads per-rank state: {split['module']}'s forward "
             "output there is the step's first record that differs across ranks, its inputs and parameters "

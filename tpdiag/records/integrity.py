@@ -241,8 +241,12 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
                 _ANOTHER_STEP in str(fd.get(k) or "") for k in ("op_detail", "values_detail")):
             continue  # drill.py leaves such findings out on purpose
         from tpdiag.records.labels import pass_label_problems
+        from tpdiag.records.shares import shares_problem
 
         out += pass_label_problems(lab, d, sd, name)
+        why = shares_problem(lab, d, sd, name)
+        if why:
+            out.append(why)
         have = {(f.get("phase"), f.get("module"), f.get("kind"), f.get("name")) for f in findings}
         made = {(f.get("phase"), f.get("module"), f.get("kind"), f.get("name")): f
                 for f in sd.get("findings") or () if isinstance(f, dict)}

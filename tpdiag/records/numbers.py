@@ -98,7 +98,10 @@ def number_problems(degrees: dict, rows: list[dict] | None) -> list[str]:
                 break
         # locate makes every record beyond its bound or rank-inconsistent a finding: one missing from the
         # summary (a bug deleted) would be judged as a mere consequence of the first divergence
-        found = {f.get("key") for f in d.get("findings") or () if isinstance(f, dict)}
+        from tpdiag.records.shares import shares
+
+        # and the records a full capture read as shares of one value (records/shares.py)
+        found = {f.get("key") for f in d.get("findings") or () if isinstance(f, dict)} | shares(d)
         lost = next((r["key"] for r in rows if str(r.get("degree")) == lab and r.get("key") not in found
                      and (r.get("beyond_bound") is True or r.get("rank_consistent") is False)), None)
         if lost:

@@ -139,7 +139,7 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
     if follows:
         findings.append(f"{follows} more record{'s' if follows != 1 else ''} beyond rounding follow"
                         f"{'s' if follows == 1 else ''} from the findings above (their inputs already differed)")
-    findings += _not_compared(d)
+    findings += _not_compared(d) + _not_judged(d)
     kind = {"bug": "BUG: ", "non-finite": "NON-FINITE: ", "rounding": "Rounding: "}.get(d.get("class"), "")
     headline = f"{kind}TP={label} first differs from TP={ref} at {where(fd)}."
     bug = _bug_behind(d, fd)
@@ -171,6 +171,18 @@ def _not_compared(d: dict) -> list[str]:
             + ", ".join(f"{w} {n}" for w, n in (nc.get("why") or {}).items()) + ")"
             + (f"; module records among them: {', '.join(keys)}{f' and {more} more' if more else ''}" if keys else "")
             + " - their values are evidence neither way."]
+
+
+def _not_judged(d: dict) -> list[str]:
+    """The activation grads past the first divergence that no check judged (summary.json not_judged,
+    diff/not_judged.py), in one line, as the CLI says them."""
+    nj = d.get("not_judged") or {}
+    if not nj.get("records"):
+        return []
+    return [f"Not judged past the first divergence: {nj['records']} activation grad{'s' if nj['records'] != 1 else ''}"
+            f", up to {nj.get('max_rel', 0):.3g} relative to the reference ({'; '.join(nj.get('why') or {})}): "
+            f"{', '.join(nj.get('keys') or [])} - no exact value to judge them against, so neither rounding nor a "
+            "bug is shown for them."]
 
 
 def _bug_behind(d: dict, fd: dict) -> dict | None:

@@ -99,6 +99,14 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     # ops where asked (auto, op) and, in the default flow, wherever a forward first divergence
     # still has no verdict: the run names the op by itself
     judge = [fd for fd in fds if fd.get("phase") == "forward" and needs_verdict(fd)]
+    if hashed:
+        # a forward record whose ranks' hashes differ may be each rank's share of a sum a module of
+        # the caller reduces (runner/drill._shares): its caller's ops too, so that the reduction,
+        # read whole, is named where it becomes the first divergence (mega_split.py:split_ok)
+        shares = [fd for fd in fds if (fd.get("phase"), fd.get("kind")) == ("forward", "out")
+                  and fd.get("cause") == "rank-inconsistent-replica" and "." in fd["module"]]
+        scopes = sorted(set(scopes) | {fd["module"].rsplit(".", 1)[0] for fd in shares})
+        judge += shares
     ops = bool(scopes) and (cfg.granularity in ("auto", "op") or bool(judge))
     if ops and cfg.granularity == "module" and not hashed:
         scopes = sorted({_scope(fd) for fd in judge})
@@ -111,7 +119,20 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                     | {m for lab, _ in targets for m in every[lab].get("unjudged", [])}
                     # an input that differs was computed by its caller's own code: the caller,
                     # whose inputs were equal, re-executed whole (diff/judge.py: caller_oracle)
-                    | {fd["module"] for fd in fds if (fd.get("phase"), fd.get("kind")) == ("forward", "in")})
+                    | {fd["module"] for fd in fds if (fd.get("phase"), fd.get("kind")) == ("forward", "in")}
+                    # after a hash-first pass, the module that takes that input too: its whole values may
+                    # show the ranks' copies to be shares it reduces (diff/partials.py), and then the first
+                    # divergence is its output, judged here (shard_stats.py:rms_ok read BUG at its input)
+                    | ({_record_module(fd) for fd in fds if (fd.get("phase"), fd.get("kind")) == ("forward", "in")}
+                       if summary.get("capture") == "hash" else set())
+                    # ... and where the first divergence is itself a share (a row-parallel layer's partial
+                    # returned to its caller: mega_split.py:split_ok), the modules whose forward input
+                    # pass 1 found differing in that step: the one reducing it is among them
+                    | ({_record_module(f) for lab, _ in targets for f in every[lab].get("findings") or ()
+                        for fd in [every[lab]["first_divergence"]]
+                        if (f.get("phase"), f.get("kind"), f.get("step")) == ("forward", "in", fd.get("step"))
+                        and (fd.get("phase"), fd.get("kind")) == ("forward", "out")}
+                       if summary.get("capture") == "hash" else set()))
     # every divergent module past the first divergence, judged on this side's own inputs
     # (diff/own_inputs.py; --no-judge-downstream: off)
     own = {lab: every[lab]["own_inputs"] for lab, _ in targets
@@ -215,6 +236,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                                                 f"{str(sub_entry.get('error') or 'no error recorded').splitlines()[0][:300]}")
             if sub_entry.get("downstream_unjudged"):  # the own-input pass after a region pass
                 entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
+            if hashed and sfd and _shares(fd, entry, sub_entry, run_dir, label):
+                fd = entry["first_divergence"]  # before the findings: none may follow one dropped
             # every finding the rerun made (the float64 verdicts of other roots among them)
             seen = {(f["phase"], f["module"], f["kind"], f["name"]): f for f in entry["findings"]}
             sub_bugs = {f.get("key") for f in sub_entry.get("findings", [])
@@ -250,6 +273,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                 entry["findings"].append(f)
             if label in own:
                 near_on_own_inputs(entry, out, sub_label)
+            if sub_entry.get("not_judged"):  # the grads past the first divergence it could not judge
+                entry["not_judged"] = sub_entry["not_judged"]
             if sfd.get("key") != fd["key"]:
                 fd["values_detail" if hashed else "op_detail"] = (
                     f"the {what} rerun of this region did not reproduce this first divergence "
@@ -315,6 +340,44 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
 
 
 
+
+
+_SHARES = "shares of a value their module reduces"
+
+
+def _shares(fd: dict, entry: dict, sub_entry: dict, run_dir: str, label: str) -> bool:
+    """Pass 1's first divergence a record whose per-rank hashes differ, which the full-capture
+    rerun read whole and found to be each rank's share of a value its module makes one on every
+    rank (diff/partials.py; left_out.SHARE_WHYS): no difference. Hashes cannot tell shares that add
+    up from wrong ones, so pass 1 read them `sharding-bug` (`shares that do not add up`) and a
+    correct model read BUG (shard_stats.py:rms_ok under --capture hash, gate 4). The rerun's first
+    divergence - after the shares, judged there - takes its place, and pass 1's findings on those
+    records go; shares that do not add up are no such record, and keep pass 1's verdict."""
+    shares = set((sub_entry.get("not_compared") or {}).get("shares") or ())
+    if fd.get("key") not in shares:
+        return False
+    sfd = sub_entry["first_divergence"]
+    # its position in pass 1's records, as every record of this summary has (a confirmation compares
+    # it with its rerun's, whose records are pass 1's: runner/confirm.py)
+    from tpdiag.records.rundir import read_rows
+
+    idx = next((r["idx"] for r in read_rows(RunDir(run_dir).diff_csv)
+                if str(r.get("degree")) == str(label) and r.get("key") == sfd.get("key")), None)
+    if idx is None:
+        return False  # not a record of pass 1: its verdict stands (fail closed)
+    sfd["idx"] = idx
+    entry["findings"] = [f for f in entry.get("findings") or [] if f.get("key") not in shares]
+    entry["first_divergence"] = sfd
+    sfd["values_detail"] = (f"pass 1's first divergence {fd['key']} (per-rank hashes) is, read whole, each "
+                            "rank's share of a value its module reduces: not compared; the first divergence "
+                            "is this record")
+    left = entry.setdefault("not_compared", {"records": 0, "ops": 0, "why": {}, "module_records": []})
+    for k in sorted(shares - set(left.get("module_records") or ())):
+        left["records"] = left.get("records", 0) + 1
+        left.setdefault("module_records", []).append(k)
+        left.setdefault("why", {})[_SHARES] = left["why"].get(_SHARES, 0) + 1
+    left["shares"] = sorted(shares | set(left.get("shares") or ()))
+    return True
 
 
 def _reclear(summary: dict, labels) -> None:

@@ -1,0 +1,56 @@
+"""The activation grads past the first divergence that no check judged, said in the verdict.
+
+Past the first divergence a grad_out record is judged against its one module consumer's float64
+backward run on this side's own output grad (diff/oracle_own.py), plus the grad through a residual
+add where a recorded grad explains it (diff/other_paths.py). A grad that leaves by anything else -
+an output read only by code outside any module (`h = h * sigmoid(gate(h))` in the parent's forward:
+the multiply's share of h's grad is no record), read by several unrelated modules (a tied weight's
+users), or whose reference no recorded path explains - has no exact value to be judged against.
+Such a grad was left silent: a replicated gate behind Megatron's f (its input grad TP times,
+tests/models/planted/two_paths.py:gate_f) moved the block's output grad 3800% and read
+`rounding only`. Each one is now listed with its reason (summary.json `not_judged`, one line in the
+verdict), never passed over in silence."""
+from __future__ import annotations
+
+from tpdiag.records.keys import sole_consumer
+
+NO_MODULE = "read by code outside any module (no module consumer whose backward makes it)"
+SEVERAL = "read by more than one module (their backwards together make it)"
+# a few keys in summary.json; the count says how many
+MAX_KEYS = 20
+
+
+def grads(dd, first_key: str | None) -> dict | None:
+    """{records, why: {reason: count}, keys, max_rel}: the divergent activation grads after the
+    first divergence that neither a bound nor a float64 re-execution judged; None when none, or when
+    this diff judged nothing on its own inputs (pass 1: the second pass's diff says it)."""
+    if not (getattr(dd, "oracle_own", None) or getattr(dd, "grad_in_own", None)
+            or getattr(dd, "oracle_own_norms", None)):
+        return None
+    first = next((r["idx"] for r in dd.rows if r["key"] == first_key), None)
+    if first is None:
+        return None
+    why: dict[str, int] = {}
+    keys, worst = [], 0.0
+    for r in dd.rows:
+        if (r["phase"], r["kind"]) != ("backward", "grad_out") or r["idx"] <= first or r["bitwise"] \
+                or r.get("rank_consistent") is False or r.get("oracle") or r.get("bound") is not None \
+                or r.get("beyond_bound") or r.get("scale") is not None or r.get("nonfinite_mismatch"):
+            continue
+        consumers = [c for c in r.get("consumers") or () if isinstance(c, str)]
+        if r.get("oracle_refused"):
+            w = str(r["oracle_refused"])
+        elif not consumers:
+            w = NO_MODULE
+        elif sole_consumer(consumers) is None:
+            w = SEVERAL
+        else:
+            continue  # its one consumer was not re-executed on this side's inputs: own_inputs' choice
+        why[w] = why.get(w, 0) + 1
+        keys.append(r["key"])
+        rel = r.get("max_rel")
+        if isinstance(rel, (int, float)) and rel == rel:
+            worst = max(worst, float(rel))
+    if not keys:
+        return None
+    return {"records": len(keys), "why": why, "keys": keys[:MAX_KEYS], "max_rel": worst}
