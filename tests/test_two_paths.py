@@ -48,7 +48,9 @@ def test_a_grad_read_outside_any_module_is_said_not_judged(runs, case):
 
 
 def test_the_gate_behind_f_shows_how_far_the_unjudged_grad_moved(runs):
-    """The line carries the size of the move: 38x the reference's element at TP=2 behind the doubled
-    gate grad, ~1e-4 for the twin's rounding - the reader sees which one to look at."""
-    bug, ok = (runs[c][0]["degrees"]["2"]["not_judged"]["max_rel"] for c in ("gate_f", "gate_ok"))
-    assert bug > 1.0 > 1e-3 > ok, (bug, ok)
+    """The line carries the size of the move as a whole (relative 2-norm): a quarter behind the
+    doubled gate grad, rounding's size for the twin - the reader sees which one to look at. (The
+    elementwise max_rel it showed before read 6.8e27 for the built-in tiny-llama's correct
+    residual-stream grads: a reference element near zero.)"""
+    bug, ok = (runs[c][0]["degrees"]["2"]["not_judged"]["rel_l2"] for c in ("gate_f", "gate_ok"))
+    assert bug > 0.1 and ok < 1e-5, (bug, ok)  # float32: rounding moves it ~1e-7; the bug by a quarter

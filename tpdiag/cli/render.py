@@ -243,8 +243,8 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if nj.get("keys"):  # divergent grads past the first divergence that no check could judge
             more = nj["records"] - min(3, len(nj["keys"]))
             console.print(f"{config_name(label)}: not judged past the first divergence ({nj['records']} activation "
-                          f"grad{'s' if nj['records'] != 1 else ''}, up to {nj.get('max_rel', 0):.3g} relative to "
-                          f"the reference; {'; '.join(nj['why'])}): {', '.join(nj['keys'][:3])}"
+                          f"grad{'s' if nj['records'] != 1 else ''}{moved_by(nj)}; "
+                          f"{'; '.join(nj['why'])}): {', '.join(nj['keys'][:3])}"
                           f"{f' and {more} more' if more > 0 else ''} - summary.json not_judged",
                           markup=False, soft_wrap=True)
         if d.get("downstream_unjudged"):
@@ -434,3 +434,11 @@ def _on_positions(cut) -> str:
     return (f"the region pass (its op and values) ran positions 0..{n - 1} of {L} - the prompt call "
             f"and the one-token calls up to {n - 1} - where it found again every difference the "
             "first pass found in the modules it records")
+
+
+def moved_by(nj: dict) -> str:
+    """How far the unjudged grads moved as a whole (summary.json not_judged.rel_l2; older runs
+    lack it and say nothing): the elementwise max_rel is no size - a reference element near zero
+    makes it any number."""
+    rel = nj.get("rel_l2")
+    return f", up to {rel:.3g} of the reference's norm" if isinstance(rel, (int, float)) else ""

@@ -12,6 +12,8 @@ tests/models/planted/two_paths.py:gate_f) moved the block's output grad 3800% an
 verdict), never passed over in silence."""
 from __future__ import annotations
 
+import torch
+
 from tpdiag.records.keys import sole_consumer
 
 NO_MODULE = "read by code outside any module (no module consumer whose backward makes it)"
@@ -31,7 +33,7 @@ def grads(dd, first_key: str | None) -> dict | None:
     if first is None:
         return None
     why: dict[str, int] = {}
-    keys, worst = [], 0.0
+    keys, worst, worst_l2 = [], 0.0, None
     for r in dd.rows:
         if (r["phase"], r["kind"]) != ("backward", "grad_out") or r["idx"] <= first or r["bitwise"] \
                 or r.get("rank_consistent") is False or r.get("oracle") or r.get("bound") is not None \
@@ -51,6 +53,31 @@ def grads(dd, first_key: str | None) -> dict | None:
         rel = r.get("max_rel")
         if isinstance(rel, (int, float)) and rel == rel:
             worst = max(worst, float(rel))
+        moved = _rel_l2(dd.tensors.get(r["key"]))
+        if moved is not None:
+            worst_l2 = max(worst_l2 or 0.0, moved)
     if not keys:
         return None
-    return {"records": len(keys), "why": why, "keys": keys[:MAX_KEYS], "max_rel": worst}
+    out = {"records": len(keys), "why": why, "keys": keys[:MAX_KEYS], "max_rel": worst}
+    if worst_l2 is not None:
+        out["rel_l2"] = worst_l2
+    return out
+
+
+def _rel_l2(pair) -> float | None:
+    """||this side - reference|| / ||reference|| in float64: how far the grad as a whole moved. The
+    elementwise max_rel is no size to show here: an element the reference holds near zero makes it
+    any number (1e27 in a correct llama's residual-stream grads), while rounding moves the whole
+    grad by ~1e-6 (float32) to ~1e-2 (bf16) and a doubled grad by ~1."""
+    if pair is None:
+        return None
+    a, b = pair
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape \
+            or not a.is_floating_point():
+        return None
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    ref = float(a64.norm())
+    d = float((b64 - a64).norm())
+    if not (d == d and ref == ref) or ref == 0.0:
+        return None
+    return d / ref

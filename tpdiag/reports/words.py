@@ -180,7 +180,7 @@ def _not_judged(d: dict) -> list[str]:
     if not nj.get("records"):
         return []
     return [f"Not judged past the first divergence: {nj['records']} activation grad{'s' if nj['records'] != 1 else ''}"
-            f", up to {nj.get('max_rel', 0):.3g} relative to the reference ({'; '.join(nj.get('why') or {})}): "
+            f"{moved_by(nj)} ({'; '.join(nj.get('why') or {})}): "
             f"{', '.join(nj.get('keys') or [])} - no exact value to judge them against, so neither rounding nor a "
             "bug is shown for them."]
 
@@ -192,3 +192,11 @@ def _bug_behind(d: dict, fd: dict) -> dict | None:
         return None
     return next((f for f in d.get("findings") or () if isinstance(f, dict) and "follows" not in f
                  and causes.cause_class(f.get("cause")) == "bug"), None)
+
+
+def moved_by(nj: dict) -> str:
+    """How far the unjudged grads moved as a whole (summary.json not_judged.rel_l2; older runs
+    lack it and say nothing): the elementwise max_rel is no size - a reference element near zero
+    makes it any number."""
+    rel = nj.get("rel_l2")
+    return f", up to {rel:.3g} of the reference's norm" if isinstance(rel, (int, float)) else ""
