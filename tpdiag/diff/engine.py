@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpdiag.diff import bits, pair_memo, partials
+from tpdiag.diff import bits, pair_memo, partials, rank_local
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.diff.left_out import _inside_block, per_piece_blocks, per_rank_blocks
 from tpdiag.errors import NotComparable
@@ -368,6 +368,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             tensors[key] = (a, b)
     partials.reduced(rows, tensors, uncompared)
     partials.reduced_after_backward(rows, tensors, uncompared)
+    rank_local.inside_combined(rows, tensors, uncompared)
     # a forward-only world (a decode configuration beside a reference that ran the whole step)
     # has no backward or optimizer records to miss
     skip = () if (other.world.get("config") or {}).get("backward", True) else ("backward", "optimizer")
