@@ -104,7 +104,8 @@ def _manifest_status(r):
 EDITS = {
     "ops/tp2 tensors truncated": (_truncated, "truncated"),
     "ops/tp2 records are ops/tp1's": (_records_of("tp1"), "world 1 but world.json says degree 2"),
-    "ops/tp2 tensors linked to ops/tp1's": (_tensors_linked_to("tp1"), "its index says"),
+    # (tp1's file holds tensors tp2's index never names: refused before any record's header is read)
+    "ops/tp2 tensors linked to ops/tp1's": (_tensors_linked_to("tp1"), "that no record in events.jsonl names"),
     # hred10: the second pass's tensor bytes were never read by the gate (its diff.csv is trusted): a value
     # edited inside the file, its header intact, passed `gate --allow rounding` (exit 0) on b953259
     "ops/tp2 a value edited": (_flip_a_value, "does not match its hash"),

@@ -30,10 +30,17 @@ def _rounding():
 
 
 def _drop(world, pred):
-    """Records removed from a world's index as a consistent edit would: events.jsonl and world.json's count."""
+    """Records removed from a world's index as a consistent edit would: events.jsonl, world.json's count
+    and their tensors (a tensor no record names is refused on its own: records/completeness.py)."""
+    from safetensors.torch import load_file, save_file
+
     ev = [json.loads(x) for x in (world / "events.jsonl").read_text().splitlines()]
     keep = [m for m in ev if not pred(m)]
     assert len(keep) < len(ev)
+    gone = {str(m["idx"]) for m in ev if pred(m)}
+    tensors = load_file(str(world / "records.safetensors"))
+    save_file({k: t for k, t in tensors.items() if k not in gone}, str(world / "records.safetensors"),
+              metadata={"schema": "1"})
     (world / "events.jsonl").write_text("".join(json.dumps(m) + "\n" for m in keep))
     w = json.loads((world / "world.json").read_text())
     w["n_records"] = len(keep)

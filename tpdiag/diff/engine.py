@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpdiag.diff import bits, pair_memo, partials
+from tpdiag.diff import bits, pair_memo, partials, rank_local, reassembled
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.diff.left_out import _inside_block, per_piece_blocks, per_rank_blocks
 from tpdiag.errors import NotComparable
@@ -240,6 +240,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     is only whether the bits reproduce)."""
     rows, unmatched, uncompared = [], [], []
     tensors, contents = {}, {}
+    ref_values = None  # diff/reassembled.index(ref), built at the first op only this degree runs
     seen = set()
     oracle_metas = [m for m in ref.events if m["kind"] == "oracle"]
     other_algorithm = _other_algorithm(ref, other)
@@ -256,7 +257,14 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         if rm is None:
             unmatched.append(key)
             if om["kind"] == "op":
-                uncompared.append({**om, "why": "only at this degree"})
+                extra = {**om, "why": "only at this degree"}
+                if ref.hash_version == other.hash_version and om.get("ranks_equal") is True:
+                    if ref_values is None:
+                        ref_values = reassembled.index(ref)
+                    same = reassembled.same_as(om, ref_values)
+                    if same:
+                        extra["same_as"] = same
+                uncompared.append(extra)
             continue
         seen.add(key)
         if om["kind"] == "op" and key in other_algorithm:
@@ -375,6 +383,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     partials.reduced(rows, tensors, uncompared)
     partials.reduced_outputs(rows, tensors, uncompared)
     partials.reduced_after_backward(rows, tensors, uncompared)
+    rank_local.inside_combined(rows, tensors, uncompared)
     # a forward-only world (a decode configuration beside a reference that ran the whole step)
     # has no backward or optimizer records to miss
     skip = () if (other.world.get("config") or {}).get("backward", True) else ("backward", "optimizer")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds, generic_bound, loss_grad, on_device, oracle, oracle_own, pair_memo, rank_partials, router
+from tpdiag.diff import bits, bounds, generic_bound, loss_grad, on_device, oracle, oracle_own, pair_memo, rank_partials, reassembled, router
 from tpdiag.diff.loss_bounds import loss_bounds
 from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
 from tpdiag.diff.op_verdict import op_verdict
@@ -322,6 +322,9 @@ def _first_op(dd: DegreeDiff, first: dict) -> dict | None:
                     and m["why"] in ("only at this degree", "collective output before wait_tensor")
                     and not _is_pick(m)),
                    key=lambda m: m["idx"])
+    # a collective whose gathered result is bitwise a value the reference computed let no difference in
+    hi = hit["idx"] if hit is not None else first["idx"]
+    extra = [m for m in extra if not (m["name"].startswith("c10d::") and reassembled.exact(m, dd.uncompared, hi))]
     if extra and (hit is None or extra[0]["idx"] < hit["idx"] and extra[0]["name"].startswith("c10d::")):
         # a hand-written in-place collective ran before the first differing shared op: the
         # difference entered through it (its own output is not comparable)

@@ -7,6 +7,7 @@ import torch
 
 from tpdiag.base import files as io
 from tpdiag.errors import Inconclusive
+from tpdiag.records import completeness
 from tpdiag.records.base_world import OWN_KINDS, base_dir, base_drop, base_problem
 from tpdiag.records.paths import EVENTS, TENSORS, WORLD, world_file
 MAX_DEGREE = 1024  # sanity bound on world.json's degree: shards are rebuilt by repeating/concatenating
@@ -176,6 +177,7 @@ class RecordSet:
         base = base_dir(out_dir, self.world)
         if base is None:
             _check_steps(self.world, self.events, epath)
+            completeness.backward_ran(self.world, self.events, epath)
         path = os.path.join(out_dir, TENSORS)
         if not os.path.isfile(path):
             raise Inconclusive(f"{path}: missing")
@@ -195,6 +197,7 @@ class RecordSet:
         if missing:
             raise Inconclusive(f"{path}: {len(missing)} records listed in {EVENTS} are missing "
                                f"(first: {missing[0]})")
+        completeness.orphan_tensors(keys, self.events, path, EVENTS)
         self._stored: dict = {}  # idx -> the number its tensor is stored under, where they differ
         self._file: dict = {}  # idx -> the open file its tensor is in, where not this folder's
         self.base = None  # the base's RecordSet (a world with a records_base)
@@ -236,6 +239,7 @@ class RecordSet:
         self._stored.update({nb + m["idx"]: m["idx"] for m in self.events})
         self.events = below.events + [{**m, "idx": nb + m["idx"]} for m in self.events]
         _check_steps(self.world, self.events, epath)
+        completeness.backward_ran(self.world, self.events, epath)
         self.base = below
 
     @property

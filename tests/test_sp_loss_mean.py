@@ -1,0 +1,35 @@
+"""A loss over a sequence-parallel LM's own positions (tests/models/planted/sp_loss_mean.py, helper
+hred14): each rank's mean over its own real tokens, the means averaged (8 and 5 tokens weighing
+alike) is a BUG at the loss; the twin (sums and counts all-reduced) reads rounding. And a correct but
+unusual Gemma-2-style model (tests/models/planted/softcap_ok.py: scaled embedding, soft-capped
+attention scores and soft-capped vocab-shard logits under a hand-written vocab-parallel
+cross-entropy) reads rounding in bfloat16, never BUG."""
+import pytest
+
+from conftest import compare_planted
+
+CASES = {c: ("sp_loss_mean", c, ("--tp", "1,2")) for c in ("sp_mean_of_means", "sp_token_mean")}
+CASES["softcap_ok"] = ("softcap_ok", "softcap_ok", ("--tp", "1,2", "--dtype", "bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return compare_planted(tmp_path_factory, CASES)
+
+
+def test_a_mean_of_the_ranks_means_is_a_bug_at_the_loss(runs):
+    from tpdiag.diff.classes import leading_bug
+
+    s, stdout, gate = runs["sp_mean_of_means"]
+    assert s["class"] == "bug" and gate == 4, s["degrees"]["2"]
+    lead = leading_bug(s["degrees"]["2"])
+    assert (lead["phase"], lead["cause"]) == ("loss", "sharding-bug"), lead
+    assert s["degrees"]["2"]["logprobs"]["bitwise"], s["degrees"]["2"]["logprobs"]  # the model is right
+
+
+@pytest.mark.parametrize("case", ["sp_token_mean", "softcap_ok"])
+def test_correct_models_read_rounding(runs, case):
+    s, stdout, gate = runs[case]
+    assert s["class"] in ("rounding", "identical") and gate in (0, 1), s["degrees"]["2"]
+    assert not s["degrees"]["2"].get("findings"), s["degrees"]["2"].get("findings")
+    assert "BUG" not in stdout
