@@ -52,9 +52,9 @@ def test_ordered_int_is_the_float_order(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_finite_only_where_the_pass_saw_every_element_finite(dtype):
     """Compare.finite lets the diff skip its own non-finite passes over both tensors
-    (engine._judge_values): it must be True only where the whole-tensor pass saw every element of
+    (diff/measure.judge_values): it must be True only where the whole-tensor pass saw every element of
     both sides finite - never with a NaN or Inf that both sides hold (equal bits, no mismatch)."""
-    from tpdiag.diff import engine
+    from tpdiag.diff import measure
 
     g = torch.Generator().manual_seed(5)
     a = torch.randn(4000, generator=g)
@@ -67,7 +67,7 @@ def test_finite_only_where_the_pass_saw_every_element_finite(dtype):
         c = bits.compare(sa, sb, chunk=256)
         assert c.mismatches * 4 >= c.numel and not c.finite and not c.nan_mismatch
         row = {"phase": "backward"}
-        engine._measure_pair(row, sa, sb, values=True, scaled=False, equal=False)
+        measure.measure_pair(row, sa, sb, values=True, scaled=False, equal=False)
         assert row["nonfinite_side"] == "both" and row["nonfinite_mismatch"] and not row["bitwise"]
     few = b.clone()
     few[100:] = a[100:]  # 100 of 4000 differ: gathered, the equal elements unseen
@@ -75,5 +75,5 @@ def test_finite_only_where_the_pass_saw_every_element_finite(dtype):
     assert not bits.compare(a, a.clone()).finite  # bitwise: nothing measured
     assert "finite" not in bits.compare(a, b).to_dict()
     row = {"phase": "backward"}
-    engine._measure_pair(row, a, b, values=True, scaled=False, equal=False)
+    measure.measure_pair(row, a, b, values=True, scaled=False, equal=False)
     assert "nonfinite_side" not in row and not row["nonfinite_mismatch"] and row["max_abs"] > 0

@@ -53,7 +53,7 @@ def test_narrowed_to_needs_every_element_of_this_side_and_not_the_references():
 
 
 def test_narrowed_to_reads_no_whole_record_when_its_leading_elements_rule_a_cast_out():
-    """Every divergent record is asked (diff/engine._measure_pair); a float32 reordering's values are of
+    """Every divergent record is asked (diff/measure.measure_pair); a float32 reordering's values are of
     no narrower dtype, which its first elements already show. Reviewer hreview13: on c8df0f6 each such
     record took a dozen whole-tensor passes here (`b != 0`, `a != 0`, isfinite, two round trips through
     bfloat16 and float16) - half again compare()'s own cost on a 4M-element record. Counted with a

@@ -42,7 +42,7 @@ def test_a_check_device_changes_no_decision(behind_bugs_run, monkeypatch):
     moved = _moves(monkeypatch)
     dev, dev_rows = _analyse(d, "cpu")
     # the bounds, both verdicts and the measures of the pairs that differ went there
-    assert {"work", "_judge", "_judge_own", "_measure_pair"} <= set(moved), moved
+    assert {"work", "_judge", "_judge_own", "measure_pair"} <= set(moved), moved
     assert dev_rows == host_rows and dev == host
     assert any((r.get("oracle") or {}).get("own") and r.get("beyond_bound") for r in host_rows)  # a bug judged
     assert any(r.get("bound") is not None for r in host_rows)  # Linear bounds measured

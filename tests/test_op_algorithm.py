@@ -18,12 +18,12 @@ def test_op_level_under_every_fix_is_bitwise(tmp_path):
     # the loss phase's op records were there; those past the ops both degrees ran alike are left out
     rows = [json.loads(x) for x in (d / "tp2" / "events.jsonl").read_text().splitlines()]
     assert any(r["phase"] == "loss" and r["kind"] == "op" for r in rows)
-    from tpdiag.diff.engine import _other_algorithm
+    from tpdiag.diff.op_streams import other_algorithm
     from tpdiag.records.store import RecordSet
 
-    past = _other_algorithm(RecordSet(str(d / "tp1")), RecordSet(str(d / "tp2")))
+    past = other_algorithm(RecordSet(str(d / "tp1")), RecordSet(str(d / "tp2")))
     loss_ops = [r["key"] for r in rows if r["phase"] == "loss" and r["kind"] == "op"]
     # the ops both ran alike first (the shard's max, its exp-sum) are compared, the rest not
     assert loss_ops[0] not in past and any(k in past for k in loss_ops), (loss_ops[:8], sorted(past)[:8])
     # negative control: a degree against itself runs one algorithm - nothing is left out
-    assert not _other_algorithm(RecordSet(str(d / "tp2")), RecordSet(str(d / "tp2")))
+    assert not other_algorithm(RecordSet(str(d / "tp2")), RecordSet(str(d / "tp2")))

@@ -30,7 +30,7 @@ class Compare:
     nan_mismatch: bool
     # every element of both tensors seen finite by the measures themselves (a whole-tensor pass
     # whose every |a - b| was finite: a NaN or Inf at either side makes its |a - b| NaN or Inf);
-    # False: not known. Lets the caller skip its own non-finite passes (engine._judge_values)
+    # False: not known. Lets the caller skip its own non-finite passes (measure.judge_values)
     finite: bool = False
 
     @property

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpdiag.diff import bits, pair_memo, partials, rank_local, reassembled
+from tpdiag.diff import measure, op_streams, pair_memo, partials, rank_local, reassembled
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.diff.left_out import _inside_block, per_piece_blocks, per_rank_blocks
 from tpdiag.errors import NotComparable
@@ -130,109 +130,6 @@ def _after_flip(rows: list[dict]) -> bool:
     return any(flipped(r) for r in rows)
 
 
-def _measure(row: dict, a: torch.Tensor, b: torch.Tensor, oa: Assembled, values: bool, scaled: bool = False) -> None:
-    """The pair's bit comparison, its NaN/Inf and, for a replica whose ranks differ, how far.
-    scaled: look for one factor between the pair (diff/scale.py) - in a diff of captures, where no
-    float64 re-execution judges a record past the first divergence (compare's own-input pass does,
-    with its verdict and distance)."""
-    equal = a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits.raw_bits(a), bits.raw_bits(b))
-    if equal:  # one pass on the host: most records, nothing to measure
-        _measure_pair(row, a, b, values, scaled, True)
-    else:
-        # the float64 measures of a pair that differs on the parent's check device (diff/on_device.py):
-        # maxima of exact differences, IEEE quotients and integer ULP counts - the same numbers on
-        # either device; the one-factor fit's sums differ in their last bits only
-        from tpdiag.diff import on_device
-
-        on_device.run(_measure_pair, row, a, b, values, scaled, False)
-    if oa.rank_consistent is False:
-        row["rank_max_abs"] = max(
-            float((s.to(torch.float64) - oa.shards[0].to(torch.float64)).abs().max())
-            if s.is_floating_point() else float(not torch.equal(s, oa.shards[0]))
-            for s in oa.shards)
-        partials.partial_sum(row, a, oa.shards)
-
-
-def _measure_pair(row: dict, a: torch.Tensor, b: torch.Tensor, values: bool, scaled: bool, equal: bool) -> None:
-    """The bit comparison, NaN/Inf and one-factor measures of a pair, into row (wherever a and b are)."""
-    c = bits.compare(b, a, equal=equal)
-    row["nonfinite_mismatch"] = c.nonfinite is not None
-    row["nonfinite"] = c.nonfinite
-    row.update(bitwise=c.bitwise, max_abs=c.max_abs, max_rel=c.max_rel, max_ulp=c.max_ulp,
-               mismatch_fraction=c.mismatch_fraction, bound=None, beyond_bound=None)
-    if values and not c.finite:  # finite: compare saw every element of both (no NaN, no Inf)
-        _judge_values(row, a, b)
-    if not c.bitwise and not row["nonfinite_mismatch"]:
-        narrow = bits.narrowed_to(a, b)
-        if narrow is not None:
-            row["narrowed"] = narrow
-    if scaled and not c.bitwise and not row["nonfinite_mismatch"] and not row.get("nonfinite_side"):
-        from tpdiag.diff.scale import coherent_scale
-
-        scale = coherent_scale(a, b)
-        if scale is not None:
-            row["scale"] = scale
-
-
-def _judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
-    """NaN/Inf judged as values, not bits: bitwise comparison makes NaN equal NaN, so a loss that is
-    NaN at every degree would read "bitwise". Any record holding one is a non-finite finding (never
-    bitwise, max_abs infinite so that no budget passes it) naming the side(s) that hold it."""
-    fwd = row.get("phase") == "forward"
-    same = row["bitwise"]  # the same bits hold the same NaN and Inf: one side's pass is enough
-    va = bits.held_nonfinite(a, fwd)
-    vb = va if same else bits.held_nonfinite(b, fwd)
-    if not (va or vb or row["nonfinite_mismatch"]):
-        return
-    ha = va or bits.held_nonfinite(a)
-    hb = ha if same else vb or bits.held_nonfinite(b)
-    row["nonfinite_side"] = "both" if ha and hb else "reference" if ha else "degree"
-    if row["nonfinite_mismatch"]:
-        return
-    row.update(nonfinite_mismatch=True, nonfinite=va or vb, bitwise=False, max_abs=float("inf"),
-               max_rel=float("inf"), max_ulp=None)
-
-
-# Phases a degree may run as another algorithm (loss_parallel's vocab-parallel cross entropy, the
-# invariant vocab softmax's groups, a sharded grad norm): their op records line up by occurrence
-# count only as far as both degrees ran the same ops.
-_ALGO_PHASES = ("loss", "optimizer")
-
-
-def _op_positions(rs: RecordSet) -> tuple[dict, dict]:
-    """({group: [op, ...]} of the compute ops (collectives aside: a degree adds its own) each group
-    - (step, phase, module, call) of a phase in _ALGO_PHASES or the unattributed backward - ran in
-    order, {record key: (group, how many compute ops of its group ran up to it)})."""
-    seq: dict = {}
-    pos: dict = {}
-    for m in rs.events:
-        if m["kind"] != "op" or not (m["phase"] in _ALGO_PHASES or m["module"] == m["phase"] == "backward"):
-            continue
-        g = (m["step"], m["phase"], m["module"], m.get("call"))
-        base, _, occ = str(m["name"]).rpartition("#")
-        if occ.endswith(".0") and not base.startswith(("c10d::", "_c10d_functional::")):
-            seq.setdefault(g, []).append(base)
-        pos[m["key"]] = (g, len(seq.get(g, ())))
-    return seq, pos
-
-
-def _other_algorithm(ref: RecordSet, other: RecordSet) -> set:
-    """Keys of `other`'s op records past the ops both degrees ran alike in their group: up to
-    there the n-th op of a kind is the same op at both (same ops, same order); past the first op
-    that differs, the n-th add of one algorithm is not the n-th add of the other."""
-    sa, _ = _op_positions(ref)
-    sb, pb = _op_positions(other)
-    common = {}
-    for g, b in sb.items():
-        a, n = sa.get(g, []), 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        # the optimizer's ops are per parameter, and a degree's parameters are other tensors (local
-        # shards, the fixes' groups): its n-th norm is another parameter's norm once the streams
-        # differ at all - nothing of the group lines up then
-        common[g] = n if a == b or g[1] != "optimizer" else 0
-    return {k for k, (g, i) in pb.items() if i > common.get(g, 0)}
-
 
 def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values: bool = True) -> DegreeDiff:
     """keep(meta) -> bool: which assembled pairs to keep in memory (for bounds and plots).
@@ -243,7 +140,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     ref_values = None  # diff/reassembled.index(ref), built at the first op only this degree runs
     seen = set()
     oracle_metas = [m for m in ref.events if m["kind"] == "oracle"]
-    other_algorithm = _other_algorithm(ref, other)
+    other_algorithm = op_streams.other_algorithm(ref, other)
     # a capture has no float64 re-execution to judge its records past the first divergence
     captured = any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other))
     updates = None
@@ -355,7 +252,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             # bounds or re-executes it in compare, and a hand-written vocab-parallel loss whose
             # backward scales every grad (its loss through Megatron's copy by mistake) read as the
             # vocab-parallel softmax's rounding; a grad with a consumer is judged from it instead
-            _measure(row, a, b, oa, values, captured or (row["phase"] == "backward" and row["kind"] == "grad_out"
+            measure.measure(row, a, b, oa, values, captured or (row["phase"] == "backward" and row["kind"] == "grad_out"
                                                            and not row.get("consumers")))
             measured = {k: v for k, v in row.items() if k not in before or v is not before[k]}
             pair_memo.put(content, measured)
