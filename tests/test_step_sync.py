@@ -4,7 +4,7 @@ cleared, so only step 0's grad is summed. Run as a user runs it, `--steps 2`.
 
 The verdict was right on e403778 (a BUG at step 1's `mlp` gain grad, rank-inconsistent-replica; the
 twin rounding only), but the text named the record without its step - 'backward: mlp (param_grad
-gain)' - as if step 0 held it; cli/render.where now says 'step 1 backward: ...' for a later step.
+gain)' - as if step 0 held it; cli/record_words.where now says 'step 1 backward: ...' for a later step.
 """
 import json
 

@@ -191,8 +191,6 @@ def confirm_cmd(
     RUN_DIR: the --out directory of a tpdiag compare run."""
     DEBUG["on"] = debug
     try:
-        import os
-
         from tpdiag.config import CompareConfig
         from tpdiag.errors import BadInput
         from tpdiag.fixes.registry import resolve

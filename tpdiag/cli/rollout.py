@@ -9,7 +9,7 @@ import typer
 
 from tpdiag.cli import options as H
 from tpdiag.cli.common import DEBUG, QUIET_HELP, Debug, Format, check_format, console, reported, print_json
-from tpdiag.cli.render import _box, _print_table
+from tpdiag.cli.plain_table import _box, _print_table
 
 
 def rollout(

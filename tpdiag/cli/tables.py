@@ -1,7 +1,7 @@
 """The CLI's other tables: the mitigation matrix, the fix catalogue, doctor's checks (rich)."""
 from __future__ import annotations
 
-from tpdiag.cli.render import _box, _fmt, _natural_width, _print_table
+from tpdiag.cli.plain_table import _box, _fmt, _natural_width, _print_table
 from tpdiag.records.causes import short_name
 
 
