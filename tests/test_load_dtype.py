@@ -118,6 +118,7 @@ def test_tp2_keeps_the_same_dtypes_and_records_them(tmp_path):
     assert "flags deterministic: deterministic algorithms on" in p.stdout
     man = json.loads((out / "manifest.json").read_text())
     assert man["flags"] == "deterministic"
+    assert man["launcher_threads"] == 2  # the user's OMP_NUM_THREADS, not runner/host_threads' count
     for label in ("1", "2"):
         n = man["worlds"][label]["numerics"]
         assert n["buffer_dtypes"]["model.rotary_emb.inv_freq"] == "float32", label
