@@ -3,9 +3,10 @@
 A CPU world's ranks run one thread each (runner/determinism.py: the same count in every world, so
 a CPU GEMM's blocking, and so its bits, is the same at every degree). The launcher is another
 matter: torch gives it a thread per core, and on a CPU compare its work is the diff of small
-records (bit tests, dtype casts, norms) where a parallel region costs more than it saves - and
-more again on a shared machine, where a woken thread waits for a core. Its thread count changes no
-record's bits: the records are the ranks'; the launcher compares them bit for bit.
+records (bit tests, dtype casts, norms), which a parallel region barely speeds up while the
+largest world's ranks hold the cores (docs/suite-time.md has the measurements: OMP_NUM_THREADS=1
+saves more than this setting, made after start-up, does). Its thread count changes no record's
+bits: the records are the ranks'; the launcher compares them bit for bit.
 """
 from __future__ import annotations
 
