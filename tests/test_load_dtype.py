@@ -107,7 +107,7 @@ def _builtin_bf16():
 def test_tp2_keeps_the_same_dtypes_and_records_them(tmp_path):
     """A real TP=1,2 compare (gloo) of an hf: checkpoint in bf16: both worlds record inv_freq in
     float32 and every parameter in bf16 (the sharded path casts by the same rule), and the flags
-    each world ran under."""
+    and the thread count each world ran under."""
     path = _checkpoint(tmp_path, "llama", rope_theta=500000.0)
     out = tmp_path / "run"
     # the worlds' dtypes and flags: no own-input judgement past the first divergence
@@ -117,11 +117,14 @@ def test_tp2_keeps_the_same_dtypes_and_records_them(tmp_path):
     assert "flags deterministic: deterministic algorithms on" in p.stdout
     man = json.loads((out / "manifest.json").read_text())
     assert man["flags"] == "deterministic"
+    # the suite's OMP_NUM_THREADS=1 (conftest), the user's choice, which runner/host_threads keeps
+    assert man["launcher_threads"] == 1
     for label in ("1", "2"):
         n = man["worlds"][label]["numerics"]
         assert n["buffer_dtypes"]["model.rotary_emb.inv_freq"] == "float32", label
         assert n["param_dtypes"] == {"bfloat16": 21}, label
         assert n["flag_values"]["deterministic_algorithms"] is True
+        assert n["threads"] == 1, label  # one thread a rank in every world
     # the logprobs are the trainer's: transformers' own bf16 logits upcast to float32, then
     # log-softmax (NeMo RL, verl; generate()'s output_logits) - bit for bit at TP=1. They were a
     # bf16 log-softmax (each logprob rounded to 8 bits: 2 of its ULPs near -5 are 0.0625, and the

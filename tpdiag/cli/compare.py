@@ -112,6 +112,9 @@ def compare(
         from tpdiag.runner.session import compare_session
 
         validate(cfg)
+        from tpdiag.runner import host_threads
+
+        host_threads.apply(cfg.device, cfg.degrees)  # the diff's threads on a CPU (docs/usage: threads)
         if not cfg.out:
             cfg = cfg.with_(out=default_out())
         from tpdiag.records.lock import hold

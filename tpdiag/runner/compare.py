@@ -96,6 +96,8 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         "configurations": {w.label: {**w.point.to_dict(shown), "axis": w.axis} for w in configs},
         "fixes": list(cfg.fixes), "tree_groups": cfg.tree_groups, "group_gemm": cfg.group_gemm,
         "config": cfg.to_dict(), "env": numerics_env(), "flags": cfg.flags,
+        # this process's intra-op threads (runner/host_threads.py; the ranks' are each world's)
+        "launcher_threads": _threads(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "preflight": pre, "worlds": {},
     }
     if cfg.layers:
@@ -300,3 +302,9 @@ def _flags_summary(setting: str, worlds: dict, labels: list) -> dict:
     if ran:
         line += f"; SDPA backend that ran: {in_words(ran)}"
     return {"setting": setting, "values": values, **({"sdpa_ran": in_words(ran)} if ran else {}), "line": line}
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

@@ -151,7 +151,9 @@ def _numerics(cfg: WorldConfig, model) -> dict:
     from tpdiag.models.dtypes import buffer_dtypes, param_dtypes
     from tpdiag.runner.flags import snapshot
 
-    return {"flags": cfg.flags, "flag_values": snapshot(),
+    # the ranks' intra-op threads (runner/determinism.py: one in every world): a CPU reduction's
+    # bits follow the count
+    return {"flags": cfg.flags, "flag_values": snapshot(), "threads": torch.get_num_threads(),
             "buffer_dtypes": buffer_dtypes(model), "param_dtypes": param_dtypes(model)}
 
 
