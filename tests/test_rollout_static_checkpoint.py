@@ -108,3 +108,21 @@ def test_a_checkpoints_max_cache_len_sizes_the_static_cache(tmp_path):
     assert got == n and any("generation_config.max_cache_len 24" in x for x in s["notes"]), s["notes"]
     _, got, n = run(max_cache_len=17)
     assert got < n
+
+
+def test_a_broken_generation_config_is_read_as_from_pretrained_reads_it(tmp_path):
+    """A checkpoint whose generation_config.json is not JSON: from_pretrained loads the model all the
+    same (its generation config then the config.json's own), and so must the static cache's length
+    be read - it raised OSError out of `tpdiag rollout --padding static` (a traceback, no run)."""
+    from transformers import AutoConfig, GenerationConfig, Qwen2Config
+
+    from tpdiag.rollout import static_len
+
+    Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, eos_token_id=5).save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(OSError):  # what the read did before
+        GenerationConfig.from_pretrained(tmp_path)
+    got = static_len._generation_config(f"hf:{tmp_path}")
+    want = GenerationConfig.from_model_config(AutoConfig.from_pretrained(tmp_path))
+    assert got.to_dict() == want.to_dict() and got.eos_token_id == 5

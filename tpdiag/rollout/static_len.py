@@ -101,7 +101,12 @@ def _generation_config(spec_text: str):
     from transformers import AutoConfig, GenerationConfig
 
     if os.path.isfile(os.path.join(spec.value, "generation_config.json")):
-        return GenerationConfig.from_pretrained(spec.value)
+        try:
+            return GenerationConfig.from_pretrained(spec.value)
+        except OSError:
+            # from_pretrained loads the model all the same, on the config's own generation config
+            # (its `except OSError`): a broken generation_config.json is not the rollout's error
+            pass
     return GenerationConfig.from_model_config(AutoConfig.from_pretrained(spec.value))
 
 
