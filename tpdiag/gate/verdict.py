@@ -165,8 +165,12 @@ def _moved_unjudged(lab: str, d: dict, rows: list[dict], policy: Policy, res: De
     if moved == moved and moved <= limit:
         return
     key = keys[0] if keys else ""
-    parts = key.split("/")
-    module = parts[2] if len(parts) > 3 else "-"
+    from tpdiag.records.keys import MalformedKey, RecordKey
+
+    try:
+        module = RecordKey.parse(key).module
+    except MalformedKey:  # an edited summary: the violation stands, its module unnamed
+        module = "-"
     res.violations.append(Violation(lab, "backward", module, None, "grad_out", "-", "unknown", None, None,
                                     f"{nj.get('records', len(keys))} activation grad(s) past the first divergence "
                                     f"not judged (summary.json not_judged), moved up to {moved:.3g} of the "
