@@ -10,15 +10,10 @@ import torch
 def static_rows(model, stop, seed=1, **generate):
     """Rows of one generate(cache_implementation="static", **generate) call, the prompts drawn with
     seed 1 and the sampling with `seed`; each sequence cut after its first token in `stop`."""
-    from tests.test_rollout_rl_team import LENS
+    from tests.test_rollout_rl_team import left_padded
 
-    g = torch.Generator().manual_seed(1)
-    P = max(LENS)
-    ids = torch.zeros(len(LENS), P, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(LENS):
-        ids[r, P - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
-        mask[r, P - n:] = 1
+    ids, mask = left_padded(model.config.vocab_size)
+    P = ids.shape[1]
     torch.manual_seed(seed)
     res = model.generate(ids, attention_mask=mask, do_sample=True, cache_implementation="static",
                          output_logits=True, return_dict_in_generate=True, **generate)
