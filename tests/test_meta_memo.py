@@ -217,6 +217,8 @@ def test_a_crafted_file_runs_nothing_and_changes_no_answer(tmp_path):
         "float-dim": {"shape": [1.0], "stride": [1], "dtype": "torch.float32"},
         "bool-dim": {"shape": [True], "stride": [1], "dtype": "torch.float32"},
         "negative": {"shape": [-1], "stride": [1], "dtype": "torch.float32"},
+        "huge": {"shape": [1 << 63], "stride": [1], "dtype": "torch.float32"},
+        "huge-stride": {"shape": [1], "stride": [-(1 << 63) - 1], "dtype": "torch.float32"},
         "ranks": {"shape": [1, 1], "stride": [1], "dtype": "torch.float32"},
         "extra": {**wrong, "code": "x"},
         "seq": {"tuple": "abc"},
