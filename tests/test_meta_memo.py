@@ -2,7 +2,8 @@
 gloo worlds. A world that reads what an earlier world (other placements) found computes the same
 bits, global shapes and strides as a world that computes them itself; the memo's answers are the
 ones DTensor uses (a poisoned memo changes the outcome); the key tells apart what changes the
-answer (stride, dtype, a dim argument, a float's sign)."""
+answer (stride, dtype, a dim argument, a float's sign). The files are JSON read back exactly: a
+pickle or a file off in any entry runs nothing and changes no answer."""
 import os
 import pickle
 
@@ -43,13 +44,13 @@ def _worker(rank, world, port, q):
         table = {}
         for name in os.listdir(path):
             with open(os.path.join(path, name), "rb") as f:
-                table.update(pickle.load(f)["table"])
+                table.update(meta_memo._parse(f.read(), torch.__version__))
         for k, v in table.items():  # every remembered output one row longer
             if isinstance(v, TensorMeta):
-                table[k] = TensorMeta((v.shape[0] + 1, *v.shape[1:]), v.stride, v.dtype)
+                table[k] = TensorMeta(torch.Size((v.shape[0] + 1, *v.shape[1:])), v.stride, v.dtype)
         if rank == 0:
-            with open(os.path.join(path, "poison.pkl"), "wb") as f:
-                pickle.dump({"torch": torch.__version__, "table": table}, f)
+            with open(os.path.join(path, "poison.json"), "w") as f:
+                f.write(meta_memo._dump(table, torch.__version__))
         dist.barrier()
     out = {}
     if mode == "first":  # the reference: the second program, computed here with no memo at all
@@ -127,22 +128,33 @@ def test_off_switch(tmp_path, monkeypatch):
     assert os.stat(tmp_path / made).st_mode & 0o777 == 0o700
 
 
+def _meta(shape, stride, dtype=torch.float32):
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    return TensorMeta(torch.Size(shape), stride, dtype)
+
+
+def _write(path, table, version=None):
+    from tpdiag.runner import meta_memo
+
+    with open(path, "w") as f:
+        f.write(meta_memo._dump(table, version or torch.__version__))
+
+
 def test_a_shared_folder_merges_and_skips_another_torch(tmp_path, monkeypatch):
     from tpdiag.runner import meta_memo
 
     for i in range(meta_memo.MERGE_AT):
-        with open(tmp_path / f"{i}.pkl", "wb") as f:
-            pickle.dump({"torch": torch.__version__, "table": {("op", i): i}}, f)
-    with open(tmp_path / "other.pkl", "wb") as f:  # another torch's answers are never read
-        pickle.dump({"torch": "0.0", "table": {("op", -1): -1}}, f)
+        _write(tmp_path / f"{i}.json", {("op", i): _meta((i,), (1,))})
+    _write(tmp_path / "other.json", {("op", -1): None}, "0.0")  # another torch's answers are never read
     memo = meta_memo.Memo(str(tmp_path))
     assert memo.table == {}  # read at the first DTensor op, not before
     memo.load()
-    assert memo.table == {("op", i): i for i in range(meta_memo.MERGE_AT)}
-    memo.new[("op", "new")] = memo.table[("op", "new")] = "x"
+    assert memo.table == {("op", i): _meta((i,), (1,)) for i in range(meta_memo.MERGE_AT)}
+    memo.new[("op", "new")] = memo.table[("op", "new")] = None
     memo.save()
-    (merged,) = (n for n in os.listdir(tmp_path) if n != "other.pkl")
-    assert merged.endswith(".pkl")
+    (merged,) = (n for n in os.listdir(tmp_path) if n != "other.json")
+    assert merged.endswith(".json")
     again = meta_memo.Memo(str(tmp_path))
     again.load()
     assert again.table == memo.table
@@ -152,3 +164,87 @@ def test_a_shared_folder_merges_and_skips_another_torch(tmp_path, monkeypatch):
     monkeypatch.setattr(meta_memo, "_OWNER", {})
     meta_memo.launcher_folder()
     assert shared.is_dir() and os.stat(shared).st_mode & 0o777 == 0o700
+
+
+def test_the_json_reads_back_exactly():
+    from tpdiag.runner import meta_memo
+
+    key = ("aten.mm.default", ("tuple", (("T", (8, 6), (6, 1), "torch.float32", "cpu"), ("NoneType", None),
+                                         ("bool", True), ("int", -1), ("float", "-0.0"))), (("dim", ("int", 0)),))
+    table = {key: _meta((8, 4), (4, 1)), ("b",): (_meta((2, 0), (1, 1), torch.bfloat16), None),
+             ("c",): [_meta((), ())], ("d",): None, ("e",): []}
+    back = meta_memo._parse(meta_memo._dump(table, torch.__version__).encode(), torch.__version__)
+    assert back == table
+    assert [type(v) for v in back.values()] == [type(v) for v in table.values()]  # tuple stays tuple, list list
+    assert type(back[key].shape) is torch.Size and type(back[key].stride) is tuple
+    assert back[("b",)][0].dtype is torch.bfloat16
+    first = next(iter(back))  # the key as parsed: tuples all the way down, -0.0 still its own
+    assert first == key and type(first[1][1]) is tuple and first[1][1][4] == ("float", "-0.0")
+
+
+class _Payload:
+    """Unpickling this creates a file: evidence that something unpickled it."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_file_runs_nothing_and_changes_no_answer(tmp_path):
+    """A file in the memo's folder that is not wholly what _dump writes is a miss: a pickle (under
+    the old name or the new) runs nothing, and a file off in one entry gives none of its entries -
+    here each one's other entry would turn the genuine answer into another shape. On the pickle
+    memo before, the .pkl payload ran (MARKER made)."""
+    import json
+
+    from tpdiag.runner import meta_memo
+
+    marker = tmp_path / "MARKER"
+    memo_dir = tmp_path / "memo"
+    memo_dir.mkdir()
+    key, good = ("aten.mm.default", ("int", 1)), _meta((8, 4), (4, 1))
+    _write(memo_dir / "0-genuine.json", {key: good})
+    payload = pickle.dumps({"torch": torch.__version__, "table": {key: _Payload(str(marker))}})
+    (memo_dir / "z-payload.pkl").write_bytes(payload)
+    (memo_dir / "z-payload.json").write_bytes(payload)
+    row = [json.loads(json.dumps(key)), None]
+    wrong = {"shape": [9, 4], "stride": [4, 1], "dtype": "torch.float32"}  # would change the answer
+    off_entries = {
+        "dtype": {"shape": [1], "stride": [1], "dtype": "os.system"},
+        "dtype-attr": {"shape": [1], "stride": [1], "dtype": "torch.float32.__class__"},
+        "float-dim": {"shape": [1.0], "stride": [1], "dtype": "torch.float32"},
+        "bool-dim": {"shape": [True], "stride": [1], "dtype": "torch.float32"},
+        "negative": {"shape": [-1], "stride": [1], "dtype": "torch.float32"},
+        "huge": {"shape": [1 << 63], "stride": [1], "dtype": "torch.float32"},
+        "huge-stride": {"shape": [1], "stride": [-(1 << 63) - 1], "dtype": "torch.float32"},
+        "ranks": {"shape": [1, 1], "stride": [1], "dtype": "torch.float32"},
+        "extra": {**wrong, "code": "x"},
+        "seq": {"tuple": "abc"},
+        "kind": {"set": []},
+        "number": 3,
+    }
+    for name, entry in off_entries.items():
+        doc = {"torch": torch.__version__, "table": [[row[0], wrong], [["other"], entry]]}
+        (memo_dir / f"z-{name}.json").write_text(json.dumps(doc))
+    for name, k in {"key-dict": [{"a": 1}], "key-float": [1.5], "key-flat": "op"}.items():
+        doc = {"torch": torch.__version__, "table": [[row[0], wrong], [k, None]]}
+        (memo_dir / f"z-{name}.json").write_text(json.dumps(doc))
+    whole = json.dumps({"torch": torch.__version__, "table": [[row[0], wrong]]})
+    (memo_dir / "z-cut.json").write_text(whole[:-3])
+    (memo_dir / "z-nan.json").write_text(whole.replace("[[[", "[[[NaN,", 1))
+    (memo_dir / "z-deep.json").write_text("[" * 200_000)
+    (memo_dir / "z-bytes.json").write_bytes(b"\xff\xfe\x00garbage")
+    (memo_dir / "z-list.json").write_text("[]")
+    memo = meta_memo.Memo(str(memo_dir))
+    memo.load()
+    assert not marker.exists()
+    assert memo.read == ["0-genuine.json"]
+    assert memo.table == {key: good} and memo.table[key].shape == (8, 4)
+    # control: the same wrong answer in a file wholly as _dump writes it is read (its folder's
+    # owner is trusted, rank_memo) - the crafted ones above were refused for their off entries
+    (memo_dir / "z-whole.json").write_text(whole)
+    again = meta_memo.Memo(str(memo_dir))
+    again.load()
+    assert again.read == ["0-genuine.json", "z-whole.json"] and again.table[key].shape == (9, 4)

@@ -15,20 +15,15 @@ import torch
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from tests.test_rollout_rl_team import LENS, save_bf16  # noqa: E402
+from tests.test_rollout_rl_team import LENS, left_padded, save_bf16  # noqa: E402
 
 
 def _engine(path, **gen):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    g = torch.Generator().manual_seed(1)
-    P = max(LENS)
-    ids = torch.zeros(len(LENS), P, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(LENS):
-        ids[r, P - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
-        mask[r, P - n:] = 1
+    ids, mask = left_padded(model.config.vocab_size)
+    P = ids.shape[1]
     torch.manual_seed(1)
     res = model.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=True, max_new_tokens=10,
                          eos_token_id=2, output_logits=True, return_dict_in_generate=True, **gen)

@@ -29,6 +29,18 @@ ARCHS = {"olmo2": {},
 LENS = (5, 8, 6, 7)
 
 
+def left_padded(vocab_size: int):
+    """The prompts of LENS's lengths, drawn with seed 1, left-padded to the longest: (ids, mask)."""
+    g = torch.Generator().manual_seed(1)
+    P = max(LENS)
+    ids = torch.zeros(len(LENS), P, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(LENS):
+        ids[r, P - n:] = torch.randint(3, vocab_size, (n,), generator=g)
+        mask[r, P - n:] = 1
+    return ids, mask
+
+
 def save_bf16(kind, out, **extra) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -49,13 +61,8 @@ def engine(path, eos=2, returns=2, **sample):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    g = torch.Generator().manual_seed(1)
-    P = max(LENS)
-    ids = torch.zeros(len(LENS), P, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(LENS):
-        ids[r, P - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
-        mask[r, P - n:] = 1
+    ids, mask = left_padded(model.config.vocab_size)
+    P = ids.shape[1]
     torch.manual_seed(1)
     res = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=10, eos_token_id=eos,
                          num_return_sequences=returns, output_logits=True, output_scores=True,

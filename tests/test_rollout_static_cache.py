@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.static_engine import static_rows, write_rows  # noqa: E402
 from tests.test_rollout_rl_team import engine, save_bf16  # noqa: E402
 
 STATIC = "tp1-mb8-decode-none-padstatic"
@@ -30,8 +31,7 @@ def _cli(tmp_path, rows, path, *args):
 
     from tpdiag.cli import app
 
-    f = tmp_path / "r.jsonl"
-    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    f = write_rows(tmp_path / "r.jsonl", rows)
     r = CliRunner().invoke(app, ["rollout", str(f), "--model", "hf:" + path, "--dtype", "bfloat16",
                                  "--device", "cpu", "--micro-batch", "8", "--fix", "none", "--format", "json",
                                  *args])
@@ -46,8 +46,7 @@ def test_static_cache_decode_is_generates_static_logprobs(tmp_path):
     files, _ = engine(path, temperature=1.0, cache_implementation="static")
     rows = files["raw"]
     assert len(rows) == 8 and len({x["prompt_len"] for x in rows}) > 1  # left padding in the engine's batch
-    f = tmp_path / "e.jsonl"
-    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    f = write_rows(tmp_path / "e.jsonl", rows)
     got = {}
     s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="bfloat16", micro_batch=(8,),
                                   modes=("decode", "prefill"), fixes=("none",), padding=("auto", "static")),
@@ -81,8 +80,7 @@ def test_the_static_configuration_does_not_reproduce_the_default_generate(tmp_pa
 
     path = save_bf16("qwen2", tmp_path / "q")
     files, _ = engine(path, temperature=1.0)
-    f = tmp_path / "e.jsonl"
-    f.write_text("".join(json.dumps(x) + "\n" for x in files["raw"]))
+    f = write_rows(tmp_path / "e.jsonl", files["raw"])
     s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="bfloat16", micro_batch=(8,),
                                   modes=("decode",), fixes=("none",), padding=("static", "auto")))
     c = s["configurations"]
@@ -135,28 +133,7 @@ def test_compiled_static_decode_is_refused_where_generate_does_not_compile(tmp_p
 
 
 def _generate_rows(model, new, eos=2):
-    """One sampled generate(cache_implementation="static") call over LENS left-padded: rows of
-    tpdiag's JSONL with the raw logprobs (output_logits)."""
-    from tests.test_rollout_rl_team import LENS
-
-    g = torch.Generator().manual_seed(1)
-    P = max(LENS)
-    ids = torch.zeros(len(LENS), P, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(LENS):
-        ids[r, P - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
-        mask[r, P - n:] = 1
-    torch.manual_seed(1)
-    res = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, eos_token_id=eos,
-                         cache_implementation="static", output_logits=True, return_dict_in_generate=True)
-    lp = torch.stack(res.logits, 1).float().log_softmax(-1)
-    rows = []
-    for b in range(len(ids)):
-        gen = res.sequences[b, P:].tolist()
-        gen = gen[:gen.index(eos) + 1] if eos in gen else gen
-        rows.append({"input_ids": ids[b][mask[b].bool()].tolist() + gen, "prompt_len": int(mask[b].sum()),
-                     "logprobs": [lp[b, j, t].item() for j, t in enumerate(gen)]})
-    return rows
+    return static_rows(model, [eos], max_new_tokens=new, eos_token_id=eos)
 
 
 def test_an_earlier_longer_generate_sets_the_cache_length(tmp_path):
@@ -173,8 +150,7 @@ def test_an_earlier_longer_generate_sets_the_cache_length(tmp_path):
     _generate_rows(model, new=16)  # an earlier call: cache 8 + 16 - 1 = 23 positions
     rows = _generate_rows(model, new=10)
     assert max(len(x["logprobs"]) for x in rows) == 10
-    f = tmp_path / "e.jsonl"
-    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    f = write_rows(tmp_path / "e.jsonl", rows)
 
     def exact(n):
         s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="float32", micro_batch=(8,),
@@ -227,30 +203,7 @@ def test_a_static_decode_leak_is_read_against_the_padded_prefill():
 
 
 def _static_batch(model, eos, seed, new=12):
-    """One sampled generate(cache_implementation="static") over LENS left-padded, stopping at any of
-    `eos`: rows of tpdiag's JSONL with the raw logprobs."""
-    from tests.test_rollout_rl_team import LENS
-
-    g = torch.Generator().manual_seed(1)
-    P = max(LENS)
-    ids = torch.zeros(len(LENS), P, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(LENS):
-        ids[r, P - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
-        mask[r, P - n:] = 1
-    torch.manual_seed(seed)
-    res = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=new, eos_token_id=eos,
-                         pad_token_id=0, cache_implementation="static", output_logits=True,
-                         return_dict_in_generate=True)
-    lp = torch.stack(res.logits, 1).float().log_softmax(-1)
-    rows = []
-    for b in range(len(ids)):
-        gen = res.sequences[b, P:].tolist()
-        end = next((j for j, t in enumerate(gen) if t in eos), None)
-        gen = gen if end is None else gen[:end + 1]
-        rows.append({"input_ids": ids[b][mask[b].bool()].tolist() + gen, "prompt_len": int(mask[b].sum()),
-                     "logprobs": [lp[b, j, t].item() for j, t in enumerate(gen)]})
-    return rows
+    return static_rows(model, eos, seed=seed, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
 
 
 def test_a_batch_that_stopped_at_eos_early_keeps_generates_cache_length(tmp_path):
@@ -274,8 +227,7 @@ def test_a_batch_that_stopped_at_eos_early_keeps_generates_cache_length(tmp_path
     assert max(len(x["logprobs"]) for x in early) < 12 == max(len(x["logprobs"]) for x in late)
 
     def run(rows, name, **kw):
-        f = tmp_path / name
-        f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+        f = write_rows(tmp_path / name, rows)
         got = {}
         s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="float32", micro_batch=(4,),
                                       modes=("decode",), fixes=("none",), padding=("static",), **kw),

@@ -7,14 +7,14 @@ here, both settings). It now reads the checkpoint's generation config, as from_p
 `tp1-mb4-decode-none-padstatic` is generate()'s own logprobs bit for bit (torch.equal per sequence);
 a note names where the length came from. The control: the least length (--max-new-tokens of the
 most generated) is not those bits."""
-import json
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from tests.test_rollout_rl_team import LENS, save_bf16  # noqa: E402
+from tests.static_engine import static_rows, write_rows  # noqa: E402
+from tests.test_rollout_rl_team import save_bf16  # noqa: E402
 
 EOS = list(range(3, 200, 2))  # half the vocabulary: every sequence ends early, at an EOS
 STATIC = "tp1-mb4-decode-none-padstatic"
@@ -22,29 +22,10 @@ STATIC = "tp1-mb4-decode-none-padstatic"
 
 def _engine(path):
     """The user's engine: from_pretrained, one sampled generate(cache_implementation="static") with
-    no max_new_tokens over LENS left-padded; rows of tpdiag's JSONL from output_logits."""
+    no max_new_tokens over LENS left-padded."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    g = torch.Generator().manual_seed(1)
-    P = max(LENS)
-    ids = torch.zeros(len(LENS), P, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(LENS):
-        ids[r, P - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=g)
-        mask[r, P - n:] = 1
-    torch.manual_seed(1)
-    res = model.generate(ids, attention_mask=mask, do_sample=True, cache_implementation="static",
-                         output_logits=True, return_dict_in_generate=True)
-    lp = torch.stack(res.logits, 1).float().log_softmax(-1)
-    rows = []
-    for b in range(len(ids)):
-        new = res.sequences[b, P:].tolist()
-        end = next((j for j, t in enumerate(new) if t in EOS), None)
-        new = new if end is None else new[:end + 1]
-        rows.append({"input_ids": ids[b][mask[b].bool()].tolist() + new, "prompt_len": int(mask[b].sum()),
-                     "logprobs": [lp[b, j, t].item() for j, t in enumerate(new)]})
-    return rows
+    return static_rows(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval(), EOS)
 
 
 @pytest.mark.parametrize("setting,words", [
@@ -61,8 +42,7 @@ def test_a_static_engine_without_max_new_tokens_takes_the_checkpoints(tmp_path, 
     rows = _engine(path)
     most = max(len(x["logprobs"]) for x in rows)
     assert all(x["input_ids"][-1] in EOS for x in rows) and most < 10  # the file does not say the length
-    f = tmp_path / "e.jsonl"
-    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    f = write_rows(tmp_path / "e.jsonl", rows)
 
     def run(**over):
         got = {}
@@ -88,15 +68,13 @@ def test_a_checkpoints_max_cache_len_sizes_the_static_cache(tmp_path):
     checkpoint's 24 now (every token), with a note."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from tests.test_rollout_static_cache import _generate_rows
     from tpdiag.rollout.run import RolloutConfig, run_rollout
 
     path = save_bf16("qwen2", tmp_path / "q")
     GenerationConfig(eos_token_id=2, pad_token_id=0, max_cache_len=24).save_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rows = _generate_rows(model, new=10)  # the batch's own cache: 8 + 10 - 1 = 17 positions
-    f = tmp_path / "e.jsonl"
-    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    rows = static_rows(model, [2], max_new_tokens=10, eos_token_id=2)  # the batch's own cache: 8 + 10 - 1 = 17 positions
+    f = write_rows(tmp_path / "e.jsonl", rows)
 
     def run(**over):
         s = run_rollout(RolloutConfig(file=str(f), model="hf:" + path, dtype="float32", micro_batch=(8,),

@@ -189,7 +189,7 @@ def emit_summary(summary: dict, fmt: str, baseline_skipped: str | None = None) -
 def exit_for(summary: dict, fail_on_divergence: bool) -> None:
     if summary["status"] == "inconclusive":
         raise typer.Exit(2)
-    from tpdiag.records.integrity import second_pass_failed
+    from tpdiag.records.second_pass_ran import second_pass_failed
 
     failed = second_pass_failed(summary.get("run_dir"), summary)
     if failed:  # fail closed: the verdict printed is the first pass's alone (DESIGN: a world failed -> 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tpdiag.base.points import config_name
 from tpdiag.cli.plain_table import _box, _fmt, _print_table
 from tpdiag.cli.record_words import _chain_at, made_by, where
+from tpdiag.reports.words import moved_by
 
 
 def ran(summary: dict) -> str | None:
@@ -330,10 +331,3 @@ def _on_positions(cut) -> str:
             f"and the one-token calls up to {n - 1} - where it found again every difference the "
             "first pass found in the modules it records")
 
-
-def moved_by(nj: dict) -> str:
-    """How far the unjudged grads moved as a whole (summary.json not_judged.rel_l2; older runs
-    lack it and say nothing): the elementwise max_rel is no size - a reference element near zero
-    makes it any number."""
-    rel = nj.get("rel_l2")
-    return f", up to {rel:.3g} of the reference's norm" if isinstance(rel, (int, float)) else ""

@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 
 from tpdiag.base import files as io
-from tpdiag.base.configs import folder
 from tpdiag.errors import Inconclusive
 from tpdiag.records.numbers import confirmation_problems, count_problems, number_problems, same
-from tpdiag.records.paths import DIFF_CSV, EVENTS, RESULT, SECOND_PASS_DIRS, TENSORS, WORLD, rank_marker, world_file
+from tpdiag.records.paths import DIFF_CSV, SECOND_PASS_DIRS
 from tpdiag.records.rundir import is_diff_dir
-from tpdiag.records.sides import base_world_problem, fix_chain_problems, labels_problem, pass_identity_problem
-from tpdiag.records.sides import settings_problem, what_ran_problems
-from tpdiag.records.sides import started as _started
+from tpdiag.records.second_pass_ran import failed_words, pass_failed, unnamed_second_pass
+from tpdiag.records.sides import fix_chain_problems, labels_problem, pass_identity_problem, what_ran_problems
+from tpdiag.records.world_check import world_problem
 
 SCHEMA = 1
 STATUSES = ("bitwise", "divergent", "inconclusive")
@@ -28,145 +27,7 @@ def schema_ok(v) -> bool:
     return type(v) is int and v == SCHEMA
 
 
-def _outside(run_dir: str, d: str, label: str, who: str) -> str | None:
-    """A world's own files are read only from inside the run directory: a file of tpN/ that is a
-    symlink out of it (a copy of other records, another run's world) is refused, as a symlinked tpN
-    is (records_dir)."""
-    root = os.path.realpath(run_dir)
-    for name in (EVENTS, TENSORS, WORLD, RESULT):
-        p = os.path.join(d, name)
-        if os.path.islink(p) and os.path.commonpath([os.path.realpath(p), root]) != root:
-            return (f"{who}: {folder(label)}/{name} is a symlink out of the run directory (to "
-                    f"{os.path.realpath(p)}); refused")
-    return None
-
-
-def _world_problem(run_dir: str, manifest: dict, label: str, degree, base: str | None = None,
-                   layout: bool = False) -> str | None:
-    """Why the records of a world the manifest calls ok cannot be trusted, or None. layout: also open
-    its record set and check every stored record's dtype and shape against its index (a world nobody
-    re-diffs: a second pass's)."""
-    from tpdiag.records.rundir import records_dir
-
-    who = f"reference rerun TP={label}" if label == base else f"TP={label}"
-    try:
-        d = records_dir(run_dir, manifest, label)
-    except Inconclusive as e:
-        return f"{who}: {e}"
-    why = _outside(run_dir, d, label, who)
-    if why:
-        return why
-    try:
-        res = io.read_json(world_file(d, RESULT))
-    except Inconclusive as e:
-        return f"{who}: {str(e).splitlines()[0]}"
-    if not isinstance(res, dict) or res.get("status") != "ok":
-        status = res.get("status") if isinstance(res, dict) else res
-        return f"{who}: {folder(label)}/{RESULT} says {status!r} but manifest.json says ok"
-    if str(res.get("label")) != label or res.get("degree") != degree:
-        return f"{who}: {folder(label)}/{RESULT} is for TP={res.get('label')} (degree {res.get('degree')!r})"
-    if type(degree) is not int or not 1 <= degree <= 1 << 16:
-        return f"{who}: manifest.json degree {degree!r} is not a world size"
-    try:
-        errors = sorted(f for f in os.listdir(d) if f.startswith("rank") and f.endswith(".error"))
-    except OSError as e:
-        return f"{who}: {folder(label)}/ unreadable ({e.strerror or e})"
-    if errors:
-        return f"{who}: {folder(label)}/{errors[0]} exists (a rank failed) but manifest.json says ok"
-    from tpdiag.records.markers import undone
-
-    gone = undone(d, degree)
-    if gone:
-        return f"{who}: {folder(label)}/{rank_marker(gone[0], 'done')} {gone[1]}"
-    why = settings_problem(manifest, d, label, who, degree) or base_world_problem(run_dir, d, who, degree)
-    if why or not layout:
-        return why
-    # The second pass's records are not re-diffed (its diff.csv is trusted as the first pass's is not),
-    # but they are its float64 verdicts' evidence: a tensor file truncated by a crashed copy, another
-    # world's events.jsonl or records.safetensors in their place, or a value edited inside the file is a
-    # corrupt capture (DESIGN: exit 2), found from the index, the file's header and each record's stored
-    # hash (its bytes read once, as the first pass's re-diff reads every record's).
-    from tpdiag.records.store import RecordSet
-
-    try:
-        RecordSet(d).check_every_record()
-    except Inconclusive as e:
-        return f"{who}: {str(e).splitlines()[0]}"
-    return None
-
-
 _ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used
-
-
-def _unnamed_second_pass(run_dir: str, summary: dict, degrees: dict) -> list[str]:
-    """summary.json names no second pass: then none ran. One that did - named by a first divergence, or
-    its folder in the run directory started after this run did (an earlier compare's, in a reused
-    directory, started before) - was removed from summary.json together with the findings only it made
-    (a sharding-bug behind a harmless reordering would pass)."""
-    for lab, d in degrees.items():
-        fd = d.get("first_divergence") if isinstance(d, dict) else None
-        if isinstance(fd, dict) and fd.get("second_pass_dir"):
-            return [f"summary.json's TP={lab} first divergence names the second pass {fd['second_pass_dir']!r} but "
-                    "summary.json has no second_pass (edited after the run)"]
-    from tpdiag.records.rundir import RunDir, read_manifest
-
-    try:
-        mine = _started(read_manifest(run_dir))
-    except Inconclusive:
-        return []  # problems() reports the manifest itself
-    for name in SECOND_PASS_DIRS:
-        sub = os.path.join(run_dir, name)
-        if mine is None or "/" in name or not os.path.isfile(RunDir(sub).manifest):
-            continue
-        try:
-            theirs = _started(read_manifest(sub))
-        except Inconclusive:
-            theirs = mine  # unreadable: not proven an earlier run's
-        if theirs is not None and theirs >= mine:
-            return [f"{name}/ holds a second pass of this run (started after it) but summary.json names no second "
-                    "pass (edited after the run, or the compare was stopped during it)"]
-    return []
-
-
-def _pass_failed(sub) -> str | None:
-    """Why a second pass's own summary says it judged nothing (a world failed, or it was inconclusive)."""
-    from tpdiag.records.axes import entries
-
-    if not isinstance(sub, dict) or not isinstance(sub.get("degrees"), dict):
-        return None
-    broken = next(((lab, d) for lab, d in entries(sub).items() if isinstance(d, dict) and d.get("status") == "failed"),
-                  None)
-    if broken:
-        return f"TP={broken[0]}: {broken[1].get('error') or 'failed'}"
-    return "inconclusive" if sub.get("status") == "inconclusive" else None
-
-
-def _failed_words(name: str, why: str) -> str:
-    return (f"the second pass in {name}/ failed ({str(why).splitlines()[0][:300]}): its float64 verdicts and the "
-            "findings only it makes are missing; run the compare again")
-
-
-def second_pass_failed(run_dir: str, summary: dict) -> str | None:
-    """One line when the run's second pass (or the own-input pass inside it) has worlds that failed:
-    compare's own exit code is then 2 (DESIGN: a world failed - the result is inconclusive), as the
-    gate's is. None where the run has no second pass or it finished."""
-    from tpdiag.records.paths import SUMMARY
-
-    sp = summary.get("second_pass") if isinstance(summary, dict) else None
-    if not isinstance(sp, dict) or not run_dir:
-        return None
-    name = os.path.basename(str(sp.get("dir") or "").rstrip("/"))
-    for sub_name in (name, os.path.join(name, "ops")):
-        path = os.path.join(run_dir, sub_name, SUMMARY)
-        if not os.path.isfile(path):
-            continue
-        try:
-            why = _pass_failed(io.read_json(path))
-        except Inconclusive as e:
-            why = str(e).splitlines()[0]
-        if why:
-            return _failed_words(sub_name, why)
-    return None
 
 
 def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bool = False,
@@ -177,7 +38,7 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
     sp = summary.get("second_pass")
     if not isinstance(sp, dict):
         # a second pass's own folder (inside a run): the pass inside it (region/ops) is its parent's to check
-        return [] if inside else _unnamed_second_pass(run_dir, summary, degrees)
+        return [] if inside else unnamed_second_pass(run_dir, summary, degrees)
     name = os.path.basename(str(sp.get("dir") or "").rstrip("/"))
     if name not in SECOND_PASS_DIRS:
         return [f"summary.json's second pass dir {sp.get('dir')!r} is not one tpdiag writes "
@@ -196,9 +57,9 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
     # A second pass whose worlds failed (a full disk, a crash, a timeout) judged nothing: the float64
     # verdicts and the findings only it makes (a bug behind a harmless reordering) are missing, and the
     # first pass's layout bound alone is no verdict (DESIGN: bounds sharpen the oracle, never replace it).
-    why = _pass_failed(sub)
+    why = pass_failed(sub)
     if why:
-        return [_failed_words(name, why)]
+        return [failed_words(name, why)]
     # after a hash-first pass the own-input judgement is one more pass inside it (region/ops): its
     # findings join the region pass's
     nested = os.path.join(name, "ops")
@@ -427,7 +288,7 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
             if statuses.get(lab) not in (None, "failed") or (lab == labels[0] and summary.get("status") != "inconclusive"):
                 out.append(f"TP={lab}: manifest.json says the world {w.get('status')} but summary.json does not")
             continue
-        why = _world_problem(run_dir, manifest, lab, w.get("degree"), base_label, layout=inside)
+        why = world_problem(run_dir, manifest, lab, w.get("degree"), base_label, layout=inside)
         if why:
             out.append(why)
     return out

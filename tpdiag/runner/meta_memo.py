@@ -10,11 +10,14 @@ it: each rank reads what earlier ranks found from a folder its launcher made, an
 found itself before its completion marker. An argument of any other kind (a plain tensor, a
 symbolic size, an object this key does not spell) is never remembered: computed as before.
 Nothing numeric changes: the ranks compute the same values from the same specs.
+The files are JSON, parsed back exactly and checked whole: a file another process or user could
+write is then data, never code (pickle would run what it names), and one that is cut short,
+foreign or off in any entry is a miss - every answer it holds is computed again.
 """
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import shutil
 import tempfile
 
@@ -91,6 +94,96 @@ def _spell(x, spec_type):
     raise _Skip
 
 
+SUFFIX = ".json"
+
+
+def _meta_json(v):
+    """One answer of _propagate_tensor_meta_non_cached - a TensorMeta, a tuple or list of them
+    (None for an output that is no tensor), or None - as JSON; _Skip for a symbolic size."""
+    import torch
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    if v is None:
+        return None
+    if type(v) is TensorMeta:
+        if not (all(type(n) is int for n in (*v.shape, *v.stride)) and isinstance(v.dtype, torch.dtype)):
+            raise _Skip
+        return {"shape": list(v.shape), "stride": list(v.stride), "dtype": str(v.dtype)}
+    if type(v) in (tuple, list):
+        return {type(v).__name__: [_meta_json(i) for i in v]}
+    raise _Skip
+
+
+def _ints(x, least: int = -1 << 63) -> bool:
+    # sizes and strides are int64 in torch: a larger one makes a torch.Size nothing can use
+    return type(x) is list and all(type(n) is int and least <= n < 1 << 63 for n in x)
+
+
+def _meta(j, dtypes: dict):
+    """_meta_json's inverse, exact (torch.Size, tuple stride, the dtype itself); ValueError for
+    anything it does not write."""
+    from torch import Size
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    if j is None:
+        return None
+    if type(j) is not dict:
+        raise ValueError(j)
+    if j.keys() == {"shape", "stride", "dtype"}:
+        shape, stride, dtype = j["shape"], j["stride"], j["dtype"]
+        if not (_ints(shape, 0) and _ints(stride) and len(shape) == len(stride)
+                and type(dtype) is str and dtype in dtypes):
+            raise ValueError(j)
+        return TensorMeta(Size(shape), tuple(stride), dtypes[dtype])
+    if len(j) != 1:
+        raise ValueError(j)
+    ((kind, items),) = j.items()
+    if kind not in ("tuple", "list") or type(items) is not list:
+        raise ValueError(j)
+    seq = [_meta(i, dtypes) for i in items]
+    return tuple(seq) if kind == "tuple" else seq
+
+
+def _key(j):
+    """JSON's arrays back to the tuples _spell builds; a leaf _spell never writes: foreign."""
+    if type(j) is list:
+        return tuple(_key(i) for i in j)
+    if j is None or type(j) in (str, int, bool):
+        return j
+    raise ValueError(j)
+
+
+def _foreign(text):
+    raise ValueError(text)  # a float, NaN or Infinity: _spell writes floats as their repr
+
+
+def _dump(table: dict, version: str) -> str:
+    return json.dumps({"torch": version, "table": [[k, _meta_json(v)] for k, v in table.items()]},
+                      allow_nan=False, separators=(",", ":"))
+
+
+def _parse(data: bytes, version: str) -> dict | None:
+    """A memo file's table; None for another torch's; ValueError for one not wholly as _dump
+    writes it (no entry of it is used)."""
+    import torch
+
+    doc = json.loads(data, parse_float=_foreign, parse_constant=_foreign)
+    if type(doc) is not dict:
+        raise ValueError("not an object")
+    if doc.get("torch") != version:
+        return None
+    rows = doc.get("table")
+    if type(rows) is not list:
+        raise ValueError("no table")
+    dtypes = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    table = {}
+    for row in rows:
+        if type(row) is not list or len(row) != 2 or type(row[0]) is not list:
+            raise ValueError(row)
+        table[_key(row[0])] = _meta(row[1], dtypes)
+    return table
+
+
 class Memo:
     """Rank side: installed on DTensor's propagator; save() writes what this rank added."""
 
@@ -105,15 +198,15 @@ class Memo:
         sharded by hand reads nothing)."""
         self.loaded = True
         for name in sorted(os.listdir(self.path)):
-            if not name.endswith(".pkl"):
+            if not name.endswith(SUFFIX):
                 continue
             try:
                 with open(os.path.join(self.path, name), "rb") as f:
-                    part = pickle.load(f)
-            except Exception:  # noqa: BLE001 - gone (merged by another rank) or unreadable: computed again
+                    table = _parse(f.read(), self.version)
+            except Exception:  # noqa: BLE001 - gone (merged by another rank), cut short, foreign: computed again
                 continue
-            if isinstance(part, dict) and part.get("torch") == self.version and isinstance(part.get("table"), dict):
-                self.table.update(part["table"])
+            if table is not None:
+                self.table.update(table)
                 self.read.append(name)
 
     def install(self) -> None:
@@ -141,6 +234,10 @@ class Memo:
                 self.hits += 1
                 return self.table[key]
             out = compute(op_schema)
+            try:
+                _meta_json(out)
+            except _Skip:  # a shape JSON does not spell (symbolic): not remembered
+                return out
             self.table[key] = self.new[key] = out
             return out
 
@@ -156,10 +253,9 @@ class Memo:
         part = None
         try:
             fd, part = tempfile.mkstemp(dir=self.path, prefix=f"{os.getpid()}-", suffix=".part")
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump({"torch": self.version, "table": self.table if merge else self.new}, f,
-                            protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(part, part[:-len(".part")] + ".pkl")
+            with os.fdopen(fd, "w") as f:
+                f.write(_dump(self.table if merge else self.new, self.version))
+            os.replace(part, part[:-len(".part")] + SUFFIX)
             part = None
             for name in self.read if merge else ():
                 try:
@@ -193,7 +289,7 @@ def rank_memo(launcher_pid: int | None) -> Memo | None:
     except OSError:
         return None
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None  # not this user's own folder: nothing is unpickled from it
+        return None  # not this user's own folder: nothing is read from it
     try:
         memo = Memo(path)
         memo.install()
