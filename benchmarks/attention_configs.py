@@ -85,6 +85,23 @@ CANDIDATES = [
     ("soft-kv", (64,), {"exp_soft": 2, "exp_soft_every": 2}),
     ("soft-both-d5", (64,), {"exp_soft": 3, "exp_soft_every": 2, "exp_soft_deg": 5}),
     ("soft-all-q", (64,), {"exp_soft": 7, "exp_soft_every": 4}),
+    # hattn15 (issue 59 item 4): TMA loads of K and V in the dq recompute loop (dq_tma); the
+    # backward passes persistent, programs taking tiles heaviest first from a counter (kv_persist,
+    # q_persist: programs per SM); with the dk/dv loop's TMA loads and 4-head launch groups
+    # (D=128's), and with the tiles and stages the earlier sweeps found nearest the shipped ones.
+    # The same bits as the shipped config wherever the tiles are
+    ("dq-tma", (64,), {"dq_tma": 1}),
+    ("bwd-tma-all", (64,), {"dq_tma": 1, "bwd_tma": 1}),
+    ("tma-all+groups4", (64,), {"dq_tma": 1, "bwd_tma": 1, "fwd_group": 4, "kv_group": 4, "q_group": 4}),
+    ("kvp1", (64,), {"kv_persist": 1}),
+    ("kvp2", (64,), {"kv_persist": 2}),
+    ("kvp2+qp2", (64,), {"kv_persist": 2, "q_persist": 2}),
+    ("kvp2+tma", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1}),
+    ("kvp2+tma+groups4", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "fwd_group": 4, "kv_group": 4,
+                                 "q_group": 4}),
+    ("kvp2+tma+q64", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "q_m": 64}),
+    ("kvp2+tma+kv-s4", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "kv_stages": 4}),
+    ("kvp2+tma+fwd-s4", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "fwd_stages": 4}),
 ]
 STOCK = ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
 # the interpreter's tiles (--smoke): small, so a candidate's changes still fit (multiples kept)

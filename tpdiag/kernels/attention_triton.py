@@ -84,13 +84,25 @@ class AttnConfig:
     exp_soft: int = 0
     exp_soft_every: int = 2
     exp_soft_deg: int = 3
+    # the dq recompute loop loads K and V by TMA descriptors where tma_ok (the same bits as
+    # pointer loads; issue 59 item 4's D=64 candidates, docs/benchmarks.md)
+    dq_tma: bool = False
+    # > 0: the backward's dk/dv pass (kv_persist) or dq recompute pass (q_persist) launches that
+    # many programs per SM, and each takes the next tile (block, head) in the launch order
+    # (heaviest causal blocks first: a greedy longest-first schedule) from a counter until none is
+    # left. A tile's sums are the one-program-a-tile path's whichever program takes it: the
+    # counter moves no bit. (The persistent dq program spills at the D=64 tiles: `--sass`)
+    kv_persist: int = 0
+    q_persist: int = 0
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
         if self.fwd_m % self.fwd_n or self.kv_n % self.kv_m or self.q_m % self.q_n:
             raise ValueError(f"AttnConfig {self}: fwd_m, kv_n and q_m must be multiples of fwd_n, kv_m, q_n")
-        if min(self.fwd_group, self.kv_group, self.q_group) < 1 or min(self.ds_mib, self.qds_warps, self.ds_every) < 0:
-            raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib, qds_warps and ds_every >= 0")
+        if (min(self.fwd_group, self.kv_group, self.q_group) < 1
+                or min(self.ds_mib, self.qds_warps, self.ds_every, self.kv_persist, self.q_persist) < 0):
+            raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib, qds_warps, ds_every and "
+                             "the persists >= 0")
         if self.ds_every > 1 and self.kv_n % self.q_n:
             # a dq step must lie within one dk/dv key block, whose dS is kept or not as a whole
             raise ValueError(f"AttnConfig {self}: ds_every needs kv_n a multiple of q_n")

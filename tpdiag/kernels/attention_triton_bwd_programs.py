@@ -140,15 +140,18 @@ def _do_and_delta(O, DO, io, rmask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
+def _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, S, qk_scale,
               DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PREC: tl.constexpr, I64: tl.constexpr, BM: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr):
+              PREC: tl.constexpr, I64: tl.constexpr, BM: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr,
+              LOADS: tl.constexpr):
+    # LOADS: k_src / v_src are [B, Hk, S, D] descriptors (rows past S read as 0), else this KV
+    # head's base pointers
     offs_n0 = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n0
-        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN, I64)
-        v = _load_rows(v_base, cols, svn, offs_d, S, EVEN, I64)
+        k = _tile(k_src, b, hk, start_n, cols, skn, offs_d, S, BN, D, EVEN, I64, LOADS)
+        v = _tile(v_src, b, hk, start_n, cols, svn, offs_d, S, BN, D, EVEN, I64, LOADS)
         s = _mm(q, tl.trans(k), PREC) * qk_scale
         p = exp2_mixed(s - lse[:, None], BM, BN, SOFT, DEG)  # AttnConfig.exp_soft: by key column
         if DIAG:
@@ -166,9 +169,10 @@ def _dq_program(pid, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, sk
                 H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                 PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, STORE_DELTA: tl.constexpr,
-                SOFT: tl.constexpr, DEG: tl.constexpr):
+                SOFT: tl.constexpr, DEG: tl.constexpr, LOADS: tl.constexpr = False):
     # program `pid` of the dq recompute pass; STORE_DELTA: this pass writes delta for the dk/dv
-    # pass after it (else a delta pass did, and the dk/dv programs may be reading it now)
+    # pass after it (else a delta pass did, and the dk/dv programs may be reading it now);
+    # LOADS: K and V are [B, Hk, S, D] descriptors (AttnConfig.dq_tma)
     pid_m, bh = _block_and_head_at(pid, NB, BH, G)
     b = bh // H
     h = bh % H
@@ -188,18 +192,23 @@ def _dq_program(pid, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, sk
         lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m)
     else:
         lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m, mask=rmask, other=0.0)
-    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    if LOADS:
+        k_src = K
+        v_src = V
+    else:
+        k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     dq = tl.zeros([BM, D], tl.float32)
     if CAUSAL:
         diag = tl.minimum(pid_m * BM, S)  # BM is a multiple of BN
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, diag, S, qk_scale,
-                       False, EVEN, BN, D, PREC, I64, BM, SOFT, DEG)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, diag,
-                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC, I64, BM, SOFT, DEG)
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, 0, diag, S, qk_scale,
+                       False, EVEN, BN, D, PREC, I64, BM, SOFT, DEG, LOADS)
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, diag,
+                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC, I64, BM, SOFT, DEG,
+                       LOADS)
     else:
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, S, S, qk_scale,
-                       False, EVEN, BN, D, PREC, I64, BM, SOFT, DEG)
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, 0, S, S, qk_scale,
+                       False, EVEN, BN, D, PREC, I64, BM, SOFT, DEG, LOADS)
     if EVEN:
         tl.store(DQ + hb + io, (dq * sm_scale).to(DQ.dtype.element_ty))
     else:
@@ -224,7 +233,7 @@ def _fused_kernel(Q, QD, K, V, O, DO, DOD, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqm
     else:
         _dq_program(pid - NK * BHK, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                     HK * REP, REP, L, S, qk_scale, sm_scale, NQ, BH, GQ, CAUSAL, Q_M, Q_N, D, PREC, EVEN_Q, I64,
-                    False, SOFT_Q, DEG)
+                    False, SOFT_Q, DEG, False)
 
 
 @triton.jit
