@@ -102,6 +102,18 @@ CANDIDATES = [
     ("kvp2+tma+q64", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "q_m": 64}),
     ("kvp2+tma+kv-s4", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "kv_stages": 4}),
     ("kvp2+tma+fwd-s4", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "fwd_stages": 4}),
+    # register caps (kv_maxnreg, q_maxnreg): more programs per SM at smaller query tiles - the
+    # dk/dv program at kv_m = 32 takes 221 registers (2 a SM), 168 under the cap (3), 128 (4);
+    # the dq program at q_m = 64 136 (3), 128 (4 where 2 stages leave the shared memory)
+    ("kv32", (64,), {"kv_m": 32}),
+    ("kv32-r168", (64,), {"kv_m": 32, "kv_maxnreg": 168}),
+    ("kv32-r128", (64,), {"kv_m": 32, "kv_maxnreg": 128}),
+    ("q64-r128", (64,), {"q_m": 64, "q_maxnreg": 128}),
+    ("q64-r128-s2", (64,), {"q_m": 64, "q_maxnreg": 128, "q_stages": 2}),
+    ("kv32-r168+q64-r128-s2", (64,), {"kv_m": 32, "kv_maxnreg": 168, "q_m": 64, "q_maxnreg": 128, "q_stages": 2}),
+    ("kv32-r168+kvp3", (64,), {"kv_m": 32, "kv_maxnreg": 168, "kv_persist": 3}),
+    ("kv32-r168+q64-r128-s2+tma", (64,), {"kv_m": 32, "kv_maxnreg": 168, "q_m": 64, "q_maxnreg": 128, "q_stages": 2,
+                                           "dq_tma": 1, "bwd_tma": 1}),
 ]
 STOCK = ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
 # the interpreter's tiles (--smoke): small, so a candidate's changes still fit (multiples kept)

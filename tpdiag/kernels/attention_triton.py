@@ -94,15 +94,22 @@ class AttnConfig:
     # counter moves no bit. (The persistent dq program spills at the D=64 tiles: `--sass`)
     kv_persist: int = 0
     q_persist: int = 0
+    # > 0: a register cap per thread (Triton's maxnreg) for the dk/dv and dq recompute passes: at
+    # the D=64 tiles the dk/dv program takes 255 registers and the dq program 244 (`--sass`), 2
+    # programs of 4 warps per SM; kv_m = 32 under 168 (or q_m = 64 under 128) fits 3 (4) without
+    # spilling in the loops (ptxas for sm_90 on the CPU). Registers move no bit
+    kv_maxnreg: int = 0
+    q_maxnreg: int = 0
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
         if self.fwd_m % self.fwd_n or self.kv_n % self.kv_m or self.q_m % self.q_n:
             raise ValueError(f"AttnConfig {self}: fwd_m, kv_n and q_m must be multiples of fwd_n, kv_m, q_n")
         if (min(self.fwd_group, self.kv_group, self.q_group) < 1
-                or min(self.ds_mib, self.qds_warps, self.ds_every, self.kv_persist, self.q_persist) < 0):
+                or min(self.ds_mib, self.qds_warps, self.ds_every, self.kv_persist, self.q_persist, self.kv_maxnreg,
+                        self.q_maxnreg) < 0):
             raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib, qds_warps, ds_every and "
-                             "the persists >= 0")
+                             "the persists and maxnregs >= 0")
         if self.ds_every > 1 and self.kv_n % self.q_n:
             # a dq step must lie within one dk/dv key block, whose dS is kept or not as a whole
             raise ValueError(f"AttnConfig {self}: ds_every needs kv_n a multiple of q_n")

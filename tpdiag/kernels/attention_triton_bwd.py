@@ -256,6 +256,11 @@ def _grid(tiles: int, persist: int, device: torch.device):
     return (max(1, min(tiles, persist * sms)),), torch.zeros(1, dtype=torch.int32, device=device)
 
 
+def _regs(maxnreg: int) -> dict:
+    """The launch's register cap (AttnConfig.kv_maxnreg / q_maxnreg; 0: none)."""
+    return {"maxnreg": maxnreg} if maxnreg else {}
+
+
 def _strides(q, k, v):
     return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2))
@@ -276,7 +281,8 @@ def dq_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
         nq, B * H, min(cfg.q_group, B * H),
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, I64=wide(q, k, v, do), SOFT=cfg.soft(1),
-        DEG=cfg.exp_soft_deg, LOADS=loads, PERSIST=ctr is not None, num_warps=cfg.q_warps, num_stages=cfg.q_stages)
+        DEG=cfg.exp_soft_deg, LOADS=loads, PERSIST=ctr is not None, num_warps=cfg.q_warps, num_stages=cfg.q_stages,
+        **_regs(cfg.q_maxnreg))
     return dq, delta
 
 
@@ -304,7 +310,7 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store, LOADS=loads, I64=wide(q, k, v, do),
         DS_EVERY=max(1, cfg.ds_every) if store else 1, SOFT=cfg.soft(2), DEG=cfg.exp_soft_deg,
-        PERSIST=ctr is not None, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+        PERSIST=ctr is not None, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages, **_regs(cfg.kv_maxnreg))
     return dk, dv
 
 
