@@ -114,6 +114,13 @@ CANDIDATES = [
     ("kv32-r168+kvp3", (64,), {"kv_m": 32, "kv_maxnreg": 168, "kv_persist": 3}),
     ("kv32-r168+q64-r128-s2+tma", (64,), {"kv_m": 32, "kv_maxnreg": 168, "q_m": 64, "q_maxnreg": 128, "q_stages": 2,
                                            "dq_tma": 1, "bwd_tma": 1}),
+    # the dk/dv loop in interleaved halves (kv_split): one half's exp2 and dS beside the other's
+    # products
+    ("kv-split", (64,), {"kv_split": 1}),
+    ("kv-split+tma+groups4", (64,), {"kv_split": 1, "dq_tma": 1, "bwd_tma": 1, "fwd_group": 4, "kv_group": 4,
+                                     "q_group": 4}),
+    ("kv-split+kvp2", (64,), {"kv_split": 1, "kv_persist": 2}),
+    ("kv-split-s2", (64,), {"kv_split": 1, "kv_stages": 2}),
 ]
 STOCK = ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
 # the interpreter's tiles (--smoke): small, so a candidate's changes still fit (multiples kept)

@@ -96,7 +96,8 @@ def _kernels(cfg, D: int) -> dict:
                    dict(CAUSAL=True, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC="tf32", EVEN=True,
                         STORE_DS=1 if cfg.ds_mib else 0, LOADS=False, I64=False,
                         DS_EVERY=max(1, cfg.ds_every) if cfg.ds_mib else 1, SOFT=cfg.soft(2),
-                        DEG=cfg.exp_soft_deg, PERSIST=bool(cfg.kv_persist)),
+                        DEG=cfg.exp_soft_deg, PERSIST=bool(cfg.kv_persist),
+                        SPLIT=bool(cfg.kv_split) and not cfg.ds_mib and not cfg.soft(2)),
                    cfg.kv_warps, cfg.kv_stages, cfg.kv_m, cfg.kv_n, 4)
     return out
 

@@ -100,6 +100,10 @@ class AttnConfig:
     # spilling in the loops (ptxas for sm_90 on the CPU). Registers move no bit
     kv_maxnreg: int = 0
     q_maxnreg: int = 0
+    # the recompute dk/dv pass takes each kv_m-row step as two halves whose products interleave
+    # (attention_triton_bwd_programs._dkdv_inner_split): the same products into the same
+    # accumulators in the same order. Not where the pass stores dS or takes exp_soft
+    kv_split: bool = False
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
@@ -110,6 +114,8 @@ class AttnConfig:
                         self.q_maxnreg) < 0):
             raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib, qds_warps, ds_every and "
                              "the persists and maxnregs >= 0")
+        if self.kv_split and self.kv_m % 32:
+            raise ValueError(f"AttnConfig {self}: kv_split needs kv_m a multiple of 32 (halves of 16 rows or more)")
         if self.ds_every > 1 and self.kv_n % self.q_n:
             # a dq step must lie within one dk/dv key block, whose dS is kept or not as a whole
             raise ValueError(f"AttnConfig {self}: ds_every needs kv_n a multiple of q_n")

@@ -40,7 +40,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, CTR, sqb, sqh, sqm, skb, s
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                  PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
                  I64: tl.constexpr, DS_EVERY: tl.constexpr, SOFT: tl.constexpr = 0, DEG: tl.constexpr = 3,
-                 PERSIST: tl.constexpr = False):
+                 PERSIST: tl.constexpr = False, SPLIT: tl.constexpr = False):
     # PERSIST: fewer programs than tiles, each taking the next tile from the counter CTR (zeroed
     # by the caller) until NB * BH are taken (AttnConfig.persist: a tile's sums do not depend on
     # which program runs it)
@@ -49,12 +49,12 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, CTR, sqb, sqh, sqm, skb, s
         while t < NB * BH:
             _dkdv_program(t, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh,
                           svn, HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0, CAUSAL, BM, BN, D, PREC, EVEN,
-                          STORE_DS, LOADS, I64, DS_EVERY, SOFT, DEG)
+                          STORE_DS, LOADS, I64, DS_EVERY, SOFT, DEG, SPLIT)
             t = tl.atomic_add(CTR, 1)
     else:
         _dkdv_program(tl.program_id(0), Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb,
                       svh, svn, HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0, CAUSAL, BM, BN, D, PREC, EVEN,
-                      STORE_DS, LOADS, I64, DS_EVERY, SOFT, DEG)
+                      STORE_DS, LOADS, I64, DS_EVERY, SOFT, DEG, SPLIT)
 
 
 @triton.jit(do_not_specialize=["NB", "BH", "G"])  # one compile for any launch order
@@ -302,7 +302,9 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
     else:
         ds_arg, store = (desc(ds, cfg.kv_n, cfg.kv_m), 2) if tma else (ds, 1)
     loads = loads and tma_ok(q, do)
-    qd, dod = (desc(q, cfg.kv_m), desc(do, cfg.kv_m)) if loads else (q, do)
+    split = bool(cfg.kv_split) and not store and not cfg.soft(2)  # the split loop stores no dS, exp2 only
+    rows = cfg.kv_m // 2 if split else cfg.kv_m
+    qd, dod = (desc(q, rows), desc(do, rows)) if loads else (q, do)
     grid, ctr = _grid(nk * nbh, cfg.kv_persist, q.device)
     _dkdv_kernel[grid](
         qd, k, v, dod, lse, delta, dk, dv, ds_arg, ctr, *_strides(q, k, v), Hk, H // Hk, L, S,
@@ -310,7 +312,8 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store, LOADS=loads, I64=wide(q, k, v, do),
         DS_EVERY=max(1, cfg.ds_every) if store else 1, SOFT=cfg.soft(2), DEG=cfg.exp_soft_deg,
-        PERSIST=ctr is not None, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages, **_regs(cfg.kv_maxnreg))
+        PERSIST=ctr is not None, SPLIT=split, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
+        **_regs(cfg.kv_maxnreg))
     return dk, dv
 
 

@@ -67,13 +67,69 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base,
 
 
 @triton.jit
+def _dkdv_inner_split(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L, S,
+                      qk_scale, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      D: tl.constexpr, PREC: tl.constexpr, LOADS: tl.constexpr, I64: tl.constexpr):
+    # _dkdv_inner (no dS store, exp2 only) with each BM-row step taken as two halves whose products
+    # interleave - both halves' S^T products issued before the first half's exp2, the first
+    # half's dP^T and dV products before the second's exp2 - so the exp2 and the dS arithmetic of
+    # one half can run beside the other's tensor-core products (FlashAttention-3's intra-warpgroup
+    # overlap; AttnConfig.kv_split). dV and dK take the halves in row order: the k16 chunks of a
+    # BM-row product in the same order into the same fp32 accumulator. LOADS: descriptors of
+    # BM // 2-row blocks
+    HM: tl.constexpr = BM // 2
+    offs_h = tl.arange(0, HM)
+    offs_d = tl.arange(0, D)
+    for start_m in range(lo, hi, BM):
+        ra = start_m + offs_h
+        rb = ra + HM
+        qa = _tile(q_src, b, h, start_m, ra, sqm, offs_d, L, HM, D, EVEN, I64, LOADS)
+        qb = _tile(q_src, b, h, start_m + HM, rb, sqm, offs_d, L, HM, D, EVEN, I64, LOADS)
+        doa = _tile(do_src, b, h, start_m, ra, D, offs_d, L, HM, D, EVEN, I64, LOADS)
+        dob = _tile(do_src, b, h, start_m + HM, rb, D, offs_d, L, HM, D, EVEN, I64, LOADS)
+        if EVEN:
+            lsea = tl.load(LSE + row_base + ra)
+            lseb = tl.load(LSE + row_base + rb)
+            dla = tl.load(DELTA + row_base + ra)
+            dlb = tl.load(DELTA + row_base + rb)
+        else:
+            lsea = tl.load(LSE + row_base + ra, mask=ra < L, other=0.0)
+            lseb = tl.load(LSE + row_base + rb, mask=rb < L, other=0.0)
+            dla = tl.load(DELTA + row_base + ra, mask=ra < L, other=0.0)
+            dlb = tl.load(DELTA + row_base + rb, mask=rb < L, other=0.0)
+        sta = _mm(k, tl.trans(qa), PREC) * qk_scale  # [BN, HM]
+        stb = _mm(k, tl.trans(qb), PREC) * qk_scale
+        pta = tl.math.exp2(sta - lsea[None, :])
+        if DIAG:
+            pta = tl.where(ra[None, :] >= offs_n[:, None], pta, 0.0)
+        if not EVEN:
+            pta = tl.where(ra[None, :] < L, pta, 0.0)
+        dpta = _mm(v, tl.trans(doa), PREC)
+        dv += _mm(pta.to(doa.dtype), doa, PREC)
+        ptb = tl.math.exp2(stb - lseb[None, :])
+        if DIAG:
+            ptb = tl.where(rb[None, :] >= offs_n[:, None], ptb, 0.0)
+        if not EVEN:
+            ptb = tl.where(rb[None, :] < L, ptb, 0.0)
+        dptb = _mm(v, tl.trans(dob), PREC)
+        dv += _mm(ptb.to(dob.dtype), dob, PREC)
+        dsa = (pta * (dpta - dla[None, :])).to(qa.dtype)
+        dk += _mm(dsa, qa, PREC)
+        dsb = (ptb * (dptb - dlb[None, :])).to(qb.dtype)
+        dk += _mm(dsb, qb, PREC)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                   HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
                   CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                   PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
-                  I64: tl.constexpr, DS_EVERY: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr):
+                  I64: tl.constexpr, DS_EVERY: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr,
+                  SPLIT: tl.constexpr = False):
     # program `pid` of the dk/dv pass; BH0: the first (batch, KV head) of this launch (a chunk of
-    # heads whose dS fits DS); DS_EVERY > 1: dS of every DS_EVERY-th key block only
+    # heads whose dS fits DS); DS_EVERY > 1: dS of every DS_EVERY-th key block only; SPLIT: the
+    # loops by _dkdv_inner_split (no dS store, exp2 only: the caller checks)
     pid_n, bhl = _block_and_head_at(pid, NB, BH, G)
     pid_n = NB - 1 - pid_n  # key block 0 sees every query row: the most work
     keep = True
@@ -101,7 +157,18 @@ def _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, 
             do_src = DO + (b * H + h).to(tl.int64) * L * D  # dO is contiguous [B, H, L, D]
         row_base = (b * H + h).to(tl.int64) * L
         ds_idx = bhl * REP + r  # this query head in the launch's dS scratch
-        if CAUSAL:
+        if SPLIT:
+            if CAUSAL:
+                lo = tl.minimum(n0, L)
+                mid = tl.minimum(n0 + BN, L)
+                dk, dv = _dkdv_inner_split(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
+                                           lo, mid, L, S, qk_scale, True, EVEN, BM, BN, D, PREC, LOADS, I64)
+                dk, dv = _dkdv_inner_split(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
+                                           mid, L, L, S, qk_scale, False, EVEN, BM, BN, D, PREC, LOADS, I64)
+            else:
+                dk, dv = _dkdv_inner_split(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
+                                           0, L, L, S, qk_scale, False, EVEN, BM, BN, D, PREC, LOADS, I64)
+        elif CAUSAL:
             # query rows [n0, n0 + BN) straddle the diagonal (BN is a multiple of BM); later
             # rows see the whole key block
             lo = tl.minimum(n0, L)
