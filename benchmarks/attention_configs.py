@@ -117,6 +117,8 @@ CANDIDATES = [
     # the dk/dv loop in interleaved halves (kv_split): one half's exp2 and dS beside the other's
     # products
     ("kv-split", (64,), {"kv_split": 1}),
+    # the D=64 entry before hattn15 (no backward TMA loads, head-by-head launches)
+    ("d64-before", (64,), {"dq_tma": 0, "bwd_tma": 0, "fwd_group": 1, "kv_group": 1, "q_group": 1}),
     ("kv-split+tma+groups4", (64,), {"kv_split": 1, "dq_tma": 1, "bwd_tma": 1, "fwd_group": 4, "kv_group": 4,
                                      "q_group": 4}),
     ("kv-split+kvp2", (64,), {"kv_split": 1, "kv_persist": 2}),
@@ -131,7 +133,10 @@ TILE_FIELDS = ("fwd_m", "fwd_n", "kv_m", "kv_n", "q_m", "q_n")
 def _smoke_changes(changes: dict) -> dict:
     """A candidate's changes at the interpreter's tiles: tile sizes a quarter (16 at least), so
     their ratios to one another - what the kernels require - hold as at full size."""
-    return {f: max(16, v // 4) if f in TILE_FIELDS else v for f, v in changes.items()}
+    out = {f: max(16, v // 4) if f in TILE_FIELDS else v for f, v in changes.items()}
+    if out.get("kv_split"):  # halves of 16 rows at least
+        out.setdefault("kv_m", 32)
+    return out
 
 
 def _flops(B, H, L, S, D, causal) -> float:

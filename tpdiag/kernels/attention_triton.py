@@ -152,14 +152,17 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # at 8 (qds_warps); the recompute dq (where one head's dS exceeds the budget) stays at 8, 1.4x
 # faster there. The forward and the dk/dv pass launch 4 heads per scheduling group (fwd_group,
 # kv_group): 8% and 1-2% faster than head by head with TMA loads on an H200 (docs/benchmarks.md).
-# head_dim 64 (Llama 3.2 1B/3B, many smaller models): the default tiles. dq recomputes there: its
+# head_dim 64 (Llama 3.2 1B/3B, many smaller models): the default tiles, with D=128's 4-head launch
+# groups and TMA loads in the backward's loops, the dq recompute loop's K and V too (dq_tma): the
+# same bits, 1.2-1.3% faster side by side in two calls on an H200 (d6af97d, ca8a16f;
+# docs/benchmarks.md). dq recomputes there: its
 # dS would be 8 GiB at B8 H32 S4096 and its traffic costs more than the two products it saves
 # (docs/benchmarks.md, "Invariant attention"). The one-launch recompute backward (bwd_fused, the
 # same bits) is not the default: 1.088x cuDNN against 1.115x in a sweep on one H200, but 1.132x
 # against 1.111-1.117x side by side twice on another (0d4236d / d6e0c86, docs/benchmarks.md).
 D128 = AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, fwd_group=4, kv_group=4, q_group=4, ds_mib=2048,
                   bwd_tma=True, qds_warps=4)
-D64 = AttnConfig()
+D64 = AttnConfig(fwd_group=4, kv_group=4, q_group=4, bwd_tma=True, dq_tma=True)
 HEAD_DIM_CONFIGS = {(dt, d): cfg for dt in (torch.bfloat16, torch.float16) for d, cfg in ((64, D64), (128, D128))}
 DS_MIB_ENV = "TPDIAG_ATTENTION_DS_MIB"  # a smaller dS budget (0: recompute), where memory is short
 
