@@ -154,8 +154,8 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # kv_group): 8% and 1-2% faster than head by head with TMA loads on an H200 (docs/benchmarks.md).
 # head_dim 64 (Llama 3.2 1B/3B, many smaller models): the default tiles, with D=128's 4-head launch
 # groups and TMA loads in the backward's loops, the dq recompute loop's K and V too (dq_tma): the
-# same bits, 1.2-1.3% faster side by side in two calls on an H200 (d6af97d, ca8a16f;
-# docs/benchmarks.md). dq recomputes there: its
+# same bits, 1.2-2.3% faster than without them side by side in three calls on an H200 (d6af97d,
+# ca8a16f, 00c7597; docs/benchmarks.md). dq recomputes there: its
 # dS would be 8 GiB at B8 H32 S4096 and its traffic costs more than the two products it saves
 # (docs/benchmarks.md, "Invariant attention"). The one-launch recompute backward (bwd_fused, the
 # same bits) is not the default: 1.088x cuDNN against 1.115x in a sweep on one H200, but 1.132x

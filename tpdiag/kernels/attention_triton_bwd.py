@@ -20,8 +20,8 @@ H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes
 added in key-block order behind a per-query-block counter (commit eefece6), 8.5-9.8 ms - the
 wait, L2 read and release fence sit on every step's critical path; dq partials as int64 atomics
 on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. TMA descriptor loads in the loops
-(AttnConfig.bwd_tma: the same bits) pay at head_dim 128 only (docs/benchmarks.md; at D=64 within
-the run-to-run spread, as at commit cfdb13d). Imports Triton at import time.
+(AttnConfig.bwd_tma, and dq_tma for the dq recompute loop: the same bits) pay at head_dim 128; at
+D=64 only with 4-head launch groups, 1-2% (docs/benchmarks.md). Imports Triton at import time.
 """
 from __future__ import annotations
 
