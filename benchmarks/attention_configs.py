@@ -85,6 +85,44 @@ CANDIDATES = [
     ("soft-kv", (64,), {"exp_soft": 2, "exp_soft_every": 2}),
     ("soft-both-d5", (64,), {"exp_soft": 3, "exp_soft_every": 2, "exp_soft_deg": 5}),
     ("soft-all-q", (64,), {"exp_soft": 7, "exp_soft_every": 4}),
+    # hattn15 (issue 59 item 4): TMA loads of K and V in the dq recompute loop (dq_tma); the
+    # backward passes persistent, programs taking tiles heaviest first from a counter (kv_persist,
+    # q_persist: programs per SM); with the dk/dv loop's TMA loads and 4-head launch groups
+    # (D=128's), and with the tiles and stages the earlier sweeps found nearest the shipped ones.
+    # The same bits as the shipped config wherever the tiles are
+    ("dq-tma", (64,), {"dq_tma": 1}),
+    ("bwd-tma-all", (64,), {"dq_tma": 1, "bwd_tma": 1}),
+    ("tma-all+groups4", (64,), {"dq_tma": 1, "bwd_tma": 1, "fwd_group": 4, "kv_group": 4, "q_group": 4}),
+    ("kvp1", (64,), {"kv_persist": 1}),
+    ("kvp2", (64,), {"kv_persist": 2}),
+    ("kvp2+qp2", (64,), {"kv_persist": 2, "q_persist": 2}),
+    ("kvp2+tma", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1}),
+    ("kvp2+tma+groups4", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "fwd_group": 4, "kv_group": 4,
+                                 "q_group": 4}),
+    ("kvp2+tma+q64", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "q_m": 64}),
+    ("kvp2+tma+kv-s4", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "kv_stages": 4}),
+    ("kvp2+tma+fwd-s4", (64,), {"kv_persist": 2, "dq_tma": 1, "bwd_tma": 1, "fwd_stages": 4}),
+    # register caps (kv_maxnreg, q_maxnreg): more programs per SM at smaller query tiles - the
+    # dk/dv program at kv_m = 32 takes 221 registers (2 a SM), 168 under the cap (3), 128 (4);
+    # the dq program at q_m = 64 136 (3), 128 (4 where 2 stages leave the shared memory)
+    ("kv32", (64,), {"kv_m": 32}),
+    ("kv32-r168", (64,), {"kv_m": 32, "kv_maxnreg": 168}),
+    ("kv32-r128", (64,), {"kv_m": 32, "kv_maxnreg": 128}),
+    ("q64-r128", (64,), {"q_m": 64, "q_maxnreg": 128}),
+    ("q64-r128-s2", (64,), {"q_m": 64, "q_maxnreg": 128, "q_stages": 2}),
+    ("kv32-r168+q64-r128-s2", (64,), {"kv_m": 32, "kv_maxnreg": 168, "q_m": 64, "q_maxnreg": 128, "q_stages": 2}),
+    ("kv32-r168+kvp3", (64,), {"kv_m": 32, "kv_maxnreg": 168, "kv_persist": 3}),
+    ("kv32-r168+q64-r128-s2+tma", (64,), {"kv_m": 32, "kv_maxnreg": 168, "q_m": 64, "q_maxnreg": 128, "q_stages": 2,
+                                           "dq_tma": 1, "bwd_tma": 1}),
+    # the dk/dv loop in interleaved halves (kv_split): one half's exp2 and dS beside the other's
+    # products
+    ("kv-split", (64,), {"kv_split": 1}),
+    # the D=64 entry before hattn15 (no backward TMA loads, head-by-head launches)
+    ("d64-before", (64,), {"dq_tma": 0, "bwd_tma": 0, "fwd_group": 1, "kv_group": 1, "q_group": 1}),
+    ("kv-split+tma+groups4", (64,), {"kv_split": 1, "dq_tma": 1, "bwd_tma": 1, "fwd_group": 4, "kv_group": 4,
+                                     "q_group": 4}),
+    ("kv-split+kvp2", (64,), {"kv_split": 1, "kv_persist": 2}),
+    ("kv-split-s2", (64,), {"kv_split": 1, "kv_stages": 2}),
 ]
 STOCK = ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
 # the interpreter's tiles (--smoke): small, so a candidate's changes still fit (multiples kept)
@@ -95,7 +133,10 @@ TILE_FIELDS = ("fwd_m", "fwd_n", "kv_m", "kv_n", "q_m", "q_n")
 def _smoke_changes(changes: dict) -> dict:
     """A candidate's changes at the interpreter's tiles: tile sizes a quarter (16 at least), so
     their ratios to one another - what the kernels require - hold as at full size."""
-    return {f: max(16, v // 4) if f in TILE_FIELDS else v for f, v in changes.items()}
+    out = {f: max(16, v // 4) if f in TILE_FIELDS else v for f, v in changes.items()}
+    if out.get("kv_split"):  # halves of 16 rows at least
+        out.setdefault("kv_m", 32)
+    return out
 
 
 def _flops(B, H, L, S, D, causal) -> float:

@@ -87,15 +87,17 @@ def _kernels(cfg, D: int) -> dict:
                          dict(CAUSAL=True, BM=cfg.q_m, BN=cfg.q_n, KV_N=cfg.kv_n, EVERY=cfg.ds_every, D=D,
                               PREC="tf32", EVEN=True, I64=False),
                          cfg.q_warps, cfg.q_stages, cfg.q_m, cfg.q_n, 3)
-    out["dq"] = (atb._dq_kernel, {**{n: P16 for n in ("Q", "K", "V", "O", "DO", "DQ")}, **scal},
+    out["dq"] = (atb._dq_kernel, {**{n: P16 for n in ("Q", "K", "V", "O", "DO", "DQ")}, "CTR": "*i32", **scal},
                  dict(CAUSAL=True, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC="tf32", EVEN=True, I64=False,
-                      SOFT=cfg.soft(1), DEG=cfg.exp_soft_deg),
+                      SOFT=cfg.soft(1), DEG=cfg.exp_soft_deg, LOADS=False, PERSIST=bool(cfg.q_persist)),
                  cfg.q_warps, cfg.q_stages, cfg.q_m, cfg.q_n, 3)
-    out["dkdv"] = (atb._dkdv_kernel, {**{n: P16 for n in ("Q", "K", "V", "DO", "DK", "DV", "DS")}, **scal},
+    out["dkdv"] = (atb._dkdv_kernel, {**{n: P16 for n in ("Q", "K", "V", "DO", "DK", "DV", "DS")}, "CTR": "*i32",
+                                      **scal},
                    dict(CAUSAL=True, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC="tf32", EVEN=True,
                         STORE_DS=1 if cfg.ds_mib else 0, LOADS=False, I64=False,
                         DS_EVERY=max(1, cfg.ds_every) if cfg.ds_mib else 1, SOFT=cfg.soft(2),
-                        DEG=cfg.exp_soft_deg),
+                        DEG=cfg.exp_soft_deg, PERSIST=bool(cfg.kv_persist),
+                        SPLIT=bool(cfg.kv_split) and not cfg.ds_mib and not cfg.soft(2)),
                    cfg.kv_warps, cfg.kv_stages, cfg.kv_m, cfg.kv_n, 4)
     return out
 

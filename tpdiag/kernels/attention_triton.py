@@ -84,13 +84,38 @@ class AttnConfig:
     exp_soft: int = 0
     exp_soft_every: int = 2
     exp_soft_deg: int = 3
+    # the dq recompute loop loads K and V by TMA descriptors where tma_ok (the same bits as
+    # pointer loads; issue 59 item 4's D=64 candidates, docs/benchmarks.md)
+    dq_tma: bool = False
+    # > 0: the backward's dk/dv pass (kv_persist) or dq recompute pass (q_persist) launches that
+    # many programs per SM, and each takes the next tile (block, head) in the launch order
+    # (heaviest causal blocks first: a greedy longest-first schedule) from a counter until none is
+    # left. A tile's sums are the one-program-a-tile path's whichever program takes it: the
+    # counter moves no bit. (The persistent dq program spills at the D=64 tiles: `--sass`)
+    kv_persist: int = 0
+    q_persist: int = 0
+    # > 0: a register cap per thread (Triton's maxnreg) for the dk/dv and dq recompute passes: at
+    # the D=64 tiles the dk/dv program takes 255 registers and the dq program 244 (`--sass`), 2
+    # programs of 4 warps per SM; kv_m = 32 under 168 (or q_m = 64 under 128) fits 3 (4) without
+    # spilling in the loops (ptxas for sm_90 on the CPU). Registers move no bit
+    kv_maxnreg: int = 0
+    q_maxnreg: int = 0
+    # the recompute dk/dv pass takes each kv_m-row step as two halves whose products interleave
+    # (attention_triton_bwd_programs._dkdv_inner_split): the same products into the same
+    # accumulators in the same order. Not where the pass stores dS or takes exp_soft
+    kv_split: bool = False
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
         if self.fwd_m % self.fwd_n or self.kv_n % self.kv_m or self.q_m % self.q_n:
             raise ValueError(f"AttnConfig {self}: fwd_m, kv_n and q_m must be multiples of fwd_n, kv_m, q_n")
-        if min(self.fwd_group, self.kv_group, self.q_group) < 1 or min(self.ds_mib, self.qds_warps, self.ds_every) < 0:
-            raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib, qds_warps and ds_every >= 0")
+        if (min(self.fwd_group, self.kv_group, self.q_group) < 1
+                or min(self.ds_mib, self.qds_warps, self.ds_every, self.kv_persist, self.q_persist, self.kv_maxnreg,
+                        self.q_maxnreg) < 0):
+            raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib, qds_warps, ds_every and "
+                             "the persists and maxnregs >= 0")
+        if self.kv_split and self.kv_m % 32:
+            raise ValueError(f"AttnConfig {self}: kv_split needs kv_m a multiple of 32 (halves of 16 rows or more)")
         if self.ds_every > 1 and self.kv_n % self.q_n:
             # a dq step must lie within one dk/dv key block, whose dS is kept or not as a whole
             raise ValueError(f"AttnConfig {self}: ds_every needs kv_n a multiple of q_n")
@@ -127,14 +152,17 @@ CONFIGS = {torch.bfloat16: AttnConfig(), torch.float16: AttnConfig(),
 # at 8 (qds_warps); the recompute dq (where one head's dS exceeds the budget) stays at 8, 1.4x
 # faster there. The forward and the dk/dv pass launch 4 heads per scheduling group (fwd_group,
 # kv_group): 8% and 1-2% faster than head by head with TMA loads on an H200 (docs/benchmarks.md).
-# head_dim 64 (Llama 3.2 1B/3B, many smaller models): the default tiles. dq recomputes there: its
+# head_dim 64 (Llama 3.2 1B/3B, many smaller models): the default tiles, with D=128's 4-head launch
+# groups and TMA loads in the backward's loops, the dq recompute loop's K and V too (dq_tma): the
+# same bits, 1.2-2.3% faster than without them side by side in three calls on an H200 (d6af97d,
+# ca8a16f, 00c7597; docs/benchmarks.md). dq recomputes there: its
 # dS would be 8 GiB at B8 H32 S4096 and its traffic costs more than the two products it saves
 # (docs/benchmarks.md, "Invariant attention"). The one-launch recompute backward (bwd_fused, the
 # same bits) is not the default: 1.088x cuDNN against 1.115x in a sweep on one H200, but 1.132x
 # against 1.111-1.117x side by side twice on another (0d4236d / d6e0c86, docs/benchmarks.md).
 D128 = AttnConfig(128, 128, 8, 3, 64, 64, 4, 2, 128, 64, 8, 3, fwd_group=4, kv_group=4, q_group=4, ds_mib=2048,
                   bwd_tma=True, qds_warps=4)
-D64 = AttnConfig()
+D64 = AttnConfig(fwd_group=4, kv_group=4, q_group=4, bwd_tma=True, dq_tma=True)
 HEAD_DIM_CONFIGS = {(dt, d): cfg for dt in (torch.bfloat16, torch.float16) for d, cfg in ((64, D64), (128, D128))}
 DS_MIB_ENV = "TPDIAG_ATTENTION_DS_MIB"  # a smaller dS budget (0: recompute), where memory is short
 

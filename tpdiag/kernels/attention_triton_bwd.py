@@ -20,8 +20,8 @@ H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes
 added in key-block order behind a per-query-block counter (commit eefece6), 8.5-9.8 ms - the
 wait, L2 read and release fence sit on every step's critical path; dq partials as int64 atomics
 on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. TMA descriptor loads in the loops
-(AttnConfig.bwd_tma: the same bits) pay at head_dim 128 only (docs/benchmarks.md; at D=64 within
-the run-to-run spread, as at commit cfdb13d). Imports Triton at import time.
+(AttnConfig.bwd_tma, and dq_tma for the dq recompute loop: the same bits) pay at head_dim 128; at
+D=64 only with 4-head launch groups, 1-2% (docs/benchmarks.md). Imports Triton at import time.
 """
 from __future__ import annotations
 
@@ -35,24 +35,46 @@ from tpdiag.kernels.attention_triton_bwd_programs import (_dkdv_program, _do_and
                                                           _dq_program, _fused_kernel)
 
 @triton.jit(do_not_specialize=["NB", "BH", "G", "BH0"])  # one compile for any launch order
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, CTR, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                  HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
                  CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                  PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
-                 I64: tl.constexpr, DS_EVERY: tl.constexpr, SOFT: tl.constexpr = 0, DEG: tl.constexpr = 3):
-    _dkdv_program(tl.program_id(0), Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh,
-                  svn, HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0, CAUSAL, BM, BN, D, PREC, EVEN, STORE_DS,
-                  LOADS, I64, DS_EVERY, SOFT, DEG)
+                 I64: tl.constexpr, DS_EVERY: tl.constexpr, SOFT: tl.constexpr = 0, DEG: tl.constexpr = 3,
+                 PERSIST: tl.constexpr = False, SPLIT: tl.constexpr = False):
+    # PERSIST: fewer programs than tiles, each taking the next tile from the counter CTR (zeroed
+    # by the caller) until NB * BH are taken (AttnConfig.persist: a tile's sums do not depend on
+    # which program runs it)
+    if PERSIST:
+        t = tl.atomic_add(CTR, 1)
+        while t < NB * BH:
+            _dkdv_program(t, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh,
+                          svn, HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0, CAUSAL, BM, BN, D, PREC, EVEN,
+                          STORE_DS, LOADS, I64, DS_EVERY, SOFT, DEG, SPLIT)
+            t = tl.atomic_add(CTR, 1)
+    else:
+        _dkdv_program(tl.program_id(0), Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb,
+                      svh, svn, HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0, CAUSAL, BM, BN, D, PREC, EVEN,
+                      STORE_DS, LOADS, I64, DS_EVERY, SOFT, DEG, SPLIT)
 
 
 @triton.jit(do_not_specialize=["NB", "BH", "G"])  # one compile for any launch order
-def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+def _dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, CTR, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
                CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, SOFT: tl.constexpr = 0,
-               DEG: tl.constexpr = 3):
-    _dq_program(tl.program_id(0), Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
-                H, REP, L, S, qk_scale, sm_scale, NB, BH, G, CAUSAL, BM, BN, D, PREC, EVEN, I64, True, SOFT, DEG)
+               DEG: tl.constexpr = 3, LOADS: tl.constexpr = False, PERSIST: tl.constexpr = False):
+    # LOADS: K and V are [B, Hk, S, D] descriptors (AttnConfig.dq_tma); PERSIST as _dkdv_kernel's
+    if PERSIST:
+        t = tl.atomic_add(CTR, 1)
+        while t < NB * BH:
+            _dq_program(t, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                        H, REP, L, S, qk_scale, sm_scale, NB, BH, G, CAUSAL, BM, BN, D, PREC, EVEN, I64, True, SOFT,
+                        DEG, LOADS)
+            t = tl.atomic_add(CTR, 1)
+    else:
+        _dq_program(tl.program_id(0), Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+                    H, REP, L, S, qk_scale, sm_scale, NB, BH, G, CAUSAL, BM, BN, D, PREC, EVEN, I64, True, SOFT, DEG,
+                    LOADS)
 
 
 @triton.jit(do_not_specialize=["NB", "BH"])
@@ -224,6 +246,21 @@ def delta_pass(do, o, cfg: AttnConfig):
     return delta
 
 
+def _grid(tiles: int, persist: int, device: torch.device):
+    """(grid, tile counter or None) of a backward pass of `tiles` tiles: one program a tile, or
+    (AttnConfig.kv_persist / q_persist) `persist` programs per SM - 2 "SMs" under the
+    interpreter - taking tiles from a zeroed int32 counter."""
+    if not persist:
+        return (tiles,), None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    return (max(1, min(tiles, persist * sms)),), torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _regs(maxnreg: int) -> dict:
+    """The launch's register cap (AttnConfig.kv_maxnreg / q_maxnreg; 0: none)."""
+    return {"maxnreg": maxnreg} if maxnreg else {}
+
+
 def _strides(q, k, v):
     return (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2))
@@ -236,12 +273,16 @@ def dq_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig):
     delta = torch.empty(B * H, L, dtype=torch.float32, device=q.device)
     dq = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
     nq = triton.cdiv(L, cfg.q_m)
-    _dq_kernel[(nq * B * H,)](
-        q, k, v, o, do, lse, delta, dq, *_strides(q, k, v), H, H // Hk, L, S, scale * LOG2E, scale,
+    loads = cfg.dq_tma and tma_ok(k, v)
+    kd, vd = (desc(k, cfg.q_n), desc(v, cfg.q_n)) if loads else (k, v)
+    grid, ctr = _grid(nq * B * H, cfg.q_persist, q.device)
+    _dq_kernel[grid](
+        q, kd, vd, o, do, lse, delta, dq, ctr, *_strides(q, k, v), H, H // Hk, L, S, scale * LOG2E, scale,
         nq, B * H, min(cfg.q_group, B * H),
         CAUSAL=causal, BM=cfg.q_m, BN=cfg.q_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.q_m == 0 and S % cfg.q_n == 0, I64=wide(q, k, v, do), SOFT=cfg.soft(1),
-        DEG=cfg.exp_soft_deg, num_warps=cfg.q_warps, num_stages=cfg.q_stages)
+        DEG=cfg.exp_soft_deg, LOADS=loads, PERSIST=ctr is not None, num_warps=cfg.q_warps, num_stages=cfg.q_stages,
+        **_regs(cfg.q_maxnreg))
     return dq, delta
 
 
@@ -261,14 +302,18 @@ def dkdv_pass(do, q, k, v, lse, delta, causal: bool, scale: float, cfg: AttnConf
     else:
         ds_arg, store = (desc(ds, cfg.kv_n, cfg.kv_m), 2) if tma else (ds, 1)
     loads = loads and tma_ok(q, do)
-    qd, dod = (desc(q, cfg.kv_m), desc(do, cfg.kv_m)) if loads else (q, do)
-    _dkdv_kernel[(nk * nbh,)](
-        qd, k, v, dod, lse, delta, dk, dv, ds_arg, *_strides(q, k, v), Hk, H // Hk, L, S,
+    split = bool(cfg.kv_split) and not store and not cfg.soft(2)  # the split loop stores no dS, exp2 only
+    rows = cfg.kv_m // 2 if split else cfg.kv_m
+    qd, dod = (desc(q, rows), desc(do, rows)) if loads else (q, do)
+    grid, ctr = _grid(nk * nbh, cfg.kv_persist, q.device)
+    _dkdv_kernel[grid](
+        qd, k, v, dod, lse, delta, dk, dv, ds_arg, ctr, *_strides(q, k, v), Hk, H // Hk, L, S,
         scale * LOG2E, scale, nk, nbh, min(cfg.kv_group, nbh), bh0,
         CAUSAL=causal, BM=cfg.kv_m, BN=cfg.kv_n, D=D, PREC=_prec(q),
         EVEN=L % cfg.kv_m == 0 and S % cfg.kv_n == 0, STORE_DS=store, LOADS=loads, I64=wide(q, k, v, do),
         DS_EVERY=max(1, cfg.ds_every) if store else 1, SOFT=cfg.soft(2), DEG=cfg.exp_soft_deg,
-        num_warps=cfg.kv_warps, num_stages=cfg.kv_stages)
+        PERSIST=ctr is not None, SPLIT=split, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
+        **_regs(cfg.kv_maxnreg))
     return dk, dv
 
 

@@ -67,13 +67,69 @@ def _dkdv_inner(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base,
 
 
 @triton.jit
+def _dkdv_inner_split(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm, lo, hi, L, S,
+                      qk_scale, DIAG: tl.constexpr, EVEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      D: tl.constexpr, PREC: tl.constexpr, LOADS: tl.constexpr, I64: tl.constexpr):
+    # _dkdv_inner (no dS store, exp2 only) with each BM-row step taken as two halves whose products
+    # interleave - both halves' S^T products issued before the first half's exp2, the first
+    # half's dP^T and dV products before the second's exp2 - so the exp2 and the dS arithmetic of
+    # one half can run beside the other's tensor-core products (FlashAttention-3's intra-warpgroup
+    # overlap; AttnConfig.kv_split). dV and dK take the halves in row order: the k16 chunks of a
+    # BM-row product in the same order into the same fp32 accumulator. LOADS: descriptors of
+    # BM // 2-row blocks
+    HM: tl.constexpr = BM // 2
+    offs_h = tl.arange(0, HM)
+    offs_d = tl.arange(0, D)
+    for start_m in range(lo, hi, BM):
+        ra = start_m + offs_h
+        rb = ra + HM
+        qa = _tile(q_src, b, h, start_m, ra, sqm, offs_d, L, HM, D, EVEN, I64, LOADS)
+        qb = _tile(q_src, b, h, start_m + HM, rb, sqm, offs_d, L, HM, D, EVEN, I64, LOADS)
+        doa = _tile(do_src, b, h, start_m, ra, D, offs_d, L, HM, D, EVEN, I64, LOADS)
+        dob = _tile(do_src, b, h, start_m + HM, rb, D, offs_d, L, HM, D, EVEN, I64, LOADS)
+        if EVEN:
+            lsea = tl.load(LSE + row_base + ra)
+            lseb = tl.load(LSE + row_base + rb)
+            dla = tl.load(DELTA + row_base + ra)
+            dlb = tl.load(DELTA + row_base + rb)
+        else:
+            lsea = tl.load(LSE + row_base + ra, mask=ra < L, other=0.0)
+            lseb = tl.load(LSE + row_base + rb, mask=rb < L, other=0.0)
+            dla = tl.load(DELTA + row_base + ra, mask=ra < L, other=0.0)
+            dlb = tl.load(DELTA + row_base + rb, mask=rb < L, other=0.0)
+        sta = _mm(k, tl.trans(qa), PREC) * qk_scale  # [BN, HM]
+        stb = _mm(k, tl.trans(qb), PREC) * qk_scale
+        pta = tl.math.exp2(sta - lsea[None, :])
+        if DIAG:
+            pta = tl.where(ra[None, :] >= offs_n[:, None], pta, 0.0)
+        if not EVEN:
+            pta = tl.where(ra[None, :] < L, pta, 0.0)
+        dpta = _mm(v, tl.trans(doa), PREC)
+        dv += _mm(pta.to(doa.dtype), doa, PREC)
+        ptb = tl.math.exp2(stb - lseb[None, :])
+        if DIAG:
+            ptb = tl.where(rb[None, :] >= offs_n[:, None], ptb, 0.0)
+        if not EVEN:
+            ptb = tl.where(rb[None, :] < L, ptb, 0.0)
+        dptb = _mm(v, tl.trans(dob), PREC)
+        dv += _mm(ptb.to(dob.dtype), dob, PREC)
+        dsa = (pta * (dpta - dla[None, :])).to(qa.dtype)
+        dk += _mm(dsa, qa, PREC)
+        dsb = (ptb * (dptb - dlb[None, :])).to(qb.dtype)
+        dk += _mm(dsb, qb, PREC)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                   HK, REP, L, S, qk_scale, sm_scale, NB, BH, G, BH0,
                   CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                   PREC: tl.constexpr, EVEN: tl.constexpr, STORE_DS: tl.constexpr, LOADS: tl.constexpr,
-                  I64: tl.constexpr, DS_EVERY: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr):
+                  I64: tl.constexpr, DS_EVERY: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr,
+                  SPLIT: tl.constexpr = False):
     # program `pid` of the dk/dv pass; BH0: the first (batch, KV head) of this launch (a chunk of
-    # heads whose dS fits DS); DS_EVERY > 1: dS of every DS_EVERY-th key block only
+    # heads whose dS fits DS); DS_EVERY > 1: dS of every DS_EVERY-th key block only; SPLIT: the
+    # loops by _dkdv_inner_split (no dS store, exp2 only: the caller checks)
     pid_n, bhl = _block_and_head_at(pid, NB, BH, G)
     pid_n = NB - 1 - pid_n  # key block 0 sees every query row: the most work
     keep = True
@@ -101,7 +157,18 @@ def _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, DS, sqb, sqh, sqm, skb, 
             do_src = DO + (b * H + h).to(tl.int64) * L * D  # dO is contiguous [B, H, L, D]
         row_base = (b * H + h).to(tl.int64) * L
         ds_idx = bhl * REP + r  # this query head in the launch's dS scratch
-        if CAUSAL:
+        if SPLIT:
+            if CAUSAL:
+                lo = tl.minimum(n0, L)
+                mid = tl.minimum(n0 + BN, L)
+                dk, dv = _dkdv_inner_split(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
+                                           lo, mid, L, S, qk_scale, True, EVEN, BM, BN, D, PREC, LOADS, I64)
+                dk, dv = _dkdv_inner_split(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
+                                           mid, L, L, S, qk_scale, False, EVEN, BM, BN, D, PREC, LOADS, I64)
+            else:
+                dk, dv = _dkdv_inner_split(dk, dv, k, v, offs_n, q_src, do_src, b, h, LSE, DELTA, row_base, sqm,
+                                           0, L, L, S, qk_scale, False, EVEN, BM, BN, D, PREC, LOADS, I64)
+        elif CAUSAL:
             # query rows [n0, n0 + BN) straddle the diagonal (BN is a multiple of BM); later
             # rows see the whole key block
             lo = tl.minimum(n0, L)
@@ -140,15 +207,18 @@ def _do_and_delta(O, DO, io, rmask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, lo, hi, S, qk_scale,
+def _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, lo, hi, S, qk_scale,
               DIAG: tl.constexpr, EVEN: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-              PREC: tl.constexpr, I64: tl.constexpr, BM: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr):
+              PREC: tl.constexpr, I64: tl.constexpr, BM: tl.constexpr, SOFT: tl.constexpr, DEG: tl.constexpr,
+              LOADS: tl.constexpr):
+    # LOADS: k_src / v_src are [B, Hk, S, D] descriptors (rows past S read as 0), else this KV
+    # head's base pointers
     offs_n0 = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     for start_n in range(lo, hi, BN):
         cols = start_n + offs_n0
-        k = _load_rows(k_base, cols, skn, offs_d, S, EVEN, I64)
-        v = _load_rows(v_base, cols, svn, offs_d, S, EVEN, I64)
+        k = _tile(k_src, b, hk, start_n, cols, skn, offs_d, S, BN, D, EVEN, I64, LOADS)
+        v = _tile(v_src, b, hk, start_n, cols, svn, offs_d, S, BN, D, EVEN, I64, LOADS)
         s = _mm(q, tl.trans(k), PREC) * qk_scale
         p = exp2_mixed(s - lse[:, None], BM, BN, SOFT, DEG)  # AttnConfig.exp_soft: by key column
         if DIAG:
@@ -166,9 +236,10 @@ def _dq_program(pid, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, sk
                 H, REP, L, S, qk_scale, sm_scale, NB, BH, G,
                 CAUSAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                 PREC: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr, STORE_DELTA: tl.constexpr,
-                SOFT: tl.constexpr, DEG: tl.constexpr):
+                SOFT: tl.constexpr, DEG: tl.constexpr, LOADS: tl.constexpr = False):
     # program `pid` of the dq recompute pass; STORE_DELTA: this pass writes delta for the dk/dv
-    # pass after it (else a delta pass did, and the dk/dv programs may be reading it now)
+    # pass after it (else a delta pass did, and the dk/dv programs may be reading it now);
+    # LOADS: K and V are [B, Hk, S, D] descriptors (AttnConfig.dq_tma)
     pid_m, bh = _block_and_head_at(pid, NB, BH, G)
     b = bh // H
     h = bh % H
@@ -188,18 +259,23 @@ def _dq_program(pid, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, sk
         lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m)
     else:
         lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m, mask=rmask, other=0.0)
-    k_base = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    if LOADS:
+        k_src = K
+        v_src = V
+    else:
+        k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
     dq = tl.zeros([BM, D], tl.float32)
     if CAUSAL:
         diag = tl.minimum(pid_m * BM, S)  # BM is a multiple of BN
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, diag, S, qk_scale,
-                       False, EVEN, BN, D, PREC, I64, BM, SOFT, DEG)
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, diag,
-                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC, I64, BM, SOFT, DEG)
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, 0, diag, S, qk_scale,
+                       False, EVEN, BN, D, PREC, I64, BM, SOFT, DEG, LOADS)
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, diag,
+                       tl.minimum((pid_m + 1) * BM, S), S, qk_scale, True, EVEN, BN, D, PREC, I64, BM, SOFT, DEG,
+                       LOADS)
     else:
-        dq = _dq_inner(dq, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 0, S, S, qk_scale,
-                       False, EVEN, BN, D, PREC, I64, BM, SOFT, DEG)
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, b, hk, skn, svn, offs_m, 0, S, S, qk_scale,
+                       False, EVEN, BN, D, PREC, I64, BM, SOFT, DEG, LOADS)
     if EVEN:
         tl.store(DQ + hb + io, (dq * sm_scale).to(DQ.dtype.element_ty))
     else:
@@ -224,7 +300,7 @@ def _fused_kernel(Q, QD, K, V, O, DO, DOD, LSE, DELTA, DQ, DK, DV, sqb, sqh, sqm
     else:
         _dq_program(pid - NK * BHK, Q, K, V, O, DO, LSE, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                     HK * REP, REP, L, S, qk_scale, sm_scale, NQ, BH, GQ, CAUSAL, Q_M, Q_N, D, PREC, EVEN_Q, I64,
-                    False, SOFT_Q, DEG)
+                    False, SOFT_Q, DEG, False)
 
 
 @triton.jit
