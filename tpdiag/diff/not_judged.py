@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from tpdiag.diff import enclosing
 from tpdiag.records.keys import sole_consumer
 
 NO_MODULE = "read by code outside any module (no module consumer whose backward makes it)"
@@ -42,10 +43,9 @@ def grads(dd, first_key: str | None) -> dict | None:
         consumers = [c for c in r.get("consumers") or () if isinstance(c, str)]
         if r.get("oracle_refused"):
             w = str(r["oracle_refused"])
-        elif not consumers:
-            w = NO_MODULE
-        elif sole_consumer(consumers) is None:
-            w = SEVERAL
+        elif not consumers or sole_consumer(consumers) is None:
+            # its enclosing module's float64 backward judges it (diff/enclosing.py) - where not, why
+            w = (NO_MODULE if not consumers else SEVERAL) + "; " + (enclosing.why_not(dd, r) or "not judged")
         else:
             continue  # its one consumer was not re-executed on this side's inputs: own_inputs' choice
         why[w] = why.get(w, 0) + 1
