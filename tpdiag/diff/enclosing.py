@@ -86,6 +86,11 @@ def why_not(dd, row: dict) -> str | None:
             continue
         if (p.step, p.phase, p.module, p.kind) == (int(row["step"]), "backward", parent, "oracle") and v.get("why"):
             return f"read by the code of {parent}, whose float64 backward was refused: {v['why']}"
+    outs = [r for r in dd.rows if r["module"] == parent and r["step"] == row["step"]
+            and (r["phase"], r["kind"]) == ("forward", "out") and str(r.get("dtype", "")).startswith(("float", "bfloat"))]
+    if len(outs) > 1:
+        return (f"read by the code of {parent}, which returns {len(outs)} tensors (its float64 backward needs "
+                "one differentiable output)")
     if not any(k[0] == row["step"] and k[1] == row["module"] for k in dd.grad_at_own):
         return f"read by the code of {parent}, which the own-input pass did not re-execute (its budget)"
     return f"read by the code of {parent}, and outside it too (a call of it not inside {parent})"
