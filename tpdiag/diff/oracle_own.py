@@ -182,7 +182,8 @@ def apply_own(dd) -> None:
                           partials=rank_partials.partials_in(dd, row))
         if v is None:
             continue
-        discrete = notes_for(dd, row).get("discrete")
+        # a tapped grad: the enclosing module's choices (a router inside it), not a consumer's
+        discrete = notes_for(dd, {**row, "consumers": [outer]} if outer is not None else row).get("discrete")
         if discrete and no_reference(v):
             mark_no_reference(v, discrete)
         if not v["far"] and v.get("ref_err", 0.0) > NO_REFERENCE:
