@@ -92,5 +92,5 @@ def why_not(dd, row: dict) -> str | None:
         return (f"read by the code of {parent}, which returns {len(outs)} tensors (its float64 backward needs "
                 "one differentiable output)")
     if not any(k[0] == row["step"] and k[1] == row["module"] for k in dd.grad_at_own):
-        return f"read by the code of {parent}, which the own-input pass did not re-execute (its budget)"
+        return f"read by the code of {parent}, which the own-input pass did not re-execute (not chosen, or over its budget)"
     return f"read by the code of {parent}, and outside it too (a call of it not inside {parent})"
