@@ -359,7 +359,7 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=No
     if not leaves and not taps:
         return None, {}
     mode = Float64Mode(protected, working_dtype(mod))
-    tapped: list = []  # ("tap:NAME:J:O", the child's output in the float64 graph)
+    tapped: list = []  # ("tap:NAME:J:O", the child's output in the float64 graph, its version then)
     try:
         g = upcast(grad_out.detach())
         # the backward runs under the mode too: its formulas read what the forward saved
@@ -371,6 +371,9 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=No
                         and (t.is_floating_point() or t.is_complex()) and t.requires_grad]
                 if len(flat) != 1:
                     return None, {"why": "its float64 re-execution has not exactly one differentiable output"}
+                # an output the parent then changed in place: the grad autograd gives is the changed
+                # value's, not the recorded output's (its hook saw the value before) - not tapped
+                tapped = [(k, t) for k, t, v in tapped if t._version == v]
                 got = torch.autograd.grad(flat[0], list(leaves.values()) + [t for _, t in tapped],
                                           g.to(flat[0].dtype), allow_unused=True)
     except Exception as e:  # noqa: BLE001
@@ -383,8 +386,8 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=No
 @contextmanager
 def _tapping(mod: torch.nn.Module, taps: dict | None, into: list):
     """Forward hooks on the submodules in taps, for the re-execution: each call's floating outputs
-    that require grad appended to `into` as ("tap:NAME:J:O", tensor), O the output's index among
-    the call's tensors (the records' numbering: probes/module_probe.py)."""
+    appended to `into` as ("tap:NAME:J:O", tensor, its version), O the output's index among the
+    call's tensors (the records' numbering: probes/module_probe.py)."""
     handles = []
     calls: dict = {}
 
@@ -398,8 +401,11 @@ def _tapping(mod: torch.nn.Module, taps: dict | None, into: list):
                 if not t.requires_grad and t.grad_fn is None:
                     # made from constants only (the children's weights are, and the root's inputs are
                     # token ids): a leaf of the graph, so the grad reaches it
-                    t.requires_grad_(True)
-                into.append((f"tap:{name}:{j}:{o}", t))
+                    try:
+                        t.requires_grad_(True)
+                    except RuntimeError:
+                        continue  # a view autograd will not make a leaf: not tapped (no value, no refusal)
+                into.append((f"tap:{name}:{j}:{o}", t, t._version))
         return hook
     try:
         for child, name in (taps or {}).items():
