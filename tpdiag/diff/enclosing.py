@@ -49,7 +49,8 @@ def enclosing(module: str, modules: set[str]) -> str | None:
     return None
 
 
-def _calls(dd, module: str, step) -> set:
+def calls(dd, module: str, step) -> set:
+    """The calls of `module` in `step` (its forward outputs' call indices)."""
     return {r["call"] for r in dd.rows if r["module"] == module and r["step"] == step
             and r["phase"] == "forward" and r["kind"] == "out"}
 
@@ -58,10 +59,10 @@ def tapped(dd, row: dict):
     """(the enclosing module, this side's float64 value, the reference's) for a grad_out row;
     (module or None, None, None) where there is none (why_not says why)."""
     parent = enclosing(row["module"], called(dd))
-    if parent is None or len(_calls(dd, parent, row["step"])) != 1:
+    if parent is None or len(calls(dd, parent, row["step"])) != 1:
         return parent, None, None
     mine = {k[2] for k in dd.grad_at_own if k[0] == row["step"] and k[1] == row["module"] and k[4] == 0}
-    if len(mine) != len(_calls(dd, row["module"], row["step"])):
+    if len(mine) != len(calls(dd, row["module"], row["step"])):
         return parent, None, None  # a call of the child outside the parent: the numbering is not the records'
     k = (row["step"], row["module"], int(row["call"]), str(row["name"]), 0)
     return parent, dd.grad_at_own.get(k), dd.grad_at.get(k)
@@ -74,7 +75,7 @@ def why_not(dd, row: dict) -> str | None:
     if parent is None:
         return ("the model's output, or read by the root's code where a child shares the root's name "
                 "(no enclosing module to re-execute)")
-    if len(_calls(dd, parent, row["step"])) != 1:
+    if len(calls(dd, parent, row["step"])) != 1:
         return f"read by the code of {parent}, called more than once in the step (its calls' children not told apart)"
     from tpdiag.records.keys import MalformedKey, RecordKey
 

@@ -97,7 +97,9 @@ def modules(dd, first_key: str | None) -> list[str]:
         elif r["phase"] == "backward" and r["kind"] == "grad_out":
             # no one module consumer: the module whose own code reads it (diff/enclosing.py)
             outer = enclosing.enclosing(m, enclosing.called(dd))
-            if outer is not None and outer not in partial:
+            # judged only from a module called once in the step (HF's root and its `model` child
+            # share one name: two calls, never re-executed as one)
+            if outer is not None and outer not in partial and len(enclosing.calls(dd, outer, r["step"])) == 1:
                 cands.setdefault(outer, 0.0)
     order = sorted(cands, key=lambda m: (-cands[m], m))[:MAX_ALL]
     size: dict[str, int] = {}
@@ -181,7 +183,8 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
                 cands.setdefault(c, 0.0)
         elif r["phase"] == "backward" and r["kind"] == "grad_out":
             outer = enclosing.enclosing(m, called)  # no one module consumer: diff/enclosing.py
-            if outer is not None:
+            if outer is not None and len({x["call"] for x in rows if x["module"] == outer and x["step"] == r["step"]
+                                          and (x["phase"], x["kind"]) == ("forward", "out")}) == 1:
                 cands.setdefault(outer, 0.0)
     size: dict[str, int] = {}
     for r in rows:
