@@ -72,6 +72,15 @@ def _what_to_do(summary: dict) -> str | None:
                     "(its output is then recorded, which locates the difference) and capture again, or run the model with "
                     "`tpdiag compare --model py:FILE.py:FUNC` (docs/models-py.md), whose second pass records "
                     f"and judges that code op by op; `tpdiag report {run}` shows its values")
+        from tpdiag.diff.not_judged import moved_beyond
+        from tpdiag.records.axes import entries
+
+        if any(isinstance(d, dict) and moved_beyond(d) for d in entries(summary).values()):
+            # the gate fails the run on them (cause unknown): not "nothing is wrong"
+            return ("activation grads past the first divergence moved beyond rounding and no check could judge "
+                    "them (the not-judged line above, summary.json not_judged): a bug may be there unseen; "
+                    f"`tpdiag report {run}` shows their values, and `tpdiag gate` fails the run unless its policy "
+                    "allows `unknown`")
         return ("nothing could judge the first divergence (the reason is above); "
                 f"`tpdiag report {run}` shows its values")
     if summary.get("fix_chain") and summary.get("status_after_fixes") == "bitwise":

@@ -29,6 +29,11 @@ class DegreeDiff:
     # the same from THIS side's own inputs (diff/own_inputs.py): record key -> float64 tensor
     oracle_own: dict = field(default_factory=dict)
     grad_in_own: dict = field(default_factory=dict)
+    # a child's output grad in its parent's float64 backward (probes/oracle_hooks.TAP), from the
+    # reference's inputs and from this side's: (step, child, its call in the parent's call, output
+    # index, the parent's call) -> float64
+    grad_at: dict = field(default_factory=dict)
+    grad_at_own: dict = field(default_factory=dict)
     # record key -> [||o||, ||y_ref - o||] of the reference's own re-execution o, where its world
     # kept only those (probes/oracle_hooks.NORMS: the inputs differed at every other world)
     oracle_norms: dict = field(default_factory=dict)
@@ -291,7 +296,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                     hash_version=ref.hash_version, captured=captured)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
-        from tpdiag.records.keys import ORACLE_NORMS as NORMS, RecordKey
+        from tpdiag.records.keys import ORACLE_NORMS as NORMS, ORACLE_TAP as TAP, RecordKey
 
         wanted = {r["key"] for r in rows if not r["bitwise"]}
         writer_depth: dict = {}  # (own side, buffer key) -> its oracle's path depth under the writer
@@ -306,6 +311,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                     (dd.oracle_own_norms if at else dd.oracle_norms)[k] = ref.tensor(m)
                 continue
             oracle, grad_in = (dd.oracle_own, dd.grad_in_own) if at else (dd.oracle, dd.grad_in)
+            if name.startswith(TAP):
+                # a child's output grad in its parent's float64 backward: grad_out.O.cJ.pP
+                o, j, pc = name[len(TAP):].split(".")
+                (dd.grad_at_own if at else dd.grad_at)[(m["step"], m["module"], int(j[1:]), o, int(pc[1:]))] = ref.tensor(m)
+                continue
             if name.startswith("grad_in."):
                 # d loss / d input I of a consumer: judged against its producer's grad_out
                 i, _, c = name[len("grad_in."):].partition(".c")

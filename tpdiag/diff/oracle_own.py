@@ -10,7 +10,7 @@ import torch
 
 from tpdiag.diff.equal_inputs import params_equal
 from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
-from tpdiag.diff import other_paths, rank_partials
+from tpdiag.diff import enclosing, other_paths, rank_partials
 from tpdiag.diff.own_side import REFUSED, judge_own_side
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
@@ -137,10 +137,17 @@ def apply_own(dd) -> None:
         # the function this side computed, and no value to judge it by (--steps 2 read the
         # built-in model's step-1 embedding a BUG, 15x "beyond rounding": the update's rounding)
         judged_by = sole_consumer(row.get("consumers")) if row["kind"] == "grad_out" else row["module"]
+        outer = None
+        if judged_by is None and (row["phase"], row["kind"]) == ("backward", "grad_out"):
+            # no one module consumer: the module whose own code reads it (diff/enclosing.py)
+            outer, o_n, o_ref = enclosing.tapped(dd, row)
+            judged_by = outer if o_n is not None and o_ref is not None else None
         if judged_by is None or not params_equal(dd, judged_by, row["step"]):
             continue
         norms = side_n = None
-        if row["phase"] == "backward" and row["kind"] == "grad_out":
+        if outer is not None:
+            pass  # o_n, o_ref: the enclosing module's float64 backward through this output
+        elif row["phase"] == "backward" and row["kind"] == "grad_out":
             o_n, o_ref = _own_grad_in(dd, row, dd.grad_in_own), _own_grad_in(dd, row, dd.grad_in)
             if o_n is not None and o_ref is not None and k in dd.tensors:
                 # a residual add beside its consumer: each side's own grad through it added
@@ -175,7 +182,8 @@ def apply_own(dd) -> None:
                           partials=rank_partials.partials_in(dd, row))
         if v is None:
             continue
-        discrete = notes_for(dd, row).get("discrete")
+        # a tapped grad: the enclosing module's choices (a router inside it), not a consumer's
+        discrete = notes_for(dd, {**row, "consumers": [outer]} if outer is not None else row).get("discrete")
         if discrete and no_reference(v):
             mark_no_reference(v, discrete)
         if not v["far"] and v.get("ref_err", 0.0) > NO_REFERENCE:
@@ -192,8 +200,12 @@ def apply_own(dd) -> None:
             v["discrete"] = list(discrete)
             row["oracle_flip"] = True
             continue
-        what = "float64 re-execution of the " + {"param_grad": "module's backward", "grad_out": "consumer's backward"}.get(
-            row["kind"], "module") + other_paths.what(dd, row.get("other_path")) + " from this side's own inputs"
+        if outer is not None:
+            row["enclosing"] = outer
+            v["what"] = f"the enclosing module's ({outer}) backward"
+        what = "float64 re-execution of the " + (f"enclosing module's ({outer}) backward" if outer is not None else {
+            "param_grad": "module's backward", "grad_out": "consumer's backward"}.get(row["kind"], "module")) \
+            + other_paths.what(dd, row.get("other_path")) + " from this side's own inputs"
         if v["far"]:
             row["beyond_bound"] = True
             row["bound_ratio"] = max(row.get("bound_ratio") or 0.0, v["ratio"])

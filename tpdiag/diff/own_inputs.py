@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from tpdiag.diff import enclosing
 from tpdiag.records.keys import RecordKey, record_key, sole_consumer
 # the budget and kinds are the records' (records/own_pass.py reads a run's choice back with them)
 from tpdiag.records.own_pass import OWN_BUDGET_BYTES as BUDGET_BYTES, OWN_KINDS as _KINDS, nbytes
@@ -93,6 +94,13 @@ def modules(dd, first_key: str | None) -> list[str]:
             c = sole_consumer(r["consumers"])
             if c != "model":
                 cands.setdefault(c, 0.0)
+        elif r["phase"] == "backward" and r["kind"] == "grad_out":
+            # no one module consumer: the module whose own code reads it (diff/enclosing.py)
+            outer = enclosing.enclosing(m, enclosing.called(dd))
+            # judged only from a module called once in the step (HF's root and its `model` child
+            # share one name: two calls, never re-executed as one)
+            if outer is not None and outer not in partial and len(enclosing.calls(dd, outer, r["step"])) == 1:
+                cands.setdefault(outer, 0.0)
     order = sorted(cands, key=lambda m: (-cands[m], m))[:MAX_ALL]
     size: dict[str, int] = {}
     for k, (_, b) in dd.tensors.items():
@@ -154,6 +162,7 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
     the region pass to capture whole. Within MAX_ALL and BUDGET_BYTES of their inputs, outputs and
     grads (one side)."""
     by_key = {r["key"]: r for r in rows}
+    called = {r["module"] for r in rows if r["phase"] == "forward" and r["kind"] in ("in", "out")}
     cands: dict[str, float] = {}
     for r in rows:
         if r["bitwise"] or r.get("rank_consistent") is False or r.get("nonfinite_mismatch") or not r.get("hash_only"):
@@ -172,6 +181,11 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
             c = sole_consumer(r["consumers"])
             if c != "model":
                 cands.setdefault(c, 0.0)
+        elif r["phase"] == "backward" and r["kind"] == "grad_out":
+            outer = enclosing.enclosing(m, called)  # no one module consumer: diff/enclosing.py
+            if outer is not None and len({x["call"] for x in rows if x["module"] == outer and x["step"] == r["step"]
+                                          and (x["phase"], x["kind"]) == ("forward", "out")}) == 1:
+                cands.setdefault(outer, 0.0)
     size: dict[str, int] = {}
     for r in rows:
         if r["module"] in cands and r["kind"] in ("in", "out", "grad_out", "param_grad"):

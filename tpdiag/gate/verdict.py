@@ -125,45 +125,24 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
     return res
 
 
-# How far (relative 2-norm), in roundings of the grads' dtype, an activation grad no check judged may
-# move and the gate still pass it under a policy that does not allow `unknown`. Rounding moved the
-# built-in tiny-llama's by ~20 eps (float32: 2.5e-6, two micro-batches, two steps; bfloat16: 0.0987 =
-# 13 eps at TP=4, two steps - near 0.1, so no fixed number serves every dtype); a grad made twice
-# (Megatron's f in front of a replicated module) moves by ~1 and two_paths.py:gate_f's block grad by
-# 0.25. In bfloat16 and float16 1000 eps is no move at all: there the rule passes what it passed before.
-# After a router flip (rounding-class, discrete) grads move by O(1) with no bug: not applied there.
-NOT_JUDGED_ROUNDINGS = 1000
-
-
 def _moved_unjudged(lab: str, d: dict, rows: list[dict], policy: Policy, res: DegreeResult) -> None:
     """summary.json not_judged (diff/not_judged.py): activation grads past the first divergence that no
     check judged. Said in the verdict, they were never the gate's: tests/models/planted/two_paths.py:
     gate_f (its block's output grad 25% off, float32) passed `gate --allow rounding`, exit 0. Fail
     closed - as cause unknown, which only a policy naming it passes - where they moved more than
-    rounding can (NOT_JUDGED_ROUNDINGS eps of the least precise dtype among the listed records)."""
-    import torch
+    rounding can: not_judged.moved_beyond, the rule compare's class reads too (the dtypes from diff.csv's
+    rows here, not the summary's word)."""
+    from tpdiag.diff.not_judged import moved_beyond
 
     nj = d.get("not_judged")
-    moved = nj.get("rel_l2") if isinstance(nj, dict) else None
-    if "unknown" in policy.allow_causes or not isinstance(moved, (int, float)) or isinstance(moved, bool):
-        return
-    found = [f for f in [d.get("first_divergence"), *(d.get("findings") or ())] if isinstance(f, dict)]
-    if any(f.get("cause") == "router-flip" for f in found):
-        # a discrete choice made otherwise within rounding (an MoE router's near-tie): the tokens
-        # after it run other experts, and their grads move by O(1) with no bug (tests/test_moe.py)
+    if "unknown" in policy.allow_causes or not isinstance(nj, dict):
         return
     keys = [k for k in nj.get("keys") or () if isinstance(k, str)]
-    eps = []
-    for r in rows:
-        if r["key"] in keys:
-            try:
-                eps.append(torch.finfo(getattr(torch, str(r.get("dtype")))).eps)
-            except (AttributeError, TypeError):
-                pass
     # no listed record in diff.csv says its dtype (not a compare's writing): bfloat16's, passing as before
-    limit = NOT_JUDGED_ROUNDINGS * max(eps or [torch.finfo(torch.bfloat16).eps])
-    if moved == moved and moved <= limit:
+    got = moved_beyond(d, [r.get("dtype") for r in rows if r["key"] in keys] or ["bfloat16"])
+    if got is None:
         return
+    moved, limit = got
     key = keys[0] if keys else ""
     from tpdiag.records.keys import MalformedKey, RecordKey
 

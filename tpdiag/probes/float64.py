@@ -330,11 +330,16 @@ def state_names(model: torch.nn.Module) -> dict:
             "params": {p: n for p, n in params.items() if p > 0}}
 
 
-def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=None) -> tuple[dict | None, dict]:
+def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=None,
+                        taps: dict | None = None) -> tuple[dict | None, dict]:
     """({direct parameter name: d loss / d param, "inI": d loss / d input I}, notes) in float64
     for one call of `mod`, whose output's grad was `grad_out`: the module's forward again in
     float64 from its input snapshot, with float64 leaf copies of its own (direct) parameters,
     then autograd back from grad_out. Children's parameters are theirs to judge.
+    taps: {submodule: its record name}: the grads of those submodules' outputs in this backward
+    too, as "tap:NAME:J:O" (the submodule's J-th call inside this one, its O-th output tensor) - the
+    exact value of an output grad that leaves a child by code of this module's own
+    (`h * sigmoid(gate(h))`), which no module consumer's backward makes (diff/enclosing.py).
     (None, {"why": ...}) when refused."""
     from torch.func import functional_call
 
@@ -351,13 +356,14 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=No
     for i, t in enumerate(ins):
         if t.is_floating_point() or t.is_complex():
             leaves[f"in{i}"] = t.requires_grad_(True)
-    if not leaves:
+    if not leaves and not taps:
         return None, {}
     mode = Float64Mode(protected, working_dtype(mod))
+    tapped: list = []  # ("tap:NAME:J:O", the child's output in the float64 graph, its version then)
     try:
         g = upcast(grad_out.detach())
         # the backward runs under the mode too: its formulas read what the forward saved
-        with _isolated(mod), torch.enable_grad():
+        with _isolated(mod), torch.enable_grad(), _tapping(mod, taps, tapped):
             _as_before(buffers)
             with mode:
                 out = functional_call(mod, {**frozen, **leaves}, args, kwargs, strict=False)
@@ -365,12 +371,49 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=No
                         and (t.is_floating_point() or t.is_complex()) and t.requires_grad]
                 if len(flat) != 1:
                     return None, {"why": "its float64 re-execution has not exactly one differentiable output"}
-                got = torch.autograd.grad(flat[0], list(leaves.values()), g.to(flat[0].dtype),
-                                          allow_unused=True)
+                # an output the parent then changed in place: the grad autograd gives is the changed
+                # value's, not the recorded output's (its hook saw the value before) - not tapped
+                tapped = [(k, t) for k, t, v in tapped if t._version == v]
+                got = torch.autograd.grad(flat[0], list(leaves.values()) + [t for _, t in tapped],
+                                          g.to(flat[0].dtype), allow_unused=True)
     except Exception as e:  # noqa: BLE001
         return None, {"why": _why(e)}
-    grads = {n: t.detach() for n, t in zip(leaves, got) if t is not None}
+    names = list(leaves) + [k for k, _ in tapped]
+    grads = {n: t.detach() for n, t in zip(names, got) if t is not None}
     return grads, ({"discrete": mode.discrete} if mode.discrete else {})
+
+
+@contextmanager
+def _tapping(mod: torch.nn.Module, taps: dict | None, into: list):
+    """Forward hooks on the submodules in taps, for the re-execution: each call's floating outputs
+    appended to `into` as ("tap:NAME:J:O", tensor, its version), O the output's index among the
+    call's tensors (the records' numbering: probes/module_probe.py)."""
+    handles = []
+    calls: dict = {}
+
+    def hook_of(name: str):
+        def hook(_m, _args, out):
+            j = calls.get(name, 0)
+            calls[name] = j + 1
+            for o, t in enumerate(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
+                if not (t.is_floating_point() or t.is_complex()):
+                    continue
+                if not t.requires_grad and t.grad_fn is None:
+                    # made from constants only (the children's weights are, and the root's inputs are
+                    # token ids): a leaf of the graph, so the grad reaches it
+                    try:
+                        t.requires_grad_(True)
+                    except RuntimeError:
+                        continue  # a view autograd will not make a leaf: not tapped (no value, no refusal)
+                into.append((f"tap:{name}:{j}:{o}", t, t._version))
+        return hook
+    try:
+        for child, name in (taps or {}).items():
+            handles.append(child.register_forward_hook(hook_of(name)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def op_oracle(func, args, kwargs) -> tuple[object | None, str | None]:

@@ -153,6 +153,24 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             for k in [k for k in no_grad_calls if k[0] == step]:
                 no_grad_calls.discard(k)
 
+        tap_names: dict = {}
+
+        def children_of(mod) -> dict:
+            """{submodule: record name} of the modules mod's forward calls itself: its direct
+            children, and those of a container it holds (a ModuleList's layers, which it loops
+            over; the container itself is never called)."""
+            got = tap_names.get(mod)
+            if got is None:
+                got, todo = {}, list(mod.children())
+                while todo:
+                    c = todo.pop()
+                    if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
+                        todo.extend(c.children())
+                    elif c in infos:
+                        got[c] = infos[c][0]
+                tap_names[mod] = got
+            return got
+
         def pre_hook(mod, args, kwargs):
             if rec.in_oracle:  # an oracle re-execution runs this module's children: no records
                 return None
@@ -252,12 +270,15 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     state_names[:] = [rec.step, names_of(model)]
                 record_oracle(rec, mod, name, call, snap, style, cls, norms_of=out if differ else None, buffers=bufs,
                               path=walked.paths.get(mod, name), oracle=oracle, names=state_names[1])
+                # the own-input pass: its children's output grads in its float64 backward, the exact
+                # value of one that leaves a child by this module's own code (diff/oracle_own.py)
+                kids = children_of(mod) if own else None
                 if own:
                     # once a call: an activation checkpoint's recompute returned above (made again
                     # there, its float64 grads were the same records twice - "grad_in.0.c0@2 listed
                     # twice": a correct checkpointed model read "not judged", gate 2)
                     record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward,
-                                       side_pend, hooked, buffers=bufs)
+                                       side_pend, hooked, buffers=bufs, taps=kids)
                 if backward:
                     if not any(t.grad_fn is not None for t in _tensors(out)):
                         # no graph (a reentrant checkpoint's forward): hooked at its recompute
@@ -267,7 +288,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     else:
                         oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend,
                                              (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None,
-                                             buffers=bufs)
+                                             buffers=bufs, taps=kids)
             with _no_modes():
                 for i, t in enumerate(_tensors(out)):
                     idx = _IDX[i] if i < _NIDX else str(i)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tpdiag.probes.recorder import Recorder
-from tpdiag.records.keys import ORACLE_NORMS, record_key
+from tpdiag.records.keys import ORACLE_NORMS, ORACLE_TAP, record_key
 
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))
@@ -192,8 +192,19 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
                 rec.add("oracle", name, idx, t, call=call, style=style, cls=cls)
 
 
+TAP = ORACLE_TAP  # an oracle record of a child's output grad in its parent's float64 backward
+
+
+def tap_name(short: str, parent_call: int) -> tuple[str, str]:
+    """(the child's record name, the oracle record's name) for module_oracle_grads' "tap:NAME:J:O":
+    `grad_out.O.cJ.pP` - the child's O-th output at its J-th call inside the parent's call P."""
+    child, j, o = short[len("tap:"):].rsplit(":", 2)
+    return child, f"{TAP}{o}.c{j}.p{parent_call}"
+
+
 def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, snap, out,
-                          handles: list, cls, pend: dict | None = None, on_grad=None, buffers=None) -> None:
+                          handles: list, cls, pend: dict | None = None, on_grad=None, buffers=None,
+                          taps: dict | None = None) -> None:
     """A module with one floating output that requires grad: when that output's grad arrives,
     the module's weight grads for this call are computed again in float64 from the same
     snapshot (probes/float64.py, module_oracle_grads) and recorded as oracle records
@@ -219,12 +230,16 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
         rec.enabled = False
         try:
             with timed(rec):
-                grads, notes = module_oracle_grads(mod, *snap, g, buffers=buffers)
+                grads, notes = module_oracle_grads(mod, *snap, g, buffers=buffers, taps=taps)
         finally:
             rec.in_oracle, rec.enabled = False, was
         if notes:
             rec.oracle_notes[record_key(step, "backward", name, "oracle", call)] = notes
         for short, t in (grads or {}).items():
+            if short.startswith("tap:"):
+                child, oname = tap_name(short, call)
+                rec.add("oracle", child, oname, t, phase="backward")
+                continue
             what = "grad_in" if short.startswith("in") and short[2:].isdigit() else "param_grad"
             short = short[2:] if what == "grad_in" else short
             if what == "param_grad" and pend is not None and (step, name, short) in pend:
@@ -277,7 +292,7 @@ def _with_inputs(snap, key_of, tensors: dict):
 
 def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap, own: dict,
                        style, cls, backward: bool, side_pend: dict | None = None, hooked=None,
-                       buffers=None) -> None:
+                       buffers=None, taps: dict | None = None) -> None:
     """This (reference) module re-executed in float64 from each other world's own recorded
     inputs - its forward, and with its output grad there its backward - recorded as oracle
     records whose names end in `@LABEL` (diff/own_inputs.py says why).
@@ -305,7 +320,7 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
                     # on the device the module's inputs are (the file was read to the host)
                     g = g.to(next((t.device for t in _tensors(got)), g.device))
                     again = _with_inputs(snap, lambda i: record_key(step, "forward", name, "in", call, i), tensors)
-                    grads, _ = module_oracle_grads(mod, *again, g, buffers=buffers)
+                    grads, _ = module_oracle_grads(mod, *again, g, buffers=buffers, taps=taps)
         finally:
             rec.in_oracle, rec.enabled = False, was
         for i, t in enumerate(_tensors(out64) if out64 is not None else ()):
@@ -313,6 +328,10 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
                 rec.add("oracle", name, f"{_IDX[i] if i < _NIDX else i}@{label}", t, call=call,
                         style=style, cls=cls)
         for short, t in (grads or {}).items():
+            if short.startswith("tap:"):
+                child, oname = tap_name(short, call)
+                rec.add("oracle", child, f"{oname}@{label}", t, phase="backward")
+                continue
             what = "grad_in" if short.startswith("in") and short[2:].isdigit() else "param_grad"
             short = short[2:] if what == "grad_in" else short
             y = own_side_norms.wanted(rec, tensors, step, name, short, t, hooked) \

@@ -62,6 +62,9 @@ def record_key(step, phase: str, module: str, kind: str, call=0, name=None) -> s
 # The name suffix of an oracle record holding [||o||, ||y - o||] (float64) instead of the float64
 # value o itself (probes/oracle_hooks.py writes it, diff/oracle.judge_own reads it).
 ORACLE_NORMS = "~norms"
+# the name prefix of an oracle record holding a child's output grad in its parent's float64 backward
+# (probes/oracle_hooks.tap_name: grad_out.O.cJ.pP; diff/engine.py reads it)
+ORACLE_TAP = "grad_out."
 
 
 def sole_consumer(consumers) -> str | None:

@@ -149,6 +149,16 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
         headline = (f"{kind}TP={label} computes a wrong result at {where(bug)} ({bug.get('cause')}); it first "
                     f"differs from TP={ref} earlier, at {where(fd)} ({cause}: rounding).")
     todo = action(cause, d.get("confirmation"), fix, available, capture)
+    if d.get("class") == "unknown" and causes.cause_class(cause) == "rounding":
+        # rounding at the first divergence, but what lies past it was not judged (diff/classes.py): the
+        # gate fails the run as cause unknown, so the report does not call it harmless
+        from tpdiag.diff.not_judged import moved_beyond
+
+        todo = ("Not judged: " + ("activation grads past the first divergence moved beyond rounding and no check "
+                                  "could judge them (below)" if moved_beyond(d) else
+                                  f"the modules past the first divergence were not judged on their own inputs "
+                                  f"({d.get('downstream_unjudged') or 'see the run'})")
+                + "; a bug may be there unseen. `tpdiag gate` fails the run unless its policy allows `unknown`.")
     if bug is not None:
         # the first divergence's own advice ("Rounding, not a bug: harmless ...") is about the
         # reordering before the bug; the CLI's `what to do` is about the bug, and so is this

@@ -31,6 +31,20 @@ def _scope(fd: dict) -> str:
     return fd["module"]
 
 
+def _callers(entry: dict) -> set[str]:
+    """The op scopes that hold the code reducing a first divergence's per-rank shares: its module's
+    caller. A top-level module's caller is the root (records name it "model"; as a scope, its own
+    ops between its children), and the reducing module is then a sibling, no scope of the root's:
+    the top-level modules whose forward input pass 1 found differing in that step, the reducing one
+    among them (tests/models/planted/top_split.py:top_ok read "not judged", no op scope at all)."""
+    fd = entry["first_divergence"]
+    if "." in fd["module"]:
+        return {fd["module"].rsplit(".", 1)[0]}
+    return {"model"} | {f["module"] for f in entry.get("findings") or () if isinstance(f, dict)
+                        and (f.get("phase"), f.get("kind"), f.get("step")) == ("forward", "in", fd.get("step"))
+                        and isinstance(f.get("module"), str) and "." not in f["module"]}
+
+
 def _record_module(fd: dict) -> str:
     from tpdiag.records.keys import RecordKey
 
@@ -104,8 +118,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         # the caller reduces (runner/drill._shares): its caller's ops too, so that the reduction,
         # read whole, is named where it becomes the first divergence (mega_split.py:split_ok)
         shares = [fd for fd in fds if (fd.get("phase"), fd.get("kind")) == ("forward", "out")
-                  and fd.get("cause") == "rank-inconsistent-replica" and "." in fd["module"]]
-        scopes = sorted(set(scopes) | {fd["module"].rsplit(".", 1)[0] for fd in shares})
+                  and fd.get("cause") == "rank-inconsistent-replica"]
+        scopes = sorted(set(scopes) | {c for lab, _ in targets for c in _callers(every[lab]) if every[lab]["first_divergence"] in shares})
         judge += shares
     ops = bool(scopes) and (cfg.granularity in ("auto", "op") or bool(judge))
     if ops and cfg.granularity == "module" and not hashed:

@@ -8,6 +8,9 @@ the multiply, which no record holds. Vocab 32, dim 32, ff 64.
   gate_f       gate's input goes through Megatron's f (its grad all-reduced) although gate is
                replicated: gate's part of h's grad is TP times at TP > 1             BUG
 
+  pair_f       gate_f's mistake inside a stage that returns two tensors (its gate's logits too):
+               no float64 backward of the stage, so h's grad stays not judged         not judged
+
     tpdiag compare --model py:tests/models/planted/two_paths.py:gate_f --tp 1,2
 tests/test_two_paths.py
 """
@@ -119,6 +122,34 @@ class TwoPathLM(nn.Module):
         return self.head(self.norm(h))
 
 
+class Stage(nn.Module):
+    """the residual block and its gate as one stage, which also returns the gate's logits (for the
+    user's logging): two outputs, so no float64 backward of the stage is formed"""
+
+    def __init__(self, through_f: bool):
+        super().__init__()
+        self.block = Block()
+        self.gate = Gate(through_f)
+
+    def forward(self, h):
+        h = h + self.block(h)
+        g = self.gate(h)
+        return h * torch.sigmoid(g), g
+
+
+class PairLM(nn.Module):
+    def __init__(self, through_f=False):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.stage = Stage(through_f)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h, _ = self.stage(self.embed(tokens))
+        return self.head(self.norm(h))
+
+
 def _tokens(g):
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
 
@@ -129,3 +160,7 @@ def gate_ok():
 
 def gate_f():
     return tpdiag.Target(model=TwoPathLM(through_f=True), plan={}, vocab_size=VOCAB, inputs=_tokens)
+
+
+def pair_f():
+    return tpdiag.Target(model=PairLM(through_f=True), plan={}, vocab_size=VOCAB, inputs=_tokens)
