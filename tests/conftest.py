@@ -487,6 +487,20 @@ def fixall12_run(tmp_path_factory):
                                                                   "--no-baseline"))
 
 
+@pytest.fixture(scope="session")
+def moe_accum_run(tmp_path_factory):
+    """ONE default-flow compare (no rerun, no confirmation) of tests/models/planted/moe_accum.py:local_index
+    at TP=1,2: (run directory, the human summary it printed). test_oracle_factories reads its verdict and
+    its first line, test_tamper_labels edits copies - each file ran the same compare of its own."""
+    def make(out):
+        p = run_cli("compare", "--model", "py:tests/models/planted/moe_accum.py:local_index", "--tp", "1,2",
+                    "--no-confirm", "--no-baseline", "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+        (out.parent / "compare.stdout").write_text(p.stdout)  # beside the run: a reader's copy holds none
+    out = shared_run(tmp_path_factory, "moe-accum-local", make)
+    return out, (out.parent / "compare.stdout").read_text()
+
+
 # tiny-llama at TP=1, micro-batch 4 against 1 (float32; test_micro_batch's TINY shapes)
 _MB41 = ("--tp", "1", "--micro-batch", "4,1", "--batch-size", "4", "--seq-len", "8", "--dtype", "float32",
          "--no-confirm", "--no-baseline")
