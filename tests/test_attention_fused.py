@@ -15,23 +15,14 @@ SCRIPT = r"""
 import json, sys
 import torch
 from dataclasses import replace
-from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
+from tpdiag.kernels import attention_triton as at, attention_triton_bwd as shipped_atb
 sys.path.insert(0, "tests")
 from module_copy import patched
-if sys.argv[1] == "no-delta":  # a negative control: the fused launch without its delta pass
-    atb = patched(atb, "delta = delta_pass(do, o, cfg)  # complete before", "delta = torch.zeros_like(lse)  #",
-                  "atb_nodelta")
-if sys.argv[1] == "mix-reads-all":  # a negative control: dq reads dS where the dk/dv pass kept none
-    from tpdiag.kernels import attention_triton_bwd_programs as programs
-    atb._dq_mix_kernel = patched(programs, "if (start_n // KV_N) % EVERY == 0:", "if True:",
-                                 "programs_mixall")._dq_mix_kernel
 def bits(t): return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 def beq(a, b): return a.shape == b.shape and torch.equal(bits(a), bits(b))
 def both(q, k, v, do, causal, cfg):
     o, lse = at.forward(q, k, v, causal, 0.125, cfg)
     return (o,) + tuple(atb.backward(do, q, k, v, o, lse, causal, 0.125, cfg))
-g = torch.Generator().manual_seed(0)
-res = {}
 d64 = at.config_for(torch.bfloat16, 64)  # the shipped D=64 tiles (128-row blocks: L = 40 is one, masked)
 small = at.AttnConfig(16, 16, 4, 1, 16, 32, 4, 1, 32, 16, 4, 1)
 stored = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 32, 16, 4, 1, ds_mib=1)
@@ -42,42 +33,61 @@ cases = (("d64-bf16-causal", torch.bfloat16, 40, 40, True, d64, ("two-launch", "
 variants = {"two-launch": {"bwd_fused": False}, "fused": {"bwd_fused": True},
             "fused-groups-tma": {"bwd_fused": True, "bwd_tma": True, "kv_group": 3, "q_group": 2},
             "mix-2": {"ds_every": 2, "q_group": 2}}
-picked = {"no-delta": cases[1:2], "mix-reads-all": cases[3:]}.get(sys.argv[1], cases)
-for name, dt, L, S, causal, cfg, tags in picked:
-    D = 64 if cfg is d64 else 16
-    q, do = (torch.randn(2, 4, L, D, generator=g).to(dt) for _ in range(2))
-    k, v = (torch.randn(2, 2, S, D, generator=g).to(dt) for _ in range(2))
-    two = both(q, k, v, do, causal, replace(cfg, bwd_fused=False))  # the shipped D=64 entry is fused
-    for tag in tags:
-        c = replace(cfg, **variants[tag])
-        full = two if tag == "two-launch" else both(q, k, v, do, causal, c)
-        half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, c)
-        one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
-        res[f"{name}/{tag}"] = {
-            "same_as_two_launch": [beq(a, b) for a, b in zip(full, two)],
-            "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:],
-                                                          full[3][:, 1:]))),
-            "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
-            "repro": all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full))}
-        if c.ds_every:  # the key blocks whose dS the dk/dv pass did not keep are never read
-            o, lse = at.forward(q, k, v, causal, 0.125, c)
-            nan = atb._backward_ds(do, q, k, v, o, lse, causal, 0.125, c, chunk=1,
-                                   ds=torch.full((2, S, L), float("nan"), dtype=dt))
-            res[f"{name}/{tag}"]["poison_unread"] = all(beq(a, b) for a, b in zip(nan, full[1:]))
-print("RESULT", json.dumps(res))
+def run(mode):
+    global atb
+    atb = shipped_atb
+    if mode == "no-delta":  # a negative control: the fused launch without its delta pass (a copy)
+        atb = patched(atb, "delta = delta_pass(do, o, cfg)  # complete before", "delta = torch.zeros_like(lse)  #",
+                      "atb_nodelta")
+    if mode == "mix-reads-all":  # a negative control: dq reads dS where the dk/dv pass kept none (the
+        # shipped module's own kernel replaced: the last mode of a process)
+        from tpdiag.kernels import attention_triton_bwd_programs as programs
+        atb._dq_mix_kernel = patched(programs, "if (start_n // KV_N) % EVERY == 0:", "if True:",
+                                     "programs_mixall")._dq_mix_kernel
+    g = torch.Generator().manual_seed(0)  # each mode's first case draws what it drew in a process of its own
+    res = {}
+    picked = {"no-delta": cases[1:2], "mix-reads-all": cases[3:]}.get(mode, cases)
+    for name, dt, L, S, causal, cfg, tags in picked:
+        D = 64 if cfg is d64 else 16
+        q, do = (torch.randn(2, 4, L, D, generator=g).to(dt) for _ in range(2))
+        k, v = (torch.randn(2, 2, S, D, generator=g).to(dt) for _ in range(2))
+        two = both(q, k, v, do, causal, replace(cfg, bwd_fused=False))  # the shipped D=64 entry is fused
+        for tag in tags:
+            c = replace(cfg, **variants[tag])
+            full = two if tag == "two-launch" else both(q, k, v, do, causal, c)
+            half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, c)
+            one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
+            res[f"{name}/{tag}"] = {
+                "same_as_two_launch": [beq(a, b) for a, b in zip(full, two)],
+                "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:],
+                                                              full[3][:, 1:]))),
+                "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
+                "repro": all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full))}
+            if c.ds_every:  # the key blocks whose dS the dk/dv pass did not keep are never read
+                o, lse = at.forward(q, k, v, causal, 0.125, c)
+                nan = atb._backward_ds(do, q, k, v, o, lse, causal, 0.125, c, chunk=1,
+                                       ds=torch.full((2, S, L), float("nan"), dtype=dt))
+                res[f"{name}/{tag}"]["poison_unread"] = all(beq(a, b) for a, b in zip(nan, full[1:]))
+    return res
+modes = sys.argv[1].split(",")
+assert "mix-reads-all" not in modes[:-1], modes
+print("RESULT", json.dumps({m: run(m) for m in modes}))
 """
 
 
-def _script(mode):
+def _script(*modes):
+    """{mode: its results}, the modes in ONE interpreter (its torch and Triton imports once; the
+    negative controls patch a copy of the module, or, last, the shipped module's one kernel)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(modes)], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.split("RESULT", 1)[1])
 
 
 def test_fused_and_mixed_backwards_give_the_two_launch_bits_and_stay_invariant():
-    res = _script("shipped")
+    runs = _script("shipped", "no-delta", "mix-reads-all")
+    res = runs["shipped"]
     assert len(res) == 6
     for case, r in res.items():
         assert r["heads"] and r["batch"] and r["repro"], (case, r)  # TP head slices, batch rows, reruns
@@ -87,10 +97,10 @@ def test_fused_and_mixed_backwards_give_the_two_launch_bits_and_stay_invariant()
         assert r.get("poison_unread", True), (case, r)
     assert "poison_unread" in res["stored-bf16-causal/mix-2"]
     # negative control: without its delta pass the fused launch's dk is other bits (the check reads them)
-    bad = _script("no-delta")
+    bad = runs["no-delta"]
     assert not bad["small-fp32-causal-L<S/fused-groups-tma"]["same_as_two_launch"][2], bad
     # and dq reading every block's dS, kept or not, reads the NaN poison the dk/dv pass left
-    bad = _script("mix-reads-all")
+    bad = runs["mix-reads-all"]
     assert not any(r["poison_unread"] for r in bad.values()), bad
 
 
