@@ -81,19 +81,21 @@ def interpreter_result(script: str, *args: str, unset=(), cwd=None, timeout=300)
     return json.loads(line[len("RESULT "):])
 
 
-def run_cli(*args, env=None, timeout=600):
+def run_cli(*args, env=None, timeout=600, cwd=None):
     """Run the real console entry point in a process of its own (as a user would): forked from
     cli_zygote's server, which has imported torch once, or a fresh `python -m tpdiag.cli` where
-    that server cannot stand in for one (cli_zygote.py says when)."""
+    that server cannot stand in for one (cli_zygote.py says when). cwd: its working directory
+    (the repository root unless given)."""
     e = dict(os.environ)
     e.update(env or {})
     e.setdefault("COLUMNS", "160")
+    cwd = str(cwd) if cwd is not None else ROOT
     z = _zygote(e)
     if z is None:
         return subprocess.run([sys.executable, "-m", "tpdiag.cli", *args], capture_output=True, text=True,
-                              env=e, timeout=timeout, cwd=ROOT)
+                              env=e, timeout=timeout, cwd=cwd)
     try:
-        return z.run(list(args), e, ROOT, timeout)
+        return z.run(list(args), e, cwd, timeout)
     finally:
         _ZYGOTE_LOCK.release()
 
