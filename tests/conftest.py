@@ -81,19 +81,21 @@ def interpreter_result(script: str, *args: str, unset=(), cwd=None, timeout=300)
     return json.loads(line[len("RESULT "):])
 
 
-def run_cli(*args, env=None, timeout=600):
+def run_cli(*args, env=None, timeout=600, cwd=None):
     """Run the real console entry point in a process of its own (as a user would): forked from
     cli_zygote's server, which has imported torch once, or a fresh `python -m tpdiag.cli` where
-    that server cannot stand in for one (cli_zygote.py says when)."""
+    that server cannot stand in for one (cli_zygote.py says when). cwd: its working directory
+    (the repository root unless given)."""
     e = dict(os.environ)
     e.update(env or {})
     e.setdefault("COLUMNS", "160")
+    cwd = str(cwd) if cwd is not None else ROOT
     z = _zygote(e)
     if z is None:
         return subprocess.run([sys.executable, "-m", "tpdiag.cli", *args], capture_output=True, text=True,
-                              env=e, timeout=timeout, cwd=ROOT)
+                              env=e, timeout=timeout, cwd=cwd)
     try:
-        return z.run(list(args), e, ROOT, timeout)
+        return z.run(list(args), e, cwd, timeout)
     finally:
         _ZYGOTE_LOCK.release()
 
@@ -233,11 +235,11 @@ FILE_SECONDS = {
     # the README's command (-n 2, this order) at 170f498, per test from the worker's cgroup; files
     # whose session runs (conftest.shared_run) they made first carry those runs
     "test_hash_capture.py": 102, "test_faults_more.py": 69, "test_hf_archs_rl.py": 50, "test_moe_fixes.py": 49, "test_capture.py": 43,
-    "test_fixes.py": 43, "test_op_level.py": 42, "test_tamper_numbers.py": 40, "test_attention_fused.py": 38, "test_fuzz.py": 37,
+    "test_fixes.py": 37, "test_op_level.py": 41, "test_tamper_numbers.py": 40, "test_attention_fused.py": 36, "test_fuzz.py": 37,
     "test_diagnosis.py": 35, "test_planted.py": 35, "test_doc_blocks.py": 32, "test_failclosed_hostile.py": 32, "test_failclosed.py": 31,
-    "test_invariant_attention.py": 31, "test_hf_fixes.py": 30, "test_hf_plans.py": 30, "test_matrix.py": 30, "test_tree_triton.py": 29,
-    "test_micro_batch.py": 28, "test_hf_zoo.py": 26, "test_hash_batch.py": 25, "test_rollout_lanes.py": 25, "test_tp_gathers.py": 23,
-    "test_capture_exit.py": 22, "test_benchmarks.py": 20, "test_decode_compare.py": 20, "test_py_target.py": 19, "test_accumulate_gpt2.py": 18,
+    "test_invariant_attention.py": 28, "test_hf_fixes.py": 30, "test_hf_plans.py": 30, "test_matrix.py": 30, "test_tree_triton.py": 29,
+    "test_micro_batch.py": 28, "test_hf_zoo.py": 26, "test_hash_batch.py": 24, "test_rollout_lanes.py": 25, "test_tp_gathers.py": 23,
+    "test_capture_exit.py": 22, "test_benchmarks.py": 20, "test_decode_compare.py": 20, "test_py_target.py": 7, "test_accumulate_gpt2.py": 18,
     "test_invariant_gemm.py": 18, "test_rl_axes.py": 18, "test_hf.py": 17, "test_load_dtype.py": 17, "test_public_api.py": 17,
     "test_behind.py": 14, "test_diff_runs.py": 13, "test_failclosed_copies.py": 13, "test_import_rules.py": 13, "test_user_models.py": 12,
     "test_sequence_parallel.py": 11, "test_forward_code.py": 10, "test_micro_batch_carry.py": 10, "test_report.py": 10, "test_timing.py": 10,
@@ -268,7 +270,7 @@ FILE_SECONDS = {
     "test_vocab_ce_memory.py": 1, "test_zoo_causes.py": 1,
     # earlier sessions' figures (not measured again: the files the run above had not reached)
     "test_compare_eager.py": 20, "test_decode_sliding_window.py": 20, "test_readme_output.py": 20, "test_rollout_tp_bug.py": 20, "test_configs.py": 19,
-    "test_rollout_static_cache.py": 19, "test_failclosed_confirmation.py": 16, "test_sdpa_refused.py": 16, "test_decode.py": 15, "test_decode_prefix.py": 15,
+    "test_rollout_static_cache.py": 19, "test_failclosed_confirmation.py": 9, "test_sdpa_refused.py": 16, "test_decode.py": 15, "test_decode_prefix.py": 15,
     "test_grad_norm_dist.py": 15, "test_rollout_early.py": 15, "test_rollout_processed.py": 15, "test_rollout_rl_team.py": 15, "test_vocab_loss.py": 15,
     "test_failclosed_inputs.py": 14, "test_parallel_code.py": 14, "test_random_op.py": 14, "test_rollout_py_user.py": 14, "test_failclosed_versions.py": 13,
     "test_hf_sharded_head.py": 13, "test_prestart.py": 13, "test_linear_subclass_fix.py": 12, "test_rollout_engine.py": 12, "test_steps.py": 12,
@@ -283,6 +285,12 @@ FILE_SECONDS = {
     # session 14 (helper hci14): new files, `pytest -n 0 FILE` in a cpuacct cgroup less pytest's own
     # start (10.8 CPU s with the server's imports): three 2-rank gloo worlds, and no world
     "test_meta_memo.py": 3, "test_float64_args.py": 1,
+    # session 15 (helper hci15): each figure above that this session's cuts changed, less what was
+    # measured gone (cpuacct cgroup, `pytest -n 0`, old and new back to back: docs/suite-time.md) -
+    # test_fixes, test_op_level, test_attention_fused, test_invariant_attention, test_hash_batch,
+    # test_failclosed_confirmation, test_py_target (as on CI, no PYTHONPATH); and a file that had none
+    # (its compare now conftest.moe_accum_run, which test_oracle_factories, listed first, makes)
+    "test_tamper_labels.py": 8,
 }
 
 
@@ -485,6 +493,20 @@ def fixall12_run(tmp_path_factory):
     (its verdict): each file ran the same compare of its own."""
     return shared_run(tmp_path_factory, "fixall12", _compare_into("--tp", "1,2", "--fix", "all", "--no-confirm",
                                                                   "--no-baseline"))
+
+
+@pytest.fixture(scope="session")
+def moe_accum_run(tmp_path_factory):
+    """ONE default-flow compare (no rerun, no confirmation) of tests/models/planted/moe_accum.py:local_index
+    at TP=1,2: (run directory, the human summary it printed). test_oracle_factories reads its verdict and
+    its first line, test_tamper_labels edits copies - each file ran the same compare of its own."""
+    def make(out):
+        p = run_cli("compare", "--model", "py:tests/models/planted/moe_accum.py:local_index", "--tp", "1,2",
+                    "--no-confirm", "--no-baseline", "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+        (out.parent / "compare.stdout").write_text(p.stdout)  # beside the run: a reader's copy holds none
+    out = shared_run(tmp_path_factory, "moe-accum-local", make)
+    return out, (out.parent / "compare.stdout").read_text()
 
 
 # tiny-llama at TP=1, micro-batch 4 against 1 (float32; test_micro_batch's TINY shapes)

@@ -55,6 +55,16 @@ def confirmed(tmp_path_factory):
     return out
 
 
+def _this_checkout_from(cwd) -> dict | None:
+    """None where a process started in `cwd` with this environment imports this checkout's tpdiag,
+    else the PYTHONPATH that makes it (find_spec: the package located, not imported)."""
+    code = "import importlib.util as u; s = u.find_spec('tpdiag'); print(s.origin if s else '')"
+    p = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=60)
+    if p.stdout.strip() and os.path.samefile(p.stdout.strip(), os.path.join(ROOT, "tpdiag", "__init__.py")):
+        return None
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 @pytest.fixture(scope="module")
 def reconfirmed(confirmed, tmp_path_factory):
     """A copy of the run moved elsewhere, its confirmation run again there by `tpdiag confirm` (a relative
@@ -65,9 +75,10 @@ def reconfirmed(confirmed, tmp_path_factory):
     s = json.loads((base / "moved" / "summary.json").read_text())
     s["degrees"]["2"]["confirmation"] = None
     (base / "moved" / "summary.json").write_text(json.dumps(s))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-m", "tpdiag.cli", "confirm", "moved"], capture_output=True, text=True,
-                       cwd=base, env=env, timeout=600)
+    # from the moved run's parent: through the tests' CLI server where a process started there imports
+    # this checkout's tpdiag as it is (PYTHONPATH, an editable install), else a fresh interpreter given
+    # PYTHONPATH=ROOT (a start-up variable of its own)
+    p = run_cli("confirm", "moved", cwd=base, env=_this_checkout_from(base))
     assert p.returncode == 0, p.stderr[-3000:]
     return base / "moved"
 

@@ -454,45 +454,39 @@ def test_cause_labels():
     assert fix_for_cause("attention-kernel") == "invariant-attention"
 
 
-DTENSOR_SCRIPT = r"""
-import os, torch, torch.distributed as dist, torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from tpdiag.errors import BadInput
-from tpdiag.fixes.attention import invariant_attention
-from tpdiag.kernels.attention import invariant_sdpa
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
-dist.init_process_group("gloo", rank=0, world_size=1)
-mesh = init_device_mesh("cpu", (1,))
-q, k, v = (torch.randn(2, 4, 8, 8) for _ in range(3))
-ref = invariant_sdpa(q, k, v, is_causal=True)
-ok = True
-with invariant_attention():
-    for pl in ([Shard(1)], [Replicate()]):
-        dq, dk, dv = (DTensor.from_local(t, mesh, pl) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
-        ok = ok and isinstance(o, DTensor) and tuple(o.placements) == tuple(pl) and torch.equal(o.to_local(), ref)
-    try:
-        F.scaled_dot_product_attention(DTensor.from_local(q, mesh, [Shard(2)]), DTensor.from_local(k, mesh, [Shard(2)]),
-                                       DTensor.from_local(v, mesh, [Shard(2)]), is_causal=True)
-        ok = False
-    except BadInput as e:
-        ok = ok and "placements" in str(e)
-dist.destroy_process_group()
-print("RESULT", ok)
-"""
+def _dtensor_worker(rank, world, port, q):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    q_, k, v = (torch.randn(2, 4, 8, 8) for _ in range(3))
+    ref = invariant_sdpa(q_, k, v, is_causal=True)
+    ok = True
+    with invariant_attention():
+        for pl in ([Shard(1)], [Replicate()]):
+            dq, dk, dv = (DTensor.from_local(t, mesh, pl) for t in (q_, k, v))
+            o = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+            ok = ok and isinstance(o, DTensor) and tuple(o.placements) == tuple(pl) and torch.equal(o.to_local(), ref)
+        try:
+            F.scaled_dot_product_attention(DTensor.from_local(q_, mesh, [Shard(2)]),
+                                           DTensor.from_local(k, mesh, [Shard(2)]),
+                                           DTensor.from_local(v, mesh, [Shard(2)]), is_causal=True)
+            ok = False
+        except BadInput as e:
+            ok = ok and "placements" in str(e)
+    dist.destroy_process_group()
+    q.put(ok)
 
 
 def test_dtensor_inputs_run_on_local_shards():
-    import socket
+    # a one-rank gloo world forked from conftest's fork server (torch imported once), not a fresh
+    # interpreter of its own: what is checked is the fix on DTensor inputs, not a process start
+    from conftest import gloo_world
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=ROOT, PORT=str(port))
-    p = subprocess.run([sys.executable, "-c", DTENSOR_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
-    assert "RESULT True" in p.stdout, (p.stdout[-1000:], p.stderr[-2000:])
+    assert gloo_world(_dtensor_worker, 1, timeout=120) is True
 
 
 def test_fully_masked_query_rows_are_zero_like_torch_not_nan():

@@ -8,8 +8,6 @@ import json
 
 import torch
 
-from conftest import run_cli
-
 
 def test_a_module_own_accumulator_is_filled_in_float64():
     from tpdiag.probes.float64 import module_oracle
@@ -31,18 +29,15 @@ def test_a_module_own_accumulator_is_filled_in_float64():
     assert out.dtype == torch.float64 and torch.equal(out, want)
 
 
-def test_an_moe_accumulating_in_place_is_judged_at_the_moe(tmp_path):
+def test_an_moe_accumulating_in_place_is_judged_at_the_moe(moe_accum_run):
     """moe_accum.py:local_index (the experts indexed by the rank's LOCAL number): on 2d251fd the MoE's
     float64 re-execution was refused (index_add_ on its own float32 accumulator), its output's cause
     `unknown`, the BUG named downstream at the router's output grad; now a BUG at the MoE itself."""
     from tpdiag.diff.classes import leading_bug
 
-    d = tmp_path / "r"
-    p = run_cli("compare", "--model", "py:tests/models/planted/moe_accum.py:local_index", "--tp", "1,2",
-                "--no-confirm", "--no-baseline", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    d, stdout = moe_accum_run  # the compare, shared with test_tamper_labels (conftest)
     e = json.loads((d / "summary.json").read_text())["degrees"]["2"]
     fd = e["first_divergence"]
     assert (fd["key"], fd["cause"]) == ("s0/forward/moe/out#0/0", "sharding-bug") and fd["oracle"]["far"], fd
     assert leading_bug(e)["key"] == fd["key"]
-    assert "BUG" in p.stdout.splitlines()[0] and "writes state" not in p.stdout, p.stdout[-2000:]
+    assert "BUG" in stdout.splitlines()[0] and "writes state" not in stdout, stdout[-2000:]

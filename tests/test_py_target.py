@@ -53,15 +53,17 @@ def test_custom_inputs_and_loss_are_used(run):
 
 def test_py_file_imports_a_module_beside_it(tmp_path):
     # The example's model moves into a module beside the file the spec names, as a user splits
-    # a project; neither the CLI nor the rank processes get PYTHONPATH for it (cwd is the repo).
+    # a project; neither the CLI nor the rank processes get PYTHONPATH for it (cwd is the repo; the
+    # session's own environment, through the tests' CLI server: PYTHONPATH=ROOT set here, where the
+    # session has none, as on CI, was a start-up variable of its own - a fresh interpreter).
     import shutil
 
     shutil.copy(EXAMPLE, tmp_path / "beside_parts_41.py")
     (tmp_path / "entry.py").write_text("from beside_parts_41 import target\n")
     out = tmp_path / "run"
     p = run_cli("compare", "--model", f"py:{tmp_path / 'entry.py'}:target", "--tp", "1,2", "--out", str(out),
-                "--forward-only", "--no-confirm", "--no-baseline", "--no-judge-downstream", "--format", "json",
-                env={"PYTHONPATH": ROOT})  # the import and the first divergence, nothing past it
+                "--forward-only", "--no-confirm", "--no-baseline", "--no-judge-downstream", "--format", "json")
+    # (the import and the first divergence, nothing past it)
     assert p.returncode == 0, p.stderr + p.stdout
     fd = json.loads(p.stdout)["degrees"]["2"]["first_divergence"]
     assert fd["module"] == "blocks.0.fc2" and fd["cause"] == "row-parallel-reduction", fd
@@ -70,7 +72,7 @@ def test_py_file_imports_a_module_beside_it(tmp_path):
 def test_py_import_failure_names_the_module_and_what_to_do(tmp_path):
     (tmp_path / "errs.py").write_text("import buggy_ln_41_missing\n\ndef just_model():\n    pass\n")
     p = run_cli("compare", "--model", f"py:{tmp_path / 'errs.py'}:just_model", "--tp", "1,2",
-                "--out", str(tmp_path / "run"), env={"PYTHONPATH": ROOT}, timeout=120)
+                "--out", str(tmp_path / "run"), timeout=120)  # the session's environment, as above
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr + p.stdout
     msg = lines[0]

@@ -29,11 +29,8 @@ FD = "s0/forward/moe/out#0/0"
 
 
 @pytest.fixture(scope="module")
-def moe_bug(tmp_path_factory):
-    out = tmp_path_factory.mktemp("labels") / "run"
-    p = run_cli("compare", "--model", "py:tests/models/planted/moe_accum.py:local_index", "--tp", "1,2",
-                "--no-confirm", "--no-baseline", "--format", "json", "--out", str(out), env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:]
+def moe_bug(moe_accum_run):
+    out = moe_accum_run[0]  # the compare, shared with test_oracle_factories (conftest); edited as copies
     fd = json.loads((out / "summary.json").read_text())["degrees"]["2"]["first_divergence"]
     assert (fd["key"], fd["cause"]) == (FD, "sharding-bug") and fd["oracle"]["far"], fd
     return out

@@ -219,6 +219,22 @@ def _pieces(n: int, chunk: int) -> list[tuple[int, int]]:
 _UNSIGNED = {1: "uint8", 2: "uint16", 4: "uint32"}
 
 
+_JC2: list = []  # [the uint32 table j * C2 mod 2**32, j < its length]: read-only, grown on demand
+
+
+def _index_term(m: int):
+    """j * C2 mod 2**32 for j < m (uint32, read-only): the index half of every word's hash at slab
+    offset 0. Made once a process instead of an arange and two passes a record (np.arange alone
+    was ~40% of a small record's check, and a compare's parent checks hundreds)."""
+    import numpy as np
+
+    if not _JC2 or len(_JC2[0]) < m:
+        t = (np.arange(max(m, CHUNK), dtype=np.uint64) * np.uint64(C2)).astype(np.uint32)  # & M32
+        t.flags.writeable = False
+        _JC2[:] = [t]
+    return _JC2[0]
+
+
 def _lanes_numpy(v: torch.Tensor, slab_n: int, fb: int, ob: int, one_slab: bool, mix: int,
                  chunk: int) -> tuple[int, int]:
     """lanes_fast's loop in numpy uint32 arithmetic, where products and sums wrap mod 2**32 as
@@ -230,19 +246,24 @@ def _lanes_numpy(v: torch.Tensor, slab_n: int, fb: int, ob: int, one_slab: bool,
     n = raw.size
     u32 = np.uint32
     c1, c2 = u32(C1), u32(C2)
-    j = np.arange(chunk, dtype=np.uint64)
+    jc2 = _index_term(chunk) if one_slab else None
+    j = None if one_slab else np.arange(chunk, dtype=np.uint64)
     la = lb = 0
     for s in range(0, n, chunk):
         m = min(n, s + chunk) - s
         y = raw[s:s + m].astype(u32)
         y *= c1
         if one_slab:
-            k = (j[:m] + u32((ob + s) & M32)).astype(u32)  # wraps mod 2**32 (k & M32)
+            # (j + base) * C2 = j * C2 + base * C2 mod 2**32: the table's j * C2, then the base's
+            y += jc2[:m]
+            base = (((ob + s) & M32) * C2) & M32
+            if base:
+                y += u32(base)
         else:
             g = j[:m] + np.uint64(s)
             k = ((g // np.uint64(slab_n)) * np.uint64(fb) + np.uint64(ob) + g % np.uint64(slab_n)).astype(u32)
-        k *= c2
-        y += k
+            k *= c2
+            y += k
         if mix == 2:
             x = y ^ ((y << u32(R1)) | (y >> u32(32 - R1)))
             x ^= (y << u32(R2)) | (y >> u32(32 - R2))
