@@ -50,6 +50,14 @@ def _in_unprobed_code(summary: dict) -> bool:
                for d in entries(summary).values())
 
 
+def _unjudged_capture(summary: dict) -> str | None:
+    from tpdiag.records.axes import entries
+
+    return next((d["unjudged_capture"]["why"] for d in entries(summary).values()
+                 if isinstance(d, dict) and isinstance(d.get("unjudged_capture"), dict)
+                 and d["unjudged_capture"].get("why")), None)
+
+
 def _what_to_do(summary: dict) -> str | None:
     c = summary.get("class")
     if summary.get("status") != "divergent" or not c:
@@ -64,6 +72,10 @@ def _what_to_do(summary: dict) -> str | None:
         if summary.get("fix_chain"):
             return ("the fixes did not remove every difference and nothing could judge what is left "
                     f"(the last fix chain round above); `tpdiag report {run}` shows the values")
+        unjudged = _unjudged_capture(summary)
+        if unjudged:
+            # the reference capture re-executed nothing in float64 there: the call that judges it
+            return unjudged + f"; `tpdiag report {run}` shows its values"
         if summary.get("source") == "capture" and _in_unprobed_code(summary):
             # a capture records module boundaries only: the user's next step is to give that code
             # a boundary, or to let compare's second pass record it op by op
