@@ -58,6 +58,23 @@ def _unjudged_capture(summary: dict) -> str | None:
                  and d["unjudged_capture"].get("why")), None)
 
 
+def _fix_left_it(summary: dict) -> list[str]:
+    """The fixes whose confirmation left every divergent degree's first divergence on the same
+    record (not-confirmed, nothing moved); empty where any degree has no such confirmation."""
+    from tpdiag.records.axes import entries
+
+    fixes = set()
+    for d in entries(summary).values():
+        if not isinstance(d, dict) or d.get("status") != "divergent":
+            continue
+        c, key = d.get("confirmation") or {}, (d.get("first_divergence") or {}).get("key")
+        if c.get("verdict") != "not-confirmed" or not c.get("fix") or not key \
+                or (c.get("first_divergence_after") or {}).get("key") != key:
+            return []
+        fixes.add(c["fix"])
+    return sorted(fixes)
+
+
 def _what_to_do(summary: dict) -> str | None:
     c = summary.get("class")
     if summary.get("status") != "divergent" or not c:
@@ -122,6 +139,12 @@ def _what_to_do(summary: dict) -> str | None:
         return (f"nothing is wrong: the difference is rounding only. Its cause's fix ({', '.join(on)}) was "
                 "already on and did not remove it: this module is not one the fix covers (docs/models.md), "
                 "so `--fix auto` would not remove it either")
+    stuck = _fix_left_it(summary)
+    if stuck:
+        # its cause's fix ran and left that very record as it was: --fix auto would rerun the same
+        return (f"nothing is wrong: the difference is rounding only. Its cause's fix ({', '.join(stuck)}) did "
+                "not remove it (the confirmation above: the first divergence stayed where it was), so "
+                "`--fix auto` would not remove it either")
     if all(config_name(lab) == f"TP={lab}" for lab in entries(summary)):
         return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
                 "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")
