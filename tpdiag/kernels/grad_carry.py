@@ -87,9 +87,15 @@ def site(param: torch.Tensor, name: str, finish: Optional[Callable] = None) -> O
     for it, so such a hook was called with None (a hand-written TP model's grad all-reduce on a
     replicated weight crashed in tpdiag's confirmation rerun, tests/models/planted/
     context_parallel.py:cp_offset), and a hook that changes the grad was skipped - the carry reached
-    .grad without it. Such a parameter keeps the stock grad, which its hooks see and change."""
+    .grad without it. Such a parameter keeps the stock grad, which its hooks see and change.
+    Likewise a weight computed in the forward (a parametrization - `parametrize.
+    register_parametrization`, `weight_norm` -, an older weight_norm's forward pre-hook): no leaf,
+    its carry went into the .grad of a tensor no optimizer holds, and the parameters it is made from
+    got NO grad (red team hred15: `parametrizations.weight.original.grad` None under invariant-gemm).
+    It keeps the stock grad, which autograd takes through the parametrization to its leaves; like a
+    hooked one, it is then not carried (accumulate_grads names it: NotCarried)."""
     w = current()
-    if w is None or getattr(param, "_backward_hooks", None):
+    if w is None or getattr(param, "_backward_hooks", None) or not param.is_leaf:
         return None
     return w.site(param, name, finish)
 
