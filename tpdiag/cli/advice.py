@@ -58,6 +58,25 @@ def _unjudged_capture(summary: dict) -> str | None:
                  and d["unjudged_capture"].get("why")), None)
 
 
+def _stock_grad(summary: dict) -> str | None:
+    """The weight (module.name) of a divergent degree's first divergence, a weight grad, that the
+    fixes' carry left the stock grad (summary.json not_carried), else None."""
+    from tpdiag.records.axes import entries
+
+    for d in entries(summary).values():
+        fd = (d or {}).get("first_divergence") or {} if isinstance(d, dict) else {}
+        if fd.get("kind") == "param_grad" and f"{fd.get('module')}.{fd.get('name')}" in (d.get("not_carried") or {}):
+            return f"{fd['module']}.{fd['name']}"
+    return None
+
+
+def _stock_why(summary: dict, weight: str) -> str:
+    from tpdiag.records.axes import entries
+
+    return next(d["not_carried"][weight] for d in entries(summary).values()
+                if isinstance(d, dict) and weight in (d.get("not_carried") or {}))
+
+
 def _fix_left_it(summary: dict) -> list[str]:
     """The fixes whose confirmation left every divergent degree's first divergence on the same
     record (not-confirmed, nothing moved); empty where any degree has no such confirmation."""
@@ -135,6 +154,12 @@ def _what_to_do(summary: dict) -> str | None:
     on = _ran_with_its_fix(summary, confirmations)
     if on or confirmations and all(str(c.get("reason", "")).endswith("was already on") for c in confirmations):
         on = on or sorted({c["fix"] for c in confirmations if c.get("fix")})
+        kept = _stock_grad(summary)
+        if kept:
+            # the carry left that weight the stock grad (kernels/grad_carry.site): no fix reaches it
+            return (f"nothing is wrong: the difference is rounding only. The fixes ({', '.join(on)}) were on, but "
+                    f"{kept} kept the stock grad ({_stock_why(summary, kept)}), which no fix makes "
+                    "TP-invariant, so `--fix auto` would not remove it either")
         # --fix auto reruns with the fixes the cause names: they were on, so it would change nothing
         return (f"nothing is wrong: the difference is rounding only. Its cause's fix ({', '.join(on)}) was "
                 "already on and did not remove it: this module is not one the fix covers (docs/models.md), "
