@@ -56,6 +56,9 @@ def test_capture_with_oracle_names_the_bug(caps, tmp_path):
     assert "unjudged_capture" not in s["degrees"]["2"]
     assert "BUG" in text.splitlines()[0]
     assert g.returncode == 4, g.stdout + g.stderr
+    f = run_cli("diff", str(caps / "tp1" / "bug-oracle"), str(caps / "tp2" / "bug-oracle"), "--out",
+                str(tmp_path / "f"), "--fail-on-divergence")
+    assert f.returncode == 4, f.stdout + f.stderr
 
 
 def test_oracle_on_the_reference_alone_is_enough(caps, tmp_path):
@@ -75,6 +78,10 @@ def test_capture_without_oracle_fails_closed_naming_the_call(caps, tmp_path):
     # inconclusive (2), never the plain divergence exit (1) that read as "not a bug"
     assert g.returncode == 2, g.stdout + g.stderr
     assert call in g.stdout
+    # `tpdiag diff --fail-on-divergence` exits as the gate does
+    f = run_cli("diff", str(caps / "tp1" / "bug"), str(caps / "tp2" / "bug"), "--out", str(tmp_path / "f"),
+                "--fail-on-divergence")
+    assert f.returncode == 2 and call in f.stderr, f.stdout + f.stderr
     # a policy that allows `unknown` by name is the user's say: the plain policy verdict
     g = run_cli("gate", str(tmp_path / "d-bug-bug"), "--allow", "unknown")
     assert g.returncode in (0, 1), g.stdout + g.stderr
