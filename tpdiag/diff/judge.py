@@ -182,7 +182,8 @@ RULES: list[Rule] = [
     # (planted sp_loss_mean.py:sp_token_mean - each rank's token sum, all-reduced - read
     # vocab-parallel-softmax, whose fix never confirmed: nothing of the vocab is split)
     Rule("a loss from whole, equal logits",
-         lambda ev, b: layout_cause(ev.row) == "vocab-parallel-softmax" and bool(_row(ev, "logits_whole")),
+         lambda ev, b: (ev.axis == "tp" and layout_cause(ev.row) == "vocab-parallel-softmax"
+                        and bool(_row(ev, "logits_whole"))),
          lambda ev, b: "row-parallel-reduction", lambda ev, b: WHY_LOSS_REDUCED),
     Rule("layout names the reordering", lambda ev, b: layout_cause(ev.row) is not None,
          lambda ev, b: layout_cause(ev.row)),
