@@ -33,3 +33,14 @@ def test_correct_models_read_rounding(runs, case):
     assert s["class"] in ("rounding", "identical") and gate in (0, 1), s["degrees"]["2"]
     assert not s["degrees"]["2"].get("findings"), s["degrees"]["2"].get("findings")
     assert "BUG" not in stdout
+
+
+def test_a_loss_over_whole_logits_is_not_named_a_vocab_parallel_softmax(runs):
+    """sp_token_mean's logits are whole on every rank and bitwise equal; its loss moves 2 ULP because the
+    loss function all-reduces the ranks' token sums. It read `vocab-parallel-softmax` (hred15): nothing
+    of the vocab is split, and that fix never confirmed. The cause is the loss's own cross-rank sum."""
+    s, stdout, gate = runs["sp_token_mean"]
+    fd = s["degrees"]["2"]["first_divergence"]
+    assert (fd["phase"], fd["kind"]) == ("loss", "loss") and 0 < fd["max_abs"] <= fd["bound"], fd
+    assert fd["cause"] == "row-parallel-reduction", fd
+    assert "whole on every rank" in stdout and "vocab-parallel-softmax" not in stdout

@@ -40,7 +40,7 @@ from tpdiag.records.paths import MANIFEST  # noqa: E402,F401 - a capture's manif
 def capture(model: torch.nn.Module, out: str, plan: dict | None = None,
             layouts: dict[str, str] | None = None, *, group=None, seed: int | None = None,
             modules: list[str] | None = None, backward: bool = True,
-            params: bool = True) -> "Capture":
+            params: bool = True, oracle: bool | list[str] | None = None) -> "Capture":
     """Record `model` while the `with` block runs; write the capture to `out` on exit.
 
     plan     {fqn glob: ParallelStyle or style name ('colwise', 'rowwise', transformers'
@@ -52,14 +52,21 @@ def capture(model: torch.nn.Module, out: str, plan: dict | None = None,
              the TP group that holds global rank 0 records; other ranks run unprobed.
     seed     the seed your weights and batch came from (checked by `tpdiag diff`).
     modules  globs of module names to probe (default: all); params: record parameters.
+    oracle   True, or globs of module names: each call of those modules is also re-executed in
+             float64 from its own inputs (as compare's second pass does), so that `tpdiag diff`
+             can tell a wrong result from rounding where no layout bound judges the first
+             divergence (a module's own forward code: a norm, attention, hand-written
+             collectives). Read from the reference capture (RUN_A) only; it costs a float64
+             forward and backward per call of each module named. Without it such a first
+             divergence is not judged and `tpdiag gate` exits 2 naming the module to pass here.
     """
     return Capture(model, out, plan=plan, layouts=layouts, group=group, seed=seed,
-                   modules=modules, backward=backward, params=params)
+                   modules=modules, backward=backward, params=params, oracle=oracle)
 
 
 class Capture:
     def __init__(self, model, out, *, plan=None, layouts=None, group=None, seed=None,
-                 modules=None, backward=True, params=True):
+                 modules=None, backward=True, params=True, oracle=None):
         if not isinstance(model, torch.nn.Module):
             raise BadInput(f"capture(model=...): expected a torch.nn.Module, got {type(model).__name__}")
         if not out:
@@ -71,6 +78,7 @@ class Capture:
         self.group = group_of(group)
         self.seed, self.backward, self.with_params = seed, backward, params
         self.module_globs = list(modules) if modules else None
+        self.oracle_globs = _oracle_globs(oracle)
         self.rec = None
         self._stack: ExitStack | None = None
         self.active = False
@@ -122,8 +130,18 @@ class Capture:
         self.t0 = time.perf_counter()
         self._stack = ExitStack()
         include = included(self.model, self.module_globs)
+        oracle = None
+        if self.oracle_globs:
+            # the modules re-executed in float64, among those probed (an oracle record beside no
+            # recorded output would judge nothing)
+            oracle = included(self.model, self.oracle_globs)
+            if not oracle:
+                raise BadInput(f"capture(oracle={self.oracle_globs!r}): matches no module of the captured "
+                               f"{type(self.model).__name__} (names as model.named_modules() gives them)")
+            oracle = oracle & include if include is not None else oracle
         self._stack.enter_context(module_probes(self.model, self.rec, plan=self.plan,
-                                                backward=self.backward, include=include))
+                                                backward=self.backward, include=include,
+                                                oracle=oracle or None))
         if self.with_params:
             record_params(self.rec, self.model, "param_init", self.plan)
         self.rec.phase = "forward"
@@ -264,7 +282,7 @@ class Capture:
 
     def _config(self) -> dict:
         return {"seed": self.seed, "backward": self.backward, "params": self.with_params,
-                "modules": self.module_globs, "steps": self.rec.step + 1}
+                "modules": self.module_globs, "steps": self.rec.step + 1, "oracle": self.oracle_globs}
 
     def _manifest(self, backend, device, timings) -> dict:
         import torch.distributed as dist
@@ -286,6 +304,18 @@ class Capture:
             "env": numerics_env(), "timings": timings, "argv": sys.argv,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+
+
+def _oracle_globs(oracle) -> list[str] | None:
+    if oracle is None or oracle is False:
+        return None
+    if oracle is True:
+        return ["*"]
+    if isinstance(oracle, str):
+        oracle = [oracle]
+    if not isinstance(oracle, (list, tuple)) or not all(isinstance(g, str) and g for g in oracle):
+        raise BadInput(f"capture(oracle=...): expected True or a list of module-name globs, got {oracle!r}")
+    return list(oracle) or None
 
 
 class _CallableModule(types.ModuleType):

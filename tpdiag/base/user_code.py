@@ -11,6 +11,8 @@ import sys
 import sysconfig
 
 _INTERNAL: list = []
+_LIBS: list = []  # tpdiag's, torch's, transformers' own directories: internal wherever they sit
+_SITE: list = []  # the installed packages' directories (site-packages): the user's, unless a lib above
 _SEEN: dict = {}  # co_filename -> internal? (a walk per recorded op must not resolve paths again)
 
 
@@ -29,12 +31,29 @@ def internal_dirs() -> list[str]:
                 dirs.append(os.path.dirname(spec.origin))
         except (ImportError, ValueError):
             pass
+        _LIBS.extend(os.path.realpath(d) + os.sep for d in dirs)
+        # A pyenv (or any non-Debian) Python keeps site-packages INSIDE its stdlib directory
+        # (lib/python3.X/site-packages): the stdlib prefix alone took every pip-installed package -
+        # the user's own model package among them - for the standard library, and the op line
+        # skipped it (red team hred15). Those directories are the user's, below the libs above.
+        _SITE.extend(os.path.realpath(d) + os.sep for d in _site_dirs())
         for key in ("stdlib", "platstdlib"):
             p = sysconfig.get_paths().get(key)
             if p:
                 dirs.append(p)
         _INTERNAL.extend(os.path.realpath(d) + os.sep for d in dirs)
     return _INTERNAL
+
+
+def _site_dirs() -> list[str]:
+    import site
+
+    out = [sysconfig.get_paths().get(k) for k in ("purelib", "platlib")]
+    try:
+        out += site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:  # a virtualenv's old site.py has neither
+        pass
+    return sorted({d for d in out if d})
 
 
 def shown(path: str) -> str:
@@ -45,9 +64,17 @@ def shown(path: str) -> str:
 def _internal(filename: str) -> bool:
     hit = _SEEN.get(filename)
     if hit is None:
-        hit = _SEEN[filename] = filename.startswith("<") or any(
-            os.path.realpath(filename).startswith(d) for d in internal_dirs())
+        hit = _SEEN[filename] = filename.startswith("<") or _internal_path(os.path.realpath(filename))
     return hit
+
+
+def _internal_path(path: str) -> bool:
+    dirs = internal_dirs()
+    if any(path.startswith(d) for d in _LIBS):
+        return True
+    if any(path.startswith(d) for d in _SITE):
+        return False  # an installed package: the user's code (their model package), not the stdlib
+    return any(path.startswith(d) for d in dirs)
 
 
 def calling_line() -> str | None:

@@ -50,6 +50,50 @@ def _in_unprobed_code(summary: dict) -> bool:
                for d in entries(summary).values())
 
 
+def _unjudged_capture(summary: dict) -> str | None:
+    from tpdiag.records.axes import entries
+
+    return next((d["unjudged_capture"]["why"] for d in entries(summary).values()
+                 if isinstance(d, dict) and isinstance(d.get("unjudged_capture"), dict)
+                 and d["unjudged_capture"].get("why")), None)
+
+
+def _stock_grad(summary: dict) -> str | None:
+    """The weight (module.name) of a divergent degree's first divergence, a weight grad, that the
+    fixes' carry left the stock grad (summary.json not_carried), else None."""
+    from tpdiag.records.axes import entries
+
+    for d in entries(summary).values():
+        fd = (d or {}).get("first_divergence") or {} if isinstance(d, dict) else {}
+        if fd.get("kind") == "param_grad" and f"{fd.get('module')}.{fd.get('name')}" in (d.get("not_carried") or {}):
+            return f"{fd['module']}.{fd['name']}"
+    return None
+
+
+def _stock_why(summary: dict, weight: str) -> str:
+    from tpdiag.records.axes import entries
+
+    return next(d["not_carried"][weight] for d in entries(summary).values()
+                if isinstance(d, dict) and weight in (d.get("not_carried") or {}))
+
+
+def _fix_left_it(summary: dict) -> list[str]:
+    """The fixes whose confirmation left every divergent degree's first divergence on the same
+    record (not-confirmed, nothing moved); empty where any degree has no such confirmation."""
+    from tpdiag.records.axes import entries
+
+    fixes = set()
+    for d in entries(summary).values():
+        if not isinstance(d, dict) or d.get("status") != "divergent":
+            continue
+        c, key = d.get("confirmation") or {}, (d.get("first_divergence") or {}).get("key")
+        if c.get("verdict") != "not-confirmed" or not c.get("fix") or not key \
+                or (c.get("first_divergence_after") or {}).get("key") != key:
+            return []
+        fixes.add(c["fix"])
+    return sorted(fixes)
+
+
 def _what_to_do(summary: dict) -> str | None:
     c = summary.get("class")
     if summary.get("status") != "divergent" or not c:
@@ -64,6 +108,10 @@ def _what_to_do(summary: dict) -> str | None:
         if summary.get("fix_chain"):
             return ("the fixes did not remove every difference and nothing could judge what is left "
                     f"(the last fix chain round above); `tpdiag report {run}` shows the values")
+        unjudged = _unjudged_capture(summary)
+        if unjudged:
+            # the reference capture re-executed nothing in float64 there: the call that judges it
+            return unjudged + f"; `tpdiag report {run}` shows its values"
         if summary.get("source") == "capture" and _in_unprobed_code(summary):
             # a capture records module boundaries only: the user's next step is to give that code
             # a boundary, or to let compare's second pass record it op by op
@@ -115,10 +163,22 @@ def _what_to_do(summary: dict) -> str | None:
     on = _ran_with_its_fix(summary, confirmations)
     if on or confirmations and all(str(c.get("reason", "")).endswith("was already on") for c in confirmations):
         on = on or sorted({c["fix"] for c in confirmations if c.get("fix")})
+        kept = _stock_grad(summary)
+        if kept:
+            # the carry left that weight the stock grad (kernels/grad_carry.site): no fix reaches it
+            return (f"nothing is wrong: the difference is rounding only. The fixes ({', '.join(on)}) were on, but "
+                    f"{kept} kept the stock grad ({_stock_why(summary, kept)}), which no fix makes "
+                    "TP-invariant, so `--fix auto` would not remove it either")
         # --fix auto reruns with the fixes the cause names: they were on, so it would change nothing
         return (f"nothing is wrong: the difference is rounding only. Its cause's fix ({', '.join(on)}) was "
                 "already on and did not remove it: this module is not one the fix covers (docs/models.md), "
                 "so `--fix auto` would not remove it either")
+    stuck = _fix_left_it(summary)
+    if stuck:
+        # its cause's fix ran and left that very record as it was: --fix auto would rerun the same
+        return (f"nothing is wrong: the difference is rounding only. Its cause's fix ({', '.join(stuck)}) did "
+                "not remove it (the confirmation above: the first divergence stayed where it was), so "
+                "`--fix auto` would not remove it either")
     if all(config_name(lab) == f"TP={lab}" for lab in entries(summary)):
         return ("nothing is wrong: the degrees differ by rounding only. Harmless unless you need "
                 "bitwise equality across TP; then `tpdiag compare --fix auto` applies the fixes that remove it")

@@ -199,6 +199,18 @@ def exit_for(summary: dict, fail_on_divergence: bool) -> None:
         raise typer.Exit(2)
     if fail_on_divergence and summary["status"] == "divergent":
         from tpdiag.records.causes import EXIT_BUG
+        from tpdiag.records.axes import entries
+
+        unjudged = next((d["unjudged_capture"].get("why") for d in entries(summary).values() if isinstance(d, dict)
+                         and isinstance(d.get("unjudged_capture"), dict)), None)
+        if unjudged and not bug_found(summary):
+            # as the gate: a capture's first divergence nothing re-executed (diff/capture_oracle.py) is
+            # incomplete evidence, not a plain divergence (a wrong result there reads "not judged")
+            from rich.markup import escape
+
+            console(stderr=True).print(f"[bold red]inconclusive:[/] first divergence not judged: {escape(unjudged)}",
+                                       markup=True, soft_wrap=True)
+            raise typer.Exit(2)
 
         raise typer.Exit(EXIT_BUG if bug_found(summary) else 1)
 

@@ -143,6 +143,12 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
                           f"{'; '.join(nj['why'])}): {', '.join(nj['keys'][:3])}"
                           f"{f' and {more} more' if more > 0 else ''} - summary.json not_judged",
                           markup=False, soft_wrap=True)
+        for of, nc in (("", d.get("not_carried")), (" of the confirmation", (d.get("confirmation") or {}).get("not_carried"))):
+            if nc:
+                from tpdiag.reports.words import not_carried_line
+
+                console.print(f"{config_name(label)}: {not_carried_line(nc)}{of} - summary.json not_carried",
+                              markup=False, soft_wrap=True)
         if d.get("downstream_unjudged"):
             console.print(f"{config_name(label)}: the divergent modules past the first divergence were not "
                           f"judged on their own inputs ({d['downstream_unjudged']}): not called rounding only")

@@ -79,6 +79,13 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         entry["per_rank"] = {b: {"inside": inside, "why": per_rank_why(inside, ops), **({"ops_left_out": ops} if ops else {})}
                              for b, inside in blocks.items()}
         _not_the_references(entry, ref, other, label, dd.rows)
+    # weights the fixes' fp32 carry left the stock grad (kernels/grad_carry.site) at either side: "with
+    # every fix on, bitwise across TP" does not hold for them, said beside the verdict (red team hred15;
+    # a hook the user put on a weight before the plan replaced it holds at TP=1 only)
+    nc = {str(k): str(v) for w in (ref.world, other.world) if isinstance(w.get("not_carried"), dict)
+          for k, v in w["not_carried"].items()}
+    if nc:
+        entry["not_carried"] = dict(sorted(nc.items()))
     broken = other.world.get("ties_broken")
     if broken and not ref.world.get("ties_broken"):
         _broken_ties(entry, dd.rows, broken, label)

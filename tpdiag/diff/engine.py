@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpdiag.diff import measure, op_streams, pair_memo, partials, rank_local, reassembled
+from tpdiag.diff import flat_rows, measure, op_streams, pair_memo, partials, rank_local, reassembled
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.diff.left_out import _inside_block, per_piece_blocks, per_rank_blocks
 from tpdiag.errors import NotComparable
@@ -206,8 +206,13 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             continue
         try:
             rt, ot = _read_pair(ref, rm, other, om)
-            ra, oa = vocab_padded(rm, rt, om, ot, ref.world.get("vocab_padding"),
-                                  other.world.get("vocab_padding")) or _assemble_pair(rm, rt, om, ot)
+            flat = flat_rows.rows_of(om, rm, other, ref) if om["kind"] == "op" else None
+            if flat is not None:
+                # an op on a sequence shard's flattened rows: put back as its module's activation is
+                ra, oa = assemble(rm, rt, flat[1]), flat_rows.assemble_rows(ot, flat)
+            else:
+                ra, oa = vocab_padded(rm, rt, om, ot, ref.world.get("vocab_padding"),
+                                      other.world.get("vocab_padding")) or _assemble_pair(rm, rt, om, ot)
             a, b = _pair_tensors(ra, oa)
             a = first_positions(a, b, om.get("positions"))
             if om["kind"] == "op" and (a.shape != b.shape or a.dtype != b.dtype):

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from tpdiag.records.causes import cause_class
 from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layout_cause  # noqa: F401
-from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN,  # noqa: F401
+from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN, WHY_LOSS_REDUCED,  # noqa: F401
                                  WHY_MICRO_BATCH, WHY_NOISE, WHY_TP1)
 from tpdiag.records.ops import ATTENTION_OPS, PICK_OPS, SDPA_OPS, is_op_of
 from tpdiag.diff.scale import narrowed_why, scale_why, shares_why
@@ -177,6 +177,14 @@ RULES: list[Rule] = [
     # no bound needed: one factor times the reference's whole tensor (diff/scale.py)
     Rule("the reference's times one factor", lambda ev, b: _row(ev, "scale") is not None,
          lambda ev, b: "sharding-bug", lambda ev, b: scale_why(_row(ev, "scale"), _row(ev, "scale_of"))),
+    # a loss whose logits were whole at every rank and bitwise equal: no vocab shard, so no
+    # vocab-parallel softmax; what moved it is the loss function's own sum of per-rank partials
+    # (planted sp_loss_mean.py:sp_token_mean - each rank's token sum, all-reduced - read
+    # vocab-parallel-softmax, whose fix never confirmed: nothing of the vocab is split)
+    Rule("a loss from whole, equal logits",
+         lambda ev, b: (ev.axis == "tp" and layout_cause(ev.row) == "vocab-parallel-softmax"
+                        and bool(_row(ev, "logits_whole"))),
+         lambda ev, b: "row-parallel-reduction", lambda ev, b: WHY_LOSS_REDUCED),
     Rule("layout names the reordering", lambda ev, b: layout_cause(ev.row) is not None,
          lambda ev, b: layout_cause(ev.row)),
     Rule("nothing names it", lambda ev, b: True, lambda ev, b: "unknown", _why_unknown),

@@ -14,6 +14,20 @@ def _set(row: dict, bound: float, diff: float) -> None:
     row["beyond_bound"] = diff > bound
 
 
+def _logits_whole(rows: list[dict], lk: str) -> None:
+    """Marks the loss row `logits_whole` where the loss read logits every rank held whole (every
+    vocab entry: no shard to gather) and bitwise the reference's: no vocab-parallel softmax ran
+    before it, so a loss that still differs was reduced over the ranks in the loss function's own
+    code (diff/judge.py, "a loss from whole, equal logits")."""
+    lg = next((r for r in rows if r["key"] == lk), None)
+    if lg is None or lg.get("layout") != "replicate" or lg.get("bitwise") is not True \
+            or lg.get("rank_consistent") is False:
+        return
+    for r in rows:
+        if r["kind"] == "loss" and r["phase"] == "loss":
+            r["logits_whole"] = True
+
+
 def loss_bounds(dd: DegreeDiff) -> None:
     """Bounds for the logprobs and the loss (from the logits) and for the grad norm (from the
     grads): a loss that is wrong at TP > 1 (a log(TP) offset, a local vocab size) is a finding,
@@ -23,6 +37,7 @@ def loss_bounds(dd: DegreeDiff) -> None:
         by_step.setdefault(row["step"], []).append(row)
     for step, rows in by_step.items():
         lk = record_key(step, "loss", "model", "logits", 0, "logits")
+        _logits_whole(rows, lk)
         lp_row = next((r for r in rows if r["kind"] == "logprobs"), None)
         if lk in dd.tensors and lp_row is not None and lp_row["key"] in dd.tensors:
             (l1, ln), (p1, pn) = dd.tensors[lk], dd.tensors[lp_row["key"]]

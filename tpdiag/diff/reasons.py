@@ -16,6 +16,10 @@ WHY_LOSS_MEAN = ("its logits were bitwise equal, and the micro-batches' losses, 
                  "GRPO's per-sequence token means, is loss_mean=\"sequence\"; a sum, \"sum\"), or it couples "
                  "the sequences of a call. A trainer that weights micro-batches this way moves its loss "
                  "with the micro-batch size")
+WHY_LOSS_REDUCED = ("the logits it read were whole on every rank (no vocab shard) and bitwise equal, and the "
+                    "loss is within its rounding bound: the loss function reduces over the ranks in its own code "
+                    "(each rank's partial sum - of its tokens, say - added by an all-reduce, in another order than "
+                    "TP=1's one sum); no fix in the catalogue reorders a user's loss")
 WHY_MICRO_BATCH = ("its inputs were bitwise equal and only the number of rows in its call changed (micro-batch "
                    "size): its result for a row depends on how many rows share the call")
 WHY_DECODE = ("its inputs were bitwise equal and only the positions per call changed (decode: the "

@@ -209,7 +209,9 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
         check_comparable(ma, mb, run_a, run_b)
     da, db = int(ma["degree"]), int(mb["degree"])
     ref_label, label = degree_labels((da, db))
-    ref, other = RecordSet(run_a), RecordSet(run_b)
+    # the compared side's float64 re-executions (tpdiag.capture(oracle=...) at both degrees, one
+    # script) are no records to compare: only the reference's judge (diff/oracle.py)
+    ref, other = RecordSet(run_a), RecordSet(run_b, drop_kinds=("oracle",))
     from tpdiag.records.hashing import check_same_hash_version
 
     check_same_hash_version(ref.hash_version, other.hash_version, run_a, run_b)
@@ -228,6 +230,10 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     from tpdiag.diff.classes import add_classes
 
     add_classes(summary)
+    if kinds == {"capture"}:
+        from tpdiag.diff.capture_oracle import mark_unjudged
+
+        mark_unjudged(summary, ref, run_a)
     out = out or default_out(run_b)
     if os.path.abspath(out) in {os.path.abspath(run_a), os.path.abspath(run_b)}:
         from tpdiag.errors import BadInput

@@ -303,6 +303,11 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
             res.degrees[lab] = DegreeResult(lab, "skipped")
         else:
             res.degrees[lab] = _judge(lab, degrees[lab], by_label[lab], policy)
+            unjudged = (degrees[lab].get("unjudged_capture") or {}).get("why")
+            if unjudged and "unknown" not in policy.allow_causes:
+                # a capture's first divergence nothing re-executed in float64 (diff/capture_oracle.py):
+                # incomplete evidence - a wrong result there reads "not judged", so never a plain fail
+                res.problems.append(f"TP={lab}: first divergence not judged: {unjudged}")
     # Normally a failed degree explains an inconclusive summary; with no such degree it stands on its own.
     if summary.get("status") not in ("bitwise", "divergent") and not errors:
         why = summary.get("error") or "no reason given"

@@ -65,6 +65,8 @@ class Recorder:
     # same step ran (runner/step.py): that piece read them, the whole batch's one call did not
     piece_state: dict = field(default_factory=dict)
     ties_broken: list = field(default_factory=list)  # tied weights the plan split (world.json's own field)
+    # weight use -> why the fixes' fp32 carry left it the stock grad (kernels/grad_carry.site; world.json's own)
+    not_carried: dict = field(default_factory=dict)
     # the model's logits hold a padded vocab (Megatron's make_vocab_size_divisible_by): {"vocab": real
     # ids, "local": this rank's width} (world.json's own field; records/layout.py vocab_padded)
     vocab_padding: dict | None = None

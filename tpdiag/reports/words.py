@@ -210,3 +210,14 @@ def moved_by(nj: dict) -> str:
     makes it any number."""
     rel = nj.get("rel_l2")
     return f", up to {rel:.3g} of the reference's norm" if isinstance(rel, (int, float)) else ""
+
+
+def not_carried_line(nc: dict) -> str:
+    """Weights the fixes' fp32 carry left the stock grad (summary.json not_carried: use -> why), in
+    one line: the fixes' "bitwise across TP" does not cover them (kernels/grad_carry.site)."""
+    names = sorted(nc)
+    whys = sorted(set(nc.values()))
+    more = len(names) - 3
+    return (f"with the fixes on, {len(names)} weight use{'s' if len(names) != 1 else ''} kept the stock grad "
+            f"({'; '.join(whys)}), which no fix makes TP-invariant - a difference there is not removed by "
+            f"the fixes: {', '.join(names[:3])}{f' and {more} more' if more > 0 else ''}")

@@ -108,6 +108,7 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
             every[label]["confirmation"] = {
                 "fix": fix, "verdict": verdict, "first_divergence_after": after,
                 "status_after": after_entry.get("status"), "run_dir": out,
+                **({"not_carried": after_entry["not_carried"]} if after_entry.get("not_carried") else {}),
                 **({"positions": list(cut)} if axes and cut else {})}
             from tpdiag.diff.classes import clear_by_confirmation
             from tpdiag.records.rundir import bitwise_keys

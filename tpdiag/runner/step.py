@@ -116,7 +116,8 @@ def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, 
     losses = pieces.Losses(target, fns, n_total, len(parts), world, sum(lab.shape[0] for _, lab in parts))
     with ExitStack() as window:
         # the pieces' weight grads: fp32 carries, rounded once as the window closes (runner/micro.py)
-        window.enter_context(carry(model))
+        w = window.enter_context(carry(model))
+        skipped = getattr(w, "skipped", None)  # the window (kernels/grad_carry.Window), or None
         for k, (piece, piece_labels) in enumerate(parts):
             if several:
                 if k and buffers is not None:
@@ -133,6 +134,8 @@ def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, 
         if cfg.backward:
             with phases("backward"):  # the window's close: the grads into .grad (their probes record them)
                 window.close()
+        if skipped:
+            rec.not_carried.update(skipped)
     if several:
         rec.end_pieces()
         with phases("loss"):

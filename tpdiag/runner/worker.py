@@ -240,6 +240,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             "oracle_reads_noted": True,
             # the tied weights the plan split (models/ties.py), read by the diff (diff/analyse.py)
             **({"ties_broken": rec.ties_broken} if rec.ties_broken else {}),
+            # weights the fixes' carry left the stock grad (user grad hooks, computed weights)
+            **({"not_carried": dict(sorted(rec.not_carried.items()))} if rec.not_carried else {}),
             # step -> buffers a micro-batch wrote before a later one of the step read them
             **({"piece_state": rec.piece_state} if rec.piece_state else {}),
             **({"vocab_padding": rec.vocab_padding} if rec.vocab_padding else {}),

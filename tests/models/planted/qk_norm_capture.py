@@ -14,7 +14,13 @@ of its own read the same in a capture at that module: `unknown` ("more than anot
 one elementwise kernel explains (it may reduce over a sharded dimension ...)"), gate 1. A capture
 re-executes nothing in float64, so no bound judges these records: a wrong result reads as "not
 judged" rather than BUG. `--ok` (per-head norm) is the control.
+
+Now (helper hred15): `--oracle` captures with `tpdiag.capture(..., oracle=["attention"])`, whose
+float64 re-execution of the attention judges it: BUG (sharding-bug, ~5e4x beyond rounding), gate 4;
+without it the gate exits 2 naming that call (tests/test_capture_oracle.py). `--all` writes the
+three captures that test reads into OUT/bug, OUT/bug-oracle and OUT/ok-oracle, one process start.
 """
+import os
 import sys
 from contextlib import nullcontext
 
@@ -27,12 +33,11 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 import tpdiag
 from qk_norm_local import LM, VOCAB, plan
 
-if __name__ == "__main__":
-    out = sys.argv[1]
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
+
+def step(out: str, per_head: bool, oracle, world: int) -> None:
+    """One training step of the user's loop, captured into `out`, from a fresh model and seed."""
     tpdiag.set_deterministic(seed=7, cpu_threads=1)
-    model, p = LM(per_head="--ok" in sys.argv), plan()
+    model, p = LM(per_head=per_head), plan()
     mesh = None
     if world > 1:
         mesh = init_device_mesh("cpu", (world,))
@@ -40,7 +45,7 @@ if __name__ == "__main__":
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
     ids, labels = tokens[:, :-1], tokens[:, 1:]
-    with tpdiag.capture(model, out=out, plan=p, seed=7, group=mesh) as cap:
+    with tpdiag.capture(model, out=out, plan=p, seed=7, group=mesh, oracle=oracle) as cap:
         cap.batch(input_ids=ids, labels=labels)
         logits = model(ids)
         with loss_parallel() if world > 1 else nullcontext():
@@ -50,4 +55,16 @@ if __name__ == "__main__":
         opt.step()
         opt.zero_grad()
         cap.params()
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    if "--all" in sys.argv:
+        for sub, per_head, oracle in (("bug", False, None), ("bug-oracle", False, ["attention"]),
+                                      ("ok-oracle", True, ["attention"])):
+            step(os.path.join(out, sub), per_head, oracle, world)
+    else:
+        step(out, "--ok" in sys.argv, ["attention"] if "--oracle" in sys.argv else None, world)
     dist.destroy_process_group()

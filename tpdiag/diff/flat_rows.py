@@ -1,0 +1,71 @@
+"""An op record whose rows are a sharded activation's leading dims flattened.
+
+A Linear called on a sequence shard [B, S/N, D] runs `aten::mm` on [B*S/N, D]: its rows are the
+rank's positions of every batch row, batch-major. Gathered by shape alone (the one dim that shrank
+by N, dim 0) the ranks' row blocks are stacked - [b0 p0-3, b1 p0-3, b0 p4-7, b1 p4-7] where the
+reference holds [b0 p0-7, b1 p0-7] - and a correct GEMM read as a wrong result, 1.3e6x beyond
+rounding (planted context_parallel.py:cp_is_causal's `attn.wq :: aten::mm`, a false sharding-bug
+after the real one; red team hred15). Where the op's module records, at the same step, phase and
+call, an activation whose dims d..k the op's dim d flattens - k the activation's sharded dim, the
+same dims before d - the op's shards are put back as that activation's are: each viewed as those
+dims, joined on dim k, flattened again. Only the enclosing module's own records decide, never
+which order makes the values agree."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tpdiag.records.keys import RecordKey
+from tpdiag.records.layout import Assembled, local_shape, shard_dim
+
+_KINDS = ("in", "out", "grad_out")
+
+
+def _module_dims(meta: dict, other, ref) -> list[tuple[list[int], list[int], int]]:
+    """[(local shape, full shape, shard dim)] of the op's module's activations at this call."""
+    out = []
+    for kind in _KINDS:
+        key = RecordKey(meta["step"], meta["phase"], meta["module"], kind, meta.get("call", 0), "0").format()
+        om, rm = other.by_key.get(key), ref.by_key.get(key)
+        if om is None or rm is None or om.get("stored") == "hash":
+            continue
+        n, local = om.get("world", 1), local_shape(om)
+        full = local_shape(rm) if rm.get("world", 1) == 1 else None
+        p = om.get("placement")
+        if p and p.startswith("shard:"):
+            k = int(p.split(":")[1])
+            full = list(local)
+            full[k] *= n
+        if full is None:
+            continue
+        k = shard_dim(local, full, n)
+        if k is not None:
+            out.append((local, full, k))
+    return out
+
+
+def rows_of(om: dict, rm: dict, other, ref) -> tuple[list[int], list[int], int] | None:
+    """(the op's local shape unflattened, its full shape, the dim to join on), or None where the
+    op's shards are not a flattened sharded activation (the plain shape rule stands)."""
+    if om.get("kind") != "op" or om.get("placement") or om.get("stored") != "stacked":
+        return None
+    if rm.get("world", 1) != 1:
+        return None  # a reference that is itself sharded: its own op would need the same (not handled)
+    n, local, full = om.get("world", 1), local_shape(om), local_shape(rm)
+    d = shard_dim(local, full, n)
+    if d is None:
+        return None
+    for act_local, act_full, k in _module_dims(om, other, ref):
+        if k <= d or act_local[:d] != local[:d] or math.prod(act_local[:k]) == math.prod(act_local[:d]):
+            continue  # not a flattening, or the dims before the shard are all 1 (the plain rule is right)
+        if math.prod(act_local[d:k + 1]) == local[d] and math.prod(act_full[d:k + 1]) == full[d]:
+            return local[:d] + act_local[d:k + 1] + local[d + 1:], full, k
+    return None
+
+
+def assemble_rows(stored: torch.Tensor, shape: tuple[list[int], list[int], int]) -> Assembled:
+    unflat, full, k = shape
+    shards = list(stored.unbind(0))
+    whole = torch.cat([s.reshape(unflat) for s in shards], dim=k).reshape(full)
+    return Assembled(whole, shards, f"shard:{k}", None)
