@@ -61,7 +61,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
     settings whose processors the generated tokens' rows go through first (tpdiag.rollout.sampling).
     max_cache_len: padding static's cache length (0: generate()'s for the micro-batch, _decode);
     max_new_tokens: generate()'s, which sets that length (0: the micro-batch's most generated tokens).
-    recipe: the trainer's logprob recipe (tpdiag.rollout.recipe.Recipe; None: the default)."""
+    recipe: the trainer's logprob recipe (tpdiag.runner.recipe.Recipe; None: the default)."""
     import torch
 
     from tpdiag.fixes.registry import apply_fixes, resolve
@@ -90,7 +90,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
         raise Unavailable(f"padding compiled is generate()'s torch.compile'd decode, which it runs only on "
                           f"{' / '.join(COMPILING_DEVICES)}; on {_device(model).type} generate(cache_implementation="
                           "\"static\") is eager: --padding static")
-    from tpdiag.rollout import recipe as trainer_recipe
+    from tpdiag.runner import recipe as trainer_recipe
 
     recipe = recipe or trainer_recipe.Recipe()
     names = () if cfg.fix == "none" else resolve("all" if cfg.fix == "all" else cfg.fix.split("+"))

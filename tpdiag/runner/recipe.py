@@ -1,6 +1,7 @@
-"""`tpdiag rollout --logprob`: the trainer's own logprob recipe - how it turns logits rows into the
-logprob of each token - where it is not tpdiag's default (the float32 log-softmax gathered at the
-token: generate()'s output_logits as docs/rl.md writes them, NeMo RL, verl's fallback).
+"""`--logprob` of `tpdiag rollout` and `tpdiag compare`: the trainer's own logprob recipe - how it
+turns logits rows into the logprob of each token - where it is not tpdiag's default (the float32
+log-softmax gathered at the token: generate()'s output_logits as docs/rl.md writes them, NeMo RL,
+verl's fallback).
 
 Every recipe below is the same number in exact arithmetic; in floating point each rounds
 differently, and a ratio built from two of them is not 1 bit for bit:
@@ -17,6 +18,8 @@ dtype (`(logits / T).float()`: TRL's GRPO and verl divide the bf16 logits in pla
 every quotient to bf16 first.
 A recipe other than the default reads the whole vocabulary (a TP > 1 world gathers its shards
 first) and takes the place of the fixes' invariant vocab softmax: it is the user's function.
+One implementation for both commands: rollout applies `rows` and `token_logprobs` itself (generate()'s
+processors run between them under --sampling); compare's recorded logprobs are `logprobs`.
 """
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ class Recipe:
     name: str = "log-softmax"
     temperature: float = 1.0
     divide_in: str = "float32"  # DIVIDE_IN: the division after the float cast, or before it
+
+    @classmethod
+    def of(cls, cfg) -> "Recipe":
+        """The recipe a compare or world config names (RunSettings.logprob and its temperature)."""
+        return cls(cfg.logprob, float(cfg.trainer_temperature), cfg.temperature_in)
 
     @property
     def default(self) -> bool:
@@ -103,3 +111,24 @@ def token_logprobs(r, labels, recipe: Recipe):
     if recipe.name == "logsumexp":
         return r.gather(-1, lab).squeeze(-1) - r.logsumexp(-1)
     return r.log_softmax(-1).gather(-1, lab).squeeze(-1).float()
+
+
+def logprobs(logits, labels, recipe: Recipe):
+    """float32, one per label (flattened): compare's recorded logprobs under a recipe other than the
+    default. The logits gathered whole first (a vocab-sharded DTensor at TP > 1: the recipe reads
+    every id, as the user's function does on its whole logits); a label IGNORE (no next token) is
+    0, as the default's cross-entropy gives it. In blocks of rows, as the default (each row's
+    logprob is its own: the whole tensor's bits, never a float32 copy of all of it)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from tpdiag.runner.batch import IGNORE
+    from tpdiag.runner.losses import CHUNK_ELEMENTS
+
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    lo, lab = logits.flatten(0, -2), labels.flatten()
+    n = max(1, CHUNK_ELEMENTS // max(lo.shape[-1], 1))
+    lp = torch.cat([token_logprobs(rows(lo[a:a + n], recipe), lab[a:a + n].clamp_min(0), recipe)
+                    for a in range(0, lo.shape[0], n)])
+    return torch.where(lab != IGNORE, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
