@@ -211,11 +211,13 @@ class RunSettings:
     logprob: str = "log-softmax"
     trainer_temperature: float = 1.0
     temperature_in: str = "float32"
+    logprob_compiled: bool = False     # --compiled: the recipe under torch.compile(dynamic=True)
 
 
 # the default recipe's keys are left out of the files: a run directory of the default recipe is
 # the one an older tpdiag wrote, and an older one (no keys) reads as the default recipe
-RECIPE_OMITTED = {"logprob": "log-softmax", "trainer_temperature": 1.0, "temperature_in": "float32"}
+RECIPE_OMITTED = {"logprob": "log-softmax", "trainer_temperature": 1.0, "temperature_in": "float32",
+                  "logprob_compiled": False}
 
 
 @dataclass(frozen=True)

@@ -187,5 +187,8 @@ LOGPROB = ("the trainer's logprob recipe, every configuration's: log-softmax (lo
            "logits' own dtype, e.g. bf16: TRL's and verl's v2 for bf16 logits); docs/rl.md")
 TRAINER_TEMPERATURE = ("the trainer divides its logits by this temperature before the logprob (1: no division); "
                        "where: --temperature-in")
+COMPILED = ("the trainer's logprob recipe (--logprob, its temperature) under torch.compile(dynamic=True), as one "
+            "function from the logits, as TRL's and others' decorated logprob functions: inductor's fused kernel "
+            "rounds otherwise than eager (docs/rl.md)")
 TEMPERATURE_IN = ("where the trainer divides by --trainer-temperature: float32 (logits.float() / T) or model "
                   "((logits / T).float(): in the logits' own dtype, as TRL's GRPO and verl divide bf16 logits)")

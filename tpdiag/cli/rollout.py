@@ -59,6 +59,7 @@ def rollout(
     logprob: Annotated[str, typer.Option(help=H.LOGPROB)] = "log-softmax",
     trainer_temperature: Annotated[float, typer.Option(help=H.TRAINER_TEMPERATURE)] = 1.0,
     temperature_in: Annotated[str, typer.Option(help=H.TEMPERATURE_IN)] = "float32",
+    compiled: Annotated[bool, typer.Option("--compiled", help=H.COMPILED)] = False,
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
@@ -105,7 +106,7 @@ def rollout(
                            padding=parse_padding(padding), jobs=parse_jobs(jobs),
                            sampling=rollout_sampling.parse(sampling), max_cache_len=max_cache_len,
                            max_new_tokens=max_new_tokens,
-                           recipe=trainer_recipe.parse(logprob, trainer_temperature, temperature_in))
+                           recipe=trainer_recipe.parse(logprob, trainer_temperature, temperature_in, compiled))
         from tpdiag.models.spec import parse_spec
 
         parse_spec(model)

@@ -64,7 +64,7 @@ def validate(cfg: CompareConfig) -> dict:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
     from tpdiag.runner.recipe import parse
 
-    parse(cfg.logprob, cfg.trainer_temperature, cfg.temperature_in)  # a config built without the CLI
+    parse(cfg.logprob, cfg.trainer_temperature, cfg.temperature_in, cfg.logprob_compiled)  # built without the CLI
     import math
 
     if not math.isfinite(cfg.timeout) or cfg.timeout <= 0 or cfg.timeout > 7 * 86400:
