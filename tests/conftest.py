@@ -81,11 +81,28 @@ def interpreter_result(script: str, *args: str, unset=(), cwd=None, timeout=300)
     return json.loads(line[len("RESULT "):])
 
 
+# the commands whose `--device auto` (their default) is CUDA on a GPU machine
+DEVICE_COMMANDS = ("compare", "rollout")
+
+
+def on_cpu(args) -> list:
+    """A command line of compare or rollout with `--device cpu` where it names no device. The suite's
+    tests assert CPU facts (gloo worlds, planted masks, CPU kernels' bits and causes, the CPU's fused
+    ops); on a GPU machine `--device auto` sent them to CUDA, where they failed without a wrong
+    verdict (7 failed, 5 errors on an H200). A test of a GPU names `--device cuda` itself."""
+    args = [str(a) for a in args]
+    if args and args[0] in DEVICE_COMMANDS and not any(a == "--device" or a.startswith("--device=") for a in args):
+        return [args[0], "--device", "cpu", *args[1:]]
+    return args
+
+
 def run_cli(*args, env=None, timeout=600, cwd=None):
     """Run the real console entry point in a process of its own (as a user would): forked from
     cli_zygote's server, which has imported torch once, or a fresh `python -m tpdiag.cli` where
     that server cannot stand in for one (cli_zygote.py says when). cwd: its working directory
-    (the repository root unless given)."""
+    (the repository root unless given). compare and rollout run on the CPU unless the test names
+    a device (on_cpu)."""
+    args = on_cpu(args)
     e = dict(os.environ)
     e.update(env or {})
     e.setdefault("COLUMNS", "160")

@@ -1,5 +1,6 @@
 """Bad input: one clear line, exit 2, before any world starts."""
 import pytest
+from conftest import on_cpu
 from typer.testing import CliRunner
 
 from tpdiag.cli import app
@@ -24,7 +25,7 @@ runner = CliRunner()
     (["--tp", "1,2", "--tree-groups", "-2"], "must be a power of two"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
-    r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r"), *args])
+    r = runner.invoke(app, on_cpu(["compare", "--out", str(tmp_path / "r"), *args]))
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], r.output
@@ -40,7 +41,7 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
                                        ("TPDIAG_HOST_CHUNK", "-1"), ("TPDIAG_HOST_PINNED", "no")])
 def test_bad_hash_queue_env_is_one_line_exit_2(var, value, tmp_path, monkeypatch):
     monkeypatch.setenv(var, value)
-    r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r")])
+    r = runner.invoke(app, on_cpu(["compare", "--out", str(tmp_path / "r")]))
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and var in lines[0], r.output
@@ -51,7 +52,7 @@ def test_bad_hash_queue_env_is_one_line_exit_2(var, value, tmp_path, monkeypatch
                                           ("2", "TP=4 does not divide 2 tree groups")])
 def test_bad_tree_groups_env_is_one_line_exit_2(value, needle, tmp_path, monkeypatch):
     monkeypatch.setenv("TPDIAG_TREE_GROUPS", value)
-    r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r")])
+    r = runner.invoke(app, on_cpu(["compare", "--out", str(tmp_path / "r")]))
     assert r.exit_code == 2, r.output
     lines = [line for line in r.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "TPDIAG_TREE_GROUPS" in lines[0] and needle in lines[0], r.output
@@ -67,7 +68,7 @@ def test_a_model_named_without_its_prefix_gets_the_spec_it_meant(tmp_path):
     for model, hint in [(str(tmp_path / "ckpt"), f"(a model directory: --model hf:{tmp_path / 'ckpt'})"),
                         (str(tmp_path / "model.py"), f"(a Python file: --model py:{tmp_path / 'model.py'}:FUNC"),
                         ("tiny-lama", None)]:
-        r = runner.invoke(app, ["compare", "--out", str(tmp_path / "r"), "--model", model])
+        r = runner.invoke(app, on_cpu(["compare", "--out", str(tmp_path / "r"), "--model", model]))
         lines = [line for line in r.output.strip().splitlines() if line.strip()]
         assert r.exit_code == 2 and len(lines) == 1 and "unknown model" in lines[0], r.output
         assert (hint in lines[0]) if hint else lines[0].endswith("hf:DIR or py:FILE.py:FUNC"), r.output

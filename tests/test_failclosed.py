@@ -73,7 +73,9 @@ def _policy(tmp_path, text, name="policy.toml"):
 def _cli(*args):
     from tpdiag.cli import app
 
-    return CliRunner().invoke(app, list(args))
+    from conftest import on_cpu  # compare on the CPU unless a test names a device
+
+    return CliRunner().invoke(app, on_cpu(args))
 
 
 # -- the NaN model, and a second compare on its directory while it runs -----------------------
@@ -87,7 +89,7 @@ def nan_run(tmp_path_factory):
     (out / "tp2" / "rankings.csv").write_text("mine\n")
     (out / "tp2" / "rank0.error").write_text("{}")
     env = dict(os.environ, COLUMNS="160")
-    first = subprocess.Popen([sys.executable, "-m", "tpdiag.cli", "compare", "--model",
+    first = subprocess.Popen([sys.executable, "-m", "tpdiag.cli", "compare", "--device", "cpu", "--model",
                               f"py:{base / 'nan_target.py'}:target", "--tp", "1,2", "--forward-only",
                               "--no-confirm", "--no-baseline", "--out", str(out), "--format", "json",
                               "--fail-on-divergence"],
@@ -375,7 +377,8 @@ def test_a_tpdiag_folder_in_the_working_directory_is_not_imported(tmp_path):
 
     (tmp_path / "tpdiag").mkdir()
     model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "user_style.py")
-    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--model", f"py:{model}:target_bad_loss",
+    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--device", "cpu",
+                        "--model", f"py:{model}:target_bad_loss",
                         "--tp", "1,2", "--forward-only", "--no-confirm", "--no-baseline",
                         "--out", str(tmp_path / "r"), "--format", "json"],
                        capture_output=True, text=True, cwd=tmp_path, timeout=600,

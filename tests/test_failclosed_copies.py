@@ -31,7 +31,9 @@ from tpdiag.gate.policy import with_allowed
 def _cli(*args):
     from tpdiag.cli import app
 
-    return CliRunner().invoke(app, [str(a) for a in args])
+    from conftest import on_cpu  # compare on the CPU unless a test names a device
+
+    return CliRunner().invoke(app, on_cpu(args))
 
 
 def _json_edit(path, fn):

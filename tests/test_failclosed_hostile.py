@@ -25,7 +25,9 @@ from tpdiag.records.causes import EXIT_BUG
 def _cli(*args):
     from tpdiag.cli import app
 
-    return CliRunner().invoke(app, [str(a) for a in args])
+    from conftest import on_cpu  # compare on the CPU unless a test names a device
+
+    return CliRunner().invoke(app, on_cpu(args))
 
 
 def _json_edit(path, fn):

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, on_cpu, run_cli
 from typer.testing import CliRunner
 
 # On 9653b56 a FIFO hung these commands: each runs in a process of its own with a deadline.
@@ -160,7 +160,7 @@ def test_a_repeated_axis_value_is_refused(tmp_path, args, what):
     from tpdiag.cli import app
 
     out = tmp_path / "run"
-    r = CliRunner().invoke(app, ["compare", "--tp", "1,2", "--forward-only", "--no-confirm", "--out", str(out), *args])
+    r = CliRunner().invoke(app, on_cpu(["compare", "--tp", "1,2", "--forward-only", "--no-confirm", "--out", str(out), *args]))
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert r.exit_code == 2 and len(lines) == 1 and what in lines[0], r.output
     assert not out.exists()

@@ -22,7 +22,9 @@ CONFIRMING = "the confirming fix (tp-invariant-linear) makes this record bitwise
 def _cli(*args):
     from tpdiag.cli import app
 
-    return CliRunner().invoke(app, [str(a) for a in args])
+    from conftest import on_cpu  # compare on the CPU unless a test names a device
+
+    return CliRunner().invoke(app, on_cpu(args))
 
 
 @pytest.fixture(scope="module")

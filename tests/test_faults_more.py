@@ -21,7 +21,7 @@ import uuid
 import pytest
 from typer.testing import CliRunner
 
-from conftest import ROOT
+from conftest import ROOT, on_cpu
 
 # py: targets for the faults. Written to a file at test time (the spec is py:FILE.py:FUNC).
 TARGETS_SRC = '''
@@ -159,7 +159,7 @@ def start(*args, tag: str, env=None) -> subprocess.Popen:
     e = {k: v for k, v in os.environ.items() if k != "TPDIAG_FAULT"}
     e.update(env or {})
     e.update({"COLUMNS": "160", TAG_ENV: tag})
-    return subprocess.Popen([sys.executable, "-m", "tpdiag.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "tpdiag.cli", *on_cpu(args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=e, cwd=ROOT, preexec_fn=_sigint_default)
 
 

@@ -87,8 +87,8 @@ def test_a_world_with_every_module_reexecuted_computes_the_same_bits(tmp_path):
     model = tiny_llama.build("tiny-llama", n_layers=1)
     names = tuple(n or "model" for n, _ in model.named_modules())
     fixes = ("tp-invariant-linear", "invariant-gemm", "invariant-norm-grad")
-    base = CompareConfig.of(model="tiny-llama", degrees=(1, 2), fixes=fixes, fix_mode="explicit", confirm=False,
-                            baseline=False, layers=1)
+    base = CompareConfig.of(model="tiny-llama", degrees=(1, 2), device="cpu", fixes=fixes, fix_mode="explicit",
+                            confirm=False, baseline=False, layers=1)
     compare_pass(base.with_(out=str(tmp_path / "plain")))
     compare_pass(base.with_(out=str(tmp_path / "oracle"), oracle=names))
     fp = [json.loads((tmp_path / d / "tp1" / "world.json").read_text())["fingerprint"] for d in ("plain", "oracle")]

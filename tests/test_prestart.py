@@ -33,7 +33,8 @@ def test_prestart_starts_the_fork_server_and_can_be_turned_off():
 
 def test_bad_input_after_prestart_is_still_one_line_exit_2():
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--model", "no-such-model", "--tp", "1,2"],
+    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--device", "cpu", "--model", "no-such-model",
+                        "--tp", "1,2"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert len(p.stderr.strip().splitlines()) == 1 and "no-such-model" in p.stderr, p.stderr
@@ -41,7 +42,7 @@ def test_bad_input_after_prestart_is_still_one_line_exit_2():
 
 def test_unknown_start_method_is_one_line_exit_2():
     env = dict(os.environ, PYTHONPATH=ROOT, TPDIAG_START_METHOD="bogus")
-    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--tp", "1,2"],
+    p = subprocess.run([sys.executable, "-m", "tpdiag", "compare", "--device", "cpu", "--tp", "1,2"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert len(p.stderr.strip().splitlines()) == 1 and "TPDIAG_START_METHOD" in p.stderr, p.stderr

@@ -64,7 +64,7 @@ def team(tmp_path_factory):
 
 
 def test_each_recipe_is_the_users_own_bits(team):
-    from tpdiag.rollout.recipe import parse
+    from tpdiag.runner.recipe import parse
 
     tmp, path, files, user = team
     rows = files["raw"]
@@ -83,7 +83,7 @@ def test_each_recipe_is_the_users_own_bits(team):
 
 
 def test_the_verdict_follows_the_recipe(team):
-    from tpdiag.rollout.recipe import parse
+    from tpdiag.runner.recipe import parse
 
     tmp, path, files, _ = team
     raw, scores = files["raw"], files["scores"]
@@ -116,7 +116,7 @@ def test_the_verdict_follows_the_recipe(team):
 ])
 def test_a_recipe_that_is_no_recipe_is_one_line(args, words):
     from tpdiag.errors import BadInput
-    from tpdiag.rollout.recipe import parse
+    from tpdiag.runner.recipe import parse
 
     with pytest.raises(BadInput, match=None) as e:
         parse(*args)
@@ -125,7 +125,7 @@ def test_a_recipe_that_is_no_recipe_is_one_line(args, words):
 
 def test_a_trainer_temperature_beside_samplings_is_refused(team):
     from tpdiag.errors import BadInput
-    from tpdiag.rollout.recipe import parse
+    from tpdiag.runner.recipe import parse
 
     tmp, path, files, _ = team
     with pytest.raises(BadInput, match="name the temperature once"):
@@ -137,7 +137,7 @@ def test_a_tp2_world_takes_the_recipe(team):
     """The recipe travels to the TP > 1 worlds: under --fix all TP=2's logprobs are TP=1's bits
     (the log-softmax of bf16 logits divided by T in bf16; a world that took tpdiag's default would
     not divide at all), and stock TP=1 is the user's own recipe."""
-    from tpdiag.rollout.recipe import parse
+    from tpdiag.runner.recipe import parse
 
     tmp, path, files, user = team
     rows = files["raw"]

@@ -47,7 +47,7 @@ def test_booby_trapped_packages_in_the_working_directory_never_run(tmp_path, how
     env = dict(os.environ, PYTHONPATH=ROOT, COLUMNS="160")
     # the console script runs a compare (the fork server and the ranks); `python -m` needs only a
     # command that imports torch in the CLI process itself
-    args = (["compare", "--tp", "1,2", "--forward-only", "--no-confirm", "--no-baseline", "--no-judge-downstream",
+    args = (["compare", "--device", "cpu", "--tp", "1,2", "--forward-only", "--no-confirm", "--no-baseline", "--no-judge-downstream",
              "--out", str(tmp_path / "run")] if how == "console-script" else ["doctor"])
     p = subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=work, env=env, timeout=600)
     imported = sorted(f.name for f in work.iterdir() if f.name.endswith("-was-imported"))

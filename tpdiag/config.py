@@ -207,6 +207,17 @@ class RunSettings:
     group_gemm: str = ""
     flags: str = "deterministic"       # backend flags of every world (runner/flags.py)
     layers: int = 0                    # --layers N: the first N decoder layers (models/slice.py); 0: all
+    # the trainer's logprob recipe of the recorded logprobs (--logprob, runner/recipe.py), rollout's
+    logprob: str = "log-softmax"
+    trainer_temperature: float = 1.0
+    temperature_in: str = "float32"
+    logprob_compiled: bool = False     # --compiled: the recipe under torch.compile(dynamic=True)
+
+
+# the default recipe's keys are left out of the files: a run directory of the default recipe is
+# the one an older tpdiag wrote, and an older one (no keys) reads as the default recipe
+RECIPE_OMITTED = {"logprob": "log-softmax", "trainer_temperature": 1.0, "temperature_in": "float32",
+                  "logprob_compiled": False}
 
 
 @dataclass(frozen=True)
@@ -273,12 +284,12 @@ class WorldConfig(_Nested):
                 ("point", "repeat"): None}
     _DEFAULTS = {"device": "cpu", "capture": "full"}
     # world.json as before these existed: a world selects no worlds; the axes it did not have
-    _OMITTED = {"only": (), "attention": "auto", "padding": "auto", "records_base": ""}
+    _OMITTED = {"only": (), "attention": "auto", "padding": "auto", "records_base": "", **RECIPE_OMITTED}
     _FILE_ORDER = ("model", "degree", "label", "out_dir", "dtype", "device", "backward", "steps", "seed",
                    "batch_size", "seq_len", "lr", "clip_norm", "fixes", "granularity", "variant", "probes",
                    "selfcheck", "op_include", "capture", "module_include", "ref_dir", "tree_groups",
                    "group_gemm", "oracle", "oracle_ops", "oracle_own", "micro_batch", "mode", "positions",
-                   "prefix_from", "flags", "layers", "attention", "records_base")
+                   "prefix_from", "flags", "layers", "attention", "records_base", *RECIPE_OMITTED)
 
     def _synced(self) -> "WorldConfig":
         s = self.settings
@@ -308,12 +319,13 @@ class CompareConfig(_Nested):
     rerun: RerunSpec = field(default_factory=RerunSpec)
 
     _PARTS = {"settings": RunSettings, "axes": Axes, "rerun": RerunSpec}
-    _OMITTED = {"attentions": (), "paddings": ()}  # manifest.json as before these axes
+    # manifest.json as before these axes and the recipe (the default recipe: the keys left out)
+    _OMITTED = {"attentions": (), "paddings": (), **RECIPE_OMITTED}
     _FILE_ORDER = ("model", "degrees", "dtype", "device", "backward", "steps", "fixes", "fix_mode", "confirm",
                    "granularity", "out", "timeout", "seed", "batch_size", "seq_len", "variant", "baseline",
                    "op_include", "capture", "module_include", "extra", "tree_groups", "group_gemm", "selfcheck",
                    "oracle", "oracle_ops", "oracle_own", "micro_batches", "modes", "grid", "only", "positions",
-                   "prefix_from", "flags", "layers", "judge_downstream", "attentions", "paddings")
+                   "prefix_from", "flags", "layers", "judge_downstream", "attentions", "paddings", *RECIPE_OMITTED)
 
     def worlds(self):
         """Every configuration this compare runs, the reference first (tpdiag/base/points.py)."""

@@ -67,6 +67,10 @@ def compare(
                                             "deterministic algorithms, no TF32, no reduced-precision "
                                             "reductions) or default (PyTorch's own, what engines and "
                                             "trainers run); the table in docs/rl.md")] = "deterministic",
+    logprob: Annotated[str, typer.Option(help=H.LOGPROB)] = "log-softmax",
+    trainer_temperature: Annotated[float, typer.Option(help=H.TRAINER_TEMPERATURE)] = 1.0,
+    temperature_in: Annotated[str, typer.Option(help=H.TEMPERATURE_IN)] = "float32",
+    compiled: Annotated[bool, typer.Option("--compiled", help=H.COMPILED)] = False,
     tree_groups: Annotated[Optional[int], typer.Option(
         help="tree groups G of the invariant fixes: a power of two every degree divides (default: "
              "TPDIAG_TREE_GROUPS, else the largest degree - which then runs one plain GEMM per "
@@ -90,6 +94,9 @@ def compare(
         fmt = check_format(fmt)
         fix_mode = fix.strip().lower()
         fixes = () if fix_mode in ("auto", "none") else resolve(fix_mode)
+        from tpdiag.runner import recipe as trainer_recipe
+
+        rp = trainer_recipe.parse(logprob, trainer_temperature, temperature_in, compiled)
         cfg = CompareConfig.of(
             model=model, degrees=parse_degrees(tp, 1 if micro_batch or mode or attention else 2), dtype=parse_choice("--dtype", dtype, DTYPES),
             device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps,
@@ -98,6 +105,8 @@ def compare(
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,
             seed=seed, variant=variant, baseline=baseline, judge_downstream=judge_downstream, batch_size=batch_size, seq_len=seq_len, layers=layers,
             tree_groups=0 if tree_groups is None else tree_groups, flags=_one_flags(flags),
+            logprob=rp.name, trainer_temperature=rp.temperature, temperature_in=rp.divide_in,
+            logprob_compiled=rp.compiled,
             **H.axes(micro_batch, mode, grid, attention, padding))
         from tpdiag.records.lock import refuse_if_held
 

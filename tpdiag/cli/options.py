@@ -179,3 +179,16 @@ VERBOSE = ("after the verdict, where the time went: setup, each world, the refer
 LAYERS = ("run only the model's first N decoder layers, with its real embedding, final norm and head "
           "(the same weights; hf: per-layer config lists cut to match): a model whose reference does not "
           "fit one GPU; 0: every layer")
+
+# the trainer's logprob recipe (runner/recipe.py): rollout's and compare's, one wording
+LOGPROB = ("the trainer's logprob recipe, every configuration's: log-softmax (logits.float().log_softmax(-1) "
+           "gathered at the token), logsumexp (x = logits.float(); x.gather(-1, ids) - x.logsumexp(-1): TRL's "
+           "selective_log_softmax and verl's v2 for float32 logits, OpenRLHF), model-dtype (log_softmax in the "
+           "logits' own dtype, e.g. bf16: TRL's and verl's v2 for bf16 logits); docs/rl.md")
+TRAINER_TEMPERATURE = ("the trainer divides its logits by this temperature before the logprob (1: no division); "
+                       "where: --temperature-in")
+COMPILED = ("the trainer's logprob recipe (--logprob, its temperature) under torch.compile(dynamic=True), as one "
+            "function from the logits, as TRL's and others' decorated logprob functions: inductor's fused kernel "
+            "rounds otherwise than eager (docs/rl.md)")
+TEMPERATURE_IN = ("where the trainer divides by --trainer-temperature: float32 (logits.float() / T) or model "
+                  "((logits / T).float(): in the logits' own dtype, as TRL's GRPO and verl divide bf16 logits)")

@@ -49,6 +49,9 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         console.print(ran(summary))
     if (summary.get("flags") or {}).get("line"):
         console.print(raw["flags"]["line"], markup=False, soft_wrap=True)
+    if (summary.get("logprob_recipe") or {}).get("formula"):
+        console.print(f"logprob recipe (--logprob): {raw['logprob_recipe']['formula']}, in every configuration",
+                      markup=False, soft_wrap=True)
     if (summary.get("checkpoint_dtype") or {}).get("note"):
         console.print(f"note: {raw['checkpoint_dtype']['note']}", markup=False, soft_wrap=True)
     if base is not None and base.get("reproducible") is None:  # the rerun failed: nothing was checked

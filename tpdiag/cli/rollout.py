@@ -56,19 +56,10 @@ def rollout(
                                                      "0: --sampling's, else the rollout's most generated tokens "
                                                      "where one ran out, else the checkpoint's generation_config "
                                                      "max_new_tokens (or max_length), else that most")] = 0,
-    logprob: Annotated[str, typer.Option(help="the trainer's logprob recipe, every configuration's: log-softmax "
-                                              "(logits.float().log_softmax(-1) gathered at the token), logsumexp "
-                                              "(x = logits.float(); x.gather(-1, ids) - x.logsumexp(-1): TRL's "
-                                              "selective_log_softmax and verl's v2 for float32 logits, OpenRLHF), "
-                                              "model-dtype (log_softmax in the logits' own dtype, e.g. bf16: TRL's "
-                                              "and verl's v2 for bf16 logits); docs/rl.md")] = "log-softmax",
-    trainer_temperature: Annotated[float, typer.Option(help="the trainer divides its logits by this temperature "
-                                                           "before the logprob (1: no division); where: "
-                                                           "--temperature-in")] = 1.0,
-    temperature_in: Annotated[str, typer.Option(help="where the trainer divides by --trainer-temperature: float32 "
-                                                     "(logits.float() / T) or model ((logits / T).float(): in the "
-                                                     "logits' own dtype, as TRL's GRPO and verl divide bf16 "
-                                                     "logits)")] = "float32",
+    logprob: Annotated[str, typer.Option(help=H.LOGPROB)] = "log-softmax",
+    trainer_temperature: Annotated[float, typer.Option(help=H.TRAINER_TEMPERATURE)] = 1.0,
+    temperature_in: Annotated[str, typer.Option(help=H.TEMPERATURE_IN)] = "float32",
+    compiled: Annotated[bool, typer.Option("--compiled", help=H.COMPILED)] = False,
     dtype: Annotated[str, typer.Option(help=H.choice("DTYPES"))] = "float32",
     device: Annotated[str, typer.Option(help="cpu | cuda | auto (cuda when there is one)")] = "auto",
     seed: Annotated[int, typer.Option(help="seed of the random init when the model has no weights")] = 1234,
@@ -91,7 +82,7 @@ def rollout(
     with reported():
         from tpdiag.config import DTYPES, parse_choice
         from tpdiag.runner import attention as attn
-        from tpdiag.rollout import recipe as trainer_recipe
+        from tpdiag.runner import recipe as trainer_recipe
         from tpdiag.rollout import sampling as rollout_sampling
         from tpdiag.rollout.run import (RolloutConfig, parse_fixes, parse_ints, parse_jobs, parse_modes,
                                         parse_padding, run_rollout)
@@ -115,7 +106,7 @@ def rollout(
                            padding=parse_padding(padding), jobs=parse_jobs(jobs),
                            sampling=rollout_sampling.parse(sampling), max_cache_len=max_cache_len,
                            max_new_tokens=max_new_tokens,
-                           recipe=trainer_recipe.parse(logprob, trainer_temperature, temperature_in))
+                           recipe=trainer_recipe.parse(logprob, trainer_temperature, temperature_in, compiled))
         from tpdiag.models.spec import parse_spec
 
         parse_spec(model)

@@ -81,13 +81,17 @@ def check(y1: torch.Tensor, yn: torch.Tensor, bound: torch.Tensor) -> BoundCheck
     return BoundCheck(float(bound.flatten()[i]), r, r > 1.0)
 
 
-def logprob_bound(logits1, logitsn, lp1, lpn) -> torch.Tensor:
+def logprob_bound(logits1, logitsn, lp1, lpn, recipe: dict | None = None) -> torch.Tensor:
     """Per-token bound on |lp_N - lp_1| for lp = logit[label] - logsumexp(logits).
 
     logsumexp is 1-Lipschitz in the max-norm of its input and the target logit moves by at most
     the same amount, so a logits difference d moves lp by <= 2d. Rounding: a sum of V positive
     terms (gamma_V) and an exp/log each side, in fp32; then each side's rounding of its result
     to the logprobs' own dtype (a bf16 logprob near -6 is a multiple of 2**-5).
+    recipe: the trainer's logprob recipe (runner/recipe.py; world.json's keys, {} the default):
+    a temperature T divides d by T, and its division rounds each logit / T (|z / T| at most the
+    row's max M / T) in its dtype, moving lp by <= 2 u M / T a side; a log-softmax in the logits'
+    own dtype (model-dtype) rounds its result to that dtype.
     """
     f = torch.float64
     v = logits1.shape[-1]
@@ -95,12 +99,27 @@ def logprob_bound(logits1, logitsn, lp1, lpn) -> torch.Tensor:
     # a few rows at a time: two float64 copies of a 4B model's logits are 5 GB
     rows = max(1, (1 << 20) // max(v, 1))
     d = torch.empty(l1.shape[0], dtype=f, device=l1.device)
+    m = torch.empty_like(d)  # the rows' largest |logit| on either side
     for i in range(0, l1.shape[0], rows):
-        d[i:i + rows] = (ln[i:i + rows].to(f) - l1[i:i + rows].to(f)).abs().amax(-1)
+        a1, an = l1[i:i + rows].to(f), ln[i:i + rows].to(f)
+        d[i:i + rows] = (an - a1).abs().amax(-1)
+        m[i:i + rows] = torch.maximum(a1.abs().amax(-1), an.abs().amax(-1))
     u = UNIT_ROUNDOFF[torch.float32]
     u_out = UNIT_ROUNDOFF.get(lp1.dtype, u) if lp1.dtype != torch.float64 else 0.0
     a, b = lp1.reshape(-1).to(f), lpn.reshape(-1).to(f)
-    return 2 * d + 2 * gamma(v, u) + 4 * u * (1 + a.abs() + b.abs()) + u_out * (a.abs() + b.abs())
+    recipe = recipe or {}
+    t = float(recipe.get("trainer_temperature", 1.0))
+    name, where = recipe.get("logprob", "log-softmax"), recipe.get("temperature_in", "float32")
+    u_dt = UNIT_ROUNDOFF.get(logits1.dtype, u)
+    out = 2 * d / t + 2 * gamma(v, u) + 4 * u * (1 + a.abs() + b.abs()) + u_out * (a.abs() + b.abs())
+    if t != 1.0:
+        u_div = u_dt if (where == "model" or name == "model-dtype") else u
+        out = out + 2 * 2 * u_div * m / t
+    if name == "model-dtype":
+        # torch's 16-bit log_softmax accumulates in float32 (acc_type, CPU and CUDA) and rounds its
+        # result to the logits' dtype: each side's rounding of its logprob (one ULP of slack)
+        out = out + u_dt * (1 + a.abs() + b.abs())
+    return out
 
 
 def mean_bound(elem_bound: torch.Tensor, y1: float, yn: float, n: int,

@@ -57,6 +57,17 @@ class DegreeDiff:
     # (the nearest re-executed module holding the buffer: its owner where that was re-executed)
     oracle_writer: dict = field(default_factory=dict)
     captured: bool = False  # a diff of captures (tpdiag.capture): the user's own loss and optimizer
+    # the trainer's logprob recipe the logprobs took (world.json config: logprob, trainer_temperature,
+    # temperature_in; runner/recipe.py): their bound's (diff/loss_bounds.py); {} the default
+    recipe: dict = field(default_factory=dict)
+
+
+def _recipe(world) -> dict:
+    """The logprob recipe a world's config names, where it is not the default (config.py leaves the
+    default's keys out: an older world.json reads as the default)."""
+    cfg = (world.get("config") or {}) if isinstance(world, dict) else {}
+    keys = ("logprob", "trainer_temperature", "temperature_in")
+    return {k: cfg[k] for k in keys if k in cfg}
 
 
 def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
@@ -298,7 +309,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"
                and m["phase"] not in skip and not _inside_block(m, per_rank)]
     dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents,
-                    hash_version=ref.hash_version, captured=captured)
+                    hash_version=ref.hash_version, captured=captured, recipe=_recipe(other.world))
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
         from tpdiag.records.keys import ORACLE_NORMS as NORMS, ORACLE_TAP as TAP, RecordKey

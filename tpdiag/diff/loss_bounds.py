@@ -47,12 +47,15 @@ def loss_bounds(dd: DegreeDiff) -> None:
                     loss_row = None
 
                 def measure():
-                    eb = bounds.logprob_bound(l1, ln, p1, pn)
+                    # the logprobs are the trainer's recipe (--logprob); the loss is the cross-entropy's
+                    eb = bounds.logprob_bound(l1, ln, p1, pn, dd.recipe)
                     d = (pn.double().reshape(-1) - p1.double().reshape(-1)).abs()
                     chk = bounds.check(p1.reshape(-1), pn.reshape(-1), eb)
                     lp = chk.bound, float(d.flatten()[int((d / eb).argmax())]), chk.ratio, chk.beyond
                     if loss_row is None:
                         return lp, None
+                    if dd.recipe:
+                        eb = bounds.logprob_bound(l1, ln, p1, pn)
                     la, lb = dd.tensors[loss_row["key"]]
                     a, b = (float(t.double().reshape(-1)[0]) for t in (la, lb))
                     # a 16-bit loss (stock cross_entropy on bf16 logits) rounds each token's
@@ -67,7 +70,8 @@ def loss_bounds(dd: DegreeDiff) -> None:
                 # the same records' bounds, measured earlier in this process (diff/pair_memo.py)
                 ids = pair_memo.of(dd, lk, lp_row["key"], *((loss_row["key"],) if loss_row else ()))
                 lp, loss = pair_memo.cached(ids and ("logprob", bounds.logprob_bound, bounds.check,
-                                                     bounds.mean_bound, ids), measure)
+                                                     bounds.mean_bound, ids, tuple(sorted(dd.recipe.items()))),
+                                            measure)
                 _set(lp_row, lp[0], lp[1])
                 lp_row["bound_ratio"], lp_row["beyond_bound"] = lp[2], lp[3]
                 if loss is not None:

@@ -61,7 +61,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
     settings whose processors the generated tokens' rows go through first (tpdiag.rollout.sampling).
     max_cache_len: padding static's cache length (0: generate()'s for the micro-batch, _decode);
     max_new_tokens: generate()'s, which sets that length (0: the micro-batch's most generated tokens).
-    recipe: the trainer's logprob recipe (tpdiag.rollout.recipe.Recipe; None: the default)."""
+    recipe: the trainer's logprob recipe (tpdiag.runner.recipe.Recipe; None: the default)."""
     import torch
 
     from tpdiag.fixes.registry import apply_fixes, resolve
@@ -90,7 +90,7 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
         raise Unavailable(f"padding compiled is generate()'s torch.compile'd decode, which it runs only on "
                           f"{' / '.join(COMPILING_DEVICES)}; on {_device(model).type} generate(cache_implementation="
                           "\"static\") is eager: --padding static")
-    from tpdiag.rollout import recipe as trainer_recipe
+    from tpdiag.runner import recipe as trainer_recipe
 
     recipe = recipe or trainer_recipe.Recipe()
     names = () if cfg.fix == "none" else resolve("all" if cfg.fix == "all" else cfg.fix.split("+"))
@@ -123,7 +123,8 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
                 if not recipe.default:
                     # the user's recipe on the whole vocabulary: a division or a log-softmax in bf16
                     # rounds per element, the same bits on a shard or the whole
-                    wholes.append(trainer_recipe.rows(_whole(r), recipe))
+                    # (--compiled: the logits as they are, the whole recipe in one compiled graph below)
+                    wholes.append(_whole(r) if recipe.compiled else trainer_recipe.rows(_whole(r), recipe))
                     if recipe.temperature != 1.0:
                         # the processed check reads the engine against the model's own logits: a
                         # trainer's division is the trainer's, not a processing the engine did
@@ -148,7 +149,8 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
                     with loss_context(sharded):
                         lp = logprob_fn(r, labels)
                 else:
-                    lp = trainer_recipe.token_logprobs(r, labels, recipe)
+                    lp = (trainer_recipe.whole(r, labels, recipe) if recipe.compiled
+                          else trainer_recipe.token_logprobs(r, labels, recipe))
                 out[i] = _whole(lp).float().cpu()
                 if on_logits is not None:
                     on_logits(i, undivided[k] if undivided else _whole(r).float())

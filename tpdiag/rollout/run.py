@@ -44,7 +44,7 @@ class RolloutConfig:
     # generate()'s max_new_tokens: --padding static's cache length is each micro-batch's longest
     # prompt + it - 1; 0: --sampling's, else the rollout's most generated tokens (rollout/static_len.py)
     max_new_tokens: int = 0
-    # the trainer's logprob recipe (tpdiag.rollout.recipe.Recipe; None: log_softmax of the float32
+    # the trainer's logprob recipe (tpdiag.runner.recipe.Recipe; None: log_softmax of the float32
     # logits gathered at the token), every configuration's
     recipe: object = None
 
@@ -82,7 +82,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
 
         rollout_sampling.check(seqs, rc.sampling)
     if rc.recipe is not None:
-        from tpdiag.rollout.recipe import check_sampling
+        from tpdiag.runner.recipe import check_sampling
 
         check_sampling(rc.recipe, rc.sampling)
     if rc.max_cache_len < 0:
@@ -188,7 +188,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
 
 def _recipe_entry(rc) -> dict:
     """The trainer's logprob recipe every configuration ran (docs/rl.md, --logprob)."""
-    from tpdiag.rollout.recipe import Recipe
+    from tpdiag.runner.recipe import Recipe
 
     r = rc.recipe or Recipe()
     return {**r.to_dict(), "formula": r.describe()}

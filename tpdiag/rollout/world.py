@@ -102,7 +102,7 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> 
     from tpdiag.base import files as io
     from tpdiag.rollout.compute import Config, Unavailable, logprobs
     from tpdiag.rollout.read import Sequence
-    from tpdiag.rollout.recipe import Recipe
+    from tpdiag.runner.recipe import Recipe
     from tpdiag.runner import determinism
     from tpdiag.runner.sdpa_ran import SdpaRan
     from tpdiag.runner.build import build_model

@@ -62,6 +62,9 @@ def validate(cfg: CompareConfig) -> dict:
             check(base)
     if cfg.steps < 1:
         raise BadInput(f"--steps {cfg.steps}: must be >= 1")
+    from tpdiag.runner.recipe import parse
+
+    parse(cfg.logprob, cfg.trainer_temperature, cfg.temperature_in, cfg.logprob_compiled)  # built without the CLI
     import math
 
     if not math.isfinite(cfg.timeout) or cfg.timeout <= 0 or cfg.timeout > 7 * 86400:

@@ -191,6 +191,11 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         on_status("diff", "ok")
     summary["run_dir"] = out
     summary["flags"] = _flags_summary(cfg.flags, manifest["worlds"], labels)
+    from tpdiag.runner.recipe import Recipe
+
+    recipe = Recipe.of(cfg)
+    if not recipe.default:  # the recorded logprobs are the trainer's recipe (manifest config: logprob)
+        summary["logprob_recipe"] = {**recipe.to_dict(), "formula": recipe.describe()}
     return summary, files
 
 

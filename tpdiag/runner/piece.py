@@ -106,12 +106,16 @@ class Losses:
     """A step's loss over its pieces: one piece's is the step's; several pieces' shares are
     summed, or under the invariant cross-entropy their tokens' logprobs reduced once."""
 
-    def __init__(self, target, fns, n_total, n_pieces: int, world: int, rows_total: int | None = None):
+    def __init__(self, target, fns, n_total, n_pieces: int, world: int, rows_total: int | None = None,
+                 recipe=None):
         """n_total: the step's token count (micro.n_tokens), counted once before the steps;
-        rows_total: its sequences (a Target.loss_mean of "sequence" weights pieces by them)."""
+        rows_total: its sequences (a Target.loss_mean of "sequence" weights pieces by them);
+        recipe: the trainer's logprob recipe of the recorded logprobs (runner/recipe.py; None or
+        the default: the step's logprob function's)."""
         self.target, self.n_total, self.n_pieces, self.world = target, n_total, n_pieces, world
         self.rows_total = rows_total
         self.loss_fn, self.logprob_fn, _ = fns
+        self.recipe = recipe if recipe is not None and not recipe.default else None
         self.invariant_ce = self.loss_fn is not (target.loss or _default_loss())
         self.sum, self.lps, self.lp, self.dtype = None, [], None, None
 
@@ -126,7 +130,17 @@ class Losses:
         self.dtype = lo.logits.dtype
         with loss_context(self.world):
             with torch.no_grad():
-                self.lp = self.logprob_fn(lo.logits.detach(), lo.labels)
+                if self.recipe is None:
+                    self.lp = step_lp = self.logprob_fn(lo.logits.detach(), lo.labels)
+                else:
+                    from tpdiag.runner.recipe import logprobs
+
+                    # the user's recipe on the whole vocabulary, in place of the fixes' invariant
+                    # vocab softmax too (rollout's rule): it is the user's function. The step's loss
+                    # over several pieces is still the invariant cross-entropy's logprobs, reduced once
+                    self.lp = logprobs(lo.logits.detach(), lo.labels, self.recipe)
+                    several = self.n_pieces > 1 and self.invariant_ce and target.loss is None
+                    step_lp = self.logprob_fn(lo.logits.detach(), lo.labels) if several else None
             rec.add("logprobs", "model", "logprobs", self.lp)
             if self.n_pieces == 1:
                 loss = self.loss_fn(lo.local if target.loss is not None else lo.logits, lo.labels)
@@ -135,7 +149,7 @@ class Losses:
                 loss = micro.piece_loss(target, self.loss_fn, lo.logits, lo.local, lo.labels, self.n_total,
                                         self.invariant_ce, self.rows_total)
                 self.sum = loss.detach() if self.sum is None else self.sum + loss.detach()
-                self.lps.append(self.lp)
+                self.lps.append(step_lp)
             yield loss
 
     def step(self, rec: Recorder):

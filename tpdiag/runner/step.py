@@ -113,7 +113,10 @@ def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, 
     # the buffers as the step found them: those it wrote are recorded after it, and a micro-batch
     # that reads one an earlier micro-batch wrote is named (diff/engine.py, piece_state)
     buffers = buffer_state(model) if rec.enabled and (cfg.backward or several) else None
-    losses = pieces.Losses(target, fns, n_total, len(parts), world, sum(lab.shape[0] for _, lab in parts))
+    from tpdiag.runner.recipe import Recipe
+
+    losses = pieces.Losses(target, fns, n_total, len(parts), world, sum(lab.shape[0] for _, lab in parts),
+                           Recipe.of(cfg))
     with ExitStack() as window:
         # the pieces' weight grads: fp32 carries, rounded once as the window closes (runner/micro.py)
         w = window.enter_context(carry(model))

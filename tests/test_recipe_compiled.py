@@ -1,0 +1,111 @@
+"""A trainer whose logprob function is `@torch.compile(dynamic=True)`-decorated (TRL's
+selective_log_softmax and others): inductor fuses the cast, the division and the log-softmax into
+a kernel that rounds otherwise than eager. `--compiled` (rollout and compare) runs the recipe under
+torch.compile(dynamic=True) as one function of the logits: tpdiag's prefill is then the user's own
+compiled function's bits (torch.equal, every position of every sequence), where the eager recipe
+(tpdiag before) is not; and compare records the user's compiled bits at TP=1."""
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+pytest.importorskip("transformers")
+
+from tests.test_rollout_rl_team import engine, rollout, save_bf16  # noqa: E402
+
+T = 0.7
+
+
+def user_log_softmax(logits, index):  # as TRL writes it for float32: log_softmax of the upcast logits
+    return torch.gather(torch.log_softmax(logits.float(), dim=-1), -1, index.unsqueeze(-1)).squeeze(-1)
+
+
+def user_tempered(logits, index):  # a GRPO trainer dividing its bf16 logits in place, then the same
+    return torch.gather(torch.log_softmax((logits / T).float(), dim=-1), -1, index.unsqueeze(-1)).squeeze(-1)
+
+
+def _batch(rows):
+    L = max(len(x["input_ids"]) for x in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, x in enumerate(rows):
+        ids[i, :len(x["input_ids"])] = torch.tensor(x["input_ids"])
+        mask[i, :len(x["input_ids"])] = 1
+    return ids, mask
+
+
+def _same(user, rows, got) -> int:
+    return sum(torch.equal(user[i, :len(x["input_ids"]) - 1], got[i]) for i, x in enumerate(rows))
+
+
+@pytest.fixture(scope="module")
+def team(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("compiled")
+    path = save_bf16("qwen2", tmp / "q")
+    files, model = engine(path, temperature=T, top_k=0)
+    rows = files["raw"]
+    ids, mask = _batch(rows)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+    lab = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        user = {("log-softmax", 1.0, "float32"): (torch.compile(user_log_softmax, dynamic=True)(logits, lab),
+                                                  user_log_softmax(logits, lab)),
+                ("log-softmax", T, "model"): (torch.compile(user_tempered, dynamic=True)(logits, lab),
+                                              user_tempered(logits, lab))}
+    return tmp, path, rows, user
+
+
+@pytest.mark.parametrize("key", [("log-softmax", 1.0, "float32"), ("log-softmax", T, "model")], ids=str)
+def test_rollout_compiled_is_the_users_compiled_bits(team, key):
+    from tpdiag.runner.recipe import parse
+
+    tmp, path, rows, user = team
+    compiled, eager = user[key]
+    # the premise: the user's compiled function is not their eager one on this batch
+    assert _same(eager, rows, {i: compiled[i, :len(x["input_ids"]) - 1] for i, x in enumerate(rows)}) < len(rows)
+    s, got = rollout(tmp, rows, path, modes=("prefill",), recipe=parse(*key, compiled=True))
+    pre = got["tp1-mb8-prefill-none"]
+    assert _same(compiled, rows, pre) == len(rows), key
+    assert s["logprob_recipe"]["compiled"] is True and s["logprob_recipe"]["formula"].startswith("torch.compile")
+    # the control: the eager recipe (tpdiag before --compiled) is the eager function's, not the compiled one's
+    _, got = rollout(tmp, rows, path, modes=("prefill",), recipe=parse(*key))
+    pre = got["tp1-mb8-prefill-none"]
+    assert _same(eager, rows, pre) == len(rows) and _same(compiled, rows, pre) < len(rows), key
+
+
+def test_compare_compiled_records_the_users_compiled_bits(tmp_path, team):
+    from tpdiag.records.store import RecordSet
+
+    _, path, _, _ = team
+    run = tmp_path / "r"
+    p = run_cli("compare", "--model", "hf:" + path, "--dtype", "bfloat16", "--device", "cpu", "--tp", "1,1",
+                "--forward-only", "--no-confirm", "--no-baseline", "--batch-size", "4", "--seq-len", "16",
+                "--compiled", "--out", str(run), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    rs = RecordSet(str(run / "tp1"))
+    logits = rs.tensor(next(e for e in rs.events if e["kind"] == "logits"))
+    labels = rs.tensor(next(e for e in rs.events if e["kind"] == "batch" and e["name"] == "labels"))
+    lp = rs.tensor(next(e for e in rs.events if e["kind"] == "logprobs"))
+    scored = labels != -100
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = torch.compile(user_log_softmax, dynamic=True)(logits, labels.clamp_min(0))
+        eager = user_log_softmax(logits, labels.clamp_min(0))
+    assert torch.equal(lp.view_as(labels)[scored], want[scored])
+    assert not torch.equal(lp.view_as(labels)[scored], eager[scored])  # compiled bits, not eager's
+    cfg = json.loads((run / "manifest.json").read_text())["config"]
+    assert cfg["logprob_compiled"] is True and "logprob" not in cfg
+    assert "torch.compile(dynamic=True) of: logits.float().log_softmax(-1).gather(-1, ids)" in p.stdout
+
+
+def test_compiled_beside_sampling_is_one_line():
+    from tpdiag.errors import BadInput
+    from tpdiag.runner.recipe import check_sampling, parse
+
+    with pytest.raises(BadInput, match="--compiled with --sampling") as e:
+        check_sampling(parse(compiled=True), (("top_k", 4),))
+    assert "\n" not in str(e.value)
