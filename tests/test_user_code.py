@@ -31,3 +31,16 @@ def test_the_op_line_names_a_frame_in_site_packages():
     exec(compile("def forward():\n    return calling_line()\n", path, "exec"), ns)
     line = ns["forward"]()
     assert line is not None and line.endswith(":2 in forward") and "users_model_pkg" in line, line
+
+
+def test_a_child_process_stops_at_its_bootstrap():
+    """A rank forked from a fork server (the tests' CLI server, a user's launcher) holds its parent's
+    frames below multiprocessing's bootstrap: an op of a built-in model (no user frame in the rank's
+    own work) read the launcher's line as its `op_at` (test_own_pass_links: a linked and a rerun
+    world disagreed, `tests/cli_zygote.py:138 in _become_fork_server`). Fails on the old code: the
+    forked worker named this test's own line."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply(user_code.calling_line) is None
+    assert user_code.calling_line() is not None  # here, in the parent: this test's own line

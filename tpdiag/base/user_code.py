@@ -77,11 +77,22 @@ def _internal_path(path: str) -> bool:
     return any(path.startswith(d) for d in dirs)
 
 
+def _process_entry():
+    from multiprocessing.process import BaseProcess
+
+    return BaseProcess._bootstrap.__code__
+
+
 def calling_line() -> str | None:
     """'FILE:LINE in FUNC' of the innermost frame of the running stack in the user's own code;
     None when there is none (an op of torch's or tpdiag's own, a library model)."""
     f = sys._getframe(1)
+    stop = _process_entry()
     while f is not None:
+        if f.f_code is stop:
+            # below a child process's bootstrap lies the code that started it (a fork server's
+            # loop, a test harness, the user's launcher) - never the op's origin
+            return None
         if not _internal(f.f_code.co_filename):
             return f"{shown(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
         f = f.f_back
