@@ -123,8 +123,8 @@ def _sum_sq_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _sums_of_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
     """_sum_sq(a), _sum_sq(b), _sum_sq_diff(a, b): the same float64 expressions, each side
-    converted once (three conversions of a and of b, and on a GPU three copies each, were most of
-    the grad norm's cost: every grad of the captured modules, read twice per side)."""
+    converted once (norm_own_errors' and norm_bound's own calls convert - on a GPU copy - each side
+    twice: every grad of the captured modules read twice per side)."""
     f = torch.float64
     a64, b64 = a.to(f), b.to(f)
     return float((a64 ** 2).sum()), float((b64 ** 2).sum()), float(((b64 - a64) ** 2).sum())
