@@ -140,7 +140,28 @@ def _sum_sq_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((b.to(f) - a.to(f)) ** 2).sum())
 
 
-def norm_own_errors(grads1: list, gradsn: list, total1: float, totaln: float) -> dict:
+def _sums_of_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
+    """_sum_sq(a), _sum_sq(b), _sum_sq_diff(a, b): the same float64 expressions, each side
+    converted once (norm_own_errors' and norm_bound's own calls convert - on a GPU copy - each side
+    twice: every grad of the captured modules read twice per side)."""
+    f = torch.float64
+    a64, b64 = a.to(f), b.to(f)
+    return float((a64 ** 2).sum()), float((b64 ** 2).sum()), float(((b64 - a64) ** 2).sum())
+
+
+def grad_sums(grads1: list, gradsn: list) -> list:
+    """[(sum of squares of g1, of gn, of gn - g1)] per grad pair in float64, on the parent's check
+    device where it has one (diff/on_device.py): what norm_bound and norm_own_errors sum, read once
+    for both. A pair of two dtypes is measured as each function measures it alone: its tensors may
+    sit on either side of on_device's size floor, each then on the device it ran on before."""
+    from tpdiag.diff import on_device
+
+    return [on_device.run(_sums_of_pair, a, b) if a.dtype == b.dtype else
+            (on_device.run(_sum_sq, a), on_device.run(_sum_sq, b), on_device.run(_sum_sq_diff, a, b))
+            for a, b in zip(grads1, gradsn)]
+
+
+def norm_own_errors(grads1: list, gradsn: list, total1: float, totaln: float, sums: list | None = None) -> dict:
     """Each side's grad norm against the float64 norm of ITS OWN recorded grads - the local
     oracle of a reduction: a norm that read the wrong grads (a shard missing, a replica counted
     twice, no all-reduce) is far from its own grads' exact norm, while a faithful one is off by
@@ -148,14 +169,18 @@ def norm_own_errors(grads1: list, gradsn: list, total1: float, totaln: float) ->
     that rounding (log2 n deep sums); a GPU's reduce kernel sums long serial runs per thread, and
     accumulation over micro-batches changes the grads, not the norm's own error.
     far: this side's error is beyond A x the reference's own error (floored at the log2-depth
-    rounding of the norm), A = 8 as for any one-output float64 verdict."""
+    rounding of the norm), A = 8 as for any one-output float64 verdict.
+    sums: grad_sums(grads1, gradsn), where the caller made them (None: made here)."""
     import math
 
     from tpdiag.diff import on_device
 
     # float64 sums of squares on the parent's check device where it has one (diff/on_device.py)
-    e1 = math.sqrt(sum(on_device.run(_sum_sq, a) for a in grads1))
-    en = math.sqrt(sum(on_device.run(_sum_sq, b) for b in gradsn))
+    if sums is not None:
+        e1, en = math.sqrt(sum(s[0] for s in sums)), math.sqrt(sum(s[1] for s in sums))
+    else:
+        e1 = math.sqrt(sum(on_device.run(_sum_sq, a) for a in grads1))
+        en = math.sqrt(sum(on_device.run(_sum_sq, b) for b in gradsn))
     err1, errn = abs(total1 - e1), abs(totaln - en)
     n = max(sum(a.numel() for a in grads1), 2)
     floor = (gamma(math.ceil(math.log2(n)) + 1, UNIT_ROUNDOFF[torch.float32])
@@ -165,14 +190,16 @@ def norm_own_errors(grads1: list, gradsn: list, total1: float, totaln: float) ->
             "threshold": threshold, "far": not (errn <= threshold)}
 
 
-def norm_bound(grads1: list, gradsn: list, total1: float, totaln: float) -> float:
+def norm_bound(grads1: list, gradsn: list, total1: float, totaln: float, sums: list | None = None) -> float:
     """|norm_N - norm_1| <= ||g_N - g_1||_2 (triangle inequality) + each side's rounding of a
-    sum of squares over n elements (gamma_n, relative) and the square root."""
+    sum of squares over n elements (gamma_n, relative) and the square root.
+    sums: grad_sums(grads1, gradsn), where the caller made them (None: made here)."""
     import math
 
     from tpdiag.diff import on_device
 
-    diff2 = sum(on_device.run(_sum_sq_diff, a, b) for a, b in zip(grads1, gradsn))
+    diff2 = (sum(s[2] for s in sums) if sums is not None else
+             sum(on_device.run(_sum_sq_diff, a, b) for a, b in zip(grads1, gradsn)))
 
     n = sum(a.numel() for a in grads1)
     u = UNIT_ROUNDOFF[torch.float32]

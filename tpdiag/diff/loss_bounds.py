@@ -98,9 +98,13 @@ def loss_bounds(dd: DegreeDiff) -> None:
                 # beyond the triangle bound but faithful to its own grads: the bound's rounding
                 # model was too tight (a GPU's serial reduce runs), not a wrong norm
                 ids = pair_memo.of(dd, gn["key"], *grads)
+                def norms():
+                    # each grad pair read once for both (bounds.grad_sums), not once per sum
+                    sums = bounds.grad_sums(g1, gn_)
+                    return bounds.norm_bound(g1, gn_, a, b, sums), bounds.norm_own_errors(g1, gn_, a, b, sums)
+
                 bound, own = pair_memo.cached(
-                    ids and ("norm", bounds.norm_bound, bounds.norm_own_errors, ids),
-                    lambda: (bounds.norm_bound(g1, gn_, a, b), bounds.norm_own_errors(g1, gn_, a, b)))
+                    ids and ("norm", bounds.norm_bound, bounds.norm_own_errors, ids), norms)
                 _set(gn, bound, abs(b - a))
                 gn["norm_own"] = own
                 if gn["beyond_bound"] and not own["far"]:
