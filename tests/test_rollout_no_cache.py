@@ -50,11 +50,11 @@ def engine(tmp_path_factory):
     return (path, *files)
 
 
-def _run(model, f):
+def _run(model, f, recipe=None):
     from tpdiag.rollout.run import RolloutConfig, run_rollout
 
     return run_rollout(RolloutConfig(file=f, model="hf:" + model, micro_batch=(2,), modes=("decode",),
-                                     fixes=("none",), dtype="float32", top=0))
+                                     fixes=("none",), dtype="float32", top=0, recipe=recipe))
 
 
 def test_generate_without_a_kv_cache_is_named(engine):
@@ -83,3 +83,16 @@ def test_which_file_turns_the_cache_off(tmp_path):
     (tmp_path / "generation_config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"use_cache": False}}))
     assert cache_off(str(tmp_path)) == "config.json"
+
+
+def test_a_trainer_recipe_leads_before_the_cache(engine):
+    """The trainer's own recipe (a temperature the engine's raw logprobs lack) stops every
+    configuration by itself: what to do leads with running without it, and the cache is no lead."""
+    from tpdiag.runner.recipe import Recipe
+
+    model, off, on = engine
+    s = _run(model, off, Recipe(name="logsumexp", temperature=0.7))
+    assert not s["closest"]["reproduced"]
+    assert not [n for n in s["notes"] if "use_cache" in n], s["notes"]
+    assert s["what_to_do"]["line"].split(". ")[1].startswith(
+        "First run without --logprob/--trainer-temperature/--compiled"), s["what_to_do"]["line"]

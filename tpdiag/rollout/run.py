@@ -278,7 +278,11 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     pad_note = None if reproduced else pad_note
     if pad_note:
         notes.append(pad_note)
-    if cache_note and not reproduced:
+    # a trainer recipe other than the engine's log-softmax stops every configuration by itself (the
+    # recipe note): the cache is no lead then
+    recipe_own = rc.recipe is not None and not rc.recipe.default
+    cache_note = cache_note if not reproduced and not recipe_own else None
+    if cache_note:
         notes.append(cache_note)
     invariance = _tp_invariance(rc, seqs, results, trainer)
     for lab, v in invariance.items():
@@ -294,7 +298,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     if leak:
         notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc),
-                      bool(pad_note), leak, decodable, bool(cache_note and not reproduced))
+                      bool(pad_note), leak, decodable, bool(cache_note), recipe_own and not reproduced)
     noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {
