@@ -16,8 +16,8 @@ LENS, NEW = (3, 5), 6
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """(model dir, file sampled without a KV cache, file sampled with one): the tiny llama of
-    examples/make_tiny_hf.py with --weights, as the user made it (its generation_config.json, saved
-    by save_pretrained from the config, has use_cache false)."""
+    examples/make_tiny_hf.py with --weights, its generation_config.json saved with use_cache false
+    (as make_tiny_hf.py's was before: save_pretrained copied it from config.json)."""
     from hf_configs import write_tiny, write_weights
     from transformers import AutoModelForCausalLM
 
@@ -25,7 +25,9 @@ def engine(tmp_path_factory):
     path = write_tiny("llama", d / "model")[3:]
     write_weights(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    assert model.generation_config.use_cache is False
+    assert model.generation_config.use_cache is True  # the example's own: generate() as engines run
+    model.generation_config.use_cache = False
+    model.generation_config.save_pretrained(path)
     pad = 0
     P = max(LENS)
     ids = torch.full((len(LENS), P), pad, dtype=torch.long)
