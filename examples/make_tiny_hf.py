@@ -112,6 +112,11 @@ def write_weights(out_dir: str) -> None:
     # Built directly on the GPU when there is one: a 4B model's CPU init takes minutes.
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(cfg, "dtype", None) or torch.float32)
+    # generate() reads use_cache from the generation config, which save_pretrained makes from
+    # config.json's `use_cache: false`: generate() would then recompute the whole batch at every
+    # token, which no engine and no `tpdiag rollout --mode decode` does (docs/rl.md). The cache on
+    # for generate() only: tpdiag turns it off for its own training step whatever the file says.
+    model.generation_config.use_cache = True
     model.save_pretrained(out_dir)
 
 

@@ -9,6 +9,7 @@ _mod = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_mod)
 
 CONFIGS = _mod.CONFIGS
+write_weights = _mod.write_weights  # random weights for a written config, save_pretrained
 
 
 def write_tiny(kind: str, out_dir, **overrides) -> str:

@@ -14,7 +14,7 @@ runner = CliRunner()
     (["--tp", "0,x"], "is not an integer"),
     (["--tp", "1,0"], "must be >= 1"),
     (["--model", "nope"], "unknown model"),
-    (["--model", "hf:/does/not/exist"], "no config.json"),
+    (["--model", "hf:/does/not/exist"], "no directory '/does/not/exist'"),
     (["--model", "py:missing.py:f"], "not found"),
     (["--dtype", "float13"], "expected one of float32, bfloat16, float16"),
     (["--fix", "magic"], "unknown fix"),

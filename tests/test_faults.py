@@ -16,6 +16,11 @@ def test_raising_rank_fails_only_its_degree(tmp_path):
     assert s["degrees"]["2"]["status"] == "failed"
     assert "rank 1 raised RuntimeError: injected fault" in s["degrees"]["2"]["error"]
     assert s["degrees"]["4"]["status"] == "divergent"
+    # the next step names the failed degree and where its ranks' tracebacks are (helper hnew15)
+    todo = s["what_to_do"]
+    assert todo.startswith("TP=2 failed, so nothing was compared there"), todo
+    assert todo.endswith(str(tmp_path / "r" / "tp2" / "rank*.error")), todo
+    assert list((tmp_path / "r" / "tp2").glob("rank*.error")), "the traceback it names is not there"
 
 
 def test_hung_rank_times_out(tmp_path):

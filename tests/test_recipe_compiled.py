@@ -100,6 +100,8 @@ def test_compare_compiled_records_the_users_compiled_bits(tmp_path, team):
     cfg = json.loads((run / "manifest.json").read_text())["config"]
     assert cfg["logprob_compiled"] is True and "logprob" not in cfg
     assert "torch.compile(dynamic=True) of: logits.float().log_softmax(-1).gather(-1, ids)" in p.stdout
+    # inductor's pool of compile workers left its semaphores behind in each world (helper hnew15)
+    assert "leaked semaphore" not in p.stderr, p.stderr[-2000:]
 
 
 def test_compiled_beside_sampling_is_one_line():

@@ -2,6 +2,8 @@
 class, and the axis combinations a one-axis-at-a-time run did not look at."""
 from __future__ import annotations
 
+import os
+
 from tpdiag.base.points import config_name
 
 
@@ -94,7 +96,30 @@ def _fix_left_it(summary: dict) -> list[str]:
     return sorted(fixes)
 
 
+def _failed_worlds(summary: dict) -> str | None:
+    """What to do where a configuration's world failed (the run inconclusive), else None: its error
+    is in the table, its ranks' tracebacks in its folder - a new user's TP=16 of a 4-head model read
+    only `verdict: inconclusive` and the error, with no next step."""
+    from tpdiag.records.axes import entries
+    from tpdiag.records.paths import RunDir
+
+    failed = [(lab, d) for lab, d in entries(summary).items() if isinstance(d, dict) and d.get("status") == "failed"]
+    if summary.get("status") != "inconclusive" or not failed:
+        return None
+    run = summary.get("run_dir") or "RUN_DIR"
+    names = ", ".join(f"TP={lab}" if d.get("axis") == "tp" else str(lab) for lab, d in failed)
+    one = len(failed) == 1
+    return (f"{names} failed, so nothing was compared there: fix what {'its' if one else 'each'} error in the table "
+            "says (a crash in the model's code, a shape the degree cannot split) or leave "
+            f"{'that configuration' if one else 'those configurations'} out, then run again; each rank's traceback "
+            f"is in {os.path.join(RunDir(run).world(failed[0][0]), 'rank*.error')}"
+            + (" (the others' likewise)" if not one else ""))
+
+
 def _what_to_do(summary: dict) -> str | None:
+    failed = _failed_worlds(summary)
+    if failed:
+        return failed
     c = summary.get("class")
     if summary.get("status") != "divergent" or not c:
         return None

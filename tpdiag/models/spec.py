@@ -46,6 +46,14 @@ def _parse_spec(spec: str) -> ModelSpec:
         return ModelSpec("builtin", spec)
     if spec.startswith("hf:"):
         path = spec[3:]
+        if not os.path.exists(path):
+            # a Hub id (`hf:meta-llama/Llama-3.2-1B`) is a new user's first try: tpdiag loads local
+            # files only (no download in every rank of every world)
+            hub = (path.count("/") == 1 and not path.startswith((".", "~")) and "" not in path.split("/"))
+            raise BadInput(f"--model {spec!r}: no directory {path!r}" + (
+                "; tpdiag reads a local model directory only - if that is a Hugging Face Hub id, download it "
+                f"first (`hf download {path} --local-dir DIR`) and pass --model hf:DIR" if hub else
+                "; expected hf:DIR of a local Hugging Face model directory"))
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise BadInput(f"--model {spec!r}: no config.json in {path!r}; expected hf:DIR of a "
                            "local Hugging Face model directory")

@@ -144,6 +144,9 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
         from tpdiag.rollout import padded
 
         pad_note = padded.note(seqs, model)  # said only where nothing reproduces the engine (_summary)
+        from tpdiag.rollout import no_cache
+
+        cache_note = no_cache.note(rc.model)  # likewise
         if big > 1:
             # TP=1 is named only where it ran (`--tp 2` alone: the note said it ran here)
             notes.append("TP > 1 ran in worlds of one process per rank, one thread each (as compare's)"
@@ -183,7 +186,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if v:
                 flag_values.setdefault(k, v)
     return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-                    flag_values, pad_note, sampled, decodable)
+                    flag_values, pad_note, sampled, decodable, cache_note)
 
 
 def _recipe_entry(rc) -> dict:
@@ -227,7 +230,8 @@ def _dtype_note(rc) -> list[str]:
 
 
 def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-             flag_values=None, pad_note=None, sampled=None, decodable: bool = True) -> dict:
+             flag_values=None, pad_note=None, sampled=None, decodable: bool = True,
+             cache_note=None) -> dict:
     from tpdiag.rollout import metrics, processed
     from tpdiag.runner.flags import one_line
 
@@ -274,6 +278,12 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     pad_note = None if reproduced else pad_note
     if pad_note:
         notes.append(pad_note)
+    # a trainer recipe other than the engine's log-softmax stops every configuration by itself (the
+    # recipe note): the cache is no lead then
+    recipe_own = rc.recipe is not None and not rc.recipe.default
+    cache_note = cache_note if not reproduced and not recipe_own else None
+    if cache_note:
+        notes.append(cache_note)
     invariance = _tp_invariance(rc, seqs, results, trainer)
     for lab, v in invariance.items():
         if not v["same_bits"]:
@@ -288,7 +298,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     if leak:
         notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc),
-                      bool(pad_note), leak, decodable)
+                      bool(pad_note), leak, decodable, bool(cache_note), recipe_own and not reproduced)
     noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {

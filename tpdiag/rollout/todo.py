@@ -21,7 +21,7 @@ OTHER_AXIS = ("to match bitwise, run the trainer with the engine's value; or lea
 
 def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, reproduced: list, processed: dict,
                invariance: dict, notes_dtype: list, padded: bool = False, leak: dict | None = None,
-               decodable: bool = True) -> dict:
+               decodable: bool = True, cache_off: bool = False, recipe_own: bool = False) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
     token_mult_prob_error (the trainer's), threshold}."""
@@ -58,6 +58,12 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     if padded:  # every token moves with it: before anything else
         first.append("write the sequences without the engine's left padding (the pad token note above) and "
                      "run again")
+    if recipe_own:  # the trainer's recipe is not the engine's log-softmax: no configuration can match
+        first.append("run without --logprob/--trainer-temperature/--compiled to see whether the logits are the "
+                     "engine's (the recipe note above; the recipe's own gap to the engine is then the rest)")
+    if cache_off:  # generate() without a KV cache: every generated token's call shape differs
+        first.append("sample again with generate(..., use_cache=True) (the use_cache note above) and run "
+                     "again with --mode decode")
     if leak:
         first.append(f"read the batch note above ({leak['configuration']} is {leak['gap']:.3g} nats (mean) from "
                      f"{leak['alone']}, {_times(leak)}): the model's {leak['mode']} path lets a "

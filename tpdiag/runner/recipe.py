@@ -140,6 +140,12 @@ def whole(logits, labels, recipe: Recipe):
         def fn(logits, labels):
             return _token(_rows(logits, name, t, divide_in), labels, name)
 
+        import torch._inductor.config as inductor_config
+
+        # one small graph: inductor's pool of compile worker processes buys nothing here, and each
+        # world's ranks left its semaphores behind ("resource_tracker: ... leaked semaphore objects"
+        # under every --compiled compare). The pool only compiles; the kernels, so the bits, are the same
+        inductor_config.compile_threads = 1
         fn = _COMPILED[recipe] = torch.compile(fn, dynamic=True)
     return fn(logits, labels)
 
