@@ -86,7 +86,7 @@ def nearer(plain, put_back: tuple[Assembled, Assembled]) -> tuple[Assembled, Ass
 
     try:
         pa, pb = plain()
-    except NotComparable:
+    except (NotComparable, RuntimeError, ValueError):  # no shape-rule pair: the put-back as before
         return put_back
     fa, fb = put_back
     if pa.full is None or pb.full is None or pa.full.shape != pb.full.shape:
