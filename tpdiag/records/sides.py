@@ -95,16 +95,6 @@ def settings_problem(manifest: dict, d: str, label: str, who: str, degree=None) 
         if k in cfg and wcfg.get(k) != cfg[k]:
             return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k)!r} but manifest.json says {cfg[k]!r} "
                     "(another run's records, or manifest.json edited)")
-    # The logprob recipe's keys are left out where they are the default (config.RECIPE_OMITTED) - on
-    # either side. The logprobs' rounding bound reads world.json's (diff/engine._recipe): a world.json
-    # edited to trainer_temperature 1e-9 moved the bound of a run's logprobs from 6.6e-5 to 743 and
-    # `gate --allow rounding` passed it (red team hreview15)
-    from tpdiag.config import RECIPE_OMITTED
-
-    for k, default in RECIPE_OMITTED.items():
-        if wcfg.get(k, default) != cfg.get(k, default):
-            return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k, default)!r} but manifest.json says "
-                    f"{cfg.get(k, default)!r} (another run's records, or a file edited)")
     hv = manifest.get("hash_version")
     if "hash_version" in world and hv != world["hash_version"]:
         return (f"{who}: {folder(label)}/{WORLD} hashed its records with version {world['hash_version']!r} but "
