@@ -45,3 +45,41 @@ def test_the_shape_rule_stands_where_nothing_says_the_rows_are_flattened():
     # an activation not cut on a later dim (replicated at this degree): not a flattening of it
     rep = {**act, "local_shape": [b, s, d]}
     assert flat_rows.rows_of(op, rop, _Side([op, rep]), _Side([rop, ract])) is None
+
+
+def test_position_major_rows_keep_the_ranks_blocks_stacked():
+    """Sequence-first code flattens [B, S/N, D] position-major (`x.transpose(0, 1).reshape(-1, D)`):
+    the ranks' blocks stacked are TP=1's rows, and the put-back (batch-major) is another tensor. The
+    nearer candidate is read; batch-major rows still read put back."""
+    b, s, d, n = 2, 8, 4, 2
+    op, act, rop, ract = _metas(b, s, d, n)
+    x = torch.arange(b * s * d, dtype=torch.float32).reshape(b, s, d)
+    shape = flat_rows.rows_of(op, rop, _Side([op, act]), _Side([rop, ract]))
+    for ref, ranks in [
+        (x.transpose(0, 1).reshape(-1, d),  # position-major
+         torch.stack([x[:, r * s // n:(r + 1) * s // n].transpose(0, 1).reshape(-1, d) for r in range(n)])),
+        (x.reshape(-1, d),  # batch-major
+         torch.stack([x[:, r * s // n:(r + 1) * s // n].reshape(-1, d) for r in range(n)])),
+    ]:
+        ra, oa = flat_rows.nearer(lambda: (assemble(rop, ref, [b * s, d]), assemble(op, ranks, [b * s, d])),
+                                  (assemble(rop, ref, [b * s, d]), flat_rows.assemble_rows(ranks, shape)))
+        assert torch.equal(oa.full, ref) and torch.equal(ra.full, ref)
+
+
+def test_a_correct_position_major_projection_reads_rounding(tmp_path):
+    """planted seq_major.py: a correct context-parallel projection whose GEMM rows are position-major,
+    its module's output moved by an all-reduced sum (rounding). Its GEMM's rows put back batch-major
+    read `sharding-bug` 1.3e6x beyond rounding at `aten::mm` (class bug) before the fix."""
+    import json
+
+    from tests.conftest import run_cli
+
+    d = tmp_path / "run"
+    p = run_cli("compare", "--model", "py:tests/models/planted/seq_major.py:seq_major", "--tp", "1,2",
+                "--no-baseline", "--no-confirm", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["class"] == "rounding", p.stdout[-2000:]
+    rows = (d / "ops" / "diff.csv").read_text().splitlines()
+    mm = [r for r in rows if "s0/forward/proj/op#0/aten::mm#0.0" in r]
+    assert mm and ",True," in mm[0], mm

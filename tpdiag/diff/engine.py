@@ -219,8 +219,10 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             rt, ot = _read_pair(ref, rm, other, om)
             flat = flat_rows.rows_of(om, rm, other, ref) if om["kind"] == "op" else None
             if flat is not None:
-                # an op on a sequence shard's flattened rows: put back as its module's activation is
-                ra, oa = assemble(rm, rt, flat[1]), flat_rows.assemble_rows(ot, flat)
+                # an op on a sequence shard's flattened rows: put back as its module's activation is,
+                # unless the ranks' blocks stacked are the nearer (rows flattened position-major)
+                ra, oa = flat_rows.nearer(lambda: _assemble_pair(rm, rt, om, ot),
+                                          (assemble(rm, rt, flat[1]), flat_rows.assemble_rows(ot, flat)))
             else:
                 ra, oa = vocab_padded(rm, rt, om, ot, ref.world.get("vocab_padding"),
                                       other.world.get("vocab_padding")) or _assemble_pair(rm, rt, om, ot)

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 # the buffers a forward writes, started from their values before it (probes/float64_state.py)
+from tpdiag.probes.float64_taps import tapping as _tapping
 from tpdiag.probes.float64_state import F64, _as_before, _up_dtype, _written_values, buffers_before  # noqa: F401
 from tpdiag.probes.float64_args import _map_args, _tensors, _upcast_one
 
@@ -381,39 +382,6 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=No
     names = list(leaves) + [k for k, _ in tapped]
     grads = {n: t.detach() for n, t in zip(names, got) if t is not None}
     return grads, ({"discrete": mode.discrete} if mode.discrete else {})
-
-
-@contextmanager
-def _tapping(mod: torch.nn.Module, taps: dict | None, into: list):
-    """Forward hooks on the submodules in taps, for the re-execution: each call's floating outputs
-    appended to `into` as ("tap:NAME:J:O", tensor, its version), O the output's index among the
-    call's tensors (the records' numbering: probes/module_probe.py)."""
-    handles = []
-    calls: dict = {}
-
-    def hook_of(name: str):
-        def hook(_m, _args, out):
-            j = calls.get(name, 0)
-            calls[name] = j + 1
-            for o, t in enumerate(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
-                if not (t.is_floating_point() or t.is_complex()):
-                    continue
-                if not t.requires_grad and t.grad_fn is None:
-                    # made from constants only (the children's weights are, and the root's inputs are
-                    # token ids): a leaf of the graph, so the grad reaches it
-                    try:
-                        t.requires_grad_(True)
-                    except RuntimeError:
-                        continue  # a view autograd will not make a leaf: not tapped (no value, no refusal)
-                into.append((f"tap:{name}:{j}:{o}", t, t._version))
-        return hook
-    try:
-        for child, name in (taps or {}).items():
-            handles.append(child.register_forward_hook(hook_of(name)))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def op_oracle(func, args, kwargs) -> tuple[object | None, str | None]:

@@ -25,6 +25,26 @@ def _outside(run_dir: str, d: str, label: str, who: str) -> str | None:
     return None
 
 
+def _recipe_problem(manifest: dict, d: str, label: str, who: str) -> str | None:
+    """Where world.json's logprob recipe is not manifest.json's, the default's keys left out on either
+    side (config.RECIPE_OMITTED). The logprobs' rounding bound reads world.json's (diff/engine._recipe):
+    a world.json edited to trainer_temperature 1e-9 moved a run's logprob bound from 6.6e-5 to 743 and
+    `gate --allow rounding` passed it (red team hreview15; tests/test_recipe_tamper.py)."""
+    from tpdiag.config import RECIPE_OMITTED
+
+    cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    try:
+        world = io.read_json(world_file(d, WORLD))
+    except Inconclusive as e:
+        return f"{who}: {str(e).splitlines()[0]}"
+    wcfg = (world.get("config") if isinstance(world, dict) else None) or {}
+    for k, default in RECIPE_OMITTED.items():
+        if wcfg.get(k, default) != cfg.get(k, default):
+            return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k, default)!r} but manifest.json says "
+                    f"{cfg.get(k, default)!r} (another run's records, or a file edited)")
+    return None
+
+
 def world_problem(run_dir: str, manifest: dict, label: str, degree, base: str | None = None,
                    layout: bool = False) -> str | None:
     """Why the records of a world the manifest calls ok cannot be trusted, or None. layout: also open
@@ -62,7 +82,8 @@ def world_problem(run_dir: str, manifest: dict, label: str, degree, base: str | 
     gone = undone(d, degree)
     if gone:
         return f"{who}: {folder(label)}/{rank_marker(gone[0], 'done')} {gone[1]}"
-    why = settings_problem(manifest, d, label, who, degree) or base_world_problem(run_dir, d, who, degree)
+    why = (settings_problem(manifest, d, label, who, degree) or _recipe_problem(manifest, d, label, who)
+           or base_world_problem(run_dir, d, who, degree))
     if why or not layout:
         return why
     # The second pass's records are not re-diffed (its diff.csv is trusted as the first pass's is not),
