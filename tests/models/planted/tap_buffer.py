@@ -8,11 +8,16 @@ degree. Vocab 32, dim 32, ff 64.
 
     tpdiag compare --model py:tests/models/planted/tap_buffer.py:table_scale --tp 1,2 --steps 2
 """
+import os
+import sys
+
 import torch
 from torch import nn
 
 import tpdiag
-from tests.models.planted.two_paths import BATCH, DIM, SEQ, VOCAB, Block
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the user's files beside this one
+from two_paths import BATCH, DIM, SEQ, VOCAB, Block  # noqa: E402
 
 
 class TableScale(nn.Module):
