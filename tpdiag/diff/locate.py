@@ -165,6 +165,8 @@ def _describe(row: dict, called: set = frozenset()) -> dict:
     out = describe(row, out)
     if row["kind"] == "grad_out" and row.get("consumers"):
         out["consumers"] = list(row["consumers"])  # whose backward made it (the second pass's oracle)
+    if row.get("enclosing"):
+        out["enclosing"] = row["enclosing"]  # the module whose float64 backward judged it (diff/enclosing.py)
     if row["kind"] == "in":
         parent = _caller(row["module"], called)
         out["module"] = parent
@@ -236,6 +238,8 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             if r.get("narrowed"):
                 f["narrowed"] = r["narrowed"]
             f = describe(r, f)
+            if r.get("enclosing"):
+                f["enclosing"] = r["enclosing"]  # the module whose float64 backward judged it
             if r["kind"] == "grad_out" and r.get("consumers"):
                 f["consumers"] = list(r["consumers"])  # whose backward made it: where the user looks
             elif r["kind"] == "in" and r["phase"] == "forward":

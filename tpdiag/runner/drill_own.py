@@ -16,12 +16,20 @@ def inside_consumer(f: dict, findings: list) -> dict | None:
     from tpdiag.records.causes import cause_class
     from tpdiag.records.keys import sole_consumer
 
+    from tpdiag.diff.enclosing import ROOT
+
     c = sole_consumer(f.get("consumers")) if f.get("kind") == "grad_out" else None
+    # a grad judged by its enclosing module's float64 backward (diff/enclosing.py) follows a bug
+    # inside that module: the re-execution runs the buggy child's correct math, so every grad the
+    # backward passes through it moves with it (a wrong down projection moves the grads of the
+    # up/gate outputs its MLP's own code multiplies, and of the attention the block's residual reads)
+    c = c or (f.get("enclosing") if f.get("kind") == "grad_out" else None)
     if c is None:
         return None
     return next((g for g in findings if g is not f and "follows" not in g and g.get("step") == f.get("step")
                  and cause_class(g.get("cause")) == "bug" and isinstance(g.get("module"), str)
-                 and (g["module"] == c or g["module"].startswith(c + "."))), None)
+                 and g["module"] != f.get("module")
+                 and (c == ROOT or g["module"] == c or g["module"].startswith(c + "."))), None)
 
 
 
