@@ -49,7 +49,8 @@ def _parse_spec(spec: str) -> ModelSpec:
         if not os.path.exists(path):
             # a Hub id (`hf:meta-llama/Llama-3.2-1B`) is a new user's first try: tpdiag loads local
             # files only (no download in every rank of every world)
-            hub = (path.count("/") == 1 and not path.startswith((".", "~")) and "" not in path.split("/"))
+            hub = (path.count("/") == 1 and bool(os.path.dirname(path)) and bool(os.path.basename(path))
+                   and not path.startswith((".", "~")))
             raise BadInput(f"--model {spec!r}: no directory {path!r}" + (
                 "; tpdiag reads a local model directory only - if that is a Hugging Face Hub id, download it "
                 f"first (`hf download {path} --local-dir DIR`) and pass --model hf:DIR" if hub else

@@ -61,18 +61,18 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     if recipe_own:  # the trainer's recipe is not the engine's log-softmax: no configuration can match
         first.append("run without --logprob/--trainer-temperature/--compiled to see whether the logits are the "
                      "engine's (the recipe note above; the recipe's own gap to the engine is then the rest)")
-    if cache_off:  # generate() without a KV cache: every generated token's call shape differs
-        first.append("sample again with generate(..., use_cache=True) (the use_cache note above) and run "
-                     "again with --mode decode")
     if leak:
         first.append(f"read the batch note above ({leak['configuration']} is {leak['gap']:.3g} nats (mean) from "
                      f"{leak['alone']}, {_times(leak)}): the model's {leak['mode']} path lets a "
                      "call's other sequences into a sequence's logprobs")
-    if processed.get("detected"):
+    if processed.get("detected"):  # found in the file itself: before what the model directory suggests
         first.append("ask the engine for raw logprobs (the processed line above; vLLM: "
                      "logprobs_mode=raw_logprobs; generate(): output_logits, not output_scores, or its "
                      "settings with --sampling to process the trainer's logits as generate() did) and run again - "
                      "processing alone moves every token")
+    if cache_off:  # generate() without a KV cache: every generated token's call shape differs
+        first.append("sample again with generate(..., use_cache=True) (the use_cache note above) and run "
+                     "again with --mode decode")
     if notes_dtype:
         first.append("run again with the dtype the checkpoint is saved in (the checkpoint note above)")
     if any(not v["same_bits"] for v in invariance.values()):
