@@ -11,13 +11,15 @@ def _index(dd) -> dict:
     got = getattr(dd, "_equal_index", None)
     if got is not None and got["n"] == len(dd.rows):
         return got
-    ix = {"n": len(dd.rows), "bad_in": set(), "calls": {}, "bad_params": {}, "bad_grad_out": set()}
+    ix = {"n": len(dd.rows), "bad_in": set(), "calls": {}, "calls_out": {}, "bad_params": {}, "bad_grad_out": set()}
     for r in dd.rows:
         k, st, m = r["kind"], r["step"], r["module"]
         if k == "in" and r["phase"] == "forward":
             ix["calls"].setdefault((st, m), set()).add(r["call"])
             if not r["bitwise"]:
                 ix["bad_in"].add((st, m, r["call"]))
+        elif k == "out" and r["phase"] == "forward":
+            ix["calls_out"].setdefault((st, m), set()).add(r["call"])  # diff/enclosing.calls
         elif k in ("param_init", "param", "buffer") and not r["bitwise"]:
             # the parameters a step's forward read: the init for step 0, else the step before's update
             # (a buffer the step before wrote is read as one)

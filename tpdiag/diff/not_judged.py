@@ -59,7 +59,8 @@ def grads(dd, first_key: str | None) -> dict | None:
     out = {"records": len(keys), "why": why, "keys": keys[:MAX_KEYS], "max_rel": worst}
     if worst_l2 is not None:
         out["rel_l2"] = worst_l2
-    dtypes = [r.get("dtype") for r in dd.rows if r["key"] in set(keys)]
+    listed = set(keys)
+    dtypes = [r.get("dtype") for r in dd.rows if r["key"] in listed]
     coarse = max((d for d in dtypes if d in EPS), key=EPS.get, default=None)
     if coarse is not None:
         out["dtype"] = coarse  # the least precise: the limit's unit (moved_beyond)
