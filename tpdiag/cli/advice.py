@@ -60,23 +60,17 @@ def _unjudged_capture(summary: dict) -> str | None:
                  and d["unjudged_capture"].get("why")), None)
 
 
-def _stock_grad(summary: dict) -> str | None:
-    """The weight (module.name) of a divergent degree's first divergence, a weight grad, that the
-    fixes' carry left the stock grad (summary.json not_carried), else None."""
+def _stock_grad(summary: dict) -> tuple[str, str] | None:
+    """(the weight - module.name - of a divergent degree's first divergence, a weight grad, that the
+    fixes' carry left the stock grad, and why: summary.json not_carried), else None."""
     from tpdiag.records.axes import entries
 
     for d in entries(summary).values():
         fd = (d or {}).get("first_divergence") or {} if isinstance(d, dict) else {}
-        if fd.get("kind") == "param_grad" and f"{fd.get('module')}.{fd.get('name')}" in (d.get("not_carried") or {}):
-            return f"{fd['module']}.{fd['name']}"
+        weight = f"{fd.get('module')}.{fd.get('name')}"
+        if fd.get("kind") == "param_grad" and weight in (d.get("not_carried") or {}):
+            return weight, d["not_carried"][weight]
     return None
-
-
-def _stock_why(summary: dict, weight: str) -> str:
-    from tpdiag.records.axes import entries
-
-    return next(d["not_carried"][weight] for d in entries(summary).values()
-                if isinstance(d, dict) and weight in (d.get("not_carried") or {}))
 
 
 def _fix_left_it(summary: dict) -> list[str]:
@@ -190,9 +184,10 @@ def _what_to_do(summary: dict) -> str | None:
         on = on or sorted({c["fix"] for c in confirmations if c.get("fix")})
         kept = _stock_grad(summary)
         if kept:
+            kept, why = kept
             # the carry left that weight the stock grad (kernels/grad_carry.site): no fix reaches it
             return (f"nothing is wrong: the difference is rounding only. The fixes ({', '.join(on)}) were on, but "
-                    f"{kept} kept the stock grad ({_stock_why(summary, kept)}), which no fix makes "
+                    f"{kept} kept the stock grad ({why}), which no fix makes "
                     "TP-invariant, so `--fix auto` would not remove it either")
         # --fix auto reruns with the fixes the cause names: they were on, so it would change nothing
         return (f"nothing is wrong: the difference is rounding only. Its cause's fix ({', '.join(on)}) was "
