@@ -23,23 +23,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # row-invariant - whatever the environment says.
 os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 # torch sets TORCHINDUCTOR_CACHE_DIR in its process's environment the first time anything asks for
-# inductor's cache directory (torch._inductor.runtime.cache_dir_utils.cache_dir: a transformers
-# model built or saved in a test's own process does). The variable is a start-up one for run_cli's
-# server (cli_zygote.STARTUP_PREFIXES), so that change replaced the server mid-session: its imports
-# again (~8 s of CPU) and the next command a fresh interpreter with a fresh fork server - 40 s of
-# wall for test_hf_fixes' olmo2 test against 7 s for its gemma3 twin. Set here to the value torch
-# gives it (default_cache_dir, made absolute), so no process of the session ever sees it change.
+# inductor's cache directory (a transformers model built or saved in a test's own process does).
+# The variable is a start-up one for run_cli's server (cli_zygote.STARTUP_PREFIXES), so that change
+# replaced the server mid-session (~8 s of CPU each time): set here, once, for every process of the
+# session. A fresh directory, not torch's default /tmp/torchinductor_<user>: a warm cache there
+# (compiled graphs, and dynamo's on-disk automatic-dynamic profiles keyed by file, line and name)
+# made test_recipe_compiled pass on a developer's machine and fail on CI's fresh one.
+_INDUCTOR_MADE = None
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    import getpass
-    import re
     import tempfile
 
-    try:
-        _user = getpass.getuser()
-    except (KeyError, ModuleNotFoundError, OSError):
-        _user = f"uid_{os.getuid()}" if callable(getattr(os, "getuid", None)) else "unknown_user"
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(
-        os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", _user)))
+    _INDUCTOR_MADE = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpdiag-test-inductor-")
 
 # One DTensor output-shape memo (tpdiag/runner/meta_memo.py) for the whole session, both xdist
 # workers and every CLI they start: without it each command's first TP>1 world ran every op once more
@@ -55,10 +49,12 @@ if "TPDIAG_META_MEMO" not in os.environ:
 
 
 def pytest_unconfigure(config):
-    if _MEMO_MADE and not hasattr(config, "workerinput"):
+    if not hasattr(config, "workerinput"):
         import shutil
 
-        shutil.rmtree(_MEMO_MADE, ignore_errors=True)
+        for made in (_MEMO_MADE, _INDUCTOR_MADE):
+            if made:
+                shutil.rmtree(made, ignore_errors=True)
 
 
 def interpreter_result(script: str, *args: str, unset=(), cwd=None, timeout=300):

@@ -104,6 +104,30 @@ def test_compare_compiled_records_the_users_compiled_bits(tmp_path, team):
     assert "leaked semaphore" not in p.stderr, p.stderr[-2000:]
 
 
+def test_a_second_recipe_in_one_process_keeps_the_users_bits():
+    """The CI failure of 8bd6a01 in one process: a recipe compiled after another (T=1, then T=0.7)
+    recompiled tpdiag's one graph function, and dynamo specialized the temperature to the literal
+    0.7 there (`t != 1.0` read inside the graph), where the user's `logits / T` divides by a
+    symbolic float: 2 of 8 rows other bits, on a cold inductor cache."""
+    from tpdiag.runner.recipe import parse, whole
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 13, 256, generator=g) * 4).bfloat16()
+    lab = torch.randint(0, 256, (8, 13), generator=g)
+    lens = [7, 12, 9, 13, 5, 11, 13, 8]
+
+    def literal(logits, index):  # the division by the literal, as the old graph had it
+        return torch.gather(torch.log_softmax((logits / 0.7).float(), dim=-1), -1, index.unsqueeze(-1)).squeeze(-1)
+
+    user = torch.compile(user_tempered, dynamic=True)(logits, lab)
+    # the premise: the literal's compiled bits are not the user's on this batch
+    lit = torch.compile(literal, dynamic=True)
+    assert sum(torch.equal(user[i, :n], lit(logits[i, :n], lab[i, :n])) for i, n in enumerate(lens)) < len(lens)
+    whole(logits[0, :5], lab[0, :5], parse("log-softmax", 1.0, "float32", compiled=True))
+    r = parse("log-softmax", T, "model", compiled=True)
+    assert all(torch.equal(user[i, :n], whole(logits[i, :n], lab[i, :n], r)) for i, n in enumerate(lens))
+
+
 def test_compiled_beside_sampling_is_one_line():
     from tpdiag.errors import BadInput
     from tpdiag.runner.recipe import check_sampling, parse

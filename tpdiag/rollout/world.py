@@ -15,6 +15,7 @@ import traceback
 from datetime import timedelta
 
 from tpdiag.base.configs import folder
+from tpdiag.runner.rank_exit import leave
 
 SEQUENCES = "sequences.json"
 RESULTS = "logprobs.json"
@@ -88,11 +89,8 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
                 "model_where": None, "traceback": traceback.format_exc()})
         except BaseException:  # noqa: BLE001
             sys.stderr.write(f"tpdiag rollout: rank {rank} of TP={world}: {type(e).__name__}: {message}\n")
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo/NCCL destructors are where ranks abort or hang (tpdiag.runner.worker)
+        leave(1)
+    leave(0)  # no interpreter teardown (tpdiag.runner.rank_exit)
 
 
 def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float) -> None:

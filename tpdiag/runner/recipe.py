@@ -133,18 +133,25 @@ def whole(logits, labels, recipe: Recipe):
         import torch
 
         name, t, divide_in = recipe.name, recipe.temperature, recipe.divide_in
+        in_model = t != 1.0 and (divide_in == "model" or name == "model-dtype")
+        in_float = t != 1.0 and not in_model
 
-        # the temperature a constant of the graph, as a trainer's own (a global, an attribute): passed
-        # as an argument (a symbolic float under dynamic=True) the compiled graph gave other bits
-        # than the user's with T a constant - 4 of 8 sequences at T=0.7 (tests/test_recipe_compiled.py)
+        # t only divides, never compared: a trainer's temperature is a variable (a global, an
+        # attribute), which dynamo under dynamic=True lifts to a symbolic float, and inductor's
+        # division by a runtime scalar rounds otherwise than by the literal 0.7 (2 of 8 sequences
+        # at T=0.7, bf16, on a cold inductor cache). `t != 1.0` inside the graph made dynamo
+        # specialize t to that literal - the user's bits only where a warm on-disk cache hid it
         def fn(logits, labels):
-            return _token(_rows(logits, name, t, divide_in), labels, name)
+            r = logits / t if in_model else logits
+            if name != "model-dtype":
+                r = r.float()
+            return _token(r / t if in_float else r, labels, name)
 
         import torch._inductor.config as inductor_config
 
-        # one small graph: inductor's pool of compile worker processes buys nothing here, and each
-        # world's ranks left its semaphores behind ("resource_tracker: ... leaked semaphore objects"
-        # under every --compiled compare). The pool only compiles; the kernels, so the bits, are the same
+        # one small graph: inductor's pool of compile worker processes buys it nothing but their
+        # start-up in every rank. The pool only compiles; the kernels, so the bits, are the same.
+        # (The "leaked semaphore" warning once blamed on it was tqdm's lock: runner/rank_exit.py)
         inductor_config.compile_threads = 1
         fn = _COMPILED[recipe] = torch.compile(fn, dynamic=True)
     return fn(logits, labels)

@@ -11,6 +11,8 @@ import time
 import traceback
 from datetime import timedelta
 
+from tpdiag.runner.rank_exit import leave
+
 
 def marker(out_dir: str, rank: int, what: str) -> str:
     return os.path.join(out_dir, f"rank{rank}.{what}")
@@ -65,12 +67,8 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
         except BaseException as e2:  # noqa: BLE001 - disk full or gone: one line, no traceback
             sys.stderr.write(f"tpdiag: rank {rank} of TP={world}: {type(e).__name__}: {message} "
                              f"(its error marker could not be written: {e2})\n")
-        sys.stderr.flush()
-        os._exit(1)
-    # Skip interpreter teardown: gloo/NCCL destructors are where ranks abort or hang.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        leave(1)
+    leave(0)  # no interpreter teardown (tpdiag.runner.rank_exit)
 
 
 def _watch_launcher(pid: int | None) -> None:
