@@ -128,6 +128,23 @@ def test_a_second_recipe_in_one_process_keeps_the_users_bits():
     assert all(torch.equal(user[i, :n], whole(logits[i, :n], lab[i, :n], r)) for i, n in enumerate(lens))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (inductor's Triton kernels)")
+def test_compiled_recipes_on_cuda_are_the_users_cuda_bits():
+    """On a GPU inductor emits Triton kernels, not C++: each recipe's rows (one sequence at a time,
+    a second recipe compiled after a first, as rollout calls them) equal the user's own compiled
+    function on the whole batch, bit for bit."""
+    from tpdiag.runner.recipe import parse, whole
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 13, 4096, generator=g) * 4).bfloat16().cuda()
+    lab = torch.randint(0, 4096, (8, 13), generator=g).cuda()
+    lens = [7, 12, 9, 13, 5, 11, 13, 8]
+    for fn, key in ((user_log_softmax, ("log-softmax", 1.0, "float32")), (user_tempered, ("log-softmax", T, "model"))):
+        user = torch.compile(fn, dynamic=True)(logits, lab)
+        r = parse(*key, compiled=True)
+        assert all(torch.equal(user[i, :n], whole(logits[i, :n], lab[i, :n], r)) for i, n in enumerate(lens)), key
+
+
 def test_compiled_beside_sampling_is_one_line():
     from tpdiag.errors import BadInput
     from tpdiag.runner.recipe import check_sampling, parse
