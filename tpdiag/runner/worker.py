@@ -308,7 +308,7 @@ def _probe_selfcheck(bare, probed, device) -> dict:
     import torch.distributed as dist
 
     from tpdiag.diff.bits import bitwise_equal
-    from tpdiag.probes.recorder import is_stale, take_lanes
+    from tpdiag.probes.hash_place import is_stale, take_lanes
     from tpdiag.probes.stream import as_tensor
 
     kinds = {"logits", "logprobs", "loss", "grad_norm", "param"}
