@@ -24,7 +24,7 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
     rank R runs on GPU R + gpu_offset (a TP=1 world beside another, runner/side_by_side.py)."""
     entered = time.time()
     if os.environ.pop("TPDIAG_SET_PYTHONSAFEPATH", None):
-        os.environ.pop("PYTHONSAFEPATH", None)  # launch._safe_path's, for the fork server only
+        os.environ.pop("PYTHONSAFEPATH", None)  # start_context._safe_path's, for the fork server only
     from tpdiag.base import files as io
     from tpdiag.config import WorldConfig
 
