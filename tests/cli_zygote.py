@@ -16,7 +16,7 @@ Protocol (stdin / stdout lines of JSON): {"ready": true} once the imports are do
 request {"args", "env", "cwd", "out", "err"}: {"pid"}, then {"rc"} when that child has exited
 (negative: killed by that signal, as subprocess reports it).
 
-The command's own fork server (runner/launch.py: a fresh `python -c` that imports torch, ~3 s of
+The command's own fork server (runner/start_context.py: a fresh `python -c` that imports torch, ~3 s of
 CPU a command) forks, where it can, from a template process forked from this server before the
 command imports tpdiag (_Template): it takes the command's environment, working directory and
 sys.path as that interpreter would have them, imports the same preload and runs
@@ -78,7 +78,7 @@ class _Template:
         import socket
 
         from tpdiag.runner.determinism import RANK_ENV
-        from tpdiag.runner.launch import SAFE_PATH_MARK
+        from tpdiag.runner.start_context import SAFE_PATH_MARK
 
         env = dict(os.environ)
         theirs = startup_env(env)
@@ -88,7 +88,7 @@ class _Template:
                 theirs.pop(k)
         mine = startup_env(_SERVER_ENV)
         mine.pop("PYTHONPATH", None)
-        # PYTHONSAFEPATH set by the launcher for its fork server alone (runner/launch.py _safe_path):
+        # PYTHONSAFEPATH set by the launcher for its fork server alone (runner/start_context.py _safe_path):
         # what it changes, no working directory on sys.path, the template's sys.path below does.
         # Compared as a start-up variable, it sent every command since ec304e1 to a fresh fork
         # server (~3 s of CPU a command importing torch again)

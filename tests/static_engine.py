@@ -1,6 +1,6 @@
 """The user's engine of the static-cache rollout tests (tests/test_rollout_static_cache.py,
 tests/test_rollout_static_checkpoint.py): one sampled generate(cache_implementation="static") over
-tests/test_rollout_rl_team.py's LENS left-padded, as tpdiag's JSONL rows with the raw logprobs
+tests/rl_team.py's LENS left-padded, as tpdiag's JSONL rows with the raw logprobs
 (output_logits)."""
 import json
 
@@ -10,7 +10,7 @@ import torch
 def static_rows(model, stop, seed=1, **generate):
     """Rows of one generate(cache_implementation="static", **generate) call, the prompts drawn with
     seed 1 and the sampling with `seed`; each sequence cut after its first token in `stop`."""
-    from tests.test_rollout_rl_team import left_padded
+    from tests.rl_team import left_padded
 
     ids, mask = left_padded(model.config.vocab_size)
     P = ids.shape[1]

@@ -17,7 +17,7 @@ def _tiny():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.test_rollout_rl_team import BASE
+    from tests.rl_team import BASE
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **BASE)).eval()

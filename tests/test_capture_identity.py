@@ -1,7 +1,7 @@
 """Two captures of one deterministic step are two runs, never "copies of one run".
 
 `tpdiag diff` refuses two sides whose world.json are byte for byte the same (a run diffed against
-its copy is bitwise whatever it holds: records/sides.py). A capture's world.json differed from
+its copy is bitwise whatever it holds: records/diff_sides.py). A capture's world.json differed from
 another capture's of the same step only by its millisecond timings, so now and then two real
 captures read as copies and the gate said inconclusive (exit 2) - seen in the suite, test_fuzz's
 fixture at 7e1994f. Each capture names itself now (world.json capture_id)."""

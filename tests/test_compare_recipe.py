@@ -16,7 +16,7 @@ from tests.conftest import run_cli
 
 pytest.importorskip("transformers")
 
-from tests.test_rollout_rl_team import save_bf16  # noqa: E402
+from tests.rl_team import save_bf16  # noqa: E402
 
 T = 0.7
 # (--logprob, --trainer-temperature, --temperature-in)

@@ -157,7 +157,7 @@ def test_diff_of_the_same_setup_twice_names_run_to_run_noise(same_degree_pair, t
 def test_op_search_stays_inside_the_parents_backward():
     """_earlier_op: from wq's grad_out back past its siblings' records to the attention kernel's
     op; never past the parent's own record into another module's backward ops."""
-    from tpdiag.diff.locate import _earlier_op
+    from tpdiag.diff.first_op import _earlier_op
 
     def rec(module, kind, bitwise=True):
         return {"step": 0, "phase": "backward", "module": module, "kind": kind, "bitwise": bitwise}

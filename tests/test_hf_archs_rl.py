@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from test_rollout_rl_team import SAMPLE, engine, rollout, save_bf16
+from rl_team import SAMPLE, engine, picked, rollout, save_bf16, trainer_logits
 
 pytest.importorskip("transformers", minversion="5")
 
@@ -42,16 +42,8 @@ def _compare(path, out, *args):
 
 def _trainer_forward(model, rows):
     """The user's own logprobs of each row: from_pretrained's model on the right-padded batch."""
-    L = max(len(x["input_ids"]) for x in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(rows):
-        ids[i, :len(x["input_ids"])] = torch.tensor(x["input_ids"])
-        mask[i, :len(x["input_ids"])] = 1
-    with torch.no_grad():
-        lsm = model(ids, attention_mask=mask).logits.float().log_softmax(-1)
-    return [lsm[i, :len(x["input_ids"]) - 1].gather(-1, torch.tensor(x["input_ids"][1:])[:, None])[:, 0]
-            for i, x in enumerate(rows)]
+    lsm = trainer_logits(model, rows).float().log_softmax(-1)
+    return [picked(lsm, i, x) for i, x in enumerate(rows)]
 
 
 @pytest.mark.parametrize("kind", list(ARCHS))

@@ -11,42 +11,17 @@ and the built-in loss bound needs logprobs records a capture does not write.
   differ): the loss bitwise, every row of the logits' grad 2e-3 of itself off while the logits
   moved by 2.4e-7. Judged now row by row against how far the output moved (grad_bound)."""
 import json
-import os
 
 import pytest
 
-from conftest import ROOT, gloo_world, run_cli
-
-
-def _worker(rank, world, port, q):
-    import sys
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import user_loss_shard
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    user_loss_shard.step(os.environ["LOSS_OUT"], os.environ["LOSS_BUG"])
-    dist.barrier()
-    if rank == 0:
-        q.put("done")
+from conftest import run_cli
+from user_worlds import capture_worlds
 
 
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
-    base = tmp_path_factory.mktemp("loss")
-    mp = pytest.MonkeyPatch()
-    try:
-        for n, bug in ((1, "entropy_ok"), (2, "entropy_ok"), (2, "entropy_local"), (2, "entropy_grad")):
-            mp.setenv("LOSS_OUT", str(base / f"{n}-{bug}"))
-            mp.setenv("LOSS_BUG", bug)
-            mp.setenv("OMP_NUM_THREADS", "1")
-            assert gloo_world(_worker, n, timeout=180) == "done"
-    finally:
-        mp.undo()
-    return base
+    return capture_worlds(tmp_path_factory.mktemp("loss"), "user_loss_shard", "step",
+                          ((1, "entropy_ok"), (2, "entropy_ok"), (2, "entropy_local"), (2, "entropy_grad")))
 
 
 def _diff(captures, tmp_path, other):

@@ -8,42 +8,17 @@ is a harmless row-parallel reduction; the params after the step differ by far mo
 but no bound covers a user's optimizer and the new values are not one factor times the reference's
 (the old value dominates). The UPDATE (new - old) is: diff/scale.Updates judges it by one factor."""
 import json
-import os
 
 import pytest
 
-from conftest import ROOT, gloo_world, run_cli
-
-
-def _worker(rank, world, port, q):
-    import sys
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import user_opt_shard
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    user_opt_shard.steps(os.environ["OPT_OUT"], os.environ["OPT_BUG"])
-    dist.barrier()
-    if rank == 0:
-        q.put("done")
+from conftest import run_cli
+from user_worlds import capture_worlds
 
 
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
-    base = tmp_path_factory.mktemp("opt")
-    mp = pytest.MonkeyPatch()
-    try:
-        for n, bug in ((1, "none"), (2, "none"), (2, "lr_local_shape"), (2, "lr_world")):
-            mp.setenv("OPT_OUT", str(base / f"{n}-{bug}"))
-            mp.setenv("OPT_BUG", bug)
-            mp.setenv("OMP_NUM_THREADS", "1")
-            assert gloo_world(_worker, n, timeout=180) == "done"
-    finally:
-        mp.undo()
-    return base
+    return capture_worlds(tmp_path_factory.mktemp("opt"), "user_opt_shard", "steps",
+                          ((1, "none"), (2, "none"), (2, "lr_local_shape"), (2, "lr_world")))
 
 
 def _diff(captures, tmp_path, other):

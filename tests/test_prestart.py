@@ -1,4 +1,4 @@
-"""The fork server starts before the input is checked (runner/launch.prestart): its imports -
+"""The fork server starts before the input is checked (runner/start_context.prestart): its imports -
 torch, transformers for an hf: model - overlap the parent's checks instead of the first world's
 start. TPDIAG_PRESTART=0 turns it off (A/B), and a bad input is still one line, exit 2."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from conftest import ROOT
 
 CODE = """
 import multiprocessing.forkserver as fs
-from tpdiag.runner.launch import prestart
+from tpdiag.runner.start_context import prestart
 prestart("tiny-llama")
 print("running" if fs._forkserver._forkserver_pid is not None else "not running")
 """
@@ -54,7 +54,7 @@ def test_prestart_leaves_this_process_threads_alone_and_gives_ranks_the_rank_env
     code = """
 import os
 import multiprocessing as mp
-from tpdiag.runner.launch import prestart
+from tpdiag.runner.start_context import prestart
 prestart("tiny-llama")
 import torch
 print(torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"))

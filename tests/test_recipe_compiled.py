@@ -13,7 +13,7 @@ from tests.conftest import run_cli
 
 pytest.importorskip("transformers")
 
-from tests.test_rollout_rl_team import engine, rollout, save_bf16  # noqa: E402
+from tests.rl_team import engine, right_padded, rollout, same_rows, save_bf16, trainer_logits  # noqa: E402
 
 T = 0.7
 
@@ -26,29 +26,14 @@ def user_tempered(logits, index):  # a GRPO trainer dividing its bf16 logits in 
     return torch.gather(torch.log_softmax((logits / T).float(), dim=-1), -1, index.unsqueeze(-1)).squeeze(-1)
 
 
-def _batch(rows):
-    L = max(len(x["input_ids"]) for x in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(rows):
-        ids[i, :len(x["input_ids"])] = torch.tensor(x["input_ids"])
-        mask[i, :len(x["input_ids"])] = 1
-    return ids, mask
-
-
-def _same(user, rows, got) -> int:
-    return sum(torch.equal(user[i, :len(x["input_ids"]) - 1], got[i]) for i, x in enumerate(rows))
-
-
 @pytest.fixture(scope="module")
 def team(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compiled")
     path = save_bf16("qwen2", tmp / "q")
     files, model = engine(path, temperature=T, top_k=0)
     rows = files["raw"]
-    ids, mask = _batch(rows)
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits
+    ids, _ = right_padded(rows)
+    logits = trainer_logits(model, rows)
     lab = torch.cat([ids[:, 1:], ids[:, :1]], 1)
     torch._dynamo.reset()
     with torch.no_grad():
@@ -66,15 +51,15 @@ def test_rollout_compiled_is_the_users_compiled_bits(team, key):
     tmp, path, rows, user = team
     compiled, eager = user[key]
     # the premise: the user's compiled function is not their eager one on this batch
-    assert _same(eager, rows, {i: compiled[i, :len(x["input_ids"]) - 1] for i, x in enumerate(rows)}) < len(rows)
+    assert same_rows(eager, rows, {i: compiled[i, :len(x["input_ids"]) - 1] for i, x in enumerate(rows)}) < len(rows)
     s, got = rollout(tmp, rows, path, modes=("prefill",), recipe=parse(*key, compiled=True))
     pre = got["tp1-mb8-prefill-none"]
-    assert _same(compiled, rows, pre) == len(rows), key
+    assert same_rows(compiled, rows, pre) == len(rows), key
     assert s["logprob_recipe"]["compiled"] is True and s["logprob_recipe"]["formula"].startswith("torch.compile")
     # the control: the eager recipe (tpdiag before --compiled) is the eager function's, not the compiled one's
     _, got = rollout(tmp, rows, path, modes=("prefill",), recipe=parse(*key))
     pre = got["tp1-mb8-prefill-none"]
-    assert _same(eager, rows, pre) == len(rows) and _same(compiled, rows, pre) < len(rows), key
+    assert same_rows(eager, rows, pre) == len(rows) and same_rows(compiled, rows, pre) < len(rows), key
 
 
 def test_compare_compiled_records_the_users_compiled_bits(tmp_path, team):

@@ -32,7 +32,7 @@ def test_bad_input_from_the_build_cancels_the_started_lanes_and_the_environment_
     seen = {}
 
     def fake_lanes(rc, seqs, cfgs, counts, work, groups, threads, on_status=None, cancel=None, launches=None):
-        # what a launch does to this process (tpdiag.runner.launch._context), then a lane that runs
+        # what a launch does to this process (tpdiag.runner.start_context._context), then a lane that runs
         # until it is cancelled
         os.environ[CUBLAS] = ":4096:8"
         seen["set_by_launch"] = os.environ.get(CUBLAS)

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from tests.test_rollout_rl_team import LENS, left_padded, save_bf16  # noqa: E402
+from tests.rl_team import LENS, left_padded, save_bf16  # noqa: E402
 
 
 def _engine(path, **gen):

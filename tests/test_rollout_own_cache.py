@@ -10,7 +10,7 @@ RL team's sampling: its raw logprobs are tpdiag's decode at the engine's batch b
 import pytest
 import torch
 
-from test_rollout_rl_team import SAMPLE, engine, rollout, save_bf16
+from rl_team import SAMPLE, engine, rollout, save_bf16
 
 pytest.importorskip("transformers", minversion="5")
 

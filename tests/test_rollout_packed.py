@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.test_rollout_rl_team import engine, rollout, save_bf16  # noqa: E402
+from tests.rl_team import engine, rollout, save_bf16  # noqa: E402
 
 
 def _user_packed(model, rows, **kw):

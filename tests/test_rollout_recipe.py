@@ -14,21 +14,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.test_rollout_rl_team import engine, rollout, save_bf16  # noqa: E402
+from tests.rl_team import engine, right_padded, rollout, same_rows, save_bf16, trainer_logits  # noqa: E402
 
 T = 0.7
 
 
 def _user(model, rows):
     """The user's trainer: one forward of the right-padded batch, then each recipe as written."""
-    L = max(len(x["input_ids"]) for x in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(rows):
-        ids[i, :len(x["input_ids"])] = torch.tensor(x["input_ids"])
-        mask[i, :len(x["input_ids"])] = 1
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits
+    ids, _ = right_padded(rows)
+    logits = trainer_logits(model, rows)
     assert logits.dtype == torch.bfloat16
     lab = torch.cat([ids[:, 1:], ids[:, :1]], 1)
 
@@ -51,10 +45,6 @@ def _user(model, rows):
         }
 
 
-def _same(user, rows, got) -> int:
-    return sum(torch.equal(user[i, :len(x["input_ids"]) - 1], got[i]) for i, x in enumerate(rows))
-
-
 @pytest.fixture(scope="module")
 def team(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("recipe")
@@ -71,15 +61,15 @@ def test_each_recipe_is_the_users_own_bits(team):
     for key, want in user.items():
         _, got = rollout(tmp, rows, path, modes=("prefill",), recipe=parse(*key))
         pre = got["tp1-mb8-prefill-none"]
-        assert _same(want, rows, pre) == len(rows), key
+        assert same_rows(want, rows, pre) == len(rows), key
         # each recipe is bits of its own: no other recipe's on every sequence
-        assert all(_same(other, rows, pre) < len(rows) for k, other in user.items() if k != key), key
+        assert all(same_rows(other, rows, pre) < len(rows) for k, other in user.items() if k != key), key
     # the control: without a recipe (tpdiag before) the prefill is not these trainers' bits
     _, got = rollout(tmp, rows, path, modes=("prefill",))
     pre = got["tp1-mb8-prefill-none"]
-    assert _same(user[("log-softmax", 1.0, "float32")], rows, pre) == len(rows)
-    assert _same(user[("logsumexp", 1.0, "float32")], rows, pre) < len(rows)
-    assert _same(user[("model-dtype", T, "model")], rows, pre) == 0
+    assert same_rows(user[("log-softmax", 1.0, "float32")], rows, pre) == len(rows)
+    assert same_rows(user[("logsumexp", 1.0, "float32")], rows, pre) < len(rows)
+    assert same_rows(user[("model-dtype", T, "model")], rows, pre) == 0
 
 
 def test_the_verdict_follows_the_recipe(team):
@@ -145,4 +135,4 @@ def test_a_tp2_world_takes_the_recipe(team):
     s, got = rollout(tmp, rows, path, modes=("prefill",), tp=(1, 2), fixes=("none", "all"), recipe=parse(*key))
     assert s["tp_invariance"]["tp2-mb8-prefill-all"]["same_bits"], s["tp_invariance"]
     assert all(torch.equal(got["tp2-mb8-prefill-all"][i], got["tp1-mb8-prefill-all"][i]) for i in range(len(rows)))
-    assert _same(user[key], rows, got["tp1-mb8-prefill-none"]) == len(rows)
+    assert same_rows(user[key], rows, got["tp1-mb8-prefill-none"]) == len(rows)

@@ -11,88 +11,17 @@ top_p, min_p, repetition_penalty, an EOS, num_return_sequences=2).
 - The rollout's processed logprobs (generate()'s output_scores, what the sampler drew from) are
   reproduced bit for bit with --sampling giving the same settings; without it, nothing reproduces.
 """
-import json
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-SAMPLE = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.1)
-BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
-            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+from tests.rl_team import SAMPLE, engine, picked, rollout, save_bf16, trainer_logits  # noqa: E402
+
 ARCHS = {"olmo2": {},
          "gemma3_text": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
          "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                            shared_expert_intermediate_size=32, decoder_sparse_step=1)}
-LENS = (5, 8, 6, 7)
-
-
-def left_padded(vocab_size: int):
-    """The prompts of LENS's lengths, drawn with seed 1, left-padded to the longest: (ids, mask)."""
-    g = torch.Generator().manual_seed(1)
-    P = max(LENS)
-    ids = torch.zeros(len(LENS), P, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(LENS):
-        ids[r, P - n:] = torch.randint(3, vocab_size, (n,), generator=g)
-        mask[r, P - n:] = 1
-    return ids, mask
-
-
-def save_bf16(kind, out, **extra) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(kind, **{**BASE, **extra})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():  # sharper next-token distributions than the default init's
-        for p in model.parameters():
-            if p.ndim > 1:
-                p.mul_(4.0)
-    model.to(torch.bfloat16).save_pretrained(out)
-    return str(out)
-
-
-def engine(path, eos=2, returns=2, **sample):
-    """One generate() call over LENS left-padded, as docs/rl.md writes the file: ({'raw': rows from
-    output_logits, 'scores': rows from output_scores}, the model as the trainer loads it)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids, mask = left_padded(model.config.vocab_size)
-    P = ids.shape[1]
-    torch.manual_seed(1)
-    res = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=10, eos_token_id=eos,
-                         num_return_sequences=returns, output_logits=True, output_scores=True,
-                         return_dict_in_generate=True, **sample)
-    ids, mask = ids.repeat_interleave(returns, 0), mask.repeat_interleave(returns, 0)
-    out = {}
-    for name, steps in (("raw", res.logits), ("scores", res.scores)):
-        lp = torch.stack(steps, 1).float().log_softmax(-1)
-        rows = []
-        for b in range(len(ids)):
-            prompt = ids[b][mask[b].bool()].tolist()
-            new = res.sequences[b, P:].tolist()
-            if eos in new:
-                new = new[:new.index(eos) + 1]
-            rows.append({"input_ids": prompt + new, "prompt_len": len(prompt),
-                         "logprobs": [lp[b, j, t].item() for j, t in enumerate(new)]})
-        out[name] = rows
-    return out, model
-
-
-def rollout(tmp_path, rows, path, name="r.jsonl", **over):
-    from tpdiag.rollout.run import RolloutConfig, run_rollout
-
-    f = tmp_path / name
-    f.write_text("".join(json.dumps(x) + "\n" for x in rows))
-    got = {}
-    kw = dict(file=str(f), model="hf:" + path, dtype="bfloat16", micro_batch=(len(rows),),
-              modes=("decode", "prefill"), fixes=("none",))
-    s = run_rollout(RolloutConfig(**{**kw, **over}), on_logprobs=got.update)
-    return s, got
 
 
 @pytest.mark.parametrize("kind", list(ARCHS))
@@ -110,17 +39,9 @@ def test_rl_teams_rollout_and_trainer_are_transformers_bits(tmp_path, kind):
     assert s["batch_leak"] is None, s["batch_leak"]
     # the trainer: tpdiag's prefill of the batch is the user's own forward of from_pretrained's model
     # (right-padded, attention mask), log_softmax of the float32 logits, bit for bit
-    L = max(len(x["input_ids"]) for x in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
+    lsm = trainer_logits(model, rows).float().log_softmax(-1)
     for i, x in enumerate(rows):
-        ids[i, :len(x["input_ids"])] = torch.tensor(x["input_ids"])
-        mask[i, :len(x["input_ids"])] = 1
-    with torch.no_grad():
-        lsm = model(ids, attention_mask=mask).logits.float().log_softmax(-1)
-    for i, x in enumerate(rows):
-        mine = lsm[i, :len(x["input_ids"]) - 1].gather(-1, torch.tensor(x["input_ids"][1:])[:, None])[:, 0]
-        assert torch.equal(mine, got["tp1-mb8-prefill-none"][i]), (kind, i)
+        assert torch.equal(picked(lsm, i, x), got["tp1-mb8-prefill-none"][i]), (kind, i)
         # micro-batch 1: one sequence per forward, as a trainer with micro-batch 1 runs it
         with torch.no_grad():
             one = model(torch.tensor([x["input_ids"]])).logits[0, :-1].float().log_softmax(-1)

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.conftest import run_cli  # noqa: E402
-from tests.test_rollout_rl_team import engine, rollout, save_bf16  # noqa: E402
+from tests.rl_team import engine, rollout, save_bf16  # noqa: E402
 
 BASIC = (("temperature", 0.8), ("top_k", 40))
 LENGTH = (("min_new_tokens", 4), ("bad_words_ids", ((5,), (7, 8))), ("sequence_bias", (((9,), -3.0), ((10, 11), 2.0))),

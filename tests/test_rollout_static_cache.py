@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.static_engine import static_rows, write_rows  # noqa: E402
-from tests.test_rollout_rl_team import engine, save_bf16  # noqa: E402
+from tests.rl_team import engine, save_bf16  # noqa: E402
 
 STATIC = "tp1-mb8-decode-none-padstatic"
 DYNAMIC = "tp1-mb8-decode-none"

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.static_engine import static_rows, write_rows  # noqa: E402
-from tests.test_rollout_rl_team import save_bf16  # noqa: E402
+from tests.rl_team import save_bf16  # noqa: E402
 
 EOS = list(range(3, 200, 2))  # half the vocabulary: every sequence ends early, at an EOS
 STATIC = "tp1-mb4-decode-none-padstatic"

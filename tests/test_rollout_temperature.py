@@ -6,14 +6,12 @@ temperature=T,top_k=0` - reproduces the engine bit for bit, with the trainer's p
 temperature=T,top_k=K,...`; `--sampling temperature=T` alone takes generate()'s default top_k=50,
 which cuts half the engine's tokens here (the control). A trainer dividing its bf16 logits by T
 before upcasting rounds the quotient to bf16 first: not these bits (a second control)."""
-import json
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from tests.test_rollout_rl_team import engine, rollout, save_bf16  # noqa: E402
+from tests.rl_team import engine, picked, rollout, save_bf16, trainer_logits  # noqa: E402
 
 T = 0.7
 
@@ -31,26 +29,18 @@ def test_a_temperature_rollout_is_reproduced_with_the_command_tpdiag_names(tmp_p
     m = s["configurations"]["tp1-mb8-decode-none"]["metrics"]
     assert m["exact_tokens"] == m["tokens"] == n and s["closest"]["reproduced"], m
     # the trainer: tpdiag's prefill is the user's own forward, float32 logits divided by T
-    L = max(len(x["input_ids"]) for x in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(rows):
-        ids[i, :len(x["input_ids"])] = torch.tensor(x["input_ids"])
-        mask[i, :len(x["input_ids"])] = 1
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits
+    logits = trainer_logits(model, rows)
     assert logits.dtype == torch.bfloat16
 
-    def picked(lsm, i, x):
-        got_ = lsm[i, :len(x["input_ids"]) - 1].gather(-1, torch.tensor(x["input_ids"][1:])[:, None])[:, 0]
-        return got_[x["prompt_len"] - 1:]
+    def completion(lsm, i, x):
+        return picked(lsm, i, x)[x["prompt_len"] - 1:]
 
     fp32 = (logits.float() / T).log_softmax(-1)
     bf16 = (logits / T).float().log_softmax(-1)
     pre = got["tp1-mb8-prefill-none"]
     for i, x in enumerate(rows):
-        assert torch.equal(picked(fp32, i, x), pre[i][x["prompt_len"] - 1:]), i
-    assert not any(torch.equal(picked(bf16, i, x), pre[i][x["prompt_len"] - 1:]) for i, x in enumerate(rows))
+        assert torch.equal(completion(fp32, i, x), pre[i][x["prompt_len"] - 1:]), i
+    assert not any(torch.equal(completion(bf16, i, x), pre[i][x["prompt_len"] - 1:]) for i, x in enumerate(rows))
     # control: the temperature alone takes generate()'s default top_k=50 - not the engine's filter
     s, _ = rollout(tmp_path, rows, path, modes=("decode",), sampling=(("temperature", T),))
     m = s["configurations"]["tp1-mb8-decode-none"]["metrics"]

@@ -13,11 +13,11 @@ rounding finding written in on a record within its bound (a root locate never ma
 records/labels.made_problems).
 """
 import json
-import os
 import shutil
 
 import pytest
-from conftest import ROOT, gloo_world, run_cli
+from conftest import run_cli
+from user_worlds import capture_worlds
 
 from tpdiag.gate import evaluate, load_policy, with_allowed
 from tpdiag.records.causes import EXIT_BUG
@@ -25,34 +25,10 @@ from tpdiag.records.causes import EXIT_BUG
 LEAD = "s0/optimizer/embed/param#0/weight"
 
 
-def _worker(rank, world, port, q):
-    import sys
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import user_opt_shard
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    user_opt_shard.steps(os.environ["OPT_OUT"], os.environ["OPT_BUG"])
-    dist.barrier()
-    if rank == 0:
-        q.put("done")
-
-
 @pytest.fixture(scope="module")
 def lr_world(tmp_path_factory):
     base = tmp_path_factory.mktemp("upd")
-    mp = pytest.MonkeyPatch()
-    try:
-        for n, bug in ((1, "none"), (2, "lr_world")):
-            mp.setenv("OPT_OUT", str(base / f"{n}-{bug}"))
-            mp.setenv("OPT_BUG", bug)
-            mp.setenv("OMP_NUM_THREADS", "1")
-            assert gloo_world(_worker, n, timeout=180) == "done"
-    finally:
-        mp.undo()
+    capture_worlds(base, "user_opt_shard", "steps", ((1, "none"), (2, "lr_world")))
     out = base / "diff"
     p = run_cli("diff", str(base / "1-none"), str(base / "2-lr_world"), "--out", str(out))
     assert p.returncode == 0, p.stdout + p.stderr

@@ -10,43 +10,17 @@ a harmless row-parallel reduction, and the 2x grads had no bound - the head's ou
 named `vocab-parallel-softmax` by its layout. A record that is the reference's times one factor is
 a sharding-bug now (diff/scale.py), with no bound needed."""
 import json
-import os
 
 import pytest
 
-from conftest import ROOT, gloo_world, run_cli
-
-
-def _worker(rank, world, port, q):
-    import sys
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import user_accum
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    out, bug = os.environ["ACCUM_OUT"], os.environ["ACCUM_BUG"]
-    user_accum.step(out, bug)
-    dist.barrier()
-    if rank == 0:
-        q.put("done")
+from conftest import run_cli
+from user_worlds import capture_worlds
 
 
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
-    base = tmp_path_factory.mktemp("accum")
-    mp = pytest.MonkeyPatch()
-    try:
-        for n, bug in ((1, "none"), (2, "none"), (2, "accum_tp")):
-            mp.setenv("ACCUM_OUT", str(base / f"{n}-{bug}"))
-            mp.setenv("ACCUM_BUG", bug)
-            mp.setenv("OMP_NUM_THREADS", "1")
-            assert gloo_world(_worker, n, timeout=180) == "done"
-    finally:
-        mp.undo()
-    return base
+    return capture_worlds(tmp_path_factory.mktemp("accum"), "user_accum", "step",
+                          ((1, "none"), (2, "none"), (2, "accum_tp")))
 
 
 def _diff(captures, tmp_path, other):

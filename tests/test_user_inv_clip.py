@@ -6,42 +6,17 @@ is not (the switch does not reach torch's clip: docs/training.md). Main at 81c20
 only "turn the fixes on in your own loop ... and capture again" - they were on; the advice names
 `tpdiag.clip_grad_norm_` now (cli/advice.py), and with it the captures are bitwise (gate 0)."""
 import json
-import os
 
 import pytest
 
-from conftest import ROOT, gloo_world, run_cli
-
-
-def _worker(rank, world, port, q):
-    import sys
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import user_inv_clip
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    user_inv_clip.step(os.environ["ICLIP_OUT"], os.environ["ICLIP"])
-    dist.barrier()
-    if rank == 0:
-        q.put("done")
+from conftest import run_cli
+from user_worlds import capture_worlds
 
 
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
-    base = tmp_path_factory.mktemp("invclip")
-    mp = pytest.MonkeyPatch()
-    try:
-        for n, clip in ((1, "torch"), (2, "torch"), (1, "tpdiag"), (2, "tpdiag")):
-            mp.setenv("ICLIP_OUT", str(base / f"{n}-{clip}"))
-            mp.setenv("ICLIP", clip)
-            mp.setenv("OMP_NUM_THREADS", "1")
-            assert gloo_world(_worker, n, timeout=180) == "done"
-    finally:
-        mp.undo()
-    return base
+    return capture_worlds(tmp_path_factory.mktemp("invclip"), "user_inv_clip", "step",
+                          ((1, "torch"), (2, "torch"), (1, "tpdiag"), (2, "tpdiag")))
 
 
 def _diff(captures, tmp_path, clip):

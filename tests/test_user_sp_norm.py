@@ -8,42 +8,17 @@ Such a partial grad whose parameter is one value on every rank after the step is
 now (diff/partials.py reduced_after_backward); the loop that forgets the all-reduce still reads
 BUG at that grad, saying the ranks' copies add up to the reference."""
 import json
-import os
 
 import pytest
 
-from conftest import ROOT, gloo_world, run_cli
-
-
-def _worker(rank, world, port, q):
-    import sys
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import user_sp_norm
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    user_sp_norm.step(os.environ["SPN_OUT"], os.environ["SPN_BUG"])
-    dist.barrier()
-    if rank == 0:
-        q.put("done")
+from conftest import run_cli
+from user_worlds import capture_worlds
 
 
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
-    base = tmp_path_factory.mktemp("spnorm")
-    mp = pytest.MonkeyPatch()
-    try:
-        for n, bug in ((1, "none"), (2, "none"), (2, "no_allreduce")):
-            mp.setenv("SPN_OUT", str(base / f"{n}-{bug}"))
-            mp.setenv("SPN_BUG", bug)
-            mp.setenv("OMP_NUM_THREADS", "1")
-            assert gloo_world(_worker, n, timeout=180) == "done"
-    finally:
-        mp.undo()
-    return base
+    return capture_worlds(tmp_path_factory.mktemp("spnorm"), "user_sp_norm", "step",
+                          ((1, "none"), (2, "none"), (2, "no_allreduce")))
 
 
 def _diff(captures, tmp_path, other):

@@ -269,7 +269,7 @@ class Capture:
 
         timings = {"capture_s": round(t1 - self.t0, 3), "gather_s": round(time.perf_counter() - t1, 3)}
         # a capture's own name: `tpdiag diff` refuses two sides whose world.json are byte for byte the
-        # same (a run and its copy, records/sides.py), and two captures of one deterministic step
+        # same (a run and its copy, records/diff_sides.py), and two captures of one deterministic step
         # differed only by their millisecond timings - equal now and then, refused as copies
         store.write(self.out, stored, {
             "degree": self.degree, "label": str(self.degree), "backend": backend,

@@ -1,7 +1,7 @@
 """A collective only this degree runs, whose result is put back together into a value the reference
 computed bit for bit: context parallelism's keys and values all-gathered over the positions and
 concatenated - the `cat` after the all-gather holds exactly the reference's `wk` output. No
-difference entered there, so the op pass must not name it as where one did (locate._first_op took
+difference entered there, so the op pass must not name it as where one did (first_op._first_op took
 the first TP-only collective before the first differing shared op: the v all-gather, not the
 attention after it whose top-left causal mask was the mistake - tests/models/planted/
 context_parallel.py:cp_is_causal). Known from the records' hashes alone (the same lane mix at both

@@ -14,8 +14,9 @@ from tpdiag.errors import Inconclusive
 from tpdiag.records.numbers import confirmation_problems, count_problems, number_problems, same
 from tpdiag.records.paths import DIFF_CSV, SECOND_PASS_DIRS
 from tpdiag.records.rundir import is_diff_dir
+from tpdiag.records.run_account import labels_problem, what_ran_problems
 from tpdiag.records.second_pass_ran import failed_words, pass_failed, unnamed_second_pass
-from tpdiag.records.sides import fix_chain_problems, labels_problem, pass_identity_problem, what_ran_problems
+from tpdiag.records.sides import fix_chain_problems, pass_identity_problem
 from tpdiag.records.world_check import world_problem
 
 SCHEMA = 1
@@ -237,7 +238,7 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
             out.append(f"summary.json says TP={lab} is bitwise but diff.csv has {len(div)} divergent records")
     if is_diff_dir(run_dir, manifest):
         # `tpdiag diff`: its evidence is the two captures, re-diffed by the gate - two runs, not one twice
-        from tpdiag.records.sides import diff_side_problems
+        from tpdiag.records.diff_sides import diff_side_problems
 
         return out + diff_side_problems(run_dir, manifest)
     if manifest.get("tool") != "tpdiag compare":

@@ -9,7 +9,7 @@ What must not change: this process's bits. A launch puts the rank environment (C
 among it, tpdiag.runner.determinism.RANK_ENV) into this process's environment, and the cuBLAS workspace
 follows a process's first GEMM - so the caller waits until every lane has been launched
 (`wait_launched`), puts its environment back, and only then builds and computes. The ranks take
-their environment from the fork server (tpdiag.runner.launch.prestart), not from this process's.
+their environment from the fork server (tpdiag.runner.start_context.prestart), not from this process's.
 Bad input found by the build (a token outside the vocabulary, a model that cannot load) cancels the
 lanes: their worlds end at once, their ranks killed, and the error is the command's.
 """

@@ -114,7 +114,7 @@ def _worlds(rc, seqs, cfgs, groups: int, on_status) -> dict:
     import tempfile
 
     from tpdiag.runner.determinism import RANK_ENV
-    from tpdiag.runner.launch import prestart
+    from tpdiag.runner.start_context import prestart
 
     # the launcher exports the rank environment (CUBLAS_WORKSPACE_CONFIG among it) into this
     # process; TP=1 runs here afterwards, under its own configurations' flags: put it back

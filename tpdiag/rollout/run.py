@@ -104,7 +104,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
 
         check_plan(parse_spec(rc.model), rc.tp)  # before any model is built: no plan, no TP > 1
     if max(rc.tp) > 1 or jobs > 1:
-        from tpdiag.runner.launch import prestart
+        from tpdiag.runner.start_context import prestart
 
         # the fork server's imports (torch, transformers: seconds) run while this process builds
         # its model, not after (every world's ranks fork from it; its environment is theirs)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tpdiag.errors import Inconclusive
 from tpdiag.base.gloo_release import settle
 from tpdiag.kernels import alloc
-from tpdiag.probes.recorder import take_lanes
+from tpdiag.probes.hash_place import take_lanes
 from tpdiag.probes.host_store import Captured
 from tpdiag.probes.stream import as_tensor, finish
 from tpdiag.runner.gather_hash import PIECE_ALIGN, StackLanes, stored_hash

@@ -127,7 +127,7 @@ def warm_gemms(spec: tuple, device) -> int:
 def start(ctx, dtypes, procs: int | None = None, gemm: tuple | None = None, gemm_first: bool = False) -> list:
     """Background processes warming the cache for these dtypes (names: 'bfloat16'; the first
     leads the plan), and the GEMMs of `gemm` (gemm_spec), started from
-    `ctx` - the fork server the worlds start from (runner/launch.py), so that they import, key and
+    `ctx` - the fork server the worlds start from (runner/start_context.py), so that they import, key and
     store the kernels exactly as a world does (started as a fresh interpreter they compiled under
     the same in-memory key, yet no world found what they stored). [] where off. Daemons: each ends
     when its slice is done (seconds), or with this process."""

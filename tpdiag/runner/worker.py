@@ -12,6 +12,7 @@ import traceback
 from datetime import timedelta
 
 from tpdiag.runner.rank_exit import leave
+from tpdiag.runner.reference_shapes import _piece_ref, _ref_shapes, _reference_params
 
 
 def marker(out_dir: str, rank: int, what: str) -> str:
@@ -24,7 +25,7 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
     rank R runs on GPU R + gpu_offset (a TP=1 world beside another, runner/side_by_side.py)."""
     entered = time.time()
     if os.environ.pop("TPDIAG_SET_PYTHONSAFEPATH", None):
-        os.environ.pop("PYTHONSAFEPATH", None)  # launch._safe_path's, for the fork server only
+        os.environ.pop("PYTHONSAFEPATH", None)  # start_context._safe_path's, for the fork server only
     from tpdiag.base import files as io
     from tpdiag.config import WorldConfig
 
@@ -308,7 +309,7 @@ def _probe_selfcheck(bare, probed, device) -> dict:
     import torch.distributed as dist
 
     from tpdiag.diff.bits import bitwise_equal
-    from tpdiag.probes.recorder import is_stale, take_lanes
+    from tpdiag.probes.hash_place import is_stale, take_lanes
     from tpdiag.probes.stream import as_tensor
 
     kinds = {"logits", "logprobs", "loss", "grad_norm", "param"}
@@ -342,48 +343,6 @@ def _probe_selfcheck(bare, probed, device) -> dict:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return {"equal": bool(flag.item()), "checked": checked, "first_mismatch": bad[0] if bad else None,
             **extra}
-
-
-def _reference_params(cfg):
-    from tpdiag.runner.per_rank import reference_params
-
-    return reference_params(cfg.ref_dir)
-
-
-def _ref_shapes(cfg, world: int) -> dict:
-    """Whole shapes of the reference's records, when it ran at TP=1: where hash mode places an
-    unmarked shard (a plain local tensor) in the whole tensor."""
-    if world == 1 or not cfg.ref_dir or cfg.capture == "full":
-        return {}
-    try:
-        from tpdiag.records.store import read_index
-
-        world_meta, events = read_index(cfg.ref_dir)
-        if world_meta.get("degree") != 1:
-            return {}
-        return {m["key"]: m.get("full_shape") or m["local_shape"] for m in events}
-    except Exception:  # a failed or missing reference: DTensor placements still place shards
-        return {}
-
-
-def _piece_ref(cfg) -> dict:
-    """A micro-batched or decode world: the reference's whole shape per record key, which tells
-    a piece's slice of the batch (or of the sequence) from a value every piece shares
-    (probes/pieces.py)."""
-    if not (cfg.micro_batch or cfg.mode == "decode") or not cfg.ref_dir:
-        return {}
-    try:
-        from tpdiag.records.store import read_index
-
-        _, events = read_index(cfg.ref_dir)
-    except Exception:  # a failed reference: the pieces are merged by their own shapes
-        return {}
-    out = {}
-    for m in events:
-        shape = m.get("full_shape") or m.get("local_shape")
-        if shape:
-            out[m["key"]] = list(shape)
-    return out
 
 
 def _fault_injection(rank: int, world: int) -> None:
