@@ -116,7 +116,7 @@ def key_paths(obj, prefix: tuple = ()):
 
 
 def undocumented(tables: dict, table: str, obj) -> list[str]:
-    return sorted({".".join(p) for p in key_paths(obj) if not documented(tables, table, p)})
+    return sorted({".".join(p).replace(".[]", "[]") for p in key_paths(obj) if not documented(tables, table, p)})
 
 
 def _run_dirs(run_dir: str):
