@@ -309,6 +309,9 @@ FILE_SECONDS = {
     "test_recipe_compiled.py": 55, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19,
     "test_capture_oracle.py": 17, "test_flat_rows.py": 16, "test_tap_state.py": 16, "test_recipe_tamper.py": 16,
     "test_top_split.py": 14, "test_rollout_no_cache.py": 13,
+    # session 16 (helper hdocs16): its four tests take under 0.1 s (pytest --durations); its one run is
+    # the shared tp12_run, which files listed above make first in CI (alone, -n 0: 47 s of setup)
+    "test_run_directory_doc.py": 1,
 }
 
 
