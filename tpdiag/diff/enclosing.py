@@ -19,7 +19,7 @@ from __future__ import annotations
 
 # the root's record name; HF's LlamaForCausalLM.model child is recorded as "model" too, so a
 # top-level child's enclosing module is the root only where no module is named under "model."
-ROOT = "model"
+from tpdiag.records.keys import ROOT_MODULE as ROOT  # noqa: E402
 
 
 def called(dd) -> set[str]:
@@ -34,19 +34,62 @@ def called(dd) -> set[str]:
     return got
 
 
+def ancestors(module: str, modules: set[str]) -> list[str]:
+    """The called ancestors of `module`, nearest first, up to the root where the root is told apart
+    (no module named under "model."); [] for the root itself."""
+    if module == ROOT:
+        return []
+    parts = module.split(".")
+    out = [p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in modules]
+    if ROOT in modules and not any(m.startswith(ROOT + ".") for m in modules) and ROOT not in out:
+        out.append(ROOT)
+    return out
+
+
 def enclosing(module: str, modules: set[str]) -> str | None:
     """The nearest called ancestor of `module` (whose forward runs the code that reads its output),
     or None: the root itself, or a root whose name a child shares."""
-    if module == ROOT:
-        return None
-    parts = module.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        p = ".".join(parts[:i])
-        if p in modules:
-            return p
-    if ROOT in modules and not any(m.startswith(ROOT + ".") for m in modules):
-        return ROOT
+    got = ancestors(module, modules)
+    return got[0] if got else None
+
+
+def outputs(rows, step, module: str) -> int:
+    """How many floating tensors `module` returned in a call of `step` (the most over its calls), from
+    the rows' forward outputs: a float64 backward is formed only through one."""
+    got = {}
+    for r in rows:
+        if r["module"] == module and r["step"] == step and (r["phase"], r["kind"]) == ("forward", "out") \
+                and str(r.get("dtype", "")).replace("torch.", "").startswith(("float", "bfloat")):
+            got[r["call"]] = got.get(r["call"], 0) + 1
+    return max(got.values(), default=0)
+
+
+def judge(module: str, step, modules: set[str], calls_of, rows) -> str | None:
+    """The ancestor whose float64 backward judges the output grad of `module` read by code outside any
+    module (or by several modules): the nearest called ancestor that ran once in the step and returns
+    one floating tensor, up to the root (whose float64 backward starts at the logits' grad). A nearer
+    one that returns several tensors (two_paths:pair_f's stage: its block and its gate's logits) forms
+    no float64 backward; one called more than once does not tell its calls' children apart. None where
+    no ancestor qualifies (why_not says why). calls_of(m): the calls of m in `step`."""
+    for a in ancestors(module, modules):
+        if len(calls_of(a)) == 1 and outputs(rows, step, a) <= 1:
+            return a
     return None
+
+
+def judge_of(dd, module: str, step) -> str | None:
+    """judge() for a diff's rows, once per (step, module) a compare."""
+    memo = getattr(dd, "_judge_of", None)
+    if memo is None:
+        memo = {}
+        try:
+            dd._judge_of = memo
+        except AttributeError:
+            pass
+    k = (step, module)
+    if k not in memo:
+        memo[k] = judge(module, step, called(dd), lambda m: calls(dd, m, step), dd.rows)
+    return memo[k]
 
 
 def calls(dd, module: str, step) -> set:
@@ -57,28 +100,52 @@ def calls(dd, module: str, step) -> set:
     return _index(dd)["calls_out"].get((step, module), set())
 
 
+def tapper(dd, k: tuple) -> str | None:
+    """The module whose float64 backward made the tapped grad keyed k (diff/engine.py: step, child,
+    call, output, the tapper's call, the tapper; a record of a run before the tapper was named: the
+    child's nearest called ancestor, the only one that tapped then)."""
+    return k[5] if len(k) > 5 and k[5] is not None else enclosing(k[1], called(dd))
+
+
 def tapped(dd, row: dict):
-    """(the enclosing module, this side's float64 value, the reference's) for a grad_out row;
-    (module or None, None, None) where there is none (why_not says why)."""
-    parent = enclosing(row["module"], called(dd))
-    if parent is None or len(calls(dd, parent, row["step"])) != 1:
-        return parent, None, None
-    mine = {k[2] for k in dd.grad_at_own if k[0] == row["step"] and k[1] == row["module"] and k[4] == 0}
-    if len(mine) != len(calls(dd, row["module"], row["step"])):
-        return parent, None, None  # a call of the child outside the parent: the numbering is not the records'
-    k = (row["step"], row["module"], int(row["call"]), str(row["name"]), 0)
-    return parent, dd.grad_at_own.get(k), dd.grad_at.get(k)
+    """(the judging ancestor, this side's float64 value, the reference's) for a grad_out row;
+    (the nearest called ancestor or None, None, None) where there is none (why_not says why)."""
+    step, module = row["step"], row["module"]
+    by = judge_of(dd, module, step)
+    if by is None:
+        return enclosing(module, called(dd)), None, None
+    mine = {k[2] for k in dd.grad_at_own if k[0] == step and k[1] == module and k[4] == 0 and tapper(dd, k) == by}
+    if len(mine) != len(calls(dd, module, step)):
+        return by, None, None  # a call of the child outside it: the numbering is not the records'
+    for ks in (dd.grad_at_own, dd.grad_at):
+        if not any(k[:5] == (step, module, int(row["call"]), str(row["name"]), 0) and tapper(dd, k) == by for k in ks):
+            return by, None, None
+    k = next(k for k in dd.grad_at_own if k[:5] == (step, module, int(row["call"]), str(row["name"]), 0)
+             and tapper(dd, k) == by)
+    kr = next(k for k in dd.grad_at if k[:5] == (step, module, int(row["call"]), str(row["name"]), 0)
+              and tapper(dd, k) == by)
+    return by, dd.grad_at_own[k], dd.grad_at[kr]
 
 
 def why_not(dd, row: dict) -> str | None:
-    """Why a grad_out with no one module consumer was not judged by its enclosing module; None where
-    it should have been (the caller's reason stands)."""
-    parent = enclosing(row["module"], called(dd))
-    if parent is None:
+    """Why a grad_out with no one module consumer was not judged by an enclosing module's float64
+    backward; None where it should have been (the caller's reason stands)."""
+    mods = called(dd)
+    step = row["step"]
+    chain = ancestors(row["module"], mods)
+    if not chain:
         return ("the model's output, or read by the root's code where a child shares the root's name "
                 "(no enclosing module to re-execute)")
-    if len(calls(dd, parent, row["step"])) != 1:
-        return f"read by the code of {parent}, called more than once in the step (its calls' children not told apart)"
+    parent = chain[0]
+    by = judge_of(dd, row["module"], step)
+    if by is None:
+        said = []
+        for a in chain:
+            n, o = len(calls(dd, a, step)), outputs(dd.rows, step, a)
+            said.append(f"{a} called {n} times in the step (its calls' children not told apart)" if n != 1 else
+                        f"{a} returns {o} tensors (its float64 backward needs one differentiable output)")
+        return f"read by the code of {parent}; no enclosing module runs once and returns one tensor: " + ", ".join(said)
+    head = f"read by the code of {parent}" + (f", judged through {by}" if by != parent else "")
     from tpdiag.records.keys import MalformedKey, RecordKey
 
     notes = getattr(dd, "oracle_notes", None) or {}
@@ -87,13 +154,8 @@ def why_not(dd, row: dict) -> str | None:
             p = RecordKey.parse(k)
         except MalformedKey:
             continue
-        if (p.step, p.phase, p.module, p.kind) == (int(row["step"]), "backward", parent, "oracle") and v.get("why"):
-            return f"read by the code of {parent}, whose float64 backward was refused: {v['why']}"
-    outs = [r for r in dd.rows if r["module"] == parent and r["step"] == row["step"]
-            and (r["phase"], r["kind"]) == ("forward", "out") and str(r.get("dtype", "")).startswith(("float", "bfloat"))]
-    if len(outs) > 1:
-        return (f"read by the code of {parent}, which returns {len(outs)} tensors (its float64 backward needs "
-                "one differentiable output)")
-    if not any(k[0] == row["step"] and k[1] == row["module"] for k in dd.grad_at_own):
-        return f"read by the code of {parent}, which the own-input pass did not re-execute (not chosen, or over its budget)"
-    return f"read by the code of {parent}, and outside it too (a call of it not inside {parent})"
+        if (p.step, p.phase, p.module, p.kind) == (int(step), "backward", by, "oracle") and v.get("why"):
+            return f"{head}, whose float64 backward was refused: {v['why']}"
+    if not any(k[0] == step and k[1] == row["module"] and tapper(dd, k) == by for k in dd.grad_at_own):
+        return f"{head}, which the own-input pass did not re-execute (not chosen, or over its budget)"
+    return f"{head}, and outside it too (a call of it not inside {by})"

@@ -95,11 +95,11 @@ def modules(dd, first_key: str | None) -> list[str]:
             if c != "model":
                 cands.setdefault(c, 0.0)
         elif r["phase"] == "backward" and r["kind"] == "grad_out":
-            # no one module consumer: the module whose own code reads it (diff/enclosing.py)
-            outer = enclosing.enclosing(m, enclosing.called(dd))
-            # judged only from a module called once in the step (HF's root and its `model` child
-            # share one name: two calls, never re-executed as one)
-            if outer is not None and outer not in partial and len(enclosing.calls(dd, outer, r["step"])) == 1:
+            # no one module consumer: the ancestor whose float64 backward judges it (diff/enclosing.py;
+            # called once in the step - HF's root and its `model` child share one name: two calls,
+            # never re-executed as one - and returning one tensor)
+            outer = enclosing.judge_of(dd, m, r["step"])
+            if outer is not None and outer not in partial:
                 cands.setdefault(outer, 0.0)
     order = sorted(cands, key=lambda m: (-cands[m], m))[:MAX_ALL]
     size: dict[str, int] = {}
@@ -182,9 +182,11 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
             if c != "model":
                 cands.setdefault(c, 0.0)
         elif r["phase"] == "backward" and r["kind"] == "grad_out":
-            outer = enclosing.enclosing(m, called)  # no one module consumer: diff/enclosing.py
-            if outer is not None and len({x["call"] for x in rows if x["module"] == outer and x["step"] == r["step"]
-                                          and (x["phase"], x["kind"]) == ("forward", "out")}) == 1:
+            # no one module consumer: diff/enclosing.py
+            outer = enclosing.judge(m, r["step"], called, lambda a, st=r["step"]: {
+                x["call"] for x in rows if x["module"] == a and x["step"] == st and (x["phase"], x["kind"]) == ("forward", "out")},
+                rows)
+            if outer is not None:
                 cands.setdefault(outer, 0.0)
     size: dict[str, int] = {}
     for r in rows:

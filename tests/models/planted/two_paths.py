@@ -8,8 +8,9 @@ the multiply, which no record holds. Vocab 32, dim 32, ff 64.
   gate_f       gate's input goes through Megatron's f (its grad all-reduced) although gate is
                replicated: gate's part of h's grad is TP times at TP > 1             BUG
 
-  pair_f       gate_f's mistake inside a stage that returns two tensors (its gate's logits too):
-               no float64 backward of the stage, so h's grad stays not judged         not judged
+  pair_ok      correct, inside a stage that returns two tensors (its gate's logits too)  rounding
+  pair_f       gate_f's mistake inside that stage: no float64 backward of the stage, so h's grad is
+               judged by the root's (the next ancestor that runs once, one output)     BUG
 
     tpdiag compare --model py:tests/models/planted/two_paths.py:gate_f --tp 1,2
 tests/test_two_paths.py
@@ -160,6 +161,10 @@ def gate_ok():
 
 def gate_f():
     return tpdiag.Target(model=TwoPathLM(through_f=True), plan={}, vocab_size=VOCAB, inputs=_tokens)
+
+
+def pair_ok():
+    return tpdiag.Target(model=PairLM(), plan={}, vocab_size=VOCAB, inputs=_tokens)
 
 
 def pair_f():
