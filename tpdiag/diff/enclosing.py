@@ -146,6 +146,12 @@ def why_not(dd, row: dict) -> str | None:
                         f"{a} returns {o} tensors (its float64 backward needs one differentiable output)")
         return f"read by the code of {parent}; no enclosing module runs once and returns one tensor: " + ", ".join(said)
     head = f"read by the code of {parent}" + (f", judged through {by}" if by != parent else "")
+    from tpdiag.diff.equal_inputs import params_equal
+
+    if not params_equal(dd, by, step):
+        # the reference's module on this side's inputs is not the function this side computed
+        # (diff/oracle_own.apply_own): from step 1 on, each side's own update's rounding
+        return f"{head}, whose parameters differ at this step (each side's own update before it)"
     from tpdiag.records.keys import MalformedKey, RecordKey
 
     notes = getattr(dd, "oracle_notes", None) or {}
