@@ -8,12 +8,16 @@ in the parent's forward - or by several modules, no one consumer makes it. The m
 runs that code (the nearest called ancestor: the parent, or the root past a ModuleList) does: its
 backward in float64, from this side's own inputs and output grad, passes through the child's output,
 and the grad there is that record's exact value (probes/float64.module_oracle_grads' taps, recorded
-as oracle records `grad_out.O.cJ.pP` of the child). Without it a replicated gate behind Megatron's f
+as oracle records `grad_out.O.cJ.pP.uK` of the child, the tapper K name levels up); so does any
+ancestor's above it. Without it a replicated gate behind Megatron's f
 (tests/models/planted/two_paths.py:gate_f: its input grad TP times) moved the block's output grad by
 a quarter and read `rounding only`.
 
-Judged only where the parent ran once in the step (its children's calls are then numbered as the
-records number them) and every call of the child was inside it; otherwise not judged, with the reason
+Judged by the nearest called ancestor that ran once in the step (its children's calls are then
+numbered as the records number them, where every call of the child was inside it) and returns one
+floating tensor (a float64 backward needs one differentiable output): past one that does not (a
+stage returning its block's output and its gate's logits, two_paths:pair_f) the next one up, to
+the root. Otherwise not judged, with the reason
 (diff/not_judged.py)."""
 from __future__ import annotations
 
@@ -107,6 +111,29 @@ def tapper(dd, k: tuple) -> str | None:
     return k[5] if len(k) > 5 and k[5] is not None else enclosing(k[1], called(dd))
 
 
+def _taps(dd) -> dict:
+    """{(step, child, call, output, tapper): (this side's, the reference's)} of the tapper's call 0
+    (a judging module runs once), and {(step, child, tapper): the child's calls tapped}: one pass
+    over the tap records (a scan of them per grad_out row was quadratic in a large model's)."""
+    got = getattr(dd, "_taps", None)
+    if got is not None and got["n"] == (len(dd.grad_at_own), len(dd.grad_at)):
+        return got
+    got = {"n": (len(dd.grad_at_own), len(dd.grad_at)), "own": {}, "ref": {}, "calls": {}}
+    for side, ks in (("own", dd.grad_at_own), ("ref", dd.grad_at)):
+        for k, t in ks.items():
+            if k[4] != 0:
+                continue
+            by = tapper(dd, k)
+            got[side][(k[0], k[1], k[2], k[3], by)] = t
+            if side == "own":
+                got["calls"].setdefault((k[0], k[1], by), set()).add(k[2])
+    try:
+        dd._taps = got
+    except AttributeError:
+        pass
+    return got
+
+
 def tapped(dd, row: dict):
     """(the judging ancestor, this side's float64 value, the reference's) for a grad_out row;
     (the nearest called ancestor or None, None, None) where there is none (why_not says why)."""
@@ -114,17 +141,11 @@ def tapped(dd, row: dict):
     by = judge_of(dd, module, step)
     if by is None:
         return enclosing(module, called(dd)), None, None
-    mine = {k[2] for k in dd.grad_at_own if k[0] == step and k[1] == module and k[4] == 0 and tapper(dd, k) == by}
-    if len(mine) != len(calls(dd, module, step)):
+    ix = _taps(dd)
+    if len(ix["calls"].get((step, module, by), ())) != len(calls(dd, module, step)):
         return by, None, None  # a call of the child outside it: the numbering is not the records'
-    for ks in (dd.grad_at_own, dd.grad_at):
-        if not any(k[:5] == (step, module, int(row["call"]), str(row["name"]), 0) and tapper(dd, k) == by for k in ks):
-            return by, None, None
-    k = next(k for k in dd.grad_at_own if k[:5] == (step, module, int(row["call"]), str(row["name"]), 0)
-             and tapper(dd, k) == by)
-    kr = next(k for k in dd.grad_at if k[:5] == (step, module, int(row["call"]), str(row["name"]), 0)
-              and tapper(dd, k) == by)
-    return by, dd.grad_at_own[k], dd.grad_at[kr]
+    k = (step, module, int(row["call"]), str(row["name"]), by)
+    return by, ix["own"].get(k), ix["ref"].get(k)
 
 
 def why_not(dd, row: dict) -> str | None:
@@ -162,6 +183,6 @@ def why_not(dd, row: dict) -> str | None:
             continue
         if (p.step, p.phase, p.module, p.kind) == (int(step), "backward", by, "oracle") and v.get("why"):
             return f"{head}, whose float64 backward was refused: {v['why']}"
-    if not any(k[0] == step and k[1] == row["module"] and tapper(dd, k) == by for k in dd.grad_at_own):
+    if not _taps(dd)["calls"].get((step, row["module"], by)):
         return f"{head}, which the own-input pass did not re-execute (not chosen, or over its budget)"
     return f"{head}, and outside it too (a call of it not inside {by})"
