@@ -4,8 +4,6 @@ grad - those and every output grad of the step. Where they were, the reference's
 re-execution is the exact value for both sides (diff/oracle.py)."""
 from __future__ import annotations
 
-from tpdiag.records.keys import ROOT_MODULE
-
 
 def _index(dd) -> dict:
     """What inputs_equal and grads_equal look up, from one pass over the rows (they are asked
@@ -46,12 +44,7 @@ def params_equal(dd, module: str, step: int) -> bool:
     """Whether every recorded parameter of the module (and of its children) that step `step`'s
     forward read is bitwise equal at both sides: from step 1 on they are the step before's update,
     which at TP > 1 differs by its own rounding - the reference's module is then not this side's."""
-    bad = _index(dd)["bad_params"].get(step, ())
-    if module == ROOT_MODULE:
-        # the root's children are not named under it ("stage.block", not "model.stage.block"): its
-        # float64 backward (diff/enclosing.py) reads every parameter of the model
-        return not bad
-    return not any(p == module or p.startswith(module + ".") for p in bad)
+    return not any(p == module or p.startswith(module + ".") for p in _index(dd)["bad_params"].get(step, ()))
 
 
 def grads_equal(dd, row: dict) -> bool:
