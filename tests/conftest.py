@@ -309,6 +309,9 @@ FILE_SECONDS = {
     "test_recipe_compiled.py": 55, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19,
     "test_capture_oracle.py": 17, "test_flat_rows.py": 16, "test_tap_state.py": 16, "test_recipe_tamper.py": 16,
     "test_top_split.py": 14, "test_rollout_no_cache.py": 13,
+    # session 16 (helper hbf16): wall of `pytest -n 0 FILE` on the shared 2-core machine, less ~8 s of
+    # pytest's start (five compares: gate_f, pair_f x2, pair_ok, pair_drop_f) - ordering only
+    "test_two_paths.py": 95,
 }
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 # the root's record name; HF's LlamaForCausalLM.model child is recorded as "model" too, so a
 # top-level child's enclosing module is the root only where no module is named under "model."
-from tpdiag.records.keys import ROOT_MODULE as ROOT  # noqa: E402
+from tpdiag.records.keys import ROOT_MODULE as ROOT
 
 
 def called(dd) -> set[str]:
@@ -57,26 +57,43 @@ def enclosing(module: str, modules: set[str]) -> str | None:
     return got[0] if got else None
 
 
-def outputs(rows, step, module: str) -> int:
-    """How many floating tensors `module` returned in a call of `step` (the most over its calls), from
-    the rows' forward outputs: a float64 backward is formed only through one."""
-    got = {}
+def outputs_index(rows) -> dict:
+    """{(step, module): how many floating tensors it returned in a call (the most over its calls)},
+    from the rows' forward outputs in one pass: a float64 backward is formed only through one."""
+    per: dict = {}
     for r in rows:
-        if r["module"] == module and r["step"] == step and (r["phase"], r["kind"]) == ("forward", "out") \
+        if (r["phase"], r["kind"]) == ("forward", "out") \
                 and str(r.get("dtype", "")).replace("torch.", "").startswith(("float", "bfloat")):
-            got[r["call"]] = got.get(r["call"], 0) + 1
-    return max(got.values(), default=0)
+            k = (r["step"], r["module"], r["call"])
+            per[k] = per.get(k, 0) + 1
+    out: dict = {}
+    for (st, m, _), n in per.items():
+        out[(st, m)] = max(out.get((st, m), 0), n)
+    return out
 
 
-def judge(module: str, step, modules: set[str], calls_of, rows) -> str | None:
+def outputs(dd, step, module: str) -> int:
+    """outputs_index for a diff's rows, built once a diff."""
+    got = getattr(dd, "_outputs", None)
+    if got is None or got[0] != len(dd.rows):
+        got = (len(dd.rows), outputs_index(dd.rows))
+        try:
+            dd._outputs = got
+        except AttributeError:
+            pass
+    return got[1].get((step, module), 0)
+
+
+def judge(module: str, step, modules: set[str], calls_of, outputs_of) -> str | None:
     """The ancestor whose float64 backward judges the output grad of `module` read by code outside any
     module (or by several modules): the nearest called ancestor that ran once in the step and returns
     one floating tensor, up to the root (whose float64 backward starts at the logits' grad). A nearer
     one that returns several tensors (two_paths:pair_f's stage: its block and its gate's logits) forms
     no float64 backward; one called more than once does not tell its calls' children apart. None where
-    no ancestor qualifies (why_not says why). calls_of(m): the calls of m in `step`."""
+    no ancestor qualifies (why_not says why). calls_of(m): the calls of m in `step`; outputs_of(m): its
+    floating outputs a call."""
     for a in ancestors(module, modules):
-        if len(calls_of(a)) == 1 and outputs(rows, step, a) <= 1:
+        if len(calls_of(a)) == 1 and outputs_of(a) <= 1:
             return a
     return None
 
@@ -92,7 +109,7 @@ def judge_of(dd, module: str, step) -> str | None:
             pass
     k = (step, module)
     if k not in memo:
-        memo[k] = judge(module, step, called(dd), lambda m: calls(dd, m, step), dd.rows)
+        memo[k] = judge(module, step, called(dd), lambda m: calls(dd, m, step), lambda m: outputs(dd, step, m))
     return memo[k]
 
 
@@ -162,7 +179,7 @@ def why_not(dd, row: dict) -> str | None:
     if by is None:
         said = []
         for a in chain:
-            n, o = len(calls(dd, a, step)), outputs(dd.rows, step, a)
+            n, o = len(calls(dd, a, step)), outputs(dd, step, a)
             said.append(f"{a} called {n} times in the step (its calls' children not told apart)" if n != 1 else
                         f"{a} returns {o} tensors (its float64 backward needs one differentiable output)")
         return f"read by the code of {parent}; no enclosing module runs once and returns one tensor: " + ", ".join(said)

@@ -80,9 +80,9 @@ def grads(dd, first_key: str | None) -> dict | None:
 # check judged it, read rounding and passed `gate --allow rounding`. So the limit is also at most
 # NOT_JUDGED_MAX_REL of the grad's norm in any dtype: twice the most rounding moved a correct model's
 # unjudged grads (0.0987, bf16; llama 8B and a 70B slice on H200, bf16: 0.081, 0.034 - docs/scale.md),
-# and below a doubled share of a grad. A bug that moves an unjudged
-# grad by less than that in bf16 still reads rounding (docs/causes.md, Not covered). After a router
-# flip (rounding-class, discrete) grads move by O(1) with no bug: not applied there.
+# and below a doubled share of a grad. A bug that moves an unjudged grad by less than that in bf16
+# still reads rounding (docs/causes.md, Not covered). After a router flip (rounding-class, discrete)
+# grads move by O(1) with no bug: not applied there.
 NOT_JUDGED_ROUNDINGS = 1000
 NOT_JUDGED_MAX_REL = 0.2
 EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
@@ -91,9 +91,9 @@ EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "flo
 def moved_beyond(entry: dict, dtypes: list | None = None) -> tuple[float, float] | None:
     """(how far the unjudged grads moved, the limit) where they moved beyond NOT_JUDGED_ROUNDINGS eps
     of the least precise of `dtypes` (the listed records' dtypes; None: summary.json's own word, then
-    bfloat16's) or beyond NOT_JUDGED_MAX_REL, else None. Such a degree is not judged (class unknown, diff/classes.py) and the gate
-    fails it as cause unknown (gate/verdict.py) - one rule, so compare never says "nothing is wrong"
-    where the gate fails the run."""
+    bfloat16's) or beyond NOT_JUDGED_MAX_REL, else None. Such a degree is not judged (class unknown,
+    diff/classes.py) and the gate fails it as cause unknown (gate/verdict.py) - one rule, so compare
+    never says "nothing is wrong" where the gate fails the run."""
     nj = entry.get("not_judged")
     moved = nj.get("rel_l2") if isinstance(nj, dict) else None
     if not isinstance(moved, (int, float)) or isinstance(moved, bool):

@@ -164,6 +164,7 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
     by_key = {r["key"]: r for r in rows}
     called = {r["module"] for r in rows if r["phase"] == "forward" and r["kind"] in ("in", "out")}
     cands: dict[str, float] = {}
+    outs = calls = None
     for r in rows:
         if r["bitwise"] or r.get("rank_consistent") is False or r.get("nonfinite_mismatch") or not r.get("hash_only"):
             continue
@@ -182,10 +183,15 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
             if c != "model":
                 cands.setdefault(c, 0.0)
         elif r["phase"] == "backward" and r["kind"] == "grad_out":
-            # no one module consumer: diff/enclosing.py
-            outer = enclosing.judge(m, r["step"], called, lambda a, st=r["step"]: {
-                x["call"] for x in rows if x["module"] == a and x["step"] == st and (x["phase"], x["kind"]) == ("forward", "out")},
-                rows)
+            # no one module consumer: diff/enclosing.py (indexes built once, not a scan a row)
+            if outs is None:
+                outs, calls = enclosing.outputs_index(rows), {}
+                for x in rows:
+                    if (x["phase"], x["kind"]) == ("forward", "out"):
+                        calls.setdefault((x["step"], x["module"]), set()).add(x["call"])
+            st = r["step"]
+            outer = enclosing.judge(m, st, called, lambda a, st=st: calls.get((st, a), set()),
+                                    lambda a, st=st: outs.get((st, a), 0))
             if outer is not None:
                 cands.setdefault(outer, 0.0)
     size: dict[str, int] = {}
