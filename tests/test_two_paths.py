@@ -130,6 +130,32 @@ def test_compare_class_and_gate_read_one_limit(dtype, moved, fails):
     assert degree_class(entry) == ("unknown" if fails else "rounding")
 
 
+def test_the_judging_ancestor_is_the_nearest_that_runs_once_with_one_output():
+    """diff/enclosing.judge: past an ancestor that returns two floating tensors or runs twice, the
+    next one up judges, to the root; none where the root shares its name with a child (HF's
+    LlamaForCausalLM.model) and nothing nearer qualifies."""
+    from tpdiag.diff.enclosing import judge, outputs_index
+
+    def out(m, call=0, n=1, dtype="float32"):
+        return [{"step": 0, "module": m, "call": call, "phase": "forward", "kind": "out", "dtype": dtype}] * n
+
+    def judged(rows, module="stage.block"):
+        mods = {r["module"] for r in rows}
+        outs = outputs_index(rows)
+        calls = {}
+        for r in rows:
+            calls.setdefault(r["module"], set()).add(r["call"])
+        return judge(module, 0, mods, lambda a: calls.get(a, set()), lambda a: outs.get((0, a), 0))
+
+    base = out("model") + out("stage.block")
+    assert judged(base + out("stage")) == "stage"
+    assert judged(base + out("stage", n=2)) == "model"  # pair_f
+    assert judged(base + out("stage") + out("stage", call=1)) == "model"  # a stage run twice
+    assert judged(base + out("stage", n=2) + out("stage", n=1, dtype="int64")) == "model"
+    assert judged(base + out("stage", n=1) + out("stage", n=1, dtype="int64")) == "stage"  # ids are no output grad
+    assert judged(base + out("stage", n=2) + out("model.x")) is None  # the root's name is a child's
+
+
 def test_two_ancestors_taps_of_one_descendant_are_kept_apart():
     """A stage's float64 backward and the root's may both tap the stage's block (the own-input pass
     re-executes each where it judges some record): the tap record names its tapper by how many name
