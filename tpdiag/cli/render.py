@@ -5,7 +5,7 @@ from __future__ import annotations
 from tpdiag.base.points import config_name
 from tpdiag.cli.plain_table import _box, _fmt, _print_table
 from tpdiag.cli.record_words import _chain_at, made_by, where
-from tpdiag.reports.words import moved_by
+from tpdiag.reports.words import moved_by, not_judged_keys
 
 
 def ran(summary: dict) -> str | None:
@@ -142,8 +142,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if nj.get("keys"):  # divergent grads past the first divergence that no check could judge
             more = nj["records"] - min(3, len(nj["keys"]))
             console.print(f"{config_name(label)}: not judged past the first divergence ({nj['records']} activation "
-                          f"grad{'s' if nj['records'] != 1 else ''}{moved_by(nj)}; "
-                          f"{'; '.join(nj['why'])}): {', '.join(nj['keys'][:3])}"
+                          f"grad{'s' if nj['records'] != 1 else ''}{moved_by(nj)}): {not_judged_keys(nj, 3)}"
                           f"{f' and {more} more' if more > 0 else ''} - summary.json not_judged",
                           markup=False, soft_wrap=True)
         for of, nc in (("", d.get("not_carried")), (" of the confirmation", (d.get("confirmation") or {}).get("not_carried"))):

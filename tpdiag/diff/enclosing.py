@@ -8,18 +8,22 @@ in the parent's forward - or by several modules, no one consumer makes it. The m
 runs that code (the nearest called ancestor: the parent, or the root past a ModuleList) does: its
 backward in float64, from this side's own inputs and output grad, passes through the child's output,
 and the grad there is that record's exact value (probes/float64.module_oracle_grads' taps, recorded
-as oracle records `grad_out.O.cJ.pP` of the child). Without it a replicated gate behind Megatron's f
+as oracle records `grad_out.O.cJ.pP.uK` of the child, the tapper K name levels up); so does any
+ancestor's above it. Without it a replicated gate behind Megatron's f
 (tests/models/planted/two_paths.py:gate_f: its input grad TP times) moved the block's output grad by
 a quarter and read `rounding only`.
 
-Judged only where the parent ran once in the step (its children's calls are then numbered as the
-records number them) and every call of the child was inside it; otherwise not judged, with the reason
+Judged by the nearest called ancestor that ran once in the step (its children's calls are then
+numbered as the records number them, where every call of the child was inside it) and returns one
+floating tensor (a float64 backward needs one differentiable output): past one that does not (a
+stage returning its block's output and its gate's logits, two_paths:pair_f) the next one up, to
+the root. Otherwise not judged, with the reason
 (diff/not_judged.py)."""
 from __future__ import annotations
 
 # the root's record name; HF's LlamaForCausalLM.model child is recorded as "model" too, so a
 # top-level child's enclosing module is the root only where no module is named under "model."
-ROOT = "model"
+from tpdiag.records.keys import ROOT_MODULE as ROOT
 
 
 def called(dd) -> set[str]:
@@ -34,19 +38,79 @@ def called(dd) -> set[str]:
     return got
 
 
+def ancestors(module: str, modules: set[str]) -> list[str]:
+    """The called ancestors of `module`, nearest first, up to the root where the root is told apart
+    (no module named under "model."); [] for the root itself."""
+    if module == ROOT:
+        return []
+    parts = module.split(".")
+    out = [p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in modules]
+    if ROOT in modules and not any(m.startswith(ROOT + ".") for m in modules) and ROOT not in out:
+        out.append(ROOT)
+    return out
+
+
 def enclosing(module: str, modules: set[str]) -> str | None:
     """The nearest called ancestor of `module` (whose forward runs the code that reads its output),
     or None: the root itself, or a root whose name a child shares."""
-    if module == ROOT:
-        return None
-    parts = module.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        p = ".".join(parts[:i])
-        if p in modules:
-            return p
-    if ROOT in modules and not any(m.startswith(ROOT + ".") for m in modules):
-        return ROOT
+    got = ancestors(module, modules)
+    return got[0] if got else None
+
+
+def outputs_index(rows) -> dict:
+    """{(step, module): how many floating tensors it returned in a call (the most over its calls)},
+    from the rows' forward outputs in one pass: a float64 backward is formed only through one."""
+    per: dict = {}
+    for r in rows:
+        if (r["phase"], r["kind"]) == ("forward", "out") \
+                and str(r.get("dtype", "")).replace("torch.", "").startswith(("float", "bfloat")):
+            k = (r["step"], r["module"], r["call"])
+            per[k] = per.get(k, 0) + 1
+    out: dict = {}
+    for (st, m, _), n in per.items():
+        out[(st, m)] = max(out.get((st, m), 0), n)
+    return out
+
+
+def outputs(dd, step, module: str) -> int:
+    """outputs_index for a diff's rows, built once a diff."""
+    got = getattr(dd, "_outputs", None)
+    if got is None or got[0] != len(dd.rows):
+        got = (len(dd.rows), outputs_index(dd.rows))
+        try:
+            dd._outputs = got
+        except AttributeError:
+            pass
+    return got[1].get((step, module), 0)
+
+
+def judge(module: str, step, modules: set[str], calls_of, outputs_of) -> str | None:
+    """The ancestor whose float64 backward judges the output grad of `module` read by code outside any
+    module (or by several modules): the nearest called ancestor that ran once in the step and returns
+    one floating tensor, up to the root (whose float64 backward starts at the logits' grad). A nearer
+    one that returns several tensors (two_paths:pair_f's stage: its block and its gate's logits) forms
+    no float64 backward; one called more than once does not tell its calls' children apart. None where
+    no ancestor qualifies (why_not says why). calls_of(m): the calls of m in `step`; outputs_of(m): its
+    floating outputs a call."""
+    for a in ancestors(module, modules):
+        if len(calls_of(a)) == 1 and outputs_of(a) <= 1:
+            return a
     return None
+
+
+def judge_of(dd, module: str, step) -> str | None:
+    """judge() for a diff's rows, once per (step, module) a compare."""
+    memo = getattr(dd, "_judge_of", None)
+    if memo is None:
+        memo = {}
+        try:
+            dd._judge_of = memo
+        except AttributeError:
+            pass
+    k = (step, module)
+    if k not in memo:
+        memo[k] = judge(module, step, called(dd), lambda m: calls(dd, m, step), lambda m: outputs(dd, step, m))
+    return memo[k]
 
 
 def calls(dd, module: str, step) -> set:
@@ -57,28 +121,75 @@ def calls(dd, module: str, step) -> set:
     return _index(dd)["calls_out"].get((step, module), set())
 
 
+def tapper(dd, k: tuple) -> str | None:
+    """The module whose float64 backward made the tapped grad keyed k (diff/engine.py: step, child,
+    call, output, the tapper's call, the tapper; a record of a run before the tapper was named: the
+    child's nearest called ancestor, the only one that tapped then)."""
+    return k[5] if len(k) > 5 and k[5] is not None else enclosing(k[1], called(dd))
+
+
+def _taps(dd) -> dict:
+    """{(step, child, call, output, tapper): (this side's, the reference's)} of the tapper's call 0
+    (a judging module runs once), and {(step, child, tapper): the child's calls tapped}: one pass
+    over the tap records (a scan of them per grad_out row was quadratic in a large model's)."""
+    got = getattr(dd, "_taps", None)
+    if got is not None and got["n"] == (len(dd.grad_at_own), len(dd.grad_at)):
+        return got
+    got = {"n": (len(dd.grad_at_own), len(dd.grad_at)), "own": {}, "ref": {}, "calls": {}}
+    for side, ks in (("own", dd.grad_at_own), ("ref", dd.grad_at)):
+        for k, t in ks.items():
+            if k[4] != 0:
+                continue
+            by = tapper(dd, k)
+            got[side][(k[0], k[1], k[2], k[3], by)] = t
+            if side == "own":
+                got["calls"].setdefault((k[0], k[1], by), set()).add(k[2])
+    try:
+        dd._taps = got
+    except AttributeError:
+        pass
+    return got
+
+
 def tapped(dd, row: dict):
-    """(the enclosing module, this side's float64 value, the reference's) for a grad_out row;
-    (module or None, None, None) where there is none (why_not says why)."""
-    parent = enclosing(row["module"], called(dd))
-    if parent is None or len(calls(dd, parent, row["step"])) != 1:
-        return parent, None, None
-    mine = {k[2] for k in dd.grad_at_own if k[0] == row["step"] and k[1] == row["module"] and k[4] == 0}
-    if len(mine) != len(calls(dd, row["module"], row["step"])):
-        return parent, None, None  # a call of the child outside the parent: the numbering is not the records'
-    k = (row["step"], row["module"], int(row["call"]), str(row["name"]), 0)
-    return parent, dd.grad_at_own.get(k), dd.grad_at.get(k)
+    """(the judging ancestor, this side's float64 value, the reference's) for a grad_out row;
+    (the nearest called ancestor or None, None, None) where there is none (why_not says why)."""
+    step, module = row["step"], row["module"]
+    by = judge_of(dd, module, step)
+    if by is None:
+        return enclosing(module, called(dd)), None, None
+    ix = _taps(dd)
+    if len(ix["calls"].get((step, module, by), ())) != len(calls(dd, module, step)):
+        return by, None, None  # a call of the child outside it: the numbering is not the records'
+    k = (step, module, int(row["call"]), str(row["name"]), by)
+    return by, ix["own"].get(k), ix["ref"].get(k)
 
 
 def why_not(dd, row: dict) -> str | None:
-    """Why a grad_out with no one module consumer was not judged by its enclosing module; None where
-    it should have been (the caller's reason stands)."""
-    parent = enclosing(row["module"], called(dd))
-    if parent is None:
+    """Why a grad_out with no one module consumer was not judged by an enclosing module's float64
+    backward; None where it should have been (the caller's reason stands)."""
+    mods = called(dd)
+    step = row["step"]
+    chain = ancestors(row["module"], mods)
+    if not chain:
         return ("the model's output, or read by the root's code where a child shares the root's name "
                 "(no enclosing module to re-execute)")
-    if len(calls(dd, parent, row["step"])) != 1:
-        return f"read by the code of {parent}, called more than once in the step (its calls' children not told apart)"
+    parent = chain[0]
+    by = judge_of(dd, row["module"], step)
+    if by is None:
+        said = []
+        for a in chain:
+            n, o = len(calls(dd, a, step)), outputs(dd, step, a)
+            said.append(f"{a} called {n} times in the step (its calls' children not told apart)" if n != 1 else
+                        f"{a} returns {o} tensors (its float64 backward needs one differentiable output)")
+        return f"read by the code of {parent}; no enclosing module runs once and returns one tensor: " + ", ".join(said)
+    head = f"read by the code of {parent}" + (f", judged through {by}" if by != parent else "")
+    from tpdiag.diff.equal_inputs import params_equal
+
+    if not params_equal(dd, by, step):
+        # the reference's module on this side's inputs is not the function this side computed
+        # (diff/oracle_own.apply_own): from step 1 on, each side's own update's rounding
+        return f"{head}, whose parameters differ at this step (each side's own update before it)"
     from tpdiag.records.keys import MalformedKey, RecordKey
 
     notes = getattr(dd, "oracle_notes", None) or {}
@@ -87,13 +198,8 @@ def why_not(dd, row: dict) -> str | None:
             p = RecordKey.parse(k)
         except MalformedKey:
             continue
-        if (p.step, p.phase, p.module, p.kind) == (int(row["step"]), "backward", parent, "oracle") and v.get("why"):
-            return f"read by the code of {parent}, whose float64 backward was refused: {v['why']}"
-    outs = [r for r in dd.rows if r["module"] == parent and r["step"] == row["step"]
-            and (r["phase"], r["kind"]) == ("forward", "out") and str(r.get("dtype", "")).startswith(("float", "bfloat"))]
-    if len(outs) > 1:
-        return (f"read by the code of {parent}, which returns {len(outs)} tensors (its float64 backward needs "
-                "one differentiable output)")
-    if not any(k[0] == row["step"] and k[1] == row["module"] for k in dd.grad_at_own):
-        return f"read by the code of {parent}, which the own-input pass did not re-execute (not chosen, or over its budget)"
-    return f"read by the code of {parent}, and outside it too (a call of it not inside {parent})"
+        if (p.step, p.phase, p.module, p.kind) == (int(step), "backward", by, "oracle") and v.get("why"):
+            return f"{head}, whose float64 backward was refused: {v['why']}"
+    if not _taps(dd)["calls"].get((step, row["module"], by)):
+        return f"{head}, which the own-input pass did not re-execute (not chosen, or over its budget)"
+    return f"{head}, and outside it too (a call of it not inside {by})"

@@ -314,6 +314,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                     hash_version=ref.hash_version, captured=captured, recipe=_recipe(other.world))
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
+        from tpdiag.diff.enclosing import ROOT as ENCLOSING_ROOT
         from tpdiag.records.keys import ORACLE_NORMS as NORMS, ORACLE_TAP as TAP, RecordKey
 
         wanted = {r["key"] for r in rows if not r["bitwise"]}
@@ -330,9 +331,17 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 continue
             oracle, grad_in = (dd.oracle_own, dd.grad_in_own) if at else (dd.oracle, dd.grad_in)
             if name.startswith(TAP):
-                # a child's output grad in its parent's float64 backward: grad_out.O.cJ.pP
-                o, j, pc = name[len(TAP):].split(".")
-                (dd.grad_at_own if at else dd.grad_at)[(m["step"], m["module"], int(j[1:]), o, int(pc[1:]))] = ref.tensor(m)
+                # a descendant's output grad in an ancestor's float64 backward: grad_out.O.cJ.pP.uK,
+                # the ancestor K name levels up (the root past the top); no .uK (a run before): the
+                # nearest called ancestor's (diff/enclosing.tapper)
+                o, j, pc, *up = name[len(TAP):].split(".")
+                by = None
+                if up and up[0][1:].isdigit():
+                    parts = m["module"].split(".")
+                    k_up = int(up[0][1:])
+                    by = ".".join(parts[:len(parts) - k_up]) if k_up < len(parts) else ENCLOSING_ROOT
+                (dd.grad_at_own if at else dd.grad_at)[(m["step"], m["module"], int(j[1:]), o, int(pc[1:]), by)] = \
+                    ref.tensor(m)
                 continue
             if name.startswith("grad_in."):
                 # d loss / d input I of a consumer: judged against its producer's grad_out

@@ -95,11 +95,11 @@ def modules(dd, first_key: str | None) -> list[str]:
             if c != "model":
                 cands.setdefault(c, 0.0)
         elif r["phase"] == "backward" and r["kind"] == "grad_out":
-            # no one module consumer: the module whose own code reads it (diff/enclosing.py)
-            outer = enclosing.enclosing(m, enclosing.called(dd))
-            # judged only from a module called once in the step (HF's root and its `model` child
-            # share one name: two calls, never re-executed as one)
-            if outer is not None and outer not in partial and len(enclosing.calls(dd, outer, r["step"])) == 1:
+            # no one module consumer: the ancestor whose float64 backward judges it (diff/enclosing.py;
+            # called once in the step - HF's root and its `model` child share one name: two calls,
+            # never re-executed as one - and returning one tensor)
+            outer = enclosing.judge_of(dd, m, r["step"])
+            if outer is not None and outer not in partial:
                 cands.setdefault(outer, 0.0)
     order = sorted(cands, key=lambda m: (-cands[m], m))[:MAX_ALL]
     size: dict[str, int] = {}
@@ -164,6 +164,7 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
     by_key = {r["key"]: r for r in rows}
     called = {r["module"] for r in rows if r["phase"] == "forward" and r["kind"] in ("in", "out")}
     cands: dict[str, float] = {}
+    outs = calls = None
     for r in rows:
         if r["bitwise"] or r.get("rank_consistent") is False or r.get("nonfinite_mismatch") or not r.get("hash_only"):
             continue
@@ -182,9 +183,16 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
             if c != "model":
                 cands.setdefault(c, 0.0)
         elif r["phase"] == "backward" and r["kind"] == "grad_out":
-            outer = enclosing.enclosing(m, called)  # no one module consumer: diff/enclosing.py
-            if outer is not None and len({x["call"] for x in rows if x["module"] == outer and x["step"] == r["step"]
-                                          and (x["phase"], x["kind"]) == ("forward", "out")}) == 1:
+            # no one module consumer: diff/enclosing.py (indexes built once, not a scan a row)
+            if outs is None:
+                outs, calls = enclosing.outputs_index(rows), {}
+                for x in rows:
+                    if (x["phase"], x["kind"]) == ("forward", "out"):
+                        calls.setdefault((x["step"], x["module"]), set()).add(x["call"])
+            st = r["step"]
+            outer = enclosing.judge(m, st, called, lambda a, st=st: calls.get((st, a), set()),
+                                    lambda a, st=st: outs.get((st, a), 0))
+            if outer is not None:
                 cands.setdefault(outer, 0.0)
     size: dict[str, int] = {}
     for r in rows:

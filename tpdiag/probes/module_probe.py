@@ -153,22 +153,27 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             for k in [k for k in no_grad_calls if k[0] == step]:
                 no_grad_calls.discard(k)
 
-        tap_names: dict = {}
+        multi_out: set = set()  # modules that returned several floating tensors (children_of)
 
         def children_of(mod) -> dict:
-            """{submodule: record name} of the modules mod's forward calls itself: its direct
-            children, and those of a container it holds (a ModuleList's layers, which it loops
-            over; the container itself is never called)."""
-            got = tap_names.get(mod)
-            if got is None:
-                got, todo = {}, list(mod.children())
-                while todo:
-                    c = todo.pop()
-                    if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
-                        todo.extend(c.children())
-                    elif c in infos:
-                        got[c] = infos[c][0]
-                tap_names[mod] = got
+            """{submodule: record name} of the modules whose output grads mod's float64 backward
+            taps: those its forward calls itself (its direct children, and those of a container it
+            holds: a ModuleList's layers, which it loops over; the container itself is never
+            called), and the descendants of one that no float64 backward judges by itself - called
+            other than once in the step so far, or returning several floating tensors
+            (two_paths:pair_f's stage): the diff judges their output grads by the next ancestor
+            that qualifies (diff/enclosing.judge), up to the root."""
+            got, todo = {}, list(mod.children())
+            while todo:
+                c = todo.pop()
+                if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
+                    todo.extend(c.children())
+                    continue
+                if c not in infos:
+                    continue
+                n = got[c] = infos[c][0]
+                if n in multi_out or counts.get((rec.step, "forward", n), 0) != 1:
+                    todo.extend(c.children())  # its children's grads: judged by mod (or above it)
             return got
 
         def pre_hook(mod, args, kwargs):
@@ -290,7 +295,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                                              (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None,
                                              buffers=bufs, taps=kids)
             with _no_modes():
-                for i, t in enumerate(_tensors(out)):
+                outs = _tensors(out)
+                if len(outs) > 1 and own and sum(1 for t in outs if t.is_floating_point()) > 1:
+                    multi_out.add(name)  # no float64 backward of it: an ancestor's taps its children
+                for i, t in enumerate(outs):
                     idx = _IDX[i] if i < _NIDX else str(i)
                     meta = add("out", name, idx, t, call=call, style=style, cls=cls,
                                layout="partial" if part_out else None)

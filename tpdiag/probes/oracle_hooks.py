@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tpdiag.probes.recorder import Recorder
-from tpdiag.records.keys import ORACLE_NORMS, ORACLE_TAP, record_key
+from tpdiag.records.keys import ORACLE_NORMS, ORACLE_TAP, ROOT_MODULE as ROOT, record_key
 
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))
@@ -195,11 +195,17 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
 TAP = ORACLE_TAP  # an oracle record of a child's output grad in its parent's float64 backward
 
 
-def tap_name(short: str, parent_call: int) -> tuple[str, str]:
-    """(the child's record name, the oracle record's name) for module_oracle_grads' "tap:NAME:J:O":
-    `grad_out.O.cJ.pP` - the child's O-th output at its J-th call inside the parent's call P."""
+def tap_name(short: str, parent_call: int, parent: str) -> tuple[str, str]:
+    """(the descendant's record name, the oracle record's name) for module_oracle_grads'
+    "tap:NAME:J:O" in the float64 backward of `parent` (its record name): `grad_out.O.cJ.pP.uK` - the
+    descendant's O-th output at its J-th call inside the parent's call P, the parent K name levels up
+    (the root's children are one level below it; diff/engine.py names the parent back from K). Two
+    ancestors may tap one descendant (a stage's and the root's backward: diff/enclosing.judge): K
+    keeps their records apart."""
     child, j, o = short[len("tap:"):].rsplit(":", 2)
-    return child, f"{TAP}{o}.c{j}.p{parent_call}"
+    root = parent == ROOT and not child.startswith(ROOT + ".")
+    up = len(child.split(".")) - (0 if root else len(parent.split(".")))
+    return child, f"{TAP}{o}.c{j}.p{parent_call}.u{up}"
 
 
 def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, snap, out,
@@ -237,7 +243,7 @@ def oracle_backward_hook(rec: Recorder, mod: nn.Module, name: str, call: int, sn
             rec.oracle_notes[record_key(step, "backward", name, "oracle", call)] = notes
         for short, t in (grads or {}).items():
             if short.startswith("tap:"):
-                child, oname = tap_name(short, call)
+                child, oname = tap_name(short, call, name)
                 rec.add("oracle", child, oname, t, phase="backward")
                 continue
             what = "grad_in" if short.startswith("in") and short[2:].isdigit() else "param_grad"
@@ -329,7 +335,7 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
                         style=style, cls=cls)
         for short, t in (grads or {}).items():
             if short.startswith("tap:"):
-                child, oname = tap_name(short, call)
+                child, oname = tap_name(short, call, name)
                 rec.add("oracle", child, f"{oname}@{label}", t, phase="backward")
                 continue
             what = "grad_in" if short.startswith("in") and short[2:].isdigit() else "param_grad"

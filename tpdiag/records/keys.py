@@ -65,6 +65,8 @@ ORACLE_NORMS = "~norms"
 # the name prefix of an oracle record holding a child's output grad in its parent's float64 backward
 # (probes/oracle_hooks.tap_name: grad_out.O.cJ.pP; diff/engine.py reads it)
 ORACLE_TAP = "grad_out."
+# the root module's record name (HF's LlamaForCausalLM.model child is recorded as "model" too)
+ROOT_MODULE = "model"
 
 
 def sole_consumer(consumers) -> str | None:

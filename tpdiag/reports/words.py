@@ -189,10 +189,21 @@ def _not_judged(d: dict) -> list[str]:
     nj = d.get("not_judged") or {}
     if not nj.get("records"):
         return []
+    keys = nj.get("keys") or []
+    more = nj["records"] - len(keys)
     return [f"Not judged past the first divergence: {nj['records']} activation grad{'s' if nj['records'] != 1 else ''}"
-            f"{moved_by(nj)} ({'; '.join(nj.get('why') or {})}): "
-            f"{', '.join(nj.get('keys') or [])} - no exact value to judge them against, so neither rounding nor a "
-            "bug is shown for them."]
+            f"{moved_by(nj)}: {not_judged_keys(nj, len(keys))}{f' and {more} more' if more > 0 else ''}"
+            " - no exact value to judge them against, so neither rounding nor a bug is shown for them."]
+
+
+def not_judged_keys(nj: dict, n: int) -> str:
+    """The first n keys of summary.json not_judged, each with its own reason (`reasons`); a run
+    before those were kept: the keys, then every reason once."""
+    keys = [k for k in (nj.get("keys") or [])[:n] if isinstance(k, str)]
+    reasons = nj.get("reasons") if isinstance(nj.get("reasons"), dict) else None
+    if reasons is None:
+        return f"{', '.join(keys)} ({'; '.join(nj.get('why') or {})})"
+    return "; ".join(f"{k} ({reasons[k]})" if reasons.get(k) else k for k in keys)
 
 
 def _bug_behind(d: dict, fd: dict) -> dict | None:

@@ -8,8 +8,14 @@ the multiply, which no record holds. Vocab 32, dim 32, ff 64.
   gate_f       gate's input goes through Megatron's f (its grad all-reduced) although gate is
                replicated: gate's part of h's grad is TP times at TP > 1             BUG
 
-  pair_f       gate_f's mistake inside a stage that returns two tensors (its gate's logits too):
-               no float64 backward of the stage, so h's grad stays not judged         not judged
+  pair_ok      correct, inside a stage that returns two tensors (its gate's logits too)  rounding
+  pair_f       gate_f's mistake inside that stage: no float64 backward of the stage, so h's grad is
+               judged by the root's (the next ancestor that runs once, one output)     BUG
+
+  pair_drop_ok pair_ok with dropout on the embeddings (GPT-2's embd_pdrop): the root's float64
+               re-execution is refused (it draws random numbers), so h's grad is not judged;
+               rounding moves it by little                                            rounding
+  pair_drop_f  pair_f with that dropout: not judged, and moved by a quarter            not judged
 
     tpdiag compare --model py:tests/models/planted/two_paths.py:gate_f --tp 1,2
 tests/test_two_paths.py
@@ -138,15 +144,17 @@ class Stage(nn.Module):
 
 
 class PairLM(nn.Module):
-    def __init__(self, through_f=False):
+    def __init__(self, through_f=False, embed_drop=0.0):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
+        # GPT-2's embd_pdrop: the same mask at every rank and degree (one seed, a replicated input)
+        self.drop = nn.Dropout(embed_drop)
         self.stage = Stage(through_f)
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens):
-        h, _ = self.stage(self.embed(tokens))
+        h, _ = self.stage(self.drop(self.embed(tokens)))
         return self.head(self.norm(h))
 
 
@@ -162,5 +170,17 @@ def gate_f():
     return tpdiag.Target(model=TwoPathLM(through_f=True), plan={}, vocab_size=VOCAB, inputs=_tokens)
 
 
+def pair_ok():
+    return tpdiag.Target(model=PairLM(), plan={}, vocab_size=VOCAB, inputs=_tokens)
+
+
 def pair_f():
     return tpdiag.Target(model=PairLM(through_f=True), plan={}, vocab_size=VOCAB, inputs=_tokens)
+
+
+def pair_drop_f():
+    return tpdiag.Target(model=PairLM(through_f=True, embed_drop=0.1), plan={}, vocab_size=VOCAB, inputs=_tokens)
+
+
+def pair_drop_ok():
+    return tpdiag.Target(model=PairLM(embed_drop=0.1), plan={}, vocab_size=VOCAB, inputs=_tokens)
