@@ -238,6 +238,10 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             "oracle_reads_noted": True,
             # the tied weights the plan split (models/ties.py), read by the diff (diff/analyse.py)
             **({"ties_broken": rec.ties_broken} if rec.ties_broken else {}),
+            # the user's grad hooks the plan dropped with the parameters it replaced (models/grad_hooks.py)
+            **({"hooks_dropped": rec.hooks_dropped} if rec.hooks_dropped else {}),
+            # ... and, where they run (TP=1), whether they changed the grad
+            **({"hook_effect": dict(sorted(rec.hook_effect.items()))} if rec.hook_effect else {}),
             # weights the fixes' carry left the stock grad (user grad hooks, computed weights)
             **({"not_carried": dict(sorted(rec.not_carried.items()))} if rec.not_carried else {}),
             # step -> buffers a micro-batch wrote before a later one of the step read them
