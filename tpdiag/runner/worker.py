@@ -170,6 +170,11 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         built = build(cfg, device, world)
         t_copy = time.perf_counter()
         kept = Pristine.take(built[1])
+        from tpdiag.base.user_state import put_back, take
+
+        # the user's globals too (a call counter in their model's file): no rebuild resets them
+        # (the modules' own attributes are Pristine's: restored, or the model rebuilt)
+        kept_py = take(built[1].modules(), attrs=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         phases["selfcheck_copy_s"] = time.perf_counter() - t_copy  # inside selfcheck_s
@@ -184,6 +189,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         if device.type == "cuda":
             phases["selfcheck_peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
         built, why = _reuse(built, kept, device)
+        put_back(kept_py)
+        del kept_py
         if why:  # the probed run builds its own, as a rebuild gives what a restore could not
             phases["selfcheck_rebuilt"] = why
         del kept
