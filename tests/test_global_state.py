@@ -4,9 +4,10 @@ holds. tpdiag runs the user's code more often than the user does - the float64 r
 forward again, the self-check runs the step twice - and each extra run advanced the counter for the
 real run's next call. On the old code `global_count` read inconclusive (gate 2: "the probed and the
 unprobed run of the reference differ") and `dict_count` not judged ("the float64 pass computed another
-step than the first pass"), the float64 re-execution 0.5 (relative) from both sides; now both read
-rounding with the re-execution within rounding of each side, the user's counter as the real calls
-left it (base/user_state.py)."""
+step than the first pass", class unknown); now both read rounding with the re-execution within
+rounding of each side, run from the counter the real call saw and leaving it as the real calls left it
+(base/user_state.py). Restoring the state only after the re-execution read rounding by luck: it ran
+from the advanced counter, 0.5 (relative) from both sides alike - hence the distance checked below."""
 import importlib.util
 import os
 
