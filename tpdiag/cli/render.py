@@ -145,6 +145,14 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
                           f"grad{'s' if nj['records'] != 1 else ''}{moved_by(nj)}): {not_judged_keys(nj, 3)}"
                           f"{f' and {more} more' if more > 0 else ''} - summary.json not_judged",
                           markup=False, soft_wrap=True)
+        named = {f"{g.get('module')}.{g.get('name')}" for g in d.get("findings") or [] if g.get("kind") == "param_grad"}
+        quiet = [f"{p} ({', '.join(h)})" for p, h in sorted((d.get("hooks_dropped") or {}).items())
+                 if p not in named and f"model.{p}" not in named]
+        if quiet:  # dropped, but no finding: the hook changed no grad at the reference (diff/dropped_hooks.py)
+            console.print(f"{config_name(label)}: the plan dropped the user's grad hooks on {'; '.join(quiet)}: they "
+                          f"run at the reference only, where they changed no grad this run (an observer, or a clip "
+                          f"that did not act), so no number shows it yet - summary.json hooks_dropped",
+                          markup=False, soft_wrap=True)
         for of, nc in (("", d.get("not_carried")), (" of the confirmation", (d.get("confirmation") or {}).get("not_carried"))):
             if nc:
                 from tpdiag.reports.words import not_carried_line

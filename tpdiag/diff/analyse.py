@@ -89,6 +89,11 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
     broken = other.world.get("ties_broken")
     if broken and not ref.world.get("ties_broken"):
         _broken_ties(entry, dd.rows, broken, label)
+    from tpdiag.diff import dropped_hooks
+
+    lost = dropped_hooks.lost_at(ref.world, other.world)
+    if lost:
+        dropped_hooks.name(entry, dd.rows, lost, label, ref.world.get("hook_effect"))
     if int(other.world.get("degree", 1)) == 1 and ref_degree == 1:
         from tpdiag.diff.classes import no_sharding_at_tp1
 

@@ -43,6 +43,10 @@ BATCH_VARIANT = "batch-variant-kernel"
 # ---- the rules, first match wins ----------------------------------------------------------
 
 RULES: list[Rule] = [
+    # a grad hook of the user's that runs at the reference and not here (the plan replaced its
+    # parameter): the degrees train different functions, whatever a rerun or a fix shows
+    Rule("a grad hook the plan dropped", lambda ev, b: ev.dropped_hook is not None,
+         lambda ev, b: "sharding-bug", lambda ev, b: ev.dropped_hook),
     # a confirmed fix (runner/confirm.py): fixes that only reorder cannot turn a wrong result right
     Rule("a confirming fix makes it bitwise",
          lambda ev, b: ev.confirmed is not None and ev.confirmed["bitwise"] and _is_bug(b()),

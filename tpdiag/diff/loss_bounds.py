@@ -28,6 +28,46 @@ def _logits_whole(rows: list[dict], lk: str) -> None:
             r["logits_whole"] = True
 
 
+def _loss_logprobs(dd: DegreeDiff, step: int, l1, ln, p1, pn) -> tuple:
+    """The per-token log-probs the loss itself rounds, for its bound under a trainer's recipe.
+
+    The loss is the cross-entropy of the logits at temperature 1 (runner/losses.default_loss), the
+    recipe or not: each token's term is a float32 log-softmax l = z_y - lse(z), whose rounding
+    bound is 2d + 2 gamma_V + 4u(1 + |l_1| + |l_N|) + u_out(|l_1| + |l_N|) (bounds.logprob_bound
+    without a recipe). The recorded logprobs are the recipe's, lam = z_y/T - lse(z/T), and their
+    tail grows as 1/T (a logit gap g below the max gives -g/T): put in that bound's |l| terms, they
+    made the loss's bound ~1/T too loose at T < 1 (at T = 0.5 ~2x in those terms). Here l is taken
+    in float64 from the recorded logits and labels (0 at an ignored label, as cross_entropy gives
+    it); each side's float32 l is within O(u)|l| of it, which moves the terms by O(u^2). At T > 1
+    the recipe's |lam| is the smaller: the bound was too tight there, and a correct loss could read
+    beyond rounding. Without a labels record of the logits' rows, |l| <= lse(z) - min(z) of each
+    row stands in (any label's; only the terms' size is used, never their sign)."""
+    yk = next((k for k in (record_key(step, "init", "model", "batch", 0, "labels"),
+                           record_key(0, "init", "model", "batch", 0, "labels")) if k in dd.tensors), None)
+    v = l1.shape[-1]
+    y = dd.tensors[yk][0].reshape(-1) if yk is not None else None
+    if y is not None and (y.is_floating_point() or y.numel() * v != l1.numel()):
+        y = None
+    out = []
+    for z, p in ((l1, p1), (ln, pn)):
+        z = z.reshape(-1, v)
+        lp = torch.empty(z.shape[0], dtype=torch.float64, device=z.device)
+        lab = y.to(z.device) if y is not None else None
+        keep = ((lab >= 0) & (lab < v)) if lab is not None else None  # an ignored label (-100): no term
+        rows = max(1, (1 << 20) // max(v, 1))  # a few rows at a time, as logprob_bound
+        for i in range(0, z.shape[0], rows):
+            x = z[i:i + rows].double()
+            lse = x.logsumexp(-1)
+            if lab is None:  # no label: |l| <= lse(z) - min(z) for any label of the row
+                lp[i:i + rows] = lse - x.amin(-1)
+            else:
+                ids = torch.where(keep[i:i + rows], lab[i:i + rows], 0)[:, None]
+                lp[i:i + rows] = torch.where(keep[i:i + rows], lse - x.gather(-1, ids)[:, 0], 0.0)
+        # in the recorded logprobs' dtype: their own rounding's unit is the bound's u_out
+        out.append(lp.to(p.dtype).reshape(p.shape))
+    return tuple(out)
+
+
 def loss_bounds(dd: DegreeDiff) -> None:
     """Bounds for the logprobs and the loss (from the logits) and for the grad norm (from the
     grads): a loss that is wrong at TP > 1 (a log(TP) offset, a local vocab size) is a finding,
@@ -55,7 +95,7 @@ def loss_bounds(dd: DegreeDiff) -> None:
                     if loss_row is None:
                         return lp, None
                     if dd.recipe:
-                        eb = bounds.logprob_bound(l1, ln, p1, pn)
+                        eb = bounds.logprob_bound(l1, ln, *_loss_logprobs(dd, step, l1, ln, p1, pn))
                     la, lb = dd.tensors[loss_row["key"]]
                     a, b = (float(t.double().reshape(-1)[0]) for t in (la, lb))
                     # a 16-bit loss (stock cross_entropy on bf16 logits) rounds each token's

@@ -92,9 +92,10 @@ def build_sharded(spec: ModelSpec, variant: str, device, seed: int, dtype, mesh,
     mark_config(spec.kind, model, dtype)
     if target.plan:
         check_plan(model, target.plan)
+        from tpdiag.models.grad_hooks import dropped_hooks, grad_hooks
         from tpdiag.models.ties import broken_ties, tie_groups
 
-        ties = tie_groups(model)
+        ties, hooks = tie_groups(model), grad_hooks(model)
         try:
             with plan_warnings():
                 parallelize_module(model, mesh, target.plan)
@@ -123,6 +124,9 @@ def build_sharded(spec: ModelSpec, variant: str, device, seed: int, dtype, mesh,
     broken = broken_ties(model, ties) if target.plan else []
     if broken:
         target.build["ties_broken"] = broken
+    dropped = dropped_hooks(hooks, model) if target.plan else {}
+    if dropped:
+        target.build["hooks_dropped"] = dropped
     return target, model
 
 

@@ -22,7 +22,8 @@ it would change the real run), and any error the re-execution raises.
 
 The re-execution never changes what the probed model computes (`_isolated`): state the dispatch
 mode cannot see as a write is put back - an attribute or buffer the module assigns anew (a
-RoPE cache rebuilt in float64), and the gradient-accumulation window the fixes' Functions add
+RoPE cache rebuilt in float64), the Python state of the user's code (a counter in a global of
+the model's file or in a dict the module holds: base/user_state.py), and the gradient-accumulation window the fixes' Functions add
 their weight grads into (kernels/grad_carry.py; the oracle's backward would add its float64
 grads to the step's carries, and so to the real .grad, and return none of its own).
 """
@@ -236,15 +237,24 @@ def _why(e: BaseException) -> str:
 
 
 @contextmanager
-def _isolated(mod: torch.nn.Module):
+def _isolated(mod: torch.nn.Module, buffers=None):
     """The re-execution of mod with the step's state out of its reach: no carry window open, and
-    every submodule's attributes, parameters and buffers as they were before, by identity."""
+    every submodule's attributes, parameters and buffers as they were before, by identity. The
+    user's Python state (buffers.py: probes/float64_state.Before) runs as it was before the real
+    forward and is put back after: a counter the real call advanced is not advanced twice."""
     from tpdiag.fixes.attention import exact_attention
     from tpdiag.kernels.grad_carry import suspended
 
+    from tpdiag.base.user_state import put_back, take
+
     mods = list(mod.modules())
     saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in mods]
+    # the user's Python state beside them: a call counter in a global or in a dict the module
+    # holds, which a second run of the forward would advance for the real run's next call
+    kept = take(mods)
     try:
+        if getattr(buffers, "py", None) is not None:
+            put_back(buffers.py)
         with suspended(), exact_attention(), warnings.catch_warnings():
             # a composite op (rms_norm, layer_norm) sees the float64 input beside the float32
             # weight before the mode upcasts it and warns it cannot use its fused kernel; the
@@ -260,6 +270,7 @@ def _isolated(mod: torch.nn.Module):
                 for k, v in was.items():
                     if d.get(k, d) is not v:
                         d[k] = v
+        put_back(kept)
 
 
 def working_dtype(mod: torch.nn.Module) -> torch.dtype | None:
@@ -287,7 +298,7 @@ def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None, names=None) 
     mode = Float64Mode(protected, working_dtype(mod))
     mine = {_ptr(b) for b in mod.buffers()}  # before _as_before swaps them for their copies
     try:
-        with _isolated(mod), torch.no_grad():
+        with _isolated(mod, buffers), torch.no_grad():
             swapped = _as_before(buffers)
             if names is not None:
                 # a tensor attribute that is another module's buffer (`self.amax = observer.amax`) is
@@ -364,7 +375,7 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=No
     try:
         g = upcast(grad_out.detach())
         # the backward runs under the mode too: its formulas read what the forward saved
-        with _isolated(mod), torch.enable_grad(), _tapping(mod, taps, tapped):
+        with _isolated(mod, buffers), torch.enable_grad(), _tapping(mod, taps, tapped):
             _as_before(buffers)
             with mode:
                 out = functional_call(mod, {**frozen, **leaves}, args, kwargs, strict=False)

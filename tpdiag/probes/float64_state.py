@@ -20,6 +20,13 @@ def _up_dtype(d):
     return d
 
 
+class Before(list):
+    """buffers_before's list, with `py`: the user's Python state the forward may change (a call
+    counter in a global of the model's file or in a dict the module holds: base/user_state.py),
+    as it was before the real forward - the re-execution runs from it, as from the buffers."""
+    py: list | None = None
+
+
 def buffers_before(mod: torch.nn.Module, shared: dict | None = None) -> list:
     """The module's buffers as they are now, before its real forward: each (owner, name, the tensor,
     its version counter, a private copy). A forward that writes its own state (a load-balancing
@@ -31,8 +38,11 @@ def buffers_before(mod: torch.nn.Module, shared: dict | None = None) -> list:
     all re-executed was held depth times over, to the step's backward (a KV cache at real size)."""
     import weakref
 
+    from tpdiag.base.user_state import take
+
     seen: dict = {} if shared is None else shared
-    out = []
+    out = Before()
+    out.py = take(list(mod.modules()))
     for m in mod.modules():
         for k, b in m._buffers.items():
             if b is None:

@@ -67,6 +67,10 @@ class Recorder(HashPlacing):
     # same step ran (runner/step.py): that piece read them, the whole batch's one call did not
     piece_state: dict = field(default_factory=dict)
     ties_broken: list = field(default_factory=list)  # tied weights the plan split (world.json's own field)
+    # parameter -> the user's grad hooks the plan's new parameter lacks (models/grad_hooks.py; world.json's own)
+    hooks_dropped: dict = field(default_factory=dict)
+    # parameter -> whether the user's grad hooks on it changed its grad (TP=1 worlds; world.json's own)
+    hook_effect: dict = field(default_factory=dict)
     # weight use -> why the fixes' fp32 carry left it the stock grad (kernels/grad_carry.site; world.json's own)
     not_carried: dict = field(default_factory=dict)
     # the model's logits hold a padded vocab (Megatron's make_vocab_size_divisible_by): {"vocab": real

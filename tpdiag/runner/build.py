@@ -39,17 +39,18 @@ def build_model(cfg: WorldConfig, device: torch.device, world: int):
     if world > 1 and target.plan:
         from torch.distributed.tensor.parallel import parallelize_module
 
+        from tpdiag.models.grad_hooks import dropped_hooks, grad_hooks
         from tpdiag.models.ties import broken_ties, tie_groups
 
         _check_plan(model, target.plan)
-        ties = tie_groups(model)
+        ties, hooks = tie_groups(model), grad_hooks(model)
         from tpdiag.models.build import plan_warnings
 
         with plan_warnings():
             parallelize_module(model, mesh, target.plan)
-        broken = broken_ties(model, ties)
+        broken, dropped = broken_ties(model, ties), dropped_hooks(hooks, model)
     else:
-        broken = []
+        broken, dropped = [], {}
     per_rank = 0
     if world > 1:
         from tpdiag.runner.per_rank import mark_params
@@ -60,6 +61,8 @@ def build_model(cfg: WorldConfig, device: torch.device, world: int):
                                               f"{spec.kind}: the whole model is built, then sharded")}
     if broken:
         target.build["ties_broken"] = broken
+    if dropped:
+        target.build["hooks_dropped"] = dropped
     if per_rank:
         target.build["per_rank_params"] = per_rank
     return target, model

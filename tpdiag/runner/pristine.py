@@ -18,16 +18,10 @@ import os
 import torch
 
 from tpdiag.base.dtensors import local_of
-
 # torch's own per-module bookkeeping: hook containers (mutated in place by hook registration and
 # removal, which probes and fixes undo) and the flag a full backward hook sets once for good
-_TORCH_KEYS = frozenset({
-    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
-    "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook", "_forward_hooks",
-    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-})
+from tpdiag.base.user_state import TORCH_KEYS as _TORCH_KEYS
+
 _SCALARS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 

@@ -49,6 +49,11 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     built_how = dict(getattr(target, "build", None) or {})
     # a fact of the model as sharded, not a timing: world.json's own field (runner/worker.py)
     rec.ties_broken = built_how.pop("ties_broken", None) or []
+    rec.hooks_dropped = built_how.pop("hooks_dropped", None) or {}
+    if world == 1:  # the user's grad hooks run here: whether they change the grad (models/grad_hooks.py)
+        from tpdiag.models.grad_hooks import watch
+
+        watch(model, rec.hook_effect)
     rec.per_rank_params = built_how.pop("per_rank_params", 0)
     timings.update(built_how)  # which init path, its peak bytes
     timings["numerics"] = _numerics(cfg, model)

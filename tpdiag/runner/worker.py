@@ -171,6 +171,11 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         built = build(cfg, device, world)
         t_copy = time.perf_counter()
         kept = Pristine.take(built[1])
+        from tpdiag.base.user_state import put_back, take
+
+        # the user's globals too (a call counter in their model's file): no rebuild resets them
+        # (the modules' own attributes are Pristine's: restored, or the model rebuilt)
+        kept_py = take(built[1].modules(), attrs=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         phases["selfcheck_copy_s"] = time.perf_counter() - t_copy  # inside selfcheck_s
@@ -185,6 +190,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
         if device.type == "cuda":
             phases["selfcheck_peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
         built, why = _reuse(built, kept, device)
+        put_back(kept_py)
+        del kept_py
         if why:  # the probed run builds its own, as a rebuild gives what a restore could not
             phases["selfcheck_rebuilt"] = why
         del kept
@@ -239,6 +246,10 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             "oracle_reads_noted": True,
             # the tied weights the plan split (models/ties.py), read by the diff (diff/analyse.py)
             **({"ties_broken": rec.ties_broken} if rec.ties_broken else {}),
+            # the user's grad hooks the plan dropped with the parameters it replaced (models/grad_hooks.py)
+            **({"hooks_dropped": rec.hooks_dropped} if rec.hooks_dropped else {}),
+            # ... and, where they run (TP=1), whether they changed the grad
+            **({"hook_effect": dict(sorted(rec.hook_effect.items()))} if rec.hook_effect else {}),
             # weights the fixes' carry left the stock grad (user grad hooks, computed weights)
             **({"not_carried": dict(sorted(rec.not_carried.items()))} if rec.not_carried else {}),
             # step -> buffers a micro-batch wrote before a later one of the step read them
