@@ -59,3 +59,34 @@ def test_without_labels_a_bound_no_tighter():
     row, _ = _run(0.5, labels=False)
     withl, _ = _run(0.5)
     assert row["bound"] >= withl["bound"] and not row["beyond_bound"], (row["bound"], withl["bound"])
+
+
+def test_ignored_positions_do_not_tighten_the_loss_bound():
+    """A cross-entropy over 16 counted tokens of 64 (the rest ignored: padding, prompts) is their
+    mean: its bound is their bounds' mean. Here TP=2's logits differ from TP=1's by d on the counted
+    rows only - the target logit up, the others down, which moves each counted log-prob by ~2d,
+    inside its own bound 2d + ... - and agree on the ignored rows. The mean over all 64 positions
+    took the ignored rows' near-zero bounds in: the correct loss read ~3x beyond it."""
+    from tpdiag.diff.engine import DegreeDiff
+    from tpdiag.diff.loss_bounds import loss_bounds
+    from tpdiag.records.keys import record_key
+
+    g = torch.Generator().manual_seed(0)
+    z1 = torch.randn(N, V, generator=g) * 3
+    lab = torch.full((N,), -100)
+    counted = torch.arange(0, N, 4)
+    lab[counted] = torch.randint(0, V, (len(counted),), generator=g)
+    d = 1e-3
+    zn = z1.clone()
+    zn[counted] -= d
+    zn[counted, lab[counted]] += 2 * d
+    p1 = torch.where(lab >= 0, F.log_softmax(z1, -1).gather(-1, lab.clamp_min(0)[:, None])[:, 0], 0.0)
+    pn = torch.where(lab >= 0, F.log_softmax(zn, -1).gather(-1, lab.clamp_min(0)[:, None])[:, 0], 0.0)
+    a, b = F.cross_entropy(z1, lab, ignore_index=-100), F.cross_entropy(zn, lab, ignore_index=-100)
+    keys = {k: record_key(0, "loss", "model", k, 0, k) for k in ("logits", "logprobs", "loss")}
+    rows = [{"step": 0, "phase": "loss", "kind": k, "key": keys[k]} for k in ("logprobs", "loss")]
+    t = {keys["logits"]: (z1, zn), keys["logprobs"]: (p1, pn), keys["loss"]: (a.reshape(1), b.reshape(1)),
+         record_key(0, "init", "model", "batch", 0, "labels"): (lab, lab)}
+    loss_bounds(DegreeDiff("2", rows, [], [], tensors=t))
+    assert not rows[0]["beyond_bound"], rows[0]  # each log-prob within its own bound
+    assert abs(float(b - a)) > 1.5 * d and not rows[1]["beyond_bound"], rows[1]

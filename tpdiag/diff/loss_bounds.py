@@ -42,10 +42,8 @@ def _loss_logprobs(dd: DegreeDiff, step: int, l1, ln, p1, pn) -> tuple:
     the recipe's |lam| is the smaller: the bound was too tight there, and a correct loss could read
     beyond rounding. Without a labels record of the logits' rows, |l| <= lse(z) - min(z) of each
     row stands in (any label's; only the terms' size is used, never their sign)."""
-    yk = next((k for k in (record_key(step, "init", "model", "batch", 0, "labels"),
-                           record_key(0, "init", "model", "batch", 0, "labels")) if k in dd.tensors), None)
     v = l1.shape[-1]
-    y = dd.tensors[yk][0].reshape(-1) if yk is not None else None
+    y = _labels(dd, step)
     if y is not None and (y.is_floating_point() or y.numel() * v != l1.numel()):
         y = None
     out = []
@@ -66,6 +64,27 @@ def _loss_logprobs(dd: DegreeDiff, step: int, l1, ln, p1, pn) -> tuple:
         # in the recorded logprobs' dtype: their own rounding's unit is the bound's u_out
         out.append(lp.to(p.dtype).reshape(p.shape))
     return tuple(out)
+
+
+def _labels(dd: DegreeDiff, step: int):
+    """The batch's labels record of this step (or step 0's: one batch for every step), if any."""
+    yk = next((k for k in (record_key(step, "init", "model", "batch", 0, "labels"),
+                           record_key(0, "init", "model", "batch", 0, "labels")) if k in dd.tensors), None)
+    return dd.tensors[yk][0].reshape(-1) if yk is not None else None
+
+
+def _counted(dd: DegreeDiff, step: int, el: torch.Tensor) -> torch.Tensor:
+    """The per-token bounds of the tokens the loss counts. A cross-entropy with ignored labels is
+    the mean over the counted tokens only: its difference is at most THEIR bounds' mean. The mean
+    over every position put the ignored positions' bounds in - smaller where those rows' logits
+    agree (a padded row both sides compute alike) - and could read a correct loss beyond it; a loss
+    that divides by every position instead is within this too (its sum is the same, its divisor
+    larger). No labels record, or another shape: every position, as before."""
+    y = _labels(dd, step)
+    if y is None or y.is_floating_point() or y.numel() != el.numel():
+        return el
+    keep = (y >= 0).to(el.device).reshape(el.shape)
+    return el[keep] if bool(keep.any()) else el
 
 
 def loss_bounds(dd: DegreeDiff) -> None:
@@ -105,7 +124,7 @@ def loss_bounds(dd: DegreeDiff) -> None:
                     if la.dtype in (torch.bfloat16, torch.float16) and p1.dtype != la.dtype:
                         el = eb + bounds.UNIT_ROUNDOFF[la.dtype] * (
                             p1.reshape(-1).double().abs() + pn.reshape(-1).double().abs()).to(eb.dtype)
-                    return lp, (bounds.mean_bound(el, a, b, p1.numel(), la.dtype), abs(b - a))
+                    return lp, (bounds.mean_bound(_counted(dd, step, el), a, b, p1.numel(), la.dtype), abs(b - a))
 
                 # the same records' bounds, measured earlier in this process (diff/pair_memo.py)
                 ids = pair_memo.of(dd, lk, lp_row["key"], *((loss_row["key"],) if loss_row else ()))
