@@ -310,7 +310,7 @@ FILE_SECONDS = {
     "test_capture_oracle.py": 17, "test_flat_rows.py": 16, "test_tap_state.py": 16, "test_recipe_tamper.py": 16,
     "test_top_split.py": 14, "test_rollout_no_cache.py": 13,
     # session 16 (helper hfalse16): two compares, wall of `pytest -n 0 FILE` less pytest's own start
-    "test_loop_stage.py": 30,
+    "test_loop_stage.py": 30, "test_own_taps.py": 30,
 }
 
 

@@ -10,6 +10,7 @@ Everything registered or wrapped is undone on exit.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import weakref
 from collections import OrderedDict
@@ -119,6 +120,25 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 loaded.update({lab: load_file(path) for lab, path in own.items()})
             return loaded
 
+        wanted_taps: list = []
+
+        def own_taps() -> set | None:
+            """The children whose output grads the diff reads from a float64 backward (the own-input
+            files' metadata: runner/drill_own.own_files); None, every child, where a file names none."""
+            if not wanted_taps:
+                from safetensors import safe_open
+
+                got: set | None = set()
+                for path in own.values():
+                    with safe_open(path, "pt") as f:
+                        names = (f.metadata() or {}).get("taps")
+                    if names is None:
+                        got = None
+                        break
+                    got |= set(json.loads(names))
+                wanted_taps.append(got)
+            return wanted_taps[0]
+
         # which forward call each recompute is (probes/recompute.py); (step, module, call) -> the
         # snapshot of a forward call that ran without a graph
         recomputes = Recomputes()
@@ -155,10 +175,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
 
         tap_names: dict = {}
 
-        def children_of(mod) -> dict:
+        def children_of(mod, wanted: set | None = None) -> dict:
             """{submodule: record name} of the modules mod's forward calls itself: its direct
             children, and those of a container it holds (a ModuleList's layers, which it loops
-            over; the container itself is never called)."""
+            over; the container itself is never called). wanted: only those (own_taps)."""
             got = tap_names.get(mod)
             if got is None:
                 got, todo = {}, list(mod.children())
@@ -169,7 +189,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     elif c in infos:
                         got[c] = infos[c][0]
                 tap_names[mod] = got
-            return got
+            return got if wanted is None else {c: n for c, n in got.items() if n in wanted}
 
         def pre_hook(mod, args, kwargs):
             if rec.in_oracle:  # an oracle re-execution runs this module's children: no records
@@ -272,7 +292,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                               path=walked.paths.get(mod, name), oracle=oracle, names=state_names[1])
                 # the own-input pass: its children's output grads in its float64 backward, the exact
                 # value of one that leaves a child by this module's own code (diff/oracle_own.py)
-                kids = children_of(mod) if own else None
+                kids = children_of(mod, own_taps()) if own else None
                 if own:
                     # once a call: an activation checkpoint's recompute returned above (made again
                     # there, its float64 grads were the same records twice - "grad_in.0.c0@2 listed
