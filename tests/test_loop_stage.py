@@ -69,3 +69,43 @@ def test_a_mistake_in_the_looped_block_reads_bug_at_the_block(runs):
     assert fd["op"] == "c10d::allreduce_", fd
     assert "aten::slice" not in stdout, stdout[-3000:]
     assert run_cli("gate", str(d), "--allow", "rounding").returncode == 4
+
+
+def test_ops_are_keyed_by_their_modules_call_in_process():
+    """At TP=1, in process: the stage's two calls have their ops under op#0 and op#1, each counted
+    from 0 (on 0bc1be0 all under op#0, the second call's mm#2 and mm#3). A root whose child shares
+    its record name (HF's LlamaForCausalLM.model: both recorded as `model`) keeps its own ops after
+    the child returns under its own call, op#0, not the child's."""
+    import importlib.util
+    import pathlib
+
+    import torch
+    from torch import nn
+
+    from tpdiag.probes.module_probe import module_probes
+    from tpdiag.probes.op_probe import OpProbe
+    from tpdiag.probes.recorder import Recorder
+
+    path = pathlib.Path(__file__).parent / "models" / "planted" / "loop_stage.py"
+    spec = importlib.util.spec_from_file_location("tpdiag_planted_loop_stage", path)
+    planted = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(planted)
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = planted.LoopLM()  # recorded as `model`, as the root is (its children model.*)
+
+        def forward(self, t):
+            return self.model(t) * 2.0  # the root's own op, after its child's call
+
+    torch.manual_seed(0)
+    root = Root()
+    rec = Recorder(mode="full")
+    rec.phase = "forward"
+    with torch.no_grad(), module_probes(root, rec, backward=False), OpProbe(rec):
+        root(torch.randint(0, planted.VOCAB, (planted.BATCH, planted.SEQ)))
+    keys = [m["key"] for m, _ in rec.records if m["kind"] == "op"]
+    mms = [k for k in keys if "/model.stage.block/" in k and "aten::mm#" in k]
+    assert mms == [f"s0/forward/model.stage.block/op#{c}/aten::mm#{n}.0" for c in (0, 1) for n in (0, 1)], mms
+    assert "s0/forward/model/op#0/aten::mul#0.0" in keys, [k for k in keys if "/model/" in k]

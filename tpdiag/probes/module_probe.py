@@ -83,7 +83,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         # this call's index per module, pairing its outputs with its inputs (a plain dict: an
         # attribute set on the module goes through nn.Module.__setattr__, ~10 us per call)
         calls: dict = {}
-        stack = rec.stack
+        stack, stack_calls = rec.stack, rec.stack_calls
         add = rec.add
         counts = rec._calls
 
@@ -217,6 +217,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 recomputes.forward(rec.step, mod, name, call, _tensors(args, kwargs))
                 no_grad_calls.add((rec.step, name))
             stack.append(name)
+            stack_calls.append(call)
             if oracle and name in oracle and rec.enabled:
                 from tpdiag.probes.float64 import buffers_before, snapshot
 
@@ -267,6 +268,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 return None
             if stack and stack[-1] == name:
                 stack.pop()
+                stack_calls.pop()
             if recomputes.open is not None:
                 recomputes.forward_done(mod)
             if perturb == name and isinstance(out, torch.Tensor):

@@ -115,8 +115,7 @@ class OpProbe(TorchDispatchMode):
         # (a rank's slice of a weight: a full slice at TP=1 dispatches none) shifted every later
         # call's numbers - a block applied twice paired its second call's weight slice with the
         # reference's first one of another weight and read a false BUG (loop_stage.py:loop_ok)
-        call = max(rec._calls.get((rec.step, rec._phase, module), 1) - 1, 0) \
-            if rec.phase == "forward" and rec.stack else 0
+        call = rec.stack_calls[-1] if rec.phase == "forward" and rec.stack and len(rec.stack_calls) == len(rec.stack) else 0
         # occurrences count per piece (a micro-batch, a decode call), as the modules' call
         # indices do: piece k's n-th matmul of a module is the slice of the reference's n-th. A
         # piece starts after what was recorded before the pieces, and what comes after them (the
