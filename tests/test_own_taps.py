@@ -2,7 +2,8 @@
 (diff/own_inputs.taps): those with a divergent grad_out that no one module consumes, read by the
 code of a re-executed module (diff/enclosing.tapped). Before, every re-executed module's float64
 backward tapped every child (tiny-llama at TP=2: 208 oracle records in the own-input pass's
-reference, 164 needed). tests/models/planted/two_paths.py:gate_f - its root re-executed for the
+reference, 200 with only these: its norms' output grads each have one consumer, their attention or
+MLP). tests/models/planted/two_paths.py:gate_f - its root re-executed for the
 block's output grad (read by the gate and by the plain multiply): embed's and norm's outputs have
 one module consumer each (block, head), so their taps were recorded and never read. The A/B
 (TPDIAG_OWN_TAPS=0: every child, as before) gives the same findings with more records."""

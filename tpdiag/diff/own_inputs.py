@@ -121,8 +121,9 @@ def taps(dd, chosen) -> list[str]:
     (probes/float64_taps.py): those with a divergent grad_out record that no one module consumes,
     read by the code of a chosen module (diff/enclosing.tapped judges them, nothing else reads a
     tap). Every other child's tap was recorded and never read: tiny-llama at TP=2 recorded 208
-    oracle records in the own-input pass's reference, 164 of them without its decoder layers'
-    children's. Wider than the judgement on purpose (the first divergence's row too, judged or not)."""
+    oracle records in the own-input pass's reference, 200 with these only (its norms' output grads
+    have one consumer each). Wider than the judgement on purpose (the first divergence's row too,
+    judged or not)."""
     chosen, out = set(chosen), set()
     for r in dd.rows:
         if (r["phase"], r["kind"]) != ("backward", "grad_out") or r["bitwise"] or r["module"] in out \
