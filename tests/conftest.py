@@ -315,6 +315,8 @@ FILE_SECONDS = {
     # session 16 (helper hbf16): wall of `pytest -n 0 FILE` on the shared 2-core machine, less ~8 s of
     # pytest's start (five compares: gate_f, pair_f x2, pair_ok, pair_drop_f) - ordering only
     "test_two_paths.py": 95,
+    # session 16 (helper hfalse16): two compares, wall of `pytest -n 0 FILE` less pytest's own start
+    "test_loop_stage.py": 30, "test_own_taps.py": 30,
 }
 
 

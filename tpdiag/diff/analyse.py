@@ -118,6 +118,7 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
     own = own_inputs.modules(dd, fd.get("key"))
     if own:
         entry["own_inputs"] = own  # judged on this side's own inputs by the second pass
+        entry["own_taps"] = own_inputs.taps(dd, own)  # the children's output grads their backwards tap
     elif any(r.get("hash_only") for r in dd.rows):
         own = own_inputs.hash_modules(dd.rows, fd.get("key"))
         if own:

@@ -200,7 +200,7 @@ def notes_for(dd, row: dict) -> dict:
         discrete = list(dict.fromkeys(d for n in got for d in n.get("discrete") or ()))
         return {**merged, **({"discrete": discrete} if discrete else {})}
     if row["kind"] == "op":
-        return notes.get(record_key(row["step"], row["phase"], row["module"], "oracle", 0,
+        return notes.get(record_key(row["step"], row["phase"], row["module"], "oracle", row.get("call") or 0,
                                     row["name"].rsplit(".", 1)[0]), {})
     return notes.get(record_key(row["step"], "forward", row["module"], "oracle", row["call"]), {})
 

@@ -116,6 +116,26 @@ def modules(dd, first_key: str | None) -> list[str]:
     return sorted(out)
 
 
+def taps(dd, chosen) -> list[str]:
+    """The children whose output grads the chosen modules' float64 backwards must tap
+    (probes/float64_taps.py): those with a divergent grad_out record that no one module consumes,
+    read by the code of a chosen module (diff/enclosing.tapped judges them, nothing else reads a
+    tap). Every other child's tap was recorded and never read: tiny-llama at TP=2 recorded 208
+    oracle records in the own-input pass's reference, 200 with these only (its norms' output grads
+    have one consumer each). Wider than the judgement on purpose (the first divergence's row too,
+    judged or not)."""
+    chosen, out = set(chosen), set()
+    for r in dd.rows:
+        if (r["phase"], r["kind"]) != ("backward", "grad_out") or r["bitwise"] or r["module"] in out \
+                or sole_consumer(r.get("consumers")) is not None:
+            continue
+        # the module that judges it (diff/enclosing.judge: the next ancestor that runs once and
+        # returns one tensor) - the one whose float64 backward must tap it
+        if enclosing.judge_of(dd, r["module"], r["step"]) in chosen:
+            out.add(r["module"])
+    return sorted(out)
+
+
 def side_inputs(ref_dir: str, other_dir: str, wanted: set[str], grads: bool = False) -> dict[str, torch.Tensor]:
     """{record key: this side's whole tensor} for the forward inputs and output grads of the
     `wanted` modules, assembled as the diff assembles them (shards joined, replicas checked).

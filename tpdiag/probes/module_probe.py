@@ -10,6 +10,7 @@ Everything registered or wrapped is undone on exit.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import weakref
 from collections import OrderedDict
@@ -82,7 +83,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         # this call's index per module, pairing its outputs with its inputs (a plain dict: an
         # attribute set on the module goes through nn.Module.__setattr__, ~10 us per call)
         calls: dict = {}
-        stack = rec.stack
+        stack, stack_calls = rec.stack, rec.stack_calls
         add = rec.add
         counts = rec._calls
 
@@ -118,6 +119,25 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
 
                 loaded.update({lab: load_file(path) for lab, path in own.items()})
             return loaded
+
+        wanted_taps: list = []
+
+        def own_taps() -> set | None:
+            """The children whose output grads the diff reads from a float64 backward (the own-input
+            files' metadata: runner/drill_own.own_files); None, every child, where a file names none."""
+            if not wanted_taps:
+                from safetensors import safe_open
+
+                got: set | None = set()
+                for path in own.values():
+                    with safe_open(path, "pt") as f:
+                        names = (f.metadata() or {}).get("taps")
+                    if names is None:
+                        got = None
+                        break
+                    got |= set(json.loads(names))
+                wanted_taps.append(got)
+            return wanted_taps[0]
 
         # which forward call each recompute is (probes/recompute.py); (step, module, call) -> the
         # snapshot of a forward call that ran without a graph
@@ -155,14 +175,15 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
 
         multi_out: set = set()  # modules that returned several floating tensors (children_of)
 
-        def children_of(mod) -> dict:
+        def children_of(mod, wanted: set | None = None) -> dict:
             """{submodule: record name} of the modules whose output grads mod's float64 backward
             taps: those its forward calls itself (its direct children, and those of a container it
             holds: a ModuleList's layers, which it loops over; the container itself is never
             called), and the descendants of one that no float64 backward judges by itself - called
             other than once in the step so far, or returning several floating tensors
             (two_paths:pair_f's stage): the diff judges their output grads by the next ancestor
-            that qualifies (diff/enclosing.judge), up to the root."""
+            that qualifies (diff/enclosing.judge), up to the root. wanted: only those names (the
+            own-input pass's own_taps, diff/own_inputs.taps)."""
             got, todo = {}, list(mod.children())
             while todo:
                 c = todo.pop()
@@ -174,7 +195,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 n = got[c] = infos[c][0]
                 if n in multi_out or counts.get((rec.step, "forward", n), 0) != 1:
                     todo.extend(c.children())  # its children's grads: judged by mod (or above it)
-            return got
+            return got if wanted is None else {c: n for c, n in got.items() if n in wanted}
 
         def pre_hook(mod, args, kwargs):
             if rec.in_oracle:  # an oracle re-execution runs this module's children: no records
@@ -202,6 +223,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 recomputes.forward(rec.step, mod, name, call, _tensors(args, kwargs))
                 no_grad_calls.add((rec.step, name))
             stack.append(name)
+            stack_calls.append(call)
             if oracle and name in oracle and rec.enabled:
                 from tpdiag.probes.float64 import buffers_before, snapshot
 
@@ -252,6 +274,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 return None
             if stack and stack[-1] == name:
                 stack.pop()
+                stack_calls.pop()
             if recomputes.open is not None:
                 recomputes.forward_done(mod)
             if perturb == name and isinstance(out, torch.Tensor):
@@ -277,7 +300,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                               path=walked.paths.get(mod, name), oracle=oracle, names=state_names[1])
                 # the own-input pass: its children's output grads in its float64 backward, the exact
                 # value of one that leaves a child by this module's own code (diff/oracle_own.py)
-                kids = children_of(mod) if own else None
+                kids = children_of(mod, own_taps()) if own else None
                 if own:
                     # once a call: an activation checkpoint's recompute returned above (made again
                     # there, its float64 grads were the same records twice - "grad_in.0.c0@2 listed

@@ -1,7 +1,7 @@
 """Per-op records: a TorchDispatchMode that records the output of every compute op.
 
 Ops are attributed to the innermost module whose forward is running (forward), else to the
-phase (loss, backward, optimizer), and named by op and occurrence within that module, so the
+phase (loss, backward, optimizer), and named by op and occurrence within that module's call, so the
 alignment survives extra ops at TP > 1 (collectives, redistributes): those are simply keys the
 reference lacks. Under DTensor the mode sees DTensor-level ops (local shard + placement) and the
 functional collectives that redistributions issue. It only observes: outputs are returned as is.
@@ -110,11 +110,17 @@ class OpProbe(TorchDispatchMode):
             return out
         ns = getattr(func, "namespace", "aten")
         op = f"{ns}::{name}"
+        # a module's ops are keyed by its call (op#C) and counted within it: the n-th slice of call 1
+        # is the reference's n-th slice of call 1. Counted across calls, one op only a degree runs
+        # (a rank's slice of a weight: a full slice at TP=1 dispatches none) shifted every later
+        # call's numbers - a block applied twice paired its second call's weight slice with the
+        # reference's first one of another weight and read a false BUG (loop_stage.py:loop_ok)
+        call = rec.stack_calls[-1] if rec.phase == "forward" and rec.stack and len(rec.stack_calls) == len(rec.stack) else 0
         # occurrences count per piece (a micro-batch, a decode call), as the modules' call
         # indices do: piece k's n-th matmul of a module is the slice of the reference's n-th. A
         # piece starts after what was recorded before the pieces, and what comes after them (the
         # step's loss) after the pieces' highest count: no key is recorded twice
-        base = (rec.step, rec.phase, module, op)
+        base = (rec.step, rec.phase, module, call, op)
         if rec.piece is None:
             k = max(self.occ.get(base, 0), self.top.get(base, 0))
             self.occ[base] = k + 1
@@ -148,16 +154,16 @@ class OpProbe(TorchDispatchMode):
         # too: equal choices on both sides rule out a flipped near tie (diff/oracle.py)
         choice = name in DISCRETE and any(isinstance(a, torch.Tensor) and a.is_floating_point()
                                           for a in tree_flatten((args, kwargs))[0])
-        if src is not None and (module, op, k) not in self._sources:
+        if src is not None and (module, call, op, k) not in self._sources:
             # the source, once: that it is the same at both sides is what makes a different pick
             # a wrong one (diff/judge.py); a parameter or buffer the step has not written
-            self._sources.add((module, op, k))
-            rec.add("op", module, f"{op}#{k}.src", src.detach().clone())
+            self._sources.add((module, call, op, k))
+            rec.add("op", module, f"{op}#{k}.src", src.detach().clone(), call=call)
         at = None
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
             if t.is_floating_point() or choice:
                 t = written(name, i, t, args)
-                r = rec.add("op", module, f"{op}#{k}.{i}", t.detach().clone() if mutable else t)
+                r = rec.add("op", module, f"{op}#{k}.{i}", t.detach().clone() if mutable else t, call=call)
                 if r is not None:
                     # the line of the user's code that ran it: `aten::mul` alone does not say
                     # which of a forward's muls made the difference
@@ -166,10 +172,10 @@ class OpProbe(TorchDispatchMode):
                         extras(r)["at"] = at
         if self.oracle and rec.phase == "forward" and any(
                 isinstance(x, torch.Tensor) and x.is_floating_point() for x in flat):
-            self._oracle(func, args, kwargs, module, f"{op}#{k}")
+            self._oracle(func, args, kwargs, module, f"{op}#{k}", call)
         return out
 
-    def _oracle(self, func, args, kwargs, module: str, name: str) -> None:
+    def _oracle(self, func, args, kwargs, module: str, name: str, call: int = 0) -> None:
         from tpdiag.probes.float64 import op_oracle
 
         rec = self.rec
@@ -182,12 +188,12 @@ class OpProbe(TorchDispatchMode):
         finally:
             rec.enabled = True
         if why is not None:
-            rec.oracle_notes[record_key(rec.step, rec.phase, module, "oracle", 0, name)] = {"why": why}
+            rec.oracle_notes[record_key(rec.step, rec.phase, module, "oracle", call, name)] = {"why": why}
             return
         flat, _ = tree_flatten(out64)
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
             if t.is_floating_point():
-                rec.add("oracle", module, f"{name}.{i}", written(func.overloadpacket.__name__, i, t, args))
+                rec.add("oracle", module, f"{name}.{i}", written(func.overloadpacket.__name__, i, t, args), call=call)
 
 
 # Outputs a kernel allocates past what it writes: memory-efficient attention's log-sum-exp has its

@@ -60,6 +60,7 @@ class Recorder(HashPlacing):
     oracle_s: float = 0.0
     hash: bool = True
     stack: list = field(default_factory=list)  # modules whose forward is running (op attribution)
+    stack_calls: list = field(default_factory=list)  # ... and the call of each (an op's key: op#C)
     mode: str = "full"                          # full | hash
     fingerprint: dict | None = None             # the step's final values' hashes (runner/fingerprint.py)
     decode_check: tuple | None = None           # (positions, hash of their logits): runner/worker.py

@@ -183,7 +183,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     sub_labels = labels[:1] + [lab for lab, _ in targets] if axes else degree_labels(degrees)
     if own:
         rerun = rerun.with_(oracle_own=own_files(run_dir, labels[0], own,
-                                                  dict(zip([lab for lab, _ in targets], sub_labels[1:]))))
+                                                  dict(zip([lab for lab, _ in targets], sub_labels[1:])),
+                                                  taps={lab: every[lab].get("own_taps") for lab in own}))
     # decode configurations: first on their first positions (runner/prefix.py), where that
     # reproduces every target's first divergence and every difference pass 1 found in what it
     # records; its decode worlds prove their own probes inert (their self-check), its reference

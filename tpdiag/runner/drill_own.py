@@ -4,6 +4,7 @@ layout-bound finding the own-input re-execution found within rounding, the own-i
 reads, and whether a rerun computed another step than pass 1."""
 from __future__ import annotations
 
+import json
 import os
 
 from tpdiag.records.paths import RunDir
@@ -82,12 +83,15 @@ def near_on_own_inputs(entry: dict, sub_dir: str, sub_label: str) -> None:
 
 
 
-def own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict) -> tuple:
+def own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict, taps: dict | None = None) -> tuple:
     """Each target world's whole inputs and output grads of its own-input modules, from pass 1's
     records, in a file the second pass's reference reads (keyed by the label it has there). Every
     target has one, empty where it judges none: the reference keeps only the norms of its own
     re-execution of a module whose inputs differ at every world it is compared with
-    (probes/oracle_hooks.inputs_differ), so it must see every one."""
+    (probes/oracle_hooks.inputs_differ), so it must see every one.
+    taps: {label: the children whose output grads the modules' float64 backwards tap
+    (diff/own_inputs.taps)}, in each file's metadata (probes/module_probe.py reads it); a label
+    without a list (a summary from before it) leaves its file without, and every child tapped."""
     from safetensors.torch import save_file
 
     from tpdiag.diff.own_inputs import side_inputs
@@ -102,7 +106,9 @@ def own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict) -> tuple
         tensors = side_inputs(RunDir(run_dir).world(ref_label), RunDir(run_dir).world(lab), set(mods),
                               grads=grads) if mods else {}
         path = RunDir(run_dir).own_inputs(lab)
-        save_file(tensors, path)
+        # TPDIAG_OWN_TAPS=0: every child tapped, as before (the A/B: tests/test_own_taps.py)
+        wanted = None if taps is None or os.environ.get("TPDIAG_OWN_TAPS", "1") == "0" else taps.get(lab, [])
+        save_file(tensors, path, metadata=None if wanted is None else {"taps": json.dumps(sorted(wanted))})
         out.append((sub_label[lab], path))
     return tuple(out)
 
