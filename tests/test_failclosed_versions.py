@@ -3,8 +3,8 @@ its lane-mix version but neither its record layout nor the tpdiag that wrote it,
 layout (a newer or older tpdiag's) or a world another tpdiag wrote, left in a reused directory or copied
 in, were read as this run's: the gate passed them (exit 0). Now world.json carries `record_format` and
 `tpdiag`: another format is refused in one line (exit 2) by every reader, a world whose tpdiag is not
-the manifest's is inconclusive, and a run older than the fields is read as format 1 and re-checked
-like any run (the control).
+the manifest's is inconclusive, and a run older than the fields is format 1: refused too (its op records
+were keyed otherwise).
 
 Edits are made to copies of conftest's session run tp12_run (tiny-llama at TP=1,2).
 """
@@ -57,16 +57,20 @@ def test_world_json_names_its_record_format_and_tpdiag(tp12):
         assert (d["record_format"], d["tpdiag"]) == (RECORD_FORMAT, tpdiag.__version__), w
 
 
-def test_an_older_run_without_the_fields_is_read_and_rechecked(tp12, tmp_path):
-    """The control: world.json files from before the fields existed read as format 1 and pass."""
+def test_an_older_run_without_the_fields_is_format_1_and_refused(tp12, tmp_path):
+    """world.json files from before the fields existed are format 1, whose op records were counted
+    across a module's calls (records/record_index.RECORD_FORMAT): refused in one line, exit 2; the
+    same run with its fields passes (the control)."""
+    assert evaluate(str(tp12), _rounding(tmp_path)).exit_code == 0
     for w in _worlds(tp12):
         _json_edit(w, lambda d: (d.pop("record_format", None), d.pop("tpdiag", None)))
     res = evaluate(str(tp12), _rounding(tmp_path))
-    assert res.exit_code == 0, res.lines()
+    assert res.exit_code == 2 and any("record format 1" in p for p in res.problems + [
+        d.error or "" for d in res.degrees.values()]), res.lines()
 
 
 @pytest.mark.parametrize("edit,words", [
-    (lambda d: d.update(record_format=2, tpdiag="9.0.0"), "record format 2 (written by tpdiag 9.0.0); this tpdiag"),
+    (lambda d: d.update(record_format=3, tpdiag="9.0.0"), "record format 3 (written by tpdiag 9.0.0); this tpdiag"),
     (lambda d: d.update(record_format="1"), "record format '1'"),
     (lambda d: d.update(tpdiag="0.0.1"), "was written by tpdiag '0.0.1' but manifest.json by tpdiag"),
     (lambda d: d.pop("tpdiag"), "names a record format but no tpdiag version"),

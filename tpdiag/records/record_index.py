@@ -11,9 +11,12 @@ from tpdiag.records.paths import EVENTS, WORLD, world_file
 
 # The layout of a record set (events.jsonl's fields, how tensors are stored and keyed): bump it with any
 # change a reader of the previous layout would misread. A world.json written before the field existed
-# (no "record_format") is the first layout, which is still this one. A set of another format is refused
-# in one line, never read as this one (the lane mix has its own version: records/hashing.py).
-RECORD_FORMAT = 1
+# (no "record_format") is the first layout. A set of another format is refused in one line, never read
+# as this one (the lane mix has its own version: records/hashing.py).
+# 2: a module's op records keyed by the module's call (`op#C`) and counted within that call - format 1
+# counted them across a module's calls, so a module called twice paired one call's op with another
+# call's (loop_stage.py's false BUG); a capture of each format diffed together would pair them so.
+RECORD_FORMAT = 2
 
 
 def check_format(world: dict, path: str) -> None:
