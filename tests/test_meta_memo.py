@@ -248,3 +248,32 @@ def test_a_crafted_file_runs_nothing_and_changes_no_answer(tmp_path):
     again = meta_memo.Memo(str(memo_dir))
     again.load()
     assert again.read == ["0-genuine.json", "z-whole.json"] and again.table[key].shape == (9, 4)
+
+
+def test_a_rank_reads_its_own_models_group_only(tmp_path, monkeypatch):
+    """One shared folder for many models (a test session's): each rank reads the subfolder of its
+    run's model and shapes (meta_memo.group_of), not every model's entries; the subfolder is made
+    0700, and one others can write is not read."""
+    from types import SimpleNamespace
+
+    from tpdiag.runner import meta_memo
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    monkeypatch.setenv("TPDIAG_META_MEMO", str(shared))
+    llama = SimpleNamespace(model="tiny-llama", dtype="float32", batch_size=2, seq_len=16, variant="stock", layers=0)
+    groups = {meta_memo.group_of(llama), meta_memo.group_of(SimpleNamespace(**{**vars(llama), "model": "py:x.py:f"})),
+              meta_memo.group_of(SimpleNamespace(**{**vars(llama), "seq_len": 32})),
+              meta_memo.group_of(SimpleNamespace(**{**vars(llama), "dtype": "bfloat16"}))}
+    assert len(groups) == 4
+    g = meta_memo.group_of(llama)
+    monkeypatch.setattr(meta_memo.Memo, "install", lambda self: None)  # not on this process's DTensor
+    _write(shared / "other-model.json", {("op", 1): _meta((9,), (1,))})  # the folder itself: not read
+    memo = meta_memo.rank_memo(os.getpid(), g)
+    assert memo is not None and memo.path == str(shared / g)
+    assert os.stat(shared / g).st_mode & 0o777 == 0o700
+    _write(shared / g / "mine.json", {("op", 1): _meta((8,), (1,))})
+    memo.load()
+    assert memo.table == {("op", 1): _meta((8,), (1,))} and memo.read == ["mine.json"]
+    os.chmod(shared / g, 0o777)
+    assert meta_memo.rank_memo(os.getpid(), g) is None

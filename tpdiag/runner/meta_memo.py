@@ -273,9 +273,26 @@ class Memo:
 MERGE_AT = 32
 
 
-def rank_memo(launcher_pid: int | None) -> Memo | None:
+def group_of(settings) -> str:
+    """A run's memo subfolder: its model and the settings that set its shapes. A rank reads every
+    file of its folder at its first DTensor op; one folder for a whole test session (or a user's
+    many compares) grew with every model run there (~5000 entries: ~0.4 s of CPU a rank to read,
+    more than the memo saves). The keys stay whole: a group is where to look, never an answer."""
+    import hashlib
+
+    parts = tuple(str(getattr(settings, k, "")) for k in ("model", "dtype", "batch_size", "seq_len", "variant", "layers"))
+    return "m-" + hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+def _own(path: str) -> bool:
+    st = os.stat(path)
+    return st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def rank_memo(launcher_pid: int | None, group: str | None = None) -> Memo | None:
     """Rank side: the launcher's memo (or the shared one) installed in this rank, or None (no
-    folder, or one others can write: computed as before)."""
+    folder, or one others can write: computed as before). group (group_of): the subfolder this
+    rank reads and writes, made (mode 0700) if missing."""
     if not launcher_pid or os.environ.get("TPDIAG_META_MEMO", "1") == "0":
         return None
     path = _shared()
@@ -285,11 +302,15 @@ def rank_memo(launcher_pid: int | None) -> Memo | None:
             return None
         path = _folder(launcher_pid, born)
     try:
-        st = os.stat(path)
+        if not _own(path):
+            return None  # not this user's own folder: nothing is read from it
+        if group is not None:
+            path = os.path.join(path, group)
+            os.makedirs(path, 0o700, exist_ok=True)
+            if not _own(path):
+                return None
     except OSError:
         return None
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None  # not this user's own folder: nothing is read from it
     try:
         memo = Memo(path)
         memo.install()

@@ -31,9 +31,9 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
 
     _watch_launcher(launcher_pid)
     cfg = WorldConfig.from_dict(cfg_dict)
-    from tpdiag.runner.meta_memo import rank_memo
+    from tpdiag.runner.meta_memo import group_of, rank_memo
 
-    memo = rank_memo(launcher_pid)
+    memo = rank_memo(launcher_pid, group_of(cfg.settings))
     os.environ["TPDIAG_RANK"] = str(rank)
     # every rank of a world runs on this host: full capture's default host budget is shared
     os.environ.setdefault("TPDIAG_LOCAL_RANKS", str(world))
