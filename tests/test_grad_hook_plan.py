@@ -67,3 +67,40 @@ def test_dropped_hooks_by_identity_and_watch():
     watch(m, effect)
     m(torch.ones(1, 4)).sum().backward()
     assert effect == {"0.weight": True, "1.weight": False}, effect
+
+
+def test_the_float64_re_execution_leaves_no_hook_on_the_real_weight():
+    """hook_after's forward registers its hook on the weight at its first call; the float64
+    re-execution runs that forward again from the state before the call (base/user_state.py), on
+    the module itself - its registration landed on the REAL weight, and the step's grad went through
+    halve once more per re-execution (the second pass "computed another step": class unknown, with
+    the root re-executed). probes/float64_state.tensor_hooks / drop_added_hooks take it back."""
+    import torch
+    from torch import nn
+
+    from tpdiag.probes.float64 import module_oracle, snapshot
+    from tpdiag.probes.float64_state import buffers_before
+
+    class Late(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.later = True
+
+        def forward(self, x):
+            if self.later:
+                self.lin.weight.register_hook(lambda g: g * 0.5)
+                self.later = False
+            return self.lin(x)
+
+    m, x = Late(), torch.randn(2, 4)
+    before, args = buffers_before(m), snapshot((x,))
+    m(x).sum().backward()  # the real call: one hook
+    g1 = m.lin.weight.grad.clone()
+    assert len(m.lin.weight._backward_hooks) == 1
+    out, notes = module_oracle(m, args, {}, before)
+    assert out is not None and out.dtype == torch.float64, notes
+    assert len(m.lin.weight._backward_hooks) == 1 and m.later is False  # nothing left behind
+    m.lin.weight.grad = None
+    m(x).sum().backward()
+    assert torch.equal(m.lin.weight.grad, g1)  # the next step's grad halved once, as the user's

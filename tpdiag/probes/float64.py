@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 # the buffers a forward writes, started from their values before it (probes/float64_state.py)
 from tpdiag.probes.float64_taps import tapping as _tapping
-from tpdiag.probes.float64_state import F64, _as_before, _up_dtype, _written_values, buffers_before  # noqa: F401
+from tpdiag.probes.float64_state import (F64, _as_before, _up_dtype, _written_values, buffers_before,  # noqa: F401
+                                         drop_added_hooks, tensor_hooks)
 from tpdiag.probes.float64_args import _map_args, _tensors, _upcast_one
 
 _MAX_WHY = 300
@@ -252,6 +253,7 @@ def _isolated(mod: torch.nn.Module, buffers=None):
     # the user's Python state beside them: a call counter in a global or in a dict the module
     # holds, which a second run of the forward would advance for the real run's next call
     kept = take(mods)
+    hooks = tensor_hooks(mods)  # a hook the forward registers on a real weight: not left behind
     try:
         if getattr(buffers, "py", None) is not None:
             put_back(buffers.py)
@@ -270,6 +272,7 @@ def _isolated(mod: torch.nn.Module, buffers=None):
                 for k, v in was.items():
                     if d.get(k, d) is not v:
                         d[k] = v
+        drop_added_hooks(hooks)
         put_back(kept)
 
 

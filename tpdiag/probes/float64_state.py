@@ -99,3 +99,28 @@ def _written_values(mod: torch.nn.Module, swapped) -> dict:
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and m in names:
             out[f"{names[m]}.{k}" if names[m] else k] = t.detach()
     return out
+
+
+def tensor_hooks(mods) -> list:
+    """The grad hooks on every parameter and buffer of mods, as they are now: (tensor, the keys of its
+    `_backward_hooks`, of its `_post_accumulate_grad_hooks`). A forward that registers a hook on a
+    weight (`self.w.weight.register_hook(halve)` on its first call, once the plan has replaced the
+    parameter) did so again in its float64 re-execution, on the REAL parameter (the re-execution runs
+    the module itself under a dispatch mode): the step's grad then went through the hook twice -
+    halved twice (grad_hook_plan:hook_after: a second pass that "computed another step", unknown)."""
+    out, seen = [], set()
+    for m in mods:
+        for t in list(m._parameters.values()) + list(m._buffers.values()):
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            out.append((t, set(t._backward_hooks or ()), set(getattr(t, "_post_accumulate_grad_hooks", None) or ())))
+    return out
+
+
+def drop_added_hooks(kept: list) -> None:
+    """Removes the hooks registered since tensor_hooks (as their handles' remove() would)."""
+    for t, bw, post in kept:
+        for d, was in ((t._backward_hooks, bw), (getattr(t, "_post_accumulate_grad_hooks", None), post)):
+            for k in [k for k in (d or ()) if k not in was]:
+                del d[k]
