@@ -1,0 +1,43 @@
+"""A degree that divides every split dimension but not the heads is refused before any world
+starts (models/precheck.py _head_dims), in one line naming the head count and the degrees that
+would work; a plan that leaves the attention whole is not refused for its heads.
+In-process checks (no world) and one CLI start."""
+import os
+
+import pytest
+
+from conftest import run_cli
+from tpdiag.errors import BadInput
+from tpdiag.models.precheck import check_plan
+from tpdiag.models.spec import parse_spec
+
+MODEL = os.path.join("tests", "models", "planted", "four_heads.py")
+
+
+@pytest.mark.parametrize("func,tp,needle", [
+    ("counted", "1,16", "--tp 16: does not divide attention n_heads=4, attention n_kv_heads=2 of "),
+    ("counted", "1,4", "--tp 4: does not divide attention n_kv_heads=2 of "),
+    ("head_dim", "1,8", "--tp 8: does not divide attention.wq heads (out_features 64 / head_dim 16)=4, "),
+    ("head_dim", "1,4", "--tp 4: does not divide attention.wk heads (out_features 32 / head_dim 16)=2, "),
+])
+def test_heads_a_degree_does_not_divide_are_refused(func, tp, needle):
+    with pytest.raises(BadInput) as e:
+        check_plan(parse_spec(f"py:{MODEL}:{func}"), [int(d) for d in tp.split(",")])
+    msg = str(e.value)
+    assert msg.startswith(needle) and msg.endswith("; degrees that divide every size split: 1, 2"), msg
+
+
+@pytest.mark.parametrize("func,tp", [("counted", "1,2"), ("head_dim", "1,2"), ("mlp_only", "1,8"),
+                                     ("mlp_only", "1,16")])
+def test_degrees_that_split_whole_heads_pass(func, tp):
+    check_plan(parse_spec(f"py:{MODEL}:{func}"), [int(d) for d in tp.split(",")])
+
+
+def test_compare_refuses_tp16_of_four_heads_before_any_world(tmp_path):
+    out = tmp_path / "run"
+    p = run_cli("compare", "--model", f"py:{MODEL}:counted", "--tp", "1,16", "--out", str(out))
+    assert p.returncode == 2, p.stderr + p.stdout
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tp 16: does not divide attention n_heads=4" in lines[0], p.stderr
+    assert "degrees that divide every size split: 1, 2" in lines[0] and "Traceback" not in p.stderr
+    assert not out.exists()  # the TP=1 world and its rerun no longer run first
