@@ -41,3 +41,20 @@ def test_compare_refuses_tp16_of_four_heads_before_any_world(tmp_path):
     assert len(lines) == 1 and "--tp 16: does not divide attention n_heads=4" in lines[0], p.stderr
     assert "degrees that divide every size split: 1, 2" in lines[0] and "Traceback" not in p.stderr
     assert not out.exists()  # the TP=1 world and its rerun no longer run first
+
+
+def test_hf_moe_expert_width_a_degree_does_not_divide_is_refused(tmp_path):
+    """transformers' moe_tp_experts splits each expert's width: moe_intermediate_size=12 at TP=8 ran
+    TP=1, then every TP=8 world failed in the grouped GEMM ('strides should be multiple of 16 bytes')."""
+    import json
+
+    from tpdiag.models.spec import check_degrees
+
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 8,
+           "head_dim": 8, "intermediate_size": 128, "moe_intermediate_size": 12, "vocab_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = parse_spec(f"hf:{tmp_path}")
+    with pytest.raises(BadInput, match=r"^--tp 8: does not divide moe_intermediate_size=12; valid degrees for "
+                                       r"this model: 1, 2, 4$"):
+        check_degrees(spec, [1, 8])
+    check_degrees(spec, [1, 4])

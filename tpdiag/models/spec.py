@@ -246,8 +246,11 @@ def model_divisors(spec: ModelSpec) -> dict[str, int]:
             raise BadInput(f"--model hf:{spec.value}: config.json is not a JSON object")
         cfg = cfg.get("text_config", cfg)
         out = {}
+        # moe_intermediate_size: transformers' moe_tp_experts splits every expert's width (qwen3_moe,
+        # deepseek_v3): a degree that does not divide it failed in the reference-sized grouped GEMM
+        # of each TP world ("strides should be multiple of 16 bytes") after TP=1 had run
         for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
-                "intermediate_size"):
+                "intermediate_size", "moe_intermediate_size"):
             if isinstance(cfg.get(key), int):
                 out[key] = cfg[key]
         return out
