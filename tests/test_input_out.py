@@ -85,3 +85,14 @@ def test_capture_into_a_compare_run_keeps_its_manifest(tmp_path):
         with tpdiag.capture(torch.nn.Linear(4, 4), out=str(tmp_path / "run")):
             pass
     assert ((tmp_path / "run" / "manifest.json").read_bytes(), (tmp_path / "run" / "summary.json").read_bytes()) == before
+
+
+@pytest.mark.parametrize("args", [["report", "{run}", "-o", "{f}/r.html"],
+                                  ["gate", "{run}", "--allow", "rounding", "--junit", "{f}/sub/j.xml"]])
+def test_an_output_path_through_a_file_names_that_file(tp12_run, tmp_path, args):
+    (tmp_path / "f").write_text("x")
+    r = runner.invoke(app, [a.format(run=tp12_run, f=tmp_path / "f") for a in args])
+    lines = [line for line in r.output.strip().splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert lines[0].endswith(f"cannot write ({tmp_path / 'f'} is a file, not a directory)"), r.output  # was 'File exists'
+    assert (tmp_path / "f").read_text() == "x"
