@@ -53,8 +53,8 @@ def _transformers_words() -> set:
 
 def _typo_of(word: str) -> str | None:
     """The label word `word` misspells ('colwsie' -> 'colwise'), or None. A misspelt style was
-    dropped without a word: its module then had no layout label, and a row-parallel all-reduce there
-    read `unknown` instead of `row-parallel-reduction`."""
+    dropped without a word: its module then had no layout label, which the cause classification
+    reads (docs/capture.md: `row-parallel-reduction` needs to know a module is row-parallel)."""
     import difflib
 
     if word in _STYLE_WORDS or word in _NO_LABEL:
