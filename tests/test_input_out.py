@@ -96,3 +96,16 @@ def test_an_output_path_through_a_file_names_that_file(tp12_run, tmp_path, args)
     assert r.exit_code == 2 and len(lines) == 1, r.output
     assert lines[0].endswith(f"cannot write ({tmp_path / 'f'} is a file, not a directory)"), r.output  # was 'File exists'
     assert (tmp_path / "f").read_text() == "x"
+
+
+def test_an_out_that_cannot_be_created_is_one_line(tmp_path):
+    """compare and diff --out under a file: 'error: NotADirectoryError: [Errno 20] ...' before."""
+    (tmp_path / "f").write_text("x")
+    out = tmp_path / "f" / "run"
+    r = runner.invoke(app, on_cpu(["compare", "--tp", "1,2", "--out", str(out)]))
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        f"error: --out {out}: cannot create it ({tmp_path / 'f'} is a file, not a directory)"], r.output
+    from tpdiag.diff.runs import diff_runs
+
+    with pytest.raises(BadInput, match=r"cannot create it \(.* is a file, not a directory\)"):
+        diff_runs(str(tmp_path / "a"), str(tmp_path / "b"), out=str(out))

@@ -242,7 +242,12 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
         from tpdiag.diff.capture_oracle import mark_unjudged
 
         mark_unjudged(summary, ref, run_a)
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"--out {out!r}: cannot create it ({io.why_unwritable(os.path.join(out, 'x'), e)})") from None
     write_csv(RunDir(out).diff_csv, rows)
     from tpdiag.records.run_files import write_manifest, write_summary
 

@@ -30,6 +30,11 @@ def check_out(out: str, tool: str, flag: str = "--out") -> None:
     from tpdiag.errors import BadInput
 
     if not os.path.lexists(out):
+        up = os.path.dirname(os.path.abspath(out))
+        while up and not os.path.lexists(up):
+            up = os.path.dirname(up)
+        if up and not os.path.isdir(up):  # found before the run, not at its first write
+            raise BadInput(f"{flag} {out}: cannot create it ({up} is a file, not a directory)")
         return
     if not os.path.isdir(out):
         raise BadInput(f"{flag} {out!r}: exists and is not a directory")
