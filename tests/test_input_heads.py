@@ -58,3 +58,21 @@ def test_hf_moe_expert_width_a_degree_does_not_divide_is_refused(tmp_path):
                                        r"this model: 1, 2, 4$"):
         check_degrees(spec, [1, 8])
     check_degrees(spec, [1, 4])
+
+
+@pytest.mark.parametrize("custom", [False, True])
+def test_hf_config_transformers_cannot_use_is_refused_before_any_world(tmp_path, custom):
+    """An unknown model_type, or a config asking for its own code, was passed by the parent's plan
+    check; TP=1 and its rerun started and every world failed with the same words. The code is never run."""
+    pytest.importorskip("transformers", minversion="5")
+    import json
+
+    marker = tmp_path / "CODE_RAN"
+    cfg = {"model_type": "tpdiag-test-unknown", "vocab_size": 16}
+    if custom:
+        cfg["auto_map"] = {"AutoConfig": "configuration_custom.CustomConfig"}
+        (tmp_path / "configuration_custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(BadInput, match=r"^--model hf:.*: config.json not usable by transformers: "):
+        check_plan(parse_spec(f"hf:{tmp_path}"), [1, 2])
+    assert not marker.exists()

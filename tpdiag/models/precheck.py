@@ -33,8 +33,11 @@ def hf_base_plan(path: str) -> tuple[str, dict | None]:
 
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except Exception:  # noqa: BLE001 - the world reports an unusable config in its own words
-        return "", {}
+    except Exception as e:  # noqa: BLE001 - any config problem is a bad spec, in one line
+        # the words every rank would raise (models/hf.py _config), here before TP=1 and its rerun
+        # ran and every world failed with them (an unknown model_type, custom code)
+        raise BadInput(f"--model hf:{path}: config.json not usable by transformers: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     plans = [getattr(config, "base_model_tp_plan", None)]
     if hasattr(config, "get_text_config"):
         plans.append(getattr(config.get_text_config(), "base_model_tp_plan", None))
