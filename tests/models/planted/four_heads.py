@@ -9,6 +9,8 @@ input of size 128") after the TP=1 world and its rerun had run. Refused now befo
   mlp_only    a plan that splits the MLP alone (ffn 128): the heads stay whole, so TP=8 is fine
 
     tpdiag compare --model py:tests/models/planted/four_heads.py:counted --tp 1,16
+
+At `--tp 1,2 --forward-only` it runs: rounding only, `row-parallel-reduction` at attention.wo (CPU).
 tests/test_input_heads.py.
 """
 import torch.nn.functional as F
