@@ -76,3 +76,18 @@ def test_hf_config_transformers_cannot_use_is_refused_before_any_world(tmp_path,
     with pytest.raises(BadInput, match=r"^--model hf:.*: config.json not usable by transformers: "):
         check_plan(parse_spec(f"hf:{tmp_path}"), [1, 2])
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("make,what", [("file", "is not a .py file"), ("dir", "is a directory"),
+                                       (None, "does not exist")])
+def test_a_py_spec_path_that_is_no_python_file_says_so(tmp_path, make, what):
+    """'no module named '/x/model': add the directory that holds /x/model to PYTHONPATH' before."""
+    from tpdiag.models.spec import load_target
+
+    path = tmp_path / "model"
+    if make == "file":
+        path.write_text("x")
+    elif make == "dir":
+        path.mkdir()
+    with pytest.raises(BadInput, match=rf"failed: {path} {what}; expected py:FILE.py:FUNC"):
+        load_target(parse_spec(f"py:{path}:target"))
