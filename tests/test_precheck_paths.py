@@ -87,7 +87,7 @@ def test_capture_degree_check_reads_whole_shapes_only():
 
     plan = {"fc1": ColwiseParallel()}
     # an unsharded model: 6 output features do not split 4 ways
-    with pytest.raises(BadInput, match=r"^TP group size 4: does not divide fc1 out_features=6 of x$"):
+    with pytest.raises(BadInput, match=r"^TP group size 4: does not divide fc1 out_features=6 of x; degrees that divide every size split: 1, 2, 3, 6$"):
         check_model_plan(_Two(), plan, [4], "capture(plan=...)", "x", flag="TP group size")
     check_model_plan(_Two(), plan, [2], "capture(plan=...)", "x", flag="TP group size")
     # a plain weight of an already-sharded model holds its LOCAL shape: not read (no false refusal)

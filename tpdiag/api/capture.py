@@ -99,6 +99,10 @@ class Capture:
         self.degree = dist.get_world_size(self.group) if dist.is_initialized() else 1
         self.group_rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         self._check_plan()
+        from tpdiag.records.run_files import check_out
+
+        # every rank, as the plan check: a compare run in DIR would lose its manifest below
+        check_out(self.out, TOOL, "capture(out=...)")
         self._lock = ExitStack()
         try:
             if self.group_rank == 0:

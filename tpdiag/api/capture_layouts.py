@@ -34,11 +34,45 @@ def check_layout(key: str, value: str) -> str:
     raise BadInput(f"capture(layouts={{{key!r}: {value!r}}}): expected 'shard:D' or 'replicate'")
 
 
+# Style names with no label of tpdiag's (transformers' and tpdiag's own hf plans, and transformers
+# 4.x's local_* names): a plan of model.tp_plan passes them through unlabelled, never refused.
+_NO_LABEL = {"all_reduce", "ep_dispatch_experts", "grouped_gemm", "local_params", "mla_kv_a_proj",
+             "moe_identity_expert", "moe_tp_experts", "replicate", "replicated_with_grad_allreduce",
+             "replicated_once", "colwise_gather_input", "local", "gather", "isolated", "ep_router",
+             "local_colwise", "local_rowwise", "local_packed_rowwise", "local_packed_colwise"}
+
+
+def _transformers_words() -> set:
+    try:
+        from transformers.integrations.tensor_parallel import ParallelInterface
+
+        return set(ParallelInterface._global_mapping)
+    except Exception:  # noqa: BLE001 - no transformers (or another layout of it): our table alone
+        return set()
+
+
+def _typo_of(word: str) -> str | None:
+    """The label word `word` misspells ('colwsie' -> 'colwise'), or None. A misspelt style was
+    dropped without a word: its module then had no layout label, which the cause classification
+    reads (docs/capture.md: `row-parallel-reduction` needs to know a module is row-parallel)."""
+    import difflib
+
+    if word in _STYLE_WORDS or word in _NO_LABEL:
+        return None
+    close = difflib.get_close_matches(word, list(_STYLE_WORDS), n=1, cutoff=0.8)
+    return close[0] if close and word not in _transformers_words() else None
+
+
 def style_plan(plan: dict) -> dict:
     out = {}
     for k, v in plan.items():
         if isinstance(v, str):
             word = _STYLE_WORDS.get(v.strip().lower())
+            typo = None if word is not None else _typo_of(v.strip().lower())
+            if typo is not None:
+                raise BadInput(f"capture(plan={{{k!r}: {v!r}}}): unknown style name; did you mean {typo!r}? "
+                               f"(labelled: {', '.join(sorted(_STYLE_WORDS))}; transformers' other names "
+                               "pass unlabelled)")
             if word is not None:
                 out[k] = _style_for(word)
         else:

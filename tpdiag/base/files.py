@@ -21,6 +21,17 @@ class WriteError(Inconclusive, OSError):
         return str(self.args[0]) if self.args else "write failed"
 
 
+def why_unwritable(path: str, e: OSError) -> str:
+    """e's words, or where the path runs into a file: creating the folders of 'report/x.html'
+    when 'report' is a file fails with EEXIST, 'File exists', which names no file."""
+    d = os.path.dirname(os.path.abspath(path))
+    while d and not os.path.lexists(d):
+        d = os.path.dirname(d)
+    if d and not os.path.isdir(d):
+        return f"{d} is a file, not a directory"
+    return str(e.strerror or e)
+
+
 def _write_error(path: str, e: OSError) -> WriteError:
     err = WriteError(f"{path}: cannot write ({e.strerror or e})")
     err.errno, err.strerror = e.errno, e.strerror

@@ -207,6 +207,7 @@ def confirm_cmd(
         from tpdiag.errors import BadInput
         from tpdiag.fixes.registry import resolve
         from tpdiag.records.check import require_run_dir
+        from tpdiag.records.confirmable import require_confirmable
         from tpdiag.records.rundir import read_manifest, read_summary
         from tpdiag.runner.confirm import confirm
 
@@ -214,6 +215,7 @@ def confirm_cmd(
         require_run_dir(run_dir)
         manifest = read_manifest(run_dir)
         summary = read_summary(run_dir)
+        require_confirmable(run_dir, manifest, summary)
         c = dict(manifest.get("config") or {})
         if not c:
             raise BadInput(f"{run_dir}: not a tpdiag compare run directory (no config in manifest.json)")

@@ -76,7 +76,7 @@ def gate(
             except OSError as e:
                 from tpdiag.errors import BadInput
 
-                raise BadInput(f"--junit {junit!r}: cannot write ({e.strerror})") from None
+                raise BadInput(f"--junit {junit!r}: cannot write ({io.why_unwritable(junit, e)})") from None
     except TpdiagError as e:
         fail(e)
     if fmt == "json":

@@ -197,6 +197,14 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     from tpdiag.records.store import RecordSet
     from tpdiag.records.provenance import versions
 
+    out = out or default_out(run_b)
+    if os.path.abspath(out) in {os.path.abspath(run_a), os.path.abspath(run_b)}:
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"--out {out!r}: is one of the two inputs; name a new directory")
+    from tpdiag.records.run_files import check_out
+
+    check_out(out, "tpdiag diff")  # before the analysis: a compare run or capture there is refused
     ma, mb = read_side(run_a), read_side(run_b)
     kinds = {m.get("kind", "capture") for m in (ma, mb)}
     if len(kinds) > 1:
@@ -234,12 +242,12 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
         from tpdiag.diff.capture_oracle import mark_unjudged
 
         mark_unjudged(summary, ref, run_a)
-    out = out or default_out(run_b)
-    if os.path.abspath(out) in {os.path.abspath(run_a), os.path.abspath(run_b)}:
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
         from tpdiag.errors import BadInput
 
-        raise BadInput(f"--out {out!r}: is one of the two inputs; name a new directory")
-    os.makedirs(out, exist_ok=True)
+        raise BadInput(f"--out {out!r}: cannot create it ({io.why_unwritable(os.path.join(out, 'x'), e)})") from None
     write_csv(RunDir(out).diff_csv, rows)
     from tpdiag.records.run_files import write_manifest, write_summary
 

@@ -33,8 +33,11 @@ def hf_base_plan(path: str) -> tuple[str, dict | None]:
 
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except Exception:  # noqa: BLE001 - the world reports an unusable config in its own words
-        return "", {}
+    except Exception as e:  # noqa: BLE001 - any config problem is a bad spec, in one line
+        # the words every rank would raise (models/hf.py _config), here before TP=1 and its rerun
+        # ran and every world failed with them (an unknown model_type, custom code)
+        raise BadInput(f"--model hf:{path}: config.json not usable by transformers: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     plans = [getattr(config, "base_model_tp_plan", None)]
     if hasattr(config, "get_text_config"):
         plans.append(getattr(config.get_text_config(), "base_model_tp_plan", None))
@@ -84,6 +87,64 @@ def _sharded_dims(model, plan: dict, global_only: bool = False) -> dict[str, int
         elif kind == "RowwiseParallel":
             out[f"{name} {'vocab' if is_embed else 'in_features'}"] = int(w.shape[0 if is_embed else 1])
     return out
+
+
+# Where a user's attention module keeps its head counts (torchtitan's n_heads / n_kv_heads,
+# nanoGPT's n_head, transformers-style num_attention_heads / num_key_value_heads ...). The plan
+# splits a projection's out_features, and a degree can divide those while not dividing the heads
+# (4 heads of 16: 64 columns split 16 ways is 4 columns a rank, a quarter of a head): every world
+# then failed in the user's view(..., head_dim) with a shape error instead of one line here.
+HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads",
+              "n_kv_heads", "num_kv_heads", "n_kv_head", "num_key_value_heads")
+
+
+def _style_of(plan: dict, name: str):
+    return next((s for p, s in plan.items() if fnmatch.fnmatchcase(name, p)), None)
+
+
+def _head_dims(model, plan: dict, global_only: bool = False) -> dict[str, int]:
+    """{'<module> <attr>': heads} of every module holding a head count whose own children the
+    plan splits; for a module with a head_dim and no count, {'<child> out_features/head_dim':
+    heads} of each column-parallel child. Only direct children: a head count two levels up (a
+    block's) may belong to an attention the plan leaves whole (an MLP-only plan is not refused)."""
+    out = {}
+    for name, mod in model.named_modules():
+        split = []
+        for c, child in mod.named_children():
+            fqn = f"{name}.{c}" if name else c
+            w = getattr(child, "weight", None)
+            if getattr(w, "ndim", 0) == 2 and _style_of(plan, fqn) is not None \
+                    and not (global_only and not hasattr(w, "placements")):
+                split.append((fqn, child, w))
+        if not split:
+            continue
+        who = name or type(model).__name__
+        counts = {f"{who} {a}": v for a in HEAD_ATTRS
+                  if isinstance(v := getattr(mod, a, None), int) and not isinstance(v, bool) and v > 0}
+        out.update(counts)
+        hd = getattr(mod, "head_dim", None)
+        # no count kept (transformers-style: config and head_dim): each split projection's heads
+        if counts or not (isinstance(hd, int) and not isinstance(hd, bool) and hd > 0):
+            continue
+        for fqn, child, w in split:
+            if type(_style_of(plan, fqn)).__name__ == "ColwiseParallel" and not isinstance(child, _embedding()) \
+                    and int(w.shape[0]) % hd == 0:
+                out[f"{fqn} heads (out_features {int(w.shape[0])} / head_dim {hd})"] = int(w.shape[0]) // hd
+    return out
+
+
+def _embedding():
+    import torch
+
+    return torch.nn.Embedding
+
+
+def valid_degrees(sizes) -> list[int]:
+    """Every degree that divides all of `sizes` (up to 64: no more ranks than that in one world)."""
+    import math
+
+    g = math.gcd(*sizes) if sizes else 64
+    return [n for n in range(1, min(g, 64) + 1) if g % n == 0]
 
 
 def check_plan(spec, degrees, variant: str = "stock") -> None:
@@ -142,11 +203,13 @@ def check_model_plan(model, plan: dict, degrees, who: str, of: str, divisors: di
     for pattern in plan:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             raise BadInput(f"{who}: plan entry {pattern!r} matches no module of the model")
-    dims = {**_sharded_dims(model, plan, global_only), **dict(divisors or {})}
+    dims = {**_sharded_dims(model, plan, global_only), **_head_dims(model, plan, global_only),
+            **dict(divisors or {})}
     for d in degrees:
         if d <= 1:
             continue
         bad = [f"{k}={v}" for k, v in dims.items() if v % d]
         if bad:
             raise BadInput(f"{flag} {d}: does not divide {', '.join(bad[:3])}"
-                           f"{' (and more)' if len(bad) > 3 else ''} of {of}")
+                           f"{' (and more)' if len(bad) > 3 else ''} of {of}; degrees that divide every "
+                           f"size split: {', '.join(map(str, valid_degrees(list(dims.values()))))}")

@@ -126,6 +126,11 @@ def _importable_beside(path: str) -> None:
 def _missing_module_hint(src: str, e: ModuleNotFoundError) -> str:
     """'no module named X' plus what to do: where tpdiag looked and how to make X importable."""
     missing = e.name or str(e)
+    if not src.endswith(".py") and (os.sep in src or os.path.isfile(src)):  # a bare name may be a package
+        # a path, not a module name: 'no module named '/x/model'' named no fix
+        what = ("is a directory" if os.path.isdir(src) else "is not a .py file" if os.path.exists(src)
+                else "does not exist")
+        return f"{src} {what}; expected py:FILE.py:FUNC (a Python file) or py:package.module:FUNC"
     if src.endswith(".py"):
         here = os.path.dirname(os.path.abspath(src))
         return (f"no module named {missing!r} (imported by {os.path.basename(src)}; the import path has "
@@ -246,8 +251,11 @@ def model_divisors(spec: ModelSpec) -> dict[str, int]:
             raise BadInput(f"--model hf:{spec.value}: config.json is not a JSON object")
         cfg = cfg.get("text_config", cfg)
         out = {}
+        # moe_intermediate_size: transformers' moe_tp_experts splits every expert's width (qwen3_moe,
+        # deepseek_v3): a degree that does not divide it failed in the reference-sized grouped GEMM
+        # of each TP world ("strides should be multiple of 16 bytes") after TP=1 had run
         for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
-                "intermediate_size"):
+                "intermediate_size", "moe_intermediate_size"):
             if isinstance(cfg.get(key), int):
                 out[key] = cfg[key]
         return out

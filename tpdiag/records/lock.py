@@ -42,7 +42,14 @@ def hold(run_dir: str, command: str = "compare", unlockable_ok: bool = False):
     import fcntl
 
     created = not os.path.isdir(run_dir)
-    os.makedirs(run_dir, exist_ok=True)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:  # read-only, no permission, a file on the way: was "PermissionError: [Errno 1] ..."
+        from tpdiag.base.files import why_unwritable
+
+        flag = {"capture": "capture(out=...)", "confirm": "RUN_DIR"}.get(command, "--out")
+        why = why_unwritable(os.path.join(run_dir, NAME), e)
+        raise BadInput(f"{flag} {run_dir}: cannot create it ({why})") from None
     path = os.path.join(run_dir, NAME)
     while True:
         try:

@@ -15,6 +15,44 @@ from tpdiag.records.paths import RunDir
 IN_MEMORY = ("run_dir",)  # what a summary carries for its caller, never written
 
 
+_KINDS = {"tpdiag compare": "a tpdiag compare run", "tpdiag diff": "a tpdiag diff output",
+          "tpdiag.capture": "a tpdiag.capture directory"}
+
+
+def check_out(out: str, tool: str, flag: str = "--out") -> None:
+    """Refuse, before anything runs, an output directory whose contents the command would lose:
+    a file, or a directory whose manifest.json is not an earlier run of this same tool - a compare
+    run (`tpdiag diff --out RUN_DIR` replaced a compare's manifest and summary with the diff's), a
+    capture (capture() unlinks the manifest it finds), or a manifest.json tpdiag did not write.
+    An earlier run of the same tool is replaced, as README says of compare."""
+    import os
+
+    from tpdiag.errors import BadInput
+
+    if not os.path.lexists(out):
+        up = os.path.dirname(os.path.abspath(out))
+        while up and not os.path.lexists(up):
+            up = os.path.dirname(up)
+        if up and not os.path.isdir(up):  # found before the run, not at its first write
+            raise BadInput(f"{flag} {out}: cannot create it ({up} is a file, not a directory)")
+        return
+    if not os.path.isdir(out):
+        raise BadInput(f"{flag} {out!r}: exists and is not a directory")
+    mpath = RunDir(out).manifest
+    if not os.path.lexists(mpath):
+        return
+    try:
+        m = io.read_json(mpath)
+    except Exception:  # noqa: BLE001 - unreadable: not an earlier run of ours either
+        m = None
+    kind = m.get("tool") if isinstance(m, dict) else None
+    if kind == tool:
+        return
+    what = (f"{_KINDS[kind]}; this {tool} would replace its manifest.json" if kind in _KINDS else
+            f"a manifest.json that no tpdiag run wrote; this {tool} would replace it")
+    raise BadInput(f"{flag} {out!r}: holds {what}: name a new directory (or move that one away)")
+
+
 def write_summary(run_dir, summary: dict) -> dict:
     """summary.json: the summary as assembled so far, less its in-memory keys; returns what it
     wrote (a later part is added to that, not to a copy read back)."""

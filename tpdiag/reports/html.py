@@ -245,5 +245,5 @@ def write_report(run_dir: str, out: str | None = None, problems: list[str] | Non
     try:
         io.write_bytes(path, html.encode("utf-8"))
     except OSError as e:
-        raise BadInput(f"-o {path!r}: cannot write ({e.strerror})") from None
+        raise BadInput(f"-o {path!r}: cannot write ({io.why_unwritable(path, e)})") from None
     return path

@@ -105,8 +105,10 @@ def validate(cfg: CompareConfig) -> dict:
 
     if cfg.capture not in CAPTURES:
         raise BadInput(f"--capture {cfg.capture!r}: expected one of {', '.join(CAPTURES)}")
-    if cfg.out and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise BadInput(f"--out {cfg.out!r}: exists and is not a directory")
+    if cfg.out:
+        from tpdiag.records.run_files import check_out
+
+        check_out(cfg.out, "tpdiag compare")
     if not cfg.group_gemm:  # a rerun's config was resolved (and checked) with its parent run
         from tpdiag.fixes import groups
 
