@@ -67,3 +67,33 @@ def test_dropped_hooks_by_identity_and_watch():
     watch(m, effect)
     m(torch.ones(1, 4)).sum().backward()
     assert effect == {"0.weight": True, "1.weight": False}, effect
+
+
+def test_a_hook_registered_by_a_forward_is_not_left_by_its_float64_re_execution():
+    """hook_after registers its hook in the forward, once: the user's state (its flag) is put back for
+    the float64 re-execution, which ran that line again on the REAL weight - the own-input pass's
+    reference halved w2's grad twice ("the float64 pass computed another step than the first pass",
+    test_the_hook_registered_after_the_plan_holds not judged at df55e0a). The re-execution's hooks
+    are removed after it (probes/float64_state.drop_added_hooks); the user's own are kept."""
+    import torch
+    from torch import nn
+
+    from tpdiag.probes.float64 import module_oracle, module_oracle_grads, snapshot
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.lin.weight.register_hook(lambda g: g / 2)
+            return self.lin(x)
+
+    m = M()
+    mine = m.lin.bias.register_hook(lambda g: g * 3)  # the user's own, before: stays
+    x = torch.randn(2, 3)
+    out, notes = module_oracle(m, *snapshot(((x,), {})))
+    assert out is not None and notes == {}, notes
+    module_oracle_grads(m, *snapshot(((x,), {})), torch.ones(2, 3))
+    assert not m.lin.weight._backward_hooks, m.lin.weight._backward_hooks
+    assert list(m.lin.bias._backward_hooks) == [mine.id]

@@ -252,6 +252,9 @@ def _isolated(mod: torch.nn.Module, buffers=None):
     # the user's Python state beside them: a call counter in a global or in a dict the module
     # holds, which a second run of the forward would advance for the real run's next call
     kept = take(mods)
+    from tpdiag.probes.float64_state import drop_added_hooks, hooks_before
+
+    hooks = hooks_before(mods)
     try:
         if getattr(buffers, "py", None) is not None:
             put_back(buffers.py)
@@ -270,6 +273,7 @@ def _isolated(mod: torch.nn.Module, buffers=None):
                 for k, v in was.items():
                     if d.get(k, d) is not v:
                         d[k] = v
+        drop_added_hooks(hooks)
         put_back(kept)
 
 
