@@ -122,3 +122,18 @@ def test_the_correct_twin_reads_rounding_with_every_step_1_grad_judged(runs):
     assert s["class"] == "rounding" and not e.get("not_judged") and not e.get("findings"), \
         (e.get("not_judged"), e.get("findings"))
     assert "nothing is wrong" in stdout
+
+
+def test_the_shipped_parameters_are_the_differing_steps_whole_subtrees_within_the_budget(runs):
+    """diff/own_params.side_params on gate_f's records: step 1's forward read step 0's update (it
+    differs at TP=2), step 0's the init (equal: nothing shipped); the root's subtree is every
+    parameter, gate's only its own; past the budget nothing (never a part of a subtree)."""
+    from tpdiag.diff.own_params import side_params
+
+    _, _, d = runs["gate_f"]
+    ref, mine = str(d / "tp1"), str(d / "tp2")
+    got = side_params(ref, mine, {"model"})
+    assert got and all(k.startswith("s0/optimizer/") and "/param#0/" in k for k in got), sorted(got)
+    assert {k.split("/")[2] for k in got} == {"embed", "block", "gate.proj", "norm", "head"}, sorted(got)
+    assert {k.split("/")[2] for k in side_params(ref, mine, {"gate"})} == {"gate.proj"}
+    assert side_params(ref, mine, {"model"}, budget=1000) == {}
