@@ -316,7 +316,7 @@ FILE_SECONDS = {
     "test_run_directory_doc.py": 1,
     # session 16 (helper hbf16): wall of `pytest -n 0 FILE` on the shared 2-core machine, less ~8 s of
     # pytest's start (five compares: gate_f, pair_f x2, pair_ok, pair_drop_f) - ordering only
-    "test_two_paths.py": 95,
+    "test_two_paths.py": 95, "test_step_params.py": 30, "test_capture_hooks.py": 36,
     # session 16 (helper hfalse16): two compares, wall of `pytest -n 0 FILE` less pytest's own start
     "test_loop_stage.py": 30, "test_own_taps.py": 30,
 }

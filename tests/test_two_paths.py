@@ -91,6 +91,10 @@ def test_what_stays_not_judged_is_said_alike_everywhere_with_each_grads_reason(r
     assert STAGE_BLOCK_GRAD in nj.get("keys", []), nj
     why = nj["reasons"][STAGE_BLOCK_GRAD]
     assert "judged through model, whose float64 backward was refused: it draws random numbers" in why, why
+    # the own-input pass's own refusal (from this side's inputs), and where inside the root it came from
+    # (at df55e0a only the reference's note was read: its refusals in that pass were dropped)
+    assert "(model's backward re-executed from this side's own inputs, in the own-input pass; refused " \
+        "inside it by drop)" in why, why
     assert set(nj["reasons"]) == set(nj["keys"]) and sum(nj["why"].values()) == nj["records"], nj
     assert 0.2 < nj["rel_l2"] < 1 and nj["dtype"] == "bfloat16", nj
     assert s["class"] == e["class"] == "unknown", (s["class"], e["class"])

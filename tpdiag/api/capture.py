@@ -129,6 +129,12 @@ class Capture:
         from tpdiag.probes.recorder import Recorder
 
         self.fingerprint = fingerprint(self.model, self.layouts, self.degree)
+        from tpdiag.models.grad_hooks import dtensor_names, hook_names
+
+        # the grad hooks on the parameters as handed over: a hook the user put on a weight before
+        # their own parallelize_module is not on the DTensor parameter the plan put in its place
+        # (tpdiag never sees the model before the plan: diff/dropped_hooks.lost_at compares captures)
+        self._hooks = {"param_hooks": hook_names(self.model), "dtensor_params": dtensor_names(self.model)}
         # full capture streams records to the host; past the budget they spill here (removed at exit)
         self.rec = Recorder(spill_dir=os.path.join(self.out, f".spill-rank{self.group_rank}"))
         self.t0 = time.perf_counter()
@@ -278,7 +284,7 @@ class Capture:
         store.write(self.out, stored, {
             "degree": self.degree, "label": str(self.degree), "backend": backend,
             "device": str(device), "tool": TOOL, "timings": timings, "n_records": len(stored),
-            "config": self._config(), "capture_id": uuid.uuid4().hex,
+            "config": self._config(), "capture_id": uuid.uuid4().hex, **self._hooks,
         })
         from tpdiag.records.run_files import write_manifest
 

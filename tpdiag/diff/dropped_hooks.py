@@ -12,10 +12,28 @@ def lost_at(ref_world: dict, other_world: dict) -> dict[str, list[str]]:
     TP > 1 whose plan dropped the same hooks runs without them too)."""
     ref = ref_world.get("hooks_dropped") or {}
     out = {}
-    for name, hooks in (other_world.get("hooks_dropped") or {}).items():
+    for name, hooks in (other_world.get("hooks_dropped") or captured_lost(ref_world, other_world)).items():
         left = [h for h in hooks if h not in (ref.get(name) or [])]
         if left:
             out[str(name)] = [str(h) for h in left]
+    return out
+
+
+def captured_lost(ref_world: dict, other_world: dict) -> dict[str, list[str]]:
+    """Two captures (api/capture.py: param_hooks, dtensor_params): {parameter: the hook names the
+    reference's parameter had that this side's DTensor parameter lacks}. The user's own
+    parallelize_module ran before the capture, so no one saw the hook dropped; a parameter that is
+    a DTensor at both sides (the reference ran the plan too) or a plain tensor here is left alone."""
+    mine, theirs = other_world.get("param_hooks"), ref_world.get("param_hooks")
+    if not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return {}
+    dt, ref_dt = set(other_world.get("dtensor_params") or ()), set(ref_world.get("dtensor_params") or ())
+    out = {}
+    for name, hooks in theirs.items():
+        if name in dt and name not in ref_dt:
+            left = [h for h in hooks if h not in (mine.get(name) or [])]
+            if left:
+                out[name] = left
     return out
 
 

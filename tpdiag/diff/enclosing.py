@@ -184,22 +184,59 @@ def why_not(dd, row: dict) -> str | None:
                         f"{a} returns {o} tensors (its float64 backward needs one differentiable output)")
         return f"read by the code of {parent}; no enclosing module runs once and returns one tensor: " + ", ".join(said)
     head = f"read by the code of {parent}" + (f", judged through {by}" if by != parent else "")
-    from tpdiag.diff.equal_inputs import params_equal
+    from tpdiag.diff.equal_inputs import side_params
 
-    if not params_equal(dd, by, step):
+    refused = _refused(dd, by, step)
+    if refused:
+        return f"{head}, whose float64 backward was refused: {refused}"
+    if not side_params(dd, by, step):
         # the reference's module on this side's inputs is not the function this side computed
-        # (diff/oracle_own.apply_own): from step 1 on, each side's own update's rounding
-        return f"{head}, whose parameters differ at this step (each side's own update before it)"
+        # (diff/oracle_own.apply_own): from step 1 on, each side's own update's rounding - unless
+        # re-executed from this side's parameters, which were not shipped whole (hash-only records,
+        # over the budget: diff/own_params.py) or a buffer of it differs too
+        return (f"{head}, whose parameters differ at this step (each side's own update before it) and "
+                "were not re-executed from this side's own")
+    if not _taps(dd)["calls"].get((step, row["module"], by)):
+        return f"{head}, which the own-input pass did not re-execute (not chosen, or over its budget)"
+    return f"{head}, and outside it too (a call of it not inside {by})"
+
+
+def _refused(dd, by: str, step) -> str | None:
+    """Why `by`'s float64 re-execution was refused, the own-input pass's own note first (from this
+    side's inputs: probes/oracle_hooks.record_own_oracles), else the reference's from its own; the
+    backward's refusal, else its forward's (a forward refused never reaches its backward)."""
     from tpdiag.records.keys import MalformedKey, RecordKey
 
-    notes = getattr(dd, "oracle_notes", None) or {}
+    for own, notes in ((True, getattr(dd, "oracle_notes_own", None) or {}),
+                       (False, getattr(dd, "oracle_notes", None) or {})):
+        for phase in ("backward", "forward"):
+            for k, v in notes.items():
+                try:
+                    p = RecordKey.parse(k)
+                except MalformedKey:
+                    continue
+                if (p.step, p.phase, p.module, p.kind) == (int(step), phase, by, "oracle") and p.name is None \
+                        and v.get("why"):
+                    where = "from this side's own inputs, in the own-input pass" if own else "from the reference's inputs"
+                    inner = _refused_inside(notes, by, step, v["why"])
+                    return f"{v['why']} ({by}'s {phase} re-executed {where}" + \
+                        (f"; refused inside it by {', '.join(inner)})" if inner else ")")
+    return None
+
+
+def _refused_inside(notes: dict, by: str, step, why: str) -> list[str]:
+    """The deepest modules inside `by` whose own re-execution was refused for the same reason at this
+    step (the dropout whose random draw refused the root's): where the reason comes from."""
+    from tpdiag.diff.equal_inputs import in_subtree
+    from tpdiag.records.keys import MalformedKey, RecordKey
+
+    got = set()
     for k, v in notes.items():
         try:
             p = RecordKey.parse(k)
         except MalformedKey:
             continue
-        if (p.step, p.phase, p.module, p.kind) == (int(step), "backward", by, "oracle") and v.get("why"):
-            return f"{head}, whose float64 backward was refused: {v['why']}"
-    if not _taps(dd)["calls"].get((step, row["module"], by)):
-        return f"{head}, which the own-input pass did not re-execute (not chosen, or over its budget)"
-    return f"{head}, and outside it too (a call of it not inside {by})"
+        if p.step == int(step) and p.kind == "oracle" and p.name is None and p.module != by \
+                and in_subtree(p.module, by) and v.get("why") == why:
+            got.add(p.module)
+    return sorted(m for m in got if not any(o != m and o.startswith(m + ".") for o in got))

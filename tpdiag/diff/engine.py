@@ -25,6 +25,9 @@ class DegreeDiff:
     # what its world noted (refusals, discrete choices) by oracle key
     oracle: dict = field(default_factory=dict)
     oracle_notes: dict = field(default_factory=dict)
+    # what the reference world noted about its re-executions from THIS side's inputs (the own-input
+    # pass: refusals, and "params": "this side's" where it ran them from this side's parameters)
+    oracle_notes_own: dict = field(default_factory=dict)
     grad_in: dict = field(default_factory=dict)  # (step, module, input index) -> [float64 per call]
     # the same from THIS side's own inputs (diff/own_inputs.py): record key -> float64 tensor
     oracle_own: dict = field(default_factory=dict)
@@ -372,6 +375,9 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     notes = ref.world.get("oracle_notes") if isinstance(ref.world, dict) else None
     if isinstance(notes, dict):
         dd.oracle_notes = notes
+    own_notes = ref.world.get("oracle_notes_own") if isinstance(ref.world, dict) else None
+    if isinstance(own_notes, dict) and isinstance(own_notes.get(label), dict):
+        dd.oracle_notes_own = own_notes[label]
     dd.oracle_reads_noted = isinstance(ref.world, dict) and ref.world.get("oracle_reads_noted") is True
     return dd
 

@@ -11,7 +11,8 @@ def _index(dd) -> dict:
     got = getattr(dd, "_equal_index", None)
     if got is not None and got["n"] == len(dd.rows):
         return got
-    ix = {"n": len(dd.rows), "bad_in": set(), "calls": {}, "calls_out": {}, "bad_params": {}, "bad_grad_out": set()}
+    ix = {"n": len(dd.rows), "bad_in": set(), "calls": {}, "calls_out": {}, "bad_params": {}, "bad_buffers": {},
+          "bad_grad_out": set()}
     for r in dd.rows:
         k, st, m = r["kind"], r["step"], r["module"]
         if k == "in" and r["phase"] == "forward":
@@ -24,6 +25,8 @@ def _index(dd) -> dict:
             # the parameters a step's forward read: the init for step 0, else the step before's update
             # (a buffer the step before wrote is read as one)
             ix["bad_params"].setdefault(0 if k == "param_init" else st + 1, set()).add(m)
+            if k == "buffer":
+                ix["bad_buffers"].setdefault(st + 1, set()).add(m)
         elif k == "grad_out" and r["phase"] == "backward" and not r["bitwise"]:
             ix["bad_grad_out"].add((st, m))
     dd._equal_index = ix
@@ -44,7 +47,38 @@ def params_equal(dd, module: str, step: int) -> bool:
     """Whether every recorded parameter of the module (and of its children) that step `step`'s
     forward read is bitwise equal at both sides: from step 1 on they are the step before's update,
     which at TP > 1 differs by its own rounding - the reference's module is then not this side's."""
-    return not any(p == module or p.startswith(module + ".") for p in _index(dd)["bad_params"].get(step, ()))
+    return not any(in_subtree(p, module) for p in _index(dd)["bad_params"].get(step, ()))
+
+
+def in_subtree(owner: str, module: str) -> bool:
+    """Whether the parameters recorded under `owner` are read by `module`'s forward: its own and its
+    descendants'. The root's children are not named under "model." (they are "embed", "block"):
+    every parameter is the root's - checked by name alone, the root's float64 backward at step 1
+    ran from the reference's updated weights while this side's differed (by a bug's size after a
+    broken update) and was read as this side's exact value. HF's root shares "model" with its
+    child: taken as the root too (a stricter check, never a looser one)."""
+    from tpdiag.records.keys import ROOT_MODULE
+
+    return module == ROOT_MODULE or owner == module or owner.startswith(module + ".")
+
+
+def side_params(dd, module: str, step: int) -> bool:
+    """Whether `module`'s float64 re-execution from this side's own inputs (the own-input pass) ran
+    the function this side computed: its subtree's parameters equal at both sides, or the reference
+    world re-executed it from THIS side's parameters (shipped whole: diff/own_params.py; noted for
+    each call, probes/oracle_hooks.record_own_oracles) and no buffer of its subtree differs (only
+    parameters are swapped in)."""
+    if params_equal(dd, module, step):
+        return True
+    ix = _index(dd)
+    if any(in_subtree(b, module) for b in ix["bad_buffers"].get(step, ())):
+        return False
+    from tpdiag.records.keys import record_key
+
+    notes = getattr(dd, "oracle_notes_own", None) or {}
+    calls = ix["calls_out"].get((step, module)) or ix["calls"].get((step, module))
+    return bool(calls) and all((notes.get(record_key(step, "forward", module, "oracle", c)) or {}).get("params")
+                               == "this side's" for c in calls)
 
 
 def grads_equal(dd, row: dict) -> bool:

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from tpdiag.diff.equal_inputs import params_equal
+from tpdiag.diff.equal_inputs import side_params
 from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
 from tpdiag.diff import enclosing, other_paths, rank_partials
 from tpdiag.diff.own_side import REFUSED, judge_own_side
@@ -142,7 +142,8 @@ def apply_own(dd) -> None:
             # no one module consumer: the module whose own code reads it (diff/enclosing.py)
             outer, o_n, o_ref = enclosing.tapped(dd, row)
             judged_by = outer if o_n is not None and o_ref is not None else None
-        if judged_by is None or not params_equal(dd, judged_by, row["step"]):
+        # (from this side's own parameters where the reference world re-executed it so: side_params)
+        if judged_by is None or not side_params(dd, judged_by, row["step"]):
             continue
         norms = side_n = None
         if outer is not None:

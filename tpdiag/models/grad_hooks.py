@@ -24,6 +24,17 @@ def grad_hooks(model) -> dict[str, list]:
     return out
 
 
+def hook_names(model) -> dict[str, list[str]]:
+    """{parameter name: its grad hooks' names} (a capture's world.json param_hooks: the hooks on the
+    parameters it was handed, which a `tpdiag diff` compares with the reference capture's)."""
+    return {n: [hook_name(h) for h in hooks] for n, hooks in grad_hooks(model).items()}
+
+
+def dtensor_names(model) -> list[str]:
+    """The parameters that are DTensors (a plan's: a hook put on the parameter before it is not on these)."""
+    return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if hasattr(p, "_local_tensor"))
+
+
 def hook_name(fn) -> str:
     """How the user wrote the hook: its function's qualified name (`halve`, `MLPLM.__init__.<locals>.
     <lambda>`), a partial's function, or the callable's class."""

@@ -306,7 +306,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     # there, its float64 grads were the same records twice - "grad_in.0.c0@2 listed
                     # twice": a correct checkpointed model read "not judged", gate 2)
                     record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward,
-                                       side_pend, hooked, buffers=bufs, taps=kids)
+                                       side_pend, hooked, buffers=bufs, taps=kids, path=walked.paths.get(mod))
                 if backward:
                     if not any(t.grad_fn is not None for t in _tensors(out)):
                         # no graph (a reentrant checkpoint's forward): hooked at its recompute

@@ -298,15 +298,20 @@ def _with_inputs(snap, key_of, tensors: dict):
 
 def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap, own: dict,
                        style, cls, backward: bool, side_pend: dict | None = None, hooked=None,
-                       buffers=None, taps: dict | None = None) -> None:
+                       buffers=None, taps: dict | None = None, path: str | None = None) -> None:
     """This (reference) module re-executed in float64 from each other world's own recorded
     inputs - its forward, and with its output grad there its backward - recorded as oracle
     records whose names end in `@LABEL` (diff/own_inputs.py says why).
     side_pend: where a weight grad's float64 value is held until the real grad is accumulated,
     to be kept as its norms against the other world's shipped record (probes/own_side_norms.py;
-    hooked: {module: the parameter names whose accumulated grad the probe sees})."""
+    hooked: {module: the parameter names whose accumulated grad the probe sees}).
+    path: the module's path in the model ("" for the root): where the other world shipped its own
+    parameters for this step (diff/own_params.py), it is re-executed from those (probes/own_params.py).
+    Its notes - a refusal, discrete choices, the parameters it ran from - are kept per label
+    (rec.oracle_notes_own): the diff says which module refused this side's re-execution, and why."""
     from tpdiag.probes import own_side_norms
     from tpdiag.probes.float64 import module_oracle, module_oracle_grads
+    from tpdiag.probes.own_params import shipped_for, swapped
 
     step = rec.step
     for label, tensors in own.items():
@@ -318,17 +323,25 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
         try:
             # counted in float64_s with the other re-executions (it was not: in the own-input
             # pass's reference these are most of that world's float64 work)
-            with timed(rec):
-                out64, _ = module_oracle(mod, *got, buffers=buffers)
-                grads = None
+            params = shipped_for(mod, path, step, tensors) if path is not None else None
+            with timed(rec), swapped(params):
+                out64, notes = module_oracle(mod, *got, buffers=buffers)
+                grads, g_notes = None, {}
                 g = tensors.get(record_key(step, "backward", name, "grad_out", call, 0))
                 if backward and g is not None:
                     # on the device the module's inputs are (the file was read to the host)
                     g = g.to(next((t.device for t in _tensors(got)), g.device))
                     again = _with_inputs(snap, lambda i: record_key(step, "forward", name, "in", call, i), tensors)
-                    grads, _ = module_oracle_grads(mod, *again, g, buffers=buffers, taps=taps)
+                    grads, g_notes = module_oracle_grads(mod, *again, g, buffers=buffers, taps=taps)
         finally:
             rec.in_oracle, rec.enabled = False, was
+        notes = {k: v for k, v in (notes or {}).items() if k != "written"}  # tensors, never a note
+        if params:
+            notes["params"] = "this side's"
+        mine = rec.oracle_notes_own.setdefault(label, {})
+        for phase, n in (("forward", notes), ("backward", g_notes or {})):
+            if n:
+                mine[record_key(step, phase, name, "oracle", call)] = n
         for i, t in enumerate(_tensors(out64) if out64 is not None else ()):
             if t.is_floating_point() or t.is_complex():
                 rec.add("oracle", name, f"{_IDX[i] if i < _NIDX else i}@{label}", t, call=call,

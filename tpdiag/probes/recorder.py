@@ -56,6 +56,8 @@ class Recorder(HashPlacing):
     # count calls, so the real run's call indices stay its own
     in_oracle: bool = False
     oracle_notes: dict = field(default_factory=dict)  # oracle key -> {why | discrete} (float64.py)
+    # the own-input pass's: label -> oracle key -> {why | discrete | params} (oracle_hooks.record_own_oracles)
+    oracle_notes_own: dict = field(default_factory=dict)
     # seconds spent in float64 re-executions (the world's `float64_s`: where a second pass's time goes)
     oracle_s: float = 0.0
     hash: bool = True

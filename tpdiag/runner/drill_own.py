@@ -105,6 +105,12 @@ def own_files(run_dir: str, ref_label: str, own: dict, sub_label: dict, taps: di
         mods = own.get(lab) or ()
         tensors = side_inputs(RunDir(run_dir).world(ref_label), RunDir(run_dir).world(lab), set(mods),
                               grads=grads) if mods else {}
+        if mods:
+            # and their subtrees' parameters where this side's differ (from step 1 on: its own update),
+            # for the reference to re-execute them from (diff/own_params.py)
+            from tpdiag.diff.own_params import side_params
+
+            tensors.update(side_params(RunDir(run_dir).world(ref_label), RunDir(run_dir).world(lab), set(mods)))
         path = RunDir(run_dir).own_inputs(lab)
         # TPDIAG_OWN_TAPS=0: every child tapped, as before (the A/B: tests/test_own_taps.py)
         wanted = None if taps is None or os.environ.get("TPDIAG_OWN_TAPS", "1") == "0" else taps.get(lab, [])

@@ -240,6 +240,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             "fingerprint": fingerprint,
             # float64 re-executions refused (probes/float64.py): record key -> why
             "oracle_notes": rec.oracle_notes,
+            # ... and from another world's own inputs (the own-input pass): label -> record key -> notes
+            **({"oracle_notes_own": rec.oracle_notes_own} if rec.oracle_notes_own else {}),
             # ... and each re-executed call's notes name the other modules' buffers it read
             # (notes["reads"]): a call re-executed without such a note read none
             # (diff/written_state.read_after)
