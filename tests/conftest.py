@@ -317,6 +317,8 @@ FILE_SECONDS = {
     "test_two_paths.py": 95,
     # session 16 (helper hfalse16): two compares, wall of `pytest -n 0 FILE` less pytest's own start
     "test_loop_stage.py": 30, "test_own_taps.py": 30,
+    # session 16 (red team hred16): one compare (hook_mixed), wall of `pytest -n 0 FILE` less pytest's start
+    "test_failclosed_hooks.py": 22,
 }
 
 

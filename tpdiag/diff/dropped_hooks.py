@@ -64,3 +64,59 @@ def name(entry: dict, rows: list[dict], lost: dict[str, list[str]], label: str, 
         entry["findings"] = [g for g in entry["findings"] if g.get("key") != row["key"]]
         entry["findings"].insert(0, f)
         entry["status"] = "divergent"
+
+
+def unnamed(label: str, entry, rows: list[dict], ref_world: dict, other_world: dict) -> str | None:
+    """The gate's check (diff/recheck.verify): a grad whose hooks the plan dropped is a finding with a
+    bug label, re-derived from the worlds' own world.json and the re-diffed rows, as `name` made it.
+    The finding is no record beyond a bound (from TP=N's own inputs its unhooked grad is exact:
+    diff.csv has it within), so the check of the findings against diff.csv could not see it deleted:
+    grad_hook_plan.py:hook_build with the finding cut from summary.json and ops/summary.json passed
+    `gate --allow rounding`, exit 0 (red team hred16)."""
+    from tpdiag.records.causes import cause_class
+
+    lost = lost_at(ref_world, other_world)
+    if not lost:
+        return None
+    effect = ref_world.get("hook_effect")
+    effect = effect if isinstance(effect, dict) else {}
+    found = {f.get("key"): f for f in ((entry or {}).get("findings") or ()) if isinstance(f, dict)}
+    for param, hooks in sorted(lost.items()):
+        if effect.get(param) is False:
+            continue  # an observer: said, no finding (name's rule)
+        row = next((r for r in rows if r["phase"] == "backward" and r["kind"] == "param_grad"
+                    and _param_of(r) == param and not r["bitwise"]), None)
+        if row is None:
+            continue
+        f = found.get(row["key"])
+        if f is None or cause_class(f.get("cause")) != "bug":
+            return (f"summary.json's TP={label} findings lack {row['key']} as a bug: the grad of {param}, whose "
+                    f"grad hook(s) {', '.join(hooks)} the plan dropped (world.json hooks_dropped), differs "
+                    "(edited after the run)")
+    return None
+
+
+def _hooked(world: dict) -> set[str]:
+    """The parameters a world's world.json says carried the user's grad hooks when its model was built:
+    hook_effect's where no plan ran (TP=1), hooks_kept's and hooks_dropped's where one did."""
+    out = set()
+    for k in ("hook_effect", "hooks_dropped"):
+        v = world.get(k)
+        out |= {str(p) for p in v} if isinstance(v, dict) else set()
+    kept = world.get("hooks_kept")
+    return out | ({str(p) for p in kept} if isinstance(kept, list) else set())
+
+
+def census(label: str, ref_world: dict, other_world: dict) -> str | None:
+    """Both worlds built the same model, so the same parameters carried the user's grad hooks at both:
+    a world.json that lists another set was edited. hooks_dropped cut from TP=N's world.json (with
+    the finding cut from the summaries) passed `gate --allow rounding` on grad_hook_plan.py:hook_build,
+    exit 0 (red team hred16): at TP > 1 the hooks the plan kept are listed too (hooks_kept), so TP=1's
+    hook_effect names each hooked parameter once more there."""
+    ref, other = _hooked(ref_world), _hooked(other_world)
+    if ref == other:
+        return None
+    p = sorted(ref ^ other)[0]
+    where, absent = ("the reference's", f"TP={label}'s") if p in ref else (f"TP={label}'s", "the reference's")
+    return (f"{where} world.json names the user's grad hooks on {p}, {absent} neither as kept nor dropped "
+            "(hook_effect, hooks_kept, hooks_dropped): both built the same model (edited after the run)")

@@ -181,7 +181,11 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             continue
         bad = check_rows(lab, dd.rows, csv_rows.get(lab, []))
         if bad is None and entries is not None:
-            bad = check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
+            from tpdiag.diff.dropped_hooks import census, unnamed
+
+            bad = (check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
+                   or census(lab, ref_rs.world, rs.world)
+                   or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world))
         if bad:
             problems[lab] = bad
     if base:
