@@ -252,6 +252,9 @@ def _isolated(mod: torch.nn.Module, buffers=None):
     # the user's Python state beside them: a call counter in a global or in a dict the module
     # holds, which a second run of the forward would advance for the real run's next call
     kept = take(mods)
+    from tpdiag.base import grad_hook_state
+
+    hooks = grad_hook_state.take(mods)  # a forward that registers a grad hook registered it again
     try:
         if getattr(buffers, "py", None) is not None:
             put_back(buffers.py)
@@ -271,6 +274,7 @@ def _isolated(mod: torch.nn.Module, buffers=None):
                     if d.get(k, d) is not v:
                         d[k] = v
         put_back(kept)
+        grad_hook_state.put_back(hooks)
 
 
 def working_dtype(mod: torch.nn.Module) -> torch.dtype | None:
