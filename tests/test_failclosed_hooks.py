@@ -83,9 +83,12 @@ def test_a_kept_hook_cut_from_world_json_is_inconclusive(run):
 def test_census_on_hand_made_worlds():
     from tpdiag.diff.dropped_hooks import census
 
+    rows = [{"kind": "param_grad", "module": m, "name": "weight"} for m in ("a", "b")]
     ref = {"hook_effect": {"a.weight": True, "b.weight": False}}
-    assert census("2", ref, {"hooks_dropped": {"a.weight": ["f"]}, "hooks_kept": ["b.weight"]}) is None
-    assert census("2", ref, dict(ref)) is None  # a micro-batch configuration: TP=1 both sides
-    assert census("2", {}, {}) is None
-    assert "b.weight" in census("2", ref, {"hooks_dropped": {"a.weight": ["f"]}})
-    assert "c.weight" in census("2", ref, {**ref, "hooks_kept": ["c.weight"]})
+    assert census("2", ref, {"hooks_dropped": {"a.weight": ["f"]}, "hooks_kept": ["b.weight"]}, rows) is None
+    assert census("2", ref, dict(ref), rows) is None  # a micro-batch configuration: TP=1 both sides
+    assert census("2", {}, {}, rows) is None
+    # a hand-written TP's own hooks at TP > 1 (two_paths.py): more at TP=N is no edit
+    assert census("2", {}, {"hooks_kept": ["a.weight"]}, rows) is None
+    assert "b.weight" in census("2", ref, {"hooks_dropped": {"a.weight": ["f"]}}, rows)
+    assert census("2", ref, {"hooks_dropped": {"a.weight": ["f"]}}, rows[:1]) is None  # b not at TP=2

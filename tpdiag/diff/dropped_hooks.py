@@ -107,16 +107,17 @@ def _hooked(world: dict) -> set[str]:
     return out | ({str(p) for p in kept} if isinstance(kept, list) else set())
 
 
-def census(label: str, ref_world: dict, other_world: dict) -> str | None:
-    """Both worlds built the same model, so the same parameters carried the user's grad hooks at both:
-    a world.json that lists another set was edited. hooks_dropped cut from TP=N's world.json (with
-    the finding cut from the summaries) passed `gate --allow rounding` on grad_hook_plan.py:hook_build,
-    exit 0 (red team hred16): at TP > 1 the hooks the plan kept are listed too (hooks_kept), so TP=1's
-    hook_effect names each hooked parameter once more there."""
+def census(label: str, ref_world: dict, other_world: dict, rows: list[dict]) -> str | None:
+    """A parameter the reference's world.json names as carrying the user's grad hooks (hook_effect at
+    TP=1), recorded at both sides (a row of the diff), is at TP=N kept or dropped: world.json lists
+    it in hooks_kept or hooks_dropped, else it was edited. hooks_dropped cut from TP=N's world.json
+    (with the finding cut from the summaries) passed `gate --allow rounding` on
+    grad_hook_plan.py:hook_build, exit 0 (red team hred16). One way only: a user's hand-written TP
+    registers hooks of its own at TP > 1 (two_paths.py's all-reduce on the block's grads)."""
     ref, other = _hooked(ref_world), _hooked(other_world)
-    if ref == other:
+    both = {_param_of(r) for r in rows if r["kind"] in ("param_grad", "param", "param_init")}
+    p = next(iter(sorted((ref - other) & both)), None)
+    if p is None:
         return None
-    p = sorted(ref ^ other)[0]
-    where, absent = ("the reference's", f"TP={label}'s") if p in ref else (f"TP={label}'s", "the reference's")
-    return (f"{where} world.json names the user's grad hooks on {p}, {absent} neither as kept nor dropped "
-            "(hook_effect, hooks_kept, hooks_dropped): both built the same model (edited after the run)")
+    return (f"the reference's world.json names the user's grad hooks on {p}, TP={label}'s neither as kept nor "
+            "dropped (hook_effect; hooks_kept, hooks_dropped): a plan keeps or drops each (edited after the run)")
