@@ -5,7 +5,8 @@ block's grad 27% off; dropout refuses the float64 backward that would judge it) 
 `gate --allow rounding`. On main it passed, exit 0, with not_judged cut from summary.json alone (the
 second pass's ops/summary.json still listing it), or with its rel_l2 edited to 1e-9 in both summaries.
 Now summary.json's not_judged must be the second pass's (records/integrity.not_judged_problem) and its
-rel_l2 what the listed grads' records give (diff/recheck.moved_problem): both exit 2.
+rel_l2 what the listed grads' records give (diff/recheck.moved_problem), and diff.csv's dtype (the limit's
+unit) is re-derived: each exits 2.
 """
 import json
 import shutil
@@ -67,4 +68,25 @@ def test_rel_l2_edited_in_both_summaries_is_inconclusive(run):
         _edit(run / f, lambda s: (_rounding(s), s["degrees"]["2"]["not_judged"].update(rel_l2=1e-9)))
     res = _gate(run)
     assert res.exit_code == 2 and "not_judged.rel_l2 is 1e-09 but its listed grads' records moved" in res.problems[0], \
+        res.lines()
+
+
+def test_the_listed_grads_dtype_edited_in_diff_csv_is_inconclusive(run):
+    """The limit is 1000 eps of the listed grads' dtype as diff.csv says it (float32: 1.2e-4 of the norm);
+    edited to bfloat16 it was 0.2 - a float32 grad no check judged could move 19% and pass. On main this
+    run still exits 1 (it moved 27%), so the edit went unseen; now diff.csv's dtype is re-derived."""
+    import csv
+
+    keys = set(json.loads((run / "summary.json").read_text())["degrees"]["2"]["not_judged"]["keys"])
+    path = run / "diff.csv"
+    rows = list(csv.DictReader(path.open()))
+    for r in rows:
+        if r["key"] in keys:
+            r["dtype"] = "bfloat16"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    res = _gate(run)
+    assert res.exit_code == 2 and "(dtype 'bfloat16' in diff.csv, 'float32' in the records" in res.problems[0], \
         res.lines()

@@ -15,8 +15,10 @@ from tpdiag.errors import Inconclusive
 # plain equality is the right test. The identity fields and rank_consistent too: the policy matches
 # budgets by module/phase and judges rank-inconsistent replicas from these columns, so an edited row
 # must not pass for another.
+# dtype too: the not-judged limit is 1000 eps of the listed grads' dtype as diff.csv says it (gate/verdict.py
+# _moved_unjudged) - float32's edited to bfloat16 raised it from 1.2e-4 to 0.2 of the norm (red team hred16)
 ROW_METRICS = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
-               "step", "phase", "module", "kind", "call", "name")
+               "step", "phase", "module", "kind", "call", "name", "dtype")
 
 
 def _keep(m: dict) -> bool:
@@ -98,6 +100,11 @@ def recomputed(ref, other, label: str, values: bool = True, also=frozenset()):
     return dd, got
 
 
+def _cell(row: dict, m: str):
+    v = row.get(m)
+    return (v or None) if m == "dtype" else v  # a row with no dtype is an empty cell of diff.csv
+
+
 def check_rows(label: str, rows: list[dict], csv_rows: list[dict]) -> str | None:
     want = {r["key"]: r for r in csv_rows}
     if len(want) != len(csv_rows):
@@ -108,9 +115,9 @@ def check_rows(label: str, rows: list[dict], csv_rows: list[dict]) -> str | None
         k = sorted(set(want) ^ set(got))[0]
         return f"records and diff.csv list different records (first {k})"
     for k, r in got.items():
-        bad = next((m for m in ROW_METRICS if not same(r[m], want[k][m])), None)
+        bad = next((m for m in ROW_METRICS if not same(_cell(r, m), _cell(want[k], m))), None)
         if bad:
-            return (f"record {k} does not match diff.csv ({bad} {want[k][bad]!r} in diff.csv, {r[bad]!r} in the "
+            return (f"record {k} does not match diff.csv ({bad} {_cell(want[k], bad)!r} in diff.csv, {_cell(r, bad)!r} in the "
                     "records: records or diff.csv edited after the run)")
     return None
 
