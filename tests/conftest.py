@@ -319,6 +319,8 @@ FILE_SECONDS = {
     "test_two_paths.py": 95, "test_step_params.py": 30, "test_capture_hooks.py": 36,
     # session 16 (helper hfalse16): two compares, wall of `pytest -n 0 FILE` less pytest's own start
     "test_loop_stage.py": 30, "test_own_taps.py": 30,
+    # session 16 (red team hred16): one compare (hook_mixed), wall of `pytest -n 0 FILE` less pytest's start
+    "test_failclosed_hooks.py": 22, "test_failclosed_not_judged.py": 22,
 }
 
 

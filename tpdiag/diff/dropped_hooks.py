@@ -82,3 +82,60 @@ def name(entry: dict, rows: list[dict], lost: dict[str, list[str]], label: str, 
         entry["findings"] = [g for g in entry["findings"] if g.get("key") != row["key"]]
         entry["findings"].insert(0, f)
         entry["status"] = "divergent"
+
+
+def unnamed(label: str, entry, rows: list[dict], ref_world: dict, other_world: dict) -> str | None:
+    """The gate's check (diff/recheck.verify): a grad whose hooks the plan dropped is a finding with a
+    bug label, re-derived from the worlds' own world.json and the re-diffed rows, as `name` made it.
+    The finding is no record beyond a bound (from TP=N's own inputs its unhooked grad is exact:
+    diff.csv has it within), so the check of the findings against diff.csv could not see it deleted:
+    grad_hook_plan.py:hook_build with the finding cut from summary.json and ops/summary.json passed
+    `gate --allow rounding`, exit 0 (red team hred16)."""
+    from tpdiag.records.causes import cause_class
+
+    lost = lost_at(ref_world, other_world)
+    if not lost:
+        return None
+    effect = ref_world.get("hook_effect")
+    effect = effect if isinstance(effect, dict) else {}
+    found = {f.get("key"): f for f in ((entry or {}).get("findings") or ()) if isinstance(f, dict)}
+    for param, hooks in sorted(lost.items()):
+        if effect.get(param) is False:
+            continue  # an observer: said, no finding (name's rule)
+        row = next((r for r in rows if r["phase"] == "backward" and r["kind"] == "param_grad"
+                    and _param_of(r) == param and not r["bitwise"]), None)
+        if row is None:
+            continue
+        f = found.get(row["key"])
+        if f is None or cause_class(f.get("cause")) != "bug":
+            return (f"summary.json's TP={label} findings lack {row['key']} as a bug: the grad of {param}, whose "
+                    f"grad hook(s) {', '.join(hooks)} the plan dropped (world.json hooks_dropped), differs "
+                    "(edited after the run)")
+    return None
+
+
+def _hooked(world: dict) -> set[str]:
+    """The parameters a world's world.json says carried the user's grad hooks when its model was built:
+    hook_effect's where no plan ran (TP=1), hooks_kept's and hooks_dropped's where one did."""
+    out = set()
+    for k in ("hook_effect", "hooks_dropped"):
+        v = world.get(k)
+        out |= {str(p) for p in v} if isinstance(v, dict) else set()
+    kept = world.get("hooks_kept")
+    return out | ({str(p) for p in kept} if isinstance(kept, list) else set())
+
+
+def census(label: str, ref_world: dict, other_world: dict, rows: list[dict]) -> str | None:
+    """A parameter the reference's world.json names as carrying the user's grad hooks (hook_effect at
+    TP=1), recorded at both sides (a row of the diff), is at TP=N kept or dropped: world.json lists
+    it in hooks_kept or hooks_dropped, else it was edited. hooks_dropped cut from TP=N's world.json
+    (with the finding cut from the summaries) passed `gate --allow rounding` on
+    grad_hook_plan.py:hook_build, exit 0 (red team hred16). One way only: a user's hand-written TP
+    registers hooks of its own at TP > 1 (two_paths.py's all-reduce on the block's grads)."""
+    ref, other = _hooked(ref_world), _hooked(other_world)
+    both = {_param_of(r) for r in rows if r["kind"] in ("param_grad", "param", "param_init")}
+    p = next(iter(sorted((ref - other) & both)), None)
+    if p is None:
+        return None
+    return (f"the reference's world.json names the user's grad hooks on {p}, TP={label}'s neither as kept nor "
+            "dropped (hook_effect; hooks_kept, hooks_dropped): a plan keeps or drops each (edited after the run)")

@@ -74,6 +74,8 @@ class Recorder(HashPlacing):
     hooks_dropped: dict = field(default_factory=dict)
     # parameter -> whether the user's grad hooks on it changed its grad (TP=1 worlds; world.json's own)
     hook_effect: dict = field(default_factory=dict)
+    # the parameters still carrying the user's grad hooks after the plan (TP > 1 worlds; world.json's own)
+    hooks_kept: list = field(default_factory=list)
     # weight use -> why the fixes' fp32 carry left it the stock grad (kernels/grad_carry.site; world.json's own)
     not_carried: dict = field(default_factory=dict)
     # the model's logits hold a padded vocab (Megatron's make_vocab_size_divisible_by): {"vocab": real

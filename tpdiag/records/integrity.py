@@ -106,6 +106,9 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
         from tpdiag.records.shares import shares_problem
 
         out += pass_label_problems(lab, d, sd, name)
+        why = not_judged_problem(lab, d, sd, inner.get(lab), name)
+        if why:
+            out.append(why)
         why = shares_problem(lab, d, sd, name)
         if why:
             out.append(why)
@@ -157,6 +160,19 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
         except Inconclusive as e:
             out.append(f"the second pass in {sub_name}/: {str(e).splitlines()[0]}")
     return out
+
+
+def not_judged_problem(lab: str, d: dict, sd: dict, nested, name: str) -> str | None:
+    """The grads the second pass could not judge (its not_judged, runner/drill.py copies it whole) are
+    summary.json's: the gate fails them where they moved beyond rounding (gate/verdict.py). Cut from
+    summary.json alone, two_paths.py:pair_drop_f (its block's grad 27% off, not judged: dropout refuses
+    the float64 backward) passed `gate --allow rounding`, exit 0 (red team hred16)."""
+    want = sd.get("not_judged") or (nested.get("not_judged") if isinstance(nested, dict) else None)
+    if want and not same(d.get("not_judged"), want):
+        return (f"summary.json's TP={lab} not_judged is not the second pass's ({name}/summary.json lists "
+                f"{want.get('records', '?') if isinstance(want, dict) else '?'} grads it could not judge) "
+                "(edited after the run)")
+    return None
 
 
 def _confirmation_rows(run_dir: str, fix: str):

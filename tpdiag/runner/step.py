@@ -54,6 +54,11 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         from tpdiag.models.grad_hooks import watch
 
         watch(model, rec.hook_effect)
+    else:  # ... and here the hooks the plan kept: with hooks_dropped, every hooked parameter the reference's
+        # hook_effect names (diff/dropped_hooks.census: hooks_dropped cut from world.json is seen)
+        from tpdiag.models.grad_hooks import grad_hooks
+
+        rec.hooks_kept = sorted(grad_hooks(model))
     rec.per_rank_params = built_how.pop("per_rank_params", 0)
     timings.update(built_how)  # which init path, its peak bytes
     timings["numerics"] = _numerics(cfg, model)

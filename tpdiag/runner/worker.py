@@ -252,6 +252,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             **({"hooks_dropped": rec.hooks_dropped} if rec.hooks_dropped else {}),
             # ... and, where they run (TP=1), whether they changed the grad
             **({"hook_effect": dict(sorted(rec.hook_effect.items()))} if rec.hook_effect else {}),
+            # ... and, where the plan ran (TP > 1), the parameters whose hooks it kept
+            **({"hooks_kept": rec.hooks_kept} if rec.hooks_kept else {}),
             # weights the fixes' carry left the stock grad (user grad hooks, computed weights)
             **({"not_carried": dict(sorted(rec.not_carried.items()))} if rec.not_carried else {}),
             # step -> buffers a micro-batch wrote before a later one of the step read them

@@ -13,6 +13,7 @@ update by its layout.
   hook_replicated  a hook on the LM head, which the plan does not touch: it holds at every degree
   hook_logger    an observer on w2's grad (it keeps the grad's norm, returns nothing), registered
                  in __init__: dropped at TP > 1 too, but it changes no number
+  hook_mixed     hook_build's clip on w1 (dropped) beside hook_replicated's halving on the head (kept)
 
     tpdiag compare --model py:tests/models/planted/grad_hook_plan.py:hook_init --tp 1,2
 """
@@ -88,3 +89,10 @@ def hook_replicated():
 
 def hook_logger():
     return tpdiag.Target(model=MLPLM(hook_w2_now=log_norm), plan=_plan(), vocab_size=VOCAB)
+
+
+def hook_mixed():
+    model = MLPLM()
+    model.w1.weight.register_hook(clip)
+    model.head.weight.register_hook(halve)
+    return tpdiag.Target(model=model, plan=_plan(), vocab_size=VOCAB)

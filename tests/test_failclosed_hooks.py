@@ -1,0 +1,94 @@
+"""Fail closed on this session's grad-hook evidence (red team hred16). A grad hook the plan dropped is a
+BUG named from world.json (hooks_dropped at TP=N, hook_effect at TP=1: diff/dropped_hooks.py), not from
+a bound - from TP=N's own inputs its unhooked grad is exact, so diff.csv has the grad within its bound
+and the check of the findings against diff.csv could not see the finding deleted. On main,
+grad_hook_plan.py:hook_mixed (w1's clip dropped, the head's halving kept) with the finding cut from
+summary.json and ops/summary.json passed `gate --allow rounding` (exit 0), and so did the same with
+hooks_dropped also cut from TP=2's world.json. Now the gate re-derives the finding from the worlds'
+world.json (dropped_hooks.unnamed) and holds the worlds' hooked parameters to one set
+(dropped_hooks.census: TP > 1 worlds list the hooks the plan kept, hooks_kept): both exit 2.
+"""
+import json
+import shutil
+
+import pytest
+
+from conftest import run_cli
+from tpdiag.gate import evaluate, load_policy
+from tpdiag.gate.policy import with_allowed
+from tpdiag.records.causes import EXIT_BUG
+
+GRAD = "s0/backward/w1/param_grad#0/weight"
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hooks") / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/grad_hook_plan.py:hook_mixed", "--no-baseline",
+                "--no-confirm", "--tp", "1,2", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    return d
+
+
+@pytest.fixture()
+def run(mixed, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(mixed, dst, symlinks=True)
+    return dst
+
+
+def _edit(path, fn):
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d))
+
+
+def _cut_finding(s):
+    for d in s["degrees"].values():
+        d["findings"] = [f for f in d["findings"] if f.get("key") != GRAD]
+        d.pop("hooks_dropped", None)
+        d["class"] = "rounding"
+    s["class"] = "rounding"
+
+
+def _gate(run):
+    return evaluate(str(run), with_allowed(load_policy(None), "rounding"))
+
+
+def test_the_honest_run_is_a_bug_with_the_kept_hook_listed(mixed):
+    w1, w2 = (json.loads((mixed / f"tp{n}" / "world.json").read_text()) for n in (1, 2))
+    assert w1["hook_effect"] == {"head.weight": True, "w1.weight": True}, w1.get("hook_effect")
+    assert (w2["hooks_dropped"], w2["hooks_kept"]) == ({"w1.weight": ["clip"]}, ["head.weight"]), w2
+    res = _gate(mixed)
+    assert res.exit_code == EXIT_BUG, res.lines()
+
+
+@pytest.mark.parametrize("worlds", [(), ("tp2", "ops/tp2")], ids=["summaries", "summaries+world"])
+def test_the_dropped_hooks_finding_cut_is_inconclusive(run, worlds):
+    for f in ("summary.json", "ops/summary.json"):
+        _edit(run / f, _cut_finding)
+    for w in worlds:
+        _edit(run / w / "world.json", lambda w: w.pop("hooks_dropped"))
+    res = _gate(run)
+    words = "hooks_dropped" if not worlds else "TP=2's neither as kept nor dropped"
+    assert res.exit_code == 2 and words in res.problems[0], res.lines()
+
+
+def test_a_kept_hook_cut_from_world_json_is_inconclusive(run):
+    _edit(run / "tp2" / "world.json", lambda w: w.pop("hooks_kept"))
+    res = _gate(run)
+    assert res.exit_code == 2 and "grad hooks on head.weight" in res.problems[0], res.lines()
+
+
+def test_census_on_hand_made_worlds():
+    from tpdiag.diff.dropped_hooks import census
+
+    rows = [{"kind": "param_grad", "module": m, "name": "weight"} for m in ("a", "b")]
+    ref = {"hook_effect": {"a.weight": True, "b.weight": False}}
+    assert census("2", ref, {"hooks_dropped": {"a.weight": ["f"]}, "hooks_kept": ["b.weight"]}, rows) is None
+    assert census("2", ref, dict(ref), rows) is None  # a micro-batch configuration: TP=1 both sides
+    assert census("2", {}, {}, rows) is None
+    # a hand-written TP's own hooks at TP > 1 (two_paths.py): more at TP=N is no edit
+    assert census("2", {}, {"hooks_kept": ["a.weight"]}, rows) is None
+    assert "b.weight" in census("2", ref, {"hooks_dropped": {"a.weight": ["f"]}}, rows)
+    assert census("2", ref, {"hooks_dropped": {"a.weight": ["f"]}}, rows[:1]) is None  # b not at TP=2

@@ -1,0 +1,92 @@
+"""Fail closed on summary.json's not_judged (red team hred16): the activation grads past the first
+divergence no check judged, which the gate fails as cause unknown where they moved beyond rounding
+(gate/verdict.py, diff/not_judged.moved_beyond). tests/models/planted/two_paths.py:pair_drop_f (its
+block's grad 27% off; dropout refuses the float64 backward that would judge it) exits 1 under
+`gate --allow rounding`. On main it passed, exit 0, with not_judged cut from summary.json alone (the
+second pass's ops/summary.json still listing it), or with its rel_l2 edited to 1e-9 in both summaries.
+Now summary.json's not_judged must be the second pass's (records/integrity.not_judged_problem) and its
+rel_l2 what the listed grads' records give (diff/recheck.moved_problem), and diff.csv's dtype (the limit's
+unit) is re-derived: each exits 2.
+"""
+import json
+import shutil
+
+import pytest
+
+from conftest import run_cli
+from tpdiag.gate import evaluate, load_policy
+from tpdiag.gate.policy import with_allowed
+
+
+@pytest.fixture(scope="module")
+def drop(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nj") / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/two_paths.py:pair_drop_f", "--no-baseline",
+                "--no-confirm", "--tp", "1,2", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    return d
+
+
+@pytest.fixture()
+def run(drop, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(drop, dst, symlinks=True)
+    return dst
+
+
+def _edit(path, fn):
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d))
+
+
+def _rounding(s):
+    s["class"] = "rounding"
+    for d in s["degrees"].values():
+        d["class"] = "rounding"
+
+
+def _gate(run):
+    return evaluate(str(run), with_allowed(load_policy(None), "rounding"))
+
+
+def test_the_honest_run_fails_as_not_judged(drop):
+    nj = json.loads((drop / "summary.json").read_text())["degrees"]["2"]["not_judged"]
+    assert nj["rel_l2"] > 0.2 and nj["records"] == len(nj["keys"]), nj
+    res = _gate(drop)
+    assert res.exit_code == 1 and "not judged (summary.json not_judged)" in res.lines()[0], res.lines()
+
+
+def test_not_judged_cut_from_summary_json_is_inconclusive(run):
+    _edit(run / "summary.json", lambda s: (_rounding(s), s["degrees"]["2"].pop("not_judged")))
+    res = _gate(run)
+    assert res.exit_code == 2 and "not_judged is not the second pass's" in res.problems[0], res.lines()
+
+
+def test_rel_l2_edited_in_both_summaries_is_inconclusive(run):
+    for f in ("summary.json", "ops/summary.json"):
+        _edit(run / f, lambda s: (_rounding(s), s["degrees"]["2"]["not_judged"].update(rel_l2=1e-9)))
+    res = _gate(run)
+    assert res.exit_code == 2 and "not_judged.rel_l2 is 1e-09 but its listed grads' records moved" in res.problems[0], \
+        res.lines()
+
+
+def test_the_listed_grads_dtype_edited_in_diff_csv_is_inconclusive(run):
+    """The limit is 1000 eps of the listed grads' dtype as diff.csv says it (float32: 1.2e-4 of the norm);
+    edited to bfloat16 it was 0.2 - a float32 grad no check judged could move 19% and pass. On main this
+    run still exits 1 (it moved 27%), so the edit went unseen; now diff.csv's dtype is re-derived."""
+    import csv
+
+    keys = set(json.loads((run / "summary.json").read_text())["degrees"]["2"]["not_judged"]["keys"])
+    path = run / "diff.csv"
+    rows = list(csv.DictReader(path.open()))
+    for r in rows:
+        if r["key"] in keys:
+            r["dtype"] = "bfloat16"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    res = _gate(run)
+    assert res.exit_code == 2 and "(dtype 'bfloat16' in diff.csv, 'float32' in the records" in res.problems[0], \
+        res.lines()
