@@ -90,3 +90,38 @@ def test_ignored_positions_do_not_tighten_the_loss_bound():
     loss_bounds(DegreeDiff("2", rows, [], [], tensors=t))
     assert not rows[0]["beyond_bound"], rows[0]  # each log-prob within its own bound
     assert abs(float(b - a)) > 1.5 * d and not rows[1]["beyond_bound"], rows[1]
+
+
+def _bf16_loss_bound(T):
+    """The loss row's bound for bfloat16 logits and a bfloat16 loss (stock cross_entropy on them)
+    under a float32 recipe at temperature T."""
+    from tpdiag.diff.engine import DegreeDiff
+    from tpdiag.diff.loss_bounds import loss_bounds
+    from tpdiag.records.keys import record_key
+    from tpdiag.runner.recipe import logprobs, parse
+
+    g = torch.Generator().manual_seed(1)
+    z1 = (torch.randn(N, V, generator=g) * 3).bfloat16()
+    zn = z1.clone()
+    idx = torch.randint(0, V, (N, 8), generator=g)
+    zn.scatter_(1, idx, torch.nextafter(zn.gather(1, idx), torch.full((N, 8), 1e9, dtype=torch.bfloat16)))
+    lab = torch.randint(0, V, (N,), generator=g)
+    rec = parse("log-softmax", T, "float32")
+    p1, pn = logprobs(z1, lab, rec), logprobs(zn, lab, rec)
+    a, b = F.cross_entropy(z1, lab), F.cross_entropy(zn, lab)
+    assert a.dtype == torch.bfloat16 and p1.dtype == torch.float32
+    keys = {k: record_key(0, "loss", "model", k, 0, k) for k in ("logits", "logprobs", "loss")}
+    rows = [{"step": 0, "phase": "loss", "kind": k, "key": keys[k]} for k in ("logprobs", "loss")]
+    t = {keys["logits"]: (z1, zn), keys["logprobs"]: (p1, pn), keys["loss"]: (a.reshape(1), b.reshape(1)),
+         record_key(0, "init", "model", "batch", 0, "labels"): (lab, lab)}
+    loss_bounds(DegreeDiff("2", rows, [], [], tensors=t,
+                           recipe={"logprob": "log-softmax", "trainer_temperature": T, "temperature_in": "float32"}))
+    return rows[1]["bound"]
+
+
+def test_a_16_bit_losss_own_rounding_term_is_of_its_own_logprobs():
+    """A bf16 loss rounds each token's log-softmax at temperature 1 to bf16 before the mean: that
+    term is u_bf16 (|l_1| + |l_N|) of the LOSS's log-probs. It took the recipe's (z_y/T - lse(z/T)),
+    ~1/T of them: at T = 2 the bound was tighter than the loss's own rounding (hreview16); now the
+    same bound at every temperature, as the float32 terms already were."""
+    assert _bf16_loss_bound(2.0) == _bf16_loss_bound(1.0)

@@ -113,8 +113,11 @@ def loss_bounds(dd: DegreeDiff) -> None:
                     lp = chk.bound, float(d.flatten()[int((d / eb).argmax())]), chk.ratio, chk.beyond
                     if loss_row is None:
                         return lp, None
+                    # the loss's own per-token log-probs (temperature 1), not the recipe's: their
+                    # size is in both the float32 bound and a 16-bit loss's own rounding below
+                    q1, qn = _loss_logprobs(dd, step, l1, ln, p1, pn) if dd.recipe else (p1, pn)
                     if dd.recipe:
-                        eb = bounds.logprob_bound(l1, ln, *_loss_logprobs(dd, step, l1, ln, p1, pn))
+                        eb = bounds.logprob_bound(l1, ln, q1, qn)
                     la, lb = dd.tensors[loss_row["key"]]
                     a, b = (float(t.double().reshape(-1)[0]) for t in (la, lb))
                     # a 16-bit loss (stock cross_entropy on bf16 logits) rounds each token's
@@ -123,7 +126,7 @@ def loss_bounds(dd: DegreeDiff) -> None:
                     el = eb
                     if la.dtype in (torch.bfloat16, torch.float16) and p1.dtype != la.dtype:
                         el = eb + bounds.UNIT_ROUNDOFF[la.dtype] * (
-                            p1.reshape(-1).double().abs() + pn.reshape(-1).double().abs()).to(eb.dtype)
+                            q1.reshape(-1).double().abs() + qn.reshape(-1).double().abs()).to(eb.dtype)
                     return lp, (bounds.mean_bound(_counted(dd, step, el), a, b, p1.numel(), la.dtype), abs(b - a))
 
                 # the same records' bounds, measured earlier in this process (diff/pair_memo.py)

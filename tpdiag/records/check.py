@@ -18,4 +18,3 @@ def require_run_dir(path: str) -> None:
                        f"tpdiag compare ({MAKE})")
     if not os.path.isfile(RunDir(path).manifest):
         raise BadInput(f"RUN_DIR {path!r}: not a run directory (no manifest.json); {MAKE}")
-

@@ -133,8 +133,7 @@ def whole(logits, labels, recipe: Recipe):
         import torch
 
         name, t, divide_in = recipe.name, recipe.temperature, recipe.divide_in
-        in_model = t != 1.0 and (divide_in == "model" or name == "model-dtype")
-        in_float = t != 1.0 and not in_model
+        in_model, in_float = _divisions(name, t, divide_in)
 
         # t only divides, never compared: a trainer's temperature is a variable (a global, an
         # attribute), which dynamo under dynamic=True lifts to a symbolic float, and inductor's
@@ -142,10 +141,7 @@ def whole(logits, labels, recipe: Recipe):
         # at T=0.7, bf16, on a cold inductor cache). `t != 1.0` inside the graph made dynamo
         # specialize t to that literal - the user's bits only where a warm on-disk cache hid it
         def fn(logits, labels):
-            r = logits / t if in_model else logits
-            if name != "model-dtype":
-                r = r.float()
-            return _token(r / t if in_float else r, labels, name)
+            return _token(_divided(logits, name, t, in_model, in_float), labels, name)
 
         import torch._inductor.config as inductor_config
 
@@ -161,13 +157,23 @@ _COMPILED: dict = {}  # Recipe -> its compiled function, once a process
 
 
 def _rows(r, name: str, t: float, divide_in: str):
-    if t != 1.0 and (divide_in == "model" or name == "model-dtype"):
+    return _divided(r, name, t, *_divisions(name, t, divide_in))
+
+
+def _divisions(name: str, t: float, divide_in: str) -> tuple[bool, bool]:
+    """(whether T divides the logits in their own dtype, whether it divides them in float32), decided
+    outside any compiled graph: a comparison of T inside one specializes it (whole())."""
+    in_model = t != 1.0 and (divide_in == "model" or name == "model-dtype")
+    return in_model, t != 1.0 and not in_model
+
+
+def _divided(r, name: str, t, in_model: bool, in_float: bool):
+    """The rows the recipe's log-softmax reads, eager or inside whole()'s compiled graph alike."""
+    if in_model:
         r = r / t  # rounded to the logits' dtype, as the trainer's own division
     if name != "model-dtype":
         r = r.float()
-        if t != 1.0 and divide_in == "float32":
-            r = r / t
-    return r
+    return r / t if in_float else r
 
 
 def _token(r, labels, name: str):
