@@ -254,12 +254,33 @@ def model_divisors(spec: ModelSpec) -> dict[str, int]:
         # moe_intermediate_size: transformers' moe_tp_experts splits every expert's width (qwen3_moe,
         # deepseek_v3): a degree that does not divide it failed in the reference-sized grouped GEMM
         # of each TP world ("strides should be multiple of 16 bytes") after TP=1 had run
-        for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
-                "intermediate_size", "moe_intermediate_size"):
+        # - only where a layer is an MoE layer: deepseek's first_k_dense_replace dense layers (all of
+        # them in a 1-layer slice), no routed experts, qwen3_moe's mlp_only_layers
+        keys = ("num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size", "intermediate_size") \
+            + (("moe_intermediate_size",) if _moe_layers(cfg, spec.layers) else ())
+        for key in keys:
             if isinstance(cfg.get(key), int):
                 out[key] = cfg[key]
         return out
     return {}
+
+
+def _moe_layers(cfg: dict, layers: int | None) -> bool:
+    """Whether an hf: config (sliced to `layers` where --layers says) has a layer with routed experts."""
+    n = cfg.get("num_hidden_layers")
+    n = layers if isinstance(layers, int) and layers > 0 else n
+    experts = next((cfg[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in cfg), None)
+    if experts is not None and not (isinstance(experts, int) and experts > 0):
+        return False
+    if not isinstance(n, int):
+        return True
+    dense = cfg.get("first_k_dense_replace")
+    if isinstance(dense, int) and n <= dense:
+        return False
+    only = cfg.get("mlp_only_layers")
+    if isinstance(only, list) and all(i in only for i in range(n)):
+        return False
+    return True
 
 
 def check_degrees(spec: ModelSpec, degrees, divisors: dict[str, int] | None = None) -> None:

@@ -10,7 +10,6 @@ Everything registered or wrapped is undone on exit.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import weakref
 from collections import OrderedDict
@@ -126,16 +125,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             """The children whose output grads the diff reads from a float64 backward (the own-input
             files' metadata: runner/drill_own.own_files); None, every child, where a file names none."""
             if not wanted_taps:
-                from safetensors import safe_open
+                from tpdiag.records.own_taps import taps_named
 
-                got: set | None = set()
-                for path in own.values():
-                    with safe_open(path, "pt") as f:
-                        names = (f.metadata() or {}).get("taps")
-                    if names is None:
-                        got = None
-                        break
-                    got |= set(json.loads(names))
+                got = taps_named(own.values())
                 wanted_taps.append(got)
             return wanted_taps[0]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tpdiag.errors import BadInput, Inconclusive
 from tpdiag.records.check import MAKE
 from tpdiag.records.integrity import SCHEMA, schema_ok
+from tpdiag.records.paths import MANIFEST, SUMMARY
 from tpdiag.records.rundir import incomplete
 
 
@@ -20,7 +21,7 @@ def require_confirmable(path: str, manifest, summary) -> None:
     why = incomplete(path, manifest)
     if why:
         raise Inconclusive(f"{why}; run the compare again before confirming it")
-    for name, doc in (("manifest.json", manifest), ("summary.json", summary)):
+    for name, doc in ((MANIFEST, manifest), (SUMMARY, summary)):
         if not schema_ok(doc.get("schema")):
             raise Inconclusive(f"{path}/{name} schema {doc.get('schema')!r}: this tpdiag reads schema {SCHEMA} "
                                "(a run of another tpdiag version: confirm it with that version, or rerun the compare)")
