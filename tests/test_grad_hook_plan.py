@@ -104,3 +104,27 @@ def test_the_float64_re_execution_leaves_no_hook_on_the_real_weight():
     m.lin.weight.grad = None
     m(x).sum().backward()
     assert torch.equal(m.lin.weight.grad, g1)  # the next step's grad halved once, as the user's
+
+
+def test_a_hook_that_steps_the_weight_in_the_backward_is_an_effect():
+    """An optimizer step in a post-accumulate-grad hook that leaves the grad in place (helper hreview16):
+    watch read it as an observer (effect False), so a plan that dropped it would be said, not named."""
+    import torch
+    from torch import nn
+
+    from tpdiag.models.grad_hooks import watch
+
+    def sgd_in_backward(p):
+        with torch.no_grad():
+            p.add_(p.grad, alpha=-0.1)
+
+    def looks(p):
+        float(p.grad.norm())
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    m[0].weight.register_post_accumulate_grad_hook(sgd_in_backward)
+    m[1].weight.register_post_accumulate_grad_hook(looks)
+    effect: dict = {}
+    watch(m, effect)
+    m(torch.randn(2, 4)).sum().backward()
+    assert effect == {"0.weight": True, "1.weight": False}, effect

@@ -105,9 +105,13 @@ def _on_param(fn, name: str, effect: dict):
 
     @functools.wraps(fn)
     def hook(p):
+        # a post-accumulate hook acts through the grad or through the parameter itself (an optimizer
+        # step in the backward that leaves the grad in place): either change is an effect
         before = None if p.grad is None else p.grad.detach().clone()
+        value = p.detach().clone()
         out = fn(p)
-        if (before is None) != (p.grad is None) or before is not None and not torch.equal(before, p.grad):
+        if (before is None) != (p.grad is None) or before is not None and not torch.equal(before, p.grad) \
+                or not torch.equal(value, p.detach()):
             effect[name] = True
         return out
     return hook
