@@ -368,6 +368,16 @@ def _cli_server():
     yield
 
 
+def planted_run(tmp_path_factory, f: str, func: str, *more: str, name: str | None = None):
+    """The run directory of `tpdiag compare` of a planted user model (tests/models/planted/F.py:FUNC),
+    no baseline, no confirmation, as a user runs it; the compare must exit 0."""
+    d = tmp_path_factory.mktemp(name or func) / "r"
+    p = run_cli("compare", "--model", f"py:tests/models/planted/{f}.py:{func}", "--no-baseline", "--no-confirm",
+                *more, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, (func, p.stderr[-3000:] + p.stdout[-2000:])
+    return d, p
+
+
 def compare_planted(tmp_path_factory, cases):
     """`tpdiag compare` of each planted user model, as a user runs it, then `tpdiag gate`:
     {case: (summary.json, stdout, gate's exit code)}. cases: {case: (file, FUNC, extra args)}."""
@@ -375,12 +385,18 @@ def compare_planted(tmp_path_factory, cases):
 
     out = {}
     for case, (f, func, more) in cases.items():
-        d = tmp_path_factory.mktemp(case) / "r"
-        p = run_cli("compare", "--model", f"py:tests/models/planted/{f}.py:{func}", "--no-baseline", "--no-confirm",
-                    *more, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
-        assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
+        d, p = planted_run(tmp_path_factory, f, func, *more, name=case)
         out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, run_cli("gate", str(d)).returncode)
     return out
+
+
+def json_edit(path, fn):
+    """Rewrites a JSON file with fn applied to its object (a tamper test's edit)."""
+    import json
+
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d))
 
 
 def summary_of(run_dir):

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import run_cli
+from conftest import json_edit, planted_run
 from tpdiag.gate import evaluate, load_policy
 from tpdiag.gate.policy import with_allowed
 from tpdiag.records.causes import EXIT_BUG
@@ -23,11 +23,7 @@ GRAD = "s0/backward/w1/param_grad#0/weight"
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hooks") / "r"
-    p = run_cli("compare", "--model", "py:tests/models/planted/grad_hook_plan.py:hook_mixed", "--no-baseline",
-                "--no-confirm", "--tp", "1,2", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
-    return d
+    return planted_run(tmp_path_factory, "grad_hook_plan", "hook_mixed", "--tp", "1,2", name="hooks")[0]
 
 
 @pytest.fixture()
@@ -37,10 +33,7 @@ def run(mixed, tmp_path):
     return dst
 
 
-def _edit(path, fn):
-    d = json.loads(path.read_text())
-    fn(d)
-    path.write_text(json.dumps(d))
+_edit = json_edit
 
 
 def _cut_finding(s):

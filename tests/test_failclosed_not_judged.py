@@ -13,18 +13,14 @@ import shutil
 
 import pytest
 
-from conftest import run_cli
+from conftest import json_edit, planted_run
 from tpdiag.gate import evaluate, load_policy
 from tpdiag.gate.policy import with_allowed
 
 
 @pytest.fixture(scope="module")
 def drop(tmp_path_factory):
-    d = tmp_path_factory.mktemp("nj") / "r"
-    p = run_cli("compare", "--model", "py:tests/models/planted/two_paths.py:pair_drop_f", "--no-baseline",
-                "--no-confirm", "--tp", "1,2", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
-    return d
+    return planted_run(tmp_path_factory, "two_paths", "pair_drop_f", "--tp", "1,2", name="nj")[0]
 
 
 @pytest.fixture()
@@ -34,10 +30,7 @@ def run(drop, tmp_path):
     return dst
 
 
-def _edit(path, fn):
-    d = json.loads(path.read_text())
-    fn(d)
-    path.write_text(json.dumps(d))
+_edit = json_edit
 
 
 def _rounding(s):
