@@ -100,18 +100,25 @@ def test_a_second_recipe_in_one_process_keeps_the_users_bits():
     symbolic float: 2 of 8 rows other bits, on a cold inductor cache."""
     from tpdiag.runner.recipe import parse, whole
 
-    g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(8, 13, 256, generator=g) * 4).bfloat16()
-    lab = torch.randint(0, 256, (8, 13), generator=g)
-    lens = [7, 12, 9, 13, 5, 11, 13, 8]
-
     def literal(logits, index):  # the division by the literal, as the old graph had it
         return torch.gather(torch.log_softmax((logits / 0.7).float(), dim=-1), -1, index.unsqueeze(-1)).squeeze(-1)
 
-    user = torch.compile(user_tempered, dynamic=True)(logits, lab)
-    # the premise: the literal's compiled bits are not the user's on this batch
+    lens = [7, 12, 9, 13, 5, 11, 13, 8]
     lit = torch.compile(literal, dynamic=True)
-    assert sum(torch.equal(user[i, :n], lit(logits[i, :n], lab[i, :n])) for i, n in enumerate(lens)) < len(lens)
+    user_fn = torch.compile(user_tempered, dynamic=True)
+    # the premise: the literal's compiled bits are not the user's on this batch. Whether they are
+    # depends on the CPU inductor vectorizes for (on the GPU machines' host CPU the first batch
+    # rounds alike), so look for a batch that tells them apart, and say so where none does.
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        logits = (torch.randn(8, 13, 256, generator=g) * 4).bfloat16()
+        lab = torch.randint(0, 256, (8, 13), generator=g)
+        user = user_fn(logits, lab)
+        if sum(torch.equal(user[i, :n], lit(logits[i, :n], lab[i, :n])) for i, n in enumerate(lens)) < len(lens):
+            break
+    else:
+        pytest.skip("on this CPU the literal 0.7's compiled bits equal the symbolic division's on 6 batches: "
+                    "the test cannot tell them apart here")
     whole(logits[0, :5], lab[0, :5], parse("log-softmax", 1.0, "float32", compiled=True))
     r = parse("log-softmax", T, "model", compiled=True)
     assert all(torch.equal(user[i, :n], whole(logits[i, :n], lab[i, :n], r)) for i, n in enumerate(lens))
