@@ -308,7 +308,7 @@ FILE_SECONDS = {
     "test_tamper_labels.py": 8,
     # session 15 (lead): this session's new files, wall of `pytest -n 0 FILE` on the 2-core machine
     # with a suite running beside it, less ~8 s of pytest's own start - rough, ordering only
-    "test_recipe_compiled.py": 55, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19, "test_grad_hook_plan.py": 70, "test_global_state.py": 65, "test_recipe_loss_bound.py": 2,
+    "test_recipe_compiled.py": 55, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19, "test_grad_hook_plan.py": 70, "test_fwd_hook_late.py": 20, "test_global_state.py": 65, "test_recipe_loss_bound.py": 2,
     "test_capture_oracle.py": 17, "test_flat_rows.py": 16, "test_tap_state.py": 16, "test_recipe_tamper.py": 16,
     "test_top_split.py": 14, "test_rollout_no_cache.py": 13,
     # session 16 (helper hdocs16): its four tests take under 0.1 s (pytest --durations); its one run is

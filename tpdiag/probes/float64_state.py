@@ -101,26 +101,41 @@ def _written_values(mod: torch.nn.Module, swapped) -> dict:
     return out
 
 
+# the hook tables a module keeps (torch.nn.Module's own attributes): a forward that registers a
+# hook on a submodule at its first call registers it again in its re-execution
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+                 "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+                 "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks", "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
+
+
 def tensor_hooks(mods) -> list:
-    """The grad hooks on every parameter and buffer of mods, as they are now: (tensor, the keys of its
-    `_backward_hooks`, of its `_post_accumulate_grad_hooks`). A forward that registers a hook on a
-    weight (`self.w.weight.register_hook(halve)` on its first call, once the plan has replaced the
-    parameter) did so again in its float64 re-execution, on the REAL parameter (the re-execution runs
-    the module itself under a dispatch mode): the step's grad then went through the hook twice -
-    halved twice (grad_hook_plan:hook_after: a second pass that "computed another step", unknown)."""
-    out, seen = [], set()
+    """The hook tables of mods as they are now, each (owner, attribute, its keys): the grad hooks of every
+    parameter and buffer (`_backward_hooks`, `_post_accumulate_grad_hooks`), each module's forward /
+    backward / state-dict hooks, and torch's global module hooks. A forward that registers a hook on
+    its first call (`self.w.weight.register_hook(halve)` once the plan has replaced the parameter, or
+    `self.w2.register_forward_hook(damp)`) did so again in its float64 re-execution, on the REAL
+    weight or module (the re-execution runs the module itself under a dispatch mode): the step's
+    grad then went through the hook twice - halved twice (grad_hook_plan:hook_after: a second pass
+    that "computed another step", unknown) - and the next step's output was damped twice."""
+    import torch.nn.modules.module as module_mod
+
+    # (owner, attribute, its keys now): a tensor's table is None until its first hook, so the
+    # table is looked up again when the hooks are taken back
+    out = []
     for m in mods:
         for t in list(m._parameters.values()) + list(m._buffers.values()):
-            if t is None or id(t) in seen:
-                continue
-            seen.add(id(t))
-            out.append((t, set(t._backward_hooks or ()), set(getattr(t, "_post_accumulate_grad_hooks", None) or ())))
+            if t is not None:
+                out += [(t, a, set(getattr(t, a, None) or ())) for a in ("_backward_hooks", "_post_accumulate_grad_hooks")]
+        out += [(m, a, set(m.__dict__.get(a) or ())) for a in _MODULE_HOOKS]
+    out += [(module_mod, a, set(getattr(module_mod, a, None) or ())) for a in _GLOBAL_HOOKS]
     return out
 
 
 def drop_added_hooks(kept: list) -> None:
     """Removes the hooks registered since tensor_hooks (as their handles' remove() would)."""
-    for t, bw, post in kept:
-        for d, was in ((t._backward_hooks, bw), (getattr(t, "_post_accumulate_grad_hooks", None), post)):
-            for k in [k for k in (d or ()) if k not in was]:
-                del d[k]
+    for owner, attr, was in kept:
+        d = getattr(owner, attr, None)
+        for k in [k for k in (d or ()) if k not in was]:
+            del d[k]
