@@ -402,7 +402,7 @@ def test_a_forward_set_inside_the_block_is_left_in_place():
 
 
 def test_grad_taps_record_what_register_hook_records(monkeypatch):
-    """_tap (a module output's grad hook put in the tensor's hook dict, no handle) and
+    """module_hooks.tap (a module output's grad hook put in the tensor's hook dict, no handle) and
     Tensor.register_hook: the same records and lanes; a user's hooks on the same output keep their
     order around the tap and still run; no tap is left on a tensor after the block."""
     monkeypatch.setenv("TPDIAG_PROBE_TAPS", "1")
