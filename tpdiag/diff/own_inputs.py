@@ -140,8 +140,8 @@ def side_inputs(ref_dir: str, other_dir: str, wanted: set[str], grads: bool = Fa
     """{record key: this side's whole tensor} for the forward inputs and output grads of the
     `wanted` modules, assembled as the diff assembles them (shards joined, replicas checked).
     grads: their weight grads too - the records the reference's world takes the norms of its
-    float64 weight grads against (probes/own_side_norms.py), assembled as diff/engine.py does."""
-    from tpdiag.diff.engine import _assemble_pair, _pair_tensors
+    float64 weight grads against (probes/own_side_norms.py), assembled as diff/engine.py does (diff/pair_assemble.py)."""
+    from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
     from tpdiag.errors import NotComparable
     from tpdiag.records.layout import first_positions, vocab_padded
     from tpdiag.records.store import RecordSet
@@ -161,8 +161,8 @@ def side_inputs(ref_dir: str, other_dir: str, wanted: set[str], grads: bool = Fa
             rt, ot = ref.tensor(rm), other.tensor(om)
             padded = vocab_padded(rm, rt, om, ot, ref.world.get("vocab_padding"), other.world.get("vocab_padding")) \
                 if om["kind"] == "param_grad" else None
-            ra, oa = padded or _assemble_pair(rm, rt, om, ot)
-            a, b = _pair_tensors(ra, oa)
+            ra, oa = padded or assemble_pair(rm, rt, om, ot)
+            a, b = pair_tensors(ra, oa)
         except NotComparable:
             continue
         if oa.rank_consistent is False or first_positions(a, b, om.get("positions")).shape != b.shape \
