@@ -120,7 +120,7 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         entry["own_inputs"] = own  # judged on this side's own inputs by the second pass
         entry["own_taps"] = own_inputs.taps(dd, own)  # the children's output grads their backwards tap
     elif any(r.get("hash_only") for r in dd.rows):
-        own = own_inputs.hash_modules(dd.rows, fd.get("key"))
+        own = own_inputs.hash_modules(dd, fd.get("key"))
         if own:
             entry["own_inputs_hash"] = own  # captured whole by the region pass, judged after it
     suspects = hash_suspects(dd.rows)
