@@ -101,7 +101,7 @@ def test_a_reference_expert_hashed_stale_is_no_evidence_of_other_weights(runs):
     # (kernels/hash_buffer.py STALE): the per-rank experts that matched it matched "none of the
     # reference's parameters" - a false BUG. Read from the real seeded run, the reference's events
     # marked stale in memory as a hash capture marks them
-    from tpdiag.diff.analyse import _not_the_references
+    from tpdiag.diff.per_rank_weights import not_the_references
     from tpdiag.records.store import RecordSet
 
     d, s, _ = runs["megatron_seeded"]
@@ -113,7 +113,7 @@ def test_a_reference_expert_hashed_stale_is_no_evidence_of_other_weights(runs):
         return e
 
     e = entry()  # positive control: the seeded experts are none of the reference's
-    _not_the_references(e, ref, other, "2", [])
+    not_the_references(e, ref, other, "2", [])
     assert "none of the reference's parameters" in e["per_rank"]["moe"]["not_the_reference"]
 
     def stale(pick):
@@ -123,11 +123,11 @@ def test_a_reference_expert_hashed_stale_is_no_evidence_of_other_weights(runs):
 
     stale(lambda mod: not mod.startswith("moe."))  # outside the block: the experts' own hashes still tell
     e = entry()
-    _not_the_references(e, ref, other, "2", [])
+    not_the_references(e, ref, other, "2", [])
     assert "not_the_reference" in e["per_rank"]["moe"] and "weights_unchecked" not in e["per_rank"]["moe"]
     stale(lambda mod: mod.startswith("moe.local_experts."))
     e = entry()
-    _not_the_references(e, ref, other, "2", [])
+    not_the_references(e, ref, other, "2", [])
     pr = e["per_rank"]["moe"]
     assert "not_the_reference" not in pr, pr
     assert "changed in place before it was hashed" in pr["weights_unchecked"], pr
@@ -136,7 +136,7 @@ def test_a_reference_expert_hashed_stale_is_no_evidence_of_other_weights(runs):
 def test_one_stale_reference_expert_excuses_no_more_weights_than_itself(runs):
     # each unhashed reference parameter can be at most one of the per-rank weights: one stale expert
     # parameter left every seeded weight of the block unchecked (a check weakened, helper hreview7)
-    from tpdiag.diff.analyse import _not_the_references
+    from tpdiag.diff.per_rank_weights import not_the_references
     from tpdiag.records.store import RecordSet
 
     d, s, _ = runs["megatron_seeded"]
@@ -146,7 +146,7 @@ def test_one_stale_reference_expert_excuses_no_more_weights_than_itself(runs):
     experts[0].update(hash=None, full_hash=None, hash_layout="stale")
     e = json.loads(json.dumps(s["degrees"]["2"]))
     e["per_rank"]["moe"].pop("not_the_reference")
-    _not_the_references(e, ref, other, "2", [])
+    not_the_references(e, ref, other, "2", [])
     pr = e["per_rank"]["moe"]
     assert "none of the reference's parameters" in pr.get("not_the_reference", ""), pr
     assert "weights_unchecked" not in pr, pr

@@ -14,6 +14,7 @@ from conftest import ROOT, free_port
 CODE = r"""
 import torch
 from tpdiag.kernels import record_hash as rh
+from tpdiag.kernels import record_hash_batch as rb
 from tpdiag.kernels import hash_buffer as hb
 from tpdiag.probes.recorder import Recorder
 
@@ -52,7 +53,7 @@ keys = set()
 for (t, d, f, o), got in zip(cases, ints):
     got = got.clone(); got[:2] &= rh.M32
     assert torch.equal(got, want(t, d, f, o)), (t.dtype, t.shape, d)
-    keys.add(rh.batch_entry(t, d, f, o, 0)[0])
+    keys.add(rb.batch_entry(t, d, f, o, 0)[0])
 assert len(keys) >= 6 and {k[-1] for k in keys} == {True, False}, keys
 assert not buf.stale
 
@@ -127,17 +128,17 @@ try:
     got = ints[0].clone(); got[:2] &= rh.M32
     assert torch.equal(got, want(u)), (got, want(u))
     # negative control: that plan launched with 4-tile chunks hashes a quarter of the record
-    key, _w, row = rh.batch_entry(u, None, None, 0, 0)
+    key, _w, row = rb.batch_entry(u, None, None, 0, 0)
     assert key[5] == 16, key  # (width, bf16, block, layout, slab16, ITERS, aligned)
     bad = key[:5] + (4,) + key[6:]
     table = torch.tensor([row], dtype=torch.int64)
     oi, of = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64)
-    rh.batch_launch(bad, table, 1, 4, oi, of)
+    rb.batch_launch(bad, table, 1, 4, oi, of)
     oi[0, :2] &= rh.M32
     assert not torch.equal(oi[0], want(u)), "a mismatched chunk length must not hash the record whole"
 finally:
     rh.ITERS_2BYTE = iters0
-    rh._ENTRY.clear()
+    rb._ENTRY.clear()
 
 # 5. a DTensor changed in place bumps its own version counter, not its local tensor's: watched
 # for the queue's stale check and for the one-hash-per-tensor reuse
@@ -177,19 +178,20 @@ def test_direct_launch_passes_every_kernel_parameter():
     import torch
     pytest.importorskip("triton")
     from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels import record_hash_batch as rb
     from tpdiag.kernels import record_hash_triton as rt
 
     batch = rt._hash_batch_kernel.arg_names
-    assert tuple(batch[4:]) == rh.BATCH_CONSTEXPRS
+    assert tuple(batch[4:]) == rb.BATCH_CONSTEXPRS
     t = torch.zeros(4, 300, dtype=torch.bfloat16)
-    key, _words, _row = rh.batch_entry(t, 1, 600, 300, 0)
-    table = torch.zeros(1, rh.TABLE_COLS, dtype=torch.int64)
-    args = rh.batch_args(key, table, 4, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64))
+    key, _words, _row = rb.batch_entry(t, 1, 600, 300, 0)
+    table = torch.zeros(1, rb.TABLE_COLS, dtype=torch.int64)
+    args = rb.batch_args(key, table, 4, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64))
     assert len(args) == len(batch), (len(args), batch)
     named = dict(zip(batch, args))
     width, is_bf16, blk, row_iters, slab16, iters, aligned = key
     assert iters == rh.iters_for(16) and blk == rh.BLOCK
-    assert {k: named[k] for k in rh.BATCH_CONSTEXPRS} == {
+    assert {k: named[k] for k in rb.BATCH_CONSTEXPRS} == {
         "WIDTH": 16, "IS_BF16": True, "BLK": blk, "ITERS": iters, "ROW_ITERS": row_iters,
         "ALIGNED": aligned, "SLAB16": slab16, "PAIRS": rh.PAIRS[0], "MIX": rh.HASH_VERSION}
     assert named["NPROG"] == 4 and named["table_ptr"] is table
@@ -207,6 +209,7 @@ def test_direct_launch_passes_every_kernel_parameter():
 PARTITION = r"""
 import torch
 from tpdiag.kernels import record_hash as rh
+from tpdiag.kernels import record_hash_batch as rb
 from tpdiag.kernels import hash_buffer as hb
 from tpdiag.probes.recorder import Recorder
 from tpdiag.runner.worker import _probe_selfcheck
@@ -234,7 +237,7 @@ a, s = alone.hashbuf.take([alone.lanes[0]])[0][0], shared.hashbuf.take([shared.l
 # the premise: the two launches split x differently, and its raw rows differ (high bits)
 chunks = rh.plan(1, x.numel(), rh.BLOCK, rh.iters_for(16))[4]
 dev = torch.device("cpu")
-assert rh.batch_nprog(chunks, dev, 16, 1) != rh.batch_nprog(chunks, dev, 16, 4)
+assert rb.batch_nprog(chunks, dev, 16, 1) != rb.batch_nprog(chunks, dev, 16, 4)
 raw_a, raw_s = alone.hashbuf.ints[0][alone.lanes[0]], shared.hashbuf.ints[0][shared.lanes[-1]]
 assert not torch.equal(raw_a[:2], raw_s[:2]) and torch.equal(raw_a[:2] & rh.M32, raw_s[:2] & rh.M32)
 assert a[2:].tolist() == s[2:].tolist()
@@ -292,6 +295,7 @@ def test_narrow_tiles_plan_and_register_cap(monkeypatch):
     import torch
 
     from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels import record_hash_batch as rb
 
     it16 = rh.iters_for(16)
     assert rh.plan(1, 1 << 22, rh.BLOCK, it16)[2] == 0
@@ -308,12 +312,12 @@ def test_narrow_tiles_plan_and_register_cap(monkeypatch):
     seen = []
     monkeypatch.setattr(rh, "_direct", lambda key, *a: seen.append(key[-1]))
     ints, floats = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64)
-    table = torch.zeros(1, rh.TABLE_COLS, dtype=torch.int64)
+    table = torch.zeros(1, rb.TABLE_COLS, dtype=torch.int64)
     for t in (torch.zeros(64, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.float16),
               torch.zeros(1 + 64 * 512, dtype=torch.bfloat16)[1:].view(64, 512),  # 2-byte aligned: no words
               torch.zeros(64, 2048, dtype=torch.bfloat16), torch.zeros(64, 2048), torch.zeros(64, 512)):
-        key = rh.batch_entry(t, 1, 4 * t.shape[1], t.shape[1], 0)[0]
-        rh.batch_launch(key, table, 1, 4, ints, floats)
+        key = rb.batch_entry(t, 1, 4 * t.shape[1], t.shape[1], 0)[0]
+        rb.batch_launch(key, table, 1, 4, ints, floats)
     assert seen == [96 if rh.PAIRS[0] else None, None, None, None, 96, None], seen
     monkeypatch.setattr(rh, "_NARROW_REGS", [])
     monkeypatch.setenv("TPDIAG_HASH_NARROW_REGS", "255")

@@ -47,7 +47,7 @@ def _oracle(m, x, y):
 def _naive(m, x, y):
     """The negative control: the float64 backward as it ran before the fix - the module's real
     parameters read through the mode, inside the open window."""
-    from tpdiag.probes.float64 import Float64Mode
+    from tpdiag.probes.float64_mode import Float64Mode
 
     x64 = x.detach().double().requires_grad_()
     with torch.enable_grad(), Float64Mode(set()):

@@ -13,6 +13,7 @@ from torch import nn
 
 from tpdiag.kernels import hash_buffer as hb
 from tpdiag.kernels import record_hash as rh
+from tpdiag.kernels import record_hash_batch as rb
 from tpdiag.probes.module_probe import module_probes
 from tpdiag.probes.recorder import Recorder, take_lanes
 
@@ -104,7 +105,7 @@ def test_a_module_called_three_times_records_three_calls_and_its_grads():
 def test_recorded_tensors_are_not_kept_alive_past_the_queue(monkeypatch, queued):
     if queued:  # as on CUDA: the records wait in the queue for one launch
         monkeypatch.setattr(rh, "triton_ok", lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T)
-        monkeypatch.setattr(rh, "batch_launch", lambda *a, **k: None)
+        monkeypatch.setattr(rb, "batch_launch", lambda *a, **k: None)
     rec = Recorder(mode="hash")
     rec.phase = "forward"
     x = torch.randn(8, 8, requires_grad=True)
@@ -153,8 +154,8 @@ def test_deferred_hashes_are_of_the_values_recorded():
 def test_cached_launch_rows_are_batch_entrys(monkeypatch, dtype):
     launched = []
     monkeypatch.setattr(rh, "triton_ok", lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T)
-    monkeypatch.setattr(rh, "batch_launch", lambda key, table, n, *a, **k: launched.append(
-        (key, table.view(n, rh.TABLE_COLS).tolist())))
+    monkeypatch.setattr(rb, "batch_launch", lambda key, table, n, *a, **k: launched.append(
+        (key, table.view(n, rb.TABLE_COLS).tolist())))
     hb._ENTRIES.clear()
     base = torch.randn(4096 + 8).to(dtype)
     cases = []
@@ -170,7 +171,7 @@ def test_cached_launch_rows_are_batch_entrys(monkeypatch, dtype):
     for k in range(2):  # the second pass reads the cache
         for t, d, f, o in cases:
             slot = buf.add(t, d, f, o)
-            key, _, row = rh.batch_entry(t, d, f, o, slot % buf.CHUNK)
+            key, _, row = rb.batch_entry(t, d, f, o, slot % buf.CHUNK)
             want.append((key, list(row)))
     buf.flush()
     got = [(key, row) for key, rows in launched for row in rows]
@@ -182,9 +183,9 @@ def _capture_launches(monkeypatch, ptrs: dict, got: list) -> None:
     """batch_launch records (launch key, its table rows) into got, each row's data pointer as
     the index of its tensor in ptrs ("copy" for a queued copy)."""
     def rows(table, n):
-        return [[ptrs.get(r[0], "copy")] + r[1:] for r in table.view(-1, rh.TABLE_COLS)[:n].tolist()]
+        return [[ptrs.get(r[0], "copy")] + r[1:] for r in table.view(-1, rb.TABLE_COLS)[:n].tolist()]
 
-    monkeypatch.setattr(rh, "batch_launch", lambda key, table, n, *a, **k: got.append((key, rows(table, n))))
+    monkeypatch.setattr(rb, "batch_launch", lambda key, table, n, *a, **k: got.append((key, rows(table, n))))
 
 
 def test_add_whole_queues_what_add_queues(monkeypatch):
@@ -402,7 +403,7 @@ def test_a_forward_set_inside_the_block_is_left_in_place():
 
 
 def test_grad_taps_record_what_register_hook_records(monkeypatch):
-    """_tap (a module output's grad hook put in the tensor's hook dict, no handle) and
+    """module_hooks.tap (a module output's grad hook put in the tensor's hook dict, no handle) and
     Tensor.register_hook: the same records and lanes; a user's hooks on the same output keep their
     order around the tap and still run; no tap is left on a tensor after the block."""
     monkeypatch.setenv("TPDIAG_PROBE_TAPS", "1")

@@ -8,7 +8,7 @@ kernel, its constexprs, num_warps, the register cap, the data pointer's 16-byte 
 for `_hash_kernel`, SLAB's specialisation (== 1, % 16) and the integers' int32/int64 types. The
 launch paths are record_hash's own (batch_entry / batch_launch, triton_lanes) with the launch
 itself replaced by taking its key, so the count is the code's, at this checkout or at REV
-(--base: that revision's record_hash.py and runner/warm.py, loaded from git).
+(--base: that revision's record_hash.py, record_hash_batch.py and runner/warm.py, loaded from git).
 
 RECORDS: a JSON-lines file of the records the hash kernels take, one line a distinct record -
 kernel ("batch": queued, _hash_batch_kernel; "one": hashed alone, _hash_kernel), local shape,
@@ -48,6 +48,19 @@ def _module_at(rev: str | None, path: str, name: str):
     return mod
 
 
+def _batch_at(rev: str | None, rh):
+    """The batched launch's module (record_hash_batch.py) at `rev`, reading the launch machinery of
+    `rh` (that revision's record_hash); rh itself at a revision from before that module."""
+    if rev is None:
+        return importlib.import_module("tpdiag.kernels.record_hash_batch")
+    if subprocess.run(["git", "-C", ROOT, "cat-file", "-e", f"{rev}:tpdiag/kernels/record_hash_batch.py"],
+                      capture_output=True).returncode != 0:
+        return rh
+    rb = _module_at(rev, "tpdiag/kernels/record_hash_batch.py", "_hv_record_hash_batch")
+    rb.rh = rh
+    return rb
+
+
 def _tensor(shape, dtype: str, misalign: int):
     """A CPU tensor of `shape` whose data pointer is `misalign` bytes past a 16-byte boundary
     (never written, never launched on)."""
@@ -64,9 +77,11 @@ def _tensor(shape, dtype: str, misalign: int):
     return buf[skip:skip + n].view(shape)
 
 
-def compile_keys(rh, kernel: str, t, dim, full, offset) -> tuple | None:
+def compile_keys(rh, kernel: str, t, dim, full, offset, rb=None) -> tuple | None:
     """The Triton compile key of hashing `t` (a shard placed by dim/full/offset) through
-    `kernel`'s launch path of record-hash module `rh`; None where no Triton kernel runs."""
+    `kernel`'s launch path of record-hash module `rh` (its batched launch in `rb`, record_hash_batch;
+    None: rh's own where it has one, as before that module, else this checkout's); None where no
+    Triton kernel runs."""
     import torch
 
     # rh.triton_ok's test but for the device (the tensors here are the CPU's)
@@ -78,9 +93,11 @@ def compile_keys(rh, kernel: str, t, dim, full, offset) -> tuple | None:
         rh._direct = lambda key, grid, args, device, jit: seen.append(key)
         ints, floats = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.float64)
         if kernel == "batch":
-            key, _words, _row = rh.batch_entry(t, dim, full, offset, 0)
-            table = torch.zeros(1, rh.TABLE_COLS, dtype=torch.int64)
-            rh.batch_launch(key, table, 1, 4, ints, floats)
+            if rb is None:
+                rb = rh if hasattr(rh, "batch_entry") else importlib.import_module("tpdiag.kernels.record_hash_batch")
+            key, _words, _row = rb.batch_entry(t, dim, full, offset, 0)
+            table = torch.zeros(1, rb.TABLE_COLS, dtype=torch.int64)
+            rb.batch_launch(key, table, 1, 4, ints, floats)
             # ("batch", device, key, (PAIRS, MIX), warps, table / ints / floats aligned, cap):
             # the three bookkeeping buffers are the HashBuffer's, always aligned
             ck = seen[0]
@@ -97,11 +114,12 @@ def compile_keys(rh, kernel: str, t, dim, full, offset) -> tuple | None:
 
 def count(rev: str | None, records: list[dict]) -> dict:
     rh = _module_at(rev, "tpdiag/kernels/record_hash.py", "_hv_record_hash")
+    rb = _batch_at(rev, rh)
     warm = _module_at(rev, "tpdiag/runner/warm.py", "_hv_warm")
     keys: dict = {}
     for r in records:
         t = _tensor(r["shape"], r["dtype"], r.get("misalign", 0))
-        k = compile_keys(rh, r["kernel"], t, r["dim"], r["full"], r["offset"])
+        k = compile_keys(rh, r["kernel"], t, r["dim"], r["full"], r["offset"], rb)
         if k is not None:
             keys.setdefault(k, []).append(r)
     dtypes = sorted({r["dtype"] for r in records if r["dtype"] in ("float32", "bfloat16", "float16")},
@@ -109,7 +127,7 @@ def count(rev: str | None, records: list[dict]) -> dict:
     warmed = set()
     for kind, name, i in (s for s in warm.plan(dtypes) if s[0] in ("batch", "one")):
         shape, dim, full = warm.SHAPES[i]
-        k = compile_keys(rh, kind, _tensor(shape, name, 0), dim, full, 0)
+        k = compile_keys(rh, kind, _tensor(shape, name, 0), dim, full, 0, rb)
         if k is not None:
             warmed.add(k)
     by_kernel: dict = {}

@@ -89,13 +89,14 @@ def probe_mode(mode: str):
     session 18's taps); hash-base the kernels of PROBES_BASE_KERNEL (another commit's record_hash_triton.py).
     Other modes: nothing changed."""
     from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels import record_hash_batch as rb
     from tpdiag.kernels.hash_buffer import _ENTRIES as hb_entries
     from tpdiag.kernels.hash_buffer import HashBuffer
     from tpdiag.probes import module_probe
     from tpdiag.probes.recorder import Recorder
 
     knobs = ("TPDIAG_HASH_BATCH", "TPDIAG_HASH_CAP_MB", "TPDIAG_PROBE_HOOKS", "TPDIAG_PROBE_TAPS")
-    saved = (Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0],
+    saved = (Recorder.add, HashBuffer.add, HashBuffer.add_whole, rb.batch_launch, rh._FAST[0],
              {k: os.environ.get(k) for k in knobs}, module_probe.module_probes, rh.PAIRS[0],
              list(rh._WAVES_2BYTE), rh.ITERS_2BYTE, HashBuffer.add_span)
     try:
@@ -117,7 +118,7 @@ def probe_mode(mode: str):
             # launch plans depend on the chunk length: planned afresh for this mode (a plan's key
             # carries its chunk length, so a stale one would hash right, as the mode before it
             # did). Only then: other modes keep the caches a step's host time relies on.
-            rh._ENTRY.clear()
+            rb._ENTRY.clear()
             hb_entries.clear()
         if mode == "hash-hooks":  # every module probed through hooks (before session 13)
             os.environ["TPDIAG_PROBE_HOOKS"] = "1"
@@ -126,7 +127,7 @@ def probe_mode(mode: str):
         if mode == "hash-cap256m":  # the default until session 12 (now 1 GiB)
             os.environ["TPDIAG_HASH_CAP_MB"] = "256"
         if mode == "hash-side":
-            rh.batch_launch = _side_launch(rh.batch_launch)
+            rb.batch_launch = _side_launch(rb.batch_launch)
         if mode in ("hooks-only", "wrap-only"):
             Recorder.add = _no_add
         if mode == "wrap-only":
@@ -142,12 +143,12 @@ def probe_mode(mode: str):
             return
         yield
     finally:
-        Recorder.add, HashBuffer.add, HashBuffer.add_whole, rh.batch_launch, rh._FAST[0] = saved[:5]
+        Recorder.add, HashBuffer.add, HashBuffer.add_whole, rb.batch_launch, rh._FAST[0] = saved[:5]
         HashBuffer.add_span = saved[10]
         changed = rh.ITERS_2BYTE != saved[9]
         module_probe.module_probes, rh.PAIRS[0], rh._WAVES_2BYTE[:], rh.ITERS_2BYTE = saved[6:10]
         if changed:
-            rh._ENTRY.clear()
+            rb._ENTRY.clear()
             hb_entries.clear()
         for k, v in saved[5].items():
             if v is None:
@@ -209,6 +210,7 @@ def host_model(cuda: bool, what: str):
     import torch
 
     from tpdiag.kernels import record_hash as rh
+    from tpdiag.kernels import record_hash_batch as rb
     from tpdiag.models import tiny_llama
     from tpdiag.models.plans import llama_plan
     from tpdiag.models.target import Target
@@ -229,7 +231,7 @@ def host_model(cuda: bool, what: str):
     step.build_model = lambda cfg, device, world: (target, model)
     if not cuda:
         rh.triton_ok = lambda t: type(t) is torch.Tensor and t.dtype in rh._TRITON_T and t.numel() > 0
-        rh.batch_launch = lambda *a, **k: None
+        rb.batch_launch = lambda *a, **k: None
         # the few records kept whole (batch, logprobs, loss, grad norm) hash at once: the torch path
         rh.triton_lanes = lambda t, a, L, b, F, o, out=None, **k: rh.lanes_torch(t, a, L, b, F, o, out)
     return dev

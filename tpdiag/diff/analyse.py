@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from tpdiag.diff.engine import diff_degree
-from tpdiag.diff.left_out import not_compared, per_piece_blocks, per_rank_blocks, per_rank_ops, per_rank_params
-from tpdiag.diff.judge import baseline_cause, describe, settle
+from tpdiag.diff.left_out import not_compared, per_piece_blocks, per_rank_blocks, per_rank_ops
+from tpdiag.diff.judge import baseline_cause, settle
 from tpdiag.diff.locate import add_bounds, locate, logprob_stats, nonfinite_summary
+from tpdiag.diff.per_rank_weights import not_the_references
 from tpdiag.diff.suspects import hash_suspects, unjudged_modules
+from tpdiag.diff.weight_ties import broken_ties
 from tpdiag.errors import Inconclusive
 from tpdiag.records.keys import RecordKey
 from tpdiag.records.paths import RunDir
@@ -78,7 +80,7 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         ops = per_rank_ops(other)
         entry["per_rank"] = {b: {"inside": inside, "why": per_rank_why(inside, ops), **({"ops_left_out": ops} if ops else {})}
                              for b, inside in blocks.items()}
-        _not_the_references(entry, ref, other, label, dd.rows)
+        not_the_references(entry, ref, other, label, dd.rows)
     # weights the fixes' fp32 carry left the stock grad (kernels/grad_carry.site) at either side: "with
     # every fix on, bitwise across TP" does not hold for them, said beside the verdict (red team hred15;
     # a hook the user put on a weight before the plan replaced it holds at TP=1 only)
@@ -88,7 +90,7 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         entry["not_carried"] = dict(sorted(nc.items()))
     broken = other.world.get("ties_broken")
     if broken and not ref.world.get("ties_broken"):
-        _broken_ties(entry, dd.rows, broken, label)
+        broken_ties(entry, dd.rows, broken, label)
     from tpdiag.diff import dropped_hooks
 
     lost = dropped_hooks.lost_at(ref.world, other.world)
@@ -120,7 +122,7 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
         entry["own_inputs"] = own  # judged on this side's own inputs by the second pass
         entry["own_taps"] = own_inputs.taps(dd, own)  # the children's output grads their backwards tap
     elif any(r.get("hash_only") for r in dd.rows):
-        own = own_inputs.hash_modules(dd.rows, fd.get("key"))
+        own = own_inputs.hash_modules(dd, fd.get("key"))
         if own:
             entry["own_inputs_hash"] = own  # captured whole by the region pass, judged after it
     suspects = hash_suspects(dd.rows)
@@ -138,90 +140,6 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
                               f"{sc.get('first_mismatch')}): the probes changed its numerics or "
                               "the step is not deterministic run to run; results are not evidence")
     return entry, dd.rows
-
-
-def _not_the_references(entry: dict, ref: RecordSet, other: RecordSet, label: str, rows: list[dict]) -> None:
-    """A parameter left out inside a per-rank block must be, on every rank, one of the reference's
-    own (another expert's weights under this rank's name); weights no reference parameter has are
-    not expert placement but a model that differs from the reference's (experts seeded per rank).
-    Said at the block's output record (its parameters are not in diff.csv): on the finding there,
-    or as a rank-inconsistent-replica finding of its own where that record is no finding."""
-    # a hash-capture reference's parameters have their whole hash as full_hash (at TP=1 the lanes of
-    # the one tensor: the same function as each rank's hash of its own whole expert)
-    known = {m.get(k) for m in ref.events if m["kind"] == "param_init" for k in ("hash", "full_hash")} - {None}
-    params = per_rank_params(other)
-    for name, hashes in params.items():
-        bad = [r for r, h in enumerate(hashes) if h is not None and h not in known]
-        if not bad:
-            continue
-        block = next((b for b in per_rank_blocks(other) if name.startswith(b + ".")), None)
-        if block is None:
-            continue
-        stale = _unhashed_inside(ref, block)
-        if stale and len(_unknown_in(params, block, known)) <= len(stale):
-            # the reference's own copy may be the one whose hash it never took: no evidence either way
-            # (the block's boundary is still compared; a false BUG here named a correct placement).
-            # Each unhashed parameter is at most one weight: more distinct unknown weights than
-            # unhashed parameters are, some of them, none of the reference's whatever those were
-            entry["per_rank"][block]["weights_unchecked"] = (
-                f"{name} on rank {', '.join(map(str, bad))} of TP={label} matches none of the reference's hashed "
-                f"parameters, but the reference's {stale[0]} changed in place before it was hashed: whether "
-                "this degree's per-rank weights are the reference's is not known")
-            continue
-        why = (f"{name} on rank {', '.join(map(str, bad))} of TP={label} is none of the reference's parameters: "
-               "the per-rank modules inside this block are not the reference's modules placed per rank (as experts "
-               "seeded per rank) - this degree does not run the reference's model")
-        # said (and gated: gate/verdict.py) whether or not the block's output has a row to hang it on
-        entry["per_rank"][block]["not_the_reference"] = why
-        row = next((r for r in rows if r["module"] == block and r["kind"] == "out" and r["phase"] == "forward"), None)
-        if row is None:
-            return
-        fd = entry.get("first_divergence") or {}
-        hit = next((f for f in entry["findings"] + [fd] if f.get("key") == row["key"]), None)
-        if hit is not None:
-            hit["per_rank_weights"] = why
-            return
-        f = describe(row, {"phase": "forward", "module": block, "op": None, "kind": "out", "name": row["name"],
-                           "step": row["step"], "cause": None, "max_abs": row.get("max_abs"), "bound": row.get("bound"),
-                           "key": row["key"], "detail": why}, not_reference=why)
-        entry["findings"].insert(0, f)
-        entry["status"] = "divergent"
-        return
-
-
-def _unhashed_inside(ref: RecordSet, block: str) -> list[str]:
-    """The reference's parameters inside `block` that have no hash (changed in place between their
-    record and their queued hash: kernels/hash_buffer.py STALE)."""
-    return [f"{m['module']}.{m['name']}" for m in ref.events
-            if m["kind"] == "param_init" and m["module"].startswith(block + ".") and m.get("hash_layout") == "stale"]
-
-
-def _unknown_in(params: dict, block: str, known: set) -> set:
-    """The distinct per-rank weight hashes inside `block` that are none of the reference's hashed ones."""
-    return {h for name, hashes in params.items() if name.startswith(block + ".")
-            for h in hashes if h is not None and h not in known}
-
-
-def _broken_ties(entry: dict, rows: list[dict], broken: list, label: str) -> None:
-    """A weight the reference shares between modules that this degree's plan split into separate
-    parameters (models/ties.py): a sharding bug at the first such parameter's weight grad - its
-    grad holds only its own module's uses - whatever its numbers' bound says."""
-    for group in broken:
-        names = [str(n) for n in group if isinstance(n, str)]
-        row = next((r for r in rows for n in names if r["phase"] == "backward" and r["kind"] == "param_grad"
-                    and f"{r['module']}.{r['name']}" == n), None)
-        if row is None:
-            continue
-        f = {"phase": row["phase"], "module": row["module"], "op": None, "kind": row["kind"],
-             "name": row["name"], "step": row["step"], "cause": None, "max_abs": row["max_abs"],
-             "bound": row.get("bound"), "bound_ratio": row.get("bound_ratio"), "key": row["key"],
-             "detail": f"the plan split the weight tie {' = '.join(names)} into {len(names)} parameters at "
-                       f"TP={label}: each gets only its own module's grad (the reference sums every use "
-                       "into one) and they are trained apart from the first optimizer step"}
-        f = describe(row, f, broken_tie=True)
-        entry["findings"] = [g for g in entry["findings"] if g.get("key") != row["key"]]
-        entry["findings"].insert(0, f)
-        entry["status"] = "divergent"
 
 
 def _baseline(run_dir, ref, label, failed, degree) -> dict:

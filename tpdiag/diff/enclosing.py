@@ -205,38 +205,52 @@ def _refused(dd, by: str, step) -> str | None:
     """Why `by`'s float64 re-execution was refused, the own-input pass's own note first (from this
     side's inputs: probes/oracle_hooks.record_own_oracles), else the reference's from its own; the
     backward's refusal, else its forward's (a forward refused never reaches its backward)."""
-    from tpdiag.records.keys import MalformedKey, RecordKey
-
-    for own, notes in ((True, getattr(dd, "oracle_notes_own", None) or {}),
-                       (False, getattr(dd, "oracle_notes", None) or {})):
+    for own in (True, False):
+        first, by_step = _refusals(dd, own)
         for phase in ("backward", "forward"):
-            for k, v in notes.items():
-                try:
-                    p = RecordKey.parse(k)
-                except MalformedKey:
-                    continue
-                if (p.step, p.phase, p.module, p.kind) == (int(step), phase, by, "oracle") and p.name is None \
-                        and v.get("why"):
-                    where = "from this side's own inputs, in the own-input pass" if own else "from the reference's inputs"
-                    inner = _refused_inside(notes, by, step, v["why"])
-                    return f"{v['why']} ({by}'s {phase} re-executed {where}" + \
-                        (f"; refused inside it by {', '.join(inner)})" if inner else ")")
+            v = first.get((int(step), phase, by))
+            if v is not None:
+                where = "from this side's own inputs, in the own-input pass" if own else "from the reference's inputs"
+                inner = _refused_inside(by_step.get(int(step), ()), by, v["why"])
+                return f"{v['why']} ({by}'s {phase} re-executed {where}" + \
+                    (f"; refused inside it by {', '.join(inner)})" if inner else ")")
     return None
 
 
-def _refused_inside(notes: dict, by: str, step, why: str) -> list[str]:
-    """The deepest modules inside `by` whose own re-execution was refused for the same reason at this
-    step (the dropout whose random draw refused the root's): where the reason comes from."""
-    from tpdiag.diff.equal_inputs import in_subtree
-    from tpdiag.records.keys import MalformedKey, RecordKey
+def _refusals(dd, own: bool) -> tuple[dict, dict]:
+    """The refused re-executions among a diff's oracle notes (the own-input pass's, or the
+    reference's), parsed once a diff: ({(step, phase, module): the first such note}, {step:
+    [(module, why)]}) - a parse of every note per row asked was notes x rows."""
+    notes = getattr(dd, "oracle_notes_own" if own else "oracle_notes", None) or {}
+    attr = "_refusals_own" if own else "_refusals"
+    got = getattr(dd, attr, None)
+    if got is None or got[0] is not notes or got[1] != len(notes):
+        from tpdiag.records.keys import MalformedKey, RecordKey
 
-    got = set()
-    for k, v in notes.items():
+        first: dict = {}
+        by_step: dict = {}
+        for k, v in notes.items():
+            try:
+                p = RecordKey.parse(k)
+            except MalformedKey:
+                continue
+            if p.kind != "oracle" or p.name is not None or not v.get("why"):
+                continue
+            first.setdefault((p.step, p.phase, p.module), v)
+            by_step.setdefault(p.step, []).append((p.module, v["why"]))
+        got = (notes, len(notes), first, by_step)
         try:
-            p = RecordKey.parse(k)
-        except MalformedKey:
-            continue
-        if p.step == int(step) and p.kind == "oracle" and p.name is None and p.module != by \
-                and in_subtree(p.module, by) and v.get("why") == why:
-            got.add(p.module)
+            setattr(dd, attr, got)
+        except AttributeError:
+            pass
+    return got[2], got[3]
+
+
+def _refused_inside(refused, by: str, why: str) -> list[str]:
+    """The deepest modules inside `by` whose own re-execution was refused for the same reason at this
+    step (refused: that step's (module, why) of _refusals; the dropout whose random draw refused the
+    root's): where the reason comes from."""
+    from tpdiag.diff.equal_inputs import in_subtree
+
+    got = {m for m, w in refused if m != by and in_subtree(m, by) and w == why}
     return sorted(m for m in got if not any(o != m and o.startswith(m + ".") for o in got))

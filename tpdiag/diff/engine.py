@@ -3,13 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from tpdiag.diff import flat_rows, measure, op_streams, pair_memo, partials, rank_local, reassembled
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.diff.left_out import _inside_block, per_piece_blocks, per_rank_blocks
+from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
 from tpdiag.errors import NotComparable
-from tpdiag.records.layout import Assembled, assemble, full_shape_from_pair, full_shape_guess, first_positions, local_shape, vocab_padded, vocab_padded_dim
+from tpdiag.records.layout import assemble, first_positions, local_shape, vocab_padded, vocab_padded_dim
 from tpdiag.records.store import RecordSet
 
 
@@ -71,31 +70,6 @@ def _recipe(world) -> dict:
     cfg = (world.get("config") or {}) if isinstance(world, dict) else {}
     keys = ("logprob", "trainer_temperature", "temperature_in")
     return {k: cfg[k] for k in keys if k in cfg}
-
-
-def _full_hint(meta: dict, other_meta: dict | None) -> list[int] | None:
-    g = full_shape_guess(meta)
-    if g is None and other_meta is not None:
-        g = full_shape_guess(other_meta)
-    if g is None and other_meta is not None:
-        g = full_shape_from_pair(meta, other_meta)
-    return g
-
-
-def _assemble_pair(rm: dict, rt: torch.Tensor, om: dict, ot: torch.Tensor):
-    ra = assemble(rm, rt, _full_hint(rm, om))
-    oa = assemble(om, ot, _full_hint(om, rm) if ra.full is None else list(ra.full.shape))
-    if ra.full is None and oa.full is not None:
-        ra = assemble(rm, rt, list(oa.full.shape))
-    return ra, oa
-
-
-def _pair_tensors(ra: Assembled, oa: Assembled):
-    if ra.full is not None and oa.full is not None:
-        return ra.full, oa.full
-    if ra.shards is not None and oa.shards is not None and len(ra.shards) == len(oa.shards):
-        return torch.stack(ra.shards), torch.stack(oa.shards)
-    raise NotComparable("layouts cannot be matched")
 
 
 def _in_flight(op_name: str) -> bool:
@@ -224,12 +198,12 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             if flat is not None:
                 # an op on a sequence shard's flattened rows: put back as its module's activation is,
                 # unless the ranks' blocks stacked are the nearer (rows flattened position-major)
-                ra, oa = flat_rows.nearer(lambda: _assemble_pair(rm, rt, om, ot),
+                ra, oa = flat_rows.nearer(lambda: assemble_pair(rm, rt, om, ot),
                                           (assemble(rm, rt, flat[1]), flat_rows.assemble_rows(ot, flat)))
             else:
                 ra, oa = vocab_padded(rm, rt, om, ot, ref.world.get("vocab_padding"),
-                                      other.world.get("vocab_padding")) or _assemble_pair(rm, rt, om, ot)
-            a, b = _pair_tensors(ra, oa)
+                                      other.world.get("vocab_padding")) or assemble_pair(rm, rt, om, ot)
+            a, b = pair_tensors(ra, oa)
             a = first_positions(a, b, om.get("positions"))
             if om["kind"] == "op" and (a.shape != b.shape or a.dtype != b.dtype):
                 raise NotComparable("shapes differ")

@@ -37,7 +37,7 @@ of reordered logits reach e_N/level <= 1.10 in fp32 and <= 1.32 in bf16; planted
 inside what one rounding of the output can move). The hand-written layers of
 tests/models/planted land 1e4-1e6 beyond in fp32, their correct twins at e_N/level of about 1.
 Discrete choices: when the re-execution made a discrete choice on floating values (top-k,
-argmax, a comparison: probes/float64.DISCRETE), a rounding difference upstream of it inside the
+argmax, a comparison: probes/float64_mode.DISCRETE), a rounding difference upstream of it inside the
 module can flip it and move the output by O(1); a far result is then not called a bug (the
 cause stays `unknown`, saying so).
 """
@@ -270,7 +270,7 @@ def mark_no_reference(v: dict, discrete) -> None:
 
 def _choices_equal(dd, row: dict, discrete) -> bool:
     """Whether each discrete op of this module's call (argmax, top-k, a comparison on floating
-    values: probes/float64.DISCRETE) has op records here (probes/op_probe.py records their
+    values: probes/float64_mode.DISCRETE) has op records here (probes/op_probe.py records their
     outputs) and every one is bitwise equal on both sides. A grad_out's choices are its one
     consumer's (notes_for reads them there), so its ops are looked for there too."""
     from tpdiag.records.keys import sole_consumer

@@ -140,8 +140,8 @@ def side_inputs(ref_dir: str, other_dir: str, wanted: set[str], grads: bool = Fa
     """{record key: this side's whole tensor} for the forward inputs and output grads of the
     `wanted` modules, assembled as the diff assembles them (shards joined, replicas checked).
     grads: their weight grads too - the records the reference's world takes the norms of its
-    float64 weight grads against (probes/own_side_norms.py), assembled as diff/engine.py does."""
-    from tpdiag.diff.engine import _assemble_pair, _pair_tensors
+    float64 weight grads against (probes/own_side_norms.py), assembled as diff/engine.py does (diff/pair_assemble.py)."""
+    from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
     from tpdiag.errors import NotComparable
     from tpdiag.records.layout import first_positions, vocab_padded
     from tpdiag.records.store import RecordSet
@@ -161,8 +161,8 @@ def side_inputs(ref_dir: str, other_dir: str, wanted: set[str], grads: bool = Fa
             rt, ot = ref.tensor(rm), other.tensor(om)
             padded = vocab_padded(rm, rt, om, ot, ref.world.get("vocab_padding"), other.world.get("vocab_padding")) \
                 if om["kind"] == "param_grad" else None
-            ra, oa = padded or _assemble_pair(rm, rt, om, ot)
-            a, b = _pair_tensors(ra, oa)
+            ra, oa = padded or assemble_pair(rm, rt, om, ot)
+            a, b = pair_tensors(ra, oa)
         except NotComparable:
             continue
         if oa.rank_consistent is False or first_positions(a, b, om.get("positions")).shape != b.shape \
@@ -176,15 +176,15 @@ def _nbytes(r: dict) -> int:
     return nbytes([int(d) for d in r.get("shape") or ()], r.get("dtype"))
 
 
-def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
+def hash_modules(dd, first_key: str | None) -> list[str]:
     """After a hash-only first pass: the modules `modules` would judge, chosen from the hashed
     records (the relative change of each record's norm stands in for its values' difference), for
     the region pass to capture whole. Within MAX_ALL and BUDGET_BYTES of their inputs, outputs and
     grads (one side)."""
+    rows = dd.rows
     by_key = {r["key"]: r for r in rows}
     called = {r["module"] for r in rows if r["phase"] == "forward" and r["kind"] in ("in", "out")}
     cands: dict[str, float] = {}
-    outs = calls = None
     for r in rows:
         if r["bitwise"] or r.get("rank_consistent") is False or r.get("nonfinite_mismatch") or not r.get("hash_only"):
             continue
@@ -203,15 +203,11 @@ def hash_modules(rows: list[dict], first_key: str | None) -> list[str]:
             if c != "model":
                 cands.setdefault(c, 0.0)
         elif r["phase"] == "backward" and r["kind"] == "grad_out":
-            # no one module consumer: diff/enclosing.py (indexes built once, not a scan a row)
-            if outs is None:
-                outs, calls = enclosing.outputs_index(rows), {}
-                for x in rows:
-                    if (x["phase"], x["kind"]) == ("forward", "out"):
-                        calls.setdefault((x["step"], x["module"]), set()).add(x["call"])
+            # no one module consumer: diff/enclosing.py (its indexes of the diff's rows, built once a
+            # diff, not a scan a row)
             st = r["step"]
-            outer = enclosing.judge(m, st, called, lambda a, st=st: calls.get((st, a), set()),
-                                    lambda a, st=st: outs.get((st, a), 0))
+            outer = enclosing.judge(m, st, called, lambda a, st=st: enclosing.calls(dd, a, st),
+                                    lambda a, st=st: enclosing.outputs(dd, st, a))
             if outer is not None:
                 cands.setdefault(outer, 0.0)
     size: dict[str, int] = {}

@@ -62,15 +62,15 @@ def _shape(ref, om: dict) -> list:
 def _whole(ref, other, om: dict) -> tuple:
     """(this side's whole value of a parameter record, whether it differs from the reference's), or
     (None, True) where there is no one whole value (hash-only, not one value across its ranks)."""
-    from tpdiag.diff.engine import _assemble_pair, _pair_tensors
+    from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
     from tpdiag.errors import NotComparable
 
     rm = ref.by_key.get(om["key"])
     if rm is None or "hash" in (om.get("stored"), rm.get("stored")):
         return None, True
     try:
-        ra, oa = _assemble_pair(rm, ref.tensor(rm), om, other.tensor(om))
-        a, b = _pair_tensors(ra, oa)
+        ra, oa = assemble_pair(rm, ref.tensor(rm), om, other.tensor(om))
+        a, b = pair_tensors(ra, oa)
     except NotComparable:
         return None, True
     if oa.rank_consistent is False or not b.is_floating_point() or a.shape != b.shape:

@@ -21,6 +21,7 @@ import struct
 import torch
 
 from tpdiag.kernels import record_hash as rh
+from tpdiag.kernels import record_hash_batch as rb
 
 # The cap bounds the memory the queue keeps alive. Most queued tensors are alive anyway
 # (activations kept for backward); what it keeps alive longer is bounded by the cap, here also by
@@ -110,13 +111,13 @@ class HashBuffer:
                 if hit is None:
                     if len(_ENTRIES) > 4096:
                         _ENTRIES.clear()
-                    key, words, row = rh.batch_entry(t, dim, full, offset, r)
+                    key, words, row = rb.batch_entry(t, dim, full, offset, r)
                     hit = _ENTRIES[ek] = (key, tuple(row[2:]), words.numel() * words.element_size())
                 key, tail, nbytes = hit
                 row = (ptr, r) + tail
                 words = t
             else:  # copied (words): the copy cannot change; detached, no autograd node made
-                key, words, row = rh.batch_entry(t.detach(), dim, full, offset, r)
+                key, words, row = rb.batch_entry(t.detach(), dim, full, offset, r)
                 owner, nbytes = words, words.numel() * words.element_size()
             version = words._version
             if owner is None or owner is words:
@@ -200,7 +201,7 @@ class HashBuffer:
             if hit is None and rh.triton_ok(t):
                 if len(_SPANS) > 4096:
                     _SPANS.clear()
-                key, words, row = rh.batch_entry(t, dim, full, 0, r)
+                key, words, row = rb.batch_entry(t, dim, full, 0, r)
                 b = rh.slab(t.shape, dim, full, 0)[2]  # O_B = offset x this (batch_entry's slab)
                 hit = _SPANS[ek] = (key, tuple(row[2:]), words.numel() * words.element_size(), b)
         if hit is None:
@@ -238,8 +239,8 @@ class HashBuffer:
                 else:
                     rows.append(row)
             if rows:
-                nprog = rh.batch_nprog(max(row[7] for row in rows), self.device, key[0], len(rows))
-                rh.batch_launch(key, self._table(rows), len(rows), nprog, self.ints[i], self.floats[i])
+                nprog = rb.batch_nprog(max(row[7] for row in rows), self.device, key[0], len(rows))
+                rb.batch_launch(key, self._table(rows), len(rows), nprog, self.ints[i], self.floats[i])
 
     def _table(self, rows: list) -> torch.Tensor:
         """The launch's table on the device. On CUDA through a ring of pinned host rows and
@@ -250,11 +251,11 @@ class HashBuffer:
         without numpy's per-item conversion), and one event per RING_GROUP slots says when a
         group's copies are done - a slot's earlier copy is older than its group's event, which
         is waited for before the group's first slot is written again."""
-        n = len(rows) * rh.TABLE_COLS
+        n = len(rows) * rb.TABLE_COLS
         if self.device.type != "cuda":
             return torch.tensor([v for row in rows for v in row], dtype=torch.int64)
         if self._ring is None:
-            width = max(self.batch, 1) * rh.TABLE_COLS
+            width = max(self.batch, 1) * rb.TABLE_COLS
             host = torch.zeros((RING, width), dtype=torch.int64).pin_memory()
             dev = torch.zeros((RING, width), dtype=torch.int64, device=self.device)
             # one view per slot, made once: a slot's whole row is copied (a few KiB) and handed

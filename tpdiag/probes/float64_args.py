@@ -47,3 +47,8 @@ def _upcast_one(t):
         d = _up_dtype(t.dtype)
         return t.detach().to(d) if t.dtype != d else t.detach()
     return t
+
+
+def upcast(x):
+    """A float64 (complex128) copy of every floating (complex) tensor in a pytree; others as is."""
+    return tree_map(_upcast_one, x)

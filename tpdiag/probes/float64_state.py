@@ -71,8 +71,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _as_before(buffers) -> None:
-    """Inside _isolated: each buffer the real forward wrote (its version moved, or another tensor
-    put in its place) replaced, for the re-execution only, by a float64 copy of the value it had
+    """Inside float64_isolated.isolated: each buffer the real forward wrote (its version moved, or
+    another tensor put in its place) replaced, for the re-execution only, by a float64 copy of the value it had
     before that forward - the oracle's own tensor, which it may write as the real forward wrote the
     real one. A buffer the real forward left alone stays (a write to it is still refused)."""
     made: dict = {}

@@ -16,7 +16,7 @@ def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None 
     walked = rec._walks.get(id(model)) or Walk(model)
     style = _style_memo(plan)
     add = rec.add
-    # the records' own tensor calls skip torch-function modes (module_probe.py's _no_modes says why)
+    # the records' own tensor calls skip torch-function modes (module_hooks.py's no_modes says why)
     with torch._C.DisableTorchFunction():
         for mname, short, p, cls in walked.params:
             if include is not None and (mname or "model") not in include:

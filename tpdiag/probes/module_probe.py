@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import gc
 import os
-import weakref
-from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
-from tpdiag.probes.oracle_hooks import (grad_out_differs, inputs_differ, oracle_backward_hook, param_grad_norms,
-                                        record_oracle, record_own_oracles)
+from tpdiag.probes.oracle_hooks import (grad_out_differs, inputs_differ, oracle_backward_hook, record_oracle,
+                                        record_own_oracles)
 from tpdiag.probes.forward_wrap import global_module_hooks, unwrap, wrap_forward
 from tpdiag.probes.model_walk import Walk, plan_memo
+from tpdiag.probes.module_hooks import grad_hook, hook_tensors, no_modes, param_grad_hook, tap
+from tpdiag.probes.own_pass import OwnFiles, children_of
+from tpdiag.probes.producer_index import add_producer, producers_of
 from tpdiag.probes.recompute import Recomputes
 from tpdiag.probes.recorder import Recorder
-from tpdiag.probes.rows import consumers_of, extras, module_of
+from tpdiag.probes.rows import extras, module_of
 
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))  # output / input positions as record names
@@ -52,7 +52,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         gc.disable()
     handles = []
     producers = None
-    # grad hooks put in by _tap: (hook dict, key), taken out on exit (TPDIAG_PROBE_TAPS=0:
+    # grad hooks put in by tap: (hook dict, key), taken out on exit (TPDIAG_PROBE_TAPS=0:
     # Tensor.register_hook for every output, A/B)
     taps = [] if os.environ.get("TPDIAG_PROBE_TAPS", "1") != "0" else None
     wrapped: list = []  # (module, its own instance `forward` or _NONE, the wrapper): undone on exit
@@ -76,7 +76,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         producer: dict = {}
 
         def producers(t) -> list:
-            return [module_of(m) for m in _producers(producer, t)]
+            return [module_of(m) for m in producers_of(producer, t)]
 
         rec.producers = producers
         # this call's index per module, pairing its outputs with its inputs (a plain dict: an
@@ -91,7 +91,6 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         # which other module's state a re-executed call read
         state_names: list = [None, None]
         copies: dict = {}  # the buffers' copies those take, one per unchanged buffer (buffers_before)
-        loaded: dict = {}
         # (step, module, short) -> the float64 weight grads held until the real one is
         # accumulated (oracle_hooks.param_grad_norms), for the weight grad hooks put in below
         pend: dict = {}
@@ -99,6 +98,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         # (step, module, short) -> {label: [shipped record, float64 grads]}: the same for the weight
         # grads re-executed from another world's inputs (probes/own_side_norms.py)
         side_pend: dict = {}
+        files = OwnFiles(own)
 
         def grad_pend(g, name: str, call: int) -> None:
             """A module called once whose output grad differs at every world: the diff reads its
@@ -108,28 +108,9 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             if os.environ.get("TPDIAG_OWN_NORMS", "1") == "0" or counts.get((rec.step, "forward", name), 0) != 1:
                 return
             if any(k not in pend for k in ((rec.step, name, s) for s in hooked.get(name, ()))) \
-                    and grad_out_differs(rec, g, name, call, own_inputs()):
+                    and grad_out_differs(rec, g, name, call, files.inputs()):
                 for short in hooked.get(name, ()):
                     pend.setdefault((rec.step, name, short), [])
-
-        def own_inputs() -> dict:
-            if not loaded:
-                from safetensors.torch import load_file
-
-                loaded.update({lab: load_file(path) for lab, path in own.items()})
-            return loaded
-
-        wanted_taps: list = []
-
-        def own_taps() -> set | None:
-            """The children whose output grads the diff reads from a float64 backward (the own-input
-            files' metadata: runner/drill_own.own_files); None, every child, where a file names none."""
-            if not wanted_taps:
-                from tpdiag.records.own_taps import taps_named
-
-                got = taps_named(own.values())
-                wanted_taps.append(got)
-            return wanted_taps[0]
 
         # which forward call each recompute is (probes/recompute.py); (step, module, call) -> the
         # snapshot of a forward call that ran without a graph
@@ -167,28 +148,6 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
 
         multi_out: set = set()  # modules that returned several floating tensors (children_of)
 
-        def children_of(mod, wanted: set | None = None) -> dict:
-            """{submodule: record name} of the modules whose output grads mod's float64 backward
-            taps: those its forward calls itself (its direct children, and those of a container it
-            holds: a ModuleList's layers, which it loops over; the container itself is never
-            called), and the descendants of one that no float64 backward judges by itself - called
-            other than once in the step so far, or returning several floating tensors
-            (two_paths:pair_f's stage): the diff judges their output grads by the next ancestor
-            that qualifies (diff/enclosing.judge), up to the root. wanted: only those names (the
-            own-input pass's own_taps, diff/own_inputs.taps)."""
-            got, todo = {}, list(mod.children())
-            while todo:
-                c = todo.pop()
-                if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
-                    todo.extend(c.children())
-                    continue
-                if c not in infos:
-                    continue
-                n = got[c] = infos[c][0]
-                if n in multi_out or counts.get((rec.step, "forward", n), 0) != 1:
-                    todo.extend(c.children())  # its children's grads: judged by mod (or above it)
-            return got if wanted is None else {c: n for c, n in got.items() if n in wanted}
-
         def pre_hook(mod, args, kwargs):
             if rec.in_oracle:  # an oracle re-execution runs this module's children: no records
                 return None
@@ -198,7 +157,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 # call of the step: recorded, it numbered every checkpointed module's calls twice
                 # and a capture with it could not be diffed against one without
                 if backward:
-                    recomputes.recompute(rec.step, mod, infos[mod][0], _tensors(args, kwargs))
+                    recomputes.recompute(rec.step, mod, infos[mod][0], hook_tensors(args, kwargs))
                     if twice_at[0] != rec.step and any(k[0] == rec.step for k in no_grad_calls):
                         # here the step's own (outer) backward runs: its end comes after every
                         # segment's inner backward (reentrant), where the held weight grads are final
@@ -212,7 +171,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             call = calls[mod] = counts.get(ck, 0)
             counts[ck] = call + 1
             if backward and not torch.is_grad_enabled():
-                recomputes.forward(rec.step, mod, name, call, _tensors(args, kwargs))
+                recomputes.forward(rec.step, mod, name, call, hook_tensors(args, kwargs))
                 no_grad_calls.add((rec.step, name))
             stack.append(name)
             stack_calls.append(call)
@@ -221,10 +180,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
 
                 # its buffers too: a forward that writes them is re-executed from what it read
                 snaps[(mod, call)] = (snapshot((args, kwargs or {})), buffers_before(mod, copies))
-            with _no_modes():
-                for i, t in enumerate(_tensors(args, kwargs)):
+            with no_modes():
+                for i, t in enumerate(hook_tensors(args, kwargs)):
                     add("in", name, _IDX[i] if i < _NIDX else str(i), t, call=call, style=style, cls=cls)
-                    srcs = _producers(producer, t)
+                    srcs = producers_of(producer, t)
                     if srcs:
                         for src in srcs:
                             m = module_of(src)
@@ -258,10 +217,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                                          (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None,
                                          buffers=later[1])
                 if backward:
-                    for i, t in enumerate(_tensors(out)):
+                    for i, t in enumerate(hook_tensors(out)):
                         if t.requires_grad and t.grad_fn is not None:
                             idx = _IDX[i] if i < _NIDX else str(i)
-                            handles.append(t.register_hook(_grad_hook(rec, name, idx, call, style, cls, None,
+                            handles.append(t.register_hook(grad_hook(rec, name, idx, call, style, cls, None,
                                                                       part_grad)))
                 return None
             if stack and stack[-1] == name:
@@ -280,7 +239,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                 differ = False
                 if own and os.environ.get("TPDIAG_OWN_NORMS", "1") != "0":
                     with rec._paused():  # its comparisons are no ops of the step (an op probe's scope)
-                        differ = inputs_differ(rec, snap, name, call, own_inputs())
+                        differ = inputs_differ(rec, snap, name, call, files.inputs())
                 if differ and backward:
                     for short in hooked.get(name, ()):
                         pend.setdefault((rec.step, name, short), [])
@@ -292,15 +251,15 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                               path=walked.paths.get(mod, name), oracle=oracle, names=state_names[1])
                 # the own-input pass: its children's output grads in its float64 backward, the exact
                 # value of one that leaves a child by this module's own code (diff/oracle_own.py)
-                kids = children_of(mod, own_taps()) if own else None
+                kids = children_of(mod, infos, multi_out, counts, rec.step, files.taps()) if own else None
                 if own:
                     # once a call: an activation checkpoint's recompute returned above (made again
                     # there, its float64 grads were the same records twice - "grad_in.0.c0@2 listed
                     # twice": a correct checkpointed model read "not judged", gate 2)
-                    record_own_oracles(rec, mod, name, call, snap, own_inputs(), style, cls, backward,
+                    record_own_oracles(rec, mod, name, call, snap, files.inputs(), style, cls, backward,
                                        side_pend, hooked, buffers=bufs, taps=kids, path=walked.paths.get(mod))
                 if backward:
-                    if not any(t.grad_fn is not None for t in _tensors(out)):
+                    if not any(t.grad_fn is not None for t in hook_tensors(out)):
                         # no graph (a reentrant checkpoint's forward): hooked at its recompute
                         for k in [k for k in no_graph if k[0] != rec.step]:
                             del no_graph[k]  # never recomputed (a frozen module under no_grad): dropped
@@ -309,8 +268,8 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                         oracle_backward_hook(rec, mod, name, call, snap, out, handles, cls, pend,
                                              (lambda g, name=name, call=call: grad_pend(g, name, call)) if own else None,
                                              buffers=bufs, taps=kids)
-            with _no_modes():
-                outs = _tensors(out)
+            with no_modes():
+                outs = hook_tensors(out)
                 if len(outs) > 1 and own and sum(1 for t in outs if t.is_floating_point()) > 1:
                     multi_out.add(name)  # no float64 backward of it: an ancestor's taps its children
                 for i, t in enumerate(outs):
@@ -318,13 +277,13 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     meta = add("out", name, idx, t, call=call, style=style, cls=cls,
                                layout="partial" if part_out else None)
                     if meta is not None:
-                        _add_producer(producer, t, meta)
+                        add_producer(producer, t, meta)
                     if backward and t.requires_grad and t.grad_fn is not None:
-                        hook = _grad_hook(rec, name, idx, call, style, cls, meta, part_grad)
+                        hook = grad_hook(rec, name, idx, call, style, cls, meta, part_grad)
                         if taps is None or type(t) is not torch.Tensor:
                             handles.append(t.register_hook(hook))
                         else:
-                            _tap(t, hook, taps)
+                            tap(t, hook, taps)
             return out if perturb == name else None
 
         # TPDIAG_PROBE_HOOKS=1: every module through hooks (the path before wrap_forward)
@@ -346,7 +305,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     continue
                 hooked.setdefault(mname, []).append(short)
                 handles.append(p.register_post_accumulate_grad_hook(
-                    _param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname), pend, side_pend,
+                    param_grad_hook(rec, mname, short, info(mname)[0], classes.get(mname), pend, side_pend,
                                      hold)))
         # record_params inside this block reads the same walk (no module walk per call)
         walks[id(model)] = walked
@@ -366,119 +325,3 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         unwrap(wrapped)
         if gc_was:
             gc.enable()
-
-
-# The records' own tensor calls (detach, data_ptr, the hash queue's views) skip torch-function
-# modes: a fix that is one (invariant-attention's) would see each of them (~3,400 Python calls
-# per decode call of a 16-layer model on the CPU), and none of them is its to change.
-_no_modes = torch._C.DisableTorchFunction
-
-
-def _root(t: torch.Tensor) -> torch.Tensor | None:
-    # a view's _base is the tensor owning the storage (never itself a view)
-    return getattr(t, "_base", None)
-
-
-def _add_producer(producer, t: torch.Tensor, meta: dict) -> None:
-    for key in (t, _root(t)):
-        if key is None:
-            continue
-        hit = producer.get(id(key))
-        if hit is None or hit[0]() is not key:
-            producer[id(key)] = (weakref.ref(key), [meta])
-        elif not any(m is meta for m in hit[1]):
-            hit[1].append(meta)
-
-
-def _producers(producer, t: torch.Tensor) -> list:
-    """The records of the modules whose output `t` is, or is a view of (the same storage)."""
-    hit = producer.get(id(t))
-    if hit is not None and hit[0]() is t:
-        return hit[1]
-    root = _root(t)
-    if root is None:
-        return []
-    hit = producer.get(id(root))
-    return hit[1] if hit is not None and hit[0]() is root else []
-
-
-def _tensors(args, kwargs=None):
-    """The tensors among a hook's arguments or outputs, in pytree order (flat tuples of
-    tensors, the common case, without flattening: hooks run per module call)."""
-    if type(args) is torch.Tensor:
-        return (args,)
-    if not kwargs and type(args) is tuple:
-        for a in args:
-            if type(a) is not torch.Tensor:
-                break
-        else:
-            return args
-    flat, _ = tree_flatten((args, kwargs) if kwargs is not None else args)
-    return [x for x in flat if isinstance(x, torch.Tensor)]
-
-
-def _tap(t: torch.Tensor, hook, taps: list) -> None:
-    """t.register_hook(hook) for a plain tensor with a grad_fn, without the handle: the same hook
-    dict, filled the way Tensor.register_hook fills it, so autograd calls the hook at the same
-    point, in the same order among t's hooks. register_hook took ~9 us a call on a 2-core host
-    (its RemovableHandle ~3, the function-level import and three reads of t._backward_hooks the
-    rest) and a step registers one per module output: ~200 a llama-1b step, host time a
-    host-bound step pays. The key is an object of ours: RemovableHandle ids count from a global
-    counter, and a user's hook on t must not be overwritten."""
-    hooks = t._backward_hooks
-    if hooks is None:
-        hooks = t._backward_hooks = OrderedDict()
-        t.grad_fn._register_hook_dict(t)
-    key = object()
-    hooks[key] = hook
-    taps.append((hooks, key))
-
-
-def _grad_hook(rec: Recorder, name: str, idx: str, call: int, style, cls, fwd_meta,
-               partial: bool = False):
-    def hook(g):
-        with _no_modes():
-            m = rec.add("grad_out", name, idx, g, call=call, phase="backward", style=style, cls=cls,
-                        layout="partial" if partial else None)
-        if m is not None and fwd_meta is not None:
-            extras(m)["consumers"] = sorted(set(consumers_of(fwd_meta)))
-        return None
-
-    return hook
-
-
-def _param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: dict | None = None,
-                     side_pend: dict | None = None, hold=None):
-    """hold(mname, short, p, record): True where the grad is held to be recorded once, later (a
-    module called in two reentrant checkpoints: module_probes)."""
-    from tpdiag.kernels.grad_carry import carried
-
-    def hook(p):
-        if carried(p):
-            # grad accumulation's window holds this grad in its fp32 carry: autograd's own
-            # accumulation inside the window is not the grad (on an H100 with torch 2.11 a TP=2
-            # vocab-parallel embedding's was recorded here and again at the close); the close
-            # runs this hook once with the real grad
-            return
-        if hold is not None and hold(mname, short, p, record):
-            return
-        record(p)
-
-    def record(p):
-        g = p.grad
-        if type(g) is not torch.Tensor and getattr(g, "placements", None) \
-                and any(pl.is_partial() for pl in g.placements):
-            # A replicated weight under sequence parallelism accumulates an unreduced (Partial)
-            # grad; DTensor reduces it later, in the optimizer. Record the reduced value: the
-            # same all-reduce, on a copy, in the same order on every rank.
-            g = g.full_tensor()
-        with _no_modes():
-            rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
-            if pend:
-                param_grad_norms(rec, pend, mname, short, g, cls)
-            if side_pend:
-                from tpdiag.probes.own_side_norms import flush
-
-                flush(rec, side_pend, mname, short, cls)
-
-    return hook

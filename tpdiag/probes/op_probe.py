@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from tpdiag.base.user_code import calling_line
-from tpdiag.probes.float64 import DISCRETE
+from tpdiag.probes.float64_mode import DISCRETE
 from tpdiag.probes.recorder import PHASES, Recorder
 from tpdiag.probes.rows import extras
 from tpdiag.records.keys import record_key

@@ -130,7 +130,7 @@ def _judge_after(cfg: CompareConfig, sub: dict, files, out: str, fix: str, only,
 
     def shares(fd: dict) -> bool:
         # under hash capture, a forward input read as "shares that do not add up" from hashes alone
-        # (runner/drill._shares): its region pass reads them whole - without it a confirmed fix before
+        # (runner/drill_merge._shares): its region pass reads them whole - without it a confirmed fix before
         # a correct model's own all-reduce module filed a BUG from the rerun (_bug_after)
         return (sub.get("capture") == "hash" and (fd.get("phase"), fd.get("kind")) == ("forward", "in")
                 and fd.get("cause") == "sharding-bug" and fd.get("bound") is None)

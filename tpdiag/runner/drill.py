@@ -14,15 +14,14 @@ It copies what it measured into pass 1's first divergence. Large models stay che
 from __future__ import annotations
 
 import os
+from functools import partial
 
 from tpdiag.config import CompareConfig, degree_labels
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.paths import RunDir
 from tpdiag.runner import prefix
-from tpdiag.runner.drill_own import inside_consumer, near_on_own_inputs, own_files, own_left, step_differs
-
-_VALUES = ("max_abs", "max_ulp", "mismatch_fraction", "bound", "bound_ratio")
-_OPS = ("op", "op_record", "op_detail", "op_max_abs", "op_at")
+from tpdiag.runner.drill_merge import merge_rerun
+from tpdiag.runner.drill_own import own_files, own_left
 
 
 def _scope(fd: dict) -> str:
@@ -75,9 +74,6 @@ def wanted(cfg: CompareConfig, summary: dict) -> bool:
         d.get("unjudged") or (cfg.judge_downstream and d.get("own_inputs")) for d in entries(summary).values())
 
 
-_VERDICT = ("bound", "bound_ratio", "bound_model", "oracle")
-
-
 def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, later: list | None = None,
                records_from: dict | None = None) -> dict:
     """later: where the session confirms afterwards, a list the own-input pass after a region pass
@@ -88,8 +84,6 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     records_from: {label: world folder} of the configurations whose records an earlier pass made
     with this pass's probes (the own-input pass reads the region pass's: _judge_own_after_hash);
     taken where a world would run exactly as it ran there (runner/compare.py)."""
-    from tpdiag.diff.judge import settle
-    from tpdiag.records.causes import cause_class
     from tpdiag.runner.compare import compare_pass
 
     from tpdiag.records.axes import entries
@@ -115,7 +109,7 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     judge = [fd for fd in fds if fd.get("phase") == "forward" and needs_verdict(fd)]
     if hashed:
         # a forward record whose ranks' hashes differ may be each rank's share of a sum a module of
-        # the caller reduces (runner/drill._shares): its caller's ops too, so that the reduction,
+        # the caller reduces (runner/drill_merge._shares): its caller's ops too, so that the reduction,
         # read whole, is named where it becomes the first divergence (mega_split.py:split_ok)
         shares = [fd for fd in fds if (fd.get("phase"), fd.get("kind")) == ("forward", "out")
                   and fd.get("cause") == "rank-inconsistent-replica"]
@@ -219,115 +213,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         rerun = rerun.with_(out=out, granularity="module", op_include=(), oracle_ops=False)
         sub = compare_pass(rerun)[0]
         ops = False
-    def merge(sub: dict) -> None:
-        """The copy-back of a rerun's summary into pass 1's entries (the own-input pass after the
-        confirmation merges its findings the same way)."""
-        sub_every = entries(sub)
-        # the reference ran pass 1's step (its logits and parameters; its loss-phase records are of
-        # the first positions); decode worlds on the first positions checked themselves (worker.py)
-        ref_differs = step_differs(run_dir, labels[0], out, sub_labels[0], ("logits", "params") if n else None)
-        what = "full-capture" if hashed else "op-level" if ops else "float64"
-        for (label, _), sub_label in zip(targets, sub_labels[1:]):
-            entry = every[label]
-            fd = entry["first_divergence"]
-            sub_entry = sub_every.get(sub_label) or {}
-            sfd = sub_entry.get("first_divergence") or {}
-            differs = ref_differs or (None if n else step_differs(run_dir, label, out, sub_label))
-            if differs:
-                # pass 1's probes were proven inert (its self-check); these were not, and did not
-                # compute the same step: nothing they measured is evidence (records/integrity.py reads
-                # these words: the rerun's findings are left out on purpose)
-                fd["values_detail" if hashed else "op_detail"] = (
-                    f"the rerun of this region computed another step than the first pass ({differs}): "
-                    "its probes changed the numerics or the step is not deterministic; its values are not used")
-                if label in own or own_hash:
-                    # fail closed: a bug behind the first divergence may be there unseen
-                    entry["downstream_unjudged"] = f"the float64 pass computed another step than the first pass ({differs})"
-                continue
-            if sub_entry.get("status") == "failed":
-                # fail closed: a rerun whose worlds failed (a full disk, a crash) judged nothing - neither
-                # the first divergence in float64 nor a bug behind it (records/integrity.py says so too)
-                entry["downstream_unjudged"] = (f"the {what} rerun failed: "
-                                                f"{str(sub_entry.get('error') or 'no error recorded').splitlines()[0][:300]}")
-            if sub_entry.get("downstream_unjudged"):  # the own-input pass after a region pass
-                entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
-            if hashed and sfd and _shares(fd, entry, sub_entry, run_dir, label):
-                fd = entry["first_divergence"]  # before the findings: none may follow one dropped
-            # every finding the rerun made (the float64 verdicts of other roots among them)
-            seen = {(f["phase"], f["module"], f["kind"], f["name"]): f for f in entry["findings"]}
-            sub_bugs = {f.get("key") for f in sub_entry.get("findings", [])
-                        if "follows" not in f and cause_class(f.get("cause")) == "bug"}
-            sub_follows = {f.get("key"): f.get("follows") for f in sub_entry.get("findings", [])}
-            for f in sub_entry.get("findings", []):
-                mine = seen.get((f["phase"], f["module"], f["kind"], f["name"]))
-                if mine is not None:
-                    if "follows" not in mine and f.get("follows") in sub_bugs:
-                        # the rerun judged an earlier record a bug that pass 1 could not (a module
-                        # re-executed from its own inputs): this finding is its consequence there, so
-                        # it is here too - the bug leads, not what it caused downstream
-                        mine["follows"] = f["follows"]
-                    continue
-                f = {**f, "from": "second pass"}
-                flip = next((g for g in entry["findings"] if g.get("cause") == "router-flip" and "after" not in g
-                             and g.get("step") == f.get("step") and g.get("phase") == "forward"), None)
-                if flip is not None and (f.get("after") or f.get("cause") == "sharding-bug" and f.get("phase") != "forward"):
-                    # tokens that ran other experts are beyond any rounding by construction
-                    # (router.py): the flip explains it, as it does pass 1's later records
-                    continue
-                same = next((g for g in entry["findings"] + [fd] if "follows" not in g and g.get("module") == f["module"]
-                             and g.get("step") == f["step"] and cause_class(g.get("cause")) == "bug"), None)
-                if "follows" not in f and same is not None and sub_follows.get(same.get("key")) != f.get("key"):
-                    # one root per module (locate.py) - unless the rerun found `same` to follow from
-                    # f (an earlier record pass 1 could not judge: a grad it had no record of), where
-                    # f leads; each following the other left no lead, and the run read rounding only
-                    f["follows"] = same.get("key")
-                elif "follows" not in f:
-                    inner = inside_consumer(f, entry["findings"] + [fd])
-                    if inner is not None:
-                        f["follows"] = inner.get("key")
-                entry["findings"].append(f)
-            if label in own:
-                near_on_own_inputs(entry, out, sub_label)
-            if sub_entry.get("not_judged"):  # the grads past the first divergence it could not judge
-                entry["not_judged"] = sub_entry["not_judged"]
-            if sfd.get("key") != fd["key"]:
-                fd["values_detail" if hashed else "op_detail"] = (
-                    f"the {what} rerun of this region did not reproduce this first divergence "
-                    f"({sub_entry.get('status', 'failed')})")
-                continue
-            fd["second_pass_dir"] = out
-            if hashed:
-                # the whole values, measured where pass 1 had hashes: their verdict is the rerun's
-                for k in _VALUES:
-                    if k in sfd:
-                        fd[k] = sfd[k]
-                fd["values_run_dir"] = out
-                settle(fd, second=(sfd.get("cause"), fd.get("why")))
-            if sfd.get("oracle") or sfd.get("op_oracle") or (fd.get("cause") == "unknown" and sfd.get("cause")):
-                # the rerun judged it against float64 (bug or rounding) or named the reordering
-                # from the module's ops: its verdict replaces pass 1's
-                for k in _VERDICT + ("op_oracle",):
-                    if k in sfd:
-                        fd[k] = sfd[k]
-                    elif k in ("bound", "op_oracle"):
-                        fd.pop(k, None)
-                settle(fd, second=(sfd.get("cause"), sfd.get("why")))
-                if sfd.get("partial_grad_out"):
-                    # pass 1 kept no value of the output grad (each rank's share, left uncompared)
-                    # and said every input was equal: the rerun's detail says what was summed
-                    fd["partial_grad_out"], fd["detail"] = True, sfd["detail"]
-            if ops and sfd.get("op"):
-                for k in _OPS:
-                    if k in sfd:
-                        fd[k] = sfd[k]
-                fd["op_run_dir"] = out
-                # the op's name: an attention kernel (a cause only it can tell), or where an unknown enters
-                settle(fd, op_pass=(fd["op"], sfd.get("cause")))
-            elif ops and not fd.get("op"):
-                fd["op_detail"] = "the op-level rerun named no op for this first divergence"
-            if op_failed:
-                fd["op_detail"] = ("no op-level rerun: the ranks recorded different op streams (not SPMD at op "
-                                   "level); judged at module level")
+    merge = partial(merge_rerun, every=every, run_dir=run_dir, out=out, labels=labels, sub_labels=sub_labels,
+                    targets=targets, n=n, hashed=hashed, ops=ops, op_failed=op_failed, own=own, own_hash=own_hash)
 
     if own_hash and later is not None:
         region = sub
@@ -351,48 +238,6 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
     merge(sub)
     summary["second_pass"] = {"dir": out, "ops": ops, "oracle": oracle, "scopes": scopes if ops else []}
     return summary
-
-
-
-
-
-
-_SHARES = "shares of a value their module reduces"
-
-
-def _shares(fd: dict, entry: dict, sub_entry: dict, run_dir: str, label: str) -> bool:
-    """Pass 1's first divergence a record whose per-rank hashes differ, which the full-capture
-    rerun read whole and found to be each rank's share of a value its module makes one on every
-    rank (diff/partials.py; left_out.SHARE_WHYS): no difference. Hashes cannot tell shares that add
-    up from wrong ones, so pass 1 read them `sharding-bug` (`shares that do not add up`) and a
-    correct model read BUG (shard_stats.py:rms_ok under --capture hash, gate 4). The rerun's first
-    divergence - after the shares, judged there - takes its place, and pass 1's findings on those
-    records go; shares that do not add up are no such record, and keep pass 1's verdict."""
-    shares = set((sub_entry.get("not_compared") or {}).get("shares") or ())
-    if fd.get("key") not in shares:
-        return False
-    sfd = sub_entry["first_divergence"]
-    # its position in pass 1's records, as every record of this summary has (a confirmation compares
-    # it with its rerun's, whose records are pass 1's: runner/confirm.py)
-    from tpdiag.records.rundir import read_rows
-
-    idx = next((r["idx"] for r in read_rows(RunDir(run_dir).diff_csv)
-                if str(r.get("degree")) == str(label) and r.get("key") == sfd.get("key")), None)
-    if idx is None:
-        return False  # not a record of pass 1: its verdict stands (fail closed)
-    sfd["idx"] = idx
-    entry["findings"] = [f for f in entry.get("findings") or [] if f.get("key") not in shares]
-    entry["first_divergence"] = sfd
-    sfd["values_detail"] = (f"pass 1's first divergence {fd['key']} (per-rank hashes) is, read whole, each "
-                            "rank's share of a value its module reduces: not compared; the first divergence "
-                            "is this record")
-    left = entry.setdefault("not_compared", {"records": 0, "ops": 0, "why": {}, "module_records": []})
-    for k in sorted(shares - set(left.get("module_records") or ())):
-        left["records"] = left.get("records", 0) + 1
-        left.setdefault("module_records", []).append(k)
-        left.setdefault("why", {})[_SHARES] = left["why"].get(_SHARES, 0) + 1
-    left["shares"] = sorted(shares | set(left.get("shares") or ()))
-    return True
 
 
 def _reclear(summary: dict, labels) -> None:
@@ -434,7 +279,7 @@ def _judge_own_after_hash(rerun: CompareConfig, sub: dict, out: str, on_status) 
     firsts = {lab: copy.deepcopy(d.get("first_divergence")) for lab, d in every.items()}
     # its other worlds run as the region pass's did (the same modules whole, the same ops, every
     # position; only the reference's float64 oracle is new), their step proven pass 1's there
-    # (drill_down's merge: step_differs): they are not run again (compare_pass: records_from
+    # (drill_merge.merge_rerun: step_differs): they are not run again (compare_pass: records_from
     # where their configs match). Only the reference runs - at real sizes a decode world is most
     # of a region pass (llama-1b 1 x 2048: 51 of 68 s of this pass on an H200).
     # TPDIAG_OWN_PASS_RERUN=1: every world runs again (the A/B of the link: tests/test_own_pass_links.py)

@@ -52,7 +52,7 @@ def boundaries(per_rank: list[list[dict]], ref_params: dict | None = None) -> di
                 and len({x.get("hash") for x in ms}) > 1 and ref_params is not None \
                 and list(ref_params.get(k) or []) == list(m["local_shape"]):
             # other whole weights under one name per rank: another expert on each (the diff checks
-            # that each is one of the reference's - diff/analyse.py _not_the_references - and says
+            # that each is one of the reference's - diff/per_rank_weights.not_the_references - and says
             # so where one is not)
             differing.add(m["module"])
     if not differing:

@@ -77,7 +77,7 @@ def routed():
 
 def dropping_close():
     """`dropping` with a router 1000x smaller: its top-1 choices are near ties (not clear to
-    probes/float64._clear_choice), so only the recorded, equal choices rule out a flip."""
+    probes/float64_mode._clear_choice), so only the recorded, equal choices rule out a flip."""
     t = dropping()
     with torch.no_grad():
         for b in t.model.blocks:
