@@ -216,3 +216,43 @@ def test_slice_of_a_checkpoint_reads_only_its_layers(tmp_path):
     for k, t in cut.items():
         if k in ckpt:
             assert torch.equal(t, ckpt[k].to(t.dtype)), k
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "llama-1b"])
+def test_builtin_param_counts_are_the_built_models(preset):
+    """A built-in preset's counts come from its config (LlamaConfig.param_counts), not a build:
+    they must be what the model built on the meta device holds, outside the layers and per layer."""
+    import re
+
+    from tpdiag.models import tiny_llama
+    from tpdiag.models.capacity import param_counts
+    from tpdiag.models.spec import parse_spec
+
+    with torch.device("meta"):
+        model = tiny_llama.build(preset)
+    outside, per = 0, [0] * model.cfg.n_layers
+    for name, p in model.named_parameters():
+        m = re.match(r"layers\.(\d+)\.", name)
+        if m is None:
+            outside += p.numel()
+        else:
+            per[int(m.group(1))] += p.numel()
+    assert param_counts(parse_spec(preset)) == (outside, tuple(per))
+
+
+def test_builtin_preflight_leaves_dynamo_unimported():
+    """compare's memory preflight of a built-in preset builds nothing on the meta device, whose
+    Python kernels import torch._dynamo into compare's own process (1.5-7 s of its checks on a
+    2-core host): after it, torch._dynamo is still not imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from tpdiag.models.preflight import preflight\n"
+            "from tpdiag.models.spec import parse_spec\n"
+            "out = preflight(parse_spec('llama-1b'), (1, 2), 1, 2048, 'bfloat16', True, 'cpu', have=(1 << 50, 'x'))\n"
+            "assert all(v['fits'] for v in out['degrees'].values()), out\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"

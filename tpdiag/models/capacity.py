@@ -45,11 +45,9 @@ def _hf_dims(path: str) -> dict:
 def param_counts(spec) -> tuple[int, tuple[int, ...]] | None:
     """(parameters outside the decoder layers, each decoder layer's parameters) of the whole
     model (no --layers), counted on a build on the meta device - no memory, no init - so a
-    70B-shaped config costs seconds; None where the model cannot be built that way."""
+    70B-shaped config costs seconds (a built-in preset: from its config, which needs no build:
+    LlamaConfig.param_counts); None where the model cannot be built that way."""
     import re
-
-    import torch
-
     from dataclasses import replace
 
     spec = replace(spec, layers=0)
@@ -57,9 +55,8 @@ def param_counts(spec) -> tuple[int, tuple[int, ...]] | None:
         if spec.kind == "builtin":
             from tpdiag.models import tiny_llama
 
-            with torch.device("meta"):
-                model = tiny_llama.build(spec.value)
-        elif spec.kind == "hf":
+            return tiny_llama.LlamaConfig(**tiny_llama.PRESETS[spec.value]).param_counts()
+        if spec.kind == "hf":
             from tpdiag.models.hf import meta_build
 
             built = meta_build(spec.value)

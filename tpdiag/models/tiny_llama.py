@@ -43,6 +43,15 @@ class LlamaConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def param_counts(self) -> tuple[int, tuple[int, ...]]:
+        """(parameters outside the decoder layers, each layer's), as TinyLlama holds them (untied
+        embedding and head, bias-free linears, RMSNorm weights): read from the config, as a build
+        on the meta device would count them, without one - the meta device's Python kernels
+        import torch._dynamo into the process (1.5-7 s of a 2-core host's CPU in compare's checks)."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        layer = 2 * self.dim + self.dim * (q + 2 * kv) + q * self.dim + 3 * self.dim * self.ffn_dim
+        return 2 * self.vocab_size * self.dim + self.dim, (layer,) * self.n_layers
+
     def divisors(self) -> dict[str, int]:
         """Every dimension TP splits; a degree must divide all of them."""
         return {"n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,

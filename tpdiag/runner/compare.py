@@ -129,6 +129,9 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
                             "error": res.error, **world_timings(res.rank_timings), "numerics": res.numerics,
                             **where})
 
+    from tpdiag.runner import prefetch
+
+    prefetch.start()  # what the diff imports, while the worlds run
     beside = None  # the reference's rerun, run beside it on another GPU (runner/side_by_side.py)
     if base_label is not None and not (records_from or {}).get(labels[0]):  # not a reference with a base
         from tpdiag.runner.side_by_side import side_gpu
