@@ -573,6 +573,22 @@ def behind_bugs_run(tmp_path_factory):
     return shared_run(tmp_path_factory, "behind-bugs", make)
 
 
+# behind.py:bugs under a hash capture at TP=1,2 (test_own_norms' default side, test_own_ref_base's run)
+BEHIND_HASH = ("--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2", "--capture", "hash",
+               "--no-confirm", "--no-baseline", "--format", "json")
+
+
+@pytest.fixture(scope="session")
+def behind_hash_run(tmp_path_factory):
+    """ONE compare of BEHIND_HASH: test_own_norms reads it as the default side of its pair (against
+    TPDIAG_OWN_NORMS=0 and TPDIAG_OWN_SIDE_NORMS=0 runs of its own), test_own_ref_base reads it and
+    edits copies - each file ran the same compare of its own."""
+    def make(out):
+        p = run_cli("compare", *BEHIND_HASH, "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    return shared_run(tmp_path_factory, "behind-hash", make)
+
+
 @pytest.fixture(scope="session")
 def branches_bugs_run(tmp_path_factory):
     """ONE default-flow forward-only compare (no rerun, no confirmation) of the planted catalogue's
