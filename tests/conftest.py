@@ -321,6 +321,8 @@ FILE_SECONDS = {
     "test_loop_stage.py": 30, "test_own_taps.py": 30,
     # session 16 (red team hred16): one compare (hook_mixed), wall of `pytest -n 0 FILE` less pytest's start
     "test_failclosed_hooks.py": 22, "test_failclosed_not_judged.py": 22,
+    # session 17 (helper hci17): one fresh interpreter that imports torch, no world
+    "test_meta_fills.py": 3,
 }
 
 
