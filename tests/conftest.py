@@ -291,8 +291,8 @@ FILE_SECONDS = {
     "test_workdir_imports.py": 10, "test_ep_moe.py": 9, "test_cli_input.py": 8, "test_ep_dispatch.py": 8, "test_gather_stack_hash.py": 8,
     "test_rank0_bias.py": 8, "test_failclosed_overrides.py": 7, "test_seq_parallel.py": 7, "test_decode_numerics.py": 6, "test_ep_placement.py": 6,
     "test_pair_memo.py": 6, "test_failclosed_unread.py": 5, "test_record_key.py": 5, "test_tree_groups_triton.py": 5, "test_tree_overlap.py": 5,
-    "test_attention_offsets.py": 4, "test_carry_gemm.py": 4, "test_oracle.py": 4, "test_own_ref_base.py": 4, "test_pad128_wide.py": 4,
-    "test_confirm_findings.py": 3, "test_failclosed_passes.py": 3, "test_gathered_pad.py": 3, "test_oracle_factories.py": 3, "test_own_norms.py": 3,
+    "test_attention_offsets.py": 4, "test_carry_gemm.py": 4, "test_oracle.py": 4, "test_own_ref_base.py": 15, "test_pad128_wide.py": 4,
+    "test_confirm_findings.py": 3, "test_failclosed_passes.py": 3, "test_gathered_pad.py": 3, "test_oracle_factories.py": 3, "test_own_norms.py": 5,
     "test_step_sync.py": 3, "test_tamper_findings.py": 3, "test_diff_pair_check.py": 2, "test_failclosed_markup.py": 2, "test_hash_fast.py": 2,
     "test_no_bug_at_tp1.py": 2, "test_op_algorithm.py": 2, "test_oracle_inert.py": 2, "test_user_accum.py": 2,
     # session 14 (helper hci14): new files, `pytest -n 0 FILE` in a cpuacct cgroup less pytest's own
@@ -308,7 +308,7 @@ FILE_SECONDS = {
     "test_tamper_labels.py": 8,
     # session 15 (lead): this session's new files, wall of `pytest -n 0 FILE` on the 2-core machine
     # with a suite running beside it, less ~8 s of pytest's own start - rough, ordering only
-    "test_recipe_compiled.py": 55, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19, "test_grad_hook_plan.py": 70, "test_global_state.py": 65, "test_recipe_loss_bound.py": 2,
+    "test_recipe_compiled.py": 61, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19, "test_grad_hook_plan.py": 70, "test_global_state.py": 65, "test_recipe_loss_bound.py": 2,
     "test_capture_oracle.py": 17, "test_flat_rows.py": 16, "test_tap_state.py": 16, "test_recipe_tamper.py": 16,
     "test_top_split.py": 14, "test_rollout_no_cache.py": 13,
     # session 16 (helper hdocs16): its four tests take under 0.1 s (pytest --durations); its one run is
@@ -321,7 +321,9 @@ FILE_SECONDS = {
     "test_loop_stage.py": 30, "test_own_taps.py": 30,
     # session 16 (red team hred16): one compare (hook_mixed), wall of `pytest -n 0 FILE` less pytest's start
     "test_failclosed_hooks.py": 22, "test_failclosed_not_judged.py": 22,
-    # session 17 (helper hci17): one fresh interpreter that imports torch, no world
+    # session 17 (helper hci17): one fresh interpreter that imports torch, no world. Changed above: the
+    # files this session cut, each its tests' CPU s in a cpuacct cgroup (pytest -n 0, per test, pytest's
+    # start left out) - test_recipe_compiled 61, test_own_ref_base 15 (it makes behind_hash_run first), test_own_norms 5
     "test_meta_fills.py": 3,
 }
 
