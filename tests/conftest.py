@@ -291,8 +291,8 @@ FILE_SECONDS = {
     "test_workdir_imports.py": 10, "test_ep_moe.py": 9, "test_cli_input.py": 8, "test_ep_dispatch.py": 8, "test_gather_stack_hash.py": 8,
     "test_rank0_bias.py": 8, "test_failclosed_overrides.py": 7, "test_seq_parallel.py": 7, "test_decode_numerics.py": 6, "test_ep_placement.py": 6,
     "test_pair_memo.py": 6, "test_failclosed_unread.py": 5, "test_record_key.py": 5, "test_tree_groups_triton.py": 5, "test_tree_overlap.py": 5,
-    "test_attention_offsets.py": 4, "test_carry_gemm.py": 4, "test_oracle.py": 4, "test_own_ref_base.py": 4, "test_pad128_wide.py": 4,
-    "test_confirm_findings.py": 3, "test_failclosed_passes.py": 3, "test_gathered_pad.py": 3, "test_oracle_factories.py": 3, "test_own_norms.py": 3,
+    "test_attention_offsets.py": 4, "test_carry_gemm.py": 4, "test_oracle.py": 4, "test_own_ref_base.py": 15, "test_pad128_wide.py": 4,
+    "test_confirm_findings.py": 3, "test_failclosed_passes.py": 3, "test_gathered_pad.py": 3, "test_oracle_factories.py": 3, "test_own_norms.py": 5,
     "test_step_sync.py": 3, "test_tamper_findings.py": 3, "test_diff_pair_check.py": 2, "test_failclosed_markup.py": 2, "test_hash_fast.py": 2,
     "test_no_bug_at_tp1.py": 2, "test_op_algorithm.py": 2, "test_oracle_inert.py": 2, "test_user_accum.py": 2,
     # session 14 (helper hci14): new files, `pytest -n 0 FILE` in a cpuacct cgroup less pytest's own
@@ -308,7 +308,7 @@ FILE_SECONDS = {
     "test_tamper_labels.py": 8,
     # session 15 (lead): this session's new files, wall of `pytest -n 0 FILE` on the 2-core machine
     # with a suite running beside it, less ~8 s of pytest's own start - rough, ordering only
-    "test_recipe_compiled.py": 55, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19, "test_grad_hook_plan.py": 70, "test_fwd_hook_late.py": 20, "test_global_state.py": 65, "test_recipe_loss_bound.py": 2,
+    "test_recipe_compiled.py": 61, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19, "test_grad_hook_plan.py": 70, "test_fwd_hook_late.py": 20, "test_global_state.py": 65, "test_recipe_loss_bound.py": 2,
     "test_capture_oracle.py": 17, "test_flat_rows.py": 16, "test_tap_state.py": 16, "test_recipe_tamper.py": 16,
     "test_top_split.py": 14, "test_rollout_no_cache.py": 13,
     # session 16 (helper hdocs16): its four tests take under 0.1 s (pytest --durations); its one run is
@@ -323,6 +323,10 @@ FILE_SECONDS = {
     "test_failclosed_hooks.py": 22, "test_failclosed_not_judged.py": 22,
     # session 17 (helper hperf17): one subprocess importing torch
     "test_provenance.py": 4, "test_prefetch.py": 3,
+    # session 17 (helper hci17): one fresh interpreter that imports torch, no world. Changed above: the
+    # files this session cut, each its tests' CPU s in a cpuacct cgroup (pytest -n 0, per test, pytest's
+    # start left out) - test_recipe_compiled 61, test_own_ref_base 15 (it makes behind_hash_run first), test_own_norms 5
+    "test_meta_fills.py": 3,
 }
 
 
@@ -573,6 +577,22 @@ def behind_bugs_run(tmp_path_factory):
                     "--out", str(out), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
     return shared_run(tmp_path_factory, "behind-bugs", make)
+
+
+# behind.py:bugs under a hash capture at TP=1,2 (test_own_norms' default side, test_own_ref_base's run)
+BEHIND_HASH = ("--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2", "--capture", "hash",
+               "--no-confirm", "--no-baseline", "--format", "json")
+
+
+@pytest.fixture(scope="session")
+def behind_hash_run(tmp_path_factory):
+    """ONE compare of BEHIND_HASH: test_own_norms reads it as the default side of its pair (against
+    TPDIAG_OWN_NORMS=0 and TPDIAG_OWN_SIDE_NORMS=0 runs of its own), test_own_ref_base reads it and
+    edits copies - each file ran the same compare of its own."""
+    def make(out):
+        p = run_cli("compare", *BEHIND_HASH, "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    return shared_run(tmp_path_factory, "behind-hash", make)
 
 
 @pytest.fixture(scope="session")

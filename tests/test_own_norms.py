@@ -12,23 +12,23 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import BEHIND_HASH, ROOT, run_cli
 from tpdiag.errors import Inconclusive
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from same_rundirs import _json_lines  # noqa: E402  (timings, hosts and paths dropped)
 
-ARGS = ("--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2", "--capture", "hash",
-        "--no-confirm", "--no-baseline", "--format", "json")
+ARGS = BEHIND_HASH  # behind.py:bugs at TP=1,2, --capture hash, no rerun, no confirmation
 VERDICTS = ("summary.json", "diff.csv", "region/summary.json", "region/ops/summary.json", "region/ops/diff.csv")
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """"1": the default; "0": TPDIAG_OWN_NORMS=0; "side0": TPDIAG_OWN_SIDE_NORMS=0 (the weight grads
-    re-executed from TP=2's inputs whole: tests/test_own_side_norms.py)."""
-    out = {}
-    for norms, env in (("1", {}), ("0", {"TPDIAG_OWN_NORMS": "0"}), ("side0", {"TPDIAG_OWN_SIDE_NORMS": "0"})):
+def pair(tmp_path_factory, behind_hash_run):
+    """"1": the default (conftest's session run, read only: edits go to copies); "0":
+    TPDIAG_OWN_NORMS=0; "side0": TPDIAG_OWN_SIDE_NORMS=0 (the weight grads re-executed from TP=2's
+    inputs whole: tests/test_own_side_norms.py)."""
+    out = {"1": behind_hash_run}
+    for norms, env in (("0", {"TPDIAG_OWN_NORMS": "0"}), ("side0", {"TPDIAG_OWN_SIDE_NORMS": "0"})):
         d = tmp_path_factory.mktemp(f"norms{norms}") / "r"
         p = run_cli("compare", *ARGS, "--out", str(d), env={"OMP_NUM_THREADS": "1", **env})
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]

@@ -13,16 +13,13 @@ from tpdiag.errors import Inconclusive
 from tpdiag.records.base_world import base_drop
 from tpdiag.records.store import RecordSet, read_index
 
-ARGS = ("--model", "py:tests/models/planted/behind.py:bugs", "--tp", "1,2", "--capture", "hash", "--no-confirm",
-        "--no-baseline", "--format", "json")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    d = tmp_path_factory.mktemp("base") / "run"
-    p = run_cli("compare", *ARGS, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
-    return d
+def run(behind_hash_run):
+    """conftest.BEHIND_HASH's one session compare (behind.py:bugs, TP=1,2, --capture hash), shared with
+    test_own_norms: read here, edited only in copies (_copy)."""
+    return behind_hash_run
 
 
 def _copy(run, tmp_path):

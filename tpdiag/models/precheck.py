@@ -52,12 +52,11 @@ def hf_base_plan(path: str) -> tuple[str, dict | None]:
 
 
 def _py_target(spec, variant: str):
-    import torch
-
+    from tpdiag.models.meta_fills import meta_device
     from tpdiag.models.spec import load_target
 
     try:
-        with torch.device("meta"):
+        with meta_device():
             return load_target(spec, variant)
     except BadInput:
         raise
