@@ -270,6 +270,13 @@ for name, src in zip(("partition", "batch"), sys.argv[1:]):
 
 @pytest.fixture(scope="module")
 def interpreted():
+    import triton
+
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        # Triton 3.6's interpreter (the GPU machines' image) hands a loaded scalar to the batched
+        # kernel's loop bounds as a 1-element array and fails in int(); the compiled kernel is the
+        # one those machines run, checked bit for bit by `python -m benchmarks record-hash`
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run the batched hash kernel (3.9 can)")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, PORT=str(free_port()))
     p = subprocess.run([sys.executable, "-c", DRIVER, PARTITION, CODE], capture_output=True, text=True, env=env,
                        timeout=900)
