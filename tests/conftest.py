@@ -327,6 +327,9 @@ FILE_SECONDS = {
     # files this session cut, each its tests' CPU s in a cpuacct cgroup (pytest -n 0, per test, pytest's
     # start left out) - test_recipe_compiled 61, test_own_ref_base 15 (it makes behind_hash_run first), test_own_norms 5
     "test_meta_fills.py": 3,
+    # session 17 (helper hplant17): wall of `pytest -n 0 FILE` on the shared 2-core machine, less ~8 s
+    # of pytest's start (three compares: sinks_first 1,4; sinks_unsynced 1,2; sinks_ok 1,2,4)
+    "test_attn_sinks.py": 58, "test_mamba_norm.py": 40, "test_moe_aux_sp.py": 50, "test_clip_norm.py": 42,
 }
 
 

@@ -118,8 +118,8 @@ def test_a_clear_choice_is_no_discrete_flip_and_a_near_tie_is():
             if self.tie:  # two experts' scores 1e-7 apart: fp32 rounding can order them either way
                 p = torch.cat([p[:, :1], p[:, :1] + 1e-7, p[:, 2:]], 1)
             w, i = p.softmax(-1).max(-1)
-            v, _ = p.topk(2, -1)
-            return w * i + v.sum(-1)
+            v, j = p.topk(2, -1)
+            return w * i + v.sum(-1) + j.sum(-1)  # both choices' indices read
 
     torch.manual_seed(0)
     x = torch.randn(5, 4, dtype=torch.float64)
@@ -134,3 +134,63 @@ def test_a_first_divergence_whose_ops_differ_per_rank_is_judged_at_module_level(
     fd = s["degrees"]["2"]["first_divergence"]
     assert (fd["module"], fd["kind"], fd["cause"]) == ("moe", "out", "sharding-bug"), fd
     assert fd["oracle"]["far"] and "judged at module level" in fd["op_detail"], fd
+
+
+def test_a_max_or_topk_whose_indices_nothing_reads_chooses_nothing():
+    """A max/topk's VALUES are continuous in its input (a flipped near tie moves them by the gap,
+    itself rounding): only its indices are a choice. A softmax stabilised by `x - x.max(-1).values`
+    over causally masked scores (HF gpt-oss attention with its sinks) made no choice; noted as one,
+    its far verdict at TP=4 (tests/models/planted/attn_sinks.py sinks_first) was dropped and the
+    run read `rounding only`. An exact tie (a token repeated in the sequence: equal keys) included."""
+    import torch
+
+    from tpdiag.probes.float64 import module_oracle
+
+    class Stable(torch.nn.Module):
+        def __init__(self, read_indices):
+            super().__init__()
+            self.read_indices = read_indices
+
+        def forward(self, s):
+            s = torch.cat([s, s[..., :1]], -1)  # an exact tie in every row
+            s = s.masked_fill(torch.ones(4, 5, dtype=torch.bool).triu(1), float("-inf"))
+            m = s.max(dim=-1, keepdim=True)
+            out = torch.softmax(s - m.values, -1) + s.topk(2, -1).values.sum(-1, keepdim=True)
+            return out * m.indices if self.read_indices else out
+
+    s = torch.randn(2, 4, 4, dtype=torch.float64)
+    assert module_oracle(Stable(False), (s,), {})[1] == {}
+    assert module_oracle(Stable(True), (s,), {})[1] == {"discrete": ["aten::max"]}
+
+
+def test_indices_a_module_returns_are_a_choice():
+    import torch
+
+    from tpdiag.probes.float64 import module_oracle
+
+    class Top(torch.nn.Module):
+        def forward(self, x):
+            x = torch.cat([x, x[:, :1]], 1)
+            return x.topk(1, -1)
+
+    assert module_oracle(Top(), (torch.randn(3, 4, dtype=torch.float64),), {})[1] == {"discrete": ["aten::topk"]}
+
+
+def test_a_masked_minus_inf_is_no_scale_for_a_clear_choice():
+    """A choice read (argmax indices) among scores some of which are masked to -inf: the gap to the
+    runner-up is measured against the finite values' magnitude; the -inf made it infinite and every
+    row's choice "unclear"."""
+    import torch
+
+    from tpdiag.probes.float64 import module_oracle
+
+    class MaskedRoute(torch.nn.Module):
+        def forward(self, p):
+            p = p.masked_fill(torch.tensor([False, False, True, False]), float("-inf"))
+            return p.gather(-1, p.argmax(-1, keepdim=True))
+
+    p = torch.tensor([[1.0, 0.5, 3.0, -1.0], [0.1, 0.9, 0.0, 0.3]], dtype=torch.float32)
+    # the working precision is the module's tensors' (a module with none counts every choice)
+    route = MaskedRoute()
+    route.register_buffer("unit", torch.ones((), dtype=torch.float32))
+    assert module_oracle(route, (p.double(),), {})[1] == {}

@@ -47,7 +47,23 @@ def _caller_verdict(dd: DegreeDiff, first: dict, fd: dict) -> dict | None:
     v = (out or {}).get("oracle")
     if not isinstance(v, dict) or "far" not in v or v.get("own") or not oracle.inputs_equal(dd, out):
         return None
-    return {**v, "record": out["key"]}
+    inner = _inner_far(dd, first, out, fd["module"]) if v["far"] else None
+    return {**v, "record": out["key"], **({"explained_by": inner} if inner else {})}
+
+
+def _inner_far(dd: DegreeDiff, first: dict, out: dict, caller: str) -> str | None:
+    """A module the caller calls after computing the input `first` (its consumer, or a later one),
+    itself far from its float64 re-execution from its OWN inputs: the caller's whole re-execution
+    is far through it, and says nothing of the input (a Mamba2 mixer whose in-projection rounds at
+    TP=4 and whose gated norm then cuts its groups wrong: the projection read as the bug)."""
+    i, j = dd.rows.index(first), dd.rows.index(out)
+    for r in dd.rows[i:j]:
+        v = r.get("oracle")
+        if r["phase"] == "forward" and r["kind"] == "out" and r["step"] == first["step"] \
+                and (caller == "model" or r["module"].startswith(caller + ".")) \
+                and isinstance(v, dict) and v.get("own") and v.get("far") and not v.get("discrete"):
+            return r["key"]
+    return None
 
 
 def _is_pick(row: dict) -> bool:

@@ -320,6 +320,24 @@ def _weights_cause(dd, row: dict, what: str) -> tuple[str, str] | None:
     return None
 
 
+def _rows_cause(dd, row: dict, what: str) -> tuple[str, str] | None:
+    """The reordering a module's input names when its ops were not recorded and it holds no sharded
+    matrix: its input split on a dim before the last (each rank its own tokens: sequence
+    parallelism), so every kernel in it ran on fewer rows per call - `batch-variant-kernel`. (A
+    sequence-parallel MoE routes other token counts to each expert on each rank: the ranks' op
+    streams differ, no op-level rerun; its correct layer read `unknown` and failed the gate.)"""
+    src = next((r for r in dd.rows if r.get("kind") == "in" and r["module"] == row["module"]
+                and r.get("step") == row["step"] and r.get("phase") == "forward"
+                and r.get("call") == row.get("call") and str(r.get("name")) == "0"), None)
+    layout, shape = (src or {}).get("layout") or "", (src or {}).get("shape") or ()
+    if not layout.startswith("shard:") or not layout[6:].isdigit() or len(shape) < 2 \
+            or int(layout[6:]) >= len(shape) - 1:
+        return None
+    return "batch-variant-kernel", (f"rounding: {what}; its ops were not recorded, and its input is "
+                                    f"split on dim {layout[6:]} (each rank its own rows), so its "
+                                    "kernels ran on fewer rows per call")
+
+
 def reorder_cause(dd, row: dict, k: int | None) -> tuple[str, str | None]:
     """Name the reordering behind a difference judged rounding (inside a bound, or near the
     float64 oracle), from the module's ops."""
@@ -327,7 +345,7 @@ def reorder_cause(dd, row: dict, k: int | None) -> tuple[str, str | None]:
             else "near its float64 re-execution")
     ops = _module_ops(dd, row)
     if not ops:
-        by_layout = _weights_cause(dd, row, what)
+        by_layout = _weights_cause(dd, row, what) or _rows_cause(dd, row, what)
         if by_layout is not None:
             # judged rounding all the same: `unknown` would fail the gate closed on a reordering
             # its bound or the float64 run proved (ops go unrecorded where the ranks' op streams differ, a

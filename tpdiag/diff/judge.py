@@ -144,6 +144,9 @@ RULES: list[Rule] = [
     Rule("the caller of a divergent input is far from float64",
          lambda ev, b: (ev.record.get("kind") == "in" and ev.caller_oracle is not None and ev.caller_oracle["far"]
                         and not ev.caller_oracle.get("discrete") and (ev.op_oracle is None or not ev.op_oracle["far"])
+                        # the op that computed it judged near, and a module called after it far on its
+                        # own inputs: that module is the caller's far, not this input (its own finding)
+                        and not (ev.op_oracle is not None and ev.caller_oracle.get("explained_by"))
                         and cause_class(b().cause) != "bug"),
          lambda ev, b: "sharding-bug", _caller_why),
     Rule("op far from its float64 re-execution",

@@ -96,6 +96,7 @@ def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None, names=None) 
                 mode.known = _own_storages(mod, (args, kwargs)) - (set(names["buffers"]) - mine)
             with mode:
                 out = mod(*args, **kwargs)
+            mode.consumed(out)  # indices the module returns are a choice its caller reads
             written = _written_values(mod, swapped)
     except Exception as e:  # noqa: BLE001 - any failure is a reason, never a crash of the run
         return None, {"why": _why(e)}
@@ -169,6 +170,7 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=No
             _as_before(buffers)
             with mode:
                 out = functional_call(mod, {**frozen, **leaves}, args, kwargs, strict=False)
+                mode.consumed(out)
                 flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
                         and (t.is_floating_point() or t.is_complex()) and t.requires_grad]
                 if len(flat) != 1:

@@ -56,6 +56,12 @@ class Float64Mode(TorchDispatchMode):
         # not hold (diff/written_state.py reads which)
         self.known = known
         self.foreign: dict[int, torch.Tensor] = {}
+        # a max/min/topk's choice is its INDICES: its values are a continuous function of the input
+        # (a flipped near tie moves them by the gap, itself rounding) - a softmax's `x - x.max(-1)
+        # .values` (HF gpt-oss attention, with its sinks) chooses nothing. So an unclear choice
+        # counts once its indices are read by a later op or returned (`consumed`); held here (the
+        # tensor kept alive: its storage not reused) until then. An argmax's output is its indices.
+        self.pending: dict[int, tuple[str, torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -74,6 +80,8 @@ class Float64Mode(TorchDispatchMode):
                     raise OracleRefused(f"it writes state in place ({op_name(func)} on a "
                                         f"{str(t.dtype).replace('torch.', '')} tensor it did not "
                                         "create): re-running it would change the real run")
+        if self.pending:
+            self.consumed((args, kwargs))
         if self.known is not None and not name.startswith("lift_fresh"):  # torch.tensor(3.0): made here
             for t in _tensors((args, kwargs), []):
                 p = storage_ptr(t)
@@ -102,12 +110,35 @@ class Float64Mode(TorchDispatchMode):
         if self.known is not None:
             self.known.update(p for t in _tensors(out, []) if (p := storage_ptr(t)) > 0)
         if choice and not _clear_choice(func, up_args, up_kwargs, self.working):
-            self.discrete.append(op_name(func))
+            idx = _indices(out)
+            if idx is None:
+                self.discrete.append(op_name(func))
+            else:
+                self.pending[storage_ptr(idx)] = (op_name(func), idx)
         return out
+
+    def consumed(self, tree) -> None:
+        """The pending choices whose indices `tree` (an op's arguments, the call's output) holds
+        become discrete choices made."""
+        for t in _tensors(tree, []):
+            got = self.pending.pop(storage_ptr(t), None)
+            if got is not None and got[0] not in self.discrete:
+                self.discrete.append(got[0])
 
 
 # index-selecting ops whose choice can be checked for a near tie (_clear_choice)
 _SELECT = {"max", "min", "argmax", "argmin", "topk"}
+
+
+def _indices(out) -> torch.Tensor | None:
+    """The integer indices a select op returned (max.dim/min.dim/topk: (values, indices); argmax:
+    the indices), or None (a whole-tensor max: a value, but kept conservative by the caller)."""
+    if isinstance(out, torch.Tensor):
+        return out if not out.is_floating_point() and not out.is_complex() and storage_ptr(out) > 0 else None
+    if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], torch.Tensor) \
+            and out[1].dtype == torch.int64 and storage_ptr(out[1]) > 0:
+        return out[1]
+    return None
 # a choice is clear when the values it picks between are further apart, relative to the largest
 # of them, than this many unit roundoffs of the working precision: the module's own rounding
 # (from the same inputs: an oracle from this side's inputs) cannot reorder them. A router's
@@ -146,7 +177,10 @@ def _clear_choice(func, args, kwargs, working) -> bool:
             return v.shape[-1] == k and base == "topk"  # nothing left out; order among them is all
         top = torch.topk(v if largest else -v, k + 1, dim=-1).values
         gaps = (top[..., :-1] - top[..., 1:]).abs()
-        scale = v.abs().amax(-1, keepdim=True)
+        # the magnitude rounding scales with is the finite values': a masked -inf (a router's
+        # excluded experts, a causal mask) is no value any rounding moves, and as the scale it made
+        # every gap in its row "too small" (tests/test_attn_sinks.py)
+        scale = v.abs().masked_fill(~v.isfinite(), 0).amax(-1, keepdim=True)
         u = torch.finfo(working).eps / 2
         if base != "topk":
             gaps = gaps[..., -1:]
