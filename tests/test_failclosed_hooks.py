@@ -73,6 +73,25 @@ def test_a_kept_hook_cut_from_world_json_is_inconclusive(run):
     assert res.exit_code == 2 and "grad hooks on head.weight" in res.problems[0], res.lines()
 
 
+def test_hook_effect_edited_to_an_observer_is_inconclusive(run):
+    """hook_effect false says the dropped clip changed no grad at TP=1, so TP=2's unclipped grad would be
+    TP=1's up to rounding; it is 3.8 times its norm away. On main, hook_effect set false in TP=1's and the
+    second pass's world.json with the finding cut from both summaries passed `gate --allow rounding`
+    (exit 0, red team hred16); now the claim is held to the grads (dropped_hooks._not_idle)."""
+    def idle(s):
+        _cut_finding(s)
+        for d in s["degrees"].values():
+            d["hooks_idle"] = ["w1.weight"]
+
+    for f in ("summary.json", "ops/summary.json"):
+        _edit(run / f, idle)
+    for w in ("tp1", "ops/tp1"):
+        _edit(run / w / "world.json", lambda w: w["hook_effect"].update({"w1.weight": False}))
+    res = _gate(run)
+    assert res.exit_code == 2 and "hook_effect calls the grad hook(s) clip on w1.weight an observer" in res.problems[0], \
+        res.lines()
+
+
 def test_census_on_hand_made_worlds():
     from tpdiag.diff.dropped_hooks import census
 

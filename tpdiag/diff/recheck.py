@@ -75,12 +75,13 @@ def _show(v) -> str:
 
 def recomputed(ref, other, label: str, values: bool = True, also=frozenset()):
     """(DegreeDiff, {field: value}) for the summary fields the records alone determine; also: keys whose
-    tensors to hold too (not_judged's listed grads)."""
+    tensors to hold too (not_judged's listed grads), or a keep= predicate of an event."""
     from tpdiag.diff.analyse import _scalar, step_drift
     from tpdiag.diff.engine import diff_degree
     from tpdiag.diff.locate import logprob_stats, nonfinite_summary
 
-    dd = diff_degree(ref, other, label, keep=lambda m: _keep(m) or m.get("key") in also, values=values)
+    held = also if callable(also) else (lambda m: m.get("key") in also)
+    dd = diff_degree(ref, other, label, keep=lambda m: _keep(m) or held(m), values=values)
     loss = {"reference": _scalar(ref, "loss"), "value": _scalar(other, "loss")}
     if loss["reference"] is not None and loss["value"] is not None:
         loss["abs_diff"] = abs(loss["value"] - loss["reference"])
@@ -186,7 +187,10 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             entry = (entries or {}).get(lab)
             nj = entry.get("not_judged") if isinstance(entry, dict) else None
             listed = frozenset(k for k in nj.get("keys") or () if isinstance(k, str)) if isinstance(nj, dict) else frozenset()
-            dd, got = recomputed(ref_rs, rs, lab, also=listed)
+            from tpdiag.diff.dropped_hooks import holds, idle_params
+
+            grads = holds(idle_params(ref_rs.world, rs.world))
+            dd, got = recomputed(ref_rs, rs, lab, also=lambda m: m.get("key") in listed or grads(m))
         except Inconclusive as e:  # NotComparable too
             problems[lab] = str(e).splitlines()[0]
             continue
@@ -196,7 +200,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
 
             bad = (check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
-                   or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
+                   or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world, dd.tensors)
                    or moved_problem(lab, nj, dd))
         if bad:
             problems[lab] = bad
