@@ -131,3 +131,47 @@ def _rel_l2(pair) -> float | None:
     if not (d == d and ref == ref) or ref == 0.0:
         return None
     return d / ref
+
+
+def held_grad(m: dict) -> bool:
+    """keep= predicate of the gate's re-diff: the activation grads `cut` reads."""
+    return m.get("phase") == "backward" and m.get("kind") == "grad_out"
+
+
+def unlisted(entry) -> bool:
+    """A degree `cut` checks: summary.json lists no grad not judged and names no bug (a bug fails the
+    gate whatever its grads say, so nothing there would pass)."""
+    from tpdiag.records.causes import cause_class
+
+    if not isinstance(entry, dict) or entry.get("not_judged") or entry.get("downstream_unjudged"):
+        return False  # compare's own "not judged" (downstream_unjudged) fails as unknown already
+    found = [f for f in [entry.get("first_divergence"), *(entry.get("findings") or ())] if isinstance(f, dict)]
+    return not any(cause_class(f.get("cause")) == "bug" or f.get("cause") == "router-flip" for f in found)
+
+
+def cut(label: str, entry, dd) -> str | None:
+    """The gate's check (diff/recheck.verify) of a degree `unlisted` says nothing of: an activation grad past
+    the first divergence that moved beyond what rounding moves one (moved_beyond's limit, in its own dtype)
+    and is no finding is a grad not_judged should list - no check judged it beyond rounding, yet the summary
+    calls the degree judged. Which grads the float64 re-executions judged is the oracle's verdict, not
+    re-derived; but rounding moved every activation grad of the correct twins (tiny-llama, two_paths.py:
+    pair_ok, pair_drop_ok, loop_stage.py:loop_ok, grad_hook_plan.py:hook_after) by under 5e-7 (float32:
+    the limit is 1.2e-4), so one moved beyond it with no word is a list cut. not_judged cut from both
+    summaries with the class, two_paths.py:pair_drop_f (its block's grad 27% off) passed `gate --allow
+    rounding`, exit 0 (red team hred16)."""
+    fd = (entry or {}).get("first_divergence") or {}
+    first = next((r["idx"] for r in dd.rows if r["key"] == fd.get("key")), None)
+    if first is None:
+        return None
+    found = {f.get("key") for f in (entry.get("findings") or ()) if isinstance(f, dict)}
+    for r in dd.rows:
+        if not held_grad(r) or r["idx"] <= first or r["bitwise"] or r["key"] in found:
+            continue
+        moved = _rel_l2(dd.tensors.get(r["key"]))
+        eps = EPS.get(str(r.get("dtype") or "").replace("torch.", ""), EPS["bfloat16"])
+        limit = min(NOT_JUDGED_ROUNDINGS * eps, NOT_JUDGED_MAX_REL)
+        if moved is not None and not moved <= limit:
+            return (f"summary.json's TP={label} lists no grad as not judged and no finding at {r['key']}, but that "
+                    f"grad moved {moved:.3g} of the reference's (rounding moves one at most {limit:.3g}): not_judged "
+                    "cut (edited after the run)")
+    return None

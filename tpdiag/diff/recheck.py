@@ -196,19 +196,24 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             listed = frozenset(k for k in nj.get("keys") or () if isinstance(k, str)) if isinstance(nj, dict) else frozenset()
             from tpdiag.diff.dropped_hooks import holds, idle_params
 
+            from tpdiag.diff.not_judged import held_grad, unlisted
+
             grads = holds(idle_params(ref_rs.world, rs.world))
-            dd, got = recomputed(ref_rs, rs, lab, also=lambda m: m.get("key") in listed or grads(m))
+            silent = entries is not None and unlisted(entry)
+            dd, got = recomputed(ref_rs, rs, lab, also=lambda m: m.get("key") in listed or grads(m)
+                                 or (silent and held_grad(m)))
         except Inconclusive as e:  # NotComparable too
             problems[lab] = str(e).splitlines()[0]
             continue
         bad = check_rows(lab, dd.rows, csv_rows.get(lab, []))
         if bad is None and entries is not None:
             from tpdiag.diff.dropped_hooks import census, unnamed
+            from tpdiag.diff.not_judged import cut
 
             bad = (check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world, dd.tensors)
-                   or moved_problem(lab, nj, dd))
+                   or moved_problem(lab, nj, dd) or (cut(lab, entry, dd) if silent else None))
         if bad:
             problems[lab] = bad
     if base:
