@@ -84,15 +84,14 @@ def name(entry: dict, rows: list[dict], lost: dict[str, list[str]], label: str, 
         entry["status"] = "divergent"
 
 
-def unnamed(label: str, entry, rows: list[dict], ref_world: dict, other_world: dict, tensors=None) -> str | None:
+def unnamed(label: str, entry, rows: list[dict], ref_world: dict, other_world: dict) -> str | None:
     """The gate's check (diff/recheck.verify): a grad whose hooks the plan dropped is a finding with a
     bug label, re-derived from the worlds' own world.json and the re-diffed rows, as `name` made it.
     The finding is no record beyond a bound (from TP=N's own inputs its unhooked grad is exact:
     diff.csv has it within), so the check of the findings against diff.csv could not see it deleted:
     grad_hook_plan.py:hook_build with the finding cut from summary.json and ops/summary.json passed
     `gate --allow rounding`, exit 0 (red team hred16). A hook hook_effect calls an observer is held to
-    that by the grads themselves (_not_idle; tensors: {key: (reference, this side)}, the grads of
-    idle_params held)."""
+    that by the grads themselves (_not_idle: the re-diffed rows' rel_l2)."""
     from tpdiag.records.causes import cause_class
 
     lost = lost_at(ref_world, other_world)
@@ -103,7 +102,7 @@ def unnamed(label: str, entry, rows: list[dict], ref_world: dict, other_world: d
     found = {f.get("key"): f for f in ((entry or {}).get("findings") or ()) if isinstance(f, dict)}
     for param, hooks in sorted(lost.items()):
         if effect.get(param) is False:
-            why = _not_idle(label, param, hooks, rows, tensors)
+            why = _not_idle(label, param, hooks, rows)
             if why:
                 return why
             continue  # an observer: said, no finding (name's rule)
@@ -119,33 +118,20 @@ def unnamed(label: str, entry, rows: list[dict], ref_world: dict, other_world: d
     return None
 
 
-def idle_params(ref_world: dict, other_world: dict) -> set[str]:
-    """The parameters whose hooks this degree lost and the reference's hook_effect calls observers:
-    their grads' tensors are what _not_idle reads (diff/recheck.verify holds them)."""
-    effect = ref_world.get("hook_effect")
-    effect = effect if isinstance(effect, dict) else {}
-    return {p for p in lost_at(ref_world, other_world) if effect.get(p) is False}
-
-
-def holds(params: set[str]):
-    """keep= predicate of the re-diff: the param_grad records of `params`."""
-    return lambda m: m.get("kind") == "param_grad" and _param_of(m) in params
-
-
-def _not_idle(label: str, param: str, hooks: list[str], rows: list[dict], tensors) -> str | None:
+def _not_idle(label: str, param: str, hooks: list[str], rows: list[dict]) -> str | None:
     """hook_effect False says the dropped hooks changed no grad at the reference, so this degree, which
     ran without them, has the reference's grad up to rounding. Where that grad moved beyond what
     rounding moves a grad no check judged (diff/not_judged.moved_beyond's limit, in the grad's own
     dtype) the hooks acted: hook_effect edited. Set false in TP=1's world.json (and the second pass's),
     with the finding cut from both summaries, grad_hook_plan.py:hook_build (the unclipped grad 3.8 times its
-    norm away) passed `gate --allow rounding`, exit 0 (red team hred16). Nothing held (no tensors): fail
-    closed, the claim cannot be checked."""
-    from tpdiag.diff.not_judged import EPS, NOT_JUDGED_MAX_REL, NOT_JUDGED_ROUNDINGS, _rel_l2
+    norm away) passed `gate --allow rounding`, exit 0 (red team hred16). A grad with no such measure (one
+    side non-finite): fail closed, the claim cannot be checked."""
+    from tpdiag.diff.not_judged import EPS, NOT_JUDGED_MAX_REL, NOT_JUDGED_ROUNDINGS
 
     for r in rows:
         if r["kind"] != "param_grad" or r["phase"] != "backward" or _param_of(r) != param or r["bitwise"]:
             continue
-        moved = _rel_l2((tensors or {}).get(r["key"]))
+        moved = r.get("rel_l2")
         eps = EPS.get(str(r.get("dtype") or "").replace("torch.", ""), EPS["bfloat16"])
         limit = min(NOT_JUDGED_ROUNDINGS * eps, NOT_JUDGED_MAX_REL)
         if moved is None or not moved <= limit:

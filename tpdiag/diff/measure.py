@@ -42,6 +42,9 @@ def measure_pair(row: dict, a: torch.Tensor, b: torch.Tensor, values: bool, scal
     if values and not c.finite:  # finite: compare saw every element of both (no NaN, no Inf)
         judge_values(row, a, b)
     if not c.bitwise and not row["nonfinite_mismatch"]:
+        rel = rel_l2(a, b)
+        if rel is not None:
+            row["rel_l2"] = rel  # not a diff.csv column: the gate's in-memory measure (diff/not_judged.cut)
         narrow = bits.narrowed_to(a, b)
         if narrow is not None:
             row["narrowed"] = narrow
@@ -70,3 +73,16 @@ def judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
         return
     row.update(nonfinite_mismatch=True, nonfinite=va or vb, bitwise=False, max_abs=float("inf"),
                max_rel=float("inf"), max_ulp=None)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """||b - a|| / ||a|| in float64: how far a record moved as a whole (diff/not_judged.py: rounding moves a
+    float32 record by ~1e-7, a bug by ~1); None where it is no number (a zero reference, non-float)."""
+    if a.shape != b.shape or not a.is_floating_point() or not b.is_floating_point():
+        return None
+    a64 = a.to(torch.float64)
+    ref = float(a64.norm())
+    d = float((b.to(torch.float64) - a64).norm())
+    if not (d == d and ref == ref) or ref == 0.0 or ref == float("inf"):
+        return None
+    return d / ref

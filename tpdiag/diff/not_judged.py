@@ -133,45 +133,51 @@ def _rel_l2(pair) -> float | None:
     return d / ref
 
 
-def held_grad(m: dict) -> bool:
-    """keep= predicate of the gate's re-diff: the activation grads `cut` reads."""
-    return m.get("phase") == "backward" and m.get("kind") == "grad_out"
+
+# the records cut reads: a module's output and output grad, a weight's grad, the logits (what a bug moves by
+# O(1) and rounding by ~1e-7 in float32; a param's update moves it by lr x that, never far)
+MOVED = (("forward", "out"), ("backward", "grad_out"), ("backward", "param_grad"), ("forward", "logits"))
 
 
 def unlisted(entry) -> bool:
-    """A degree `cut` checks: summary.json lists no grad not judged and names no bug (a bug fails the
-    gate whatever its grads say, so nothing there would pass)."""
+    """A degree `cut` checks: summary.json lists no grad not judged and every cause it names is rounding
+    (a bug, a NaN or an unknown fails the gate whatever its records say - unless a policy allows unknown
+    by name - so none is read as a cut list) but a router flip (after one, records move by O(1) with no
+    bug)."""
     from tpdiag.records.causes import cause_class
 
     if not isinstance(entry, dict) or entry.get("not_judged") or entry.get("downstream_unjudged"):
         return False  # compare's own "not judged" (downstream_unjudged) fails as unknown already
     found = [f for f in [entry.get("first_divergence"), *(entry.get("findings") or ())] if isinstance(f, dict)]
-    return not any(cause_class(f.get("cause")) == "bug" or f.get("cause") == "router-flip" for f in found)
+    return all(cause_class(f.get("cause")) == "rounding" and f.get("cause") != "router-flip" for f in found)
 
 
-def cut(label: str, entry, dd) -> str | None:
-    """The gate's check (diff/recheck.verify) of a degree `unlisted` says nothing of: an activation grad past
-    the first divergence that moved beyond what rounding moves one (moved_beyond's limit, in its own dtype)
-    and is no finding is a grad not_judged should list - no check judged it beyond rounding, yet the summary
-    calls the degree judged. Which grads the float64 re-executions judged is the oracle's verdict, not
-    re-derived; but rounding moved every activation grad of the correct twins (tiny-llama, two_paths.py:
-    pair_ok, pair_drop_ok, loop_stage.py:loop_ok, grad_hook_plan.py:hook_after) by under 5e-7 (float32:
-    the limit is 1.2e-4), so one moved beyond it with no word is a list cut. not_judged cut from both
-    summaries with the class, two_paths.py:pair_drop_f (its block's grad 27% off) passed `gate --allow
-    rounding`, exit 0 (red team hred16)."""
+def cut(label: str, entry, rows: list[dict]) -> str | None:
+    """The gate's check (diff/recheck.verify) of a degree `unlisted` passes: no record from the first divergence
+    on (MOVED) may have moved beyond what rounding moves an activation grad no check judged (moved_beyond's
+    limit, in the least precise dtype the degree records: a float32 grad of a bf16 model rounds as bf16) and
+    be no finding. Such a record is a bug whose finding was cut with its `beyond_bound` (both diff.csv files),
+    or a grad not_judged should list with the list cut from both summaries - which records the float64
+    re-executions judged is the oracle's verdict, cross-checked, not re-derived, but rounding moved every
+    such record of the correct twins (tiny-llama, two_paths.py:pair_ok and pair_drop_ok, loop_stage.py:
+    loop_ok, grad_hook_plan.py:hook_after) by under 5e-7 (the float32 limit is 1.2e-4). Each passed
+    `gate --allow rounding` on main, exit 0 (red team hred16): two_paths.py:pair_drop_f (its block's grad
+    27% off) with not_judged cut from both summaries and the class; behind.py:bugs' averaged k/v weight grad
+    (0.5 off) with beyond_bound cleared in both diff.csv files and its findings cut."""
     fd = (entry or {}).get("first_divergence") or {}
-    first = next((r["idx"] for r in dd.rows if r["key"] == fd.get("key")), None)
+    first = next((r["idx"] for r in rows if r["key"] == fd.get("key")), None)
     if first is None:
         return None
+    eps = [EPS[d] for d in (str(r.get("dtype") or "").replace("torch.", "") for r in rows) if d in EPS]
+    limit = min(NOT_JUDGED_ROUNDINGS * max(eps or [EPS["bfloat16"]]), NOT_JUDGED_MAX_REL)
     found = {f.get("key") for f in (entry.get("findings") or ()) if isinstance(f, dict)}
-    for r in dd.rows:
-        if not held_grad(r) or r["idx"] <= first or r["bitwise"] or r["key"] in found:
+    for r in rows:
+        if (r["phase"], r["kind"]) not in MOVED or r["idx"] < first or r["bitwise"] or r["key"] in found:
             continue
-        moved = _rel_l2(dd.tensors.get(r["key"]))
-        eps = EPS.get(str(r.get("dtype") or "").replace("torch.", ""), EPS["bfloat16"])
-        limit = min(NOT_JUDGED_ROUNDINGS * eps, NOT_JUDGED_MAX_REL)
-        if moved is not None and not moved <= limit:
-            return (f"summary.json's TP={label} lists no grad as not judged and no finding at {r['key']}, but that "
-                    f"grad moved {moved:.3g} of the reference's (rounding moves one at most {limit:.3g}): not_judged "
-                    "cut (edited after the run)")
+        moved = r.get("rel_l2")
+        if isinstance(moved, float) and not moved <= limit:
+            what = "lists no grad as not judged and" if r["kind"] == "grad_out" else "names no bug and has"
+            return (f"summary.json's TP={label} {what} no finding at {r['key']}, but that record moved {moved:.3g} of "
+                    f"the reference's (rounding moves one at most {limit:.3g}): a finding, its beyond_bound or "
+                    "not_judged cut (edited after the run)")
     return None

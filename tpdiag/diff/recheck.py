@@ -78,13 +78,12 @@ def _show(v) -> str:
 
 def recomputed(ref, other, label: str, values: bool = True, also=frozenset()):
     """(DegreeDiff, {field: value}) for the summary fields the records alone determine; also: keys whose
-    tensors to hold too (not_judged's listed grads), or a keep= predicate of an event."""
+    tensors to hold too (not_judged's listed grads)."""
     from tpdiag.diff.analyse import _scalar, step_drift
     from tpdiag.diff.engine import diff_degree
     from tpdiag.diff.locate import logprob_stats, nonfinite_summary
 
-    held = also if callable(also) else (lambda m: m.get("key") in also)
-    dd = diff_degree(ref, other, label, keep=lambda m: _keep(m) or held(m), values=values)
+    dd = diff_degree(ref, other, label, keep=lambda m: _keep(m) or m.get("key") in also, values=values)
     loss = {"reference": _scalar(ref, "loss"), "value": _scalar(other, "loss")}
     if loss["reference"] is not None and loss["value"] is not None:
         loss["abs_diff"] = abs(loss["value"] - loss["reference"])
@@ -194,26 +193,19 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             entry = (entries or {}).get(lab)
             nj = entry.get("not_judged") if isinstance(entry, dict) else None
             listed = frozenset(k for k in nj.get("keys") or () if isinstance(k, str)) if isinstance(nj, dict) else frozenset()
-            from tpdiag.diff.dropped_hooks import holds, idle_params
-
-            from tpdiag.diff.not_judged import held_grad, unlisted
-
-            grads = holds(idle_params(ref_rs.world, rs.world))
-            silent = entries is not None and unlisted(entry)
-            dd, got = recomputed(ref_rs, rs, lab, also=lambda m: m.get("key") in listed or grads(m)
-                                 or (silent and held_grad(m)))
+            dd, got = recomputed(ref_rs, rs, lab, also=listed)
         except Inconclusive as e:  # NotComparable too
             problems[lab] = str(e).splitlines()[0]
             continue
         bad = check_rows(lab, dd.rows, csv_rows.get(lab, []))
         if bad is None and entries is not None:
             from tpdiag.diff.dropped_hooks import census, unnamed
-            from tpdiag.diff.not_judged import cut
+            from tpdiag.diff.not_judged import cut, unlisted
 
             bad = (check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
-                   or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world, dd.tensors)
-                   or moved_problem(lab, nj, dd) or (cut(lab, entry, dd) if silent else None))
+                   or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
+                   or moved_problem(lab, nj, dd) or (cut(lab, entry, dd.rows) if unlisted(entry) else None))
         if bad:
             problems[lab] = bad
     if base:

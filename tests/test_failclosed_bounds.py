@@ -1,0 +1,73 @@
+"""Fail closed on a bug whose `beyond_bound` was cleared (red team hred16, left open; closed by hred17).
+tests/models/planted/two_paths.py:pair_f (Megatron's f in front of a replicated gate: the block's output
+grad 25% off) is a bug only the second pass's float64 re-execution names: ops/diff.csv has the grad beyond
+its bound, and both summaries the finding. The oracle's verdict is cross-checked, not re-derived (the gate
+does not re-run it), so with beyond_bound cleared in diff.csv and ops/diff.csv and the findings cut from
+summary.json and ops/summary.json (and the class), the run passed `gate --allow rounding` on main, exit 0.
+Now a degree that names only rounding may have no record from its first divergence on that moved beyond
+what rounding moves one (diff/not_judged.cut, from the re-diffed records' rel_l2): exit 2.
+"""
+import csv
+import json
+import shutil
+
+import pytest
+
+from conftest import json_edit, planted_run
+from tpdiag.gate import evaluate, load_policy
+from tpdiag.gate.policy import with_allowed
+from tpdiag.records.causes import EXIT_BUG
+
+KEYS = {"s0/backward/stage.block/grad_out#0/0", "s0/backward/embed/grad_out#0/0"}
+
+
+@pytest.fixture(scope="module")
+def pair_f(tmp_path_factory):
+    return planted_run(tmp_path_factory, "two_paths", "pair_f", "--tp", "1,2", name="bounds")[0]
+
+
+@pytest.fixture()
+def run(pair_f, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(pair_f, dst, symlinks=True)
+    return dst
+
+
+def _gate(run):
+    return evaluate(str(run), with_allowed(load_policy(None), "rounding"))
+
+
+def _cut(s):
+    s["class"] = "rounding"
+    for d in s["degrees"].values():
+        d["class"] = "rounding"
+        d["findings"] = [f for f in d["findings"] if f.get("key") not in KEYS]
+
+
+def _clear(path):
+    rows = list(csv.DictReader(path.open()))
+    for r in rows:
+        if r["key"] in KEYS:
+            r["beyond_bound"] = ""
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def test_the_honest_run_is_a_bug_judged_by_the_second_pass(pair_f):
+    d = json.loads((pair_f / "summary.json").read_text())["degrees"]["2"]
+    assert {f["key"] for f in d["findings"]} == KEYS and {f["cause"] for f in d["findings"]} == {"sharding-bug"}, d
+    beyond = {r["key"] for r in csv.DictReader((pair_f / "ops" / "diff.csv").open()) if r["beyond_bound"] == "True"}
+    assert beyond == KEYS, beyond
+    assert _gate(pair_f).exit_code == EXIT_BUG
+
+
+def test_beyond_bound_cleared_in_both_diff_csv_with_the_findings_cut_is_inconclusive(run):
+    for f in ("summary.json", "ops/summary.json"):
+        json_edit(run / f, _cut)
+    for f in ("diff.csv", "ops/diff.csv"):
+        _clear(run / f)
+    res = _gate(run)
+    assert res.exit_code == 2 and "no finding at s0/backward/stage.block/grad_out#0/0, but that record moved 0.251" \
+        in res.problems[0], res.lines()
