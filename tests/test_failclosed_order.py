@@ -47,6 +47,19 @@ def test_an_idx_edited_in_diff_csv_is_inconclusive(run):
     assert res.exit_code == 2 and "(idx 103 in diff.csv, 3 in the records" in res.problems[0], res.lines()
 
 
+@pytest.mark.parametrize("field,value", [("cls", "TopkRouter"), ("style", "rowwise"), ("layout", "shard:1"),
+                                         ("shape", "32x64")])
+def test_a_descriptive_field_edited_in_diff_csv_is_inconclusive(run, field, value):
+    """cls, style, layout and shape were not re-derived either (red team hred17): cls is what lets a
+    router-flip label stand on an integer record (records/labels.is_router), and a router flip switches
+    off the not-judged limit. On main each edit went unseen (the honest bug verdict, exit 4)."""
+    key = "s0/backward/w1/param_grad#0/weight"
+    _rewrite(run / "diff.csv", lambda rows: next(r for r in rows if r["key"] == key).update({field: value}))
+    res = _gate(run)
+    assert res.exit_code == 2 and f"record {key} does not match diff.csv ({field} '{value}' in diff.csv" \
+        in res.problems[0], res.lines()
+
+
 def test_rows_moved_after_the_first_divergence_are_inconclusive(run):
     """Two divergent rows after the first divergence swapped (each keeps its own fields, idx too): the
     first divergence is unchanged, so check_summary could not see it."""

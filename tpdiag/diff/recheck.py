@@ -20,8 +20,11 @@ from tpdiag.errors import Inconclusive
 # idx and the rows' order too: the first divergence is the first divergent row in diff.csv's order
 # (gate/evidence.check_summary) and a grad is past it by idx (diff/not_judged.py) - neither was re-derived
 # (red team hred16, hred17)
+# cls, style, layout and shape too (hred17): a router's or experts' class (cls) is what lets a `router-flip`
+# label stand on an integer record (records/labels.py), and a router flip switches off the not-judged limit
 ROW_METRICS = ("idx", "bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
-               "step", "phase", "module", "kind", "call", "name", "dtype")
+               "step", "phase", "module", "kind", "call", "name", "dtype", "cls", "style", "layout", "shape")
+_TEXT = ("dtype", "cls", "style", "layout", "shape")
 
 
 def _keep(m: dict) -> bool:
@@ -105,7 +108,9 @@ def recomputed(ref, other, label: str, values: bool = True, also=frozenset()):
 
 def _cell(row: dict, m: str):
     v = row.get(m)
-    return (v or None) if m == "dtype" else v  # a row with no dtype is an empty cell of diff.csv
+    if isinstance(v, (list, tuple)):
+        v = "x".join(map(str, v))  # a shape, as diff.csv spells it (records/frames.py)
+    return (v or None) if m in _TEXT else v  # a row with no dtype, style... is an empty cell of diff.csv
 
 
 def check_rows(label: str, rows: list[dict], csv_rows: list[dict]) -> str | None:
