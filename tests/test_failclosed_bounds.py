@@ -71,3 +71,22 @@ def test_beyond_bound_cleared_in_both_diff_csv_with_the_findings_cut_is_inconclu
     res = _gate(run)
     assert res.exit_code == 2 and "no finding at s0/backward/stage.block/grad_out#0/0, but that record moved 0.251" \
         in res.problems[0], res.lines()
+
+
+def test_the_bug_listed_as_shares_in_both_summaries_is_inconclusive(run):
+    """not_compared.shares (records a hash-first pass 1 hashed per rank, read whole by the region pass as
+    each rank's share of one value) are skipped by the gate, and summary.json's list was only held to the
+    second pass's (records/shares.shares_problem): the bug's grads listed there in both summaries, with the
+    findings cut, passed `gate --allow rounding` on main, exit 0 (hred17; so did behind.py:bugs' rank-
+    inconsistent replica). A share must be a record the re-diff leaves uncompared as the ranks' shares of
+one value, or a per-rank hash of a hash-first pass 1: neither here."""
+    def shared(s):
+        _cut(s)
+        for d in s["degrees"].values():
+            d.setdefault("not_compared", {})["shares"] = sorted(KEYS)
+
+    for f in ("summary.json", "ops/summary.json"):
+        json_edit(run / f, shared)
+    res = _gate(run)
+    assert res.exit_code == 2 and "not_compared.shares lists s0/backward/embed/grad_out#0/0, which the records show " \
+        "neither" in res.problems[0], res.lines()

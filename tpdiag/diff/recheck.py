@@ -157,6 +157,26 @@ def check_scaled(label: str, entry: dict, rows: list[dict]) -> str | None:
     return None
 
 
+def check_shares(label: str, entry, dd) -> str | None:
+    """summary.json's not_compared.shares are records the gate skips: each rank's copy its share of one value
+    the module makes (diff/partials.py - the re-diff leaves it uncompared with that reason, SHARE_WHYS), or,
+    after a hash-first pass 1 (per-rank hashes: hash-only rows), one the region pass read whole as such
+    (runner/drill.py). Any other key there is an edit. On main, behind.py:bugs (its rank-inconsistent norm
+    grad and averaged k/v grads) and two_paths.py:pair_f (its block's grad) listed as shares in summary.json
+    and the second pass's, the findings cut, passed `gate --allow rounding`, exit 0 (red team hred17):
+    records/shares.shares_problem holds summary.json's list to the second pass's, edited too."""
+    from tpdiag.diff.left_out import SHARE_WHYS
+    from tpdiag.records.shares import shares
+
+    ok = {r["key"] for r in dd.rows if r.get("hash_only")}
+    ok |= {m.get("key") for m in getattr(dd, "uncompared", None) or () if str(m.get("why") or "").startswith(SHARE_WHYS)}
+    k = next(iter(sorted(shares(entry) - ok)), None)
+    if k is None:
+        return None
+    return (f"summary.json's TP={label} not_compared.shares lists {k}, which the records show neither as the ranks' "
+            "shares of one value nor as per-rank hashes a hash-first pass read whole (edited after the run)")
+
+
 def check_numbers(label: str, entry: dict, got: dict) -> str | None:
     """The first summary.json number of TP=label that the records do not give, in words."""
     if not isinstance(entry, dict):
@@ -208,6 +228,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             from tpdiag.diff.not_judged import cut, unlisted
 
             bad = (check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
+                   or check_shares(lab, entry, dd)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
                    or moved_problem(lab, nj, dd) or (cut(lab, entry, dd.rows) if unlisted(entry) else None))
