@@ -92,6 +92,19 @@ def test_hook_effect_edited_to_an_observer_is_inconclusive(run):
         res.lines()
 
 
+def test_every_hook_field_cut_from_every_world_is_inconclusive(run):
+    """hook_effect, hooks_dropped and hooks_kept cut from all four worlds' world.json with the finding cut
+    from both summaries: nothing of the worlds names a hook any more. On main this passed `gate --allow
+    rounding`, exit 0 (red team hred16); the unclipped grad moved 3.8 times its norm, so a degree naming
+    only rounding with no finding there is an edit (diff/not_judged.cut)."""
+    for f in ("summary.json", "ops/summary.json"):
+        _edit(run / f, _cut_finding)
+    for w in ("tp1", "tp2", "ops/tp1", "ops/tp2"):
+        _edit(run / w / "world.json", lambda w: [w.pop(k, None) for k in ("hook_effect", "hooks_dropped", "hooks_kept")])
+    res = _gate(run)
+    assert res.exit_code == 2 and f"no finding at {GRAD}, but that record moved" in res.problems[0], res.lines()
+
+
 def test_census_on_hand_made_worlds():
     from tpdiag.diff.dropped_hooks import census
 
