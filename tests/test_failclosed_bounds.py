@@ -90,3 +90,33 @@ one value, or a per-rank hash of a hash-first pass 1: neither here."""
     res = _gate(run)
     assert res.exit_code == 2 and "not_compared.shares lists s0/backward/embed/grad_out#0/0, which the records show " \
         "neither" in res.problems[0], res.lines()
+
+
+def test_a_harmless_not_judged_list_written_into_both_summaries_is_inconclusive(run):
+    """As above, with a not_judged list of one grad that moved by rounding written into both summaries (its
+    rel_l2 the records' own): a check reading only an absent list let it pass (hred17, found on its own fix;
+    on main it passed too, exit 0). Grads the list names are the verdict's; the block's is not listed."""
+    from tpdiag.diff.not_judged import _rel_l2
+    from tpdiag.diff.recheck import recomputed
+    from tpdiag.records.store import RecordSet
+
+    harmless = "s0/backward/stage/grad_out#0/1"
+    dd, _ = recomputed(RecordSet(str(run / "tp1")), RecordSet(str(run / "tp2"), drop_kinds=("oracle",)), "2",
+                       also={harmless})
+    rel = _rel_l2(dd.tensors[harmless])  # as compare computes it (diff/not_judged.grads)
+    assert rel is not None and 0 < rel < 1e-5, rel
+    nj = {"records": 1, "why": {"not judged": 1}, "keys": [harmless], "reasons": {harmless: "not judged"},
+          "max_rel": 0.0, "rel_l2": rel, "dtype": "float32"}
+
+    def listed(s):
+        _cut(s)
+        for d in s["degrees"].values():
+            d["not_judged"] = nj
+
+    for f in ("summary.json", "ops/summary.json"):
+        json_edit(run / f, listed)
+    for f in ("diff.csv", "ops/diff.csv"):
+        _clear(run / f)
+    res = _gate(run)
+    assert res.exit_code == 2 and "does not list as not judged and has no finding at s0/backward/stage.block/grad_out" \
+        in res.problems[0], res.lines()
