@@ -120,3 +120,35 @@ def test_a_harmless_not_judged_list_written_into_both_summaries_is_inconclusive(
     res = _gate(run)
     assert res.exit_code == 2 and "does not list as not judged and has no finding at s0/backward/stage.block/grad_out" \
         in res.problems[0], res.lines()
+
+
+def test_the_second_pass_deleted_and_a_bound_written_in_is_inconclusive(run):
+    """ops/ and every mention of the second pass deleted, the findings cut, and a rounding bound written for
+    the first divergence into diff.csv and summary.json (the bound is cross-checked, not re-derived; without
+    one, a rounding label needs the second pass named: records/labels.py). On main this passed `gate --allow
+    rounding`, exit 0 (hred17); the block's grad still moved 25%."""
+    shutil.rmtree(run / "ops")
+    (run / "own-inputs-tp2.safetensors").unlink()
+    fd_key = "s0/forward/stage.block/out#0/0"
+
+    def strip(o):
+        if isinstance(o, dict):
+            return {k: strip(v) for k, v in o.items() if k not in ("second_pass", "second_pass_dir", "oracle",
+                                                                    "own_inputs", "own_taps", "bound_model")}
+        return [strip(v) for v in o] if isinstance(o, list) else o
+
+    rows = list(csv.DictReader((run / "diff.csv").open()))
+    row = next(r for r in rows if r["key"] == fd_key and r["degree"] == "2")
+    row.update(bound="0.001", beyond_bound="False")
+    with (run / "diff.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    s = strip(json.loads((run / "summary.json").read_text()))
+    _cut(s)
+    s["degrees"]["2"]["findings"] = []
+    s["degrees"]["2"]["first_divergence"].update(bound=0.001, bound_ratio=float(row["max_abs"]) / 0.001)
+    (run / "summary.json").write_text(json.dumps(s))
+    res = _gate(run)
+    assert res.exit_code == 2 and "no finding at s0/backward/stage.block/grad_out#0/0, but that record moved 0.251" \
+        in res.problems[0], res.lines()
