@@ -76,13 +76,19 @@ def judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float | None:
-    """||b - a|| / ||a|| in float64: how far a record moved as a whole (diff/not_judged.py: rounding moves a
-    float32 record by ~1e-7, a bug by ~1); None where it is no number (a zero reference, non-float)."""
+    """||b - a|| / ||a|| in float64: how far a record moved as a whole (diff/not_judged.cut: rounding moves a
+    float32 record by ~1e-7, a bug by ~1); None where it is no number (a zero reference, non-float). By
+    chunks, as bits.compare measures: a whole record's float64 temporaries would go through memory."""
     if a.shape != b.shape or not a.is_floating_point() or not b.is_floating_point():
         return None
-    a64 = a.to(torch.float64)
-    ref = float(a64.norm())
-    d = float((b.to(torch.float64) - a64).norm())
+    chunk = max(bits.CHUNK, bits.DEVICE_CHUNK) if a.is_cuda else bits.CHUNK
+    xa, xb = a.reshape(-1), b.reshape(-1)
+    ref = d = 0.0
+    for s in range(0, xa.numel(), chunk):
+        a64 = xa[s:s + chunk].to(torch.float64)
+        ref += float(a64.square().sum())
+        # not in place: .to() returns a float64 record itself
+        d += float((a64 - xb[s:s + chunk].to(torch.float64)).square_().sum())
     if not (d == d and ref == ref) or ref == 0.0 or ref == float("inf"):
         return None
-    return d / ref
+    return (d / ref) ** 0.5
