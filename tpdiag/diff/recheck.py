@@ -177,6 +177,22 @@ def check_shares(label: str, entry, dd) -> str | None:
             "shares of one value nor as per-rank hashes a hash-first pass read whole (edited after the run)")
 
 
+def check_selfcheck(label: str, ref_world: dict, world: dict) -> str | None:
+    """A world whose probed and unprobed runs differ (world.json probe_selfcheck, runner/worker.py) recorded
+    no evidence: analyse_degree calls its configuration failed, and the gate fails closed on that status.
+    The status was summary.json's word alone: a correct run (grad_hook_plan.py:hook_after, tiny-llama) whose
+    TP=2 world.json says its self-check failed, under a summary that does not say failed (edited back),
+    passed `gate --allow rounding`, exit 0 (red team hred17). The unprobed run's values are not recorded, so an edit of
+    probe_selfcheck itself is not seen."""
+    for who, w in ((f"TP={label}", world), ("the reference", ref_world)):
+        sc = w.get("probe_selfcheck") if isinstance(w, dict) else None
+        if isinstance(sc, dict) and sc.get("equal") is not True:
+            return (f"{who}'s world.json says its probed and unprobed runs differ (probe_selfcheck, first mismatch "
+                    f"{sc.get('first_mismatch')}): its records are no evidence, yet summary.json does not call "
+                    f"TP={label} failed (edited after the run)")
+    return None
+
+
 def check_numbers(label: str, entry: dict, got: dict) -> str | None:
     """The first summary.json number of TP=label that the records do not give, in words."""
     if not isinstance(entry, dict):
@@ -227,7 +243,8 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             from tpdiag.diff.dropped_hooks import census, unnamed
             from tpdiag.diff.not_judged import cut, unlisted
 
-            bad = (check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
+            bad = (check_selfcheck(lab, ref_rs.world, rs.world)
+                   or check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
                    or check_shares(lab, entry, dd)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
