@@ -88,8 +88,8 @@ def test_hook_effect_edited_to_an_observer_is_inconclusive(run):
     for w in ("tp1", "ops/tp1"):
         _edit(run / w / "world.json", lambda w: w["hook_effect"].update({"w1.weight": False}))
     res = _gate(run)
-    assert res.exit_code == 2 and "hook_effect calls the grad hook(s) clip on w1.weight an observer" in res.problems[0], \
-        res.lines()
+    words = "hook_effect calls the grad hook(s) clip on w1.weight an observer"
+    assert res.exit_code == 2 and words in res.problems[0], res.lines()
 
 
 def test_every_hook_field_cut_from_every_world_is_inconclusive(run):
@@ -100,7 +100,8 @@ def test_every_hook_field_cut_from_every_world_is_inconclusive(run):
     for f in ("summary.json", "ops/summary.json"):
         _edit(run / f, _cut_finding)
     for w in ("tp1", "tp2", "ops/tp1", "ops/tp2"):
-        _edit(run / w / "world.json", lambda w: [w.pop(k, None) for k in ("hook_effect", "hooks_dropped", "hooks_kept")])
+        _edit(run / w / "world.json",
+              lambda w: [w.pop(k, None) for k in ("hook_effect", "hooks_dropped", "hooks_kept")])
     res = _gate(run)
     assert res.exit_code == 2 and f"no finding at {GRAD}, but that record moved" in res.problems[0], res.lines()
 

@@ -93,5 +93,5 @@ def test_not_judged_cut_from_both_summaries_is_inconclusive(run):
     for f in ("summary.json", "ops/summary.json"):
         _edit(run / f, lambda s: (_rounding(s), s["degrees"]["2"].pop("not_judged")))
     res = _gate(run)
-    assert res.exit_code == 2 and "does not list as not judged and has no finding at s0/backward/stage.block/grad_out#0/0" \
-        in res.problems[0], res.lines()
+    words = "does not list as not judged and has no finding at s0/backward/stage.block/grad_out#0/0"
+    assert res.exit_code == 2 and words in res.problems[0], res.lines()

@@ -133,7 +133,6 @@ def _rel_l2(pair) -> float | None:
     return d / ref
 
 
-
 # the records cut reads: a module's output and output grad, a weight's grad, the logits (what a bug moves by
 # O(1) and rounding by ~1e-7 in float32; a param's update moves it by lr x that, never far)
 MOVED = (("forward", "out"), ("backward", "grad_out"), ("backward", "param_grad"), ("forward", "logits"))
@@ -161,8 +160,9 @@ def cut(label: str, entry, rows: list[dict]) -> str | None:
     such record of the correct twins (tiny-llama, two_paths.py:pair_ok and pair_drop_ok, loop_stage.py:
     loop_ok, grad_hook_plan.py:hook_after) by under 5e-7 (the float32 limit is 1.2e-4). Each passed
     `gate --allow rounding` on main, exit 0 (red team hred16): two_paths.py:pair_drop_f (its block's grad
-    27% off) with not_judged cut from both summaries and the class; behind.py:bugs' averaged k/v weight grad
-    (0.5 off) with beyond_bound cleared in both diff.csv files and its findings cut."""
+    27% off) with not_judged cut from both summaries and the class; two_paths.py:pair_f (its block's grad
+    25% off, a bug only the second pass names) with beyond_bound cleared in both diff.csv files and its
+    findings cut."""
     fd = (entry or {}).get("first_divergence") or {}
     first = next((r["idx"] for r in rows if r["key"] == fd.get("key")), None)
     if first is None:

@@ -169,7 +169,8 @@ def check_shares(label: str, entry, dd) -> str | None:
     from tpdiag.records.shares import shares
 
     ok = {r["key"] for r in dd.rows if r.get("hash_only")}
-    ok |= {m.get("key") for m in getattr(dd, "uncompared", None) or () if str(m.get("why") or "").startswith(SHARE_WHYS)}
+    ok |= {m.get("key") for m in getattr(dd, "uncompared", None) or ()
+           if str(m.get("why") or "").startswith(SHARE_WHYS)}
     k = next(iter(sorted(shares(entry) - ok)), None)
     if k is None:
         return None
@@ -182,8 +183,8 @@ def check_selfcheck(label: str, ref_world: dict, world: dict) -> str | None:
     no evidence: analyse_degree calls its configuration failed, and the gate fails closed on that status.
     The status was summary.json's word alone: a correct run (grad_hook_plan.py:hook_after, tiny-llama) whose
     TP=2 world.json says its self-check failed, under a summary that does not say failed (edited back),
-    passed `gate --allow rounding`, exit 0 (red team hred17). The unprobed run's values are not recorded, so an edit of
-    probe_selfcheck itself is not seen."""
+    passed `gate --allow rounding`, exit 0 (red team hred17). The unprobed run's values are not recorded,
+    so an edit of probe_selfcheck itself is not seen."""
     for who, w in ((f"TP={label}", world), ("the reference", ref_world)):
         sc = w.get("probe_selfcheck") if isinstance(w, dict) else None
         if isinstance(sc, dict) and sc.get("equal") is not True:
