@@ -73,6 +73,39 @@ def test_a_kept_hook_cut_from_world_json_is_inconclusive(run):
     assert res.exit_code == 2 and "grad hooks on head.weight" in res.problems[0], res.lines()
 
 
+def test_hook_effect_edited_to_an_observer_is_inconclusive(run):
+    """hook_effect false says the dropped clip changed no grad at TP=1, so TP=2's unclipped grad would be
+    TP=1's up to rounding; it is 3.8 times its norm away. On main, hook_effect set false in TP=1's and the
+    second pass's world.json with the finding cut from both summaries passed `gate --allow rounding`
+    (exit 0, red team hred16); now the claim is held to the grads (dropped_hooks._not_idle)."""
+    def idle(s):
+        _cut_finding(s)
+        for d in s["degrees"].values():
+            d["hooks_idle"] = ["w1.weight"]
+
+    for f in ("summary.json", "ops/summary.json"):
+        _edit(run / f, idle)
+    for w in ("tp1", "ops/tp1"):
+        _edit(run / w / "world.json", lambda w: w["hook_effect"].update({"w1.weight": False}))
+    res = _gate(run)
+    words = "hook_effect calls the grad hook(s) clip on w1.weight an observer"
+    assert res.exit_code == 2 and words in res.problems[0], res.lines()
+
+
+def test_every_hook_field_cut_from_every_world_is_inconclusive(run):
+    """hook_effect, hooks_dropped and hooks_kept cut from all four worlds' world.json with the finding cut
+    from both summaries: nothing of the worlds names a hook any more. On main this passed `gate --allow
+    rounding`, exit 0 (red team hred16); the unclipped grad moved 3.8 times its norm, so a degree naming
+    only rounding with no finding there is an edit (diff/not_judged.cut)."""
+    for f in ("summary.json", "ops/summary.json"):
+        _edit(run / f, _cut_finding)
+    for w in ("tp1", "tp2", "ops/tp1", "ops/tp2"):
+        _edit(run / w / "world.json",
+              lambda w: [w.pop(k, None) for k in ("hook_effect", "hooks_dropped", "hooks_kept")])
+    res = _gate(run)
+    assert res.exit_code == 2 and f"no finding at {GRAD}, but that record moved" in res.problems[0], res.lines()
+
+
 def test_census_on_hand_made_worlds():
     from tpdiag.diff.dropped_hooks import census
 

@@ -83,3 +83,15 @@ def test_the_listed_grads_dtype_edited_in_diff_csv_is_inconclusive(run):
     res = _gate(run)
     assert res.exit_code == 2 and "(dtype 'bfloat16' in diff.csv, 'float32' in the records" in res.problems[0], \
         res.lines()
+
+
+def test_not_judged_cut_from_both_summaries_is_inconclusive(run):
+    """Cut from summary.json and ops/summary.json together, with the class: the check against the second
+    pass's list had nothing to compare. On main this passed `gate --allow rounding`, exit 0 (red team
+    hred16); now a grad past the first divergence that moved beyond rounding with no finding and no word
+    is a list cut (diff/not_judged.cut, re-derived from the records)."""
+    for f in ("summary.json", "ops/summary.json"):
+        _edit(run / f, lambda s: (_rounding(s), s["degrees"]["2"].pop("not_judged")))
+    res = _gate(run)
+    words = "does not list as not judged and has no finding at s0/backward/stage.block/grad_out#0/0"
+    assert res.exit_code == 2 and words in res.problems[0], res.lines()

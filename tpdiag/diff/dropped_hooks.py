@@ -90,7 +90,8 @@ def unnamed(label: str, entry, rows: list[dict], ref_world: dict, other_world: d
     The finding is no record beyond a bound (from TP=N's own inputs its unhooked grad is exact:
     diff.csv has it within), so the check of the findings against diff.csv could not see it deleted:
     grad_hook_plan.py:hook_build with the finding cut from summary.json and ops/summary.json passed
-    `gate --allow rounding`, exit 0 (red team hred16)."""
+    `gate --allow rounding`, exit 0 (red team hred16). A hook hook_effect calls an observer is held to
+    that by the grads themselves (_not_idle: the re-diffed rows' rel_l2)."""
     from tpdiag.records.causes import cause_class
 
     lost = lost_at(ref_world, other_world)
@@ -101,6 +102,9 @@ def unnamed(label: str, entry, rows: list[dict], ref_world: dict, other_world: d
     found = {f.get("key"): f for f in ((entry or {}).get("findings") or ()) if isinstance(f, dict)}
     for param, hooks in sorted(lost.items()):
         if effect.get(param) is False:
+            why = _not_idle(label, param, hooks, rows)
+            if why:
+                return why
             continue  # an observer: said, no finding (name's rule)
         row = next((r for r in rows if r["phase"] == "backward" and r["kind"] == "param_grad"
                     and _param_of(r) == param and not r["bitwise"]), None)
@@ -111,6 +115,30 @@ def unnamed(label: str, entry, rows: list[dict], ref_world: dict, other_world: d
             return (f"summary.json's TP={label} findings lack {row['key']} as a bug: the grad of {param}, whose "
                     f"grad hook(s) {', '.join(hooks)} the plan dropped (world.json hooks_dropped), differs "
                     "(edited after the run)")
+    return None
+
+
+def _not_idle(label: str, param: str, hooks: list[str], rows: list[dict]) -> str | None:
+    """hook_effect False says the dropped hooks changed no grad at the reference, so this degree, which
+    ran without them, has the reference's grad up to rounding. Where that grad moved beyond what
+    rounding moves a grad no check judged (diff/not_judged.moved_beyond's limit, in the grad's own
+    dtype) the hooks acted: hook_effect edited. Set false in TP=1's world.json (and the second pass's),
+    with the finding cut from both summaries, grad_hook_plan.py:hook_build (the unclipped grad 3.8 times its
+    norm away) passed `gate --allow rounding`, exit 0 (red team hred16). A grad with no such measure (one
+    side non-finite): fail closed, the claim cannot be checked."""
+    from tpdiag.diff.not_judged import EPS, NOT_JUDGED_MAX_REL, NOT_JUDGED_ROUNDINGS
+
+    for r in rows:
+        if r["kind"] != "param_grad" or r["phase"] != "backward" or _param_of(r) != param or r["bitwise"]:
+            continue
+        moved = r.get("rel_l2")
+        eps = EPS.get(str(r.get("dtype") or "").replace("torch.", ""), EPS["bfloat16"])
+        limit = min(NOT_JUDGED_ROUNDINGS * eps, NOT_JUDGED_MAX_REL)
+        if moved is None or not moved <= limit:
+            what = "cannot be compared whole" if moved is None else f"moved {moved:.3g} of the reference's"
+            return (f"the reference's world.json hook_effect calls the grad hook(s) {', '.join(hooks)} on {param} an "
+                    f"observer, but TP={label}'s grad {r['key']}, which the plan left without them, {what} "
+                    f"(rounding moves it at most {limit:.3g}): the hooks changed the grad (edited after the run)")
     return None
 
 

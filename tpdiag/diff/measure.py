@@ -42,6 +42,9 @@ def measure_pair(row: dict, a: torch.Tensor, b: torch.Tensor, values: bool, scal
     if values and not c.finite:  # finite: compare saw every element of both (no NaN, no Inf)
         judge_values(row, a, b)
     if not c.bitwise and not row["nonfinite_mismatch"]:
+        rel = rel_l2(a, b)
+        if rel is not None:
+            row["rel_l2"] = rel  # not a diff.csv column: the gate's in-memory measure (diff/not_judged.cut)
         narrow = bits.narrowed_to(a, b)
         if narrow is not None:
             row["narrowed"] = narrow
@@ -70,3 +73,22 @@ def judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
         return
     row.update(nonfinite_mismatch=True, nonfinite=va or vb, bitwise=False, max_abs=float("inf"),
                max_rel=float("inf"), max_ulp=None)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """||b - a|| / ||a|| in float64: how far a record moved as a whole (diff/not_judged.cut: rounding moves a
+    float32 record by ~1e-7, a bug by ~1); None where it is no number (a zero reference, non-float). By
+    chunks, as bits.compare measures: a whole record's float64 temporaries would go through memory."""
+    if a.shape != b.shape or not a.is_floating_point() or not b.is_floating_point():
+        return None
+    chunk = max(bits.CHUNK, bits.DEVICE_CHUNK) if a.is_cuda else bits.CHUNK
+    xa, xb = a.reshape(-1), b.reshape(-1)
+    ref = d = 0.0
+    for s in range(0, xa.numel(), chunk):
+        a64 = xa[s:s + chunk].to(torch.float64)
+        ref += float(a64.square().sum())
+        # not in place: .to() returns a float64 record itself
+        d += float((a64 - xb[s:s + chunk].to(torch.float64)).square_().sum())
+    if not (d == d and ref == ref) or ref == 0.0 or ref == float("inf"):
+        return None
+    return (d / ref) ** 0.5

@@ -17,8 +17,14 @@ from tpdiag.errors import Inconclusive
 # must not pass for another.
 # dtype too: the not-judged limit is 1000 eps of the listed grads' dtype as diff.csv says it (gate/verdict.py
 # _moved_unjudged) - float32's edited to bfloat16 raised it from 1.2e-4 to 0.2 of the norm (red team hred16)
-ROW_METRICS = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
-               "step", "phase", "module", "kind", "call", "name", "dtype")
+# idx and the rows' order too: the first divergence is the first divergent row in diff.csv's order
+# (gate/evidence.check_summary) and a grad is past it by idx (diff/not_judged.py) - neither was re-derived
+# (red team hred16, hred17)
+# cls, style, layout and shape too (hred17): a router's or experts' class (cls) is what lets a `router-flip`
+# label stand on an integer record (records/labels.py), and a router flip switches off the not-judged limit
+ROW_METRICS = ("idx", "bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
+               "step", "phase", "module", "kind", "call", "name", "dtype", "cls", "style", "layout", "shape")
+_TEXT = ("dtype", "cls", "style", "layout", "shape")
 
 
 def _keep(m: dict) -> bool:
@@ -102,7 +108,9 @@ def recomputed(ref, other, label: str, values: bool = True, also=frozenset()):
 
 def _cell(row: dict, m: str):
     v = row.get(m)
-    return (v or None) if m == "dtype" else v  # a row with no dtype is an empty cell of diff.csv
+    if isinstance(v, (list, tuple)):
+        v = "x".join(map(str, v))  # a shape, as diff.csv spells it (records/frames.py)
+    return (v or None) if m in _TEXT else v  # a row with no dtype, style... is an empty cell of diff.csv
 
 
 def check_rows(label: str, rows: list[dict], csv_rows: list[dict]) -> str | None:
@@ -119,6 +127,10 @@ def check_rows(label: str, rows: list[dict], csv_rows: list[dict]) -> str | None
         if bad:
             return (f"record {k} does not match diff.csv ({bad} {_cell(want[k], bad)!r} in diff.csv, {_cell(r, bad)!r} in the "
                     "records: records or diff.csv edited after the run)")
+    moved = next((a for a, b in zip(csv_rows, rows) if a["key"] != b["key"]), None)
+    if moved is not None:
+        return (f"diff.csv lists TP={label}'s records in another order than the records give (record {moved['key']} "
+                "out of place: rows moved after the run)")
     return None
 
 
@@ -142,6 +154,43 @@ def check_scaled(label: str, entry: dict, rows: list[dict]) -> str | None:
         if cause_class(f.get("cause")) == "rounding" and "cause_before" not in f and f.get("cause") != "router-flip":
             return (f"summary.json's TP={label} finding {r['key']} has cause {f.get('cause')!r}, a rounding label "
                     f"for records {r['scale']:.4g}x the reference's (edited after the run)")
+    return None
+
+
+def check_shares(label: str, entry, dd) -> str | None:
+    """summary.json's not_compared.shares are records the gate skips: each rank's copy its share of one value
+    the module makes (diff/partials.py - the re-diff leaves it uncompared with that reason, SHARE_WHYS), or,
+    after a hash-first pass 1 (per-rank hashes: hash-only rows), one the region pass read whole as such
+    (runner/drill.py). Any other key there is an edit. On main, behind.py:bugs (its rank-inconsistent norm
+    grad and averaged k/v grads) and two_paths.py:pair_f (its block's grad) listed as shares in summary.json
+    and the second pass's, the findings cut, passed `gate --allow rounding`, exit 0 (red team hred17):
+    records/shares.shares_problem holds summary.json's list to the second pass's, edited too."""
+    from tpdiag.diff.left_out import SHARE_WHYS
+    from tpdiag.records.shares import shares
+
+    ok = {r["key"] for r in dd.rows if r.get("hash_only")}
+    ok |= {m.get("key") for m in getattr(dd, "uncompared", None) or ()
+           if str(m.get("why") or "").startswith(SHARE_WHYS)}
+    k = next(iter(sorted(shares(entry) - ok)), None)
+    if k is None:
+        return None
+    return (f"summary.json's TP={label} not_compared.shares lists {k}, which the records show neither as the ranks' "
+            "shares of one value nor as per-rank hashes a hash-first pass read whole (edited after the run)")
+
+
+def check_selfcheck(label: str, ref_world: dict, world: dict) -> str | None:
+    """A world whose probed and unprobed runs differ (world.json probe_selfcheck, runner/worker.py) recorded
+    no evidence: analyse_degree calls its configuration failed, and the gate fails closed on that status.
+    The status was summary.json's word alone: a correct run (grad_hook_plan.py:hook_after, tiny-llama) whose
+    TP=2 world.json says its self-check failed, under a summary that does not say failed (edited back),
+    passed `gate --allow rounding`, exit 0 (red team hred17). The unprobed run's values are not recorded,
+    so an edit of probe_selfcheck itself is not seen."""
+    for who, w in ((f"TP={label}", world), ("the reference", ref_world)):
+        sc = w.get("probe_selfcheck") if isinstance(w, dict) else None
+        if isinstance(sc, dict) and sc.get("equal") is not True:
+            return (f"{who}'s world.json says its probed and unprobed runs differ (probe_selfcheck, first mismatch "
+                    f"{sc.get('first_mismatch')}): its records are no evidence, yet summary.json does not call "
+                    f"TP={label} failed (edited after the run)")
     return None
 
 
@@ -193,11 +242,14 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
         bad = check_rows(lab, dd.rows, csv_rows.get(lab, []))
         if bad is None and entries is not None:
             from tpdiag.diff.dropped_hooks import census, unnamed
+            from tpdiag.diff.not_judged import cut, unlisted
 
-            bad = (check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
+            bad = (check_selfcheck(lab, ref_rs.world, rs.world)
+                   or check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
+                   or check_shares(lab, entry, dd)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
-                   or moved_problem(lab, nj, dd))
+                   or moved_problem(lab, nj, dd) or (cut(lab, entry, dd.rows) if unlisted(entry) else None))
         if bad:
             problems[lab] = bad
     if base:
