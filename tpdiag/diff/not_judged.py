@@ -178,8 +178,14 @@ def cut(label: str, entry, rows: list[dict]) -> str | None:
     listed = {k for k in nj.get("keys") or () if isinstance(k, str)}
     said = nj.get("rel_l2") if type(nj.get("rel_l2")) is float and type(nj.get("records")) is int \
         and nj["records"] > len(listed) else None
+    # only the first divergence's own step: its parameters and inputs were the reference's, so what
+    # moved there moved by that step's rounding. The steps after it start from weights the update
+    # already moved (tiny-llama bf16 --tp 1,2,4 --steps 3, correct: grads moved ~0.013 of their norm
+    # at step 0, 0.1 at step 1, 0.24 at step 2 - past the limit, a false "edited after the run")
+    step = fd.get("step")
     for r in rows:
-        if (r["phase"], r["kind"]) not in MOVED or r["idx"] < first or r["bitwise"] or r["key"] in found:
+        if (r["phase"], r["kind"]) not in MOVED or r["idx"] < first or r["bitwise"] or r["key"] in found \
+                or str(r.get("step")) != str(step):
             continue
         moved = r.get("rel_l2")
         if r["kind"] == "grad_out" and (r["key"] in listed or said is not None and isinstance(moved, float)
