@@ -321,6 +321,8 @@ FILE_SECONDS = {
     "test_loop_stage.py": 30, "test_own_taps.py": 30,
     # session 16 (red team hred16): one compare (hook_mixed), wall of `pytest -n 0 FILE` less pytest's start
     "test_failclosed_hooks.py": 22, "test_failclosed_not_judged.py": 22,
+    # session 17 (helper hnew17): three forward-or-one-step compares at TP=1,2, wall of `pytest -n 0 FILE`
+    "test_ffn_hidden_norm.py": 18,
 }
 
 
