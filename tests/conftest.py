@@ -332,6 +332,8 @@ FILE_SECONDS = {
     # session 17 (helper hplant17): wall of `pytest -n 0 FILE` on the shared 2-core machine, less ~8 s
     # of pytest's start (three compares: sinks_first 1,4; sinks_unsynced 1,2; sinks_ok 1,2,4)
     "test_attn_sinks.py": 58, "test_mamba_norm.py": 40, "test_moe_aux_sp.py": 50, "test_clip_norm.py": 42,
+    # session 17 (helper hnew17): three forward-or-one-step compares at TP=1,2, wall of `pytest -n 0 FILE`
+    "test_ffn_hidden_norm.py": 18,
 }
 
 

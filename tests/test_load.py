@@ -109,3 +109,32 @@ def test_bad_run_dirs_are_typed_errors(tp12_run, tmp_path):
     (dst / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(Inconclusive, match="incomplete run"):
         tpdiag.load(str(dst))
+
+
+def test_token_logprobs_rows_are_the_batch_and_recompute_from_the_logits(run):
+    """A user checking tpdiag's logprobs against their own (helper hnew17): each row is one
+    (sequence, position) of the batch with the token it scores. The flat logprobs record was read
+    as one sequence (a batch of 2 x 16 came back as sequence 0, positions 0..31) and no token id
+    was given, so a user's own logits could not be lined up with them."""
+    import torch
+
+    from tpdiag.records.layout import assemble
+    from tpdiag.records.rundir import records_dir
+    from tpdiag.records.store import RecordSet
+
+    batch = run.batch()
+    ids, labels = batch["input_ids"], batch["labels"]
+    tok = run.token_logprobs()
+    t = tok[tok["degree"] == tok["degree"].iloc[0]]
+    assert sorted(set(t["sequence"])) == list(range(ids.shape[0])), sorted(set(t["sequence"]))
+    assert t["position"].max() == ids.shape[1] - 1
+    assert t["token"].tolist() == labels.flatten().tolist()
+    assert t["scored"].tolist() == (labels.flatten() != -100).tolist()
+    # the reference's logits record, log-softmaxed in float32 and gathered at the token: the same bits
+    rs = RecordSet(records_dir(run.run_dir, run.manifest, run.reference))
+    e = next(e for e in rs.events if e["kind"] == "logits" and e["step"] == 0)
+    logits = assemble(e, rs.tensor(e), None).full
+    mine = logits.float().log_softmax(-1)[t["sequence"].tolist(), t["position"].tolist(), labels.flatten().clamp(min=0).tolist()]
+    sc = torch.tensor(t["scored"].tolist())
+    ref = torch.tensor(t["reference"].tolist(), dtype=torch.float64)
+    assert torch.equal(mine[sc].double(), ref[sc]), (mine[sc] - ref[sc].float()).abs().max()

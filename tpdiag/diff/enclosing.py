@@ -178,8 +178,14 @@ def why_not(dd, row: dict) -> str | None:
     by = judge_of(dd, row["module"], step)
     if by is None:
         said = []
+        namesake = any(m.startswith(ROOT + ".") for m in mods)
         for a in chain:
             n, o = len(calls(dd, a, step)), outputs(dd, step, a)
+            if n != 1 and a == ROOT and namesake:
+                # the user called the model once: the 2 calls are the root's and its child's
+                said.append(f"{a} is the root's record name and its child's of that name too (transformers' "
+                            f"CausalLM.{a}): {n} calls in the step under one name, their children not told apart")
+                continue
             said.append(f"{a} called {n} times in the step (its calls' children not told apart)" if n != 1 else
                         f"{a} returns {o} tensors (its float64 backward needs one differentiable output)")
         return f"read by the code of {parent}; no enclosing module runs once and returns one tensor: " + ", ".join(said)

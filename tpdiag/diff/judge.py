@@ -28,11 +28,11 @@ from tpdiag.records.causes import cause_class
 from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layout_cause  # noqa: F401
 from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN, WHY_LOSS_REDUCED,  # noqa: F401
                                  WHY_MICRO_BATCH, WHY_NOISE, WHY_TP1)
-from tpdiag.records.ops import ATTENTION_OPS, PICK_OPS, SDPA_OPS, is_op_of
+from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, PICK_OPS, SDPA_OPS, is_op_of
 from tpdiag.diff.scale import narrowed_why, scale_why, shares_why
 # the evidence, the verdict and the predicates and reasons the rules below are written in
 from tpdiag.diff.judge_evidence import (Evidence, Rule, Verdict, baseline_cause, judged_far, judged_near,
-                                        why_at_op, _attention_op_why, _axis_applies, _caller_why,
+                                        why_at_op, _attention_op_why, _axis_applies, _caller_why, _caller_near_why,
                                         _discrete_why, _far_discrete, _input_unjudged, _is_bug,
                                         _no_op_recorded, _op_pass_why, _pick_why, _random_first_op, _row,
                                         _row_axis, _row_bug_why, _verdicts, _why_unknown)
@@ -149,6 +149,15 @@ RULES: list[Rule] = [
                         and not (ev.op_oracle is not None and ev.caller_oracle.get("explained_by"))
                         and cause_class(b().cause) != "bug"),
          lambda ev, b: "sharding-bug", _caller_why),
+    # ... and near it, the first op that differs the collective that sums the ranks' partial results
+    # (the user's own all-reduce of a sum of squares over an FFN shard, feeding its down projection):
+    # the caller computes the same function, its partial sums added in another order. It read
+    # `unknown` ("no rule judged it"), under `--fix auto` the run's whole verdict "not judged"
+    Rule("the caller of a divergent input is near float64, at its collective",
+         lambda ev, b: (ev.record.get("kind") == "in" and ev.caller_oracle is not None
+                        and not ev.caller_oracle["far"] and ev.op_oracle is None and ev.axis == "tp"
+                        and bool(ev.op) and any(c in ev.op for c in COLLECTIVE_OPS) and b().cause == "unknown"),
+         lambda ev, b: "row-parallel-reduction", _caller_near_why),
     Rule("op far from its float64 re-execution",
          lambda ev, b: ev.op_oracle is not None and ev.op_oracle["far"] and not ev.op_oracle.get("discrete"),
          lambda ev, b: "sharding-bug"),

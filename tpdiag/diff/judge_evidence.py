@@ -233,3 +233,13 @@ def _caller_why(ev: Evidence, below) -> str:
             f"{r.get('module')}{at}; {r.get('module')}'s inputs were bitwise equal, and its output, re-executed "
             f"whole in float64, is {v['ratio']:.2g}x beyond rounding: its code computes another function from "
             "here on (this input, or a module it calls after it) - a wrong result, not a reordering")
+
+
+def _caller_near_why(ev: Evidence, below) -> str:
+    from tpdiag.records.keys import RecordKey
+
+    r, v = ev.record, ev.caller_oracle
+    return (f"input {r.get('name')} of {RecordKey.parse(r['key']).module} is computed in the forward code of "
+            f"{r.get('module')}, whose first op that differs is the collective {ev.op}: the ranks' partial "
+            f"results added in another order; {r.get('module')}'s inputs were bitwise equal, and its output, "
+            f"re-executed whole in float64, is within rounding ({v['ratio']:.2g}x its allowance)")

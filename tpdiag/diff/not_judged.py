@@ -33,8 +33,7 @@ def grads(dd, first_key: str | None) -> dict | None:
     first = next((r["idx"] for r in dd.rows if r["key"] == first_key), None)
     if first is None:
         return None
-    why: dict[str, int] = {}
-    keys, reasons, worst, worst_l2 = [], {}, 0.0, None
+    left = []
     for r in dd.rows:
         if (r["phase"], r["kind"]) != ("backward", "grad_out") or r["idx"] <= first or r["bitwise"] \
                 or r.get("rank_consistent") is False or r.get("oracle") or r.get("bound") is not None \
@@ -48,6 +47,11 @@ def grads(dd, first_key: str | None) -> dict | None:
             w = (NO_MODULE if not consumers else SEVERAL) + "; " + (enclosing.why_not(dd, r) or "not judged")
         else:
             continue  # its one consumer was not re-executed on this side's inputs: own_inputs' choice
+        left.append((r, w))
+    left = _not_namesakes(dd, left)
+    why: dict[str, int] = {}
+    keys, reasons, worst, worst_l2 = [], {}, 0.0, None
+    for r, w in left:
         why[w] = why.get(w, 0) + 1
         keys.append(r["key"])
         if len(reasons) < MAX_KEYS:
@@ -69,6 +73,39 @@ def grads(dd, first_key: str | None) -> dict | None:
     if coarse is not None:
         out["dtype"] = coarse  # the least precise: the limit's unit (moved_beyond)
     return out
+
+
+def _not_namesakes(dd, left: list) -> list:
+    """`left` without the grads that are, on both sides, the very bits of another activation grad of
+    the step that is judged (not in `left`): one tensor recorded under two names. An HF CausalLM's
+    root and its `model` child both record as "model" (probes/model_walk.py), so their output grads
+    are the grads of model.norm's and lm_head's outputs, judged under those names - yet were listed
+    as not judged ("the model's output, or read by the root's code ..."), on every hf: compare. A
+    grad with no whole pair here (hash capture) stays listed."""
+    if not left:
+        return left
+    listed = {r["key"] for r, _ in left}
+    out = []
+    for r, w in left:
+        pair = dd.tensors.get(r["key"])
+        if pair is None or not all(hasattr(t, "shape") for t in pair) or not _judged_twin(dd, r, pair, listed):
+            out.append((r, w))
+    return out
+
+
+def _judged_twin(dd, r: dict, pair, listed: set) -> bool:
+    import torch
+
+    for o in dd.rows:
+        if o["key"] in listed or (o["phase"], o["kind"]) != ("backward", "grad_out") or o["step"] != r["step"] \
+                or o.get("rank_consistent") is False:
+            continue
+        twin = dd.tensors.get(o["key"])
+        if twin is None or not all(hasattr(t, "shape") for t in twin):
+            continue
+        if all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(pair, twin)):
+            return True
+    return False
 
 
 # How far (relative 2-norm), in roundings of the grads' dtype, an activation grad no check judged may

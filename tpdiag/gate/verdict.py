@@ -86,6 +86,11 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
         else:
             ok, why = True, ""
         if not ok:
+            if str(f.get("from", "")).startswith("confirmation ("):
+                # compare's text says this finding is the confirmation rerun's; the gate named it as
+                # this run's first, ahead of the BUG compare names (an input, before its module's output)
+                why += "; found in the " + f["from"].replace("confirmation", "confirmation rerun", 1) + \
+                    (f", computed in {f['made_in']}'s own forward code" if f.get("kind") == "in" and f.get("made_in") else "")
             # The summary names the root record's module and op better than the row (an unprobed
             # parent for an input record, the op at op granularity).
             root = r["key"] == fd.get("key")

@@ -127,6 +127,16 @@ class Run:
     steps: object
     logprobs: object
 
+    def batch(self, step: int = 0) -> dict:
+        """{name: tensor}: the batch the reference ran at `step` (input_ids, labels, or the names a
+        Target's inputs gave), as recorded - what to feed your own model to check the logprobs."""
+        from tpdiag.records.layout import assemble
+        from tpdiag.records.store import RecordSet
+
+        rs = RecordSet(records_dir(self.run_dir, self.manifest, self.reference))
+        return {e["name"]: assemble(e, rs.tensor(e), None).full for e in rs.events
+                if e["kind"] == "batch" and e["step"] == step}
+
     def token_logprobs(self, step: int = 0):
         """Per token: the reference's and each degree's logprob (read from the records)."""
         import pandas as pd
@@ -154,15 +164,22 @@ class Run:
                 continue
             a64, b64 = a.to(torch.float64).flatten(), b.to(torch.float64).flatten()
             n = a64.numel()
-            seq = int(a.shape[-1]) if a.dim() > 1 else n
+            # the logprobs record is flat (one per token of the batch): its rows are the labels'
+            # (batch x positions); read from its own shape, a batch of 2 x 16 was one sequence of 32
+            lab_ok = labels is not None and labels.dim() > 1 and labels.numel() == n
+            seq = int(labels.shape[-1]) if lab_ok else (int(a.shape[-1]) if a.dim() > 1 else n)
             m = scored_mask(labels, a64)
             scored = m.tolist() if m is not None else [True] * n
             parts.append(pd.DataFrame({
                 "degree": str(lab), "step": step, "sequence": [i // seq for i in range(n)],
                 "position": [i % seq for i in range(n)], "scored": scored,
+                # the token each logprob is of (the label; -100 where unscored): with run.batch()'s
+                # input_ids, what a user's own logits are gathered at to check these bits
+                "token": labels.flatten().tolist() if lab_ok else [None] * n,
                 "reference": a64.tolist(), "value": b64.tolist(), "abs_diff": (b64 - a64).abs().tolist(),
                 "bitwise": _bits(a).eq(_bits(b)).tolist()}))
-        cols = ["degree", "step", "sequence", "position", "scored", "reference", "value", "abs_diff", "bitwise"]
+        cols = ["degree", "step", "sequence", "position", "scored", "token", "reference", "value", "abs_diff",
+                "bitwise"]
         return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=cols)
 
 
