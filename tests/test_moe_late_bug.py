@@ -43,6 +43,7 @@ def test_a_far_moe_with_a_choice_no_flip_explains_is_unknown_and_fails_the_gate(
     assert v["far"] and v["own"] and v["discrete"] == ["aten::topk"] and v["ratio"] > 1e4, v
     assert "neither rounding nor a bug is shown" in f["why"], f["why"]
     assert s["class"] == "unknown" and "rounding only" not in stdout, (s["class"], stdout[-1500:])
+    assert "a record past the first divergence could not be judged" in stdout, stdout[-1500:]
     # fail closed: not a bug (a flip is not ruled out), never a pass
     assert gate.returncode == 1 and "cause unknown" in gate.stdout, gate.stdout + gate.stderr
 
