@@ -27,12 +27,12 @@ def runs(tmp_path_factory):
                     "--forward-only", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
         out[case] = (json.loads((d / "summary.json").read_text()), p.stdout,
-                     run_cli("gate", str(d), "--allow", "rounding"))
+                     run_cli("gate", str(d), "--allow", "rounding"), d)
     return out
 
 
 def test_a_far_moe_with_a_choice_no_flip_explains_is_unknown_and_fails_the_gate(runs):
-    s, stdout, gate = runs["shared_every_rank"]
+    s, stdout, gate, _ = runs["shared_every_rank"]
     e = s["degrees"]["2"]
     assert e["first_divergence"]["cause"] == "row-parallel-reduction", e["first_divergence"]
     got = [f for f in e["findings"] if (f["phase"], f["module"], f["kind"]) == ("forward", "moe", "out")]
@@ -49,11 +49,26 @@ def test_a_far_moe_with_a_choice_no_flip_explains_is_unknown_and_fails_the_gate(
 
 
 def test_the_twin_stays_rounding_only(runs):
-    s, stdout, gate = runs["shared_once"]
+    s, stdout, gate, _ = runs["shared_once"]
     e = s["degrees"]["2"]
     assert s["class"] == "rounding" and not e["findings"], e["findings"]
     assert e["first_divergence"]["cause"] == "row-parallel-reduction", e["first_divergence"]
     assert gate.returncode == 0, gate.stdout + gate.stderr
+
+
+def test_the_unknown_finding_deleted_from_summary_json_is_an_edit(runs, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["shared_every_rank"][3], run)
+    s = json.loads((run / "summary.json").read_text())
+    e = s["degrees"]["2"]
+    e["findings"] = [f for f in e["findings"] if f["module"] != "moe"]
+    e["class"] = s["class"] = "rounding"
+    (run / "summary.json").write_text(json.dumps(s))
+    g = run_cli("gate", str(run), "--allow", "rounding")
+    # it passed (exit 0): the second pass's own summary still holds the finding
+    assert g.returncode == 2 and "lack s0/forward/moe/out#0/0 (unknown)" in g.stdout + g.stderr, g.stdout + g.stderr
 
 
 def _evidence(after_flip=None):
