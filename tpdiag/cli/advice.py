@@ -110,6 +110,16 @@ def _failed_worlds(summary: dict) -> str | None:
             + (" (the others' likewise)" if not one else ""))
 
 
+def _unknown_past_first(summary: dict) -> bool:
+    """Some configuration's first divergence has a cause and a root finding past it has none."""
+    from tpdiag.diff.classes import roots
+    from tpdiag.records.axes import entries
+
+    return any(isinstance(d, dict) and (d.get("first_divergence") or {}).get("cause") not in (None, "unknown")
+               and any(f.get("cause") == "unknown" for f in roots(d.get("findings") or []))
+               for d in entries(summary).values())
+
+
 def _what_to_do(summary: dict) -> str | None:
     failed = _failed_worlds(summary)
     if failed:
@@ -148,6 +158,12 @@ def _what_to_do(summary: dict) -> str | None:
                     "them (the not-judged line above, summary.json not_judged): a bug may be there unseen; "
                     f"`tpdiag report {run}` shows their values, and `tpdiag gate` fails the run unless its policy "
                     "allows `unknown`")
+        if _unknown_past_first(summary):
+            # the first divergence was judged; a record past it was not (a far float64 verdict with
+            # a choice inside that may have flipped: diff/judge.py FLIP_UNSHOWN)
+            return ("a record past the first divergence could not be judged (the `unknown` finding above): a "
+                    f"bug may be there unseen; `tpdiag report {run}` shows its values, and `tpdiag gate` fails "
+                    "the run unless its policy allows `unknown`")
         return ("nothing could judge the first divergence (the reason is above); "
                 f"`tpdiag report {run}` shows its values")
     if summary.get("fix_chain") and summary.get("status_after_fixes") == "bitwise":

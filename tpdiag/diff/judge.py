@@ -33,11 +33,13 @@ from tpdiag.diff.scale import narrowed_why, scale_why, shares_why
 # the evidence, the verdict and the predicates and reasons the rules below are written in
 from tpdiag.diff.judge_evidence import (Evidence, Rule, Verdict, baseline_cause, judged_far, judged_near,
                                         why_at_op, _attention_op_why, _axis_applies, _caller_why, _caller_near_why,
-                                        _discrete_why, _far_discrete, _input_unjudged, _is_bug,
+                                        _discrete_why, _far_discrete, _flip_unshown_why, far_flip_unshown,
+                                        _input_unjudged, _is_bug,
                                         _no_op_recorded, _op_pass_why, _pick_why, _random_first_op, _row,
                                         _row_axis, _row_bug_why, _verdicts, _why_unknown)
 
 BATCH_VARIANT = "batch-variant-kernel"
+FLIP_UNSHOWN = "far with a discrete choice inside, no flip shown"
 
 
 # ---- the rules, first match wins ----------------------------------------------------------
@@ -132,7 +134,8 @@ RULES: list[Rule] = [
     Rule("per-rank weights not the reference's", lambda ev, b: ev.not_reference is not None,
          lambda ev, b: "rank-inconsistent-replica", lambda ev, b: ev.not_reference),
     # a finding after a real router flip: tokens that ran other experts are beyond any bound
-    Rule("after a router flip", lambda ev, b: ev.after_flip is not None and b().cause == "sharding-bug",
+    Rule("after a router flip", lambda ev, b: ev.after_flip is not None and (
+             b().cause == "sharding-bug" or bool(_row(ev, "oracle_flip"))),
          lambda ev, b: "router-flip", lambda ev, b: b().why),
     # the first divergent op, re-executed in float64, judges what its module record could not
     Rule("a pick of the model's own tensor differs",
@@ -201,6 +204,9 @@ RULES: list[Rule] = [
          lambda ev, b: (ev.axis == "tp" and layout_cause(ev.row) == "vocab-parallel-softmax"
                         and bool(_row(ev, "logits_whole"))),
          lambda ev, b: "row-parallel-reduction", lambda ev, b: WHY_LOSS_REDUCED),
+    # far from float64 past the first divergence with a choice inside that may have flipped, and no
+    # flip shown: fail closed (a layout's reordering name would read it rounding)
+    Rule(FLIP_UNSHOWN, far_flip_unshown, lambda ev, b: "unknown", _flip_unshown_why),
     Rule("layout names the reordering", lambda ev, b: layout_cause(ev.row) is not None,
          lambda ev, b: layout_cause(ev.row)),
     Rule("nothing names it", lambda ev, b: True, lambda ev, b: "unknown", _why_unknown),

@@ -77,7 +77,9 @@ def judged_near(f: dict) -> bool:
     re-execution judged stays what its bound says (fail closed: an unjudged downstream bug is
     never cleared by the confirmation of an upstream rounding)."""
     verdicts = [f.get(k) for k in ("oracle", "op_oracle") if isinstance(f.get(k), dict) and "far" in f.get(k)]
-    return bool(verdicts) and not judged_far(f)
+    # far with a discrete choice inside is not judged far (a flip is not shown to be a bug), and
+    # not near either: it shows no rounding
+    return bool(verdicts) and not any(v.get("far") for v in verdicts)
 
 
 def why_at_op(op: str, axis: str = "tp") -> str:
@@ -124,6 +126,34 @@ def _attention_op_why(ev: Evidence, below) -> str | None:
         return v.why
     why = _WHY_ATTENTION_OP.get(ev.axis, _WHY_ATTENTION_OP["tp"])
     return f"the difference enters at {ev.op}, an attention kernel: {why}"
+
+
+def far_flip_unshown(ev: Evidence, below) -> bool:
+    """A record past the first divergence far from its float64 re-execution, with a discrete choice
+    inside that may have flipped (diff/oracle.py oracle_flip) and no router flip shown before it:
+    neither rounding nor a bug is shown (a bug inside a top-k MoE behind a row-parallel reduction read
+    `rounding only`: tests/models/planted/moe_late_bug.py)."""
+    return bool(_row(ev, "oracle_flip")) and ev.record.get("root_cause") is not True and ev.after_flip is None
+
+
+def _flip_unshown_why(ev: Evidence, below) -> str:
+    v = next((v for v in _verdicts(ev) if v.get("far") and v.get("discrete")), None)
+    if v is None:
+        return "far from its float64 re-execution with a discrete choice inside: neither rounding nor a bug is shown"
+    what = ", ".join(v.get("discrete") or ())
+    if v.get("no_reference"):
+        return (f"{describe_far(v)}: the reference itself is more than {v['margin']:g} roundings from it - the "
+                f"float64 run chose otherwise at its discrete choices ({what}) - so it is no reference: neither "
+                "rounding nor a bug is shown")
+    return (f"{describe_far(v)}: far from it, with a discrete choice on floating values inside ({what}) that a "
+            "rounding difference could flip - but no router flip is shown and its choices were not recorded "
+            "equal, so neither rounding nor a bug is shown")
+
+
+def describe_far(v: dict) -> str:
+    from tpdiag.diff.oracle import describe
+
+    return describe(v)
 
 
 def _is_bug(v: Verdict) -> bool:
