@@ -197,7 +197,7 @@ def unlisted(entry) -> bool:
     return all(cause_class(f.get("cause")) == "rounding" and f.get("cause") != "router-flip" for f in found)
 
 
-def cut(label: str, entry, rows: list[dict]) -> str | None:
+def cut(label: str, entry, rows: list[dict], op_dtypes=()) -> str | None:
     """The gate's check (diff/recheck.verify) of a degree `unlisted` passes: no record from the first divergence
     on (MOVED) may have moved beyond what rounding moves an activation grad no check judged (moved_beyond's
     limit, in the least precise dtype the degree records: a float32 grad of a bf16 model rounds as bf16) and
@@ -214,7 +214,9 @@ def cut(label: str, entry, rows: list[dict]) -> str | None:
     first = next((r["idx"] for r in rows if r["key"] == fd.get("key")), None)
     if first is None:
         return None
-    eps = [EPS[d] for d in (str(r.get("dtype") or "").replace("torch.", "") for r in rows) if d in EPS]
+    # op_dtypes: what the second pass's ops computed in (recheck._op_dtypes: autocast)
+    dts = [str(r.get("dtype") or "") for r in rows] + [str(d) for d in op_dtypes]
+    eps = [EPS[d] for d in (d.replace("torch.", "") for d in dts) if d in EPS]
     limit = min(NOT_JUDGED_ROUNDINGS * max(eps or [EPS["bfloat16"]]), NOT_JUDGED_MAX_REL)
     found = {f.get("key") for f in (entry.get("findings") or ()) if isinstance(f, dict)}
     # the grads not_judged lists are the verdict's to fail (moved_beyond, by its rel_l2: re-derived over the

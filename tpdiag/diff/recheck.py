@@ -9,6 +9,8 @@ come from the oracle pass and are cross-checked against diff.csv by records/inte
 """
 from __future__ import annotations
 
+import os
+
 from tpdiag.errors import Inconclusive
 
 # diff.csv's columns re-derived from the records. Floats survive the CSV round trip exactly (repr), so
@@ -249,7 +251,8 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
                    or check_shares(lab, entry, dd)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
-                   or moved_problem(lab, nj, dd) or (cut(lab, entry, dd.rows) if unlisted(entry) else None))
+                   or moved_problem(lab, nj, dd)
+                   or (cut(lab, entry, dd.rows, _op_dtypes(dirs[ref])) if unlisted(entry) else None))
         if bad:
             problems[lab] = bad
     if base:
@@ -280,6 +283,29 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
                 return {**{x: f"reference TP={ref}: {why}" for x in labels}, **problems}
             problems.setdefault(lab, why)
     return problems
+
+
+def _op_dtypes(ref_dir: str) -> list[str]:
+    """The dtypes of the op records the second pass's reference worlds hold: the precision the model
+    computes in where it records another (a float32 model whose MLP runs under torch.autocast(bf16)
+    records float32 module outputs moved by bf16 rounding - user_verdicts.py:autocast, 4.3e-4 against
+    float32's not-judged limit of 1.2e-4: a false "edited after the run"). Their index is read, not
+    trusted blindly: a pass removed leaves only the records' own dtypes, the stricter limit."""
+    from tpdiag.records.paths import SECOND_PASS_DIRS
+    from tpdiag.records.record_index import read_index
+
+    run, label = os.path.split(os.path.normpath(ref_dir))
+    out = set()
+    for sub in SECOND_PASS_DIRS:
+        d = os.path.join(run, sub, label)
+        if not os.path.isdir(d):
+            continue
+        try:
+            _, events = read_index(d)
+        except Inconclusive:
+            continue
+        out |= {str(m.get("dtype")) for m in events if m.get("kind") == "op" and m.get("dtype")}
+    return sorted(out)
 
 
 def moved_problem(label: str, nj, dd) -> str | None:
