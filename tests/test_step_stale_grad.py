@@ -19,12 +19,12 @@ def _run(tmp_path_factory, case):
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
     out = shared_run(tmp_path_factory, f"step-stale-grad-{case}", make)
     g = run_cli("gate", str(out), "--allow", "rounding")
-    return json.loads((out / "summary.json").read_text()), g.returncode, g.stdout + g.stderr
+    return json.loads((out / "summary.json").read_text()), g.returncode, g.stdout + g.stderr, out
 
 
 @pytest.mark.parametrize("case", ["stale_grad_drop", "fresh_grad_drop"])
 def test_a_stale_backward_memo_in_an_unjudged_grad_is_not_rounding(tmp_path_factory, case):
-    s, gate, out = _run(tmp_path_factory, case)
+    s, gate, out, _ = _run(tmp_path_factory, case)
     nj = s["degrees"]["2"].get("not_judged") or {}
     # the grad the mistake moved is listed, measured at its own step (its forward stayed at rounding)
     assert "s1/backward/mlp/grad_out#0/0" in nj.get("keys", ()), nj
@@ -50,3 +50,27 @@ def test_measured_steps_keep_a_later_step_whose_forward_stayed_at_rounding():
     assert measured_steps([fwd(0, 0, 1e-7), fwd(1, 1, None)]) == {"0"}
     # nor is a first step's forward that moved past a few roundings (a near tie flipped: O(1))
     assert measured_steps([fwd(0, 0, 0.3), fwd(1, 1, 0.3)]) == {"0"}
+
+
+def test_its_not_judged_cut_from_both_summaries_is_inconclusive(tmp_path_factory, tmp_path):
+    """The gate's moved-record check (not_judged.cut) read the first divergence's step alone: with the
+    list and the class cut from summary.json and ops/summary.json the run passed `gate --allow rounding`,
+    exit 0 (docs/security.md named it open). Step 1's forward stayed at rounding, so it is read too."""
+    import shutil
+
+    from conftest import json_edit
+    from tpdiag.gate import evaluate, load_policy
+    from tpdiag.gate.policy import with_allowed
+
+    run = tmp_path / "run"
+    shutil.copytree(_run(tmp_path_factory, "stale_grad_drop")[3], run, symlinks=True)
+
+    def rounding(s):
+        s["class"] = "rounding"
+        for d in s["degrees"].values():
+            d["class"] = "rounding"
+            d.pop("not_judged", None)
+    for f in ("summary.json", "ops/summary.json"):
+        json_edit(run / f, rounding)
+    res = evaluate(str(run), with_allowed(load_policy(None), "rounding"))
+    assert res.exit_code == 2 and "no finding at s1/backward/" in res.problems[0], res.lines()

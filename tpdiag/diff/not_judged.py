@@ -286,10 +286,13 @@ def cut(label: str, entry, rows: list[dict]) -> str | None:
     # moved there moved by that step's rounding. The steps after it start from weights the update
     # already moved (tiny-llama bf16 --tp 1,2,4 --steps 3, correct: grads moved ~0.013 of their norm
     # at step 0, 0.1 at step 1, 0.24 at step 2 - past the limit, a false "edited after the run")
-    step = fd.get("step")
+    # ... and a later step whose forward stayed at the first step's rounding (measured_steps: its weights
+    # the reference's up to rounding): step_stale_grad.py:stale_grad_drop (mlp's output grad half off at
+    # step 1) with not_judged cut from both summaries and the class passed, exit 0, reading step 0 alone
+    steps = measured_steps(rows) | {str(fd.get("step"))}
     for r in rows:
         if (r["phase"], r["kind"]) not in MOVED or r["idx"] < first or r["bitwise"] or r["key"] in found \
-                or str(r.get("step")) != str(step):
+                or str(r.get("step")) not in steps:
             continue
         moved = r.get("rel_l2")
         if r["kind"] == "grad_out" and (r["key"] in listed or said is not None and isinstance(moved, float)
