@@ -326,7 +326,7 @@ FILE_SECONDS = {
     # session 17 (helper hperf17): one subprocess importing torch
     "test_provenance.py": 4, "test_prefetch.py": 3,
     # session 17 (lead): one tiny-llama bf16 compare of 3 steps with its confirmation
-    "test_gate_steps.py": 15,
+    "test_gate_steps.py": 15, "test_step_stale_grad.py": 14,
     # session 17 (helper hci17): one fresh interpreter that imports torch, no world. Changed above: the
     # files this session cut, each its tests' CPU s in a cpuacct cgroup (pytest -n 0, per test, pytest's
     # start left out) - test_recipe_compiled 61, test_own_ref_base 15 (it makes behind_hash_run first), test_own_norms 5

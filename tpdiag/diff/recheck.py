@@ -314,14 +314,14 @@ def moved_problem(label: str, nj, dd) -> str | None:
     summary.json and the second pass's, two_paths.py:pair_drop_f (27% off) passed `gate --allow rounding`,
     exit 0 (red team hred16). Only the first MAX_KEYS grads are listed: their largest move bounds rel_l2
     from below, and equals it where every grad is listed."""
-    from tpdiag.diff.not_judged import _rel_l2, first_step
+    from tpdiag.diff.not_judged import _rel_l2, measured_steps
 
     if not isinstance(nj, dict) or not nj.get("keys"):
         return None
-    # the first differing step's grads only, as not_judged.grads measures them (first_step: why)
-    step = str(first_step(dd.rows))
+    # the steps not_judged.grads measures (measured_steps: why)
+    steps = measured_steps(dd.rows)
     step_of = {r["key"]: str(r.get("step")) for r in dd.rows}
-    moved = [m for m in (_rel_l2(dd.tensors.get(k)) for k in nj["keys"] if isinstance(k, str) and step_of.get(k) == step)
+    moved = [m for m in (_rel_l2(dd.tensors.get(k)) for k in nj["keys"] if isinstance(k, str) and step_of.get(k) in steps)
              if m is not None]
     if not moved:
         return None
