@@ -1,9 +1,9 @@
-"""Fail closed on diff.csv's row order and idx (red team hred16, left open; closed by hred17). The first
-divergence is the first divergent row in diff.csv's order (gate/evidence.check_summary) and a grad is
-"past the first divergence" by its idx (diff/not_judged.py), yet neither was re-derived: on main an idx
-edited in diff.csv, or two rows after the first divergence swapped, went unseen (the gate's verdict
-stood on the edited file). Now idx is one of the re-derived row fields and the rows must come in the
-order the re-diff gives (diff/recheck.check_rows): each edit exits 2.
+"""Fail closed on diff.csv's descriptive row fields (red team hred17): cls, style, layout and shape are
+re-derived with the other row fields (diff/recheck.check_rows). diff.csv's idx and row order are NOT
+re-derived (still open, docs/security.md): hred17's check of them (idx equal to the re-diff's, rows in
+its order) failed honest runs - hash-capture and expert-parallel runs write diff.csv's rows in another
+numbering than the re-diff's (tests/test_ep_dispatch.py, test_rank0_bias.py, test_ep_placement.py
+read exit 2, "edited after the run"), so it was taken out.
 """
 import csv
 import shutil
@@ -40,13 +40,6 @@ def _gate(run):
     return evaluate(str(run), with_allowed(load_policy(None), "rounding"))
 
 
-def test_an_idx_edited_in_diff_csv_is_inconclusive(run):
-    assert _gate(run).exit_code not in (0, 2)  # the honest run: a bug (hook_build's dropped clip)
-    _rewrite(run / "diff.csv", lambda rows: rows[3].update(idx=str(int(rows[3]["idx"]) + 100)))
-    res = _gate(run)
-    assert res.exit_code == 2 and "(idx 103 in diff.csv, 3 in the records" in res.problems[0], res.lines()
-
-
 @pytest.mark.parametrize("field,value", [("cls", "TopkRouter"), ("style", "rowwise"), ("layout", "shard:1"),
                                          ("shape", "32x64")])
 def test_a_descriptive_field_edited_in_diff_csv_is_inconclusive(run, field, value):
@@ -58,16 +51,3 @@ def test_a_descriptive_field_edited_in_diff_csv_is_inconclusive(run, field, valu
     res = _gate(run)
     assert res.exit_code == 2 and f"record {key} does not match diff.csv ({field} '{value}' in diff.csv" \
         in res.problems[0], res.lines()
-
-
-def test_rows_moved_after_the_first_divergence_are_inconclusive(run):
-    """Two divergent rows after the first divergence swapped (each keeps its own fields, idx too): the
-    first divergence is unchanged, so check_summary could not see it."""
-    def swap(rows):
-        div = [i for i, r in enumerate(rows) if r["bitwise"] == "False"]
-        i, j = div[2], div[3]
-        rows[i], rows[j] = rows[j], rows[i]
-
-    _rewrite(run / "diff.csv", swap)
-    res = _gate(run)
-    assert res.exit_code == 2 and "in another order than the records give" in res.problems[0], res.lines()
