@@ -126,7 +126,7 @@ def _not_idle(label: str, param: str, hooks: list[str], rows: list[dict]) -> str
     with the finding cut from both summaries, grad_hook_plan.py:hook_build (the unclipped grad 3.8 times its
     norm away) passed `gate --allow rounding`, exit 0 (red team hred16). A grad with no such measure (one
     side non-finite): fail closed, the claim cannot be checked."""
-    from tpdiag.diff.not_judged import EPS, NOT_JUDGED_MAX_REL, NOT_JUDGED_ROUNDINGS
+    from tpdiag.diff.not_judged import moved_limit
 
     mine = [r for r in rows if r["kind"] == "param_grad" and r["phase"] == "backward" and _param_of(r) == param]
     # its first step only: later steps start from weights the updates already moved apart (a bf16
@@ -136,8 +136,7 @@ def _not_idle(label: str, param: str, hooks: list[str], rows: list[dict]) -> str
         if r["bitwise"] or (first is not None and str(r.get("step")) != str(first)):
             continue
         moved = r.get("rel_l2")
-        eps = EPS.get(str(r.get("dtype") or "").replace("torch.", ""), EPS["bfloat16"])
-        limit = min(NOT_JUDGED_ROUNDINGS * eps, NOT_JUDGED_MAX_REL)
+        limit = moved_limit([r.get("dtype")])
         if moved is None or not moved <= limit:
             what = "cannot be compared whole" if moved is None else f"moved {moved:.3g} of the reference's"
             return (f"the reference's world.json hook_effect calls the grad hook(s) {', '.join(hooks)} on {param} an "

@@ -137,6 +137,8 @@ def far_flip_unshown(ev: Evidence, below) -> bool:
 
 
 def _flip_unshown_why(ev: Evidence, below) -> str:
+    from tpdiag.diff.oracle import describe as describe_far
+
     v = next((v for v in _verdicts(ev) if v.get("far") and v.get("discrete")), None)
     if v is None:
         return "far from its float64 re-execution with a discrete choice inside: neither rounding nor a bug is shown"
@@ -148,12 +150,6 @@ def _flip_unshown_why(ev: Evidence, below) -> str:
     return (f"{describe_far(v)}: far from it, with a discrete choice on floating values inside ({what}) that a "
             "rounding difference could flip - but no router flip is shown and its choices were not recorded "
             "equal, so neither rounding nor a bug is shown")
-
-
-def describe_far(v: dict) -> str:
-    from tpdiag.diff.oracle import describe
-
-    return describe(v)
 
 
 def _is_bug(v: Verdict) -> bool:

@@ -192,6 +192,14 @@ NOT_JUDGED_MAX_REL = 0.2
 EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
 
 
+def moved_limit(dtypes) -> float:
+    """How far (relative 2-norm) rounding may move a record no check judged: NOT_JUDGED_ROUNDINGS eps of
+    the least precise of `dtypes` (names, "torch." or not; none known: bfloat16's), at most
+    NOT_JUDGED_MAX_REL - the one limit of moved_beyond, cut and dropped_hooks._not_idle."""
+    eps = [EPS[d] for d in (str(d).replace("torch.", "") for d in dtypes) if d in EPS]
+    return min(NOT_JUDGED_ROUNDINGS * max(eps or [EPS["bfloat16"]]), NOT_JUDGED_MAX_REL)
+
+
 def moved_beyond(entry: dict, dtypes: list | None = None) -> tuple[float, float] | None:
     """(how far the unjudged grads moved, the limit) where they moved beyond NOT_JUDGED_ROUNDINGS eps
     of the least precise of `dtypes` (the listed records' dtypes; None: summary.json's own word, then
@@ -209,8 +217,7 @@ def moved_beyond(entry: dict, dtypes: list | None = None) -> tuple[float, float]
         return None
     if dtypes is None:
         dtypes = [nj.get("dtype")]
-    eps = [EPS[str(d).replace("torch.", "")] for d in dtypes if str(d).replace("torch.", "") in EPS]
-    limit = min(NOT_JUDGED_ROUNDINGS * max(eps or [EPS["bfloat16"]]), NOT_JUDGED_MAX_REL)
+    limit = moved_limit(dtypes)
     if moved == moved and moved <= limit:
         return None
     return float(moved), limit
@@ -272,9 +279,7 @@ def cut(label: str, entry, rows: list[dict], op_dtypes=()) -> str | None:
     if first is None:
         return None
     # op_dtypes: what the second pass's ops computed in (recheck._op_dtypes: autocast)
-    dts = [str(r.get("dtype") or "") for r in rows] + [str(d) for d in op_dtypes]
-    eps = [EPS[d] for d in (d.replace("torch.", "") for d in dts) if d in EPS]
-    limit = min(NOT_JUDGED_ROUNDINGS * max(eps or [EPS["bfloat16"]]), NOT_JUDGED_MAX_REL)
+    limit = moved_limit([r.get("dtype") for r in rows] + list(op_dtypes))
     found = {f.get("key") for f in (entry.get("findings") or ()) if isinstance(f, dict)}
     # the grads not_judged lists are the verdict's to fail (moved_beyond, by its rel_l2: re-derived over the
     # listed ones, recheck.moved_problem); past its MAX_KEYS listed, one moved no further than its rel_l2 says

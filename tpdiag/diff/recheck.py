@@ -203,6 +203,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
         return {lab: f"reference TP={ref}: {str(e).splitlines()[0]}" for lab in labels}
     problems = {}
     read = []  # (label, RecordSet) re-diffed: their records nothing read are checked last
+    op_dtypes = None  # the reference's second-pass op dtypes, read once (_op_dtypes) where a cut check asks
     for lab in labels:
         try:
             # as the diff read it: a compared side's float64 re-executions (a capture made with
@@ -225,8 +226,10 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
                    or check_shares(lab, entry, dd)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
-                   or moved_problem(lab, nj, dd)
-                   or (cut(lab, entry, dd.rows, _op_dtypes(dirs[ref])) if unlisted(entry) else None))
+                   or moved_problem(lab, nj, dd))
+            if bad is None and unlisted(entry):
+                op_dtypes = _op_dtypes(dirs[ref]) if op_dtypes is None else op_dtypes
+                bad = cut(lab, entry, dd.rows, op_dtypes)
         if bad:
             problems[lab] = bad
     if base:
