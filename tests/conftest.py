@@ -405,6 +405,23 @@ def compare_planted(tmp_path_factory, cases):
     return out
 
 
+def copied_run(src, tmp_path):
+    """A copy of a run directory for one tamper test to edit (the module's run stays as made)."""
+    import shutil
+
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def gate_allowing_rounding(run):
+    """`tpdiag gate RUN --allow rounding` in process: the gate's result object."""
+    from tpdiag.gate import evaluate, load_policy
+    from tpdiag.gate.policy import with_allowed
+
+    return evaluate(str(run), with_allowed(load_policy(None), "rounding"))
+
+
 def json_edit(path, fn):
     """Rewrites a JSON file with fn applied to its object (a tamper test's edit)."""
     import json

@@ -13,9 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import json_edit, planted_run
-from tpdiag.gate import evaluate, load_policy
-from tpdiag.gate.policy import with_allowed
+from conftest import copied_run, gate_allowing_rounding, json_edit, planted_run
 from tpdiag.records.causes import EXIT_BUG
 
 KEYS = {"s0/backward/stage.block/grad_out#0/0", "s0/backward/embed/grad_out#0/0"}
@@ -28,13 +26,10 @@ def pair_f(tmp_path_factory):
 
 @pytest.fixture()
 def run(pair_f, tmp_path):
-    dst = tmp_path / "run"
-    shutil.copytree(pair_f, dst, symlinks=True)
-    return dst
+    return copied_run(pair_f, tmp_path)
 
 
-def _gate(run):
-    return evaluate(str(run), with_allowed(load_policy(None), "rounding"))
+_gate = gate_allowing_rounding
 
 
 def _cut(s):

@@ -9,13 +9,10 @@ world.json (dropped_hooks.unnamed) and holds the worlds' hooked parameters to on
 (dropped_hooks.census: TP > 1 worlds list the hooks the plan kept, hooks_kept): both exit 2.
 """
 import json
-import shutil
 
 import pytest
 
-from conftest import json_edit, planted_run
-from tpdiag.gate import evaluate, load_policy
-from tpdiag.gate.policy import with_allowed
+from conftest import copied_run, gate_allowing_rounding, json_edit, planted_run
 from tpdiag.records.causes import EXIT_BUG
 
 GRAD = "s0/backward/w1/param_grad#0/weight"
@@ -28,9 +25,7 @@ def mixed(tmp_path_factory):
 
 @pytest.fixture()
 def run(mixed, tmp_path):
-    dst = tmp_path / "run"
-    shutil.copytree(mixed, dst, symlinks=True)
-    return dst
+    return copied_run(mixed, tmp_path)
 
 
 _edit = json_edit
@@ -44,8 +39,7 @@ def _cut_finding(s):
     s["class"] = "rounding"
 
 
-def _gate(run):
-    return evaluate(str(run), with_allowed(load_policy(None), "rounding"))
+_gate = gate_allowing_rounding
 
 
 def test_the_honest_run_is_a_bug_with_the_kept_hook_listed(mixed):

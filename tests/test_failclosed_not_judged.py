@@ -9,13 +9,10 @@ rel_l2 what the listed grads' records give (diff/recheck.moved_problem), and dif
 unit) is re-derived: each exits 2.
 """
 import json
-import shutil
 
 import pytest
 
-from conftest import json_edit, planted_run
-from tpdiag.gate import evaluate, load_policy
-from tpdiag.gate.policy import with_allowed
+from conftest import copied_run, gate_allowing_rounding, json_edit, planted_run
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +22,7 @@ def drop(tmp_path_factory):
 
 @pytest.fixture()
 def run(drop, tmp_path):
-    dst = tmp_path / "run"
-    shutil.copytree(drop, dst, symlinks=True)
-    return dst
+    return copied_run(drop, tmp_path)
 
 
 _edit = json_edit
@@ -39,8 +34,7 @@ def _rounding(s):
         d["class"] = "rounding"
 
 
-def _gate(run):
-    return evaluate(str(run), with_allowed(load_policy(None), "rounding"))
+_gate = gate_allowing_rounding
 
 
 def test_the_honest_run_fails_as_not_judged(drop):

@@ -6,13 +6,10 @@ numbering than the re-diff's (tests/test_ep_dispatch.py, test_rank0_bias.py, tes
 read exit 2, "edited after the run"), so it was taken out.
 """
 import csv
-import shutil
 
 import pytest
 
-from conftest import planted_run
-from tpdiag.gate import evaluate, load_policy
-from tpdiag.gate.policy import with_allowed
+from conftest import copied_run, gate_allowing_rounding, planted_run
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +19,7 @@ def built(tmp_path_factory):
 
 @pytest.fixture()
 def run(built, tmp_path):
-    dst = tmp_path / "run"
-    shutil.copytree(built, dst, symlinks=True)
-    return dst
+    return copied_run(built, tmp_path)
 
 
 def _rewrite(path, fn):
@@ -36,8 +31,7 @@ def _rewrite(path, fn):
         w.writerows(rows)
 
 
-def _gate(run):
-    return evaluate(str(run), with_allowed(load_policy(None), "rounding"))
+_gate = gate_allowing_rounding
 
 
 @pytest.mark.parametrize("field,value", [("cls", "TopkRouter"), ("style", "rowwise"), ("layout", "shard:1"),
