@@ -230,12 +230,12 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
     findings, fidx = [], []
     for r in dd.rows:
         if r.get("beyond_bound") or r.get("rank_consistent") is False or r.get("scale") is not None \
-                or (r.get("oracle_flip") and r["phase"] == "forward" and (first is None or r["idx"] != first["idx"])):
-            # a far forward float64 verdict with a choice inside that may have flipped shows neither
-            # rounding nor a bug: a finding of its own (cause unknown unless a router flip explains
-            # it), never passed over - a bug inside a top-k MoE past the first divergence read
-            # `rounding only` (tests/models/planted/moe_late_bug.py). Not yet a grad's: the consumer's
-            # float64 backward of a correct top-k MoE (that file's twin) reads its input grad 0.47 off
+                or (r.get("oracle_flip") and (first is None or r["idx"] != first["idx"])):
+            # a far float64 verdict with a choice inside that may have flipped shows neither rounding
+            # nor a bug: a finding of its own (cause unknown unless a router flip explains it), never
+            # passed over - a bug inside a top-k MoE past the first divergence read `rounding only`
+            # (tests/models/planted/moe_late_bug.py), and so did a wrong grad out of one's backward
+            # (moe_bwd_bug.py) before its float64 backward was shown to follow the runs' choices
             fidx.append(r["idx"])
             f = {"phase": r["phase"], "module": r["module"], "op": None, "kind": r["kind"],
                  "name": r["name"], "step": r["step"], "cause": None,

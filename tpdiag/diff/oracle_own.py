@@ -10,7 +10,7 @@ import torch
 
 from tpdiag.diff.equal_inputs import side_params
 from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
-from tpdiag.diff import enclosing, other_paths, rank_partials
+from tpdiag.diff import choices_followed, enclosing, other_paths, rank_partials
 from tpdiag.diff.own_side import REFUSED, judge_own_side
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
@@ -197,7 +197,15 @@ def apply_own(dd) -> None:
         if row.get("other_path"):
             v["what"] = "its consumer's backward" + other_paths.what(dd, row["other_path"])
         row["oracle"] = v
-        if v["far"] and discrete:
+        followed = None
+        if v["far"] and discrete and row["phase"] == "backward" and not v.get("no_reference"):
+            # its float64 backward starts from the forward whose every row reproduced each run's: the
+            # same choices, so far is a wrong grad (diff/choices_followed.py)
+            followed = choices_followed.forward_followed(dd, judged_by, row["step"])
+        if followed is not None:
+            v.pop("discrete", None)
+            v["choices_followed"] = {"ops": list(discrete), "forward": followed}
+        elif v["far"] and discrete:
             v["discrete"] = list(discrete)
             row["oracle_flip"] = True
             continue

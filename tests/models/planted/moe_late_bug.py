@@ -79,8 +79,8 @@ class MoE(nn.Module):
     def forward(self, x):
         r, n = world()
         per = E // n
-        t = x.reshape(-1, D)
-        t = _Copy.apply(t) if n > 1 else t
+        flat = x.reshape(-1, D)
+        t = _Copy.apply(flat) if n > 1 else flat
         w, idx = self.router(t).softmax(-1).topk(K, -1)
         w = w / w.sum(-1, keepdim=True)
         out = torch.zeros_like(t)
@@ -89,7 +89,9 @@ class MoE(nn.Module):
             tok, slot = (idx == e).nonzero(as_tuple=True)
             h = F.silu(t[tok] @ self.w1[e].t()) @ self.w2[e].t()
             out = out.index_add(0, tok, h * w[tok, slot, None])
-        shared = F.silu(t @ self.s1.t()) @ self.s2.t()
+        # the shared expert reads the tokens before _Copy: its input grad is whole on every rank, and
+        # _Copy's all-reduce would count it N times (moe_bwd_bug.py's mistake, in the backward only)
+        shared = F.silu(flat @ self.s1.t()) @ self.s2.t()
         if self.shared_before_reduce:
             out = out + shared  # the mistake: on every rank, then summed over the ranks
         out = _Reduce.apply(out) if n > 1 else out
