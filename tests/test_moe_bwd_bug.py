@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import run_cli
+from tpdiag.records.keys import record_key
 
 SPEC = "py:tests/models/planted/moe_bwd_bug.py:"
 
@@ -60,13 +61,18 @@ def test_the_twin_stays_rounding_only(runs):
     assert gate.returncode == 0, gate.stdout + gate.stderr
 
 
+TOPK = ["aten::topk"]
+
+
 def _dd(y_ref, y_n, o_n, o_ref=None, verdict=None):
     key = "s0/forward/sparse/out#0/0"
-    row = {"key": key, "phase": "forward", "kind": "out", "module": "sparse", "step": 0}
+    row = {"key": key, "phase": "forward", "kind": "out", "module": "sparse", "step": 0, "call": 0}
     if verdict is not None:
         row["oracle"] = verdict
+    # what the reference world noted of the forward's float64 re-execution: the top-k it read
+    notes = {record_key(0, "forward", "sparse", "oracle", 0): {"discrete": ["aten::topk"]}}
     return SimpleNamespace(rows=[row], tensors={key: (y_ref, y_n)}, oracle_own={key: o_n},
-                           oracle={} if o_ref is None else {key: o_ref})
+                           oracle={} if o_ref is None else {key: o_ref}, oracle_notes=notes)
 
 
 def test_a_forward_row_a_flip_moved_is_no_evidence_of_the_runs_choices():
@@ -76,21 +82,24 @@ def test_a_forward_row_a_flip_moved_is_no_evidence_of_the_runs_choices():
     o = torch.randn(16, 32, generator=g, dtype=torch.float64)
     y = o.float()  # each side rounded once from the float64 value
     near = {"far": False, "ratio": 0.1}
-    assert forward_followed(_dd(y, y.clone(), o, o), "sparse", 0) == "s0/forward/sparse/out#0/0"
-    assert forward_followed(_dd(y, y.clone(), o, verdict=near), "sparse", 0) == "s0/forward/sparse/out#0/0"
+    assert forward_followed(_dd(y, y.clone(), o, o), "sparse", 0, TOPK) == "s0/forward/sparse/out#0/0"
+    assert forward_followed(_dd(y, y.clone(), o, verdict=near), "sparse", 0, TOPK) == "s0/forward/sparse/out#0/0"
     # a token routed to another expert at this side: its row O(1) off, the other 15 rows exact
     flipped = y.clone()
     flipped[5] += 0.5 * torch.randn(32, generator=g)
-    assert forward_followed(_dd(y, flipped, o, o), "sparse", 0) is None
+    assert forward_followed(_dd(y, flipped, o, o), "sparse", 0, TOPK) is None
     # ... or a few hundred roundings off in one row (not a reordering of that row's sums either)
     off = y.clone()
     off[3] *= 1 + 2.0 ** -16
-    assert forward_followed(_dd(y, off, o, o), "sparse", 0) is None
+    assert forward_followed(_dd(y, off, o, o), "sparse", 0, TOPK) is None
     # the reference's value kept as norms only: its forward verdict must be near, and not a flip's
-    assert forward_followed(_dd(y, y.clone(), o), "sparse", 0) is None
-    assert forward_followed(_dd(y, y.clone(), o, verdict={"far": True, "ratio": 9.0}), "sparse", 0) is None
+    assert forward_followed(_dd(y, y.clone(), o), "sparse", 0, TOPK) is None
+    assert forward_followed(_dd(y, y.clone(), o, verdict={"far": True, "ratio": 9.0}), "sparse", 0, TOPK) is None
     # no float64 value of this side's own forward: nothing shows its choices
     d = _dd(y, y.clone(), o, o)
     d.oracle_own = {}
-    assert forward_followed(d, "sparse", 0) is None
-    assert forward_followed(_dd(y, y.clone(), o, o), "dense", 0) is None
+    assert forward_followed(d, "sparse", 0, TOPK) is None
+    assert forward_followed(_dd(y, y.clone(), o, o), "dense", 0, TOPK) is None
+    # a choice only the backward read (a max whose values the forward used, its grad routed to the
+    # argmax): a flip of it moves no forward row, so the rows show nothing of it
+    assert forward_followed(_dd(y, y.clone(), o, o), "sparse", 0, TOPK + ["aten::max"]) is None

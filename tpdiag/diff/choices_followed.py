@@ -34,10 +34,14 @@ from tpdiag.records.layout import first_positions
 ROW_ROUNDINGS = 16.0
 
 
-def forward_followed(dd, module: str, step) -> str | None:
+def forward_followed(dd, module: str, step, ops) -> str | None:
     """The key of `module`'s forward output record of `step` whose every row, on both sides, is within
     ROW_ROUNDINGS roundings of its float64 re-execution from that side's own inputs; None unless every
-    forward output record of the module in that step is (and at least one is there)."""
+    forward output record of the module in that step is (and at least one is there), and every choice
+    in `ops` (the backward's) was read by the forward itself: a choice only its backward reads (a
+    max's values used, its grad routed to the argmax) moves no forward row when it flips."""
+    from tpdiag.diff.oracle import notes_for
+
     own = getattr(dd, "oracle_own", None) or {}
     ref = getattr(dd, "oracle", None) or {}
     keys = [r["key"] for r in dd.rows if r["phase"] == "forward" and r["kind"] == "out"
@@ -46,6 +50,8 @@ def forward_followed(dd, module: str, step) -> str | None:
         return None
     for k in keys:
         row = next(r for r in dd.rows if r["key"] == k)
+        if not set(ops) <= set(notes_for(dd, row).get("discrete") or ()):
+            return None
         pair = dd.tensors.get(k)
         o_n, o_ref = own.get(k), ref.get(k)
         if pair is None or o_n is None or not all(isinstance(t, torch.Tensor) for t in pair):

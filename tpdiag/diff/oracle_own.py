@@ -201,7 +201,7 @@ def apply_own(dd) -> None:
         if v["far"] and discrete and row["phase"] == "backward" and not v.get("no_reference"):
             # its float64 backward starts from the forward whose every row reproduced each run's: the
             # same choices, so far is a wrong grad (diff/choices_followed.py)
-            followed = choices_followed.forward_followed(dd, judged_by, row["step"])
+            followed = choices_followed.forward_followed(dd, judged_by, row["step"], discrete)
         if followed is not None:
             v.pop("discrete", None)
             v["choices_followed"] = {"ops": list(discrete), "forward": followed}
