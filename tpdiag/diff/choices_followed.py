@@ -29,7 +29,7 @@ from tpdiag.diff.bits import UNIT_ROUNDOFF
 from tpdiag.records.layout import first_positions
 
 # an output row of a module re-executed in float64 from the same inputs is a handful of roundings of
-# its dtype from it (the planted MoEs: under 4, the residual add included); a flipped top-k choice
+# its dtype from it (moe_bwd_bug.py, fp32: 2.5 at most, the residual add included); a flipped top-k choice
 # moves its token's row by the flipped expert's weight times the experts' difference
 ROW_ROUNDINGS = 16.0
 
