@@ -50,6 +50,7 @@ def test_a_wrong_grad_out_of_a_top_k_moe_backward_is_a_bug(runs):
     # the float64 backward made the runs' top-k choices: its forward reproduced both runs row by row
     assert v["choices_followed"] == {"ops": ["aten::topk"], "forward": "s0/forward/sparse/out#0/0"}, v
     assert s["class"] == "bug" and "rounding only" not in stdout, (s["class"], stdout[-1500:])
+    assert "it made the runs' own choices at aten::topk" in stdout, stdout[-1500:]
     assert gate.returncode == 4 and "cause sharding-bug" in gate.stdout, gate.stdout + gate.stderr
 
 

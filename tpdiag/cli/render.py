@@ -275,7 +275,11 @@ def oracle_line(fd: dict) -> str:
     dist = (f"this side {v['err']:.2e} from it, the reference {v['ref_err']:.2e} ({unit}2-norm; "
             f"rounding allows {v['threshold']:.2e})")
     if v["far"] and not v.get("discrete") and fd.get("cause") == "sharding-bug":
-        return (f"[bold red]BUG[/] at {where(fd)}: {what} re-executed in float64 - {dist}: "
+        # a float64 backward through a choice rounding could flip: say why it is still evidence
+        cf = v.get("choices_followed") if isinstance(v.get("choices_followed"), dict) else None
+        chose = (f" (it made the runs' own choices at {', '.join(map(str, cf.get('ops') or ()))}: its forward "
+                 f"reproduced both sides' row by row)" if cf else "")
+        return (f"[bold red]BUG[/] at {where(fd)}: {what} re-executed in float64{chose} - {dist}: "
                 f"{v['ratio']:.2g}x beyond rounding, a wrong result")
     if not v["far"]:
         return f"rounding at {where(fd)}: {what} re-executed in float64 - {dist}"
