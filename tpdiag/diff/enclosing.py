@@ -21,9 +21,11 @@ the root. Otherwise not judged, with the reason
 (diff/not_judged.py)."""
 from __future__ import annotations
 
-# the root's record name; HF's LlamaForCausalLM.model child is recorded as "model" too, so a
-# top-level child's enclosing module is the root only where no module is named under "model."
-from tpdiag.records.keys import ROOT_MODULE as ROOT
+# the root's record name: "model", or "(root)" where a child is named "model" (HF's
+# LlamaForCausalLM.model, records/keys.ROOT_NAMESAKE). A run of format 2 recorded that child as
+# "model" too: there a top-level child's enclosing module is the root only where no module is
+# named under "model."
+from tpdiag.records.keys import ROOT_MODULE as ROOT, root_of
 
 
 def called(dd) -> set[str]:
@@ -40,13 +42,15 @@ def called(dd) -> set[str]:
 
 def ancestors(module: str, modules: set[str]) -> list[str]:
     """The called ancestors of `module`, nearest first, up to the root where the root is told apart
-    (no module named under "model."); [] for the root itself."""
-    if module == ROOT:
+    ("(root)", or "model" where no module is named under "model."); [] for the root itself."""
+    root = root_of(modules)
+    if module == root:
         return []
     parts = module.split(".")
     out = [p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in modules]
-    if ROOT in modules and not any(m.startswith(ROOT + ".") for m in modules) and ROOT not in out:
-        out.append(ROOT)
+    if root in modules and root not in out \
+            and (root != ROOT or not any(m.startswith(ROOT + ".") for m in modules)):
+        out.append(root)
     return out
 
 
@@ -178,7 +182,8 @@ def why_not(dd, row: dict) -> str | None:
     by = judge_of(dd, row["module"], step)
     if by is None:
         said = []
-        namesake = any(m.startswith(ROOT + ".") for m in mods)
+        # a format-2 run: HF's root and its `model` child recorded under one name
+        namesake = root_of(mods) == ROOT and any(m.startswith(ROOT + ".") for m in mods)
         for a in chain:
             n, o = len(calls(dd, a, step)), outputs(dd, step, a)
             if n != 1 and a == ROOT and namesake:
