@@ -204,8 +204,8 @@ def tap_name(short: str, parent_call: int, parent: str) -> tuple[str, str]:
     ancestors may tap one descendant (a stage's and the root's backward: diff/enclosing.judge): K
     keeps their records apart."""
     child, j, o = short[len("tap:"):].rsplit(":", 2)
-    # the root: "(root)" above HF's `model` child (every name is below it), or "model" (a format-2
-    # namesake: "model.x" was named as under the child)
+    # the root: "(root)" above HF's `model` child, or "model" - where "model.x" is below the
+    # tapper, that is HF's `model` child itself, whose children are one level below it
     root = parent == ROOT_NAMESAKE or parent == ROOT and not child.startswith(ROOT + ".")
     up = len(child.split(".")) - (0 if root else len(parent.split(".")))
     return child, f"{TAP}{o}.c{j}.p{parent_call}.u{up}"
