@@ -70,11 +70,13 @@ def test_an_older_run_without_the_fields_is_format_1_and_refused(tp12, tmp_path)
 
 
 @pytest.mark.parametrize("edit,words", [
-    (lambda d: d.update(record_format=3, tpdiag="9.0.0"), "record format 3 (written by tpdiag 9.0.0); this tpdiag"),
+    (lambda d: d.update(record_format=9, tpdiag="9.0.0"), "record format 9 (written by tpdiag 9.0.0); this tpdiag"),
+    # format 2 recorded an HF model's root and its `model` child under one name (records/keys.ROOT_NAMESAKE)
+    (lambda d: d.update(record_format=2), "record format 2 (written by tpdiag"),
     (lambda d: d.update(record_format="1"), "record format '1'"),
     (lambda d: d.update(tpdiag="0.0.1"), "was written by tpdiag '0.0.1' but manifest.json by tpdiag"),
     (lambda d: d.pop("tpdiag"), "names a record format but no tpdiag version"),
-], ids=["newer format", "format not an int", "another tpdiag", "version removed"])
+], ids=["newer format", "older format 2", "format not an int", "another tpdiag", "version removed"])
 def test_a_world_of_another_format_or_tpdiag_is_inconclusive(tp12, tmp_path, edit, words):
     """On main each of these passed the gate (exit 0): nothing read the fields."""
     import tpdiag

@@ -138,27 +138,28 @@ def test_tied_embedding_stays_tied_after_sharding():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_the_root_and_its_model_child_both_named_model_leave_nothing_unjudged(kind, request):
-    """HF's CausalLM root and its `model` child both record as "model" (calls 0 and 1), and the
-    diff leaves "model" out of the own-input judgement (the root's float64 run would be the whole
-    model). Nothing is left unjudged by the shared name: the four divergent records under it are, in
-    every world, the very tensors of records judged under their own names - the child's output and
-    its grad model.norm's, the root's output and its grad lm_head's - and its inputs are the tokens."""
+def test_the_root_and_its_model_child_record_under_their_own_names(kind, request):
+    """HF's CausalLM root records as "(root)", its `model` child as "model", one call each (hname18:
+    both were "model", calls 0 and 1, and the child's float64 backward never judged the grads its
+    code reads - the embeddings' output grad). The diff leaves the root out of the own-input
+    judgement (its float64 run would be the whole model). Their divergent records are, in every
+    world, the very tensors of records judged under their own names - the child's output and its
+    grad model.norm's, the root's output and its grad lm_head's - and their inputs are the tokens."""
     import torch
 
     from tpdiag.records.store import RecordSet
 
     run = request.getfixturevalue(kind)[2]
-    same = {"s0/forward/model/out#1/0": "s0/forward/model.norm/out#0/0",
-            "s0/backward/model/grad_out#1/0": "s0/backward/model.norm/grad_out#0/0",
-            "s0/forward/model/out#0/0": "s0/forward/lm_head/out#0/0",
-            "s0/backward/model/grad_out#0/0": "s0/backward/lm_head/grad_out#0/0"}
+    same = {"s0/forward/model/out#0/0": "s0/forward/model.norm/out#0/0",
+            "s0/backward/model/grad_out#0/0": "s0/backward/model.norm/grad_out#0/0",
+            "s0/forward/(root)/out#0/0": "s0/forward/lm_head/out#0/0",
+            "s0/backward/(root)/grad_out#0/0": "s0/backward/lm_head/grad_out#0/0"}
     for label in ("1", *DEGREES):
         rs = RecordSet(str(run / f"tp{label}"))
         by = {m["key"]: m for m in rs.events}
-        mine = sorted(k for k in by if k.split("/")[1] in ("forward", "backward") and k.split("/")[2] == "model")
-        assert mine == sorted([*same, "s0/forward/model/in#0/0", "s0/forward/model/in#1/0"]), (label, mine)
+        mine = sorted(k for k in by if k.split("/")[1] in ("forward", "backward") and k.split("/")[2] in ("model", "(root)"))
+        assert mine == sorted([*same, "s0/forward/model/in#0/0", "s0/forward/(root)/in#0/0"]), (label, mine)
         for k, other in same.items():
             assert torch.equal(rs.tensor(by[k]), rs.tensor(by[other])), (label, k, other)
-        for k in ("s0/forward/model/in#0/0", "s0/forward/model/in#1/0"):
+        for k in ("s0/forward/model/in#0/0", "s0/forward/(root)/in#0/0"):
             assert not rs.tensor(by[k]).is_floating_point(), (label, k)

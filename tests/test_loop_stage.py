@@ -73,9 +73,9 @@ def test_a_mistake_in_the_looped_block_reads_bug_at_the_block(runs):
 
 def test_ops_are_keyed_by_their_modules_call_in_process():
     """At TP=1, in process: the stage's two calls have their ops under op#0 and op#1, each counted
-    from 0 (on 0bc1be0 all under op#0, the second call's mm#2 and mm#3). A root whose child shares
-    its record name (HF's LlamaForCausalLM.model: both recorded as `model`) keeps its own ops after
-    the child returns under its own call, op#0, not the child's."""
+    from 0 (on 0bc1be0 all under op#0, the second call's mm#2 and mm#3). A root with a child named
+    `model` (HF's LlamaForCausalLM.model) records as "(root)" and keeps its own ops after the child
+    returns under its own name and call, not the child's (both were `model` before RECORD_FORMAT 3)."""
     import importlib.util
     import pathlib
 
@@ -94,7 +94,7 @@ def test_ops_are_keyed_by_their_modules_call_in_process():
     class Root(nn.Module):
         def __init__(self):
             super().__init__()
-            self.model = planted.LoopLM()  # recorded as `model`, as the root is (its children model.*)
+            self.model = planted.LoopLM()  # recorded as `model` (its children model.*), the root "(root)"
 
         def forward(self, t):
             return self.model(t) * 2.0  # the root's own op, after its child's call
@@ -108,4 +108,5 @@ def test_ops_are_keyed_by_their_modules_call_in_process():
     keys = [m["key"] for m, _ in rec.records if m["kind"] == "op"]
     mms = [k for k in keys if "/model.stage.block/" in k and "aten::mm#" in k]
     assert mms == [f"s0/forward/model.stage.block/op#{c}/aten::mm#{n}.0" for c in (0, 1) for n in (0, 1)], mms
-    assert "s0/forward/model/op#0/aten::mul#0.0" in keys, [k for k in keys if "/model/" in k]
+    assert "s0/forward/(root)/op#0/aten::mul#0.0" in keys, [k for k in keys if "/model/" in k or "(root)" in k]
+    assert not [k for k in keys if k.startswith("s0/forward/model/op#") and "aten::mul" in k], keys

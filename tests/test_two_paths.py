@@ -136,8 +136,9 @@ def test_compare_class_and_gate_read_one_limit(dtype, moved, fails):
 
 def test_the_judging_ancestor_is_the_nearest_that_runs_once_with_one_output():
     """diff/enclosing.judge: past an ancestor that returns two floating tensors or runs twice, the
-    next one up judges, to the root; none where the root shares its name with a child (HF's
-    LlamaForCausalLM.model) and nothing nearer qualifies."""
+    next one up judges, to the root - recorded as "(root)" above a child named "model" (HF's
+    LlamaForCausalLM.model), which judges its own children's grads (hname18: both were "model", two
+    calls under one name, and nothing judged the embeddings' output grad)."""
     from tpdiag.diff.enclosing import judge, outputs_index
 
     def out(m, call=0, n=1, dtype="float32"):
@@ -157,7 +158,10 @@ def test_the_judging_ancestor_is_the_nearest_that_runs_once_with_one_output():
     assert judged(base + out("stage") + out("stage", call=1)) == "model"  # a stage run twice
     assert judged(base + out("stage", n=2) + out("stage", n=1, dtype="int64")) == "model"
     assert judged(base + out("stage", n=1) + out("stage", n=1, dtype="int64")) == "stage"  # ids are no output grad
-    assert judged(base + out("stage", n=2) + out("model.x")) is None  # the root's name is a child's
+    hf = out("(root)") + out("model") + out("model.embed_tokens")
+    assert judged(hf, "model.embed_tokens") == "model"
+    assert judged(hf, "model") == "(root)"
+    assert judged(hf + out("model", n=2), "model.embed_tokens") == "(root)"
 
 
 def test_two_ancestors_taps_of_one_descendant_are_kept_apart():
@@ -170,8 +174,10 @@ def test_two_ancestors_taps_of_one_descendant_are_kept_apart():
     assert tap_name("tap:stage.block:0:0", 0, "stage") == ("stage.block", "grad_out.0.c0.p0.u1")
     assert tap_name("tap:stage.block:0:0", 0, "model") == ("stage.block", "grad_out.0.c0.p0.u2")
     assert tap_name("tap:layers.0:1:0", 0, "model") == ("layers.0", "grad_out.0.c1.p0.u2")
-    # HF's LlamaForCausalLM.model child, recorded as "model": its children are one level below it
+    # HF's LlamaForCausalLM.model child, recorded as "model": its children are one level below it;
+    # the root above it, "(root)", is as many levels above them as their names have parts
     assert tap_name("tap:model.layers.0:0:0", 0, "model") == ("model.layers.0", "grad_out.0.c0.p0.u2")
+    assert tap_name("tap:model.layers.0:0:0", 0, "(root)") == ("model.layers.0", "grad_out.0.c0.p0.u3")
 
 
 def test_the_taps_are_the_childs_output_grad_in_the_parents_float64_backward():

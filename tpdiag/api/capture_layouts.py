@@ -127,7 +127,10 @@ def collective_device(group) -> torch.device:
 def included(model, globs) -> set[str] | None:
     if not globs:
         return None
-    names = {(n or "model") for n, _ in model.named_modules()}
+    from tpdiag.records.keys import root_record_name
+
+    root = root_record_name(n for n, _ in model.named_children())  # as probes/model_walk.Walk names it
+    names = {(n or root) for n, _ in model.named_modules()}
     return {n for n in names if any(fnmatch.fnmatchcase(n, g) for g in globs)}
 
 

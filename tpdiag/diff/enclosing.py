@@ -21,9 +21,10 @@ the root. Otherwise not judged, with the reason
 (diff/not_judged.py)."""
 from __future__ import annotations
 
-# the root's record name; HF's LlamaForCausalLM.model child is recorded as "model" too, so a
-# top-level child's enclosing module is the root only where no module is named under "model."
-from tpdiag.records.keys import ROOT_MODULE as ROOT
+# the root's record name: "model", or "(root)" where a child is named "model" (HF's
+# LlamaForCausalLM.model, records/keys.ROOT_NAMESAKE; before RECORD_FORMAT 3 both were "model", two
+# calls under one name, and the grads the child's code reads were never judged)
+from tpdiag.records.keys import root_of
 
 
 def called(dd) -> set[str]:
@@ -39,20 +40,20 @@ def called(dd) -> set[str]:
 
 
 def ancestors(module: str, modules: set[str]) -> list[str]:
-    """The called ancestors of `module`, nearest first, up to the root where the root is told apart
-    (no module named under "model."); [] for the root itself."""
-    if module == ROOT:
+    """The called ancestors of `module`, nearest first, up to the root; [] for the root itself."""
+    root = root_of(modules)
+    if module == root:
         return []
     parts = module.split(".")
     out = [p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in modules]
-    if ROOT in modules and not any(m.startswith(ROOT + ".") for m in modules) and ROOT not in out:
-        out.append(ROOT)
+    if root in modules:
+        out.append(root)
     return out
 
 
 def enclosing(module: str, modules: set[str]) -> str | None:
     """The nearest called ancestor of `module` (whose forward runs the code that reads its output),
-    or None: the root itself, or a root whose name a child shares."""
+    or None: the root itself."""
     got = ancestors(module, modules)
     return got[0] if got else None
 
@@ -172,20 +173,13 @@ def why_not(dd, row: dict) -> str | None:
     step = row["step"]
     chain = ancestors(row["module"], mods)
     if not chain:
-        return ("the model's output, or read by the root's code where a child shares the root's name "
-                "(no enclosing module to re-execute)")
+        return "the model's output (no enclosing module to re-execute)"
     parent = chain[0]
     by = judge_of(dd, row["module"], step)
     if by is None:
         said = []
-        namesake = any(m.startswith(ROOT + ".") for m in mods)
         for a in chain:
             n, o = len(calls(dd, a, step)), outputs(dd, step, a)
-            if n != 1 and a == ROOT and namesake:
-                # the user called the model once: the 2 calls are the root's and its child's
-                said.append(f"{a} is the root's record name and its child's of that name too (transformers' "
-                            f"CausalLM.{a}): {n} calls in the step under one name, their children not told apart")
-                continue
             said.append(f"{a} called {n} times in the step (its calls' children not told apart)" if n != 1 else
                         f"{a} returns {o} tensors (its float64 backward needs one differentiable output)")
         return f"read by the code of {parent}; no enclosing module runs once and returns one tensor: " + ", ".join(said)

@@ -291,7 +291,10 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                     hash_version=ref.hash_version, captured=captured, recipe=_recipe(other.world))
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
-        from tpdiag.diff.enclosing import ROOT as ENCLOSING_ROOT
+        from tpdiag.records.keys import root_of
+
+        # the root's record name in these records ("(root)" above HF's `model` child)
+        enclosing_root = root_of({r["module"] for r in rows})
         from tpdiag.records.keys import ORACLE_NORMS as NORMS, ORACLE_TAP as TAP, RecordKey
 
         wanted = {r["key"] for r in rows if not r["bitwise"]}
@@ -316,7 +319,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 if up and up[0][1:].isdigit():
                     parts = m["module"].split(".")
                     k_up = int(up[0][1:])
-                    by = ".".join(parts[:len(parts) - k_up]) if k_up < len(parts) else ENCLOSING_ROOT
+                    by = ".".join(parts[:len(parts) - k_up]) if k_up < len(parts) else enclosing_root
                 (dd.grad_at_own if at else dd.grad_at)[(m["step"], m["module"], int(j[1:]), o, int(pc[1:]), by)] = \
                     ref.tensor(m)
                 continue
@@ -334,7 +337,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 # (recorded after its child's) computed the owner's inputs in float64 too, no exact
                 # value of what the owner read (an FP8 cast above it: a SUM-reduced amax read
                 # 'rounding only'); the nearest writer, its last call, judges
-                near = _depth(RecordKey.parse(k).module) - _depth(m["module"])
+                near = _depth(RecordKey.parse(k).module, enclosing_root) - _depth(m["module"], enclosing_root)
                 if k in oracle and near > writer_depth.get((at, k), near):
                     continue
                 writer_depth[(at, k)] = near
@@ -356,9 +359,9 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     return dd
 
 
-def _depth(module: str) -> int:
-    """A record name's depth in the model: 0 for the root ("model"), 1 for its children."""
-    return 0 if module == "model" else module.count(".") + 1
+def _depth(module: str, root: str) -> int:
+    """A record name's depth in the model: 0 for the root (its record name `root`), 1 for its children."""
+    return 0 if module == root else module.count(".") + 1
 
 
 def _mark_piece_state(rows: list[dict], ref_world, other_world) -> None:

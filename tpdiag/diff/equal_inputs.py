@@ -56,10 +56,11 @@ def in_subtree(owner: str, module: str) -> bool:
     every parameter is the root's - checked by name alone, the root's float64 backward at step 1
     ran from the reference's updated weights while this side's differed (by a bug's size after a
     broken update) and was read as this side's exact value. HF's root shares "model" with its
-    child: taken as the root too (a stricter check, never a looser one)."""
-    from tpdiag.records.keys import ROOT_MODULE
+    child (format 2), and its root's parameters are recorded as "model" still (records/keys.py): that
+    child is taken as the root too (a stricter check, never a looser one)."""
+    from tpdiag.records.keys import ROOTS
 
-    return module == ROOT_MODULE or owner == module or owner.startswith(module + ".")
+    return module in ROOTS or owner == module or owner.startswith(module + ".")
 
 
 def side_params(dd, module: str, step: int) -> bool:

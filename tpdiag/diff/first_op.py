@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tpdiag.diff import oracle, reassembled
 from tpdiag.diff.engine import DegreeDiff
+from tpdiag.records.keys import ROOTS
 from tpdiag.records.ops import PICK_OPS
 
 
@@ -60,7 +61,7 @@ def _inner_far(dd: DegreeDiff, first: dict, out: dict, caller: str) -> str | Non
     for r in dd.rows[i:j]:
         v = r.get("oracle")
         if r["phase"] == "forward" and r["kind"] == "out" and r["step"] == first["step"] \
-                and (caller == "model" or r["module"].startswith(caller + ".")) \
+                and (caller in ROOTS or r["module"].startswith(caller + ".")) \
                 and isinstance(v, dict) and v.get("own") and v.get("far") and not v.get("discrete"):
             return r["key"]
     return None

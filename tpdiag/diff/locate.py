@@ -151,7 +151,11 @@ def _caller(module: str, called: set) -> str:
     parent = module.rpartition(".")[0]
     while parent and parent not in called:
         parent = parent.rpartition(".")[0]
-    return parent or "model"
+    if parent:
+        return parent
+    from tpdiag.records.keys import root_of
+
+    return root_of(called)
 
 
 def _describe(row: dict, called: set = frozenset()) -> dict:

@@ -125,11 +125,11 @@ def grads(dd, first_key: str | None) -> dict | None:
 
 def _not_namesakes(dd, left: list) -> list:
     """`left` without the grads that are, on both sides, the very bits of another activation grad of
-    the step that is judged (not in `left`): one tensor recorded under two names. An HF CausalLM's
-    root and its `model` child both record as "model" (probes/model_walk.py), so their output grads
-    are the grads of model.norm's and lm_head's outputs, judged under those names - yet were listed
-    as not judged ("the model's output, or read by the root's code ..."), on every hf: compare. A
-    grad with no whole pair here (hash capture) stays listed."""
+    the step that is judged (not in `left`): one tensor recorded under two names (a parent returning
+    its child's output: HF's LlamaModel returns model.norm's). Before RECORD_FORMAT 3 an HF CausalLM's
+    root and its `model` child both recorded as "model", and their output grads - model.norm's and
+    lm_head's, judged under those names - were listed as not judged on every hf: compare. A grad with
+    no whole pair here (hash capture) stays listed."""
     if not left:
         return left
     listed = {r["key"] for r, _ in left}

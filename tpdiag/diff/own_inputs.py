@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from tpdiag.diff import enclosing
-from tpdiag.records.keys import RecordKey, record_key, sole_consumer
+from tpdiag.records.keys import ROOTS, RecordKey, record_key, sole_consumer
 # the budget and kinds are the records' (records/own_pass.py reads a run's choice back with them)
 from tpdiag.records.own_pass import OWN_BUDGET_BYTES as BUDGET_BYTES, OWN_KINDS as _KINDS, nbytes
 
@@ -88,16 +88,16 @@ def modules(dd, first_key: str | None) -> list[str]:
         m = r["module"]
         if m in partial or (r["kind"] == "grad_out" and sole_consumer(r.get("consumers")) in partial):
             continue
-        if (r["phase"], r["kind"]) in _KINDS and m != "model":
+        if (r["phase"], r["kind"]) in _KINDS and m not in ROOTS:
             cands[m] = max(cands.get(m, 0.0), _growth(dd, r))
         elif r["phase"] == "backward" and r["kind"] == "grad_out" and sole_consumer(r.get("consumers")):
             c = sole_consumer(r["consumers"])
-            if c != "model":
+            if c not in ROOTS:
                 cands.setdefault(c, 0.0)
         elif r["phase"] == "backward" and r["kind"] == "grad_out":
             # no one module consumer: the ancestor whose float64 backward judges it (diff/enclosing.py;
-            # called once in the step - HF's root and its `model` child share one name: two calls,
-            # never re-executed as one - and returning one tensor)
+            # called once in the step - HF's root and its `model` child shared one name in format 2:
+            # two calls, never re-executed as one - and returning one tensor)
             outer = enclosing.judge_of(dd, m, r["step"])
             if outer is not None and outer not in partial:
                 cands.setdefault(outer, 0.0)
@@ -191,16 +191,16 @@ def hash_modules(dd, first_key: str | None) -> list[str]:
         if r["key"] == first_key or r.get("oracle"):
             continue
         m = r["module"]
-        if (r["phase"], r["kind"]) == ("backward", "param_grad") and m != "model":
+        if (r["phase"], r["kind"]) == ("backward", "param_grad") and m not in ROOTS:
             cands[m] = float("inf")  # a weight grad first, as `modules` ranks them
-        elif (r["phase"], r["kind"]) == ("forward", "out") and m != "model":
+        elif (r["phase"], r["kind"]) == ("forward", "out") and m not in ROOTS:
             src = by_key.get(RecordKey(r["step"], "forward", m, "in", r["call"], "0").format())
             ri = 0.0 if src is None or src["bitwise"] else (src.get("norm_rel_diff") or 0.0)
             ro = r.get("norm_rel_diff") or 0.0
             cands[m] = max(cands.get(m, 0.0), ro / ri if ri > 0 else (float("inf") if ro > 0 else 0.0))
         elif r["phase"] == "backward" and r["kind"] == "grad_out" and sole_consumer(r.get("consumers")):
             c = sole_consumer(r["consumers"])
-            if c != "model":
+            if c not in ROOTS:
                 cands.setdefault(c, 0.0)
         elif r["phase"] == "backward" and r["kind"] == "grad_out":
             # no one module consumer: diff/enclosing.py (its indexes of the diff's rows, built once a

@@ -55,7 +55,11 @@ def partials_in(dd, row: dict) -> float:
     start = starts.get((row["step"], row["module"], row.get("call")))
     if start is None:
         return 0.0
-    pre = row["module"] + "." if row["module"] != "model" else ""
+    from tpdiag.records.keys import ROOTS
+
+    # the root's: every module's ("(root)" above HF's `model` child, which is read as the root too:
+    # a superset, as before RECORD_FORMAT 3)
+    pre = row["module"] + "." if row["module"] not in ROOTS else ""
     got = [p for idx, step, module, p in normed
            if step == row["step"] and start < idx < row["idx"] and module.startswith(pre)]
     return math.sqrt(sum(p * p for p in got))

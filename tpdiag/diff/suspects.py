@@ -3,7 +3,7 @@ the hash-only records that moved far more than their inputs, and the modules no 
 judged although everything they saw was equal."""
 from __future__ import annotations
 
-from tpdiag.records.keys import record_key
+from tpdiag.records.keys import ROOTS, record_key
 
 # A hash-only record has no values to bound-check. Its norm still says how much it moved: a
 # module whose output moved far more than its input (relative L2 norm difference, a lower bound
@@ -57,7 +57,7 @@ def unjudged_modules(dd) -> list[str]:
         m = r["module"]
         # a parent whose child's output already differed: the child is the root (and a whole
         # model's float64 re-execution is the costliest of all)
-        inner = any(c.startswith(m + ".") or m == "model" for c in moved if c != m)
+        inner = any(c.startswith(m + ".") or m in ROOTS for c in moved if c != m)
         moved.append(m)
         if inner or r.get("oracle") or r.get("beyond_bound") or r.get("rank_consistent") is False:
             continue

@@ -143,20 +143,23 @@ def _split(name: str) -> tuple[str, str]:
 class Walk:
     """A model's modules and parameters, walked once per module_probes block (record_params
     reads it twice a step): names by module, classes by name, parameters with their owner."""
-    __slots__ = ("names", "classes", "params", "paths")
+    __slots__ = ("names", "classes", "params", "paths", "root")
 
     def __init__(self, model: nn.Module):
+        from tpdiag.records.keys import root_record_name
+
+        # the root's record name: "model", or "(root)" where a child is named "model" (HF's
+        # CausalLM.model keeps it: records/keys.ROOT_NAMESAKE)
+        self.root = root = root_record_name(n for n, _ in model.named_children())
         self.names = {}
-        # by module: its path ("" for the root). Record names are not unique (HF's root and its
-        # `model` child both record as "model"); a path is
-        self.paths = {}
-        self.classes = {}    # by record name ("model" for the root; a later namesake wins)
+        self.paths = {}      # by module: its path ("" for the root)
+        self.classes = {}    # by record name
         raw = {}             # by module path ("" for the root)
         for n, m in model.named_modules():
             c = type(m).__name__
-            self.names[m] = n or "model"
+            self.names[m] = n or root
             self.paths[m] = n
-            self.classes[n or "model"] = c
+            self.classes[n or root] = c
             raw[n] = c
         root = type(model).__name__
         self.params = []     # (owner path, short name, parameter, owner class)

@@ -62,9 +62,10 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
         info = plan_memo(plan)
         walked = Walk(model)
         classes = walked.classes
+        root = walked.root  # the root's outputs are the model's: no module consumes them
         # per module: (name, style, output partial, output grad partial, class) - one lookup per
-        # hook call (host time per record). The class is looked up by name, as records always had
-        # it: a root named "model" and a child named "model" (HF's LlamaForCausalLM.model) share it.
+        # hook call (host time per record). The class is looked up by record name (the root's is
+        # "(root)" where a child is named "model": model_walk.Walk.root)
         infos = {m: (n, *info(n), classes[n]) for m, n in walked.names.items()}
         # Which modules consumed each output: a grad_out is computed by its consumers' backward.
         # Keyed by the tensor and by its storage's base tensor, each to the records of every module
@@ -187,7 +188,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
                     if srcs:
                         for src in srcs:
                             m = module_of(src)
-                            if m != "model" and not name.startswith(m + "."):
+                            if m != root and not name.startswith(m + "."):
                                 extras(src).setdefault("consumers", []).append(name)
             return None
 

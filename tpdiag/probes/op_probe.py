@@ -233,8 +233,8 @@ class _Scoped:
         if model is None or not include:
             return None
         named = dict(model.named_modules())
-        # records name the root "model" (named_modules: ""), and an HF model has a child of that
-        # name: the root's own ops (a logit softcap) need the mode held for the whole step
+        # records name the root "model" (named_modules: ""), or "(root)" where a child is named
+        # "model" (HF's): the root's own ops (a logit softcap) need the mode held for the whole step
         if any(n in PHASES or n == "model" or n not in named for n in include):
             return None  # a phase's ops (loss, backward), or a name the hooks cannot reach
         return cls(probe, [named[n] for n in sorted(include)])

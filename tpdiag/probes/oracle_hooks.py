@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tpdiag.probes.recorder import Recorder
-from tpdiag.records.keys import ORACLE_NORMS, ORACLE_TAP, ROOT_MODULE as ROOT, record_key
+from tpdiag.records.keys import ORACLE_NORMS, ORACLE_TAP, ROOT_MODULE as ROOT, ROOT_NAMESAKE, ROOTS, record_key
 
 _NIDX = 16
 _IDX = tuple(str(i) for i in range(_NIDX))
@@ -135,8 +135,9 @@ BUFFER = "buffer."  # an oracle record of a buffer the forward wrote: buffer.PAT
 
 def buffer_path(module_path: str, rel: str) -> str:
     """A buffer's path in the model from its path under the re-executed module: the oracle record
-    names it so (relative to the module, HF's `model` child - recorded as "model", as the root is -
-    named its rotary_emb.inv_freq as the root's, no record of it: left unjudged without a word)."""
+    names it so (relative to the module: HF's `model` child, named by its record name as the root
+    was - both "model" before records/keys.ROOT_NAMESAKE - named its rotary_emb.inv_freq as the
+    root's, no record of it: left unjudged without a word)."""
     return f"{module_path}.{rel}" if module_path else rel
 
 
@@ -174,7 +175,7 @@ def record_oracle(rec: Recorder, mod: nn.Module, name: str, call: int, snap, sty
     # the state its forward wrote, as the float64 run left it: judged against the buffer records
     # of the step (probes/model_walk.record_written_buffers; diff/oracle.target_key)
     for rel, t in (notes.pop("written", None) or {}).items():
-        full = buffer_path(path if path is not None else ("" if name == "model" else name), rel)
+        full = buffer_path(path if path is not None else ("" if name in ROOTS else name), rel)
         if not nearer_writer(full, path if path is not None else name, oracle):
             rec.add("oracle", name, f"{BUFFER}{full}", t, call=call, cls=cls)
     if notes:
@@ -203,7 +204,9 @@ def tap_name(short: str, parent_call: int, parent: str) -> tuple[str, str]:
     ancestors may tap one descendant (a stage's and the root's backward: diff/enclosing.judge): K
     keeps their records apart."""
     child, j, o = short[len("tap:"):].rsplit(":", 2)
-    root = parent == ROOT and not child.startswith(ROOT + ".")
+    # the root: "(root)" above HF's `model` child, or "model" - where "model.x" is below the
+    # tapper, that is HF's `model` child itself, whose children are one level below it
+    root = parent == ROOT_NAMESAKE or parent == ROOT and not child.startswith(ROOT + ".")
     up = len(child.split(".")) - (0 if root else len(parent.split(".")))
     return child, f"{TAP}{o}.c{j}.p{parent_call}.u{up}"
 

@@ -65,8 +65,27 @@ ORACLE_NORMS = "~norms"
 # the name prefix of an oracle record holding a child's output grad in its parent's float64 backward
 # (probes/oracle_hooks.tap_name: grad_out.O.cJ.pP; diff/engine.py reads it)
 ORACLE_TAP = "grad_out."
-# the root module's record name (HF's LlamaForCausalLM.model child is recorded as "model" too)
+# the root module's record name, and the model-level records' (batch, logits, loss, grad_norm)
 ROOT_MODULE = "model"
+# the root's record name where a top-level child is named "model" (HF's LlamaForCausalLM.model, a
+# LlamaModel): that child keeps "model", the prefix of its descendants' names (model.embed_tokens),
+# and the root's own module records (forward in/out, backward grad_out, oracle) take this one. Both
+# were "model" before RECORD_FORMAT 3: the root's and the child's calls were counted as one module's
+# two, so the child's float64 backward never judged the grads its code reads (the embeddings'
+# output grad stayed "not judged" on every hf: model). Not a Python attribute name: no child has it.
+ROOT_NAMESAKE = "(root)"
+ROOTS = (ROOT_MODULE, ROOT_NAMESAKE)
+
+
+def root_record_name(child_names) -> str:
+    """The root module's record name, given its direct children's names (named_children)."""
+    return ROOT_NAMESAKE if ROOT_MODULE in set(child_names) else ROOT_MODULE
+
+
+def root_of(modules) -> str:
+    """The root's record name among a run's recorded module names: ROOT_NAMESAKE where it is one
+    of them (then "model" is the root's child of that name), else ROOT_MODULE."""
+    return ROOT_NAMESAKE if ROOT_NAMESAKE in modules else ROOT_MODULE
 
 
 def sole_consumer(consumers) -> str | None:

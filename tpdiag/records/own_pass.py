@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from tpdiag.errors import Inconclusive
+from tpdiag.records.keys import ROOTS
 from tpdiag.records.sides import started
 
 
@@ -72,7 +73,7 @@ def _left_in_rows(rows: list[dict], first_key, events: dict, ref_events: dict) -
     for r in rows:
         if r["bitwise"] is not False or r.get("rank_consistent") is not True or r["key"] == first_key:
             continue
-        if (r["phase"], r["kind"]) not in OWN_KINDS or r["module"] in ("model", *uncompared):
+        if (r["phase"], r["kind"]) not in OWN_KINDS or r["module"] in (*ROOTS, *uncompared):
             continue
         m, rm = events.get(r["key"]) or {}, ref_events.get(r["key"]) or {}
         if m.get("stored") in (None, "hash") or rm.get("stored") in (None, "hash") \

@@ -16,7 +16,10 @@ from tpdiag.records.paths import EVENTS, WORLD, world_file
 # 2: a module's op records keyed by the module's call (`op#C`) and counted within that call - format 1
 # counted them across a module's calls, so a module called twice paired one call's op with another
 # call's (loop_stage.py's false BUG); a capture of each format diffed together would pair them so.
-RECORD_FORMAT = 2
+# 3: the root's module records under ROOT_NAMESAKE "(root)" where a top-level child is named "model"
+# (records/keys.py) - format 2 recorded both as "model", the root's call 0 and the child's call 1, so
+# a format-2 run diffed with a format-3 one would pair the root's call with its child's.
+RECORD_FORMAT = 3
 
 
 def check_format(world: dict, path: str) -> None:

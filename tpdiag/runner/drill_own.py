@@ -17,7 +17,7 @@ def inside_consumer(f: dict, findings: list) -> dict | None:
     from tpdiag.records.causes import cause_class
     from tpdiag.records.keys import sole_consumer
 
-    from tpdiag.diff.enclosing import ROOT
+    from tpdiag.records.keys import ROOTS
 
     c = sole_consumer(f.get("consumers")) if f.get("kind") == "grad_out" else None
     # a grad judged by its enclosing module's float64 backward (diff/enclosing.py) follows a bug
@@ -30,7 +30,7 @@ def inside_consumer(f: dict, findings: list) -> dict | None:
     return next((g for g in findings if g is not f and "follows" not in g and g.get("step") == f.get("step")
                  and cause_class(g.get("cause")) == "bug" and isinstance(g.get("module"), str)
                  and g["module"] != f.get("module")
-                 and (c == ROOT or g["module"] == c or g["module"].startswith(c + "."))), None)
+                 and (c in ROOTS or g["module"] == c or g["module"].startswith(c + "."))), None)
 
 
 
