@@ -48,6 +48,32 @@ if "TPDIAG_META_MEMO" not in os.environ:
     _MEMO_MADE = os.environ["TPDIAG_META_MEMO"] = tempfile.mkdtemp(prefix="tpdiag-test-dtmeta-")
 
 
+def _typer_command_once() -> None:
+    """Every in-process CLI call (tpdiag.cli.main through Typer.__call__, typer.testing's CliRunner)
+    built the click command from the app again: typer reads each command function's signature
+    and its `from __future__` string annotations (typing.get_type_hints) - 15 ms a call on the
+    2-core machine, ~400 calls a session (test_fuzz alone ~300). The app is built once at import
+    and typer reads nothing else when it builds (no environment, no terminal), so each app's
+    command is built once here and reused; click makes a fresh Context at every invocation.
+    Processes the tests start (run_cli, cli_zygote) are untouched."""
+    import typer.main
+    import typer.testing
+
+    build = typer.main.get_command
+    made: dict = {}
+
+    def get_command(typer_instance):
+        hit = made.get(id(typer_instance))
+        if hit is None or hit[0] is not typer_instance:
+            hit = made[id(typer_instance)] = (typer_instance, build(typer_instance))
+        return hit[1]
+
+    typer.main.get_command = typer.testing._get_command = get_command
+
+
+_typer_command_once()
+
+
 def pytest_unconfigure(config):
     if not hasattr(config, "workerinput"):
         import shutil
