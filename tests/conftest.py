@@ -13,6 +13,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # compare took 29-37 s of CPU with 2 threads beside other work, 21-22 s with 1). Set before torch
 # is imported here; an explicit OMP_NUM_THREADS wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The rest of the rank environment (tpdiag.runner.determinism.RANK_ENV: MKL_NUM_THREADS=1, NCCL's
+# and cuBLAS's settings), set here for the whole session as OMP_NUM_THREADS is. The first test that
+# runs tpdiag in-process (tpdiag.capture, determinism.setup) put it into this process for the rest of
+# the session (os.environ.setdefault); MKL_*, NCCL_* and TORCH_NCCL_* are start-up variables of
+# run_cli's server (cli_zygote.STARTUP_PREFIXES), so the next command retired the server and started
+# another (~8 s of CPU), each command meanwhile in a fresh interpreter (~7 s) - once in every
+# worker. Every rank runs with these values anyway; on the CPU only MKL's thread count reaches this
+# process or a command's parent, which run one OpenMP thread already.
+from tpdiag.runner.determinism import RANK_ENV  # noqa: E402  (os only: no torch)
+
+for _k, _v in RANK_ENV.items():
+    os.environ.setdefault(_k, _v)
 # The Triton interpreter runs tl.dot through numpy's OpenBLAS. Its Haswell sgemm kernel sums a
 # row's K in an order that depends on how many rows share the call, so kernels whose logic is
 # row-invariant read as not under the interpreter: 15 of test_invariant_gemm.py's cases failed
