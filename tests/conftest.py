@@ -286,7 +286,7 @@ FILE_SECONDS = {
     # the README's command (-n 2, this order) at 170f498, per test from the worker's cgroup; files
     # whose session runs (conftest.shared_run) they made first carry those runs
     "test_hash_capture.py": 102, "test_faults_more.py": 69, "test_hf_archs_rl.py": 50, "test_moe_fixes.py": 49, "test_capture.py": 43,
-    "test_fixes.py": 37, "test_op_level.py": 41, "test_tamper_numbers.py": 40, "test_attention_fused.py": 36, "test_fuzz.py": 37,
+    "test_fixes.py": 37, "test_op_level.py": 41, "test_tamper_numbers.py": 40, "test_attention_fused.py": 36, "test_fuzz.py": 43,
     "test_diagnosis.py": 35, "test_planted.py": 35, "test_doc_blocks.py": 32, "test_failclosed_hostile.py": 32, "test_failclosed.py": 31,
     "test_invariant_attention.py": 28, "test_hf_fixes.py": 30, "test_hf_plans.py": 30, "test_matrix.py": 30, "test_tree_triton.py": 29,
     "test_micro_batch.py": 28, "test_hf_zoo.py": 26, "test_hash_batch.py": 24, "test_rollout_lanes.py": 25, "test_tp_gathers.py": 23,
@@ -294,7 +294,7 @@ FILE_SECONDS = {
     "test_invariant_gemm.py": 18, "test_rl_axes.py": 18, "test_hf.py": 17, "test_load_dtype.py": 17, "test_public_api.py": 17,
     "test_behind.py": 14, "test_diff_runs.py": 13, "test_failclosed_copies.py": 13, "test_import_rules.py": 13, "test_user_models.py": 12,
     "test_sequence_parallel.py": 11, "test_forward_code.py": 10, "test_micro_batch_carry.py": 10, "test_report.py": 10, "test_timing.py": 10,
-    "test_own_pass_links.py": 9, "test_tp_misc.py": 9, "test_op_bug_gate.py": 8, "test_selfcheck_restore.py": 8, "test_train_side.py": 8,
+    "test_own_pass_links.py": 19, "test_tp_misc.py": 9, "test_op_bug_gate.py": 8, "test_selfcheck_restore.py": 8, "test_train_side.py": 8,
     "test_user_verdicts.py": 7, "test_written_buffers.py": 7, "test_faults.py": 6, "test_gate.py": 6, "test_meta_init.py": 6,
     "test_moe.py": 6, "test_rollout_sampling.py": 6, "test_batch_coupled.py": 5, "test_cli_messages.py": 5, "test_moe_pieces.py": 5,
     "test_own_after_confirm.py": 5, "test_rollout.py": 5, "test_decode_input_bug.py": 4, "test_hash_mix.py": 4, "test_judge.py": 4,
@@ -374,6 +374,9 @@ FILE_SECONDS = {
     "test_attn_sinks.py": 58, "test_mamba_norm.py": 40, "test_moe_aux_sp.py": 50, "test_clip_norm.py": 42,
     # session 17 (helper hnew17): three forward-or-one-step compares at TP=1,2, wall of `pytest -n 0 FILE`
     "test_ffn_hidden_norm.py": 18,
+    # session 18 (helper hci18), changed above: test_fuzz 43 and test_own_pass_links 19 (alone: it makes
+    # behind_hash_run and its first command runs in a fresh interpreter), each its tests' CPU s in a
+    # cpuacct cgroup (pytest -n 0, per test, pytest's start left out) after this session's cuts
 }
 
 
