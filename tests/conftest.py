@@ -15,11 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The rest of the rank environment (tpdiag.runner.determinism.RANK_ENV: MKL_NUM_THREADS=1, NCCL's
 # and cuBLAS's settings), set here for the whole session as OMP_NUM_THREADS is. The first test that
-# runs tpdiag in-process (tpdiag.capture, determinism.setup) put it into this process for the rest of
-# the session (os.environ.setdefault); MKL_*, NCCL_* and TORCH_NCCL_* are start-up variables of
-# run_cli's server (cli_zygote.STARTUP_PREFIXES), so the next command retired the server and started
-# another (~8 s of CPU), each command meanwhile in a fresh interpreter (~7 s) - once in every
-# worker. Every rank runs with these values anyway; on the CPU only MKL's thread count reaches this
+# runs a rank's setup in-process (determinism.setup: test_full_stream, test_decode, test_tree_overlap)
+# put it into this process for the rest of the session (os.environ.setdefault); MKL_*, NCCL_* and
+# TORCH_NCCL_* are start-up variables of run_cli's server (cli_zygote.STARTUP_PREFIXES), so the
+# next command retired the server and started another (~8 s of CPU), each command meanwhile in a
+# fresh interpreter (~7 s) - once in every worker (test_full_stream alone: 38.7 -> 26.9 CPU s). Every rank runs with these values anyway; on the CPU only MKL's thread count reaches this
 # process or a command's parent, which run one OpenMP thread already.
 from tpdiag.runner.determinism import RANK_ENV  # noqa: E402  (os only: no torch)
 
