@@ -31,14 +31,16 @@ import sys
 # environment variables read when the interpreter or torch starts: a request whose values differ
 # from the server's goes to a fresh interpreter (conftest.run_cli)
 # (and the settings of transformers and the Hub: HF_*, TRANSFORMERS_*, USE_TF, ...; typer's
-# TYPER_USE_RICH, read when typer is imported)
+# TYPER_USE_RICH, read when typer is imported; matplotlib's MPLBACKEND, MPLCONFIGDIR)
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "LD_", "TORCH", "PYTORCH", "CUDA",
                     "NCCL", "TRITON", "MALLOC", "TMPDIR", "TPDIAG_TEST_CLI_ZYGOTE", "HF_", "HUGGINGFACE",
-                    "TRANSFORMERS", "USE_", "SAFETENSORS", "TOKENIZERS", "ACCELERATE", "XDG_", "TYPER", "_TYPER")
+                    "TRANSFORMERS", "USE_", "SAFETENSORS", "TOKENIZERS", "ACCELERATE", "XDG_", "TYPER", "_TYPER",
+                    "MPL")
 # pandas (diff.csv and the records frames: every compare, diff and report), typer, click and rich
-# (the CLI itself): ~0.1-0.3 s of CPU a command, which each command imported on its own
+# (the CLI itself): ~0.1-0.3 s of CPU a command, which each command imported on its own; matplotlib's
+# figure and Agg canvas (tpdiag/reports/plots.py: every `tpdiag report`, ~0.4 s of CPU each)
 PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch._dynamo", "pandas",
-           "click", "typer", "rich.console")
+           "click", "typer", "rich.console", "matplotlib.figure", "matplotlib.backends.backend_agg")
 # where installed: transformers' model machinery, which an hf: model's command imports and its fork
 # server preloads (runner/launch.py) - ~1.5 s of CPU each, twice an hf: compare, on the CI machine
 PRELOAD_IF_INSTALLED = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto")

@@ -13,6 +13,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # compare took 29-37 s of CPU with 2 threads beside other work, 21-22 s with 1). Set before torch
 # is imported here; an explicit OMP_NUM_THREADS wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The rest of the rank environment (tpdiag.runner.determinism.RANK_ENV: MKL_NUM_THREADS=1, NCCL's
+# and cuBLAS's settings), set here for the whole session as OMP_NUM_THREADS is. The first test that
+# runs a rank's setup in-process (determinism.setup: test_full_stream, test_decode, test_tree_overlap)
+# put it into this process for the rest of the session (os.environ.setdefault); MKL_*, NCCL_* and
+# TORCH_NCCL_* are start-up variables of run_cli's server (cli_zygote.STARTUP_PREFIXES), so the
+# next command retired the server and started another (~8 s of CPU), each command meanwhile in a
+# fresh interpreter (~7 s) - once in every worker (test_full_stream alone: 38.7 -> 26.9 CPU s). Every rank runs with these values anyway; on the CPU only MKL's thread count reaches this
+# process or a command's parent, which run one OpenMP thread already.
+from tpdiag.runner.determinism import RANK_ENV  # noqa: E402  (os only: no torch)
+
+for _k, _v in RANK_ENV.items():
+    os.environ.setdefault(_k, _v)
 # The Triton interpreter runs tl.dot through numpy's OpenBLAS. Its Haswell sgemm kernel sums a
 # row's K in an order that depends on how many rows share the call, so kernels whose logic is
 # row-invariant read as not under the interpreter: 15 of test_invariant_gemm.py's cases failed
@@ -46,6 +58,32 @@ if "TPDIAG_META_MEMO" not in os.environ:
     import tempfile
 
     _MEMO_MADE = os.environ["TPDIAG_META_MEMO"] = tempfile.mkdtemp(prefix="tpdiag-test-dtmeta-")
+
+
+def _typer_command_once() -> None:
+    """Every in-process CLI call (tpdiag.cli.main through Typer.__call__, typer.testing's CliRunner)
+    built the click command from the app again: typer reads each command function's signature
+    and its `from __future__` string annotations (typing.get_type_hints) - 15 ms a call on the
+    2-core machine, ~400 calls a session (test_fuzz alone ~300). The app is built once at import
+    and typer reads nothing else when it builds (no environment, no terminal), so each app's
+    command is built once here and reused; click makes a fresh Context at every invocation.
+    Processes the tests start (run_cli, cli_zygote) are untouched."""
+    import typer.main
+    import typer.testing
+
+    build = typer.main.get_command
+    made: dict = {}
+
+    def get_command(typer_instance):
+        hit = made.get(id(typer_instance))
+        if hit is None or hit[0] is not typer_instance:
+            hit = made[id(typer_instance)] = (typer_instance, build(typer_instance))
+        return hit[1]
+
+    typer.main.get_command = typer.testing._get_command = get_command
+
+
+_typer_command_once()
 
 
 def pytest_unconfigure(config):
@@ -248,7 +286,7 @@ FILE_SECONDS = {
     # the README's command (-n 2, this order) at 170f498, per test from the worker's cgroup; files
     # whose session runs (conftest.shared_run) they made first carry those runs
     "test_hash_capture.py": 102, "test_faults_more.py": 69, "test_hf_archs_rl.py": 50, "test_moe_fixes.py": 49, "test_capture.py": 43,
-    "test_fixes.py": 37, "test_op_level.py": 41, "test_tamper_numbers.py": 40, "test_attention_fused.py": 36, "test_fuzz.py": 37,
+    "test_fixes.py": 37, "test_op_level.py": 41, "test_tamper_numbers.py": 40, "test_attention_fused.py": 36, "test_fuzz.py": 43,
     "test_diagnosis.py": 35, "test_planted.py": 35, "test_doc_blocks.py": 32, "test_failclosed_hostile.py": 32, "test_failclosed.py": 31,
     "test_invariant_attention.py": 28, "test_hf_fixes.py": 30, "test_hf_plans.py": 30, "test_matrix.py": 30, "test_tree_triton.py": 29,
     "test_micro_batch.py": 28, "test_hf_zoo.py": 26, "test_hash_batch.py": 24, "test_rollout_lanes.py": 25, "test_tp_gathers.py": 23,
@@ -256,7 +294,7 @@ FILE_SECONDS = {
     "test_invariant_gemm.py": 18, "test_rl_axes.py": 18, "test_hf.py": 17, "test_load_dtype.py": 17, "test_public_api.py": 17,
     "test_behind.py": 14, "test_diff_runs.py": 13, "test_failclosed_copies.py": 13, "test_import_rules.py": 13, "test_user_models.py": 12,
     "test_sequence_parallel.py": 11, "test_forward_code.py": 10, "test_micro_batch_carry.py": 10, "test_report.py": 10, "test_timing.py": 10,
-    "test_own_pass_links.py": 9, "test_tp_misc.py": 9, "test_op_bug_gate.py": 8, "test_selfcheck_restore.py": 8, "test_train_side.py": 8,
+    "test_own_pass_links.py": 19, "test_tp_misc.py": 9, "test_op_bug_gate.py": 8, "test_selfcheck_restore.py": 8, "test_train_side.py": 8,
     "test_user_verdicts.py": 7, "test_written_buffers.py": 7, "test_faults.py": 6, "test_gate.py": 6, "test_meta_init.py": 6,
     "test_moe.py": 6, "test_rollout_sampling.py": 6, "test_batch_coupled.py": 5, "test_cli_messages.py": 5, "test_moe_pieces.py": 5,
     "test_own_after_confirm.py": 5, "test_rollout.py": 5, "test_decode_input_bug.py": 4, "test_hash_mix.py": 4, "test_judge.py": 4,
@@ -339,6 +377,9 @@ FILE_SECONDS = {
     "test_ffn_hidden_norm.py": 18,
     # session 18 (helper hname18): two bf16 one-step compares at TP=1,2 and their gates, wall of `pytest -n 0 FILE`
     "test_hf_embed_grad.py": 50,
+    # session 18 (helper hci18), changed above: test_fuzz 43 and test_own_pass_links 19 (alone: it makes
+    # behind_hash_run and its first command runs in a fresh interpreter), each its tests' CPU s in a
+    # cpuacct cgroup (pytest -n 0, per test, pytest's start left out) after this session's cuts
 }
 
 
