@@ -97,6 +97,42 @@ def test_a_tensor_is_hash_checked_once_per_compare(tp12_run, tmp_path, monkeypat
         assert len(calls) == n + first
 
 
+def test_a_world_linked_after_its_check_stays_checked(tp12_run, tmp_path, monkeypatch):
+    """The own-input pass links the region pass's worlds after the region diff checked them; link(2)
+    moves the files' change time, so every check made before it was lost and the own-input diff
+    hashed every TP>1 record again. runner/compare._linked carries them (records/checked.linked);
+    a file edited in place between the check and the link (its mtime put back) is hashed again."""
+    import os
+
+    from tpdiag.records import checked
+    from tpdiag.runner.compare import _linked
+
+    src = tmp_path / "region" / "tp2"
+    shutil.copytree(tp12_run / "tp2", src)
+    calls = _hashes(monkeypatch)
+    with checked.session():
+        _read_all(src)
+        first = len(calls)
+        assert first > 0
+        _linked(str(src), str(tmp_path / "ops" / "tp2"), "2", 2, "same")
+        assert os.path.samefile(src / "records.safetensors", tmp_path / "ops" / "tp2" / "records.safetensors")
+        _read_all(tmp_path / "ops" / "tp2")
+        assert len(calls) == first
+        # negative control: a plain link after the check (what _linked did before) hashes it all again
+        (tmp_path / "plain").mkdir()
+        for f in os.listdir(src):
+            os.link(src / f, tmp_path / "plain" / f)
+        _read_all(tmp_path / "plain")
+        assert len(calls) == 2 * first
+        # an edit in place with its modification time put back, then linked: checked afresh, refused
+        st = os.stat(src / "records.safetensors")
+        _edit_one(src)
+        os.utime(src / "records.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+        _linked(str(src), str(tmp_path / "edited" / "tp2"), "2", 2, "same")
+        with pytest.raises(Inconclusive, match="does not match its hash"):
+            _read_all(tmp_path / "edited" / "tp2")
+
+
 def _edit_one(folder):
     from safetensors.torch import load_file, save_file
 

@@ -32,6 +32,11 @@ def _on() -> bool:
     return _CHECKED.active and os.environ.get("TPDIAG_CHECK_ONCE", "1") != "0"
 
 
+def active() -> bool:
+    """Whether checks made now are kept for the rest of the compare (inside its session)."""
+    return _on()
+
+
 def identity(path: str) -> tuple | None:
     """The file's identity as a set opens it; None where it cannot be read (never matched)."""
     try:
@@ -55,3 +60,21 @@ def seen(k: tuple | None) -> bool:
 def add(k: tuple | None) -> None:
     if _on():
         _CHECKED.put(k, True)
+
+
+def linked(before: tuple | None, after: tuple | None) -> int:
+    """A file this compare linked to a new name (runner/compare.py: an earlier pass's world read by a
+    later pass): the tensors checked under its identity before the link count as checked under its
+    identity after it. Why: link(2) sets the inode's change time, so every key of the file missed and
+    the own-input diff hashed the region pass's linked worlds (every TP>1 record, GBs at real size)
+    a second time. Carried only where nothing but the change time moved (the same device, inode,
+    size and modification time): the content is the bytes checked, the link the only change. How
+    many keys were carried."""
+    if not _on() or before is None or after is None or before == after \
+            or before[:4] != after[:4]:
+        return 0
+    n = len(before)
+    moved = [k[n:] for k in list(_CHECKED.data) if k[:n] == before]
+    for rest in moved:
+        _CHECKED.put((*after, *rest), True)
+    return len(moved)

@@ -140,37 +140,50 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         offset = side_gpu(device, world_cfg(*worlds[0]), base_cfg)
         if offset:
             beside = (base_cfg, offset)
-    for point, label in worlds:
-        degree = point.tp
-        wcfg = world_cfg(point, label)
-        earlier = (records_from or {}).get(label) if label != labels[0] else None
-        based = (records_from or {}).get(label) if label == labels[0] else None
-        if based and _base_world(based, wcfg):
-            # the own-input pass's reference: it runs the step (its float64 re-executions need the
-            # module's state there) but writes only its float64 records; the rest are the region
-            # reference's, read from its folder (records/store.py) - ~1.4 GB not written again
-            wcfg = wcfg.with_(records_base=based)
-        same = _same_world(earlier, wcfg) if earlier else None
-        if same:
-            files.world(label, _linked(earlier, run.world(label), label, degree, same))
-            if same == "without ops":
-                without_ops.append(label)
-            continue
-        if beside is not None and label == base_label:
-            continue  # run with the reference
-        if beside is not None and label == labels[0]:
-            from tpdiag.runner.side_by_side import run_pair
+    # each world's stored tensors hash-checked while the later worlds run (runner/precheck.py)
+    checks: list = []
+    try:
+        for at, (point, label) in enumerate(worlds):
+            last = at == len(worlds) - 1
+            degree = point.tp
+            wcfg = world_cfg(point, label)
+            earlier = (records_from or {}).get(label) if label != labels[0] else None
+            based = (records_from or {}).get(label) if label == labels[0] else None
+            if based and _base_world(based, wcfg):
+                # the own-input pass's reference: it runs the step (its float64 re-executions need the
+                # module's state there) but writes only its float64 records; the rest are the region
+                # reference's, read from its folder (records/store.py) - ~1.4 GB not written again
+                wcfg = wcfg.with_(records_base=based)
+            same = _same_world(earlier, wcfg) if earlier else None
+            if same:
+                files.world(label, _linked(earlier, run.world(label), label, degree, same))
+                if same == "without ops":
+                    without_ops.append(label)
+                continue
+            if beside is not None and label == base_label:
+                continue  # run with the reference
+            if beside is not None and label == labels[0]:
+                from tpdiag.runner.side_by_side import run_pair
 
-            res, base, offset = run_pair(wcfg, beside[0], cfg.timeout, on_status, beside[1])
-            record(label, degree, res, gpu=0)
-            record(base_label, degree, base, gpu=offset,
-                   **({"beside": labels[0]} if offset else {"beside_failed": "ran again on GPU 0 after the reference"}))
-            continue
-        record(label, degree, run_world(wcfg, cfg.timeout, on_status),
-               **({"records_base": wcfg.records_base} if wcfg.records_base else {}))
+                res, base, offset = run_pair(wcfg, beside[0], cfg.timeout, on_status, beside[1])
+                record(label, degree, res, gpu=0)
+                record(base_label, degree, base, gpu=offset,
+                       **({"beside": labels[0]} if offset else {"beside_failed": "ran again on GPU 0 after the reference"}))
+                _precheck(checks, label, last, failed, run)
+                _precheck(checks, base_label, at + 1 == len(worlds) - 1, failed, run)
+                continue
+            record(label, degree, run_world(wcfg, cfg.timeout, on_status),
+                   **({"records_base": wcfg.records_base} if wcfg.records_base else {}))
+            _precheck(checks, label, last, failed, run)
+    except BaseException:
+        for c in checks:
+            c.stop()
+        raise
     if on_status:
         on_status("diff", "running")
     t_diff = time.perf_counter()
+    for c in checks:
+        c.done()  # what they have left is the diff's own work: its part of the breakdown
     summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label,
                           axes={w.label: w for w in configs}, without_ops=tuple(without_ops))
     if cfg.layers:
@@ -200,6 +213,18 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
     if not recipe.default:  # the recorded logprobs are the trainer's recipe (manifest config: logprob)
         summary["logprob_recipe"] = {**recipe.to_dict(), "formula": recipe.describe()}
     return summary, files
+
+
+def _precheck(checks: list, label: str, last: bool, failed: dict, run) -> None:
+    """A world's checks begun once it finished ok, where a later world runs after it (the last one's
+    are the diff's to make: nothing left to hide them behind), after the checks begun before."""
+    if last or label in failed:
+        return
+    from tpdiag.runner import precheck
+
+    p = precheck.start(run.world(label), after=checks[-1] if checks else None)
+    if p is not None:
+        checks.append(p)
 
 
 # where a world's config names its own folders: two passes' worlds differ there and nowhere else
@@ -272,6 +297,7 @@ def _linked(earlier: str, folder: str, label: str, degree: int, how: str) -> dic
     numerics its world recorded (its pass's manifest)."""
     import shutil
 
+    from tpdiag.records import checked
     from tpdiag.records.rundir import read_manifest
 
     try:
@@ -288,10 +314,14 @@ def _linked(earlier: str, folder: str, label: str, degree: int, how: str) -> dic
             continue
         if os.path.exists(dst):
             os.remove(dst)
+        before = checked.identity(src)
         try:
             os.link(src, dst)
         except OSError:
             shutil.copy2(src, dst)
+        else:
+            # the link moved the file's change time: what this compare hash-checked in it stays checked
+            checked.linked(before, checked.identity(dst))
     return {"degree": degree, "status": "ok", "wall_s": 0.0, "error": None, "numerics": numerics,
             "records_from": earlier, **({"records_read": "without its op records"} if how == "without ops" else {})}
 

@@ -1,0 +1,90 @@
+"""Each world's stored tensors checked against their stored hashes while the pass's later worlds run.
+
+Why: the diff checks every stored tensor it reads against the hash its world stored
+(records/store.py: verify) - after the last world, on the critical path: the region pass after a
+hash-first pass stores its reference's located modules whole (small-llama bf16 1 x 64 on 2 CPU
+cores: 298 tensors, ~0.8 s of its diff's host time; llama-1b: GBs hashed on the parent's GPU),
+while this process only polls the TP>1 world's markers. The reference's files are final once its
+world finished ok, and records/checked.py keeps a check for the rest of the compare, keyed by the
+file's identity (an edit after it is another identity, checked again by the diff). So the same
+checks, begun in a thread when the reference's world is done, leave the diff that work already done;
+and a TP>1 world's, begun when it is done and a later world runs (TP=2's region records while TP=4
+runs), one world after another. The last world's stay the diff's: nothing runs to hide them behind,
+and the diff hashes fewer of them (diff/pair_read.py: a tensor whose bytes are the reference's is
+vouched for by the reference's check), which a thread before it would hash all the same.
+
+Nothing is judged here: a tensor that does not match is not counted as checked, and the diff checks
+it again and refuses it there, as it did; an unreadable set is left to the diff. Only inside a
+compare's session (checked.session: outside one nothing is kept), and never where the ranks are forked
+from this process (TPDIAG_START_METHOD=fork). TPDIAG_PRECHECK=0: none (the A/B).
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+
+class Precheck:
+    def __init__(self, folder: str, after: "Precheck | None" = None):
+        self._stop = threading.Event()
+        self._after = after
+        self._thread = threading.Thread(target=self._run, args=(folder,), name="tpdiag-precheck", daemon=True)
+        self.checked = 0
+
+    def _run(self, folder: str) -> None:
+        if self._after is not None:  # one folder at a time, in the order the worlds ended
+            self._after._thread.join()
+        from tpdiag.records.hashing import WARM_THREAD
+        from tpdiag.records.store import RecordSet
+
+        # the hash kernel's warm-up (records/hashing.warm) compiles it in its own thread: hashed
+        # after it, never two threads compiling one kernel at once
+        for th in threading.enumerate():
+            if th.name == WARM_THREAD and th is not threading.current_thread():
+                th.join()
+        try:
+            rs = RecordSet(folder)
+            for m in rs.events:
+                if self._stop.is_set():
+                    return
+                if m.get("stored") in (None, "hash") or m.get("stored_hash") is None:
+                    continue
+                try:
+                    rs.tensor(m)  # verify=True: checked against its stored hash, kept (records/checked.py)
+                    self.checked += 1
+                except Exception:  # noqa: BLE001 - not counted as checked: the diff reads it and says why
+                    continue
+        except Exception:  # noqa: BLE001 - no readable set: the diff opens it and reports what fails
+            return
+
+    def done(self) -> None:
+        """Wait for the checks (the diff reads next); stop() where the pass ends otherwise."""
+        self._thread.join()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def start(folder: str, after: Precheck | None = None) -> Precheck | None:
+    """Checks of `folder`'s stored tensors begun in a thread, after `after`'s (None: off, or no
+    compare session)."""
+    from tpdiag.records import checked
+
+    if os.environ.get("TPDIAG_PRECHECK", "1") == "0" or not checked.active():
+        return None
+    if os.environ.get("TPDIAG_START_METHOD", "forkserver") == "fork":
+        # the next world's ranks would be forked from this process while the thread may hold a lock
+        # (the allocator's, torch's): a rank could wait on it forever
+        return None
+    # what the thread runs, imported here: a thread importing a module the main thread imports at
+    # the same time could see it half initialised (runner/prefetch.py)
+    import tpdiag.kernels.record_hash_ref  # noqa: F401 - a host check's lanes
+    import tpdiag.records.store  # noqa: F401
+    from tpdiag.records.hashing import check_device
+
+    if check_device() is not None:  # checks on a GPU: its kernel (Triton: not imported on a CPU host)
+        import tpdiag.kernels.record_hash  # noqa: F401
+    p = Precheck(folder, after)
+    p._thread.start()
+    return p
