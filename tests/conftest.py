@@ -336,6 +336,7 @@ FILE_SECONDS = {
     "test_attn_sinks.py": 58, "test_mamba_norm.py": 40, "test_moe_aux_sp.py": 50, "test_clip_norm.py": 42,
     # session 17 (helper hnew17): three forward-or-one-step compares at TP=1,2, wall of `pytest -n 0 FILE`
     "test_ffn_hidden_norm.py": 18,
+    "test_confirm_order.py": 40,  # hnew18: one tiny Qwen3 compare at --micro-batch 2,1 with its confirmation
 }
 
 
