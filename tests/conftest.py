@@ -380,6 +380,7 @@ FILE_SECONDS = {
     # session 18 (helper hci18), changed above: test_fuzz 43 and test_own_pass_links 19 (alone: it makes
     # behind_hash_run and its first command runs in a fresh interpreter), each its tests' CPU s in a
     # cpuacct cgroup (pytest -n 0, per test, pytest's start left out) after this session's cuts
+    "test_confirm_order.py": 40,  # hnew18: one tiny Qwen3 compare at --micro-batch 2,1 with its confirmation
 }
 
 

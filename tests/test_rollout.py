@@ -210,3 +210,16 @@ def test_reported_top_k_summing_to_one_is_detected(files, tmp_path):
     pr = _rollout(str(f), files["model"], micro_batch=(1,), modes=("prefill",), fixes=("none",))["processed"]
     assert pr["detected"] is True and pr["kind"] == "renormalised"
     assert pr["reported_top_mass_median"] > 0.999 > 0.99 > pr["trainer_mass_on_them_median"]
+
+
+def test_a_micro_batch_above_the_files_sequences_is_named(files):
+    # a generate() batch of 4 against the default --micro-batch 8,1 read `tp1-mb8-decode-none
+    # *reproduces` with no word that mb8 ran 4 sequences a call: an engine batch of 8 to the reader.
+    # Now a note says it, and the bits are micro-batch 3's (the file's 3 sequences in one call)
+    s = _rollout(files["jsonl"], files["model"], micro_batch=(8, 3, 1), modes=("prefill",), fixes=("none",))
+    said = [n for n in s["notes"] if n.startswith("--micro-batch")]
+    assert said == ["--micro-batch 8 is more than the file's 3 sequences: its configurations (mb8) run all 3 "
+                    "in one call, the calls of micro-batch 3 (the default is 8,1): an engine those reproduce "
+                    "ran a batch of 3"], s["notes"]
+    # (control: 3 and 1, which the file fills, are not named)
+    assert s["configurations"]["tp1-mb3-prefill-none"]["same_bits_as"] == "tp1-mb8-prefill-none"

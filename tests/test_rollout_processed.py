@@ -131,6 +131,51 @@ def test_top_k_with_ties_at_the_kth_is_top_k():
     assert judge(col, vocab=8)["kind"] == "top-p"
 
 
+def test_top_k_ties_the_trainers_rounding_broke_are_top_k():
+    # generate()'s default top_k=50 on a bf16 Qwen3 (vocab 256), its output_scores against the
+    # trainer's prefill (the first configuration, as --mode prefill,decode runs): read "top-p ~
+    # 0.236" - the engine's decode logits tie at the 50th where the prefill's, one bf16 rounding
+    # away, do not (with --mode decode first: "top-k=50"). Engine rows on bf16's grid whose K-th
+    # (K=4) ties; the trainer's the same with each tie broken by one bf16 ulp, as a prefill's GEMMs
+    # break it against a decode step's.
+    from tpdiag.rollout.processed import Collector, judge
+    from tpdiag.rollout.read import Sequence
+
+    engine = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 1.0, 0.0, 0.0],    # the 4th tied with the 3rd and 5th
+                           [5.0, 4.0, 3.5, 3.0, 3.0, 3.0, 1.0, 0.0],    # the 4th tied with the 5th and 6th
+                           [5.0, 4.0, 3.5, 3.0, 2.0, 1.0, 0.0, -1.0]],  # no tie: 4 kept
+                          dtype=torch.float64)
+    u = 2.0 ** -6                                                       # bf16's ulp at 3
+    trainer = engine + torch.tensor([[0, 0, u, 0, -u, 0, 0, 0],
+                                     [0, 0, 0, u, 0, -u, 0, 0],
+                                     [0, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.float64)
+    assert torch.equal(trainer.bfloat16().double(), trainer)
+
+    def verdict(engine, trainer, keep):
+        seqs = []
+        for r, n in zip(engine, keep):
+            kept = r >= r.sort(descending=True).values[n - 1]          # TopKLogitsWarper keeps ties
+            t = int(r.argmax())
+            lp = torch.log_softmax(r.masked_fill(~kept, float("-inf")), -1)[t]
+            seqs.append(Sequence([7, t], 1, [float(lp)], where=f"line {len(seqs) + 1}"))
+        col = Collector(seqs)
+        for i, r in enumerate(trainer):
+            col(i, r[None].float())
+        return judge(col, vocab=8)
+
+    v = verdict(engine, trainer, (4, 4, 4))
+    assert v["detected"] and v["kind"] == "top-k" and v["fit_k"] == 4 and v["fit_k_max"] == 4, v
+    assert "top-k=4, ties kept" in v["explanation"], v["explanation"]
+    # the engine's own rows: the exact ties alone read it (as before)
+    assert verdict(engine, engine, (4, 4, 4))["fit_k"] == 4
+    # control: kept sets of 5 and 4 whose 4th and 5th logits are 16 ulps apart - not a tie any
+    # rounding breaks - stay top-p, on either side's rows
+    apart = engine.clone()
+    apart[0, 2:5] = torch.tensor([3.25, 3.0, 2.75])
+    v = verdict(apart, apart, (5, 4, 4))
+    assert v["detected"] and v["kind"] == "top-p", v
+
+
 def _seqs_from(rows, shifts):
     """One generated token per row (its top token), the engine's logprob the trainer's plus shift."""
     from tpdiag.rollout.read import Sequence

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from tpdiag.errors import Inconclusive
+from tpdiag.records.moved import moved_later, record_order
 from tpdiag.records.paths import RunDir
 
 _CONFIRMING = "the confirming fix ("        # judge.py's words for each rule's `why`
@@ -68,9 +69,14 @@ def _confirmation(run_dir: str, lab: str, entry: dict, seen: dict, check, manife
         want = "not-confirmed"
     else:
         after = after_entry.get("first_divergence")
-        moved = after is None or (isinstance(fd.get("idx"), int) and isinstance(after.get("idx"), int)
-                                  and after["idx"] > fd["idx"])
+        if ("order", lab) not in seen:
+            seen[("order", lab)] = record_order(run_dir, lab)
+        moved = moved_later(fd, after, seen[("order", lab)])
         want = "confirmed" if fd.get("key") in bitwise and moved else "not-confirmed"
+        if want == "confirmed" and conf.get("verdict") == "not-confirmed" and not moved_later(fd, after, {}):
+            # a run written before the confirmed run's order was read (the rerun's own idx): the
+            # more cautious verdict it wrote stands (records/moved.py)
+            want = "not-confirmed"
         said = (conf.get("first_divergence_after") or {}).get("key")
         if said != (after or {}).get("key"):
             return (f"{where}: summary.json says the first divergence moves to {said!r}, its records say "

@@ -22,6 +22,9 @@ SAMPLING_HINT = ("generate()'s output_scores: --sampling temperature=T,top_k=K,t
                  "repetition_penalty=R with the engine's values, bit for bit")
 # renormalisation fits when log(prefix mass) matches -diff this closely (nats)
 FIT_TOL = 2e-3
+# two logits count as tied (a top-k keeps both) this many roundings of the row apart: a tie the
+# engine saw lies within one rounding of each side's logits of the trainer's
+TIE_ROUNDINGS = 2
 # the temperature analysis reads at most this many generated tokens (cost: |T| x tokens x vocab)
 MAX_TEMP_TOKENS = 1024
 # a top-k filter before top-p is recognised up to this K (the masses of the first K_MAX sorted
@@ -61,13 +64,19 @@ class Collector:
         # that keeps every token tied with its K-th (transformers' TopKLogitsWarper) keeps k tokens for
         # any K in [k_lo, k]: the first index of that tie
         k_lo = (probs == probs.gather(-1, k[:, None])).int().argmax(-1)
+        # the engine's ties are not the trainer's: its logits are the trainer's up to rounding (a
+        # decode step's GEMMs against a prefill's), which breaks a tie by an ulp or two either way;
+        # the first index whose logit is within that rounding of the k-th (k_near <= k_lo)
+        zs = z.sort(-1, descending=True).values
+        k_near = (zs <= zs.gather(-1, k[:, None]) + _tie_tolerance(z)).int().argmax(-1)
         temps = tfits = heads = None
         if self._temp_tokens < MAX_TEMP_TOKENS:
             temps, tfits, heads = _per_temperature(z, toks, eng, rank)
             self._temp_tokens += len(toks)
         for j in range(len(toks)):
             st = {"margin": float(top2[j, 0] - top2[j, 1]), "rank": int(rank[j]),
-                  "k": int(k[j]) + 1, "k_lo": int(k_lo[j]) + 1, "fit": float(fit[j]), "diff": float(d[j])}
+                  "k": int(k[j]) + 1, "k_lo": int(k_lo[j]) + 1, "k_near": int(k_near[j]) + 1,
+                  "fit": float(fit[j]), "diff": float(d[j])}
             if s.top is not None and s.top[j]:
                 ids = torch.tensor([t for t, _ in s.top[j]], device=z.device)
                 st["reported_mass"] = math.fsum(math.exp(lp) for _, lp in s.top[j])
@@ -171,6 +180,24 @@ def judge(collector: Collector, vocab: int) -> dict:
                                "weights: the file does not say which model made it)"}
     return {"detected": False, "kind": None, **ev,
             "explanation": "no sign of processing: differences go both ways and fit no filter or temperature"}
+
+
+def _tie_tolerance(rows):
+    """Per row, how far apart two logits the engine computed equal can be in the trainer's rows:
+    TIE_ROUNDINGS roundings of the coarsest float grid that holds every value of the row (bf16
+    logits upcast to float32 lie on bf16's), at the row's largest magnitude - a GEMM's rounding
+    error scales with the row, not with each element (generate()'s bf16 decode against the same
+    model's prefill: up to 1.06 such roundings apart, at logits near 0 too)."""
+    import torch
+
+    r = rows.float()
+    r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))  # a filtered -inf is no magnitude
+    eps = torch.finfo(torch.float32).eps
+    for dt in (torch.bfloat16, torch.float16):
+        if torch.equal(r.to(dt).float(), r):
+            eps = torch.finfo(dt).eps
+            break
+    return (TIE_ROUNDINGS * eps * r.abs().amax(-1, keepdim=True)).double()
 
 
 def _temperature_fit(st):
@@ -290,6 +317,15 @@ def _k_fit(st) -> dict:
         return {"fit_kind": "top-k", "fit_k": lo, "fit_k_max": hi,
                 "fit_describe": (f"top {k} tokens, with every token tied with the last kept (top-k={k}, ties "
                                  "kept as transformers' top-k keeps them)")}
+    # the same with the ties the engine saw but the trainer's rounding broke (a bf16 trainer's
+    # prefill against generate()'s decode: top_k=50 read "top-p ~ 0.236" with the prefill first)
+    lo = max(x.get("k_near", x["k"]) for x in moved)
+    if lo <= hi:
+        k = lo if lo == hi else f"{lo}..{hi}"
+        return {"fit_kind": "top-k", "fit_k": lo, "fit_k_max": hi,
+                "fit_describe": (f"top {k} tokens, with every token tied with the last kept (top-k={k}, ties "
+                                 "kept as transformers' top-k keeps them; ties read on the engine's logits, "
+                                 "which differ from the trainer's by rounding)")}
     p = min(math.exp(-x["diff"]) for x in moved)
     return {"fit_kind": "top-p", "fit_p": p, "fit_ks": ks[:8],
             "fit_describe": f"smallest prefix holding >= {p:.3g} of the mass (top-p ~ {p:.3g})"}

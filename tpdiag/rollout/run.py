@@ -135,7 +135,8 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if top >= vocab:
                 raise BadInput(f"{rc.file} {s.where}: token id {top} is outside the model's vocabulary "
                                f"({vocab}): is --model the engine's model?")
-        notes += _dtype_note(rc) + _static_note(rc) + static_len.note(user_rc, seqs, model)
+        notes += (_dtype_note(rc) + _static_note(rc) + static_len.note(user_rc, seqs, model)
+                  + _micro_batch_note(rc, seqs))
         sampled = None
         if rc.sampling:
             from tpdiag.rollout import sampling
@@ -227,6 +228,21 @@ def _dtype_note(rc) -> list[str]:
 
     got = checkpoint_dtype(rc.model, rc.dtype)
     return [got["note"]] if got and got["note"] else []
+
+
+def _micro_batch_note(rc, seqs) -> list:
+    """A micro-batch size above the file's sequence count (the default 8 against an engine batch of
+    4) runs every sequence in one call: the calls of micro-batch len(seqs), while its label names the
+    size asked for - an engine reproduced by `tp1-mb8-...` ran a batch of 4, not 8."""
+    n = len(seqs)
+    big = [m for m in rc.micro_batch if m > n]
+    if not big:
+        return []
+    said = ", ".join(str(m) for m in big)
+    return [f"--micro-batch {said} is more than the file's {n} sequence{'s' if n != 1 else ''}: "
+            f"{'its configurations (mb' + said + ')' if len(big) == 1 else 'their configurations'} run "
+            f"all {n} in one call, the calls of micro-batch {n} (the default is 8,1): an engine those "
+            f"reproduce ran a batch of {n}"]
 
 
 def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from tpdiag.config import CompareConfig, degree_labels
+from tpdiag.records.moved import moved_later, record_order
 from tpdiag.records.paths import RunDir
 from tpdiag.runner import prefix
 
@@ -103,7 +104,7 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
                 continue
             after = after_entry.get("first_divergence")
             now_equal = _key_bitwise(out, sub_label, before["key"])
-            moved = after is None or after["idx"] > before["idx"]
+            moved = moved_later(before, after, record_order(run_dir, label))
             verdict = "confirmed" if (now_equal and moved) else "not-confirmed"
             every[label]["confirmation"] = {
                 "fix": fix, "verdict": verdict, "first_divergence_after": after,
