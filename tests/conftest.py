@@ -381,6 +381,8 @@ FILE_SECONDS = {
     # behind_hash_run and its first command runs in a fresh interpreter), each its tests' CPU s in a
     # cpuacct cgroup (pytest -n 0, per test, pytest's start left out) after this session's cuts
     "test_confirm_order.py": 40,  # hnew18: one tiny Qwen3 compare at --micro-batch 2,1 with its confirmation
+    # session 18 (helper hplant18): two 1-step compares at TP=1,2 with confirmation, wall of `pytest -n 0 FILE`
+    "test_tied_vocab.py": 52,
 }
 
 

@@ -28,7 +28,8 @@ def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict], reru
     # every record re-diffed: an edit to diff.csv and summary.json together (a clean table over divergent
     # records, a logprob or loss difference made 0) is inconclusive, not shown
     out += [p if f"TP={lab}" in p or p.startswith("reference") else f"TP={lab}: {p}" for lab, p in
-            verify(dirs, ref, ok, by_label, degrees, base_label, bool(base.get("reproducible"))).items()]
+            verify(dirs, ref, ok, by_label, degrees, base_label, bool(base.get("reproducible")),
+                                       rerun=rerun).items()]
     from tpdiag.records.rundir import is_diff_dir
 
     if not is_diff_dir(run_dir, manifest):

@@ -97,6 +97,7 @@ def grads(dd, first_key: str | None) -> dict | None:
         left.append((r, w))
     left = _not_namesakes(dd, left)
     steps = measured_steps(dd.rows)
+    left += _weight_grads(dd, first, steps)
     why: dict[str, int] = {}
     keys, reasons, worst, worst_l2 = [], {}, 0.0, None
     for r, w in left:
@@ -120,6 +121,35 @@ def grads(dd, first_key: str | None) -> dict | None:
     coarse = max((d for d in dtypes if d in EPS), key=EPS.get, default=None)
     if coarse is not None:
         out["dtype"] = coarse  # the least precise: the limit's unit (moved_beyond)
+    return out
+
+
+WEIGHT = ("a weight grad no check judged: its module's backward was not re-executed in float64 (a module "
+          "whose weight is used outside its own forward - a tied vocab weight's embed/logits methods - has no "
+          "call to re-execute)")
+
+
+def _weight_grads(dd, first: int, steps: set[str]) -> list:
+    """The weight grads past the first divergence that no check judged (no float64 re-execution, bound or
+    scale) and that moved beyond what rounding moves a record no check judged (moved_limit, in the least
+    precise dtype the degree records: cut's rule, which the gate applies to every such record). A module
+    whose weight the model reads through methods of its own (`vocab.embed(ids)`, `vocab.logits(h)`: a
+    hand-written tied vocab-parallel embedding) is never called, so nothing re-executes its backward:
+    tests/models/planted/tied_vocab.py:tied_dfn (the embedding's share of the tied grad TP times itself,
+    the weight grad 0.55 of its norm off) read `rounding only` while the gate called the run edited
+    after it. Listed only where they moved that far: within it, a weight grad is rounding by the same
+    rule (no list of every unjudged weight grad of a correct run)."""
+    rows = [r for r in dd.rows if (r["phase"], r["kind"]) == ("backward", "param_grad") and r["idx"] > first
+            and not r["bitwise"] and r.get("rank_consistent") is not False and not _judged(r)
+            and not r.get("beyond_bound") and not r.get("nonfinite_mismatch") and str(r.get("step")) in steps]
+    if not rows:
+        return []
+    limit = moved_limit([r.get("dtype") for r in dd.rows])
+    out = []
+    for r in rows:
+        moved = _rel_l2(dd.tensors.get(r["key"]))
+        if moved is not None and not moved <= limit:
+            out.append((r, WEIGHT))
     return out
 
 
@@ -261,7 +291,7 @@ def unlisted(entry) -> bool:
     return all(cause_class(f.get("cause")) == "rounding" and f.get("cause") != "router-flip" for f in found)
 
 
-def cut(label: str, entry, rows: list[dict], op_dtypes=()) -> str | None:
+def cut(label: str, entry, rows: list[dict], op_dtypes=(), rerun: bool = False) -> str | None:
     """The gate's check (diff/recheck.verify) of a degree `unlisted` passes: no record from the first divergence
     on (MOVED) may have moved beyond what rounding moves an activation grad no check judged (moved_beyond's
     limit, in the least precise dtype the degree records: a float32 grad of a bf16 model rounds as bf16) and
@@ -297,9 +327,16 @@ def cut(label: str, entry, rows: list[dict], op_dtypes=()) -> str | None:
     # the reference's up to rounding): step_stale_grad.py:stale_grad_drop (mlp's output grad half off at
     # step 1) with not_judged cut from both summaries and the class passed, exit 0, reading step 0 alone
     steps = measured_steps(rows) | {str(fd.get("step"))}
+    # a confirmation's rerun (rerun) runs no second pass, so no list of its own names the weight grads of
+    # modules the step never called (their backward has no call to re-execute: _weight_grads); the main
+    # run's not_judged lists them, held to its own records there (tied_vocab.py:tied_dfn's rerun under
+    # invariant-vocab-softmax read "edited after the run"). Which modules ran is the records' own word.
+    called = {(r["module"], str(r.get("step"))) for r in rows if r["phase"] == "forward" and r["kind"] in ("in", "out")}
     for r in rows:
         if (r["phase"], r["kind"]) not in MOVED or r["idx"] < first or r["bitwise"] or r["key"] in found \
                 or str(r.get("step")) not in steps:
+            continue
+        if rerun and r["kind"] == "param_grad" and (r["module"], str(r.get("step"))) not in called:
             continue
         moved = r.get("rel_l2")
         if r["kind"] == "grad_out" and (r["key"] in listed or said is not None and isinstance(moved, float)

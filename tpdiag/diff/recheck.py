@@ -188,11 +188,13 @@ def check_numbers(label: str, entry: dict, got: dict) -> str | None:
 
 def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
            entries: dict[str, dict] | None = None, base: str | None = None,
-           base_reproducible: bool = True) -> dict[str, str]:
+           base_reproducible: bool = True, rerun: bool = False) -> dict[str, str]:
     """{label: problem} where the records disagree with diff.csv or (entries given) with summary.json.
 
     base: the label of the reference rerun summary.json reports; its records must say what
     summary.json says of it (base_reproducible: bitwise equal to the reference's, or not).
+    rerun: the directories are a confirmation's rerun (confirm/FIX/), which runs no second pass: the
+    weight grads of modules it never called are the main run's to list (diff/not_judged.cut).
     """
     from tpdiag.diff.engine import diff_degree
     from tpdiag.records.store import RecordSet
@@ -229,7 +231,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
                    or moved_problem(lab, nj, dd))
             if bad is None and unlisted(entry):
                 op_dtypes = _op_dtypes(dirs[ref]) if op_dtypes is None else op_dtypes
-                bad = cut(lab, entry, dd.rows, op_dtypes)
+                bad = cut(lab, entry, dd.rows, op_dtypes, rerun=rerun)
         if bad:
             problems[lab] = bad
     if base:
