@@ -14,7 +14,6 @@ def test_the_reference_checked_while_others_run_is_not_hashed_again(tp12_run, tm
     from tpdiag.records import checked
     from tpdiag.runner import precheck
 
-    monkeypatch.delenv("TPDIAG_START_METHOD", raising=False)
     calls = _hashes(monkeypatch)
     with checked.session():
         p = precheck.start(str(tp12_run / "tp1"))
@@ -30,10 +29,6 @@ def test_the_reference_checked_while_others_run_is_not_hashed_again(tp12_run, tm
         assert len(calls) == 2 * first
     # off, or outside a compare: nothing starts
     assert precheck.start(str(tp12_run / "tp1")) is None
-    monkeypatch.setenv("TPDIAG_START_METHOD", "fork")  # ranks forked from this process: no thread
-    with checked.session():
-        assert precheck.start(str(tp12_run / "tp1")) is None
-    monkeypatch.delenv("TPDIAG_START_METHOD")
     monkeypatch.setenv("TPDIAG_PRECHECK", "0")
     with checked.session():
         assert precheck.start(str(tp12_run / "tp1")) is None

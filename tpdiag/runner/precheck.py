@@ -15,8 +15,7 @@ vouched for by the reference's check), which a thread before it would hash all t
 
 Nothing is judged here: a tensor that does not match is not counted as checked, and the diff checks
 it again and refuses it there, as it did; an unreadable set is left to the diff. Only inside a
-compare's session (checked.session: outside one nothing is kept), and never where the ranks are forked
-from this process (TPDIAG_START_METHOD=fork). TPDIAG_PRECHECK=0: none (the A/B).
+compare's session (checked.session: outside one nothing is kept). TPDIAG_PRECHECK=0: none (the A/B).
 """
 from __future__ import annotations
 
@@ -72,10 +71,6 @@ def start(folder: str, after: Precheck | None = None) -> Precheck | None:
     from tpdiag.records import checked
 
     if os.environ.get("TPDIAG_PRECHECK", "1") == "0" or not checked.active():
-        return None
-    if os.environ.get("TPDIAG_START_METHOD", "forkserver") == "fork":
-        # the next world's ranks would be forked from this process while the thread may hold a lock
-        # (the allocator's, torch's): a rank could wait on it forever
         return None
     # what the thread runs, imported here: a thread importing a module the main thread imports at
     # the same time could see it half initialised (runner/prefetch.py)
