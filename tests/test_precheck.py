@@ -1,6 +1,6 @@
-"""Each world's stored tensors are hash-checked in a thread while the pass's later worlds run
-(runner/precheck.py), one world after another: the diff then finds them checked (records/checked.py)
-and hashes none of them again. Nothing is judged there: an edited tensor is not counted as checked, and the diff's read
+"""The reference world's stored tensors are hash-checked in a thread while the pass's other worlds
+run (runner/precheck.py): the diff then finds them checked (records/checked.py) and hashes none of
+them again. Nothing is judged there: an edited tensor is not counted as checked, and the diff's read
 refuses it as before; outside a compare's session, or with TPDIAG_PRECHECK=0, nothing starts."""
 import shutil
 
@@ -32,23 +32,6 @@ def test_the_reference_checked_while_others_run_is_not_hashed_again(tp12_run, tm
     monkeypatch.setenv("TPDIAG_PRECHECK", "0")
     with checked.session():
         assert precheck.start(str(tp12_run / "tp1")) is None
-
-
-def test_worlds_are_checked_one_after_another(tp12_run, monkeypatch):
-    from tpdiag.records import checked
-    from tpdiag.runner import precheck
-
-    calls = _hashes(monkeypatch)
-    with checked.session():
-        first = precheck.start(str(tp12_run / "tp1"))
-        second = precheck.start(str(tp12_run / "tp2"), after=first)
-        second.done()
-        assert not first._thread.is_alive()  # done before the second began
-        n = len(calls)
-        assert first.checked > 0 and second.checked > 0 and n == first.checked + second.checked
-        _read_all(tp12_run / "tp1")
-        _read_all(tp12_run / "tp2")
-        assert len(calls) == n
 
 
 def test_an_edited_tensor_is_left_to_the_diff_which_refuses_it(tp12_run, tmp_path):

@@ -140,11 +140,10 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         offset = side_gpu(device, world_cfg(*worlds[0]), base_cfg)
         if offset:
             beside = (base_cfg, offset)
-    # each world's stored tensors hash-checked while the later worlds run (runner/precheck.py)
-    checks: list = []
+    # the reference's stored tensors hash-checked while the other worlds run (runner/precheck.py)
+    checks = None
     try:
-        for at, (point, label) in enumerate(worlds):
-            last = at == len(worlds) - 1
+        for point, label in worlds:
             degree = point.tp
             wcfg = world_cfg(point, label)
             earlier = (records_from or {}).get(label) if label != labels[0] else None
@@ -169,21 +168,20 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
                 record(label, degree, res, gpu=0)
                 record(base_label, degree, base, gpu=offset,
                        **({"beside": labels[0]} if offset else {"beside_failed": "ran again on GPU 0 after the reference"}))
-                _precheck(checks, label, last, failed, run)
-                _precheck(checks, base_label, at + 1 == len(worlds) - 1, failed, run)
+                checks = _precheck(checks, label, labels, failed, run)
                 continue
             record(label, degree, run_world(wcfg, cfg.timeout, on_status),
                    **({"records_base": wcfg.records_base} if wcfg.records_base else {}))
-            _precheck(checks, label, last, failed, run)
+            checks = _precheck(checks, label, labels, failed, run)
     except BaseException:
-        for c in checks:
-            c.stop()
+        if checks is not None:
+            checks.stop()
         raise
     if on_status:
         on_status("diff", "running")
     t_diff = time.perf_counter()
-    for c in checks:
-        c.done()  # what they have left is the diff's own work: its part of the breakdown
+    if checks is not None:
+        checks.done()  # what they have left is the diff's own work: its part of the breakdown
     summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label,
                           axes={w.label: w for w in configs}, without_ops=tuple(without_ops))
     if cfg.layers:
@@ -215,16 +213,13 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
     return summary, files
 
 
-def _precheck(checks: list, label: str, last: bool, failed: dict, run) -> None:
-    """A world's checks begun once it finished ok, where a later world runs after it (the last one's
-    are the diff's to make: nothing left to hide them behind), after the checks begun before."""
-    if last or label in failed:
-        return
+def _precheck(checks, label: str, labels: list, failed: dict, run):
+    """The reference's checks begun once its world finished ok (others already begun: as they are)."""
+    if checks is not None or label != labels[0] or label in failed:
+        return checks
     from tpdiag.runner import precheck
 
-    p = precheck.start(run.world(label), after=checks[-1] if checks else None)
-    if p is not None:
-        checks.append(p)
+    return precheck.start(run.world(label))
 
 
 # where a world's config names its own folders: two passes' worlds differ there and nowhere else

@@ -1,4 +1,5 @@
-"""Each world's stored tensors checked against their stored hashes while the pass's later worlds run.
+"""The reference world's stored tensors checked against their stored hashes while the pass's other
+worlds run.
 
 Why: the diff checks every stored tensor it reads against the hash its world stored
 (records/store.py: verify) - after the last world, on the critical path: the region pass after a
@@ -7,11 +8,7 @@ cores: 298 tensors, ~0.8 s of its diff's host time; llama-1b: GBs hashed on the 
 while this process only polls the TP>1 world's markers. The reference's files are final once its
 world finished ok, and records/checked.py keeps a check for the rest of the compare, keyed by the
 file's identity (an edit after it is another identity, checked again by the diff). So the same
-checks, begun in a thread when the reference's world is done, leave the diff that work already done;
-and a TP>1 world's, begun when it is done and a later world runs (TP=2's region records while TP=4
-runs), one world after another. The last world's stay the diff's: nothing runs to hide them behind,
-and the diff hashes fewer of them (diff/pair_read.py: a tensor whose bytes are the reference's is
-vouched for by the reference's check), which a thread before it would hash all the same.
+checks, begun in a thread when the reference's world is done, leave the diff that work already done.
 
 Nothing is judged here: a tensor that does not match is not counted as checked, and the diff checks
 it again and refuses it there, as it did; an unreadable set is left to the diff. Only inside a
@@ -24,15 +21,12 @@ import threading
 
 
 class Precheck:
-    def __init__(self, folder: str, after: "Precheck | None" = None):
+    def __init__(self, folder: str):
         self._stop = threading.Event()
-        self._after = after
         self._thread = threading.Thread(target=self._run, args=(folder,), name="tpdiag-precheck", daemon=True)
         self.checked = 0
 
     def _run(self, folder: str) -> None:
-        if self._after is not None:  # one folder at a time, in the order the worlds ended
-            self._after._thread.join()
         from tpdiag.records.hashing import WARM_THREAD
         from tpdiag.records.store import RecordSet
 
@@ -65,9 +59,8 @@ class Precheck:
         self._thread.join()
 
 
-def start(folder: str, after: Precheck | None = None) -> Precheck | None:
-    """Checks of `folder`'s stored tensors begun in a thread, after `after`'s (None: off, or no
-    compare session)."""
+def start(folder: str) -> Precheck | None:
+    """Checks of `folder`'s stored tensors begun in a thread (None: off, or no compare session)."""
     from tpdiag.records import checked
 
     if os.environ.get("TPDIAG_PRECHECK", "1") == "0" or not checked.active():
@@ -80,6 +73,6 @@ def start(folder: str, after: Precheck | None = None) -> Precheck | None:
 
     if check_device() is not None:  # checks on a GPU: its kernel (Triton: not imported on a CPU host)
         import tpdiag.kernels.record_hash  # noqa: F401
-    p = Precheck(folder, after)
+    p = Precheck(folder)
     p._thread.start()
     return p
