@@ -110,9 +110,6 @@ def device_lanes(t: torch.Tensor, device, version: int = HASH_VERSION, piece: in
     return la & M32, lb & M32
 
 
-WARM_THREAD = "tpdiag-warm-hash"
-
-
 def warm(device):
     """Start `device`'s CUDA context and compile the hash kernel for the dtypes records mostly
     have, in a background thread (returned, started; None where there is nothing to warm): their
@@ -129,7 +126,7 @@ def warm(device):
         except Exception:  # noqa: BLE001 - a warm-up only: the real use reports its own errors
             pass
 
-    th = threading.Thread(target=run, name=WARM_THREAD, daemon=True)
+    th = threading.Thread(target=run, name="tpdiag-warm-hash", daemon=True)
     th.start()
     return th
 

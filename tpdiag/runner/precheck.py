@@ -27,14 +27,8 @@ class Precheck:
         self.checked = 0
 
     def _run(self, folder: str) -> None:
-        from tpdiag.records.hashing import WARM_THREAD
         from tpdiag.records.store import RecordSet
 
-        # the hash kernel's warm-up (records/hashing.warm) compiles it in its own thread: hashed
-        # after it, never two threads compiling one kernel at once
-        for th in threading.enumerate():
-            if th.name == WARM_THREAD and th is not threading.current_thread():
-                th.join()
         try:
             rs = RecordSet(folder)
             for m in rs.events:
@@ -65,14 +59,6 @@ def start(folder: str) -> Precheck | None:
 
     if os.environ.get("TPDIAG_PRECHECK", "1") == "0" or not checked.active():
         return None
-    # what the thread runs, imported here: a thread importing a module the main thread imports at
-    # the same time could see it half initialised (runner/prefetch.py)
-    import tpdiag.kernels.record_hash_ref  # noqa: F401 - a host check's lanes
-    import tpdiag.records.store  # noqa: F401
-    from tpdiag.records.hashing import check_device
-
-    if check_device() is not None:  # checks on a GPU: its kernel (Triton: not imported on a CPU host)
-        import tpdiag.kernels.record_hash  # noqa: F401
     p = Precheck(folder)
     p._thread.start()
     return p
