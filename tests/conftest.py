@@ -315,7 +315,7 @@ FILE_SECONDS = {
     "test_compare_json.py": 1, "test_config_dict.py": 1, "test_det_collectives.py": 1, "test_ep_clip.py": 1, "test_failclosed_disk.py": 1,
     "test_fix_properties.py": 1, "test_gate_presets.py": 1, "test_gather_replicas.py": 1, "test_generic_bound.py": 1, "test_grad_norm_bound.py": 1,
     "test_hash_cpu_words.py": 1, "test_hash_device.py": 1, "test_kernels_cpu.py": 1, "test_layout.py": 1, "test_load.py": 1,
-    "test_loss_first_order_chunks.py": 1, "test_numerics_env.py": 1, "test_op_written.py": 1, "test_own_side_norms.py": 1, "test_precheck.py": 1, "test_placements.py": 1,
+    "test_loss_first_order_chunks.py": 1, "test_numerics_env.py": 1, "test_op_written.py": 1, "test_own_side_norms.py": 1, "test_placements.py": 1,
     "test_probe_gc.py": 1, "test_probe_host.py": 1, "test_report_headline.py": 1, "test_rollout_failed_world.py": 1, "test_rollout_lanes_plan.py": 1,
     "test_rollout_packed.py": 1, "test_run_files.py": 1, "test_tamper_rollout.py": 1, "test_tree_cast.py": 1, "test_tree_dist.py": 1,
     "test_vocab_ce_memory.py": 1, "test_zoo_causes.py": 1,

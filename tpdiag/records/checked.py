@@ -32,11 +32,6 @@ def _on() -> bool:
     return _CHECKED.active and os.environ.get("TPDIAG_CHECK_ONCE", "1") != "0"
 
 
-def active() -> bool:
-    """Whether checks made now are kept for the rest of the compare (inside its session)."""
-    return _on()
-
-
 def identity(path: str) -> tuple | None:
     """The file's identity as a set opens it; None where it cannot be read (never matched)."""
     try:

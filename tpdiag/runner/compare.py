@@ -140,48 +140,37 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         offset = side_gpu(device, world_cfg(*worlds[0]), base_cfg)
         if offset:
             beside = (base_cfg, offset)
-    # the reference's stored tensors hash-checked while the other worlds run (runner/precheck.py)
-    checks = None
-    try:
-        for point, label in worlds:
-            degree = point.tp
-            wcfg = world_cfg(point, label)
-            earlier = (records_from or {}).get(label) if label != labels[0] else None
-            based = (records_from or {}).get(label) if label == labels[0] else None
-            if based and _base_world(based, wcfg):
-                # the own-input pass's reference: it runs the step (its float64 re-executions need the
-                # module's state there) but writes only its float64 records; the rest are the region
-                # reference's, read from its folder (records/store.py) - ~1.4 GB not written again
-                wcfg = wcfg.with_(records_base=based)
-            same = _same_world(earlier, wcfg) if earlier else None
-            if same:
-                files.world(label, _linked(earlier, run.world(label), label, degree, same))
-                if same == "without ops":
-                    without_ops.append(label)
-                continue
-            if beside is not None and label == base_label:
-                continue  # run with the reference
-            if beside is not None and label == labels[0]:
-                from tpdiag.runner.side_by_side import run_pair
+    for point, label in worlds:
+        degree = point.tp
+        wcfg = world_cfg(point, label)
+        earlier = (records_from or {}).get(label) if label != labels[0] else None
+        based = (records_from or {}).get(label) if label == labels[0] else None
+        if based and _base_world(based, wcfg):
+            # the own-input pass's reference: it runs the step (its float64 re-executions need the
+            # module's state there) but writes only its float64 records; the rest are the region
+            # reference's, read from its folder (records/store.py) - ~1.4 GB not written again
+            wcfg = wcfg.with_(records_base=based)
+        same = _same_world(earlier, wcfg) if earlier else None
+        if same:
+            files.world(label, _linked(earlier, run.world(label), label, degree, same))
+            if same == "without ops":
+                without_ops.append(label)
+            continue
+        if beside is not None and label == base_label:
+            continue  # run with the reference
+        if beside is not None and label == labels[0]:
+            from tpdiag.runner.side_by_side import run_pair
 
-                res, base, offset = run_pair(wcfg, beside[0], cfg.timeout, on_status, beside[1])
-                record(label, degree, res, gpu=0)
-                record(base_label, degree, base, gpu=offset,
-                       **({"beside": labels[0]} if offset else {"beside_failed": "ran again on GPU 0 after the reference"}))
-                checks = _precheck(checks, label, labels, failed, run)
-                continue
-            record(label, degree, run_world(wcfg, cfg.timeout, on_status),
-                   **({"records_base": wcfg.records_base} if wcfg.records_base else {}))
-            checks = _precheck(checks, label, labels, failed, run)
-    except BaseException:
-        if checks is not None:
-            checks.stop()
-        raise
+            res, base, offset = run_pair(wcfg, beside[0], cfg.timeout, on_status, beside[1])
+            record(label, degree, res, gpu=0)
+            record(base_label, degree, base, gpu=offset,
+                   **({"beside": labels[0]} if offset else {"beside_failed": "ran again on GPU 0 after the reference"}))
+            continue
+        record(label, degree, run_world(wcfg, cfg.timeout, on_status),
+               **({"records_base": wcfg.records_base} if wcfg.records_base else {}))
     if on_status:
         on_status("diff", "running")
     t_diff = time.perf_counter()
-    if checks is not None:
-        checks.done()  # what they have left is the diff's own work: its part of the breakdown
     summary = analyse_run(out, labels[0], labels[1:], failed, cfg.degrees[0], base_label,
                           axes={w.label: w for w in configs}, without_ops=tuple(without_ops))
     if cfg.layers:
@@ -211,15 +200,6 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
     if not recipe.default:  # the recorded logprobs are the trainer's recipe (manifest config: logprob)
         summary["logprob_recipe"] = {**recipe.to_dict(), "formula": recipe.describe()}
     return summary, files
-
-
-def _precheck(checks, label: str, labels: list, failed: dict, run):
-    """The reference's checks begun once its world finished ok (others already begun: as they are)."""
-    if checks is not None or label != labels[0] or label in failed:
-        return checks
-    from tpdiag.runner import precheck
-
-    return precheck.start(run.world(label))
 
 
 # where a world's config names its own folders: two passes' worlds differ there and nowhere else
