@@ -113,10 +113,6 @@ SETS: dict[str, list[tuple]] = {
              # issue #59 item 3: a 70B-shaped config does not fit TP=1; its first 4 layers with the
              # real embedding and head (--layers 4) do
              ("t-70b-4l", L70B + ["--layers", "4"], {}, 300)],
-    # issue #59: the second pass's background hash check of finished worlds (runner/precheck.py), off
-    # and on in alternating pairs at llama-1b's default flow; read each run's second_pass_s and diff_s
-    "precheck": [(f"pc-{ab}-{i}", L1B, {"TPDIAG_PRECHECK": "0" if ab == "off" else "1"}, 150)
-                 for i in (1, 2) for ab in ("off", "on")],
     "smoke": [("smoke-fp32", ["--dtype", "float32", "--no-baseline", "--no-confirm"], {}, 240)],
     # the fork server started before the input checks (runner/launch.prestart) or, as before, with
     # the first world: A/B pairs, alternating; read each run's first world's spawn_s and start
@@ -133,7 +129,7 @@ SETS: dict[str, list[tuple]] = {
 WORLD_KEYS = ("spawn_s", "setup_s", "process_group_s", "model_s", "world_start_s", "selfcheck_s", "steps_s",
               "gather_s", "write_s", "init", "init_full_peak_bytes", "init_whole_bytes", "peak_mem_bytes",
               "max_rss_bytes")
-DEFAULT_TP = {"time": "1,1", "axes": "1", "1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2", "start": "1,2", "start-4b": "1,1", "precheck": "1,2"}
+DEFAULT_TP = {"time": "1,1", "axes": "1", "1b-op": "1,4", "4b": "1,2", "oom": "4,2,1", "smoke": "1,2", "start": "1,2", "start-4b": "1,1"}
 
 
 def parse(argv):
