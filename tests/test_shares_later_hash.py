@@ -7,7 +7,7 @@ reads the copies whole, finds they add up to the reference's and lists the recor
 (summary.json not_compared.shares). A hash-first pass sees only that the ranks' hashes differ: on main
 at 98f681f it read `rank-inconsistent-replica` - BUG, `gate --allow rounding` exit 4 - while its region
 pass, which read the record whole as shares, only replaced a first divergence that was itself a share
-(runner/drill_merge._shares). Under --no-judge-downstream the region pass did not even capture the
+(runner/drill_merge._shares). moe_late_bug.py:shared_once read the same. Under --no-judge-downstream the region pass did not even capture the
 router (runner/drill.py now reads the modules of such hash findings whole), and the honest run gated
 INCONCLUSIVE, exit 2 (records/integrity.py: the own-input pass that never runs there was "missing").
 
@@ -22,22 +22,31 @@ import pytest
 
 from conftest import run_cli
 
-SPEC = "py:tests/models/planted/moe_bwd_bug.py:shared_beside"
+PLANTED = "py:tests/models/planted/"
 ROUTER = "s0/backward/sparse.router/grad_out#0/0"
 NORM = "s0/backward/norm/param_grad#0/weight"
+# (model, its router's output grad, more flags): with the own-input judgement on, the region pass
+# captures the router anyway (moe_late_bug.py's twin; runner/drill_merge._later_shares is the fix);
+# without it, only because pass 1 read that record rank-inconsistent (runner/drill.py: replicas)
+CASES = {"beside-no-judge": ("moe_bwd_bug.py:shared_beside", ROUTER, ("--no-judge-downstream",)),
+         "once": ("moe_late_bug.py:shared_once", "s0/backward/moe.router/grad_out#0/0", ())}
 
 
 @pytest.fixture(scope="module")
-def twin(tmp_path_factory):
-    d = tmp_path_factory.mktemp("beside") / "r"
-    p = run_cli("compare", "--model", SPEC, "--tp", "1,2", "--no-baseline", "--no-confirm", "--capture", "hash",
-                "--no-judge-downstream", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
-    return d, json.loads((d / "summary.json").read_text()), p.stdout
+def twins(tmp_path_factory):
+    out = {}
+    for case, (model, key, more) in CASES.items():
+        d = tmp_path_factory.mktemp(case) / "r"
+        p = run_cli("compare", "--model", PLANTED + model, "--tp", "1,2", "--no-baseline", "--no-confirm",
+                    "--capture", "hash", *more, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+        out[case] = (d, json.loads((d / "summary.json").read_text()), p.stdout, key)
+    return out
 
 
-def test_a_share_past_the_first_divergence_is_not_compared_under_hash_capture(twin):
-    d, s, stdout = twin
+@pytest.mark.parametrize("case", CASES)
+def test_a_share_past_the_first_divergence_is_not_compared_under_hash_capture(twins, case):
+    d, s, stdout, ROUTER = twins[case]
     e = s["degrees"]["2"]
     assert e["first_divergence"]["cause"] == "row-parallel-reduction", e["first_divergence"]
     # the region pass read the router's output grad whole: each rank's share of one value
@@ -49,6 +58,23 @@ def test_a_share_past_the_first_divergence_is_not_compared_under_hash_capture(tw
     assert run_cli("gate", str(d)).returncode == 1
     g = run_cli("gate", str(d), "--allow", "rounding")
     assert g.returncode == 0, g.stdout + g.stderr
+
+
+def test_judge_downstream_off_in_the_runs_manifest_alone_is_an_edit(twins, tmp_path):
+    """No own-input pass under --no-judge-downstream (records/integrity.py believes it where the run's and
+    its region pass's manifests both say so): a judged run's region/ops/ deleted and its manifest alone
+    edited to judge_downstream false stays INCONCLUSIVE."""
+    src = twins["once"][0]
+    assert (src / "region" / "ops" / "summary.json").is_file()
+    d = tmp_path / "r"
+    shutil.copytree(src, d)
+    shutil.rmtree(d / "region" / "ops")
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["config"]["judge_downstream"] is True
+    m["config"]["judge_downstream"] = False
+    (d / "manifest.json").write_text(json.dumps(m))
+    g = run_cli("gate", str(d), "--allow", "rounding")
+    assert g.returncode == 2 and "region/ops/" in g.stdout + g.stderr, g.stdout[-2000:] + g.stderr[-2000:]
 
 
 def test_a_replica_whose_ranks_disagree_past_the_first_divergence_stays_a_bug(behind_hash_run):
