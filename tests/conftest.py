@@ -339,6 +339,8 @@ FILE_SECONDS = {
     # session 17 (helper hdisc17): two forward-only 2-rank gloo compares and their gates
     "test_moe_late_bug.py": 4,
     "test_moe_bwd_bug.py": 20,
+    # session 18 (helper hhash18): two hash-captured 2-rank compares with their region passes, and gates
+    "test_shares_later_hash.py": 15,
     # session 16 (helper hinput16): no world (in-process checks and CLI starts refused before any)
     "test_input_heads.py": 2, "test_input_out.py": 1, "test_input_confirm.py": 1, "test_input_capture.py": 1,
     # session 15 (helper hci15): each figure above that this session's cuts changed, less what was

@@ -31,6 +31,21 @@ def schema_ok(v) -> bool:
 _ANOTHER_STEP = "computed another step than the first pass"  # drill.py's words: its findings not used
 
 
+def _judged_downstream(run_dir: str, name: str, manifest: dict | None):
+    """The run's judge_downstream setting where its manifest and its second pass's both say it (False:
+    --no-judge-downstream, no own-input pass ran); one of them alone edited to False is not believed."""
+    from tpdiag.records.rundir import read_manifest
+
+    top = ((manifest or {}).get("config") or {}).get("judge_downstream")
+    if top is not False:
+        return top
+    try:
+        sub = read_manifest(os.path.join(run_dir, name))
+    except Inconclusive:
+        return None
+    return ((sub if isinstance(sub, dict) else {}).get("config") or {}).get("judge_downstream")
+
+
 def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bool = False,
                           manifest: dict | None = None) -> list[str]:
     """The findings only the second pass made (a bug behind a harmless reordering, judged on its own
@@ -75,7 +90,7 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
         if why:
             return [why]
     if name.startswith("region") and not os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary) \
-            and own_pass_wanted(sp, sub):
+            and own_pass_wanted(sp, sub, _judged_downstream(run_dir, name, manifest)):
         return [f"the second pass's own-input pass {nested}/ is missing, but {name}/summary.json left modules to "
                 "judge on their own inputs (deleted, or the run was cut short)"]
     if name.startswith("region") and not os.path.isfile(RunDir(os.path.join(run_dir, nested)).summary) \

@@ -9,12 +9,16 @@ from tpdiag.records.keys import ROOTS
 from tpdiag.records.sides import started
 
 
-def own_pass_wanted(sp: dict, region: dict) -> bool:
+def own_pass_wanted(sp: dict, region: dict, judge_downstream=None) -> bool:
     """Whether runner/drill.py ran the own-input pass after a hash-first region pass: with a confirmation,
     for the modules the confirming fix left divergent (summary.json's second_pass.own_after_confirm), else
-    for every module the region pass left to judge (_judge_own_after_hash)."""
+    for every module the region pass left to judge (_judge_own_after_hash) - never under
+    --no-judge-downstream (the run's manifest: judge_downstream false), whose region pass still lists
+    them (an honest `compare --capture hash --no-judge-downstream` gated INCONCLUSIVE, exit 2)."""
     from tpdiag.records.axes import entries
 
+    if judge_downstream is False:
+        return False
     late = sp.get("own_after_confirm")
     if isinstance(late, dict):
         return any(late.values())

@@ -161,8 +161,15 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
         # whose partials cancel read `sharding-bug` here, rounding in a full capture
         consumers = {c for fd in fds if fd.get("kind") == "grad_out" for c in fd.get("consumers") or ()
                      if isinstance(c, str)}
+        # a record past the first divergence whose ranks' hashes differ (read `rank-inconsistent-replica`
+        # from hashes alone) may be each rank's share of one value, which only its whole copies show
+        # (diff/partials.py; drill_merge._later_shares): its module whole, as a full capture has it -
+        # without it a correct MoE's router output grad read BUG under --no-judge-downstream
+        replicas = {m for lab, _ in targets for f in every[lab].get("findings") or () if isinstance(f, dict)
+                    and f.get("cause") == "rank-inconsistent-replica" and isinstance(f.get("key"), str)
+                    for m in (_record_module(f), f.get("module")) if isinstance(m, str)}
         modules = sorted({m for fd in fds for m in (_record_module(fd), fd["module"])} | suspects
-                         | set(oracle) | set(own_hash) | consumers)
+                         | set(oracle) | set(own_hash) | consumers | replicas)
     if on_status:
         on_status("values" if hashed else "ops" if ops else "float64", ", ".join(modules or scopes or oracle))
     out = RunDir(run_dir).second_pass(hashed)

@@ -53,6 +53,8 @@ def merge_rerun(sub: dict, *, every: dict, run_dir: str, out: str, labels, sub_l
             entry["downstream_unjudged"] = sub_entry["downstream_unjudged"]
         if hashed and sfd and _shares(fd, entry, sub_entry, run_dir, label):
             fd = entry["first_divergence"]  # before the findings: none may follow one dropped
+        elif hashed and sfd and fd.get("key") not in _share_keys(sub_entry):
+            _later_shares(entry, sub_entry)
         # every finding the rerun made (the float64 verdicts of other roots among them)
         seen = {(f["phase"], f["module"], f["kind"], f["name"]): f for f in entry["findings"]}
         sub_bugs = {f.get("key") for f in sub_entry.get("findings", [])
@@ -141,7 +143,7 @@ def _shares(fd: dict, entry: dict, sub_entry: dict, run_dir: str, label: str) ->
     correct model read BUG (shard_stats.py:rms_ok under --capture hash, gate 4). The rerun's first
     divergence - after the shares, judged there - takes its place, and pass 1's findings on those
     records go; shares that do not add up are no such record, and keep pass 1's verdict."""
-    shares = set((sub_entry.get("not_compared") or {}).get("shares") or ())
+    shares = _share_keys(sub_entry)
     if fd.get("key") not in shares:
         return False
     sfd = sub_entry["first_divergence"]
@@ -154,15 +156,41 @@ def _shares(fd: dict, entry: dict, sub_entry: dict, run_dir: str, label: str) ->
     if idx is None:
         return False  # not a record of pass 1: its verdict stands (fail closed)
     sfd["idx"] = idx
-    entry["findings"] = [f for f in entry.get("findings") or [] if f.get("key") not in shares]
     entry["first_divergence"] = sfd
     sfd["values_detail"] = (f"pass 1's first divergence {fd['key']} (per-rank hashes) is, read whole, each "
                             "rank's share of a value its module reduces: not compared; the first divergence "
                             "is this record")
+    _leave_uncompared(entry, shares)
+    return True
+
+
+def _share_keys(sub_entry: dict) -> set:
+    return set((sub_entry.get("not_compared") or {}).get("shares") or ())
+
+
+def _later_shares(entry: dict, sub_entry: dict) -> None:
+    """Records past pass 1's first divergence whose per-rank hashes differ - read from hashes alone as a
+    replica whose ranks disagree (`rank-inconsistent-replica`) - which the full-capture rerun read whole
+    and found to be each rank's share of one value (a router's output grad behind an MoE whose experts
+    each rank runs on its own tokens: diff/partials.py): a full capture lists them "not compared", so
+    this run does too. A correct MoE read BUG, gate 4, under --capture hash only (moe_bwd_bug.py:
+    shared_beside, moe_late_bug.py:shared_once; tests/test_shares_later_hash.py). Copies that do not
+    add up are no share there and keep pass 1's finding; a replica whose copies differ stays one."""
+    shares = _share_keys(sub_entry)
+    if shares:
+        _leave_uncompared(entry, shares)
+
+
+def _leave_uncompared(entry: dict, shares: set) -> None:
+    """pass 1's findings on the shares go (a finding that followed one is judged on its own again:
+    fail closed), and summary.json lists them not compared, as the region pass does (records/shares.py)."""
+    entry["findings"] = [f for f in entry.get("findings") or [] if f.get("key") not in shares]
+    for f in entry["findings"]:
+        if f.get("follows") in shares:
+            del f["follows"]
     left = entry.setdefault("not_compared", {"records": 0, "ops": 0, "why": {}, "module_records": []})
     for k in sorted(shares - set(left.get("module_records") or ())):
         left["records"] = left.get("records", 0) + 1
         left.setdefault("module_records", []).append(k)
         left.setdefault("why", {})[_SHARES] = left["why"].get(_SHARES, 0) + 1
     left["shares"] = sorted(shares | set(left.get("shares") or ()))
-    return True
