@@ -19,7 +19,11 @@ from tpdiag.errors import Inconclusive
 # must not pass for another.
 # dtype too: the not-judged limit is 1000 eps of the listed grads' dtype as diff.csv says it (gate/verdict.py
 # _moved_unjudged) - float32's edited to bfloat16 raised it from 1.2e-4 to 0.2 of the norm (red team hred16)
-ROW_METRICS = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
+# idx and the rows' order too: the first divergence is the first divergent row in diff.csv's order
+# (gate/evidence.check_summary) and a grad is past it by idx (diff/not_judged.py) - neither was re-derived
+# (red team hred16, hred17). The re-diff numbers as the compare did: RecordSet renumbers only where it dropped
+# a record (an expert-parallel world's idx has gaps where its rank-local records were left out)
+ROW_METRICS = ("idx", "bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
                "step", "phase", "module", "kind", "call", "name", "dtype", "cls", "style", "layout", "shape")
 _TEXT = ("dtype", "cls", "style", "layout", "shape")
 
@@ -124,6 +128,10 @@ def check_rows(label: str, rows: list[dict], csv_rows: list[dict]) -> str | None
         if bad:
             return (f"record {k} does not match diff.csv ({bad} {_cell(want[k], bad)!r} in diff.csv, {_cell(r, bad)!r} in the "
                     "records: records or diff.csv edited after the run)")
+    moved = next((a for a, b in zip(csv_rows, rows) if a["key"] != b["key"]), None)
+    if moved is not None:
+        return (f"diff.csv lists TP={label}'s records in another order than the records give (record {moved['key']} "
+                "out of place: rows moved after the run)")
     return None
 
 
