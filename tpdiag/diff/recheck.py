@@ -179,6 +179,40 @@ def check_shares(label: str, entry, dd) -> str | None:
             "shares of one value nor as per-rank hashes a hash-first pass read whole (edited after the run)")
 
 
+def _selfcheck_failed(world) -> bool:
+    sc = world.get("probe_selfcheck") if isinstance(world, dict) else None
+    return sc is not None and not (isinstance(sc, dict) and sc.get("equal") is True)
+
+
+def check_selfcheck(label: str, entry, ref_world: dict, world: dict, rows: list[dict]) -> str | None:
+    """A world whose probed and unprobed runs differ (world.json probe_selfcheck, runner/worker.py) recorded no
+    evidence: analyse_degree calls its configuration failed, and the gate fails closed on that status - which
+    was summary.json's word alone: a correct run (grad_hook_plan.py:hook_after) whose TP=2 world.json says its
+    self-check failed, under a summary not saying failed, passed `gate --allow rounding`, exit 0 (red team
+    hred17). analyse_degree's rule is applied whole, with diff/analyse.same_degree's exception: a second world
+    at the reference's own degree (`--tp 1,1`) whose records differ is a finding - two probed runs differ, so
+    the step varies - divergent and not reproducible (tests/test_diagnosis.py's nondeterministic backward;
+    hred17's check, which lacked it, failed that honest run and was taken out). The unprobed run's values are
+    not recorded, so an edit of probe_selfcheck itself is not seen."""
+    who = next((w for w, x in ((f"TP={label}", world), ("the reference", ref_world)) if _selfcheck_failed(x)), None)
+    if who is None or not isinstance(entry, dict) or entry.get("status") == "failed":
+        return None
+    same = (is_degree(world.get("degree")) and world.get("degree") == ref_world.get("degree")
+            and entry.get("axis", "tp") == "tp")
+    if same and entry.get("status") == "divergent" and entry.get("reproducible") is False \
+            and any(not r["bitwise"] for r in rows):
+        return None
+    sc = (world if who.startswith("TP=") else ref_world).get("probe_selfcheck")
+    first = sc.get("first_mismatch") if isinstance(sc, dict) else sc
+    return (f"{who}'s world.json says its probed and unprobed runs differ (probe_selfcheck, first mismatch "
+            f"{_show(first)}): its records are no evidence, yet summary.json does not call TP={label} failed "
+            "(edited after the run)")
+
+
+def is_degree(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def check_numbers(label: str, entry: dict, got: dict) -> str | None:
     """The first summary.json number of TP=label that the records do not give, in words."""
     if not isinstance(entry, dict):
@@ -230,7 +264,8 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             from tpdiag.diff.dropped_hooks import census, unnamed
             from tpdiag.diff.not_judged import cut, unlisted
 
-            bad = (check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
+            bad = (check_selfcheck(lab, entries.get(lab), ref_rs.world, rs.world, dd.rows)
+                   or check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
                    or check_shares(lab, entry, dd)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
@@ -252,6 +287,11 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             differs = None  # not comparable: not reproducible, as summary.json says
         if base_reproducible and differs:
             problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
+        elif base_reproducible and differs is False and any(_selfcheck_failed(w) for w in (ref_rs.world, rs.world)):
+            # analyse._baseline reads the rerun through analyse_degree: a failed self-check on either side is a
+            # failed status there, never reproducible
+            problems[base] = ("summary.json calls the reference rerun reproducible but a world.json of it or of the "
+                              "reference says its probed and unprobed runs differ (edited after the run)")
         elif not base_reproducible and differs is False:
             # the other way round: a reproducible reference edited to read as nondeterministic
             problems[base] = ("summary.json calls the reference rerun not reproducible but its records are "
