@@ -49,3 +49,41 @@ def test_its_twin_is_bitwise(runs):
     d, s, p = runs["centre_ok"]
     assert s["status"] == "bitwise" and p.returncode == 0, p.stdout[-2000:]
     assert run_cli("gate", str(d)).returncode == 0
+
+
+@pytest.mark.xfail(strict=True, reason="open hole (docs/security.md): the gate does not re-derive the second "
+                   "pass's float64 verdicts, and this bug moves its records far less than the not-judged limit")
+def test_the_op_finding_cut_with_its_beyond_bound_is_inconclusive(runs, tmp_path):
+    """Red team hred18, hole (c): the op finding only the second pass makes, its `beyond_bound` cleared in
+    ops/diff.csv and the finding and class cut from summary.json and ops/summary.json. The bug moves the
+    block's output by a few ULP (LAMBDA = 1e-7), far under the not-judged limit (diff/not_judged.cut: 1000
+    roundings), so nothing the gate re-derives sees it: gate --allow rounding exits 0 (tried on 0874649).
+    Closing it needs the gate to judge the second pass's records against the float64 values its reference
+    world stored (oracle.apply on a re-diff of ops/); strict, so the day the gate does, this test says so."""
+    import csv
+    import shutil
+
+    from conftest import gate_allowing_rounding
+
+    src, _, _ = runs["centre_world"]
+    run = tmp_path / "run"
+    shutil.copytree(src, run, symlinks=True)
+    key = "s0/forward/block/op#0/aten::mul#0.0"
+    path = run / "ops" / "diff.csv"
+    rows = list(csv.DictReader(path.open()))
+    assert [r["beyond_bound"] for r in rows if r["key"] == key] == ["True"]
+    for r in rows:
+        if r["key"] == key:
+            r["beyond_bound"] = ""
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    for p in (run / "summary.json", run / "ops" / "summary.json"):
+        s = json.loads(p.read_text())
+        s["class"] = "rounding"
+        for d in s["degrees"].values():
+            d["class"] = "rounding"
+            d["findings"] = [f for f in d.get("findings") or [] if f.get("key") != key]
+        p.write_text(json.dumps(s))
+    assert gate_allowing_rounding(run).exit_code != 0
