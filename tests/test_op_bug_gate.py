@@ -51,15 +51,13 @@ def test_its_twin_is_bitwise(runs):
     assert run_cli("gate", str(d)).returncode == 0
 
 
-@pytest.mark.xfail(strict=True, reason="open hole (docs/security.md): the gate does not re-derive the second "
-                   "pass's float64 verdicts, and this bug moves its records far less than the not-judged limit")
 def test_the_op_finding_cut_with_its_beyond_bound_is_inconclusive(runs, tmp_path):
     """Red team hred18, hole (c): the op finding only the second pass makes, its `beyond_bound` cleared in
     ops/diff.csv and the finding and class cut from summary.json and ops/summary.json. The bug moves the
     block's output by a few ULP (LAMBDA = 1e-7), far under the not-judged limit (diff/not_judged.cut: 1000
-    roundings), so nothing the gate re-derives sees it: gate --allow rounding exits 0 (tried on 0874649).
-    Closing it needs the gate to judge the second pass's records against the float64 values its reference
-    world stored (oracle.apply on a re-diff of ops/); strict, so the day the gate does, this test says so."""
+    roundings), so nothing else the gate re-derives sees it: gate --allow rounding exited 0 on main. The
+    gate re-diffs the second pass against the float64 values its reference world stored now
+    (diff/recheck_pass.py): inconclusive."""
     import csv
     import shutil
 
@@ -86,4 +84,6 @@ def test_the_op_finding_cut_with_its_beyond_bound_is_inconclusive(runs, tmp_path
             d["class"] = "rounding"
             d["findings"] = [f for f in d.get("findings") or [] if f.get("key") != key]
         p.write_text(json.dumps(s))
-    assert gate_allowing_rounding(run).exit_code != 0
+    res = gate_allowing_rounding(run)
+    assert res.exit_code == 2 and f"the second pass in ops/: record {key} of TP=2 is beyond its rounding bound" \
+        in res.problems[0], res.lines()
