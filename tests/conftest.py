@@ -307,6 +307,7 @@ FILE_SECONDS = {
     # test_failclosed_second_pass made there and files listed above make first in CI
     "test_failclosed_second_pass.py": 14, "test_written_state.py": 13, "test_opt_update.py": 11, "test_smooth_loss.py": 9, "test_gqa_rank.py": 8,
     "test_failclosed_cut.py": 7, "test_failclosed_order.py": 7, "test_failclosed_bounds.py": 8, "test_user_inv_clip.py": 5, "test_act_ckpt.py": 4, "test_failclosed_baseline.py": 4, "test_lora_row.py": 4,
+    "test_failclosed_selfcheck.py": 5,
     "test_loss_capture.py": 4, "test_partials_cancel.py": 4, "test_reduce_upcast.py": 4, "test_replica_read.py": 4, "test_rl_shard_loss.py": 4,
     "test_swiglu_fused.py": 4, "test_capture_hf_loop.py": 3, "test_invariant_refusals.py": 3, "test_diff_on_device.py": 2, "test_interpreter_patch.py": 2,
     "test_rollout_new_user.py": 2, "test_rundir_paths.py": 2, "test_user_sp_norm.py": 2, "test_advice_fix_chain.py": 1, "test_alloc.py": 1,

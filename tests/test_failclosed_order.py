@@ -1,9 +1,13 @@
-"""Fail closed on diff.csv's descriptive row fields (red team hred17): cls, style, layout and shape are
-re-derived with the other row fields (diff/recheck.check_rows). diff.csv's idx and row order are NOT
-re-derived (still open, docs/security.md): hred17's check of them (idx equal to the re-diff's, rows in
-its order) failed honest runs - hash-capture and expert-parallel runs write diff.csv's rows in another
-numbering than the re-diff's (tests/test_ep_dispatch.py, test_rank0_bias.py, test_ep_placement.py
-read exit 2, "edited after the run"), so it was taken out.
+"""Fail closed on diff.csv's row fields and order (red teams hred16, hred17). The first divergence is the
+first divergent row in diff.csv's order (gate/evidence.check_summary) and a grad is "past the first
+divergence" by its idx (diff/not_judged.py); cls lets a router-flip label stand. Each is re-derived with the
+other row fields (diff/recheck.check_rows): an idx edited, rows swapped after the first divergence, or a
+descriptive field edited, exits 2.
+hred17's idx/order check was taken out (df11fce) because it failed honest expert-parallel and hash-capture
+runs: their worlds' idx has gaps (rank-local expert records left out at gather), diff.csv keeps those
+numbers, and the gate's re-diff renumbered them (RecordSet with drop_kinds renumbered even where it dropped
+nothing). It renumbers only where it drops a record now (tests/test_ep_dispatch.py, test_ep_placement.py,
+test_rank0_bias.py gate their honest runs with the check on).
 """
 import csv
 
@@ -32,6 +36,26 @@ def _rewrite(path, fn):
 
 
 _gate = gate_allowing_rounding
+
+
+def test_an_idx_edited_in_diff_csv_is_inconclusive(run):
+    assert _gate(run).exit_code not in (0, 2)  # the honest run: a bug (hook_build's dropped clip)
+    _rewrite(run / "diff.csv", lambda rows: rows[3].update(idx=str(int(rows[3]["idx"]) + 100)))
+    res = _gate(run)
+    assert res.exit_code == 2 and "(idx 103 in diff.csv, 3 in the records" in res.problems[0], res.lines()
+
+
+def test_rows_moved_after_the_first_divergence_are_inconclusive(run):
+    """Two divergent rows after the first divergence swapped (each keeps its own fields, idx too): the
+    first divergence is unchanged, so check_summary could not see it."""
+    def swap(rows):
+        div = [i for i, r in enumerate(rows) if r["bitwise"] == "False"]
+        i, j = div[2], div[3]
+        rows[i], rows[j] = rows[j], rows[i]
+
+    _rewrite(run / "diff.csv", swap)
+    res = _gate(run)
+    assert res.exit_code == 2 and "in another order than the records give" in res.problems[0], res.lines()
 
 
 @pytest.mark.parametrize("field,value", [("cls", "TopkRouter"), ("style", "rowwise"), ("layout", "shard:1"),

@@ -49,3 +49,41 @@ def test_its_twin_is_bitwise(runs):
     d, s, p = runs["centre_ok"]
     assert s["status"] == "bitwise" and p.returncode == 0, p.stdout[-2000:]
     assert run_cli("gate", str(d)).returncode == 0
+
+
+def test_the_op_finding_cut_with_its_beyond_bound_is_inconclusive(runs, tmp_path):
+    """Red team hred18, hole (c): the op finding only the second pass makes, its `beyond_bound` cleared in
+    ops/diff.csv and the finding and class cut from summary.json and ops/summary.json. The bug moves the
+    block's output by a few ULP (LAMBDA = 1e-7), far under the not-judged limit (diff/not_judged.cut: 1000
+    roundings), so nothing else the gate re-derives sees it: gate --allow rounding exited 0 on main. The
+    gate re-diffs the second pass against the float64 values its reference world stored now
+    (diff/recheck_pass.py): inconclusive."""
+    import csv
+    import shutil
+
+    from conftest import gate_allowing_rounding
+
+    src, _, _ = runs["centre_world"]
+    run = tmp_path / "run"
+    shutil.copytree(src, run, symlinks=True)
+    key = "s0/forward/block/op#0/aten::mul#0.0"
+    path = run / "ops" / "diff.csv"
+    rows = list(csv.DictReader(path.open()))
+    assert [r["beyond_bound"] for r in rows if r["key"] == key] == ["True"]
+    for r in rows:
+        if r["key"] == key:
+            r["beyond_bound"] = ""
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    for p in (run / "summary.json", run / "ops" / "summary.json"):
+        s = json.loads(p.read_text())
+        s["class"] = "rounding"
+        for d in s["degrees"].values():
+            d["class"] = "rounding"
+            d["findings"] = [f for f in d.get("findings") or [] if f.get("key") != key]
+        p.write_text(json.dumps(s))
+    res = gate_allowing_rounding(run)
+    assert res.exit_code == 2 and f"the second pass in ops/: record {key} of TP=2 is beyond its rounding bound" \
+        in res.problems[0], res.lines()

@@ -19,7 +19,11 @@ from tpdiag.errors import Inconclusive
 # must not pass for another.
 # dtype too: the not-judged limit is 1000 eps of the listed grads' dtype as diff.csv says it (gate/verdict.py
 # _moved_unjudged) - float32's edited to bfloat16 raised it from 1.2e-4 to 0.2 of the norm (red team hred16)
-ROW_METRICS = ("bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
+# idx and the rows' order too: the first divergence is the first divergent row in diff.csv's order
+# (gate/evidence.check_summary) and a grad is past it by idx (diff/not_judged.py) - neither was re-derived
+# (red team hred16, hred17). The re-diff numbers as the compare did: RecordSet renumbers only where it dropped
+# a record (an expert-parallel world's idx has gaps where its rank-local records were left out)
+ROW_METRICS = ("idx", "bitwise", "max_ulp", "max_abs", "max_rel", "mismatch_fraction", "rank_consistent",
                "step", "phase", "module", "kind", "call", "name", "dtype", "cls", "style", "layout", "shape")
 _TEXT = ("dtype", "cls", "style", "layout", "shape")
 
@@ -124,6 +128,10 @@ def check_rows(label: str, rows: list[dict], csv_rows: list[dict]) -> str | None
         if bad:
             return (f"record {k} does not match diff.csv ({bad} {_cell(want[k], bad)!r} in diff.csv, {_cell(r, bad)!r} in the "
                     "records: records or diff.csv edited after the run)")
+    moved = next((a for a, b in zip(csv_rows, rows) if a["key"] != b["key"]), None)
+    if moved is not None:
+        return (f"diff.csv lists TP={label}'s records in another order than the records give (record {moved['key']} "
+                "out of place: rows moved after the run)")
     return None
 
 
@@ -169,6 +177,40 @@ def check_shares(label: str, entry, dd) -> str | None:
         return None
     return (f"summary.json's TP={label} not_compared.shares lists {k}, which the records show neither as the ranks' "
             "shares of one value nor as per-rank hashes a hash-first pass read whole (edited after the run)")
+
+
+def _selfcheck_failed(world) -> bool:
+    sc = world.get("probe_selfcheck") if isinstance(world, dict) else None
+    return sc is not None and not (isinstance(sc, dict) and sc.get("equal") is True)
+
+
+def check_selfcheck(label: str, entry, ref_world: dict, world: dict, rows: list[dict]) -> str | None:
+    """A world whose probed and unprobed runs differ (world.json probe_selfcheck, runner/worker.py) recorded no
+    evidence: analyse_degree calls its configuration failed, and the gate fails closed on that status - which
+    was summary.json's word alone: a correct run (grad_hook_plan.py:hook_after) whose TP=2 world.json says its
+    self-check failed, under a summary not saying failed, passed `gate --allow rounding`, exit 0 (red team
+    hred17). analyse_degree's rule is applied whole, with diff/analyse.same_degree's exception: a second world
+    at the reference's own degree (`--tp 1,1`) whose records differ is a finding - two probed runs differ, so
+    the step varies - divergent and not reproducible (tests/test_diagnosis.py's nondeterministic backward;
+    hred17's check, which lacked it, failed that honest run and was taken out). The unprobed run's values are
+    not recorded, so an edit of probe_selfcheck itself is not seen."""
+    who = next((w for w, x in ((f"TP={label}", world), ("the reference", ref_world)) if _selfcheck_failed(x)), None)
+    if who is None or not isinstance(entry, dict) or entry.get("status") == "failed":
+        return None
+    same = (is_degree(world.get("degree")) and world.get("degree") == ref_world.get("degree")
+            and entry.get("axis", "tp") == "tp")
+    if same and entry.get("status") == "divergent" and entry.get("reproducible") is False \
+            and any(not r["bitwise"] for r in rows):
+        return None
+    sc = (world if who.startswith("TP=") else ref_world).get("probe_selfcheck")
+    first = sc.get("first_mismatch") if isinstance(sc, dict) else sc
+    return (f"{who}'s world.json says its probed and unprobed runs differ (probe_selfcheck, first mismatch "
+            f"{_show(first)}): its records are no evidence, yet summary.json does not call TP={label} failed "
+            "(edited after the run)")
+
+
+def is_degree(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def check_numbers(label: str, entry: dict, got: dict) -> str | None:
@@ -224,7 +266,8 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             from tpdiag.diff.dropped_hooks import census, unnamed
             from tpdiag.diff.not_judged import cut, unlisted
 
-            bad = (check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
+            bad = (check_selfcheck(lab, entries.get(lab), ref_rs.world, rs.world, dd.rows)
+                   or check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
                    or check_shares(lab, entry, dd)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
@@ -246,6 +289,11 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             differs = None  # not comparable: not reproducible, as summary.json says
         if base_reproducible and differs:
             problems[base] = "summary.json calls the reference rerun reproducible but its records differ"
+        elif base_reproducible and differs is False and any(_selfcheck_failed(w) for w in (ref_rs.world, rs.world)):
+            # analyse._baseline reads the rerun through analyse_degree: a failed self-check on either side is a
+            # failed status there, never reproducible
+            problems[base] = ("summary.json calls the reference rerun reproducible but a world.json of it or of the "
+                              "reference says its probed and unprobed runs differ (edited after the run)")
         elif not base_reproducible and differs is False:
             # the other way round: a reproducible reference edited to read as nondeterministic
             problems[base] = ("summary.json calls the reference rerun not reproducible but its records are "

@@ -57,6 +57,11 @@ def degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others:
     # every record re-read and re-diffed: diff.csv's rows and summary.json's numbers must be what they give
     errors.update(verify(dirs, ref, [lab for lab in others if lab not in errors], by_label, degrees, base_label,
                          bool(base.get("reproducible"))))
+    from tpdiag.diff import recheck_pass
+
+    for lab, bad in recheck_pass.problems(run_dir, summary).items():
+        if lab in others:
+            errors.setdefault(lab, bad)
     for lab in others:
         if lab not in errors:
             bad = check_summary(lab, degrees[lab], by_label[lab])

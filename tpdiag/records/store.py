@@ -116,7 +116,10 @@ class RecordSet:
         self.base = None  # the base's RecordSet (a world with a records_base)
         if base is not None:
             self._union(base, epath)
-        if drop_kinds:
+        if drop_kinds and any(m["kind"] in drop_kinds for m in self.events):
+            # renumbered only where a record was dropped: a world's idx may have gaps (an expert-parallel
+            # block's rank-local records left out at gather), and diff.csv's idx is the stored one - the
+            # gate re-derives it, so a reader that drops nothing must number as the compare did
             kept = [(i, m) for i, m in enumerate(self.events) if m["kind"] not in drop_kinds]
             stored, files = self._stored, self._file
             self._stored = {j: stored.get(m["idx"], m["idx"]) for j, (_, m) in enumerate(kept)}
