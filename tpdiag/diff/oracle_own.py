@@ -206,6 +206,9 @@ def apply_own(dd) -> None:
             v.pop("discrete", None)
             v["choices_followed"] = {"ops": list(discrete), "forward": followed}
         elif v["far"] and discrete:
+            if choices_followed.shows_nothing(row, v):
+                choices_followed.leave_unjudged(row, v, discrete)
+                continue
             v["discrete"] = list(discrete)
             row["oracle_flip"] = True
             continue
