@@ -7,7 +7,7 @@ its backward is then no reference for either side (no_reference), and both sides
 every far backward verdict through a choice a finding - unknown where the forward did not follow the
 runs' choices - so the correct block read `not judged (cause unknown)` and failed `gate --allow
 rounding` (exit 1; 85e6ea9: rounding, exit 0). Such a verdict shows nothing; the grad is held to
-not_judged's limit on how far it moved (diff/choices_followed.shows_nothing). The router's grad summed
+not_judged's limit on how far it moved (diff/flip_unjudged.shows_nothing). The router's grad summed
 over the ranks by Megatron's f (resid_router_f) still reads a bug."""
 import json
 

@@ -10,7 +10,7 @@ import torch
 
 from tpdiag.diff.equal_inputs import side_params
 from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
-from tpdiag.diff import choices_followed, enclosing, other_paths, rank_partials
+from tpdiag.diff import choices_followed, enclosing, flip_unjudged, other_paths, rank_partials
 from tpdiag.diff.own_side import REFUSED, judge_own_side
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
@@ -206,8 +206,8 @@ def apply_own(dd) -> None:
             v.pop("discrete", None)
             v["choices_followed"] = {"ops": list(discrete), "forward": followed}
         elif v["far"] and discrete:
-            if choices_followed.shows_nothing(row, v):
-                choices_followed.leave_unjudged(row, v, discrete)
+            if flip_unjudged.shows_nothing(row, v):
+                flip_unjudged.leave_unjudged(row, v, discrete)
                 continue
             v["discrete"] = list(discrete)
             row["oracle_flip"] = True
