@@ -26,7 +26,13 @@ def shows_nothing(row: dict, v: dict) -> bool:
         and isinstance(r, float) and r <= 1.0
 
 
-def leave_unjudged(row: dict, v: dict, discrete) -> None:
-    """The row as no check judged it (shows_nothing), with the reason not_judged lists."""
+FLIPPED_SIDE = ("its module's float64 forward chose otherwise than the runs at a discrete choice ({ops}): a row "
+                "of its output beyond a few roundings of the run's (diff/choices_followed.forward_flipped), so its "
+                "backward is another function's - judged as a record no check judged (how far it moved)")
+
+
+def leave_unjudged(row: dict, v: dict, discrete, why: str = FLIPPED_BOTH) -> None:
+    """The row as no check judged it (shows_nothing, or a forward that shows the flip), with the
+    reason not_judged lists."""
     row.pop("oracle", None)
-    row["oracle_refused"] = FLIPPED_BOTH.format(ops=", ".join(discrete or v.get("discrete") or ()))
+    row["oracle_refused"] = why.format(ops=", ".join(discrete or v.get("discrete") or ()))
