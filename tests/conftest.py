@@ -386,6 +386,10 @@ FILE_SECONDS = {
     "test_confirm_order.py": 40,  # hnew18: one tiny Qwen3 compare at --micro-batch 2,1 with its confirmation
     # session 18 (helper hplant18): two 1-step compares at TP=1,2 with confirmation, wall of `pytest -n 0 FILE`
     "test_tied_vocab.py": 52,
+    # session 18 (helper hreview18): three capture worlds (TP=1, 2, 2), wall of `pytest -n 0 FILE`
+    "test_loss_capture_hf.py": 18,
+    "test_root_param.py": 17,  # two 1-step compares at TP=1,2, no confirmation
+    "test_moe_resid.py": 40,  # three bf16 compares at TP=1,2 (one --steps 3), no confirmation
 }
 
 

@@ -86,3 +86,34 @@ def _rows_near(y: torch.Tensor, o: torch.Tensor) -> bool:
     size = torch.linalg.vector_norm(b, dim=-1)
     # a row of zeros (a padded token) is no value a flip or rounding moves: it must stay zero
     return bool((err <= ROW_ROUNDINGS * u * size).all())
+
+
+def forward_flipped(dd, module: str, step) -> bool:
+    """Whether `module`'s float64 forward of `step` shows that it chose otherwise than a run: its
+    output records all kept whole, with their re-executions, and a row of one side beyond
+    ROW_ROUNDINGS roundings of its float64 value (a flipped top-k choice moves its token's row by
+    the flipped expert's share of it). A row further for another reason - a wrong forward - is
+    the forward verdict's to judge; a value not kept shows nothing (False: the verdict stands)."""
+    own = getattr(dd, "oracle_own", None) or {}
+    ref = getattr(dd, "oracle", None) or {}
+    rows = [r for r in dd.rows if r["phase"] == "forward" and r["kind"] == "out" and r["module"] == module
+            and r["step"] == step]
+    flipped = False
+    for row in rows:
+        pair, o_n, o_ref = dd.tensors.get(row["key"]), own.get(row["key"]), ref.get(row["key"])
+        if pair is None or o_n is None or not all(isinstance(t, torch.Tensor) for t in pair):
+            return False
+        y_ref, y_n = pair
+        for y, o in ((y_n, o_n), (y_ref, o_ref)):
+            if o is None:
+                continue
+            o = first_positions(o, y_n, row.get("positions"))
+            if not _comparable(y, o):
+                return False
+            flipped = flipped or not _rows_near(y, o)
+    return flipped
+
+
+def _comparable(y: torch.Tensor, o: torch.Tensor) -> bool:
+    return y.shape == o.shape and y.dim() > 0 and y.is_floating_point() and y.dtype in UNIT_ROUNDOFF \
+        and bool(torch.isfinite(y).all()) and bool(torch.isfinite(o).all())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from tpdiag.diff.bits import UNIT_ROUNDOFF
+from tpdiag.records.keys import root_of
 
 ROUNDINGS = 4096    # of the loss's dtype, per unit of sum |g| |z|
 INPUT_ROUNDINGS = 16  # of the outputs' dtype (a loss computed in bf16 rounds there)
@@ -56,8 +57,9 @@ def first_order_bound(dd, step: int, rows: list[dict]) -> None:
     if len(losses) != 1 or losses[0].get("bound") is not None or losses[0]["bitwise"]:
         return
     loss = losses[0]
-    outs = [r for r in rows if r["phase"] == "forward" and r["module"] == "model" and r["kind"] == "out"]
-    grads = {r["name"]: r for r in rows if r["phase"] == "backward" and r["module"] == "model"
+    root = root_of({r["module"] for r in rows})
+    outs = [r for r in rows if r["phase"] == "forward" and r["module"] == root and r["kind"] == "out"]
+    grads = {r["name"]: r for r in rows if r["phase"] == "backward" and r["module"] == root
              and r["kind"] == "grad_out"}
     if not outs or any(r.get("call") != 0 for r in outs) or any(r.get("call") != 0 for r in grads.values()):
         return  # more than one model call (micro-batches): which loss is whose is not known here
@@ -123,8 +125,12 @@ def grad_bound(dd, rows: list[dict]) -> None:
     outs = {(r["step"], r["module"], r.get("call"), r["name"]): r for r in rows
             if r.get("phase") == "forward" and r.get("kind") == "out"}
     roots: dict = {}  # step -> the root's outputs' value pairs (what the loss read)
+    # the root's record name: "(root)" where its child is named "model" (an HF CausalLM, whose
+    # `model` child returns hidden states, not what the loss read): tests/user_loss_hf.py's
+    # entropy_grad read `rounding only` while "model" was taken for the root here
+    root = root_of({r["module"] for r in rows})
     for r in outs.values():
-        if r["module"] == "model" and r["key"] in dd.tensors:
+        if r["module"] == root and r["key"] in dd.tensors:
             roots.setdefault(r["step"], []).append(dd.tensors[r["key"]])
     for g in rows:
         if (g.get("phase") != "backward" or g.get("kind") != "grad_out" or g.get("consumers") or g["bitwise"]
@@ -139,7 +145,7 @@ def grad_bound(dd, rows: list[dict]) -> None:
         # the same values at both sides). An inner output no probed module consumed (a projection
         # read by ops) gets its grad through the rest of the backward, whose own noise - a
         # nondeterministic kernel - is no loss's curvature (tests/test_diagnosis.py read a false BUG)
-        if g["module"] != "model" and not any(
+        if g["module"] != root and not any(
                 ra.shape == za.shape and rb.shape == zb.shape and torch.equal(ra, za) and torch.equal(rb, zb)
                 for ra, rb in roots.get(g["step"], ())):
             continue

@@ -149,7 +149,7 @@ def _weight_grads(dd, first: int, steps: set[str]) -> list:
     for r in rows:
         moved = _rel_l2(dd.tensors.get(r["key"]))
         if moved is not None and not moved <= limit:
-            out.append((r, WEIGHT))
+            out.append((r, str(r.get("oracle_refused") or WEIGHT)))
     return out
 
 

@@ -390,6 +390,11 @@ def apply(dd) -> None:
             v = {**v, "module": writer_of(dd, row)}
         row["oracle"] = v
         if v["far"] and v.get("discrete"):
+            from tpdiag.diff import flip_unjudged
+
+            if flip_unjudged.shows_nothing(row, v):
+                flip_unjudged.leave_unjudged(row, v, v["discrete"])
+                continue
             row["cause_why"] = (f"{describe(v)}: the reference itself is more than {v['margin']:g} roundings from "
                                 f"it - the float64 run chose otherwise at its discrete choices "
                                 f"({', '.join(v['discrete'])}) - so it is no reference: neither rounding nor a "

@@ -10,7 +10,7 @@ import torch
 
 from tpdiag.diff.equal_inputs import side_params
 from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
-from tpdiag.diff import choices_followed, enclosing, other_paths, rank_partials
+from tpdiag.diff import choices_followed, enclosing, flip_unjudged, other_paths, rank_partials
 from tpdiag.diff.own_side import REFUSED, judge_own_side
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
@@ -206,6 +206,15 @@ def apply_own(dd) -> None:
             v.pop("discrete", None)
             v["choices_followed"] = {"ops": list(discrete), "forward": followed}
         elif v["far"] and discrete:
+            if flip_unjudged.shows_nothing(row, v):
+                flip_unjudged.leave_unjudged(row, v, discrete)
+                continue
+            if row["phase"] == "backward" and choices_followed.forward_flipped(dd, judged_by, row["step"]):
+                # the forward's own rows show the float64 run chose otherwise than a run: its backward
+                # is another function's (an honest bf16 top-2 MoE at --steps 3, step 2: the router's
+                # output grad 0.077 off, the reference 0.006), held to not_judged's limit instead
+                flip_unjudged.leave_unjudged(row, v, discrete, flip_unjudged.FLIPPED_SIDE)
+                continue
             v["discrete"] = list(discrete)
             row["oracle_flip"] = True
             continue
