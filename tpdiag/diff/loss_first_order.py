@@ -57,7 +57,7 @@ def first_order_bound(dd, step: int, rows: list[dict]) -> None:
     if len(losses) != 1 or losses[0].get("bound") is not None or losses[0]["bitwise"]:
         return
     loss = losses[0]
-    root = root_of({r["module"] for r in rows})
+    root = root_of({r.get("module") for r in rows})
     outs = [r for r in rows if r["phase"] == "forward" and r["module"] == root and r["kind"] == "out"]
     grads = {r["name"]: r for r in rows if r["phase"] == "backward" and r["module"] == root
              and r["kind"] == "grad_out"}
@@ -128,7 +128,7 @@ def grad_bound(dd, rows: list[dict]) -> None:
     # the root's record name: "(root)" where its child is named "model" (an HF CausalLM, whose
     # `model` child returns hidden states, not what the loss read): tests/user_loss_hf.py's
     # entropy_grad read `rounding only` while "model" was taken for the root here
-    root = root_of({r["module"] for r in rows})
+    root = root_of({r.get("module") for r in rows})
     for r in outs.values():
         if r["module"] == root and r["key"] in dd.tensors:
             roots.setdefault(r["step"], []).append(dd.tensors[r["key"]])

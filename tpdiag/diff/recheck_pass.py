@@ -33,7 +33,7 @@ def problems(run_dir: str, summary: dict) -> dict[str, str]:
     that its diff.csv does not."""
     from tpdiag.base import files as io
     from tpdiag.diff.analyse import analyse_degree
-    from tpdiag.records.paths import SUMMARY
+    from tpdiag.records.paths import DIFF_CSV, SUMMARY
     from tpdiag.records.rundir import read_manifest, read_rows, records_dir, run_file
     from tpdiag.records.store import RecordSet
 
@@ -43,7 +43,7 @@ def problems(run_dir: str, summary: dict) -> dict[str, str]:
         try:
             manifest = read_manifest(d)
             sub_sum = io.read_json(run_file(run_dir, os.path.join(sub, SUMMARY)))
-            rows = read_rows(run_file(run_dir, os.path.join(sub, "diff.csv")))
+            rows = read_rows(run_file(run_dir, os.path.join(sub, DIFF_CSV)))
             ref = str(sub_sum.get("reference_label"))
             ref_rs = RecordSet(records_dir(d, manifest, ref))
         except (Inconclusive, OSError, AttributeError):
