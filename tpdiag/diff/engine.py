@@ -9,6 +9,7 @@ from tpdiag.diff.left_out import _inside_block, per_piece_blocks, per_rank_block
 from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
 from tpdiag.errors import NotComparable
 from tpdiag.records.layout import assemble, first_positions, local_shape, vocab_padded, vocab_padded_dim
+from tpdiag.records.keys import ROOTS
 from tpdiag.records.store import RecordSet
 
 
@@ -381,7 +382,7 @@ def _mark_piece_state(rows: list[dict], ref_world, other_world) -> None:
         hit = {}
         for label, state in zip(("at the reference", "in this configuration"), sides):
             for b in state.get(str(r["step"])) or ():
-                if m == "model" or b.startswith(m + "."):
+                if m in ROOTS or b.startswith(m + "."):
                     hit.setdefault(b, []).append(label)
         if hit:
             r["piece_state"] = {b: hit[b] for b in sorted(hit)}

@@ -14,7 +14,7 @@ from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_ca
 from tpdiag.diff.op_verdict import op_verdict
 from tpdiag.diff.engine import DegreeDiff
 from tpdiag.diff.first_op import _caller_op, _caller_verdict, _first_op, _pick_source_equal
-from tpdiag.records.keys import record_key
+from tpdiag.records.keys import ROOTS, record_key
 from tpdiag.records.scored import scored_mask
 from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, PICK_OPS, is_op_of  # noqa: F401
 
@@ -307,7 +307,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
 
 
 def _inside(child: str, parent: str) -> bool:
-    return child != parent and (parent == "model" or child.startswith(parent + "."))
+    return child != parent and (parent in ROOTS or child.startswith(parent + "."))
 
 
 def _is_root(dd: DegreeDiff, r: dict, first: dict | None) -> bool:

@@ -23,6 +23,8 @@ not seen.)
 """
 from __future__ import annotations
 
+from tpdiag.records.keys import ROOTS
+
 
 def wrong_buffers(dd, forward_equal, verdict_for, writer_of) -> list[dict]:
     """The buffer rows written wrong in their step: replicas that differ, or far from the float64
@@ -49,7 +51,7 @@ def read_after(dd, row: dict, wrong: list[dict]) -> str | None:
     m = row["module"]
     for w in wrong:
         a = w["module"]
-        if w["step"] != row["step"] or a == m or m == "model" or a.startswith(m + "."):
+        if w["step"] != row["step"] or a == m or m in ROOTS or a.startswith(m + "."):
             continue  # the module's own subtree wrote it: its re-execution recomputes the write
         start = _started(dd, row["step"], a)
         if start is not None and start < row["idx"] and not _did_not_read(dd, row, w):
@@ -74,7 +76,7 @@ def _did_not_read(dd, row: dict, w: dict) -> bool:
         return False
     path = f"{w['module']}.{w['name']}"
     reads = set(notes.get("reads") or ())
-    return path not in reads and not (w["module"] == "model" and w["name"] in reads)
+    return path not in reads and not (w["module"] in ROOTS and w["name"] in reads)
 
 
 def _reexecuted(dd) -> set:
