@@ -29,10 +29,9 @@ def test_a_correct_twin_is_rounding_at_every_step(tmp_path_factory, case):
     d = s["degrees"]["2"]
     assert s["class"] == "rounding" and d["class"] == "rounding", (s["class"], d.get("findings"))
     assert gate == 0, out
-    # the later steps' shares are said not compared, with the reason
-    why = (d.get("not_compared") or {}).get("why") or {}
-    assert any(w.startswith("unreduced partial sum at a step whose weights differ") for w in why), why
-    assert "s1/forward/mlp.reduce/in#0/0" in d["not_compared"]["module_records"], d["not_compared"]
+    # the later steps' shares are said not compared (summary.json's reason is their kind's)
+    left = set((d.get("not_compared") or {}).get("module_records") or ())
+    assert {f"s{k}/forward/mlp.reduce/in#0/0" for k in range(3)} <= left, d.get("not_compared")
 
 
 @pytest.mark.parametrize("case", ["fast_mean", "maxnorm_shard"])
