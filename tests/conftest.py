@@ -378,6 +378,9 @@ FILE_SECONDS = {
     "test_attn_sinks.py": 58, "test_mamba_norm.py": 40, "test_moe_aux_sp.py": 50, "test_clip_norm.py": 42,
     # session 17 (helper hnew17): three forward-or-one-step compares at TP=1,2, wall of `pytest -n 0 FILE`
     "test_ffn_hidden_norm.py": 18,
+    # session 19 (helper hstep19): four bf16 compares of 3 steps at TP=1,2; `pytest -n 0 FILE` took 351 s
+    # wall at a load average of ~24 on the shared machine - an estimate, for ordering only
+    "test_later_step.py": 100,
     # session 18 (helper hname18): two bf16 one-step compares at TP=1,2 and their gates, wall of `pytest -n 0 FILE`
     "test_hf_embed_grad.py": 50,
     # session 18 (helper hci18), changed above: test_fuzz 43 and test_own_pass_links 19 (alone: it makes
