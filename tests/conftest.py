@@ -393,6 +393,7 @@ FILE_SECONDS = {
     "test_loss_capture_hf.py": 18,
     "test_root_param.py": 17,  # two 1-step compares at TP=1,2, no confirmation
     "test_moe_resid.py": 40,  # three bf16 compares at TP=1,2 (one --steps 3), no confirmation
+    "test_shares_near.py": 20,  # two bf16 compares at TP=1,2, no confirmation
 }
 
 

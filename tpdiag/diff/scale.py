@@ -146,3 +146,14 @@ def shares_why(module: str) -> str:
     return (f"each rank's copy is its share of a sum that {module} reduces itself (its output is one "
             "value on every rank), and the shares do not add up to the reference's value: computed wrong "
             "before the reduction, not a replica left unreduced")
+
+
+def near_shares_why(near: dict) -> str:
+    """An activation grad whose ranks' copies add up to the reference only within a few roundings of
+    the tensor's largest magnitude (diff/partials.near_shares): not judged, with the reason."""
+    return (f"the ranks' copies add up to the reference's value to within {near['sum_max_abs']:.2e} (a single "
+            f"copy is up to {near['copy_max_abs']:.2e} from it): each rank's share of a sum the backward "
+            "reduces later, not a replica - but not within the rounding of each element's own magnitude, "
+            "and the terms that cancel in it (a softmax backward's p (g - sum p g)) are not recorded, so "
+            f"neither rounding nor a wrong share is shown (within {near['band']:.2e}, 4 roundings of the "
+            "tensor's largest |shares| + |reference|, a bound that would pass a wrong share too)")
