@@ -7,6 +7,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# pytest imports this file as `conftest`; a test that imports `tests.conftest` (the repository root
+# is on sys.path: 17 files do) got a second copy of the module - its own run_cli server (~8-13 CPU s
+# of imports) and, while that one imported, its first command in a fresh interpreter (~7 s), once in
+# every worker that ran such a file, and shared_run's per-process memo twice. One module under both
+# names.
+sys.modules.setdefault("tests.conftest", sys.modules[__name__])
+
 # One intra-op thread in the test processes and the CLIs they start (the ranks already run with
 # one: RANK_ENV). pytest-xdist runs 2 workers on CI's 2 cores, each starting worlds of several
 # ranks: a second OpenMP thread in a parent's diff only spins waiting for a busy core (a TP=1,2,4
@@ -306,8 +313,8 @@ FILE_SECONDS = {
     # from its cgroup), less the session runs stock_run, tp12_run and mb41_stock_run, which
     # test_failclosed_second_pass made there and files listed above make first in CI
     "test_failclosed_second_pass.py": 14, "test_written_state.py": 13, "test_opt_update.py": 11, "test_smooth_loss.py": 9, "test_gqa_rank.py": 8,
-    "test_failclosed_cut.py": 7, "test_failclosed_order.py": 7, "test_failclosed_bounds.py": 8, "test_user_inv_clip.py": 5, "test_act_ckpt.py": 4, "test_failclosed_baseline.py": 4, "test_lora_row.py": 4,
-    "test_failclosed_selfcheck.py": 5,
+    "test_failclosed_cut.py": 7, "test_failclosed_order.py": 2, "test_failclosed_bounds.py": 2, "test_user_inv_clip.py": 5, "test_act_ckpt.py": 4, "test_failclosed_baseline.py": 4, "test_lora_row.py": 4,
+    "test_failclosed_selfcheck.py": 1,
     "test_loss_capture.py": 4, "test_partials_cancel.py": 4, "test_reduce_upcast.py": 4, "test_replica_read.py": 4, "test_rl_shard_loss.py": 4,
     "test_swiglu_fused.py": 4, "test_capture_hf_loop.py": 3, "test_invariant_refusals.py": 3, "test_diff_on_device.py": 2, "test_interpreter_patch.py": 2,
     "test_rollout_new_user.py": 2, "test_rundir_paths.py": 2, "test_user_sp_norm.py": 2, "test_advice_fix_chain.py": 1, "test_alloc.py": 1,
@@ -352,7 +359,7 @@ FILE_SECONDS = {
     "test_tamper_labels.py": 8,
     # session 15 (lead): this session's new files, wall of `pytest -n 0 FILE` on the 2-core machine
     # with a suite running beside it, less ~8 s of pytest's own start - rough, ordering only
-    "test_recipe_compiled.py": 61, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19, "test_grad_hook_plan.py": 70, "test_fwd_hook_late.py": 20, "test_global_state.py": 65, "test_recipe_loss_bound.py": 2,
+    "test_recipe_compiled.py": 61, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19, "test_grad_hook_plan.py": 18, "test_fwd_hook_late.py": 20, "test_global_state.py": 9, "test_recipe_loss_bound.py": 2,
     "test_capture_oracle.py": 17, "test_flat_rows.py": 16, "test_tap_state.py": 16, "test_recipe_tamper.py": 16,
     "test_top_split.py": 14, "test_rollout_no_cache.py": 13,
     # session 16 (helper hdocs16): its four tests take under 0.1 s (pytest --durations); its one run is
@@ -360,7 +367,7 @@ FILE_SECONDS = {
     "test_run_directory_doc.py": 1,
     # session 16 (helper hbf16): wall of `pytest -n 0 FILE` on the shared 2-core machine, less ~8 s of
     # pytest's start (five compares: gate_f, pair_f x2, pair_ok, pair_drop_f) - ordering only
-    "test_two_paths.py": 95, "test_step_params.py": 30, "test_capture_hooks.py": 36,
+    "test_two_paths.py": 40, "test_step_params.py": 9, "test_capture_hooks.py": 36,
     # session 16 (helper hfalse16): two compares, wall of `pytest -n 0 FILE` less pytest's own start
     "test_loop_stage.py": 30, "test_own_taps.py": 30,
     # session 16 (red team hred16): one compare (hook_mixed), wall of `pytest -n 0 FILE` less pytest's start
@@ -375,24 +382,32 @@ FILE_SECONDS = {
     "test_meta_fills.py": 3,
     # session 17 (helper hplant17): wall of `pytest -n 0 FILE` on the shared 2-core machine, less ~8 s
     # of pytest's start (three compares: sinks_first 1,4; sinks_unsynced 1,2; sinks_ok 1,2,4)
-    "test_attn_sinks.py": 58, "test_mamba_norm.py": 40, "test_moe_aux_sp.py": 50, "test_clip_norm.py": 42,
+    "test_attn_sinks.py": 21, "test_mamba_norm.py": 15, "test_moe_aux_sp.py": 12, "test_clip_norm.py": 77,
     # session 17 (helper hnew17): three forward-or-one-step compares at TP=1,2, wall of `pytest -n 0 FILE`
     "test_ffn_hidden_norm.py": 18,
     # session 19 (helper hstep19): four bf16 compares of 3 steps at TP=1,2; `pytest -n 0 FILE` took 351 s
     # wall at a load average of ~24 on the shared machine - an estimate, for ordering only
     "test_later_step.py": 100,
     # session 18 (helper hname18): two bf16 one-step compares at TP=1,2 and their gates, wall of `pytest -n 0 FILE`
-    "test_hf_embed_grad.py": 50,
+    "test_hf_embed_grad.py": 10,
     # session 18 (helper hci18), changed above: test_fuzz 43 and test_own_pass_links 19 (alone: it makes
     # behind_hash_run and its first command runs in a fresh interpreter), each its tests' CPU s in a
     # cpuacct cgroup (pytest -n 0, per test, pytest's start left out) after this session's cuts
     "test_confirm_order.py": 40,  # hnew18: one tiny Qwen3 compare at --micro-batch 2,1 with its confirmation
     # session 18 (helper hplant18): two 1-step compares at TP=1,2 with confirmation, wall of `pytest -n 0 FILE`
-    "test_tied_vocab.py": 52,
+    "test_tied_vocab.py": 9,
     # session 18 (helper hreview18): three capture worlds (TP=1, 2, 2), wall of `pytest -n 0 FILE`
     "test_loss_capture_hf.py": 18,
     "test_root_param.py": 17,  # two 1-step compares at TP=1,2, no confirmation
-    "test_moe_resid.py": 40,  # three bf16 compares at TP=1,2 (one --steps 3), no confirmation
+    "test_moe_resid.py": 19,  # three bf16 compares at TP=1,2 (one --steps 3), no confirmation
+    # session 19 (helper hsuite19): no world. Changed above, each its tests' CPU s in a cpuacct cgroup
+    # (`pytest -n 0`, per test; load ~20): test_failclosed_order, test_failclosed_selfcheck and
+    # test_failclosed_bounds read test_grad_hook_plan's and test_two_paths' runs (planted_shared),
+    # listed before them; test_two_paths less the session's start it carried alone (~19);
+    # test_grad_hook_plan, test_global_state, test_step_params, test_attn_sinks, test_mamba_norm,
+    # test_moe_aux_sp, test_clip_norm (four torchruns), test_hf_embed_grad, test_tied_vocab and
+    # test_moe_resid had wall figures of a loaded machine
+    "test_conftest_once.py": 1,
     "test_shares_near.py": 20,  # two bf16 compares at TP=1,2, no confirmation
 }
 
@@ -441,25 +456,49 @@ def _cli_server():
     yield
 
 
+def _planted_compare(f: str, func: str, more, d):
+    p = run_cli("compare", "--model", f"py:tests/models/planted/{f}.py:{func}", "--no-baseline", "--no-confirm",
+                *more, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, (func, p.stderr[-3000:] + p.stdout[-2000:])
+    return p
+
+
 def planted_run(tmp_path_factory, f: str, func: str, *more: str, name: str | None = None):
     """The run directory of `tpdiag compare` of a planted user model (tests/models/planted/F.py:FUNC),
     no baseline, no confirmation, as a user runs it; the compare must exit 0."""
     d = tmp_path_factory.mktemp(name or func) / "r"
-    p = run_cli("compare", "--model", f"py:tests/models/planted/{f}.py:{func}", "--no-baseline", "--no-confirm",
-                *more, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, (func, p.stderr[-3000:] + p.stdout[-2000:])
-    return d, p
+    return d, _planted_compare(f, func, more, d)
 
 
-def compare_planted(tmp_path_factory, cases):
+def planted_shared(tmp_path_factory, f: str, func: str, *more: str):
+    """planted_run's compare made ONCE a session for every file that runs the same command line
+    (shared_run, keyed by it): (run directory, the stdout it printed). Readers only - a test that
+    edits the run edits a copy (copied_run)."""
+    import hashlib
+
+    key = hashlib.sha1("\0".join(more).encode()).hexdigest()[:10]
+
+    def make(out):
+        p = _planted_compare(f, func, more, out)
+        (out.parent / "compare.stdout").write_text(p.stdout)  # beside the run: a reader's copy holds none
+    out = shared_run(tmp_path_factory, f"planted-{f}-{func}-{key}", make)
+    return out, (out.parent / "compare.stdout").read_text()
+
+
+def compare_planted(tmp_path_factory, cases, shared=()):
     """`tpdiag compare` of each planted user model, as a user runs it, then `tpdiag gate`:
-    {case: (summary.json, stdout, gate's exit code)}. cases: {case: (file, FUNC, extra args)}."""
+    {case: (summary.json, stdout, gate's exit code)}. cases: {case: (file, FUNC, extra args)}.
+    shared: the cases another file runs with the same command line (planted_shared)."""
     import json
 
     out = {}
     for case, (f, func, more) in cases.items():
-        d, p = planted_run(tmp_path_factory, f, func, *more, name=case)
-        out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, run_cli("gate", str(d)).returncode)
+        if case in shared:
+            d, stdout = planted_shared(tmp_path_factory, f, func, *more)
+        else:
+            d, p = planted_run(tmp_path_factory, f, func, *more, name=case)
+            stdout = p.stdout
+        out[case] = (json.loads((d / "summary.json").read_text()), stdout, run_cli("gate", str(d)).returncode)
     return out
 
 
@@ -574,15 +613,20 @@ def _exit_after(rank, worker, world, port, q, env):
     os._exit(0)
 
 
+_SHARED: dict = {}  # shared_run's runs made in this process without xdist, by name
+
+
 def shared_run(tmp_path_factory, name, make):
     """A session's ONE run of `make(out)`, shared by every xdist worker (pyproject's `-n`): the
     first worker to ask makes it under a lock in the run's common temp root, the others wait for
     it and read the same directory (readers only: tests copy it before editing). Without xdist,
-    an ordinary session-scoped temp directory."""
+    a session temp directory made at the first call of that name."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
-        out = tmp_path_factory.mktemp(name) / "run"
-        make(out)
-        return out
+        if name not in _SHARED:  # one run a name in this session too, as under xdist
+            out = tmp_path_factory.mktemp(name) / "run"
+            make(out)
+            _SHARED[name] = out
+        return _SHARED[name]
     import fcntl
 
     root = tmp_path_factory.getbasetemp().parent / f"shared-{name}"  # common to all workers

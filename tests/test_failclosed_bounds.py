@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import copied_run, gate_allowing_rounding, json_edit, planted_run
+from conftest import copied_run, gate_allowing_rounding, json_edit, planted_shared
 from tpdiag.records.causes import EXIT_BUG
 
 KEYS = {"s0/backward/stage.block/grad_out#0/0", "s0/backward/embed/grad_out#0/0"}
@@ -21,7 +21,7 @@ KEYS = {"s0/backward/stage.block/grad_out#0/0", "s0/backward/embed/grad_out#0/0"
 
 @pytest.fixture(scope="module")
 def pair_f(tmp_path_factory):
-    return planted_run(tmp_path_factory, "two_paths", "pair_f", "--tp", "1,2", name="bounds")[0]
+    return planted_shared(tmp_path_factory, "two_paths", "pair_f", "--tp", "1,2", "--dtype", "float32")[0]  # test_two_paths'
 
 
 @pytest.fixture()

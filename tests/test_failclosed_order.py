@@ -13,12 +13,12 @@ import csv
 
 import pytest
 
-from conftest import copied_run, gate_allowing_rounding, planted_run
+from conftest import copied_run, gate_allowing_rounding, planted_shared
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    return planted_run(tmp_path_factory, "grad_hook_plan", "hook_build", "--tp", "1,2", name="order")[0]
+    return planted_shared(tmp_path_factory, "grad_hook_plan", "hook_build", "--tp", "1,2")[0]  # test_grad_hook_plan's
 
 
 @pytest.fixture()

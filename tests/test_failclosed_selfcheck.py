@@ -13,14 +13,14 @@ import shutil
 
 import pytest
 
-from conftest import json_edit, planted_run
+from conftest import json_edit, planted_shared
 from tpdiag.gate import evaluate, load_policy
 from tpdiag.gate.policy import with_allowed
 
 
 @pytest.fixture(scope="module")
 def after(tmp_path_factory):
-    return planted_run(tmp_path_factory, "grad_hook_plan", "hook_after", "--tp", "1,2", name="selfcheck")[0]
+    return planted_shared(tmp_path_factory, "grad_hook_plan", "hook_after", "--tp", "1,2")[0]  # test_grad_hook_plan's
 
 
 @pytest.fixture()
