@@ -141,8 +141,10 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         nj = d.get("not_judged") or {}
         if nj.get("keys"):  # divergent grads past the first divergence that no check could judge
             more = nj["records"] - min(3, len(nj["keys"]))
-            console.print(f"{config_name(label)}: not judged past the first divergence ({nj['records']} activation "
-                          f"grad{'s' if nj['records'] != 1 else ''}{moved_by(nj)}): {not_judged_keys(nj, 3)}"
+            from tpdiag.diff.not_judged import grads_words
+
+            console.print(f"{config_name(label)}: not judged past the first divergence ({grads_words(nj)}"
+                          f"{moved_by(nj)}): {not_judged_keys(nj, 3)}"
                           f"{f' and {more} more' if more > 0 else ''} - summary.json not_judged",
                           markup=False, soft_wrap=True)
         named = {f"{g.get('module')}.{g.get('name')}" for g in d.get("findings") or [] if g.get("kind") == "param_grad"}
