@@ -247,7 +247,13 @@ def _bug_words(summary: dict) -> str:
         b = leading_bug(d)
         if b:
             r = b.get("bound_ratio")
-            far = f", {r:.3g}x beyond rounding" if r and r > 1 else ""
+            # summary.json writes an infinite ratio as the string "inf"
+            r = r if isinstance(r, (int, float)) and not isinstance(r, bool) else None
+            far = f", {r:.3g}x beyond rounding" if r and 1 < r < float("inf") else ""
+            if b.get("cause") == "non-finite" and (d.get("nonfinite") or {}).get("first"):
+                # which side holds it: NaN at the reference too is no degree's doing ("infx beyond
+                # rounding" said nothing, and "at TP=2" read as TP=2's alone)
+                far = f" - {_nonfinite_where(d, label)}"
             return f" at {config_name(label)} {where(b)}{far}"
     for rnd in summary.get("fix_chain") or []:  # found only once fixes removed the reorderings
         for label, b in (rnd.get("bug") or {}).items():
