@@ -49,3 +49,60 @@ def test_root_owned_scale_used_as_is_is_rounding(tmp_path):
     e = s["degrees"]["2"]
     assert s["class"] == "rounding" and not e.get("not_judged") and not e.get("findings"), e
     assert g.returncode == 0, (g.stdout + g.stderr)[-2000:]
+
+
+def test_the_roots_own_parameter_and_buffer_record_under_the_roots_name():
+    """No world: an HF-layout root's own parameter and the buffer its forward writes record under
+    "(root)" - the name its float64 re-execution's records carry (diff/oracle.target_key maps the
+    root's buffer oracle there) - while its `model` child's own parameter keeps "model". A root with no
+    child named `model` keeps "model" for its own."""
+    import torch
+    from torch import nn
+
+    from tpdiag.diff.oracle import target_key
+    from tpdiag.probes.model_walk import buffer_state, record_params, record_written_buffers
+    from tpdiag.probes.module_probe import module_probes
+    from tpdiag.probes.recorder import Recorder
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4))
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * self.gain
+
+    class CausalLM(nn.Module):
+        def __init__(self, child):
+            super().__init__()
+            setattr(self, child, Body())
+            self.child = child
+            self.out_scale = nn.Parameter(torch.full((4,), 2.0))
+            self.register_buffer("amax", torch.zeros(4))
+
+        def forward(self, x):
+            y = getattr(self, self.child)(x) * self.out_scale
+            with torch.no_grad():
+                self.amax.copy_(y.abs().amax(0))
+            return y
+
+    for child, root in (("model", "(root)"), ("body", "model")):
+        m, x = CausalLM(child), torch.randn(3, 4)
+        rec = Recorder(mode="full")
+        before = buffer_state(m)
+        with module_probes(m, rec, oracle={root}):
+            m(x).sum().backward()
+            record_params(rec, m, "param")
+        record_written_buffers(rec, m, before)
+        keys = {meta["key"] for meta, _ in rec.records}
+        mine = {(meta["module"], meta["kind"], meta["name"]) for meta, _ in rec.records
+                if meta["kind"] in ("param", "param_grad", "buffer")}
+        assert mine == {(root, "param_grad", "out_scale"), (root, "param", "out_scale"), (root, "buffer", "amax"),
+                        (child, "param_grad", "gain"), (child, "param", "gain"),
+                        *((f"{child}.lin", k, n) for k in ("param", "param_grad") for n in ("weight", "bias"))}, \
+            (child, sorted(mine))
+        # the root's float64 backward judges the grad recorded under its own name, and its buffer
+        oracle = {target_key(k) for k in keys if f"/{root}/oracle#" in k}
+        assert f"s0/backward/{root}/param_grad#0/out_scale" in oracle, sorted(oracle)
+        assert f"s0/optimizer/{root}/buffer#0/amax" in oracle, sorted(oracle)

@@ -147,9 +147,12 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
                           f"{moved_by(nj)}): {not_judged_keys(nj, 3)}"
                           f"{f' and {more} more' if more > 0 else ''} - summary.json not_judged",
                           markup=False, soft_wrap=True)
-        named = {f"{g.get('module')}.{g.get('name')}" for g in d.get("findings") or [] if g.get("kind") == "param_grad"}
-        quiet = [f"{p} ({', '.join(h)})" for p, h in sorted((d.get("hooks_dropped") or {}).items())
-                 if p not in named and f"model.{p}" not in named]
+        from tpdiag.records.keys import param_name
+
+        # both readings of a "model" record: the root's own parameter, or HF's `model` child's
+        named = {n for g in d.get("findings") or [] if g.get("kind") == "param_grad"
+                 for n in (param_name(str(g.get("module")), str(g.get("name"))), f"{g.get('module')}.{g.get('name')}")}
+        quiet = [f"{p} ({', '.join(h)})" for p, h in sorted((d.get("hooks_dropped") or {}).items()) if p not in named]
         if quiet:  # dropped, but no finding: the hook changed no grad at the reference (diff/dropped_hooks.py)
             console.print(f"{config_name(label)}: the plan dropped the user's grad hooks on {'; '.join(quiet)}: they "
                           f"run at the reference only, where they changed no grad this run (an observer, or a clip "
