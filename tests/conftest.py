@@ -394,8 +394,9 @@ FILE_SECONDS = {
     # behind_hash_run and its first command runs in a fresh interpreter), each its tests' CPU s in a
     # cpuacct cgroup (pytest -n 0, per test, pytest's start left out) after this session's cuts
     "test_confirm_order.py": 40,  # hnew18: one tiny Qwen3 compare at --micro-batch 2,1 with its confirmation
-    # session 18 (helper hplant18): two 1-step compares at TP=1,2 with confirmation, wall of `pytest -n 0 FILE`
-    "test_tied_vocab.py": 9,
+    # session 18 (helper hplant18): two 1-step compares at TP=1,2 with confirmation; session 19: CPU s
+    # (hsuite19) + hroot19's float16 compare (no confirmation) and one report, estimated
+    "test_tied_vocab.py": 15,
     # session 18 (helper hreview18): three capture worlds (TP=1, 2, 2), wall of `pytest -n 0 FILE`
     "test_loss_capture_hf.py": 18,
     "test_root_param.py": 17,  # two 1-step compares at TP=1,2, no confirmation

@@ -165,12 +165,16 @@ def fingerprint(model, layouts: dict[str, str], degree: int) -> dict:
     """Param names, global shapes (DTensor, or a plain shard with a layout) and dtypes."""
     from torch.distributed.tensor import DTensor
 
+    from tpdiag.records.keys import root_record_name
+
+    # the root's own parameters under the name their records have ("(root)" above HF's `model` child)
+    root = root_record_name(n for n, _ in model.named_children())
     params = {}
     for name, p in model.named_parameters():
         shape, local = list(p.shape), False
         if not isinstance(p, DTensor):
             mname, _, short = name.rpartition(".")
-            lay = _layout_for({"kind": "param", "module": mname or "model", "name": short}, layouts)
+            lay = _layout_for({"kind": "param", "module": mname or root, "name": short}, layouts)
             if lay and lay.startswith("shard:") and p.dim():
                 shape[int(lay.split(":")[1]) % p.dim()] *= degree
             elif lay != "replicate":

@@ -16,11 +16,15 @@ def shipped_for(mod: torch.nn.Module, path: str, step: int, tensors: dict) -> di
     """{parameter: this side's value} for every parameter of mod's subtree, or None where any of them
     was not shipped (none differs at that step, or one could not be: a hash-only record) or does not
     fit (another shape, a DTensor): all of them or none - a partial swap is neither side's function."""
+    from tpdiag.records.keys import root_record_name
+
+    # the root's own parameters record under its record name ("(root)" above HF's `model` child)
+    root = root_record_name(c for c, _ in mod.named_children()) if not path else None
     got, any_shipped = {}, False
     for n, p in mod.named_parameters():
         full = f"{path}.{n}" if path else n
         owner, _, short = full.rpartition(".")
-        t = tensors.get(source_key(step, owner, short))
+        t = tensors.get(source_key(step, owner or root, short))
         if t is None or hasattr(p, "_local_tensor") or tuple(t.shape) != tuple(p.shape):
             return None
         any_shipped = True

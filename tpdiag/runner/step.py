@@ -66,7 +66,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     rec.world = world
     rec.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     batch, labels, forward = _inputs(cfg, target, model, device, rec, decode_check, decode_only_check)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=False) if cfg.backward else None
+    opt = update.optimizer(model, cfg.lr) if cfg.backward else None
     timings["build_s"] = time.perf_counter() - t0
 
     with ExitStack() as stack:
