@@ -17,6 +17,8 @@ own, detached, moved by a fixed drift so some ratios clip). Sampling temperature
                   loss from it, so each rank's grad of it is the whole grad): the target logit's
                   grad is TP times. The loss is exact.                        BUG (logits' grad)
   logprob_ok      the twin: every reduction with Megatron's identity backward, T once.  rounding
+  logprob_ok_mlp  the twin with a Megatron MLP (`ColwiseParallel()` up, `RowwiseParallel()` down)
+                  before the norm: its all-reduce moves the logits by rounding.         rounding
 
     tpdiag compare --model py:tests/models/planted/rl_logprob.py:offset_global --tp 1,2
 """
@@ -100,14 +102,18 @@ def ppo_loss(logits, labels, how):
 
 
 class LM(nn.Module):
-    def __init__(self):
+    def __init__(self, mlp=False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM)) if mlp else None
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, input_ids):
-        return self.head(self.norm(self.embed(input_ids)))
+        h = self.embed(input_ids)
+        if self.mlp is not None:
+            h = h + self.mlp(h)
+        return self.head(self.norm(h))
 
 
 def _inputs(g):
@@ -117,10 +123,13 @@ def _inputs(g):
     return {"input_ids": ids, "labels": labels}
 
 
-def _target(how):
-    from torch.distributed.tensor.parallel import ColwiseParallel
+def _target(how, mlp=False):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return tpdiag.Target(model=LM(), plan={"head": ColwiseParallel()}, vocab_size=VOCAB, inputs=_inputs,
+    plan = {"head": ColwiseParallel()}
+    if mlp:
+        plan.update({"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+    return tpdiag.Target(model=LM(mlp), plan=plan, vocab_size=VOCAB, inputs=_inputs,
                          loss=lambda logits, labels: ppo_loss(logits, labels, how))
 
 
@@ -142,3 +151,7 @@ def target_sum_bwd():
 
 def logprob_ok():
     return _target("ok")
+
+
+def logprob_ok_mlp():
+    return _target("ok", mlp=True)
