@@ -3,9 +3,11 @@
 the norm; the policy head and the old policy's (the rollout's weights, a frozen copy drawn
 near it) are both `ColwiseParallel()`; the trainer recomputes the old logprobs itself (no grad) and
 each logprob at TP > 1 is Megatron's vocab-parallel one (the max, the exp-sum and the target logit
-all-reduced). 8 x 128 tokens, so some tokens' ratios sit near the clip range's edge 1 + eps: at
-bfloat16 the ratio a degree computes may fall on the other side of it than the reference's, and that
-token's grad is 0 on one side and A * ratio on the other - a clip decision moved by rounding.
+all-reduced). 8 x 128 tokens, ratios spread about the clip range's edges 1 +- eps. In bfloat16 the
+MLP's all-reduce moves the logits by rounding, but the old logprobs are recomputed from the same
+hidden state, so the ratio moves far less than either logprob: no clip decision flipped here (the
+logits' grad 1.5e-5 at most from the reference's) - an engine's logprobs, fixed data, would not
+cancel so.
 
   clip_ok         the correct loss.                                                     rounding
   clip_offset     the policy's target mask built from the GLOBAL id against the LOCAL vocab size
