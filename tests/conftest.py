@@ -370,6 +370,9 @@ FILE_SECONDS = {
     "test_two_paths.py": 40, "test_step_params.py": 9, "test_capture_hooks.py": 36,
     # session 16 (helper hfalse16): two compares, wall of `pytest -n 0 FILE` less pytest's own start
     "test_loop_stage.py": 30, "test_own_taps.py": 30,
+    # session 19 (helper hplant19): four compares each; wall of `pytest -n 0 FILE` was ~700 s with
+    # ~8 helpers' runs beside it on the 2 cores - scaled to the two-compare files' 30 above
+    "test_rl_logprob.py": 60, "test_rl_trainer_losses.py": 60,
     # session 16 (red team hred16): one compare (hook_mixed), wall of `pytest -n 0 FILE` less pytest's start
     "test_failclosed_hooks.py": 22, "test_failclosed_not_judged.py": 22,
     # session 17 (helper hperf17): one subprocess importing torch
