@@ -193,7 +193,7 @@ def whole(t):
 def step(out: str | None, variant: str, steps: int = 3, capture_step: int = 0, oracle=None,
          dump: str | None = None) -> None:
     """The team's loop in the process group already running: `variant` is a --bug value, with
-    ":nocap" the same loop without the capture; the dump goes to `dump` (or OUT.dump.pt)."""
+    ":nocap" the same loop without the capture, ":nonorm" without `cap.grad_norm`; the dump goes to `dump` (or OUT.dump.pt)."""
     bug, _, mode = variant.partition(":")
     dump = dump or (f"{out}.dump.pt" if out else None)
     if mode == "nocap":
@@ -235,7 +235,7 @@ def step(out: str | None, variant: str, steps: int = 3, capture_step: int = 0, o
                 rec["logits"] = whole(logits)
             rec["grads"].append({n: whole(p.grad) for n, p in model.named_parameters()})
             norm = clip(model, MAX_NORM, bug)
-            if recording:
+            if recording and mode != "nonorm":
                 cap.grad_norm(norm)
             opt.step()
             opt.zero_grad()
@@ -251,7 +251,8 @@ def step(out: str | None, variant: str, steps: int = 3, capture_step: int = 0, o
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", help="capture directory")
-    ap.add_argument("--bug", default="none", choices=["none", "tie_before", "sp_noprep", "clip_local"])
+    ap.add_argument("--bug", default="none", choices=["none", "tie_before", "sp_noprep", "clip_local",
+                                                      "clip_local:nonorm"])
     ap.add_argument("--capture-step", type=int, default=0)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--oracle", nargs="*", default=None, help="module globs for capture(oracle=)")
