@@ -180,4 +180,13 @@ def fingerprint(model, layouts: dict[str, str], degree: int) -> dict:
             elif lay != "replicate":
                 local = degree > 1  # a plain tensor at TP > 1 may be a shard: shape is local
         params[name] = {"shape": shape, "dtype": str(p.dtype).replace("torch.", ""), "local": local}
-    return {"n_params": len(params), "params": params}
+    # A weight shared by two modules is listed once; its other names are kept so that a tie one
+    # run has and the other lost (a plan's new Parameter in one of the modules) is named as such.
+    first = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return {"n_params": len(params), "params": params, "tied": tied}
