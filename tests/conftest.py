@@ -390,6 +390,9 @@ FILE_SECONDS = {
     "test_loss_capture_hf.py": 18,
     "test_root_param.py": 17,  # two 1-step compares at TP=1,2, no confirmation
     "test_moe_resid.py": 40,  # three bf16 compares at TP=1,2 (one --steps 3), no confirmation
+    # session 19 (helper hgate19): 14 gates of tp12_run, behind_bugs_run and edited copies; its tests' calls
+    # took 100 s with `pytest -n 0` at load average 20-26 on the shared 2 cores
+    "test_gate_once.py": 60,
 }
 
 
