@@ -220,8 +220,13 @@ _MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, Arith
 def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
     """Never raises on bad evidence: problems land in GateResult.problems (exit 2) so JUnit still gets written."""
     policy = policy or Policy()
+    from tpdiag.gate import once
+
     try:
-        return _evaluate(run_dir, policy)
+        # the re-diffs below read the same pairs again (a confirmation's, a second pass's): measured
+        # and hash-checked once in this evaluation (gate/once.py)
+        with once.session():
+            return _evaluate(run_dir, policy)
     except Inconclusive as e:
         res = GateResult(os.path.abspath(run_dir), policy)
         res.problems.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
