@@ -80,6 +80,9 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                 rec.add("batch", "model", k, v)
             rec.add("batch", "model", "labels", labels)
             record_params(rec, model, "param_init", target.plan, include)
+            from tpdiag.probes.own_params import mark_recorded
+
+            mark_recorded(model)
         t1 = time.perf_counter()
         timings["phases_s"] = phases.marks
         from tpdiag.runner import micro

@@ -50,6 +50,9 @@ def optimizer_step(phases, rec, model, opt, norm_fn, clip_norm, plan, include, b
         opt.zero_grad(set_to_none=True)
         ph.lap("optimizer")
         record_params(rec, model, "param", plan, include)
+        from tpdiag.probes.own_params import mark_recorded
+
+        mark_recorded(model)
         if buffers is not None:
             record_written_buffers(rec, model, buffers, plan, include)
     return total
