@@ -347,6 +347,9 @@ FILE_SECONDS = {
     # session 17 (helper hdisc17): two forward-only 2-rank gloo compares and their gates
     "test_moe_late_bug.py": 4,
     "test_moe_bwd_bug.py": 20,
+    # session 19 (helper hloss19): a 1,1 hf compare with its step and a forward-only 1,2 compare,
+    # user+sys CPU of `pytest -n 0 FILE` with TPDIAG_TEST_CLI_ZYGOTE=0 (36.8 s) less pytest's own start
+    "test_user_loss_bits.py": 28,
     # session 18 (helper hhash18): two hash-captured 2-rank compares with their region passes, and gates
     "test_shares_later_hash.py": 15,
     # session 16 (helper hinput16): no world (in-process checks and CLI starts refused before any)
