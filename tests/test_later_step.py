@@ -59,3 +59,39 @@ def test_updated_steps_start_after_the_first_differing_update():
     assert updated_steps(fwd + [row(0, "optimizer", "param", True), row(1, "optimizer", "param", False)]) == {"2"}
     # a weight grad that differs is no update that differs (the update may round it away)
     assert updated_steps(fwd + [row(0, "backward", "param_grad", False)]) == set()
+
+
+def _split(tmp_path_factory, case):
+    def make(out):
+        p = run_cli("compare", "--model", f"py:tests/models/planted/mega_split.py:{case}", "--tp", "1,2",
+                    "--steps", "3", "--dtype", "bfloat16", "--no-confirm", "--no-baseline", "--out", str(out),
+                    env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    out = shared_run(tmp_path_factory, f"later-step-split-{case}", make)
+    g = run_cli("gate", str(out), "--allow", "rounding")
+    return json.loads((out / "summary.json").read_text()), g.returncode, g.stdout + g.stderr
+
+
+def test_a_row_layers_partial_output_at_a_later_step_is_not_a_replica(tmp_path_factory):
+    """Megatron's row layer with reduce_results=False (mega_split.py:split_ok, correct): its output is
+    each rank's partial, handed as is to the module that reduces it. From step 1 on the partials add
+    up to this side's sum, not the reference's, and main at 63a6c8e read that output
+    `rank-inconsistent-replica` at step 1, gate 4 (the reduce's input was already left uncompared)."""
+    s, gate, out = _split(tmp_path_factory, "split_ok")
+    d = s["degrees"]["2"]
+    assert s["class"] == "rounding" and d["class"] == "rounding", (s["class"], d.get("findings"))
+    assert gate == 0, out
+    left = set((d.get("not_compared") or {}).get("module_records") or ())
+    assert {f"s{k}/forward/mlp.down/out#0/0" for k in range(3)} <= left, d.get("not_compared")
+
+
+def test_a_row_layers_partial_never_reduced_stays_a_bug_at_later_steps(tmp_path_factory):
+    # the negative control: the partial handed to plain code (the reduce forgotten) is no consumer's
+    # reduced input at any step, so it stays a finding
+    s, gate, out = _split(tmp_path_factory, "split_noreduce")
+    d = s["degrees"]["2"]
+    assert s["class"] == "bug" and gate == 4, out
+    assert d["first_divergence"]["key"] == "s0/forward/mlp.down/out#0/0", d["first_divergence"]
+    assert d["first_divergence"]["cause"] == "rank-inconsistent-replica", d["first_divergence"]
+    left = set((d.get("not_compared") or {}).get("module_records") or ())
+    assert not any(k.startswith(f"s{s_}/forward/mlp.down/out") for k in left for s_ in range(3)), left

@@ -263,9 +263,10 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         if content is not None:
             contents[key] = content
         if oa.rank_consistent is False:
-            if row.get("rank_partial_sum") and om["phase"] == "forward":
+            if om["phase"] == "forward":
                 # the ranks' bytes: a module output that is the very input its consumer reduces
-                # (partials.reduced_outputs) is told by them
+                # (partials.reduced_outputs) is told by them - shares that add up to the reference, or
+                # at a step whose weights differ any (partials.updated_steps: they add up to this side's sum)
                 row["shares_hash"] = (om.get("hash"), om.get("stored_hash"))
             if row.get("rank_partial_sum") and om["kind"] == "grad_out":
                 # an activation grad each rank holds as its share of a sum reduced later in

@@ -167,15 +167,23 @@ def reduced_outputs(rows: list, tensors: dict, uncompared: list) -> None:
     shares = {(m["step"], m["module"], m.get("shares_hash")) for m in uncompared
               if m.get("shares_hash") and (m["phase"], m["kind"]) == ("forward", "in")
               and str(m.get("why") or "").startswith("unreduced partial")}
+    drifted = updated_steps(rows)
     keep = []
     for r in rows:
         consumers = [c for c in r.get("consumers") or () if isinstance(c, str)]
-        if (r["phase"], r["kind"]) == ("forward", "out") and r.get("rank_partial_sum") and consumers \
+        # at a step whose weights differ (reduced's DRIFTED) the shares add up to this side's sum, not
+        # the reference's: the same bytes handed only to modules that reduce them are left as their
+        # input is (mega_split.py:split_ok, bf16 --steps 3, read `rank-inconsistent-replica` at step 1)
+        if (r["phase"], r["kind"]) == ("forward", "out") and consumers \
+                and (r.get("rank_partial_sum") or str(r["step"]) in drifted) \
                 and r.get("rank_consistent") is False and r.get("shares_hash") \
                 and all((r["step"], c, r["shares_hash"]) in shares for c in consumers):
+            what = ("the ranks' copies add up to the reference" if r.get("rank_partial_sum")
+                    else "at a step whose weights differ from the reference's: the ranks' copies add up to this "
+                         "side's sum, not the reference's")
             uncompared.append({**{k: r[k] for k in ("key", "idx", "step", "phase", "module", "kind", "name", "call")
                                   if k in r},
-                               "why": f"unreduced partial sum (the ranks' copies add up to the reference; "
+                               "why": f"unreduced partial sum ({what}; "
                                       f"{', '.join(consumers)} reduces it: its output is one value on every rank)"})
             tensors.pop(r["key"], None)
             continue
