@@ -387,8 +387,9 @@ FILE_SECONDS = {
     "test_ffn_hidden_norm.py": 18,
     # session 19 (helper hstep19): four bf16 compares of 3 steps at TP=1,2; `pytest -n 0 FILE` took 351 s
     # wall at a load average of ~24 on the shared machine - an estimate, for ordering only
-    # + session 19 (helper hreview19): two more (mega_split split_ok, split_noreduce), 123 s wall for the two
-    "test_later_step.py": 150,
+    # + session 19 (helper hreview19): three more (mega_split split_ok, split_noreduce: 123 s wall for the
+    # two; moe_bwd_bug shared_beside)
+    "test_later_step.py": 190,
     # session 18 (helper hname18): two bf16 one-step compares at TP=1,2 and their gates, wall of `pytest -n 0 FILE`
     "test_hf_embed_grad.py": 10,
     # session 18 (helper hci18), changed above: test_fuzz 43 and test_own_pass_links 19 (alone: it makes

@@ -282,6 +282,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     partials.reduced(rows, tensors, uncompared)
     partials.reduced_outputs(rows, tensors, uncompared)
     partials.reduced_after_backward(rows, tensors, uncompared)
+    partials.drifted_grad_shares(rows, uncompared)
     rank_local.inside_combined(rows, tensors, uncompared)
     # a forward-only world (a decode configuration beside a reference that ran the whole step)
     # has no backward or optimizer records to miss
