@@ -292,7 +292,7 @@ FILE_SECONDS = {
     # session 13 (helper hci13): CPU seconds of the whole tree in a cpuacct cgroup per xdist worker,
     # the README's command (-n 2, this order) at 170f498, per test from the worker's cgroup; files
     # whose session runs (conftest.shared_run) they made first carry those runs
-    "test_hash_capture.py": 102, "test_faults_more.py": 69, "test_hf_archs_rl.py": 50, "test_moe_fixes.py": 49, "test_capture.py": 43,
+    "test_hash_capture.py": 102, "test_faults_more.py": 69, "test_hf_archs_rl.py": 50, "test_moe_fixes.py": 49, "test_capture.py": 43, "test_user_tt_team.py": 60,
     "test_fixes.py": 37, "test_op_level.py": 41, "test_tamper_numbers.py": 40, "test_attention_fused.py": 36, "test_fuzz.py": 43,
     "test_diagnosis.py": 35, "test_planted.py": 35, "test_doc_blocks.py": 32, "test_failclosed_hostile.py": 32, "test_failclosed.py": 31,
     "test_invariant_attention.py": 28, "test_hf_fixes.py": 30, "test_hf_plans.py": 30, "test_matrix.py": 30, "test_tree_triton.py": 29,
@@ -347,6 +347,9 @@ FILE_SECONDS = {
     # session 17 (helper hdisc17): two forward-only 2-rank gloo compares and their gates
     "test_moe_late_bug.py": 4,
     "test_moe_bwd_bug.py": 20,
+    # session 19 (helper hloss19): a 1,1 hf compare with its step and a forward-only 1,2 compare,
+    # user+sys CPU of `pytest -n 0 FILE` with TPDIAG_TEST_CLI_ZYGOTE=0 (36.8 s) less pytest's own start
+    "test_user_loss_bits.py": 28,
     # session 18 (helper hhash18): two hash-captured 2-rank compares with their region passes, and gates
     "test_shares_later_hash.py": 15,
     # session 16 (helper hinput16): no world (in-process checks and CLI starts refused before any)
@@ -370,6 +373,9 @@ FILE_SECONDS = {
     "test_two_paths.py": 40, "test_step_params.py": 9, "test_capture_hooks.py": 36,
     # session 16 (helper hfalse16): two compares, wall of `pytest -n 0 FILE` less pytest's own start
     "test_loop_stage.py": 30, "test_own_taps.py": 30,
+    # session 19 (helper hplant19): four compares each; wall of `pytest -n 0 FILE` was ~700 s with
+    # ~8 helpers' runs beside it on the 2 cores - scaled to the two-compare files' 30 above
+    "test_rl_logprob.py": 60, "test_rl_trainer_losses.py": 60,
     # session 16 (red team hred16): one compare (hook_mixed), wall of `pytest -n 0 FILE` less pytest's start
     "test_failclosed_hooks.py": 22, "test_failclosed_not_judged.py": 22,
     # session 17 (helper hperf17): one subprocess importing torch
@@ -390,14 +396,18 @@ FILE_SECONDS = {
     # + session 19 (helper hreview19): three more (mega_split split_ok, split_noreduce: 123 s wall for the
     # two; moe_bwd_bug shared_beside)
     "test_later_step.py": 190,
+    # session 19 (helper hanchor19): two tiny-llama bf16 compares of 3 steps at TP=1,2 (~110 s each alone,
+    # 225 s two at once on the loaded 2-core machine) - an estimate, for ordering only
+    "test_drift_llama.py": 60,
     # session 18 (helper hname18): two bf16 one-step compares at TP=1,2 and their gates, wall of `pytest -n 0 FILE`
     "test_hf_embed_grad.py": 10,
     # session 18 (helper hci18), changed above: test_fuzz 43 and test_own_pass_links 19 (alone: it makes
     # behind_hash_run and its first command runs in a fresh interpreter), each its tests' CPU s in a
     # cpuacct cgroup (pytest -n 0, per test, pytest's start left out) after this session's cuts
     "test_confirm_order.py": 40,  # hnew18: one tiny Qwen3 compare at --micro-batch 2,1 with its confirmation
-    # session 18 (helper hplant18): two 1-step compares at TP=1,2 with confirmation, wall of `pytest -n 0 FILE`
-    "test_tied_vocab.py": 9,
+    # session 18 (helper hplant18): two 1-step compares at TP=1,2 with confirmation; session 19: CPU s
+    # (hsuite19) + hroot19's float16 compare (no confirmation) and one report, estimated
+    "test_tied_vocab.py": 15,
     # session 18 (helper hreview18): three capture worlds (TP=1, 2, 2), wall of `pytest -n 0 FILE`
     "test_loss_capture_hf.py": 18,
     "test_root_param.py": 17,  # two 1-step compares at TP=1,2, no confirmation
@@ -411,6 +421,9 @@ FILE_SECONDS = {
     # test_moe_resid had wall figures of a loaded machine
     "test_conftest_once.py": 1,
     "test_shares_near.py": 20,  # two bf16 compares at TP=1,2, no confirmation
+    # session 19 (helper hgate19): 14 gates of tp12_run, behind_bugs_run and edited copies; its tests' calls
+    # took 100 s with `pytest -n 0` at load average 20-26 on the shared 2 cores
+    "test_gate_once.py": 30,
 }
 
 

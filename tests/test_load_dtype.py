@@ -145,6 +145,12 @@ def test_tp2_keeps_the_same_dtypes_and_records_them(tmp_path):
     theirs = logits.float().log_softmax(-1).flatten(0, 1)[torch.arange(len(labels)), labels.clamp(min=0)]
     assert lp.dtype == torch.float32
     assert torch.equal(lp[scored], theirs[scored])
+    # the step's loss is the float32 cross-entropy of the logits upcast, transformers' own
+    # (ForCausalLMLoss), bit for bit - it was a bf16 cross-entropy (tests/test_user_loss_bits.py)
+    loss = rs.tensor(next(e for e in rs.events if e["kind"] == "loss"))
+    with torch.no_grad():
+        hf_loss = model(batch["input_ids"], labels=batch["input_ids"]).loss
+    assert loss.dtype == hf_loss.dtype == torch.float32 and torch.equal(loss, hf_loss)
 
 
 def test_logprobs_in_blocks_of_rows_are_the_whole_tensors(monkeypatch):

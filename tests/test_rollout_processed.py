@@ -232,3 +232,42 @@ def test_a_reproduced_raw_engine_is_never_called_processed(tmp_path, model, monk
     assert pr["detected"] is False and pr["kind"] is None and "fit_k" not in pr, pr
     assert pr["explanation"].startswith("tp1-mb4-decode-none gives every engine logprob bit for bit"), pr
     assert not any("look processed" in n for n in s["notes"]), s["notes"]
+
+
+def test_temperature_top_k_top_p_with_ties_at_the_kth_is_named():
+    # generate()'s temperature, then top-k (which keeps every token tied with the K-th), then top-p on
+    # the mass of those kept. A Gemma2 saved in bf16 sampled at T=0.9, top_k=40, top_p=0.95 (its bf16
+    # logits tie often: one row kept 41) read "systematic ... as when a penalty moved the logits ... or
+    # min_p": no one K fitted every row until the ties counted. Rows on a coarse grid, half with the
+    # K-th tied with the next; the engine's numbers are transformers' own warpers' on them.
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    from tpdiag.rollout.processed import Collector, judge
+    from tpdiag.rollout.read import Sequence
+
+    g = torch.Generator().manual_seed(0)
+    V, K, p, T = 16, 4, 0.9, 0.9
+    rows, seqs, kept = [], [], []
+    for r in range(8):
+        x = ((torch.randn(V, generator=g) * 4).round() / 4).sort(descending=True).values
+        x[4] = x[3] if r % 2 == 0 else x[3] - 0.5
+        rows.append(x[torch.randperm(V, generator=g)])
+    for i, x in enumerate(rows):
+        s = x[None].float()
+        for w in (TemperatureLogitsWarper(T), TopKLogitsWarper(K), TopPLogitsWarper(p)):
+            s = w(None, s)
+        kept.append(int(torch.isfinite(s).sum()))
+        t = int(x.argmax())
+        seqs.append(Sequence([7, t], 1, [float(s.log_softmax(-1)[0, t])], where=f"line {i + 1}"))
+    assert max(kept) > K  # ties past the K-th were kept
+    col = Collector(seqs)
+    for i, x in enumerate(rows):
+        col(i, x[None].float())
+    v = judge(col, vocab=V)
+    assert v["detected"] and v["kind"] == "temperature+filter" and v["temperature_fit"] == T, v
+    assert "temperature 0.9" in v["explanation"]
+    # control: the same rows read without the ties a top-K keeps fit no one filter
+    for st in col.stats.values():
+        st.pop("top_k_kept")
+    assert judge(col, vocab=V)["kind"] != "temperature+filter"

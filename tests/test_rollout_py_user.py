@@ -94,3 +94,21 @@ def test_an_hf_model_is_still_told_eager_and_sdpa():
     assert "--attention eager" not in _untried(RolloutConfig(file="f", model="tiny-llama"), 4)
     prefill = RolloutConfig(file="f", model="tiny-llama", modes=("prefill",))
     assert "--mode decode" in _untried(prefill, 4) and "--mode decode" not in _untried(prefill, 4, False)
+
+
+def test_an_hf_model_without_sdpa_is_not_told_eager_and_sdpa(tmp_path):
+    # Gemma2 (transformers 5.24: no SDPA path, `--attention auto` runs eager): a run that reproduced
+    # nothing said "try ... --attention eager,sdpa", which gives auto's bits again and `unavailable`
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig
+
+    from tpdiag.rollout.run import RolloutConfig
+    from tpdiag.rollout.todo import _untried
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, vocab_size=64)
+    for kind in ("gemma2", "mistral"):
+        AutoConfig.for_model(kind, **small).save_pretrained(tmp_path / kind)
+    assert "--attention" not in _untried(RolloutConfig(file="f", model=f"hf:{tmp_path / 'gemma2'}"), 4)
+    # control: a model with SDPA is still told both
+    assert "--attention eager,sdpa" in _untried(RolloutConfig(file="f", model=f"hf:{tmp_path / 'mistral'}"), 4)

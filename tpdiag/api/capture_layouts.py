@@ -165,15 +165,28 @@ def fingerprint(model, layouts: dict[str, str], degree: int) -> dict:
     """Param names, global shapes (DTensor, or a plain shard with a layout) and dtypes."""
     from torch.distributed.tensor import DTensor
 
+    from tpdiag.records.keys import root_record_name
+
+    # the root's own parameters under the name their records have ("(root)" above HF's `model` child)
+    root = root_record_name(n for n, _ in model.named_children())
     params = {}
     for name, p in model.named_parameters():
         shape, local = list(p.shape), False
         if not isinstance(p, DTensor):
             mname, _, short = name.rpartition(".")
-            lay = _layout_for({"kind": "param", "module": mname or "model", "name": short}, layouts)
+            lay = _layout_for({"kind": "param", "module": mname or root, "name": short}, layouts)
             if lay and lay.startswith("shard:") and p.dim():
                 shape[int(lay.split(":")[1]) % p.dim()] *= degree
             elif lay != "replicate":
                 local = degree > 1  # a plain tensor at TP > 1 may be a shard: shape is local
         params[name] = {"shape": shape, "dtype": str(p.dtype).replace("torch.", ""), "local": local}
-    return {"n_params": len(params), "params": params}
+    # A weight shared by two modules is listed once; its other names are kept so that a tie one
+    # run has and the other lost (a plan's new Parameter in one of the modules) is named as such.
+    first = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return {"n_params": len(params), "params": params, "tied": tied}

@@ -149,12 +149,15 @@ def _what_to_do(summary: dict) -> str | None:
                     "(its output is then recorded, which locates the difference) and capture again, or run the model with "
                     "`tpdiag compare --model py:FILE.py:FUNC` (docs/models-py.md), whose second pass records "
                     f"and judges that code op by op; `tpdiag report {run}` shows its values")
-        from tpdiag.diff.not_judged import moved_beyond
+        from tpdiag.diff.not_judged import grads_kind, moved_beyond
         from tpdiag.records.axes import entries
 
-        if any(isinstance(d, dict) and moved_beyond(d) for d in entries(summary).values()):
+        beyond = [d for d in entries(summary).values() if isinstance(d, dict) and moved_beyond(d)]
+        if beyond:
             # the gate fails the run on them (cause unknown): not "nothing is wrong"
-            return ("activation grads past the first divergence moved beyond rounding and no check could judge "
+            kinds = {grads_kind(d["not_judged"]) for d in beyond}
+            what = kinds.pop() if len(kinds) == 1 else "grads"
+            return (f"{what} past the first divergence moved beyond rounding and no check could judge "
                     "them (the not-judged line above, summary.json not_judged): a bug may be there unseen; "
                     f"`tpdiag report {run}` shows their values, and `tpdiag gate` fails the run unless its policy "
                     "allows `unknown`")

@@ -2,6 +2,8 @@
 wrong input or grad was computed."""
 from __future__ import annotations
 
+from tpdiag.records.keys import ROOTS
+
 
 def where(fd: dict) -> str:
     """A record in words: 'forward: layers.0.attention.wo', 'loss: logprobs', 'backward: output (grad_out 0)';
@@ -19,8 +21,9 @@ def _where(fd: dict) -> str:
     if kind == "buffer" and not fd.get("op"):
         # kept state (not a parameter) that the step's own code wrote: read by the next step
         return f"{phase}: {module} (buffer {name}, written during the step)"
-    if module == "model" and kind in ("param_init", "param_grad", "param") and name and not fd.get("op"):
-        # a parameter of the root module itself (a tied weight the model holds directly)
+    if module in ROOTS and kind in ("param_init", "param_grad", "param") and name and not fd.get("op"):
+        # a parameter of the root module itself (a tied weight the model holds directly; an HF
+        # CausalLM's own, recorded as "(root)" beside its `model` child)
         return f"{phase}: {name} ({kind}; a parameter of the root module)"
     if module == "model" and kind not in ("in", "out", "grad_out") and not fd.get("op"):
         # whole-model records (logprobs, loss, grad norm) have no module of their own

@@ -141,13 +141,18 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         nj = d.get("not_judged") or {}
         if nj.get("keys"):  # divergent grads past the first divergence that no check could judge
             more = nj["records"] - min(3, len(nj["keys"]))
-            console.print(f"{config_name(label)}: not judged past the first divergence ({nj['records']} activation "
-                          f"grad{'s' if nj['records'] != 1 else ''}{moved_by(nj)}): {not_judged_keys(nj, 3)}"
+            from tpdiag.diff.not_judged import grads_words
+
+            console.print(f"{config_name(label)}: not judged past the first divergence ({grads_words(nj)}"
+                          f"{moved_by(nj)}): {not_judged_keys(nj, 3)}"
                           f"{f' and {more} more' if more > 0 else ''} - summary.json not_judged",
                           markup=False, soft_wrap=True)
-        named = {f"{g.get('module')}.{g.get('name')}" for g in d.get("findings") or [] if g.get("kind") == "param_grad"}
-        quiet = [f"{p} ({', '.join(h)})" for p, h in sorted((d.get("hooks_dropped") or {}).items())
-                 if p not in named and f"model.{p}" not in named]
+        from tpdiag.records.keys import param_name
+
+        # both readings of a "model" record: the root's own parameter, or HF's `model` child's
+        named = {n for g in d.get("findings") or [] if g.get("kind") == "param_grad"
+                 for n in (param_name(str(g.get("module")), str(g.get("name"))), f"{g.get('module')}.{g.get('name')}")}
+        quiet = [f"{p} ({', '.join(h)})" for p, h in sorted((d.get("hooks_dropped") or {}).items()) if p not in named]
         if quiet:  # dropped, but no finding: the hook changed no grad at the reference (diff/dropped_hooks.py)
             console.print(f"{config_name(label)}: the plan dropped the user's grad hooks on {'; '.join(quiet)}: they "
                           f"run at the reference only, where they changed no grad this run (an observer, or a clip "
@@ -245,7 +250,13 @@ def _bug_words(summary: dict) -> str:
         b = leading_bug(d)
         if b:
             r = b.get("bound_ratio")
-            far = f", {r:.3g}x beyond rounding" if r and r > 1 else ""
+            # summary.json writes an infinite ratio as the string "inf"
+            r = r if isinstance(r, (int, float)) and not isinstance(r, bool) else None
+            far = f", {r:.3g}x beyond rounding" if r and 1 < r < float("inf") else ""
+            if b.get("cause") == "non-finite" and (d.get("nonfinite") or {}).get("first"):
+                # which side holds it: NaN at the reference too is no degree's doing ("infx beyond
+                # rounding" said nothing, and "at TP=2" read as TP=2's alone)
+                far = f" - {_nonfinite_where(d, label)}"
             return f" at {config_name(label)} {where(b)}{far}"
     for rnd in summary.get("fix_chain") or []:  # found only once fixes removed the reorderings
         for label, b in (rnd.get("bug") or {}).items():

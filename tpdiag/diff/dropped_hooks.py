@@ -46,7 +46,10 @@ def why(param: str, hooks: list[str], label: str) -> str:
 
 
 def _param_of(row: dict) -> str:
-    return row["name"] if row["module"] == "model" else f"{row['module']}.{row['name']}"
+    # the root's own parameter records under either root name ("(root)" above HF's `model` child)
+    from tpdiag.records.keys import param_name
+
+    return param_name(row["module"], row["name"])
 
 
 def name(entry: dict, rows: list[dict], lost: dict[str, list[str]], label: str, effect) -> None:

@@ -245,7 +245,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                                 f"{b.dtype}{list(b.shape)}")
         # both tensors were checked (pair_read.py): a pair of the same content measured earlier in
         # this process (the region pass's, diffed again by the own-input pass) is not measured again
-        content = pair_memo.pair_key(ref, rm, other, om, values)
+        # what besides the two records' bytes and entries decides the pair assembled and measured: a
+        # gate re-diffs a run's every pass in one memo (gate/once.py), whose worlds may differ in these
+        content = pair_memo.pair_key(ref, rm, other, om, values, captured,
+                                     pair_memo.context(ref.world.get("vocab_padding"),
+                                                       other.world.get("vocab_padding"), flat))
         measured = pair_memo.get(content)
         if measured is None:
             before = dict(row)

@@ -55,9 +55,10 @@ def in_subtree(owner: str, module: str) -> bool:
     descendants'. The root's children are not named under "model." (they are "embed", "block"):
     every parameter is the root's - checked by name alone, the root's float64 backward at step 1
     ran from the reference's updated weights while this side's differed (by a bug's size after a
-    broken update) and was read as this side's exact value. HF's root shares "model" with its
-    child (format 2), and its root's parameters are recorded as "model" still (records/keys.py): that
-    child is taken as the root too (a stricter check, never a looser one)."""
+    broken update) and was read as this side's exact value. HF's root shared "model" with its
+    child in format 2; in format 3 the root and its own parameters are "(root)" and "model" is that
+    child, but a name alone does not say which layout a run has: "model" is taken as the root too (a
+    stricter check, never a looser one)."""
     from tpdiag.records.keys import ROOTS
 
     return module in ROOTS or owner == module or owner.startswith(module + ".")

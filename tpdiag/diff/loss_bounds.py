@@ -120,9 +120,10 @@ def loss_bounds(dd: DegreeDiff) -> None:
                         eb = bounds.logprob_bound(l1, ln, q1, qn)
                     la, lb = dd.tensors[loss_row["key"]]
                     a, b = (float(t.double().reshape(-1)[0]) for t in (la, lb))
-                    # a 16-bit loss (stock cross_entropy on bf16 logits) rounds each token's
-                    # log-softmax to its dtype before the mean, where the logprobs record is float32
-                    # (runner/losses.py): that rounding is the loss's own, per element
+                    # a 16-bit loss (a Target.loss's cross_entropy on bf16 logits; the default loss
+                    # is float32, runner/losses.default_loss) rounds each token's log-softmax to its
+                    # dtype before the mean, where the logprobs record is float32: that rounding is
+                    # the loss's own, per element
                     el = eb
                     if la.dtype in (torch.bfloat16, torch.float16) and p1.dtype != la.dtype:
                         el = eb + bounds.UNIT_ROUNDOFF[la.dtype] * (

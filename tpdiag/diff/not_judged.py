@@ -1,4 +1,5 @@
-"""The activation grads past the first divergence that no check judged, said in the verdict.
+"""The grads past the first divergence that no check judged, said in the verdict: activation grads
+(grad_out) and weight grads (param_grad, _weight_grads).
 
 Past the first divergence a grad_out record is judged against its one module consumer's float64
 backward run on this side's own output grad (diff/oracle_own.py), plus the grad through a residual
@@ -114,6 +115,9 @@ def grads(dd, first_key: str | None) -> dict | None:
     if not keys:
         return None
     out = {"records": len(keys), "why": why, "keys": keys[:MAX_KEYS], "reasons": reasons, "max_rel": worst}
+    weights = sum(1 for r, _ in left if r["kind"] == "param_grad")
+    if weights:
+        out["weight_grads"] = weights  # the rest are activation grads (grads_words says which)
     if worst_l2 is not None:
         out["rel_l2"] = worst_l2
     listed = set(keys)
@@ -124,9 +128,58 @@ def grads(dd, first_key: str | None) -> dict | None:
     return out
 
 
-WEIGHT = ("a weight grad no check judged: its module's backward was not re-executed in float64 (a module "
+WEIGHT = ("no check judged it: its module's backward was not re-executed in float64 (a module "
           "whose weight is used outside its own forward - a tied vocab weight's embed/logits methods - has no "
           "call to re-execute)")
+
+
+def grads_words(nj: dict) -> str:
+    """How many grads summary.json not_judged lists, and of which kind: '3 activation grads', '1 weight
+    grad', '2 activation grads and 1 weight grad' (a weight's grad was called an activation grad). A
+    summary without `weight_grads` counts the param_grad keys it lists; where it lists fewer keys than
+    records the split is unknown: 'N grads'."""
+    from tpdiag.records.keys import MalformedKey, RecordKey
+
+    n = nj.get("records")
+    keys = [k for k in nj.get("keys") or () if isinstance(k, str)]
+    n = n if isinstance(n, int) and not isinstance(n, bool) else len(keys)
+    w = nj.get("weight_grads")
+    if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w <= n:
+        if len(keys) < n:
+            return f"{n} grad{'s' if n != 1 else ''}"
+        w = 0
+        for k in keys:
+            try:
+                w += RecordKey.parse(k).kind == "param_grad"
+            except MalformedKey:
+                pass
+    a = n - w
+    parts = [f"{a} activation grad{'s' if a != 1 else ''}" if a else "",
+             f"{w} weight grad{'s' if w != 1 else ''}" if w else ""]
+    return " and ".join(p for p in parts if p) or f"{n} grads"
+
+
+def grads_kind(nj: dict) -> str:
+    """The kind of the grads summary.json not_judged lists, no count: 'activation grads', 'weight grads',
+    'activation and weight grads' (grads_words' split), 'grads' where it is unknown."""
+    w = grads_words(nj)
+    if " and " in w:
+        return "activation and weight grads"
+    return "weight grads" if "weight grad" in w else "activation grads" if "activation grad" in w else "grads"
+
+
+def grad_words(key: str) -> str:
+    """A listed record in words: 'weight grad of out_scale' for a param_grad record (the parameter's
+    name in the model), else 'activation grad'; '' for a key that does not parse."""
+    from tpdiag.records.keys import MalformedKey, RecordKey, param_name
+
+    try:
+        k = RecordKey.parse(key)
+    except MalformedKey:
+        return ""
+    if k.kind == "param_grad" and k.name:
+        return f"weight grad of {param_name(k.module, k.name)}"
+    return "activation grad"
 
 
 def _weight_grads(dd, first: int, steps: set[str]) -> list:

@@ -81,7 +81,9 @@ def target_key(oracle_key: str) -> str:
         # forward wrote, recorded after the step: probes/model_walk.record_written_buffers; its path
         # in the model, probes/oracle_hooks.buffer_path)
         owner, _, short = k.name[len("buffer."):].rpartition(".")
-        return record_key(k.step, "optimizer", owner or "model", "buffer", 0, short)
+        # no owner: the root's own buffer, which only the root's own re-execution writes - recorded
+        # under the root's record name, this oracle record's module ("(root)" above HF's `model`)
+        return record_key(k.step, "optimizer", owner or k.module, "buffer", 0, short)
     if k.name.startswith("param_grad."):
         # s0/backward/m/oracle#0/param_grad.weight.c1 -> s0/backward/m/param_grad#0/weight (the
         # calls' float64 grads are summed, as the real grad accumulates)

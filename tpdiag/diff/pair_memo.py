@@ -38,6 +38,12 @@ def pair_key(ref, rm: dict, other, om: dict, *extra) -> tuple | None:
     return (ref.hash_version, h, g, _canon(rm), _canon(om), *extra)
 
 
+def context(*parts) -> str:
+    """Inputs of a pair's assembly beyond its two index entries (the worlds' vocab padding, a
+    flattened op's rows), as one key part."""
+    return json.dumps(parts, sort_keys=True, default=str)
+
+
 def _canon(m: dict) -> str:
     return json.dumps({k: v for k, v in m.items() if k != "idx"}, sort_keys=True, default=str)
 

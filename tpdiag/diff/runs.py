@@ -144,6 +144,23 @@ def _shape_mismatch(pa: dict, pb: dict, da: int, db: int) -> bool:
     return any(not (_full_sizes(pa, da, d) & _full_sizes(pb, db, d)) for d in range(len(pa["shape"])))
 
 
+def _refuse_lost_tie(a: dict, b: dict, name_a: str, name_b: str) -> None:
+    """A parameter that is one weight shared by two modules in one capture and a weight of its own
+    in the other: the tie was lost - `parallelize_module` gives each module it shards a new
+    Parameter, so a weight tied before the plan is two weights after it (trained apart)."""
+    for (x, nx), (y, ny) in (((a, name_a), (b, name_b)), ((b, name_b), (a, name_a))):
+        tied = x["model"]["fingerprint"].get("tied") or {}
+        own = y["model"]["fingerprint"]["params"]
+        for alias, first in tied.items():
+            if alias in own and first in own:
+                raise NotComparable(
+                    f"captures not comparable: parameter {alias!r}: the same weight as {first!r} "
+                    f"(tied) in {nx}, a weight of its own in {ny} (TP={y.get('degree', 1)}): the tie "
+                    "was lost there - parallelize_module puts a new Parameter in each module it "
+                    "shards, so weights tied before the plan are two weights after it; tie them "
+                    "after the plan (docs/capture.md, 'Tied embeddings')")
+
+
 def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN_B") -> None:
     """Raise NotComparable naming the first difference that makes a diff meaningless."""
     def refuse(what: str, va, vb):
@@ -157,6 +174,7 @@ def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN
     fa, fb = a["model"]["fingerprint"]["params"], b["model"]["fingerprint"]["params"]
     na, nb = list(fa), list(fb)
     if na != nb:
+        _refuse_lost_tie(a, b, name_a, name_b)
         missing = next((n for n in na if n not in fb), None)
         extra = next((n for n in nb if n not in fa), None)
         if missing is not None:

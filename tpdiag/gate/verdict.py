@@ -131,13 +131,13 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
 
 
 def _moved_unjudged(lab: str, d: dict, rows: list[dict], policy: Policy, res: DegreeResult) -> None:
-    """summary.json not_judged (diff/not_judged.py): activation grads past the first divergence that no
+    """summary.json not_judged (diff/not_judged.py): activation and weight grads past the first divergence that no
     check judged. Said in the verdict, they were never the gate's: tests/models/planted/two_paths.py:
     gate_f (its block's output grad 25% off, float32) passed `gate --allow rounding`, exit 0. Fail
     closed - as cause unknown, which only a policy naming it passes - where they moved more than
     rounding can: not_judged.moved_beyond, the rule compare's class reads too (the dtypes from diff.csv's
     rows here, not the summary's word)."""
-    from tpdiag.diff.not_judged import moved_beyond
+    from tpdiag.diff.not_judged import grads_words, moved_beyond
 
     nj = d.get("not_judged")
     if "unknown" in policy.allow_causes or not isinstance(nj, dict):
@@ -151,12 +151,14 @@ def _moved_unjudged(lab: str, d: dict, rows: list[dict], policy: Policy, res: De
     key = keys[0] if keys else ""
     from tpdiag.records.keys import MalformedKey, RecordKey
 
+    # the first listed record as it is: a weight's grad (param_grad NAME) was named "record grad_out -"
     try:
-        module = RecordKey.parse(key).module
+        k = RecordKey.parse(key)
+        module, kind, name = k.module, k.kind, k.name if k.name is not None else "-"
     except MalformedKey:  # an edited summary: the violation stands, its module unnamed
-        module = "-"
-    res.violations.append(Violation(lab, "backward", module, None, "grad_out", "-", "unknown", None, None,
-                                    f"{nj.get('records', len(keys))} activation grad(s) past the first divergence "
+        module, kind, name = "-", "grad_out", "-"
+    res.violations.append(Violation(lab, "backward", module, None, kind, name, "unknown", None, None,
+                                    f"{grads_words(nj)} past the first divergence "
                                     f"not judged (summary.json not_judged), moved up to {moved:.3g} of the "
                                     f"reference's norm - beyond rounding's {limit:.3g} (cause unknown is not in "
                                     "allow_causes)", key))
@@ -218,8 +220,13 @@ _MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, Arith
 def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
     """Never raises on bad evidence: problems land in GateResult.problems (exit 2) so JUnit still gets written."""
     policy = policy or Policy()
+    from tpdiag.gate import once
+
     try:
-        return _evaluate(run_dir, policy)
+        # the re-diffs below read the same pairs again (a confirmation's, a second pass's): measured
+        # and hash-checked once in this evaluation (gate/once.py)
+        with once.session():
+            return _evaluate(run_dir, policy)
     except Inconclusive as e:
         res = GateResult(os.path.abspath(run_dir), policy)
         res.problems.append(str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -105,10 +105,17 @@ def token_logprobs(logits, labels, groups: int, vocab_size: int | None = None):
 
 
 def cross_entropy(logits, labels, groups: int, vocab_size: int | None = None):
-    """Mean NLL over valid tokens: the token sum has the same shape at every TP."""
+    """Mean NLL over valid tokens: the token sum has the same shape at every TP. In float32 for
+    16-bit logits, as the stock loss it stands in for (runner/losses.default_loss: the user's
+    trainer upcasts); in the logits' dtype for wider ones."""
     lp = token_logprobs(logits, labels, groups, vocab_size)
     n = (labels.reshape(-1) != IGNORE).sum().clamp_min(1)
-    return -(lp.sum() / n).to(logits.dtype)
+    return -(lp.sum() / n).to(loss_dtype(logits.dtype))
+
+
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The cross-entropy's dtype: float32 from 16-bit logits (an exact upcast), else their own."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def reference_logprobs(logits_full: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

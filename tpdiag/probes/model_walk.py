@@ -19,9 +19,10 @@ def record_params(rec: Recorder, model: nn.Module, kind: str, plan: dict | None 
     # the records' own tensor calls skip torch-function modes (module_hooks.py's no_modes says why)
     with torch._C.DisableTorchFunction():
         for mname, short, p, cls in walked.params:
-            if include is not None and (mname or "model") not in include:
+            owner = mname or walked.root
+            if include is not None and owner not in include:
                 continue
-            add(kind, mname or "model", short, p, style=style(mname), cls=cls)
+            add(kind, owner, short, p, style=style(mname), cls=cls)
 
 
 # the bytes of floating buffers buffer_state copies at a step's start, per model: a write the
@@ -86,6 +87,9 @@ def record_written_buffers(rec: Recorder, model: nn.Module, before: dict, plan: 
     if not rec.enabled:
         return
     style = _style_memo(plan)
+    from tpdiag.records.keys import root_record_name
+
+    root = root_record_name(n for n, _ in model.named_children())
     floating = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
     wrote = written_since(model, before)
     marked = _written_anywhere(rec, wrote)
@@ -94,9 +98,9 @@ def record_written_buffers(rec: Recorder, model: nn.Module, before: dict, plan: 
             if _slot(n) not in marked:
                 continue
             mname, short = _split(n)
-            if include is not None and (mname or "model") not in include:
+            if include is not None and (mname or root) not in include:
                 continue
-            rec.add("buffer", mname or "model", short, b, style=style(mname))
+            rec.add("buffer", mname or root, short, b, style=style(mname))
 
 
 # the slots of the buffers' names that one world's ranks agree on (_written_anywhere)

@@ -301,7 +301,7 @@ def module_probes(model: nn.Module, rec: Recorder, plan: dict | None = None,
             handles.append(mod.register_forward_hook(fwd_hook, with_kwargs=True))
         if backward:
             for mname, short, p, _ in walked.params:
-                mname = mname or "model"
+                mname = mname or walked.root
                 if include is not None and mname not in include or not p.requires_grad:
                     continue
                 hooked.setdefault(mname, []).append(short)

@@ -88,6 +88,13 @@ def root_of(modules) -> str:
     return ROOT_NAMESAKE if ROOT_NAMESAKE in modules else ROOT_MODULE
 
 
+def param_name(module: str, short: str) -> str:
+    """A parameter's name in the model from its record's module and short name: "out_scale" for the
+    root's own (either of ROOTS: "model" is the root in a model with no child of that name), else
+    "mlp.up.weight". Words only, never a lookup."""
+    return short if module in ROOTS else f"{module}.{short}"
+
+
 def sole_consumer(consumers) -> str | None:
     """The one module whose backward computed a grad_out record: the modules that read that output,
     less those inside another of them. A parent that hands its input straight to a child (Megatron's

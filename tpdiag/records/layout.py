@@ -5,6 +5,7 @@ shards with no marker; exactly one dimension shrinks by the world size, which id
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -118,12 +119,28 @@ def padded_dim(local: list[int], full: list[int], n: int) -> int | None:
     return dims[0] if k * n > f and k == -(-f // n) and (n - 1) * k < f else None
 
 
+def _short_of_whole(local: list[int], full: list[int], n: int) -> str:
+    """Why no layout gathers it, where the ranks together hold less than the reference's tensor:
+    the module ran on part of what the reference's ran on (e.g. sequence-parallel input that the
+    plan declares replicated, so each rank computes over its own positions only)."""
+    held, whole = n * math.prod(local), math.prod(full)
+    if len(local) != len(full) or held >= whole:
+        return ""
+    dims = [d for d in range(len(full)) if local[d] != full[d]]
+    return (f": the {n} ranks hold {held} of its {whole} elements together ({len(dims)} dims "
+            f"shrank: {', '.join(f'{d} ({full[d]} -> {local[d]})' for d in dims)}) - at TP={n} this "
+            "record covers part of what the reference's covers: an input layout your plan "
+            "declares wrongly (a sequence-sharded input taken as replicated: ColwiseParallel's "
+            "input_layouts, PrepareModuleInput) or a sharding bug in the code that made it")
+
+
 def _gather_padded(meta: dict, shards: list, local: list[int], full: list[int], n: int, kept):
     """The shards concatenated and the padding cut: the padding's rows are no part of the model
     (TP=1 has none), so they are not compared; a wrong range still shows in the rows kept."""
     d = padded_dim(local, full, n)
     if d is None:
-        raise NotComparable(f"{meta['key']}: shards of shape {local} at TP={n} cannot be gathered into {full}")
+        raise NotComparable(f"{meta['key']}: shards of shape {local} at TP={n} cannot be gathered "
+                            f"into {full}" + _short_of_whole(local, full, n))
     return Assembled(torch.cat(shards, dim=d).narrow(d, 0, full[d]), kept, f"shard:{d}", None)
 
 

@@ -19,7 +19,10 @@ from tpdiag.records.paths import EVENTS, WORLD, world_file
 # 3: the root's module records under ROOT_NAMESAKE "(root)" where a top-level child is named "model"
 # (records/keys.py) - format 2 recorded both as "model", the root's call 0 and the child's call 1, so
 # a format-2 run diffed with a format-3 one would pair the root's call with its child's.
-RECORD_FORMAT = 3
+# 4: the root's own parameters and written buffers record under that name too (its float64 backward
+# judges their grads) - format 3 recorded them under "model": a format-3 run diffed with this one would
+# leave them unpaired, so its grads would go unjudged rather than refused.
+RECORD_FORMAT = 4
 
 
 def check_format(world: dict, path: str) -> None:

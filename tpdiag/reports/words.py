@@ -154,8 +154,11 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
         # gate fails the run as cause unknown, so the report does not call it harmless
         from tpdiag.diff.not_judged import moved_beyond
 
-        todo = ("Not judged: " + ("activation grads past the first divergence moved beyond rounding and no check "
-                                  "could judge them (below)" if moved_beyond(d) else
+        from tpdiag.diff.not_judged import grads_kind
+
+        nj = d.get("not_judged") if isinstance(d.get("not_judged"), dict) else {}
+        todo = ("Not judged: " + (f"{grads_kind(nj)} past the first divergence moved beyond rounding and no "
+                                  "check could judge them (below)" if moved_beyond(d) else
                                   f"the modules past the first divergence were not judged on their own inputs "
                                   f"({d.get('downstream_unjudged') or 'see the run'})")
                 + "; a bug may be there unseen. `tpdiag gate` fails the run unless its policy allows `unknown`.")
@@ -184,26 +187,39 @@ def _not_compared(d: dict) -> list[str]:
 
 
 def _not_judged(d: dict) -> list[str]:
-    """The activation grads past the first divergence that no check judged (summary.json not_judged,
+    """The grads past the first divergence that no check judged (summary.json not_judged,
     diff/not_judged.py), in one line, as the CLI says them."""
     nj = d.get("not_judged") or {}
     if not nj.get("records"):
         return []
     keys = nj.get("keys") or []
     more = nj["records"] - len(keys)
-    return [f"Not judged past the first divergence: {nj['records']} activation grad{'s' if nj['records'] != 1 else ''}"
+    from tpdiag.diff.not_judged import grads_words
+
+    return [f"Not judged past the first divergence: {grads_words(nj)}"
             f"{moved_by(nj)}: {not_judged_keys(nj, len(keys))}{f' and {more} more' if more > 0 else ''}"
             " - no exact value to judge them against, so neither rounding nor a bug is shown for them."]
 
 
 def not_judged_keys(nj: dict, n: int) -> str:
-    """The first n keys of summary.json not_judged, each with its own reason (`reasons`); a run
-    before those were kept: the keys, then every reason once."""
+    """The first n keys of summary.json not_judged, each with its own reason (`reasons`) - a weight's
+    grad named as one: `KEY (weight grad of NAME: reason)`; a run before those were kept: the keys,
+    then every reason once."""
+    from tpdiag.diff.not_judged import grad_words
+
     keys = [k for k in (nj.get("keys") or [])[:n] if isinstance(k, str)]
     reasons = nj.get("reasons") if isinstance(nj.get("reasons"), dict) else None
     if reasons is None:
         return f"{', '.join(keys)} ({'; '.join(nj.get('why') or {})})"
-    return "; ".join(f"{k} ({reasons[k]})" if reasons.get(k) else k for k in keys)
+
+    def one(k: str) -> str:
+        w = grad_words(k)
+        w = w if w.startswith("weight grad") else ""
+        if reasons.get(k):
+            return f"{k} ({w}: {reasons[k]})" if w else f"{k} ({reasons[k]})"
+        return f"{k} ({w})" if w else k
+
+    return "; ".join(one(k) for k in keys)
 
 
 def _bug_behind(d: dict, fd: dict) -> dict | None:

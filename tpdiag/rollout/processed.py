@@ -72,6 +72,7 @@ class Collector:
         temps = tfits = heads = None
         if self._temp_tokens < MAX_TEMP_TOKENS:
             temps, tfits, heads = _per_temperature(z, toks, eng, rank)
+            kept = _top_k_kept(z)
             self._temp_tokens += len(toks)
         for j in range(len(toks)):
             st = {"margin": float(top2[j, 0] - top2[j, 1]), "rank": int(rank[j]),
@@ -86,6 +87,7 @@ class Collector:
                 st["temps"] = temps[j].tolist()
                 st["temp_fits"] = tfits[j].tolist()
                 st["temp_heads"] = heads[j]
+                st["top_k_kept"] = kept[j]
             self.stats[(i, p + j)] = st
 
 
@@ -267,7 +269,8 @@ def _temperature_filter_fit(st):
         if len(idx) < 0.9 * len(st) or len(raised) < 2:
             continue
         if not _one_filter([st[i]["temp_fits"][j] for i in raised],
-                           [st[i].get("temp_heads") for i in raised], j):
+                           [st[i].get("temp_heads") for i in raised], j,
+                           [st[i].get("top_k_kept") for i in raised]):
             continue
         key = (len(idx), -abs(math.log(t)))
         if best is None or key > best[0]:
@@ -275,13 +278,29 @@ def _temperature_filter_fit(st):
     return None if best is None else (best[1], best[2], len(st))
 
 
-def _one_filter(fits, heads, j) -> bool:
+def _top_k_kept(z):
+    """Per token, the tokens a top-K keeps for K = 1..K_MAX (int tensor [tokens, K_MAX]): K and every
+    token tied with the K-th largest logit, as transformers' TopKLogitsWarper keeps them (it removes
+    `scores < topk(scores, K)[..., -1]`). One count for every temperature: dividing by T > 0 keeps
+    the order and the exact ties."""
+    import torch
+
+    asc = z.sort(-1).values.contiguous()
+    kth = asc.flip(-1)[:, :min(K_MAX, z.shape[-1])].contiguous()  # the K-th largest, K = 1..
+    # how many are >= the K-th: all but those below it ([tokens, K_MAX], never [tokens, K_MAX, vocab])
+    return (z.shape[-1] - torch.searchsorted(asc, kth, side="left")).cpu()
+
+
+def _one_filter(fits, heads, j, kept=None) -> bool:
     """Do the raised tokens' kept prefixes [error, k, mass before, mass through, diff] come from one
     top-k K and one top-p p? top-p keeps the smallest prefix whose mass reaches p, measured after
     top-k renormalised the K kept (transformers' TopPLogitsWarper after TopKLogitsWarper; vLLM's
     top-k/top-p sampler): a token whose prefix k < K has before < p * M_K <= through, M_K the
     mass of the first K; one whose k = K only before < p * M_K (top-k cut it first). K runs from
-    the largest prefix to K_MAX, and without a top-k (M = 1, K the largest prefix)."""
+    the largest prefix to K_MAX, and without a top-k (M = 1, K the largest prefix). A top-K keeps the
+    tokens tied with its K-th too (`kept`: per token, how many for each K), so M_K is the mass of
+    that many and k = K means k reaches them: with bf16 logits ties are common (a Gemma2 saved in
+    bf16, T=0.9, top_k=40, top_p=0.95: one row kept 41, and no one K fitted every row)."""
     import torch
 
     f = torch.tensor(fits, dtype=torch.float64)
@@ -299,7 +318,17 @@ def _one_filter(fits, heads, j) -> bool:
     if any(h is None for h in heads):
         return False
     cols = torch.stack([h[j] for h in heads]).double()  # [raised tokens, K_MAX]: mass of the first K
-    return any(consistent(cols[:, K - 1], K) for K in range(kmax, min(K_MAX, cols.shape[1]) + 1))
+    n = min(K_MAX, cols.shape[1])
+    if any(c is None for c in (kept or [None])):
+        return any(consistent(cols[:, K - 1], K) for K in range(kmax, n + 1))
+    kept = torch.stack(list(kept))[:, :n].long()  # [raised tokens, K]: kept by a top-K, ties included
+    for K in range(1, n + 1):
+        c = kept[:, K - 1]
+        if bool((c > n).any()) or bool((k > c).any()):  # ties past the masses held, or a prefix beyond it
+            continue
+        if consistent(cols.gather(1, (c - 1)[:, None])[:, 0], c):
+            return True
+    return False
 
 
 def _k_fit(st) -> dict:

@@ -197,7 +197,10 @@ def _untried(rc, batch: int, decodable: bool = True) -> str:
         out.append(f"--micro-batch {batch} (the engine's batch, in one call)")
     if rc.attention == ("auto",):
         if str(rc.model).strip().startswith("hf:"):
-            out.append("--attention eager,sdpa")
+            if _own_attention(str(rc.model).strip()[3:]) != "eager":
+                out.append("--attention eager,sdpa")
+            # else: auto ran eager already, and transformers has no SDPA for the model (Gemma2): the
+            # two configurations would be auto's bits and `unavailable`
         else:  # eager is only hf: models' to switch, and sdpa is what auto runs here
             out.append("--attention auto,sdpa-math,sdpa-flash (the SDPA backend, where the model calls "
                        "F.scaled_dot_product_attention)")
@@ -212,6 +215,17 @@ def _untried(rc, batch: int, decodable: bool = True) -> str:
         out.append(f"--padding {_vals(rc.padding)},compiled (generate(cache_implementation=\"static\") without "
                    "disable_compile compiles its decode steps on a GPU)")
     return ", ".join(out)
+
+
+def _own_attention(path: str) -> str | None:
+    """The attention `--attention auto` ran for hf:DIR (eager where transformers has no SDPA path),
+    or None where it cannot be read."""
+    try:
+        from tpdiag.models.hf import attention_of
+
+        return attention_of(path)
+    except Exception:  # noqa: BLE001 - a hint, never a failed report: propose both as before
+        return None
 
 
 def _vals(xs) -> str:

@@ -10,11 +10,22 @@ from tpdiag.runner.batch import IGNORE
 
 
 def default_loss(logits, labels):
-    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE)
+    """The mean cross-entropy over the labelled tokens, in float32 from the logits upcast (an
+    exact cast), as the user's trainer computes it: transformers' ForCausalLMLoss (`.loss`),
+    torchtitan's cross_entropy_loss and Megatron's vocab-parallel cross-entropy all upcast first.
+    A bf16 cross-entropy rounds each token's log-softmax to 8 bits and backpropagates another
+    function's grads - not the user's step. A vocab shard (a DTensor under loss_parallel) keeps
+    its placement through the cast. Memory: tokens x vocab x 4 bytes, as in the user's trainer."""
+    return F.cross_entropy(upcast(logits.flatten(0, -2)), labels.flatten(), ignore_index=IGNORE)
+
+
+def upcast(logits):
+    """16-bit logits to float32 (exact); float32 and float64 as they are."""
+    return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
 
 # float32 elements of one upcast block of 16-bit logits: [T, V] is upcast a few hundred rows at a time
-# (152k-wide vocab: ~440 rows, 256 MiB), never whole (llama-1b at 8 x 4096 tokens: 17 GB)
+# (152k-wide vocab: ~440 rows, 256 MiB), never whole (8 x 4096 tokens of Llama 3's 128k vocab: 17 GB)
 CHUNK_ELEMENTS = 1 << 26
 
 
@@ -28,8 +39,7 @@ def token_logprobs(logits, labels):
     lo, lab = logits.flatten(0, -2), labels.flatten()
     if lo.dtype not in (torch.bfloat16, torch.float16) or type(lo) is not torch.Tensor:
         # float32 or float64 as they are; a DTensor (a vocab shard under loss_parallel) in one call
-        lo = lo.float() if lo.dtype in (torch.bfloat16, torch.float16) else lo
-        return -F.cross_entropy(lo, lab, ignore_index=IGNORE, reduction="none")
+        return -F.cross_entropy(upcast(lo), lab, ignore_index=IGNORE, reduction="none")
     rows = max(1, CHUNK_ELEMENTS // max(lo.shape[-1], 1))
     return torch.cat([-F.cross_entropy(lo[a:a + rows].float(), lab[a:a + rows], ignore_index=IGNORE,
                                        reduction="none") for a in range(0, lo.shape[0], rows)])

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tpdiag.errors import BadInput
 from tpdiag.fixes.registry import carry_fixes
+from tpdiag.runner.losses import upcast
 
 IGNORE = -100
 
@@ -58,8 +59,9 @@ def piece_loss(target, loss_fn, logits, local_logits, labels, n_total, invariant
         from tpdiag.kernels import tree, vocab_ce
 
         lp = vocab_ce.token_logprobs(logits, labels, tree.n_groups(), target.vocab_size)
-        return -(lp.sum() / n_total).to(logits.dtype)
-    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE,
+        return -(lp.sum() / n_total).to(vocab_ce.loss_dtype(logits.dtype))
+    # float32 from 16-bit logits, as the one-piece loss (runner/losses.default_loss)
+    return F.cross_entropy(upcast(logits.flatten(0, -2)), labels.flatten(), ignore_index=IGNORE,
                            reduction="sum") / n_total
 
 
@@ -68,7 +70,9 @@ def step_loss(lps: list[torch.Tensor], n_total, dtype) -> torch.Tensor:
     reference's token order, reduced once as its invariant cross-entropy reduces them
     (vocab_ce.cross_entropy) - the reference's bits, where the pieces' shares added would be
     another summation order (the loss's counterpart of the weight grads' fp32 carry)."""
-    return -(torch.cat(lps).sum() / n_total).to(dtype)
+    from tpdiag.kernels.vocab_ce import loss_dtype
+
+    return -(torch.cat(lps).sum() / n_total).to(loss_dtype(dtype))
 
 
 def n_tokens(labels) -> torch.Tensor:

@@ -66,7 +66,7 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
     rec.world = world
     rec.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     batch, labels, forward = _inputs(cfg, target, model, device, rec, decode_check, decode_only_check)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=False) if cfg.backward else None
+    opt = update.optimizer(model, cfg.lr) if cfg.backward else None
     timings["build_s"] = time.perf_counter() - t0
 
     with ExitStack() as stack:
@@ -80,6 +80,9 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
                 rec.add("batch", "model", k, v)
             rec.add("batch", "model", "labels", labels)
             record_params(rec, model, "param_init", target.plan, include)
+            from tpdiag.probes.own_params import mark_recorded
+
+            mark_recorded(model)
         t1 = time.perf_counter()
         timings["phases_s"] = phases.marks
         from tpdiag.runner import micro
