@@ -393,7 +393,9 @@ FILE_SECONDS = {
     "test_ffn_hidden_norm.py": 18,
     # session 19 (helper hstep19): four bf16 compares of 3 steps at TP=1,2; `pytest -n 0 FILE` took 351 s
     # wall at a load average of ~24 on the shared machine - an estimate, for ordering only
-    "test_later_step.py": 100,
+    # + session 19 (helper hreview19): three more (mega_split split_ok, split_noreduce: 123 s wall for the
+    # two; moe_bwd_bug shared_beside)
+    "test_later_step.py": 190,
     # session 19 (helper hanchor19): two tiny-llama bf16 compares of 3 steps at TP=1,2 (~110 s each alone,
     # 225 s two at once on the loaded 2-core machine) - an estimate, for ordering only
     "test_drift_llama.py": 60,

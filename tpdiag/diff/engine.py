@@ -267,9 +267,10 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         if content is not None:
             contents[key] = content
         if oa.rank_consistent is False:
-            if row.get("rank_partial_sum") and om["phase"] == "forward":
+            if om["phase"] == "forward":
                 # the ranks' bytes: a module output that is the very input its consumer reduces
-                # (partials.reduced_outputs) is told by them
+                # (partials.reduced_outputs) is told by them - shares that add up to the reference, or
+                # at a step whose weights differ any (partials.updated_steps: they add up to this side's sum)
                 row["shares_hash"] = (om.get("hash"), om.get("stored_hash"))
             if row.get("rank_partial_sum") and om["kind"] == "grad_out":
                 # an activation grad each rank holds as its share of a sum reduced later in
@@ -285,6 +286,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     partials.reduced(rows, tensors, uncompared)
     partials.reduced_outputs(rows, tensors, uncompared)
     partials.reduced_after_backward(rows, tensors, uncompared)
+    partials.drifted_grad_shares(rows, uncompared)
     rank_local.inside_combined(rows, tensors, uncompared)
     # a forward-only world (a decode configuration beside a reference that ran the whole step)
     # has no backward or optimizer records to miss

@@ -29,7 +29,7 @@ from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layou
 from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN, WHY_LOSS_REDUCED,  # noqa: F401
                                  WHY_MICRO_BATCH, WHY_NOISE, WHY_TP1)
 from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, PICK_OPS, SDPA_OPS, is_op_of
-from tpdiag.diff.scale import narrowed_why, near_shares_why, scale_why, shares_why
+from tpdiag.diff.scale import drifted_shares_why, narrowed_why, near_shares_why, scale_why, shares_why
 # the evidence, the verdict and the predicates and reasons the rules below are written in
 from tpdiag.diff.judge_evidence import (Evidence, Rule, Verdict, baseline_cause, judged_far, judged_near,
                                         why_at_op, _attention_op_why, _axis_applies, _caller_why, _caller_near_why,
@@ -195,6 +195,11 @@ RULES: list[Rule] = [
     Rule("shares near the reference, not element by element",
          lambda ev, b: _row(ev, "rank_consistent") is False and bool(_row(ev, "rank_partial_near")),
          lambda ev, b: "unknown", lambda ev, b: near_shares_why(_row(ev, "rank_partial_near"))),
+    # ... and the same activation grad at a step whose weights differ, shown shares at the first step
+    # (diff/partials.drifted_grad_shares): they add up to this side's drifted sum - neither shown
+    Rule("shares at a step whose weights differ",
+         lambda ev, b: _row(ev, "rank_consistent") is False and bool(_row(ev, "rank_partial_drifted")),
+         lambda ev, b: "unknown", lambda ev, b: drifted_shares_why(_row(ev, "rank_partial_drifted"))),
     Rule("ranks differ", lambda ev, b: _row(ev, "rank_consistent") is False,
          lambda ev, b: "rank-inconsistent-replica", lambda ev, b: (_row(ev, "replica_read") or {}).get("why")),
     Rule("beyond its rounding bound", lambda ev, b: bool(_row(ev, "beyond_bound")), lambda ev, b: "sharding-bug",

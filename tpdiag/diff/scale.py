@@ -157,3 +157,12 @@ def near_shares_why(near: dict) -> str:
             "and the terms that cancel in it (a softmax backward's p (g - sum p g)) are not recorded, so "
             f"neither rounding nor a wrong share is shown (within {near['band']:.2e}, 4 roundings of the "
             "tensor's largest |shares| + |reference|, a bound that would pass a wrong share too)")
+
+
+def drifted_shares_why(drifted: dict) -> str:
+    """An activation grad shown each rank's share of a sum at step `shares_at`, at a later step whose
+    weights differ (diff/partials.drifted_grad_shares): not judged, with the reason."""
+    return (f"each rank's share of a sum the backward reduces later (so shown at step {drifted['shares_at']}), "
+            "at a step whose weights differ from the reference's (each side's own optimizer update): the shares "
+            "add up to this side's own sum, which the records do not hold, not the reference's - neither a "
+            "replica's bug nor rounding is shown")
