@@ -5,7 +5,7 @@ from __future__ import annotations
 from tpdiag.diff.judge import describe
 
 
-def broken_ties(entry: dict, rows: list[dict], broken: list, label: str) -> None:
+def broken_ties(entry: dict, rows: list[dict], broken: list, label: str, hint: str = "") -> None:
     """A weight the reference shares between modules that this degree's plan split into separate
     parameters (models/ties.py): a sharding bug at the first such parameter's weight grad - its
     grad holds only its own module's uses - whatever its numbers' bound says."""
@@ -20,8 +20,27 @@ def broken_ties(entry: dict, rows: list[dict], broken: list, label: str) -> None
              "bound": row.get("bound"), "bound_ratio": row.get("bound_ratio"), "key": row["key"],
              "detail": f"the plan split the weight tie {' = '.join(names)} into {len(names)} parameters at "
                        f"TP={label}: each gets only its own module's grad (the reference sums every use "
-                       "into one) and they are trained apart from the first optimizer step"}
+                       "into one) and they are trained apart from the first optimizer step" + hint}
+        f["split_tie"] = names
         f = describe(row, f, broken_tie=True)
         entry["findings"] = [g for g in entry["findings"] if g.get("key") != row["key"]]
         entry["findings"].insert(0, f)
         entry["status"] = "divergent"
+
+
+def split_of(ref_dir: str, other_dir: str) -> list[list[str]] | None:
+    """The ties a diff of two captures names split (diff/runs.lost_ties), re-derived from their
+    manifests for the gate (diff/recheck.py); None where either is no capture (a compare world)."""
+    import os
+
+    from tpdiag.records.paths import RunDir
+
+    if not all(os.path.isfile(RunDir(d).manifest) for d in (ref_dir, other_dir)):
+        return None
+    from tpdiag.diff.runs import lost_ties, read_capture
+
+    try:
+        a, b = read_capture(ref_dir), read_capture(other_dir)
+        return lost_ties(a, b) or None
+    except (KeyError, TypeError, AttributeError):
+        return None  # not a capture manifest: the diff refused it, nothing to re-derive
