@@ -288,7 +288,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             rs = RecordSet(dirs[base])
             read.append((base, rs))
             dd = diff_degree(ref_rs, rs, base, keep=lambda m: False, values=False)
-            differs = bool(dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows))
+            differs = bool(dd.missing or dd.unmatched or dd.shape_break or any(not r["bitwise"] for r in dd.rows))
         except Inconclusive as e:  # NotComparable too
             if base_reproducible:
                 problems[base] = str(e).splitlines()[0]

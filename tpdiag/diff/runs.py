@@ -161,21 +161,6 @@ def _refuse_lost_tie(a: dict, b: dict, name_a: str, name_b: str) -> None:
                     "after the plan (docs/capture.md, 'Tied embeddings')")
 
 
-def lost_ties(a: dict, b: dict) -> list[list[str]]:
-    """The ties of the reference capture `a` that are weights of their own in `b` ([first, alias]
-    each), where that is the only difference of their parameter names: a plan that split a tie at
-    b's degree. The shared names' records compare as usual - the first's weight grad at b lacks the
-    alias's uses - so the diff names it there (diff/weight_ties.py) instead of refusing the pair."""
-    tied = a["model"]["fingerprint"].get("tied") or {}
-    own = b["model"]["fingerprint"]["params"]
-    names = list(a["model"]["fingerprint"]["params"])
-    split = [[first, alias] for alias, first in tied.items() if alias in own and first in own]
-    aliases = {alias for _, alias in split}
-    if not split or [n for n in own if n not in aliases] != names or (b["model"]["fingerprint"].get("tied") or {}):
-        return []
-    return split
-
-
 def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN_B") -> list[list[str]]:
     """Raise NotComparable naming the first difference that makes a diff meaningless; return the
     weight ties the reference holds that b's plan split (lost_ties), which the diff names a finding."""
@@ -189,6 +174,8 @@ def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN
         refuse("model class", ca, cb)
     fa, fb = a["model"]["fingerprint"]["params"], b["model"]["fingerprint"]["params"]
     na, nb = list(fa), list(fb)
+    from tpdiag.diff.weight_ties import lost_ties
+
     split = lost_ties(a, b) if na != nb else []
     if na != nb and not split:
         _refuse_lost_tie(a, b, name_a, name_b)

@@ -28,8 +28,24 @@ def broken_ties(entry: dict, rows: list[dict], broken: list, label: str, hint: s
         entry["status"] = "divergent"
 
 
+def lost_ties(a: dict, b: dict) -> list[list[str]]:
+    """The ties of the reference capture `a` that are weights of their own in `b` ([first, alias]
+    each), where that is the only difference of their parameter names: a plan that split a tie at
+    b's degree. The shared names' records compare as usual - the first's weight grad at b lacks the
+    alias's uses - so the diff names it there (broken_ties) instead of refusing the pair (diff/runs.py)."""
+    tied = a["model"]["fingerprint"].get("tied") or {}
+    own = b["model"]["fingerprint"]["params"]
+    names = list(a["model"]["fingerprint"]["params"])
+    split = [[first, alias] for alias, first in tied.items() if alias in own and first in own]
+    aliases = {alias for _, alias in split}
+    kept = b["model"]["fingerprint"].get("tied") or {}
+    if not split or [n for n in own if n not in aliases] != names or any(tied.get(k) != v for k, v in kept.items()):
+        return []
+    return split
+
+
 def split_of(ref_dir: str, other_dir: str) -> list[list[str]] | None:
-    """The ties a diff of two captures names split (diff/runs.lost_ties), re-derived from their
+    """The ties a diff of two captures names split (lost_ties), re-derived from their
     manifests for the gate (diff/recheck.py); None where either is no capture (a compare world)."""
     import os
 
@@ -37,10 +53,12 @@ def split_of(ref_dir: str, other_dir: str) -> list[list[str]] | None:
 
     if not all(os.path.isfile(RunDir(d).manifest) for d in (ref_dir, other_dir)):
         return None
-    from tpdiag.diff.runs import lost_ties, read_capture
+    from tpdiag.base import files as io
 
     try:
-        a, b = read_capture(ref_dir), read_capture(other_dir)
+        a, b = (io.read_json(RunDir(d).manifest) for d in (ref_dir, other_dir))
+        if not all(m.get("tool") == "tpdiag.capture" for m in (a, b)):
+            return None
         return lost_ties(a, b) or None
-    except (KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # not a capture manifest: the diff refused it, nothing to re-derive
