@@ -6,11 +6,15 @@ loss_parallel, output tied to the embedding) and 3-step AdamW loop with clipping
   TP=1 and at TP=2; TP=1 and TP=2 themselves differ (the comparison can fail);
 - the correct plan reads rounding only; clipping by the local shards' norm reads BUG at the grad
   norm (rank-inconsistent-replica), gate 4;
-- an output tied before the plan (two weights at TP=2) is refused naming the lost tie: main at
-  bfa4899 said only "parameter: absent in RUN_A vs 'output.weight' in RUN_B";
+- an output tied before the plan (two weights at TP=2) reads BUG (sharding-bug) at the tied weight's
+  grad, naming the split tie, gate 4: main at 3c46cde refused it (exit 2, the lost tie named);
 - the attention left without its sequence-parallel input layout (each rank attends over its own
-  positions) is refused saying the ranks hold part of the reference's elements: main at bfa4899
-  said only "shards of shape [2, 4, 16] at TP=2 cannot be gathered into [2, 8, 32]"."""
+  positions) reads BUG (sharding-bug) at layers.0.attention.wq's output, the first record the ranks
+  hold only part of, every record after it not compared, gate 4: main at 3c46cde refused it (exit 2,
+  "the ranks hold 256 of its 512 elements");
+- either verdict edited out of summary.json is inconclusive at the gate (exit 2), never a pass.
+`tpdiag compare` on the same mistakes: tests/test_tt_sp_compare.py."""
+import csv
 import json
 
 import pytest
@@ -73,21 +77,88 @@ def test_clip_by_local_shards_reads_bug_at_the_grad_norm(captures, tmp_path):
     assert run_cli("gate", str(out), "--allow", "rounding").returncode == 4
 
 
-def test_tie_lost_by_the_plan_is_named(captures, tmp_path):
+def _gate(out) -> int:
+    return run_cli("gate", str(out), "--allow", "rounding").returncode
+
+
+def _edited(out, tmp_path, name, edit) -> int:
+    """The gate's exit code on a copy of diff `out` whose summary.json `edit` changed."""
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(out, copy)
+    s = json.loads((copy / "summary.json").read_text())
+    edit(s, s["degrees"]["2"])
+    (copy / "summary.json").write_text(json.dumps(s))
+    return _gate(copy)
+
+
+def _as_rounding(s, e):
+    s["class"] = e["class"] = "rounding"
+
+
+def test_tie_split_by_the_plan_reads_bug_at_the_tied_grad(captures, tmp_path):
     m = json.loads((captures / "1-none" / "manifest.json").read_text())
     assert m["model"]["fingerprint"]["tied"] == {"output.weight": "tok_embeddings.weight"}
     p, out = _diff(captures, tmp_path, "2-tie_before")
-    lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
-    assert p.returncode == 2 and len(lines) == 1, p.stderr + p.stdout
-    assert ("parameter 'output.weight': the same weight as 'tok_embeddings.weight' (tied)" in lines[0]
-            and "the tie was lost there" in lines[0] and "tie them after the plan" in lines[0]), lines[0]
-    assert not out.exists()
+    assert p.returncode == 0, p.stdout + p.stderr
+    s = json.loads((out / "summary.json").read_text())
+    e = s["degrees"]["2"]
+    assert s["class"] == "bug" and e["ties_split"] == [["tok_embeddings.weight", "output.weight"]], e
+    f = next(f for f in e["findings"] if f.get("split_tie"))
+    assert (f["cause"], f["kind"], f["module"], f["name"]) == ("sharding-bug", "param_grad", "tok_embeddings", "weight"), f
+    assert "split the weight tie tok_embeddings.weight = output.weight" in f["detail"], f
+    assert "tie them after the plan" in f["detail"] and "output.weight" in p.stdout, p.stdout
+    # the forward before it compares as rounding: the two weights start equal
+    assert e["first_divergence"]["phase"] == "forward" and e["first_divergence"]["cause"] != "sharding-bug"
+    assert _gate(out) == 4
+
+    def drop(s, e):
+        _as_rounding(s, e)
+        e["findings"] = [g for g in e["findings"] if not g.get("split_tie")]
+
+    def drop_both(s, e):
+        drop(s, e)
+        del e["ties_split"]
+
+    assert _edited(out, tmp_path, "drop", drop) == 2
+    assert _edited(out, tmp_path, "drop_both", drop_both) == 2
 
 
-def test_attention_on_local_positions_says_the_ranks_hold_part(captures, tmp_path):
+def test_attention_on_local_positions_reads_bug_at_wq(captures, tmp_path):
     p, out = _diff(captures, tmp_path, "2-sp_noprep")
-    lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
-    assert p.returncode == 2 and len(lines) == 1, p.stderr + p.stdout
-    assert "layers.0.attention.wq/out" in lines[0], lines[0]
-    assert "the 2 ranks hold 256 of its 512 elements together" in lines[0], lines[0]
-    assert "input_layouts" in lines[0], lines[0]
+    assert p.returncode == 0, p.stdout + p.stderr
+    s = json.loads((out / "summary.json").read_text())
+    e = s["degrees"]["2"]
+    key = "s0/forward/layers.0.attention.wq/out#0/0"
+    fd = e["first_divergence"]
+    assert s["class"] == "bug" and (fd["key"], fd["cause"]) == (key, "sharding-bug"), fd
+    assert "the 2 ranks hold 256 of its 512 elements together" in fd["why"] and "input_layouts" in fd["why"], fd
+    assert [f["key"] for f in e["findings"]] == [key] and e["findings"][0]["cause"] == "sharding-bug", e["findings"]
+    # every record before it gathered bitwise equal: its inputs were the reference's
+    rows = [r for r in csv.DictReader((out / "diff.csv").open())]
+    assert rows and all(r["bitwise"] == "True" for r in rows), [r["key"] for r in rows if r["bitwise"] != "True"]
+    assert any(r["key"] == "s0/forward/layers.0.attention.wq/in#0/0" for r in rows)
+    # nothing after it is compared, so nothing after it reads rounding
+    n = e["shape_break"]["not_compared_after"]
+    assert e["shape_break"]["key"] == key and n > 50, e["shape_break"]
+    assert e["not_compared"]["why"]["past the first record the ranks hold only part of"] == n, e["not_compared"]
+    assert not any(r["phase"] == "backward" for r in rows)
+    assert _gate(out) == 4
+
+    def drop(s, e):
+        _as_rounding(s, e)
+        e["findings"], e["first_divergence"] = [], None
+
+    def drop_both(s, e):
+        drop(s, e)
+        del e["shape_break"]
+
+    def relabel(s, e):
+        _as_rounding(s, e)
+        for f in e["findings"] + [e["first_divergence"]]:
+            f["cause"] = "row-parallel-reduction"
+            f.pop("why", None)
+
+    for name, edit in (("drop", drop), ("drop_both", drop_both), ("relabel", relabel)):
+        assert _edited(out, tmp_path, name, edit) == 2, name

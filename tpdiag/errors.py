@@ -38,6 +38,12 @@ class NotComparable(Inconclusive):
     """Two captures that cannot be compared (different model, shapes, seeds, dtypes)."""
 
 
+class ShortOfWhole(NotComparable):
+    """A record the ranks together hold fewer elements of than the reference's (records/layout.py):
+    no layout gathers it, and no rounding changes a shape - the plan computed part of what the
+    reference computed there (diff/shape_break.py names it where it is the first such record)."""
+
+
 class MalformedKey(Inconclusive):
     """A record key that is not `s{step}/{phase}/{module}/{kind}#{call}[/{name}]` (records/keys.py)."""
 

@@ -46,7 +46,9 @@ def per_rank_why(inside: list, ops=()) -> str:
             + (f" (and the op streams that differ per rank with it: {', '.join(ops)})" if ops else ""))
 
 
-def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = True) -> tuple[dict, list[dict]]:
+def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = True,
+                   split_ties=()) -> tuple[dict, list[dict]]:
+    """split_ties: the reference capture's weight ties this side's plan split (diff/runs.lost_ties)."""
     dd = diff_degree(ref, other, label, values=values)
     # A reference at TP=R > 1 rounds its own R partial sums too: its share joins the bound.
     ref_degree = int(ref.world.get("degree", 1))
@@ -88,8 +90,17 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
           for k, v in w["not_carried"].items()}
     if nc:
         entry["not_carried"] = dict(sorted(nc.items()))
+    if dd.shape_break is not None:
+        from tpdiag.diff import shape_break
+
+        shape_break.name(entry, dd, other)
     broken = other.world.get("ties_broken")
-    if broken and not ref.world.get("ties_broken"):
+    if split_ties:
+        # the gate re-derives these from the two captures' manifests (diff/weight_ties.split_of)
+        entry["ties_split"] = [list(g) for g in split_ties]
+        broken_ties(entry, dd.rows, split_ties, label,
+                    "; tie them after the plan (docs/capture.md, 'Tied embeddings')")
+    elif broken and not ref.world.get("ties_broken"):
         broken_ties(entry, dd.rows, broken, label)
     from tpdiag.diff import dropped_hooks
 

@@ -7,7 +7,7 @@ from tpdiag.diff import flat_rows, measure, op_streams, pair_memo, partials, ran
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.diff.left_out import _inside_block, per_piece_blocks, per_rank_blocks
 from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
-from tpdiag.errors import NotComparable
+from tpdiag.errors import NotComparable, ShortOfWhole
 from tpdiag.records.layout import assemble, first_positions, local_shape, vocab_padded, vocab_padded_dim
 from tpdiag.records.keys import ROOTS
 from tpdiag.records.store import RecordSet
@@ -63,6 +63,9 @@ class DegreeDiff:
     # the trainer's logprob recipe the logprobs took (world.json config: logprob, trainer_temperature,
     # temperature_in; runner/recipe.py): their bound's (diff/loss_bounds.py); {} the default
     recipe: dict = field(default_factory=dict)
+    # the first record the ranks hold only part of (records/layout.ShortOfWhole): {key, why}; every
+    # record after it is left uncompared (diff/shape_break.py names it a finding)
+    shape_break: dict | None = None
 
 
 def _recipe(world) -> dict:
@@ -137,6 +140,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     other_algorithm = op_streams.other_algorithm(ref, other)
     # a capture has no float64 re-execution to judge its records past the first divergence
     captured = any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other))
+    shape_break = None
     updates = None
     if captured and values:
         from tpdiag.diff.scale import Updates
@@ -158,6 +162,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 uncompared.append(extra)
             continue
         seen.add(key)
+        if shape_break is not None:
+            # past a record that holds part of the reference's: what follows was computed from it at
+            # this degree (or by a plan already shown wrong) - no comparison of it is evidence either way
+            uncompared.append({**om, "why": f"past the first record the ranks hold only part of ({shape_break['key']})"})
+            continue
         if om["kind"] == "op" and key in other_algorithm:
             # the n-th add of one algorithm is not the n-th add of another: the phase's own records
             # (loss, logprobs, grad norm, params) compare what both computed
@@ -216,6 +225,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 continue
             if _after_flip(rows):
                 uncompared.append({**om, "why": "after a router flip: expert token counts differ"})
+                continue
+            if isinstance(e, ShortOfWhole) and not om.get("positions"):
+                # no rounding changes a shape: the ranks computed part of what the reference did here
+                shape_break = {"key": key, "why": str(e)}
+                uncompared.append({**om, "why": "the ranks hold only part of the reference's record"})
                 continue
             raise NotComparable(f"TP={label}: {e}") from None
         if om["kind"] == "op" and oa.rank_consistent is False and not om.get("placement"):
@@ -295,7 +309,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"
                and m["phase"] not in skip and not _inside_block(m, per_rank)]
     dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents,
-                    hash_version=ref.hash_version, captured=captured, recipe=_recipe(other.world))
+                    hash_version=ref.hash_version, captured=captured, recipe=_recipe(other.world),
+                    shape_break=shape_break)
     if oracle_metas:
         from tpdiag.diff.oracle import target_key
         from tpdiag.records.keys import root_of

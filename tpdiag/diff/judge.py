@@ -45,6 +45,10 @@ FLIP_UNSHOWN = "far with a discrete choice inside, no flip shown"
 # ---- the rules, first match wins ----------------------------------------------------------
 
 RULES: list[Rule] = [
+    # the ranks together hold fewer elements than the reference's record: no reordering changes a
+    # shape, and no rerun or fix can make a record bitwise that cannot be gathered
+    Rule("the ranks hold part of the record", lambda ev, b: ev.short_of_whole is not None,
+         lambda ev, b: "sharding-bug", lambda ev, b: ev.short_of_whole),
     # a grad hook of the user's that runs at the reference and not here (the plan replaced its
     # parameter): the degrees train different functions, whatever a rerun or a fix shows
     Rule("a grad hook the plan dropped", lambda ev, b: ev.dropped_hook is not None,

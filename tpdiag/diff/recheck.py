@@ -85,6 +85,8 @@ def recomputed(ref, other, label: str, values: bool = True, also=frozenset()):
     tensors to hold too (not_judged's listed grads)."""
     from tpdiag.diff.analyse import _scalar, step_drift
     from tpdiag.diff.engine import diff_degree
+    from tpdiag.diff import shape_break
+    from tpdiag.diff.weight_ties import split_of
     from tpdiag.diff.locate import logprob_stats, nonfinite_summary
 
     dd = diff_degree(ref, other, label, keep=lambda m: _keep(m) or m.get("key") in also, values=values)
@@ -100,6 +102,10 @@ def recomputed(ref, other, label: str, values: bool = True, also=frozenset()):
         "unmatched": dd.unmatched[:50],
         "missing": dd.missing[:50],
         "nonfinite": nonfinite_summary(dd.rows),
+        # the first record the ranks hold only part of: its key the records give (diff/shape_break.py)
+        "shape_break": shape_break.brief(dd),
+        # the weight ties the reference capture holds that this side's plan split (diff/weight_ties.py)
+        "ties_split": split_of(getattr(ref, "dir", ""), getattr(other, "dir", "")),
     }
     steps = step_drift(dd)
     got["steps"] = steps if len(steps) > 1 else None
@@ -282,7 +288,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             rs = RecordSet(dirs[base])
             read.append((base, rs))
             dd = diff_degree(ref_rs, rs, base, keep=lambda m: False, values=False)
-            differs = bool(dd.missing or dd.unmatched or any(not r["bitwise"] for r in dd.rows))
+            differs = bool(dd.missing or dd.unmatched or dd.shape_break or any(not r["bitwise"] for r in dd.rows))
         except Inconclusive as e:  # NotComparable too
             if base_reproducible:
                 problems[base] = str(e).splitlines()[0]

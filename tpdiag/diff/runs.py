@@ -161,8 +161,9 @@ def _refuse_lost_tie(a: dict, b: dict, name_a: str, name_b: str) -> None:
                     "after the plan (docs/capture.md, 'Tied embeddings')")
 
 
-def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN_B") -> None:
-    """Raise NotComparable naming the first difference that makes a diff meaningless."""
+def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN_B") -> list[list[str]]:
+    """Raise NotComparable naming the first difference that makes a diff meaningless; return the
+    weight ties the reference holds that b's plan split (lost_ties), which the diff names a finding."""
     def refuse(what: str, va, vb):
         raise NotComparable(f"captures not comparable: {what}: {va} in {name_a} vs {vb} in {name_b}")
 
@@ -173,7 +174,10 @@ def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN
         refuse("model class", ca, cb)
     fa, fb = a["model"]["fingerprint"]["params"], b["model"]["fingerprint"]["params"]
     na, nb = list(fa), list(fb)
-    if na != nb:
+    from tpdiag.diff.weight_ties import lost_ties
+
+    split = lost_ties(a, b) if na != nb else []
+    if na != nb and not split:
         _refuse_lost_tie(a, b, name_a, name_b)
         missing = next((n for n in na if n not in fb), None)
         extra = next((n for n in nb if n not in fa), None)
@@ -198,6 +202,7 @@ def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN
         va, vb = a.get("config", {}).get(key), b.get("config", {}).get(key)
         if va != vb:
             refuse(f"capture option {key}", va, vb)
+    return split
 
 
 def default_out(run_b: str) -> str:
@@ -229,10 +234,11 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
         raise NotComparable(f"not comparable: {run_a} is a {ma.get('kind', 'capture')} and {run_b} a "
                             f"{mb.get('kind', 'capture')} (their records are keyed differently); "
                             "diff two compare degrees (RUN_DIR/tpN) or two captures")
+    split = []
     if kinds == {"compare-degree"}:
         check_compare_comparable(ma, mb, run_a, run_b)
     else:
-        check_comparable(ma, mb, run_a, run_b)
+        split = check_comparable(ma, mb, run_a, run_b)
     da, db = int(ma["degree"]), int(mb["degree"])
     ref_label, label = degree_labels((da, db))
     # the compared side's float64 re-executions (tpdiag.capture(oracle=...) at both degrees, one
@@ -241,7 +247,11 @@ def diff_runs(run_a: str, run_b: str, out: str | None = None) -> dict:
     from tpdiag.records.hashing import check_same_hash_version
 
     check_same_hash_version(ref.hash_version, other.hash_version, run_a, run_b)
-    entry, rows = analyse_degree(ref, other, label)
+    entry, rows = analyse_degree(ref, other, label, split_ties=split)
+    if split and not any(f.get("split_tie") for f in entry["findings"]):
+        # no weight grad of the tie was compared (a capture without backward or parameters): nothing
+        # shows the split, so the pair stays refused as before
+        _refuse_lost_tie(ma, mb, run_a, run_b)
     if da == db and all(ma.get(k) is not None and ma.get(k) == mb.get(k) for k in SAME_SETUP):
         # the same layout, machine kind and software twice: a difference is run-to-run noise,
         # not a layout cause (across machines it may be the machine: left as located)

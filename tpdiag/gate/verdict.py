@@ -186,8 +186,10 @@ def _beside_rows(lab: str, found: dict, judged: set, fd: dict, policy: Policy, r
         res.checked += 1
         res.violations.append(Violation(lab, f.get("phase", "-"), f.get("module", "-"), op, f.get("kind", "-"),
                                         f.get("name", "-"), f.get("cause") or "unknown", None, f.get("max_abs"),
-                                        "finding of the second pass (a record pass 1 did not hold) and cause not "
-                                        "in allow_causes" if grave == "bug" else
+                                        ("the ranks hold only part of the reference's record (no layout gathers "
+                                         "it) and cause not in allow_causes" if f.get("shape_break") else
+                                         "finding of the second pass (a record pass 1 did not hold) and cause not "
+                                         "in allow_causes") if grave == "bug" else
                                         "NaN or Inf (at one side or both): no budget or cause allows it",
                                         f.get("key", ""), beyond=f.get("bound_ratio")))
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpdiag.errors import NotComparable
+from tpdiag.errors import NotComparable, ShortOfWhole
 
 
 @dataclass
@@ -139,8 +139,9 @@ def _gather_padded(meta: dict, shards: list, local: list[int], full: list[int], 
     (TP=1 has none), so they are not compared; a wrong range still shows in the rows kept."""
     d = padded_dim(local, full, n)
     if d is None:
-        raise NotComparable(f"{meta['key']}: shards of shape {local} at TP={n} cannot be gathered "
-                            f"into {full}" + _short_of_whole(local, full, n))
+        short = _short_of_whole(local, full, n)
+        raise (ShortOfWhole if short else NotComparable)(
+            f"{meta['key']}: shards of shape {local} at TP={n} cannot be gathered into {full}" + short)
     return Assembled(torch.cat(shards, dim=d).narrow(d, 0, full[d]), kept, f"shard:{d}", None)
 
 
