@@ -100,8 +100,16 @@ def test_a_spread_between_ranks_is_not_set_against_the_references_bound(runs):
     It read "max abs between ranks 2.65e-05 > bound 2.55e-02": the bound is against the reference,
     the spread is between the ranks' losses - and it is not even above it."""
     s, stdout, _ = runs["zloss_local_bf16"]
-    line = next(x for x in stdout.splitlines() if x.startswith("finding TP=2: loss"))
-    assert "rank-inconsistent-replica, max abs between ranks" in line and "bound" not in line, line
+    lines = [x for x in stdout.splitlines() if x.startswith("finding TP=2: loss")]
+    if lines:
+        line = lines[0]
+        assert "rank-inconsistent-replica, max abs between ranks" in line and "bound" not in line, line
+    else:
+        # on a CPU where the logprobs come out bitwise (an AMD EPYC without AVX-512, at 00909fb too) the
+        # loss is the first divergence itself: its table row must say the same - a spread between ranks,
+        # no bound of the reference's beside it
+        row = next(x for x in stdout.splitlines() if x.startswith("2 ") and "loss:" in x)
+        assert "rank-inconsistent-replica" in row and "between ranks" in row and " / " not in row, row
 
 
 def test_a_rotary_on_the_flat_projection_is_named_at_its_op_in_bf16(runs):

@@ -41,6 +41,14 @@ def test_a_loss_over_whole_logits_is_not_named_a_vocab_parallel_softmax(runs):
     of the vocab is split, and that fix never confirmed. The cause is the loss's own cross-rank sum."""
     s, stdout, gate = runs["sp_token_mean"]
     fd = s["degrees"]["2"]["first_divergence"]
+    assert "vocab-parallel-softmax" not in stdout
+    if fd["phase"] != "loss":
+        # the 2 ULP are the ranks' partial sums' order against the reference's one sum: on a CPU whose
+        # vector width sums the 8 + 5 tokens in the same order (seen on an AMD EPYC without AVX-512, at
+        # 00909fb too) the loss is bitwise and the first divergence is a later weight grad - no cause
+        # of the loss to check there
+        assert fd["phase"] == "backward" and s["class"] in ("rounding", "identical"), fd
+        pytest.skip("this CPU's summation left the loss bitwise at TP=2: nothing of the loss to name here")
     assert (fd["phase"], fd["kind"]) == ("loss", "loss") and 0 < fd["max_abs"] <= fd["bound"], fd
     assert fd["cause"] == "row-parallel-reduction", fd
     assert "whole on every rank" in stdout and "vocab-parallel-softmax" not in stdout
