@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds, generic_bound, loss_grad, on_device, oracle, oracle_own, pair_memo, rank_partials, router
+from tpdiag.diff import bits, bounds, generic_bound, loss_grad, on_device, oracle, oracle_own, pair_memo, partials, rank_partials, router
 from tpdiag.diff.loss_bounds import loss_bounds
 from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
 from tpdiag.diff.op_verdict import op_verdict
@@ -125,7 +125,7 @@ def _partial_grad_out(dd, row: dict) -> bool:
     """Was this module's output grad left uncompared as an unreduced partial (each rank's share,
     reduced later in the backward by the module's own style: diff/engine.py)?"""
     return any(u.get("module") == row["module"] and u.get("kind") == "grad_out" and u.get("step") == row["step"]
-               and str(u.get("why", "")).startswith("unreduced partial") for u in getattr(dd, "uncompared", ()) or ())
+               and partials.unreduced(u) for u in getattr(dd, "uncompared", ()) or ())
 
 
 def nonfinite_summary(rows: list[dict]) -> dict | None:

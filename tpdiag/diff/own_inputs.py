@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import enclosing
+from tpdiag.diff import enclosing, partials
 from tpdiag.records.keys import ROOTS, RecordKey, record_key, sole_consumer
 # the budget and kinds are the records' (records/own_pass.py reads a run's choice back with them)
 from tpdiag.records.own_pass import OWN_BUDGET_BYTES as BUDGET_BYTES, OWN_KINDS as _KINDS, nbytes
@@ -79,7 +79,7 @@ def modules(dd, first_key: str | None) -> list[str]:
     # one value of this side to re-execute from: from one rank's share its weight grad came out
     # half of what the ranks reduce to, a false BUG at the zoo's dots3 (TP=2)
     partial = {u["module"] for u in getattr(dd, "uncompared", ()) or ()
-               if u.get("kind") in ("in", "grad_out") and str(u.get("why", "")).startswith("unreduced partial")}
+               if u.get("kind") in ("in", "grad_out") and partials.unreduced(u)}
     for r in dd.rows:
         if r["bitwise"] or r.get("rank_consistent") is False or r.get("hash_only") or r.get("nonfinite_mismatch"):
             continue

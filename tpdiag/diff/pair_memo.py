@@ -78,3 +78,19 @@ def of(dd, *keys: str) -> tuple | None:
     """The content keys of these records' pairs in a DegreeDiff (None where one has none)."""
     out = tuple(dd.contents.get(k) for k in keys)
     return None if None in out else out
+
+
+def read_once(device):
+    """Each pair measured once (this module) and each stored tensor hash-checked once (records/checked),
+    on `device` (records/hashing.checks_on; None: the host), for as long as the block runs: the one
+    scope a compare (runner/session) and a gate (gate/once) read a run's records under."""
+    import contextlib
+
+    from tpdiag.records import checked
+    from tpdiag.records.hashing import checks_on
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(session())
+    stack.enter_context(checked.session())
+    stack.enter_context(checks_on(device))
+    return stack

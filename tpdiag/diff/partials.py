@@ -133,6 +133,13 @@ def reduced(rows: list, tensors: dict, uncompared: list) -> None:
 
 
 COMBINED = "the ranks' own values"
+# the reason every unreduced-partial record left uncompared starts with (left_out.SHARE_WHYS too)
+UNREDUCED = "unreduced partial"
+
+
+def unreduced(m: dict) -> bool:
+    """Was this uncompared record left out as an unreduced partial (each rank's share of a sum)?"""
+    return str(m.get("why") or "").startswith(UNREDUCED)
 # starts as left_out.SHARE_WHYS's shares do: a hash-first pass's region pass reads them as shares too
 DRIFTED = ("unreduced partial sum at a step whose weights differ from the reference's (each side's own "
            "optimizer update: the shares add up to this side's sum, not the reference's; the module reduces "
@@ -166,7 +173,7 @@ def reduced_outputs(rows: list, tensors: dict, uncompared: list) -> None:
     "forgotten")."""
     shares = {(m["step"], m["module"], m.get("shares_hash")) for m in uncompared
               if m.get("shares_hash") and (m["phase"], m["kind"]) == ("forward", "in")
-              and str(m.get("why") or "").startswith("unreduced partial")}
+              and unreduced(m)}
     drifted = updated_steps(rows)
     keep = []
     for r in rows:
@@ -253,7 +260,7 @@ def drifted_grad_shares(rows: list, uncompared: list) -> None:
         return (r["module"], r.get("call"), r["name"])
     shares = {where(m): str(m["step"]) for m in uncompared
               if (m.get("phase"), m.get("kind")) == ("backward", "grad_out")
-              and str(m.get("why") or "").startswith("unreduced partial")}
+              and unreduced(m)}
     for r in rows:
         if (r["phase"], r["kind"]) == ("backward", "grad_out") and r.get("rank_partial_near") \
                 and str(r["step"]) not in drifted:

@@ -12,12 +12,10 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
     """started: time.perf_counter() when the command began (its input checks are then the
     breakdown's first part, `checks`)."""
     from tpdiag.diff import pair_memo
-    from tpdiag.records import checked
-    from tpdiag.records.hashing import checks_on
 
     # the own-input pass's diff reads the region diff's pairs again: measured once per compare,
     # each stored tensor hash-checked once per compare (records/checked.py)
-    with pair_memo.session(), checked.session(), checks_on(_check_device(cfg)):
+    with pair_memo.read_once(_check_device(cfg)):
         return _session(cfg, on_status, started)
 
 
