@@ -148,17 +148,16 @@ def _refuse_lost_tie(a: dict, b: dict, name_a: str, name_b: str) -> None:
     """A parameter that is one weight shared by two modules in one capture and a weight of its own
     in the other: the tie was lost - `parallelize_module` gives each module it shards a new
     Parameter, so a weight tied before the plan is two weights after it (trained apart)."""
+    from tpdiag.diff.weight_ties import split_pairs
+
     for (x, nx), (y, ny) in (((a, name_a), (b, name_b)), ((b, name_b), (a, name_a))):
-        tied = x["model"]["fingerprint"].get("tied") or {}
-        own = y["model"]["fingerprint"]["params"]
-        for alias, first in tied.items():
-            if alias in own and first in own:
-                raise NotComparable(
-                    f"captures not comparable: parameter {alias!r}: the same weight as {first!r} "
-                    f"(tied) in {nx}, a weight of its own in {ny} (TP={y.get('degree', 1)}): the tie "
-                    "was lost there - parallelize_module puts a new Parameter in each module it "
-                    "shards, so weights tied before the plan are two weights after it; tie them "
-                    "after the plan (docs/capture.md, 'Tied embeddings')")
+        for first, alias in split_pairs(x, y):
+            raise NotComparable(
+                f"captures not comparable: parameter {alias!r}: the same weight as {first!r} "
+                f"(tied) in {nx}, a weight of its own in {ny} (TP={y.get('degree', 1)}): the tie "
+                "was lost there - parallelize_module puts a new Parameter in each module it "
+                "shards, so weights tied before the plan are two weights after it; tie them "
+                "after the plan (docs/capture.md, 'Tied embeddings')")
 
 
 def check_comparable(a: dict, b: dict, name_a: str = "RUN_A", name_b: str = "RUN_B") -> list[list[str]]:

@@ -28,6 +28,14 @@ def broken_ties(entry: dict, rows: list[dict], broken: list, label: str, hint: s
         entry["status"] = "divergent"
 
 
+def split_pairs(a: dict, b: dict) -> list[list[str]]:
+    """[first, alias] for each weight capture `a` ties (fingerprint `tied`) that is two weights of
+    their own in capture `b`."""
+    tied = a["model"]["fingerprint"].get("tied") or {}
+    own = b["model"]["fingerprint"]["params"]
+    return [[first, alias] for alias, first in tied.items() if alias in own and first in own]
+
+
 def lost_ties(a: dict, b: dict) -> list[list[str]]:
     """The ties of the reference capture `a` that are weights of their own in `b` ([first, alias]
     each), where that is the only difference of their parameter names: a plan that split a tie at
@@ -36,7 +44,7 @@ def lost_ties(a: dict, b: dict) -> list[list[str]]:
     tied = a["model"]["fingerprint"].get("tied") or {}
     own = b["model"]["fingerprint"]["params"]
     names = list(a["model"]["fingerprint"]["params"])
-    split = [[first, alias] for alias, first in tied.items() if alias in own and first in own]
+    split = split_pairs(a, b)
     aliases = {alias for _, alias in split}
     kept = b["model"]["fingerprint"].get("tied") or {}
     if not split or [n for n in own if n not in aliases] != names or any(tied.get(k) != v for k, v in kept.items()):
