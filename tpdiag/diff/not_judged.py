@@ -133,11 +133,10 @@ WEIGHT = ("no check judged it: its module's backward was not re-executed in floa
           "call to re-execute)")
 
 
-def grads_words(nj: dict) -> str:
-    """How many grads summary.json not_judged lists, and of which kind: '3 activation grads', '1 weight
-    grad', '2 activation grads and 1 weight grad' (a weight's grad was called an activation grad). A
-    summary without `weight_grads` counts the param_grad keys it lists; where it lists fewer keys than
-    records the split is unknown: 'N grads'."""
+def _split(nj: dict) -> tuple:
+    """(records, activation grads, weight grads) summary.json not_judged lists; the last two None where
+    the split is unknown (fewer keys listed than records, no valid `weight_grads`). A summary without
+    `weight_grads` counts the param_grad keys it lists."""
     from tpdiag.records.keys import MalformedKey, RecordKey
 
     n = nj.get("records")
@@ -146,14 +145,23 @@ def grads_words(nj: dict) -> str:
     w = nj.get("weight_grads")
     if not isinstance(w, int) or isinstance(w, bool) or not 0 <= w <= n:
         if len(keys) < n:
-            return f"{n} grad{'s' if n != 1 else ''}"
+            return n, None, None
         w = 0
         for k in keys:
             try:
                 w += RecordKey.parse(k).kind == "param_grad"
             except MalformedKey:
                 pass
-    a = n - w
+    return n, n - w, w
+
+
+def grads_words(nj: dict) -> str:
+    """How many grads summary.json not_judged lists, and of which kind: '3 activation grads', '1 weight
+    grad', '2 activation grads and 1 weight grad' (a weight's grad was called an activation grad);
+    'N grads' where the split is unknown."""
+    n, a, w = _split(nj)
+    if a is None:
+        return f"{n} grad{'s' if n != 1 else ''}"
     parts = [f"{a} activation grad{'s' if a != 1 else ''}" if a else "",
              f"{w} weight grad{'s' if w != 1 else ''}" if w else ""]
     return " and ".join(p for p in parts if p) or f"{n} grads"
@@ -161,11 +169,11 @@ def grads_words(nj: dict) -> str:
 
 def grads_kind(nj: dict) -> str:
     """The kind of the grads summary.json not_judged lists, no count: 'activation grads', 'weight grads',
-    'activation and weight grads' (grads_words' split), 'grads' where it is unknown."""
-    w = grads_words(nj)
-    if " and " in w:
-        return "activation and weight grads"
-    return "weight grads" if "weight grad" in w else "activation grads" if "activation grad" in w else "grads"
+    'activation and weight grads', 'grads' where it is unknown."""
+    _, a, w = _split(nj)
+    if not a and not w:
+        return "grads"
+    return "activation and weight grads" if a and w else "weight grads" if w else "activation grads"
 
 
 def grad_words(key: str) -> str:

@@ -152,9 +152,7 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
     if d.get("class") == "unknown" and causes.cause_class(cause) == "rounding":
         # rounding at the first divergence, but what lies past it was not judged (diff/classes.py): the
         # gate fails the run as cause unknown, so the report does not call it harmless
-        from tpdiag.diff.not_judged import moved_beyond
-
-        from tpdiag.diff.not_judged import grads_kind
+        from tpdiag.diff.not_judged import grads_kind, moved_beyond
 
         nj = d.get("not_judged") if isinstance(d.get("not_judged"), dict) else {}
         todo = ("Not judged: " + (f"{grads_kind(nj)} past the first divergence moved beyond rounding and no "
