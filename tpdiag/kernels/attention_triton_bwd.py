@@ -154,6 +154,10 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
     if k.shape[2] == 0:  # no keys: the forward gave zeros
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(k), torch.zeros_like(v)
     do = do.contiguous()
+    if cfg.dq_fixed and q.numel() and k.numel():
+        from tpdiag.kernels.attention_triton_bwd_fixed import fixed_pass
+
+        return fixed_pass(do, q, k, v, o, lse, causal, scale, cfg)
     if stores_ds(cfg, q.shape[2], k.shape[2], q.element_size()) and q.numel() and k.numel():
         return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
     if cfg.bwd_fused and q.numel() and k.numel():
