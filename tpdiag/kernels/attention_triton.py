@@ -107,7 +107,9 @@ class AttnConfig:
     # 64 or 32: the one-pass backward - the dk/dv programs also add each block pair's dq partial,
     # scaled per row onto an integer grid, into an int64 / int32 accumulator by atomics (5 block
     # products a pair, not 7; integer adds are order-free: deterministic and invariant;
-    # attention_triton_bwd_fixed.py). ds_mib, bwd_fused and ds_every are then unused; 0: off
+    # attention_triton_bwd_fixed.py). ds_mib, bwd_fused and ds_every are then unused; 0: off. Off
+    # at D=64: the backward 4.6 ms (int32) / 6.0 (int64) against the recompute's 4.0 on an H200
+    # (docs/benchmarks.md)
     dq_fixed: int = 0
 
     def __post_init__(self):

@@ -19,7 +19,10 @@ One-pass backwards without the recompute were built, checked bitwise and measure
 H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes): dq partials
 added in key-block order behind a per-query-block counter (commit eefece6), 8.5-9.8 ms - the
 wait, L2 read and release fence sit on every step's critical path; dq partials as int64 atomics
-on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. TMA descriptor loads in the loops
+on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. That one-pass backward is here again
+with TMA bulk integer reductions (AttnConfig.dq_fixed, attention_triton_bwd_fixed.py; bitwise
+invariant, off by default): 4.59-4.62 ms (int32) and 5.96-6.02 (int64) against 3.96-4.06 for the
+recompute (387b36b) - staging each dq tile through shared memory costs more than the recompute. TMA descriptor loads in the loops
 (AttnConfig.bwd_tma, and dq_tma for the dq recompute loop: the same bits) pay at head_dim 128; at
 D=64 only with 4-head launch groups, 1-2% (docs/benchmarks.md). Imports Triton at import time.
 """

@@ -29,6 +29,8 @@ from tpdiag.kernels.attention_triton import (LOG2E, _block_and_head, _block_and_
                                              _tile, desc, tma_ok, wide)
 from tpdiag.kernels.attention_triton_bwd_programs import _do_and_delta
 
+BULK = True  # the adds by TMA bulk reductions where the chip has them (False: per-element atomics)
+
 
 @triton.jit(do_not_specialize=["NB", "BH"])
 def _prep_kernel(O, DO, KV, DELTA, QS, L, REP, NB, BH, BM: tl.constexpr, D: tl.constexpr, EVEN: tl.constexpr,
@@ -194,7 +196,7 @@ def fixed_pass(do, q, k, v, o, lse, causal: bool, scale: float, cfg):
     _prep_kernel[(nq * B * H,)](o, do, kv, delta, qs, L, H // Hk, nq, B * H, BM=cfg.q_m, D=D,
                                 EVEN=L % cfg.q_m == 0, BITS=bits, num_warps=cfg.q_warps)
     acc = torch.zeros(B * H, L, D, dtype=torch.int64 if bits == 64 else torch.int32, device=dev)
-    red = 2 if tma_ok(acc) and dev.type == "cuda" else 1  # the interpreter has no bulk reductions
+    red = 2 if BULK and tma_ok(acc) and dev.type == "cuda" else 1  # the interpreter has no bulk reductions
     acc_arg = desc(acc.view(torch.uint64) if bits == 64 else acc, cfg.kv_m) if red == 2 else acc
     loads = cfg.bwd_tma and tma_ok(q, do)
     qd, dod = (desc(q, cfg.kv_m), desc(do, cfg.kv_m)) if loads else (q, do)
