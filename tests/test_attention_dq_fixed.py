@@ -79,7 +79,7 @@ def test_fixed_point_dq_is_invariant_and_as_accurate_as_the_recompute():
     for case, r in res.items():
         assert r["dkdv_as_recompute"] == [True, True], (case, r)
         assert all(r["heads"]) and all(r.get("batch", [True])) and all(r.get("repro", [True])), (case, r)
-        # the grid's sum is exact to 2^(2 - bits) of the row's bound: dq's error is the recompute's
+        # the grid holds each partial to 2^(3 - bits) of the row's bound: dq's error is the recompute's
         # fp32 sum's or less (the last rounding to the output dtype dominates both)
         assert r["dq_err"] <= r["rec_dq_err"], (case, r)
     assert "batch" in res["fp32-causal-L<S"]

@@ -107,7 +107,9 @@ class AttnConfig:
     # 64 or 32: the one-pass backward - the dk/dv programs also add each block pair's dq partial,
     # scaled per row onto an integer grid, into an int64 / int32 accumulator by atomics (5 block
     # products a pair, not 7; integer adds are order-free: deterministic and invariant;
-    # attention_triton_bwd_fixed.py). ds_mib, bwd_fused and ds_every are then unused; 0: off. Off
+    # attention_triton_bwd_fixed.py). ds_mib, bwd_fused and ds_every are then unused; 0: off. 32
+    # bits hold each row to 2^-29 of its bound (truncation per partial: up to S / kv_n grid steps),
+    # far under a 16-bit output's rounding but not always under fp32's: 64 for fp32. Off
     # at D=64: the backward 4.6 ms (int32) / 6.0 (int64) against the recompute's 4.0 on an H200
     # (docs/benchmarks.md)
     dq_fixed: int = 0

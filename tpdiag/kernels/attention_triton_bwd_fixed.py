@@ -12,8 +12,12 @@ The scale: |dq_i| <= max|K| sum_j |dS_ij|, dS_ij = P_ij (dP_ij - delta_i), |dP_i
 factor 2 for the roundings: P's sum past 1 by lse's rounding, dS rounded to the input dtype, the
 fp32 sums) and the power of two 2^s with 2^(s + e) = 2^(bits - 2), 2^e > bound_i: every partial
 and the final sum of the row sit under 2^(bits - 3) on the grid, the truncation of each partial
-costs under one grid step (2^-s: 2^(2 - bits) of the bound). A non-finite bound gives the row NaN.
-Then one pass converts: acc (rounded to fp32 once) * 2^-s * scale, to the output dtype.
+costs under one grid step (2^-s: at most 2^(3 - bits) of the bound). A non-finite bound gives the
+row NaN. Then one pass converts: acc (rounded to fp32 once) * 2^-s * scale, to the output dtype.
+
+Slower than the recompute at D=64 on an H200 (backward 4.6 ms int32, 6.0 int64, against 4.0):
+staging each step's dq tile through shared memory and the 5th product cost more than the dq
+pass they replace (docs/benchmarks.md, "Invariant attention"). Off by default.
 
 The adds: TMA bulk reductions of a [BM, D] tile (RED = 2: Hopper+, Triton's descriptor
 atomic_add, uint64 / int32) or per-element atomics (RED = 1: the interpreter, and where
