@@ -123,15 +123,6 @@ CANDIDATES = [
                                      "q_group": 4}),
     ("kv-split+kvp2", (64,), {"kv_split": 1, "kv_persist": 2}),
     ("kv-split-s2", (64,), {"kv_split": 1, "kv_stages": 2}),
-    # hkern20: the one-pass backward, dq partials on a per-row fixed-point grid added by integer
-    # atomics (dq_fixed: the accumulator's bits; TMA bulk reductions on Hopper) - 5 products a pair.
-    # dk and dv keep the shipped bits; dq's are its own (the sum is exact on the grid). On an H200
-    # (387b36b) 1.22-1.33x cuDNN against the shipped 1.108x: slower (docs/benchmarks.md)
-    ("fix64", (64,), {"dq_fixed": 64}),
-    ("fix32", (64,), {"dq_fixed": 32}),
-    ("fix64-kv32", (64,), {"dq_fixed": 64, "kv_m": 32}),
-    ("fix32-kv32", (64,), {"dq_fixed": 32, "kv_m": 32}),
-    ("fix32-kv64x128w8", (64,), {"dq_fixed": 32, "kv_n": 128, "kv_warps": 8}),
 ]
 STOCK = ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient")
 # the interpreter's tiles (--smoke): small, so a candidate's changes still fit (multiples kept)

@@ -368,9 +368,6 @@ FILE_SECONDS = {
     # session 16 (helper hdocs16): its four tests take under 0.1 s (pytest --durations); its one run is
     # the shared tp12_run, which files listed above make first in CI (alone, -n 0: 47 s of setup)
     "test_run_directory_doc.py": 1,
-    # session 20 (helper hkern20): one Triton-interpreter subprocess, user+sys CPU of `pytest -n 0 FILE`
-    # (~31 s) less pytest's own start
-    "test_attention_dq_fixed.py": 20,
     # session 16 (helper hbf16): wall of `pytest -n 0 FILE` on the shared 2-core machine, less ~8 s of
     # pytest's start (five compares: gate_f, pair_f x2, pair_ok, pair_drop_f) - ordering only
     "test_two_paths.py": 40, "test_step_params.py": 9, "test_capture_hooks.py": 36,

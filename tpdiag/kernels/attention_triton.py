@@ -104,15 +104,6 @@ class AttnConfig:
     # (attention_triton_bwd_programs._dkdv_inner_split): the same products into the same
     # accumulators in the same order. Not where the pass stores dS or takes exp_soft
     kv_split: bool = False
-    # 64 or 32: the one-pass backward - the dk/dv programs also add each block pair's dq partial,
-    # scaled per row onto an integer grid, into an int64 / int32 accumulator by atomics (5 block
-    # products a pair, not 7; integer adds are order-free: deterministic and invariant;
-    # attention_triton_bwd_fixed.py). ds_mib, bwd_fused and ds_every are then unused; 0: off. 32
-    # bits hold each row to 2^-29 of its bound (truncation per partial: up to S / kv_n grid steps),
-    # far under a 16-bit output's rounding but not always under fp32's: 64 for fp32. Off
-    # at D=64: the backward 4.6 ms (int32) / 6.0 (int64) against the recompute's 4.0 on an H200
-    # (docs/benchmarks.md)
-    dq_fixed: int = 0
 
     def __post_init__(self):
         # the causal loops split at the diagonal on block boundaries
@@ -123,8 +114,6 @@ class AttnConfig:
                         self.q_maxnreg) < 0):
             raise ValueError(f"AttnConfig {self}: the groups must be >= 1, ds_mib, qds_warps, ds_every and "
                              "the persists and maxnregs >= 0")
-        if self.dq_fixed not in (0, 32, 64):
-            raise ValueError(f"AttnConfig {self}: dq_fixed 0 (off), 32 or 64 (the accumulator's bits)")
         if self.kv_split and self.kv_m % 32:
             raise ValueError(f"AttnConfig {self}: kv_split needs kv_m a multiple of 32 (halves of 16 rows or more)")
         if self.ds_every > 1 and self.kv_n % self.q_n:

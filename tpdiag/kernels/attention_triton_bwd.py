@@ -19,10 +19,7 @@ One-pass backwards without the recompute were built, checked bitwise and measure
 H200 (B8 S4096 H32 D64 bf16 causal, against 4.08 ms for the two recompute passes): dq partials
 added in key-block order behind a per-query-block counter (commit eefece6), 8.5-9.8 ms - the
 wait, L2 read and release fence sit on every step's critical path; dq partials as int64 atomics
-on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. That one-pass backward is here again
-with TMA bulk integer reductions (AttnConfig.dq_fixed, attention_triton_bwd_fixed.py; bitwise
-invariant, off by default): 4.59-4.62 ms (int32) and 5.96-6.02 (int64) against 3.96-4.06 for the
-recompute (387b36b) - staging each dq tile through shared memory costs more than the recompute. TMA descriptor loads in the loops
+on a per-row fixed-point grid (commit 31ddac7), 7.0-10.9 ms. TMA descriptor loads in the loops
 (AttnConfig.bwd_tma, and dq_tma for the dq recompute loop: the same bits) pay at head_dim 128; at
 D=64 only with 4-head launch groups, 1-2% (docs/benchmarks.md). Imports Triton at import time.
 """
@@ -157,10 +154,6 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, cfg: AttnConfig | 
     if k.shape[2] == 0:  # no keys: the forward gave zeros
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(k), torch.zeros_like(v)
     do = do.contiguous()
-    if cfg.dq_fixed and q.numel() and k.numel():
-        from tpdiag.kernels.attention_triton_bwd_fixed import fixed_pass
-
-        return fixed_pass(do, q, k, v, o, lse, causal, scale, cfg)
     if stores_ds(cfg, q.shape[2], k.shape[2], q.element_size()) and q.numel() and k.numel():
         return _backward_ds(do, q, k, v, o, lse, causal, scale, cfg)
     if cfg.bwd_fused and q.numel() and k.numel():
