@@ -23,6 +23,12 @@ def state_file(ref_dir: str, step: int) -> str:
     return os.path.join(ref_dir, ANCHOR_DIR, f"step{step}.pt")
 
 
+def clear(ref_dir: str) -> None:
+    import shutil
+
+    shutil.rmtree(os.path.join(ref_dir, ANCHOR_DIR), ignore_errors=True)
+
+
 def saves(cfg) -> bool:
     """The reference world of an anchored run with later steps saves its state before each."""
     return bool(cfg.anchor) and cfg.backward and cfg.steps > 1 and not cfg.ref_dir

@@ -93,6 +93,8 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         carry = micro.carry_window(cfg, parts, device)
         from tpdiag.runner import anchor
 
+        if anchor.saves(cfg) and rec.rank == 0:
+            anchor.clear(cfg.out_dir)  # an earlier run's states in this folder are not this run's
         for step in range(cfg.steps):
             rec.step = step
             if step and anchor.saves(cfg) and rec.rank == 0:
