@@ -20,7 +20,7 @@ ANCHOR_DIR = "anchor"  # in the reference's world folder: one file per later ste
 
 
 def state_file(ref_dir: str, step: int) -> str:
-    return os.path.join(ref_dir, ANCHOR_DIR, f"step{step}.pt")
+    return os.path.join(ref_dir, ANCHOR_DIR, f"step{step}.safetensors")
 
 
 def clear(ref_dir: str) -> None:
@@ -48,22 +48,44 @@ def _whole(t):
 
 
 def save(path: str, model, opt) -> None:
-    """The state step k starts from, whole, on the host: {params, moments {name: {exp_avg, exp_avg_sq,
-    step}}, buffers}. Only the reference writes it (one rank)."""
+    """The state step k starts from, whole, on the host, as safetensors (never a pickle: docs/security.md):
+    `params/<name>`, `moments/<name>/<state key>` (AdamW's exp_avg, exp_avg_sq, step), `buffers/<name>`
+    (floating ones). Only the reference writes it (one rank). A state value that is no tensor is not
+    saved: the loading world then finds the keys differ and loads nothing."""
     import torch
+    from safetensors.torch import save_file
 
     names = {id(p): n for n, p in model.named_parameters()}
+    flat = {}
     with torch.no_grad():
-        params = {n: _whole(p).detach().cpu().clone() for n, p in model.named_parameters()}
-        moments = {}
+        for n, p in model.named_parameters():
+            flat[f"params/{n}"] = _whole(p).detach().cpu().contiguous().clone()
         for p, st in (opt.state if opt is not None else {}).items():
-            moments[names[id(p)]] = {k: (_whole(v).detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
-                                     for k, v in st.items()}
-        buffers = {n: _whole(b).detach().cpu().clone() for n, b in model.named_buffers() if b.is_floating_point()}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    flat[f"moments/{names[id(p)]}/{k}"] = _whole(v).detach().cpu().contiguous().clone()
+        for n, b in model.named_buffers():
+            if b.is_floating_point():
+                flat[f"buffers/{n}"] = _whole(b).detach().cpu().contiguous().clone()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save({"params": params, "moments": moments, "buffers": buffers}, tmp)
+    save_file(flat, tmp)
     os.replace(tmp, path)
+
+
+def _read(path: str) -> dict:
+    """{params: {name: t}, moments: {name: {key: t}}, buffers: {name: t}} from save's file."""
+    from safetensors.torch import load_file
+
+    out: dict = {"params": {}, "moments": {}, "buffers": {}}
+    for key, t in load_file(path).items():
+        part, _, rest = key.partition("/")
+        if part == "moments":
+            name, _, k = rest.rpartition("/")
+            out["moments"].setdefault(name, {})[k] = t
+        elif part in out:
+            out[part][rest] = t
+    return out
 
 
 def _shard(whole, like):
@@ -94,7 +116,7 @@ def plan_load(path: str, model, opt) -> tuple[list, str | None]:
     place in this world that reproduces it bitwise (then nothing is loaded)."""
     import torch
 
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = _read(path)
     pairs = []
     params = dict(model.named_parameters())
     if set(params) != set(saved["params"]):
