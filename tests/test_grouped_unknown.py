@@ -77,7 +77,7 @@ def test_an_unknown_under_a_rounding_finding_is_judged_on_its_own(run):
     s, rows = run
     e = _edited(s, out="router-flip")
     d = e["degrees"]["2"]
-    assert GRAD in {f["key"] for f in roots(d["findings"], d["first_divergence"])}
+    assert GRAD in {f["key"] for f in roots(d["findings"])}
     assert d["class"] == "unknown" and e["class"] == "unknown", d["class"]
     res = _gate(e, rows, "rounding")
     assert [(v.cause, v.key) for v in res.violations] == [("unknown", GRAD)], res.violations

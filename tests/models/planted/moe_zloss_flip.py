@@ -9,15 +9,19 @@ input: the expert choice flips at TP=2 (router-flip, rounding), and the router's
 softmax backward whose terms cancel - is judged downstream of that flip.
 
   zloss_every_rank()  the mistake: every rank adds the whole z-loss grad to its share of the logits
-                      grad, and `_Enter` sums the shares: the z-loss counts N times at TP=N, a few
-                      tenths of a percent of the grad's largest element (the bf16 share band: the
-                      record reads `unknown`, neither rounding nor a wrong share shown)
+                      grad, and `_Enter` sums the shares: the z-loss counts N times at TP=N, inside
+                      the bf16 share band (diff/partials.near_shares)
   zloss_share()       the twin: each rank adds 1/N of it (the shares add up to one z-loss)
 
-    tpdiag compare --model py:tests/models/planted/moe_zloss_flip.py:zloss_every_rank --tp 1,2 \
-        --dtype bfloat16
-tests/test_grouped_unknown.py. The near tie is placed for bfloat16 (the TP=2 value of the router's
-input emulated here in bf16, as the ranks compute it): in float32 no token flips.
+What it shows today (bf16, --tp 1,2, no baseline, no confirmation): router-flip at `moe.router`
+(out 1), then BOTH read BUG `rank-inconsistent-replica` at `moe.router.proj` (grad_out 0) - a wrong
+verdict on the twin: the flipped token's grad is no share of the reference's, and the share checks do
+not leave its row out (docs/causes.md, Not covered). With the tie moved away (no flip) both read
+`unknown` there (class unknown). No test runs it yet.
+
+    tpdiag compare --model py:tests/models/planted/moe_zloss_flip.py:zloss_share --tp 1,2 --dtype bfloat16
+The near tie is placed for bfloat16 (the TP=2 value of the router's input emulated here in bf16, as
+the ranks compute it).
 """
 import torch
 import torch.distributed as dist
