@@ -29,15 +29,15 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
     found = {(f.get("step"), f.get("phase"), f.get("module"), f.get("kind"), f.get("name")): f
              for f in d.get("findings") or []}
     findings = {k: f.get("cause") for k, f in found.items()}
-    # a finding that follows another (its inputs already carried that one's difference) is
-    # grouped under it, never a violation of its own
-    follows = {}
-    for f in found.values():
-        if "follows" in f:
-            follows[f["follows"]] = follows.get(f["follows"], 0) + 1
     # the findings a follower may be grouped under: those the gate judges here (a record of diff.csv)
     judged = {r["key"] for r in rows}
     by_key = {f.get("key"): f for f in found.values() if f.get("key") in judged}
+    # a finding that follows another (its inputs already carried that one's difference) is grouped
+    # under it where _grouped says so, never a violation of its own: counted on that one's violation
+    follows = {}
+    for f in found.values():
+        if "follows" in f and _grouped(f, by_key, fd):
+            follows[f["follows"]] = follows.get(f["follows"], 0) + 1
     from tpdiag.records.shares import shares
 
     # read whole by the region pass as shares of one value: not compared (records/shares.py; the
