@@ -76,5 +76,13 @@ def test_findings_that_follow_each_other_are_both_roots():
     entry = {"status": "divergent", "first_divergence": {"cause": "row-parallel-reduction"}, "findings": [a, b, into]}
     assert roots(entry["findings"]) == [a, b]
     assert degree_class(entry) == "bug" and leading_bug(entry) is a
-    fd_only = {**entry, "findings": [{"key": "d", "cause": "sharding-bug", "follows": "the first divergence"}]}
-    assert degree_class(fd_only) == "rounding" and leading_bug(fd_only) is None
+    # a bug that follows the rounding first divergence, or a record that is no finding, is judged on its
+    # own by the gate (exit 4): a root of its own, so the headline says BUG too (records/causes.groups_under)
+    fd = {"key": "s0/forward/down/out#0/0", "cause": "row-parallel-reduction"}
+    for follows in (fd["key"], "the first divergence"):
+        d = {"key": "d", "cause": "sharding-bug", "follows": follows}
+        fd_only = {**entry, "first_divergence": fd, "findings": [d]}
+        assert degree_class(fd_only) == "bug" and leading_bug(fd_only) is d, follows
+    # ... and a rounding finding under it is grouped
+    r = {"key": "r", "cause": "row-parallel-reduction", "follows": fd["key"]}
+    assert roots([r], fd) == [] and degree_class({**entry, "first_divergence": fd, "findings": [r]}) == "rounding"

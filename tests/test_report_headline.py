@@ -24,9 +24,15 @@ def test_a_bug_behind_a_reordering_is_the_headline():
 def test_rounding_and_a_bug_at_the_first_divergence_keep_their_headline():
     h = verdict("2", "1", _d("rounding", []), lambda c, op: (None, False))["headline"]
     assert h.startswith("Rounding: TP=2 first differs from TP=1 at"), h
-    # a finding that follows another is no root of its own
-    h = verdict("2", "1", _d("bug", [{**BUG, "follows": "x"}]), lambda c, op: (None, False))["headline"]
-    assert "computes a wrong result" not in h, h
+    # a finding that follows another as grave is no root of its own
+    first = {**BUG, "key": "a", "module": "layers.1.attention.wo"}
+    h = verdict("2", "1", _d("bug", [first, {**BUG, "key": "b", "follows": "a"}]), lambda c, op: (None, False))["headline"]
+    assert "layers.1.attention.wo" in h and "feed_forward" not in h.split(";")[0], h
+    # ... and one that follows a rounding finding, or a record that is no finding, is (the gate judges it)
+    for root in ({"key": "a", "cause": "router-flip"}, {"key": "z"}):
+        h = verdict("2", "1", _d("bug", [root, {**BUG, "key": "b", "follows": "a"}]),
+                    lambda c, op: (None, False))["headline"]
+        assert h.startswith("BUG: TP=2 computes a wrong result at the output of layers.1.feed_forward.w2"), h
 
 
 def test_the_report_names_where_a_confirmed_fix_moves_the_divergence_as_the_terminal_does():

@@ -301,12 +301,16 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
     """Root findings one line each; records that follow from one are counted, not listed."""
     from tpdiag.records.causes import cause_class
 
+    from tpdiag.diff.classes import roots
+
     findings = d.get("findings") or []
+    # listed: the findings no other explains, by the rule the class and the gate group by
+    root_ids = {id(f) for f in roots(findings, fd)}
     follows: dict = {}
     for f in findings:
-        if "follows" in f:
+        if id(f) not in root_ids:
             follows[f["follows"]] = follows.get(f["follows"], 0) + 1
-    same = [f for f in findings if "follows" not in f and f.get("module") == fd.get("module")
+    same = [f for f in findings if id(f) in root_ids and f.get("module") == fd.get("module")
             and f.get("cause") == fd.get("cause")]
     n = sum(follows.get(f.get("key"), 0) for f in same) + max(0, len(same) - 1)
     if n:
@@ -314,7 +318,7 @@ def _findings(console, label: str, d: dict, fd: dict) -> None:
                       f"follow{'s' if n == 1 else ''} from the first divergence (not listed; "
                       f"{d.get('n_divergent', '?')} divergent records in all)")
     for f in findings:
-        if "follows" in f or any(f is g for g in same):
+        if id(f) not in root_ids or any(f is g for g in same):
             continue
         if f["cause"] == "non-finite":
             nf = d.get("nonfinite") or {}

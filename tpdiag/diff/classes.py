@@ -8,25 +8,35 @@ class is the worst over its configurations (bug, non-finite, unknown, rounding).
 from __future__ import annotations
 
 from tpdiag.diff import not_judged
-from tpdiag.records.causes import cause_class
+from tpdiag.records.causes import GRAVITY, cause_class, groups_under
 
-_ORDER = ("bug", "non-finite", "unknown", "rounding")
+_ORDER = GRAVITY
 
 
-def roots(findings: list) -> list:
-    """The findings no other explains: those that follow nothing, and those whose `follows` chain
-    comes back to them (two findings each said to follow the other explain neither - counted as
-    roots, so the class fails closed: such a cycle once read 'rounding only' where `gate` read BUG)."""
+def roots(findings: list, fd: dict | None = None) -> list:
+    """The findings no other explains: those that follow nothing, those that follow one less grave
+    than they are (records/causes.groups_under, the gate's rule: an `unknown` under a rounding
+    finding, a bug under an `unknown` - the gate judges each on its own), those that follow a record
+    that is neither a finding nor the first divergence `fd` (the gate groups nothing under it), and
+    those whose `follows` chain comes back to them (two findings each said to follow the other
+    explain neither - counted as roots, so the class fails closed: such a cycle once read 'rounding
+    only' where `gate` read BUG)."""
     by_key = {f.get("key"): f for f in findings if f.get("key")}
+    if fd and fd.get("key") and fd["key"] not in by_key:
+        by_key[fd["key"]] = fd
     out = []
     for f in findings:
+        up = by_key.get(f["follows"]) if "follows" in f else None
+        if up is None or up is f or not groups_under(f.get("cause"), up.get("cause")):
+            out.append(f)
+            continue
         seen, g = set(), f
         while "follows" in g and id(g) not in seen:
             seen.add(id(g))
             g = by_key.get(g["follows"])
             if g is None:
                 break
-        if "follows" not in f or g is f:
+        if g is f:
             out.append(f)
     return out
 
@@ -35,7 +45,7 @@ def degree_class(entry: dict) -> str | None:
     if entry.get("status") != "divergent":
         return None
     fd = entry.get("first_divergence") or {}
-    causes = [f.get("cause") for f in roots(entry.get("findings") or [])]
+    causes = [f.get("cause") for f in roots(entry.get("findings") or [], fd)]
     classes = {cause_class(c) for c in causes} | ({cause_class(fd.get("cause"))} if fd else set())
     if entry.get("downstream_unjudged") and classes <= {"rounding"}:
         return "unknown"  # modules past the first divergence that were to be judged were not
@@ -98,7 +108,7 @@ def leading_bug(entry: dict) -> dict | None:
     fd = entry.get("first_divergence") or {}
     if cause_class(fd.get("cause")) in ("bug", "non-finite"):
         return fd
-    first = roots(entry.get("findings") or [])
+    first = roots(entry.get("findings") or [], fd)
     for want in ("bug", "non-finite"):
         hit = next((f for f in first if cause_class(f.get("cause")) == want), None)
         if hit is not None:

@@ -29,15 +29,15 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
     found = {(f.get("step"), f.get("phase"), f.get("module"), f.get("kind"), f.get("name")): f
              for f in d.get("findings") or []}
     findings = {k: f.get("cause") for k, f in found.items()}
-    # a finding that follows another (its inputs already carried that one's difference) is
-    # grouped under it, never a violation of its own
-    follows = {}
-    for f in found.values():
-        if "follows" in f:
-            follows[f["follows"]] = follows.get(f["follows"], 0) + 1
     # the findings a follower may be grouped under: those the gate judges here (a record of diff.csv)
     judged = {r["key"] for r in rows}
     by_key = {f.get("key"): f for f in found.values() if f.get("key") in judged}
+    # a finding that follows another (its inputs already carried that one's difference) is grouped
+    # under it where _grouped says so, never a violation of its own: counted on that one's violation
+    follows = {}
+    for f in found.values():
+        if "follows" in f and _grouped(f, by_key, fd):
+            follows[f["follows"]] = follows.get(f["follows"], 0) + 1
     from tpdiag.records.shares import shares
 
     # read whole by the region pass as shares of one value: not compared (records/shares.py; the
@@ -169,8 +169,9 @@ def _beside_rows(lab: str, found: dict, judged: set, fd: dict, policy: Policy, r
     second pass recorded; integrity.py holds each to that pass's summary): the headline's class counts
     them, so the gate judges them too. A wrong op whose module's output moved within rounding
     (tests/models/planted/tiny_term.py:centre_world) read BUG while the gate judged the first
-    divergence's rounding label alone and exited 1. Grouped only under another bug-class finding."""
-    from tpdiag.records.causes import cause_class
+    divergence's rounding label alone and exited 1. Grouped only under one at least as grave
+    (records/causes.groups_under)."""
+    from tpdiag.records.causes import cause_class, groups_under
 
     every = {f.get("key"): f for f in found.values() if f.get("key")}
     for f in found.values():
@@ -178,7 +179,7 @@ def _beside_rows(lab: str, found: dict, judged: set, fd: dict, policy: Policy, r
         if f.get("key") in judged or grave not in ("bug", "non-finite"):
             continue
         root = every.get(f.get("follows")) or (fd if "follows" in f and fd.get("key") == f["follows"] else None)
-        if root is not None and root is not f and cause_class(root.get("cause")) in ("bug", "non-finite"):
+        if root is not None and root is not f and groups_under(f.get("cause"), root.get("cause")):
             continue
         if grave == "bug" and f.get("cause") in policy.allow_causes:
             continue
@@ -197,10 +198,10 @@ def _beside_rows(lab: str, found: dict, judged: set, fd: dict, policy: Policy, r
 def _grouped(f: dict, by_key: dict, fd: dict) -> bool:
     """A finding that follows another is grouped under it - not judged on its own - only where that one
     is a finding (or the first divergence) of this degree that the gate judges (a record of diff.csv, not
-    an op only the second pass recorded) and at least as grave: a bug under a bug, anything else under
-    anything. locate and the second pass group no other way, so a `follows` written into summary.json
+    an op only the second pass recorded) and at least as grave (records/causes.groups_under, the rule
+    compare's headline groups by: an `unknown` is never grouped under rounding). locate and the second pass group no other way, so a `follows` written into summary.json
     to hide a bug under a rounding difference (or under nothing) is judged as a finding."""
-    from tpdiag.records.causes import cause_class
+    from tpdiag.records.causes import cause_class, groups_under
 
     # the first divergence alone (not itself a finding) is followed only by a finding a later pass judged
     # on its own inputs (runner/drill_own.py: cause_before kept) or one the second pass judged (checked against
@@ -211,7 +212,7 @@ def _grouped(f: dict, by_key: dict, fd: dict) -> bool:
     root = by_key.get(f["follows"]) or (fd if fd_root else None)
     if root is None or root is f:
         return False
-    return cause_class(f.get("cause")) != "bug" or cause_class(root.get("cause")) == "bug"
+    return groups_under(f.get("cause"), root.get("cause"))
 
 
 # What malformed (hand-edited, bit-flipped, foreign) JSON/CSV/records raise deep in the readers and

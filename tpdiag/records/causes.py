@@ -136,6 +136,23 @@ def cause_class(cause: str | None) -> str:
     return entry.cls if entry is not None else "rounding"
 
 
+# the classes from the gravest: the run's headline is its gravest class, and a finding is grouped under
+# the one it follows only where that one is at least as grave
+GRAVITY = ("bug", "non-finite", "unknown", "rounding")
+
+
+def groups_under(cause: str | None, root_cause: str | None) -> bool:
+    """Whether a finding of `cause` that follows one of `root_cause` is grouped under it (not judged
+    on its own): the gate's rule (gate/verdict.py) and the headline's (diff/classes.roots), in one
+    place. Only under one at least as grave: a bug under a bug, a NaN under a bug or a NaN, an
+    `unknown` under anything but rounding - an unknown is not judged, and a rounding root that
+    absorbed it passed `--allow rounding` with it (a bf16 share near the reference after a router
+    flip) - and a rounding difference under anything. A bug under an `unknown` root stays a root
+    of its own: the gate judges it (exit 4), so the headline says BUG."""
+    rank = {c: i for i, c in enumerate(GRAVITY)}
+    return rank[cause_class(root_cause)] <= rank[cause_class(cause)]
+
+
 def short_name(cause: str) -> str:
     entry = REGISTRY.get(cause)
     return entry.short if entry is not None else cause

@@ -127,6 +127,10 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
     why = f"Cause: {cause} - {fd.get('why') if cause == 'unknown' and fd.get('why') else causes.get(cause).why}."
     if detail:
         why += f" {detail[:1].upper()}{detail[1:]}."
+    from tpdiag.diff.classes import roots
+
+    # listed: the findings no other explains, by the rule the class and the gate group by
+    first = roots(d.get("findings") or [], fd)
     findings = [f"{f.get('phase')} {f.get('module')} ({KIND_WORDS.get(f.get('kind'), f.get('kind'))}): "
                 f"{f.get('cause')}, max |difference| {fmt(f.get('max_abs'))}"
                 + (f" > bound {fmt(f.get('bound'))}" if f.get("bound") else "")
@@ -134,8 +138,8 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
                 # the CLI's BUG line gives its reason (one factor, the float64 distance): so does the report
                 + (f": {f['why']}" if f.get("why") and causes.cause_class(f.get("cause")) == "bug"
                    and not f.get("partial_sum") else "")
-                for f in d.get("findings") or [] if "follows" not in f]
-    follows = sum(1 for f in d.get("findings") or [] if "follows" in f)
+                for f in first]
+    follows = len(d.get("findings") or []) - len(first)
     if follows:
         findings.append(f"{follows} more record{'s' if follows != 1 else ''} beyond rounding follow"
                         f"{'s' if follows == 1 else ''} from the findings above (their inputs already differed)")
@@ -147,7 +151,8 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
         # the verdict names where the wrong result is, as the CLI's first line does: the first
         # divergence here is a harmless reordering before it
         headline = (f"{kind}TP={label} computes a wrong result at {where(bug)} ({bug.get('cause')}); it first "
-                    f"differs from TP={ref} earlier, at {where(fd)} ({cause}: rounding).")
+                    f"differs from TP={ref} earlier, at {where(fd)} ({cause}: "
+                    f"{'rounding' if causes.cause_class(cause) == 'rounding' else 'not judged'}).")
     todo = action(cause, d.get("confirmation"), fix, available, capture)
     if d.get("class") == "unknown" and causes.cause_class(cause) == "rounding":
         # rounding at the first divergence, but what lies past it was not judged (diff/classes.py): the
@@ -225,8 +230,10 @@ def _bug_behind(d: dict, fd: dict) -> dict | None:
     behind a harmless reordering); None otherwise."""
     if d.get("class") != "bug" or causes.cause_class(fd.get("cause")) == "bug":
         return None
-    return next((f for f in d.get("findings") or () if isinstance(f, dict) and "follows" not in f
-                 and causes.cause_class(f.get("cause")) == "bug"), None)
+    from tpdiag.diff.classes import roots
+
+    return next((f for f in roots([g for g in d.get("findings") or () if isinstance(g, dict)], fd)
+                 if causes.cause_class(f.get("cause")) == "bug"), None)
 
 
 def moved_by(nj: dict) -> str:
