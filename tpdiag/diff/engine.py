@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpdiag.diff import flat_rows, measure, op_streams, pair_memo, partials, rank_local, reassembled
+from tpdiag.diff import flat_rows, flip_shares, measure, op_streams, pair_memo, partials, rank_local, reassembled
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.diff.left_out import _inside_block, per_piece_blocks, per_rank_blocks
 from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
@@ -141,6 +141,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     # a capture has no float64 re-execution to judge its records past the first divergence
     captured = any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other))
     shape_break = None
+    flips = flip_shares.Flips()  # the router flips so far: a share grad behind one is judged on the other rows
     updates = None
     if captured and values:
         from tpdiag.diff.scale import Updates
@@ -200,6 +201,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             if row is None:
                 uncompared.append({**om, "why": why})
             else:
+                flips.note(row)
                 rows.append(row)
             continue
         try:
@@ -276,6 +278,9 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             measured = {k: v for k, v in row.items() if k not in before or v is not before[k]}
             pair_memo.put(content, measured)
         row.update(measured)
+        flips.note(row, a, b)
+        if oa.rank_consistent is False:
+            flips.mark(row, a, oa.shards)
         if updates is not None and om["kind"] in ("param_init", "param") and not row.get("nonfinite_mismatch"):
             updates.judge(row, a, b)
         if content is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tpdiag.records.causes import cause_class
+from tpdiag.diff import flip_shares
 from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layout_cause  # noqa: F401
 from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN, WHY_LOSS_REDUCED,  # noqa: F401
                                  WHY_MICRO_BATCH, WHY_NOISE, WHY_TP1)
@@ -199,6 +200,12 @@ RULES: list[Rule] = [
     Rule("shares near the reference, not element by element",
          lambda ev, b: _row(ev, "rank_consistent") is False and bool(_row(ev, "rank_partial_near")),
          lambda ev, b: "unknown", lambda ev, b: near_shares_why(_row(ev, "rank_partial_near"))),
+    # ... or on the token rows a router flip left alone (diff/flip_shares.py): the flipped rows are another
+    # computation; the others add up (the flip's consequence) or add up within the band (not judged)
+    Rule("shares on the rows a router flip left alone",
+         lambda ev, b: _row(ev, "rank_consistent") is False and bool(_row(ev, "rank_partial_flip")),
+         lambda ev, b: "unknown" if _row(ev, "rank_partial_flip")["near"] else "router-flip",
+         lambda ev, b: flip_shares.why(_row(ev, "rank_partial_flip"))),
     # ... and the same activation grad at a step whose weights differ, shown shares at the first step
     # (diff/partials.drifted_grad_shares): they add up to this side's drifted sum - neither shown
     Rule("shares at a step whose weights differ",

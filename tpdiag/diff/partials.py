@@ -15,18 +15,9 @@ def partial_sum(row: dict, ref: torch.Tensor, copies: list) -> None:
     if not ref.is_floating_point() or any(c.shape != ref.shape for c in copies) or len(copies) < 2:
         return
     r = ref.to(torch.float64)
-    off = max(float((c.to(torch.float64) - r).abs().max()) for c in copies)
     c64 = torch.stack([c.to(torch.float64) for c in copies])
-    total = c64.sum(0)
-    err = (total - r).abs()
-    sum_off = float(err.max())
-    # or, element by element, within the rounding of the shares and of the reference in their own
-    # dtype: in bfloat16 each share is rounded at its own magnitude (2^-9 of it), so the shares of a
-    # correct sum add up only to ~1/256 of a copy's distance - under the 1000x above. A correct
-    # bf16 norm whose statistics a module of the user's own all-reduces (shard_stats.py:wd_ok,
-    # rms_ok) read `sharding-bug` (reviewer hreview13)
-    tol = PARTIAL_ROUNDINGS * torch.finfo(ref.dtype).eps * (c64.abs().sum(0) + r.abs())
-    if off > 0 and (sum_off * 1000 <= off or (off > float(tol.max()) and bool((err <= tol).all()))):
+    off, sum_off, adds = adds_up(c64, r, ref.dtype)
+    if adds:
         row["rank_partial_sum"] = {"sum_max_abs": sum_off, "copy_max_abs": off}
         return
     # each rank's share of a max (a shard's own max before the all-reduce MAX of an online softmax):
@@ -37,6 +28,29 @@ def partial_sum(row: dict, ref: torch.Tensor, copies: list) -> None:
             row["rank_partial_extreme"] = {"reduce": how, "reduced_max_abs": got, "copy_max_abs": off}
             return
     near_shares(row, off, sum_off, c64, r, ref.dtype)
+
+
+def adds_up(c64: torch.Tensor, r: torch.Tensor, dtype) -> tuple[float, float, bool]:
+    """(how far the copy furthest from the reference is, how far the copies' sum is, whether that
+    sum is the reference's: at least 1000x closer than the furthest copy, or element by element
+    within the shares' and the reference's roundings). c64: the ranks' copies stacked, r the
+    reference, both float64; dtype the record's."""
+    off = float((c64 - r).abs().max())
+    err = (c64.sum(0) - r).abs()
+    sum_off = float(err.max())
+    # or, element by element, within the rounding of the shares and of the reference in their own
+    # dtype: in bfloat16 each share is rounded at its own magnitude (2^-9 of it), so the shares of a
+    # correct sum add up only to ~1/256 of a copy's distance - under the 1000x above. A correct
+    # bf16 norm whose statistics a module of the user's own all-reduces (shard_stats.py:wd_ok,
+    # rms_ok) read `sharding-bug` (reviewer hreview13)
+    tol = PARTIAL_ROUNDINGS * torch.finfo(dtype).eps * (c64.abs().sum(0) + r.abs())
+    adds = off > 0 and (sum_off * 1000 <= off or (off > float(tol.max()) and bool((err <= tol).all())))
+    return off, sum_off, adds
+
+
+def near_band(c64: torch.Tensor, r: torch.Tensor, dtype) -> float:
+    """near_shares's band: NEAR_ROUNDINGS roundings of the largest |shares| + |reference|."""
+    return NEAR_ROUNDINGS * torch.finfo(dtype).eps * float((c64.abs().sum(0) + r.abs()).max())
 
 
 def near_shares(row: dict, off: float, sum_off: float, c64: torch.Tensor, r: torch.Tensor, dtype) -> None:
@@ -62,7 +76,7 @@ def near_shares(row: dict, off: float, sum_off: float, c64: torch.Tensor, r: tor
     the backward reduces next."""
     if row.get("phase") != "backward" or row.get("kind") != "grad_out" or off <= 0:
         return
-    band = NEAR_ROUNDINGS * torch.finfo(dtype).eps * float((c64.abs().sum(0) + r.abs()).max())
+    band = near_band(c64, r, dtype)
     if sum_off <= band < off:
         row["rank_partial_near"] = {"sum_max_abs": sum_off, "copy_max_abs": off, "band": band}
 
@@ -265,12 +279,13 @@ def drifted_grad_shares(rows: list, uncompared: list) -> None:
               if (m.get("phase"), m.get("kind")) == ("backward", "grad_out")
               and unreduced(m)}
     for r in rows:
-        if (r["phase"], r["kind"]) == ("backward", "grad_out") and r.get("rank_partial_near") \
-                and str(r["step"]) not in drifted:
+        if (r["phase"], r["kind"]) == ("backward", "grad_out") \
+                and (r.get("rank_partial_near") or r.get("rank_partial_flip")) and str(r["step"]) not in drifted:
             shares.setdefault(where(r), str(r["step"]))
     for r in rows:
         if (r["phase"], r["kind"]) != ("backward", "grad_out") or r.get("rank_consistent") is not False \
-                or str(r["step"]) not in drifted or r.get("rank_partial_sum") or r.get("rank_partial_near"):
+                or str(r["step"]) not in drifted or r.get("rank_partial_sum") or r.get("rank_partial_near") \
+                or r.get("rank_partial_flip"):
             continue
         first = shares.get(where(r))
         if first is not None and first not in drifted:
