@@ -421,7 +421,10 @@ FILE_SECONDS = {
     # test_moe_resid had wall figures of a loaded machine
     "test_conftest_once.py": 1,
     "test_shares_near.py": 20,  # two bf16 compares at TP=1,2, no confirmation
-    "test_grouped_unknown.py": 1,  # reads test_shares_near's shared_beside run (planted_shared), listed after it
+    "test_grouped_unknown.py": 1,
+    # session 20 (helper hflip20): two bf16 compares at TP=1,2 (moe_zloss_flip.py), no confirmation, and
+    # their gates: 37 s wall at load ~8 with `pytest -n 0` (25 s user)
+    "test_flip_shares.py": 25,  # reads test_shares_near's shared_beside run (planted_shared), listed after it
     # session 19 (helper hgate19): 14 gates of tp12_run, behind_bugs_run and edited copies; its tests' calls
     # took 100 s with `pytest -n 0` at load average 20-26 on the shared 2 cores
     "test_gate_once.py": 30,

@@ -3,9 +3,9 @@
 (diff/classes.roots) alike: an `unknown` is never absorbed by a rounding finding, and a bug under an
 `unknown` finding leads the headline as it leads the gate.
 
-No real run shows either grouping yet: a router flip that moves an activation grad read as shares
-(tests/models/planted/moe_zloss_flip.py) moves it beyond the share band - BUG
-`rank-inconsistent-replica`, never grouped under rounding. So the findings are a real run's -
+No real run shows either grouping yet: the activation grad read as shares behind a router flip
+(tests/models/planted/moe_zloss_flip.py, diff/flip_shares.py) reads `unknown`, a root of its own -
+locate puts no finding behind a flip. So the findings are a real run's -
 tests/models/planted/moe_bwd_bug.py:shared_beside in bf16 (the run tests/test_shares_near.py reads):
 its router's output grad, `unknown` (shares within the bf16 band), and the MoE's output, `unknown`
 (a float64 re-execution with a discrete choice inside) - with, IN MEMORY only, the router grad made

@@ -13,11 +13,12 @@ softmax backward whose terms cancel - is judged downstream of that flip.
                       the bf16 share band (diff/partials.near_shares)
   zloss_share()       the twin: each rank adds 1/N of it (the shares add up to one z-loss)
 
-What it shows today (bf16, --tp 1,2, no baseline, no confirmation): router-flip at `moe.router`
-(out 1), then BOTH read BUG `rank-inconsistent-replica` at `moe.router.proj` (grad_out 0) - a wrong
-verdict on the twin: the flipped token's grad is no share of the reference's, and the share checks do
-not leave its row out (docs/causes.md, Not covered). With the tie moved away (no flip) both read
-`unknown` there (class unknown). No test runs it yet.
+What it shows (bf16, --tp 1,2, no baseline, no confirmation): router-flip at `moe.router` (out 1, token
+3), then `unknown` at `moe.router.proj` (grad_out 0) for BOTH twins, gate 1: the flipped token's row is
+no share of the reference's, so the share tests run on the other 15 rows (diff/flip_shares.py), which
+add up only within the bf16 share band - 7.6e-05 off for the twin, 2.9e-04 for the mistake, the band
+4.3e-04 (tests/test_flip_shares.py). With the tie moved away (no flip) both read `unknown` there
+(class unknown).
 
     tpdiag compare --model py:tests/models/planted/moe_zloss_flip.py:zloss_share --tp 1,2 --dtype bfloat16
 The near tie is placed for bfloat16 (the TP=2 value of the router's input emulated here in bf16, as
