@@ -398,7 +398,7 @@ FILE_SECONDS = {
     "test_later_step.py": 190,
     # session 19 (helper hanchor19): two tiny-llama bf16 compares of 3 steps at TP=1,2 (~110 s each alone,
     # 225 s two at once on the loaded 2-core machine) - an estimate, for ordering only
-    "test_drift_llama.py": 60,
+    "test_drift_llama.py": 120,
     # session 18 (helper hname18): two bf16 one-step compares at TP=1,2 and their gates, wall of `pytest -n 0 FILE`
     "test_hf_embed_grad.py": 10,
     # session 18 (helper hci18), changed above: test_fuzz 43 and test_own_pass_links 19 (alone: it makes

@@ -212,6 +212,8 @@ class RunSettings:
     trainer_temperature: float = 1.0
     temperature_in: str = "float32"
     logprob_compiled: bool = False     # --compiled: the recipe under torch.compile(dynamic=True)
+    # --anchor: each later step of a TP > 1 world starts from the reference's state (runner/anchor.py)
+    anchor: bool = False
 
 
 # the default recipe's keys are left out of the files: a run directory of the default recipe is
@@ -284,12 +286,13 @@ class WorldConfig(_Nested):
                 ("point", "repeat"): None}
     _DEFAULTS = {"device": "cpu", "capture": "full"}
     # world.json as before these existed: a world selects no worlds; the axes it did not have
-    _OMITTED = {"only": (), "attention": "auto", "padding": "auto", "records_base": "", **RECIPE_OMITTED}
+    _OMITTED = {"only": (), "attention": "auto", "padding": "auto", "records_base": "", "anchor": False,
+                **RECIPE_OMITTED}
     _FILE_ORDER = ("model", "degree", "label", "out_dir", "dtype", "device", "backward", "steps", "seed",
                    "batch_size", "seq_len", "lr", "clip_norm", "fixes", "granularity", "variant", "probes",
                    "selfcheck", "op_include", "capture", "module_include", "ref_dir", "tree_groups",
                    "group_gemm", "oracle", "oracle_ops", "oracle_own", "micro_batch", "mode", "positions",
-                   "prefix_from", "flags", "layers", "attention", "records_base", *RECIPE_OMITTED)
+                   "prefix_from", "flags", "layers", "attention", "records_base", *RECIPE_OMITTED, "anchor")
 
     def _synced(self) -> "WorldConfig":
         s = self.settings
@@ -320,12 +323,13 @@ class CompareConfig(_Nested):
 
     _PARTS = {"settings": RunSettings, "axes": Axes, "rerun": RerunSpec}
     # manifest.json as before these axes and the recipe (the default recipe: the keys left out)
-    _OMITTED = {"attentions": (), "paddings": (), **RECIPE_OMITTED}
+    _OMITTED = {"attentions": (), "paddings": (), "anchor": False, **RECIPE_OMITTED}
     _FILE_ORDER = ("model", "degrees", "dtype", "device", "backward", "steps", "fixes", "fix_mode", "confirm",
                    "granularity", "out", "timeout", "seed", "batch_size", "seq_len", "variant", "baseline",
                    "op_include", "capture", "module_include", "extra", "tree_groups", "group_gemm", "selfcheck",
                    "oracle", "oracle_ops", "oracle_own", "micro_batches", "modes", "grid", "only", "positions",
-                   "prefix_from", "flags", "layers", "judge_downstream", "attentions", "paddings", *RECIPE_OMITTED)
+                   "prefix_from", "flags", "layers", "judge_downstream", "attentions", "paddings", *RECIPE_OMITTED,
+                   "anchor")
 
     def worlds(self):
         """Every configuration this compare runs, the reference first (tpdiag/base/points.py)."""

@@ -32,6 +32,7 @@ def compare(
                                                 "(gradients, grad norm, updated parameters)")] = True,
     steps: Annotated[int, typer.Option(help="training steps (forward, backward, optimizer) recorded at "
                                             "each degree")] = 1,
+    anchor: Annotated[bool, typer.Option("--anchor/--no-anchor", help=H.ANCHOR)] = False,
     fix: Annotated[str, typer.Option(help=H.fix())] = "none",
     confirm: Annotated[bool, typer.Option("--confirm/--no-confirm",
                                           help="rerun each divergent degree with the fix for its located "
@@ -99,7 +100,7 @@ def compare(
         rp = trainer_recipe.parse(logprob, trainer_temperature, temperature_in, compiled)
         cfg = CompareConfig.of(
             model=model, degrees=parse_degrees(tp, 1 if micro_batch or mode or attention else 2), dtype=parse_choice("--dtype", dtype, DTYPES),
-            device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps,
+            device=parse_choice("--device", device, DEVICES), backward=backward, steps=steps, anchor=anchor,
             fixes=fixes, fix_mode=fix_mode if fix_mode in ("auto", "none", "all") else "explicit",
             confirm=confirm, granularity=parse_choice("--granularity", granularity, GRANULARITIES),
             capture=parse_choice("--capture", capture, CAPTURES), out=out or "", timeout=timeout,

@@ -297,6 +297,12 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         rows.append(row)
         if keep is None or keep(om):
             tensors[key] = (a, b)
+    from tpdiag.records.anchor import anchored_steps
+
+    anchored = anchored_steps(other.world)
+    for row in rows if anchored else ():
+        if isinstance(row.get("step"), int) and row["step"] in anchored:
+            row["anchored"] = True  # its forward read the reference's weights (diff/anchored.py)
     partials.reduced(rows, tensors, uncompared)
     partials.reduced_outputs(rows, tensors, uncompared)
     partials.reduced_after_backward(rows, tensors, uncompared)

@@ -13,6 +13,10 @@ def _index(dd) -> dict:
         return got
     ix = {"n": len(dd.rows), "bad_in": set(), "calls": {}, "calls_out": {}, "bad_params": {}, "bad_buffers": {},
           "bad_grad_out": set()}
+    from tpdiag.diff.anchored import steps as anchored_steps
+
+    # a step re-anchored at the reference's state read the reference's weights, not the update before
+    anchored = anchored_steps(dd.rows)
     for r in dd.rows:
         k, st, m = r["kind"], r["step"], r["module"]
         if k == "in" and r["phase"] == "forward":
@@ -21,7 +25,7 @@ def _index(dd) -> dict:
                 ix["bad_in"].add((st, m, r["call"]))
         elif k == "out" and r["phase"] == "forward":
             ix["calls_out"].setdefault((st, m), set()).add(r["call"])  # diff/enclosing.calls
-        elif k in ("param_init", "param", "buffer") and not r["bitwise"]:
+        elif k in ("param_init", "param", "buffer") and not r["bitwise"] and (k == "param_init" or st + 1 not in anchored):
             # the parameters a step's forward read: the init for step 0, else the step before's update
             # (a buffer the step before wrote is read as one)
             ix["bad_params"].setdefault(0 if k == "param_init" else st + 1, set()).add(m)

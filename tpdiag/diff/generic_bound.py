@@ -75,7 +75,10 @@ def _params(dd, row: dict) -> dict:
     step, m = row["step"], row["module"]
     prefix = (RecordKey(0, "init", m, "param_init") if step == 0
               else RecordKey(step - 1, "optimizer", m, "param")).prefix()
-    return {k[len(prefix):]: v for k, v in dd.tensors.items() if k.startswith(prefix)}
+    from tpdiag.diff.anchored import read_pair
+
+    # as the step's forward read them (a re-anchored step: the reference's at both sides)
+    return {k[len(prefix):]: read_pair(dd, k, step) for k in dd.tensors if k.startswith(prefix)}
 
 
 def _fit_scale(z: torch.Tensor, target: torch.Tensor) -> float | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tpdiag.diff import bits, bounds, generic_bound, loss_grad, on_device, oracle, oracle_own, pair_memo, partials, rank_partials, router
+from tpdiag.diff import anchored, bits, bounds, generic_bound, loss_grad, on_device, oracle, oracle_own, pair_memo, partials, rank_partials, router
 from tpdiag.diff.loss_bounds import loss_bounds
 from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
 from tpdiag.diff.op_verdict import op_verdict
@@ -49,8 +49,9 @@ def add_bounds(dd: DegreeDiff, world: int) -> None:
             continue
         y1, yn = dd.tensors[k]
         x1, xn = dd.tensors[xk]
-        w1, wn = dd.tensors[wk]
-        b1, bn = dd.tensors.get(bk, (None, None))
+        # the weights as the step's forward read them (a re-anchored step: the reference's at both sides)
+        w1, wn = anchored.read_pair(dd, wk, row["step"])
+        b1, bn = anchored.read_pair(dd, bk, row["step"]) or (None, None)
         if x1.shape[-1] != w1.shape[-1] or y1.shape != yn.shape:
             continue
         if (xn.shape != x1.shape or wn.shape != w1.shape or x1.shape[:-1] != y1.shape[:-1]

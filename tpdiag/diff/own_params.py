@@ -26,8 +26,12 @@ def side_params(ref_dir: str, other_dir: str, wanted: set[str], budget: int = OW
     ref, other = RecordSet(ref_dir), RecordSet(other_dir)
     ran = {(int(m["step"]), m["module"]) for m in other.events if m["phase"] == "forward"}
     by_step: dict = {}  # step read -> its parameter records
+    from tpdiag.records.anchor import anchored_steps
+
+    # a step re-anchored at the reference's state read the reference's parameters: none to ship
+    anchored = anchored_steps(other.world)
     for om in other.events:
-        if om["kind"] in ("param", "param_init"):
+        if om["kind"] in ("param", "param_init") and read_at(om["step"], om["kind"]) not in anchored:
             by_step.setdefault(read_at(om["step"], om["kind"]), []).append(om)
     seen: dict = {}  # key -> (this side's whole value or None, differs)
     out, used = {}, 0

@@ -149,7 +149,8 @@ DRIFTED = ("unreduced partial sum at a step whose weights differ from the refere
 def updated_steps(rows: list) -> set[str]:
     """The steps that start from parameters some earlier optimizer step left differing from the
     reference's (a `param` record of an earlier step not bitwise): from the first such step on every
-    value the weights make differs by the updates' drift, not by that step's rounding."""
+    value the weights make differs by the updates' drift, not by that step's rounding - but a step
+    re-anchored at the reference's state (`--anchor`)."""
     def step(r):
         try:
             return int(r.get("step"))
@@ -159,7 +160,9 @@ def updated_steps(rows: list) -> set[str]:
     moved = [s for s in moved if s is not None]
     if not moved:
         return set()
-    return {str(s) for s in {step(r) for r in rows} if s is not None and s > min(moved)}
+    # a step re-anchored at the reference's state (diff/anchored.py) starts from its weights
+    anchored = {step(r) for r in rows if r.get("anchored")}
+    return {str(s) for s in {step(r) for r in rows} if s is not None and s > min(moved) and s not in anchored}
 
 
 def reduced_outputs(rows: list, tensors: dict, uncompared: list) -> None:

@@ -129,5 +129,7 @@ def _cut_weight(dd, step: int, module: str):
         except AttributeError:
             pass
     r = rows[1].get(key)
-    return dd.tensors[key] if r is not None and r.get("layout") == "shard:0" else None
+    from tpdiag.diff.anchored import read_pair
+
+    return read_pair(dd, key, step) if r is not None and r.get("layout") == "shard:0" else None
 

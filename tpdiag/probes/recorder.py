@@ -78,6 +78,9 @@ class Recorder(HashPlacing):
     hooks_kept: list = field(default_factory=list)
     # weight use -> why the fixes' fp32 carry left it the stock grad (kernels/grad_carry.site; world.json's own)
     not_carried: dict = field(default_factory=dict)
+    # {"steps": [k...]} - the later steps that started from the reference's state (runner/anchor.py),
+    # or {"steps": [], "refused": why}; None: not asked (world.json's own `anchor`)
+    anchor: dict | None = None
     # the model's logits hold a padded vocab (Megatron's make_vocab_size_divisible_by): {"vocab": real
     # ids, "local": this rank's width} (world.json's own field; records/layout.py vocab_padded)
     vocab_padding: dict | None = None

@@ -57,6 +57,7 @@ def merge_rerun(sub: dict, *, every: dict, run_dir: str, out: str, labels, sub_l
             _later_shares(entry, sub_entry)
         # every finding the rerun made (the float64 verdicts of other roots among them)
         seen = {(f["phase"], f["module"], f["kind"], f["name"]): f for f in entry["findings"]}
+        _add_float64(entry["findings"], sub_entry.get("findings") or [], _anchored(run_dir, label))
         sub_bugs = {f.get("key") for f in sub_entry.get("findings", [])
                     if "follows" not in f and cause_class(f.get("cause")) == "bug"}
         sub_follows = {f.get("key"): f.get("follows") for f in sub_entry.get("findings", [])}
@@ -130,6 +131,34 @@ def merge_rerun(sub: dict, *, every: dict, run_dir: str, out: str, labels, sub_l
         if op_failed:
             fd["op_detail"] = ("no op-level rerun: the ranks recorded different op streams (not SPMD at op "
                                "level); judged at module level")
+
+
+def _anchored(run_dir: str, label: str) -> set[int]:
+    """The steps pass 1's world of `label` started from the reference's state (runner/anchor.py)."""
+    from tpdiag.base import files as io
+    from tpdiag.records.anchor import anchored_steps
+    from tpdiag.records.paths import WORLD
+
+    try:
+        return anchored_steps(io.read_json(RunDir(run_dir).world_file(label, WORLD)))
+    except Exception:  # noqa: BLE001 - no readable world: no step counts as anchored
+        return set()
+
+
+def _add_float64(findings: list, sub_findings: list, steps: set[int]) -> None:
+    """A pass-1 finding at a re-anchored step (`steps`) judged by a layout bound alone, which the
+    rerun judged the same way (bug, or not) against its float64 re-execution - from the same weights
+    at both sides, as at step 0: that evidence joins it - the same record (its key: its step too), the
+    same class. A rerun whose float64 verdict is another class changes nothing here (fail closed: the
+    finding keeps pass 1's)."""
+    from tpdiag.records.causes import cause_class
+
+    mine = {f.get("key"): f for f in findings if f.get("step") in steps}
+    for f in sub_findings:
+        g = mine.get(f.get("key"))
+        if g is not None and f.get("oracle") and not g.get("oracle") \
+                and cause_class(f.get("cause")) == cause_class(g.get("cause")):
+            g["oracle"] = f["oracle"]
 
 
 _SHARES = "shares of a value their module reduces"

@@ -91,8 +91,18 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         # once, before the steps: its torch ops are the op probe's records of step 0's init phase
         n_total = micro.n_tokens(labels)
         carry = micro.carry_window(cfg, parts, device)
+        from tpdiag.runner import anchor
+
+        if anchor.saves(cfg) and rec.rank == 0:
+            anchor.clear(cfg.out_dir)  # an earlier run's states in this folder are not this run's
         for step in range(cfg.steps):
             rec.step = step
+            if step and anchor.saves(cfg) and rec.rank == 0:
+                anchor.save(anchor.state_file(cfg.out_dir, step), model, opt)
+            elif step and anchor.loads(cfg) and not (rec.anchor or {}).get("refused"):
+                why = anchor.load(anchor.state_file(cfg.ref_dir, step), model, opt)
+                done = [*(rec.anchor or {}).get("steps", ())]
+                rec.anchor = {"steps": done, "refused": why, "refused_at": step} if why else {"steps": [*done, step]}
             keep = fingerprint and step == cfg.steps - 1
             last = _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, carry, include, keep)
         if len(parts) > 1 or forward.pieced:

@@ -258,6 +258,8 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             **({"not_carried": dict(sorted(rec.not_carried.items()))} if rec.not_carried else {}),
             # step -> buffers a micro-batch wrote before a later one of the step read them
             **({"piece_state": rec.piece_state} if rec.piece_state else {}),
+            # the later steps re-anchored at the reference's state (runner/anchor.py; diff/anchored.py)
+            **({"anchor": rec.anchor} if rec.anchor is not None else {}),
             **({"vocab_padding": rec.vocab_padding} if rec.vocab_padding else {}),
             "total_s": time.perf_counter() - t0,
         })

@@ -1,0 +1,170 @@
+"""Re-anchoring a later step at the reference's state (`compare --steps N --anchor`).
+
+From step 1 on each side's weights are its own update's: a TP=N world's records of step k differ from
+the reference's by the updates' drift as well as by step k's own code, and no bound separates the two
+(docs/causes.md, "Later steps"). With the anchor on, the reference world saves the state its step k
+starts from (parameters, AdamW's moments and step count, floating buffers) before each step k >= 1,
+and a TP=N world loads it before its own step k, each tensor cut to the shard its DTensor layout holds
+(the same placements that sharded the initial weights) - so step k's records compare with the
+reference's from the same weights, as step 0's do: the float64 re-executions and bounds apply again.
+The world runs every step (a module's own Python state - a step counter - advances as it would); only
+the tensors are replaced. A state it cannot place bitwise (a plain local tensor shaped unlike the
+reference's: a hand-sharded layer; an optimizer other than the tool's AdamW state) is not loaded at
+all: the world says so (world.json `anchor`) and its later steps are the drifted ones (the old path).
+"""
+from __future__ import annotations
+
+import os
+
+ANCHOR_DIR = "anchor"  # in the reference's world folder: one file per later step
+
+
+def state_file(ref_dir: str, step: int) -> str:
+    return os.path.join(ref_dir, ANCHOR_DIR, f"step{step}.safetensors")
+
+
+def clear(ref_dir: str) -> None:
+    import shutil
+
+    shutil.rmtree(os.path.join(ref_dir, ANCHOR_DIR), ignore_errors=True)
+
+
+def saves(cfg) -> bool:
+    """The reference world of an anchored run with later steps saves its state before each."""
+    return bool(cfg.anchor) and cfg.backward and cfg.steps > 1 and not cfg.ref_dir
+
+
+def loads(cfg) -> bool:
+    """A TP > 1 world of an anchored run loads the reference's state before each later step (a
+    reference rerun - the determinism check - and a TP=1 configuration keep their own)."""
+    return bool(cfg.anchor) and cfg.backward and cfg.steps > 1 and bool(cfg.ref_dir) and cfg.point.tp > 1
+
+
+def _whole(t):
+    """The full tensor of a parameter or buffer (a DTensor's gathered: the reference's are plain)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def save(path: str, model, opt) -> None:
+    """The state step k starts from, whole, on the host, as safetensors (never a pickle: docs/security.md):
+    `params/<name>`, `moments/<name>/<state key>` (AdamW's exp_avg, exp_avg_sq, step), `buffers/<name>`
+    (floating ones). Only the reference writes it (one rank). A state value that is no tensor is not
+    saved: the loading world then finds the keys differ and loads nothing."""
+    import torch
+    from safetensors.torch import save_file
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    flat = {}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            flat[f"params/{n}"] = _whole(p).detach().cpu().contiguous().clone()
+        for p, st in (opt.state if opt is not None else {}).items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    flat[f"moments/{names[id(p)]}/{k}"] = _whole(v).detach().cpu().contiguous().clone()
+        for n, b in model.named_buffers():
+            if b.is_floating_point():
+                flat[f"buffers/{n}"] = _whole(b).detach().cpu().contiguous().clone()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    save_file(flat, tmp)
+    os.replace(tmp, path)
+
+
+def _read(path: str) -> dict:
+    """{params: {name: t}, moments: {name: {key: t}}, buffers: {name: t}} from save's file."""
+    from safetensors.torch import load_file
+
+    out: dict = {"params": {}, "moments": {}, "buffers": {}}
+    for key, t in load_file(path).items():
+        part, _, rest = key.partition("/")
+        if part == "moments":
+            name, _, k = rest.rpartition("/")
+            out["moments"].setdefault(name, {})[k] = t
+        elif part in out:
+            out[part][rest] = t
+    return out
+
+
+def _shard(whole, like):
+    """`whole` cut to what `like` holds on this rank: a DTensor's local shard by its placements (no
+    collective: every rank has the whole tensor), a plain tensor as is where its shape is the
+    reference's; None where neither (a hand-sharded tensor: no layout says which part is this rank's)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(like, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if tuple(like.shape) != tuple(whole.shape):
+            return None
+        shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+        part = whole[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+        local = like.to_local()
+        return part if tuple(part.shape) == tuple(local.shape) else None
+    return whole if tuple(whole.shape) == tuple(like.shape) else None
+
+
+def _into(dst, src) -> None:
+    local = getattr(dst, "_local_tensor", dst)
+    local.copy_(src.to(device=local.device, dtype=local.dtype))
+
+
+def plan_load(path: str, model, opt) -> tuple[list, str | None]:
+    """([(destination, its shard)], None), or ([], why) where some tensor of the saved state has no
+    place in this world that reproduces it bitwise (then nothing is loaded)."""
+    import torch
+
+    saved = _read(path)
+    pairs = []
+    params = dict(model.named_parameters())
+    if set(params) != set(saved["params"]):
+        return [], "its parameters are not the reference's by name"
+    for n, p in params.items():
+        part = _shard(saved["params"][n], p)
+        if part is None:
+            return [], f"parameter {n}: shaped {list(p.shape)} here, {list(saved['params'][n].shape)} at the reference"
+        pairs.append((p, part))
+    buffers = {n: b for n, b in model.named_buffers() if b.is_floating_point()}
+    if set(buffers) != set(saved["buffers"]):
+        return [], "its floating buffers are not the reference's by name"
+    for n, b in buffers.items():
+        part = _shard(saved["buffers"][n], b)
+        if part is None:
+            return [], f"buffer {n}: shaped {list(b.shape)} here, {list(saved['buffers'][n].shape)} at the reference"
+        pairs.append((b, part))
+    moments = []
+    for n, st in saved["moments"].items():
+        p = params[n]
+        here = opt.state.get(p) if opt is not None else None
+        if not here or set(here) != set(st):
+            return [], f"the optimizer state of {n} is not the reference's (its keys)"
+        for k, v in st.items():
+            if not isinstance(v, torch.Tensor) or not isinstance(here[k], torch.Tensor):
+                return [], f"the optimizer state {n}.{k} is not a tensor"
+            part = _shard(v, here[k]) if v.dim() else v
+            if part is None:
+                return [], f"the optimizer state {n}.{k}: shaped unlike the reference's"
+            moments.append((here[k], part))
+    if opt is not None and set(saved["moments"]) != {n for n, p in params.items() if opt.state.get(p)}:
+        return [], "the optimizer holds state for other parameters than the reference's"
+    return pairs + moments, None
+
+
+def load(path: str, model, opt) -> str | None:
+    """Load the reference's state before a later step; None, or why nothing was loaded."""
+    import torch
+
+    if not os.path.isfile(path):
+        return f"the reference saved no state for this step ({path})"
+    pairs, why = plan_load(path, model, opt)
+    if why:
+        return why
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        for dst, src in pairs:
+            _into(dst, src)
+    # no mark_recorded: the last update's records are not what this step reads, so a parameter loaded
+    # here reads as written since its record (probes/own_params.written_since_recorded) and no record
+    # of it is shipped as this side's own
+    return None
