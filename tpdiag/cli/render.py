@@ -14,6 +14,11 @@ def ran(summary: dict) -> str | None:
         return None
     what = "forward, backward and optimizer step" if summary.get("backward", True) else "forward only"
     line = f"ran: {steps} step{'s' if steps != 1 else ''} at each degree ({what})"
+    if summary.get("anchor") is True:
+        line += "; each later step from the reference's state (--anchor)"
+    elif summary.get("anchor") is False and summary.get("backward", True):
+        # without it a later step's records move by the updates' drift too, judged by magnitude only
+        line += "; later steps from each side's own weights (`--anchor` judges them from the reference's state)"
     sl = summary.get("slice")
     if isinstance(sl, dict) and sl.get("what"):
         line += f"; model: {sl['what']} (--layers {sl.get('layers')})"

@@ -300,6 +300,9 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         # What ran at every degree, so a reader of the verdict knows how much was compared.
         summary["steps"] = wc.get("steps", 1)
         summary["backward"] = wc.get("backward", True)
+        if summary["steps"] > 1:
+            # later steps from the reference's state (--anchor) or from each side's own drifted weights
+            summary["anchor"] = bool(wc.get("anchor", False))
         if wc.get("fixes"):
             from tpdiag.fixes import groups
 
