@@ -422,6 +422,9 @@ FILE_SECONDS = {
     "test_conftest_once.py": 1,
     "test_shares_near.py": 20,  # two bf16 compares at TP=1,2, no confirmation
     "test_grouped_unknown.py": 1,  # reads test_shares_near's shared_beside run (planted_shared), listed after it
+    # session 20 (helper hred20): one forward-only bf16 compare at TP=1,2 (no confirmation) and three gates,
+    # estimated from a compare's CPU s (~7) and its gates'; wall 86 s at the shared host's load
+    "test_shape_break_flip.py": 25,
     # session 19 (helper hgate19): 14 gates of tp12_run, behind_bugs_run and edited copies; its tests' calls
     # took 100 s with `pytest -n 0` at load average 20-26 on the shared 2 cores
     "test_gate_once.py": 30,
