@@ -1,0 +1,310 @@
+"""A capture's own optimizer step: the parameters after it (`cap.params()`), judged link by link.
+
+Past the first divergence nothing else bounds them: the grads before the step are judged, but the
+update is the user's code - a clip, all-reduces of their own, the optimizer - and AdamW's first
+step is about lr * sign(g), so a clip coefficient each rank computed from its own shards
+(tests/user_tt_team.py clip_local, the norm not recorded) moved `norm.weight` 2 lr and read
+`rounding only`. With what the capture saw the optimizer consume (probes/optim_step.py) each moved
+parameter is judged by three links, each on its own side's inputs:
+
+1. the optimizer: its class and hyper-parameters the reference's, and its update re-run in float64
+   from this side's own parameter before the step, consumed grad and state reproduces this side's
+   parameter after it within a few roundings of each element (the reference's too: else the step
+   is not the optimizer's alone - a write after it - and nothing is judged);
+2. the grads it consumed: on each side the recorded grad (end of the backward) times one factor
+   (1 without a clip), within a few roundings per element; at TP > 1 a sharded grad whose rank
+   shards were scaled by factors of their own is a coefficient computed per rank (BUG);
+3. the factor: this side's within the rounding of the reference's, plus how far the recorded
+   grads' norm moved (a clip by the global norm moves its coefficient by no more than that).
+
+Where all three hold, the parameter's difference is what its inputs' judged differences make.
+Where one cannot be had (no optimizer seen, one tpdiag cannot re-run, a consumed grad that is no
+multiple of the recorded one) the parameter is a finding of cause `unknown`, its reason saying what
+to do - never `rounding only`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tpdiag.records.keys import record_key
+
+RERUN = ("torch.optim.adamw.AdamW", "torch.optim.adam.Adam", "torch.optim.sgd.SGD")
+# how a step is computed, not what: another choice rounds otherwise, it never changes the update
+IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "initial_lr")
+# roundings of each element's own magnitude (|p| before, |update|) one float32 optimizer step makes:
+# a weight decay multiply, a moment lerp, a sqrt, a division, an add - a few each
+STEP_ROUNDINGS = 16
+# roundings of |c g| per element between the recorded and the consumed grad: one multiply by c
+SCALE_ROUNDINGS = 4
+EPS = {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+
+WHAT_TO_DO = ("record cap.grad_norm(total) when you clip, and step a torch.optim SGD, Adam or AdamW inside "
+              "the capture's with block (tpdiag re-runs its step in float64)")
+
+
+def _steps(world: dict) -> dict:
+    """{(record step, module, name): [(entry, group, param entry), ...]} from world.json."""
+    out: dict = {}
+    for e in world.get("optimizer_steps") or ():
+        if not isinstance(e, dict):
+            continue
+        for g in e.get("groups") or ():
+            for p in g.get("params") or ():
+                if isinstance(p, dict) and p.get("grad"):
+                    out.setdefault((e.get("record_step"), p.get("module"), p.get("name")), []).append((e, g, p))
+    return out
+
+
+def _hyper(g: dict) -> dict:
+    return {k: v for k, v in (g.get("hyper") or {}).items() if k not in IMPLEMENTATION}
+
+
+def _read(rs, key: str):
+    """A record's whole value: a DTensor Partial grad (a SequenceParallel norm's, not yet reduced
+    when the optimizer read it) as the sum of its ranks' shares, which the optimizer's own redistribute
+    makes."""
+    m = rs.by_key.get(key)
+    if m is None:
+        return None
+    t = rs.tensor(m)
+    if str(m.get("placement") or "").startswith("partial") and m.get("stored") == "stacked":
+        return t.to(torch.float64).sum(0).to(t.dtype)
+    if m.get("stored") == "stacked":
+        return None  # assembled by the diff's own pairs (dd.tensors)
+    return t
+
+
+def _pair(dd, ref, other, key: str):
+    got = dd.tensors.get(key)
+    if got is not None:
+        return got
+    a, b = _read(ref, key), _read(other, key)
+    return (a, b) if a is not None and b is not None else None
+
+
+def rerun(cls: str, hyper: dict, before: torch.Tensor, grad: torch.Tensor, state: dict, step) -> torch.Tensor:
+    """The parameter after one step of torch optimizer `cls` (a RERUN name) with `hyper`, in float64
+    from `before`, `grad` and the state tensors `state` (empty at the first step)."""
+    import inspect
+
+    import torch.optim as optim
+
+    klass = {"torch.optim.adamw.AdamW": optim.AdamW, "torch.optim.adam.Adam": optim.Adam,
+             "torch.optim.sgd.SGD": optim.SGD}[cls]
+    accepted = set(inspect.signature(klass.__init__).parameters)
+    kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in hyper.items() if k in accepted}
+    if "foreach" in accepted:
+        kw["foreach"] = False
+    p = torch.nn.Parameter(before.detach().to(torch.float64).clone())
+    p.grad = grad.detach().to(torch.float64).clone()
+    opt = klass([p], **kw)
+    if state:
+        st = {k: v.detach().to(torch.float64).clone() for k, v in state.items()}
+        if cls != "torch.optim.sgd.SGD":
+            st["step"] = torch.tensor(float(step or 0), dtype=torch.float64)
+        opt.state[p] = st
+    with torch.no_grad():
+        opt.step()
+    return p.detach()
+
+
+def _own_excess(before, after, p64) -> float:
+    """max |after - p64| / its rounding allowance (STEP_ROUNDINGS eps of |before| + |update|)."""
+    eps = EPS.get(after.dtype, EPS[torch.bfloat16])
+    b64, a64 = before.to(torch.float64), after.to(torch.float64)
+    allow = STEP_ROUNDINGS * eps * (b64.abs() + (p64 - b64).abs()) + torch.finfo(after.dtype).tiny
+    return float(((a64 - p64).abs() / allow).max()) if a64.numel() else 0.0
+
+
+def fit(rec: torch.Tensor, used: torch.Tensor) -> tuple[float, bool]:
+    """(c, clean): the consumed grad `used` as c times the recorded `rec`, clean where every element is
+    within SCALE_ROUNDINGS roundings of |c rec| (plus the dtype's smallest normal)."""
+    r, u = rec.to(torch.float64).reshape(-1), used.to(torch.float64).reshape(-1)
+    rr = float(r.dot(r))
+    if rr == 0.0:
+        return 1.0, bool((u == 0).all())
+    c = float(r.dot(u)) / rr
+    eps = EPS.get(used.dtype, EPS[torch.bfloat16])
+    allow = SCALE_ROUNDINGS * eps * (c * r).abs() + torch.finfo(used.dtype).tiny
+    return c, bool(((u - c * r).abs() <= allow).all())
+
+
+def _per_rank(rec, used, layout: str | None, ranks: int) -> list[float] | None:
+    """The factors of each rank's shard of a `shard:D` grad, where each shard is a clean multiple."""
+    if not layout or not layout.startswith("shard:") or ranks < 2:
+        return None
+    d = int(layout.split(":")[1])
+    if rec.dim() <= d or rec.shape[d] % ranks:
+        return None
+    cs = []
+    for r, u in zip(rec.chunk(ranks, d), used.chunk(ranks, d)):
+        c, clean = fit(r, u)
+        if not clean:
+            return None
+        cs.append(c)
+    return cs
+
+
+def _grad_key(dd, step, module, name):
+    ks = [r["key"] for r in dd.rows if (r["kind"], r["module"], r["name"], r["step"]) ==
+          ("param_grad", module, name, step)]
+    return ks[-1] if ks else None
+
+
+def _norm_move(dd, ref, other, step) -> tuple[float, int]:
+    """How far (relative 2-norm) the step's recorded weight grads moved as one vector, and its size."""
+    d2 = n2 = 0.0
+    n = 0
+    for r in dd.rows:
+        if r["kind"] != "param_grad" or r["step"] != step:
+            continue
+        pair = _pair(dd, ref, other, r["key"])
+        if pair is None or pair[0].shape != pair[1].shape:
+            continue
+        a, b = pair[0].to(torch.float64), pair[1].to(torch.float64)
+        d2 += float(((b - a) ** 2).sum())
+        n2 += float((a ** 2).sum())
+        n += a.numel()
+    return (math.sqrt(d2 / n2) if n2 > 0 else 0.0), n
+
+
+def judge(dd, ref, other) -> list[dict]:
+    """Findings for the parameters after a capture's optimizer step that no check judged (module doc);
+    each moved parameter it judges within rounding gets row["update_judged"] = True."""
+    if not any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other)):
+        return []
+    ref_steps, other_steps = _steps(ref.world), _steps(other.world)
+    ranks = int(other.world.get("degree", 1))
+    out, moves = [], {}
+    for r in dd.rows:
+        if (r["phase"], r["kind"]) != ("optimizer", "param") or r["bitwise"] \
+                or r.get("rank_consistent") is False or r.get("scale") is not None \
+                or r.get("beyond_bound") or r.get("nonfinite_mismatch"):
+            continue
+        step, module, name = r["step"], r["module"], r["name"]
+        before_key = (record_key(0, "init", module, "param_init", 0, name) if step == 0
+                      else record_key(step - 1, "optimizer", module, "param", 0, name))
+        after, before = dd.tensors.get(r["key"]), dd.tensors.get(before_key)
+        if after is None or before is None:
+            continue  # nothing to say it moved: its value's own row is all there is
+        if torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]):
+            continue  # not stepped on either side: its difference is the one before the step
+        why, cause = _judge_one(dd, ref, other, r, before, after, ref_steps.get((step, module, name)),
+                                other_steps.get((step, module, name)), ranks, moves)
+        if why is None:
+            r["update_judged"] = True
+            continue
+        out.append({"phase": "optimizer", "module": module, "op": None, "kind": "param", "name": name,
+                    "step": step, "cause": cause, "max_abs": r["max_abs"], "bound": None,
+                    "bound_ratio": None, "key": r["key"], "why": why, "detail": why,
+                    "optimizer_step": True})
+    if len(out) > 1:
+        # one cause moves every parameter its step touched (a clip coefficient scales them all): one
+        # root - the first bug-class finding where there is one - and the rest grouped under it (the
+        # gate judges a follower on its own where its root is milder: an unknown never hides a bug)
+        from tpdiag.records.causes import cause_class
+
+        root = next((f for f in out if cause_class(f["cause"]) == "bug"), out[0])
+        for f in out:
+            if f is not root:
+                f["follows"] = root["key"]
+    return out
+
+
+def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves):
+    """(None, None) where every link holds, else (why, cause)."""
+    step, module, name = r["step"], r["module"], r["name"]
+    if not at_ref or not at_other:
+        return (f"moved in the step, but the capture saw no torch.optim optimizer step it at "
+                f"{'either side' if not at_ref and not at_other else 'the reference' if not at_ref else 'this degree'} "
+                f"(a hand-written update, or capture(optimizer=False)): nothing bounds a parameter past the first "
+                f"divergence - {WHAT_TO_DO}", "unknown")
+    if len(at_ref) > 1 or len(at_other) > 1:
+        return ("stepped more than once in the step (two optimizers over it): its update is not re-run - "
+                "not judged", "unknown")
+    (ea, ga, pa), (eb, gb, pb) = at_ref[0], at_other[0]
+    if ea.get("class") != eb.get("class"):
+        return (f"stepped by {eb.get('class')} at this degree and by {ea.get('class')} at the reference: "
+                "another optimizer", "sharding-bug")
+    ha, hb = _hyper(ga), _hyper(gb)
+    differ = [k for k in sorted(set(ha) | set(hb)) if ha.get(k) != hb.get(k)]
+    if differ:
+        k = differ[0]
+        return (f"its optimizer's {k} is {hb.get(k)!r} at this degree and {ha.get(k)!r} at the reference's (a "
+                "hyper-parameter computed from the world size or a shard's shape): another update", "sharding-bug")
+    cls = ea.get("class")
+    if cls not in RERUN:
+        return (f"stepped by {cls}, which tpdiag does not re-run (only {', '.join(c.rsplit('.', 1)[1] for c in RERUN)}): "
+                f"nothing bounds its update - not judged; {WHAT_TO_DO}", "unknown")
+    gkey = record_key(step, "optimizer", module, "opt_grad", 0, name)
+    used = _pair(dd, ref, other, gkey)
+    if used is None:
+        return ("the grad its optimizer consumed was not recorded at both sides: not judged", "unknown")
+    states = []
+    for rs, p in ((ref, pa), (other, pb)):
+        st = {}
+        prefix = record_key(step, "optimizer", module, "opt_state", 0, f"{name}.")
+        for k in rs.by_key:
+            if k.startswith(prefix):
+                st[k[len(prefix):]] = _read(rs, k)
+        if (p.get("step") or 0) > 0 and not st and cls != "torch.optim.sgd.SGD":
+            return ("its optimizer state before the step was not recorded: not judged", "unknown")
+        if any(v is None for v in st.values()):
+            return ("its optimizer state is sharded (not re-assembled here): not judged", "unknown")
+        states.append(st)
+    try:
+        p64a = rerun(cls, _hyper(ga), before[0], used[0], states[0], pa.get("step"))
+        p64b = rerun(cls, _hyper(gb), before[1], used[1], states[1], pb.get("step"))
+    except Exception as e:  # noqa: BLE001 - the hyper-parameters of another torch version: no re-run
+        return (f"its {cls} step could not be re-run ({type(e).__name__}: {e}): not judged", "unknown")
+    xa, xb = _own_excess(before[0], after[0], p64a), _own_excess(before[1], after[1], p64b)
+    if not xa <= 1.0:
+        return (f"at the reference the parameter after the step is not what {cls} computes from the grad it "
+                f"consumed ({xa:.3g}x beyond rounding: code after the step wrote it, or the optimizer is not "
+                "torch's own): its update is not judged", "unknown")
+    if not xb <= 1.0:
+        return (f"the parameter after the step is not what {cls} computes from the grad it consumed at this "
+                f"degree ({xb:.3g}x beyond rounding), while the reference's is: the step itself differs at this "
+                "degree", "sharding-bug")
+    rkey = _grad_key(dd, step, module, name)
+    rec = _pair(dd, ref, other, rkey) if rkey else None
+    if rec is None:
+        return ("no recorded grad of it (capture(backward=False)) to judge the grad its optimizer consumed: not "
+                "judged", "unknown")
+    if used[0].shape != rec[0].shape or used[1].shape != rec[1].shape:
+        return ("the grad its optimizer consumed is not of the recorded grad's shape: not judged", "unknown")
+    if torch.equal(used[0], used[1]) and torch.equal(rec[0], rec[1]):
+        return None, None
+    ca, clean_a = fit(rec[0], used[0])
+    if not clean_a:
+        return ("the grad the reference's optimizer consumed is not its recorded grad times one factor (code "
+                "between the backward and the step that tpdiag cannot judge): not judged; " + WHAT_TO_DO, "unknown")
+    cb, clean_b = fit(rec[1], used[1])
+    if not clean_b:
+        per = _per_rank(rec[1], used[1], _layout(dd, gkey), ranks)
+        if per is not None and max(per) - min(per) > SCALE_ROUNDINGS * EPS.get(used[1].dtype, 2.0 ** -7) * max(map(abs, per)):
+            return ("each rank scaled its shard of the grad the optimizer consumed by a factor of its own ("
+                    + ", ".join(f"{c:.6g}" for c in per) + f"; the reference {ca:.6g}): a clip coefficient computed "
+                    "from the rank's own shards (to_local()) - the ranks must share one, from the whole grads' norm",
+                    "sharding-bug")
+        return ("the grad its optimizer consumed at this degree is not the recorded grad times one factor (the "
+                f"reference's is, {ca:.6g}x): code between the backward and the step did something else here that "
+                "tpdiag cannot judge (a clip coefficient per rank, an all-reduce of its own) - not judged; "
+                + WHAT_TO_DO, "unknown")
+    if step not in moves:
+        moves[step] = _norm_move(dd, ref, other, step)
+    moved, n = moves[step]
+    eps = EPS.get(used[1].dtype, 2.0 ** -7)
+    tol = 4 * moved + (64 + 4 * math.log2(max(n, 2))) * eps
+    if ca != 0 and not abs(cb / ca - 1) <= tol:
+        return (f"the grad its optimizer consumed is {cb:.6g}x the recorded grad at this degree and {ca:.6g}x at the "
+                f"reference ({cb / ca:.6g} of it) while the recorded grads' norm moved {moved:.3g}: a clip "
+                "coefficient or grad scale computed otherwise at this degree (a norm from other counts)",
+                "sharding-bug")
+    return None, None
+
+
+def _layout(dd, key):
+    return next((r.get("layout") for r in dd.rows if r["key"] == key), None)
