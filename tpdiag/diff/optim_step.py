@@ -76,6 +76,18 @@ def _read(rs, key: str):
     return t
 
 
+def _shares_sum(rs, key: str):
+    """The sum of the ranks' copies of a replica's record whose copies differ (each rank's share of a
+    grad its loop all-reduces after the backward), else None."""
+    m = rs.by_key.get(key)
+    if m is None or m.get("stored") != "stacked" or str(m.get("placement") or "replicate") != "replicate":
+        return None
+    t = rs.tensor(m)
+    if t.dim() == 0 or t.shape[0] < 2 or all(torch.equal(t[0], x) for x in t[1:]):
+        return None
+    return t.to(torch.float64).sum(0).to(t.dtype)
+
+
 def _pair(dd, ref, other, key: str):
     got = dd.tensors.get(key)
     if got is not None:
@@ -118,16 +130,17 @@ def _own_excess(before, after, p64) -> float:
     return float(((a64 - p64).abs() / allow).max()) if a64.numel() else 0.0
 
 
-def fit(rec: torch.Tensor, used: torch.Tensor) -> tuple[float, bool]:
+def fit(rec: torch.Tensor, used: torch.Tensor, terms: int = 1) -> tuple[float, bool]:
     """(c, clean): the consumed grad `used` as c times the recorded `rec`, clean where every element is
-    within SCALE_ROUNDINGS roundings of |c rec| (plus the dtype's smallest normal)."""
+    within SCALE_ROUNDINGS roundings of |c rec| (plus the dtype's smallest normal); `terms`: rec is a sum
+    of that many ranks' shares, which a float all-reduce rounds once per term."""
     r, u = rec.to(torch.float64).reshape(-1), used.to(torch.float64).reshape(-1)
     rr = float(r.dot(r))
     if rr == 0.0:
         return 1.0, bool((u == 0).all())
     c = float(r.dot(u)) / rr
     eps = EPS.get(used.dtype, EPS[torch.bfloat16])
-    allow = SCALE_ROUNDINGS * eps * (c * r).abs() + torch.finfo(used.dtype).tiny
+    allow = SCALE_ROUNDINGS * terms * eps * (c * r).abs() + torch.finfo(used.dtype).tiny
     return c, bool(((u - c * r).abs() <= allow).all())
 
 
@@ -147,10 +160,14 @@ def _per_rank(rec, used, layout: str | None, ranks: int) -> list[float] | None:
     return cs
 
 
-def _grad_key(dd, step, module, name):
-    ks = [r["key"] for r in dd.rows if (r["kind"], r["module"], r["name"], r["step"]) ==
-          ("param_grad", module, name, step)]
-    return ks[-1] if ks else None
+def _grad_key(ctx, dd, step, module, name):
+    """The step's recorded grad of the parameter (its last call: a grad accumulated over micro-batches)."""
+    if "grads" not in ctx:
+        ctx["grads"] = {}
+        for r in dd.rows:
+            if r["kind"] == "param_grad":
+                ctx["grads"][(r["module"], r["name"], r["step"])] = r["key"]  # rows in record order
+    return ctx["grads"].get((module, name, step))
 
 
 def _norm_move(dd, ref, other, step) -> tuple[float, int]:
@@ -187,12 +204,16 @@ def judge(dd, ref, other) -> list[dict]:
         before_key = (record_key(0, "init", module, "param_init", 0, name) if step == 0
                       else record_key(step - 1, "optimizer", module, "param", 0, name))
         after, before = dd.tensors.get(r["key"]), dd.tensors.get(before_key)
-        if after is None or before is None:
-            continue  # nothing to say it moved: its value's own row is all there is
-        if torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]):
+        if after is not None and before is not None and torch.equal(after[0], before[0]) \
+                and torch.equal(after[1], before[1]):
             continue  # not stepped on either side: its difference is the one before the step
-        why, cause = _judge_one(dd, ref, other, r, before, after, ref_steps.get((step, module, name)),
-                                other_steps.get((step, module, name)), ranks, moves)
+        if after is None or before is None or after[0].shape != before[0].shape \
+                or after[1].shape != before[1].shape:
+            why, cause = ("its value before this step was not recorded at both sides (call cap.params() after "
+                          "every step's optimizer step): nothing bounds its update - not judged", "unknown")
+        else:
+            why, cause = _judge_one(dd, ref, other, r, before, after, ref_steps.get((step, module, name)),
+                                    other_steps.get((step, module, name)), ranks, moves)
         if why is None:
             r["update_judged"] = True
             continue
@@ -214,7 +235,7 @@ def judge(dd, ref, other) -> list[dict]:
 
 
 def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves):
-    """(None, None) where every link holds, else (why, cause)."""
+    """(None, None) where every link holds, else (why, cause). moves: the diff's memo (indexes, norm moves)."""
     step, module, name = r["step"], r["module"], r["name"]
     if not at_ref or not at_other:
         return (f"moved in the step, but the capture saw no torch.optim optimizer step it at "
@@ -242,18 +263,23 @@ def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves)
     used = _pair(dd, ref, other, gkey)
     if used is None:
         return ("the grad its optimizer consumed was not recorded at both sides: not judged", "unknown")
-    states = []
-    for rs, p in ((ref, pa), (other, pb)):
-        st = {}
-        prefix = record_key(step, "optimizer", module, "opt_state", 0, f"{name}.")
-        for k in rs.by_key:
-            if k.startswith(prefix):
-                st[k[len(prefix):]] = _read(rs, k)
-        if (p.get("step") or 0) > 0 and not st and cls != "torch.optim.sgd.SGD":
-            return ("its optimizer state before the step was not recorded: not judged", "unknown")
-        if any(v is None for v in st.values()):
-            return ("its optimizer state is sharded (not re-assembled here): not judged", "unknown")
-        states.append(st)
+    if "states" not in moves:
+        moves["states"] = {}
+        for rs in (ref, other):
+            for m in rs.events:
+                if m["kind"] == "opt_state" and m["call"] == 0:
+                    pname, _, sk = str(m["name"]).partition(".")  # a parameter's short name has no dot
+                    moves["states"].setdefault((m["step"], m["module"], pname), {})[sk] = m["key"]
+    keys = moves["states"].get((step, module, name), {})
+    states = ({}, {})
+    for sk, k in keys.items():
+        pair = _pair(dd, ref, other, k)
+        if pair is None:
+            return ("its optimizer state before the step was not recorded at both sides: not judged", "unknown")
+        for st, v in zip(states, pair):
+            st[sk] = v
+    if any((p.get("step") or 0) > 0 for p in (pa, pb)) and not keys and cls != "torch.optim.sgd.SGD":
+        return ("its optimizer state before the step was not recorded: not judged", "unknown")
     try:
         p64a = rerun(cls, _hyper(ga), before[0], used[0], states[0], pa.get("step"))
         p64b = rerun(cls, _hyper(gb), before[1], used[1], states[1], pb.get("step"))
@@ -268,8 +294,12 @@ def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves)
         return (f"the parameter after the step is not what {cls} computes from the grad it consumed at this "
                 f"degree ({xb:.3g}x beyond rounding), while the reference's is: the step itself differs at this "
                 "degree", "sharding-bug")
-    rkey = _grad_key(dd, step, module, name)
+    rkey = _grad_key(moves, dd, step, module, name)
     rec = _pair(dd, ref, other, rkey) if rkey else None
+    shares = _shares_sum(other, rkey) if rkey else None
+    if rec is None and shares is not None:
+        a = _read(ref, rkey)
+        rec = (a, shares) if a is not None else None
     if rec is None:
         return ("no recorded grad of it (capture(backward=False)) to judge the grad its optimizer consumed: not "
                 "judged", "unknown")
@@ -282,8 +312,12 @@ def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves)
         return ("the grad the reference's optimizer consumed is not its recorded grad times one factor (code "
                 "between the backward and the step that tpdiag cannot judge): not judged; " + WHAT_TO_DO, "unknown")
     cb, clean_b = fit(rec[1], used[1])
+    if not clean_b and shares is not None and shares.shape == used[1].shape:
+        # a replica's grad each rank held as its share (Megatron-style sequence parallelism) that the
+        # loop all-reduced after the backward: the optimizer read the shares' sum
+        cb, clean_b = fit(shares, used[1], ranks)
     if not clean_b:
-        per = _per_rank(rec[1], used[1], _layout(dd, gkey), ranks)
+        per = _per_rank(rec[1], used[1], _layout(moves, dd, gkey), ranks)
         if per is not None and max(per) - min(per) > SCALE_ROUNDINGS * EPS.get(used[1].dtype, 2.0 ** -7) * max(map(abs, per)):
             return ("each rank scaled its shard of the grad the optimizer consumed by a factor of its own ("
                     + ", ".join(f"{c:.6g}" for c in per) + f"; the reference {ca:.6g}): a clip coefficient computed "
@@ -293,9 +327,9 @@ def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves)
                 f"reference's is, {ca:.6g}x): code between the backward and the step did something else here that "
                 "tpdiag cannot judge (a clip coefficient per rank, an all-reduce of its own) - not judged; "
                 + WHAT_TO_DO, "unknown")
-    if step not in moves:
-        moves[step] = _norm_move(dd, ref, other, step)
-    moved, n = moves[step]
+    if ("move", step) not in moves:
+        moves[("move", step)] = _norm_move(dd, ref, other, step)
+    moved, n = moves[("move", step)]
     eps = EPS.get(used[1].dtype, 2.0 ** -7)
     tol = 4 * moved + (64 + 4 * math.log2(max(n, 2))) * eps
     if ca != 0 and not abs(cb / ca - 1) <= tol:
@@ -306,5 +340,32 @@ def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves)
     return None, None
 
 
-def _layout(dd, key):
-    return next((r.get("layout") for r in dd.rows if r["key"] == key), None)
+def _layout(ctx, dd, key):
+    if "layouts" not in ctx:
+        ctx["layouts"] = {r["key"]: r.get("layout") for r in dd.rows if r["kind"] == "opt_grad"}
+    return ctx["layouts"].get(key)
+
+
+# the records judge() reads: what the gate's re-diff (diff/recheck.verify) holds to re-derive its findings
+NEEDED = ("param", "param_init", "param_grad", "opt_grad", "opt_state")
+
+
+def needed(ref, other) -> frozenset:
+    """The keys whose whole pairs judge() reads, where the two sides are captures (else none)."""
+    if not any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other)):
+        return frozenset()
+    return frozenset(m["key"] for m in other.events if m["kind"] in NEEDED)
+
+
+def problem(label: str, entry, dd, ref, other) -> str | None:
+    """The gate's check: every finding judge() gives from the records is in summary.json with its cause
+    - a not-judged (or BUG) parameter after the user's step cut from the summary would pass as rounding."""
+    got = judge(dd, ref, other)
+    if not got:
+        return None
+    have = {f.get("key"): f.get("cause") for f in (entry or {}).get("findings") or () if isinstance(f, dict)}
+    for f in got:
+        if have.get(f["key"]) != f["cause"]:
+            return (f"summary.json's TP={label} lacks the finding at {f['key']} ({f['cause']}) that its records give "
+                    "(a parameter after the user's optimizer step: diff/optim_step.py) - edited after the run")
+    return None
