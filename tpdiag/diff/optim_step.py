@@ -76,6 +76,15 @@ def _read(rs, key: str):
     return t
 
 
+def _shares_size(rs, key: str):
+    """(ranks, sum of the ranks' |shares|) of a Partial record stored per rank, else (1, None)."""
+    m = rs.by_key.get(key)
+    if m is None or not str(m.get("placement") or "").startswith("partial") or m.get("stored") != "stacked":
+        return 1, None
+    t = rs.tensor(m).to(torch.float64)
+    return t.shape[0], t.abs().sum(0)
+
+
 def _shares_sum(rs, key: str):
     """The sum of the ranks' copies of a replica's record whose copies differ (each rank's share of a
     grad its loop all-reduces after the backward), else None."""
@@ -130,17 +139,19 @@ def _own_excess(before, after, p64) -> float:
     return float(((a64 - p64).abs() / allow).max()) if a64.numel() else 0.0
 
 
-def fit(rec: torch.Tensor, used: torch.Tensor, terms: int = 1) -> tuple[float, bool]:
+def fit(rec: torch.Tensor, used: torch.Tensor, terms: int = 1, mag=None) -> tuple[float, bool]:
     """(c, clean): the consumed grad `used` as c times the recorded `rec`, clean where every element is
-    within SCALE_ROUNDINGS roundings of |c rec| (plus the dtype's smallest normal); `terms`: rec is a sum
-    of that many ranks' shares, which a float all-reduce rounds once per term."""
+    within SCALE_ROUNDINGS roundings of |c rec| (plus the dtype's smallest normal); `terms`: one of the two
+    is a sum of that many ranks' shares, rounded once per term; mag: the sum of those shares' magnitudes
+    (a sum that cancels rounds by its terms' size, not its own)."""
     r, u = rec.to(torch.float64).reshape(-1), used.to(torch.float64).reshape(-1)
     rr = float(r.dot(r))
     if rr == 0.0:
         return 1.0, bool((u == 0).all())
     c = float(r.dot(u)) / rr
     eps = EPS.get(used.dtype, EPS[torch.bfloat16])
-    allow = SCALE_ROUNDINGS * terms * eps * (c * r).abs() + torch.finfo(used.dtype).tiny
+    size = (c * r).abs() if mag is None else (c * r).abs() + mag.reshape(-1)
+    allow = SCALE_ROUNDINGS * terms * eps * size + torch.finfo(used.dtype).tiny
     return c, bool(((u - c * r).abs() <= allow).all())
 
 
@@ -307,11 +318,12 @@ def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves)
         return ("the grad its optimizer consumed is not of the recorded grad's shape: not judged", "unknown")
     if torch.equal(used[0], used[1]) and torch.equal(rec[0], rec[1]):
         return None, None
-    ca, clean_a = fit(rec[0], used[0])
+    (ta, ma), (tb, mb) = _shares_size(ref, gkey), _shares_size(other, gkey)
+    ca, clean_a = fit(rec[0], used[0], ta, ma)
     if not clean_a:
         return ("the grad the reference's optimizer consumed is not its recorded grad times one factor (code "
                 "between the backward and the step that tpdiag cannot judge): not judged; " + WHAT_TO_DO, "unknown")
-    cb, clean_b = fit(rec[1], used[1])
+    cb, clean_b = fit(rec[1], used[1], tb, mb)
     if not clean_b and shares is not None and shares.shape == used[1].shape:
         # a replica's grad each rank held as its share (Megatron-style sequence parallelism) that the
         # loop all-reduced after the backward: the optimizer read the shares' sum
