@@ -105,30 +105,49 @@ def _pair(dd, ref, other, key: str):
     return (a, b) if a is not None and b is not None else None
 
 
+# the hyper-parameters each re-run models; another key (a newer torch's) is refused: not judged
+_ADAM = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+_SGD = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+
+
 def rerun(cls: str, hyper: dict, before: torch.Tensor, grad: torch.Tensor, state: dict, step) -> torch.Tensor:
     """The parameter after one step of torch optimizer `cls` (a RERUN name) with `hyper`, in float64
-    from `before`, `grad` and the state tensors `state` (empty at the first step)."""
-    import inspect
-
-    import torch.optim as optim
-
-    klass = {"torch.optim.adamw.AdamW": optim.AdamW, "torch.optim.adam.Adam": optim.Adam,
-             "torch.optim.sgd.SGD": optim.SGD}[cls]
-    accepted = set(inspect.signature(klass.__init__).parameters)
-    kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in hyper.items() if k in accepted}
-    if "foreach" in accepted:
-        kw["foreach"] = False
-    p = torch.nn.Parameter(before.detach().to(torch.float64).clone())
-    p.grad = grad.detach().to(torch.float64).clone()
-    opt = klass([p], **kw)
-    if state:
-        st = {k: v.detach().to(torch.float64).clone() for k, v in state.items()}
-        if cls != "torch.optim.sgd.SGD":
-            st["step"] = torch.tensor(float(step or 0), dtype=torch.float64)
-        opt.state[p] = st
-    with torch.no_grad():
-        opt.step()
-    return p.detach()
+    from `before`, `grad` and the state tensors `state` (empty at the first step): torch's update rule
+    written out (its own step() would import torch._dynamo, seconds per diff), ValueError for a
+    hyper-parameter it does not model."""
+    f64 = torch.float64
+    p, g = before.detach().to(f64), grad.detach().to(f64)
+    st = {k: v.detach().to(f64) for k, v in state.items()}
+    known = _SGD if cls == "torch.optim.sgd.SGD" else _ADAM
+    odd = sorted(k for k in hyper if k not in known)
+    if odd:
+        raise ValueError(f"hyper-parameter {odd[0]!r} not modelled")
+    lr, wd = float(hyper.get("lr", 1e-3)), float(hyper.get("weight_decay", 0.0) or 0.0)
+    if hyper.get("maximize"):
+        g = -g
+    if cls == "torch.optim.sgd.SGD":
+        if wd:
+            g = g + wd * p
+        mom = float(hyper.get("momentum", 0.0) or 0.0)
+        if mom:
+            buf = st.get("momentum_buffer")
+            buf = g if buf is None else buf * mom + (1 - float(hyper.get("dampening", 0.0) or 0.0)) * g
+            g = g + mom * buf if hyper.get("nesterov") else buf
+        return p - lr * g
+    b1, b2 = (float(x) for x in hyper.get("betas", (0.9, 0.999)))
+    eps = float(hyper.get("eps", 1e-8))
+    decoupled = cls == "torch.optim.adamw.AdamW" or bool(hyper.get("decoupled_weight_decay"))
+    if wd and decoupled:
+        p = p * (1 - lr * wd)
+    elif wd:
+        g = g + wd * p
+    m = st.get("exp_avg", torch.zeros_like(p)) * b1 + (1 - b1) * g
+    v = st.get("exp_avg_sq", torch.zeros_like(p)) * b2 + (1 - b2) * g * g
+    t = float(step or 0) + 1
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    if hyper.get("amsgrad"):
+        v = torch.maximum(st.get("max_exp_avg_sq", torch.zeros_like(p)), v)
+    return p - (lr / bc1) * m / (v.sqrt() / math.sqrt(bc2) + eps)
 
 
 def _own_excess(before, after, p64) -> float:
