@@ -127,6 +127,11 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if fd.get("why"):
             console.print(f"{config_name(label)}: cause {fd['cause']}: {fd['why']}")
         _findings(console, label, d, fd)
+        opt = next((f for f in d.get("findings") or () if isinstance(f, dict) and f.get("optimizer_step")
+                    and f.get("cause") == "unknown" and "follows" not in f and f.get("why")), None)
+        if opt is not None:  # a parameter after the user's own step that no check bounds: why, what to do
+            console.print(f"{config_name(label)}: not judged at {where(opt)}: {opt['why']}", markup=False,
+                          soft_wrap=True)
         pieces = list((d.get("per_piece") or {}).items())
         if pieces:  # one line for every experts module (a deep MoE has one per layer)
             names = ", ".join(b for b, _ in pieces[:2]) + (f" and {len(pieces) - 2} more" if len(pieces) > 2 else "")

@@ -57,6 +57,10 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
 
     replicas.mark(dd)  # a replica that differs across ranks: read by a later step, or not
     loc = locate(dd, _styles(ref, other))
+    from tpdiag.diff import optim_step
+
+    # a capture's parameters after the user's own optimizer step: judged link by link, or not judged
+    loc["findings"].extend(optim_step.judge(dd, ref, other))
     divergent = any(not r["bitwise"] or r.get("rank_consistent") is False for r in dd.rows)
     if [k for k in dd.missing + dd.unmatched if RecordKey.parse(k).kind != "op"]:
         divergent = True  # op sequences may differ across degrees; module records may not
