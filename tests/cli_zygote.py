@@ -13,7 +13,8 @@ instead wherever the environment differs from this server's in a variable read a
 or torch start-up (STARTUP_PREFIXES). TPDIAG_TEST_CLI_ZYGOTE=0: every command a fresh interpreter.
 
 Protocol (stdin / stdout lines of JSON): {"ready": true} once the imports are done; then for each
-request {"args", "env", "cwd", "out", "err"}: {"pid"}, then {"rc"} when that child has exited
+request {"args", "env", "cwd", "out", "err"} and optionally "module" (another `python -m` module than
+tpdiag.cli: torchrun's launcher, conftest.run_module): {"pid"}, then {"rc"} when that child has exited
 (negative: killed by that signal, as subprocess reports it).
 
 The command's own fork server (runner/start_context.py: a fresh `python -c` that imports torch, ~3 s of
@@ -169,16 +170,21 @@ def _child(req: dict, proto) -> int:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
-    sys.path[0] = os.getcwd()  # `python -m`: the working directory first
+    module = req.get("module", "tpdiag.cli")
+    if module == "tpdiag.cli":
+        sys.path[0] = os.getcwd()  # `python -m`: the working directory first
+    else:  # `python -m`'s sys.path: the working directory, the request's PYTHONPATH, the interpreter's own
+        pp = _pythonpath(req["env"])
+        sys.path[:] = [os.getcwd(), *dict.fromkeys(pp), *(p for p in _BASE_PATH if p not in pp)]
     sys.argv = ["-m", *req["args"]]
-    if req["env"].get("TPDIAG_TEST_FORKSERVER_TEMPLATE", "1") != "0":
+    if module == "tpdiag.cli" and req["env"].get("TPDIAG_TEST_FORKSERVER_TEMPLATE", "1") != "0":
         import functools
         import multiprocessing.util as mp_util
 
         template = _Template()
         mp_util.spawnv_passfds = functools.partial(template.spawnv_passfds, mp_util.spawnv_passfds)
     try:
-        runpy.run_module("tpdiag.cli", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0

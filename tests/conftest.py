@@ -158,6 +158,25 @@ def run_cli(*args, env=None, timeout=600, cwd=None):
         _ZYGOTE_LOCK.release()
 
 
+def run_module(module, *args, env=None, timeout=600, cwd=None):
+    """`python -m module args` (subprocess.run's result, output captured as text) forked from run_cli's
+    server where it can stand in for a fresh interpreter: torchrun's launcher (`torch.distributed.run`)
+    imports torch only to start its ranks, which it starts as fresh interpreters from its environment
+    either way (a 2-rank torchrun of a tiny script: 12.1 -> 9.7 CPU s on the 2-core machine). env: the whole environment (as subprocess.run's);
+    its PYTHONPATH may add folders to the session's that hold none of the server's preloaded packages
+    (_zygote), else a fresh interpreter runs it."""
+    e = dict(os.environ if env is None else env)
+    cwd = str(cwd) if cwd is not None else ROOT
+    z = _zygote(e, pythonpath=True)
+    if z is None:
+        return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                              env=e, timeout=timeout, cwd=cwd)
+    try:
+        return z.run(list(args), e, cwd, timeout, module=module)
+    finally:
+        _ZYGOTE_LOCK.release()
+
+
 _ZYGOTE = []
 _RETIRED = []  # servers replaced by one with this process's changed environment (_zygote)
 _ZYGOTE_LOCK = threading.Lock()
@@ -180,14 +199,17 @@ class _Zygote:
             self._ready = self.proc.stdout.readline().strip() == '{"ready": true}'
         return self._ready
 
-    def run(self, args, env, cwd, timeout):
+    def run(self, args, env, cwd, timeout, module="tpdiag.cli"):
         import json
         import signal
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="tpdiag-cli-") as d:
             out, err = os.path.join(d, "out"), os.path.join(d, "err")
-            self.proc.stdin.write(json.dumps({"args": args, "env": env, "cwd": cwd, "out": out, "err": err}) + "\n")
+            req = {"args": args, "env": env, "cwd": cwd, "out": out, "err": err}
+            if module != "tpdiag.cli":
+                req["module"] = module
+            self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
             pid = json.loads(self.proc.stdout.readline())["pid"]
             timer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))  # subprocess.run's timeout
@@ -197,7 +219,7 @@ class _Zygote:
             finally:
                 timer.cancel()
             with open(out) as f1, open(err) as f2:
-                res = subprocess.CompletedProcess([sys.executable, "-m", "tpdiag.cli", *args], rc, f1.read(), f2.read())
+                res = subprocess.CompletedProcess([sys.executable, "-m", module, *args], rc, f1.read(), f2.read())
             if timer.finished.is_set() and rc == -signal.SIGKILL:
                 raise subprocess.TimeoutExpired(res.args, timeout, res.stdout, res.stderr)
             return res
@@ -213,15 +235,23 @@ def _stop_zygote():
             z.proc.kill()
 
 
-def _zygote(env):
+def _zygote(env, pythonpath=False):
     """The server for this process, holding its lock; None where a fresh interpreter must run the
     command: the server is still importing, its start-up environment differs (cli_zygote's
     STARTUP_PREFIXES), another thread's command is running, or TPDIAG_TEST_CLI_ZYGOTE=0.
     Where this process's own environment changed in such a variable (tests that run tpdiag
     in-process leave RANK_ENV, TRITON_INTERPRET or TORCHINDUCTOR_CACHE_DIR set here for the rest
     of the session), a server started with the environment as it is now replaces the old one:
-    without that, every later command took a fresh interpreter (~3 s of imports)."""
+    without that, every later command took a fresh interpreter (~3 s of imports).
+    pythonpath (run_module): a PYTHONPATH that differs is no reason for a fresh interpreter where the
+    folders it adds hold none of the server's preloaded packages (the child sets its own sys.path)."""
     from cli_zygote import startup_env
+
+    def mine(e):
+        s = startup_env(e)
+        if pythonpath and _preloads_unshadowed(e):
+            s.pop("PYTHONPATH", None)
+        return s
 
     if env.get("TPDIAG_TEST_CLI_ZYGOTE", "1") == "0" or not _ZYGOTE_LOCK.acquire(blocking=False):
         return None
@@ -231,10 +261,24 @@ def _zygote(env):
         _RETIRED.append(z)
         _ZYGOTE[:] = [_Zygote()]
         z = _ZYGOTE[0]
-    if not z.ready() or startup_env(env) != startup_env(z.env):
+    if not z.ready() or mine(env) != mine(z.env):
         _ZYGOTE_LOCK.release()
         return None
     return z
+
+
+def _preloads_unshadowed(env) -> bool:
+    """No folder env's PYTHONPATH adds to this session's holds a package or module named as a top-level
+    one the server preloaded (a fresh interpreter would import that one instead)."""
+    from cli_zygote import PRELOAD, PRELOAD_IF_INSTALLED, _pythonpath
+
+    names = {m.split(".")[0] for m in (*PRELOAD, *PRELOAD_IF_INSTALLED)}
+    ours = set(_pythonpath(dict(os.environ)))
+    for d in _pythonpath(env):
+        if d not in ours and any(os.path.exists(os.path.join(d, n)) or os.path.exists(os.path.join(d, n + ".py"))
+                                 for n in names):
+            return False
+    return True
 
 
 def _start_zygote():
@@ -292,13 +336,13 @@ FILE_SECONDS = {
     # session 13 (helper hci13): CPU seconds of the whole tree in a cpuacct cgroup per xdist worker,
     # the README's command (-n 2, this order) at 170f498, per test from the worker's cgroup; files
     # whose session runs (conftest.shared_run) they made first carry those runs
-    "test_hash_capture.py": 102, "test_faults_more.py": 69, "test_hf_archs_rl.py": 50, "test_moe_fixes.py": 49, "test_capture.py": 43, "test_user_tt_team.py": 90, "test_tt_sp_compare.py": 90,
-    "test_fixes.py": 37, "test_op_level.py": 41, "test_tamper_numbers.py": 40, "test_attention_fused.py": 36, "test_fuzz.py": 43,
-    "test_diagnosis.py": 35, "test_planted.py": 35, "test_doc_blocks.py": 32, "test_failclosed_hostile.py": 32, "test_failclosed.py": 31,
+    "test_hash_capture.py": 102, "test_faults_more.py": 69, "test_hf_archs_rl.py": 50, "test_moe_fixes.py": 49, "test_capture.py": 70, "test_user_tt_team.py": 105, "test_tt_sp_compare.py": 90,
+    "test_fixes.py": 37, "test_op_level.py": 41, "test_tamper_numbers.py": 40, "test_attention_fused.py": 81, "test_fuzz.py": 43,
+    "test_diagnosis.py": 35, "test_planted.py": 35, "test_doc_blocks.py": 51, "test_failclosed_hostile.py": 32, "test_failclosed.py": 31,
     "test_invariant_attention.py": 28, "test_hf_fixes.py": 30, "test_hf_plans.py": 30, "test_matrix.py": 30, "test_tree_triton.py": 29,
     "test_micro_batch.py": 28, "test_hf_zoo.py": 26, "test_hash_batch.py": 24, "test_rollout_lanes.py": 25, "test_tp_gathers.py": 23,
-    "test_capture_exit.py": 22, "test_benchmarks.py": 20, "test_decode_compare.py": 20, "test_py_target.py": 7, "test_accumulate_gpt2.py": 18,
-    "test_invariant_gemm.py": 18, "test_rl_axes.py": 18, "test_hf.py": 17, "test_load_dtype.py": 17, "test_public_api.py": 17,
+    "test_capture_exit.py": 22, "test_benchmarks.py": 20, "test_decode_compare.py": 20, "test_py_target.py": 7, "test_accumulate_gpt2.py": 25,
+    "test_invariant_gemm.py": 18, "test_rl_axes.py": 18, "test_hf.py": 17, "test_load_dtype.py": 17, "test_public_api.py": 24,
     "test_behind.py": 14, "test_diff_runs.py": 13, "test_failclosed_copies.py": 13, "test_import_rules.py": 13, "test_user_models.py": 12,
     "test_sequence_parallel.py": 11, "test_forward_code.py": 10, "test_micro_batch_carry.py": 10, "test_report.py": 10, "test_timing.py": 10,
     "test_own_pass_links.py": 19, "test_tp_misc.py": 9, "test_op_bug_gate.py": 8, "test_selfcheck_restore.py": 8, "test_train_side.py": 8,
@@ -319,7 +363,7 @@ FILE_SECONDS = {
     "test_swiglu_fused.py": 4, "test_capture_hf_loop.py": 3, "test_invariant_refusals.py": 3, "test_diff_on_device.py": 2, "test_interpreter_patch.py": 2,
     "test_rollout_new_user.py": 2, "test_rundir_paths.py": 2, "test_user_sp_norm.py": 2, "test_advice_fix_chain.py": 1, "test_alloc.py": 1,
     "test_axes_capture.py": 1, "test_bits.py": 1, "test_bits_paths.py": 1, "test_capture_identity.py": 1, "test_capture_lock.py": 1,
-    "test_cause_registry.py": 1, "test_ckpt_recompute.py": 1, "test_cli_help_current.py": 1, "test_cli_zygote_template.py": 1, "test_clip_like_torch.py": 1,
+    "test_cause_registry.py": 1, "test_ckpt_recompute.py": 1, "test_cli_help_current.py": 1, "test_cli_zygote_template.py": 2, "test_clip_like_torch.py": 1,
     "test_compare_json.py": 1, "test_config_dict.py": 1, "test_det_collectives.py": 1, "test_ep_clip.py": 1, "test_failclosed_disk.py": 1,
     "test_fix_properties.py": 1, "test_gate_presets.py": 1, "test_gather_replicas.py": 1, "test_generic_bound.py": 1, "test_grad_norm_bound.py": 1,
     "test_hash_cpu_words.py": 1, "test_hash_device.py": 1, "test_kernels_cpu.py": 1, "test_layout.py": 1, "test_load.py": 1,
@@ -363,19 +407,19 @@ FILE_SECONDS = {
     # session 15 (lead): this session's new files, wall of `pytest -n 0 FILE` on the 2-core machine
     # with a suite running beside it, less ~8 s of pytest's own start - rough, ordering only
     "test_recipe_compiled.py": 61, "test_compare_recipe.py": 42, "test_hooked_weights.py": 19, "test_grad_hook_plan.py": 18, "test_fwd_hook_late.py": 20, "test_global_state.py": 9, "test_recipe_loss_bound.py": 2,
-    "test_capture_oracle.py": 17, "test_flat_rows.py": 16, "test_tap_state.py": 16, "test_recipe_tamper.py": 16,
+    "test_capture_oracle.py": 28, "test_flat_rows.py": 16, "test_tap_state.py": 16, "test_recipe_tamper.py": 16,
     "test_top_split.py": 14, "test_rollout_no_cache.py": 13,
     # session 16 (helper hdocs16): its four tests take under 0.1 s (pytest --durations); its one run is
     # the shared tp12_run, which files listed above make first in CI (alone, -n 0: 47 s of setup)
     "test_run_directory_doc.py": 1,
     # session 16 (helper hbf16): wall of `pytest -n 0 FILE` on the shared 2-core machine, less ~8 s of
     # pytest's start (five compares: gate_f, pair_f x2, pair_ok, pair_drop_f) - ordering only
-    "test_two_paths.py": 40, "test_step_params.py": 9, "test_capture_hooks.py": 36,
+    "test_two_paths.py": 40, "test_step_params.py": 9, "test_capture_hooks.py": 39,
     # session 16 (helper hfalse16): two compares, wall of `pytest -n 0 FILE` less pytest's own start
     "test_loop_stage.py": 30, "test_own_taps.py": 30,
     # session 19 (helper hplant19): four compares each; wall of `pytest -n 0 FILE` was ~700 s with
     # ~8 helpers' runs beside it on the 2 cores - scaled to the two-compare files' 30 above
-    "test_rl_logprob.py": 60, "test_rl_trainer_losses.py": 60,
+    "test_rl_logprob.py": 15, "test_rl_trainer_losses.py": 14,
     # session 16 (red team hred16): one compare (hook_mixed), wall of `pytest -n 0 FILE` less pytest's start
     "test_failclosed_hooks.py": 22, "test_failclosed_not_judged.py": 22,
     # session 17 (helper hperf17): one subprocess importing torch
@@ -388,17 +432,17 @@ FILE_SECONDS = {
     "test_meta_fills.py": 3,
     # session 17 (helper hplant17): wall of `pytest -n 0 FILE` on the shared 2-core machine, less ~8 s
     # of pytest's start (three compares: sinks_first 1,4; sinks_unsynced 1,2; sinks_ok 1,2,4)
-    "test_attn_sinks.py": 21, "test_mamba_norm.py": 15, "test_moe_aux_sp.py": 12, "test_clip_norm.py": 77,
+    "test_attn_sinks.py": 21, "test_mamba_norm.py": 15, "test_moe_aux_sp.py": 12, "test_clip_norm.py": 75,
     # session 17 (helper hnew17): three forward-or-one-step compares at TP=1,2, wall of `pytest -n 0 FILE`
     "test_ffn_hidden_norm.py": 18,
     # session 19 (helper hstep19): four bf16 compares of 3 steps at TP=1,2; `pytest -n 0 FILE` took 351 s
     # wall at a load average of ~24 on the shared machine - an estimate, for ordering only
     # + session 19 (helper hreview19): three more (mega_split split_ok, split_noreduce: 123 s wall for the
     # two; moe_bwd_bug shared_beside)
-    "test_later_step.py": 190,
+    "test_later_step.py": 32,
     # session 19 (helper hanchor19): two tiny-llama bf16 compares of 3 steps at TP=1,2 (~110 s each alone,
     # 225 s two at once on the loaded 2-core machine) - an estimate, for ordering only
-    "test_drift_llama.py": 120,
+    "test_drift_llama.py": 100,  # four compares (two --anchor, session 20): hsuite20 measured 50 CPU s for two
     # session 18 (helper hname18): two bf16 one-step compares at TP=1,2 and their gates, wall of `pytest -n 0 FILE`
     "test_hf_embed_grad.py": 10,
     # session 18 (helper hci18), changed above: test_fuzz 43 and test_own_pass_links 19 (alone: it makes
@@ -421,13 +465,23 @@ FILE_SECONDS = {
     # test_moe_resid had wall figures of a loaded machine
     "test_conftest_once.py": 1,
     "test_shares_near.py": 20,  # two bf16 compares at TP=1,2, no confirmation
-    "test_grouped_unknown.py": 1,
+    "test_grouped_unknown.py": 1,  # reads test_shares_near's shared_beside run (planted_shared), listed after it
+    # session 20 (helper hred20): one forward-only bf16 compare at TP=1,2 (no confirmation) and three gates,
+    # estimated from a compare's CPU s (~7) and its gates'; wall 86 s at the shared host's load
+    "test_shape_break_flip.py": 25,
     # session 20 (helper hflip20): two bf16 compares at TP=1,2 (moe_zloss_flip.py), no confirmation, and
     # their gates: 37 s wall at load ~8 with `pytest -n 0` (25 s user)
-    "test_flip_shares.py": 25,  # reads test_shares_near's shared_beside run (planted_shared), listed after it
+    "test_flip_shares.py": 25,
     # session 19 (helper hgate19): 14 gates of tp12_run, behind_bugs_run and edited copies; its tests' calls
     # took 100 s with `pytest -n 0` at load average 20-26 on the shared 2 cores
-    "test_gate_once.py": 30,
+    "test_gate_once.py": 13,
+    # session 20 (helper hsuite20): CPU s in a cpuacct cgroup (`pytest -n 0`, per test, load 10-18) at
+    # cc6fdabe and after this session's cuts. Changed above: test_later_step, test_drift_llama,
+    # test_rl_logprob, test_rl_trainer_losses, test_gate_once (session 19's walls at load ~24),
+    # test_capture, test_attention_fused, test_doc_blocks, test_accumulate_gpt2, test_public_api,
+    # test_capture_oracle (figures of the previous host), test_capture_hooks and test_clip_norm (torchrun's
+    # launchers through run_cli's server: conftest.run_module), test_cli_zygote_template (+ its run_module test)
+    "test_attention_exp2.py": 39,
 }
 
 

@@ -9,8 +9,6 @@ NotCarried warning and its grads differ across the splits (why LayerNorm needs t
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -18,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from conftest import ROOT
+from conftest import ROOT, run_module
 
 SCRIPT = os.path.join(ROOT, "tests", "user_gpt2_accum.py")
 
@@ -26,9 +24,8 @@ SCRIPT = os.path.join(ROOT, "tests", "user_gpt2_accum.py")
 def _torchrun(nproc: int, out, runs: str) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(nproc), SCRIPT, "--out", str(out), "--runs", runs],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    p = run_module("torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), SCRIPT, "--out", str(out),
+                   "--runs", runs, env=env, cwd=ROOT, timeout=300)
     assert out.is_file(), p.stdout[-3000:] + p.stderr[-3000:]
     return load_file(str(out))
 

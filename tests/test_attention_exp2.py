@@ -64,59 +64,68 @@ from tpdiag.kernels import attention_triton as at, attention_triton_bwd as atb
 from tpdiag.kernels.attention import reference_sdpa
 sys.path.insert(0, "tests")
 from module_copy import patched
-if sys.argv[1] == "by-program":  # negative control: the dq loop's soft columns in every third program only
+shipped_atb = atb
+def backward_for(mode):
+    if mode != "by-program":
+        return shipped_atb
+    # negative control: the dq loop's soft columns in every third program only
     from tpdiag.kernels import attention_triton_bwd_programs as programs
     patched(programs, "p = exp2_mixed(s - lse[:, None], BM, BN, SOFT, DEG)",
             "p = tl.where(tl.program_id(0) % 3 == 0, exp2_mixed(s - lse[:, None], BM, BN, SOFT, DEG), "
             "tl.math.exp2(s - lse[:, None]))", "programs_byprogram")
-    atb = patched(atb, "from tpdiag.kernels.attention_triton_bwd_programs import (", "from programs_byprogram import (",
-                  "atb_byprogram")
+    return patched(shipped_atb, "from tpdiag.kernels.attention_triton_bwd_programs import (",
+                   "from programs_byprogram import (", "atb_byprogram")
 def bits(t): return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 def beq(a, b): return a.shape == b.shape and torch.equal(bits(a), bits(b))
 def both(q, k, v, do, causal, cfg):
     o, lse = at.forward(q, k, v, causal, 0.25, cfg)
     return (o,) + tuple(atb.backward(do, q, k, v, o, lse, causal, 0.25, cfg))
-g = torch.Generator().manual_seed(0)
-res = {}
 # tiny tiles (multiples as the shipped ones); the soft variants at degree 3 unless named
 base = at.AttnConfig(32, 16, 4, 1, 16, 32, 4, 1, 32, 16, 4, 1, fwd_tma=False)
 variants = {"dq": dict(exp_soft=1), "kv": dict(exp_soft=2), "all-q": dict(exp_soft=7, exp_soft_every=4)}
-cases = [(torch.bfloat16, 40, 40, True, ("dq", "kv", "all-q")), (torch.bfloat16, 24, 40, False, ("all-q",))]
-if sys.argv[1] == "by-program":
-    cases = [(torch.bfloat16, 40, 40, True, ("dq",))]
-neg = sys.argv[1] == "by-program"
-for dt, L, S, causal, tags in cases:
-    q, do = (torch.randn(2, 4, L, 16, generator=g).to(dt) for _ in range(2))
-    k, v = (torch.randn(2, 2, S, 16, generator=g).to(dt) for _ in range(2))
-    if not neg:
-        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-        r = reference_sdpa(q64, k64, v64, is_causal=causal, scale=0.25, enable_gqa=True)
-        r.backward(do.double())
-        refs = (r.detach(), q64.grad, k64.grad, v64.grad)
-        plain = both(q, k, v, do, causal, base)
-    for tag in tags:
-        c = replace(base, **variants[tag])
-        full = both(q, k, v, do, causal, c)
-        half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, c)
-        out = res[f"{dt}-{L}-{S}-{causal}/{tag}"] = {
-            "heads": [beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:],
-                                                       full[3][:, 1:]))]}
-        if neg:
-            continue
-        one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
-        out["batch"] = [beq(a, b[1:]) for a, b in zip(one, full)]
-        # o, dq, dk, dv: which of them the soft loops moved off exp2's bits
-        out["same_as_exp2"] = [beq(a, b) for a, b in zip(full, plain)]
-        out["err"] = max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(full, refs))
-        if tag == "dq":  # the one-launch backward hands each loop its own choice (dq's, not dk/dv's)
-            out["fused"] = all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, replace(c, bwd_fused=True)), full))
-        if tag == "all-q":  # every soft loop at once: reruns, and (causal) a shorter sequence's rows -
-            # o and dq of the first 24 queries see the first 24 keys only
-            out["repro"] = all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full))
-            if causal:
-                short = both(q[:, :, :24], k[:, :, :24], v[:, :, :24], do[:, :, :24], causal, c)
-                out["prefix"] = [beq(short[0], full[0][:, :, :24]), beq(short[1], full[1][:, :, :24])]
-print("RESULT", json.dumps(res))
+# the modes in one interpreter, each as its own process ran it (its module copies, the generator from
+# seed 0): torch's and Triton's imports once
+done = {}
+for mode in sys.argv[1].split(","):
+    atb = backward_for(mode)
+    g = torch.Generator().manual_seed(0)
+    res = done[mode] = {}
+    cases = [(torch.bfloat16, 40, 40, True, ("dq", "kv", "all-q")), (torch.bfloat16, 24, 40, False, ("all-q",))]
+    if mode == "by-program":
+        cases = [(torch.bfloat16, 40, 40, True, ("dq",))]
+    neg = mode == "by-program"
+    for dt, L, S, causal, tags in cases:
+        q, do = (torch.randn(2, 4, L, 16, generator=g).to(dt) for _ in range(2))
+        k, v = (torch.randn(2, 2, S, 16, generator=g).to(dt) for _ in range(2))
+        if not neg:
+            q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+            r = reference_sdpa(q64, k64, v64, is_causal=causal, scale=0.25, enable_gqa=True)
+            r.backward(do.double())
+            refs = (r.detach(), q64.grad, k64.grad, v64.grad)
+            plain = both(q, k, v, do, causal, base)
+        for tag in tags:
+            c = replace(base, **variants[tag])
+            full = both(q, k, v, do, causal, c)
+            half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, c)
+            out = res[f"{dt}-{L}-{S}-{causal}/{tag}"] = {
+                "heads": [beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:],
+                                                           full[3][:, 1:]))]}
+            if neg:
+                continue
+            one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
+            out["batch"] = [beq(a, b[1:]) for a, b in zip(one, full)]
+            # o, dq, dk, dv: which of them the soft loops moved off exp2's bits
+            out["same_as_exp2"] = [beq(a, b) for a, b in zip(full, plain)]
+            out["err"] = max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in zip(full, refs))
+            if tag == "dq":  # the one-launch backward hands each loop its own choice (dq's, not dk/dv's)
+                out["fused"] = all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, replace(c, bwd_fused=True)), full))
+            if tag == "all-q":  # every soft loop at once: reruns, and (causal) a shorter sequence's rows -
+                # o and dq of the first 24 queries see the first 24 keys only
+                out["repro"] = all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full))
+                if causal:
+                    short = both(q[:, :, :24], k[:, :, :24], v[:, :, :24], do[:, :, :24], causal, c)
+                    out["prefix"] = [beq(short[0], full[0][:, :, :24]), beq(short[1], full[1][:, :, :24])]
+print("RESULT", json.dumps(done))
 """
 
 
@@ -147,7 +156,8 @@ def test_polynomial_exp2_against_float64_and_its_columns():
 
 def test_soft_exp2_attention_is_accurate_and_invariant():
     pytest.importorskip("triton")
-    res = _script(ATTN, "shipped")
+    every = _script(ATTN, "shipped,by-program")  # one interpreter, the negative control after
+    res = every["shipped"]
     assert len(res) == 4 and "repro" in res["torch.bfloat16-40-40-True/all-q"]
     assert "prefix" in res["torch.bfloat16-40-40-True/all-q"]
     assert res["torch.bfloat16-40-40-True/dq"]["fused"]
@@ -163,7 +173,7 @@ def test_soft_exp2_attention_is_accurate_and_invariant():
     # negative control: the same soft dq loop with its choice of elements by program id (so by the
     # heads and batch rows before a program's in the launch): the TP=2 head slices' dq is other
     # bits, caught
-    bad = _script(ATTN, "by-program")
+    bad = every["by-program"]
     assert len(bad) == 1
     assert all(not r["heads"][1] and all(r["heads"][i] for i in (0, 2, 3)) for r in bad.values()), bad
 

@@ -22,29 +22,31 @@ _empty = torch.empty
 def _poisoned(*a, **k):  # an output element no program writes reads as NaN, never as the bits a
     t = _empty(*a, **k)  # freed tensor of the same size left (the CPU allocator reuses blocks)
     return t.fill_(float("nan")) if t.is_floating_point() else t
-if sys.argv[1] != "mix-reads-all":  # that control tells its NaN-filled dS scratch from the run's own
-    torch.empty = _poisoned
-if sys.argv[1] == "no-delta":  # a negative control: the fused launch without its delta pass
-    atb = patched(atb, "delta = delta_pass(do, o, cfg)  # complete before", "delta = torch.zeros_like(lse)  #",
-                  "atb_nodelta")
-if sys.argv[1] == "stops-and-wrong-half":  # negative controls in one process: each persistent dk/dv
-    # program takes one tile only, and the split loop's second half re-reads the first half's rows
-    from tpdiag.kernels import attention_triton_bwd_programs as programs
-    patched(programs, "rb = ra + HM", "rb = ra", "programs_wronghalf")
-    atb = patched(atb, "from tpdiag.kernels.attention_triton_bwd_programs import", "from programs_wronghalf import",
-                  "atb_wronghalf")
-    atb = patched(atb, "SPLIT)\n            t = tl.atomic_add(CTR, 1)", "SPLIT)\n            t = NB * BH", "atb_stops")
-if sys.argv[1] == "mix-reads-all":  # a negative control: dq reads dS where the dk/dv pass kept none
-    from tpdiag.kernels import attention_triton_bwd_programs as programs
-    atb._dq_mix_kernel = patched(programs, "if (start_n // KV_N) % EVERY == 0:", "if True:",
-                                 "programs_mixall")._dq_mix_kernel
+shipped_atb = atb
+def backward_for(mode):
+    # the backward module a mode runs: the shipped one, or its negative control's copy (made after
+    # the mode's torch.empty is set, as in a process of its own)
+    if mode == "no-delta":  # a negative control: the fused launch without its delta pass
+        return patched(shipped_atb, "delta = delta_pass(do, o, cfg)  # complete before",
+                       "delta = torch.zeros_like(lse)  #", "atb_nodelta")
+    if mode == "stops-and-wrong-half":  # negative controls in one mode: each persistent dk/dv
+        # program takes one tile only, and the split loop's second half re-reads the first half's rows
+        from tpdiag.kernels import attention_triton_bwd_programs as programs
+        patched(programs, "rb = ra + HM", "rb = ra", "programs_wronghalf")
+        b = patched(shipped_atb, "from tpdiag.kernels.attention_triton_bwd_programs import",
+                    "from programs_wronghalf import", "atb_wronghalf")
+        return patched(b, "SPLIT)\n            t = tl.atomic_add(CTR, 1)", "SPLIT)\n            t = NB * BH", "atb_stops")
+    if mode == "mix-reads-all":  # a negative control: dq reads dS where the dk/dv pass kept none
+        # (set in the shipped module, the mode runs last: restored after it all the same)
+        from tpdiag.kernels import attention_triton_bwd_programs as programs
+        shipped_atb._dq_mix_kernel = patched(programs, "if (start_n // KV_N) % EVERY == 0:", "if True:",
+                                             "programs_mixall")._dq_mix_kernel
+    return shipped_atb
 def bits(t): return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 def beq(a, b): return a.shape == b.shape and torch.equal(bits(a), bits(b))
 def both(q, k, v, do, causal, cfg):
     o, lse = at.forward(q, k, v, causal, 0.125, cfg)
     return (o,) + tuple(atb.backward(do, q, k, v, o, lse, causal, 0.125, cfg))
-g = torch.Generator().manual_seed(0)
-res = {}
 d64 = at.config_for(torch.bfloat16, 64)  # the shipped D=64 tiles (128-row blocks: L = 40 is one, masked)
 small = at.AttnConfig(16, 16, 4, 1, 16, 32, 4, 1, 32, 16, 4, 1)
 stored = at.AttnConfig(16, 16, 4, 1, 16, 16, 4, 1, 32, 16, 4, 1, ds_mib=1)
@@ -61,44 +63,60 @@ variants = {"two-launch": {"bwd_fused": False}, "fused": {"bwd_fused": True},
             # in both backward loops
             "persist-tma": {"kv_persist": 2, "q_persist": 1, "dq_tma": True, "bwd_tma": True, "q_group": 2},
             "split-tma": {"kv_split": True, "q_persist": 1, "bwd_tma": True, "dq_tma": True}}
-picked = {"no-delta": cases[1:2], "mix-reads-all": cases[3:4],
-          "stops-and-wrong-half": cases[1:2] + cases[4:]}.get(sys.argv[1], cases)
-for name, dt, L, S, causal, cfg, tags in picked:
-    D = 64 if cfg is d64 else 16
-    q, do = (torch.randn(2, 4, L, D, generator=g).to(dt) for _ in range(2))
-    k, v = (torch.randn(2, 2, S, D, generator=g).to(dt) for _ in range(2))
-    two = both(q, k, v, do, causal, replace(cfg, bwd_fused=False))  # the shipped D=64 entry is fused
-    for tag in tags:
-        c = replace(cfg, **variants[tag])
-        full = two if tag == "two-launch" else both(q, k, v, do, causal, c)
-        half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, c)
-        one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
-        res[f"{name}/{tag}"] = {
-            "same_as_two_launch": [beq(a, b) for a, b in zip(full, two)],
-            "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:],
-                                                          full[3][:, 1:]))),
-            "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
-            "repro": all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full)),
-            "close": [bool(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)) for a, b in zip(full, two)]}
-        if c.ds_every:  # the key blocks whose dS the dk/dv pass did not keep are never read
-            o, lse = at.forward(q, k, v, causal, 0.125, c)
-            nan = atb._backward_ds(do, q, k, v, o, lse, causal, 0.125, c, chunk=1,
-                                   ds=torch.full((2, S, L), float("nan"), dtype=dt))
-            res[f"{name}/{tag}"]["poison_unread"] = all(beq(a, b) for a, b in zip(nan, full[1:]))
-print("RESULT", json.dumps(res))
+# the modes in one interpreter (each as its own process ran it: its torch.empty, its module copies, the
+# generator from seed 0): torch's and Triton's imports once, not once a mode
+done = {}
+_dq_mix_shipped = shipped_atb._dq_mix_kernel
+for mode in sys.argv[1].split(","):
+    # poisoned but in mix-reads-all: that control tells its NaN-filled dS scratch from the run's own
+    torch.empty = _empty if mode == "mix-reads-all" else _poisoned
+    atb = backward_for(mode)
+    g = torch.Generator().manual_seed(0)
+    res = done[mode] = {}
+    picked = {"no-delta": cases[1:2], "mix-reads-all": cases[3:4],
+              "stops-and-wrong-half": cases[1:2] + cases[4:]}.get(mode, cases)
+    for name, dt, L, S, causal, cfg, tags in picked:
+        D = 64 if cfg is d64 else 16
+        q, do = (torch.randn(2, 4, L, D, generator=g).to(dt) for _ in range(2))
+        k, v = (torch.randn(2, 2, S, D, generator=g).to(dt) for _ in range(2))
+        two = both(q, k, v, do, causal, replace(cfg, bwd_fused=False))  # the shipped D=64 entry is fused
+        for tag in tags:
+            c = replace(cfg, **variants[tag])
+            full = two if tag == "two-launch" else both(q, k, v, do, causal, c)
+            half = both(q[:, 2:], k[:, 1:], v[:, 1:], do[:, 2:], causal, c)
+            one = both(q[1:], k[1:], v[1:], do[1:], causal, c)
+            res[f"{name}/{tag}"] = {
+                "same_as_two_launch": [beq(a, b) for a, b in zip(full, two)],
+                "heads": all(beq(a, b) for a, b in zip(half, (full[0][:, 2:], full[1][:, 2:], full[2][:, 1:],
+                                                              full[3][:, 1:]))),
+                "batch": all(beq(a, b[1:]) for a, b in zip(one, full)),
+                "repro": all(beq(a, b) for a, b in zip(both(q, k, v, do, causal, c), full)),
+                "close": [bool(torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)) for a, b in zip(full, two)]}
+            if c.ds_every:  # the key blocks whose dS the dk/dv pass did not keep are never read
+                o, lse = at.forward(q, k, v, causal, 0.125, c)
+                nan = atb._backward_ds(do, q, k, v, o, lse, causal, 0.125, c, chunk=1,
+                                       ds=torch.full((2, S, L), float("nan"), dtype=dt))
+                res[f"{name}/{tag}"]["poison_unread"] = all(beq(a, b) for a, b in zip(nan, full[1:]))
+    shipped_atb._dq_mix_kernel = _dq_mix_shipped
+torch.empty = _empty
+print("RESULT", json.dumps(done))
 """
 
 
-def _script(mode):
+def _script(*modes):
+    """{mode: its results}, the modes run one after another in one interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(modes)], env=env, capture_output=True, text=True,
                        timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout.split("RESULT", 1)[1])
 
 
 def test_fused_and_mixed_backwards_give_the_two_launch_bits_and_stay_invariant():
-    res = _script("shipped")
+    # the shipped kernels first, then the negative controls (mix-reads-all last: it sets a kernel of the
+    # shipped module, which the script puts back after it)
+    every = _script("shipped", "no-delta", "stops-and-wrong-half", "mix-reads-all")
+    res = every["shipped"]
     assert len(res) == 8
     for case, r in res.items():
         assert r["heads"] and r["batch"] and r["repro"], (case, r)  # TP head slices, batch rows, reruns
@@ -115,15 +133,15 @@ def test_fused_and_mixed_backwards_give_the_two_launch_bits_and_stay_invariant()
         assert r.get("poison_unread", True), (case, r)
     assert "poison_unread" in res["stored-bf16-causal/mix-2"]
     # negative control: without its delta pass the fused launch's dk is other bits (the check reads them)
-    bad = _script("no-delta")
+    bad = every["no-delta"]
     assert not bad["small-fp32-causal-L<S/fused-groups-tma"]["same_as_two_launch"][2], bad
     # and dq reading every block's dS, kept or not, reads the NaN poison the dk/dv pass left
-    bad = _script("mix-reads-all")
+    bad = every["mix-reads-all"]
     assert not any(r["poison_unread"] for r in bad.values()), bad
     # persistent dk/dv programs that stop after one tile leave tiles unwritten (the small case: no
     # split loop there): other dk, dv; the split loop's second half reading the first half's rows:
     # dk, dv wrong
-    bad = _script("stops-and-wrong-half")
+    bad = every["stops-and-wrong-half"]
     assert bad["small-fp32-causal-L<S/persist-tma"]["same_as_two_launch"][2:] == [False, False], bad
     assert bad["halves-bf16-causal/split-tma"]["close"][2:] == [False, False], bad
 

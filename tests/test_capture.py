@@ -3,13 +3,11 @@ import csv
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_module
 
 EXAMPLE = os.path.join(ROOT, "examples", "capture_torchrun.py")
 ROW_PARALLEL = ("layers.0.attention.wo", "layers.0.feed_forward.w2")
@@ -17,9 +15,8 @@ ROW_PARALLEL = ("layers.0.attention.wo", "layers.0.feed_forward.w2")
 
 def torchrun(nproc: int, out, *args) -> None:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(nproc), EXAMPLE, "--out", str(out), *args],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    p = run_module("torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), EXAMPLE, "--out", str(out), *args, env=env, cwd=ROOT, timeout=300)
     if p.returncode != 0:
         # torch 2.13 + gloo: a rank can abort at interpreter teardown ("terminate called without
         # an active exception", SIGABRT) after its work is done. The evidence decides: the

@@ -7,12 +7,10 @@ read "a loss or grad divided or multiplied by another count", the hook unnamed; 
 registers it after the plan reads rounding."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "models", "planted", "capture_hook.py")
@@ -20,9 +18,8 @@ SCRIPT = os.path.join(ROOT, "tests", "models", "planted", "capture_hook.py")
 
 def _capture(nproc: int, out, when: str) -> None:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                        str(nproc), SCRIPT, "--out", str(out), "--when", when],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    p = run_module("torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(nproc), SCRIPT, "--out", str(out), "--when", when, env=env, cwd=ROOT, timeout=300)
     manifest = out / "manifest.json"
     # torch 2.13 + gloo may abort a rank at teardown after the capture is whole (tests/test_capture.py)
     assert p.returncode == 0 or ("terminate called without an active exception" in p.stderr and manifest.is_file()

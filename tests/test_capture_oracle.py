@@ -9,21 +9,19 @@ gate fails closed, exit 2, naming the call to make. The per-head norm (the corre
 rounding only with the oracle on at both degrees."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_module
 
 SCRIPT = os.path.join(ROOT, "tests", "models", "planted", "qk_norm_capture.py")
 
 
 def _torchrun(nproc: int, out) -> None:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                        str(nproc), SCRIPT, str(out), "--all"], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=300)
+    p = run_module("torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(nproc), SCRIPT, str(out), "--all", env=env,
+                   cwd=ROOT, timeout=300)
     done = all(json.loads((out / sub / "manifest.json").read_text()).get("complete") is True
                for sub in ("bug", "bug-oracle", "ok-oracle") if (out / sub / "manifest.json").is_file())
     # torch + gloo may abort a rank at interpreter teardown after the captures are on disk (test_capture.py)

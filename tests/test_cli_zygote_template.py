@@ -84,3 +84,46 @@ def test_torch_s_inductor_cache_dir_never_changes_the_servers_start_up_environme
     assert "TORCHINDUCTOR_CACHE_DIR" not in startup_env(dict(os.environ))
     cache_dir()
     assert "TORCHINDUCTOR_CACHE_DIR" in startup_env(dict(os.environ))
+
+
+WHO = '''import os, sys
+print(open(f"/proc/{os.getppid()}/cmdline").read().replace("\\0", " "))
+print(repr(sys.path[:2]))
+'''
+
+
+def test_run_module_forks_from_the_server_unless_its_pythonpath_shadows_a_preload(tmp_path):
+    """conftest.run_module (torchrun's launchers) forks `python -m` from run_cli's server where the
+    PYTHONPATH it is given adds folders that hold no package the server preloaded - sys.path then as
+    `python -m` sets it (the working directory, the PYTHONPATH folders) - and runs a fresh interpreter
+    where such a folder would shadow one (torch/ or pandas.py there: the fresh one imports that)."""
+    if os.environ.get("TPDIAG_TEST_CLI_ZYGOTE", "1") == "0" or not os.path.isdir("/proc/self"):
+        pytest.skip("the tests' CLI server is off, or no /proc to read a parent's command line")
+    if conftest._zygote(dict(os.environ)) is not None:  # the server for the environment as it is now
+        conftest._ZYGOTE_LOCK.release()
+    z = conftest._start_zygote()
+    deadline = time.time() + 120
+    while not z.ready():
+        assert time.time() < deadline, "the CLI server did not finish its imports"
+        time.sleep(0.1)
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "who_runs_me.py").write_text(WHO)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(mods), os.environ.get("PYTHONPATH")) if p))
+    p = conftest.run_module("who_runs_me", env=env, cwd=tmp_path, timeout=60)
+    assert p.returncode == 0, p.stderr
+    parent, path = p.stdout.splitlines()[:2]
+    assert "cli_zygote.py" in parent, parent
+    assert path == repr([str(tmp_path), str(mods)]), path
+    for shadow in ("torch", "pandas.py"):
+        d = tmp_path / f"shadow-{shadow}"
+        d.mkdir()
+        if shadow.endswith(".py"):
+            (d / shadow).write_text("")
+        else:
+            (d / shadow).mkdir()
+        (d / "who_runs_me.py").write_text(WHO)
+        e = dict(env, PYTHONPATH=os.pathsep.join([str(d), env["PYTHONPATH"]]))
+        p = conftest.run_module("who_runs_me", env=e, cwd=tmp_path, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert "cli_zygote.py" not in p.stdout.splitlines()[0], (shadow, p.stdout)

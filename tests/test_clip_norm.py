@@ -6,12 +6,10 @@ is a `rank-inconsistent-replica` there; the twin (sharded squares all-reduced, r
 once) reads rounding only. Read right when written (no tpdiag change)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "models", "planted", "clip_norm.py")
@@ -19,9 +17,8 @@ SCRIPT = os.path.join(ROOT, "tests", "models", "planted", "clip_norm.py")
 
 def _capture(nproc: int, out, clip: str) -> None:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                        str(nproc), SCRIPT, "--out", str(out), "--clip", clip],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    p = run_module("torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(nproc), SCRIPT, "--out", str(out), "--clip", clip, env=env, cwd=ROOT, timeout=300)
     manifest = out / "manifest.json"
     # torch 2.13 + gloo may abort a rank at teardown after the capture is whole (tests/test_capture.py)
     assert p.returncode == 0 or ("terminate called without an active exception" in p.stderr and manifest.is_file()

@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_module
 
 
 def page_script(page: str) -> str:
@@ -29,9 +27,8 @@ def test_page_runs_as_written(page, nproc, tmp_path):
     script.write_text(page_script(page))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(nproc), str(script)],
-                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    p = run_module("torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), str(script), env=env, cwd=tmp_path, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-4000:]
     if page == "capture.md":
         for d in (f"cap-tp{nproc}", f"step0-tp{nproc}"):

@@ -6,7 +6,8 @@ sqrt(rows / cols) lr scale read from the LOCAL shard: up's update 0.707x TP=1's)
 linear scaling rule with the TP ranks counted as replicas: every update 2x). Their first divergence
 is a harmless row-parallel reduction; the params after the step differ by far more than rounding,
 but no bound covers a user's optimizer and the new values are not one factor times the reference's
-(the old value dominates). The UPDATE (new - old) is: diff/scale.Updates judges it by one factor."""
+(the old value dominates). The UPDATE (new - old) is: diff/scale.Updates judges it by one factor.
+The correct twin is `not judged`: a hand-written optimizer's step has no bound (diff/optim_step.py)."""
 import json
 
 import pytest
@@ -31,13 +32,22 @@ def _diff(captures, tmp_path, other):
             (out / "report.html").read_text())
 
 
-def test_the_correct_optimizer_is_rounding_only(captures, tmp_path):
+def test_the_correct_hand_written_optimizer_is_not_judged(captures, tmp_path):
+    """The hand-written AdamW is no torch.optim optimizer: the capture sees no step to re-run, so nothing
+    bounds the parameters after it (diff/optim_step.py) - each one that moved apart is `unknown`, with what
+    to do, and the gate fails it even with --allow rounding. Main at cc6fdab read it rounding only (gate 0
+    with --allow rounding), as it would read a mistake in the update that no one factor shows."""
     s, stdout, gate, _ = _diff(captures, tmp_path, "2-none")
     d = s["degrees"]["2"]
-    assert s["class"] == "rounding" and not d["findings"], d["findings"]
-    # the params did move apart (by the grads' rounding): the update check saw them and passed them
+    assert s["class"] == "unknown", d["findings"]
+    # the params did move apart (by the grads' rounding): each is a finding, none a BUG
     assert not d["steps"][0]["bitwise"] and d["steps"][1]["param_max_abs"] > 0, d["steps"]
-    assert "BUG" not in stdout and gate == 1, stdout
+    opt = [f for f in d["findings"] if f.get("optimizer_step")]
+    assert len(opt) == len(d["findings"]) and {f["cause"] for f in opt} == {"unknown"}, d["findings"]
+    assert {f["step"] for f in opt} == {0, 1}, opt
+    assert "saw no torch.optim optimizer step it" in opt[0]["why"] and "cap.grad_norm" in opt[0]["why"], opt[0]
+    assert "not judged at optimizer" in stdout and "BUG" not in stdout, stdout
+    assert gate == 1 and run_cli("gate", str(tmp_path / "2-none"), "--allow", "rounding").returncode == 1
 
 
 @pytest.mark.parametrize("bug,module,factor", [("lr_local_shape", "up", 2 ** -0.5), ("lr_world", "embed", 2.0)])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT
+from conftest import ROOT, run_module
 
 SCRIPT = os.path.join(ROOT, "tests", "user_tp_train.py")
 
@@ -22,9 +22,8 @@ SCRIPT = os.path.join(ROOT, "tests", "user_tp_train.py")
 def torchrun(nproc: int, out, *args) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(nproc), SCRIPT, "--out", str(out), *args],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    p = run_module("torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), SCRIPT, "--out", str(out), *args, env=env, cwd=ROOT, timeout=300)
     # torch 2.13 + gloo can abort a rank at interpreter teardown after its work is done; the
     # file (written by rank 0 after every collective) is the evidence
     assert out.is_file(), p.stdout[-3000:] + p.stderr[-3000:]
@@ -238,10 +237,9 @@ def test_torchtitan_llama3_under_the_switch_is_bitwise_across_tp(tmp_path):
     for mode in ("invariant", "stock"):
         for n in (1, 2):
             out = tmp_path / f"{mode}{n}.safetensors"
-            p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                "--nproc-per-node", str(n), TORCHTITAN_SCRIPT, "--out", str(out), *extra,
-                                *(["--stock"] if mode == "stock" else [])],
-                               capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+            p = run_module("torch.distributed.run", "--standalone",
+                           "--nproc-per-node", str(n), TORCHTITAN_SCRIPT, "--out", str(out), *extra,
+                           *(["--stock"] if mode == "stock" else []), env=env, cwd=ROOT, timeout=900)
             assert out.is_file(), p.stdout[-3000:] + p.stderr[-3000:]
             got[mode, n] = load_file(str(out))
     a, b = got["invariant", 1], got["invariant", 2]

@@ -87,3 +87,31 @@ def test_py_import_failure_names_the_module_and_what_to_do(tmp_path):
         py_target(parse_spec("py:no_such_pkg_41.models:target").value)
     assert "no module named 'no_such_pkg_41'" in str(e.value) and "PYTHONPATH" in str(e.value)
     assert "py:FILE.py:FUNC" in str(e.value), str(e.value)
+
+
+def test_py_target_that_calls_from_pretrained_draws_no_progress_bar(tmp_path, monkeypatch, capfd):
+    """An RL team's FUNC loads its checkpoint with from_pretrained, as the documented one does
+    (docs/models-py.md): it runs in every rank of every world, and each call drew transformers'
+    'Loading weights' bar into the compare's output (14 bars in a --tp 1,2 --micro-batch 2,1 run) -
+    output to a file or pipe is plain text without progress (README). Called here as a rank calls it,
+    in a process whose transformers has its bar on (a fresh interpreter's default)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tpdiag.models.spec import parse_spec, py_target
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=32)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "ck")
+    (tmp_path / "trainer.py").write_text(
+        "import torch\nimport tpdiag\nfrom transformers import AutoModelForCausalLM\n\n\n"
+        "def target():\n"
+        f"    model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ck')!r}, dtype=torch.float32)\n"
+        "    return tpdiag.Target(model=model, plan={}, vocab_size=32)\n")
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    transformers.utils.logging.enable_progress_bar()
+    capfd.readouterr()
+    t = py_target(parse_spec(f"py:{tmp_path / 'trainer.py'}:target").value)
+    assert t.model.config.vocab_size == 32
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err, err

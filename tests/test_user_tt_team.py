@@ -12,6 +12,10 @@ loss_parallel, output tied to the embedding) and 3-step AdamW loop with clipping
   positions) reads BUG (sharding-bug) at layers.0.attention.wq's output, the first record the ranks
   hold only part of, every record after it not compared, gate 4: main at 3c46cde refused it (exit 2,
   "the ranks hold 256 of its 512 elements");
+- clipping by the local shards' norm with `cap.grad_norm` NOT recorded reads BUG at the parameters after
+  the step (each rank's shard of the consumed grad scaled by a factor of its own), gate 4: main at
+  cc6fdab read it "rounding only", gate 0 with --allow rounding (norm.weight 2 lr off), as nothing
+  bounded the user's own optimizer step (diff/optim_step.py);
 - either verdict edited out of summary.json is inconclusive at the gate (exit 2), never a pass.
 `tpdiag compare` on the same mistakes: tests/test_tt_sp_compare.py."""
 import csv
@@ -24,7 +28,7 @@ from conftest import run_cli
 from user_worlds import capture_worlds
 
 WORLDS = ((1, "none"), (1, "none:nocap"), (2, "none"), (2, "none:nocap"),
-          (2, "clip_local"), (2, "tie_before"), (2, "sp_noprep"))
+          (2, "clip_local"), (2, "clip_local:nonorm"), (2, "tie_before"), (2, "sp_noprep"))
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +69,37 @@ def test_correct_plan_is_rounding_only(captures, tmp_path):
     assert s["class"] == "rounding" and not s["degrees"]["2"]["findings"], s["degrees"]["2"]
     assert "BUG" not in p.stdout
     assert run_cli("gate", str(out), "--allow", "rounding").returncode == 0
+    # what its AdamW consumed was recorded, and every parameter it moved apart judged by a re-run of it
+    steps = json.loads((captures / "2-none" / "world.json").read_text())["optimizer_steps"]
+    assert [e["class"] for e in steps] == ["torch.optim.adamw.AdamW"], steps
+    rows = [r for r in csv.DictReader((out / "diff.csv").open()) if r["kind"] == "param"]
+    assert any(r["bitwise"] == "False" for r in rows), rows
+
+
+def test_clip_by_local_shards_without_the_norm_reads_bug_at_the_params(captures, tmp_path):
+    from tpdiag.diff.classes import leading_bug
+
+    p, out = _diff(captures, tmp_path, "2-clip_local:nonorm")
+    assert p.returncode == 0, p.stdout + p.stderr
+    s = json.loads((out / "summary.json").read_text())
+    e = s["degrees"]["2"]
+    lead = leading_bug(e)
+    assert s["class"] == "bug" and lead is not None, e["findings"]
+    assert (lead["phase"], lead["kind"], lead["cause"]) == ("optimizer", "param", "sharding-bug"), lead
+    assert "each rank scaled its shard of the grad the optimizer consumed by a factor of its own" in lead["why"], lead
+    # every other parameter it moved is grouped under it, none passed: the SequenceParallel norm's (its
+    # consumed grad a Partial whose ranks' shares were scaled apart: no multiple of the recorded grad)
+    # is not judged, never rounding
+    norm = next(f for f in e["findings"] if (f["module"], f["kind"]) == ("norm", "param"))
+    assert norm["cause"] == "unknown" and norm["follows"] == lead["key"], norm
+    assert "not the recorded grad times one factor" in norm["why"], norm
+    assert "BUG" in p.stdout and _gate(out) == 4
+
+    def drop(s, e):
+        _as_rounding(s, e)
+        e["findings"] = [f for f in e["findings"] if not f.get("optimizer_step")]
+
+    assert _edited(out, tmp_path, "drop_opt", drop) == 2
 
 
 def test_clip_by_local_shards_reads_bug_at_the_grad_norm(captures, tmp_path):

@@ -40,7 +40,8 @@ from tpdiag.records.paths import MANIFEST  # noqa: E402,F401 - a capture's manif
 def capture(model: torch.nn.Module, out: str, plan: dict | None = None,
             layouts: dict[str, str] | None = None, *, group=None, seed: int | None = None,
             modules: list[str] | None = None, backward: bool = True,
-            params: bool = True, oracle: bool | list[str] | None = None) -> "Capture":
+            params: bool = True, oracle: bool | list[str] | None = None,
+            optimizer: bool = True) -> "Capture":
     """Record `model` while the `with` block runs; write the capture to `out` on exit.
 
     plan     {fqn glob: ParallelStyle or style name ('colwise', 'rowwise', transformers'
@@ -59,14 +60,19 @@ def capture(model: torch.nn.Module, out: str, plan: dict | None = None,
              collectives). Read from the reference capture (RUN_A) only; it costs a float64
              forward and backward per call of each module named. Without it such a first
              divergence is not judged and `tpdiag gate` exits 2 naming the module to pass here.
+    optimizer  record what each torch.optim optimizer stepped inside the block consumed (the
+             grads after your clip, its state, class and hyper-parameters: probes/optim_step.py),
+             so that `tpdiag diff` can bound the parameters after your step; False: not
+             recorded, and a parameter that moved in the step is not judged.
     """
     return Capture(model, out, plan=plan, layouts=layouts, group=group, seed=seed,
-                   modules=modules, backward=backward, params=params, oracle=oracle)
+                   modules=modules, backward=backward, params=params, oracle=oracle,
+                   optimizer=optimizer)
 
 
 class Capture:
     def __init__(self, model, out, *, plan=None, layouts=None, group=None, seed=None,
-                 modules=None, backward=True, params=True, oracle=None):
+                 modules=None, backward=True, params=True, oracle=None, optimizer=True):
         if not isinstance(model, torch.nn.Module):
             raise BadInput(f"capture(model=...): expected a torch.nn.Module, got {type(model).__name__}")
         if not out:
@@ -79,6 +85,8 @@ class Capture:
         self.seed, self.backward, self.with_params = seed, backward, params
         self.module_globs = list(modules) if modules else None
         self.oracle_globs = _oracle_globs(oracle)
+        self.watch_optimizer = bool(optimizer)
+        self.optimizer_steps: list = []
         self.rec = None
         self._stack: ExitStack | None = None
         self.active = False
@@ -154,6 +162,12 @@ class Capture:
                                                 oracle=oracle or None))
         if self.with_params:
             record_params(self.rec, self.model, "param_init", self.plan)
+        if self.watch_optimizer and self.with_params:
+            from tpdiag.probes.model_walk import _style_memo
+            from tpdiag.probes.optim_step import watch_optimizers
+
+            self._stack.enter_context(watch_optimizers(self.model, self.rec, _style_memo(self.plan),
+                                                       self.optimizer_steps))
         self.rec.phase = "forward"
 
     def _check_plan(self) -> None:
@@ -285,6 +299,7 @@ class Capture:
             "degree": self.degree, "label": str(self.degree), "backend": backend,
             "device": str(device), "tool": TOOL, "timings": timings, "n_records": len(stored),
             "config": self._config(), "capture_id": uuid.uuid4().hex, **self._hooks,
+            "optimizer_steps": self.optimizer_steps,
         })
         from tpdiag.records.run_files import write_manifest
 
@@ -292,7 +307,8 @@ class Capture:
 
     def _config(self) -> dict:
         return {"seed": self.seed, "backward": self.backward, "params": self.with_params,
-                "modules": self.module_globs, "steps": self.rec.step + 1, "oracle": self.oracle_globs}
+                "modules": self.module_globs, "steps": self.rec.step + 1, "oracle": self.oracle_globs,
+                "optimizer": self.watch_optimizer}
 
     def _manifest(self, backend, device, timings) -> dict:
         import torch.distributed as dist

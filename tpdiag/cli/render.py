@@ -14,6 +14,11 @@ def ran(summary: dict) -> str | None:
         return None
     what = "forward, backward and optimizer step" if summary.get("backward", True) else "forward only"
     line = f"ran: {steps} step{'s' if steps != 1 else ''} at each degree ({what})"
+    if summary.get("anchor") is True:
+        line += "; each later step from the reference's state (--anchor)"
+    elif summary.get("anchor") is False and summary.get("backward", True):
+        # without it a later step's records move by the updates' drift too, judged by magnitude only
+        line += "; later steps from each side's own weights (`--anchor` judges them from the reference's state)"
     sl = summary.get("slice")
     if isinstance(sl, dict) and sl.get("what"):
         line += f"; model: {sl['what']} (--layers {sl.get('layers')})"
@@ -122,6 +127,11 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         if fd.get("why"):
             console.print(f"{config_name(label)}: cause {fd['cause']}: {fd['why']}")
         _findings(console, label, d, fd)
+        opt = next((f for f in d.get("findings") or () if isinstance(f, dict) and f.get("optimizer_step")
+                    and f.get("cause") == "unknown" and "follows" not in f and f.get("why")), None)
+        if opt is not None:  # a parameter after the user's own step that no check bounds: why, what to do
+            console.print(f"{config_name(label)}: not judged at {where(opt)}: {opt['why']}", markup=False,
+                          soft_wrap=True)
         pieces = list((d.get("per_piece") or {}).items())
         if pieces:  # one line for every experts module (a deep MoE has one per layer)
             names = ", ".join(b for b, _ in pieces[:2]) + (f" and {len(pieces) - 2} more" if len(pieces) > 2 else "")

@@ -57,6 +57,10 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
 
     replicas.mark(dd)  # a replica that differs across ranks: read by a later step, or not
     loc = locate(dd, _styles(ref, other))
+    from tpdiag.diff import optim_step
+
+    # a capture's parameters after the user's own optimizer step: judged link by link, or not judged
+    loc["findings"].extend(optim_step.judge(dd, ref, other))
     divergent = any(not r["bitwise"] or r.get("rank_consistent") is False for r in dd.rows)
     if [k for k in dd.missing + dd.unmatched if RecordKey.parse(k).kind != "op"]:
         divergent = True  # op sequences may differ across degrees; module records may not
@@ -300,6 +304,9 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         # What ran at every degree, so a reader of the verdict knows how much was compared.
         summary["steps"] = wc.get("steps", 1)
         summary["backward"] = wc.get("backward", True)
+        if summary["steps"] > 1:
+            # later steps from the reference's state (--anchor) or from each side's own drifted weights
+            summary["anchor"] = bool(wc.get("anchor", False))
         if wc.get("fixes"):
             from tpdiag.fixes import groups
 

@@ -313,6 +313,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     partials.reduced_after_backward(rows, tensors, uncompared)
     partials.drifted_grad_shares(rows, uncompared)
     rank_local.inside_combined(rows, tensors, uncompared)
+    if shape_break is not None:
+        # every row is of a record before the break (all after it are uncompared): the first that
+        # differed, if any, is a rounding difference a shape the model computes from values may follow
+        shape_break["after"] = next((r["key"] for r in rows if not r["bitwise"] or r.get("rank_consistent") is False),
+                                    None)
     # a forward-only world (a decode configuration beside a reference that ran the whole step)
     # has no backward or optimizer records to miss
     skip = () if (other.world.get("config") or {}).get("backward", True) else ("backward", "optimizer")

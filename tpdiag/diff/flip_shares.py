@@ -21,7 +21,8 @@ alike and the grad's leading dims hold exactly that many rows (token-major, as a
 input); a flip whose tokens are not recorded (hash capture), tokens counted otherwise, or a grad of
 another row count: no mark (the BUG stands, as before - fail closed). Not shown by the records: that
 no op mixing tokens (attention in a later layer) carried the flipped tokens' change into the other
-rows; a correct model with one there still reads BUG (docs/causes.md, Not covered)."""
+rows; a correct model with one there still reads BUG. Under --capture hash the region pass marks the
+grad, but runner/drill_merge keeps pass 1's hash-only BUG on it (docs/causes.md, Not covered)."""
 from __future__ import annotations
 
 import torch

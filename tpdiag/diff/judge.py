@@ -46,6 +46,12 @@ FLIP_UNSHOWN = "far with a discrete choice inside, no flip shown"
 # ---- the rules, first match wins ----------------------------------------------------------
 
 RULES: list[Rule] = [
+    # ... unless a record before it differed already: a shape the model computes from values (an MoE
+    # router's top-k, a mask's nonzero, a capacity) changes with a rounding difference, so the shape
+    # alone judges nothing either way (diff/shape_break.py)
+    Rule("the ranks hold part of the record after a difference",
+         lambda ev, b: ev.short_of_whole is not None and ev.short_after is not None,
+         lambda ev, b: "unknown", lambda ev, b: ev.short_of_whole),
     # the ranks together hold fewer elements than the reference's record: no reordering changes a
     # shape, and no rerun or fix can make a record bitwise that cannot be gathered
     Rule("the ranks hold part of the record", lambda ev, b: ev.short_of_whole is not None,

@@ -28,6 +28,7 @@ class Evidence:
     after_flip: str | None = None  # the key of a real router flip earlier in the same degree
     broken_tie: bool = False       # a weight grad of a tie the plan split (models/ties.py)
     short_of_whole: str | None = None  # the first record the ranks hold only part of (why: diff/shape_break.py)
+    short_after: str | None = None  # the record before it that differed already, if any (diff/shape_break.py)
     dropped_hook: str | None = None  # a weight grad whose user hook the plan dropped (why: diff/dropped_hooks.py)
     not_reference: str | None = None  # a per-rank block whose weights are none of the reference's (why)
     tp1_both: bool = False         # both worlds at TP=1: nothing is sharded

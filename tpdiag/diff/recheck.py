@@ -263,7 +263,9 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             entry = (entries or {}).get(lab)
             nj = entry.get("not_judged") if isinstance(entry, dict) else None
             listed = frozenset(k for k in nj.get("keys") or () if isinstance(k, str)) if isinstance(nj, dict) else frozenset()
-            dd, got = recomputed(ref_rs, rs, lab, also=listed)
+            from tpdiag.diff import optim_step
+
+            dd, got = recomputed(ref_rs, rs, lab, also=listed | optim_step.needed(ref_rs, rs))
         except Inconclusive as e:  # NotComparable too
             problems[lab] = str(e).splitlines()[0]
             continue
@@ -277,7 +279,8 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
                    or check_shares(lab, entry, dd)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
-                   or moved_problem(lab, nj, dd))
+                   or moved_problem(lab, nj, dd)
+                   or optim_step.problem(lab, entry, dd, ref_rs, rs))
             if bad is None and unlisted(entry):
                 op_dtypes = _op_dtypes(dirs[ref]) if op_dtypes is None else op_dtypes
                 bad = cut(lab, entry, dd.rows, op_dtypes, rerun=rerun)

@@ -22,10 +22,12 @@ def check_summary(lab: str, d: dict, rows: list[dict]) -> str | None:
         # a record the ranks hold part of (diff/shape_break.py; its key re-derived from the records by
         # diff/recheck.py): its sharding-bug finding must stand - deleted or relabelled, the records' BUG
         # would pass as the rounding of the records before it
+        # where a record before it differed already (`after`), an `unknown` one (diff/shape_break.py)
         key = brk.get("key") if isinstance(brk, dict) else None
-        if not any(isinstance(f, dict) and f.get("key") == key and f.get("cause") == "sharding-bug"
+        want = "unknown" if isinstance(brk, dict) and brk.get("after") is not None else "sharding-bug"
+        if not any(isinstance(f, dict) and f.get("key") == key and f.get("cause") == want
                    and "follows" not in f for f in d.get("findings") or ()):
-            return f"summary.json's shape_break {key} has no sharding-bug finding (edited after the run)"
+            return f"summary.json's shape_break {key} has no {want} finding (edited after the run)"
     for group in d.get("ties_split") or ():
         # a weight tie the plan split (diff/weight_ties.py; the groups re-derived from the captures by
         # diff/recheck.py): its finding must stand, or the grad that lacks the tied uses reads rounding

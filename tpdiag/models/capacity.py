@@ -7,8 +7,10 @@ device 0) or the host (MemAvailable, or the cgroup's limit where smaller) would 
 the kernel's OOM killer ends it - on a shared host, maybe another user's process first.
 
 The estimate is a lower bound of the reference world's peak (TP=1 holds the whole model; at
-TP > 1 on one host the ranks together hold at least as much): activations kept for backward,
-the logits and their grads, parameters with grads and Adam moments. A run it lets through can still run out of memory; one it refuses cannot fit.
+TP > 1 on one host the ranks together hold at least as much): the larger of the loss's backward
+(weights, activations kept for backward, the logits and the float32 cross-entropy's three
+[tokens, vocab] tensors) and the optimizer step (weights, grads, AdamW's two moments). A run it
+lets through can still run out of memory; one it refuses cannot fit.
 """
 from __future__ import annotations
 
@@ -97,7 +99,8 @@ def model_dims(spec, variant: str = "stock") -> dict:
         t = _py_target(spec, variant)
         if t is None:
             return {}
-        return {"vocab": t.vocab_size, "params": sum(p.numel() for p in t.model.parameters())}
+        return {"vocab": t.vocab_size, "params": sum(p.numel() for p in t.model.parameters()),
+                "default_loss": t.loss is None}
     return sliced(dims, spec)
 
 
@@ -115,8 +118,28 @@ def sliced(dims: dict, spec, layers: int | None = None) -> dict:
     return dims
 
 
-def estimate_bytes(dims: dict, batch: int, seq: int, dtype: str, backward: bool) -> int:
-    """A lower bound of the reference world's peak memory (see the module docstring)."""
+def loss_bytes(logits: int, dtype: str, backward: bool, default_loss: bool = True) -> int:
+    """The most bytes the step's loss holds at once over `logits` logits ([tokens, vocab]) of the
+    model's dtype, the logits included. runner/losses.default_loss is a cross-entropy in float32 from
+    16-bit logits (float32 and float64 as they are): forward, log_softmax's output beside the logits
+    and the upcast it reads (bfloat16: 10 bytes a logit, float32: 8); backward, log_softmax's
+    backward holds its saved output, the grad nll_loss gives it and the grad it makes, three floats
+    a logit beside the logits (bfloat16: 14, float32: 16 - one float32 [8 x 4096, 128256] alone is
+    16.8 GB). tests/test_preflight_loss.py measures them against torch's own allocations. Another
+    loss (the user's, or a fix's that takes it over): the logits and, with backward, their grad."""
+    e = _BYTES.get(dtype, 4)
+    if not default_loss:
+        return logits * e * (2 if backward else 1)
+    f = max(e, 4)  # the loss's float (runner/losses.upcast)
+    return logits * (e + 3 * f if backward else e + f + (f if e < 4 else 0))
+
+
+def estimate_bytes(dims: dict, batch: int, seq: int, dtype: str, backward: bool,
+                   default_loss: bool = True) -> int:
+    """A lower bound of the reference world's peak memory (see the module docstring): the larger of
+    two moments that surely come, each counting only what surely lives then. default_loss: the step's
+    loss is runner/losses.default_loss (float32 cross-entropy over [tokens, vocab]); False (the
+    user's own loss, or a fix that takes the loss over) counts the logits alone there."""
     e = _BYTES.get(dtype, 4)
     tokens = batch * seq
     vocab, dim, layers = dims.get("vocab") or 0, dims.get("dim") or 0, dims.get("layers") or 0
@@ -124,15 +147,20 @@ def estimate_bytes(dims: dict, batch: int, seq: int, dtype: str, backward: bool)
     params = dims.get("params")
     if params is None:
         params = vocab * dim * 2 + layers * (4 * dim * dim + 3 * dim * ffn)
-    # Only what surely lives at once: per layer the tensors kept for backward (the norm output and
-    # q, k, v ~ 4 x dim, the MLP's three ffn-wide ones; no seq x seq attention matrix, which a fused
-    # attention kernel never materialises); the logits and, with
-    # backward, their grad; parameters, with grads and Adam's two moments. Records are left out:
-    # full capture spills them to disk past its host budget.
-    act = tokens * layers * (4 * dim + 3 * ffn)
-    logits = tokens * vocab * (2 if backward else 1)
-    state = params * (4 if backward else 1)
-    return int((act + logits + state) * e)
+    loss = loss_bytes(tokens * vocab, dtype, backward, default_loss and dims.get("default_loss", True))
+    if not backward:
+        return int(params * e + loss)  # grad off: nothing is kept for backward
+    # At the loss's backward: the weights, the activations kept for backward (per layer the norm
+    # output and q, k, v ~ 4 x dim, the MLP's three ffn-wide ones; no seq x seq attention matrix,
+    # which a fused attention kernel never materialises) and the loss's (loss_bytes). Parameter
+    # grads and AdamW's moments are not there yet at the first step (zero_grad sets grads to None;
+    # AdamW makes its state at its first step).
+    act = tokens * layers * (4 * dim + 3 * ffn) * e
+    at_loss = params * e + act + loss
+    # At the optimizer step: the weights, their grads and AdamW's two moments (the weights' dtype).
+    # Records are left out: full capture spills them to disk past its host budget.
+    at_step = params * 4 * e
+    return int(max(at_loss, at_step))
 
 
 def available_bytes(device: str) -> tuple[int | None, str]:

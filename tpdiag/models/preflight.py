@@ -1,8 +1,9 @@
 """Memory preflight: before any world starts, which degrees can hold the model at this batch.
 
 Per degree D, a lower bound of the busiest rank's peak (models/capacity.py's estimate of the
-whole world - parameters, grads and Adam's two moments, activations kept for backward, logits -
-divided by D: the ranks together hold at least the whole, so one holds at least 1/D of it). On
+whole world - the larger of the loss's backward (parameters, activations kept for backward, logits,
+the float32 cross-entropy's [tokens, vocab] tensors) and the optimizer step (parameters, grads,
+AdamW's two moments) - divided by D: the ranks together hold at least the whole, so one holds at least 1/D of it). On
 GPUs each rank has a device of its own: the bound is set against the free memory of GPU 0. On
 the CPU every rank of a world shares the host: the whole world's bound is set against the
 host's available memory, whatever the degree.
@@ -24,18 +25,20 @@ _MAX_DEGREE = 64
 PROPOSE_SHARE = 0.5
 
 
-def need_bytes(dims: dict, degree: int, batch: int, seq: int, dtype: str, backward: bool, device: str) -> int:
-    whole = estimate_bytes(dims, batch, seq, dtype, backward)
+def need_bytes(dims: dict, degree: int, batch: int, seq: int, dtype: str, backward: bool, device: str,
+               default_loss: bool = True) -> int:
+    whole = estimate_bytes(dims, batch, seq, dtype, backward, default_loss)
     return -(-whole // degree) if device == "cuda" else whole
 
 
-def largest_slice(dims: dict, spec, degree: int, have: int, batch, seq, dtype, backward, device) -> int:
+def largest_slice(dims: dict, spec, degree: int, have: int, batch, seq, dtype, backward, device,
+                  default_loss: bool = True) -> int:
     """The most leading decoder layers whose world at `degree` fits in `have` bytes (0: none)."""
     total = dims.get("total_layers") or 0
     lo, hi = 0, total
     while lo < hi:  # the bound grows with the layers: bisect
         mid = (lo + hi + 1) // 2
-        if need_bytes(sliced(dims, spec, mid), degree, batch, seq, dtype, backward, device) <= have:
+        if need_bytes(sliced(dims, spec, mid), degree, batch, seq, dtype, backward, device, default_loss) <= have:
             lo = mid
         else:
             hi = mid - 1
@@ -50,11 +53,13 @@ def _valid_degrees(divisors: dict) -> list[int]:
 
 
 def preflight(spec, degrees, batch: int, seq: int, dtype: str, backward: bool, device: str,
-              variant: str = "stock", gpus: int | None = None, have: tuple | None = None) -> dict:
+              variant: str = "stock", gpus: int | None = None, have: tuple | None = None,
+              default_loss: bool = True) -> dict:
     """{'device', 'available_bytes', 'where', 'per_rank' (GPU) or whole world (CPU), 'degrees':
     {D: {'need_bytes', 'fits'}}, 'layers', 'total_layers'} for the manifest; raises BadInput
     (one line) for a sequence past the model's positions or a world that cannot fit.
-    have: (bytes, where) instead of asking the device (tests)."""
+    have: (bytes, where) instead of asking the device (tests). default_loss: False where a fix takes the
+    loss over (the float32 cross-entropy's [tokens, vocab] tensors are then not counted)."""
     from tpdiag.models.spec import model_divisors
 
     dims = model_dims(spec, variant)
@@ -66,19 +71,23 @@ def preflight(spec, degrees, batch: int, seq: int, dtype: str, backward: bool, d
            "per_rank": device == "cuda", "layers": dims.get("layers"), "total_layers": dims.get("total_layers"),
            "degrees": {}}
     for d in dict.fromkeys(degrees):
-        need = need_bytes(dims, d, batch, seq, dtype, backward, device)
+        need = need_bytes(dims, d, batch, seq, dtype, backward, device, default_loss)
         out["degrees"][str(d)] = {"need_bytes": need, "fits": None if avail is None else need <= avail}
     if avail is None:
         return out
     ref = degrees[0]
-    what = (f"({dtype}: parameters{', grads, Adam state' if backward else ''}, activations and logits at "
-            f"{batch} x {seq}{', the first ' + str(spec.layers) + ' decoder layers' if spec.layers else ''})")
+    loss = "the float32 cross-entropy's [tokens, vocab] tensors" if default_loss and dims.get("default_loss", True) \
+        else "the logits' grad"
+    at = f"at {batch} x {seq}{', the first ' + str(spec.layers) + ' decoder layers' if spec.layers else ''}"
+    what = (f"({dtype} {at}: the larger of the loss's backward - parameters, activations, logits and {loss} - and "
+            "the optimizer step - parameters, grads, AdamW's two moments)" if backward else
+            f"({dtype} {at}: parameters, logits{' and the float32 cross-entropy over them' if 'float32' in loss else ''})")
     per = "per GPU" if device == "cuda" else "in all"
     ref_need = out["degrees"][str(ref)]["need_bytes"]
     if ref_need > avail:
         hints = []
         room = int(avail * PROPOSE_SHARE)
-        n = largest_slice(dims, spec, ref, room, batch, seq, dtype, backward, device) \
+        n = largest_slice(dims, spec, ref, room, batch, seq, dtype, backward, device, default_loss) \
             if spec.kind in ("builtin", "hf") and dims.get("total_layers") else 0
         if n:
             from tpdiag.models.slice import describe
@@ -86,7 +95,7 @@ def preflight(spec, degrees, batch: int, seq: int, dtype: str, backward: bool, d
             hints.append(f"diagnose a slice: --layers {n} ({describe(n, dims.get('total_layers'))}) fits")
         if device == "cuda":
             bigger = [d for d in _valid_degrees(model_divisors(spec)) if d > ref and (gpus is None or d <= gpus)
-                      and need_bytes(dims, d, batch, seq, dtype, backward, device) <= room]
+                      and need_bytes(dims, d, batch, seq, dtype, backward, device, default_loss) <= room]
             if bigger:
                 hints.append(f"or take TP={bigger[0]} as the reference (--tp {bigger[0]},...; it holds this "
                              f"model on {bigger[0]} GPUs)")

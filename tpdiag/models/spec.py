@@ -153,6 +153,17 @@ def takes_device(fn) -> bool:
         return False
 
 
+def _quiet_transformers() -> None:
+    """No transformers progress bar from the user's FUNC: it runs in every rank of every world, and
+    each from_pretrained drew its 'Loading weights' bar into the compare's output (14 of them for a
+    --tp 1,2 --micro-batch 2,1 run), which is plain text without progress (README). A FUNC that
+    imports transformers itself reads the environment variable when it does."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    tf = sys.modules.get("transformers")
+    if tf is not None:
+        tf.utils.logging.disable_progress_bar()
+
+
 def py_target(value: str, variant: str = "stock"):
     """FUNC() - or, for a FUNC that opts in, FUNC(device=meta) under the meta device - checked,
     with `variant`'s plan. An opted-in Target's model is still on the meta device."""
@@ -171,6 +182,7 @@ def py_target(value: str, variant: str = "stock"):
         raise BadInput(f"--model py:{value}: {fn.__name__} is an nn.Module class; name a function that "
                        f"returns tpdiag.Target(model={fn.__name__}(...), plan=..., vocab_size=...) "
                        "(docs/models-py.md)")
+    _quiet_transformers()
     if takes_device(fn):
         meta = torch.device("meta")
         with meta:

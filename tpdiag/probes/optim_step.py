@@ -1,0 +1,94 @@
+"""What a capture's own optimizer step consumed: each `torch.optim.Optimizer.step` run inside the
+`with` block, seen through torch's global step pre-hook.
+
+A capture compares the parameters after the user's step (`cap.params()`), but their update is the
+user's optimizer applied to the grads as the user's loop left them (after its clip, its own
+all-reduces): code tpdiag never ran. Recorded here, per parameter of the captured model the step
+updates: the grad the optimizer read (`opt_grad`), its state tensors before the step (`opt_state`,
+`NAME.KEY`: Adam's moments), and in world.json the optimizer's class, hyper-parameters and each
+parameter's step count. diff/optim_step.py re-runs that step in float64 from each side's own inputs
+and judges the grads it consumed against the recorded ones; without these records a moved parameter
+after the step has no bound and is `not judged`.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+# the hyper-parameters kept: JSON numbers, bools, strings and tuples of numbers (betas)
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(v):
+    if isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v):
+        return list(v)
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return float(v.detach().reshape(-1)[0])  # a tensor lr
+    return repr(type(v).__name__)  # kept as a word: two sides differing in it differ
+
+
+def _step_count(state: dict):
+    s = state.get("step")
+    if isinstance(s, torch.Tensor):
+        s = getattr(s, "_local_tensor", s)
+        return float(s.detach().reshape(-1)[0]) if s.numel() == 1 else None
+    return float(s) if isinstance(s, (int, float)) else (0.0 if not state else None)
+
+
+@contextmanager
+def watch_optimizers(model: torch.nn.Module, rec, style, steps: list):
+    """Record, at each optimizer step inside the block, the grads and state it reads for the
+    parameters of `model`; `steps` gets one entry per step call (world.json `optimizer_steps`).
+    style(module name) -> the plan's style label (record_params' own memo)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from tpdiag.probes.model_walk import Walk
+
+    walk = Walk(model)
+    names = {}
+    for mname, short, p, cls in walk.params:
+        names.setdefault(id(p), (mname or walk.root, short, mname, cls))
+
+    calls: dict = {}
+
+    def pre(opt, args, kwargs):
+        if not rec.enabled:
+            return
+        t = type(opt)
+        entry = {"class": f"{t.__module__}.{t.__qualname__}", "record_step": rec.step, "groups": []}
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            for group in opt.param_groups:
+                hyper = {k: _plain(v) for k, v in group.items() if k != "params"}
+                owned = []
+                for p in group["params"]:
+                    n = names.get(id(p))
+                    if n is None:
+                        continue  # not a parameter of the captured model
+                    owner, short, mname, cls = n
+                    state = opt.state.get(p) or {}
+                    owned.append({"module": owner, "name": short, "step": _step_count(state),
+                                  "grad": p.grad is not None})
+                    if p.grad is None:
+                        continue
+                    # a parameter stepped twice in one step (two optimizers over it): a call each
+                    call = calls[(rec.step, owner, short)] = calls.get((rec.step, owner, short), -1) + 1
+                    owned[-1]["call"] = call
+                    rec.add("opt_grad", owner, short, p.grad.detach(), call=call, phase="optimizer",
+                            style=style(mname), cls=cls)
+                    for k, v in state.items():
+                        if isinstance(v, torch.Tensor) and v.shape == p.shape and v.is_floating_point():
+                            rec.add("opt_state", owner, f"{short}.{k}", v.detach(), call=call,
+                                    phase="optimizer", style=style(mname), cls=cls)
+                if owned:
+                    entry["groups"].append({"hyper": hyper, "params": owned})
+        if entry["groups"]:
+            steps.append(entry)
+
+    handle = register_optimizer_step_pre_hook(pre)
+    try:
+        yield steps
+    finally:
+        handle.remove()
