@@ -46,6 +46,11 @@ FLIP_UNSHOWN = "far with a discrete choice inside, no flip shown"
 # ---- the rules, first match wins ----------------------------------------------------------
 
 RULES: list[Rule] = [
+    # a parameter after a capture's own optimizer step: its update re-run in float64 and the grads it
+    # consumed set against the recorded ones (diff/optim_step.py) - only that chain of links says
+    # anything of a record past the first divergence, which no other rule bounds
+    Rule("a capture's optimizer step judged", lambda ev, b: ev.optimizer_step is not None,
+         lambda ev, b: ev.optimizer_step[0], lambda ev, b: ev.optimizer_step[1]),
     # ... unless a record before it differed already: a shape the model computes from values (an MoE
     # router's top-k, a mask's nonzero, a capacity) changes with a rounding difference, so the shape
     # alone judges nothing either way (diff/shape_break.py)

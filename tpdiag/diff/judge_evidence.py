@@ -30,6 +30,7 @@ class Evidence:
     short_of_whole: str | None = None  # the first record the ranks hold only part of (why: diff/shape_break.py)
     short_after: str | None = None  # the record before it that differed already, if any (diff/shape_break.py)
     dropped_hook: str | None = None  # a weight grad whose user hook the plan dropped (why: diff/dropped_hooks.py)
+    optimizer_step: tuple | None = None  # (cause, why): a capture's own optimizer step judged link by link (diff/optim_step.py)
     not_reference: str | None = None  # a per-rank block whose weights are none of the reference's (why)
     tp1_both: bool = False         # both worlds at TP=1: nothing is sharded
     axis: str = "tp"               # what the configuration differs from the reference in

@@ -223,6 +223,8 @@ def judge(dd, ref, other) -> list[dict]:
     if not any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other)):
         return []
     ref_steps, other_steps = _steps(ref.world), _steps(other.world)
+    from tpdiag.diff.judge import describe
+
     ranks = int(other.world.get("degree", 1))
     out, moves = [], {}
     for r in dd.rows:
@@ -247,10 +249,10 @@ def judge(dd, ref, other) -> list[dict]:
         if why is None:
             r["update_judged"] = True
             continue
-        out.append({"phase": "optimizer", "module": module, "op": None, "kind": "param", "name": name,
-                    "step": step, "cause": cause, "max_abs": r["max_abs"], "bound": None,
-                    "bound_ratio": None, "key": r["key"], "why": why, "detail": why,
-                    "optimizer_step": True})
+        out.append(describe(r, {"phase": "optimizer", "module": module, "op": None, "kind": "param", "name": name,
+                                "step": step, "max_abs": r["max_abs"], "bound": None, "bound_ratio": None,
+                                "key": r["key"], "detail": why, "optimizer_step": True},
+                            optimizer_step=(cause, why)))
     if len(out) > 1:
         # one cause moves every parameter its step touched (a clip coefficient scales them all): one
         # root - the first bug-class finding where there is one - and the rest grouped under it (the
