@@ -472,6 +472,9 @@ FILE_SECONDS = {
     # session 20 (helper hflip20): two bf16 compares at TP=1,2 (moe_zloss_flip.py), no confirmation, and
     # their gates: 37 s wall at load ~8 with `pytest -n 0` (25 s user)
     "test_flip_shares.py": 25,
+    # session 20 (helper hhash20): four bf16 compares at TP=1,2 under --capture hash (moe_zloss_flip twice,
+    # moe_bwd_bug, moe_late_bug), no confirmation, and five gates: 33 s wall with `pytest -n 0` (21 s user)
+    "test_shares_hash_judged.py": 30,
     # session 19 (helper hgate19): 14 gates of tp12_run, behind_bugs_run and edited copies; its tests' calls
     # took 100 s with `pytest -n 0` at load average 20-26 on the shared 2 cores
     "test_gate_once.py": 13,

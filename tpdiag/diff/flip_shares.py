@@ -21,8 +21,9 @@ alike and the grad's leading dims hold exactly that many rows (token-major, as a
 input); a flip whose tokens are not recorded (hash capture), tokens counted otherwise, or a grad of
 another row count: no mark (the BUG stands, as before - fail closed). Not shown by the records: that
 no op mixing tokens (attention in a later layer) carried the flipped tokens' change into the other
-rows; a correct model with one there still reads BUG. Under --capture hash the region pass marks the
-grad, but runner/drill_merge keeps pass 1's hash-only BUG on it (docs/causes.md, Not covered)."""
+rows; a correct model with one there still reads BUG. Under --capture hash pass 1 has the grad's per-rank
+hashes only (BUG); the region pass reads it whole and marks it here, and its verdict replaces pass 1's
+(runner/drill_merge._judged_whole)."""
 from __future__ import annotations
 
 import torch
@@ -31,6 +32,7 @@ from tpdiag.diff import partials
 from tpdiag.records.labels import flipped
 
 MAX_LISTED = 16  # token rows named in the reason; the count is always whole
+WHY_HEAD = "a router flip changed token rows "  # why()'s opening (runner/drill_merge reads it)
 
 
 def flipped_tokens(a: torch.Tensor, b: torch.Tensor) -> tuple[int, set] | None:
@@ -113,7 +115,7 @@ class Flips:
 def why(m: dict) -> str:
     """The reason of a grad marked rank_partial_flip (diff/judge.py)."""
     rows = ", ".join(str(t) for t in m["tokens"]) + (", ..." if m["n_flipped"] > len(m["tokens"]) else "")
-    head = (f"a router flip changed token rows {rows} ({m['n_flipped']} of {m['rows']}: other experts chosen "
+    head = (f"{WHY_HEAD}{rows} ({m['n_flipped']} of {m['rows']}: other experts chosen "
             "at this degree): those rows are another computation, no share of the reference's; ")
     left = m["rows"] - m["n_flipped"]
     if not m["near"]:

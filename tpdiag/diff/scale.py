@@ -148,10 +148,16 @@ def shares_why(module: str) -> str:
             "before the reduction, not a replica left unreduced")
 
 
+# the openings of the share rules' reasons (diff/judge.py): runner/drill_merge tells by them a region
+# pass's verdict made from the ranks' whole copies read as shares (judge.py keeps no rule name)
+NEAR_SHARES_HEAD = "the ranks' copies add up to the reference's value to within "
+DRIFTED_SHARES_HEAD = "each rank's share of a sum the backward reduces later (so shown at step "
+
+
 def near_shares_why(near: dict) -> str:
     """An activation grad whose ranks' copies add up to the reference only within a few roundings of
     the tensor's largest magnitude (diff/partials.near_shares): not judged, with the reason."""
-    return (f"the ranks' copies add up to the reference's value to within {near['sum_max_abs']:.2e} (a single "
+    return (f"{NEAR_SHARES_HEAD}{near['sum_max_abs']:.2e} (a single "
             f"copy is up to {near['copy_max_abs']:.2e} from it): each rank's share of a sum the backward "
             "reduces later, not a replica - but not within the rounding of each element's own magnitude, "
             "and the terms that cancel in it (a softmax backward's p (g - sum p g)) are not recorded, so "
@@ -162,7 +168,7 @@ def near_shares_why(near: dict) -> str:
 def drifted_shares_why(drifted: dict) -> str:
     """An activation grad shown each rank's share of a sum at step `shares_at`, at a later step whose
     weights differ (diff/partials.drifted_grad_shares): not judged, with the reason."""
-    return (f"each rank's share of a sum the backward reduces later (so shown at step {drifted['shares_at']}), "
+    return (f"{DRIFTED_SHARES_HEAD}{drifted['shares_at']}), "
             "at a step whose weights differ from the reference's (each side's own optimizer update): the shares "
             "add up to this side's own sum, which the records do not hold, not the reference's - neither a "
             "replica's bug nor rounding is shown")

@@ -63,6 +63,11 @@ def merge_rerun(sub: dict, *, every: dict, run_dir: str, out: str, labels, sub_l
         sub_follows = {f.get("key"): f.get("follows") for f in sub_entry.get("findings", [])}
         for f in sub_entry.get("findings", []):
             mine = seen.get((f["phase"], f["module"], f["kind"], f["name"]))
+            if mine is not None and hashed and _judged_whole(mine, f):
+                # the same record's ranks' copies, which pass 1 had as differing hashes only, read whole
+                # as shares: the region's verdict is that evidence judged better, and replaces pass 1's
+                entry["findings"][entry["findings"].index(mine)] = {**f, "from": "second pass"}
+                continue
             if mine is not None:
                 if "follows" not in mine and f.get("follows") in sub_bugs:
                     # the rerun judged an earlier record a bug that pass 1 could not (a module
@@ -191,6 +196,25 @@ def _shares(fd: dict, entry: dict, sub_entry: dict, run_dir: str, label: str) ->
                             "is this record")
     _leave_uncompared(entry, shares)
     return True
+
+
+def _judged_whole(mine: dict, f: dict) -> bool:
+    """Whether the region pass's finding f judged pass 1's `mine` - the same record, read from its ranks'
+    differing hashes alone as a replica whose copies disagree (`rank-inconsistent-replica`, no value
+    compared) - from the ranks' whole copies, as shares of a sum the backward reduces later: within
+    the share band (diff/partials.near_shares), on the rows a router flip left alone (diff/flip_shares.py)
+    or at a step whose weights differ (partials.drifted_grad_shares). Hashes cannot tell shares from a
+    replica: pass 1's BUG there was no evidence of one, and a correct MoE read BUG, gate 4, under
+    --capture hash only (moe_zloss_flip.py:zloss_share, moe_bwd_bug.py:shared_beside in bf16;
+    tests/test_shares_hash_judged.py). Nothing else the region says replaces a pass-1 verdict: a shape
+    break, a replica no step reads, a bound - each may come of what the region did not capture, and
+    pass 1's verdict from values (max_abs) was no hash's."""
+    from tpdiag.diff.flip_shares import WHY_HEAD
+    from tpdiag.diff.scale import DRIFTED_SHARES_HEAD, NEAR_SHARES_HEAD
+
+    return (mine.get("cause") == "rank-inconsistent-replica" and mine.get("max_abs") is None
+            and mine.get("key") is not None and f.get("key") == mine["key"] and f.get("max_abs") is not None
+            and "from" not in mine and str(f.get("why") or "").startswith((WHY_HEAD, NEAR_SHARES_HEAD, DRIFTED_SHARES_HEAD)))
 
 
 def _share_keys(sub_entry: dict) -> set:
