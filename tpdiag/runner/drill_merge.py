@@ -63,10 +63,11 @@ def merge_rerun(sub: dict, *, every: dict, run_dir: str, out: str, labels, sub_l
         sub_follows = {f.get("key"): f.get("follows") for f in sub_entry.get("findings", [])}
         for f in sub_entry.get("findings", []):
             mine = seen.get((f["phase"], f["module"], f["kind"], f["name"]))
-            if mine is not None and hashed and _judged_whole(mine, f):
+            same_record = next((i for i, g in enumerate(entry["findings"]) if g.get("key") == f.get("key")), None)
+            if hashed and same_record is not None and _judged_whole(entry["findings"][same_record], f):
                 # the same record's ranks' copies, which pass 1 had as differing hashes only, read whole
                 # as shares: the region's verdict is that evidence judged better, and replaces pass 1's
-                entry["findings"][entry["findings"].index(mine)] = {**f, "from": "second pass"}
+                entry["findings"][same_record] = {**f, "from": "second pass"}
                 continue
             if mine is not None:
                 if "follows" not in mine and f.get("follows") in sub_bugs:
