@@ -153,12 +153,19 @@ def plan_load(path: str, model, opt) -> tuple[list, str | None]:
 
 
 def load(path: str, model, opt) -> str | None:
-    """Load the reference's state before a later step; None, or why nothing was loaded."""
+    """Load the reference's state before a later step; None, or why nothing was loaded - on no rank
+    of the world (agreed)."""
     import torch
 
+    pairs, why = [], None
     if not os.path.isfile(path):
-        return f"the reference saved no state for this step ({path})"
-    pairs, why = plan_load(path, model, opt)
+        why = f"the reference saved no state for this step ({path})"
+    else:
+        try:
+            pairs, why = plan_load(path, model, opt)
+        except Exception as e:  # noqa: BLE001 - an unreadable file: this rank refuses, and says so to the others
+            why = f"its state file cannot be read ({type(e).__name__}: {e})"
+    why = agreed(why)
     if why:
         return why
     with torch.no_grad(), torch._C.DisableTorchFunction():
@@ -168,3 +175,21 @@ def load(path: str, model, opt) -> str | None:
     # here reads as written since its record (probes/own_params.written_since_recorded) and no record
     # of it is shipped as this side's own
     return None
+
+
+def agreed(why: str | None) -> str | None:
+    """Every rank's answer made one: None where every rank can load, else the first refusing rank's
+    why (naming it). Each rank decides on its own tensors and rank 0 alone writes world.json's
+    `anchor`: a rank that refused (a parameter it alone holds, an optimizer state it alone lacks: a
+    grad that never reached it) while rank 0 loaded once left world.json saying `anchored` over a
+    step that rank ran from its own drifted weights - read with the reference's weights at both
+    sides (diff/anchored.py), its drift judged as its own code's. So a world loads on all ranks or
+    on none."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return why
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, why)
+    bad = next(((r, w) for r, w in enumerate(every) if w), None)
+    return None if bad is None else f"rank {bad[0]}: {bad[1]}"

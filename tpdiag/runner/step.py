@@ -100,7 +100,8 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
             if step and anchor.saves(cfg) and rec.rank == 0:
                 anchor.save(anchor.state_file(cfg.out_dir, step), model, opt)
             elif step and anchor.loads(cfg) and not (rec.anchor or {}).get("refused"):
-                why = anchor.load(anchor.state_file(cfg.ref_dir, step), model, opt)
+                with rec._paused():  # the ranks' agreement (a collective) is no record
+                    why = anchor.load(anchor.state_file(cfg.ref_dir, step), model, opt)
                 done = [*(rec.anchor or {}).get("steps", ())]
                 rec.anchor = {"steps": done, "refused": why, "refused_at": step} if why else {"steps": [*done, step]}
             keep = fingerprint and step == cfg.steps - 1

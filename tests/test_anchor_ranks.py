@@ -1,0 +1,57 @@
+"""`--anchor` loads the reference's state on every rank of a TP world or on none (runner/anchor.agreed).
+
+Rank 0 alone writes world.json's `anchor`, and the diff reads the steps it names with the reference's
+weights at both sides (diff/anchored.py). Each rank once decided alone: a rank whose AdamW holds no state
+for a parameter (its grad never reached that rank - tests/models/planted/rank0_bias.py's replica) refused,
+rank 0 loaded, and world.json said `anchored` over a step rank 1 ran from its own drifted weights. A real
+two-rank gloo world, tiny Linear layers (~3 s)."""
+import os
+
+import torch
+import torch.distributed as dist
+
+from conftest import gloo_world
+
+
+def _model(stepped: bool):
+    torch.manual_seed(1)
+    m = torch.nn.Linear(4, 8, bias=False)
+    opt = torch.optim.AdamW(m.parameters(), foreach=False)
+    if stepped:
+        m(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    return m, opt
+
+
+def _worker(rank, world, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from tpdiag.runner import anchor
+
+    # rank 1: no grad reached its replica, so its AdamW made no state for it
+    m, opt = _model(stepped=rank == 0)
+    before = m.weight.detach().clone()
+    why = anchor.load(os.environ["TPDIAG_TEST_ANCHOR_FILE"], m, opt)
+    got = [None] * world
+    dist.all_gather_object(got, {"why": why, "loaded": not torch.equal(m.weight, before)})
+    if rank == 0:
+        q.put(got)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_refuses_keeps_every_rank_from_loading(tmp_path, monkeypatch):
+    from tpdiag.runner import anchor
+
+    ref, opt = _model(stepped=True)
+    with torch.no_grad():
+        ref.weight.add_(1.0)  # the reference's state: other weights than either rank's
+    path = anchor.state_file(str(tmp_path), 1)
+    anchor.save(path, ref, opt)
+    monkeypatch.setenv("TPDIAG_TEST_ANCHOR_FILE", path)
+    got = gloo_world(_worker, 2, timeout=120)
+    assert not got[1]["loaded"] and "optimizer state of weight" in got[1]["why"], got
+    # rank 0 could load alone; it does not, and says which rank refused and why (world.json's `refused`)
+    assert not got[0]["loaded"], got
+    assert got[0]["why"] and got[0]["why"].startswith("rank 1: the optimizer state of weight"), got
