@@ -55,3 +55,17 @@ def test_a_rank_that_refuses_keeps_every_rank_from_loading(tmp_path, monkeypatch
     # rank 0 could load alone; it does not, and says which rank refused and why (world.json's `refused`)
     assert not got[0]["loaded"], got
     assert got[0]["why"] and got[0]["why"].startswith("rank 1: the optimizer state of weight"), got
+
+
+def test_the_ran_line_names_a_world_that_refused_the_anchor():
+    """The ran line named `--anchor` as the config asked it; a world that refused it (world.json `anchor`
+    refused: diff/analyse.py's anchor_refused) ran its later steps from its own weights, and says so."""
+    from tpdiag.cli.render import ran
+
+    summary = {"steps": 3, "backward": True, "anchor": True, "reference_label": "1",
+               "degrees": {"1": {"status": "bitwise"},
+                           "2": {"status": "divergent", "anchor_refused": {"step": 1, "why": "rank 1: parameter w"}}}}
+    line = ran(summary)
+    assert "TP=2 refused it from step 1 (rank 1: parameter w): those steps from its own weights" in line, line
+    del summary["degrees"]["2"]["anchor_refused"]
+    assert "refused" not in ran(summary)
