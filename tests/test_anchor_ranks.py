@@ -69,3 +69,25 @@ def test_the_ran_line_names_a_world_that_refused_the_anchor():
     assert "TP=2 refused it from step 1 (rank 1: parameter w): those steps from its own weights" in line, line
     del summary["degrees"]["2"]["anchor_refused"]
     assert "refused" not in ran(summary)
+
+
+def test_a_reference_at_tp2_saves_its_state_with_every_rank(tmp_path):
+    """A reference at TP=2 holds DTensors: gathering its state whole (full_tensor) is a collective. Rank 0
+    alone called it and the reference world hung until its timeout (inconclusive); every rank joins now
+    and rank 0 writes the whole tensors, which TP=4 loads cut to its own shards (~20 s: 2 + 4 ranks)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import run_cli
+
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/moe_expert_calls.py:calls_ok", "--tp", "2,4",
+                "--steps", "2", "--anchor", "--no-baseline", "--no-confirm", "--timeout", "90", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0 and "inconclusive" not in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert json.loads((d / "tp4" / "world.json").read_text())["anchor"] == {"steps": [1]}
+    saved = load_file(str(d / "tp2" / "anchor" / "step1.safetensors"))
+    # whole (the plan's ColwiseParallel `up` holds [32, 32] a rank at TP=2), its moments too
+    assert saved["params/up.weight"].shape == (64, 32) and saved["moments/up.weight/exp_avg"].shape == (64, 32)
+    assert "each later step from the reference's state (--anchor)" in p.stdout and "refused" not in p.stdout

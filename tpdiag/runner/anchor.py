@@ -47,26 +47,37 @@ def _whole(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def save(path: str, model, opt) -> None:
+def save(path: str, model, opt, write: bool = True) -> None:
     """The state step k starts from, whole, on the host, as safetensors (never a pickle: docs/security.md):
     `params/<name>`, `moments/<name>/<state key>` (AdamW's exp_avg, exp_avg_sq, step), `buffers/<name>`
-    (floating ones). Only the reference writes it (one rank). A state value that is no tensor is not
-    saved: the loading world then finds the keys differ and loads nothing."""
+    (floating ones). Called on EVERY rank of the reference world: a reference at TP > 1 holds DTensors,
+    whose full_tensor is a collective every rank joins (rank 0 alone gathering hung the world until its
+    timeout: `--tp 2,4 --steps 2 --anchor`), each in the same order (the model's parameters, not the
+    optimizer's dict); only the rank with `write` writes. A state value that is no tensor is not saved:
+    the loading world then finds the keys differ and loads nothing."""
     import torch
     from safetensors.torch import save_file
 
-    names = {id(p): n for n, p in model.named_parameters()}
     flat = {}
+
+    def keep(key, t):
+        t = _whole(t).detach()
+        if write:
+            flat[key] = t.cpu().contiguous().clone()
+
     with torch.no_grad():
         for n, p in model.named_parameters():
-            flat[f"params/{n}"] = _whole(p).detach().cpu().contiguous().clone()
-        for p, st in (opt.state if opt is not None else {}).items():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    flat[f"moments/{names[id(p)]}/{k}"] = _whole(v).detach().cpu().contiguous().clone()
+            keep(f"params/{n}", p)
+        for n, p in model.named_parameters():
+            st = opt.state.get(p) if opt is not None else None
+            for k in sorted(st or ()):
+                if isinstance(st[k], torch.Tensor):
+                    keep(f"moments/{n}/{k}", st[k])
         for n, b in model.named_buffers():
             if b.is_floating_point():
-                flat[f"buffers/{n}"] = _whole(b).detach().cpu().contiguous().clone()
+                keep(f"buffers/{n}", b)
+    if not write:
+        return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     save_file(flat, tmp)
