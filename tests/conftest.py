@@ -468,7 +468,10 @@ FILE_SECONDS = {
     "test_grouped_unknown.py": 1,  # reads test_shares_near's shared_beside run (planted_shared), listed after it
     # session 20 (helper hred20): one forward-only bf16 compare at TP=1,2 (no confirmation) and three gates,
     # estimated from a compare's CPU s (~7) and its gates'; wall 86 s at the shared host's load
-    "test_shape_break_flip.py": 25,
+    "test_shape_break_flip.py": 27,  # + one gate of an edited summary (hreview20)
+    # session 20 (helper hreview20): a 2-rank gloo world (13 s wall) and a compare at TP=2,4 --steps 2
+    # --anchor (19 s wall, ~6 CPU s) at load ~10 on the shared 2 cores
+    "test_anchor_ranks.py": 22,
     # session 20 (helper hflip20): two bf16 compares at TP=1,2 (moe_zloss_flip.py), no confirmation, and
     # their gates: 37 s wall at load ~8 with `pytest -n 0` (25 s user)
     "test_flip_shares.py": 25,

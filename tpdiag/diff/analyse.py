@@ -94,6 +94,11 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
           for k, v in w["not_carried"].items()}
     if nc:
         entry["not_carried"] = dict(sorted(nc.items()))
+    got = other.world.get("anchor")
+    if isinstance(got, dict) and got.get("refused"):
+        # `--anchor` asked, but this world ran its later steps from its own weights (runner/anchor.py):
+        # said beside the run's ran line, which else names the anchor as the config asked it
+        entry["anchor_refused"] = {"step": got.get("refused_at"), "why": str(got["refused"])}
     if dd.shape_break is not None:
         from tpdiag.diff import shape_break
 

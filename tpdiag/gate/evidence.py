@@ -25,9 +25,11 @@ def check_summary(lab: str, d: dict, rows: list[dict]) -> str | None:
         # where a record before it differed already (`after`), an `unknown` one (diff/shape_break.py)
         key = brk.get("key") if isinstance(brk, dict) else None
         want = "unknown" if isinstance(brk, dict) and brk.get("after") is not None else "sharding-bug"
+        # ... flagged as the break (compare always writes the flag: without it the gate once judged it
+        # as any finding beside diff.csv's rows, and an `unknown` one passed `--allow rounding`)
         if not any(isinstance(f, dict) and f.get("key") == key and f.get("cause") == want
-                   and "follows" not in f for f in d.get("findings") or ()):
-            return f"summary.json's shape_break {key} has no {want} finding (edited after the run)"
+                   and f.get("shape_break") is True and "follows" not in f for f in d.get("findings") or ()):
+            return f"summary.json's shape_break {key} has no {want} finding flagged as the break (edited after the run)"
     for group in d.get("ties_split") or ():
         # a weight tie the plan split (diff/weight_ties.py; the groups re-derived from the captures by
         # diff/recheck.py): its finding must stand, or the grad that lacks the tied uses reads rounding

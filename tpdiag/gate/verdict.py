@@ -101,7 +101,8 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
                                             beyond=src.get("bound_ratio"),
                                             follow=follows.get(src.get("key") or r["key"], 0),
                                             op_at=(fd.get("op_at") or "") if root else ""))
-    _beside_rows(lab, found, judged, fd, policy, res)
+    brk = d.get("shape_break")
+    _beside_rows(lab, found, judged, fd, policy, res, brk.get("key") if isinstance(brk, dict) else None)
     if d.get("downstream_unjudged") and "unknown" not in policy.allow_causes and not res.violations:
         # compare called this degree unjudged (class unknown, never "rounding only"): the modules past the
         # first divergence that were to be judged on their own inputs were not, so a bug may sit there
@@ -164,13 +165,16 @@ def _moved_unjudged(lab: str, d: dict, rows: list[dict], policy: Policy, res: De
                                     "allow_causes)", key))
 
 
-def _beside_rows(lab: str, found: dict, judged: set, fd: dict, policy: Policy, res: DegreeResult) -> None:
+def _beside_rows(lab: str, found: dict, judged: set, fd: dict, policy: Policy, res: DegreeResult,
+                 brk_key: str | None = None) -> None:
     """The bug-class findings of records pass 1's diff.csv does not hold (an op only the op-level
     second pass recorded; integrity.py holds each to that pass's summary): the headline's class counts
     them, so the gate judges them too. A wrong op whose module's output moved within rounding
     (tests/models/planted/tiny_term.py:centre_world) read BUG while the gate judged the first
     divergence's rounding label alone and exited 1. Grouped only under one at least as grave
-    (records/causes.groups_under)."""
+    (records/causes.groups_under). brk_key: summary.json's shape_break key (re-derived from the records
+    by diff/recheck.py): its finding is the break's whatever its own `shape_break` flag says - a flag
+    deleted from summary.json once let moe_expert_calls.py:calls_split's `unknown` pass `--allow rounding`."""
     from tpdiag.records.causes import cause_class, groups_under
 
     every = {f.get("key"): f for f in found.values() if f.get("key")}
@@ -178,7 +182,8 @@ def _beside_rows(lab: str, found: dict, judged: set, fd: dict, policy: Policy, r
         grave = cause_class(f.get("cause"))
         if f.get("key") in judged:
             continue
-        if f.get("shape_break") and grave == "unknown":
+        is_break = bool(f.get("shape_break")) or (brk_key is not None and f.get("key") == brk_key)
+        if is_break and grave == "unknown":
             # a record the ranks hold part of after a difference (diff/shape_break.py): no diff.csv row
             # holds it and every record after it is uncompared, so only a policy naming `unknown` passes it
             if "unknown" not in policy.allow_causes:
@@ -202,7 +207,7 @@ def _beside_rows(lab: str, found: dict, judged: set, fd: dict, policy: Policy, r
         res.violations.append(Violation(lab, f.get("phase", "-"), f.get("module", "-"), op, f.get("kind", "-"),
                                         f.get("name", "-"), f.get("cause") or "unknown", None, f.get("max_abs"),
                                         ("the ranks hold only part of the reference's record (no layout gathers "
-                                         "it) and cause not in allow_causes" if f.get("shape_break") else
+                                         "it) and cause not in allow_causes" if is_break else
                                          "finding of the second pass (a record pass 1 did not hold) and cause not "
                                          "in allow_causes") if grave == "bug" else
                                         "NaN or Inf (at one side or both): no budget or cause allows it",

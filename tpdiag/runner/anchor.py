@@ -47,26 +47,37 @@ def _whole(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def save(path: str, model, opt) -> None:
+def save(path: str, model, opt, write: bool = True) -> None:
     """The state step k starts from, whole, on the host, as safetensors (never a pickle: docs/security.md):
     `params/<name>`, `moments/<name>/<state key>` (AdamW's exp_avg, exp_avg_sq, step), `buffers/<name>`
-    (floating ones). Only the reference writes it (one rank). A state value that is no tensor is not
-    saved: the loading world then finds the keys differ and loads nothing."""
+    (floating ones). Called on EVERY rank of the reference world: a reference at TP > 1 holds DTensors,
+    whose full_tensor is a collective every rank joins (rank 0 alone gathering hung the world until its
+    timeout: `--tp 2,4 --steps 2 --anchor`), each in the same order (the model's parameters, not the
+    optimizer's dict); only the rank with `write` writes. A state value that is no tensor is not saved:
+    the loading world then finds the keys differ and loads nothing."""
     import torch
     from safetensors.torch import save_file
 
-    names = {id(p): n for n, p in model.named_parameters()}
     flat = {}
+
+    def keep(key, t):
+        t = _whole(t).detach()
+        if write:
+            flat[key] = t.cpu().contiguous().clone()
+
     with torch.no_grad():
         for n, p in model.named_parameters():
-            flat[f"params/{n}"] = _whole(p).detach().cpu().contiguous().clone()
-        for p, st in (opt.state if opt is not None else {}).items():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    flat[f"moments/{names[id(p)]}/{k}"] = _whole(v).detach().cpu().contiguous().clone()
+            keep(f"params/{n}", p)
+        for n, p in model.named_parameters():
+            st = opt.state.get(p) if opt is not None else None
+            for k in sorted(st or ()):
+                if isinstance(st[k], torch.Tensor):
+                    keep(f"moments/{n}/{k}", st[k])
         for n, b in model.named_buffers():
             if b.is_floating_point():
-                flat[f"buffers/{n}"] = _whole(b).detach().cpu().contiguous().clone()
+                keep(f"buffers/{n}", b)
+    if not write:
+        return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     save_file(flat, tmp)
@@ -153,12 +164,19 @@ def plan_load(path: str, model, opt) -> tuple[list, str | None]:
 
 
 def load(path: str, model, opt) -> str | None:
-    """Load the reference's state before a later step; None, or why nothing was loaded."""
+    """Load the reference's state before a later step; None, or why nothing was loaded - on no rank
+    of the world (agreed)."""
     import torch
 
+    pairs, why = [], None
     if not os.path.isfile(path):
-        return f"the reference saved no state for this step ({path})"
-    pairs, why = plan_load(path, model, opt)
+        why = f"the reference saved no state for this step ({path})"
+    else:
+        try:
+            pairs, why = plan_load(path, model, opt)
+        except Exception as e:  # noqa: BLE001 - an unreadable file: this rank refuses, and says so to the others
+            why = f"its state file cannot be read ({type(e).__name__}: {e})"
+    why = agreed(why)
     if why:
         return why
     with torch.no_grad(), torch._C.DisableTorchFunction():
@@ -168,3 +186,21 @@ def load(path: str, model, opt) -> str | None:
     # here reads as written since its record (probes/own_params.written_since_recorded) and no record
     # of it is shipped as this side's own
     return None
+
+
+def agreed(why: str | None) -> str | None:
+    """Every rank's answer made one: None where every rank can load, else the first refusing rank's
+    why (naming it). Each rank decides on its own tensors and rank 0 alone writes world.json's
+    `anchor`: a rank that refused (a parameter it alone holds, an optimizer state it alone lacks: a
+    grad that never reached it) while rank 0 loaded once left world.json saying `anchored` over a
+    step that rank ran from its own drifted weights - read with the reference's weights at both
+    sides (diff/anchored.py), its drift judged as its own code's. So a world loads on all ranks or
+    on none."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return why
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, why)
+    bad = next(((r, w) for r, w in enumerate(every) if w), None)
+    return None if bad is None else f"rank {bad[0]}: {bad[1]}"

@@ -97,10 +97,12 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
             anchor.clear(cfg.out_dir)  # an earlier run's states in this folder are not this run's
         for step in range(cfg.steps):
             rec.step = step
-            if step and anchor.saves(cfg) and rec.rank == 0:
-                anchor.save(anchor.state_file(cfg.out_dir, step), model, opt)
+            if step and anchor.saves(cfg):
+                with rec._paused():  # a TP > 1 reference's gathers (collectives) are no records
+                    anchor.save(anchor.state_file(cfg.out_dir, step), model, opt, write=rec.rank == 0)
             elif step and anchor.loads(cfg) and not (rec.anchor or {}).get("refused"):
-                why = anchor.load(anchor.state_file(cfg.ref_dir, step), model, opt)
+                with rec._paused():  # the ranks' agreement (a collective) is no record
+                    why = anchor.load(anchor.state_file(cfg.ref_dir, step), model, opt)
                 done = [*(rec.anchor or {}).get("steps", ())]
                 rec.anchor = {"steps": done, "refused": why, "refused_at": step} if why else {"steps": [*done, step]}
             keep = fingerprint and step == cfg.steps - 1

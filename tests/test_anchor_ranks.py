@@ -1,0 +1,93 @@
+"""`--anchor` loads the reference's state on every rank of a TP world or on none (runner/anchor.agreed).
+
+Rank 0 alone writes world.json's `anchor`, and the diff reads the steps it names with the reference's
+weights at both sides (diff/anchored.py). Each rank once decided alone: a rank whose AdamW holds no state
+for a parameter (its grad never reached that rank - tests/models/planted/rank0_bias.py's replica) refused,
+rank 0 loaded, and world.json said `anchored` over a step rank 1 ran from its own drifted weights. A real
+two-rank gloo world, tiny Linear layers (~3 s)."""
+import os
+
+import torch
+import torch.distributed as dist
+
+from conftest import gloo_world
+
+
+def _model(stepped: bool):
+    torch.manual_seed(1)
+    m = torch.nn.Linear(4, 8, bias=False)
+    opt = torch.optim.AdamW(m.parameters(), foreach=False)
+    if stepped:
+        m(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    return m, opt
+
+
+def _worker(rank, world, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from tpdiag.runner import anchor
+
+    # rank 1: no grad reached its replica, so its AdamW made no state for it
+    m, opt = _model(stepped=rank == 0)
+    before = m.weight.detach().clone()
+    why = anchor.load(os.environ["TPDIAG_TEST_ANCHOR_FILE"], m, opt)
+    got = [None] * world
+    dist.all_gather_object(got, {"why": why, "loaded": not torch.equal(m.weight, before)})
+    if rank == 0:
+        q.put(got)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_refuses_keeps_every_rank_from_loading(tmp_path, monkeypatch):
+    from tpdiag.runner import anchor
+
+    ref, opt = _model(stepped=True)
+    with torch.no_grad():
+        ref.weight.add_(1.0)  # the reference's state: other weights than either rank's
+    path = anchor.state_file(str(tmp_path), 1)
+    anchor.save(path, ref, opt)
+    monkeypatch.setenv("TPDIAG_TEST_ANCHOR_FILE", path)
+    got = gloo_world(_worker, 2, timeout=120)
+    assert not got[1]["loaded"] and "optimizer state of weight" in got[1]["why"], got
+    # rank 0 could load alone; it does not, and says which rank refused and why (world.json's `refused`)
+    assert not got[0]["loaded"], got
+    assert got[0]["why"] and got[0]["why"].startswith("rank 1: the optimizer state of weight"), got
+
+
+def test_the_ran_line_names_a_world_that_refused_the_anchor():
+    """The ran line named `--anchor` as the config asked it; a world that refused it (world.json `anchor`
+    refused: diff/analyse.py's anchor_refused) ran its later steps from its own weights, and says so."""
+    from tpdiag.cli.render import ran
+
+    summary = {"steps": 3, "backward": True, "anchor": True, "reference_label": "1",
+               "degrees": {"1": {"status": "bitwise"},
+                           "2": {"status": "divergent", "anchor_refused": {"step": 1, "why": "rank 1: parameter w"}}}}
+    line = ran(summary)
+    assert "TP=2 refused it from step 1 (rank 1: parameter w): those steps from its own weights" in line, line
+    del summary["degrees"]["2"]["anchor_refused"]
+    assert "refused" not in ran(summary)
+
+
+def test_a_reference_at_tp2_saves_its_state_with_every_rank(tmp_path):
+    """A reference at TP=2 holds DTensors: gathering its state whole (full_tensor) is a collective. Rank 0
+    alone called it and the reference world hung until its timeout (inconclusive); every rank joins now
+    and rank 0 writes the whole tensors, which TP=4 loads cut to its own shards (~20 s: 2 + 4 ranks)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import run_cli
+
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/moe_expert_calls.py:calls_ok", "--tp", "2,4",
+                "--steps", "2", "--anchor", "--no-baseline", "--no-confirm", "--timeout", "90", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0 and "inconclusive" not in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert json.loads((d / "tp4" / "world.json").read_text())["anchor"] == {"steps": [1]}
+    saved = load_file(str(d / "tp2" / "anchor" / "step1.safetensors"))
+    # whole (the plan's ColwiseParallel `up` holds [32, 32] a rank at TP=2), its moments too
+    assert saved["params/up.weight"].shape == (64, 32) and saved["moments/up.weight/exp_avg"].shape == (64, 32)
+    assert "each later step from the reference's state (--anchor)" in p.stdout and "refused" not in p.stdout
