@@ -44,7 +44,11 @@ _MAX_WHY = 300
 
 def snapshot(x):
     """As upcast, but always a private copy: the module may later change its input in place."""
+    from tpdiag.probes.float64_cache import is_cache, kept
+
     def one(t):
+        if is_cache(t):  # a KV cache as it is before the call (probes/float64_cache.py)
+            return kept(t)
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
             return t.detach().to(_up_dtype(t.dtype), copy=True)
         if isinstance(t, torch.Tensor):
@@ -84,6 +88,9 @@ def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None, names=None) 
     modules' buffers it read, notes["reads_unnamed"] how many other outside tensors (kept in a
     shared object or a global: what they hold is not known). Another module's parameter is no note
     (parameters are compared as records of their own)."""
+    from tpdiag.probes.float64_cache import kept
+
+    args, kwargs = kept((args, kwargs))  # its own copy of a KV cache among them: the call updates it
     protected = {storage_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
     mode = Float64Mode(protected, working_dtype(mod))
     mine = {storage_ptr(b) for b in mod.buffers()}  # before _as_before swaps them for their copies
@@ -146,6 +153,9 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=No
     (None, {"why": ...}) when refused."""
     from torch.func import functional_call
 
+    from tpdiag.probes.float64_cache import kept
+
+    args, kwargs = kept((args, kwargs))  # as module_oracle
     own = {n: p for n, p in mod.named_parameters(recurse=False) if p.requires_grad}
     protected = {storage_ptr(t) for t in list(mod.parameters()) + list(mod.buffers())}
     leaves = {n: p.detach().to(_up_dtype(p.dtype), copy=True).requires_grad_(True) for n, p in own.items()}

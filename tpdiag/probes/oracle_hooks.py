@@ -314,12 +314,19 @@ def record_own_oracles(rec: Recorder, mod: nn.Module, name: str, call: int, snap
     (rec.oracle_notes_own): the diff says which module refused this side's re-execution, and why."""
     from tpdiag.probes import own_side_norms
     from tpdiag.probes.float64 import module_oracle, module_oracle_grads
+    from tpdiag.probes.float64_cache import read_slots_empty
     from tpdiag.probes.own_params import shipped_for, swapped
 
     step = rec.step
     for label, tensors in own.items():
         got = _with_inputs(snap, lambda i: record_key(step, "forward", name, "in", call, i), tensors)
         if got is None:
+            continue
+        if not read_slots_empty(mod, got):
+            # it would read the reference's cached keys and values, which no record of this side
+            # holds: no exact value of this side's (probes/float64_cache.py)
+            rec.oracle_notes_own.setdefault(label, {})[record_key(step, "forward", name, "oracle", call)] = {
+                "why": "it reads a KV cache's earlier entries, which this side's records do not hold"}
             continue
         rec.in_oracle, was = True, rec.enabled
         rec.enabled = False
