@@ -445,6 +445,9 @@ FILE_SECONDS = {
     "test_drift_llama.py": 100,  # four compares (two --anchor, session 20): hsuite20 measured 50 CPU s for two
     # session 18 (helper hname18): two bf16 one-step compares at TP=1,2 and their gates, wall of `pytest -n 0 FILE`
     "test_hf_embed_grad.py": 10,
+    # session 20 (helper hown20): two tiny Phi-3 bf16 compares at TP=1,2 (use_cache on) and their gates,
+    # plus an in-process attention re-execution: 50 s wall of `pytest -n 0 FILE` alone
+    "test_hf_cache_train.py": 50,
     # session 18 (helper hci18), changed above: test_fuzz 43 and test_own_pass_links 19 (alone: it makes
     # behind_hash_run and its first command runs in a fresh interpreter), each its tests' CPU s in a
     # cpuacct cgroup (pytest -n 0, per test, pytest's start left out) after this session's cuts
