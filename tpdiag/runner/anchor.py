@@ -67,15 +67,15 @@ def save(path: str, model, opt, write: bool = True) -> None:
 
     with torch.no_grad():
         for n, p in model.named_parameters():
-            keep(f"params/{n}", p)
+            keep(f"params:{n}", p)
         for n, p in model.named_parameters():
             st = opt.state.get(p) if opt is not None else None
             for k in sorted(st or ()):
                 if isinstance(st[k], torch.Tensor):
-                    keep(f"moments/{n}/{k}", st[k])
+                    keep(f"moments:{n}:{k}", st[k])
         for n, b in model.named_buffers():
             if b.is_floating_point():
-                keep(f"buffers/{n}", b)
+                keep(f"buffers:{n}", b)
     if not write:
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -90,9 +90,11 @@ def _read(path: str) -> dict:
 
     out: dict = {"params": {}, "moments": {}, "buffers": {}}
     for key, t in load_file(path).items():
-        part, _, rest = key.partition("/")
+        # "part:name" ("moments:name:key"): ':' is in no parameter, buffer or optimizer-state name,
+        # and the file's keys are no record keys (records/keys.py owns those and their '/')
+        part, _, rest = key.partition(":")
         if part == "moments":
-            name, _, k = rest.rpartition("/")
+            name, _, k = rest.rpartition(":")
             out["moments"].setdefault(name, {})[k] = t
         elif part in out:
             out[part][rest] = t
