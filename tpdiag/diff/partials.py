@@ -174,8 +174,10 @@ def updated_steps(rows: list) -> set[str]:
     moved = [s for s in moved if s is not None]
     if not moved:
         return set()
-    # a step re-anchored at the reference's state (diff/anchored.py) starts from its weights
-    anchored = {step(r) for r in rows if r.get("anchored")}
+    from tpdiag.diff.anchored import steps as anchored_steps
+
+    # a step re-anchored at the reference's state starts from its weights
+    anchored = anchored_steps(rows)
     return {str(s) for s in {step(r) for r in rows} if s is not None and s > min(moved) and s not in anchored}
 
 
