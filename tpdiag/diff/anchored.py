@@ -12,19 +12,9 @@ def steps(rows: list) -> set[int]:
 def read_pair(dd, key: str, step: int):
     """(reference, this side) of a parameter record as step `step`'s forward read it (`key`: the
     record it was read from - the init, or the step before's update): at an anchored step the
-    reference's at both sides; else dd.tensors' pair (None where not held)."""
+    reference's at both sides; else dd.tensors' pair (None where not held). dd.anchored: the steps
+    engine.diff_degree marked."""
     pair = dd.tensors.get(key)
-    if pair is None or not step or int(step) not in _cached(dd):
+    if pair is None or not step or int(step) not in dd.anchored:
         return pair
     return pair[0], pair[0]
-
-
-def _cached(dd) -> set[int]:
-    got = getattr(dd, "_anchored", None)
-    if got is None or got[0] != len(dd.rows):
-        got = (len(dd.rows), steps(dd.rows))
-        try:
-            dd._anchored = got
-        except AttributeError:
-            pass
-    return got[1]

@@ -66,6 +66,9 @@ class DegreeDiff:
     # the first record the ranks hold only part of (records/layout.ShortOfWhole): {key, why}; every
     # record after it is left uncompared (diff/shape_break.py names it a finding)
     shape_break: dict | None = None
+    # the steps re-anchored at the reference's state whose rows diff_degree marked `anchored`: their
+    # forwards read the reference's weights at both sides (diff/anchored.read_pair)
+    anchored: frozenset = frozenset()
 
 
 def _recipe(world) -> dict:
@@ -305,9 +308,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     from tpdiag.records.anchor import anchored_steps
 
     anchored = anchored_steps(other.world)
+    marked = set()
     for row in rows if anchored else ():
         if isinstance(row.get("step"), int) and row["step"] in anchored:
             row["anchored"] = True  # its forward read the reference's weights (diff/anchored.py)
+            marked.add(row["step"])
     partials.reduced(rows, tensors, uncompared)
     partials.reduced_outputs(rows, tensors, uncompared)
     partials.reduced_after_backward(rows, tensors, uncompared)
@@ -326,66 +331,11 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                and m["phase"] not in skip and not _inside_block(m, per_rank)]
     dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents,
                     hash_version=ref.hash_version, captured=captured, recipe=_recipe(other.world),
-                    shape_break=shape_break)
+                    shape_break=shape_break, anchored=frozenset(marked))
     if oracle_metas:
-        from tpdiag.diff.oracle import target_key
-        from tpdiag.records.keys import root_of
+        from tpdiag.diff.oracle_load import load
 
-        # the root's record name in these records ("(root)" above HF's `model` child)
-        enclosing_root = root_of({r["module"] for r in rows})
-        from tpdiag.records.keys import ORACLE_NORMS as NORMS, ORACLE_TAP as TAP, RecordKey
-
-        wanted = {r["key"] for r in rows if not r["bitwise"]}
-        writer_depth: dict = {}  # (own side, buffer key) -> its oracle's path depth under the writer
-        for m in oracle_metas:
-            name, at, side = m["name"].partition("@")
-            if at and side != label:
-                continue  # re-executed from another world's inputs
-            if name.endswith(NORMS):
-                full = m["key"][:len(m["key"]) - len(side) - 1] if at else m["key"]
-                k = target_key(full[:len(full) - len(NORMS)])
-                if k in wanted:
-                    (dd.oracle_own_norms if at else dd.oracle_norms)[k] = ref.tensor(m)
-                continue
-            oracle, grad_in = (dd.oracle_own, dd.grad_in_own) if at else (dd.oracle, dd.grad_in)
-            if name.startswith(TAP):
-                # a descendant's output grad in an ancestor's float64 backward: grad_out.O.cJ.pP.uK,
-                # the ancestor K name levels up (the root past the top); no .uK (a run before): the
-                # nearest called ancestor's (diff/enclosing.tapper)
-                o, j, pc, *up = name[len(TAP):].split(".")
-                by = None
-                if up and up[0][1:].isdigit():
-                    parts = m["module"].split(".")
-                    k_up = int(up[0][1:])
-                    by = ".".join(parts[:len(parts) - k_up]) if k_up < len(parts) else enclosing_root
-                (dd.grad_at_own if at else dd.grad_at)[(m["step"], m["module"], int(j[1:]), o, int(pc[1:]), by)] = \
-                    ref.tensor(m)
-                continue
-            if name.startswith("grad_in."):
-                # d loss / d input I of a consumer: judged against its producer's grad_out
-                i, _, c = name[len("grad_in."):].partition(".c")
-                k = (m["step"], m["module"], int(i))
-                grad_in.setdefault(k, []).append(ref.tensor(m))
-                continue
-            k = target_key(m["key"][:len(m["key"]) - len(side) - 1] if at else m["key"])
-            if k not in wanted:
-                continue
-            if name.startswith("buffer."):
-                # a written buffer holds what its owner's last call left: an ancestor's float64 run
-                # (recorded after its child's) computed the owner's inputs in float64 too, no exact
-                # value of what the owner read (an FP8 cast above it: a SUM-reduced amax read
-                # 'rounding only'); the nearest writer, its last call, judges
-                near = _depth(RecordKey.parse(k).module, enclosing_root) - _depth(m["module"], enclosing_root)
-                if k in oracle and near > writer_depth.get((at, k), near):
-                    continue
-                writer_depth[(at, k)] = near
-                oracle[k] = ref.tensor(m)
-                if not at:
-                    dd.oracle_writer[k] = (int(m["step"]), m["module"])
-                continue
-            t = ref.tensor(m)
-            # a weight grad's calls add up
-            oracle[k] = oracle[k] + t if k in oracle else t
+        load(dd, ref, oracle_metas, label)
     _mark_piece_state(rows, ref.world, other.world)
     notes = ref.world.get("oracle_notes") if isinstance(ref.world, dict) else None
     if isinstance(notes, dict):
@@ -395,11 +345,6 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         dd.oracle_notes_own = own_notes[label]
     dd.oracle_reads_noted = isinstance(ref.world, dict) and ref.world.get("oracle_reads_noted") is True
     return dd
-
-
-def _depth(module: str, root: str) -> int:
-    """A record name's depth in the model: 0 for the root (its record name `root`), 1 for its children."""
-    return 0 if module == root else module.count(".") + 1
 
 
 def _mark_piece_state(rows: list[dict], ref_world, other_world) -> None:
