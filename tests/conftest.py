@@ -478,6 +478,9 @@ FILE_SECONDS = {
     # session 20 (helper hflip20): two bf16 compares at TP=1,2 (moe_zloss_flip.py), no confirmation, and
     # their gates: 37 s wall at load ~8 with `pytest -n 0` (25 s user)
     "test_flip_shares.py": 25,
+    # session 21 (helper hhouse21): one forward-only compare of a py: target at TP=1,2, no confirmation, and
+    # a meta build of it twice: 77 s wall of `pytest -n 0 FILE` at the shared host's load (~60 the compare)
+    "test_preflight_py_inputs.py": 40,
     # session 20 (helper hhash20): four bf16 compares at TP=1,2 under --capture hash (moe_zloss_flip twice,
     # moe_bwd_bug, moe_late_bug), no confirmation, and five gates: 33 s wall with `pytest -n 0` (21 s user)
     "test_shares_hash_judged.py": 30,

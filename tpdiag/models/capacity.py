@@ -99,9 +99,42 @@ def model_dims(spec, variant: str = "stock") -> dict:
         t = _py_target(spec, variant)
         if t is None:
             return {}
-        return {"vocab": t.vocab_size, "params": sum(p.numel() for p in t.model.parameters()),
+        dims = {"vocab": t.vocab_size, "params": sum(p.numel() for p in t.model.parameters()),
                 "default_loss": t.loss is None}
+        shape = inputs_shape(t)
+        if shape is not None:
+            dims["inputs_shape"] = shape
+        return dims
     return sliced(dims, spec)
+
+
+def inputs_shape(target) -> tuple[int, int] | None:
+    """(rows, positions) of the batch a py: Target's own `inputs` draws - the step runs on it, not on
+    --batch-size x --seq-len (runner/batch.make_batch) - read from its token tensor as runner/batch.tokens_of
+    finds it (the Tensor, a dict's 'input_ids' else its first tensor, a tuple's first); None without
+    inputs, or where drawing them fails (the world says why) or gives no [rows, positions, ...] tensor."""
+    if target.inputs is None:
+        return None
+    import torch
+
+    try:
+        # the world's own draw (make_batch: a generator seeded cfg.seed + 1): a batch's size is no
+        # function of the seed in any Target seen, so the default seed's stands for all
+        batch = target.inputs(torch.Generator().manual_seed(1))
+    except Exception:  # noqa: BLE001 - user code: its error is the world's to report, in its words
+        return None
+    if isinstance(batch, torch.Tensor):
+        cands = [batch]
+    elif isinstance(batch, dict):
+        cands = [batch["input_ids"]] if "input_ids" in batch else list(batch.values())
+    elif isinstance(batch, (tuple, list)):
+        cands = list(batch)
+    else:
+        return None
+    ids = next((t for t in cands if isinstance(t, torch.Tensor)), None)
+    if ids is None or ids.ndim < 2 or min(ids.shape[:2]) < 1:
+        return None
+    return int(ids.shape[0]), int(ids.shape[1])
 
 
 def sliced(dims: dict, spec, layers: int | None = None) -> dict:

@@ -54,15 +54,21 @@ def _valid_degrees(divisors: dict) -> list[int]:
 
 def preflight(spec, degrees, batch: int, seq: int, dtype: str, backward: bool, device: str,
               variant: str = "stock", gpus: int | None = None, have: tuple | None = None,
-              default_loss: bool = True) -> dict:
+              default_loss: bool = True, micro_batch: int | None = None) -> dict:
     """{'device', 'available_bytes', 'where', 'per_rank' (GPU) or whole world (CPU), 'degrees':
     {D: {'need_bytes', 'fits'}}, 'layers', 'total_layers'} for the manifest; raises BadInput
     (one line) for a sequence past the model's positions or a world that cannot fit.
     have: (bytes, where) instead of asking the device (tests). default_loss: False where a fix takes the
-    loss over (the float32 cross-entropy's [tokens, vocab] tensors are then not counted)."""
+    loss over (the float32 cross-entropy's [tokens, vocab] tensors are then not counted).
+    A py: Target whose `inputs` draw its own batch is counted at that batch's rows x positions, not
+    batch x seq (--batch-size x --seq-len, which it never runs): its smallest call's rows at most
+    micro_batch (the smallest --micro-batch; a micro-batch past the batch runs it whole)."""
     from tpdiag.models.spec import model_divisors
 
     dims = model_dims(spec, variant)
+    own = dims.get("inputs_shape")
+    if own:
+        batch, seq = (min(own[0], micro_batch) if micro_batch else own[0]), own[1]
     pos = dims.get("positions")
     if pos and seq > pos:
         raise BadInput(f"--seq-len {seq}: the model has {pos} positions; use --seq-len {pos} or less")
@@ -99,9 +105,10 @@ def preflight(spec, degrees, batch: int, seq: int, dtype: str, backward: bool, d
             if bigger:
                 hints.append(f"or take TP={bigger[0]} as the reference (--tp {bigger[0]},...; it holds this "
                              f"model on {bigger[0]} GPUs)")
-        hints.append("lower --batch-size or --seq-len" + (" (not even one decoder layer with the embedding "
-                                                          "and head fits)" if not n and spec.kind != "py" else "")
-                     if not hints else "or lower --batch-size or --seq-len")
+        smaller = "make Target.inputs' batch smaller" if own else "lower --batch-size or --seq-len"
+        hints.append(smaller + (" (not even one decoder layer with the embedding "
+                                "and head fits)" if not n and spec.kind != "py" else "")
+                     if not hints else "or " + smaller)
         raise BadInput(f"--tp {ref}: the reference world needs at least {ref_need / GiB:,.1f} GiB {per} {what}, "
                        f"{avail / GiB:,.1f} GiB {where}; " + "; ".join(hints))
     for d in degrees[1:]:

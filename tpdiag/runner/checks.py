@@ -105,8 +105,11 @@ def validate(cfg: CompareConfig) -> dict:
     # float32 cross-entropy: its [tokens, vocab] tensors are not counted then (still a lower bound)
     fixes = catalogue()
     own_loss = any("loss" in fixes[n].takes_over for n in cfg.fixes if n in fixes)
+    # a py: Target's own inputs are counted at their batch (models/preflight.py), its calls at the smallest
+    # --micro-batch's rows at most
     pre = preflight(spec, cfg.degrees, max(1, rows), cfg.seq_len, cfg.dtype, cfg.backward, device,
-                    cfg.variant, gpus=_gpus(device), default_loss=not own_loss)
+                    cfg.variant, gpus=_gpus(device), default_loss=not own_loss,
+                    micro_batch=min(cfg.micro_batches) if cfg.micro_batches else None)
     from tpdiag.config import CAPTURES
 
     if cfg.capture not in CAPTURES:
