@@ -28,6 +28,9 @@ CASES = {"zloss_share": ("moe_zloss_flip", "s0/backward/moe.router.proj/grad_out
          "zloss_every_rank": ("moe_zloss_flip", "s0/backward/moe.router.proj/grad_out#0/0"),
          "shared_beside": ("moe_bwd_bug", "s0/backward/sparse.router/grad_out#0/0")}
 BUG = ("moe_late_bug", "shared_every_rank", "s0/backward/moe.router/grad_out#0/0")
+# the share rule each region verdict comes of (diff/judge.py): on the rows a router flip left alone, or
+# near the reference within the share band
+RULES = {"zloss_share": "flip-shares", "zloss_every_rank": "flip-shares", "shared_beside": "near-shares"}
 
 
 def _run(tmp_path_factory, f, func):
@@ -46,6 +49,8 @@ def test_a_share_grad_read_bug_from_hashes_takes_the_region_passs_verdict(tmp_pa
     g = found[key]
     assert g["cause"] == "unknown" and g["from"] == "second pass", g  # was rank-inconsistent-replica (BUG)
     assert g["why"] == region[key]["why"] and g["max_abs"] == region[key]["max_abs"] is not None, (g, region[key])
+    # told by the region verdict's structured rule name, not its reason's words (records/share_rules.py)
+    assert g["rule"] == region[key]["rule"] == RULES[func], (g, region[key])
     assert not any(h.get("cause") == "rank-inconsistent-replica" for h in e["findings"]), e["findings"]
     assert s["class"] == "unknown" and "BUG" not in stdout, stdout[-2000:]
     assert gate == 1  # not judged: the gate fails it, as under full capture
@@ -67,3 +72,24 @@ def test_a_replica_whose_shares_miss_the_band_stays_a_bug_under_hash(tmp_path_fa
     (run / "summary.json").write_text(json.dumps(t))
     p = run_cli("gate", str(run))
     assert p.returncode == 2 and "judged it 'rank-inconsistent-replica'" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("edit", ["dropped", "another"])
+def test_a_replacement_without_the_region_passs_share_rule_fails_closed(tmp_path_factory, tmp_path, edit):
+    """The gate holds a region verdict that replaced pass 1's per-rank-hash BUG to the share rule that
+    made it (records/share_rules.py): dropped - as in a run written before the rule was kept - or
+    named another than the region pass's own, the run is no evidence (exit 2), not the pass it was."""
+    f, key = CASES["shared_beside"]
+    d, s, _, gate = _run(tmp_path_factory, f, "shared_beside")
+    assert gate == 1
+    run = copied_run(d, tmp_path)
+    t = json.loads((run / "summary.json").read_text())
+    g = next(g for g in t["degrees"]["2"]["findings"] if g["key"] == key)
+    if edit == "dropped":
+        del g["rule"]
+    else:
+        g["rule"] = "drifted-shares"
+    (run / "summary.json").write_text(json.dumps(t))
+    p = run_cli("gate", str(run))
+    assert p.returncode == 2 and key in p.stdout and "rule" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+

@@ -32,7 +32,7 @@ from tpdiag.diff import partials
 from tpdiag.records.labels import flipped
 
 MAX_LISTED = 16  # token rows named in the reason; the count is always whole
-WHY_HEAD = "a router flip changed token rows "  # why()'s opening (runner/drill_merge reads it)
+WHY_HEAD = "a router flip changed token rows "  # why()'s opening
 
 
 def flipped_tokens(a: torch.Tensor, b: torch.Tensor) -> tuple[int, set] | None:

@@ -30,6 +30,7 @@ from tpdiag.diff.layout_cause import EMBED_CLASSES, NORM_CLASSES, op_kind, layou
 from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECODE, WHY_LOSS_MEAN, WHY_LOSS_REDUCED,  # noqa: F401
                                  WHY_MICRO_BATCH, WHY_NOISE, WHY_TP1)
 from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, PICK_OPS, SDPA_OPS, is_op_of
+from tpdiag.records.share_rules import DRIFTED_SHARES, FLIP_SHARES, NEAR_SHARES
 from tpdiag.diff.scale import drifted_shares_why, narrowed_why, near_shares_why, scale_why, shares_why
 # the evidence, the verdict and the predicates and reasons the rules below are written in
 from tpdiag.diff.judge_evidence import (Evidence, Rule, Verdict, baseline_cause, judged_far, judged_near,
@@ -191,7 +192,8 @@ RULES: list[Rule] = [
          lambda ev, b: op_kind(ev.op)),
     # the record's own bits, ranks and bound
     Rule("as recorded (read back from a summary)", lambda ev, b: ev.row is None,
-         lambda ev, b: ev.record.get("cause") or "unknown", lambda ev, b: ev.record.get("why")),
+         lambda ev, b: ev.record.get("cause") or "unknown", lambda ev, b: ev.record.get("why"),
+         tag=lambda ev, b: ev.record.get("rule")),
     Rule("non-finite", lambda ev, b: bool(_row(ev, "nonfinite_mismatch")), lambda ev, b: "non-finite"),
     # a per-rank statistic no recorded step reads (diff/replicas.py): its replicas differ, but no
     # result of the model's numerics is shown wrong
@@ -210,18 +212,20 @@ RULES: list[Rule] = [
     # cancelling terms the record does not hold - neither rounding nor a bug shown
     Rule("shares near the reference, not element by element",
          lambda ev, b: _row(ev, "rank_consistent") is False and bool(_row(ev, "rank_partial_near")),
-         lambda ev, b: "unknown", lambda ev, b: near_shares_why(_row(ev, "rank_partial_near"))),
+         lambda ev, b: "unknown", lambda ev, b: near_shares_why(_row(ev, "rank_partial_near")),
+         tag=lambda ev, b: NEAR_SHARES),
     # ... or on the token rows a router flip left alone (diff/flip_shares.py): the flipped rows are another
     # computation; the others add up (the flip's consequence) or add up within the band (not judged)
     Rule("shares on the rows a router flip left alone",
          lambda ev, b: _row(ev, "rank_consistent") is False and bool(_row(ev, "rank_partial_flip")),
          lambda ev, b: "unknown" if _row(ev, "rank_partial_flip")["near"] else "router-flip",
-         lambda ev, b: flip_shares.why(_row(ev, "rank_partial_flip"))),
+         lambda ev, b: flip_shares.why(_row(ev, "rank_partial_flip")), tag=lambda ev, b: FLIP_SHARES),
     # ... and the same activation grad at a step whose weights differ, shown shares at the first step
     # (diff/partials.drifted_grad_shares): they add up to this side's drifted sum - neither shown
     Rule("shares at a step whose weights differ",
          lambda ev, b: _row(ev, "rank_consistent") is False and bool(_row(ev, "rank_partial_drifted")),
-         lambda ev, b: "unknown", lambda ev, b: drifted_shares_why(_row(ev, "rank_partial_drifted"))),
+         lambda ev, b: "unknown", lambda ev, b: drifted_shares_why(_row(ev, "rank_partial_drifted")),
+         tag=lambda ev, b: DRIFTED_SHARES),
     Rule("ranks differ", lambda ev, b: _row(ev, "rank_consistent") is False,
          lambda ev, b: "rank-inconsistent-replica", lambda ev, b: (_row(ev, "replica_read") or {}).get("why")),
     Rule("beyond its rounding bound", lambda ev, b: bool(_row(ev, "beyond_bound")), lambda ev, b: "sharding-bug",
@@ -261,7 +265,7 @@ def judge(ev: Evidence, rules: list[Rule] | None = None) -> Verdict:
             kept = dict(memo[0].kept) if memo else {}
             if rule.keep:
                 kept[rule.keep] = below().cause
-            return Verdict(rule.cause(ev, below), rule.why(ev, below), rule.name, kept)
+            return Verdict(rule.cause(ev, below), rule.why(ev, below), rule.name, kept, rule.tag(ev, below))
     raise AssertionError("the last rule matches every record")
 
 
@@ -281,8 +285,8 @@ def describe(row: dict | None, fields: dict, **evidence) -> Described:
 
 def settle(record: dict, **evidence) -> Verdict:
     """Add `evidence` to what is known of `record`, judge it and write its cause (the only
-    writer of `cause` in diff/): cause, why (removed when the verdict gives none) and the
-    overridden cause where a rule keeps it."""
+    writer of `cause` in diff/): cause, why (removed when the verdict gives none), the rule's
+    structured name (`rule`, removed likewise) and the overridden cause where a rule keeps it."""
     ev = getattr(record, "evidence", None) or Evidence(row=None, record=record, op=record.get("op"))
     ev = replace(ev, **evidence)
     if isinstance(record, Described):
@@ -293,5 +297,9 @@ def settle(record: dict, **evidence) -> Verdict:
         record["why"] = v.why
     else:
         record.pop("why", None)
+    if v.tag:
+        record["rule"] = v.tag
+    else:
+        record.pop("rule", None)
     record.update(v.kept)
     return v

@@ -52,6 +52,8 @@ class Verdict:
     rule: str = ""
     # the cause a rule overrode, under the name the summary keeps it by (layout_cause, cause_before)
     kept: dict = field(default_factory=dict)
+    # the structured name the summary keeps for the verdicts others read (`rule`: records/share_rules.py)
+    tag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class Rule:
     cause: Callable[[Evidence, Callable[[], Verdict]], str]
     why: Callable[[Evidence, Callable[[], Verdict]], str | None] = lambda ev, below: None
     keep: str | None = None  # record the overridden cause under this key
+    # the verdict's structured name in the summary (`rule`), where a later pass or the gate reads it
+    tag: Callable[[Evidence, Callable[[], Verdict]], str | None] = lambda ev, below: None
 
 
 # ---- evidence predicates -------------------------------------------------------------------

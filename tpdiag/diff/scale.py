@@ -148,8 +148,8 @@ def shares_why(module: str) -> str:
             "before the reduction, not a replica left unreduced")
 
 
-# the openings of the share rules' reasons (diff/judge.py): runner/drill_merge tells by them a region
-# pass's verdict made from the ranks' whole copies read as shares (judge.py keeps no rule name)
+# the openings of the share rules' reasons (diff/judge.py; the verdicts' names, which later passes and
+# the gate read, are records/share_rules.py's)
 NEAR_SHARES_HEAD = "the ranks' copies add up to the reference's value to within "
 DRIFTED_SHARES_HEAD = "each rank's share of a sum the backward reduces later (so shown at step "
 

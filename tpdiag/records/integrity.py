@@ -118,6 +118,7 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
                 _ANOTHER_STEP in str(fd.get(k) or "") for k in ("op_detail", "values_detail")):
             continue  # drill.py leaves such findings out on purpose
         from tpdiag.records.labels import pass_label_problems
+        from tpdiag.records.share_rules import SHARE_RULES
         from tpdiag.records.shares import shares_problem
 
         out += pass_label_problems(lab, d, sd, name)
@@ -140,6 +141,11 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
             bad = "not one" if g is None else next(
                 (k for k in ("key", "phase", "module", "kind", "name", "max_abs", "bound")
                  if k in f and not same(f[k], g.get(k))), None)
+            if bad is None and f.get("rule") in SHARE_RULES and not any(
+                    h.get("rule") == f["rule"] for h in sd.get("findings") or ()
+                    if isinstance(h, dict) and h.get("key") == f.get("key")):
+                # the share rule that let it replace pass 1's hash verdict (records/share_rules.py) is the pass's own
+                bad = "rule"
             if bad:
                 out.append(f"summary.json's TP={lab} second-pass finding {f.get('key')}: "
                            + ("not one of " if g is None else f"{bad} {f[bad]!r} but ") + f"{name}/summary.json"
@@ -248,6 +254,9 @@ def _problems(run_dir: str, manifest, summary, rows: list[dict] | None, inside: 
     from tpdiag.records.labels import flip_problems, made_problems
 
     out += flip_problems(degrees, rows) + made_problems(degrees, rows)
+    from tpdiag.records.share_rules import share_rule_problems
+
+    out += share_rule_problems(degrees, rows)
     if inside:  # the first pass's rows are the gate's own re-diff; a second pass's are read as written
         out += count_problems(degrees, rows)
     if not is_diff_dir(run_dir, manifest):

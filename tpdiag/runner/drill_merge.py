@@ -209,13 +209,13 @@ def _judged_whole(mine: dict, f: dict) -> bool:
     --capture hash only (moe_zloss_flip.py:zloss_share, moe_bwd_bug.py:shared_beside in bf16;
     tests/test_shares_hash_judged.py). Nothing else the region says replaces a pass-1 verdict: a shape
     break, a replica no step reads, a bound - each may come of what the region did not capture, and
-    pass 1's verdict from values (max_abs) was no hash's."""
-    from tpdiag.diff.flip_shares import WHY_HEAD
-    from tpdiag.diff.scale import DRIFTED_SHARES_HEAD, NEAR_SHARES_HEAD
+    pass 1's verdict from values (max_abs) was no hash's. The share rules are told by the verdict's
+    structured name (`rule`, records/share_rules.py), which the gate holds every replacement to."""
+    from tpdiag.records.share_rules import SHARE_RULES
 
     return (mine.get("cause") == "rank-inconsistent-replica" and mine.get("max_abs") is None
             and mine.get("key") is not None and f.get("key") == mine["key"] and f.get("max_abs") is not None
-            and "from" not in mine and str(f.get("why") or "").startswith((WHY_HEAD, NEAR_SHARES_HEAD, DRIFTED_SHARES_HEAD)))
+            and "from" not in mine and f.get("rule") in SHARE_RULES)
 
 
 def _share_keys(sub_entry: dict) -> set:
