@@ -66,3 +66,22 @@ def test_the_anchor_keeps_a_worlds_integer_buffer_its_own(tmp_path):
     assert anchor.load(f, here, None) is None
     assert int(here.down.seen) == 16
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), here.parameters()))
+
+
+def test_a_state_over_the_budget_is_not_saved_and_every_world_says_why(tmp_path):
+    """The reference writes every later step's state; past TPDIAG_ANCHOR_MAX_MB (llama-1b: 14 GB a step)
+    it writes none and says why (anchor/refused.txt), each TP > 1 world loads none and world.json,
+    summary.json and the ran line name it - its later steps are the drifted ones, said so."""
+    from conftest import run_cli
+
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", "py:tests/models/planted/int_buffer.py:seen_tokens", "--tp", "1,2",
+                "--steps", "2", "--no-baseline", "--no-confirm", "--out", str(d),
+                env={"OMP_NUM_THREADS": "1", "TPDIAG_ANCHOR_MAX_MB": "0"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    assert not (d / "tp1" / "anchor" / "step1.safetensors").exists()
+    got = json.loads((d / "tp2" / "world.json").read_text())["anchor"]
+    assert got["steps"] == [] and got["refused_at"] == 1 and "TPDIAG_ANCHOR_MAX_MB=0" in got["refused"], got
+    s = json.loads((d / "summary.json").read_text())
+    assert s["anchor"] is True and "TPDIAG_ANCHOR_MAX_MB=0" in s["degrees"]["2"]["anchor_refused"]["why"]
+    assert "TP=2 refused it from step 1" in p.stdout and "those steps from its own weights" in p.stdout, p.stdout

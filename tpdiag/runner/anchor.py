@@ -1,4 +1,4 @@
-"""Re-anchoring a later step at the reference's state (`compare --steps N --anchor`).
+"""Re-anchoring a later step at the reference's state (`compare --steps N`: on by default, `--no-anchor` off).
 
 From step 1 on each side's weights are its own update's: a TP=N world's records of step k differ from
 the reference's by the updates' drift as well as by step k's own code, and no bound separates the two
@@ -11,12 +11,25 @@ The world runs every step (a module's own Python state - a step counter - advanc
 the tensors are replaced. A state it cannot place bitwise (a plain local tensor shaped unlike the
 reference's: a hand-sharded layer; an optimizer other than the tool's AdamW state) is not loaded at
 all: the world says so (world.json `anchor`) and its later steps are the drifted ones (the old path).
+So is a state too large to write every later step of (over TPDIAG_ANCHOR_MAX_MB: the reference saves
+none and says why in `anchor/refused.txt`).
+
+Not loaded, each world's own: integer and bool buffers, and the RNG state. Neither is recorded (the
+probes record the floating buffers a step wrote), so a world that advanced a count wrongly (a token
+counter of the rank's shard) shows it only where a later step's forward reads it; loading the
+reference's count erased that symptom and the bug read rounding (tests/test_int_buffer_steps.py). The
+RNG: a TP > 1 world draws for its shards (fewer numbers a rank, or DTensor's offset-based tracker on
+CUDA), so the reference's generator state is no state it would have drawn from, and loading it on
+every rank would hide ranks whose streams diverged, which nothing else records.
 """
 from __future__ import annotations
 
 import os
 
 ANCHOR_DIR = "anchor"  # in the reference's world folder: one file per later step
+REFUSED = "refused.txt"  # beside them where the reference saved none: why (a TP > 1 world's why)
+# the whole run's state files (every later step's) the reference writes at most; past it it saves none
+MAX_MB_ENV, MAX_MB = "TPDIAG_ANCHOR_MAX_MB", 8192
 
 
 def state_file(ref_dir: str, step: int) -> str:
@@ -27,6 +40,34 @@ def clear(ref_dir: str) -> None:
     import shutil
 
     shutil.rmtree(os.path.join(ref_dir, ANCHOR_DIR), ignore_errors=True)
+
+
+def state_bytes(model) -> int:
+    """One saved step's bytes: each parameter whole and AdamW's two moments of its size, the floating
+    buffers (a DTensor's numel is the whole tensor's: every rank of the reference computes the same)."""
+    n = sum(3 * p.numel() * p.element_size() for p in model.parameters())
+    return n + sum(b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point())
+
+
+def over_budget(cfg, model) -> str | None:
+    """Why the reference saves no state (every later step's file would pass TPDIAG_ANCHOR_MAX_MB:
+    llama-1b's is 14 GB a step), or None. Shapes alone decide it, so every rank of a TP > 1 reference
+    decides alike (its saves are collectives)."""
+    try:
+        cap = int(os.environ.get(MAX_MB_ENV) or MAX_MB)
+    except ValueError:
+        cap = MAX_MB
+    total = (cfg.steps - 1) * state_bytes(model)
+    if total <= cap << 20:
+        return None
+    return (f"the reference saved no state: {cfg.steps - 1} steps' states take {total / 2**30:.1f} GiB, over "
+            f"{MAX_MB_ENV}={cap}")
+
+
+def refuse(ref_dir: str, why: str) -> None:
+    os.makedirs(os.path.join(ref_dir, ANCHOR_DIR), exist_ok=True)
+    with open(os.path.join(ref_dir, ANCHOR_DIR, REFUSED), "w", encoding="utf-8") as f:
+        f.write(why)
 
 
 def saves(cfg) -> bool:
@@ -171,7 +212,11 @@ def load(path: str, model, opt) -> str | None:
     import torch
 
     pairs, why = [], None
-    if not os.path.isfile(path):
+    refused = os.path.join(os.path.dirname(path), REFUSED)
+    if not os.path.isfile(path) and os.path.isfile(refused):
+        with open(refused, encoding="utf-8") as f:
+            why = f.read(500).strip() or "the reference saved no state"
+    elif not os.path.isfile(path):
         why = f"the reference saved no state for this step ({path})"
     else:
         try:
