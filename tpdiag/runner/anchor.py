@@ -51,7 +51,7 @@ def state_bytes(model) -> int:
 
 def over_budget(cfg, model) -> str | None:
     """Why the reference saves no state (every later step's file would pass TPDIAG_ANCHOR_MAX_MB:
-    llama-1b's is 14 GB a step), or None. Shapes alone decide it, so every rank of a TP > 1 reference
+    llama-1b's float32 state is ~15 GB a step), or None. Shapes alone decide it, so every rank of a TP > 1 reference
     decides alike (its saves are collectives)."""
     try:
         cap = int(os.environ.get(MAX_MB_ENV) or MAX_MB)
