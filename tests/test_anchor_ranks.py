@@ -71,6 +71,36 @@ def test_the_ran_line_names_a_world_that_refused_the_anchor():
     assert "refused" not in ran(summary)
 
 
+def test_every_world_that_ran_its_later_steps_from_its_own_state_is_named():
+    """The anchor is the default: a world asked for it whose world.json names no anchored step - a TP=1
+    configuration (only a TP > 1 world loads: runner/anchor.loads) or one that refused - is named
+    (records/anchor.not_anchored: summary.json's anchor_refused, the ran line); an anchored world, a
+    --no-anchor run, forward only or one step is not."""
+    from tpdiag.records.anchor import not_anchored
+
+    cfg = {"degree": 1, "steps": 3, "backward": True, "anchor": True, "micro_batch": 2}
+    got = not_anchored({"config": cfg})
+    assert got and got["step"] == 1 and "TP=1" in got["why"], got
+    assert not_anchored({"config": {**cfg, "degree": 2}, "anchor": {"steps": [1, 2]}}) is None
+    refused = not_anchored({"config": {**cfg, "degree": 2}, "anchor": {"steps": [1], "refused": "rank 1: x",
+                                                                        "refused_at": 2}})
+    assert refused == {"step": 2, "why": "rank 1: x"}
+    assert not_anchored({"config": {**cfg, "degree": 2}})["step"] == 1  # asked, no anchor record: not loaded
+    for off in ({"anchor": False}, {"backward": False}, {"steps": 1}, {"mode": "decode"}):
+        assert not_anchored({"config": {**cfg, **off}}) is None, off
+
+
+def test_the_ran_line_under_no_anchor_and_forward_only():
+    """--no-anchor: the later steps from each side's own weights, said; forward only (no update, nothing
+    loaded): nothing said of an anchor, whatever summary.json's anchor."""
+    from tpdiag.cli.render import ran
+
+    base = {"steps": 3, "reference_label": "1", "degrees": {"1": {"status": "bitwise"}}}
+    assert "later steps from each side's own weights (--no-anchor" in ran({**base, "backward": True, "anchor": False})
+    assert "anchor" not in ran({**base, "backward": False, "anchor": False})
+    assert "reference's state (--anchor, the default)" in ran({**base, "backward": True, "anchor": True})
+
+
 def test_a_reference_at_tp2_saves_its_state_with_every_rank(tmp_path):
     """A reference at TP=2 holds DTensors: gathering its state whole (full_tensor) is a collective. Rank 0
     alone called it and the reference world hung until its timeout (inconclusive); every rank joins now
