@@ -211,9 +211,11 @@ def load(path: str, model, opt) -> str | None:
     of the world (agreed)."""
     import torch
 
-    pairs, why = [], None
+    pairs, why = [], split_replicas(model)  # a collective: every rank, before any rank's own answer
     refused = os.path.join(os.path.dirname(path), REFUSED)
-    if not os.path.isfile(path) and os.path.isfile(refused):
+    if why:
+        pass
+    elif not os.path.isfile(path) and os.path.isfile(refused):
         with open(refused, encoding="utf-8") as f:
             why = f.read(500).strip() or "the reference saved no state"
     elif not os.path.isfile(path):
@@ -232,6 +234,36 @@ def load(path: str, model, opt) -> str | None:
     # no mark_recorded: the last update's records are not what this step reads, so a parameter loaded
     # here reads as written since its record (probes/own_params.written_since_recorded) and no record
     # of it is shipped as this side's own
+    return None
+
+
+def split_replicas(model) -> str | None:
+    """Why not to load: a plain floating buffer whose copies differ across this world's ranks (a
+    per-rank statistic, a bias nudged from each rank's own experts' load), or None. Loading the
+    reference's value on every rank would erase what a later step reads of it - the only evidence that
+    tells a per-rank state a step reads (a bug) from one nobody reads (diff/replicas.py): with it
+    loaded, load_stats.py:read and balance_bias.py:local_load read `unknown` instead of
+    rank-inconsistent-replica. Every rank gets the same answer (the digests are gathered)."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    mine = []
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        for n, b in model.named_buffers():
+            if b.is_floating_point() and not isinstance(b, DTensor):
+                raw = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                mine.append((n, hashlib.sha256(raw).hexdigest()))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for i, (n, _) in enumerate(every[0]):
+        if any(len(o) != len(every[0]) or o[i] != every[0][i] for o in every[1:]):
+            return (f"buffer {n} differs across this world's ranks: the reference's value would replace the "
+                    "per-rank one a later step reads")
     return None
 
 
