@@ -57,6 +57,52 @@ def test_a_rank_that_refuses_keeps_every_rank_from_loading(tmp_path, monkeypatch
     assert got[0]["why"] and got[0]["why"].startswith("rank 1: the optimizer state of weight"), got
 
 
+def _with_stat(value: float):
+    m, opt = _model(stepped=True)
+    m.register_buffer("stat", torch.full((3,), value))
+    return m, opt
+
+
+def _split_worker(rank, world, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from tpdiag.runner import anchor
+
+    got = {}
+    for case, value in (("split", float(rank)), ("same", 5.0)):
+        m, opt = _with_stat(value)  # split: each rank's own statistic; same: replicas agree
+        before = m.weight.detach().clone()
+        why = anchor.load(os.environ["TPDIAG_TEST_ANCHOR_FILE"], m, opt)
+        got[case] = {"why": why, "loaded": not torch.equal(m.weight, before), "stat": m.stat.tolist()}
+    every = [None] * world
+    dist.all_gather_object(every, got)
+    if rank == 0:
+        q.put(every)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_buffer_split_across_ranks_keeps_the_world_from_loading(tmp_path, monkeypatch):
+    """A floating buffer whose copies differ across the world's ranks (a per-rank statistic) is what a
+    later step's read of it shows (diff/replicas.py): the reference's value loaded on every rank erased
+    that, and load_stats.py:read / balance_bias.py:local_load read unknown, not rank-inconsistent-replica.
+    No rank loads then, each says why; where the copies agree every rank loads, the buffer too."""
+    from tpdiag.runner import anchor
+
+    ref, opt = _with_stat(9.0)
+    with torch.no_grad():
+        ref.weight.add_(1.0)
+    path = anchor.state_file(str(tmp_path), 1)
+    anchor.save(path, ref, opt)
+    monkeypatch.setenv("TPDIAG_TEST_ANCHOR_FILE", path)
+    every = gloo_world(_split_worker, 2, timeout=120)
+    for rank, got in enumerate(every):
+        assert not got["split"]["loaded"] and got["split"]["stat"] == [float(rank)] * 3, got
+        assert "buffer stat differs across this world's ranks" in got["split"]["why"], got
+        assert got["same"]["why"] is None and got["same"]["loaded"] and got["same"]["stat"] == [9.0] * 3, got
+
+
 def test_the_ran_line_names_a_world_that_refused_the_anchor():
     """The ran line named `--anchor` as the config asked it; a world that refused it (world.json `anchor`
     refused: diff/analyse.py's anchor_refused) ran its later steps from its own weights, and says so."""
