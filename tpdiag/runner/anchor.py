@@ -51,8 +51,8 @@ def state_bytes(model) -> int:
 
 def over_budget(cfg, model) -> str | None:
     """Why the reference saves no state (every later step's file would pass TPDIAG_ANCHOR_MAX_MB:
-    llama-1b's float32 state is ~15 GB a step), or None. Shapes alone decide it, so every rank of a TP > 1 reference
-    decides alike (its saves are collectives)."""
+    llama-1b's float32 state is ~15 GB a step), or None. Shapes alone decide it, so every rank of a
+    TP > 1 reference decides alike (its saves are collectives)."""
     try:
         cap = int(os.environ.get(MAX_MB_ENV) or MAX_MB)
     except ValueError:
@@ -213,14 +213,13 @@ def load(path: str, model, opt) -> str | None:
 
     pairs, why = [], split_replicas(model)  # a collective: every rank, before any rank's own answer
     refused = os.path.join(os.path.dirname(path), REFUSED)
-    if why:
-        pass
-    elif not os.path.isfile(path) and os.path.isfile(refused):
-        with open(refused, encoding="utf-8") as f:
-            why = f.read(500).strip() or "the reference saved no state"
-    elif not os.path.isfile(path):
-        why = f"the reference saved no state for this step ({path})"
-    else:
+    if why is None and not os.path.isfile(path):
+        if os.path.isfile(refused):
+            with open(refused, encoding="utf-8") as f:
+                why = f.read(500).strip() or "the reference saved no state"
+        else:
+            why = f"the reference saved no state for this step ({path})"
+    elif why is None:
         try:
             pairs, why = plan_load(path, model, opt)
         except Exception as e:  # noqa: BLE001 - an unreadable file: this rank refuses, and says so to the others
