@@ -70,8 +70,8 @@ def test_the_anchor_keeps_a_worlds_integer_buffer_its_own(tmp_path):
 
 def test_a_state_over_the_budget_is_not_saved_and_every_world_says_why(tmp_path):
     """The reference writes every later step's state; past TPDIAG_ANCHOR_MAX_MB (llama-1b's float32
-    state: ~15 GB a step) it writes none and says why (anchor/refused.txt), each TP > 1 world loads none and world.json,
-    summary.json and the ran line name it - its later steps are the drifted ones, said so."""
+    state: ~15 GB a step) it writes none and says why (anchor/refused.txt), each TP > 1 world loads
+    none, and world.json, summary.json and the ran line name it: its later steps are the drifted ones."""
     from conftest import run_cli
 
     d = tmp_path / "r"
