@@ -474,7 +474,10 @@ FILE_SECONDS = {
     "test_shape_break_flip.py": 27,  # + one gate of an edited summary (hreview20)
     # session 20 (helper hreview20): a 2-rank gloo world (13 s wall) and a compare at TP=2,4 --steps 2
     # --anchor (19 s wall, ~6 CPU s) at load ~10 on the shared 2 cores
-    "test_anchor_ranks.py": 22,
+    "test_anchor_ranks.py": 27,  # + one more 2-rank gloo world (hanchor21, session 21)
+    # session 21 (helper hanchor21): three fp32 compares at TP=1,2 --steps 2 (no confirmation) and two
+    # gates: 81 s wall for two with `pytest -n 0` at load ~8 on the shared 2 cores, 88 s for the third
+    "test_int_buffer_steps.py": 30,
     # session 20 (helper hflip20): two bf16 compares at TP=1,2 (moe_zloss_flip.py), no confirmation, and
     # their gates: 37 s wall at load ~8 with `pytest -n 0` (25 s user)
     "test_flip_shares.py": 25,

@@ -40,13 +40,14 @@ def test_every_field_round_trips_flat():
 
     cfg = _rerun_cfg()
     d = cfg.to_dict()
-    assert list(d) == MANIFEST_KEYS  # paddings () left out, as before the axis
+    # paddings () left out, as before the axis; `anchor` (on by default) written when true
+    assert list(d) == MANIFEST_KEYS + ["anchor"] and d["anchor"] is True
     assert d["oracle_own"] == [["2", "own-inputs-tp2.safetensors"]] and d["degrees"] == [1, 2]
     assert CompareConfig.from_dict(_through_json(d)) == cfg
     ref, other = cfg.worlds()[0], cfg.worlds()[1]
     w = cfg.world(ref.point, ref.label, "out/tp1", "cpu", reference=True)
-    assert list(w.to_dict()) == WORLD_KEYS + ["attention"]  # the attention axis' world, no 'only'
-    plain = CompareConfig.of(degrees=(1, 2))
+    assert list(w.to_dict()) == WORLD_KEYS + ["attention", "anchor"]  # the attention axis' world, no 'only'
+    plain = CompareConfig.of(degrees=(1, 2), anchor=False)
     assert list(plain.world(plain.worlds()[1].point, "2", "o", "cpu").to_dict()) == WORLD_KEYS  # as before the axis
     assert WorldConfig.from_dict(_through_json(w.to_dict())) == w
     assert w.rerun.oracle_own == cfg.rerun.oracle_own and w.rerun.only == ()
@@ -87,6 +88,23 @@ def test_an_older_flat_config_loads():
     assert back.attentions == () and back.rerun.oracle == ("layers.0",)
     with pytest.raises(BadInput, match="from_the_future"):
         CompareConfig.from_dict({**d, "from_the_future": 1})
+
+
+def test_the_anchor_is_the_default_and_a_file_without_it_ran_drifted():
+    """Re-anchored later steps are the default (runner/anchor.py); `anchor` is written when true and left
+    out under --no-anchor - as every run before the default changed left it out, having trained each
+    side on its own. A file without the key reads back false (a worker reads its world.json config so:
+    read as today's default, a --no-anchor world would load the reference's state anyway)."""
+    from tpdiag.config import CompareConfig, RunSettings, WorldConfig
+
+    assert RunSettings().anchor is True and CompareConfig.of(degrees=(1, 2)).anchor is True
+    on, off = CompareConfig.of(degrees=(1, 2), steps=3), CompareConfig.of(degrees=(1, 2), steps=3, anchor=False)
+    assert on.to_dict()["anchor"] is True and "anchor" not in off.to_dict()
+    assert CompareConfig.from_dict(_through_json(off.to_dict())).anchor is False
+    assert CompareConfig.from_dict(_through_json(on.to_dict())).anchor is True
+    for cfg, want in ((on, True), (off, False)):
+        w = cfg.world(cfg.worlds()[1].point, "2", "o", "cpu")
+        assert WorldConfig.from_dict(_through_json(w.to_dict())).anchor is want
 
 
 def test_a_field_added_to_a_part_needs_no_code():

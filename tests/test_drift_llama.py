@@ -1,5 +1,5 @@
 """A later step in the drifted regime (tests/models/planted/drift_llama.py: the built-in tiny-llama in
-bfloat16, --tp 1,2 --steps 3, every layer's `w2` rows max-normed in place by its feed_forward's forward
+bfloat16, --tp 1,2 --steps 3 --no-anchor, every layer's `w2` rows max-normed in place by its feed_forward's forward
 from the second step on). Its forward at step 1 moved ~10x more than at step 0 (beyond
 not_judged.DRIFT_MARGIN), so only step 0's unjudged grads are measured.
 
@@ -8,7 +8,7 @@ float64 from this side's parameters as the update recorded them, but the parent 
 place before the call ("this side 3.74e-01 from it"). A parameter written since its record is now not
 shipped (probes/own_params.written_since_recorded): rounding only, gate 0 with --allow rounding.
 
-With --anchor each later step of the TP=2 world starts from the reference's state (runner/anchor.py):
+With --anchor (the default) each later step of the TP=2 world starts from the reference's state (runner/anchor.py):
 the bug reads BUG at step 1 by float64 re-executions, the twin rounding, every step measured."""
 import json
 
@@ -19,7 +19,7 @@ def _run(tmp_path_factory, case, anchor=False):
     def make(out):
         p = run_cli("compare", "--model", f"py:tests/models/planted/drift_llama.py:{case}", "--tp", "1,2",
                     "--steps", "3", "--dtype", "bfloat16", "--no-confirm", "--no-baseline", "--out", str(out),
-                    *(["--anchor"] if anchor else []), env={"OMP_NUM_THREADS": "1"})
+                    "--anchor" if anchor else "--no-anchor", env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
     out = shared_run(tmp_path_factory, f"drift-llama-{case}{'-anchored' if anchor else ''}", make)
     if out not in _GATES:  # one gate of a run (read by two tests for maxnorm_local): ~4 CPU s each

@@ -1,4 +1,5 @@
-"""A module judged past step 0 is judged by the function THIS side computed (helper hstep16).
+"""A module judged past step 0 is judged by the function THIS side computed (helper hstep16), at
+`--steps 2 --no-anchor` (re-anchored, the default, step 1 reads the reference's weights at both sides).
 
 From step 1 on the parameters a forward reads are each side's own update: they differ by rounding at
 TP > 1, by a bug's size after a broken update. The own-input pass re-executes the reference's module
@@ -88,8 +89,9 @@ def runs(tmp_path_factory):
     out = {}
     for case in ("gate_f", "gate_ok"):
         d = tmp_path_factory.mktemp(case) / "r"
+        # --no-anchor: step 1 from each side's own update, whose parameters the own-input pass ships
         p = run_cli("compare", "--model", SPEC + case, "--tp", "1,2", "--dtype", "bfloat16", "--steps", "2",
-                    "--no-baseline", "--no-confirm", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+                    "--no-anchor", "--no-baseline", "--no-confirm", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
         out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, d)
     return out

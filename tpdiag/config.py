@@ -85,6 +85,9 @@ class _Nested:
     _RENAMED: dict = {}     # (part, field) -> its flat key; None: no key of its own (derived)
     _DEFAULTS: dict = {}    # flat key -> this config's default where the part's is another
     _OMITTED: dict = {}     # flat key -> the value at which to_dict leaves it out (added later)
+    # flat key -> its value where a file lacks it, where that is not today's default: a file written
+    # before the default changed (or with the key left out at its _OMITTED value) ran that way
+    _ABSENT: dict = {}
     _FILE_ORDER: tuple = ()  # the flat keys in the order the run directory's files hold them
     _INTERNAL = ("rerun",)  # parts not read flat
 
@@ -150,7 +153,7 @@ class _Nested:
             raise BadInput(f"the run's config has {', '.join(map(repr, unknown))}, which this tpdiag does not "
                            "know (written by a newer tpdiag?)")
         return cls.of(**{k: (_frozen(v) if k in lay and isinstance(lay[k][2].default, tuple) else v)
-                         for k, v in d.items()})
+                         for k, v in {**cls._ABSENT, **d}.items()})
 
     def __getattr__(self, name: str):
         # called only where normal lookup failed: a part's field, read flat
@@ -212,8 +215,10 @@ class RunSettings:
     trainer_temperature: float = 1.0
     temperature_in: str = "float32"
     logprob_compiled: bool = False     # --compiled: the recipe under torch.compile(dynamic=True)
-    # --anchor: each later step of a TP > 1 world starts from the reference's state (runner/anchor.py)
-    anchor: bool = False
+    # each later step of a TP > 1 world starts from the reference's state (runner/anchor.py): without
+    # it a later step's records move by the updates' drift too, which no bound separates from its own
+    # code's (docs/causes.md, Later steps); --no-anchor: each side trains on its own
+    anchor: bool = True
 
 
 # the default recipe's keys are left out of the files: a run directory of the default recipe is
@@ -288,6 +293,7 @@ class WorldConfig(_Nested):
     # world.json as before these existed: a world selects no worlds; the axes it did not have
     _OMITTED = {"only": (), "attention": "auto", "padding": "auto", "records_base": "", "anchor": False,
                 **RECIPE_OMITTED}
+    _ABSENT = {"anchor": False}  # left out: --no-anchor, or a run from before the anchor was the default
     _FILE_ORDER = ("model", "degree", "label", "out_dir", "dtype", "device", "backward", "steps", "seed",
                    "batch_size", "seq_len", "lr", "clip_norm", "fixes", "granularity", "variant", "probes",
                    "selfcheck", "op_include", "capture", "module_include", "ref_dir", "tree_groups",
@@ -324,6 +330,7 @@ class CompareConfig(_Nested):
     _PARTS = {"settings": RunSettings, "axes": Axes, "rerun": RerunSpec}
     # manifest.json as before these axes and the recipe (the default recipe: the keys left out)
     _OMITTED = {"attentions": (), "paddings": (), "anchor": False, **RECIPE_OMITTED}
+    _ABSENT = {"anchor": False}  # left out: --no-anchor, or a run from before the anchor was the default
     _FILE_ORDER = ("model", "degrees", "dtype", "device", "backward", "steps", "fixes", "fix_mode", "confirm",
                    "granularity", "out", "timeout", "seed", "batch_size", "seq_len", "variant", "baseline",
                    "op_include", "capture", "module_include", "extra", "tree_groups", "group_gemm", "selfcheck",

@@ -32,7 +32,7 @@ def compare(
                                                 "(gradients, grad norm, updated parameters)")] = True,
     steps: Annotated[int, typer.Option(help="training steps (forward, backward, optimizer) recorded at "
                                             "each degree")] = 1,
-    anchor: Annotated[bool, typer.Option("--anchor/--no-anchor", help=H.ANCHOR)] = False,
+    anchor: Annotated[bool, typer.Option("--anchor/--no-anchor", help=H.ANCHOR)] = True,
     fix: Annotated[str, typer.Option(help=H.fix())] = "none",
     confirm: Annotated[bool, typer.Option("--confirm/--no-confirm",
                                           help="rerun each divergent degree with the fix for its located "

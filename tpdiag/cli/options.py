@@ -180,9 +180,11 @@ LAYERS = ("run only the model's first N decoder layers, with its real embedding,
           "(the same weights; hf: per-layer config lists cut to match): a model whose reference does not "
           "fit one GPU; 0: every layer")
 
-ANCHOR = ("with --steps N: start each later step of a TP > 1 world from the reference's state (parameters, "
-          "AdamW's moments, buffers) cut to its shards, so step k is judged without the updates' drift, "
-          "as step 0 is (docs/causes.md, Later steps); --no-anchor: each side trains on its own")
+ANCHOR = ("with --steps N (on by default): start each later step of a TP > 1 world from the reference's state "
+          "(parameters, AdamW's moments, buffers) cut to its shards, so step k is judged without the updates' "
+          "drift, as step 0 is (docs/causes.md, Later steps); --no-anchor: each side trains on its own, and a "
+          "later step's records move by the drift too, judged by magnitude where no float64 re-execution "
+          "from this side's own inputs applies")
 
 # the trainer's logprob recipe (runner/recipe.py): rollout's and compare's, one wording
 LOGPROB = ("the trainer's logprob recipe, every configuration's: log-softmax (logits.float().log_softmax(-1) "

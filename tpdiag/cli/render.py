@@ -17,14 +17,15 @@ def ran(summary: dict) -> str | None:
     if summary.get("anchor") is True:
         refused = {lab: d["anchor_refused"] for lab, d in (summary.get("degrees") or {}).items()
                    if isinstance(d, dict) and isinstance(d.get("anchor_refused"), dict)}
-        line += "; each later step from the reference's state (--anchor)"
+        line += "; each later step from the reference's state (--anchor, the default)"
         for lab, r in refused.items():
             # the world loaded nothing from that step on: its later steps are the drifted ones
             line += (f"; {config_name(lab)} refused it from step {r.get('step')} ({r.get('why')}): those steps from "
                      "its own weights")
     elif summary.get("anchor") is False and summary.get("backward", True):
         # without it a later step's records move by the updates' drift too, judged by magnitude only
-        line += "; later steps from each side's own weights (`--anchor` judges them from the reference's state)"
+        line += ("; later steps from each side's own weights (--no-anchor; `--anchor`, the default, judges them "
+                 "from the reference's state)")
     sl = summary.get("slice")
     if isinstance(sl, dict) and sl.get("what"):
         line += f"; model: {sl['what']} (--layers {sl.get('layers')})"

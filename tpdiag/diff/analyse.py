@@ -94,11 +94,13 @@ def analyse_degree(ref: RecordSet, other: RecordSet, label: str, values: bool = 
           for k, v in w["not_carried"].items()}
     if nc:
         entry["not_carried"] = dict(sorted(nc.items()))
-    got = other.world.get("anchor")
-    if isinstance(got, dict) and got.get("refused"):
-        # `--anchor` asked, but this world ran its later steps from its own weights (runner/anchor.py):
+    from tpdiag.records.anchor import not_anchored
+
+    off = not_anchored(other.world)
+    if off is not None:
+        # the anchor asked, but this world ran its later steps from its own weights (runner/anchor.py):
         # said beside the run's ran line, which else names the anchor as the config asked it
-        entry["anchor_refused"] = {"step": got.get("refused_at"), "why": str(got["refused"])}
+        entry["anchor_refused"] = off
     if dd.shape_break is not None:
         from tpdiag.diff import shape_break
 
@@ -311,7 +313,8 @@ def analyse_run(run_dir: str, reference: str, labels: list[str], failed: dict[st
         summary["backward"] = wc.get("backward", True)
         if summary["steps"] > 1:
             # later steps from the reference's state (--anchor) or from each side's own drifted weights
-            summary["anchor"] = bool(wc.get("anchor", False))
+            # (forward only: no update, nothing to re-anchor)
+            summary["anchor"] = bool(wc.get("anchor", False)) and bool(summary["backward"])
         if wc.get("fixes"):
             from tpdiag.fixes import groups
 

@@ -1,4 +1,4 @@
-"""Re-anchoring a later step at the reference's state (`compare --steps N --anchor`).
+"""Re-anchoring a later step at the reference's state (`compare --steps N`: on by default, `--no-anchor` off).
 
 From step 1 on each side's weights are its own update's: a TP=N world's records of step k differ from
 the reference's by the updates' drift as well as by step k's own code, and no bound separates the two
@@ -11,12 +11,25 @@ The world runs every step (a module's own Python state - a step counter - advanc
 the tensors are replaced. A state it cannot place bitwise (a plain local tensor shaped unlike the
 reference's: a hand-sharded layer; an optimizer other than the tool's AdamW state) is not loaded at
 all: the world says so (world.json `anchor`) and its later steps are the drifted ones (the old path).
+So is a state too large to write every later step of (over TPDIAG_ANCHOR_MAX_MB: the reference saves
+none and says why in `anchor/refused.txt`).
+
+Not loaded, each world's own: integer and bool buffers, and the RNG state. Neither is recorded (the
+probes record the floating buffers a step wrote), so a world that advanced a count wrongly (a token
+counter of the rank's shard) shows it only where a later step's forward reads it; loading the
+reference's count erased that symptom and the bug read rounding (tests/test_int_buffer_steps.py). The
+RNG: a TP > 1 world draws for its shards (fewer numbers a rank, or DTensor's offset-based tracker on
+CUDA), so the reference's generator state is no state it would have drawn from, and loading it on
+every rank would hide ranks whose streams diverged, which nothing else records.
 """
 from __future__ import annotations
 
 import os
 
 ANCHOR_DIR = "anchor"  # in the reference's world folder: one file per later step
+REFUSED = "refused.txt"  # beside them where the reference saved none: why (a TP > 1 world's why)
+# the whole run's state files (every later step's) the reference writes at most; past it it saves none
+MAX_MB_ENV, MAX_MB = "TPDIAG_ANCHOR_MAX_MB", 8192
 
 
 def state_file(ref_dir: str, step: int) -> str:
@@ -27,6 +40,34 @@ def clear(ref_dir: str) -> None:
     import shutil
 
     shutil.rmtree(os.path.join(ref_dir, ANCHOR_DIR), ignore_errors=True)
+
+
+def state_bytes(model) -> int:
+    """One saved step's bytes: each parameter whole and AdamW's two moments of its size, the floating
+    buffers (a DTensor's numel is the whole tensor's: every rank of the reference computes the same)."""
+    n = sum(3 * p.numel() * p.element_size() for p in model.parameters())
+    return n + sum(b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point())
+
+
+def over_budget(cfg, model) -> str | None:
+    """Why the reference saves no state (every later step's file would pass TPDIAG_ANCHOR_MAX_MB:
+    llama-1b's float32 state is ~15 GB a step), or None. Shapes alone decide it, so every rank of a
+    TP > 1 reference decides alike (its saves are collectives)."""
+    try:
+        cap = int(os.environ.get(MAX_MB_ENV) or MAX_MB)
+    except ValueError:
+        cap = MAX_MB
+    total = (cfg.steps - 1) * state_bytes(model)
+    if total <= cap << 20:
+        return None
+    return (f"the reference saved no state: {cfg.steps - 1} steps' states take {total / 2**30:.1f} GiB, over "
+            f"{MAX_MB_ENV}={cap}")
+
+
+def refuse(ref_dir: str, why: str) -> None:
+    os.makedirs(os.path.join(ref_dir, ANCHOR_DIR), exist_ok=True)
+    with open(os.path.join(ref_dir, ANCHOR_DIR, REFUSED), "w", encoding="utf-8") as f:
+        f.write(why)
 
 
 def saves(cfg) -> bool:
@@ -170,10 +211,15 @@ def load(path: str, model, opt) -> str | None:
     of the world (agreed)."""
     import torch
 
-    pairs, why = [], None
-    if not os.path.isfile(path):
-        why = f"the reference saved no state for this step ({path})"
-    else:
+    pairs, why = [], split_replicas(model)  # a collective: every rank, before any rank's own answer
+    refused = os.path.join(os.path.dirname(path), REFUSED)
+    if why is None and not os.path.isfile(path):
+        if os.path.isfile(refused):
+            with open(refused, encoding="utf-8") as f:
+                why = f.read(500).strip() or "the reference saved no state"
+        else:
+            why = f"the reference saved no state for this step ({path})"
+    elif why is None:
         try:
             pairs, why = plan_load(path, model, opt)
         except Exception as e:  # noqa: BLE001 - an unreadable file: this rank refuses, and says so to the others
@@ -187,6 +233,36 @@ def load(path: str, model, opt) -> str | None:
     # no mark_recorded: the last update's records are not what this step reads, so a parameter loaded
     # here reads as written since its record (probes/own_params.written_since_recorded) and no record
     # of it is shipped as this side's own
+    return None
+
+
+def split_replicas(model) -> str | None:
+    """Why not to load: a plain floating buffer whose copies differ across this world's ranks (a
+    per-rank statistic, a bias nudged from each rank's own experts' load), or None. Loading the
+    reference's value on every rank would erase what a later step reads of it - the only evidence that
+    tells a per-rank state a step reads (a bug) from one nobody reads (diff/replicas.py): with it
+    loaded, load_stats.py:read and balance_bias.py:local_load read `unknown` instead of
+    rank-inconsistent-replica. Every rank gets the same answer (the digests are gathered)."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    mine = []
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        for n, b in model.named_buffers():
+            if b.is_floating_point() and not isinstance(b, DTensor):
+                raw = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                mine.append((n, hashlib.sha256(raw).hexdigest()))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for i, (n, _) in enumerate(every[0]):
+        if any(len(o) != len(every[0]) or o[i] != every[0][i] for o in every[1:]):
+            return (f"buffer {n} differs across this world's ranks: the reference's value would replace the "
+                    "per-rank one a later step reads")
     return None
 
 

@@ -93,11 +93,17 @@ def run(cfg: WorldConfig, device: torch.device, world: int, rec: Recorder, *,
         carry = micro.carry_window(cfg, parts, device)
         from tpdiag.runner import anchor
 
-        if anchor.saves(cfg) and rec.rank == 0:
-            anchor.clear(cfg.out_dir)  # an earlier run's states in this folder are not this run's
+        saving = anchor.saves(cfg)
+        if saving:
+            too_big = anchor.over_budget(cfg, model)
+            if rec.rank == 0:
+                anchor.clear(cfg.out_dir)  # an earlier run's states in this folder are not this run's
+                if too_big:
+                    anchor.refuse(cfg.out_dir, too_big)  # each TP > 1 world says why it loaded none
+            saving = not too_big
         for step in range(cfg.steps):
             rec.step = step
-            if step and anchor.saves(cfg):
+            if step and saving:
                 with rec._paused():  # a TP > 1 reference's gathers (collectives) are no records
                     anchor.save(anchor.state_file(cfg.out_dir, step), model, opt, write=rec.rank == 0)
             elif step and anchor.loads(cfg) and not (rec.anchor or {}).get("refused"):
