@@ -19,9 +19,22 @@ are run on them alone (`rank_partial_flip`, diff/judge.py):
 Which rows: the union of the step's flipped tokens, where every flip of the step counted its tokens
 alike and the grad's leading dims hold exactly that many rows (token-major, as a router flattens its
 input); a flip whose tokens are not recorded (hash capture), tokens counted otherwise, or a grad of
-another row count: no mark (the BUG stands, as before - fail closed). Not shown by the records: that
-no op mixing tokens (attention in a later layer) carried the flipped tokens' change into the other
-rows; a correct model with one there still reads BUG. Under --capture hash pass 1 has the grad's per-rank
+another row count: no mark (the BUG stands, as before - fail closed).
+
+An op that mixes a sequence's tokens between the flip and the grad (attention, a causal scan or conv, a
+sequence mean, in a later layer: before the grad in backward) carries the flipped tokens' change into the
+other rows of their sequences - forward into the later rows, backward into every row, whose grad reads
+every later row's - so those rows are no more a share of the reference's than the flipped ones
+(tests/hflip21.py:moe_mix_ok, a correct split, read BUG). The records do not show which op mixes which
+rows, so where the other rows do not add up (not even within the band) the test is run again without
+every row of a sequence holding a flipped token: rows of the sequences no flip touched read no flipped
+row through any such op, and are judged as above (`sequences` in the mark). Token t is in sequence t // S,
+S the batch's sequence length (its [B, S] token ids, recorded first): the grad's rows are [B, S] or
+flattened batch-major; a grad [S, B] (sequence-first), no batch record, or every sequence flipped: no
+mark (the BUG stands). Not covered: an op mixing rows ACROSS sequences (a statistic over the batch, an
+expert capacity counted over every token) - the rows of the other sequences then move too and the BUG
+stands, a correct model included; and a wrong share confined to the flipped sequences' rows is not
+judged (the other sequences' rows are). Under --capture hash pass 1 has the grad's per-rank
 hashes only (BUG); the region pass reads it whole and marks it here, and its verdict replaces pass 1's
 (runner/drill_merge._judged_whole)."""
 from __future__ import annotations
