@@ -1,18 +1,20 @@
-"""A user's top-2 MoE in bfloat16, split over the TP ranks by hand, FOLLOWED by causal self-attention
-(a token mixer), as a real decoder block orders them in the next layer. A hand-rolled row-parallel MLP
-before the MoE moves the router's input by a rounding at TP=2, and one token's router scores nearly tie
-right there: that token picks another expert at TP=2 (router-flip, rounding). The attention after the
-MoE then mixes the flipped token's row into the later rows of its sequence (forward) and every row of
-that sequence (backward: each row's grad reads every later query's), so the router logits grad - each
-rank's share of a sum `_Enter` reduces - differs from the reference's on far more rows than the flipped
-one, by the flip, not by any mistake.
+"""A user's top-2 MoE in bfloat16, split over the TP ranks by hand, FOLLOWED by a causal token mixer (each
+row plus a per-channel gain times the running mean of its sequence's rows so far: a linear-attention /
+state-space layer's undecayed state), then a hand-rolled row-parallel MLP. A row-parallel MLP before the
+MoE moves the router's input by a rounding at TP=2, and one token's router scores nearly tie right there:
+token 3 picks another expert at TP=2 (router-flip, rounding). The mixer then carries the flipped row's
+change into the later rows of its sequence (forward) and into every row of that sequence (backward: each
+row's grad reads every later row's), so the router logits grad - each rank's share of a sum `_Enter`
+reduces - differs from the reference's on far more rows than the flipped one: by the flip, no mistake.
 
-  moe_mix_ok()        CORRECT: experts split by hand, attention replicated, a row-parallel MLP after it
-  moe_mix_late_bug()  the twin: the same model, but the MLP after the attention forgets the all-reduce
-                       of its input grad on rank 1's side - each rank's grad of the attention output is
-                       its own share, not the sum (a real bug after the mixer, on every row)
+  moe_mix_ok()        CORRECT: experts split by hand, the mixer replicated, the MLP after it row-parallel
+  moe_mix_late_bug()  the twin: the MLP after the mixer takes its residual from the entered tensor, so
+                      the residual's grad is summed over the ranks with the partials' - counted twice at
+                      TP=2, on every row (the forward is the twin's)
 
     tpdiag compare --model py:tests/hflip21.py:moe_mix_ok --tp 1,2 --dtype bfloat16
+On cc609201 both read BUG `rank-inconsistent-replica` at moe.router.proj grad_out 0 (gate 4); now the
+correct one reads `unknown` (gate 1), the twin BUG (gate 4): tests/test_hflip21.py.
 The near tie is placed for bfloat16 (the TP=2 value of the router's input emulated here in bf16, as
 the ranks compute it).
 """
@@ -24,7 +26,7 @@ from torch import nn
 import tpdiag
 
 V, D, FF, E, K = 64, 32, 64, 4, 2
-GAIN = 32.0  # the mixer's gain at init: large enough that the flip moves the other rows' grads visibly
+GAIN = 32.0  # the mixer's gain at init: the flip's change, mixed, moves the other rows' grads beyond the flipped row alone
 B, S = 2, 8
 
 
