@@ -19,9 +19,22 @@ are run on them alone (`rank_partial_flip`, diff/judge.py):
 Which rows: the union of the step's flipped tokens, where every flip of the step counted its tokens
 alike and the grad's leading dims hold exactly that many rows (token-major, as a router flattens its
 input); a flip whose tokens are not recorded (hash capture), tokens counted otherwise, or a grad of
-another row count: no mark (the BUG stands, as before - fail closed). Not shown by the records: that
-no op mixing tokens (attention in a later layer) carried the flipped tokens' change into the other
-rows; a correct model with one there still reads BUG. Under --capture hash pass 1 has the grad's per-rank
+another row count: no mark (the BUG stands, as before - fail closed).
+
+An op that mixes a sequence's tokens between the flip and the grad (attention, a causal scan or conv, a
+sequence mean, in a later layer: before the grad in backward) carries the flipped tokens' change into the
+other rows of their sequences - forward into the later rows, backward into every row, whose grad reads
+every later row's - so those rows are no more a share of the reference's than the flipped ones
+(tests/hflip21.py:moe_mix_ok, a correct split, read BUG). The records do not show which op mixes which
+rows, so where the other rows do not add up (not even within the band) the test is run again without
+every row of a sequence holding a flipped token: rows of the sequences no flip touched read no flipped
+row through any such op, and are judged as above (`sequences` in the mark). Token t is in sequence t // S,
+S the batch's sequence length (its [B, S] token ids, recorded first): the grad's rows are [B, S] or
+flattened batch-major; a grad [S, B] (sequence-first), no batch record, or every sequence flipped: no
+mark (the BUG stands). Not covered: an op mixing rows ACROSS sequences (a statistic over the batch, an
+expert capacity counted over every token) - the rows of the other sequences then move too and the BUG
+stands, a correct model included; and a wrong share confined to the flipped sequences' rows is not
+judged (the other sequences' rows are). Under --capture hash pass 1 has the grad's per-rank
 hashes only (BUG); the region pass reads it whole and marks it here, and its verdict replaces pass 1's
 (runner/drill_merge._judged_whole)."""
 from __future__ import annotations
@@ -66,10 +79,16 @@ class Flips:
     def __init__(self):
         # step -> (tokens counted, flipped tokens), or None where they cannot be told
         self.steps: dict = {}
+        self.seq_len: int | None = None  # the batch's sequence length (its [B, S] token ids), where recorded
 
     def note(self, row: dict, a: torch.Tensor | None = None, b: torch.Tensor | None = None) -> None:
-        """Note `row` if it is an expert assignment that differs (records/labels.flipped); a and b its
-        pair, or None (hash capture: which tokens is not recorded)."""
+        """Note `row` if it is an expert assignment that differs (records/labels.flipped), or the batch's
+        token ids (their sequence length); a and b its pair, or None (hash capture: which tokens is not
+        recorded)."""
+        if row.get("kind") == "batch" and a is not None and self.seq_len is None \
+                and a.dim() == 2 and not a.is_floating_point() and a.shape[1] > 0:
+            self.seq_len = int(a.shape[1])
+            return
         if not flipped(row):
             return
         step = row.get("step")
@@ -100,16 +119,56 @@ class Flips:
         n, tokens = got
         if not _token_rows(list(ref.shape), n) or len(tokens) >= n:
             return
-        keep = torch.ones(n, dtype=torch.bool)
-        keep[sorted(tokens)] = False
-        r = ref.to(torch.float64).reshape(n, -1)[keep]
-        c64 = torch.stack([c.to(torch.float64).reshape(n, -1)[keep] for c in copies])
-        off, sum_off, adds = partials.adds_up(c64, r, ref.dtype)
-        band = partials.near_band(c64, r, ref.dtype)
-        if not adds and not sum_off <= band < off:
-            return
+        left = [t for t in range(n) if t not in tokens]
+        got = _judged(ref, copies, n, left)
+        seqs = None
+        if got is None:
+            # a wrong share on an unflipped row - or an op that mixes tokens (attention, a causal scan, a
+            # sequence mean) between the flip and this grad, which carried the flipped rows' change into
+            # the other rows of their sequences: those rows read the flipped ones, so they are no more
+            # judged than those; the rows of the sequences no flip touched still are (module doc)
+            seqs = _sequences(tokens, n, list(ref.shape), self.seq_len)
+            if seqs is None:
+                return
+            s = seqs[1]
+            left = [t for t in range(n) if t // s not in seqs[0]]
+            got = _judged(ref, copies, n, left) if left else None
+            if got is None:
+                return
+        adds, sum_off, off, band = got
         row["rank_partial_flip"] = {"tokens": sorted(tokens)[:MAX_LISTED], "n_flipped": len(tokens), "rows": n,
                                     "near": not adds, "sum_max_abs": sum_off, "copy_max_abs": off, "band": band}
+        if seqs is not None:
+            row["rank_partial_flip"].update(sequences=sorted(seqs[0])[:MAX_LISTED], n_sequences=len(seqs[0]),
+                                            seq_len=seqs[1], rows_left=len(left))
+
+
+def _judged(ref: torch.Tensor, copies: list, n: int, left: list) -> tuple | None:
+    """(adds up element by element, the sum's max abs off, a copy's, the band) of the ranks' copies on
+    token rows `left` of n, where they add up or add up within the share band; None where not even that."""
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[left] = True
+    r = ref.to(torch.float64).reshape(n, -1)[keep]
+    c64 = torch.stack([c.to(torch.float64).reshape(n, -1)[keep] for c in copies])
+    off, sum_off, adds = partials.adds_up(c64, r, ref.dtype)
+    band = partials.near_band(c64, r, ref.dtype)
+    if not adds and not sum_off <= band < off:
+        return None
+    return adds, sum_off, off, band
+
+
+def _sequences(tokens: set, n: int, shape: list, seq_len: int | None) -> tuple[set, int] | None:
+    """(the sequences of the flipped tokens, the sequence length) where the grad's n token rows are the
+    batch's sequences one after another (token t in sequence t // S: [B, S, ...], or [B*S, ...] flattened
+    batch-major, as a router flattens [B, S, D]); None where that cannot be told (no batch recorded,
+    rows of another count) - the BUG stands."""
+    s = seq_len
+    if s is None or s < 1 or n % s:
+        return None
+    if len(shape) >= 3 and shape[0] * shape[1] == n and shape[1] != s:
+        return None  # [S, B, ...] or another split: which rows are a sequence is not told
+    seqs = {t // s for t in tokens}
+    return seqs, s
 
 
 def why(m: dict) -> str:
@@ -118,6 +177,12 @@ def why(m: dict) -> str:
     head = (f"{WHY_HEAD}{rows} ({m['n_flipped']} of {m['rows']}: other experts chosen "
             "at this degree): those rows are another computation, no share of the reference's; ")
     left = m["rows"] - m["n_flipped"]
+    if m.get("sequences") is not None:
+        seqs = ", ".join(str(q) for q in m["sequences"]) + (", ..." if m["n_sequences"] > len(m["sequences"]) else "")
+        left = m["rows_left"]
+        head += (f"the other rows do not add up, and an op that mixes a sequence's tokens (attention, a scan, "
+                 f"a sequence mean) carries the flip into every row of its sequence, so the rows of sequence(s) "
+                 f"{seqs} ({m['n_sequences']} x {m['seq_len']} rows) are not judged either; ")
     if not m["near"]:
         return head + (f"on the other {left} rows the ranks' copies add up to the reference's value within "
                        f"roundings ({m['sum_max_abs']:.2e}; a single copy is up to {m['copy_max_abs']:.2e} from "

@@ -271,12 +271,14 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
             continue
         bad = check_rows(lab, dd.rows, csv_rows.get(lab, []))
         if bad is None and entries is not None:
+            from tpdiag.diff import flip_check
             from tpdiag.diff.dropped_hooks import census, unnamed
             from tpdiag.diff.not_judged import cut, unlisted
 
             bad = (check_selfcheck(lab, entries.get(lab), ref_rs.world, rs.world, dd.rows)
                    or check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
                    or check_shares(lab, entry, dd)
+                   or flip_check.problem(lab, entry, dd.rows)
                    or census(lab, ref_rs.world, rs.world, dd.rows)
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
                    or moved_problem(lab, nj, dd)
