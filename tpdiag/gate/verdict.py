@@ -348,8 +348,9 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
     from tpdiag.diff.evidence import problems as run_problems
     from tpdiag.records.rundir import is_diff_dir
 
+    # in a `tpdiag diff` directory too: a bug relabelled there with `cause_before` stands on no pass
+    res.problems += overrides.problems(run_dir, manifest, summary, run_problems)  # a confirmation, re-derived
     if not is_diff_dir(run_dir, manifest):
-        res.problems += overrides.problems(run_dir, manifest, summary, run_problems)  # a confirmation, re-derived
         from tpdiag.diff import oracle_evidence
 
         res.problems += oracle_evidence.problems(run_dir, summary)  # a float64 verdict's re-execution is on disk
