@@ -498,6 +498,9 @@ FILE_SECONDS = {
     # test_capture_oracle (figures of the previous host), test_capture_hooks and test_clip_norm (torchrun's
     # launchers through run_cli's server: conftest.run_module), test_cli_zygote_template (+ its run_module test)
     "test_attention_exp2.py": 39,
+    # session 21 (red team hred21): one planted compare each (the diff dir's: two gloo capture worlds),
+    # estimated from `time` of the file alone (user+sys of the process tree, a loaded host)
+    "test_tamper_keys.py": 15, "test_tamper_hash_region.py": 10, "test_tamper_diff_dir.py": 12,
 }
 
 

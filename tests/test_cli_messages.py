@@ -321,3 +321,23 @@ def test_a_decode_world_shows_its_calls_on_the_status_line(tmp_path):
         on_status("2", "running")
         on_status("2", "running:decode call 3 of 9")
     assert "running, decode call 3 of 9" in buf.getvalue()
+
+
+@pytest.mark.parametrize("manifest,needle", [
+    ({"schema": 1, "tool": "tpdiag.capture", "complete": True}, "a capture of tpdiag.capture, not a run directory"),
+    ({"schema": 1, "tool": "wandb"}, "written by 'wandb', not by tpdiag compare or tpdiag diff"),
+    ([1, 2], "manifest.json: not a JSON object"),
+])
+@pytest.mark.parametrize("cmd", ["gate", "report"])
+def test_a_capture_or_another_tools_directory_is_named_so(cmd, manifest, needle, tmp_path):
+    """Each read `DIR/summary.json: missing` (red team hred21): true, but it said nothing of what the
+    directory is. One line, exit 2, and nothing written into the directory."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    before = sorted(p.name for p in d.iterdir())
+    r = runner.invoke(app, [cmd, str(d), *(["-o", str(tmp_path / "r.html")] if cmd == "report" else [])])
+    assert r.exit_code == 2, r.output
+    assert needle in r.output.splitlines()[0], r.output
+    assert "Traceback" not in r.output and "summary.json: missing" not in r.output, r.output
+    assert sorted(p.name for p in d.iterdir()) == before

@@ -154,8 +154,7 @@ def problems(run_dir: str, manifest: dict, summary: dict, check) -> list[str]:
                 near = _own_near(run_dir, summary, lab) if near is None else near
                 ok = key in near
             elif f.get("kind") == "grad_norm" and f.get("cause") == "grad-norm":
-                tp = [(confs.get(x) or {}).get("tp") for x in (ref, lab)]
-                ok = tp == [1, 1]
+                ok = [_tp(run_dir, manifest, confs, x) for x in (ref, lab)] == [1, 1]
             else:
                 ok = False
             if not ok:
@@ -163,6 +162,24 @@ def problems(run_dir: str, manifest: dict, summary: dict, check) -> list[str]:
                            f"{f.get('cause_before')!r}, which the run's own files do not support (edited after the run)")
                 break
     return out + _unreported(run_dir, manifest, summary)
+
+
+def _tp(run_dir: str, manifest: dict, confs: dict, label: str):
+    """A configuration's TP degree: compare's manifest says it; a `tpdiag diff` directory's worlds are the
+    captures, whose world.json says it (diff/analyse.py reads the same field)."""
+    if label in confs:
+        return (confs.get(label) or {}).get("tp")
+    from tpdiag.records.rundir import is_diff_dir, records_dir
+
+    if not is_diff_dir(run_dir, manifest):
+        return None
+    from tpdiag.base.files import read_json
+
+    try:
+        w = read_json(os.path.join(records_dir(run_dir, manifest, label), "world.json"))
+    except Inconclusive:
+        return None
+    return w.get("degree") if isinstance(w, dict) else None
 
 
 def _unreported(run_dir: str, manifest: dict, summary: dict) -> list[str]:

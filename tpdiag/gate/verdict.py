@@ -26,12 +26,11 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
 
     fd = d.get("first_divergence") or {}
     root_cause = fd.get("cause") or "unknown"
-    found = {(f.get("step"), f.get("phase"), f.get("module"), f.get("kind"), f.get("name")): f
-             for f in d.get("findings") or []}
-    findings = {k: f.get("cause") for k, f in found.items()}
-    # the findings a follower may be grouped under: those the gate judges here (a record of diff.csv)
+    every = list(d.get("findings") or [])
     judged = {r["key"] for r in rows}
-    by_key = {f.get("key"): f for f in found.values() if f.get("key") in judged}
+    found = _by_record(every, judged)
+    # the findings a follower may be grouped under: those the gate judges here (a record of diff.csv)
+    by_key = {rid[1]: f for rid, f in found.items() if rid[0] == "key"}
     # a finding that follows another (its inputs already carried that one's difference) is grouped
     # under it where _grouped says so, never a violation of its own: counted on that one's violation
     follows = {}
@@ -48,7 +47,8 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
     for r in rows:
         if (r["bitwise"] is not False and r["rank_consistent"] is not False) or r["key"] in left:
             continue
-        finding = findings.get((r["step"], r["phase"], r["module"], r["kind"], r["name"]))
+        f = _finding(found, r) or {}
+        finding = f.get("cause")
         if finding == "non-finite" or nonfinite(r):
             # NaN/Inf at one side only is judged in every phase and degree gated: no phase list, budget
             # or allowed cause can pass it (the policy refuses allow_causes = ["non-finite"]).
@@ -67,7 +67,6 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
             res.ungated += 1
             continue
         res.checked += 1
-        f = found.get((r["step"], r["phase"], r["module"], r["kind"], r["name"])) or {}
         if "follows" in f and _grouped(f, by_key, fd):
             continue
         cause = finding or root_cause
@@ -102,7 +101,7 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
                                             follow=follows.get(src.get("key") or r["key"], 0),
                                             op_at=(fd.get("op_at") or "") if root else ""))
     brk = d.get("shape_break")
-    _beside_rows(lab, found, judged, fd, policy, res, brk.get("key") if isinstance(brk, dict) else None)
+    _beside_rows(lab, every, judged, fd, policy, res, brk.get("key") if isinstance(brk, dict) else None)
     if d.get("downstream_unjudged") and "unknown" not in policy.allow_causes and not res.violations:
         # compare called this degree unjudged (class unknown, never "rounding only"): the modules past the
         # first divergence that were to be judged on their own inputs were not, so a bug may sit there
@@ -129,6 +128,40 @@ def _judge(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeResult:
                                         "the degrees recorded different sets of records"))
     res.status = "fail" if res.violations else "pass"
     return res
+
+
+# how grave a finding's class is: where several findings name one record, the gravest judges it
+_GRAVITY = {"non-finite": 4, "bug": 3, "unknown": 2, "rounding": 1}
+
+
+def _gravity(f: dict | None) -> int:
+    from tpdiag.records.causes import cause_class
+
+    return 0 if f is None else _GRAVITY.get(cause_class(f.get("cause")), 2)
+
+
+def _by_record(every: list, judged: set) -> dict:
+    """{id: the gravest finding of it}: a finding names its record by its key (step, phase, module, kind,
+    call and name), or - one whose key is no diff.csv row's - by (step, phase, module, kind, name) as
+    before. The gate once kept the last finding of a (step, phase, module, kind, name) - no call index,
+    no key - so a rounding copy appended after a BUG's finding (its key deleted, which integrity's
+    checks pass over) judged the BUG's row, `gate --allow rounding` exit 0 (red team hred21), and of a
+    module called twice one call's finding could judge the other call's row."""
+    out: dict = {}
+    for f in every:
+        k = f.get("key")
+        rid = ("key", k) if k in judged else ("row", f.get("step"), f.get("phase"), f.get("module"), f.get("kind"),
+                                             f.get("name"))
+        if _gravity(f) > _gravity(out.get(rid)):
+            out[rid] = f
+    return out
+
+
+def _finding(found: dict, r: dict) -> dict | None:
+    """The gravest finding that judges diff.csv row r (_by_record)."""
+    a = found.get(("key", r["key"]))
+    b = found.get(("row", r["step"], r["phase"], r["module"], r["kind"], r["name"]))
+    return a if _gravity(a) >= _gravity(b) else b
 
 
 def _moved_unjudged(lab: str, d: dict, rows: list[dict], policy: Policy, res: DegreeResult) -> None:
@@ -165,7 +198,7 @@ def _moved_unjudged(lab: str, d: dict, rows: list[dict], policy: Policy, res: De
                                     "allow_causes)", key))
 
 
-def _beside_rows(lab: str, found: dict, judged: set, fd: dict, policy: Policy, res: DegreeResult,
+def _beside_rows(lab: str, found: list, judged: set, fd: dict, policy: Policy, res: DegreeResult,
                  brk_key: str | None = None) -> None:
     """The bug-class findings of records pass 1's diff.csv does not hold (an op only the op-level
     second pass recorded; integrity.py holds each to that pass's summary): the headline's class counts
@@ -177,8 +210,8 @@ def _beside_rows(lab: str, found: dict, judged: set, fd: dict, policy: Policy, r
     deleted from summary.json once let moe_expert_calls.py:calls_split's `unknown` pass `--allow rounding`."""
     from tpdiag.records.causes import cause_class, groups_under
 
-    every = {f.get("key"): f for f in found.values() if f.get("key")}
-    for f in found.values():
+    every = {f.get("key"): f for f in found if f.get("key")}
+    for f in found:
         grave = cause_class(f.get("cause"))
         if f.get("key") in judged:
             continue
@@ -315,8 +348,9 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
     from tpdiag.diff.evidence import problems as run_problems
     from tpdiag.records.rundir import is_diff_dir
 
+    # in a `tpdiag diff` directory too: a bug relabelled there with `cause_before` stands on no pass
+    res.problems += overrides.problems(run_dir, manifest, summary, run_problems)  # a confirmation, re-derived
     if not is_diff_dir(run_dir, manifest):
-        res.problems += overrides.problems(run_dir, manifest, summary, run_problems)  # a confirmation, re-derived
         from tpdiag.diff import oracle_evidence
 
         res.problems += oracle_evidence.problems(run_dir, summary)  # a float64 verdict's re-execution is on disk

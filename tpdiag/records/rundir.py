@@ -72,6 +72,9 @@ def incomplete(run_dir: str, manifest) -> str | None:
     """Why a compare's run directory is not a finished run, or None. `tpdiag compare` writes
     manifest.json first and gives it its final `status` last: without one the compare was
     interrupted, killed or is still running, and any summary.json there is from an earlier run."""
+    foreign = not_a_run(run_dir, manifest)
+    if foreign:
+        return foreign
     # Keyed on `tool` only to say which words fit: a manifest edited to another tool is still checked
     # as a compare by records/integrity.py (a tool other than "tpdiag compare" is itself a problem).
     if isinstance(manifest, dict) and manifest.get("tool") == "tpdiag compare" and "status" not in manifest:
@@ -84,6 +87,25 @@ def incomplete(run_dir: str, manifest) -> str | None:
             return f"{run_dir}: a compare is still running there ({who}); worlds finished: {done or 'none'}"
         return (f"{run_dir}: incomplete run - the compare did not finish (interrupted, killed or still "
                 f"running; worlds finished: {done or 'none'})")
+    return None
+
+
+RUN_TOOLS = ("tpdiag compare", "tpdiag diff")
+
+
+def not_a_run(run_dir: str, manifest) -> str | None:
+    """One line where manifest.json is not a run directory's at all: a capture of `tpdiag.capture` (the
+    input of `tpdiag diff`), another tool's manifest.json, or no JSON object. Before this a capture given
+    to the gate or the report read `CAPTURE/summary.json: missing`, which says nothing of what to do."""
+    if not isinstance(manifest, dict):
+        return f"{run_dir}/manifest.json: not a JSON object (not a tpdiag run directory)"
+    tool = manifest.get("tool")
+    if tool == "tpdiag.capture":
+        return (f"{run_dir}: a capture of tpdiag.capture, not a run directory; compare two captures with "
+                "`tpdiag diff CAPTURE_A CAPTURE_B --out DIR`, then read DIR")
+    if "tool" in manifest and tool not in RUN_TOOLS:
+        return (f"{run_dir}/manifest.json: written by {tool!r}, not by {' or '.join(RUN_TOOLS)} (not a tpdiag run "
+                "directory)")
     return None
 
 
