@@ -239,3 +239,26 @@ def test_region_worlds_at_once_give_the_verdict_and_records_one_after_the_other_
     tb = read_manifest(str(tmp_path / "force"))["time_breakdown"]
     second = [p for p in tb["parts"] if p["part"] == "second-pass"][0]
     assert "TP=1 beside TP=2" in second["what"], second
+
+
+def test_run_beside_runs_a_world_that_failed_beside_again_alone(tmp_path, monkeypatch):
+    """Out of memory beside the other world (its GPU shared): that world runs again alone after both,
+    the reference where it ran before (GPU 0), and the result says it did not run beside."""
+    from tpdiag.runner import launch
+
+    ref, other = _region_pair(tmp_path)
+    calls = []
+
+    def fake(cfg, timeout_s, on_status=None, entry=None, cancel=None, gpu_offset=0):
+        calls.append((cfg.label, gpu_offset))
+        failed = cfg.label == "1" and gpu_offset == 1
+        return launch.WorldResult(cfg.label, cfg.degree, "failed" if failed else "ok", cfg.out_dir, 0.0,
+                                  error="CUDA out of memory" if failed else None)
+
+    monkeypatch.setattr(launch, "run_world", fake)
+    a, b, gpu = side_by_side.run_beside(ref, other, 60.0, None, 1)
+    assert (a.status, b.status, gpu) == ("ok", "ok", None)
+    assert sorted(calls) == [("1", 0), ("1", 1), ("2", 0)]
+    calls.clear()
+    a, b, gpu = side_by_side.run_beside(ref, other, 60.0, None, 2)  # its own GPU: nothing failed
+    assert (a.status, b.status, gpu) == ("ok", "ok", 2) and sorted(calls) == [("1", 2), ("2", 0)]
