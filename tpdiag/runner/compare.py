@@ -57,7 +57,8 @@ def default_out() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
-def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, records_from: dict | None = None):
+def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, records_from: dict | None = None,
+                 first: str | None = None):
     """(summary, RunFiles): one compare pass (every configuration's world, then the diff), and
     its run directory's files as it wrote them, for the session to add its parts to
     (records/run_files.py: the files' one writer). The command - this pass, then the second
@@ -66,7 +67,9 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
     records_from: {label: world folder} of non-reference configurations an earlier pass of this
     run may already have run (runner/drill.py: the own-input pass after a region pass, whose only
     new work is the reference's float64 re-execution): a world whose config there is this pass's
-    (its folders aside) is not run again; its files are linked into this pass's folder."""
+    (its folders aside) is not run again; its files are linked into this pass's folder.
+    first: pass 1's run directory, for a second pass whose two worlds may run at once
+    (runner/side_by_side.pair_gpu reads there what each world's pass-1 twin was)."""
     from tpdiag.diff.analyse import analyse_run
     from tpdiag.runner.determinism import numerics_env
     from tpdiag.kernels.record_hash_ref import HASH_VERSION  # the lane mix its worlds hash with
@@ -140,8 +143,25 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
         offset = side_gpu(device, world_cfg(*worlds[0]), base_cfg)
         if offset:
             beside = (base_cfg, offset)
+    pair = None  # the reference's GPU beside the pass's one other world (runner/side_by_side.py)
+    if beside is None and first and not records_from and len(worlds) == 2:
+        from tpdiag.runner.side_by_side import pair_gpu
+
+        pair = pair_gpu(device, world_cfg(*worlds[0]), world_cfg(*worlds[1]), first)
     for point, label in worlds:
         degree = point.tp
+        if pair is not None and label == labels[0]:
+            continue  # run with the other world
+        if pair is not None:
+            from tpdiag.runner.side_by_side import run_beside
+
+            ref_res, res, gpu = run_beside(world_cfg(*worlds[0]), world_cfg(point, label), cfg.timeout,
+                                           on_status, pair)
+            record(labels[0], worlds[0][0].tp, ref_res,
+                   **({"gpu": gpu, "beside": label} if gpu is not None else
+                      {"beside_failed": "ran again alone after the other world"}))
+            record(label, degree, res)
+            continue
         wcfg = world_cfg(point, label)
         earlier = (records_from or {}).get(label) if label != labels[0] else None
         based = (records_from or {}).get(label) if label == labels[0] else None

@@ -208,7 +208,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
             out = rerun.out + "-all"
             rerun = rerun.with_(out=out)
     if sub is None:
-        sub = compare_pass(rerun, records_from=records_from)[0]
+        # its two worlds at once where neither reads the other's (runner/side_by_side.pair_gpu)
+        sub = compare_pass(rerun, records_from=records_from, first=run_dir)[0]
     op_failed = ops and not n and _ops_not_spmd(sub)
     if op_failed:
         # each rank ran other ops (an MoE's experts on the tokens routed to this rank's experts:

@@ -71,3 +71,102 @@ def run_pair(ref_cfg, base_cfg, timeout_s: float, on_status, offset: int):
         base = run_world(base_cfg, timeout_s, on_status)
         offset = 0
     return ref, base, offset
+
+
+# GPU bytes a world's CUDA context, NCCL buffers and allocator slack take beyond its measured peak
+_CONTEXT_BYTES = 2 << 30
+
+
+def pair_gpu(device: str, ref_cfg, other_cfg, first: str | None) -> int | None:
+    """The GPU the reference may run on beside the one other world of a pass (a second pass's region
+    worlds, runner/drill.py), or None: one after the other.
+
+    Why it may: the other world then reads nothing the reference writes - whole records (no hash
+    shard placed by the reference's shapes: worker._ref_shapes), prefill of one step at one micro-batch
+    (no piece by the reference's pieces, no anchored state), and no parameter that is no replica
+    (gather's per-rank blocks read the reference's parameter shapes), which the pass-1 world of its
+    label wrote in world.json (`first`: pass 1's run directory). Each world's bits are its own step's
+    (deterministic kernels give the same bits whoever else runs on the GPU), and the region pass
+    checks each world's step fingerprint against pass 1's (drill_merge: step_differs) either way.
+    The GPUs must be of one kind and hold both worlds' pass-1 peaks; the reference takes the first
+    GPU past the other world's where there is one, else the last of them (not rank 0's: it gathers
+    and writes). TPDIAG_SIDE_BY_SIDE=0: never; =force: on the host too (a test hook)."""
+    knob = os.environ.get("TPDIAG_SIDE_BY_SIDE", "1")
+    if knob == "0" or first is None or ref_cfg.degree != 1:
+        return None
+    for c in (ref_cfg, other_cfg):
+        if c.capture != "full" or c.micro_batch or c.mode != "prefill" or c.steps != 1:
+            return None
+    from tpdiag.base import files as io
+    from tpdiag.records.paths import WORLD, RunDir
+    from tpdiag.records.rundir import read_manifest
+
+    try:
+        seen = io.read_json(RunDir(first).world_file(other_cfg.label, WORLD))
+        worlds = read_manifest(first)["worlds"]
+    except Exception:  # noqa: BLE001 - no pass-1 world to learn from: one after the other
+        return None
+    if not isinstance(seen, dict) or seen.get("per_rank_params") != 0:
+        return None  # a world.json from before the field, or a model with per-rank parameters
+    if device != "cuda":
+        return 0 if knob == "force" else None
+    peaks = []
+    for label in (ref_cfg.label, other_cfg.label):
+        t = ((worlds.get(label) or {}).get("timings") or {}) if isinstance(worlds, dict) else {}
+        vals = [t.get(k) for k in ("peak_mem_bytes", "selfcheck_peak_mem_bytes")]
+        vals = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if not vals:
+            return None
+        peaks.append(max(vals))
+    import torch
+
+    try:
+        n = torch.cuda.device_count()
+        if n < other_cfg.degree:
+            return None
+        props = [torch.cuda.get_device_properties(i) for i in range(n)]
+    except Exception:  # noqa: BLE001 - no answer: one after the other
+        return None
+    kinds = {(p.name, p.major, p.minor, p.total_memory, p.multi_processor_count) for p in props}
+    if len(kinds) != 1:
+        return None
+    gpu = other_cfg.degree if n > other_cfg.degree else n - 1
+    # a GPU shared with a rank of the other world holds both; the full capture keeps its records on
+    # the host, so each world's pass-1 peak is its peak here, and a quarter more is left spare
+    need = peaks[0] + (peaks[1] if gpu < other_cfg.degree else 0)
+    return gpu if need * 1.25 + 2 * _CONTEXT_BYTES <= props[gpu].total_memory else None
+
+
+def run_beside(ref_cfg, other_cfg, timeout_s: float, on_status, gpu: int):
+    """(reference's WorldResult, the other world's WorldResult, the reference's GPU or None): both at
+    once, the reference on GPU `gpu` in a thread. A world that failed beside the other (out of memory
+    there) runs again alone after both, where it would have run before (the reference on GPU 0);
+    its GPU is then None."""
+    from tpdiag.runner.launch import run_world
+
+    box: dict = {}
+    cancel = threading.Event()
+
+    def reference():
+        try:
+            box["res"] = run_world(ref_cfg, timeout_s, on_status, cancel=cancel, gpu_offset=gpu)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=reference, name="tpdiag-ref-side", daemon=True)
+    t.start()
+    try:
+        other = run_world(other_cfg, timeout_s, on_status)
+        t.join()  # in the try: an interrupt while the reference runs on cancels its ranks
+    except BaseException:
+        cancel.set()
+        t.join()
+        raise
+    if "err" in box:
+        raise box["err"]
+    ref = box["res"]
+    if ref.status != "ok":
+        ref, gpu = run_world(ref_cfg, timeout_s, on_status), None
+    if other.status != "ok":
+        other = run_world(other_cfg, timeout_s, on_status)
+    return ref, other, gpu

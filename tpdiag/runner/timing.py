@@ -61,6 +61,17 @@ def _diff_s(manifest: dict) -> float:
     return _num((manifest.get("phases") or {}).get("diff_s")) or 0.0
 
 
+def _pass_what(d: str, manifest: dict) -> str:
+    """A second pass's folder, and which of its worlds ran at once (runner/side_by_side.run_beside):
+    their walls in the part's `worlds` overlap then, and the part's `s` is the time they took together."""
+    from tpdiag.base.points import config_name
+
+    worlds = manifest.get("worlds") or {}
+    at_once = [f"{config_name(lab)} beside {config_name(w['beside'])} on GPU {w.get('gpu')}"
+               for lab, w in worlds.items() if isinstance(w, dict) and isinstance(w.get("beside"), str)]
+    return f"{d} ({'; '.join(at_once)})" if at_once else d
+
+
 def _first_pass(manifest: dict, parts: list) -> None:
     phases = manifest.get("phases") or {}
     if _num(phases.get("setup_s")) is not None:
@@ -102,7 +113,7 @@ def breakdown(run_dir: str, wall_s: float, second_pass_s: float | None = None,
     subs = [(d, _read(os.path.join(run_dir, d))) for d in SECOND_PASS_DIRS
             if os.path.isfile(RunDir(os.path.join(run_dir, d)).manifest)]
     if second_pass_s is not None:
-        parts.append({"part": "second-pass", "what": ", ".join(d for d, _ in subs) or "second pass",
+        parts.append({"part": "second-pass", "what": ", ".join(_pass_what(d, m) for d, m in subs) or "second pass",
                       "s": second_pass_s, "worlds": {f"{d}/{k}": v for d, m in subs
                                                      for k, v in _worlds_wall(m).items()},
                       "diff_s": round(sum(_diff_s(m) for _, m in subs), 3)})

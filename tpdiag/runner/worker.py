@@ -246,6 +246,10 @@ def _run(rank: int, world: int, host: str, port: int, cfg, timeout_s: float,
             # (notes["reads"]): a call re-executed without such a note read none
             # (diff/written_state.read_after)
             "oracle_reads_noted": True,
+            # how many parameters are no replica (runner/per_rank.py): where some are, this world's gather
+            # reads the reference's index, so a later pass never runs it beside its reference
+            # (runner/side_by_side.pair_gpu)
+            "per_rank_params": int(rec.per_rank_params or 0),
             # the tied weights the plan split (models/ties.py), read by the diff (diff/analyse.py)
             **({"ties_broken": rec.ties_broken} if rec.ties_broken else {}),
             # the user's grad hooks the plan dropped with the parameters it replaced (models/grad_hooks.py)
