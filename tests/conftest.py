@@ -492,8 +492,8 @@ FILE_SECONDS = {
     # launchers through run_cli's server: conftest.run_module), test_cli_zygote_template (+ its run_module test)
     "test_attention_exp2.py": 39,
     # session 21 (helper hrl21): wall of `pytest -n 0 FILE` on the shared 2-core machine, pytest's start
-    # left out (five compares, one generate() and seven rollouts) - ordering only
-    "test_rl_policy_trial.py": 55,
+    # left out (six compares, one generate() and seven rollouts) - ordering only
+    "test_rl_policy_trial.py": 90,
 }
 
 

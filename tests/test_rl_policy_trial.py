@@ -2,7 +2,7 @@
 
 compare, on the team's own policy (tests/models/rl_policy.py: its own KV cache, TP plan and
 vocab-parallel logprob): a decode path whose RoPE positions are one too far and a logsumexp taken
-per vocab shard are BUG (gate 4); the correct policy is rounding across TP, decode and micro-batch
+per vocab shard (its loss left per rank, or averaged over the ranks) are BUG (gate 4); the correct policy is rounding across TP, decode and micro-batch
 (float32 and bf16).
 
 rollout, against the engines the team runs:
@@ -41,6 +41,7 @@ def _compare(tmp_path_factory, name, *args):
     ("rope_decode_off1", ("--tp", "1", "--mode", "prefill,decode", "--batch-size", "2", "--forward-only"),
      "1-decode", "ROPE_SLICE"),
     ("lse_per_rank", ("--tp", "1,2", "--batch-size", "2"), "2", "loss"),
+    ("lse_per_rank_synced", ("--tp", "1,2", "--batch-size", "2"), "2", "loss"),
 ])
 def test_the_teams_bugs_read_bug_and_gate_4(tmp_path_factory, name, args, config, where):
     s, out, gate = _compare(tmp_path_factory, name, *args)

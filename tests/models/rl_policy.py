@@ -11,6 +11,8 @@ Targets (py:tests/models/rl_policy.py:NAME):
 - lse_per_rank: the vocab-parallel logprob takes the logsumexp over the rank's own vocab shard
   and never all-reduces it (the picked logit is all-reduced, the normaliser is not). Right at
   TP=1, wrong at TP > 1, in the loss only (the logits are right).
+- lse_per_rank_synced: the same, with the loss averaged over the ranks afterwards, so every rank
+  holds the same (wrong) number.
 - policy_bf16: `policy` with bf16 parameters (the rounding twin for bf16 runs).
 """
 import torch
@@ -153,16 +155,19 @@ def vocab_parallel_logprobs(local, labels, reduce_normaliser=True):
     return _all_reduce(picked) - lse
 
 
-def _loss(reduce_normaliser):
+def _loss(reduce_normaliser, sync=False):
     def loss(logits, labels):
         lp = vocab_parallel_logprobs(logits, labels, reduce_normaliser)
         keep = labels != -100
-        return -(lp * keep).sum() / keep.sum()
+        out = -(lp * keep).sum() / keep.sum()
+        if sync and dist.is_initialized() and dist.get_world_size() > 1:
+            out = _all_reduce(out) / dist.get_world_size()  # "keep the ranks in step": the mean of theirs
+        return out
     return loss
 
 
-def _target(model, reduce_normaliser=True):
-    return tpdiag.Target(model=model, plan=plan(), vocab_size=VOCAB, loss=_loss(reduce_normaliser))
+def _target(model, reduce_normaliser=True, sync=False):
+    return tpdiag.Target(model=model, plan=plan(), vocab_size=VOCAB, loss=_loss(reduce_normaliser, sync))
 
 
 def policy():
@@ -179,3 +184,7 @@ def rope_decode_off1():
 
 def lse_per_rank():
     return _target(Policy(), reduce_normaliser=False)
+
+
+def lse_per_rank_synced():
+    return _target(Policy(), reduce_normaliser=False, sync=True)
