@@ -210,3 +210,16 @@ def test_own_decode_reproduced_and_its_gap_judged(tmp_path, name, bug):
     else:
         assert s.get("mode_gap") is None
         assert "rounding, harmless" in mode, mode
+
+
+def test_the_policys_tp2_under_the_fixes_has_tp1s_bits(tmp_path):
+    """The policy has its own Target.loss, and tpdiag's logprobs kept the stock vocab-parallel
+    log-softmax under --fix all: TP=2 was 1 ulp off TP=1 and the TP note said "a sharding bug, or a
+    reordering no fix covers" of a correct model. The fix's logprob function now runs whoever
+    wrote the loss (runner/losses.step_functions)."""
+    path = _own_engine("policy", tmp_path / "rollout.jsonl")
+    s = _rollout(path, SPEC + "policy", dtype="float32", tp=(1, 2), micro_batch=(1,), modes=("prefill",),
+                 fixes=("all",))
+    inv = s["tp_invariance"]["tp2-mb1-prefill-all"]
+    assert inv["same_bits"] and inv["max_abs"] == 0.0, inv
+    assert not any("is not tp1-mb1-prefill-all's bits" in n for n in s["notes"]), s["notes"]
