@@ -501,6 +501,9 @@ FILE_SECONDS = {
     # session 21 (red team hred21): one planted compare each (the diff dir's: two gloo capture worlds),
     # estimated from `time` of the file alone (user+sys of the process tree, a loaded host)
     "test_tamper_keys.py": 15, "test_tamper_hash_region.py": 10, "test_tamper_diff_dir.py": 12,
+    # session 21 (helper hrl21): wall of `pytest -n 0 FILE` on the shared 2-core machine, pytest's start
+    # left out (six compares, one generate() and seven rollouts) - ordering only
+    "test_rl_policy_trial.py": 90,
 }
 
 

@@ -41,10 +41,14 @@ class Collector:
         self.seqs = seqs
         self.stats: dict[tuple[int, int], dict] = {}
         self._temp_tokens = 0
+        from tpdiag.rollout.shifted import Pairs
+
+        self.shift = Pairs(seqs)  # a neighbouring token's logprob in the file (rollout/shifted.py)
 
     def __call__(self, i: int, rows) -> None:
         import torch
 
+        self.shift(i, rows)
         s = self.seqs[i]
         p = s.prompt_len
         z = rows[p - 1:].double()  # rows[t - 1] predicts input_ids[t]

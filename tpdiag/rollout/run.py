@@ -174,6 +174,11 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             with threads:
                 results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
                                                                    on_status, flag_values)
+        mode_bug = None
+        if decodable and {"prefill", "decode"} <= set(rc.modes):
+            from tpdiag.rollout import mode_gap
+
+            mode_bug = mode_gap.check(cfgs[0], seqs, target, model)  # rounding between the modes, or a bug
     finally:
         if early is not None:
             from tpdiag.rollout.early import put_back
@@ -187,7 +192,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if v:
                 flag_values.setdefault(k, v)
     return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-                    flag_values, pad_note, sampled, decodable, cache_note)
+                    flag_values, pad_note, sampled, decodable, cache_note, mode_bug)
 
 
 def _recipe_entry(rc) -> dict:
@@ -247,8 +252,8 @@ def _micro_batch_note(rc, seqs) -> list:
 
 def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
              flag_values=None, pad_note=None, sampled=None, decodable: bool = True,
-             cache_note=None) -> dict:
-    from tpdiag.rollout import metrics, processed
+             cache_note=None, mode_bug=None) -> dict:
+    from tpdiag.rollout import metrics, processed, tp_invariance
     from tpdiag.runner.flags import one_line
 
     ok = [lab for lab in results if lab in trainer]
@@ -290,6 +295,11 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
                      "its temperature where it processes them: where the recipe is not that, no configuration "
                      "has the engine's bits even with the engine's logits - run without --logprob/"
                      "--trainer-temperature to see whether the logits are the engine's")
+    from tpdiag.rollout import shifted
+
+    shift = None if reproduced or not stats_from else shifted.judge(collector.shift)
+    if shift:
+        notes.append(shift["line"])
     # a prompt that begins with pad tokens is the user's own where a configuration reproduces the engine
     pad_note = None if reproduced else pad_note
     if pad_note:
@@ -300,13 +310,10 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     cache_note = cache_note if not reproduced and not recipe_own else None
     if cache_note:
         notes.append(cache_note)
-    invariance = _tp_invariance(rc, seqs, results, trainer)
-    for lab, v in invariance.items():
-        if not v["same_bits"]:
-            notes.append(f"{lab} is not {v['tp1']}'s bits (max |diff| {v['max_abs']:.3g} nats between them): "
-                         "under the fixes a TP degree gives TP=1's bits, so TP > 1 computes something TP=1 "
-                         "does not - a sharding bug, or a reordering no fix covers. `tpdiag compare --model "
-                         f"{rc.model} --tp 1,{v['tp']} --dtype {rc.dtype}` names the module and says which")
+    invariance = tp_invariance.find(cfgs, seqs, trainer)
+    notes += tp_invariance.notes(invariance, rc.model, rc.dtype)
+    if mode_bug and "line" in mode_bug:
+        notes.append(mode_bug["line"].replace("--model MODEL", f"--model {rc.model}"))
     from tpdiag.rollout import batch_leak
     from tpdiag.rollout.todo import what_to_do
 
@@ -314,8 +321,10 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     if leak:
         notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc),
-                      bool(pad_note), leak, decodable, bool(cache_note), recipe_own and not reproduced)
-    noise = 0.0 if verdict.get("detected") else ref_m["max_abs"]
+                      bool(pad_note), leak, decodable, bool(cache_note), recipe_own and not reproduced, bool(shift),
+                      mode_bug if mode_bug and "line" in mode_bug else None)
+    # a gap the file's own mistake makes (processing, a misaligned token, padding kept) is not noise
+    noise = 0.0 if verdict.get("detected") or shift or pad_note else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {
         "schema": 1, "command": "rollout", "file": rc.file, "format": ro.format, "model": rc.model,
@@ -332,33 +341,11 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         "sdpa_ran": _sdpa_words(results),
         "what_to_do": todo,
         "logprob_recipe": _recipe_entry(rc),
-        "processed": verdict, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
+        "processed": verdict, "shifted": shift, "mode_gap": mode_bug, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
         "batch_leak": leak,
         "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
-
-
-def _tp_invariance(rc, seqs, results, trainer) -> dict:
-    """{TP > 1 configuration under a fix: {tp, tp1 (its TP=1 twin), same_bits, max_abs}}: the fixes
-    make a TP degree compute TP=1's bits, so a TP > 1 configuration under them that is not its twin's
-    bits is the trainer's TP path differing from TP=1 beyond the reorderings the fixes remove."""
-    import torch
-
-    from tpdiag.rollout.metrics import same_bits
-
-    out = {}
-    for c in configurations(rc):
-        lab = c.rollout_name()
-        twin = Config(1, c.micro_batch, c.mode, c.fix, c.flags, c.attention, c.padding).rollout_name()
-        if c.tp == 1 or c.fix == "none" or lab not in trainer or twin not in trainer:
-            continue
-        # where both are -inf (a token --sampling's filters removed on both sides) they agree
-        gaps = [float(torch.where(x == y, 0.0, x.double() - y.double())[s.prompt_len - 1:].abs().max())
-                for s, x, y in zip(seqs, trainer[lab], trainer[twin])]
-        out[lab] = {"tp": c.tp, "tp1": twin, "same_bits": same_bits(seqs, trainer[lab], trainer[twin]),
-                    "max_abs": max(gaps) if gaps else 0.0}
-    return out
 
 
 def _closest_words(rc, results, closest: list, reproduced: bool) -> str:

@@ -21,7 +21,8 @@ OTHER_AXIS = ("to match bitwise, run the trainer with the engine's value; or lea
 
 def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, reproduced: list, processed: dict,
                invariance: dict, notes_dtype: list, padded: bool = False, leak: dict | None = None,
-               decodable: bool = True, cache_off: bool = False, recipe_own: bool = False) -> dict:
+               decodable: bool = True, cache_off: bool = False, recipe_own: bool = False,
+               shifted: bool = False, mode_bug: dict | None = None) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
     token_mult_prob_error (the trainer's), threshold}."""
@@ -41,6 +42,15 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
         differs = [{"axis": a, "trainer": getattr(ref, a), "engine": getattr(cfgs[like], a),
                     "meaning": _meaning(a, getattr(ref, a), getattr(cfgs[like], a), ref, cfgs[like], len(seqs))}
                    for a in cfgs[like].differs(ref)]
+        if mode_bug:
+            # the float64 check (rollout/mode_gap.py): the two modes are other functions, not other roundings
+            for d in differs:
+                if d["axis"] == "mode":
+                    d["meaning"] = (f"your trainer scores in {d['trainer']}, the engine's numbers are {d['engine']}'s: "
+                                    "in this model the two are not the same function (up to "
+                                    f"{mode_bug['max_abs']:.3g} nats apart in float64: the prefill-and-decode note "
+                                    "above) - a bug in its decode (or prefill) path, not rounding; fix it before "
+                                    "matching the kernels")
         said = "; ".join(f"{d['axis'].replace('_', '-')} {d['trainer']} -> {d['engine']}: {d['meaning']}"
                          for d in differs)
         # the configuration the engine is, far from its own sequences alone (rollout/batch_leak.py):
@@ -49,12 +59,22 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                 f"{leak['gap']:.3g} nats (mean) from {leak['alone']}, {_times(leak)} (the batch note "
                 f"above): fix the model's {leak['mode']} path, or score and sample one sequence per call, "
                 "before matching the settings below; "
-                if leak and leak["configuration"] == like else "")
+                if leak and leak["configuration"] == like else
+                "first: the engine's decode and the trainer's prefill are not the same function in this model "
+                "(the prefill-and-decode note above): fix the model's decode (or prefill) path - `tpdiag compare "
+                f"--model {rc.model} --tp 1 --mode prefill,decode --forward-only` names the module; "
+                if mode_bug and "mode" in cfgs[like].differs(ref) else "")
         return {**out, "case": "settings", "engine_like": like, "differs": differs,
                 "line": lead + (f"the engine's logprobs are {like}'s bit for bit, not the trainer's configuration "
                          f"({reference}); they differ in {len(differs)} setting{'s' if len(differs) != 1 else ''}. "
                          f"{said}. {_gap(m, ', from these settings alone')}")}
     first = []
+    if shifted:  # the file's numbers belong to other tokens: no configuration can match them
+        first.append("fix which token each logprob is taken for (the misaligned-logprobs note above) in "
+                     "whatever wrote the file, and run again")
+    if mode_bug:  # the model's own two paths disagree: no kernel setting closes that
+        first.append("read the prefill-and-decode note above: this model's decode and prefill compute different "
+                     "functions (`tpdiag compare --mode prefill,decode` names the module)")
     if padded:  # every token moves with it: before anything else
         first.append("write the sequences without the engine's left padding (the pad token note above) and "
                      "run again")

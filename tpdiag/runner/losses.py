@@ -134,11 +134,14 @@ def step_functions(target):
     from tpdiag.fixes import registry
 
     loss_fn, logprob_fn, norm_fn = target.loss or default_loss, token_logprobs, grad_norm_and_clip
-    if registry.takes_over("loss") and target.loss is None:
+    if registry.takes_over("loss"):
         from tpdiag.kernels import tree, vocab_ce
 
         g, v = tree.n_groups(), target.vocab_size
-        loss_fn = lambda lo, lab: vocab_ce.cross_entropy(lo, lab, g, v)  # noqa: E731
+        if target.loss is None:  # a Target's own loss stays the user's (F.cross_entropy: fixes/vocab_loss.py)
+            loss_fn = lambda lo, lab: vocab_ce.cross_entropy(lo, lab, g, v)  # noqa: E731
+        # the logprobs are tpdiag's own whoever wrote the loss: with a Target.loss they kept the stock
+        # vocab-parallel log-softmax, so a correct policy's TP=2 logprobs under --fix all were not TP=1's
         logprob_fn = lambda lo, lab: vocab_ce.token_logprobs(lo, lab, g, v)  # noqa: E731
     if registry.takes_over("grad-norm"):
         from tpdiag.kernels import grad_norm
