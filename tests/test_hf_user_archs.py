@@ -15,7 +15,10 @@
   modules too and their local shards checked against the reference's whole weights ("none of
   the reference's parameters"). The norms left whole (heads 2, 3 normalised with heads 0, 1's
   norms on rank 1) is a BUG.
-- A model with no TP plan (StableLM) runs a compare whose every configuration is TP=1."""
+- A model with no TP plan (StableLM) runs a compare whose every configuration is TP=1.
+- Where no fix removes the cause of any divergent degree (the DTensor norm's
+  shape-dependent-kernel), `what to do` says `--fix auto` would not remove it - it offered
+  `--fix auto` under "no fix to confirm it with"."""
 import json
 import os
 
@@ -93,6 +96,14 @@ def test_olmo2_norm_over_every_head_is_rounding(olmo2, tmp_path, func):
     assert d["status"] == "divergent" and d["class"] == "rounding", json.dumps(d)[:1500]
     assert not [f for f in d["findings"] if f.get("cause") in ("sharding-bug", "rank-inconsistent-replica")]
     assert _gate(out, "--allow", "rounding") == 0
+    from tpdiag.fixes.registry import fixes_for_cause
+
+    fd = d["first_divergence"]
+    if fixes_for_cause(fd["cause"], fd.get("op")):   # gathered: row-parallel-reduction
+        assert "`tpdiag compare --fix auto` applies the fixes" in s["what_to_do"], s["what_to_do"]
+    else:  # dtensor_norm on this CPU: shape-dependent-kernel, which no fix covers - the advice
+        # offered `--fix auto` (under "no fix to confirm it with" where confirmed)
+        assert "would not remove it" in s["what_to_do"] and "applies the fixes" not in s["what_to_do"], s["what_to_do"]
 
 
 def test_stablelm_per_head_norms_cut_with_the_heads_is_rounding(stablelm, tmp_path):
