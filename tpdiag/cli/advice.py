@@ -43,6 +43,27 @@ def _ran_with_its_fix(summary: dict, confirmations: list) -> list[str]:
     return sorted(need) if on and firsts and None not in need and need <= on else []
 
 
+def _no_fix_for(summary: dict) -> list[str]:
+    """The causes of the divergent degrees where no fix in the catalogue removes any of them (their
+    confirmation says so, or, unconfirmed, the registry has none): `--fix auto` has nothing to run.
+    Empty where some degree's cause has a fix."""
+    from tpdiag.fixes.registry import fixes_for_cause
+    from tpdiag.records.axes import entries
+
+    causes = []
+    for d in entries(summary).values():
+        if not isinstance(d, dict) or d.get("status") != "divergent":
+            continue
+        fd, conf = d.get("first_divergence") or {}, d.get("confirmation")
+        if isinstance(conf, dict):
+            if conf.get("verdict") != "no-fix" or conf.get("fix"):
+                return []
+        elif not fd.get("cause") or fixes_for_cause(fd["cause"], fd.get("op")):
+            return []
+        causes.append(fd.get("cause") or "?")
+    return sorted(set(causes))
+
+
 def _in_unprobed_code(summary: dict) -> bool:
     """An unjudged first divergence at a module's input whose difference arose in its caller's own code."""
     from tpdiag.records.axes import entries
@@ -212,6 +233,12 @@ def _what_to_do(summary: dict) -> str | None:
         return (f"nothing is wrong: the difference is rounding only. Its cause's fix ({', '.join(on)}) was "
                 "already on and did not remove it: this module is not one the fix covers (docs/models.md), "
                 "so `--fix auto` would not remove it either")
+    unfixable = _no_fix_for(summary)
+    if unfixable:
+        # every divergent degree's cause has no fix (the confirmation line above says "no fix to
+        # confirm it with"): offering `--fix auto` there contradicted it, and it would change nothing
+        return (f"nothing is wrong: the difference is rounding only. No fix removes its cause "
+                f"({', '.join(unfixable)}), so `--fix auto` would not remove it either (docs/causes.md)")
     stuck = _fix_left_it(summary)
     if stuck:
         # its cause's fix ran and left that very record as it was: --fix auto would rerun the same

@@ -29,7 +29,9 @@ def build_model(cfg: WorldConfig, device: torch.device, world: int):
         if built is not None:
             return built
         torch.manual_seed(cfg.seed)
-    target = build_target(spec, cfg.variant, device, cfg.seed)
+    # a TP=1 world applies no plan: a model with none (stablelm) runs there, as under rollout
+    # --tp 1; at TP > 1 the parent refused it before launch (models/precheck.py)
+    target = build_target(spec, cfg.variant, device, cfg.seed, need_plan=world > 1)
     live = {id(t): t for t in list(target.model.parameters()) + list(target.model.buffers())}
     whole = sum(t.numel() * t.element_size() for t in live.values())
     from tpdiag.models.dtypes import to_run_dtype

@@ -86,12 +86,23 @@ def boundaries(per_rank: list[list[dict]], ref_params: dict | None = None) -> di
     return {b: sorted(v) for b, v in sorted(outer.items())}
 
 
+def _sharded(m: dict) -> bool:
+    """A parameter record that is this rank's shard of one DTensor (cut by its placement): its bits
+    differ per rank by construction, and the gather rebuilds the reference's whole from it - not
+    another module per rank. (A hand-cut plain weight smaller than the reference's is not taken as
+    one here: an expert-parallel block's `local_experts.0` cut by hand is another expert per rank.)"""
+    return (m.get("placement") or "").startswith(("shard:", "strided:"))
+
+
 def _per_rank_inside(every: list[list[dict]], blocks) -> set:
     """The modules inside the blocks whose records are not one module's on every rank: a module
     whose records differ per rank, or whose parameters do (`local_experts.1` can be called on as
     many tokens on both ranks and still be another expert on each), and every module above or
     below one inside its block. A module that is the same everywhere (the router, on each rank's
-    share of the tokens) is kept: its records are shards or replicas like any other's."""
+    share of the tokens) is kept: its records are shards or replicas like any other's - a
+    column-parallel q_proj beside per-head norms cut per rank (each rank keeping its own heads'
+    norms) holds other bits per rank because it is sharded, and stays compared as a shard (left
+    out, its local shard was checked against the reference's whole weights: a false BUG)."""
     maps = [{m["key"]: m for m in metas} for metas in every]
     inside = {m["module"] for metas in every for m in metas
               if any(m["module"].startswith(b + ".") for b in blocks)}
@@ -103,7 +114,8 @@ def _per_rank_inside(every: list[list[dict]], blocks) -> set:
             continue
         if any(x is None for x in ms) or len({_sig(x) for x in ms}) > 1:
             bad.add(m["module"])
-        elif m["kind"] == "param_init" and (ms[0].get("hash") is None or len({x.get("hash") for x in ms}) > 1):
+        elif m["kind"] == "param_init" and (ms[0].get("hash") is None or len({x.get("hash") for x in ms}) > 1) \
+                and not all(_sharded(x) for x in ms):
             bad.add(m["module"])  # another expert's weights under one name (or no hash to tell)
     return {x for x in inside if any(x == y or x.startswith(y + ".") or y.startswith(x + ".") for y in bad)}
 
