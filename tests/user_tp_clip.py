@@ -13,7 +13,7 @@
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 tests/user_tp_clip.py --out DIR --bug clip_local
     tpdiag diff DIR_TP1 DIR_TP2
 
-Run by hand at TP=1 and TP=2 for docs/causes.md's table (every mistake reads BUG, gate 4; `none`
+Run by hand at TP=1 and TP=2 for docs/planted.md's table (every mistake reads BUG, gate 4; `none`
 rounding only, gate 1). Not run by the suite: tpdiag already named each one, and four torchrun
 launches per case would cost CI ~2 minutes.
 """

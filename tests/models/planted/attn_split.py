@@ -31,7 +31,7 @@ seq 8: seconds per world on the CPU.
                  head's first ROT dims.
 
     tpdiag compare --model py:tests/models/planted/attn_split.py:qkv_wholesale --tp 1,2
-tests/test_attn_split.py; docs/causes.md has every case's verdict.
+tests/test_attn_split.py; docs/planted.md has every case's verdict.
 """
 import torch
 import torch.distributed as dist

@@ -30,7 +30,7 @@ hbug5). Vocab 32, hidden 32, seq 8: seconds per world on the CPU.
                  `ColwiseParallel(output_layouts=Replicate())` (the shards gathered first).
 
     tpdiag compare --model py:tests/models/planted/parallel_code.py:mega_ok --tp 1,2
-tests/test_parallel_code.py; docs/causes.md has every case's verdict.
+tests/test_parallel_code.py; docs/planted.md has every case's verdict.
 """
 import torch
 import torch.distributed as dist

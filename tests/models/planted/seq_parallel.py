@@ -21,7 +21,7 @@ each rank using its slice (or its positions): the grads are summed over the rank
                 0 on every rank, not from the rank's first position. Twin: offset by r * S / TP.
 
     tpdiag compare --model py:tests/models/planted/seq_parallel.py:sp_gather_split --tp 1,2
-tests/test_seq_parallel.py; docs/causes.md has every case's verdict.
+tests/test_seq_parallel.py; docs/planted.md has every case's verdict.
 """
 import torch
 import torch.distributed as dist

@@ -25,7 +25,7 @@ decay in a grad hook, and all-reduces in bf16. Each rank holds the whole weights
                  float32 model: precision lost at TP > 1 only.                           BUG
 
     tpdiag compare --model py:tests/models/planted/shard_stats.py:rms_stat_g --tp 1,2
-tests/test_shard_stats.py (wd_*), tests/test_cast_bf16.py (out_bf16); docs/causes.md has every
+tests/test_shard_stats.py (wd_*), tests/test_cast_bf16.py (out_bf16); docs/planted.md has every
 case's verdict.
 """
 import torch

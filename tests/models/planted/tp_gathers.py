@@ -23,7 +23,7 @@ seq 8: seconds per world on the CPU.
                replica's grad is the same on every rank: (g + g) / 2 is g, exactly).
 
     tpdiag compare --model py:tests/models/planted/tp_gathers.py:gather_dim0 --tp 1,2
-tests/test_tp_gathers.py; docs/causes.md has every case's verdict.
+tests/test_tp_gathers.py; docs/planted.md has every case's verdict.
 """
 import torch
 import torch.distributed as dist

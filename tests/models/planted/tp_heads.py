@@ -10,7 +10,7 @@ torch's default local outputs), its heads reshaped in the user's forward (helper
   heads_ok    the twin: `(B, S, -1, head_dim)`, the rank's own 2 heads of 8.
 
     tpdiag compare --model py:tests/models/planted/tp_heads.py:heads_view --tp 1,2
-tests/test_tp_gathers.py; docs/causes.md has the verdicts.
+tests/test_tp_gathers.py; docs/planted.md has the verdicts.
 """
 import torch.nn.functional as F
 from torch import nn

@@ -15,7 +15,7 @@ collective is written with torch.distributed. Vocab 32, hidden 32, seq 8.
                data-parallel average copied into a TP-only job). Twin: S everywhere.
 
     tpdiag compare --model py:tests/models/planted/tp_misc.py:embed_clamp --tp 1,2
-tests/test_tp_misc.py; docs/causes.md has every case's verdict.
+tests/test_tp_misc.py; docs/planted.md has every case's verdict.
 """
 import torch
 import torch.distributed as dist

@@ -6,7 +6,7 @@ softmax and top-1 run over that half and its local ids index the replicated expe
 routes among the first experts only, each by other scores. Twin: the router left out of the plan.
 
     tpdiag compare --model py:tests/models/planted/tp_router.py:router_split --tp 1,2
-tests/test_tp_gathers.py; docs/causes.md has the verdicts.
+tests/test_tp_gathers.py; docs/planted.md has the verdicts.
 """
 import torch
 import torch.nn.functional as F

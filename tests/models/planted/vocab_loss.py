@@ -12,7 +12,7 @@ the logits' grad can be wrong - and only one rank's shard of it. Vocab 32, hidde
                before the all-reduce), the other ranks the right one.
 
     tpdiag compare --model py:tests/models/planted/vocab_loss.py:vce_onehot --tp 1,2
-tests/test_vocab_loss.py; docs/causes.md has every case's verdict.
+tests/test_vocab_loss.py; docs/planted.md has every case's verdict.
 """
 import torch
 import torch.distributed as dist

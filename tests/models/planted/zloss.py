@@ -9,7 +9,7 @@ normaliser near 1), written by hand on the LM head's local vocab shard (the head
   zloss_ok     the z-loss from the all-reduced log-sum-exp
 
     tpdiag compare --model py:tests/models/planted/zloss.py:zloss_local --tp 1,2
-tests/test_attn_split.py runs it beside the attention cases; docs/causes.md has the verdicts.
+tests/test_attn_split.py runs it beside the attention cases; docs/planted.md has the verdicts.
 """
 import torch
 import torch.distributed as dist
