@@ -125,3 +125,36 @@ def test_compile_meter_times_between_tritons_hooks():
         assert out == {}  # nothing compiles on the CPU: no figure at all
     finally:
         knobs.runtime.jit_post_compile_hook = None
+
+
+def test_own_input_pass_worlds_are_timed_and_linked_ones_not_counted(behind_hash_run):
+    """After a hash-first pass the own-input judgement is one more pass inside the region pass
+    (region/ops): summary.json times its worlds apart from the region pass's (on an H200 its
+    reference was 13 of a 56 s compare, and only the region pass's worlds were reported), and the
+    breakdown does not list a world it linked rather than ran as one that ran in 0 s."""
+    run = behind_hash_run
+    s = json.loads((run / "summary.json").read_text())
+    own_m = json.loads((run / "region" / "ops" / "manifest.json").read_text())
+    region_m = json.loads((run / "region" / "manifest.json").read_text())
+    t = s["timings"]
+    # the region pass's worlds stay where they were; the own-input pass's are its own, not theirs
+    assert set(t["second_pass_worlds"]) == set(region_m["worlds"]) == {"1", "2"}
+    own = t["own_pass_worlds"]
+    assert set(own) == set(own_m["worlds"]) == {"1", "2"}
+    ref = own["1"]
+    assert ref["wall_s"] == own_m["worlds"]["1"]["wall_s"] > 0
+    assert ref["steps_s"] > 0 and ref["float64_s"] > 0 and ref["model_s"] > 0 and ref["write_s"] >= 0
+    assert ref != t["second_pass_worlds"]["1"]
+    # TP=2 was not run again: its region folder's records stood in (runner/compare.py _linked)
+    assert own["2"] == {"wall_s": 0.0, "records_from": str(run / "region" / "tp2")}, own["2"]
+    assert t["own_pass_phases"] == own_m["phases"] and t["own_pass_phases"]["diff_s"] > 0
+    from test_run_directory_doc import _tables, undocumented
+
+    assert undocumented(_tables(), "summary", {"timings": t}) == []
+    tb = assert_breakdown(run)
+    (sp,) = [p for p in tb["parts"] if p["part"] == "second-pass"]
+    walls = {f"region/{lab}": w["wall_s"] for lab, w in region_m["worlds"].items()}
+    assert sp["worlds"] == {**walls, "region/ops/1": ref["wall_s"]}, sp
+    assert "region/ops (TP=2 not run: an earlier pass's records)" in sp["what"], sp["what"]
+    # the totals count the worlds that ran: pass 1's two, the region pass's two, the own-input reference
+    assert tb["totals"]["worlds"] == 5 and tb["totals"]["float64_s"] >= ref["float64_s"]

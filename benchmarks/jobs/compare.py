@@ -170,7 +170,7 @@ def summary_row(name: str, rc: int, wall: float, run_dir: str, err_path: str) ->
         return row
     row.update(status=s.get("status"), capture=s.get("capture"),
                baseline_reproducible=(s.get("baseline") or {}).get("reproducible"))
-    for k in ("second_pass_worlds", "second_pass_phases"):
+    for k in ("second_pass_worlds", "second_pass_phases", "own_pass_worlds", "own_pass_phases"):
         if (s.get("timings") or {}).get(k):
             row[k] = s["timings"][k]
     degrees = {}

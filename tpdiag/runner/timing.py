@@ -53,8 +53,15 @@ def _world_totals(manifest: dict, into: dict) -> None:
             into["triton_compiles"] = (into.get("triton_compiles") or 0) + int(get("triton_compiles"))
 
 
+def _linked(w) -> bool:
+    """A world that did not run: an earlier pass's records stood in for it (runner/compare.py _linked)."""
+    return isinstance(w, dict) and isinstance(w.get("records_from"), str)
+
+
 def _worlds_wall(manifest: dict) -> dict:
-    return {lab: _num(w.get("wall_s")) for lab, w in (manifest.get("worlds") or {}).items() if isinstance(w, dict)}
+    # a linked world's 0 s is not a world that ran in no time: it is named in the part's `what`
+    return {lab: _num(w.get("wall_s")) for lab, w in (manifest.get("worlds") or {}).items()
+            if isinstance(w, dict) and not _linked(w)}
 
 
 def _diff_s(manifest: dict) -> float:
@@ -63,13 +70,17 @@ def _diff_s(manifest: dict) -> float:
 
 def _pass_what(d: str, manifest: dict) -> str:
     """A second pass's folder, and which of its worlds ran at once (runner/side_by_side.run_beside):
-    their walls in the part's `worlds` overlap then, and the part's `s` is the time they took together."""
+    their walls in the part's `worlds` overlap then, and the part's `s` is the time they took together;
+    and which did not run (linked: the own-input pass's worlds other than its reference)."""
     from tpdiag.base.points import config_name
 
     worlds = manifest.get("worlds") or {}
-    at_once = [f"{config_name(lab)} beside {config_name(w['beside'])} on GPU {w.get('gpu')}"
-               for lab, w in worlds.items() if isinstance(w, dict) and isinstance(w.get("beside"), str)]
-    return f"{d} ({'; '.join(at_once)})" if at_once else d
+    notes = [f"{config_name(lab)} beside {config_name(w['beside'])} on GPU {w.get('gpu')}"
+             for lab, w in worlds.items() if isinstance(w, dict) and isinstance(w.get("beside"), str)]
+    linked = [config_name(lab) for lab, w in worlds.items() if _linked(w)]
+    if linked:
+        notes.append(f"{', '.join(linked)} not run: an earlier pass's records")
+    return f"{d} ({'; '.join(notes)})" if notes else d
 
 
 def _first_pass(manifest: dict, parts: list) -> None:
