@@ -1,5 +1,5 @@
 """module_probes pauses Python's automatic cyclic GC while its hooks are in (full collections
-inside a probed step: docs/benchmarks.md, probe cost in hash mode, second round) and restores
+inside a probed step: `git show d055ef2:docs/benchmarks.md`, "Second round") and restores
 it on exit, also on an error; TPDIAG_PROBE_GC=1 leaves it alone."""
 import gc
 

@@ -1,4 +1,5 @@
-"""The host-time shortcuts of hash-mode recording (docs/benchmarks.md, "Host work per record"):
+"""The host-time shortcuts of hash-mode recording (`git show d055ef2:docs/benchmarks.md`, "Host work
+per record, session 8"):
 a plain tensor's compact row becomes the meta the general path builds, keys in the same order;
 a module called several times in a step gets its calls counted from hooks set up once; nothing
 recorded is kept alive past the queue; a kept-whole record hashed later, and a small record off

@@ -1,5 +1,5 @@
 """`python -m benchmarks hash-collisions [TRIALS]`: the record hash's lane mixes under the
-perturbations TP runs produce, on CPU (numpy; docs/benchmarks.md, "A shorter lane mix").
+perturbations TP runs produce, on CPU (numpy; `git show d055ef2:docs/benchmarks.md`, "A shorter lane mix").
 
 Table 1: T trials of a [16, 32] bf16 tensor (randn) and a perturbed copy; how often an 8-bit
 window of a lane (bits 0-7, 12-19, 24-31 of lane_a and lane_b) is unchanged, and the pair
@@ -14,7 +14,7 @@ and rejected ones for scale: one xorshift (x = y ^ y >> 16, lane_b x*y), a linea
 lane_b x*x), and "16-bit pairs" (session 11: v2's mix with y = floor(w * (C1 for even k, C3 for
 odd) / 2**16) + (k >> 1) * C2, which a kernel computes for two bf16 elements from one 32-bit word
 in fewer integer ops - measured +3% bandwidth on an H200, not worth a format change:
-docs/benchmarks.md).
+`git show d055ef2:docs/benchmarks.md`, "Session 11").
 """
 from __future__ import annotations
 

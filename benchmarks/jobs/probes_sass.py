@@ -1,7 +1,7 @@
 """`python -m benchmarks probes sass`: the instruction mix of the record-hash batch kernel's main
 loop, compiled for sm_90 WITHOUT a GPU (Triton's bundled ptxas and cuobjdump) - where an element's
 time goes when the kernel is issue- or integer-pipe-bound rather than memory-bound
-(docs/benchmarks.md, probe cost in hash mode).
+(`git show d055ef2:docs/benchmarks.md`, "Second round" and "Session 11").
 
 Per case (dtype; 16-bit data read one element at a time or as 32-bit word pairs -
 kernels/record_hash.py's PAIRS; lane mix version 1 or 2 - record_hash_ref.py's MIXES): instructions
@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 
 # (label, WIDTH, IS_BF16, PAIRS). (The xorshifts' shifts as inline mul.hi, measured slower and
-# removed: docs/benchmarks.md, 2026-11-23, has its counts.)
+# removed: `git show d055ef2:docs/benchmarks.md`, "Second round", has its counts.)
 CASES = (("bf16, element loads", 16, True, False), ("bf16, word pairs (shipped)", 16, True, True),
          ("fp16, element loads", 16, False, False),
          ("fp32", 32, False, False))

@@ -28,7 +28,7 @@ from tpdiag.kernels import record_hash_batch as rb
 # 1% of the device's memory. Each launch costs the host ~0.1-0.2 ms inside a step (its table, the
 # launch, the queue's checks): 1 GiB against 256 MiB took 3-10 ms off llama-1b's step at 8 x 4096
 # in two runs (at 1 x 2048 the two runs disagreed), peak memory +0.0% (`probes overhead`, hash
-# against hash-cap256m; docs/benchmarks.md, "Session 12"). TPDIAG_HASH_CAP_MB overrides.
+# against hash-cap256m; `git show d055ef2:docs/benchmarks.md`, "Session 12"). TPDIAG_HASH_CAP_MB overrides.
 CAP_BYTES = 1 << 30
 CAP_FRACTION = 100  # at most 1 / CAP_FRACTION of the device's memory
 RING = 32  # launch tables in flight

@@ -14,7 +14,7 @@ GF(2)[t] / (t**32 + 1) = GF(2)[t] / ((t + 1)**32), since it is 1 at t = 1 (an od
 terms) - so the element's term changes and no other term does. Sums are associative and
 commutative, so the shares of the shards add up to the lanes of the gathered tensor without
 gathering it, in any order, on any device. What the mix buys and what it does not
-(benchmarks/jobs/hash_collisions.py; docs/benchmarks.md, "A shorter lane mix"): y is linear in
+(benchmarks/jobs/hash_collisions.py; `git show d055ef2:docs/benchmarks.md`, "A shorter lane mix"): y is linear in
 w and k, so the xor of two rotations is the only step that is not (carries make xor and + differ);
 perturbations of many elements (rounding differences, permutations, shard offsets, a sign flip
 of the tensor) leave 8-bit windows of both lanes unchanged at a random function's rate, but
@@ -63,7 +63,7 @@ from tpdiag.kernels.record_hash_ref import (C1, C2, C3, HASH_VERSION, M32, MIXES
 BLOCK, ITERS, WAVES, WARPS = 1024, 8, 4, 4   # H200 sweep: docs/scale.md
 # 2-byte data: twice the elements per byte, so a chunk twice as long (H200, session 9, 1 GiB
 # bf16: 3187 -> 3342 GB/s whole, 3115 -> 3296 / 2916 -> 3115 in 2048- / 512-wide shards; fp32
-# at 16 was slower, 4042 -> 3589: docs/benchmarks.md)
+# at 16 was slower, 4042 -> 3589: `git show d055ef2:docs/benchmarks.md`, "Session 9")
 ITERS_2BYTE = 16
 # 16-bit records, programs per SM for each record of a launch (TPDIAG_HASH_WAVES16 for A/B), and
 # at least FILL_2BYTE per SM in the whole launch. At 4 an SM holds 16 warps and its schedulers
@@ -262,7 +262,7 @@ _COMPILED: dict = {}
 # lanes are the same). On since 62cadff's lean word pairs: H200, 1 GiB bf16, side by side, whole
 # 3707 GB/s against 3474 element by element at 4 per SM, 3911 against 3446 at 16; in a llama-1b
 # 8 x 4096 step the hash kernels took 18.5 / 19.1 ms against 20.5 / 20.8 - less than the step's
-# own spread, which could not tell the two apart (docs/benchmarks.md, session 16).
+# own spread, which could not tell the two apart (`git show d055ef2:docs/benchmarks.md`, "Session 16").
 # TPDIAG_HASH_PAIRS=0: element by element (A/B).
 PAIRS = [os.environ.get("TPDIAG_HASH_PAIRS", "1") != "0"]
 

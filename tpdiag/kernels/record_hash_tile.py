@@ -124,7 +124,7 @@ def _mix(y, c3, MIX: tl.constexpr):
     """The lane mix of y = w * C1 + k * C2 (record_hash.py's docstring). 2: y ^ rotl(y, 7) ^
     rotl(y, 19) (two funnel shifts and one 3-input xor); 1: the first mix, for the benchmarks'
     side-by-side timing. (Version 1's right shifts as inline-PTX mul.hi were 6-17% slower on
-    an H200: docs/benchmarks.md, 2026-11-23.)"""
+    an H200: `git show d055ef2:docs/benchmarks.md`, "Second round".)"""
     if MIX == 2:
         return y ^ ((y << 7) | (y >> 25)) ^ ((y << 19) | (y >> 13))
     else:

@@ -92,7 +92,8 @@ def _hash_chunks(w_ptr, ints_ptr, floats_ptr, ROW, A, SLAB, F_B, O_B, N_COL, TOT
     # lanes' row offsets (lane // TW) * F_B * C2 are folded into the per-lane position constant
     # once a program. bf16 word pairs 512 wide, sm_90 (`probes sass` with Triton 3.9 on the CPU):
     # 95 registers as [R, TW], 66 as one row. An H200 read fp32 512-wide shards at 4275-4284 GB/s
-    # this way (uncapped), against 3867-3903 for [R, TW] tiles capped (docs/benchmarks.md)
+    # this way (uncapped), against 3867-3903 for [R, TW] tiles capped (`git show d055ef2:docs/benchmarks.md`,
+    # "Session 18")
     DENSE: tl.constexpr = ROW_ITERS == 2
     cc = tl.arange(0, TT)
     if DENSE:

@@ -249,7 +249,8 @@ class HostStore:
                 return
             try:
                 # one writer: on an H200 host spilling moved ~3.4 GB/s with 1, 4 or 8 writers alike
-                # (the disk's pace, not the thread's; docs/benchmarks.md, "Session 13")
+                # (the disk's pace, not the thread's; `git show d055ef2:docs/benchmarks.md`,
+                # "Session 13")
                 if c.event is not None:
                     c.event.synchronize()
                 path = os.path.join(self.spill_dir, f"chunk{c.id:06d}.bin")

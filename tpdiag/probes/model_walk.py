@@ -1,6 +1,7 @@
 """A probed model's modules and parameters, walked once a block, its plan's styles looked up once
 (memoised per plan), and the parameter records (record_params): host time a small step pays on
-every record otherwise (docs/benchmarks.md, "Host work per record")."""
+every record otherwise (docs/benchmarks.md, "Probe cost in hash mode"; the cut measured:
+`git show d055ef2:docs/benchmarks.md`, "Host work per record, session 8")."""
 from __future__ import annotations
 
 import torch

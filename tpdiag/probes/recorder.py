@@ -46,7 +46,7 @@ class Recorder(HashPlacing):
     _records: list = field(default_factory=list)
     # records made since `records` was last read: a hash-mode record of a plain tensor at TP=1
     # as a compact row (probes/rows.py), any other as its (meta, tensor) pair (host time per
-    # record: docs/benchmarks.md, "Host work per record")
+    # record: docs/benchmarks.md, "Probe cost in hash mode")
     _rows: list = field(default_factory=list)
     # (meta, its private copy) of records kept whole whose hash is still to be computed
     _unhashed: list = field(default_factory=list)
@@ -187,14 +187,15 @@ class Recorder(HashPlacing):
                 t = narrow_positions(t, cut[0], cut[1], self.prefix_n)
         mode = self.mode
         # Host time per record is what a small step pays for its probes (~1000 records, docs/
-        # benchmarks.md "Host work per record"). A plain tensor (or Parameter) at TP=1 in hash
+        # benchmarks.md "Probe cost in hash mode"). A plain tensor (or Parameter) at TP=1 in hash
         # mode, most records, is a whole tensor: a compact row now, its meta (key, shapes) built when
         # `records` is read; hashed once while unchanged (t's version counter: a detached
         # tensor shares it), queued as itself (HashBuffer detaches where it runs torch ops).
         # Its entry in _hashed is compact (one counter, the shape): _same reads it as the
         # (counters, place) pair the general path keeps. Op records take the general path: the
         # op probe records inside the dispatch, where a detached tensor has a counter of its own
-        # and an in-place op's bump is still to come (docs/benchmarks.md, "Host work per record").
+        # and an in-place op's bump is still to come (`git show d055ef2:docs/benchmarks.md`, "Host work per
+        # record, session 8").
         tt = type(t)
         # a decode call's record (probes/spans.py: planned once per key, ~450 a call)
         if self.piece_span is not None and tt is torch.Tensor and mode == "hash" and _SPANS[0] \

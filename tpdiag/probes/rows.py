@@ -1,6 +1,7 @@
 """Hash mode's compact records: Recorder.add's fast path keeps a row per record (a list of
 12 fields) and the metas are built from the rows only when the records are read - the host time
-a small step pays per record (docs/benchmarks.md, "Host work per record"). A row's later keys
+a small step pays per record (docs/benchmarks.md, "Probe cost in hash mode"; the cut measured:
+`git show d055ef2:docs/benchmarks.md`, "Host work per record, session 8"). A row's later keys
 (module_probes' consumers) go in its extras, merged into its meta when it is built."""
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ class RecordKey:
 
 def record_key(step, phase: str, module: str, kind: str, call=0, name=None) -> str:
     """RecordKey(...).format() without the object: the recorder calls it once per record, on the
-    host time a small step pays per record (docs/benchmarks.md)."""
+    host time a small step pays per record (docs/benchmarks.md, "Probe cost in hash mode")."""
     head = f"s{step}/{phase}/{module}/{kind}#{call}"
     return head if name is None else f"{head}/{name}"
 
