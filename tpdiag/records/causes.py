@@ -101,10 +101,14 @@ register(Cause('attention-kernel', 'rounding',
 register(Cause('nondeterministic-kernel', 'rounding',
                'the reference does not reproduce itself and the first difference is an op, not a '
                'collective: a nondeterministic kernel (atomics, split reductions)'))
+# the module's own forward may communicate: a norm on DTensors over a sharded q all-reduces its
+# mean's partial sums (tests/test_hf_user_archs.py dtensor_norm, 3 ULP) - named too, a few ULP
 register(Cause('shape-dependent-kernel', 'rounding',
-               'a kernel that is no GEMM (an elementwise activation, ...) gave other bits for '
-               "bitwise-equal inputs and parameters: it took another code path for the rank's narrower "
-               'local shape (on CPU a vectorised body vs a scalar tail); no communication is involved'))
+               'a module with no layout (an elementwise activation, a norm, ...) gave other bits, a few '
+               "ULP, for bitwise-equal inputs and parameters: its result depends on the rank's local "
+               'shape - a kernel took another code path for the narrower shard (on CPU a vectorised body '
+               'vs a scalar tail), or the module reduced over a sharded dimension in its own forward '
+               "(DTensor all-reducing a norm's partial sums)"))
 register(Cause('batch-variant-kernel', 'rounding',
                "a kernel's result for a row depends on how many rows share its call (micro-batch size, "
                'decode vs prefill)'))
