@@ -117,15 +117,29 @@ def _hash_only(row: dict, first_divergence: dict | None) -> dict:
     return f
 
 
-def relabel_after(findings: list[dict], idxs: list[int], flips: list[dict]) -> None:
+def relabel_after(findings: list[dict], idxs: list[int], flips: list[dict], dd=None) -> None:
     """A finding after a router flip (idxs: each finding's record index, execution order)
     inherits the flip: a token that ran other experts is beyond any rounding bound by
-    construction. (A real bug after the flip cannot be told apart from it; the flip's finding
-    says where to look first.)"""
+    construction - on the rows the flip can reach. A forward finding of the flip's own step whose
+    other token rows are beyond the bound it was judged with stays what its evidence says
+    (diff/flip_rows.py: a real mistake after the flip moves every row); where the rows are not told,
+    the flip's finding says where to look first."""
     real = [f for f in flips if f["cause"] == "router-flip"]
     if not real:
         return
     first = min(real, key=lambda f: f["idx"])
+    fl = by_idx = None
     for f, i in zip(findings, idxs):
         if i > first["idx"] and settle(f, after_flip=first["key"]).rule == "after a router flip":
+            if dd is not None:
+                from tpdiag.diff import flip_rows
+
+                if fl is None:
+                    fl, by_idx = flip_rows.flips_of(dd), {r["idx"]: r for r in dd.rows}
+                got = flip_rows.confined(dd, by_idx.get(i), fl)
+                if got is not None:
+                    f["flip_rows"] = got
+                    if not got["confined"]:
+                        settle(f, after_flip=None)  # the other rows are no flip's: judged as before
+                        continue
             f.update(root_cause=False, after=first["key"])
