@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import copied_run, run_cli
 from tpdiag.diff import flip_rows, router
 from tpdiag.diff.judge import describe
 
@@ -54,6 +54,23 @@ def test_its_correct_twin_reads_no_bug(runs):
     assert not any(f["cause"] in ("sharding-bug", "rank-inconsistent-replica") for f in found.values()), found
     assert s["class"] != "bug" and "BUG" not in stdout, stdout[-2000:]
     assert run_cli("gate", str(d), "--allow", "rounding").returncode == 0
+
+
+def test_the_bug_relabelled_router_flip_in_both_summaries_does_not_pass(runs, tmp_path):
+    d = copied_run(runs["moe_flip_bias_bug"][0], tmp_path)
+    n = 0
+    for path in (d / "summary.json", *sorted(d.glob("ops/summary.json"))):
+        s = json.loads(path.read_text())
+        for f in s["degrees"]["2"]["findings"]:
+            if f["cause"] == "sharding-bug":
+                f["cause"], n = "router-flip", n + 1
+                f.pop("flip_rows", None)
+        s["class"] = "rounding"
+        path.write_text(json.dumps(s))
+    assert n == 2, n
+    p = run_cli("gate", str(d), "--allow", "rounding")
+    assert p.returncode == 2, p.stdout[-2000:]
+    assert "the token rows the router flip cannot reach" in p.stdout, p.stdout[-2000:]
 
 
 # ---- the rows, on records made here -------------------------------------------------------------------

@@ -136,9 +136,10 @@ def relabel_after(findings: list[dict], idxs: list[int], flips: list[dict], dd=N
 
                 if fl is None:
                     fl, by_idx = flip_rows.flips_of(dd), {r["idx"]: r for r in dd.rows}
-                got = flip_rows.confined(dd, by_idx.get(i), fl)
+                row = by_idx.get(i)
+                got = flip_rows.confined(dd, row, fl)
                 if got is not None:
-                    f["flip_rows"] = got
+                    f["flip_rows"] = row["flip_rows"] = got  # the row's: the gate's re-diff reads it (flip_check.py)
                     if not got["confined"]:
                         settle(f, after_flip=None)  # the other rows are no flip's: judged as before
                         continue
