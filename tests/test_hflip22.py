@@ -136,7 +136,8 @@ def test_a_difference_carried_through_the_flipped_sequence_is_the_flips():
 def test_where_the_rows_are_not_told_the_relabelling_stands():
     # no batch recorded: the sequences are not told, and every row moved - today's relabelling (module doc)
     f = _relabelled(_dd([*range(8)], seq=False))
-    assert f["cause"] == "router-flip" and "flip_rows" not in f, f
+    assert f["cause"] == "unknown" and f["flip_rows"]["confined"] is None, f  # fail closed: not router-flip
+    assert "no batch record says which rows" in f["why"], f
     f = _relabelled(_dd([3], seq=False))  # ... where the flipped row alone moved, told all the same
     assert f["cause"] == "router-flip" and f["flip_rows"]["confined"], f
     dd = _dd(range(16))

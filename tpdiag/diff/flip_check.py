@@ -40,7 +40,7 @@ def problem(label: str, entry, rows: list[dict], second: bool = False) -> str | 
         r = by_key.get(f.get("key"))
         if r is None:
             continue
-        if (r.get("flip_rows") or {}).get("confined") is False:
+        if isinstance(r.get("flip_rows"), dict) and r["flip_rows"].get("confined") is not True:
             why = ("a record beyond its bound on the token rows the router flip cannot reach (sharding-bug: "
                    "diff/flip_rows.py)")
         elif flipped(r):

@@ -19,9 +19,10 @@ float64 re-execution's verdict (diff/oracle_verdict.judge, or judge_own from thi
 formed on their rows of the record and of the float64 value. Bitwise equal there: confined, no bound
 needed. Far there: the finding stays what its own evidence says (a BUG), with the rows in `flip_rows`.
 
+Other rows beyond the bound where the sequences are not told (no batch recorded, a record [S, B, ...], every
+sequence flipped): `confined` None, the finding `unknown` (fail closed: neither the flip's nor a bug shown).
 Not told (None: the caller keeps today's relabelling): a record whose leading dims do not hold the
-step's token rows ([T, ...] or [B, S, ...]), other rows beyond the bound where the sequences are not told
-(no batch recorded, a record [S, B, ...], every sequence flipped), a step whose flips' tokens are not recorded (hash capture)
+step's token rows ([T, ...] or [B, S, ...]), a step whose flips' tokens are not recorded (hash capture)
 or count tokens otherwise, a record of another step or of the backward (a grad of every row reads the
 flipped rows: flip_shares.py judges shares there), a bound that is no float64 verdict (a layout's
 elementwise bound is not kept per element), a float64 verdict with a discrete choice inside (oracle_flip:
@@ -94,10 +95,10 @@ def confined(dd, row: dict | None, fl: flip_shares.Flips) -> dict | None:
     if not v["far"]:
         return {**out, "confined": True}
     # an op mixing a sequence's tokens carries the flip into its sequence: the sequences it did not touch
-    # (no batch recorded, or a record [S, B, ...]: which rows a mixer reached is not told - None, as above)
+    # no batch recorded, or a record [S, B, ...]: which rows a mixer reached is not told - fail closed
     seqs = flip_shares._sequences(tokens, n, list(a.shape), fl.seq_len)
     if seqs is None:
-        return None
+        return {**out, "confined": None}
     s = seqs[1]
     keep = torch.tensor([t // s not in seqs[0] for t in range(n)])
     w = _verdict(dd, row, keep, n) if bool(keep.any()) else None

@@ -140,7 +140,15 @@ def relabel_after(findings: list[dict], idxs: list[int], flips: list[dict], dd=N
                 got = flip_rows.confined(dd, row, fl)
                 if got is not None:
                     f["flip_rows"] = row["flip_rows"] = got  # the row's: the gate's re-diff reads it (flip_check.py)
-                    if not got["confined"]:
+                    if got["confined"] is False:
                         settle(f, after_flip=None)  # the other rows are no flip's: judged as before
+                        continue
+                    if got["confined"] is None:
+                        settle(f, flip_untold=(
+                            f"after the router flip at {first['key']}, beyond its bound on {got['rows_left']} token "
+                            f"rows the flip did not flip (ratio {got['ratio']:.3g}), and no batch record says which "
+                            "rows an op mixing a sequence's tokens carried the flip into: neither the flip's "
+                            "consequence nor a bug is shown"))
+                        f.update(root_cause=False, after=first["key"])
                         continue
             f.update(root_cause=False, after=first["key"])
