@@ -9,9 +9,10 @@ no op after the MoE mixes tokens.
                        all-reduce, so at TP=2 it is counted twice - on EVERY token row, the 15 rows the
                        flip left alone too
 
-    tpdiag compare --model py:tests/hflip22.py:moe_flip_bias_bug --tp 1,2 --dtype bfloat16
-The twin's wrong MLP output read `router-flip` (it comes after the flip), the run's class `rounding`:
-tests/test_hflip22.py. The near tie is placed for bfloat16 as in tests/hflip21.py.
+    tpdiag compare --model py:tests/hflip22.py:moe_flip_bias_bug --tp 1,2 --dtype bfloat16 --forward-only
+On bedbdc47 the twin's wrong MLP output read `router-flip` (it comes after the flip), the run `rounding only`,
+gate --allow rounding 0; now `sharding-bug`, gate 4 (tests/test_hflip22.py). With the backward the router
+logits grad's shares catch it anyway (diff/flip_shares.py), so the test runs forward only. The near tie is placed for bfloat16 as in tests/hflip21.py.
 """
 import torch
 import torch.distributed as dist
