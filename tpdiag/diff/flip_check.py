@@ -15,7 +15,9 @@ skipped in a run with a flip (records/integrity.py: drill.py leaves such finding
                                          nothing before it is `unknown`: diff/router.py)
 
 A finding a later pass made (`from`) is held to that pass's records (diff/recheck_pass.py, second=True).
-Not re-derived here: a beyond-bound record after a flip (any such reads router-flip: judge.py's rule); an
+  a forward record of the flip's step     not router-flip where the re-diff found it beyond its bound on the
+                                         rows the flip cannot reach (flip_rows, not confined: diff/flip_rows.py)
+Not re-derived here: any other beyond-bound record after a flip (any such reads router-flip: judge.py's rule); an
 oracle_flip mark is taken as the rows give it (pass 1's re-diff computes none, a second pass's re-diff does)."""
 from __future__ import annotations
 
@@ -38,7 +40,10 @@ def problem(label: str, entry, rows: list[dict], second: bool = False) -> str | 
         r = by_key.get(f.get("key"))
         if r is None:
             continue
-        if flipped(r):
+        if isinstance(r.get("flip_rows"), dict) and r["flip_rows"].get("confined") is not True:
+            why = ("a record beyond its bound on the token rows the router flip cannot reach (sharding-bug: "
+                   "diff/flip_rows.py)")
+        elif flipped(r):
             if any(x["idx"] < r["idx"] and (x.get("bitwise") is False or x.get("rank_consistent") is False)
                    for x in rows):
                 continue

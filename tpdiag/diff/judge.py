@@ -150,6 +150,11 @@ RULES: list[Rule] = [
     # rank runs a model of its own (experts seeded per rank), whatever the block's output shows
     Rule("per-rank weights not the reference's", lambda ev, b: ev.not_reference is not None,
          lambda ev, b: "rank-inconsistent-replica", lambda ev, b: ev.not_reference),
+    # ... beyond its bound on token rows the flip did not flip, and which rows a token mixer carried it
+    # into not told (no batch record): neither the flip's consequence nor a bug shown (diff/flip_rows.py)
+    Rule("after a router flip, its rows not told",
+         lambda ev, b: ev.flip_untold is not None and b().rule == "after a router flip",
+         lambda ev, b: "unknown", lambda ev, b: ev.flip_untold),
     # a finding after a real router flip: tokens that ran other experts are beyond any bound
     Rule("after a router flip", lambda ev, b: ev.after_flip is not None and (
              b().cause == "sharding-bug" or bool(_row(ev, "oracle_flip"))),

@@ -26,6 +26,7 @@ class Evidence:
     op_oracle: dict | None = None  # the first divergent op's float64 verdict, where it judges the record
     flip: str | None = None        # a router-flip record: "consequence" (a divergence before it) or "root"
     after_flip: str | None = None  # the key of a real router flip earlier in the same degree
+    flip_untold: str | None = None  # after it, beyond the bound on rows not the flipped ones, sequences not told (why)
     broken_tie: bool = False       # a weight grad of a tie the plan split (models/ties.py)
     short_of_whole: str | None = None  # the first record the ranks hold only part of (why: diff/shape_break.py)
     short_after: str | None = None  # the record before it that differed already, if any (diff/shape_break.py)

@@ -276,7 +276,7 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
     fd = _describe(first, called) if first else None
     flips = router.analyse(dd, fd)
     if flips:
-        router.relabel_after(findings, fidx, flips)
+        router.relabel_after(findings, fidx, flips, dd)
         order = sorted(range(len(findings) + len(flips)),
                        key=lambda j: fidx[j] if j < len(findings) else flips[j - len(findings)]["idx"])
         both = findings + flips

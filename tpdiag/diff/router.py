@@ -117,15 +117,38 @@ def _hash_only(row: dict, first_divergence: dict | None) -> dict:
     return f
 
 
-def relabel_after(findings: list[dict], idxs: list[int], flips: list[dict]) -> None:
+def relabel_after(findings: list[dict], idxs: list[int], flips: list[dict], dd=None) -> None:
     """A finding after a router flip (idxs: each finding's record index, execution order)
     inherits the flip: a token that ran other experts is beyond any rounding bound by
-    construction. (A real bug after the flip cannot be told apart from it; the flip's finding
-    says where to look first.)"""
+    construction - on the rows the flip can reach. A forward finding of the flip's own step whose
+    other token rows are beyond the bound it was judged with stays what its evidence says
+    (diff/flip_rows.py: a real mistake after the flip moves every row); where the rows are not told,
+    the flip's finding says where to look first."""
     real = [f for f in flips if f["cause"] == "router-flip"]
     if not real:
         return
     first = min(real, key=lambda f: f["idx"])
+    fl = by_idx = None
     for f, i in zip(findings, idxs):
         if i > first["idx"] and settle(f, after_flip=first["key"]).rule == "after a router flip":
+            if dd is not None:
+                from tpdiag.diff import flip_rows
+
+                if fl is None:
+                    fl, by_idx = flip_rows.flips_of(dd), {r["idx"]: r for r in dd.rows}
+                row = by_idx.get(i)
+                got = flip_rows.confined(dd, row, fl)
+                if got is not None:
+                    f["flip_rows"] = row["flip_rows"] = got  # the row's: the gate's re-diff reads it (flip_check.py)
+                    if got["confined"] is False:
+                        settle(f, after_flip=None)  # the other rows are no flip's: judged as before
+                        continue
+                    if got["confined"] is None:
+                        settle(f, flip_untold=(
+                            f"after the router flip at {first['key']}, beyond its bound on {got['rows_left']} token "
+                            f"rows the flip did not flip (ratio {got['ratio']:.3g}), and no batch record says which "
+                            "rows an op mixing a sequence's tokens carried the flip into: neither the flip's "
+                            "consequence nor a bug is shown"))
+                        f.update(root_cause=False, after=first["key"])
+                        continue
             f.update(root_cause=False, after=first["key"])
