@@ -22,7 +22,7 @@ OTHER_AXIS = ("to match bitwise, run the trainer with the engine's value; or lea
 def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, reproduced: list, processed: dict,
                invariance: dict, notes_dtype: list, padded: bool = False, leak: dict | None = None,
                decodable: bool = True, cache_off: bool = False, recipe_own: bool = False,
-               shifted: bool = False, mode_bug: dict | None = None) -> dict:
+               shifted: bool = False, mode_bug: dict | None = None, pad_bug: dict | None = None) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
     token_mult_prob_error (the trainer's), threshold}."""
@@ -69,6 +69,12 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                          f"({reference}); they differ in {len(differs)} setting{'s' if len(differs) != 1 else ''}. "
                          f"{said}. {_gap(m, ', from these settings alone')}")}
     first = []
+    if pad_bug:  # the file is the model's on a wrongly run padded batch: the fix is in whatever wrote it
+        first.append("pass the attention mask and position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) "
+                     "with the left-padded ids in whatever wrote the file (the left padding note above: "
+                     + ("the pads were attended and the positions counted from the pad" if pad_bug["variant"] == "unmasked"
+                        else "the positions were counted from the pad" if pad_bug["variant"] == "positions"
+                        else "the pads were attended") + "), and run again")
     if shifted:  # the file's numbers belong to other tokens: no configuration can match them
         first.append("fix which token each logprob is taken for (the misaligned-logprobs note above) in "
                      "whatever wrote the file, and run again")
@@ -106,19 +112,26 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     rest = ("the engine computed with something outside the trainer's settings: another model or weights, "
             "another dtype, processing of its logprobs, or kernels of its own (paged or flash attention, "
             "fused or CUDA-graph GEMMs)")
+    if pad_bug:
+        head = ("nothing tried reproduces the file: its numbers are the model's on a left-padded batch run "
+                "wrong (the left padding note above) - a bug in whatever wrote it, not rounding")
     if first:
         body = "First " + "; then ".join(first) + f". If still none reproduces, {rest}"
     else:
         body = rest[0].upper() + rest[1:]
-    return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '')}"}
+    return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '', bug=bool(pad_bug or shifted))}"}
 
 
-def _gap(m: dict, cause: str) -> str:
+def _gap(m: dict, cause: str, bug: bool = False) -> str:
     e = m["token_mult_prob_error"]
     over = e > NEMO_RL_THRESHOLD
-    return (f"The trainer as configured reads token_mult_prob_error {e:.7f} ({m['exact_tokens']}/{m['tokens']} "
-            f"exact): {'over' if over else 'within'} NeMo RL's {NEMO_RL_THRESHOLD} for a healthy run"
-            + (cause if over else ""))
+    said = (f"The trainer as configured reads token_mult_prob_error {e:.7f} ({m['exact_tokens']}/{m['tokens']} "
+            f"exact): ")
+    if bug:
+        # a named bug is no healthy run, however small its gap reads against the threshold
+        return said + (f"{'over' if over else 'under'} NeMo RL's {NEMO_RL_THRESHOLD}, but the gap is the bug named "
+                       "above, not rounding: the run is not healthy until it is fixed")
+    return said + f"{'over' if over else 'within'} NeMo RL's {NEMO_RL_THRESHOLD} for a healthy run" + (cause if over else "")
 
 
 def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> str:
