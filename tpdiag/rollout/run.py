@@ -181,7 +181,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             from tpdiag.rollout import pad_unmasked
 
             # nothing reproduces the file: was it a left-padded batch run without its mask or positions?
-            with threads:
+            with _one_thread() if big > 1 else nullcontext():  # TP=1's threads (a context is single-use)
                 pad_bug = pad_unmasked.check(seqs, model, rc.micro_batch)
         mode_bug = None
         if decodable and {"prefill", "decode"} <= set(rc.modes):
