@@ -30,18 +30,21 @@ def _policy(arch):
                                         **ids))
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
+# llama_bf16: saved and loaded in bf16, the trial's shape - its positions dump read token_mult_prob_error
+# ~1.02 and "within NeMo RL's 1.05 for a healthy run" with nothing to say why
+@pytest.fixture(scope="module", params=["llama", "gpt2", "llama_bf16"])
 def dumps(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     d = tmp_path_factory.mktemp("padtrainer")
     torch.manual_seed(0)
-    m = _policy(request.param)
+    m = _policy(request.param.split("_")[0])
     with torch.no_grad():
         for p in m.parameters():
             p.mul_(3)  # a policy with opinions: positions and context move its logprobs
-    m.save_pretrained(d / "model")
-    model = AutoModelForCausalLM.from_pretrained(d / "model").eval()
+    dtype = torch.bfloat16 if request.param.endswith("bf16") else torch.float32
+    m.to(dtype).save_pretrained(d / "model")
+    model = AutoModelForCausalLM.from_pretrained(d / "model", dtype=dtype).eval()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in PROMPTS]
     P = max(PROMPTS)
@@ -72,11 +75,12 @@ def dumps(request, tmp_path_factory):
     return "hf:" + str(d / "model"), files, request.param
 
 
-def _rollout(model, path, **kw):
+def _rollout(model, path, arch, **kw):
     from tpdiag.rollout.run import RolloutConfig, run_rollout
 
     kw = {"micro_batch": (3,), "modes": ("prefill",), "fixes": ("none",), **kw}
-    return run_rollout(RolloutConfig(file=path, model=model, **kw))
+    dtype = "bfloat16" if arch.endswith("bf16") else "float32"  # as the checkpoint is saved
+    return run_rollout(RolloutConfig(file=path, model=model, dtype=dtype, **kw))
 
 
 @pytest.mark.parametrize("name, words", [
@@ -85,16 +89,18 @@ def _rollout(model, path, **kw):
 ])
 def test_a_trainer_that_ran_left_padding_wrong_is_named(dumps, name, words):
     model, files, arch = dumps
-    s = _rollout(model, files[name])
+    s = _rollout(model, files[name], arch)
     assert not s["closest"]["reproduced"]
     bug = s.get("left_padding") or {}
     assert bug.get("variant") == name, bug
     assert bug["exact_tokens"] == bug["tokens"] > 0, bug  # the trainer's own numbers, bit for bit
     assert words in bug["line"] and bug["line"] in s["notes"], bug
     line = s["what_to_do"]["line"]
-    if name == "positions" and arch == "llama":  # RoPE: a shift of every position is the same function
+    if name == "positions" and arch.startswith("llama"):  # RoPE: a shift of every position is the same function
         assert bug["bug"] is False and bug["float64_max_abs"] < 1e-5, bug  # transformers takes RoPE's cos/sin in float32
         assert "rounding, not a bug" in bug["line"] and "pass the attention mask" not in line, line
+        assert line.startswith("no configuration tried reproduces the file, but the left padding note above does"), line
+        assert "First to match bitwise, pass position_ids" in line and "for a healthy run" in line, line
         return
     assert bug["bug"] is True and bug["float64_max_abs"] > 1e-2, bug
     assert "a bug, not rounding" in bug["line"], bug["line"]
@@ -105,9 +111,9 @@ def test_a_trainer_that_ran_left_padding_wrong_is_named(dumps, name, words):
 
 
 def test_the_correct_trainer_is_not_named_and_is_reproduced_left_padded(dumps):
-    model, files, _ = dumps
-    s = _rollout(model, files["correct"])
+    model, files, arch = dumps
+    s = _rollout(model, files["correct"], arch)
     assert s.get("left_padding") is None and not any("left padding" in n for n in s["notes"]), s["notes"]
-    s = _rollout(model, files["correct"], padding=("auto", "left"))
+    s = _rollout(model, files["correct"], arch, padding=("auto", "left"))
     assert s["closest"]["reproduced"] and "tp1-mb3-prefill-none-padleft" in s["closest"]["configurations"], s["closest"]
     assert s.get("left_padding") is None

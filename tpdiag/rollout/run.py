@@ -335,7 +335,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc),
                       bool(pad_note), leak, decodable, bool(cache_note), recipe_own and not reproduced, bool(shift),
-                      mode_bug if mode_bug and "line" in mode_bug else None, named)
+                      mode_bug if mode_bug and "line" in mode_bug else None, pad_bug)
     # a gap the file's own mistake makes (processing, a misaligned token, padding kept) is not noise
     noise = 0.0 if verdict.get("detected") or shift or pad_note or named else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)

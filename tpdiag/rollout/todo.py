@@ -69,7 +69,11 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                          f"({reference}); they differ in {len(differs)} setting{'s' if len(differs) != 1 else ''}. "
                          f"{said}. {_gap(m, ', from these settings alone')}")}
     first = []
-    if pad_bug:  # the file is the model's on a wrongly run padded batch: the fix is in whatever wrote it
+    same = pad_bug is not None and pad_bug.get("bug") is False
+    if same:  # the file is a padded batch whose positions start at the pad: rounding of the same function
+        first.append("to match bitwise, pass position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) with the "
+                     "left-padded ids in whatever wrote the file (the left padding note above)")
+    if pad_bug and pad_bug.get("bug"):  # the file is the model's on a wrongly run padded batch: the fix is in whatever wrote it
         first.append("pass the attention mask and position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) "
                      "with the left-padded ids in whatever wrote the file (the left padding note above: "
                      + ("the pads were attended and the positions counted from the pad" if pad_bug["variant"] == "unmasked"
@@ -112,14 +116,19 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     rest = ("the engine computed with something outside the trainer's settings: another model or weights, "
             "another dtype, processing of its logprobs, or kernels of its own (paged or flash attention, "
             "fused or CUDA-graph GEMMs)")
-    if pad_bug:
+    named = bool((pad_bug and pad_bug.get("bug")) or shifted)  # a bug named above: no healthy run
+    if pad_bug and pad_bug.get("bug"):
         head = ("nothing tried reproduces the file: its numbers are the model's on a left-padded batch run "
                 "wrong (the left padding note above) - a bug in whatever wrote it, not rounding")
+    elif same:
+        head = ("no configuration tried reproduces the file, but the left padding note above does: its numbers are "
+                "the model's on a left-padded batch with positions counted from the pad, for this model the same "
+                "function as positions from the first real token (float64) - the gap is rounding")
     if first:
         body = "First " + "; then ".join(first) + f". If still none reproduces, {rest}"
     else:
         body = rest[0].upper() + rest[1:]
-    return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '', bug=bool(pad_bug or shifted))}"}
+    return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '', bug=named)}"}
 
 
 def _gap(m: dict, cause: str, bug: bool = False) -> str:
