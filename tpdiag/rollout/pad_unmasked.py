@@ -22,7 +22,7 @@ VARIANTS = {
 WORDS = {
     "unmasked": "ran the left padding unmasked (no attention_mask: the pad tokens attended) and with "
                 "positions counted from the pad (0..L-1 from the row's first pad, not its first real token)",
-    "positions": "ran the left padding with the attention mask but with positions counted from the pad (no "
+    "positions": "ran the left padding masked, with positions counted from the pad (no "
                  "position_ids: transformers numbers 0..L-1 from the row's first pad, not its first real token)",
     "unmasked_only": "ran the left padding unmasked (no attention_mask: the pad tokens attended), positions right",
 }
