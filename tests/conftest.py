@@ -352,7 +352,7 @@ FILE_SECONDS = {
     "test_slice.py": 4, "test_tied_split.py": 4, "test_complex_records.py": 3, "test_plan_warnings.py": 3, "test_rollout_sampling_length.py": 3,
     "test_vocab_pad128.py": 3, "test_compare.py": 2, "test_compare_dtype_note.py": 2, "test_handwritten_tp.py": 2, "test_hashing.py": 2,
     "test_precheck_paths.py": 2, "test_side_by_side.py": 14, "test_hf_checkpoint_init.py": 1, "test_rollout_generate_zoo.py": 1, "test_rollout_own_cache.py": 1,
-    "test_rollout_padded.py": 1, "test_rollout_what_to_do.py": 1,
+    "test_rollout_padded.py": 1, "test_rollout_what_to_do.py": 1, "test_rollout_pad_unmasked.py": 12,
     # session 13 (helper hci13): the files that had no figure, all in one `pytest -n 0` (per-test CPU
     # from its cgroup), less the session runs stock_run, tp12_run and mb41_stock_run, which
     # test_failclosed_second_pass made there and files listed above make first in CI

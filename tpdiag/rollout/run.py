@@ -62,6 +62,7 @@ def configurations(rc: RolloutConfig) -> list[Config]:
 def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     """The summary; on_logprobs({label: [float32 tensor per sequence]}) gets every configuration's
     logprobs that ran (tests: the lanes' bits against one process's)."""
+    from tpdiag.rollout import metrics
     from tpdiag.rollout.compute import build
     from tpdiag.rollout.read import read_rollout
 
@@ -174,6 +175,14 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             with threads:
                 results, trainer, collector, stats_from = _compute(rc, cfgs, worlds, seqs, target, model, groups,
                                                                    on_status, flag_values)
+        pad_bug = None
+        if pad_note is None and not any(metrics.reproduces(seqs, r["metrics"]) for lab, r in results.items()
+                                        if lab in trainer):
+            from tpdiag.rollout import pad_unmasked
+
+            # nothing reproduces the file: was it a left-padded batch run without its mask or positions?
+            with _one_thread() if big > 1 else nullcontext():  # TP=1's threads (a context is single-use)
+                pad_bug = pad_unmasked.check(seqs, model, rc.micro_batch)
         mode_bug = None
         if decodable and {"prefill", "decode"} <= set(rc.modes):
             from tpdiag.rollout import mode_gap
@@ -192,7 +201,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if v:
                 flag_values.setdefault(k, v)
     return _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-                    flag_values, pad_note, sampled, decodable, cache_note, mode_bug)
+                    flag_values, pad_note, sampled, decodable, cache_note, mode_bug, pad_bug)
 
 
 def _recipe_entry(rc) -> dict:
@@ -252,7 +261,7 @@ def _micro_batch_note(rc, seqs) -> list:
 
 def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
              flag_values=None, pad_note=None, sampled=None, decodable: bool = True,
-             cache_note=None, mode_bug=None) -> dict:
+             cache_note=None, mode_bug=None, pad_bug=None) -> dict:
     from tpdiag.rollout import metrics, processed, tp_invariance
     from tpdiag.runner.flags import one_line
 
@@ -300,6 +309,10 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     shift = None if reproduced or not stats_from else shifted.judge(collector.shift)
     if shift:
         notes.append(shift["line"])
+    pad_bug = None if reproduced else pad_bug
+    if pad_bug:
+        notes.append(pad_bug["line"])
+    named = pad_bug if pad_bug and pad_bug.get("bug") else None  # the padding run wrong, not a rounding of it
     # a prompt that begins with pad tokens is the user's own where a configuration reproduces the engine
     pad_note = None if reproduced else pad_note
     if pad_note:
@@ -322,9 +335,9 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc),
                       bool(pad_note), leak, decodable, bool(cache_note), recipe_own and not reproduced, bool(shift),
-                      mode_bug if mode_bug and "line" in mode_bug else None)
+                      mode_bug if mode_bug and "line" in mode_bug else None, pad_bug)
     # a gap the file's own mistake makes (processing, a misaligned token, padding kept) is not noise
-    noise = 0.0 if verdict.get("detected") or shift or pad_note else ref_m["max_abs"]
+    noise = 0.0 if verdict.get("detected") or shift or pad_note or named else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {
         "schema": 1, "command": "rollout", "file": rc.file, "format": ro.format, "model": rc.model,
@@ -341,7 +354,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         "sdpa_ran": _sdpa_words(results),
         "what_to_do": todo,
         "logprob_recipe": _recipe_entry(rc),
-        "processed": verdict, "shifted": shift, "mode_gap": mode_bug, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
+        "processed": verdict, "shifted": shift, "left_padding": pad_bug, "mode_gap": mode_bug, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
         "batch_leak": leak,
         "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),

@@ -22,7 +22,7 @@ OTHER_AXIS = ("to match bitwise, run the trainer with the engine's value; or lea
 def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, reproduced: list, processed: dict,
                invariance: dict, notes_dtype: list, padded: bool = False, leak: dict | None = None,
                decodable: bool = True, cache_off: bool = False, recipe_own: bool = False,
-               shifted: bool = False, mode_bug: dict | None = None) -> dict:
+               shifted: bool = False, mode_bug: dict | None = None, pad_bug: dict | None = None) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
     token_mult_prob_error (the trainer's), threshold}."""
@@ -69,6 +69,16 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                          f"({reference}); they differ in {len(differs)} setting{'s' if len(differs) != 1 else ''}. "
                          f"{said}. {_gap(m, ', from these settings alone')}")}
     first = []
+    same = pad_bug is not None and pad_bug.get("bug") is False
+    if same:  # the file is a padded batch whose positions start at the pad: rounding of the same function
+        first.append("to match bitwise, pass position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) with the "
+                     "left-padded ids in whatever wrote the file (the left padding note above)")
+    if pad_bug and pad_bug.get("bug"):  # the file is the model's on a wrongly run padded batch: the fix is in whatever wrote it
+        first.append("pass the attention mask and position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) "
+                     "with the left-padded ids in whatever wrote the file (the left padding note above: "
+                     + ("the pads were attended and the positions counted from the pad" if pad_bug["variant"] == "unmasked"
+                        else "the positions were counted from the pad" if pad_bug["variant"] == "positions"
+                        else "the pads were attended") + "), and run again")
     if shifted:  # the file's numbers belong to other tokens: no configuration can match them
         first.append("fix which token each logprob is taken for (the misaligned-logprobs note above) in "
                      "whatever wrote the file, and run again")
@@ -106,19 +116,31 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     rest = ("the engine computed with something outside the trainer's settings: another model or weights, "
             "another dtype, processing of its logprobs, or kernels of its own (paged or flash attention, "
             "fused or CUDA-graph GEMMs)")
+    named = bool((pad_bug and pad_bug.get("bug")) or shifted)  # a bug named above: no healthy run
+    if pad_bug and pad_bug.get("bug"):
+        head = ("nothing tried reproduces the file: its numbers are the model's on a left-padded batch run "
+                "wrong (the left padding note above) - a bug in whatever wrote it, not rounding")
+    elif same:
+        head = ("no configuration tried reproduces the file, but the left padding note above does: its numbers are "
+                "the model's on a left-padded batch with positions counted from the pad, for this model the same "
+                "function as positions from the first real token (float64) - the gap is rounding")
     if first:
         body = "First " + "; then ".join(first) + f". If still none reproduces, {rest}"
     else:
         body = rest[0].upper() + rest[1:]
-    return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '')}"}
+    return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '', bug=named)}"}
 
 
-def _gap(m: dict, cause: str) -> str:
+def _gap(m: dict, cause: str, bug: bool = False) -> str:
     e = m["token_mult_prob_error"]
     over = e > NEMO_RL_THRESHOLD
-    return (f"The trainer as configured reads token_mult_prob_error {e:.7f} ({m['exact_tokens']}/{m['tokens']} "
-            f"exact): {'over' if over else 'within'} NeMo RL's {NEMO_RL_THRESHOLD} for a healthy run"
-            + (cause if over else ""))
+    said = (f"The trainer as configured reads token_mult_prob_error {e:.7f} ({m['exact_tokens']}/{m['tokens']} "
+            f"exact): ")
+    if bug:
+        # a named bug is no healthy run, however small its gap reads against the threshold
+        return said + (f"{'over' if over else 'under'} NeMo RL's {NEMO_RL_THRESHOLD}, but the gap is the bug named "
+                       "above, not rounding: the run is not healthy until it is fixed")
+    return said + f"{'over' if over else 'within'} NeMo RL's {NEMO_RL_THRESHOLD} for a healthy run" + (cause if over else "")
 
 
 def _meaning(axis: str, mine, theirs, ref: Config, like: Config, batch: int) -> str:
