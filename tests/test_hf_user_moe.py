@@ -77,18 +77,17 @@ def test_correct_moe_plans_read_rounding(ckpt, tmp_path, kind, func):
     assert _gate(out, "--allow", "rounding") == 0
 
 
-@pytest.mark.parametrize("kind,func,where", [
-    ("mixtral", "packed_naive", "model.layers.0.mlp.experts"),
-    ("granitemoe", "router_partial", "model.layers.0.block_sparse_moe.router"),
-    ("qwen2_moe", "shared_gate_partial", "model.layers.0.mlp.shared_expert_gate"),
+@pytest.mark.parametrize("kind,func,where,cause", [
+    ("mixtral", "packed_naive", "model.layers.0.mlp.experts", "sharding-bug"),
+    ("granitemoe", "router_partial", "model.layers.0.block_sparse_moe.router", "rank-inconsistent-replica"),
+    ("qwen2_moe", "shared_gate_partial", "model.layers.0.mlp.shared_expert_gate", "rank-inconsistent-replica"),
 ])
-def test_buggy_moe_plans_are_bugs(ckpt, tmp_path, kind, func, where):
+def test_buggy_moe_plans_are_bugs(ckpt, tmp_path, kind, func, where, cause):
     d, out = _compare(ckpt(kind), tmp_path, func)
     assert d["class"] == "bug", json.dumps(d)[:2000]
-    # forward BUG findings: at the planted module and its ancestors (which return its output)
-    fwd = {f["module"] for f in d["findings"] if f["phase"] == "forward"
-           and f["cause"] in ("sharding-bug", "rank-inconsistent-replica")}
-    assert where in fwd and all(where.startswith(m) for m in fwd), d["findings"]
+    # the forward finding no other follows from: the planted module
+    roots = [(f["module"], f["cause"]) for f in d["findings"] if f["phase"] == "forward" and not f.get("follows")]
+    assert roots == [(where, cause)], d["findings"]
     assert _gate(out, "--allow", "rounding") == 4
 
 
