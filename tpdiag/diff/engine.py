@@ -7,6 +7,7 @@ from tpdiag.diff import flat_rows, flip_shares, measure, op_streams, pair_memo, 
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.diff.left_out import _inside_block, per_piece_blocks, per_rank_blocks
 from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
+from tpdiag.diff.packed_shards import PackedShards
 from tpdiag.errors import NotComparable, ShortOfWhole
 from tpdiag.records.layout import assemble, first_positions, local_shape, vocab_padded, vocab_padded_dim
 from tpdiag.records.keys import ROOTS
@@ -145,6 +146,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     captured = any(rs.world.get("tool") == "tpdiag.capture" for rs in (ref, other))
     shape_break = None
     flips = flip_shares.Flips()  # the router flips so far: a share grad behind one is judged on the other rows
+    packed = PackedShards()  # hand-cut packed weights (gate|up), learned at init
     updates = None
     if captured and values:
         from tpdiag.diff.scale import Updates
@@ -218,6 +220,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
             else:
                 ra, oa = vocab_padded(rm, rt, om, ot, ref.world.get("vocab_padding"),
                                       other.world.get("vocab_padding")) or assemble_pair(rm, rt, om, ot)
+                oa = packed.regather(om, ra, oa)
             a, b = pair_tensors(ra, oa)
             a = first_positions(a, b, om.get("positions"))
             if om["kind"] == "op" and (a.shape != b.shape or a.dtype != b.dtype):
@@ -268,7 +271,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         # gate re-diffs a run's every pass in one memo (gate/once.py), whose worlds may differ in these
         content = pair_memo.pair_key(ref, rm, other, om, values, captured,
                                      pair_memo.context(ref.world.get("vocab_padding"),
-                                                       other.world.get("vocab_padding"), flat))
+                                                       other.world.get("vocab_padding"), flat,
+                                                       packed.of(om)))
         measured = pair_memo.get(content)
         if measured is None:
             before = dict(row)

@@ -33,6 +33,9 @@ def side_params(ref_dir: str, other_dir: str, wanted: set[str], budget: int = OW
     for om in other.events:
         if om["kind"] in ("param", "param_init") and read_at(om["step"], om["kind"]) not in anchored:
             by_step.setdefault(read_at(om["step"], om["kind"]), []).append(om)
+    from tpdiag.diff.packed_shards import PackedShards
+
+    packed = PackedShards()  # a hand-cut packed weight's layout, learned from its init (step 0 first)
     seen: dict = {}  # key -> (this side's whole value or None, differs)
     out, used = {}, 0
     for m in sorted(wanted):
@@ -45,7 +48,7 @@ def side_params(ref_dir: str, other_dir: str, wanted: set[str], budget: int = OW
                 continue
             for om in mine:
                 if om["key"] not in seen:
-                    seen[om["key"]] = _whole(ref, other, om)
+                    seen[om["key"]] = _whole(ref, other, om, packed)
             got = [seen[om["key"]] for om in mine]
             if not any(d for _, d in got) or any(b is None for b, _ in got):
                 continue
@@ -63,7 +66,7 @@ def _shape(ref, om: dict) -> list:
     return om.get("full_shape") or rm.get("full_shape") or rm.get("local_shape") or om.get("local_shape") or ()
 
 
-def _whole(ref, other, om: dict) -> tuple:
+def _whole(ref, other, om: dict, packed=None) -> tuple:
     """(this side's whole value of a parameter record, whether it differs from the reference's), or
     (None, True) where there is no one whole value (hash-only, not one value across its ranks)."""
     from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
@@ -74,6 +77,8 @@ def _whole(ref, other, om: dict) -> tuple:
         return None, True
     try:
         ra, oa = assemble_pair(rm, ref.tensor(rm), om, other.tensor(om))
+        if packed is not None:
+            oa = packed.regather(om, ra, oa)
         a, b = pair_tensors(ra, oa)
     except NotComparable:
         return None, True
