@@ -174,9 +174,10 @@ def _tp(run_dir: str, manifest: dict, confs: dict, label: str):
     if not is_diff_dir(run_dir, manifest):
         return None
     from tpdiag.base.files import read_json
+    from tpdiag.records.paths import WORLD
 
     try:
-        w = read_json(os.path.join(records_dir(run_dir, manifest, label), "world.json"))
+        w = read_json(os.path.join(records_dir(run_dir, manifest, label), WORLD))
     except Inconclusive:
         return None
     return w.get("degree") if isinstance(w, dict) else None
