@@ -487,8 +487,8 @@ FILE_SECONDS = {
     # session 20 (helper hhash20): four bf16 compares at TP=1,2 under --capture hash (moe_zloss_flip twice,
     # moe_bwd_bug, moe_late_bug), no confirmation, and five gates: 33 s wall with `pytest -n 0` (21 s user)
     "test_shares_hash_judged.py": 30,
-    "test_hflip22.py": 25,  # two bf16 --forward-only compares at TP=1,2 and their gates
-    "test_hflip21.py": 40,  # three bf16 compares at TP=1,2 (one --capture hash) and their gates
+    "test_moe_flip_forward.py": 25,  # two bf16 --forward-only compares at TP=1,2 and their gates
+    "test_moe_token_mixer.py": 40,  # three bf16 compares at TP=1,2 (one --capture hash) and their gates
     # session 19 (helper hgate19): 14 gates of tp12_run, behind_bugs_run and edited copies; its tests' calls
     # took 100 s with `pytest -n 0` at load average 20-26 on the shared 2 cores
     "test_gate_once.py": 13,

@@ -4,7 +4,7 @@ records/labels.flip_problems holds a router-flip label to an expert choice that 
 that alone let a BUG pass: a record whose ranks' copies disagree (`rank-inconsistent-replica`) relabelled
 `router-flip` in summary.json - and in the second pass's summary, whose comparison with summary.json is
 skipped in a run with a flip (records/integrity.py: drill.py leaves such findings out on purpose) - passed
-`gate --allow rounding`, exit 0 (tests/test_hflip21.py, moe_mix_late_bug). What the re-diffed rows decide:
+`gate --allow rounding`, exit 0 (tests/test_moe_token_mixer.py, moe_mix_late_bug). What the re-diffed rows decide:
 
   a record the ranks hold differently   router-flip only where its rows say so: the share tests on the rows
                                          a flip left alone add up element by element (rank_partial_flip,

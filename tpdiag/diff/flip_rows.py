@@ -3,7 +3,7 @@
 diff/router.relabel_after points a finding after a router flip back to the flip: a token that ran other
 experts is beyond any rounding bound from there on. That holds for the flipped tokens' rows only; a
 real mistake after the flip (a row-parallel MLP adding its replicated bias at every rank) moves EVERY
-row, and relabelled `router-flip` it passed `gate --allow rounding` (tests/hflip22.py, --forward-only:
+row, and relabelled `router-flip` it passed `gate --allow rounding` (tests/moe_flip_forward.py, --forward-only:
 exit 0). So a forward finding of the flip's own step is relabelled only where its difference is
 confined to the rows the flip can reach:
 

@@ -25,7 +25,7 @@ An op that mixes a sequence's tokens between the flip and the grad (attention, a
 sequence mean, in a later layer: before the grad in backward) carries the flipped tokens' change into the
 other rows of their sequences - forward into the later rows, backward into every row, whose grad reads
 every later row's - so those rows are no more a share of the reference's than the flipped ones
-(tests/hflip21.py:moe_mix_ok, a correct split, read BUG). The records do not show which op mixes which
+(tests/moe_token_mixer.py:moe_mix_ok, a correct split, read BUG). The records do not show which op mixes which
 rows, so where the other rows do not add up (not even within the band) the test is run again without
 every row of a sequence holding a flipped token: rows of the sequences no flip touched read no flipped
 row through any such op, and are judged as above (`sequences` in the mark). Token t is in sequence t // S,

@@ -1,7 +1,7 @@
-"""A router flip carried into other token rows by a token mixer (tests/hflip21.py), and the gate's
+"""A router flip carried into other token rows by a token mixer (tests/moe_token_mixer.py), and the gate's
 re-derivation of router-flip labels (diff/flip_check.py).
 
-tests/hflip21.py: a bf16 top-2 MoE split over the TP ranks by hand, one token's experts flipped at TP=2 by
+tests/moe_token_mixer.py: a bf16 top-2 MoE split over the TP ranks by hand, one token's experts flipped at TP=2 by
 the row-parallel MLP's rounding, then a causal token mixer (a running mean over the sequence). The mixer
 carries the flipped token's change into every row of its sequence, so the router logits grad - each rank's
 share - no longer adds up on the other rows of that sequence. On main at cc609201 the CORRECT `moe_mix_ok`
@@ -33,7 +33,7 @@ def runs(tmp_path_factory):
     out = {}
     for func in ("moe_mix_ok", "moe_mix_late_bug"):
         d = tmp_path_factory.mktemp(func) / "run"
-        p = run_cli("compare", "--model", f"py:tests/hflip21.py:{func}", *ARGS, "--out", str(d))
+        p = run_cli("compare", "--model", f"py:tests/moe_token_mixer.py:{func}", *ARGS, "--out", str(d))
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
         out[func] = (d, json.loads((d / "summary.json").read_text()), p.stdout)
     return out
@@ -178,7 +178,7 @@ def test_the_gate_check_reads_the_rows():
 def test_under_hash_capture_too(tmp_path_factory, tmp_path):
     # pass 1 has the grad's per-rank hashes only; the region pass reads it whole (runner/drill_merge._judged_whole)
     d = tmp_path_factory.mktemp("hash") / "run"
-    p = run_cli("compare", "--model", "py:tests/hflip21.py:moe_mix_ok", *ARGS, "--capture", "hash", "--out", str(d))
+    p = run_cli("compare", "--model", "py:tests/moe_token_mixer.py:moe_mix_ok", *ARGS, "--capture", "hash", "--out", str(d))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     s = json.loads((d / "summary.json").read_text())
     found = {f["key"]: f for f in s["degrees"]["2"]["findings"]}

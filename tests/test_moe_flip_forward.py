@@ -1,6 +1,6 @@
-"""A real forward bug after a router flip (tests/hflip22.py) is not the flip's consequence (diff/flip_rows.py).
+"""A real forward bug after a router flip (tests/moe_flip_forward.py) is not the flip's consequence (diff/flip_rows.py).
 
-tests/hflip22.py: a bf16 top-2 MoE split over the TP ranks by hand, token 14's experts flipped at TP=2 by the
+tests/moe_flip_forward.py: a bf16 top-2 MoE split over the TP ranks by hand, token 14's experts flipped at TP=2 by the
 row-parallel MLP's rounding before it, then a row-parallel MLP whose twin adds its replicated bias at every rank
 (counted twice at TP=2, on every token row). The second pass judges that MLP's output 8.6x beyond its float64
 re-execution from this side's own inputs; router.relabel_after read it `router-flip` (it comes after the flip),
@@ -29,7 +29,7 @@ def runs(tmp_path_factory):
     out = {}
     for func in ("moe_flip_ok", "moe_flip_bias_bug"):
         d = tmp_path_factory.mktemp(func) / "run"
-        p = run_cli("compare", "--model", f"py:tests/hflip22.py:{func}", *ARGS, "--out", str(d))
+        p = run_cli("compare", "--model", f"py:tests/moe_flip_forward.py:{func}", *ARGS, "--out", str(d))
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
         out[func] = (d, json.loads((d / "summary.json").read_text()), p.stdout)
     return out

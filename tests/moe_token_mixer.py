@@ -1,18 +1,22 @@
-"""A user's top-2 MoE in bfloat16, split over the TP ranks by hand, FOLLOWED by a hand-rolled row-parallel
-MLP with a bias. A row-parallel MLP before the MoE moves the router's input by a rounding at TP=2, and one
-token's router scores nearly tie right there: token 3 picks another expert at TP=2 (router-flip, rounding).
-That token's row differs from the reference's beyond any rounding bound from there on - but only its row:
-no op after the MoE mixes tokens.
+"""A user's top-2 MoE in bfloat16, split over the TP ranks by hand, FOLLOWED by a causal token mixer (each
+row plus a per-channel gain times the running mean of its sequence's rows so far: a linear-attention /
+state-space layer's undecayed state), then a hand-rolled row-parallel MLP. A row-parallel MLP before the
+MoE moves the router's input by a rounding at TP=2, and one token's router scores nearly tie right there:
+token 3 picks another expert at TP=2 (router-flip, rounding). The mixer then carries the flipped row's
+change into the later rows of its sequence (forward) and into every row of that sequence (backward: each
+row's grad reads every later row's), so the router logits grad - each rank's share of a sum `_Enter`
+reduces - differs from the reference's on far more rows than the flipped one: by the flip, no mistake.
 
-  moe_flip_ok()        CORRECT: the MLP after the MoE adds its bias once, after the all-reduce
-  moe_flip_bias_bug()  the twin: every rank adds the (replicated) bias to its partial BEFORE the
-                       all-reduce, so at TP=2 it is counted twice - on EVERY token row, the 15 rows the
-                       flip left alone too
+  moe_mix_ok()        CORRECT: experts split by hand, the mixer replicated, the MLP after it row-parallel
+  moe_mix_late_bug()  the twin: the MLP after the mixer takes its residual from the entered tensor, so
+                      the residual's grad is summed over the ranks with the partials' - counted twice at
+                      TP=2, on every row (the forward is the twin's)
 
-    tpdiag compare --model py:tests/hflip22.py:moe_flip_bias_bug --tp 1,2 --dtype bfloat16 --forward-only
-On bedbdc47 the twin's wrong MLP output read `router-flip` (it comes after the flip), the run `rounding only`,
-gate --allow rounding 0; now `sharding-bug`, gate 4 (tests/test_hflip22.py). With the backward the router
-logits grad's shares catch it anyway (diff/flip_shares.py), so the test runs forward only. The near tie is placed for bfloat16 as in tests/hflip21.py.
+    tpdiag compare --model py:tests/moe_token_mixer.py:moe_mix_ok --tp 1,2 --dtype bfloat16
+On cc609201 both read BUG `rank-inconsistent-replica` at moe.router.proj grad_out 0 (gate 4); now the
+correct one reads `unknown` (gate 1), the twin BUG (gate 4): tests/test_moe_token_mixer.py.
+The near tie is placed for bfloat16 (the TP=2 value of the router's input emulated here in bf16, as
+the ranks compute it).
 """
 import torch
 import torch.distributed as dist
@@ -22,6 +26,7 @@ from torch import nn
 import tpdiag
 
 V, D, FF, E, K = 64, 32, 64, 4, 2
+GAIN = 32.0  # the mixer's gain at init: the flip's change, mixed, moves the other rows' grads beyond the flipped row alone
 B, S = 2, 8
 
 
@@ -103,13 +108,26 @@ class MoE(nn.Module):
         return x + out.view_as(x)
 
 
+class Mixer(nn.Module):
+    """A causal token mixer: each row plus a per-channel gain times the running mean of its sequence's
+    rows up to it (a linear-attention / state-space layer's state, undecayed), replicated on every rank.
+    Row t reads rows <= t forward; backward, row t's grad reads every later row's."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((D,), GAIN))
+
+    def forward(self, x):
+        count = torch.arange(1, x.shape[1] + 1, dtype=x.dtype, device=x.device).view(1, -1, 1)
+        return x + self.gain * (x.cumsum(1) / count)
+
+
 class MLP(nn.Module):
-    def __init__(self, bias_every_rank=False):
+    def __init__(self, residual_entered=False):
         super().__init__()
         self.fc = nn.Parameter(torch.randn(FF, D) / D ** 0.5)
         self.proj = nn.Parameter(torch.randn(D, FF) / FF ** 0.5)
-        self.bias = nn.Parameter(torch.randn(D) * 0.5)
-        self.bias_every_rank = bias_every_rank
+        self.residual_entered = residual_entered
         summed_grad(self.fc)
         summed_grad(self.proj)
 
@@ -121,12 +139,9 @@ class MLP(nn.Module):
         r, n = world()
         t = _Enter.apply(x) if n > 1 else x
         h = self.partial(t, r, n)
-        if n == 1:
-            return x + h + self.bias
-        if self.bias_every_rank:
-            # the mistake: the replicated bias added to each rank's partial, then summed - N times at TP=N
-            return x + _Sum.apply(h + self.bias)
-        return x + _Sum.apply(h) + self.bias
+        # the mistake (residual_entered): the residual taken from the entered tensor, so its grad is
+        # summed over the ranks with the partials' - counted N times at TP=N; the forward is unchanged
+        return (t if self.residual_entered else x) + (_Sum.apply(h) if n > 1 else h)
 
 
 class LM(nn.Module):
@@ -135,12 +150,13 @@ class LM(nn.Module):
         self.tok = nn.Embedding(V, D)
         self.mlp = MLP()
         self.moe = MoE()
-        self.mlp2 = MLP(bias_every_rank=late_bug)
+        self.mix = Mixer()
+        self.mlp2 = MLP(residual_entered=late_bug)
         self.ln = nn.LayerNorm(D)
         self.out = nn.Linear(D, V, bias=False)
 
     def forward(self, tokens):
-        return self.out(self.ln(self.mlp2(self.moe(self.mlp(self.tok(tokens))))))
+        return self.out(self.ln(self.mlp2(self.mix(self.moe(self.mlp(self.tok(tokens)))))))
 
 
 def _tokens(g):
@@ -150,15 +166,15 @@ def _tokens(g):
 def _place_tie(model: LM) -> None:
     """Expert 0 scores the router input's feature j, expert 1 a constant m strictly between its
     TP=1 and TP=2 values for one token (bf16, the MLP's two partials added as the all-reduce adds
-    them, its bias after); expert 2 always first, expert 3 always last: the second place is the contest."""
+    them); expert 2 always first, expert 3 always last: the second place is the contest."""
     bf = torch.bfloat16
     with torch.no_grad():
         x = model.tok.weight.to(bf)[_tokens(None)].reshape(-1, D)
         mlp = MLP()
         mlp.load_state_dict(model.mlp.state_dict())
         mlp = mlp.to(bf)
-        h1 = x + mlp.partial(x, 0, 1) + mlp.bias
-        h2 = x + (mlp.partial(x, 0, 2) + mlp.partial(x, 1, 2)) + mlp.bias
+        h1 = x + mlp.partial(x, 0, 1)
+        h2 = x + (mlp.partial(x, 0, 2) + mlp.partial(x, 1, 2))
         steps = (h1.float() - h2.float()).abs() / (h1.float().abs() * 2 ** -8).clamp_min(1e-30)
         flat = int(steps.flatten().argmax())
         tok, j = divmod(flat, D)
@@ -179,9 +195,9 @@ def _target(late_bug):
     return tpdiag.Target(model=model, plan={}, vocab_size=V, inputs=_tokens)
 
 
-def moe_flip_ok():
+def moe_mix_ok():
     return _target(False)
 
 
-def moe_flip_bias_bug():
+def moe_mix_late_bug():
     return _target(True)
