@@ -37,7 +37,7 @@ def _bugs(d):
 
 def test_the_correct_twin_in_the_drifted_regime_is_rounding(tmp_path_factory):
     from tpdiag.diff.engine import diff_degree
-    from tpdiag.diff.not_judged import measured_steps
+    from tpdiag.diff.measured_steps import measured_steps
     from tpdiag.records.store import RecordSet
 
     out, s, gate, text = _run(tmp_path_factory, "maxnorm_whole")
@@ -71,7 +71,7 @@ def test_the_later_step_mistake_is_judged_without_the_drift(tmp_path_factory):
 
 def test_the_correct_twin_re_anchored_is_rounding_at_every_step(tmp_path_factory):
     from tpdiag.diff.engine import diff_degree
-    from tpdiag.diff.not_judged import measured_steps
+    from tpdiag.diff.measured_steps import measured_steps
     from tpdiag.records.store import RecordSet
 
     out, s, gate, text = _run(tmp_path_factory, "maxnorm_whole", anchor=True)

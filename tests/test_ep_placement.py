@@ -83,17 +83,17 @@ def test_the_gate_fails_weights_not_the_reference_s_even_where_the_block_reads_b
     # shows. Where that output reads bitwise (no row is a violation) the gate judged nothing and
     # passed; the degree's per_rank entry is judged on its own now
     from tpdiag.gate.policy import load_policy, with_allowed
-    from tpdiag.gate.verdict import _judge
+    from tpdiag.gate.degree import judge_degree
 
     d = {"status": "bitwise", "findings": [], "per_rank": {"moe": {"inside": ["moe.local_experts.0"],
                                                                    "not_the_reference": "moe.local_experts.0.w is none"}}}
     for allow in (None, "rounding"):
-        res = _judge("2", d, [], with_allowed(load_policy(None), allow))
+        res = judge_degree("2", d, [], with_allowed(load_policy(None), allow))
         assert res.status == "fail" and [v.cause for v in res.violations] == ["rank-inconsistent-replica"], res
         assert res.violations[0].module == "moe" and "none" in res.violations[0].reason
     # negative control: the same degree without the entry passes
     del d["per_rank"]["moe"]["not_the_reference"]
-    assert _judge("2", d, [], load_policy(None)).status == "pass"
+    assert judge_degree("2", d, [], load_policy(None)).status == "pass"
 
 
 def test_a_reference_expert_hashed_stale_is_no_evidence_of_other_weights(runs):

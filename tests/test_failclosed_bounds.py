@@ -5,7 +5,7 @@ its bound, and both summaries the finding. The oracle's verdict is cross-checked
 does not re-run it), so with beyond_bound cleared in diff.csv and ops/diff.csv and the findings cut from
 summary.json and ops/summary.json (and the class), the run passed `gate --allow rounding` on main, exit 0.
 Now a degree that names only rounding may have no record from its first divergence on that moved beyond
-what rounding moves one (diff/not_judged.cut, from the re-diffed records' rel_l2): exit 2.
+what rounding moves one (diff/moved_records.cut, from the re-diffed records' rel_l2): exit 2.
 """
 import csv
 import json
@@ -91,14 +91,14 @@ def test_a_harmless_not_judged_list_written_into_both_summaries_is_inconclusive(
     """As above, with a not_judged list of one grad that moved by rounding written into both summaries (its
     rel_l2 the records' own): a check reading only an absent list let it pass (hred17, found on its own fix;
     on main it passed too, exit 0). Grads the list names are the verdict's; the block's is not listed."""
-    from tpdiag.diff.not_judged import _rel_l2
+    from tpdiag.diff.moved_limit import rel_l2
     from tpdiag.diff.recheck import recomputed
     from tpdiag.records.store import RecordSet
 
     harmless = "s0/backward/stage/grad_out#0/1"
     dd, _ = recomputed(RecordSet(str(run / "tp1")), RecordSet(str(run / "tp2"), drop_kinds=("oracle",)), "2",
                        also={harmless})
-    rel = _rel_l2(dd.tensors[harmless])  # as compare computes it (diff/not_judged.grads)
+    rel = rel_l2(dd.tensors[harmless])  # as compare computes it (diff/not_judged.grads)
     assert rel is not None and 0 < rel < 1e-5, rel
     nj = {"records": 1, "why": {"not judged": 1}, "keys": [harmless], "reasons": {harmless: "not judged"},
           "max_rel": 0.0, "rel_l2": rel, "dtype": "float32"}

@@ -90,7 +90,7 @@ def test_every_hook_field_cut_from_every_world_is_inconclusive(run):
     """hook_effect, hooks_dropped and hooks_kept cut from all four worlds' world.json with the finding cut
     from both summaries: nothing of the worlds names a hook any more. On main this passed `gate --allow
     rounding`, exit 0 (red team hred16); the unclipped grad moved 3.8 times its norm, so a degree naming
-    only rounding with no finding there is an edit (diff/not_judged.cut)."""
+    only rounding with no finding there is an edit (diff/moved_records.cut)."""
     for f in ("summary.json", "ops/summary.json"):
         _edit(run / f, _cut_finding)
     for w in ("tp1", "tp2", "ops/tp1", "ops/tp2"):

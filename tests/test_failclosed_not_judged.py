@@ -1,6 +1,6 @@
 """Fail closed on summary.json's not_judged (red team hred16): the activation grads past the first
 divergence no check judged, which the gate fails as cause unknown where they moved beyond rounding
-(gate/verdict.py, diff/not_judged.moved_beyond). tests/models/planted/two_paths.py:pair_drop_f (its
+(gate/degree.py, diff/moved_limit.moved_beyond). tests/models/planted/two_paths.py:pair_drop_f (its
 block's grad 27% off; dropout refuses the float64 backward that would judge it) exits 1 under
 `gate --allow rounding`. On main it passed, exit 0, with not_judged cut from summary.json alone (the
 second pass's ops/summary.json still listing it), or with its rel_l2 edited to 1e-9 in both summaries.
@@ -83,7 +83,7 @@ def test_not_judged_cut_from_both_summaries_is_inconclusive(run):
     """Cut from summary.json and ops/summary.json together, with the class: the check against the second
     pass's list had nothing to compare. On main this passed `gate --allow rounding`, exit 0 (red team
     hred16); now a grad past the first divergence that moved beyond rounding with no finding and no word
-    is a list cut (diff/not_judged.cut, re-derived from the records)."""
+    is a list cut (diff/moved_records.cut, re-derived from the records)."""
     for f in ("summary.json", "ops/summary.json"):
         _edit(run / f, lambda s: (_rounding(s), s["degrees"]["2"].pop("not_judged")))
     res = _gate(run)

@@ -1,5 +1,5 @@
 """A correct bf16 run of several steps passes `tpdiag gate --allow rounding`. The gate's moved-record
-check (diff/not_judged.cut: no record from the first divergence on may move beyond what rounding moves
+check (diff/moved_records.cut: no record from the first divergence on may move beyond what rounding moves
 an unjudged grad and be no finding) read every step, and steps after the first start from weights the
 updates already moved apart: built-in tiny-llama bf16 --tp 1,2 --steps 3, correct, moved its grads
 ~0.01 of their norm at step 0 and 0.21-0.24 at step 2 in the confirmation rerun - past the limit
@@ -27,7 +27,8 @@ def test_not_judged_rel_l2_measures_the_first_differing_step_only():
 
     import torch
 
-    from tpdiag.diff.not_judged import grads, moved_beyond
+    from tpdiag.diff.moved_limit import moved_beyond
+    from tpdiag.diff.not_judged import grads
     from tpdiag.diff.recheck import moved_problem
 
     g = torch.Generator().manual_seed(0)

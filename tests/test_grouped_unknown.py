@@ -1,5 +1,5 @@
 """A finding is grouped under the one it follows only where that one is at least as grave
-(records/causes.groups_under), in the gate (gate/verdict._grouped) and in compare's headline
+(records/causes.groups_under), in the gate (gate/findings.grouped) and in compare's headline
 (diff/classes.roots) alike: an `unknown` is never absorbed by a rounding finding, and a bug under an
 `unknown` finding leads the headline as it leads the gate.
 
@@ -12,7 +12,7 @@ its router's output grad, `unknown` (shares within the bf16 band), and the MoE's
 to follow the MoE's output (as locate writes for a finding whose inputs already differed) and ONE
 cause changed: the MoE's output to `router-flip` (what the judge writes for that finding after a real
 flip), or the router grad to `rank-inconsistent-replica` (what shares beyond the band read). The gate
-is `_judge` on the run's own diff.csv rows. On main at cc6fdabe the first read class rounding and passed
+is `gate/degree.judge_degree` on the run's own diff.csv rows. On main at cc6fdabe the first read class rounding and passed
 `--allow rounding`; the second read "not judged" (no bug led the headline) while the gate judged the
 bug (exit 4).
 """
@@ -55,9 +55,9 @@ def _edited(s: dict, **cause) -> dict:
 
 def _gate(s: dict, rows: list, allow: str):
     from tpdiag.gate.policy import Policy, with_allowed
-    from tpdiag.gate.verdict import _judge
+    from tpdiag.gate.degree import judge_degree
 
-    return _judge("2", s["degrees"]["2"], rows, with_allowed(Policy(), allow))
+    return judge_degree("2", s["degrees"]["2"], rows, with_allowed(Policy(), allow))
 
 
 def test_the_rule():

@@ -7,7 +7,7 @@ float64 re-execution: near), while the op-level pass re-executes the multiply in
 2.1e6x beyond rounding: a `sharding-bug` finding on an op record only that pass made. On main at
 da9eec2 compare printed BUG (class bug, --fail-on-divergence 4) but `tpdiag gate` judged diff.csv's
 rows alone - the first divergence's rounding label - and exited 1 (0 with --allow rounding). The gate
-now judges such findings too (gate/verdict.py `_beside_rows`). Its twin centre_ok is bitwise.
+now judges such findings too (gate/degree.py `_beside_rows`). Its twin centre_ok is bitwise.
 """
 import json
 
@@ -54,7 +54,7 @@ def test_its_twin_is_bitwise(runs):
 def test_the_op_finding_cut_with_its_beyond_bound_is_inconclusive(runs, tmp_path):
     """Red team hred18, hole (c): the op finding only the second pass makes, its `beyond_bound` cleared in
     ops/diff.csv and the finding and class cut from summary.json and ops/summary.json. The bug moves the
-    block's output by a few ULP (LAMBDA = 1e-7), far under the not-judged limit (diff/not_judged.cut: 1000
+    block's output by a few ULP (LAMBDA = 1e-7), far under the not-judged limit (diff/moved_records.cut: 1000
     roundings), so nothing else the gate re-derives sees it: gate --allow rounding exited 0 on main. The
     gate re-diffs the second pass against the float64 values its reference world stored now
     (diff/recheck_pass.py): inconclusive."""

@@ -37,7 +37,7 @@ def test_a_stale_backward_memo_in_an_unjudged_grad_is_not_rounding(tmp_path_fact
 
 
 def test_measured_steps_keep_a_later_step_whose_forward_stayed_at_rounding():
-    from tpdiag.diff.not_judged import measured_steps
+    from tpdiag.diff.measured_steps import measured_steps
 
     def fwd(i, step, rel):
         return {"idx": i, "step": step, "phase": "forward", "kind": "out", "bitwise": False, "rel_l2": rel,
@@ -53,7 +53,7 @@ def test_measured_steps_keep_a_later_step_whose_forward_stayed_at_rounding():
 
 
 def test_its_not_judged_cut_from_both_summaries_is_inconclusive(tmp_path_factory, tmp_path):
-    """The gate's moved-record check (not_judged.cut) read the first divergence's step alone: with the
+    """The gate's moved-record check (moved_records.cut) read the first divergence's step alone: with the
     list and the class cut from summary.json and ops/summary.json the run passed `gate --allow rounding`,
     exit 0 (docs/security.md named it open). Step 1's forward stayed at rounding, so it is read too."""
     import shutil

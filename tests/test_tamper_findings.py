@@ -142,7 +142,7 @@ def test_bugs_relabelled_unknown_under_the_first_divergence_do_not_pass(run, tmp
     the rounding first divergence's) passed a policy allowing that cause (exit 0); so did the second pass's
     ops/summary.json edited the same way beside it. Now summary.json alone is inconclusive (the second pass
     judged those records bugs: records/labels.pass_label_problems), and with both edited the gate groups
-    no `unknown` under a first divergence that is no finding, so it judges them (gate/verdict._grouped)."""
+    no `unknown` under a first divergence that is no finding, so it judges them (gate/findings.grouped)."""
     policy = _policy(run, tmp_path)
     _edit(run, _unknown_under_fd)
     res = evaluate(str(run), policy)

@@ -7,7 +7,7 @@ integrity check finds a finding's record by its `key` and passed over one withou
 - the bug's finding and first divergence with their keys deleted, relabelled rounding: exit 0.
 
 Both are now inconclusive (exit 2: records/numbers.unkeyed - compare writes a key on every one), and
-the gate itself judges a row by the gravest finding that names it (gate/verdict._by_record), so the
+the gate itself judges a row by the gravest finding that names it (gate/findings.by_record), so the
 first edit fails as the BUG even where the key check is not run.
 
 One real compare: tests/models/planted/backward.py:averaged at TP=1,2 (a hand-rolled column-parallel

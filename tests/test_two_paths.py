@@ -119,7 +119,7 @@ def test_what_stays_not_judged_is_said_alike_everywhere_with_each_grads_reason(r
                                                ("bfloat16", 0.251, True), ("float16", 0.251, True)])
 def test_compare_class_and_gate_read_one_limit(dtype, moved, fails):
     """Whatever stays not judged: summary.json's class (compare's verdict and the report read it) and
-    the gate apply one rule (diff/not_judged.moved_beyond): 0.0987 is how far rounding moved the built-in
+    the gate apply one rule (diff/moved_limit.moved_beyond): 0.0987 is how far rounding moved the built-in
     tiny-llama's unjudged grads in bfloat16 (TP=4, two steps: a correct run); in float32 it is ~1e5
     roundings. 0.251: how far pair_f's doubled gate share moved its block's grad, which 1000 bf16 (7.8)
     or float16 (0.98) roundings passed at 0bc1be0 - past NOT_JUDGED_MAX_REL (0.2) in any dtype now. Not
@@ -127,7 +127,7 @@ def test_compare_class_and_gate_read_one_limit(dtype, moved, fails):
     from tpdiag.diff.classes import degree_class
     from tpdiag.gate.policy import Policy
     from tpdiag.gate.result import DegreeResult
-    from tpdiag.gate.verdict import _moved_unjudged
+    from tpdiag.gate.degree import _moved_unjudged
 
     entry = {"status": "divergent", "findings": [],
              "first_divergence": {"key": "s0/forward/block/out#0/0", "cause": "row-parallel-reduction"},

@@ -170,7 +170,8 @@ def _what_to_do(summary: dict) -> str | None:
                     "(its output is then recorded, which locates the difference) and capture again, or run the model with "
                     "`tpdiag compare --model py:FILE.py:FUNC` (docs/models-py.md), whose second pass records "
                     f"and judges that code op by op; `tpdiag report {run}` shows its values")
-        from tpdiag.diff.not_judged import grads_kind, moved_beyond
+        from tpdiag.diff.moved_limit import moved_beyond
+        from tpdiag.diff.not_judged_words import grads_kind
         from tpdiag.records.axes import entries
 
         beyond = [d for d in entries(summary).values() if isinstance(d, dict) and moved_beyond(d)]

@@ -158,7 +158,7 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         nj = d.get("not_judged") or {}
         if nj.get("keys"):  # divergent grads past the first divergence that no check could judge
             more = nj["records"] - min(3, len(nj["keys"]))
-            from tpdiag.diff.not_judged import grads_words
+            from tpdiag.diff.not_judged_words import grads_words
 
             console.print(f"{config_name(label)}: not judged past the first divergence ({grads_words(nj)}"
                           f"{moved_by(nj)}): {not_judged_keys(nj, 3)}"

@@ -7,7 +7,7 @@ class is the worst over its configurations (bug, non-finite, unknown, rounding).
 """
 from __future__ import annotations
 
-from tpdiag.diff import not_judged
+from tpdiag.diff.moved_limit import moved_beyond
 from tpdiag.records.causes import GRAVITY, cause_class, groups_under
 
 _ORDER = GRAVITY
@@ -49,7 +49,7 @@ def degree_class(entry: dict) -> str | None:
     classes = {cause_class(c) for c in causes} | ({cause_class(fd.get("cause"))} if fd else set())
     if entry.get("downstream_unjudged") and classes <= {"rounding"}:
         return "unknown"  # modules past the first divergence that were to be judged were not
-    if classes <= {"rounding"} and not_judged.moved_beyond(entry):
+    if classes <= {"rounding"} and moved_beyond(entry):
         return "unknown"  # grads no check judged moved beyond rounding (diff/not_judged.py): the gate fails them
     for c in _ORDER:
         if c in classes:

@@ -124,16 +124,16 @@ def unnamed(label: str, entry, rows: list[dict], ref_world: dict, other_world: d
 def _not_idle(label: str, param: str, hooks: list[str], rows: list[dict]) -> str | None:
     """hook_effect False says the dropped hooks changed no grad at the reference, so this degree, which
     ran without them, has the reference's grad up to rounding. Where that grad moved beyond what
-    rounding moves a grad no check judged (diff/not_judged.moved_beyond's limit, in the grad's own
+    rounding moves a grad no check judged (diff/moved_limit.moved_beyond's limit, in the grad's own
     dtype) the hooks acted: hook_effect edited. Set false in TP=1's world.json (and the second pass's),
     with the finding cut from both summaries, grad_hook_plan.py:hook_build (the unclipped grad 3.8 times its
     norm away) passed `gate --allow rounding`, exit 0 (red team hred16). A grad with no such measure (one
     side non-finite): fail closed, the claim cannot be checked."""
-    from tpdiag.diff.not_judged import moved_limit
+    from tpdiag.diff.moved_limit import moved_limit
 
     mine = [r for r in rows if r["kind"] == "param_grad" and r["phase"] == "backward" and _param_of(r) == param]
     # its first step only: later steps start from weights the updates already moved apart (a bf16
-    # grad moves ~0.1-0.24 of its norm by step 2 of a correct run: diff/not_judged.cut)
+    # grad moves ~0.1-0.24 of its norm by step 2 of a correct run: diff/moved_records.cut)
     first = min((int(r["step"]) for r in mine if str(r.get("step", "")).lstrip("-").isdigit()), default=None)
     for r in mine:
         if r["bitwise"] or (first is not None and str(r.get("step")) != str(first)):

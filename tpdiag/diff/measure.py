@@ -44,7 +44,7 @@ def measure_pair(row: dict, a: torch.Tensor, b: torch.Tensor, values: bool, scal
     if not c.bitwise and not row["nonfinite_mismatch"]:
         rel = rel_l2(a, b)
         if rel is not None:
-            row["rel_l2"] = rel  # not a diff.csv column: the gate's in-memory measure (diff/not_judged.cut)
+            row["rel_l2"] = rel  # not a diff.csv column: the gate's in-memory measure (diff/moved_records.cut)
         narrow = bits.narrowed_to(a, b)
         if narrow is not None:
             row["narrowed"] = narrow
@@ -76,7 +76,7 @@ def judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float | None:
-    """||b - a|| / ||a|| in float64: how far a record moved as a whole (diff/not_judged.cut: rounding moves a
+    """||b - a|| / ||a|| in float64: how far a record moved as a whole (diff/moved_records.cut: rounding moves a
     float32 record by ~1e-7, a bug by ~1); None where it is no number (a zero reference, non-float). By
     chunks, as bits.compare measures: a whole record's float64 temporaries would go through memory."""
     if a.shape != b.shape or not a.is_floating_point() or not b.is_floating_point():

@@ -39,7 +39,7 @@ def not_the_references(entry: dict, ref: RecordSet, other: RecordSet, label: str
         why = (f"{name} on rank {', '.join(map(str, bad))} of TP={label} is none of the reference's parameters: "
                "the per-rank modules inside this block are not the reference's modules placed per rank (as experts "
                "seeded per rank) - this degree does not run the reference's model")
-        # said (and gated: gate/verdict.py) whether or not the block's output has a row to hang it on
+        # said (and gated: gate/degree.py) whether or not the block's output has a row to hang it on
         entry["per_rank"][block]["not_the_reference"] = why
         row = next((r for r in rows if r["module"] == block and r["kind"] == "out" and r["phase"] == "forward"), None)
         if row is None:

@@ -17,7 +17,7 @@ from tpdiag.errors import Inconclusive
 # plain equality is the right test. The identity fields and rank_consistent too: the policy matches
 # budgets by module/phase and judges rank-inconsistent replicas from these columns, so an edited row
 # must not pass for another.
-# dtype too: the not-judged limit is 1000 eps of the listed grads' dtype as diff.csv says it (gate/verdict.py
+# dtype too: the not-judged limit is 1000 eps of the listed grads' dtype as diff.csv says it (gate/degree.py
 # _moved_unjudged) - float32's edited to bfloat16 raised it from 1.2e-4 to 0.2 of the norm (red team hred16)
 # idx and the rows' order too: the first divergence is the first divergent row in diff.csv's order
 # (gate/evidence.check_summary) and a grad is past it by idx (diff/not_judged.py) - neither was re-derived
@@ -242,7 +242,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
     base: the label of the reference rerun summary.json reports; its records must say what
     summary.json says of it (base_reproducible: bitwise equal to the reference's, or not).
     rerun: the directories are a confirmation's rerun (confirm/FIX/), which runs no second pass: the
-    weight grads of modules it never called are the main run's to list (diff/not_judged.cut).
+    weight grads of modules it never called are the main run's to list (diff/moved_records.cut).
     """
     from tpdiag.diff.engine import diff_degree
     from tpdiag.records.store import RecordSet
@@ -273,7 +273,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
         if bad is None and entries is not None:
             from tpdiag.diff import flip_check
             from tpdiag.diff.dropped_hooks import census, unnamed
-            from tpdiag.diff.not_judged import cut, unlisted
+            from tpdiag.diff.moved_records import cut, unlisted
 
             bad = (check_selfcheck(lab, entries.get(lab), ref_rs.world, rs.world, dd.rows)
                    or check_numbers(lab, entries.get(lab), got) or check_scaled(lab, entries.get(lab), dd.rows)
@@ -352,14 +352,15 @@ def moved_problem(label: str, nj, dd) -> str | None:
     summary.json and the second pass's, two_paths.py:pair_drop_f (27% off) passed `gate --allow rounding`,
     exit 0 (red team hred16). Only the first MAX_KEYS grads are listed: their largest move bounds rel_l2
     from below, and equals it where every grad is listed."""
-    from tpdiag.diff.not_judged import _rel_l2, measured_steps
+    from tpdiag.diff.measured_steps import measured_steps
+    from tpdiag.diff.moved_limit import rel_l2
 
     if not isinstance(nj, dict) or not nj.get("keys"):
         return None
     # the steps not_judged.grads measures (measured_steps: why)
     steps = measured_steps(dd.rows)
     step_of = {r["key"]: str(r.get("step")) for r in dd.rows}
-    moved = [m for m in (_rel_l2(dd.tensors.get(k)) for k in nj["keys"] if isinstance(k, str) and step_of.get(k) in steps)
+    moved = [m for m in (rel_l2(dd.tensors.get(k)) for k in nj["keys"] if isinstance(k, str) and step_of.get(k) in steps)
              if m is not None]
     if not moved:
         return None

@@ -147,7 +147,7 @@ GRAVITY = ("bug", "non-finite", "unknown", "rounding")
 
 def groups_under(cause: str | None, root_cause: str | None) -> bool:
     """Whether a finding of `cause` that follows one of `root_cause` is grouped under it (not judged
-    on its own): the gate's rule (gate/verdict.py) and the headline's (diff/classes.roots), in one
+    on its own): the gate's rule (gate/findings.grouped) and the headline's (diff/classes.roots), in one
     place. Only under one at least as grave: a bug under a bug, a NaN under a bug or a NaN, an
     `unknown` under anything but rounding - an unknown is not judged, and a rounding root that
     absorbed it passed `--allow rounding` with it (a bf16 share near the reference after a router

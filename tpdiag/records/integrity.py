@@ -187,7 +187,7 @@ def _second_pass_problems(run_dir: str, summary: dict, degrees: dict, inside: bo
 
 def not_judged_problem(lab: str, d: dict, sd: dict, nested, name: str) -> str | None:
     """The grads the second pass could not judge (its not_judged, runner/drill.py copies it whole) are
-    summary.json's: the gate fails them where they moved beyond rounding (gate/verdict.py). Cut from
+    summary.json's: the gate fails them where they moved beyond rounding (gate/degree.py). Cut from
     summary.json alone, two_paths.py:pair_drop_f (its block's grad 27% off, not judged: dropout refuses
     the float64 backward) passed `gate --allow rounding`, exit 0 (red team hred16)."""
     want = sd.get("not_judged") or (nested.get("not_judged") if isinstance(nested, dict) else None)

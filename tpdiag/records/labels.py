@@ -86,7 +86,7 @@ def pass_label_problems(lab: str, d: dict, sd: dict, name: str) -> list[str]:
             judged.setdefault(g["key"], g.get("cause"))
     for what, f in _labelled(d):
         was = judged.get(f.get("key"))
-        # a finding `unknown` too: grouped under the first divergence it would never be judged (gate/verdict.py);
+        # a finding `unknown` too: grouped under the first divergence it would never be judged (gate/findings.grouped);
         # the first divergence may be unknown where the op-level rerun names an op the module pass called a bug
         soft = ("rounding",) if what == "first divergence" else ("rounding", "unknown")
         if was is None or "cause_before" in f or cause_class(f.get("cause")) not in soft:

@@ -157,7 +157,8 @@ def verdict(label: str, ref: str, d: dict, fix_of, capture: bool = False) -> dic
     if d.get("class") == "unknown" and causes.cause_class(cause) == "rounding":
         # rounding at the first divergence, but what lies past it was not judged (diff/classes.py): the
         # gate fails the run as cause unknown, so the report does not call it harmless
-        from tpdiag.diff.not_judged import grads_kind, moved_beyond
+        from tpdiag.diff.moved_limit import moved_beyond
+        from tpdiag.diff.not_judged_words import grads_kind
 
         nj = d.get("not_judged") if isinstance(d.get("not_judged"), dict) else {}
         todo = ("Not judged: " + (f"{grads_kind(nj)} past the first divergence moved beyond rounding and no "
@@ -197,7 +198,7 @@ def _not_judged(d: dict) -> list[str]:
         return []
     keys = nj.get("keys") or []
     more = nj["records"] - len(keys)
-    from tpdiag.diff.not_judged import grads_words
+    from tpdiag.diff.not_judged_words import grads_words
 
     return [f"Not judged past the first divergence: {grads_words(nj)}"
             f"{moved_by(nj)}: {not_judged_keys(nj, len(keys))}{f' and {more} more' if more > 0 else ''}"
@@ -208,7 +209,7 @@ def not_judged_keys(nj: dict, n: int) -> str:
     """The first n keys of summary.json not_judged, each with its own reason (`reasons`) - a weight's
     grad named as one: `KEY (weight grad of NAME: reason)`; a run before those were kept: the keys,
     then every reason once."""
-    from tpdiag.diff.not_judged import grad_words
+    from tpdiag.diff.not_judged_words import grad_words
 
     keys = [k for k in (nj.get("keys") or [])[:n] if isinstance(k, str)]
     reasons = nj.get("reasons") if isinstance(nj.get("reasons"), dict) else None
