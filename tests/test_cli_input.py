@@ -38,7 +38,12 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
                                        ("TPDIAG_HASH_CAP_MB", "0"), ("TPDIAG_HASH_CAP_MB", "1G"),
                                        ("TPDIAG_HASH_NARROW_REGS", "16"), ("TPDIAG_HASH_NARROW_REGS", "x"),
                                        ("TPDIAG_HOST_BUDGET", "lots"),
-                                       ("TPDIAG_HOST_CHUNK", "-1"), ("TPDIAG_HOST_PINNED", "no")])
+                                       ("TPDIAG_HOST_CHUNK", "-1"), ("TPDIAG_HOST_PINNED", "no"),
+                                       # read inside every world: abc and -5 ran with the default cap, x
+                                       # failed each rank or was ignored (hhouse23)
+                                       ("TPDIAG_ANCHOR_MAX_MB", "abc"), ("TPDIAG_ANCHOR_MAX_MB", "-5"),
+                                       ("TPDIAG_MAX_READ_MB", "x"), ("TPDIAG_MAX_READ_MB", "1.5"),
+                                       ("TPDIAG_GATHER_WINDOW", "lots")])
 def test_bad_hash_queue_env_is_one_line_exit_2(var, value, tmp_path, monkeypatch):
     monkeypatch.setenv(var, value)
     r = runner.invoke(app, on_cpu(["compare", "--out", str(tmp_path / "r")]))

@@ -110,8 +110,21 @@ LIMIT_SMALL = 16 * MiB     # a policy, a py: model file
 
 
 def _limit(limit: int) -> int:
-    mb = os.environ.get("TPDIAG_MAX_READ_MB", "")
-    return max(limit, int(mb) * MiB) if mb.isdigit() else limit
+    return max(limit, max_read_mb() * MiB)
+
+
+def max_read_mb() -> int:
+    """TPDIAG_MAX_READ_MB (0: unset). A value that is no whole number is BadInput, one line: it was
+    ignored, and a file past the cap the user meant to raise was refused as if it were unset."""
+    mb = os.environ.get("TPDIAG_MAX_READ_MB", "").strip()
+    if not mb:
+        return 0
+    if not (mb.isascii() and mb.isdigit()):
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"TPDIAG_MAX_READ_MB={mb!r}: expected a whole number of MiB (it raises every read "
+                       "cap to that size)")
+    return int(mb)
 
 
 def _mb(n: int) -> str:

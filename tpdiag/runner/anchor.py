@@ -49,14 +49,25 @@ def state_bytes(model) -> int:
     return n + sum(b.numel() * b.element_size() for b in model.buffers() if b.is_floating_point())
 
 
+def max_mb() -> int:
+    """TPDIAG_ANCHOR_MAX_MB (MiB; unset or empty: MAX_MB). A value that is no whole number is BadInput,
+    which compare checks before any world (runner/checks.py): `abc` read as the default and `-5` as a
+    cap no state passes, each silently - the user's cap was not the one applied."""
+    v = os.environ.get(MAX_MB_ENV, "").strip()
+    if not v:
+        return MAX_MB
+    if not (v.isascii() and v.isdigit()):
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"{MAX_MB_ENV}={v!r}: expected a whole number of MiB, 0 or more (default {MAX_MB})")
+    return int(v)
+
+
 def over_budget(cfg, model) -> str | None:
     """Why the reference saves no state (every later step's file would pass TPDIAG_ANCHOR_MAX_MB:
     llama-1b's float32 state is ~15 GB a step), or None. Shapes alone decide it, so every rank of a
     TP > 1 reference decides alike (its saves are collectives)."""
-    try:
-        cap = int(os.environ.get(MAX_MB_ENV) or MAX_MB)
-    except ValueError:
-        cap = MAX_MB
+    cap = max_mb()
     total = (cfg.steps - 1) * state_bytes(model)
     if total <= cap << 20:
         return None

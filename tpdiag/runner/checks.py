@@ -79,6 +79,12 @@ def validate(cfg: CompareConfig) -> dict:
     from tpdiag.probes.host_store import check_env
 
     check_env()  # TPDIAG_HOST_BUDGET, TPDIAG_HOST_CHUNK (full capture)
+    from tpdiag.base.files import max_read_mb
+    from tpdiag.runner.anchor import max_mb
+    from tpdiag.runner.gather import window_bytes
+
+    # read inside every world: a bad value failed each rank (or read as the default, unsaid)
+    max_mb(), max_read_mb(), window_bytes()
     if spec.kind in ("builtin", "hf"):
         from tpdiag.models.plans import HF_VARIANTS, VARIANTS
 

@@ -154,7 +154,7 @@ def gather_records(records: list[tuple[dict, torch.Tensor | None]], device: torc
     stored = {}
     lanes_of_stack = StackLanes(kept, device, rank, world)
     whole = {}  # a tensor record's flat bytes, made once where it is not contiguous
-    for window in _windows(sizes, _window_bytes()):
+    for window in _windows(sizes, window_bytes()):
         # each piece copied once, from where the record is held into the window (a record held on
         # the host was read whole, then concatenated, then moved: two more copies of every byte)
         buf = alloc.empty(sum(b - a for _, a, b in window), dtype=torch.uint8, device=device)
@@ -233,7 +233,7 @@ def _replica(m: dict, local, world: int, stream: bool):
     return meta, as_tensor(local).detach().cpu()
 
 
-def _window_bytes() -> int:
+def window_bytes() -> int:
     import os
 
     from tpdiag.probes.host_budget import parse_bytes
