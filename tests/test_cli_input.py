@@ -78,3 +78,24 @@ def test_a_model_named_without_its_prefix_gets_the_spec_it_meant(tmp_path):
         assert r.exit_code == 2 and len(lines) == 1 and "unknown model" in lines[0], r.output
         assert (hint in lines[0]) if hint else lines[0].endswith("hf:DIR or py:FILE.py:FUNC"), r.output
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("code,needle", [
+    # each world failed with FUNC's TypeError (verdict inconclusive, a table of failures)
+    ("def f(a, b):\n    pass\n", "it needs a, b, but tpdiag calls it with no arguments"),
+    # the compare exited 3 (an environment problem, DESIGN.md) and printed nothing
+    ("import sys\ndef f():\n    sys.exit(3)\n", "calling it called sys.exit(3)"),
+    ("import sys\nsys.exit(0)\ndef f():\n    pass\n", "called sys.exit(0): code at its top level ran on import"),
+    # a script's top-level argparse read tpdiag's own arguments: its usage, then exit 2, no word of tpdiag's
+    ("import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr', type=float)\nargs = p.parse_args()\n"
+     "def f():\n    return None\n", "returned NoneType, expected tpdiag.Target"),
+])
+def test_a_py_func_that_cannot_be_called_as_tpdiag_calls_it_is_one_line(code, needle, tmp_path):
+    """What a user's FUNC does when tpdiag calls it - FUNC() on the meta device, before any world - is
+    said in one line, exit 2, nothing written (hhouse23)."""
+    (tmp_path / "user.py").write_text(code)
+    r = runner.invoke(app, on_cpu(["compare", "--tp", "1,2", "--model", f"py:{tmp_path / 'user.py'}:f",
+                                   "--out", str(tmp_path / "r")]))
+    lines = [line for line in r.output.strip().splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], (r.exit_code, r.output)
+    assert not (tmp_path / "r").exists()

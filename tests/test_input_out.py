@@ -109,3 +109,24 @@ def test_an_out_that_cannot_be_created_is_one_line(tmp_path):
 
     with pytest.raises(BadInput, match=r"cannot create it \(.* is a file, not a directory\)"):
         diff_runs(str(tmp_path / "a"), str(tmp_path / "b"), out=str(out))
+
+
+@pytest.mark.parametrize("args,what", [(["report", "{run}", "-o", "{f}"], "a tpdiag report"),
+                                       (["gate", "{run}", "--allow", "rounding", "--junit", "{f}"],
+                                        "a JUnit file tpdiag gate wrote")])
+def test_an_output_file_tpdiag_did_not_write_is_never_written_over(tp12_run, tmp_path, args, what):
+    """`report -o model.py` wrote the page over the user's file, and `gate --junit` over any file it
+    named, exit 0 (hhouse23); an earlier page or JUnit file of tpdiag's, or an empty file, is replaced."""
+    user = tmp_path / "model.py"
+    user.write_text("def target():\n    ...\n")
+    r = runner.invoke(app, [a.format(run=tp12_run, f=user) for a in args])
+    lines = [line for line in r.output.strip().splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1, r.output
+    assert f"'{user}': exists and is not {what}; name a new file" in lines[0], r.output
+    assert user.read_text() == "def target():\n    ...\n"
+    mine = tmp_path / "out"
+    mine.write_text("")
+    for _ in range(2):  # empty, then tpdiag's own from the first pass
+        r = runner.invoke(app, [a.format(run=tp12_run, f=mine) for a in args])
+        assert r.exit_code == 0, r.output
+        assert mine.stat().st_size > 0

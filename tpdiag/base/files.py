@@ -158,6 +158,25 @@ def open_regular(path: str, encoding: str | None = "utf-8", newline: str | None 
         raise
 
 
+def refuse_replacing(path: str, flag: str, mark: bytes, what: str) -> None:
+    """An output file tpdiag would write over: replaced only where it is empty or tpdiag wrote it
+    (`mark` in its first 4 KiB) - `report -o model.py` wrote the page over the user's model file and
+    `gate --junit` over any file it named, exit 0. BadInput, one line, before anything is read."""
+    from tpdiag.errors import BadInput
+
+    if not os.path.lexists(path) or os.path.isdir(path):
+        return  # none yet; a directory is the writer's own one-line refusal
+    try:
+        with open_regular(path, None, limit=LIMIT_LINES, error=BadInput) as f:
+            head = f.read(4096)
+    except BadInput as e:  # a FIFO, a device: never written over either
+        raise BadInput(f"{flag} {str(e)}") from None
+    except OSError:
+        return  # unreadable: the write says why it cannot replace it
+    if head and mark not in head:
+        raise BadInput(f"{flag} {path!r}: exists and is not {what}; name a new file (or move that one away)")
+
+
 def check_regular(path: str, limit: int, error) -> None:
     """open_regular's checks alone, for a file another library opens (a py: model file)."""
     open_regular(path, None, limit=limit, error=error).close()

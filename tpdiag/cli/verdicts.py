@@ -67,6 +67,11 @@ def gate(
 
     try:
         fmt = check_format(fmt)
+        if junit:
+            from tpdiag.base.files import refuse_replacing
+            from tpdiag.gate.junit import JUNIT_MARK
+
+            refuse_replacing(junit, "--junit", JUNIT_MARK, "a JUnit file tpdiag gate wrote")
         result = gate_lib.evaluate(run_dir, gate_lib.with_allowed(gate_lib.load_policy(policy), allow))
         if junit:
             from tpdiag.base import files as io

@@ -6,6 +6,11 @@ import time
 from tpdiag.gate.result import DegreeResult, GateResult
 
 
+# how every file junit_xml writes begins (the suite's name is its first attribute): what an existing
+# --junit file must hold to be written over (base/files.refuse_replacing)
+JUNIT_MARK = b'<testsuite name="tpdiag gate"'
+
+
 def junit_xml(res: GateResult) -> bytes:
     """One testcase per compared degree; evidence problems are <error>, policy violations <failure>."""
     import xml.etree.ElementTree as ET

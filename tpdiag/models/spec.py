@@ -95,11 +95,16 @@ def _load_py_func(value: str):
             mod = importlib.util.module_from_spec(mspec)
             # registered like an imported module: dataclasses and pickle look their module up
             sys.modules[name] = mod
+            # its top level sees the arguments `python FILE.py` gives it, not tpdiag's own: a script's
+            # module-level argparse read `compare --model ...` and exited 2 with its usage
+            argv, sys.argv = sys.argv, [src]
             try:
                 mspec.loader.exec_module(mod)
             except BaseException:
                 sys.modules.pop(name, None)
                 raise
+            finally:
+                sys.argv = argv
         else:
             mod = importlib.import_module(src)
     except BadInput:
@@ -108,6 +113,11 @@ def _load_py_func(value: str):
         raise BadInput(f"--model py:{value}: importing {src!r} failed: {_missing_module_hint(src, e)}") from e
     except Exception as e:  # user code: any failure is a bad spec, reported in one line
         raise BadInput(f"--model py:{value}: importing {src!r} failed: {type(e).__name__}: {e}") from e
+    except SystemExit as e:
+        # a script's top level run on import (argparse's parse_args() read tpdiag's own arguments and
+        # exited 2 with its usage): the compare ended with the user's exit code and no word of why
+        raise BadInput(f"--model py:{value}: importing {src!r} called sys.exit({e.code!r}): code at its top "
+                       "level ran on import; put it under `if __name__ == \"__main__\":`") from None
     fn = getattr(mod, func, None)
     if not callable(fn):
         raise BadInput(f"--model py:{value}: {src!r} has no callable {func!r}")
@@ -182,13 +192,17 @@ def py_target(value: str, variant: str = "stock"):
         raise BadInput(f"--model py:{value}: {fn.__name__} is an nn.Module class; name a function that "
                        f"returns tpdiag.Target(model={fn.__name__}(...), plan=..., vocab_size=...) "
                        "(docs/models-py.md)")
+    _needs_no_arguments(fn, value)
     _quiet_transformers()
-    if takes_device(fn):
-        meta = torch.device("meta")
-        with meta:
-            t = fn(device=meta)
-    else:
-        t = fn()
+    try:
+        if takes_device(fn):
+            meta = torch.device("meta")
+            with meta:
+                t = fn(device=meta)
+        else:
+            t = fn()
+    except SystemExit as e:  # as on import (_load_py_func): not the compare's exit code, unsaid
+        raise BadInput(f"--model py:{value}: calling it called sys.exit({e.code!r})") from None
     if not isinstance(t, Target):
         import torch.nn as nn
 
@@ -206,6 +220,23 @@ def py_target(value: str, variant: str = "stock"):
                            f"{', '.join(['stock', *t.variants]) }")
         t.plan = t.variants[variant]
     return t
+
+
+def _needs_no_arguments(fn, value: str) -> None:
+    """FUNC is called with no arguments (or device= alone): one that needs some is refused here, one
+    line, before any world - the check before the worlds passes over any other failure of the
+    user's code (models/precheck.py), and each world failed with FUNC's TypeError."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call says
+        return
+    need = [p.name for p in params if p.default is p.empty and p.name != "device"
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if need:
+        raise BadInput(f"--model py:{value}: it needs {', '.join(need)}, but tpdiag calls it with no arguments; "
+                       "name a function of none that returns tpdiag.Target (docs/models-py.md)")
 
 
 def load_target(spec: ModelSpec, variant: str = "stock"):

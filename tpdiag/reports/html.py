@@ -235,12 +235,17 @@ def render(run_dir: str, problems: list[str] | None = None) -> str:
     return _env().get_template("report.html").render(**ctx)
 
 
+# in the first KiB of every page (templates/report.html's <title>): what an existing -o file must hold
+REPORT_MARK = b"<title>tpdiag report"
+
+
 def write_report(run_dir: str, out: str | None = None, problems: list[str] | None = None) -> str:
     """Render RUN_DIR and write it atomically; returns the path written (default RUN_DIR/report.html).
     problems: as render's - the CLI fails closed on them (exit 2) after the page is written."""
     path = out or RunDir(run_dir).report
     if os.path.isdir(path):
         raise BadInput(f"-o {path!r}: is a directory; expected a file name such as report.html")
+    io.refuse_replacing(path, "-o", REPORT_MARK, "a tpdiag report")
     html = render(run_dir, problems)
     try:
         io.write_bytes(path, html.encode("utf-8"))
