@@ -28,8 +28,24 @@ from tpdiag.kernels import alloc
 from tpdiag.kernels.tree import _collective, _group, direct, tree_sum_stacked_to, world_size
 
 ON = [os.environ.get("TPDIAG_TREE_OVERLAP", "0") == "1"]
-CHUNKS = [int(os.environ.get("TPDIAG_TREE_OVERLAP_CHUNKS", "4"))]
-FREE_SMS = [int(os.environ.get("TPDIAG_TREE_OVERLAP_SMS", "16"))]
+
+
+def knob(name: str, default: int) -> int:
+    """A whole number from the environment (unset or empty: default). Anything else is BadInput, one
+    line (compare reads these before any world: runner/checks.py) - `int()` at import failed every
+    world of a --fix run with a ValueError."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    if not (v.isascii() and v.isdigit()):
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"{name}={v!r}: expected a whole number, 0 or more (default {default})")
+    return int(v)
+
+
+CHUNKS = [knob("TPDIAG_TREE_OVERLAP_CHUNKS", 4)]
+FREE_SMS = [knob("TPDIAG_TREE_OVERLAP_SMS", 16)]
 MIN_ROWS = 1024  # per chunk: below this the launches, not the bytes, are the cost
 
 _RS = ("reduce_scatter_single", "reduce_scatter_tensor")

@@ -85,6 +85,9 @@ def validate(cfg: CompareConfig) -> dict:
 
     # read inside every world: a bad value failed each rank (or read as the default, unsaid)
     max_mb(), max_read_mb(), window_bytes()
+    from tpdiag.kernels.tree_overlap import knob
+
+    knob("TPDIAG_TREE_OVERLAP_CHUNKS", 4), knob("TPDIAG_TREE_OVERLAP_SMS", 16)
     if spec.kind in ("builtin", "hf"):
         from tpdiag.models.plans import HF_VARIANTS, VARIANTS
 
