@@ -130,3 +130,22 @@ def test_an_output_file_tpdiag_did_not_write_is_never_written_over(tp12_run, tmp
         r = runner.invoke(app, [a.format(run=tp12_run, f=mine) for a in args])
         assert r.exit_code == 0, r.output
         assert mine.stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", ["summary.json", "diff.csv", "report.html"])
+def test_compare_never_writes_over_a_users_files_in_a_directory_that_is_no_run(tmp_path, name):
+    """A directory with no manifest.json is no run of tpdiag's (compare writes it first): a compare
+    --out there wrote its summary.json and diff.csv over the user's and removed their report.html,
+    exit 0 (hhouse23). Refused in one line before anything runs; a directory of other files is not."""
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / name).write_text("the user's own")
+    r = runner.invoke(app, on_cpu(["compare", "--tp", "1,2", "--out", str(d)]))
+    lines = [line for line in r.output.strip().splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and f"holds {name} but no manifest.json" in lines[0], r.output
+    assert (d / name).read_text() == "the user's own" and sorted(p.name for p in d.iterdir()) == [name]
+    from tpdiag.records.run_files import check_out
+
+    (d / name).unlink()
+    (d / "notes.txt").write_text("x")
+    check_out(str(d), "tpdiag compare")  # nothing a compare writes: let through, as before

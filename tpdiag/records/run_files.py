@@ -40,6 +40,13 @@ def check_out(out: str, tool: str, flag: str = "--out") -> None:
         raise BadInput(f"{flag} {out!r}: exists and is not a directory")
     mpath = RunDir(out).manifest
     if not os.path.lexists(mpath):
+        run = RunDir(out)
+        # no manifest.json: no run of ours (compare writes it first). A compare wrote its summary.json
+        # and diff.csv over the user's own files there, and removed their report.html (hhouse23)
+        mine = [p for p in (run.summary, run.diff_csv, run.report) if os.path.lexists(p)]
+        if tool == "tpdiag compare" and mine:
+            raise BadInput(f"{flag} {out!r}: holds {os.path.basename(mine[0])} but no manifest.json (not a tpdiag "
+                           f"run); this {tool} would write over it: name a new directory (or move that one away)")
         return
     try:
         m = io.read_json(mpath)
