@@ -44,7 +44,7 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
                                        ("TPDIAG_ANCHOR_MAX_MB", "abc"), ("TPDIAG_ANCHOR_MAX_MB", "-5"),
                                        ("TPDIAG_MAX_READ_MB", "x"), ("TPDIAG_MAX_READ_MB", "1.5"),
                                        ("TPDIAG_GATHER_WINDOW", "lots"), ("TPDIAG_TREE_OVERLAP_CHUNKS", "x"),
-                                       ("TPDIAG_TREE_OVERLAP_SMS", "-1")])
+                                       ("TPDIAG_TREE_OVERLAP_SMS", "-1"), ("TPDIAG_LOCAL_RANKS", "x")])
 def test_bad_hash_queue_env_is_one_line_exit_2(var, value, tmp_path, monkeypatch):
     monkeypatch.setenv(var, value)
     r = runner.invoke(app, on_cpu(["compare", "--out", str(tmp_path / "r")]))

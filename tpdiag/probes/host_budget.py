@@ -26,5 +26,19 @@ def default_budget() -> int:
     avail = mem_available()
     if avail is None:
         avail = 16 << 30
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("TPDIAG_LOCAL_RANKS") or 1)
-    return max(avail // 2 // max(ranks, 1), 1 << 20)
+    return max(avail // 2 // local_ranks(), 1 << 20)
+
+
+def local_ranks() -> int:
+    """The ranks sharing this host's budget: LOCAL_WORLD_SIZE (torchrun's), else TPDIAG_LOCAL_RANKS (each
+    world's own, unless the user set it), else 1. A value that is no whole number is BadInput, which
+    compare checks before any world (runner/checks.py): `int()` here failed every rank."""
+    for name in ("LOCAL_WORLD_SIZE", "TPDIAG_LOCAL_RANKS"):
+        v = os.environ.get(name, "").strip()
+        if v:
+            if not (v.isascii() and v.isdigit()):
+                from tpdiag.errors import BadInput
+
+                raise BadInput(f"{name}={v!r}: expected a whole number of ranks on this host")
+            return max(int(v), 1)
+    return 1

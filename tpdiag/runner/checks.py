@@ -79,6 +79,9 @@ def validate(cfg: CompareConfig) -> dict:
     from tpdiag.probes.host_store import check_env
 
     check_env()  # TPDIAG_HOST_BUDGET, TPDIAG_HOST_CHUNK (full capture)
+    from tpdiag.probes.host_budget import local_ranks
+
+    local_ranks()  # LOCAL_WORLD_SIZE, TPDIAG_LOCAL_RANKS: the budget's share
     from tpdiag.base.files import max_read_mb
     from tpdiag.runner.anchor import max_mb
     from tpdiag.runner.gather import window_bytes
