@@ -1,6 +1,6 @@
 """The first record that the ranks together hold only part of (records/layout.ShortOfWhole), named
 as a finding at it (diff/analyse.py): `sharding-bug` where every record compared before it was bitwise
-equal, else `unknown`.
+equal, else `unknown` - unless the code that made it could not let a value decide its shape (`settle`).
 
 No reordering of a sum changes a shape: where a record's shards hold fewer elements than the reference's
 record and nothing before it differed, the module computed over part of what the reference's computed
