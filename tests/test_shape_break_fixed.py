@@ -151,5 +151,11 @@ def test_the_float64_re_execution_notes_the_ops_through_which_a_value_decides_a_
     for name, (f, want) in cases.items():
         out, notes = module_oracle(Call(f), (x,), {})
         assert out is not None and notes.get("shaped", []) == want, (name, notes)
+    # a custom op says nothing of its output's shape: counted (a user's fused dispatch may size it by routing)
+    lib = torch.library.Library("hshape22_test", "FRAGMENT")
+    lib.define("keep_pos(Tensor x) -> Tensor")
+    lib.impl("keep_pos", lambda x: x[x[:, 0] > 0].clone(), "CompositeExplicitAutograd")
+    out, notes = module_oracle(Call(lambda x: torch.ops.hshape22_test.keep_pos(x)), (x,), {})
+    assert notes.get("shaped") == ["hshape22_test::keep_pos"], notes
     out, notes = module_oracle(Call(lambda x, n: x[:n]), (x, 2), {})
     assert notes.get("scalar_args") == 1 and "shaped" not in notes, notes

@@ -18,8 +18,16 @@ from torch.overrides import TorchFunctionMode
 _READS = {"tolist", "numpy", "__array__"}
 
 
+# namespaces whose ops say by their tags whether a value decides their output's shape; a custom op of
+# any other (a user's fused MoE dispatch, `mylib::permute_tokens`) may size its output by its routing
+# and say nothing: counted as one (conservative). tpdiag's own (kernels/attention.py) keep q's shape.
+_TAGGED = ("aten", "prims", "_c10d_functional", "c10d", "tpdiag")
+
+
 def value_shaped(func, args, kwargs) -> bool:
-    """Whether this aten op's output shape, or the Python value it returns, depends on its inputs' values."""
+    """Whether this op's output shape, or the Python value it returns, may depend on its inputs' values."""
+    if getattr(func, "namespace", "aten") not in _TAGGED:
+        return True
     tags = func.tags
     name = func.overloadpacket.__name__
     if torch.Tag.data_dependent_output in tags or name in ("equal", "is_nonzero"):
