@@ -472,6 +472,9 @@ FILE_SECONDS = {
     # session 20 (helper hred20): one forward-only bf16 compare at TP=1,2 (no confirmation) and three gates,
     # estimated from a compare's CPU s (~7) and its gates'; wall 86 s at the shared host's load
     "test_shape_break_flip.py": 27,  # + one gate of an edited summary (hreview20)
+    # session 22 (helper hshape22): five forward-only bf16 compares at TP=1,2 with their second passes (no
+    # confirmation), seven gates and one module_oracle unit test: ~40 s wall with `pytest -n 0` at load ~8
+    "test_shape_break_fixed.py": 35,
     # session 20 (helper hreview20): a 2-rank gloo world (13 s wall) and a compare at TP=2,4 --steps 2
     # --anchor (19 s wall, ~6 CPU s) at load ~10 on the shared 2 cores
     "test_anchor_ranks.py": 27,  # + one more 2-rank gloo world (hanchor21, session 21)

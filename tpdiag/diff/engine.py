@@ -236,7 +236,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
                 continue
             if isinstance(e, ShortOfWhole) and not om.get("positions"):
                 # no rounding changes a shape: the ranks computed part of what the reference did here
-                shape_break = {"key": key, "why": str(e)}
+                shape_break = {"key": key, "why": str(e), "idx": om["idx"]}
                 uncompared.append({**om, "why": "the ranks hold only part of the reference's record"})
                 continue
             raise NotComparable(f"TP={label}: {e}") from None
@@ -348,6 +348,10 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     if isinstance(own_notes, dict) and isinstance(own_notes.get(label), dict):
         dd.oracle_notes_own = own_notes[label]
     dd.oracle_reads_noted = isinstance(ref.world, dict) and ref.world.get("oracle_reads_noted") is True
+    if shape_break is not None:
+        from tpdiag.diff import shape_break as breaks
+
+        breaks.settle(dd, ref)  # a break after a difference that is a bug all the same (its `by`)
     return dd
 
 

@@ -54,7 +54,8 @@ RULES: list[Rule] = [
          lambda ev, b: ev.optimizer_step[0], lambda ev, b: ev.optimizer_step[1]),
     # ... unless a record before it differed already: a shape the model computes from values (an MoE
     # router's top-k, a mask's nonzero, a capacity) changes with a rounding difference, so the shape
-    # alone judges nothing either way (diff/shape_break.py)
+    # alone judges nothing either way - unless the code that made it could not let a value decide its
+    # shape (diff/shape_break.settle's `by`: short_after is then None, and the next rule names the bug)
     Rule("the ranks hold part of the record after a difference",
          lambda ev, b: ev.short_of_whole is not None and ev.short_after is not None,
          lambda ev, b: "unknown", lambda ev, b: ev.short_of_whole),

@@ -28,9 +28,11 @@ def _folders(run_dir: str, summary: dict) -> list[str]:
     return out
 
 
-def problems(run_dir: str, summary: dict) -> dict[str, str]:
+def problems(run_dir: str, summary: dict, breaks: dict | None = None) -> dict[str, str]:
     """{label: problem} for the first record of each label a second pass's re-diff finds beyond its bound
-    that its diff.csv does not."""
+    that its diff.csv does not. breaks: filled with {label: shape_break} where a re-diff judged a shape
+    break a bug after a difference (diff/shape_break.settle's `by`, from the float64 re-execution of the
+    code that made it, which only a second pass holds): the gate's want for that break's finding."""
     from tpdiag.base import files as io
     from tpdiag.diff.analyse import analyse_degree
     from tpdiag.records.paths import DIFF_CSV, SUMMARY
@@ -53,9 +55,12 @@ def problems(run_dir: str, summary: dict) -> dict[str, str]:
                 continue
             said = {r["key"] for r in rows if str(r.get("degree")) == lab and r.get("beyond_bound") is True}
             try:
-                _, got = analyse_degree(ref_rs, RecordSet(records_dir(d, manifest, lab)), lab)
+                sub_entry, got = analyse_degree(ref_rs, RecordSet(records_dir(d, manifest, lab)), lab)
             except Inconclusive:
                 continue
+            brk = sub_entry.get("shape_break")
+            if breaks is not None and isinstance(brk, dict) and brk.get("by"):
+                breaks.setdefault(lab, brk)
             k = next((r["key"] for r in got if r.get("beyond_bound") is True and r["key"] not in said), None)
             if k is None:
                 # a router-flip label the pass gave a record of pass 1's (runner/drill_merge._judged_whole) must

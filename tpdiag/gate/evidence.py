@@ -4,7 +4,9 @@ diff.csv, and summary.json with both; a degree whose evidence cannot be trusted 
 from __future__ import annotations
 
 
-def check_summary(lab: str, d: dict, rows: list[dict]) -> str | None:
+def check_summary(lab: str, d: dict, rows: list[dict], judged_break: dict | None = None) -> str | None:
+    """judged_break: the shape break a second pass's re-diff judged a bug after a difference
+    (diff/recheck_pass.problems' breaks), else None."""
     from tpdiag.records.shares import shares
 
     # records a full capture read as shares of one value are not compared (records/shares.py)
@@ -23,8 +25,12 @@ def check_summary(lab: str, d: dict, rows: list[dict]) -> str | None:
         # diff/recheck.py): its sharding-bug finding must stand - deleted or relabelled, the records' BUG
         # would pass as the rounding of the records before it
         # where a record before it differed already (`after`), an `unknown` one (diff/shape_break.py)
+        # - unless the records show no rounding could have made that shape (`by`: re-derived from pass 1's
+        # records, or from the second pass's float64 re-execution of the code that made it)
         key = brk.get("key") if isinstance(brk, dict) else None
-        want = "unknown" if isinstance(brk, dict) and brk.get("after") is not None else "sharding-bug"
+        judged = isinstance(judged_break, dict) and judged_break.get("key") == key
+        want = ("unknown" if isinstance(brk, dict) and brk.get("after") is not None and not brk.get("by")
+                and not judged else "sharding-bug")
         # ... flagged as the break (compare always writes the flag: without it the gate once judged it
         # as any finding beside diff.csv's rows, and an `unknown` one passed `--allow rounding`)
         if not any(isinstance(f, dict) and f.get("key") == key and f.get("cause") == want
@@ -80,12 +86,13 @@ def degree_errors(run_dir: str, manifest: dict, summary: dict, ref: str, others:
                          bool(base.get("reproducible"))))
     from tpdiag.diff import recheck_pass
 
-    for lab, bad in recheck_pass.problems(run_dir, summary).items():
+    breaks: dict = {}
+    for lab, bad in recheck_pass.problems(run_dir, summary, breaks).items():
         if lab in others:
             errors.setdefault(lab, bad)
     for lab in others:
         if lab not in errors:
-            bad = check_summary(lab, degrees[lab], by_label[lab])
+            bad = check_summary(lab, degrees[lab], by_label[lab], breaks.get(lab))
             if bad:
                 errors[lab] = bad
     return errors

@@ -38,6 +38,7 @@ from tpdiag.probes.float64_mode import DISCRETE, Float64Mode, OracleRefused, op_
 # the buffers a forward writes, started from their values before it (probes/float64_state.py)
 from tpdiag.probes.float64_state import _as_before, _up_dtype, _written_values, buffers_before  # noqa: F401
 from tpdiag.probes.float64_taps import tapping as _tapping
+from tpdiag.probes.value_shapes import ValueReads
 
 _MAX_WHY = 300
 
@@ -101,13 +102,20 @@ def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None, names=None) 
                 # a tensor attribute that is another module's buffer (`self.amax = observer.amax`) is
                 # that buffer, read: never the call's own state
                 mode.known = _own_storages(mod, (args, kwargs)) - (set(names["buffers"]) - mine)
-            with mode:
+            with ValueReads(mode.shaped), mode:
                 out = mod(*args, **kwargs)
             mode.consumed(out)  # indices the module returns are a choice its caller reads
             written = _written_values(mod, swapped)
     except Exception as e:  # noqa: BLE001 - any failure is a reason, never a crash of the run
         return None, {"why": _why(e)}
     notes = {"discrete": mode.discrete} if mode.discrete else {}
+    if mode.shaped:
+        notes["shaped"] = list(mode.shaped)
+    # a Python number among its arguments may have been read from values by its caller (a token
+    # count): its shapes are then not its inputs' alone (diff/shape_break.py)
+    scalars = sum(1 for v in tree_flatten((args, kwargs))[0] if isinstance(v, (int, float)) and not isinstance(v, bool))
+    if scalars:
+        notes["scalar_args"] = scalars
     if names is not None and mode.foreign:
         params = names.get("params", {})
         bufs = sorted({names["buffers"][p] for p in mode.foreign if p in names["buffers"]})

@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_flatten
 
 from tpdiag.probes.float64_args import _map_args, _tensors, _upcast_one, upcast
 from tpdiag.probes.float64_state import F64, _up_dtype
+from tpdiag.probes.value_shapes import value_shaped
 
 # ops that make a discrete choice from floating values: a rounding-level difference before one
 # can flip it (an MoE router's top-k, a threshold) and move the output by O(1) without any bug
@@ -62,6 +63,9 @@ class Float64Mode(TorchDispatchMode):
         # counts once its indices are read by a later op or returned (`consumed`); held here (the
         # tensor kept alive: its storage not reused) until then. An argmax's output is its indices.
         self.pending: dict[int, tuple[str, torch.Tensor]] = {}
+        # ops through which a value may decide a shape (probes/value_shapes.py): where a forward ran
+        # none, its outputs' shapes follow from its inputs' shapes alone (diff/shape_break.py)
+        self.shaped: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -82,6 +86,8 @@ class Float64Mode(TorchDispatchMode):
                                         "create): re-running it would change the real run")
         if self.pending:
             self.consumed((args, kwargs))
+        if op_name(func) not in self.shaped and value_shaped(func, args, kwargs):
+            self.shaped.append(op_name(func))
         if self.known is not None and not name.startswith("lift_fresh"):  # torch.tensor(3.0): made here
             for t in _tensors((args, kwargs), []):
                 p = storage_ptr(t)

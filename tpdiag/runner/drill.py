@@ -71,7 +71,18 @@ def wanted(cfg: CompareConfig, summary: dict) -> bool:
     fds = [fd for fd in fds if fd]
     return summary.get("capture") == "hash" or cfg.granularity in ("auto", "op") or any(
         needs_verdict(fd) for fd in fds) or any(
-        d.get("unjudged") or (cfg.judge_downstream and d.get("own_inputs")) for d in entries(summary).values())
+        d.get("unjudged") or (cfg.judge_downstream and d.get("own_inputs")) or _break_producer(d)
+        for d in entries(summary).values())
+
+
+def _break_producer(entry: dict) -> str | None:
+    """The module whose code made a shape break after a difference (diff/shape_break.producer), where
+    only its float64 re-execution can tell a shape it fixed from one a value decided: re-executed here."""
+    brk = entry.get("shape_break") if isinstance(entry, dict) else None
+    if not isinstance(brk, dict) or brk.get("after") is None or brk.get("by"):
+        return None
+    p = brk.get("producer")
+    return p if isinstance(p, str) else None
 
 
 def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, later: list | None = None,
@@ -141,6 +152,8 @@ def drill_down(cfg: CompareConfig, summary: dict, run_dir: str, on_status=None, 
                         if (f.get("phase"), f.get("kind"), f.get("step")) == ("forward", "in", fd.get("step"))
                         and (fd.get("phase"), fd.get("kind")) == ("forward", "out")}
                        if summary.get("capture") == "hash" else set()))
+    # the code that made a shape break after a difference: whether a value could decide its shape
+    oracle = sorted(set(oracle) | {p for lab, _ in targets if (p := _break_producer(every[lab]))})
     # every divergent module past the first divergence, judged on this side's own inputs
     # (diff/own_inputs.py; --no-judge-downstream: off)
     own = {lab: every[lab]["own_inputs"] for lab, _ in targets

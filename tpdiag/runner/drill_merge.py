@@ -69,6 +69,10 @@ def merge_rerun(sub: dict, *, every: dict, run_dir: str, out: str, labels, sub_l
                 # as shares: the region's verdict is that evidence judged better, and replaces pass 1's
                 entry["findings"][same_record] = {**f, "from": "second pass"}
                 continue
+            if mine is not None and _same_break(entry, mine, f):
+                # its position is pass 1's (the rerun's records number otherwise: it records ops)
+                entry["findings"][entry["findings"].index(mine)] = {**f, "idx": mine.get("idx"), "from": "second pass"}
+                continue
             if mine is not None:
                 if "follows" not in mine and f.get("follows") in sub_bugs:
                     # the rerun judged an earlier record a bug that pass 1 could not (a module
@@ -137,6 +141,16 @@ def merge_rerun(sub: dict, *, every: dict, run_dir: str, out: str, labels, sub_l
         if op_failed:
             fd["op_detail"] = ("no op-level rerun: the ranks recorded different op streams (not SPMD at op "
                                "level); judged at module level")
+
+
+def _same_break(entry: dict, mine: dict, f: dict) -> bool:
+    """Pass 1's shape break after a difference (`unknown`: pass 1 had no float64 re-execution of the code
+    that made it), which the rerun judged re-executing that code (diff/shape_break.settle): a bug there
+    (the gate holds it to the rerun's records: diff/recheck_pass.py), or `unknown` saying what it ran -
+    its verdict replaces pass 1's."""
+    brk = entry.get("shape_break") if isinstance(entry.get("shape_break"), dict) else {}
+    return (mine.get("shape_break") is True and mine.get("cause") == "unknown" and f.get("shape_break") is True
+            and f.get("cause") in ("sharding-bug", "unknown") and f.get("key") == mine.get("key") == brk.get("key"))
 
 
 def _anchored(run_dir: str, label: str) -> set[int]:
