@@ -10,7 +10,9 @@ parameter is judged by three links, each on its own side's inputs:
 1. the optimizer: its class and hyper-parameters the reference's, and its update re-run in float64
    from this side's own parameter before the step, consumed grad and state reproduces this side's
    parameter after it within a few roundings of each element (the reference's too: else the step
-   is not the optimizer's alone - a write after it - and nothing is judged);
+   is not the optimizer's alone - a write after it - and nothing is judged); for a user's own
+   Optimizer subclass, its own step() re-executed in float64 while the capture recorded it, each
+   side judged against its own re-execution (diff/optim_own.py);
 2. the grads it consumed: on each side the recorded grad (end of the backward) times one factor
    (1 without a clip), within a few roundings per element; at TP > 1 a sharded grad whose rank
    shards were scaled by factors of their own is a coefficient computed per rank (BUG);
@@ -32,8 +34,8 @@ import torch
 from tpdiag.diff.optim_rerun import EPS, IMPLEMENTATION, RERUN, SCALE_ROUNDINGS, _own_excess, _per_rank, fit, rerun
 from tpdiag.records.keys import record_key
 
-WHAT_TO_DO = ("record cap.grad_norm(total) when you clip, and step a torch.optim SGD, Adam or AdamW inside "
-              "the capture's with block (tpdiag re-runs its step in float64)")
+WHAT_TO_DO = ("record cap.grad_norm(total) when you clip, and step a torch.optim.Optimizer inside the capture's "
+              "with block - torch's SGD, Adam, AdamW or your own subclass (tpdiag re-runs its step in float64)")
 
 
 def _steps(world: dict) -> dict:
@@ -179,7 +181,7 @@ def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves)
     if not at_ref or not at_other:
         return (f"moved in the step, but the capture saw no torch.optim optimizer step it at "
                 f"{'either side' if not at_ref and not at_other else 'the reference' if not at_ref else 'this degree'} "
-                f"(a hand-written update, or capture(optimizer=False)): nothing bounds a parameter past the first "
+                f"(a hand-written update outside any torch.optim.Optimizer, or capture(optimizer=False)): nothing bounds a parameter past the first "
                 f"divergence - {WHAT_TO_DO}", "unknown")
     if len(at_ref) > 1 or len(at_other) > 1:
         return ("stepped more than once in the step (two optimizers over it): its update is not re-run - "

@@ -8,7 +8,8 @@ updates: the grad the optimizer read (`opt_grad`), its state tensors before the 
 `NAME.KEY`: Adam's moments), and in world.json the optimizer's class, hyper-parameters and each
 parameter's step count. diff/optim_step.py re-runs that step in float64 from each side's own inputs
 and judges the grads it consumed against the recorded ones; without these records a moved parameter
-after the step has no bound and is `not judged`.
+after the step has no bound and is `not judged`. A user's own Optimizer subclass is re-executed here,
+in float64 on the whole tensors (probes/optim_shadow.py: `opt_f64` records, the entry's `f64`).
 """
 from __future__ import annotations
 
