@@ -87,7 +87,7 @@ def _state_copy(p, state: dict, name: str) -> dict:
 def _tensors_in(obj, found: list, depth: int = 0) -> list:
     if isinstance(obj, torch.Tensor):
         found.append(obj)
-    elif depth < 2 and isinstance(obj, (dict, list, tuple, set)):
+    elif depth < 3 and isinstance(obj, (dict, list, tuple, set)):
         for v in (obj.values() if isinstance(obj, dict) else obj):
             _tensors_in(v, found, depth + 1)
     return found
