@@ -44,15 +44,18 @@ class Refused(Exception):
     """The step cannot be re-executed in float64 as a function of the recorded inputs (the text says why)."""
 
 
-def _whole(t, what: str):
+def _whole(t, what: str, ranks):
     """t as one plain tensor on this rank: a DTensor gathered (its mesh's collective, which every
-    rank of the TP group runs in the same hook), a plain tensor as it is."""
+    rank of the TP group runs in the same hook), a plain tensor as it is. ranks: the TP group's."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        if t.device_mesh.ndim != 1:
-            raise Refused(f"{what} is a DTensor on a {t.device_mesh.ndim}-D mesh (gathering it takes ranks outside "
-                          "the captured TP group)")
+        mesh = t.device_mesh
+        if mesh.ndim != 1 or (ranks is not None and mesh.size() > 1
+                              and sorted(mesh.mesh.reshape(-1).tolist()) != sorted(ranks)):
+            # its gather would wait for ranks that run no capture hook (FSDP's data-parallel peers)
+            raise Refused(f"{what} is a DTensor on a mesh other than the captured TP group's ({mesh.ndim}-D, "
+                          f"ranks {mesh.mesh.reshape(-1).tolist()}): gathering it takes ranks outside it")
         return t.full_tensor().detach()
     return t.detach()
 
@@ -63,11 +66,11 @@ def _sharded(p) -> bool:
     return isinstance(p, DTensor) and tuple(p.shape) != tuple(p.to_local().shape)
 
 
-def _state_copy(p, state: dict, name: str) -> dict:
+def _state_copy(p, state: dict, name: str, ranks) -> dict:
     out = {}
     for k, v in state.items():
         if isinstance(v, torch.Tensor):
-            w = _whole(v, f"{name}'s state {k!r}")
+            w = _whole(v, f"{name}'s state {k!r}", ranks)
             if w.is_floating_point() and _sharded(p) and type(v) is torch.Tensor and w.numel() > 1 \
                     and tuple(w.shape) != tuple(p.shape):
                 # a plain tensor of a sharded parameter: a statistic of this rank's shard (Adafactor's
@@ -93,9 +96,10 @@ def _tensors_in(obj, found: list, depth: int = 0) -> list:
     return found
 
 
-def shadow_step(opt, args, kwargs, names: dict) -> tuple[dict, list[str]]:
+def shadow_step(opt, args, kwargs, names: dict, ranks=None) -> tuple[dict, list[str]]:
     """({id(real param): its float64 value after the shadow step}, the jumps the step made) for every
-    parameter of the captured model in `opt` (names: id -> record names); Refused says why not."""
+    parameter of the captured model in `opt` (names: id -> record names; ranks: the TP group's global
+    ranks, None without a process group); Refused says why not."""
     if tuple(args[1:] if args and args[0] is opt else args) or kwargs:  # torch hands the hook (self, *args)
         raise Refused("step() was called with arguments (a closure re-evaluates the model: the step is not "
                       "a function of the recorded parameters, grads and state)")
@@ -110,9 +114,9 @@ def shadow_step(opt, args, kwargs, names: dict) -> tuple[dict, list[str]]:
                 raise Refused("it also steps parameters outside the captured model (their values are not "
                               "recorded: a step coupling parameters would be re-run without them)")
             name = f"{names[id(p)][0]}.{names[id(p)][1]}"
-            w = _whole(p, name).to(torch.float64).clone()
+            w = _whole(p, name, ranks).to(torch.float64).clone()
             if p.grad is not None:
-                w.grad = _whole(p.grad, f"{name}'s grad").to(torch.float64).clone()
+                w.grad = _whole(p.grad, f"{name}'s grad", ranks).to(torch.float64).clone()
             for t in (p, p.grad, *opt.state.get(p, {}).values()):
                 if isinstance(t, torch.Tensor):
                     protected.add(storage_ptr(getattr(t, "_local_tensor", t)))
@@ -124,7 +128,7 @@ def shadow_step(opt, args, kwargs, names: dict) -> tuple[dict, list[str]]:
     for p in real:
         if p in opt.state:
             name = f"{names[id(p)][0]}.{names[id(p)][1]}"
-            state[shadow_of[id(p)]] = _state_copy(p, opt.state[p], name)
+            state[shadow_of[id(p)]] = _state_copy(p, opt.state[p], name, ranks)
 
     sh = object.__new__(type(opt))
     for k, v in opt.__dict__.items():

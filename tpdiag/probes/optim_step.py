@@ -108,10 +108,13 @@ def _shadow(opt, args, kwargs, names, entry, rec, style, group) -> None:
     jumps the step made. Every rank of the TP group runs it (the gathers are collectives)."""
     from tpdiag.probes.optim_shadow import Refused, agree, shadow_step
 
+    import torch.distributed as dist
+
     got, jumps, refused = {}, [], None
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if dist.is_initialized() else None
     was, rec.enabled = rec.enabled, False  # the shadow's own ops are no records
     try:
-        got, jumps = shadow_step(opt, args, kwargs, names)
+        got, jumps = shadow_step(opt, args, kwargs, names, ranks)
     except Refused as e:
         refused = str(e)
     finally:
