@@ -508,6 +508,9 @@ FILE_SECONDS = {
     # session 21 (helper hrl21): wall of `pytest -n 0 FILE` on the shared 2-core machine, pytest's start
     # left out (six compares, one generate() and seven rollouts) - ordering only
     "test_rl_policy_trial.py": 90,
+    # session 22 (helper hopt22): eight capture worlds and five diffs; wall of `pytest -n 0 FILE` on the
+    # shared 2-core machine (56 s), pytest's start left out - ordering only
+    "test_own_optim.py": 50,
 }
 
 

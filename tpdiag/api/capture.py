@@ -167,7 +167,7 @@ class Capture:
             from tpdiag.probes.optim_step import watch_optimizers
 
             self._stack.enter_context(watch_optimizers(self.model, self.rec, _style_memo(self.plan),
-                                                       self.optimizer_steps))
+                                                       self.optimizer_steps, tp_group=self.group))
         self.rec.phase = "forward"
 
     def _check_plan(self) -> None:

@@ -10,7 +10,7 @@ from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
 from tpdiag.diff.packed_shards import PackedShards
 from tpdiag.errors import NotComparable, ShortOfWhole
 from tpdiag.records.layout import assemble, first_positions, local_shape, vocab_padded, vocab_padded_dim
-from tpdiag.records.keys import ROOTS
+from tpdiag.records.keys import OPT_F64, ROOTS
 from tpdiag.records.store import RecordSet
 
 
@@ -154,6 +154,8 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
         updates = Updates()  # the user's own optimizer: its update judged by one factor
     for om in other.events:
         key = om["key"]
+        if om["kind"] == OPT_F64:
+            continue  # each side's own float64 re-execution of its optimizer step (diff/optim_own.py)
         rm = ref.by_key.get(key)
         if rm is None:
             unmatched.append(key)
@@ -331,7 +333,7 @@ def diff_degree(ref: RecordSet, other: RecordSet, label: str, keep=None, values:
     # has no backward or optimizer records to miss
     skip = () if (other.world.get("config") or {}).get("backward", True) else ("backward", "optimizer")
     per_rank = {**per_rank_blocks(other), **per_piece_blocks(other)}
-    missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] != "oracle"
+    missing = [m["key"] for m in ref.events if m["key"] not in seen and m["kind"] not in ("oracle", OPT_F64)
                and m["phase"] not in skip and not _inside_block(m, per_rank)]
     dd = DegreeDiff(label, rows, unmatched, missing, tensors, uncompared, contents=contents,
                     hash_version=ref.hash_version, captured=captured, recipe=_recipe(other.world),

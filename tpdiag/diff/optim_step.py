@@ -10,7 +10,9 @@ parameter is judged by three links, each on its own side's inputs:
 1. the optimizer: its class and hyper-parameters the reference's, and its update re-run in float64
    from this side's own parameter before the step, consumed grad and state reproduces this side's
    parameter after it within a few roundings of each element (the reference's too: else the step
-   is not the optimizer's alone - a write after it - and nothing is judged);
+   is not the optimizer's alone - a write after it - and nothing is judged); for a user's own
+   Optimizer subclass, its own step() re-executed in float64 while the capture recorded it, each
+   side judged against its own re-execution (diff/optim_own.py);
 2. the grads it consumed: on each side the recorded grad (end of the backward) times one factor
    (1 without a clip), within a few roundings per element; at TP > 1 a sharded grad whose rank
    shards were scaled by factors of their own is a coefficient computed per rank (BUG);
@@ -32,8 +34,8 @@ import torch
 from tpdiag.diff.optim_rerun import EPS, IMPLEMENTATION, RERUN, SCALE_ROUNDINGS, _own_excess, _per_rank, fit, rerun
 from tpdiag.records.keys import record_key
 
-WHAT_TO_DO = ("record cap.grad_norm(total) when you clip, and step a torch.optim SGD, Adam or AdamW inside "
-              "the capture's with block (tpdiag re-runs its step in float64)")
+WHAT_TO_DO = ("record cap.grad_norm(total) when you clip, and step a torch.optim.Optimizer inside the capture's "
+              "with block - torch's SGD, Adam, AdamW or your own subclass (tpdiag re-runs its step in float64)")
 
 
 def _steps(world: dict) -> dict:
@@ -179,7 +181,7 @@ def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves)
     if not at_ref or not at_other:
         return (f"moved in the step, but the capture saw no torch.optim optimizer step it at "
                 f"{'either side' if not at_ref and not at_other else 'the reference' if not at_ref else 'this degree'} "
-                f"(a hand-written update, or capture(optimizer=False)): nothing bounds a parameter past the first "
+                f"(a hand-written update outside any torch.optim.Optimizer, or capture(optimizer=False)): nothing bounds a parameter past the first "
                 f"divergence - {WHAT_TO_DO}", "unknown")
     if len(at_ref) > 1 or len(at_other) > 1:
         return ("stepped more than once in the step (two optimizers over it): its update is not re-run - "
@@ -195,44 +197,21 @@ def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves)
         return (f"its optimizer's {k} is {hb.get(k)!r} at this degree and {ha.get(k)!r} at the reference's (a "
                 "hyper-parameter computed from the world size or a shard's shape): another update", "sharding-bug")
     cls = ea.get("class")
-    if cls not in RERUN:
-        return (f"stepped by {cls}, which tpdiag does not re-run (only {', '.join(c.rsplit('.', 1)[1] for c in RERUN)}): "
-                f"nothing bounds its update - not judged; {WHAT_TO_DO}", "unknown")
     gkey = record_key(step, "optimizer", module, "opt_grad", 0, name)
     used = _pair(dd, ref, other, gkey)
-    if used is None:
-        return ("the grad its optimizer consumed was not recorded at both sides: not judged", "unknown")
-    if "states" not in moves:
-        moves["states"] = {}
-        for rs in (ref, other):
-            for m in rs.events:
-                if m["kind"] == "opt_state" and m["call"] == 0:
-                    pname, _, sk = str(m["name"]).partition(".")  # a parameter's short name has no dot
-                    moves["states"].setdefault((m["step"], m["module"], pname), {})[sk] = m["key"]
-    keys = moves["states"].get((step, module, name), {})
-    states = ({}, {})
-    for sk, k in keys.items():
-        pair = _pair(dd, ref, other, k)
-        if pair is None:
-            return ("its optimizer state before the step was not recorded at both sides: not judged", "unknown")
-        for st, v in zip(states, pair):
-            st[sk] = v
-    if any((p.get("step") or 0) > 0 for p in (pa, pb)) and not keys and cls != "torch.optim.sgd.SGD":
-        return ("its optimizer state before the step was not recorded: not judged", "unknown")
-    try:
-        p64a = rerun(cls, _hyper(ga), before[0], used[0], states[0], pa.get("step"))
-        p64b = rerun(cls, _hyper(gb), before[1], used[1], states[1], pb.get("step"))
-    except Exception as e:  # noqa: BLE001 - the hyper-parameters of another torch version: no re-run
-        return (f"its {cls} step could not be re-run ({type(e).__name__}: {e}): not judged", "unknown")
-    xa, xb = _own_excess(before[0], after[0], p64a), _own_excess(before[1], after[1], p64b)
-    if not xa <= 1.0:
-        return (f"at the reference the parameter after the step is not what {cls} computes from the grad it "
-                f"consumed ({xa:.3g}x beyond rounding: code after the step wrote it, or the optimizer is not "
-                "torch's own): its update is not judged", "unknown")
-    if not xb <= 1.0:
-        return (f"the parameter after the step is not what {cls} computes from the grad it consumed at this "
-                f"degree ({xb:.3g}x beyond rounding), while the reference's is: the step itself differs at this "
-                "degree", "sharding-bug")
+    if cls in RERUN:
+        if used is None:
+            return ("the grad its optimizer consumed was not recorded at both sides: not judged", "unknown")
+        bad = _rerun_link(dd, ref, other, r, before, after, cls, ga, gb, pa, pb, used, moves)
+    else:
+        # a user's own class: its own step() re-executed in float64 while each capture recorded it
+        from tpdiag.diff.optim_own import link
+
+        bad = link(ref, other, r, before, after, at_ref[0], at_other[0], cls)
+        if bad is None and used is None:
+            return ("the grad its optimizer consumed was not recorded at both sides: not judged", "unknown")
+    if bad is not None:
+        return bad
     rkey = _grad_key(moves, dd, step, module, name)
     rec = _pair(dd, ref, other, rkey) if rkey else None
     shares = _shares_sum(other, rkey) if rkey else None
@@ -278,6 +257,44 @@ def _judge_one(dd, ref, other, r, before, after, at_ref, at_other, ranks, moves)
                 "coefficient or grad scale computed otherwise at this degree (a norm from other counts)",
                 "sharding-bug")
     return None, None
+
+
+def _rerun_link(dd, ref, other, r, before, after, cls, ga, gb, pa, pb, used, moves):
+    """Link 1 for torch's SGD, Adam and AdamW: their update rule re-run in float64 from each side's own
+    parameter, consumed grad and state (diff/optim_rerun.py); (why, cause) where it fails, else None."""
+    step, module, name = r["step"], r["module"], r["name"]
+    if "states" not in moves:
+        moves["states"] = {}
+        for rs in (ref, other):
+            for m in rs.events:
+                if m["kind"] == "opt_state" and m["call"] == 0:
+                    pname, _, sk = str(m["name"]).partition(".")  # a parameter's short name has no dot
+                    moves["states"].setdefault((m["step"], m["module"], pname), {})[sk] = m["key"]
+    keys = moves["states"].get((step, module, name), {})
+    states = ({}, {})
+    for sk, k in keys.items():
+        pair = _pair(dd, ref, other, k)
+        if pair is None:
+            return ("its optimizer state before the step was not recorded at both sides: not judged", "unknown")
+        for st, v in zip(states, pair):
+            st[sk] = v
+    if any((p.get("step") or 0) > 0 for p in (pa, pb)) and not keys and cls != "torch.optim.sgd.SGD":
+        return ("its optimizer state before the step was not recorded: not judged", "unknown")
+    try:
+        p64a = rerun(cls, _hyper(ga), before[0], used[0], states[0], pa.get("step"))
+        p64b = rerun(cls, _hyper(gb), before[1], used[1], states[1], pb.get("step"))
+    except Exception as e:  # noqa: BLE001 - the hyper-parameters of another torch version: no re-run
+        return (f"its {cls} step could not be re-run ({type(e).__name__}: {e}): not judged", "unknown")
+    xa, xb = _own_excess(before[0], after[0], p64a), _own_excess(before[1], after[1], p64b)
+    if not xa <= 1.0:
+        return (f"at the reference the parameter after the step is not what {cls} computes from the grad it "
+                f"consumed ({xa:.3g}x beyond rounding: code after the step wrote it, or the optimizer is not "
+                "torch's own): its update is not judged", "unknown")
+    if not xb <= 1.0:
+        return (f"the parameter after the step is not what {cls} computes from the grad it consumed at this "
+                f"degree ({xb:.3g}x beyond rounding), while the reference's is: the step itself differs at this "
+                "degree", "sharding-bug")
+    return None
 
 
 def _layout(ctx, dd, key):

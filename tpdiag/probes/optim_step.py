@@ -8,13 +8,17 @@ updates: the grad the optimizer read (`opt_grad`), its state tensors before the 
 `NAME.KEY`: Adam's moments), and in world.json the optimizer's class, hyper-parameters and each
 parameter's step count. diff/optim_step.py re-runs that step in float64 from each side's own inputs
 and judges the grads it consumed against the recorded ones; without these records a moved parameter
-after the step has no bound and is `not judged`.
+after the step has no bound and is `not judged`. A user's own Optimizer subclass is re-executed here,
+in float64 on the whole tensors (probes/optim_shadow.py: `opt_f64` records, the entry's `f64`).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
+
+from tpdiag.probes import optim_shadow
+from tpdiag.records.keys import OPT_F64
 
 # the hyper-parameters kept: JSON numbers, bools, strings and tuples of numbers (betas)
 _PLAIN = (bool, int, float, str, type(None))
@@ -39,10 +43,12 @@ def _step_count(state: dict):
 
 
 @contextmanager
-def watch_optimizers(model: torch.nn.Module, rec, style, steps: list):
+def watch_optimizers(model: torch.nn.Module, rec, style, steps: list, tp_group=None):
     """Record, at each optimizer step inside the block, the grads and state it reads for the
     parameters of `model`; `steps` gets one entry per step call (world.json `optimizer_steps`).
-    style(module name) -> the plan's style label (record_params' own memo)."""
+    style(module name) -> the plan's style label (record_params' own memo). A user's own optimizer
+    class is also re-executed in float64 on the whole tensors (probes/optim_shadow.py; tp_group: the
+    TP group, which agrees on whether it could be)."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from tpdiag.probes.model_walk import Walk
@@ -85,6 +91,8 @@ def watch_optimizers(model: torch.nn.Module, rec, style, steps: list):
                 if owned:
                     entry["groups"].append({"hyper": hyper, "params": owned})
         if entry["groups"]:
+            if optim_shadow.applies(opt):
+                _shadow(opt, args, kwargs, names, entry, rec, style, tp_group)
             steps.append(entry)
 
     handle = register_optimizer_step_pre_hook(pre)
@@ -92,3 +100,44 @@ def watch_optimizers(model: torch.nn.Module, rec, style, steps: list):
         yield steps
     finally:
         handle.remove()
+
+
+def _shadow(opt, args, kwargs, names, entry, rec, style, group) -> None:
+    """The user's own step re-executed in float64 (probes/optim_shadow.py): an `opt_f64` record per
+    stepped parameter (its value after the shadow step, whole), `entry["f64"]` what refused or the
+    jumps the step made. Every rank of the TP group runs it (the gathers are collectives)."""
+    from tpdiag.probes.optim_shadow import Refused, agree, shadow_step
+
+    import torch.distributed as dist
+
+    got, jumps, refused = {}, [], None
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if dist.is_initialized() else None
+    was, rec.enabled = rec.enabled, False  # the shadow's own ops are no records
+    try:
+        got, jumps = shadow_step(opt, args, kwargs, names, ranks)
+    except Refused as e:
+        refused = str(e)
+    finally:
+        rec.enabled = was
+    first = next((p for g in opt.param_groups for p in g["params"]), None)
+    device = getattr(first, "_local_tensor", first).device if first is not None else torch.device("cpu")
+    refused = agree(refused, group, device)
+    if refused:
+        entry["f64"] = {"refused": refused}
+        return
+    entry["f64"] = {"jumps": jumps}
+    by_name = {(v[0], v[1]): k for k, v in names.items()}
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        for g in entry["groups"]:
+            for pe in g["params"]:
+                if "call" not in pe:
+                    continue
+                pid = by_name.get((pe["module"], pe["name"]))
+                w = got.get(pid)
+                if w is None:
+                    continue
+                owner, short, mname, cls = names[pid]
+                pe["f64"] = list(w.shape)
+                # "replicate": one whole tensor on every rank (not a shard the diff would concatenate)
+                rec.add(OPT_F64, owner, short, w, call=pe["call"], phase="optimizer", layout="replicate",
+                        style=style(mname), cls=cls)

@@ -65,6 +65,9 @@ ORACLE_NORMS = "~norms"
 # the name prefix of an oracle record holding a child's output grad in its parent's float64 backward
 # (probes/oracle_hooks.tap_name: grad_out.O.cJ.pP; diff/engine.py reads it)
 ORACLE_TAP = "grad_out."
+# the kind of a capture's float64 re-execution of a user's own optimizer step (probes/optim_shadow.py):
+# each side's own value, judged with its parameter (diff/optim_own.py), never compared across sides
+OPT_F64 = "opt_f64"
 # the root module's record name, and the model-level records' (batch, logits, loss, grad_norm)
 ROOT_MODULE = "model"
 # the root's record name where a top-level child is named "model" (HF's LlamaForCausalLM.model, a
