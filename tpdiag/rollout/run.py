@@ -189,6 +189,12 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             from tpdiag.rollout import mode_gap
 
             mode_bug = mode_gap.check(cfgs[0], seqs, target, model)  # rounding between the modes, or a bug
+        from tpdiag.rollout import own_loss
+
+        own = None
+        if own_loss.applies(target):  # a py: Target's own loss: the trainer's logprobs as its code takes them
+            with _one_thread() if big > 1 else nullcontext():
+                own = own_loss.check(rc, cfgs, results, trainer, seqs, target, model, groups)
     finally:
         if early is not None:
             from tpdiag.rollout.early import put_back
@@ -202,7 +208,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if v:
                 flag_values.setdefault(k, v)
     return summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
-                    flag_values, pad_note, sampled, decodable, cache_note, mode_bug, pad_bug)
+                    flag_values, pad_note, sampled, decodable, cache_note, mode_bug, pad_bug, own)
 
 
 def _static_note(rc) -> list[str]:

@@ -40,7 +40,7 @@ def dtype_note(rc) -> list[str]:
 
 def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
              flag_values=None, pad_note=None, sampled=None, decodable: bool = True,
-             cache_note=None, mode_bug=None, pad_bug=None) -> dict:
+             cache_note=None, mode_bug=None, pad_bug=None, own=None) -> dict:
     from tpdiag.rollout import metrics, processed, tp_invariance
     from tpdiag.runner.flags import one_line
 
@@ -109,12 +109,14 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
     from tpdiag.rollout import batch_leak
     from tpdiag.rollout.todo import what_to_do
 
+    if own and own.get("line"):
+        notes.append(own["line"])
     leak = batch_leak.find(cfgs, seqs, trainer)
     if leak:
         notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, dtype_note(rc),
                       bool(pad_note), leak, decodable, bool(cache_note), recipe_own and not reproduced, bool(shift),
-                      mode_bug if mode_bug and "line" in mode_bug else None, pad_bug)
+                      mode_bug if mode_bug and "line" in mode_bug else None, pad_bug, own)
     # a gap the file's own mistake makes (processing, a misaligned token, padding kept) is not noise
     noise = 0.0 if verdict.get("detected") or shift or pad_note or named else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
@@ -134,7 +136,7 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
         "what_to_do": todo,
         "logprob_recipe": _recipe_entry(rc),
         "processed": verdict, "shifted": shift, "left_padding": pad_bug, "mode_gap": mode_bug, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
-        "batch_leak": leak,
+        "batch_leak": leak, "own_loss": own,
         "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
