@@ -30,10 +30,12 @@ def applies(target) -> bool:
 
 
 def choose(cfgs, results: dict):
-    """The configuration whose rows the loss reads: the first TP=1 stock one that ran, prefill
-    first (a decode configuration has no rows for the prompt unless the engine gave its logprobs)."""
-    ok = [c for c in cfgs if c.tp == 1 and c.fix == "none" and results.get(c.rollout_name(), {}).get("status") == "ok"]
-    return next((c for c in ok if c.mode == "prefill"), ok[0] if ok else None)
+    """The configuration whose rows the loss reads: the first TP=1 one that ran, stock kernels
+    first (the loss runs under the configuration's fixes: an F.cross_entropy in it is then
+    invariant-vocab-softmax's), then prefill (a decode configuration has no rows for the prompt
+    unless the engine gave its logprobs)."""
+    ok = [c for c in cfgs if c.tp == 1 and results.get(c.rollout_name(), {}).get("status") == "ok"]
+    return min(ok, key=lambda c: (c.fix != "none", c.mode != "prefill", ok.index(c))) if ok else None
 
 
 def check(rc, cfgs, results: dict, trainer: dict, seqs, target, model, groups: int) -> dict | None:
@@ -47,8 +49,8 @@ def check(rc, cfgs, results: dict, trainer: dict, seqs, target, model, groups: i
     fn = _name(target.loss)
     cfg = choose(cfgs, results)
     if cfg is None:
-        return {"function": fn, "skipped": "no TP=1 configuration with --fix none ran: its rows are what the loss "
-                                           "reads (add 1 to --tp and none to --fix)"}
+        return {"function": fn, "skipped": "no TP=1 configuration ran (its logits rows are what the loss reads, in this "
+                                           "process): add 1 to --tp"}
     import torch
 
     from tpdiag.rollout.compute import logprobs
@@ -130,6 +132,11 @@ def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same
            "checked": toks}
     res["line"] = _line(res)
     return res
+
+
+def skipped_line(own: dict) -> str:
+    return (f"your Target.loss ({own['function']}) was not run as the trainer's logprob, so the configurations' numbers "
+            f"are tpdiag's log-softmax, not necessarily your trainer's: {own['skipped']}")
 
 
 def _against(toks: list, key: str) -> dict:

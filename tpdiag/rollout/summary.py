@@ -109,8 +109,10 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
     from tpdiag.rollout import batch_leak
     from tpdiag.rollout.todo import what_to_do
 
-    if own and own.get("line"):
-        notes.append(own["line"])
+    if own:
+        from tpdiag.rollout.own_loss import skipped_line
+
+        notes.append(own["line"] if "line" in own else skipped_line(own))
     leak = batch_leak.find(cfgs, seqs, trainer)
     if leak:
         notes.append(leak["line"])
