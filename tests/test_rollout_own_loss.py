@@ -5,9 +5,6 @@ the sequence or divides by a temperature the engine did not sample at read `repr
 `rounding, harmless` / `within NeMo RL's 1.05 for a healthy run` (exit 0). Now the user's loss runs
 on a TP=1 configuration's rows with one generated token labelled (rollout/own_loss.py): -loss is
 the trainer's own logprob bit for bit, judged against a float64 log-softmax of the same rows."""
-import importlib.util
-import json
-
 import pytest
 import torch
 
@@ -16,35 +13,17 @@ SPEC = f"py:{FILE}:"
 
 
 def _user():
-    spec = importlib.util.spec_from_file_location("rl_loss_logprob_user", FILE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from own_sampler import user_module
+
+    return user_module(FILE, "rl_loss_logprob_user")
 
 
 def _engine(name, path):
-    """The team's sampler: its policy as tpdiag builds it (seeded 1234), one prompt per call through
-    its KV cache, each sampled token's float32 log-softmax (raw, T = 1)."""
-    mod = _user()
-    torch.manual_seed(1234)
-    model = getattr(mod, name)().model.eval()
-    g = torch.Generator().manual_seed(3)
-    lines = []
-    with torch.no_grad():
-        for n in (4, 6, 5):
-            ids = torch.randint(0, mod.VOCAB, (1, n), generator=g)
-            cache = model.new_kv_cache()
-            logits = model(ids, cache=cache)[:, -1]
-            seq, lps = ids[0].tolist(), []
-            for _ in range(6):
-                lp = logits.float().log_softmax(-1)
-                t = int(torch.multinomial(lp.exp(), 1, generator=g))
-                seq.append(t)
-                lps.append(lp[0, t].item())
-                logits = model(torch.tensor([[t]]), cache=cache)[:, -1]
-            lines.append(json.dumps({"input_ids": seq, "prompt_len": n, "logprobs": lps}))
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+    """The team's sampler: its policy, one prompt per call through its KV cache, each sampled
+    token's float32 log-softmax (raw, T = 1; tests/own_sampler.py)."""
+    from own_sampler import sample
+
+    return sample(FILE, name, path)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +67,7 @@ def _trainer(name, path, dtype=torch.float32):
 def test_a_bug_in_the_users_loss_reads_bug_at_the_loss(engines, name, modes, case):
     s = _rollout(engines["float32"], name, micro_batch=(1,), modes=modes)
     own = s["own_loss"]
+    assert own["rows_are_the_configurations"]  # the rows the loss read gave the configuration's logprobs bit for bit
     assert own["bug"] and own["ratio"] > 1e3 and own["beyond"] == own["tokens"] == 18, {k: own[k] for k in ("ratio", "beyond")}
     assert own["function"].startswith(f"{FILE}:") and own["function"].endswith("loss"), own["function"]
     assert any(n.startswith("BUG in Target.loss") for n in s["notes"]), s["notes"]

@@ -76,7 +76,8 @@ class Policy(nn.Module):
 
 
 def plan():
-    return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
+            "up": ColwiseParallel(), "down": RowwiseParallel()}
 
 
 def token_logprobs(logits, labels, how="ok"):
