@@ -51,8 +51,6 @@ def check(rc, cfgs, results: dict, trainer: dict, seqs, target, model, groups: i
     if cfg is None:
         return {"function": fn, "skipped": "no TP=1 configuration ran (its logits rows are what the loss reads, in this "
                                            "process): add 1 to --tp"}
-    import torch
-
     from tpdiag.rollout.compute import logprobs
 
     temp = _temperature(rc)
@@ -64,8 +62,10 @@ def check(rc, cfgs, results: dict, trainer: dict, seqs, target, model, groups: i
     except Exception as e:  # noqa: BLE001 - the user's loss raising is reported, not a crash of the run
         return {"function": fn, "configuration": cfg.rollout_name(),
                 "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    from tpdiag.rollout.metrics import same_bits
+
     mine = trainer[cfg.rollout_name()]
-    same_rows = all(torch.equal(a, b) for a, b in zip(got, mine))
+    same_rows = same_bits(seqs, got, mine)  # where the engine gave numbers (decode's prompt rows are NaN)
     return _verdict(fn, cfg.rollout_name(), rows.out, seqs, mine, temp, same_rows)
 
 
@@ -152,7 +152,10 @@ def _line(r: dict) -> str:
     at = f" / {t:g}" if t != 1.0 else ""
     own, eng, tp = r["engine"], r["tpdiag"], r["configuration"]
     said = (f"your Target.loss ({r['function']}) as the trainer's logprob, -loss with one generated token labelled, "
-            f"on {tp}'s logits rows ({r['tokens']} tokens of {r['sequences']} sequence{'s' if r['sequences'] != 1 else ''})")
+            f"on {tp}'s logits rows ({r['tokens']} tokens of {r['sequences']} sequence{'s' if r['sequences'] != 1 else ''}"
+            + ("" if r["rows_are_the_configurations"] else
+               "; recomputed here they gave other logprobs than that configuration's: the same function, other bits")
+            + ")")
     vs = (f"against the engine token_mult_prob_error {own['token_mult_prob_error']:.7f}, {own['exact_tokens']}/"
           f"{own['tokens']} exact (tpdiag's log-softmax of the same rows: {eng['token_mult_prob_error']:.7f}, "
           f"{eng['exact_tokens']}/{eng['tokens']})")
@@ -227,7 +230,7 @@ def rounding_words(own: dict | None) -> str:
     if not own or own.get("bug") or "same_bits" not in own or own["same_bits"] == own["tokens"]:
         return ""
     e = own["engine"]
-    return (f" Your Target.loss's own logprobs are not these bits ({own['same_bits']}/{own['tokens']} tokens, up to "
+    return (f". Your Target.loss's own logprobs are not these bits ({own['same_bits']}/{own['tokens']} tokens, up to "
             f"{own['max_abs_tpdiag']:.3g} nats from them; against the engine token_mult_prob_error "
             f"{e['token_mult_prob_error']:.7f}, {e['exact_tokens']}/{e['tokens']} exact): rounding of the same "
             "log-softmax (within its float64 bound: the Target.loss note above), harmless unless you need bitwise; to "
