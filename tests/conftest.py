@@ -505,8 +505,8 @@ FILE_SECONDS = {
     # session 21 (helper hrl21): wall of `pytest -n 0 FILE` on the shared 2-core machine, pytest's start
     # left out (six compares, one generate() and seven rollouts) - ordering only
     "test_rl_policy_trial.py": 90,
-    # session 22 (helper hroll22): user+sys CPU of `pytest -n 0 FILE` (12.9 s; 24 s of pytest's own
-    # clock on the loaded 2-core machine): two engines and five TP=1 rollouts of a py: policy
+    # session 22 (helper hroll22): user+sys CPU of `pytest -n 0 FILE` (11.6 s; 16-24 s of pytest's own
+    # clock on the loaded 2-core machine): three engines and seven TP=1 rollouts of a py: policy
     "test_rollout_own_loss.py": 12,
 }
 

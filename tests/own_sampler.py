@@ -16,8 +16,9 @@ def user_module(file: str, name: str = "own_sampler_user"):
     return mod
 
 
-def sample(file: str, factory: str, path, prompts=(4, 6, 5), new: int = 6) -> str:
-    """Prompts of these lengths (seed 3), `new` tokens each, into `path`; its path as a str."""
+def sample(file: str, factory: str, path, prompts=(4, 6, 5), new: int = 6, temperature: float = 1.0) -> str:
+    """Prompts of these lengths (seed 3), `new` tokens each, into `path`; its path as a str. A
+    temperature T samples from and reports log_softmax(float32 logits / T)."""
     mod = user_module(file)
     torch.manual_seed(1234)
     model = getattr(mod, factory)().model.eval()
@@ -30,7 +31,7 @@ def sample(file: str, factory: str, path, prompts=(4, 6, 5), new: int = 6) -> st
             logits = model(ids, cache=cache)[:, -1]
             seq, lps = ids[0].tolist(), []
             for _ in range(new):
-                lp = logits.float().log_softmax(-1)
+                lp = (logits.float() / temperature).log_softmax(-1) if temperature != 1.0 else logits.float().log_softmax(-1)
                 t = int(torch.multinomial(lp.exp(), 1, generator=g))
                 seq.append(t)
                 lps.append(lp[0, t].item())

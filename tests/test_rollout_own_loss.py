@@ -18,18 +18,19 @@ def _user():
     return user_module(FILE, "rl_loss_logprob_user")
 
 
-def _engine(name, path):
+def _engine(name, path, temperature=1.0):
     """The team's sampler: its policy, one prompt per call through its KV cache, each sampled
-    token's float32 log-softmax (raw, T = 1; tests/own_sampler.py)."""
+    token's float32 log-softmax (raw, T = 1, unless told; tests/own_sampler.py)."""
     from own_sampler import sample
 
-    return sample(FILE, name, path)
+    return sample(FILE, name, path, temperature=temperature)
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     root = tmp_path_factory.mktemp("own_loss")
-    return {"float32": _engine("logprob_ok", root / "f32.jsonl"), "bfloat16": _engine("logprob_ok_bf16", root / "bf16.jsonl")}
+    return {"float32": _engine("logprob_ok", root / "f32.jsonl"), "bfloat16": _engine("logprob_ok_bf16", root / "bf16.jsonl"),
+            "t0.7": _engine("logprob_ok", root / "t07.jsonl", temperature=0.7)}
 
 
 def _rollout(path, name, **kw):
@@ -106,6 +107,19 @@ def test_the_correct_bf16_loss_reads_rounding_not_tpdiags_bits(engines):
     todo = s["what_to_do"]
     assert todo["case"] == "nothing" and "rounding of the same log-softmax" in todo["line"], todo["line"]
     assert not any(n.startswith("BUG") for n in s["notes"]), s["notes"]
+
+
+def test_the_temperature_the_run_names_is_the_references(engines):
+    """temp_scaled's division by 0.7 is the bug against an engine at T = 1 (above) and the right
+    function against an engine that sampled and reported at 0.7, named with --trainer-temperature."""
+    from tpdiag.runner.recipe import Recipe
+
+    s = _rollout(engines["t0.7"], "temp_scaled", micro_batch=(1,), modes=("prefill",), recipe=Recipe(temperature=0.7))
+    own = s["own_loss"]
+    assert own["temperature"] == 0.7 and not own["bug"] and own["ratio"] <= 1, own
+    assert not any(n.startswith("BUG") for n in s["notes"]), s["notes"]
+    s = _rollout(engines["t0.7"], "logprob_ok", micro_batch=(1,), modes=("prefill",), recipe=Recipe(temperature=0.7))
+    assert s["own_loss"]["bug"], "a loss at T = 1 against the 0.7 the run names"
 
 
 def test_an_hf_or_preset_model_has_no_loss_of_its_own():

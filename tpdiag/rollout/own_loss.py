@@ -167,7 +167,7 @@ def _line(r: dict) -> str:
                 f"tokens beyond) - another function of the logits, not rounding; {vs}. The configurations above take "
                 "tpdiag's log-softmax, not this: fix the loss (a label shifted twice, a log-softmax over another "
                 "dimension than the vocabulary, a temperature the engine did not sample at"
-                + (", the temperature --trainer-temperature/--sampling names" if t != 1.0 else "") + ")")
+                + (", the temperature --trainer-temperature names" if t != 1.0 else "") + ")")
     if r["same_bits"] == r["tokens"]:
         return (f"{said} gives tpdiag's logprobs bit for bit at every token checked: the configurations' numbers are "
                 "your trainer's")
@@ -177,10 +177,9 @@ def _line(r: dict) -> str:
 
 
 def _temperature(rc) -> float:
-    """The run's temperature: the trainer's (--trainer-temperature), else --sampling's, else 1."""
-    if rc.recipe is not None and rc.recipe.temperature != 1.0:
-        return float(rc.recipe.temperature)
-    return float(dict(rc.sampling).get("temperature", 1.0)) if rc.sampling else 1.0
+    """The run's temperature: the trainer's (--trainer-temperature), else 1 (--sampling, the other
+    way to name one, is for hf: models, which have no loss of the user's)."""
+    return float(rc.recipe.temperature) if rc.recipe is not None else 1.0
 
 
 def _bits(x: float) -> float:
