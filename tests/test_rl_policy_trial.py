@@ -169,31 +169,10 @@ def test_the_next_tokens_logprob_is_named_a_misaligned_token(engine):
 
 def _own_engine(name, path):
     """The team's sampler: its policy (as tpdiag builds it: seeded 1234), one prompt per call through
-    its KV cache, each sampled token's float32 log-softmax."""
-    import importlib.util
+    its KV cache, each sampled token's float32 log-softmax (tests/own_sampler.py)."""
+    from own_sampler import sample
 
-    spec = importlib.util.spec_from_file_location("rl_policy_engine", "tests/models/rl_policy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    torch.manual_seed(1234)
-    model = getattr(mod, name)().model.eval()
-    g = torch.Generator().manual_seed(3)
-    lines = []
-    with torch.no_grad():
-        for n in (4, 6, 5):
-            ids = torch.randint(0, mod.VOCAB, (1, n), generator=g)
-            cache = model.new_kv_cache()
-            logits = model(ids, cache=cache)[:, -1]
-            seq, lps = ids[0].tolist(), []
-            for _ in range(6):
-                lp = logits.float().log_softmax(-1)
-                t = int(torch.multinomial(lp.exp(), 1, generator=g))
-                seq.append(t)
-                lps.append(lp[0, t].item())
-                logits = model(torch.tensor([[t]]), cache=cache)[:, -1]
-            lines.append(json.dumps({"input_ids": seq, "prompt_len": n, "logprobs": lps}))
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+    return sample("tests/models/rl_policy.py", name, path)
 
 
 @pytest.mark.parametrize("name, bug", [("rope_decode_off1", True), ("policy", False)])

@@ -53,7 +53,8 @@ def build(spec_text: str, dtype: str, device: str, seed: int):
 
 
 def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, tree_groups: int = 0,
-             on_flags=None, sampling=(), max_cache_len: int = 0, max_new_tokens: int = 0, recipe=None) -> list:
+             on_flags=None, sampling=(), max_cache_len: int = 0, max_new_tokens: int = 0, recipe=None,
+             on_rows=None) -> list:
     """Per sequence a float32 tensor [len - 1]: the trainer's logprob of input_ids[t] at t-1.
     on_logits(i, rows): the logits rows [len - 1, vocab] of sequence i (in decode, the prompt's
     rows are NaN unless the engine gave prompt logprobs). on_flags(setting, snapshot): the backend
@@ -61,7 +62,9 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
     settings whose processors the generated tokens' rows go through first (tpdiag.rollout.sampling).
     max_cache_len: padding static's cache length (0: generate()'s for the micro-batch, _decode);
     max_new_tokens: generate()'s, which sets that length (0: the micro-batch's most generated tokens).
-    recipe: the trainer's logprob recipe (tpdiag.runner.recipe.Recipe; None: the default)."""
+    recipe: the trainer's logprob recipe (tpdiag.runner.recipe.Recipe; None: the default).
+    on_rows(i, rows): sequence i's logits rows exactly as the model returned them, under this
+    configuration's flags and fixes (a py: Target's own loss reads them: rollout/own_loss.py)."""
     import torch
 
     from tpdiag.fixes.registry import apply_fixes, resolve
@@ -116,7 +119,9 @@ def logprobs(cfg: Config, target, model, seqs, on_logits=None, world: int = 1, t
                 rows = _decode(model, group, static=cfg.padding in STATIC_PADDINGS, max_cache_len=max_cache_len,
                                max_new_tokens=max_new_tokens, compiled=cfg.padding == "compiled")
             wholes, undivided = [], []
-            for r in rows:
+            for i, r in zip(idx, rows):
+                if on_rows is not None:
+                    on_rows(i, r)
                 # the trainer's logprob function on the logits as the trainer holds them: at TP > 1
                 # a vocab-sharded DTensor under loss_parallel (tpdiag.runner.losses)
                 r, _ = whole_vocab(r, model, target.plan, target.vocab_size, world)

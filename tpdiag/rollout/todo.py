@@ -22,19 +22,28 @@ OTHER_AXIS = ("to match bitwise, run the trainer with the engine's value; or lea
 def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, reproduced: list, processed: dict,
                invariance: dict, notes_dtype: list, padded: bool = False, leak: dict | None = None,
                decodable: bool = True, cache_off: bool = False, recipe_own: bool = False,
-               shifted: bool = False, mode_bug: dict | None = None, pad_bug: dict | None = None) -> dict:
+               shifted: bool = False, mode_bug: dict | None = None, pad_bug: dict | None = None,
+               own: dict | None = None) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
-    token_mult_prob_error (the trainer's), threshold}."""
+    token_mult_prob_error (the trainer's), threshold}. own: rollout/own_loss.py's finding - a py:
+    Target.loss that is not the tokens' log-softmax leads every case (case `loss` where tpdiag's
+    log-softmax reproduces the engine and the user's loss does not)."""
+    from tpdiag.rollout import own_loss
+
+    own_bug = own if own and own.get("bug") else None
     cfgs = {c.rollout_name(): c for c in configurations}
     m = results[reference]["metrics"]
     out = {"trainer": reference, "engine_like": None, "differs": [],
            "token_mult_prob_error": m["token_mult_prob_error"], "threshold": NEMO_RL_THRESHOLD}
+    if reference in reproduced and own_bug:
+        return {**out, "case": "loss", "line": own_loss.lead(own_bug) + own_loss.reproduced_words(reference, m)
+                + " " + own_loss.gap(own_bug)}
     if reference in reproduced:
         return {**out, "case": "nothing",
                 "line": (f"nothing to do: the trainer's configuration ({reference}) computes the engine's "
                          f"logprobs bit for bit ({m['exact_tokens']}/{m['tokens']} tokens exact, "
-                         "token_mult_prob_error exactly 1)")}
+                         "token_mult_prob_error exactly 1)" + own_loss.rounding_words(own))}
     if reproduced:
         ref = cfgs[reference]
         # the reproducing configuration that changes the fewest of the trainer's settings
@@ -64,11 +73,12 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                 "(the prefill-and-decode note above): fix the model's decode (or prefill) path - `tpdiag compare "
                 f"--model {rc.model} --tp 1 --mode prefill,decode --forward-only` names the module; "
                 if mode_bug and "mode" in cfgs[like].differs(ref) else "")
+        gap = own_loss.gap(own_bug) if own_bug else _gap(m, ', from these settings alone')
         return {**out, "case": "settings", "engine_like": like, "differs": differs,
-                "line": lead + (f"the engine's logprobs are {like}'s bit for bit, not the trainer's configuration "
-                         f"({reference}); they differ in {len(differs)} setting{'s' if len(differs) != 1 else ''}. "
-                         f"{said}. {_gap(m, ', from these settings alone')}")}
-    first = []
+                "line": own_loss.lead(own_bug) + lead + (f"the engine's logprobs are {like}'s bit for bit, not the "
+                         f"trainer's configuration ({reference}); they differ in {len(differs)} "
+                         f"setting{'s' if len(differs) != 1 else ''}. {said}. {gap}" + own_loss.rounding_words(own))}
+    first = [own_loss.lead(own_bug)[len("first: "):].rstrip("; ")] if own_bug else []
     same = pad_bug is not None and pad_bug.get("bug") is False
     if same:  # the file is a padded batch whose positions start at the pad: rounding of the same function
         first.append("to match bitwise, pass position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) with the "
@@ -128,7 +138,8 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
         body = "First " + "; then ".join(first) + f". If still none reproduces, {rest}"
     else:
         body = rest[0].upper() + rest[1:]
-    return {**out, "case": "none", "line": f"{head}. {body}. {_gap(m, '', bug=named)}"}
+    gap = own_loss.gap(own_bug) if own_bug else _gap(m, '', bug=named)
+    return {**out, "case": "none", "line": f"{head}. {body}. {gap}" + own_loss.rounding_words(own)}
 
 
 def _gap(m: dict, cause: str, bug: bool = False) -> str:
