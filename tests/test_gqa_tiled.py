@@ -33,7 +33,14 @@ def test_the_twin_is_rounding_only(runs):
     s, stdout, gate, gate_out = runs["interleaved"]
     assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), s["degrees"]["2"]
     assert "BUG" not in stdout and gate == 1, (gate, stdout[-1500:], gate_out)
-    assert "bug_op" not in s["degrees"]["2"]["first_divergence"]
+    fd = s["degrees"]["2"]["first_divergence"]
+    assert "bug_op" not in fd
+    if "apply_rotary_emb" in (fd.get("op_at") or ""):
+        # the complex product is recorded and judged itself (probes/op_probe.py records complex
+        # outputs): it named `aten::view_as_real`, a view of it, "the reference 0.00e+00" from
+        # float64 - a view re-executed from the reference's own input is exact, so that judged nothing
+        assert fd["op"] == "aten::mul" and fd["op_record"].endswith("aten::mul#1.0"), fd
+        assert fd["op_oracle"]["far"] is False and fd["op_oracle"]["ref_err"] > 0, fd
 
 
 def test_the_bug_is_named_at_the_repeat(runs):
