@@ -514,6 +514,9 @@ FILE_SECONDS = {
     # session 22 (helper hroll22): user+sys CPU of `pytest -n 0 FILE` (11.6 s; 16-24 s of pytest's own
     # clock on the loaded 2-core machine): three engines and seven TP=1 rollouts of a py: policy
     "test_rollout_own_loss.py": 12,
+    # session 22 (helper hnew22pt): two 2-rank gloo compares and their gates, wall of `pytest -n 0 FILE`
+    # on the shared 2-core machine less pytest's own start - ordering only
+    "test_gqa_tiled.py": 55,
 }
 
 

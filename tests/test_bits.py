@@ -114,3 +114,17 @@ def test_chunked_compare_equals_whole_tensor_measures(dtype):
     assert seen == {True, False}  # both the ULP and the NaN-pattern branches ran
     r = compare(nan_a, c, chunk=37)
     assert (r.mismatches, r.max_ulp, r.max_abs, r.nan_mismatch) == (1, 0, 0.0, False)
+
+
+def test_complex_difference_is_its_modulus_imaginary_parts_included():
+    # a RoPE's complex product is an op record (probes/op_probe.py): a cast to float64 kept the
+    # real parts alone, so a difference in the imaginary parts read max_abs 0
+    a = torch.tensor([1 + 1j, 2 + 2j], dtype=torch.complex64)
+    b = a.clone()
+    b[1] = 2 + 2.5j
+    c = compare(a, b)
+    assert not c.bitwise and c.mismatches == 1 and c.max_abs == 0.5, c
+    b[0] = 1.5 + 1j
+    assert compare(a, b).max_abs == 0.5
+    b[1] = 2.3 + 2.4j  # (0.3, 0.4): modulus 0.5
+    assert math.isclose(compare(a, b).max_abs, 0.5, rel_tol=1e-6)

@@ -5,11 +5,15 @@ from __future__ import annotations
 from tpdiag.records.keys import ROOTS
 
 
-def where(fd: dict) -> str:
+def where(fd: dict, at_bug: bool = False) -> str:
     """A record in words: 'forward: layers.0.attention.wo', 'loss: logprobs', 'backward: output (grad_out 0)';
     a record of a later step says which ('step 1 backward: mlp (param_grad gain)'): under --steps N a
-    mistake that only step 1 shows read as if step 0 held it."""
+    mistake that only step 1 shows read as if step 0 held it. `at_bug`: a bug's op where its caller's
+    code goes wrong (`bug_op`, diff/first_op._first_far_op) in place of the first op that differs."""
     step = fd.get("step")
+    bug = fd.get("bug_op") if at_bug and fd.get("cause") == "sharding-bug" else None
+    if bug:
+        fd = {**fd, "op": bug["op"], "op_at": bug.get("at")}
     text = _where(fd)
     return f"step {step} {text}" if isinstance(step, int) and step > 0 else text
 

@@ -109,7 +109,8 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
             err = _nonfinite_where(d, label)
         lperr = (f"{_fmt(lp.get('max_abs'))} (x{lp['token_mult_prob_error']:.7f})"
                  if lp.get("max_abs") is not None else "-")
-        t.add_row(label, st, where(fd) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")), lperr)
+        t.add_row(label, st, where(fd, at_bug=True) if fd else "-", fd.get("cause", "-"), err, _fmt(fd.get("max_ulp")),
+                  lperr)
     _print_table(console, t)
     for label, d in entries(summary).items():
         fd = d.get("first_divergence") or {}
@@ -266,7 +267,7 @@ def _bug_words(summary: dict) -> str:
     for label, d in entries(summary).items():
         b = leading_bug(d)
         if b:
-            r = b.get("bound_ratio")
+            r = _bug_ratio(b)
             # summary.json writes an infinite ratio as the string "inf"
             r = r if isinstance(r, (int, float)) and not isinstance(r, bool) else None
             far = f", {r:.3g}x beyond rounding" if r and 1 < r < float("inf") else ""
@@ -274,7 +275,7 @@ def _bug_words(summary: dict) -> str:
                 # which side holds it: NaN at the reference too is no degree's doing ("infx beyond
                 # rounding" said nothing, and "at TP=2" read as TP=2's alone)
                 far = f" - {_nonfinite_where(d, label)}"
-            return f" at {config_name(label)} {where(b)}{far}"
+            return f" at {config_name(label)} {where(b, at_bug=True)}{far}"
     for rnd in summary.get("fix_chain") or []:  # found only once fixes removed the reorderings
         for label, b in (rnd.get("bug") or {}).items():
             r = b.get("bound_ratio")
@@ -283,7 +284,16 @@ def _bug_words(summary: dict) -> str:
     return ""
 
 
+def _bug_ratio(fd: dict):
+    """How far beyond rounding a bug is: where its caller's float64 re-execution judged it (`bug_op`),
+    that ratio - the first op's own (a reordering before the bug, within rounding) read "0.06x"."""
+    bug = fd.get("bug_op") if fd.get("cause") == "sharding-bug" else None
+    return bug["caller_ratio"] if bug else fd.get("bound_ratio")
+
+
 def _bound_cell(fd: dict) -> str:
+    if fd.get("bug_op") and fd.get("cause") == "sharding-bug":
+        return f"{_bug_ratio(fd):.2g}x rounding"
     v = fd.get("oracle") or fd.get("op_oracle")
     if fd.get("bound") is None and v:
         # no bound in the record's units: the float64 verdict's ratio to what rounding allows

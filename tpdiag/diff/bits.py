@@ -126,8 +126,11 @@ def compare(a: torch.Tensor, b: torch.Tensor, chunk: int = CHUNK, equal: bool | 
     if mism == 0:
         return Compare(True, n, 0, 0.0, 0.0, 0 if a.is_floating_point() else None, False)
     if not a.is_floating_point():
-        d = (a.to(torch.float64) - b.to(torch.float64)).abs()
-        return Compare(False, n, mism, float(d.max()), float((d / b.to(torch.float64).abs().clamp_min(1)).max()),
+        # complex (a RoPE product's op record): the modulus of the difference - a cast to float64
+        # kept the real parts alone, and a difference in the imaginary ones read smaller or 0
+        up = torch.complex128 if a.is_complex() else torch.float64
+        d = (a.to(up) - b.to(up)).abs()
+        return Compare(False, n, mism, float(d.max()), float((d / b.to(up).abs().clamp_min(1)).max()),
                        None, False)
     # Every measure below is 0 (or False) where the bits are equal - same bits, same value, same
     # NaN-ness - and is a max or an any: the mismatching elements alone give the same answer, and

@@ -49,7 +49,34 @@ def _caller_verdict(dd: DegreeDiff, first: dict, fd: dict) -> dict | None:
     if not isinstance(v, dict) or "far" not in v or v.get("own") or not oracle.inputs_equal(dd, out):
         return None
     inner = _inner_far(dd, first, out, fd["module"]) if v["far"] else None
-    return {**v, "record": out["key"], **({"explained_by": inner} if inner else {})}
+    far_op = _first_far_op(dd, first, out, fd["module"]) if v["far"] and not inner else None
+    return {**v, "record": out["key"], **({"explained_by": inner} if inner else {}),
+            **({"far_op": far_op} if far_op else {})}
+
+
+def _first_far_op(dd: DegreeDiff, first: dict, out: dict, caller: str) -> dict | None:
+    """Where in a far caller's own code the wrong value enters: the first of its ops (that call, that
+    step's forward) whose output is far from its float64 re-execution from the reference's inputs.
+    The caller's first op that differs can be a harmless reordering before it (a complex RoPE product
+    vectorised by the rank's head count, 587 ULP): named alone it sent the user to the rotary line
+    while the bug was a GQA `repeat` three lines on (tests/models/planted/gqa_tiled.py). Its inputs
+    carry that rounding, so this names a place to look, not a second verdict: the verdict stays the
+    caller's own, whose inputs were equal."""
+    call = None
+    for r in dd.rows[:dd.rows.index(out)]:
+        if r["kind"] != "op" or r["module"] != caller or r["step"] != first["step"] or r["phase"] != "forward":
+            continue
+        if call is None and not r["bitwise"]:
+            call = r.get("call")
+        if call is None or r.get("call") != call or r["bitwise"]:
+            continue
+        # only the first divergent op carries its verdict (its inputs alone are equal); the later
+        # ones are judged here against the reference's float64 op the same way
+        v = r.get("oracle") or oracle.verdict_for(dd, r)
+        if isinstance(v, dict) and v.get("far") and not v.get("discrete"):
+            return {"op": r["name"].rsplit("#", 1)[0], "record": r["key"], "ratio": v["ratio"],
+                    **({"at": r["at"]} if r.get("at") else {})}
+    return None
 
 
 def _inner_far(dd: DegreeDiff, first: dict, out: dict, caller: str) -> str | None:

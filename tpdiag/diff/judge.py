@@ -46,6 +46,8 @@ FLIP_UNSHOWN = "far with a discrete choice inside, no flip shown"
 
 # ---- the rules, first match wins ----------------------------------------------------------
 
+CALLER_FAR = "the caller of a divergent input is far from float64"  # diff/locate.py names its far op
+
 RULES: list[Rule] = [
     # a parameter after a capture's own optimizer step: its update re-run in float64 and the grads it
     # consumed set against the recorded ones (diff/optim_step.py) - only that chain of links says
@@ -167,7 +169,7 @@ RULES: list[Rule] = [
          lambda ev, b: "sharding-bug", _pick_why),
     # an input computed by code no op judged: the code that computed it (its caller), re-executed
     # whole in float64 from its bitwise-equal inputs, is far - it computes another function
-    Rule("the caller of a divergent input is far from float64",
+    Rule(CALLER_FAR,
          lambda ev, b: (ev.record.get("kind") == "in" and ev.caller_oracle is not None and ev.caller_oracle["far"]
                         and not ev.caller_oracle.get("discrete") and (ev.op_oracle is None or not ev.op_oracle["far"])
                         # the op that computed it judged near, and a module called after it far on its

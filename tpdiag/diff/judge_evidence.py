@@ -263,10 +263,16 @@ def _caller_why(ev: Evidence, below) -> str:
 
     r, v = ev.record, ev.caller_oracle
     at = f" (the first op that differs: {ev.op})" if ev.op else ""
-    return (f"input {r.get('name')} of {RecordKey.parse(r['key']).module} is computed in the forward code of "
-            f"{r.get('module')}{at}; {r.get('module')}'s inputs were bitwise equal, and its output, re-executed "
-            f"whole in float64, is {v['ratio']:.2g}x beyond rounding: its code computes another function from "
-            "here on (this input, or a module it calls after it) - a wrong result, not a reordering")
+    why = (f"input {r.get('name')} of {RecordKey.parse(r['key']).module} is computed in the forward code of "
+           f"{r.get('module')}{at}; {r.get('module')}'s inputs were bitwise equal, and its output, re-executed "
+           f"whole in float64, is {v['ratio']:.2g}x beyond rounding: its code computes another function from "
+           "here on (this input, or a module it calls after it) - a wrong result, not a reordering")
+    far = v.get("far_op")
+    if far and far["record"] != r.get("op_record"):
+        line = f" at {far['at']}" if far.get("at") else ""
+        why += (f"; the first of its ops far from its float64 re-execution is {far['op']}{line} "
+                f"({far['ratio']:.2g}x beyond rounding), after {ev.op}, which is within rounding")
+    return why
 
 
 def _caller_near_why(ev: Evidence, below) -> str:

@@ -10,7 +10,7 @@ import torch
 
 from tpdiag.diff import anchored, bits, bounds, generic_bound, loss_grad, on_device, oracle, oracle_own, pair_memo, partials, rank_partials, router
 from tpdiag.diff.loss_bounds import loss_bounds
-from tpdiag.diff.judge import EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
+from tpdiag.diff.judge import CALLER_FAR, EMBED_CLASSES, NORM_CLASSES, Evidence, baseline_cause, describe, judge, settle  # noqa: F401
 from tpdiag.diff.op_verdict import op_verdict
 from tpdiag.diff.engine import DegreeDiff
 from tpdiag.diff.first_op import _caller_op, _caller_verdict, _first_op, _pick_source_equal
@@ -302,8 +302,14 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
         # the first divergent op, and its float64 re-execution where it judges what the module
         # record could not (an input that differs: the op is in the parent's own code)
         judges = op_row is not None and op_row.get("oracle") and (first["kind"] != "out" or not first.get("oracle"))
-        settle(fd, op=fd["op"], op_oracle=op_verdict(fd, op_row) if judges else None,
-               source_equal=_pick_source_equal(dd, op_row), caller_oracle=_caller_verdict(dd, first, fd))
+        cv = _caller_verdict(dd, first, fd)
+        v = settle(fd, op=fd["op"], op_oracle=op_verdict(fd, op_row) if judges else None,
+                   source_equal=_pick_source_equal(dd, op_row), caller_oracle=cv)
+        far = (cv or {}).get("far_op")
+        if v.rule == CALLER_FAR and far and far["record"] != fd.get("op_record"):
+            # the bug is judged from the caller's inputs; where its code goes wrong is this op, not
+            # the first op that differs (a reordering before it): the table and verdict line name it
+            fd["bug_op"] = {**far, "caller_ratio": cv["ratio"]}
     return {"first_divergence": fd, "findings": findings}
 
 

@@ -88,12 +88,16 @@ def judge_degree(lab: str, d: dict, rows: list[dict], policy: Policy) -> DegreeR
             # parent for an input record, the op at op granularity).
             root = r["key"] == fd.get("key")
             src = f or (fd if root else {})
+            # a far caller's bug: the op where its code goes wrong, past a reordering that differs first
+            bug = fd.get("bug_op") if root and fd.get("cause") == "sharding-bug" and \
+                isinstance(fd.get("bug_op"), dict) else None
+            op, op_at = (bug.get("op"), bug.get("at")) if bug else (fd.get("op"), fd.get("op_at"))
             res.violations.append(Violation(lab, r["phase"], fd.get("module", r["module"]) if root else r["module"],
-                                            fd.get("op") if root else None, r["kind"], r["name"], cause,
+                                            op if root else None, r["kind"], r["name"], cause,
                                             r["max_ulp"], r["max_abs"], why, r["key"],
-                                            beyond=src.get("bound_ratio"),
+                                            beyond=bug.get("caller_ratio") if bug else src.get("bound_ratio"),
                                             follow=follows.get(src.get("key") or r["key"], 0),
-                                            op_at=(fd.get("op_at") or "") if root else ""))
+                                            op_at=(op_at or "") if root else ""))
     brk = d.get("shape_break")
     _beside_rows(lab, every, judged, fd, policy, res, brk.get("key") if isinstance(brk, dict) else None)
     if d.get("downstream_unjudged") and "unknown" not in policy.allow_causes and not res.violations:

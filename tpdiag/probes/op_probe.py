@@ -161,7 +161,10 @@ class OpProbe(TorchDispatchMode):
             rec.add("op", module, f"{op}#{k}.src", src.detach().clone(), call=call)
         at = None
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
-            if t.is_floating_point() or choice:
+            # complex outputs too: a RoPE's complex product (torchtitan's freqs_cis) is where its
+            # numbers are made; without it the first op that differs was the view_as_real after it,
+            # whose float64 re-execution from the reference's own input is exact - it judged nothing
+            if t.is_floating_point() or t.is_complex() or choice:
                 t = written(name, i, t, args)
                 r = rec.add("op", module, f"{op}#{k}.{i}", t.detach().clone() if mutable else t, call=call)
                 if r is not None:
@@ -171,7 +174,7 @@ class OpProbe(TorchDispatchMode):
                     if at:
                         extras(r)["at"] = at
         if self.oracle and rec.phase == "forward" and any(
-                isinstance(x, torch.Tensor) and x.is_floating_point() for x in flat):
+                isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) for x in flat):
             self._oracle(func, args, kwargs, module, f"{op}#{k}", call)
         return out
 
@@ -192,7 +195,7 @@ class OpProbe(TorchDispatchMode):
             return
         flat, _ = tree_flatten(out64)
         for i, t in enumerate(x for x in flat if isinstance(x, torch.Tensor)):
-            if t.is_floating_point():
+            if t.is_floating_point() or t.is_complex():
                 rec.add("oracle", module, f"{name}.{i}", written(func.overloadpacket.__name__, i, t, args), call=call)
 
 

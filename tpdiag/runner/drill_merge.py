@@ -7,7 +7,7 @@ from tpdiag.records.paths import RunDir
 from tpdiag.runner.drill_own import inside_consumer, near_on_own_inputs, step_differs
 
 _VALUES = ("max_abs", "max_ulp", "mismatch_fraction", "bound", "bound_ratio")
-_OPS = ("op", "op_record", "op_detail", "op_max_abs", "op_at")
+_OPS = ("op", "op_record", "op_detail", "op_max_abs", "op_at", "bug_op")
 _VERDICT = ("bound", "bound_ratio", "bound_model", "oracle")
 
 
@@ -133,6 +133,8 @@ def merge_rerun(sub: dict, *, every: dict, run_dir: str, out: str, labels, sub_l
             for k in _OPS:
                 if k in sfd:
                     fd[k] = sfd[k]
+                elif k == "bug_op":
+                    fd.pop(k, None)  # where a far caller's code goes wrong: the op pass's alone
             fd["op_run_dir"] = out
             # the op's name: an attention kernel (a cause only it can tell), or where an unknown enters
             settle(fd, op_pass=(fd["op"], sfd.get("cause")))
