@@ -42,6 +42,7 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
                                        # read inside every world: abc and -5 ran with the default cap, x
                                        # failed each rank or was ignored (hhouse23)
                                        ("TPDIAG_ANCHOR_MAX_MB", "abc"), ("TPDIAG_ANCHOR_MAX_MB", "-5"),
+                                       ("TPDIAG_OPT_F64_MAX_MB", "x"),
                                        ("TPDIAG_MAX_READ_MB", "x"), ("TPDIAG_MAX_READ_MB", "1.5"),
                                        ("TPDIAG_GATHER_WINDOW", "lots"), ("TPDIAG_TREE_OVERLAP_CHUNKS", "x"),
                                        ("TPDIAG_TREE_OVERLAP_SMS", "-1"), ("TPDIAG_LOCAL_RANKS", "x")])

@@ -113,3 +113,18 @@ def test_a_step_that_talks_to_other_ranks_is_refused(tmp_path):
         assert dist.is_initialized() and dist.get_rank() == 0  # the group is back
     finally:
         dist.destroy_process_group()
+
+
+def test_a_shadow_over_the_memory_cap_is_refused_before_any_copy(monkeypatch):
+    """Real size: every parameter whole in float64 with grad and state would end the user's run out of
+    memory; over TPDIAG_OPT_F64_MAX_MB the step is refused, one line saying how much it needed."""
+    ps, opt = _stepped()
+    opt.step()  # state "n" is an integer: not counted
+    for p in ps:
+        p.grad = torch.randn_like(p) / 3
+    monkeypatch.setenv("TPDIAG_OPT_F64_MAX_MB", "0")
+    with pytest.raises(Refused, match="TPDIAG_OPT_F64_MAX_MB=0"):
+        shadow_step(opt, (opt,), {}, _names(ps))
+    monkeypatch.setenv("TPDIAG_OPT_F64_MAX_MB", "1")  # 15 elements x 8 B x (param, grad): far under 1 MiB
+    got, _ = shadow_step(opt, (opt,), {}, _names(ps))
+    assert set(got) == {id(p) for p in ps}

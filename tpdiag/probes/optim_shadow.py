@@ -34,6 +34,42 @@ from tpdiag.probes.float64_mode import Float64Mode, OracleRefused, storage_ptr
 JUMPS = {"sign", "sgn", "signbit", "heaviside", "round", "floor", "ceil", "trunc", "frac"}
 
 
+# The shadow holds every parameter it steps WHOLE in float64, with its grad and state: on a real-size
+# model (8B parameters with two moments: ~256 GB) that is more than a GPU or a host has, and an
+# out-of-memory in the hook would end the user's run. Above this many MiB the step is refused
+# (not judged, one line why); TPDIAG_OPT_F64_MAX_MB raises it.
+MAX_MB_ENV, MAX_MB = "TPDIAG_OPT_F64_MAX_MB", 4096
+
+
+def max_mb() -> int:
+    """TPDIAG_OPT_F64_MAX_MB (MiB; unset or empty: MAX_MB); a value that is no whole number is BadInput
+    (compare checks it before any world: runner/checks.py)."""
+    import os
+
+    v = os.environ.get(MAX_MB_ENV, "").strip()
+    if not v:
+        return MAX_MB
+    if not (v.isascii() and v.isdigit()):
+        from tpdiag.errors import BadInput
+
+        raise BadInput(f"{MAX_MB_ENV}={v!r}: expected a whole number of MiB, 0 or more (default {MAX_MB})")
+    return int(v)
+
+
+def shadow_bytes(opt) -> int:
+    """The float64 bytes the shadow would hold: each parameter whole, its grad, its floating state,
+    each counted at the parameter's whole size - numbers every rank of the TP group reads alike (a
+    DTensor's numel is the whole tensor's), so every rank refuses or none starts the gathers."""
+    n = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            k = 1 + (p.grad is not None) + sum(1 for v in opt.state.get(p, {}).values()
+                                               if isinstance(v, torch.Tensor) and v.is_floating_point()
+                                               and v.numel() > 1)
+            n += 8 * k * p.numel()
+    return n
+
+
 def applies(opt) -> bool:
     """A user's own optimizer class (torch's own are re-run from their update rule, or not at all)."""
     mod = type(opt).__module__ or ""
@@ -103,6 +139,11 @@ def shadow_step(opt, args, kwargs, names: dict, ranks=None) -> tuple[dict, list[
     if tuple(args[1:] if args and args[0] is opt else args) or kwargs:  # torch hands the hook (self, *args)
         raise Refused("step() was called with arguments (a closure re-evaluates the model: the step is not "
                       "a function of the recorded parameters, grads and state)")
+    need, cap = shadow_bytes(opt), max_mb()
+    if need > cap * 2**20:
+        raise Refused(f"its float64 copies (every parameter whole, its grad and state) would take {need / 2**20:,.0f} "
+                      f"MiB, over {MAX_MB_ENV}={cap}: raise it where the memory is there, or capture fewer "
+                      "parameters")
     real, shadow_of, protected = [], {}, set()
     for t in _tensors_in(opt.__dict__, []):
         protected.add(storage_ptr(getattr(t, "_local_tensor", t)))

@@ -88,6 +88,9 @@ def validate(cfg: CompareConfig) -> dict:
 
     # read inside every world: a bad value failed each rank (or read as the default, unsaid)
     max_mb(), max_read_mb(), window_bytes()
+    from tpdiag.probes.optim_shadow import max_mb as opt_f64_mb
+
+    opt_f64_mb()  # TPDIAG_OPT_F64_MAX_MB: the float64 re-run of a user's own optimizer class
     from tpdiag.kernels.tree_overlap import knob
 
     knob("TPDIAG_TREE_OVERLAP_CHUNKS", 4), knob("TPDIAG_TREE_OVERLAP_SMS", 16)
