@@ -78,8 +78,12 @@ class Collector:
             temps, tfits, heads = _per_temperature(z, toks, eng, rank)
             kept = _top_k_kept(z)
             self._temp_tokens += len(toks)
+        # the row's largest |logit| bounds what rounding the logits to bf16 (fp16) moves its log-softmax by
+        # (rollout/low_precision.py)
+        zmax = z.abs().amax(-1)
         for j in range(len(toks)):
-            st = {"margin": float(top2[j, 0] - top2[j, 1]), "rank": int(rank[j]),
+            st = {"margin": float(top2[j, 0] - top2[j, 1]), "rank": int(rank[j]), "own": float(own[j]),
+                  "zmax": float(zmax[j]),
                   "k": int(k[j]) + 1, "k_lo": int(k_lo[j]) + 1, "k_near": int(k_near[j]) + 1,
                   "fit": float(fit[j]), "diff": float(d[j])}
             if s.top is not None and s.top[j]:

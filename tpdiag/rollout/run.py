@@ -262,7 +262,7 @@ def _micro_batch_note(rc, seqs) -> list:
 def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
              flag_values=None, pad_note=None, sampled=None, decodable: bool = True,
              cache_note=None, mode_bug=None, pad_bug=None) -> dict:
-    from tpdiag.rollout import metrics, processed, tp_invariance
+    from tpdiag.rollout import metrics, processed, tp_gap, tp_invariance
     from tpdiag.runner.flags import one_line
 
     ok = [lab for lab in results if lab in trainer]
@@ -309,6 +309,13 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     shift = None if reproduced or not stats_from else shifted.judge(collector.shift)
     if shift:
         notes.append(shift["line"])
+    from tpdiag.rollout import low_precision
+
+    # a model-dtype recipe computes bf16 numbers itself: the file's being bf16 is no lead then
+    low = (None if reproduced or not stats_from or (rc.recipe is not None and rc.recipe.name == "model-dtype")
+           else low_precision.judge(seqs, collector.stats))
+    if low:
+        notes.append(low["line"])
     pad_bug = None if reproduced else pad_bug
     if pad_bug:
         notes.append(pad_bug["line"])
@@ -324,7 +331,10 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     if cache_note:
         notes.append(cache_note)
     invariance = tp_invariance.find(cfgs, seqs, trainer)
-    notes += tp_invariance.notes(invariance, rc.model, rc.dtype)
+    gaps = tp_gap.find(cfgs, seqs, trainer)
+    judged = {gaps[lab]["tp"] for lab in tp_gap.bugs(gaps)}  # a degree judged a bug needs no hedged note too
+    notes += tp_invariance.notes({k: v for k, v in invariance.items() if v["tp"] not in judged}, rc.model, rc.dtype)
+    notes += tp_gap.notes(gaps, rc.model, rc.dtype)
     if mode_bug and "line" in mode_bug:
         notes.append(mode_bug["line"].replace("--model MODEL", f"--model {rc.model}"))
     from tpdiag.rollout import batch_leak
@@ -335,7 +345,8 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, _dtype_note(rc),
                       bool(pad_note), leak, decodable, bool(cache_note), recipe_own and not reproduced, bool(shift),
-                      mode_bug if mode_bug and "line" in mode_bug else None, pad_bug)
+                      mode_bug if mode_bug and "line" in mode_bug else None, pad_bug,
+                      gaps, low)
     # a gap the file's own mistake makes (processing, a misaligned token, padding kept) is not noise
     noise = 0.0 if verdict.get("detected") or shift or pad_note or named else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
@@ -355,6 +366,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         "what_to_do": todo,
         "logprob_recipe": _recipe_entry(rc),
         "processed": verdict, "shifted": shift, "left_padding": pad_bug, "mode_gap": mode_bug, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
+        "tp_gap": gaps, "low_precision": low,
         "batch_leak": leak,
         "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
