@@ -505,6 +505,9 @@ FILE_SECONDS = {
     # session 21 (helper hrl21): wall of `pytest -n 0 FILE` on the shared 2-core machine, pytest's start
     # left out (six compares, one generate() and seven rollouts) - ordering only
     "test_rl_policy_trial.py": 90,
+    # session 22 (helper hnew22rl): wall of `pytest -n 0 FILE` on the shared 2-core machine (two TP=2
+    # rollouts, two generate(), six TP=1 rollouts) - ordering only
+    "test_rl_glm4_trial.py": 60,
 }
 
 

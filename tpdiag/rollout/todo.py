@@ -145,7 +145,8 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     rest = ("the engine computed with something outside the trainer's settings: another model or weights, "
             "another dtype, processing of its logprobs, or kernels of its own (paged or flash attention, "
             "fused or CUDA-graph GEMMs)")
-    named = bool((pad_bug and pad_bug.get("bug")) or shifted or tp_bugs)  # a bug named above: no healthy run
+    # a bug named above: no healthy run (a TP bug only where the trainer's configuration is that degree's)
+    named = bool((pad_bug and pad_bug.get("bug")) or shifted or reference in tp_bugs)
     if pad_bug and pad_bug.get("bug"):
         head = ("nothing tried reproduces the file: its numbers are the model's on a left-padded batch run "
                 "wrong (the left padding note above) - a bug in whatever wrote it, not rounding")
