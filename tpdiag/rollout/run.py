@@ -262,7 +262,7 @@ def _micro_batch_note(rc, seqs) -> list:
 def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
              flag_values=None, pad_note=None, sampled=None, decodable: bool = True,
              cache_note=None, mode_bug=None, pad_bug=None) -> dict:
-    from tpdiag.rollout import metrics, processed, tp_gap, tp_invariance
+    from tpdiag.rollout import low_precision, metrics, processed, tp_gap, tp_invariance
     from tpdiag.runner.flags import one_line
 
     ok = [lab for lab in results if lab in trainer]
@@ -309,11 +309,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     shift = None if reproduced or not stats_from else shifted.judge(collector.shift)
     if shift:
         notes.append(shift["line"])
-    from tpdiag.rollout import low_precision
-
-    # a model-dtype recipe computes bf16 numbers itself: the file's being bf16 is no lead then
-    low = (None if reproduced or not stats_from or (rc.recipe is not None and rc.recipe.name == "model-dtype")
-           else low_precision.judge(seqs, collector.stats))
+    low = None if reproduced or not stats_from else low_precision.judge(seqs, collector.stats, rc.recipe)
     if low:
         notes.append(low["line"])
     pad_bug = None if reproduced else pad_bug
@@ -332,9 +328,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
         notes.append(cache_note)
     invariance = tp_invariance.find(cfgs, seqs, trainer)
     gaps = tp_gap.find(cfgs, seqs, trainer)
-    judged = {gaps[lab]["tp"] for lab in tp_gap.bugs(gaps)}  # a degree judged a bug needs no hedged note too
-    notes += tp_invariance.notes({k: v for k, v in invariance.items() if v["tp"] not in judged}, rc.model, rc.dtype)
-    notes += tp_gap.notes(gaps, rc.model, rc.dtype)
+    notes += tp_gap.notes(gaps, rc.model, rc.dtype, invariance)
     if mode_bug and "line" in mode_bug:
         notes.append(mode_bug["line"].replace("--model MODEL", f"--model {rc.model}"))
     from tpdiag.rollout import batch_leak

@@ -60,13 +60,17 @@ def find(configurations: list[Config], seqs, trainer: dict) -> dict:
     return out
 
 
-def notes(gaps: dict, model: str, dtype: str) -> list[str]:
-    """One line per TP degree: its largest gap, judged."""
+def notes(gaps: dict, model: str, dtype: str, invariance: dict) -> list[str]:
+    """The under-the-fixes lines (rollout/tp_invariance.py) of the degrees not judged a bug here - a
+    judged bug needs no hedged line too - then one line per TP degree: its largest gap, judged."""
+    from tpdiag.rollout import tp_invariance
+
+    judged = {gaps[lab]["tp"] for lab in bugs(gaps)}
+    out = tp_invariance.notes({k: v for k, v in invariance.items() if v["tp"] not in judged}, model, dtype)
     worst = {}
     for lab, v in gaps.items():
         if v["tp"] not in worst or v["gap"] > gaps[worst[v["tp"]]]["gap"]:
             worst[v["tp"]] = lab
-    out = []
     for tp, lab in sorted(worst.items()):
         v = gaps[lab]
         said = ", ".join(f"{k} {x:.3g}" for k, x in v["baselines"].items())
