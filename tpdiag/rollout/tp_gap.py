@@ -25,12 +25,15 @@ def _baselines(c: Config, seqs, trainer: dict, fixes: list[str]) -> dict[str, fl
     base = {}
     pairs = [(f"TP=1 under fix {f} against fix {c.fix}", _lab(c, tp=1, fix=f), _lab(c, tp=1))
              for f in fixes if f != c.fix]
-    if c.micro_batch > 1:
+    # under the fixes micro-batch and mode give the same bits by design: no rounding scale there
+    if c.fix == "none" and c.micro_batch > 1:
         pairs.append((f"TP=1 at micro-batch {c.micro_batch} against 1", _lab(c, tp=1), _lab(c, tp=1, micro_batch=1)))
-    other = "prefill" if c.mode == "decode" else "decode"
-    # decode has no packed form, prefill no static cache: the other mode's twin is read padded
-    pad = "auto" if c.padding in ("packed", *STATIC_PADDINGS) else c.padding
-    pairs.append((f"TP=1 {c.mode} against {other}", _lab(c, tp=1, padding=pad), _lab(c, tp=1, mode=other, padding=pad)))
+    if c.fix == "none":
+        other = "prefill" if c.mode == "decode" else "decode"
+        # decode has no packed form, prefill no static cache: the other mode's twin is read padded
+        pad = "auto" if c.padding in ("packed", *STATIC_PADDINGS) else c.padding
+        pairs.append((f"TP=1 {c.mode} against {other}", _lab(c, tp=1, padding=pad),
+                      _lab(c, tp=1, mode=other, padding=pad)))
     for name, x, y in pairs:
         if x in trainer and y in trainer:
             g = mean_max_gap(seqs, trainer[x], trainer[y])
@@ -42,7 +45,7 @@ def _baselines(c: Config, seqs, trainer: dict, fixes: list[str]) -> dict[str, fl
 def find(configurations: list[Config], seqs, trainer: dict) -> dict:
     """{TP > 1 configuration: {tp, tp1, gap, max_abs, rounding, ratio, baselines, bug}} for each TP > 1
     configuration with a TP=1 twin whose mean |diff| to it is past FLOOR; `bug` where it is beyond
-    RATIO x every rounding the run measured, None where the run measured none to judge it by."""
+    RATIO x the largest rounding the run measured, None where it measured none (or only bitwise pairs)."""
     fixes = list(dict.fromkeys(c.fix for c in configurations))
     out = {}
     for c in configurations:
@@ -54,9 +57,11 @@ def find(configurations: list[Config], seqs, trainer: dict) -> dict:
             continue
         base = _baselines(c, seqs, trainer, fixes)
         rounding = max(base.values(), default=0.0)
+        # no pair measured, or every one bitwise: the run shows no rounding scale to hold the gap
+        # against, and a BUG is never called without one
         out[lab] = {"tp": c.tp, "tp1": twin, "gap": got[0], "max_abs": got[1], "rounding": rounding,
                     "ratio": got[0] / rounding if rounding > 0 else None, "baselines": base,
-                    "bug": (got[0] > RATIO * rounding) if base else None}
+                    "bug": (got[0] > RATIO * rounding) if rounding > 0 else None}
     return out
 
 
@@ -78,14 +83,13 @@ def notes(gaps: dict, model: str, dtype: str, invariance: dict) -> list[str]:
                 "configuration at TP=1")
         cmd = f"`tpdiag compare --model {model} --tp 1,{tp} --dtype {dtype}` names the module"
         if v["bug"]:
-            against = (f"{v['ratio']:.0f}x the largest rounding gap the run shows at TP=1 ({said})" if v["ratio"]
-                       else f"while every TP=1 pair the run compares gives the same bits ({said})")
+            against = f"{v['ratio']:.0f}x the largest rounding gap the run shows at TP=1 ({said})"
             out.append(f"{head}, {against}: the trainer's TP={tp} path computes another function than TP=1 - "
                        f"a bug in its TP plan or sharded code, not rounding; {cmd}")
         elif v["bug"] is None:
-            out.append(f"{head}, and the run measured no rounding at TP=1 to hold it against: run with --fix "
-                       f"none,all (or a second --micro-batch or --mode) to judge it, or {cmd} and says BUG or "
-                       "rounding")
+            out.append(f"{head}, and the run measured no rounding at TP=1 to hold it against"
+                       + (f" ({said}: bitwise)" if said else "") + ": run with --fix none,all (or a second "
+                       f"--micro-batch or --mode, stock) to judge it, or {cmd} and says BUG or rounding")
     return out
 
 
