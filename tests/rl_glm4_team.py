@@ -7,7 +7,8 @@ its raw output_logits (docs/rl.md's snippet), and a trainer that scores generate
 The trainer's recipes: `correct` (mask, position_ids from each row's first real token, float32
 log-softmax), `bf16_logprob` (the same logits, log-softmax taken in bf16 - TRL's and verl's row loop
 for bf16 logits), and `bf16_unmasked` (a real bug - no attention mask, positions from the pad -
-whose logprobs are then stored in bf16)."""
+whose logprobs are then stored in bf16); and `engine_at_T`, an engine that reports its sampling
+distribution's logprobs at T (output_logits / T, no filter) to a trainer that forgets T."""
 import json
 
 import torch
@@ -43,16 +44,18 @@ def make(d, dtype=torch.float32) -> dict:
     with torch.no_grad():
         logits = model(seqs, attention_mask=full, position_ids=pos).logits
         unmasked = model(seqs).logits
-    engine = torch.stack(res.logits, 1).float().log_softmax(-1)  # [batch, NEW, vocab]
+    raw = torch.stack(res.logits, 1).float()  # [batch, NEW, vocab]: generate()'s raw output_logits
+    engines = {"engine": raw.log_softmax(-1),
+               "engine_at_T": (raw / T).log_softmax(-1)}  # the sampling distribution's logprobs, no filter
     trainer = {"correct": logits.float().log_softmax(-1),
                "bf16_logprob": logits.bfloat16().log_softmax(-1).float(),
                "bf16_unmasked": unmasked.float().log_softmax(-1).bfloat16().float()}
     files = {}
-    for name in ("engine", *trainer):
+    for name in (*engines, *trainer):
         with open(d / f"{name}.jsonl", "w") as f:
             for b, p in enumerate(prompts):
                 new = seqs[b, P:].tolist()
-                lps = ([engine[b, j, t].item() for j, t in enumerate(new)] if name == "engine" else
+                lps = ([engines[name][b, j, t].item() for j, t in enumerate(new)] if name in engines else
                        [trainer[name][b, P + j - 1, t].item() for j, t in enumerate(new)])  # row t-1 predicts t
                 f.write(json.dumps({"input_ids": p + new, "prompt_len": len(p), "logprobs": lps}) + "\n")
         files[name] = str(d / f"{name}.jsonl")

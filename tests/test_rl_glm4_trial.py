@@ -101,3 +101,18 @@ def test_float32_dumps_are_not_named_bf16(team, dtype):
     assert s["closest"]["reproduced"] and s["low_precision"] is None, s["closest"]
     s = _rollout(files["engine"], "hf:" + str(d / "model"), name, modes=("prefill", "decode"))
     assert s["low_precision"] is None and "tp_gap" in s and s["tp_gap"] == {}, s["low_precision"]
+
+
+def test_an_engine_at_its_temperature_names_the_trainer_temperature(team):
+    """A trainer that forgets the sampling temperature: the processed line names T and now says what the
+    trainer must do (--trainer-temperature T); with it, the engine's decode is reproduced bit for bit."""
+    from tpdiag.runner.recipe import parse
+
+    d, files = team[torch.float32]
+    model = "hf:" + str(d / "model")
+    s = _rollout(files["engine_at_T"], model)
+    p = s["processed"]
+    assert p["detected"] and p["kind"] == "temperature", p
+    assert "--trainer-temperature 0.8" in p["explanation"] and "a bug in its loss" in p["explanation"], p
+    s = _rollout(files["engine_at_T"], model, modes=("prefill", "decode"), recipe=parse("log-softmax", 0.8))
+    assert s["closest"]["reproduced"] and s["closest"]["configurations"] == ["tp1-mb4-decode-none"], s["closest"]

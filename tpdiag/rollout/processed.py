@@ -230,7 +230,11 @@ def _temperature_verdict(temp, ev) -> dict:
                            f"temperature={temp['t']:g},top_k=0 makes every trainer logprob log_softmax(float32 "
                            "logits / T), as generate()'s output_scores and a trainer that divides its float32 "
                            "logits compute it (top_k=0: none was seen here, and generate()'s default top_k=50 "
-                           "applies where --sampling does not turn it off) - or ask for raw logprobs"}
+                           "applies where --sampling does not turn it off) - or ask for raw logprobs. A trainer "
+                           "whose policy ratio takes these numbers must divide its logits by the same "
+                           f"temperature: one that does not (log_softmax(logits), T=1) computes another "
+                           f"distribution, a bug in its loss, not rounding; --trainer-temperature {temp['t']:g} "
+                           "takes the trainer's logprobs at it"}
 
 
 def _per_temperature(z, toks, eng, rank):
