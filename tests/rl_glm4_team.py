@@ -8,7 +8,8 @@ The trainer's recipes: `correct` (mask, position_ids from each row's first real 
 log-softmax), `bf16_logprob` (the same logits, log-softmax taken in bf16 - TRL's and verl's row loop
 for bf16 logits), and `bf16_unmasked` (a real bug - no attention mask, positions from the pad -
 whose logprobs are then stored in bf16); and `engine_at_T`, an engine that reports its sampling
-distribution's logprobs at T (output_logits / T, no filter) to a trainer that forgets T."""
+distribution's logprobs at T (output_logits / T, no filter) to a trainer that forgets T, and
+`engine_scores`, generate()'s processed output_scores (T and top_k)."""
 import json
 
 import torch
@@ -37,7 +38,7 @@ def make(d, dtype=torch.float32) -> dict:
     mask = (ids != 0).long()
     torch.manual_seed(3)
     res = model.generate(ids, attention_mask=mask, do_sample=True, temperature=T, top_k=TOP_K, max_new_tokens=NEW,
-                         min_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
+                         min_new_tokens=NEW, output_logits=True, output_scores=True, return_dict_in_generate=True)
     seqs = res.sequences
     full = torch.cat([mask, torch.ones(len(prompts), NEW, dtype=torch.long)], 1)
     pos = (full.cumsum(-1) - 1).clamp(min=0)
@@ -46,7 +47,8 @@ def make(d, dtype=torch.float32) -> dict:
         unmasked = model(seqs).logits
     raw = torch.stack(res.logits, 1).float()  # [batch, NEW, vocab]: generate()'s raw output_logits
     engines = {"engine": raw.log_softmax(-1),
-               "engine_at_T": (raw / T).log_softmax(-1)}  # the sampling distribution's logprobs, no filter
+               "engine_at_T": (raw / T).log_softmax(-1),  # the sampling distribution's logprobs, no filter
+               "engine_scores": torch.stack(res.scores, 1).float().log_softmax(-1)}  # processed: T, top_k
     trainer = {"correct": logits.float().log_softmax(-1),
                "bf16_logprob": logits.bfloat16().log_softmax(-1).float(),
                "bf16_unmasked": unmasked.float().log_softmax(-1).bfloat16().float()}

@@ -116,3 +116,20 @@ def test_an_engine_at_its_temperature_names_the_trainer_temperature(team):
     assert "--trainer-temperature 0.8" in p["explanation"] and "a bug in its loss" in p["explanation"], p
     s = _rollout(files["engine_at_T"], model, modes=("prefill", "decode"), recipe=parse("log-softmax", 0.8))
     assert s["closest"]["reproduced"] and s["closest"]["configurations"] == ["tp1-mb4-decode-none"], s["closest"]
+
+
+def test_a_bf16_engines_processed_scores_read_on_prefill_rows_say_so(team):
+    """generate()'s output_scores (T=0.8, top_k=20) of the bf16 policy: read on the prefill's rows (not the
+    decoding engine's bits) no temperature and filter fits, and the line said only "a penalty ... or another
+    model"; it now says whose rows it read and that --mode decode,prefill reads the engine's - where the same
+    file reads temperature+filter at T=0.8."""
+    d, files = team[torch.bfloat16]
+    model = "hf:" + str(d / "model")
+    s = _rollout(files["engine_scores"], model, "bfloat16", modes=("prefill", "decode"))
+    p = s["processed"]
+    assert p["kind"] == "systematic", p
+    assert "read on tp1-mb4-prefill-none's logits rows" in p["explanation"], p["explanation"]
+    s = _rollout(files["engine_scores"], model, "bfloat16", modes=("decode", "prefill"))
+    p = s["processed"]
+    assert p["kind"] == "temperature+filter" and "0.8" in p["explanation"], p
+    assert "read on" not in p["explanation"], p["explanation"]

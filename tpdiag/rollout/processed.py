@@ -192,6 +192,19 @@ def judge(collector: Collector, vocab: int) -> dict:
             "explanation": "no sign of processing: differences go both ways and fit no filter or temperature"}
 
 
+def read_on(verdict: dict, stats_from: str | None, modes) -> dict:
+    """A `systematic` verdict read on a prefill configuration's rows while the run also decodes: a
+    filter's edge and its ties are read on those rows, and a decoding engine's bf16 logits are not a
+    prefill's bits - a near-tie its rounding made a tie is missed, and a temperature and top-k the
+    engine ran read as no fit (a bf16 GLM-4's generate() at T=0.8, top_k=20: `systematic` against
+    the prefill, `temperature+filter` against the decode; tests/test_rl_glm4_trial.py)."""
+    if verdict.get("kind") != "systematic" or not stats_from or "-prefill-" not in stats_from or "decode" not in modes:
+        return verdict
+    return {**verdict, "explanation": verdict["explanation"] + (
+        f"; read on {stats_from}'s logits rows, which are not a decoding engine's bits: where its ties or a filter's "
+        "edge moved, no fit is found - --mode decode,prefill reads the decode's rows first")}
+
+
 def _tie_tolerance(rows):
     """Per row, how far apart two logits the engine computed equal can be in the trainer's rows:
     TIE_ROUNDINGS roundings of the coarsest float grid that holds every value of the row (bf16

@@ -278,7 +278,7 @@ def _summary(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from,
     ranked = sorted(ok, key=lambda lab: metrics.closeness(results[lab]["metrics"]))
     best = metrics.closeness(results[ranked[0]]["metrics"])
     closest = reproduced or [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
-    verdict = processed.judge(collector, vocab) if stats_from else {
+    verdict = processed.read_on(processed.judge(collector, vocab), stats_from, rc.modes) if stats_from else {
         "detected": None, "kind": None, "explanation": _not_judged(rc, results)}
     if reproduced and not sampled and verdict.get("detected"):
         # a configuration's raw log-softmax is every number the engine gave, bit for bit: whatever a
