@@ -506,8 +506,8 @@ FILE_SECONDS = {
     # left out (six compares, one generate() and seven rollouts) - ordering only
     "test_rl_policy_trial.py": 90,
     # session 22 (helper hnew22rl): wall of `pytest -n 0 FILE` on the shared 2-core machine (two TP=2
-    # rollouts, two generate(), six TP=1 rollouts) - ordering only
-    "test_rl_glm4_trial.py": 60,
+    # rollouts, four generate(), ten TP=1 rollouts) - ordering only
+    "test_rl_glm4_trial.py": 75,
 }
 
 
