@@ -517,6 +517,9 @@ FILE_SECONDS = {
     # session 22 (helper hnew22pt): two 2-rank gloo compares and their gates, wall of `pytest -n 0 FILE`
     # on the shared 2-core machine less pytest's own start - ordering only
     "test_gqa_tiled.py": 55,
+    # session 22 (helper hnew22rl): wall of `pytest -n 0 FILE` on the shared 2-core machine (two TP=2
+    # rollouts, four generate(), ten TP=1 rollouts) - ordering only
+    "test_rl_glm4_trial.py": 75,
 }
 
 

@@ -78,8 +78,12 @@ class Collector:
             temps, tfits, heads = _per_temperature(z, toks, eng, rank)
             kept = _top_k_kept(z)
             self._temp_tokens += len(toks)
+        # the row's largest |logit| bounds what rounding the logits to bf16 (fp16) moves its log-softmax by
+        # (rollout/low_precision.py)
+        zmax = z.abs().amax(-1)
         for j in range(len(toks)):
-            st = {"margin": float(top2[j, 0] - top2[j, 1]), "rank": int(rank[j]),
+            st = {"margin": float(top2[j, 0] - top2[j, 1]), "rank": int(rank[j]), "own": float(own[j]),
+                  "zmax": float(zmax[j]),
                   "k": int(k[j]) + 1, "k_lo": int(k_lo[j]) + 1, "k_near": int(k_near[j]) + 1,
                   "fit": float(fit[j]), "diff": float(d[j])}
             if s.top is not None and s.top[j]:
@@ -188,6 +192,19 @@ def judge(collector: Collector, vocab: int) -> dict:
             "explanation": "no sign of processing: differences go both ways and fit no filter or temperature"}
 
 
+def read_on(verdict: dict, stats_from: str | None, modes) -> dict:
+    """A `systematic` verdict read on a prefill configuration's rows while the run also decodes: a
+    filter's edge and its ties are read on those rows, and a decoding engine's bf16 logits are not a
+    prefill's bits - a near-tie its rounding made a tie is missed, and a temperature and top-k the
+    engine ran read as no fit (a bf16 GLM-4's generate() at T=0.8, top_k=20: `systematic` against
+    the prefill, `temperature+filter` against the decode; tests/test_rl_glm4_trial.py)."""
+    if verdict.get("kind") != "systematic" or not stats_from or "-prefill-" not in stats_from or "decode" not in modes:
+        return verdict
+    return {**verdict, "explanation": verdict["explanation"] + (
+        f"; read on {stats_from}'s logits rows, which are not a decoding engine's bits: where its ties or a filter's "
+        "edge moved, no fit is found - --mode decode,prefill reads the decode's rows first")}
+
+
 def _tie_tolerance(rows):
     """Per row, how far apart two logits the engine computed equal can be in the trainer's rows:
     TIE_ROUNDINGS roundings of the coarsest float grid that holds every value of the row (bf16
@@ -226,7 +243,11 @@ def _temperature_verdict(temp, ev) -> dict:
                            f"temperature={temp['t']:g},top_k=0 makes every trainer logprob log_softmax(float32 "
                            "logits / T), as generate()'s output_scores and a trainer that divides its float32 "
                            "logits compute it (top_k=0: none was seen here, and generate()'s default top_k=50 "
-                           "applies where --sampling does not turn it off) - or ask for raw logprobs"}
+                           "applies where --sampling does not turn it off) - or ask for raw logprobs. A trainer "
+                           "whose policy ratio takes these numbers must divide its logits by the same "
+                           f"temperature: one that does not (log_softmax(logits), T=1) computes another "
+                           f"distribution, a bug in its loss, not rounding; --trainer-temperature {temp['t']:g} "
+                           "takes the trainer's logprobs at it"}
 
 
 def _per_temperature(z, toks, eng, rank):

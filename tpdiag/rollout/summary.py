@@ -41,7 +41,7 @@ def dtype_note(rc) -> list[str]:
 def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from, notes, t0,
              flag_values=None, pad_note=None, sampled=None, decodable: bool = True,
              cache_note=None, mode_bug=None, pad_bug=None, own=None) -> dict:
-    from tpdiag.rollout import metrics, processed, tp_invariance
+    from tpdiag.rollout import low_precision, metrics, processed, tp_gap, tp_invariance
     from tpdiag.runner.flags import one_line
 
     ok = [lab for lab in results if lab in trainer]
@@ -57,7 +57,7 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
     ranked = sorted(ok, key=lambda lab: metrics.closeness(results[lab]["metrics"]))
     best = metrics.closeness(results[ranked[0]]["metrics"])
     closest = reproduced or [lab for lab in ranked if metrics.closeness(results[lab]["metrics"]) == best]
-    verdict = processed.judge(collector, vocab) if stats_from else {
+    verdict = processed.read_on(processed.judge(collector, vocab), stats_from, rc.modes) if stats_from else {
         "detected": None, "kind": None, "explanation": _not_judged(rc, results)}
     if reproduced and not sampled and verdict.get("detected"):
         # a configuration's raw log-softmax is every number the engine gave, bit for bit: whatever a
@@ -88,6 +88,9 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
     shift = None if reproduced or not stats_from else shifted.judge(collector.shift)
     if shift:
         notes.append(shift["line"])
+    low = None if reproduced or not stats_from else low_precision.judge(seqs, collector.stats, rc.recipe)
+    if low:
+        notes.append(low["line"])
     pad_bug = None if reproduced else pad_bug
     if pad_bug:
         notes.append(pad_bug["line"])
@@ -103,7 +106,8 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
     if cache_note:
         notes.append(cache_note)
     invariance = tp_invariance.find(cfgs, seqs, trainer)
-    notes += tp_invariance.notes(invariance, rc.model, rc.dtype)
+    gaps = tp_gap.find(cfgs, seqs, trainer)
+    notes += tp_gap.notes(gaps, rc.model, rc.dtype, invariance)
     if mode_bug and "line" in mode_bug:
         notes.append(mode_bug["line"].replace("--model MODEL", f"--model {rc.model}"))
     from tpdiag.rollout import batch_leak
@@ -118,7 +122,8 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
         notes.append(leak["line"])
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, dtype_note(rc),
                       bool(pad_note), leak, decodable, bool(cache_note), recipe_own and not reproduced, bool(shift),
-                      mode_bug if mode_bug and "line" in mode_bug else None, pad_bug, own)
+                      mode_bug if mode_bug and "line" in mode_bug else None, pad_bug, own,
+                      gaps, low)
     # a gap the file's own mistake makes (processing, a misaligned token, padding kept) is not noise
     noise = 0.0 if verdict.get("detected") or shift or pad_note or named else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
@@ -138,6 +143,7 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
         "what_to_do": todo,
         "logprob_recipe": _recipe_entry(rc),
         "processed": verdict, "shifted": shift, "left_padding": pad_bug, "mode_gap": mode_bug, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
+        "tp_gap": gaps, "low_precision": low,
         "batch_leak": leak, "own_loss": own,
         "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),

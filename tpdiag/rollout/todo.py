@@ -11,6 +11,7 @@ TP=1's), else what is left (another model, dtype or processing, or the engine's 
 from __future__ import annotations
 
 from tpdiag.base.configs import STATIC_PADDINGS, Config, any_static
+from tpdiag.rollout.batch_leak import FLOOR
 
 # NeMo RL's threshold: a run whose token_mult_prob_error is above it is flagged (docs/rl.md)
 NEMO_RL_THRESHOLD = 1.05
@@ -23,7 +24,7 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                invariance: dict, notes_dtype: list, padded: bool = False, leak: dict | None = None,
                decodable: bool = True, cache_off: bool = False, recipe_own: bool = False,
                shifted: bool = False, mode_bug: dict | None = None, pad_bug: dict | None = None,
-               own: dict | None = None) -> dict:
+               own: dict | None = None, tp_gaps: dict | None = None, low: dict | None = None) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
     token_mult_prob_error (the trainer's), threshold}. own: rollout/own_loss.py's finding - a py:
@@ -36,14 +37,31 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     m = results[reference]["metrics"]
     out = {"trainer": reference, "engine_like": None, "differs": [],
            "token_mult_prob_error": m["token_mult_prob_error"], "threshold": NEMO_RL_THRESHOLD}
+    tp_gaps = tp_gaps or {}
+    tp_bugs = {lab: v for lab, v in tp_gaps.items() if v["bug"]}
+    unjudged = sorted({v["tp"] for v in tp_gaps.values() if v["bug"] is None})
+    # a TP degree whose logprobs are another function than TP=1's (rollout/tp_gap.py): whatever the
+    # engine matches, training at that degree trains on wrong logprobs - said before anything else
+    tp_first = ""
+    if tp_bugs:
+        worst = max(tp_bugs, key=lambda lab: tp_bugs[lab]["gap"])
+        v = tp_bugs[worst]
+        tp_first = (f"first: fix the trainer's TP={v['tp']} path - {worst} is {v['gap']:.3g} nats (mean) from "
+                    f"{v['tp1']}, {_times(v)} (the TP note above): a bug in its TP plan or sharded code, not "
+                    f"rounding; `tpdiag compare --model {rc.model} --tp 1,{v['tp']}` names the module; ")
+        out["tp_bug"] = sorted(tp_bugs)
     if reference in reproduced and own_bug:
         return {**out, "case": "loss", "line": own_loss.lead(own_bug) + own_loss.reproduced_words(reference, m)
-                + " " + own_loss.gap(own_bug)}
+                + " " + own_loss.gap(own_bug)
+                + (f"; then {tp_first[len('first: '):].rstrip('; ')}" if tp_first else "")}
     if reference in reproduced:
         return {**out, "case": "nothing",
-                "line": (f"nothing to do: the trainer's configuration ({reference}) computes the engine's "
+                "line": tp_first + (f"{'at TP=1 ' if tp_first else ''}nothing to do: the trainer's configuration "
+                                    f"({reference}) computes the engine's "
                          f"logprobs bit for bit ({m['exact_tokens']}/{m['tokens']} tokens exact, "
-                         "token_mult_prob_error exactly 1)" + own_loss.rounding_words(own))}
+                         "token_mult_prob_error exactly 1)" + own_loss.rounding_words(own))
+                + (f"; TP={', '.join(map(str, unjudged))} is further from TP=1 than {FLOOR:g} nats and not judged "
+                   "(the TP note above)" if unjudged else "")}
     if reproduced:
         ref = cfgs[reference]
         # the reproducing configuration that changes the fewest of the trainer's settings
@@ -51,6 +69,11 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
         differs = [{"axis": a, "trainer": getattr(ref, a), "engine": getattr(cfgs[like], a),
                     "meaning": _meaning(a, getattr(ref, a), getattr(cfgs[like], a), ref, cfgs[like], len(seqs))}
                    for a in cfgs[like].differs(ref)]
+        for d in differs:
+            if d["axis"] == "tp" and (like in tp_bugs or reference in tp_bugs):
+                d["meaning"] = (f"the engine's numbers are TP={d['engine']}'s, your trainer's TP={d['trainer']}: in "
+                                "this trainer the two degrees are not the same function (the TP note above) - a "
+                                "bug in its TP path, not rounding; fix it before matching the kernels")
         if mode_bug:
             # the float64 check (rollout/mode_gap.py): the two modes are other functions, not other roundings
             for d in differs:
@@ -72,7 +95,7 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                 "first: the engine's decode and the trainer's prefill are not the same function in this model "
                 "(the prefill-and-decode note above): fix the model's decode (or prefill) path - `tpdiag compare "
                 f"--model {rc.model} --tp 1 --mode prefill,decode --forward-only` names the module; "
-                if mode_bug and "mode" in cfgs[like].differs(ref) else "")
+                if mode_bug and "mode" in cfgs[like].differs(ref) else tp_first)
         gap = own_loss.gap(own_bug) if own_bug else _gap(m, ', from these settings alone')
         return {**out, "case": "settings", "engine_like": like, "differs": differs,
                 "line": own_loss.lead(own_bug) + lead + (f"the engine's logprobs are {like}'s bit for bit, not the "
@@ -98,6 +121,10 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     if padded:  # every token moves with it: before anything else
         first.append("write the sequences without the engine's left padding (the pad token note above) and "
                      "run again")
+    if low:  # the file's numbers have 8 (11) significant bits: no float32 configuration gives them
+        first.append(f"take the logprobs in float32 in whatever wrote the file (logits.float().log_softmax(-1)), or "
+                     f"run again with --logprob model-dtype for a {low['dtype']} model's own {low['dtype']} "
+                     f"log-softmax (the {low['dtype']} note above)")
     if recipe_own:  # the trainer's recipe is not the engine's log-softmax: no configuration can match
         first.append("run without --logprob/--trainer-temperature/--compiled to see whether the logits are the "
                      "engine's (the recipe note above; the recipe's own gap to the engine is then the rest)")
@@ -115,7 +142,9 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                      "again with --mode decode")
     if notes_dtype:
         first.append("run again with the dtype the checkpoint is saved in (the checkpoint note above)")
-    if any(not v["same_bits"] for v in invariance.values()):
+    if tp_bugs:
+        first.append(tp_first[len("first: "):].rstrip("; "))
+    elif any(not v["same_bits"] for v in invariance.values()):
         first.append("read the TP note above: a TP degree under the fixes is not TP=1's bits (`tpdiag "
                      "compare` names the module)")
     untried = _untried(rc, len(seqs), decodable)
@@ -126,10 +155,15 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
     rest = ("the engine computed with something outside the trainer's settings: another model or weights, "
             "another dtype, processing of its logprobs, or kernels of its own (paged or flash attention, "
             "fused or CUDA-graph GEMMs)")
-    named = bool((pad_bug and pad_bug.get("bug")) or shifted)  # a bug named above: no healthy run
+    # a bug named above: no healthy run (a TP bug only where the trainer's configuration is that degree's)
+    named = bool((pad_bug and pad_bug.get("bug")) or shifted or reference in tp_bugs)
     if pad_bug and pad_bug.get("bug"):
         head = ("nothing tried reproduces the file: its numbers are the model's on a left-padded batch run "
                 "wrong (the left padding note above) - a bug in whatever wrote it, not rounding")
+    elif low and low["rounding"] and not (shifted or padded or processed.get("detected")):
+        head = (f"no configuration tried reproduces the file, but the {low['dtype']} note above explains it: its "
+                f"logprobs are {low['dtype']} numbers within {low['dtype']}'s rounding of the trainer's - the gap is "
+                "that rounding")
     elif same:
         head = ("no configuration tried reproduces the file, but the left padding note above does: its numbers are "
                 "the model's on a left-padded batch with positions counted from the pad, for this model the same "
@@ -286,6 +320,6 @@ def _vals(xs) -> str:
 
 
 def _times(leak: dict) -> str:
-    """How far past rounding a batch leak is: a ratio, or none to take where every other setting
-    gave the same bits (rollout/batch_leak.py)."""
+    """How far past rounding a batch leak (rollout/batch_leak.py) or a TP gap (rollout/tp_gap.py) is:
+    a ratio, or none to take where every other setting gave the same bits."""
     return f"{leak['ratio']:.0f}x rounding" if leak.get("ratio") else "where every other setting is bitwise"
