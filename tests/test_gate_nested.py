@@ -7,6 +7,8 @@ negative control). Reads conftest's tp12_run (TP=1,2, rounding only), edits copi
 import os
 import shutil
 
+import pytest
+
 from conftest import run_cli
 
 from tpdiag.gate import evaluate, load_policy, with_allowed
@@ -44,3 +46,33 @@ def test_gate_refuses_a_symlink_to_a_pass_and_a_pass_copied_out(tp12_run, tmp_pa
     plain = tmp_path / "confirm" / "mine"
     shutil.copytree(tp12_run, plain, symlinks=True)
     assert evaluate(str(plain), _rounding()).exit_code == 0
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    """test_failclosed_copies' forward-only `--fix auto` run at TP=1,2, shared by name (made once a session)."""
+    from conftest import shared_run
+
+    def make(out):
+        p = run_cli("compare", "--tp", "1,2", "--fix", "auto", "--forward-only", "--no-confirm", "--no-baseline",
+                    "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-2000:]
+    return shared_run(tmp_path_factory, "tp12-auto-fwd", make)
+
+
+def test_a_fix_chain_round_alone_and_a_round_removed(auto_run, tmp_path):
+    """auto/round1/ gated alone is refused like any pass; a round the chain lists, removed, is inconclusive for
+    `tpdiag report` as for the gate (the report wrote its page and exited 0 on main)."""
+    assert (auto_run / "auto" / "round1" / "manifest.json").is_file()
+    res = evaluate(str(auto_run / "auto" / "round1"), _rounding())
+    assert res.exit_code == 2 and "fix chain round auto/round1/" in res.problems[0], res.problems
+    run = tmp_path / "run"
+    shutil.copytree(auto_run, run, symlinks=True)
+    page = tmp_path / "r.html"
+    ok = run_cli("report", str(run), "-o", str(page))
+    assert ok.returncode == 0, ok.stdout + ok.stderr  # the control: the run as made
+    shutil.rmtree(run / "auto" / "round1")
+    assert evaluate(str(run), _rounding()).exit_code == 2
+    r = run_cli("report", str(run), "-o", str(page))
+    assert r.returncode == 2 and "fix chain's round 1" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
