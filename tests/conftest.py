@@ -505,6 +505,9 @@ FILE_SECONDS = {
     # session 21 (helper hrl21): wall of `pytest -n 0 FILE` on the shared 2-core machine, pytest's start
     # left out (six compares, one generate() and seven rollouts) - ordering only
     "test_rl_policy_trial.py": 90,
+    # session 22 (red team hred22): `time` of the file alone (user+sys of the process tree, loaded host),
+    # the session runs it shares (tp12_run, tp12-auto-fwd) made by it
+    "test_gate_nested.py": 25, "test_gate_diff_captures.py": 11,
 }
 
 
