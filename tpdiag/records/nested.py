@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import re
 
-from tpdiag.records.paths import MANIFEST, SECOND_PASS_DIRS
+from tpdiag.records.paths import AUTO_DIR, CONFIRM_DIR, MANIFEST, SECOND_PASS_DIRS, VARIANTS_DIR
 
 # the deepest a pass lies under its run: auto/round<i>/region/ops
 _DEPTH = 4
-_WHAT = {"confirm": "confirmation rerun", "auto": "fix chain round", "variants": "matrix variant"}
+_WHAT = {CONFIRM_DIR: "confirmation rerun", AUTO_DIR: "fix chain round", VARIANTS_DIR: "matrix variant"}
 
 
 def _segment(parts: list[str]) -> tuple[int, str] | None:
@@ -24,7 +24,7 @@ def _segment(parts: list[str]) -> tuple[int, str] | None:
     if parts[0] in SECOND_PASS_DIRS:
         return 1, "second pass"
     if len(parts) >= 2 and parts[0] in _WHAT and parts[1] not in ("", ".", ".."):
-        if parts[0] == "auto" and not re.fullmatch(r"round[0-9]+", parts[1]):
+        if parts[0] == AUTO_DIR and not re.fullmatch(r"round[0-9]+", parts[1]):
             return None
         return 2, _WHAT[parts[0]]
     return None
