@@ -520,6 +520,9 @@ FILE_SECONDS = {
     # session 22 (helper hnew22rl): wall of `pytest -n 0 FILE` on the shared 2-core machine (two TP=2
     # rollouts, four generate(), ten TP=1 rollouts) - ordering only
     "test_rl_glm4_trial.py": 75,
+    # session 22 (red team hred22): `time` of the file alone (user+sys of the process tree, loaded host),
+    # the session runs it shares (tp12_run, tp12-auto-fwd) made by it
+    "test_gate_nested.py": 25, "test_gate_diff_captures.py": 11,
 }
 
 

@@ -23,13 +23,23 @@ _MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, Arith
 def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
     """Never raises on bad evidence: problems land in GateResult.problems (exit 2) so JUnit still gets written."""
     policy = policy or Policy()
+    from tpdiag.records.nested import part_of_run
+
+    # a run's own pass (ops/, confirm/<fix>/, auto/round<i>/, variants/<slug>/) is no run to gate
+    # alone: its verdict is a part of its run's (records/nested.py); the fix chain's rounds are
+    # gated inside their run's evaluation (_judge_chain), never through here
+    why = part_of_run(run_dir)
+    if why:
+        res = GateResult(os.path.abspath(run_dir), policy)
+        res.problems.append(why)
+        return res
     from tpdiag.gate import once
 
     try:
         # the re-diffs below read the same pairs again (a confirmation's, a second pass's): measured
         # and hash-checked once in this evaluation (gate/once.py)
         with once.session():
-            return _evaluate(run_dir, policy)
+            return _evaluate(run_dir, policy, top=True)
     except Inconclusive as e:
         res = GateResult(os.path.abspath(run_dir), policy)
         res.problems.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -42,7 +52,7 @@ def evaluate(run_dir: str, policy: Policy | None = None) -> GateResult:
         return res
 
 
-def _evaluate(run_dir: str, policy: Policy) -> GateResult:
+def _evaluate(run_dir: str, policy: Policy, top: bool = False) -> GateResult:
     from tpdiag.records.rundir import DIFF_CSV, incomplete, read_manifest, read_rows, read_summary, run_file
 
     res = GateResult(os.path.abspath(run_dir), policy)
@@ -56,6 +66,10 @@ def _evaluate(run_dir: str, policy: Policy) -> GateResult:
     try:
         manifest = read_manifest(run_dir)
         why = incomplete(run_dir, manifest)
+        if not why and top:
+            from tpdiag.records.nested import rerun_pass
+
+            why = rerun_pass(manifest)
         if why:
             res.problems.append(why)
             return res

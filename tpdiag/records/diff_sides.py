@@ -47,6 +47,10 @@ def diff_side_problems(run_dir: str, manifest: dict) -> list[str]:
         except (OSError, Inconclusive):
             pass  # unreadable: the re-diff of the records says so
     if isinstance(degrees, list) and len(degrees) == 2:
+        for p, want in zip(paths, degrees):
+            why = _capture_problem(p, want)
+            if why:
+                out.append(why)
         for p, f, want in zip(paths, files, degrees):
             if f is None or os.path.basename(f) != WORLD:
                 continue
@@ -60,3 +64,36 @@ def diff_side_problems(run_dir: str, manifest: dict) -> list[str]:
                 out.append(f"{f} is a world of degree {have!r} but this tpdiag diff's manifest.json says {want!r} "
                            "(another run's records, or edited)")
     return out
+
+
+def _capture_problem(path: str, want) -> str | None:
+    """A side with a manifest.json is a capture (a compare world has none): `tpdiag diff` read it only
+    where that manifest said the capture is complete (diff/runs.read_capture), so the gate asks it
+    again. Edited afterwards - complete false (a capture its job never finished writing), another
+    degree than its world.json's - the diff passed the gate as it stood (red team hred22)."""
+
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
+        # a compare world (RUN_DIR/tpN) has none: its world.json carries the compare's config
+        try:
+            w = io.read_json(world_file(path, WORLD))
+        except Inconclusive:
+            return None  # the re-diff of the records says what is missing
+        cfg = w.get("config") if isinstance(w, dict) else None
+        if isinstance(cfg, dict) and "model" in cfg and "label" in w:
+            return None
+        return (f"{path}: a capture without manifest.json (its job writes it last: cut short, or the file "
+                "removed), but this tpdiag diff read it as a complete capture")
+    try:
+        m = io.read_json(mpath)
+    except Inconclusive as e:
+        return str(e).splitlines()[0]
+    if not isinstance(m, dict) or m.get("tool") != "tpdiag.capture" or m.get("complete") is not True:
+        tool, done = (m.get("tool"), m.get("complete")) if isinstance(m, dict) else (None, None)
+        return (f"{mpath}: not a complete tpdiag.capture manifest (tool {tool!r}, complete {done!r}), but this "
+                "tpdiag diff read it as one (the capture was cut short, or its manifest edited)")
+    have = m.get("degree")
+    if type(have) is not int or have != want:
+        return (f"{mpath} is a capture of degree {have!r} but this tpdiag diff's manifest.json says {want!r} "
+                "(another capture, or edited)")
+    return None

@@ -29,6 +29,9 @@ DIFF_CSV = "diff.csv"
 # pass of a hash-first run falls back the same way: region-modules)
 SECOND_PASS_DIRS = ("region", "region-all", "ops", "ops-all", "ops-modules", "ops-all-modules", "region-modules",
                     "region-all-modules", "region/ops")
+# the reruns' folders inside a run, each a whole run directory of its own: confirm/<fix>,
+# auto/round<i>, variants/<slug> (records/nested.py knows them as parts of their run)
+CONFIRM_DIR, AUTO_DIR, VARIANTS_DIR = "confirm", "auto", "variants"
 REPORT = "report.html"
 # a configuration's folder: what its world wrote (records/store.py: events and tensors beside these)
 WORLD = "world.json"    # the world's config, fingerprint, selfcheck
@@ -102,11 +105,11 @@ class RunDir:
     # the reruns' run directories inside this one, each a whole run directory of its own
     def confirm_run(self, fix: str) -> str:
         """`tpdiag confirm` / --confirm with one fix: RUN_DIR/confirm/<fix>."""
-        return os.path.join(self.path, "confirm", fix)
+        return os.path.join(self.path, CONFIRM_DIR, fix)
 
     def fix_round(self, i: int) -> str:
         """--fix auto's round i >= 1: RUN_DIR/auto/round<i>."""
-        return os.path.join(self.path, "auto", f"round{i}")
+        return os.path.join(self.path, AUTO_DIR, f"round{i}")
 
     def second_pass(self, hashed: bool) -> str:
         """The second pass (runner/drill.py): RUN_DIR/region after a hash-first pass, else RUN_DIR/ops."""
@@ -114,7 +117,7 @@ class RunDir:
 
     def variant(self, slug: str) -> str:
         """A matrix run's variant (runner/matrix.py): RUN_DIR/variants/<slug>."""
-        return os.path.join(self.path, "variants", slug)
+        return os.path.join(self.path, VARIANTS_DIR, slug)
 
 
 def world_file(world_dir: str, name: str) -> str:

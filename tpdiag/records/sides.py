@@ -224,8 +224,10 @@ def _rounds_identity_problem(run_dir: str, manifest: dict, chain: list) -> str |
         sub = os.path.join(run_dir, name)
         try:
             theirs = io.read_json(os.path.join(sub, MANIFEST))
-        except Inconclusive:
-            continue  # gate/verdict._judge_chain evaluates the round and says what is wrong with it
+        except Inconclusive as e:
+            # a round the chain lists whose folder or manifest is gone: the gate said so (it evaluates the
+            # round), `tpdiag report` wrote the page and exited 0 (red team hred22)
+            return f"the fix chain's round {i}: {str(e).splitlines()[0]}"
         why = pass_identity_problem(manifest, theirs, name, tuple(fixes[len(own):]), here=sub)
         if why:
             return f"the fix chain's round {i}: {why}"

@@ -1,0 +1,93 @@
+"""Is a directory one of a run's own passes, not a run of its own? The second pass (ops/, region/
+...), a confirmation's rerun (confirm/<fix>/), a fix chain's round (auto/round<i>/) and a matrix
+variant (variants/<slug>/) are whole run directories by their files (records/paths.py), but each
+is a part of its run's verdict: the second pass re-ran a few modules in float64, a confirmation
+or a round ran the model with a fix the user did not choose, a variant had no second pass. Gated
+alone, such a folder said PASS (`gate RUN/ops --allow rounding`, exit 0) for a run whose own
+verdict it is not. Only os and paths: the gate asks it before reading anything."""
+from __future__ import annotations
+
+import os
+import re
+
+from tpdiag.records.paths import AUTO_DIR, CONFIRM_DIR, MANIFEST, SECOND_PASS_DIRS, VARIANTS_DIR
+
+# the deepest a pass lies under its run: auto/round<i>/region/ops
+_DEPTH = 4
+_WHAT = {CONFIRM_DIR: "confirmation rerun", AUTO_DIR: "fix chain round", VARIANTS_DIR: "matrix variant"}
+
+
+def _segment(parts: list[str]) -> tuple[int, str] | None:
+    """How many leading parts name one pass of a run, and what it is; None: none does."""
+    if len(parts) >= 2 and "/".join(parts[:2]) in SECOND_PASS_DIRS:
+        return 2, "second pass"
+    if parts[0] in SECOND_PASS_DIRS:
+        return 1, "second pass"
+    if len(parts) >= 2 and parts[0] in _WHAT and parts[1] not in ("", ".", ".."):
+        if parts[0] == AUTO_DIR and not re.fullmatch(r"round[0-9]+", parts[1]):
+            return None
+        return 2, _WHAT[parts[0]]
+    return None
+
+
+def _passes(parts: list[str]) -> str | None:
+    """What the path below a run names where every part of it is one of a run's passes, else None."""
+    what = None
+    while parts:
+        seg = _segment(parts)
+        if seg is None:
+            return None
+        what = what or seg[1]
+        parts = parts[seg[0]:]
+    return what
+
+
+def _owner(path: str) -> tuple[str, str, str] | None:
+    parts = path.rstrip(os.sep).split(os.sep)
+    for up in range(_DEPTH, 0, -1):  # the outermost run first: the one to gate
+        if len(parts) <= up + 1:
+            continue
+        top, below = os.sep.join(parts[:-up]) or os.sep, parts[-up:]
+        what = _passes(below)
+        if what and os.path.isfile(os.path.join(top, MANIFEST)):
+            return top, "/".join(below), what
+    return None
+
+
+def part_of_run(run_dir: str) -> str | None:
+    """One line where run_dir (as given, or where its symlinks lead) is a pass inside another run
+    directory, else None."""
+    for path in dict.fromkeys([os.path.abspath(run_dir), os.path.realpath(run_dir)]):
+        got = _owner(path)
+        if got:
+            top, below, what = got
+            return (f"{run_dir}: the {what} {below}/ of the run {top}, not a run of its own (its verdict is "
+                    f"part of that run's); gate the run: tpdiag gate {top}")
+    return None
+
+
+def rerun_pass(manifest) -> str | None:
+    """One line where manifest.json's config carries what only tpdiag's own passes set
+    (config.RerunSpec: a float64 oracle, modules or ops probed alone, no self-check, some
+    configurations only): a second pass or a rerun moved or copied out of its run, never a user's
+    compare. Its records cover a few modules, its reference lacks the self-check; gated alone it
+    read as the user's run."""
+    from dataclasses import fields
+
+    from tpdiag.config import RerunSpec
+
+    cfg = manifest.get("config") if isinstance(manifest, dict) else None
+    if not isinstance(cfg, dict):
+        return None
+    for f in fields(RerunSpec):
+        if f.name not in cfg:
+            continue
+        have, want = cfg[f.name], f.default
+        if isinstance(have, list):
+            have = tuple(tuple(x) if isinstance(x, list) else x for x in have)
+        if have != want:
+            val = repr(cfg[f.name])
+            return (f"manifest.json's config has {f.name} {val if len(val) <= 60 else val[:57] + '...'}, which only a pass tpdiag runs inside a "
+                    "run sets (a second pass or rerun, moved or copied out of its run directory): not a run of "
+                    "its own; gate the run it belongs to")
+    return None
