@@ -31,6 +31,17 @@ def test_gate_refuses_a_runs_second_pass_folder(tp12_run):
     assert f"gate the run: tpdiag gate {tp12_run}" in g.stdout
 
 
+def test_report_of_a_runs_second_pass_writes_its_page_and_exits_2(tp12_run, tmp_path):
+    """`tpdiag report RUN/ops` exited 0 with the float64 pass's page as if it were a run's verdict."""
+    page = tmp_path / "ops.html"
+    r = run_cli("report", str(tp12_run / "ops"), "-o", str(page))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and page.is_file()
+    assert f"report the run: tpdiag report {tp12_run}" in r.stdout + r.stderr, r.stdout + r.stderr
+    ok = run_cli("report", str(tp12_run), "-o", str(tmp_path / "run.html"))  # the run itself (the control)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
 def test_gate_refuses_a_symlink_to_a_pass_and_a_pass_copied_out(tp12_run, tmp_path):
     link = tmp_path / "looks-like-a-run"
     os.symlink(tp12_run / "ops", link)

@@ -247,6 +247,13 @@ def write_report(run_dir: str, out: str | None = None, problems: list[str] | Non
         raise BadInput(f"-o {path!r}: is a directory; expected a file name such as report.html")
     io.refuse_replacing(path, "-o", REPORT_MARK, "a tpdiag report")
     html = render(run_dir, problems)
+    from tpdiag.records.nested import part_of_run
+
+    nested = part_of_run(run_dir)
+    if nested and problems is not None:
+        # a run's own pass (ops/, confirm/<fix>/, auto/round<i>/): its page is written, but the CLI exits
+        # 2 as the gate does - its verdict is a part of its run's, not the user's run's verdict
+        problems.insert(0, nested.replace("gate the run: tpdiag gate", "report the run: tpdiag report"))
     try:
         io.write_bytes(path, html.encode("utf-8"))
     except OSError as e:
