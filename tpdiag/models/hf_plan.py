@@ -296,13 +296,19 @@ def named_styles(model, plan: dict, where: str) -> dict:
         return plan
     modules = [n for n, _ in model.named_modules()]
     params = [n for n, _ in model.named_parameters()]
+    own = dict(getattr(model, "tp_plan", None) or {})
     entries: dict[str, list] = {}  # pattern -> [style, {param: name} or None for a torch style]
     for key, style in plan.items():
         if isinstance(style, str):
             _known(style, key, where)
         owner, _, pname = key.rpartition(".")
-        on_param = isinstance(style, str) and not any(fnmatch.fnmatchcase(n, key) for n in modules) \
-            and any(fnmatch.fnmatchcase(n, key) for n in params)
+        on_module = any(fnmatch.fnmatchcase(n, key) for n in modules)
+        on_param = isinstance(style, str) and not on_module and any(fnmatch.fnmatchcase(n, key) for n in params)
+        if isinstance(style, str) and not (on_module or on_param) and own.get(key) == style:
+            # an entry of the model's own class-wide plan for a module this config does not build
+            # (Qwen3-Next's dense `mlp.gate_proj` when every layer is MoE): transformers skips it
+            # too. Any other entry that matches nothing is still refused (runner/build._check_plan).
+            continue
         if not on_param:
             if key in entries and entries[key][0] is not None:
                 raise BadInput(f"{where}: plan entry {key!r} is given twice")
