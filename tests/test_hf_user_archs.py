@@ -157,3 +157,26 @@ def test_a_model_with_no_tp_plan_runs_a_tp1_only_compare(tmp_path):
     assert s["status"] in ("bitwise", "divergent"), json.dumps(s["degrees"])[:1500]
     assert all(d["status"] != "failed" for d in s["degrees"].values()), json.dumps(s["degrees"])[:1500]
     assert s["class"] != "bug"
+
+
+@pytest.mark.parametrize("kind,extra", [("seed_oss", dict(head_dim=8)),          # residual_dropout 0.1
+                                        ("phi", dict(resid_pdrop=0.1, embd_pdrop=0.1))])
+def test_tp1_training_model_runs_no_dropout(tmp_path, kind, extra):
+    # compare's step runs the model in train mode; tpdiag zeroes the config's dropout, but only
+    # under three names: Seed-OSS's residual_dropout (its default 0.1) stayed on and the TP=1
+    # logits were 0.24 from from_pretrained's forward (a dropout mask, not the model)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tpdiag.config import WorldConfig
+    from tpdiag.runner.build import build_model
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **SMALL, **extra)).save_pretrained(tmp_path / kind)
+    path = str(tmp_path / kind)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    ours = build_model(WorldConfig.of(model="hf:" + path, degree=1, label="1", out_dir=""), torch.device("cpu"), 1)[1]
+    assert ours.training
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+    assert torch.equal(got, want), (kind, (got - want).abs().max().item())
