@@ -6,8 +6,9 @@
   BUG at q_norm, gate 4. The same checkpoint with q/k/v gathered, or with the norm run on DTensors
   (the mean reduced across ranks), is the model: rounding only, gate 0 with --allow rounding.
 - tpdiag's TP=1 model of an `hf:` OLMo2, Gemma2 (soft-capping, sliding window, sandwich norms),
-  Granite (multipliers) and StableLM (partial rotary, per-head q/k LayerNorms) checkpoint computes
-  `from_pretrained`'s logits bit for bit, in float32 and bf16.
+  Granite (multipliers), StableLM (partial rotary, per-head q/k LayerNorms), OLMo3, EXAONE-4 and
+  Seed-OSS checkpoint computes `from_pretrained`'s logits bit for bit, in float32 and bf16, and in
+  train mode (compare's step) with the config's dropout off, whatever its name.
 - StableLM (no transformers plan; per-head q/k LayerNorms in a ModuleList) under the user's own
   plan: each rank keeping its own heads' norms is correct - rounding only. It read BUG (gate 4):
   the norms differ per rank, so self_attn was compared at its boundary, and the column-parallel
@@ -39,6 +40,9 @@ ARCHS = {
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.3,
                     logits_scaling=8.0),
     "stablelm": dict(qk_layernorm=True, partial_rotary_factor=0.25),
+    # the 2026-12-02 sweep (docs/models-zoo.md): full-width q/k norms after the projections
+    # (olmo3), per-head norms after them (exaone4), residual dropout off in eval (seed_oss)
+    "olmo3": {}, "exaone4": dict(head_dim=8), "seed_oss": dict(head_dim=8),
 }
 
 
