@@ -336,7 +336,7 @@ FILE_SECONDS = {
     # session 13 (helper hci13): CPU seconds of the whole tree in a cpuacct cgroup per xdist worker,
     # the README's command (-n 2, this order) at 170f498, per test from the worker's cgroup; files
     # whose session runs (conftest.shared_run) they made first carry those runs
-    "test_hash_capture.py": 102, "test_faults_more.py": 69, "test_hf_archs_rl.py": 50, "test_hf_user_archs.py": 40, "test_hf_user_moe.py": 60, "test_moe_fixes.py": 49, "test_capture.py": 70, "test_user_tt_team.py": 105, "test_tt_sp_compare.py": 90,
+    "test_hash_capture.py": 102, "test_faults_more.py": 69, "test_hf_archs_rl.py": 50, "test_hf_user_archs.py": 40, "test_hf_user_style_names.py": 35, "test_hf_user_moe.py": 60, "test_moe_fixes.py": 49, "test_capture.py": 70, "test_user_tt_team.py": 105, "test_tt_sp_compare.py": 90,
     "test_fixes.py": 37, "test_op_level.py": 41, "test_tamper_numbers.py": 40, "test_attention_fused.py": 81, "test_fuzz.py": 43,
     "test_diagnosis.py": 35, "test_planted.py": 35, "test_doc_blocks.py": 51, "test_failclosed_hostile.py": 32, "test_failclosed.py": 31,
     "test_invariant_attention.py": 28, "test_hf_fixes.py": 30, "test_hf_plans.py": 30, "test_matrix.py": 30, "test_tree_triton.py": 29,

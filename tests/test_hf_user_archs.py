@@ -6,8 +6,9 @@
   BUG at q_norm, gate 4. The same checkpoint with q/k/v gathered, or with the norm run on DTensors
   (the mean reduced across ranks), is the model: rounding only, gate 0 with --allow rounding.
 - tpdiag's TP=1 model of an `hf:` OLMo2, Gemma2 (soft-capping, sliding window, sandwich norms),
-  Granite (multipliers) and StableLM (partial rotary, per-head q/k LayerNorms) checkpoint computes
-  `from_pretrained`'s logits bit for bit, in float32 and bf16.
+  Granite (multipliers), StableLM (partial rotary, per-head q/k LayerNorms), OLMo3, EXAONE-4 and
+  Seed-OSS checkpoint computes `from_pretrained`'s logits bit for bit, in float32 and bf16, and in
+  train mode (compare's step) with the config's dropout off, whatever its name.
 - StableLM (no transformers plan; per-head q/k LayerNorms in a ModuleList) under the user's own
   plan: each rank keeping its own heads' norms is correct - rounding only. It read BUG (gate 4):
   the norms differ per rank, so self_attn was compared at its boundary, and the column-parallel
@@ -39,6 +40,9 @@ ARCHS = {
     "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.3,
                     logits_scaling=8.0),
     "stablelm": dict(qk_layernorm=True, partial_rotary_factor=0.25),
+    # the 2026-12-02 sweep (docs/models-zoo.md): full-width q/k norms after the projections
+    # (olmo3), per-head norms after them (exaone4), residual dropout off in eval (seed_oss)
+    "olmo3": {}, "exaone4": dict(head_dim=8), "seed_oss": dict(head_dim=8),
 }
 
 
@@ -157,3 +161,26 @@ def test_a_model_with_no_tp_plan_runs_a_tp1_only_compare(tmp_path):
     assert s["status"] in ("bitwise", "divergent"), json.dumps(s["degrees"])[:1500]
     assert all(d["status"] != "failed" for d in s["degrees"].values()), json.dumps(s["degrees"])[:1500]
     assert s["class"] != "bug"
+
+
+@pytest.mark.parametrize("kind,extra", [("seed_oss", dict(head_dim=8)),          # residual_dropout 0.1
+                                        ("phi", dict(resid_pdrop=0.1, embd_pdrop=0.1))])
+def test_tp1_training_model_runs_no_dropout(tmp_path, kind, extra):
+    # compare's step runs the model in train mode; tpdiag zeroes the config's dropout, but only
+    # under three names: Seed-OSS's residual_dropout (its default 0.1) stayed on and the TP=1
+    # logits were 0.24 from from_pretrained's forward (a dropout mask, not the model)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tpdiag.config import WorldConfig
+    from tpdiag.runner.build import build_model
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **SMALL, **extra)).save_pretrained(tmp_path / kind)
+    path = str(tmp_path / kind)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    ours = build_model(WorldConfig.of(model="hf:" + path, degree=1, label="1", out_dir=""), torch.device("cpu"), 1)[1]
+    assert ours.training
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+    assert torch.equal(got, want), (kind, (got - want).abs().max().item())

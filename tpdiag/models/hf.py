@@ -64,8 +64,13 @@ def _config(path: str, layers: int = 0):
 
     plans_hf.resolve(config, path)  # tpdiag's plan where transformers has none (or a broken one)
     tc = text_config(config)
-    for key in ("attention_dropout", "hidden_dropout", "dropout"):
-        if hasattr(tc, key):
+    # every dropout probability the config holds, by whatever name its modeling code reads
+    # (Seed-OSS's residual_dropout 0.1, Phi's resid_pdrop/embd_pdrop, ...): with only the three
+    # common names zeroed, a Seed-OSS step ran residual dropout - not the model a plain forward
+    # computes (0.24 off from_pretrained's logits), and a mask drawn over a sharded shape differs
+    # per degree by construction
+    for key, value in list(vars(tc).items()):
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
             setattr(tc, key, 0.0)
     if layers:  # --layers N: the first N decoder layers (tpdiag/models/slice.py)
         from tpdiag.models.slice import slice_text_config

@@ -273,9 +273,75 @@ def tp_plan_of(model, variant: str = "stock") -> dict:
         # else: a rule that matches nothing in this model (gemma4's 'layers.*.experts' when the
         # tiny config has no MoE: no module and no parameter of that name); transformers only
         # warns about those
+    return _styles(model, entries)
+
+
+def _styles(model, entries: dict) -> dict:
     tied: dict = {}
     config = text_config(model.config) if getattr(model, "config", None) is not None else None
-    return {key: hf_style(style, params, tied, config) for key, (style, params) in entries.items()}
+    return {key: style if params is None else hf_style(style, params, tied, config)
+            for key, (style, params) in entries.items()}
+
+
+def named_styles(model, plan: dict, where: str) -> dict:
+    """A user's plan whose values may be transformers' style names (`model.tp_plan` of a
+    `from_pretrained` model, `"colwise"`, `"rowwise"`, ...) with every name made the torch
+    ParallelStyle that applies transformers' own registered style, as for an `hf:` model; torch
+    ParallelStyles are kept as they are. transformers' `module.param` entries (the packed
+    experts' `gate_up_proj`) go to their module's style, since parallelize_module addresses
+    modules. A name transformers does not register is refused in one line (BadInput)."""
+    import fnmatch
+
+    if not any(isinstance(v, str) for v in plan.values()):
+        return plan
+    modules = [n for n, _ in model.named_modules()]
+    params = [n for n, _ in model.named_parameters()]
+    own = dict(getattr(model, "tp_plan", None) or {})
+    entries: dict[str, list] = {}  # pattern -> [style, {param: name} or None for a torch style]
+    for key, style in plan.items():
+        if isinstance(style, str):
+            _known(style, key, where)
+        owner, _, pname = key.rpartition(".")
+        on_module = any(fnmatch.fnmatchcase(n, key) for n in modules)
+        on_param = isinstance(style, str) and not on_module and any(fnmatch.fnmatchcase(n, key) for n in params)
+        if isinstance(style, str) and not (on_module or on_param) and own.get(key) == style:
+            # an entry of the model's own class-wide plan for a module this config does not build
+            # (Qwen3-Next's dense `mlp.gate_proj` when every layer is MoE): transformers skips it
+            # too. Any other entry that matches nothing is still refused (runner/build._check_plan).
+            continue
+        if not on_param:
+            if key in entries and entries[key][0] is not None:
+                raise BadInput(f"{where}: plan entry {key!r} is given twice")
+            e = entries.setdefault(key, [None, {} if isinstance(style, str) else None])
+            if not isinstance(style, str) and e[1]:
+                raise BadInput(f"{where}: plan entry {key!r} is a torch ParallelStyle and its parameters "
+                               f"have transformers style names ({', '.join(e[1])}): give the module one kind")
+            e[0], e[1] = style, e[1] if isinstance(style, str) else None
+            continue
+        e = entries.setdefault(owner, [None, {}])
+        if e[1] is None:
+            raise BadInput(f"{where}: plan entry {key!r} names a parameter of {owner!r}, whose entry is a "
+                           "torch ParallelStyle: give the module one kind")
+        e[1][pname] = style
+    return _styles(model, entries)
+
+
+def _known(name: str, key: str, where: str) -> None:
+    if name in ("colwise_gather_input", ONCE):
+        return
+    # the registry is filled when these modules are imported (from_pretrained may not have)
+    import transformers.distributed.expert_parallel  # noqa: F401
+    import transformers.distributed.tensor_parallel  # noqa: F401
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    if name not in ALL_PARALLEL_STYLES:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(ALL_PARALLEL_STYLES), n=1, cutoff=0.8)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise BadInput(f"{where}: plan entry {key!r}: {name!r} is not a transformers TP style name; {hint}"
+                       "(a plan's values are torch ParallelStyles or the style names of transformers' "
+                       "tp_plan: colwise, rowwise, colwise_gather_output, embedding_rowwise, ...)")
 
 
 def _shard_head(model, plan: dict) -> dict:

@@ -219,6 +219,10 @@ def py_target(value: str, variant: str = "stock"):
             raise BadInput(f"plan variant {variant!r}: this target offers "
                            f"{', '.join(['stock', *t.variants]) }")
         t.plan = t.variants[variant]
+    if any(isinstance(v, str) for v in (t.plan or {}).values()):
+        from tpdiag.models.hf_plan import named_styles
+
+        t.plan = named_styles(t.model, t.plan, f"--model py:{value}")
     return t
 
 

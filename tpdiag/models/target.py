@@ -11,7 +11,9 @@ from torch import nn
 @dataclass
 class Target:
     model: nn.Module
-    plan: dict[str, Any]  # {fqn or fqn-with-wildcards: ParallelStyle}
+    # {fqn or fqn-with-wildcards: ParallelStyle, or a transformers style name as in a
+    # from_pretrained model's `model.tp_plan` (models/hf_plan.named_styles)}
+    plan: dict[str, Any]
     vocab_size: int
     inputs: Callable[[torch.Generator], Any] | None = None
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
