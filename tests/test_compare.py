@@ -55,7 +55,7 @@ def test_reference_against_itself_is_bitwise(tmp_path):
     # an earlier run's `tpdiag report` page in the directory: before, it stayed beside this run's
     # files and showed the old verdict; another file of the user's there is not tpdiag's to delete
     (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "report.html").write_text("<p>an earlier run: divergent</p>")
+    (tmp_path / "r" / "report.html").write_text("<html><head><title>tpdiag report: an earlier run</title></head><p>divergent</p></html>")
     (tmp_path / "r" / "notes.txt").write_text("mine")
     p = run_cli("compare", "--tp", "1,1", "--out", str(tmp_path / "r"), "--format", "json")
     assert p.returncode == 0, p.stderr

@@ -18,7 +18,7 @@ def matrix_run(tmp_path_factory):
     # leave them beside its files showing the old verdict (test_stale_reports_are_gone)
     (out / "variants" / "stable").mkdir(parents=True)
     for page in (out / "report.html", out / "variants" / "stable" / "report.html"):
-        page.write_text("<p>an earlier run: divergent</p>")
+        page.write_text("<html><head><title>tpdiag report: an earlier run</title></head><p>divergent</p></html>")
     (out / "notes.txt").write_text("mine")
     p = run_cli("compare", "--tp", "1,2", "--variants", "stock,stable,fix:all", "--no-confirm",
                 "--no-baseline", "--out", str(out), "--format", "json")

@@ -33,6 +33,8 @@ SECOND_PASS_DIRS = ("region", "region-all", "ops", "ops-all", "ops-modules", "op
 # auto/round<i>, variants/<slug> (records/nested.py knows them as parts of their run)
 CONFIRM_DIR, AUTO_DIR, VARIANTS_DIR = "confirm", "auto", "variants"
 REPORT = "report.html"
+# the first bytes of every page `tpdiag report` writes: a report.html without them is not tpdiag's
+REPORT_MARK = b"<title>tpdiag report"
 # a configuration's folder: what its world wrote (records/store.py: events and tensors beside these)
 WORLD = "world.json"    # the world's config, fingerprint, selfcheck
 RESULT = "result.json"  # the launcher's verdict on the world (runner/launch.py)

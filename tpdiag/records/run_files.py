@@ -42,8 +42,11 @@ def check_out(out: str, tool: str, flag: str = "--out") -> None:
     if not os.path.lexists(mpath):
         run = RunDir(out)
         # no manifest.json: no run of ours (compare writes it first). A compare wrote its summary.json
-        # and diff.csv over the user's own files there, and removed their report.html (hhouse23)
-        mine = [p for p in (run.summary, run.diff_csv, run.report) if os.path.lexists(p)]
+        # and diff.csv over the user's own files there, and removed their report.html (hhouse23); an
+        # earlier `tpdiag report` page (its mark in its first bytes) is stale and goes, as in a run
+        mine = [p for p in (run.summary, run.diff_csv) if os.path.lexists(p)]
+        if os.path.lexists(run.report) and not _marked(run.report):
+            mine.append(run.report)
         if tool == "tpdiag compare" and mine:
             raise BadInput(f"{flag} {out!r}: holds {os.path.basename(mine[0])} but no manifest.json (not a tpdiag "
                            f"run); this {tool} would write over it: name a new directory (or move that one away)")
@@ -107,3 +110,14 @@ class RunFiles:
     def summary(self, summary: dict) -> dict:
         self.written = write_summary(self.run_dir, summary)
         return self.written
+
+
+def _marked(path: str) -> bool:
+    """A page `tpdiag report` wrote (records.paths.REPORT_MARK in its first 4 KiB); unreadable: not."""
+    from tpdiag.records.paths import REPORT_MARK
+
+    try:
+        with open(path, "rb") as f:
+            return REPORT_MARK in f.read(4096)
+    except OSError:
+        return False

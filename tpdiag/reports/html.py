@@ -13,6 +13,8 @@ from tpdiag.base import files as io
 from tpdiag.errors import BadInput
 from tpdiag.records.frames import read, rows_of
 from tpdiag.records.rundir import RunDir, records_dir
+# REPORT_MARK: in the first KiB of every page (templates/report.html's <title>); an existing -o file must hold it
+from tpdiag.records.paths import REPORT_MARK
 from tpdiag.reports import words
 
 # Beyond this many rows per degree the records table keeps every divergent row first and
@@ -235,8 +237,6 @@ def render(run_dir: str, problems: list[str] | None = None) -> str:
     return _env().get_template("report.html").render(**ctx)
 
 
-# in the first KiB of every page (templates/report.html's <title>): what an existing -o file must hold
-REPORT_MARK = b"<title>tpdiag report"
 
 
 def write_report(run_dir: str, out: str | None = None, problems: list[str] | None = None) -> str:
