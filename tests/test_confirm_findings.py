@@ -12,8 +12,16 @@ import pytest
 
 from conftest import run_cli
 
+# one sequence: each decode step's GEMMs are one row (M = 1: BLAS's matrix-vector case, its own
+# kernel and summation order), the prompt's four and the reference's eight rows the GEMM kernel's:
+# decode's wq differs from prefill's by rounding (`batch-variant-kernel`, confirmed under the
+# batch-invariant fixes) and the window's BUG behind it is the confirmation rerun's own. At two
+# sequences (M = 2) that was the host's BLAS's choice: on AMD EPYC hosts wq differed; on an Intel
+# Xeon (AVX-512, AMX) decode's wq/wk/wv were bitwise, the first pass found the BUG itself, no
+# confirmation ran and `found` was empty. (There, a contiguous 1x32 row @ 32x32 differs from the same
+# row inside M = 16 in 203 of 256 elements over 8 positions; two contiguous rows in none.)
 ARGS = ("--model", "py:tests/models/planted/rl_axes.py:window", "--tp", "1", "--mode", "prefill,decode",
-        "--batch-size", "2", "--seq-len", "8", "--forward-only", "--no-baseline")
+        "--batch-size", "1", "--seq-len", "8", "--forward-only", "--no-baseline")
 
 
 @pytest.fixture(scope="module")
