@@ -865,3 +865,20 @@ def mb41_fixall_run(tmp_path_factory):
     float32 case reads every record, test_micro_batch's fix-all test its logprobs and forward
     records (it ran a forward-only compare of its own: the same forward, fewer records)."""
     return shared_run(tmp_path_factory, "mb41fixall", _compare_into(*_MB41, "--fix", "all"))
+
+
+def colwise_shard_rounds_otherwise(rows: int, k: int, n: int, shard: int) -> bool:
+    """Whether this host's CPU GEMM (one thread, as each rank runs) gives a column shard of
+    x [rows, k] @ w[n, k].T other bits than the same columns of the whole product. A column split
+    leaves each output's K-sum whole, so only the kernel the shape selects can differ: AMD EPYC's
+    MKL/oneDNN picks another blocking for the narrow shard; Intel AVX-512/AMX hosts may not."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+        return not torch.equal((x @ w.t())[:, :shard], x @ w[:shard].t())
+    finally:
+        torch.set_num_threads(threads)
