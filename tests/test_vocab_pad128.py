@@ -6,7 +6,8 @@ Main at c2294f0 read the correct twin as a BUG (`rank-inconsistent-replica` at t
 ranks' [128, 16] shards taken for copies of the reference's [128, 16] weight), and tpdiag's own
 logprobs counted the TP=1 padding. The padded records are now gathered and both sides cut to the
 real vocab (records/layout.py vocab_padded, runner/logits.py; under hash capture left to the
-values): the twin reads rounding only, and the padding left in the softmax is a BUG at the loss.
+values): the twin reads rounding only or bitwise (by host), never a BUG, and the padding left in the
+softmax is a BUG at the loss.
 """
 import json
 
@@ -29,10 +30,24 @@ def runs(tmp_path_factory):
     return out
 
 
+def _clean(s, stdout, gate):
+    """The twin is no bug. Rank 1 holds padding only, masked to -inf: its exp sum, logits' grad and
+    input grad are exact zeros, and rank 0 runs TP=1's very shapes, so TP=2 is TP=1 plus exact
+    zeros: bitwise where the host's kernels round the same numbers alike in both worlds (an
+    AVX-512/AMX Xeon, also with ATEN_CPU_CAPABILITY=avx2), rounding only where they did not (the
+    AMD hosts this case was written on). Either is right, and the gate says which; a BUG, a
+    finding or an unjudged verdict is not."""
+    e = s["degrees"]["2"]
+    assert not e.get("findings") and "BUG" not in stdout, (e, stdout[-1500:])
+    if s["class"] is None:
+        assert s["status"] == e["status"] == "bitwise" and gate == 0, (s["status"], gate, stdout[-1500:])
+    else:
+        assert s["class"] == "rounding" and gate == 1, (s["class"], gate, stdout[-1500:])
+
+
 def test_megatron_padding_compares_cleanly(runs):
     s, stdout, gate, d = runs["pad128_ok"]
-    assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), s["degrees"]["2"]
-    assert "BUG" not in stdout and gate == 1, (gate, stdout[-1500:])
+    _clean(s, stdout, gate)
     assert s["degrees"]["2"]["logprobs"]["bitwise"], s["degrees"]["2"]["logprobs"]
     for w in ("tp1", "tp2"):
         assert json.loads((d / w / "world.json").read_text())["vocab_padding"] == {"vocab": 100, "local": 128,
@@ -46,8 +61,7 @@ def test_hash_capture_leaves_the_padded_shards_to_the_values(runs):
     # hashed per rank, the [128, 16] shards read as a replica whose ranks differ (a false BUG at
     # the head's init); they are left uncompared, the logits, loss and grads judge them
     s, stdout, gate, _ = runs["pad128_ok_hash"]
-    assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings"), s["degrees"]["2"]
-    assert "BUG" not in stdout and gate == 1, (gate, stdout[-1500:])
+    _clean(s, stdout, gate)
 
 
 def test_padding_left_in_the_softmax_is_a_bug(runs):

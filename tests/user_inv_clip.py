@@ -19,7 +19,10 @@ from torch import nn
 
 import tpdiag
 
-VOCAB, DIM, HIDDEN, SEQ, SEED = 128, 64, 256, 16, 5
+# torch's clip differs from TP=1 only by where its norm rounds (the grads are bitwise): whether the
+# last bit moves is the host's. Seeds 5 and 6 read bitwise on an AVX-512/AMX Xeon (natively and with
+# ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2); 7 differs under both
+VOCAB, DIM, HIDDEN, SEQ, SEED = 128, 64, 256, 16, 7
 
 
 class TinyLM(nn.Module):
