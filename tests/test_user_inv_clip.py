@@ -13,10 +13,26 @@ from conftest import run_cli
 from user_worlds import capture_worlds
 
 
+# Seeds in turn until torch's clip moves the norm's last bit at TP=2 (5 on the AMD EPYC hosts, 7 on an
+# AVX-512/AMX Xeon): the host decides whether one does; none of them doing so fails the fixture.
+SEEDS = (7, 5, 11)
+
+
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
-    return capture_worlds(tmp_path_factory.mktemp("invclip"), "user_inv_clip", "step",
-                          ((1, "torch"), (2, "torch"), (1, "tpdiag"), (2, "tpdiag")))
+    mp = pytest.MonkeyPatch()
+    try:
+        for seed in SEEDS:
+            mp.setenv("USER_SEED", str(seed))
+            base = capture_worlds(tmp_path_factory.mktemp(f"invclip{seed}"), "user_inv_clip", "step",
+                                  ((1, "torch"), (2, "torch")))
+            p = run_cli("diff", str(base / "1-torch"), str(base / "2-torch"), "--out", str(base / "probe"),
+                        "--format", "json")
+            if p.returncode == 0 and json.loads(p.stdout)["status"] != "bitwise":
+                return capture_worlds(base, "user_inv_clip", "step", ((1, "tpdiag"), (2, "tpdiag")))
+    finally:
+        mp.undo()
+    pytest.fail(f"torch's clip left the grad norm bitwise at TP=2 with every seed of {SEEDS} on this host")
 
 
 def _diff(captures, tmp_path, clip):
