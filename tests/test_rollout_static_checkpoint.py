@@ -88,10 +88,9 @@ def test_a_checkpoints_max_cache_len_sizes_the_static_cache(tmp_path):
     s, got, n = run()
     assert got == n and any("generation_config.max_cache_len 24" in x for x in s["notes"]), s["notes"]
     # the engine at 17 positions: the same call on a fresh model (a model keeps its longest static
-    # cache) under the generation config without max_cache_len
+    # cache) with max_cache_len 17 (a generation_config= without it still took the checkpoint's 24)
     fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    at17 = static_rows(fresh, [2], max_new_tokens=10, eos_token_id=2,
-                       generation_config=GenerationConfig(eos_token_id=2, pad_token_id=0))
+    at17 = static_rows(fresh, [2], max_new_tokens=10, eos_token_id=2, max_cache_len=17)
     length_moves_bits = at17 != rows
     _, got, n = run(max_cache_len=17)
     assert (got < n) if length_moves_bits else (got == n), (got, n, length_moves_bits)
