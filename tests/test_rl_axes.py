@@ -39,6 +39,22 @@ def runs(tmp_path_factory):
     return out
 
 
+def _far_in_float64(f):
+    """The float64 verdict that judged a BUG says far beyond rounding. Which verdict it is depends on
+    the host's kernels, not on tpdiag: on the EPYC hosts this test was written on it was the
+    module's re-execution (`oracle`); on an AVX-512/AMX Xeon every decode record before the
+    mistake is bitwise the prefill's, so the first divergence is the input of attention's wo,
+    located by the op-level pass and judged by the op's own re-execution (`op_oracle`: window's
+    SDPA, static_cache's) or by its caller's, re-executed whole from bitwise equal inputs, naming
+    the op where the code goes wrong (`bug_op`: restart's RoPE position slice, rl_axes.py
+    `self.cos[start:start + S]`). Each is far beyond rounding; a rounding verdict is none of them."""
+    v = f.get("oracle") or f.get("op_oracle")
+    if v:
+        return v["far"]
+    bug = f.get("bug_op")
+    return bool(bug) and bug["caller_ratio"] > 1 and bug["ratio"] > 1
+
+
 @pytest.mark.parametrize("case, config, module", [
     ("window", "1-decode", "layers.0.attention"),
     ("restart", "1-decode", "layers.0.attention"),
@@ -53,7 +69,7 @@ def test_a_mistake_on_an_rl_axis_is_a_bug_at_its_module(runs, case, config, modu
     found = [f for f in bugs[config]["findings"] if f["cause"] == "sharding-bug"]
     first = bugs[config]["first_divergence"]
     at = [first] if first["cause"] == "sharding-bug" else found[:1]
-    assert at and at[0]["module"] == module and at[0]["oracle"]["far"], (first, found)
+    assert at and at[0]["module"] == module and _far_in_float64(at[0]), (first, found)
     assert gate == 4
 
 

@@ -18,7 +18,7 @@ from tpdiag.config import WorldConfig
 from tpdiag.records.paths import RESULT, world_file
 from tpdiag.runner import progress
 # prestart, prewarm: importable from here too, as the CLI imports them
-from tpdiag.runner.start_context import _context, _rank_vars, _restore_env, prestart, prewarm  # noqa: F401
+from tpdiag.runner.start_context import _context, _rank_vars, _restore_env, prestart, prewarm, rank_entry  # noqa: F401
 
 
 @dataclass
@@ -94,12 +94,14 @@ def run_world(cfg: WorldConfig, timeout_s: float, on_status=None, entry=None, ca
         saved = _rank_vars()
         try:
             ctx = _context(cfg.model)
+            env = dict(os.environ)  # the ranks' environment now (rank_entry), not the fork server's at its start
         finally:
             _restore_env(saved)
     launched_at = time.time()
-    procs = [ctx.Process(target=entry or worker.main, name=f"tpdiag-{folder(world)}-rank{r}",
-                         args=(r, world, "127.0.0.1", store.port, cfg.to_dict(), timeout_s, os.getpid(),
-                               launched_at), kwargs={"gpu_offset": gpu_offset} if gpu_offset else {})
+    procs = [ctx.Process(target=rank_entry, name=f"tpdiag-{folder(world)}-rank{r}",
+                         args=(env, entry or worker.main, r, world, "127.0.0.1", store.port, cfg.to_dict(),
+                               timeout_s, os.getpid(), launched_at),
+                         kwargs={"gpu_offset": gpu_offset} if gpu_offset else {})
              for r in range(world)]
     if on_status:
         on_status(cfg.label, "running")

@@ -76,6 +76,17 @@ def _context(model: str = ""):
     return ctx
 
 
+def rank_entry(env: dict, entry, *args, **kwargs) -> None:
+    """A rank's start: the launcher's environment as this world starts, then `entry`. A fork
+    server's child inherits the server's environment, fixed at its start with the process's first
+    world; a variable the caller set after it (a user's model file reading its checkpoint's path
+    from os.environ, set by a notebook or a test between two runs) reached no rank of a later world,
+    whose build then failed. As with spawn or fork, a rank now sees what its launcher sees (set or
+    changed variables; the server's own imports keep what they read at its start)."""
+    os.environ.update(env)
+    entry(*args, **kwargs)
+
+
 def prestart(model: str = "") -> None:
     """Start the fork server now: its imports (torch, and transformers for an hf: model: seconds)
     then run while this process checks the input and resolves the model, instead of inside the
