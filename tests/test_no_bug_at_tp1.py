@@ -19,12 +19,19 @@ def accum_run(tmp_path_factory):
     # the tests below need a grad norm that the micro-batches change: a 1-ULP difference, whether
     # one arises is the host's sgemm/reduction rounding. Seed 1234's mb=1 norm was bitwise on an
     # AVX-512/AMX Xeon (differing under ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
-    # ONEDNN_MAX_CPU_ISA=AVX2, as on the AMD hosts); seed 1's differs by 1 ULP under both
-    out = tmp_path_factory.mktemp("accum") / "r"
-    p = run_cli("compare", "--model", "py:tests/models/accum.py:target", "--tp", "1", "--micro-batch", "8,1",
-                "--seed", "1", "--no-confirm", "--no-baseline", "--out", str(out), env={"OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-2000:]
-    return out
+    # ONEDNN_MAX_CPU_ISA=AVX2, as on the AMD hosts); seed 1's differs by 1 ULP under both. The seeds in
+    # turn (1234 differed on the AMD hosts) until one moves it; none doing so fails the fixture.
+    import csv
+
+    for seed in ("1", "1234", "2"):
+        out = tmp_path_factory.mktemp("accum") / "r"
+        p = run_cli("compare", "--model", "py:tests/models/accum.py:target", "--tp", "1", "--micro-batch", "8,1",
+                    "--seed", seed, "--no-confirm", "--no-baseline", "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-2000:]
+        with open(out / "diff.csv") as f:
+            if any(r["kind"] == "grad_norm" and r["bitwise"] == "False" for r in csv.DictReader(f)):
+                return out
+    pytest.fail("the micro-batches left the grad norm bitwise with every seed tried on this host")
 
 
 def _entry(run_dir):
