@@ -34,14 +34,9 @@ def knob(name: str, default: int) -> int:
     """A whole number from the environment (unset or empty: default). Anything else is BadInput, one
     line (compare reads these before any world: runner/checks.py) - `int()` at import failed every
     world of a --fix run with a ValueError."""
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    if not (v.isascii() and v.isdigit()):
-        from tpdiag.errors import BadInput
+    from tpdiag.base.env import whole
 
-        raise BadInput(f"{name}={v!r}: expected a whole number, 0 or more (default {default})")
-    return int(v)
+    return whole(name, default)
 
 
 CHUNKS = [knob("TPDIAG_TREE_OVERLAP_CHUNKS", 4)]

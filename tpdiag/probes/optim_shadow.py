@@ -44,16 +44,9 @@ MAX_MB_ENV, MAX_MB = "TPDIAG_OPT_F64_MAX_MB", 4096
 def max_mb() -> int:
     """TPDIAG_OPT_F64_MAX_MB (MiB; unset or empty: MAX_MB); a value that is no whole number is BadInput
     (compare checks it before any world: runner/checks.py)."""
-    import os
+    from tpdiag.base.env import whole
 
-    v = os.environ.get(MAX_MB_ENV, "").strip()
-    if not v:
-        return MAX_MB
-    if not (v.isascii() and v.isdigit()):
-        from tpdiag.errors import BadInput
-
-        raise BadInput(f"{MAX_MB_ENV}={v!r}: expected a whole number of MiB, 0 or more (default {MAX_MB})")
-    return int(v)
+    return whole(MAX_MB_ENV, MAX_MB, " of MiB")
 
 
 def shadow_bytes(opt) -> int:

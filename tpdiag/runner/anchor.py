@@ -53,14 +53,9 @@ def max_mb() -> int:
     """TPDIAG_ANCHOR_MAX_MB (MiB; unset or empty: MAX_MB). A value that is no whole number is BadInput,
     which compare checks before any world (runner/checks.py): `abc` read as the default and `-5` as a
     cap no state passes, each silently - the user's cap was not the one applied."""
-    v = os.environ.get(MAX_MB_ENV, "").strip()
-    if not v:
-        return MAX_MB
-    if not (v.isascii() and v.isdigit()):
-        from tpdiag.errors import BadInput
+    from tpdiag.base.env import whole
 
-        raise BadInput(f"{MAX_MB_ENV}={v!r}: expected a whole number of MiB, 0 or more (default {MAX_MB})")
-    return int(v)
+    return whole(MAX_MB_ENV, MAX_MB, " of MiB")
 
 
 def over_budget(cfg, model) -> str | None:
