@@ -63,10 +63,32 @@ def shadow_bytes(opt) -> int:
     return n
 
 
+# torch's optimizers diff/optim_rerun.py re-runs from their update rule written out (its RERUN, which
+# tests/test_own_optim.py holds equal to this): the diff judges those by the rule, not by a shadow
+RULE = frozenset({"torch.optim.adamw.AdamW", "torch.optim.adam.Adam", "torch.optim.sgd.SGD"})
+# torch's optimizers whose step is no function of the parameters, grads and state the capture
+# holds: refused, their reason recorded, rather than run on float64 copies
+NEVER = {
+    # its step(closure) re-evaluates the loss up to max_iter times: the step's line-search values are
+    # the model's forward at points no record holds
+    "torch.optim.lbfgs.LBFGS": "LBFGS steps through its closure (the model and loss re-run at each "
+                               "line-search point): no function of the recorded parameters, grads and state",
+    # its grads are sparse COO tensors (an embedding's rows a batch touched): the shadow gathers,
+    # copies and guards strided tensors only, and its moments move on those rows alone
+    "torch.optim.sparse_adam.SparseAdam": "SparseAdam steps sparse grads, which the float64 shadow does not "
+                                          "copy or gather (it holds strided tensors only)",
+}
+
+
+def class_name(opt) -> str:
+    t = type(opt)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
 def applies(opt) -> bool:
-    """A user's own optimizer class (torch's own are re-run from their update rule, or not at all)."""
-    mod = type(opt).__module__ or ""
-    return not (mod == "torch" or mod.startswith("torch."))
+    """Whether the capture re-executes this optimizer's step in float64: a user's own class and
+    torch's own without a rule (RMSprop, Adagrad, Adafactor, Muon...) - NEVER's are refused there."""
+    return class_name(opt) not in RULE
 
 
 class Refused(Exception):
@@ -129,6 +151,8 @@ def shadow_step(opt, args, kwargs, names: dict, ranks=None) -> tuple[dict, list[
     """({id(real param): its float64 value after the shadow step}, the jumps the step made) for every
     parameter of the captured model in `opt` (names: id -> record names; ranks: the TP group's global
     ranks, None without a process group); Refused says why not."""
+    if class_name(opt) in NEVER:
+        raise Refused(NEVER[class_name(opt)])
     if tuple(args[1:] if args and args[0] is opt else args) or kwargs:  # torch hands the hook (self, *args)
         raise Refused("step() was called with arguments (a closure re-evaluates the model: the step is not "
                       "a function of the recorded parameters, grads and state)")
