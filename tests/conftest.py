@@ -510,7 +510,7 @@ FILE_SECONDS = {
     "test_rl_policy_trial.py": 90,
     # session 22 (helper hopt22): eight capture worlds and five diffs; wall of `pytest -n 0 FILE` on the
     # shared 2-core machine (56 s), pytest's start left out - ordering only
-    "test_own_optim.py": 50,
+    "test_own_optim.py": 60,
     # session 22 (helper hroll22): user+sys CPU of `pytest -n 0 FILE` (11.6 s; 16-24 s of pytest's own
     # clock on the loaded 2-core machine): three engines and seven TP=1 rollouts of a py: policy
     "test_rollout_own_loss.py": 12,

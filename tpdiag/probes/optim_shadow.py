@@ -1,9 +1,11 @@
-"""The float64 re-execution of a user's own optimizer step, made while the capture records it.
+"""The float64 re-execution of an optimizer step without an update rule in tpdiag, made while the
+capture records it.
 
 tpdiag re-runs torch's SGD, Adam and AdamW from their update rule written out (diff/optim_rerun.py);
 a user's own `torch.optim.Optimizer` subclass (Lion, Adafactor, Muon) has no rule tpdiag knows, and
-`tpdiag diff` cannot import the user's script. So its OWN `step()` runs again here, at the step
-pre-hook, on a shadow of the optimizer: float64 copies of each parameter, its grad and its state,
+`tpdiag diff` cannot import the user's script; torch's other optimizers (RMSprop, Adagrad, its own
+Adafactor and Muon) have none written out either. So the optimizer's OWN `step()` runs again here,
+at the step pre-hook, on a shadow of the optimizer: float64 copies of each parameter, its grad and its state,
 each DTensor gathered WHOLE first (Muon orthogonalises the whole matrix: a Newton-Schulz run on each
 rank's shard is another function, and only a re-execution on the whole tensor tells the two apart),
 the same param_groups (hyper-parameters) and attributes. Every op runs in float64 (a `.bfloat16()`
@@ -73,10 +75,11 @@ NEVER = {
     # the model's forward at points no record holds
     "torch.optim.lbfgs.LBFGS": "LBFGS steps through its closure (the model and loss re-run at each "
                                "line-search point): no function of the recorded parameters, grads and state",
-    # its grads are sparse COO tensors (an embedding's rows a batch touched): the shadow gathers,
-    # copies and guards strided tensors only, and its moments move on those rows alone
-    "torch.optim.sparse_adam.SparseAdam": "SparseAdam steps sparse grads, which the float64 shadow does not "
-                                          "copy or gather (it holds strided tensors only)",
+    # its grads are sparse COO tensors, which no record holds (the recorder stores strided tensors;
+    # a DTensor has no sparse grad to gather whole): the grads it consumed cannot be judged, so a
+    # float64 step from them bounds nothing
+    "torch.optim.sparse_adam.SparseAdam": "SparseAdam steps sparse grads, which the capture does not record: "
+                                          "the grads it consumed cannot be judged",
 }
 
 
