@@ -71,7 +71,7 @@ RULE = frozenset({"torch.optim.adamw.AdamW", "torch.optim.adam.Adam", "torch.opt
 # torch's optimizers whose step is no function of the parameters, grads and state the capture
 # holds: refused, their reason recorded, rather than run on float64 copies
 NEVER = {
-    # its step(closure) re-evaluates the loss up to max_iter times: the step's line-search values are
+    # its step(closure) re-evaluates the loss up to max_eval times: the line search reads
     # the model's forward at points no record holds
     "torch.optim.lbfgs.LBFGS": "LBFGS steps through its closure (the model and loss re-run at each "
                                "line-search point): no function of the recorded parameters, grads and state",
