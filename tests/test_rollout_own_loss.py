@@ -4,7 +4,10 @@ with tpdiag's own log-softmax, so a loss that shifts the labels twice, takes the
 the sequence or divides by a temperature the engine did not sample at read `reproduced` /
 `rounding, harmless` / `within NeMo RL's 1.05 for a healthy run` (exit 0). Now the user's loss runs
 on a TP=1 configuration's rows with one generated token labelled (rollout/own_loss.py): -loss is
-the trainer's own logprob bit for bit, judged against a float64 log-softmax of the same rows."""
+the trainer's own logprob bit for bit, judged against a float64 log-softmax of the same rows. A loss
+that adds a z-loss or an entropy bonus (tests/models/planted/rl_zloss.py) read BUG there too; now a
+token beyond its bound is labelled otherwise, and a term no label moves is the loss's, not the
+logprob's (rollout/label_free.py)."""
 import pytest
 import torch
 

@@ -14,7 +14,10 @@ trainer's logprob as its own code takes it - the shifts and masks inside the los
 float64 log-softmax of the same rows at the run's temperature judges it: within the rounding
 bound of a float32 log-softmax of the rows (and of a 16-bit one where the logits are 16-bit:
 bounds.logprob_bound with no logits difference) it is rounding; beyond it the loss computes
-another function of the logits - a BUG in Target.loss, which no kernel setting closes.
+another function of the logits - a BUG in Target.loss, which no kernel setting closes - unless
+the loss adds a term that does not depend on the label (a z-loss, an entropy bonus): a token beyond
+its bound is labelled otherwise, and an offset from the float64 log-softmax that no label moves is
+that term, not the logprob's (rollout/label_free.py).
 """
 from __future__ import annotations
 
