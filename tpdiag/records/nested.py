@@ -66,12 +66,52 @@ def part_of_run(run_dir: str) -> str | None:
     return None
 
 
-def rerun_pass(manifest) -> str | None:
+def _marked_words(where: str, cfg: dict, what_of: str, instead: str) -> str | None:
+    """One line where a config (manifest.json's, a world.json's) carries config.RerunSpec.pass_of: the
+    run it is a part of (its `out` less that folder, as the run wrote it) and what to run instead
+    (`instead`, of that run's path)."""
+    below = cfg.get("pass_of")
+    if below in (None, ""):
+        return None
+    what = _WHAT.get(str(below).split("/")[0], "pass")
+    out = str(cfg.get("out") or os.path.dirname(str(cfg.get("out_dir") or ""))).rstrip("/")
+    cut = out.rfind("/" + str(below))
+    top = out[:cut] if cut > 0 else None
+    return (f"{where}: the {what} {below}/ of {f'the run {top}' if top else 'its run'}, moved or copied out of "
+            f"it ({what_of} says so): not a run of its own (it ran what the user did not ask for; its verdict is "
+            f"part of that run's); {instead.format(top or 'RUN_DIR')}")
+
+
+def _matrix_top(manifest, run_dir: str | None) -> bool:
+    """A matrix run's top directory: its manifest is its primary variant's (runner/matrix.py), marked as
+    that variant, whose folder lies inside it - the run the user asked for."""
+    if run_dir is None or not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
+        return False
+    variants, top = manifest.get("variants"), manifest.get("matrix_of")
+    entry = variants.get(top) if isinstance(variants, dict) and isinstance(top, str) else None
+    slug = entry.get("slug") if isinstance(entry, dict) else None
+    return isinstance(slug, str) and manifest["config"].get("pass_of") == f"{VARIANTS_DIR}/{slug}" and \
+        os.path.isfile(os.path.join(run_dir, VARIANTS_DIR, slug, MANIFEST))
+
+
+def world_pass(path: str, world, manifest, run_dir: str) -> str | None:
+    """One line where a world's world.json says it ran in a rerun inside a run (config.RerunSpec.pass_of):
+    a confirmation's, a fix chain round's or a matrix variant's world, not one of the user's run (the
+    primary variant's worlds of a matrix run's top are: manifest and run_dir, the top's)."""
+    cfg = world.get("config") if isinstance(world, dict) else None
+    if not isinstance(cfg, dict) or (_matrix_top(manifest, run_dir)
+                                     and cfg.get("pass_of") == manifest["config"].get("pass_of")):
+        return None
+    return _marked_words(path, cfg, "its world.json", "diff that run's own worlds instead ({}/tpN)")
+
+
+def rerun_pass(manifest, run_dir: str | None = None) -> str | None:
     """One line where manifest.json's config carries what only tpdiag's own passes set
     (config.RerunSpec: a float64 oracle, modules or ops probed alone, no self-check, some
-    configurations only): a second pass or a rerun moved or copied out of its run, never a user's
-    compare. Its records cover a few modules, its reference lacks the self-check; gated alone it
-    read as the user's run."""
+    configurations only, the folder of a rerun inside its run): a second pass or a rerun moved or
+    copied out of its run, never a user's compare. Its records cover a few modules, or it ran fixes the
+    user did not choose; gated alone it read as the user's run. run_dir: where it is read (a matrix
+    run's top holds its primary variant's manifest, marked as that variant)."""
     from dataclasses import fields
 
     from tpdiag.config import RerunSpec
@@ -79,8 +119,12 @@ def rerun_pass(manifest) -> str | None:
     cfg = manifest.get("config") if isinstance(manifest, dict) else None
     if not isinstance(cfg, dict):
         return None
+    if isinstance(cfg.get("pass_of"), str) and not _matrix_top(manifest, run_dir):
+        why = _marked_words(run_dir or "this run directory", cfg, "its manifest.json", "gate the run: tpdiag gate {}")
+        if why:
+            return why
     for f in fields(RerunSpec):
-        if f.name not in cfg:
+        if f.name not in cfg or f.name == "pass_of" and isinstance(cfg[f.name], str):
             continue
         have, want = cfg[f.name], f.default
         if isinstance(have, list):
