@@ -66,20 +66,17 @@ def part_of_run(run_dir: str) -> str | None:
     return None
 
 
-def _marked_words(where: str, cfg: dict, what_of: str, instead: str) -> str | None:
-    """One line where a config (manifest.json's, a world.json's) carries config.RerunSpec.pass_of: the
-    run it is a part of (its `out` less that folder, as the run wrote it) and what to run instead
-    (`instead`, of that run's path)."""
+def _marked(cfg: dict) -> tuple[str, str, str | None] | None:
+    """(what, its folder, its run) where a config (manifest.json's, a world.json's) carries
+    config.RerunSpec.pass_of: the run is its `out` less that folder, as the run wrote it (None: not
+    there); None where it carries none."""
     below = cfg.get("pass_of")
     if below in (None, ""):
         return None
     what = _WHAT.get(str(below).split("/")[0], "pass")
     out = str(cfg.get("out") or os.path.dirname(str(cfg.get("out_dir") or ""))).rstrip("/")
     cut = out.rfind("/" + str(below))
-    top = out[:cut] if cut > 0 else None
-    return (f"{where}: the {what} {below}/ of {f'the run {top}' if top else 'its run'}, moved or copied out of "
-            f"it ({what_of} says so): not a run of its own (it ran what the user did not ask for; its verdict is "
-            f"part of that run's); {instead.format(top or 'RUN_DIR')}")
+    return what, str(below), out[:cut] if cut > 0 else None
 
 
 def _matrix_top(manifest, run_dir: str | None) -> bool:
@@ -102,7 +99,12 @@ def world_pass(path: str, world, manifest, run_dir: str) -> str | None:
     if not isinstance(cfg, dict) or (_matrix_top(manifest, run_dir)
                                      and cfg.get("pass_of") == manifest["config"].get("pass_of")):
         return None
-    return _marked_words(path, cfg, "its world.json", "diff that run's own worlds instead ({}/tpN)")
+    got = _marked(cfg)
+    if got is None:
+        return None
+    what, below, top = got
+    return (f"{path}: a world of the {what} {below}/ of {f'the run {top}' if top else 'a run'} (its world.json "
+            f"says so), not of the user's run; diff that run's own worlds instead ({top or 'RUN_DIR'}/tpN)")
 
 
 def rerun_pass(manifest, run_dir: str | None = None) -> str | None:
@@ -120,9 +122,12 @@ def rerun_pass(manifest, run_dir: str | None = None) -> str | None:
     if not isinstance(cfg, dict):
         return None
     if isinstance(cfg.get("pass_of"), str) and not _matrix_top(manifest, run_dir):
-        why = _marked_words(run_dir or "this run directory", cfg, "its manifest.json", "gate the run: tpdiag gate {}")
-        if why:
-            return why
+        got = _marked(cfg)
+        if got:
+            what, below, top = got
+            return (f"{run_dir or 'this run directory'}: the {what} {below}/ of {f'the run {top}' if top else 'a run'}, "
+                    "moved or copied out of it (its manifest.json says so), not a run of its own (its verdict is part "
+                    f"of that run's); gate the run: tpdiag gate {top or 'RUN_DIR'}")
     for f in fields(RerunSpec):
         if f.name not in cfg or f.name == "pass_of" and isinstance(cfg[f.name], str):
             continue
