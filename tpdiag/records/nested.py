@@ -125,9 +125,9 @@ def rerun_pass(manifest, run_dir: str | None = None) -> str | None:
         got = _marked(cfg)
         if got:
             what, below, top = got
-            return (f"{run_dir or 'this run directory'}: the {what} {below}/ of {f'the run {top}' if top else 'a run'}, "
-                    "moved or copied out of it (its manifest.json says so), not a run of its own (its verdict is part "
-                    f"of that run's); gate the run: tpdiag gate {top or 'RUN_DIR'}")
+            return (f"{run_dir or 'this run directory'}: the {what} {below}/ of "
+                    f"{f'the run {top}' if top else 'a run'}, moved or copied out of it (its manifest.json says so), "
+                    f"not a run of its own (its verdict is part of that run's); gate the run: tpdiag gate {top or 'RUN_DIR'}")
     for f in fields(RerunSpec):
         if f.name not in cfg or f.name == "pass_of" and isinstance(cfg[f.name], str):
             continue

@@ -92,7 +92,8 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
                        out, cfg.degrees, list(cfg.fixes) + fix.split("+"), finish=False)
             sub_labels = [lab for lab, _ in members]
         else:
-            sub, files = _rerun(mcfg, out, [ref_degree] + [deg for _, deg in members], list(cfg.fixes) + fix.split("+"),
+            sub, files = _rerun(mcfg, out, [ref_degree] + [deg for _, deg in members],
+                                list(cfg.fixes) + fix.split("+"),
                                 finish=False)
             sub_labels = degree_labels(tuple([ref_degree] + [deg for _, deg in members]))[1:]
         if not cut:
@@ -231,8 +232,8 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
             on_status("auto", f"round {i}: {', '.join(fixes) or 'stock'}")
         out = run_dir if i == 0 else RunDir(run_dir).fix_round(i)
         # round 0 is the run the user asked for (its summary is what compare prints): it gets the
-        # reference rerun like any compare; the fixed rounds are compared with it
-        # round 0 is the user's run; a later one ran fixes the user did not choose
+        # reference rerun like any compare; the fixed rounds are compared with it, each marked with
+        # its folder (it ran fixes the user did not choose)
         rcfg = cfg if i == 0 else _marked(cfg, run_dir, out)
         summary, files = _round(rcfg, out, fixes, cfg.baseline and i == 0, on_status, finish=i != 0)
         first = files if i == 0 else first
