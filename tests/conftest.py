@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -525,6 +526,7 @@ FILE_SECONDS = {
     # session 22 (red team hred22): `time` of the file alone (user+sys of the process tree, loaded host),
     # the session runs it shares (tp12_run, tp12-auto-fwd) made by it
     "test_gate_nested.py": 25, "test_gate_diff_captures.py": 11,
+    "test_gate_copied_rerun.py": 60,  # hrerun25: a matrix run of its own; the confirmed and --fix auto runs shared
     # session 22 (helper hhost22b): `time` of the file alone (user+sys of the process tree, loaded host)
     "test_rank_env.py": 10,
 }
@@ -861,6 +863,30 @@ def mb41_stock_run(tmp_path_factory):
     batch-variant test reads its verdict, test_micro_batch_carry's float32 negative control its
     weight grads - each file ran the same compare of its own."""
     return shared_run(tmp_path_factory, "mb41stock", _compare_into(*_MB41))
+
+
+@pytest.fixture(scope="session")
+def confirmed12_run(tmp_path_factory):
+    """ONE forward-only TP=1,2 compare with its confirmation (confirm/tp-invariant-linear/, confirmed):
+    test_failclosed_confirmation edits copies, test_gate_copied_rerun copies its rerun out."""
+    def make(out):
+        p = run_cli("compare", "--tp", "1,2", "--forward-only", "--no-baseline", "--no-judge-downstream", "--out",
+                    str(out), "--format", "json")
+        assert p.returncode == 0, p.stderr[-3000:]
+        e = json.loads((out / "summary.json").read_text())["degrees"]["2"]
+        assert e["confirmation"]["verdict"] == "confirmed", e["confirmation"]
+    return shared_run(tmp_path_factory, "tp12-confirmed-fwd", make)
+
+
+@pytest.fixture(scope="session")
+def auto_run(tmp_path_factory):
+    """ONE forward-only `--fix auto` compare at TP=1,2 (auto/round1/ ...): test_failclosed_copies and
+    test_gate_nested edit copies, test_gate_copied_rerun copies a round out."""
+    def make(out):
+        p = run_cli("compare", "--tp", "1,2", "--fix", "auto", "--forward-only", "--no-confirm", "--no-baseline",
+                    "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-2000:]
+    return shared_run(tmp_path_factory, "tp12-auto-fwd", make)
 
 
 @pytest.fixture(scope="session")
