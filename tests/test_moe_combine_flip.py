@@ -149,3 +149,35 @@ def test_choices_made_only_where_each_float64_run_chose_as_its_side():
     dd = _dd()
     del dd.tensors[FLIP]
     assert choices_made.followed(dd, dd.rows[1]) is None
+
+
+def _relabelled(made: bool):
+    """A far `moe` output after the router flip, moved on the flipped token's row alone (where a wrong combine
+    of that token shows, and a flip alone would too), its float64 verdict made on each side's own choices or
+    not: what router.relabel_after leaves of it."""
+    from tpdiag.diff import router
+    from tpdiag.diff.judge import describe
+
+    y_ref = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    y_n = y_ref.clone()
+    y_n[1] += 0.5  # token 1: the flipped one
+    v = {"far": True, "ratio": 9.0, "own": True, **({"choices_made": {"ops": ["aten::topk"], "choices": 1}}
+                                                     if made else {"discrete": ["aten::topk"]})}
+    dd = _dd()
+    dd.tensors[MOE] = (y_ref, y_n)
+    flip, row = dd.rows
+    flip.update(idx=5, name="1", bitwise=False)
+    row.update(idx=9, name="0", bitwise=False, beyond_bound=made, bound_ratio=9.0, oracle=v,
+               **({} if made else {"oracle_flip": True}))
+    f = describe(row, {"phase": "forward", "module": "moe", "op": None, "kind": "out", "name": "0", "step": 0,
+                       "key": MOE, "cause": None, "max_abs": 0.5, "bound": None, "bound_ratio": 9.0})
+    router.relabel_after([f], [row["idx"]], [{"cause": "router-flip", "idx": 5, "key": FLIP}], dd)
+    return f
+
+
+def test_a_verdict_on_each_sides_own_choices_is_no_flips_consequence():
+    f = _relabelled(made=True)
+    assert f["cause"] == "sharding-bug" and "after" not in f, f
+    # the control: the same rows judged through a choice that may have flipped read the flip's
+    f = _relabelled(made=False)
+    assert f["cause"] == "router-flip" and f["after"] == FLIP, f
