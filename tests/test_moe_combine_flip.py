@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import copied_run, run_cli
+from conftest import copied_run, run_cli, user_runs
 from tpdiag.probes.float64 import module_oracle
 from tpdiag.records.hashing import tensor_hash
 
@@ -27,13 +27,7 @@ ARGS = ("--tp", "1,2", "--dtype", "bfloat16", "--forward-only", "--no-confirm")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    for func in ("combine_ok", "combine_local_bug"):
-        d = tmp_path_factory.mktemp(func) / "run"
-        p = run_cli("compare", "--model", f"py:tests/moe_combine_flip.py:{func}", *ARGS, "--out", str(d))
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-        out[func] = (d, json.loads((d / "summary.json").read_text()), p.stdout)
-    return out
+    return user_runs(tmp_path_factory, "moe_combine_flip", ("combine_ok", "combine_local_bug"), *ARGS)
 
 
 def test_a_wrong_combine_behind_a_router_flip_is_a_bug(runs):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import copied_run, run_cli
+from conftest import copied_run, run_cli, user_runs
 from tpdiag.diff import flip_rows, router
 from tpdiag.diff.judge import describe
 
@@ -26,13 +26,7 @@ ARGS = ("--tp", "1,2", "--dtype", "bfloat16", "--forward-only")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    for func in ("moe_flip_ok", "moe_flip_bias_bug"):
-        d = tmp_path_factory.mktemp(func) / "run"
-        p = run_cli("compare", "--model", f"py:tests/moe_flip_forward.py:{func}", *ARGS, "--out", str(d))
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-        out[func] = (d, json.loads((d / "summary.json").read_text()), p.stdout)
-    return out
+    return user_runs(tmp_path_factory, "moe_flip_forward", ("moe_flip_ok", "moe_flip_bias_bug"), *ARGS)
 
 
 def test_a_forward_bug_after_a_router_flip_stays_a_bug(runs):
