@@ -492,7 +492,8 @@ FILE_SECONDS = {
     "test_shares_hash_judged.py": 30,
     "test_moe_flip_forward.py": 25,  # two bf16 --forward-only compares at TP=1,2 and their gates
     "test_moe_token_mixer.py": 40,  # three bf16 compares at TP=1,2 (one --capture hash) and their gates
-    # session 25 (helper hmoe25): two bf16 --forward-only --no-confirm compares at TP=1,2 and three gates
+    # session 25 (helper hmoe25): two bf16 --forward-only --no-confirm compares at TP=1,2 and three gates:
+    # 57 s wall with `pytest -n 0` at load ~13 on the shared 2 cores
     "test_moe_combine_flip.py": 45,
     # session 19 (helper hgate19): 14 gates of tp12_run, behind_bugs_run and edited copies; its tests' calls
     # took 100 s with `pytest -n 0` at load average 20-26 on the shared 2 cores

@@ -151,12 +151,13 @@ def near_tie(net: Net) -> None:
         w = net.proj.weight.to(bf)
         one = x + x @ w.t()
         two = x + (x[:, :DIM // 2] @ w[:, :DIM // 2].t() + x[:, DIM // 2:] @ w[:, DIM // 2:].t())
-        moved = (one.float() - two.float()).abs() / one.float().abs().clamp_min(1e-30)
-        tok, j = divmod(int(moved.flatten().argmax()), DIM)
-        lo, hi = sorted((one[tok, j], two[tok, j]))
-        between = ((lo.float() + hi.float()) / 2).to(bf)
-        if not lo < between < hi:
+        mid = ((one.float() + two.float()) / 2).to(bf)
+        room = (mid > torch.minimum(one, two)) & (mid < torch.maximum(one, two))  # a bf16 value between
+        if not bool(room.any()):
             raise RuntimeError("the all-reduce moved no router input enough to tie: change the sizes")
+        moved = (one.float() - two.float()).abs() / one.float().abs().clamp_min(1e-30)
+        tok, j = divmod(int(moved.masked_fill(~room, -1).flatten().argmax()), DIM)
+        between = mid[tok, j]
         seen = torch.cat([one[:, j], two[:, j]]).float()
         s = net.moe.router.score
         s.weight.zero_()

@@ -1,7 +1,7 @@
 """A wrong MoE combine behind a router flip reads BUG, not the flip (diff/choices_made.py).
 
 tests/moe_combine_flip.py: a bf16 top-2 MoE split over the TP ranks by hand behind a row-parallel projection
-whose rounding flips token 15's experts at TP=2; its twin renormalises the gates over each rank's own experts
+whose rounding flips one token's experts at TP=2 (token 15 here); its twin renormalises the gates over each rank's own experts
 (weights (1, 1) instead of (p, 1 - p) for a token whose experts sit on two ranks). The MoE's float64
 re-execution from each side's inputs makes the router's unclear top-2 inside, so its far verdict was
 `oracle_flip`, relabelled `router-flip` after the flip: on main at 958380df `compare --forward-only` read
@@ -34,7 +34,7 @@ def test_a_wrong_combine_behind_a_router_flip_is_a_bug(runs):
     d, s, stdout = runs["combine_local_bug"]
     found = {f["key"]: f for f in s["degrees"]["2"]["findings"]}
     assert found[FLIP]["cause"] == "router-flip", found
-    assert found[FLIP]["tokens"] == [15], found[FLIP]
+    assert found[FLIP]["n_tokens"] == 1, found[FLIP]  # the near tie placed for one token
     f = found[MOE]  # was router-flip (not even listed in summary.json)
     assert f["cause"] == "sharding-bug" and f["bound_ratio"] > 1, f
     v = f["oracle"]
@@ -47,7 +47,7 @@ def test_a_wrong_combine_behind_a_router_flip_is_a_bug(runs):
 def test_its_correct_twin_reads_rounding(runs):
     d, s, stdout = runs["combine_ok"]
     found = {f["key"]: f for f in s["degrees"]["2"]["findings"]}
-    assert found[FLIP]["cause"] == "router-flip" and found[FLIP]["tokens"] == [15], found
+    assert found[FLIP]["cause"] == "router-flip" and found[FLIP]["n_tokens"] == 1, found
     assert MOE not in found and not any(f["cause"] in ("sharding-bug", "unknown") for f in found.values()), found
     assert s["class"] == "rounding" and "BUG" not in stdout, stdout[-2000:]
     assert run_cli("gate", str(d), "--allow", "rounding").returncode == 0
