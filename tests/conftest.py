@@ -603,6 +603,25 @@ def user_runs(tmp_path_factory, model: str, funcs, *more: str) -> dict:
     return out
 
 
+def relabelled_flip(d, *drop: str) -> int:
+    """A copied run (copied_run) edited as a run the gate must refuse: every sharding-bug finding of TP=2 in
+    summary.json and the second pass's ops/summary.json relabelled router-flip (its keys `drop` removed),
+    the class rounding; how many it relabelled."""
+    import json
+
+    n = 0
+    for path in (d / "summary.json", *sorted(d.glob("ops/summary.json"))):
+        s = json.loads(path.read_text())
+        for f in s["degrees"]["2"]["findings"]:
+            if f["cause"] == "sharding-bug":
+                f["cause"], n = "router-flip", n + 1
+                for k in drop:
+                    f.pop(k, None)
+        s["class"] = "rounding"
+        path.write_text(json.dumps(s))
+    return n
+
+
 def planted_shared(tmp_path_factory, f: str, func: str, *more: str):
     """planted_run's compare made ONCE a session for every file that runs the same command line
     (shared_run, keyed by it): (run directory, the stdout it printed). Readers only - a test that

@@ -9,14 +9,13 @@ re-execution from each side's inputs makes the router's unclear top-2 inside, so
 that side's own router output: both followed, the verdict judges the combine on every row - BUG, gate 4. The
 correct twin reads rounding, gate 0.
 """
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import copied_run, run_cli, user_runs
+from conftest import copied_run, relabelled_flip, run_cli, user_runs
 from tpdiag.probes.float64 import module_oracle
 from tpdiag.records.hashing import tensor_hash
 
@@ -55,15 +54,7 @@ def test_its_correct_twin_reads_rounding(runs):
 
 def test_the_bug_relabelled_router_flip_does_not_pass(runs, tmp_path):
     d = copied_run(runs["combine_local_bug"][0], tmp_path)
-    n = 0
-    for path in (d / "summary.json", *sorted(d.glob("ops/summary.json"))):
-        s = json.loads(path.read_text())
-        for f in s["degrees"]["2"]["findings"]:
-            if f["cause"] == "sharding-bug":
-                f["cause"], n = "router-flip", n + 1
-        s["class"] = "rounding"
-        s["degrees"]["2"]["status"] = "divergent"
-        path.write_text(json.dumps(s))
+    n = relabelled_flip(d)
     assert n == 2, n
     p = run_cli("gate", str(d), "--allow", "rounding")
     assert p.returncode == 2, p.stdout[-2000:]
