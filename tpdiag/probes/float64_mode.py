@@ -1,7 +1,8 @@
 """The float64 oracle's dispatch mode (probes/float64.py): every aten op of a re-executed call
 handed float64 copies of its floating inputs, its dtype arguments rewritten to float64; an op that
 draws random numbers or writes state the oracle did not make refused, and the discrete choices made
-on floating values noted (a choice no rounding of the working precision could flip is not)."""
+on floating values noted (a choice no rounding of the working precision could flip is not), with the
+indices each such choice chose (diff/choices_made.py holds them to the side's own records)."""
 from __future__ import annotations
 
 import torch
