@@ -191,6 +191,28 @@ def test_a_double_shift_under_a_z_loss_is_still_a_bug(engines):
     assert "fix your Target.loss" in s["what_to_do"]["line"], s["what_to_do"]["line"]
 
 
+@pytest.mark.parametrize("file, name", [(FILE, "lse_temp"), (ZFILE, "zloss_unsaid")])
+def test_an_offset_no_label_moves_is_a_bug_unless_the_target_says_its_loss_adds_one(engines, file, name):
+    """lse_temp puts the temperature in the logsumexp alone: its logprobs are off by a constant per row,
+    which no label moves - as a z-loss's term. On main 3ab68ae1 relabelling took it for such a term:
+    rounding, `healthy run`, the trainer's ratio off by nats (review hreview25). Only the user knows which
+    of the two a loss holds: without Target(loss_label_free=True) both read BUG in Target.loss, the note
+    naming both and the setting."""
+    s = _rollout(engines["float32"], name, file=file, micro_batch=(1,), modes=("prefill",))
+    own = s["own_loss"]
+    assert own["bug"] and own["beyond"] == own["tokens"] == 18 and own["ratio"] > 100, own
+    assert own["label_free"] == 0 and own["label_free_declared"] is False, own
+    # relabelled, the offset stays put at every token: what relabelling cannot tell is whose term it is
+    assert all(o["relabel"]["label_free"] and o["relabel"]["ratio"] <= 1 for o in own["checked"]), own["checked"]
+    if name == "lse_temp":  # nats, not rounding: logsumexp(z) - logsumexp(z / 0.7) of each row
+        assert min(abs(o["relabel"]["term"]) for o in own["checked"]) > 0.05, own["checked"]
+    note = next(n for n in s["notes"] if n.startswith("BUG in Target.loss"))
+    assert "normaliser off by a per-row constant" in note and "Target(loss_label_free=True)" in note, note
+    assert "does not depend on the label" in note and "nor a term" not in note, note
+    todo = s["what_to_do"]
+    assert "fix your Target.loss" in todo["line"] and "healthy run" not in todo["line"], todo["line"]
+
+
 def _judge(loss, rows, j, tok):
     from tpdiag.diff.bounds import logprob_bound
     from tpdiag.rollout import label_free
