@@ -526,7 +526,7 @@ FILE_SECONDS = {
     # session 22 (red team hred22): `time` of the file alone (user+sys of the process tree, loaded host),
     # the session runs it shares (tp12_run, tp12-auto-fwd) made by it
     "test_gate_nested.py": 25, "test_gate_diff_captures.py": 11,
-    "test_gate_copied_rerun.py": 60,  # hrerun25: a matrix run of its own; the confirmed and --fix auto runs shared
+    "test_gate_copied_rerun.py": 75,  # hrerun25: a matrix run of its own; the confirmed and --fix auto runs shared (hreview25: +15 s)
     # session 22 (helper hhost22b): `time` of the file alone (user+sys of the process tree, loaded host)
     "test_rank_env.py": 10,
 }
