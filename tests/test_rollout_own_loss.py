@@ -213,6 +213,30 @@ def test_an_offset_no_label_moves_is_a_bug_unless_the_target_says_its_loss_adds_
     assert "fix your Target.loss" in todo["line"] and "healthy run" not in todo["line"], todo["line"]
 
 
+MFILE = "tests/models/planted/rl_masked_vocab.py"
+
+
+def test_a_model_that_masks_vocabulary_columns_to_minus_inf_is_judged(tmp_path, monkeypatch):
+    """The policy's last 4 token ids are -inf in every row (reserved ids it never emits). On main
+    3ab68ae1 relabelling took the least likely token - a -inf column - and math.fsum raised on
+    -inf + inf: own_loss read `skipped` for the correct loss AND for a double shift, the bug unnamed
+    (review hreview25; before session 25 both read BUG, the bound NaN from -inf - -inf). The masked
+    columns are exact zeros of the softmax: the correct loss reads rounding, the double shift BUG."""
+    from own_sampler import sample
+
+    monkeypatch.syspath_prepend("tests/models/planted")  # its import of the team's rl_loss_logprob, as py: loads it
+    path = sample(MFILE, "masked_ok", tmp_path / "masked.jsonl")
+    ok = _rollout(path, "masked_ok", file=MFILE, micro_batch=(1,), modes=("prefill",))["own_loss"]
+    assert "skipped" not in ok and not ok["bug"] and ok["ratio"] <= 1 and ok["tokens"] == 18, ok
+    s = _rollout(path, "masked_shift_twice", file=MFILE, micro_batch=(1,), modes=("prefill",))
+    own = s["own_loss"]
+    assert "skipped" not in own and own["bug"] and own["beyond"] == own["tokens"] == 18 and own["ratio"] > 1e3, own
+    for o in own["checked"]:  # relabelled to finite labels only, and the offset moves
+        assert o["relabel"]["relabelled"] and not o["relabel"]["label_free"], o["relabel"]
+        assert all(t["token"] < 48 - 4 for t in o["relabel"]["relabelled"]), o["relabel"]
+    assert any(n.startswith("BUG in Target.loss") for n in s["notes"]), s["notes"]
+
+
 def _judge(loss, rows, j, tok):
     from tpdiag.diff.bounds import logprob_bound
     from tpdiag.rollout import label_free
