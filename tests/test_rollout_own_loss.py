@@ -294,3 +294,18 @@ def test_a_wrong_logprob_plus_a_label_free_term_is_not_one(wrong):
         for tok in range(0, 48, 5):
             r = _judge(loss, rows, j, tok)
             assert not r["label_free"] and r["ratio"] > 10, (j, tok, r)
+
+
+def test_a_label_free_declaration_that_is_no_bool_is_refused(tmp_path, monkeypatch):
+    """`loss_label_free="no"` is truthy: read as a declaration it would take a per-row offset for a
+    z-loss. py_target refuses it in one line (BadInput)."""
+    from tpdiag.errors import BadInput
+    from tpdiag.models.spec import py_target
+
+    f = tmp_path / "said_no.py"
+    f.write_text("import tpdiag\nfrom rl_zloss import VOCAB, Policy, plan, zloss\n\n\n"
+                 "def said_no():\n    return tpdiag.Target(model=Policy(), plan=plan(), vocab_size=VOCAB, loss=zloss(), "
+                 "loss_label_free='no')\n")
+    monkeypatch.syspath_prepend("tests/models/planted")
+    with pytest.raises(BadInput, match="Target.loss_label_free 'no': expected True or False"):
+        py_target(f"{f}:said_no")
