@@ -519,7 +519,7 @@ FILE_SECONDS = {
     # clock on the loaded 2-core machine): three engines and seven TP=1 rollouts of a py: policy;
     # session 25 (helper hloss25): three more rollouts (z-loss, entropy bonus, z-loss + double shift),
     # `time` of the file alone at load ~13: 11.1 s user+sys, 30 s wall; ten rollouts now - ordering only
-    "test_rollout_own_loss.py": 16,
+    "test_rollout_own_loss.py": 22,  # hreview25: +6 s (lse_temp, zloss_unsaid, the masked policy)
     # session 22 (helper hnew22pt): two 2-rank gloo compares and their gates, wall of `pytest -n 0 FILE`
     # on the shared 2-core machine less pytest's own start - ordering only
     "test_gqa_tiled.py": 55,
@@ -529,7 +529,7 @@ FILE_SECONDS = {
     # session 22 (red team hred22): `time` of the file alone (user+sys of the process tree, loaded host),
     # the session runs it shares (tp12_run, tp12-auto-fwd) made by it
     "test_gate_nested.py": 25, "test_gate_diff_captures.py": 11,
-    "test_gate_copied_rerun.py": 60,  # hrerun25: a matrix run of its own; the confirmed and --fix auto runs shared
+    "test_gate_copied_rerun.py": 75,  # hrerun25: a matrix run of its own; the confirmed and --fix auto runs shared (hreview25: +15 s)
     # session 22 (helper hhost22b): `time` of the file alone (user+sys of the process tree, loaded host)
     "test_rank_env.py": 10,
 }

@@ -95,3 +95,25 @@ def test_the_matrix_top_and_a_user_run_s_worlds_still_gate_and_diff(matrix_run, 
         out = tmp_path / run.parent.name
         d = run_cli("diff", str(run / "tp1"), str(run / "tp2"), "--out", str(out))
         assert d.returncode == 0 and (out / "summary.json").is_file(), d.stdout + d.stderr
+
+
+def test_a_copied_variant_made_a_matrix_top_by_its_manifest_alone_is_refused(matrix_run, tmp_path):
+    """The matrix top's exception asked only its manifest.json: `matrix_of` and `variants` added to a
+    copied-out fix:all variant's, and any file at variants/fix-all/manifest.json, and the copy - run with
+    fixes the user did not choose, no world.json edited - gated PASS, exit 0 on main 3ab68ae1 (review
+    hreview25). A top's worlds are its primary variant's (tp{label} linked to them): the copy's are not.
+    The whole matrix run moved elsewhere still gates (the control)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(matrix_run / "variants" / "fix-all", copy, symlinks=True)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["matrix_of"], m["variants"] = "fix:all", {"fix:all": {"slug": "fix-all"}}
+    (copy / "manifest.json").write_text(json.dumps(m))
+    (copy / "variants" / "fix-all").mkdir(parents=True)
+    (copy / "variants" / "fix-all" / "manifest.json").write_text("{}")
+    res = evaluate(str(copy), _rounding())
+    assert res.exit_code == 2 and "the matrix variant variants/fix-all/" in res.problems[0], res.problems
+    d = run_cli("diff", str(copy / "tp1"), str(copy / "tp2"), "--out", str(tmp_path / "d"))
+    assert d.returncode == 2 and "a world of the matrix variant variants/fix-all/" in d.stdout + d.stderr, d.stdout
+    moved = tmp_path / "moved"
+    shutil.copytree(matrix_run, moved, symlinks=True)
+    assert evaluate(str(moved), _rounding()).exit_code == 0

@@ -181,3 +181,45 @@ def test_torchs_optimizers_no_step_can_be_had_of_are_refused_with_why():
     with pytest.raises(Refused, match="SparseAdam steps sparse grads"):
         opt = torch.optim.SparseAdam(emb.parameters())
         shadow_step(opt, (opt,), {}, _names([emb.weight]))
+
+
+class _PlainSGD(torch.optim.Optimizer):
+    """A user's own SGD, which steps a sparse grad as well as a dense one."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+
+class _MySparseAdam(torch.optim.SparseAdam):
+    pass
+
+
+@pytest.mark.parametrize("cls", [_MySparseAdam, _PlainSGD], ids=lambda c: c.__name__)
+def test_sparse_grads_are_refused_whatever_the_class(cls):
+    """SparseAdam's reason - the sparse grads it consumed are in no record - is the grads', not the
+    class name's: on main 3ab68ae1 a user's subclass of SparseAdam, or their own optimizer over an
+    Embedding(sparse=True), was re-executed in float64 like any other (review hreview25). The same
+    user optimizer over dense grads is still re-executed (the control)."""
+    def embedding(sparse):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(8, 4, sparse=sparse)
+        emb(torch.tensor([1, 2])).sum().backward()
+        return emb
+    emb = embedding(True)
+    opt = cls(emb.parameters())
+    assert applies(opt)
+    with pytest.raises(Refused, match="sparse grads"):
+        shadow_step(opt, (opt,), {}, _names([emb.weight]))
+    if cls is _PlainSGD:
+        emb = embedding(False)
+        opt = cls(emb.parameters())
+        got, _ = shadow_step(opt, (opt,), {}, _names([emb.weight]))
+        want = emb.weight.detach().double() - 0.1 * emb.weight.grad.double()
+        assert torch.equal(got[id(emb.weight)], want)

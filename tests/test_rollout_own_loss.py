@@ -191,6 +191,52 @@ def test_a_double_shift_under_a_z_loss_is_still_a_bug(engines):
     assert "fix your Target.loss" in s["what_to_do"]["line"], s["what_to_do"]["line"]
 
 
+@pytest.mark.parametrize("file, name", [(FILE, "lse_temp"), (ZFILE, "zloss_unsaid")])
+def test_an_offset_no_label_moves_is_a_bug_unless_the_target_says_its_loss_adds_one(engines, file, name):
+    """lse_temp puts the temperature in the logsumexp alone: its logprobs are off by a constant per row,
+    which no label moves - as a z-loss's term. On main 3ab68ae1 relabelling took it for such a term:
+    rounding, `healthy run`, the trainer's ratio off by nats (review hreview25). Only the user knows which
+    of the two a loss holds: without Target(loss_label_free=True) both read BUG in Target.loss, the note
+    naming both and the setting."""
+    s = _rollout(engines["float32"], name, file=file, micro_batch=(1,), modes=("prefill",))
+    own = s["own_loss"]
+    assert own["bug"] and own["beyond"] == own["tokens"] == 18 and own["ratio"] > 100, own
+    assert own["label_free"] == 0 and own["label_free_declared"] is False, own
+    # relabelled, the offset stays put at every token: what relabelling cannot tell is whose term it is
+    assert all(o["relabel"]["label_free"] and o["relabel"]["ratio"] <= 1 for o in own["checked"]), own["checked"]
+    if name == "lse_temp":  # nats, not rounding: logsumexp(z) - logsumexp(z / 0.7) of each row
+        assert min(abs(o["relabel"]["term"]) for o in own["checked"]) > 0.05, own["checked"]
+    note = next(n for n in s["notes"] if n.startswith("BUG in Target.loss"))
+    assert "normaliser off by a per-row constant" in note and "Target(loss_label_free=True)" in note, note
+    assert "does not depend on the label" in note and "nor a term" not in note, note
+    todo = s["what_to_do"]
+    assert "fix your Target.loss" in todo["line"] and "healthy run" not in todo["line"], todo["line"]
+
+
+MFILE = "tests/models/planted/rl_masked_vocab.py"
+
+
+def test_a_model_that_masks_vocabulary_columns_to_minus_inf_is_judged(tmp_path, monkeypatch):
+    """The policy's last 4 token ids are -inf in every row (reserved ids it never emits). On main
+    3ab68ae1 relabelling took the least likely token - a -inf column - and math.fsum raised on
+    -inf + inf: own_loss read `skipped` for the correct loss AND for a double shift, the bug unnamed
+    (review hreview25; before session 25 both read BUG, the bound NaN from -inf - -inf). The masked
+    columns are exact zeros of the softmax: the correct loss reads rounding, the double shift BUG."""
+    from own_sampler import sample
+
+    monkeypatch.syspath_prepend("tests/models/planted")  # its import of the team's rl_loss_logprob, as py: loads it
+    path = sample(MFILE, "masked_ok", tmp_path / "masked.jsonl")
+    ok = _rollout(path, "masked_ok", file=MFILE, micro_batch=(1,), modes=("prefill",))["own_loss"]
+    assert "skipped" not in ok and not ok["bug"] and ok["ratio"] <= 1 and ok["tokens"] == 18, ok
+    s = _rollout(path, "masked_shift_twice", file=MFILE, micro_batch=(1,), modes=("prefill",))
+    own = s["own_loss"]
+    assert "skipped" not in own and own["bug"] and own["beyond"] == own["tokens"] == 18 and own["ratio"] > 1e3, own
+    for o in own["checked"]:  # relabelled to finite labels only, and the offset moves
+        assert o["relabel"]["relabelled"] and not o["relabel"]["label_free"], o["relabel"]
+        assert all(t["token"] < 48 - 4 for t in o["relabel"]["relabelled"]), o["relabel"]
+    assert any(n.startswith("BUG in Target.loss") for n in s["notes"]), s["notes"]
+
+
 def _judge(loss, rows, j, tok):
     from tpdiag.diff.bounds import logprob_bound
     from tpdiag.rollout import label_free
@@ -248,3 +294,18 @@ def test_a_wrong_logprob_plus_a_label_free_term_is_not_one(wrong):
         for tok in range(0, 48, 5):
             r = _judge(loss, rows, j, tok)
             assert not r["label_free"] and r["ratio"] > 10, (j, tok, r)
+
+
+def test_a_label_free_declaration_that_is_no_bool_is_refused(tmp_path, monkeypatch):
+    """`loss_label_free="no"` is truthy: read as a declaration it would take a per-row offset for a
+    z-loss. py_target refuses it in one line (BadInput)."""
+    from tpdiag.errors import BadInput
+    from tpdiag.models.spec import py_target
+
+    f = tmp_path / "said_no.py"
+    f.write_text("import tpdiag\nfrom rl_zloss import VOCAB, Policy, plan, zloss\n\n\n"
+                 "def said_no():\n    return tpdiag.Target(model=Policy(), plan=plan(), vocab_size=VOCAB, loss=zloss(), "
+                 "loss_label_free='no')\n")
+    monkeypatch.syspath_prepend("tests/models/planted")
+    with pytest.raises(BadInput, match="Target.loss_label_free 'no': expected True or False"):
+        py_target(f"{f}:said_no")

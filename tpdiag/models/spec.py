@@ -214,6 +214,9 @@ def py_target(value: str, variant: str = "stock"):
     if t.loss_mean not in LOSS_MEANS:
         raise BadInput(f"--model py:{value}: Target.loss_mean {t.loss_mean!r}: expected one of "
                        f"{', '.join(LOSS_MEANS)} (what the loss is a mean over)")
+    if not isinstance(t.loss_label_free, bool):  # "no" would read as declared
+        raise BadInput(f"--model py:{value}: Target.loss_label_free {t.loss_label_free!r}: expected True or False "
+                       "(whether the loss adds a term that does not depend on the label)")
     if variant != "stock":
         if variant not in t.variants:
             raise BadInput(f"plan variant {variant!r}: this target offers "

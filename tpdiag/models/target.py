@@ -27,6 +27,12 @@ class Target:
     # per-sequence token means averaged: by its share of the sequences), "sum" (no mean: each as
     # it is). A loss weighted the wrong way moves with the micro-batch size beyond rounding.
     loss_mean: str = "token"
+    # True: `loss` adds, on purpose, a term that does not depend on the label (a z-loss, an entropy
+    # bonus). -loss with one token labelled is then that token's logprob minus the term, and only
+    # how it moves with the label is checked (rollout/label_free.py) - a normaliser off by a per-row
+    # constant (a logsumexp over columns past vocab_size, a temperature in the logsumexp alone)
+    # moves with no label either, and reads as that term. False: -loss must be the logprob itself.
+    loss_label_free: bool = False
     # Meta-device build (opt-in: a FUNC with a `device` parameter is called with the meta
     # device): init(fqn, module) fills that module's own parameters and buffers on the run's
     # device, called children first with the RNG seeded from (seed, fqn). None: each module's

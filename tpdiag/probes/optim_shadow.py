@@ -88,6 +88,13 @@ def class_name(opt) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+def _never(opt) -> str | None:
+    """NEVER's reason for the optimizer's class or a class it derives from (a user's subclass of
+    SparseAdam steps the same sparse grads)."""
+    return next((NEVER[f"{c.__module__}.{c.__qualname__}"] for c in type(opt).__mro__
+                 if f"{c.__module__}.{c.__qualname__}" in NEVER), None)
+
+
 def applies(opt) -> bool:
     """Whether the capture re-executes this optimizer's step in float64: a user's own class and
     torch's own without a rule (RMSprop, Adagrad, Adafactor, Muon...) - NEVER's are refused there."""
@@ -154,8 +161,9 @@ def shadow_step(opt, args, kwargs, names: dict, ranks=None) -> tuple[dict, list[
     """({id(real param): its float64 value after the shadow step}, the jumps the step made) for every
     parameter of the captured model in `opt` (names: id -> record names; ranks: the TP group's global
     ranks, None without a process group); Refused says why not."""
-    if class_name(opt) in NEVER:
-        raise Refused(NEVER[class_name(opt)])
+    never = _never(opt)
+    if never:
+        raise Refused(never)
     if tuple(args[1:] if args and args[0] is opt else args) or kwargs:  # torch hands the hook (self, *args)
         raise Refused("step() was called with arguments (a closure re-evaluates the model: the step is not "
                       "a function of the recorded parameters, grads and state)")
@@ -175,6 +183,10 @@ def shadow_step(opt, args, kwargs, names: dict, ranks=None) -> tuple[dict, list[
                 raise Refused("it also steps parameters outside the captured model (their values are not "
                               "recorded: a step coupling parameters would be re-run without them)")
             name = f"{names[id(p)][0]}.{names[id(p)][1]}"
+            if p.grad is not None and p.grad.layout != torch.strided:
+                # whatever the class: a sparse grad is no record, so the grads the step consumed are unjudged
+                raise Refused(f"{name}'s grad is {p.grad.layout} (sparse grads: the capture does not record "
+                              "them, so the grads it consumed cannot be judged)")
             w = _whole(p, name, ranks).to(torch.float64).clone()
             if p.grad is not None:
                 w.grad = _whole(p.grad, f"{name}'s grad", ranks).to(torch.float64).clone()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from tpdiag.records.paths import AUTO_DIR, CONFIRM_DIR, MANIFEST, SECOND_PASS_DIRS, VARIANTS_DIR
+from tpdiag.records.paths import AUTO_DIR, CONFIRM_DIR, MANIFEST, SECOND_PASS_DIRS, VARIANTS_DIR, WORLD
 
 # the deepest a pass lies under its run: auto/round<i>/region/ops
 _DEPTH = 4
@@ -81,14 +81,23 @@ def _marked(cfg: dict) -> tuple[str, str, str | None] | None:
 
 def _matrix_top(manifest, run_dir: str | None) -> bool:
     """A matrix run's top directory: its manifest is its primary variant's (runner/matrix.py), marked as
-    that variant, whose folder lies inside it - the run the user asked for."""
+    that variant, whose folder lies inside it and whose worlds ARE the top's (tp{label} linked to them,
+    or manifest.json's `runs` naming them) - the run the user asked for. Without the worlds' tie two keys
+    added to a copied-out variant's manifest.json, and a file at variants/<slug>/, made it a top."""
     if run_dir is None or not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
         return False
     variants, top = manifest.get("variants"), manifest.get("matrix_of")
     entry = variants.get(top) if isinstance(variants, dict) and isinstance(top, str) else None
     slug = entry.get("slug") if isinstance(entry, dict) else None
-    return isinstance(slug, str) and manifest["config"].get("pass_of") == f"{VARIANTS_DIR}/{slug}" and \
-        os.path.isfile(os.path.join(run_dir, VARIANTS_DIR, slug, MANIFEST))
+    if not (isinstance(slug, str) and manifest["config"].get("pass_of") == f"{VARIANTS_DIR}/{slug}"
+            and os.path.isfile(os.path.join(run_dir, VARIANTS_DIR, slug, MANIFEST))):
+        return False
+    sub = os.path.join(run_dir, VARIANTS_DIR, slug)
+    runs = manifest.get("runs") if isinstance(manifest.get("runs"), dict) else {}
+    named = {os.path.realpath(os.path.join(run_dir, v)) for v in runs.values() if isinstance(v, str)}
+    worlds = [n for n in sorted(os.listdir(sub)) if os.path.isfile(os.path.join(sub, n, WORLD))]
+    return bool(worlds) and all(os.path.realpath(os.path.join(sub, n)) in
+                                named | {os.path.realpath(os.path.join(run_dir, n))} for n in worlds)
 
 
 def world_pass(path: str, world, manifest, run_dir: str) -> str | None:

@@ -40,9 +40,10 @@ def alternatives(lsm64, token: int) -> list[int]:
     import torch
 
     order = torch.argsort(lsm64, descending=True, stable=True).tolist()
-    top = next(k for k in order if k != token)
-    low = next(k for k in reversed(order) if k != token)
-    return list(dict.fromkeys([low, top]))
+    # finite labels only: a column the model masks to -inf has logprob -inf, and -inf - -inf is no offset
+    finite = set(torch.nonzero(torch.isfinite(lsm64)).reshape(-1).tolist())
+    order = [k for k in order if k != token and k in finite]
+    return list(dict.fromkeys([order[-1], order[0]])) if order else []
 
 
 def judge(minus_loss, lsm64, token: int, own, bound: float, bound_of) -> dict:
@@ -59,11 +60,15 @@ def judge(minus_loss, lsm64, token: int, own, bound: float, bound_of) -> dict:
     for k in alternatives(lsm64, token):
         own_k = minus_loss(k)
         b, ref_k = float(own_k), float(lsm64[k])
-        moved = math.fsum([a, -ref, -b, ref_k])
+        terms = [a, -ref, -b, ref_k]
+        moved = math.fsum(terms) if all(map(math.isfinite, terms)) else math.inf  # fsum raises on inf - inf
         pair = (bound + bound_of(own_k, ref_k) + u * (abs(a) + abs(b))
                 + U64 * (abs(a) + abs(ref) + abs(b) + abs(ref_k)))
         tried.append({"token": k, "own": b, "float64": ref_k, "moved": moved, "bound": pair,
                       "ratio": abs(moved) / pair if math.isfinite(moved) else math.inf})
+    if not tried:  # no other finite label: nothing tells a term from a wrong logprob
+        return {"label_free": False, "term": a - ref, "ratio": math.inf, "relabelled": []}
     worst = max(tried, key=lambda t: t["ratio"] if not math.isnan(t["ratio"]) else math.inf)
-    return {"label_free": all(t["ratio"] <= 1 for t in tried), "term": math.fsum([a, -ref]),
+    return {"label_free": all(t["ratio"] <= 1 for t in tried),
+            "term": math.fsum([a, -ref]) if math.isfinite(a) and math.isfinite(ref) else a - ref,
             "ratio": worst["ratio"], "relabelled": tried}

@@ -15,9 +15,12 @@ float64 log-softmax of the same rows at the run's temperature judges it: within 
 bound of a float32 log-softmax of the rows (and of a 16-bit one where the logits are 16-bit:
 bounds.logprob_bound with no logits difference) it is rounding; beyond it the loss computes
 another function of the logits - a BUG in Target.loss, which no kernel setting closes - unless
-the loss adds a term that does not depend on the label (a z-loss, an entropy bonus): a token beyond
-its bound is labelled otherwise, and an offset from the float64 log-softmax that no label moves is
-that term, not the logprob's (rollout/label_free.py).
+the loss adds a term that does not depend on the label (a z-loss, an entropy bonus) and the Target
+says so (Target.loss_label_free): a token beyond its bound is labelled otherwise, and an offset from
+the float64 log-softmax that no label moves is that term, not the logprob's (rollout/label_free.py).
+Undeclared, such an offset stays a BUG: a normaliser off by a per-row constant (a temperature in the
+logsumexp alone, columns past the vocabulary) moves with no label either, and only the user knows
+which of the two a loss holds.
 """
 from __future__ import annotations
 
@@ -69,7 +72,8 @@ def check(rc, cfgs, results: dict, trainer: dict, seqs, target, model, groups: i
 
     mine = trainer[cfg.rollout_name()]
     same_rows = same_bits(seqs, got, mine)  # where the engine gave numbers (decode's prompt rows are NaN)
-    return _verdict(fn, cfg.rollout_name(), rows.out, seqs, mine, temp, same_rows)
+    return _verdict(fn, cfg.rollout_name(), rows.out, seqs, mine, temp, same_rows,
+                    bool(getattr(target, "loss_label_free", False)))
 
 
 class _Rows:
@@ -98,6 +102,9 @@ class _Rows:
         vocab = self.target.vocab_size
         for j in range(p - 1, min(len(ids) - 1, p - 1 + left)):
             z = rows[j, :vocab]
+            # a column the model masks to -inf is an exact 0 in the softmax: its difference to itself is
+            # NaN in the bound (-inf - -inf), so it stands there as the row's least finite logit
+            zb = _masked_as_least(z)
             sixteen = z.dtype in (torch.bfloat16, torch.float16)
             recipe = {"trainer_temperature": self.temp, "logprob": "model-dtype" if sixteen else "log-softmax",
                       "temperature_in": "model" if sixteen else "float32"}
@@ -107,7 +114,7 @@ class _Rows:
                 labels[0, at] = token
                 return -self.target.loss(mine[None], labels).detach()
 
-            def bound_of(own, ref: float, z=z, recipe=recipe) -> float:
+            def bound_of(own, ref: float, z=zb, recipe=recipe) -> float:
                 own_lp = own.float() if own.dtype == torch.float64 else own
                 ref = torch.tensor([ref], dtype=torch.float32, device=z.device)
                 return float(logprob_bound(z[None], z[None], own_lp.reshape(1), ref, recipe)[0])
@@ -123,7 +130,18 @@ class _Rows:
             self.out.append(o)
 
 
-def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same_rows: bool) -> dict:
+def _masked_as_least(z):
+    """z with its -inf entries set to its least finite one (z itself where none is -inf or none finite)."""
+    import torch
+
+    neg, fin = torch.isneginf(z), torch.isfinite(z)
+    if not bool(neg.any()) or not bool(fin.any()):
+        return z
+    return torch.where(neg, z[fin].min(), z)
+
+
+def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same_rows: bool,
+             declared: bool = False) -> dict:
     toks = []
     for o in out:
         s = seqs[o["seq"]]
@@ -131,7 +149,9 @@ def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same
         o["tpdiag"] = float(mine[o["seq"]][o["position"] - 1])
         d = abs(o["own"] - o["float64"])
         o["ratio"] = d / o["bound"] if math.isfinite(d) else math.inf
-        o["label_free"] = bool(o.get("relabel", {}).get("label_free"))
+        # an offset no label moves is a term of the loss only where the Target says it has one: a
+        # per-row normaliser error is such an offset too (Target.loss_label_free)
+        o["label_free"] = declared and bool(o.get("relabel", {}).get("label_free"))
         if o["label_free"]:  # -loss is the logprob plus a term no label moves: judged by how labels move it
             o["ratio"] = o["relabel"]["ratio"]
         toks.append(o)
@@ -149,6 +169,7 @@ def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same
            "max_abs_float64": max(abs(o["own"] - o["float64"]) for o in toks),
            "same_bits": same, "max_abs_tpdiag": max(abs(o["own"] - o["tpdiag"]) for o in toks),
            "label_free": len(free), "label_free_max": max((abs(o["relabel"]["term"]) for o in free), default=0.0),
+           "label_free_declared": declared,
            "engine": _against(plain, "own"), "tpdiag": _against(plain, "tpdiag"),
            "first": {**worst, "line": seqs[worst["seq"]].where},
            # per token: seq, position (into input_ids), token, own (-loss), float64, bound, engine, tpdiag, ratio
@@ -187,7 +208,7 @@ def _line(r: dict) -> str:
         return (f"BUG in Target.loss: {said} is not the tokens' log-softmax: at {w['line']} position {w['position']} "
                 f"(token {w['token']}) it is {w['own']:.6g} where the float64 log_softmax(logits{at}) of the same rows "
                 f"is {w['float64']:.6g} and the engine's {w['engine']:.6g} - {ratio} ({r['beyond']} of {r['tokens']} "
-                f"tokens beyond) - another function of the logits, not rounding{_not_label_free(w)}; {vs}. The "
+                f"tokens beyond) - another function of the logits, not rounding{_not_label_free(w, r)}; {vs}. The "
                 "configurations above take "
                 "tpdiag's log-softmax, not this: fix the loss (a label shifted twice, a log-softmax over another "
                 "dimension than the vocabulary, a temperature the engine did not sample at"
@@ -207,11 +228,17 @@ def _line(r: dict) -> str:
             f"{r['max_abs_tpdiag']:.3g} nats from them): {vs}")
 
 
-def _not_label_free(w: dict) -> str:
+def _not_label_free(w: dict, r: dict) -> str:
     """Why the token's gap is not a term of the loss that no label moves (a z-loss), where tried."""
     tried = w.get("relabel")
     if not tried:
         return ""
+    if tried["label_free"] and not r["label_free_declared"]:
+        return (f"; labelled otherwise, -loss minus the float64 log-softmax stays at {tried['term']:.3g} nats (within "
+                "rounding): a term that does not depend on the label - a z-loss or an entropy bonus your loss adds on "
+                "purpose, or a normaliser off by a per-row constant (a temperature in the logsumexp alone, columns "
+                "past the vocabulary), which no label moves either. A loss with such a term says so: "
+                "Target(loss_label_free=True)")
     t = max(tried["relabelled"], key=lambda x: x["ratio"] if not math.isnan(x["ratio"]) else math.inf)
     ratio = "NaN/Inf" if not math.isfinite(t["ratio"]) else f"{t['ratio']:.3g}x its rounding"
     return (f", nor a term that does not depend on the label (a z-loss, an entropy bonus): labelled {t['token']} "

@@ -10,6 +10,9 @@ token logits[t] predicts; -100 ignored), as tpdiag passes them.
   softmax_dim   log_softmax over dim 1 - the sequence - instead of the vocabulary.  BUG (Target.loss)
   temp_scaled   the logits divided by the sampling temperature 0.7 of a config the engine no longer
                 uses: the engine samples and reports at T = 1.                      BUG (Target.loss)
+  lse_temp      the temperature 0.7 put in the logsumexp alone (`z[label] - logsumexp(z / 0.7)`): the
+                normaliser is off by a constant per row, so the offset moves with no label, as a
+                z-loss's does; the Target says of no such term.                   BUG (Target.loss)
   logprob_ok    the twin: log_softmax of the float32 logits over the vocabulary, gathered. rounding
   logprob_ok_bf16  the twin in bf16: the model and its log_softmax in bf16 (TRL's row loop for
                 bf16 logits), rounded to 8 bits before the upcast.                   rounding
@@ -89,6 +92,8 @@ def token_logprobs(logits, labels, how="ok"):
     if how == "temp_scaled":
         x = x / TEMP
     lsm = x.log_softmax(1 if how == "softmax_dim" else -1)
+    if how == "lse_temp":
+        lsm = x - torch.logsumexp(x / TEMP, -1, keepdim=True)
     lp = lsm.gather(-1, labels.clamp(min=0)[..., None])[..., 0].float()
     return lp * (labels != -100)
 
@@ -115,6 +120,10 @@ def softmax_dim():
 
 def temp_scaled():
     return _target("temp_scaled")
+
+
+def lse_temp():
+    return _target("lse_temp")
 
 
 def logprob_ok():

@@ -4,9 +4,12 @@ team's (rl_loss_logprob.py: its own KV cache for the rollout); the labels are al
 logits (labels[t] is the token logits[t] predicts; -100 ignored), as tpdiag passes them.
 
   zloss_ok           cross-entropy + z-loss: the logprobs are the tokens' log-softmax; the z-loss
-                     does not depend on which token is labelled.                  rounding
+                     does not depend on which token is labelled, and the Target says so
+                     (loss_label_free=True).                                      rounding
   entropy_ok         cross-entropy minus an entropy bonus (0.01 * the mean entropy of every
-                     position's distribution, labelled or not).                   rounding
+                     position's distribution, labelled or not), said so.          rounding
+  zloss_unsaid       zloss_ok's loss, the Target not saying it adds a term: -loss is not the
+                     logprob, and a per-row normaliser error looks the same.      BUG (Target.loss)
   zloss_shift_twice  zloss_ok with the aligned labels shifted again, as a Hugging Face loss does
                      (`logits[:, :-1]` against `labels[:, 1:]`).                  BUG (Target.loss)
 
@@ -43,12 +46,16 @@ def entropy_bonus(logits, labels):
 
 
 def zloss_ok():
-    return tpdiag.Target(model=Policy(), plan=plan(), vocab_size=VOCAB, loss=zloss())
+    return tpdiag.Target(model=Policy(), plan=plan(), vocab_size=VOCAB, loss=zloss(), loss_label_free=True)
 
 
 def entropy_ok():
-    return tpdiag.Target(model=Policy(), plan=plan(), vocab_size=VOCAB, loss=entropy_bonus)
+    return tpdiag.Target(model=Policy(), plan=plan(), vocab_size=VOCAB, loss=entropy_bonus, loss_label_free=True)
+
+
+def zloss_unsaid():
+    return tpdiag.Target(model=Policy(), plan=plan(), vocab_size=VOCAB, loss=zloss())
 
 
 def zloss_shift_twice():
-    return tpdiag.Target(model=Policy(), plan=plan(), vocab_size=VOCAB, loss=zloss(shift=True))
+    return tpdiag.Target(model=Policy(), plan=plan(), vocab_size=VOCAB, loss=zloss(shift=True), loss_label_free=True)
