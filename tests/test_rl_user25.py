@@ -1,0 +1,110 @@
+"""A new RL team's trial (tests/rl_user25.py: their own harness for a tiny Gemma saved in bf16,
+`from_pretrained(torch_dtype=bfloat16, attn_implementation="sdpa", use_cache=True)`, generate() at
+temperature 0.7 and top_p 0.9 over left-padded chat prompts, a trainer that divides its bf16 logits
+by T in place).
+
+- What tpdiag claims holds bit for bit, checked against the team's own numbers: generate()'s raw
+  logprobs and its logprobs at T are `tp1-mb4-decode-none`'s; the trainer's own logprob function is
+  `tp1-mb4-prefill-none` under `--trainer-temperature 0.7 --temperature-in model`, and not under the
+  float32 division.
+- An engine reporting raw logprobs (vLLM's default) to a trainer dividing by T: before, the run read
+  `no sign of processing` and advised running without --trainer-temperature, the 0.69-nat gap
+  unnamed; now a temperature note names the mismatch as a bug and what to do leads with it. An
+  engine at the trainer's own T, divided in bf16 by the trainer: before, what to do said to run
+  without --trainer-temperature (which the engine's T then moves by 0.69 nats) and to ask for raw
+  logprobs; now it names --trainer-temperature 0.7 alone.
+- The planted trainer bug: the py: target whose loss lost the division by T reads `BUG in
+  Target.loss`; the correct one is tpdiag's bits."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import rl_user25 as user  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def team(tmp_path_factory):
+    d = tmp_path_factory.mktemp("team")
+    path = user.make_checkpoint(d / "model")
+    model = user.load_policy(path)
+    out, ids, mask = user.generate(model)
+    files = {rep: user.write_jsonl(user.engine_rows(out, ids, mask, rep), d / f"{rep}.jsonl")
+             for rep in ("raw", "tempered")}
+    return path, model, files
+
+
+def _run(team, rep, modes=("decode", "prefill"), model=None, **recipe):
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+    from tpdiag.runner.recipe import Recipe
+
+    path, _, files = team
+    got = {}
+    rc = RolloutConfig(file=files[rep], model=model or "hf:" + path, dtype="bfloat16", micro_batch=(4,),
+                       modes=modes, fixes=("none",), top=0, recipe=Recipe(**recipe) if recipe else None)
+    return run_rollout(rc, on_logprobs=got.update), got
+
+
+def _rows(team, rep):
+    import json
+
+    with open(team[2][rep]) as f:
+        return [json.loads(line) for line in f]
+
+
+def _exact(rows, got):
+    return sum(int(torch.equal(torch.tensor(r["logprobs"], dtype=torch.float32), got[i][r["prompt_len"] - 1:]))
+               for i, r in enumerate(rows))
+
+
+def test_the_engine_and_the_trainer_are_reproduced_bit_for_bit(team):
+    s, got = _run(team, "raw")
+    assert s["closest"]["reproduced"] and _exact(_rows(team, "raw"), got["tp1-mb4-decode-none"]) == 4
+    rows = _rows(team, "tempered")
+    s, got = _run(team, "tempered", temperature=user.TEMPERATURE)
+    assert s["closest"]["reproduced"] and _exact(rows, got["tp1-mb4-decode-none"]) == 4
+    assert s.get("temperature") is None  # reproduced: nothing to say about the temperature
+    # the trainer's own function: bf16 logits divided by T in place, float32 log-softmax
+    mine = user.trainer_logprobs(team[1], rows)
+    for div, want in (("model", True), ("float32", False)):
+        _, got = _run(team, "tempered", modes=("prefill",), temperature=user.TEMPERATURE, divide_in=div)
+        pre = got["tp1-mb4-prefill-none"]
+        assert [torch.equal(mine[i], pre[i][r["prompt_len"] - 1:]) for i, r in enumerate(rows)] == [want] * 4, div
+
+
+def test_a_raw_engine_against_a_trainer_at_its_temperature_is_a_named_mismatch(team):
+    s, _ = _run(team, "raw", modes=("prefill",), temperature=user.TEMPERATURE)
+    line = s["what_to_do"]["line"]
+    assert "First make the engine's and the trainer's temperatures one" in line, line
+    assert "the gap is the bug named above, not rounding" in line, line
+    assert any(n.startswith("temperature mismatch: the engine's logprobs are raw") for n in s["notes"])
+    t = s["temperature"]
+    assert t["bug"] and t["engine"] == 1.0 and t["trainer"] == user.TEMPERATURE, t
+    assert t["trainer_error"] > 0.3 and t["engine_error"] * 10 < t["trainer_error"], t
+    # control: the engine at the trainer's temperature, the trainer dividing in bf16 - no bug, and the
+    # way to the engine's function keeps the temperature
+    s, _ = _run(team, "tempered", modes=("prefill",), temperature=user.TEMPERATURE, divide_in="model")
+    line = s["what_to_do"]["line"]
+    assert f"First run with --trainer-temperature {user.TEMPERATURE:g} alone" in line, line
+    assert "ask the engine for raw logprobs" not in line and "bug named above" not in line, line
+    t = s["temperature"]
+    assert t is not None and not t["bug"] and t["engine"] == user.TEMPERATURE, t
+    # which the command named does: the engine's function at its temperature reproduces the decode
+    s, _ = _run(team, "tempered", modes=("decode",), temperature=user.TEMPERATURE)
+    assert s["closest"]["reproduced"], s["closest"]
+
+
+def test_the_trainer_that_lost_its_temperature_is_a_bug_in_its_loss(team, monkeypatch):
+    monkeypatch.setenv("RL_USER25_DIR", team[0])
+    spec = "py:" + user.__file__ + ":"
+    s, _ = _run(team, "tempered", modes=("prefill",), model=spec + "policy_forgets_temperature",
+                temperature=user.TEMPERATURE, divide_in="model")
+    own = s["own_loss"]
+    assert own["bug"], own
+    assert "BUG in Target.loss" in own["line"] and "rl_user25.py" in own["line"], own["line"]
+    assert s["what_to_do"]["line"].startswith("nothing tried reproduces the engine") and \
+        "First fix your Target.loss" in s["what_to_do"]["line"]
+    # control: the trainer as written is tpdiag's bits
+    s, _ = _run(team, "tempered", modes=("prefill",), model=spec + "policy",
+                temperature=user.TEMPERATURE, divide_in="model")
+    assert not s["own_loss"]["bug"] and "bit for bit" in s["own_loss"]["line"], s["own_loss"]
