@@ -108,3 +108,29 @@ def test_the_trainer_that_lost_its_temperature_is_a_bug_in_its_loss(team, monkey
     s, _ = _run(team, "tempered", modes=("prefill",), model=spec + "policy",
                 temperature=user.TEMPERATURE, divide_in="model")
     assert not s["own_loss"]["bug"] and "bit for bit" in s["own_loss"]["line"], s["own_loss"]
+
+
+def test_a_bf16_py_model_recast_to_float32_is_said(team, monkeypatch, tmp_path):
+    """The team's py: trainer builds its model in bf16 (from_pretrained(torch_dtype=bfloat16)); under the
+    default --dtype float32 tpdiag casts it to float32. Before, nothing said so: compare's verdict and
+    rollout's numbers were a float32 model's, not the team's."""
+    import json
+
+    from conftest import run_cli
+
+    monkeypatch.setenv("RL_USER25_DIR", team[0])
+    spec = "py:" + user.__file__ + ":policy"
+    want = "your py: model's parameters are bfloat16 as FUNC builds them (20 of 20) and this run computes in float32"
+    from tpdiag.rollout.run import RolloutConfig, run_rollout
+
+    for dtype, said in (("float32", True), ("bfloat16", False)):
+        s = run_rollout(RolloutConfig(file=team[2]["raw"], model=spec, dtype=dtype, micro_batch=(4,),
+                                      modes=("prefill",), fixes=("none",), top=0))
+        assert any(n.startswith(want) for n in s["notes"]) == said, (dtype, s["notes"])
+    out = tmp_path / "run"
+    r = run_cli("compare", "--model", spec, "--tp", "1,1", "--forward-only", "--out", out,
+                env={"RL_USER25_DIR": team[0]})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "note: " + want in r.stdout, r.stdout
+    with open(out / "summary.json") as f:
+        assert json.load(f)["checkpoint_dtype"]["built"] == "bfloat16"
