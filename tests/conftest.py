@@ -510,10 +510,12 @@ FILE_SECONDS = {
     "test_rl_policy_trial.py": 90,
     # session 22 (helper hopt22): eight capture worlds and five diffs; wall of `pytest -n 0 FILE` on the
     # shared 2-core machine (56 s), pytest's start left out - ordering only
-    "test_own_optim.py": 50,
+    "test_own_optim.py": 60,
     # session 22 (helper hroll22): user+sys CPU of `pytest -n 0 FILE` (11.6 s; 16-24 s of pytest's own
-    # clock on the loaded 2-core machine): three engines and seven TP=1 rollouts of a py: policy
-    "test_rollout_own_loss.py": 12,
+    # clock on the loaded 2-core machine): three engines and seven TP=1 rollouts of a py: policy;
+    # session 25 (helper hloss25): three more rollouts (z-loss, entropy bonus, z-loss + double shift),
+    # `time` of the file alone at load ~13: 11.1 s user+sys, 30 s wall; ten rollouts now - ordering only
+    "test_rollout_own_loss.py": 16,
     # session 22 (helper hnew22pt): two 2-rank gloo compares and their gates, wall of `pytest -n 0 FILE`
     # on the shared 2-core machine less pytest's own start - ordering only
     "test_gqa_tiled.py": 55,

@@ -128,3 +128,56 @@ def test_a_shadow_over_the_memory_cap_is_refused_before_any_copy(monkeypatch):
     monkeypatch.setenv("TPDIAG_OPT_F64_MAX_MB", "1")  # 15 elements x 8 B x (param, grad): far under 1 MiB
     got, _ = shadow_step(opt, (opt,), {}, _names(ps))
     assert set(got) == {id(p) for p in ps}
+
+
+# torch's own optimizers without an update rule in tpdiag: elementwise, so their float64 step on
+# float64 copies is the same function the shadow computes (Muon's `.bfloat16()` is not: the shadow
+# runs it in float64 - tests/test_own_optim.py covers it in a TP world)
+_TORCH_OWN = [getattr(torch.optim, n) for n in ("RMSprop", "Adagrad", "Adafactor", "Rprop", "NAdam", "RAdam",
+                                                "Adamax", "ASGD", "Adadelta") if hasattr(torch.optim, n)]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("cls", _TORCH_OWN, ids=lambda c: c.__name__)
+def test_torchs_own_optimizer_is_its_float64_step(cls, foreach):
+    """The capture re-executes it (applies), and the shadow's result is bit for bit the same class
+    stepping float64 copies from the same state - the for-loop and the foreach (GPU default) kernels."""
+    import copy
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    opt = cls(ps, foreach=foreach)
+    assert applies(opt)
+    for p in ps:
+        p.grad = torch.randn_like(p) / 3
+    opt.step()  # a real step first: the shadow starts from its state
+    for p in ps:
+        p.grad = torch.randn_like(p) / 3
+    before = [(p.detach().clone(), copy.deepcopy(opt.state[p])) for p in ps]
+    qs = [torch.nn.Parameter(p.detach().double()) for p in ps]
+    twin = cls(qs, foreach=foreach)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # its floating state cast to float64
+    for p, q in zip(ps, qs):
+        q.grad = p.grad.double()
+    got, _ = shadow_step(opt, (opt,), {}, _names(ps))
+    twin.step()
+    for p, q, (w, st) in zip(ps, qs, before):
+        assert torch.equal(got[id(p)], q.detach()), cls
+        assert torch.equal(p.detach(), w) and all(torch.equal(v, st[k]) for k, v in opt.state[p].items()
+                                                  if isinstance(v, torch.Tensor))
+
+
+def test_torchs_optimizers_no_step_can_be_had_of_are_refused_with_why():
+    """LBFGS steps through its closure, SparseAdam sparse grads: refused, the reason naming it (a
+    generic TypeError, or a re-run of a step whose consumed grads no record holds, before)."""
+    lin = torch.nn.Linear(3, 2)
+    lin(torch.randn(4, 3)).sum().backward()
+    ps = list(lin.parameters())
+    with pytest.raises(Refused, match="LBFGS steps through its closure"):
+        opt = torch.optim.LBFGS(ps)
+        shadow_step(opt, (opt,), {}, _names(ps))
+    emb = torch.nn.Embedding(8, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(Refused, match="SparseAdam steps sparse grads"):
+        opt = torch.optim.SparseAdam(emb.parameters())
+        shadow_step(opt, (opt,), {}, _names([emb.weight]))

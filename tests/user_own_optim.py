@@ -9,8 +9,13 @@ captured with `tpdiag.capture` over two steps (--opt):
               the update of a sharded matrix is another matrix
   sgdw        SGD with momentum and decoupled weight decay: correct
   sgdw_rank   the same, with a rank-conditional decay left in: rank 1 decays its shards twice
+  rmsprop     torch's own RMSprop (momentum, weight decay) - no class of the user's: correct
+  torch_muon  torch's own Muon on the 2-D hidden matrices and torch's AdamW on the rest, two
+              optimizers stepped one after the other, as its docs combine them: correct (skipped by
+              the tests where the installed torch has no torch.optim.Muon)
 
-The hidden matrices' fallback (embeddings, head, biases) is momentum SGD inside the same optimizer.
+The hidden matrices' fallback in the user's Muon (embeddings, head, biases) is momentum SGD inside the
+same optimizer.
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 tests/user_own_optim.py --out DIR --opt muon_shard
     tpdiag diff DIR_TP1 DIR_TP2
@@ -174,20 +179,25 @@ class SGDW(torch.optim.Optimizer):
                 w.add_(local(st["momentum_buffer"]), alpha=-lr)
 
 
-OPTS = ("adafactor", "muon", "muon_shard", "sgdw", "sgdw_rank")
+OPTS = ("adafactor", "muon", "muon_shard", "sgdw", "sgdw_rank", "rmsprop", "torch_muon")
 
 
-def make_opt(model, opt: str):
+def make_opts(model, opt: str) -> list:
+    """The optimizers the loop steps, in order."""
+    hidden = [model.up.weight, model.down.weight]
+    rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
     if opt == "adafactor":
-        return Adafactor(model.parameters())
+        return [Adafactor(model.parameters())]
+    if opt == "rmsprop":
+        return [torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=0.01)]
+    if opt == "torch_muon":
+        return [torch.optim.Muon(hidden, lr=2e-2, weight_decay=0.01), torch.optim.AdamW(rest, lr=1e-3)]
     if opt.startswith("muon"):
-        hidden = [model.up.weight, model.down.weight]
-        rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
-        return Muon([{"params": hidden, "muon": True}, {"params": rest}], per_shard=opt == "muon_shard")
+        return [Muon([{"params": hidden, "muon": True}, {"params": rest}], per_shard=opt == "muon_shard")]
     # no decay on the embedding and the biases (as most recipes do)
-    decay = [model.up.weight, model.down.weight, model.head.weight]
+    decay = [*hidden, model.head.weight]
     rest = [p for p in model.parameters() if all(p is not d for d in decay)]
-    return SGDW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], rank_decay=opt == "sgdw_rank")
+    return [SGDW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], rank_decay=opt == "sgdw_rank")]
 
 
 def steps(out: str, opt_name: str) -> None:
@@ -201,7 +211,7 @@ def steps(out: str, opt_name: str) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, init_device_mesh("cpu", (tp,)), plan)
-    opt = make_opt(model, opt_name)
+    opts = make_opts(model, opt_name)
     g = torch.Generator().manual_seed(1)
     loss_ctx = nullcontext
     if tp > 1:
@@ -219,8 +229,9 @@ def steps(out: str, opt_name: str) -> None:
                 loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
                 cap.loss(loss)
                 loss.backward()
-            opt.step()
-            opt.zero_grad()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
             cap.params()
 
 

@@ -14,8 +14,8 @@ two sides consumed differ by their judged rounding, and a step amplifies that (M
 orthogonalisation lifts small singular directions; Lion's sign) - the consumed grads are links 2
 and 3. A step that is another function at TP=N - Muon's Newton-Schulz on each rank's shard, a rank
 that decays its shard twice - is far: `sharding-bug`. Not judged (`unknown`), one line why: no
-re-execution recorded (a capture from before it, a torch optimizer other than SGD/Adam/AdamW), one
-refused (a closure, a collective or a rank asked for in step(), a state tensor per shard...), a
+re-execution recorded (a capture from before it), one refused (a closure - torch's LBFGS -, sparse
+grads - SparseAdam -, a collective or a rank asked for in step(), a state tensor per shard...), a
 parameter stepped as each rank's plain shard, a reference whose distance to its own re-execution, times A, reaches its whole update (code
 after the step wrote it; a step that is no float64-safe function of its inputs; a bf16 Newton-Schulz
 of a grad of lower rank than the matrix), and a
@@ -48,9 +48,8 @@ def link(ref, other, r, before, after, at_ref, at_other, cls: str):
     fa, fb = ea.get("f64"), eb.get("f64")
     if not isinstance(fa, dict) or not isinstance(fb, dict):
         return (f"stepped by {cls}, whose step the capture did not re-execute in float64 at "
-                f"{'the reference' if not isinstance(fa, dict) else 'this degree'} (a torch optimizer other than "
-                "SGD, Adam or AdamW, or a capture made before tpdiag re-executed a user's own optimizer): nothing "
-                "bounds its update - not judged", "unknown")
+                f"{'the reference' if not isinstance(fa, dict) else 'this degree'} (a capture made before tpdiag "
+                "re-executed this optimizer: capture again): nothing bounds its update - not judged", "unknown")
     for side, f in (("the reference", fa), ("this degree", fb)):
         if f.get("refused"):
             return (f"its {cls}.step() could not be re-executed in float64 at {side}: {f['refused']} - not judged",

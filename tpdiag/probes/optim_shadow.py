@@ -1,9 +1,11 @@
-"""The float64 re-execution of a user's own optimizer step, made while the capture records it.
+"""The float64 re-execution of an optimizer step without an update rule in tpdiag, made while the
+capture records it.
 
 tpdiag re-runs torch's SGD, Adam and AdamW from their update rule written out (diff/optim_rerun.py);
 a user's own `torch.optim.Optimizer` subclass (Lion, Adafactor, Muon) has no rule tpdiag knows, and
-`tpdiag diff` cannot import the user's script. So its OWN `step()` runs again here, at the step
-pre-hook, on a shadow of the optimizer: float64 copies of each parameter, its grad and its state,
+`tpdiag diff` cannot import the user's script; torch's other optimizers (RMSprop, Adagrad, its own
+Adafactor and Muon) have none written out either. So the optimizer's OWN `step()` runs again here,
+at the step pre-hook, on a shadow of the optimizer: float64 copies of each parameter, its grad and its state,
 each DTensor gathered WHOLE first (Muon orthogonalises the whole matrix: a Newton-Schulz run on each
 rank's shard is another function, and only a re-execution on the whole tensor tells the two apart),
 the same param_groups (hyper-parameters) and attributes. Every op runs in float64 (a `.bfloat16()`
@@ -63,10 +65,33 @@ def shadow_bytes(opt) -> int:
     return n
 
 
+# torch's optimizers diff/optim_rerun.py re-runs from their update rule written out (its RERUN, which
+# tests/test_own_optim.py holds equal to this): the diff judges those by the rule, not by a shadow
+RULE = frozenset({"torch.optim.adamw.AdamW", "torch.optim.adam.Adam", "torch.optim.sgd.SGD"})
+# torch's optimizers whose step is no function of the parameters, grads and state the capture
+# holds: refused, their reason recorded, rather than run on float64 copies
+NEVER = {
+    # its step(closure) re-evaluates the loss up to max_eval times: the line search reads
+    # the model's forward at points no record holds
+    "torch.optim.lbfgs.LBFGS": "LBFGS steps through its closure (the model and loss re-run at each "
+                               "line-search point): no function of the recorded parameters, grads and state",
+    # its grads are sparse COO tensors, which no record holds (the recorder stores strided tensors;
+    # a DTensor has no sparse grad to gather whole): the grads it consumed cannot be judged, so a
+    # float64 step from them bounds nothing
+    "torch.optim.sparse_adam.SparseAdam": "SparseAdam steps sparse grads, which the capture does not record: "
+                                          "the grads it consumed cannot be judged",
+}
+
+
+def class_name(opt) -> str:
+    t = type(opt)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
 def applies(opt) -> bool:
-    """A user's own optimizer class (torch's own are re-run from their update rule, or not at all)."""
-    mod = type(opt).__module__ or ""
-    return not (mod == "torch" or mod.startswith("torch."))
+    """Whether the capture re-executes this optimizer's step in float64: a user's own class and
+    torch's own without a rule (RMSprop, Adagrad, Adafactor, Muon...) - NEVER's are refused there."""
+    return class_name(opt) not in RULE
 
 
 class Refused(Exception):
@@ -129,6 +154,8 @@ def shadow_step(opt, args, kwargs, names: dict, ranks=None) -> tuple[dict, list[
     """({id(real param): its float64 value after the shadow step}, the jumps the step made) for every
     parameter of the captured model in `opt` (names: id -> record names; ranks: the TP group's global
     ranks, None without a process group); Refused says why not."""
+    if class_name(opt) in NEVER:
+        raise Refused(NEVER[class_name(opt)])
     if tuple(args[1:] if args and args[0] is opt else args) or kwargs:  # torch hands the hook (self, *args)
         raise Refused("step() was called with arguments (a closure re-evaluates the model: the step is not "
                       "a function of the recorded parameters, grads and state)")

@@ -8,8 +8,9 @@ updates: the grad the optimizer read (`opt_grad`), its state tensors before the 
 `NAME.KEY`: Adam's moments), and in world.json the optimizer's class, hyper-parameters and each
 parameter's step count. diff/optim_step.py re-runs that step in float64 from each side's own inputs
 and judges the grads it consumed against the recorded ones; without these records a moved parameter
-after the step has no bound and is `not judged`. A user's own Optimizer subclass is re-executed here,
-in float64 on the whole tensors (probes/optim_shadow.py: `opt_f64` records, the entry's `f64`).
+after the step has no bound and is `not judged`. A user's own Optimizer subclass, and torch's own
+without an update rule in diff/optim_rerun.py (RMSprop, Muon...), is re-executed here, in float64 on
+the whole tensors (probes/optim_shadow.py: `opt_f64` records, the entry's `f64`).
 """
 from __future__ import annotations
 
@@ -63,8 +64,7 @@ def watch_optimizers(model: torch.nn.Module, rec, style, steps: list, tp_group=N
     def pre(opt, args, kwargs):
         if not rec.enabled:
             return
-        t = type(opt)
-        entry = {"class": f"{t.__module__}.{t.__qualname__}", "record_step": rec.step, "groups": []}
+        entry = {"class": optim_shadow.class_name(opt), "record_step": rec.step, "groups": []}
         with torch.no_grad(), torch._C.DisableTorchFunction():
             for group in opt.param_groups:
                 hyper = {k: _plain(v) for k, v in group.items() if k != "params"}

@@ -14,7 +14,10 @@ trainer's logprob as its own code takes it - the shifts and masks inside the los
 float64 log-softmax of the same rows at the run's temperature judges it: within the rounding
 bound of a float32 log-softmax of the rows (and of a 16-bit one where the logits are 16-bit:
 bounds.logprob_bound with no logits difference) it is rounding; beyond it the loss computes
-another function of the logits - a BUG in Target.loss, which no kernel setting closes.
+another function of the logits - a BUG in Target.loss, which no kernel setting closes - unless
+the loss adds a term that does not depend on the label (a z-loss, an entropy bonus): a token beyond
+its bound is labelled otherwise, and an offset from the float64 log-softmax that no label moves is
+that term, not the logprob's (rollout/label_free.py).
 """
 from __future__ import annotations
 
@@ -80,6 +83,7 @@ class _Rows:
         import torch
 
         from tpdiag.diff.bounds import logprob_bound
+        from tpdiag.rollout import label_free
 
         s = self.seqs[i]
         left = MAX_TOKENS - len(self.out)
@@ -93,18 +97,30 @@ class _Rows:
         n = mine.shape[0]
         vocab = self.target.vocab_size
         for j in range(p - 1, min(len(ids) - 1, p - 1 + left)):
-            labels = torch.full((1, n), -100, dtype=torch.long, device=rows.device)
-            labels[0, j - lo] = ids[j + 1]
-            own = -self.target.loss(mine[None], labels).detach()
             z = rows[j, :vocab]
-            ref = torch.log_softmax(z.double() / self.temp, -1)[ids[j + 1]]
             sixteen = z.dtype in (torch.bfloat16, torch.float16)
             recipe = {"trainer_temperature": self.temp, "logprob": "model-dtype" if sixteen else "log-softmax",
                       "temperature_in": "model" if sixteen else "float32"}
-            own_lp = own.float() if own.dtype == torch.float64 else own
-            bound = float(logprob_bound(z[None], z[None], own_lp.reshape(1), ref.float().reshape(1), recipe)[0])
-            self.out.append({"seq": i, "position": j + 1, "token": ids[j + 1], "own": float(own),
-                             "float64": float(ref), "bound": bound})
+
+            def minus_loss(token, at=j - lo):
+                labels = torch.full((1, n), -100, dtype=torch.long, device=rows.device)
+                labels[0, at] = token
+                return -self.target.loss(mine[None], labels).detach()
+
+            def bound_of(own, ref: float, z=z, recipe=recipe) -> float:
+                own_lp = own.float() if own.dtype == torch.float64 else own
+                ref = torch.tensor([ref], dtype=torch.float32, device=z.device)
+                return float(logprob_bound(z[None], z[None], own_lp.reshape(1), ref, recipe)[0])
+
+            lsm64 = torch.log_softmax(z.double() / self.temp, -1)
+            tok = ids[j + 1]
+            own, ref = minus_loss(tok), float(lsm64[tok])
+            bound = bound_of(own, ref)
+            o = {"seq": i, "position": j + 1, "token": tok, "own": float(own), "float64": ref, "bound": bound}
+            if not abs(float(own) - ref) <= bound:
+                # beyond as a logprob: a term of the loss that does not depend on the label, or a bug
+                o["relabel"] = label_free.judge(minus_loss, lsm64, tok, own, bound, bound_of)
+            self.out.append(o)
 
 
 def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same_rows: bool) -> dict:
@@ -115,18 +131,25 @@ def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same
         o["tpdiag"] = float(mine[o["seq"]][o["position"] - 1])
         d = abs(o["own"] - o["float64"])
         o["ratio"] = d / o["bound"] if math.isfinite(d) else math.inf
+        o["label_free"] = bool(o.get("relabel", {}).get("label_free"))
+        if o["label_free"]:  # -loss is the logprob plus a term no label moves: judged by how labels move it
+            o["ratio"] = o["relabel"]["ratio"]
         toks.append(o)
     if not toks:
         return {"function": fn, "configuration": label, "skipped": "no generated token to check"}
     beyond = [o for o in toks if not o["ratio"] <= 1]  # NaN/Inf: beyond
     worst = max(toks, key=lambda o: o["ratio"] if not math.isnan(o["ratio"]) else math.inf)
     same = sum(1 for o in toks if _bits(o["own"]) == _bits(o["tpdiag"]))
+    free = [o for o in toks if o["label_free"]]
+    # -loss carries the label-free term there: its logprob term's own bits are not seen
+    plain = [o for o in toks if not o["label_free"]]
     res = {"function": fn, "configuration": label, "tokens": len(toks), "sequences": len({o["seq"] for o in toks}),
            "temperature": temp, "rows_are_the_configurations": same_rows, "bug": bool(beyond),
            "beyond": len(beyond), "ratio": worst["ratio"],
            "max_abs_float64": max(abs(o["own"] - o["float64"]) for o in toks),
            "same_bits": same, "max_abs_tpdiag": max(abs(o["own"] - o["tpdiag"]) for o in toks),
-           "engine": _against(toks, "own"), "tpdiag": _against(toks, "tpdiag"),
+           "label_free": len(free), "label_free_max": max((abs(o["relabel"]["term"]) for o in free), default=0.0),
+           "engine": _against(plain, "own"), "tpdiag": _against(plain, "tpdiag"),
            "first": {**worst, "line": seqs[worst["seq"]].where},
            # per token: seq, position (into input_ids), token, own (-loss), float64, bound, engine, tpdiag, ratio
            "checked": toks}
@@ -164,16 +187,35 @@ def _line(r: dict) -> str:
         return (f"BUG in Target.loss: {said} is not the tokens' log-softmax: at {w['line']} position {w['position']} "
                 f"(token {w['token']}) it is {w['own']:.6g} where the float64 log_softmax(logits{at}) of the same rows "
                 f"is {w['float64']:.6g} and the engine's {w['engine']:.6g} - {ratio} ({r['beyond']} of {r['tokens']} "
-                f"tokens beyond) - another function of the logits, not rounding; {vs}. The configurations above take "
+                f"tokens beyond) - another function of the logits, not rounding{_not_label_free(w)}; {vs}. The "
+                "configurations above take "
                 "tpdiag's log-softmax, not this: fix the loss (a label shifted twice, a log-softmax over another "
                 "dimension than the vocabulary, a temperature the engine did not sample at"
                 + (", the temperature --trainer-temperature names" if t != 1.0 else "") + ")")
+    if r["label_free"]:
+        rest = r["tokens"] - r["label_free"]
+        return (f"{said} is the tokens' log-softmax plus a term that does not depend on the label (a z-loss, an "
+                f"entropy bonus: not part of the logprob; up to {r['label_free_max']:.3g} nats at {r['label_free']} of "
+                f"{r['tokens']} tokens): labelled otherwise (the row's least and most likely tokens), -loss moves as "
+                f"the float64 log_softmax(logits{at}) does, within rounding (up to {r['ratio']:.2g} of its bound); "
+                "the bits of its logprob term are not seen" + (f"; at the other {rest}: {vs}" if rest else ""))
     if r["same_bits"] == r["tokens"]:
         return (f"{said} gives tpdiag's logprobs bit for bit at every token checked: the configurations' numbers are "
                 "your trainer's")
     return (f"{said} is the tokens' log-softmax up to rounding (up to {r['ratio']:.2g} of its bound from the float64 "
             f"log_softmax(logits{at}); {r['same_bits']}/{r['tokens']} tokens tpdiag's bits, up to "
             f"{r['max_abs_tpdiag']:.3g} nats from them): {vs}")
+
+
+def _not_label_free(w: dict) -> str:
+    """Why the token's gap is not a term of the loss that no label moves (a z-loss), where tried."""
+    tried = w.get("relabel")
+    if not tried:
+        return ""
+    t = max(tried["relabelled"], key=lambda x: x["ratio"] if not math.isnan(x["ratio"]) else math.inf)
+    ratio = "NaN/Inf" if not math.isfinite(t["ratio"]) else f"{t['ratio']:.3g}x its rounding"
+    return (f", nor a term that does not depend on the label (a z-loss, an entropy bonus): labelled {t['token']} "
+            f"instead, -loss minus the float64 log-softmax moves by {t['moved']:.3g} nats ({ratio})")
 
 
 def _temperature(rc) -> float:
@@ -228,6 +270,10 @@ def rounding_words(own: dict | None) -> str:
     """Where the user's loss is right but not tpdiag's bits: its own gap to the engine, as rounding."""
     if not own or own.get("bug") or "same_bits" not in own or own["same_bits"] == own["tokens"]:
         return ""
+    if own.get("label_free"):
+        return (f". Your Target.loss adds a term that does not depend on the label (up to {own['label_free_max']:.3g} "
+                "nats at a token: a z-loss, an entropy bonus), and its logprob term is the tokens' log-softmax up to "
+                "rounding (the Target.loss note above)")
     e = own["engine"]
     return (f". Your Target.loss's own logprobs are not these bits ({own['same_bits']}/{own['tokens']} tokens, up to "
             f"{own['max_abs_tpdiag']:.3g} nats from them; against the engine token_mult_prob_error "
