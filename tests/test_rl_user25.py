@@ -134,3 +134,26 @@ def test_a_bf16_py_model_recast_to_float32_is_said(team, monkeypatch, tmp_path):
     assert "note: " + want in r.stdout, r.stdout
     with open(out / "summary.json") as f:
         assert json.load(f)["checkpoint_dtype"]["built"] == "bfloat16"
+
+
+def test_the_right_trainer_run_without_its_temperature_is_not_called_a_bug(team, monkeypatch):
+    """The team's correct trainer (its loss divides by the T=0.7 the engine sampled and reported at) run
+    without --trainer-temperature: before, `BUG in Target.loss ... fix the loss` though its own logprobs
+    were 1.005 from the engine where tpdiag's T=1 numbers were 2.15; now the loss's temperature is found
+    (every token within rounding of log_softmax(logits / 0.7)) and the run is told to name it."""
+    monkeypatch.setenv("RL_USER25_DIR", team[0])
+    spec = "py:" + user.__file__ + ":"
+    s, _ = _run(team, "tempered", modes=("prefill",), model=spec + "policy")
+    own = s["own_loss"]
+    assert not own["bug"], own["line"]
+    assert own["temperature_fit"]["temperature"] == user.TEMPERATURE and own["temperature_fit"]["engine"], own
+    assert own["engine"]["token_mult_prob_error"] < 1.01 < own["tpdiag"]["token_mult_prob_error"], own
+    line = s["what_to_do"]["line"]
+    assert f"First run again with --trainer-temperature {user.TEMPERATURE:g}" in line and "BUG" not in line, line
+    # control: the loss that lost its division, against the engine at T named on the command line, stays a
+    # bug - and its line names the temperature it computes at (1), which is not the engine's
+    s, _ = _run(team, "tempered", modes=("prefill",), model=spec + "policy_forgets_temperature",
+                temperature=user.TEMPERATURE, divide_in="model")
+    own = s["own_loss"]
+    assert own["bug"] and own["temperature_fit"]["temperature"] == 1.0 and not own["temperature_fit"]["engine"], own
+    assert "log_softmax(logits / 1) within rounding at every token" in own["line"], own["line"]

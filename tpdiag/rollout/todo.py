@@ -103,6 +103,10 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                          f"trainer's configuration ({reference}); they differ in {len(differs)} "
                          f"setting{'s' if len(differs) != 1 else ''}. {said}. {gap}" + own_loss.rounding_words(own))}
     first = [own_loss.lead(own_bug)[len("first: "):].rstrip("; ")] if own_bug else []
+    from tpdiag.rollout.own_temperature import todo_words
+
+    if todo_words(own):  # the user's loss is at the engine's temperature, the run at another
+        first.append(todo_words(own)[len("first: "):].rstrip("; "))
     temp_bug = bool(temp and temp["bug"])
     if temp_bug:  # the two sides compute two distributions (rollout/temperature_match.py)
         first.append(f"make the engine's and the trainer's temperatures one (the temperature note above: the engine's "
