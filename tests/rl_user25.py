@@ -125,6 +125,22 @@ def trainer_logprobs(model, rows, temperature=TEMPERATURE):
     return [lp[b, r["prompt_len"] - 1:len(r["input_ids"]) - 1] for b, r in enumerate(rows)]
 
 
+def trainer_dump(model, rows, shifted=True):
+    """Our trainer's debug dump of the rollout (T=1), as tpdiag JSONL rows: its logprob of each
+    generated token. shifted=False is the version before the fix: the logits gathered at the
+    input_ids themselves, no shift."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.tensor([r["input_ids"] + [PAD] * (width - len(r["input_ids"])) for r in rows])
+    mask = torch.tensor([[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        if shifted:
+            lp = F.pad(token_logprobs(logits, ids, 1.0), (1, 0))  # lp[:, t]: token t's logprob
+        else:
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None])[..., 0]
+    return [{**r, "logprobs": lp[b, r["prompt_len"]:len(r["input_ids"])].tolist()} for b, r in enumerate(rows)]
+
+
 # ---- the same trainer as tpdiag py: targets ---------------------------------------------------
 
 

@@ -157,3 +157,23 @@ def test_the_right_trainer_run_without_its_temperature_is_not_called_a_bug(team,
     own = s["own_loss"]
     assert own["bug"] and own["temperature_fit"]["temperature"] == 1.0 and not own["temperature_fit"]["engine"], own
     assert "log_softmax(logits / 1) within rounding at every token" in own["line"], own["line"]
+
+
+def test_a_trainer_dump_without_the_shift_is_named_though_the_policy_repeats_itself(team, tmp_path):
+    """The trainer's dump before its shift fix (logits gathered at the input_ids: each token's logprob
+    read from the row after the one that predicts it). This policy repeats tokens (`66 66 66 ...`),
+    where the next row's logprob of the same token is the aligned one's: the median gap was 0.02 nats,
+    under the misalignment check's floor, and the run read `not reproduced` with attention and
+    static-cache advice while 40% of tokens were 1-5 nats off. Now the tokens the aligned logprob
+    misses are held against each neighbour."""
+    rows = _rows(team, "raw")
+    path, model, files = team
+    files = {**files, "dump": user.write_jsonl(user.trainer_dump(model, rows, shifted=False), tmp_path / "d.jsonl"),
+             "fixed": user.write_jsonl(user.trainer_dump(model, rows), tmp_path / "f.jsonl")}
+    s, _ = _run((path, model, files), "dump", modes=("prefill",))
+    assert s["shifted"] and s["shifted"]["shift"] == [1, 0], s["shifted"]
+    assert s["shifted"]["aligned_median_abs"] < 0.05 < s["shifted"]["aligned_mean_abs"], s["shifted"]
+    assert "First fix which token each logprob is taken for" in s["what_to_do"]["line"], s["what_to_do"]["line"]
+    # control: the fixed dump is the trainer's prefill bit for bit, nothing misaligned
+    s, _ = _run((path, model, files), "fixed", modes=("prefill",))
+    assert s["closest"]["reproduced"] and s["shifted"] is None, s["closest"]
