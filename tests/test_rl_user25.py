@@ -89,6 +89,8 @@ def test_a_raw_engine_against_a_trainer_at_its_temperature_is_a_named_mismatch(t
     assert "ask the engine for raw logprobs" not in line and "bug named above" not in line, line
     t = s["temperature"]
     assert t is not None and not t["bug"] and t["engine"] == user.TEMPERATURE, t
+    # the processed line no longer proposes the --trainer-temperature the run already gives
+    assert s["processed"]["explanation"].endswith(f"this run's trainer does (--trainer-temperature {user.TEMPERATURE:g})")
     # which the command named does: the engine's function at its temperature reproduces the decode
     s, _ = _run(team, "tempered", modes=("decode",), temperature=user.TEMPERATURE)
     assert s["closest"]["reproduced"], s["closest"]

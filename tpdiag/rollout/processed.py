@@ -254,8 +254,12 @@ def _temperature_verdict(temp, ev) -> dict:
                            "applies where --sampling does not turn it off) - or ask for raw logprobs. A trainer "
                            "whose policy ratio takes these numbers must divide its logits by the same "
                            f"temperature: one that does not (log_softmax(logits), T=1) computes another "
-                           f"distribution, a bug in its loss, not rounding; --trainer-temperature {temp['t']:g} "
-                           "takes the trainer's logprobs at it"}
+                           f"distribution, a bug in its loss, not rounding; {flag_words(temp['t'])}"}
+
+
+def flag_words(t: float) -> str:
+    """The temperature line's last words: how to take the trainer's logprobs at the engine's T."""
+    return f"--trainer-temperature {t:g} takes the trainer's logprobs at it"
 
 
 def _per_temperature(z, toks, eng, rank):

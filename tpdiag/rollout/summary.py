@@ -81,6 +81,9 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
     temp_ok = temp is not None and not temp["bug"]
     if temp:
         notes.append(temp["line"])
+    if temp_ok and verdict.get("kind") == "temperature":  # the run gave that temperature already
+        verdict["explanation"] = verdict["explanation"].replace(
+            processed.flag_words(temp["engine"]), f"this run's trainer does (--trainer-temperature {temp['engine']:g})")
     if verdict.get("detected") and not (temp_ok and verdict.get("kind") == "temperature"):
         notes.append("the engine's logprobs look processed: the closest configuration says little "
                      "until the engine reports raw logprobs")
