@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -492,6 +493,9 @@ FILE_SECONDS = {
     "test_shares_hash_judged.py": 30,
     "test_moe_flip_forward.py": 25,  # two bf16 --forward-only compares at TP=1,2 and their gates
     "test_moe_token_mixer.py": 40,  # three bf16 compares at TP=1,2 (one --capture hash) and their gates
+    # session 25 (helper hmoe25): two bf16 --forward-only --no-confirm compares at TP=1,2 and three gates:
+    # 57 s wall with `pytest -n 0` at load ~13 on the shared 2 cores
+    "test_moe_combine_flip.py": 45,
     # session 19 (helper hgate19): 14 gates of tp12_run, behind_bugs_run and edited copies; its tests' calls
     # took 100 s with `pytest -n 0` at load average 20-26 on the shared 2 cores
     "test_gate_once.py": 13,
@@ -525,6 +529,7 @@ FILE_SECONDS = {
     # session 22 (red team hred22): `time` of the file alone (user+sys of the process tree, loaded host),
     # the session runs it shares (tp12_run, tp12-auto-fwd) made by it
     "test_gate_nested.py": 25, "test_gate_diff_captures.py": 11,
+    "test_gate_copied_rerun.py": 60,  # hrerun25: a matrix run of its own; the confirmed and --fix auto runs shared
     # session 22 (helper hhost22b): `time` of the file alone (user+sys of the process tree, loaded host)
     "test_rank_env.py": 10,
 }
@@ -586,6 +591,39 @@ def planted_run(tmp_path_factory, f: str, func: str, *more: str, name: str | Non
     no baseline, no confirmation, as a user runs it; the compare must exit 0."""
     d = tmp_path_factory.mktemp(name or func) / "r"
     return d, _planted_compare(f, func, more, d)
+
+
+def user_runs(tmp_path_factory, model: str, funcs, *more: str) -> dict:
+    """`tpdiag compare` of each FUNC of a user's model file (tests/MODEL.py:FUNC) with `more`, each exiting
+    0: {func: (its run directory, its summary.json, the stdout it printed)}."""
+    import json
+
+    out = {}
+    for func in funcs:
+        d = tmp_path_factory.mktemp(func) / "run"
+        p = run_cli("compare", "--model", f"py:tests/{model}.py:{func}", *more, "--out", str(d))
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        out[func] = (d, json.loads((d / "summary.json").read_text()), p.stdout)
+    return out
+
+
+def relabelled_flip(d, *drop: str) -> int:
+    """A copied run (copied_run) edited as a run the gate must refuse: every sharding-bug finding of TP=2 in
+    summary.json and the second pass's ops/summary.json relabelled router-flip (its keys `drop` removed),
+    the class rounding; how many it relabelled."""
+    import json
+
+    n = 0
+    for path in (d / "summary.json", *sorted(d.glob("ops/summary.json"))):
+        s = json.loads(path.read_text())
+        for f in s["degrees"]["2"]["findings"]:
+            if f["cause"] == "sharding-bug":
+                f["cause"], n = "router-flip", n + 1
+                for k in drop:
+                    f.pop(k, None)
+        s["class"] = "rounding"
+        path.write_text(json.dumps(s))
+    return n
 
 
 def planted_shared(tmp_path_factory, f: str, func: str, *more: str):
@@ -861,6 +899,30 @@ def mb41_stock_run(tmp_path_factory):
     batch-variant test reads its verdict, test_micro_batch_carry's float32 negative control its
     weight grads - each file ran the same compare of its own."""
     return shared_run(tmp_path_factory, "mb41stock", _compare_into(*_MB41))
+
+
+@pytest.fixture(scope="session")
+def confirmed12_run(tmp_path_factory):
+    """ONE forward-only TP=1,2 compare with its confirmation (confirm/tp-invariant-linear/, confirmed):
+    test_failclosed_confirmation edits copies, test_gate_copied_rerun copies its rerun out."""
+    def make(out):
+        p = run_cli("compare", "--tp", "1,2", "--forward-only", "--no-baseline", "--no-judge-downstream", "--out",
+                    str(out), "--format", "json")
+        assert p.returncode == 0, p.stderr[-3000:]
+        e = json.loads((out / "summary.json").read_text())["degrees"]["2"]
+        assert e["confirmation"]["verdict"] == "confirmed", e["confirmation"]
+    return shared_run(tmp_path_factory, "tp12-confirmed-fwd", make)
+
+
+@pytest.fixture(scope="session")
+def auto_run(tmp_path_factory):
+    """ONE forward-only `--fix auto` compare at TP=1,2 (auto/round1/ ...): test_failclosed_copies and
+    test_gate_nested edit copies, test_gate_copied_rerun copies a round out."""
+    def make(out):
+        p = run_cli("compare", "--tp", "1,2", "--fix", "auto", "--forward-only", "--no-confirm", "--no-baseline",
+                    "--out", str(out), env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-2000:]
+    return shared_run(tmp_path_factory, "tp12-auto-fwd", make)
 
 
 @pytest.fixture(scope="session")

@@ -128,4 +128,4 @@ def test_a_field_added_to_a_part_needs_no_code():
     assert list(d)[-1] == "later" and d["later"] == [["1", "x"], ["2", "y"]]
     assert Cfg.from_dict(d) == cfg and Cfg.from_dict(d).rerun.later == (("1", "x"), ("2", "y"))
     # negative control: lists are not the frozen tuples
-    assert Spec(**{f.name: d[f.name] for f in fields(Spec)}) != cfg.rerun
+    assert Spec(**{f.name: d[f.name] for f in fields(Spec) if f.name in d}) != cfg.rerun  # pass_of: left out

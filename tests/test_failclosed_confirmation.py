@@ -47,14 +47,9 @@ def _rounding():
 
 
 @pytest.fixture(scope="module")
-def confirmed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("conf") / "run"
-    p = run_cli("compare", "--tp", "1,2", "--forward-only", "--no-baseline", "--no-judge-downstream", "--out",
-                str(out), "--format", "json")
-    assert p.returncode == 0, p.stderr[-3000:]
-    e = json.loads((out / "summary.json").read_text())["degrees"]["2"]
-    assert e["confirmation"]["verdict"] == "confirmed" and (out / "confirm" / FIX).is_dir(), e["confirmation"]
-    return out
+def confirmed(confirmed12_run):
+    assert (confirmed12_run / "confirm" / FIX).is_dir()
+    return confirmed12_run
 
 
 def _this_checkout_from(cwd) -> dict | None:

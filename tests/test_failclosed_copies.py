@@ -220,17 +220,6 @@ def test_a_diff_of_a_run_and_its_copy_is_inconclusive(tp12_run, tmp_path):
 
 
 # -- --fix auto: every round the compare ran is gated ----------------------------------------------
-@pytest.fixture(scope="module")
-def auto_run(tmp_path_factory):
-    from conftest import run_cli, shared_run
-
-    def make(out):
-        p = run_cli("compare", "--tp", "1,2", "--fix", "auto", "--forward-only", "--no-confirm", "--no-baseline",
-                    "--out", str(out), env={"OMP_NUM_THREADS": "1"})
-        assert p.returncode == 0, p.stderr[-2000:]
-    return shared_run(tmp_path_factory, "tp12-auto-fwd", make)
-
-
 def _round0_cause(run, tmp_path):
     """A policy allowing round 0's cause alone: a later round's other cause fails it (gated as the user's run)."""
     s = json.loads((run / "summary.json").read_text())

@@ -7,8 +7,6 @@ negative control). Reads conftest's tp12_run (TP=1,2, rounding only), edits copi
 import os
 import shutil
 
-import pytest
-
 from conftest import run_cli
 
 from tpdiag.gate import evaluate, load_policy, with_allowed
@@ -57,18 +55,6 @@ def test_gate_refuses_a_symlink_to_a_pass_and_a_pass_copied_out(tp12_run, tmp_pa
     plain = tmp_path / "confirm" / "mine"
     shutil.copytree(tp12_run, plain, symlinks=True)
     assert evaluate(str(plain), _rounding()).exit_code == 0
-
-
-@pytest.fixture(scope="module")
-def auto_run(tmp_path_factory):
-    """test_failclosed_copies' forward-only `--fix auto` run at TP=1,2, shared by name (made once a session)."""
-    from conftest import shared_run
-
-    def make(out):
-        p = run_cli("compare", "--tp", "1,2", "--fix", "auto", "--forward-only", "--no-confirm", "--no-baseline",
-                    "--out", str(out), env={"OMP_NUM_THREADS": "1"})
-        assert p.returncode == 0, p.stderr[-2000:]
-    return shared_run(tmp_path_factory, "tp12-auto-fwd", make)
 
 
 def test_a_fix_chain_round_alone_and_a_round_removed(auto_run, tmp_path):

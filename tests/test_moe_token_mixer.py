@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from conftest import copied_run, run_cli
+from conftest import copied_run, run_cli, user_runs
 from tpdiag.diff.flip_shares import Flips
 from tpdiag.diff.judge import describe
 from tpdiag.diff.partials import partial_sum
@@ -30,13 +30,7 @@ ARGS = ("--tp", "1,2", "--dtype", "bfloat16")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
-    for func in ("moe_mix_ok", "moe_mix_late_bug"):
-        d = tmp_path_factory.mktemp(func) / "run"
-        p = run_cli("compare", "--model", f"py:tests/moe_token_mixer.py:{func}", *ARGS, "--out", str(d))
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-        out[func] = (d, json.loads((d / "summary.json").read_text()), p.stdout)
-    return out
+    return user_runs(tmp_path_factory, "moe_token_mixer", ("moe_mix_ok", "moe_mix_late_bug"), *ARGS)
 
 
 def _gate(d, *more):

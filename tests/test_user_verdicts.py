@@ -102,6 +102,11 @@ def test_a_wrong_expert_index_is_a_bug_at_the_moe_layer(runs):
     assert good["class"] == "rounding", good["degrees"]["2"].get("findings")
 
 
+def _noted(notes: dict) -> dict:
+    """A float64 run's notes with its chosen indices counted (their hashes: diff/choices_made.py)."""
+    return {k: len(v) if k == "chosen" else v for k, v in notes.items()}
+
+
 def test_a_clear_choice_is_no_discrete_flip_and_a_near_tie_is():
     import torch
 
@@ -124,9 +129,10 @@ def test_a_clear_choice_is_no_discrete_flip_and_a_near_tie_is():
     torch.manual_seed(0)
     x = torch.randn(5, 4, dtype=torch.float64)
     assert module_oracle(Route(False), (x,), {})[1] == {}
-    assert module_oracle(Route(True), (x,), {})[1] == {"discrete": ["aten::max", "aten::topk"]}
+    assert _noted(module_oracle(Route(True), (x,), {})[1]) == {"discrete": ["aten::max", "aten::topk"], "chosen": 2}
     # in bf16 the same margins are within a few roundings: every choice counts
-    assert module_oracle(Route(False).bfloat16(), (x,), {})[1] == {"discrete": ["aten::max", "aten::topk"]}
+    assert _noted(module_oracle(Route(False).bfloat16(), (x,), {})[1]) == {"discrete": ["aten::max", "aten::topk"],
+                                                                           "chosen": 2}
 
 
 def test_a_first_divergence_whose_ops_differ_per_rank_is_judged_at_module_level(runs):
@@ -160,7 +166,7 @@ def test_a_max_or_topk_whose_indices_nothing_reads_chooses_nothing():
 
     s = torch.randn(2, 4, 4, dtype=torch.float64)
     assert module_oracle(Stable(False), (s,), {})[1] == {}
-    assert module_oracle(Stable(True), (s,), {})[1] == {"discrete": ["aten::max"]}
+    assert _noted(module_oracle(Stable(True), (s,), {})[1]) == {"discrete": ["aten::max"], "chosen": 1}
 
 
 def test_indices_a_module_returns_are_a_choice():
@@ -173,7 +179,8 @@ def test_indices_a_module_returns_are_a_choice():
             x = torch.cat([x, x[:, :1]], 1)
             return x.topk(1, -1)
 
-    assert module_oracle(Top(), (torch.randn(3, 4, dtype=torch.float64),), {})[1] == {"discrete": ["aten::topk"]}
+    assert _noted(module_oracle(Top(), (torch.randn(3, 4, dtype=torch.float64),), {})[1]) == {
+        "discrete": ["aten::topk"], "chosen": 1}
 
 
 def test_a_masked_minus_inf_is_no_scale_for_a_clear_choice():

@@ -248,6 +248,11 @@ class RerunSpec:
     # rerun each world's step unprobed to prove the probes change nothing; the region pass
     # compares step fingerprints with the first pass instead (runner/drill.py)
     selfcheck: bool = True
+    # the folder below its run of a rerun that ran what the user did not ask for - a confirmation
+    # (confirm/<fix>), a fix chain's round (auto/round<i>), a matrix variant (variants/<slug>) - and of
+    # the second passes inside it; "": the user's run. Copied out of its run such a folder is whole by
+    # its files, and gated alone it read as the user's run (records/nested.py refuses it)
+    pass_of: str = ""
 
 
 @dataclass(frozen=True)
@@ -292,13 +297,14 @@ class WorldConfig(_Nested):
     _DEFAULTS = {"device": "cpu", "capture": "full"}
     # world.json as before these existed: a world selects no worlds; the axes it did not have
     _OMITTED = {"only": (), "attention": "auto", "padding": "auto", "records_base": "", "anchor": False,
-                **RECIPE_OMITTED}
+                "pass_of": "", **RECIPE_OMITTED}
     _ABSENT = {"anchor": False}  # left out: --no-anchor, or a run from before the anchor was the default
     _FILE_ORDER = ("model", "degree", "label", "out_dir", "dtype", "device", "backward", "steps", "seed",
                    "batch_size", "seq_len", "lr", "clip_norm", "fixes", "granularity", "variant", "probes",
                    "selfcheck", "op_include", "capture", "module_include", "ref_dir", "tree_groups",
                    "group_gemm", "oracle", "oracle_ops", "oracle_own", "micro_batch", "mode", "positions",
-                   "prefix_from", "flags", "layers", "attention", "records_base", *RECIPE_OMITTED, "anchor")
+                   "prefix_from", "flags", "layers", "attention", "records_base", *RECIPE_OMITTED, "anchor",
+                   "pass_of")
 
     def _synced(self) -> "WorldConfig":
         s = self.settings
@@ -329,14 +335,14 @@ class CompareConfig(_Nested):
 
     _PARTS = {"settings": RunSettings, "axes": Axes, "rerun": RerunSpec}
     # manifest.json as before these axes and the recipe (the default recipe: the keys left out)
-    _OMITTED = {"attentions": (), "paddings": (), "anchor": False, **RECIPE_OMITTED}
+    _OMITTED = {"attentions": (), "paddings": (), "anchor": False, "pass_of": "", **RECIPE_OMITTED}
     _ABSENT = {"anchor": False}  # left out: --no-anchor, or a run from before the anchor was the default
     _FILE_ORDER = ("model", "degrees", "dtype", "device", "backward", "steps", "fixes", "fix_mode", "confirm",
                    "granularity", "out", "timeout", "seed", "batch_size", "seq_len", "variant", "baseline",
                    "op_include", "capture", "module_include", "extra", "tree_groups", "group_gemm", "selfcheck",
                    "oracle", "oracle_ops", "oracle_own", "micro_batches", "modes", "grid", "only", "positions",
                    "prefix_from", "flags", "layers", "judge_downstream", "attentions", "paddings", *RECIPE_OMITTED,
-                   "anchor")
+                   "anchor", "pass_of")
 
     def worlds(self):
         """Every configuration this compare runs, the reference first (tpdiag/base/points.py)."""

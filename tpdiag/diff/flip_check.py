@@ -16,7 +16,9 @@ skipped in a run with a flip (records/integrity.py: drill.py leaves such finding
 
 A finding a later pass made (`from`) is held to that pass's records (diff/recheck_pass.py, second=True).
   a forward record of the flip's step     not router-flip where the re-diff found it beyond its bound on the
-                                         rows the flip cannot reach (flip_rows, not confined: diff/flip_rows.py)
+                                         rows the flip cannot reach (flip_rows, not confined: diff/flip_rows.py),
+                                         or far from float64 runs that made each side's own choices
+                                         (diff/choices_made.py)
 Not re-derived here: any other beyond-bound record after a flip (any such reads router-flip: judge.py's rule); an
 oracle_flip mark is taken as the rows give it (pass 1's re-diff computes none, a second pass's re-diff does)."""
 from __future__ import annotations
@@ -43,6 +45,9 @@ def problem(label: str, entry, rows: list[dict], second: bool = False) -> str | 
         if isinstance(r.get("flip_rows"), dict) and r["flip_rows"].get("confined") is not True:
             why = ("a record beyond its bound on the token rows the router flip cannot reach (sharding-bug: "
                    "diff/flip_rows.py)")
+        elif (r.get("oracle") or {}).get("choices_made") and r["oracle"].get("far"):
+            why = ("a record far from its float64 re-executions, which made each side's own choices, flipped "
+                   "tokens included (sharding-bug: diff/choices_made.py)")
         elif flipped(r):
             if any(x["idx"] < r["idx"] and (x.get("bitwise") is False or x.get("rank_consistent") is False)
                    for x in rows):

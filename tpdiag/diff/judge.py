@@ -158,9 +158,11 @@ RULES: list[Rule] = [
     Rule("after a router flip, its rows not told",
          lambda ev, b: ev.flip_untold is not None and b().rule == "after a router flip",
          lambda ev, b: "unknown", lambda ev, b: ev.flip_untold),
-    # a finding after a real router flip: tokens that ran other experts are beyond any bound
+    # a finding after a real router flip: tokens that ran other experts are beyond any bound - unless
+    # its float64 verdict followed each side's own choices, flipped tokens included (diff/choices_made.py)
     Rule("after a router flip", lambda ev, b: ev.after_flip is not None and (
-             b().cause == "sharding-bug" or bool(_row(ev, "oracle_flip"))),
+             b().cause == "sharding-bug" or bool(_row(ev, "oracle_flip")))
+         and not (_row(ev, "oracle") or {}).get("choices_made"),
          lambda ev, b: "router-flip", lambda ev, b: b().why),
     # the first divergent op, re-executed in float64, judges what its module record could not
     Rule("a pick of the model's own tensor differs",

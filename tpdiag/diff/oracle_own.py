@@ -10,7 +10,7 @@ import torch
 
 from tpdiag.diff.equal_inputs import side_params
 from tpdiag.diff.oracle import judge_own, mark_no_reference, no_reference, notes_for
-from tpdiag.diff import choices_followed, enclosing, flip_unjudged, other_paths, rank_partials
+from tpdiag.diff import choices_followed, choices_made, enclosing, flip_unjudged, other_paths, rank_partials
 from tpdiag.diff.own_side import REFUSED, judge_own_side
 from tpdiag.records.keys import sole_consumer
 from tpdiag.records.layout import first_positions
@@ -202,9 +202,15 @@ def apply_own(dd) -> None:
             # its float64 backward starts from the forward whose every row reproduced each run's: the
             # same choices, so far is a wrong grad (diff/choices_followed.py)
             followed = choices_followed.forward_followed(dd, judged_by, row["step"], discrete)
+        made = choices_made.followed(dd, row) if v["far"] and discrete and not v.get("no_reference") else None
         if followed is not None:
             v.pop("discrete", None)
             v["choices_followed"] = {"ops": list(discrete), "forward": followed}
+        elif made is not None:
+            # each float64 run made its side's own choices, flipped tokens included: far is the rest
+            # of the module computing another function (diff/choices_made.py)
+            v.pop("discrete", None)
+            v["choices_made"] = made
         elif v["far"] and discrete:
             if flip_unjudged.shows_nothing(row, v):
                 flip_unjudged.leave_unjudged(row, v, discrete)

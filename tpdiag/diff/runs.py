@@ -68,6 +68,11 @@ def read_compare_degree(path: str, w: dict) -> dict:
         m = read_manifest(parent)
     except Exception:  # noqa: BLE001 - a copied-out degree dir: its own world.json still says enough
         m = {}
+    from tpdiag.records.nested import world_pass
+
+    why = world_pass(path, w, m, parent)  # a world of a confirmation, a fix chain's round, a matrix variant
+    if why:
+        raise Inconclusive(why)
     cfg = w["config"]
     model = str(cfg.get("model", ""))
     # hf:/py: paths differ across machines: the directory's or file's name (and py:'s FUNC)

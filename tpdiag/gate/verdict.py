@@ -69,7 +69,7 @@ def _evaluate(run_dir: str, policy: Policy, top: bool = False) -> GateResult:
         if not why and top:
             from tpdiag.records.nested import rerun_pass
 
-            why = rerun_pass(manifest)
+            why = rerun_pass(manifest, run_dir)
         if why:
             res.problems.append(why)
             return res

@@ -109,6 +109,12 @@ def module_oracle(mod: torch.nn.Module, args, kwargs, buffers=None, names=None) 
     except Exception as e:  # noqa: BLE001 - any failure is a reason, never a crash of the run
         return None, {"why": _why(e)}
     notes = {"discrete": mode.discrete} if mode.discrete else {}
+    if mode.chosen:
+        from tpdiag.records.hashing import tensor_hash
+
+        notes["chosen"] = [tensor_hash(t) for t in mode.chosen]
+    if mode.untold:
+        notes["chosen_untold"] = list(mode.untold)
     if mode.shaped:
         notes["shaped"] = list(mode.shaped)
     # a Python number among its arguments may have been read from values by its caller (a token

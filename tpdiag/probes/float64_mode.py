@@ -1,7 +1,8 @@
 """The float64 oracle's dispatch mode (probes/float64.py): every aten op of a re-executed call
 handed float64 copies of its floating inputs, its dtype arguments rewritten to float64; an op that
 draws random numbers or writes state the oracle did not make refused, and the discrete choices made
-on floating values noted (a choice no rounding of the working precision could flip is not)."""
+on floating values noted (a choice no rounding of the working precision could flip is not), with the
+indices each such choice chose (diff/choices_made.py holds them to the side's own records)."""
 from __future__ import annotations
 
 import torch
@@ -63,6 +64,11 @@ class Float64Mode(TorchDispatchMode):
         # counts once its indices are read by a later op or returned (`consumed`); held here (the
         # tensor kept alive: its storage not reused) until then. An argmax's output is its indices.
         self.pending: dict[int, tuple[str, torch.Tensor]] = {}
+        # the indices each unclear choice read chose, in the order they were read (hashed once the
+        # call is done: probes/float64.module_oracle); `untold` the discrete ops whose choice holds no
+        # indices (a comparison, a sort): diff/choices_made.py holds them to the side's integer records
+        self.chosen: list[torch.Tensor] = []
+        self.untold: list[str] = []
         # ops through which a value may decide a shape (probes/value_shapes.py): where a forward ran
         # none, its outputs' shapes follow from its inputs' shapes alone (diff/shape_break.py)
         self.shaped: list[str] = []
@@ -70,10 +76,12 @@ class Float64Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        choice = name in DISCRETE and op_name(func) not in self.discrete and any(
+        # a select op is read at every call, noted or not: each call's choice is hashed (chosen)
+        choice = name in DISCRETE and (name in _SELECT or op_name(func) not in self.discrete) and any(
             isinstance(a, torch.Tensor) and a.is_floating_point() for a in tree_flatten(args)[0])
         if choice and name not in _SELECT:
             self.discrete.append(op_name(func))
+            self.untold.append(op_name(func))
             choice = False
         if torch.Tag.nondeterministic_seeded in func.tags and not _sdpa_without_dropout(func, args, kwargs):
             raise OracleRefused(f"it draws random numbers ({op_name(func)}): its output is not a "
@@ -118,7 +126,10 @@ class Float64Mode(TorchDispatchMode):
         if choice and not _clear_choice(func, up_args, up_kwargs, self.working):
             idx = _indices(out)
             if idx is None:
-                self.discrete.append(op_name(func))
+                if op_name(func) not in self.discrete:
+                    self.discrete.append(op_name(func))
+                if op_name(func) not in self.untold:
+                    self.untold.append(op_name(func))
             else:
                 self.pending[storage_ptr(idx)] = (op_name(func), idx)
         return out
@@ -128,8 +139,11 @@ class Float64Mode(TorchDispatchMode):
         become discrete choices made."""
         for t in _tensors(tree, []):
             got = self.pending.pop(storage_ptr(t), None)
-            if got is not None and got[0] not in self.discrete:
+            if got is None:
+                continue
+            if got[0] not in self.discrete:
                 self.discrete.append(got[0])
+            self.chosen.append(got[1])
 
 
 # index-selecting ops whose choice can be checked for a near tie (_clear_choice)

@@ -66,12 +66,54 @@ def part_of_run(run_dir: str) -> str | None:
     return None
 
 
-def rerun_pass(manifest) -> str | None:
+def _marked(cfg: dict) -> tuple[str, str, str | None] | None:
+    """(what, its folder, its run) where a config (manifest.json's, a world.json's) carries
+    config.RerunSpec.pass_of: the run is its `out` less that folder, as the run wrote it (None: not
+    there); None where it carries none."""
+    below = cfg.get("pass_of")
+    if below in (None, ""):
+        return None
+    what = _WHAT.get(str(below).split("/")[0], "pass")
+    out = str(cfg.get("out") or os.path.dirname(str(cfg.get("out_dir") or ""))).rstrip("/")
+    cut = out.rfind("/" + str(below))
+    return what, str(below), out[:cut] if cut > 0 else None
+
+
+def _matrix_top(manifest, run_dir: str | None) -> bool:
+    """A matrix run's top directory: its manifest is its primary variant's (runner/matrix.py), marked as
+    that variant, whose folder lies inside it - the run the user asked for."""
+    if run_dir is None or not isinstance(manifest, dict) or not isinstance(manifest.get("config"), dict):
+        return False
+    variants, top = manifest.get("variants"), manifest.get("matrix_of")
+    entry = variants.get(top) if isinstance(variants, dict) and isinstance(top, str) else None
+    slug = entry.get("slug") if isinstance(entry, dict) else None
+    return isinstance(slug, str) and manifest["config"].get("pass_of") == f"{VARIANTS_DIR}/{slug}" and \
+        os.path.isfile(os.path.join(run_dir, VARIANTS_DIR, slug, MANIFEST))
+
+
+def world_pass(path: str, world, manifest, run_dir: str) -> str | None:
+    """One line where a world's world.json says it ran in a rerun inside a run (config.RerunSpec.pass_of):
+    a confirmation's, a fix chain round's or a matrix variant's world, not one of the user's run (the
+    primary variant's worlds of a matrix run's top are: manifest and run_dir, the top's)."""
+    cfg = world.get("config") if isinstance(world, dict) else None
+    if not isinstance(cfg, dict) or (_matrix_top(manifest, run_dir)
+                                     and cfg.get("pass_of") == manifest["config"].get("pass_of")):
+        return None
+    got = _marked(cfg)
+    if got is None:
+        return None
+    what, below, top = got
+    return (f"{path}: a world of the {what} {below}/ of {f'the run {top}' if top else 'a run'} (its world.json "
+            f"says so), not of the user's run; diff that run's own worlds instead ({top or 'RUN_DIR'}/tpN)")
+
+
+def rerun_pass(manifest, run_dir: str | None = None) -> str | None:
     """One line where manifest.json's config carries what only tpdiag's own passes set
     (config.RerunSpec: a float64 oracle, modules or ops probed alone, no self-check, some
-    configurations only): a second pass or a rerun moved or copied out of its run, never a user's
-    compare. Its records cover a few modules, its reference lacks the self-check; gated alone it
-    read as the user's run."""
+    configurations only, the folder of a rerun inside its run): a second pass or a rerun moved or
+    copied out of its run, never a user's compare. Its records cover a few modules, or it ran fixes the
+    user did not choose; gated alone it read as the user's run. run_dir: where it is read (a matrix
+    run's top holds its primary variant's manifest, marked as that variant)."""
     from dataclasses import fields
 
     from tpdiag.config import RerunSpec
@@ -79,8 +121,15 @@ def rerun_pass(manifest) -> str | None:
     cfg = manifest.get("config") if isinstance(manifest, dict) else None
     if not isinstance(cfg, dict):
         return None
+    if isinstance(cfg.get("pass_of"), str) and not _matrix_top(manifest, run_dir):
+        got = _marked(cfg)
+        if got:
+            what, below, top = got
+            return (f"{run_dir or 'this run directory'}: the {what} {below}/ of "
+                    f"{f'the run {top}' if top else 'a run'}, moved or copied out of it (its manifest.json says so), "
+                    f"not a run of its own (its verdict is part of that run's); gate the run: tpdiag gate {top or 'RUN_DIR'}")
     for f in fields(RerunSpec):
-        if f.name not in cfg:
+        if f.name not in cfg or f.name == "pass_of" and isinstance(cfg[f.name], str):
             continue
         have, want = cfg[f.name], f.default
         if isinstance(have, list):

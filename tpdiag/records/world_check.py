@@ -25,11 +25,13 @@ def _outside(run_dir: str, d: str, label: str, who: str) -> str | None:
     return None
 
 
-def _recipe_problem(manifest: dict, d: str, label: str, who: str) -> str | None:
-    """Where world.json's logprob recipe is not manifest.json's, the default's keys left out on either
-    side (config.RECIPE_OMITTED). The logprobs' rounding bound reads world.json's (diff/engine._recipe):
-    a world.json edited to trainer_temperature 1e-9 moved a run's logprob bound from 6.6e-5 to 743 and
-    `gate --allow rounding` passed it (red team hreview15; tests/test_recipe_tamper.py)."""
+def _omitted_problem(manifest: dict, d: str, label: str, who: str) -> str | None:
+    """Where world.json's logprob recipe or rerun folder is not manifest.json's, the default's keys left
+    out on either side (config.RECIPE_OMITTED). The logprobs' rounding bound reads world.json's
+    (diff/engine._recipe): a world.json edited to trainer_temperature 1e-9 moved a run's logprob bound
+    from 6.6e-5 to 743 and `gate --allow rounding` passed it (red team hreview15; tests/test_recipe_tamper.py).
+    A rerun's folder (pass_of: confirm/<fix>, auto/round<i>, variants/<slug>) edited out of its
+    manifest.json alone, the rerun copied out of its run gated as the user's run (records/nested.py)."""
     from tpdiag.config import RECIPE_OMITTED
 
     cfg = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
@@ -38,7 +40,7 @@ def _recipe_problem(manifest: dict, d: str, label: str, who: str) -> str | None:
     except Inconclusive as e:
         return f"{who}: {str(e).splitlines()[0]}"
     wcfg = (world.get("config") if isinstance(world, dict) else None) or {}
-    for k, default in RECIPE_OMITTED.items():
+    for k, default in {**RECIPE_OMITTED, "pass_of": ""}.items():
         if wcfg.get(k, default) != cfg.get(k, default):
             return (f"{who}: {folder(label)}/{WORLD} ran {k} {wcfg.get(k, default)!r} but manifest.json says "
                     f"{cfg.get(k, default)!r} (another run's records, or a file edited)")
@@ -82,7 +84,7 @@ def world_problem(run_dir: str, manifest: dict, label: str, degree, base: str | 
     gone = undone(d, degree)
     if gone:
         return f"{who}: {folder(label)}/{rank_marker(gone[0], 'done')} {gone[1]}"
-    why = (settings_problem(manifest, d, label, who, degree) or _recipe_problem(manifest, d, label, who)
+    why = (settings_problem(manifest, d, label, who, degree) or _omitted_problem(manifest, d, label, who)
            or base_world_problem(run_dir, d, who, degree))
     if why or not layout:
         return why

@@ -10,7 +10,7 @@ import os
 import time
 
 from tpdiag.base import files as io
-from tpdiag.errors import BadInput
+from tpdiag.errors import BadInput, Inconclusive
 from tpdiag.records.frames import read, rows_of
 from tpdiag.records.rundir import RunDir, records_dir
 # REPORT_MARK: in the first KiB of every page (templates/report.html's <title>); an existing -o file must hold it
@@ -239,6 +239,17 @@ def render(run_dir: str, problems: list[str] | None = None) -> str:
 
 
 
+def _copied_pass(run_dir: str) -> str | None:
+    """A second pass or rerun moved or copied out of its run: its manifest says so (records/nested.py)."""
+    from tpdiag.records.nested import rerun_pass
+    from tpdiag.records.rundir import read_manifest
+
+    try:
+        return rerun_pass(read_manifest(run_dir), run_dir)
+    except Inconclusive:
+        return None  # the page and the evidence problems say what is wrong with it
+
+
 def write_report(run_dir: str, out: str | None = None, problems: list[str] | None = None) -> str:
     """Render RUN_DIR and write it atomically; returns the path written (default RUN_DIR/report.html).
     problems: as render's - the CLI fails closed on them (exit 2) after the page is written."""
@@ -249,7 +260,7 @@ def write_report(run_dir: str, out: str | None = None, problems: list[str] | Non
     html = render(run_dir, problems)
     from tpdiag.records.nested import part_of_run
 
-    nested = part_of_run(run_dir)
+    nested = part_of_run(run_dir) or _copied_pass(run_dir)
     if nested and problems is not None:
         # a run's own pass (ops/, confirm/<fix>/, auto/round<i>/): its page is written, but the CLI exits
         # 2 as the gate does - its verdict is a part of its run's, not the user's run's verdict

@@ -23,6 +23,12 @@ def _rerun(cfg: CompareConfig, out: str, degrees, fixes, baseline: bool = False,
     return compare_pass(sub, finish=finish)
 
 
+def _marked(cfg: CompareConfig, run_dir: str, out: str) -> CompareConfig:
+    """cfg for a rerun in `out` inside the run run_dir, its folder there recorded (RerunSpec.pass_of):
+    it runs fixes the user did not choose, so copied out of the run it is refused as a run of its own."""
+    return cfg.with_(pass_of=os.path.relpath(out, run_dir).replace(os.sep, "/"))
+
+
 def _key_bitwise(run_dir: str, label: str, key: str) -> bool | None:
     from tpdiag.records.rundir import read_rows
 
@@ -75,21 +81,23 @@ def confirm(cfg: CompareConfig, summary: dict, run_dir: str, only_label: str | N
         if on_status:
             on_status("confirm", f"{fix}")
         out = RunDir(run_dir).confirm_run(fix)
+        mcfg = _marked(cfg, run_dir, out)
         # decode configurations whose region pass reproduced the first divergence on the first
         # positions: confirmed on the same positions (runner/prefix.py)
         cut = {tuple(every[lab]["first_divergence"].get("positions") or ()) for lab, _ in members}
         cut = cut.pop() if len(cut) == 1 else ()
         if axes:
-            sub, files = _rerun(cfg.with_(only=tuple(lab for lab, _ in members), positions=cut[0] if cut else 0,
+            sub, files = _rerun(mcfg.with_(only=tuple(lab for lab, _ in members), positions=cut[0] if cut else 0,
                                  prefix_from=prefix.decode_dir(run_dir, members[0][0]) if cut else ""),
                        out, cfg.degrees, list(cfg.fixes) + fix.split("+"), finish=False)
             sub_labels = [lab for lab, _ in members]
         else:
-            sub, files = _rerun(cfg, out, [ref_degree] + [deg for _, deg in members], list(cfg.fixes) + fix.split("+"),
+            sub, files = _rerun(mcfg, out, [ref_degree] + [deg for _, deg in members],
+                                list(cfg.fixes) + fix.split("+"),
                                 finish=False)
             sub_labels = degree_labels(tuple([ref_degree] + [deg for _, deg in members]))[1:]
         if not cut:
-            sub = _judge_after(cfg, sub, files, out, fix, [lab for lab, _ in members] if axes else None,
+            sub = _judge_after(mcfg, sub, files, out, fix, [lab for lab, _ in members] if axes else None,
                                None if axes else [ref_degree] + [deg for _, deg in members], on_status)
         # the rerun's status goes last, after its own second pass (as compare_pass's finish)
         files.add(status=sub["status"])
@@ -224,8 +232,10 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
             on_status("auto", f"round {i}: {', '.join(fixes) or 'stock'}")
         out = run_dir if i == 0 else RunDir(run_dir).fix_round(i)
         # round 0 is the run the user asked for (its summary is what compare prints): it gets the
-        # reference rerun like any compare; the fixed rounds are compared with it
-        summary, files = _round(cfg, out, fixes, cfg.baseline and i == 0, on_status, finish=i != 0)
+        # reference rerun like any compare; the fixed rounds are compared with it, each marked with
+        # its folder (it ran fixes the user did not choose)
+        rcfg = cfg if i == 0 else _marked(cfg, run_dir, out)
+        summary, files = _round(rcfg, out, fixes, cfg.baseline and i == 0, on_status, finish=i != 0)
         first = files if i == 0 else first
         from tpdiag.records.axes import entries
 

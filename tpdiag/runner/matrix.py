@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from tpdiag.base import files as io
 from tpdiag.config import CompareConfig, degree_labels
-from tpdiag.records.paths import WORLD, RunDir
+from tpdiag.records.paths import VARIANTS_DIR, WORLD, RunDir
 from tpdiag.errors import BadInput, Inconclusive
 
 SYNTAX = "PLAN, fix:NAME[+NAME], fix:all or PLAN+fix:..., e.g. stock,stable,fix:all,stable+fix:all"
@@ -132,8 +132,9 @@ def _sub_cfg(cfg: CompareConfig, v: Variant, out: str, baseline: bool) -> Compar
     # --granularity auto's op drill-down belongs to a single compare (session.py); the matrix
     # cells locate at module level (op stays op).
     gran = "module" if cfg.granularity == "auto" else cfg.granularity
+    # pass_of: a variant is one cell of the matrix (no second pass), not a run of its own out of it
     return cfg.with_(out=out, variant=v.plan, fixes=v.fixes, fix_mode=v.fix_mode,
-                   confirm=False, baseline=baseline, granularity=gran)
+                   confirm=False, baseline=baseline, granularity=gran, pass_of=f"{VARIANTS_DIR}/{v.slug}")
 
 
 def _step_s(run_dir: str, label: str) -> float | None:
