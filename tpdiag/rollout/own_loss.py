@@ -125,9 +125,10 @@ class _Rows:
             tok = ids[j + 1]
             own, ref = minus_loss(tok), float(lsm64[tok])
             bound = bound_of(own, ref)
-            # the row and -loss's tensor: another temperature's fit (rollout/own_temperature.py), dropped after it
+            # a copy of the row (not a view holding the sequence's whole rows) and -loss's tensor: another
+            # temperature's fit (rollout/own_temperature.py), dropped after it
             o = {"seq": i, "position": j + 1, "token": tok, "own": float(own), "float64": ref, "bound": bound,
-                 "_z": z, "_own_t": own}
+                 "_z": z.detach().clone(), "_own_t": own}
             if not abs(float(own) - ref) <= bound:
                 # beyond as a logprob: a term of the loss that does not depend on the label, or a bug
                 o["relabel"] = label_free.judge(minus_loss, lsm64, tok, own, bound, bound_of)
