@@ -1,0 +1,24 @@
+"""A sparse tensor (nn.Embedding(sparse=True)'s grad: COO indices and values) as its strided
+equivalent, for records, norms and float64 copies that read strided tensors."""
+from __future__ import annotations
+
+import torch
+
+
+def layout_name(t) -> str | None:
+    """'sparse_coo' (or another sparse layout's name) for a sparse tensor, None for a strided one."""
+    lay = getattr(t, "layout", torch.strided)
+    return None if lay is torch.strided else str(lay).removeprefix("torch.")
+
+
+def strided(t):
+    """t itself where strided; else the dense tensor it stands for. A COO grad's indices repeat
+    where a token does: it is coalesced first - each index's values summed once, in index order,
+    as SparseAdam's own `grad.coalesce()` sums them - so the dense value is one function of the
+    values, whatever order autograd listed them in."""
+    lay = getattr(t, "layout", torch.strided)
+    if lay is torch.strided:
+        return t
+    if lay is torch.sparse_coo:
+        t = t.coalesce()
+    return t.to_dense()
