@@ -75,11 +75,6 @@ NEVER = {
     # the model's forward at points no record holds
     "torch.optim.lbfgs.LBFGS": "LBFGS steps through its closure (the model and loss re-run at each "
                                "line-search point): no function of the recorded parameters, grads and state",
-    # its grads are sparse COO tensors, which no record holds (the recorder stores strided tensors;
-    # a DTensor has no sparse grad to gather whole): the grads it consumed cannot be judged, so a
-    # float64 step from them bounds nothing
-    "torch.optim.sparse_adam.SparseAdam": "SparseAdam steps sparse grads, which the capture does not record: "
-                                          "the grads it consumed cannot be judged",
 }
 
 
