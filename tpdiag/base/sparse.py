@@ -22,3 +22,15 @@ def strided(t):
     if lay is torch.sparse_coo:
         t = t.coalesce()
     return t.to_dense()
+
+
+def densify_grads(params) -> list[str]:
+    """`compare`'s own step (its grad norm, clip and AdamW read strided grads: AdamW refuses a sparse
+    one) on each sparse grad's dense equivalent, put in its .grad; returns the layouts it replaced."""
+    out = []
+    for p in params:
+        lay = layout_name(p.grad) if p.grad is not None else None
+        if lay is not None:
+            p.grad = strided(p.grad)
+            out.append(lay)
+    return out

@@ -8,6 +8,7 @@ from collections import OrderedDict
 import torch
 from torch.utils._pytree import tree_flatten
 
+from tpdiag.base.sparse import strided
 from tpdiag.probes.oracle_hooks import param_grad_norms
 from tpdiag.probes.recorder import Recorder
 from tpdiag.probes.rows import consumers_of, extras
@@ -89,6 +90,8 @@ def param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: dic
             # same all-reduce, on a copy, in the same order on every rank.
             g = g.full_tensor()
         with no_modes():
+            with rec._paused():
+                g = strided(g)  # a sparse grad: recorded, and its float64 norms taken, as its dense value
             rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
             if pend:
                 param_grad_norms(rec, pend, mname, short, g, cls)
