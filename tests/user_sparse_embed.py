@@ -4,9 +4,9 @@ two steps (--variant):
 
   sparse_adam  torch's SparseAdam for the embedding, AdamW for the rest (as torch's docs pair them): correct
   sgd          torch's SGD for every parameter (it steps sparse grads as they are): correct
-  sum_sync     SGD; the loop all-reduces the embedding's sparse grad over the TP group as if the
-               ranks held other tokens (a data-parallel habit): the grad it steps is TP times the one
-               autograd made, on every rank
+  sum_sync     sparse_adam whose loop all-reduces the embedding's sparse grad over the TP group as if
+               the ranks held other tokens (a data-parallel habit): the grad SparseAdam steps is TP
+               times the one autograd made, on every rank
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 tests/user_sparse_embed.py --out DIR --variant sgd
     tpdiag diff DIR_TP1 DIR_TP2
@@ -51,7 +51,7 @@ VARIANTS = ("sparse_adam", "sgd", "sum_sync")
 
 
 def make_opts(model, variant: str) -> list:
-    if variant == "sparse_adam":
+    if variant in ("sparse_adam", "sum_sync"):
         rest = [p for n, p in model.named_parameters() if not n.startswith("embed.")]
         return [torch.optim.SparseAdam([model.embed.weight], lr=1e-2), torch.optim.AdamW(rest, lr=1e-2)]
     return [torch.optim.SGD(model.parameters(), lr=0.5)]

@@ -90,10 +90,10 @@ def param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: dic
             # same all-reduce, on a copy, in the same order on every rank.
             g = g.full_tensor()
         with no_modes():
-            with rec._paused():
-                g = strided(g)  # a sparse grad: recorded, and its float64 norms taken, as its dense value
             rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
             if pend:
+                with rec._paused():
+                    g = strided(g)  # a sparse grad's norms against its float64 value: its dense value's, as recorded
                 param_grad_norms(rec, pend, mname, short, g, cls)
             if side_pend:
                 from tpdiag.probes.own_side_norms import flush
