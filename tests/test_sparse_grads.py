@@ -20,7 +20,8 @@ from user_worlds import capture_worlds
 @pytest.fixture(scope="module")
 def captures(tmp_path_factory):
     return capture_worlds(tmp_path_factory.mktemp("sparse"), "user_sparse_embed", "steps",
-                          ((1, "sgd"), (2, "sgd"), (1, "sparse_adam"), (2, "sparse_adam"), (2, "sum_sync")))
+                          ((1, "sgd"), (2, "sgd"), (2, "rows"), (1, "sparse_adam"), (2, "sparse_adam"),
+                           (2, "sum_sync")))
 
 
 def _diff(captures, tmp_path, ref, other):
@@ -38,28 +39,32 @@ def _rows(out, key: str) -> list:
     return [r for r in (out / "diff.csv").read_text().splitlines() if f",{key}," in r]
 
 
-@pytest.mark.parametrize("opt", ["sgd", "sparse_adam"])
-def test_a_correct_sparse_embedding_reads_rounding(captures, tmp_path, opt):
-    s, stdout, out = _diff(captures, tmp_path, opt, opt)
+@pytest.mark.parametrize("opt,tp2", [("sgd", "sgd"), ("sparse_adam", "sparse_adam"), ("sgd", "rows")])
+def test_a_correct_sparse_embedding_reads_rounding(captures, tmp_path, opt, tp2):
+    """Replicated (sgd, sparse_adam) or its vocab rows cut by hand (rows: each rank's sparse grad of
+    its own rows, a plain shard gathered by the diff)."""
+    s, stdout, out = _diff(captures, tmp_path, opt, tp2)
     d = s["degrees"]["2"]
     assert s["class"] == "rounding" and not d["findings"], d["findings"]
     assert "not judged" not in stdout and "BUG" not in stdout, stdout
     assert _gate(out) == 0
-    # the sparse grad is compared at both steps, as the step consumed it too, and the rows no token
-    # touched stayed bitwise: the records are the dense tensors the sparse grads stand for
+    # the sparse grad is compared at both steps, as the step consumed it, and the parameter after it
+    # (rows: the ranks' shards of the grad gathered whole)
     for step in (0, 1):
         for key in (f"s{step}/backward/embed/param_grad#0/weight", f"s{step}/optimizer/embed/opt_grad#0/weight",
                     f"s{step}/optimizer/embed/param#0/weight"):
-            assert len(_rows(out, key)) == 1, key
+            (row,) = _rows(out, key)
+            assert (",shard:0,float32,32x16," if tp2 == "rows" else ",replicate,float32,32x16,") in row, row
     from tpdiag.records.store import RecordSet
 
-    for side in ("1", "2"):
+    for side in ("1", "2")[:1 if tp2 == "rows" else 2]:
         rs = RecordSet(str(captures / f"{side}-{opt}"))
         m = next(e for e in rs.events if e["key"] == "s0/backward/embed/param_grad#0/weight")
         g = rs.tensor(m)
         assert m["sparse"] == "sparse_coo" and g.layout is torch.strided and g.shape == (32, 16)
         ids = rs.tensor(next(e for e in rs.events if e["key"] == "s0/init/model/batch#0/input_ids"))
-        # rows of the batch's tokens hold their summed grads, every other row is zero
+        # the dense tensor the sparse grad stands for: the batch's tokens' rows hold their summed grads,
+        # every other row is zero
         assert torch.equal(g.abs().sum(1).gt(0), torch.isin(torch.arange(32), ids.unique())), ids
     w = json.loads((captures / f"2-{opt}" / "world.json").read_text())
     if opt == "sparse_adam":

@@ -4,6 +4,9 @@ two steps (--variant):
 
   sparse_adam  torch's SparseAdam for the embedding, AdamW for the rest (as torch's docs pair them): correct
   sgd          torch's SGD for every parameter (it steps sparse grads as they are): correct
+  rows         sgd with the embedding cut by vocab rows by hand, Megatron's VocabParallelEmbedding
+               (each rank its own rows as a plain parameter, other tokens masked, the outputs
+               all-reduced): correct
   sum_sync     sparse_adam whose loop all-reduces the embedding's sparse grad over the TP group as if
                the ranks held other tokens (a data-parallel habit): the grad SparseAdam steps is TP
                times the one autograd made, on every rank
@@ -40,6 +43,35 @@ class TinyLM(nn.Module):
         return self.head(h)
 
 
+class _SumForward(torch.autograd.Function):
+    """Megatron's reduce_from_tensor_model_parallel_region: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class VocabRows(nn.Module):
+    """This rank's rows of a sparse embedding: tokens outside them read zeros, the ranks' outputs summed."""
+
+    def __init__(self, full: nn.Embedding, rank: int, tp: int):
+        super().__init__()
+        n = full.num_embeddings // tp
+        self.lo, self.hi = rank * n, rank * n + n
+        self.weight = nn.Parameter(full.weight.detach()[self.lo:self.hi].clone())
+
+    def forward(self, ids):
+        out = (ids < self.lo) | (ids >= self.hi)
+        h = F.embedding((ids - self.lo).masked_fill(out, 0), self.weight, sparse=True)
+        return _SumForward.apply(h.masked_fill(out[..., None], 0.0))
+
+
 def tp_plan():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -47,7 +79,7 @@ def tp_plan():
             "head": ColwiseParallel(use_local_output=False)}
 
 
-VARIANTS = ("sparse_adam", "sgd", "sum_sync")
+VARIANTS = ("sparse_adam", "sgd", "rows", "sum_sync")
 
 
 def make_opts(model, variant: str) -> list:
@@ -68,13 +100,16 @@ def steps(out: str, variant: str) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, init_device_mesh("cpu", (tp,)), plan)
+        if variant == "rows":
+            model.embed = VocabRows(model.embed, dist.get_rank(), tp)
     opts = make_opts(model, variant)
     g = torch.Generator().manual_seed(1)
     loss_ctx = nullcontext
     if tp > 1:
         from torch.distributed.tensor.parallel import loss_parallel as loss_ctx
 
-    with tpdiag.capture(model, out=out, plan=plan, seed=0) as cap:
+    layouts = {"embed.weight": "shard:0"} if variant == "rows" else None
+    with tpdiag.capture(model, out=out, plan=plan, layouts=layouts, seed=0) as cap:
         for step in range(2):
             if step:
                 cap.next_step()
