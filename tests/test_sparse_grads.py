@@ -119,13 +119,20 @@ def test_sparse_adams_float64_step_is_its_own_step_on_float64_copies():
     assert not torch.equal(o, before[0].double())
 
 
-def test_compare_with_a_sparse_embedding_reads_rounding(tmp_path):
+@pytest.mark.parametrize("extra,status,allow", [((), "divergent", ("--allow", "rounding")),
+                                                 (("--fix", "all", "--capture", "hash"), "bitwise", ())])
+def test_compare_with_a_sparse_embedding(tmp_path, extra, status, allow):
+    """compare's own step on the sparse grad's dense value: rounding stock; under the fixes, hashed,
+    bitwise - the sparse grad's hash at TP=1 (recorded off the fast path of plain tensors) that of TP=2."""
     out = tmp_path / "c"
     p = run_cli("compare", "--model", "py:tests/models/sparse_embed.py:target", "--tp", "1,2",
-                "--batch-size", "2", "--seq-len", "8", "--out", str(out))
+                "--batch-size", "2", "--seq-len", "8", *extra, "--out", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
     s = json.loads((out / "summary.json").read_text())
-    assert s["class"] == "rounding" and not s["degrees"]["2"]["findings"], s["degrees"]["2"]
+    d = s["degrees"]["2"]
+    assert d["status"] == status and s["class"] == ("rounding" if status == "divergent" else None), d
+    assert not d["findings"] and (d["n_divergent"] > 0) == (status == "divergent"), d
     assert "failed" not in p.stdout and "not judged" not in p.stdout, p.stdout
-    assert len(_rows(out, "s0/backward/embed/param_grad#0/weight")) == 1
-    assert run_cli("gate", str(out), "--allow", "rounding").returncode == 0
+    (row,) = _rows(out, "s0/backward/embed/param_grad#0/weight")
+    assert ",replicate,float32,32x16," in row, row
+    assert run_cli("gate", str(out), *allow).returncode == 0
