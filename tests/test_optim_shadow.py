@@ -168,16 +168,11 @@ def test_torchs_own_optimizer_is_its_float64_step(cls, foreach):
 
 
 def test_torchs_optimizers_no_step_can_be_had_of_are_refused_with_why():
-    """LBFGS steps through its closure, SparseAdam sparse grads: refused, the reason naming it (a
-    generic TypeError, or a re-run of a step whose consumed grads no record holds, before)."""
+    """LBFGS steps through its closure: refused, the reason naming it (a generic TypeError before).
+    SparseAdam, refused until its sparse grads were recorded, is re-run: tests/test_sparse_grads.py."""
     lin = torch.nn.Linear(3, 2)
     lin(torch.randn(4, 3)).sum().backward()
     ps = list(lin.parameters())
     with pytest.raises(Refused, match="LBFGS steps through its closure"):
         opt = torch.optim.LBFGS(ps)
         shadow_step(opt, (opt,), {}, _names(ps))
-    emb = torch.nn.Embedding(8, 4, sparse=True)
-    emb(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(Refused, match="SparseAdam steps sparse grads"):
-        opt = torch.optim.SparseAdam(emb.parameters())
-        shadow_step(opt, (opt,), {}, _names([emb.weight]))
