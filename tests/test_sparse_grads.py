@@ -21,7 +21,7 @@ from user_worlds import capture_worlds
 def captures(tmp_path_factory):
     return capture_worlds(tmp_path_factory.mktemp("sparse"), "user_sparse_embed", "steps",
                           ((1, "sgd"), (2, "sgd"), (2, "rows"), (1, "sparse_adam"), (2, "sparse_adam"),
-                           (2, "sum_sync")))
+                           (2, "rows_adam"), (2, "sum_sync")))
 
 
 def _diff(captures, tmp_path, ref, other):
@@ -70,6 +70,18 @@ def test_a_correct_sparse_embedding_reads_rounding(captures, tmp_path, opt, tp2)
     if opt == "sparse_adam":
         steps = [e for e in w["optimizer_steps"] if e["class"] == "torch.optim.sparse_adam.SparseAdam"]
         assert len(steps) == 2 and all(e["f64"] == {"jumps": []} for e in steps), steps
+
+
+def test_sparse_adam_on_a_hand_cut_shard_is_not_judged_in_one_line(captures, tmp_path):
+    """Each rank's SparseAdam steps its own rows as a plain tensor: its float64 re-execution is of
+    each rank's piece, not the whole tensor's step - said in one line, never rounding, never a crash."""
+    s, stdout, out = _diff(captures, tmp_path, "sparse_adam", "rows_adam")
+    d = s["degrees"]["2"]
+    assert [(f["module"], f["kind"], f["name"], f["cause"]) for f in d["findings"]][:1] == \
+        [("embed", "param", "weight", "unknown")], d["findings"]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("TP=2: not judged at optimizer: embed (param weight)")]
+    assert len(lines) == 1 and "SparseAdam.step() re-executed in float64 gave another value on each rank" in lines[0], stdout
+    assert "BUG" not in stdout and _gate(out) == 1
 
 
 def test_a_sparse_grad_summed_over_the_tp_group_is_a_bug(captures, tmp_path):
