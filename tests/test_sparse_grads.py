@@ -1,6 +1,7 @@
 """Sparse grads: a user's `nn.Embedding(sparse=True)` (its weight grad a sparse COO tensor) trained
 with torch's SparseAdam or SGD, captured with `tpdiag.capture` in real gloo worlds
-(tests/user_sparse_embed.py), and the same model under `tpdiag compare` (tests/models/sparse_embed.py).
+(tests/user_sparse_embed.py), and the same model under `tpdiag compare` (tests/models/sparse_embed.py:
+replicated, its vocab rows cut by hand, and those rows' grads summed twice).
 
 Main at 9eb8e34 crashed every world at the grad's record (`RuntimeError: unsupported memory format
 option Contiguous` in probes/host_store.py); compare failed at its grad norm (`aten::linalg_vector_norm`
@@ -131,20 +132,41 @@ def test_sparse_adams_float64_step_is_its_own_step_on_float64_copies():
     assert not torch.equal(o, before[0].double())
 
 
-@pytest.mark.parametrize("extra,status,allow", [((), "divergent", ("--allow", "rounding")),
-                                                 (("--fix", "all", "--capture", "hash"), "bitwise", ())])
-def test_compare_with_a_sparse_embedding(tmp_path, extra, status, allow):
-    """compare's own step on the sparse grad's dense value: rounding stock; under the fixes, hashed,
-    bitwise - the sparse grad's hash at TP=1 (recorded off the fast path of plain tensors) that of TP=2."""
-    out = tmp_path / "c"
-    p = run_cli("compare", "--model", "py:tests/models/sparse_embed.py:target", "--tp", "1,2",
+def _compare(tmp_path, name: str, *extra):
+    out = tmp_path / name
+    p = run_cli("compare", "--model", f"py:tests/models/sparse_embed.py:{name}", "--tp", "1,2",
                 "--batch-size", "2", "--seq-len", "8", *extra, "--out", str(out))
     assert p.returncode == 0, p.stdout + p.stderr
-    s = json.loads((out / "summary.json").read_text())
+    assert "failed" not in p.stdout and "not judged" not in p.stdout, p.stdout
+    return json.loads((out / "summary.json").read_text()), p.stdout, out
+
+
+@pytest.mark.parametrize("name,extra,status,allow", [
+    ("rows_ok", (), "divergent", ("--allow", "rounding")),
+    ("target", ("--fix", "all", "--capture", "hash"), "bitwise", ()),
+])
+def test_compare_with_a_sparse_embedding(tmp_path, name, extra, status, allow):
+    """compare's own step on the sparse grad's dense value. The vocab rows cut by hand: each rank's
+    sparse grad of its rows gathered, rounding; replicated under the fixes, hashed: bitwise - the
+    sparse grad's hash at TP=1 (recorded off the fast path of plain tensors) that of TP=2."""
+    s, _, out = _compare(tmp_path, name, *extra)
     d = s["degrees"]["2"]
     assert d["status"] == status and s["class"] == ("rounding" if status == "divergent" else None), d
     assert not d["findings"] and (d["n_divergent"] > 0) == (status == "divergent"), d
-    assert "failed" not in p.stdout and "not judged" not in p.stdout, p.stdout
     (row,) = _rows(out, "s0/backward/embed/param_grad#0/weight")
-    assert ",replicate,float32,32x16," in row, row
+    assert (",shard:0,float32,32x16," if name == "rows_ok" else ",replicate,float32,32x16,") in row, row
     assert run_cli("gate", str(out), *allow).returncode == 0
+
+
+def test_compare_names_a_sparse_grad_summed_twice(tmp_path):
+    """rows_sum sums the ranks' embedding outputs with torch.distributed.nn.functional.all_reduce, whose
+    backward all-reduces the grad as well: the forward is right, each rank's sparse grad is 2x."""
+    from tpdiag.diff.classes import leading_bug
+
+    s, stdout, out = _compare(tmp_path, "rows_sum")
+    lead = leading_bug(s["degrees"]["2"])
+    assert s["class"] == "bug" and lead is not None, s["degrees"]["2"]["findings"]
+    assert (lead["step"], lead["phase"], lead["module"], lead["kind"], lead["name"], lead["cause"]) == \
+        (0, "backward", "embed", "param_grad", "weight", "sharding-bug"), lead
+    assert "BUG (a wrong result, not rounding) at TP=2 backward: embed (param_grad weight)" in stdout, stdout
+    assert run_cli("gate", str(out), "--allow", "rounding").returncode == 4
