@@ -528,7 +528,7 @@ FILE_SECONDS = {
     # session 22 (helper hhost22b): `time` of the file alone (user+sys of the process tree, loaded host)
     "test_rank_env.py": 10,
     # session 25 (helper hsparse25): wall of `pytest -n 0 FILE` on the shared 2-core machine (seven
-    # capture worlds, six diffs and gates, two 2-degree compares) less pytest's own start
+    # capture worlds, six diffs and gates, three 2-degree compares) less pytest's own start
     "test_sparse_grads.py": 55,
 }
 
