@@ -132,6 +132,22 @@ def test_sparse_adams_float64_step_is_its_own_step_on_float64_copies():
     assert not torch.equal(o, before[0].double())
 
 
+@pytest.mark.parametrize("hook,changed", [(lambda g: g * 0.5, True), (lambda g: g.coalesce(), False)])
+def test_a_grad_hook_on_a_sparse_embedding_is_watched(hook, changed):
+    """compare's reference watches the user's grad hooks for an effect (models/grad_hooks.py): on a
+    sparse grad it compared with torch.equal, which has no sparse kernel - every TP=1 world raised
+    NotImplementedError. A scaling hook changed the grad, a coalesce (other indices, the same grad) did not."""
+    from tpdiag.models.grad_hooks import watch
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(8, 3, sparse=True)
+    emb.weight.register_hook(hook)
+    effect: dict = {}
+    watch(emb, effect)
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    assert emb.weight.grad.is_sparse and effect == {"weight": changed}
+
+
 def _compare(tmp_path, name: str, *extra):
     out = tmp_path / name
     p = run_cli("compare", "--model", f"py:tests/models/sparse_embed.py:{name}", "--tp", "1,2",
