@@ -24,13 +24,9 @@ def strided(t):
     return t.to_dense()
 
 
-def densify_grads(params) -> list[str]:
+def densify_grads(params) -> None:
     """`compare`'s own step (its grad norm, clip and AdamW read strided grads: AdamW refuses a sparse
-    one) on each sparse grad's dense equivalent, put in its .grad; returns the layouts it replaced."""
-    out = []
+    one) on each sparse grad's dense equivalent, put in its .grad."""
     for p in params:
-        lay = layout_name(p.grad) if p.grad is not None else None
-        if lay is not None:
+        if p.grad is not None and layout_name(p.grad) is not None:
             p.grad = strided(p.grad)
-            out.append(lay)
-    return out
