@@ -13,9 +13,9 @@ def layout_name(t) -> str | None:
 
 def strided(t):
     """t itself where strided; else the dense tensor it stands for. A COO grad's indices repeat
-    where a token does: it is coalesced first - each index's values summed once, in index order,
-    as SparseAdam's own `grad.coalesce()` sums them - so the dense value is one function of the
-    values, whatever order autograd listed them in."""
+    where a token does: it is coalesced first, the repeated rows summed as SparseAdam's own
+    `grad.coalesce()` sums them, so the record holds the rounding of the grad that optimizer reads
+    (to_dense of the uncoalesced one sums them its own way)."""
     lay = getattr(t, "layout", torch.strided)
     if lay is torch.strided:
         return t
