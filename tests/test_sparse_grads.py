@@ -4,8 +4,8 @@ with torch's SparseAdam or SGD, captured with `tpdiag.capture` in real gloo worl
 replicated, its vocab rows cut by hand, and those rows' grads summed twice).
 
 Main at 9eb8e34 crashed every world at the grad's record (`RuntimeError: unsupported memory format
-option Contiguous` in probes/host_store.py); compare failed at its grad norm (`aten::linalg_vector_norm`
-has no SparseCPU kernel). A sparse grad is now recorded as the dense tensor it stands for (its
+option Contiguous` in probes/host_store.py), a compare's too; under `--capture hash` a compare's world
+failed at its grad norm (`aten::linalg_vector_norm` has no SparseCPU kernel). A sparse grad is now recorded as the dense tensor it stands for (its
 indices coalesced: probes/recorder.py, base/sparse.py), so the grad and the parameters after the step
 are judged as any other, and SparseAdam's step is re-executed in float64 like torch's other
 optimizers without a rule (it was refused: "not judged", gate 1)."""

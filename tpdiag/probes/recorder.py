@@ -181,8 +181,8 @@ class Recorder(HashPlacing):
             phase = self._phase
         sparse = layout_name(t)
         if sparse is not None:
-            # a sparse grad (nn.Embedding(sparse=True)) is recorded as the dense tensor it stands
-            # for, its layout in the meta: judged as any other grad, whatever order its indices came in
+            # a sparse grad (nn.Embedding(sparse=True)) is recorded as the dense tensor it stands for,
+            # coalesced as its optimizer reads it (base/sparse.py), its layout in the meta: judged as any other
             with self._paused():
                 t = strided(t)
         step = self.step

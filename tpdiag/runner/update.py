@@ -34,10 +34,9 @@ def optimizer_step(phases, rec, model, opt, norm_fn, clip_norm, plan, include, b
     """The grads' global norm (clipped if asked), the optimizer's step, the params' records and
     those of the buffers the step wrote (buffers: model_walk.buffer_state at the step's start);
     returns the norm."""
+    from tpdiag.base.sparse import densify_grads
     from tpdiag.probes.model_walk import record_params, record_written_buffers
     from tpdiag.runner.per_rank import norm_over_ranks
-
-    from tpdiag.base.sparse import densify_grads
 
     with phases("optimizer", last="params") as ph:
         params = list(model.parameters())
