@@ -532,6 +532,9 @@ FILE_SECONDS = {
     "test_gate_copied_rerun.py": 75,  # hrerun25: a matrix run of its own; the confirmed and --fix auto runs shared (hreview25: +15 s)
     # session 22 (helper hhost22b): `time` of the file alone (user+sys of the process tree, loaded host)
     "test_rank_env.py": 10,
+    # session 25 (helper hsparse25): wall of `pytest -n 0 FILE` on the shared 2-core machine (seven
+    # capture worlds, six diffs and gates, three 2-degree compares) less pytest's own start
+    "test_sparse_grads.py": 55,
 }
 
 
