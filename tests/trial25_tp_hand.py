@@ -133,6 +133,7 @@ def rope(x):
     inv = 1.0 / (10000 ** (torch.arange(0, HD, 2, dtype=torch.float32) / HD))
     ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
     cos, sin = torch.cat([ang.cos()] * 2, -1)[None, :, None], torch.cat([ang.sin()] * 2, -1)[None, :, None]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, -1)
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -169,8 +170,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self):
+    def __init__(self, copy_in=True):
         super().__init__()
+        self.copy_in = copy_in
         r, n = world()
         w1, w3, w2 = torch.randn(FFN, DIM) / DIM ** 0.5, torch.randn(FFN, DIM) / DIM ** 0.5, torch.randn(DIM, FFN) / FFN ** 0.5
         k = FFN // n
@@ -178,15 +180,15 @@ class MLP(nn.Module):
         self.w2 = nn.Parameter(w2[:, r * k:(r + 1) * k].clone())
 
     def forward(self, x):
-        x = copy(x)
+        x = copy(x) if self.copy_in else x
         return reduce((F.silu(x @ self.w1.t()) * (x @ self.w3.t())) @ self.w2.t())
 
 
 class Block(nn.Module):
-    def __init__(self, sync_kv):
+    def __init__(self, sync_kv, copy_in):
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(), Attention(sync_kv)
-        self.mlp_norm, self.mlp = RMSNorm(), MLP()
+        self.mlp_norm, self.mlp = RMSNorm(), MLP(copy_in)
 
     def forward(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -206,10 +208,10 @@ class VocabHead(nn.Module):
 
 
 class HandLlama(nn.Module):
-    def __init__(self, sync_kv=True):
+    def __init__(self, sync_kv=True, copy_in=True):
         super().__init__()
         self.embed = VocabEmbedding()
-        self.layers = nn.ModuleList(Block(sync_kv) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block(sync_kv, copy_in) for _ in range(LAYERS))
         self.norm = RMSNorm()
         self.head = VocabHead()
 
@@ -278,4 +280,9 @@ def kv_unsynced():
 
 
 def lse_eps():
-    return tpdiag.Target(model=HandLlama(), plan={}, vocab_size=VOCAB, inputs=inputs, loss=ce_loss(1e-6))
+    return tpdiag.Target(model=HandLlama(), plan={}, vocab_size=VOCAB, inputs=inputs, loss=ce_loss(1e-3))
+
+
+def mlp_no_copy():
+    return tpdiag.Target(model=HandLlama(copy_in=False), plan={}, vocab_size=VOCAB, inputs=inputs,
+                         loss=ce_loss(0.0))
