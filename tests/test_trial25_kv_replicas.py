@@ -1,0 +1,93 @@
+"""A new user's hand-written TP Llama (tests/trial25_tp_hand.py, helper htrial25) whose 2 KV heads are
+REPLICATED on neighbouring ranks at TP=4 (vLLM-style: rank r holds KV head r // 2), run through
+`compare --tp 1,2,4` and `gate` as the user runs them, in real gloo worlds.
+
+On main at 958380d the correct model's TP=4 world failed ("shards of shape [8, 32] at TP=4 cannot be
+gathered into [16, 32]": records/layout.py knew no replicated blocks, gate 2), and with that gathered,
+its grad norm read a false BUG (runner/per_rank.py counted each replicated KV block once per replica).
+"""
+import csv
+import json
+
+import pytest
+import torch
+
+from conftest import run_cli
+from tpdiag.records.replicated_blocks import gather, replicated_dim
+
+SPEC = "py:tests/trial25_tp_hand.py:"
+
+
+def compare(out, func, tp):
+    p = run_cli("compare", "--model", SPEC + func, "--tp", tp, "--no-baseline", "--out", str(out),
+                "--format", "json")
+    assert p.returncode == 0, p.stderr + p.stdout
+    return json.loads(p.stdout)["degrees"]
+
+
+def gate(out, *args):
+    return run_cli("gate", str(out), *args)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean") / "r"
+    return out, compare(out, "target", "1,2,4")
+
+
+def test_replicated_kv_heads_read_rounding_only(clean):
+    out, degrees = clean
+    for tp in ("2", "4"):
+        d = degrees[tp]
+        assert d["status"] == "divergent" and d["class"] == "rounding", d
+        assert d["findings"] == [], d["findings"]
+        assert d["first_divergence"]["cause"] == "row-parallel-reduction", d["first_divergence"]
+    rows = [r for r in csv.DictReader(open(out / "diff.csv")) if r["degree"] == "4"]
+    # each KV block taken once: the TP=4 weights gather to the reference's [2 heads x 8, 32], bitwise at init
+    init = {r["name"]: r for r in rows if r["kind"] == "param_init" and r["module"] == "layers.0.attn"}
+    for w in ("wk", "wv"):
+        assert init[w]["layout"] == "shard:0" and init[w]["shape"] == "16x32" and init[w]["bitwise"] == "True", init[w]
+    # the replicas counted once in the step's grad norm: within its bound (it was 4.8e4x beyond)
+    gn = next(r for r in rows if r["kind"] == "grad_norm")
+    assert gn["beyond_bound"] != "True", gn
+    assert gate(out, "--allow", "rounding").returncode == 0
+
+
+def test_unsynced_replica_grads_are_a_bug(tmp_path):
+    """The planted bug: the KV replicas' grads not summed over the ranks sharing the head (the hook
+    forgotten). Right at TP=2 (no replica), wrong at TP=4: each replica's grad covers its own query
+    head only - shares that add up to the reference's grad."""
+    out = tmp_path / "r"
+    d = compare(out, "kv_unsynced", "1,4")["4"]
+    assert d["status"] == "BUG" or d["class"] == "bug", d
+    roots = {(f["module"], f["kind"], f["name"]): f for f in d["findings"] if "follows" not in f}
+    for m in ("layers.0.attn", "layers.1.attn"):
+        for w in ("wk", "wv"):
+            f = roots[(m, "param_grad", w)]
+            assert f["cause"] == "rank-inconsistent-replica", f
+    rows = {r["key"]: r for r in csv.DictReader(open(out / "diff.csv")) if r["degree"] == "4"}
+    assert rows["s0/backward/layers.0.attn/param_grad#0/wk"]["rank_consistent"] == "False"
+    g = gate(out, "--allow", "rounding")
+    assert g.returncode == 4, g.stdout + g.stderr
+
+
+def test_replicated_dim_is_only_whole_blocks_held_more_than_once():
+    assert replicated_dim([8, 32], [16, 32], 4) == (0, 2)   # 2 KV heads at TP=4
+    assert replicated_dim([8, 32], [16, 32], 8) == (0, 4)
+    assert replicated_dim([8, 32], [32, 32], 4) is None      # plain shards
+    assert replicated_dim([6, 32], [16, 32], 3) is None      # padded (ceil), not whole blocks
+    assert replicated_dim([8, 32], [24, 32], 4) is None      # 3 blocks do not divide 4 ranks
+    assert replicated_dim([8, 16], [16, 32], 4) is None      # two dims shrank
+
+
+def test_gather_takes_each_block_once_and_checks_its_copies():
+    whole = torch.arange(16.0).reshape(4, 4)
+    neighbours = [whole[0:2], whole[0:2], whole[2:4], whole[2:4]]
+    full, copies, ok = gather(neighbours, 0, 2)
+    assert ok and torch.equal(full, whole) and len(copies) == 2
+    round_robin = [whole[0:2], whole[2:4], whole[0:2], whole[2:4]]
+    full, _, ok = gather(round_robin, 0, 2)
+    assert ok and torch.equal(full, whole)
+    bad = [whole[0:2], whole[0:2] + 1, whole[2:4], whole[2:4]]
+    full, copies, ok = gather(bad, 0, 2)
+    assert not ok and torch.equal(copies[0], whole) and not torch.equal(copies[1], whole)
