@@ -138,35 +138,58 @@ def rope(x):
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-class Attention(nn.Module):
-    def __init__(self, sync_kv=True):
+class ColumnParallelLinear(nn.Module):
+    """Megatron's ColumnParallelLinear (gather_output=False): rows [lo, hi) of a master weight drawn whole."""
+
+    def __init__(self, d_in, d_out, lo, hi):
         super().__init__()
+        self.weight = rows_of(torch.randn(d_out, d_in) / d_in ** 0.5, lo, hi)
+
+    def forward(self, x):
+        return copy(x) @ self.weight.t()
+
+
+class RowParallelLinear(nn.Module):
+    """Megatron's RowParallelLinear (input_is_parallel=True): columns [lo, hi), the ranks' partials summed."""
+
+    def __init__(self, d_in, d_out, lo, hi):
+        super().__init__()
+        self.weight = nn.Parameter((torch.randn(d_out, d_in) / d_in ** 0.5)[:, lo:hi].clone())
+
+    def forward(self, x):
+        return reduce(x @ self.weight.t())
+
+
+class Attention(nn.Module):
+    def __init__(self, sync_kv=True, local_scale=False):
+        super().__init__()
+        self.local_scale = local_scale
         r, n = world()
-        wq, wk, wv, wo = (torch.randn(HEADS * HD, DIM) / DIM ** 0.5, torch.randn(KV * HD, DIM) / DIM ** 0.5,
-                          torch.randn(KV * HD, DIM) / DIM ** 0.5, torch.randn(DIM, HEADS * HD) / DIM ** 0.5)
         self.local_heads = HEADS // n
-        q0 = r * self.local_heads * HD
-        self.wq = rows_of(wq, q0, q0 + self.local_heads * HD)
+        q0, q1 = r * self.local_heads * HD, (r + 1) * self.local_heads * HD
         k0, k1 = kv_heads_of_rank()
         self.local_kv = k1 - k0
-        self.wk = rows_of(wk, k0 * HD, k1 * HD)
-        self.wv = rows_of(wv, k0 * HD, k1 * HD)
-        self.wo = nn.Parameter(wo[:, q0:q0 + self.local_heads * HD].clone())
+        self.wq = ColumnParallelLinear(DIM, HEADS * HD, q0, q1)
+        # at TP > KV each rank's KV head is a replica of its neighbour's (vLLM's num_kv_head_replicas)
+        self.wk = ColumnParallelLinear(DIM, KV * HD, k0 * HD, k1 * HD)
+        self.wv = ColumnParallelLinear(DIM, KV * HD, k0 * HD, k1 * HD)
+        self.wo = RowParallelLinear(HEADS * HD, DIM, q0, q1)
         if sync_kv:
-            sync_replicas(self.wk)
-            sync_replicas(self.wv)
+            sync_replicas(self.wk.weight)
+            sync_replicas(self.wv.weight)
 
     def forward(self, x):
         b, s, _ = x.shape
-        x = copy(x)
-        q = rope((x @ self.wq.t()).view(b, s, self.local_heads, HD))
-        k = rope((x @ self.wk.t()).view(b, s, self.local_kv, HD))
-        v = (x @ self.wv.t()).view(b, s, self.local_kv, HD)
+        q = rope(self.wq(x).view(b, s, self.local_heads, HD))
+        k = rope(self.wk(x).view(b, s, self.local_kv, HD))
+        v = self.wv(x).view(b, s, self.local_kv, HD)
         rep = self.local_heads // self.local_kv
         k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+        # local_scale: the head size taken from the local weight over the global head count
+        scale = (self.wq.weight.shape[0] // HEADS) ** -0.5 if self.local_scale else None
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)
-        return reduce(o.transpose(1, 2).reshape(b, s, -1) @ self.wo.t())
+                                           is_causal=True, scale=scale)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
@@ -174,20 +197,21 @@ class MLP(nn.Module):
         super().__init__()
         self.copy_in = copy_in
         r, n = world()
-        w1, w3, w2 = torch.randn(FFN, DIM) / DIM ** 0.5, torch.randn(FFN, DIM) / DIM ** 0.5, torch.randn(DIM, FFN) / FFN ** 0.5
         k = FFN // n
-        self.w1, self.w3 = rows_of(w1, r * k, (r + 1) * k), rows_of(w3, r * k, (r + 1) * k)
-        self.w2 = nn.Parameter(w2[:, r * k:(r + 1) * k].clone())
+        self.w1 = ColumnParallelLinear(DIM, FFN, r * k, (r + 1) * k)
+        self.w3 = ColumnParallelLinear(DIM, FFN, r * k, (r + 1) * k)
+        self.w2 = RowParallelLinear(FFN, DIM, r * k, (r + 1) * k)
 
     def forward(self, x):
+        # copy_in=False: the planted bug - the input's grad is not summed over the ranks' column shards
         x = copy(x) if self.copy_in else x
-        return reduce((F.silu(x @ self.w1.t()) * (x @ self.w3.t())) @ self.w2.t())
+        return self.w2(F.silu(x @ self.w1.weight.t()) * (x @ self.w3.weight.t()))
 
 
 class Block(nn.Module):
-    def __init__(self, sync_kv, copy_in):
+    def __init__(self, sync_kv, copy_in, local_scale=False):
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(), Attention(sync_kv)
+        self.attn_norm, self.attn = RMSNorm(), Attention(sync_kv, local_scale)
         self.mlp_norm, self.mlp = RMSNorm(), MLP(copy_in)
 
     def forward(self, x):
@@ -208,10 +232,10 @@ class VocabHead(nn.Module):
 
 
 class HandLlama(nn.Module):
-    def __init__(self, sync_kv=True, copy_in=True):
+    def __init__(self, sync_kv=True, copy_in=True, local_scale_layer=None):
         super().__init__()
         self.embed = VocabEmbedding()
-        self.layers = nn.ModuleList(Block(sync_kv, copy_in) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block(sync_kv, copy_in, i == local_scale_layer) for i in range(LAYERS))
         self.norm = RMSNorm()
         self.head = VocabHead()
 
@@ -286,3 +310,10 @@ def lse_eps():
 def mlp_no_copy():
     return tpdiag.Target(model=HandLlama(copy_in=False), plan={}, vocab_size=VOCAB, inputs=inputs,
                          loss=ce_loss(0.0))
+
+
+def late_scale():
+    """The planted bug in the last layer only: its attention's softmax scale from the local weight's rows
+    over the global head count (head size 8 at TP=1, 4 at TP=2, 2 at TP=4)."""
+    return tpdiag.Target(model=HandLlama(local_scale_layer=LAYERS - 1), plan={}, vocab_size=VOCAB,
+                         inputs=inputs, loss=ce_loss(0.0))
