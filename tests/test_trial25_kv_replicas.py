@@ -44,8 +44,8 @@ def test_replicated_kv_heads_read_rounding_only(clean):
         assert d["first_divergence"]["cause"] == "row-parallel-reduction", d["first_divergence"]
     rows = [r for r in csv.DictReader(open(out / "diff.csv")) if r["degree"] == "4"]
     # each KV block taken once: the TP=4 weights gather to the reference's [2 heads x 8, 32], bitwise at init
-    init = {r["name"]: r for r in rows if r["kind"] == "param_init" and r["module"] == "layers.0.attn"}
-    for w in ("wk", "wv"):
+    init = {r["module"]: r for r in rows if r["kind"] == "param_init" and r["name"] == "weight"}
+    for w in ("layers.0.attn.wk", "layers.0.attn.wv"):
         assert init[w]["layout"] == "shard:0" and init[w]["shape"] == "16x32" and init[w]["bitwise"] == "True", init[w]
     # the replicas counted once in the step's grad norm: within its bound (it was 4.8e4x beyond)
     gn = next(r for r in rows if r["kind"] == "grad_norm")
@@ -60,15 +60,33 @@ def test_unsynced_replica_grads_are_a_bug(tmp_path):
     out = tmp_path / "r"
     d = compare(out, "kv_unsynced", "1,4")["4"]
     assert d["status"] == "BUG" or d["class"] == "bug", d
-    roots = {(f["module"], f["kind"], f["name"]): f for f in d["findings"] if "follows" not in f}
+    roots = {(f["module"], f["kind"]): f for f in d["findings"] if "follows" not in f}
     for m in ("layers.0.attn", "layers.1.attn"):
         for w in ("wk", "wv"):
-            f = roots[(m, "param_grad", w)]
+            f = roots[(f"{m}.{w}", "param_grad")]
             assert f["cause"] == "rank-inconsistent-replica", f
     rows = {r["key"]: r for r in csv.DictReader(open(out / "diff.csv")) if r["degree"] == "4"}
-    assert rows["s0/backward/layers.0.attn/param_grad#0/wk"]["rank_consistent"] == "False"
+    assert rows["s0/backward/layers.0.attn.wk/param_grad#0/weight"]["rank_consistent"] == "False"
     g = gate(out, "--allow", "rounding")
     assert g.returncode == 4, g.stdout + g.stderr
+
+
+def test_a_bug_only_the_second_pass_names_gates_4_not_2(tmp_path):
+    """The planted bug behind the first layer's rounding (late_scale): the main run's own-input pass
+    names it; its confirmation rerun (tp-invariant-linear, not confirmed: the all-reduce is the
+    user's) judges only a first divergence without a cause, so its summary names rounding only over
+    the bug's moved records. On main that read as an edit of the confirmation ("edited after the
+    run"): gate 2 over the bug's 4."""
+    out = tmp_path / "r"
+    d = compare(out, "late_scale", "1,2")["2"]
+    assert d["class"] == "bug" and d["confirmation"]["verdict"] == "not-confirmed", d
+    f = next(f for f in d["findings"] if f["key"] == "s0/forward/layers.1.attn/out#0/0")
+    assert f["cause"] == "sharding-bug", f
+    conf = json.loads((out / "confirm" / "tp-invariant-linear" / "summary.json").read_text())["degrees"]["2"]
+    assert conf["class"] == "rounding", conf   # the rerun's own summary does not name it
+    g = gate(out, "--allow", "rounding")
+    assert g.returncode == 4, g.stdout + g.stderr
+    assert "layers.1.attn" in g.stdout and "edited after the run" not in g.stdout + g.stderr, g.stdout
 
 
 def test_replicated_dim_is_only_whole_blocks_held_more_than_once():

@@ -8,15 +8,20 @@ every layer splits its own weights with torch.distributed, as a Megatron/vLLM us
     ranks, vLLM-style: rank r holds KV head r // (n / KV), ranks 0,1 hold head 0, ranks 2,3 head 1.
     A replica's wk/wv grad covers only its own query heads, so the replicas' grads are summed over
     the ranks sharing the head (`sync_replicas`).
-  - SwiGLU MLP: w1/w3 column-parallel, w2 row-parallel
+  - Megatron-style ColumnParallelLinear / RowParallelLinear modules; SwiGLU MLP: w1/w3 column-, w2 row-parallel
   - vocab-parallel LM head (local logits, parallel_output=True) and Megatron's vocab-parallel
     cross-entropy as the loss.
 
   target        correct
   kv_unsynced   the planted bug: the KV replicas' grads are NOT summed (the hook forgotten): at TP=4
                 each replica of a KV head keeps the grad of its own query head only
-  lse_eps       the planted bug: an eps added to each rank's partial sum of exp before the all-reduce
-                (TP=n adds n eps to the logsumexp's sum)
+  lse_eps       the planted bug: an eps (1e-3) added to each rank's partial sum of exp before the
+                all-reduce (TP=n adds n eps to the logsumexp's sum)
+  mlp_no_copy   the planted bug: the MLP's column-parallel layers skip Megatron's f (their input's
+                grad is each rank's partial, never summed)
+  late_scale    the planted bug, in the last layer only: the softmax scale from the local weight's
+                rows over the global head count (head size 8 at TP=1, 4 at TP=2) - behind the first
+                layer's rounding, found by judging that module on its own inputs
 
     python3 -m tpdiag compare --model py:tests/trial25_tp_hand.py:target --tp 1,2,4
 """
@@ -141,12 +146,13 @@ def rope(x):
 class ColumnParallelLinear(nn.Module):
     """Megatron's ColumnParallelLinear (gather_output=False): rows [lo, hi) of a master weight drawn whole."""
 
-    def __init__(self, d_in, d_out, lo, hi):
+    def __init__(self, d_in, d_out, lo, hi, copy_in=True):
         super().__init__()
         self.weight = rows_of(torch.randn(d_out, d_in) / d_in ** 0.5, lo, hi)
+        self.copy_in = copy_in  # False: the planted bug - the input's grad not summed over the ranks
 
     def forward(self, x):
-        return copy(x) @ self.weight.t()
+        return (copy(x) if self.copy_in else x) @ self.weight.t()
 
 
 class RowParallelLinear(nn.Module):
@@ -195,17 +201,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, copy_in=True):
         super().__init__()
-        self.copy_in = copy_in
         r, n = world()
         k = FFN // n
-        self.w1 = ColumnParallelLinear(DIM, FFN, r * k, (r + 1) * k)
-        self.w3 = ColumnParallelLinear(DIM, FFN, r * k, (r + 1) * k)
+        self.w1 = ColumnParallelLinear(DIM, FFN, r * k, (r + 1) * k, copy_in)
+        self.w3 = ColumnParallelLinear(DIM, FFN, r * k, (r + 1) * k, copy_in)
         self.w2 = RowParallelLinear(FFN, DIM, r * k, (r + 1) * k)
 
     def forward(self, x):
-        # copy_in=False: the planted bug - the input's grad is not summed over the ranks' column shards
-        x = copy(x) if self.copy_in else x
-        return self.w2(F.silu(x @ self.w1.weight.t()) * (x @ self.w3.weight.t()))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
