@@ -110,7 +110,8 @@ def padded_dim(local: list[int], full: list[int], n: int) -> int | None:
     `make_vocab_size_divisible_by`: ceil(V/n) rows per rank, the padding at the end), else None.
     Every rank holds some of the whole (the padding is less than a shard): shards whose n copies
     are twice the whole or more are replicas - KV heads replicated where TP exceeds their count
-    (2 heads at TP=4: rank r holds head r // 2), which cut as padding would read a false difference."""
+    (2 heads at TP=4: rank r holds head r // 2), which cut as padding would read a false difference
+    (records/replicated_blocks.py gathers them)."""
     if len(local) != len(full):
         return None
     dims = [d for d in range(len(full)) if local[d] != full[d]]
