@@ -320,3 +320,8 @@ def late_scale():
     over the global head count (head size 8 at TP=1, 4 at TP=2, 2 at TP=4)."""
     return tpdiag.Target(model=HandLlama(local_scale_layer=LAYERS - 1), plan={}, vocab_size=VOCAB,
                          inputs=inputs, loss=ce_loss(0.0))
+
+
+def lse_eps_small():
+    """lse_eps with eps 1e-4: the loss moves by ~10x less, still beyond its bound at TP=4."""
+    return tpdiag.Target(model=HandLlama(), plan={}, vocab_size=VOCAB, inputs=inputs, loss=ce_loss(1e-4))
