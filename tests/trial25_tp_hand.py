@@ -17,6 +17,7 @@ every layer splits its own weights with torch.distributed, as a Megatron/vLLM us
                 each replica of a KV head keeps the grad of its own query head only
   lse_eps       the planted bug: an eps (1e-3) added to each rank's partial sum of exp before the
                 all-reduce (TP=n adds n eps to the logsumexp's sum)
+  lse_eps_small lse_eps with eps 1e-4
   mlp_no_copy   the planted bug: the MLP's column-parallel layers skip Megatron's f (their input's
                 grad is each rank's partial, never summed)
   late_scale    the planted bug, in the last layer only: the softmax scale from the local weight's
