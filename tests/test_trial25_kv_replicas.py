@@ -18,9 +18,9 @@ from tpdiag.records.replicated_blocks import gather, replicated_dim
 SPEC = "py:tests/trial25_tp_hand.py:"
 
 
-def compare(out, func, tp):
+def compare(out, func, tp, *more):
     p = run_cli("compare", "--model", SPEC + func, "--tp", tp, "--no-baseline", "--out", str(out),
-                "--format", "json")
+                "--format", "json", *more)
     assert p.returncode == 0, p.stderr + p.stdout
     return json.loads(p.stdout)["degrees"]
 
@@ -69,6 +69,25 @@ def test_unsynced_replica_grads_are_a_bug(tmp_path):
     assert rows["s0/backward/layers.0.attn.wk/param_grad#0/weight"]["rank_consistent"] == "False"
     g = gate(out, "--allow", "rounding")
     assert g.returncode == 4, g.stdout + g.stderr
+
+
+@pytest.mark.parametrize("func,code", [("target", 0), ("kv_unsynced", 4)])
+def test_under_hash_capture_too(tmp_path, func, code):
+    """--capture hash (the default above 100M parameters): each rank hashes its KV block at the block's
+    place in the whole, and a block's copies are composed once (probes/hash_place.py,
+    runner/gather._hash_meta). On main their layout was unknown: every wk / wv record was left
+    uncompared ("shard layout unknown in hash mode") and kv_unsynced passed the gate, exit 0."""
+    out = tmp_path / "r"
+    d = compare(out, func, "1,4", "--capture", "hash")["4"]
+    assert "shard layout unknown in hash mode" not in json.dumps(d.get("not_compared") or {}), d["not_compared"]
+    if code == 4:
+        roots = {f["module"]: f for f in d["findings"] if "follows" not in f and f["kind"] == "param_grad"}
+        assert {"layers.0.attn.wk", "layers.0.attn.wv"} <= set(roots), d["findings"]
+        assert all(f["cause"] == "rank-inconsistent-replica" for f in roots.values()), roots
+    else:
+        assert d["class"] == "rounding" and d["findings"] == [], d
+    g = gate(out, "--allow", "rounding")
+    assert g.returncode == code, g.stdout + g.stderr
 
 
 def test_a_bug_only_the_second_pass_names_gates_4_not_2(tmp_path):
