@@ -71,6 +71,20 @@ def test_unsynced_replica_grads_are_a_bug(tmp_path):
     assert g.returncode == 4, g.stdout + g.stderr
 
 
+def test_replica_grads_averaged_are_a_bug(tmp_path):
+    """kv_avg: the replicas' grads averaged where each holds a different part of the sum (half at
+    TP=4). The copies agree, so no replica check sees it: the reference's float64 backward of wv does,
+    from its output grad - the ranks' shares, left uncompared - and calls its weight grad far."""
+    out = tmp_path / "r"
+    d = compare(out, "kv_avg", "1,4")["4"]
+    roots = [f for f in d["findings"] if "follows" not in f]
+    assert [(f["key"], f["cause"]) for f in roots] == [
+        ("s0/backward/layers.0.attn.wv/param_grad#0/weight", "sharding-bug")], d["findings"]
+    assert roots[0]["bound_ratio"] > 1e3, roots[0]
+    g = gate(out, "--allow", "rounding")
+    assert g.returncode == 4, g.stdout + g.stderr
+
+
 @pytest.mark.parametrize("func,code", [("target", 0), ("kv_unsynced", 4)])
 def test_under_hash_capture_too(tmp_path, func, code):
     """--capture hash (the default above 100M parameters): each rank hashes its KV block at the block's

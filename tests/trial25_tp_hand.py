@@ -18,6 +18,7 @@ every layer splits its own weights with torch.distributed, as a Megatron/vLLM us
   lse_eps       the planted bug: an eps (1e-3) added to each rank's partial sum of exp before the
                 all-reduce (TP=n adds n eps to the logsumexp's sum)
   lse_eps_small lse_eps with eps 1e-4
+  kv_avg        the planted bug: the replicas' grads AVERAGED over the ranks sharing the head (half at TP=4)
   mlp_no_copy   the planted bug: the MLP's column-parallel layers skip Megatron's f (their input's
                 grad is each rank's partial, never summed)
   late_scale    the planted bug, in the last layer only: the softmax scale from the local weight's
@@ -93,7 +94,7 @@ def kv_heads_of_rank():
     return h, h + 1
 
 
-def sync_replicas(p):
+def sync_replicas(p, mean=False):
     """Sum a replicated KV head's grad over the ranks that hold it: each rank writes its grad into
     its head's slot of a zero buffer of every KV head, the buffer is all-reduced (the zeros add
     nothing), and the rank reads its head's slot back."""
@@ -105,7 +106,8 @@ def sync_replicas(p):
         full = torch.zeros(KV * HD, *g.shape[1:], dtype=g.dtype)
         full[lo * HD:(lo + 1) * HD] = g
         dist.all_reduce(full)
-        return full[lo * HD:(lo + 1) * HD].clone()
+        mine = full[lo * HD:(lo + 1) * HD].clone()
+        return mine / (n // KV) if mean else mine  # mean: the planted bug (AVG where SUM is right)
     p.register_hook(hook)
 
 
@@ -182,8 +184,8 @@ class Attention(nn.Module):
         self.wv = ColumnParallelLinear(DIM, KV * HD, k0 * HD, k1 * HD)
         self.wo = RowParallelLinear(HEADS * HD, DIM, q0, q1)
         if sync_kv:
-            sync_replicas(self.wk.weight)
-            sync_replicas(self.wv.weight)
+            sync_replicas(self.wk.weight, mean=sync_kv == "avg")
+            sync_replicas(self.wv.weight, mean=sync_kv == "avg")
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -326,3 +328,10 @@ def late_scale():
 def lse_eps_small():
     """lse_eps with eps 1e-4: the loss moves by ~10x less, still beyond its bound at TP=4."""
     return tpdiag.Target(model=HandLlama(), plan={}, vocab_size=VOCAB, inputs=inputs, loss=ce_loss(1e-4))
+
+
+def kv_avg():
+    """The replicas' grads averaged over the ranks sharing the head (a data-parallel habit) where each
+    replica holds a different part of the sum: at TP=4 the KV weights' grads are half."""
+    return tpdiag.Target(model=HandLlama(sync_kv="avg"), plan={}, vocab_size=VOCAB, inputs=inputs,
+                         loss=ce_loss(0.0))
