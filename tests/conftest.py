@@ -535,6 +535,9 @@ FILE_SECONDS = {
     # session 25 (helper hsparse25): wall of `pytest -n 0 FILE` on the shared 2-core machine (seven
     # capture worlds, six diffs and gates, three 2-degree compares) less pytest's own start
     "test_sparse_grads.py": 55,
+    # session 25 (helper htrial25): wall of `pytest -n 0 FILE` on the shared 2-core machine (53-83 s:
+    # five compares of 2-3 gloo worlds with their gates) - ordering only
+    "test_trial25_kv_replicas.py": 70,
 }
 
 
