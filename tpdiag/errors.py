@@ -23,6 +23,11 @@ class BadType(BadInput, TypeError):
     """A value of the wrong type (a str where an int belongs): a BadInput, and a TypeError."""
 
 
+class UnguardedMain(BadInput):
+    """A script that starts tpdiag's worlds with its call at top level, outside `if __name__ ==
+    '__main__':` - every rank, importing the script again as it starts, called tpdiag again."""
+
+
 class NotCarried(UserWarning):
     """tpdiag.accumulate_grads: parameters whose grads went into .grad per piece, not into the
     fp32 carry - their grads are not bitwise across micro-batch sizes."""

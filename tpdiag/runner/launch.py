@@ -18,7 +18,8 @@ from tpdiag.config import WorldConfig
 from tpdiag.records.paths import RESULT, world_file
 from tpdiag.runner import progress
 # prestart, prewarm: importable from here too, as the CLI imports them
-from tpdiag.runner.start_context import _context, _rank_vars, _restore_env, prestart, prewarm, rank_entry  # noqa: F401
+from tpdiag.runner.start_context import (RERAN_MAIN, _context, _rank_vars, _restore_env, prestart,  # noqa: F401
+                                         prewarm, rank_entry, unguarded_line)
 
 
 @dataclass
@@ -218,6 +219,11 @@ def _failure(cfg: WorldConfig, procs, world: int, t0: float) -> WorldResult | No
     if silent:
         r = silent[0]
         code = procs[r].exitcode
+        if code == RERAN_MAIN:
+            from tpdiag.errors import UnguardedMain
+
+            # every rank of every world would re-run the script: no world of this run can start
+            raise UnguardedMain(unguarded_line(f"TP={world}'s ranks"))
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
         error = f"rank {r} died ({how}) before finishing its work"
     else:

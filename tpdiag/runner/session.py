@@ -12,7 +12,9 @@ def compare_session(cfg: CompareConfig, on_status=None, started: float | None = 
     """started: time.perf_counter() when the command began (its input checks are then the
     breakdown's first part, `checks`)."""
     from tpdiag.diff import pair_memo
+    from tpdiag.runner.start_context import refuse_rerun
 
+    refuse_rerun()  # a rank re-running its script's unguarded call leaves before any check or world
     # the own-input pass's diff reads the region diff's pairs again: measured once per compare,
     # each stored tensor hash-checked once per compare (records/checked.py)
     with pair_memo.read_once(_check_device(cfg)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import threading
 
 from tpdiag.runner.determinism import RANK_ENV
@@ -54,7 +55,39 @@ def _safe_path() -> None:
         os.environ[SAFE_PATH_MARK] = "1"
 
 
+# Set for the fork server and the ranks (a spawned rank takes it at its start): a rank's start
+# imports the launcher's main script again (multiprocessing's spawn.prepare, under forkserver and
+# spawn), and a tpdiag call met there is that script's own call, unguarded - not a new run.
+RANK_MARK = "TPDIAG_RANK_START"
+# the exit status of such a rank (runner/launch.py names the cause to the caller from it)
+RERAN_MAIN = 86
+
+
+def refuse_rerun() -> None:
+    """Called where tpdiag starts processes, and first thing in the APIs that do: while a process
+    is importing its launcher's main script (multiprocessing's `_inheriting`), a call here is that
+    script's unguarded call run again. A rank of tpdiag's leaves at once with RERAN_MAIN (before
+    the call builds a model or starts worlds of its own); any other process gets the fix in one line."""
+    if not getattr(mp.current_process(), "_inheriting", False):
+        return
+    if os.environ.get(RANK_MARK):
+        os._exit(RERAN_MAIN)
+    from tpdiag.errors import UnguardedMain
+
+    raise UnguardedMain(unguarded_line())
+
+
+def unguarded_line(who: str = "this process") -> str:
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    script = os.path.basename(main) if main else "the main script"
+    return (f"{who} started by importing {script} again, and its top-level code called tpdiag again "
+            f"(Python's {os.environ.get('TPDIAG_START_METHOD', 'forkserver')} start method imports the main "
+            f"script in every new process): wrap the call in `if __name__ == '__main__':`")
+
+
 def _context(model: str = ""):
+    refuse_rerun()
+    os.environ[RANK_MARK] = "1"
     for k, v in RANK_ENV.items():
         os.environ.setdefault(k, v)  # inherited by the fork server, so by every rank
     _import_root_first()
@@ -84,6 +117,7 @@ def rank_entry(env: dict, entry, *args, **kwargs) -> None:
     whose build then failed. As with spawn or fork, a rank now sees what its launcher sees (set or
     changed variables; the server's own imports keep what they read at its start)."""
     os.environ.update(env)
+    os.environ.pop(RANK_MARK, None)  # the rank's own code (a user's model) is no longer a rank's start
     entry(*args, **kwargs)
 
 
@@ -144,7 +178,7 @@ _WARM: list = []
 
 def _rank_vars() -> dict:
     """This process's own values of what _context sets for the ranks (None: unset), for _restore_env."""
-    return {k: os.environ.get(k) for k in (*RANK_ENV, "PYTHONSAFEPATH", SAFE_PATH_MARK)}
+    return {k: os.environ.get(k) for k in (*RANK_ENV, "PYTHONSAFEPATH", SAFE_PATH_MARK, RANK_MARK)}
 
 
 def _restore_env(saved: dict) -> None:
