@@ -88,6 +88,9 @@ def compare(
 
     entered = time.perf_counter()  # the time breakdown's start: the input checks count too
     with reported():
+        from tpdiag.runner.start_context import refuse_rerun
+
+        refuse_rerun()  # a rank re-running a script's unguarded call to this command leaves at once
         from tpdiag.config import (CAPTURES, DEVICES, DTYPES, GRANULARITIES, CompareConfig, parse_choice,
                                    parse_degrees)
         from tpdiag.fixes.registry import resolve
@@ -204,6 +207,9 @@ def confirm_cmd(
     RUN_DIR: the --out directory of a tpdiag compare run."""
     DEBUG["on"] = debug
     try:
+        from tpdiag.runner.start_context import refuse_rerun
+
+        refuse_rerun()  # a rank re-running a script's unguarded call to this command leaves at once
         from tpdiag.config import CompareConfig
         from tpdiag.errors import BadInput
         from tpdiag.fixes.registry import resolve

@@ -223,7 +223,7 @@ def _failure(cfg: WorldConfig, procs, world: int, t0: float) -> WorldResult | No
             from tpdiag.errors import UnguardedMain
 
             # every rank of every world would re-run the script: no world of this run can start
-            raise UnguardedMain(unguarded_line(f"TP={world}'s ranks"))
+            raise UnguardedMain(unguarded_line(f"TP={world}'s rank{'s' if world > 1 else ''}"))
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
         error = f"rank {r} died ({how}) before finishing its work"
     else:

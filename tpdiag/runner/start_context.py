@@ -80,9 +80,10 @@ def refuse_rerun() -> None:
 def unguarded_line(who: str = "this process") -> str:
     main = getattr(sys.modules.get("__main__"), "__file__", None)
     script = os.path.basename(main) if main else "the main script"
-    return (f"{who} started by importing {script} again, and its top-level code called tpdiag again "
-            f"(Python's {os.environ.get('TPDIAG_START_METHOD', 'forkserver')} start method imports the main "
-            f"script in every new process): wrap the call in `if __name__ == '__main__':`")
+    return (f"{who} ran {script} again as {'they' if who.endswith('ranks') else 'it'} started (Python's "
+            f"{os.environ.get('TPDIAG_START_METHOD', 'forkserver')} start method imports the main script in "
+            f"every new process), and its top-level code called tpdiag again: wrap the call in "
+            f"`if __name__ == '__main__':`")
 
 
 def _context(model: str = ""):
