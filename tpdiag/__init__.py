@@ -21,6 +21,7 @@ _LAZY = {
     "BadInput": ("tpdiag.errors", "BadInput"),
     "BadType": ("tpdiag.errors", "BadType"),
     "NotCarried": ("tpdiag.errors", "NotCarried"),
+    "UnguardedMain": ("tpdiag.errors", "UnguardedMain"),
 }
 
 
@@ -52,4 +53,5 @@ def __getattr__(name: str):
 
 __all__ = ["__version__", "Target", "capture", "load", "builtin_target", "invariant", "clip_grad_norm_", "accumulate_grads",
            "fix_names",
-           "set_deterministic", "deterministic", "TpdiagError", "BadInput", "BadType", "NotCarried"]
+           "set_deterministic", "deterministic", "TpdiagError", "BadInput", "BadType", "NotCarried",
+           "UnguardedMain"]
