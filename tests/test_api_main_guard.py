@@ -53,6 +53,15 @@ def test_the_guarded_script_runs_every_configuration(tmp_path):
     assert got == {"tp1-mb1-prefill-none": "ok", "tp2-mb1-prefill-none": "ok"}, got
 
 
+def test_an_unguarded_script_that_starts_no_process_runs_as_before(tmp_path):
+    # TP=1 alone runs in the script's process: nothing imports the script again, nothing is refused
+    p = _script("user_rollout_script.py", str(tmp_path), "1", "1", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    got = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    assert got == {"tp1-mb1-prefill-none": "ok"}, got
+    assert len((tmp_path / "ran.txt").read_text().split()) == 1
+
+
 def test_the_command_line_called_from_an_unguarded_script_is_one_error_line(tmp_path):
     out = tmp_path / "run"
     p = _script("user_compare_script.py", str(out), cwd=tmp_path)

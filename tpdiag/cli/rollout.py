@@ -82,7 +82,7 @@ def rollout(
     with reported():
         from tpdiag.runner.start_context import refuse_rerun
 
-        refuse_rerun()  # a rank re-running a script's unguarded call to this command leaves at once
+        refuse_rerun(starts=False)  # a rank re-running a script's unguarded call to this command leaves at once
         from tpdiag.config import DTYPES, parse_choice
         from tpdiag.runner import attention as attn
         from tpdiag.runner import recipe as trainer_recipe

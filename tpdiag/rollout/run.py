@@ -68,7 +68,7 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
     from tpdiag.rollout.read import read_rollout
     from tpdiag.runner.start_context import refuse_rerun
 
-    refuse_rerun()  # a rank re-running its script's unguarded call leaves before reading or building anything
+    refuse_rerun(starts=False)  # a rank re-running its script's unguarded call: gone before any input is read
     t0 = time.perf_counter()
     user_rc = rc
     ro = read_rollout(rc.file)

@@ -63,18 +63,21 @@ RANK_MARK = "TPDIAG_RANK_START"
 RERAN_MAIN = 86
 
 
-def refuse_rerun() -> None:
-    """Called where tpdiag starts processes, and first thing in the APIs that do: while a process
+def refuse_rerun(starts: bool = True) -> None:
+    """Called where tpdiag starts processes, and first thing in the APIs that may: while a process
     is importing its launcher's main script (multiprocessing's `_inheriting`), a call here is that
     script's unguarded call run again. A rank of tpdiag's leaves at once with RERAN_MAIN (before
-    the call builds a model or starts worlds of its own); any other process gets the fix in one line."""
+    the call reads its input, builds a model or starts worlds of its own); another process (the
+    caller's own spawned workers) gets the fix in one line where it would start processes (starts),
+    which multiprocessing refuses there anyway - a TP=1-only rollout it may run as before."""
     if not getattr(mp.current_process(), "_inheriting", False):
         return
     if os.environ.get(RANK_MARK):
         os._exit(RERAN_MAIN)
-    from tpdiag.errors import UnguardedMain
+    if starts:
+        from tpdiag.errors import UnguardedMain
 
-    raise UnguardedMain(unguarded_line())
+        raise UnguardedMain(unguarded_line())
 
 
 def unguarded_line(who: str = "this process") -> str:
