@@ -1,0 +1,74 @@
+"""A pretraining team's torchtitan-style Llama under torch's own `parallelize_module` plan
+(tests/models/user_tt25.py), each FUNC the team's trainer with one TP mistake of its own, run as the
+team runs it: `tpdiag compare --model py:... --tp 1,2`, then `tpdiag gate`. One compare per case.
+
+- ok, ok_nosp: the sequence-parallel and plain plans, correct: rounding only, gate --allow rounding 0.
+- norm_grad_local: the team's fused RMSNorm kernel (an autograd Function on `to_local()` shards)
+  under SequenceParallel, the weight's grad never summed over the ranks' positions: BUG at the
+  first weight grad the backward makes, `norm`'s, `rank-inconsistent-replica`.
+- double_reduce: Megatron's reduce kept on a RowwiseParallel output: BUG at the MLP's forward.
+- loss_world: the loss divided by the world size: BUG at the loss.
+- data_rank_seed: the batch drawn per rank from a sampler seeded by the global rank: BUG at the batch.
+- label_smooth: label smoothing under torch's loss_parallel, which does not support it: every TP=2
+  rank raises in the team's loss; the world failed (gate 2), named at the team's line.
+"""
+import json
+
+import pytest
+
+from conftest import run_cli
+
+CASES = ("ok", "ok_nosp", "norm_grad_local", "double_reduce", "loss_world", "data_rank_seed", "label_smooth")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for case in CASES:
+        d = tmp_path_factory.mktemp(case) / "r"
+        p = run_cli("compare", "--model", f"py:tests/models/user_tt25.py:{case}", "--tp", "1,2",
+                    "--no-baseline", "--no-confirm", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        # a world that failed is inconclusive: compare exits 2
+        assert p.returncode == (2 if case == "label_smooth" else 0), (case, p.stderr[-3000:] + p.stdout[-2000:])
+        g = run_cli("gate", str(d), "--allow", "rounding")
+        out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, g.returncode, g.stdout + g.stderr)
+    return out
+
+
+@pytest.mark.parametrize("case", ["ok", "ok_nosp"])
+def test_the_correct_plans_read_rounding_only(runs, case):
+    s, stdout, gate, gate_out = runs[case]
+    e = s["degrees"]["2"]
+    assert s["class"] == "rounding" and not e.get("findings"), (case, e)
+    assert e["first_divergence"]["cause"] == "row-parallel-reduction", e["first_divergence"]
+    assert "BUG" not in stdout and gate == 0, (case, gate_out, stdout[-1500:])
+
+
+@pytest.mark.parametrize("case,where,cause,said", [
+    ("norm_grad_local", ("backward", "norm", "param_grad", "weight"), "rank-inconsistent-replica",
+     "backward: norm (param_grad weight)"),
+    ("double_reduce", ("forward", "layers.0.feed_forward", "out", "0"), "sharding-bug",
+     "forward: layers.0.feed_forward"),
+    ("loss_world", ("loss", "model", "loss", "loss"), "sharding-bug", "loss: the loss function"),
+    ("data_rank_seed", ("init", "model", "batch", "input_ids"), "rank-inconsistent-replica",
+     "init: batch input_ids"),
+])
+def test_each_mistake_is_a_bug_at_its_record(runs, case, where, cause, said):
+    from tpdiag.diff.classes import leading_bug
+
+    s, stdout, gate, gate_out = runs[case]
+    lead = leading_bug(s["degrees"]["2"])
+    assert s["class"] == "bug" and lead is not None, (case, s["degrees"]["2"])
+    assert (lead["phase"], lead["module"], lead["kind"], lead["name"], lead["cause"]) == (*where, cause), lead
+    assert f"BUG (a wrong result, not rounding) at TP=2 {said}" in stdout, stdout
+    assert gate == 4, (case, gate_out)
+    if case == "norm_grad_local":  # each rank kept its own positions' share of the weight's grad
+        assert lead.get("partial_sum") is True, lead
+
+
+def test_label_smoothing_under_loss_parallel_fails_at_the_users_line(runs):
+    s, stdout, gate, _ = runs["label_smooth"]
+    e = s["degrees"]["2"]
+    assert e["status"] == "failed" and s["class"] is None, e
+    assert "user_tt25.py" in stdout and "in cross_entropy_smoothed" in stdout, stdout[-2000:]
+    assert gate == 2, gate
