@@ -9,6 +9,10 @@ team runs it: `tpdiag compare --model py:... --tp 1,2`, then `tpdiag gate`. One 
 - double_reduce: Megatron's reduce kept on a RowwiseParallel output: BUG at the MLP's forward.
 - loss_world: the loss divided by the world size: BUG at the loss.
 - data_rank_seed: the batch drawn per rank from a sampler seeded by the global rank: BUG at the batch.
+- data_rank_shard: the batch split over the world's ranks (a DistributedSampler given the global rank):
+  BUG at the batch, saying each rank must get the whole batch. Main at 9eb8e34 gathered the ranks'
+  rows as a batch-dim shard (bitwise the reference's batch) and named `tok_embeddings`' output,
+  blaming "an input layout your plan declares wrongly".
 - label_smooth: label smoothing under torch's loss_parallel, which does not support it: every TP=2
   rank raises in the team's loss; the world failed (gate 2), named at the team's line.
 """
@@ -18,7 +22,8 @@ import pytest
 
 from conftest import run_cli
 
-CASES = ("ok", "ok_nosp", "norm_grad_local", "double_reduce", "loss_world", "data_rank_seed", "label_smooth")
+CASES = ("ok", "ok_nosp", "norm_grad_local", "double_reduce", "loss_world", "data_rank_seed", "data_rank_shard",
+         "label_smooth")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +57,7 @@ def test_the_correct_plans_read_rounding_only(runs, case):
     ("loss_world", ("loss", "model", "loss", "loss"), "sharding-bug", "loss: the loss function"),
     ("data_rank_seed", ("init", "model", "batch", "input_ids"), "rank-inconsistent-replica",
      "init: batch input_ids"),
+    ("data_rank_shard", ("init", "model", "batch", "input_ids"), "sharding-bug", "init: batch input_ids"),
 ])
 def test_each_mistake_is_a_bug_at_its_record(runs, case, where, cause, said):
     from tpdiag.diff.classes import leading_bug
@@ -64,6 +70,9 @@ def test_each_mistake_is_a_bug_at_its_record(runs, case, where, cause, said):
     assert gate == 4, (case, gate_out)
     if case == "norm_grad_local":  # each rank kept its own positions' share of the weight's grad
         assert lead.get("partial_sum") is True, lead
+    if case == "data_rank_shard":
+        assert "each rank's batch has shape [1, 8], the reference's [2, 8]" in lead["why"], lead
+        assert "must get the whole batch" in lead["why"], lead
 
 
 def test_label_smoothing_under_loss_parallel_fails_at_the_users_line(runs):

@@ -262,3 +262,14 @@ def data_rank_seed():
 
 def label_smooth():
     return _target(loss=cross_entropy_smoothed)
+
+
+def batch_rank_shard(g):
+    # the trainer's DistributedSampler over the world - the TP ranks taken for data-parallel ones
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    whole = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return whole[rank * BATCH // world:(rank + 1) * BATCH // world]
+
+
+def data_rank_shard():
+    return _target(inputs=batch_rank_shard)
