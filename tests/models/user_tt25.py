@@ -22,6 +22,10 @@ Each FUNC is the team's trainer with one thing done as the team first wrote it:
                   parallelism): each TP rank trains on other tokens.                      BUG
   label_smooth    `F.cross_entropy(..., label_smoothing=0.1)` on the loss-parallel logits (torch's
                   `loss_parallel` documents label smoothing as not supported).
+  data_rank_shard the batch split over the world's ranks, as a DistributedSampler given the global
+                  rank and world size splits it: each TP rank trains on its own rows.       BUG
+  zloss           PaLM's z-loss from `torch.logsumexp` of the loss-parallel logits, gathered with
+                  `full_tensor()`: its backward mixes DTensor and Tensor at TP > 1 (torch raises).
 
     tpdiag compare --model py:tests/models/user_tt25.py:norm_grad_local --tp 1,2
 """
@@ -273,3 +277,16 @@ def batch_rank_shard(g):
 
 def data_rank_shard():
     return _target(inputs=batch_rank_shard)
+
+
+def cross_entropy_zloss(logits, labels):
+    # PaLM's z-loss on the loss-parallel logits, as DTensor computes a logsumexp over the vocab shards
+    z = torch.logsumexp(logits.float(), dim=-1)
+    if isinstance(z, DTensor):
+        z = z.full_tensor()
+    keep = (labels != -100).flatten()
+    return cross_entropy(logits, labels) + 1e-4 * (z.flatten()[keep] ** 2).mean()
+
+
+def zloss():
+    return _target(loss=cross_entropy_zloss)

@@ -55,7 +55,19 @@ def library_where(exc: BaseException, message: str) -> tuple[str, str | None]:
     if not message:
         last = frames[-1]
         message = f"(no message) at {_short(last.filename)}:{last.lineno} in {last.name}"
-    return message, _model_frame(frames)
+    return message, _model_frame(frames) or _backward(frames)
+
+
+def _backward(frames) -> str | None:
+    """'the backward pass' where autograd's engine raised it: no frame of anyone's code is on the
+    stack there (the op is the backward of one the forward ran), so without it the line says
+    nothing of where - a loss-parallel logsumexp's backward mixing DTensor and Tensor read as a
+    bare torch error (tests/models/user_tt25.py zloss)."""
+    if any(f.name == "_engine_run_backward" or (f.name == "backward" and f"{os.sep}autograd{os.sep}" in f.filename)
+           for f in frames):
+        return ("the backward pass: loss.backward() ran the backward of an op of the forward or the loss; "
+                "torch.autograd.set_detect_anomaly(True) names its forward line")
+    return None
 
 
 def describe(err: dict) -> str:
