@@ -6,8 +6,10 @@ team runs it: `tpdiag compare --model py:... --tp 1,2`, then `tpdiag gate`. One 
 - norm_grad_local: the team's fused RMSNorm kernel (an autograd Function on `to_local()` shards)
   under SequenceParallel, the weight's grad never summed over the ranks' positions: BUG at the
   first weight grad the backward makes, `norm`'s, `rank-inconsistent-replica`.
-- double_reduce: Megatron's reduce kept on a RowwiseParallel output: BUG at the MLP's forward.
-- loss_world: the loss divided by the world size: BUG at the loss.
+- double_reduce: Megatron's reduce kept on a RowwiseParallel output: BUG at the MLP's forward, "every
+  element is 2x the reference's" (main at 9eb8e34 gave only the float64 distance, 1.00e+00).
+- loss_world: the loss divided by the world size: BUG at the loss, "the loss is 1/2 x the reference's"
+  (main at 9eb8e34: no reason; a scalar has no one-factor fit, diff/scale.whole_factor).
 - data_rank_seed: the batch drawn per rank from a sampler seeded by the global rank: BUG at the batch.
 - data_rank_shard: the batch split over the world's ranks (a DistributedSampler given the global rank):
   BUG at the batch, saying each rank must get the whole batch. Main at 9eb8e34 gathered the ranks'
@@ -80,6 +82,12 @@ def test_each_mistake_is_a_bug_at_its_record(runs, case, where, cause, said):
     assert gate == 4, (case, gate_out)
     if case == "norm_grad_local":  # each rank kept its own positions' share of the weight's grad
         assert lead.get("partial_sum") is True, lead
+    if case == "loss_world":  # the loss exactly 1/TP of the reference's: a count, said so
+        assert lead["why"].startswith("the loss is 1/2 x the reference's, to within its rounding bound"), lead
+        assert "a mean over the world size" in stdout, stdout[-2000:]
+    if case == "double_reduce":  # the MLP's output reduced twice: 2x, said beside the float64 verdict
+        assert abs(lead["far_scale"] - 2) < 1e-3 and lead["why"].startswith("every element is 2x"), lead
+        assert "a reduction applied twice" in stdout, stdout[-2000:]
     if case == "data_rank_shard":
         assert "each rank's batch has shape [1, 8], the reference's [2, 8]" in lead["why"], lead
         assert "must get the whole batch" in lead["why"], lead

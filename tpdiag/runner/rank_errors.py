@@ -66,7 +66,7 @@ def _backward(frames) -> str | None:
     if any(f.name == "_engine_run_backward" or (f.name == "backward" and f"{os.sep}autograd{os.sep}" in f.filename)
            for f in frames):
         return ("the backward pass: loss.backward() ran the backward of an op of the forward or the loss; "
-                "torch.autograd.set_detect_anomaly(True) names its forward line")
+                "under torch.autograd.set_detect_anomaly(True) torch warns with its forward line")
     return None
 
 
