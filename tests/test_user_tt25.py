@@ -15,6 +15,8 @@ team runs it: `tpdiag compare --model py:... --tp 1,2`, then `tpdiag gate`. One 
   BUG at the batch, saying each rank must get the whole batch. Main at 9eb8e34 gathered the ranks'
   rows as a batch-dim shard (bitwise the reference's batch) and named `tok_embeddings`' output,
   blaming "an input layout your plan declares wrongly".
+- logit_scale: a learned 0-dim query temperature, a plain parameter on the column-parallel q: BUG
+  at its grad (the last layer's: the backward's first), `rank-inconsistent-replica`, shares that add up.
 - label_smooth: label smoothing under torch's loss_parallel, which does not support it: every TP=2
   rank raises in the team's loss; the world failed (gate 2), named at the team's line.
 - zloss: a z-loss from `torch.logsumexp` of the loss-parallel logits: TP=2 raises in loss.backward()
@@ -70,6 +72,8 @@ def test_the_correct_plans_read_rounding_only(runs, case):
     ("data_rank_seed", ("init", "model", "batch", "input_ids"), "rank-inconsistent-replica",
      "init: batch input_ids"),
     ("data_rank_shard", ("init", "model", "batch", "input_ids"), "sharding-bug", "init: batch input_ids"),
+    ("logit_scale", ("backward", "layers.1.attention", "param_grad", "logit_scale"), "rank-inconsistent-replica",
+     "backward: layers.1.attention (param_grad logit_scale)"),
 ])
 def test_each_mistake_is_a_bug_at_its_record(runs, case, where, cause, said):
     from tpdiag.diff.classes import leading_bug
@@ -80,7 +84,7 @@ def test_each_mistake_is_a_bug_at_its_record(runs, case, where, cause, said):
     assert (lead["phase"], lead["module"], lead["kind"], lead["name"], lead["cause"]) == (*where, cause), lead
     assert f"BUG (a wrong result, not rounding) at TP=2 {said}" in stdout, stdout
     assert gate == 4, (case, gate_out)
-    if case == "norm_grad_local":  # each rank kept its own positions' share of the weight's grad
+    if case in ("norm_grad_local", "logit_scale"):  # each rank kept its own share of the weight's grad
         assert lead.get("partial_sum") is True, lead
     if case == "loss_world":  # the loss exactly 1/TP of the reference's: a count, said so
         assert lead["why"].startswith("the loss is 1/2 x the reference's, to within its rounding bound"), lead

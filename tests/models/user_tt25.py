@@ -24,6 +24,10 @@ Each FUNC is the team's trainer with one thing done as the team first wrote it:
                   `loss_parallel` documents label smoothing as not supported).
   data_rank_shard the batch split over the world's ranks, as a DistributedSampler given the global
                   rank and world size splits it: each TP rank trains on its own rows.       BUG
+  logit_scale     a learned query temperature (one 0-dim plain parameter) on the column-parallel q:
+                  each rank's grad of it is its own heads' share, never summed.          BUG
+  wo_bias         correct: the output projection with a bias under RowwiseParallel(output_layouts=
+                  Shard(1)) - DTensor adds it once, after the reduce-scatter.            rounding
   zloss           PaLM's z-loss from `torch.logsumexp` of the loss-parallel logits, gathered with
                   `full_tensor()`: its backward mixes DTensor and Tensor at TP > 1 (torch raises).
 
@@ -115,17 +119,20 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class Attention(nn.Module):
-    def __init__(self):
+    def __init__(self, logit_scale=False, wo_bias=False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = N_HEADS, N_KV, DIM // N_HEADS
         self.wq = nn.Linear(DIM, N_HEADS * self.head_dim, bias=False)
         self.wk = nn.Linear(DIM, N_KV * self.head_dim, bias=False)
         self.wv = nn.Linear(DIM, N_KV * self.head_dim, bias=False)
-        self.wo = nn.Linear(N_HEADS * self.head_dim, DIM, bias=False)
+        self.wo = nn.Linear(N_HEADS * self.head_dim, DIM, bias=wo_bias)
+        self.logit_scale = nn.Parameter(torch.tensor(1.0)) if logit_scale else None
 
     def forward(self, x, cos, sin):
         bs, seqlen, _ = x.shape
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        if self.logit_scale is not None:  # a learned temperature on the queries (one scalar)
+            xq = xq * self.logit_scale
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rope(xq, cos[:seqlen], sin[:seqlen]), apply_rope(xk, cos[:seqlen], sin[:seqlen])
@@ -150,10 +157,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, partial_grad=True, megatron_reduce=False):
+    def __init__(self, partial_grad=True, megatron_reduce=False, **attn):
         super().__init__()
         self.attention_norm = RMSNorm(DIM, partial_grad=partial_grad)
-        self.attention = Attention()
+        self.attention = Attention(**attn)
         self.ffn_norm = RMSNorm(DIM, partial_grad=partial_grad)
         self.feed_forward = FeedForward(megatron_reduce)
 
@@ -163,13 +170,13 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, partial_grad=True, megatron_reduce=False):
+    def __init__(self, partial_grad=True, megatron_reduce=False, **attn):
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
         cos, sin = rope_tables(DIM // N_HEADS, MAX_SEQ)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(partial_grad, megatron_reduce)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(partial_grad, megatron_reduce, **attn)
                                      for i in range(N_LAYERS)})
         self.norm = RMSNorm(DIM, partial_grad=partial_grad)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
@@ -290,3 +297,11 @@ def cross_entropy_zloss(logits, labels):
 
 def zloss():
     return _target(loss=cross_entropy_zloss)
+
+
+def logit_scale():
+    return _target(model=Transformer(logit_scale=True))
+
+
+def wo_bias():
+    return _target(model=Transformer(wo_bias=True))
