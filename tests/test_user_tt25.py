@@ -2,7 +2,8 @@
 (tests/models/user_tt25.py), each FUNC the team's trainer with one TP mistake of its own, run as the
 team runs it: `tpdiag compare --model py:... --tp 1,2`, then `tpdiag gate`. One compare per case.
 
-- ok, ok_nosp: the sequence-parallel and plain plans, correct: rounding only, gate --allow rounding 0.
+- ok, ok_nosp, zloss_ok: the sequence-parallel and plain plans, and a z-loss on the gathered logits,
+  correct: rounding only, gate --allow rounding 0.
 - norm_grad_local: the team's fused RMSNorm kernel (an autograd Function on `to_local()` shards)
   under SequenceParallel, the weight's grad never summed over the ranks' positions: BUG at the
   first weight grad the backward makes, `norm`'s, `rank-inconsistent-replica`.
@@ -17,6 +18,8 @@ team runs it: `tpdiag compare --model py:... --tp 1,2`, then `tpdiag gate`. One 
   blaming "an input layout your plan declares wrongly".
 - logit_scale: a learned 0-dim query temperature, a plain parameter on the column-parallel q: BUG
   at its grad (the last layer's: the backward's first), `rank-inconsistent-replica`, shares that add up.
+- zloss_split: that z-loss's coefficient divided by the TP degree ("every rank adds it"): BUG at the
+  loss (45x beyond its bound; not a whole factor of it).
 - label_smooth: label smoothing under torch's loss_parallel, which does not support it: every TP=2
   rank raises in the team's loss; the world failed (gate 2), named at the team's line.
 - zloss: a z-loss from `torch.logsumexp` of the loss-parallel logits: TP=2 raises in loss.backward()
@@ -54,7 +57,7 @@ def runs(tmp_path_factory):
     return Runs(tmp_path_factory)
 
 
-@pytest.mark.parametrize("case", ["ok", "ok_nosp"])
+@pytest.mark.parametrize("case", ["ok", "ok_nosp", "zloss_ok"])
 def test_the_correct_plans_read_rounding_only(runs, case):
     s, stdout, gate, gate_out = runs[case]
     e = s["degrees"]["2"]
@@ -74,6 +77,7 @@ def test_the_correct_plans_read_rounding_only(runs, case):
     ("data_rank_shard", ("init", "model", "batch", "input_ids"), "sharding-bug", "init: batch input_ids"),
     ("logit_scale", ("backward", "layers.1.attention", "param_grad", "logit_scale"), "rank-inconsistent-replica",
      "backward: layers.1.attention (param_grad logit_scale)"),
+    ("zloss_split", ("loss", "model", "loss", "loss"), "sharding-bug", "loss: the loss function"),
 ])
 def test_each_mistake_is_a_bug_at_its_record(runs, case, where, cause, said):
     from tpdiag.diff.classes import leading_bug

@@ -28,6 +28,10 @@ Each FUNC is the team's trainer with one thing done as the team first wrote it:
                   each rank's grad of it is its own heads' share, never summed.          BUG
   wo_bias         correct: the output projection with a bias under RowwiseParallel(output_layouts=
                   Shard(1)) - DTensor adds it once, after the reduce-scatter.            rounding
+  zloss_ok        correct: PaLM's z-loss on the gathered logits (`full_tensor()`), the cross-entropy's
+                  replicated DTensor gathered too.                                         rounding
+  zloss_split     zloss_ok's coefficient divided by the world size - "every TP rank adds the z-loss" -
+                  though nothing sums the ranks' losses.                                   BUG
   zloss           PaLM's z-loss from `torch.logsumexp` of the loss-parallel logits, gathered with
                   `full_tensor()`: its backward mixes DTensor and Tensor at TP > 1 (torch raises).
 
@@ -305,3 +309,31 @@ def logit_scale():
 
 def wo_bias():
     return _target(model=Transformer(wo_bias=True))
+
+
+def _zloss_whole(logits, labels, coef):
+    # the z-loss on the whole logits, gathered first (a plain tensor: no DTensor op in its backward)
+    whole = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    z = torch.logsumexp(whole.float(), dim=-1).flatten()[(labels != -100).flatten()]
+    ce = cross_entropy(logits, labels)
+    if isinstance(ce, DTensor):  # loss_parallel's loss is a replicated DTensor; z a plain tensor
+        ce = ce.full_tensor()
+    return ce + coef * (z ** 2).mean()
+
+
+def cross_entropy_zloss_whole(logits, labels):
+    return _zloss_whole(logits, labels, 1e-4)
+
+
+def cross_entropy_zloss_per_rank(logits, labels):
+    # "every TP rank adds the z-loss, so each adds its 1/TP share" - but nothing sums the ranks' losses
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return _zloss_whole(logits, labels, 1e-4 / world)
+
+
+def zloss_ok():
+    return _target(loss=cross_entropy_zloss_whole)
+
+
+def zloss_split():
+    return _target(loss=cross_entropy_zloss_per_rank)
