@@ -529,7 +529,7 @@ FILE_SECONDS = {
     "test_rank_env.py": 10,
     # session 25 (helper hplant25): wall of `pytest -n 0 FILE` on the shared 2-core machine (twelve
     # TP=1,2 compares, no baseline, no confirmation) - ordering only
-    "test_user_tt25.py": 120,
+    "test_user_tt25.py": 70,
 }
 
 

@@ -21,7 +21,8 @@ team runs it: `tpdiag compare --model py:... --tp 1,2`, then `tpdiag gate`. One 
 - zloss_split: that z-loss's coefficient divided by the TP degree ("every rank adds it"): BUG at the
   loss (45x beyond its bound; not a whole factor of it).
 - label_smooth: label smoothing under torch's loss_parallel, which does not support it: every TP=2
-  rank raises in the team's loss; the world failed (gate 2), named at the team's line.
+  rank raises in the team's loss; the world failed (gate 2), named at the team's line, with where a
+  DTensor meets a plain tensor in a Target.loss (loss_parallel) and what to do (main at 9eb8e34: none).
 - zloss: a z-loss from `torch.logsumexp` of the loss-parallel logits: TP=2 raises in loss.backward()
   (DTensor and Tensor mixed); the failure says it came from the backward pass.
 """
@@ -106,6 +107,7 @@ def test_label_smoothing_under_loss_parallel_fails_at_the_users_line(runs):
     e = s["degrees"]["2"]
     assert e["status"] == "failed" and s["class"] is None, e
     assert "user_tt25.py" in stdout and "in cross_entropy_smoothed" in stdout, stdout[-2000:]
+    assert "gather the DTensor with .full_tensor() first" in stdout, stdout[-2000:]
     assert gate == 2, gate
 
 
@@ -116,4 +118,4 @@ def test_a_failure_in_the_backward_says_so(runs):
     assert s["degrees"]["2"]["status"] == "failed" and gate == 2, s["degrees"]["2"]
     line = next(ln for ln in stdout.splitlines() if ln.startswith("2 ") and "failed" in ln)
     assert "rank 0 raised RuntimeError (from the backward pass: loss.backward()" in line, line
-    assert "got mixed torch.Tensor and DTensor" in line, line
+    assert "got mixed torch.Tensor and DTensor" in line and "loss_parallel()" in line, line

@@ -58,6 +58,21 @@ def library_where(exc: BaseException, message: str) -> tuple[str, str | None]:
     return message, _model_frame(frames) or _backward(frames)
 
 
+MIXED = "got mixed torch.Tensor and DTensor"
+
+
+def mixed_hint(message: str) -> str:
+    """DTensor's refusal of a plain tensor beside a DTensor, with where such DTensors come from in a
+    compare: a `Target.loss` runs inside torch's `loss_parallel()` at TP > 1, so code written for
+    plain logits meets a vocab-sharded DTensor and F.cross_entropy's replicated DTensor loss there
+    (label smoothing's own masked_fill, a z-loss added to that loss: tests/models/user_tt25.py)."""
+    if MIXED not in message:
+        return message
+    return (f"{message} (a DTensor - a plan output with use_local_output=False, the loss F.cross_entropy "
+            "returns under loss_parallel(), where a Target.loss runs at TP > 1 - met a plain tensor: "
+            "gather the DTensor with .full_tensor() first)")
+
+
 def _backward(frames) -> str | None:
     """'the backward pass' where autograd's engine raised it: no frame of anyone's code is on the
     stack there (the op is the backward of one the forward ran), so without it the line says
