@@ -4,6 +4,9 @@ team runs it: `tpdiag compare --model py:... --tp 1,2`, then `tpdiag gate`. One 
 
 - ok, ok_nosp, zloss_ok: the sequence-parallel and plain plans, and a z-loss on the gathered logits,
   correct: rounding only, gate --allow rounding 0.
+- head_replicated: correct, the head's logits a replicated DTensor (`output_layouts=Replicate(),
+  use_local_output=False`), the team's loss gathering them: rounding only. Main at 9eb8e34 failed
+  every TP=2 rank in tpdiag's own logprobs (loss_parallel() refuses a DTensor not cut along the vocab).
 - norm_grad_local: the team's fused RMSNorm kernel (an autograd Function on `to_local()` shards)
   under SequenceParallel, the weight's grad never summed over the ranks' positions: BUG at the
   first weight grad the backward makes, `norm`'s, `rank-inconsistent-replica`.
@@ -18,6 +21,8 @@ team runs it: `tpdiag compare --model py:... --tp 1,2`, then `tpdiag gate`. One 
   blaming "an input layout your plan declares wrongly".
 - logit_scale: a learned 0-dim query temperature, a plain parameter on the column-parallel q: BUG
   at its grad (the last layer's: the backward's first), `rank-inconsistent-replica`, shares that add up.
+- mlp_local: the MLP left out of the sequence-parallel plan, run on each rank's own positions: BUG at
+  its weights' grads (the last layer's w2 first), each rank's positions' share.
 - zloss_split: that z-loss's coefficient divided by the TP degree ("every rank adds it"): BUG at the
   loss (45x beyond its bound; not a whole factor of it).
 - label_smooth: label smoothing under torch's loss_parallel, which does not support it: every TP=2
@@ -58,7 +63,7 @@ def runs(tmp_path_factory):
     return Runs(tmp_path_factory)
 
 
-@pytest.mark.parametrize("case", ["ok", "ok_nosp", "zloss_ok"])
+@pytest.mark.parametrize("case", ["ok", "ok_nosp", "zloss_ok", "head_replicated"])
 def test_the_correct_plans_read_rounding_only(runs, case):
     s, stdout, gate, gate_out = runs[case]
     e = s["degrees"]["2"]
@@ -79,6 +84,8 @@ def test_the_correct_plans_read_rounding_only(runs, case):
     ("logit_scale", ("backward", "layers.1.attention", "param_grad", "logit_scale"), "rank-inconsistent-replica",
      "backward: layers.1.attention (param_grad logit_scale)"),
     ("zloss_split", ("loss", "model", "loss", "loss"), "sharding-bug", "loss: the loss function"),
+    ("mlp_local", ("backward", "layers.1.feed_forward.w2", "param_grad", "weight"), "rank-inconsistent-replica",
+     "backward: layers.1.feed_forward.w2 (param_grad weight)"),
 ])
 def test_each_mistake_is_a_bug_at_its_record(runs, case, where, cause, said):
     from tpdiag.diff.classes import leading_bug
@@ -89,7 +96,7 @@ def test_each_mistake_is_a_bug_at_its_record(runs, case, where, cause, said):
     assert (lead["phase"], lead["module"], lead["kind"], lead["name"], lead["cause"]) == (*where, cause), lead
     assert f"BUG (a wrong result, not rounding) at TP=2 {said}" in stdout, stdout
     assert gate == 4, (case, gate_out)
-    if case in ("norm_grad_local", "logit_scale"):  # each rank kept its own share of the weight's grad
+    if case in ("norm_grad_local", "logit_scale", "mlp_local"):  # each rank kept its own share of the weight's grad
         assert lead.get("partial_sum") is True, lead
     if case == "loss_world":  # the loss exactly 1/TP of the reference's: a count, said so
         assert lead["why"].startswith("the loss is 1/2 x the reference's, to within its rounding bound"), lead

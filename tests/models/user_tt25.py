@@ -32,6 +32,11 @@ Each FUNC is the team's trainer with one thing done as the team first wrote it:
                   replicated DTensor gathered too.                                         rounding
   zloss_split     zloss_ok's coefficient divided by the world size - "every TP rank adds the z-loss" -
                   though nothing sums the ranks' losses.                                   BUG
+  mlp_local       the MLP left out of the plan under sequence parallelism ("position-wise: it can run
+                  on each rank's own positions"): its weights' grads are each rank's positions'
+                  share, never summed.                                                     BUG
+  head_replicated correct: the head's logits a replicated DTensor (`output_layouts=Replicate(),
+                  use_local_output=False`), the loss gathering them with `full_tensor()`. rounding
   zloss           PaLM's z-loss from `torch.logsumexp` of the loss-parallel logits, gathered with
                   `full_tensor()`: its backward mixes DTensor and Tensor at TP > 1 (torch raises).
 
@@ -337,3 +342,25 @@ def zloss_ok():
 
 def zloss_split():
     return _target(loss=cross_entropy_zloss_per_rank)
+
+
+def _plan_without_mlp():
+    # "the MLP is position-wise: under sequence parallelism it can run on each rank's own positions"
+    plan = {k: v for k, v in tp_plan().items() if ".feed_forward" not in k}
+    plan["layers.*.ffn_norm"] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def mlp_local():
+    return _target(plan=_plan_without_mlp())
+
+
+def cross_entropy_gathered(logits, labels):
+    # the head's output is a replicated DTensor: every rank holds every logit
+    return cross_entropy(logits.full_tensor() if isinstance(logits, DTensor) else logits, labels)
+
+
+def head_replicated():
+    plan = tp_plan()
+    plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=False)
+    return _target(plan=plan, loss=cross_entropy_gathered)

@@ -175,8 +175,9 @@ def _with_plain_shards(norm_fn):
     return fn
 
 
-def loss_context(world: int):
-    if world > 1:
+def loss_context(world: int, parallel: bool = True):
+    """loss_parallel() at TP > 1 where the logits are vocab-sharded (parallel: runner/logits.vocab_sharded)."""
+    if world > 1 and parallel:
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
