@@ -126,3 +126,16 @@ def test_a_failure_in_the_backward_says_so(runs):
     line = next(ln for ln in stdout.splitlines() if ln.startswith("2 ") and "failed" in ln)
     assert "rank 0 raised RuntimeError (from the backward pass: loss.backward()" in line, line
     assert "got mixed torch.Tensor and DTensor" in line and "loss_parallel()" in line, line
+
+
+def test_fix_all_makes_the_correct_plan_bitwise(tmp_path):
+    # the team's loss is F.cross_entropy on loss-parallel logits: under --fix all it goes through
+    # invariant-vocab-softmax as the docs say; main at 9eb8e34 kept torch's vocab-parallel softmax
+    # for a Target.loss in compare (the mode was installed only by tpdiag.invariant): 1 ULP at the loss
+    d = tmp_path / "r"
+    p = run_cli("compare", "--model", "py:tests/models/user_tt25.py:ok", "--tp", "1,2", "--fix", "all",
+                "--no-baseline", "--no-confirm", "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    s = json.loads((d / "summary.json").read_text())
+    assert s["degrees"]["2"]["status"] == "bitwise", s["degrees"]["2"].get("first_divergence")
+    assert run_cli("gate", str(d)).returncode == 0

@@ -116,7 +116,8 @@ class Losses:
         self.rows_total = rows_total
         self.loss_fn, self.logprob_fn, _ = fns
         self.recipe = recipe if recipe is not None and not recipe.default else None
-        self.invariant_ce = self.loss_fn is not (target.loss or _default_loss())
+        # tpdiag's invariant cross-entropy in place of the default loss (a Target.loss stays the user's)
+        self.invariant_ce = target.loss is None and self.loss_fn is not _default_loss()
         self.sum, self.lps, self.lp, self.dtype, self.parallel = None, [], None, None, True
 
     @contextmanager
