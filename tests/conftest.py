@@ -527,9 +527,9 @@ FILE_SECONDS = {
     "test_gate_nested.py": 25, "test_gate_diff_captures.py": 11,
     # session 22 (helper hhost22b): `time` of the file alone (user+sys of the process tree, loaded host)
     "test_rank_env.py": 10,
-    # session 25 (helper hplant25): wall of `pytest -n 0 FILE` on the shared 2-core machine (fourteen
+    # session 25 (helper hplant25): wall of `pytest -n 0 FILE` on the shared 2-core machine (fifteen
     # TP=1,2 compares, no baseline, no confirmation) - ordering only
-    "test_user_tt25.py": 70,
+    "test_user_tt25.py": 80,
 }
 
 
