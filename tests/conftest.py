@@ -538,6 +538,9 @@ FILE_SECONDS = {
     # session 25 (helper htrial25): wall of `pytest -n 0 FILE` on the shared 2-core machine (53-83 s:
     # five compares of 2-3 gloo worlds with their gates) - ordering only
     "test_trial25_kv_replicas.py": 70,
+    # session 25 (helper hplant25): wall of `pytest -n 0 FILE` on the shared 2-core machine (fifteen
+    # TP=1,2 compares, no baseline, no confirmation) - ordering only
+    "test_user_tt25.py": 80,
 }
 
 

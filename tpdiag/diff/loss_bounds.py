@@ -139,6 +139,14 @@ def loss_bounds(dd: DegreeDiff) -> None:
                 lp_row["bound_ratio"], lp_row["beyond_bound"] = lp[2], lp[3]
                 if loss is not None:
                     _set(loss_row, *loss)
+                    if loss_row["beyond_bound"]:
+                        from tpdiag.diff.scale import whole_factor
+
+                        la, lb = dd.tensors[loss_row["key"]]
+                        c = whole_factor(float(la.double().reshape(-1)[0]), float(lb.double().reshape(-1)[0]),
+                                         loss[0])
+                        if c is not None:
+                            loss_row["loss_factor"] = c
         if dd.captured:
             from tpdiag.diff.loss_first_order import first_order_bound
 
