@@ -162,3 +162,7 @@ def masked_mask_local():
 
 def masked_loss_mean():
     return _target(loss=lambda lo, lab: vocab_parallel_ce(lo, lab, mean_sum=True))
+
+
+def masked_default():
+    return _target()

@@ -87,6 +87,18 @@ def check(y1: torch.Tensor, yn: torch.Tensor, bound: torch.Tensor) -> BoundCheck
     return BoundCheck(float(bound.flatten()[i]), r, r > 1.0, float(d.flatten()[i]))
 
 
+def unmasked(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b (a pair of logits, float64) with each entry -inf at both sides set to 0 at both: a masked
+    column (a padded vocabulary, a grammar mask) is the same exact 0 in each side's softmax, whatever
+    the order, so it moved by nothing and has no size of its own (-inf - -inf is NaN). -inf at one
+    side only stays: that is no rounding."""
+    both = torch.isneginf(a) & torch.isneginf(b)
+    if not bool(both.any()):
+        return a, b
+    zero = torch.zeros((), dtype=a.dtype, device=a.device)
+    return torch.where(both, zero, a), torch.where(both, zero, b)
+
+
 def logprob_bound(logits1, logitsn, lp1, lpn, recipe: dict | None = None) -> torch.Tensor:
     """Per-token bound on |lp_N - lp_1| for lp = logit[label] - logsumexp(logits).
 
@@ -114,11 +126,10 @@ def logprob_bound(logits1, logitsn, lp1, lpn, recipe: dict | None = None) -> tor
     wild = torch.empty(l1.shape[0], dtype=torch.bool, device=l1.device)  # rows no rounding explains
     zero = torch.zeros((), dtype=f, device=l1.device)
     for i in range(0, l1.shape[0], rows):
-        a1, an = l1[i:i + rows].to(f), ln[i:i + rows].to(f)
-        masked = torch.isneginf(a1) & torch.isneginf(an)
-        wild[i:i + rows] = ~(masked | (torch.isfinite(a1) & torch.isfinite(an))).all(-1)
-        d[i:i + rows] = torch.where(masked, zero, (an - a1).abs()).amax(-1)
-        m[i:i + rows] = torch.where(masked, zero, torch.maximum(a1.abs(), an.abs())).amax(-1)
+        a1, an = unmasked(l1[i:i + rows].to(f), ln[i:i + rows].to(f))
+        wild[i:i + rows] = ~(torch.isfinite(a1) & torch.isfinite(an)).all(-1)
+        d[i:i + rows] = (an - a1).abs().amax(-1)
+        m[i:i + rows] = torch.maximum(a1.abs(), an.abs()).amax(-1)
     u = UNIT_ROUNDOFF[torch.float32]
     u_out = UNIT_ROUNDOFF.get(lp1.dtype, u) if lp1.dtype != torch.float64 else 0.0
     a, b = lp1.reshape(-1).to(f), lpn.reshape(-1).to(f)
