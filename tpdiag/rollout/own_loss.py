@@ -102,9 +102,7 @@ class _Rows:
         vocab = self.target.vocab_size
         for j in range(p - 1, min(len(ids) - 1, p - 1 + left)):
             z = rows[j, :vocab]
-            # a column the model masks to -inf is an exact 0 in the softmax: its difference to itself is
-            # NaN in the bound (-inf - -inf), so it stands there as the row's least finite logit
-            zb = _masked_as_least(z)
+            # a column the model masks to -inf is an exact 0 in the softmax: logprob_bound leaves it out
             sixteen = z.dtype in (torch.bfloat16, torch.float16)
             recipe = {"trainer_temperature": self.temp, "logprob": "model-dtype" if sixteen else "log-softmax",
                       "temperature_in": "model" if sixteen else "float32"}
@@ -114,7 +112,7 @@ class _Rows:
                 labels[0, at] = token
                 return -self.target.loss(mine[None], labels).detach()
 
-            def bound_of(own, ref: float, z=zb, recipe=recipe) -> float:
+            def bound_of(own, ref: float, z=z, recipe=recipe) -> float:
                 own_lp = own.float() if own.dtype == torch.float64 else own
                 ref = torch.tensor([ref], dtype=torch.float32, device=z.device)
                 return float(logprob_bound(z[None], z[None], own_lp.reshape(1), ref, recipe)[0])
@@ -128,16 +126,6 @@ class _Rows:
                 # beyond as a logprob: a term of the loss that does not depend on the label, or a bug
                 o["relabel"] = label_free.judge(minus_loss, lsm64, tok, own, bound, bound_of)
             self.out.append(o)
-
-
-def _masked_as_least(z):
-    """z with its -inf entries set to its least finite one (z itself where none is -inf or none finite)."""
-    import torch
-
-    neg, fin = torch.isneginf(z), torch.isfinite(z)
-    if not bool(neg.any()) or not bool(fin.any()):
-        return z
-    return torch.where(neg, z[fin].min(), z)
 
 
 def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same_rows: bool,
