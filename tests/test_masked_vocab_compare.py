@@ -4,7 +4,8 @@
 Main at 4ff4ada read the correct model as NON-FINITE (the loss phase's logits held -inf) and gave the
 logprobs and the loss a NaN bound (-inf - -inf in logprob_bound), under which `diff > bound` is False:
 a cross-entropy log(TP) off read within it. A column -inf at one side only made the bound infinite
-(and its check's ratio inf / inf = NaN, within). Now a column -inf at both sides is an exact 0 in
+(and its check's ratio inf / inf = NaN, within). Under --capture hash the logits' -inf counted as
+NaN/Inf as well. Now a column -inf at both sides is an exact 0 in
 either softmax and adds no rounding; a row with a column -inf at one side only is no rounding at all.
 """
 import json
@@ -21,10 +22,11 @@ MODEL = "py:tests/models/masked_vocab_llama.py:"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for case in ("masked_ok", "masked_loss_mean", "masked_mask_local"):
+    for case, more in (("masked_ok", ()), ("masked_loss_mean", ()), ("masked_mask_local", ()),
+                       ("masked_ok_hash", ("--capture", "hash"))):
         d = tmp_path_factory.mktemp(case) / "r"
-        p = run_cli("compare", "--model", MODEL + case, "--tp", "1,2", "--no-baseline", "--no-confirm",
-                    "--out", str(d), env={"OMP_NUM_THREADS": "1"})
+        p = run_cli("compare", "--model", MODEL + case.removesuffix("_hash"), "--tp", "1,2", "--no-baseline",
+                    "--no-confirm", *more, "--out", str(d), env={"OMP_NUM_THREADS": "1"})
         assert p.returncode == 0, (case, p.stderr[-3000:] + p.stdout[-2000:])
         rows = {r.split(",")[2]: dict(zip(HEAD, r.split(","))) for r in (d / "diff.csv").read_text().splitlines()[1:]}
         out[case] = (json.loads((d / "summary.json").read_text()), p.stdout, rows,
@@ -46,6 +48,12 @@ def test_masked_vocabulary_reads_rounding(runs):
         b = float(rows[k]["bound"] or "nan")
         assert 0 < b < 1e-3 and rows[k]["beyond_bound"] == "False", rows[k]
         assert 0 < float(rows[k]["max_abs"]) <= b, rows[k]
+
+
+def test_masked_vocabulary_reads_rounding_under_hash_capture(runs):
+    # the hashed logits' statistics count NaN and Inf together: their -inf is a mask there too
+    s, stdout, rows, gate = runs["masked_ok_hash"]
+    assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings") and gate == 0, (s["class"], stdout[-1500:])
 
 
 def test_loss_log_tp_off_is_a_bug(runs):
