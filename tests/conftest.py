@@ -532,9 +532,9 @@ FILE_SECONDS = {
     "test_gate_copied_rerun.py": 75,  # hrerun25: a matrix run of its own; the confirmed and --fix auto runs shared (hreview25: +15 s)
     # session 22 (helper hhost22b): `time` of the file alone (user+sys of the process tree, loaded host)
     "test_rank_env.py": 10,
-    # session 25 (helper hinf25): four 2-rank gloo compares (one under --capture hash) and their gates;
-    # wall of `pytest -n 0 FILE` on the shared 2-core machine (24 s) - ordering only
-    "test_masked_vocab_compare.py": 16,
+    # session 25 (helper hinf25): four 2-rank gloo compares (one under --capture hash), three capture
+    # worlds, two diffs and their gates; wall of `pytest -n 0 FILE` on the shared 2-core machine - ordering only
+    "test_masked_vocab_compare.py": 25,
 }
 
 

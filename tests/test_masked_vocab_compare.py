@@ -5,7 +5,8 @@ Main at 4ff4ada read the correct model as NON-FINITE (the loss phase's logits he
 logprobs and the loss a NaN bound (-inf - -inf in logprob_bound), under which `diff > bound` is False:
 a cross-entropy log(TP) off read within it. A column -inf at one side only made the bound infinite
 (and its check's ratio inf / inf = NaN, within). Under --capture hash the logits' -inf counted as
-NaN/Inf as well. Now a column -inf at both sides is an exact 0 in
+NaN/Inf as well, and a capture's loss (judged to first order from the model's outputs) went unjudged
+on the -inf: its log(TP)-off loss read rounding only (tests/user_masked_capture.py). Now a column -inf at both sides is an exact 0 in
 either softmax and adds no rounding; a row with a column -inf at one side only is no rounding at all.
 """
 import json
@@ -105,3 +106,31 @@ def test_logprob_bound_of_masked_columns():
     # a logprob -inf at both sides (a label on a masked column) is no difference, the loss is judged
     lm = torch.tensor([float("-inf"), -1.0, -2.0])
     assert not check(lm, lm.clone(), logprob_bound(z1, z1.clone(), lm, lm.clone())).beyond
+
+
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory):
+    from user_worlds import capture_worlds
+
+    return capture_worlds(tmp_path_factory.mktemp("masked"), "user_masked_capture", "step",
+                          ((1, "ok"), (2, "ok"), (2, "loss_mean")))
+
+
+@pytest.mark.parametrize("other,bug", [("2-ok", False), ("2-loss_mean", True)])
+def test_captured_loss_of_a_masked_vocabulary(captures, tmp_path, other, bug):
+    """A capture has no logits records: its loss is judged to first order from the model's outputs
+    (-inf at both sides: moved by nothing) times their grads. Main skipped the judgement on the -inf,
+    and the log(TP)-off loss read rounding only."""
+    from tpdiag.diff.classes import leading_bug
+
+    out = tmp_path / other
+    p = run_cli("diff", str(captures / "1-ok"), str(captures / other), "--out", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    s, gate = json.loads((out / "summary.json").read_text()), run_cli("gate", str(out), "--allow", "rounding").returncode
+    lead = leading_bug(s["degrees"]["2"])
+    if not bug:
+        assert s["class"] == "rounding" and not s["degrees"]["2"].get("findings") and gate == 0, (s["class"], p.stdout)
+        return
+    assert s["class"] == "bug" and lead is not None, (s["class"], p.stdout)
+    assert (lead["phase"], lead["kind"], lead["cause"]) == ("loss", "loss", "sharding-bug"), lead
+    assert lead["bound_ratio"] > 100 and gate == 4, (lead, gate)  # ~490x
