@@ -362,7 +362,7 @@ FILE_SECONDS = {
     "test_failclosed_selfcheck.py": 1,
     "test_loss_capture.py": 4, "test_partials_cancel.py": 4, "test_reduce_upcast.py": 4, "test_replica_read.py": 4, "test_rl_shard_loss.py": 4,
     "test_swiglu_fused.py": 4, "test_capture_hf_loop.py": 3, "test_invariant_refusals.py": 3, "test_diff_on_device.py": 2, "test_interpreter_patch.py": 2,
-    "test_rollout_new_user.py": 2, "test_rundir_paths.py": 2, "test_user_sp_norm.py": 2, "test_advice_fix_chain.py": 1, "test_alloc.py": 1,
+    "test_rollout_new_user.py": 2, "test_rl_user25.py": 80, "test_rundir_paths.py": 2, "test_user_sp_norm.py": 2, "test_advice_fix_chain.py": 1, "test_alloc.py": 1,
     "test_axes_capture.py": 1, "test_bits.py": 1, "test_bits_paths.py": 1, "test_capture_identity.py": 1, "test_capture_lock.py": 1,
     "test_cause_registry.py": 1, "test_ckpt_recompute.py": 1, "test_cli_help_current.py": 1, "test_cli_zygote_template.py": 2, "test_clip_like_torch.py": 1,
     "test_compare_json.py": 1, "test_config_dict.py": 1, "test_det_collectives.py": 1, "test_ep_clip.py": 1, "test_failclosed_disk.py": 1,
@@ -532,6 +532,12 @@ FILE_SECONDS = {
     "test_gate_copied_rerun.py": 75,  # hrerun25: a matrix run of its own; the confirmed and --fix auto runs shared (hreview25: +15 s)
     # session 22 (helper hhost22b): `time` of the file alone (user+sys of the process tree, loaded host)
     "test_rank_env.py": 10,
+    # session 25 (helper hsparse25): wall of `pytest -n 0 FILE` on the shared 2-core machine (seven
+    # capture worlds, six diffs and gates, three 2-degree compares) less pytest's own start
+    "test_sparse_grads.py": 55,
+    # session 25 (helper htrial25): wall of `pytest -n 0 FILE` on the shared 2-core machine (53-83 s:
+    # five compares of 2-3 gloo worlds with their gates) - ordering only
+    "test_trial25_kv_replicas.py": 70,
     # session 25 (helper hinf25): four 2-rank gloo compares (one under --capture hash), three capture
     # worlds, two diffs and their gates; wall of `pytest -n 0 FILE` on the shared 2-core machine - ordering only
     "test_masked_vocab_compare.py": 25,

@@ -116,10 +116,15 @@ def test_padded_shards_are_gathered_and_their_padding_cut():
     # (its last rank would hold padding only) - cut as padding they read a false difference
     assert padded_dim([2, 1, 5, 8], [2, 2, 5, 8], 4) is None and padded_dim([2, 1, 5, 8], [2, 4, 5, 8], 8) is None
     assert padded_dim([1, 4], [3, 4], 4) is None
+    # ... gathered with each head once (records/replicated_blocks.py; they were refused until htrial25)
     heads = torch.randn(2, 2, 5, 8)
     kv = {"key": "s0/forward/attn/in#0/0", "world": 4, "local_shape": [2, 1, 5, 8], "stored": "ranks"}
+    a = assemble(kv, torch.stack([heads[:, r // 2:r // 2 + 1] for r in range(4)]), [2, 2, 5, 8])
+    assert torch.equal(a.full, heads) and a.layout == "shard:1" and a.rank_consistent is None
+    # 3 heads do not divide 4 ranks: no rule places them
+    three = torch.randn(3, 4)
     with pytest.raises(NotComparable, match="cannot be gathered"):
-        assemble(kv, torch.stack([heads[:, r // 2:r // 2 + 1] for r in range(4)]), [2, 2, 5, 8])
+        assemble({**kv, "local_shape": [1, 4]}, torch.stack([three[min(r, 2):min(r, 2) + 1] for r in range(4)]), [3, 4])
     whole = torch.randn(31, 4)
     padded = torch.cat([whole, torch.zeros(1, 4)])
     meta = {"key": "s0/init/head/param_init#0/weight", "world": 2, "local_shape": [16, 4], "stored": "ranks"}

@@ -6,9 +6,11 @@ same two with its own per-degree bookkeeping (gate/evidence.py)."""
 from __future__ import annotations
 
 
-def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict], rerun: bool = False) -> list[str]:
+def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict], rerun: bool = False,
+             settled: frozenset = frozenset()) -> list[str]:
     """Every disagreement, in words (empty: the run is what its files say). rows: diff.csv's, typed.
-    rerun: run_dir is a confirmation's rerun (confirm/FIX/, diff/overrides.py), which runs no second pass."""
+    rerun: run_dir is a confirmation's rerun (confirm/FIX/, diff/overrides.py), which runs no second pass;
+    settled: its configurations the main run's own verdict already fails (recheck.verify)."""
     from tpdiag.diff.recheck import verify
     from tpdiag.records import integrity
     from tpdiag.records.axes import entries
@@ -29,7 +31,7 @@ def problems(run_dir: str, manifest: dict, summary: dict, rows: list[dict], reru
     # records, a logprob or loss difference made 0) is inconclusive, not shown
     out += [p if f"TP={lab}" in p or p.startswith("reference") else f"TP={lab}: {p}" for lab, p in
             verify(dirs, ref, ok, by_label, degrees, base_label, bool(base.get("reproducible")),
-                                       rerun=rerun).items()]
+                                       rerun=rerun, settled=settled).items()]
     from tpdiag.records.rundir import is_diff_dir
 
     from tpdiag.diff import overrides

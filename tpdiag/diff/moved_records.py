@@ -23,6 +23,24 @@ def unlisted(entry) -> bool:
     return all(cause_class(f.get("cause")) == "rounding" and f.get("cause") != "router-flip" for f in found)
 
 
+def settled(entry) -> bool:
+    """A main run's configuration whose own verdict already names what the gate fails on: a bug, a NaN or
+    Inf, an unknown (a cause, compare's own "not judged", its not_judged list moved beyond rounding).
+    Its confirmation's rerun ran under a fix that only reorders, so the same wrong records move there;
+    the rerun's summary may not name them (it judges only a first divergence without a cause, where
+    the main run's second pass judged every divergent module on its own inputs: trial25_tp_hand.py:
+    late_scale's confirmation named rounding only), and the moved-record check read that as an edit -
+    gate exit 2 over the bug's 4. Not asked of such a rerun (diff/overrides.py)."""
+    from tpdiag.records.causes import GRAVITY, cause_class
+
+    if not isinstance(entry, dict):
+        return False
+    if entry.get("downstream_unjudged") or moved_beyond(entry) is not None:
+        return True
+    found = [f for f in [entry.get("first_divergence"), *(entry.get("findings") or ())] if isinstance(f, dict)]
+    return any(cause_class(f.get("cause")) in GRAVITY[:3] for f in found)  # bug, non-finite, unknown
+
+
 def cut(label: str, entry, rows: list[dict], op_dtypes=(), rerun: bool = False) -> str | None:
     """The gate's check (diff/recheck.verify) of a degree `unlisted` passes: no record from the first divergence
     on (MOVED) may have moved beyond what rounding moves an activation grad no check judged (moved_beyond's

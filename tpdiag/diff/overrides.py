@@ -30,8 +30,10 @@ def _confirm_dir(run_dir: str, conf: dict) -> str | None:
     return RunDir(run_dir).confirm_run(os.path.basename(str(conf["run_dir"]).rstrip("/")))
 
 
-def _confirmation(run_dir: str, lab: str, entry: dict, seen: dict, check, manifest: dict) -> tuple[str | None, set]:
-    """(problem or None, the record keys the confirmation's records have bitwise) for one configuration."""
+def _confirmation(run_dir: str, lab: str, entry: dict, seen: dict, check, manifest: dict,
+                  settled: frozenset = frozenset()) -> tuple[str | None, set]:
+    """(problem or None, the record keys the confirmation's records have bitwise) for one configuration.
+    settled: the configurations whose main verdict fails the gate on its own (diff/moved_records.settled)."""
     from tpdiag.records.rundir import read_manifest, read_rows, read_summary
 
     conf = entry.get("confirmation")
@@ -49,7 +51,7 @@ def _confirmation(run_dir: str, lab: str, entry: dict, seen: dict, check, manife
 
             why = pass_identity_problem(manifest, m, os.path.relpath(d, run_dir),
                                         tuple(os.path.basename(d).split("+")), here=d)
-            bad = [why] if why else check(d, m, s, rows, rerun=True)
+            bad = [why] if why else check(d, m, s, rows, rerun=True, settled=settled)
             if not bad and m.get("status") is None:
                 bad = ["manifest.json has no final status (the rerun never finished)"]
             seen[d] = (bad[0] if bad else None, s, rows)
@@ -121,7 +123,10 @@ def problems(run_dir: str, manifest: dict, summary: dict, check) -> list[str]:
     from tpdiag.records.axes import entries
     from tpdiag.records.causes import cause_class
 
+    from tpdiag.diff.moved_records import settled as fails_alone
+
     out, seen = [], {}
+    settled = frozenset(lab for lab, e in entries(summary).items() if fails_alone(e))
     confs = manifest.get("configurations") if isinstance(manifest.get("configurations"), dict) else {}
     ref = str(manifest.get("reference"))
     for lab, entry in entries(summary).items():
@@ -138,7 +143,7 @@ def problems(run_dir: str, manifest: dict, summary: dict, check) -> list[str]:
                 continue
         elif conf.get("verdict") == "confirmed" or relabelled or os.path.isdir(d):
             # (a confirmation that clears nothing lets nothing through: a rerun that wrote nothing is not asked for)
-            bad, bitwise = _confirmation(run_dir, lab, entry, seen, check, manifest)
+            bad, bitwise = _confirmation(run_dir, lab, entry, seen, check, manifest, settled)
             if bad:
                 out.append(bad)
                 continue

@@ -236,13 +236,15 @@ def check_numbers(label: str, entry: dict, got: dict) -> str | None:
 
 def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str, list[dict]],
            entries: dict[str, dict] | None = None, base: str | None = None,
-           base_reproducible: bool = True, rerun: bool = False) -> dict[str, str]:
+           base_reproducible: bool = True, rerun: bool = False, settled: frozenset = frozenset()) -> dict[str, str]:
     """{label: problem} where the records disagree with diff.csv or (entries given) with summary.json.
 
     base: the label of the reference rerun summary.json reports; its records must say what
     summary.json says of it (base_reproducible: bitwise equal to the reference's, or not).
     rerun: the directories are a confirmation's rerun (confirm/FIX/), which runs no second pass: the
     weight grads of modules it never called are the main run's to list (diff/moved_records.cut).
+    settled: a rerun's configurations whose main run's verdict already fails the gate on its own
+    (diff/moved_records.settled): the moved-record check is not theirs to ask.
     """
     from tpdiag.diff.engine import diff_degree
     from tpdiag.records.store import RecordSet
@@ -283,7 +285,7 @@ def verify(dirs: dict[str, str], ref: str, labels: list[str], csv_rows: dict[str
                    or unnamed(lab, entries.get(lab), dd.rows, ref_rs.world, rs.world)
                    or moved_problem(lab, nj, dd)
                    or optim_step.problem(lab, entry, dd, ref_rs, rs))
-            if bad is None and unlisted(entry):
+            if bad is None and unlisted(entry) and lab not in settled:
                 op_dtypes = _op_dtypes(dirs[ref]) if op_dtypes is None else op_dtypes
                 bad = cut(lab, entry, dd.rows, op_dtypes, rerun=rerun)
         if bad:

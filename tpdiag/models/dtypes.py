@@ -101,9 +101,34 @@ def param_dtypes(model: nn.Module) -> dict[str, int]:
     return out
 
 
+# the attribute to_run_dtype leaves on a py: model it recast: {built, ran, note} (recast_note)
+RECAST = "_tpdiag_recast"
+
+
+def recast_note(kind: str, model: nn.Module, dtype: torch.dtype) -> dict | None:
+    """{built, ran, note} for a py: model whose FUNC built its floating parameters in another dtype
+    than the run's (a trainer's `from_pretrained(..., dtype=torch.bfloat16)` under the default
+    --dtype float32): py_rule recasts every one, so the run is not the model the user's code
+    computes with - said, as an hf: checkpoint's saved dtype is (checkpoint_dtype)."""
+    if kind != "py":
+        return None
+    built = param_dtypes(model)
+    name = str(dtype).replace("torch.", "")
+    if not built or name in built:
+        return None
+    most = max(built, key=built.get)
+    return {"built": most, "ran": name, "note": (
+        f"your py: model's parameters are {most} as FUNC builds them ({built[most]} of "
+        f"{sum(built.values())}) and this run computes in {name} (--dtype): tpdiag cast the model to {name}, "
+        f"so it is not the model your code runs - add --dtype {most} to run it as FUNC builds it")}
+
+
 def to_run_dtype(kind: str, model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """`model` (whole, as built) with every tensor in the run's dtype by its source's rule."""
+    recast = recast_note(kind, model, dtype)
     cast(model, rule_for(kind, model, dtype))
+    if recast:
+        model.__dict__[RECAST] = recast
     mark_config(kind, model, dtype)
     return model
 

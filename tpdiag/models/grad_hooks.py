@@ -84,6 +84,16 @@ def watch(model, effect: dict) -> None:
                 hooks[key] = _on_grad(fn, name, effect) if attr == "_backward_hooks" else _on_param(fn, name, effect)
 
 
+def _equal(a, b) -> bool:
+    """torch.equal of two grads, a sparse one (nn.Embedding(sparse=True)'s) by its dense value: aten::equal
+    has no sparse kernel."""
+    import torch
+
+    from tpdiag.base.sparse import strided
+
+    return torch.equal(strided(a), strided(b))
+
+
 def _on_grad(fn, name: str, effect: dict):
     import functools
 
@@ -92,7 +102,7 @@ def _on_grad(fn, name: str, effect: dict):
     @functools.wraps(fn)
     def hook(g):
         out = fn(g)
-        if out is not None and not (out is g or torch.equal(out, g)):
+        if out is not None and not (out is g or _equal(out, g)):
             effect[name] = True
         return out
     return hook
@@ -110,7 +120,7 @@ def _on_param(fn, name: str, effect: dict):
         before = None if p.grad is None else p.grad.detach().clone()
         value = p.detach().clone()
         out = fn(p)
-        if (before is None) != (p.grad is None) or before is not None and not torch.equal(before, p.grad) \
+        if (before is None) != (p.grad is None) or before is not None and not _equal(before, p.grad) \
                 or not torch.equal(value, p.detach()):
             effect[name] = True
         return out

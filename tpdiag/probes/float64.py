@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from tpdiag.base.sparse import strided
 from tpdiag.probes.float64_args import upcast
 from tpdiag.probes.float64_isolated import isolated
 from tpdiag.probes.float64_mode import DISCRETE, Float64Mode, OracleRefused, op_name, storage_ptr
@@ -207,7 +208,9 @@ def module_oracle_grads(mod: torch.nn.Module, args, kwargs, grad_out, buffers=No
     except Exception as e:  # noqa: BLE001
         return None, {"why": _why(e)}
     names = list(leaves) + [k for k, _ in tapped]
-    grads = {n: t.detach() for n, t in zip(names, got) if t is not None}
+    # nn.Embedding(sparse=True)'s weight grad is sparse here as in the real backward: its dense value,
+    # as the real one is recorded (recorder.add)
+    grads = {n: strided(t.detach()) for n, t in zip(names, got) if t is not None}
     return grads, ({"discrete": mode.discrete} if mode.discrete else {})
 
 

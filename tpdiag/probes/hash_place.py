@@ -65,7 +65,17 @@ class HashPlacing:
             from tpdiag.records.layout import padded_dim
 
             d = padded_dim(shape, list(full), self.world)
-            if d is None or self.rank * shape[d] >= full[d]:
+            if d is None:
+                from tpdiag.records.replicated_blocks import replicated_dim
+
+                rb = replicated_dim(shape, list(full), self.world)
+                if rb is None:
+                    return "unknown", shape, None, None, 0
+                # a block held by `reps` neighbouring ranks (vLLM's KV head r // reps): hashed at its
+                # place in the whole, its copies' lanes composed once (runner/gather._hash_meta)
+                d, reps = rb
+                return f"replicated:{d}:{reps}", list(full), d, full[d], (self.rank // reps) * shape[d]
+            if self.rank * shape[d] >= full[d]:
                 return "unknown", shape, None, None, 0
             # a shard of a tensor padded to a multiple of TP (records/layout.py): its rows past
             # the whole are padding, left out of the hash (the caller narrows it: _unpadded)

@@ -8,6 +8,7 @@ from collections import OrderedDict
 import torch
 from torch.utils._pytree import tree_flatten
 
+from tpdiag.base.sparse import strided
 from tpdiag.probes.oracle_hooks import param_grad_norms
 from tpdiag.probes.recorder import Recorder
 from tpdiag.probes.rows import consumers_of, extras
@@ -91,6 +92,8 @@ def param_grad_hook(rec: Recorder, mname: str, short: str, style, cls, pend: dic
         with no_modes():
             rec.add("param_grad", mname, short, g, phase="backward", style=style, cls=cls)
             if pend:
+                with rec._paused():
+                    g = strided(g)  # a sparse grad's norms against its float64 value: its dense value's, as recorded
                 param_grad_norms(rec, pend, mname, short, g, cls)
             if side_pend:
                 from tpdiag.probes.own_side_norms import flush

@@ -75,11 +75,6 @@ NEVER = {
     # the model's forward at points no record holds
     "torch.optim.lbfgs.LBFGS": "LBFGS steps through its closure (the model and loss re-run at each "
                                "line-search point): no function of the recorded parameters, grads and state",
-    # its grads are sparse COO tensors, which no record holds (the recorder stores strided tensors;
-    # a DTensor has no sparse grad to gather whole): the grads it consumed cannot be judged, so a
-    # float64 step from them bounds nothing
-    "torch.optim.sparse_adam.SparseAdam": "SparseAdam steps sparse grads, which the capture does not record: "
-                                          "the grads it consumed cannot be judged",
 }
 
 
@@ -90,7 +85,7 @@ def class_name(opt) -> str:
 
 def _never(opt) -> str | None:
     """NEVER's reason for the optimizer's class or a class it derives from (a user's subclass of
-    SparseAdam steps the same sparse grads)."""
+    LBFGS steps through the same closure)."""
     return next((NEVER[f"{c.__module__}.{c.__qualname__}"] for c in type(opt).__mro__
                  if f"{c.__module__}.{c.__qualname__}" in NEVER), None)
 
@@ -183,10 +178,6 @@ def shadow_step(opt, args, kwargs, names: dict, ranks=None) -> tuple[dict, list[
                 raise Refused("it also steps parameters outside the captured model (their values are not "
                               "recorded: a step coupling parameters would be re-run without them)")
             name = f"{names[id(p)][0]}.{names[id(p)][1]}"
-            if p.grad is not None and p.grad.layout != torch.strided:
-                # whatever the class: a sparse grad is no record, so the grads the step consumed are unjudged
-                raise Refused(f"{name}'s grad is {p.grad.layout} (sparse grads: the capture does not record "
-                              "them, so the grads it consumed cannot be judged)")
             w = _whole(p, name, ranks).to(torch.float64).clone()
             if p.grad is not None:
                 w.grad = _whole(p.grad, f"{name}'s grad", ranks).to(torch.float64).clone()

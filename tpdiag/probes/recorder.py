@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpdiag.base.dtensors import local_of, placement_label
+from tpdiag.base.sparse import layout_name, strided
 from tpdiag.probes import spans as _spans
 from tpdiag.probes import stream as _stream
 # take_lanes, is_stale: importable from here too, as the tests and benchmarks import them
@@ -178,6 +179,12 @@ class Recorder(HashPlacing):
             return None
         if phase is None:
             phase = self._phase
+        sparse = layout_name(t)
+        if sparse is not None:
+            # a sparse grad (nn.Embedding(sparse=True)) is recorded as the dense tensor it stands for,
+            # coalesced as its optimizer reads it (base/sparse.py), its layout in the meta: judged as any other
+            with self._paused():
+                t = strided(t)
         step = self.step
         if self.prefix is not None:
             cut = self.prefix.get(record_key(step, phase, module, kind, call, name))
@@ -204,7 +211,7 @@ class Recorder(HashPlacing):
             if row is not False:
                 return row
         if (tt is torch.Tensor or tt is _PARAMETER) and mode == "hash" and self.world == 1 \
-                and kind not in KEEP_WHOLE and kind != "op" and self.piece is None:
+                and kind not in KEEP_WHOLE and kind != "op" and self.piece is None and sparse is None:
             shape = t.shape
             dtype = t.dtype
             version = t._version
@@ -245,6 +252,8 @@ class Recorder(HashPlacing):
             "cls": cls, "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
             "local_shape": list(local.shape), "key": key,
         }
+        if sparse is not None:
+            meta["sparse"] = sparse
         if self.piece is not None:
             meta["piece"] = self.piece
             if self.piece_span is not None and not (mode == "hash" and kind not in KEEP_WHOLE):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tpdiag.errors import NotComparable, ShortOfWhole
+from tpdiag.records.replicated_blocks import gather as replicated_gather, replicated_dim
 
 
 @dataclass
@@ -109,7 +110,8 @@ def padded_dim(local: list[int], full: list[int], n: int) -> int | None:
     `make_vocab_size_divisible_by`: ceil(V/n) rows per rank, the padding at the end), else None.
     Every rank holds some of the whole (the padding is less than a shard): shards whose n copies
     are twice the whole or more are replicas - KV heads replicated where TP exceeds their count
-    (2 heads at TP=4: rank r holds head r // 2), which cut as padding would read a false difference."""
+    (2 heads at TP=4: rank r holds head r // 2), which cut as padding would read a false difference
+    (records/replicated_blocks.py gathers them)."""
     if len(local) != len(full):
         return None
     dims = [d for d in range(len(full)) if local[d] != full[d]]
@@ -137,6 +139,13 @@ def _short_of_whole(local: list[int], full: list[int], n: int) -> str:
 def _gather_padded(meta: dict, shards: list, local: list[int], full: list[int], n: int, kept):
     """The shards concatenated and the padding cut: the padding's rows are no part of the model
     (TP=1 has none), so they are not compared; a wrong range still shows in the rows kept."""
+    rb = replicated_dim(local, full, n)
+    if rb is not None:
+        whole, copies, consistent = replicated_gather(shards, *rb)
+        # agreeing copies: a shard layout (nothing left to check); disagreeing ones are a replica
+        # whose ranks differ, its copies whole tensors as a replica's are
+        return Assembled(whole, kept if consistent else copies, f"shard:{rb[0]}",
+                         None if consistent else False)
     d = padded_dim(local, full, n)
     if d is None:
         short = _short_of_whole(local, full, n)

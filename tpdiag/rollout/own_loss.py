@@ -76,6 +76,22 @@ def check(rc, cfgs, results: dict, trainer: dict, seqs, target, model, groups: i
                     bool(getattr(target, "loss_label_free", False)))
 
 
+def _bound(z, own, ref: float, temp: float) -> float:
+    """The rounding bound of -loss (own, a 0-d tensor) against the float64 logprob ref of row z at
+    temperature temp: a float32 log-softmax's, and a 16-bit one's where the logits are 16-bit."""
+    import torch
+
+    from tpdiag.diff.bounds import logprob_bound
+
+    # a column the model masks to -inf is an exact 0 in the softmax: logprob_bound leaves it out
+    sixteen = z.dtype in (torch.bfloat16, torch.float16)
+    recipe = {"trainer_temperature": temp, "logprob": "model-dtype" if sixteen else "log-softmax",
+              "temperature_in": "model" if sixteen else "float32"}
+    own_lp = own.float() if own.dtype == torch.float64 else own
+    ref = torch.tensor([ref], dtype=torch.float32, device=z.device)
+    return float(logprob_bound(z[None], z[None], own_lp.reshape(1), ref, recipe)[0])
+
+
 class _Rows:
     """compute.logprobs' on_rows hook: the user's loss at each generated token of a sequence, with
     the float64 log-softmax and the rounding bound of the same rows."""
@@ -86,7 +102,6 @@ class _Rows:
     def __call__(self, i: int, rows) -> None:
         import torch
 
-        from tpdiag.diff.bounds import logprob_bound
         from tpdiag.rollout import label_free
 
         s = self.seqs[i]
@@ -102,26 +117,23 @@ class _Rows:
         vocab = self.target.vocab_size
         for j in range(p - 1, min(len(ids) - 1, p - 1 + left)):
             z = rows[j, :vocab]
-            # a column the model masks to -inf is an exact 0 in the softmax: logprob_bound leaves it out
-            sixteen = z.dtype in (torch.bfloat16, torch.float16)
-            recipe = {"trainer_temperature": self.temp, "logprob": "model-dtype" if sixteen else "log-softmax",
-                      "temperature_in": "model" if sixteen else "float32"}
 
             def minus_loss(token, at=j - lo):
                 labels = torch.full((1, n), -100, dtype=torch.long, device=rows.device)
                 labels[0, at] = token
                 return -self.target.loss(mine[None], labels).detach()
 
-            def bound_of(own, ref: float, z=z, recipe=recipe) -> float:
-                own_lp = own.float() if own.dtype == torch.float64 else own
-                ref = torch.tensor([ref], dtype=torch.float32, device=z.device)
-                return float(logprob_bound(z[None], z[None], own_lp.reshape(1), ref, recipe)[0])
+            def bound_of(own, ref: float, z=z) -> float:
+                return _bound(z, own, ref, self.temp)
 
             lsm64 = torch.log_softmax(z.double() / self.temp, -1)
             tok = ids[j + 1]
             own, ref = minus_loss(tok), float(lsm64[tok])
             bound = bound_of(own, ref)
-            o = {"seq": i, "position": j + 1, "token": tok, "own": float(own), "float64": ref, "bound": bound}
+            # a copy of the row (not a view holding the sequence's whole rows) and -loss's tensor: another
+            # temperature's fit (rollout/own_temperature.py), dropped after it
+            o = {"seq": i, "position": j + 1, "token": tok, "own": float(own), "float64": ref, "bound": bound,
+                 "_z": z.detach().clone(), "_own_t": own}
             if not abs(float(own) - ref) <= bound:
                 # beyond as a logprob: a term of the loss that does not depend on the label, or a bug
                 o["relabel"] = label_free.judge(minus_loss, lsm64, tok, own, bound, bound_of)
@@ -146,6 +158,15 @@ def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same
     if not toks:
         return {"function": fn, "configuration": label, "skipped": "no generated token to check"}
     beyond = [o for o in toks if not o["ratio"] <= 1]  # NaN/Inf: beyond
+    from tpdiag.rollout import own_temperature
+
+    # every token the log-softmax at another temperature: which, and whether it is the engine's
+    tfit = own_temperature.fit(toks, temp, _bound) if beyond and not any(o["label_free"] for o in toks) else None
+    for o in toks:
+        o.pop("_z", None)
+        o.pop("_own_t", None)
+    if tfit and tfit["engine"]:  # the loss is the engine's function: the run's temperature is off, not the loss
+        beyond = []
     worst = max(toks, key=lambda o: o["ratio"] if not math.isnan(o["ratio"]) else math.inf)
     same = sum(1 for o in toks if _bits(o["own"]) == _bits(o["tpdiag"]))
     free = [o for o in toks if o["label_free"]]
@@ -158,7 +179,7 @@ def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same
            "same_bits": same, "max_abs_tpdiag": max(abs(o["own"] - o["tpdiag"]) for o in toks),
            "label_free": len(free), "label_free_max": max((abs(o["relabel"]["term"]) for o in free), default=0.0),
            "label_free_declared": declared,
-           "engine": _against(plain, "own"), "tpdiag": _against(plain, "tpdiag"),
+           "engine": _against(plain, "own"), "tpdiag": _against(plain, "tpdiag"), "temperature_fit": tfit,
            "first": {**worst, "line": seqs[worst["seq"]].where},
            # per token: seq, position (into input_ids), token, own (-loss), float64, bound, engine, tpdiag, ratio
            "checked": toks}
@@ -191,6 +212,10 @@ def _line(r: dict) -> str:
     vs = (f"against the engine token_mult_prob_error {own['token_mult_prob_error']:.7f}, {own['exact_tokens']}/"
           f"{own['tokens']} exact (tpdiag's log-softmax of the same rows: {eng['token_mult_prob_error']:.7f}, "
           f"{eng['exact_tokens']}/{eng['tokens']})")
+    from tpdiag.rollout import own_temperature
+
+    if r["temperature_fit"] and not r["bug"]:
+        return own_temperature.words(r, said, vs)
     if r["bug"]:
         ratio = "NaN/Inf" if not math.isfinite(w["ratio"]) else f"{w['ratio']:.3g}x beyond rounding"
         return (f"BUG in Target.loss: {said} is not the tokens' log-softmax: at {w['line']} position {w['position']} "
@@ -200,7 +225,8 @@ def _line(r: dict) -> str:
                 "configurations above take "
                 "tpdiag's log-softmax, not this: fix the loss (a label shifted twice, a log-softmax over another "
                 "dimension than the vocabulary, a temperature the engine did not sample at"
-                + (", the temperature --trainer-temperature names" if t != 1.0 else "") + ")")
+                + (", the temperature --trainer-temperature names" if t != 1.0 else "") + ")"
+                + (f"; {own_temperature.words(r, 'it', vs)}, nor the engine's" if r["temperature_fit"] else ""))
     if r["label_free"]:
         rest = r["tokens"] - r["label_free"]
         return (f"{said} is the tokens' log-softmax plus a term that does not depend on the label (a z-loss, an "
@@ -283,6 +309,11 @@ def gap(own: dict) -> str:
 
 def rounding_words(own: dict | None) -> str:
     """Where the user's loss is right but not tpdiag's bits: its own gap to the engine, as rounding."""
+    if own and not own.get("bug") and (own.get("temperature_fit") or {}).get("engine"):
+        e = own["engine"]
+        return (f". Your Target.loss's own logprobs read token_mult_prob_error {e['token_mult_prob_error']:.7f} against "
+                f"the engine ({e['exact_tokens']}/{e['tokens']} exact): the gap above is the run's temperature, not "
+                "your trainer's")
     if not own or own.get("bug") or "same_bits" not in own or own["same_bits"] == own["tokens"]:
         return ""
     if own.get("label_free"):

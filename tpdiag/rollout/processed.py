@@ -223,14 +223,22 @@ def _tie_tolerance(rows):
     return (TIE_ROUNDINGS * eps * r.abs().amax(-1, keepdim=True)).double()
 
 
+def temperature_errors(st) -> list[float] | None:
+    """Per temperature of TEMPERATURES, the mean |engine - log_softmax(logits / T)[token]| (nats)
+    over the tokens with temperature rows; None without them."""
+    tt = [x["temps"] for x in st if "temps" in x and math.isfinite(x["diff"])]
+    if not tt:
+        return None
+    eng = [x["diff"] + x["temps"][TEMPERATURES.index(1.0)] for x in st if "temps" in x and math.isfinite(x["diff"])]
+    return [math.fsum(abs(e - row[k]) for e, row in zip(eng, tt)) / len(tt) for k in range(len(TEMPERATURES))]
+
+
 def _temperature_fit(st):
     """{'t', 'err', 'raw'}: the grid temperature whose log_softmax(logits / T) is nearest the
     engine's numbers (mean |error|, nats) and raw logits' error; None without temperature rows."""
-    tt = [x["temps"] for x in st if "temps" in x]
-    if not tt:
+    errs = temperature_errors(st)
+    if errs is None:
         return None
-    eng = [x["diff"] + x["temps"][TEMPERATURES.index(1.0)] for x in st if "temps" in x]
-    errs = [math.fsum(abs(e - row[k]) for e, row in zip(eng, tt)) / len(tt) for k in range(len(TEMPERATURES))]
     best = min(range(len(errs)), key=errs.__getitem__)
     return {"t": TEMPERATURES[best], "err": errs[best], "raw": errs[TEMPERATURES.index(1.0)]}
 
@@ -246,8 +254,12 @@ def _temperature_verdict(temp, ev) -> dict:
                            "applies where --sampling does not turn it off) - or ask for raw logprobs. A trainer "
                            "whose policy ratio takes these numbers must divide its logits by the same "
                            f"temperature: one that does not (log_softmax(logits), T=1) computes another "
-                           f"distribution, a bug in its loss, not rounding; --trainer-temperature {temp['t']:g} "
-                           "takes the trainer's logprobs at it"}
+                           f"distribution, a bug in its loss, not rounding; {flag_words(temp['t'])}"}
+
+
+def flag_words(t: float) -> str:
+    """The temperature line's last words: how to take the trainer's logprobs at the engine's T."""
+    return f"--trainer-temperature {t:g} takes the trainer's logprobs at it"
 
 
 def _per_temperature(z, toks, eng, rank):

@@ -137,7 +137,10 @@ def run_rollout(rc: RolloutConfig, on_status=None, on_logprobs=None) -> dict:
             if top >= vocab:
                 raise BadInput(f"{rc.file} {s.where}: token id {top} is outside the model's vocabulary "
                                f"({vocab}): is --model the engine's model?")
-        notes += (dtype_note(rc) + _static_note(rc) + static_len.note(user_rc, seqs, model)
+        from tpdiag.models.dtypes import RECAST
+
+        recast = [model.__dict__[RECAST]["note"]] if RECAST in model.__dict__ else []
+        notes += (dtype_note(rc) + recast + _static_note(rc) + static_len.note(user_rc, seqs, model)
                   + _micro_batch_note(rc, seqs))
         sampled = None
         if rc.sampling:

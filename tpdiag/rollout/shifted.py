@@ -68,19 +68,42 @@ def judge(pairs: Pairs | None) -> dict | None:
             continue
         cand = _median([abs(e - c) for e, c, _ in got])
         aligned = _median([abs(e - a) for e, _, a in got])
+        stat, medians = "median", (cand, aligned)
         if aligned < BEYOND or cand > RATIO * aligned:
-            continue
+            # a sequence that repeats its token (a policy stuck on one) gives the neighbouring row or
+            # token the aligned one's logprob there: the median is those repeats, rounding-sized, while
+            # every other token is off by nats - judged by the means and the tokens the aligned one misses
+            if not _fits_where_moved(got):
+                continue
+            cand = math.fsum(abs(e - c) for e, c, _ in got) / len(got)
+            aligned = math.fsum(abs(e - a) for e, _, a in got) / len(got)
+            stat = "mean"
         if best is None or cand < best[1]:
-            best = (key, cand, aligned, len(got))
+            best = (key, cand, aligned, len(got), stat, medians)
     if best is None:
         return None
-    (dr, dt), cand, aligned, n = best
-    return {"shift": [dr, dt], "tokens": n, "median_abs": cand, "aligned_median_abs": aligned,
+    (dr, dt), cand, aligned, n, stat, medians = best
+    return {"shift": [dr, dt], "tokens": n, "median_abs": medians[0], "aligned_median_abs": medians[1],
+            **({"mean_abs": cand, "aligned_mean_abs": aligned} if stat == "mean" else {}),
             "line": (f"misaligned logprobs: the file's number at each generated token is {CANDIDATES[(dr, dt)]} - "
-                     f"{cand:.3g} nats from it (median over {n} tokens) where the token it stands beside is "
+                     f"{cand:.3g} nats from it ({stat} over {n} tokens) where the token it stands beside is "
                      f"{aligned:.3g} away. An off-by-one in which token each logprob was taken for, in whatever "
                      "wrote the file (the engine's or the trainer's dump): a bug, not rounding - no setting "
                      "closes it")}
+
+
+def _fits_where_moved(got) -> bool:
+    """The candidate explains the tokens the aligned logprob misses (at least MIN_TOKENS of them, off
+    by BEYOND or more): at 90% of them within RATIO of the aligned gap, and its mean gap over every
+    token RATIO of the aligned one's. Rounding moves a neighbour's logprob as much as the aligned
+    one's, so it fits neither."""
+    moved = [(e, c, a) for e, c, a in got if abs(e - a) >= BEYOND]
+    if len(moved) < MIN_TOKENS:
+        return False
+    fit = sum(1 for e, c, a in moved if abs(e - c) <= RATIO * abs(e - a))
+    mean_c = math.fsum(abs(e - c) for e, c, _ in got)
+    mean_a = math.fsum(abs(e - a) for e, _, a in got)
+    return fit >= 0.9 * len(moved) and mean_c <= RATIO * mean_a
 
 
 def _median(xs: list[float]) -> float:

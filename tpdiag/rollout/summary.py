@@ -74,15 +74,26 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
         # the check read the processed rows: what it says is about what --sampling did not cover
         verdict["explanation"] = (f"with --sampling's processing ({sampled['processors']}) applied to the "
                                   f"trainer's logits: {verdict['explanation']}")
-    if verdict.get("detected"):
+    from tpdiag.rollout import temperature_match
+
+    temp = temperature_match.judge(rc.recipe, collector if stats_from else None, reproduced, sampled, verdict)
+    # the engine's temperature is the trainer's: its temperature processing is the trainer's own division
+    temp_ok = temp is not None and not temp["bug"]
+    if temp:
+        notes.append(temp["line"])
+    if temp_ok and verdict.get("kind") == "temperature":  # the run gave that temperature already
+        verdict["explanation"] = verdict["explanation"].replace(
+            processed.flag_words(temp["engine"]), f"this run's trainer does (--trainer-temperature {temp['engine']:g})")
+    if verdict.get("detected") and not (temp_ok and verdict.get("kind") == "temperature"):
         notes.append("the engine's logprobs look processed: the closest configuration says little "
                      "until the engine reports raw logprobs")
-    if not reproduced and rc.recipe is not None and not rc.recipe.default:
+    engine_recipe = temp_ok and temperature_match.engine_form(rc.recipe, temp["engine"])
+    if not reproduced and rc.recipe is not None and not rc.recipe.default and not engine_recipe:
         notes.append(f"every configuration took the trainer's logprob recipe ({rc.recipe.describe()}); an engine "
                      "reports log_softmax of its float32 logits (generate()'s output_logits, vLLM's sampler), at "
                      "its temperature where it processes them: where the recipe is not that, no configuration "
-                     "has the engine's bits even with the engine's logits - run without --logprob/"
-                     "--trainer-temperature to see whether the logits are the engine's")
+                     f"has the engine's bits even with the engine's logits - run {temperature_match.recipe_args(temp)} "
+                     "to see whether the logits are the engine's")
     from tpdiag.rollout import shifted
 
     shift = None if reproduced or not stats_from else shifted.judge(collector.shift)
@@ -101,7 +112,7 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
         notes.append(pad_note)
     # a trainer recipe other than the engine's log-softmax stops every configuration by itself (the
     # recipe note): the cache is no lead then
-    recipe_own = rc.recipe is not None and not rc.recipe.default
+    recipe_own = rc.recipe is not None and not rc.recipe.default and not engine_recipe
     cache_note = cache_note if not reproduced and not recipe_own else None
     if cache_note:
         notes.append(cache_note)
@@ -123,9 +134,9 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
     todo = what_to_do(rc, cfgs, seqs, results, reference, reproduced, verdict, invariance, dtype_note(rc),
                       bool(pad_note), leak, decodable, bool(cache_note), recipe_own and not reproduced, bool(shift),
                       mode_bug if mode_bug and "line" in mode_bug else None, pad_bug, own,
-                      gaps, low)
+                      gaps, low, temp)
     # a gap the file's own mistake makes (processing, a misaligned token, padding kept) is not noise
-    noise = 0.0 if verdict.get("detected") or shift or pad_note or named else ref_m["max_abs"]
+    noise = 0.0 if verdict.get("detected") or shift or pad_note or named or (temp and temp["bug"]) else ref_m["max_abs"]
     worst = metrics.worst_tokens(seqs, trainer[reference], collector.stats, rc.top, noise)
     return {
         "schema": 1, "command": "rollout", "file": rc.file, "format": ro.format, "model": rc.model,
@@ -144,7 +155,7 @@ def summarise(rc, ro, seqs, vocab, cfgs, results, trainer, collector, stats_from
         "logprob_recipe": _recipe_entry(rc),
         "processed": verdict, "shifted": shift, "left_padding": pad_bug, "mode_gap": mode_bug, "sampling": sampled, "configurations": results, "tp_invariance": invariance,
         "tp_gap": gaps, "low_precision": low,
-        "batch_leak": leak, "own_loss": own,
+        "batch_leak": leak, "own_loss": own, "temperature": temp,
         "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }

@@ -24,7 +24,8 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                invariance: dict, notes_dtype: list, padded: bool = False, leak: dict | None = None,
                decodable: bool = True, cache_off: bool = False, recipe_own: bool = False,
                shifted: bool = False, mode_bug: dict | None = None, pad_bug: dict | None = None,
-               own: dict | None = None, tp_gaps: dict | None = None, low: dict | None = None) -> dict:
+               own: dict | None = None, tp_gaps: dict | None = None, low: dict | None = None,
+               temp: dict | None = None) -> dict:
     """{case: nothing | settings | none, line, trainer, engine_like (the reproducing configuration
     nearest the trainer's, or None), differs ([{axis, trainer, engine, meaning}]),
     token_mult_prob_error (the trainer's), threshold}. own: rollout/own_loss.py's finding - a py:
@@ -102,6 +103,14 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                          f"trainer's configuration ({reference}); they differ in {len(differs)} "
                          f"setting{'s' if len(differs) != 1 else ''}. {said}. {gap}" + own_loss.rounding_words(own))}
     first = [own_loss.lead(own_bug)[len("first: "):].rstrip("; ")] if own_bug else []
+    from tpdiag.rollout.own_temperature import todo_words
+
+    if todo_words(own):  # the user's loss is at the engine's temperature, the run at another
+        first.append(todo_words(own)[len("first: "):].rstrip("; "))
+    temp_bug = bool(temp and temp["bug"])
+    if temp_bug:  # the two sides compute two distributions (rollout/temperature_match.py)
+        first.append(f"make the engine's and the trainer's temperatures one (the temperature note above: the engine's "
+                     f"logprobs are at {temp['engine']:g}, the trainer's at {temp['trainer']:g})")
     same = pad_bug is not None and pad_bug.get("bug") is False
     if same:  # the file is a padded batch whose positions start at the pad: rounding of the same function
         first.append("to match bitwise, pass position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) with the "
@@ -126,13 +135,17 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
                      f"run again with --logprob model-dtype for a {low['dtype']} model's own {low['dtype']} "
                      f"log-softmax (the {low['dtype']} note above)")
     if recipe_own:  # the trainer's recipe is not the engine's log-softmax: no configuration can match
-        first.append("run without --logprob/--trainer-temperature/--compiled to see whether the logits are the "
+        from tpdiag.rollout.temperature_match import recipe_args
+
+        first.append(f"run {recipe_args(temp)} to see whether the logits are the "
                      "engine's (the recipe note above; the recipe's own gap to the engine is then the rest)")
     if leak:
         first.append(f"read the batch note above ({leak['configuration']} is {leak['gap']:.3g} nats (mean) from "
                      f"{leak['alone']}, {_times(leak)}): the model's {leak['mode']} path lets a "
                      "call's other sequences into a sequence's logprobs")
-    if processed.get("detected"):  # found in the file itself: before what the model directory suggests
+    # a temperature the trainer divides by too is no processing to ask the engine to leave out
+    temp_ok = temp is not None and not temp["bug"] and processed.get("kind") == "temperature"
+    if processed.get("detected") and not temp_ok:  # found in the file itself: before what the model directory suggests
         first.append("ask the engine for raw logprobs (the processed line above; vLLM: "
                      "logprobs_mode=raw_logprobs; generate(): output_logits, not output_scores, or its "
                      "settings with --sampling to process the trainer's logits as generate() did) and run again - "
@@ -156,7 +169,7 @@ def what_to_do(rc, configurations: list, seqs, results: dict, reference: str, re
             "another dtype, processing of its logprobs, or kernels of its own (paged or flash attention, "
             "fused or CUDA-graph GEMMs)")
     # a bug named above: no healthy run (a TP bug only where the trainer's configuration is that degree's)
-    named = bool((pad_bug and pad_bug.get("bug")) or shifted or reference in tp_bugs)
+    named = bool((pad_bug and pad_bug.get("bug")) or shifted or reference in tp_bugs or temp_bug)
     if pad_bug and pad_bug.get("bug"):
         head = ("nothing tried reproduces the file: its numbers are the model's on a left-padded batch run "
                 "wrong (the left padding note above) - a bug in whatever wrote it, not rounding")

@@ -198,6 +198,8 @@ def compare_pass(cfg: CompareConfig, on_status=None, finish: bool = True, record
     from tpdiag.models.dtypes import checkpoint_dtype
 
     saved = checkpoint_dtype(cfg.model, cfg.dtype)
+    # a py: FUNC's bf16 model recast to float32 (the default) is not the model the user's code runs
+    saved = saved or ((manifest["worlds"].get(labels[0]) or {}).get("numerics") or {}).get("recast")
     if saved:  # a bf16 checkpoint run in float32 (the default) is not the model the user loads
         summary["checkpoint_dtype"] = saved
     # the summary before the manifest's status: a manifest with one says the summary is this run's

@@ -362,7 +362,17 @@ def _hash_meta(m: dict, shares: list, world: int) -> dict:
     def per_rank(shape):
         return [hash_of_lanes(s[0][0], s[0][1], m["dtype"], shape) for s in shares]
 
-    if layout and layout.startswith(("shard:", "strided:")):
+    if layout and layout.startswith("replicated:"):
+        # each block's holders (probes/hash_place.py: neighbouring ranks) must hold the same lanes; the
+        # whole is every block once. Copies that differ: each replica's whole hash (j-th holder of each)
+        reps = int(layout.split(":")[2])
+        groups = [range(b * reps, (b + 1) * reps) for b in range(len(shares) // reps)]
+        copies = [compose([shares[g[j]] for g in groups], "sum") for j in range(reps)]
+        ints, floats = copies[0]
+        out["ranks_equal"] = all(shares[r][0] == shares[g[0]][0] for g in groups for r in g)
+        if not out["ranks_equal"]:
+            out["rank_hashes"] = [hash_of_lanes(c[0][0], c[0][1], m["dtype"], m["full_shape"]) for c in copies]
+    elif layout and layout.startswith(("shard:", "strided:")):
         ints, floats = compose(shares, "sum")
         out["ranks_equal"] = None
     elif (layout or "").startswith("partial") or (layout == "unknown" and not equal):

@@ -220,6 +220,7 @@ def at_boundaries(records: list, lanes: list | None, group, world: int, ref_para
 
 
 PER_RANK = "_tpdiag_per_rank"
+PER_RANK_COPY = "_tpdiag_per_rank_copy"
 
 
 def mark_params(model, world: int) -> int:
@@ -227,7 +228,8 @@ def mark_params(model, world: int) -> int:
     rank lacks (experts keyed by global id), or other bits under one name (`local_experts.0` is
     another expert per rank) - so the step's grad norm counts each rank's own (update.py), as
     Megatron's expert-parallel norm does, instead of taking one rank's copy for all. Returns how
-    many names were marked on any rank (the same number on every rank)."""
+    many names were marked on any rank (the same number on every rank). A per-rank parameter whose
+    bits a lower rank holds too is a copy (PER_RANK_COPY): the norm counts it on that rank only."""
     from torch.distributed.tensor import DTensor
 
     from tpdiag.records.hashing import tensor_hash
@@ -236,9 +238,13 @@ def mark_params(model, world: int) -> int:
     mine = {n: (tuple(p.shape), str(p.dtype), tensor_hash(p)) for n, p in plain}
     every = [None] * world
     dist.all_gather_object(every, mine)
+    me = dist.get_rank()
     for n, p in plain:
         if any(e.get(n) != mine[n] for e in every):
             setattr(p, PER_RANK, True)
+            # a lower rank holds the same bits: one block replicated on several ranks (a KV head
+            # where TP exceeds their count) - counted once, on the first rank holding it
+            setattr(p, PER_RANK_COPY, any(e.get(n) == mine[n] for e in every[:me]))
     # the count every rank computes alike (names marked on any rank): it decides collectives
     # (update.py's norm over the ranks), so a rank with none of its own marked must still join
     return sum(1 for n in set().union(*every) if len({repr(e.get(n)) for e in every}) > 1)
@@ -253,7 +259,7 @@ def norm_over_ranks(params, norm_fn, max_norm):
     grads' multiply and can differ from it by an ulp: a false difference in every update)."""
     import torch
 
-    own = [p for p in params if getattr(p, PER_RANK, False)]
+    own = [p for p in params if getattr(p, PER_RANK, False) and not getattr(p, PER_RANK_COPY, False)]
     shared = [p for p in params if not getattr(p, PER_RANK, False)]
     dev = params[0].device  # an empty list's norm is a CPU zero: the all-reduce needs the device
     # in norm_fn's own dtype: the invariant-grad-norm fix's norm is float64, the reference's too

@@ -185,13 +185,14 @@ def _step(cfg, phases, forward, model, target, world, opt, fns, parts, n_total, 
 
 def _numerics(cfg: WorldConfig, model) -> dict:
     """What this world computed under: its backend flags and each tensor's dtype (the manifest)."""
-    from tpdiag.models.dtypes import buffer_dtypes, param_dtypes
+    from tpdiag.models.dtypes import RECAST, buffer_dtypes, param_dtypes
     from tpdiag.runner.flags import snapshot
 
     # the ranks' intra-op threads (runner/determinism.py: one in every world): a CPU reduction's
     # bits follow the count
     return {"flags": cfg.flags, "flag_values": snapshot(), "threads": torch.get_num_threads(),
-            "buffer_dtypes": buffer_dtypes(model), "param_dtypes": param_dtypes(model)}
+            "buffer_dtypes": buffer_dtypes(model), "param_dtypes": param_dtypes(model),
+            **({"recast": model.__dict__[RECAST]} if RECAST in model.__dict__ else {})}
 
 
 def _inputs(cfg: WorldConfig, target, model, device, rec: Recorder, decode_check: int, decode_only_check: bool):

@@ -34,11 +34,15 @@ def optimizer_step(phases, rec, model, opt, norm_fn, clip_norm, plan, include, b
     """The grads' global norm (clipped if asked), the optimizer's step, the params' records and
     those of the buffers the step wrote (buffers: model_walk.buffer_state at the step's start);
     returns the norm."""
+    from tpdiag.base.sparse import densify_grads
     from tpdiag.probes.model_walk import record_params, record_written_buffers
     from tpdiag.runner.per_rank import norm_over_ranks
 
     with phases("optimizer", last="params") as ph:
         params = list(model.parameters())
+        # nn.Embedding(sparse=True): this step is tpdiag's AdamW whatever the user's optimizer (SparseAdam's
+        # lazy rows are not it), run on the dense grad the backward's record holds
+        densify_grads(params)
         # every rank alike (mark_params' count), not this rank's own marks: the norm's all-reduce
         if getattr(rec, "per_rank_params", 0):
             total = norm_over_ranks(params, norm_fn, clip_norm)  # an expert-parallel model's own experts
