@@ -5,6 +5,7 @@ vocab-parallel (torch's plain ColwiseParallel: each rank gets its own columns) a
 their shard by its global column ids, as vLLM's padded vocab-parallel head does.
 
   masked_ok          correct: rounding only (the row-parallel all-reduces)
+  masked_default     the same model with tpdiag's built-in cross-entropy (no Target.loss): rounding only
   masked_mask_local  the mask built from the LOCAL column ids (`arange(shard) >= shard - PAD`, as if
                      every rank's shard ended in padding): at TP=2 rank 0 masks 28 real ids - a
                      column -inf at TP=2 and finite at TP=1
