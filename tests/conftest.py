@@ -541,6 +541,9 @@ FILE_SECONDS = {
     # session 25 (helper hplant25): wall of `pytest -n 0 FILE` on the shared 2-core machine (fifteen
     # TP=1,2 compares, no baseline, no confirmation) - ordering only
     "test_user_tt25.py": 80,
+    # session 25 (helper hinf25): four 2-rank gloo compares (one under --capture hash), three capture
+    # worlds, two diffs and their gates; wall of `pytest -n 0 FILE` on the shared 2-core machine - ordering only
+    "test_masked_vocab_compare.py": 25,
 }
 
 
