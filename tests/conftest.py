@@ -538,6 +538,12 @@ FILE_SECONDS = {
     # session 25 (helper htrial25): wall of `pytest -n 0 FILE` on the shared 2-core machine (53-83 s:
     # five compares of 2-3 gloo worlds with their gates) - ordering only
     "test_trial25_kv_replicas.py": 70,
+    # session 25 (helper hplant25): wall of `pytest -n 0 FILE` on the shared 2-core machine (fifteen
+    # TP=1,2 compares, no baseline, no confirmation) - ordering only
+    "test_user_tt25.py": 80,
+    # session 25 (helper hinf25): four 2-rank gloo compares (one under --capture hash), three capture
+    # worlds, two diffs and their gates; wall of `pytest -n 0 FILE` on the shared 2-core machine - ordering only
+    "test_masked_vocab_compare.py": 25,
     # session 25 (helper hapi25): `time` of the file alone, user+sys of the process tree (five user
     # scripts in subprocesses, each with at most one TP=1 or TP=2 world; 30 s of wall)
     "test_api_main_guard.py": 17,

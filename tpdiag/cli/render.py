@@ -124,7 +124,8 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
                 # as when it is the first divergence: behind a rounding difference (a GPU's
                 # vocab-parallel softmax) it read as a bare finding
                 console.print(f"{config_name(label)}: {oracle_line(lead)}")
-                if lead.get("narrowed") and lead.get("why"):  # a cast's precision loss (diff/bits.narrowed_to)
+                # a cast's precision loss (diff/bits.narrowed_to), one factor times the reference's (diff/scale.py)
+                if (lead.get("narrowed") or lead.get("far_scale") is not None) and lead.get("why"):
                     console.print(f"{config_name(label)}: cause {lead['cause']}: {lead['why']}", markup=False,
                                   soft_wrap=True)
             elif lead.get("why"):

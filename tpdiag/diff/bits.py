@@ -60,11 +60,20 @@ def raw_bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def masks_with_inf(row: dict) -> bool:
+    """Whether -inf in this record may be a mask, not a value gone wrong: a forward record (an attention
+    mask's additive -inf bias) or the loss phase's logits - a padded or masked vocabulary's columns,
+    whose exp is an exact 0 in any order. Either is a softmax's input; where the mask is wrong, the
+    loss, a gradient or an update is judged (and -inf at one side only is compare's Inf mismatch)."""
+    return row.get("phase") == "forward" or row.get("kind") == "logits"
+
+
 def held_nonfinite(t: torch.Tensor, forward: bool = False) -> str | None:
     """'NaN' or 'Inf' where the tensor holds one as a value, else None - whatever the other side holds:
     a loss that is NaN at every degree is bitwise equal and still wrong. In a forward record -inf
     alone is not one: attention masks are built with it (an additive -inf bias, softmax's input), and
-    where it is wrong it reaches a loss, a gradient or an update, which are judged."""
+    where it is wrong it reaches a loss, a gradient or an update, which are judged. forward: any
+    record whose -inf may be a mask (masks_with_inf: the loss phase's logits too)."""
     if not t.is_floating_point() or t.numel() == 0:
         return None
     if bool(torch.isfinite(t).all()):  # the common case in one pass

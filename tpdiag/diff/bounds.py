@@ -27,6 +27,7 @@ class BoundCheck:
     bound: float        # the bound at the element that comes closest to (or furthest past) it
     ratio: float        # max |dy| / bound; > 1 means beyond the bound
     beyond: bool
+    diff: float = 0.0   # |dy| at that element (0 where both sides hold the same value, an infinity too)
 
     def to_dict(self) -> dict:
         return {"bound": self.bound, "ratio": self.ratio, "beyond": self.beyond}
@@ -72,13 +73,30 @@ def check(y1: torch.Tensor, yn: torch.Tensor, bound: torch.Tensor) -> BoundCheck
     if y1.numel() == 0:
         # a call on no rows (an expert no token was routed to): nothing can differ
         return BoundCheck(0.0, 0.0, False)
-    d = (yn.to(torch.float64) - y1.to(torch.float64)).abs()
+    a, b = y1.to(torch.float64), yn.to(torch.float64)
+    # equal values are no difference, equal infinities too (a logprob -inf at both sides: -inf - -inf
+    # is NaN); a NaN against anything is an infinite one
+    d = torch.where(a == b, torch.zeros_like(a), (b - a).abs())
     d = torch.where(torch.isnan(d), torch.full_like(d, float("inf")), d)
     ratio = d / bound.clamp_min(torch.finfo(torch.float64).tiny)
     ratio = torch.where(d == 0, torch.zeros_like(ratio), ratio)
+    # a NaN ratio (an infinite difference against an infinite or NaN bound) is not within it: fail closed
+    ratio = torch.where(torch.isnan(ratio), torch.full_like(ratio, float("inf")), ratio)
     i = int(ratio.argmax())
     r = float(ratio.flatten()[i])
-    return BoundCheck(float(bound.flatten()[i]), r, r > 1.0)
+    return BoundCheck(float(bound.flatten()[i]), r, r > 1.0, float(d.flatten()[i]))
+
+
+def unmasked(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b (a pair of logits, float64) with each entry -inf at both sides set to 0 at both: a masked
+    column (a padded vocabulary, a grammar mask) is the same exact 0 in each side's softmax, whatever
+    the order, so it moved by nothing and has no size of its own (-inf - -inf is NaN). -inf at one
+    side only stays: that is no rounding."""
+    both = torch.isneginf(a) & torch.isneginf(b)
+    if not bool(both.any()):
+        return a, b
+    zero = torch.zeros((), dtype=a.dtype, device=a.device)
+    return torch.where(both, zero, a), torch.where(both, zero, b)
 
 
 def logprob_bound(logits1, logitsn, lp1, lpn, recipe: dict | None = None) -> torch.Tensor:
@@ -92,6 +110,11 @@ def logprob_bound(logits1, logitsn, lp1, lpn, recipe: dict | None = None) -> tor
     a temperature T divides d by T, and its division rounds each logit / T (|z / T| at most the
     row's max M / T) in its dtype, moving lp by <= 2 u M / T a side; a log-softmax in the logits'
     own dtype (model-dtype) rounds its result to that dtype.
+    Masked columns (a padded vocabulary, a grammar mask): a logit -inf at both sides is an exact 0 in
+    each side's exp sum, whatever the order - no difference and no rounding of its own, left out of
+    d and of M. A row with any other non-finite logit (-inf at one side only, +inf, NaN) is no
+    rounding of the same function: its bound is 0, so any difference of its logprob is beyond it; so
+    is a logprob that is not finite at both sides (equal infinities are no difference: check()).
     """
     f = torch.float64
     v = logits1.shape[-1]
@@ -100,13 +123,21 @@ def logprob_bound(logits1, logitsn, lp1, lpn, recipe: dict | None = None) -> tor
     rows = max(1, (1 << 20) // max(v, 1))
     d = torch.empty(l1.shape[0], dtype=f, device=l1.device)
     m = torch.empty_like(d)  # the rows' largest |logit| on either side
+    wild = torch.empty(l1.shape[0], dtype=torch.bool, device=l1.device)  # rows no rounding explains
+    zero = torch.zeros((), dtype=f, device=l1.device)
     for i in range(0, l1.shape[0], rows):
-        a1, an = l1[i:i + rows].to(f), ln[i:i + rows].to(f)
+        a1, an = unmasked(l1[i:i + rows].to(f), ln[i:i + rows].to(f))
+        wild[i:i + rows] = ~(torch.isfinite(a1) & torch.isfinite(an)).all(-1)
         d[i:i + rows] = (an - a1).abs().amax(-1)
-        m[i:i + rows] = torch.maximum(a1.abs().amax(-1), an.abs().amax(-1))
+        m[i:i + rows] = torch.maximum(a1.abs(), an.abs()).amax(-1)
     u = UNIT_ROUNDOFF[torch.float32]
     u_out = UNIT_ROUNDOFF.get(lp1.dtype, u) if lp1.dtype != torch.float64 else 0.0
     a, b = lp1.reshape(-1).to(f), lpn.reshape(-1).to(f)
+    fin = torch.isfinite(a) & torch.isfinite(b)
+    wild = wild | ~fin
+    # the wild rows' terms as 0 (their bound is 0 below): no inf - inf or inf * 0 in the others' arithmetic
+    d, m = torch.where(wild, zero, d), torch.where(wild, zero, m)
+    a, b = torch.where(fin, a, zero), torch.where(fin, b, zero)
     recipe = recipe or {}
     t = float(recipe.get("trainer_temperature", 1.0))
     name, where = recipe.get("logprob", "log-softmax"), recipe.get("temperature_in", "float32")
@@ -119,7 +150,7 @@ def logprob_bound(logits1, logitsn, lp1, lpn, recipe: dict | None = None) -> tor
         # torch's 16-bit log_softmax accumulates in float32 (acc_type, CPU and CUDA) and rounds its
         # result to the logits' dtype: each side's rounding of its logprob (one ULP of slack)
         out = out + u_dt * (1 + a.abs() + b.abs())
-    return out
+    return torch.where(wild, zero, out)
 
 
 def mean_bound(elem_bound: torch.Tensor, y1: float, yn: float, n: int,

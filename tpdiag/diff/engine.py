@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tpdiag.diff import flat_rows, flip_shares, measure, op_streams, pair_memo, partials, rank_local, reassembled
+from tpdiag.diff.bits import masks_with_inf
 from tpdiag.diff.pair_read import read_pair as _read_pair  # noqa: F401  (tests replace it here)
 from tpdiag.diff.left_out import _inside_block, per_piece_blocks, per_rank_blocks
 from tpdiag.diff.pair_assemble import assemble_pair, pair_tensors
@@ -111,9 +112,10 @@ def _hash_row(rm: dict, om: dict, label: str, values: bool = True):
                consumers=om.get("consumers"), bitwise=rm["full_hash"] == om["full_hash"],
                max_abs=None, max_rel=None, max_ulp=None, mismatch_fraction=None, bound=None,
                beyond_bound=None, nonfinite_mismatch=sa["nonfinite"] != sb["nonfinite"])
-    if values and row["phase"] != "forward" and (sa["nonfinite"] or sb["nonfinite"]) and not row["nonfinite_mismatch"]:
-        # the hash's statistics count NaN and Inf together, so a forward record (an attention mask's
-        # -inf) is judged where it reaches a loss, a gradient or an update
+    if values and not masks_with_inf(row) and (sa["nonfinite"] or sb["nonfinite"]) and not row["nonfinite_mismatch"]:
+        # the hash's statistics count NaN and Inf together, so a record whose -inf may be a mask (an
+        # attention mask, a masked vocabulary's logits) is judged where it reaches a loss, a gradient
+        # or an update
         row.update(nonfinite_mismatch=True, bitwise=False)
     if row["nonfinite_mismatch"]:
         row["nonfinite_side"] = ("both" if sa["nonfinite"] and sb["nonfinite"]

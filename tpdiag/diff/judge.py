@@ -31,7 +31,7 @@ from tpdiag.diff.reasons import (WHY_ATTENTION, WHY_AXIS, WHY_COUPLED, WHY_DECOD
                                  WHY_MICRO_BATCH, WHY_NOISE, WHY_TP1)
 from tpdiag.records.ops import ATTENTION_OPS, COLLECTIVE_OPS, PICK_OPS, SDPA_OPS, is_op_of
 from tpdiag.records.share_rules import DRIFTED_SHARES, FLIP_SHARES, NEAR_SHARES
-from tpdiag.diff.scale import drifted_shares_why, narrowed_why, near_shares_why, scale_why, shares_why
+from tpdiag.diff.scale import drifted_shares_why, factor_why, narrowed_why, near_shares_why, scale_why, shares_why
 # the evidence, the verdict and the predicates and reasons the rules below are written in
 from tpdiag.diff.judge_evidence import (Evidence, Rule, Verdict, baseline_cause, judged_far, judged_near,
                                         why_at_op, _attention_op_why, _axis_applies, _caller_why, _caller_near_why,
@@ -239,7 +239,8 @@ RULES: list[Rule] = [
     Rule("ranks differ", lambda ev, b: _row(ev, "rank_consistent") is False,
          lambda ev, b: "rank-inconsistent-replica", lambda ev, b: (_row(ev, "replica_read") or {}).get("why")),
     Rule("beyond its rounding bound", lambda ev, b: bool(_row(ev, "beyond_bound")), lambda ev, b: "sharding-bug",
-         lambda ev, b: narrowed_why(_row(ev, "narrowed"))),
+         lambda ev, b: narrowed_why(_row(ev, "narrowed")) or factor_why(_row(ev, "loss_factor"), "loss")
+         or factor_why(_row(ev, "far_scale"), "far")),
     # no bound needed: one factor times the reference's whole tensor (diff/scale.py)
     Rule("the reference's times one factor", lambda ev, b: _row(ev, "scale") is not None,
          lambda ev, b: "sharding-bug", lambda ev, b: scale_why(_row(ev, "scale"), _row(ev, "scale_of"))),

@@ -249,6 +249,8 @@ def locate(dd: DegreeDiff, style_of_module: dict[str, str | None]) -> dict:
             _explain(f, r)
             if r.get("narrowed"):
                 f["narrowed"] = r["narrowed"]
+            if r.get("far_scale") is not None:
+                f["far_scale"] = r["far_scale"]  # one factor: said beside the float64 verdict (cli/render.py)
             f = describe(r, f)
             if r.get("enclosing"):
                 f["enclosing"] = r["enclosing"]  # the module whose float64 backward judged it

@@ -11,7 +11,8 @@ from tpdiag.records.keys import record_key
 def _set(row: dict, bound: float, diff: float) -> None:
     row["bound"] = bound
     row["bound_ratio"] = diff / bound if bound > 0 else (0.0 if diff == 0 else float("inf"))
-    row["beyond_bound"] = diff > bound
+    # not `diff > bound`: a NaN on either side is beyond, not within (fail closed)
+    row["beyond_bound"] = not diff <= bound
 
 
 def _logits_whole(rows: list[dict], lk: str) -> None:
@@ -57,7 +58,8 @@ def _loss_logprobs(dd: DegreeDiff, step: int, l1, ln, p1, pn) -> tuple:
             x = z[i:i + rows].double()
             lse = x.logsumexp(-1)
             if lab is None:  # no label: |l| <= lse(z) - min(z) for any label of the row
-                lp[i:i + rows] = lse - x.amin(-1)
+                # min over the finite logits: a masked column (-inf) is no label's
+                lp[i:i + rows] = lse - torch.where(torch.isfinite(x), x, torch.full_like(x, float("inf"))).amin(-1)
             else:
                 ids = torch.where(keep[i:i + rows], lab[i:i + rows], 0)[:, None]
                 lp[i:i + rows] = torch.where(keep[i:i + rows], lse - x.gather(-1, ids)[:, 0], 0.0)
@@ -108,9 +110,8 @@ def loss_bounds(dd: DegreeDiff) -> None:
                 def measure():
                     # the logprobs are the trainer's recipe (--logprob); the loss is the cross-entropy's
                     eb = bounds.logprob_bound(l1, ln, p1, pn, dd.recipe)
-                    d = (pn.double().reshape(-1) - p1.double().reshape(-1)).abs()
                     chk = bounds.check(p1.reshape(-1), pn.reshape(-1), eb)
-                    lp = chk.bound, float(d.flatten()[int((d / eb).argmax())]), chk.ratio, chk.beyond
+                    lp = chk.bound, chk.diff, chk.ratio, chk.beyond
                     if loss_row is None:
                         return lp, None
                     # the loss's own per-token log-probs (temperature 1), not the recipe's: their
@@ -128,7 +129,11 @@ def loss_bounds(dd: DegreeDiff) -> None:
                     if la.dtype in (torch.bfloat16, torch.float16) and p1.dtype != la.dtype:
                         el = eb + bounds.UNIT_ROUNDOFF[la.dtype] * (
                             q1.reshape(-1).double().abs() + qn.reshape(-1).double().abs()).to(eb.dtype)
-                    return lp, (bounds.mean_bound(_counted(dd, step, el), a, b, p1.numel(), la.dtype), abs(b - a))
+                    # a token no rounding explains (logprob_bound's 0: a column masked at one side only,
+                    # a NaN) has no share of a mean's rounding: counted, the loss's bound is 0
+                    el = _counted(dd, step, torch.where(eb > 0, el, torch.zeros_like(el)))
+                    bound = bounds.mean_bound(el, a, b, p1.numel(), la.dtype) if bool((el > 0).all()) else 0.0
+                    return lp, (bound, 0.0 if a == b else abs(b - a))
 
                 # the same records' bounds, measured earlier in this process (diff/pair_memo.py)
                 ids = pair_memo.of(dd, lk, lp_row["key"], *((loss_row["key"],) if loss_row else ()))
@@ -139,6 +144,14 @@ def loss_bounds(dd: DegreeDiff) -> None:
                 lp_row["bound_ratio"], lp_row["beyond_bound"] = lp[2], lp[3]
                 if loss is not None:
                     _set(loss_row, *loss)
+                    if loss_row["beyond_bound"]:
+                        from tpdiag.diff.scale import whole_factor
+
+                        la, lb = dd.tensors[loss_row["key"]]
+                        c = whole_factor(float(la.double().reshape(-1)[0]), float(lb.double().reshape(-1)[0]),
+                                         loss[0])
+                        if c is not None:
+                            loss_row["loss_factor"] = c
         if dd.captured:
             from tpdiag.diff.loss_first_order import first_order_bound
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from tpdiag.diff.bits import UNIT_ROUNDOFF
+from tpdiag.diff.bounds import unmasked
 from tpdiag.records.keys import root_of
 
 ROUNDINGS = 4096    # of the loss's dtype, per unit of sum |g| |z|
@@ -88,6 +89,7 @@ def first_order_bound(dd, step: int, rows: list[dict]) -> None:
         if ga.shape != za.shape or gb.shape != zb.shape or za.shape != zb.shape:
             return
         for za64, zb64, ga64, gb64 in _chunks64(za, zb, ga, gb):
+            za64, zb64 = unmasked(za64, zb64)  # a masked logit (-inf at both sides) moved by nothing
             if not all(bool(torch.isfinite(t).all()) for t in (za64, zb64, ga64, gb64)):
                 return
             pred += float(((ga64 + gb64) / 2 * (zb64 - za64)).sum())
@@ -98,7 +100,7 @@ def first_order_bound(dd, step: int, rows: list[dict]) -> None:
     diff = abs(b - a)
     loss["bound"] = bound
     loss["bound_ratio"] = diff / bound if bound > 0 else (0.0 if diff == 0 else float("inf"))
-    loss["beyond_bound"] = diff > bound
+    loss["beyond_bound"] = not diff <= bound  # a NaN is beyond, not within
     loss["bound_model"] = ("first order: the loss's change predicted from its inputs' (the model's outputs "
                            "times their recorded grads) plus its own rounding")
 
@@ -155,6 +157,7 @@ def grad_bound(dd, rows: list[dict]) -> None:
         width = za.shape[-1]
         dz, scales, moved, finite = 0.0, [], [], True
         for z1, z2, g1, g2 in _chunks64(*(t.reshape(-1, width) for t in (za, zb, ga, gb))):
+            z1, z2 = unmasked(z1, z2)  # a masked logit (-inf at both sides) moved by nothing
             if not all(bool(torch.isfinite(t).all()) for t in (z1, z2, g1, g2)):
                 finite = False
                 break

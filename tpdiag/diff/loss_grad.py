@@ -45,6 +45,7 @@ import torch
 
 from tpdiag.diff import on_device
 from tpdiag.diff.bits import UNIT_ROUNDOFF
+from tpdiag.diff.bounds import unmasked
 from tpdiag.records.keys import record_key
 
 FORM_ROUNDINGS = 64  # the reference within this many roundings of the closed form: a cross-entropy
@@ -115,7 +116,10 @@ def _verdict(z1, zn, y1, g1, gn, u: float, world: int) -> dict | None:
             return None
         pn = p1 if same else _ce_grad(zn[a:a + rows], yy)
         if not same:
-            dz = max(dz, float((zn[a:a + rows].to(torch.float64) - z1[a:a + rows].to(torch.float64)).abs().max()))
+            # a column masked (-inf) at both sides moved by nothing (bounds.unmasked); NaN: no number, inf
+            za, zb = unmasked(z1[a:a + rows].to(torch.float64), zn[a:a + rows].to(torch.float64))
+            moved_z = float((zb - za).abs().max())
+            dz = max(dz, moved_z if moved_z == moved_z else float("inf"))
         # this side's weights are its own fit: a token's weight may be a function of the logits
         # (PPO's ratio exp(logp - old) moves by the logits' rounding, and by a vocab-parallel
         # log-softmax's even on equal logits; a clip bound may be crossed): what is judged is the

@@ -60,7 +60,7 @@ def judge_values(row: dict, a: torch.Tensor, b: torch.Tensor) -> None:
     """NaN/Inf judged as values, not bits: bitwise comparison makes NaN equal NaN, so a loss that is
     NaN at every degree would read "bitwise". Any record holding one is a non-finite finding (never
     bitwise, max_abs infinite so that no budget passes it) naming the side(s) that hold it."""
-    fwd = row.get("phase") == "forward"
+    fwd = bits.masks_with_inf(row)
     same = row["bitwise"]  # the same bits hold the same NaN and Inf: one side's pass is enough
     va = bits.held_nonfinite(a, fwd)
     vb = va if same else bits.held_nonfinite(b, fwd)

@@ -234,6 +234,10 @@ def apply_own(dd) -> None:
             row["beyond_bound"] = True
             row["bound_ratio"] = max(row.get("bound_ratio") or 0.0, v["ratio"])
             row.pop("generic_cause", None)
+            if y_ref.shape == y_n.shape and y_ref.is_floating_point():
+                from tpdiag.diff.scale import coherent_scale
+
+                row["far_scale"] = coherent_scale(y_ref, y_n)  # the reason it is far, where one factor
         elif row.get("beyond_bound"):
             # a layout bound on inputs that already differed was too tight: the module, given
             # exactly what this side gave it, computed its value within rounding

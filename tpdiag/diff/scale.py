@@ -129,6 +129,41 @@ def scale_why(c: float, of: str | None = None) -> str:
             "a whole tensor")
 
 
+# the counts a scalar loss is looked for as a multiple or a fraction of: a TP degree, a world size
+WHOLE_COUNTS = range(2, 65)
+
+
+def whole_factor(a: float, b: float, bound: float) -> float | None:
+    """n or 1/n (n a count, WHOLE_COUNTS) where the scalar b is n * a or a / n within `bound`, a's own
+    rounding bound; None otherwise. A scalar's ratio to the reference is any difference (coherent_scale
+    needs 16 elements); one that is a whole count, to the loss's own rounding, is a count: a loss
+    divided by the world size reads exactly 1/TP (tests/models/user_tt25.py loss_world)."""
+    if not (_finite(a) and _finite(b)) or abs(a) <= bound:
+        return None
+    for n in WHOLE_COUNTS:
+        for c in (float(n), 1.0 / n):
+            if abs(b - c * a) <= bound:
+                return c
+    return None
+
+
+def factor_why(c: float | None, of: str) -> str | None:
+    """Why a record beyond its bound is one factor times the reference's: a loss (whole_factor) or a
+    tensor a float64 re-execution found far (coherent_scale)."""
+    if c is None:
+        return None
+    if of == "loss":
+        frac = f"{round(c)}" if c >= 1 else f"1/{round(1 / c)}"
+        return (f"the loss is {frac} x the reference's, to within its rounding bound: a loss divided or "
+                "multiplied by a count at this degree - a mean over the world size (the TP ranks counted "
+                "as data-parallel replicas), a sum over the ranks of a loss every rank holds whole - no "
+                "reordering scales a loss by a whole number")
+    return (f"every element is {c:.4g}x the reference's (one factor, the residual under a tenth of the "
+            "difference): a value summed over the ranks where each held it whole (a reduction applied "
+            "twice: a Megatron all-reduce kept behind a DTensor style that reduces already), or divided or "
+            "multiplied by a count - no reordering scales a whole tensor")
+
+
 def narrowed_why(dtype: str | None) -> str | None:
     """A record beyond its rounding bound whose every element is a value of a narrower dtype
     (diff/bits.narrowed_to): precision lost to a cast at this degree, not a reordering."""

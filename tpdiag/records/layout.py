@@ -220,12 +220,29 @@ def vocab_padded(ref_meta: dict, ref_stored: torch.Tensor, meta: dict, stored: t
             Assembled(whole, shards, f"shard:{d}", None))
 
 
+def _batch_of_its_own(meta: dict, local: list[int], full: list[int], n: int) -> ShortOfWhole:
+    """A batch record is no shard: every rank of a TP group computes on the whole batch, so a rank
+    whose batch is shaped otherwise than the reference's ran on its own part of it - rows that, cut
+    along the batch, gathered into the reference's (a data-parallel sampler over the TP ranks) and
+    read as a shard, blaming the first module that ran on it."""
+    dims = [d for d in range(min(len(local), len(full))) if local[d] != full[d]]
+    return ShortOfWhole(
+        f"{meta['key']}: each rank's batch has shape {local}, the reference's {full}"
+        + (f" (dim {', '.join(map(str, dims))})" if len(local) == len(full) else "")
+        + f": every rank of a TP group must get the whole batch, and at TP={n} the ranks held batches of their own - "
+        "the inputs were split over the ranks as for data parallelism (a sampler or loader given the "
+        "global rank and world size, where TP ranks share one data-parallel rank)")
+
+
 def assemble(meta: dict, stored: torch.Tensor, full_hint: list[int] | None) -> Assembled:
     n = meta.get("world", 1)
     p = meta.get("placement")
     local = local_shape(meta)
     if n == 1:
         return Assembled(stored, None, "replicate", None)
+    if (meta.get("kind") == "batch" and not p and not meta.get("positions") and full_hint is not None
+            and list(full_hint) != local):
+        raise _batch_of_its_own(meta, local, list(full_hint), n)
     if meta["stored"] == "single":
         shards = None
         if p and p.startswith("shard:"):

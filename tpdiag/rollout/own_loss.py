@@ -83,9 +83,7 @@ def _bound(z, own, ref: float, temp: float) -> float:
 
     from tpdiag.diff.bounds import logprob_bound
 
-    # a column the model masks to -inf is an exact 0 in the softmax: its difference to itself is
-    # NaN in the bound (-inf - -inf), so it stands there as the row's least finite logit
-    z = _masked_as_least(z)
+    # a column the model masks to -inf is an exact 0 in the softmax: logprob_bound leaves it out
     sixteen = z.dtype in (torch.bfloat16, torch.float16)
     recipe = {"trainer_temperature": temp, "logprob": "model-dtype" if sixteen else "log-softmax",
               "temperature_in": "model" if sixteen else "float32"}
@@ -140,16 +138,6 @@ class _Rows:
                 # beyond as a logprob: a term of the loss that does not depend on the label, or a bug
                 o["relabel"] = label_free.judge(minus_loss, lsm64, tok, own, bound, bound_of)
             self.out.append(o)
-
-
-def _masked_as_least(z):
-    """z with its -inf entries set to its least finite one (z itself where none is -inf or none finite)."""
-    import torch
-
-    neg, fin = torch.isneginf(z), torch.isfinite(z)
-    if not bool(neg.any()) or not bool(fin.any()):
-        return z
-    return torch.where(neg, z[fin].min(), z)
 
 
 def _verdict(fn: str, label: str, out: list, seqs, mine: list, temp: float, same_rows: bool,

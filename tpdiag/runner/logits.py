@@ -58,6 +58,17 @@ def _world_mesh(device_type: str):
     return hit[1]
 
 
+def vocab_sharded(logits) -> bool:
+    """Whether the logits are a DTensor cut along the vocab (their last dim): what torch's
+    loss_parallel() is for (runner/losses.loss_context). It refuses any other DTensor in its
+    log-softmax: a head under `ColwiseParallel(output_layouts=Replicate(), use_local_output=False)`
+    failed every TP=2 rank in tpdiag's own logprobs (tests/models/user_tt25.py head_replicated)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(logits, DTensor) and any(
+        isinstance(p, Shard) and p.dim % logits.ndim == logits.ndim - 1 for p in logits.placements)
+
+
 def whole_vocab(logits, model, plan: dict, vocab: int, world: int):
     """(logits for tpdiag, rule): `logits` as a vocab-sharded DTensor when they are a plain
     local shard of the vocab (rule 'plan:<module>' or 'shape'), else unchanged (rule None).
@@ -66,6 +77,12 @@ def whole_vocab(logits, model, plan: dict, vocab: int, world: int):
     'padded'): the padding's ids are no tokens, and TP=1 has none of them - counted in tpdiag's
     log-softmax, every logprob would differ with TP, the user's correct code as much as a
     mistake (tests/models/planted/tp_gathers.py vocab_pad_ok)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor) and not vocab_sharded(logits):
+        # every vocab entry on every rank (replicated, or cut along the sequence): whole, as a plain
+        # tensor - tpdiag's logprobs are no DTensor op's; a Target.loss still gets the DTensor
+        return logits.full_tensor(), "dtensor"
     if type(logits) is not torch.Tensor or logits.ndim < 2:
         return logits, None
     n = logits.shape[-1]

@@ -138,8 +138,10 @@ def step_functions(target):
         from tpdiag.kernels import tree, vocab_ce
 
         g, v = tree.n_groups(), target.vocab_size
-        if target.loss is None:  # a Target's own loss stays the user's (F.cross_entropy: fixes/vocab_loss.py)
+        if target.loss is None:
             loss_fn = lambda lo, lab: vocab_ce.cross_entropy(lo, lab, g, v)  # noqa: E731
+        else:  # a Target's own loss stays the user's, its F.cross_entropy the fix's
+            loss_fn = _invariant_ce_in(target.loss)
         # the logprobs are tpdiag's own whoever wrote the loss: with a Target.loss they kept the stock
         # vocab-parallel log-softmax, so a correct policy's TP=2 logprobs under --fix all were not TP=1's
         logprob_fn = lambda lo, lab: vocab_ce.token_logprobs(lo, lab, g, v)  # noqa: E731
@@ -148,6 +150,23 @@ def step_functions(target):
 
         norm_fn = _with_plain_shards(grad_norm.grad_norm_and_clip)
     return loss_fn, logprob_fn, norm_fn
+
+
+def _invariant_ce_in(loss):
+    """A Target.loss run with its F.cross_entropy calls taken over by invariant-vocab-softmax
+    (fixes/vocab_loss.py), as tpdiag.invariant does in a user's own loop. Only that loop installed
+    it: under `compare --fix all` a correct torchtitan-style loss (F.cross_entropy on loss-parallel
+    logits, tests/models/user_tt25.py ok) kept torch's vocab-parallel softmax, 1 ULP from TP=1's
+    loss, "a module the fix does not cover"."""
+    import functools
+
+    @functools.wraps(loss)
+    def run(logits, labels):
+        from tpdiag.fixes.vocab_loss import invariant_cross_entropy_mode
+
+        with invariant_cross_entropy_mode():
+            return loss(logits, labels)
+    return run
 
 
 def _with_plain_shards(norm_fn):
@@ -175,8 +194,9 @@ def _with_plain_shards(norm_fn):
     return fn
 
 
-def loss_context(world: int):
-    if world > 1:
+def loss_context(world: int, parallel: bool = True):
+    """loss_parallel() at TP > 1 where the logits are vocab-sharded (parallel: runner/logits.vocab_sharded)."""
+    if world > 1 and parallel:
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()

@@ -116,19 +116,22 @@ class Losses:
         self.rows_total = rows_total
         self.loss_fn, self.logprob_fn, _ = fns
         self.recipe = recipe if recipe is not None and not recipe.default else None
-        self.invariant_ce = self.loss_fn is not (target.loss or _default_loss())
-        self.sum, self.lps, self.lp, self.dtype = None, [], None, None
+        # tpdiag's invariant cross-entropy in place of the default loss (a Target.loss stays the user's)
+        self.invariant_ce = target.loss is None and self.loss_fn is not _default_loss()
+        self.sum, self.lps, self.lp, self.dtype, self.parallel = None, [], None, None, True
 
     @contextmanager
     def piece(self, rec: Recorder, lo: Logits):
         """A piece's loss-phase records; yields the loss its backward starts from, inside the
         loss context (loss_parallel's backward must run in it too)."""
+        from tpdiag.runner.logits import vocab_sharded
         from tpdiag.runner.losses import loss_context
 
         target = self.target
         rec.add("logits", "model", "logits", lo.logits)
         self.dtype = lo.logits.dtype
-        with loss_context(self.world):
+        self.parallel = vocab_sharded(lo.logits)
+        with loss_context(self.world, self.parallel):
             with torch.no_grad():
                 if self.recipe is None:
                     self.lp = step_lp = self.logprob_fn(lo.logits.detach(), lo.labels)
@@ -160,7 +163,7 @@ class Losses:
         from tpdiag.runner.losses import loss_context
 
         loss = micro.step_loss(self.lps, self.n_total, self.dtype) if self.invariant_ce else self.sum
-        with loss_context(self.world):
+        with loss_context(self.world, self.parallel):
             rec.add("loss", "model", "loss", loss)
         return loss
 

@@ -55,7 +55,34 @@ def library_where(exc: BaseException, message: str) -> tuple[str, str | None]:
     if not message:
         last = frames[-1]
         message = f"(no message) at {_short(last.filename)}:{last.lineno} in {last.name}"
-    return message, _model_frame(frames)
+    return message, _model_frame(frames) or _backward(frames)
+
+
+MIXED = "got mixed torch.Tensor and DTensor"
+
+
+def mixed_hint(message: str) -> str:
+    """DTensor's refusal of a plain tensor beside a DTensor, with where such DTensors come from in a
+    compare: a `Target.loss` runs inside torch's `loss_parallel()` at TP > 1, so code written for
+    plain logits meets a vocab-sharded DTensor and F.cross_entropy's replicated DTensor loss there
+    (label smoothing's own masked_fill, a z-loss added to that loss: tests/models/user_tt25.py)."""
+    if MIXED not in message:
+        return message
+    return (f"{message} (a DTensor - a plan output with use_local_output=False, the loss F.cross_entropy "
+            "returns under loss_parallel(), where a Target.loss runs at TP > 1 - met a plain tensor: "
+            "gather the DTensor with .full_tensor() first)")
+
+
+def _backward(frames) -> str | None:
+    """'the backward pass' where autograd's engine raised it: no frame of anyone's code is on the
+    stack there (the op is the backward of one the forward ran), so without it the line says
+    nothing of where - a loss-parallel logsumexp's backward mixing DTensor and Tensor read as a
+    bare torch error (tests/models/user_tt25.py zloss)."""
+    if any(f.name == "_engine_run_backward" or (f.name == "backward" and f"{os.sep}autograd{os.sep}" in f.filename)
+           for f in frames):
+        return ("the backward pass: loss.backward() ran the backward of an op of the forward or the loss; "
+                "under torch.autograd.set_detect_anomaly(True) torch warns with its forward line")
+    return None
 
 
 def describe(err: dict) -> str:

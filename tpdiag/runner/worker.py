@@ -56,8 +56,9 @@ def main(rank: int, world: int, host: str, port: int, cfg_dict: dict, timeout_s:
             message = (message.split(", but you set")[0] + " in deterministic mode; to run it "
                        "anyway (its results may then differ run to run) set TPDIAG_DETERMINISM=warn")
         try:
-            from tpdiag.runner.rank_errors import library_where, user_frame
+            from tpdiag.runner.rank_errors import library_where, mixed_hint, user_frame
 
+            message = mixed_hint(message)
             where, model_where = user_frame(e), None
             if where is None:
                 message, model_where = library_where(e, message)
