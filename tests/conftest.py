@@ -544,6 +544,9 @@ FILE_SECONDS = {
     # session 25 (helper hinf25): four 2-rank gloo compares (one under --capture hash), three capture
     # worlds, two diffs and their gates; wall of `pytest -n 0 FILE` on the shared 2-core machine - ordering only
     "test_masked_vocab_compare.py": 25,
+    # session 25 (helper hdeg25): two compares (TP=1,2,4 with TP=4 failing in the user's code, and
+    # TP=1,2), each with its second pass and confirmation, and a gate; wall of `pytest -n 0 FILE` - ordering only
+    "test_failed_degree.py": 20,
 }
 
 
