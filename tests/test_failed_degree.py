@@ -57,3 +57,26 @@ def test_other_degree_is_judged_as_without_the_failed_one(runs):
     # every word of TP=2's verdict is what `--tp 1,2` alone gives (the worlds are deterministic)
     assert _as_run(d2, run_dir) == _as_run(a2, alone_dir)
     assert _as_run(s["second_pass"], run_dir) == _as_run(alone["second_pass"], alone_dir)
+
+
+def test_fix_chain_goes_on_without_the_failed_degree(tmp_path):
+    """`--fix auto`: round 0 fails TP=4; the fixed rounds run the degrees that ran, as `--tp 1,2` does."""
+    chains = {}
+    for name, tp, rc in (("with4", "1,2,4", 2), ("without4", "1,2", 0)):
+        p = run_cli("compare", "--model", MODEL, "--tp", tp, "--fix", "auto", "--out", str(tmp_path / name))
+        assert p.returncode == rc, p.stdout + p.stderr
+        s = json.loads((tmp_path / name / "summary.json").read_text())
+        chains[name] = (s, p.stdout)
+    s, stdout = chains["with4"]
+    alone, _ = chains["without4"]
+    assert s["status"] == "inconclusive" and s["degrees"]["4"]["status"] == "failed", s["degrees"]["4"]
+    chain = s["fix_chain"]
+    # round 1 (tp-invariant-linear) at TP=1,2: bitwise, as in the chain of `--tp 1,2` alone
+    assert [r["fixes"] for r in chain] == [r["fixes"] for r in alone["fix_chain"]] == [[], ["tp-invariant-linear"]]
+    assert [r["status"] for r in chain[1:]] == [r["status"] for r in alone["fix_chain"][1:]] == ["bitwise"]
+    assert chain[1]["first_divergence"] == {"2": None}
+    assert chain[0]["status"] == "inconclusive" and chain[0]["left_out"] == ["4"], chain[0]
+    assert "the next rounds leave out TP=4 (failed)" in stdout, stdout
+    assert s["class"] == alone["class"] == "rounding" and s["status_after_fixes"] == "bitwise"
+    g = run_cli("gate", str(tmp_path / "with4"), "--allow", "rounding")
+    assert g.returncode == 2, g.stdout + g.stderr
