@@ -547,6 +547,9 @@ FILE_SECONDS = {
     # session 25 (helper hapi25): `time` of the file alone, user+sys of the process tree (five user
     # scripts in subprocesses, each with at most one TP=1 or TP=2 world; 30 s of wall)
     "test_api_main_guard.py": 17,
+    # session 25 (helper hdeg25): two compares (TP=1,2,4 with TP=4 failing in the user's code, and
+    # TP=1,2), each with its second pass and confirmation, and a gate; wall of `pytest -n 0 FILE` - ordering only
+    "test_failed_degree.py": 20,
 }
 
 

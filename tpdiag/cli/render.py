@@ -210,7 +210,9 @@ def summary_tables(console, summary: dict, baseline_skipped: str | None = None) 
         cls = {"bug": ", BUG", "non-finite": ", NON-FINITE", "unknown": ", not judged",
                "rounding": ", rounding"}.get(rnd.get("class"), "")
         console.print(f"fix chain round {rnd['round']} ({', '.join(rnd['fixes']) or 'stock'}): "
-                      f"{rnd['status']}{cls}; {firsts}" + (f" ({rnd['stopped']})" if rnd.get("stopped") else ""))
+                      f"{rnd['status']}{cls}; {firsts}" + (f" ({rnd['stopped']})" if rnd.get("stopped") else "")
+                      + (f"; the next rounds leave out {', '.join(config_name(lab) for lab in rnd['left_out'])} (failed)"
+                         if rnd.get("left_out") else ""))
     if summary.get("status_after_fixes"):
         console.print(f"[bold]after fixes:[/] {summary['status_after_fixes']}")
     if summary.get("error"):

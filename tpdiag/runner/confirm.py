@@ -245,7 +245,9 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
                       "first_divergence": {lab: ({"module": f.get("module"), "phase": f.get("phase"),
                                                   "kind": f.get("kind"), "cause": f.get("cause")}
                                                  if f else None) for lab, f in firsts.items()}})
-        if summary["status"] != "divergent":
+        from tpdiag.records.judgeable import judgeable
+
+        if summary["status"] != "divergent" and not (i == 0 and judgeable(summary)):
             break
         from tpdiag.diff.classes import leading_bug
 
@@ -267,5 +269,11 @@ def auto_chain(cfg: CompareConfig, run_dir: str, on_status=None, max_rounds: int
             chain[-1]["stopped"] = "no available fix for the remaining causes"
             break
         fixes += new
+        failed = [lab for lab, d in entries(summary).items() if d.get("status") == "failed"]
+        if i == 0 and failed:
+            # a configuration whose world failed in round 0 is left out of the fixed rounds, which judge
+            # the others as if it had not been asked for (round 0, the run, stays inconclusive)
+            cfg = cfg.with_(only=tuple(lab for lab in entries(summary) if lab not in failed))
+            chain[-1]["left_out"] = failed
     summary["fix_chain"] = chain
     return summary, first

@@ -62,10 +62,13 @@ def needs_verdict(fd: dict) -> bool:
 
 def wanted(cfg: CompareConfig, summary: dict) -> bool:
     """Whether `compare` runs the second pass: after a hash-first pass (whole values), for
-    `--granularity auto|op`'s ops, or for a first divergence still without a verdict."""
-    if summary.get("status") != "divergent":
-        return False
+    `--granularity auto|op`'s ops, or for a first divergence still without a verdict - also where
+    another configuration's world failed (records/judgeable.py: the ones that ran are judged)."""
     from tpdiag.records.axes import entries
+    from tpdiag.records.judgeable import judgeable
+
+    if not judgeable(summary):
+        return False
 
     fds = [d.get("first_divergence") for d in entries(summary).values()]
     fds = [fd for fd in fds if fd]

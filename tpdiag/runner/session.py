@@ -93,7 +93,10 @@ def _session(cfg: CompareConfig, on_status=None, started: float | None = None) -
         t1 = time.perf_counter()
         summary = drill_down(cfg, summary, cfg.out, on_status, later=later)
         extra["second_pass_s"] = time.perf_counter() - t1
-    if cfg.confirm and summary["status"] == "divergent":
+    from tpdiag.records.judgeable import judgeable
+
+    # a failed configuration's world leaves the others confirmed all the same (the run stays inconclusive)
+    if cfg.confirm and judgeable(summary):
         t1 = time.perf_counter()
         summary = confirm(cfg, summary, cfg.out, on_status=on_status)
         extra["confirm_s"] = time.perf_counter() - t1
