@@ -89,12 +89,17 @@ def test_which_file_turns_the_cache_off(tmp_path):
 
 def test_a_trainer_recipe_leads_before_the_cache(engine):
     """The trainer's own recipe (a temperature the engine's raw logprobs lack) stops every
-    configuration by itself: what to do leads with running without it, and the cache is no lead."""
+    configuration by itself: what to do leads with the temperature mismatch (session 25, hrl25:
+    rollout/temperature_match.py - the engine's logprobs are at 1, the trainer's at 0.7), then running
+    without the recipe, and the cache is no lead."""
     from tpdiag.runner.recipe import Recipe
 
     model, off, on = engine
     s = _run(model, off, Recipe(name="logsumexp", temperature=0.7))
     assert not s["closest"]["reproduced"]
     assert not [n for n in s["notes"] if "use_cache" in n], s["notes"]
-    assert s["what_to_do"]["line"].split(". ")[1].startswith(
-        "First run without --logprob/--trainer-temperature/--compiled"), s["what_to_do"]["line"]
+    line = s["what_to_do"]["line"]
+    lead = line.split(". ")[1]
+    assert lead.startswith("First make the engine's and the trainer's temperatures one"), line
+    assert "then run without --logprob/--trainer-temperature/--compiled" in lead, line
+    assert "use_cache" not in line.split("then try the settings")[0], line

@@ -73,7 +73,7 @@ def _marked(cfg: dict) -> tuple[str, str, str | None] | None:
     below = cfg.get("pass_of")
     if below in (None, ""):
         return None
-    what = _WHAT.get(str(below).split("/")[0], "pass")
+    what = _WHAT.get(os.path.normpath(str(below)).split(os.sep)[0], "pass")
     out = str(cfg.get("out") or os.path.dirname(str(cfg.get("out_dir") or ""))).rstrip("/")
     cut = out.rfind("/" + str(below))
     return what, str(below), out[:cut] if cut > 0 else None
