@@ -78,16 +78,18 @@ NEVER = {
 }
 
 
+def _qualified(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def class_name(opt) -> str:
-    t = type(opt)
-    return f"{t.__module__}.{t.__qualname__}"
+    return _qualified(type(opt))
 
 
 def _never(opt) -> str | None:
     """NEVER's reason for the optimizer's class or a class it derives from (a user's subclass of
     LBFGS steps through the same closure)."""
-    return next((NEVER[f"{c.__module__}.{c.__qualname__}"] for c in type(opt).__mro__
-                 if f"{c.__module__}.{c.__qualname__}" in NEVER), None)
+    return next((NEVER[_qualified(c)] for c in type(opt).__mro__ if _qualified(c) in NEVER), None)
 
 
 def applies(opt) -> bool:
